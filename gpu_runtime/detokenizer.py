@@ -1,0 +1,50 @@
+"""Incremental detokenization and stop-string detection for streaming."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpu_runtime.request import Request
+
+
+class Detokenizer:
+    """Turns each request's output ids into text deltas; finds stop strings.
+
+    Decodes the whole output each call (O(n) per token), which keeps multi-byte
+    characters split across tokens correct; a held-back tail avoids emitting a
+    replacement character or a partial stop string.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._emitted: dict[str, int] = {}  # characters already sent per request
+
+    def text(self, request: Request) -> str:
+        return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+
+    def update(self, request: Request, finished: bool) -> tuple[str, bool]:
+        """Returns (new text, stop string hit). On a hit the text ends before the stop string."""
+        text = self.text(request)
+        sent = self._emitted.get(request.request_id, 0)
+        hit = False
+        for stop in request.sampling.stop:
+            pos = text.find(stop, max(0, sent - len(stop)))
+            if pos >= 0:
+                text, hit = text[:pos], True
+        if not (finished or hit):
+            # hold back an incomplete character and anything that could start a stop string
+            cut = len(text)
+            if text.endswith("\ufffd"):
+                cut = len(text.rstrip("\ufffd"))
+            hold = max((len(s) - 1 for s in request.sampling.stop), default=0)
+            cut = max(sent, min(cut, len(text) - hold))
+            text = text[:cut]
+        delta = text[sent:] if len(text) > sent else ""
+        self._emitted[request.request_id] = max(sent, len(text))
+        if finished or hit:
+            self._emitted.pop(request.request_id, None)
+        return delta, hit
+
+    def forget(self, request_id: str) -> None:
+        self._emitted.pop(request_id, None)

@@ -1,0 +1,230 @@
+"""The step loop: scheduler -> speculation -> executor -> commit.
+
+One ``Engine`` drives either a real model (TorchExecutor) or the simulator
+(SimExecutor); the scheduler and speculation policy are the same objects in both.
+``add_request``/``abort`` are thread-safe so a worker can feed the engine from another
+thread while a dedicated thread calls ``step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gpu_runtime.executor.base import BatchPlan, DecodeEntry, PrefillChunk, StepResult
+from gpu_runtime.metrics import RequestMetrics, request_metrics
+from gpu_runtime.request import Request, RequestStatus
+from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
+
+if TYPE_CHECKING:
+    from gpu_runtime.detokenizer import Detokenizer
+    from gpu_runtime.executor.base import Executor
+    from gpu_runtime.scheduler.interface import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What changed for one request in one iteration (streamed to clients)."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    event: str | None = None  # "relegated" | "resumed" | "preempted" | None
+    metrics: RequestMetrics | None = None  # set when finished
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass
+class StepStats:
+    """Counters of the last iteration, for metrics and the cost-model profile."""
+
+    num_prefill_tokens: int = 0
+    num_decodes: int = 0
+    num_tree_tokens: int = 0
+    num_accepted: int = 0
+    step_latency_s: float = 0.0
+    draft_latency_s: float = 0.0
+    prefill_budget: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        executor: Executor,
+        scheduler: Scheduler,
+        speculation: SpeculationPolicy | None = None,
+        detokenizer: Detokenizer | None = None,
+    ) -> None:
+        self.executor = executor
+        self.scheduler = scheduler
+        self.speculation = speculation or NoSpeculation()
+        self.speculation.bind(executor)
+        self.detokenizer = detokenizer
+        self.requests: dict[str, Request] = {}
+        self.last_stats = StepStats()
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._lock = threading.Lock()
+
+    # ---- thread-safe entry points ----
+    def add_request(self, request: Request) -> None:
+        total = request.prompt_len + request.sampling.max_tokens
+        if request.prompt_len == 0:
+            raise ValueError("prompt is empty")
+        if total > self.executor.max_model_len:
+            raise ValueError(
+                f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds the model's context of {self.executor.max_model_len} tokens")
+        with self._lock:
+            self._inbox.append(request)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.num_unfinished > 0
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        outputs = self._take_inbox()
+        now = self.executor.now()
+        sched = self.scheduler.schedule(now)
+        outputs += self._events(sched)
+        if sched.is_empty:
+            self.speculation.maintain(self.executor, self.scheduler.queue_depths().get("prefill", 0))
+            return outputs
+
+        plan, selected, draft_latency = self._build_plan(sched, now)
+        result = self.executor.step(plan)
+        now = self.executor.now()
+        outputs += self._commit(sched, result, now)
+        decodes = sched.decodes
+        self.speculation.observe(decodes, selected, result, draft_latency, now)
+        self.scheduler.update_from_output(sched, now)
+        self.speculation.maintain(self.executor, self.scheduler.queue_depths().get("prefill", 0))
+        self.last_stats = StepStats(
+            num_prefill_tokens=plan.num_prefill_tokens, num_decodes=len(plan.decodes),
+            num_tree_tokens=plan.num_tree_tokens,
+            num_accepted=sum(len(v) for v in result.accepted_nodes.values()),
+            step_latency_s=result.latency_s, draft_latency_s=draft_latency,
+            prefill_budget=sched.prefill_budget)
+        return outputs
+
+    def run_until_idle(self, max_steps: int | None = None) -> list[RequestOutput]:
+        """Step until every admitted request finished (tests, benchmarks, the CLI)."""
+        outputs: list[RequestOutput] = []
+        steps = 0
+        while self.has_work and (max_steps is None or steps < max_steps):
+            outputs += self.step()
+            steps += 1
+        return outputs
+
+    # ---- pieces of one iteration ----
+    def _take_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            new, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = list(self._aborts), deque()
+        for req in new:
+            self.requests[req.request_id] = req
+            self.executor.add_request(req.request_id, req.sampling)
+            self.scheduler.add_request(req)
+        for rid in aborts:
+            req = self.scheduler.abort_request(rid)
+            if req is None:
+                req = self.requests.get(rid)
+                if req is None or req.status.finished:
+                    continue
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finish_time = self.executor.now()
+            outputs.append(self._finish(req))
+        return outputs
+
+    def _events(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        out = [RequestOutput(r.request_id, status=r.status, event="relegated") for r in sched.relegated]
+        out += [RequestOutput(r.request_id, status=r.status, event="resumed") for r in sched.resumed]
+        out += [RequestOutput(r.request_id, status=r.status, event="preempted") for r in sched.preempted]
+        return out
+
+    def _build_plan(self, sched: SchedulerOutput, now: float) -> tuple[BatchPlan, dict, float]:
+        prefills = []
+        for p in sched.prefills:
+            req, start = p.request, p.request.num_computed_tokens
+            prefills.append(PrefillChunk(req.request_id, start, req.prompt_token_ids[start:start + p.num_tokens],
+                                         sample=start + p.num_tokens >= req.prompt_len))
+        decodes = [DecodeEntry(r.request_id, r.num_computed_tokens, r.last_token_id) for r in sched.decodes]
+        selected: dict = {}
+        draft_latency = 0.0
+        if decodes and self.executor.has_draft:
+            entries = self.speculation.draft_plan(sched.decodes, now)
+            if entries:
+                drafted = self.executor.draft(entries)
+                draft_latency = drafted.latency_s
+                selected = self.speculation.select(sched.decodes, drafted.trees, self.executor.now())
+                for d in decodes:
+                    tree = selected.get(d.request_id)
+                    d.tree = tree if tree is not None and len(tree) else None
+        return BatchPlan(prefills, decodes), selected, draft_latency
+
+    def _commit(self, sched: SchedulerOutput, result: StepResult, now: float) -> list[RequestOutput]:
+        outputs = []
+        touched: list[tuple[Request, list[int]]] = []
+        for p in sched.prefills:
+            req = p.request
+            req.num_computed_tokens += p.num_tokens
+            new = result.tokens.get(req.request_id, [])
+            if not req.in_prefill and new:
+                req.status = RequestStatus.DECODING if req.status is RequestStatus.WAITING else req.status
+                touched.append((req, new[:1]))
+        for req in sched.decodes:
+            new = result.tokens.get(req.request_id, [])
+            req.num_computed_tokens += 1 + len(result.accepted_nodes.get(req.request_id, []))
+            touched.append((req, new))
+        for req, new in touched:
+            outputs.append(self._append_tokens(req, new, now))
+        return outputs
+
+    def _append_tokens(self, req: Request, new: list[int], now: float) -> RequestOutput:
+        eos = None if req.sampling.ignore_eos else self.executor.eos_token_id
+        kept: list[int] = []
+        finish: RequestStatus | None = None
+        for tok in new:
+            kept.append(tok)
+            req.output_token_ids.append(tok)
+            req.token_times.append(now)
+            if eos is not None and tok == eos:
+                finish = RequestStatus.FINISHED_STOPPED
+                break
+            if req.num_output_tokens >= req.sampling.max_tokens:
+                finish = RequestStatus.FINISHED_LENGTH
+                break
+        text = ""
+        if self.detokenizer is not None:
+            text, hit = self.detokenizer.update(req, finished=finish is not None)
+            if hit:
+                finish = RequestStatus.FINISHED_STOPPED
+        if finish is not None:
+            req.status = finish
+            req.finish_time = now
+            out = self._finish(req, emit_text=False)
+            out.new_token_ids, out.new_text = kept, text
+            return out
+        return RequestOutput(req.request_id, kept, text, req.status)
+
+    def _finish(self, req: Request, emit_text: bool = True) -> RequestOutput:
+        self.executor.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+        if self.detokenizer is not None:
+            self.detokenizer.forget(req.request_id)
+        return RequestOutput(req.request_id, status=req.status, metrics=request_metrics(req))

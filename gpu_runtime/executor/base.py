@@ -1,0 +1,131 @@
+"""The Executor protocol: what the engine asks of a real model or of the simulator.
+
+Executors run what they are told and decide nothing (DESIGN.md, the one rule). The
+same plan types go to ``TorchExecutor`` and ``SimExecutor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.speculation.token_tree import TokenTree
+
+
+@dataclass
+class PrefillChunk:
+    request_id: str
+    start: int  # prompt position of token_ids[0] (= prompt tokens already cached)
+    token_ids: list[int]  # the chunk's prompt tokens
+    sample: bool  # this chunk finishes the prompt: sample the first output token
+
+
+@dataclass
+class DecodeEntry:
+    request_id: str
+    position: int  # position of token_id (= tokens already cached)
+    token_id: int  # the pending token: last output, not yet in the KV cache
+    tree: TokenTree | None = None  # draft nodes to verify after token_id (None = plain decode)
+
+
+@dataclass
+class BatchPlan:
+    """One forward pass: prefill chunks, decodes and token trees together."""
+
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[DecodeEntry] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.prefills)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens fed for decodes: the pending token plus every tree node."""
+        return sum(1 + (len(d.tree) if d.tree else 0) for d in self.decodes)
+
+    @property
+    def num_tree_tokens(self) -> int:
+        return sum(len(d.tree) for d in self.decodes if d.tree)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+@dataclass
+class StepResult:
+    # New output tokens per request: the first token of a finished prompt, or for a
+    # decode the accepted tree tokens followed by the bonus token from the target.
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    # For decodes with a tree: indices of accepted tree nodes, root to leaf.
+    accepted_nodes: dict[str, list[int]] = field(default_factory=dict)
+    latency_s: float = 0.0  # measured (torch) or predicted (sim) wall time of the pass
+
+
+@dataclass
+class DraftEntry:
+    request_id: str
+    depth: int  # beam-search depth d
+    width: int  # beam width w (top-w children kept per step)
+
+
+@dataclass
+class DraftResult:
+    trees: dict[str, TokenTree] = field(default_factory=dict)  # candidate tree per request
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    total_blocks: int
+    free_blocks: int
+    block_size: int  # tokens per block
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs batches; owns the KV cache and the draft. Time comes from ``now()``."""
+
+    max_model_len: int  # longest prompt + output the executor can hold
+    eos_token_id: int | None
+
+    def now(self) -> float:
+        """Clock used for every QoS decision (monotonic, or simulated time)."""
+
+    def capacity(self) -> KVCapacity:
+        """Free-block accounting for the scheduler."""
+
+    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        """Extra KV blocks ``request_id`` needs to cache ``num_new_tokens`` more tokens."""
+
+    def add_request(self, request_id: str, sampling: SamplingParams) -> None:
+        """Register a request before its first prefill chunk."""
+
+    def free(self, request_id: str) -> None:
+        """Release every KV block (target and draft) held by the request."""
+
+    def step(self, plan: BatchPlan) -> StepResult:
+        """Run one mixed forward pass and commit accepted tokens to the KV cache."""
+
+    def draft(self, entries: list[DraftEntry]) -> DraftResult:
+        """Expand candidate token trees for decoding requests (beam search / lookup)."""
+
+    @property
+    def has_draft(self) -> bool:
+        """A drafter is configured (model or prompt lookup)."""
+
+    @property
+    def draft_on_device(self) -> bool:
+        """The draft model's weights are in device memory (Nightjar elastic memory)."""
+
+    def offload_draft(self) -> int:
+        """Move draft weights off the device; returns KV blocks gained (0 if none)."""
+
+    def load_draft(self) -> bool:
+        """Bring the draft back if memory allows; returns whether it is on device."""

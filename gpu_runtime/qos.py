@@ -1,0 +1,55 @@
+"""QoS classes, tiers and deadlines (QoServe section 3.1, eq. 1-3).
+
+Times are seconds on the engine's clock (monotonic or simulated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class QoSClass(StrEnum):
+    INTERACTIVE = "interactive"  # TTFT + TBT targets
+    BATCH = "batch"  # time-to-last-token deadline
+
+
+class Tier(StrEnum):
+    FREE = "free"  # relegated first under overload (QoServe 3.4)
+    PAID = "paid"  # relegated only once violated and no free job remains
+
+
+@dataclass(frozen=True)
+class QoSSpec:
+    qos_class: QoSClass
+    tier: Tier = Tier.PAID
+    ttft_s: float | None = None  # interactive: time-to-first-token target
+    tbt_s: float | None = None  # interactive: time-between-tokens target
+    ttlt_s: float | None = None  # batch: time-to-last-token target, relative to arrival
+
+    def __post_init__(self) -> None:
+        if self.qos_class is QoSClass.INTERACTIVE and (self.ttft_s is None or self.tbt_s is None):
+            raise ValueError("interactive QoS needs ttft_s and tbt_s")
+        if self.qos_class is QoSClass.BATCH and self.ttlt_s is None:
+            raise ValueError("batch QoS needs ttlt_s")
+
+
+def first_token_deadline(arrival: float, qos: QoSSpec) -> float:
+    """Eq. 1: D_first = t_arr + TTFT (batch jobs have only the eq. 3 deadline)."""
+    if qos.qos_class is QoSClass.INTERACTIVE:
+        return arrival + qos.ttft_s  # type: ignore[operator]
+    return arrival + qos.ttlt_s  # type: ignore[operator]
+
+
+def token_deadline(arrival: float, qos: QoSSpec, n: int) -> float:
+    """Eq. 2: D_n = t_arr + TTFT + (n-1)*TBT for the n-th output token (n >= 1)."""
+    if qos.qos_class is QoSClass.INTERACTIVE:
+        return arrival + qos.ttft_s + (n - 1) * qos.tbt_s  # type: ignore[operator]
+    return arrival + qos.ttlt_s  # type: ignore[operator]
+
+
+def completion_deadline(arrival: float, qos: QoSSpec) -> float | None:
+    """Eq. 3: D_total = t_arr + TTLT (interactive jobs have none)."""
+    if qos.qos_class is QoSClass.BATCH:
+        return arrival + qos.ttlt_s  # type: ignore[operator]
+    return None

@@ -1,0 +1,91 @@
+"""A request as the engine tracks it: prompt, progress, QoS and per-token timestamps.
+
+The engine owns these objects; the scheduler reads and updates the scheduling fields,
+speculation reads the decode progress, executors only ever see ids and token lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from gpu_runtime.qos import QoSClass, QoSSpec, completion_deadline, token_deadline
+from gpu_runtime.sampling import SamplingParams
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"  # admitted, prefill not finished
+    DECODING = "decoding"  # prompt fully in the KV cache, generating
+    RELEGATED = "relegated"  # demoted under overload; runs only with spare budget
+    FINISHED_STOPPED = "finished_stopped"  # EOS or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens reached
+    FINISHED_ABORTED = "finished_aborted"  # cancelled by the user or an operator
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    qos: QoSSpec
+    arrival_time: float  # engine clock, seconds
+    app_id: str | None = None  # key for per-application decode-length history
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # prompt (and later output) tokens already in the KV cache
+    output_token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # clock time each output token was produced
+    relegation_count: int = 0
+    was_preempted: bool = False  # prefill was preempted at least once (selective preemption)
+    finish_time: float | None = None
+    # Filled by the scheduler: predicted remaining decode tokens (running mean + 2 std).
+    predicted_output_len: int | None = None
+
+    # ---- derived facts (cheap, used every iteration) ----
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def prefill_remaining(self) -> int:
+        return max(0, self.prompt_len - self.num_computed_tokens)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.prompt_len
+
+    @property
+    def context_len(self) -> int:
+        """Tokens whose KV is (or will be after this step) cached: prompt + outputs - 1 pending."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def next_token_deadline(self) -> float:
+        """Deadline of the next output token (eq. 1/2 for interactive, eq. 3 for batch)."""
+        return token_deadline(self.arrival_time, self.qos, self.num_output_tokens + 1)
+
+    def completion_deadline(self) -> float | None:
+        return completion_deadline(self.arrival_time, self.qos)
+
+    def tpot_target(self, now: float) -> float | None:
+        """Per-token target for speculation (AdaServe): TBT, or what the batch deadline needs."""
+        if self.qos.qos_class is QoSClass.INTERACTIVE:
+            return self.qos.tbt_s
+        deadline = self.completion_deadline()
+        assert deadline is not None
+        remaining = max(1, (self.predicted_output_len or self.sampling.max_tokens) - self.num_output_tokens)
+        return max(1e-4, (deadline - now) / remaining)

@@ -1,0 +1,68 @@
+"""The scheduler's two-call interface: ``schedule()`` and ``update_from_output()``.
+
+The scheduler decides every iteration which decodes run, which prefill chunks run and
+how many prefill tokens go into the batch; it never runs the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from gpu_runtime.request import Request
+
+
+@dataclass
+class ScheduledPrefill:
+    request: Request
+    num_tokens: int  # prompt tokens of this request computed in this iteration
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledPrefill] = field(default_factory=list)  # chunks, in priority order
+    decodes: list[Request] = field(default_factory=list)  # requests that decode one step (or a tree)
+    relegated: list[Request] = field(default_factory=list)  # newly relegated this iteration
+    resumed: list[Request] = field(default_factory=list)  # relegated jobs brought back this iteration
+    preempted: list[Request] = field(default_factory=list)  # prefills paused for a more urgent one
+    prefill_budget: int = 0  # the chunk budget C chosen for this iteration (tokens)
+    predicted_latency_s: float | None = None  # cost-model prediction of the batch time
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler(ABC):
+    """Base of every scheduling policy (QoServe, Sarathi-FCFS/EDF/SRPF, vLLM FCFS)."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Admit a new request (its prompt not yet computed)."""
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> Request | None:
+        """Drop a request from every queue; returns it if it was known."""
+
+    @abstractmethod
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Form this iteration's batch."""
+
+    @abstractmethod
+    def update_from_output(self, output: SchedulerOutput, now: float) -> None:
+        """Move requests between queues after the engine committed the step's tokens.
+
+        Finished requests (``request.status.finished``) leave every queue here."""
+
+    @abstractmethod
+    def resume(self, request_id: str) -> bool:
+        """Operator action: put a relegated request back into normal scheduling."""
+
+    @property
+    @abstractmethod
+    def num_unfinished(self) -> int:
+        """Requests admitted and not finished (any queue)."""
+
+    @abstractmethod
+    def queue_depths(self) -> dict[str, int]:
+        """Sizes of the scheduler's queues by name (prefill, decode, relegated, ...)."""

@@ -1,0 +1,54 @@
+"""Common base of speculation policies (AdaServe, AdaSpec, Nightjar, static baselines).
+
+Per iteration the engine asks the policy what to draft, lets the executor draft it,
+asks the policy which nodes to verify, runs the batch, then reports what was accepted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_runtime.executor.base import DraftEntry, Executor, StepResult
+    from gpu_runtime.request import Request
+    from gpu_runtime.speculation.token_tree import TokenTree
+
+
+class SpeculationPolicy(ABC):
+    name: str = "base"
+
+    def bind(self, executor: Executor) -> None:
+        """Called once by the engine; policies may read the executor's profile/capacity."""
+        self.executor = executor
+
+    @abstractmethod
+    def draft_plan(self, decodes: list[Request], now: float) -> list[DraftEntry]:
+        """Which requests to draft for and how deep/wide; [] means no speculation this step."""
+
+    @abstractmethod
+    def select(self, decodes: list[Request], candidates: dict[str, TokenTree], now: float) -> dict[str, TokenTree]:
+        """The sub-trees to verify, keyed by request id (missing = plain decode)."""
+
+    def observe(self, decodes: list[Request], selected: dict[str, TokenTree], result: StepResult,
+                draft_latency_s: float, now: float) -> None:
+        """Feedback after the step: accepted nodes and measured latencies."""
+
+    def maintain(self, executor: Executor, num_waiting: int) -> None:
+        """Once per iteration, outside the forward pass: e.g. Nightjar's draft offload/reload."""
+
+    def state(self) -> dict[str, object]:
+        """Small JSON-able summary for dashboards (current arm, draft on/off, ...)."""
+        return {"policy": self.name}
+
+
+class NoSpeculation(SpeculationPolicy):
+    """Plain autoregressive decoding."""
+
+    name = "none"
+
+    def draft_plan(self, decodes, now):
+        return []
+
+    def select(self, decodes, candidates, now):
+        return {}
