@@ -1,5 +1,52 @@
-"""Router for health (to be filled by its owner)."""
+"""Liveness (``/healthz``) and readiness (``/readyz``: DB, Redis, a live worker)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from sqlalchemy import func, select, text
 
-router = APIRouter()
+from app.api.deps import SessionDep, SettingsDep
+from app.db.models import WorkerState
+from app.services.notify import redis_client
+from app.services.transitions import utcnow
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
+    checks: dict[str, str] = {}
+    try:
+        session.execute(text("SELECT 1"))
+        checks["database"] = "ok"
+    except Exception as exc:
+        checks["database"] = f"error: {exc.__class__.__name__}"
+    try:
+        if not settings.redis_url:
+            raise RuntimeError("REDIS_URL is not set")
+        redis_client(settings.redis_url).ping()
+        checks["redis"] = "ok"
+    except Exception as exc:
+        checks["redis"] = f"error: {exc}"
+    if checks["database"] == "ok":
+        # a worker is live when its heartbeat is fresher than three heartbeat periods
+        since = utcnow() - timedelta(seconds=3 * settings.heartbeat_seconds + 1)
+        live = session.scalar(select(func.count()).select_from(WorkerState).where(
+            WorkerState.heartbeat_at >= since, WorkerState.draining.is_(False))) or 0
+        checks["workers"] = f"{live} live" if live else "error: no live worker"
+    else:
+        checks["workers"] = "unknown"
+    ready = all(not v.startswith("error") and v != "unknown" for v in checks.values())
+    return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks},
+                        status_code=200 if ready else 503)

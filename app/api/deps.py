@@ -1,0 +1,58 @@
+"""FastAPI dependencies as ``Annotated`` aliases: settings, DB session, caller, admin."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Request, status
+from sqlalchemy.orm import Session
+
+from app.auth import Principal, authenticate
+from app.db.session import get_sessionmaker
+from app.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def settings_dep(request: Request) -> Settings:
+    # create_app(settings) stores its settings on the app; the default reads the environment
+    return getattr(request.app.state, "settings", None) or get_settings()
+
+
+SettingsDep = Annotated[Settings, Depends(settings_dep)]
+
+
+def get_session(settings: SettingsDep) -> Iterator[Session]:
+    session = get_sessionmaker(settings.sqlalchemy_url)()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_principal(session: SessionDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+    principal = authenticate(session, authorization[7:].strip())
+    if principal is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid or revoked API key",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return principal
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+def require_admin(principal: CurrentPrincipal) -> Principal:
+    if not principal.is_admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "this route needs an admin API key")
+    return principal
+
+
+AdminPrincipal = Annotated[Principal, Depends(require_admin)]

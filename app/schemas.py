@@ -1,0 +1,130 @@
+"""Request/response schemas of the jobs API (``JobCreate`` in, ``JobPublic`` out)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_TARGET_MS = 3_600_000.0  # a TTFT/TBT target above an hour is a unit mistake
+MAX_WINDOW_S = 30 * 24 * 3600.0
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class JobCreate(BaseModel):
+    """One generation job: a prompt or chat messages, QoS targets and sampling params."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["interactive", "batch"] = "interactive"
+    model: str | None = Field(None, description="served model name; default: the server's model")
+    prompt: str | None = Field(None, description="raw prompt (completion)")
+    messages: list[ChatMessage] | None = Field(None, description="chat messages (chat template applied)")
+    tier: str | None = Field(None, description="free | paid; default: the API key's tier")
+    app_id: str | None = Field(None, max_length=200, description="application key for decode-length history")
+    # QoS: interactive jobs have TTFT/TBT targets, batch jobs a deadline
+    ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-to-first-token target")
+    tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-between-tokens target")
+    deadline_at: datetime | None = Field(None, description="batch: absolute completion deadline (with timezone)")
+    deadline_window_s: float | None = Field(None, gt=0, le=MAX_WINDOW_S, description="batch: seconds from now")
+    # sampling
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float = Field(0.0, ge=0, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    seed: int | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> JobCreate:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' must not be empty")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("'prompt' must not be empty")
+        if self.kind == "interactive" and (self.deadline_at or self.deadline_window_s):
+            raise ValueError("interactive jobs take ttft_ms/tbt_ms; use kind='batch' for a deadline")
+        if self.kind == "batch" and (self.ttft_ms or self.tbt_ms):
+            raise ValueError("batch jobs take deadline_at or deadline_window_s, not ttft_ms/tbt_ms")
+        if self.deadline_at is not None and self.deadline_window_s is not None:
+            raise ValueError("give deadline_at or deadline_window_s, not both")
+        if self.deadline_at is not None and self.deadline_at.tzinfo is None:
+            raise ValueError("deadline_at needs a timezone (e.g. '2030-01-01T12:00:00Z')")
+        return self
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos}
+
+
+class JobMetrics(BaseModel):
+    ttft_s: float | None = None
+    tbt_p50_s: float | None = None
+    tbt_p99_s: float | None = None
+    ttlt_s: float | None = None
+    slo_met: bool | None = None
+    relegation_count: int = 0
+
+
+class JobPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    object: Literal["job"] = "job"
+    kind: str
+    tier: str
+    model: str
+    status: str
+    created_at: datetime
+    dispatched_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    ttft_ms: float | None = None
+    tbt_ms: float | None = None
+    deadline_at: datetime | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    output_text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    attempt: int = 0
+    worker_id: str | None = None
+    error: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    metrics: JobMetrics = Field(default_factory=JobMetrics)
+
+    @classmethod
+    def of(cls, job: Any) -> JobPublic:
+        out = cls.model_validate(job)
+        out.metrics = JobMetrics(ttft_s=job.ttft_s, tbt_p50_s=job.tbt_p50_s, tbt_p99_s=job.tbt_p99_s,
+                                 ttlt_s=job.ttlt_s, slo_met=job.slo_met, relegation_count=job.relegation_count)
+        return out
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobPublic]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page")
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+    default_tier: str = "paid"
+    admin: bool = Field(False, description="the first key is an admin key")
+
+
+class KeyCreated(BaseModel):
+    tenant_id: str
+    key_id: str
+    api_key: str = Field(description="shown once; only its hash is stored")
+    tier: str
+    is_admin: bool

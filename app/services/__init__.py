@@ -1,0 +1,1 @@
+"""Service layer: job submission, state transitions, dispatch and token streaming."""

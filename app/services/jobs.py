@@ -1,0 +1,167 @@
+"""Job submission, lookup, listing and cancellation (used by every API that creates jobs).
+
+``submit_job`` validates a ``JobCreate`` against the caller's key and the model, writes
+the row (status ``queued``) and commits, and only then dispatches it.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.auth import Principal
+from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
+from app.schemas import JobCreate
+from app.services import dispatch as dispatching
+from app.services.model_info import encode_input, max_model_len
+from app.services.transitions import NOT_TERMINAL, transition, utcnow
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class JobValidationError(ValueError):
+    """The job cannot be accepted as sent; the message says what to change (HTTP 422)."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job: Job
+    created: bool  # False when an Idempotency-Key matched an earlier job
+
+
+def resolve_tier(settings: Settings, principal: Principal, requested: str | None) -> str:
+    tiers = list(settings.tiers)
+    if requested is None:
+        return principal.tier
+    if requested not in tiers:
+        raise JobValidationError(f"unknown tier {requested!r}; choose one of {tiers}")
+    # tiers are ordered from lowest to highest; a key may ask for its own tier or a lower one
+    if principal.tier in tiers and tiers.index(requested) > tiers.index(principal.tier):
+        raise JobValidationError(f"this API key allows tier {principal.tier!r} at most, not {requested!r}")
+    return requested
+
+
+def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
+              batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
+              count_tokens: bool = True) -> Job:
+    """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``)."""
+    model = spec.model or settings.model_name
+    if model != settings.model_name:
+        raise JobValidationError(f"unknown model {model!r}; this server serves {settings.model_name!r}")
+    tier = resolve_tier(settings, principal, spec.tier)
+    sampling = spec.sampling(settings.default_max_tokens)
+    now = utcnow()
+    job = Job(id=new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
+              app_id=spec.app_id, prompt=spec.prompt, sampling=sampling, endpoint=endpoint, stream=spec.stream,
+              idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
+              status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0,
+              messages=[m.model_dump() for m in spec.messages] if spec.messages is not None else None)
+    if spec.kind == JobKind.INTERACTIVE:
+        job.ttft_ms = spec.ttft_ms or settings.default_ttft_ms
+        job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
+    else:
+        deadline = spec.deadline_at or now + timedelta(seconds=spec.deadline_window_s or settings.default_batch_window_s)
+        if deadline <= now:
+            raise JobValidationError(f"deadline_at {deadline.isoformat()} is in the past; give a future time")
+        job.deadline_at = deadline
+    if count_tokens:
+        n = len(encode_input(settings.model, job.prompt, job.messages))
+        limit = max_model_len(settings.model)
+        if n + sampling["max_tokens"] > limit:
+            raise JobValidationError(
+                f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "
+                f"{limit} tokens; shorten the prompt or lower max_tokens")
+        job.prompt_tokens = n
+    return job
+
+
+def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | None:
+    return session.scalars(select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)).first()
+
+
+def submit_job(session: Session, principal: Principal, spec: JobCreate, settings: Settings, *,
+               idempotency_key: str | None = None, batch_id: str | None = None, custom_id: str | None = None,
+               endpoint: str = "/v1/jobs", dispatch: bool = True) -> Submitted:
+    """Writes the job row, commits, then sends it to the workers (unless ``dispatch=False``)."""
+    if idempotency_key:
+        existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key)
+        if existing is not None:
+            return Submitted(existing, created=False)
+    job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
+                    custom_id=custom_id, endpoint=endpoint)
+    session.add(job)
+    session.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value, at=job.created_at,
+                         attempt=0, detail=f"submitted via {endpoint}"))
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key) if idempotency_key else None
+        if existing is None:
+            raise
+        return Submitted(existing, created=False)
+    if dispatch:
+        redis_url = settings.redis_url
+        if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model):
+            job.status = JobStatus.DISPATCHED.value
+    return Submitted(job, created=True)
+
+
+def get_job(session: Session, tenant_id: str | None, job_id: str) -> Job | None:
+    """The job if it exists and belongs to ``tenant_id`` (None = any tenant, for admins)."""
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
+        return None
+    return job
+
+
+def _encode_cursor(job: Job) -> str:
+    return base64.urlsafe_b64encode(f"{job.created_at.isoformat()}|{job.id}".encode()).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        at, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(at), job_id
+    except Exception as exc:
+        raise JobValidationError("invalid cursor; pass the next_cursor value of the previous page") from exc
+
+
+def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, kind: str | None = None,
+              tier: str | None = None, limit: int = 20, cursor: str | None = None,
+              offset: int | None = None) -> tuple[list[Job], str | None]:
+    """Newest first; keyset pagination by (created_at, id), or plain offset."""
+    q = select(Job).where(Job.tenant_id == tenant_id)
+    if status:
+        q = q.where(Job.status == status)
+    if kind:
+        q = q.where(Job.kind == kind)
+    if tier:
+        q = q.where(Job.tier == tier)
+    if cursor:
+        at, job_id = _decode_cursor(cursor)
+        at = at.replace(tzinfo=None) if session.bind.dialect.name == "sqlite" else at
+        q = q.where(or_(Job.created_at < at, and_(Job.created_at == at, Job.id < job_id)))
+    q = q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    if offset:
+        q = q.offset(offset)
+    rows = list(session.scalars(q))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (_encode_cursor(rows[-1]) if more and rows else None)
+
+
+def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the user") -> bool:
+    """Marks a non-terminal job ``cancelled`` (commits); the worker aborts it in its engine."""
+    ok = transition(session, job.id, NOT_TERMINAL, JobStatus.CANCELLED, detail=detail,
+                    values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": "cancelled"})
+    session.commit()
+    session.refresh(job)
+    return ok

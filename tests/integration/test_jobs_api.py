@@ -1,0 +1,165 @@
+"""The jobs API over HTTP with a real migrated DB and a real Redis broker (no worker)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from app.db.models import Job, JobEvent
+from app.db.session import session_scope
+from tests.conftest import Keys
+
+pytestmark = pytest.mark.integration
+
+H = Keys.header
+
+
+def submit(client, key, **body):
+    body.setdefault("prompt", "Say hello")
+    return client.post("/v1/jobs", json=body, headers=H(key))
+
+
+def test_submit_get_and_dispatch(client, keys, settings):
+    r = submit(client, keys.paid, ttft_ms=500, tbt_ms=100, max_tokens=8)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["status"] == "dispatched" and job["tier"] == "paid" and job["kind"] == "interactive"
+    assert job["ttft_ms"] == 500 and job["sampling"]["max_tokens"] == 8 and job["prompt_tokens"] > 0
+    got = client.get(f"/v1/jobs/{job['id']}", headers=H(keys.paid)).json()
+    assert got["id"] == job["id"]
+    # the task in the model's queue carries only the id
+    queued = redis.Redis.from_url(settings.redis_url).lrange("coserve.tiny", 0, -1)
+    assert len(queued) == 1 and job["id"].encode() in queued[0] and b"Say hello" not in queued[0]
+    with session_scope(settings.sqlalchemy_url) as s:
+        events = [(e.from_status, e.to_status) for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job["id"]))]
+    assert events == [(None, "queued"), ("queued", "dispatched")]
+
+
+def test_auth_and_tenant_isolation(client, keys):
+    assert client.post("/v1/jobs", json={"prompt": "x"}).status_code == 401
+    assert client.get("/v1/jobs", headers=H("cs-not-a-key")).status_code == 401
+    job = submit(client, keys.paid).json()
+    assert client.get(f"/v1/jobs/{job['id']}", headers=H(keys.other)).status_code == 404
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=H(keys.other)).status_code == 404
+    assert client.get("/v1/jobs", headers=H(keys.other)).json()["data"] == []
+    # same tenant, other key sees it
+    assert client.get(f"/v1/jobs/{job['id']}", headers=H(keys.free)).status_code == 200
+
+
+def test_admin_routes(client, keys):
+    assert client.post("/v1/admin/tenants", json={"name": "x"}, headers=H(keys.paid)).status_code == 403
+    r = client.post("/v1/admin/tenants", json={"name": "initech", "default_tier": "free"}, headers=H(keys.admin))
+    assert r.status_code == 201, r.text
+    new_key = r.json()["api_key"]
+    job = submit(client, new_key)
+    assert job.status_code == 201 and job.json()["tier"] == "free"
+    assert client.post("/v1/admin/tenants", json={"name": "initech"}, headers=H(keys.admin)).status_code == 409
+
+
+def test_keys_stored_as_hashes(client, keys, settings):
+    from app.db.models import ApiKey
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        stored = [k.key_hash for k in s.scalars(select(ApiKey))]
+    assert keys.paid not in stored and all(len(h) == 64 for h in stored)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"kind": "batch", "deadline_at": "2001-01-01T00:00:00Z"}, "in the past"),
+    ({"prompt": "word " * 600}, "exceeds the model's context"),
+    ({"max_tokens": 600}, "exceeds the model's context"),
+    ({"tier": "gold"}, "unknown tier"),
+    ({"ttft_ms": -5}, "greater than 0"),
+    ({"tbt_ms": 1e12}, "less than or equal"),
+    ({"kind": "batch", "ttft_ms": 100}, "batch jobs take deadline"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "exactly one"),
+    ({"model": "gpt-9"}, "unknown model"),
+])
+def test_validation_errors_say_what_to_fix(client, keys, body, fragment):
+    r = submit(client, keys.paid, **body)
+    assert r.status_code == 422, r.text
+    assert fragment in r.text
+
+
+def test_free_key_cannot_ask_for_paid(client, keys):
+    r = submit(client, keys.free, tier="paid")
+    assert r.status_code == 422 and "allows tier 'free'" in r.text
+    assert submit(client, keys.paid, tier="free").json()["tier"] == "free"
+
+
+def test_batch_job_with_window_and_chat_messages(client, keys):
+    r = client.post("/v1/jobs", headers=H(keys.paid), json={
+        "kind": "batch", "deadline_window_s": 3600, "messages": [{"role": "user", "content": "Summarize: a b c"}]})
+    assert r.status_code == 201, r.text
+    deadline = datetime.fromisoformat(r.json()["deadline_at"].replace("Z", "+00:00"))
+    deadline = deadline if deadline.tzinfo else deadline.replace(tzinfo=UTC)
+    assert timedelta(minutes=59) < deadline - datetime.now(UTC) < timedelta(minutes=61)
+
+
+def test_oversized_body_413(client, keys, settings):
+    big = "x" * (settings.max_body_bytes + 10)
+    assert submit(client, keys.paid, prompt=big).status_code == 413
+
+
+def test_idempotency_key_returns_same_job(client, keys):
+    h = {**H(keys.paid), "Idempotency-Key": "abc-1"}
+    a = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)
+    b = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)
+    assert a.status_code == 201 and b.status_code == 200 and a.json()["id"] == b.json()["id"]
+    # the key is per tenant
+    c = client.post("/v1/jobs", json={"prompt": "hi"}, headers={**H(keys.other), "Idempotency-Key": "abc-1"})
+    assert c.json()["id"] != a.json()["id"]
+
+
+def test_list_filters_and_cursor_pagination(client, keys):
+    ids = [submit(client, keys.paid).json()["id"] for _ in range(5)]
+    ids.append(client.post("/v1/jobs", headers=H(keys.paid),
+                           json={"prompt": "b", "kind": "batch", "deadline_window_s": 60}).json()["id"])
+    seen, cursor = [], None
+    while True:
+        page = client.get("/v1/jobs", params={"limit": 2, **({"cursor": cursor} if cursor else {})},
+                          headers=H(keys.paid)).json()
+        seen += [j["id"] for j in page["data"]]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert sorted(seen) == sorted(ids) and len(seen) == len(set(seen))
+    batch = client.get("/v1/jobs", params={"kind": "batch"}, headers=H(keys.paid)).json()["data"]
+    assert [j["id"] for j in batch] == [ids[-1]]
+    off = client.get("/v1/jobs", params={"limit": 2, "offset": 2}, headers=H(keys.paid)).json()["data"]
+    assert [j["id"] for j in off] == seen[2:4]
+    assert client.get("/v1/jobs", params={"status": "succeeded"}, headers=H(keys.paid)).json()["data"] == []
+
+
+def test_cancel_queued_job(client, keys, settings):
+    job = submit(client, keys.paid).json()
+    r = client.post(f"/v1/jobs/{job['id']}/cancel", headers=H(keys.paid))
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    # cancelling again changes nothing
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=H(keys.paid)).json()["status"] == "cancelled"
+    with session_scope(settings.sqlalchemy_url) as s:
+        terminal = s.scalars(select(JobEvent).where(JobEvent.job_id == job["id"],
+                                                    JobEvent.to_status == "cancelled")).all()
+    assert len(terminal) == 1
+
+
+def test_broker_down_job_stays_queued(client, keys, settings, monkeypatch):
+    from app.services import dispatch
+
+    # a broker on a port where nothing listens: the job is accepted and stays queued
+    monkeypatch.setattr(settings, "redis_url", "redis://127.0.0.1:1/0")
+    r = submit(client, keys.paid)
+    assert r.status_code == 201 and r.json()["status"] == "queued"
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, r.json()["id"]).status == "queued"
+    dispatch.get_celery.cache_clear()
+
+
+def test_health_and_readiness(client, settings):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["checks"]["workers"].startswith("error")
+    assert r.json()["checks"]["database"] == "ok" and r.json()["checks"]["redis"] == "ok"

@@ -1,0 +1,43 @@
+"""The Celery application: Redis broker, one queue per model, late acks.
+
+Tasks carry only job ids; SQL is the source of truth. The API sends tasks by name
+(``send_task``) so it never imports worker code.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+from celery import Celery
+
+log = logging.getLogger(__name__)
+
+RUN_JOB = "coserve.run_job"
+
+
+def queue_name(model_name: str) -> str:
+    return f"coserve.{model_name}"
+
+
+@lru_cache(maxsize=8)
+def get_celery(redis_url: str) -> Celery:
+    app = Celery("coserve", broker=redis_url, include=["workers.tasks"])
+    app.conf.update(
+        task_acks_late=True,  # a message is acked only after the job is leased in SQL
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,  # the GPU worker pulls as its engine has room
+        task_ignore_result=True,  # results live in SQL
+        task_serializer="json", accept_content=["json"],
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # workers ride out broker restarts
+        broker_pool_limit=32,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_default_queue="coserve.default",
+        broker_transport_options={
+            "socket_connect_timeout": 1.0, "socket_timeout": 5.0,
+            "visibility_timeout": 3600,  # the SQL sweeper, not redelivery, recovers lost jobs
+        },
+    )
+    return app
