@@ -1,0 +1,111 @@
+"""AdaServe: SLO-customized speculative decoding (EuroSys'26, Algorithm 2, eq. 8-9).
+
+Per iteration: choose beam depth d and width w from the load (eq. 8-9), let the
+executor expand candidate trees, then select the sub-trees to verify under the
+verification budget B so that each request's requirement A(r) is met first
+(most demanding first) and the remaining budget goes to the globally most probable
+nodes. B is the knee of the executor's latency-vs-tokens curve.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpu_runtime.executor.base import DraftEntry
+from gpu_runtime.speculation.base import SpeculationPolicy
+from gpu_runtime.speculation.cost import Ema, LinearStepCost, knee_budget
+from gpu_runtime.speculation.requirement import slo_requirement
+from gpu_runtime.speculation.selection import SelectionInput, SelectionResult, select_trees
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdaServeConfig:
+    d_min: int = 2  # D_min of eq. 8
+    d_max: int = 8  # D_max of eq. 8 (artifact: 8)
+    w_max: int = 3  # W_max of eq. 9 (artifact: 3)
+    c1: float = 1.0  # eq. 8 constant (grid search: ops/spec_grid_search.py)
+    c2: int = 0  # eq. 9 constant
+    draft_budget: int = 96  # B2: draft tokens per beam step (artifact: 96)
+    n_max: int = 8  # per-request node cap of the SLO-customized phase
+    budget: int | None = None  # B fixed by hand; None = knee of the latency curve
+    budget_tolerance: float = 0.25  # knee: latency within (1+tol) of a one-token pass
+    max_budget: int = 512
+    warmup_tokens_per_request: int = 4  # B per request until a latency curve is known
+
+
+class AdaServe(SpeculationPolicy):
+    name = "adaserve"
+
+    def __init__(self, config: AdaServeConfig | None = None,
+                 latency_curve: Callable[[int], float] | None = None, **overrides) -> None:
+        self.config = config or AdaServeConfig(**overrides)
+        self.latency_curve = latency_curve  # seconds for a pass of n tokens (cost-model profile)
+        self.step_cost = LinearStepCost()
+        self.t_spec = Ema(0.0)
+        self.last: SelectionResult | None = None
+        self._depth = self.config.d_min
+        self._width = 1
+        self._budget = 0
+        self._accepted = Ema(0.0)
+
+    def bind(self, executor) -> None:
+        super().bind(executor)
+        if self.latency_curve is None:
+            self.latency_curve = getattr(executor, "latency_curve", None)
+
+    # ---- eq. 8-9 and B ----
+    def budget(self, num_requests: int, num_context: int = 0) -> int:
+        cfg = self.config
+        if cfg.budget is not None:
+            return cfg.budget
+        if self.latency_curve is not None:
+            return knee_budget(self.latency_curve, cfg.max_budget, cfg.budget_tolerance)
+        if self.step_cost.fitted and self.step_cost.gamma > 0:
+            return knee_budget(lambda n: self.step_cost.predict(num_context, n), cfg.max_budget,
+                               cfg.budget_tolerance)
+        return num_requests * (1 + cfg.warmup_tokens_per_request)
+
+    def shape(self, num_requests: int, budget: int) -> tuple[int, int]:
+        cfg = self.config
+        n = max(1, num_requests)
+        d = min(cfg.d_max, max(cfg.d_min, int(budget // (n + cfg.c1)) - 1))  # eq. 8
+        w = min(cfg.w_max, max(1, int(cfg.draft_budget // n) + cfg.c2))  # eq. 9
+        return d, w
+
+    # ---- the policy ----
+    def draft_plan(self, decodes, now):
+        if not decodes:
+            return []
+        context = sum(r.num_computed_tokens for r in decodes)
+        self._budget = self.budget(len(decodes), context)
+        self._depth, self._width = self.shape(len(decodes), self._budget)
+        if self._budget <= len(decodes):
+            return []  # no room beyond the roots: plain decoding
+        return [DraftEntry(r.request_id, self._depth, self._width) for r in decodes]
+
+    def select(self, decodes, candidates, now):
+        inputs = [SelectionInput(r.request_id, slo_requirement(r, now, self.t_spec.value), self._depth)
+                  for r in decodes]
+        self.last = select_trees(inputs, candidates, self._budget, self.config.n_max)
+        if self.last.infeasible:
+            log.debug("SLO requirement unmet for %d/%d requests", len(self.last.infeasible), len(inputs))
+        return self.last.trees
+
+    def observe(self, decodes, selected, result, draft_latency_s, now):
+        if not decodes:
+            return
+        self.t_spec.update(result.latency_s + draft_latency_s)
+        context = sum(r.num_computed_tokens for r in decodes)
+        tokens = len(decodes) + sum(len(t) for t in selected.values())
+        self.step_cost.observe(context, tokens, result.latency_s)
+        acc = sum(len(v) for v in result.accepted_nodes.values())
+        self._accepted.update(1.0 + acc / len(decodes))
+
+    def state(self):
+        return {"policy": self.name, "budget": self._budget, "depth": self._depth, "width": self._width,
+                "tokens_per_step": round(self._accepted.value, 3),
+                "infeasible": len(self.last.infeasible) if self.last else 0}

@@ -1,0 +1,203 @@
+"""AdaSpec: adaptive chain length with an SLO-aware efficiency estimator (SoCC'25, section 5).
+
+* Efficiency model (section 4): T = alpha*N_c + gamma*N_b + delta for the draft (per
+  step) and the target pass, fitted online from observed latencies (or seeded).
+* Adaptive drafter (Alg. 1, predict-execute-correct): predict each next draft step's
+  confidence from history and draft one more step only while the estimated goodput
+  rises; a step time above the tightest TPOT target scores -1.
+* Confidence-prior verifier (Alg. 2): drop the lowest-acceptance (tail) draft tokens of
+  the batch while the estimated goodput rises. Drafts stay prefixes; the bonus token
+  counts as accepted (DESIGN.md decisions).
+
+The executor drafts a chain of the predicted length in one call, so the drafter's
+"one more step" loop runs on predicted confidences before drafting and the verifier
+corrects with the real ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from gpu_runtime.executor.base import DraftEntry
+from gpu_runtime.speculation.base import SpeculationPolicy
+from gpu_runtime.speculation.cost import Ema, LinearStepCost
+from gpu_runtime.speculation.token_tree import TokenTree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdaSpecConfig:
+    max_length: int = 8  # longest chain the drafter may build
+    prior_confidence: float = 0.6  # confidence assumed at a depth never drafted yet
+    warmup_steps: int = 12  # steps cycling lengths 1..max_length so both time models fit
+    confidence_weight: float = 0.1  # EMA weight of the per-depth confidence history
+    calibrate: bool = True  # rescale draft confidences by observed accepted/predicted
+
+
+@dataclass
+class ChainEstimate:
+    length: int
+    expected_tokens: float  # NAT: accepted + bonus tokens over the batch
+    step_time_s: float
+    goodput: float  # tokens/s, -1 when the step breaks the tightest TPOT target
+
+
+class AdaSpec(SpeculationPolicy):
+    name = "adaspec"
+
+    def __init__(self, config: AdaSpecConfig | None = None, target_cost: LinearStepCost | None = None,
+                 draft_cost: LinearStepCost | None = None, **overrides) -> None:
+        self.config = config or AdaSpecConfig(**overrides)
+        self.target_cost = target_cost or LinearStepCost()
+        self.draft_cost = draft_cost or LinearStepCost()
+        self.confidence = [Ema(self.config.prior_confidence, self.config.confidence_weight)
+                           for _ in range(self.config.max_length)]
+        self.scale = 1.0  # observed / predicted accepted tokens (confidence calibration)
+        self._pred_acc = Ema(0.0, 0.05)
+        self._real_acc = Ema(0.0, 0.05)
+        self._steps = 0
+        self._length = 0
+        self._verified: dict[str, int] = {}
+
+    # ---- the efficiency estimator (Alg. 3) ----
+    def _acceptance(self, cond: list[float]) -> list[float]:
+        """AR_j = scale * prod_{k<=j} c_k (section 4.2), capped at 1."""
+        out, acc = [], 1.0
+        for c in cond:
+            acc *= c
+            out.append(min(1.0, acc * self.scale))
+        return out
+
+    def estimate(self, n: int, context: int, draft_steps: int, rates: list[list[float]],
+                 tpot_limit: float | None, draft_time_s: float | None = None) -> ChainEstimate:
+        """Goodput of one step: n requests, verified tokens given by their acceptance rates."""
+        verified = sum(len(r) for r in rates)
+        tokens = n + sum(sum(r) for r in rates)  # bonus token counts
+        t_draft = draft_time_s if draft_time_s is not None else draft_steps * self.draft_cost.predict(context, n)
+        t = t_draft + self.target_cost.predict(context, n + verified)
+        good = tokens / t if t > 0 else float(tokens)
+        if tpot_limit is not None and draft_steps > 0 and t > tpot_limit:
+            good = -1.0  # Alg. 3: a step slower than the TPOT SLO is rejected
+        return ChainEstimate(draft_steps, tokens, t, good)
+
+    def plan_length(self, n: int, context: int, tpot_limit: float | None) -> int:
+        """Alg. 1: extend the chain while the predicted goodput rises (first local maximum)."""
+        cond = [e.value for e in self.confidence]
+        best = self.estimate(n, context, 0, [[] for _ in range(n)], tpot_limit)
+        length = 0
+        for sl in range(1, self.config.max_length + 1):
+            rates = self._acceptance(cond[:sl])
+            est = self.estimate(n, context, sl, [rates] * n, tpot_limit)
+            if est.goodput <= best.goodput:
+                break
+            best, length = est, sl
+        return length
+
+    # ---- the policy ----
+    def draft_plan(self, decodes, now):
+        if not decodes:
+            return []
+        self._steps += 1
+        cfg = self.config
+        if self._steps <= cfg.warmup_steps or not (self.target_cost.fitted and self.draft_cost.fitted):
+            self._length = 1 + (self._steps - 1) % cfg.max_length  # spread N_b so the fit is identifiable
+        else:
+            context = sum(r.num_computed_tokens for r in decodes)
+            self._length = self.plan_length(len(decodes), context, _tightest_tpot(decodes, now))
+        if self._length == 0:
+            return []
+        return [DraftEntry(r.request_id, self._length, 1) for r in decodes]
+
+    def select(self, decodes, candidates, now):
+        chains: dict[str, tuple[TokenTree, list[float]]] = {}
+        for r in decodes:
+            tree = candidates.get(r.request_id)
+            if tree is None or not len(tree):
+                continue
+            path = _chain_nodes(tree)
+            cond = _conditionals([tree.path_probs[i] for i in path])
+            for j, c in enumerate(cond[:self.config.max_length]):
+                self.confidence[j].update(c)
+            chains[r.request_id] = (tree.subtree(path), self._acceptance(cond))
+        if not chains or self._steps <= self.config.warmup_steps:
+            self._verified = {rid: sum(ar) for rid, (_, ar) in chains.items()}
+            return {rid: t for rid, (t, _) in chains.items()}
+        # Alg. 2: drop the batch's lowest-AR tail token while the estimated goodput rises.
+        context = sum(r.num_computed_tokens for r in decodes)
+        keep = {rid: len(t) for rid, (t, _) in chains.items()}
+        rates = {rid: ar for rid, (_, ar) in chains.items()}
+        draft_time = self._length * self.draft_cost.predict(context, len(decodes))
+
+        def goodput() -> float:
+            rs = [rates[rid][:k] for rid, k in keep.items()]
+            rs += [[] for _ in range(len(decodes) - len(rs))]
+            return self.estimate(len(decodes), context, self._length, rs, None, draft_time).goodput
+
+        best = goodput()
+        while True:
+            tails = [(rates[rid][k - 1], rid) for rid, k in keep.items() if k > 0]
+            if not tails:
+                break
+            _, rid = min(tails)
+            keep[rid] -= 1
+            g = goodput()
+            if g > best:
+                best = g
+            else:
+                keep[rid] += 1
+                break
+        out = {}
+        for rid, k in keep.items():
+            if k > 0:
+                out[rid] = chains[rid][0].subtree(list(range(k)))
+        self._verified = {rid: sum(rates[rid][:k]) for rid, k in keep.items()}
+        return out
+
+    def observe(self, decodes, selected, result, draft_latency_s, now):
+        if not decodes:
+            return
+        n = len(decodes)
+        context = sum(r.num_computed_tokens for r in decodes)
+        verified = sum(len(t) for t in selected.values())
+        self.target_cost.observe(context, n + verified, result.latency_s)
+        if draft_latency_s > 0 and self._length > 0:
+            self.draft_cost.observe(context, n, draft_latency_s / self._length)
+        if self.config.calibrate and selected:
+            predicted = sum(self._verified.get(rid, 0.0) for rid in selected)
+            real = sum(len(result.accepted_nodes.get(rid, [])) for rid in selected)
+            if predicted > 0:
+                self._pred_acc.update(predicted)
+                self._real_acc.update(real)
+                if self._pred_acc.value > 0:
+                    self.scale = min(2.0, max(0.2, self._real_acc.value / self._pred_acc.value))
+        self._verified = {}
+
+    def state(self):
+        return {"policy": self.name, "length": self._length, "scale": round(self.scale, 3),
+                "confidence": [round(e.value, 3) for e in self.confidence]}
+
+
+def _tightest_tpot(decodes, now) -> float | None:
+    targets = [t for r in decodes if (t := r.tpot_target(now)) is not None]
+    return min(targets) if targets else None
+
+
+def _chain_nodes(tree: TokenTree) -> list[int]:
+    """The most probable root-to-leaf chain of a (possibly wider) candidate tree."""
+    path, node = [], -1
+    while True:
+        kids = tree.children(node)
+        if not kids:
+            return path
+        node = max(kids, key=lambda k: tree.path_probs[k])
+        path.append(node)
+
+
+def _conditionals(path_probs: list[float]) -> list[float]:
+    out, prev = [], 1.0
+    for p in path_probs:
+        out.append(p / prev if prev > 0 else 0.0)
+        prev = p
+    return out

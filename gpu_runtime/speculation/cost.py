@@ -1,0 +1,98 @@
+"""Step-latency models the speculation policies reason with.
+
+``LinearStepCost`` is AdaSpec's time model T = alpha*N_c + gamma*N_b + delta (section
+4.1), fitted online by least squares from observed passes (or seeded from the cost
+model's profile). ``knee_budget`` turns a latency-vs-tokens curve into AdaServe's
+verification budget B: the largest batch whose latency stays within a tolerance of the
+one-token pass (the roofline knee, preprint section 5; DESIGN.md: from the profile).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LinearStepCost:
+    """T(N_c, N_b) = alpha*N_c + gamma*N_b + delta (AdaSpec eq. 1), fitted online."""
+
+    alpha: float = 0.0  # seconds per context token attended
+    gamma: float = 0.0  # seconds per token in the batch
+    delta: float = 0.0  # fixed cost of a pass
+    window: int = 256  # observations kept for the fit
+    min_samples: int = 8
+    _obs: deque = field(default_factory=deque, repr=False)
+
+    def predict(self, num_context: float, num_batch: float) -> float:
+        return max(0.0, self.alpha * num_context + self.gamma * num_batch + self.delta)
+
+    @property
+    def fitted(self) -> bool:
+        return len(self._obs) >= self.min_samples or self.gamma > 0 or self.delta > 0
+
+    def observe(self, num_context: float, num_batch: float, latency_s: float) -> None:
+        self._obs.append((float(num_context), float(num_batch), float(latency_s)))
+        while len(self._obs) > self.window:
+            self._obs.popleft()
+        if len(self._obs) >= self.min_samples:
+            self._fit()
+
+    def _fit(self) -> None:
+        data = np.asarray(self._obs)
+        x = np.column_stack([data[:, 0], data[:, 1], np.ones(len(data))])
+        # Columns that never vary make the system rank-deficient; lstsq returns the
+        # minimum-norm solution, and negative slopes are clipped (time never shrinks with work).
+        coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
+        a, g, d = (float(c) for c in coef)
+        self.alpha, self.gamma = max(a, 0.0), max(g, 0.0)
+        self.delta = max(d, 0.0)
+
+    @classmethod
+    def from_points(cls, points: list[tuple[float, float, float]]) -> LinearStepCost:
+        """Fit from profile rows (N_c, N_b, seconds)."""
+        model = cls(min_samples=min(8, max(3, len(points))))
+        for row in points:
+            model.observe(*row)
+        return model
+
+
+def knee_budget(latency: Callable[[int], float], max_tokens: int = 1024, tolerance: float = 0.25,
+                min_tokens: int = 1) -> int:
+    """Largest token count n <= max_tokens with latency(n) <= (1+tolerance) * latency(min_tokens).
+
+    Below the knee a pass is bound by reading the weights, so extra verified tokens are
+    almost free; past it latency grows linearly with tokens (roofline).
+    """
+    base = latency(min_tokens)
+    best = min_tokens
+    n = min_tokens
+    while n <= max_tokens:
+        if latency(n) <= (1.0 + tolerance) * base:
+            best = n
+        else:
+            break
+        n = n + 1 if n < 16 else int(n * 1.125) + 1
+    if best < max_tokens and n > max_tokens and latency(max_tokens) <= (1.0 + tolerance) * base:
+        best = max_tokens
+    return best
+
+
+class Ema:
+    """Exponential moving average with a prior used until the first sample."""
+
+    def __init__(self, prior: float, weight: float = 0.2) -> None:
+        self.value = prior
+        self.weight = weight
+        self.count = 0
+
+    def update(self, x: float) -> float:
+        self.value = x if self.count == 0 else (1 - self.weight) * self.value + self.weight * x
+        self.count += 1
+        return self.value

@@ -1,0 +1,220 @@
+"""Nightjar: when (and how much) to speculate, plus elastic draft memory.
+
+* A bandit per batch-size bucket over gamma in {0..G_max} (0 = no speculation), with
+  ADA-BINGREEDY time structure (Algorithm 1): bins of sqrt(H) rounds, sqrt(H) bins per
+  block, H doubling per block; a bin explores with probability 1/sqrt(b). Untried arms
+  are played first (DESIGN.md decision).
+* Exploitation (eq. 3, unit-consistent): argmin_gamma 1/g(B, gamma) +
+  [prev gamma = 0 and gamma > 0] * c_prefill(L_max, B) / gamma, in seconds per token.
+* Elastic memory (section 5): with speculation off and free KV below tau_low for
+  ``persist_steps`` iterations, offload the draft (the KV pool grows); reload it when
+  the waiting queue is empty and free blocks exceed the draft's size + tau_low.
+
+Reward = realized goodput of the step: (accepted + bonus) tokens / (draft + verify) s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpu_runtime.executor.base import DraftEntry
+from gpu_runtime.speculation.base import SpeculationPolicy
+from gpu_runtime.speculation.cost import Ema
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NightjarConfig:
+    max_gamma: int = 5  # Gamma_max: arms 0..max_gamma
+    window: int = 32  # rewards kept per arm (recent ones: the environment drifts)
+    bucket_batch_sizes: bool = True  # share statistics across batch sizes of one power of two
+    tau_low: float = 0.10  # free-KV threshold (share of blocks) for offloading the draft
+    persist_steps: int = 20  # T: iterations the condition must hold before offloading
+    seed: int = 0
+
+
+@dataclass
+class _BinState:
+    """Per batch-size hierarchy of Algorithm 1 (j_B, H_B, b_B, tau_B) and reward stats."""
+
+    num_arms: int
+    window: int
+    block: int = 1  # j_B
+    horizon: int = 1  # H_B
+    bin: int = 1  # b_B
+    round: int = 1  # tau_B
+    exploring: bool = False
+    rewards: list[deque] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rewards = [deque(maxlen=self.window) for _ in range(self.num_arms)]
+
+    def mean(self, arm: int) -> float | None:
+        r = self.rewards[arm]
+        return sum(r) / len(r) if r else None
+
+    def advance(self) -> None:
+        """Algorithm 1 lines 16-22."""
+        self.round += 1
+        if self.round > math.sqrt(self.horizon):
+            self.bin += 1
+            self.round = 1
+            if self.bin > math.sqrt(self.horizon):
+                self.block += 1
+                self.horizon = 2 ** (self.block - 1)
+                self.bin = 1
+
+
+class GammaBandit:
+    """The arm-selection part of Nightjar, usable without an engine (tests, simulation)."""
+
+    def __init__(self, config: NightjarConfig | None = None) -> None:
+        self.config = config or NightjarConfig()
+        self.rng = random.Random(self.config.seed)
+        self.states: dict[int, _BinState] = {}
+        self.prev_gamma = 0
+
+    def bucket(self, batch_size: int) -> int:
+        if not self.config.bucket_batch_sizes or batch_size <= 1:
+            return max(1, batch_size)
+        return 1 << (batch_size - 1).bit_length()
+
+    def state_for(self, batch_size: int) -> _BinState:
+        key = self.bucket(batch_size)
+        if key not in self.states:
+            self.states[key] = _BinState(self.config.max_gamma + 1, self.config.window)
+        return self.states[key]
+
+    def choose(self, batch_size: int, switch_cost_s: float = 0.0) -> int:
+        st = self.state_for(batch_size)
+        untried = [g for g in range(st.num_arms) if not st.rewards[g]]
+        if untried:
+            return untried[0]
+        if st.round == 1:  # line 6-8: a new bin explores with probability 1/sqrt(b)
+            st.exploring = self.rng.random() < 1.0 / math.sqrt(st.bin)
+        if st.exploring:
+            return self.rng.randrange(st.num_arms)  # line 11
+        return self.exploit(st, switch_cost_s)
+
+    def exploit(self, st: _BinState, switch_cost_s: float) -> int:
+        """Eq. 3: seconds per token, plus the draft catch-up cost spread over gamma tokens."""
+        best, best_cost = 0, math.inf
+        for g in range(st.num_arms):
+            m = st.mean(g)
+            if m is None or m <= 0:
+                continue
+            cost = 1.0 / m
+            if self.prev_gamma == 0 and g > 0:
+                cost += switch_cost_s / g
+            if cost < best_cost:
+                best, best_cost = g, cost
+        return best
+
+    def update(self, batch_size: int, gamma: int, reward: float) -> None:
+        st = self.state_for(batch_size)
+        st.rewards[gamma].append(reward)
+        st.advance()
+        self.prev_gamma = gamma
+
+
+class Nightjar(SpeculationPolicy):
+    name = "nightjar"
+
+    def __init__(self, config: NightjarConfig | None = None,
+                 switch_cost: Callable[[int, int], float] | None = None, **overrides) -> None:
+        self.config = config or NightjarConfig(**overrides)
+        self.bandit = GammaBandit(self.config)
+        self.switch_cost = switch_cost  # c_prefill(L_max, B) seconds, from the profile
+        self._lag_cost = Ema(0.0)  # online fallback: seconds per lagging token to catch up
+        self._draft_step = Ema(0.0)  # draft seconds per step when in sync
+        self.gamma = 0
+        self._batch = 0
+        self._last_drafted: dict[str, int] = {}  # request -> outputs when last drafted
+        self._l_max = 0
+        self._low_steps = 0
+        self._offloaded_blocks = 0
+        self.offloads = 0
+        self.reloads = 0
+
+    def bind(self, executor) -> None:
+        super().bind(executor)
+        if self.switch_cost is None:
+            self.switch_cost = getattr(executor, "draft_switch_cost", None)
+
+    def _c_prefill(self, l_max: int, batch: int) -> float:
+        if l_max <= 0:
+            return 0.0
+        if self.switch_cost is not None:
+            return self.switch_cost(l_max, batch)
+        return self._lag_cost.value * l_max
+
+    def draft_plan(self, decodes, now):
+        self._batch = len(decodes)
+        if not decodes:
+            return []
+        self._l_max = max((r.num_output_tokens - self._last_drafted.get(r.request_id, 0) for r in decodes),
+                          default=0)
+        on_device = getattr(self, "executor", None) is None or self.executor.draft_on_device
+        self.gamma = self.bandit.choose(len(decodes), self._c_prefill(self._l_max, len(decodes)))
+        if not on_device:
+            self.gamma = 0  # the draft is offloaded: only plain decoding is possible
+        if self.gamma == 0:
+            return []
+        for r in decodes:
+            self._last_drafted[r.request_id] = r.num_output_tokens
+        return [DraftEntry(r.request_id, self.gamma, 1) for r in decodes]
+
+    def select(self, decodes, candidates, now):
+        return {rid: t.subtree(list(range(min(len(t), self.gamma)))) for rid, t in candidates.items()
+                if len(t) and all(p == i - 1 for i, p in enumerate(t.parents[:self.gamma]))}
+
+    def observe(self, decodes, selected, result, draft_latency_s, now):
+        if not decodes:
+            return
+        # Engine skips draft_plan when it has no drafter; count those steps as gamma = 0.
+        gamma = self.gamma if self._batch == len(decodes) else 0
+        tokens = len(decodes) + sum(len(v) for v in result.accepted_nodes.values())
+        elapsed = result.latency_s + draft_latency_s
+        prev = self.bandit.prev_gamma
+        if elapsed > 0:
+            self.bandit.update(len(decodes), gamma, tokens / elapsed)
+        if gamma > 0 and draft_latency_s > 0:
+            per_step = draft_latency_s / gamma
+            if prev == 0 and self._l_max > 1 and self._draft_step.count:
+                extra = per_step - self._draft_step.value  # catch-up beyond a normal draft step
+                self._lag_cost.update(max(0.0, extra * gamma) / self._l_max)
+            else:
+                self._draft_step.update(per_step)
+        live = {r.request_id for r in decodes}
+        self._last_drafted = {k: v for k, v in self._last_drafted.items() if k in live}
+        self._batch = 0
+
+    def maintain(self, executor, num_waiting):
+        cap = executor.capacity()
+        if cap.total_blocks <= 0:
+            return
+        low = cap.free_blocks < self.config.tau_low * cap.total_blocks
+        if executor.draft_on_device:
+            self._low_steps = self._low_steps + 1 if (low and self.gamma == 0) else 0
+            if self._low_steps >= self.config.persist_steps:
+                gained = executor.offload_draft()
+                self._offloaded_blocks = gained
+                self._low_steps = 0
+                self.offloads += 1
+                log.info("draft offloaded: KV pool +%d blocks", gained)
+        elif num_waiting == 0 and cap.free_blocks > self._offloaded_blocks + self.config.tau_low * cap.total_blocks:
+            if executor.load_draft():
+                self.reloads += 1
+                log.info("draft reloaded")
+
+    def state(self):
+        on = getattr(self, "executor", None)
+        return {"policy": self.name, "gamma": self.gamma, "prev_gamma": self.bandit.prev_gamma,
+                "draft_on_device": bool(on.draft_on_device) if on is not None else True,
+                "offloads": self.offloads, "reloads": self.reloads}

@@ -1,0 +1,45 @@
+"""Speculation policies by config name (STYLE.md item 8).
+
+Names: ``none``, ``chain-<n>`` (vLLM-Spec(n)), ``static-tree`` (SpecInfer-like, 23
+nodes), ``adaserve``, ``adaspec``, ``nightjar``. Keyword config goes to the policy's
+config dataclass (unknown keys raise).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from gpu_runtime.speculation.adaserve import AdaServe
+from gpu_runtime.speculation.adaspec import AdaSpec
+from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
+from gpu_runtime.speculation.nightjar import Nightjar
+from gpu_runtime.speculation.static import StaticChain, StaticTree
+
+log = logging.getLogger(__name__)
+
+POLICIES: dict[str, type[SpeculationPolicy]] = {
+    "none": NoSpeculation,
+    "static-tree": StaticTree,
+    "adaserve": AdaServe,
+    "adaspec": AdaSpec,
+    "nightjar": Nightjar,
+}
+
+_CHAIN = re.compile(r"^chain-(\d+)$")
+
+
+def policy_names() -> list[str]:
+    return ["none", "chain-<n>", *[n for n in POLICIES if n != "none"]]
+
+
+def create_policy(name: str, **config) -> SpeculationPolicy:
+    """Build a fresh policy; ``chain-4`` etc. are static chains of that length."""
+    m = _CHAIN.match(name)
+    if m:
+        return StaticChain(int(m.group(1)), **config)
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown speculation policy {name!r}; known: {', '.join(policy_names())}") from None
+    return cls(**config)
