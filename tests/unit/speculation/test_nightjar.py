@@ -1,0 +1,129 @@
+"""Nightjar: bandit convergence and tracking, eq. 3 switch cost, elastic draft memory logic."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from gpu_runtime.executor.base import KVCapacity, StepResult
+from gpu_runtime.speculation.nightjar import GammaBandit, Nightjar, NightjarConfig
+
+from .conftest import make_request
+
+
+def play(bandit: GammaBandit, means: list[float], steps: int, rng: random.Random, batch: int = 4) -> Counter:
+    counts: Counter = Counter()
+    for _ in range(steps):
+        g = bandit.choose(batch)
+        bandit.update(batch, g, means[g] + rng.gauss(0, 1.0))
+        counts[g] += 1
+    return counts
+
+
+def test_untried_arms_first():
+    b = GammaBandit(NightjarConfig(max_gamma=3))
+    seen = []
+    for _ in range(4):
+        g = b.choose(2)
+        seen.append(g)
+        b.update(2, g, 1.0)
+    assert seen == [0, 1, 2, 3]
+
+
+def test_converges_to_best_arm_and_switches_after_change():
+    rng = random.Random(7)
+    bandit = GammaBandit(NightjarConfig(max_gamma=5, seed=3))
+    means = [10.0, 14.0, 18.0, 15.0, 12.0, 8.0]
+    play(bandit, means, 1500, rng)
+    late = play(bandit, means, 500, rng)
+    assert late.most_common(1)[0][0] == 2
+    assert late[2] > 0.7 * 500
+    shifted = [10.0, 14.0, 6.0, 15.0, 21.0, 8.0]  # load changed: gamma=4 is now best
+    play(bandit, shifted, 2500, rng)
+    late = play(bandit, shifted, 500, rng)
+    assert late.most_common(1)[0][0] == 4
+    assert late[4] > 0.6 * 500
+
+
+def test_switch_cost_keeps_speculation_off_when_gain_is_small():
+    b = GammaBandit(NightjarConfig(max_gamma=2))
+    for g, r in [(0, 100.0), (1, 104.0), (2, 101.0)]:
+        b.update(1, g, r)
+    b.update(1, 0, 100.0)  # last played arm: 0 (speculation off)
+    st = b.state_for(1)
+    assert b.exploit(st, switch_cost_s=0.0) == 1
+    # 1/100 vs 1/104 + 0.005/1: the catch-up cost outweighs the gain
+    assert b.exploit(st, switch_cost_s=0.005) == 0
+    b.prev_gamma = 1  # already speculating: no switch cost applies
+    assert b.exploit(st, switch_cost_s=0.005) == 1
+
+
+def test_bins_and_blocks_double():
+    st = GammaBandit().state_for(1)
+    lengths = []
+    block, n = st.block, 0
+    for _ in range(200):
+        st.advance()
+        n += 1
+        if st.block != block:
+            lengths.append(n)
+            block, n = st.block, 0
+    # a block of horizon H lasts ceil(sqrt H)^2-ish rounds and H doubles per block
+    assert lengths[:4] == [1, 1, 4, 4]
+    assert lengths[-1] >= lengths[2]
+
+
+class FakeExecutor:
+    """Memory bookkeeping only: what Nightjar reads and calls (pure-logic unit test)."""
+
+    def __init__(self, total: int, free: int, draft_blocks: int) -> None:
+        self.total, self.free_blocks, self.draft_blocks = total, free, draft_blocks
+        self.draft_on_device = True
+        self.has_draft = True
+
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(self.total, self.free_blocks, 16)
+
+    def offload_draft(self) -> int:
+        self.draft_on_device = False
+        self.total += self.draft_blocks
+        self.free_blocks += self.draft_blocks
+        return self.draft_blocks
+
+    def load_draft(self) -> bool:
+        self.draft_on_device = True
+        self.total -= self.draft_blocks
+        self.free_blocks -= self.draft_blocks
+        return True
+
+
+def test_offload_after_persistent_low_memory_then_reload():
+    ex = FakeExecutor(total=100, free=5, draft_blocks=30)
+    pol = Nightjar(NightjarConfig(persist_steps=3))
+    pol.bind(ex)
+    pol.gamma = 0
+    for _ in range(2):
+        pol.maintain(ex, num_waiting=4)
+    assert ex.draft_on_device  # not yet T steps
+    pol.maintain(ex, num_waiting=4)
+    assert not ex.draft_on_device and ex.total == 130 and pol.offloads == 1
+    # while offloaded the policy cannot speculate
+    reqs = [make_request("a"), make_request("b")]
+    for _ in range(10):
+        assert pol.draft_plan(reqs, 0.0) == []
+        pol.observe(reqs, {}, StepResult(latency_s=0.01), 0.0, 0.0)
+    pol.maintain(ex, num_waiting=3)  # queue not empty: stays off
+    assert not ex.draft_on_device
+    ex.free_blocks = 80
+    pol.maintain(ex, num_waiting=0)
+    assert ex.draft_on_device and pol.reloads == 1 and ex.total == 100
+
+
+def test_no_offload_while_speculating():
+    ex = FakeExecutor(total=100, free=5, draft_blocks=30)
+    pol = Nightjar(NightjarConfig(persist_steps=2))
+    pol.bind(ex)
+    pol.gamma = 3
+    for _ in range(5):
+        pol.maintain(ex, num_waiting=1)
+    assert ex.draft_on_device

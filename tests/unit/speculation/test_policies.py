@@ -1,0 +1,162 @@
+"""AdaServe eq. 8-9 / A(r) / budget, AdaSpec estimator, static baselines, registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_runtime.executor.base import StepResult
+from gpu_runtime.speculation.adaserve import AdaServe, AdaServeConfig
+from gpu_runtime.speculation.adaspec import AdaSpec
+from gpu_runtime.speculation.base import NoSpeculation
+from gpu_runtime.speculation.cost import LinearStepCost, knee_budget
+from gpu_runtime.speculation.registry import create_policy
+from gpu_runtime.speculation.requirement import slo_requirement
+from gpu_runtime.speculation.static import StaticChain, StaticTree
+from gpu_runtime.speculation.token_tree import TokenTree
+
+from .conftest import make_request, random_tree
+
+
+# ---- A(r) ----
+def test_requirement_interactive_on_track_and_behind():
+    # 5 tokens, first at t=0, 4 decoded in 0.2 s: exactly on a 50 ms TPOT.
+    r = make_request("a", tbt=0.05, outputs=5, gap=0.05)
+    assert slo_requirement(r, now=0.2, t_spec=0.05) == pytest.approx(1.0)  # one token per 50 ms step
+    # Same progress but 0.1 s later: two extra tokens are owed.
+    assert slo_requirement(r, now=0.3, t_spec=0.05) == pytest.approx(3.0)
+
+
+def test_requirement_batch_uses_deadline_rate():
+    r = make_request("b", ttlt=10.0, outputs=4)
+    r.predicted_output_len = 24  # 20 tokens left, 10 s left at now=0 -> 0.5 s/token
+    assert slo_requirement(r, now=0.0, t_spec=1.0) == pytest.approx(2.0)
+
+
+# ---- budget and eq. 8-9 ----
+def test_knee_budget_from_roofline_curve():
+    def curve(n):  # flat until 64 tokens, then linear
+        return 0.010 * max(1.0, n / 64)
+    assert knee_budget(curve, max_tokens=1024, tolerance=0.25) in range(64, 81)
+    assert knee_budget(lambda n: 0.01 + 0.001 * n, max_tokens=1024, tolerance=0.5) == 6  # 0.01 + 0.001n <= 1.5 * 0.011
+
+
+def test_linear_cost_fit_recovers_coefficients():
+    cost = LinearStepCost()
+    for nc in (100, 400, 900, 1600):
+        for nb in (1, 4, 9, 16, 30):
+            cost.observe(nc, nb, 2e-6 * nc + 1e-3 * nb + 0.02)
+    assert cost.alpha == pytest.approx(2e-6, rel=1e-6)
+    assert cost.gamma == pytest.approx(1e-3, rel=1e-6)
+    assert cost.delta == pytest.approx(0.02, rel=1e-6)
+
+
+def test_adaserve_depth_width_follow_load():
+    pol = AdaServe(AdaServeConfig(d_min=2, d_max=8, w_max=3, c1=1, c2=0, draft_budget=12))
+    assert pol.shape(1, budget=64) == (8, 3)  # light load: deepest, widest
+    d16, w16 = pol.shape(16, budget=64)
+    assert d16 == 2 and w16 == 1  # eq. 8: floor(64/17) - 1 = 2; eq. 9: floor(12/16) = 0 -> 1
+    assert pol.shape(4, budget=64) == (8, 3)
+    assert pol.shape(8, budget=64) == (6, 1)
+
+
+def test_adaserve_budget_uses_latency_curve_when_bound():
+    class Exec:
+        latency_curve = staticmethod(lambda n: 0.01 * max(1.0, n / 32))
+    pol = AdaServe()
+    pol.bind(Exec())
+    assert 32 <= pol.budget(4) <= 40
+
+
+def test_adaserve_plan_and_select_meets_requirements(rng):
+    behind = make_request("behind", tbt=0.05, outputs=5, gap=0.05)  # needs 2 tokens at now=0.25
+    ahead = make_request("ahead", tbt=0.5, outputs=5, gap=0.05)
+    pol = AdaServe(AdaServeConfig(budget=6, d_min=2, d_max=4))
+    entries = pol.draft_plan([behind, ahead], now=0.25)
+    assert {e.request_id for e in entries} == {"behind", "ahead"}
+    cands = {"behind": TokenTree.chain([1, 2, 3], [0.8, 0.8, 0.8]),
+             "ahead": TokenTree.chain([4, 5, 6], [0.95, 0.95, 0.95])}
+    trees = pol.select([behind, ahead], cands, now=0.25)
+    assert pol.last is not None and not pol.last.infeasible
+    assert pol.last.expected["behind"] >= slo_requirement(behind, 0.25, 0.0)
+    assert sum(len(t) for t in trees.values()) == 4  # B=6 minus two roots
+    pol.observe([behind, ahead], trees, StepResult(accepted_nodes={"behind": [0]}, latency_s=0.04), 0.01, 0.3)
+    assert pol.t_spec.value == pytest.approx(0.05)
+
+
+# ---- AdaSpec ----
+def _seeded_adaspec(**kw) -> AdaSpec:
+    target = LinearStepCost(alpha=0.0, gamma=0.002, delta=0.02)
+    draft = LinearStepCost(alpha=0.0, gamma=0.0005, delta=0.002)
+    pol = AdaSpec(target_cost=target, draft_cost=draft, warmup_steps=0, **kw)
+    return pol
+
+
+def test_adaspec_length_grows_with_confidence():
+    sure, unsure = _seeded_adaspec(), _seeded_adaspec()
+    for e in sure.confidence:
+        e.value = 0.95
+    for e in unsure.confidence:
+        e.value = 0.1
+    assert sure.plan_length(n=2, context=100, tpot_limit=None) > unsure.plan_length(n=2, context=100, tpot_limit=None)
+    assert unsure.plan_length(n=2, context=100, tpot_limit=None) == 0
+
+
+def test_adaspec_length_is_first_local_maximum():
+    pol = _seeded_adaspec()
+    for e in pol.confidence:
+        e.value = 0.8
+    sl = pol.plan_length(n=1, context=0, tpot_limit=None)
+    rates = lambda k: [pol._acceptance([0.8] * k)]  # noqa: E731
+    g = [pol.estimate(1, 0, k, rates(k), None).goodput for k in range(0, 9)]
+    assert g[sl] >= g[sl - 1] if sl > 0 else True
+    assert sl == 8 or g[sl + 1] <= g[sl]
+
+
+def test_adaspec_tpot_limit_stops_drafting():
+    pol = _seeded_adaspec()
+    for e in pol.confidence:
+        e.value = 0.95
+    free = pol.plan_length(n=1, context=0, tpot_limit=None)
+    assert free >= 3
+    # one draft step costs 0.0025 s on top of 0.022 s: a 0.026 s limit allows at most one
+    assert pol.plan_length(n=1, context=0, tpot_limit=0.026) <= 1
+
+
+def test_adaspec_verifier_drops_unlikely_tail():
+    pol = _seeded_adaspec()
+    pol._steps = 100
+    pol._length = 4
+    a, b = make_request("a"), make_request("b")
+    cands = {"a": TokenTree.chain([1, 2, 3, 4], [0.95, 0.95, 0.95, 0.95]),
+             "b": TokenTree.chain([5, 6, 7, 8], [0.9, 0.05, 0.9, 0.9])}
+    out = pol.select([a, b], cands, now=0.0)
+    assert len(out["a"]) == 4
+    assert len(out["b"]) == 1  # after the 0.05 step, acceptance is ~4% and costs more than it returns
+    assert out["b"].token_ids == [5]
+
+
+# ---- static baselines and registry ----
+def test_static_chain_and_tree_shapes(rng):
+    reqs = [make_request("a"), make_request("b")]
+    chain = StaticChain(3)
+    assert [(e.depth, e.width) for e in chain.draft_plan(reqs, 0.0)] == [(3, 1), (3, 1)]
+    wide = random_tree(rng, 12)
+    sel = chain.select(reqs, {"a": wide}, 0.0)
+    assert sel["a"].parents == list(range(-1, len(sel["a"]) - 1)) and len(sel["a"]) <= 3
+    tree = StaticTree(num_nodes=5)
+    sel = tree.select(reqs, {"a": wide, "b": random_tree(rng, 3)}, 0.0)
+    assert len(sel["a"]) == 5 and len(sel["b"]) == 3
+    top5 = sorted(wide.path_probs, reverse=True)[:5]
+    assert sorted(sel["a"].path_probs, reverse=True) == pytest.approx(top5)
+
+
+def test_registry_names():
+    assert isinstance(create_policy("none"), NoSpeculation)
+    assert create_policy("chain-4").length == 4
+    assert isinstance(create_policy("static-tree"), StaticTree)
+    assert create_policy("adaserve", budget=16).config.budget == 16
+    assert create_policy("nightjar", max_gamma=3).config.max_gamma == 3
+    with pytest.raises(ValueError):
+        create_policy("eagle")
+    with pytest.raises(TypeError):
+        create_policy("adaspec", no_such_knob=1)
