@@ -1,0 +1,68 @@
+"""Kill -9 a worker mid-generation: every accepted job still completes exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from app.db.models import Job, JobEvent
+from app.db.session import session_scope
+from app.services.streaming import stream_key
+from tests.conftest import Keys, wait_for
+
+pytestmark = pytest.mark.integration
+
+H = Keys.header
+N_JOBS = 8
+MAX_TOKENS = 150
+
+
+def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, start_worker):
+    url = settings.sqlalchemy_url
+    w1 = start_worker("w1", COSERVE_MAX_INFLIGHT="4")
+    ids = []
+    for i in range(N_JOBS):
+        r = client.post("/v1/jobs", headers=H(keys.paid),
+                        json={"prompt": f"Story number {i}:", "max_tokens": MAX_TOKENS, "ignore_eos": True})
+        assert r.status_code == 201
+        ids.append(r.json()["id"])
+    rds = redis.Redis.from_url(settings.redis_url)
+
+    def mid_generation():
+        with session_scope(url) as s:
+            running = s.scalars(select(Job.id).where(Job.status == "running")).all()
+        return [j for j in running if rds.xlen(stream_key(j)) >= 3]
+
+    victims = wait_for(mid_generation, 60, "a job to be mid-generation")
+    os.killpg(w1.pid, signal.SIGKILL)  # the worker and anything it started, no chance to clean up
+    w1.wait(10)
+    with session_scope(url) as s:
+        interrupted = s.scalars(select(Job.id).where(Job.status.in_(["running", "relegated"]))).all()
+    assert set(victims) <= set(interrupted)
+
+    start_worker("w2")
+
+    def all_done():
+        with session_scope(url) as s:
+            return s.scalar(select(func.count()).select_from(Job).where(
+                Job.id.in_(ids), Job.status.in_(["succeeded", "failed", "cancelled", "expired"]))) == N_JOBS
+    wait_for(all_done, 180, "every job to finish after the restart", interval=0.5)
+
+    with session_scope(url) as s:
+        jobs = {j.id: j for j in s.scalars(select(Job).where(Job.id.in_(ids)))}
+        terminal = s.execute(select(JobEvent.job_id, func.count()).where(
+            JobEvent.job_id.in_(ids), JobEvent.to_status.in_(["succeeded", "failed", "cancelled", "expired"]))
+            .group_by(JobEvent.job_id)).all()
+        requeues = s.execute(select(JobEvent.job_id).where(
+            JobEvent.job_id.in_(ids), JobEvent.detail.like("lease of w1 expired%"))).scalars().all()
+    assert all(j.status == "succeeded" for j in jobs.values()), {k: j.status for k, j in jobs.items()}
+    assert dict(terminal) == {j: 1 for j in ids}  # one terminal transition per job
+    assert all(j.output_text and j.completion_tokens == MAX_TOKENS for j in jobs.values())
+    # the interrupted jobs were requeued when w1's lease ran out and finished on w2, attempt 2
+    assert set(interrupted) <= set(requeues)
+    for job_id in interrupted:
+        assert jobs[job_id].worker_id == "w2" and jobs[job_id].attempt == 2

@@ -1,0 +1,136 @@
+"""A real GPU-worker process (Celery consumer + engine on a tiny random Llama) behind the API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+from sqlalchemy import select, update
+
+from app.db.models import Job, JobEvent, WorkerState
+from app.db.session import session_scope
+from app.services.streaming import StreamEvent, follow_job, stream_key
+from tests.conftest import Keys, wait_for
+
+pytestmark = pytest.mark.integration
+
+H = Keys.header
+
+
+def submit(client, key, **body):
+    body.setdefault("prompt", "Tell me about the sea.")
+    body.setdefault("ignore_eos", True)
+    r = client.post("/v1/jobs", json=body, headers=H(key))
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def status_of(client, key, job_id):
+    return client.get(f"/v1/jobs/{job_id}", headers=H(key)).json()
+
+
+def wait_status(client, key, job_id, statuses, timeout=60):
+    return wait_for(lambda: (j := status_of(client, key, job_id))["status"] in statuses and j, timeout,
+                    f"{job_id} to reach {statuses}")
+
+
+def events_of(url, job_id):
+    with session_scope(url) as s:
+        return [(e.from_status, e.to_status) for e in s.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
+
+
+def test_jobs_run_stream_and_report_metrics(client, keys, settings, start_worker):
+    start_worker("w1")
+    assert client.get("/readyz").status_code == 200
+    ids = [submit(client, keys.paid, max_tokens=12) for _ in range(3)]
+    ids.append(submit(client, keys.free, kind="batch", deadline_window_s=600, max_tokens=5,
+                      messages=[{"role": "user", "content": "hi"}], prompt=None))
+    for job_id in ids:
+        job = wait_status(client, keys.paid, job_id, {"succeeded", "failed"})
+        assert job["status"] == "succeeded", job
+        assert job["output_text"] and job["worker_id"] == "w1" and job["attempt"] == 1
+        assert job["completion_tokens"] == job["sampling"]["max_tokens"] and job["finish_reason"] == "length"
+        m = job["metrics"]
+        assert m["ttft_s"] > 0 and m["ttlt_s"] >= m["ttft_s"] and m["tbt_p99_s"] >= m["tbt_p50_s"] > 0
+        assert m["slo_met"] in (True, False)
+        assert events_of(settings.sqlalchemy_url, job_id) == [
+            (None, "queued"), ("queued", "dispatched"), ("dispatched", "running"), ("running", "succeeded")]
+        # the Redis stream holds the same text as SQL, then one terminal event
+        raw = redis.Redis.from_url(settings.redis_url).xrange(stream_key(job_id))
+        evs = [StreamEvent.parse(f) for _id, f in raw]
+        assert "".join(e.text for e in evs if e.type == "delta") == job["output_text"]
+        assert [e.type for e in evs].count("end") == 1 and evs[-1].status == "succeeded"
+    with session_scope(settings.sqlalchemy_url) as s:
+        state = s.get(WorkerState, "w1").state
+    assert state["active_jobs"] == 0 and "kv_usage" in state and "queues" in state
+
+
+def test_follow_job_yields_deltas_until_the_end(client, keys, settings, start_worker):
+    from redis.asyncio import Redis
+
+    start_worker("w1")
+    job_id = submit(client, keys.paid, max_tokens=20)
+
+    async def follow():
+        r = Redis.from_url(settings.redis_url)
+        try:
+            return [ev async for ev in follow_job(r, job_id, block_ms=200)]
+        finally:
+            await r.aclose()
+
+    evs = asyncio.run(asyncio.wait_for(follow(), 60))
+    assert evs[-1].terminal and evs[-1].status == "succeeded"
+    text = "".join(e.text for e in evs if e.type == "delta")
+    assert text == status_of(client, keys.paid, job_id)["output_text"]
+    assert sum(len(e.token_ids) for e in evs) == 20
+
+
+def test_cancel_aborts_a_running_job(client, keys, settings, start_worker):
+    start_worker("w1")
+    job_id = submit(client, keys.paid, max_tokens=480, prompt="a")
+    wait_status(client, keys.paid, job_id, {"running"})
+    r = client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
+    assert r.json()["status"] == "cancelled"
+    # the worker drops it (its engine holds no job) and never overwrites the cancel
+    wait_for(lambda: _worker_state(settings)["active_jobs"] == 0, 30, "the worker to abort the job")
+    job = status_of(client, keys.paid, job_id)
+    assert job["status"] == "cancelled" and job["output_text"] is None
+    assert [e for e in events_of(settings.sqlalchemy_url, job_id) if e[1] in ("succeeded", "cancelled")] == [
+        ("running", "cancelled")]
+
+
+def _worker_state(settings, worker_id="w1"):
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.expire_all()
+        row = s.get(WorkerState, worker_id)
+        return row.state if row else {}
+
+
+def test_job_accepted_while_broker_down_is_dispatched_by_the_sweeper(client, keys, settings, start_worker,
+                                                                     monkeypatch):
+    good = settings.redis_url
+    monkeypatch.setattr(settings, "redis_url", "redis://127.0.0.1:1/0")  # the API sees the broker down
+    job_id = submit(client, keys.paid, max_tokens=4)
+    assert status_of(client, keys.paid, job_id)["status"] == "queued"
+    monkeypatch.setattr(settings, "redis_url", good)
+    start_worker("w1")
+    job = wait_status(client, keys.paid, job_id, {"succeeded"})
+    assert ("queued", "dispatched") in events_of(settings.sqlalchemy_url, job_id)
+    assert job["attempt"] == 1
+
+
+def test_draining_worker_takes_no_new_jobs(client, keys, settings, start_worker):
+    start_worker("w1")
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=True))
+    time.sleep(3 * settings.heartbeat_seconds)  # the worker notices at its next heartbeat
+    job_id = submit(client, keys.paid, max_tokens=4)
+    time.sleep(2)
+    assert status_of(client, keys.paid, job_id)["status"] in ("queued", "dispatched")
+    assert client.get("/readyz").status_code == 503  # a draining worker does not make the service ready
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=False))
+    assert wait_status(client, keys.paid, job_id, {"succeeded"})["worker_id"] == "w1"

@@ -1,0 +1,79 @@
+"""Job leases in SQL: a worker owns a job while ``lease_expires_at`` is in the future.
+
+``acquire`` moves queued/dispatched -> running and bumps ``attempt``; the heartbeat
+renews every lease the worker holds; ``finish`` is guarded by (worker_id, attempt), so
+the completion of a stale attempt (its lease expired and the job was rerun) is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app.db.models import Job, JobStatus
+from app.services.transitions import ACTIVE, PENDING, transition, utcnow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lease:
+    job_id: str
+    attempt: int
+    worker_id: str
+
+
+def acquire(session: Session, job_id: str, worker_id: str, lease_s: float) -> Lease | None:
+    """Leases a pending job for ``worker_id`` (commits); None if it is not pending any more."""
+    row = session.execute(select(Job.status, Job.attempt).where(Job.id == job_id)).first()
+    if row is None or row.status not in PENDING:
+        return None
+    now = utcnow()
+    ok = transition(session, job_id, PENDING, JobStatus.RUNNING, worker_id=worker_id, attempt=row.attempt,
+                    detail="leased", values={"attempt": row.attempt + 1, "worker_id": worker_id,
+                                             "lease_expires_at": now + timedelta(seconds=lease_s),
+                                             "started_at": now})
+    session.commit()
+    return Lease(job_id, row.attempt + 1, worker_id) if ok else None
+
+
+def renew(session: Session, worker_id: str, leases: Iterable[Lease], lease_s: float) -> set[str]:
+    """Extends the leases still held (commits); returns the ids of those held."""
+    leases = list(leases)
+    if not leases:
+        return set()
+    ids = [lease.job_id for lease in leases]
+    session.execute(update(Job).where(Job.id.in_(ids), Job.worker_id == worker_id,
+                                      Job.status.in_([s.value for s in ACTIVE]))
+                    .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+                    .execution_options(synchronize_session=False))
+    held = session.execute(select(Job.id, Job.attempt).where(
+        Job.id.in_(ids), Job.worker_id == worker_id, Job.status.in_([s.value for s in ACTIVE]))).all()
+    session.commit()
+    attempts = {lease.job_id: lease.attempt for lease in leases}
+    return {r.id for r in held if attempts.get(r.id) == r.attempt}
+
+
+def finish(session: Session, lease: Lease, to: JobStatus, values: dict[str, Any], detail: str | None = None) -> bool:
+    """The one terminal transition of this attempt (commits); False for a stale attempt."""
+    values = {"finished_at": utcnow(), "lease_expires_at": None, **values}
+    ok = transition(session, lease.job_id, ACTIVE, to, worker_id=lease.worker_id, attempt=lease.attempt,
+                    detail=detail, values=values)
+    session.commit()
+    if not ok:
+        log.info("ignored %s of %s attempt %d: the lease is no longer ours", to, lease.job_id, lease.attempt)
+    return ok
+
+
+def release(session: Session, lease: Lease, detail: str) -> bool:
+    """Gives a running job back (worker shutdown): running/relegated -> queued (commits)."""
+    ok = transition(session, lease.job_id, ACTIVE, JobStatus.QUEUED, worker_id=lease.worker_id,
+                    attempt=lease.attempt, detail=detail, values={"worker_id": None, "lease_expires_at": None})
+    session.commit()
+    return ok

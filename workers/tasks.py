@@ -1,0 +1,22 @@
+"""Celery tasks. They carry only job ids; the job row in SQL says what to run."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+from sqlalchemy.exc import OperationalError
+
+from workers.celery_app import RUN_JOB
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(name=RUN_JOB, bind=True, acks_late=True, autoretry_for=(OperationalError,),
+             retry_backoff=True, retry_backoff_max=30, max_retries=10)
+def run_job(self, job_id: str) -> None:
+    """Lease the job and hand it to this process's engine (acked once leased)."""
+    runtime = getattr(self.app, "coserve_worker", None)
+    if runtime is None:
+        raise RuntimeError("run_job needs the GPU worker process (`coserve worker`), not a plain celery worker")
+    runtime.accept(job_id)
