@@ -115,6 +115,8 @@ class AdaSpec(SpeculationPolicy):
         for r in decodes:
             tree = candidates.get(r.request_id)
             if tree is None or not len(tree):
+                if self._length > 0:
+                    self.confidence[0].update(0.0)  # the drafter proposed nothing (lookup miss)
                 continue
             path = _chain_nodes(tree)
             cond = _conditionals([tree.path_probs[i] for i in path])

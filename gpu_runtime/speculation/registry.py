@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TYPE_CHECKING
 
 from gpu_runtime.speculation.adaserve import AdaServe
 from gpu_runtime.speculation.adaspec import AdaSpec
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 from gpu_runtime.speculation.nightjar import Nightjar
 from gpu_runtime.speculation.static import StaticChain, StaticTree
+
+if TYPE_CHECKING:
+    from gpu_runtime.executor.base import Executor
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +37,20 @@ def policy_names() -> list[str]:
     return ["none", "chain-<n>", *[n for n in POLICIES if n != "none"]]
 
 
-def create_policy(name: str, **config) -> SpeculationPolicy:
-    """Build a fresh policy; ``chain-4`` etc. are static chains of that length."""
+def create_policy(name: str, executor: Executor | None = None, **config) -> SpeculationPolicy:
+    """Build a fresh policy; ``chain-4`` etc. are static chains of that length.
+
+    ``executor`` (optional) is bound right away so the policy can read its profile; the
+    Engine binds it again, which is harmless."""
     m = _CHAIN.match(name)
     if m:
-        return StaticChain(int(m.group(1)), **config)
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown speculation policy {name!r}; known: {', '.join(policy_names())}") from None
-    return cls(**config)
+        policy: SpeculationPolicy = StaticChain(int(m.group(1)), **config)
+    else:
+        try:
+            cls = POLICIES[name]
+        except KeyError:
+            raise ValueError(f"unknown speculation policy {name!r}; known: {', '.join(policy_names())}") from None
+        policy = cls(**config)
+    if executor is not None:
+        policy.bind(executor)
+    return policy
