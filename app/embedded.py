@@ -79,3 +79,29 @@ def terminate_group(procs: list[subprocess.Popen], timeout: float = 15.0) -> Non
             except (ProcessLookupError, PermissionError):
                 p.kill()
             p.wait()
+
+
+class Supervisor:
+    """Starts child processes in their own process groups and stops them all together."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_path, "ab")
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc))
+        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        return proc
+
+    def adopt(self, name: str, proc: subprocess.Popen) -> None:
+        self.procs.append((name, proc))
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs if p.poll() is not None]
+
+    def stop(self) -> None:
+        # reverse start order: API and workers before the Redis they need
+        for _name, p in reversed(self.procs):
+            terminate_group([p])

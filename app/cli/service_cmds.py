@@ -1,7 +1,274 @@
-"""CLI commands: service_cmds (to be filled by its owner)."""
+"""CLI: ``coserve up`` (embedded service), ``worker``, ``submit``, ``status``, ``jobs``, ``keys create``."""
 
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
 import typer
+from rich.console import Console
+from rich.table import Table
+
+log = logging.getLogger(__name__)
+console = Console()
+
+TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+DEMO_PROMPT = "In two sentences: why do interactive and batch LLM jobs benefit from sharing GPUs?"
 
 
-def register(cli: typer.Typer) -> None:
-    pass
+def _settings(**overrides: Any):
+    from app.settings import Settings
+
+    env_data_dir = overrides.pop("data_dir", None)
+    s = Settings()
+    updates = {k: v for k, v in overrides.items() if v is not None}
+    if env_data_dir is not None:
+        updates["data_dir"] = env_data_dir
+    return s.model_copy(update=updates)
+
+
+def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
+    from app.credentials import load_credentials
+
+    creds = load_credentials(_settings().data_dir) or {}
+    url = url or os.environ.get("COSERVE_URL") or creds.get("url") or "http://127.0.0.1:8000"
+    key = key or os.environ.get("COSERVE_API_KEY") or creds.get("api_key")
+    if not key:
+        raise typer.BadParameter("no API key: pass --key, set COSERVE_API_KEY, or run `coserve up` first")
+    return url.rstrip("/"), key
+
+
+def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str, Any]:
+    try:
+        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]cannot reach {url}: {exc}[/red] (is `coserve up` running?)")
+        raise typer.Exit(2) from exc
+    if r.status_code >= 400:
+        console.print(f"[red]{r.status_code}[/red] {r.json().get('detail', r.text) if r.content else ''}")
+        raise typer.Exit(1)
+    return r.json()
+
+
+def _job_table(job: dict[str, Any]) -> Table:
+    t = Table(show_header=False, title=f"job {job['id']}")
+    m = job.get("metrics") or {}
+    rows = [("status", job["status"]), ("kind / tier", f"{job['kind']} / {job['tier']}"), ("model", job["model"]),
+            ("attempt / worker", f"{job['attempt']} / {job.get('worker_id') or '-'}"),
+            ("tokens (prompt / completion)", f"{job.get('prompt_tokens')} / {job.get('completion_tokens')}"),
+            ("TTFT / TTLT (s)", f"{_fmt(m.get('ttft_s'))} / {_fmt(m.get('ttlt_s'))}"),
+            ("TBT p50 / p99 (ms)", f"{_fmt(m.get('tbt_p50_s'), 1e3)} / {_fmt(m.get('tbt_p99_s'), 1e3)}"),
+            ("SLO met", str(m.get("slo_met"))), ("relegations", str(m.get("relegation_count", 0)))]
+    if job.get("error"):
+        rows.append(("error", job["error"]))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def _fmt(v: float | None, scale: float = 1.0) -> str:
+    return "-" if v is None else f"{v * scale:.3f}"
+
+
+def _wait(url: str, key: str, job_id: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = _request("GET", url, key, f"/v1/jobs/{job_id}")
+        if job["status"] in TERMINAL or time.monotonic() > deadline:
+            return job
+        time.sleep(0.2)
+
+
+def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the service commands
+    keys_app = typer.Typer(help="Manage API keys (direct DB access).", no_args_is_help=True)
+    cli.add_typer(keys_app, name="keys")
+
+    @cli.command()
+    def up(
+        demo: Annotated[bool, typer.Option("--demo", help="submit a demo job once ready and print its text")] = False,
+        exit_after_demo: Annotated[bool, typer.Option("--exit-after-demo", help="stop after the demo")] = False,
+        host: Annotated[str | None, typer.Option(help="API host")] = None,
+        port: Annotated[int | None, typer.Option(help="API port")] = None,
+        data_dir: Annotated[Path | None, typer.Option(help="SQLite, Redis data, logs, credentials")] = None,
+        model: Annotated[str | None, typer.Option(help="'smollm2-135m' or a checkpoint directory")] = None,
+        device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
+        api_workers: Annotated[int, typer.Option(help="uvicorn worker processes")] = 1,
+    ) -> None:
+        """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker."""
+        from app.credentials import credentials_path, ensure_credentials
+        from app.db.migrate import upgrade
+        from app.embedded import Supervisor, start_redis
+
+        t0 = time.monotonic()
+        settings = _settings(host=host, port=port, data_dir=data_dir, model=model, device=device)
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        data = settings.data_dir.resolve()
+        sup = Supervisor()
+        stop = {"now": False}
+
+        def on_signal(signum, _frame):
+            stop["now"] = True
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            redis_url = settings.redis_url
+            if not redis_url:
+                proc, redis_url = start_redis(data / "redis", persist=True)
+                sup.adopt("redis", proc)
+                console.print(f"[dim]redis-server (embedded) on {redis_url}[/dim]")
+            upgrade(settings.sqlalchemy_url)
+            api_url = f"http://{settings.host}:{settings.port}"
+            creds, created = ensure_credentials(settings.sqlalchemy_url, data, default_tier=settings.default_tier,
+                                                admin_key=settings.admin_key, api_url=api_url)
+            env = dict(os.environ, REDIS_URL=redis_url, COSERVE_DATA_DIR=str(data),
+                       COSERVE_DATABASE_URL=settings.sqlalchemy_url, COSERVE_MODEL=settings.model,
+                       COSERVE_DEVICE=settings.device, PYTHONUNBUFFERED="1")
+            sup.spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "app.main:app_factory", "--host",
+                              settings.host, "--port", str(settings.port), "--workers", str(api_workers),
+                              "--log-level", "warning", "--no-access-log"], env, data / "logs" / "api.log")
+            sup.spawn("worker", [sys.executable, "-m", "workers.gpu_worker"], env, data / "logs" / "worker.log")
+            if created:
+                console.print(f"[bold]API key[/bold] (shown once, saved to {credentials_path(data)}): "
+                              f"{creds['api_key']}")
+                if "admin_key" in creds:
+                    console.print(f"[bold]admin key[/bold]: {creds['admin_key']}")
+            console.print(f"waiting for the API and the worker (model {settings.model}) ...")
+            while True:
+                if stop["now"]:
+                    return
+                if dead := sup.dead():
+                    console.print(f"[red]{', '.join(dead)} exited during start-up; see {data / 'logs'}[/red]")
+                    raise typer.Exit(1)
+                try:
+                    if httpx.get(api_url + "/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+            ready_s = time.monotonic() - t0
+            console.print(f"[green]ready in {ready_s:.1f}s[/green]: API {api_url} (docs {api_url}/docs), "
+                          f"logs {data / 'logs'}, database {settings.sqlalchemy_url}")
+            if demo:
+                job = _request("POST", api_url, creds["api_key"], "/v1/jobs", json={
+                    "messages": [{"role": "user", "content": DEMO_PROMPT}], "max_tokens": 64, "tbt_ms": 200})
+                job = _wait(api_url, creds["api_key"], job["id"], 300)
+                console.print(f"[bold]demo job {job['id']}[/bold] ({job['status']}): {DEMO_PROMPT}")
+                console.print(job.get("output_text") or job.get("error") or "")
+                console.print(_job_table(job))
+                if exit_after_demo:
+                    return
+            console.print("serving; Ctrl-C stops everything")
+            while not stop["now"]:
+                if dead := sup.dead():
+                    console.print(f"[red]{', '.join(dead)} exited; stopping; see {data / 'logs'}[/red]")
+                    raise typer.Exit(1)
+                time.sleep(0.5)
+        finally:
+            console.print("stopping ...")
+            sup.stop()
+
+    @cli.command()
+    def worker(
+        model: Annotated[str | None, typer.Option(help="'smollm2-135m' or a checkpoint directory")] = None,
+        device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
+        worker_id: Annotated[str | None, typer.Option(help="default: host-pid")] = None,
+    ) -> None:
+        """Run one long-lived GPU worker (needs REDIS_URL and the database URL)."""
+        from workers.gpu_worker import run_worker
+
+        logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"),
+                            format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
+        run_worker(_settings(model=model, device=device, worker_id=worker_id))
+
+    @cli.command()
+    def submit(
+        prompt: Annotated[str, typer.Argument(help="the user message (or raw prompt with --raw)")],
+        tbt_ms: Annotated[float | None, typer.Option(help="interactive: time-between-tokens target")] = None,
+        ttft_ms: Annotated[float | None, typer.Option(help="interactive: time-to-first-token target")] = None,
+        batch: Annotated[bool, typer.Option("--batch", help="a batch job with a deadline")] = False,
+        deadline_s: Annotated[float | None, typer.Option(help="batch: seconds from now")] = None,
+        max_tokens: Annotated[int | None, typer.Option()] = None,
+        tier: Annotated[str | None, typer.Option()] = None,
+        raw: Annotated[bool, typer.Option("--raw", help="send as a raw prompt (no chat template)")] = False,
+        wait: Annotated[bool, typer.Option("--wait", help="wait for the result and print it")] = False,
+        url: Annotated[str | None, typer.Option(help="API base URL")] = None,
+        key: Annotated[str | None, typer.Option(help="API key")] = None,
+    ) -> None:
+        """Submit a job to a running coserve."""
+        url, key = _client_config(url, key)
+        body: dict[str, Any] = {"kind": "batch" if batch else "interactive", "max_tokens": max_tokens, "tier": tier}
+        body.update({"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]})
+        if batch:
+            body["deadline_window_s"] = deadline_s
+        else:
+            body.update(tbt_ms=tbt_ms, ttft_ms=ttft_ms)
+        job = _request("POST", url, key, "/v1/jobs", json={k: v for k, v in body.items() if v is not None})
+        console.print(f"submitted [bold]{job['id']}[/bold] ({job['status']})")
+        if wait:
+            job = _wait(url, key, job["id"], 3600)
+            console.print(job.get("output_text") or "")
+            console.print(_job_table(job))
+
+    @cli.command()
+    def status(job_id: str, url: Annotated[str | None, typer.Option()] = None,
+               key: Annotated[str | None, typer.Option()] = None,
+               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+        """Show one job."""
+        url, key = _client_config(url, key)
+        job = _request("GET", url, key, f"/v1/jobs/{job_id}")
+        if as_json:
+            console.print_json(json.dumps(job))
+            return
+        console.print(_job_table(job))
+        if job.get("output_text"):
+            console.print(job["output_text"])
+
+    @cli.command()
+    def jobs(status_: Annotated[str | None, typer.Option("--status")] = None,
+             kind: Annotated[str | None, typer.Option()] = None,
+             limit: Annotated[int, typer.Option()] = 20,
+             url: Annotated[str | None, typer.Option()] = None,
+             key: Annotated[str | None, typer.Option()] = None) -> None:
+        """List your jobs, newest first."""
+        url, key = _client_config(url, key)
+        params = {k: v for k, v in {"status": status_, "kind": kind, "limit": limit}.items() if v is not None}
+        page = _request("GET", url, key, "/v1/jobs", params=params)
+        t = Table("id", "status", "kind", "tier", "created", "tokens", "TTFT s", "SLO")
+        for j in page["data"]:
+            t.add_row(j["id"], j["status"], j["kind"], j["tier"], j["created_at"][:19],
+                      str(j.get("completion_tokens") or "-"), _fmt(j["metrics"].get("ttft_s")),
+                      str(j["metrics"].get("slo_met")))
+        console.print(t)
+
+    @keys_app.command("create")
+    def keys_create(tenant: Annotated[str, typer.Option(help="tenant name (created if missing)")],
+                    tier: Annotated[str | None, typer.Option(help="key tier; default: the tenant's")] = None,
+                    admin: Annotated[bool, typer.Option("--admin")] = False,
+                    default_tier: Annotated[str, typer.Option(help="tier of a new tenant")] = "paid") -> None:
+        """Create an API key (printed once; only its hash is stored)."""
+        from sqlalchemy import select
+
+        from app.auth import create_key, create_tenant
+        from app.db.migrate import upgrade
+        from app.db.models import Tenant
+        from app.db.session import session_scope
+
+        settings = _settings()
+        for t in (tier, default_tier):
+            if t is not None and t not in settings.tiers:
+                raise typer.BadParameter(f"unknown tier {t!r}; choose one of {list(settings.tiers)}")
+        upgrade(settings.sqlalchemy_url)
+        with session_scope(settings.sqlalchemy_url) as s:
+            row = s.scalar(select(Tenant).where(Tenant.name == tenant)) or create_tenant(s, tenant, default_tier)
+            key_row, plaintext = create_key(s, row, tier=tier, is_admin=admin)
+            tenant_id, key_id = row.id, key_row.id
+        console.print(f"tenant {tenant} ({tenant_id}), key {key_id}{' [admin]' if admin else ''}:")
+        print(plaintext)

@@ -1,0 +1,70 @@
+"""First-run credentials of the embedded setup: a default tenant + key and an admin key.
+
+Only hashes go into SQL; the plaintext keys are written once to ``credentials.json``
+(mode 0600) in the data dir so ``coserve submit`` can find them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from sqlalchemy import select
+
+from app.auth import create_key, create_tenant, hash_key
+from app.db.models import ApiKey, Tenant
+from app.db.session import session_scope
+
+log = logging.getLogger(__name__)
+
+FILENAME = "credentials.json"
+DEFAULT_TENANT = "default"
+ADMIN_TENANT = "admin"
+
+
+def credentials_path(data_dir: Path) -> Path:
+    return Path(data_dir) / FILENAME
+
+
+def load_credentials(data_dir: Path) -> dict[str, str] | None:
+    path = credentials_path(data_dir)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _write_private(path: Path, data: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.chmod(path, 0o600)
+
+
+def ensure_credentials(url: str, data_dir: Path, *, default_tier: str = "paid", admin_key: str | None = None,
+                       api_url: str = "http://127.0.0.1:8000") -> tuple[dict[str, str], bool]:
+    """Returns (credentials, created_now); creates tenants and keys on the first run."""
+    existing = load_credentials(data_dir)
+    with session_scope(url) as s:
+        if admin_key and s.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(admin_key))) is None:
+            admin_tenant = s.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT)) or create_tenant(
+                s, ADMIN_TENANT, default_tier)
+            s.add(ApiKey(tenant_id=admin_tenant.id, key_hash=hash_key(admin_key), prefix=admin_key[:10],
+                         is_admin=True))
+        if existing is not None and s.scalar(select(ApiKey.id).where(
+                ApiKey.key_hash == hash_key(existing.get("api_key", "")))) is not None:
+            if existing.get("url") != api_url:
+                existing["url"] = api_url
+                _write_private(credentials_path(data_dir), existing)
+            return existing, False
+        tenant = s.scalar(select(Tenant).where(Tenant.name == DEFAULT_TENANT)) or create_tenant(
+            s, DEFAULT_TENANT, default_tier)
+        _, user_key = create_key(s, tenant)
+        creds = {"url": api_url, "api_key": user_key, "tenant_id": tenant.id}
+        if not admin_key:
+            admin_tenant = s.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT)) or create_tenant(
+                s, ADMIN_TENANT, default_tier)
+            _, admin_plain = create_key(s, admin_tenant, is_admin=True)
+            creds["admin_key"] = admin_plain
+    _write_private(credentials_path(data_dir), creds)
+    return creds, True

@@ -1,0 +1,78 @@
+"""`coserve up` brings up Redis + API + worker; the CLI talks to it; Ctrl-C stops all of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import ROOT, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(args, env, timeout=120):
+    exe = os.path.join(os.path.dirname(sys.executable), "coserve")
+    return subprocess.run([exe, *args], env={**env, "COLUMNS": "250"}, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
+    port = free_port()
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("COSERVE_")}
+    env.update(COSERVE_DATA_DIR=str(data), COSERVE_MODEL=str(tiny_model_dir), COSERVE_MODEL_NAME="tiny",
+               COSERVE_DEVICE="cpu", COSERVE_KV_BLOCKS="256", COSERVE_HEARTBEAT_SECONDS="0.5", OMP_NUM_THREADS="1")
+    if "COSERVE_ENGINE_FACTORY" in os.environ:
+        env["COSERVE_ENGINE_FACTORY"] = os.environ["COSERVE_ENGINE_FACTORY"]
+    up = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "coserve"), "up", "--port", str(port),
+                           "--demo"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        def serving():
+            line = up.stdout.readline()
+            if not line and up.poll() is not None:
+                raise AssertionError("coserve up exited:\n" + "".join(lines))
+            lines.append(line)
+            return "serving; Ctrl-C" in line
+        wait_for(serving, 180, "coserve up to serve", interval=0)
+        out = "".join(lines)
+        assert "ready in" in out and "API key" in out and "(succeeded)" in out
+
+        creds_file = data / "credentials.json"
+        assert stat.S_IMODE(creds_file.stat().st_mode) == 0o600
+        creds = json.loads(creds_file.read_text())
+        assert creds["url"] == f"http://127.0.0.1:{port}" and creds["api_key"].startswith("cs-")
+        assert creds["api_key"] not in (data / "coserve.db").read_bytes().decode("latin1")  # only hashes stored
+        assert httpx.get(f"{creds['url']}/readyz").status_code == 200
+
+        sub = _cli(["submit", "Hello there", "--tbt-ms", "200", "--max-tokens", "6", "--wait"], env)
+        assert sub.returncode == 0, sub.stdout + sub.stderr
+        assert "succeeded" in sub.stdout
+        job_id = sub.stdout.split("submitted ")[1].split()[0]
+        st = _cli(["status", job_id, "--json"], env)
+        assert st.returncode == 0 and json.loads(st.stdout)["status"] == "succeeded"
+        jobs = _cli(["jobs"], env)
+        assert jobs.returncode == 0 and job_id in jobs.stdout
+        redis_port = int(next(line for line in lines if "redis-server (embedded)" in line).split(":")[-1].split("/")[0])
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    # nothing left listening: API and embedded Redis are gone
+    time.sleep(0.5)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=redis_port, socket_connect_timeout=1).ping()
