@@ -1,0 +1,42 @@
+"""What a drafter does for the executor: propose a candidate token tree per request."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_runtime.executor.base import DraftEntry
+    from gpu_runtime.executor.torch.executor import TorchExecutor
+    from gpu_runtime.speculation.token_tree import TokenTree
+
+
+class Drafter(ABC):
+    """Proposes trees from a request's tokens (read from the executor it is bound to)."""
+
+    executor: TorchExecutor
+
+    def bind(self, executor: TorchExecutor) -> None:
+        self.executor = executor
+
+    @abstractmethod
+    def draft(self, entries: list[DraftEntry]) -> dict[str, TokenTree]:
+        """Candidate tree per request (depth/width from each entry); path probabilities filled."""
+
+    def free(self, request_id: str) -> None:
+        """Forget the request (drafters with a KV cache release it here)."""
+
+    # ---- elastic memory (only model drafters hold device memory) ----
+    @property
+    def on_device(self) -> bool:
+        return False
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def offload(self) -> int:
+        """Move weights off the device; returns device bytes freed."""
+        return 0
+
+    def load(self) -> None:
+        """Move weights back onto the device."""

@@ -1,0 +1,90 @@
+"""Turns per-request segments of new tokens into one flattened ``ForwardBatch``.
+
+A segment is one request's new tokens in this pass (a prefill chunk, a pending decode
+token, a token tree, or a draft beam frontier) and the cache slots it may read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_runtime.executor.kv_blocks import BlockManager
+from gpu_runtime.executor.torch.model import ForwardBatch
+
+
+@dataclass
+class Segment:
+    token_ids: list[int]
+    positions: torch.Tensor  # [n] long
+    write_slots: torch.Tensor  # [n] long, flat cache slots for the new tokens
+    key_slots: torch.Tensor  # [L] long, every slot the new tokens read (cached prefix first, new last)
+    mask: torch.Tensor | None = None  # [n, L] bool; None = causal: new token j sees keys <= L - n + j
+    logits_from: int = 0  # first new token (index within the segment) whose logits are needed
+    logits_count: int = 0  # how many consecutive tokens from ``logits_from`` need logits
+
+
+def request_slots(blocks: BlockManager, request_id: str, stop: int, device: torch.device) -> torch.Tensor:
+    """Flat slots of positions ``0..stop-1`` of a request, as a tensor (no per-token Python loop)."""
+    table = blocks.tables[request_id].blocks
+    bs = blocks.block_size
+    nb = -(-stop // bs)
+    base = torch.tensor(table[:nb], dtype=torch.long, device=device)
+    return (base[:, None] * bs + torch.arange(bs, device=device)[None, :]).reshape(-1)[:stop]
+
+
+def tree_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
+    """[1 + n, prefix_len + 1 + n] mask: the root token then n tree nodes, each sees the prefix,
+    the root and its ancestors (SpecInfer / AdaServe tree attention)."""
+    n = len(parents)
+    mask = torch.zeros(1 + n, prefix_len + 1 + n, dtype=torch.bool)
+    mask[:, : prefix_len + 1] = True
+    for i, p in enumerate(parents):
+        row = 1 + i
+        if p >= 0:
+            mask[row, prefix_len:] = mask[1 + p, prefix_len:]
+        mask[row, prefix_len + row] = True
+    return mask
+
+
+def build_forward_batch(segments: list[Segment], device: torch.device) -> tuple[ForwardBatch, list[int]]:
+    """Flattens segments; returns the batch and, per segment, the index of its first logits row."""
+    lens = [len(s.token_ids) for s in segments]
+    R, Q = len(segments), max(lens)
+    L = max(int(s.key_slots.shape[0]) for s in segments)
+    ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long)
+    positions = torch.cat([s.positions for s in segments])
+    write = torch.cat([s.write_slots for s in segments])
+    offsets = torch.tensor([0] + lens[:-1]).cumsum(0)
+    ar_q = torch.arange(Q)
+    n_t = torch.tensor(lens)
+    valid_q = ar_q[None, :] < n_t[:, None]  # [R, Q]
+    query_index = torch.where(valid_q, offsets[:, None] + ar_q[None, :], torch.zeros((), dtype=torch.long))
+    unpad_index = (torch.arange(R)[:, None] * Q + ar_q[None, :])[valid_q]
+    key_slots = torch.zeros(R, L, dtype=torch.long)
+    uniform = all(n == 1 for n in lens) and all(s.mask is None for s in segments)
+    needs_mask = not (uniform and all(int(s.key_slots.shape[0]) == L for s in segments))
+    mask = torch.zeros(R, 1, Q, L, dtype=torch.bool) if needs_mask else None
+    ar_l = torch.arange(L)
+    for r, s in enumerate(segments):
+        n, ln = lens[r], int(s.key_slots.shape[0])
+        key_slots[r, :ln] = s.key_slots
+        if mask is None:
+            continue
+        if s.mask is None:
+            mask[r, 0, :n, :ln] = ar_l[None, :ln] <= (ln - n + torch.arange(n))[:, None]
+        else:
+            mask[r, 0, :n, :ln] = s.mask
+        mask[r, 0, n:, 0] = True  # padded query rows attend one key (no NaN); their output is dropped
+    rows, first = [], []
+    for r, s in enumerate(segments):
+        first.append(len(rows))
+        base = int(offsets[r])
+        rows.extend(range(base + s.logits_from, base + s.logits_from + s.logits_count))
+    fb = ForwardBatch(
+        input_ids=ids.to(device), positions=positions.to(device), write_slots=write.to(device),
+        query_index=query_index.to(device), unpad_index=unpad_index.to(device), key_slots=key_slots.to(device),
+        attn_mask=mask.to(device) if mask is not None else None,
+        logit_rows=torch.tensor(rows, dtype=torch.long, device=device))
+    return fb, first

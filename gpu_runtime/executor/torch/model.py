@@ -1,0 +1,168 @@
+"""Our own forward pass of a Llama/Qwen2-family decoder over a paged KV cache.
+
+Weights and config come from a loaded ``transformers`` model (we keep references to
+its parameters, no copies); attention reads keys/values from the paged cache so one
+pass can mix prefill chunks, decodes and token trees of many requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of one pass plus the padded per-request attention layout.
+
+    T tokens in total, R requests, at most Q new tokens and L keys per request."""
+
+    input_ids: torch.Tensor  # [T] token ids
+    positions: torch.Tensor  # [T] absolute positions (RoPE)
+    write_slots: torch.Tensor  # [T] flat cache slot each token's K/V is written to
+    query_index: torch.Tensor  # [R, Q] index into T per padded query row (pads -> 0)
+    unpad_index: torch.Tensor  # [T] row of the flattened [R*Q] attention output for each token
+    key_slots: torch.Tensor  # [R, L] flat cache slots read as keys (pads -> 0)
+    attn_mask: torch.Tensor | None  # [R, 1, Q, L] bool, True = attend; None = all visible
+    logit_rows: torch.Tensor  # [N] tokens whose next-token logits are needed
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections stacked: one matmul
+    down: torch.Tensor
+
+
+class PagedDecoder:
+    """Decoder weights + paged K/V tensors [layers, blocks * block_size, kv_heads, head_dim]."""
+
+    def __init__(self, hf_model: PreTrainedModel, num_blocks: int, block_size: int) -> None:
+        cfg = hf_model.config
+        inner = hf_model.model
+        self.config = cfg
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.eps = cfg.rms_norm_eps
+        self.block_size = block_size
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = hf_model.lm_head.weight  # tied models share the embedding tensor
+        # the config's RoPE variant (default, llama3, linear, yarn, ...) as transformers computes it
+        self.inv_freq = inner.rotary_emb.inv_freq.float()
+        self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.k_cache = self._empty_cache(num_blocks)
+        self.v_cache = self._empty_cache(num_blocks)
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module) -> LayerWeights:
+        att, mlp = layer.self_attn, layer.mlp
+        bias = lambda lin: lin.bias.detach() if lin.bias is not None else None  # noqa: E731 (Qwen2 q/k/v bias)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            q=att.q_proj.weight.detach(), k=att.k_proj.weight.detach(), v=att.v_proj.weight.detach(),
+            q_bias=bias(att.q_proj), k_bias=bias(att.k_proj), v_bias=bias(att.v_proj),
+            o=att.o_proj.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0),
+            down=mlp.down_proj.weight.detach())
+
+    # ---- cache tensors ----
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _empty_cache(self, num_blocks: int) -> torch.Tensor:
+        shape = (self.num_layers, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def resize_cache(self, num_blocks: int) -> None:
+        """Grow (zero-filled) or cut the pool to ``num_blocks``, keeping the slots that stay."""
+        slots = num_blocks * self.block_size
+        old = self.k_cache.shape[1]
+        if slots <= old:
+            self.k_cache = self.k_cache[:, :slots].clone()
+            self.v_cache = self.v_cache[:, :slots].clone()
+            return
+        extra = self._empty_cache(num_blocks - old // self.block_size)
+        self.k_cache = torch.cat([self.k_cache, extra], 1)
+        self.v_cache = torch.cat([self.v_cache, extra.clone()], 1)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move K/V of accepted tree nodes from their scratch slots into place (all layers)."""
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
+    # ---- the pass ----
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], -1)
+        return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None, :],
+                (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :])
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rot * sin
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Runs every layer, writes the new tokens' K/V, returns logits [N, vocab] (float32)."""
+        n_tok = fb.input_ids.shape[0]
+        R, Q = fb.query_index.shape
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(fb.input_ids, self.embed)
+        cos, sin = self._rope(fb.positions)
+        scale = D ** -0.5
+        for li, w in enumerate(self.layers):
+            h = self._rms(x, w.input_norm)
+            q = F.linear(h, w.q, w.q_bias).view(n_tok, H, D)
+            k = F.linear(h, w.k, w.k_bias).view(n_tok, KVH, D)
+            v = F.linear(h, w.v, w.v_bias).view(n_tok, KVH, D)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[fb.write_slots] = k
+            vc[fb.write_slots] = v
+            keys = kc[fb.key_slots].transpose(1, 2)  # [R, KVH, L, D]
+            vals = vc[fb.key_slots].transpose(1, 2)
+            qs = q[fb.query_index].transpose(1, 2)  # [R, H, Q, D]
+            att = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=fb.attn_mask, scale=scale,
+                                                 enable_gqa=KVH != H)
+            att = att.transpose(1, 2).reshape(R * Q, H * D)[fb.unpad_index]
+            x = x + F.linear(att, w.o)
+            h = self._rms(x, w.post_norm)
+            gate, up = F.linear(h, w.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        out = self._rms(x[fb.logit_rows], self.final_norm)
+        return F.linear(out, self.lm_head).float()
