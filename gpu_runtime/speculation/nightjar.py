@@ -37,6 +37,9 @@ class NightjarConfig:
     tau_low: float = 0.10  # free-KV threshold (share of blocks) for offloading the draft
     persist_steps: int = 20  # T: iterations the condition must hold before offloading
     seed: int = 0
+    # Algorithm 1 line 22 resets b each block, so every block re-explores from 1/sqrt(1);
+    # False keeps counting bins, so exploration keeps decaying (less regret on short runs).
+    explore_reset_per_block: bool = False
 
 
 @dataclass
@@ -50,20 +53,33 @@ class _BinState:
     bin: int = 1  # b_B
     round: int = 1  # tau_B
     exploring: bool = False
+    bins_total: int = 1  # bins started so far (all blocks)
+    reset_per_block: bool = True
     rewards: list[deque] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rewards = [deque(maxlen=self.window) for _ in range(self.num_arms)]
 
+    @property
+    def explore_index(self) -> int:
+        """b in the 1/sqrt(b) exploration probability."""
+        return self.bin if self.reset_per_block else self.bins_total
+
     def mean(self, arm: int) -> float | None:
-        r = self.rewards[arm]
-        return sum(r) / len(r) if r else None
+        """Median of the arm's recent rewards: steps that also carry other requests' prefill
+        chunks are slow whatever gamma is, and a median ignores those outliers."""
+        r = sorted(self.rewards[arm])
+        if not r:
+            return None
+        mid = len(r) // 2
+        return r[mid] if len(r) % 2 else 0.5 * (r[mid - 1] + r[mid])
 
     def advance(self) -> None:
         """Algorithm 1 lines 16-22."""
         self.round += 1
         if self.round > math.sqrt(self.horizon):
             self.bin += 1
+            self.bins_total += 1
             self.round = 1
             if self.bin > math.sqrt(self.horizon):
                 self.block += 1
@@ -88,7 +104,8 @@ class GammaBandit:
     def state_for(self, batch_size: int) -> _BinState:
         key = self.bucket(batch_size)
         if key not in self.states:
-            self.states[key] = _BinState(self.config.max_gamma + 1, self.config.window)
+            self.states[key] = _BinState(self.config.max_gamma + 1, self.config.window,
+                                         reset_per_block=self.config.explore_reset_per_block)
         return self.states[key]
 
     def choose(self, batch_size: int, switch_cost_s: float = 0.0) -> int:
@@ -97,7 +114,7 @@ class GammaBandit:
         if untried:
             return untried[0]
         if st.round == 1:  # line 6-8: a new bin explores with probability 1/sqrt(b)
-            st.exploring = self.rng.random() < 1.0 / math.sqrt(st.bin)
+            st.exploring = self.rng.random() < 1.0 / math.sqrt(st.explore_index)
         if st.exploring:
             return self.rng.randrange(st.num_arms)  # line 11
         return self.exploit(st, switch_cost_s)

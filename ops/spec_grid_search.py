@@ -1,0 +1,73 @@
+"""Grid search of AdaServe's adaptive-control constants (eq. 8-9) in simulation.
+
+Searches c1, c2, D_min, D_max, W_max, the draft budget B2 and the knee tolerance on
+the AdaServe SLO mix (ops/bench_spec_harness.py, measured acceptance) at a few arrival
+rates, scores each setting by mean goodput (tokens/s of SLO-attaining requests) and
+writes the ranking to gpu_runtime/speculation/data/adaserve_grid.json. The best row
+becomes AdaServeConfig's defaults.
+
+    python ops/spec_grid_search.py [--duration 20] [--rps 4 6 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_spec_harness import RooflineProfile, adaserve_slos, load_acceptance, poisson_arrivals, simulate  # noqa: E402
+
+from gpu_runtime.speculation.adaserve import AdaServe, AdaServeConfig  # noqa: E402
+
+OUT = Path(__file__).resolve().parent.parent / "gpu_runtime" / "speculation" / "data" / "adaserve_grid.json"
+
+GRID = {
+    "c1": [0.0, 2.0, 8.0],
+    "c2": [-1, 0, 1],
+    "d_min": [1, 2],
+    "d_max": [4, 8],
+    "w_max": [1, 3],
+    "draft_budget": [32, 96],
+    "budget_tolerance": [0.1, 0.25],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--rps", type=float, nargs="+", default=[4.0, 6.0, 8.0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    profile, acceptance = RooflineProfile(), load_acceptance()
+    slos = adaserve_slos(profile)
+    workloads = [poisson_arrivals(r, args.duration, slos, seed=args.seed) for r in args.rps]
+    keys = list(GRID)
+    rows = []
+    t0 = time.perf_counter()
+    for values in itertools.product(*GRID.values()):
+        cfg = dict(zip(keys, values))
+        if cfg["d_min"] > cfg["d_max"]:
+            continue
+        res = [simulate(AdaServe(AdaServeConfig(**cfg)), w, profile, acceptance, seed=args.seed) for w in workloads]
+        rows.append({"config": cfg, "goodput": [round(m.goodput, 1) for m in res],
+                     "attainment": [round(m.attainment, 4) for m in res],
+                     "score": round(sum(m.goodput for m in res) / len(res), 2)})
+    rows.sort(key=lambda r: -r["score"])
+    print(f"{len(rows)} settings x {len(workloads)} rates in {time.perf_counter() - t0:.0f} s; top 10:")
+    print(f"{'score':>8s}  {'goodput by RPS':28s} {'attainment':24s} config")
+    for r in rows[:10]:
+        print(f"{r['score']:8.1f}  {str(r['goodput']):28s} {str(r['attainment']):24s} {r['config']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rps": args.rps, "duration_s": args.duration, "seed": args.seed,
+                                    "profile": vars(profile), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
