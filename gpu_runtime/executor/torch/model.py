@@ -112,6 +112,14 @@ class PagedDecoder:
         self.k_cache = torch.cat([self.k_cache, extra], 1)
         self.v_cache = torch.cat([self.v_cache, extra.clone()], 1)
 
+    def device_bytes(self) -> int:
+        """Device memory held: weights (each storage once, incl. the stacked MLP) and the KV pool."""
+        tensors: list[torch.Tensor | None] = [self.embed, self.final_norm, self.lm_head, self.k_cache, self.v_cache]
+        for w in self.layers:
+            tensors += [w.input_norm, w.q, w.k, w.v, w.q_bias, w.k_bias, w.v_bias, w.o, w.post_norm, w.gate_up,
+                        w.down]
+        return _unique_bytes(tensors)
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move K/V of accepted tree nodes from their scratch slots into place (all layers)."""
         self.k_cache[:, dst] = self.k_cache[:, src]
@@ -166,3 +174,14 @@ class PagedDecoder:
             x = x + F.linear(F.silu(gate) * up, w.down)
         out = self._rms(x[fb.logit_rows], self.final_norm)
         return F.linear(out, self.lm_head).float()
+
+
+def _unique_bytes(tensors: list[torch.Tensor | None]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        total += t.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,188 @@
+"""Draft model runner: a second (small) model with its own paged KV cache.
+
+Each draft call catches the draft's cache up on the request's tokens (prompt, outputs
+and the pending token), then grows a candidate tree by beam search: the top-w children
+of the root, then at every further depth the top-w of all w*V expansions ranked by
+cumulative path probability (AdaServe section 4: f(v) = product of the draft's
+conditionals along the path). Tree nodes go to scratch slots that are dropped after.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gpu_runtime.executor.base import DraftEntry
+from gpu_runtime.executor.drafters.base import Drafter
+from gpu_runtime.executor.kv_blocks import BlockManager
+from gpu_runtime.executor.torch.batch import Segment, build_forward_batch, request_slots
+from gpu_runtime.executor.torch.model import PagedDecoder
+from gpu_runtime.speculation.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from gpu_runtime.executor.torch.executor import TorchExecutor
+
+log = logging.getLogger(__name__)
+_CPU = torch.device("cpu")
+
+
+class DraftModelRunner(Drafter):
+    def __init__(self, hf_model: PreTrainedModel, num_blocks: int | None = None, block_size: int = 16) -> None:
+        self.hf_model = hf_model.eval()
+        self.device = next(hf_model.parameters()).device
+        self.block_size = block_size
+        self._num_blocks = num_blocks
+        self.decoder: PagedDecoder | None = None
+        self.blocks: BlockManager | None = None
+        self._offloaded: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def from_pretrained(cls, spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
+                        **kwargs: Any) -> DraftModelRunner:
+        from gpu_runtime.executor.torch.executor import load_hf
+
+        hf, _ = load_hf(spec, device, dtype)
+        return cls(hf, **kwargs)
+
+    def bind(self, executor: TorchExecutor) -> None:
+        super().bind(executor)
+        if self._num_blocks is None:  # as many blocks as the target: the draft never limits admission
+            self._num_blocks = executor.blocks.total_blocks
+        self._build()
+
+    def _build(self) -> None:
+        assert self._num_blocks is not None
+        self.decoder = PagedDecoder(self.hf_model, 0, self.block_size)
+        self.decoder.resize_cache(self._num_blocks)
+        self.blocks = BlockManager(self._num_blocks, self.block_size)
+
+    def free(self, request_id: str) -> None:
+        if self.blocks is not None:
+            self.blocks.free(request_id)
+
+    # ---- drafting ----
+    @torch.inference_mode()
+    def draft(self, entries: list[DraftEntry]) -> dict[str, TokenTree]:
+        if self.decoder is None or self.blocks is None:
+            return {}
+        entries = [e for e in entries if e.depth > 0 and e.width > 0]
+        trees: dict[str, TokenTree] = {}
+        history: dict[str, int] = {}
+        segments: list[Segment] = []
+        live: list[DraftEntry] = []
+        for e in entries:  # 1) catch up on every token not yet in the draft cache (the pending one at least)
+            tokens = self.executor.token_ids(e.request_id)
+            cached = min(self.blocks.num_tokens(e.request_id), len(tokens) - 1)
+            self.blocks.truncate(e.request_id, cached)
+            need = len(tokens) - cached + e.width * (e.depth - 1)  # catch-up plus scratch for the beams
+            if self.blocks.blocks_needed(e.request_id, need) > self.blocks.num_free:
+                continue  # draft pool full: this request decodes without a tree this step
+            self.blocks.allocate(e.request_id, len(tokens) - cached)
+            slots = request_slots(self.blocks, e.request_id, len(tokens), _CPU)
+            segments.append(Segment(tokens[cached:], torch.arange(cached, len(tokens)), slots[cached:], slots,
+                                    logits_from=len(tokens) - cached - 1, logits_count=1))
+            history[e.request_id] = len(tokens)
+            trees[e.request_id] = TokenTree()
+            live.append(e)
+        if not live:
+            return trees
+        logits = self._run(segments)
+        frontier: dict[str, list[int]] = {}
+        for i, e in enumerate(live):  # depth 1: top-w children of the root
+            probs = torch.softmax(logits[i], -1)
+            top = probs.topk(min(e.width, probs.shape[-1]))
+            tree = trees[e.request_id]
+            frontier[e.request_id] = self._add(tree, top.indices.tolist(), [-1] * len(top.indices),
+                                               top.values.tolist())
+        fed: dict[str, list[int]] = {e.request_id: [] for e in live}
+        for depth in range(2, max(e.depth for e in live) + 1):  # 2) one pass per further depth
+            step = [e for e in live if e.depth >= depth and frontier[e.request_id]]
+            if not step:
+                break
+            segments = [self._frontier_segment(e.request_id, trees[e.request_id], frontier[e.request_id],
+                                               fed[e.request_id], history[e.request_id]) for e in step]
+            logits = self._run(segments)
+            row = 0
+            for e in step:
+                rid, tree, nodes = e.request_id, trees[e.request_id], frontier[e.request_id]
+                probs = torch.softmax(logits[row:row + len(nodes)], -1)
+                row += len(nodes)
+                paths = torch.tensor([tree.path_probs[n] for n in nodes], dtype=probs.dtype)[:, None] * probs
+                top = paths.reshape(-1).topk(min(e.width, paths.numel()))  # top-w of all w*V expansions
+                vocab = probs.shape[-1]
+                parents = [nodes[i // vocab] for i in top.indices.tolist()]
+                frontier[rid] = self._add(tree, [i % vocab for i in top.indices.tolist()], parents,
+                                          top.values.tolist())
+        for rid, n in history.items():
+            self.blocks.truncate(rid, n)  # drop the scratch slots of the beams
+        return trees
+
+    @staticmethod
+    def _add(tree: TokenTree, tokens: list[int], parents: list[int], path_probs: list[float]) -> list[int]:
+        first = len(tree.token_ids)
+        tree.token_ids.extend(tokens)
+        tree.parents.extend(parents)
+        tree.path_probs.extend(path_probs)
+        return list(range(first, len(tree.token_ids)))
+
+    def _frontier_segment(self, rid: str, tree: TokenTree, nodes: list[int], fed: list[int], hist: int) -> Segment:
+        """The frontier's tokens at scratch slots after the history; each sees the history and its ancestors."""
+        assert self.blocks is not None
+        self.blocks.allocate(rid, len(nodes))
+        first_new = hist + len(fed)
+        fed.extend(nodes)
+        slots = request_slots(self.blocks, rid, hist + len(fed), _CPU)
+        where = {node: hist + k for k, node in enumerate(fed)}
+        mask = torch.zeros(len(nodes), hist + len(fed), dtype=torch.bool)
+        mask[:, :hist] = True
+        depths = tree.depths()
+        for r, node in enumerate(nodes):
+            for a in tree.ancestors(node):
+                mask[r, where[a]] = True
+        positions = torch.tensor([hist - 1 + depths[n] for n in nodes])
+        return Segment([tree.token_ids[n] for n in nodes], positions, slots[first_new:], slots, mask=mask,
+                       logits_from=0, logits_count=len(nodes))
+
+    def _run(self, segments: list[Segment]) -> torch.Tensor:
+        assert self.decoder is not None
+        fb, _ = build_forward_batch(segments, self.device)
+        return self.decoder.forward(fb)
+
+    # ---- elastic memory (Nightjar) ----
+    @property
+    def on_device(self) -> bool:
+        return self.decoder is not None
+
+    def device_bytes(self) -> int:
+        """Weights (incl. our stacked MLP copy) plus the draft KV pool."""
+        if self.decoder is not None:
+            return self.decoder.device_bytes()
+        params = sum(p.numel() * p.element_size() for p in self._offloaded.values()) if self._offloaded else 0
+        return params + (self._num_blocks or 0) * self.block_size  # estimate until rebuilt
+
+    def offload(self) -> int:
+        """Weights go to host memory (fresh storage even when the device is the CPU); KV is dropped."""
+        if self.decoder is None:
+            return 0
+        freed = self.decoder.device_bytes()
+        self._offloaded = {}
+        for name, p in self.hf_model.named_parameters():
+            self._offloaded[name] = p.detach().to("cpu", copy=True)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.decoder = None
+        self.blocks = None  # the draft KV is gone: requests catch up again after load()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def load(self) -> None:
+        if self.decoder is not None or self._offloaded is None:
+            return
+        for name, p in self.hf_model.named_parameters():
+            p.data = self._offloaded[name].to(self.device, copy=True)
+        self._offloaded = None
+        self._build()
