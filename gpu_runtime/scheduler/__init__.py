@@ -1,0 +1,1 @@
+"""Batch formation policies (QoServe and baselines) behind the two-call interface."""

@@ -1,0 +1,121 @@
+"""SimExecutor: the Executor protocol on a virtual clock advanced by a cost model.
+
+Every pass "takes" the cost model's predicted latency (optionally with noise); the KV
+cache is the same pure-Python block manager as the real executor's; drafts are
+synthetic trees whose acceptance comes from an ``AcceptanceModel``. Output tokens are
+placeholders (never EOS), so requests finish at ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import TYPE_CHECKING
+
+from gpu_runtime.costmodel.features import BatchFeatures
+from gpu_runtime.executor.base import BatchPlan, DraftEntry, DraftResult, KVCapacity, StepResult
+from gpu_runtime.executor.kv_blocks import BlockManager
+from gpu_runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_runtime.costmodel.base import CostModel
+    from gpu_runtime.sim.acceptance import AcceptanceModel
+
+log = logging.getLogger(__name__)
+
+SIM_TOKEN = 7  # placeholder id of every generated token
+
+
+class SimExecutor:
+    def __init__(self, cost_model: CostModel, kv_blocks: int = 1 << 20, block_size: int = 16,
+                 max_model_len: int = 1 << 20, acceptance: AcceptanceModel | None = None,
+                 draft_cost_s: float = 0.0, noise: float = 0.0, seed: int = 0) -> None:
+        self.cost_model = cost_model
+        self.blocks = BlockManager(kv_blocks, block_size)
+        self.max_model_len = max_model_len
+        self.eos_token_id: int | None = None
+        self.acceptance = acceptance
+        self.draft_cost_s = draft_cost_s  # seconds per draft pass (one per tree level)
+        self.noise = noise  # relative std of the latency around the prediction
+        self.rng = random.Random(seed)
+        self.clock = 0.0
+        self.categories: dict[str, str | None] = {}  # request -> acceptance category
+        self.num_steps = 0
+        self._draft_on_device = acceptance is not None
+
+    # ---- clock ----
+    def now(self) -> float:
+        return self.clock
+
+    def advance_to(self, t: float) -> None:
+        self.clock = max(self.clock, t)
+
+    # ---- KV ----
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(self.blocks.total_blocks, self.blocks.num_free, self.blocks.block_size)
+
+    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        return self.blocks.blocks_needed(request_id, num_new_tokens)
+
+    def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None) -> None:
+        self.categories[request_id] = category
+
+    def free(self, request_id: str) -> None:
+        self.blocks.free(request_id)
+        self.categories.pop(request_id, None)
+
+    # ---- passes ----
+    def step(self, plan: BatchPlan) -> StepResult:
+        result = StepResult()
+        for c in plan.prefills:
+            if self.blocks.allocate(c.request_id, len(c.token_ids)) is None:
+                raise RuntimeError(f"KV exhausted for prefill of {c.request_id}")
+            if c.sample:
+                result.tokens[c.request_id] = [SIM_TOKEN]
+        for d in plan.decodes:
+            tree = d.tree
+            if self.blocks.allocate(d.request_id, 1 + (len(tree) if tree else 0)) is None:
+                raise RuntimeError(f"KV exhausted for decode of {d.request_id}")
+            accepted: list[int] = []
+            if tree and self.acceptance is not None:
+                accepted = self.acceptance.sample_accepted(tree, self.categories.get(d.request_id), self.rng)
+                result.accepted_nodes[d.request_id] = accepted
+                # Rejected tree slots are scratch: keep pending token + accepted path.
+                self.blocks.truncate(d.request_id, d.position + 1 + len(accepted))
+            result.tokens[d.request_id] = [SIM_TOKEN] * (len(accepted) + 1)
+        latency = self.cost_model.predict(BatchFeatures.from_plan(plan))
+        if self.noise:
+            latency *= max(0.5, 1.0 + self.rng.gauss(0.0, self.noise))
+        result.latency_s = latency
+        self.clock += latency
+        self.num_steps += 1
+        return result
+
+    def draft(self, entries: list[DraftEntry]) -> DraftResult:
+        out = DraftResult()
+        if self.acceptance is None:
+            return out
+        depth = 0
+        for e in entries:
+            out.trees[e.request_id] = self.acceptance.draft_tree(self.categories.get(e.request_id), e.depth, e.width,
+                                                                 self.rng)
+            depth = max(depth, e.depth)
+        out.latency_s = self.draft_cost_s * depth
+        self.clock += out.latency_s
+        return out
+
+    @property
+    def has_draft(self) -> bool:
+        return self.acceptance is not None and self._draft_on_device
+
+    @property
+    def draft_on_device(self) -> bool:
+        return self._draft_on_device
+
+    def offload_draft(self) -> int:
+        self._draft_on_device = False
+        return 0
+
+    def load_draft(self) -> bool:
+        self._draft_on_device = self.acceptance is not None
+        return self._draft_on_device

@@ -1,0 +1,211 @@
+"""Bookkeeping shared by every policy: queues, KV admission, moving requests between queues.
+
+A policy implements ``_fill`` only: given the decodes that can run, choose the prefill
+chunks (and the budget) of this iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from gpu_runtime.qos import QoSClass, Tier
+from gpu_runtime.request import Request, RequestStatus
+from gpu_runtime.scheduler.config import SchedulerConfig
+from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
+from gpu_runtime.scheduler.interface import ScheduledPrefill, Scheduler, SchedulerOutput
+from gpu_runtime.scheduler.request_queue import RequestQueue
+
+if TYPE_CHECKING:
+    from gpu_runtime.costmodel.base import CostModel
+    from gpu_runtime.executor.base import Executor
+
+log = logging.getLogger(__name__)
+
+
+class KVBudget:
+    """Free KV blocks left while one batch is formed (unbounded without an executor).
+
+    Admission reserves a request's whole footprint (prompt + max_tokens): a prompt is
+    started only if it fits beside what every admitted request may still grow to, so
+    running decodes can never be starved of blocks (no deadlock, no recompute)."""
+
+    def __init__(self, executor: Executor | None, watermark: float, admitted: Iterable[Request] = ()) -> None:
+        self.executor = executor
+        if executor is None:
+            self.free, self.total, self.reserve, self.outstanding = 1 << 60, 1 << 60, 0, 0
+            return
+        cap = executor.capacity()
+        self.free, self.total = cap.free_blocks, cap.total_blocks
+        self.reserve = int(watermark * cap.total_blocks)
+        self.outstanding = sum(executor.blocks_needed(r.request_id, _future_tokens(r)) for r in admitted)
+
+    @property
+    def free_fraction(self) -> float:
+        return self.free / self.total if self.total else 1.0
+
+    def need(self, req: Request, n: int) -> int:
+        return 0 if self.executor is None else self.executor.blocks_needed(req.request_id, n)
+
+    def take(self, req: Request, n: int, admit: bool) -> int:
+        """Tokens of ``n`` that fit now; 0 for a new prompt whose footprint cannot be reserved."""
+        if self.executor is None or n <= 0:
+            return max(0, n)
+        if admit:
+            footprint = self.need(req, _future_tokens(req))
+            if footprint > self.free - self.outstanding - self.reserve:
+                return 0
+            self.outstanding += footprint
+        need = self.need(req, n)
+        if need > self.free:
+            return 0
+        self.free -= need
+        self.outstanding -= need
+        return n
+
+
+def _future_tokens(req: Request) -> int:
+    """Tokens the request may still add to its KV: rest of the prompt + outputs up to max_tokens."""
+    return max(0, req.prompt_len + req.sampling.max_tokens - req.num_computed_tokens)
+
+
+class BaseScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None,
+                 executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor
+        if cost_model is None:
+            from gpu_runtime.costmodel.profile import default_cost_model
+
+            cost_model = default_cost_model()
+        self.cost_model = cost_model
+        self.waiting: RequestQueue = self._make_queue()  # prompts not fully computed
+        self.relegated: RequestQueue = self._make_queue()  # run only with spare budget
+        self.running: dict[str, Request] = {}  # decoding, insertion order
+        self.started: set[str] = set()  # prefills with KV already allocated (mid-prompt)
+        self.history = DecodeLengthHistory()
+        self.free_waiting = 0  # free-tier jobs in ``waiting`` (relegation rule)
+        self._resumed: list[Request] = []  # reported by the next schedule()
+        self._new_admits = 0  # prompts started in the batch being formed
+
+    @abstractmethod
+    def _make_queue(self) -> RequestQueue:
+        """The ordering of this policy's prefill queue."""
+
+    @abstractmethod
+    def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
+        """Choose this iteration's prefill chunks (``out.decodes`` already holds the decodes)."""
+
+    # ---- queue membership ----
+    def _push_waiting(self, req: Request) -> None:
+        if req.request_id not in self.waiting and req.qos.tier is Tier.FREE:
+            self.free_waiting += 1
+        self.waiting.push(req)
+
+    def _pop_waiting(self) -> Request | None:
+        req = self.waiting.pop()
+        if req is not None and req.qos.tier is Tier.FREE:
+            self.free_waiting -= 1
+        return req
+
+    def _remove_waiting(self, request_id: str) -> Request | None:
+        req = self.waiting.remove(request_id)
+        if req is not None and req.qos.tier is Tier.FREE:
+            self.free_waiting -= 1
+        return req
+
+    # ---- Scheduler interface ----
+    def add_request(self, request: Request) -> None:
+        if request.qos.qos_class is QoSClass.BATCH and request.predicted_output_len is None:
+            request.predicted_output_len = self.history.predict(request.app_id, request.sampling.max_tokens)
+        self._push_waiting(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        self.started.discard(request_id)
+        req = self._remove_waiting(request_id) or self.relegated.remove(request_id) or \
+            self.running.pop(request_id, None)
+        return req
+
+    def resume(self, request_id: str) -> bool:
+        req = self.relegated.remove(request_id)
+        if req is None:
+            return False
+        req.status = RequestStatus.WAITING
+        self._push_waiting(req)
+        self._resumed.append(req)
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.relegated) + len(self.running)
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"prefill": len(self.waiting), "decode": len(self.running), "relegated": len(self.relegated)}
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        out.resumed, self._resumed = self._resumed, []
+        self._new_admits = 0
+        kv = KVBudget(self.executor, self.config.kv_watermark, self._admitted())
+        for req in self.running.values():
+            if kv.take(req, 1, admit=False) == 1:
+                out.decodes.append(req)
+        if len(out.decodes) < len(self.running):
+            log.debug("KV exhausted: %d of %d decodes wait a step", len(self.running) - len(out.decodes),
+                        len(self.running))
+        self._fill(out, now, kv)
+        for p in out.prefills:
+            self.started.add(p.request.request_id)
+        return out
+
+    def update_from_output(self, output: SchedulerOutput, now: float) -> None:
+        for p in output.prefills:
+            req = p.request
+            if req.status.finished:
+                self._forget(req)
+            elif not req.in_prefill:
+                self.started.discard(req.request_id)
+                if req.status is RequestStatus.RELEGATED:  # served with spare budget: back in normal service
+                    self._resumed.append(req)
+                req.status = RequestStatus.DECODING
+                self.running[req.request_id] = req
+            elif req.status is RequestStatus.RELEGATED:
+                self.relegated.push(req)  # pop before re-push: its key changed with the chunk
+            else:
+                self._push_waiting(req)
+        for req in output.decodes:
+            if req.status.finished:
+                self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        self.running.pop(req.request_id, None)
+        self._remove_waiting(req.request_id)
+        self.relegated.remove(req.request_id)
+        self.started.discard(req.request_id)
+        if req.status is not RequestStatus.FINISHED_ABORTED:
+            self.history.record(req.app_id, req.num_output_tokens)
+
+    # ---- helpers for policies ----
+    def _admitted(self) -> Iterable[Request]:
+        yield from self.running.values()
+        for rid in self.started:
+            req = self.waiting.get(rid) or self.relegated.get(rid)
+            if req is not None:
+                yield req
+
+    def _admit_room(self) -> int:
+        """How many more requests may start holding KV (max_num_seqs)."""
+        return self.config.max_num_seqs - len(self.running) - len(self.started)
+
+    def _take_chunk(self, req: Request, n: int, kv: KVBudget, out: SchedulerOutput) -> int:
+        """Add up to ``n`` prompt tokens of ``req`` to ``out`` if KV and admission allow; returns tokens taken."""
+        admit = req.request_id not in self.started
+        if admit and self._admit_room() <= self._new_admits:
+            return 0
+        n = kv.take(req, min(n, req.prefill_remaining), admit=admit)
+        if n > 0:
+            out.prefills.append(ScheduledPrefill(req, n))
+            self._new_admits += admit
+        return n

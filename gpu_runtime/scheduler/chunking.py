@@ -1,0 +1,105 @@
+"""Dynamic chunking: the prefill budget C of one iteration (QoServe 3.2, Alg. 1 lines 5-7).
+
+C is the largest size from a discrete search space whose predicted batch time, times a
+safety factor, fits the minimum slack of the running decodes. The space is derived from
+the cost model: from a small floor up to the chunk where prefill throughput saturates;
+when KV memory is short only its lower half is searched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpu_runtime.costmodel.base import CostModel, saturation_tokens
+from gpu_runtime.costmodel.features import BatchFeatures
+from gpu_runtime.qos import QoSClass
+from gpu_runtime.request import Request
+from gpu_runtime.scheduler.priority import decode_remaining
+
+log = logging.getLogger(__name__)
+
+
+def decode_slack(req: Request, now: float) -> float:
+    """Time left before the request's next token is due.
+
+    Interactive: D_n - now for the next token (eq. 2). Batch: the per-token time its
+    TTLT still allows, (D_total - now) / predicted tokens left (eq. 3)."""
+    if req.qos.qos_class is QoSClass.INTERACTIVE:
+        return req.next_token_deadline() - now
+    deadline = req.completion_deadline()
+    assert deadline is not None
+    return (deadline - now) / max(1, decode_remaining(req))
+
+
+def min_slack(decodes: Iterable[Request], now: float) -> float:
+    return min((decode_slack(r, now) for r in decodes), default=math.inf)
+
+
+def build_search_space(cost_model: CostModel, floor: int = 16, ceiling: int | None = None,
+                       growth: float = 1.25, saturation_fraction: float = 0.95, max_tokens: int = 8192) -> list[int]:
+    """Geometric grid (multiples of 16) from ``floor`` to the throughput-saturation chunk."""
+    top = ceiling if ceiling is not None else saturation_tokens(cost_model, max_tokens, saturation_fraction, floor)
+    top = max(top, floor)
+    space, s = [], float(floor)
+    while s < top:
+        space.append(int(round(s / 16) * 16) or floor)
+        s *= growth
+    space.append(top)
+    return sorted(set(space))
+
+
+@dataclass
+class BudgetChoice:
+    budget: int  # prefill tokens allowed this iteration
+    predicted_s: float  # predicted batch time at that budget
+    min_slack_s: float  # tightest decode slack (inf without decodes)
+
+
+class ChunkBudget:
+    def __init__(self, cost_model: CostModel, space: list[int], safety: float = 1.2,
+                 kv_short_fraction: float = 0.1) -> None:
+        if not space:
+            raise ValueError("empty chunk search space")
+        self.cost_model = cost_model
+        self.space = sorted(space)
+        self.safety = safety  # predicted time x safety must fit the slack (errs toward small chunks)
+        self.kv_short_fraction = kv_short_fraction  # free-KV share below which the space is halved
+
+    def choose(self, decodes: list[Request], now: float, kv_free_fraction: float = 1.0) -> BudgetChoice:
+        slack = min_slack(decodes, now)
+        n_dec = len(decodes)
+        ctx = sum(r.num_computed_tokens for r in decodes)
+        space = self.space
+        if kv_free_fraction < self.kv_short_fraction:  # memory-aware: smaller chunks keep KV growth slow
+            space = space[:max(1, (len(space) + 1) // 2)]
+
+        def time_at(c: int) -> float:
+            return self.cost_model.predict(BatchFeatures(c, n_dec, c, ctx, 0, n_dec + 1, c * c / 2))
+
+        if slack == math.inf:
+            return BudgetChoice(space[-1], time_at(space[-1]), slack)
+        # Largest c with time_at(c) * safety <= slack; time grows with c, so bisect on the space.
+        lo, hi = 0, len(space)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if time_at(space[mid]) * self.safety <= slack:
+                lo = mid + 1
+            else:
+                hi = mid
+        c = space[lo - 1] if lo > 0 else space[0]  # nothing fits: smallest chunk still makes progress
+        return BudgetChoice(c, time_at(c), slack)
+
+
+def largest_fitting_chunk(cost_model: CostModel, target_s: float, num_decodes: int, decode_context: int,
+                          space: list[int]) -> int:
+    """Largest chunk of ``space`` whose batch with ``num_decodes`` decodes fits ``target_s`` (baseline tuning)."""
+    fits = [c for c in space if cost_model.predict(
+        BatchFeatures(c, num_decodes, c, num_decodes * decode_context, 0, num_decodes + 1, c * c / 2)) <= target_s]
+    return fits[-1] if fits else space[0]
+
+
+__all__ = ["BudgetChoice", "ChunkBudget", "build_search_space", "decode_slack", "largest_fitting_chunk",
+           "min_slack"]

@@ -1,0 +1,38 @@
+"""Typed configuration of every scheduling policy, with defaults and help text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256  # most requests holding KV (decoding or mid-prefill) at once
+    kv_watermark: float = 0.01  # share of KV blocks kept free when admitting a new prompt
+    queue: str = "fcfs"  # prefill ordering: fcfs | deadline | priority
+
+
+@dataclass
+class SarathiConfig(SchedulerConfig):
+    chunk_size: int = 256  # fixed prefill tokens per iteration (Sarathi-Serve)
+    order: str = "fcfs"  # fcfs | edf | srpf
+
+
+@dataclass
+class VLLMConfig(SchedulerConfig):
+    max_num_batched_tokens: int = 8192  # whole prompts per prefill-only iteration
+
+
+@dataclass
+class QoServeConfig(SchedulerConfig):
+    queue: str = "priority"
+    alpha_low_ms: float = 1.0  # ms/token at low load (close to EDF)
+    alpha_high_ms: float = 8.0  # ms/token under overload (paper's best fixed value)
+    adaptive_alpha: bool = True  # False: always alpha_high_ms
+    safety: float = 1.2  # predicted batch time x safety must fit the minimum decode slack
+    chunk_floor: int = 16  # smallest prefill budget in the search space
+    chunk_ceiling: int | None = None  # None: where the cost model's prefill throughput saturates
+    saturation_fraction: float = 0.95  # share of peak prefill throughput that defines saturation
+    kv_short_fraction: float = 0.1  # below this free-KV share only the lower half of the space is searched
+    relegation: bool = True  # eager relegation (QoServe 3.4)
+    preemption: bool = True  # selective preemption of prefills (QoServe 3.4)

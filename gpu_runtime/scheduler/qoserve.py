@@ -1,0 +1,136 @@
+"""QoServe (Alg. 1): slack-driven chunk budget, hybrid priority, eager relegation,
+selective preemption of prefills."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from gpu_runtime.costmodel.base import decode_step_time
+from gpu_runtime.costmodel.features import BatchFeatures
+from gpu_runtime.request import Request, RequestStatus
+from gpu_runtime.scheduler.base import BaseScheduler, KVBudget
+from gpu_runtime.scheduler.chunking import ChunkBudget, build_search_space
+from gpu_runtime.scheduler.config import QoServeConfig
+from gpu_runtime.scheduler.interface import SchedulerOutput
+from gpu_runtime.scheduler.priority import LoadAdaptiveAlpha, first_deadline, hybrid_priority
+from gpu_runtime.scheduler.relegation import WorkEstimate, predicted_finish, should_relegate
+from gpu_runtime.scheduler.request_queue import PriorityQueue, RequestQueue
+
+if TYPE_CHECKING:
+    from gpu_runtime.costmodel.base import CostModel
+    from gpu_runtime.executor.base import Executor
+
+log = logging.getLogger(__name__)
+
+
+class QoServeScheduler(BaseScheduler):
+    def __init__(self, config: QoServeConfig | None = None, cost_model: CostModel | None = None,
+                 executor: Executor | None = None) -> None:
+        config = config or QoServeConfig()
+        self.alpha = LoadAdaptiveAlpha(config.alpha_low_ms, config.alpha_high_ms, adaptive=config.adaptive_alpha)
+        super().__init__(config, cost_model, executor)
+        self.config: QoServeConfig = config
+        space = build_search_space(self.cost_model, config.chunk_floor, config.chunk_ceiling,
+                                   saturation_fraction=config.saturation_fraction)
+        self.chunking = ChunkBudget(self.cost_model, space, config.safety, config.kv_short_fraction)
+        self.pinned: set[str] = set()  # resumed by an operator: never relegated again
+        top = space[-1]
+        self._sec_per_prefill_token = self.cost_model.predict(BatchFeatures.of_shape(top)) / top
+        self._min_first_target = math.inf  # tightest TTFT/TTLT seen: horizon of the load signal
+
+    def _make_queue(self) -> RequestQueue:
+        return PriorityQueue(lambda r: hybrid_priority(r, self.alpha.alpha_s))
+
+    def add_request(self, request: Request) -> None:
+        self._min_first_target = min(self._min_first_target, first_deadline(request) - request.arrival_time)
+        super().add_request(request)
+
+    def resume(self, request_id: str) -> bool:
+        ok = super().resume(request_id)
+        if ok:
+            self.pinned.add(request_id)
+        return ok
+
+    def _update_alpha(self) -> None:
+        queued = sum(r.prefill_remaining for r in self.waiting)
+        load = queued * self._sec_per_prefill_token / max(1e-3, self._min_first_target)
+        if self.alpha.update(load):
+            self.waiting.rekey()
+            self.relegated.rekey()
+
+    def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
+        if len(self.waiting) + len(self.relegated) == 0:
+            return
+        self._update_alpha()
+        # Alg. 1 lines 5-7: budget C from the minimum decode slack.
+        choice = self.chunking.choose(out.decodes, now, kv.free_fraction)
+        out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
+        est = WorkEstimate(choice.predicted_s, choice.budget,
+                           decode_step_time(self.cost_model, max(1, len(out.decodes)), 512))
+        left = choice.budget
+        if self.config.preemption:
+            left = self._run_unpreemptable(out, now, kv, left, est)
+        # Alg. 1 lines 10-23: take jobs in priority order until the budget is spent.
+        skipped: list[Request] = []
+        while left > 0 and len(self.waiting):
+            req = self._pop_waiting()
+            assert req is not None
+            if (self.config.relegation and req.request_id not in self.pinned
+                    and should_relegate(req, now, est, self.free_waiting)):
+                req.status = RequestStatus.RELEGATED
+                req.relegation_count += 1
+                self.relegated.push(req)  # not re-checked in this iteration
+                out.relegated.append(req)
+                continue
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:
+                skipped.append(req)
+                break  # KV or admission exhausted: later jobs need KV too
+            left -= n
+        for req in skipped:
+            self._push_waiting(req)
+        # Spare budget goes to relegated jobs (they sort after every other job).
+        while left > 0 and len(self.relegated):
+            req = self.relegated.pop()
+            assert req is not None
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:
+                self.relegated.push(req)
+                break
+            left -= n
+        self._mark_preempted(out)
+
+    def _run_unpreemptable(self, out: SchedulerOutput, now: float, kv: KVBudget, left: int,
+                           est: WorkEstimate) -> int:
+        """Selective preemption: a started prefill may only be paused if it still meets its deadline
+        after waiting one more iteration; the others keep their chunk first."""
+        urgent = []
+        for rid in self.started:
+            req = self.waiting.get(rid)
+            if req is None:
+                continue
+            if predicted_finish(req, now + est.iteration_s, est) > first_deadline(req) and \
+                    predicted_finish(req, now, est) <= first_deadline(req):
+                urgent.append(req)
+        urgent.sort(key=lambda r: hybrid_priority(r, self.alpha.alpha_s))
+        for req in urgent:
+            if left <= 0:
+                break
+            self._remove_waiting(req.request_id)
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:
+                self._push_waiting(req)
+                break
+            left -= n
+        return left
+
+    def _mark_preempted(self, out: SchedulerOutput) -> None:
+        """Started prefills left out of this batch are paused; their KV stays allocated."""
+        chosen = {p.request.request_id for p in out.prefills}
+        for rid in self.started:
+            req = self.waiting.get(rid)
+            if req is not None and rid not in chosen and not req.was_preempted:
+                req.was_preempted = True
+                out.preempted.append(req)

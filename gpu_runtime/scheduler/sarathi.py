@@ -1,0 +1,44 @@
+"""Sarathi-Serve baselines: a fixed prefill chunk per iteration, ordered FCFS, EDF or SRPF."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from gpu_runtime.scheduler.base import BaseScheduler, KVBudget
+from gpu_runtime.scheduler.config import SarathiConfig
+from gpu_runtime.scheduler.interface import SchedulerOutput
+from gpu_runtime.scheduler.priority import remaining_work
+from gpu_runtime.scheduler.request_queue import RequestQueue, create_queue
+
+if TYPE_CHECKING:
+    from gpu_runtime.costmodel.base import CostModel
+    from gpu_runtime.executor.base import Executor
+
+log = logging.getLogger(__name__)
+
+_QUEUE_OF_ORDER = {"fcfs": "fcfs", "edf": "deadline", "srpf": "priority"}
+
+
+class SarathiScheduler(BaseScheduler):
+    def __init__(self, config: SarathiConfig | None = None, cost_model: CostModel | None = None,
+                 executor: Executor | None = None) -> None:
+        config = config or SarathiConfig()
+        if config.order not in _QUEUE_OF_ORDER:
+            raise ValueError(f"unknown Sarathi order {config.order!r}")
+        self.config: SarathiConfig = config
+        super().__init__(config, cost_model, executor)
+
+    def _make_queue(self) -> RequestQueue:
+        return create_queue(_QUEUE_OF_ORDER[self.config.order], remaining_work)
+
+    def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
+        left = out.prefill_budget = self.config.chunk_size
+        while left > 0 and len(self.waiting):
+            req = self._pop_waiting()
+            assert req is not None
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:  # KV or admission exhausted
+                self._push_waiting(req)
+                break
+            left -= n
