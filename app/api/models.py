@@ -1,5 +1,33 @@
-"""Router for models (to be filled by its owner)."""
+"""``GET /v1/models``: the model this deployment serves (OpenAI list shape)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
 
 from fastapi import APIRouter
 
-router = APIRouter()
+from app.api.deps import CurrentPrincipal, SettingsDep
+from app.openai_schemas import OpenAIError, OpenAIRoute
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=OpenAIRoute)
+
+_STARTED = int(datetime.now(UTC).timestamp())
+
+
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "coserve"}
+
+
+@router.get("")
+def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
+    return {"object": "list", "data": [_model(settings.model_name)]}
+
+
+@router.get("/{model_id:path}")
+def get_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
+    if model_id != settings.model_name:
+        raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+    return _model(model_id)

@@ -1,0 +1,254 @@
+"""OpenAI-compatible request bodies and the OpenAI error shape.
+
+The request models accept what the official ``openai`` client sends (unknown fields are
+ignored, as OpenAI does for most of them) plus coserve's QoS extension fields
+(``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``), and turn into a ``JobCreate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Literal
+
+from fastapi import HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.schemas import MAX_TARGET_MS, ChatMessage, JobCreate
+
+log = logging.getLogger(__name__)
+
+WINDOW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+WINDOW_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_window(text: str) -> float:
+    """'24h' / '30m' / '2h' / '7d' / '90s' -> seconds (raises ValueError)."""
+    m = WINDOW_RE.match(text or "")
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"invalid window {text!r}; use a number and a unit s/m/h/d, e.g. '24h', '30m', '7d'")
+    return float(m.group(1)) * WINDOW_UNITS[m.group(2)]
+
+
+# ---------------------------------------------------------------- errors
+class OpenAIError(Exception):
+    """Raised in OpenAI-compatible routes; rendered as ``{"error": {...}}``."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status_code, self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_response(status_code: int, message: str, *, type: str | None = None, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    if type is None:
+        type = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
+                        status_code=status_code)
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in errors:
+        loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
+        param = param or (".".join(loc) or None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+    return "; ".join(parts), param
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose errors (auth, validation, HTTPException) come out in OpenAI's shape."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except OpenAIError as exc:
+                return exc.response()
+            except RequestValidationError as exc:
+                message, param = validation_message(list(exc.errors()))
+                return error_response(400, message, param=param, code="invalid_value")
+            except HTTPException as exc:
+                return error_response(exc.status_code, str(exc.detail))
+
+        return wrapped
+
+
+# ---------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class QoSExtension(BaseModel):
+    """coserve's extension fields (pass with ``extra_body`` from the openai client)."""
+
+    ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS)
+    tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS)
+    deadline: float | str | None = Field(
+        None, description="makes it a deadline (batch-class) job: seconds from now, a window like '2h', or an ISO time")
+    tier: str | None = None
+    app_id: str | None = Field(None, max_length=200)
+    ignore_eos: bool = False
+
+
+class SamplingFields(BaseModel):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+
+class _Base(QoSExtension, SamplingFields):
+    model_config = ConfigDict(extra="ignore")
+
+    def check(self) -> None:
+        if self.n not in (None, 1):
+            raise OpenAIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    def job_spec(self, *, prompt: str | None = None, messages: list[ChatMessage] | None = None,
+                 batch_window_s: float | None = None, deadline_at: datetime | None = None) -> JobCreate:
+        """The job for this request; a ``deadline`` (or a Batch API window) makes it batch-class."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        common = dict(model=self.model, prompt=prompt, messages=messages, tier=self.tier, app_id=self.app_id,
+                      max_tokens=self.max_completion_tokens or self.max_tokens,
+                      temperature=self.temperature if self.temperature is not None else 1.0,
+                      top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
+                      ignore_eos=self.ignore_eos, stream=bool(self.stream))
+        window, at = batch_window_s, deadline_at
+        if self.deadline is not None and window is None and at is None:
+            window, at = _deadline(self.deadline)
+        try:
+            if window is not None or at is not None:
+                if self.ttft_ms or self.tbt_ms:
+                    raise OpenAIError(400, "give either deadline or ttft_ms/tbt_ms", param="deadline")
+                return JobCreate(kind="batch", deadline_window_s=window, deadline_at=at, **common)
+            return JobCreate(kind="interactive", ttft_ms=self.ttft_ms, tbt_ms=self.tbt_ms, **common)
+        except ValidationError as exc:
+            message, param = validation_message(list(exc.errors()))
+            raise OpenAIError(400, message, param=param) from exc
+
+
+def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise OpenAIError(400, "deadline must be positive seconds", param="deadline")
+        return float(value), None
+    try:
+        return parse_window(value), None
+    except ValueError:
+        pass
+    try:
+        at = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise OpenAIError(400, f"invalid deadline {value!r}: seconds, a window ('2h') or an ISO time",
+                          param="deadline") from exc
+    if at.tzinfo is None:
+        raise OpenAIError(400, "deadline needs a timezone", param="deadline")
+    return None, at
+
+
+class ChatCompletionRequest(_Base):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+
+    def chat_messages(self) -> list[ChatMessage]:
+        out = []
+        for i, m in enumerate(self.messages):
+            role = m.get("role")
+            if role == "developer":
+                role = "system"
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: only text is supported
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        raise OpenAIError(400, "only text content parts are supported",
+                                          param=f"messages.{i}.content")
+                    texts.append(str(part.get("text", "")))
+                content = "".join(texts)
+            if content is None:
+                content = ""
+            try:
+                out.append(ChatMessage(role=role, content=content))
+            except ValidationError as exc:
+                raise OpenAIError(400, f"messages.{i}: role must be system, user, assistant or tool",
+                                  param=f"messages.{i}.role") from exc
+        return out
+
+
+class CompletionRequest(_Base):
+    prompt: str | list[str]
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise OpenAIError(400, "only a single prompt per request is supported", param="prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+# ---------------------------------------------------------------- responses
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:
+    p, c = int(prompt_tokens or 0), int(completion_tokens or 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def chat_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
+                    prompt_tokens: int | None, completion_tokens: int | None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+    if extra:
+        body.update(extra)
+    return body
+
+
+def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
+                    prompt_tokens: int | None, completion_tokens: int | None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+    if extra:
+        body.update(extra)
+    return body
+
+
+EndpointKind = Literal["/v1/chat/completions", "/v1/completions"]
