@@ -225,7 +225,9 @@ class Nightjar(SpeculationPolicy):
                 self._low_steps = 0
                 self.offloads += 1
                 log.info("draft offloaded: KV pool +%d blocks", gained)
-        elif num_waiting == 0 and cap.free_blocks > self._offloaded_blocks + self.config.tau_low * cap.total_blocks:
+        elif num_waiting == 0 and (cap.free_blocks - self._offloaded_blocks
+                                   > self.config.tau_low * (cap.total_blocks - self._offloaded_blocks)):
+            # free > draft size + tau_low, tau_low taken of the pool as it will be after the reload
             if executor.load_draft():
                 self.reloads += 1
                 log.info("draft reloaded")

@@ -76,3 +76,34 @@ def test_draft_model_lossless(target, reference, policy):
     ex = TorchExecutor.from_model(target, kv_blocks=256, block_size=4, drafter=runner)
     out, _, _ = generate(ex, policy)
     assert out == reference
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gpu_runtime.executor.drafters.model_runner") is None,
+                    reason="draft model runner not in the tree yet")
+def test_nightjar_offloads_draft_under_memory_pressure_and_reloads(target, reference):
+    """Speculation off + free KV below tau_low for T steps: the draft's weights leave the
+    device and the target's KV pool grows; with the queue empty it comes back."""
+    from gpu_runtime.executor.drafters.model_runner import DraftModelRunner
+
+    draft = tiny_llama(seed=0, layers=1)
+    runner = DraftModelRunner(draft)
+    ex = TorchExecutor.from_model(target, kv_blocks=48, block_size=4, drafter=runner)
+    blocks_before = ex.capacity().total_blocks
+    weight = next(draft.parameters())
+    policy = create_policy("nightjar", max_gamma=0, tau_low=0.5, persist_steps=2)  # arm 0 only: spec off
+    engine = Engine(ex, FCFSTestScheduler(ex, chunk=16), policy)
+    reqs = [make_request(p, max_tokens=24) for p in prompts()]
+    for r in reqs:
+        engine.add_request(r)
+    grew = False
+    while engine.has_work:
+        engine.step()
+        if not ex.draft_on_device:
+            grew = grew or ex.capacity().total_blocks > blocks_before
+            assert weight.numel() == 0  # the draft's device tensors are gone
+    assert policy.offloads == 1 and grew
+    assert [list(r.output_token_ids) for r in reqs] == reference
+    engine.step()  # idle iteration: queue empty and memory free -> reload
+    assert ex.draft_on_device and policy.reloads == 1
+    assert next(draft.parameters()).numel() > 0
+    assert ex.capacity().total_blocks == blocks_before
