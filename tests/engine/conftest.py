@@ -33,6 +33,15 @@ def tiny_llama(seed: int = 0, vocab: int = 97, layers: int = 2, **overrides):
     return model
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny matmuls on a shared 2-core box: OpenMP thread spinning costs more than it gains."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def tiny_model():
     return tiny_llama()

@@ -95,6 +95,8 @@ class TorchExecutor:
         self.max_model_len = min(max_model_len or cfg_len, cfg_len, num_blocks * block_size)
         self.eos_token_id = self._eos_id()
         self._requests: dict[str, _RequestState] = {}
+        self.last_logits: torch.Tensor | None = None
+        self.last_rows: dict[str, slice] = {}
         self._draft_blocks = 0  # blocks the pool gained from the last offload_draft()
         self.drafter = drafter
         if drafter is not None:
@@ -187,6 +189,10 @@ class TorchExecutor:
         fb, first_rows = build_forward_batch(segments, self.device)
         logits = self.model.forward(fb)
         n_pre = len(plan.prefills)
+        # kept for inspection (tests, debugging): each request's logits rows of this pass
+        self.last_logits = logits
+        self.last_rows = {s_.request_id: slice(first_rows[i], first_rows[i] + seg.logits_count)
+                          for i, (s_, seg) in enumerate(zip([*plan.prefills, *plan.decodes], segments))}
         greedy_rows = logits.argmax(-1).tolist()
         for i, chunk in enumerate(plan.prefills):
             if not chunk.sample:
