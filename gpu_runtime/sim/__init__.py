@@ -1,0 +1,1 @@
+"""Simulation: traces, workload generators, the event loop over SimExecutor replicas, metrics, capacity search."""

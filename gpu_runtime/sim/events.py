@@ -1,0 +1,57 @@
+"""Simulator events: one class per event; ``handle`` returns the events it causes (vidur-style)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_runtime.request import Request
+    from gpu_runtime.sim.simulator import Replica
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(order=True)
+class Event:
+    time: float
+    seq: int = field(compare=True, default=0)
+
+    def handle(self, sim) -> list[Event]:  # noqa: ANN001 - the Simulator
+        raise NotImplementedError
+
+
+@dataclass(order=True)
+class ArrivalEvent(Event):
+    request: Request | None = field(compare=False, default=None)
+    replica: Replica | None = field(compare=False, default=None)
+
+    def handle(self, sim) -> list[Event]:  # noqa: ANN001
+        rep = self.replica
+        rep.engine.add_request(self.request)
+        if rep.idle:
+            rep.idle = False
+            rep.executor.advance_to(self.time)
+            return [StepEvent(self.time, 0, rep)]
+        return []
+
+
+@dataclass(order=True)
+class StepEvent(Event):
+    replica: Replica | None = field(compare=False, default=None)
+
+    def handle(self, sim) -> list[Event]:  # noqa: ANN001
+        rep = self.replica
+        rep.executor.advance_to(self.time)
+        for out in rep.engine.step():
+            if out.finished:
+                sim.finished.append(out)
+        if rep.engine.has_work:
+            t = rep.executor.now()
+            if t <= self.time:  # nothing ran (everything waits for KV or arrivals): idle until the next event
+                rep.idle = True
+                return []
+            return [StepEvent(t, 0, rep)]
+        rep.idle = True
+        return []

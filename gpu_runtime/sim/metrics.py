@@ -1,0 +1,71 @@
+"""Simulation summaries: TTFT/TBT/TTLT percentiles, SLO violations per tier, goodput."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_runtime.metrics import slo_met
+from gpu_runtime.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierSummary:
+    tier: str
+    n: int
+    violations: int  # unfinished requests count as violations
+
+    @property
+    def violation_rate(self) -> float:
+        return self.violations / self.n if self.n else 0.0
+
+
+@dataclass
+class RunSummary:
+    n: int
+    violations: int
+    ttft_p50: float
+    ttft_p99: float
+    tbt_p99: float
+    ttlt_p50: float
+    ttlt_p99: float
+    tiers: dict[str, TierSummary]
+
+    @property
+    def violation_rate(self) -> float:
+        return self.violations / self.n if self.n else 0.0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def tier_key(req: Request, by: str = "tier") -> str:
+    """Group key: the QoS tier (paid/free) or the application bucket (e.g. Q1)."""
+    if by == "bucket" and req.app_id:
+        return req.app_id.rsplit("-", 1)[-1] if req.app_id.count("-") > 1 else req.app_id.split("-", 1)[-1]
+    return str(req.qos.tier)
+
+
+def summarize(requests: list[Request], by: str = "tier") -> RunSummary:
+    ttft, tbt, ttlt = [], [], []
+    groups: dict[str, list[bool]] = defaultdict(list)
+    viol = 0
+    for r in requests:
+        ok = r.status.finished and slo_met(r)
+        viol += not ok
+        groups[tier_key(r, by)].append(not ok)
+        if r.token_times:
+            ttft.append(r.token_times[0] - r.arrival_time)
+            if len(r.token_times) > 1:
+                tbt.extend(np.diff(r.token_times).tolist())
+        if r.finish_time is not None:
+            ttlt.append(r.finish_time - r.arrival_time)
+    tiers = {k: TierSummary(k, len(v), sum(v)) for k, v in groups.items()}
+    return RunSummary(len(requests), viol, _pct(ttft, 50), _pct(ttft, 99), _pct(tbt, 99), _pct(ttlt, 50),
+                      _pct(ttlt, 99), tiers)

@@ -1,0 +1,118 @@
+"""Workloads from the Azure LLM traces: token counts, arrival processes, QoS tier mixes.
+
+Prompts are placeholder token lists of the trace's ContextTokens length; outputs stop at
+GeneratedTokens (``ignore_eos``). Arrivals are Poisson at a chosen QPS, the trace's own
+timestamps rescaled, or bursty (alternating between two rates every period).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.request import Request
+from gpu_runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def shared_dir() -> Path:
+    env = os.environ.get("COSERVE_SHARED_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared"
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    timestamp: float  # seconds since the first row
+    prompt_len: int
+    output_len: int
+
+
+@lru_cache(maxsize=4)
+def load_trace(name: str, path: str | None = None) -> tuple[TraceRow, ...]:
+    """``conv`` or ``code`` (or a CSV path) -> rows with TIMESTAMP, ContextTokens, GeneratedTokens."""
+    p = Path(path) if path else shared_dir() / "traces" / f"azure_llm_2023_{name}.csv"
+    rows, t0 = [], None
+    with p.open() as f:
+        for r in csv.DictReader(f):
+            ts = datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp()
+            t0 = ts if t0 is None else t0
+            rows.append(TraceRow(ts - t0, max(1, int(r["ContextTokens"])), max(1, int(r["GeneratedTokens"]))))
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One QoS bucket of the mix (QoServe Q1/Q2/Q3)."""
+
+    name: str
+    share: float
+    qos: QoSSpec
+
+
+def paper_tiers(scale: float = 1.0, free_share: float = 0.0) -> list[TierSpec]:
+    """Q1 TTFT 6 s / TBT 50 ms, Q2 TTLT 600 s, Q3 TTLT 1800 s, equal thirds; SLOs x ``scale``.
+
+    ``free_share`` of each bucket is free tier (the bursty experiment's low-priority jobs)."""
+    base = [("Q1", QoSClass.INTERACTIVE, dict(ttft_s=6.0 * scale, tbt_s=0.05 * scale)),
+            ("Q2", QoSClass.BATCH, dict(ttlt_s=600.0 * scale)),
+            ("Q3", QoSClass.BATCH, dict(ttlt_s=1800.0 * scale))]
+    tiers = []
+    for name, cls, kw in base:
+        if free_share > 0:
+            tiers.append(TierSpec(f"{name}-paid", (1 - free_share) / 3, QoSSpec(cls, Tier.PAID, **kw)))
+            tiers.append(TierSpec(f"{name}-free", free_share / 3, QoSSpec(cls, Tier.FREE, **kw)))
+        else:
+            tiers.append(TierSpec(name, 1 / 3, QoSSpec(cls, Tier.PAID, **kw)))
+    return tiers
+
+
+def poisson_times(n: int, qps: float, rng: random.Random, start: float = 0.0) -> list[float]:
+    t, out = start, []
+    for _ in range(n):
+        t += rng.expovariate(qps)
+        out.append(t)
+    return out
+
+
+def bursty_times(duration_s: float, low_qps: float, high_qps: float, period_s: float,
+                 rng: random.Random) -> list[float]:
+    """Poisson arrivals alternating between ``low_qps`` and ``high_qps`` every ``period_s``."""
+    t, out = 0.0, []
+    while True:
+        rate = low_qps if int(t // period_s) % 2 == 0 else high_qps
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return out
+        out.append(t)
+
+
+def trace_times(rows: tuple[TraceRow, ...], n: int, qps: float) -> list[float]:
+    """The trace's own inter-arrival pattern, rescaled to average ``qps``."""
+    span = rows[min(n, len(rows)) - 1].timestamp - rows[0].timestamp
+    scale = (n / qps) / span if span > 0 else 1.0
+    return [(rows[i % len(rows)].timestamp - rows[0].timestamp) * scale for i in range(n)]
+
+
+def build_requests(rows: tuple[TraceRow, ...], times: list[float], tiers: list[TierSpec], rng: random.Random,
+                   max_prompt: int = 8192, max_output: int = 2048, app_id: str = "trace") -> list[Request]:
+    """One request per arrival time: token counts sampled from the trace, tier by the mix shares."""
+    shares = [t.share for t in tiers]
+    out = []
+    for i, t in enumerate(times):
+        row = rows[rng.randrange(len(rows))]
+        tier = rng.choices(tiers, weights=shares)[0]
+        req = Request(f"sim-{i}", [1] * min(row.prompt_len, max_prompt),
+                      SamplingParams(max_tokens=min(row.output_len, max_output), ignore_eos=True),
+                      tier.qos, t, app_id=f"{app_id}-{tier.name}")
+        out.append(req)
+    return out

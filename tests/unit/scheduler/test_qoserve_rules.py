@@ -1,0 +1,150 @@
+"""QoServe rules on hand-built situations: relegation, resumption, preemption, order."""
+
+from gpu_runtime.qos import Tier
+from gpu_runtime.request import RequestStatus
+from gpu_runtime.scheduler.registry import available, create_scheduler
+from gpu_runtime.scheduler.relegation import WorkEstimate, should_relegate
+
+from tests.unit.scheduler.helpers import COST, batch, decoding, interactive
+
+EST = WorkEstimate(iteration_s=0.1, budget=100, decode_step_s=0.02)
+
+
+def test_free_job_is_relegated_when_it_will_violate_paid_only_when_violated():
+    # needs 10 iterations of 0.1 s = 1 s, only 0.5 s left: will violate, not yet violated
+    free = interactive("f", prompt=1000, ttft=0.5, tier=Tier.FREE)
+    paid = interactive("p", prompt=1000, ttft=0.5, tier=Tier.PAID)
+    assert should_relegate(free, 0.0, EST, free_jobs_waiting=0)
+    assert not should_relegate(paid, 0.0, EST, free_jobs_waiting=0)
+    # once violated, a paid job goes only if no free job is left
+    assert should_relegate(paid, 0.6, EST, free_jobs_waiting=0)
+    assert not should_relegate(paid, 0.6, EST, free_jobs_waiting=1)
+
+
+def test_batch_job_relegation_counts_predicted_decode_time():
+    r = batch("b", prompt=100, ttlt=1.0, max_tokens=100, tier=Tier.FREE)
+    r.predicted_output_len = 100
+    # 1 prefill iteration (0.1 s) + 99 decode steps x 0.02 s = 2.08 s > 1 s
+    assert should_relegate(r, 0.0, EST, 0)
+    r.predicted_output_len = 10
+    assert not should_relegate(r, 0.0, EST, 0)
+
+
+def test_schedule_relegates_hopeless_free_job_and_serves_others_first():
+    s = create_scheduler("qoserve", cost_model=COST)
+    hopeless = interactive("free-late", arrival=0.0, prompt=200, ttft=0.5, tier=Tier.FREE)
+    ok = interactive("paid", arrival=0.9, prompt=200, ttft=6.0)
+    s.add_request(hopeless)
+    s.add_request(ok)
+    out = s.schedule(now=1.0)
+    assert [r.request_id for r in out.relegated] == ["free-late"]
+    assert hopeless.status is RequestStatus.RELEGATED and hopeless.relegation_count == 1
+    ids = [p.request.request_id for p in out.prefills]
+    assert ids[0] == "paid"
+    # spare budget still runs the relegated job after everyone else
+    assert ids[-1] == "free-late"
+    for p in out.prefills:  # the engine computes the whole prompts
+        p.request.num_computed_tokens += p.num_tokens
+        p.request.output_token_ids.append(7)
+        p.request.token_times.append(1.1)
+    s.update_from_output(out, 1.1)
+    assert s.queue_depths() == {"prefill": 0, "decode": 2, "relegated": 0}
+    assert s.schedule(now=1.2).resumed == [hopeless]  # back in normal service once decoding
+
+
+def test_relegated_job_is_not_rechecked_and_resume_brings_it_back():
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=16, chunk_floor=16)
+    late = interactive("late", prompt=500, ttft=0.1, tier=Tier.FREE)
+    other = interactive("other", arrival=0.0, prompt=500, ttft=100.0)
+    s.add_request(late)
+    s.add_request(other)
+    out = s.schedule(now=1.0)
+    assert out.relegated == [late]
+    assert all(p.request is other for p in out.prefills)  # budget 16 all used by 'other'
+    s.update_from_output(out, 1.1)
+    out2 = s.schedule(now=1.2)
+    assert out2.relegated == []  # stays relegated; not relegated twice
+    s.update_from_output(out2, 1.3)
+    assert s.resume("late")
+    assert not s.resume("late")
+    out3 = s.schedule(now=1.4)
+    assert out3.resumed == [late] and late.status is RequestStatus.WAITING
+    assert late.request_id not in s.relegated and out3.relegated == []  # pinned by the operator
+
+
+def test_decodes_always_run_and_slack_limits_the_chunk():
+    s = create_scheduler("qoserve", cost_model=COST, chunk_floor=16, chunk_ceiling=4096)
+    d = decoding(interactive("d", ttft=1.0, tbt=0.05), outputs=1, times=[0.9])
+    s.running[d.request_id] = d
+    s.add_request(batch("big", prompt=4000, ttlt=1000.0))
+    out = s.schedule(now=1.0)  # slack 0.05 s
+    assert out.decodes == [d]
+    assert 0 < out.prefill_budget <= 315 and out.prefills[0].num_tokens == out.prefill_budget
+    assert out.predicted_latency_s * 1.2 <= 0.05 + 1e-9
+
+
+def test_selective_preemption_pauses_started_prefill_only_if_it_keeps_its_deadline():
+    s = create_scheduler("qoserve", cost_model=COST, chunk_floor=64, chunk_ceiling=64, relegation=False)
+    started = batch("started", arrival=0.0, prompt=1000, ttlt=1000.0)
+    s.add_request(started)
+    out = s.schedule(now=0.0)
+    s.update_from_output(out, 0.05)
+    started.num_computed_tokens = 64
+    urgent = interactive("urgent", arrival=0.1, prompt=64, ttft=0.5)
+    s.add_request(urgent)
+    out = s.schedule(now=0.1)
+    assert [p.request.request_id for p in out.prefills] == ["urgent"]
+    assert out.preempted == [started] and started.was_preempted
+    assert started.num_computed_tokens == 64  # KV kept: progress not lost
+
+
+def test_started_prefill_that_would_miss_its_deadline_is_not_preempted():
+    s = create_scheduler("qoserve", cost_model=COST, chunk_floor=64, chunk_ceiling=64, relegation=False)
+    tight = interactive("tight", arrival=0.0, prompt=128, ttft=0.2)
+    s.add_request(tight)
+    out = s.schedule(now=0.0)
+    s.update_from_output(out, 0.02)
+    tight.num_computed_tokens = 64
+    newcomer = interactive("new", arrival=0.02, prompt=64, ttft=0.05)  # higher priority
+    s.add_request(newcomer)
+    out = s.schedule(now=0.18)  # one chunk (16.4 ms) ends at 0.196; skipping it would miss 0.2
+    assert out.prefills[0].request is tight and out.preempted == []
+
+
+def test_finished_requests_leave_and_all_policies_complete_a_workload():
+    for name in available():
+        s = create_scheduler(name, cost_model=COST)
+        reqs = [interactive(f"i{k}", prompt=300, max_tokens=3) for k in range(3)] + \
+               [batch(f"b{k}", prompt=300, max_tokens=3) for k in range(3)]
+        for r in reqs:
+            s.add_request(r)
+        now, steps = 0.0, 0
+        while s.num_unfinished and steps < 200:
+            out = s.schedule(now)
+            for p in out.prefills:
+                p.request.num_computed_tokens += p.num_tokens
+                if not p.request.in_prefill:
+                    p.request.output_token_ids.append(7)
+                    p.request.token_times.append(now)
+            for d in out.decodes:
+                d.num_computed_tokens += 1
+                d.output_token_ids.append(7)
+                d.token_times.append(now)
+            for r in [p.request for p in out.prefills] + out.decodes:
+                if r.num_output_tokens >= r.sampling.max_tokens:
+                    r.status = RequestStatus.FINISHED_LENGTH
+            now += 0.05
+            s.update_from_output(out, now)
+            steps += 1
+        assert s.num_unfinished == 0, name
+        assert all(r.num_output_tokens == 3 for r in reqs), name
+
+
+def test_registry_rejects_unknown_names_and_keys():
+    import pytest
+
+    with pytest.raises(ValueError):
+        create_scheduler("nope")
+    with pytest.raises(ValueError):
+        create_scheduler("sarathi-fcfs", bogus=1)
+    assert create_scheduler("sarathi-fcfs", chunk_size=128).config.chunk_size == 128
