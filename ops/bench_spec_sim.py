@@ -2,7 +2,12 @@
 
 AdaServe's SLO categories (section 6.1): coding 1.2x baseline TPOT, chat 50 ms,
 summarization 150 ms (the latter two scaled to this profile's baseline step latency),
-mixed 60/20/20 with Poisson arrivals. Acceptance comes from the per-category rates
+mixed 60/20/20 with Poisson arrivals.
+
+``--stack engine`` (default) runs the full co-serving stack: Engine + QoServe scheduler
++ SimExecutor on the (SYNTHETIC) A100 Llama3-8B roofline cost model, with a fixed draft
+cost per tree level. ``--stack harness`` runs the decode-level harness
+(ops/bench_spec_harness.py, 70B-class roofline) instead. Acceptance comes from the per-category rates
 measured on the real default model (ops/measure_acceptance.py). Every policy runs the
 same arrivals; the table prints SLO attainment and goodput (tokens/s of requests that
 met their TPOT SLO), with AdaServe's ratio to the best of vLLM-Spec(n) and the static
@@ -20,12 +25,54 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_spec_harness import (RooflineProfile, adaserve_slos, fmt_ratio, load_acceptance,  # noqa: E402
-                                poisson_arrivals, simulate)
+from bench_spec_harness import (Arrival, RooflineProfile, RunMetrics, _metrics, adaserve_slos,  # noqa: E402
+                                fmt_ratio, load_acceptance, poisson_arrivals, simulate)
 
 from gpu_runtime.speculation.registry import create_policy  # noqa: E402
 
 BASELINES = ["none", "chain-1", "chain-2", "chain-4", "chain-6", "static-tree"]
+
+
+def simulate_engine(policy_name: str, arrivals: list[Arrival], cost_model, acceptance, draft_cost_s: float,
+                    seed: int = 0) -> RunMetrics:
+    """Engine + QoServe + SimExecutor: arrivals join at their time on the simulated clock."""
+    from gpu_runtime.engine import Engine
+    from gpu_runtime.executor.sim import SimExecutor
+    from gpu_runtime.request import Request
+    from gpu_runtime.sampling import SamplingParams
+    from gpu_runtime.scheduler.registry import create_scheduler
+
+    ex = SimExecutor(cost_model, kv_blocks=30000, acceptance=acceptance, draft_cost_s=draft_cost_s, seed=seed)
+    category: dict[str, str] = {}
+    sim_add = ex.add_request
+    # The Engine registers requests without a category; the simulator's acceptance needs it.
+    ex.add_request = lambda rid, sampling, cat=None: sim_add(rid, sampling, category.get(rid))  # type: ignore[method-assign]
+    engine = Engine(ex, create_scheduler("qoserve", cost_model=cost_model, executor=ex), create_policy(policy_name))
+    pending = sorted(arrivals, key=lambda a: a.time)
+    reqs, info, busy, steps = [], {}, 0.0, 0
+    i = 0
+    while i < len(pending) or engine.has_work:
+        while i < len(pending) and pending[i].time <= ex.now():
+            a = pending[i]
+            rid = f"q{i}"
+            category[rid] = a.category
+            req = Request(rid, [1] * a.prompt_len, SamplingParams(max_tokens=a.output_len, ignore_eos=True),
+                          a.qos, a.time, app_id=a.category)
+            engine.add_request(req)
+            reqs.append(req)
+            info[rid] = a
+            i += 1
+        if not engine.has_work:
+            ex.advance_to(pending[i].time)
+            continue
+        before = ex.now()
+        engine.step()
+        busy += ex.now() - before
+        steps += 1
+    done = [r for r in reqs if r.num_output_tokens > 0]
+    start = min(a.time for a in arrivals)
+    end = max(r.token_times[-1] for r in done)
+    return _metrics(policy_name, done, info, end - start, busy, steps, sum(r.num_output_tokens for r in done))
 
 
 def main() -> None:
@@ -33,17 +80,33 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     ap.add_argument("--rps", type=float, nargs="+", default=[2.0, 4.0, 6.0, 8.0])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stack", choices=["engine", "harness"], default="engine")
+    ap.add_argument("--draft-cost-ms", type=float, default=1.5, help="engine stack: draft time per tree level")
     args = ap.parse_args()
     profile = RooflineProfile()
     acceptance = load_acceptance()
-    slos = adaserve_slos(profile)
+    if args.stack == "engine":
+        from gpu_runtime.costmodel.base import decode_step_time
+        from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
+
+        cost_model = load_cost_model(A100_PROFILE, ("piecewise-linear",))
+        base = decode_step_time(cost_model, 16, 1500)
+        scale = base / 0.040
+        slos = {"coding": 1.2 * base, "chat": 0.050 * scale, "summarization": 0.150 * scale}
+
+        def run(name, arrivals):
+            return simulate_engine(name, arrivals, cost_model, acceptance, args.draft_cost_ms / 1e3, args.seed)
+    else:
+        slos = adaserve_slos(profile)
+
+        def run(name, arrivals):
+            return simulate(create_policy(name), arrivals, profile, acceptance, seed=args.seed)
     print("TPOT SLOs (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in slos.items()))
     t0 = time.perf_counter()
     rows = []
     for rps in args.rps:
         arrivals = poisson_arrivals(rps, args.duration, slos, seed=args.seed)
-        res = {name: simulate(create_policy(name), arrivals, profile, acceptance, seed=args.seed)
-               for name in [*BASELINES, "adaserve"]}
+        res = {name: run(name, arrivals) for name in [*BASELINES, "adaserve"]}
         rows.append((rps, len(arrivals), res))
     print(f"\n{'RPS':>5s} {'reqs':>5s} " + " ".join(f"{n:>16s}" for n in [*BASELINES, "adaserve"])
           + f" {'attain vs best':>15s} {'goodput vs best':>16s}")

@@ -56,6 +56,11 @@ class AdaServe(SpeculationPolicy):
         super().bind(executor)
         if self.latency_curve is None:
             self.latency_curve = getattr(executor, "latency_curve", None)
+        cost_model = getattr(executor, "cost_model", None)
+        if self.latency_curve is None and cost_model is not None:
+            from gpu_runtime.costmodel.base import batch_time
+
+            self.latency_curve = lambda n: batch_time(cost_model, n)  # the profile's latency-vs-tokens curve
 
     # ---- eq. 8-9 and B ----
     def budget(self, num_requests: int, num_context: int = 0) -> int:
