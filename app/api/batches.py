@@ -1,5 +1,116 @@
-"""Router for batches (to be filled by its owner)."""
+"""OpenAI Batch API: create (validation + fan-out in the background), get, list, cancel.
 
-from fastapi import APIRouter
+Reading a batch also runs the fan-in (``maybe_finalize``), so a batch whose last job just
+ended is finalized by whoever looks first: the worker's hook, a poll, or a cancel.
+"""
 
-router = APIRouter()
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, BackgroundTasks, Query
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.batch import storage
+from app.batch.fanout import expires_at_for, start_batch
+from app.batch.finalize import cancel_batch, maybe_finalize
+from app.batch.lines import ENDPOINTS
+from app.batch.objects import batch_object
+from app.db.models import Batch, new_id
+from app.db.session import write_guard
+from app.openai_schemas import OpenAIError, OpenAIRoute, parse_window
+from app.services.jobs import JobValidationError, resolve_tier
+from app.services.transitions import utcnow
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=OpenAIRoute)
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: str = Field("24h", description="'24h', or any window such as '30m', '2h', '7d'")
+    metadata: dict[str, str] | None = None
+    tier: str | None = Field(None, description="coserve extension: the batch's tier (up to the key's)")
+
+
+def _own(session, principal, batch_id: str) -> Batch:
+    row = session.get(Batch, batch_id, populate_existing=True)
+    if row is None or row.tenant_id != principal.tenant_id:
+        raise OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
+    return row
+
+
+@router.post("")
+def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
+                 background: BackgroundTasks) -> dict[str, Any]:
+    assert body.endpoint in ENDPOINTS
+    try:
+        parse_window(body.completion_window)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="completion_window") from exc
+    try:
+        tier = resolve_tier(settings, principal, body.tier)
+    except JobValidationError as exc:
+        raise OpenAIError(400, str(exc), param="tier") from exc
+    src = storage.get_file(session, principal.tenant_id, body.input_file_id)
+    if src is None:
+        raise OpenAIError(404, f"No such File object: {body.input_file_id}", param="input_file_id")
+    if src.purpose != "batch":
+        raise OpenAIError(400, "the input file's purpose must be 'batch'", param="input_file_id")
+    now = utcnow()
+    batch = Batch(id=new_id("batch"), tenant_id=principal.tenant_id, endpoint=body.endpoint,
+                  input_file_id=src.id, completion_window=body.completion_window, status="validating", tier=tier,
+                  metadata_=body.metadata, created_at=now, expires_at=expires_at_for(now, body.completion_window))
+    session.commit()
+    with write_guard(session):
+        session.add(batch)
+        session.commit()
+    background.add_task(start_batch, settings, batch.id)
+    return batch_object(batch)
+
+
+@router.get("")
+def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
+    q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
+    if after:
+        ref = session.get(Batch, after)
+        if ref is not None:
+            q = q.where((Batch.created_at < ref.created_at) |
+                        ((Batch.created_at == ref.created_at) & (Batch.id < ref.id)))
+    rows = list(session.scalars(q.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)))
+    page = rows[:limit]
+    for b in page:
+        if b.status in ("in_progress", "cancelling"):
+            maybe_finalize(session, b.id, settings.data_dir, settings.redis_url)
+            session.refresh(b)
+    return {"object": "list", "data": [batch_object(b) for b in page], "has_more": len(rows) > limit,
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+
+
+@router.get("/{batch_id}")
+async def get_batch(batch_id: str, session: SessionDep, principal: CurrentPrincipal,
+                    settings: SettingsDep) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
+        batch = _own(session, principal, batch_id)
+        if batch.status in ("in_progress", "cancelling"):
+            maybe_finalize(session, batch_id, settings.data_dir, settings.redis_url)
+            session.refresh(batch)
+        return batch_object(batch)
+
+    return await run_in_threadpool(read)
+
+
+@router.post("/{batch_id}/cancel")
+def cancel(batch_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
+    batch = _own(session, principal, batch_id)
+    if batch.status not in ("validating", "in_progress", "cancelling"):
+        raise OpenAIError(409, f"Cannot cancel a batch with status {batch.status!r}", param="batch_id")
+    return batch_object(cancel_batch(session, batch, settings.data_dir, settings.redis_url))

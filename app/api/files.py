@@ -1,5 +1,74 @@
-"""Router for files (to be filled by its owner)."""
+"""OpenAI Files API (``purpose=batch``): upload (multipart), list, get, content, delete."""
 
-from fastapi import APIRouter
+from __future__ import annotations
 
-router = APIRouter()
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from sqlalchemy import select
+
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.batch import storage
+from app.db.models import File as FileRow
+from app.openai_schemas import OpenAIError, OpenAIRoute
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/files", tags=["files"], route_class=OpenAIRoute)
+
+
+def _own(session, principal, file_id: str) -> FileRow:
+    row = storage.get_file(session, principal.tenant_id, file_id)
+    if row is None:
+        raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
+    return row
+
+
+@router.post("")
+async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
+                      file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict:
+    if purpose not in storage.UPLOAD_PURPOSES:
+        raise OpenAIError(400, f"purpose must be one of {list(storage.UPLOAD_PURPOSES)}", param="purpose")
+    content = await file.read()
+    if not content:
+        raise OpenAIError(400, "the file is empty", param="file")
+    row = await run_in_threadpool(storage.save_file, session, settings.data_dir, principal.tenant_id,
+                                  file.filename or "upload.jsonl", purpose, content)
+    return storage.file_object(row)
+
+
+@router.get("")
+def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | None = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 100, after: str | None = None) -> dict:
+    q = select(FileRow).where(FileRow.tenant_id == principal.tenant_id, FileRow.deleted.is_(False))
+    if purpose:
+        q = q.where(FileRow.purpose == purpose)
+    rows = list(session.scalars(q.order_by(FileRow.created_at.desc(), FileRow.id.desc())))
+    if after:
+        ids = [r.id for r in rows]
+        rows = rows[ids.index(after) + 1:] if after in ids else []
+    page = rows[:limit]
+    return {"object": "list", "data": [storage.file_object(r) for r in page], "has_more": len(rows) > limit,
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+
+
+@router.get("/{file_id}")
+def get_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> dict:
+    return storage.file_object(_own(session, principal, file_id))
+
+
+@router.get("/{file_id}/content")
+def file_content(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> Response:
+    row = _own(session, principal, file_id)
+    return Response(storage.read_content(row), media_type="application/jsonl",
+                    headers={"Content-Disposition": f'attachment; filename="{row.filename}"'})
+
+
+@router.delete("/{file_id}")
+def delete_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> dict:
+    row = _own(session, principal, file_id)
+    storage.delete_file(session, row)
+    return {"id": file_id, "object": "file", "deleted": True}

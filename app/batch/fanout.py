@@ -1,0 +1,108 @@
+"""Fan-out: a validated input file becomes one batch-class job per valid line.
+
+Every job's TTLT deadline is the batch's ``expires_at`` (created_at + completion_window).
+Invalid lines are kept in ``data_dir/batches/<id>/invalid.jsonl`` for the error file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import update
+
+from app.auth import Principal
+from app.batch import lines as batch_lines
+from app.batch.finalize import maybe_finalize
+from app.batch.objects import invalid_line
+from app.batch.storage import read_content
+from app.db.models import Batch, File, JobEvent, JobStatus
+from app.db.session import session_scope, write_guard
+from app.openai_schemas import parse_window
+from app.services import dispatch as dispatching
+from app.services.jobs import JobValidationError, build_job
+from app.services.transitions import as_utc, utcnow
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def batch_dir(data_dir: Path, batch_id: str) -> Path:
+    path = Path(data_dir) / "batches" / batch_id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def invalid_path(data_dir: Path, batch_id: str) -> Path:
+    return Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
+
+
+def start_batch(settings: Settings, batch_id: str) -> None:
+    """Validates the batch's input file and creates + dispatches its jobs (a background task)."""
+    try:
+        _start(settings, batch_id)
+    except Exception as exc:
+        log.exception("batch %s failed during validation", batch_id)
+        with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+            s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+                status="failed", failed_at=utcnow(),
+                errors=[{"code": "internal_error", "message": f"validation failed: {exc}", "line": None}]))
+
+
+def _start(settings: Settings, batch_id: str) -> None:
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        batch = s.get(Batch, batch_id)
+        content = read_content(s.get(File, batch.input_file_id))
+        endpoint, tier, tenant_id = batch.endpoint, batch.tier, batch.tenant_id
+        expires_at = as_utc(batch.expires_at)
+    window_s = parse_window(batch.completion_window)
+    parsed = batch_lines.parse_file(content, endpoint, window_s)
+    if parsed.file_errors:
+        with session_scope(url) as s, write_guard(s):
+            s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+                status="failed", failed_at=utcnow(), errors=parsed.file_errors, total=parsed.total))
+        log.info("batch %s failed validation: %s", batch_id, parsed.file_errors)
+        return
+    principal = Principal(key_id="", tenant_id=tenant_id, tier=tier, is_admin=False)
+    invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message) for i in parsed.invalid]
+    jobs = []
+    for v in parsed.valid:
+        spec = v.spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
+        try:
+            jobs.append(build_job(settings, principal, spec, batch_id=batch_id, custom_id=v.custom_id,
+                                  endpoint=endpoint))
+        except JobValidationError as exc:
+            invalid.append(invalid_line(v.line_no, v.custom_id, "invalid_body", f"line {v.line_no}: {exc}"))
+    invalid.sort(key=lambda r: r["error"]["line"])
+    path = invalid_path(settings.data_dir, batch_id)
+    batch_dir(settings.data_dir, batch_id)
+    path.write_text("".join(json.dumps(r) + "\n" for r in invalid))
+    with session_scope(url) as s, write_guard(s):
+        ok = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+            status="in_progress", in_progress_at=utcnow(), total=parsed.total, failed=len(invalid),
+            completed=0)).rowcount == 1
+        if ok:
+            for job in jobs:
+                s.add(job)
+                s.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value,
+                               at=job.created_at, attempt=0, detail=f"batch {batch_id}"))
+    if not ok:  # cancelled while validating
+        with session_scope(url) as s, write_guard(s):
+            s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
+                status="cancelled", cancelled_at=utcnow(), total=parsed.total))
+        return
+    log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
+    if settings.redis_url:
+        with session_scope(url) as s:
+            for job in jobs:
+                dispatching.dispatch(s, settings.redis_url, job.id, job.model, detail=f"batch {batch_id}")
+    if not jobs:
+        with session_scope(url) as s:
+            maybe_finalize(s, batch_id, settings.data_dir)
+
+
+def expires_at_for(created_at, window: str):
+    return created_at + timedelta(seconds=parse_window(window))

@@ -1,0 +1,133 @@
+"""Fan-in: when every job of a batch is terminal, write its output and error files.
+
+``maybe_finalize`` is idempotent and safe to call from anywhere (API reads of the batch,
+the cancel route, the worker's completion hook, ``workers.batch_tasks``): it refreshes
+``request_counts``, expires a batch whose window ended, and the one caller that wins the
+guarded ``in_progress|cancelling -> finalizing`` update writes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from app.batch.objects import job_error_line, output_line
+from app.batch.storage import save_file
+from app.db.models import Batch, Job, JobStatus
+from app.db.session import write_guard
+from app.services.notify import announce_cancel
+from app.services.transitions import NOT_TERMINAL, as_utc, transition, utcnow
+
+log = logging.getLogger(__name__)
+
+OPEN = ("in_progress", "cancelling")
+TERMINAL_JOB = [s.value for s in JobStatus if s.terminal]
+
+
+def _invalid_lines(data_dir: Path, batch_id: str) -> list[str]:
+    path = Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _counts(session: Session, batch_id: str) -> dict[str, int]:
+    rows = session.execute(select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status))
+    return {status: n for status, n in rows}
+
+
+def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis_url: str | None) -> int:
+    """Moves every non-terminal job of the batch to ``to`` (cancelled/expired); running ones are aborted."""
+    ids = list(session.scalars(select(Job.id).where(Job.batch_id == batch_id,
+                                                    Job.status.in_([s.value for s in NOT_TERMINAL]))))
+    session.commit()
+    stopped = 0
+    for job_id in ids:
+        with write_guard(session):
+            ok = transition(session, job_id, NOT_TERMINAL, to, detail=detail,
+                            values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value})
+            session.commit()
+        if ok:
+            stopped += 1
+            announce_cancel(redis_url, session.get(Job, job_id, populate_existing=True))
+    return stopped
+
+
+def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None,
+                   redis_url: str | None = None) -> bool:
+    """True if this call finalized the batch (wrote its files and set its final status)."""
+    if data_dir is None or redis_url is None:
+        from app.settings import get_settings
+
+        data_dir = data_dir or get_settings().data_dir
+        redis_url = redis_url or get_settings().redis_url
+    batch = session.get(Batch, batch_id, populate_existing=True)
+    if batch is None or batch.status not in OPEN:
+        return False
+    expired = False
+    counts = _counts(session, batch_id)
+    pending = sum(n for st, n in counts.items() if st not in TERMINAL_JOB)
+    if pending and batch.status == "in_progress" and batch.expires_at and as_utc(batch.expires_at) <= utcnow():
+        stop_jobs(session, batch_id, JobStatus.EXPIRED, "the batch's completion window ended", redis_url)
+        expired, counts = True, _counts(session, batch_id)
+        pending = sum(n for st, n in counts.items() if st not in TERMINAL_JOB)
+    invalid = _invalid_lines(data_dir, batch_id)
+    completed = counts.get(JobStatus.SUCCEEDED.value, 0)
+    failed = len(invalid) + sum(n for st, n in counts.items() if st in TERMINAL_JOB and st != "succeeded")
+    session.commit()
+    if pending:
+        if (completed, failed) != (batch.completed, batch.failed):
+            with write_guard(session):
+                session.execute(update(Batch).where(Batch.id == batch_id).values(completed=completed, failed=failed))
+                session.commit()
+        return False
+    prev = batch.status
+    with write_guard(session):
+        won = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == prev).values(
+            status="finalizing", finalizing_at=utcnow(), completed=completed, failed=failed)).rowcount == 1
+        session.commit()
+    if not won:
+        return False
+    jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.created_at, Job.id)))
+    out_lines = [json.dumps(output_line(j)) for j in jobs if j.status == JobStatus.SUCCEEDED]
+    err_lines = invalid + [json.dumps(job_error_line(j)) for j in jobs if j.status != JobStatus.SUCCEEDED]
+    values: dict = {}
+    if out_lines:
+        values["output_file_id"] = save_file(session, data_dir, batch.tenant_id, f"{batch_id}_output.jsonl",
+                                             "batch_output", ("\n".join(out_lines) + "\n").encode()).id
+    if err_lines:
+        values["error_file_id"] = save_file(session, data_dir, batch.tenant_id, f"{batch_id}_error.jsonl",
+                                            "batch_output", ("\n".join(err_lines) + "\n").encode()).id
+    now = utcnow()
+    if prev == "cancelling":
+        values.update(status="cancelled", cancelled_at=now)
+    elif expired:
+        values.update(status="expired", expired_at=now)
+    else:
+        values.update(status="completed", completed_at=now)
+    with write_guard(session):
+        session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
+        session.commit()
+    log.info("batch %s %s: %d completed, %d failed", batch_id, values["status"], completed, failed)
+    return True
+
+
+def finalize_for_job(session: Session, job_id: str) -> bool:
+    """Worker completion hook: finalize the job's batch if this was its last job."""
+    batch_id = session.scalar(select(Job.batch_id).where(Job.id == job_id))
+    return bool(batch_id) and maybe_finalize(session, batch_id)
+
+
+def cancel_batch(session: Session, batch: Batch, data_dir: Path, redis_url: str | None) -> Batch:
+    """validating|in_progress -> cancelling; pending jobs cancelled, running ones aborted; then fan-in."""
+    session.commit()
+    with write_guard(session):
+        session.execute(update(Batch).where(Batch.id == batch.id, Batch.status.in_(("validating", "in_progress")))
+                        .values(status="cancelling", cancelling_at=utcnow()))
+        session.commit()
+    stop_jobs(session, batch.id, JobStatus.CANCELLED, "cancelled with its batch", redis_url)
+    maybe_finalize(session, batch.id, data_dir, redis_url)
+    session.refresh(batch)
+    return batch

@@ -1,0 +1,118 @@
+"""Validation of a Batch API input file (OpenAI JSONL: ``custom_id``, ``method``, ``url``, ``body``).
+
+Line-level problems (bad JSON, wrong url, invalid body) reject that line only: it goes to
+the error file with its line number and reason. Duplicate ``custom_id`` values fail the
+whole file (OpenAI semantics).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, validation_message
+from app.schemas import JobCreate
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+MAX_LINES = 50_000
+
+
+@dataclass
+class ValidLine:
+    line_no: int
+    custom_id: str
+    spec: JobCreate
+
+
+@dataclass
+class InvalidLine:
+    line_no: int
+    custom_id: str | None
+    message: str
+    code: str = "invalid_request"
+
+
+@dataclass
+class ParsedFile:
+    valid: list[ValidLine] = field(default_factory=list)
+    invalid: list[InvalidLine] = field(default_factory=list)
+    file_errors: list[dict[str, Any]] = field(default_factory=list)  # fail the whole batch
+
+    @property
+    def total(self) -> int:
+        return len(self.valid) + len(self.invalid)
+
+
+def parse_line(line_no: int, text: str, endpoint: str, window_s: float) -> ValidLine | InvalidLine:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return InvalidLine(line_no, None, f"line {line_no}: not valid JSON ({exc.msg})", "invalid_json")
+    if not isinstance(obj, dict):
+        return InvalidLine(line_no, None, f"line {line_no}: must be a JSON object", "invalid_json")
+    custom_id = obj.get("custom_id")
+    cid = custom_id if isinstance(custom_id, str) else None
+    if not cid:
+        return InvalidLine(line_no, None, f"line {line_no}: 'custom_id' is missing or not a non-empty string",
+                           "missing_custom_id")
+    if obj.get("method", "POST") != "POST":
+        return InvalidLine(line_no, cid, f"line {line_no}: method must be POST, not {obj.get('method')!r}",
+                           "invalid_method")
+    if obj.get("url") != endpoint:
+        return InvalidLine(line_no, cid, f"line {line_no}: url {obj.get('url')!r} does not match the batch "
+                           f"endpoint {endpoint!r}", "invalid_url")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return InvalidLine(line_no, cid, f"line {line_no}: 'body' must be a JSON object", "invalid_body")
+    if body.get("stream"):
+        return InvalidLine(line_no, cid, f"line {line_no}: stream is not supported in batches", "invalid_body")
+    try:
+        req = ENDPOINTS[endpoint].model_validate(body)
+        req.check()
+        if req.deadline is not None or req.ttft_ms or req.tbt_ms:
+            raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
+        spec = (req.job_spec(messages=req.chat_messages(), batch_window_s=window_s)
+                if endpoint == "/v1/chat/completions" else req.job_spec(prompt=req.prompt_text(),
+                                                                         batch_window_s=window_s))
+    except ValidationError as exc:
+        message, _ = validation_message(list(exc.errors()))
+        return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {message}", "invalid_body")
+    except OpenAIError as exc:
+        return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {exc.message}", "invalid_body")
+    return ValidLine(line_no, cid, spec)
+
+
+def parse_file(content: bytes, endpoint: str, window_s: float) -> ParsedFile:
+    out = ParsedFile()
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        out.file_errors.append({"code": "invalid_file", "message": "the file is not UTF-8 text", "line": None})
+        return out
+    seen: dict[str, list[int]] = defaultdict(list)
+    lines = [(i + 1, t) for i, t in enumerate(text.splitlines()) if t.strip()]
+    if not lines:
+        out.file_errors.append({"code": "empty_file", "message": "the file has no requests", "line": None})
+        return out
+    if len(lines) > MAX_LINES:
+        out.file_errors.append({"code": "too_many_requests", "line": None,
+                                "message": f"{len(lines)} requests; a batch takes at most {MAX_LINES}"})
+        return out
+    for line_no, t in lines:
+        parsed = parse_line(line_no, t, endpoint, window_s)
+        (out.valid if isinstance(parsed, ValidLine) else out.invalid).append(parsed)
+        if parsed.custom_id:
+            seen[parsed.custom_id].append(line_no)
+    for cid, at in seen.items():
+        if len(at) > 1:
+            out.file_errors.append({"code": "duplicate_custom_id", "line": at[1], "param": "custom_id",
+                                    "message": f"custom_id {cid!r} appears on lines {', '.join(map(str, at))}; "
+                                               "each request needs a unique custom_id"})
+    return out

@@ -1,0 +1,52 @@
+"""OpenAI's Batch object and output-line shapes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from app.db.models import Batch, Job
+from app.openai_schemas import chat_completion, text_completion
+
+
+def ts(dt: datetime | None) -> int | None:
+    if dt is None:
+        return None
+    return int((dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp())
+
+
+def batch_object(b: Batch) -> dict[str, Any]:
+    errors = {"object": "list", "data": b.errors} if b.errors else None
+    return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors,
+            "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
+            "output_file_id": b.output_file_id, "error_file_id": b.error_file_id, "created_at": ts(b.created_at),
+            "in_progress_at": ts(b.in_progress_at), "expires_at": ts(b.expires_at),
+            "finalizing_at": ts(b.finalizing_at), "completed_at": ts(b.completed_at), "failed_at": ts(b.failed_at),
+            "expired_at": ts(b.expired_at), "cancelling_at": ts(b.cancelling_at),
+            "cancelled_at": ts(b.cancelled_at),
+            "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
+            "metadata": b.metadata_, "coserve": {"tier": b.tier}}
+
+
+def output_line(job: Job) -> dict[str, Any]:
+    """A succeeded job as an output-file line: the body an online request would have returned."""
+    make = chat_completion if job.endpoint == "/v1/chat/completions" else text_completion
+    prefix = "chatcmpl-" if job.endpoint == "/v1/chat/completions" else "cmpl-"
+    body = make(prefix + job.id, job.model, ts(job.finished_at) or 0, job.output_text or "",
+                job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens)
+    return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
+            "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
+
+
+def job_error_line(job: Job) -> dict[str, Any]:
+    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(job.status, "request_failed")
+    message = {"cancelled": "the request was cancelled with its batch",
+               "expired": "the batch's completion window ended before this request finished"}.get(
+        job.status, f"generation failed: {job.error or 'unknown error'}")
+    return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+def invalid_line(line_no: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    return {"id": f"batch_req_line_{line_no}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message, "line": line_no}}

@@ -1,0 +1,111 @@
+"""Batch API round trip with the official openai client: real app, Redis, Celery worker, DB."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.conftest import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+def line(cid, content="Hi", url="/v1/chat/completions", **body):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, **body}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+@pytest.fixture
+def oai(live_server, keys) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
+
+
+def upload(oai, lines):
+    return oai.files.create(file=("input.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+
+
+def wait_batch(oai, batch_id, statuses, timeout=120):
+    return wait_for(lambda: (b := oai.batches.retrieve(batch_id)).status in statuses and b, timeout,
+                    f"batch {batch_id} to reach {statuses}", interval=0.3)
+
+
+def jsonl(oai, file_id):
+    return [json.loads(t) for t in oai.files.content(file_id).text.splitlines()]
+
+
+def test_batch_round_trip_with_bad_lines(oai, start_worker):
+    start_worker("w1")
+    lines = [line("a", "Hello"), "{not json", line("b", "Tell me a joke", max_tokens=6),
+             line("c", url="/v1/embeddings"), json.dumps({"method": "POST", "url": "/v1/chat/completions",
+                                                          "body": {"messages": []}}),
+             line("d", max_tokens=-3), line("e", "Bye", n=3), line("f", "Last one")]
+    src = upload(oai, lines)
+    assert src.purpose == "batch" and src.bytes > 0
+    assert src.id in [f.id for f in oai.files.list().data]
+    batch = oai.batches.create(input_file_id=src.id, endpoint="/v1/chat/completions", completion_window="30m",
+                               metadata={"run": "test"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "test"}
+    assert batch.expires_at - batch.created_at == 1800
+    done = wait_batch(oai, batch.id, {"completed", "failed"})
+    assert done.status == "completed", done
+    assert done.request_counts.total == 8 and done.request_counts.completed == 3
+    assert done.request_counts.failed == 5
+
+    out = jsonl(oai, done.output_file_id)
+    assert [r["custom_id"] for r in out] == ["a", "b", "f"]
+    for r in out:
+        body = r["response"]["body"]
+        assert r["response"]["status_code"] == 200 and r["error"] is None
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+        assert body["usage"]["completion_tokens"] == (6 if r["custom_id"] == "b" else 4)
+
+    errors = {e["error"]["line"]: e for e in jsonl(oai, done.error_file_id)}
+    assert sorted(errors) == [2, 4, 5, 6, 7]
+    assert errors[2]["error"]["code"] == "invalid_json" and "line 2" in errors[2]["error"]["message"]
+    assert errors[4]["custom_id"] == "c" and "/v1/embeddings" in errors[4]["error"]["message"]
+    assert errors[5]["error"]["code"] == "missing_custom_id"
+    assert "max_tokens" in errors[6]["error"]["message"] and errors[6]["custom_id"] == "d"
+    assert "n=1" in errors[7]["error"]["message"]
+    assert all(e["response"] is None for e in errors.values())
+    assert done.id in [b.id for b in oai.batches.list().data]
+
+
+def test_duplicate_custom_id_fails_validation(oai):
+    src = upload(oai, [line("x"), line("y"), line("x"), line("y"), line("z")])
+    batch = oai.batches.create(input_file_id=src.id, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = wait_batch(oai, batch.id, {"failed", "in_progress", "completed"}, timeout=30)
+    assert failed.status == "failed" and failed.output_file_id is None
+    messages = [e.message for e in failed.errors.data]
+    assert len(messages) == 2 and "'x'" in messages[0] and "lines 1, 3" in messages[0]
+    assert {e.code for e in failed.errors.data} == {"duplicate_custom_id"}
+
+
+def test_bad_window_and_unknown_file(oai):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.batches.create(input_file_id="file_x", endpoint="/v1/chat/completions", completion_window="soon")
+    assert exc.value.body["param"] == "completion_window"
+    with pytest.raises(openai.NotFoundError):
+        oai.batches.create(input_file_id="file_missing", endpoint="/v1/chat/completions", completion_window="2h")
+
+
+def test_cancel_mid_batch_keeps_partial_output(oai, start_worker):
+    start_worker("w1")
+    lines = [line("quick", max_tokens=2)] + [line(f"long{i}", f"Story {i}", max_tokens=420) for i in range(8)]
+    batch = oai.batches.create(input_file_id=upload(oai, lines).id, endpoint="/v1/chat/completions",
+                               completion_window="2h")
+    wait_for(lambda: oai.batches.retrieve(batch.id).request_counts.completed >= 1, 120, "the quick line", 0.2)
+    cancelling = oai.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = wait_batch(oai, batch.id, {"cancelled"}, timeout=60)
+    assert done.cancelled_at and done.cancelling_at
+    assert 1 <= done.request_counts.completed < 9 and done.request_counts.failed == 9 - done.request_counts.completed
+    out = jsonl(oai, done.output_file_id)
+    assert "quick" in [r["custom_id"] for r in out]
+    errs = jsonl(oai, done.error_file_id)
+    assert errs and {e["error"]["code"] for e in errs} == {"batch_cancelled"}
+    assert len(out) + len(errs) == 9
+    with pytest.raises(openai.ConflictError):
+        oai.batches.cancel(batch.id)
