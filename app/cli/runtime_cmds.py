@@ -1,7 +1,132 @@
-"""CLI commands: runtime_cmds (to be filled by its owner)."""
+"""Runtime commands: ``coserve simulate`` (policies on trace workloads) and ``coserve profile``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
+log = logging.getLogger(__name__)
+
+
+def _qps_list(qps: float | None, sweep: str | None) -> list[float]:
+    if sweep:
+        a, b, step = (float(x) for x in sweep.split(":"))
+        out, x = [], a
+        while x <= b + 1e-9:
+            out.append(round(x, 6))
+            x += step
+        return out
+    if qps is None:
+        raise typer.BadParameter("give --qps or --sweep a:b:step")
+    return [qps]
+
+
+def simulate(
+    profile: Annotated[str, typer.Option(help="profile JSON path or shipped name (cpu-smollm2-135m, "
+                                               "synthetic-a100-llama3-8b)")] = "cpu-smollm2-135m",
+    trace: Annotated[str, typer.Option(help="conv | code (Azure 2023) or a CSV path")] = "conv",
+    qps: Annotated[float | None, typer.Option(help="Poisson arrival rate")] = None,
+    sweep: Annotated[str | None, typer.Option(help="QPS sweep a:b:step")] = None,
+    policies: Annotated[str, typer.Option(help="comma-separated scheduler names")] = "qoserve,sarathi-fcfs,sarathi-edf",
+    requests: Annotated[int, typer.Option(help="requests sampled from the trace per run")] = 300,
+    free_share: Annotated[float, typer.Option(help="share of free-tier jobs")] = 0.0,
+    kv_blocks: Annotated[int, typer.Option(help="KV blocks of the simulated replica")] = 30000,
+    seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[Path | None, typer.Option(help="directory for results.json and violations.png")] = None,
+) -> None:
+    """Simulate scheduling policies on a trace with QoServe's three tiers (SLOs scaled to the profile)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpu_runtime.costmodel.profile import load_cost_model, slo_scale
+    from gpu_runtime.sim.runner import Experiment, run_policy
+    from gpu_runtime.sim.workload import paper_tiers
+
+    cm = load_cost_model(profile, ("piecewise-linear",))
+    scale = slo_scale(cm)
+    console = Console()
+    console.print(f"profile {profile}: batch-1 decode step {scale * 12.5:.1f} ms -> every SLO x {scale:.2f} "
+                  f"(paper: 12.5 ms on Llama3-8B/A100)")
+    exp = Experiment(trace=trace, num_requests=requests, seed=seed, kv_blocks=kv_blocks)
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    rates = _qps_list(qps, sweep)
+    table = Table(title=f"{trace}: violations (SLOs x {scale:.2f})")
+    for col in ("policy", "qps", "violations", "paid viol.", "free viol.", "TTFT p99 s", "TBT p99 ms", "TTLT p50 s"):
+        table.add_column(col, justify="right")
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for name in names:
+        for q in rates:
+            s = run_policy(name, cm, exp, paper_tiers(scale, free_share), qps=q)
+            paid, free = s.tiers.get("paid"), s.tiers.get("free")
+            row = {"qps": q, "violation_rate": s.violation_rate, "ttft_p99": s.ttft_p99, "tbt_p99": s.tbt_p99,
+                   "ttlt_p50": s.ttlt_p50, "paid": paid.violation_rate if paid else None,
+                   "free": free.violation_rate if free else None}
+            results[name].append(row)
+            table.add_row(name, f"{q:g}", f"{s.violation_rate:.1%}", f"{row['paid']:.1%}" if paid else "-",
+                          f"{row['free']:.1%}" if free else "-", f"{s.ttft_p99:.2f}", f"{s.tbt_p99 * 1000:.0f}",
+                          f"{s.ttlt_p50:.1f}")
+    console.print(table)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"profile": profile, "trace": trace, "slo_scale": scale,
+                                                      "results": results}, indent=1))
+        _plot(results, out / "violations.png", f"{trace} ({profile}, SLOs x {scale:.2f})")
+        console.print(f"wrote {out / 'results.json'} and {out / 'violations.png'}")
+
+
+def _plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in results.items():
+        ax.plot([r["qps"] for r in rows], [100 * r["violation_rate"] for r in rows], marker="o", label=name)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("QPS")
+    ax.set_ylabel("deadline violations (%)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def profile(
+    model: Annotated[str, typer.Option(help="bundled model name or checkpoint directory")] = "smollm2-135m",
+    out: Annotated[Path, typer.Option(help="where to write the JSON profile")] = Path("profile.json"),
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    kv_blocks: Annotated[int, typer.Option(help="KV blocks of the profiled executor")] = 1024,
+    repeats: Annotated[int, typer.Option(help="timed passes per batch shape")] = 2,
+) -> None:
+    """Time the real executor over a grid of batch shapes and write a latency profile (JSON)."""
+    from rich.console import Console
+
+    from gpu_runtime.costmodel.profile import fit_cost_model
+    from gpu_runtime.costmodel.profiler import ProfileGrid, profile_executor
+    from gpu_runtime.executor.torch import TorchExecutor
+    from gpu_runtime.factory import resolve_device
+
+    console = Console()
+    dev = resolve_device(device)
+    ex = TorchExecutor.from_pretrained(model, device=dev, kv_blocks=kv_blocks)
+    grid = ProfileGrid(repeats=repeats)
+    vocab = getattr(getattr(ex, "tokenizer", None), "vocab_size", None) or 1000
+    prof = profile_executor(ex, grid, name=f"{dev}-{Path(model).name}", vocab=min(vocab, 49152),
+                            meta={"model": model, "device": dev},
+                            progress=lambda i, n: console.print(f"  {i}/{n}", end="\r"))
+    prof.save(out)
+    _, report = fit_cost_model(prof)
+    console.print(f"wrote {len(prof.samples)} samples to {out}; held-out MAPE "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in report.mape.items()) + f"; chosen {report.chosen}")
+
 
 def register(cli: typer.Typer) -> None:
-    pass
+    cli.command("simulate")(simulate)
+    cli.command("profile")(profile)

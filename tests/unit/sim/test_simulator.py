@@ -1,0 +1,103 @@
+import random
+
+import pytest
+
+from gpu_runtime.costmodel.linear import PiecewiseLinearCostModel
+from gpu_runtime.engine import Engine
+from gpu_runtime.executor.base import BatchPlan, DecodeEntry, PrefillChunk
+from gpu_runtime.executor.sim import SimExecutor
+from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.request import Request
+from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.scheduler.registry import create_scheduler
+from gpu_runtime.sim.acceptance import GeometricAcceptance
+from gpu_runtime.sim.capacity import capacity_search
+from gpu_runtime.sim.metrics import summarize
+from gpu_runtime.sim.simulator import Simulator, make_replica
+from gpu_runtime.sim.workload import bursty_times, load_trace, paper_tiers, poisson_times, trace_times
+from gpu_runtime.speculation.token_tree import TokenTree
+
+COST = PiecewiseLinearCostModel([0.010, 0.0, 1e-4, 0.0, 0.0, 0.0], 0.0)
+
+
+def test_sim_executor_advances_the_clock_by_the_predicted_latency_and_tracks_kv():
+    ex = SimExecutor(COST, kv_blocks=10, block_size=16)
+    ex.add_request("a", SamplingParams())
+    res = ex.step(BatchPlan([PrefillChunk("a", 0, [1] * 40, sample=True)]))
+    assert res.tokens == {"a": [7]}
+    assert ex.now() == pytest.approx(0.010 + 40e-4)
+    assert ex.capacity().free_blocks == 7
+    ex.step(BatchPlan(decodes=[DecodeEntry("a", 40, 7)]))
+    assert ex.now() == pytest.approx(0.010 + 40e-4 + 0.010 + 1e-4)
+    ex.free("a")
+    assert ex.capacity().free_blocks == 10
+
+
+def test_sim_executor_samples_tree_acceptance_and_frees_rejected_slots():
+    acc = GeometricAcceptance(alphas=[1.0])  # every first child accepted
+    ex = SimExecutor(COST, kv_blocks=100, block_size=4, acceptance=acc)
+    ex.add_request("a", SamplingParams())
+    ex.step(BatchPlan([PrefillChunk("a", 0, [1] * 8, sample=True)]))
+    tree = TokenTree([5, 6, 9], [-1, 0, -1], [0.999, 0.99, 0.001])
+    res = ex.step(BatchPlan(decodes=[DecodeEntry("a", 8, 7, tree)]))
+    assert res.accepted_nodes["a"][:1] == [0]
+    assert len(res.tokens["a"]) == len(res.accepted_nodes["a"]) + 1
+    assert ex.blocks.num_tokens("a") == 9 + len(res.accepted_nodes["a"])
+
+
+def test_arrival_processes():
+    rng = random.Random(0)
+    t = poisson_times(2000, 4.0, rng)
+    assert t == sorted(t) and 2000 / t[-1] == pytest.approx(4.0, rel=0.1)
+    b = bursty_times(400.0, 1.0, 5.0, 100.0, random.Random(1))
+    low = sum(1 for x in b if x < 100)
+    high = sum(1 for x in b if 100 <= x < 200)
+    assert high > 2.5 * low
+
+
+def test_trace_loading_and_rescaled_timestamps():
+    rows = load_trace("code")
+    assert len(rows) > 1000 and all(r.prompt_len >= 1 and r.output_len >= 1 for r in rows[:100])
+    times = trace_times(rows, 500, qps=2.0)
+    assert times[0] == 0.0 and times[-1] == pytest.approx(250.0, rel=0.01)
+
+
+def _requests(n, gap, prompt=200, out=20, tier=Tier.PAID):
+    return [Request(f"r{i}", [1] * prompt, SamplingParams(max_tokens=out, ignore_eos=True),
+                    QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=1.0, tbt_s=0.05), i * gap) for i in range(n)]
+
+
+def test_simulator_runs_the_engine_and_meets_slos_at_low_load():
+    rep = make_replica("r", "qoserve", COST, kv_blocks=2000)
+    done = Simulator([rep]).run(_requests(20, gap=0.5))
+    s = summarize(done)
+    assert s.n == 20 and s.violations == 0
+    assert all(r.num_output_tokens == 20 for r in done)
+    assert rep.executor.capacity().free_blocks == 2000
+
+
+def test_overload_causes_violations_and_capacity_search_brackets_them():
+    def viol(qps):
+        rep = make_replica("r", "sarathi-fcfs", COST, kv_blocks=4000)
+        return summarize(Simulator([rep]).run(_requests(60, gap=1.0 / qps))).violation_rate
+
+    assert viol(1.0) == 0.0 and viol(200.0) > 0.2
+    best = capacity_search(viol, 1.0, 200.0, target=0.01, iters=5)
+    assert 1.0 <= best < 200.0 and viol(best) <= 0.01
+
+
+def test_paper_tiers_scale_and_split_free_share():
+    tiers = paper_tiers(scale=2.0, free_share=0.2)
+    assert sum(t.share for t in tiers) == pytest.approx(1.0)
+    q1 = next(t for t in tiers if t.name == "Q1-paid")
+    assert q1.qos.ttft_s == 12.0 and q1.qos.tbt_s == 0.1
+    assert {t.qos.tier for t in tiers} == {Tier.PAID, Tier.FREE}
+
+
+def test_engine_with_sim_executor_and_scheduler_directly():
+    ex = SimExecutor(COST, kv_blocks=500)
+    eng = Engine(ex, create_scheduler("sarathi-edf", cost_model=COST, executor=ex))
+    for r in _requests(5, gap=0.0):
+        eng.add_request(r)
+    outs = eng.run_until_idle(max_steps=1000)
+    assert sum(o.finished for o in outs) == 5
