@@ -45,7 +45,7 @@ def ensure_credentials(url: str, data_dir: Path, *, default_tier: str = "paid", 
                        api_url: str = "http://127.0.0.1:8000") -> tuple[dict[str, str], bool]:
     """Returns (credentials, created_now); creates tenants and keys on the first run."""
     existing = load_credentials(data_dir)
-    with session_scope(url) as s:
+    with session_scope(url, immediate=True) as s:
         if admin_key and s.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(admin_key))) is None:
             admin_tenant = s.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT)) or create_tenant(
                 s, ADMIN_TENANT, default_tier)

@@ -107,7 +107,7 @@ class GpuWorker:
         with self.lock:
             rest = list(self.active.values())
             self.active.clear()
-        with session_scope(self.url) as s:
+        with session_scope(self.url, immediate=True) as s:
             for job in rest:
                 if leases.release(s, job.lease, f"worker {self.worker_id} shut down"):
                     send_job(self.settings.redis_url, job.lease.job_id, self.settings.model_name)
@@ -117,7 +117,7 @@ class GpuWorker:
         log.info("worker %s stopped (%d jobs given back)", self.worker_id, len(rest))
 
     def _register(self) -> None:
-        with session_scope(self.url) as s:
+        with session_scope(self.url, immediate=True) as s:
             row = s.get(WorkerState, self.worker_id)
             if row is None:
                 row = WorkerState(id=self.worker_id, model=self.settings.model_name, queue=self.queue,
@@ -139,7 +139,7 @@ class GpuWorker:
                 send_job(self.settings.redis_url, job_id, self.settings.model_name)
                 return
             time.sleep(0.02)
-        with session_scope(self.url) as s:
+        with session_scope(self.url, immediate=True) as s:
             lease = leases.acquire(s, job_id, self.worker_id, self.settings.lease_seconds)
             if lease is None:
                 log.info("job %s is not pending any more; message dropped", job_id)
@@ -224,7 +224,7 @@ class GpuWorker:
         src, dst = ((JobStatus.RUNNING, JobStatus.RELEGATED) if event == "relegated"
                     else (JobStatus.RELEGATED, JobStatus.RUNNING))
         values = {"relegation_count": Job.relegation_count + 1} if event == "relegated" else {}
-        with session_scope(self.url) as s:
+        with session_scope(self.url, immediate=True) as s:
             transition(s, job.lease.job_id, src, dst, worker_id=self.worker_id, attempt=job.lease.attempt,
                        detail=f"engine {event} it", values=values)
 
@@ -240,7 +240,7 @@ class GpuWorker:
                   "prompt_tokens": job.request.prompt_len, "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s,
                   "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s, "slo_met": m.slo_met,
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
-        with session_scope(self.url) as s:
+        with session_scope(self.url, immediate=True) as s:
             ok = leases.finish(s, job.lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})")
         if not ok:
             return None
@@ -253,7 +253,7 @@ class GpuWorker:
             jobs = list(self.active.values())
             self.active.clear()
         events = []
-        with session_scope(self.url) as s:
+        with session_scope(self.url, immediate=True) as s:
             for job in jobs:
                 self.engine.abort(job.lease.job_id)
                 if leases.finish(s, job.lease, JobStatus.FAILED, {"error": error}, detail="engine error"):
@@ -293,7 +293,7 @@ class GpuWorker:
     def heartbeat(self) -> None:
         with self.lock:
             jobs = list(self.active.values())
-        with session_scope(self.url) as s:
+        with session_scope(self.url, immediate=True) as s:
             held = leases.renew(s, self.worker_id, [j.lease for j in jobs], self.settings.lease_seconds)
             row = s.get(WorkerState, self.worker_id)
             if row is None:  # deleted by an operator or a DB reset: come back
@@ -326,7 +326,7 @@ class GpuWorker:
     def _sweeper_loop(self) -> None:
         while not self.stopping.wait(self.settings.sweep_seconds):
             try:
-                with session_scope(self.url) as s:
+                with session_scope(self.url, immediate=True) as s:
                     sweep(s, self.settings.redis_url, queued_grace_s=max(2.0, self.settings.sweep_seconds),
                           resend_after_s=max(60.0, 10 * self.settings.lease_seconds))
             except Exception:

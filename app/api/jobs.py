@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.schemas import JobCreate, JobList, JobPublic
@@ -19,10 +19,12 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 @router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
 def create_job(spec: JobCreate, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-               response: Response,
+               request: Request, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic:
+    writer = getattr(request.app.state, "job_writer", None)
     try:
-        submitted = job_service.submit_job(session, principal, spec, settings, idempotency_key=idempotency_key)
+        submitted = job_service.submit_job(session, principal, spec, settings, idempotency_key=idempotency_key,
+                                           writer=writer)
     except job_service.JobValidationError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
     if not submitted.created:

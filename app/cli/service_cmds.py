@@ -266,7 +266,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             if t is not None and t not in settings.tiers:
                 raise typer.BadParameter(f"unknown tier {t!r}; choose one of {list(settings.tiers)}")
         upgrade(settings.sqlalchemy_url)
-        with session_scope(settings.sqlalchemy_url) as s:
+        with session_scope(settings.sqlalchemy_url, immediate=True) as s:
             row = s.scalar(select(Tenant).where(Tenant.name == tenant)) or create_tenant(s, tenant, default_tier)
             key_row, plaintext = create_key(s, row, tier=tier, is_admin=admin)
             tenant_id, key_id = row.id, key_row.id

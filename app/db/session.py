@@ -7,6 +7,7 @@ and several services in one process can point at different databases.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -31,9 +32,11 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 
 def _sqlite_begin(conn) -> None:
-    # Take the write lock at BEGIN: a deferred transaction that reads then writes can fail
-    # with "database is locked" without waiting for the busy timeout.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    # Deferred by default (readers never block writers). A deferred transaction that reads
+    # and then writes fails with "database is locked" (no busy wait) when another writer
+    # committed in between, so read-then-write code asks for BEGIN IMMEDIATE.
+    immediate = conn.get_execution_options().get("sqlite_immediate", False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
 def make_engine(url: str, **kwargs) -> Engine:
@@ -54,15 +57,39 @@ def get_engine(url: str) -> Engine:
     return make_engine(url)
 
 
-@lru_cache(maxsize=16)
-def get_sessionmaker(url: str) -> sessionmaker[Session]:
-    return sessionmaker(get_engine(url), expire_on_commit=False)
+@lru_cache(maxsize=32)
+def get_sessionmaker(url: str, immediate: bool = False) -> sessionmaker[Session]:
+    """Sessions on ``url``; ``immediate`` takes SQLite's write lock at BEGIN (read-then-write code)."""
+    engine = get_engine(url)
+    if immediate:
+        engine = engine.execution_options(sqlite_immediate=True)
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+_write_locks: dict[str, threading.Lock] = {}
 
 
 @contextmanager
-def session_scope(url: str) -> Iterator[Session]:
+def write_guard(session: Session) -> Iterator[None]:
+    """Serializes this process's SQLite writers on a Python lock.
+
+    SQLite's busy handler sleeps in steps of up to 100 ms when the lock is taken; threads of
+    one process queueing on a mutex instead keep the tail latency of the submit path low.
+    No-op on other databases.
+    """
+    bind = session.get_bind()
+    if bind.dialect.name != "sqlite":
+        yield
+        return
+    lock = _write_locks.setdefault(str(bind.url), threading.Lock())
+    with lock:
+        yield
+
+
+@contextmanager
+def session_scope(url: str, immediate: bool = False) -> Iterator[Session]:
     """A session that commits on success and rolls back on error (workers, CLI)."""
-    session = get_sessionmaker(url)()
+    session = get_sessionmaker(url, immediate)()
     try:
         yield session
         session.commit()

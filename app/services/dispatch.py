@@ -11,6 +11,7 @@ import logging
 from sqlalchemy.orm import Session
 
 from app.db.models import JobStatus
+from app.db.session import write_guard
 from app.services.transitions import transition, utcnow
 from workers.celery_app import RUN_JOB, get_celery, queue_name
 
@@ -34,7 +35,9 @@ def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, 
     """Send a committed ``queued`` job and mark it ``dispatched`` (commits)."""
     if not send_job(redis_url, job_id, model_name):
         return False
-    transition(session, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail=detail,
-               values={"dispatched_at": utcnow()})
-    session.commit()
+    session.commit()  # end any read snapshot: the update starts a write transaction
+    with write_guard(session):
+        transition(session, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail=detail,
+                   values={"dispatched_at": utcnow()})
+        session.commit()
     return True

@@ -18,7 +18,9 @@ from sqlalchemy.orm import Session
 from app.auth import Principal
 from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
 from app.schemas import JobCreate
+from app.db.session import write_guard
 from app.services import dispatch as dispatching
+from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
@@ -88,19 +90,29 @@ def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | Non
 
 def submit_job(session: Session, principal: Principal, spec: JobCreate, settings: Settings, *,
                idempotency_key: str | None = None, batch_id: str | None = None, custom_id: str | None = None,
-               endpoint: str = "/v1/jobs", dispatch: bool = True) -> Submitted:
-    """Writes the job row, commits, then sends it to the workers (unless ``dispatch=False``)."""
+               endpoint: str = "/v1/jobs", dispatch: bool = True, writer: JobWriter | None = None) -> Submitted:
+    """Writes the job row, commits, then sends it to the workers (unless ``dispatch=False``).
+
+    With a ``writer`` (the API's group-commit writer) the row is committed together with
+    other concurrent submissions and the send happens right after, off the caller's thread;
+    the returned job is then ``queued`` and becomes ``dispatched`` within milliseconds.
+    """
     if idempotency_key:
         existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key)
         if existing is not None:
             return Submitted(existing, created=False)
     job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
                     custom_id=custom_id, endpoint=endpoint)
-    session.add(job)
-    session.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value, at=job.created_at,
-                         attempt=0, detail=f"submitted via {endpoint}"))
+    if writer is not None and not idempotency_key and dispatch:
+        return Submitted(writer.write(job, f"submitted via {endpoint}"), created=True)
+    # end the read snapshot (auth, idempotency lookup): the insert starts a write transaction
+    session.commit()
     try:
-        session.commit()
+        with write_guard(session):
+            session.add(job)
+            session.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value,
+                                 at=job.created_at, attempt=0, detail=f"submitted via {endpoint}"))
+            session.commit()
     except IntegrityError:
         session.rollback()
         existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key) if idempotency_key else None
@@ -160,8 +172,10 @@ def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, ki
 
 def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the user") -> bool:
     """Marks a non-terminal job ``cancelled`` (commits); the worker aborts it in its engine."""
-    ok = transition(session, job.id, NOT_TERMINAL, JobStatus.CANCELLED, detail=detail,
-                    values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": "cancelled"})
-    session.commit()
+    session.commit()  # end the read snapshot before writing
+    with write_guard(session):
+        ok = transition(session, job.id, NOT_TERMINAL, JobStatus.CANCELLED, detail=detail,
+                        values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": "cancelled"})
+        session.commit()
     session.refresh(job)
     return ok

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -48,9 +49,24 @@ def _cache_dir(source: ModelSource) -> Path:
     return root / key
 
 
-@lru_cache(maxsize=8)
+_load_lock = threading.Lock()  # transformers' lazy imports are not safe from many threads at once
+
+
 def get_tokenizer(model: str) -> Any:
     """The model's tokenizer; from a GGUF it is converted once (~12 s) and cached on disk."""
+    tok = _tokenizers.get(model)
+    if tok is None:
+        with _load_lock:
+            tok = _tokenizers.get(model)
+            if tok is None:
+                tok = _tokenizers[model] = _load_tokenizer(model)
+    return tok
+
+
+_tokenizers: dict[str, Any] = {}
+
+
+def _load_tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer
 
     source = resolve_model(model)
@@ -75,6 +91,11 @@ def get_tokenizer(model: str) -> Any:
 @lru_cache(maxsize=8)
 def max_model_len(model: str) -> int:
     """Context length (prompt + output tokens) from the model config."""
+    with _load_lock:
+        return _max_model_len(model)
+
+
+def _max_model_len(model: str) -> int:
     from transformers import AutoConfig
 
     source = resolve_model(model)
