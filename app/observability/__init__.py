@@ -1,0 +1,1 @@
+"""Prometheus metrics derived from SQL (jobs and workers tables) at scrape time."""
