@@ -33,7 +33,7 @@ from gpu_runtime.speculation.registry import create_policy  # noqa: E402
 BASELINES = ["none", "chain-1", "chain-2", "chain-4", "chain-6", "static-tree"]
 
 
-def simulate_engine(policy_name: str, arrivals: list[Arrival], cost_model, acceptance, draft_cost_s: float,
+def simulate_engine(policy_name, arrivals: list[Arrival], cost_model, acceptance, draft_cost_s: float,
                     seed: int = 0) -> RunMetrics:
     """Engine + QoServe + SimExecutor: arrivals join at their time on the simulated clock."""
     from gpu_runtime.engine import Engine
@@ -47,7 +47,8 @@ def simulate_engine(policy_name: str, arrivals: list[Arrival], cost_model, accep
     sim_add = ex.add_request
     # The Engine registers requests without a category; the simulator's acceptance needs it.
     ex.add_request = lambda rid, sampling, cat=None: sim_add(rid, sampling, category.get(rid))  # type: ignore[method-assign]
-    engine = Engine(ex, create_scheduler("qoserve", cost_model=cost_model, executor=ex), create_policy(policy_name))
+    policy = create_policy(policy_name) if isinstance(policy_name, str) else policy_name
+    engine = Engine(ex, create_scheduler("qoserve", cost_model=cost_model, executor=ex), policy)
     pending = sorted(arrivals, key=lambda a: a.time)
     reqs, info, busy, steps = [], {}, 0.0, 0
     i = 0
@@ -72,27 +73,33 @@ def simulate_engine(policy_name: str, arrivals: list[Arrival], cost_model, accep
     done = [r for r in reqs if r.num_output_tokens > 0]
     start = min(a.time for a in arrivals)
     end = max(r.token_times[-1] for r in done)
-    return _metrics(policy_name, done, info, end - start, busy, steps, sum(r.num_output_tokens for r in done))
+    return _metrics(policy.name, done, info, end - start, busy, steps, sum(r.num_output_tokens for r in done))
+
+
+def engine_setup():
+    """The A100 8B cost model and AdaServe's SLOs scaled to its baseline decode step."""
+    from gpu_runtime.costmodel.base import decode_step_time
+    from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
+
+    cost_model = load_cost_model(A100_PROFILE, ("piecewise-linear",))
+    base = decode_step_time(cost_model, 16, 1500)
+    scale = base / 0.040
+    return cost_model, {"coding": 1.2 * base, "chat": 0.050 * scale, "summarization": 0.150 * scale}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
-    ap.add_argument("--rps", type=float, nargs="+", default=[2.0, 4.0, 6.0, 8.0])
+    ap.add_argument("--rps", type=float, nargs="+", default=[4.0, 6.0, 8.0, 10.0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stack", choices=["engine", "harness"], default="engine")
-    ap.add_argument("--draft-cost-ms", type=float, default=1.5, help="engine stack: draft time per tree level")
+    ap.add_argument("--draft-cost-ms", type=float, default=0.2,
+                    help="engine stack: draft time per tree level (prompt lookup: ~0)")
     args = ap.parse_args()
     profile = RooflineProfile()
     acceptance = load_acceptance()
     if args.stack == "engine":
-        from gpu_runtime.costmodel.base import decode_step_time
-        from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
-
-        cost_model = load_cost_model(A100_PROFILE, ("piecewise-linear",))
-        base = decode_step_time(cost_model, 16, 1500)
-        scale = base / 0.040
-        slos = {"coding": 1.2 * base, "chat": 0.050 * scale, "summarization": 0.150 * scale}
+        cost_model, slos = engine_setup()
 
         def run(name, arrivals):
             return simulate_engine(name, arrivals, cost_model, acceptance, args.draft_cost_ms / 1e3, args.seed)

@@ -1,8 +1,8 @@
 """Grid search of AdaServe's adaptive-control constants (eq. 8-9) in simulation.
 
-Searches c1, c2, D_min, D_max, W_max, the draft budget B2 and the knee tolerance on
-the AdaServe SLO mix (ops/bench_spec_harness.py, measured acceptance) at a few arrival
-rates, scores each setting by mean goodput (tokens/s of SLO-attaining requests) and
+Searches c1, c2, D_max, W_max and the knee tolerance on the AdaServe SLO mix through
+the same stack as ops/bench_spec_sim.py (Engine + QoServe + SimExecutor, measured
+acceptance) at a few arrival rates, scores each setting by mean goodput (tokens/s of SLO-attaining requests) and
 writes the ranking to gpu_runtime/speculation/data/adaserve_grid.json. The best row
 becomes AdaServeConfig's defaults.
 
@@ -20,32 +20,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_spec_harness import RooflineProfile, adaserve_slos, load_acceptance, poisson_arrivals, simulate  # noqa: E402
+from bench_spec_harness import load_acceptance, poisson_arrivals  # noqa: E402
+from bench_spec_sim import engine_setup, simulate_engine  # noqa: E402
 
 from gpu_runtime.speculation.adaserve import AdaServe, AdaServeConfig  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "gpu_runtime" / "speculation" / "data" / "adaserve_grid.json"
 
 GRID = {
-    "c1": [0.0, 2.0, 8.0],
-    "c2": [-1, 0, 1],
-    "d_min": [1, 2],
+    "c1": [0.0, 4.0],
+    "c2": [0, 1],
+    "d_min": [1],
     "d_max": [4, 8],
     "w_max": [1, 3],
-    "draft_budget": [32, 96],
-    "budget_tolerance": [0.1, 0.25],
+    "budget_tolerance": [0.25, 0.5],
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--rps", type=float, nargs="+", default=[4.0, 6.0, 8.0])
+    ap.add_argument("--duration", type=float, default=12.0)
+    ap.add_argument("--rps", type=float, nargs="+", default=[6.0, 8.0])
+    ap.add_argument("--draft-cost-ms", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    profile, acceptance = RooflineProfile(), load_acceptance()
-    slos = adaserve_slos(profile)
+    acceptance = load_acceptance()
+    cost_model, slos = engine_setup()
     workloads = [poisson_arrivals(r, args.duration, slos, seed=args.seed) for r in args.rps]
     keys = list(GRID)
     rows = []
@@ -54,7 +55,8 @@ def main() -> None:
         cfg = dict(zip(keys, values))
         if cfg["d_min"] > cfg["d_max"]:
             continue
-        res = [simulate(AdaServe(AdaServeConfig(**cfg)), w, profile, acceptance, seed=args.seed) for w in workloads]
+        res = [simulate_engine(AdaServe(AdaServeConfig(**cfg)), w, cost_model, acceptance, args.draft_cost_ms / 1e3,
+                               seed=args.seed) for w in workloads]
         rows.append({"config": cfg, "goodput": [round(m.goodput, 1) for m in res],
                      "attainment": [round(m.attainment, 4) for m in res],
                      "score": round(sum(m.goodput for m in res) / len(res), 2)})
@@ -65,7 +67,8 @@ def main() -> None:
         print(f"{r['score']:8.1f}  {str(r['goodput']):28s} {str(r['attainment']):24s} {r['config']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rps": args.rps, "duration_s": args.duration, "seed": args.seed,
-                                    "profile": vars(profile), "rows": rows}, indent=1) + "\n")
+                                    "stack": "engine+qoserve+sim (synthetic A100 8B)",
+                                    "draft_cost_ms": args.draft_cost_ms, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

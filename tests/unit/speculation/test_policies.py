@@ -160,3 +160,20 @@ def test_registry_names():
         create_policy("eagle")
     with pytest.raises(TypeError):
         create_policy("adaspec", no_such_knob=1)
+
+
+def test_adaserve_budget_from_cost_model_knee():
+    from gpu_runtime.costmodel.base import batch_time
+    from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
+
+    cm = load_cost_model(A100_PROFILE, ("piecewise-linear",))
+
+    class Exec:
+        cost_model = cm
+
+    pol = AdaServe()
+    pol.bind(Exec())
+    b = pol.budget(8)
+    base = batch_time(cm, 1)
+    assert batch_time(cm, b) <= 1.25 * base < batch_time(cm, 2 * b)
+    assert b > 32  # an 8B model on an A100 verifies dozens of tokens for ~the price of one
