@@ -73,6 +73,7 @@ class Engine:
         self.last_stats = StepStats()
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
+        self._resumes: deque[str] = deque()
         self._lock = threading.Lock()
 
     # ---- thread-safe entry points ----
@@ -90,6 +91,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
+
+    def resume(self, request_id: str) -> None:
+        """Operator action (thread-safe): bring a relegated request back at the next step."""
+        with self._lock:
+            self._resumes.append(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -136,6 +142,7 @@ class Engine:
         with self._lock:
             new, self._inbox = list(self._inbox), deque()
             aborts, self._aborts = list(self._aborts), deque()
+            resumes, self._resumes = list(self._resumes), deque()
         for req in new:
             self.requests[req.request_id] = req
             self.executor.add_request(req.request_id, req.sampling)
@@ -149,6 +156,9 @@ class Engine:
             req.status = RequestStatus.FINISHED_ABORTED
             req.finish_time = self.executor.now()
             outputs.append(self._finish(req))
+        for rid in resumes:  # reported as "resumed" by the next schedule()
+            if not self.scheduler.resume(rid):
+                log.info("resume %s: not relegated (any more)", rid)
         return outputs
 
     def _events(self, sched: SchedulerOutput) -> list[RequestOutput]:

@@ -1,5 +1,168 @@
-"""Router for admin (to be filled by its owner)."""
+"""Admin dashboard: a server-rendered page (Jinja2) whose JS polls the JSON endpoints here.
 
-from fastapi import APIRouter
+JSON endpoints need an admin API key. Actions: resume a relegated job, promote (change
+tier), cancel, drain/undrain a worker. Resume/promote reach the job's worker over Redis
+pub/sub (``workers/control.py``); drain is the ``workers.draining`` flag its heartbeat reads.
+"""
 
-router = APIRouter()
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.templating import Jinja2Templates
+from pydantic import BaseModel
+from sqlalchemy import func, select, update
+
+from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
+from app.db.models import Job, JobStatus, WorkerState
+from app.db.session import write_guard
+from app.services import jobs as job_service
+from app.services.notify import announce_cancel, redis_client
+from app.services.transitions import as_utc, utcnow
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["admin"])
+
+APP_DIR = Path(__file__).resolve().parents[1]
+templates = Jinja2Templates(directory=str(APP_DIR / "templates"))
+STATIC = APP_DIR / "static"
+OPEN = [s.value for s in JobStatus if not s.terminal]
+
+
+@router.get("/admin", response_class=HTMLResponse, include_in_schema=False)
+def dashboard(request: Request, settings: SettingsDep) -> HTMLResponse:
+    return templates.TemplateResponse(request, "admin.html", {"model": settings.model_name,
+                                                              "tiers": list(settings.tiers)})
+
+
+@router.get("/admin/static/{name}", include_in_schema=False)
+def static(name: str) -> FileResponse:
+    path = (STATIC / name).resolve()
+    if path.parent != STATIC.resolve() or not path.is_file():
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "no such file")
+    return FileResponse(path)
+
+
+def due_at(job: Job):
+    """The deadline a job is judged by now: TTLT for batch, TTFT before the first token."""
+    if job.deadline_at is not None:
+        return as_utc(job.deadline_at)
+    if job.first_token_at is None and job.ttft_ms:
+        return as_utc(job.created_at) + timedelta(milliseconds=job.ttft_ms)
+    return None
+
+
+def slo_series(session, minutes: int, bucket_s: int = 60) -> list[dict[str, Any]]:
+    """SLO attainment per time bucket and tier over the last ``minutes`` (finished jobs)."""
+    since = utcnow() - timedelta(minutes=minutes)
+    rows = session.execute(select(Job.finished_at, Job.tier, Job.slo_met, Job.status)
+                           .where(Job.finished_at >= since, Job.finished_at.is_not(None))).all()
+    acc: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+    for finished_at, tier, met, st in rows:
+        if met is None and st != JobStatus.EXPIRED:
+            continue
+        t = int(as_utc(finished_at).timestamp()) // bucket_s * bucket_s
+        acc[(t, tier)][0 if met else 1] += 1
+    return [{"t": t, "tier": tier, "met": m, "violated": v} for (t, tier), (m, v) in sorted(acc.items())]
+
+
+@router.get("/admin/api/overview")
+def overview(session: SessionDep, _admin: AdminPrincipal,
+             minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60) -> dict[str, Any]:
+    now = utcnow()
+    queues = [{"tier": tier, "status": st, "count": n} for st, tier, n in session.execute(
+        select(Job.status, Job.tier, func.count()).where(Job.status.in_(OPEN)).group_by(Job.status, Job.tier))]
+    active = session.scalars(select(Job).where(Job.status.in_([JobStatus.RUNNING.value, JobStatus.RELEGATED.value]))
+                             .order_by(Job.created_at).limit(500))
+    jobs = []
+    for j in active:
+        # the worker records first_token_at only at completion: a running interactive job's TTFT
+        # is unknown here, so overdue is shown for relegated jobs and deadline (batch) jobs
+        due = due_at(j) if (j.status == JobStatus.RELEGATED or j.deadline_at is not None) else None
+        jobs.append({"id": j.id, "tier": j.tier, "kind": j.kind, "status": j.status, "worker_id": j.worker_id,
+                     "relegation_count": j.relegation_count, "tenant_id": j.tenant_id,
+                     "age_s": round((now - as_utc(j.created_at)).total_seconds(), 3),
+                     "overdue_s": round(max(0.0, (now - due).total_seconds()), 3) if due else 0.0})
+    workers = [{"id": w.id, "model": w.model, "device": w.device, "draining": w.draining,
+                "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {}}
+               for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
+    return {"now": now.isoformat(), "queues": queues, "jobs": jobs, "workers": workers,
+            "slo": slo_series(session, minutes)}
+
+
+def _job(session, job_id: str) -> Job:
+    job = job_service.get_job(session, None, job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    return job
+
+
+def _control(settings, job: Job, message: dict[str, Any]) -> bool:
+    if not settings.redis_url or not job.worker_id:
+        return False
+    from workers.control import control_channel
+
+    receivers = redis_client(settings.redis_url).publish(control_channel(job.worker_id), json.dumps(message))
+    return receivers > 0
+
+
+@router.post("/admin/api/jobs/{job_id}/resume")
+def resume(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
+    job = _job(session, job_id)
+    if job.status != JobStatus.RELEGATED:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}, not relegated")
+    delivered = _control(settings, job, {"action": "resume", "job_id": job_id})
+    return {"id": job_id, "action": "resume", "delivered": delivered}
+
+
+class Promote(BaseModel):
+    tier: str
+
+
+@router.post("/admin/api/jobs/{job_id}/promote")
+def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsDep,
+            _admin: AdminPrincipal) -> dict[str, Any]:
+    if body.tier not in settings.tiers:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"tier must be one of {list(settings.tiers)}")
+    job = _job(session, job_id)
+    if JobStatus(job.status).terminal:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
+    session.commit()
+    with write_guard(session):
+        session.execute(update(Job).where(Job.id == job_id).values(tier=body.tier))
+        session.commit()
+    delivered = _control(settings, job, {"action": "promote", "job_id": job_id, "tier": body.tier})
+    return {"id": job_id, "action": "promote", "tier": body.tier, "delivered": delivered}
+
+
+@router.post("/admin/api/jobs/{job_id}/cancel")
+def cancel(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
+    job = _job(session, job_id)
+    ok = job_service.cancel_job(session, job, detail="cancelled by an admin")
+    if ok:
+        announce_cancel(settings.redis_url, job)
+    return {"id": job_id, "action": "cancel", "cancelled": ok}
+
+
+class Drain(BaseModel):
+    drain: bool = True
+
+
+@router.post("/admin/api/workers/{worker_id}/drain")
+def drain(worker_id: str, body: Drain, session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
+    session.commit()
+    with write_guard(session):
+        n = session.execute(update(WorkerState).where(WorkerState.id == worker_id)
+                            .values(draining=body.drain)).rowcount
+        session.commit()
+    if not n:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no worker {worker_id!r}")
+    return {"id": worker_id, "draining": body.drain}

@@ -1,0 +1,84 @@
+"""The admin dashboard in a real headless Chromium: an overloaded worker relegates a free-tier
+job, the dashboard shows it, and its Resume button brings it back to running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, Keys, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def job_status(base, key, job_id):
+    return httpx.get(f"{base}/v1/jobs/{job_id}", headers=Keys.header(key)).json()["status"]
+
+
+def submit(base, key, **body):
+    r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(key), json=body, timeout=30)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+@pytest.fixture
+def overloaded(live_server, keys, start_worker):
+    """A paid job holding the whole (tiny) KV pool, and a free job with a 1 ms TTFT: relegated."""
+    # 32 blocks x 16 tokens; the paid job reserves prompt + max_tokens at admission
+    start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_KV_BLOCKS="32",
+                 COSERVE_STEP_DELAY_S="0.08")
+    hog = submit(live_server, keys.paid, prompt="Write a long story.", max_tokens=470, ignore_eos=True)
+    wait_for(lambda: job_status(live_server, keys.paid, hog) == "running", 60, "the paid job to run")
+    late = submit(live_server, keys.free, prompt="Quick question?", max_tokens=8, ttft_ms=1)
+    wait_for(lambda: job_status(live_server, keys.free, late) == "relegated", 60, "the free job's relegation")
+    yield live_server, hog, late
+    httpx.post(f"{live_server}/v1/jobs/{hog}/cancel", headers=Keys.header(keys.paid))
+
+
+def test_admin_api_requires_admin_key(live_server, keys):
+    assert httpx.get(f"{live_server}/admin/api/overview").status_code == 401
+    assert httpx.get(f"{live_server}/admin/api/overview", headers=Keys.header(keys.paid)).status_code == 403
+    body = httpx.get(f"{live_server}/admin/api/overview", headers=Keys.header(keys.admin)).json()
+    assert body["jobs"] == [] and body["workers"] == []
+    page = httpx.get(f"{live_server}/admin")
+    assert page.status_code == 200 and "Admin API key" in page.text
+    assert httpx.get(f"{live_server}/admin/static/admin.js").status_code == 200
+    assert httpx.get(f"{live_server}/admin/static/..%2Fmain.py").status_code == 404
+
+
+def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys):
+    if not CHROMIUM.exists():
+        pytest.skip("needs /usr/bin/chromium (apt-get install -y chromium)")
+    from playwright.sync_api import expect, sync_playwright
+
+    base, hog, late = overloaded
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"{base}/admin")
+        page.fill("#admin-key", keys.admin)
+        page.click("#login-form button[type=submit]")
+        row = page.locator(f"#job-{late}")
+        expect(row.locator("td.status")).to_have_text("relegated", timeout=20_000)
+        expect(page.locator(f"#job-{hog} td.status")).to_have_text("running")
+        expect(page.locator("#queues tr[data-tier=free] td[data-status=relegated]")).to_have_text("1")
+        expect(page.locator("#worker-w1")).to_contain_text("serving")
+        assert float(row.locator("td.overdue").inner_text()) > 0  # a 1 ms TTFT is overdue at once
+        (ROOT / "docs").mkdir(exist_ok=True)
+        page.screenshot(path=str(ROOT / "docs" / "dashboard.png"), full_page=True)
+
+        row.locator("button[data-action=resume]").click()
+        expect(page.locator(f"#job-{late} td.status")).to_have_text("running", timeout=20_000)
+        assert job_status(base, keys.free, late) == "running"
+
+        # the key survives a reload (sessionStorage); drain flips the worker row
+        page.reload()
+        page.locator("#worker-w1 button[data-action=drain]").click()
+        expect(page.locator("#worker-w1")).to_contain_text("draining", timeout=10_000)
+        browser.close()

@@ -1,0 +1,92 @@
+"""Operator actions reaching a worker: Redis pub/sub on ``coserve:control:<worker_id>``.
+
+Messages are JSON ``{"action": "resume" | "promote", "job_id": ..., "tier": ...}`` sent by
+the admin API (``app/api/admin.py``). Drain needs no message: the worker's heartbeat
+reads ``workers.draining``; cancel goes through the jobs' own cancel channel.
+
+``start_control_listener(engine, worker_id, redis_url)`` runs the listener thread; the
+GPU worker should call it at start-up. Until it does, ``build_engine_with_control`` (for
+``COSERVE_ENGINE_FACTORY=workers.control:build_engine_with_control``) builds the usual
+engine and starts the listener beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from typing import Any
+
+import redis
+
+from gpu_runtime.qos import Tier
+
+log = logging.getLogger(__name__)
+
+
+def control_channel(worker_id: str) -> str:
+    return f"coserve:control:{worker_id}"
+
+
+def handle(engine: Any, message: dict[str, Any]) -> bool:
+    """Applies one control message to ``engine``; False if it was not understood."""
+    action, job_id = message.get("action"), message.get("job_id")
+    if not job_id:
+        return False
+    if action == "resume":
+        engine.resume(job_id)
+        return True
+    if action == "promote":
+        req = engine.requests.get(job_id)
+        try:
+            tier = Tier(message.get("tier", "paid"))
+        except ValueError:
+            return False
+        if req is not None:
+            req.qos = dataclasses.replace(req.qos, tier=tier)
+        engine.resume(job_id)  # a promoted job that was relegated comes back too
+        return True
+    log.warning("unknown control action %r", action)
+    return False
+
+
+def start_control_listener(engine: Any, worker_id: str, redis_url: str,
+                           stop: threading.Event | None = None) -> threading.Thread:
+    stop = stop or threading.Event()
+
+    def loop() -> None:
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
+        while not stop.is_set():
+            try:
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(control_channel(worker_id))
+                while not stop.is_set():
+                    msg = pubsub.get_message(timeout=1.0)
+                    if msg and msg.get("type") == "message":
+                        try:
+                            handle(engine, json.loads(msg["data"]))
+                        except (ValueError, TypeError) as exc:
+                            log.warning("bad control message %r: %s", msg.get("data"), exc)
+            except redis.RedisError:
+                stop.wait(1.0)
+
+    thread = threading.Thread(target=loop, name="coserve-control", daemon=True)
+    thread.start()
+    log.info("control listener on %s", control_channel(worker_id))
+    return thread
+
+
+def build_engine_with_control(model: str, **kwargs: Any) -> Any:
+    """``gpu_runtime.factory.build_engine`` plus the control listener (worker env settings)."""
+    import os
+
+    from app.settings import Settings
+    from gpu_runtime.factory import build_engine
+
+    engine = build_engine(model, **kwargs)
+    settings = Settings()
+    worker_id = settings.worker_id or os.environ.get("COSERVE_WORKER_ID")
+    if worker_id and settings.redis_url:
+        start_control_listener(engine, worker_id, settings.redis_url)
+    return engine
