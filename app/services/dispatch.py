@@ -32,12 +32,22 @@ def send_job(redis_url: str, job_id: str, model_name: str) -> bool:
 
 
 def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None) -> bool:
-    """Send a committed ``queued`` job and mark it ``dispatched`` (commits)."""
-    if not send_job(redis_url, job_id, model_name):
-        return False
+    """Mark a committed ``queued`` job ``dispatched``, then send it (commits).
+
+    Marking first keeps the events in order (a worker may lease the job as soon as the
+    message lands); a failed send moves it back to ``queued`` for the sweeper.
+    """
     session.commit()  # end any read snapshot: the update starts a write transaction
     with write_guard(session):
-        transition(session, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail=detail,
-                   values={"dispatched_at": utcnow()})
+        marked = transition(session, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail=detail,
+                            values={"dispatched_at": utcnow()})
         session.commit()
-    return True
+    if not marked:
+        return True  # someone else moved it on; nothing to send
+    if send_job(redis_url, job_id, model_name):
+        return True
+    with write_guard(session):
+        transition(session, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
+                   detail="broker unavailable; the sweeper will send it")
+        session.commit()
+    return False

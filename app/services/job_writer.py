@@ -20,7 +20,7 @@ from sqlalchemy import insert, update
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
 from app.services.dispatch import send_job
-from app.services.transitions import utcnow
+from app.services.transitions import transition, utcnow
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -118,15 +118,17 @@ class JobWriter:
                     break
                 jobs += more
             redis_url = self.settings.redis_url
-            sent = []
-            for job in jobs:
-                if not redis_url or not send_job(redis_url, job.id, job.model):
-                    break  # broker down: the rest stay queued; the sweeper sends them later
-                sent.append(job.id)
-            if sent:
-                self._mark_dispatched(sessions, sent)
+            # marked before the send so that events read queued -> dispatched -> running even
+            # when a worker leases the job the moment it arrives; unsent ones go back to queued
+            marked = self._mark_dispatched(sessions, [j.id for j in jobs]) if redis_url else []
+            unsent = []
+            for job in (j for j in jobs if j.id in marked):
+                if unsent or not send_job(redis_url, job.id, job.model):
+                    unsent.append(job.id)  # broker down: stop trying; the sweeper sends them later
+            if unsent:
+                self._unmark(sessions, unsent)
 
-    def _mark_dispatched(self, sessions, ids: list[str]) -> None:
+    def _mark_dispatched(self, sessions, ids: list[str]) -> set[str]:
         session = sessions()
         try:
             with write_guard(session):
@@ -140,8 +142,21 @@ class JobWriter:
                         {"job_id": i, "from_status": JobStatus.QUEUED.value, "to_status": JobStatus.DISPATCHED.value,
                          "at": now, "attempt": 0, "detail": None, "worker_id": None} for i in moved])
                 session.commit()
+                return set(moved)
         except Exception:
             session.rollback()
-            log.exception("could not mark %d sent jobs dispatched (a worker may already run them)", len(ids))
+            log.exception("could not mark %d jobs dispatched; the sweeper will send them", len(ids))
+            return set()
+        finally:
+            session.close()
+
+    def _unmark(self, sessions, ids: list[str]) -> None:
+        session = sessions()
+        try:
+            with write_guard(session):
+                for job_id in ids:
+                    transition(session, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
+                               detail="broker unavailable; the sweeper will send it")
+                session.commit()
         finally:
             session.close()
