@@ -63,8 +63,13 @@ def run_engine(executor, requests, scheduler=None, speculation=None, chunk: int 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # like ignore_eos: a generation_config argument does not override it
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = saved
     return out[0, len(prompt):].tolist()
 
 

@@ -54,3 +54,16 @@ def test_llama3_rope_scaling_matches_generate():
     prompt = list(range(3, 90))  # longer than the original context: scaled frequencies matter
     req = make_request(prompt, max_tokens=10)
     assert run_engine(ex, [req], chunk=32)[req.request_id] == hf_greedy(model, prompt, 10)
+
+
+def test_real_sarathi_scheduler_drives_the_executor(tiny_model):
+    from gpu_runtime.scheduler.registry import create_scheduler
+
+    rng = random.Random(7)
+    ex = TorchExecutor.from_model(tiny_model, kv_blocks=128, block_size=8)
+    prompts = [[rng.randrange(3, 97) for _ in range(n)] for n in (50, 4, 23)]
+    reqs = [make_request(p, max_tokens=m) for p, m in zip(prompts, (6, 14, 9))]
+    out = run_engine(ex, reqs, scheduler=create_scheduler("sarathi-fcfs", executor=ex, chunk_size=16))
+    for r, p in zip(reqs, prompts):
+        assert out[r.request_id] == hf_greedy(tiny_model, p, r.sampling.max_tokens)
+    assert ex.capacity().free_blocks == 128
