@@ -17,8 +17,8 @@ from tests.conftest import Keys, wait_for
 pytestmark = pytest.mark.integration
 
 H = Keys.header
-N_JOBS = 8
-MAX_TOKENS = 150
+N_JOBS = 6
+MAX_TOKENS = 80
 
 
 def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, start_worker):

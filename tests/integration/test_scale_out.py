@@ -17,8 +17,8 @@ def test_two_workers_both_take_work(client, keys, settings, start_worker):
     start_worker("wa", COSERVE_MAX_INFLIGHT="2")
     start_worker("wb", COSERVE_MAX_INFLIGHT="2")
     ids = [client.post("/v1/jobs", headers=Keys.header(keys.paid),
-                       json={"prompt": f"Item {i}", "max_tokens": 60, "ignore_eos": True}).json()["id"]
-           for i in range(10)]
+                       json={"prompt": f"Item {i}", "max_tokens": 40, "ignore_eos": True}).json()["id"]
+           for i in range(8)]
 
     def done():
         with session_scope(settings.sqlalchemy_url) as s:

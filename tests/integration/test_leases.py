@@ -1,0 +1,85 @@
+"""Leases, guarded transitions and the sweeper against a real migrated DB and a real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from app.auth import Principal
+from app.db.models import Job, JobEvent, JobStatus
+from app.db.session import session_scope
+from app.schemas import JobCreate
+from app.services.jobs import submit_job
+from workers import lease as leases
+from workers.sweeper import sweep
+
+pytestmark = pytest.mark.integration
+
+
+def _job(settings, keys, dispatch=False) -> str:
+    with session_scope(settings.sqlalchemy_url) as s:
+        from app.auth import authenticate
+
+        principal: Principal = authenticate(s, keys.paid)
+        return submit_job(s, principal, JobCreate(prompt="hi", max_tokens=4), settings, dispatch=dispatch).job.id
+
+
+def _terminal_events(url, job_id):
+    with session_scope(url) as s:
+        return s.scalars(select(JobEvent).where(JobEvent.job_id == job_id,
+                                                JobEvent.to_status.in_(["succeeded", "failed"]))).all()
+
+
+def test_stale_attempt_completion_is_ignored(settings, keys):
+    url = settings.sqlalchemy_url
+    job_id = _job(settings, keys)
+    with session_scope(url) as s:
+        first = leases.acquire(s, job_id, "w1", lease_s=0.2)
+        assert first is not None and first.attempt == 1
+        assert leases.acquire(s, job_id, "w2", lease_s=5) is None  # already leased
+    time.sleep(0.3)
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, queued_grace_s=0)
+    assert result.requeued == 1 and result.dispatched == 1
+    with session_scope(url) as s:
+        second = leases.acquire(s, job_id, "w2", lease_s=5)
+        assert second is not None and second.attempt == 2
+        # w1 wakes up and tries to complete its stale attempt: nothing changes
+        assert not leases.finish(s, first, JobStatus.SUCCEEDED, {"output_text": "stale"})
+        assert leases.renew(s, "w1", [first], 5) == set()
+        assert leases.renew(s, "w2", [second], 5) == {job_id}
+        assert leases.finish(s, second, JobStatus.SUCCEEDED, {"output_text": "fresh"})
+        assert not leases.finish(s, second, JobStatus.SUCCEEDED, {"output_text": "again"})  # idempotent
+        job = s.get(Job, job_id)
+        assert job.output_text == "fresh" and job.worker_id == "w2" and job.attempt == 2
+    assert len(_terminal_events(url, job_id)) == 1
+    # the sweeper's re-send is in the queue, carrying only the id
+    assert job_id.encode() in b"".join(redis.Redis.from_url(settings.redis_url).lrange("coserve.tiny", 0, -1))
+
+
+def test_sweeper_resends_dispatched_jobs_never_leased(settings, keys):
+    url = settings.sqlalchemy_url
+    job_id = _job(settings, keys, dispatch=True)
+    r = redis.Redis.from_url(settings.redis_url)
+    assert r.llen("coserve.tiny") == 1
+    r.delete("coserve.tiny")  # the message is lost (e.g. a worker died holding it)
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=3600).resent == 0  # too early
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=0).resent == 1
+    assert r.llen("coserve.tiny") == 1
+    with session_scope(url) as s:
+        assert s.get(Job, job_id).status == "dispatched"
+
+
+def test_guarded_transition_refuses_a_terminal_job(settings, keys):
+    from app.services.transitions import NOT_TERMINAL, transition
+
+    job_id = _job(settings, keys)
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert transition(s, job_id, NOT_TERMINAL, JobStatus.CANCELLED)
+        assert not transition(s, job_id, NOT_TERMINAL, JobStatus.CANCELLED)
+        assert leases.acquire(s, job_id, "w1", 5) is None  # a cancelled job is never leased
