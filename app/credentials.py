@@ -41,16 +41,23 @@ def _write_private(path: Path, data: dict[str, str]) -> None:
     os.chmod(path, 0o600)
 
 
+def ensure_admin_key(url: str, admin_key: str, default_tier: str = "paid") -> None:
+    """Registers ``COSERVE_ADMIN_KEY`` (its hash) as an admin key if it is not yet known."""
+    with session_scope(url, immediate=True) as s:
+        if s.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(admin_key))) is not None:
+            return
+        tenant = s.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT)) or create_tenant(
+            s, ADMIN_TENANT, default_tier)
+        s.add(ApiKey(tenant_id=tenant.id, key_hash=hash_key(admin_key), prefix=admin_key[:10], is_admin=True))
+
+
 def ensure_credentials(url: str, data_dir: Path, *, default_tier: str = "paid", admin_key: str | None = None,
                        api_url: str = "http://127.0.0.1:8000") -> tuple[dict[str, str], bool]:
     """Returns (credentials, created_now); creates tenants and keys on the first run."""
     existing = load_credentials(data_dir)
+    if admin_key:
+        ensure_admin_key(url, admin_key, default_tier)
     with session_scope(url, immediate=True) as s:
-        if admin_key and s.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(admin_key))) is None:
-            admin_tenant = s.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT)) or create_tenant(
-                s, ADMIN_TENANT, default_tier)
-            s.add(ApiKey(tenant_id=admin_tenant.id, key_hash=hash_key(admin_key), prefix=admin_key[:10],
-                         is_admin=True))
         if existing is not None and s.scalar(select(ApiKey.id).where(
                 ApiKey.key_hash == hash_key(existing.get("api_key", "")))) is not None:
             if existing.get("url") != api_url:

@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.api import admin, batches, files, health, jobs, metrics, models, openai_compat, summarize, tenants
+from app.credentials import ensure_admin_key
 from app.services.job_writer import JobWriter
 from app.services.model_info import get_tokenizer, max_model_len
 from app.settings import Settings, get_settings
@@ -26,7 +27,14 @@ async def lifespan(api: FastAPI):
         await run_in_threadpool(max_model_len, model)
     except Exception as exc:  # the API still serves reads; submissions will report the problem
         log.warning("could not load the tokenizer of %s at start-up: %s", model, exc)
-    api.state.job_writer = JobWriter(api.state.settings)
+    settings = api.state.settings
+    if settings.admin_key:  # deployments (compose) pass the admin key in the environment
+        try:
+            await run_in_threadpool(ensure_admin_key, settings.sqlalchemy_url, settings.admin_key,
+                                    settings.default_tier)
+        except Exception as exc:
+            log.warning("could not register COSERVE_ADMIN_KEY: %s", exc)
+    api.state.job_writer = JobWriter(settings)
     try:
         yield
     finally:

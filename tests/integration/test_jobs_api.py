@@ -169,3 +169,14 @@ def test_health_and_readiness(client, settings):
     r = client.get("/readyz")
     assert r.status_code == 503 and r.json()["checks"]["workers"].startswith("error")
     assert r.json()["checks"]["database"] == "ok" and r.json()["checks"]["redis"] == "ok"
+
+
+def test_admin_key_from_settings_is_registered(settings, keys):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    s = settings.model_copy(update={"admin_key": "cs-deployment-admin-key-0123456789"})
+    with TestClient(create_app(s)) as c:
+        r = c.post("/v1/admin/tenants", json={"name": "from-env"}, headers=H("cs-deployment-admin-key-0123456789"))
+    assert r.status_code == 201, r.text
