@@ -1,7 +1,205 @@
-"""CLI commands: batch_cmds (to be filled by its owner)."""
+"""CLI: ``coserve batch create|status|list|cancel|results`` and ``coserve summarize``.
 
+Both talk to a running API (``--url``/``--key``, or ``COSERVE_URL``/``COSERVE_API_KEY``,
+or the credentials ``coserve up`` wrote).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+
+log = logging.getLogger(__name__)
+console = Console()
+
+batch_app = typer.Typer(help="OpenAI-compatible Batch API: submit a JSONL of requests with a completion window.",
+                        no_args_is_help=True)
+
+Url = Annotated[str | None, typer.Option("--url", help="API base URL (default: from `coserve up`)")]
+Key = Annotated[str | None, typer.Option("--key", help="API key (default: COSERVE_API_KEY or `coserve up`'s)")]
+BATCH_DONE = {"completed", "failed", "expired", "cancelled"}
+
+
+class Api:
+    def __init__(self, url: str | None, key: str | None) -> None:
+        from app.cli.service_cmds import _client_config
+
+        self.url, key = _client_config(url, key)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    def call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            console.print(f"[red]cannot reach {self.url}: {exc}[/red] (is `coserve up` running?)")
+            raise typer.Exit(2) from exc
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+                msg = body.get("error", {}).get("message") if "error" in body else body.get("detail")
+            except ValueError:
+                msg = r.text
+            console.print(f"[red]{r.status_code}[/red] {msg}")
+            raise typer.Exit(1)
+        return r
+
+
+def _when(ts: int | None) -> str:
+    return "-" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _batch_table(batches: list[dict[str, Any]]) -> Table:
+    t = Table("status", "endpoint", "window", "done / failed / total", "created", "expires")
+    t.columns.insert(0, Column("batch", no_wrap=True))
+    for b in batches:
+        c = b["request_counts"]
+        t.add_row(b["id"], b["status"], b["endpoint"], b["completion_window"],
+                  f"{c['completed']} / {c['failed']} / {c['total']}", _when(b["created_at"]), _when(b["expires_at"]))
+    return t
+
+
+def _follow(api: Api, batch_id: str) -> dict[str, Any]:
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        task = bar.add_task(batch_id, total=None)
+        while True:
+            b = api.call("GET", f"/v1/batches/{batch_id}").json()
+            c = b["request_counts"]
+            bar.update(task, total=c["total"] or None, completed=c["completed"] + c["failed"],
+                       description=f"{batch_id} [{b['status']}]")
+            if b["status"] in BATCH_DONE:
+                return b
+            time.sleep(1.0)
+
+
+@batch_app.command("create")
+def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL of requests")],
+           endpoint: Annotated[str, typer.Option(help="/v1/chat/completions or /v1/completions")] =
+           "/v1/chat/completions",
+           window: Annotated[str, typer.Option("--window", "-w", help="completion window: 30m, 2h, 24h, 7d")] = "24h",
+           wait: Annotated[bool, typer.Option(help="follow it with a progress bar until it ends")] = False,
+           url: Url = None, key: Key = None) -> None:
+    """Upload PATH and start a batch whose requests must finish within --window."""
+    api = Api(url, key)
+    f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "batch"}).json()
+    b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
+                                               "completion_window": window}).json()
+    console.print(f"batch [bold]{b['id']}[/bold] created from {path} ({f['bytes']} bytes), window {window}")
+    if wait:
+        console.print(_batch_table([_follow(api, b["id"])]))
+
+
+@batch_app.command("status")
+def status(batch_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+           url: Url = None, key: Key = None) -> None:
+    """Show a batch (request counts, status, files)."""
+    api = Api(url, key)
+    b = _follow(api, batch_id) if follow else api.call("GET", f"/v1/batches/{batch_id}").json()
+    console.print(_batch_table([b]))
+    for name in ("output_file_id", "error_file_id"):
+        if b.get(name):
+            console.print(f"{name}: {b[name]}")
+    for err in (b.get("errors") or {}).get("data", []):
+        console.print(f"[red]{err.get('code')}[/red]: {err.get('message')}")
+
+
+@batch_app.command("list")
+def list_(limit: Annotated[int, typer.Option(min=1, max=100)] = 20, url: Url = None, key: Key = None) -> None:
+    """List your batches, newest first."""
+    console.print(_batch_table(Api(url, key).call("GET", "/v1/batches", params={"limit": limit}).json()["data"]))
+
+
+@batch_app.command("cancel")
+def cancel(batch_id: str, url: Url = None, key: Key = None) -> None:
+    """Cancel a batch: pending requests are dropped, running ones aborted; finished ones are kept."""
+    b = Api(url, key).call("POST", f"/v1/batches/{batch_id}/cancel").json()
+    console.print(f"batch {batch_id}: {b['status']}")
+
+
+@batch_app.command("results")
+def results(batch_id: str,
+            output: Annotated[Path | None, typer.Option("--output", "-o", help="write the output JSONL here")] = None,
+            errors: Annotated[Path | None, typer.Option(help="write the error JSONL here")] = None,
+            url: Url = None, key: Key = None) -> None:
+    """Download a finished batch's output (and error) file; prints the output when no --output."""
+    api = Api(url, key)
+    b = api.call("GET", f"/v1/batches/{batch_id}").json()
+    if b["status"] not in BATCH_DONE:
+        console.print(f"batch {batch_id} is {b['status']}; results come when it ends (`coserve batch status -f`)")
+        raise typer.Exit(1)
+    if b.get("output_file_id"):
+        text = api.call("GET", f"/v1/files/{b['output_file_id']}/content").text
+        if output:
+            output.write_text(text)
+            console.print(f"{len(text.splitlines())} results -> {output}")
+        else:
+            typer.echo(text, nl=False)
+    if b.get("error_file_id"):
+        text = api.call("GET", f"/v1/files/{b['error_file_id']}/content").text
+        if errors:
+            errors.write_text(text)
+        console.print(f"[yellow]{len(text.splitlines())} failed requests[/yellow]"
+                      + (f" -> {errors}" if errors else " (use --errors FILE to save them)"))
+
+
+def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, folders of them, or JSONL of "
+                                                                '{"id","text"}')] = None,
+              deadline: Annotated[str, typer.Option("--deadline", "-d", help="finish within: 30m, 2h, 1d")] = "2h",
+              output: Annotated[Path, typer.Option("--output", "-o", help="results JSONL")] = Path("summaries.jsonl"),
+              specbench: Annotated[bool, typer.Option(help="summarize SpecBench's 80 summarization prompts")] = False,
+              limit: Annotated[int | None, typer.Option(help="only the first N documents")] = None,
+              max_summary_tokens: Annotated[int, typer.Option(help="tokens per summary")] = 128,
+              chunk_tokens: Annotated[int, typer.Option(help="largest chunk of text per job")] = 1024,
+              overlap_tokens: Annotated[int, typer.Option(help="tokens shared by neighbouring chunks")] = 64,
+              url: Url = None, key: Key = None) -> None:
+    """Summarize long documents map-reduce as deadline batch jobs; writes one JSON line per document."""
+    from app.summarize.documents import load_paths, specbench_summarization
+
+    docs = specbench_summarization() if specbench else load_paths(list(paths or []))
+    docs = docs[:limit] if limit else docs
+    if not docs:
+        raise typer.BadParameter("no documents: give files/folders/JSONL or --specbench")
+    api = Api(url, key)
+    run = api.call("POST", "/v1/summarize", json={
+        "documents": [{"id": d.id, "text": d.text} for d in docs], "deadline": deadline,
+        "max_summary_tokens": max_summary_tokens, "chunk_tokens": chunk_tokens,
+        "overlap_tokens": overlap_tokens}).json()
+    deadline_at = datetime.fromisoformat(run["deadline_at"])
+    t0 = time.monotonic()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("jobs {task.fields[jobs]}"), TimeElapsedColumn(),
+                  TextColumn("deadline in {task.fields[left]}"), console=console) as bar:
+        task = bar.add_task("documents", total=len(docs), jobs="0/0", left="-")
+        while True:
+            run = api.call("GET", f"/v1/summarize/{run['id']}").json()
+            left = (deadline_at - datetime.now(UTC)).total_seconds()
+            bar.update(task, completed=run["documents_done"], jobs=f"{run['jobs_done']}/{run['jobs_submitted']}",
+                       left=f"{int(left // 60)}m{int(left % 60):02d}s" if left > 0 else "passed")
+            if run["status"] != "running":
+                break
+            time.sleep(1.0)
+    elapsed = time.monotonic() - t0
+    output.write_text(api.call("GET", f"/v1/summarize/{run['id']}/results").text)
+    finished_at = datetime.now(UTC)
+    verdict = "before" if finished_at <= deadline_at else "AFTER"
+    console.print(f"{run['documents_done'] - run['documents_failed']}/{len(docs)} documents summarized "
+                  f"({run['jobs_done']} jobs) in {elapsed:.0f}s, {verdict} the deadline "
+                  f"({(deadline_at - finished_at).total_seconds():.0f}s to spare) -> {output}")
+    if run["documents_failed"]:
+        console.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {output}[/yellow]")
+        raise typer.Exit(1)
 
 
 def register(cli: typer.Typer) -> None:
-    pass
+    cli.add_typer(batch_app, name="batch")
+    cli.command("summarize")(summarize)

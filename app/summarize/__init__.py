@@ -1,0 +1,1 @@
+"""Summarization pipeline: token-aware splitting and map-reduce over deadline batch jobs."""

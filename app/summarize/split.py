@@ -1,0 +1,72 @@
+"""Token-aware splitting with overlap: chunks of at most ``max_tokens`` tokens, cut at
+sentence boundaries where possible; consecutive chunks share about ``overlap`` tokens."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+SENTENCE = re.compile(r"(?<=[.!?])\s+|\n{2,}")
+
+
+def sentences(text: str) -> list[str]:
+    return [s for s in (p.strip() for p in SENTENCE.split(text)) if s]
+
+
+def split_text(text: str, count: Callable[[str], int], max_tokens: int, overlap: int = 0,
+               hard_split: Callable[[str, int], list[str]] | None = None) -> list[str]:
+    """Greedy packing of sentences into chunks of <= ``max_tokens`` (as measured by ``count``).
+
+    A sentence longer than a chunk is cut by ``hard_split`` (token windows). Each new chunk
+    starts with the previous chunk's last sentences, up to ``overlap`` tokens.
+    """
+    if max_tokens <= 0 or overlap < 0 or overlap >= max_tokens:
+        raise ValueError("need 0 <= overlap < max_tokens")
+    if count(text) <= max_tokens:
+        return [text.strip()] if text.strip() else []
+    units: list[tuple[str, int]] = []
+    for s in sentences(text):
+        n = count(s)
+        if n > max_tokens and hard_split is not None:
+            units += [(piece, count(piece)) for piece in hard_split(s, max_tokens - overlap)]
+        else:
+            units.append((s, n))
+    chunks: list[str] = []
+    cur: list[tuple[str, int]] = []
+    size = 0
+    for s, n in units:
+        if cur and size + n + 1 > max_tokens:
+            chunks.append(" ".join(u for u, _ in cur))
+            carry: list[tuple[str, int]] = []  # the overlap: trailing sentences of this chunk
+            total = 0
+            for u, m in reversed(cur):
+                if total + m > overlap or total + m + n + 1 > max_tokens:
+                    break
+                carry.insert(0, (u, m))
+                total += m + 1
+            cur, size = carry, total
+        cur.append((s, n))
+        size += n + 1
+    if cur:
+        chunks.append(" ".join(u for u, _ in cur))
+    return chunks
+
+
+class TokenSplitter:
+    """``split_text`` measured with a Hugging Face tokenizer."""
+
+    def __init__(self, tokenizer, max_tokens: int, overlap: int) -> None:
+        self.tok, self.max_tokens, self.overlap = tokenizer, max_tokens, overlap
+
+    def count(self, text: str) -> int:
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def hard_split(self, text: str, size: int) -> list[str]:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return [self.tok.decode(ids[i:i + size]) for i in range(0, len(ids), max(1, size))]
+
+    def __call__(self, text: str) -> list[str]:
+        return split_text(text, self.count, self.max_tokens, self.overlap, self.hard_split)

@@ -1,0 +1,76 @@
+"""`coserve summarize` and `coserve batch` against the real app, Redis, Celery worker and DB."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.db.models import Job
+from app.db.session import session_scope
+from app.summarize.documents import specbench_summarization
+from tests.conftest import Keys
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+def test_summarize_cli_map_reduce(live_server, keys, settings, start_worker, tmp_path):
+    start_worker("w1")
+    long_doc = specbench_summarization(limit=1)[0]
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "long", "text": long_doc.text}) + "\n"
+                    + json.dumps({"id": "short", "text": "The cat sat on the mat. It was warm."}) + "\n")
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(cli, ["summarize", str(docs), "--deadline", "30m", "-o", str(out),
+                                      "--chunk-tokens", "160", "--overlap-tokens", "16",
+                                      "--max-summary-tokens", "12", "--url", live_server, "--key", keys.paid])
+    assert result.exit_code == 0, result.output
+    assert "2/2 documents summarized" in result.output and "before the deadline" in result.output
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["short"]["chunks"] == 1 and rows["short"]["jobs"] == 1 and rows["short"]["error"] is None
+    assert rows["long"]["chunks"] >= 3 and rows["long"]["levels"] >= 2
+    assert rows["long"]["jobs"] > rows["long"]["chunks"] and isinstance(rows["long"]["summary"], str)
+    with session_scope(settings.sqlalchemy_url) as s:
+        jobs = list(s.scalars(select(Job).where(Job.endpoint == "/v1/summarize")))
+        assert len(jobs) == rows["long"]["jobs"] + 1
+        assert {j.kind for j in jobs} == {"batch"} and all(j.deadline_at is not None for j in jobs)
+        assert {j.status for j in jobs} == {"succeeded"}
+        assert {j.app_id for j in jobs} == {"summarize-map", "summarize-final"}
+
+
+def test_summarize_api_validation(live_server, keys):
+    h = Keys.header(keys.paid)
+    r = httpx.post(f"{live_server}/v1/summarize", headers=h, json={"documents": [{"id": "a", "text": "x"}] * 2})
+    assert r.status_code == 422 and "unique" in r.text
+    r = httpx.post(f"{live_server}/v1/summarize", headers=h,
+                   json={"documents": [{"id": "a", "text": "x"}], "deadline": "soon"})
+    assert r.status_code == 422 and "window" in r.text
+    assert httpx.get(f"{live_server}/v1/summarize/sum_nope", headers=h).status_code == 404
+
+
+def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
+    start_worker("w1")
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                         "body": {"model": "tiny", "prompt": f"Number {i}", "max_tokens": 3,
+                                                  "ignore_eos": True}}) for i in range(3)) + "\n{oops\n")
+    run = CliRunner()
+    auth = ["--url", live_server, "--key", keys.paid]
+    r = run.invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "-w", "2h", "--wait", *auth])
+    assert r.exit_code == 0, r.output
+    batch_id = r.output.split("batch ")[1].split()[0]
+    b = httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    r = run.invoke(cli, ["batch", "list", *auth])
+    assert r.exit_code == 0 and batch_id[:10] in r.output
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    r = run.invoke(cli, ["batch", "results", batch_id, "-o", str(out), "--errors", str(err), *auth])
+    assert r.exit_code == 0, r.output
+    assert sorted(json.loads(t)["custom_id"] for t in out.read_text().splitlines()) == ["r0", "r1", "r2"]
+    assert json.loads(err.read_text())["error"]["line"] == 4
+    r = run.invoke(cli, ["batch", "cancel", batch_id, *auth])
+    assert r.exit_code == 1 and "409" in r.output

@@ -1,0 +1,95 @@
+"""Splitting and the map-reduce control loop (pure logic, a fake job backend)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from app.summarize.documents import Document, load_paths, specbench_summarization
+from app.summarize.pipeline import SummarizeRun
+from app.summarize.split import split_text
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_split_respects_budget_and_overlaps():
+    text = " ".join(f"Sentence number {i} is here." for i in range(40))  # 5 words each
+    chunks = split_text(text, words, max_tokens=30, overlap=10)
+    assert len(chunks) > 1 and all(words(c) <= 30 for c in chunks)
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert a.split(". ")[-1].rstrip(".") in b  # the last sentence of a chunk opens the next
+    assert "number 0 " in chunks[0] and "number 39 " in chunks[-1]
+    assert split_text("short text.", words, 30, 10) == ["short text."]
+    with pytest.raises(ValueError):
+        split_text(text, words, 10, 10)
+
+
+def test_split_cuts_overlong_sentences():
+    long = " ".join(["word"] * 100) + "."
+    chunks = split_text(long, words, 20, 0, hard_split=lambda s, n: [" ".join(s.split()[i:i + n])
+                                                                        for i in range(0, words(s), n)])
+    assert len(chunks) == 5 and all(words(c) <= 20 for c in chunks)
+
+
+class FakeBackend:
+    def __init__(self, fail_on: str | None = None):
+        self.jobs: dict[str, tuple[str, str]] = {}
+        self.prompts: list[str] = []
+        self.fail_on = fail_on
+
+    def submit(self, messages, max_tokens, deadline_at, app_id):
+        job_id = f"j{len(self.jobs)}"
+        prompt = messages[0]["content"]
+        self.prompts.append(prompt)
+        self.jobs[job_id] = ("failed" if self.fail_on and self.fail_on in prompt else "succeeded",
+                             f"S{len(self.jobs)}.")
+        return job_id
+
+    def poll(self, ids):
+        return {j: (self.jobs[j][0], self.jobs[j][1], None) for j in ids}
+
+
+def test_map_reduce_levels():
+    docs = [Document("short", "One short document."),
+            Document("long", " ".join(f"Fact {i} about the topic." for i in range(30)))]
+    run = SummarizeRun.create("r", docs, datetime(2030, 1, 1, tzinfo=UTC), 16)
+    backend = FakeBackend()
+    split = lambda t: split_text(t, words, 40, 5)  # noqa: E731
+    steps = 0
+    while not run.step(backend, split):
+        steps += 1
+        assert steps < 10
+    results = {r["id"]: r for r in run.results()}
+    assert run.status == "completed" and run.jobs_done == run.jobs_submitted == len(backend.jobs)
+    assert results["short"]["chunks"] == 1 and results["short"]["jobs"] == 1
+    # 30 sentences of 5 words: 6 per chunk, then 1 carried over + 5 new -> 6 chunks, + 1 final job
+    assert results["long"]["chunks"] == 6 and results["long"]["levels"] == 2 and results["long"]["jobs"] == 7
+    # the final job of the long document summarizes the six map outputs
+    reduce_prompt = backend.prompts[-1]
+    assert reduce_prompt.startswith("These are summaries") and reduce_prompt.count("S") >= 6
+    assert results["long"]["summary"] == backend.jobs[f"j{len(backend.jobs) - 1}"][1]
+
+
+def test_failed_chunk_fails_only_its_document():
+    docs = [Document("ok", "Fine."), Document("bad", "POISON here.")]
+    run = SummarizeRun.create("r", docs, datetime(2030, 1, 1, tzinfo=UTC), 16)
+    backend = FakeBackend(fail_on="POISON")
+    while not run.step(backend, lambda t: [t]):
+        pass
+    res = {r["id"]: r for r in run.results()}
+    assert res["ok"]["summary"] and res["bad"]["error"].startswith("1 job(s) failed")
+    assert run.status == "completed" and run.progress()["documents_failed"] == 1
+
+
+def test_loaders(tmp_path):
+    (tmp_path / "a.md").write_text("# A\nText.")
+    (tmp_path / "docs.jsonl").write_text('{"id": "x", "text": "X text"}\n{"id": "y", "text": "Y"}\n')
+    assert [d.id for d in load_paths([tmp_path])] == ["a", "x", "y"]
+    (tmp_path / "bad.jsonl").write_text('{"id": "z"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_paths([tmp_path / "bad.jsonl"])
+    docs = specbench_summarization()
+    assert len(docs) == 80 and all(d.text for d in docs)
