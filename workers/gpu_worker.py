@@ -44,6 +44,7 @@ from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 from workers import lease as leases
 from workers.celery_app import get_celery, queue_name
+from workers.batch_tasks import finalize_open_batches
 from workers.sweeper import sweep
 
 log = logging.getLogger(__name__)
@@ -329,6 +330,7 @@ class GpuWorker:
                 with session_scope(self.url, immediate=True) as s:
                     sweep(s, self.settings.redis_url, queued_grace_s=max(2.0, self.settings.sweep_seconds),
                           resend_after_s=max(60.0, 10 * self.settings.lease_seconds))
+                finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
             except Exception:
                 log.exception("sweep failed")
 

@@ -53,9 +53,9 @@ async def _body(request: Request, model: type) -> Any:
     return body
 
 
-def _submit(session, principal: Principal, settings: Settings, spec, endpoint: str) -> Job:
+def _submit(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None) -> Job:
     try:
-        return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint).job
+        return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer).job
     except job_service.JobValidationError as exc:
         msg = str(exc)
         param = "model" if "model" in msg else ("tier" if "tier" in msg else None)
@@ -183,7 +183,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     body = await _body(request, ChatCompletionRequest if chat else CompletionRequest)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     spec = body.job_spec(messages=body.chat_messages()) if chat else body.job_spec(prompt=body.prompt_text())
-    job = await run_in_threadpool(_submit, session, principal, settings, spec, endpoint)
+    writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
+    job = await run_in_threadpool(_submit, session, principal, settings, spec, endpoint, writer)
     headers = {"x-coserve-job-id": job.id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
