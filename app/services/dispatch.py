@@ -31,6 +31,30 @@ def send_job(redis_url: str, job_id: str, model_name: str) -> bool:
         return False
 
 
+def send_jobs(redis_url: str, jobs: list[tuple[str, str]]) -> list[str]:
+    """Sends (job_id, model_name) pairs on one producer; returns the ids sent, in order.
+
+    The fast path publishes without kombu's retry wrapper (it halves the cost per
+    message); the first failure falls back to ``send_job`` with retries, and a second one
+    stops the batch (the broker is down; the rest stay for the sweeper).
+    """
+    app = get_celery(redis_url)
+    sent: list[str] = []
+    try:
+        with app.producer_or_acquire() as producer:
+            for job_id, model in jobs:
+                app.send_task(RUN_JOB, args=[job_id], queue=queue_name(model), producer=producer, retry=False)
+                sent.append(job_id)
+        return sent
+    except Exception as exc:
+        log.info("fast send failed after %d jobs (%s); retrying one by one", len(sent), exc)
+    for job_id, model in jobs[len(sent):]:
+        if not send_job(redis_url, job_id, model):
+            break
+        sent.append(job_id)
+    return sent
+
+
 def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None) -> bool:
     """Mark a committed ``queued`` job ``dispatched``, then send it (commits).
 

@@ -19,7 +19,7 @@ from sqlalchemy import insert, update
 
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
-from app.services.dispatch import send_job
+from app.services.dispatch import send_jobs
 from app.services.transitions import transition, utcnow
 from app.settings import Settings
 
@@ -121,10 +121,9 @@ class JobWriter:
             # marked before the send so that events read queued -> dispatched -> running even
             # when a worker leases the job the moment it arrives; unsent ones go back to queued
             marked = self._mark_dispatched(sessions, [j.id for j in jobs]) if redis_url else []
-            unsent = []
-            for job in (j for j in jobs if j.id in marked):
-                if unsent or not send_job(redis_url, job.id, job.model):
-                    unsent.append(job.id)  # broker down: stop trying; the sweeper sends them later
+            todo = [(j.id, j.model) for j in jobs if j.id in marked]
+            sent = set(send_jobs(redis_url, todo)) if todo else set()
+            unsent = [job_id for job_id, _m in todo if job_id not in sent]
             if unsent:
                 self._unmark(sessions, unsent)
 
