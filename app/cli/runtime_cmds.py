@@ -104,6 +104,7 @@ def profile(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     kv_blocks: Annotated[int, typer.Option(help="KV blocks of the profiled executor")] = 1024,
     repeats: Annotated[int, typer.Option(help="timed passes per batch shape")] = 2,
+    grid: Annotated[str, typer.Option(help="full | small (few shapes, for slow CPUs)")] = "full",
 ) -> None:
     """Time the real executor over a grid of batch shapes and write a latency profile (JSON)."""
     from rich.console import Console
@@ -116,9 +117,10 @@ def profile(
     console = Console()
     dev = resolve_device(device)
     ex = TorchExecutor.from_pretrained(model, device=dev, kv_blocks=kv_blocks)
-    grid = ProfileGrid(repeats=repeats)
+    shapes = ProfileGrid(repeats=repeats) if grid == "full" else ProfileGrid(
+        chunks=(0, 32, 128, 384), starts=(0, 256), decodes=(0, 1, 8, 24), contexts=(128,), repeats=repeats)
     vocab = getattr(getattr(ex, "tokenizer", None), "vocab_size", None) or 1000
-    prof = profile_executor(ex, grid, name=f"{dev}-{Path(model).name}", vocab=min(vocab, 49152),
+    prof = profile_executor(ex, shapes, name=f"{dev}-{Path(model).name}", vocab=min(vocab, 49152),
                             meta={"model": model, "device": dev},
                             progress=lambda i, n: console.print(f"  {i}/{n}", end="\r"))
     prof.save(out)

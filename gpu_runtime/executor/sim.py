@@ -72,9 +72,14 @@ class SimExecutor:
                 raise RuntimeError(f"KV exhausted for prefill of {c.request_id}")
             if c.sample:
                 result.tokens[c.request_id] = [SIM_TOKEN]
+        tables, bs = self.blocks.tables, self.blocks.block_size
         for d in plan.decodes:
             tree = d.tree
-            if self.blocks.allocate(d.request_id, 1 + (len(tree) if tree else 0)) is None:
+            n = 1 + (len(tree) if tree else 0)
+            table = tables.get(d.request_id)
+            if table is not None and table.num_tokens + n <= len(table.blocks) * bs:
+                table.num_tokens += n  # fast path: the last block has room (no new block)
+            elif self.blocks.allocate(d.request_id, n) is None:
                 raise RuntimeError(f"KV exhausted for decode of {d.request_id}")
             accepted: list[int] = []
             if tree and self.acceptance is not None:

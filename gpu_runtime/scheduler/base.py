@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from gpu_runtime.qos import QoSClass, Tier
@@ -32,15 +31,16 @@ class KVBudget:
     started only if it fits beside what every admitted request may still grow to, so
     running decodes can never be starved of blocks (no deadlock, no recompute)."""
 
-    def __init__(self, executor: Executor | None, watermark: float, admitted: Iterable[Request] = ()) -> None:
+    def __init__(self, executor: Executor | None, watermark: float, footprint_blocks: int = 0) -> None:
         self.executor = executor
         if executor is None:
-            self.free, self.total, self.reserve, self.outstanding = 1 << 60, 1 << 60, 0, 0
+            self.free, self.total, self.reserve, self.outstanding, self.block_size = 1 << 60, 1 << 60, 0, 0, 1
             return
         cap = executor.capacity()
-        self.free, self.total = cap.free_blocks, cap.total_blocks
+        self.free, self.total, self.block_size = cap.free_blocks, cap.total_blocks, cap.block_size
         self.reserve = int(watermark * cap.total_blocks)
-        self.outstanding = sum(executor.blocks_needed(r.request_id, _future_tokens(r)) for r in admitted)
+        # Blocks admitted requests may still claim: their reserved footprints minus what they hold.
+        self.outstanding = max(0, footprint_blocks - (cap.total_blocks - cap.free_blocks))
 
     @property
     def free_fraction(self) -> float:
@@ -54,7 +54,7 @@ class KVBudget:
         if self.executor is None or n <= 0:
             return max(0, n)
         if admit:
-            footprint = self.need(req, _future_tokens(req))
+            footprint = self.footprint(req)
             if footprint > self.free - self.outstanding - self.reserve:
                 return 0
             self.outstanding += footprint
@@ -66,9 +66,9 @@ class KVBudget:
         return n
 
 
-def _future_tokens(req: Request) -> int:
-    """Tokens the request may still add to its KV: rest of the prompt + outputs up to max_tokens."""
-    return max(0, req.prompt_len + req.sampling.max_tokens - req.num_computed_tokens)
+    def footprint(self, req: Request) -> int:
+        """Blocks for the whole prompt + max_tokens (+1 block of slack for a partial first block)."""
+        return -(-(req.prompt_len + req.sampling.max_tokens) // self.block_size) + 1
 
 
 class BaseScheduler(Scheduler):
@@ -89,6 +89,8 @@ class BaseScheduler(Scheduler):
         self.free_waiting = 0  # free-tier jobs in ``waiting`` (relegation rule)
         self._resumed: list[Request] = []  # reported by the next schedule()
         self._new_admits = 0  # prompts started in the batch being formed
+        self._footprint = 0  # KV blocks reserved by every request holding KV (admission control)
+        self._holders: dict[str, int] = {}  # request -> its blocks counted in ``_footprint``
 
     @abstractmethod
     def _make_queue(self) -> RequestQueue:
@@ -123,6 +125,7 @@ class BaseScheduler(Scheduler):
         self._push_waiting(request)
 
     def abort_request(self, request_id: str) -> Request | None:
+        self._release(request_id)
         self.started.discard(request_id)
         req = self._remove_waiting(request_id) or self.relegated.remove(request_id) or \
             self.running.pop(request_id, None)
@@ -148,16 +151,21 @@ class BaseScheduler(Scheduler):
         out = SchedulerOutput()
         out.resumed, self._resumed = self._resumed, []
         self._new_admits = 0
-        kv = KVBudget(self.executor, self.config.kv_watermark, self._admitted())
-        for req in self.running.values():
-            if kv.take(req, 1, admit=False) == 1:
-                out.decodes.append(req)
+        kv = KVBudget(self.executor, self.config.kv_watermark, self._footprint)
+        if kv.free - kv.outstanding >= len(self.running) or self.executor is None:
+            out.decodes = list(self.running.values())  # footprints reserved: every decode fits
+        else:
+            out.decodes = [r for r in self.running.values() if kv.take(r, 1, admit=False) == 1]
         if len(out.decodes) < len(self.running):
             log.debug("KV exhausted: %d of %d decodes wait a step", len(self.running) - len(out.decodes),
                         len(self.running))
         self._fill(out, now, kv)
         for p in out.prefills:
-            self.started.add(p.request.request_id)
+            if p.request.request_id not in self.started:
+                self.started.add(p.request.request_id)
+                fp = kv.footprint(p.request) if self.executor is not None else 0
+                self._footprint += fp
+                self._holders[p.request.request_id] = fp
         return out
 
     def update_from_output(self, output: SchedulerOutput, now: float) -> None:
@@ -179,7 +187,11 @@ class BaseScheduler(Scheduler):
             if req.status.finished:
                 self._forget(req)
 
+    def _release(self, request_id: str) -> None:
+        self._footprint -= self._holders.pop(request_id, 0)
+
     def _forget(self, req: Request) -> None:
+        self._release(req.request_id)
         self.running.pop(req.request_id, None)
         self._remove_waiting(req.request_id)
         self.relegated.remove(req.request_id)
@@ -188,13 +200,6 @@ class BaseScheduler(Scheduler):
             self.history.record(req.app_id, req.num_output_tokens)
 
     # ---- helpers for policies ----
-    def _admitted(self) -> Iterable[Request]:
-        yield from self.running.values()
-        for rid in self.started:
-            req = self.waiting.get(rid) or self.relegated.get(rid)
-            if req is not None:
-                yield req
-
     def _admit_room(self) -> int:
         """How many more requests may start holding KV (max_num_seqs)."""
         return self.config.max_num_seqs - len(self.running) - len(self.started)

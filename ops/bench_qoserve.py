@@ -1,0 +1,119 @@
+"""QoServe vs Sarathi baselines in simulation (QoServe section 4.1.2 and 4.3).
+
+For each profile (the measured CPU default-model profile when shipped, and the SYNTHETIC
+8B/A100 profile) and each Azure trace, with the paper's three tiers (Q1 TTFT 6 s / TBT
+50 ms, Q2 TTLT 600 s, Q3 TTLT 1800 s, equal thirds) and every SLO multiplied by
+(profile batch-1 decode step / 12.5 ms):
+
+1. goodput = highest Poisson QPS with <= 1% violations (binary search), per policy;
+2. bursty load alternating every 15 min (x SLO scale) between two rates 2.5x apart
+   (peak = 1.4x QoServe's goodput), 20% free-tier jobs: violations per tier.
+
+Runs are subsampled (--requests per goodput run, --bursty-minutes of bursty load) to
+finish in minutes; short runs cannot build up the backlog that breaks TTLT deadlines
+at 600 s / 1800 s, so goodput here is mostly decided by the interactive tier.
+
+    python ops/bench_qoserve.py [--requests 800] [--traces conv,code] [--profiles ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+
+from rich.console import Console
+from rich.table import Table
+
+from gpu_runtime.costmodel.profile import A100_PROFILE, CPU_PROFILE, load_cost_model, slo_scale
+from gpu_runtime.sim.capacity import capacity_search
+from gpu_runtime.sim.runner import Experiment, run_policy
+from gpu_runtime.sim.workload import paper_tiers
+
+POLICIES = ("qoserve", "sarathi-fcfs", "sarathi-edf")
+
+
+def _violations(qps: float, policy: str, profile: str, trace: str, requests: int, seed: int) -> float:
+    cm = load_cost_model(profile, ("piecewise-linear",))
+    exp = Experiment(trace=trace, num_requests=requests, seed=seed)
+    return run_policy(policy, cm, exp, paper_tiers(slo_scale(cm)), qps=qps).violation_rate
+
+
+def goodput(policy: str, profile: str, trace: str, requests: int, lo: float, hi: float, iters: int,
+            seed: int) -> float:
+    f = partial(_violations, policy=policy, profile=profile, trace=trace, requests=requests, seed=seed)
+    return capacity_search(f, lo, hi, target=0.01, iters=iters)
+
+
+def bursty(policy: str, profile: str, trace: str, low: float, high: float, minutes: float, seed: int) -> dict:
+    cm = load_cost_model(profile, ("piecewise-linear",))
+    scale = slo_scale(cm)
+    exp = Experiment(trace=trace, seed=seed)
+    period = 900.0 * scale
+    s = run_policy(policy, cm, exp, paper_tiers(scale, free_share=0.2),
+                   bursty=(low, high, period, minutes * 60.0 * scale))
+    return {"n": s.n, "all": s.violation_rate, **{k: v.violation_rate for k, v in s.tiers.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profiles", default=",".join(str(p) for p in (CPU_PROFILE, A100_PROFILE) if p.exists()))
+    ap.add_argument("--traces", default="conv,code")
+    ap.add_argument("--requests", type=int, default=800, help="requests per goodput run (trace subsample)")
+    ap.add_argument("--iters", type=int, default=5, help="binary-search steps")
+    ap.add_argument("--bursty-minutes", type=float, default=60.0, help="bursty run length (x SLO scale)")
+    ap.add_argument("--bursty-trace", default="code")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    console = Console()
+    t0 = time.time()
+    pool = ProcessPoolExecutor(args.workers)
+    for profile in args.profiles.split(","):
+        cm = load_cost_model(profile, ("piecewise-linear",))
+        scale = slo_scale(cm)
+        name = profile.rsplit("/", 1)[-1]
+        console.print(f"\n[bold]{name}[/]: batch-1 decode step {scale * 12.5:.1f} ms -> every SLO multiplied by "
+                      f"{scale:.2f} (Q1 TTFT {6 * scale:.1f} s / TBT {50 * scale:.0f} ms, Q2 {600 * scale:.0f} s, "
+                      f"Q3 {1800 * scale:.0f} s)")
+        # Search range from the profile: a replica's prefill rate over a typical prompt.
+        hi = 40.0 / scale
+        jobs = {(trace, pol): pool.submit(goodput, pol, profile, trace, args.requests, hi / 100, hi, args.iters,
+                                          args.seed)
+                for trace in args.traces.split(",") for pol in POLICIES}
+        table = Table(title=f"goodput (QPS at <= 1% violations, {args.requests} requests/run) - {name}")
+        for col in ("trace", *POLICIES, "vs FCFS (goal >= 1.5x)", "vs EDF (goal >= 1.2x)"):
+            table.add_column(col, justify="right")
+        good: dict[str, float] = {}
+        for trace in args.traces.split(","):
+            g = {pol: jobs[(trace, pol)].result() for pol in POLICIES}
+            good[trace] = g["qoserve"]
+            r_f = g["qoserve"] / g["sarathi-fcfs"] if g["sarathi-fcfs"] else float("inf")
+            r_e = g["qoserve"] / g["sarathi-edf"] if g["sarathi-edf"] else float("inf")
+            table.add_row(trace, *(f"{g[p]:.3f}" for p in POLICIES), f"{r_f:.2f}x", f"{r_e:.2f}x")
+        console.print(table)
+        trace = args.bursty_trace
+        if trace not in good:
+            continue
+        high = 1.4 * good[trace]
+        low = high / 2.5
+        bj = {pol: pool.submit(bursty, pol, profile, trace, low, high, args.bursty_minutes, args.seed)
+              for pol in POLICIES}
+        bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {15 * scale:.0f} min, 20% free tier, "
+                         f"{args.bursty_minutes * scale:.0f} min, {trace} - {name}")
+        for col in ("policy", "requests", "violations", "paid", "free", "goal"):
+            bt.add_column(col, justify="right")
+        res = {pol: bj[pol].result() for pol in POLICIES}
+        for pol in POLICIES:
+            r = res[pol]
+            goal = ("paid == 0" + (" ok" if r.get("paid", 0) == 0 else " MISSED")) if pol == "qoserve" else \
+                ("> 50%" + (" ok" if r["all"] > 0.5 else " not reached"))
+            bt.add_row(pol, str(r["n"]), f"{r['all']:.1%}", f"{r.get('paid', 0):.1%}", f"{r.get('free', 0):.1%}", goal)
+        console.print(bt)
+    pool.shutdown()
+    console.print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Scheduling overhead per iteration with 256 running requests (goal: < 1 ms for QoServe).
+
+Runs the real Engine on a SimExecutor (synthetic 8B/A100 profile) with 256 decoding
+requests plus a queue of waiting prompts, and times only the scheduler's two calls
+(``schedule`` + ``update_from_output``) per iteration. Baselines are measured in the
+same run.
+
+    python ops/bench_sched_overhead.py [--running 256] [--waiting 512] [--iters 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
+from gpu_runtime.engine import Engine
+from gpu_runtime.executor.sim import SimExecutor
+from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.request import Request
+from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.scheduler.registry import create_scheduler
+
+
+class Timed:
+    """Proxy that times the scheduler's two calls."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.samples, self._t = inner, [], 0.0
+
+    def schedule(self, now):
+        t0 = time.perf_counter()
+        out = self.inner.schedule(now)
+        self._t = time.perf_counter() - t0
+        if out.is_empty:
+            self._t = 0.0
+        return out
+
+    def update_from_output(self, output, now):
+        t0 = time.perf_counter()
+        self.inner.update_from_output(output, now)
+        self.samples.append(self._t + time.perf_counter() - t0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run(policy: str, running: int, waiting: int, iters: int) -> tuple[list[float], int]:
+    cm = load_cost_model(A100_PROFILE, ("piecewise-linear",))
+    ex = SimExecutor(cm, kv_blocks=200_000, block_size=16)
+    sched = Timed(create_scheduler(policy, cost_model=cm, executor=ex, max_num_seqs=running + 16))
+    eng = Engine(ex, sched)
+    inter = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=6.0, tbt_s=0.05)
+    batch = QoSSpec(QoSClass.BATCH, Tier.FREE, ttlt_s=600.0)
+    for i in range(running):
+        eng.add_request(Request(f"d{i}", [1] * 64, SamplingParams(max_tokens=10_000, ignore_eos=True),
+                                inter if i % 2 else batch, 0.0))
+    while len(sched.inner.running) < running:  # get every decode running first
+        eng.step()
+    sched.samples.clear()
+    for i in range(waiting):
+        eng.add_request(Request(f"w{i}", [1] * (200 + 37 * (i % 50)), SamplingParams(max_tokens=16, ignore_eos=True),
+                                inter if i % 3 == 0 else batch, ex.now()))
+    for _ in range(iters):
+        eng.step()
+    return sched.samples, len(sched.inner.running)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--running", type=int, default=256)
+    ap.add_argument("--waiting", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--policies", default="qoserve,sarathi-fcfs,sarathi-edf,vllm-fcfs")
+    args = ap.parse_args()
+    table = Table(title=f"scheduler overhead per iteration ({args.running} running, {args.waiting} queued prompts)")
+    for col in ("policy", "iterations", "running at end", "mean (ms)", "p50 (ms)", "p99 (ms)", "goal < 1 ms"):
+        table.add_column(col, justify="right")
+    for policy in args.policies.split(","):
+        samples, running = run(policy, args.running, args.waiting, args.iters)
+        ms = sorted(s * 1000 for s in samples if s > 0)
+        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+        table.add_row(policy, str(len(ms)), str(running), f"{statistics.mean(ms):.3f}", f"{statistics.median(ms):.3f}",
+                      f"{p99:.3f}", "yes" if p99 < 1.0 else "NO")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
