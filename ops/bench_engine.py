@@ -86,7 +86,8 @@ def bench_decode(ex: TorchExecutor, prompt: list[int], n: int) -> tuple[float, f
 
 
 # ---- (b) 16 prompts, own lengths ----
-def bench_batch(ex: TorchExecutor, prompts: list[list[int]], lengths: list[int], chunk: int) -> dict:
+def bench_batch(ex: TorchExecutor, prompts: list[list[int]], lengths: list[int], chunk: int,
+                layouts: list[str]) -> dict:
     tok = ex.tokenizer
     hf = ex.hf_model
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -99,17 +100,22 @@ def bench_batch(ex: TorchExecutor, prompts: list[list[int]], lengths: list[int],
     hf_s = time.perf_counter() - t0
     hf_out = [out[i, width:width + n].tolist() for i, n in enumerate(lengths)]
 
-    engine = make_engine(ex, chunk=chunk)
-    reqs = [request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
-    t0 = time.perf_counter()
-    for r in reqs:
-        engine.add_request(r)
-    engine.run_until_idle()
-    eng_s = time.perf_counter() - t0
-    # padded-batch numerics differ slightly from unpadded: count exact matches and first-16-token matches
-    exact = sum(r.output_token_ids == h for r, h in zip(reqs, hf_out))
-    prefix = sum(r.output_token_ids[:16] == h[:16] for r, h in zip(reqs, hf_out))
-    return {"engine_s": eng_s, "hf_s": hf_s, "tokens": sum(lengths), "exact": exact, "prefix16": prefix}
+    result = {"hf_s": hf_s, "tokens": sum(lengths)}
+    for layout in layouts:
+        ex.attention_layout = layout
+        engine = make_engine(ex, chunk=chunk)
+        reqs = [request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        t0 = time.perf_counter()
+        for r in reqs:
+            engine.add_request(r)
+        engine.run_until_idle()
+        eng_s = time.perf_counter() - t0
+        # padded-batch numerics differ slightly from unpadded: count exact and first-16-token matches
+        exact = sum(r.output_token_ids == h for r, h in zip(reqs, hf_out))
+        prefix = sum(r.output_token_ids[:16] == h[:16] for r, h in zip(reqs, hf_out))
+        result[layout] = {"engine_s": eng_s, "exact": exact, "prefix16": prefix}
+    ex.attention_layout = layouts[0]
+    return result
 
 
 def run_cpu(args: argparse.Namespace) -> None:
@@ -126,17 +132,21 @@ def run_cpu(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     lengths = [rng.randint(args.min_len, args.max_len) for _ in prompts]
 
+    layouts = args.layouts.split(",")
+    ex.attention_layout = layouts[0]
     eng_tps, hf_tps, same = bench_decode(ex, prompts[0], args.decode_tokens)
-    batch = bench_batch(ex, prompts, lengths, args.chunk)
+    batch = bench_batch(ex, prompts, lengths, args.chunk, layouts)
 
     table = Table(title="coserve TorchExecutor vs transformers generate (same run, CPU)")
     for col in ("benchmark", "engine", "transformers", "ratio", "goal", "outputs"):
         table.add_column(col)
-    table.add_row(f"(a) decode tok/s, batch 1, {args.decode_tokens} tokens", f"{eng_tps:.1f}", f"{hf_tps:.1f}",
-                  f"{eng_tps / hf_tps:.2f}x", ">= 1.0x", "identical" if same else "DIFFER")
-    table.add_row(f"(b) {len(prompts)} SpecBench prompts, {batch['tokens']} output tokens, wall s",
-                  f"{batch['engine_s']:.1f}", f"{batch['hf_s']:.1f}", f"{batch['hf_s'] / batch['engine_s']:.2f}x",
-                  ">= 2.0x", f"{batch['exact']}/{len(prompts)} exact, {batch['prefix16']} first-16")
+    table.add_row(f"(a) decode tok/s, batch 1, {args.decode_tokens} tokens [{layouts[0]}]", f"{eng_tps:.1f}",
+                  f"{hf_tps:.1f}", f"{eng_tps / hf_tps:.2f}x", ">= 1.0x", "identical" if same else "DIFFER")
+    for layout in layouts:
+        b = batch[layout]
+        table.add_row(f"(b) {len(prompts)} SpecBench prompts, {batch['tokens']} output tokens, wall s [{layout}]",
+                      f"{b['engine_s']:.1f}", f"{batch['hf_s']:.1f}", f"{batch['hf_s'] / b['engine_s']:.2f}x",
+                      ">= 2.0x", f"{b['exact']}/{len(prompts)} exact, {b['prefix16']} first-16")
     Console().print(table)
     print(f"prompt lengths {sorted(len(p) for p in prompts)}; output lengths {lengths}")
 
@@ -198,6 +208,7 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layouts", default="padded,per-request", help="attention layouts to time in (b), first used in (a)")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--ctx", type=int, default=512, help="--gpu: context length per request")
     p.add_argument("--gpu-steps", type=int, default=20)

@@ -18,9 +18,10 @@ def test_single_request_matches_generate(tiny_model):
     assert out[req.request_id] == hf_greedy(tiny_model, prompt, 20)
 
 
-def test_batched_requests_of_different_lengths_match_generate(tiny_model):
+@pytest.mark.parametrize("layout", ["padded", "per-request"])
+def test_batched_requests_of_different_lengths_match_generate(tiny_model, layout):
     rng = random.Random(1)
-    ex = TorchExecutor.from_model(tiny_model, kv_blocks=128, block_size=4)
+    ex = TorchExecutor.from_model(tiny_model, kv_blocks=128, block_size=4, attention_layout=layout)
     prompts = [[rng.randrange(3, 97) for _ in range(n)] for n in (3, 11, 26, 40, 7)]
     lengths = [9, 17, 5, 12, 21]
     reqs = [make_request(p, max_tokens=n) for p, n in zip(prompts, lengths)]

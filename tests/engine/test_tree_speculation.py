@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
+import pytest
 import torch
 
 from gpu_runtime.executor.drafters.model_runner import DraftModelRunner
@@ -20,11 +21,12 @@ def _prompts(seed: int, lengths: list[int], vocab: int = 97) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def test_random_trees_keep_greedy_output(tiny_model):
+@pytest.mark.parametrize("layout", ["padded", "per-request"])
+def test_random_trees_keep_greedy_output(tiny_model, layout):
     prompts = _prompts(2, [5, 13, 30])  # distinct lengths: the drafter finds each prompt's reference
     refs = {len(p): hf_greedy(tiny_model, p, 24) for p in prompts}
     drafter = NoisyTreeDrafter(refs, vocab=97, hit=0.6, seed=4)
-    ex = TorchExecutor.from_model(tiny_model, kv_blocks=64, block_size=4, drafter=drafter)
+    ex = TorchExecutor.from_model(tiny_model, kv_blocks=64, block_size=4, drafter=drafter, attention_layout=layout)
     policy = VerifyAll(depth=4, width=3)
     reqs = [make_request(p, max_tokens=24) for p in prompts]
     out = run_engine(ex, reqs, speculation=policy, chunk=12)

@@ -48,8 +48,14 @@ def tree_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
     return mask
 
 
-def build_forward_batch(segments: list[Segment], device: torch.device) -> tuple[ForwardBatch, list[int]]:
-    """Flattens segments; returns the batch and, per segment, the index of its first logits row."""
+def build_forward_batch(segments: list[Segment], device: torch.device,
+                        layout: str = "padded") -> tuple[ForwardBatch, list[int]]:
+    """Flattens segments; returns the batch and, per segment, the index of its first logits row.
+
+    ``layout``: "padded" (one SDPA call over [R, Q, L] with a mask) or "per-request"
+    (one SDPA call per request, no padding)."""
+    if layout == "per-request":
+        return _per_request_batch(segments, device)
     lens = [len(s.token_ids) for s in segments]
     R, Q = len(segments), max(lens)
     L = max(int(s.key_slots.shape[0]) for s in segments)
@@ -87,4 +93,31 @@ def build_forward_batch(segments: list[Segment], device: torch.device) -> tuple[
         query_index=query_index.to(device), unpad_index=unpad_index.to(device), key_slots=key_slots.to(device),
         attn_mask=mask.to(device) if mask is not None else None,
         logit_rows=torch.tensor(rows, dtype=torch.long, device=device))
+    return fb, first
+
+
+def _per_request_batch(segments: list[Segment], device: torch.device) -> tuple[ForwardBatch, list[int]]:
+    meta = []
+    rows: list[int] = []
+    first: list[int] = []
+    t0 = 0
+    for s in segments:
+        n, ln = len(s.token_ids), int(s.key_slots.shape[0])
+        if s.mask is not None:
+            mask = s.mask
+        elif n > 1:
+            mask = torch.arange(ln)[None, :] <= (ln - n + torch.arange(n))[:, None]
+        else:
+            mask = None
+        meta.append((t0, t0 + n, s.key_slots.to(device), mask.to(device) if mask is not None else None))
+        first.append(len(rows))
+        rows.extend(range(t0 + s.logits_from, t0 + s.logits_from + s.logits_count))
+        t0 += n
+    empty = torch.zeros(1, 1, dtype=torch.long, device=device)
+    fb = ForwardBatch(
+        input_ids=torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=device),
+        positions=torch.cat([s.positions for s in segments]).to(device),
+        write_slots=torch.cat([s.write_slots for s in segments]).to(device),
+        query_index=empty, unpad_index=empty[0], key_slots=empty, attn_mask=None,
+        logit_rows=torch.tensor(rows, dtype=torch.long, device=device), per_request=meta)
     return fb, first

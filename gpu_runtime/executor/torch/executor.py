@@ -83,8 +83,10 @@ class TorchExecutor:
 
     def __init__(self, hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
                  kv_blocks: int | None = None, block_size: int = 16, drafter: Drafter | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, attention_layout: str = "padded") -> None:
         self.hf_model = hf_model.eval()
+        # "padded": one masked SDPA call per layer for the whole batch; "per-request": one call per request
+        self.attention_layout = attention_layout
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
         self.model = PagedDecoder(hf_model, 0, block_size)
@@ -186,7 +188,7 @@ class TorchExecutor:
             segments.append(self._prefill_segment(chunk.request_id, chunk.start, chunk.token_ids, chunk.sample))
         for d in plan.decodes:
             segments.append(self._decode_segment(d.request_id, d.position, d.token_id, d.tree))
-        fb, first_rows = build_forward_batch(segments, self.device)
+        fb, first_rows = build_forward_batch(segments, self.device, self.attention_layout)
         logits = self.model.forward(fb)
         n_pre = len(plan.prefills)
         # kept for inspection (tests, debugging): each request's logits rows of this pass

@@ -34,6 +34,9 @@ class ForwardBatch:
     key_slots: torch.Tensor  # [R, L] flat cache slots read as keys (pads -> 0)
     attn_mask: torch.Tensor | None  # [R, 1, Q, L] bool, True = attend; None = all visible
     logit_rows: torch.Tensor  # [N] tokens whose next-token logits are needed
+    # layout "per-request": (first token, end token, key slots [L_r], mask [n_r, L_r] or None) per request;
+    # attention then runs one SDPA call per request instead of one padded call (query_index etc. unused)
+    per_request: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] | None = None
 
 
 @dataclass
@@ -143,6 +146,18 @@ class PagedDecoder:
         rot = torch.cat([-x[..., half:], x[..., :half]], -1)
         return x * cos + rot * sin
 
+    def _attend_per_request(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                            meta: list[tuple[int, int, torch.Tensor, torch.Tensor | None]], scale: float) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        gqa = self.num_kv_heads != self.num_heads
+        for t0, t1, slots, mask in meta:
+            qs = q[t0:t1].transpose(0, 1)[None]  # [1, H, n, D]
+            keys = kc[slots].transpose(0, 1)[None]
+            vals = vc[slots].transpose(0, 1)[None]
+            att = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[t0:t1] = att[0].transpose(0, 1).reshape(t1 - t0, -1)
+        return out
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs every layer, writes the new tokens' K/V, returns logits [N, vocab] (float32)."""
@@ -162,12 +177,15 @@ class PagedDecoder:
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[fb.write_slots] = k
             vc[fb.write_slots] = v
-            keys = kc[fb.key_slots].transpose(1, 2)  # [R, KVH, L, D]
-            vals = vc[fb.key_slots].transpose(1, 2)
-            qs = q[fb.query_index].transpose(1, 2)  # [R, H, Q, D]
-            att = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=fb.attn_mask, scale=scale,
-                                                 enable_gqa=KVH != H)
-            att = att.transpose(1, 2).reshape(R * Q, H * D)[fb.unpad_index]
+            if fb.per_request is not None:
+                att = self._attend_per_request(q, kc, vc, fb.per_request, scale)
+            else:
+                keys = kc[fb.key_slots].transpose(1, 2)  # [R, KVH, L, D]
+                vals = vc[fb.key_slots].transpose(1, 2)
+                qs = q[fb.query_index].transpose(1, 2)  # [R, H, Q, D]
+                att = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=fb.attn_mask, scale=scale,
+                                                     enable_gqa=KVH != H)
+                att = att.transpose(1, 2).reshape(R * Q, H * D)[fb.unpad_index]
             x = x + F.linear(att, w.o)
             h = self._rms(x, w.post_norm)
             gate, up = F.linear(h, w.gate_up).chunk(2, -1)
