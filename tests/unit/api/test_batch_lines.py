@@ -1,0 +1,81 @@
+"""Batch input validation and OpenAI request mapping (pure logic)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.batch.lines import InvalidLine, ValidLine, parse_file
+from app.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_window
+
+
+def chat(cid, **body):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": "hi"}], **body}})
+
+
+@pytest.mark.parametrize("text,seconds", [("24h", 86400), ("30m", 1800), ("2h", 7200), ("7d", 604800),
+                                          ("90s", 90), (" 1.5h ", 5400)])
+def test_parse_window(text, seconds):
+    assert parse_window(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "24", "h", "0h", "-1h", "2w", "soon"])
+def test_parse_window_rejects(text):
+    with pytest.raises(ValueError):
+        parse_window(text)
+
+
+def test_valid_lines_become_batch_specs_with_the_window():
+    parsed = parse_file((chat("a", max_tokens=5, stop="END", seed=1) + "\n\n" + chat("b")).encode(),
+                        "/v1/chat/completions", 3600)
+    assert not parsed.invalid and not parsed.file_errors and parsed.total == 2
+    a = parsed.valid[0]
+    assert isinstance(a, ValidLine) and a.line_no == 1 and a.custom_id == "a"
+    assert a.spec.kind == "batch" and a.spec.deadline_window_s == 3600 and a.spec.max_tokens == 5
+    assert a.spec.stop == ["END"] and a.spec.seed == 1 and a.spec.messages[0].content == "hi"
+    assert parsed.valid[1].line_no == 3  # blank lines are skipped but keep numbering
+
+
+def test_invalid_lines_are_reported_with_line_and_reason():
+    lines = ["[1]", chat("s", stream=True), chat("q", ttft_ms=5), chat("t", temperature=5),
+             json.dumps({"custom_id": "m", "method": "GET", "url": "/v1/chat/completions", "body": {}}),
+             chat("ok")]
+    parsed = parse_file("\n".join(lines).encode(), "/v1/chat/completions", 60)
+    assert [v.custom_id for v in parsed.valid] == ["ok"]
+    by_line = {i.line_no: i for i in parsed.invalid}
+    assert all(isinstance(i, InvalidLine) for i in parsed.invalid)
+    assert by_line[1].code == "invalid_json"
+    assert "stream" in by_line[2].message and "completion_window" in by_line[3].message
+    assert "temperature" in by_line[4].message and by_line[5].code == "invalid_method"
+    assert all(i.message.startswith(f"line {n}:") for n, i in by_line.items())
+
+
+def test_duplicates_and_empty_files_fail_the_whole_file():
+    parsed = parse_file("\n".join([chat("a"), chat("a"), chat("b"), chat("a")]).encode(), "/v1/chat/completions", 60)
+    assert [e["code"] for e in parsed.file_errors] == ["duplicate_custom_id"]
+    assert "lines 1, 2, 4" in parsed.file_errors[0]["message"]
+    assert parse_file(b"\n\n", "/v1/chat/completions", 60).file_errors[0]["code"] == "empty_file"
+    assert parse_file(b"\xff\xfe", "/v1/chat/completions", 60).file_errors[0]["code"] == "invalid_file"
+
+
+def test_openai_request_mapping():
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                     {"role": "user", "content": "x"}],
+        "max_completion_tokens": 9, "max_tokens": 3, "tbt_ms": 50, "stop": ["a", "b"]})
+    spec = req.job_spec(messages=req.chat_messages())
+    assert spec.kind == "interactive" and spec.max_tokens == 9 and spec.tbt_ms == 50
+    assert spec.messages[0].role == "system" and spec.messages[0].content == "be brief"
+    assert spec.temperature == 1.0  # OpenAI's default
+    deadline = CompletionRequest.model_validate({"prompt": ["p"], "deadline": "2h"})
+    spec = deadline.job_spec(prompt=deadline.prompt_text())
+    assert spec.kind == "batch" and spec.deadline_window_s == 7200
+    with pytest.raises(OpenAIError) as exc:
+        CompletionRequest.model_validate({"prompt": ["p", "q"]}).prompt_text()
+    assert exc.value.param == "prompt"
+    with pytest.raises(OpenAIError):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 2}).check()
+    with pytest.raises(OpenAIError):
+        CompletionRequest.model_validate({"prompt": "p", "deadline": "2h", "ttft_ms": 5}).job_spec(prompt="p")
