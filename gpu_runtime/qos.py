@@ -53,3 +53,28 @@ def completion_deadline(arrival: float, qos: QoSSpec) -> float | None:
     if qos.qos_class is QoSClass.BATCH:
         return arrival + qos.ttlt_s  # type: ignore[operator]
     return None
+
+
+# Deployment tier names -> scheduling tier (DESIGN.md: tier names are configurable).
+DEFAULT_TIER_NAMES: dict[str, Tier] = {
+    "free": Tier.FREE, "low": Tier.FREE, "best-effort": Tier.FREE,
+    "paid": Tier.PAID, "premium": Tier.PAID, "important": Tier.PAID, "high": Tier.PAID,
+}
+
+
+def resolve_tier(name: str | Tier | None, names: dict[str, Tier] | None = None, default: Tier = Tier.PAID) -> Tier:
+    """Map a tenant/application tier label to the tier relegation uses (QoServe 3.4: free first)."""
+    if isinstance(name, Tier):
+        return name
+    if not name:
+        return default
+    table = DEFAULT_TIER_NAMES if names is None else names
+    try:
+        return table[name.strip().lower()]
+    except KeyError:
+        raise ValueError(f"unknown tier {name!r}; known: {', '.join(sorted(table))}") from None
+
+
+def relegation_rank(tier: Tier) -> int:
+    """Order in which tiers are relegated under overload: lower first (free before paid)."""
+    return 0 if tier is Tier.FREE else 1

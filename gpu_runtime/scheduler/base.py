@@ -87,6 +87,8 @@ class BaseScheduler(Scheduler):
         self.started: set[str] = set()  # prefills with KV already allocated (mid-prompt)
         self.history = DecodeLengthHistory()
         self.free_waiting = 0  # free-tier jobs in ``waiting`` (relegation rule)
+        self.waiting_prefill_tokens = 0  # prompt tokens left in ``waiting`` (load signal), kept O(1)
+        self._queued_tokens: dict[str, int] = {}  # what each waiting request added to that sum
         self._resumed: list[Request] = []  # reported by the next schedule()
         self._new_admits = 0  # prompts started in the batch being formed
         self._footprint = 0  # KV blocks reserved by every request holding KV (admission control)
@@ -102,21 +104,25 @@ class BaseScheduler(Scheduler):
 
     # ---- queue membership ----
     def _push_waiting(self, req: Request) -> None:
-        if req.request_id not in self.waiting and req.qos.tier is Tier.FREE:
+        self._remove_waiting(req.request_id)
+        if req.qos.tier is Tier.FREE:
             self.free_waiting += 1
+        self._queued_tokens[req.request_id] = n = req.prefill_remaining
+        self.waiting_prefill_tokens += n
         self.waiting.push(req)
 
-    def _pop_waiting(self) -> Request | None:
-        req = self.waiting.pop()
-        if req is not None and req.qos.tier is Tier.FREE:
-            self.free_waiting -= 1
+    def _left_waiting(self, req: Request | None) -> Request | None:
+        if req is not None:
+            if req.qos.tier is Tier.FREE:
+                self.free_waiting -= 1
+            self.waiting_prefill_tokens -= self._queued_tokens.pop(req.request_id, 0)
         return req
 
+    def _pop_waiting(self) -> Request | None:
+        return self._left_waiting(self.waiting.pop())
+
     def _remove_waiting(self, request_id: str) -> Request | None:
-        req = self.waiting.remove(request_id)
-        if req is not None and req.qos.tier is Tier.FREE:
-            self.free_waiting -= 1
-        return req
+        return self._left_waiting(self.waiting.remove(request_id))
 
     # ---- Scheduler interface ----
     def add_request(self, request: Request) -> None:

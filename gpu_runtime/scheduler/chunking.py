@@ -35,7 +35,18 @@ def decode_slack(req: Request, now: float) -> float:
 
 
 def min_slack(decodes: Iterable[Request], now: float) -> float:
-    return min((decode_slack(r, now) for r in decodes), default=math.inf)
+    """min over decodes of ``decode_slack`` (inlined for interactive ones: this runs every iteration)."""
+    best = math.inf
+    interactive = QoSClass.INTERACTIVE
+    for r in decodes:
+        q = r.qos
+        if q.qos_class is interactive:  # eq. 2 for token n = outputs + 1
+            s = r.arrival_time + q.ttft_s + len(r.output_token_ids) * q.tbt_s - now  # type: ignore[operator]
+        else:
+            s = decode_slack(r, now)
+        if s < best:
+            best = s
+    return best
 
 
 def build_search_space(cost_model: CostModel, floor: int = 16, ceiling: int | None = None,

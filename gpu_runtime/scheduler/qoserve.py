@@ -54,8 +54,7 @@ class QoServeScheduler(BaseScheduler):
         return ok
 
     def _update_alpha(self) -> None:
-        queued = sum(r.prefill_remaining for r in self.waiting)
-        load = queued * self._sec_per_prefill_token / max(1e-3, self._min_first_target)
+        load = self.waiting_prefill_tokens * self._sec_per_prefill_token / max(1e-3, self._min_first_target)
         if self.alpha.update(load):
             self.waiting.rekey()
             self.relegated.rekey()

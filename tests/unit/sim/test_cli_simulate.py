@@ -1,0 +1,23 @@
+import json
+
+from typer.testing import CliRunner
+
+from app.cli import cli
+
+
+def test_simulate_sweep_prints_a_table_and_writes_results_and_plot(tmp_path):
+    res = CliRunner().invoke(cli, ["simulate", "--profile", "synthetic-a100-llama3-8b", "--trace", "code",
+                                   "--sweep", "1:3:2", "--policies", "qoserve,sarathi-fcfs", "--requests", "40",
+                                   "--out", str(tmp_path)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "qoserve" in res.output and "sarathi-fcfs" in res.output and "SLO" in res.output
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["qps"] for r in data["results"]["qoserve"]] == [1.0, 3.0]
+    assert all(0.0 <= r["violation_rate"] <= 1.0 for rows in data["results"].values() for r in rows)
+    png = (tmp_path / "violations.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_needs_a_rate():
+    res = CliRunner().invoke(cli, ["simulate", "--profile", "synthetic-a100-llama3-8b", "--requests", "5"])
+    assert res.exit_code != 0
