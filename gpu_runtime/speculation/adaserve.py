@@ -24,15 +24,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AdaServeConfig:
-    d_min: int = 2  # D_min of eq. 8
-    d_max: int = 8  # D_max of eq. 8 (artifact: 8)
+    d_min: int = 1  # D_min of eq. 8
+    d_max: int = 4  # D_max of eq. 8 (artifact: 8; grid search: 4)
     w_max: int = 3  # W_max of eq. 9 (artifact: 3)
-    c1: float = 1.0  # eq. 8 constant (grid search: ops/spec_grid_search.py)
-    c2: int = 0  # eq. 9 constant
+    c1: float = 0.0  # eq. 8 constant (grid search: ops/spec_grid_search.py -> data/adaserve_grid.json)
+    c2: int = 1  # eq. 9 constant (grid search)
     draft_budget: int = 96  # B2: draft tokens per beam step (artifact: 96)
     n_max: int = 8  # per-request node cap of the SLO-customized phase
     budget: int | None = None  # B fixed by hand; None = knee of the latency curve
-    budget_tolerance: float = 0.25  # knee: latency within (1+tol) of a one-token pass
+    budget_tolerance: float = 0.5  # knee: latency within (1+tol) of a one-token pass (grid search)
     max_budget: int = 512
     warmup_tokens_per_request: int = 4  # B per request until a latency curve is known
 

@@ -62,7 +62,7 @@ def test_adaserve_depth_width_follow_load():
 def test_adaserve_budget_uses_latency_curve_when_bound():
     class Exec:
         latency_curve = staticmethod(lambda n: 0.01 * max(1.0, n / 32))
-    pol = AdaServe()
+    pol = AdaServe(budget_tolerance=0.25)
     pol.bind(Exec())
     assert 32 <= pol.budget(4) <= 40
 
@@ -171,7 +171,7 @@ def test_adaserve_budget_from_cost_model_knee():
     class Exec:
         cost_model = cm
 
-    pol = AdaServe()
+    pol = AdaServe(budget_tolerance=0.25)
     pol.bind(Exec())
     b = pol.budget(8)
     base = batch_time(cm, 1)
