@@ -82,3 +82,12 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys):
         page.locator("#worker-w1 button[data-action=drain]").click()
         expect(page.locator("#worker-w1")).to_contain_text("draining", timeout=10_000)
         browser.close()
+
+    admin = Keys.header(keys.admin)
+    r = httpx.post(f"{base}/admin/api/jobs/{late}/promote", json={"tier": "paid"}, headers=admin).json()
+    assert r["delivered"] is True  # the worker's control listener got it
+    job = httpx.get(f"{base}/v1/jobs/{late}", headers=Keys.header(keys.paid)).json()
+    assert job["tier"] == "paid"
+    assert httpx.post(f"{base}/admin/api/jobs/{late}/cancel", headers=admin).json()["cancelled"] is True
+    assert job_status(base, keys.paid, late) == "cancelled"
+    assert httpx.post(f"{base}/admin/api/jobs/{late}/resume", headers=admin).status_code == 409
