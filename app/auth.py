@@ -69,13 +69,24 @@ def clear_cache() -> None:
         _cache.clear()
 
 
+_MISS = object()
+
+
+def cached_principal(key: str) -> Principal | None | object:
+    """The cached answer for ``key`` (a Principal or None), or ``_MISS`` when not cached."""
+    with _cache_lock:
+        hit = _cache.get(hash_key(key))
+    if hit is not None and time.monotonic() - hit[0] < CACHE_TTL_S:
+        return hit[1]
+    return _MISS
+
+
 def authenticate(session: Session, key: str) -> Principal | None:
+    hit = cached_principal(key)
+    if hit is not _MISS:
+        return hit  # type: ignore[return-value]
     digest = hash_key(key)
     now = time.monotonic()
-    with _cache_lock:
-        hit = _cache.get(digest)
-    if hit is not None and now - hit[0] < CACHE_TTL_S:
-        return hit[1]
     row = session.execute(
         select(ApiKey.id, ApiKey.tenant_id, ApiKey.tier, ApiKey.is_admin, ApiKey.revoked, Tenant.default_tier)
         .join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_hash == digest)).first()

@@ -77,6 +77,19 @@ async def _load(url: str, key: str, n: int, concurrency: int, submit: bool) -> t
     return latencies, ids, errors, wall
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by every process in the process group."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # pgrp; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def run_config(api_workers: int, n: int, concurrency: int, model: str) -> list[dict]:
     data = Path(tempfile.mkdtemp(prefix="bench-submit-"))
     db = f"sqlite:///{data / 'coserve.db'}"
@@ -108,10 +121,13 @@ def run_config(api_workers: int, n: int, concurrency: int, model: str) -> list[d
         rclient = redis.Redis.from_url(rurl)
         rclient.delete("coserve.bench")
         for label, submit in (("GET /healthz (baseline)", False), ("POST /v1/jobs", True)):
+            cpu0 = group_cpu_s(api.pid)
             lat, ids, errors, wall = asyncio.run(_load(url, key, n, concurrency, submit))
+            cpu_ms = 1e3 * (group_cpu_s(api.pid) - cpu0) / n
             row = {"config": f"{api_workers} uvicorn worker(s)", "endpoint": label, "n": n, "errors": errors,
                    "rps": n / wall, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
-                   "p99_ms": 1e3 * float(np.percentile(lat, 99)), "verified": "-"}
+                   "p99_ms": 1e3 * float(np.percentile(lat, 99)), "verified": "-",
+                   "cpu_ms": cpu_ms}
             if submit:
                 settle = time.monotonic() + 15  # the dispatcher thread sends right after the commit
                 while rclient.llen("coserve.bench") < len(ids) and time.monotonic() < settle:
@@ -146,12 +162,17 @@ def main() -> None:
         rows += run_config(w, args.requests, args.concurrency, args.model)
     t = Table(title=f"POST /v1/jobs submission, {args.concurrency} concurrent clients, {os.cpu_count()} CPUs "
                     f"(goal: >= 500 jobs/s, p99 < 50 ms)")
-    for col in ("config", "endpoint", "requests", "errors", "req/s", "p50 ms", "p99 ms", "accepted jobs check"):
+    for col in ("config", "endpoint", "requests", "errors", "req/s", "p50 ms", "p99 ms", "API CPU ms/req",
+                "req/s per API core", "accepted jobs check"):
         t.add_column(col)
     for r in rows:
         t.add_row(r["config"], r["endpoint"], str(r["n"]), str(r["errors"]), f"{r['rps']:.0f}", f"{r['p50_ms']:.1f}",
-                  f"{r['p99_ms']:.1f}", r["verified"])
+                  f"{r['p99_ms']:.1f}", f"{r['cpu_ms']:.2f}", f"{1e3 / r['cpu_ms']:.0f}" if r["cpu_ms"] else "-",
+                  r["verified"])
     console.print(t)
+    load = os.getloadavg()
+    console.print(f"load average during the run: {load[0]:.1f} (on {os.cpu_count()} CPUs); the client shares the "
+                  "CPUs with the server, so 'req/s per API core' is the server's capacity per core.")
 
 
 if __name__ == "__main__":

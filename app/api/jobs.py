@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 
+from fastapi.concurrency import run_in_threadpool
+
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.db.session import get_sessionmaker
 from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel
@@ -18,18 +22,30 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 @router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
-def create_job(spec: JobCreate, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-               request: Request, response: Response,
-               idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic:
+async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: SettingsDep, request: Request,
+                     response: Response,
+                     idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic:
+    # async: the common path (no Idempotency-Key) validates on the loop and awaits the
+    # group-commit writer, without a worker thread or a DB session per request
     writer = getattr(request.app.state, "job_writer", None)
     try:
-        submitted = job_service.submit_job(session, principal, spec, settings, idempotency_key=idempotency_key,
-                                           writer=writer)
+        if writer is not None and not idempotency_key:
+            job = job_service.build_job(settings, principal, spec)
+            return JobPublic.of(await asyncio.wrap_future(writer.submit(job, "submitted via /v1/jobs")))
+        submitted = await run_in_threadpool(_submit_with_session, settings, principal, spec, idempotency_key)
     except job_service.JobValidationError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
     if not submitted.created:
         response.status_code = status.HTTP_200_OK
     return JobPublic.of(submitted.job)
+
+
+def _submit_with_session(settings, principal, spec, idempotency_key):
+    session = get_sessionmaker(settings.sqlalchemy_url)()
+    try:
+        return job_service.submit_job(session, principal, spec, settings, idempotency_key=idempotency_key)
+    finally:
+        session.close()
 
 
 @router.get("", response_model=JobList)

@@ -46,11 +46,15 @@ class JobWriter:
         for t in self._threads:
             t.start()
 
-    def write(self, job: Job, detail: str, timeout: float = 30.0) -> Job:
-        """Blocks until ``job`` is committed; raises what the insert raised."""
+    def submit(self, job: Job, detail: str) -> Future:
+        """A future that resolves to ``job`` once it is committed (or to the insert's error)."""
         pending = _Pending(job, detail)
         self._inbox.put(pending)
-        return pending.done.result(timeout)
+        return pending.done
+
+    def write(self, job: Job, detail: str, timeout: float = 30.0) -> Job:
+        """Blocks until ``job`` is committed; raises what the insert raised."""
+        return self.submit(job, detail).result(timeout)
 
     def close(self) -> None:
         self._inbox.put(None)
