@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -6,7 +6,6 @@ or the credentials ``coserve up`` wrote).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from datetime import UTC, datetime
