@@ -55,8 +55,9 @@ class KVBudget:
             return max(0, n)
         if admit:
             footprint = self.footprint(req)
-            if footprint > self.free - self.outstanding - self.reserve:
-                return 0
+            alone = self.outstanding == 0 and self.free == self.total  # nothing else holds KV
+            if footprint > self.free - self.outstanding - self.reserve and not alone:
+                return 0  # (alone: a footprint larger than the whole cache still gets to run)
             self.outstanding += footprint
         need = self.need(req, n)
         if need > self.free:

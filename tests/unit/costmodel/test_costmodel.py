@@ -34,6 +34,7 @@ def test_piecewise_fit_recovers_a_roofline_and_finds_the_knee():
 
 def test_model_selection_reports_held_out_mape_for_both_candidates():
     prof = synthetic_profile(noise=0.02)
+    prof.samples = prof.samples[::3]  # a third of the grid keeps the forest quick to fit
     model, report = fit_cost_model(prof)
     assert set(report.mape) == {"piecewise-linear", "random-forest"}
     assert report.chosen == min(report.mape, key=report.mape.get)

@@ -148,3 +148,28 @@ def test_registry_rejects_unknown_names_and_keys():
     with pytest.raises(ValueError):
         create_scheduler("sarathi-fcfs", bogus=1)
     assert create_scheduler("sarathi-fcfs", chunk_size=128).config.chunk_size == 128
+
+
+def test_kv_admission_reserves_whole_footprints_and_never_starves_decodes():
+    from gpu_runtime.executor.sim import SimExecutor
+
+    ex = SimExecutor(COST, kv_blocks=20, block_size=16)  # 320 tokens
+    s = create_scheduler("sarathi-fcfs", cost_model=COST, executor=ex, kv_watermark=0.0)
+    a, b = batch("a", prompt=100, max_tokens=100), batch("b", prompt=100, max_tokens=100)
+    for r in (a, b):
+        ex.add_request(r.request_id, r.sampling)
+        s.add_request(r)
+    out = s.schedule(0.0)
+    # a's footprint (200 tokens = 13+1 blocks) is reserved; b's would not fit beside it
+    assert [p.request.request_id for p in out.prefills] == ["a"]
+
+
+def test_a_request_larger_than_the_cache_still_runs_when_alone():
+    from gpu_runtime.executor.sim import SimExecutor
+
+    ex = SimExecutor(COST, kv_blocks=4, block_size=16)
+    s = create_scheduler("qoserve", cost_model=COST, executor=ex)
+    r = batch("big", prompt=20, max_tokens=500)
+    ex.add_request("big", r.sampling)
+    s.add_request(r)
+    assert s.schedule(0.0).prefills[0].num_tokens == 20
