@@ -33,6 +33,10 @@ def overloaded(live_server, keys, start_worker):
     # 32 blocks x 16 tokens; the paid job reserves prompt + max_tokens at admission
     start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_KV_BLOCKS="32",
                  COSERVE_STEP_DELAY_S="0.08")
+    # a few finished jobs first, so the SLO chart has points
+    done = [submit(live_server, key, prompt="Hi", max_tokens=2, ignore_eos=True, ttft_ms=ttft)
+            for key, ttft in ((keys.paid, 60_000), (keys.free, 60_000), (keys.free, 1))]
+    wait_for(lambda: all(job_status(live_server, keys.paid, j) == "succeeded" for j in done), 60, "warm-up jobs")
     hog = submit(live_server, keys.paid, prompt="Write a long story.", max_tokens=470, ignore_eos=True)
     wait_for(lambda: job_status(live_server, keys.paid, hog) == "running", 60, "the paid job to run")
     late = submit(live_server, keys.free, prompt="Quick question?", max_tokens=8, ttft_ms=1)
@@ -69,6 +73,7 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys):
         expect(page.locator(f"#job-{hog} td.status")).to_have_text("running")
         expect(page.locator("#queues tr[data-tier=free] td[data-status=relegated]")).to_have_text("1")
         expect(page.locator("#worker-w1")).to_contain_text("serving")
+        expect(page.locator("#slo-chart polyline")).to_have_count(2)  # one line per tier
         assert float(row.locator("td.overdue").inner_text()) > 0  # a 1 ms TTFT is overdue at once
         (ROOT / "docs").mkdir(exist_ok=True)
         page.screenshot(path=str(ROOT / "docs" / "dashboard.png"), full_page=True)
