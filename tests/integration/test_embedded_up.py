@@ -76,3 +76,23 @@ def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=redis_port, socket_connect_timeout=1).ping()
+
+
+def test_keys_create_cli_stores_only_the_hash(tmp_path):
+    from app.auth import authenticate, clear_cache
+    from app.db.session import session_scope
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COSERVE_")}
+    env["COSERVE_DATA_DIR"] = str(tmp_path)
+    out = _cli(["keys", "create", "--tenant", "acme", "--tier", "free"], env)
+    assert out.returncode == 0, out.stderr
+    key = out.stdout.strip().splitlines()[-1]
+    assert key.startswith("cs-")
+    url = f"sqlite:///{tmp_path / 'coserve.db'}"
+    clear_cache()
+    with session_scope(url) as s:
+        principal = authenticate(s, key)
+    assert principal is not None and principal.tier == "free" and not principal.is_admin
+    assert key.encode() not in (tmp_path / "coserve.db").read_bytes()
+    bad = _cli(["keys", "create", "--tenant", "acme", "--tier", "gold"], env)
+    assert bad.returncode != 0 and "unknown tier" in bad.stdout + bad.stderr
