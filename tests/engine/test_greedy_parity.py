@@ -68,3 +68,16 @@ def test_real_sarathi_scheduler_drives_the_executor(tiny_model):
     for r, p in zip(reqs, prompts):
         assert out[r.request_id] == hf_greedy(tiny_model, p, r.sampling.max_tokens)
     assert ex.capacity().free_blocks == 128
+
+
+def test_from_pretrained_checkpoint_directory_with_draft(tmp_path, tiny_model):
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    tiny_model.save_pretrained(target_dir)  # config + safetensors
+    tiny_llama(seed=4).save_pretrained(draft_dir)
+    ex = TorchExecutor.from_pretrained(str(target_dir), device="cpu", kv_blocks=32, block_size=8, draft=str(draft_dir))
+    assert ex.has_draft and ex.draft_on_device and ex.capacity().total_blocks == 32
+    prompt = [9, 8, 7, 6, 5, 4]
+    req = make_request(prompt, max_tokens=10)
+    from tests.engine.spec_helpers import VerifyAll
+
+    assert run_engine(ex, [req], speculation=VerifyAll(2, 2))[req.request_id] == hf_greedy(tiny_model, prompt, 10)
