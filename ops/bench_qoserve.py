@@ -6,7 +6,7 @@ For each profile (the measured CPU default-model profile when shipped, and the S
 (profile batch-1 decode step / 12.5 ms):
 
 1. goodput = highest Poisson QPS with <= 1% violations (binary search), per policy;
-2. bursty load alternating every 15 min (x SLO scale) between two rates 2.5x apart
+2. bursty load alternating every --bursty-period-min (paper: 15 min; x SLO scale) between two rates 2.5x apart
    (peak = 1.4x QoServe's goodput), 20% free-tier jobs: violations per tier.
 
 Runs are subsampled (--minutes of arrivals per goodput run, --bursty-minutes of bursty
@@ -49,11 +49,12 @@ def goodput(policy: str, profile: str, trace: str, minutes: float, lo: float, hi
     return capacity_search(f, lo, hi, target=0.01, iters=iters)
 
 
-def bursty(policy: str, profile: str, trace: str, low: float, high: float, minutes: float, seed: int) -> dict:
+def bursty(policy: str, profile: str, trace: str, low: float, high: float, minutes: float, period_min: float,
+           seed: int) -> dict:
     cm = load_cost_model(profile, ("piecewise-linear",))
     scale = slo_scale(cm)
     exp = Experiment(trace=trace, seed=seed)
-    period = 900.0 * scale
+    period = period_min * 60.0 * scale
     s = run_policy(policy, cm, exp, paper_tiers(scale, free_share=0.2),
                    bursty=(low, high, period, minutes * 60.0 * scale))
     return {"n": s.n, "all": s.violation_rate, **{k: v.violation_rate for k, v in s.tiers.items()}}
@@ -67,7 +68,11 @@ def main() -> None:
                     help="arrival span of each goodput run (x SLO scale); requests = qps x span")
     ap.add_argument("--iters", type=int, default=5, help="binary-search steps")
     ap.add_argument("--bursty-minutes", type=float, default=60.0, help="bursty run length (x SLO scale)")
+    ap.add_argument("--bursty-period-min", type=float, default=15.0, help="minutes per rate (paper: 15)")
     ap.add_argument("--bursty-trace", default="code")
+    ap.add_argument("--bursty-qps", default=None, help="low:high rates (default: peak = 1.4x QoServe's goodput, "
+                                                        "low = peak / 2.5)")
+    ap.add_argument("--skip-goodput", action="store_true", help="only the bursty experiment (needs --bursty-qps)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -83,29 +88,36 @@ def main() -> None:
                       f"Q3 {1800 * scale:.0f} s)")
         # Search range from the profile: up to the rate at which the replica could only run prompts.
         hi = 24.0 / scale
+        traces = [] if args.skip_goodput else args.traces.split(",")
         jobs = {(trace, pol): pool.submit(goodput, pol, profile, trace, args.minutes, hi / 24, hi, args.iters,
                                           args.seed)
-                for trace in args.traces.split(",") for pol in POLICIES}
+                for trace in traces for pol in POLICIES}
         table = Table(title=f"goodput (QPS at <= 1% violations, {args.minutes * scale:.0f} min of arrivals per run)"
                             f" - {name}")
         for col in ("trace", *POLICIES, "vs FCFS (goal >= 1.5x)", "vs EDF (goal >= 1.2x)"):
             table.add_column(col, justify="right")
         good: dict[str, float] = {}
-        for trace in args.traces.split(","):
+        for trace in traces:
             g = {pol: jobs[(trace, pol)].result() for pol in POLICIES}
             good[trace] = g["qoserve"]
             r_f = g["qoserve"] / g["sarathi-fcfs"] if g["sarathi-fcfs"] else float("inf")
             r_e = g["qoserve"] / g["sarathi-edf"] if g["sarathi-edf"] else float("inf")
             table.add_row(trace, *(f"{g[p]:.3f}" for p in POLICIES), f"{r_f:.2f}x", f"{r_e:.2f}x")
-        console.print(table)
+        if traces:
+            console.print(table)
         trace = args.bursty_trace
-        if trace not in good:
+        if args.bursty_qps:
+            low, high = (float(x) for x in args.bursty_qps.split(":"))
+        elif trace in good:
+            high = 1.4 * good[trace]
+            low = high / 2.5
+        else:
             continue
-        high = 1.4 * good[trace]
-        low = high / 2.5
-        bj = {pol: pool.submit(bursty, pol, profile, trace, low, high, args.bursty_minutes, args.seed)
+        bj = {pol: pool.submit(bursty, pol, profile, trace, low, high, args.bursty_minutes, args.bursty_period_min,
+                               args.seed)
               for pol in POLICIES}
-        bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {15 * scale:.0f} min, 20% free tier, "
+        bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {args.bursty_period_min * scale:.0f} min, "
+                         f"20% free tier, "
                          f"{args.bursty_minutes * scale:.0f} min, {trace} - {name}")
         for col in ("policy", "requests", "violations", "paid", "free", "goal"):
             bt.add_column(col, justify="right")
