@@ -99,6 +99,7 @@ def bench_batch(ex: TorchExecutor, prompts: list[list[int]], lengths: list[int],
         out = hf.generate(ids, attention_mask=mask, **no_eos(max(lengths)))
     hf_s = time.perf_counter() - t0
     hf_out = [out[i, width:width + n].tolist() for i, n in enumerate(lengths)]
+    print(f"(b) generate on the padded batch: {hf_s:.1f}s", flush=True)
 
     result = {"hf_s": hf_s, "tokens": sum(lengths)}
     for layout in layouts:
@@ -114,6 +115,7 @@ def bench_batch(ex: TorchExecutor, prompts: list[list[int]], lengths: list[int],
         exact = sum(r.output_token_ids == h for r, h in zip(reqs, hf_out))
         prefix = sum(r.output_token_ids[:16] == h[:16] for r, h in zip(reqs, hf_out))
         result[layout] = {"engine_s": eng_s, "exact": exact, "prefix16": prefix}
+        print(f"(b) engine [{layout}]: {eng_s:.1f}s", flush=True)
     ex.attention_layout = layouts[0]
     return result
 
@@ -135,6 +137,7 @@ def run_cpu(args: argparse.Namespace) -> None:
     layouts = args.layouts.split(",")
     ex.attention_layout = layouts[0]
     eng_tps, hf_tps, same = bench_decode(ex, prompts[0], args.decode_tokens)
+    print(f"(a) engine {eng_tps:.1f} tok/s, generate {hf_tps:.1f} tok/s, outputs identical: {same}", flush=True)
     batch = bench_batch(ex, prompts, lengths, args.chunk, layouts)
 
     table = Table(title="coserve TorchExecutor vs transformers generate (same run, CPU)")
@@ -201,9 +204,9 @@ def run_gpu(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=16, help="shortest per-prompt output (tokens)")
-    p.add_argument("--max-len", type=int, default=128, help="longest per-prompt output (tokens)")
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--min-len", type=int, default=8, help="shortest per-prompt output (tokens)")
+    p.add_argument("--max-len", type=int, default=96, help="longest per-prompt output (tokens)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (Sarathi chunk_size)")
     p.add_argument("--kv-blocks", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)

@@ -75,13 +75,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def settings(tmp_path, db_url, redis_url, tiny_model_dir):
+def make_settings(data_dir: Path, db_url: str, redis_url: str, model_dir: Path):
     from app.settings import Settings
 
-    return Settings(data_dir=tmp_path, database_url=db_url, REDIS_URL=redis_url, model=str(tiny_model_dir),
+    return Settings(data_dir=data_dir, database_url=db_url, REDIS_URL=redis_url, model=str(model_dir),
                     model_name="tiny", device="cpu", lease_seconds=3.0, heartbeat_seconds=0.5,
                     sweep_seconds=0.5, default_max_tokens=16)
+
+
+@pytest.fixture
+def settings(tmp_path, db_url, redis_url, tiny_model_dir):
+    return make_settings(tmp_path, db_url, redis_url, tiny_model_dir)
 
 
 @pytest.fixture
@@ -111,6 +115,10 @@ class Keys:
 
 @pytest.fixture
 def keys(db_url) -> Keys:
+    return make_keys(db_url)
+
+
+def make_keys(db_url: str) -> Keys:
     from app.auth import create_key, create_tenant
     from app.db.session import session_scope
 
@@ -150,41 +158,50 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-@pytest.fixture
-def start_worker(settings, tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Starts real ``coserve worker`` processes (a Celery consumer + engine); stops them after."""
-    from sqlalchemy import select
+class WorkerPool:
+    """Starts real ``coserve worker`` processes (a Celery consumer + engine) and stops them."""
 
-    from app.db.models import WorkerState
-    from app.db.session import session_scope
+    def __init__(self, settings, log_dir: Path) -> None:
+        self.settings, self.log_dir = settings, log_dir
+        self.procs: list[subprocess.Popen] = []
 
-    procs: list[subprocess.Popen] = []
+    def start(self, worker_id: str = "w1", wait: bool = True, **extra: str) -> subprocess.Popen:
+        from sqlalchemy import select
 
-    def start(worker_id: str = "w1", wait: bool = True, **extra: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{worker_id}.log", "ab")
+        from app.db.models import WorkerState
+        from app.db.session import session_scope
+
+        log_path = self.log_dir / f"{worker_id}.log"
         proc = subprocess.Popen([sys.executable, "-m", "workers.gpu_worker"], cwd=ROOT,
-                                env=worker_env(settings, worker_id, **extra), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        procs.append(proc)
+                                env=worker_env(self.settings, worker_id, **extra), stdout=open(log_path, "ab"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
         if wait:
             def ready():
                 if proc.poll() is not None:
-                    raise AssertionError(f"worker exited: {(tmp_path / f'{worker_id}.log').read_text()[-3000:]}")
-                with session_scope(settings.sqlalchemy_url) as s:
+                    raise AssertionError(f"worker exited: {log_path.read_text()[-3000:]}")
+                with session_scope(self.settings.sqlalchemy_url) as s:
                     return s.scalar(select(WorkerState.id).where(WorkerState.id == worker_id))
             wait_for(ready, 120, f"worker {worker_id} heartbeat")
         return proc
 
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def start_worker(settings, tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
+    pool = WorkerPool(settings, tmp_path)
+    yield pool.start
+    pool.stop()
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,19 @@ log = logging.getLogger(__name__)
 
 def _qps_list(qps: float | None, sweep: str | None) -> list[float]:
     if sweep:
-        a, b, step = (float(x) for x in sweep.split(":"))
+        try:
+            a, b, step = (float(x) for x in sweep.replace(":", ",").split(","))
+        except ValueError as exc:
+            raise typer.BadParameter(f"--sweep {sweep!r}: give FIRST,LAST,STEP, e.g. 0.5,4,0.5") from exc
+        if step <= 0 or b < a:
+            raise typer.BadParameter(f"--sweep {sweep!r}: STEP must be > 0 and LAST >= FIRST")
         out, x = [], a
         while x <= b + 1e-9:
             out.append(round(x, 6))
             x += step
         return out
     if qps is None:
-        raise typer.BadParameter("give --qps or --sweep a:b:step")
+        raise typer.BadParameter("give --qps or --sweep FIRST,LAST,STEP")
     return [qps]
 
 
@@ -29,7 +34,7 @@ def simulate(
                                                "synthetic-a100-llama3-8b)")] = "cpu-smollm2-135m",
     trace: Annotated[str, typer.Option(help="conv | code (Azure 2023) or a CSV path")] = "conv",
     qps: Annotated[float | None, typer.Option(help="Poisson arrival rate")] = None,
-    sweep: Annotated[str | None, typer.Option(help="QPS sweep a:b:step")] = None,
+    sweep: Annotated[str | None, typer.Option(help="QPS sweep FIRST,LAST,STEP (e.g. 0.5,4,0.5)")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated scheduler names")] = "qoserve,sarathi-fcfs,sarathi-edf",
     requests: Annotated[int, typer.Option(help="requests sampled from the trace per run")] = 300,
     free_share: Annotated[float, typer.Option(help="share of free-tier jobs")] = 0.0,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
@@ -12,9 +14,41 @@ from sqlalchemy import select, update
 from app.db.models import Job, JobEvent, WorkerState
 from app.db.session import session_scope
 from app.services.streaming import StreamEvent, follow_job, stream_key
-from tests.conftest import Keys, wait_for
+from tests.conftest import Keys, WorkerPool, make_keys, make_settings, wait_for
 
 pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Service:
+    settings: Any
+    keys: Keys
+    client: Any
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, redis_server, tiny_model_dir):
+    """One API + one worker ("w1") shared by this module's tests (a worker start costs ~10 s)."""
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.db.migrate import upgrade
+    from app.main import create_app
+
+    tmp = tmp_path_factory.mktemp("worker-service")
+    db_url = f"sqlite:///{tmp / 'coserve.db'}"
+    upgrade(db_url)
+    redis.Redis.from_url(redis_server).flushall()
+    settings = make_settings(tmp, db_url, redis_server, tiny_model_dir)
+    keys = make_keys(db_url)
+    pool = WorkerPool(settings, tmp)
+    pool.start("w1")
+    clear_cache()
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield Service(settings, keys, client)
+    finally:
+        pool.stop()
 
 H = Keys.header
 
@@ -42,8 +76,8 @@ def events_of(url, job_id):
             select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
 
 
-def test_jobs_run_stream_and_report_metrics(client, keys, settings, start_worker):
-    start_worker("w1")
+def test_jobs_run_stream_and_report_metrics(service):
+    client, keys, settings = service.client, service.keys, service.settings
     assert client.get("/readyz").status_code == 200
     ids = [submit(client, keys.paid, max_tokens=12) for _ in range(3)]
     ids.append(submit(client, keys.free, kind="batch", deadline_window_s=600, max_tokens=5,
@@ -67,10 +101,10 @@ def test_jobs_run_stream_and_report_metrics(client, keys, settings, start_worker
     assert "kv_usage" in state and "queues" in state
 
 
-def test_follow_job_yields_deltas_until_the_end(client, keys, settings, start_worker):
+def test_follow_job_yields_deltas_until_the_end(service):
     from redis.asyncio import Redis
 
-    start_worker("w1")
+    client, keys, settings = service.client, service.keys, service.settings
     job_id = submit(client, keys.paid, max_tokens=20)
 
     async def follow():
@@ -87,8 +121,8 @@ def test_follow_job_yields_deltas_until_the_end(client, keys, settings, start_wo
     assert sum(len(e.token_ids) for e in evs) == 20
 
 
-def test_cancel_aborts_a_running_job(client, keys, settings, start_worker):
-    start_worker("w1")
+def test_cancel_aborts_a_running_job(service):
+    client, keys, settings = service.client, service.keys, service.settings
     job_id = submit(client, keys.paid, max_tokens=480, prompt="a")
     wait_status(client, keys.paid, job_id, {"running"})
     r = client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
@@ -108,23 +142,26 @@ def _worker_state(settings, worker_id="w1"):
         return row.state if row else {}
 
 
-def test_job_accepted_while_broker_down_is_dispatched_by_the_sweeper(client, keys, settings, start_worker,
-                                                                     monkeypatch):
+def test_job_accepted_while_broker_down_is_dispatched_by_the_sweeper(service, monkeypatch):
+    client, keys, settings = service.client, service.keys, service.settings
     good = settings.redis_url
     monkeypatch.setattr(settings, "redis_url", "redis://127.0.0.1:1/0")  # the API sees the broker down
-    job_id = submit(client, keys.paid, max_tokens=4)
-    time.sleep(1)  # the API's dispatcher tried and failed
-    assert status_of(client, keys.paid, job_id)["status"] == "queued"
+    # a TTFT target longer than the sweeper's grace period, so the job is not relegated on arrival
+    job_id = submit(client, keys.paid, max_tokens=4, ttft_ms=60_000)
+    # the API's send failed and was undone; the job is accepted and waits in SQL
+    wait_for(lambda: ("dispatched", "queued") in events_of(settings.sqlalchemy_url, job_id), 20,
+             "the API's failed send to be undone")
     monkeypatch.setattr(settings, "redis_url", good)
-    start_worker("w1")
+    # the worker's sweeper (it reaches Redis) sends it after its grace period; it runs once
     job = wait_status(client, keys.paid, job_id, {"succeeded"})
-    # the worker may lease it before the sweeper records "dispatched": either order is fine
-    assert events_of(settings.sqlalchemy_url, job_id)[-1] == ("running", "succeeded")
+    events = events_of(settings.sqlalchemy_url, job_id)
+    assert events[:3] == [(None, "queued"), ("queued", "dispatched"), ("dispatched", "queued")]
+    assert events[-3:] == [("queued", "dispatched"), ("dispatched", "running"), ("running", "succeeded")]
     assert job["attempt"] == 1
 
 
-def test_draining_worker_takes_no_new_jobs(client, keys, settings, start_worker):
-    start_worker("w1")
+def test_draining_worker_takes_no_new_jobs(service):
+    client, keys, settings = service.client, service.keys, service.settings
     with session_scope(settings.sqlalchemy_url) as s:
         s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=True))
     time.sleep(3 * settings.heartbeat_seconds)  # the worker notices at its next heartbeat

@@ -2,6 +2,10 @@
 
 It decides nothing: the plan says which chunks, decodes and trees run; the executor
 runs one forward pass, samples or verifies, and commits only accepted tokens.
+
+GPU status: the same SDPA path runs on CUDA (bf16, KV pool sized from free memory) but
+has never been run on a GPU in this project; flashinfer and CUDA-graph capture of
+fixed-shape decode steps are not implemented yet.
 """
 
 from __future__ import annotations
