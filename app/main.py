@@ -42,28 +42,62 @@ async def lifespan(api: FastAPI):
 
 
 class BodyLimit:
-    """Answers 413 when Content-Length is over the limit (a plain ASGI middleware: cheap)."""
+    """Answers 413 for a body over the limit: by Content-Length up front; a body without one
+    (chunked) is read here, counting bytes, and handed on whole. File uploads have their own,
+    larger limit."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, upload_limit: int, upload_prefix: str = "/v1/files") -> None:
+        self.app, self.limit, self.upload_limit, self.upload_prefix = app, limit, upload_limit, upload_prefix
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                    body = JSONResponse({"detail": f"request body over {self.limit} bytes; split it or upload a file"},
-                                        status_code=413)
-                    return await body(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        upload = scope["path"].startswith(self.upload_prefix)
+        limit = self.upload_limit if upload else self.limit
+        hint = "upload a smaller file or split it" if upload else "split it, or upload a file for the Batch API"
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > limit:
+                return await self._reject(scope, receive, send, limit, hint)
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b""):
+            return await self.app(scope, receive, send)
+        chunks, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                return await self._reject(scope, receive, send, limit, hint)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _reject(scope, receive, send, limit: int, hint: str):
+        body = JSONResponse({"detail": f"request body over {limit} bytes; {hint}"}, status_code=413)
+        return await body(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     api = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan,
                   description="Co-serving interactive LLM requests and deadline batch jobs.")
     api.state.settings = settings or get_settings()
-    limit = api.state.settings.max_body_bytes
-
-    api.add_middleware(BodyLimit, limit=limit)
+    settings = api.state.settings
+    api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     for module in (health, jobs, openai_compat, models, files, batches, summarize, admin, tenants, metrics):
         api.include_router(module.router)
     return api

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from app.schemas import MAX_TARGET_MS, ChatMessage, JobCreate
+from app.schemas import MAX_TARGET_MS, MAX_WINDOW_S, ChatMessage, JobCreate
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,10 @@ def parse_window(text: str) -> float:
     m = WINDOW_RE.match(text or "")
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"invalid window {text!r}; use a number and a unit s/m/h/d, e.g. '24h', '30m', '7d'")
-    return float(m.group(1)) * WINDOW_UNITS[m.group(2)]
+    seconds = float(m.group(1)) * WINDOW_UNITS[m.group(2)]
+    if seconds > MAX_WINDOW_S:
+        raise ValueError(f"window {text!r} is longer than {MAX_WINDOW_S / 86400:.0f} days; give a shorter one")
+    return seconds
 
 
 # ---------------------------------------------------------------- errors

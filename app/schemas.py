@@ -85,7 +85,9 @@ class JobPublic(BaseModel):
     created_at: datetime
     dispatched_at: datetime | None = None
     started_at: datetime | None = None
+    first_token_at: datetime | None = None
     finished_at: datetime | None = None
+    app_id: str | None = None
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     deadline_at: datetime | None = None

@@ -24,7 +24,8 @@ class Settings(BaseSettings):
     admin_key: str | None = Field(None, description="admin API key; generated and printed by `coserve up` if unset")
     default_tier: str = "paid"
     tiers: tuple[str, ...] = ("free", "paid")
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = Field(8 * 1024 * 1024, description="largest JSON request body")
+    max_file_bytes: int = Field(200 * 1024 * 1024, description="largest /v1/files upload (Batch API input)")
     # default QoS
     default_ttft_ms: float = 2000.0
     default_tbt_ms: float = 200.0
@@ -35,8 +36,13 @@ class Settings(BaseSettings):
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     sweep_seconds: float = 10.0
+    max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
     scheduler_policy: str = "qoserve"
-    spec_policy: str = "none"
+    spec_policy: str = Field("none", description="none | chain-N | static-tree | adaserve | adaspec | nightjar")
+    draft: str = Field("prompt-lookup", description="drafter when spec_policy is not 'none': 'prompt-lookup' "
+                                                     "(model-free) or a draft checkpoint sharing the tokenizer")
+    cost_profile: str = Field("auto", description="latency profile the scheduler plans with: a `coserve profile` "
+                                                   "JSON, a shipped name, 'auto' (shipped CPU profile on CPU) or 'none'")
     kv_blocks: int | None = Field(None, description="KV cache blocks on CPU (None = sized from memory)")
 
     @property

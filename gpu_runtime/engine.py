@@ -182,10 +182,32 @@ class Engine:
                 drafted = self.executor.draft(entries)
                 draft_latency = drafted.latency_s
                 selected = self.speculation.select(sched.decodes, drafted.trees, self.executor.now())
+                selected = self._fit_trees_to_kv(selected, prefills, len(decodes))
                 for d in decodes:
                     tree = selected.get(d.request_id)
                     d.tree = tree if tree is not None and len(tree) else None
         return BatchPlan(prefills, decodes), selected, draft_latency
+
+    def _fit_trees_to_kv(self, selected: dict, prefills: list[PrefillChunk], num_decodes: int) -> dict:
+        """Drops the largest token trees until their slots fit the free KV blocks.
+
+        Admission reserves a request's prompt and output, not the transient slots of its
+        tree, so under memory pressure a selected tree may not fit: it is decoded without
+        speculation this step rather than failing the batch."""
+        cap = self.executor.capacity()
+        bs = cap.block_size
+        spare = cap.free_blocks - num_decodes - sum(-(-len(p.token_ids) // bs) + 1 for p in prefills)
+        cost = {rid: -(-len(t) // bs) + 1 for rid, t in selected.items() if t is not None and len(t)}
+        if sum(cost.values()) <= spare:
+            return selected
+        kept = dict(selected)
+        for rid in sorted(cost, key=lambda r: len(selected[r]), reverse=True):
+            if sum(cost[r] for r in kept if r in cost) <= spare:
+                break
+            kept.pop(rid)
+        log.info("KV short (%d spare blocks): %d of %d trees dropped this step", spare,
+                 len(selected) - len(kept), len(selected))
+        return kept
 
     def _commit(self, sched: SchedulerOutput, result: StepResult, now: float) -> list[RequestOutput]:
         outputs = []

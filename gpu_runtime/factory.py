@@ -13,6 +13,7 @@ from gpu_runtime.detokenizer import Detokenizer
 from gpu_runtime.engine import Engine
 
 if TYPE_CHECKING:
+    from gpu_runtime.costmodel.base import CostModel
     from gpu_runtime.executor.base import Executor
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,28 @@ def resolve_device(device: str) -> str:
         return "cpu"
 
 
+def load_profile_for(device: str, cost_profile: str | None) -> CostModel | None:
+    """The measured cost model the engine schedules with: ``cost_profile`` (a path or shipped
+    name), or with "auto" the shipped profile of the default model on the CPU. None when
+    there is none ("none", or "auto" on a GPU): the caller falls back to the conservative
+    model, and a warning says to run ``coserve profile``."""
+    from gpu_runtime.costmodel.profile import CPU_PROFILE, load_cost_model
+
+    if cost_profile in (None, "", "none"):
+        return None
+    if cost_profile == "auto":
+        if device != "cpu" or not CPU_PROFILE.exists():
+            log.warning("no measured profile for %s: scheduling with a conservative cost model; run "
+                        "`coserve profile --device %s` and set COSERVE_COST_PROFILE", device, device)
+            return None
+        cost_profile = str(CPU_PROFILE)
+    log.info("cost model from profile %s", cost_profile)
+    return load_cost_model(cost_profile, ("piecewise-linear",))  # cheap to evaluate every iteration
+
+
 def build_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
-                 kv_blocks: int | None = None, draft: str | None = None, tokenizer: Any = None) -> Engine:
+                 kv_blocks: int | None = None, draft: str | None = None, tokenizer: Any = None,
+                 cost_profile: str | None = "auto") -> Engine:
     """A ready engine for ``model`` (bundled name or checkpoint directory) on ``device``."""
     from gpu_runtime.executor.torch import TorchExecutor
     from gpu_runtime.scheduler.registry import create_scheduler
@@ -47,9 +68,16 @@ def build_engine(model: str, device: str = "auto", scheduler_policy: str = "qose
     device = resolve_device(device)
     executor: Executor = _call_with_known(TorchExecutor.from_pretrained, model, device=device, kv_blocks=kv_blocks,
                                           draft=draft)
-    scheduler = _call_with_known(create_scheduler, scheduler_policy, executor=executor)
+    cost_model = load_profile_for(device, cost_profile)
+    if cost_model is not None:
+        executor.cost_model = cost_model  # the executor's own latency profile: speculation budgets read it
+    else:
+        from gpu_runtime.costmodel.profile import conservative_cost_model
+
+        cost_model = conservative_cost_model()
+    scheduler = _call_with_known(create_scheduler, scheduler_policy, cost_model=cost_model, executor=executor)
     speculation = _call_with_known(create_policy, spec_policy, executor=executor)
     tok = tokenizer if tokenizer is not None else getattr(executor, "tokenizer", None)
-    log.info("engine: model=%s device=%s scheduler=%s speculation=%s kv_blocks=%s", model, device,
-             scheduler_policy, spec_policy, kv_blocks)
+    log.info("engine: model=%s device=%s scheduler=%s speculation=%s kv_blocks=%s cost model=%s", model, device,
+             scheduler_policy, spec_policy, kv_blocks, getattr(cost_model, "name", "conservative default"))
     return Engine(executor, scheduler, speculation, Detokenizer(tok) if tok is not None else None)

@@ -1,7 +1,8 @@
 """QoServe vs Sarathi baselines in simulation (QoServe section 4.1.2 and 4.3).
 
-For each profile (the measured CPU default-model profile when shipped, and the SYNTHETIC
-8B/A100 profile) and each Azure trace, with the paper's three tiers (Q1 TTFT 6 s / TBT
+Policies: QoServe, Sarathi FCFS/EDF/SRPF (chunk 256), vLLM-style FCFS without chunking,
+and siloed replicas per tier class (goodput per machine). For each profile (the measured
+CPU default-model profile, and the SYNTHETIC 8B/A100 profile) and each Azure trace, with the paper's three tiers (Q1 TTFT 6 s / TBT
 50 ms, Q2 TTLT 600 s, Q3 TTLT 1800 s, equal thirds) and every SLO multiplied by
 (profile batch-1 decode step / 12.5 ms):
 
@@ -32,7 +33,8 @@ from gpu_runtime.sim.capacity import capacity_search
 from gpu_runtime.sim.runner import Experiment, run_policy
 from gpu_runtime.sim.workload import paper_tiers
 
-POLICIES = ("qoserve", "sarathi-fcfs", "sarathi-edf")
+POLICIES = ("qoserve", "sarathi-fcfs", "sarathi-edf", "sarathi-srpf", "vllm-fcfs", "silo")
+MACHINES = {"silo": 2}  # a siloed deployment runs one replica per tier class: goodput is per machine
 
 
 def _violations(qps: float, policy: str, profile: str, trace: str, minutes: float, seed: int) -> float:
@@ -45,8 +47,9 @@ def _violations(qps: float, policy: str, profile: str, trace: str, minutes: floa
 
 def goodput(policy: str, profile: str, trace: str, minutes: float, lo: float, hi: float, iters: int,
             seed: int) -> float:
+    machines = MACHINES.get(policy, 1)
     f = partial(_violations, policy=policy, profile=profile, trace=trace, minutes=minutes, seed=seed)
-    return capacity_search(f, lo, hi, target=0.01, iters=iters)
+    return capacity_search(f, lo * machines, hi * machines, target=0.01, iters=iters) / machines
 
 
 def bursty(policy: str, profile: str, trace: str, low: float, high: float, minutes: float, period_min: float,
@@ -73,9 +76,14 @@ def main() -> None:
     ap.add_argument("--bursty-qps", default=None, help="low:high rates (default: peak = 1.4x QoServe's goodput, "
                                                         "low = peak / 2.5)")
     ap.add_argument("--skip-goodput", action="store_true", help="only the bursty experiment (needs --bursty-qps)")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="qoserve first; the goodput table compares it with each of the others")
+    ap.add_argument("--bursty-policies", default="qoserve,sarathi-fcfs,sarathi-edf")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    policies = tuple(args.policies.split(","))
+    bursty_policies = tuple(args.bursty_policies.split(","))
     console = Console(width=140)
     t0 = time.time()
     pool = ProcessPoolExecutor(args.workers)
@@ -91,18 +99,19 @@ def main() -> None:
         traces = [] if args.skip_goodput else args.traces.split(",")
         jobs = {(trace, pol): pool.submit(goodput, pol, profile, trace, args.minutes, hi / 24, hi, args.iters,
                                           args.seed)
-                for trace in traces for pol in POLICIES}
-        table = Table(title=f"goodput (QPS at <= 1% violations, {args.minutes * scale:.0f} min of arrivals per run)"
-                            f" - {name}")
-        for col in ("trace", *POLICIES, "vs FCFS (goal >= 1.5x)", "vs EDF (goal >= 1.2x)"):
+                for trace in traces for pol in policies}
+        table = Table(title=f"goodput per machine (QPS at <= 1% violations, {args.minutes * scale:.0f} min of "
+                            f"arrivals per run) - {name}")
+        others = [p for p in policies if p != "qoserve"]
+        goals = {"sarathi-fcfs": " (goal >= 1.5x)", "sarathi-edf": " (goal >= 1.2x)"}
+        for col in ("trace", *policies, *(f"vs {p}{goals.get(p, '')}" for p in others)):
             table.add_column(col, justify="right")
         good: dict[str, float] = {}
         for trace in traces:
-            g = {pol: jobs[(trace, pol)].result() for pol in POLICIES}
+            g = {pol: jobs[(trace, pol)].result() for pol in policies}
             good[trace] = g["qoserve"]
-            r_f = g["qoserve"] / g["sarathi-fcfs"] if g["sarathi-fcfs"] else float("inf")
-            r_e = g["qoserve"] / g["sarathi-edf"] if g["sarathi-edf"] else float("inf")
-            table.add_row(trace, *(f"{g[p]:.3f}" for p in POLICIES), f"{r_f:.2f}x", f"{r_e:.2f}x")
+            ratios = [f"{g['qoserve'] / g[p]:.2f}x" if g[p] else "inf" for p in others]
+            table.add_row(trace, *(f"{g[p]:.3f}" for p in policies), *ratios)
         if traces:
             console.print(table)
         trace = args.bursty_trace
@@ -115,14 +124,14 @@ def main() -> None:
             continue
         bj = {pol: pool.submit(bursty, pol, profile, trace, low, high, args.bursty_minutes, args.bursty_period_min,
                                args.seed)
-              for pol in POLICIES}
+              for pol in bursty_policies}
         bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {args.bursty_period_min * scale:.0f} min, "
                          f"20% free tier, "
                          f"{args.bursty_minutes * scale:.0f} min, {trace} - {name}")
         for col in ("policy", "requests", "violations", "paid", "free", "goal"):
             bt.add_column(col, justify="right")
-        res = {pol: bj[pol].result() for pol in POLICIES}
-        for pol in POLICIES:
+        res = {pol: bj[pol].result() for pol in bursty_policies}
+        for pol in bursty_policies:
             r = res[pol]
             goal = ("paid == 0" + (" ok" if r.get("paid", 0) == 0 else " MISSED")) if pol == "qoserve" else \
                 ("> 50%" + (" ok" if r["all"] > 0.5 else " not reached"))

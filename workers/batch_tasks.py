@@ -1,25 +1,28 @@
-"""Batch finalization outside the API: a Celery task and a sweep over open batches.
+"""Batch upkeep outside the API, run by every worker's sweeper thread.
 
-``finalize_open_batches`` suits a periodic caller (the worker's sweeper thread); the task
-``coserve.batch.finalize`` finalizes one batch by id. Both call
-``app.batch.finalize.maybe_finalize``, which is idempotent.
+``finalize_open_batches`` finishes batches whose jobs are all terminal (or whose window
+ended) through ``app.batch.finalize.maybe_finalize``, which is idempotent.
+``restart_stalled_validation`` re-runs the validation and fan-out of batches left in
+``validating`` (the API process that ran it died): the fan-out's guarded
+``validating -> in_progress`` update lets only one run create the jobs.
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from pathlib import Path
 
-from celery import shared_task
 from sqlalchemy import select
 
+from app.batch.fanout import start_batch
 from app.batch.finalize import OPEN, maybe_finalize
 from app.db.models import Batch
 from app.db.session import session_scope
+from app.services.transitions import utcnow
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
-
-FINALIZE_BATCH = "coserve.batch.finalize"
 
 
 def finalize_open_batches(url: str, data_dir: Path, redis_url: str | None) -> list[str]:
@@ -35,10 +38,12 @@ def finalize_open_batches(url: str, data_dir: Path, redis_url: str | None) -> li
     return done
 
 
-@shared_task(name=FINALIZE_BATCH, ignore_result=True)
-def finalize_batch(batch_id: str) -> bool:
-    from app.settings import get_settings
-
-    settings = get_settings()
+def restart_stalled_validation(settings: Settings, stale_after_s: float = 300.0) -> list[str]:
+    """Validates and fans out batches still ``validating`` ``stale_after_s`` after creation."""
+    cutoff = utcnow() - timedelta(seconds=stale_after_s)
     with session_scope(settings.sqlalchemy_url) as s:
-        return maybe_finalize(s, batch_id, settings.data_dir, settings.redis_url)
+        stalled = list(s.scalars(select(Batch.id).where(Batch.status == "validating", Batch.created_at < cutoff)))
+    for batch_id in stalled:
+        log.warning("batch %s has been validating since before %s; validating it here", batch_id, cutoff)
+        start_batch(settings, batch_id)
+    return stalled

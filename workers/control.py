@@ -4,10 +4,8 @@ Messages are JSON ``{"action": "resume" | "promote", "job_id": ..., "tier": ...}
 the admin API (``app/api/admin.py``). Drain needs no message: the worker's heartbeat
 reads ``workers.draining``; cancel goes through the jobs' own cancel channel.
 
-``start_control_listener(engine, worker_id, redis_url)`` runs the listener thread; the
-GPU worker should call it at start-up. Until it does, ``build_engine_with_control`` (for
-``COSERVE_ENGINE_FACTORY=workers.control:build_engine_with_control``) builds the usual
-engine and starts the listener beside it.
+``start_control_listener(engine, worker_id, redis_url, stop)`` runs the listener thread; the
+GPU worker starts it beside its engine.
 """
 
 from __future__ import annotations
@@ -76,17 +74,3 @@ def start_control_listener(engine: Any, worker_id: str, redis_url: str,
     log.info("control listener on %s", control_channel(worker_id))
     return thread
 
-
-def build_engine_with_control(model: str, **kwargs: Any) -> Any:
-    """``gpu_runtime.factory.build_engine`` plus the control listener (worker env settings)."""
-    import os
-
-    from app.settings import Settings
-    from gpu_runtime.factory import build_engine
-
-    engine = build_engine(model, **kwargs)
-    settings = Settings()
-    worker_id = settings.worker_id or os.environ.get("COSERVE_WORKER_ID")
-    if worker_id and settings.redis_url:
-        start_control_listener(engine, worker_id, settings.redis_url)
-    return engine

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 from celery.signals import worker_shutting_down
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
@@ -44,7 +44,8 @@ from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 from workers import lease as leases
 from workers.celery_app import get_celery, queue_name
-from workers.batch_tasks import finalize_open_batches
+from workers.control import start_control_listener
+from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
 from workers.sweeper import sweep
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ActiveJob:
     created_at: Any
     text: list[str] = field(default_factory=list)
     relegated: bool = False
+    first_token_recorded: bool = False
 
 
 class GpuWorker:
@@ -86,9 +88,13 @@ class GpuWorker:
         build = getattr(import_module(factory.split(":")[0]), factory.split(":")[1]) if factory else build_engine
         self.engine = build(self.settings.model, device=self.device, scheduler_policy=self.settings.scheduler_policy,
                             spec_policy=self.settings.spec_policy, kv_blocks=self.settings.kv_blocks,
-                            tokenizer=self.tokenizer)
+                            draft=self.settings.draft if self.settings.spec_policy != "none" else None,
+                            cost_profile=self.settings.cost_profile, tokenizer=self.tokenizer)
         log.info("worker %s: engine ready on %s in %.1fs", self.worker_id, self.device, time.monotonic() - t0)
         self._register()
+        # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub
+        self.threads.append(start_control_listener(self.engine, self.worker_id, self.settings.redis_url,
+                                                   self.stopping))
         for name, fn in (("engine", self._engine_loop), ("heartbeat", self._heartbeat_loop),
                          ("sweeper", self._sweeper_loop), ("cancel", self._cancel_loop)):
             t = threading.Thread(target=fn, name=f"coserve-{name}", daemon=True)
@@ -204,11 +210,15 @@ class GpuWorker:
 
     def _handle(self, outputs: list[Any]) -> None:
         events: list[tuple[str, StreamEvent]] = []
+        first_tokens: list[ActiveJob] = []
         for out in outputs:
             job = self.active.get(out.request_id)
             if job is None:
                 continue
             attempt = job.lease.attempt
+            if out.new_token_ids and not job.first_token_recorded:
+                job.first_token_recorded = True
+                first_tokens.append(job)
             if out.new_text or out.new_token_ids:
                 job.text.append(out.new_text)
                 events.append((out.request_id, StreamEvent("delta", attempt, out.new_text, list(out.new_token_ids))))
@@ -219,7 +229,18 @@ class GpuWorker:
                 end = self._complete(job, out)
                 if end is not None:
                     events.append((out.request_id, end))
+        self._record_first_tokens(first_tokens)
         self._publish(events)
+
+    def _record_first_tokens(self, jobs: list[ActiveJob]) -> None:
+        """One write per step for the jobs whose first token came out in it (dashboard, job resource)."""
+        if not jobs:
+            return
+        now = utcnow()
+        with session_scope(self.url, immediate=True) as s:
+            for job in jobs:
+                s.execute(update(Job).where(Job.id == job.lease.job_id, Job.attempt == job.lease.attempt,
+                                            Job.first_token_at.is_(None)).values(first_token_at=now))
 
     def _relegation(self, job: ActiveJob, event: str) -> None:
         src, dst = ((JobStatus.RUNNING, JobStatus.RELEGATED) if event == "relegated"
@@ -284,6 +305,8 @@ class GpuWorker:
                 state["queues"] = self.engine.scheduler.queue_depths()
                 state["speculation"] = self.engine.speculation.state()
                 state["draft_on_device"] = bool(self.engine.executor.draft_on_device)
+                drafter = getattr(self.engine.executor, "drafter", None)
+                state["drafter"] = type(drafter).__name__ if drafter is not None else None
                 stats = self.engine.last_stats
                 state["last_step"] = {"latency_s": stats.step_latency_s, "decodes": stats.num_decodes,
                                       "prefill_tokens": stats.num_prefill_tokens}
@@ -329,8 +352,10 @@ class GpuWorker:
             try:
                 with session_scope(self.url, immediate=True) as s:
                     sweep(s, self.settings.redis_url, queued_grace_s=max(2.0, self.settings.sweep_seconds),
-                          resend_after_s=max(60.0, 10 * self.settings.lease_seconds))
+                          resend_after_s=max(60.0, 10 * self.settings.lease_seconds),
+                          max_attempts=self.settings.max_attempts)
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
+                restart_stalled_validation(self.settings)  # batches whose API died while validating them
             except Exception:
                 log.exception("sweep failed")
 

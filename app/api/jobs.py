@@ -33,6 +33,8 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
             job = job_service.build_job(settings, principal, spec)
             return JobPublic.of(await asyncio.wrap_future(writer.submit(job, "submitted via /v1/jobs")))
         submitted = await run_in_threadpool(_submit_with_session, settings, principal, spec, idempotency_key)
+    except job_service.IdempotencyConflict as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     except job_service.JobValidationError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
     if not submitted.created:

@@ -1,7 +1,7 @@
 """Fan-in: when every job of a batch is terminal, write its output and error files.
 
 ``maybe_finalize`` is idempotent and safe to call from anywhere (API reads of the batch,
-the cancel route, the worker's completion hook, ``workers.batch_tasks``): it refreshes
+the cancel route, the workers' sweeper through ``workers.batch_tasks``): it refreshes
 ``request_counts``, expires a batch whose window ended, and the one caller that wins the
 guarded ``in_progress|cancelling -> finalizing`` update writes the files.
 """
@@ -112,12 +112,6 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         session.commit()
     log.info("batch %s %s: %d completed, %d failed", batch_id, values["status"], completed, failed)
     return True
-
-
-def finalize_for_job(session: Session, job_id: str) -> bool:
-    """Worker completion hook: finalize the job's batch if this was its last job."""
-    batch_id = session.scalar(select(Job.batch_id).where(Job.id == job_id))
-    return bool(batch_id) and maybe_finalize(session, batch_id)
 
 
 def cancel_batch(session: Session, batch: Batch, data_dir: Path, redis_url: str | None) -> Batch:

@@ -107,7 +107,8 @@ def profile(
     model: Annotated[str, typer.Option(help="bundled model name or checkpoint directory")] = "smollm2-135m",
     out: Annotated[Path, typer.Option(help="where to write the JSON profile")] = Path("profile.json"),
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
-    kv_blocks: Annotated[int, typer.Option(help="KV blocks of the profiled executor")] = 1024,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV blocks of the profiled executor (default: what the "
+                                                       "grid needs)")] = None,
     repeats: Annotated[int, typer.Option(help="timed passes per batch shape")] = 2,
     grid: Annotated[str, typer.Option(help="full | small (few shapes, for slow CPUs)")] = "full",
 ) -> None:
@@ -121,9 +122,10 @@ def profile(
 
     console = Console()
     dev = resolve_device(device)
-    ex = TorchExecutor.from_pretrained(model, device=dev, kv_blocks=kv_blocks)
     shapes = ProfileGrid(repeats=repeats) if grid == "full" else ProfileGrid(
         chunks=(0, 32, 128, 384), starts=(0, 256), decodes=(0, 1, 8, 24), contexts=(128,), repeats=repeats)
+    kv_blocks = kv_blocks or int(1.1 * shapes.kv_blocks_needed(16)) + 8
+    ex = TorchExecutor.from_pretrained(model, device=dev, kv_blocks=kv_blocks)
     vocab = getattr(getattr(ex, "tokenizer", None), "vocab_size", None) or 1000
     prof = profile_executor(ex, shapes, name=f"{dev}-{Path(model).name}", vocab=min(vocab, 49152),
                             meta={"model": model, "device": dev},

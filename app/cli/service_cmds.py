@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -77,11 +78,12 @@ def _fmt(v: float | None, scale: float = 1.0) -> str:
     return "-" if v is None else f"{v * scale:.3f}"
 
 
-def _wait(url: str, key: str, job_id: str, timeout: float) -> dict[str, Any]:
+def _wait(url: str, key: str, job_id: str, timeout: float, stop: Callable[[], bool] = lambda: False
+          ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         job = _request("GET", url, key, f"/v1/jobs/{job_id}")
-        if job["status"] in TERMINAL or time.monotonic() > deadline:
+        if job["status"] in TERMINAL or time.monotonic() > deadline or stop():
             return job
         time.sleep(0.2)
 
@@ -154,12 +156,15 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     pass
                 time.sleep(0.25)
             ready_s = time.monotonic() - t0
-            console.print(f"[green]ready in {ready_s:.1f}s[/green]: API {api_url} (docs {api_url}/docs), "
-                          f"logs {data / 'logs'}, database {settings.sqlalchemy_url}")
+            console.print(f"[green]ready in {ready_s:.1f}s[/green]: API {api_url} (docs {api_url}/docs, "
+                          f"dashboard {api_url}/admin), keys in {credentials_path(data)}, logs {data / 'logs'}, "
+                          f"database {settings.sqlalchemy_url}")
             if demo:
                 job = _request("POST", api_url, creds["api_key"], "/v1/jobs", json={
                     "messages": [{"role": "user", "content": DEMO_PROMPT}], "max_tokens": 64, "tbt_ms": 200})
-                job = _wait(api_url, creds["api_key"], job["id"], 300)
+                job = _wait(api_url, creds["api_key"], job["id"], 300, stop=lambda: stop["now"])
+                if stop["now"]:
+                    return
                 console.print(f"[bold]demo job {job['id']}[/bold] ({job['status']}): {DEMO_PROMPT}")
                 console.print(job.get("output_text") or job.get("error") or "")
                 console.print(_job_table(job))

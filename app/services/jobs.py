@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -17,8 +18,8 @@ from sqlalchemy.orm import Session
 
 from app.auth import Principal
 from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
-from app.schemas import JobCreate
 from app.db.session import write_guard
+from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, max_model_len
@@ -30,6 +31,22 @@ log = logging.getLogger(__name__)
 
 class JobValidationError(ValueError):
     """The job cannot be accepted as sent; the message says what to change (HTTP 422)."""
+
+
+class IdempotencyConflict(ValueError):
+    """The Idempotency-Key was already used for a different request (HTTP 409)."""
+
+
+# what makes two submissions "the same request" under one Idempotency-Key
+_IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "app_id", "model", "tier")
+
+
+def _same_request(existing: Job, new: Job) -> bool:
+    def sampling(job: Job) -> dict:  # a seed the server drew differs on every submission
+        return {k: v for k, v in job.sampling.items() if k != "seed"}
+
+    return (all(getattr(existing, f) == getattr(new, f) for f in _IDENTITY if f != "sampling")
+            and sampling(existing) == sampling(new))
 
 
 @dataclass(frozen=True)
@@ -52,13 +69,17 @@ def resolve_tier(settings: Settings, principal: Principal, requested: str | None
 
 def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
               batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
-              count_tokens: bool = True) -> Job:
+              count_tokens: bool = True, overdue_ok: bool = False) -> Job:
     """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``)."""
     model = spec.model or settings.model_name
     if model != settings.model_name:
         raise JobValidationError(f"unknown model {model!r}; this server serves {settings.model_name!r}")
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
+    if sampling["temperature"] > 0 and sampling["seed"] is None:
+        # a seed of our own: a rerun after a worker crash samples the same text again, so a
+        # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
+        sampling["seed"] = secrets.randbelow(2**62)
     now = utcnow()
     job = Job(id=new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
               app_id=spec.app_id, prompt=spec.prompt, sampling=sampling, endpoint=endpoint, stream=spec.stream,
@@ -70,8 +91,11 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
     else:
         deadline = spec.deadline_at or now + timedelta(seconds=spec.deadline_window_s or settings.default_batch_window_s)
-        if deadline <= now:
+        if deadline <= now and not overdue_ok:
             raise JobValidationError(f"deadline_at {deadline.isoformat()} is in the past; give a future time")
+        if deadline - now > timedelta(seconds=MAX_WINDOW_S):
+            raise JobValidationError(f"deadline_at {deadline.isoformat()} is more than {MAX_WINDOW_S / 86400:.0f} "
+                                     "days away; give a nearer deadline")
         job.deadline_at = deadline
     if count_tokens:
         n = len(encode_input(settings.model, job.prompt, job.messages))
@@ -90,19 +114,25 @@ def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | Non
 
 def submit_job(session: Session, principal: Principal, spec: JobCreate, settings: Settings, *,
                idempotency_key: str | None = None, batch_id: str | None = None, custom_id: str | None = None,
-               endpoint: str = "/v1/jobs", dispatch: bool = True, writer: JobWriter | None = None) -> Submitted:
+               endpoint: str = "/v1/jobs", dispatch: bool = True, writer: JobWriter | None = None,
+               overdue_ok: bool = False) -> Submitted:
     """Writes the job row, commits, then sends it to the workers (unless ``dispatch=False``).
 
     With a ``writer`` (the API's group-commit writer) the row is committed together with
     other concurrent submissions and the send happens right after, off the caller's thread;
     the returned job is then ``queued`` and becomes ``dispatched`` within milliseconds.
+    ``overdue_ok`` accepts a deadline already past: a pipeline's later stage (summarization's
+    reduce) must still run when earlier stages overran; the scheduler then treats it as late.
     """
+    job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
+                    custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok)
     if idempotency_key:
         existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key)
         if existing is not None:
+            if not _same_request(existing, job):
+                raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "
+                                          f"{existing.id} with a different request; use a new key")
             return Submitted(existing, created=False)
-    job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
-                    custom_id=custom_id, endpoint=endpoint)
     if writer is not None and not idempotency_key and dispatch:
         return Submitted(writer.write(job, f"submitted via {endpoint}"), created=True)
     # end the read snapshot (auth, idempotency lookup): the insert starts a write transaction

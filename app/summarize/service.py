@@ -44,7 +44,8 @@ class SqlBackend:
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
                          temperature=0.0, app_id=app_id, tier=self.tier)
         with session_scope(self.settings.sqlalchemy_url) as s:
-            return job_service.submit_job(s, self.principal, spec, self.settings, endpoint="/v1/summarize").job.id
+            return job_service.submit_job(s, self.principal, spec, self.settings, endpoint="/v1/summarize",
+                                          overdue_ok=True).job.id
 
     def poll(self, job_ids):
         with session_scope(self.settings.sqlalchemy_url) as s:

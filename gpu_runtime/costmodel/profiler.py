@@ -31,6 +31,14 @@ class ProfileGrid:
     repeats: int = 2  # timed passes per shape (median kept)
     warmup: int = 2
 
+    def kv_blocks_needed(self, block_size: int) -> int:
+        """Blocks the grid holds at its peak: the decoders (growing one token per timed pass)
+        plus the chunked request."""
+        passes = self.repeats * sum(len(self.starts) if c else 1 for c in self.chunks)
+        per_decoder = -(-(max(self.contexts) + passes + 1) // block_size)
+        chunked = -(-(max(self.starts) + max(self.chunks)) // block_size) + 1
+        return max(self.decodes) * per_decoder + chunked
+
     @property
     def size(self) -> int:
         per_ctx = sum(len(self.starts) if c else 1 for c in self.chunks) * len(self.decodes) - 1

@@ -53,7 +53,7 @@ def run_policy(policy: str, cost_model: CostModel, exp: Experiment, tiers: list[
 
 def _run_silo(reqs, cost_model, exp, by, interactive_chunk: int = 256, batch_chunk: int = 2048,
               **_) -> RunSummary:
-    """Siloed deployment: half the KV each, interactive on Sarathi-FCFS(chunk small), batch on (chunk large).
+    """Siloed deployment: two replicas with the full KV each, interactive on Sarathi-FCFS(chunk small), batch on (chunk large).
 
     Two replicas stand for two machines, so capacity is compared per machine by the caller."""
     reps = [make_replica("silo-interactive", "sarathi-fcfs", cost_model, exp.kv_blocks, exp.block_size, exp.noise,

@@ -1,4 +1,4 @@
-"""Engine factory for overload tests: the usual engine + control listener, each step slowed down.
+"""Engine factory for overload tests: the usual engine, each step slowed down.
 
 Used as ``COSERVE_ENGINE_FACTORY=tests.e2e.slow_engine:build`` (``COSERVE_STEP_DELAY_S``).
 """
@@ -9,11 +9,11 @@ import os
 import time
 from typing import Any
 
-from workers.control import build_engine_with_control
+from gpu_runtime.factory import build_engine
 
 
 def build(model: str, **kwargs: Any) -> Any:
-    engine = build_engine_with_control(model, **kwargs)
+    engine = build_engine(model, **kwargs)
     delay = float(os.environ.get("COSERVE_STEP_DELAY_S", "0.05"))
     step = engine.executor.step
 

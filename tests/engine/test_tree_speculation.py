@@ -155,3 +155,17 @@ def test_sampled_engine_output_with_trees_matches_plain_sampling_distribution():
         for (a, _), c in counts[spec].items():
             freq[a] += c
         assert 0.5 * float((freq / n - p1).abs().sum()) < 0.12  # n=300 over 11 outcomes: sampling noise ~0.06
+
+
+def test_trees_that_do_not_fit_the_free_kv_are_dropped_not_fatal(tiny_model):
+    # a pool that holds the prompts and outputs but not every tree's transient slots
+    prompts = _prompts(2, [5, 13, 30])
+    refs = {len(p): hf_greedy(tiny_model, p, 24) for p in prompts}
+    drafter = NoisyTreeDrafter(refs, vocab=97, hit=0.6, seed=4, max_nodes=24)
+    ex = TorchExecutor.from_model(tiny_model, kv_blocks=34, block_size=4, drafter=drafter)
+    policy = VerifyAll(depth=8, width=3)
+    reqs = [make_request(p, max_tokens=24) for p in prompts]
+    out = run_engine(ex, reqs, speculation=policy, chunk=64)
+    for r, p in zip(reqs, prompts):
+        assert out[r.request_id] == refs[len(p)]
+    assert ex.capacity().free_blocks == 34

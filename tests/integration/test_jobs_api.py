@@ -109,11 +109,45 @@ def test_oversized_body_413(client, keys, settings):
     assert submit(client, keys.paid, prompt=big).status_code == 413
 
 
+def test_chunked_body_over_the_limit_is_413_and_uploads_have_their_own_limit(settings, keys):
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    small = settings.model_copy(update={"max_body_bytes": 2000, "max_file_bytes": 20_000})
+    with TestClient(create_app(small)) as client:
+        def chunks():  # no Content-Length: the limit must count the bytes as they arrive
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"x" * 500
+            yield b'"}'
+
+        r = client.post("/v1/jobs", content=chunks(), headers={**H(keys.paid), "Content-Type": "application/json"})
+        assert r.status_code == 413 and "2000 bytes" in r.json()["detail"]
+        line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+        upload = line * (6000 // len(line))  # over the JSON limit, under the upload limit
+        r = client.post("/v1/files", files={"file": ("in.jsonl", upload)}, data={"purpose": "batch"},
+                        headers=H(keys.paid))
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/files", files={"file": ("in.jsonl", upload * 4)}, data={"purpose": "batch"},
+                        headers=H(keys.paid))
+        assert r.status_code == 413 and "smaller file" in r.json()["detail"]
+
+
+def test_deadline_beyond_the_longest_window_is_422(client, keys):
+    far = (datetime.now(UTC) + timedelta(days=400)).isoformat()
+    r = submit(client, keys.paid, kind="batch", deadline_at=far)
+    assert r.status_code == 422 and "days away" in r.text
+
+
 def test_idempotency_key_returns_same_job(client, keys):
     h = {**H(keys.paid), "Idempotency-Key": "abc-1"}
     a = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)
     b = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)
     assert a.status_code == 201 and b.status_code == 200 and a.json()["id"] == b.json()["id"]
+    # the same key for another request is a client bug: say so instead of returning the old job
+    d = client.post("/v1/jobs", json={"prompt": "something else"}, headers=h)
+    assert d.status_code == 409 and a.json()["id"] in d.json()["detail"]
     # the key is per tenant
     c = client.post("/v1/jobs", json={"prompt": "hi"}, headers={**H(keys.other), "Idempotency-Key": "abc-1"})
     assert c.json()["id"] != a.json()["id"]
@@ -186,3 +220,16 @@ def test_admin_key_from_settings_is_registered(settings, keys):
     with TestClient(create_app(s)) as c:
         r = c.post("/v1/admin/tenants", json={"name": "from-env"}, headers=H("cs-deployment-admin-key-0123456789"))
     assert r.status_code == 201, r.text
+
+
+def test_a_pipeline_stage_past_its_deadline_is_still_accepted(settings, keys):
+    # summarization's reduce jobs carry the run's deadline, which the map phase may have overrun
+    from app.auth import Principal
+    from app.summarize.service import SqlBackend
+
+    backend = SqlBackend(settings, Principal(key_id="", tenant_id=keys.tenant_id, tier="paid", is_admin=False), None)
+    past = datetime.now(UTC) - timedelta(seconds=5)
+    job_id = backend.submit([{"role": "user", "content": "Summarize: a b c"}], 8, past, "summarize")
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        assert job.status in ("queued", "dispatched") and job.kind == "batch"

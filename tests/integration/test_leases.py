@@ -83,3 +83,20 @@ def test_guarded_transition_refuses_a_terminal_job(settings, keys):
         assert transition(s, job_id, NOT_TERMINAL, JobStatus.CANCELLED)
         assert not transition(s, job_id, NOT_TERMINAL, JobStatus.CANCELLED)
         assert leases.acquire(s, job_id, "w1", 5) is None  # a cancelled job is never leased
+
+
+def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(settings, keys):
+    url = settings.sqlalchemy_url
+    job_id = _job(settings, keys)
+    for attempt in (1, 2):
+        with session_scope(url) as s:
+            lease = leases.acquire(s, job_id, f"w{attempt}", lease_s=0.1)
+            assert lease is not None and lease.attempt == attempt
+        time.sleep(0.2)  # the worker died: its lease runs out
+        with session_scope(url) as s:
+            result = sweep(s, settings.redis_url, queued_grace_s=0, max_attempts=2)
+        assert (result.requeued, result.failed) == ((1, 0) if attempt == 1 else (0, 1))
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert job.status == "failed" and "gave up after 2 attempts" in job.error and job.worker_id is None
+    assert len(_terminal_events(url, job_id)) == 1

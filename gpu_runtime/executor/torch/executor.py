@@ -34,6 +34,7 @@ from gpu_runtime.sampling import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from gpu_runtime.costmodel.base import CostModel
     from gpu_runtime.executor.drafters.base import Drafter
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class TorchExecutor:
         self.last_rows: dict[str, slice] = {}
         self._draft_blocks = 0  # blocks the pool gained from the last offload_draft()
         self.drafter = drafter
+        self.cost_model: CostModel | None = None  # this executor's measured latency profile, when one is loaded
         if drafter is not None:
             drafter.bind(self)
         log.info("TorchExecutor: %d layers on %s, %d KV blocks of %d tokens, eos=%s, drafter=%s",

@@ -75,7 +75,8 @@ def verify_sampled(tree: TokenTree, probs: torch.Tensor, gen: torch.Generator) -
                 break
             p[x] = 0.0
             total = float(p.sum())
-            if total <= 0.0:  # the draft covered all the target's mass: cannot happen for a true pmf
+            if total <= 0.0:  # only with duplicate sibling tokens: the bonus comes from the target itself
+                p = probs[cur + 1]
                 break
             p = p / total
         if nxt is None:
