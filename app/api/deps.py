@@ -45,8 +45,10 @@ def _lookup(url: str, key: str) -> Principal | None:
         session.close()
 
 
-async def get_principal(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    # async with a cache: the hot submit path needs no worker thread or DB session for auth
+async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    # async with a cache: the hot submit path needs no worker thread or DB session for auth;
+    # settings read here rather than as a sub-dependency (each one costs FastAPI's resolver)
+    settings = await settings_dep(request)
     if not authorization or not authorization.lower().startswith("bearer "):
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})

@@ -30,7 +30,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 @router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
 async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: SettingsDep, request: Request,
                      response: Response,
-                     idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic:
+                     idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic | Response:
     # async: the common path (no Idempotency-Key) validates on the loop and awaits the
     # group-commit writer, without a worker thread or a DB session per request
     writer = getattr(request.app.state, "job_writer", None)
@@ -41,7 +41,10 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
                 job = await run_in_threadpool(job_service.build_job, settings, principal, spec)
             else:
                 job = job_service.build_job(settings, principal, spec)
-            return JobPublic.of(await asyncio.wrap_future(writer.submit(job, "submitted via /v1/jobs")))
+            job = await asyncio.wrap_future(writer.submit(job, "submitted via /v1/jobs"))
+            # serialized here: a returned model would be validated again against response_model
+            return Response(JobPublic.of(job).model_dump_json(), status.HTTP_201_CREATED,
+                            media_type="application/json")
         submitted = await run_in_threadpool(_submit_with_session, settings, principal, spec, idempotency_key)
     except job_service.IdempotencyConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc

@@ -1,10 +1,13 @@
 """Group commit for the submit path: many concurrent ``POST /v1/jobs`` share one transaction.
 
 A writer thread takes the validated jobs waiting in its inbox, inserts them all in one
-transaction (Core executemany) and then answers each caller: the job is durable. A
-dispatcher thread then sends their tasks to the broker and marks the sent ones
-``dispatched`` in one UPDATE. The order of the contract is kept: a task is sent only
-after its row is committed, and a job whose send fails stays ``queued`` for the sweeper.
+transaction (Core executemany) and then answers each caller: the job is durable. With a
+broker configured the rows go in already ``dispatched`` (events queued -> dispatched in
+the same transaction, so they read in order even when a worker leases the job the moment
+its message lands); a dispatcher thread then sends their tasks in one Redis pipeline and
+moves the jobs it could not send back to ``queued`` for the sweeper. A process that dies
+between the commit and the send leaves dispatched jobs without a message: the sweeper
+sends those again (``workers/sweeper.py``), as it does for any lost message.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from sqlalchemy import insert, update
+from sqlalchemy import insert
 
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
@@ -82,14 +85,25 @@ class JobWriter:
             self._insert(sessions, batch)
 
     def _insert(self, sessions, batch: list[_Pending]) -> None:
-        rows = [{k: getattr(p.job, k) for k in JOB_COLUMNS} for p in batch]
-        events = [{"job_id": p.job.id, "from_status": None, "to_status": JobStatus.QUEUED.value,
-                   "at": p.job.created_at, "attempt": 0, "detail": p.detail, "worker_id": None} for p in batch]
+        dispatch = bool(self.settings.redis_url)
+        now = utcnow()
+        rows, events = [], []
+        for p in batch:
+            row = {k: getattr(p.job, k) for k in JOB_COLUMNS}
+            events.append({"job_id": p.job.id, "from_status": None, "to_status": JobStatus.QUEUED.value,
+                           "at": p.job.created_at, "attempt": 0, "detail": p.detail, "worker_id": None})
+            if dispatch:
+                row.update(status=JobStatus.DISPATCHED.value, dispatched_at=now)
+                events.append({"job_id": p.job.id, "from_status": JobStatus.QUEUED.value,
+                               "to_status": JobStatus.DISPATCHED.value, "at": now, "attempt": 0, "detail": None,
+                               "worker_id": None})
+            rows.append(row)
         session = sessions()
         try:
             with write_guard(session):
-                session.execute(insert(Job), rows)
-                session.execute(insert(JobEvent), events)
+                # Core inserts on the tables: one executemany each (no ORM unit of work)
+                session.execute(insert(Job.__table__), rows)
+                session.execute(insert(JobEvent.__table__), events)
                 session.commit()
         except Exception as exc:
             session.rollback()
@@ -102,8 +116,11 @@ class JobWriter:
         finally:
             session.close()
         for p in batch:
+            if dispatch:
+                p.job.status, p.job.dispatched_at = JobStatus.DISPATCHED.value, now
             p.done.set_result(p.job)
-        self._sends.put([p.job for p in batch])
+        if dispatch:
+            self._sends.put([p.job for p in batch])
 
     # ---- dispatcher thread
     def _send_loop(self) -> None:
@@ -121,37 +138,11 @@ class JobWriter:
                     self._sends.put(None)
                     break
                 jobs += more
-            redis_url = self.settings.redis_url
-            # marked before the send so that events read queued -> dispatched -> running even
-            # when a worker leases the job the moment it arrives; unsent ones go back to queued
-            marked = self._mark_dispatched(sessions, [j.id for j in jobs]) if redis_url else []
-            todo = [(j.id, j.model) for j in jobs if j.id in marked]
-            sent = set(send_jobs(redis_url, todo)) if todo else set()
+            todo = [(j.id, j.model) for j in jobs]
+            sent = set(send_jobs(self.settings.redis_url, todo))
             unsent = [job_id for job_id, _m in todo if job_id not in sent]
             if unsent:
                 self._unmark(sessions, unsent)
-
-    def _mark_dispatched(self, sessions, ids: list[str]) -> set[str]:
-        session = sessions()
-        try:
-            with write_guard(session):
-                now = utcnow()
-                moved = session.execute(
-                    update(Job).where(Job.id.in_(ids), Job.status == JobStatus.QUEUED.value)
-                    .values(status=JobStatus.DISPATCHED.value, dispatched_at=now)
-                    .returning(Job.id).execution_options(synchronize_session=False)).scalars().all()
-                if moved:
-                    session.execute(insert(JobEvent), [
-                        {"job_id": i, "from_status": JobStatus.QUEUED.value, "to_status": JobStatus.DISPATCHED.value,
-                         "at": now, "attempt": 0, "detail": None, "worker_id": None} for i in moved])
-                session.commit()
-                return set(moved)
-        except Exception:
-            session.rollback()
-            log.exception("could not mark %d jobs dispatched; the sweeper will send them", len(ids))
-            return set()
-        finally:
-            session.close()
 
     def _unmark(self, sessions, ids: list[str]) -> None:
         session = sessions()

@@ -123,4 +123,7 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
                 ids = ids["input_ids"]
             return list(ids)
         prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer directly: same ids, half the cost on the submit path
+        return backend.encode(prompt or "", add_special_tokens=True).ids
     return list(tok(prompt or "", add_special_tokens=True)["input_ids"])
