@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from gpu_runtime.metrics import slo_met
+from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request
 
 log = logging.getLogger(__name__)
@@ -69,3 +71,27 @@ def summarize(requests: list[Request], by: str = "tier") -> RunSummary:
     tiers = {k: TierSummary(k, len(v), sum(v)) for k, v in groups.items()}
     return RunSummary(len(requests), viol, _pct(ttft, 50), _pct(ttft, 99), _pct(tbt, 99), _pct(ttlt, 50),
                       _pct(ttlt, 99), tiers)
+
+
+@dataclass
+class RelegationSummary:
+    """What eager relegation did in a run: how many jobs it set aside and whether they came back."""
+
+    relegated: int  # requests relegated at least once
+    relegated_paid: int  # of those, paid tier (only once violated and no free job was left)
+    finished: int  # relegated ones that finished anyway (resumed, served with spare budget)
+    finished_in_low: int  # of those, finished while the arrival rate was low (bursty runs)
+    unfinished: int  # relegated ones still unfinished when the run ended
+
+    @property
+    def finished_share(self) -> float:
+        return self.finished / self.relegated if self.relegated else float("nan")
+
+
+def relegation_summary(requests: list[Request], low_phase: Callable[[float], bool] | None = None) -> RelegationSummary:
+    """``low_phase(t)``: whether time ``t`` lies in a low-rate phase (bursty arrivals)."""
+    rel = [r for r in requests if r.relegation_count]
+    done = [r for r in rel if r.status.finished and r.finish_time is not None]
+    in_low = sum(1 for r in done if low_phase is not None and low_phase(r.finish_time))  # type: ignore[arg-type]
+    return RelegationSummary(len(rel), sum(1 for r in rel if r.qos.tier is Tier.PAID), len(done), in_low,
+                             len(rel) - len(done))

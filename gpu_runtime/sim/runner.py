@@ -65,14 +65,23 @@ def make_arrivals(exp: Experiment, tiers: list[TierSpec], qps: float | None = No
 
 def run_policy(policy: str, cost_model: CostModel, exp: Experiment, tiers: list[TierSpec], qps: float | None = None,
                bursty: tuple[float, float, float, float] | None = None, by: str = "tier",
-               **sched_config) -> RunSummary:
+               stop_above: float | None = None, **sched_config) -> RunSummary:
+    """``stop_above``: end the run as soon as more than this share of its requests finished late (the
+    summary then reports a violation rate above it; capacity search needs no more)."""
+    return summarize(simulate(policy, cost_model, exp, tiers, qps, bursty, stop_above, **sched_config), by)
+
+
+def simulate(policy: str, cost_model: CostModel, exp: Experiment, tiers: list[TierSpec], qps: float | None = None,
+             bursty: tuple[float, float, float, float] | None = None, stop_above: float | None = None,
+             **sched_config) -> list[Request]:
+    """``run_policy`` without the summary: every request as the run left it (for per-request reports)."""
     reqs = make_arrivals(exp, tiers, qps, bursty)
+    limit = None if stop_above is None else int(stop_above * len(reqs))
     if policy == "silo":
-        return _run_silo(reqs, cost_model, exp, tiers, by, **sched_config)
+        return _run_silo(reqs, cost_model, exp, tiers, max_violations=limit, **sched_config)
     rep = make_replica(policy, policy, cost_model, exp.kv_blocks, exp.block_size, exp.noise, exp.seed,
                        **sched_config)
-    done = Simulator([rep]).run(reqs)
-    return summarize(done, by)
+    return Simulator([rep], max_violations=limit).run(reqs)
 
 
 def silo_buckets(tiers: list[TierSpec]) -> list[QoSSpec]:
@@ -86,8 +95,9 @@ def silo_buckets(tiers: list[TierSpec]) -> list[QoSSpec]:
     return out
 
 
-def _run_silo(reqs: list[Request], cost_model: CostModel, exp: Experiment, tiers: list[TierSpec], by: str,
-              interactive_chunk: int = 256, batch_chunk: int = 2048, **_) -> RunSummary:
+def _run_silo(reqs: list[Request], cost_model: CostModel, exp: Experiment, tiers: list[TierSpec],
+              interactive_chunk: int = 256, batch_chunk: int = 2048, max_violations: int | None = None,
+              **_) -> list[Request]:
     """Siloed deployment (QoServe 4.1.2): one replica per QoS bucket, each with the full KV; Sarathi-FCFS
     with a small chunk for interactive buckets (Q1) and a big one for batch buckets (Q2, Q3).
 
@@ -99,5 +109,6 @@ def _run_silo(reqs: list[Request], cost_model: CostModel, exp: Experiment, tiers
                          chunk_size=interactive_chunk if q.qos_class is QoSClass.INTERACTIVE else batch_chunk)
             for i, q in enumerate(buckets)]
     index = {q: i for i, q in enumerate(buckets)}
-    sim = Simulator(reps, router=lambda r: index[dataclasses.replace(r.qos, tier=Tier.PAID)])
-    return summarize(sim.run(reqs), by)
+    sim = Simulator(reps, router=lambda r: index[dataclasses.replace(r.qos, tier=Tier.PAID)],
+                    max_violations=max_violations)
+    return sim.run(reqs)

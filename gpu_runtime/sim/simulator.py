@@ -77,9 +77,18 @@ class Simulator:
     finished: list[RequestOutput] = field(default_factory=list)
     requests: dict[str, Request] = field(default_factory=dict)
     max_time: float | None = None  # stop (leaving work unfinished) past this simulated time
+    # Stop once more than this many requests have finished late (capacity search: the run has already
+    # failed its target, and an overloaded run is the slowest to simulate). Unfinished requests count
+    # as violations in ``summarize``, so the reported rate is a lower bound above the limit.
+    max_violations: int | None = None
+    stopped_early: bool = False
+
+    def _late(self, start: int) -> int:
+        return sum(1 for out in self.finished[start:] if out.metrics is not None and out.metrics.slo_met is False)
 
     def run(self, arrivals: list[Request]) -> list[Request]:
         seq = itertools.count()
+        late, seen = 0, 0
         heap: list[tuple[float, int, Event]] = []  # (time, tie-break, event)
         for req in arrivals:
             self.requests[req.request_id] = req
@@ -91,4 +100,9 @@ class Simulator:
                 break
             for new in ev.handle(self):
                 heapq.heappush(heap, (new.time, next(seq), new))
+            if self.max_violations is not None and seen < len(self.finished):
+                late, seen = late + self._late(seen), len(self.finished)
+                if late > self.max_violations:
+                    self.stopped_early = True
+                    break
         return list(self.requests.values())

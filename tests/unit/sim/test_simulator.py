@@ -12,7 +12,7 @@ from gpu_runtime.sampling import SamplingParams
 from gpu_runtime.scheduler.registry import create_scheduler
 from gpu_runtime.sim.acceptance import GeometricAcceptance
 from gpu_runtime.sim.capacity import capacity_search
-from gpu_runtime.sim.metrics import summarize
+from gpu_runtime.sim.metrics import relegation_summary, summarize
 from gpu_runtime.sim.simulator import Simulator, make_replica
 from gpu_runtime.sim.workload import bursty_times, load_trace, paper_tiers, poisson_times, trace_times
 from gpu_runtime.speculation.token_tree import TokenTree
@@ -153,9 +153,9 @@ def test_silo_runs_one_replica_per_qos_bucket(monkeypatch):
     assert len(silo_buckets(paper_tiers(free_share=0.2))) == 3  # free and paid of a bucket share its replica
     seen = {}
 
-    def spy(reps, router):
+    def spy(reps, router, **kw):
         seen["chunks"] = [r.engine.scheduler.config.chunk_size for r in reps]
-        sim = Simulator(reps, router=router)
+        sim = Simulator(reps, router=router, **kw)
         seen["sim"] = sim
         return sim
 
@@ -166,3 +166,34 @@ def test_silo_runs_one_replica_per_qos_bucket(monkeypatch):
     assert seen["chunks"] == [256, 2048, 2048]  # Q1 interactive small chunk, Q2 and Q3 batch big chunks
     for r in seen["sim"].requests.values():
         assert (seen["sim"].router(r) == 0) == (r.qos.qos_class is QoSClass.INTERACTIVE)
+
+
+def test_simulator_stops_once_too_many_requests_finished_late():
+    reqs = _requests(80, gap=0.001)  # a burst far above what one replica prefills within a 1 s TTFT
+    full = summarize(Simulator([make_replica("r", "sarathi-fcfs", COST, kv_blocks=4000)]).run(reqs))
+    assert full.violation_rate > 0.2
+    sim = Simulator([make_replica("r", "sarathi-fcfs", COST, kv_blocks=4000)], max_violations=2)
+    early = summarize(sim.run(_requests(80, gap=0.001)))
+    assert sim.stopped_early and len(sim.finished) < 80
+    assert early.violations > 2  # unfinished count as violations: still above the limit the search compares
+    calm = Simulator([make_replica("r", "sarathi-fcfs", COST, kv_blocks=4000)], max_violations=0)
+    assert summarize(calm.run(_requests(10, gap=0.5))).violations == 0 and not calm.stopped_early
+
+
+def test_relegated_free_jobs_resume_after_a_burst_and_paid_ones_keep_their_deadlines():
+    # A burst of free prompts (12k tokens, ~1.2 s of prefill against a 1 s TTFT), then a few paid ones:
+    # the free jobs that cannot make it are relegated, the paid ones meet their TTFT, and the relegated
+    # jobs are served once the burst has passed.
+    def req(i, tier, t, prompt):
+        return Request(f"{tier}{i}", [1] * prompt, SamplingParams(max_tokens=20, ignore_eos=True),
+                       QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=1.0, tbt_s=0.2), t)
+
+    reqs = [req(i, Tier.FREE, i * 1e-3, 600) for i in range(20)] + [req(i, Tier.PAID, 0.6, 400) for i in range(5)]
+    done = Simulator([make_replica("r", "qoserve", COST, kv_blocks=4000)]).run(reqs)
+    s = summarize(done)
+    assert s.tiers["paid"].violations == 0 and s.tiers["free"].violations > 0
+    rel = relegation_summary(done, low_phase=lambda t: t > 1.0)
+    assert rel.relegated > 0 and rel.relegated_paid == 0
+    assert rel.finished == rel.relegated and rel.unfinished == 0  # every relegated job came back and finished
+    assert rel.finished_in_low == rel.finished
+    assert all(r.num_output_tokens == 20 for r in done)
