@@ -126,4 +126,6 @@ class BlockManager:
         return removed
 
     def _release(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        # reversed: the next allocation pops them back in ascending order, so a request's
+        # table tends to stay one contiguous run (the forward reads such keys as a view)
+        self._free.extend(reversed(blocks))

@@ -36,6 +36,10 @@ class AdaSpecConfig:
     confidence_weight: float = 0.1  # EMA weight of the per-depth confidence history
     calibrate: bool = True  # rescale draft confidences by observed accepted/predicted
     free_draft_ratio: float = 0.02  # draft step below this share of a target pass: draft max_length, stop on real conf.
+    # With the chain length at 0 nothing is drafted, so the confidences would never change
+    # again and speculation could never come back: every this many steps a 1-token chain is
+    # drafted anyway to refresh them (0: never).
+    probe_every: int = 16
 
 
 @dataclass
@@ -60,6 +64,7 @@ class AdaSpec(SpeculationPolicy):
         self._pred_acc = Ema(0.0, 0.05)
         self._real_acc = Ema(0.0, 0.05)
         self._steps = 0
+        self._idle_steps = 0  # consecutive steps planned at length 0
         self._length = 0
         self._verified: dict[str, int] = {}
         self._free_draft = False  # this step drafted max_length: Alg. 1 stops on real confidences in select
@@ -113,6 +118,12 @@ class AdaSpec(SpeculationPolicy):
                 self._free_draft, self._length = True, cfg.max_length  # Alg. 1 runs in select on real confidences
             else:
                 self._length = self.plan_length(n, context, _tightest_tpot(decodes, now))
+                if self._length == 0:
+                    self._idle_steps += 1
+                    if cfg.probe_every and self._idle_steps % cfg.probe_every == 0:
+                        self._length = 1  # probe: refresh the confidences (see AdaSpecConfig.probe_every)
+                else:
+                    self._idle_steps = 0
         if self._length == 0:
             return []
         return [DraftEntry(r.request_id, self._length, 1) for r in decodes]

@@ -34,6 +34,17 @@ def request_slots(blocks: BlockManager, request_id: str, stop: int, device: torc
     return (base[:, None] * bs + torch.arange(bs, device=device)[None, :]).reshape(-1)[:stop]
 
 
+def contiguous_run(slots: torch.Tensor) -> slice | None:
+    """``slots`` as a slice when they are one ascending run (read as a view of the cache)."""
+    n = int(slots.shape[0])
+    if n == 0:
+        return None
+    first, last = int(slots[0]), int(slots[-1])
+    if last - first != n - 1 or (n > 2 and not bool((slots[1:] - slots[:-1] == 1).all())):
+        return None
+    return slice(first, last + 1)
+
+
 def tree_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
     """[1 + n, prefix_len + 1 + n] mask: the root token then n tree nodes, each sees the prefix,
     the root and its ancestors (SpecInfer / AdaServe tree attention)."""
@@ -114,7 +125,8 @@ def build_forward_batch(segments: list[Segment], device: torch.device,
         input_ids=ids.to(device), positions=positions.to(device), write_slots=write.to(device),
         query_index=query_index.to(device), unpad_index=unpad_index.to(device), key_slots=key_slots.to(device),
         attn_mask=mask.to(device) if mask is not None else None,
-        logit_rows=torch.tensor(rows, dtype=torch.long, device=device))
+        logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
+        key_range=contiguous_run(segments[0].key_slots) if R == 1 else None)
     return fb, first
 
 
@@ -131,7 +143,9 @@ def _per_request_batch(segments: list[Segment], device: torch.device) -> tuple[F
             mask = torch.arange(ln)[None, :] <= (ln - n + torch.arange(n))[:, None]
         else:
             mask = None
-        meta.append((t0, t0 + n, s.key_slots.to(device), mask.to(device) if mask is not None else None))
+        run = contiguous_run(s.key_slots)
+        meta.append((t0, t0 + n, run if run is not None else s.key_slots.to(device),
+                     mask.to(device) if mask is not None else None))
         first.append(len(rows))
         rows.extend(range(t0 + s.logits_from, t0 + s.logits_from + s.logits_count))
         t0 += n

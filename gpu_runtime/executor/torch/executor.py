@@ -112,14 +112,17 @@ class TorchExecutor:
 
     def __init__(self, hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
                  kv_blocks: int | None = None, block_size: int = 16, drafter: Drafter | None = None,
-                 max_model_len: int | None = None, attention_layout: str = "auto") -> None:
+                 max_model_len: int | None = None, attention_layout: str = "auto",
+                 prepack_weights: bool = True) -> None:
         self.hf_model = hf_model.eval()
         # "padded": one masked SDPA call per layer for the whole batch; "per-request": one call per
         # request; "auto": chosen per batch (see ``batch.choose_layout``)
         self.attention_layout = attention_layout
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
-        self.model = PagedDecoder(hf_model, 0, block_size)
+        # CPU float32: projections on oneDNN-prepacked weights (see PagedDecoder.prepack_cpu_weights);
+        # ignored on other devices and dtypes
+        self.model = PagedDecoder(hf_model, 0, block_size, prepack_cpu_weights=prepack_weights)
         self.drafter = drafter  # before sizing the pool: the draft's KV is sized from the same block count
         num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks()
         self.model.resize_cache(num_blocks)
@@ -321,6 +324,9 @@ class TorchExecutor:
         if not nodes:
             return Segment([token_id], torch.tensor([position]), slots[position:], slots,
                            logits_from=0, logits_count=1)
+        if tree.parents == list(range(-1, nodes - 1)):  # a chain: plain causal attention, no tree mask
+            return Segment([token_id, *tree.token_ids], torch.arange(position, position + 1 + nodes),
+                           slots[position:], slots, logits_from=0, logits_count=1 + nodes)
         depths = torch.tensor([0] + tree.depths())
         return Segment([token_id, *tree.token_ids], position + depths, slots[position:], slots,
                        mask=tree_mask(tree.parents, position), logits_from=0, logits_count=1 + nodes)

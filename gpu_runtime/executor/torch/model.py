@@ -35,9 +35,11 @@ class ForwardBatch:
     key_slots: torch.Tensor  # [R, L] flat cache slots read as keys (pads -> 0)
     attn_mask: torch.Tensor | None  # [R, 1, Q, L] bool, True = attend; None = all visible
     logit_rows: torch.Tensor  # [N] tokens whose next-token logits are needed
-    # layout "per-request": (first token, end token, key slots [L_r], mask [n_r, L_r] or None) per request;
-    # attention then runs one SDPA call per request instead of one padded call (query_index etc. unused)
-    per_request: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] | None = None
+    # layout "per-request": (first token, end token, key slots [L_r] or a slice, mask [n_r, L_r] or None) per
+    # request; attention then runs one SDPA call per request instead of one padded call (query_index etc. unused)
+    per_request: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]] | None = None
+    # R == 1 and its key slots form one ascending run: keys are read as a view of the cache, no gather
+    key_range: slice | None = None
 
 
 @dataclass
@@ -53,6 +55,38 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # gate and up projections stacked: one matmul
     down: torch.Tensor
+    # oneDNN-prepacked copies of q/k/v/o/gate_up/down (CPU float32, see ``prepack_cpu_weights``);
+    # None: the projections run on the dense tensors above through F.linear
+    packed: dict[str, torch.Tensor] | None = None
+
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _linear(x, getattr(self, name), self.packed[name] if self.packed is not None else None, bias)
+
+
+def _linear(x: torch.Tensor, dense: torch.Tensor, packed: torch.Tensor | None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One row: MKL's gemv on the dense weight (~10% faster than oneDNN there); more rows: the
+    oneDNN-prepacked weight when there is one (MKL's sgemm repacks the weight on every call)."""
+    if packed is not None and x.shape[0] > 1:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, dense, bias)
+
+
+# Batch-size hint oneDNN packs the weights for; verification passes of 2-16 tokens at batch 1
+# are the case the packing is for (any token count still runs on the packed weights).
+PREPACK_BATCH_HINT = 8
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN prepacked fp32 linears exist on this CPU build of torch."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a [out, in] weight (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PREPACK_BATCH_HINT)
 
 
 def kv_bytes_per_block(config: object, dtype: torch.dtype, block_size: int) -> int:
@@ -70,7 +104,8 @@ class PagedDecoder:
     Per-layer tensors (not one [layers, ...] tensor) so the pool can be resized one layer
     at a time: growing or cutting it then needs one layer of extra memory, not a second pool."""
 
-    def __init__(self, hf_model: PreTrainedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, hf_model: PreTrainedModel, num_blocks: int, block_size: int,
+                 prepack_cpu_weights: bool = False) -> None:
         cfg = hf_model.config
         inner = hf_model.model
         self.config = cfg
@@ -90,6 +125,24 @@ class PagedDecoder:
         self.device = self.embed.device
         self.k_cache: list[torch.Tensor] = [self._empty_layer(num_blocks) for _ in self.layers]
         self.v_cache: list[torch.Tensor] = [self._empty_layer(num_blocks) for _ in self.layers]
+        self.lm_head_packed: torch.Tensor | None = None
+        if prepack_cpu_weights and can_prepack(self.device, self.dtype):
+            self.prepack_cpu_weights()
+
+    def prepack_cpu_weights(self) -> None:
+        """Run every projection and the LM head on oneDNN-prepacked copies of the weights (CPU).
+
+        Why: MKL's sgemm repacks the weight on every call, so on CPU a pass of 2-9 tokens
+        (a verification step at batch 1) cost ~1.8-2.2x a one-token pass (gemv) although both
+        are bound by reading the weights; on the packed weights 2 tokens cost ~1.15x and 9
+        tokens ~1.6x on one thread (ops/profile_spec_step.py --compare-prepack). One-row passes
+        (plain decode at batch 1) stay on MKL's gemv, slightly faster there (``_linear``).
+        Cost: a second copy of the weights in host memory (the transformers model keeps its
+        own, which tests and ``generate`` baselines read)."""
+        for w in self.layers:
+            w.packed = {name: prepack(getattr(w, name)) for name in ("q", "k", "v", "o", "gate_up", "down")}
+        self.lm_head_packed = prepack(self.lm_head)
+        log.info("CPU weights prepacked for oneDNN (%d layers + LM head)", len(self.layers))
 
     @staticmethod
     def _layer(layer: torch.nn.Module) -> LayerWeights:
@@ -136,10 +189,13 @@ class PagedDecoder:
     def device_bytes(self) -> int:
         """Device memory held: weights (each storage once, incl. the stacked MLP) and the KV pool."""
         tensors: list[torch.Tensor | None] = [self.embed, self.final_norm, self.lm_head, *self.k_cache, *self.v_cache]
+        packed: list[torch.Tensor] = [self.lm_head_packed] if self.lm_head_packed is not None else []
         for w in self.layers:
             tensors += [w.input_norm, w.q, w.k, w.v, w.q_bias, w.k_bias, w.v_bias, w.o, w.post_norm, w.gate_up,
                         w.down]
-        return _unique_bytes(tensors)
+            packed += list(w.packed.values()) if w.packed else []
+        # opaque mkldnn tensors have no storage to share: counted by their element count
+        return _unique_bytes(tensors) + sum(t.numel() * t.element_size() for t in packed)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move K/V of accepted tree nodes from their scratch slots into place (all layers)."""
@@ -166,13 +222,17 @@ class PagedDecoder:
         return x * cos + rot * sin
 
     def _attend_per_request(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                            meta: list[tuple[int, int, torch.Tensor, torch.Tensor | None]], scale: float) -> torch.Tensor:
+                            meta: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]],
+                            scale: float) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         gqa = self.num_kv_heads != self.num_heads
         for t0, t1, slots, mask in meta:
             qs = q[t0:t1].transpose(0, 1)[None]  # [1, H, n, D]
-            keys = kc.index_select(0, slots).transpose(0, 1)[None]  # index_select: ~3x cheaper than kc[slots] on CPU
-            vals = vc.index_select(0, slots).transpose(0, 1)[None]
+            if isinstance(slots, slice):  # one contiguous run of slots: a view, no copy
+                keys, vals = kc[slots].transpose(0, 1)[None], vc[slots].transpose(0, 1)[None]
+            else:  # index_select: ~3x cheaper than kc[slots] on CPU
+                keys = kc.index_select(0, slots).transpose(0, 1)[None]
+                vals = vc.index_select(0, slots).transpose(0, 1)[None]
             att = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[t0:t1] = att[0].transpose(0, 1).reshape(t1 - t0, -1)
         return out
@@ -188,9 +248,9 @@ class PagedDecoder:
         scale = D ** -0.5
         for li, w in enumerate(self.layers):
             h = self._rms(x, w.input_norm)
-            q = F.linear(h, w.q, w.q_bias).view(n_tok, H, D)
-            k = F.linear(h, w.k, w.k_bias).view(n_tok, KVH, D)
-            v = F.linear(h, w.v, w.v_bias).view(n_tok, KVH, D)
+            q = w.linear("q", h, w.q_bias).view(n_tok, H, D)
+            k = w.linear("k", h, w.k_bias).view(n_tok, KVH, D)
+            v = w.linear("v", h, w.v_bias).view(n_tok, KVH, D)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
             kc, vc = self.k_cache[li], self.v_cache[li]
@@ -199,19 +259,23 @@ class PagedDecoder:
             if fb.per_request is not None:
                 att = self._attend_per_request(q, kc, vc, fb.per_request, scale)
             else:
-                flat = fb.key_slots.view(-1)
-                keys = kc.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)  # [R, KVH, L, D]
-                vals = vc.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
+                if fb.key_range is not None:
+                    keys = kc[fb.key_range].view(1, -1, KVH, D).transpose(1, 2)  # [1, KVH, L, D], a view
+                    vals = vc[fb.key_range].view(1, -1, KVH, D).transpose(1, 2)
+                else:
+                    flat = fb.key_slots.view(-1)
+                    keys = kc.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)  # [R, KVH, L, D]
+                    vals = vc.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
                 qs = q[fb.query_index].transpose(1, 2)  # [R, H, Q, D]
                 att = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=fb.attn_mask, scale=scale,
                                                      enable_gqa=KVH != H)
                 att = att.transpose(1, 2).reshape(R * Q, H * D)[fb.unpad_index]
-            x = x + F.linear(att, w.o)
+            x = x + w.linear("o", att)
             h = self._rms(x, w.post_norm)
-            gate, up = F.linear(h, w.gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.linear("gate_up", h).chunk(2, -1)
+            x = x + w.linear("down", F.silu(gate) * up)
         out = self._rms(x[fb.logit_rows], self.final_norm)
-        return F.linear(out, self.lm_head).float()
+        return _linear(out, self.lm_head, self.lm_head_packed).float()
 
 
 def _stack_gate_up(mlp: torch.nn.Module) -> torch.Tensor:

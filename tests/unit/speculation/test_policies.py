@@ -6,7 +6,7 @@ import pytest
 
 from gpu_runtime.executor.base import StepResult
 from gpu_runtime.speculation.adaserve import AdaServe, AdaServeConfig
-from gpu_runtime.speculation.adaspec import AdaSpec
+from gpu_runtime.speculation.adaspec import AdaSpec, AdaSpecConfig
 from gpu_runtime.speculation.base import NoSpeculation
 from gpu_runtime.speculation.cost import LinearStepCost, knee_budget
 from gpu_runtime.speculation.registry import create_policy
@@ -196,3 +196,36 @@ def test_adaserve_budget_from_cost_model_knee():
     base = batch_time(cm, 1)
     assert batch_time(cm, b) <= 1.25 * base < batch_time(cm, 2 * b)
     assert b > 32  # an 8B model on an A100 verifies dozens of tokens for ~the price of one
+
+
+def test_linear_cost_fit_stays_nonnegative_without_compensating():
+    """One request: context barely moves and N_b is constant. Clipping a negative alpha of the
+    unconstrained fit used to leave a huge intercept (a 0.1 ms draft step predicted at ~60 ms)."""
+    import random
+
+    rng = random.Random(0)
+    cost = LinearStepCost()
+    for i in range(40):
+        cost.observe(770 + i, 1, 1e-4 * (1 + 0.3 * rng.random()) + (2e-3 if i == 0 else 0.0))
+    assert min(cost.alpha, cost.gamma, cost.delta) >= 0.0
+    assert cost.predict(800, 1) < 5e-4
+    # the verification pass: per-token slope recovered under noise, no negative coefficient
+    target = LinearStepCost()
+    for i in range(60):
+        nb = 1 + i % 9
+        target.observe(760 + i, nb, 0.090 + 0.0045 * (nb - 1) + 0.004 * rng.random())
+    assert target.gamma == pytest.approx(0.0045, rel=0.25)
+    assert target.predict(800, 1) == pytest.approx(0.092, rel=0.05)
+
+
+def test_adaspec_probes_after_stopping():
+    """Length 0 is not absorbing: confidences are refreshed by a periodic 1-token probe."""
+    target = LinearStepCost(alpha=0.0, gamma=0.002, delta=0.02)
+    draft = LinearStepCost(alpha=0.0, gamma=0.0005, delta=0.002)
+    pol = AdaSpec(AdaSpecConfig(warmup_steps=0, probe_every=4), target_cost=target, draft_cost=draft)
+    for e in pol.confidence:
+        e.value = 0.0  # nothing was ever accepted: plan length 0
+    reqs = [make_request("a")]
+    plans = [pol.draft_plan(reqs, now=0.0) for _ in range(8)]
+    assert [len(p) for p in plans] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert plans[3][0].depth == 1
