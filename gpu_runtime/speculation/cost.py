@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.optimize import nnls
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +60,15 @@ class LinearStepCost:
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
-    """Least squares with every coefficient >= 0 (time never shrinks with work).
+    """Least squares with every coefficient >= 0 (time never shrinks with work): scipy's NNLS.
 
-    Exact for a handful of columns: the best unconstrained fit over every subset of columns
-    whose coefficients all come out >= 0 (the others 0). Clipping the negative coefficients of
-    one unconstrained fit instead leaves the others compensating for them: with one request
-    the context barely varies and N_b is constant, so a fit of alpha = -37 us/token and
-    delta = +29 ms clipped to alpha = 0 predicted a 0.05 ms prompt-lookup step at 59 ms.
-    Among (near-)equal fits the one with fewer columns wins (collinear columns: a constant
-    N_b is the intercept's business)."""
-    n_cols = x.shape[1]
+    Clipping the negative coefficients of one unconstrained fit instead leaves the others
+    compensating for them: with one request the context barely varies and N_b is constant,
+    so a fit of alpha = -37 us/token and delta = +29 ms clipped to alpha = 0 predicted a
+    0.05 ms prompt-lookup step at 59 ms."""
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # conditioning: contexts ~1e3, counts ~1
-    xs = x / scale
-    best: tuple[float, int, np.ndarray] | None = None
-    for mask in range(1, 1 << n_cols):
-        cols = [j for j in range(n_cols) if mask >> j & 1]
-        coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
-        if (coef < 0).any():
-            continue
-        sse = float(((xs[:, cols] @ coef - y) ** 2).sum())
-        if best is None or sse < best[0] * (1 - 1e-9) - 1e-18 or (
-                sse <= best[0] * (1 + 1e-9) + 1e-18 and len(cols) < best[1]):
-            full = np.zeros(n_cols)
-            full[cols] = coef
-            best = (sse, len(cols), full)
-    if best is None:
-        return (0.0,) * n_cols
-    return tuple(float(c) for c in best[2] / scale)
+    coef, _residual = nnls(x / scale, y)
+    return tuple(float(c) for c in coef / scale)
 
 
 def knee_budget(latency: Callable[[int], float], max_tokens: int = 1024, tolerance: float = 0.25,

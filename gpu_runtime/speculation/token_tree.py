@@ -36,6 +36,11 @@ class TokenTree:
             path.append(acc)
         return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), path)
 
+    @property
+    def is_chain(self) -> bool:
+        """Each node's parent is the node before it (a plain sequence under the root)."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def depths(self) -> list[int]:
         """Depth of each node (children of the root have depth 1)."""
         out: list[int] = []

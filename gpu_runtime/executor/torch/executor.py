@@ -324,7 +324,7 @@ class TorchExecutor:
         if not nodes:
             return Segment([token_id], torch.tensor([position]), slots[position:], slots,
                            logits_from=0, logits_count=1)
-        if tree.parents == list(range(-1, nodes - 1)):  # a chain: plain causal attention, no tree mask
+        if tree.is_chain:  # plain causal attention, no tree mask
             return Segment([token_id, *tree.token_ids], torch.arange(position, position + 1 + nodes),
                            slots[position:], slots, logits_from=0, logits_count=1 + nodes)
         depths = torch.tensor([0] + tree.depths())
