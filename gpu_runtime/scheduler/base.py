@@ -198,6 +198,10 @@ class BaseScheduler(Scheduler):
         for req in output.decodes:
             if req.status.finished:
                 self._forget(req)
+            elif req.predicted_output_len is not None and req.num_output_tokens >= req.predicted_output_len:
+                # Outlived its predicted length: re-estimate what is left (its slack and priority read it).
+                req.predicted_output_len = self.history.predict_beyond(req.app_id, req.num_output_tokens,
+                                                                       req.sampling.max_tokens)
 
     def _release(self, request_id: str) -> None:
         self._footprint -= self._holders.pop(request_id, 0)

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 from gpu_runtime.costmodel.base import decode_step_time
 from gpu_runtime.costmodel.features import BatchFeatures
-from gpu_runtime.qos import Tier
+from gpu_runtime.qos import QoSClass, Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.base import BaseScheduler, KVBudget
 from gpu_runtime.scheduler.chunking import ChunkBudget, build_search_space
 from gpu_runtime.scheduler.config import QoServeConfig
 from gpu_runtime.scheduler.interface import SchedulerOutput
-from gpu_runtime.scheduler.priority import LoadAdaptiveAlpha, first_deadline, hybrid_priority
+from gpu_runtime.scheduler.priority import LoadAdaptiveAlpha, decode_remaining, first_deadline, hybrid_priority
 from gpu_runtime.scheduler.relegation import WorkEstimate, predicted_finish, should_relegate
 from gpu_runtime.scheduler.request_queue import PriorityQueue, RequestQueue
 
@@ -40,23 +40,46 @@ class QoServeScheduler(BaseScheduler):
         self.pinned: set[str] = set()  # resumed by an operator: never relegated again
         top = space[-1]
         self._sec_per_prefill_token = self.cost_model.predict(BatchFeatures.of_shape(top)) / top
+        # A batch job's time per output token in the paid guard: one step of a full decode batch (the least
+        # it can take; dynamic chunking paces decodes to their deadlines once they run).
+        self._guard_decode_step_s = decode_step_time(self.cost_model, config.max_num_seqs, 512)
         self._targets: Counter[float] = Counter()  # TTFT/TTLT of unfinished requests -> how many
         self._target_of: dict[str, float] = {}
         self._min_first_target = math.inf  # tightest target unfinished: horizon of the load signal
-        # Paid prefills by latest start (deadline - optimistic prefill time): candidates for the paid guard.
+        # Paid prefills by latest start (deadline - margin x remaining work): candidates for the paid guard,
+        # with their prefill seconds (summed over the queue: the guard's walk stops once nothing can be late).
         self._paid_by_start = PriorityQueue(self._latest_start)
+        self._paid_prefill_s: dict[str, float] = {}
+        self._paid_prefill_total_s = 0.0
+
+    def _prefill_s(self, req: Request) -> float:
+        return req.prefill_remaining * self._sec_per_prefill_token
 
     def _latest_start(self, req: Request) -> float:
-        return first_deadline(req) - self.config.risk_margin * req.prefill_remaining * self._sec_per_prefill_token
+        """Last moment the job's remaining prefill (and, for a batch job, its predicted decode) can start."""
+        work = self._prefill_s(req)
+        if req.qos.qos_class is QoSClass.BATCH:  # eq. 3: the last token, not the first, is due
+            work += decode_remaining(req) * self._guard_decode_step_s
+        return first_deadline(req) - self.config.risk_margin * work
 
     def _push_waiting(self, req: Request) -> None:
         super()._push_waiting(req)
         if req.qos.tier is Tier.PAID and self.config.paid_guard:
-            self._paid_by_start.push(req)
+            self._paid_push(req)
+
+    def _paid_push(self, req: Request) -> None:
+        self._paid_pop(req.request_id)
+        self._paid_by_start.push(req)
+        self._paid_prefill_s[req.request_id] = w = self._prefill_s(req)
+        self._paid_prefill_total_s += w
+
+    def _paid_pop(self, request_id: str) -> None:
+        self._paid_by_start.remove(request_id)
+        self._paid_prefill_total_s -= self._paid_prefill_s.pop(request_id, 0.0)
 
     def _left_waiting(self, req: Request | None) -> Request | None:
         if req is not None:
-            self._paid_by_start.remove(req.request_id)
+            self._paid_pop(req.request_id)
         return super()._left_waiting(req)
 
     def _make_queue(self) -> RequestQueue:
@@ -178,28 +201,40 @@ class QoServeScheduler(BaseScheduler):
         return now + (t - now) * self.config.risk_margin > deadline
 
     def _run_paid_at_risk(self, out: SchedulerOutput, now: float, kv: KVBudget, left: int,
-                          est: WorkEstimate) -> int:
-        """Paid guard: a paid prefill that would miss its deadline by waiting goes ahead of the priority
-        order while free jobs wait (they are the ones to give way under overload, QoServe 3.4)."""
-        horizon = now + est.iteration_s * self.config.risk_margin
-        later: list[Request] = []
-        while left > 0 and len(self._paid_by_start):
+                           est: WorkEstimate) -> int:
+        """Paid guard: paid prefills that would miss their deadlines by waiting go ahead of the priority
+        order while free jobs wait (they are the ones to give way under overload, QoServe 3.4).
+
+        The paid jobs are walked by latest start and their prefill time summed (EDF feasibility: job k is
+        late unless the k jobs before it, itself included, finish prefill first). If waiting one more
+        iteration would make any prefix late, that whole prefix runs now, in latest-start order."""
+        margin = self.config.risk_margin
+        horizon = now + est.iteration_s * margin
+        walked: list[Request] = []
+        must_run = 0  # length of the longest prefix of ``walked`` that cannot wait
+        ahead_s = 0.0
+        while len(self._paid_by_start) and len(walked) < self.config.paid_guard_window:
             req = self._paid_by_start.peek()
             assert req is not None
-            if self._latest_start(req) > horizon:
-                break  # ordered by latest start: no later job is at risk yet
-            self._paid_by_start.pop()
+            start = self._latest_start(req)
+            if start - margin * self._paid_prefill_total_s > horizon:
+                break  # even behind every paid prompt queued this job and all later ones could wait
+            self._paid_pop(req.request_id)
             if req.request_id not in self.waiting or predicted_finish(req, now, est) > first_deadline(req):
                 continue  # hopeless: left to relegation, no longer a candidate (until it is pushed again)
-            if not self._at_risk(req, now, est):
-                later.append(req)
-                continue
+            ahead_s += self._prefill_s(req)
+            walked.append(req)
+            if start - margin * (ahead_s - self._prefill_s(req)) <= horizon:
+                must_run = len(walked)
+        for req in walked:
+            self._paid_push(req)
+        for req in walked[:must_run]:
+            if left <= 0:
+                break
             n = self._take_out_of_order(req, left, kv, out)
             if n == 0:
                 break
             left -= n
-        for req in later:
-            self._paid_by_start.push(req)
         return left
 
     def _mark_preempted(self, out: SchedulerOutput) -> None:

@@ -214,3 +214,34 @@ def test_qoserve_budget_is_not_pinned_to_the_floor_by_late_decodes():
     out = s.schedule(now=10.0)
     assert len(out.decodes) == 6
     assert out.prefill_budget > 16 and sum(p.num_tokens for p in out.prefills) == out.prefill_budget
+
+
+def _first_prefill(jobs):
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=256, chunk_floor=256)
+    for r in jobs:
+        s.add_request(r)
+    return s.schedule(now=0.0).prefills[0].request.request_id
+
+
+def test_paid_guard_sums_the_paid_work_queued_ahead():
+    # One 256-token chunk per 35.6 ms iteration. The free job's TTFT is earliest, so it leads the
+    # priority order; a paid job due at 0.13 s could wait one iteration alone (x1.5 margin: 53 ms
+    # of prefill from 36 ms), so the free job still goes first ...
+    free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
+    assert _first_prefill([free, interactive("p1", prompt=256, ttft=0.13)]) == "free"
+    # ... but two such paid jobs cannot both wait: the second needs the first's prefill before its own.
+    free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
+    first = _first_prefill([free, interactive("p1", prompt=256, ttft=0.13), interactive("p2", prompt=256, ttft=0.13)])
+    assert first in {"p1", "p2"}
+
+
+def test_paid_guard_counts_a_batch_jobs_predicted_decode_time():
+    # Due at 0.6 s with a 256-token prompt: the prefill alone could wait, 30 predicted decode steps cannot.
+    free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
+    late = batch("b", prompt=256, ttlt=0.6, max_tokens=30)
+    late.predicted_output_len = 30
+    assert _first_prefill([free, late]) == "b"
+    free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
+    short = batch("b", prompt=256, ttlt=0.6, max_tokens=30)
+    short.predicted_output_len = 1
+    assert _first_prefill([free, short]) == "free"
