@@ -130,8 +130,8 @@ def test_engine_passes_the_request_category_to_the_simulator():
     assert ex.categories["r"] == "summarization"
 
 
-def test_adaserve_budget_shares_the_pass_with_prefill_chunks():
-    pol = AdaServe(budget=40)
+def test_adaserve_budget_shares_the_pass_with_prefill_chunks_when_configured():
+    pol = AdaServe(budget=40, budget_shares_prefill=True)
     reqs = [make_request(f"r{i}") for i in range(4)]
     pol.draft_plan(reqs, 0.0)
     assert pol.state()["budget"] == 40
@@ -140,7 +140,7 @@ def test_adaserve_budget_shares_the_pass_with_prefill_chunks():
     assert pol.state()["budget"] == 10
     pol.prefill_tokens_in_pass = 64
     assert pol.draft_plan(reqs, 0.0) == []  # nothing left beyond the roots: plain decoding
-    pol = AdaServe(budget=40, budget_shares_prefill=False)
+    pol = AdaServe(budget=40)  # default: B is the decodes' own, whatever the chunk
     pol.prefill_tokens_in_pass = 30
     pol.draft_plan(reqs, 0.0)
     assert pol.state()["budget"] == 40
