@@ -11,12 +11,19 @@ up to 16 matches of the longest suffix n-gram), never a re-implementation:
   target accepts the longest prefix equal to the greedy tokens, plus one bonus token.
   Same numbers as the engine for greedy decoding (speculation is lossless), cheaper to rerun.
 
+``--drafter draft-model --draft DIR`` measures a draft model instead (``DraftModelRunner``
+over a HF checkpoint directory, e.g. one written by ``ops/distill_draft.py``), engine method
+only; it is stored as ``draft_model`` beside ``prompt_lookup``, together with the wall time
+of one draft step and one target decode step at batch 1 (medians), and a check on the first
+``--check-lossless`` prompts that the speculative output equals the non-speculative one.
+
 It prints mean accepted tokens per verification step (bonus included) per category and
 writes per-depth conditional acceptance to ``gpu_runtime/speculation/data/acceptance.json``
 (or ``--out``) in the format ``gpu_runtime.sim.acceptance.EmpiricalAcceptance`` reads.
 
     python ops/measure_acceptance.py --per-category 6 --max-new 96
     python ops/measure_acceptance.py --per-category 1 --max-new 16 --out /tmp/acc.json   # smoke
+    python ops/measure_acceptance.py --drafter draft-model --draft ops/out/smollm2-draft --per-category 8
 """
 
 from __future__ import annotations
@@ -30,10 +37,15 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+# Passive OpenMP waiting: spin-waiting threads made forward passes ~10x slower when the
+# other core of a 2-core box was busy (measured); set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 log = logging.getLogger("measure_acceptance")
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "gpu_runtime" / "speculation" / "data" / "acceptance.json"
+DRAFT = REPO / "ops" / "out" / "smollm2-draft"  # ops/distill_draft.py's default output
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
@@ -101,8 +113,10 @@ def replay(prompt: list[int], output: list[int], k: int, drafter) -> dict:
     return counter.as_row()
 
 
-def run_engine(executor, ids: list[int], k: int, max_new: int, rid: str) -> dict:
-    """One prompt alone through the engine with a chain-k policy; counts from ``last_stats``."""
+def run_engine(executor, ids: list[int], k: int, max_new: int, rid: str, outputs: list | None = None,
+               policy: str | None = None) -> dict:
+    """One prompt alone through the engine with a chain-k policy (or ``policy``); counts from
+    ``last_stats`` (the output tokens are appended to ``outputs`` when given)."""
     from gpu_runtime.engine import Engine
     from gpu_runtime.qos import QoSClass, QoSSpec
     from gpu_runtime.request import Request
@@ -110,7 +124,8 @@ def run_engine(executor, ids: list[int], k: int, max_new: int, rid: str) -> dict
     from gpu_runtime.scheduler.registry import create_scheduler
     from gpu_runtime.speculation.registry import create_policy
 
-    engine = Engine(executor, create_scheduler("sarathi-fcfs", executor=executor), create_policy(f"chain-{k}"))
+    engine = Engine(executor, create_scheduler("sarathi-fcfs", executor=executor),
+                    create_policy(policy or f"chain-{k}"))
     req = Request(rid, ids, SamplingParams(max_tokens=max_new), QoSSpec(QoSClass.INTERACTIVE, ttft_s=600.0, tbt_s=60.0),
                   arrival_time=executor.now())
     engine.add_request(req)
@@ -121,7 +136,57 @@ def run_engine(executor, ids: list[int], k: int, max_new: int, rid: str) -> dict
         st = engine.last_stats
         if st.num_decodes:  # alone in the engine: the step's tree is this request's chain
             counter.add(st.num_tree_tokens, st.num_accepted, req.num_output_tokens - before)
+    if outputs is not None:
+        outputs.append(list(req.output_token_ids))
     return counter.as_row()
+
+
+def step_times(executor, ids: list[int], k: int, n: int = 24) -> dict:
+    """Median wall time of one target decode step and of one draft step (one token, batch 1),
+    from one request run without speculation.
+
+    The target step is a whole engine iteration with a single decode (what a step costs
+    without speculation); the draft step is ``drafter.draft`` with depth 1, called while the
+    request is between iterations: its cache already holds all but the pending token, so a
+    call is one draft forward pass of one token (plus the top-1 pick), and a depth-k chain
+    costs k of them."""
+    from gpu_runtime.engine import Engine
+    from gpu_runtime.executor.base import DraftEntry
+    from gpu_runtime.qos import QoSClass, QoSSpec
+    from gpu_runtime.request import Request
+    from gpu_runtime.sampling import SamplingParams
+    from gpu_runtime.scheduler.registry import create_scheduler
+    from gpu_runtime.speculation.registry import create_policy
+
+    engine = Engine(executor, create_scheduler("sarathi-fcfs", executor=executor), create_policy("none"))
+    req = Request("timing", ids, SamplingParams(max_tokens=n + 2, ignore_eos=True),
+                  QoSSpec(QoSClass.INTERACTIVE, ttft_s=600.0, tbt_s=60.0), arrival_time=executor.now())
+    engine.add_request(req)
+    target, draft = [], []
+    while engine.has_work:
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        if engine.last_stats.num_decodes and not engine.last_stats.num_prefill_tokens:
+            target.append(dt)
+        if not req.status.finished and req.num_output_tokens >= 1 and executor.drafter is not None:
+            entry = DraftEntry(req.request_id, depth=1, width=1)
+            executor.drafter.draft([entry])  # catch up first: not timed
+            for _ in range(2):
+                t = time.perf_counter()
+                executor.drafter.draft([entry])
+                draft.append(time.perf_counter() - t)
+    if executor.drafter is not None:
+        executor.drafter.free(req.request_id)
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2] if xs else 0.0
+
+    t_target, t_draft = median(target), median(draft)
+    return {"target_decode_step_s": round(t_target, 5), "draft_step_s": round(t_draft, 5),
+            "draft_over_target": round(t_draft / t_target, 4) if t_target else None,
+            "chain_k_draft_over_target": round(k * t_draft / t_target, 4) if t_target else None,
+            "samples": [len(target), len(draft)]}
 
 
 def main() -> None:
@@ -134,7 +199,13 @@ def main() -> None:
     ap.add_argument("--method", choices=["engine", "replay"], default="engine")
     ap.add_argument("--kv-blocks", type=int, default=1024, help="engine method: KV blocks of 16 tokens")
     ap.add_argument("--out", type=Path, default=OUT, help="JSON to update (use /tmp/... for smoke runs)")
+    ap.add_argument("--drafter", choices=["prompt-lookup", "draft-model"], default="prompt-lookup")
+    ap.add_argument("--draft", type=Path, default=DRAFT, help="draft-model: HF checkpoint directory")
+    ap.add_argument("--check-lossless", type=int, default=2,
+                    help="draft-model: prompts also run without speculation; outputs must be equal")
     args = ap.parse_args()
+    if args.drafter == "draft-model" and args.method != "engine":
+        ap.error("--drafter draft-model needs --method engine (replay runs PromptLookupDrafter)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     import torch
@@ -147,8 +218,9 @@ def main() -> None:
     if args.method == "engine":
         from gpu_runtime.executor.torch import TorchExecutor
 
+        spec = f"prompt-lookup:{args.max_ngram}" if args.drafter == "prompt-lookup" else str(args.draft)
         ex = TorchExecutor.from_pretrained("smollm2-135m", device="cpu", dtype=torch.float32,
-                                           draft=f"prompt-lookup:{args.max_ngram}", kv_blocks=args.kv_blocks)
+                                           draft=spec, kv_blocks=args.kv_blocks)
 
         def encode(text: str) -> list[int]:
             return ex.chat_prompt_ids([{"role": "user", "content": text}])
@@ -166,11 +238,18 @@ def main() -> None:
     log.info("model loaded in %.1f s (method %s)", time.perf_counter() - t0, args.method)
 
     results: dict[str, list[dict]] = defaultdict(list)
+    checks: list[dict] = []
     for cat, prompts in load_prompts(args.per_category).items():
         for i, text in enumerate(prompts):
             ids = encode(text)[-1536:]
             if args.method == "engine":
-                results[cat].append(run_engine(ex, ids, args.k, args.max_new, f"{cat}-{i}"))
+                outputs: list[list[int]] = []
+                results[cat].append(run_engine(ex, ids, args.k, args.max_new, f"{cat}-{i}", outputs))
+                if args.drafter == "draft-model" and i == 0 and len(checks) < args.check_lossless:
+                    run_engine(ex, ids, args.k, args.max_new, f"{cat}-{i}-plain", outputs, policy="none")
+                    checks.append({"prompt": f"{cat}-{i}", "tokens": len(outputs[1]),
+                                   "equal": outputs[0] == outputs[1]})
+                    log.info("lossless check %s: %s", cat, checks[-1])
                 continue
             with torch.no_grad():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new, do_sample=False)
@@ -195,11 +274,31 @@ def main() -> None:
               + " ".join(f"{c:.2f}" for c in cond))
     data = json.loads(args.out.read_text()) if args.out.exists() else {"drafters": {}}
     data["model"] = "SmolLM2-135M-Instruct (Q4_1 GGUF, float32), greedy"
-    data["drafters"]["prompt_lookup"] = {
-        "config": {"k": args.k, "max_ngram": args.max_ngram, "max_new_tokens": args.max_new,
-                   "per_category": args.per_category, "method": args.method,
-                   "drafter": "PromptLookupDrafter (gpu_runtime.executor.drafters.prompt_lookup)"},
-        "categories": cats}
+    if args.drafter == "prompt-lookup":
+        data["drafters"]["prompt_lookup"] = {
+            "config": {"k": args.k, "max_ngram": args.max_ngram, "max_new_tokens": args.max_new,
+                       "per_category": args.per_category, "method": args.method,
+                       "drafter": "PromptLookupDrafter (gpu_runtime.executor.drafters.prompt_lookup)"},
+            "categories": cats}
+    else:
+        times = step_times(ex, encode(load_prompts(1)["mt_bench"][0]), args.k)
+        print(f"draft step {times['draft_step_s'] * 1e3:.1f} ms, target decode step "
+              f"{times['target_decode_step_s'] * 1e3:.1f} ms (batch 1, medians): ratio {times['draft_over_target']}")
+        if not all(c["equal"] for c in checks):
+            log.error("speculative output differs from the non-speculative one: %s", checks)
+        meta_path = args.draft / "distill.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        cfg = json.loads((args.draft / "config.json").read_text())
+        data["drafters"]["draft_model"] = {
+            "config": {"k": args.k, "max_new_tokens": args.max_new, "per_category": args.per_category,
+                       "method": args.method, "draft": str(args.draft), "draft_layers": cfg.get("num_hidden_layers"),
+                       "distill_steps": meta.get("args", {}).get("steps"),
+                       "init_target_layers": meta.get("target_layers"),
+                       "drafter": "DraftModelRunner (gpu_runtime.executor.drafters.model_runner)"},
+            "categories": cats,
+            # wall time on the measuring machine (CPU, float32), for the draft's relative cost
+            "step_time": times,
+            "lossless_check": checks}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}")
