@@ -38,7 +38,10 @@ class AdaServeConfig:
     budget: int | None = None  # B fixed by hand; None = knee of the latency curve
     budget_shares_prefill: bool = False  # True: B also counts the pass's prefill-chunk tokens, which leaves
     # no speculation in exactly the slow iterations that carry a chunk (draft model at 10 RPS: 99% -> 100%)
-    budget_tolerance: float = 0.5  # knee: latency within (1+tol) of a one-token pass (grid search)
+    budget_tolerance: float = 0.5  # knee: latency within (1+tol) of the reference pass (grid search)
+    budget_reference: str = "pass"  # "pass": the same pass without speculation (its decodes and chunk), never
+    # below the one-token knee; "one-token": a one-token pass only (a fixed B: at 14 RPS with the draft model
+    # it left ~1 token per request and attainment fell to 34%, 65% with "pass")
     max_budget: int = 512
     warmup_tokens_per_request: int = 4  # B per request until a latency curve is known
 
@@ -70,12 +73,20 @@ class AdaServe(SpeculationPolicy):
             self.latency_curve = lambda n: batch_time(cost_model, n)  # the profile's latency-vs-tokens curve
 
     # ---- eq. 8-9 and B ----
-    def budget(self, num_requests: int, num_context: int = 0) -> int:
+    def budget(self, num_requests: int, num_context: int = 0, prefill_tokens: int = 0) -> int:
+        """B: verification tokens (roots included) this pass may carry, from the latency-vs-tokens curve."""
         cfg = self.config
         if cfg.budget is not None:
             return cfg.budget
         if self.latency_curve is not None:
-            return knee_budget(self.latency_curve, cfg.max_budget, cfg.budget_tolerance)
+            curve = self.latency_curve
+            knee = knee_budget(curve, cfg.max_budget, cfg.budget_tolerance)
+            if cfg.budget_reference == "one-token":
+                return knee
+            # The pass without speculation already carries the decodes and the chunk; B may slow it by tol.
+            in_pass = knee_budget(lambda n: curve(n + prefill_tokens), cfg.max_budget, cfg.budget_tolerance,
+                                  min_tokens=max(1, num_requests))
+            return max(knee, in_pass)
         if self.step_cost.fitted and self.step_cost.gamma > 0:
             return knee_budget(lambda n: self.step_cost.predict(num_context, n), cfg.max_budget,
                                cfg.budget_tolerance)
@@ -93,7 +104,7 @@ class AdaServe(SpeculationPolicy):
         if not decodes:
             return []
         context = sum(r.num_computed_tokens for r in decodes)
-        self._budget = self.budget(len(decodes), context)
+        self._budget = self.budget(len(decodes), context, self.prefill_tokens_in_pass)
         if self.config.budget_shares_prefill:  # the knee bounds the whole pass, prefill chunks included
             self._budget = max(0, self._budget - self.prefill_tokens_in_pass)
         self._depth, self._width = self.shape(len(decodes), self._budget)

@@ -190,12 +190,20 @@ def test_adaserve_budget_from_cost_model_knee():
     class Exec:
         cost_model = cm
 
-    pol = AdaServe(budget_tolerance=0.25)
+    pol = AdaServe(budget_tolerance=0.25, budget_reference="one-token")
     pol.bind(Exec())
     b = pol.budget(8)
     base = batch_time(cm, 1)
     assert batch_time(cm, b) <= 1.25 * base < batch_time(cm, 2 * b)
     assert b > 32  # an 8B model on an A100 verifies dozens of tokens for ~the price of one
+    # Relative to the pass itself: with 200 decodes and a 512-token chunk the pass is past the knee,
+    # B still slows it by at most the tolerance, and never falls below the one-token knee.
+    pol = AdaServe(budget_tolerance=0.25)
+    pol.bind(Exec())
+    assert pol.budget(8) >= b
+    loaded = pol.budget(200, prefill_tokens=512)
+    assert loaded > 200 + b // 2
+    assert batch_time(cm, loaded + 512) <= 1.25 * batch_time(cm, 200 + 512) < batch_time(cm, 2 * loaded + 512)
 
 
 def test_linear_cost_fit_stays_nonnegative_without_compensating():
