@@ -107,7 +107,8 @@ def bursty(policy: str, profile: str, trace: str, low: float, high: float, minut
                     bursty=(low, high, period, minutes * 60.0 * scale))
     s = summarize(reqs)
     rel = relegation_summary(reqs, low_phase=lambda t: int(t // period) % 2 == 0)
-    return {"n": s.n, "all": s.violation_rate, **{k: v.violation_rate for k, v in s.tiers.items()}, "rel": rel}
+    return {"n": s.n, "all": s.violation_rate, **{k: v.violation_rate for k, v in s.tiers.items()},
+            "late": {k: v.violations for k, v in s.tiers.items()}, "rel": rel}
 
 
 def _ratio(ours: float, theirs: float) -> float:
@@ -211,7 +212,7 @@ def main() -> None:
         bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {args.bursty_period_min * scale:.0f} min "
                          f"(starting low), 20% free tier, SLOs x{scale:.2f}, "
                          f"{args.bursty_minutes * scale:.0f} min, {trace} - {name}")
-        for col in ("policy", "requests", "violations", "paid", "free", "relegated (paid)", "finished later",
+        for col in ("policy", "requests", "violations", "paid (jobs)", "free (jobs)", "relegated (paid)", "finished later",
                     "in a trough", "goal"):
             bt.add_column(col, justify="right")
         res = {pol: bj[pol].result() for pol in bursty_policies}
@@ -220,7 +221,9 @@ def main() -> None:
             rel = r["rel"]
             goal = ("paid == 0" + (" ok" if r.get("paid", 0) == 0 else " MISSED")) if pol == "qoserve" else \
                 ("> 50%" + (" ok" if r["all"] > 0.5 else " not reached"))
-            bt.add_row(pol, str(r["n"]), f"{r['all']:.1%}", f"{r.get('paid', 0):.1%}", f"{r.get('free', 0):.1%}",
+            late = r.get("late", {})
+            bt.add_row(pol, str(r["n"]), f"{r['all']:.1%}", f"{r.get('paid', 0):.1%} ({late.get('paid', 0)})",
+                       f"{r.get('free', 0):.1%} ({late.get('free', 0)})",
                        f"{rel.relegated} ({rel.relegated_paid})", str(rel.finished), str(rel.finished_in_low), goal)
         console.print(bt)
     pool.shutdown()
