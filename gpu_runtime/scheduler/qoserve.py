@@ -222,10 +222,10 @@ class QoServeScheduler(BaseScheduler):
             self._paid_pop(req.request_id)
             if req.request_id not in self.waiting or predicted_finish(req, now, est) > first_deadline(req):
                 continue  # hopeless: left to relegation, no longer a candidate (until it is pushed again)
+            if start - margin * ahead_s <= horizon:  # late after one more iteration behind the jobs ahead
+                must_run = len(walked) + 1
             ahead_s += self._prefill_s(req)
             walked.append(req)
-            if start - margin * (ahead_s - self._prefill_s(req)) <= horizon:
-                must_run = len(walked)
         for req in walked:
             self._paid_push(req)
         for req in walked[:must_run]:

@@ -61,6 +61,7 @@ class AdaServe(SpeculationPolicy):
         self._width = 1
         self._budget = 0
         self._accepted = Ema(0.0)
+        self._knee: int | None = None  # one-token knee of ``latency_curve`` (set on first use)
 
     def bind(self, executor) -> None:
         super().bind(executor)
@@ -71,6 +72,7 @@ class AdaServe(SpeculationPolicy):
             from gpu_runtime.costmodel.base import batch_time
 
             self.latency_curve = lambda n: batch_time(cost_model, n)  # the profile's latency-vs-tokens curve
+        self._knee = None  # a new curve: walk it again
 
     # ---- eq. 8-9 and B ----
     def budget(self, num_requests: int, num_context: int = 0, prefill_tokens: int = 0) -> int:
@@ -80,7 +82,9 @@ class AdaServe(SpeculationPolicy):
             return cfg.budget
         if self.latency_curve is not None:
             curve = self.latency_curve
-            knee = knee_budget(curve, cfg.max_budget, cfg.budget_tolerance)
+            if self._knee is None:  # the one-token knee depends on the curve alone: walk it once
+                self._knee = knee_budget(curve, cfg.max_budget, cfg.budget_tolerance)
+            knee = self._knee
             if cfg.budget_reference == "one-token":
                 return knee
             # The pass without speculation already carries the decodes and the chunk; B may slow it by tol.
