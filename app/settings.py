@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -51,6 +52,9 @@ class Settings(BaseSettings):
     cost_profile: str = Field("auto", description="latency profile the scheduler plans with: a `coserve profile` "
                                                    "JSON, a shipped name, 'auto' (shipped CPU profile on CPU) or 'none'")
     kv_blocks: int | None = Field(None, description="KV cache blocks on CPU (None = sized from memory)")
+    kv_reserve: Literal["predicted", "max_tokens"] = Field(
+        "predicted", description="KV admission: reserve prompt + the application's predicted output (recompute "
+                                 "preemption if the cache runs out) or prompt + max_tokens (never preempts)")
 
     def interactive_defaults(self, endpoint: str) -> tuple[float, float]:
         """(TTFT ms, TBT ms) for an interactive request to ``endpoint`` that set neither."""

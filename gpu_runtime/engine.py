@@ -35,7 +35,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     status: RequestStatus = RequestStatus.WAITING
-    event: str | None = None  # "relegated" | "resumed" | "preempted" | None
+    event: str | None = None  # "relegated" | "resumed" | "preempted" | "recomputed" | None
     metrics: RequestMetrics | None = None  # set when finished
 
     @property
@@ -71,6 +71,7 @@ class Engine:
         self.detokenizer = detokenizer
         self.requests: dict[str, Request] = {}
         self.last_stats = StepStats()
+        self.num_recomputes = 0  # requests whose KV was released under memory pressure (recompute preemption)
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._resumes: deque[str] = deque()
@@ -172,14 +173,19 @@ class Engine:
         out = [RequestOutput(r.request_id, status=r.status, event="relegated") for r in sched.relegated]
         out += [RequestOutput(r.request_id, status=r.status, event="resumed") for r in sched.resumed]
         out += [RequestOutput(r.request_id, status=r.status, event="preempted") for r in sched.preempted]
+        out += [RequestOutput(r.request_id, status=r.status, event="recomputed") for r in sched.recomputed]
+        self.num_recomputes += len(sched.recomputed)
         return out
 
     def _build_plan(self, sched: SchedulerOutput, now: float) -> tuple[BatchPlan, dict, float]:
         prefills = []
         for p in sched.prefills:
             req, start = p.request, p.request.num_computed_tokens
-            prefills.append(PrefillChunk(req.request_id, start, req.prompt_token_ids[start:start + p.num_tokens],
-                                         sample=start + p.num_tokens >= req.prompt_len))
+            # The last chunk of a prompt samples the first token; a recompute after released KV samples
+            # nothing (its last output is fed by the next decode step).
+            prefills.append(PrefillChunk(req.request_id, start, req.prefill_token_ids(start, p.num_tokens),
+                                         sample=start + p.num_tokens >= req.prefill_target
+                                         and not req.num_output_tokens))
         decodes = [DecodeEntry(r.request_id, r.num_computed_tokens, r.last_token_id) for r in sched.decodes]
         selected: dict = {}
         draft_latency = 0.0

@@ -40,6 +40,10 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # clock time each output token was produced
     relegation_count: int = 0
     was_preempted: bool = False  # prefill was preempted at least once (selective preemption)
+    # Output tokens recomputed as part of the prefill after the request's KV was released under memory
+    # pressure (vLLM-style recompute preemption): the prefill covers prompt + those outputs.
+    recomputed_outputs: int = 0
+    num_recomputes: int = 0  # times its KV was released and recomputed
     finish_time: float | None = None
     # Filled by the scheduler: predicted remaining decode tokens (running mean + 2 std).
     predicted_output_len: int | None = None
@@ -54,12 +58,31 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def prefill_target(self) -> int:
+        """Tokens the prefill puts in the KV cache: the prompt, plus outputs being recomputed."""
+        return len(self.prompt_token_ids) + self.recomputed_outputs
+
+    @property
     def prefill_remaining(self) -> int:
-        return max(0, self.prompt_len - self.num_computed_tokens)
+        return max(0, self.prefill_target - self.num_computed_tokens)
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.prompt_len
+        return self.num_computed_tokens < self.prefill_target
+
+    def prefill_token_ids(self, start: int, n: int) -> list[int]:
+        """Tokens ``start .. start+n`` of the prefill (prompt, then recomputed outputs)."""
+        plen = len(self.prompt_token_ids)
+        if start + n <= plen:
+            return self.prompt_token_ids[start:start + n]
+        return (self.prompt_token_ids + self.output_token_ids)[start:start + n]
+
+    def release_kv(self) -> None:
+        """Forget the cached KV (its blocks were freed): the next prefill recomputes the prompt and every
+        output but the last, which the next decode step feeds as usual."""
+        self.recomputed_outputs = max(0, self.num_output_tokens - 1)
+        self.num_computed_tokens = 0
+        self.num_recomputes += 1
 
     @property
     def context_len(self) -> int:

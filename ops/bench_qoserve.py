@@ -26,7 +26,8 @@ piecewise-linear fit; both candidates' cross-validated MAPE is printed per profi
    ~3.5 QPS per replica. So low = 2.0/3.5 = 0.57x and high = 5.0/3.5 = 1.43x QoServe's
    measured goodput on the bursty trace (mean 1.0x: the troughs must absorb the bursts).
    Reported per policy: violations overall, paid ("important") and free, and what
-   relegation did (jobs relegated, how many finished later, how many of those in a trough).
+   relegation did (jobs relegated, how many finished later, how many of those in a trough) and how many
+   jobs had their KV released and recomputed (KV admission reserves predicted, not max_tokens, output).
 
 Runs are subsampled (--minutes of arrivals per goodput run, --bursty-minutes of bursty
 load; the paper ran 4 hours) to finish in tens of minutes on two cores.
@@ -108,7 +109,8 @@ def bursty(policy: str, profile: str, trace: str, low: float, high: float, minut
     s = summarize(reqs)
     rel = relegation_summary(reqs, low_phase=lambda t: int(t // period) % 2 == 0)
     return {"n": s.n, "all": s.violation_rate, **{k: v.violation_rate for k, v in s.tiers.items()},
-            "late": {k: v.violations for k, v in s.tiers.items()}, "rel": rel}
+            "late": {k: v.violations for k, v in s.tiers.items()}, "rel": rel,
+            "recomputed": sum(1 for r in reqs if r.num_recomputes)}
 
 
 def _ratio(ours: float, theirs: float) -> float:
@@ -213,7 +215,7 @@ def main() -> None:
                          f"(starting low), 20% free tier, SLOs x{scale:.2f}, "
                          f"{args.bursty_minutes * scale:.0f} min, {trace} - {name}")
         for col in ("policy", "requests", "violations", "paid (jobs)", "free (jobs)", "relegated (paid)", "finished later",
-                    "in a trough", "goal"):
+                    "in a trough", "KV recomputed", "goal"):
             bt.add_column(col, justify="right")
         res = {pol: bj[pol].result() for pol in bursty_policies}
         for pol in bursty_policies:
@@ -224,7 +226,8 @@ def main() -> None:
             late = r.get("late", {})
             bt.add_row(pol, str(r["n"]), f"{r['all']:.1%}", f"{r.get('paid', 0):.1%} ({late.get('paid', 0)})",
                        f"{r.get('free', 0):.1%} ({late.get('free', 0)})",
-                       f"{rel.relegated} ({rel.relegated_paid})", str(rel.finished), str(rel.finished_in_low), goal)
+                       f"{rel.relegated} ({rel.relegated_paid})", str(rel.finished), str(rel.finished_in_low),
+                       str(r["recomputed"]), goal)
         console.print(bt)
     pool.shutdown()
     console.print(f"total {time.time() - t0:.0f} s")

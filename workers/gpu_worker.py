@@ -90,7 +90,8 @@ class GpuWorker:
         self.engine = build(self.settings.model, device=self.device, scheduler_policy=self.settings.scheduler_policy,
                             spec_policy=self.settings.spec_policy, kv_blocks=self.settings.kv_blocks,
                             draft=self.settings.draft if self.settings.spec_policy != "none" else None,
-                            cost_profile=self.settings.cost_profile, tokenizer=self.tokenizer)
+                            cost_profile=self.settings.cost_profile, kv_reserve=self.settings.kv_reserve,
+                            tokenizer=self.tokenizer)
         log.info("worker %s: engine ready on %s in %.1fs", self.worker_id, self.device, time.monotonic() - t0)
         self._register()
         # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub
@@ -360,7 +361,7 @@ class GpuWorker:
             try:
                 cap = self.engine.executor.capacity()
                 state.update(kv_total_blocks=cap.total_blocks, kv_free_blocks=cap.free_blocks,
-                             kv_usage=round(cap.usage, 4))
+                             kv_usage=round(cap.usage, 4), kv_recomputes=self.engine.num_recomputes)
                 state["queues"] = self.engine.scheduler.queue_depths()
                 state["speculation"] = self.engine.speculation.state()
                 state["draft_on_device"] = bool(self.engine.executor.draft_on_device)

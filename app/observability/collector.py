@@ -82,14 +82,20 @@ class SqlCollector(Collector):
                                labels=["worker"])
         up = GaugeMetricFamily("coserve:worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",
                                labels=["worker", "draining"])
+        preempt = CounterMetricFamily("coserve:num_preemptions", "Requests whose KV the worker's engine released "
+                                      "under memory pressure, to recompute later (since the worker started).",
+                                      labels=["worker"])
         now = utcnow()
         for w in workers:
             state = w.state or {}
             if state.get("kv_usage") is not None:
                 kv.add_metric([w.id], float(state["kv_usage"]))
+            if state.get("kv_recomputes") is not None:
+                preempt.add_metric([w.id], float(state["kv_recomputes"]))
             up.add_metric([w.id, str(bool(w.draining)).lower()], (now - as_utc(w.heartbeat_at)).total_seconds())
         yield kv
         yield up
+        yield preempt
 
     def _histograms(self, s: Session) -> Iterator:
         queue_s = seconds_between(s.get_bind().dialect.name, Job.created_at, Job.started_at)

@@ -111,6 +111,10 @@ class Executor(Protocol):
     def free(self, request_id: str) -> None:
         """Release every KV block (target and draft) held by the request."""
 
+    def release_kv(self, request_id: str) -> None:
+        """Release the request's KV blocks (target and draft) but keep it registered (its sampling state):
+        under memory pressure its prefill is recomputed from position 0 (recompute preemption)."""
+
     def step(self, plan: BatchPlan) -> StepResult:
         """Run one mixed forward pass and commit accepted tokens to the KV cache."""
 

@@ -78,6 +78,10 @@ class SimExecutor:
         self.categories.pop(request_id, None)
         self._draft_synced.pop(request_id, None)
 
+    def release_kv(self, request_id: str) -> None:
+        self.blocks.free(request_id)
+        self._draft_synced.pop(request_id, None)
+
     # ---- passes ----
     def step(self, plan: BatchPlan) -> StepResult:
         result = StepResult()

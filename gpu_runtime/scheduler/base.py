@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpu_runtime.qos import QoSClass, Tier
@@ -15,6 +16,7 @@ from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.config import SchedulerConfig
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from gpu_runtime.scheduler.interface import ScheduledPrefill, Scheduler, SchedulerOutput
+from gpu_runtime.scheduler.priority import first_deadline
 from gpu_runtime.scheduler.request_queue import RequestQueue
 
 if TYPE_CHECKING:
@@ -27,12 +29,17 @@ log = logging.getLogger(__name__)
 class KVBudget:
     """Free KV blocks left while one batch is formed (unbounded without an executor).
 
-    Admission reserves a request's whole footprint (prompt + max_tokens): a prompt is
-    started only if it fits beside what every admitted request may still grow to, so
-    running decodes can never be starved of blocks (no deadlock, no recompute)."""
+    Admission reserves a request's footprint (prompt + the output it is expected to reach,
+    ``output_reserve``): a prompt is started only if it fits beside what every admitted
+    request may still grow to. With max_tokens as the reserve running decodes can never be
+    starved of blocks; with a predicted reserve a job that outlives it is re-reserved, and
+    the scheduler releases (and later recomputes) the KV of the least urgent job if the
+    cache still runs out."""
 
-    def __init__(self, executor: Executor | None, watermark: float, footprint_blocks: int = 0) -> None:
+    def __init__(self, executor: Executor | None, watermark: float, footprint_blocks: int = 0,
+                 output_reserve: Callable[[Request], int] | None = None) -> None:
         self.executor = executor
+        self.output_reserve = output_reserve or (lambda req: req.sampling.max_tokens)
         if executor is None:
             self.free, self.total, self.reserve, self.outstanding, self.block_size = 1 << 60, 1 << 60, 0, 0, 1
             return
@@ -72,8 +79,9 @@ class KVBudget:
         return n
 
     def footprint(self, req: Request) -> int:
-        """Blocks for the whole prompt + max_tokens (+1 block of slack for a partial first block)."""
-        return -(-(req.prompt_len + req.sampling.max_tokens) // self.block_size) + 1
+        """Blocks for the prompt + the reserved output (+1 block of slack for a partial first block)."""
+        out = max(self.output_reserve(req), req.num_output_tokens + 1)
+        return -(-(req.prompt_len + out) // self.block_size) + 1
 
 
 class BaseScheduler(Scheduler):
@@ -98,6 +106,9 @@ class BaseScheduler(Scheduler):
         self._new_admits = 0  # prompts started in the batch being formed
         self._footprint = 0  # KV blocks reserved by every request holding KV (admission control)
         self._holders: dict[str, int] = {}  # request -> its blocks counted in ``_footprint``
+        self._output_reserve: dict[str, int] = {}  # request -> output tokens its footprint reserves
+        if config.kv_reserve not in ("predicted", "max_tokens"):
+            raise ValueError(f"kv_reserve must be 'predicted' or 'max_tokens', not {config.kv_reserve!r}")
 
     @abstractmethod
     def _make_queue(self) -> RequestQueue:
@@ -131,13 +142,21 @@ class BaseScheduler(Scheduler):
 
     # ---- Scheduler interface ----
     def add_request(self, request: Request) -> None:
+        predicted = self.history.predict(request.app_id, request.sampling.max_tokens)
         if request.qos.qos_class is QoSClass.BATCH and request.predicted_output_len is None:
-            request.predicted_output_len = self.history.predict(request.app_id, request.sampling.max_tokens)
+            request.predicted_output_len = predicted
+        if self.config.kv_reserve == "predicted":
+            self._output_reserve[request.request_id] = predicted
         self._push_waiting(request)
+
+    def _reserved_output(self, req: Request) -> int:
+        """Output tokens a request's KV footprint reserves (``kv_reserve``)."""
+        return self._output_reserve.get(req.request_id, req.sampling.max_tokens)
 
     def abort_request(self, request_id: str) -> Request | None:
         self._on_leave(request_id)
         self._release(request_id)
+        self._output_reserve.pop(request_id, None)
         self.started.discard(request_id)
         req = self._remove_waiting(request_id) or self.relegated.remove(request_id) or \
             self.running.pop(request_id, None)
@@ -163,7 +182,9 @@ class BaseScheduler(Scheduler):
         out = SchedulerOutput()
         out.resumed, self._resumed = self._resumed, []
         self._new_admits = 0
-        kv = KVBudget(self.executor, self.config.kv_watermark, self._footprint)
+        kv = KVBudget(self.executor, self.config.kv_watermark, self._footprint, self._reserved_output)
+        if self.executor is not None and kv.free - kv.outstanding < len(self.running):
+            self._make_room_for_decodes(kv, out)
         if kv.free - kv.outstanding >= len(self.running) or self.executor is None:
             out.decodes = list(self.running.values())  # footprints reserved: every decode fits
         else:
@@ -198,10 +219,65 @@ class BaseScheduler(Scheduler):
         for req in output.decodes:
             if req.status.finished:
                 self._forget(req)
-            elif req.predicted_output_len is not None and req.num_output_tokens >= req.predicted_output_len:
+                continue
+            if req.predicted_output_len is not None and req.num_output_tokens >= req.predicted_output_len:
                 # Outlived its predicted length: re-estimate what is left (its slack and priority read it).
                 req.predicted_output_len = self.history.predict_beyond(req.app_id, req.num_output_tokens,
                                                                        req.sampling.max_tokens)
+            reserved = self._output_reserve.get(req.request_id)
+            if reserved is not None and req.num_output_tokens >= reserved:
+                self._reserve_more(req)
+
+    def _reserve_more(self, req: Request) -> None:
+        """A job outlived the output its footprint reserved: reserve up to a re-estimate (admission of new
+        prompts then waits for the room; nothing running is touched)."""
+        more = self.history.predict_beyond(req.app_id, req.num_output_tokens, req.sampling.max_tokens)
+        self._output_reserve[req.request_id] = more
+        if req.request_id in self._holders and self.executor is not None:
+            bs = self.executor.capacity().block_size
+            fp = -(-(req.prompt_len + max(more, req.num_output_tokens + 1)) // bs) + 1
+            self._footprint += fp - self._holders[req.request_id]
+            self._holders[req.request_id] = fp
+
+    def _make_room_for_decodes(self, kv: KVBudget, out: SchedulerOutput) -> None:
+        """Recompute preemption (vLLM's default): when the free blocks cannot hold every running decode's next
+        token, release the KV of paused prefills, then of the least urgent decodes, until they can. Their
+        prefill is recomputed later (prompt + outputs); tokens already streamed stay."""
+        need = sum(kv.need(r, 1) for r in self.running.values())
+        if need <= kv.free:
+            return
+        paused = [r for rid in self.started if (r := self.waiting.get(rid) or self.relegated.get(rid)) is not None]
+        victims = sorted(paused, key=self._victim_key) + sorted(self.running.values(), key=self._victim_key)
+        for req in victims:
+            if need <= kv.free or (req.request_id in self.running and len(self.running) == 1):
+                break
+            if req.request_id in self.running:
+                need -= kv.need(req, 1)
+            self._release_kv(req)
+            out.recomputed.append(req)
+            kv.free = self.executor.capacity().free_blocks  # type: ignore[union-attr]
+            kv.outstanding = max(0, self._footprint - (kv.total - kv.free))
+        log.info("KV exhausted: released the KV of %d requests (recomputed later)", len(out.recomputed))
+
+    @staticmethod
+    def _victim_key(req: Request) -> tuple:
+        """Least urgent first: relegated, then free tier, then the latest deadline, then the newest."""
+        return (req.relegation_count == 0, req.qos.tier is not Tier.FREE, -first_deadline(req), -req.arrival_time)
+
+    def _release_kv(self, req: Request) -> None:
+        rid = req.request_id
+        assert self.executor is not None
+        self.executor.release_kv(rid)
+        self._release(rid)
+        self.started.discard(rid)
+        req.release_kv()
+        if self.running.pop(rid, None) is not None:
+            req.status = RequestStatus.WAITING
+            self._push_waiting(req)
+        elif self.relegated.remove(rid) is not None:
+            self.relegated.push(req)  # re-keyed: its remaining prefill changed
+        else:
+            self._push_waiting(req)
 
     def _release(self, request_id: str) -> None:
         self._footprint -= self._holders.pop(request_id, 0)
@@ -212,6 +288,7 @@ class BaseScheduler(Scheduler):
     def _forget(self, req: Request) -> None:
         self._on_leave(req.request_id)
         self._release(req.request_id)
+        self._output_reserve.pop(req.request_id, None)
         self.running.pop(req.request_id, None)
         self._remove_waiting(req.request_id)
         self.relegated.remove(req.request_id)

@@ -10,6 +10,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # most requests holding KV (decoding or mid-prefill) at once
     kv_watermark: float = 0.01  # share of KV blocks kept free when admitting a new prompt
     queue: str = "fcfs"  # prefill ordering: fcfs | deadline | priority
+    # KV admission reserves prompt + "predicted" output (the app's finished lengths, mean + 2 std; max_tokens
+    # until 3 are known; re-reserved when a job outlives it; recompute preemption if the cache still runs
+    # out) or prompt + "max_tokens" (never preempts, but a 4096-token max_tokens caps concurrency).
+    kv_reserve: str = "predicted"
 
 
 @dataclass

@@ -25,6 +25,7 @@ class SchedulerOutput:
     relegated: list[Request] = field(default_factory=list)  # newly relegated this iteration
     resumed: list[Request] = field(default_factory=list)  # relegated jobs brought back this iteration
     preempted: list[Request] = field(default_factory=list)  # prefills paused for a more urgent one
+    recomputed: list[Request] = field(default_factory=list)  # KV released under memory pressure (recompute later)
     prefill_budget: int = 0  # the chunk budget C chosen for this iteration (tokens)
     predicted_latency_s: float | None = None  # cost-model prediction of the batch time
 

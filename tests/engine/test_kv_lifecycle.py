@@ -186,3 +186,41 @@ def test_load_draft_refuses_while_grown_blocks_are_in_use():
     assert gained > 0 and not ex.load_draft() and ex.capacity().total_blocks == total
     ex.free("big")
     assert ex.load_draft() and ex.capacity().total_blocks == total - gained
+
+
+@pytest.mark.parametrize("speculation", [None, "chain-4"])
+def test_recompute_preemption_keeps_greedy_outputs_and_leaks_nothing(tiny_model, speculation):
+    """KV reserved by a short predicted length runs out mid-decode: the least urgent job's KV is released
+    and its prompt + outputs recomputed later; every output equals the run that never ran out (also
+    while prompt lookup drafts, whose index is rebuilt after the release)."""
+    from gpu_runtime.engine import Engine
+    from gpu_runtime.executor.drafters.prompt_lookup import PromptLookupDrafter
+    from gpu_runtime.qos import QoSClass, QoSSpec
+    from gpu_runtime.request import Request
+    from gpu_runtime.scheduler.registry import create_scheduler
+    from gpu_runtime.speculation.registry import create_policy
+
+    rng = random.Random(3)
+    motif = [rng.randrange(3, 97) for _ in range(5)]
+    prompts = [motif * 2 + [rng.randrange(3, 97) for _ in range(rng.randint(2, 6))] for _ in range(4)]
+
+    def run(kv_blocks: int) -> tuple[dict[str, list[int]], int]:
+        drafter = PromptLookupDrafter() if speculation else None
+        ex = TorchExecutor.from_model(tiny_model, kv_blocks=kv_blocks, block_size=4, drafter=drafter)
+        sched = create_scheduler("sarathi-fcfs", executor=ex, kv_watermark=0.0, chunk_size=32)
+        for n in (2, 3, 4):  # the app's history predicts ~5 output tokens: far fewer than the 24 produced
+            sched.history.record("app", n)
+        engine = Engine(ex, sched, create_policy(speculation) if speculation else None)
+        reqs = [Request(f"q{i}", p, SamplingParams(max_tokens=24, ignore_eos=True),
+                        QoSSpec(QoSClass.BATCH, ttlt_s=1e6), arrival_time=0.0, app_id="app")
+                for i, p in enumerate(prompts)]
+        for r in reqs:
+            engine.add_request(r)
+        engine.run_until_idle(max_steps=5000)
+        assert ex.capacity().free_blocks == kv_blocks and not ex.blocks.tables
+        return {r.request_id: list(r.output_token_ids) for r in reqs}, sum(r.num_recomputes for r in reqs)
+
+    ample, none = run(200)
+    tight, recomputes = run(22)
+    assert none == 0 and recomputes > 0
+    assert tight == ample and all(len(v) == 24 for v in tight.values())

@@ -221,6 +221,11 @@ class TorchExecutor:
         if self.drafter is not None:
             self.drafter.free(request_id)
 
+    def release_kv(self, request_id: str) -> None:
+        self.blocks.free(request_id)
+        if self.drafter is not None:
+            self.drafter.free(request_id)  # a draft model's KV catches up from position 0 when asked to draft
+
     def token_ids(self, request_id: str) -> list[int]:
         """Tokens the executor has seen for a request: prompt (so far) and outputs incl. the pending one."""
         return self._requests[request_id].token_ids

@@ -32,7 +32,7 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
                    _job(t.id, "succeeded", "free", ttft_s=3.0, tbt_p50_s=0.3, ttlt_s=9.0, slo_met=False,
                         finished_at=now, finish_reason="stop", prompt_tokens=5, completion_tokens=3),
                    _job(t.id, "expired", "free", kind="batch", finished_at=now)])
-        s.add(WorkerState(id="w9", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.25}))
+        s.add(WorkerState(id="w9", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.25, "kv_recomputes": 3}))
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     samples = {}
@@ -47,6 +47,7 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
     assert get("coserve:num_requests_waiting", model_name="tiny", tier="free") == 1
     assert get("coserve:num_requests_relegated", model_name="tiny", tier="free") == 1
     assert get("coserve:kv_cache_usage_perc", worker="w9") == 0.25
+    assert get("coserve:num_preemptions_total", worker="w9") == 3
     assert get("coserve:time_to_first_token_seconds_bucket", model_name="tiny", tier="paid", kind="interactive",
                le="0.04") == 1
     assert get("coserve:time_to_first_token_seconds_bucket", model_name="tiny", tier="free", kind="interactive",
