@@ -79,9 +79,13 @@ class KVBudget:
         return n
 
     def footprint(self, req: Request) -> int:
-        """Blocks for the prompt + the reserved output (+1 block of slack for a partial first block)."""
-        out = max(self.output_reserve(req), req.num_output_tokens + 1)
-        return -(-(req.prompt_len + out) // self.block_size) + 1
+        return footprint_blocks(req, self.output_reserve(req), self.block_size)
+
+
+def footprint_blocks(req: Request, reserved_output: int, block_size: int) -> int:
+    """Blocks for the prompt + the reserved output, at least what it holds (+1 block of slack for a partial
+    first block)."""
+    return -(-(req.prompt_len + max(reserved_output, req.num_output_tokens + 1)) // block_size) + 1
 
 
 class BaseScheduler(Scheduler):
@@ -234,8 +238,7 @@ class BaseScheduler(Scheduler):
         more = self.history.predict_beyond(req.app_id, req.num_output_tokens, req.sampling.max_tokens)
         self._output_reserve[req.request_id] = more
         if req.request_id in self._holders and self.executor is not None:
-            bs = self.executor.capacity().block_size
-            fp = -(-(req.prompt_len + max(more, req.num_output_tokens + 1)) // bs) + 1
+            fp = footprint_blocks(req, more, self.executor.capacity().block_size)
             self._footprint += fp - self._holders[req.request_id]
             self._holders[req.request_id] = fp
 
@@ -257,7 +260,8 @@ class BaseScheduler(Scheduler):
             out.recomputed.append(req)
             kv.free = self.executor.capacity().free_blocks  # type: ignore[union-attr]
             kv.outstanding = max(0, self._footprint - (kv.total - kv.free))
-        log.info("KV exhausted: released the KV of %d requests (recomputed later)", len(out.recomputed))
+        if out.recomputed:
+            log.info("KV exhausted: released the KV of %d requests (recomputed later)", len(out.recomputed))
 
     @staticmethod
     def _victim_key(req: Request) -> tuple:

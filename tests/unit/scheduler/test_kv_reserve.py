@@ -68,3 +68,17 @@ def test_recompute_preemption_lets_every_job_finish_and_releases_the_least_urgen
     assert events and events[0].request_id == "f"  # free tier, latest deadline: released first
     assert free.num_recomputes >= 1
     assert ex.capacity().free_blocks == 12  # nothing leaked
+
+
+def test_a_released_interactive_job_is_ordered_by_its_next_token_not_its_past_ttft():
+    from gpu_runtime.scheduler.priority import first_deadline
+    from gpu_runtime.scheduler.relegation import WorkEstimate, should_relegate
+    from tests.unit.scheduler.helpers import decoding, interactive
+
+    r = decoding(interactive("i", prompt=40, ttft=1.0, tbt=0.05, tier=Tier.PAID, max_tokens=100), 20, [0.5] * 20)
+    r.release_kv()
+    assert (r.prefill_target, r.prefill_remaining, r.num_computed_tokens) == (59, 59, 0)
+    assert r.prefill_token_ids(38, 4) == [1, 1, 7, 7]  # the prompt, then the outputs being recomputed
+    assert first_deadline(r) == r.next_token_deadline() == 1.0 + 20 * 0.05
+    # long past its TTFT (1.0 s) but its first token came in time: not a violated job to relegate
+    assert not should_relegate(r, 1.5, WorkEstimate(0.05, 256, 0.02), free_jobs_waiting=0)
