@@ -43,4 +43,5 @@ class QoServeConfig(SchedulerConfig):
     paid_guard: bool = True  # a paid prefill about to miss its deadline goes ahead of free jobs (QoServe 3.4)
     paid_guard_window: int = 16  # paid jobs the guard looks at per iteration, earliest latest-start first (bursty
     # A100 code run: 16, 64 and 256 leave the same paid jobs late)
+    free_yields: bool = True  # a free job that would make a paid job late by running first is relegated
     risk_margin: float = 1.5  # predicted prefill time x margin must fit before the deadline, else "at risk"

@@ -138,7 +138,7 @@ class QoServeScheduler(BaseScheduler):
             req = self._pop_waiting()
             assert req is not None
             if (self.config.relegation and req.request_id not in self.pinned
-                    and should_relegate(req, now, est, self.free_waiting)):
+                    and (should_relegate(req, now, est, self.free_waiting) or self._free_yields(req, now, est))):
                 req.status = RequestStatus.RELEGATED
                 req.relegation_count += 1
                 self.relegated.push(req)  # not re-checked in this iteration
@@ -161,6 +161,16 @@ class QoServeScheduler(BaseScheduler):
                 break
             left -= n
         self._mark_preempted(out)
+
+    def _free_yields(self, req: Request, now: float, est: WorkEstimate) -> bool:
+        """A free job gives way when running its prompt first would make a paid job late (QoServe 3.4: the
+        low-priority tier is affected first): it is relegated, before it is itself overdue, and runs with
+        spare budget. Also when the paid queue is too long to show that within the guard's window."""
+        if not (self.config.free_yields and req.qos.tier is Tier.FREE and len(self._paid_by_start)):
+            return False
+        delay = math.ceil(req.prefill_remaining / max(1, est.budget)) * est.iteration_s  # its prefill iterations
+        _, must_run, cleared = self._walk_paid(now, est, delay)
+        return must_run > 0 or not cleared
 
     def _run_unpreemptable(self, out: SchedulerOutput, now: float, kv: KVBudget, left: int,
                            est: WorkEstimate) -> int:
@@ -203,31 +213,10 @@ class QoServeScheduler(BaseScheduler):
     def _run_paid_at_risk(self, out: SchedulerOutput, now: float, kv: KVBudget, left: int,
                            est: WorkEstimate) -> int:
         """Paid guard: paid prefills that would miss their deadlines by waiting go ahead of the priority
-        order while free jobs wait (they are the ones to give way under overload, QoServe 3.4).
-
-        The paid jobs are walked by latest start and their prefill time summed (EDF feasibility: job k is
-        late unless the k jobs before it, itself included, finish prefill first). If waiting one more
-        iteration would make any prefix late, that whole prefix runs now, in latest-start order."""
-        margin = self.config.risk_margin
-        horizon = now + est.iteration_s * margin
-        walked: list[Request] = []
-        must_run = 0  # length of the longest prefix of ``walked`` that cannot wait
-        ahead_s = 0.0
-        while len(self._paid_by_start) and len(walked) < self.config.paid_guard_window:
-            req = self._paid_by_start.peek()
-            assert req is not None
-            start = self._latest_start(req)
-            if start - margin * self._paid_prefill_total_s > horizon:
-                break  # even behind every paid prompt queued this job and all later ones could wait
-            self._paid_pop(req.request_id)
-            if req.request_id not in self.waiting or predicted_finish(req, now, est) > first_deadline(req):
-                continue  # hopeless: left to relegation, no longer a candidate (until it is pushed again)
-            if start - margin * ahead_s <= horizon:  # late after one more iteration behind the jobs ahead
-                must_run = len(walked) + 1
-            ahead_s += self._prefill_s(req)
-            walked.append(req)
-        for req in walked:
-            self._paid_push(req)
+        order while free jobs wait (they are the ones to give way under overload, QoServe 3.4). If waiting
+        one more iteration would make a prefix of the paid jobs late (``_walk_paid``), that whole prefix
+        runs now, in latest-start order."""
+        walked, must_run, _ = self._walk_paid(now, est, est.iteration_s)
         for req in walked[:must_run]:
             if left <= 0:
                 break
@@ -236,6 +225,37 @@ class QoServeScheduler(BaseScheduler):
                 break
             left -= n
         return left
+
+    def _walk_paid(self, now: float, est: WorkEstimate, delay_s: float) -> tuple[list[Request], int, bool]:
+        """EDF feasibility of the paid prefills if they all wait ``delay_s`` more: walked by latest start with
+        their prefill time summed (job k is late unless the k jobs before it, itself included, finish prefill
+        first), at most ``paid_guard_window`` of them. Returns the jobs walked, the length of the longest
+        prefix that cannot wait, and whether every later paid job is shown able to wait."""
+        margin = self.config.risk_margin
+        horizon = now + delay_s * margin
+        walked: list[Request] = []
+        must_run = 0
+        ahead_s = 0.0
+        cleared = False
+        while len(walked) < self.config.paid_guard_window:
+            req = self._paid_by_start.peek()
+            if req is None:
+                cleared = True
+                break
+            start = self._latest_start(req)
+            if start - margin * self._paid_prefill_total_s > horizon:
+                cleared = True  # even behind every paid prompt queued this job and all later ones could wait
+                break
+            self._paid_pop(req.request_id)
+            if req.request_id not in self.waiting or predicted_finish(req, now, est) > first_deadline(req):
+                continue  # hopeless: left to relegation, no longer a candidate (until it is pushed again)
+            if start - margin * ahead_s <= horizon:  # late after the delay behind the jobs ahead
+                must_run = len(walked) + 1
+            ahead_s += self._prefill_s(req)
+            walked.append(req)
+        for req in walked:
+            self._paid_push(req)
+        return walked, must_run, cleared
 
     def _mark_preempted(self, out: SchedulerOutput) -> None:
         """Started prefills left out of this batch are paused; their KV stays allocated."""

@@ -245,3 +245,23 @@ def test_paid_guard_counts_a_batch_jobs_predicted_decode_time():
     short = batch("b", prompt=256, ttlt=0.6, max_tokens=30)
     short.predicted_output_len = 1
     assert _first_prefill([free, short]) == "free"
+
+
+def test_a_free_job_gives_way_when_its_whole_prefill_would_make_a_paid_job_late():
+    # EDF order (alpha 0); 256-token chunks of 35.6 ms. The free job is due first and would finish in time
+    # (2 chunks, 71 ms of its 120 ms); the paid job (due at 150 ms) could wait one chunk but not two.
+    def first(free_prompt: int) -> tuple[str, list[str]]:
+        s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=256, chunk_floor=256, adaptive_alpha=False,
+                             alpha_high_ms=0.0)
+        s.add_request(interactive("free", prompt=free_prompt, ttft=0.12, tier=Tier.FREE))
+        s.add_request(interactive("paid", prompt=256, ttft=0.15))
+        out = s.schedule(now=0.0)
+        return out.prefills[0].request.request_id, [r.request_id for r in out.relegated]
+
+    assert first(512) == ("paid", ["free"])  # relegated before it is overdue; it runs with spare budget later
+    assert first(256) == ("free", [])  # one chunk: the paid job can wait that long
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=256, chunk_floor=256, adaptive_alpha=False,
+                         alpha_high_ms=0.0, free_yields=False)
+    s.add_request(interactive("free", prompt=512, ttft=0.12, tier=Tier.FREE))
+    s.add_request(interactive("paid", prompt=256, ttft=0.15))
+    assert s.schedule(now=0.0).prefills[0].request.request_id == "free"
