@@ -15,7 +15,8 @@
   the exploration of Algorithm 1 stays uniform, but over arms that can still win, so
   exploring at large batch sizes no longer plays lengths already known to lose. Within a
   bucket, an exploration bin also skips arms that Lemma 1's confidence bound already
-  shows to be worse than the best one (``NightjarConfig.explore_delta``).
+  shows to be worse than the best one (``NightjarConfig.explore_delta``), and no arm more
+  than one above the best measured one (goodput is unimodal in gamma: ``unimodal``).
 * Elastic memory (section 5): with speculation off and free KV below tau_low for
   ``persist_steps`` iterations, offload the draft (the KV pool grows); reload it when
   the waiting queue is empty and free blocks exceed the draft's size + tau_low.
@@ -72,6 +73,11 @@ class NightjarConfig:
     # radius uses the arm's sample spread, not the worst-case range g_max (which never
     # separates arms on a window of 32 rewards). None: explore over every arm (Algorithm 1).
     explore_delta: float | None = 0.05
+    # Goodput is unimodal in gamma (accepted tokens grow ever slower with the length while draft and
+    # verification time grow about linearly), so a bucket tries and explores lengths only up to one above
+    # its best measured arm, as unimodal bandits explore the leader's neighbours: at a batch size where
+    # gamma 1 already loses to 0, gamma 2..5 are not each played once more.
+    unimodal: bool = True
 
 
 @dataclass
@@ -173,6 +179,8 @@ class GammaBandit:
     def choose(self, batch_size: int, switch_cost_s: float = 0.0) -> int:
         st = self.state_for(batch_size)
         cap = self.arm_cap(batch_size)
+        if self.config.unimodal:
+            cap = min(cap, self.leader_neighbour(st, cap))
         untried = [g for g in range(cap + 1) if not st.rewards[g]]
         if untried:
             return untried[0]
@@ -182,6 +190,12 @@ class GammaBandit:
             arms = self.explorable(st, cap)
             return arms[self.rng.randrange(len(arms))]
         return self.exploit(st, switch_cost_s, cap, batch_size)
+
+    @staticmethod
+    def leader_neighbour(st: _BinState, cap: int) -> int:
+        """One above the arm with the best mean reward so far (0 before any reward)."""
+        tried = [(m, g) for g in range(cap + 1) if (m := st.mean(g)) is not None]
+        return max(tried)[1] + 1 if tried else 0
 
     def explorable(self, st: _BinState, cap: int) -> list[int]:
         """Arms 0..cap whose confidence interval reaches the best arm's lower bound."""

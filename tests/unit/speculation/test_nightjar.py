@@ -45,6 +45,16 @@ def test_converges_to_best_arm_and_switches_after_change():
     assert late[4] > 0.6 * 500
 
 
+def test_unimodal_search_never_plays_lengths_above_one_that_loses():
+    rng = random.Random(5)
+    means = [20.0, 12.0, 30.0, 30.0, 30.0, 30.0]  # gamma 1 loses to 0: the climb stops there
+    counts = play(GammaBandit(NightjarConfig(max_gamma=5, seed=1)), means, 600, rng, batch=64)
+    assert set(counts) == {0, 1} and counts[0] > 0.8 * 600
+    # without the unimodal prior every length is tried (and explored) at least once
+    counts = play(GammaBandit(NightjarConfig(max_gamma=5, seed=1, unimodal=False)), means, 600, rng, batch=64)
+    assert set(counts) == {0, 1, 2, 3, 4, 5}
+
+
 def test_switch_cost_keeps_speculation_off_when_gain_is_small():
     b = GammaBandit(NightjarConfig(max_gamma=2))
     for g, r in [(0, 100.0), (1, 104.0), (2, 101.0)]:
