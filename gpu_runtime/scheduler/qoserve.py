@@ -118,6 +118,7 @@ class QoServeScheduler(BaseScheduler):
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
         if len(self.waiting) + len(self.relegated) == 0:
             return
+        self._yield_memo: dict[int, bool] = {}
         self._update_alpha()
         # Alg. 1 lines 5-7: budget C from the minimum decode slack; the chunk's attention starts where
         # the first prompt in line stopped (a continued long prompt costs more than a fresh one).
@@ -168,9 +169,12 @@ class QoServeScheduler(BaseScheduler):
         spare budget. Also when the paid queue is too long to show that within the guard's window."""
         if not (self.config.free_yields and req.qos.tier is Tier.FREE and len(self._paid_by_start)):
             return False
-        delay = math.ceil(req.prefill_remaining / max(1, est.budget)) * est.iteration_s  # its prefill iterations
-        _, must_run, cleared = self._walk_paid(now, est, delay)
-        return must_run > 0 or not cleared
+        iterations = math.ceil(req.prefill_remaining / max(1, est.budget))  # how long its prefill holds the budget
+        verdict = self._yield_memo.get(iterations)  # one walk per distinct delay and iteration
+        if verdict is None:
+            _, must_run, cleared = self._walk_paid(now, est, iterations * est.iteration_s)
+            verdict = self._yield_memo[iterations] = must_run > 0 or not cleared
+        return verdict
 
     def _run_unpreemptable(self, out: SchedulerOutput, now: float, kv: KVBudget, left: int,
                            est: WorkEstimate) -> int:
