@@ -31,9 +31,10 @@ def submit(base, key, **body):
 @pytest.fixture
 def overloaded(live_server, keys, start_worker):
     """A paid job holding the whole (tiny) KV pool, and a free job with a 1 ms TTFT: relegated."""
-    # 32 blocks x 16 tokens; the paid job reserves prompt + max_tokens at admission
+    # 32 blocks x 16 tokens; the paid job reserves prompt + max_tokens at admission (not the 2 tokens the
+    # warm-up jobs' history would predict), so the free job cannot start beside it
     start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_KV_BLOCKS="32",
-                 COSERVE_STEP_DELAY_S="0.08")
+                 COSERVE_STEP_DELAY_S="0.08", COSERVE_KV_RESERVE="max_tokens")
     # a few finished jobs first, so the SLO chart has points
     done = [submit(live_server, key, prompt="Hi", max_tokens=2, ignore_eos=True, ttft_ms=ttft)
             for key, ttft in ((keys.paid, 60_000), (keys.free, 60_000), (keys.free, 1))]
