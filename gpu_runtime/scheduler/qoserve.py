@@ -188,7 +188,11 @@ class QoServeScheduler(BaseScheduler):
             if self._at_risk(req, now, est):
                 urgent.append(req)
         urgent.sort(key=lambda r: hybrid_priority(r, self.alpha.alpha_s))
-        for req in urgent:
+        return self._run_out_of_order(urgent, left, kv, out)
+
+    def _run_out_of_order(self, reqs: list[Request], left: int, kv: KVBudget, out: SchedulerOutput) -> int:
+        """Chunks for ``reqs`` in their order ahead of the priority order, until the budget or KV runs out."""
+        for req in reqs:
             if left <= 0:
                 break
             n = self._take_out_of_order(req, left, kv, out)
@@ -221,14 +225,7 @@ class QoServeScheduler(BaseScheduler):
         one more iteration would make a prefix of the paid jobs late (``_walk_paid``), that whole prefix
         runs now, in latest-start order."""
         walked, must_run, _ = self._walk_paid(now, est, est.iteration_s)
-        for req in walked[:must_run]:
-            if left <= 0:
-                break
-            n = self._take_out_of_order(req, left, kv, out)
-            if n == 0:
-                break
-            left -= n
-        return left
+        return self._run_out_of_order(walked[:must_run], left, kv, out)
 
     def _walk_paid(self, now: float, est: WorkEstimate, delay_s: float) -> tuple[list[Request], int, bool]:
         """EDF feasibility of the paid prefills if they all wait ``delay_s`` more: walked by latest start with
