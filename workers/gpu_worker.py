@@ -42,6 +42,7 @@ from gpu_runtime.factory import build_engine, resolve_device
 from gpu_runtime.qos import QoSClass, QoSSpec, Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
+from workers import decode_history
 from workers import lease as leases
 from workers.celery_app import get_celery, queue_name
 from workers.control import start_control_listener
@@ -93,6 +94,10 @@ class GpuWorker:
                             cost_profile=self.settings.cost_profile, kv_reserve=self.settings.kv_reserve,
                             tokenizer=self.tokenizer)
         log.info("worker %s: engine ready on %s in %.1fs", self.worker_id, self.device, time.monotonic() - t0)
+        history = getattr(self.engine.scheduler, "history", None)
+        if history is not None:  # predicted output lengths (KV admission, batch deadlines) from what finished
+            with session_scope(self.url) as s:
+                decode_history.seed(history, decode_history.finished_lengths(s, self.settings.model_name))
         self._register()
         # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub
         self.threads.append(start_control_listener(self.engine, self.worker_id, self.settings.redis_url,
