@@ -441,6 +441,10 @@ def run_worker(settings: Settings) -> None:
     """``coserve worker``: migrate, load the model, consume the model's queue until stopped."""
     if not settings.redis_url:
         raise SystemExit("REDIS_URL is not set; start Redis (or use `coserve up`) and export REDIS_URL")
+    # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a CPU shared with the API
+    # and Redis, spinning threads stalled every parallel region (bench_spec_engine with one core busy:
+    # 6.2 -> 12.5 tok/s); on a quiet machine the two settings measured the same. An explicit value wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     upgrade(settings.sqlalchemy_url)
     runtime = GpuWorker(settings)
     runtime.start()
