@@ -73,9 +73,10 @@ class Request:
     def prefill_token_ids(self, start: int, n: int) -> list[int]:
         """Tokens ``start .. start+n`` of the prefill (prompt, then recomputed outputs)."""
         plen = len(self.prompt_token_ids)
-        if start + n <= plen:
-            return self.prompt_token_ids[start:start + n]
-        return (self.prompt_token_ids + self.output_token_ids)[start:start + n]
+        piece = self.prompt_token_ids[start:start + n]
+        if start + n > plen:
+            piece += self.output_token_ids[max(0, start - plen):start + n - plen]
+        return piece
 
     def release_kv(self) -> None:
         """Forget the cached KV (its blocks were freed): the next prefill recomputes the prompt and every

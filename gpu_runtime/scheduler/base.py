@@ -11,7 +11,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpu_runtime.qos import QoSClass, Tier
+from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.config import SchedulerConfig
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
@@ -36,18 +36,22 @@ class KVBudget:
     the scheduler releases (and later recomputes) the KV of the least urgent job if the
     cache still runs out."""
 
-    def __init__(self, executor: Executor | None, watermark: float, footprint_blocks: int = 0,
-                 output_reserve: Callable[[Request], int] | None = None) -> None:
+    def __init__(self, executor: Executor | None, watermark: float, footprint_blocks: int,
+                 output_reserve: Callable[[Request], int]) -> None:
         self.executor = executor
-        self.output_reserve = output_reserve or (lambda req: req.sampling.max_tokens)
+        self.output_reserve = output_reserve
         if executor is None:
             self.free, self.total, self.reserve, self.outstanding, self.block_size = 1 << 60, 1 << 60, 0, 0, 1
             return
         cap = executor.capacity()
-        self.free, self.total, self.block_size = cap.free_blocks, cap.total_blocks, cap.block_size
+        self.total, self.block_size = cap.total_blocks, cap.block_size
         self.reserve = int(watermark * cap.total_blocks)
-        # Blocks admitted requests may still claim: their reserved footprints minus what they hold.
-        self.outstanding = max(0, footprint_blocks - (cap.total_blocks - cap.free_blocks))
+        self.refresh(cap.free_blocks, footprint_blocks)
+
+    def refresh(self, free_blocks: int, footprint_blocks: int) -> None:
+        """Free blocks now, and the blocks admitted requests may still claim (reserved footprints minus held)."""
+        self.free = free_blocks
+        self.outstanding = max(0, footprint_blocks - (self.total - free_blocks))
 
     @property
     def free_fraction(self) -> float:
@@ -110,9 +114,9 @@ class BaseScheduler(Scheduler):
         self._new_admits = 0  # prompts started in the batch being formed
         self._footprint = 0  # KV blocks reserved by every request holding KV (admission control)
         self._holders: dict[str, int] = {}  # request -> its blocks counted in ``_footprint``
-        self._output_reserve: dict[str, int] = {}  # request -> output tokens its footprint reserves
         if config.kv_reserve not in ("predicted", "max_tokens"):
             raise ValueError(f"kv_reserve must be 'predicted' or 'max_tokens', not {config.kv_reserve!r}")
+        self._reserve_predicted = config.kv_reserve == "predicted"
 
     @abstractmethod
     def _make_queue(self) -> RequestQueue:
@@ -146,21 +150,20 @@ class BaseScheduler(Scheduler):
 
     # ---- Scheduler interface ----
     def add_request(self, request: Request) -> None:
-        predicted = self.history.predict(request.app_id, request.sampling.max_tokens)
-        if request.qos.qos_class is QoSClass.BATCH and request.predicted_output_len is None:
-            request.predicted_output_len = predicted
-        if self.config.kv_reserve == "predicted":
-            self._output_reserve[request.request_id] = predicted
+        # Every class gets the prediction: batch deadlines read it (eq. 5), KV admission reserves it.
+        if request.predicted_output_len is None:
+            request.predicted_output_len = self.history.predict(request.app_id, request.sampling.max_tokens)
         self._push_waiting(request)
 
     def _reserved_output(self, req: Request) -> int:
         """Output tokens a request's KV footprint reserves (``kv_reserve``)."""
-        return self._output_reserve.get(req.request_id, req.sampling.max_tokens)
+        if self._reserve_predicted and req.predicted_output_len is not None:
+            return req.predicted_output_len
+        return req.sampling.max_tokens
 
     def abort_request(self, request_id: str) -> Request | None:
         self._on_leave(request_id)
         self._release(request_id)
-        self._output_reserve.pop(request_id, None)
         self.started.discard(request_id)
         req = self._remove_waiting(request_id) or self.relegated.remove(request_id) or \
             self.running.pop(request_id, None)
@@ -225,21 +228,18 @@ class BaseScheduler(Scheduler):
                 self._forget(req)
                 continue
             if req.predicted_output_len is not None and req.num_output_tokens >= req.predicted_output_len:
-                # Outlived its predicted length: re-estimate what is left (its slack and priority read it).
+                # Outlived its predicted length: re-estimate what is left (its slack and priority read it) and,
+                # when admission reserved the prediction, reserve up to the new one (new prompts wait for it).
                 req.predicted_output_len = self.history.predict_beyond(req.app_id, req.num_output_tokens,
                                                                        req.sampling.max_tokens)
-            reserved = self._output_reserve.get(req.request_id)
-            if reserved is not None and req.num_output_tokens >= reserved:
-                self._reserve_more(req)
+                if self._reserve_predicted:
+                    self._reserve_again(req)
 
-    def _reserve_more(self, req: Request) -> None:
-        """A job outlived the output its footprint reserved: reserve up to a re-estimate (admission of new
-        prompts then waits for the room; nothing running is touched)."""
-        more = self.history.predict_beyond(req.app_id, req.num_output_tokens, req.sampling.max_tokens)
-        self._output_reserve[req.request_id] = more
-        if req.request_id in self._holders and self.executor is not None:
-            fp = footprint_blocks(req, more, self.executor.capacity().block_size)
-            self._footprint += fp - self._holders[req.request_id]
+    def _reserve_again(self, req: Request) -> None:
+        held = self._holders.get(req.request_id)
+        if held is not None and self.executor is not None:
+            fp = footprint_blocks(req, self._reserved_output(req), self.executor.capacity().block_size)
+            self._footprint += fp - held
             self._holders[req.request_id] = fp
 
     def _make_room_for_decodes(self, kv: KVBudget, out: SchedulerOutput) -> None:
@@ -258,8 +258,7 @@ class BaseScheduler(Scheduler):
                 need -= kv.need(req, 1)
             self._release_kv(req)
             out.recomputed.append(req)
-            kv.free = self.executor.capacity().free_blocks  # type: ignore[union-attr]
-            kv.outstanding = max(0, self._footprint - (kv.total - kv.free))
+            kv.refresh(self.executor.capacity().free_blocks, self._footprint)  # type: ignore[union-attr]
         if out.recomputed:
             log.info("KV exhausted: released the KV of %d requests (recomputed later)", len(out.recomputed))
 
@@ -292,7 +291,6 @@ class BaseScheduler(Scheduler):
     def _forget(self, req: Request) -> None:
         self._on_leave(req.request_id)
         self._release(req.request_id)
-        self._output_reserve.pop(req.request_id, None)
         self.running.pop(req.request_id, None)
         self._remove_waiting(req.request_id)
         self.relegated.remove(req.request_id)

@@ -51,6 +51,7 @@ class QoServeScheduler(BaseScheduler):
         self._paid_by_start = PriorityQueue(self._latest_start)
         self._paid_prefill_s: dict[str, float] = {}
         self._paid_prefill_total_s = 0.0
+        self._yield_memo: dict[int, bool] = {}  # this iteration's free-yield verdicts by prefill iterations
 
     def _prefill_s(self, req: Request) -> float:
         return req.prefill_remaining * self._sec_per_prefill_token
@@ -118,7 +119,7 @@ class QoServeScheduler(BaseScheduler):
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
         if len(self.waiting) + len(self.relegated) == 0:
             return
-        self._yield_memo: dict[int, bool] = {}
+        self._yield_memo.clear()
         self._update_alpha()
         # Alg. 1 lines 5-7: budget C from the minimum decode slack; the chunk's attention starts where
         # the first prompt in line stopped (a continued long prompt costs more than a fresh one).

@@ -50,7 +50,7 @@ def test_a_job_past_its_reserve_is_reserved_again():
     s.running["a"] = r
     out = s.schedule(0.2)
     s.update_from_output(out, 0.3)
-    assert s._output_reserve["a"] == 24  # twice what it produced: fewer than 3 longer jobs known
+    assert r.predicted_output_len == 24  # twice what it produced: fewer than 3 longer jobs known
     assert s._footprint == -(-(20 + 24) // 16) + 1 > before
 
 
