@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     # default QoS
     default_ttft_ms: float = 2000.0
     default_tbt_ms: float = 200.0
+    tbt_anchor: Literal["arrival", "first-token"] = Field(
+        "arrival", description="where interactive TBT deadlines start: 'arrival' (QoServe eq. 2, t_arr + TTFT: a "
+                               "first token that came early banks slack the scheduler may spend mid-stream) or "
+                               "'first-token' (stream pace: token n is due (n-1) TBT after the first)")
     default_batch_window_s: float = 24 * 3600.0
     default_max_tokens: int = 256
     # per-endpoint interactive defaults for OpenAI requests that give no ttft_ms/tbt_ms (unset: the

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from gpu_runtime.qos import QoSClass
+from gpu_runtime.qos import QoSClass, token_deadline
 from gpu_runtime.request import Request
 
 
@@ -43,10 +43,11 @@ def request_metrics(req: Request) -> RequestMetrics:
 
 
 def slo_met(req: Request) -> bool:
-    """Interactive: every token meets its eq. 1/2 deadline; batch: last token by eq. 3."""
+    """Interactive: every token meets its eq. 1/2 deadline (as its QoS anchors them); batch: last token by eq. 3."""
     if not req.token_times:
         return False
     if req.qos.qos_class is QoSClass.INTERACTIVE:
-        return all(t <= req.arrival_time + req.qos.ttft_s + i * req.qos.tbt_s + 1e-9  # type: ignore[operator]
+        first = req.token_times[0]
+        return all(t <= token_deadline(req.arrival_time, req.qos, i + 1, first) + 1e-9
                    for i, t in enumerate(req.token_times))
     return req.token_times[-1] <= req.arrival_time + req.qos.ttlt_s + 1e-9  # type: ignore[operator]

@@ -14,6 +14,13 @@ class QoSClass(StrEnum):
     BATCH = "batch"  # time-to-last-token deadline
 
 
+class TbtAnchor(StrEnum):
+    """Where an interactive job's per-token deadlines start (eq. 2 and its stream-pace variant)."""
+
+    ARRIVAL = "arrival"  # QoServe eq. 2: D_n = t_arr + TTFT + (n-1)*TBT; early first tokens bank slack
+    FIRST_TOKEN = "first-token"  # stream pace: D_n = min(t_arr + TTFT, t_first) + (n-1)*TBT
+
+
 class Tier(StrEnum):
     FREE = "free"  # relegated first under overload (QoServe 3.4)
     PAID = "paid"  # relegated only once violated and no free job remains
@@ -26,6 +33,7 @@ class QoSSpec:
     ttft_s: float | None = None  # interactive: time-to-first-token target
     tbt_s: float | None = None  # interactive: time-between-tokens target
     ttlt_s: float | None = None  # batch: time-to-last-token target, relative to arrival
+    tbt_anchor: TbtAnchor = TbtAnchor.ARRIVAL  # interactive: where the TBT deadlines of tokens 2.. start
 
     def __post_init__(self) -> None:
         if self.qos_class is QoSClass.INTERACTIVE and (self.ttft_s is None or self.tbt_s is None):
@@ -41,10 +49,17 @@ def first_token_deadline(arrival: float, qos: QoSSpec) -> float:
     return arrival + qos.ttlt_s  # type: ignore[operator]
 
 
-def token_deadline(arrival: float, qos: QoSSpec, n: int) -> float:
-    """Eq. 2: D_n = t_arr + TTFT + (n-1)*TBT for the n-th output token (n >= 1)."""
+def token_deadline(arrival: float, qos: QoSSpec, n: int, first_token_time: float | None = None) -> float:
+    """Eq. 2: D_n = t_arr + TTFT + (n-1)*TBT for the n-th output token (n >= 1).
+
+    With ``TbtAnchor.FIRST_TOKEN`` the deadlines of tokens 2.. start at the first token when it
+    came before its deadline, so TTFT slack is not spent mid-stream: the stream keeps its TBT
+    pace (what a TPOT measured from the first token asks). Never later than eq. 2."""
     if qos.qos_class is QoSClass.INTERACTIVE:
-        return arrival + qos.ttft_s + (n - 1) * qos.tbt_s  # type: ignore[operator]
+        start = arrival + qos.ttft_s  # type: ignore[operator]
+        if first_token_time is not None and qos.tbt_anchor is TbtAnchor.FIRST_TOKEN:
+            start = min(start, first_token_time)
+        return start + (n - 1) * qos.tbt_s  # type: ignore[operator]
     return arrival + qos.ttlt_s  # type: ignore[operator]
 
 

@@ -100,7 +100,7 @@ class Request:
 
     def next_token_deadline(self) -> float:
         """Deadline of the next output token (eq. 1/2 for interactive, eq. 3 for batch)."""
-        return token_deadline(self.arrival_time, self.qos, self.num_output_tokens + 1)
+        return token_deadline(self.arrival_time, self.qos, self.num_output_tokens + 1, self.first_token_time)
 
     def completion_deadline(self) -> float | None:
         return completion_deadline(self.arrival_time, self.qos)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_runtime.executor.base import KVCapacity, StepResult
-from gpu_runtime.qos import QoSClass, QoSSpec
+from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 from gpu_runtime.sim.acceptance import DATA_FILE, AcceptanceModel, EmpiricalAcceptance, GeometricAcceptance
@@ -420,7 +420,7 @@ def adaserve_slos(profile: RooflineProfile, batch_hint: int = 16) -> dict[str, f
 
 
 def poisson_arrivals(rps: float, duration_s: float, slos: dict[str, float], seed: int = 0,
-                     mix: dict[str, float] = ADASERVE_MIX) -> list[Arrival]:
+                     mix: dict[str, float] = ADASERVE_MIX, tbt_anchor: TbtAnchor = TbtAnchor.ARRIVAL) -> list[Arrival]:
     rng = random.Random(seed)
     out, t = [], 0.0
     cats, weights = list(mix), list(mix.values())
@@ -431,7 +431,7 @@ def poisson_arrivals(rps: float, duration_s: float, slos: dict[str, float], seed
             return out
         cat = rng.choices(cats, weights)[0]
         p, o = shapes[cat]
-        qos = QoSSpec(QoSClass.INTERACTIVE, ttft_s=10.0, tbt_s=slos[cat])
+        qos = QoSSpec(QoSClass.INTERACTIVE, ttft_s=10.0, tbt_s=slos[cat], tbt_anchor=tbt_anchor)
         out.append(Arrival(t, max(16, int(rng.gauss(p, p / 4))), max(8, int(rng.gauss(o, o / 4))),
                            ACCEPTANCE_CATEGORY[cat], qos))
 

@@ -39,7 +39,7 @@ from app.services.streaming import CANCEL_CHANNEL, StreamEvent, publish
 from app.services.transitions import ACTIVE, as_utc, transition, utcnow
 from app.settings import Settings
 from gpu_runtime.factory import build_engine, resolve_device
-from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 from workers import decode_history
@@ -209,7 +209,8 @@ class GpuWorker:
             qos = QoSSpec(QoSClass.BATCH, tier, ttlt_s=max(1e-3, (as_utc(job.deadline_at) - created).total_seconds()))
         else:
             qos = QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=(job.ttft_ms or self.settings.default_ttft_ms) / 1e3,
-                          tbt_s=(job.tbt_ms or self.settings.default_tbt_ms) / 1e3)
+                          tbt_s=(job.tbt_ms or self.settings.default_tbt_ms) / 1e3,
+                          tbt_anchor=TbtAnchor(self.settings.tbt_anchor))
         # arrival on the engine clock = when the job was submitted, so queueing counts against TTFT
         waited = (utcnow() - created).total_seconds()
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),

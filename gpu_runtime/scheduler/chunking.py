@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gpu_runtime.costmodel.base import CostModel, saturation_tokens
 from gpu_runtime.costmodel.features import BatchFeatures
-from gpu_runtime.qos import QoSClass
+from gpu_runtime.qos import QoSClass, TbtAnchor
 from gpu_runtime.request import Request
 from gpu_runtime.scheduler.priority import decode_remaining
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def decode_slack(req: Request, now: float) -> float:
     """Time left before the request's next token is due (QoServe 3.2: slack to the next deadline).
 
-    Interactive: max(D_n (eq. 2), t_last + TBT) - now. Batch: the per-token time its TTLT
+    Interactive: max(D_n (eq. 2, anchored as its QoS says), t_last + TBT) - now. Batch: the per-token time its TTLT
     still allows, (D_total - now) / predicted tokens left (eq. 3). A job that is already
     violated or relegated cannot be saved by smaller chunks, so it must not pin the budget
     to the floor (that collapses prefill throughput and cascades under overload): an
@@ -49,13 +49,16 @@ def decode_slack(req: Request, now: float) -> float:
 def min_slack(decodes: Iterable[Request], now: float) -> float:
     """min over decodes of ``decode_slack`` (inlined for on-time interactive ones: this runs every iteration)."""
     best = math.inf
-    interactive = QoSClass.INTERACTIVE
+    interactive, first_token = QoSClass.INTERACTIVE, TbtAnchor.FIRST_TOKEN
     for r in decodes:
         q = r.qos
         if q.qos_class is interactive and not r.relegation_count:
             tbt = q.tbt_s
-            d_n = r.arrival_time + q.ttft_s + len(r.output_token_ids) * tbt  # type: ignore[operator]  # eq. 2
             times = r.token_times
+            start = r.arrival_time + q.ttft_s  # type: ignore[operator]
+            if times and q.tbt_anchor is first_token and times[0] < start:  # stream pace (TbtAnchor)
+                start = times[0]
+            d_n = start + len(r.output_token_ids) * tbt  # type: ignore[operator]  # eq. 2
             if now <= d_n and (not times or times[-1] + tbt <= d_n + 1e-9):  # on schedule
                 s = d_n - now
             else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu_runtime.costmodel.linear import PiecewiseLinearCostModel
-from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 
@@ -12,9 +12,9 @@ COST = PiecewiseLinearCostModel([0.010, 0.0, 1e-4, 0.0, 0.0, 0.0], 0.0)
 
 
 def interactive(rid: str, arrival: float = 0.0, prompt: int = 100, ttft: float = 1.0, tbt: float = 0.05,
-                tier: Tier = Tier.PAID, max_tokens: int = 10) -> Request:
+                tier: Tier = Tier.PAID, max_tokens: int = 10, anchor: TbtAnchor = TbtAnchor.ARRIVAL) -> Request:
     return Request(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=ttft, tbt_s=tbt), arrival)
+                   QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=ttft, tbt_s=tbt, tbt_anchor=anchor), arrival)
 
 
 def batch(rid: str, arrival: float = 0.0, prompt: int = 100, ttlt: float = 100.0, tier: Tier = Tier.PAID,

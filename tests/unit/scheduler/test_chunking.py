@@ -106,3 +106,24 @@ def test_search_space_is_profile_driven():
 
     heavy = PiecewiseLinearCostModel([0.100, 0.0, 1e-4, 0.0, 0.0, 0.0], 0.0)
     assert build_search_space(heavy)[-1] > small[-1]
+
+
+def test_first_token_anchor_keeps_the_stream_at_its_pace():
+    """Eq. 2 lets a first token that came 0.6 s early bank 0.6 s for the chunks after it; with
+    the first-token anchor the next token is due one TBT after the last on-pace one."""
+    from gpu_runtime.qos import TbtAnchor
+
+    times = [0.4, 0.45, 0.5]  # first token 0.6 s before D_1 = 1.0, then on pace
+    banked = decoding(interactive("a", ttft=1.0, tbt=0.05), outputs=3, times=times)
+    paced = decoding(interactive("b", ttft=1.0, tbt=0.05, anchor=TbtAnchor.FIRST_TOKEN), outputs=3, times=times)
+    assert math.isclose(decode_slack(banked, now=0.5), 0.65)  # D_4 = 1.0 + 3 * 0.05
+    assert math.isclose(decode_slack(paced, now=0.5), 0.05)  # D_4 = 0.4 + 3 * 0.05
+    for now in (0.5, 0.52, 0.56, 2.0):
+        assert math.isclose(min_slack([paced], now), decode_slack(paced, now))
+        assert math.isclose(min_slack([banked, paced], now), min(decode_slack(banked, now), decode_slack(paced, now)))
+    budget = ChunkBudget(COST, [64, 128, 256, 512, 1024], safety=1.2)
+    assert budget.choose([banked], now=0.5).budget == 1024
+    assert budget.choose([paced], now=0.5).budget == 256  # 0.0357 * 1.2 <= 0.05 < 0.0613 * 1.2
+    # A first token later than D_1 keeps eq. 2: the anchor never loosens a deadline.
+    late = decoding(interactive("c", ttft=1.0, tbt=0.05, anchor=TbtAnchor.FIRST_TOKEN), outputs=1, times=[1.2])
+    assert math.isclose(late.next_token_deadline(), 1.05)
