@@ -13,13 +13,16 @@ per-category rates of the engine's PromptLookupDrafter on the real default model
 (ops/measure_acceptance.py), charged its measured host CPU propose time per request
 (``--measure-drafter`` re-times it here). ``--drafter draft-model`` charges
 ``--draft-cost-ms`` per tree level with an ASSUMED acceptance (no draft model's acceptance
-is measured; the output says so). Every policy runs the
-same arrivals; the table prints SLO attainment (TPOT target met and first token within
-the TTFT target: see ``_metrics``) and goodput (tokens/s of requests that attained), with AdaServe's ratio to the best of vLLM-Spec(n) and the static
-tree at each rate.
+is measured; the output says so). Every policy runs the same arrivals; the tables print
+SLO attainment (TPOT target met and first token within the TTFT target: see ``_metrics``)
+and goodput (tokens/s of requests that attained).
 
+Two comparisons, both printed: the paper's, of systems (coserve with AdaServe against
+vLLM-Spec(n) and the static tree on vLLM-style scheduling: FCFS, decodes first, 2048 prefill
+tokens per step), and the speculation policy alone (every policy on coserve's scheduler).
 The engine stack schedules each stream's TBT deadlines from its first token by default
-(``--tbt-anchor``), the pace the scored mean TPOT measures.
+(``--tbt-anchor``), the pace the scored mean TPOT measures; the vLLM-style scheduler has no
+deadlines.
 
     python ops/bench_spec_sim.py [--duration 60] [--rps 2 4 6 8]
 """
@@ -45,7 +48,7 @@ BASELINES = ["none", "chain-1", "chain-2", "chain-4", "chain-6", "static-tree"]
 
 def simulate_engine(policy_name, arrivals: list[Arrival], cost_model, acceptance, draft_cost_s: float,
                     seed: int = 0, drafter: DrafterSpec | None = None,
-                    score_until: float | None = None) -> RunMetrics:
+                    score_until: float | None = None, scheduler: tuple[str, dict] = ("qoserve", {})) -> RunMetrics:
     """Engine + QoServe + SimExecutor: arrivals join at their time on the simulated clock."""
     from gpu_runtime.engine import Engine
     from gpu_runtime.executor.sim import SimExecutor
@@ -62,7 +65,7 @@ def simulate_engine(policy_name, arrivals: list[Arrival], cost_model, acceptance
                          draft_cpu_s_per_request=drafter.cpu_s_per_request,
                          draft_cpu_s_per_context_token=drafter.cpu_s_per_context_token)
     policy = create_policy(policy_name) if isinstance(policy_name, str) else policy_name
-    engine = Engine(ex, create_scheduler("qoserve", cost_model=cost_model, executor=ex), policy)
+    engine = Engine(ex, create_scheduler(scheduler[0], cost_model=cost_model, executor=ex, **scheduler[1]), policy)
     pending = sorted(arrivals, key=lambda a: a.time)
     reqs, info, busy, steps = [], {}, 0.0, 0
     i = 0
@@ -96,19 +99,33 @@ SPEC_BASELINES = [b for b in BASELINES if b != "none"]  # vLLM-Spec(n) and the s
 GOALS = (("SLO attainment", "attainment", 2.0), ("goodput", "goodput", 1.5))  # AdaServe vs best baseline
 
 
-def print_goals(rows) -> bool:
+def print_goals(rows, versus: str = "", label: str = "") -> bool:
     """AdaServe's targets at the highest RPS: attainment >= 2x and goodput >= 1.5x the best
-    of vLLM-Spec(n) and the static tree (paper: up to 4.3x fewer violations, 1.9x goodput)."""
+    of vLLM-Spec(n) and the static tree (paper: up to 4.3x fewer violations, 1.9x goodput).
+    ``versus`` prefixes the baselines' result keys (``VLLM`` for the vLLM-style stack)."""
     rps, _, res = rows[-1]
     ok_all = True
-    print(f"\ngoals at the highest RPS ({rps:g}), AdaServe vs best of {', '.join(SPEC_BASELINES)}:")
-    for label, attr, need in GOALS:
-        best = max(SPEC_BASELINES, key=lambda b: getattr(res[b], attr))
-        have, ref = getattr(res["adaserve"], attr), getattr(res[best], attr)
+    print(f"\ngoals at the highest RPS ({rps:g}), {label}:")
+    for name, attr, need in GOALS:
+        best = max(SPEC_BASELINES, key=lambda b: getattr(res[versus + b], attr))
+        have, ref = getattr(res["adaserve"], attr), getattr(res[versus + best], attr)
         ok = have >= need * ref if ref > 0 else have > 0
         ok_all &= ok
-        print(f"  {label:15s} >= {need:.1f}x: {fmt_ratio(have, ref):>6s} (best {best})  {'PASS' if ok else 'FAIL'}")
+        print(f"  {name:15s} >= {need:.1f}x: {fmt_ratio(have, ref):>6s} (best {best})  {'PASS' if ok else 'FAIL'}")
     return ok_all
+
+
+# vLLM-Spec(n) and SpecInfer as systems: vLLM V1's scheduling on this A100 profile (FCFS, decodes
+# first, chunked prefill with the API server's 2048-token budget; here the budget is prefill tokens).
+VLLM = "vllm:"
+VLLM_SCHEDULER = ("sarathi-fcfs", {"chunk_size": 2048})
+
+
+def print_table(rows, names: list[str], prefix: str = "") -> None:
+    print(f"{'RPS':>5s} {'reqs':>5s} " + " ".join(f"{n:>16s}" for n in names))
+    for rps, n, res in rows:
+        print(f"{rps:5.1f} {n:5d} " + " ".join(f"{res[prefix + k].attainment * 100:6.1f}% {res[prefix + k].goodput:7.0f}t/s"
+                                             for k in names))
 
 
 def engine_setup():
@@ -149,6 +166,9 @@ def main() -> None:
                          "(default) paces every stream from its first token, which is what the mean TPOT scored "
                          "here measures; arrival is QoServe's eq. 2 (t_arr + TTFT), which lets the scheduler "
                          "spend the loose 10-s TTFT target mid-stream")
+    ap.add_argument("--vllm-stack", action=argparse.BooleanOptionalAction, default=True,
+                    help="engine stack: also run the static baselines on vLLM-style scheduling, the systems the "
+                         "paper compares against")
     ap.add_argument("--measure-drafter", action="store_true",
                     help="time PromptLookupDrafter.propose on this host and use that cost")
     args = ap.parse_args()
@@ -158,16 +178,18 @@ def main() -> None:
         per_req, per_tok = measure_prompt_lookup_cost()
         drafter = DrafterSpec(drafter.name, model=False, cpu_s_per_request=per_req, cpu_s_per_context_token=per_tok)
     acceptance = acceptance_for(drafter)
+    vllm_stack = args.stack == "engine" and args.vllm_stack
     if args.stack == "engine":
         cost_model, slos = engine_setup()
 
-        def run(name, arrivals):
+        def run(name, arrivals, scheduler=("qoserve", {})):
             return simulate_engine(name, arrivals, cost_model, acceptance, args.draft_cost_ms / 1e3, args.seed,
-                                   drafter=drafter, score_until=args.duration if args.tail > 0 else None)
+                                   drafter=drafter, score_until=args.duration if args.tail > 0 else None,
+                                   scheduler=scheduler)
     else:
         slos = adaserve_slos(profile)
 
-        def run(name, arrivals):
+        def run(name, arrivals, scheduler=None):
             return simulate(create_policy(name), arrivals, profile, acceptance, seed=args.seed, drafter=drafter)
     print(describe_drafter(drafter, args.draft_cost_ms if args.stack == "engine" else None))
     print("TPOT SLOs (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in slos.items())
@@ -178,26 +200,29 @@ def main() -> None:
         arrivals = poisson_arrivals(rps, args.duration + (args.tail if args.stack == "engine" else 0.0), slos,
                                     seed=args.seed, tbt_anchor=TbtAnchor(args.tbt_anchor))
         res = {name: run(name, arrivals) for name in [*BASELINES, "adaserve"]}
+        if vllm_stack:
+            res |= {VLLM + name: run(name, arrivals, VLLM_SCHEDULER) for name in BASELINES}
         rows.append((rps, res["none"].requests, res))
-    print(f"\n{'RPS':>5s} {'reqs':>5s} " + " ".join(f"{n:>16s}" for n in [*BASELINES, "adaserve"])
-          + f" {'attain vs best':>15s} {'goodput vs best':>16s}")
-    for rps, n, res in rows:
-        best_att = max(res[b].attainment for b in BASELINES if b != "none")
-        best_good = max(res[b].goodput for b in BASELINES if b != "none")
-        cells = " ".join(f"{res[k].attainment * 100:6.1f}% {res[k].goodput:7.0f}t/s" for k in [*BASELINES, "adaserve"])
-        print(f"{rps:5.1f} {n:5d} {cells} {fmt_ratio(res['adaserve'].attainment, best_att):>15s} "
-              f"{fmt_ratio(res['adaserve'].goodput, best_good):>16s}")
+    names = [*BASELINES, "adaserve"]
+    stack = "coserve (QoServe scheduler)" if args.stack == "engine" else "decode-level harness"
+    print(f"\nSLO attainment and goodput, every policy on {stack}:")
+    print_table(rows, names)
+    if vllm_stack:
+        print("\nthe baselines as systems: vLLM-style scheduling (FCFS, decodes first, 2048 prefill tokens per step):")
+        print_table(rows, BASELINES, VLLM)
     print("\nTPOT-only attainment (the paper's definition; counts requests deferred past their TTFT target):")
     for rps, n, res in rows:
-        print(f"{rps:5.1f} " + " ".join(f"{k} {res[k].attainment_tpot * 100:5.1f}%" for k in [*BASELINES, "adaserve"]))
-    print_goals(rows)
+        print(f"{rps:5.1f} " + " ".join(f"{k} {res[k].attainment_tpot * 100:5.1f}%" for k in names))
+    if vllm_stack:
+        print_goals(rows, VLLM, "coserve + AdaServe vs vLLM-Spec(n) and the static tree as systems "
+                                "(the paper's comparison)")
+    print_goals(rows, "", f"AdaServe vs the static policies on the same {stack} (speculation policy alone)")
     print("\nper category attainment at the highest RPS (attained/total):")
     _, _, res = rows[-1]
     for k, m in res.items():
-        print(f"  {k:12s} " + "  ".join(f"{c}: {a}/{t}" for c, (a, t) in sorted(m.by_category.items()))
+        print(f"  {k:17s} " + "  ".join(f"{c}: {a}/{t}" for c, (a, t) in sorted(m.by_category.items()))
               + f"   tokens/step {m.tokens_per_step:.2f}")
-    print(f"\n(simulated {len(rows) * (len(BASELINES) + 1)} runs in {time.perf_counter() - t0:.1f} s)")
-
+    print(f"\n(simulated {len(rows) * len(rows[0][2])} runs in {time.perf_counter() - t0:.1f} s)")
 
 if __name__ == "__main__":
     main()

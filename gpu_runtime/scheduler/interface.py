@@ -28,6 +28,9 @@ class SchedulerOutput:
     recomputed: list[Request] = field(default_factory=list)  # KV released under memory pressure (recompute later)
     prefill_budget: int = 0  # the chunk budget C chosen for this iteration (tokens)
     predicted_latency_s: float | None = None  # cost-model prediction of the batch time
+    # Time the pass may take before the tightest decode misses its next deadline (slack / safety), when
+    # the scheduler sized the chunk by one; speculation may add tree tokens into what is left of it.
+    pass_time_budget_s: float | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -127,6 +127,8 @@ class QoServeScheduler(BaseScheduler):
         choice = self.chunking.choose(out.decodes, now, kv.unreserved_fraction,
                                       head.num_computed_tokens if head is not None else 0)
         out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
+        if math.isfinite(choice.min_slack_s):
+            out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
         est = WorkEstimate(choice.predicted_s, choice.budget,
                            decode_step_time(self.cost_model, max(1, len(out.decodes)), 512))
         left = choice.budget

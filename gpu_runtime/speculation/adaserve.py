@@ -43,6 +43,12 @@ class AdaServeConfig:
     # below the one-token knee; "one-token": a one-token pass only (a fixed B: at 14 RPS with the draft model
     # it left ~1 token per request and attainment fell to 34%, 65% with "pass")
     max_budget: int = 512
+    # Past the tokens that fit the time the scheduler's slack leaves in the pass (a co-serving pass is sized
+    # to the tightest decode's deadline), a tree token delays every stream and displaces prefill: the
+    # throughput phase then takes only nodes at least this likely to be accepted (0 = no such rule). Sweep
+    # (ops/bench_spec_sim.py workload, first-token pace), attainment at 0 / 0.2 / 0.3 / 0.5 / 0.7: prompt
+    # lookup 10 RPS 62.4 / - / 69.4 / 66.0 / 65.5%; draft model 18 RPS 81.8 / 87.2 / 87.0 / 84.6 / 79.2%.
+    min_prob_beyond_slack: float = 0.3
     warmup_tokens_per_request: int = 4  # B per request until a latency curve is known
 
 
@@ -62,6 +68,7 @@ class AdaServe(SpeculationPolicy):
         self._budget = 0
         self._accepted = Ema(0.0)
         self._knee: int | None = None  # one-token knee of ``latency_curve`` (set on first use)
+        self._cheap: int | None = None  # tokens of B that fit the pass's spare time (None: all of B)
 
     def bind(self, executor) -> None:
         super().bind(executor)
@@ -78,6 +85,7 @@ class AdaServe(SpeculationPolicy):
     def budget(self, num_requests: int, num_context: int = 0, prefill_tokens: int = 0) -> int:
         """B: verification tokens (roots included) this pass may carry, from the latency-vs-tokens curve."""
         cfg = self.config
+        self._cheap = None
         if cfg.budget is not None:
             return cfg.budget
         if self.latency_curve is not None:
@@ -90,11 +98,28 @@ class AdaServe(SpeculationPolicy):
             # The pass without speculation already carries the decodes and the chunk; B may slow it by tol.
             in_pass = knee_budget(lambda n: curve(n + prefill_tokens), cfg.max_budget, cfg.budget_tolerance,
                                   min_tokens=max(1, num_requests))
-            return max(knee, in_pass)
+            budget = max(knee, in_pass)
+            if cfg.min_prob_beyond_slack > 0 and self.pass_spare_s is not None:
+                self._cheap = self._slack_budget(curve, num_requests, prefill_tokens, budget)
+            return budget
         if self.step_cost.fitted and self.step_cost.gamma > 0:
             return knee_budget(lambda n: self.step_cost.predict(num_context, n), cfg.max_budget,
                                cfg.budget_tolerance)
         return num_requests * (1 + cfg.warmup_tokens_per_request)
+
+    def _slack_budget(self, curve: Callable[[int], float], num_requests: int, prefill_tokens: int,
+                      ceiling: int) -> int:
+        """Most tokens (roots included, <= ceiling) whose extra pass time fits the scheduler's spare time."""
+        base_tokens = prefill_tokens + num_requests
+        base, spare = curve(base_tokens), self.pass_spare_s or 0.0
+        lo, hi = num_requests, max(num_requests, ceiling)  # curve grows with tokens: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if curve(prefill_tokens + mid) - base <= spare:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def shape(self, num_requests: int, budget: int) -> tuple[int, int]:
         cfg = self.config
@@ -122,7 +147,8 @@ class AdaServe(SpeculationPolicy):
         # still to come: A(r) = (l_r + t_verify)/TPOT - o_r (eq. 2 with t_spec = draft + verify).
         inputs = [SelectionInput(r.request_id, slo_requirement(r, now, self.t_verify.value), self._depth)
                   for r in decodes]
-        self.last = select_trees(inputs, candidates, self._budget, self.config.n_max)
+        self.last = select_trees(inputs, candidates, self._budget, self.config.n_max, self._cheap,
+                                 self.config.min_prob_beyond_slack)
         if self.last.infeasible:
             log.debug("SLO requirement unmet for %d/%d requests", len(self.last.infeasible), len(inputs))
         return self.last.trees

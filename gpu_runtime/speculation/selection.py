@@ -62,11 +62,14 @@ class _Frontier:
 
 
 def select_trees(inputs: list[SelectionInput], candidates: dict[str, TokenTree], budget: int,
-                 n_max: int | None = None) -> SelectionResult:
+                 n_max: int | None = None, cheap_tokens: int | None = None,
+                 min_prob_beyond: float = 0.0) -> SelectionResult:
     """Alg. 2: SLO-customized then throughput-optimized selection under budget B.
 
     Every request's root (its pending token) counts against B (Alg. 2 line 7). Node value
     is the cumulative path probability f(v) (DESIGN.md decision); budget loops use B > 0.
+    ``cheap_tokens`` (roots included): past that many tokens the throughput phase takes only
+    nodes with f(v) >= ``min_prob_beyond`` (tokens that cost more than they are likely to gain).
     """
     result = SelectionResult()
     b = budget - len(inputs)  # line 7: each root costs one verification token
@@ -85,8 +88,12 @@ def select_trees(inputs: list[SelectionInput], candidates: dict[str, TokenTree],
     # lines 18-23: throughput-optimized selection, global top f(v)
     pool = [(-p, rid) for rid, fr in frontiers.items() if (p := _peek_prob(fr)) is not None]
     heapq.heapify(pool)
+    cheap_left = budget if cheap_tokens is None else cheap_tokens - (budget - b)  # cheap tokens not yet spent
     while b > 0 and pool:
+        if cheap_left <= 0 and -pool[0][0] < min_prob_beyond:
+            break  # the best node left is not worth a token beyond the cheap ones
         _, rid = heapq.heappop(pool)
+        cheap_left -= 1
         fr = frontiers[rid]
         n_acc[rid] += fr.take()
         b -= 1

@@ -45,3 +45,26 @@ def test_the_anchor_setting_takes_the_two_anchors_and_defaults_to_eq2():
     assert TbtAnchor(Settings(tbt_anchor="first-token").tbt_anchor) is TbtAnchor.FIRST_TOKEN
     with pytest.raises(ValueError):
         Settings(tbt_anchor="first_token")
+
+
+def test_speculation_gets_the_time_the_schedulers_slack_leaves_in_the_pass():
+    from gpu_runtime.sim.acceptance import GeometricAcceptance
+    from gpu_runtime.speculation.registry import create_policy
+
+    ex = SimExecutor(COST, kv_blocks=4096, block_size=16, acceptance=GeometricAcceptance([0.6]), seed=0)
+    policy = create_policy("adaserve")
+    engine = Engine(ex, create_scheduler("qoserve", cost_model=COST, executor=ex), policy)
+    chat = interactive("chat", prompt=16, ttft=5.0, tbt=0.05, max_tokens=40, anchor=TbtAnchor.FIRST_TOKEN)
+    long = interactive("long", prompt=6000, ttft=5.0, tbt=0.05, max_tokens=4, anchor=TbtAnchor.FIRST_TOKEN)
+    engine.add_request(chat)
+    engine.add_request(long)
+    spares = []
+    while engine.has_work:
+        decoding_beside_the_prompt = long.num_output_tokens == 0 and chat.num_output_tokens > 0
+        engine.step()
+        if decoding_beside_the_prompt:
+            spares.append(policy.pass_spare_s)
+    assert spares and all(s is not None and 0.0 <= s < 0.05 for s in spares)
+    t0 = chat.token_times[0]
+    assert all(t <= t0 + i * 0.05 + 1e-9 for i, t in enumerate(chat.token_times))
+    assert slo_met(chat) and slo_met(long)

@@ -206,6 +206,31 @@ def test_adaserve_budget_from_cost_model_knee():
     assert batch_time(cm, loaded + 512) <= 1.25 * batch_time(cm, 200 + 512) < batch_time(cm, 2 * loaded + 512)
 
 
+def test_adaserve_counts_the_tokens_that_fit_the_passs_spare_time_as_cheap():
+    from gpu_runtime.costmodel.base import batch_time
+    from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
+
+    cm = load_cost_model(A100_PROFILE, ("piecewise-linear",))
+
+    class Exec:
+        cost_model = cm
+
+    pol = AdaServe(min_prob_beyond_slack=0.3)
+    pol.bind(Exec())
+    pol.pass_spare_s = None  # no time budget from the scheduler: all of B is cheap
+    b = pol.budget(16, prefill_tokens=256)
+    assert pol._cheap is None
+    pol.pass_spare_s = 0.0  # the chunk already fills the slack: only the roots are cheap
+    assert pol.budget(16, prefill_tokens=256) == b and pol._cheap == 16
+    pol.pass_spare_s = 0.002
+    pol.budget(16, prefill_tokens=256)
+    cheap = pol._cheap
+    assert 16 < cheap < b
+    grow = batch_time(cm, 256 + cheap) - batch_time(cm, 256 + 16)
+    assert grow <= 0.002 < batch_time(cm, 256 + cheap + 1) - batch_time(cm, 256 + 16)
+    assert AdaServe(min_prob_beyond_slack=0.0).config.min_prob_beyond_slack == 0.0
+
+
 def test_linear_cost_fit_stays_nonnegative_without_compensating():
     """One request: context barely moves and N_b is constant. Clipping a negative alpha of the
     unconstrained fit used to leave a huge intercept (a 0.1 ms draft step predicted at ~60 ms)."""

@@ -124,3 +124,20 @@ def test_unconstrained_greedy_is_optimal(rng):
         res = select_trees([SelectionInput(f"r{i}", 0.0, 10) for i in range(2)],
                            {f"r{i}": t for i, t in enumerate(trees)}, budget)
         assert sum(res.expected.values()) == pytest.approx(brute_force(trees, [0.0, 0.0], budget))
+
+
+def test_past_the_cheap_tokens_only_likely_nodes_are_taken():
+    t = TokenTree.chain([1, 2, 3, 4], [0.9, 0.5, 0.5, 0.5])  # f = .9, .45, .225, .1125
+    u = TokenTree.chain([5, 6], [0.35, 0.5])  # f = .35, .175
+    reqs = [SelectionInput("t", 1.0, 4), SelectionInput("u", 1.0, 2)]
+    everything = select_trees(reqs, {"t": t, "u": u}, budget=8)
+    assert len(everything.trees["t"]) + len(everything.trees["u"]) == 6
+    # 2 roots + 1 cheap node (the 0.9); past it only f >= 0.3: the 0.45 and the 0.35, nothing less likely.
+    res = select_trees(reqs, {"t": t, "u": u}, budget=8, cheap_tokens=3, min_prob_beyond=0.3)
+    assert len(res.trees["t"]) == 2 and len(res.trees["u"]) == 1
+    assert res.budget_left == 3
+    # Cheap tokens enough for everything: the rule never binds.
+    assert select_trees(reqs, {"t": t, "u": u}, budget=8, cheap_tokens=8, min_prob_beyond=0.9).budget_left == 0
+    # The SLO phase is not subject to it: a request that needs 1.4 tokens still gets its 0.45 node.
+    slo = select_trees([SelectionInput("t", 2.3, 4)], {"t": t}, budget=8, cheap_tokens=1, min_prob_beyond=0.95)
+    assert len(slo.trees["t"]) == 2 and not slo.infeasible
