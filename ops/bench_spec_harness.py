@@ -87,7 +87,7 @@ class DrafterSpec:
     name: str
     model: bool  # a draft model on the device: roofline draft steps, catch-up cost, offloadable
     cpu_s_per_request: float = 0.0  # host time per drafted request and step
-    cpu_s_per_context_token: float = 0.0  # ... per token of that request's context (the scan)
+    cpu_s_per_context_token: float = 0.0  # ... per token of that request's context
     acceptance: str = "measured"  # "measured" (acceptance.json) or "assumed" (stated in the output)
     assumed_alpha: float = 0.0  # draft-model: conditional acceptance per depth (assumed)
 
@@ -102,12 +102,15 @@ class DrafterSpec:
         return len(contexts) * self.cpu_s_per_request + self.cpu_s_per_context_token * sum(contexts)
 
 
-# PromptLookupDrafter.propose (max_ngram 3, 16 matches), timed by `measure_prompt_lookup_cost`
-# on SpecBench text (word-level ids; summarization contexts ~500 tokens, others 10-50) on the
-# 2-core dev host: ~3 us fixed + ~0.13 us per context token (the backward n-gram scan), nearly
-# independent of depth and width. Rerun with `python ops/bench_spec_sim.py --measure-drafter`.
-PROMPT_LOOKUP_CPU_S_PER_REQUEST = 3e-6
-PROMPT_LOOKUP_CPU_S_PER_CONTEXT_TOKEN = 1.3e-7
+# One decode step of the engine's prompt lookup (PromptLookupDrafter.draft: the request's n-gram
+# index syncs the appended token and looks up the suffix; max_ngram 3, 16 matches), timed by
+# `measure_prompt_lookup_cost` on SpecBench text on the 2-core dev host, three runs: 12.8-20.2 us
+# fixed + 7.5-12.4 ns per context token (the check that the sequence still extends what was
+# indexed). Until stop 12 this charged the stateless scan `propose` (3 us + 130 ns per context
+# token), which the engine does not run per step: ~7x too much at 1,500 tokens of context.
+# Rerun with `python ops/bench_spec_sim.py --measure-drafter`.
+PROMPT_LOOKUP_CPU_S_PER_REQUEST = 1.6e-5
+PROMPT_LOOKUP_CPU_S_PER_CONTEXT_TOKEN = 1.0e-8
 DRAFTERS = {
     "prompt-lookup": DrafterSpec("prompt-lookup", model=False, cpu_s_per_request=PROMPT_LOOKUP_CPU_S_PER_REQUEST,
                                  cpu_s_per_context_token=PROMPT_LOOKUP_CPU_S_PER_CONTEXT_TOKEN),
@@ -118,19 +121,30 @@ DRAFTERS = {
 
 
 def measure_prompt_lookup_cost(repeats: int = 20) -> tuple[float, float]:
-    """(seconds per request, seconds per context token) of ``PromptLookupDrafter.propose``
-    on SpecBench prompts (word-level token ids), least squares over contexts and depths."""
+    """(seconds per request, seconds per context token) of one decode step of the engine's
+    prompt lookup, ``PromptLookupDrafter.draft``: its n-gram index syncs the token appended
+    since the last step and looks up the suffix (the index is built once per request, not
+    timed here). SpecBench prompts as word-level token ids; least squares over contexts."""
     import json
     import re
     import time
 
     import numpy as np
 
+    from gpu_runtime.executor.base import DraftEntry
     from gpu_runtime.executor.drafters.prompt_lookup import PromptLookupDrafter
 
-    drafter, vocab, rows = PromptLookupDrafter(), {}, []
+    class _Sequences:  # what ``draft`` reads from its executor: each request's tokens so far
+        def __init__(self) -> None:
+            self.seqs: dict[str, list[int]] = {}
+
+        def token_ids(self, request_id: str) -> list[int]:
+            return self.seqs[request_id]
+
+    drafter, seqs, vocab, rows = PromptLookupDrafter(), _Sequences(), {}, []
+    drafter.executor = seqs  # type: ignore[assignment]
     path = shared_dir() / "datasets" / "spec_bench_questions.jsonl"
-    for line in path.read_text().splitlines():
+    for qi, line in enumerate(path.read_text().splitlines()):
         q = json.loads(line)
         text = " ".join(t for t in q["turns"] if isinstance(t, str))
         ids = [vocab.setdefault(w, len(vocab)) for w in re.findall(r"\w+|[^\w\s]", text)]
@@ -138,10 +152,18 @@ def measure_prompt_lookup_cost(repeats: int = 20) -> tuple[float, float]:
             if cut < 4:
                 continue
             for depth, width in ((1, 1), (4, 1), (4, 3)):
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    drafter.propose(ids[:cut], depth, width)
-                rows.append((cut, (time.perf_counter() - t0) / repeats))
+                rid = f"{qi}-{cut}-{depth}-{width}"
+                seq = seqs.seqs[rid] = ids[:cut]
+                entry = [DraftEntry(rid, depth, width)]
+                drafter.draft(entry)  # builds the index
+                elapsed = 0.0
+                for step in range(repeats):
+                    seq.append(ids[step % len(ids)])  # the token the last step accepted
+                    t0 = time.perf_counter()
+                    drafter.draft(entry)
+                    elapsed += time.perf_counter() - t0
+                rows.append((len(seq), elapsed / repeats))
+                drafter.free(rid)
     x = np.array([[1.0, c] for c, _ in rows])
     coef, *_ = np.linalg.lstsq(x, np.array([t for _, t in rows]), rcond=None)
     return max(0.0, float(coef[0])), max(0.0, float(coef[1]))

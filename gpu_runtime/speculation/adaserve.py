@@ -47,8 +47,8 @@ class AdaServeConfig:
     # to the tightest decode's deadline), a tree token delays every stream and displaces prefill: the
     # throughput phase then takes only nodes at least this likely to be accepted (0 = no such rule). Sweep
     # (ops/bench_spec_sim.py workload, first-token pace), attainment at 0 / 0.1 / 0.2 / 0.3 / 0.5 / 0.7:
-    # prompt lookup 10 RPS 62.4 / 72.3 / 72.0 / 69.4 / 66.0 / 65.5%; draft model 18 RPS 81.8 / 86.1 / 87.2 /
-    # 87.0 / 84.6 / 79.2%.
+    # prompt lookup 8 RPS 86.0 / 98.4 / 96.6 / 93.9 / 92.5 / 92.5%, 10 RPS 70.2 / 82.5 / 81.7 / 79.9 / 77.8 /
+    # 77.6%; draft model (assumed acceptance) 18 RPS 81.8 / 86.1 / 87.2 / 87.0 / 84.6 / 79.2%.
     min_prob_beyond_slack: float = 0.2
     warmup_tokens_per_request: int = 4  # B per request until a latency curve is known
 
