@@ -58,6 +58,7 @@ from gpu_runtime.costmodel.profile import (
     scheduling_cost_model,
     slo_scale,
 )
+from gpu_runtime.qos import TbtAnchor
 from gpu_runtime.sim.capacity import capacity_search
 from gpu_runtime.sim.metrics import relegation_summary, summarize
 from gpu_runtime.sim.runner import Experiment, run_policy, silo_buckets, simulate
@@ -73,12 +74,13 @@ PAPER_CAPACITY_QPS = 3.5
 
 
 def _violations(qps: float, policy: str, profile: str, trace: str, minutes: float, seed: int,
-                arrivals: str = "poisson") -> float:
+                arrivals: str = "poisson", tbt_anchor: str = TbtAnchor.ARRIVAL.value) -> float:
     cm = scheduling_cost_model(profile)
     scale = slo_scale(cm)
     n = max(50, int(qps * minutes * 60.0 * scale))  # a fixed span of (scaled) time at every rate
     exp = Experiment(trace=trace, num_requests=n, seed=seed, arrivals=arrivals)
-    return run_policy(policy, cm, exp, paper_tiers(scale), qps=qps, stop_above=0.01).violation_rate
+    return run_policy(policy, cm, exp, paper_tiers(scale, tbt_anchor=TbtAnchor(tbt_anchor)), qps=qps,
+                      stop_above=0.01).violation_rate
 
 
 def rate_bound(profile: str, trace: str, max_prompt: int = Experiment.max_prompt) -> float:
@@ -91,20 +93,20 @@ def rate_bound(profile: str, trace: str, max_prompt: int = Experiment.max_prompt
 
 
 def goodput(policy: str, profile: str, trace: str, minutes: float, lo: float, hi: float, iters: int,
-            seed: int, arrivals: str = "poisson") -> float:
+            seed: int, arrivals: str = "poisson", tbt_anchor: str = TbtAnchor.ARRIVAL.value) -> float:
     machines = MACHINES.get(policy, 1)
     f = partial(_violations, policy=policy, profile=profile, trace=trace, minutes=minutes, seed=seed,
-                arrivals=arrivals)
+                arrivals=arrivals, tbt_anchor=tbt_anchor)
     return capacity_search(f, lo * machines, hi * machines, target=0.01, iters=iters) / machines
 
 
 def bursty(policy: str, profile: str, trace: str, low: float, high: float, minutes: float, period_min: float,
-           seed: int) -> dict:
+           seed: int, tbt_anchor: str = TbtAnchor.ARRIVAL.value) -> dict:
     cm = scheduling_cost_model(profile)
     scale = slo_scale(cm)
     exp = Experiment(trace=trace, seed=seed)
     period = period_min * 60.0 * scale
-    reqs = simulate(policy, cm, exp, paper_tiers(scale, free_share=0.2),
+    reqs = simulate(policy, cm, exp, paper_tiers(scale, free_share=0.2, tbt_anchor=TbtAnchor(tbt_anchor)),
                     bursty=(low, high, period, minutes * 60.0 * scale))
     s = summarize(reqs)
     rel = relegation_summary(reqs, low_phase=lambda t: int(t // period) % 2 == 0)
@@ -148,6 +150,9 @@ def main() -> None:
                     help="qoserve first; the goodput table compares it with each of the others")
     ap.add_argument("--bursty-policies", default="qoserve,sarathi-fcfs,sarathi-edf")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--tbt-anchor", choices=[a.value for a in TbtAnchor], default=TbtAnchor.ARRIVAL.value,
+                    help="where Q1's TBT deadlines start: arrival (QoServe's eq. 2, the paper's metric) or "
+                         "first-token (stream pace; the violations count the same deadlines)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     policies = tuple(args.policies.split(","))
@@ -167,7 +172,7 @@ def main() -> None:
         console.print(f"  cost model {SCHEDULING_MODEL}; {fit_report(path).summary()}")
         console.print(f"  batch-1 decode step {scale * 12.5:.1f} ms -> SLO scale factor x{scale:.2f} "
                       f"(Q1 TTFT {6 * scale:.1f} s / TBT {50 * scale:.0f} ms, Q2 {600 * scale:.0f} s, "
-                      f"Q3 {1800 * scale:.0f} s); arrivals {args.arrivals}")
+                      f"Q3 {1800 * scale:.0f} s); arrivals {args.arrivals}; TBT deadlines from {args.tbt_anchor}")
         traces = [] if args.skip_goodput else args.traces.split(",")
         # Search range per trace: up to (a little above) the rate at which the replica could only run prompts.
         bound = {trace: rate_bound(str(path), trace) for trace in traces}
@@ -175,7 +180,7 @@ def main() -> None:
             console.print(f"  {trace}: saturated prefill alone caps any policy at {bound[trace]:.3f} QPS; "
                           f"search {bound[trace] / 4:.3f} .. {bound[trace]:.3f}")
         jobs = {(trace, pol): pool.submit(goodput, pol, str(path), trace, args.minutes, bound[trace] / 4,
-                                          bound[trace], args.iters, args.seed, args.arrivals)
+                                          bound[trace], args.iters, args.seed, args.arrivals, args.tbt_anchor)
                 for trace in traces for pol in policies}
         table = Table(title=f"goodput per machine (QPS at <= 1% violations, SLOs x{scale:.2f}, "
                             f"{args.minutes * scale:.1f} min of {args.arrivals} arrivals per run) - {name}")
@@ -209,7 +214,7 @@ def main() -> None:
                           "give --bursty-qps LOW:HIGH)")
             continue
         bj = {pol: pool.submit(bursty, pol, str(path), trace, low, high, args.bursty_minutes, args.bursty_period_min,
-                               args.seed)
+                               args.seed, args.tbt_anchor)
               for pol in bursty_policies}
         bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {args.bursty_period_min * scale:.0f} min "
                          f"(starting low), 20% free tier, SLOs x{scale:.2f}, "

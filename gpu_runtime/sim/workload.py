@@ -19,7 +19,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 
@@ -62,11 +62,13 @@ class TierSpec:
     qos: QoSSpec
 
 
-def paper_tiers(scale: float = 1.0, free_share: float = 0.0) -> list[TierSpec]:
+def paper_tiers(scale: float = 1.0, free_share: float = 0.0,
+                tbt_anchor: TbtAnchor = TbtAnchor.ARRIVAL) -> list[TierSpec]:
     """Q1 TTFT 6 s / TBT 50 ms, Q2 TTLT 600 s, Q3 TTLT 1800 s, equal thirds; SLOs x ``scale``.
 
-    ``free_share`` of each bucket is free tier (the bursty experiment's low-priority jobs)."""
-    base = [("Q1", QoSClass.INTERACTIVE, dict(ttft_s=6.0 * scale, tbt_s=0.05 * scale)),
+    ``free_share`` of each bucket is free tier (the bursty experiment's low-priority jobs);
+    ``tbt_anchor``: where Q1's TBT deadlines start (QoServe's eq. 2 by default)."""
+    base = [("Q1", QoSClass.INTERACTIVE, dict(ttft_s=6.0 * scale, tbt_s=0.05 * scale, tbt_anchor=tbt_anchor)),
             ("Q2", QoSClass.BATCH, dict(ttlt_s=600.0 * scale)),
             ("Q3", QoSClass.BATCH, dict(ttlt_s=1800.0 * scale))]
     tiers = []
