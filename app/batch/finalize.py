@@ -45,6 +45,9 @@ def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis
     session.commit()
     stopped = 0
     for job_id in ids:
+        # End the read transaction the previous announce opened: a deferred transaction that read and
+        # then writes fails at once ("database is locked") if a worker committed in between.
+        session.commit()
         with write_guard(session):
             ok = transition(session, job_id, NOT_TERMINAL, to, detail=detail,
                             values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value})
@@ -111,6 +114,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         values.update(status="expired", expired_at=now)
     else:
         values.update(status="completed", completed_at=now)
+    session.commit()  # end the read of the jobs before writing (no file was saved when there were no lines)
     with write_guard(session):
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
         session.commit()

@@ -1,0 +1,46 @@
+"""Cancelling a batch while a worker writes to the same SQLite file (WAL): no 'database is locked'."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from app.batch import finalize
+from app.db.models import Batch, File, Job, JobStatus, Tenant
+from app.db.session import session_scope
+
+
+def test_stopping_a_batchs_jobs_survives_a_worker_committing_between_them(db_url, monkeypatch):
+    with session_scope(db_url) as s:
+        t = Tenant(name="c")
+        s.add(t)
+        s.flush()
+        f = File(tenant_id=t.id, filename="in.jsonl", purpose="batch", bytes=1, path="/dev/null")
+        s.add(f)
+        s.flush()
+        b = Batch(tenant_id=t.id, endpoint="/v1/chat/completions", input_file_id=f.id, completion_window="24h",
+                  status="cancelling", tier="paid", total=4)
+        s.add(b)
+        s.flush()
+        jobs = [Job(tenant_id=t.id, kind="batch", tier="paid", model="m", status="queued", prompt="x", sampling={},
+                    batch_id=b.id) for _ in range(3)]
+        other = Job(tenant_id=t.id, kind="batch", tier="paid", model="m", status="running", prompt="y", sampling={})
+        s.add_all([*jobs, other])
+        s.flush()
+        batch_id, other_id = b.id, other.id
+
+    path = db_url.removeprefix("sqlite:///")
+    announced = []
+
+    def announce_then_a_worker_writes(redis_url, job):
+        # announce_cancel got the job from session.get: that read opened a transaction. A worker
+        # (its own connection, another process in production) commits before the next update.
+        announced.append(job.id)
+        with sqlite3.connect(path, timeout=15) as worker:
+            worker.execute("UPDATE jobs SET completion_tokens = ? WHERE id = ?", (len(announced), other_id))
+
+    monkeypatch.setattr(finalize, "announce_cancel", announce_then_a_worker_writes)
+    with session_scope(db_url) as s:
+        assert finalize.stop_jobs(s, batch_id, JobStatus.CANCELLED, "cancelled with its batch", "redis://unused") == 3
+    with session_scope(db_url) as s:
+        assert sorted(s.get(Job, j.id).status for j in jobs) == ["cancelled"] * 3
+        assert s.get(Job, other_id).completion_tokens == 3
