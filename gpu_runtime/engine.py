@@ -191,9 +191,7 @@ class Engine:
         draft_latency = 0.0
         if decodes and self.executor.has_draft:
             self.speculation.prefill_tokens_in_pass = sum(len(c.token_ids) for c in prefills)
-            budget_s, predicted_s = sched.pass_time_budget_s, sched.predicted_latency_s
-            self.speculation.pass_spare_s = (None if budget_s is None or predicted_s is None
-                                             else max(0.0, budget_s - predicted_s))
+            self.speculation.pass_spare_s = sched.pass_spare_s
             entries = self.speculation.draft_plan(sched.decodes, now)
             if entries:
                 drafted = self.executor.draft(entries)

@@ -47,7 +47,7 @@ def slo_met(req: Request) -> bool:
     if not req.token_times:
         return False
     if req.qos.qos_class is QoSClass.INTERACTIVE:
-        first = req.token_times[0]
-        return all(t <= token_deadline(req.arrival_time, req.qos, i + 1, first) + 1e-9
-                   for i, t in enumerate(req.token_times))
+        first_due = token_deadline(req.arrival_time, req.qos, 1, req.token_times[0])  # D_n = D_1 + (n-1) TBT
+        tbt = req.qos.tbt_s
+        return all(t <= first_due + i * tbt + 1e-9 for i, t in enumerate(req.token_times))  # type: ignore[operator]
     return req.token_times[-1] <= req.arrival_time + req.qos.ttlt_s + 1e-9  # type: ignore[operator]

@@ -49,9 +49,9 @@ def phase_report(levels: list[int], phase_s: float, none: dict[int, float], nigh
         # ratio is carry-over (other requests in flight, at other points of their outputs, after earlier
         # phases went differently), not a cost of speculating in that phase.
         print("\nper phase: nightjar / none throughput, share of nightjar steps that speculated")
-        print("  " + "  ".join(f"{k}:{ratio[k]:.3f}/{speculated.get(k, [0, 0])[0] / max(1, speculated.get(k, [0, 1])[1]):.0%}"
-                               for k in phases))
-        spec_phases = [k for k in phases if speculated.get(k, [0, 0])[0] > 0]
+        share = {k: n_spec / max(1, n) for k in phases for n_spec, n in [speculated.get(k, [0, 0])]}
+        print("  " + "  ".join(f"{k}:{ratio[k]:.3f}/{share[k]:.0%}" for k in phases))
+        spec_phases = [k for k in phases if share[k] > 0]
         if spec_phases:
             w = min(spec_phases, key=lambda k: ratio[k])
             print(f"min over phases where nightjar speculated: {ratio[w]:.3f}x (phase {w}); "

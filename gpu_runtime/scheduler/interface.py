@@ -33,6 +33,13 @@ class SchedulerOutput:
     pass_time_budget_s: float | None = None
 
     @property
+    def pass_spare_s(self) -> float | None:
+        """Seconds the predicted pass may still grow within ``pass_time_budget_s`` (None without one)."""
+        if self.pass_time_budget_s is None or self.predicted_latency_s is None:
+            return None
+        return max(0.0, self.pass_time_budget_s - self.predicted_latency_s)
+
+    @property
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
 

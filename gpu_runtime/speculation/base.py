@@ -20,8 +20,8 @@ class SpeculationPolicy(ABC):
     # Prompt tokens already in this iteration's pass (set by the engine before draft_plan):
     # a token budget for the pass (AdaServe's B) is shared with them.
     prefill_tokens_in_pass: int = 0
-    # Seconds the pass may still grow before the tightest decode misses its deadline (the scheduler's
-    # slack / safety minus its predicted pass time); None when the scheduler sets no time budget.
+    # Seconds the pass may still grow before the tightest decode misses its deadline (set by the engine
+    # from ``SchedulerOutput.pass_spare_s``); None when the scheduler sets no time budget.
     pass_spare_s: float | None = None
 
     def bind(self, executor: Executor) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from dataclasses import dataclass, field
 
 from gpu_runtime.speculation.token_tree import TokenTree
@@ -88,7 +89,7 @@ def select_trees(inputs: list[SelectionInput], candidates: dict[str, TokenTree],
     # lines 18-23: throughput-optimized selection, global top f(v)
     pool = [(-p, rid) for rid, fr in frontiers.items() if (p := _peek_prob(fr)) is not None]
     heapq.heapify(pool)
-    cheap_left = budget if cheap_tokens is None else cheap_tokens - (budget - b)  # cheap tokens not yet spent
+    cheap_left = math.inf if cheap_tokens is None else cheap_tokens - (budget - b)  # cheap tokens not yet spent
     while b > 0 and pool:
         if cheap_left <= 0 and -pool[0][0] < min_prob_beyond:
             break  # the best node left is not worth a token beyond the cheap ones
