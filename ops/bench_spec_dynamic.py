@@ -10,9 +10,14 @@ latencies follow the ``4090-7b`` roofline profile (Nightjar's 7B + 0.5B setting)
 acceptance is measured (acceptance.json) at its measured host CPU cost: no draft model,
 so no catch-up cost and no elastic offload. ``--drafter draft-model`` charges the
 profile's 0.5B draft steps and catch-up cost with an ASSUMED acceptance.
-Every policy sees the same schedule and requests. Throughput = output tokens / elapsed
-time; the table shows Nightjar's ratio to the best fixed length and to no speculation,
-all measured in this run, then per load level (and per phase) Nightjar / no speculation,
+Every policy sees the same schedule and requests: phase k admits the trace's requests
+from its window on (paired phases), so a policy that got further in earlier phases does
+not meet other requests later (``--unpaired``: one stream for the run). The KV pool is
+the profile's (a loaded draft model takes its share; the "none" deployment loads none).
+Throughput = output tokens / elapsed time; the table shows Nightjar's ratio to the best
+fixed length and to no speculation, all measured in this run, and the per-phase oracle
+(the best of no speculation and the fixed lengths in each phase: what choosing one length
+per phase could reach), then per load level (and per phase) Nightjar / no speculation,
 with the goals: never more than 2% below no speculation in any phase, and >= 10% above
 the best fixed length overall (Nightjar: up to +14.8% over fixed SD).
 
@@ -22,6 +27,7 @@ the best fixed length overall (Nightjar: up to +14.8% over fixed SD).
 from __future__ import annotations
 
 import argparse
+import bisect
 import sys
 import time
 from pathlib import Path
@@ -39,9 +45,11 @@ MIN_GAIN_VS_STATIC = 0.10  # overall: Nightjar >= 1.10x the best fixed length
 
 
 def phase_report(levels: list[int], phase_s: float, none: dict[int, float], nightjar: dict[int, float],
-                 speculated: dict[int, list[int]] | None = None) -> bool:
+                 speculated: dict[int, list[int]] | None = None,
+                 processed: tuple[dict[int, float], dict[int, float]] | None = None) -> bool:
     """Nightjar / no-spec throughput per load level and per phase (tokens summed over seeds).
-    ``speculated``: per phase, [steps with gamma > 0, steps] of Nightjar (summed over seeds)."""
+    ``speculated``: per phase, [steps with gamma > 0, steps] of Nightjar (summed over seeds);
+    ``processed``: per phase, prompt + output tokens computed (none, nightjar)."""
     phases = [k for k in range(len(levels)) if none.get(k, 0) > 0]
     ratio = {k: nightjar.get(k, 0.0) / none[k] for k in phases}
     if speculated:
@@ -72,9 +80,17 @@ def phase_report(levels: list[int], phase_s: float, none: dict[int, float], nigh
     worst_level = min(by_level.values(), key=lambda v: v[0] / v[1])
     ok = ratio[worst] >= 1.0 - MAX_DROP_VS_NONE
     print(f"min over load levels {worst_level[0] / worst_level[1]:.3f}x; min over phases {ratio[worst]:.3f}x "
-          f"(phase {worst}, concurrency {levels[worst]})")
+          f"(phase {worst}, concurrency {levels[worst]}: {nightjar.get(worst, 0.0):.0f} vs {none[worst]:.0f} tokens)")
     print(f"goal: never below no speculation by more than {MAX_DROP_VS_NONE:.0%} (per phase): "
           f"{'PASS' if ok else 'FAIL'}")
+    if processed:
+        # In a closed loop, a request that finishes a little earlier moves its successor's prefill into this
+        # phase, and output tokens do not count that work: the work view credits it where it was done.
+        work = {k: processed[1].get(k, 0.0) / processed[0][k] for k in phases if processed[0].get(k, 0) > 0}
+        w = min(work, key=lambda k: work[k])
+        below = [k for k in work if work[k] < 1.0 - MAX_DROP_VS_NONE]
+        print(f"work view (prompt + output tokens computed per phase, nightjar / none): min {work[w]:.3f}x "
+              f"(phase {w}); phases below {1 - MAX_DROP_VS_NONE:.2f}x: {below or 'none'}")
     return ok
 
 
@@ -116,6 +132,8 @@ def main() -> None:
     # for a 2% goal; 4 seeds of 8-s phases: 0.987-1.024x
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--drafter", choices=sorted(DRAFTERS), default="prompt-lookup")
+    ap.add_argument("--unpaired", action="store_true",
+                    help="one request stream for the whole run (a faster policy meets other requests in later phases)")
     args = ap.parse_args()
     drafter = DRAFTERS[args.drafter]
     profile, acceptance = PROFILES[args.profile], acceptance_for(drafter)
@@ -135,11 +153,16 @@ def main() -> None:
     def concurrency(t: float) -> int:
         return levels[min(int(t // args.phase), len(levels) - 1)]
 
+    # Paired phases: phase k admits the trace's requests from its window on, for every policy.
+    times = [a.time for a in arrivals]
+    starts = None if args.unpaired else [bisect.bisect_left(times, k * args.window) for k in range(len(levels))]
+
     t0 = time.perf_counter()
     names = ["none", *STATIC, "nightjar"]
     tput = {n: 0.0 for n in names}
     tpot = {n: 0.0 for n in names}
-    phase_tokens: dict[str, dict[int, float]] = {"none": {}, "nightjar": {}}
+    phase_tokens: dict[str, dict[int, float]] = {n: {} for n in names}
+    phase_work: dict[str, dict[int, float]] = {"none": {}, "nightjar": {}}
     speculated: dict[int, list[int]] = {}  # phase -> [nightjar steps with gamma > 0, nightjar steps]
     extra = ""
     for seed in args.seeds:
@@ -148,10 +171,12 @@ def main() -> None:
             if n == "nightjar":
                 count_speculation(pol, args.phase, speculated)
             m = simulate(pol, arrivals, profile, acceptance, seed=seed, concurrency=concurrency, horizon_s=horizon,
-                         phase_s=args.phase, drafter=drafter)
+                         phase_s=args.phase, drafter=drafter, phase_starts=starts)
             if n in phase_tokens:
                 for k, v in m.tokens_by_phase.items():
                     phase_tokens[n][k] = phase_tokens[n].get(k, 0.0) + v
+            for k, v in (m.processed_by_phase.items() if n in phase_work else ()):
+                phase_work[n][k] = phase_work[n].get(k, 0.0) + v
             tput[n] += m.goodput / len(args.seeds)  # no SLOs here: every request counts
             tpot[n] += m.mean_tpot_s / len(args.seeds)
             if n == "nightjar":
@@ -163,9 +188,17 @@ def main() -> None:
         print(f"{n:12s} {tput[n]:10.1f} {tpot[n] * 1e3:13.2f} {fmt_ratio(tput[n], tput['none']):>8s}")
     print(f"\nnightjar vs best fixed length ({best}): {fmt_ratio(tput['nightjar'], tput[best])}   "
           f"vs no speculation: {fmt_ratio(tput['nightjar'], tput['none'])}")
+    # What any choice of one length per phase could reach: the best of no speculation and the fixed
+    # lengths in each phase, summed (biased up: a maximum over noisy runs). Below 1.10x, the overall goal
+    # is out of reach on this load shape for any length-selection policy, not only for Nightjar.
+    oracle = sum(max(phase_tokens[n].get(k, 0.0) for n in ["none", *STATIC]) for k in phase_tokens["none"])
+    print(f"per-phase oracle (best of none and the fixed lengths in each phase): "
+          f"{fmt_ratio(oracle, sum(phase_tokens[best].values()))} the best fixed length, "
+          f"{fmt_ratio(oracle, sum(phase_tokens['none'].values()))} no speculation")
     gain_ok = tput[best] > 0 and tput["nightjar"] >= (1.0 + MIN_GAIN_VS_STATIC) * tput[best]
     print(f"goal: >= {1 + MIN_GAIN_VS_STATIC:.2f}x the best fixed length overall: {'PASS' if gain_ok else 'FAIL'}")
-    phase_report(levels, args.phase, phase_tokens["none"], phase_tokens["nightjar"], speculated)
+    phase_report(levels, args.phase, phase_tokens["none"], phase_tokens["nightjar"], speculated,
+                 (phase_work["none"], phase_work["nightjar"]))
     # Resolution of the per-phase comparison: one policy (chain-1) against itself with other
     # acceptance draws. Closed-loop runs that diverge shift completions, and so prefills,
     # across phase boundaries; a per-phase ratio this far from 1 is noise, not policy.
@@ -173,7 +206,7 @@ def main() -> None:
     for seed in args.seeds:
         for i, s in enumerate((seed, seed + 1000)):
             m = simulate(create_policy("chain-1"), arrivals, profile, acceptance, seed=s, concurrency=concurrency,
-                         horizon_s=horizon, phase_s=args.phase, drafter=drafter)
+                         horizon_s=horizon, phase_s=args.phase, drafter=drafter, phase_starts=starts)
             for k, v in m.tokens_by_phase.items():
                 ctrl[i][k] = ctrl[i].get(k, 0.0) + v
     full = [k for k in range(len(levels)) if ctrl[0].get(k, 0) > 0]

@@ -52,6 +52,12 @@ class RooflineProfile:
     draft_weights_s: float = 0.003  # one draft step (a 1B-class draft)
     draft_per_token_s: float = 0.003 / 384
     draft_switch_s_per_token: float = 2e-5  # catching a stale draft KV up, per lagging token
+    # KV memory (Nightjar section 5), in blocks of 16 tokens: the pool without a draft model, and what
+    # loading the draft model takes from it (its weights, and its own KV beside each block). None: unbounded.
+    kv_blocks: int | None = None
+    draft_kv_blocks: int = 0
+    draft_offload_s: float = 0.0  # engine stall while the KV pool expands into the draft's memory
+    draft_reload_s: float = 0.0  # ... and while it contracts again (the weights copy back asynchronously)
 
     def target(self, num_context: int, num_tokens: int) -> float:
         return max(self.weights_s, self.per_token_s * num_tokens) + self.per_context_s * num_context
@@ -63,13 +69,28 @@ class RooflineProfile:
         return self.target(0, num_tokens)
 
 
+def kv_pool_blocks(device_bytes: float, weights_bytes: float, kv_bytes_per_token: int,
+                   utilization: float = 0.9, activation_bytes: float = 1.5e9, block_size: int = 16) -> int:
+    """KV blocks left on a device (vLLM's gpu_memory_utilization share) after weights and activations."""
+    return int((device_bytes * utilization - weights_bytes - activation_bytes) // (kv_bytes_per_token * block_size))
+
+
+# Nightjar's 7B + 0.5B on one RTX 4090 (24 GiB): DeepSeek-R1-Distill-Qwen-7B, 7.62e9 bf16 parameters,
+# KV 2 x 28 layers x 4 heads x 128 x 2 B = 57,344 B per token; Qwen2.5-0.5B draft, 0.494e9 parameters,
+# KV 2 x 24 x 2 x 64 x 2 B = 12,288 B per token (its cache has a block beside each of the target's).
+_4090_KV = kv_pool_blocks(24 * 2**30, 7.62e9 * 2, 57_344)
+_4090_KV_WITH_DRAFT = kv_pool_blocks(24 * 2**30, (7.62e9 + 0.494e9) * 2, 57_344 + 12_288)
+
 PROFILES = {
     # AdaServe's setting: a 70B-class target (TP shard) + 1B-class draft; knee ~192 tokens.
     "a100-70b": RooflineProfile(),
     # Nightjar's setting: a 7B target + 0.5B draft on one RTX 4090; knee ~80 tokens.
     "4090-7b": RooflineProfile(weights_s=0.014, per_token_s=0.014 / 80, per_context_s=1e-8,
                                draft_weights_s=0.0012, draft_per_token_s=0.0012 / 256,
-                               draft_switch_s_per_token=1e-5),
+                               draft_switch_s_per_token=1e-5, kv_blocks=_4090_KV,
+                               draft_kv_blocks=_4090_KV - _4090_KV_WITH_DRAFT,
+                               # Nightjar Table 6 (30B, 2 L20): KV expansion 143.9 ms, contraction 11.9 ms
+                               draft_offload_s=0.1439, draft_reload_s=0.0119),
 }
 
 
@@ -180,14 +201,17 @@ class HarnessExecutor:
     """What policies read from an executor in the harness: the profile and memory facts."""
 
     def __init__(self, profile: RooflineProfile, total_blocks: int = 4096, draft_blocks: int = 256,
-                 drafter: DrafterSpec | None = None) -> None:
+                 drafter: DrafterSpec | None = None, draft_loaded: bool = True) -> None:
+        """``total_blocks``: the pool with the draft on device; ``draft_loaded`` False: a deployment
+        without speculation, which never loads a draft model (the whole pool is KV)."""
         self.profile = profile
         self.drafter = drafter or DRAFTERS["prompt-lookup"]
         self.latency_curve = profile.latency_curve
         self.total, self.used = total_blocks, 0
         self.draft_blocks = draft_blocks if self.drafter.model else 0
-        self.draft_on_device = True
+        self.draft_on_device = draft_loaded
         self.has_draft = True
+        self.stall_s = 0.0  # engine time the last offload / reload cost (the simulation charges it)
 
     @property
     def draft_offloadable(self) -> bool:
@@ -205,10 +229,12 @@ class HarnessExecutor:
 
     def offload_draft(self) -> int:
         self.draft_on_device = False
+        self.stall_s += self.profile.draft_offload_s
         return self.draft_blocks
 
     def load_draft(self) -> bool:
         self.draft_on_device = True
+        self.stall_s += self.profile.draft_reload_s
         return True
 
 
@@ -236,6 +262,8 @@ class RunMetrics:
     mean_tpot_s: float = 0.0
     by_category: dict[str, tuple[int, int]] = field(default_factory=dict)  # category -> (attained, total)
     tokens_by_phase: dict[int, int] = field(default_factory=dict)  # phase index -> output tokens (phase_s runs)
+    admitted_by_phase: dict[int, list[int]] = field(default_factory=dict)  # phase -> trace indices admitted (closed loop)
+    processed_by_phase: dict[int, int] = field(default_factory=dict)  # phase -> prompt + output tokens computed
 
     @property
     def attainment(self) -> float:
@@ -264,17 +292,34 @@ def load_acceptance(scale: float = 1.0) -> AcceptanceModel:
 
 def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: RooflineProfile,
              acceptance: AcceptanceModel, seed: int = 0, max_batch: int = 128,
-             max_prefill_tokens: int = 4096, kv_blocks: int = 1 << 20,
+             max_prefill_tokens: int = 4096, kv_blocks: int | None = None,
              concurrency: Callable[[float], int] | None = None, horizon_s: float | None = None,
-             phase_s: float | None = None, drafter: DrafterSpec | None = None) -> RunMetrics:
+             phase_s: float | None = None, drafter: DrafterSpec | None = None,
+             phase_starts: list[int] | None = None) -> RunMetrics:
     """Open loop (arrivals at their times) or, with ``concurrency``, closed loop: requests
     are taken from ``arrivals`` in order whenever fewer than concurrency(now) are in flight,
     until ``horizon_s``. With ``phase_s``, output tokens are also counted per phase of that
-    many simulated seconds (by the time each token is produced)."""
+    many simulated seconds (by the time each token is produced). With ``phase_starts`` too,
+    phase k takes its requests from the time-ordered ``arrivals`` starting at index phase_starts[k] (cycling),
+    so every policy admits the same requests in a phase however far it got in the earlier
+    ones (paired phases: a faster policy does not meet other requests later).
+
+    KV memory: ``kv_blocks`` (default the profile's; unbounded without one) is the pool with no
+    draft model; a draft model takes ``profile.draft_kv_blocks`` of it while on device, except
+    under the "none" policy, which never loads one. As the engine admits, a request starts
+    only when its footprint (prompt + output, in blocks) fits beside the footprints admitted;
+    a Nightjar offload gives the draft's blocks to the pool, and the offload / reload stall
+    the engine for the profile's time."""
     rng = random.Random(seed)
-    ex = HarnessExecutor(profile, total_blocks=kv_blocks, drafter=drafter)
+    drafter = drafter or DRAFTERS["prompt-lookup"]
+    pool = kv_blocks if kv_blocks is not None else (profile.kv_blocks or 1 << 30)
+    draft_blocks = profile.draft_kv_blocks if drafter.model else 0
+    ex = HarnessExecutor(profile, total_blocks=pool - draft_blocks, draft_blocks=draft_blocks, drafter=drafter,
+                         draft_loaded=policy.name != "none")
+    footprint: dict[str, int] = {}  # admitted request -> its reserved blocks
     policy.bind(ex)  # type: ignore[arg-type]
     pending = deque(sorted(arrivals, key=lambda a: a.time))
+    ordered = list(pending)
     waiting: deque[tuple[Request, Arrival]] = deque()
     running: list[Request] = []
     info: dict[str, Arrival] = {}
@@ -282,14 +327,33 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
     now, busy, steps, step_tokens = 0.0, 0.0, 0, 0
     counter = 0
     by_phase: dict[int, int] = {}
+    processed: dict[int, int] = {}
     synced: dict[str, tuple[int, int]] = {}  # draft model: request -> (step, tokens) when last drafted
+    taken: dict[int, int] = {}  # phase -> requests it admitted (phase_starts)
+
+    admitted: dict[int, list[int]] = {}
+
+    def next_arrival() -> Arrival:
+        """The next request to admit: the run's next one, or with ``phase_starts`` its phase's next one."""
+        k = int(now // phase_s) if phase_s else 0
+        if phase_starts:
+            k = min(k, len(phase_starts) - 1)
+            j = taken.get(k, 0)
+            taken[k] = j + 1
+            i = (phase_starts[k] + j) % len(ordered)
+        else:
+            pending.popleft()
+            i = len(ordered) - len(pending) - 1
+        admitted.setdefault(k, []).append(i)
+        return ordered[i]
+
     while pending or waiting or running:
         if concurrency is not None:
             target = concurrency(now) if horizon_s is None or now < horizon_s else 0
             if target == 0 and not waiting and not running:
                 break
-            while pending and len(waiting) + len(running) < target:
-                a = pending.popleft()
+            while (pending or phase_starts) and len(waiting) + len(running) < target:
+                a = next_arrival()
                 counter += 1
                 req = Request(f"r{counter}", [1] * a.prompt_len,
                               SamplingParams(max_tokens=a.output_len, ignore_eos=True), a.qos, now, app_id=a.category)
@@ -313,7 +377,12 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
         prefills, ptoks = [], 0
         while waiting and len(running) + len(prefills) < max_batch and ptoks + waiting[0][1].prompt_len <= max(
                 max_prefill_tokens, waiting[0][1].prompt_len if not prefills else 0):
+            a = waiting[0][1]
+            need = -(-(a.prompt_len + a.output_len) // 16) + 1
+            if footprint and sum(footprint.values()) + need > ex.capacity().total_blocks:
+                break  # the KV pool is reserved: wait for a request to finish (or for more blocks)
             req, a = waiting.popleft()
+            footprint[req.request_id] = need
             prefills.append(req)
             ptoks += a.prompt_len
         decodes = list(running)
@@ -361,22 +430,30 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
         if phase_s:
             k = int(now // phase_s)
             by_phase[k] = by_phase.get(k, 0) + len(prefills) + sum(len(t) for t in tokens.values())
+            processed[k] = processed.get(k, 0) + ptoks + sum(len(t) for t in tokens.values())
         result = StepResult(tokens=tokens, accepted_nodes=accepted, latency_s=t_step)
         policy.observe(decodes, selected, result, t_draft, now)
-        ex.used = sum(r.context_len for r in running) // 16
+        ex.used = sum(footprint.values())
         policy.maintain(ex, len(waiting))  # type: ignore[arg-type]
+        if ex.stall_s:
+            now += ex.stall_s
+            busy += ex.stall_s
+            ex.stall_s = 0.0
         still = []
         for req in running:
             if req.num_output_tokens >= req.sampling.max_tokens:
                 req.status = RequestStatus.FINISHED_LENGTH
                 req.finish_time = now
                 done.append(req)
+                footprint.pop(req.request_id, None)
             else:
                 still.append(req)
         running = still
     start = 0.0 if concurrency is not None else min((a.time for a in arrivals), default=0.0)
     m = _metrics(policy.name, done, info, now - start, busy, steps, step_tokens)
     m.tokens_by_phase = by_phase
+    m.admitted_by_phase = admitted
+    m.processed_by_phase = processed
     return m
 
 

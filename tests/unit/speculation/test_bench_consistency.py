@@ -73,6 +73,56 @@ def test_azure_traces_use_the_same_stand_ins_as_adaserve_categories(harness):
                                       "conv": harness.ACCEPTANCE_CATEGORY["chat"]}
 
 
+# ---- closed-loop phases ----
+def _first_admitted_in_phase_one(harness, policy: str, starts):
+    from gpu_runtime.speculation.registry import create_policy
+
+    qos = QoSSpec(QoSClass.BATCH, ttlt_s=3600.0)
+    arrivals = [harness.Arrival(0.01 * i, 32, 32, "coding", qos) for i in range(60)]
+    dm = harness.DRAFTERS["draft-model"]
+    m = harness.simulate(create_policy(policy), arrivals, harness.PROFILES["4090-7b"], harness.acceptance_for(dm),
+                         concurrency=lambda t: 4, horizon_s=2.0, phase_s=1.0, drafter=dm, phase_starts=starts)
+    return m.admitted_by_phase
+
+
+def test_paired_phases_admit_the_same_requests_whatever_the_policy_did_before(harness):
+    # chain-4 decodes faster, so it gets through more of phase 0's requests than no speculation
+    plain, fast = (_first_admitted_in_phase_one(harness, p, None) for p in ("none", "chain-4"))
+    assert len(fast[0]) > len(plain[0])
+    assert fast[1][0] > plain[1][0]  # one stream: phase 1 meets later requests under chain-4
+    plain, fast = (_first_admitted_in_phase_one(harness, p, [0, 30]) for p in ("none", "chain-4"))
+    assert len(fast[0]) > len(plain[0])
+    n = min(len(plain[1]), len(fast[1]))
+    assert plain[1][0] == 30 and plain[1][:n] == fast[1][:n]  # paired: phase 1 reads from its own start
+
+
+def _largest_batch(harness, policy: str) -> int:
+    from gpu_runtime.speculation.registry import create_policy
+
+    pol = create_policy(policy)
+    plan, seen = pol.draft_plan, [0]
+
+    def counted(decodes, now):
+        seen[0] = max(seen[0], len(decodes))
+        return plan(decodes, now)
+
+    pol.draft_plan = counted
+    qos = QoSSpec(QoSClass.BATCH, ttlt_s=3600.0)
+    arrivals = [harness.Arrival(0.0, 2048, 64, "coding", qos) for _ in range(120)]
+    dm = harness.DRAFTERS["draft-model"]
+    harness.simulate(pol, arrivals, harness.PROFILES["4090-7b"], harness.acceptance_for(dm), drafter=dm)
+    return seen[0]
+
+
+def test_a_loaded_draft_model_takes_kv_blocks_from_the_batch(harness):
+    profile = harness.PROFILES["4090-7b"]
+    per_request = -(-(2048 + 64) // 16) + 1
+    with_draft = (profile.kv_blocks - profile.draft_kv_blocks) // per_request
+    assert 0 < profile.draft_kv_blocks < profile.kv_blocks
+    assert _largest_batch(harness, "chain-2") == with_draft  # the pool less the draft's share
+    assert _largest_batch(harness, "none") == profile.kv_blocks // per_request > with_draft  # no draft loaded
+
+
 # ---- attainment ----
 def test_request_deferred_past_its_ttft_is_not_attained(harness):
     qos = QoSSpec(QoSClass.INTERACTIVE, ttft_s=1.0, tbt_s=0.05)
