@@ -18,7 +18,7 @@ class SchedulerConfig:
 
 @dataclass
 class SarathiConfig(SchedulerConfig):
-    chunk_size: int = 256  # fixed prefill tokens per iteration (Sarathi-Serve)
+    chunk_size: int = 256  # tokens per iteration, decodes included (Sarathi-Serve's token budget)
     order: str = "fcfs"  # fcfs | edf | srpf
 
 

@@ -1,4 +1,5 @@
-"""Sarathi-Serve baselines: a fixed prefill chunk per iteration, ordered FCFS, EDF or SRPF."""
+"""Sarathi-Serve baselines: a fixed token budget per iteration (decodes first, prefill chunks in
+the rest), prompts ordered FCFS, EDF or SRPF."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ class SarathiScheduler(BaseScheduler):
         return create_queue(_QUEUE_OF_ORDER[self.config.order], remaining_work)
 
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
-        left = out.prefill_budget = self.config.chunk_size
+        # Sarathi-Serve's chunk size is a token budget: each decode takes one token of it first, and the
+        # prefill chunks get what is left (so a batch of chunk_size decodes admits no prefill).
+        left = out.prefill_budget = max(0, self.config.chunk_size - len(out.decodes))
         while left > 0 and len(self.waiting):
             req = self._pop_waiting()
             assert req is not None

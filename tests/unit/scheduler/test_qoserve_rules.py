@@ -191,6 +191,21 @@ def test_per_request_state_is_dropped_when_a_request_leaves():
     assert s._min_first_target == float("inf") and not s._target_of
 
 
+def test_sarathi_chunk_size_is_a_token_budget_that_decodes_take_first():
+    s = create_scheduler("sarathi-fcfs", cost_model=COST, chunk_size=256)
+    for k in range(100):
+        r = decoding(interactive(f"d{k}", arrival=0.0), outputs=2, times=[0.1, 0.2])
+        s.running[r.request_id] = r
+    s.add_request(interactive("new", arrival=0.0, prompt=1000))
+    out = s.schedule(now=0.3)
+    assert len(out.decodes) == 100
+    assert [p.num_tokens for p in out.prefills] == [156] and out.prefill_budget == 156
+    for k in range(100, 300):
+        r = decoding(interactive(f"d{k}", arrival=0.0), outputs=2, times=[0.1, 0.2])
+        s.running[r.request_id] = r
+    assert s.schedule(now=0.4).prefills == []  # 300 decodes fill the 256-token budget
+
+
 def test_sarathi_srpf_orders_by_remaining_prefill_only():
     from gpu_runtime.scheduler.priority import remaining_work
 
