@@ -27,7 +27,9 @@ class JobCreate(BaseModel):
     prompt: str | None = Field(None, description="raw prompt (completion)")
     messages: list[ChatMessage] | None = Field(None, description="chat messages (chat template applied)")
     tier: str | None = Field(None, description="free | paid; default: the API key's tier")
-    app_id: str | None = Field(None, max_length=200, description="application key for decode-length history")
+    app_id: str | None = Field(None, max_length=200, description=(
+        "application key for decode-length history (output lengths are predicted from the tenant's finished "
+        "jobs of the same app_id; without one, from its jobs of the same kind)"))
     # QoS: interactive jobs have TTFT/TBT targets, batch jobs a deadline
     ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-to-first-token target")
     tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-between-tokens target")

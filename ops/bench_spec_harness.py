@@ -330,8 +330,7 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
     processed: dict[int, int] = {}
     synced: dict[str, tuple[int, int]] = {}  # draft model: request -> (step, tokens) when last drafted
     taken: dict[int, int] = {}  # phase -> requests it admitted (phase_starts)
-
-    admitted: dict[int, list[int]] = {}
+    admitted: dict[int, list[int]] = {}  # phase -> indices into ``ordered`` of the requests it admitted
 
     def next_arrival() -> Arrival:
         """The next request to admit: the run's next one, or with ``phase_starts`` its phase's next one."""

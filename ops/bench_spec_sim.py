@@ -18,8 +18,8 @@ SLO attainment (TPOT target met and first token within the TTFT target: see ``_m
 and goodput (tokens/s of requests that attained).
 
 Two comparisons, both printed: the paper's, of systems (coserve with AdaServe against
-vLLM-Spec(n) and the static tree on vLLM-style scheduling: FCFS, decodes first, 2048 prefill
-tokens per step), and the speculation policy alone (every policy on coserve's scheduler).
+vLLM-Spec(n) and the static tree on vLLM-style scheduling: FCFS, decodes first, a 2048-token
+budget per step that the decodes take first), and the speculation policy alone (every policy on coserve's scheduler).
 The engine stack schedules each stream's TBT deadlines from its first token by default
 (``--tbt-anchor``), the pace the scored mean TPOT measures; the vLLM-style scheduler has no
 deadlines.
@@ -116,7 +116,8 @@ def print_goals(rows, versus: str = "", label: str = "") -> bool:
 
 
 # vLLM-Spec(n) and SpecInfer as systems: vLLM V1's scheduling on this A100 profile (FCFS, decodes
-# first, chunked prefill with the API server's 2048-token budget; here the budget is prefill tokens).
+# first, chunked prefill with the API server's 2048-token budget, which the decodes take first; vLLM
+# also counts their speculative tokens in it, which the scheduler here does not see).
 VLLM = "vllm:"
 VLLM_SCHEDULER = ("sarathi-fcfs", {"chunk_size": 2048})
 
@@ -208,7 +209,7 @@ def main() -> None:
     print(f"\nSLO attainment and goodput, every policy on {stack}:")
     print_table(rows, names)
     if vllm_stack:
-        print("\nthe baselines as systems: vLLM-style scheduling (FCFS, decodes first, 2048 prefill tokens per step):")
+        print("\nthe baselines as systems: vLLM-style scheduling (FCFS, decodes first, 2048 tokens per step):")
         print_table(rows, BASELINES, VLLM)
     print("\nTPOT-only attainment (the paper's definition; counts requests deferred past their TTFT target):")
     for rps, n, res in rows:

@@ -1,16 +1,22 @@
-"""A starting worker's decode-length history, read from the jobs its model already finished.
+"""A worker's decode-length history, read from the jobs its model finished.
 
 The scheduler predicts each application's output length (mean + 2 std of its finished
 jobs) for batch deadlines and for KV admission; without a history it must reserve
 max_tokens. Seeding it from SQL lets a restarted or added worker admit at full
-concurrency from its first job.
+concurrency from its first job, and reading what the other workers of the model finished
+since (``PeerLengths``, every heartbeat) keeps the workers' histories from drifting apart.
+
+Lengths are learnt per tenant and ``app_id`` (``history_key``); a job without one is learnt
+with its tenant's jobs of the same kind, so chat answers and long batch outputs do not share
+a prediction.
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus
@@ -19,16 +25,42 @@ from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 log = logging.getLogger(__name__)
 
 
-def finished_lengths(session: Session, model: str, limit: int = 4096) -> list[tuple[str | None, int]]:
-    """(app_id, output tokens) of the model's latest ``limit`` succeeded jobs, oldest first."""
+def history_key(app_id: str | None, tenant_id: str, kind: str) -> str:
+    """What a job's output length is learnt under: its tenant's app_id, else its tenant's jobs of its kind
+    (scoped by tenant, so no tenant's outputs move another's predictions and KV reservations)."""
+    return f"{tenant_id}/app:{app_id}" if app_id else f"{tenant_id}/kind:{kind}"
+
+
+def _succeeded(model: str):
+    return (Job.model == model, Job.status == JobStatus.SUCCEEDED, Job.completion_tokens.is_not(None))
+
+
+def finished_lengths(session: Session, model: str, limit: int = 4096) -> list[tuple[str, int]]:
+    """(history key, output tokens) of the model's latest ``limit`` succeeded jobs, oldest first."""
     rows = session.execute(
-        select(Job.app_id, Job.completion_tokens)
-        .where(Job.model == model, Job.status == JobStatus.SUCCEEDED, Job.completion_tokens.is_not(None))
+        select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens).where(*_succeeded(model))
         .order_by(Job.finished_at.desc()).limit(limit)).all()
-    return [(app, int(n)) for app, n in reversed(rows)]
+    return [(history_key(app, tenant, kind), int(n)) for app, tenant, kind, n in reversed(rows)]
 
 
-def seed(history: DecodeLengthHistory, lengths: list[tuple[str | None, int]]) -> None:
+class PeerLengths:
+    """What the model's other workers finished since the last read (this worker records its own)."""
+
+    def __init__(self, model: str, worker_id: str, since: datetime, limit: int = 4096) -> None:
+        self.model, self.worker_id, self.since, self.limit = model, worker_id, since, limit
+
+    def read(self, session: Session) -> list[tuple[str, int]]:
+        rows = session.execute(
+            select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens, Job.finished_at)
+            .where(*_succeeded(self.model), Job.finished_at > self.since,
+                   or_(Job.worker_id.is_(None), Job.worker_id != self.worker_id))
+            .order_by(Job.finished_at).limit(self.limit)).all()
+        if rows:
+            self.since = rows[-1].finished_at
+        return [(history_key(app, tenant, kind), int(n)) for app, tenant, kind, n, _ in rows]
+
+
+def seed(history: DecodeLengthHistory, lengths: list[tuple[str, int]]) -> None:
     for app, n in lengths:
         history.record(app, n)
     if lengths:

@@ -81,6 +81,8 @@ class GpuWorker:
         self.engine: Any = None
         self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
         self.threads: list[threading.Thread] = []
+        self.peers: decode_history.PeerLengths | None = None  # what the model's other workers finish
+        self.peer_lengths: list[tuple[str, int]] = []  # read by the heartbeat, recorded by the engine thread
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -96,6 +98,7 @@ class GpuWorker:
         log.info("worker %s: engine ready on %s in %.1fs", self.worker_id, self.device, time.monotonic() - t0)
         history = getattr(self.engine.scheduler, "history", None)
         if history is not None:  # predicted output lengths (KV admission, batch deadlines) from what finished
+            self.peers = decode_history.PeerLengths(self.settings.model_name, self.worker_id, since=utcnow())
             with session_scope(self.url) as s:
                 decode_history.seed(history, decode_history.finished_lengths(s, self.settings.model_name))
         self._register()
@@ -214,7 +217,7 @@ class GpuWorker:
         # arrival on the engine clock = when the job was submitted, so queueing counts against TTFT
         waited = (utcnow() - created).total_seconds()
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
-                       app_id=job.app_id)
+                       app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind))
 
     # ---------------------------------------------------------------- engine thread
     def _engine_loop(self) -> None:
@@ -226,6 +229,7 @@ class GpuWorker:
             # jobs given back after an engine error are sent again only once a step has taken
             # their aborts: sent earlier, one could come back here and its abort hit the new run
             requeued, self.requeued = self.requeued, []
+            self._learn_from_peers()
             try:
                 outputs = self.engine.step()
             except Exception as exc:
@@ -238,6 +242,15 @@ class GpuWorker:
                 self._handle(outputs)
             except Exception:
                 log.exception("could not record engine outputs (will retry via leases)")
+
+    def _learn_from_peers(self) -> None:
+        """Records the lengths the heartbeat read from the other workers (the history is the engine thread's)."""
+        if not self.peer_lengths:
+            return
+        with self.lock:
+            lengths, self.peer_lengths = self.peer_lengths, []
+        for key, n in lengths:
+            self.engine.scheduler.history.record(key, n)
 
     def _handle(self, outputs: list[Any]) -> None:
         events: list[tuple[str, StreamEvent]] = []
@@ -400,6 +413,12 @@ class GpuWorker:
         if draining != self.draining:
             self.draining = draining
             log.info("worker %s %s", self.worker_id, "draining: taking no new jobs" if draining else "serving again")
+        if self.peers is not None:
+            with session_scope(self.url) as s:
+                lengths = self.peers.read(s)
+            if lengths:
+                with self.lock:
+                    self.peer_lengths.extend(lengths)
 
     def abort(self, job_id: str) -> None:
         if job_id in self.active:
