@@ -12,24 +12,34 @@ from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from workers.decode_history import PeerLengths, finished_lengths, history_key, seed
 
 
-def test_history_is_seeded_from_succeeded_jobs_of_the_model(db_url):
-    now = utcnow()
+def _tenant(db_url: str, name: str) -> str:
     with session_scope(db_url) as s:
-        t = Tenant(name="h")
+        t = Tenant(name=name)
         s.add(t)
         s.flush()
+        return t.id
 
+
+def _job(tenant: str, status: str, app: str | None, tokens: int | None, finished_at, model: str = "m",
+         kind: str = "batch", worker: str | None = None) -> Job:
+    return Job(tenant_id=tenant, kind=kind, tier="paid", model=model, status=status, prompt="x", sampling={},
+               app_id=app, completion_tokens=tokens, finished_at=finished_at, worker_id=worker)
+
+
+def test_history_is_seeded_from_succeeded_jobs_of_the_model(db_url):
+    now = utcnow()
+    tenant = _tenant(db_url, "h")
+    with session_scope(db_url) as s:
         def job(status, app, tokens, model="m", age=0.0):
-            return Job(tenant_id=t.id, kind="batch", tier="paid", model=model, status=status, prompt="x",
-                       sampling={}, app_id=app, completion_tokens=tokens, finished_at=now - timedelta(seconds=age))
+            return _job(tenant, status, app, tokens, now - timedelta(seconds=age), model=model)
 
         s.add_all([job("succeeded", "summ", n, age=10 - i) for i, n in enumerate((90, 100, 110))]
                   + [job("succeeded", None, 7), job("failed", "summ", 4000), job("cancelled", "summ", 3),
                      job("succeeded", "summ", 5000, model="other"), job("running", "summ", None)])
     with session_scope(db_url) as s:
         lengths = finished_lengths(s, "m")
-        own, summ = history_key(None, t.id, "batch"), history_key("summ", t.id, "batch")  # no app_id: by kind
-        assert len({own, summ, history_key(None, t.id, "interactive"), history_key("summ", "other", "batch")}) == 4
+        own, summ = history_key(None, tenant, "batch"), history_key("summ", tenant, "batch")  # no app_id: by kind
+        assert len({own, summ, history_key(None, tenant, "interactive"), history_key("summ", "other", "batch")}) == 4
         assert sorted(lengths) == sorted([(summ, 90), (summ, 100), (summ, 110), (own, 7)])
         assert [n for app, n in lengths if app == summ] == [90, 100, 110]  # oldest first
         assert finished_lengths(s, "m", limit=2)[-1] == (own, 7)  # the newest ones
@@ -41,17 +51,12 @@ def test_history_is_seeded_from_succeeded_jobs_of_the_model(db_url):
 
 def test_peer_lengths_reads_what_other_workers_finished_since_the_last_read(db_url):
     start = utcnow()
-    with session_scope(db_url) as s:
-        t = Tenant(name="p")
-        s.add(t)
-        s.flush()
-        tenant = t.id
+    tenant = _tenant(db_url, "p")
 
     def finish(app, tokens, worker, after_s, model="m"):
         with session_scope(db_url) as s:
-            s.add(Job(tenant_id=tenant, kind="interactive", tier="paid", model=model, status="succeeded",
-                      prompt="x", sampling={}, app_id=app, completion_tokens=tokens, worker_id=worker,
-                      finished_at=start + timedelta(seconds=after_s)))
+            s.add(_job(tenant, "succeeded", app, tokens, start + timedelta(seconds=after_s), model=model,
+                       kind="interactive", worker=worker))
 
     finish("chat", 5, "w2", -1.0)  # before this worker started: the seed's, not the peers'
     peers = PeerLengths("m", "w1", since=start)
