@@ -38,6 +38,7 @@ load; the paper ran 4 hours) to finish in tens of minutes on two cores.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
@@ -123,7 +124,7 @@ def _ratio(ours: float, theirs: float) -> float:
 
 def _goal(ratio: float, goal: float) -> str:
     if ratio != ratio:
-        return "n/a (both 0)"
+        return "n/a"
     return "pass" if ratio >= goal else "FAIL"
 
 
@@ -193,7 +194,7 @@ def main() -> None:
         for trace in traces:
             g = {pol: jobs[(trace, pol)].result() for pol in policies}
             good[trace] = g.get("qoserve", 0.0)
-            ratio = {p: _ratio(g.get("qoserve", 0.0), g[p]) for p in others}
+            ratio = {p: _ratio(g["qoserve"], g[p]) if "qoserve" in g else math.nan for p in others}
             table.add_row(trace, *(f"{g[p]:.3f}" for p in policies),
                           *(f"{ratio[p]:.2f}x" if ratio[p] == ratio[p] else "n/a" for p in others),
                           *(_goal(ratio[p], GOALS[p]) for p in goal_pols))
@@ -202,12 +203,15 @@ def main() -> None:
         trace = args.bursty_trace
         if args.bursty_qps:
             low, high = (float(x) for x in args.bursty_qps.split(":"))
-        elif trace in good:
+        elif good.get(trace, 0.0) > 0:
             low, high = (q / PAPER_CAPACITY_QPS * good[trace] for q in PAPER_BURSTY_QPS)
             console.print(f"bursty rates: paper {PAPER_BURSTY_QPS[0]}/{PAPER_BURSTY_QPS[1]} QPS over its "
                           f"{PAPER_CAPACITY_QPS} QPS capacity -> {low / good[trace]:.2f}x/{high / good[trace]:.2f}x "
                           f"QoServe's {good[trace]:.3f} QPS on {trace} = {low:.3f}/{high:.3f} QPS")
         else:
+            if trace in good:
+                console.print(f"bursty run skipped: no QoServe goodput on {trace} to scale the rates from "
+                              "(run the qoserve policy too, or give --bursty-qps LOW:HIGH)")
             continue
         if high <= 0:
             console.print(f"bursty run skipped: QoServe's goodput on {trace} is 0 (no rate to scale from; "
