@@ -104,6 +104,8 @@ class QoSExtension(BaseModel):
 
     ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS)
     tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS)
+    tbt_anchor: Literal["arrival", "first-token"] | None = Field(
+        None, description="when token n is due: 'arrival' (+ TTFT + (n-1) TBT) or 'first-token' (+ (n-1) TBT)")
     deadline: float | str | None = Field(
         None, description="makes it a deadline (batch-class) job: seconds from now, a window like '2h', or an ISO time")
     tier: str | None = None
@@ -188,10 +190,11 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
             window, at = _deadline(self.deadline)
         try:
             if window is not None or at is not None:
-                if self.ttft_ms or self.tbt_ms:
-                    raise OpenAIError(400, "give either deadline or ttft_ms/tbt_ms", param="deadline")
+                if self.ttft_ms or self.tbt_ms or self.tbt_anchor:
+                    raise OpenAIError(400, "give either deadline or ttft_ms/tbt_ms/tbt_anchor", param="deadline")
                 return JobCreate(kind="batch", deadline_window_s=window, deadline_at=at, **common)
-            return JobCreate(kind="interactive", ttft_ms=self.ttft_ms, tbt_ms=self.tbt_ms, **common)
+            return JobCreate(kind="interactive", ttft_ms=self.ttft_ms, tbt_ms=self.tbt_ms, tbt_anchor=self.tbt_anchor,
+                             **common)
         except ValidationError as exc:
             message, param = validation_message(list(exc.errors()))
             raise OpenAIError(400, message, param=param) from exc

@@ -33,6 +33,9 @@ class JobCreate(BaseModel):
     # QoS: interactive jobs have TTFT/TBT targets, batch jobs a deadline
     ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-to-first-token target")
     tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-between-tokens target")
+    tbt_anchor: Literal["arrival", "first-token"] | None = Field(
+        None, description="interactive: when token n is due, 'arrival' (arrival + TTFT + (n-1) TBT) or "
+                          "'first-token' (first token + (n-1) TBT: a steady stream); default: the server's")
     deadline_at: datetime | None = Field(None, description="batch: absolute completion deadline (with timezone)")
     deadline_window_s: float | None = Field(None, gt=0, le=MAX_WINDOW_S, description="batch: seconds from now")
     # sampling
@@ -54,8 +57,8 @@ class JobCreate(BaseModel):
             raise ValueError("'prompt' must not be empty")
         if self.kind == "interactive" and (self.deadline_at or self.deadline_window_s):
             raise ValueError("interactive jobs take ttft_ms/tbt_ms; use kind='batch' for a deadline")
-        if self.kind == "batch" and (self.ttft_ms or self.tbt_ms):
-            raise ValueError("batch jobs take deadline_at or deadline_window_s, not ttft_ms/tbt_ms")
+        if self.kind == "batch" and (self.ttft_ms or self.tbt_ms or self.tbt_anchor):
+            raise ValueError("batch jobs take deadline_at or deadline_window_s, not ttft_ms/tbt_ms/tbt_anchor")
         if self.deadline_at is not None and self.deadline_window_s is not None:
             raise ValueError("give deadline_at or deadline_window_s, not both")
         if self.deadline_at is not None and self.deadline_at.tzinfo is None:
@@ -93,6 +96,7 @@ class JobPublic(BaseModel):
     app_id: str | None = None
     ttft_ms: float | None = None
     tbt_ms: float | None = None
+    tbt_anchor: str | None = None
     deadline_at: datetime | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
     output_text: str | None = None

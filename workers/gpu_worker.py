@@ -213,7 +213,7 @@ class GpuWorker:
         else:
             qos = QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=(job.ttft_ms or self.settings.default_ttft_ms) / 1e3,
                           tbt_s=(job.tbt_ms or self.settings.default_tbt_ms) / 1e3,
-                          tbt_anchor=TbtAnchor(self.settings.tbt_anchor))
+                          tbt_anchor=TbtAnchor(job.tbt_anchor or self.settings.tbt_anchor))
         # arrival on the engine clock = when the job was submitted, so queueing counts against TTFT
         waited = (utcnow() - created).total_seconds()
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),

@@ -88,6 +88,7 @@ class Job(Base):
     # QoS
     ttft_ms: Mapped[float | None] = mapped_column(Float, default=None)
     tbt_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    tbt_anchor: Mapped[str | None] = mapped_column(String(16), default=None)  # interactive: "arrival" | "first-token"
     deadline_at: Mapped[datetime | None] = mapped_column(default=None)
     # input: a raw prompt or chat messages, and sampling params
     prompt: Mapped[str | None] = mapped_column(Text, default=None)

@@ -40,7 +40,7 @@ class IdempotencyConflict(ValueError):
 
 
 # what makes two submissions "the same request" under one Idempotency-Key
-_IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "app_id", "model", "tier")
+_IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
 
 
 def _same_request(existing: Job, new: Job) -> bool:
@@ -91,6 +91,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     if spec.kind == JobKind.INTERACTIVE:
         job.ttft_ms = spec.ttft_ms or settings.default_ttft_ms
         job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
+        job.tbt_anchor = spec.tbt_anchor or settings.tbt_anchor
     else:
         deadline = spec.deadline_at or now + timedelta(seconds=spec.deadline_window_s or settings.default_batch_window_s)
         if deadline <= now and not overdue_ok:

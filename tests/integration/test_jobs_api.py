@@ -43,6 +43,14 @@ def test_submit_get_and_dispatch(client, keys, settings):
     assert client.get(f"/v1/jobs/{job['id']}", headers=H(keys.paid)).json()["status"] == "dispatched"
 
 
+def test_interactive_jobs_keep_where_their_tbt_deadlines_start(client, keys, settings):
+    paced = submit(client, keys.paid, tbt_anchor="first-token").json()
+    default = submit(client, keys.paid).json()
+    batch = submit(client, keys.paid, kind="batch", deadline_window_s=600).json()
+    assert (paced["tbt_anchor"], default["tbt_anchor"], batch["tbt_anchor"]) == (
+        "first-token", settings.tbt_anchor, None)  # the server's default is resolved at submission
+
+
 def test_auth_and_tenant_isolation(client, keys):
     assert client.post("/v1/jobs", json={"prompt": "x"}).status_code == 401
     assert client.get("/v1/jobs", headers=H("cs-not-a-key")).status_code == 401
@@ -80,6 +88,8 @@ def test_keys_stored_as_hashes(client, keys, settings):
     ({"ttft_ms": -5}, "greater than 0"),
     ({"tbt_ms": 1e12}, "less than or equal"),
     ({"kind": "batch", "ttft_ms": 100}, "batch jobs take deadline"),
+    ({"kind": "batch", "tbt_anchor": "first-token"}, "batch jobs take deadline"),
+    ({"tbt_anchor": "first"}, "'arrival' or 'first-token'"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "exactly one"),
     ({"model": "gpt-9"}, "unknown model"),
     ({"seed": 2**64}, "less than or equal"),  # would overflow the engine's generator

@@ -64,9 +64,10 @@ def test_openai_request_mapping():
     req = ChatCompletionRequest.model_validate({
         "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
                      {"role": "user", "content": "x"}],
-        "max_completion_tokens": 9, "max_tokens": 3, "tbt_ms": 50, "stop": ["a", "b"]})
+        "max_completion_tokens": 9, "max_tokens": 3, "tbt_ms": 50, "stop": ["a", "b"], "tbt_anchor": "first-token"})
     spec = req.job_spec(messages=req.chat_messages())
     assert spec.kind == "interactive" and spec.max_tokens == 9 and spec.tbt_ms == 50
+    assert spec.tbt_anchor == "first-token"
     assert spec.messages[0].role == "system" and spec.messages[0].content == "be brief"
     assert spec.temperature == 1.0  # OpenAI's default
     deadline = CompletionRequest.model_validate({"prompt": ["p"], "deadline": "2h"})
@@ -77,8 +78,9 @@ def test_openai_request_mapping():
     assert exc.value.param == "prompt"
     with pytest.raises(OpenAIError):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 2}).check()
-    with pytest.raises(OpenAIError):
-        CompletionRequest.model_validate({"prompt": "p", "deadline": "2h", "ttft_ms": 5}).job_spec(prompt="p")
+    for qos in ({"ttft_ms": 5}, {"tbt_anchor": "first-token"}):  # a deadline job has no token pace
+        with pytest.raises(OpenAIError):
+            CompletionRequest.model_validate({"prompt": "p", "deadline": "2h", **qos}).job_spec(prompt="p")
 
 
 @pytest.mark.parametrize("field,value,ok", [
