@@ -75,6 +75,7 @@ class Job(Base):
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
+        Index("ix_jobs_model_finished", "model", "finished_at"),  # workers' decode-length history reads
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
