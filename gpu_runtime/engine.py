@@ -194,7 +194,7 @@ class Engine:
             self.speculation.pass_spare_s = sched.pass_spare_s
             entries = self.speculation.draft_plan(sched.decodes, now)
             if entries:
-                drafted = self.executor.draft(entries)
+                drafted = self.executor.draft(entries, self.speculation.keep_drafting)
                 draft_latency = drafted.latency_s
                 selected = self.speculation.select(sched.decodes, drafted.trees, self.executor.now())
                 selected = self._fit_trees_to_kv(selected, prefills, len(decodes))

@@ -1,7 +1,7 @@
 """Benchmark (a): speculation on the real engine, default model, CPU, low load.
 
 Runs SpecBench summarization prompts (default) one request at a time through Engine +
-TorchExecutor (SmolLM2-135M-Instruct, prompt-lookup drafter) + the sarathi-fcfs
+TorchExecutor (SmolLM2-135M-Instruct, prompt-lookup drafter or ``--draft`` model) + the sarathi-fcfs
 scheduler, once per speculation policy, greedy, same prompts. Prints decode tokens/s
 (output tokens after the first / time from first to last token) and end-to-end
 tokens/s, with each policy's ratio to no speculation measured in the same run, and
@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--tbt", type=float, default=0.2, help="interactive TBT target (s) given to every request")
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", default="prompt-lookup",
+                    help="drafter: prompt-lookup, or a draft model directory (e.g. ops/out/smollm2-draft from "
+                         "ops/distill_draft.py)")
     ap.add_argument("--no-profile", action="store_true",
                     help="do not load the shipped CPU profile (AdaServe then fits B online)")
     args = ap.parse_args()
@@ -92,7 +95,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    ex = TorchExecutor.from_pretrained("smollm2-135m", device="cpu", draft="prompt-lookup", kv_blocks=1024)
+    ex = TorchExecutor.from_pretrained("smollm2-135m", device="cpu", draft=args.draft, kv_blocks=1024)
     print(f"model loaded in {time.perf_counter() - t0:.1f} s")
     if not args.no_profile and CPU_PROFILE.exists():
         # AdaServe's B = knee of this machine's measured latency-vs-tokens curve (not the online fit).

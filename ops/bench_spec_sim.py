@@ -170,6 +170,8 @@ def main() -> None:
     ap.add_argument("--vllm-stack", action=argparse.BooleanOptionalAction, default=True,
                     help="engine stack: also run the static baselines on vLLM-style scheduling, the systems the "
                          "paper compares against")
+    ap.add_argument("--also", nargs="*", default=[], metavar="POLICY",
+                    help="more speculation policies to run on coserve's stack (e.g. adaspec nightjar)")
     ap.add_argument("--measure-drafter", action="store_true",
                     help="time PromptLookupDrafter.propose on this host and use that cost")
     args = ap.parse_args()
@@ -200,11 +202,11 @@ def main() -> None:
     for rps in args.rps:
         arrivals = poisson_arrivals(rps, args.duration + (args.tail if args.stack == "engine" else 0.0), slos,
                                     seed=args.seed, tbt_anchor=TbtAnchor(args.tbt_anchor))
-        res = {name: run(name, arrivals) for name in [*BASELINES, "adaserve"]}
+        res = {name: run(name, arrivals) for name in [*BASELINES, "adaserve", *args.also]}
         if vllm_stack:
             res |= {VLLM + name: run(name, arrivals, VLLM_SCHEDULER) for name in BASELINES}
         rows.append((rps, res["none"].requests, res))
-    names = [*BASELINES, "adaserve"]
+    names = [*BASELINES, "adaserve", *args.also]
     stack = "coserve (QoServe scheduler)" if args.stack == "engine" else "decode-level harness"
     print(f"\nSLO attainment and goodput, every policy on {stack}:")
     print_table(rows, names)

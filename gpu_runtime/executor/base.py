@@ -6,6 +6,7 @@ same plan types go to ``TorchExecutor`` and ``SimExecutor``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -71,6 +72,11 @@ class DraftEntry:
     width: int  # beam width w (top-w children kept per step)
 
 
+# Asked by a drafter after each drafted depth d with every request's best path probability so far:
+# whether to draft depth d + 1 (AdaSpec Alg. 1 on the real confidences); None: draft to each entry's depth.
+KeepDrafting = Callable[[int, dict[str, float]], bool]
+
+
 @dataclass
 class DraftResult:
     trees: dict[str, TokenTree] = field(default_factory=dict)  # candidate tree per request
@@ -118,8 +124,9 @@ class Executor(Protocol):
     def step(self, plan: BatchPlan) -> StepResult:
         """Run one mixed forward pass and commit accepted tokens to the KV cache."""
 
-    def draft(self, entries: list[DraftEntry]) -> DraftResult:
-        """Expand candidate token trees for decoding requests (beam search / lookup)."""
+    def draft(self, entries: list[DraftEntry], keep_drafting: KeepDrafting | None = None) -> DraftResult:
+        """Expand candidate token trees for decoding requests (beam search / lookup); a drafter whose
+        steps cost time asks ``keep_drafting`` before each further depth."""
 
     @property
     def has_draft(self) -> bool:

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 
 from gpu_runtime.costmodel.base import batch_time, decode_step_time
 from gpu_runtime.costmodel.features import BatchFeatures
-from gpu_runtime.executor.base import BatchPlan, DraftEntry, DraftResult, KVCapacity, StepResult
+from gpu_runtime.executor.base import BatchPlan, DraftEntry, DraftResult, KeepDrafting, KVCapacity, StepResult
 from gpu_runtime.executor.kv_blocks import BlockManager
 from gpu_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from gpu_runtime.costmodel.base import CostModel
     from gpu_runtime.sim.acceptance import AcceptanceModel
+    from gpu_runtime.speculation.token_tree import TokenTree
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class SimExecutor:
         self.num_steps += 1
         return result
 
-    def draft(self, entries: list[DraftEntry]) -> DraftResult:
+    def draft(self, entries: list[DraftEntry], keep_drafting: KeepDrafting | None = None) -> DraftResult:
         out = DraftResult()
         if self.acceptance is None:
             return out
@@ -132,6 +133,9 @@ class SimExecutor:
             if synced is not None and self.num_steps - synced[0] > 1:  # skipped steps: the draft lags
                 lag_max, lagging = max(lag_max, tokens - synced[1]), lagging + 1
             self._draft_synced[e.request_id] = (self.num_steps, tokens)
+        if keep_drafting is not None and self.draft_cost_s > 0:  # a draft model asks before each further depth
+            depth = _depth_reached(out.trees, {e.request_id: e.depth for e in entries}, keep_drafting)
+            out.trees = {rid: t.up_to_depth(depth) for rid, t in out.trees.items()}
         out.latency_s = (self.draft_cost_s * depth + cpu_s
                          + (self.draft_switch_cost(lag_max, lagging) if lagging else 0.0))
         self.clock += out.latency_s
@@ -181,3 +185,17 @@ class SimExecutor:
             return False
         self._draft_on_device = True
         return True
+
+
+def _depth_reached(trees: dict[str, TokenTree], depths: dict[str, int], keep_drafting: KeepDrafting) -> int:
+    """The depth a drafter that asks ``keep_drafting`` after each depth stops at, for trees drawn whole:
+    at depth d it passes the best path probability at d of each request drafted deeper than d."""
+    node_depth = {rid: t.depths() for rid, t in trees.items()}
+    deepest = max(depths.values(), default=0)
+    for d in range(1, deepest):
+        best = {rid: max(p for p, x in zip(t.path_probs, node_depth[rid]) if x == d)
+                for rid, t in trees.items() if depths[rid] > d and d in node_depth[rid]}
+        if not best or not keep_drafting(d, best):
+            return d
+    return deepest
+

@@ -9,10 +9,16 @@
   the batch while the estimated goodput rises. Drafts stay prefixes; the bonus token
   counts as accepted (DESIGN.md decisions).
 
-The executor drafts a chain in one call. With a draft model, the drafter's "one more
-step" loop runs on predicted confidences before drafting and the verifier corrects with
-the real ones. With a draft whose steps are (nearly) free, e.g. prompt lookup, the chain
-is drafted to ``max_length`` and Alg. 1's stop rule runs on the real confidences.
+With a draft model, the first step is decided on the predicted confidence and the drafter
+asks ``keep_drafting`` after each further depth, which answers with the real confidences
+of the steps drafted so far (Alg. 1's predict-execute-correct). With a draft whose steps
+are (nearly) free, e.g. prompt lookup, the chain is drafted to ``max_length`` and Alg. 1's
+stop rule runs on the real confidences in ``select``.
+
+A co-serving pass also runs the iteration's prefill chunks: the target's fit counts every
+token of the pass (fitted on decode tokens alone, the chunks' time made each tree token look
+several times dearer than it is), the goodput's time is the whole pass, and Alg. 3's TPOT
+check reads the decode part.
 """
 
 from __future__ import annotations
@@ -68,6 +74,12 @@ class AdaSpec(SpeculationPolicy):
         self._length = 0
         self._verified: dict[str, int] = {}
         self._free_draft = False  # this step drafted max_length: Alg. 1 stops on real confidences in select
+        # A draft model's step: (requests, context tokens, tightest TPOT) for ``keep_drafting``, and the
+        # expected tokens (bonus included) and verified tokens of the depths drafted so far.
+        self._step_plan: tuple[int, int, float | None] | None = None
+        self._prefill = 0  # prompt tokens in this iteration's pass (the engine's prefill_tokens_in_pass)
+        self._step_tokens = 0.0
+        self._step_verified = 0
 
     # ---- the efficiency estimator (Alg. 3) ----
     def _acceptance(self, cond: list[float]) -> list[float]:
@@ -84,9 +96,10 @@ class AdaSpec(SpeculationPolicy):
         verified = sum(len(r) for r in rates)
         tokens = n + sum(sum(r) for r in rates)  # bonus token counts
         t_draft = draft_time_s if draft_time_s is not None else draft_steps * self.draft_cost.predict(context, n)
-        t = t_draft + self.target_cost.predict(context, n + verified)
+        t_decode = t_draft + self.target_cost.predict(context, n + verified)
+        t = t_draft + self.target_cost.predict(context, n + verified + self._prefill)  # with the pass's prefill chunks
         good = tokens / t if t > 0 else float(tokens)
-        if tpot_limit is not None and draft_steps > 0 and t > tpot_limit:
+        if tpot_limit is not None and draft_steps > 0 and t_decode > tpot_limit:
             good = -1.0  # Alg. 3: a step slower than the TPOT SLO is rejected
         return ChainEstimate(draft_steps, tokens, t, good)
 
@@ -110,6 +123,8 @@ class AdaSpec(SpeculationPolicy):
         self._steps += 1
         cfg = self.config
         self._free_draft = False
+        self._step_plan = None
+        self._prefill = self.prefill_tokens_in_pass
         if self._steps <= cfg.warmup_steps or not (self.target_cost.fitted and self.draft_cost.fitted):
             self._length = 1 + (self._steps - 1) % cfg.max_length  # spread N_b so the fit is identifiable
         else:
@@ -117,16 +132,38 @@ class AdaSpec(SpeculationPolicy):
             if self.draft_cost.predict(context, n) <= cfg.free_draft_ratio * self.target_cost.predict(context, n):
                 self._free_draft, self._length = True, cfg.max_length  # Alg. 1 runs in select on real confidences
             else:
-                self._length = self.plan_length(n, context, _tightest_tpot(decodes, now))
+                tpot = _tightest_tpot(decodes, now)
+                self._length = self.plan_length(n, context, tpot)  # Alg. 1's first step: predicted c_1
                 if self._length == 0:
                     self._idle_steps += 1
                     if cfg.probe_every and self._idle_steps % cfg.probe_every == 0:
                         self._length = 1  # probe: refresh the confidences (see AdaSpecConfig.probe_every)
-                else:
+                else:  # further steps: the drafter asks keep_drafting with the real confidences
                     self._idle_steps = 0
+                    self._step_plan, self._step_tokens, self._step_verified = (n, context, tpot), float(n), 0
+                    self._length = cfg.max_length
         if self._length == 0:
             return []
         return [DraftEntry(r.request_id, self._length, 1) for r in decodes]
+
+    def keep_drafting(self, depth: int, path_probs: dict[str, float]) -> bool:
+        """Alg. 1 (predict-execute-correct) after ``depth`` drafted steps: one more while the estimated
+        goodput rises, from the real path probabilities so far and the predicted confidence of the next step;
+        a step that would break the tightest TPOT target is not taken (Alg. 3)."""
+        if self._step_plan is None:
+            return True  # warm-up, a probe or a free draft: the planned length
+        n, context, tpot = self._step_plan
+        self._step_tokens += sum(min(1.0, self.scale * p) for p in path_probs.values())  # AR at this depth
+        self._step_verified += len(path_probs)
+        confidence = self.confidence[depth].value if depth < self.config.max_length else 0.0
+        more = sum(min(1.0, self.scale * p * confidence) for p in path_probs.values())
+        step_s, verified, pass_n = self.draft_cost.predict(context, n), self._step_verified, n + self._prefill
+        t_now = depth * step_s + self.target_cost.predict(context, pass_n + verified)
+        t_more = (depth + 1) * step_s + self.target_cost.predict(context, pass_n + verified + len(path_probs))
+        decode_more = (depth + 1) * step_s + self.target_cost.predict(context, n + verified + len(path_probs))
+        go = (self._step_tokens + more) / t_more > self._step_tokens / t_now and (tpot is None or decode_more <= tpot)
+        self._length = depth + 1 if go else depth
+        return go
 
     def select(self, decodes, candidates, now):
         chains: dict[str, tuple[TokenTree, list[float]]] = {}
@@ -202,7 +239,7 @@ class AdaSpec(SpeculationPolicy):
         n = len(decodes)
         context = sum(r.num_computed_tokens for r in decodes)
         verified = sum(len(t) for t in selected.values())
-        self.target_cost.observe(context, n + verified, result.latency_s)
+        self.target_cost.observe(context, n + verified + self._prefill, result.latency_s)  # every token of the pass
         if draft_latency_s > 0 and self._length > 0:
             self.draft_cost.observe(context, n, draft_latency_s / self._length)
         if self.config.calibrate and selected:

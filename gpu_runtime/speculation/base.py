@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpu_runtime.executor.base import DraftEntry, Executor, StepResult
+    from gpu_runtime.executor.base import DraftEntry, Executor, KeepDrafting, StepResult
     from gpu_runtime.request import Request
     from gpu_runtime.speculation.token_tree import TokenTree
 
@@ -23,6 +23,9 @@ class SpeculationPolicy(ABC):
     # Seconds the pass may still grow before the tightest decode misses its deadline (set by the engine
     # from ``SchedulerOutput.pass_spare_s``); None when the scheduler sets no time budget.
     pass_spare_s: float | None = None
+    # Handed to the executor's drafter: asked after each drafted depth whether to draft one more
+    # (AdaSpec's adaptive drafter); None drafts every entry to its depth.
+    keep_drafting: KeepDrafting | None = None
 
     def bind(self, executor: Executor) -> None:
         """Called once by the engine; policies may read the executor's profile/capacity."""

@@ -48,6 +48,13 @@ class TokenTree:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
+    def up_to_depth(self, depth: int) -> TokenTree:
+        """The tree without nodes deeper than ``depth`` (a node's ancestors are never deeper: still a tree)."""
+        depths = self.depths()
+        if not depths or max(depths) <= depth:
+            return self
+        return self.subtree([i for i, d in enumerate(depths) if d <= depth])
+
     def children(self, node: int) -> list[int]:
         """Children of ``node`` (-1 for the root), in stored order."""
         return [i for i, p in enumerate(self.parents) if p == node]

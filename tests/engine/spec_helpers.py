@@ -40,7 +40,7 @@ class NoisyTreeDrafter(Drafter):
         self.vocab, self.hit, self.max_nodes = vocab, hit, max_nodes
         self.rng = random.Random(seed)
 
-    def draft(self, entries: list[DraftEntry]) -> dict[str, TokenTree]:
+    def draft(self, entries: list[DraftEntry], keep_drafting=None) -> dict[str, TokenTree]:
         out = {}
         for e in entries:
             tokens = self.executor.token_ids(e.request_id)

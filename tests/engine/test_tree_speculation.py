@@ -81,6 +81,33 @@ def test_beam_tree_path_probabilities_are_products_of_conditionals():
     assert runner.blocks.num_tokens(req.request_id) == len(seq)  # scratch slots dropped
 
 
+def test_draft_model_asks_before_each_further_depth_and_stops_when_told():
+    target = tiny_llama(seed=0)
+    runner = DraftModelRunner(copy.deepcopy(target), block_size=4)
+    ex = TorchExecutor.from_model(target, kv_blocks=32, block_size=4, drafter=runner)
+    from gpu_runtime.executor.base import BatchPlan, DraftEntry, PrefillChunk
+
+    reqs = [make_request([7, 8, 9, 10, 11], max_tokens=12), make_request([5, 6, 7], max_tokens=12)]
+    for r in reqs:
+        ex.add_request(r.request_id, r.sampling)
+    ex.step(BatchPlan(prefills=[PrefillChunk(r.request_id, 0, r.prompt_token_ids, True) for r in reqs]))
+    asked: list[tuple[int, dict[str, float]]] = []
+
+    def keep(depth: int, best: dict[str, float]) -> bool:
+        asked.append((depth, best))
+        return depth < 2
+
+    entries = [DraftEntry(r.request_id, depth=5, width=1) for r in reqs]
+    trees = ex.draft(entries, keep).trees
+    assert [d for d, _ in asked] == [1, 2]  # asked after depth 1 (yes) and after depth 2 (no)
+    assert all(t.depths() == [1, 2] for t in trees.values())
+    for depth, best in asked:  # each request's path probability at that depth
+        assert best == {rid: t.path_probs[depth - 1] for rid, t in trees.items()}
+    assert all(runner.blocks.num_tokens(r.request_id) == len(r.prompt_token_ids) + 1 for r in reqs)
+    full = ex.draft(entries).trees  # without the callback: the entries' depth
+    assert all(len(t) == 5 for t in full.values())
+
+
 def test_prompt_lookup_trees_keep_greedy_output():
     target = tiny_llama(seed=0)
     rng = random.Random(5)

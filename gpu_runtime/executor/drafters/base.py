@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from gpu_runtime.executor.base import DraftEntry
+    from gpu_runtime.executor.base import DraftEntry, KeepDrafting
     from gpu_runtime.executor.torch.executor import TorchExecutor
     from gpu_runtime.speculation.token_tree import TokenTree
 
@@ -20,8 +20,9 @@ class Drafter(ABC):
         self.executor = executor
 
     @abstractmethod
-    def draft(self, entries: list[DraftEntry]) -> dict[str, TokenTree]:
-        """Candidate tree per request (depth/width from each entry); path probabilities filled."""
+    def draft(self, entries: list[DraftEntry], keep_drafting: KeepDrafting | None = None) -> dict[str, TokenTree]:
+        """Candidate tree per request (depth/width from each entry); path probabilities filled. A drafter
+        that pays per depth (a model) asks ``keep_drafting`` before each further one; a free one may ignore it."""
 
     def free(self, request_id: str) -> None:
         """Forget the request (drafters with a KV cache release it here)."""

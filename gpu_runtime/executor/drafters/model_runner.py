@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_runtime.executor.base import DraftEntry
+from gpu_runtime.executor.base import DraftEntry, KeepDrafting
 from gpu_runtime.executor.drafters.base import Drafter
 from gpu_runtime.executor.kv_blocks import BlockManager
 from gpu_runtime.executor.torch.batch import Segment, build_forward_batch, request_slots
@@ -82,7 +82,7 @@ class DraftModelRunner(Drafter):
 
     # ---- drafting ----
     @torch.inference_mode()
-    def draft(self, entries: list[DraftEntry]) -> dict[str, TokenTree]:
+    def draft(self, entries: list[DraftEntry], keep_drafting: KeepDrafting | None = None) -> dict[str, TokenTree]:
         if self.decoder is None or self.blocks is None:
             return {}
         entries = [e for e in entries if e.depth > 0 and e.width > 0]
@@ -117,7 +117,9 @@ class DraftModelRunner(Drafter):
         fed: dict[str, list[int]] = {e.request_id: [] for e in live}
         for depth in range(2, max(e.depth for e in live) + 1):  # 2) one pass per further depth
             step = [e for e in live if e.depth >= depth and frontier[e.request_id]]
-            if not step:
+            if not step or (keep_drafting is not None and not keep_drafting(
+                    depth - 1, {e.request_id: max(trees[e.request_id].path_probs[n] for n in frontier[e.request_id])
+                                for e in step})):
                 break
             segments = [self._frontier_segment(e.request_id, trees[e.request_id], frontier[e.request_id],
                                                fed[e.request_id], history[e.request_id]) for e in step]

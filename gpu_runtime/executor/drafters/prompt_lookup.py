@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from gpu_runtime.executor.base import DraftEntry
+from gpu_runtime.executor.base import DraftEntry, KeepDrafting
 from gpu_runtime.executor.drafters.base import Drafter
 from gpu_runtime.speculation.token_tree import TokenTree
 
@@ -111,7 +111,7 @@ class PromptLookupDrafter(Drafter):
         self.decay = decay  # confidence lost per extra depth step
         self._indexes: dict[str, NgramIndex] = {}
 
-    def draft(self, entries: list[DraftEntry]) -> dict[str, TokenTree]:
+    def draft(self, entries: list[DraftEntry], keep_drafting: KeepDrafting | None = None) -> dict[str, TokenTree]:
         out = {}
         for e in entries:
             index = self._indexes.get(e.request_id)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu_runtime.executor.base import (
-    BatchPlan, DraftEntry, DraftResult, KVCapacity, StepResult,
+    BatchPlan, DraftEntry, DraftResult, KeepDrafting, KVCapacity, StepResult,
 )
 from gpu_runtime.executor.kv_blocks import BlockManager
 from gpu_runtime.executor.torch.batch import Segment, build_forward_batch, request_slots, tree_mask
@@ -30,7 +30,6 @@ from gpu_runtime.executor.torch.sampler import (
     make_generator, sample_token, target_probs, verify_greedy, verify_sampled,
 )
 from gpu_runtime.sampling import SamplingParams
-from gpu_runtime.speculation.token_tree import TokenTree
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -91,14 +90,6 @@ def _dtype_kwarg() -> str:
     from packaging.version import Version
 
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-
-
-def _cut_depth(tree: TokenTree, depth: int) -> TokenTree:
-    """The tree without nodes deeper than ``depth`` (a node's ancestors are never deeper: still a tree)."""
-    depths = tree.depths()
-    if not depths or max(depths) <= depth:
-        return tree
-    return tree.subtree([i for i, d in enumerate(depths) if d <= depth])
 
 
 def _resolve_device(device: str) -> str:
@@ -337,16 +328,16 @@ class TorchExecutor:
                        mask=tree_mask(tree.parents, position), logits_from=0, logits_count=1 + nodes)
 
     # ---- protocol: drafting and elastic memory ----
-    def draft(self, entries: list[DraftEntry]) -> DraftResult:
+    def draft(self, entries: list[DraftEntry], keep_drafting: KeepDrafting | None = None) -> DraftResult:
         if self.drafter is None or not entries:
             return DraftResult()
         start = time.perf_counter()
         limits = {e.request_id: self.max_tree_depth(e.request_id) for e in entries}
         clipped = [DraftEntry(e.request_id, min(e.depth, limits[e.request_id]), e.width) for e in entries]
         clipped = [e for e in clipped if e.depth > 0]
-        trees = self.drafter.draft(clipped) if clipped else {}
+        trees = self.drafter.draft(clipped, keep_drafting) if clipped else {}
         # drafters that do not beam-search (prompt lookup, test drafters) may ignore the depth
-        trees = {rid: _cut_depth(t, limits[rid]) for rid, t in trees.items()}
+        trees = {rid: t.up_to_depth(limits[rid]) for rid, t in trees.items()}
         return DraftResult(trees=trees, latency_s=time.perf_counter() - start)
 
     def max_tree_depth(self, request_id: str) -> int:

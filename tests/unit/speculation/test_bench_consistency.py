@@ -68,6 +68,22 @@ def test_sim_executor_charges_cpu_drafting_per_request_and_context():
     assert ex.draft_switch_cost(400, 2) == 0.0  # no draft model: nothing to catch up
 
 
+def test_sim_draft_model_stops_where_keep_drafting_says_and_charges_those_depths():
+    cost = PiecewiseLinearCostModel([0.010, 0.0, 1e-4, 0.0, 0.0, 0.0], 0.0)
+    ex = SimExecutor(cost, acceptance=GeometricAcceptance(alphas=[0.8]), draft_cost_s=0.002)
+    asked = []
+
+    def keep(depth, best):
+        asked.append((depth, sorted(best)))
+        return depth < 2
+
+    out = ex.draft([DraftEntry("a", 5, 1), DraftEntry("b", 5, 1)], keep)
+    assert asked == [(1, ["a", "b"]), (2, ["a", "b"])]
+    assert all(max(t.depths()) == 2 for t in out.trees.values())
+    assert out.latency_s == pytest.approx(2 * 0.002)
+    assert ex.draft([DraftEntry("a", 5, 1)]).latency_s == pytest.approx(5 * 0.002)  # no callback: its depth
+
+
 def test_azure_traces_use_the_same_stand_ins_as_adaserve_categories(harness):
     assert harness.TRACE_CATEGORY == {"code": harness.ACCEPTANCE_CATEGORY["coding"],
                                       "conv": harness.ACCEPTANCE_CATEGORY["chat"]}

@@ -148,10 +148,69 @@ def test_adaspec_free_draft_drafts_max_length_and_stops_on_real_confidences():
     cands = {"a": TokenTree.chain([1, 2, 3, 4, 5, 6, 7, 8], [0.95, 0.9, 0.85, 0.01, 0.01, 0.01, 0.01, 0.01])}
     out = pol.select([a], cands, now=0.0)
     assert out["a"].token_ids == [1, 2, 3]
-    seeded = _seeded_adaspec()  # a draft model (11% of a target pass): length planned up front
+    seeded = _seeded_adaspec()  # a draft model (11% of a target pass): the first step on the predicted confidence
     for e in seeded.confidence:
         e.value = 0.05
     assert seeded.draft_plan([a], 0.0) == []
+
+
+def _drafted_depth(pol: AdaSpec, path_prob, max_depth: int = 8) -> int:
+    """The depth a drafter reaches asking ``keep_drafting`` after each depth (both requests alike)."""
+    depth = 1
+    while depth < max_depth and pol.keep_drafting(depth, {"a": path_prob(depth), "b": path_prob(depth)}):
+        depth += 1
+    return depth
+
+
+def test_adaspec_draft_model_decides_each_further_step_on_the_real_confidences():
+    """Alg. 1's predict-execute-correct: the first step on the predicted confidence, every further one
+    on the confidences the draft model really had (costs as in _seeded_adaspec: draft step 3 ms for 2
+    requests, target 20 ms + 2 ms per token; batch jobs with a far deadline: no TPOT limit)."""
+    a, b = make_request("a", ttlt=1e6), make_request("b", ttlt=1e6)
+    pol = _seeded_adaspec()
+    for e in pol.confidence:
+        e.value = 0.8
+    assert pol.plan_length(n=2, context=0, tpot_limit=None) == 3  # up front, 0.8 per step looks worth 3
+    assert [e.depth for e in pol.draft_plan([a, b], 0.0)] == [8, 8]  # the drafter asks before each depth
+    # after depth 1 (0.9 each): 3.8 tokens in 31 ms vs 5.24 in 38 ms -> go on
+    assert pol.keep_drafting(1, {"a": 0.9, "b": 0.9}) and pol._length == 2
+    # the chains collapse at depth 2 (path 0.05): 3.9 tokens in 38 ms vs 3.98 in 45 ms -> stop
+    assert not pol.keep_drafting(2, {"a": 0.05, "b": 0.05}) and pol._length == 2
+    # real confidences of 0.97 per step carry the chains past the up-front plan
+    for predicted, plan, reached in ((0.6, 1, 3), (0.8, 3, 6)):
+        pol = _seeded_adaspec()
+        for e in pol.confidence:
+            e.value = predicted
+        assert pol.plan_length(n=2, context=0, tpot_limit=None) == plan
+        pol.draft_plan([a, b], 0.0)
+        assert _drafted_depth(pol, lambda d: 0.97 ** d) == reached == pol._length
+    # a 36 ms TBT target: a second step (38 ms with its verification) would break it (Alg. 3)
+    pol = _seeded_adaspec()
+    for e in pol.confidence:
+        e.value = 0.95
+    tight = [make_request("a", tbt=0.036), make_request("b", tbt=0.036)]
+    pol.draft_plan(tight, 0.0)
+    assert _drafted_depth(pol, lambda d: 0.97 ** d) == 1
+
+
+def test_adaspec_fits_the_target_on_every_token_of_a_co_serving_pass():
+    """The scheduler puts prefill chunks in the same pass: the fit must count their tokens, or a pass's
+    chunk time lands on the few decode tokens and tree tokens look many times dearer than they are."""
+    import random
+
+    pol = AdaSpec(AdaSpecConfig(warmup_steps=0))
+    rng = random.Random(0)
+    reqs = [make_request(f"r{i}") for i in range(8)]
+    for _ in range(64):
+        pol.prefill_tokens_in_pass = rng.choice([0, 256, 1024, 2048])
+        pol.draft_plan(reqs, 0.0)
+        verified = rng.randrange(0, 24)
+        selected = {"r0": TokenTree.chain(list(range(verified)))} if verified else {}
+        latency = 0.02 + 1e-4 * (len(reqs) + verified + pol.prefill_tokens_in_pass)  # every token of the pass
+        pol.observe(reqs, selected, StepResult(latency_s=latency), 0.0, 0.0)
+    assert pol.target_cost.gamma == pytest.approx(1e-4, rel=0.02)
+    context = sum(r.num_computed_tokens for r in reqs)
+    assert pol.target_cost.predict(context, 100) == pytest.approx(0.02 + 1e-4 * 100, rel=0.02)
 
 
 # ---- static baselines and registry ----
