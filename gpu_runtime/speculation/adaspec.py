@@ -74,10 +74,10 @@ class AdaSpec(SpeculationPolicy):
         self._length = 0
         self._verified: dict[str, int] = {}
         self._free_draft = False  # this step drafted max_length: Alg. 1 stops on real confidences in select
+        self._prefill = 0  # prompt tokens in this iteration's pass (the engine's prefill_tokens_in_pass)
         # A draft model's step: (requests, context tokens, tightest TPOT) for ``keep_drafting``, and the
         # expected tokens (bonus included) and verified tokens of the depths drafted so far.
         self._step_plan: tuple[int, int, float | None] | None = None
-        self._prefill = 0  # prompt tokens in this iteration's pass (the engine's prefill_tokens_in_pass)
         self._step_tokens = 0.0
         self._step_verified = 0
 
