@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema, LinearStepCost, knee_budget
+from gpu_runtime.speculation.cost import Ema, LinearStepCost, knee_budget, slack_tokens
 from gpu_runtime.speculation.requirement import slo_requirement
 from gpu_runtime.speculation.selection import SelectionInput, SelectionResult, select_trees
 
@@ -101,26 +101,12 @@ class AdaServe(SpeculationPolicy):
                                   min_tokens=max(1, num_requests))
             budget = max(knee, in_pass)
             if cfg.min_prob_beyond_slack > 0 and self.pass_spare_s is not None:
-                self._cheap = self._slack_budget(curve, num_requests, prefill_tokens, budget)
+                self._cheap = slack_tokens(curve, num_requests, prefill_tokens, self.pass_spare_s, budget)
             return budget
         if self.step_cost.fitted and self.step_cost.gamma > 0:
             return knee_budget(lambda n: self.step_cost.predict(num_context, n), cfg.max_budget,
                                cfg.budget_tolerance)
         return num_requests * (1 + cfg.warmup_tokens_per_request)
-
-    def _slack_budget(self, curve: Callable[[int], float], num_requests: int, prefill_tokens: int,
-                      ceiling: int) -> int:
-        """Most tokens (roots included, <= ceiling) whose extra pass time fits the scheduler's spare time."""
-        base_tokens = prefill_tokens + num_requests
-        base, spare = curve(base_tokens), self.pass_spare_s or 0.0
-        lo, hi = num_requests, max(num_requests, ceiling)  # curve grows with tokens: bisect
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if curve(prefill_tokens + mid) - base <= spare:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def shape(self, num_requests: int, budget: int) -> tuple[int, int]:
         cfg = self.config

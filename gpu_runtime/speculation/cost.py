@@ -104,3 +104,18 @@ class Ema:
         self.value = x if self.count == 0 else (1 - self.weight) * self.value + self.weight * x
         self.count += 1
         return self.value
+
+
+def slack_tokens(curve: Callable[[int], float], num_requests: int, prefill_tokens: int, spare_s: float,
+                 ceiling: int) -> int:
+    """Most tokens of a pass's decodes and trees (roots included, <= ceiling) whose time beyond the
+    pass without trees fits the scheduler's spare time ``spare_s``."""
+    base = curve(prefill_tokens + num_requests)
+    lo, hi = num_requests, max(num_requests, ceiling)  # the curve grows with tokens: bisect
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if curve(prefill_tokens + mid) - base <= spare_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

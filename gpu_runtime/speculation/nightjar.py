@@ -17,6 +17,10 @@
   bucket, an exploration bin also skips arms that Lemma 1's confidence bound already
   shows to be worse than the best one (``NightjarConfig.explore_delta``), and no arm more
   than one above the best measured one (goodput is unimodal in gamma: ``unimodal``).
+* In a co-serving pass (QoServe sets the spare time its slack leaves), the chain tokens that fit
+  that time are verified as drafted, beyond them only those with path probability >= 0.2
+  (AdaServe's rule; ``min_prob_beyond_slack``): the pass QoServe sized for its deadlines does
+  not grow by tokens unlikely to be accepted.
 * Elastic memory (section 5): with speculation off and free KV below tau_low for
   ``persist_steps`` iterations, offload the draft (the KV pool grows); reload it when
   the waiting queue is empty and free blocks exceed the draft's size + tau_low.
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema
+from gpu_runtime.speculation.cost import Ema, slack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,9 @@ class NightjarConfig:
     # its best measured arm, as unimodal bandits explore the leader's neighbours: at a batch size where
     # gamma 1 already loses to 0, gamma 2..5 are not each played once more.
     unimodal: bool = True
+    # Co-serving (as AdaServe's rule): the chain tokens whose extra pass time fits the scheduler's spare time
+    # are verified as drafted; beyond them only tokens with path probability >= this. 0: no limit.
+    min_prob_beyond_slack: float = 0.2
 
 
 @dataclass
@@ -308,8 +315,21 @@ class Nightjar(SpeculationPolicy):
         return [DraftEntry(r.request_id, self.gamma, 1) for r in decodes]
 
     def select(self, decodes, candidates, now):
-        return {rid: t.subtree(list(range(min(len(t), self.gamma)))) for rid, t in candidates.items()
-                if len(t) and all(p == i - 1 for i, p in enumerate(t.parents[:self.gamma]))}
+        chains = {rid: t.subtree(list(range(min(len(t), self.gamma)))) for rid, t in candidates.items()
+                  if len(t) and all(p == i - 1 for i, p in enumerate(t.parents[:self.gamma]))}
+        threshold = self.config.min_prob_beyond_slack
+        if threshold <= 0 or self.pass_spare_s is None or self._curve is None or not chains:
+            return chains
+        n = len(decodes)
+        drafted = sum(len(t) for t in chains.values())
+        cheap = slack_tokens(self._curve, n, self._prefill_tokens, self.pass_spare_s, n + drafted) - n
+        # the most likely nodes first (a chain's path probabilities fall along it, so prefixes are kept)
+        ranked = sorted((-t.path_probs[i], i, rid) for rid, t in chains.items() for i in range(len(t)))
+        keep, taken = {rid: 0 for rid in chains}, 0
+        for neg_prob, i, rid in ranked:
+            if (taken < cheap or -neg_prob >= threshold) and i == keep[rid]:
+                keep[rid], taken = i + 1, taken + 1
+        return {rid: chains[rid].subtree(list(range(k))) for rid, k in keep.items() if k}
 
     def observe(self, decodes, selected, result, draft_latency_s, now):
         if not decodes:

@@ -138,3 +138,26 @@ def test_no_offload_while_speculating():
     for _ in range(5):
         pol.maintain(ex, num_waiting=1)
     assert ex.draft_on_device
+
+
+def test_in_a_co_serving_pass_only_likely_tokens_go_beyond_the_spare_time():
+    """QoServe's spare time fits 2 tree tokens (1 ms each on this curve); beyond them a token needs
+    path probability >= 0.2 (hand-checked: a keeps 0.9, 0.5 as the cheap ones; b keeps 0.3, 0.25)."""
+    from gpu_runtime.speculation.token_tree import TokenTree
+
+    def chains():
+        return {"a": TokenTree([1, 2, 3], [-1, 0, 1], [0.9, 0.5, 0.1]),
+                "b": TokenTree([4, 5, 6], [-1, 0, 1], [0.3, 0.25, 0.05])}
+
+    reqs = [make_request("a"), make_request("b")]
+    pol = Nightjar()
+    pol._curve = lambda n: 0.010 + 0.001 * n
+    pol.gamma, pol._prefill_tokens = 3, 0
+    pol.pass_spare_s = 0.0025
+    assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 2, "b": 2}
+    pol.pass_spare_s = 0.0065  # all six fit: nothing is cut
+    assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 3, "b": 3}
+    pol.pass_spare_s = None  # no scheduler time budget (not QoServe)
+    assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 3, "b": 3}
+    pol.pass_spare_s, pol.config.min_prob_beyond_slack = 0.0, 0.3  # nothing cheap: only >= 0.3
+    assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 2, "b": 1}
