@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema, LinearStepCost
+from gpu_runtime.speculation.cost import Ema, LinearStepCost, likely_beyond_slack, slack_tokens
 from gpu_runtime.speculation.token_tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class AdaSpecConfig:
     # again and speculation could never come back: every this many steps a 1-token chain is
     # drafted anyway to refresh them (0: never).
     probe_every: int = 16
+    # Co-serving (AdaServe's rule): after Alg. 2, the tokens whose extra pass time fits the scheduler's spare
+    # time stay, beyond them only tokens with path probability >= this. 0: no limit.
+    min_prob_beyond_slack: float = 0.2
 
 
 @dataclass
@@ -207,10 +210,13 @@ class AdaSpec(SpeculationPolicy):
             else:
                 keep[rid] += 1
                 break
-        out = {}
-        for rid, k in keep.items():
-            if k > 0:
-                out[rid] = chains[rid][0].subtree(list(range(k)))
+        out = {rid: chains[rid][0].subtree(list(range(k))) for rid, k in keep.items() if k > 0}
+        if self.config.min_prob_beyond_slack > 0 and self.pass_spare_s is not None and out:
+            n, drafted = len(decodes), sum(keep.values())
+            curve = lambda tokens: self.target_cost.predict(context, tokens)  # noqa: E731
+            cheap = slack_tokens(curve, n, self._prefill, self.pass_spare_s, n + drafted) - n
+            out = likely_beyond_slack(out, cheap, self.config.min_prob_beyond_slack)
+            keep = {rid: len(out.get(rid, ())) for rid in keep}
         self._verified = {rid: sum(rates[rid][:k]) for rid, k in keep.items()}
         return out
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema, slack_tokens
+from gpu_runtime.speculation.cost import Ema, likely_beyond_slack, slack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -323,13 +323,7 @@ class Nightjar(SpeculationPolicy):
         n = len(decodes)
         drafted = sum(len(t) for t in chains.values())
         cheap = slack_tokens(self._curve, n, self._prefill_tokens, self.pass_spare_s, n + drafted) - n
-        # the most likely nodes first (a chain's path probabilities fall along it, so prefixes are kept)
-        ranked = sorted((-t.path_probs[i], i, rid) for rid, t in chains.items() for i in range(len(t)))
-        keep, taken = {rid: 0 for rid in chains}, 0
-        for neg_prob, i, rid in ranked:
-            if (taken < cheap or -neg_prob >= threshold) and i == keep[rid]:
-                keep[rid], taken = i + 1, taken + 1
-        return {rid: chains[rid].subtree(list(range(k))) for rid, k in keep.items() if k}
+        return likely_beyond_slack(chains, cheap, threshold)
 
     def observe(self, decodes, selected, result, draft_latency_s, now):
         if not decodes:

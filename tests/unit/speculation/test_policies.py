@@ -135,6 +135,21 @@ def test_adaspec_verifier_drops_unlikely_tail():
     assert out["b"].token_ids == [5]
 
 
+def test_adaspec_in_a_co_serving_pass_keeps_only_likely_tokens_beyond_the_spare_time():
+    def select(spare, min_prob=0.85):
+        pol = _seeded_adaspec(min_prob_beyond_slack=min_prob)
+        pol._steps, pol._length, pol.pass_spare_s = 100, 4, spare
+        a = make_request("a", ttlt=1e6)
+        chain = TokenTree.chain([1, 2, 3, 4], [0.95, 0.95, 0.95, 0.95])  # path 0.95, 0.90, 0.86, 0.81
+        return len(pol.select([a], {"a": chain}, now=0.0)["a"])
+
+    assert select(None) == 4  # no scheduler time budget: Alg. 2 keeps all four
+    assert select(0.0) == 3  # nothing fits the spare time: only path probability >= 0.85
+    assert select(0.0045) == 3  # two tokens (2 ms each) are cheap: the two most likely; the third passes 0.85
+    assert select(0.0085) == 4  # all four fit the spare time
+    assert select(0.0, min_prob=0.0) == 4  # rule off
+
+
 def test_adaspec_free_draft_drafts_max_length_and_stops_on_real_confidences():
     """Prompt lookup: draft steps cost ~nothing, so the whole chain is drafted and Alg. 1's
     stop rule runs on the proposed chain's own confidences (not on predicted ones)."""
