@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema, LinearStepCost, likely_beyond_slack, slack_tokens
+from gpu_runtime.speculation.cost import Ema, LinearStepCost, slack_tokens
+from gpu_runtime.speculation.selection import likely_beyond_slack
 from gpu_runtime.speculation.token_tree import TokenTree
 
 log = logging.getLogger(__name__)

@@ -13,13 +13,9 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.optimize import nnls
-
-if TYPE_CHECKING:
-    from gpu_runtime.speculation.token_tree import TokenTree
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +119,3 @@ def slack_tokens(curve: Callable[[int], float], num_requests: int, prefill_token
         else:
             hi = mid - 1
     return lo
-
-
-def likely_beyond_slack(chains: dict[str, TokenTree], cheap: int, min_prob: float) -> dict[str, TokenTree]:
-    """Chains cut for a co-serving pass: the ``cheap`` most probable tokens (those the pass's spare time
-    pays for) stay, beyond them only tokens with path probability >= ``min_prob``; a chain's path
-    probabilities fall along it, so what stays is a prefix of each (AdaServe's rule, for chains)."""
-    ranked = sorted((-t.path_probs[i], i, rid) for rid, t in chains.items() for i in range(len(t)))
-    keep, taken = {rid: 0 for rid in chains}, 0
-    for neg_prob, i, rid in ranked:
-        if (taken < cheap or -neg_prob >= min_prob) and i == keep[rid]:
-            keep[rid], taken = i + 1, taken + 1
-    return {rid: chains[rid].subtree(list(range(k))) for rid, k in keep.items() if k}

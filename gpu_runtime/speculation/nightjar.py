@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema, likely_beyond_slack, slack_tokens
+from gpu_runtime.speculation.cost import Ema, slack_tokens
+from gpu_runtime.speculation.selection import likely_beyond_slack
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,9 @@ Given each request's candidate tree (beam search on the draft) and a verificatio
 budget B, pick the sub-tree each request verifies: first enough nodes to meet every
 request's SLO requirement A(r) (most demanding request first), then the globally most
 probable remaining nodes until B is spent. Pure Python; no torch.
+
+``likely_beyond_slack`` is the same co-serving rule for chains (AdaSpec, Nightjar): the tokens
+the pass's spare time pays for, then only likely ones.
 """
 
 from __future__ import annotations
@@ -115,3 +118,15 @@ def select_trees(inputs: list[SelectionInput], candidates: dict[str, TokenTree],
 def _peek_prob(fr: _Frontier) -> float | None:
     top = fr.peek()
     return None if top is None else top[0]
+
+
+def likely_beyond_slack(chains: dict[str, TokenTree], cheap: int, min_prob: float) -> dict[str, TokenTree]:
+    """Chains cut for a co-serving pass: the ``cheap`` most probable tokens (those the pass's spare time
+    pays for) stay, beyond them only tokens with path probability >= ``min_prob``; a chain's path
+    probabilities fall along it, so what stays is a prefix of each (AdaServe's rule, for chains)."""
+    ranked = sorted((-t.path_probs[i], i, rid) for rid, t in chains.items() for i in range(len(t)))
+    keep, taken = {rid: 0 for rid in chains}, 0
+    for neg_prob, i, rid in ranked:
+        if (taken < cheap or -neg_prob >= min_prob) and i == keep[rid]:
+            keep[rid], taken = i + 1, taken + 1
+    return {rid: chains[rid].subtree(list(range(k))) for rid, k in keep.items() if k}
