@@ -378,10 +378,11 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
                 max_prefill_tokens, waiting[0][1].prompt_len if not prefills else 0):
             a = waiting[0][1]
             need = -(-(a.prompt_len + a.output_len) // 16) + 1
-            if footprint and sum(footprint.values()) + need > ex.capacity().total_blocks:
+            if footprint and ex.used + need > ex.capacity().total_blocks:
                 break  # the KV pool is reserved: wait for a request to finish (or for more blocks)
             req, a = waiting.popleft()
             footprint[req.request_id] = need
+            ex.used += need  # blocks reserved by the admitted requests
             prefills.append(req)
             ptoks += a.prompt_len
         decodes = list(running)
@@ -432,7 +433,6 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
             processed[k] = processed.get(k, 0) + ptoks + sum(len(t) for t in tokens.values())
         result = StepResult(tokens=tokens, accepted_nodes=accepted, latency_s=t_step)
         policy.observe(decodes, selected, result, t_draft, now)
-        ex.used = sum(footprint.values())
         policy.maintain(ex, len(waiting))  # type: ignore[arg-type]
         if ex.stall_s:
             now += ex.stall_s
@@ -444,7 +444,7 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
                 req.status = RequestStatus.FINISHED_LENGTH
                 req.finish_time = now
                 done.append(req)
-                footprint.pop(req.request_id, None)
+                ex.used -= footprint.pop(req.request_id, 0)
             else:
                 still.append(req)
         running = still

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema, LinearStepCost, slack_tokens
+from gpu_runtime.speculation.cost import Ema, LinearStepCost
 from gpu_runtime.speculation.selection import likely_beyond_slack
 from gpu_runtime.speculation.token_tree import TokenTree
 
@@ -213,10 +213,8 @@ class AdaSpec(SpeculationPolicy):
                 break
         out = {rid: chains[rid][0].subtree(list(range(k))) for rid, k in keep.items() if k > 0}
         if self.config.min_prob_beyond_slack > 0 and self.pass_spare_s is not None and out:
-            n, drafted = len(decodes), sum(keep.values())
-            curve = lambda tokens: self.target_cost.predict(context, tokens)  # noqa: E731
-            cheap = slack_tokens(curve, n, self._prefill, self.pass_spare_s, n + drafted) - n
-            out = likely_beyond_slack(out, cheap, self.config.min_prob_beyond_slack)
+            out = likely_beyond_slack(out, lambda tokens: self.target_cost.predict(context, tokens), len(decodes),
+                                      self._prefill, self.pass_spare_s, self.config.min_prob_beyond_slack)
             keep = {rid: len(out.get(rid, ())) for rid in keep}
         self._verified = {rid: sum(rates[rid][:k]) for rid, k in keep.items()}
         return out

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
-from gpu_runtime.speculation.cost import Ema, slack_tokens
+from gpu_runtime.speculation.cost import Ema
 from gpu_runtime.speculation.selection import likely_beyond_slack
 
 log = logging.getLogger(__name__)
@@ -321,10 +321,8 @@ class Nightjar(SpeculationPolicy):
         threshold = self.config.min_prob_beyond_slack
         if threshold <= 0 or self.pass_spare_s is None or self._curve is None or not chains:
             return chains
-        n = len(decodes)
-        drafted = sum(len(t) for t in chains.values())
-        cheap = slack_tokens(self._curve, n, self._prefill_tokens, self.pass_spare_s, n + drafted) - n
-        return likely_beyond_slack(chains, cheap, threshold)
+        return likely_beyond_slack(chains, self._curve, len(decodes), self._prefill_tokens, self.pass_spare_s,
+                                   threshold)
 
     def observe(self, decodes, selected, result, draft_latency_s, now):
         if not decodes:

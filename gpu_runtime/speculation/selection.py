@@ -14,8 +14,10 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpu_runtime.speculation.cost import slack_tokens
 from gpu_runtime.speculation.token_tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,11 @@ def _peek_prob(fr: _Frontier) -> float | None:
     return None if top is None else top[0]
 
 
+def _peek_prob(fr: _Frontier) -> float | None:
+    top = fr.peek()
+    return None if top is None else top[0]
+
+
 def likely_beyond_slack(chains: dict[str, TokenTree], cheap: int, min_prob: float) -> dict[str, TokenTree]:
     """Chains cut for a co-serving pass: the ``cheap`` most probable tokens (those the pass's spare time
     pays for) stay, beyond them only tokens with path probability >= ``min_prob``; a chain's path
@@ -130,3 +137,14 @@ def likely_beyond_slack(chains: dict[str, TokenTree], cheap: int, min_prob: floa
         if (taken < cheap or -neg_prob >= min_prob) and i == keep[rid]:
             keep[rid], taken = i + 1, taken + 1
     return {rid: chains[rid].subtree(list(range(k))) for rid, k in keep.items() if k}
+
+
+def likely_beyond_slack(chains: dict[str, TokenTree], curve: Callable[[int], float], num_requests: int,
+                        prefill_tokens: int, spare_s: float, min_prob: float) -> dict[str, TokenTree]:
+    """AdaServe's co-serving rule for chains already chosen (AdaSpec, Nightjar): the tokens whose extra pass
+    time fits the scheduler's spare time stay, beyond them only tokens with path probability >= ``min_prob``
+    (the throughput phase of ``select_trees`` with no SLO requirement and all drafted tokens as budget)."""
+    drafted = sum(len(t) for t in chains.values())
+    cheap = slack_tokens(curve, num_requests, prefill_tokens, spare_s, num_requests + drafted) - num_requests
+    inputs = [SelectionInput(rid, 0.0, len(t)) for rid, t in chains.items()]
+    return select_trees(inputs, chains, len(chains) + drafted, None, len(chains) + cheap, min_prob).trees
