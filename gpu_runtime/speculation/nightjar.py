@@ -78,6 +78,11 @@ class NightjarConfig:
     # radius uses the arm's sample spread, not the worst-case range g_max (which never
     # separates arms on a window of 32 rewards). None: explore over every arm (Algorithm 1).
     explore_delta: float | None = 0.05
+    # An arm whose rewards cover fewer request-steps than this (rewards x batch size: a step's reward
+    # averages its batch) is never ruled out by that bound: a drafter that proposes nothing on some steps
+    # (prompt lookup: 20-55% of them) can give an arm at batch size 1 a few rewards that are all misses,
+    # with no spread, and a radius of zero would then exclude the arm for good on its first unlucky draws.
+    explore_min_request_steps: int = 8
     # Goodput is unimodal in gamma (accepted tokens grow ever slower with the length while draft and
     # verification time grow about linearly), so a bucket tries and explores lengths only up to one above
     # its best measured arm, as unimodal bandits explore the leader's neighbours: at a batch size where
@@ -120,10 +125,11 @@ class _BinState:
         r = self.rewards[arm]
         return sum(r) / len(r) if r else None
 
-    def radius(self, arm: int, delta: float) -> float:
-        """Lemma 1: |g~ - mu| <= sqrt(2 log(2T/delta)) * sigma / sqrt(N), sigma the sample spread."""
+    def radius(self, arm: int, delta: float, min_samples: int = 2) -> float:
+        """Lemma 1: |g~ - mu| <= sqrt(2 log(2T/delta)) * sigma / sqrt(N), sigma the sample spread
+        (unbounded below ``min_samples`` rewards)."""
         r = self.rewards[arm]
-        if len(r) < 2:
+        if len(r) < max(2, min_samples):
             return math.inf
         m = sum(r) / len(r)
         sd = math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
@@ -195,7 +201,7 @@ class GammaBandit:
         if st.round == 1:  # line 6-8: a new bin explores with probability 1/sqrt(b)
             st.exploring = self.rng.random() < 1.0 / math.sqrt(st.explore_index)
         if st.exploring:  # line 11: uniform over the arms that can still win
-            arms = self.explorable(st, cap)
+            arms = self.explorable(st, cap, batch_size)
             return arms[self.rng.randrange(len(arms))]
         return self.exploit(st, switch_cost_s, cap, batch_size)
 
@@ -205,13 +211,14 @@ class GammaBandit:
         tried = [(m, g) for g in range(cap + 1) if (m := st.mean(g)) is not None]
         return max(tried)[1] + 1 if tried else 0
 
-    def explorable(self, st: _BinState, cap: int) -> list[int]:
+    def explorable(self, st: _BinState, cap: int, batch_size: int = 1) -> list[int]:
         """Arms 0..cap whose confidence interval reaches the best arm's lower bound."""
         arms = list(range(cap + 1))
         delta = self.config.explore_delta
         if delta is None:
             return arms
-        bounds = {g: (m, st.radius(g, delta)) for g in arms if (m := st.mean(g)) is not None}
+        min_samples = -(-self.config.explore_min_request_steps // max(1, batch_size))
+        bounds = {g: (m, st.radius(g, delta, min_samples)) for g in arms if (m := st.mean(g)) is not None}
         if not bounds:
             return arms
         best_lower = max(m - r for m, r in bounds.values())

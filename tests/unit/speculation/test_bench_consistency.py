@@ -181,13 +181,31 @@ def test_arm_cap_ignores_buckets_without_enough_data_and_keeps_near_ties():
 
 def test_exploration_skips_arms_whose_confidence_interval_cannot_reach_the_best():
     b = GammaBandit(NightjarConfig(max_gamma=2, share_across_batches=False))
-    for r in (100.0, 101.0, 99.0, 100.0, 100.5, 99.5):
+    for r in (100.0, 101.0, 99.0, 100.0, 100.5, 99.5, 100.2, 99.8):
         b.update(1, 0, r)
         b.update(1, 1, r - 50.0)  # clearly worse, tight spread
         b.update(1, 2, r * (1.0 if r > 99.9 else 0.2))  # bimodal: interval too wide to rule out
     st = b.state_for(1)
     assert b.explorable(st, 2) == [0, 2]
     assert GammaBandit(NightjarConfig(max_gamma=2, explore_delta=None)).explorable(st, 2) == [0, 1, 2]
+
+
+def test_a_few_identical_misses_do_not_rule_an_arm_out_at_batch_one():
+    # Prompt lookup at batch 1: two steps of gamma 1 that both proposed nothing earn what gamma 0 earns,
+    # with no spread; a zero-width interval would exclude gamma 1 for good (it had stuck Nightjar at
+    # gamma 0 for a whole low-load phase where every fixed length gained 1.2-1.5x).
+    b = GammaBandit(NightjarConfig(max_gamma=1, share_across_batches=False))
+    for _ in range(8):
+        b.update(1, 0, 71.4)
+    b.update(1, 1, 71.3)
+    b.update(1, 1, 71.3)
+    assert b.explorable(b.state_for(1), 1, batch_size=1) == [0, 1]
+    # at batch 64 the same two rewards each average 64 requests: the tight interval is evidence
+    for _ in range(8):
+        b.update(64, 0, 64 * 71.4)
+    b.update(64, 1, 64 * 50.0)
+    b.update(64, 1, 64 * 50.1)
+    assert b.explorable(b.state_for(64), 1, batch_size=64) == [0]
 
 
 def test_rewards_are_per_request_means_not_medians():
