@@ -29,9 +29,9 @@ Reward = realized goodput of the step: (accepted + bonus) tokens / (draft + veri
 and g(B, gamma) is the mean of an arm's recent rewards (the paper's empirical mean, over a
 window because the load drifts), kept per request so that the batch sizes sharing a
 bucket stay comparable (``GammaBandit.update``). The paper's steps are pure speculative decode steps
-(vLLM 0.8 runs prefills in separate steps); here a pass may also carry prefill chunks,
-whose time does not depend on gamma, so only the decode share of a mixed pass is charged
-(from the executor's latency-vs-tokens curve; without one, mixed passes give no reward).
+(vLLM 0.8 runs prefills in separate steps); here a pass may also carry prefill chunks, and
+its reward counts them with the decode tokens: the pass's whole token rate, which is what a
+length choice trades (``Nightjar._reward``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class _BinState:
         """Empirical mean goodput of the arm's recent rewards (eq. 3's g~(B, gamma)). Not a
         median: with a drafter that proposes nothing on some steps (prompt lookup misses
         ~20-55% of them), the reward is bimodal and a median hides the gain of the hits.
-        Prefill time is kept out of the reward instead (``Nightjar._decode_seconds``)."""
+        A pass's prefill chunks count in its reward (``Nightjar._reward``)."""
         r = self.rewards[arm]
         return sum(r) / len(r) if r else None
 
@@ -284,16 +284,16 @@ class Nightjar(SpeculationPolicy):
     _curve: Callable[[int], float] | None = None
     _prefill_tokens = 0
 
-    def _decode_seconds(self, latency_s: float, decode_tokens: int) -> float | None:
-        """The share of a pass's latency its decode (and tree) tokens account for; None when a
-        pass with prefill chunks cannot be split (no latency curve)."""
-        prefill = self._prefill_tokens
-        if prefill <= 0:
-            return latency_s
-        if self._curve is None:
-            return None
-        total = self._curve(decode_tokens + prefill)
-        return latency_s * self._curve(decode_tokens) / total if total > 0 else None
+    def _reward(self, latency_s: float, draft_s: float, decodes: int, accepted: int) -> float | None:
+        """The step's goodput, Nightjar's reward (tokens/s over the batch): every token the pass
+        computed (its prefill chunks, one per decode, the accepted tree tokens) per second of
+        drafting and pass. In a pass that prefill chunks already make compute-bound, tree tokens
+        cost as much as prompt tokens and only what is accepted pays them back; in a memory-bound
+        one they ride free. (Charging decodes a share of the pass's time instead, as if they ran
+        alone, made trees look free in prefill-heavy passes: on the code trace Nightjar then
+        speculated through phases where no speculation was best.)"""
+        total_s = latency_s + draft_s
+        return (self._prefill_tokens + decodes + accepted) / total_s if total_s > 0 else None
 
     def _c_prefill(self, l_max: int, batch: int) -> float:
         """Eq. 3's c_prefill(L_max, B): the executor's profiled figure, else the online estimate."""
@@ -336,14 +336,13 @@ class Nightjar(SpeculationPolicy):
             return
         # Engine skips draft_plan when it has no drafter; count those steps as gamma = 0.
         gamma = self.gamma if self._batch == len(decodes) else 0
-        tokens = len(decodes) + sum(len(v) for v in result.accepted_nodes.values())
+        accepted = sum(len(v) for v in result.accepted_nodes.values())
         if self._batch != len(decodes):
             self._prefill_tokens = 0  # draft_plan was skipped: prefill tokens of this pass unknown
-        verified = len(decodes) + sum(len(t) for t in selected.values())
-        verify_s = self._decode_seconds(result.latency_s, verified)
+        reward = self._reward(result.latency_s, draft_latency_s, len(decodes), accepted)
         prev = self.bandit.prev_gamma
-        if verify_s is not None and verify_s + draft_latency_s > 0:
-            self.bandit.update(len(decodes), gamma, tokens / (verify_s + draft_latency_s))
+        if reward is not None:
+            self.bandit.update(len(decodes), gamma, reward)
         else:
             self.bandit.prev_gamma = gamma
         if gamma > 0 and draft_latency_s > 0:

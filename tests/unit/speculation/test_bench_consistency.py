@@ -225,7 +225,7 @@ class _CurveExecutor:
         return 0.010 + 0.001 * n
 
 
-def test_nightjar_charges_only_the_decode_share_of_a_mixed_pass():
+def test_nightjar_rewards_the_whole_token_rate_of_a_mixed_pass():
     pol = Nightjar(NightjarConfig(max_gamma=1))
     pol.bind(_CurveExecutor())
     reqs = [make_request("a"), make_request("b")]
@@ -233,21 +233,42 @@ def test_nightjar_charges_only_the_decode_share_of_a_mixed_pass():
     pol.draft_plan(reqs, 0.0)
     assert pol.gamma == 0  # untried arm 0 first
     pol.observe(reqs, {}, StepResult(latency_s=0.2), 0.0, 0.0)  # 2 decodes + 90 prefill tokens
-    # decode share: 0.2 * curve(2) / curve(92) = 0.2 * 0.012 / 0.102
-    assert pol.bandit.state_for(2).mean(0) == pytest.approx(2 / (0.2 * 0.012 / 0.102) / 2)
+    assert pol.bandit.state_for(2).mean(0) == pytest.approx(92 / 0.2 / 2)  # per request
 
 
-def test_nightjar_skips_the_reward_of_a_mixed_pass_it_cannot_split():
-    pol = Nightjar(NightjarConfig(max_gamma=1))
-    reqs = [make_request("a")]
-    pol.prefill_tokens_in_pass = 50
-    pol.draft_plan(reqs, 0.0)
-    pol.observe(reqs, {}, StepResult(latency_s=0.2), 0.0, 0.0)
-    assert not pol.bandit.state_for(1).rewards[0]
-    pol.prefill_tokens_in_pass = 0
-    pol.draft_plan(reqs, 0.0)
-    pol.observe(reqs, {}, StepResult(latency_s=0.02), 0.0, 0.0)
-    assert pol.bandit.state_for(1).mean(0) == pytest.approx(50.0)
+def _mixed_pass_rewards(prefill: int, curve) -> tuple[float, float]:
+    """Nightjar's mean rewards for gamma 0 and 1 on one pass each: 10 decodes beside ``prefill``
+    prompt tokens, gamma 1 adding one tree token per decode of which 5 are accepted."""
+    from gpu_runtime.speculation.token_tree import TokenTree
+
+    pol = Nightjar(NightjarConfig(max_gamma=1, share_across_batches=False, unimodal=False))
+    reqs = [make_request(f"r{i}") for i in range(10)]
+    for gamma in (0, 1):
+        pol.prefill_tokens_in_pass = prefill
+        pol.draft_plan(reqs, 0.0)
+        assert pol.gamma == gamma  # untried arms in order
+        trees = {r.request_id: TokenTree([7], [-1], [0.5]) for r in reqs} if gamma else {}
+        accepted = {r.request_id: [0] for r in reqs[:5]} if gamma else {}
+        verified = prefill + 10 + sum(len(t) for t in trees.values())
+        pol.observe(reqs, trees, StepResult(accepted_nodes=accepted, latency_s=curve(verified)), 0.0, 0.0)
+    st = pol.bandit.state_for(10)
+    return st.mean(0), st.mean(1)
+
+
+def test_nightjar_reward_charges_trees_what_they_cost_in_the_pass():
+    # 1 ms per token above a 50-ms memory-bound floor
+    def curve(n):
+        return max(0.050, 0.001 * n)
+
+    # beside 200 prompt tokens the pass is compute-bound: 10 tree tokens cost 10 ms and return 5 tokens,
+    # so gamma 1 lowers the pass's token rate (as if the decodes ran alone, both passes would cost 50 ms
+    # and gamma 1 would look 1.5x better)
+    plain, spec = _mixed_pass_rewards(200, curve)
+    assert spec < plain
+    assert plain == pytest.approx(210 / 0.210 / 10) and spec == pytest.approx(215 / 0.220 / 10)
+    # beside 5 prompt tokens the pass stays under the floor: the trees ride free and gamma 1 wins
+    plain, spec = _mixed_pass_rewards(5, curve)
+    assert spec == pytest.approx(1.333 * plain, rel=1e-3)
 
 
 # ---- AdaServe ----
