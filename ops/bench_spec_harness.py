@@ -534,6 +534,23 @@ def poisson_arrivals(rps: float, duration_s: float, slos: dict[str, float], seed
                            ACCEPTANCE_CATEGORY[cat], qos))
 
 
+def specbench_requests(seed: int = 0) -> list[tuple[int, str]]:
+    """SpecBench's first turns as (prompt tokens, acceptance category), in a seeded shuffled
+    order: prompt lengths under the default model's chat template (its tokenizer), categories
+    as ``ops/measure_acceptance.py`` measured them (MT-bench's subcategories as "mt_bench")."""
+    from measure_acceptance import default_model_dir, load_prompts
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = []
+    for cat, texts in load_prompts(1 << 30).items():
+        for text in texts:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            out.append((len(ids if isinstance(ids, list) else ids["input_ids"]), cat))
+    random.Random(seed).shuffle(out)
+    return out
+
+
 def azure_arrivals(kind: str = "conv", start: int = 0, count: int = 600, time_scale: float = 1.0,
                    max_output: int = 512) -> list[Arrival]:
     """A segment of the Azure LLM trace (TIMESTAMP, ContextTokens, GeneratedTokens)."""
