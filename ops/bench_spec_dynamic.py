@@ -27,14 +27,15 @@ with the goals: never more than 2% below no speculation in any phase, and >= 10%
 the best fixed length overall (Nightjar: up to +14.8% over fixed SD).
 
     python ops/bench_spec_dynamic.py [--trace code] [--drafter draft-model] [--seeds 0 1 2 3]
-    python ops/bench_spec_dynamic.py --requests trace --max-prompt 512 --max-concurrency 96 --max-batch 128
-        # the earlier defaults: the trace's prompt lengths capped, peak 96 requests, batch limit 128
+    python ops/bench_spec_dynamic.py --requests trace --max-prompt 512 --max-concurrency 96 --max-batch 128 \
+        --phase 8 --seeds 0 1 2 3   # the earlier defaults: trace prompts capped, peak 96, batch limit 128
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ from gpu_runtime.speculation.registry import create_policy  # noqa: E402
 STATIC = ["chain-1", "chain-2", "chain-3", "chain-4", "chain-5"]
 MAX_DROP_VS_NONE = 0.02  # per phase: Nightjar >= 0.98x no speculation
 MIN_GAIN_VS_STATIC = 0.10  # overall: Nightjar >= 1.10x the best fixed length
-MAX_NUM_SEQS = SchedulerConfig().max_num_seqs  # the engine's batch limit (256, vLLM's default too)
+MAX_NUM_SEQS = SchedulerConfig().max_num_seqs  # the engine's batch limit (256)
 
 
 def phase_report(levels: list[int], phase_s: float, none: dict[int, float], nightjar: dict[int, float],
@@ -162,9 +163,8 @@ def main() -> None:
     arrivals = azure_arrivals(args.trace, args.start, args.count)
     if args.requests == "specbench":
         # Nightjar's setting: the trace gives the load, SpecBench the requests (prompt and category).
-        prompts = specbench_requests()
-        arrivals = [Arrival(a.time, prompts[i % len(prompts)][0], max(32, a.output_len), prompts[i % len(prompts)][1],
-                            a.qos) for i, a in enumerate(arrivals)]
+        arrivals = [Arrival(a.time, prompt_len, max(32, a.output_len), category, a.qos)
+                    for a, (prompt_len, category) in zip(arrivals, itertools.cycle(specbench_requests()))]
     else:
         arrivals = [Arrival(a.time, min(a.prompt_len, args.max_prompt), max(32, a.output_len), a.category, a.qos)
                     for a in arrivals]
