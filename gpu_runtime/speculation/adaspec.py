@@ -15,6 +15,12 @@ of the steps drafted so far (Alg. 1's predict-execute-correct). With a draft who
 are (nearly) free, e.g. prompt lookup, the chain is drafted to ``max_length`` and Alg. 1's
 stop rule runs on the real confidences in ``select``.
 
+Alg. 3's TPOT constraint is per request the larger of its per-token target and the time left to
+its next token's deadline: coserve's deadlines are cumulative (token n is due at a fixed time), so
+a request that speculation got ahead of its schedule can take a longer step and still deliver on
+time; with the per-token target alone, a pass of 35 decodes with 2 draft tokens each already broke a
+coding request's 18.3 ms and capped every chain at one token.
+
 A co-serving pass also runs the iteration's prefill chunks: the target's fit counts every
 token of the pass (fitted on decode tokens alone, the chunks' time made each tree token look
 several times dearer than it is), the goodput's time is the whole pass, and Alg. 3's TPOT
@@ -263,7 +269,10 @@ class AdaSpec(SpeculationPolicy):
 
 
 def _tightest_tpot(decodes, now) -> float | None:
-    targets = [t for r in decodes if (t := r.tpot_target(now)) is not None]
+    """Alg. 3's TPOT constraint for this step: the tightest over the batch of each request's per-token target,
+    or the time left to its next token's deadline when it is ahead of its schedule by more (deadlines are
+    cumulative: a request that got ahead can take a longer step and still deliver on time)."""
+    targets = [max(t, r.next_token_deadline() - now) for r in decodes if (t := r.tpot_target(now)) is not None]
     return min(targets) if targets else None
 
 

@@ -199,13 +199,15 @@ def test_adaspec_draft_model_decides_each_further_step_on_the_real_confidences()
         assert pol.plan_length(n=2, context=0, tpot_limit=None) == plan
         pol.draft_plan([a, b], 0.0)
         assert _drafted_depth(pol, lambda d: 0.97 ** d) == reached == pol._length
-    # a 36 ms TBT target: a second step (38 ms with its verification) would break it (Alg. 3)
-    pol = _seeded_adaspec()
-    for e in pol.confidence:
-        e.value = 0.95
+    # a 36 ms TBT target on schedule (token 6 due at 1.0 + 5 * 0.036 = 1.18 s, now 1.17 s): a second step
+    # (38 ms with its verification) would break it (Alg. 3)
     tight = [make_request("a", tbt=0.036), make_request("b", tbt=0.036)]
-    pol.draft_plan(tight, 0.0)
-    assert _drafted_depth(pol, lambda d: 0.97 ** d) == 1
+    for now, depth in ((1.17, 1), (0.0, 8)):  # at 0 s the next token is due in 1.18 s: no step breaks that
+        pol = _seeded_adaspec()
+        for e in pol.confidence:
+            e.value = 0.95
+        pol.draft_plan(tight, now)
+        assert _drafted_depth(pol, lambda d: 0.97 ** d) == depth
 
 
 def test_adaspec_fits_the_target_on_every_token_of_a_co_serving_pass():
@@ -336,3 +338,14 @@ def test_adaspec_probes_after_stopping():
     plans = [pol.draft_plan(reqs, now=0.0) for _ in range(8)]
     assert [len(p) for p in plans] == [0, 0, 0, 1, 0, 0, 0, 1]
     assert plans[3][0].depth == 1
+
+
+def test_adaspec_tpot_constraint_allows_a_longer_step_to_a_request_ahead_of_its_deadlines():
+    from gpu_runtime.speculation.adaspec import _tightest_tpot
+
+    # TTFT 1 s, TBT 50 ms from arrival: token n is due at 1.0 + (n-1) * 0.05
+    ahead = make_request("ahead", tbt=0.05, outputs=25)  # token 26 due at 2.25
+    on_time = make_request("on-time", tbt=0.05, outputs=5)  # token 6 due at 1.25
+    assert _tightest_tpot([ahead], 1.24) == pytest.approx(1.01)  # 25 tokens ahead: a long step still delivers
+    assert _tightest_tpot([on_time], 1.24) == pytest.approx(0.05)  # 10 ms left: the TBT itself (Alg. 3)
+    assert _tightest_tpot([ahead, on_time], 1.24) == pytest.approx(0.05)  # the tightest of the batch
