@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass
 
 from gpu_runtime.executor.base import DraftEntry
+from gpu_runtime.qos import QoSClass
 from gpu_runtime.speculation.base import SpeculationPolicy
 from gpu_runtime.speculation.cost import Ema, LinearStepCost
 from gpu_runtime.speculation.selection import likely_beyond_slack
@@ -270,9 +271,17 @@ class AdaSpec(SpeculationPolicy):
 
 def _tightest_tpot(decodes, now) -> float | None:
     """Alg. 3's TPOT constraint for this step: the tightest over the batch of each request's per-token target,
-    or the time left to its next token's deadline when it is ahead of its schedule by more (deadlines are
-    cumulative: a request that got ahead can take a longer step and still deliver on time)."""
-    targets = [max(t, r.next_token_deadline() - now) for r in decodes if (t := r.tpot_target(now)) is not None]
+    for an interactive request the time left to its next token's deadline when that is longer (deadlines
+    are cumulative: a request that got ahead can take a longer step and still deliver on time); a batch
+    job keeps the rate its completion deadline needs."""
+    targets = []
+    for r in decodes:
+        target = r.tpot_target(now)
+        if target is None:
+            continue
+        if r.qos.qos_class is QoSClass.INTERACTIVE:
+            target = max(target, r.next_token_deadline() - now)
+        targets.append(target)
     return min(targets) if targets else None
 
 

@@ -349,3 +349,5 @@ def test_adaspec_tpot_constraint_allows_a_longer_step_to_a_request_ahead_of_its_
     assert _tightest_tpot([ahead], 1.24) == pytest.approx(1.01)  # 25 tokens ahead: a long step still delivers
     assert _tightest_tpot([on_time], 1.24) == pytest.approx(0.05)  # 10 ms left: the TBT itself (Alg. 3)
     assert _tightest_tpot([ahead, on_time], 1.24) == pytest.approx(0.05)  # the tightest of the batch
+    # a batch job keeps the rate its deadline needs: 59 tokens left (max_tokens 64) in 8.76 s
+    assert _tightest_tpot([make_request("job", ttlt=10.0)], 1.24) == pytest.approx(8.76 / 59)
