@@ -107,12 +107,17 @@ class AdaSpec(SpeculationPolicy):
         verified = sum(len(r) for r in rates)
         tokens = n + sum(sum(r) for r in rates)  # bonus token counts
         t_draft = draft_time_s if draft_time_s is not None else draft_steps * self.draft_cost.predict(context, n)
-        t_decode = t_draft + self.target_cost.predict(context, n + verified)
-        t = t_draft + self.target_cost.predict(context, n + verified + self._prefill)  # with the pass's prefill chunks
+        t, t_decode = self._step_times(context, n, verified, t_draft)
         good = tokens / t if t > 0 else float(tokens)
         if tpot_limit is not None and draft_steps > 0 and t_decode > tpot_limit:
             good = -1.0  # Alg. 3: a step slower than the TPOT SLO is rejected
         return ChainEstimate(draft_steps, tokens, t, good)
+
+    def _step_times(self, context: int, n: int, verified: int, draft_s: float) -> tuple[float, float]:
+        """(whole step, its decode part): drafting plus the target pass with and without the pass's prefill
+        chunks (Alg. 3's TPOT check reads the decode part)."""
+        decode = self.target_cost.predict(context, n + verified)
+        return draft_s + self.target_cost.predict(context, n + verified + self._prefill), draft_s + decode
 
     def plan_length(self, n: int, context: int, tpot_limit: float | None) -> int:
         """Alg. 1: extend the chain while the predicted goodput rises (first local maximum)."""
@@ -168,10 +173,9 @@ class AdaSpec(SpeculationPolicy):
         self._step_verified += len(path_probs)
         confidence = self.confidence[depth].value if depth < self.config.max_length else 0.0
         more = sum(min(1.0, self.scale * p * confidence) for p in path_probs.values())
-        step_s, verified, pass_n = self.draft_cost.predict(context, n), self._step_verified, n + self._prefill
-        t_now = depth * step_s + self.target_cost.predict(context, pass_n + verified)
-        t_more = (depth + 1) * step_s + self.target_cost.predict(context, pass_n + verified + len(path_probs))
-        decode_more = (depth + 1) * step_s + self.target_cost.predict(context, n + verified + len(path_probs))
+        step_s, verified = self.draft_cost.predict(context, n), self._step_verified
+        t_now, _ = self._step_times(context, n, verified, depth * step_s)
+        t_more, decode_more = self._step_times(context, n, verified + len(path_probs), (depth + 1) * step_s)
         go = (self._step_tokens + more) / t_more > self._step_tokens / t_now and (tpot is None or decode_more <= tpot)
         self._length = depth + 1 if go else depth
         return go

@@ -122,23 +122,6 @@ def _peek_prob(fr: _Frontier) -> float | None:
     return None if top is None else top[0]
 
 
-def _peek_prob(fr: _Frontier) -> float | None:
-    top = fr.peek()
-    return None if top is None else top[0]
-
-
-def likely_beyond_slack(chains: dict[str, TokenTree], cheap: int, min_prob: float) -> dict[str, TokenTree]:
-    """Chains cut for a co-serving pass: the ``cheap`` most probable tokens (those the pass's spare time
-    pays for) stay, beyond them only tokens with path probability >= ``min_prob``; a chain's path
-    probabilities fall along it, so what stays is a prefix of each (AdaServe's rule, for chains)."""
-    ranked = sorted((-t.path_probs[i], i, rid) for rid, t in chains.items() for i in range(len(t)))
-    keep, taken = {rid: 0 for rid in chains}, 0
-    for neg_prob, i, rid in ranked:
-        if (taken < cheap or -neg_prob >= min_prob) and i == keep[rid]:
-            keep[rid], taken = i + 1, taken + 1
-    return {rid: chains[rid].subtree(list(range(k))) for rid, k in keep.items() if k}
-
-
 def likely_beyond_slack(chains: dict[str, TokenTree], curve: Callable[[int], float], num_requests: int,
                         prefill_tokens: int, spare_s: float, min_prob: float) -> dict[str, TokenTree]:
     """AdaServe's co-serving rule for chains already chosen (AdaSpec, Nightjar): the tokens whose extra pass
