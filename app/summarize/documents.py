@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpu_runtime.data import specbench_path
 
 log = logging.getLogger(__name__)
 
@@ -18,12 +19,6 @@ TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 class Document:
     id: str
     text: str
-
-
-def shared_dir() -> Path:
-    """``COSERVE_SHARED_DIR`` or ``../shared`` next to the repository root."""
-    env = os.environ.get("COSERVE_SHARED_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared"
 
 
 def load_jsonl(path: Path) -> list[Document]:
@@ -61,7 +56,7 @@ def load_paths(paths: list[Path]) -> list[Document]:
 
 
 def specbench_summarization(path: Path | None = None, limit: int | None = None) -> list[Document]:
-    path = path or shared_dir() / "datasets" / "spec_bench_questions.jsonl"
+    path = path or specbench_path()
     docs = []
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)

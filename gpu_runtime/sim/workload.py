@@ -12,25 +12,18 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from gpu_runtime.data import trace_path
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def shared_dir() -> Path:
-    env = os.environ.get("COSERVE_SHARED_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared"
 
 
 @dataclass(frozen=True)
@@ -43,7 +36,7 @@ class TraceRow:
 @lru_cache(maxsize=4)
 def load_trace(name: str, path: str | None = None) -> tuple[TraceRow, ...]:
     """``conv`` or ``code`` (or a CSV path) -> rows with TIMESTAMP, ContextTokens, GeneratedTokens."""
-    p = Path(path) if path else shared_dir() / "traces" / f"azure_llm_2023_{name}.csv"
+    p = Path(path) if path else trace_path(name)
     rows, t0 = [], None
     with p.open() as f:
         for r in csv.DictReader(f):

@@ -4,18 +4,17 @@ those of the transformers call the worker's engine would see."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from app.services.model_info import encode_input, get_tokenizer
+from gpu_runtime.data import specbench_path
 
-SPEC_BENCH = Path(__file__).resolve().parents[4] / "shared" / "datasets" / "spec_bench_questions.jsonl"
+SPEC_BENCH = specbench_path()
 
 
 def _prompts() -> list[str]:
     prompts = ["", " ", "héllo\n\n  wörld \U0001f916", "<|im_start|>user hi<|im_end|>", "a" * 3000, "x\ty\r\nz"]
-    if SPEC_BENCH.exists():
-        with SPEC_BENCH.open() as f:
-            prompts += [json.loads(line)["turns"][0] for _, line in zip(range(120), f)]
+    with SPEC_BENCH.open() as f:
+        prompts += [json.loads(line)["turns"][0] for _, line in zip(range(120), f)]
     return prompts
 
 
