@@ -9,14 +9,22 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.console import Console
     from rich.table import Table
 
+    from gpu_runtime.costmodel.base import CostModel
     from gpu_runtime.sim.metrics import RunSummary
+    from gpu_runtime.sim.runner import Experiment
 
 log = logging.getLogger(__name__)
 
+CAPACITY_TARGET = 0.01  # the violation rate the default sweep centers on (QoServe's goodput definition)
 
-def _qps_list(qps: float | None, sweep: str | None) -> list[float]:
+
+def _qps_list(qps: float | None, sweep: str | None) -> list[float] | None:
+    """The rates to run; None when neither is given (the sweep then brackets the capacity)."""
     if sweep:
         try:
             a, b, step = (float(x) for x in sweep.replace(":", ",").split(","))
@@ -29,9 +37,7 @@ def _qps_list(qps: float | None, sweep: str | None) -> list[float]:
             out.append(round(x, 6))
             x += step
         return out
-    if qps is None:
-        raise typer.BadParameter("give --qps or --sweep FIRST,LAST,STEP")
-    return [qps]
+    return None if qps is None else [qps]
 
 
 def simulate(
@@ -39,7 +45,9 @@ def simulate(
                                                "synthetic-a100-llama3-8b)")] = "cpu-smollm2-135m",
     trace: Annotated[str, typer.Option(help="conv | code (Azure 2023) or a CSV path")] = "conv",
     qps: Annotated[float | None, typer.Option(help="mean arrival rate (QPS)")] = None,
-    sweep: Annotated[str | None, typer.Option(help="QPS sweep FIRST,LAST,STEP (e.g. 0.5,4,0.5)")] = None,
+    sweep: Annotated[str | None, typer.Option(help="QPS sweep FIRST,LAST,STEP (e.g. 0.5,4,0.5); default: 8 rates "
+                                                   "from 1/4 to 2x the first policy's capacity, found by "
+                                                   "simulation")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated scheduler names")] = "qoserve,sarathi-fcfs,sarathi-edf",
     requests: Annotated[int, typer.Option(help="requests sampled from the trace per run")] = 300,
     free_share: Annotated[float, typer.Option(help="share of free-tier jobs")] = 0.0,
@@ -86,9 +94,23 @@ def simulate(
     exp = Experiment(trace=trace, num_requests=requests, seed=seed, kv_blocks=kv_blocks, max_tokens=max_tokens,
                      arrivals=arrivals)
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        raise typer.BadParameter("--policies: name at least one scheduler")
+    tiers = paper_tiers(scale, free_share)
+
+    def run(name: str, q: float, stop_above: float | None = None) -> RunSummary:
+        # bursty: low = QPS/2.5, high = QPS (QoServe 4.3's 2 <-> 5), long enough for ~--requests arrivals
+        bursty = (q / 2.5, q, period * scale, requests / (0.7 * q)) if arrivals == "bursty" else None
+        return run_policy(name, cm, exp, tiers, qps=q, bursty=bursty, stop_above=stop_above)
+
     rates = _qps_list(qps, sweep)
+    if rates is None:
+        rates = _default_sweep(names[0], exp, cm, run, console)
     table = Table(title=f"{trace}: violations (SLOs x {scale:.2f}, {arrivals} arrivals)")
-    for col in ("policy", "qps", "violations", "paid viol.", "free viol.", "TTFT p99 s", "TBT p99 ms", "TTLT p50 s"):
+    # policy names and rates never shrink to "sarath…": at 80 columns the figures wrap their headers instead
+    table.add_column("policy", no_wrap=True, min_width=len(max(names, key=len)))
+    table.add_column("qps", justify="right", no_wrap=True)
+    for col in ("viol.", "paid viol.", "free viol.", "TTFT p99 s", "TBT p99 ms", "TTLT p50 s"):
         table.add_column(col, justify="right")
     results: dict[str, list[dict]] = {n: [] for n in names}
     with Progress(console=console, transient=True) as progress:
@@ -96,9 +118,7 @@ def simulate(
         for name in names:
             for q in rates:
                 progress.update(task, description=f"{name} @ {q:g} QPS")
-                # bursty: low = QPS/2.5, high = QPS (QoServe 4.3's 2 <-> 5), long enough for ~--requests arrivals
-                bursty = (q / 2.5, q, period * scale, requests / (0.7 * q)) if arrivals == "bursty" else None
-                s = run_policy(name, cm, exp, paper_tiers(scale, free_share), qps=q, bursty=bursty)
+                s = run(name, q)
                 progress.advance(task)
                 _add_row(table, results, name, q, s)
     console.print(table)
@@ -109,6 +129,41 @@ def simulate(
                                                       "cost_model_mape": report.mape, "results": results}, indent=1))
         _plot(results, out / "violations.png", f"{trace} ({profile}, SLOs x {scale:.2f})")
         console.print(f"wrote {out / 'results.json'} and {out / 'violations.png'}")
+
+
+def _default_sweep(policy: str, exp: Experiment, cm: CostModel, run: Callable[..., RunSummary],
+                   console: Console) -> list[float]:
+    """Rates around ``policy``'s capacity on this very experiment (same trace, request count, arrivals
+    and SLOs), so the first plot shows where violations start to climb. A fixed range cannot: with
+    300 requests of ``conv``, the shipped CPU profile's capacity is about 0.05 QPS and the synthetic
+    A100 profile's over a thousand times that."""
+    from gpu_runtime.sim.capacity import find_capacity, sweep_around, throughput_guess
+    from gpu_runtime.sim.runner import trace_rows
+
+    rows = trace_rows(exp)
+    mean_prompt = sum(min(r.prompt_len, exp.max_prompt) for r in rows) / len(rows)
+    mean_output = sum(min(r.output_len, exp.max_tokens) for r in rows) / len(rows)
+    guess = throughput_guess(cm, mean_prompt, mean_output)
+    grow, steps = 3.0, 4  # from the guess, rates up to 81x above or below it are tried
+    lowest = guess / grow**steps
+    with console.status(f"finding {policy}'s capacity to center the sweep on"):
+        # requests that miss even on an idle replica (a prompt whose prefill outlasts its TTFT) are a
+        # floor no rate goes below: capacity is where violations climb CAPACITY_TARGET above it
+        floor = run(policy, lowest).violation_rate
+        target = floor + CAPACITY_TARGET
+        # stop_above: a run that already missed more than the target need not finish to answer
+        capacity = find_capacity(lambda q: run(policy, q, stop_above=target).violation_rate, guess,
+                                 target=target, grow=grow, max_steps=steps)
+    within = f"{target:.0%} violations" + (f" ({floor:.1%} miss even at {lowest:.3g} QPS)" if floor else "")
+    if capacity > 0:
+        note = f"{policy} stays within {within} up to ~{capacity:.3g} QPS"
+    else:  # even the lowest rate tried violated: show the curve from there
+        capacity = lowest
+        note = f"{policy} exceeds {within} even at {lowest:.3g} QPS"
+    rates = sweep_around(capacity)
+    step = rates[1] - rates[0]
+    console.print(f"{note}; sweeping {rates[0]:g} to {rates[-1]:g} QPS (--sweep {rates[0]:g},{rates[-1]:g},{step:.6g})")
+    return rates
 
 
 def _add_row(table: Table, results: dict[str, list[dict]], name: str, q: float, s: RunSummary) -> None:

@@ -1,9 +1,14 @@
-"""Goodput by capacity search: the highest QPS whose violation rate stays within a target."""
+"""Goodput by capacity search: the highest QPS whose violation rate stays within a target; and
+the default QPS sweep of ``coserve simulate``, a bracket around that capacity."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+
+from gpu_runtime.costmodel.base import CostModel, decode_step_time, saturation_tokens
+from gpu_runtime.costmodel.features import BatchFeatures
 
 log = logging.getLogger(__name__)
 
@@ -28,3 +33,56 @@ def capacity_search(violation_at: Callable[[float], float], lo: float, hi: float
         else:
             hi = mid
     return lo
+
+
+def throughput_guess(cost_model: CostModel, mean_prompt: float, mean_output: float, decode_batch: int = 32) -> float:
+    """A first guess at capacity from the cost model alone: the QPS that keeps one replica busy
+    all the time if it prefills in saturating chunks and decodes ``decode_batch`` requests per
+    step. SLOs and queueing move the real knee away from it (either way), so it only seeds
+    ``find_capacity``."""
+    chunk = saturation_tokens(cost_model)
+    prefill_per_token = cost_model.predict(BatchFeatures.of_shape(chunk)) / chunk
+    context = int(mean_prompt + mean_output / 2)
+    decode_per_token = decode_step_time(cost_model, decode_batch, context) / decode_batch
+    return 1.0 / max(1e-9, mean_prompt * prefill_per_token + mean_output * decode_per_token)
+
+
+def find_capacity(violation_at: Callable[[float], float], guess: float, target: float = 0.01, grow: float = 3.0,
+                  max_steps: int = 4, iters: int = 4) -> float:
+    """``capacity_search`` without a range: from ``guess``, step by ``grow`` up (or down) until the
+    violation rate crosses ``target``, then bisect that step ``iters`` times. Each rate is run
+    once. Returns the highest rate tried when even ``guess * grow**max_steps`` stays within target,
+    and 0.0 when even ``guess / grow**max_steps`` violates."""
+    seen: dict[float, float] = {}
+
+    def viol(qps: float) -> float:
+        if qps not in seen:
+            seen[qps] = violation_at(qps)
+        return seen[qps]
+
+    if viol(guess) > target:
+        return capacity_search(viol, guess / grow, guess, target, iters, grow, max_steps - 1)
+    lo = guess
+    for _ in range(max_steps):
+        hi = lo * grow
+        if viol(hi) > target:
+            return capacity_search(viol, lo, hi, target, iters)
+        lo = hi
+    return lo
+
+
+def sweep_around(capacity: float, points: int = 8, first: float = 0.25) -> list[float]:
+    """``points`` evenly spaced rates starting near ``first`` x ``capacity`` (0.25x to 2x with the
+    defaults), so a violation curve shows flat ground, the knee and the rise after it. The step
+    is a round number (1, 2, 2.5 or 5 x 10^k) so the rates read well in a table."""
+    if capacity <= 0:
+        raise ValueError("capacity must be > 0")
+    step = _round_step(capacity * first)
+    return [float(f"{step * k:.6g}") for k in range(1, points + 1)]
+
+
+def _round_step(x: float) -> float:
+    """The 1-2-2.5-5 x 10^k number nearest ``x`` on a log scale."""
+    exp = math.floor(math.log10(x))
+    candidates = [m * 10.0 ** e for e in (exp, exp + 1) for m in (1.0, 2.0, 2.5, 5.0)]
+    return min(candidates, key=lambda c: abs(math.log(c / x)))

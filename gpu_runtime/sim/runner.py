@@ -14,6 +14,7 @@ from gpu_runtime.sim.metrics import RunSummary, summarize
 from gpu_runtime.sim.simulator import Simulator, make_replica
 from gpu_runtime.sim.workload import (
     TierSpec,
+    TraceRow,
     build_requests,
     bursty_times,
     load_trace,
@@ -39,6 +40,11 @@ class Experiment:
     arrivals: str = "poisson"  # poisson | trace (the trace's timestamps rescaled to the QPS) | bursty
 
 
+def trace_rows(exp: Experiment) -> tuple[TraceRow, ...]:
+    """The rows of ``exp.trace``: a bundled trace's name or a CSV path."""
+    return load_trace(exp.trace) if exp.trace in ("conv", "code") else load_trace("custom", exp.trace)
+
+
 def make_arrivals(exp: Experiment, tiers: list[TierSpec], qps: float | None = None,
                   bursty: tuple[float, float, float, float] | None = None,
                   mode: str | None = None) -> list[Request]:
@@ -49,7 +55,7 @@ def make_arrivals(exp: Experiment, tiers: list[TierSpec], qps: float | None = No
     if mode not in ARRIVALS:
         raise ValueError(f"unknown arrivals {mode!r}; choose from {', '.join(ARRIVALS)}")
     rng = random.Random(exp.seed)
-    rows = load_trace(exp.trace) if exp.trace in ("conv", "code") else load_trace("custom", exp.trace)
+    rows = trace_rows(exp)
     if mode == "bursty":
         if bursty is None:
             raise ValueError("bursty arrivals need (low qps, high qps, period s, duration s)")

@@ -18,9 +18,16 @@ def test_simulate_sweep_prints_a_table_and_writes_results_and_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_simulate_needs_a_rate():
-    res = CliRunner().invoke(cli, ["simulate", "--profile", "synthetic-a100-llama3-8b", "--requests", "5"])
-    assert res.exit_code != 0
+def test_simulate_without_a_rate_sweeps_around_the_capacity(tmp_path):
+    res = CliRunner().invoke(cli, ["simulate", "--profile", "cpu-smollm2-135m", "--trace", "conv",
+                                   "--policies", "qoserve", "--requests", "60", "--out", str(tmp_path)],
+                             env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "up to ~" in res.output and "--sweep " in res.output
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]["qoserve"]
+    assert len(rows) == 8
+    # the knee is inside: the first rate is within 1% violations, the last one is not
+    assert rows[0]["violation_rate"] <= 0.01 < rows[-1]["violation_rate"]
 
 
 def test_simulate_with_trace_arrivals_states_the_cost_model_error(tmp_path):
