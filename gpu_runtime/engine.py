@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpu_runtime.executor.base import BatchPlan, DecodeEntry, PrefillChunk, StepResult
 from gpu_runtime.metrics import RequestMetrics, request_metrics
+from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 
@@ -75,6 +76,7 @@ class Engine:
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._resumes: deque[str] = deque()
+        self._promotions: deque[tuple[str, Tier]] = deque()
         self._lock = threading.Lock()
 
     # ---- thread-safe entry points ----
@@ -97,6 +99,12 @@ class Engine:
         """Operator action (thread-safe): bring a relegated request back at the next step."""
         with self._lock:
             self._resumes.append(request_id)
+
+    def promote(self, request_id: str, tier: Tier) -> None:
+        """Operator action (thread-safe): change a request's tier at the next step (the scheduler's tier
+        counts follow; the engine thread is the only writer of its requests)."""
+        with self._lock:
+            self._promotions.append((request_id, tier))
 
     @property
     def has_work(self) -> bool:
@@ -144,6 +152,7 @@ class Engine:
             new, self._inbox = list(self._inbox), deque()
             aborts, self._aborts = list(self._aborts), deque()
             resumes, self._resumes = list(self._resumes), deque()
+            promotions, self._promotions = list(self._promotions), deque()
         for req in new:
             try:
                 self.executor.add_request(req.request_id, req.sampling, category=req.app_id)
@@ -164,6 +173,10 @@ class Engine:
             req.status = RequestStatus.FINISHED_ABORTED
             req.finish_time = self.executor.now()
             outputs.append(self._finish(req))
+        for rid, tier in promotions:
+            change = getattr(self.scheduler, "change_tier", None)
+            if change is not None:
+                change(rid, tier)
         for rid in resumes:  # reported as "resumed" by the next schedule()
             if not self.scheduler.resume(rid):
                 log.info("resume %s: not relegated (any more)", rid)

@@ -10,7 +10,6 @@ GPU worker starts it beside its engine.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -36,13 +35,11 @@ def handle(engine: Any, message: dict[str, Any]) -> bool:
         engine.resume(job_id)
         return True
     if action == "promote":
-        req = engine.requests.get(job_id)
         try:
             tier = Tier(message.get("tier", "paid"))
         except ValueError:
             return False
-        if req is not None:
-            req.qos = dataclasses.replace(req.qos, tier=tier)
+        engine.promote(job_id, tier)  # applied by the engine thread, which owns the request
         engine.resume(job_id)  # a promoted job that was relegated comes back too
         return True
     log.warning("unknown control action %r", action)

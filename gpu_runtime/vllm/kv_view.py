@@ -1,0 +1,48 @@
+"""vLLM's KV cache as coserve's policies see it: the three executor calls ``KVBudget`` makes.
+
+Admission control and recompute preemption in ``scheduler/base.py`` ask an executor how
+many blocks are free, how many a request needs for ``n`` more tokens, and to release a
+request's KV. Here the answers come from vLLM's block pool, and a release is vLLM's own
+recompute preemption of that request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from gpu_runtime.executor.base import KVCapacity
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler as VLLMScheduler
+
+log = logging.getLogger(__name__)
+
+
+class VLLMKVView:
+    """Read-mostly view of a vLLM scheduler's KV cache (only ``release_kv`` changes it)."""
+
+    def __init__(self, scheduler: VLLMScheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.block_size
+        self.released: list[str] = []  # preempted on the policy's request, this schedule() call
+
+    def capacity(self) -> KVCapacity:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        # One block of vLLM's pool is its null block and never handed out.
+        return KVCapacity(pool.num_gpu_blocks - 1, pool.get_num_free_blocks(), self.block_size)
+
+    def blocks_needed(self, request_id: str, n: int) -> int:
+        req = self.scheduler.requests.get(request_id)
+        have = req.num_computed_tokens if req is not None else 0
+        bs = self.block_size
+        return max(0, -(-(have + n) // bs) - -(-have // bs))
+
+    def release_kv(self, request_id: str) -> None:
+        """vLLM recompute preemption of a running request, chosen by the policy (least urgent first)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req not in self.scheduler.running:
+            return
+        self.scheduler.running.remove(req)
+        self.scheduler.preempt_for_policy(req)
+        self.released.append(request_id)

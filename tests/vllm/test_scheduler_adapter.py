@@ -1,0 +1,134 @@
+"""coserve's policies inside vLLM's scheduler, on hand-built vLLM requests (no model runs)."""
+
+from __future__ import annotations
+
+import time
+
+from tests.vllm.conftest import run_step, vllm_request
+
+BATCH_FAR = {"qos_class": "batch", "deadline_s": 3600}
+
+
+def test_waiting_order_is_hybrid_priority_not_arrival(make_scheduler):
+    """A batch job with an hour's deadline arrived first; the interactive prompt due in a second runs first."""
+    s = make_scheduler("qoserve", max_batched=64)
+    now = time.time()
+    batch = vllm_request(64, BATCH_FAR, arrival=now - 1)
+    chat = vllm_request(64, {"ttft_ms": 1000, "tbt_ms": 100}, arrival=now)
+    s.add_request(batch)
+    s.add_request(chat)
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == [chat.request_id]
+
+
+def test_native_fcfs_keeps_vllms_order(make_scheduler):
+    s = make_scheduler("vllm-fcfs", max_batched=64)
+    now = time.time()
+    batch = vllm_request(64, BATCH_FAR, arrival=now - 1)
+    chat = vllm_request(64, {"ttft_ms": 1000, "tbt_ms": 100}, arrival=now)
+    s.add_request(batch)
+    s.add_request(chat)
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == [batch.request_id]
+
+
+def test_prefill_budget_follows_decode_slack(make_scheduler):
+    """With a decode due in 30 ms, the chunk beside it is cut to what the cost model fits in that slack;
+    with nothing due, the next prompt takes the whole step."""
+    s = make_scheduler("qoserve", max_batched=512)
+    tight = vllm_request(16, {"ttft_ms": 10_000, "tbt_ms": 30, "tbt_anchor": "first-token"}, max_tokens=64)
+    s.add_request(tight)
+    run_step(s)  # its prompt: now it decodes every step
+    long_prompt = vllm_request(480, {"ttft_ms": 60_000, "tbt_ms": 1000})
+    s.add_request(long_prompt)
+    out, _ = run_step(s)
+    chunk = out.num_scheduled_tokens.get(long_prompt.request_id, 0)
+    assert out.num_scheduled_tokens[tight.request_id] == 1
+    assert 0 < chunk < 480, out.num_scheduled_tokens
+    assert s.last_step[2] == chunk  # the budget the policy chose is what vLLM ran
+
+    s2 = make_scheduler("qoserve", max_batched=512)
+    other = vllm_request(480, {"ttft_ms": 60_000, "tbt_ms": 1000})
+    s2.add_request(other)
+    out2, _ = run_step(s2)
+    assert out2.num_scheduled_tokens[other.request_id] == 480
+
+
+def test_free_job_past_its_deadline_is_relegated_then_resumed(make_scheduler):
+    """A free prompt already past its TTFT waits behind paid work and is reported; it runs once load drops."""
+    s = make_scheduler("qoserve", max_batched=64)
+    now = time.time()
+    late_free = vllm_request(64, {"tier": "free", "ttft_ms": 100, "tbt_ms": 100}, arrival=now - 5)
+    paid = vllm_request(64, {"tier": "paid", "ttft_ms": 2000, "tbt_ms": 200}, arrival=now, max_tokens=2)
+    s.add_request(late_free)
+    s.add_request(paid)
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == [paid.request_id]
+    assert (late_free.request_id, "relegated") in s.events
+    assert s.queue_depths()["relegated"] == 1
+    for _ in range(6):  # the paid job finishes; spare budget goes to the relegated one
+        out, _ = run_step(s)
+        if late_free.request_id in out.num_scheduled_tokens:
+            break
+    assert late_free.request_id in out.num_scheduled_tokens
+
+
+def test_operator_resume_brings_a_relegated_job_back(make_scheduler):
+    s = make_scheduler("qoserve", max_batched=64)
+    late_free = vllm_request(64, {"tier": "free", "ttft_ms": 100, "tbt_ms": 100}, arrival=time.time() - 5)
+    s.add_request(late_free)
+    s.add_request(vllm_request(64, {"ttft_ms": 2000, "tbt_ms": 200}, max_tokens=50))
+    run_step(s)
+    assert s.queue_depths()["relegated"] == 1
+    s.resume(late_free.request_id)
+    run_step(s)
+    assert (late_free.request_id, "resumed") in s.events and s.queue_depths()["relegated"] == 0
+
+
+def test_bad_qos_finishes_as_an_error_and_leaves_the_rest(make_scheduler):
+    from vllm.v1.request import RequestStatus
+
+    s = make_scheduler("qoserve")
+    bad = vllm_request(16, {"tier": "gold"})
+    good = vllm_request(16, {"tier": "free"})
+    s.add_request(bad)
+    s.add_request(good)
+    out, engine_out = run_step(s)
+    assert bad.request_id not in out.num_scheduled_tokens and good.request_id in out.num_scheduled_tokens
+    assert bad.status == RequestStatus.FINISHED_ERROR
+    errors = [o for eco in engine_out.values() for o in eco.outputs if o.request_id == bad.request_id]
+    assert errors and errors[0].finish_reason is not None
+
+
+def test_finished_requests_leave_the_policy_and_teach_lengths(make_scheduler):
+    s = make_scheduler("qoserve")
+    reqs = [vllm_request(16, {"app_id": "a"}, max_tokens=3) for _ in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(5):
+        run_step(s)
+    assert not s.mirrors and s.policy.num_unfinished == 0
+    assert s.policy.history.predict("a", 100) <= 5  # three jobs of 3 tokens: mean + 2 std
+
+
+def test_abort_removes_the_mirror(make_scheduler):
+    from vllm.v1.request import RequestStatus
+
+    s = make_scheduler("qoserve")
+    r = vllm_request(16)
+    s.add_request(r)
+    run_step(s)
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    assert r.request_id not in s.mirrors and s.policy.num_unfinished == 0
+
+
+def test_sarathi_budget_is_a_token_budget(make_scheduler):
+    """sarathi-fcfs through the same setting: decodes take one token of chunk_size each, prompts the rest."""
+    s = make_scheduler("sarathi-fcfs", max_batched=512)
+    first = vllm_request(16, max_tokens=64)
+    s.add_request(first)
+    run_step(s)
+    big = vllm_request(480)
+    s.add_request(big)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens[big.request_id] == 256 - 1  # SarathiConfig.chunk_size minus one decode
