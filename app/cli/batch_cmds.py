@@ -15,8 +15,11 @@ from typing import Annotated, Any
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Column, Table
+from rich.table import Table
+
+from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -46,27 +49,19 @@ class Api:
             console.print(f"[red]cannot reach {self.url}: {exc}[/red] (is `coserve up` running?)")
             raise typer.Exit(2) from exc
         if r.status_code >= 400:
-            try:
-                body = r.json()
-                msg = body.get("error", {}).get("message") if "error" in body else body.get("detail")
-            except ValueError:
-                msg = r.text
-            console.print(f"[red]{r.status_code}[/red] {msg}")
+            console.print(f"[red]{r.status_code}[/red] {error_message(r)}")
             raise typer.Exit(1)
         return r
 
 
-def _when(ts: int | None) -> str:
-    return "-" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
-
-
 def _batch_table(batches: list[dict[str, Any]]) -> Table:
-    t = Table("status", "endpoint", "window", "done / failed / total", "created", "expires")
-    t.columns.insert(0, Column("batch", no_wrap=True))
+    t = list_table(kept("batch", (b["id"] for b in batches)), kept("status", (b["status"] for b in batches)),
+                   other("endpoint"), other("window"), other("done / failed / total"), date("created"),
+                   date("expires"))
     for b in batches:
         c = b["request_counts"]
         t.add_row(b["id"], b["status"], b["endpoint"], b["completion_window"],
-                  f"{c['completed']} / {c['failed']} / {c['total']}", _when(b["created_at"]), _when(b["expires_at"]))
+                  f"{c['completed']} / {c['failed']} / {c['total']}", when(b["created_at"]), when(b["expires_at"]))
     return t
 
 
@@ -98,7 +93,7 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
                                                "completion_window": window, "tier": tier}).json()
     console.print(f"batch [bold]{b['id']}[/bold] created from {path} ({f['bytes']} bytes), window {window}")
     if wait:
-        console.print(_batch_table([_follow(api, b["id"])]))
+        print_table(console, _batch_table([_follow(api, b["id"])]))
 
 
 @batch_app.command("status")
@@ -109,19 +104,24 @@ def status(batch_id: BatchId,
     """Show a batch (request counts, status, files)."""
     api = Api(url, key)
     b = _follow(api, batch_id) if follow else api.call("GET", f"/v1/batches/{batch_id}").json()
-    console.print(_batch_table([b]))
+    print_table(console, _batch_table([b]))
     for name in ("output_file_id", "error_file_id"):
         if b.get(name):
             console.print(f"{name}: {b[name]}")
     for err in (b.get("errors") or {}).get("data", []):
-        console.print(f"[red]{err.get('code')}[/red]: {err.get('message')}")
+        console.print(f"[red]{err.get('code')}[/red]: {escape(str(err.get('message')))}")
 
 
 @batch_app.command("list")
 def list_(limit: Annotated[int, typer.Option(min=1, max=100, help="how many batches to show")] = 20,
+          as_json: Annotated[bool, typer.Option("--json", help="print the API's JSON page instead")] = False,
           url: Url = None, key: Key = None) -> None:
     """List your batches, newest first."""
-    console.print(_batch_table(Api(url, key).call("GET", "/v1/batches", params={"limit": limit}).json()["data"]))
+    page = Api(url, key).call("GET", "/v1/batches", params={"limit": limit}).json()
+    if as_json:
+        print_json(page)
+        return
+    print_table(console, _batch_table(page["data"]))
 
 
 @batch_app.command("cancel")

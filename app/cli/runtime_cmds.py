@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from app.cli.output import print_table
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -121,7 +123,7 @@ def simulate(
                 s = run(name, q)
                 progress.advance(task)
                 _add_row(table, results, name, q, s)
-    console.print(table)
+    print_table(console, table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"profile": profile, "trace": trace, "slo_scale": scale,

@@ -1,4 +1,5 @@
-"""CLI: ``coserve up`` (embedded service), ``worker``, ``submit``, ``status``, ``jobs``, ``keys create|revoke``."""
+"""CLI: ``coserve up`` (embedded service), ``worker``, ``submit``, ``status``, ``jobs``,
+``keys create|list|revoke``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from typing import Annotated, Any
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -53,7 +57,7 @@ def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str,
         console.print(f"[red]cannot reach {url}: {exc}[/red] (is `coserve up` running?)")
         raise typer.Exit(2) from exc
     if r.status_code >= 400:
-        console.print(f"[red]{r.status_code}[/red] {r.json().get('detail', r.text) if r.content else ''}")
+        console.print(f"[red]{r.status_code}[/red] {error_message(r)}")
         raise typer.Exit(1)
     return r.json()
 
@@ -68,10 +72,33 @@ def _job_table(job: dict[str, Any]) -> Table:
             ("TBT p50 / p99 (ms)", f"{_fmt(m.get('tbt_p50_s'), 1e3)} / {_fmt(m.get('tbt_p99_s'), 1e3)}"),
             ("SLO met", str(m.get("slo_met"))), ("relegations", str(m.get("relegation_count", 0)))]
     if job.get("error"):
-        rows.append(("error", job["error"]))
+        rows.append(("error", escape(job["error"])))
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _jobs_table(jobs: list[dict[str, Any]]) -> Table:
+    t = list_table(kept("id", (j["id"] for j in jobs)), kept("status", (j["status"] for j in jobs)), other("kind"),
+                   other("tier"), date("created"), other("tokens", "right"), other("TTFT s", "right"), other("SLO"))
+    for j in jobs:
+        t.add_row(j["id"], j["status"], j["kind"], j["tier"], when(j["created_at"]),
+                  str(j.get("completion_tokens") or "-"), _fmt(j["metrics"].get("ttft_s")),
+                  _yes_no(j["metrics"].get("slo_met")))
+    return t
+
+
+def _keys_table(keys: list[dict[str, Any]]) -> Table:
+    t = list_table(kept("key", (k["id"] for k in keys)), other("tenant"), other("prefix"), other("tier"),
+                   other("admin"), kept("state", ["revoked"]), date("created"))
+    for k in keys:
+        t.add_row(k["id"], escape(k["tenant"]), k["prefix"], k["effective_tier"], "yes" if k["is_admin"] else "-",
+                  "revoked" if k["revoked"] else "active", when(k["created_at"]))
+    return t
+
+
+def _yes_no(v: bool | None) -> str:
+    return "-" if v is None else "yes" if v else "no"
 
 
 def _fmt(v: float | None, scale: float = 1.0) -> str:
@@ -193,7 +220,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 if stop["now"]:
                     return
                 console.print(f"[bold]demo job {job['id']}[/bold] ({job['status']}): {DEMO_PROMPT}")
-                console.print(job.get("output_text") or job.get("error") or "")
+                console.print(job.get("output_text") or job.get("error") or "", markup=False)  # model text, not markup
                 console.print(_job_table(job))
                 if exit_after_demo:
                     return
@@ -248,7 +275,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             streamed = _stream_text(url, key, job["id"], 3600)
             job = _wait(url, key, job["id"], 3600)
             if not streamed:
-                console.print(job.get("output_text") or "")
+                console.print(job.get("output_text") or "", markup=False)
             console.print(_job_table(job))
 
     @cli.command()
@@ -263,24 +290,24 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             return
         console.print(_job_table(job))
         if job.get("output_text"):
-            console.print(job["output_text"])
+            console.print(job["output_text"], markup=False)
 
     @cli.command()
     def jobs(status_: Annotated[str | None, typer.Option("--status")] = None,
              kind: Annotated[str | None, typer.Option()] = None,
              limit: Annotated[int, typer.Option()] = 20,
              url: Annotated[str | None, typer.Option()] = None,
-             key: Annotated[str | None, typer.Option()] = None) -> None:
+             key: Annotated[str | None, typer.Option()] = None,
+             as_json: Annotated[bool, typer.Option("--json", help="print the API's JSON page instead")] = False
+             ) -> None:
         """List your jobs, newest first."""
         url, key = _client_config(url, key)
         params = {k: v for k, v in {"status": status_, "kind": kind, "limit": limit}.items() if v is not None}
         page = _request("GET", url, key, "/v1/jobs", params=params)
-        t = Table("id", "status", "kind", "tier", "created", "tokens", "TTFT s", "SLO")
-        for j in page["data"]:
-            t.add_row(j["id"], j["status"], j["kind"], j["tier"], j["created_at"][:19],
-                      str(j.get("completion_tokens") or "-"), _fmt(j["metrics"].get("ttft_s")),
-                      str(j["metrics"].get("slo_met")))
-        console.print(t)
+        if as_json:
+            print_json(page)
+            return
+        print_table(console, _jobs_table(page["data"]))
 
     @keys_app.command("create")
     def keys_create(tenant: Annotated[str, typer.Option(help="tenant name (created if missing)")],
@@ -304,8 +331,39 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             row = s.scalar(select(Tenant).where(Tenant.name == tenant)) or create_tenant(s, tenant, default_tier)
             key_row, plaintext = create_key(s, row, tier=tier, is_admin=admin)
             tenant_id, key_id = row.id, key_row.id
-        console.print(f"tenant {tenant} ({tenant_id}), key {key_id}{' [admin]' if admin else ''}:")
+        # escaped: rich would take "[admin]" (or brackets in a tenant's name) for markup and drop it;
+        # soft_wrap: one line however narrow the console, so the ids copy whole
+        console.print(escape(f"tenant {tenant} ({tenant_id}), key {key_id}{' [admin]' if admin else ''}:"),
+                      soft_wrap=True)
         print(plaintext)
+
+    @keys_app.command("list")
+    def keys_list(tenant: Annotated[str | None, typer.Option(help="only this tenant's keys")] = None,
+                  as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False
+                  ) -> None:
+        """List API keys, revoked ones included (ids and prefixes; the keys themselves are never stored)."""
+        from sqlalchemy import select
+
+        from app.db.migrate import upgrade
+        from app.db.models import ApiKey, Tenant
+        from app.db.session import session_scope
+        from app.schemas import KeyPublic
+
+        settings = _settings()
+        upgrade(settings.sqlalchemy_url)
+        with session_scope(settings.sqlalchemy_url) as s:
+            query = select(ApiKey, Tenant).join(Tenant).order_by(Tenant.name, ApiKey.created_at)
+            if tenant is not None:
+                query = query.where(Tenant.name == tenant)
+            rows = [{**KeyPublic.model_validate(k).model_dump(mode="json"), "tenant": t.name,
+                     "effective_tier": k.tier or t.default_tier} for k, t in s.execute(query)]
+        if tenant is not None and not rows:
+            console.print(f"[red]no keys for tenant {escape(repr(tenant))}[/red]")
+            raise typer.Exit(1)
+        if as_json:
+            print_json(rows)
+            return
+        print_table(console, _keys_table(rows))
 
     @keys_app.command("revoke")
     def keys_revoke(key_id: Annotated[str, typer.Argument(help="the key's id (key_...), as `keys create` printed")]
