@@ -49,6 +49,14 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = 5.0
     sweep_seconds: float = 10.0
     max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
+    backend: Literal["auto", "vllm", "torch"] = Field(
+        "auto", description="the worker's engine: 'vllm' (coserve's scheduler inside vLLM; the default wherever "
+                            "vllm is installed), 'torch' (coserve's own engine: token trees, the reference)")
+    vllm_kv_cache_gib: int = Field(2, gt=0, description="vLLM on CPU: KV cache size in whole GiB "
+                                                             "(VLLM_CPU_KVCACHE_SPACE wins when set)")
+    vllm_enforce_eager: bool | None = Field(None, description="vLLM without compiled graphs (None: eager on CPU, "
+                                                              "where compiling takes minutes; graphs on GPUs)")
+    vllm_max_model_len: int | None = Field(None, gt=0, description="vLLM context length (None: the model's)")
     scheduler_policy: str = "qoserve"
     spec_policy: str = Field("none", description="none | chain-N | static-tree | adaserve | adaspec | nightjar")
     draft: str = Field("prompt-lookup", description="drafter when spec_policy is not 'none': 'prompt-lookup' "
@@ -66,6 +74,15 @@ class Settings(BaseSettings):
         ttft = getattr(self, f"{prefix}_ttft_ms") if prefix else None
         tbt = getattr(self, f"{prefix}_tbt_ms") if prefix else None
         return ttft or self.default_ttft_ms, tbt or self.default_tbt_ms
+
+    @property
+    def engine_backend(self) -> str:
+        """``backend`` resolved: 'auto' is vLLM where it is installed, else the own torch engine."""
+        if self.backend != "auto":
+            return self.backend
+        import importlib.util
+
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -143,6 +143,8 @@ def worker_env(settings, worker_id: str, **extra: str) -> dict[str, str]:
         "COSERVE_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
         "COSERVE_SWEEP_SECONDS": str(settings.sweep_seconds), "COSERVE_KV_BLOCKS": "256",
         "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+        # the service tests run the own engine on a tiny random model; tests/vllm runs the vLLM backend
+        "COSERVE_BACKEND": "torch",
     })
     env.update(extra)
     return env

@@ -71,6 +71,7 @@ class GpuWorker:
         self.url = settings.sqlalchemy_url
         self.queue = queue_name(settings.model_name)
         self.device = resolve_device(settings.device)
+        self.backend = settings.engine_backend if not os.environ.get("COSERVE_ENGINE_FACTORY") else "custom"
         self.active: dict[str, ActiveJob] = {}
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -88,14 +89,9 @@ class GpuWorker:
     def start(self) -> None:
         t0 = time.monotonic()
         self.tokenizer = get_tokenizer(self.settings.model)
-        factory = os.environ.get("COSERVE_ENGINE_FACTORY")  # "module:function" to swap the stack (benchmarks)
-        build = getattr(import_module(factory.split(":")[0]), factory.split(":")[1]) if factory else build_engine
-        self.engine = build(self.settings.model, device=self.device, scheduler_policy=self.settings.scheduler_policy,
-                            spec_policy=self.settings.spec_policy, kv_blocks=self.settings.kv_blocks,
-                            draft=self.settings.draft if self.settings.spec_policy != "none" else None,
-                            cost_profile=self.settings.cost_profile, kv_reserve=self.settings.kv_reserve,
-                            tokenizer=self.tokenizer)
-        log.info("worker %s: engine ready on %s in %.1fs", self.worker_id, self.device, time.monotonic() - t0)
+        self.engine = self._build_engine()
+        log.info("worker %s: %s engine ready on %s in %.1fs", self.worker_id, self.backend, self.device,
+                 time.monotonic() - t0)
         history = getattr(self.engine.scheduler, "history", None)
         if history is not None:  # predicted output lengths (KV admission, batch deadlines) from what finished
             self.peers = decode_history.PeerLengths(self.settings.model_name, self.worker_id, since=utcnow())
@@ -110,6 +106,24 @@ class GpuWorker:
             t = threading.Thread(target=fn, name=f"coserve-{name}", daemon=True)
             t.start()
             self.threads.append(t)
+
+    def _build_engine(self) -> Any:
+        s = self.settings
+        factory = os.environ.get("COSERVE_ENGINE_FACTORY")  # "module:function" to swap the stack (benchmarks)
+        if factory:
+            build = getattr(import_module(factory.split(":")[0]), factory.split(":")[1])
+        elif self.backend == "vllm":
+            from gpu_runtime.vllm.build import build_vllm_engine
+
+            return build_vllm_engine(s.model, device=self.device, scheduler_policy=s.scheduler_policy,
+                                     spec_policy=s.spec_policy, cost_profile=s.cost_profile, kv_reserve=s.kv_reserve,
+                                     kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
+                                     max_model_len=s.vllm_max_model_len)
+        else:
+            build = build_engine
+        return build(s.model, device=self.device, scheduler_policy=s.scheduler_policy, spec_policy=s.spec_policy,
+                     kv_blocks=s.kv_blocks, draft=s.draft if s.spec_policy != "none" else None,
+                     cost_profile=s.cost_profile, kv_reserve=s.kv_reserve, tokenizer=self.tokenizer)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Lets running jobs finish for ``grace_s``, then gives the rest back to the queue."""

