@@ -9,8 +9,9 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api import admin, batches, files, health, jobs, metrics, models, openai_compat, summarize, tenants
+from app.api import admin, batches, errors, files, health, jobs, metrics, models, openai_compat, summarize, tenants
 from app.credentials import ensure_admin_key
+from app.openai_schemas import OpenAIRoute
 from app.services.job_writer import JobWriter
 from app.services.model_info import get_tokenizer, max_model_len
 from app.settings import Settings, get_settings
@@ -100,7 +101,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     for module in (health, jobs, openai_compat, models, files, batches, summarize, admin, tenants, metrics):
         api.include_router(module.router)
+    errors.install(api)
+    _document_openai_errors(api)
     return api
+
+
+def _document_openai_errors(api: FastAPI) -> None:
+    """OpenAI-compatible routes answer a validation error with a 400 in OpenAI's shape, never
+    FastAPI's 422: take the 422 FastAPI documents for every route with parameters out of theirs."""
+    plain = api.openapi
+
+    def openapi() -> dict:
+        if api.openapi_schema is None:
+            schema = plain()
+            openai_paths = {(r.path_format, m.lower()) for r in api.routes if isinstance(r, OpenAIRoute)
+                            for m in r.methods}
+            for path, ops in schema.get("paths", {}).items():
+                for method, op in ops.items():
+                    if (path, method) in openai_paths:
+                        op.get("responses", {}).pop("422", None)
+            api.openapi_schema = schema
+        return api.openapi_schema
+
+    api.openapi = openapi  # type: ignore[method-assign]
 
 
 def app_factory() -> FastAPI:

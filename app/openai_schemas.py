@@ -11,6 +11,7 @@ unknown to both are ignored.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -23,7 +24,9 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from app.api.errors import CheckedRoute, loc_param, validation_errors
 from app.schemas import MAX_TARGET_MS, MAX_WINDOW_S, ChatMessage, JobCreate
+from app.wire import Text, json_safe
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +64,26 @@ def error_response(status_code: int, message: str, *, type: str | None = None, p
     if type is None:
         type = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 429: "rate_limit_error"}.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
+    # json_safe: a message may quote what the client sent (a lone surrogate cannot be encoded)
+    return JSONResponse(json_safe({"error": {"message": message, "type": type, "param": param, "code": code}}),
                         status_code=status_code)
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One message for pydantic's errors, and the field to blame (the first one's)."""
     parts, param = [], None
     for e in errors:
-        loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
-        param = param or (".".join(loc) or None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+        if e.get("type") == "json_invalid":  # FastAPI's loc is ("body", <character offset>): no field
+            parts.append(e["msg"] if e.get("loc") == ["body"] else
+                         f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}")
+            continue
+        where = loc_param(e.get("loc", ()))
+        param = param or where
+        parts.append(f"{where or 'body'}: {str(e.get('msg')).removeprefix('Value error, ')}")
     return "; ".join(parts), param
 
 
-class OpenAIRoute(APIRoute):
+class OpenAIRoute(CheckedRoute):
     """A route whose errors (auth, validation, HTTPException) come out in OpenAI's shape."""
 
     def get_route_handler(self) -> Callable:
@@ -86,7 +95,7 @@ class OpenAIRoute(APIRoute):
             except OpenAIError as exc:
                 return exc.response()
             except RequestValidationError as exc:
-                message, param = validation_message(list(exc.errors()))
+                message, param = validation_message(validation_errors(exc))
                 return error_response(400, message, param=param, code="invalid_value")
             except HTTPException as exc:
                 return error_response(exc.status_code, str(exc.detail))
@@ -102,29 +111,43 @@ class StreamOptions(BaseModel):
 class QoSExtension(BaseModel):
     """coserve's extension fields (pass with ``extra_body`` from the openai client)."""
 
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN/Infinity parse from JSON; no target is either
+
     ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS)
     tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS)
     tbt_anchor: Literal["arrival", "first-token"] | None = Field(
         None, description="when token n is due: 'arrival' (+ TTFT + (n-1) TBT) or 'first-token' (+ (n-1) TBT)")
     deadline: float | str | None = Field(
         None, description="makes it a deadline (batch-class) job: seconds from now, a window like '2h', or an ISO time")
-    tier: str | None = None
-    app_id: str | None = Field(None, max_length=200)
+    tier: Text | None = None
+    app_id: Text | None = Field(None, max_length=200)
     ignore_eos: bool = False
+
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _deadline(cls, v: Any) -> Any:
+        # checked before the float | str union: its two errors would blame "deadline.float"/"deadline.str"
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("deadline must be a finite number of seconds, a window like '2h' or an ISO time")
+        if isinstance(v, bool) or not isinstance(v, int | float | str | None):
+            raise ValueError("deadline must be seconds from now, a window like '2h' or an ISO time")
+        return v
 
 
 class SamplingFields(BaseModel):
-    model: str | None = None
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -167,7 +190,7 @@ class UnsupportedFields(BaseModel):
 
 
 class _Base(QoSExtension, SamplingFields, UnsupportedFields):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     def check(self) -> None:
         self.check_unsupported()
@@ -197,13 +220,23 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                              **common)
         except ValidationError as exc:
             message, param = validation_message(list(exc.errors()))
-            raise OpenAIError(400, message, param=param) from exc
+            raise OpenAIError(400, message, param=openai_param(param)) from exc
+
+
+def openai_param(param: str | None) -> str | None:
+    """The request's name for a job field (the job's deadline fields come from ``deadline``)."""
+    if param in ("deadline_at", "deadline_window_s"):
+        return "deadline"
+    return param
 
 
 def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
     if isinstance(value, int | float):
-        if value <= 0:
+        if not math.isfinite(value) or value <= 0:
             raise OpenAIError(400, "deadline must be positive seconds", param="deadline")
+        if value > MAX_WINDOW_S:
+            raise OpenAIError(400, f"deadline {value:g}s is longer than {MAX_WINDOW_S / 86400:.0f} days; "
+                              "give a shorter one", param="deadline")
         return float(value), None
     try:
         return parse_window(value), None
@@ -243,24 +276,30 @@ class ChatCompletionRequest(_Base):
             content = m.get("content")
             if isinstance(content, list):  # content parts: only text is supported
                 texts = []
-                for part in content:
+                for j, part in enumerate(content):
                     if not isinstance(part, dict) or part.get("type") != "text":
                         raise OpenAIError(400, "only text content parts are supported",
                                           param=f"messages.{i}.content")
-                    texts.append(str(part.get("text", "")))
+                    text = part.get("text", "")
+                    if not isinstance(text, str):
+                        raise OpenAIError(400, f"messages.{i}.content.{j}.text must be a string",
+                                          param=f"messages.{i}.content.{j}.text")
+                    texts.append(text)
                 content = "".join(texts)
             if content is None:
                 content = ""
             try:
                 out.append(ChatMessage(role=role, content=content))
             except ValidationError as exc:
-                raise OpenAIError(400, f"messages.{i}: role must be system, user, assistant or tool",
-                                  param=f"messages.{i}.role") from exc
+                # name the field that failed (the role, the content or both), not always the role
+                message, param = validation_message(
+                    [{**e, "loc": ("messages", i, *e["loc"])} for e in exc.errors()])
+                raise OpenAIError(400, message, param=param) from exc
         return out
 
 
 class CompletionRequest(_Base):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     # not implemented: echoing the prompt, best-of-n sampling, insertion (suffix)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.wire import Text, UtcDatetime
 
 MAX_TARGET_MS = 3_600_000.0  # a TTFT/TBT target above an hour is a unit mistake
 MAX_WINDOW_S = 30 * 24 * 3600.0
@@ -14,20 +16,22 @@ MAX_SEED = 2**63 - 1  # torch generators take a 64-bit seed; a larger one fails 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: Text
 
 
 class JobCreate(BaseModel):
     """One generation job: a prompt or chat messages, QoS targets and sampling params."""
 
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan: Python's JSON decoder turns NaN/Infinity into floats, which no target,
+    # window or sampling parameter can be (NaN slips through every gt/le bound)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     kind: Literal["interactive", "batch"] = "interactive"
-    model: str | None = Field(None, description="served model name; default: the server's model")
-    prompt: str | None = Field(None, description="raw prompt (completion)")
+    model: Text | None = Field(None, description="served model name; default: the server's model")
+    prompt: Text | None = Field(None, description="raw prompt (completion)")
     messages: list[ChatMessage] | None = Field(None, description="chat messages (chat template applied)")
-    tier: str | None = Field(None, description="free | paid; default: the API key's tier")
-    app_id: str | None = Field(None, max_length=200, description=(
+    tier: Text | None = Field(None, description="free | paid; default: the API key's tier")
+    app_id: Text | None = Field(None, max_length=200, description=(
         "application key for decode-length history (output lengths are predicted from the tenant's finished "
         "jobs of the same app_id; without one, from its jobs of the same kind)"))
     # QoS: interactive jobs have TTFT/TBT targets, batch jobs a deadline
@@ -42,7 +46,7 @@ class JobCreate(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     temperature: float = Field(0.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[Text] = Field(default_factory=list, max_length=16)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
@@ -63,6 +67,12 @@ class JobCreate(BaseModel):
             raise ValueError("give deadline_at or deadline_window_s, not both")
         if self.deadline_at is not None and self.deadline_at.tzinfo is None:
             raise ValueError("deadline_at needs a timezone (e.g. '2030-01-01T12:00:00Z')")
+        if self.deadline_at is not None and self.deadline_at.utcoffset():
+            # SQLite keeps a datetime's wall time and drops its offset: store UTC
+            try:
+                self.deadline_at = self.deadline_at.astimezone(UTC)
+            except OverflowError:  # year 1 or 9999 pushed past the calendar's edge
+                raise ValueError("deadline_at is out of range; give a time within the next 30 days") from None
         return self
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
@@ -88,16 +98,16 @@ class JobPublic(BaseModel):
     tier: str
     model: str
     status: str
-    created_at: datetime
-    dispatched_at: datetime | None = None
-    started_at: datetime | None = None
-    first_token_at: datetime | None = None
-    finished_at: datetime | None = None
+    created_at: UtcDatetime
+    dispatched_at: UtcDatetime | None = None
+    started_at: UtcDatetime | None = None
+    first_token_at: UtcDatetime | None = None
+    finished_at: UtcDatetime | None = None
     app_id: str | None = None
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     tbt_anchor: str | None = None
-    deadline_at: datetime | None = None
+    deadline_at: UtcDatetime | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
     output_text: str | None = None
     finish_reason: str | None = None
@@ -126,8 +136,8 @@ class JobList(BaseModel):
 
 class TenantCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=200)
-    default_tier: str = "paid"
+    name: Text = Field(min_length=1, max_length=200)
+    default_tier: Text = "paid"
     admin: bool = Field(False, description="the first key is an admin key")
 
 
@@ -142,7 +152,7 @@ class KeyPublic(BaseModel):
     tier: str | None = None
     is_admin: bool
     revoked: bool
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class KeyCreated(BaseModel):

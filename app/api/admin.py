@@ -21,15 +21,18 @@ from pydantic import BaseModel
 from sqlalchemy import func, select, update
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
+from app.api.errors import CheckedRoute, responses, unprocessable
 from app.db.models import Job, JobEvent, JobStatus, WorkerState
 from app.db.session import write_guard
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel, redis_client
 from app.services.transitions import as_utc, utcnow
+from app.wire import Text, utc_z
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(tags=["admin"])
+router = APIRouter(tags=["admin"], route_class=CheckedRoute)
+ADMIN = responses(401, 403)
 
 APP_DIR = Path(__file__).resolve().parents[1]
 templates = Jinja2Templates(directory=str(APP_DIR / "templates"))
@@ -45,8 +48,8 @@ def dashboard(request: Request, settings: SettingsDep) -> HTMLResponse:
 
 @router.get("/admin/static/{name}", include_in_schema=False)
 def static(name: str) -> FileResponse:
-    path = (STATIC / name).resolve()
-    if path.parent != STATIC.resolve() or not path.is_file():
+    path = (STATIC / name).resolve() if "\0" not in name else None  # a NUL makes resolve() raise
+    if path is None or path.parent != STATIC.resolve() or not path.is_file():
         raise HTTPException(status.HTTP_404_NOT_FOUND, "no such file")
     return FileResponse(path)
 
@@ -99,7 +102,7 @@ def slo_series(session, minutes: int, bucket_s: int = 60) -> list[dict[str, Any]
     return [{"t": t, "tier": tier, "met": m, "violated": v} for (t, tier), (m, v) in sorted(acc.items())]
 
 
-@router.get("/admin/api/overview")
+@router.get("/admin/api/overview", responses=ADMIN)
 def overview(session: SessionDep, _admin: AdminPrincipal,
              minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60) -> dict[str, Any]:
     now = utcnow()
@@ -121,7 +124,7 @@ def overview(session: SessionDep, _admin: AdminPrincipal,
     workers = [{"id": w.id, "model": w.model, "device": w.device, "draining": w.draining,
                 "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {}}
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
-    return {"now": now.isoformat(), "queues": queues, "jobs": jobs, "workers": workers,
+    return {"now": utc_z(now), "queues": queues, "jobs": jobs, "workers": workers,
             "slo": slo_series(session, minutes)}
 
 
@@ -141,7 +144,7 @@ def _control(settings, job: Job, message: dict[str, Any]) -> bool:
     return receivers > 0
 
 
-@router.post("/admin/api/jobs/{job_id}/resume")
+@router.post("/admin/api/jobs/{job_id}/resume", responses={**ADMIN, **responses(404, 409)})
 def resume(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
     job = _job(session, job_id)
     if job.status != JobStatus.RELEGATED:
@@ -151,14 +154,14 @@ def resume(job_id: str, session: SessionDep, settings: SettingsDep, _admin: Admi
 
 
 class Promote(BaseModel):
-    tier: str
+    tier: Text
 
 
-@router.post("/admin/api/jobs/{job_id}/promote")
+@router.post("/admin/api/jobs/{job_id}/promote", responses={**ADMIN, **responses(404, 409, 413)})
 def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsDep,
             _admin: AdminPrincipal) -> dict[str, Any]:
     if body.tier not in settings.tiers:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"tier must be one of {list(settings.tiers)}")
+        raise unprocessable(f"tier must be one of {list(settings.tiers)}", "body", "tier")
     job = _job(session, job_id)
     if JobStatus(job.status).terminal:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
@@ -170,7 +173,7 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
     return {"id": job_id, "action": "promote", "tier": body.tier, "delivered": delivered}
 
 
-@router.post("/admin/api/jobs/{job_id}/cancel")
+@router.post("/admin/api/jobs/{job_id}/cancel", responses={**ADMIN, **responses(404)})
 def cancel(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
     job = _job(session, job_id)
     ok = job_service.cancel_job(session, job, detail="cancelled by an admin")
@@ -183,7 +186,7 @@ class Drain(BaseModel):
     drain: bool = True
 
 
-@router.post("/admin/api/workers/{worker_id}/drain")
+@router.post("/admin/api/workers/{worker_id}/drain", responses={**ADMIN, **responses(404, 413)})
 def drain(worker_id: str, body: Drain, session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
     session.commit()
     with write_guard(session):

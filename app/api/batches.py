@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.errors import openai_responses
 from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import cancel_batch, maybe_finalize
@@ -28,7 +29,7 @@ from app.services.transitions import utcnow
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=OpenAIRoute)
+router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=OpenAIRoute, responses=openai_responses(401))
 
 
 class BatchCreate(BaseModel):
@@ -47,7 +48,7 @@ def _own(session, principal, batch_id: str) -> Batch:
     return row
 
 
-@router.post("")
+@router.post("", responses=openai_responses(400, 404, 413))
 def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                  background: BackgroundTasks) -> dict[str, Any]:
     assert body.endpoint in ENDPOINTS
@@ -76,7 +77,7 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
     return batch_object(batch)
 
 
-@router.get("")
+@router.get("", responses=openai_responses(400))
 def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
     q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
@@ -95,7 +96,7 @@ def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: Set
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 
-@router.get("/{batch_id}")
+@router.get("/{batch_id}", responses=openai_responses(404))
 async def get_batch(batch_id: str, session: SessionDep, principal: CurrentPrincipal,
                     settings: SettingsDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
@@ -108,7 +109,7 @@ async def get_batch(batch_id: str, session: SessionDep, principal: CurrentPrinci
     return await run_in_threadpool(read)
 
 
-@router.post("/{batch_id}/cancel")
+@router.post("/{batch_id}/cancel", responses=openai_responses(404, 409))
 def cancel(batch_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     batch = _own(session, principal, batch_id)
     if batch.status not in ("validating", "in_progress", "cancelling"):

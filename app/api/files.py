@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
@@ -11,13 +13,32 @@ from fastapi.responses import Response
 from sqlalchemy import select
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.errors import openai_responses
 from app.batch import storage
 from app.db.models import File as FileRow
 from app.openai_schemas import OpenAIError, OpenAIRoute
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/files", tags=["files"], route_class=OpenAIRoute)
+router = APIRouter(prefix="/v1/files", tags=["files"], route_class=OpenAIRoute, responses=openai_responses(401))
+
+MAX_FILENAME_CHARS = 255  # the column holds 500; no file system takes a longer name
+_UNQUOTABLE = re.compile(r'[^\x20-\x7e]|["\\]')  # what a quoted-string filename cannot carry as is
+
+
+def content_disposition(filename: str) -> str:
+    """``attachment`` with the name twice (RFC 6266): an ASCII ``filename=`` for old clients, with
+    quotes, backslashes and anything non-ASCII replaced, and the exact name as RFC 5987's
+    ``filename*=UTF-8''...`` (a header is Latin-1 bytes: ``résumé_✓.jsonl`` cannot go in raw)."""
+    fallback = _UNQUOTABLE.sub("_", filename) or "download"
+    exact = quote(filename.encode("utf-8", "backslashreplace"), safe="")
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{exact}"
+
+
+def clean_filename(name: str | None) -> str:
+    """The upload's base name (a client may send a path), without control characters, capped."""
+    name = re.sub(r"[\x00-\x1f\x7f]", "", (name or "").replace("\\", "/").rsplit("/", 1)[-1])
+    return name[:MAX_FILENAME_CHARS] or "upload.jsonl"
 
 
 def _own(session, principal, file_id: str) -> FileRow:
@@ -27,7 +48,7 @@ def _own(session, principal, file_id: str) -> FileRow:
     return row
 
 
-@router.post("")
+@router.post("", responses=openai_responses(400, 413))
 async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                       file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict:
     if purpose not in storage.UPLOAD_PURPOSES:
@@ -36,11 +57,11 @@ async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings
     if not content:
         raise OpenAIError(400, "the file is empty", param="file")
     row = await run_in_threadpool(storage.save_file, session, settings.data_dir, principal.tenant_id,
-                                  file.filename or "upload.jsonl", purpose, content)
+                                  clean_filename(file.filename), purpose, content)
     return storage.file_object(row)
 
 
-@router.get("")
+@router.get("", responses=openai_responses(400))
 def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | None = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 100, after: str | None = None) -> dict:
     q = select(FileRow).where(FileRow.tenant_id == principal.tenant_id, FileRow.deleted.is_(False))
@@ -55,19 +76,21 @@ def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | 
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=openai_responses(404))
 def get_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> dict:
     return storage.file_object(_own(session, principal, file_id))
 
 
-@router.get("/{file_id}/content")
+@router.get("/{file_id}/content", response_class=Response,
+            responses={200: {"content": {"application/jsonl": {}}, "description": "the file's bytes"},
+                       **openai_responses(404)})
 def file_content(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> Response:
     row = _own(session, principal, file_id)
     return Response(storage.read_content(row), media_type="application/jsonl",
-                    headers={"Content-Disposition": f'attachment; filename="{row.filename}"'})
+                    headers={"Content-Disposition": content_disposition(row.filename)})
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=openai_responses(404))
 def delete_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> dict:
     row = _own(session, principal, file_id)
     storage.delete_file(session, row)

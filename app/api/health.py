@@ -24,7 +24,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "a check failed (the body says which)"}})
 def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     checks: dict[str, str] = {}
     try:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.errors import CheckedRoute, responses, unprocessable
 from app.api.openai_compat import job_events
 from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
@@ -24,10 +25,18 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute, responses=responses(401))
+
+MAX_OFFSET = 2**31 - 1  # SQL takes a 64-bit OFFSET at most; no tenant pages this far
 
 
-@router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
+def _unprocessable(exc: job_service.JobValidationError):
+    return unprocessable(str(exc), *(("body", exc.param) if exc.param else ("body",)))
+
+
+@router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED,
+             responses={200: {"model": JobPublic, "description": "the job an earlier request with this "
+                                                                 "Idempotency-Key created"}, **responses(409, 413)})
 async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: SettingsDep, request: Request,
                      response: Response,
                      idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic | Response:
@@ -49,7 +58,7 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
     except job_service.IdempotencyConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     except job_service.JobValidationError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+        raise _unprocessable(exc) from exc
     if not submitted.created:
         response.status_code = status.HTTP_200_OK
     return JobPublic.of(submitted.job)
@@ -71,21 +80,26 @@ def list_jobs(session: SessionDep, principal: CurrentPrincipal, settings: Settin
               created_after: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
               created_before: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 20, cursor: str | None = None,
-              offset: Annotated[int | None, Query(ge=0)] = None) -> JobList:
+              offset: Annotated[int | None, Query(ge=0, le=MAX_OFFSET)] = None) -> JobList:
     if tier is not None and tier not in settings.tiers:  # tiers are configurable, so checked here
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            f"unknown tier {tier!r}; choose one of {list(settings.tiers)}")
+        raise unprocessable(f"unknown tier {tier!r}; choose one of {list(settings.tiers)}", "query", "tier")
     for name, at in (("created_after", created_after), ("created_before", created_before)):
-        if at is not None and at.tzinfo is None:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                                f"{name} needs a timezone (e.g. '2030-01-01T12:00:00Z')")
+        if at is None:
+            continue
+        if at.tzinfo is None:
+            raise unprocessable(f"{name} needs a timezone (e.g. '2030-01-01T12:00:00Z')", "query", name)
+        try:
+            at.astimezone(UTC)  # how it is compared with the stored times
+        except OverflowError:  # year 1 or 9999 with an offset falls off the calendar in UTC
+            raise unprocessable(f"{name} is out of range; give a time between years 1 and 9999", "query",
+                                name) from None
     try:
         rows, nxt = job_service.list_jobs(session, principal.tenant_id, status=status_, kind=kind, tier=tier,
                                           batch_id=batch_id, created_after=created_after,
                                           created_before=created_before, limit=limit, cursor=cursor,
                                           offset=offset)
     except job_service.JobValidationError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+        raise unprocessable(str(exc), "query", exc.param or "cursor") from exc
     return JobList(data=[JobPublic.of(j) for j in rows], next_cursor=nxt)
 
 
@@ -96,14 +110,14 @@ def _own_job(session, principal, job_id: str):
     return job
 
 
-@router.get("/{job_id}", response_model=JobPublic)
+@router.get("/{job_id}", response_model=JobPublic, responses=responses(404))
 def get_job(job_id: str, session: SessionDep, principal: CurrentPrincipal) -> JobPublic:
     return JobPublic.of(_own_job(session, principal, job_id))
 
 
 @router.get("/{job_id}/stream", response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
-                             "description": "server-sent events: delta, status, then one end"}})
+                             "description": "server-sent events: delta, status, then one end"}, **responses(404)})
 def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep
                ) -> StreamingResponse:
     """The job's tokens as they are generated, from its first token, then one ``end`` event.
@@ -141,7 +155,7 @@ async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
             return
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404))
 def cancel_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> JobPublic:
     job = _own_job(session, principal, job_id)
     if job_service.cancel_job(session, job):

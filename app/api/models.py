@@ -8,11 +8,12 @@ from datetime import UTC, datetime
 from fastapi import APIRouter
 
 from app.api.deps import CurrentPrincipal, SettingsDep
+from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=OpenAIRoute)
+router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=OpenAIRoute, responses=openai_responses(401))
 
 _STARTED = int(datetime.now(UTC).timestamp())
 
@@ -26,7 +27,7 @@ def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
     return {"object": "list", "data": [_model(settings.model_name)]}
 
 
-@router.get("/{model_id:path}")
+@router.get("/{model_id:path}", responses=openai_responses(404))
 def get_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
     if model_id != settings.model_name:
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")

@@ -22,11 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import session_scope
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_completion,
-                                now_s, text_completion, usage, validation_message)
+                                now_s, openai_param, text_completion, usage, validation_message)
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel
 from app.services.streaming import StreamEvent, follow_job
@@ -59,10 +60,10 @@ def _submit(session, principal: Principal, settings: Settings, spec, endpoint: s
     try:
         return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer).job
     except job_service.JobValidationError as exc:
-        msg = str(exc)
-        param = "model" if "model" in msg else ("tier" if "tier" in msg else None)
-        code = "model_not_found" if param == "model" else ("context_length_exceeded" if "context" in msg else None)
-        raise OpenAIError(404 if code == "model_not_found" else 400, msg, param=param, code=code) from exc
+        # OpenAI's codes: 404 only for an unknown model; a request over the context is a 400
+        # (context_length_exceeded), which the official client raises as BadRequestError
+        raise OpenAIError(404 if exc.code == "model_not_found" else 400, str(exc), param=openai_param(exc.param),
+                          code=exc.code) from exc
 
 
 # ---------------------------------------------------------------- following a job
@@ -215,14 +216,36 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     return JSONResponse(content, headers=headers)
 
 
-@router.post("/chat/completions")
+def _documented_body(model: type) -> dict[str, Any]:
+    """The request body for the OpenAPI document: these routes parse it themselves (to answer
+    every error in OpenAI's shape), so FastAPI cannot see it."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:  # the models are not recursive: their $defs can be written in place
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
+# 200 is JSON, or server-sent events with stream: true; 409/500/504: the job was cancelled,
+# failed or expired before it finished (a non-stream request waits for its end)
+_ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a completion, or its chunks as events"},
+            **openai_responses(400, 401, 404, 409, 413, 500, 504)}
+
+
+@router.post("/chat/completions", responses=_ANSWERS, openapi_extra=_documented_body(ChatCompletionRequest))
 async def chat_completions(request: Request, session: SessionDep, principal: CurrentPrincipal,
                            settings: SettingsDep):
     """OpenAI chat completions; QoS extension fields: ttft_ms, tbt_ms, deadline, tier."""
     return await _complete(request, session, principal, settings, chat=True)
 
 
-@router.post("/completions")
+@router.post("/completions", responses=_ANSWERS, openapi_extra=_documented_body(CompletionRequest))
 async def completions(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
     """OpenAI (legacy) text completions; same extension fields as chat."""
     return await _complete(request, session, principal, settings, chat=False)

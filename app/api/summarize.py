@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+import re
+from datetime import datetime, timedelta
 
 from fastapi import APIRouter, HTTPException, status
 from fastapi.concurrency import run_in_threadpool
@@ -11,44 +12,53 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import CurrentPrincipal, SettingsDep
+from app.api.errors import CheckedRoute, responses, unprocessable
 from app.openai_schemas import parse_window
+from app.schemas import MAX_WINDOW_S
 from app.services.jobs import JobValidationError, resolve_tier
 from app.services.transitions import utcnow
 from app.summarize import service
 from app.summarize.documents import Document
+from app.wire import SecondsOrWindow, Text, utc_z
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/summarize", tags=["summarize"])
+router = APIRouter(prefix="/v1/summarize", tags=["summarize"], route_class=CheckedRoute, responses=responses(401))
 
 
 class DocumentIn(BaseModel):
-    id: str = Field(min_length=1, max_length=200)
-    text: str = Field(min_length=1)
+    id: Text = Field(min_length=1, max_length=200)
+    text: Text = Field(min_length=1)
 
 
 class SummarizeCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN deadline is no deadline
     documents: list[DocumentIn] = Field(min_length=1, max_length=10_000)
-    deadline: str | float = Field("2h", description="window ('30m', '2h', '7d') or seconds from now")
+    deadline: SecondsOrWindow = Field("2h", description="window ('30m', '2h', '7d') or seconds from now")
     max_summary_tokens: int = Field(128, ge=8, le=4096)
     chunk_tokens: int = Field(1024, ge=64, le=32_768, description="largest chunk of document text per job")
     overlap_tokens: int = Field(64, ge=0, le=1024)
-    tier: str | None = None
+    tier: Text | None = None
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+@router.post("", status_code=status.HTTP_201_CREATED, responses=responses(413))
 async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: SettingsDep) -> dict:
     ids = [d.id for d in body.documents]
     if len(set(ids)) != len(ids):
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "document ids must be unique")
+        raise unprocessable("document ids must be unique", "body", "documents")
     try:
         window = float(body.deadline) if isinstance(body.deadline, float | int) else parse_window(body.deadline)
+    except ValueError as exc:
+        raise unprocessable(str(exc), "body", "deadline") from exc
+    try:
         tier = resolve_tier(settings, principal, body.tier)
-    except (ValueError, JobValidationError) as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+    except JobValidationError as exc:
+        raise unprocessable(str(exc), "body", "tier") from exc
     if window <= 0:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "deadline must be in the future")
+        raise unprocessable("deadline must be in the future", "body", "deadline")
+    if window > MAX_WINDOW_S:  # also keeps now + window inside the calendar (1e12 s is 31,700 years)
+        raise unprocessable(f"deadline {window:g}s is longer than {MAX_WINDOW_S / 86400:.0f} days; give a shorter one",
+                            "body", "deadline")
     docs = [Document(d.id, d.text) for d in body.documents]
     try:
         run = await run_in_threadpool(
@@ -56,23 +66,35 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
             max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
             overlap_tokens=body.overlap_tokens, tier=tier)
     except (ValueError, JobValidationError) as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
-    return run.progress()
+        raise unprocessable(str(exc)) from exc
+    return _utc_z(run.progress())
 
 
-def _own(settings, principal, run_id: str) -> dict:
-    state = service.load(settings.data_dir, run_id)
-    if state is None or state.pop("tenant_id") != principal.tenant_id:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no summarization {run_id!r}")
+def _utc_z(state: dict) -> dict:
+    # the run keeps its deadline as Python's isoformat ("+00:00"); every response writes UTC with a 'Z'
+    if isinstance(state.get("deadline_at"), str):
+        state["deadline_at"] = utc_z(datetime.fromisoformat(state["deadline_at"]))
     return state
 
 
-@router.get("/{run_id}")
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # new_id's shape; anything else (a NUL, a path) names no file
+
+
+def _own(settings, principal, run_id: str) -> dict:
+    state = service.load(settings.data_dir, run_id) if RUN_ID.fullmatch(run_id) else None
+    if state is None or state.pop("tenant_id") != principal.tenant_id:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no summarization {run_id!r}")
+    return _utc_z(state)
+
+
+@router.get("/{run_id}", responses=responses(404))
 def get_run(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> dict:
     return _own(settings, principal, run_id)
 
 
-@router.get("/{run_id}/results")
+@router.get("/{run_id}/results", response_class=Response,
+            responses={200: {"content": {"application/jsonl": {}}, "description": "one summary per line"},
+                       **responses(404, 409)})
 def results(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> Response:
     state = _own(settings, principal, run_id)
     path = service.runs_dir(settings.data_dir) / f"{run_id}.jsonl"

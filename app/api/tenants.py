@@ -9,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
+from app.api.errors import CheckedRoute, responses, unprocessable
 from app.auth import clear_cache, create_key, create_tenant
 from app.db.models import ApiKey, Tenant
 from app.schemas import KeyCreated, KeyPublic, TenantCreate
@@ -16,15 +17,16 @@ from app.schemas import KeyCreated, KeyPublic, TenantCreate
 log = logging.getLogger(__name__)
 
 # one prefix for both admin resources: the app's router list stays as it is
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
+router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=CheckedRoute, responses=responses(401, 403))
 
 
-@router.post("/tenants", response_model=KeyCreated, status_code=status.HTTP_201_CREATED)
+@router.post("/tenants", response_model=KeyCreated, status_code=status.HTTP_201_CREATED,
+             responses=responses(409, 413))
 def create_tenant_route(body: TenantCreate, session: SessionDep, settings: SettingsDep,
                         _admin: AdminPrincipal) -> KeyCreated:
     if body.default_tier not in settings.tiers:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            f"unknown tier {body.default_tier!r}; choose one of {list(settings.tiers)}")
+        raise unprocessable(f"unknown tier {body.default_tier!r}; choose one of {list(settings.tiers)}",
+                            "body", "default_tier")
     try:
         tenant = create_tenant(session, body.name, body.default_tier)
         key, plaintext = create_key(session, tenant, is_admin=body.admin)
@@ -37,22 +39,22 @@ def create_tenant_route(body: TenantCreate, session: SessionDep, settings: Setti
                       is_admin=key.is_admin)
 
 
-@router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED)
+@router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED,
+             responses=responses(404))
 def create_key_route(tenant_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
                      tier: str | None = None, admin: bool = False) -> KeyCreated:
     tenant = session.scalar(select(Tenant).where(Tenant.id == tenant_id))
     if tenant is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
     if tier is not None and tier not in settings.tiers:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            f"unknown tier {tier!r}; choose one of {list(settings.tiers)}")
+        raise unprocessable(f"unknown tier {tier!r}; choose one of {list(settings.tiers)}", "query", "tier")
     key, plaintext = create_key(session, tenant, tier=tier, is_admin=admin)
     session.commit()
     return KeyCreated(tenant_id=tenant.id, key_id=key.id, api_key=plaintext, tier=tier or tenant.default_tier,
                       is_admin=key.is_admin)
 
 
-@router.get("/tenants/{tenant_id}/keys", response_model=list[KeyPublic])
+@router.get("/tenants/{tenant_id}/keys", response_model=list[KeyPublic], responses=responses(404))
 def list_keys_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal) -> list[KeyPublic]:
     if session.get(Tenant, tenant_id) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
@@ -60,7 +62,7 @@ def list_keys_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal)
     return [KeyPublic.model_validate(k) for k in rows]
 
 
-@router.post("/keys/{key_id}/revoke", response_model=KeyPublic)
+@router.post("/keys/{key_id}/revoke", response_model=KeyPublic, responses=responses(404))
 def revoke_key_route(key_id: str, session: SessionDep, _admin: AdminPrincipal) -> KeyPublic:
     """Revokes a key for good (idempotent). Other API processes stop accepting it within the
     auth cache's few seconds; this one at once."""

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from app.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, validation_message
 from app.schemas import JobCreate
+from app.wire import find_lone_surrogate, surrogate_message
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,14 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float) -> Valid
         return InvalidLine(line_no, None, f"line {line_no}: not valid JSON ({exc.msg})", "invalid_json")
     if not isinstance(obj, dict):
         return InvalidLine(line_no, None, f"line {line_no}: must be a JSON object", "invalid_json")
+    # a lone surrogate ("\ud800") decodes but can be neither tokenized nor stored: this line
+    # fails here, before its job joins the batch's one insert (where it would fail them all)
+    if (found := find_lone_surrogate(obj)) is not None:
+        where, char = found
+        custom_id = obj.get("custom_id")
+        clean_id = custom_id if isinstance(custom_id, str) and where[:1] != ("custom_id",) else None
+        return InvalidLine(line_no, clean_id, f"line {line_no}: {'.'.join(map(str, where))} {surrogate_message(char)}",
+                           "invalid_body" if where[:1] == ("body",) else "invalid_request")
     custom_id = obj.get("custom_id")
     cid = custom_id if isinstance(custom_id, str) else None
     if not cid:

@@ -32,7 +32,14 @@ log = logging.getLogger(__name__)
 
 
 class JobValidationError(ValueError):
-    """The job cannot be accepted as sent; the message says what to change (HTTP 422)."""
+    """The job cannot be accepted as sent; the message says what to change (HTTP 422).
+
+    ``param`` is the request field to blame and ``code`` an OpenAI-style error code, so each
+    API can answer in its own shape without reading the message."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class IdempotencyConflict(ValueError):
@@ -62,10 +69,11 @@ def resolve_tier(settings: Settings, principal: Principal, requested: str | None
     if requested is None:
         return principal.tier
     if requested not in tiers:
-        raise JobValidationError(f"unknown tier {requested!r}; choose one of {tiers}")
+        raise JobValidationError(f"unknown tier {requested!r}; choose one of {tiers}", param="tier")
     # tiers are ordered from lowest to highest; a key may ask for its own tier or a lower one
     if principal.tier in tiers and tiers.index(requested) > tiers.index(principal.tier):
-        raise JobValidationError(f"this API key allows tier {principal.tier!r} at most, not {requested!r}")
+        raise JobValidationError(f"this API key allows tier {principal.tier!r} at most, not {requested!r}",
+                                 param="tier")
     return requested
 
 
@@ -75,7 +83,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``)."""
     model = spec.model or settings.model_name
     if model != settings.model_name:
-        raise JobValidationError(f"unknown model {model!r}; this server serves {settings.model_name!r}")
+        raise JobValidationError(f"unknown model {model!r}; this server serves {settings.model_name!r}",
+                                 param="model", code="model_not_found")
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
     if sampling["temperature"] > 0 and sampling["seed"] is None:
@@ -95,23 +104,26 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     else:
         deadline = spec.deadline_at or now + timedelta(seconds=spec.deadline_window_s or settings.default_batch_window_s)
         if deadline <= now and not overdue_ok:
-            raise JobValidationError(f"deadline_at {deadline.isoformat()} is in the past; give a future time")
+            raise JobValidationError(f"deadline_at {deadline.isoformat()} is in the past; give a future time",
+                                     param="deadline_at")
         if deadline - now > timedelta(seconds=MAX_WINDOW_S):
             raise JobValidationError(f"deadline_at {deadline.isoformat()} is more than {MAX_WINDOW_S / 86400:.0f} "
-                                     "days away; give a nearer deadline")
+                                     "days away; give a nearer deadline", param="deadline_at")
         job.deadline_at = deadline
     if count_tokens:
         limit = max_model_len(settings.model)
         chars = input_chars(spec)
+        # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
+        blame = {"param": "prompt" if spec.prompt is not None else "messages", "code": "context_length_exceeded"}
         if chars > limit * max_chars_per_token(settings.model):  # no tokenizer needed to see it cannot fit
             raise JobValidationError(
                 f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
-                "shorten the prompt")
+                "shorten the prompt", **blame)
         n = len(encode_input(settings.model, job.prompt, job.messages))
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError(
                 f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "
-                f"{limit} tokens; shorten the prompt or lower max_tokens")
+                f"{limit} tokens; shorten the prompt or lower max_tokens", **blame)
         job.prompt_tokens = n
     return job
 
@@ -207,7 +219,8 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         at, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
         return datetime.fromisoformat(at), job_id
     except Exception as exc:
-        raise JobValidationError("invalid cursor; pass the next_cursor value of the previous page") from exc
+        raise JobValidationError("invalid cursor; pass the next_cursor value of the previous page",
+                                 param="cursor") from exc
 
 
 def _db_time(session: Session, at: datetime) -> datetime:

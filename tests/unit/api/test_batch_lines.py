@@ -106,3 +106,14 @@ def test_unsupported_completion_fields(body):
         req.check()
     assert exc.value.param == next(iter(body)) and exc.value.code == "unsupported_value"
     CompletionRequest.model_validate({"prompt": "x", "echo": False, "best_of": 1, "suffix": None}).check()
+
+
+def test_a_lone_surrogate_fails_its_line_not_the_file():
+    # decoded from "\ud800": it can be neither tokenized nor stored, so the line must not become a job
+    lines = [chat("a"), chat("b").replace('"hi"', '"\\ud800"'), chat("\udc00")]  # json.dumps writes \udc00
+    parsed = parse_file("\n".join(lines).encode(), "/v1/chat/completions", 60)
+    assert not parsed.file_errors and [v.custom_id for v in parsed.valid] == ["a"]
+    bad = {i.line_no: i for i in parsed.invalid}
+    assert bad[2].custom_id == "b" and bad[2].code == "invalid_body"
+    assert "body.messages.0.content contains a lone surrogate \\ud800" in bad[2].message
+    assert bad[3].custom_id is None and bad[3].code == "invalid_request" and "custom_id" in bad[3].message

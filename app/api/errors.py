@@ -1,0 +1,163 @@
+"""Error answers shared by every router: their documented shapes, the app-wide handlers,
+and the route class that refuses request bodies no handler could process.
+
+Native routes answer ``{"detail": "..."}`` for 4xx, except 422, which is always FastAPI's
+list of ``{"loc", "msg", "type"}`` (``unprocessable`` makes one from a message), so a 422
+body matches the one schema the OpenAPI document gives it. OpenAI-compatible routes answer
+``{"error": {...}}`` (``app.openai_schemas``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from app.wire import find_lone_surrogate, json_safe, surrogate_message
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- documented shapes
+class HTTPError(BaseModel):
+    """A native route's error (every 4xx but 422)."""
+
+    detail: str
+
+
+class OpenAIErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """An OpenAI-compatible route's error."""
+
+    error: OpenAIErrorObject
+
+
+_WHY = {400: "invalid request", 401: "missing, invalid or revoked API key", 403: "needs an admin API key",
+        404: "not found (or another tenant's)", 409: "conflicts with the resource's state",
+        413: "request body over the size limit", 422: "invalid request", 503: "not ready",
+        500: "the generation failed", 504: "the request's deadline passed"}
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a native route answering ``codes`` (413 is always ``{"detail"}``: the
+    body limit answers it before any route runs)."""
+    return {c: {"model": HTTPError, "description": _WHY.get(c, "error")} for c in codes if c != 422}
+
+
+def openai_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of an OpenAI-compatible route answering ``codes``."""
+    return {c: {"model": HTTPError if c == 413 else OpenAIErrorBody, "description": _WHY.get(c, "error")}
+            for c in codes}
+
+
+def unprocessable(message: str, *loc: str | int, input: Any = None) -> RequestValidationError:
+    """A 422 in the same shape as pydantic's (``raise unprocessable("...", "body", "tier")``)."""
+    error: dict[str, Any] = {"type": "value_error", "loc": loc or ("body",), "msg": message}
+    if input is not None:
+        error["input"] = input
+    return RequestValidationError([error])
+
+
+# ---------------------------------------------------------------- handlers
+def validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
+    """The errors of ``exc`` as strict JSON: the NaN or lone surrogate that failed validation
+    is echoed as text (JSONResponse refuses both), and a JSON syntax error says where and what."""
+    out = []
+    for e in exc.errors():
+        if isinstance((e.get("ctx") or {}).get("error"), Exception):  # a validator's ValueError: its text
+            e = {**e, "ctx": {**e["ctx"], "error": str(e["ctx"]["error"])}}
+        e = jsonable_encoder(e)
+        if e.get("type") == "json_invalid":
+            pos = e.get("loc", [None, None])[-1]
+            e = {**e, "loc": ["body"], "msg": f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}"
+                                             f" at character {pos}", "input": None}
+        out.append(json_safe(e))
+    return out
+
+
+async def request_validation_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse({"detail": validation_errors(exc)}, status_code=422)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app answers at this path (Starlette's 405 names only
+    the first route that matched the path, e.g. GET but not DELETE of /v1/files/{id})."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"}) if hasattr(route, "matches") else (None, {})
+        if match in (Match.FULL, Match.PARTIAL) and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return sorted(methods | {"OPTIONS"})
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 405:
+        allow = ", ".join(allowed_methods(request))
+        if request.method == "OPTIONS":  # the methods this resource answers (RFC 9110 9.3.7)
+            return Response(status_code=204, headers={"Allow": allow})
+        return JSONResponse({"detail": f"{request.method} is not allowed here; use one of {allow}"},
+                            status_code=405, headers={"Allow": allow})
+    if exc.status_code == 422 and isinstance(exc.detail, str):  # one shape for every 422
+        return await request_validation_handler(request, unprocessable(exc.detail))
+    return await http_exception_handler(request, exc)
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, request_validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- routes
+def _json_body(request: Request) -> bool:
+    ctype = request.headers.get("content-type")
+    if ctype is None:  # FastAPI parses a body without a content type as JSON too
+        return True
+    ctype = ctype.split(";", 1)[0].strip().lower()
+    return ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))
+
+
+class CheckedRoute(APIRoute):
+    """Refuses, with a 422 naming the field, a JSON body holding a lone surrogate anywhere
+    (in a field no model checks too: metadata, tools, a dict key). The body is parsed once:
+    Starlette caches it for the route's own parsing."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if request.method in ("POST", "PUT", "PATCH") and _json_body(request):
+                try:
+                    body = await request.json()
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    body = None  # the route reports it, as it would have
+                found = find_lone_surrogate(body)
+                if found is not None:
+                    where, char = found
+                    raise RequestValidationError([{"type": "string_unicode", "loc": ("body", *where),
+                                                   "msg": surrogate_message(char), "input": None}])
+            return await handler(request)
+
+        return checked
+
+
+def loc_param(loc: Sequence[Any]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages.0.content"``."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None

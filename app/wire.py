@@ -1,0 +1,117 @@
+"""What may cross the wire: valid Unicode text and finite numbers, in and out.
+
+JSON lets a client send a lone UTF-16 surrogate (``"\\ud800"``) and Python's decoder lets
+it send ``NaN``/``Infinity``; neither can be tokenized, stored in SQL as UTF-8 text or
+written back as strict JSON, so they are refused where a request comes in
+(``find_lone_surrogate``, ``Text``, ``allow_inf_nan=False`` on the models) and escaped in
+the error bodies that echo them (``json_safe``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator
+
+SURROGATE_HINT = ("which is not valid Unicode; send valid UTF-8 text (a JSON \\u escape of a surrogate "
+                  "must be a high one followed by a low one, e.g. \\ud83d\\ude00)")
+
+
+def _lone_surrogate(text: str) -> str | None:
+    # every str Python can hold encodes to UTF-8 except one with a lone surrogate in it: the
+    # C-level encode is the fast check, the scan only runs on the rare failure
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return text[exc.start]
+    return None
+
+
+def surrogate_message(char: str) -> str:
+    return f"contains a lone surrogate {escape(char)}, {SURROGATE_HINT}"
+
+
+def check_text(value: str) -> str:
+    """Pydantic validator: refuses a string holding a lone surrogate."""
+    bad = _lone_surrogate(value)
+    if bad is not None:
+        raise ValueError(surrogate_message(bad))
+    return value
+
+
+def finite_or_text(value: Any) -> Any:
+    """Pydantic before-validator of a ``float | str`` union (a window): a NaN or infinity gets one
+    error on the field, instead of one per union member ("deadline.float", "deadline.str")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number of seconds or a window like '2h'")
+    return value
+
+
+# a str field that must be valid Unicode (it is tokenized, stored as UTF-8 and echoed)
+Text = Annotated[str, AfterValidator(check_text)]
+# seconds or a window like '2h'
+SecondsOrWindow = Annotated[float | str, BeforeValidator(finite_or_text)]
+
+
+def find_lone_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], str] | None:
+    """The location and character of the first lone surrogate in decoded JSON (keys too), or None."""
+    if isinstance(value, str):
+        bad = _lone_surrogate(value)
+        return (path, bad) if bad is not None else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and (bad := _lone_surrogate(k)) is not None:
+                return (*path, escape(k)), bad
+            if (found := find_lone_surrogate(v, (*path, k))) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := find_lone_surrogate(v, (*path, i))) is not None:
+                return found
+    return None
+
+
+def escape(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` (printable, encodable)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with what strict JSON cannot carry made printable: non-finite floats as
+    "NaN"/"Infinity"/"-Infinity" (how the client wrote them), lone surrogates escaped,
+    anything else unknown as its ``str``."""
+    if isinstance(value, str):
+        return escape(value) if _lone_surrogate(value) is not None else value
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {json_safe(str(k) if not isinstance(k, str) else k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, Iterable) and not isinstance(value, bytes | bytearray):
+        return [json_safe(v) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return value.decode("utf-8", "backslashreplace")
+    return escape(str(value))
+
+
+def as_utc(dt: datetime) -> datetime:
+    """SQLite hands datetimes back naive (they are stored in UTC); others may carry any offset."""
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
+
+
+def utc_z(dt: datetime | None) -> str | None:
+    """ISO 8601 in UTC with a ``Z``: the one way every response writes a timestamp."""
+    if dt is None:
+        return None
+    return as_utc(dt).isoformat().replace("+00:00", "Z")
+
+
+# a response timestamp in UTC, whether it came from SQLite (naive) or Python (any offset);
+# pydantic writes a UTC datetime with a 'Z'
+UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]

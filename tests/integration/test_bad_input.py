@@ -1,0 +1,241 @@
+"""Issue 19's bad inputs over HTTP (real migrated SQLite, real Redis, no worker): each is a 4xx
+that says what to fix, nothing is committed, and every answer matches the OpenAPI document."""
+
+from __future__ import annotations
+
+import json
+import time
+from urllib.parse import unquote
+
+import openai
+import pytest
+from sqlalchemy import func, select
+
+from app.db.models import Batch, Job
+from app.db.session import session_scope
+from tests.conftest import Keys, wait_for
+
+pytestmark = pytest.mark.integration
+
+H = Keys.header
+SURROGATE = "lone surrogate"
+
+
+def jobs_in_sql(settings) -> int:
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.scalar(select(func.count()).select_from(Job))
+
+
+def post_raw(client, key, path: str, raw: str):
+    """``raw`` as the body: json.dumps cannot write NaN's or a lone surrogate's escape as a client might."""
+    return client.post(path, content=raw.encode(), headers={**H(key), "Content-Type": "application/json"})
+
+
+CHAT = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize("path, raw, status, field, fragment", [
+    # non-finite numbers: Python's JSON decoder accepts them; the echo of the input used to fail to encode
+    ("/v1/jobs", '{"prompt": "hi", "temperature": NaN}', 422, "temperature", "finite number"),
+    ("/v1/jobs", '{"prompt": "hi", "ttft_ms": Infinity}', 422, "ttft_ms", "finite number"),
+    ("/v1/jobs", '{"prompt": "hi", "kind": "batch", "deadline_window_s": NaN}', 422, "deadline_window_s",
+     "finite number"),
+    ("/v1/chat/completions", '{%s, "temperature": NaN}' % CHAT, 400, "temperature", "finite number"),
+    ("/v1/completions", '{"prompt": "hi", "ttft_ms": -Infinity}', 400, "ttft_ms", "finite number"),
+    # chat `deadline: NaN` blames the field sent, not deadline_window_s
+    ("/v1/chat/completions", '{%s, "deadline": NaN}' % CHAT, 400, "deadline", "finite number"),
+    ("/v1/chat/completions", '{%s, "deadline": 1e12}' % CHAT, 400, "deadline", "30 days"),
+    ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "deadline": NaN}', 422, "deadline",
+     "finite number"),
+    # lone surrogates: cannot be tokenized, stored as UTF-8 or written back
+    ("/v1/jobs", '{"prompt": "\\ud800"}', 422, "prompt", SURROGATE),
+    ("/v1/jobs", '{"messages": [{"role": "user", "content": "a\\ud800"}]}', 422, "messages.0.content", SURROGATE),
+    ("/v1/jobs", '{"prompt": "hi", "app_id": "\\ud800"}', 422, "app_id", SURROGATE),
+    ("/v1/jobs", '{"prompt": "hi", "stop": ["\\ud83d"]}', 422, "stop.0", SURROGATE),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages.0.content",
+     SURROGATE),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     400, "messages.0.content.0.text", SURROGATE),
+    ("/v1/chat/completions", '{%s, "stop": ["\\ud83d"], "max_tokens": 2}' % CHAT, 400, "stop.0", SURROGATE),
+    ("/v1/chat/completions", '{%s, "app_id": "\\ud800"}' % CHAT, 400, "app_id", SURROGATE),
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt", SURROGATE),
+    ("/v1/completions", '{"prompt": "hi", "user": "x", "tools": [{"\\ud800": 1}]}', 400, "tools.0.\\ud800", SURROGATE),
+    ("/v1/summarize", '{"documents": [{"id": "\\ud800", "text": "x"}]}', 422, "documents.0.id", SURROGATE),
+    # out of range
+    ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "deadline": 1e12}', 422, "deadline", "30 days"),
+    ("/v1/jobs", '{"prompt": "hi", "kind": "batch", "deadline_at": "9999-12-31T23:59:59-12:00"}', 422, None,
+     "out of range"),
+])
+def test_bad_input_is_a_4xx_naming_the_field_and_commits_nothing(client, keys, settings, path, raw, status, field,
+                                                                 fragment):
+    r = post_raw(client, keys.paid, path, raw)
+    assert r.status_code == status, r.text
+    body = r.json()
+    if status == 400:  # OpenAI's shape
+        assert body["error"]["param"] == field and fragment in body["error"]["message"], body
+    else:  # FastAPI's list of errors, as the OpenAPI document says
+        assert isinstance(body["detail"], list), body
+        locs = [".".join(str(p) for p in e["loc"][1:]) for e in body["detail"]]
+        assert (field in locs if field else True) and fragment in r.text, body
+    assert jobs_in_sql(settings) == 0
+    assert client.get("/v1/jobs", headers=H(keys.paid)).status_code == 200  # and the list still renders
+
+
+def test_chat_content_of_the_wrong_type_blames_content_not_role(client, keys):
+    r = post_raw(client, keys.paid, "/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
+    assert "valid string" in r.json()["error"]["message"]
+    r = post_raw(client, keys.paid, "/v1/chat/completions", '{"messages": [{"role": "robot", "content": "x"}]}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role", r.text
+
+
+def test_malformed_json_names_no_param(client, keys):
+    for path in ("/v1/batches", "/v1/chat/completions"):
+        r = post_raw(client, keys.paid, path, '{"input_file_id": "file_x",')
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] is None and "not valid JSON" in err["message"], r.text
+    r = post_raw(client, keys.paid, "/v1/jobs", '{"prompt": ')
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"] and "not valid JSON" in r.text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, "prompt"),
+])
+def test_over_the_context_is_400_context_length_exceeded(client, keys, settings, path, body, param):
+    r = client.post(path, json=body, headers=H(keys.paid))  # the tiny model's context is 512 tokens
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == param
+    assert jobs_in_sql(settings) == 0
+
+
+def test_openai_client_raises_bad_request_for_the_context(client, keys):
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key=keys.paid, http_client=client, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=600)
+    assert exc.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):  # an unknown model is still a 404
+        oai.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_huge_offset_is_422(client, keys):
+    r = client.get("/v1/jobs", params={"offset": "99999999999999999999"}, headers=H(keys.paid))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "offset"], r.text
+    r = client.get("/v1/jobs", params={"created_after": "0001-01-01T00:00:00+05:00"}, headers=H(keys.paid))
+    assert r.status_code == 422 and "out of range" in r.text
+
+
+def upload(client, key, name: str, content: bytes = b'{"x": 1}\n'):
+    r = client.post("/v1/files", files={"file": (name, content)}, data={"purpose": "batch"}, headers=H(key))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("name", ["résumé_✓.jsonl", 'a"b.jsonl', "semi;x=y\\\\.jsonl"])
+def test_downloads_name_the_file_in_rfc_5987(client, keys, settings, name):
+    from sqlalchemy import update
+
+    from app.db.models import File
+
+    f = upload(client, keys.paid, "in.jsonl")
+    with session_scope(settings.sqlalchemy_url) as s:  # as stored from any client (httpx would send %22 for ")
+        s.execute(update(File).where(File.id == f["id"]).values(filename=name))
+    r = client.get(f"/v1/files/{f['id']}/content", headers=H(keys.paid))
+    assert r.status_code == 200 and r.content == b'{"x": 1}\n'
+    disposition = r.headers["content-disposition"]
+    assert disposition.isascii() and disposition.startswith("attachment; filename=\"")
+    fallback = disposition.split('filename="', 1)[1].split('"', 1)[0]
+    assert '"' not in fallback and "\\" not in fallback  # a raw quote would end the quoted string early
+    exact = disposition.split("filename*=UTF-8''", 1)[1]
+    stored = client.get(f"/v1/files/{f['id']}", headers=H(keys.paid)).json()["filename"]
+    assert unquote(exact) == stored == name and ";" not in exact and " " not in exact
+
+
+def test_uploads_keep_the_base_name_only(client, keys):
+    assert upload(client, keys.paid, "C:\\Users\\me\\in.jsonl")["filename"] == "in.jsonl"
+    assert upload(client, keys.paid, "../../etc/passwd")["filename"] == "passwd"
+
+
+def test_a_batch_line_with_a_lone_surrogate_fails_that_line_only(client, keys, settings):
+    def line(cid: str, content: str) -> str:
+        return ('{"custom_id": "%s", "method": "POST", "url": "/v1/chat/completions", "body": '
+                '{"messages": [{"role": "user", "content": "%s"}], "max_tokens": 2}}' % (cid, content))
+    f = upload(client, keys.paid, "in.jsonl", "\n".join([line("good", "hi"), line("bad", "\\ud800"),
+                                                          line("\\udc00", "hi")]).encode())
+    r = client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
+                                         "completion_window": "1h"}, headers=H(keys.paid))
+    assert r.status_code == 200, r.text
+    batch_id = r.json()["id"]
+
+    def started():
+        b = client.get(f"/v1/batches/{batch_id}", headers=H(keys.paid)).json()
+        return b if b["status"] != "validating" else None
+    b = wait_for(started, 30, "the batch's validation")
+    assert b["status"] == "in_progress", b
+    assert b["request_counts"] == {"total": 3, "completed": 0, "failed": 2}
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalars(select(Job.custom_id).where(Job.batch_id == batch_id)).all() == ["good"]
+        assert s.get(Batch, batch_id).errors is None
+    from app.batch.fanout import invalid_path
+
+    errors = [json.loads(t) for t in invalid_path(settings.data_dir, batch_id).read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["line"]) for e in errors] == [("bad", 2), (None, 3)]
+    assert all(SURROGATE in e["error"]["message"] for e in errors)
+    assert "body.messages.0.content" in errors[0]["error"]["message"]
+
+
+def test_timestamps_are_utc_with_z_on_every_answer(client, keys):
+    posted = client.post("/v1/jobs", json={"prompt": "hi", "kind": "batch", "deadline_at": "2099-01-01T05:00:00+05:00"},
+                         headers=H(keys.paid))
+    assert posted.status_code == 422  # more than 30 days away; a near one with an offset:
+    near = time.strftime("%Y-%m-%dT%H:%M:%S+05:00", time.gmtime(time.time() + 5 * 3600 + 600))
+    posted = client.post("/v1/jobs", json={"prompt": "hi", "kind": "batch", "deadline_at": near},
+                         headers=H(keys.paid)).json()
+    got = client.get(f"/v1/jobs/{posted['id']}", headers=H(keys.paid)).json()
+    listed = client.get("/v1/jobs", headers=H(keys.paid)).json()["data"][0]
+    cancelled = client.post(f"/v1/jobs/{posted['id']}/cancel", headers=H(keys.paid)).json()
+    for body in (posted, got, listed, cancelled):
+        assert body["created_at"].endswith("Z") and body["deadline_at"].endswith("Z"), body
+        assert body["created_at"] == posted["created_at"]
+        assert body["deadline_at"] == posted["deadline_at"]  # the instant asked for, kept across SQLite
+    assert cancelled["finished_at"].endswith("Z")
+    assert posted["deadline_at"][11:16] == near[11:16].replace(near[11:13], f"{int(near[11:13]) - 5:02d}") \
+        or posted["deadline_at"][:10] != near[:10]  # 5 hours earlier in UTC (or the day before)
+    tenant = client.post("/v1/admin/tenants", json={"name": "zulu"}, headers=H(keys.admin)).json()
+    keys_listed = client.get(f"/v1/admin/tenants/{tenant['tenant_id']}/keys", headers=H(keys.admin)).json()
+    assert keys_listed[0]["created_at"].endswith("Z")
+    assert client.get("/admin/api/overview", headers=H(keys.admin)).json()["now"].endswith("Z")
+
+
+def test_every_422_is_a_list_of_errors(client, keys):
+    answers = [
+        client.get("/v1/jobs", params={"tier": "gold"}, headers=H(keys.paid)),
+        client.post("/v1/jobs", json={"prompt": "hi", "tier": "gold"}, headers=H(keys.paid)),
+        client.post("/v1/summarize", json={"documents": [{"id": "a", "text": "x"}] * 2}, headers=H(keys.paid)),
+        client.post("/v1/admin/tenants", json={"name": "t", "default_tier": "gold"}, headers=H(keys.admin)),
+        client.post("/admin/api/jobs/job_x/promote", json={"tier": "gold"}, headers=H(keys.admin)),
+    ]
+    for r in answers:
+        assert r.status_code == 422, r.text
+        detail = r.json()["detail"]
+        assert isinstance(detail, list) and all({"loc", "msg", "type"} <= set(e) for e in detail), r.text
+
+
+def test_options_and_405_list_every_method_of_the_resource(client, keys):
+    f = upload(client, keys.paid, "in.jsonl")
+    r = client.options(f"/v1/files/{f['id']}", headers=H(keys.paid))
+    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"GET", "DELETE", "OPTIONS"}
+    r = client.patch(f"/v1/files/{f['id']}", headers=H(keys.paid))
+    assert r.status_code == 405 and "DELETE" in r.headers["allow"] and "DELETE" in r.json()["detail"]
+
+
+def test_the_openapi_document_lists_what_each_operation_answers(client):
+    spec = client.get("/openapi.json").json()
+    ops = {(m.upper(), p): op for p, item in spec["paths"].items() for m, op in item.items()}
+    assert {"401", "404"} <= set(ops["GET", "/v1/jobs/{job_id}"]["responses"])
+    assert {"400", "401", "404", "409", "413", "500", "504"} <= set(ops["POST", "/v1/chat/completions"]["responses"])
+    assert "422" not in ops["POST", "/v1/chat/completions"]["responses"]  # OpenAI routes answer 400
+    assert "messages" in ops["POST", "/v1/chat/completions"]["requestBody"]["content"]["application/json"][
+        "schema"]["properties"]
+    assert {"401", "403", "409", "413", "422"} <= set(ops["POST", "/v1/admin/tenants"]["responses"])
+    assert "503" in ops["GET", "/readyz"]["responses"]
