@@ -18,6 +18,9 @@ from app.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
+# the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
+OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/files", "/v1/batches")
+
 
 @asynccontextmanager
 async def lifespan(api: FastAPI):
@@ -101,7 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     for module in (health, jobs, openai_compat, models, files, batches, summarize, admin, tenants, metrics):
         api.include_router(module.router)
-    errors.install(api)
+    errors.install(api, openai_prefixes=OPENAI_PREFIXES)
     _document_openai_errors(api)
     return api
 

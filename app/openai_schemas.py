@@ -18,11 +18,12 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, ClassVar, Literal
 
-from fastapi import HTTPException, Request, Response
+from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
 from app.schemas import MAX_TARGET_MS, MAX_WINDOW_S, ChatMessage, JobCreate
@@ -97,7 +98,7 @@ class OpenAIRoute(CheckedRoute):
             except RequestValidationError as exc:
                 message, param = validation_message(validation_errors(exc))
                 return error_response(400, message, param=param, code="invalid_value")
-            except HTTPException as exc:
+            except HTTPException as exc:  # Starlette's: FastAPI raises it too (a body it cannot read)
                 return error_response(exc.status_code, str(exc.detail))
 
         return wrapped

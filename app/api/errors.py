@@ -84,8 +84,8 @@ def validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
         if isinstance((e.get("ctx") or {}).get("error"), Exception):  # a validator's ValueError: its text
             e = {**e, "ctx": {**e["ctx"], "error": str(e["ctx"]["error"])}}
         e = jsonable_encoder(e)
-        if e.get("type") == "json_invalid":
-            pos = e.get("loc", [None, None])[-1]
+        if e.get("type") == "json_invalid" and len(e.get("loc", ())) == 2:  # ("body", <character offset>)
+            pos = e["loc"][-1]
             e = {**e, "loc": ["body"], "msg": f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}"
                                              f" at character {pos}", "input": None}
         out.append(json_safe(e))
@@ -116,10 +116,23 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
                             status_code=405, headers={"Allow": allow})
     if exc.status_code == 422 and isinstance(exc.detail, str):  # one shape for every 422
         return await request_validation_handler(request, unprocessable(exc.detail))
+    if exc.status_code == 404 and "endpoint" not in request.scope and _openai_path(request):
+        # no route matched (e.g. a model id with a newline): OpenAI's clients read OpenAI's shape,
+        # as the operations under this prefix document for their 404
+        body = {"message": f"Invalid URL ({request.method} {request.url.path})", "type": "invalid_request_error",
+                "param": None, "code": None}
+        return JSONResponse(json_safe({"error": body}), status_code=404)
     return await http_exception_handler(request, exc)
 
 
-def install(app: FastAPI) -> None:
+def _openai_path(request: Request) -> bool:
+    prefixes = getattr(request.app.state, "openai_prefixes", ())
+    return any(request.url.path == p or request.url.path.startswith(p + "/") for p in prefixes)
+
+
+def install(app: FastAPI, openai_prefixes: Sequence[str] = ()) -> None:
+    """The handlers above; ``openai_prefixes``: paths whose unmatched URLs answer in OpenAI's shape."""
+    app.state.openai_prefixes = tuple(openai_prefixes)
     app.add_exception_handler(RequestValidationError, request_validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
 
@@ -145,8 +158,12 @@ class CheckedRoute(APIRoute):
             if request.method in ("POST", "PUT", "PATCH") and _json_body(request):
                 try:
                     body = await request.json()
-                except (json.JSONDecodeError, UnicodeDecodeError):
+                except json.JSONDecodeError:
                     body = None  # the route reports it, as it would have
+                except UnicodeDecodeError as exc:  # FastAPI would answer an undocumented 400 with no hint
+                    raise RequestValidationError([{
+                        "type": "json_invalid", "loc": ("body",), "input": None,
+                        "msg": f"the body is not valid JSON: it is not UTF-8 text (byte {exc.start})"}]) from None
                 found = find_lone_surrogate(body)
                 if found is not None:
                     where, char = found
