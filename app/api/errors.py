@@ -67,12 +67,9 @@ def openai_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
             for c in codes}
 
 
-def unprocessable(message: str, *loc: str | int, input: Any = None) -> RequestValidationError:
+def unprocessable(message: str, *loc: str | int) -> RequestValidationError:
     """A 422 in the same shape as pydantic's (``raise unprocessable("...", "body", "tier")``)."""
-    error: dict[str, Any] = {"type": "value_error", "loc": loc or ("body",), "msg": message}
-    if input is not None:
-        error["input"] = input
-    return RequestValidationError([error])
+    return RequestValidationError([{"type": "value_error", "loc": loc or ("body",), "msg": message}])
 
 
 # ---------------------------------------------------------------- handlers

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
@@ -30,7 +31,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute, r
 MAX_OFFSET = 2**31 - 1  # SQL takes a 64-bit OFFSET at most; no tenant pages this far
 
 
-def _unprocessable(exc: job_service.JobValidationError):
+def _unprocessable(exc: job_service.JobValidationError) -> RequestValidationError:
     return unprocessable(str(exc), *(("body", exc.param) if exc.param else ("body",)))
 
 
