@@ -23,7 +23,8 @@ def vllm_available() -> bool:
 
 def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
                 max_model_len: int | None = None, kv_cache_gib: int = 2, enforce_eager: bool | None = None,
-                max_num_seqs: int | None = None, seed: int = 0) -> Any:
+                max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
+                enable_prefix_caching: bool | None = None) -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``)."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
@@ -40,8 +41,10 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         enforce_eager=cpu if enforce_eager is None else enforce_eager,
         scheduling_policy="priority" if scheduler_policy == "vllm-priority" else "fcfs",
     )
-    if cpu:
-        kwargs["dtype"] = "bfloat16"
+    if dtype is not None or cpu:
+        kwargs["dtype"] = dtype or "bfloat16"
+    if enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = enable_prefix_caching
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     if max_num_seqs is not None:

@@ -80,11 +80,12 @@ class _SchedulerView:
 
 
 class _SpeculationView:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, scheduler: CoserveScheduler) -> None:
+        self.name, self._scheduler = name, scheduler
 
     def state(self) -> dict[str, Any]:
-        return {"policy": self.name, "engine": "vllm"}
+        drafts = self._scheduler.drafts
+        return drafts.state() if drafts is not None else {"policy": self.name, "engine": "vllm"}
 
 
 class VLLMEngine:
@@ -93,7 +94,7 @@ class VLLMEngine:
         self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
         self.scheduler = _SchedulerView(self.core_scheduler)
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
-        self.speculation = _SpeculationView(spec_policy)
+        self.speculation = _SpeculationView(spec_policy, self.core_scheduler)
         self.priority_policy = llm.vllm_config.scheduler_config.policy == "priority"
         self.requests: dict[str, Request] = {}  # external (job) id -> coserve request, for metrics
         self.internal: dict[str, str] = {}  # vLLM's internal request id -> external id

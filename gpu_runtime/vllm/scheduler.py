@@ -35,6 +35,7 @@ from gpu_runtime.scheduler.interface import SchedulerOutput as PolicyOutput
 from gpu_runtime.vllm.kv_view import VLLMKVView
 from gpu_runtime.vllm.mirror import finished_status, make_mirror, sync_outputs, sync_progress
 from gpu_runtime.vllm.qos_args import QoSArgsError
+from gpu_runtime.vllm.speculation import DraftLengths
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -84,12 +85,17 @@ class CoserveScheduler(AsyncScheduler):
         self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
         self.kv = VLLMKVView(self)
         self.policy = None
+        self.drafts: DraftLengths | None = None
         if not self.native:
             kv_reserve = os.environ.get("COSERVE_KV_RESERVE", "predicted")
-            self.policy = create_scheduler(self.policy_name, cost_model=_cost_model(os.environ.get(
-                "COSERVE_COST_PROFILE")), executor=self.kv, max_num_seqs=self.max_num_running_reqs,
-                kv_reserve=kv_reserve)
-        log.info("coserve scheduler in vLLM: policy %s", self.policy_name)
+            cost_model = _cost_model(os.environ.get("COSERVE_COST_PROFILE"))
+            self.policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv,
+                                           max_num_seqs=self.max_num_running_reqs, kv_reserve=kv_reserve)
+            spec = os.environ.get("COSERVE_SPEC_POLICY", "none")
+            if self.num_spec_tokens > 0 and spec != "none":
+                self.drafts = DraftLengths(spec, cost_model)
+        log.info("coserve scheduler in vLLM: policy %s, speculation %s", self.policy_name,
+                 self.drafts.name if self.drafts else "vLLM's" if self.num_spec_tokens else "none")
 
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: VLLMRequest) -> None:
@@ -148,6 +154,9 @@ class CoserveScheduler(AsyncScheduler):
         self.kv.released.clear()
         plan = self.policy.schedule(now)
         self._report(plan)
+        if self.drafts is not None:  # each decode verifies the policy's share of vLLM's draft tokens
+            self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
+                             plan, now)
         held, stashed = self._arrange(plan)
         try:
             out = super().schedule(throttle_prefills)
@@ -227,11 +236,15 @@ class CoserveScheduler(AsyncScheduler):
             return outputs
         now = self.clock()
         decodes = []
+        accepted: dict[str, int] = {}
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, vreq in stepped:
             mirror = self.mirrors.get(rid)
             if mirror is None:
                 continue
-            sync_outputs(mirror, vreq, now)
+            new = sync_outputs(mirror, vreq, now)
+            if rid in spec:
+                accepted[rid] = max(0, new - 1)  # the bonus token is not a draft
             status = finished_status(vreq)
             if status is not None:
                 mirror.status, mirror.finish_time = status, now
@@ -241,6 +254,8 @@ class CoserveScheduler(AsyncScheduler):
         # Finished requests leave every queue (their lengths feed the decode-length history); the others
         # are re-estimated when they outlive their predicted length.
         self.policy.update_from_output(PolicyOutput(decodes=decodes), now)
+        if self.drafts is not None:
+            self.drafts.observe(accepted, now)
         return outputs
 
     def _finish_rejected(self, outputs: dict[int, Any]) -> None:

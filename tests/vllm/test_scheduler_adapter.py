@@ -132,3 +132,39 @@ def test_sarathi_budget_is_a_token_budget(make_scheduler):
     s.add_request(big)
     out, _ = run_step(s)
     assert out.num_scheduled_tokens[big.request_id] == 256 - 1  # SarathiConfig.chunk_size minus one decode
+
+
+def test_draft_tokens_are_trimmed_per_request_to_the_policys_choice(make_scheduler):
+    """vLLM proposed 6 draft tokens per decode; chain-2 verifies two of them, and the budget counts them."""
+    from gpu_runtime.costmodel.profile import conservative_cost_model
+    from gpu_runtime.vllm.speculation import DraftLengths
+
+    s = make_scheduler("qoserve")
+    s.num_spec_tokens = 6
+    s.drafts = DraftLengths("chain-2", conservative_cost_model())
+    a, b = vllm_request(16, max_tokens=32), vllm_request(16, max_tokens=32)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)  # prompts; now both decode
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    b.spec_token_ids = []  # no n-gram match: nothing to verify
+    out, _ = run_step(s)
+    assert out.scheduled_spec_decode_tokens == {a.request_id: [1, 2]}
+    assert out.num_scheduled_tokens == {a.request_id: 3, b.request_id: 1}
+    assert s.drafts.kept == {a.request_id: 2}
+
+
+def test_nightjar_can_choose_no_speculation(make_scheduler):
+    from gpu_runtime.costmodel.profile import conservative_cost_model
+    from gpu_runtime.vllm.speculation import DraftLengths
+
+    s = make_scheduler("qoserve")
+    s.num_spec_tokens = 4
+    s.drafts = DraftLengths("nightjar", conservative_cost_model())
+    s.drafts.policy.bandit.choose = lambda batch, switch_cost=0.0: 0  # the bandit's verdict under load
+    r = vllm_request(16, max_tokens=32)
+    s.add_request(r)
+    run_step(s)
+    r.spec_token_ids = [5, 6, 7, 8]
+    out, _ = run_step(s)
+    assert out.scheduled_spec_decode_tokens == {} and out.num_scheduled_tokens == {r.request_id: 1}

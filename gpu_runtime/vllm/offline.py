@@ -1,0 +1,93 @@
+"""Offline runs on the worker's vLLM engine: a list of prompts in, tokens and timings out.
+
+Used by the vLLM tests (greedy parity, lossless speculation) and the benchmarks; each run is
+one process with one engine (``python -m gpu_runtime.vllm.offline ... --out F`` writes JSON), since
+vLLM's in-process engine core sets process-wide state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.request import Request
+from gpu_runtime.sampling import SamplingParams
+
+
+@dataclass
+class OfflineRun:
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> output token ids
+    elapsed_s: float = 0.0  # wall time of the generation (engine already loaded and warm)
+    speculation: dict[str, Any] = field(default_factory=dict)  # the speculation policy's last state
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+
+def summarization_prompts(model: str, n: int) -> list[list[int]]:
+    """The first ``n`` SpecBench summarization questions, through the model's chat template."""
+    from app.services.model_info import encode_input
+    from gpu_runtime.data import specbench_path
+
+    rows = [json.loads(line) for line in specbench_path().read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["category"] == "summarization"][:n]
+    return [encode_input(model, None, [{"role": "user", "content": r["turns"][0]}]) for r in rows]
+
+
+def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
+             qos: QoSSpec | None = None) -> OfflineRun:
+    """Runs ``prompts`` ``batch`` at a time (each group to completion) and collects their tokens."""
+    qos = qos or QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=10.0, tbt_s=1.0)
+    run = OfflineRun()
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        for i, ids in enumerate(prompts[start:start + batch], start):
+            engine.add_request(Request(f"p{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), qos,
+                                       arrival_time=engine.executor.now()))
+        while engine.has_work:
+            for out in engine.step():
+                run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    run.elapsed_s = time.perf_counter() - t0
+    run.speculation = engine.speculation.state()
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--policy", default="qoserve", help="coserve scheduling policy or vllm-fcfs / vllm-priority")
+    ap.add_argument("--spec", default="none", help="speculation policy (none, chain-N, nightjar, adaspec, adaserve)")
+    ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CPU)")
+    ap.add_argument("--prompts", type=int, default=4, help="SpecBench summarization prompts")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to run, one after the other")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (the n-gram drafter compiles)")
+    ap.add_argument("--out", default="-", help="where the JSON goes (vLLM logs to stdout: give a file)")
+    args = ap.parse_args(argv)
+    from gpu_runtime.vllm.build import build_vllm_engine
+
+    engine = build_vllm_engine(args.model, scheduler_policy=args.policy, spec_policy=args.spec, dtype=args.dtype,
+                               max_model_len=4096, cost_profile="auto")
+    prompts = summarization_prompts(args.model, args.prompts)
+    for _ in range(args.warmup):
+        generate(engine, prompts[:1], 16, 1)
+    results = {}
+    for b in args.batch:
+        run = generate(engine, prompts, args.max_tokens, b)
+        results[str(b)] = {"tokens": run.tokens, "elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens,
+                           "speculation": run.speculation}
+    if args.out == "-":
+        json.dump(results, sys.stdout)
+    else:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

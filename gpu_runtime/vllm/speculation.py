@@ -1,0 +1,111 @@
+"""coserve's speculation policies on vLLM's drafters: each request's number of draft tokens per step.
+
+vLLM proposes up to ``num_speculative_tokens`` draft tokens per request (n-gram / prompt lookup
+and suffix decoding on CPU; a draft model or EAGLE on GPUs) and verifies them as one chain.
+Before each step the policy named by ``COSERVE_SPEC_POLICY`` decides how many of them each
+request verifies, with the same code the own engine runs: ``draft_plan`` gives the depth, and
+``select`` picks the chain prefix (AdaServe's SLO-customized budget, AdaSpec's adaptive length,
+Nightjar's bandit down to 0 under load, static ``chain-N``). The rest is trimmed off the
+request's ``spec_token_ids``, so vLLM schedules and verifies only what the policy kept.
+Verification is vLLM's: the tokens are those it would produce without speculation (greedy).
+
+What vLLM cannot express stays on the own engine: token trees (vLLM verifies chains, so
+``static-tree`` and AdaServe select chains here), and Nightjar's draft offload (vLLM does not
+resize its KV pool at run time).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from gpu_runtime.executor.base import StepResult
+from gpu_runtime.speculation.token_tree import TokenTree
+from gpu_runtime.speculation.registry import create_policy
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request as VLLMRequest
+
+    from gpu_runtime.request import Request
+    from gpu_runtime.scheduler.interface import SchedulerOutput as PolicyOutput
+
+log = logging.getLogger(__name__)
+
+
+class _DraftExecutor:
+    """The executor facts speculation policies read when bound: the latency profile, an on-device draft."""
+
+    draft_on_device = True
+    draft_offloadable = False  # vLLM's KV pool is fixed once the engine starts
+    latency_curve = None
+    draft_switch_cost = None
+
+    def __init__(self, cost_model: Any) -> None:
+        self.cost_model = cost_model
+
+
+class DraftLengths:
+    """Trims vLLM's per-request draft tokens to what a coserve speculation policy keeps, and feeds it back."""
+
+    def __init__(self, name: str, cost_model: Any, prior_acceptance: float = 0.6) -> None:
+        self.name = name
+        self.policy = create_policy(name, executor=_DraftExecutor(cost_model))
+        self.acceptance = prior_acceptance  # per-position acceptance of vLLM's drafts (EMA), for path probabilities
+        self.kept: dict[str, int] = {}  # request -> draft tokens verified in the step in flight
+        self._decodes: list[Request] = []
+        self._selected: dict[str, TokenTree] = {}
+        self._t0 = 0.0
+
+    def trim(self, decodes: list[tuple[Request, VLLMRequest]], plan: PolicyOutput, now: float) -> None:
+        """Before vLLM schedules the step: keep the policy's share of each decode's draft tokens."""
+        self.kept, self._t0 = {}, time.perf_counter()
+        drafted = [(m, v) for m, v in decodes if v.spec_token_ids]
+        self._decodes = [m for m, _ in decodes]
+        self._selected = {}
+        if not drafted:
+            return
+        policy = self.policy
+        policy.prefill_tokens_in_pass = sum(p.num_tokens for p in plan.prefills)
+        policy.pass_spare_s = plan.pass_spare_s
+        depth = {e.request_id: e.depth for e in policy.draft_plan(self._decodes, now)}
+        candidates = {}
+        for m, v in drafted:
+            d = depth.get(m.request_id, 0)
+            if d > 0:
+                tokens = list(v.spec_token_ids[:d])
+                candidates[m.request_id] = TokenTree.chain(tokens, [self.acceptance] * len(tokens))
+        self._selected = policy.select(self._decodes, candidates, now) if candidates else {}
+        for m, v in drafted:
+            tree = self._selected.get(m.request_id)
+            k = _chain_prefix(tree) if tree is not None else 0
+            v.spec_token_ids = list(v.spec_token_ids[:k])
+            if k:
+                self.kept[m.request_id] = k
+
+    def observe(self, accepted: dict[str, int], now: float) -> None:
+        """After vLLM's step: the draft tokens each request had accepted, and the step's time."""
+        if not self._decodes:
+            return
+        latency = time.perf_counter() - self._t0
+        result = StepResult(accepted_nodes={rid: list(range(n)) for rid, n in accepted.items() if n > 0},
+                            latency_s=latency)
+        self.policy.observe(self._decodes, self._selected, result, 0.0, now)
+        proposed = sum(self.kept.values())
+        if proposed:
+            rate = sum(min(accepted.get(rid, 0), k) for rid, k in self.kept.items()) / proposed
+            self.acceptance = 0.9 * self.acceptance + 0.1 * rate
+        self._decodes = []
+
+    def state(self) -> dict[str, object]:
+        return {**self.policy.state(), "engine": "vllm", "acceptance": round(self.acceptance, 3)}
+
+
+def _chain_prefix(tree: TokenTree) -> int:
+    """Length of the chain the selection kept (nodes 0..k-1 of the drafted chain)."""
+    k = 0
+    for i, p in enumerate(tree.parents):
+        if p != i - 1:
+            break
+        k += 1
+    return k
