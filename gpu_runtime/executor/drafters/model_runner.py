@@ -129,7 +129,8 @@ class DraftModelRunner(Drafter):
                 rid, tree, nodes = e.request_id, trees[e.request_id], frontier[e.request_id]
                 probs = torch.softmax(logits[row:row + len(nodes)], -1)
                 row += len(nodes)
-                paths = torch.tensor([tree.path_probs[n] for n in nodes], dtype=probs.dtype)[:, None] * probs
+                paths = torch.tensor([tree.path_probs[n] for n in nodes], dtype=probs.dtype,
+                                     device=probs.device)[:, None] * probs  # on the draft model's device
                 top = paths.reshape(-1).topk(min(e.width, paths.numel()))  # top-w of all w*V expansions
                 vocab = probs.shape[-1]
                 parents = [nodes[i // vocab] for i in top.indices.tolist()]
