@@ -206,17 +206,29 @@ def profile(
                                                        "grid needs)")] = None,
     repeats: Annotated[int, typer.Option(help="timed passes per batch shape")] = 2,
     grid: Annotated[str, typer.Option(help="full | small (few shapes, for slow CPUs)")] = "full",
+    backend: Annotated[str, typer.Option(help="the engine to profile: vllm (what the worker serves on where "
+                                              "installed) | torch (coserve's own engine)")] = "auto",
 ) -> None:
-    """Time the real executor over a grid of batch shapes and write a latency profile (JSON)."""
+    """Time the real engine over a grid of batch shapes and write a latency profile (JSON).
+
+    The scheduler plans with a cost model fitted on it: point COSERVE_COST_PROFILE at the file."""
     from rich.console import Console
 
     from gpu_runtime.costmodel.profile import annotate_profile
     from gpu_runtime.costmodel.profiler import ProfileGrid, profile_executor
-    from gpu_runtime.executor.torch import TorchExecutor
     from gpu_runtime.factory import resolve_device
 
     console = Console()
     dev = resolve_device(device)
+    if backend == "auto":
+        from gpu_runtime.vllm.build import vllm_available
+
+        backend = "vllm" if vllm_available() else "torch"
+    if backend == "vllm":
+        _profile_vllm(console, model, out, dev, repeats, grid)
+        return
+    from gpu_runtime.executor.torch import TorchExecutor
+
     shapes = ProfileGrid(repeats=repeats) if grid == "full" else ProfileGrid(
         chunks=(0, 32, 128, 384), starts=(0, 256), decodes=(0, 1, 8, 24), contexts=(128,), repeats=repeats)
     kv_blocks = kv_blocks or int(1.1 * shapes.kv_blocks_needed(16)) + 8
@@ -229,6 +241,25 @@ def profile(
     prof.save(out)
     report = annotate_profile(out, layout)  # cross-validated MAPE of each candidate, stored in meta["fit"]
     console.print(f"wrote {len(prof.samples)} samples to {out} (attention {layout}); {report.summary()}; "
+                  f"lowest: {report.chosen}")
+
+
+def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, grid: str) -> None:
+    """Whole vLLM engine steps (scheduling, forward, sampling, output processing) over the grid."""
+    import dataclasses
+
+    from gpu_runtime.costmodel.profile import annotate_profile
+    from gpu_runtime.vllm.build import build_vllm_engine
+    from gpu_runtime.vllm.profiling import SMALL_GRID, VLLM_GRID, profile_vllm
+
+    shapes = dataclasses.replace(VLLM_GRID if grid == "full" else SMALL_GRID, repeats=repeats)
+    engine = build_vllm_engine(model, device=device, scheduler_policy="vllm-fcfs")
+    prof = profile_vllm(engine, shapes, name=f"{device}-{Path(model).name}-vllm",
+                        meta={"model": model, "device": device},
+                        progress=lambda i, n: console.print(f"  {i}/{n}", end="\r"))
+    prof.save(out)
+    report = annotate_profile(out)
+    console.print(f"wrote {len(prof.samples)} samples of the vLLM engine to {out}; {report.summary()}; "
                   f"lowest: {report.chosen}")
 
 

@@ -23,6 +23,7 @@ from gpu_runtime.sampling import SamplingParams
 class OfflineRun:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> output token ids
     elapsed_s: float = 0.0  # wall time of the generation (engine already loaded and warm)
+    policy_s: float = 0.0  # of which in coserve's scheduling code (0 with vLLM's own scheduler)
     speculation: dict[str, Any] = field(default_factory=dict)  # the speculation policy's last state
 
     @property
@@ -40,11 +41,20 @@ def summarization_prompts(model: str, n: int) -> list[list[int]]:
     return [encode_input(model, None, [{"role": "user", "content": r["turns"][0]}]) for r in rows]
 
 
+def random_prompts(n: int, length: int, seed: int = 0, vocab: int = 49152) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids (vLLM's random dataset does the same)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
 def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
              qos: QoSSpec | None = None) -> OfflineRun:
     """Runs ``prompts`` ``batch`` at a time (each group to completion) and collects their tokens."""
     qos = qos or QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=10.0, tbt_s=1.0)
     run = OfflineRun()
+    policy_before = engine.core_scheduler.policy_s
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
         for i, ids in enumerate(prompts[start:start + batch], start):
@@ -54,6 +64,7 @@ def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
             for out in engine.step():
                 run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     run.elapsed_s = time.perf_counter() - t0
+    run.policy_s = engine.core_scheduler.policy_s - policy_before
     run.speculation = engine.speculation.state()
     return run
 
@@ -64,8 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", default="qoserve", help="coserve scheduling policy or vllm-fcfs / vllm-priority")
     ap.add_argument("--spec", default="none", help="speculation policy (none, chain-N, nightjar, adaspec, adaserve)")
     ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CPU)")
-    ap.add_argument("--prompts", type=int, default=4, help="SpecBench summarization prompts")
+    ap.add_argument("--prompts", type=int, default=4, help="SpecBench summarization prompts (at least the batch)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workload", choices=("summarization", "random"), default="summarization")
+    ap.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to run, one after the other")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (the n-gram drafter compiles)")
     ap.add_argument("--out", default="-", help="where the JSON goes (vLLM logs to stdout: give a file)")
@@ -74,14 +87,16 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = build_vllm_engine(args.model, scheduler_policy=args.policy, spec_policy=args.spec, dtype=args.dtype,
                                max_model_len=4096, cost_profile="auto")
-    prompts = summarization_prompts(args.model, args.prompts)
+    n = max(args.prompts, *args.batch)
+    prompts = (summarization_prompts(args.model, n) if args.workload == "summarization"
+               else random_prompts(n, args.input_len))
     for _ in range(args.warmup):
         generate(engine, prompts[:1], 16, 1)
     results = {}
-    for b in args.batch:
-        run = generate(engine, prompts, args.max_tokens, b)
+    for b in args.batch:  # one batch of b prompts, or --prompts of them b at a time
+        run = generate(engine, prompts[:max(b, args.prompts)], args.max_tokens, b)
         results[str(b)] = {"tokens": run.tokens, "elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens,
-                           "speculation": run.speculation}
+                           "policy_s": run.policy_s, "speculation": run.speculation}
     if args.out == "-":
         json.dump(results, sys.stdout)
     else:

@@ -83,6 +83,7 @@ class CoserveScheduler(AsyncScheduler):
         self._resumes: deque[str] = deque()
         self._max_tokens = self.max_num_scheduled_tokens
         self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
+        self.policy_s = 0.0  # seconds spent in coserve's code (policy, mirrors, arranging), vLLM's own excluded
         self.kv = VLLMKVView(self)
         self.policy = None
         self.drafts: DraftLengths | None = None
@@ -93,7 +94,13 @@ class CoserveScheduler(AsyncScheduler):
                                            max_num_seqs=self.max_num_running_reqs, kv_reserve=kv_reserve)
             spec = os.environ.get("COSERVE_SPEC_POLICY", "none")
             if self.num_spec_tokens > 0 and spec != "none":
-                self.drafts = DraftLengths(spec, cost_model)
+                if self.scheduler_config.async_scheduling:
+                    # the draft tokens are placeholders when the step is scheduled (the worker fills them in):
+                    # there is nothing to choose from yet, so vLLM's own lengths stay
+                    log.warning("COSERVE_SPEC_POLICY=%s needs synchronous scheduling (the worker's in-process "
+                                "engine); with async scheduling vLLM's own draft lengths are used", spec)
+                else:
+                    self.drafts = DraftLengths(spec, cost_model)
         log.info("coserve scheduler in vLLM: policy %s, speculation %s", self.policy_name,
                  self.drafts.name if self.drafts else "vLLM's" if self.num_spec_tokens else "none")
 
@@ -142,6 +149,7 @@ class CoserveScheduler(AsyncScheduler):
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.policy is None:
             return super().schedule(throttle_prefills)
+        t0 = time.perf_counter()
         now = self.clock()
         while self._resumes:
             rid = self._resumes.popleft()
@@ -158,9 +166,11 @@ class CoserveScheduler(AsyncScheduler):
             self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
                              plan, now)
         held, stashed = self._arrange(plan)
+        t_vllm = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)
         finally:
+            t_vllm = time.perf_counter() - t_vllm
             self._restore(held, stashed)
         for p in plan.prefills:  # vLLM advanced the chunks it scheduled (prefix-cache hits included)
             vreq = self.requests.get(p.request.request_id)
@@ -175,6 +185,7 @@ class CoserveScheduler(AsyncScheduler):
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
+        self.policy_s += time.perf_counter() - t0 - t_vllm
         return out
 
     def _report(self, plan: PolicyOutput) -> None:
@@ -234,6 +245,7 @@ class CoserveScheduler(AsyncScheduler):
             self._finish_rejected(outputs)
         if self.policy is None:
             return outputs
+        t0 = time.perf_counter()
         now = self.clock()
         decodes = []
         accepted: dict[str, int] = {}
@@ -256,6 +268,7 @@ class CoserveScheduler(AsyncScheduler):
         self.policy.update_from_output(PolicyOutput(decodes=decodes), now)
         if self.drafts is not None:
             self.drafts.observe(accepted, now)
+        self.policy_s += time.perf_counter() - t0
         return outputs
 
     def _finish_rejected(self, outputs: dict[int, Any]) -> None:

@@ -31,7 +31,8 @@ def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("COSERVE_")}
     env.update(COSERVE_DATA_DIR=str(data), COSERVE_MODEL=str(tiny_model_dir), COSERVE_MODEL_NAME="tiny",
-               COSERVE_DEVICE="cpu", COSERVE_KV_BLOCKS="256", COSERVE_HEARTBEAT_SECONDS="0.5", OMP_NUM_THREADS="1")
+               COSERVE_DEVICE="cpu", COSERVE_KV_BLOCKS="256", COSERVE_HEARTBEAT_SECONDS="0.5", OMP_NUM_THREADS="1",
+               COSERVE_BACKEND="torch")  # the tiny random model; tests/vllm runs the whole stack on vLLM
     if "COSERVE_ENGINE_FACTORY" in os.environ:
         env["COSERVE_ENGINE_FACTORY"] = os.environ["COSERVE_ENGINE_FACTORY"]
     up = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "coserve"), "up", "--port", str(port),

@@ -1,0 +1,72 @@
+"""Speculation on vLLM: coserve's policies trimming vLLM's n-gram drafts, against no speculation.
+
+Summarization prompts (SpecBench, the model's chat template), greedy, ``--max-tokens`` each, run
+b at a time for each batch size b. Every policy runs in its own process with its own engine
+(``gpu_runtime.vllm.offline``), one after the other; the table gives output tok/s, the speed-up
+over ``none`` at the same batch size, and whether the tokens equal ``none``'s. In bfloat16 (what
+the CPU serves) vLLM's own verification pass can part from plain decoding at near-ties; run with
+``--dtype float32`` for the lossless check.
+
+    python ops/bench_spec_vllm.py                              # none, nightjar, adaspec, adaserve, chain-4
+    python ops/bench_spec_vllm.py --policies none nightjar --batch 1 8 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(policy: str, args: argparse.Namespace, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "gpu_runtime.vllm.offline", "--spec", policy, "--prompts", str(args.prompts),
+           "--max-tokens", str(args.max_tokens), "--batch", *map(str, args.batch), "--out", str(out)]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", nargs="+", default=["none", "nightjar", "adaspec", "adaserve", "chain-4"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32])
+    ap.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (a batch of b runs b prompts)")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args()
+    if args.policies[0] != "none":
+        args.policies.insert(0, "none")
+    console = Console(width=160)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in args.policies:
+            results[policy] = run(policy, args, Path(tmp) / f"{policy}.json")
+            console.print(policy, {b: round(r["output_tokens"] / r["elapsed_s"], 1) for b, r in results[policy].items()})
+    table = Table(title=f"vLLM speculation, SpecBench summarization, {args.max_tokens} tokens each, "
+                        f"dtype {args.dtype or 'bfloat16'}")
+    for col in ("batch", "policy", "tok/s", "x none", "same tokens as none", "speculation state"):
+        table.add_column(col)
+    for b in map(str, args.batch):
+        base = results["none"][b]
+        for policy in args.policies:
+            r = results[policy][b]
+            tput = r["output_tokens"] / r["elapsed_s"]
+            state = {k: v for k, v in r["speculation"].items() if k in ("gamma", "length", "acceptance", "budget")}
+            table.add_row(b, policy, f"{tput:.1f}", f"{tput / (base['output_tokens'] / base['elapsed_s']):.2f}",
+                          str(r["tokens"] == base["tokens"]), json.dumps(state))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
