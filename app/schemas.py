@@ -80,12 +80,25 @@ class JobCreate(BaseModel):
                 "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos}
 
 
+class SloMiss(BaseModel):
+    """The first deadline a job missed; times in seconds after its arrival (submission)."""
+
+    token: int = Field(description="the output token (1-based) that came late; a batch job's last token")
+    due_s: float = Field(description="when it was due: TTFT + (n-1) TBT (from the first token with "
+                                     "tbt_anchor first-token), or a batch job's deadline")
+    at_s: float | None = Field(None, description="when it came out (null: no token came out)")
+    late_ms: float | None = Field(None, description="at_s - due_s, in milliseconds")
+
+
 class JobMetrics(BaseModel):
     ttft_s: float | None = None
     tbt_p50_s: float | None = None
     tbt_p99_s: float | None = None
     ttlt_s: float | None = None
-    slo_met: bool | None = None
+    slo_met: bool | None = Field(None, description="every token by its deadline (interactive: token n by "
+                                                   "TTFT + (n-1) TBT as tbt_anchor anchors it; batch: the last "
+                                                   "token by deadline_at); null until finished")
+    slo_miss: SloMiss | None = Field(None, description="when slo_met is false: the first deadline missed")
     relegation_count: int = 0
 
 
@@ -124,7 +137,8 @@ class JobPublic(BaseModel):
     def of(cls, job: Any) -> JobPublic:
         out = cls.model_validate(job)
         out.metrics = JobMetrics(ttft_s=job.ttft_s, tbt_p50_s=job.tbt_p50_s, tbt_p99_s=job.tbt_p99_s,
-                                 ttlt_s=job.ttlt_s, slo_met=job.slo_met, relegation_count=job.relegation_count)
+                                 ttlt_s=job.ttlt_s, slo_met=job.slo_met, relegation_count=job.relegation_count,
+                                 slo_miss=job.slo_miss if job.slo_met is False else None)
         return out
 
 

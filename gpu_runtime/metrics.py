@@ -1,4 +1,12 @@
-"""Per-request serving metrics: TTFT, TBT percentiles, TTLT and SLO attainment."""
+"""Per-request serving metrics: TTFT, TBT percentiles, TTLT and SLO attainment.
+
+"SLO met" has one definition, here: an interactive request meets its SLO when every output token n
+came out by its deadline D_n (eq. 1 for the first, eq. 2 for the rest, anchored as its QoS says);
+a batch request when its last token came out by its completion deadline (eq. 3). Deadlines are
+cumulative, so TBT percentiles do not decide it: slack banked by fast tokens absorbs a slow gap,
+and gaps each a little over TBT add up to a miss. ``first_missed_deadline`` says which deadline a
+request missed first, and by how much.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +14,26 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from gpu_runtime.qos import QoSClass, token_deadline
+from gpu_runtime.qos import QoSClass, first_token_deadline, token_deadline
 from gpu_runtime.request import Request
+
+
+@dataclass(frozen=True)
+class DeadlineMiss:
+    """The first deadline a finished request missed. Times are seconds after its arrival."""
+
+    token: int  # the output token (1-based) that came late; a batch job's last token
+    due_s: float  # its deadline
+    at_s: float | None  # when it came out (None: no token came out at all)
+
+    @property
+    def late_s(self) -> float | None:
+        return None if self.at_s is None else self.at_s - self.due_s
+
+    def as_dict(self) -> dict[str, object]:
+        late = self.late_s
+        return {"token": self.token, "due_s": self.due_s, "at_s": self.at_s,
+                "late_ms": None if late is None else round(late * 1e3, 3)}
 
 
 @dataclass(frozen=True)
@@ -19,9 +45,12 @@ class RequestMetrics:
     mean_tpot_s: float | None
     num_output_tokens: int
     slo_met: bool | None  # None while unfinished
+    slo_miss: DeadlineMiss | None = None  # the first deadline missed, when slo_met is False
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        out = asdict(self)
+        out["slo_miss"] = self.slo_miss.as_dict() if self.slo_miss is not None else None
+        return out
 
 
 def request_metrics(req: Request) -> RequestMetrics:
@@ -30,7 +59,7 @@ def request_metrics(req: Request) -> RequestMetrics:
     gaps = np.diff(times) if len(times) > 1 else np.array([])
     ttlt = (req.finish_time - req.arrival_time) if req.finish_time is not None and times else None
     tpot = float((times[-1] - times[0]) / (len(times) - 1)) if len(times) > 1 else None
-    slo = slo_met(req) if req.status.finished else None
+    miss = first_missed_deadline(req) if req.status.finished else None
     return RequestMetrics(
         ttft_s=ttft,
         tbt_p50_s=float(np.percentile(gaps, 50)) if gaps.size else None,
@@ -38,16 +67,32 @@ def request_metrics(req: Request) -> RequestMetrics:
         ttlt_s=ttlt,
         mean_tpot_s=tpot,
         num_output_tokens=len(times),
-        slo_met=slo,
+        slo_met=miss is None if req.status.finished else None,
+        slo_miss=miss,
     )
 
 
 def slo_met(req: Request) -> bool:
     """Interactive: every token meets its eq. 1/2 deadline (as its QoS anchors them); batch: last token by eq. 3."""
-    if not req.token_times:
-        return False
+    return first_missed_deadline(req) is None
+
+
+def first_missed_deadline(req: Request) -> DeadlineMiss | None:
+    """The first deadline ``req`` missed (None: its SLO is met). Token n of an interactive request is due
+    at D_n = D_1 + (n-1) TBT, D_1 as ``token_deadline`` anchors it; a batch request's last token at
+    arrival + TTLT. A request that produced no token missed its first deadline."""
+    times, arrival = req.token_times, req.arrival_time
+    if not times:
+        return DeadlineMiss(1, first_token_deadline(arrival, req.qos) - arrival, None)
     if req.qos.qos_class is QoSClass.INTERACTIVE:
-        first_due = token_deadline(req.arrival_time, req.qos, 1, req.token_times[0])  # D_n = D_1 + (n-1) TBT
+        first_due = token_deadline(arrival, req.qos, 1, times[0])  # D_n = D_1 + (n-1) TBT
         tbt = req.qos.tbt_s
-        return all(t <= first_due + i * tbt + 1e-9 for i, t in enumerate(req.token_times))  # type: ignore[operator]
-    return req.token_times[-1] <= req.arrival_time + req.qos.ttlt_s + 1e-9  # type: ignore[operator]
+        for i, t in enumerate(times):
+            due = first_due + i * tbt  # type: ignore[operator]
+            if t > due + 1e-9:
+                return DeadlineMiss(i + 1, due - arrival, t - arrival)
+        return None
+    due = arrival + req.qos.ttlt_s  # type: ignore[operator]
+    if times[-1] > due + 1e-9:
+        return DeadlineMiss(len(times), due - arrival, times[-1] - arrival)
+    return None

@@ -324,6 +324,7 @@ class GpuWorker:
         values = {"output_text": text, "finish_reason": reason, "completion_tokens": m.num_output_tokens,
                   "prompt_tokens": job.request.prompt_len, "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s,
                   "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s, "slo_met": m.slo_met,
+                  "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
         with session_scope(self.url, immediate=True) as s:
             ok = leases.finish(s, job.lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})")

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -70,12 +71,75 @@ def _job_table(job: dict[str, Any]) -> Table:
             ("tokens (prompt / completion)", f"{job.get('prompt_tokens')} / {job.get('completion_tokens')}"),
             ("TTFT / TTLT (s)", f"{_fmt(m.get('ttft_s'))} / {_fmt(m.get('ttlt_s'))}"),
             ("TBT p50 / p99 (ms)", f"{_fmt(m.get('tbt_p50_s'), 1e3)} / {_fmt(m.get('tbt_p99_s'), 1e3)}"),
-            ("SLO met", str(m.get("slo_met"))), ("relegations", str(m.get("relegation_count", 0)))]
+            ("SLO met", str(m.get("slo_met")))]
+    why = slo_explanation(job)
+    if why:
+        rows.append(("first missed deadline", why))
+    rows.append(("relegations", str(m.get("relegation_count", 0))))
     if job.get("error"):
         rows.append(("error", escape(job["error"])))
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def slo_explanation(job: dict[str, Any]) -> str | None:
+    """Why a finished job's "SLO met" is False: the first deadline it missed, from ``metrics.slo_miss``
+    (token n, when it was due and when it came, in seconds after arrival, and how late); None when
+    the SLO was met or is not judged yet. Jobs recorded without ``slo_miss`` get what their
+    TTFT / TTLT columns can tell."""
+    m = job.get("metrics") or {}
+    if m.get("slo_met") is not False:
+        return None
+    miss = m.get("slo_miss")
+    interactive = job.get("kind") != "batch"
+    if not miss:  # recorded before per-token details were kept
+        miss = _miss_from_columns(job, m)
+        if miss is None:
+            return "a token after the first came after its deadline (no per-token details recorded)"
+    n, due, at = miss["token"], miss["due_s"], miss.get("at_s")
+    if interactive:
+        which = f"token {n}" + (" (the first)" if n == 1 else "")
+        how = _interactive_due(job, m, n)
+    else:
+        which = f"the last token ({n})"
+        how = "the batch deadline"
+    due_text = f"was due {due:.3f} s after arrival ({how})"
+    if at is None:
+        return f"{which} {due_text} and never came"
+    late_ms = miss.get("late_ms")
+    late_ms = (at - due) * 1e3 if late_ms is None else late_ms
+    return f"{which} {due_text} and came at {at:.3f} s: {late_ms:.1f} ms late"
+
+
+def _interactive_due(job: dict[str, Any], m: dict[str, Any], n: int) -> str:
+    """How token n's deadline is made: TTFT + (n-1) TBT, or from the first token (tbt_anchor first-token)."""
+    ttft_ms, tbt_ms = job.get("ttft_ms"), job.get("tbt_ms")
+    first = m.get("ttft_s")
+    if n == 1:
+        return f"TTFT {ttft_ms:g} ms" if ttft_ms is not None else "TTFT"
+    tbt = f"{n - 1} x TBT {tbt_ms:g} ms" if tbt_ms is not None else f"{n - 1} x TBT"
+    if job.get("tbt_anchor") == "first-token" and first is not None and (ttft_ms is None or first * 1e3 < ttft_ms):
+        return f"first token at {first:.3f} s + {tbt}, tbt_anchor first-token"
+    start = f"TTFT {ttft_ms:g} ms" if ttft_ms is not None else "TTFT"
+    return f"{start} + {tbt}"
+
+
+def _miss_from_columns(job: dict[str, Any], m: dict[str, Any]) -> dict[str, Any] | None:
+    """The miss the stored TTFT (interactive) or TTLT (batch) shows, when that is the one."""
+    if job.get("kind") == "batch":
+        created, deadline, ttlt = job.get("created_at"), job.get("deadline_at"), m.get("ttlt_s")
+        if not (created and deadline and ttlt is not None):
+            return None
+        due = (datetime.fromisoformat(deadline.replace("Z", "+00:00"))
+               - datetime.fromisoformat(created.replace("Z", "+00:00"))).total_seconds()
+        return {"token": job.get("completion_tokens") or 1, "due_s": due, "at_s": ttlt} if ttlt > due else None
+    ttft, ttft_ms = m.get("ttft_s"), job.get("ttft_ms")
+    if ttft_ms is None:
+        return None
+    if ttft is None:
+        return {"token": 1, "due_s": ttft_ms / 1e3, "at_s": None}
+    return {"token": 1, "due_s": ttft_ms / 1e3, "at_s": ttft} if ttft * 1e3 > ttft_ms else None
 
 
 def _jobs_table(jobs: list[dict[str, Any]]) -> Table:

@@ -115,6 +115,9 @@ class Job(Base):
     tbt_p99_s: Mapped[float | None] = mapped_column(Float, default=None)
     ttlt_s: Mapped[float | None] = mapped_column(Float, default=None)
     slo_met: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    # the first deadline it missed when slo_met is False (gpu_runtime.metrics.DeadlineMiss.as_dict():
+    # token, due_s, at_s, late_ms; seconds after arrival): what `coserve status` explains a miss with
+    slo_miss: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     relegation_count: Mapped[int] = mapped_column(Integer, default=0)
     # execution bookkeeping (lease-based, see workers/lease.py)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
