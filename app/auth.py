@@ -1,8 +1,12 @@
 """API keys: generated once, stored as sha256 hashes, looked up per request.
 
 A key is never logged or stored; only its hash and a short prefix (to tell keys apart in
-listings) are. Lookups are cached for a few seconds so the hot submit path does one
-query less; revoking a key takes effect within ``CACHE_TTL_S``.
+listings) are. Each API process caches lookups for a few seconds (``KeyCache``) so the hot
+submit path does one query less. Revocation is immediate on every process: revoking a key
+(API or CLI) writes a new token to ``REVOCATIONS`` in Redis, every request reads that token
+(one GET), and a cached answer counts only under the token it was looked up under. Without
+Redis (unset or unreachable) nothing cached is trusted but the revoking process's own
+cleared cache and, with Redis unset (one process), ``CACHE_TTL_S``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -23,6 +28,8 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "cs-"
 CACHE_TTL_S = 5.0
+REVOCATIONS = "coserve:auth:revocations"  # changes (a random token) on every revocation
+REDIS_RETRY_S = 1.0  # after a failed read of the token, skip Redis (and the cache) this long
 
 
 @dataclass(frozen=True)
@@ -60,41 +67,102 @@ def create_key(session: Session, tenant: Tenant, *, tier: str | None = None, is_
     return row, plaintext
 
 
-_cache: dict[str, tuple[float, Principal | None]] = {}
-_cache_lock = threading.Lock()
+_MISS = object()
+_UNKNOWN = object()  # the revocation token could not be read: trust nothing cached
+
+
+class KeyCache:
+    """One API process's cache of key lookups, each trusted while it is younger than ``ttl_s`` and the
+    revocation token in Redis is still the one read before it was looked up.
+
+    ``stamp()`` reads the token (call it before the lookup, so a revocation committed during the lookup
+    changes it); ``get(key, stamp)`` answers a Principal, None (an unknown or revoked key) or ``_MISS``."""
+
+    def __init__(self, redis_url: str | None = None, ttl_s: float = CACHE_TTL_S) -> None:
+        self.redis_url, self.ttl_s = redis_url, ttl_s
+        self._entries: dict[str, tuple[float, object, Principal | None]] = {}
+        self._lock = threading.Lock()
+        self._redis = (redis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
+                       if redis_url else None)
+        self._down_until = 0.0
+
+    def stamp(self) -> object:
+        if self._redis is None:
+            return None  # one process: its own revocations clear the cache, the TTL covers the rest
+        if time.monotonic() < self._down_until:
+            return _UNKNOWN
+        try:
+            return self._redis.get(REVOCATIONS)
+        except redis.RedisError as exc:
+            log.warning("cannot read the key revocation token from Redis (%s); looking every key up for %.0fs",
+                        exc, REDIS_RETRY_S)
+            self._down_until = time.monotonic() + REDIS_RETRY_S
+            return _UNKNOWN
+
+    def get(self, key: str, stamp: object) -> Principal | None | object:
+        if stamp is _UNKNOWN:
+            return _MISS
+        with self._lock:
+            hit = self._entries.get(hash_key(key))
+        if hit is None or hit[1] != stamp or time.monotonic() - hit[0] >= self.ttl_s:
+            return _MISS
+        return hit[2]
+
+    def put(self, key: str, stamp: object, principal: Principal | None, since: float) -> None:
+        """Caches a lookup that started at ``since`` (monotonic) under ``stamp``."""
+        if stamp is _UNKNOWN:
+            return
+        with self._lock:
+            if len(self._entries) > 10_000:
+                self._entries.clear()
+            self._entries[hash_key(key)] = (since, stamp, principal)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_default_cache = KeyCache()  # for callers outside an app (tests, scripts): no Redis, the TTL only
 
 
 def clear_cache() -> None:
-    with _cache_lock:
-        _cache.clear()
+    _default_cache.clear()
 
 
-_MISS = object()
+def announce_revocation(redis_url: str | None) -> bool:
+    """Tells every API process that a key was revoked (call after the revocation is committed);
+    False when Redis is unset or unreachable (then processes notice within ``CACHE_TTL_S``)."""
+    if not redis_url:
+        return False
+    try:
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+        try:
+            client.set(REVOCATIONS, secrets.token_hex(16))  # random, never a token seen before a restart
+        finally:
+            client.close()
+        return True
+    except redis.RedisError as exc:
+        log.warning("could not announce a key revocation through Redis: %s", exc)
+        return False
 
 
-def cached_principal(key: str) -> Principal | None | object:
-    """The cached answer for ``key`` (a Principal or None), or ``_MISS`` when not cached."""
-    with _cache_lock:
-        hit = _cache.get(hash_key(key))
-    if hit is not None and time.monotonic() - hit[0] < CACHE_TTL_S:
-        return hit[1]
-    return _MISS
-
-
-def authenticate(session: Session, key: str) -> Principal | None:
-    hit = cached_principal(key)
-    if hit is not _MISS:
-        return hit  # type: ignore[return-value]
-    digest = hash_key(key)
-    now = time.monotonic()
+def lookup(session: Session, key: str) -> Principal | None:
+    """The key's principal from SQL (None: unknown or revoked), uncached."""
     row = session.execute(
         select(ApiKey.id, ApiKey.tenant_id, ApiKey.tier, ApiKey.is_admin, ApiKey.revoked, Tenant.default_tier)
-        .join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_hash == digest)).first()
-    principal = None
-    if row is not None and not row.revoked:
-        principal = Principal(row.id, row.tenant_id, row.tier or row.default_tier, row.is_admin)
-    with _cache_lock:
-        if len(_cache) > 10_000:
-            _cache.clear()
-        _cache[digest] = (now, principal)
+        .join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key))).first()
+    if row is None or row.revoked:
+        return None
+    return Principal(row.id, row.tenant_id, row.tier or row.default_tier, row.is_admin)
+
+
+def authenticate(session: Session, key: str, cache: KeyCache | None = None) -> Principal | None:
+    cache = cache or _default_cache
+    stamp = cache.stamp()
+    hit = cache.get(key, stamp)
+    if hit is not _MISS:
+        return hit  # type: ignore[return-value]
+    since = time.monotonic()
+    principal = lookup(session, key)
+    cache.put(key, stamp, principal, since)
     return principal

@@ -23,6 +23,22 @@ def redis_server_binary() -> str:
     return str(path)
 
 
+def record_redis_url(data_dir: Path, url: str) -> None:
+    """Notes the embedded Redis's URL in the data dir, for the CLI commands that reach it without
+    REDIS_URL (``keys revoke`` tells the API processes through it)."""
+    path = Path(data_dir) / "redis" / "url"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(url + "\n")
+
+
+def recorded_redis_url(data_dir: Path) -> str | None:
+    """The URL ``coserve up`` recorded for its embedded Redis, if any (it may have stopped since)."""
+    path = Path(data_dir) / "redis" / "url"
+    if not path.exists():
+        return None
+    return path.read_text().strip() or None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.api import admin, batches, errors, files, health, jobs, metrics, models, openai_compat, summarize, tenants
+from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
 from app.services.job_writer import JobWriter
@@ -101,6 +102,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Co-serving interactive LLM requests and deadline batch jobs.")
     api.state.settings = settings or get_settings()
     settings = api.state.settings
+    api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     for module in (health, jobs, openai_compat, models, files, batches, summarize, admin, tenants, metrics):
         api.include_router(module.router)

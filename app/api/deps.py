@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -11,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from fastapi.concurrency import run_in_threadpool
 
-from app.auth import _MISS, Principal, authenticate, cached_principal
+from app.auth import _MISS, KeyCache, Principal, lookup
 from app.db.session import get_sessionmaker
 from app.settings import Settings, get_settings
 
@@ -40,22 +41,37 @@ SessionDep = Annotated[Session, Depends(get_session)]
 def _lookup(url: str, key: str) -> Principal | None:
     session = get_sessionmaker(url)()
     try:
-        return authenticate(session, key)
+        return lookup(session, key)
     finally:
         session.close()
 
 
+def key_cache(request: Request) -> KeyCache:
+    """The app's key cache (``create_app`` makes one per app, with its Redis)."""
+    state = request.app.state
+    cache = getattr(state, "key_cache", None)
+    if cache is None:
+        settings = getattr(state, "settings", None) or get_settings()
+        cache = state.key_cache = KeyCache(settings.redis_url)
+    return cache
+
+
 async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    # async with a cache: the hot submit path needs no worker thread or DB session for auth;
-    # settings read here rather than as a sub-dependency (each one costs FastAPI's resolver)
+    # async with a cache: the hot submit path needs no worker thread or DB session for auth, only the
+    # revocation token's GET (app.auth); settings read here rather than as a sub-dependency (each one
+    # costs FastAPI's resolver)
     settings = await settings_dep(request)
     if not authorization or not authorization.lower().startswith("bearer "):
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
     key = authorization[7:].strip()
-    principal = cached_principal(key)
+    cache = key_cache(request)
+    stamp = cache.stamp()  # one GET of the revocation token, before the lookup it vouches for
+    principal = cache.get(key, stamp)
     if principal is _MISS:
+        since = time.monotonic()
         principal = await run_in_threadpool(_lookup, settings.sqlalchemy_url, key)
+        cache.put(key, stamp, principal, since)
     if principal is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid or revoked API key",
                             headers={"WWW-Authenticate": "Bearer"})

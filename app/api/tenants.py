@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Request, status
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
+from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
-from app.auth import clear_cache, create_key, create_tenant
+from app.auth import announce_revocation, create_key, create_tenant
 from app.db.models import ApiKey, Tenant
 from app.schemas import KeyCreated, KeyPublic, TenantCreate
 
@@ -63,9 +63,10 @@ def list_keys_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal)
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyPublic, responses=responses(404))
-def revoke_key_route(key_id: str, session: SessionDep, _admin: AdminPrincipal) -> KeyPublic:
-    """Revokes a key for good (idempotent). Other API processes stop accepting it within the
-    auth cache's few seconds; this one at once."""
+def revoke_key_route(key_id: str, request: Request, session: SessionDep, settings: SettingsDep,
+                     _admin: AdminPrincipal) -> KeyPublic:
+    """Revokes a key for good (idempotent). Every API process refuses it from its next request on
+    (the revocation token in Redis changes; see ``app.auth``)."""
     key = session.get(ApiKey, key_id)
     if key is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no API key {key_id!r}")
@@ -73,5 +74,6 @@ def revoke_key_route(key_id: str, session: SessionDep, _admin: AdminPrincipal) -
         key.revoked = True
         session.commit()
         log.info("revoked API key %s", key.id)
-    clear_cache()
+    key_cache(request).clear()
+    announce_revocation(settings.redis_url)  # also when it was already revoked: a retry repairs a lost one
     return KeyPublic.model_validate(key)

@@ -222,7 +222,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker."""
         from app.credentials import credentials_path, ensure_credentials
         from app.db.migrate import upgrade
-        from app.embedded import Supervisor, start_redis
+        from app.embedded import Supervisor, record_redis_url, start_redis
 
         t0 = time.monotonic()
         if api_workers is None:
@@ -243,6 +243,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             if not redis_url:
                 proc, redis_url = start_redis(data / "redis", persist=True)
                 sup.adopt("redis", proc)
+                record_redis_url(data, redis_url)  # `keys revoke` announces revocations through it
                 console.print(f"[dim]redis-server (embedded) on {redis_url}[/dim]")
             upgrade(settings.sqlalchemy_url)
             api_url = f"http://{settings.host}:{settings.port}"
@@ -432,10 +433,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     @keys_app.command("revoke")
     def keys_revoke(key_id: Annotated[str, typer.Argument(help="the key's id (key_...), as `keys create` printed")]
                     ) -> None:
-        """Revoke an API key: requests with it get 401 (API processes notice within seconds)."""
+        """Revoke an API key: every API process answers 401 to it from its next request on."""
+        from app.auth import CACHE_TTL_S, announce_revocation
         from app.db.migrate import upgrade
         from app.db.models import ApiKey
         from app.db.session import session_scope
+        from app.embedded import recorded_redis_url
 
         settings = _settings()
         upgrade(settings.sqlalchemy_url)
@@ -445,4 +448,9 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 console.print(f"[red]no API key {key_id!r}[/red]")
                 raise typer.Exit(1)
             already, row.revoked = row.revoked, True
-        console.print(f"key {key_id} {'was already revoked' if already else 'revoked'}")
+        # the API processes check Redis's revocation token on every request: change it (also for a key
+        # already revoked, in case that revocation could not tell them)
+        told = announce_revocation(settings.redis_url or recorded_redis_url(settings.data_dir))
+        console.print(f"key {key_id} {'was already revoked' if already else 'revoked'}"
+                      + ("" if told else f" (Redis not reachable: API processes that cached the key accept it "
+                                         f"for up to {CACHE_TTL_S:g} s more)"))

@@ -1,0 +1,89 @@
+"""Revoking an API key stops it at once on every API process: two apps (two ``create_app``, each with
+its own key cache, as two uvicorn processes have) share the real Redis and the SQLite DB; a key
+revoked through one, or with ``coserve keys revoke``, gets 401 from the other on its next request."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy import select, update
+from typer.testing import CliRunner
+
+from app.auth import _MISS, REVOCATIONS, KeyCache, hash_key, lookup
+from app.cli import cli
+from app.db.models import ApiKey
+from app.db.session import session_scope
+from app.embedded import record_redis_url
+from app.main import create_app
+from tests.conftest import Keys, free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def two_apps(settings):
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        yield a, b
+
+
+def _key_id(db_url: str, key: str) -> str:
+    with session_scope(db_url) as s:
+        return s.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(key)))
+
+
+def _ok(client: TestClient, key: str) -> int:
+    return client.get("/v1/jobs", headers=Keys.header(key)).status_code
+
+
+def test_a_key_revoked_through_one_api_process_is_refused_by_the_other_at_once(two_apps, keys, db_url):
+    a, b = two_apps
+    assert _ok(a, keys.paid) == 200 and _ok(b, keys.paid) == 200  # both caches now hold the key
+    r = a.post(f"/v1/admin/keys/{_key_id(db_url, keys.paid)}/revoke", headers=Keys.header(keys.admin))
+    assert r.status_code == 200 and r.json()["revoked"] is True
+    assert _ok(b, keys.paid) == 401  # the very next request, well inside the cache's 5 s
+    assert _ok(a, keys.paid) == 401
+    assert _ok(b, keys.free) == 200  # the other keys keep working (looked up again)
+
+
+def test_the_cache_is_in_effect_so_the_announcement_is_what_stops_the_key(two_apps, keys, db_url, redis_url):
+    a, b = two_apps
+    assert _ok(b, keys.free) == 200
+    # revoked in SQL behind the API's back (no announcement): b still answers from its cache
+    with session_scope(db_url) as s:
+        s.execute(update(ApiKey).where(ApiKey.key_hash == hash_key(keys.free)).values(revoked=True))
+    assert _ok(b, keys.free) == 200
+    # an idempotent revoke through a announces it: b refuses from the next request
+    assert a.post(f"/v1/admin/keys/{_key_id(db_url, keys.free)}/revoke",
+                  headers=Keys.header(keys.admin)).status_code == 200
+    assert _ok(b, keys.free) == 401
+
+
+def test_coserve_keys_revoke_reaches_the_api_through_the_redis_coserve_up_recorded(
+        two_apps, keys, settings, db_url, redis_url, monkeypatch):
+    _, b = two_apps
+    assert _ok(b, keys.other) == 200
+    record_redis_url(settings.data_dir, redis_url)  # what `coserve up` does with its embedded Redis
+    for name in ("REDIS_URL", "COSERVE_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"COSERVE_DATA_DIR": str(settings.data_dir), "COSERVE_DATABASE_URL": db_url}
+    res = CliRunner().invoke(cli, ["keys", "revoke", _key_id(db_url, keys.other)], env=env)
+    assert res.exit_code == 0 and "revoked" in res.output and "not reachable" not in res.output, res.output
+    assert _ok(b, keys.other) == 401
+
+
+def test_without_redis_nothing_cached_is_trusted(keys, db_url, redis_url):
+    dead = KeyCache(f"redis://127.0.0.1:{free_port()}/0")
+    with session_scope(db_url) as s:
+        principal = lookup(s, keys.paid)
+    dead.put(keys.paid, dead.stamp(), principal, time.monotonic())
+    assert dead.get(keys.paid, dead.stamp()) is _MISS  # the token could not be read: look it up again
+
+    live = KeyCache(redis_url)
+    stamp = live.stamp()
+    live.put(keys.paid, stamp, principal, time.monotonic())
+    assert live.get(keys.paid, live.stamp()) == principal
+    redis.Redis.from_url(redis_url).set(REVOCATIONS, "another revocation")
+    assert live.get(keys.paid, live.stamp()) is _MISS
