@@ -1,7 +1,7 @@
 """Admin dashboard: a server-rendered page (Jinja2) whose JS polls the JSON endpoints here.
 
 JSON endpoints need an admin API key. Actions: resume a relegated job, promote (change
-tier), cancel, drain/undrain a worker. Resume/promote reach the job's worker over Redis
+tier), cancel a running or relegated job, drain/undrain a worker. Resume/promote reach the job's worker over Redis
 pub/sub (``workers/control.py``); drain is the ``workers.draining`` flag its heartbeat reads.
 """
 
@@ -54,6 +54,12 @@ def static(name: str) -> FileResponse:
     return FileResponse(path)
 
 
+@router.get("/favicon.ico", include_in_schema=False)
+def favicon() -> FileResponse:
+    return FileResponse(STATIC / "favicon.ico", media_type="image/x-icon",
+                        headers={"Cache-Control": "public, max-age=86400"})
+
+
 def overdue_s(job: Job, now: datetime, relegated_at: datetime | None = None) -> float:
     """Seconds the job is late now against the target it is judged by (0 when on time).
 
@@ -88,7 +94,10 @@ def _relegated_at(session, job_ids: list[str]) -> dict[str, datetime]:
         .group_by(JobEvent.job_id))}
 
 
-def slo_series(session, minutes: int, bucket_s: int = 60) -> list[dict[str, Any]]:
+SLO_BUCKET_S = 60
+
+
+def slo_series(session, minutes: int, bucket_s: int = SLO_BUCKET_S) -> list[dict[str, Any]]:
     """SLO attainment per time bucket and tier over the last ``minutes`` (finished jobs)."""
     since = utcnow() - timedelta(minutes=minutes)
     rows = session.execute(select(Job.finished_at, Job.tier, Job.slo_met, Job.status)
@@ -125,7 +134,7 @@ def overview(session: SessionDep, _admin: AdminPrincipal,
                 "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {}}
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
     return {"now": utc_z(now), "queues": queues, "jobs": jobs, "workers": workers,
-            "slo": slo_series(session, minutes)}
+            "slo": slo_series(session, minutes), "slo_window_s": minutes * 60, "slo_bucket_s": SLO_BUCKET_S}
 
 
 def _job(session, job_id: str) -> Job:

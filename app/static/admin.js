@@ -76,8 +76,9 @@ function renderJobs(jobs) {
     const td = row.insertCell();
     if (j.status === "relegated") {
       button(td, "Resume", () => api(`/admin/api/jobs/${j.id}/resume`, { method: "POST" }));
-      button(td, "Cancel", () => api(`/admin/api/jobs/${j.id}/cancel`, { method: "POST" }));
     }
+    button(td, "Cancel", () => api(`/admin/api/jobs/${j.id}/cancel`, { method: "POST" }),
+      { title: `cancel ${j.id}` });
     // one button per other tier, labelled by its target; tiers are configured lowest first,
     // so a later tier is a promotion and an earlier one a demotion
     const tiers = window.COSERVE_TIERS || [];
@@ -93,6 +94,26 @@ function renderJobs(jobs) {
   }
 }
 
+// {policy: "adaspec", scale: 1.0421, confidence: [0.9, 0.71]} -> ["policy: adaspec", "scale: 1.042",
+// "confidence: 0.9, 0.71"]; nested objects as "outer.inner: value"
+function keyValues(obj, prefix = "") {
+  const fmt = (v) => v === null || v === undefined ? "-"
+    : typeof v === "number" ? (Number.isInteger(v) ? String(v) : String(+v.toFixed(3)))
+      : typeof v === "boolean" ? (v ? "yes" : "no")
+        : Array.isArray(v) ? v.map(fmt).join(", ") : String(v);
+  return Object.entries(obj).flatMap(([k, v]) => v && typeof v === "object" && !Array.isArray(v)
+    ? keyValues(v, prefix + k + ".") : [`${prefix}${k}: ${fmt(v)}`]);
+}
+
+function lines(td, texts) {
+  for (const t of texts) {
+    const span = document.createElement("span");
+    span.className = "kv";
+    span.textContent = t;
+    td.appendChild(span);
+  }
+}
+
 function renderWorkers(workers) {
   const tbody = $("#workers tbody");
   tbody.replaceChildren();
@@ -105,7 +126,8 @@ function renderWorkers(workers) {
     cell(row, w.heartbeat_age_s.toFixed(1), "num");
     cell(row, s.kv_usage == null ? "-" : (100 * s.kv_usage).toFixed(1) + "%", "num");
     cell(row, s.queues ? Object.entries(s.queues).map(([k, v]) => `${k}=${v}`).join(" ") : "-");
-    cell(row, s.speculation ? JSON.stringify(s.speculation) : "-");
+    const spec = cell(row, s.speculation ? "" : "-", "speculation");
+    if (s.speculation) lines(spec, keyValues(s.speculation));
     cell(row, s.draft_on_device == null ? "-" : (s.draft_on_device ? "on" : "off"));
     cell(row, w.draining ? "draining" : "serving");
     const td = row.insertCell();
@@ -114,11 +136,13 @@ function renderWorkers(workers) {
   }
 }
 
-// SLO attainment (% met) per minute, one polyline per tier, drawn as inline SVG.
-function renderSlo(points) {
+// SLO attainment (% met) per minute, one polyline per tier, drawn as inline SVG over a time axis that
+// ends now and spans the minutes with points (at least 10, at most the window), labelled in local time.
+function renderSlo(points, nowIso, windowS = 3600, bucketS = 60) {
   const svg = $("#slo-chart");
   const NS = "http://www.w3.org/2000/svg";
-  const W = svg.width.baseVal.value, H = svg.height.baseVal.value, pad = 30;
+  const W = svg.width.baseVal.value, H = svg.height.baseVal.value;
+  const left = 38, right = 80, top = 10, bottom = 36;  // the legend sits right of the plot
   svg.replaceChildren();
   const add = (name, attrs, text) => {
     const el = document.createElementNS(NS, name);
@@ -127,25 +151,49 @@ function renderSlo(points) {
     svg.appendChild(el);
     return el;
   };
-  add("line", { x1: pad, y1: H - pad, x2: W - 5, y2: H - pad, stroke: "#999" });
-  add("line", { x1: pad, y1: 5, x2: pad, y2: H - pad, stroke: "#999" });
-  add("text", { x: 2, y: 12, "font-size": 10 }, "100%");
-  add("text", { x: 8, y: H - pad, "font-size": 10 }, "0%");
-  if (!points.length) { add("text", { x: W / 2 - 60, y: H / 2, fill: "#888" }, "no finished jobs yet"); return; }
-  const ts = points.map((p) => p.t);
-  const t0 = Math.min(...ts), t1 = Math.max(...ts, t0 + 60);
-  const x = (t) => pad + (W - pad - 10) * (t - t0) / (t1 - t0);
-  const y = (f) => H - pad - (H - pad - 10) * f;
+  const now = Date.parse(nowIso) / 1000 || Date.now() / 1000;
+  const earliest = points.length ? Math.min(...points.map((p) => p.t)) : now;
+  const span = Math.min(windowS, Math.max(600, now - earliest + bucketS));
+  const t0 = now - span, t1 = now;
+  const x = (t) => left + (W - left - right) * (Math.min(Math.max(t, t0), t1) - t0) / (t1 - t0);
+  const y = (f) => H - bottom - (H - bottom - top) * f;
+  // y: 0, 50, 100 %
+  for (const f of [0, 0.5, 1]) {
+    add("line", { x1: left, y1: y(f), x2: W - right, y2: y(f), stroke: f ? "#eee" : "#999" });
+    add("text", { x: left - 4, y: y(f) + 4, "font-size": 10, "text-anchor": "end", class: "tick y" },
+      `${100 * f}%`);
+  }
+  add("line", { x1: left, y1: top, x2: left, y2: H - bottom, stroke: "#999" });
+  // x: a tick every 1, 2, 5, 10 or 15 minutes, at most 7, on whole minutes of the clock
+  const step = [60, 120, 300, 600, 900].find((s) => span / s <= 7) || 900;
+  const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", hour12: false });
+  for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
+    add("line", { x1: x(t), y1: H - bottom, x2: x(t), y2: H - bottom + 4, stroke: "#999" });
+    add("text", { x: x(t), y: H - bottom + 15, "font-size": 10, "text-anchor": "middle", class: "tick x" },
+      clock(t));
+  }
+  add("text", { x: (left + W - right) / 2, y: H - 4, "font-size": 10, "text-anchor": "middle", fill: "#6b7280" },
+    "finished at (local time)");
+  if (!points.length) {
+    add("text", { x: (left + W - right) / 2, y: H / 2, fill: "#888", "text-anchor": "middle" }, "no finished jobs yet");
+    return;
+  }
   const colors = ["#1f6feb", "#d97706", "#16a34a", "#9333ea"];
   const tiers = [...new Set(points.map((p) => p.tier))].sort();
   tiers.forEach((tier, i) => {
+    const color = colors[i % colors.length];
     const pts = points.filter((p) => p.tier === tier);
-    const coords = pts.map((p) => `${x(p.t).toFixed(1)},${y(p.met / (p.met + p.violated)).toFixed(1)}`);
-    add("polyline", { points: coords.join(" "), fill: "none", stroke: colors[i % colors.length],
-      "stroke-width": 2, "data-tier": tier });
-    pts.forEach((p) => add("circle", { cx: x(p.t), cy: y(p.met / (p.met + p.violated)), r: 3,
-      fill: colors[i % colors.length] }));
-    add("text", { x: W - 90, y: 15 + 14 * i, fill: colors[i % colors.length], "font-size": 12 }, tier);
+    const mid = (p) => p.t + bucketS / 2;  // a point stands for its minute
+    const share = (p) => p.met / (p.met + p.violated);
+    add("polyline", { points: pts.map((p) => `${x(mid(p)).toFixed(1)},${y(share(p)).toFixed(1)}`).join(" "),
+      fill: "none", stroke: color, "stroke-width": 2, "data-tier": tier });
+    for (const p of pts) {
+      const dot = add("circle", { cx: x(mid(p)), cy: y(share(p)), r: 3, fill: color });
+      const title = document.createElementNS(NS, "title");
+      title.textContent = `${clock(p.t)} ${tier}: ${p.met} of ${p.met + p.violated} met`;
+      dot.appendChild(title);
+    }
+    add("text", { x: W - right + 10, y: top + 10 + 14 * i, fill: color, "font-size": 12 }, tier);
   });
 }
 
@@ -155,7 +203,7 @@ async function refresh() {
     renderQueues(o.queues);
     renderJobs(o.jobs);
     renderWorkers(o.workers);
-    renderSlo(o.slo);
+    renderSlo(o.slo, o.now, o.slo_window_s, o.slo_bucket_s);
     $("#dash").dataset.updated = o.now;
   } catch (e) {
     if (e.message !== "auth") $("#status").textContent = "update failed: " + e.message;

@@ -1,5 +1,7 @@
 """The admin dashboard in a real headless Chromium: an overloaded worker relegates a free-tier
-job, the dashboard shows it, and its Resume button brings it back to running."""
+job, the dashboard shows it, and its Resume button brings it back to running; a running job's
+Cancel button cancels it; the SLO chart has a time axis, speculation state reads as key: value
+lines, and nothing the page loads answers 404 (the favicon included)."""
 
 from __future__ import annotations
 
@@ -56,6 +58,10 @@ def test_admin_api_requires_admin_key(live_server, keys):
     assert page.status_code == 200 and "Admin API key" in page.text
     assert httpx.get(f"{live_server}/admin/static/admin.js").status_code == 200
     assert httpx.get(f"{live_server}/admin/static/..%2Fmain.py").status_code == 404
+    icon = httpx.get(f"{live_server}/favicon.ico")  # browsers ask for it on every page
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon"
+    assert icon.content[:4] == b"\x00\x00\x01\x00"  # an ICO header
+    assert (body["slo_window_s"], body["slo_bucket_s"]) == (3600, 60)  # the chart's time axis
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install -y chromium)")
@@ -66,6 +72,8 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, tmp_path
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        missing = []
+        page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
         page.goto(f"{base}/admin")
         page.fill("#admin-key", keys.admin)
         page.click("#login-form button[type=submit]")
@@ -75,6 +83,19 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, tmp_path
         expect(page.locator("#queues tr[data-tier=free] td[data-status=relegated]")).to_have_text("1")
         expect(page.locator("#worker-w1")).to_contain_text("serving")
         expect(page.locator("#slo-chart polyline")).to_have_count(2)  # one line per tier
+        # a time axis: clock labels (HH:MM) under the plot, at least two of them
+        ticks = page.locator("#slo-chart text.tick.x").all_text_contents()
+        assert len(ticks) >= 2 and all(len(t) == 5 and t[2] == ":" for t in ticks), ticks
+        # speculation as key: value lines, not JSON
+        expect(page.locator("#worker-w1 td.speculation span.kv").first).to_have_text("policy: none")
+        assert "{" not in page.locator("#worker-w1 td.speculation").inner_text()
+        assert page.evaluate("keyValues({policy: 'adaspec', scale: 1.04213, confidence: [0.9, 0.712], "
+                             "drafter: {on: true, k: 4}, last: null})") == [
+            "policy: adaspec", "scale: 1.042", "confidence: 0.9, 0.712", "drafter.on: yes", "drafter.k: 4",
+            "last: -"]
+        # every running or relegated job has a Cancel button
+        expect(row.locator("button[data-action=cancel]")).to_have_count(1)
+        expect(page.locator(f"#job-{hog} button[data-action=cancel]")).to_have_text("Cancel")
         assert float(row.locator("td.overdue").inner_text()) > 0  # a 1 ms TTFT is overdue at once
         # tier buttons are labelled by their target and direction: free -> paid is up, paid -> free down
         expect(row.locator("button[data-action=promote][data-tier=paid]")).to_have_text("\u2191 paid")
@@ -94,13 +115,21 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, tmp_path
         page.reload()
         page.locator("#worker-w1 button[data-action=drain]").click()
         expect(page.locator("#worker-w1")).to_contain_text("draining", timeout=10_000)
-        browser.close()
 
-    admin = Keys.header(keys.admin)
-    r = httpx.post(f"{base}/admin/api/jobs/{late}/promote", json={"tier": "paid"}, headers=admin).json()
-    assert r["delivered"] is True  # the worker's control listener got it
-    job = httpx.get(f"{base}/v1/jobs/{late}", headers=Keys.header(keys.paid)).json()
-    assert job["tier"] == "paid"
-    assert httpx.post(f"{base}/admin/api/jobs/{late}/cancel", headers=admin).json()["cancelled"] is True
-    assert job_status(base, keys.paid, late) == "cancelled"
-    assert httpx.post(f"{base}/admin/api/jobs/{late}/resume", headers=admin).status_code == 409
+        admin = Keys.header(keys.admin)
+        r = httpx.post(f"{base}/admin/api/jobs/{late}/promote", json={"tier": "paid"}, headers=admin).json()
+        assert r["delivered"] is True  # the worker's control listener got it
+        job = httpx.get(f"{base}/v1/jobs/{late}", headers=Keys.header(keys.paid)).json()
+        assert job["tier"] == "paid"
+        assert httpx.post(f"{base}/admin/api/jobs/{late}/cancel", headers=admin).json()["cancelled"] is True
+        assert job_status(base, keys.paid, late) == "cancelled"
+        assert httpx.post(f"{base}/admin/api/jobs/{late}/resume", headers=admin).status_code == 409
+
+        # the running paid job's Cancel button: it ends cancelled and leaves the table
+        assert job_status(base, keys.paid, hog) == "running"
+        page.locator(f"#job-{hog} button[data-action=cancel]").click()
+        expect(page.locator(f"#job-{hog}")).to_have_count(0, timeout=10_000)
+        assert job_status(base, keys.paid, hog) == "cancelled"
+        expect(page.locator("#status")).to_have_text(f"cancel {hog} sent")
+        assert missing == [], missing  # the favicon too
+        browser.close()
