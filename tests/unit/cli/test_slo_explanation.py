@@ -93,7 +93,8 @@ def test_a_late_first_token_and_a_late_batch_job():
 def test_no_token_at_all_missed_the_first_deadline():
     req = _finished(interactive("r", ttft=0.2, tbt=0.1), [])
     assert first_missed_deadline(req) == DeadlineMiss(1, 0.2, None) and not slo_met(req)
-    assert slo_explanation(_job(req)) == "token 1 (the first) was due 0.200 s after arrival (TTFT 200 ms) and never came"
+    assert slo_explanation(_job(req)) == ("token 1 (the first) was due 0.200 s after arrival (TTFT 200 ms) "
+                                          "and never came")
 
 
 def test_slo_met_agrees_with_every_token_by_its_deadline_on_random_streams():
