@@ -145,6 +145,9 @@ def stack(live_server, settings, start_worker, workdir, redis_url, tiny_model_di
         return httpx.get(f"{live_server}{path}", headers=h).json()[field] in done
     wait_for(lambda: ended(f"/v1/jobs/{job}", "status", {"succeeded"}), 60, "the JOB_ID job")
     wait_for(lambda: ended(f"/v1/batches/{batch}", "status", {"completed"}), 60, "the BATCH_ID batch")
+    # the worker stored the first missed deadline beside slo_met (what `coserve status JOB_ID` explains)
+    miss = httpx.get(f"{live_server}/v1/jobs/{job}", headers=h).json()["metrics"]["slo_miss"]
+    assert miss["token"] == 1 and miss["due_s"] == pytest.approx(0.001) and miss["late_ms"] > 0, miss
     # what the blocks read or write beside them: a one-page docs/ to summarize
     (workdir / "docs").mkdir()
     (workdir / "docs" / "note.md").write_text("Queues hold jobs. Workers take them in deadline order.\n")
