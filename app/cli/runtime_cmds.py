@@ -205,7 +205,8 @@ def profile(
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks of the profiled executor (default: what the "
                                                        "grid needs)")] = None,
     repeats: Annotated[int, typer.Option(help="timed passes per batch shape")] = 2,
-    grid: Annotated[str, typer.Option(help="full | small (few shapes, for slow CPUs)")] = "full",
+    grid: Annotated[str, typer.Option(help="full | small (few shapes, for slow CPUs); vllm also: smoke (3 shapes, "
+                                           "a check that profiling works)")] = "full",
     backend: Annotated[str, typer.Option(help="the engine to profile: vllm (what the worker serves on where "
                                               "installed) | torch (coserve's own engine)")] = "auto",
 ) -> None:
@@ -250,9 +251,11 @@ def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, gri
 
     from gpu_runtime.costmodel.profile import annotate_profile
     from gpu_runtime.vllm.build import build_vllm_engine
-    from gpu_runtime.vllm.profiling import SMALL_GRID, VLLM_GRID, profile_vllm
+    from gpu_runtime.vllm.profiling import GRIDS, profile_vllm
 
-    shapes = dataclasses.replace(VLLM_GRID if grid == "full" else SMALL_GRID, repeats=repeats)
+    if grid not in GRIDS:
+        raise typer.BadParameter(f"--grid must be one of {', '.join(GRIDS)}")
+    shapes = GRIDS[grid] if grid == "smoke" else dataclasses.replace(GRIDS[grid], repeats=repeats)
     engine = build_vllm_engine(model, device=device, scheduler_policy="vllm-fcfs")
     prof = profile_vllm(engine, shapes, name=f"{device}-{Path(model).name}-vllm",
                         meta={"model": model, "device": device},

@@ -30,6 +30,8 @@ CPU_VLLM_PROFILE = PROFILES / "cpu-smollm2-135m-vllm.json"
 VLLM_GRID = ProfileGrid(chunks=(0, 32, 128, 512, 1024, 1920), starts=(0, 1024), decodes=(0, 1, 8, 32, 64),
                         contexts=(256, 1024))
 SMALL_GRID = ProfileGrid(chunks=(0, 32, 128, 384), starts=(0, 256), decodes=(0, 1, 8, 24), contexts=(128,))
+SMOKE_GRID = ProfileGrid(chunks=(0, 64), starts=(0, 64), decodes=(0, 2), contexts=(64,), repeats=1, warmup=1)
+GRIDS = {"full": VLLM_GRID, "small": SMALL_GRID, "smoke": SMOKE_GRID}
 
 
 def default_profile() -> str | None:

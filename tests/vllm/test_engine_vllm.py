@@ -40,3 +40,19 @@ def test_speculation_policies_are_lossless(plain_vllm, tmp_path):
         run = offline(tmp_path, "--policy", "qoserve", "--spec", spec, "--batch", "1")
         assert run["1"]["tokens"] == plain_vllm["1"]["tokens"], spec
         assert run["1"]["speculation"]["policy"] == spec and run["1"]["speculation"]["engine"] == "vllm"
+
+
+def test_coserve_profile_times_the_vllm_engine(tmp_path):
+    """`coserve profile --backend vllm` writes a profile of whole vLLM steps that the scheduler can plan with."""
+    from gpu_runtime.costmodel.features import BatchFeatures
+    from gpu_runtime.costmodel.profile import Profile, scheduling_cost_model
+
+    out = tmp_path / "vllm.json"
+    exe = Path(sys.executable).parent / "coserve"
+    proc = subprocess.run([str(exe), "profile", "--backend", "vllm", "--grid", "smoke", "--device", "cpu",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    prof = Profile.load(out)
+    assert prof.meta["engine"] == "vllm" and len(prof.samples) == 5 and all(t > 0 for _, t in prof.samples)
+    model = scheduling_cost_model(out)
+    assert model.predict(BatchFeatures.of_shape(64, 0, 2, 64)) > model.predict(BatchFeatures.of_shape(0, 0, 2, 64))
