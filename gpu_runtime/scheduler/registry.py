@@ -32,6 +32,14 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
+def config_fields(name: str) -> set[str]:
+    """Names of the config fields policy ``name`` takes."""
+    try:
+        return {f.name for f in dataclasses.fields(REGISTRY[name][1])}
+    except KeyError:
+        raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(available())}") from None
+
+
 def create_scheduler(name: str, cost_model: CostModel | None = None, executor: Executor | None = None,
                      **config: Any) -> Scheduler:
     """Build the policy ``name``; ``config`` sets fields of its config dataclass (unknown keys are errors)."""

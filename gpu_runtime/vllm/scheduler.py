@@ -72,7 +72,7 @@ class CoserveScheduler(AsyncScheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from gpu_runtime.scheduler.registry import create_scheduler
+        from gpu_runtime.scheduler.registry import config_fields, create_scheduler
 
         self.policy_name = policy_name()
         self.native = self.policy_name in VLLM_NATIVE
@@ -90,8 +90,13 @@ class CoserveScheduler(AsyncScheduler):
         if not self.native:
             kv_reserve = os.environ.get("COSERVE_KV_RESERVE", "predicted")
             cost_model = _cost_model(os.environ.get("COSERVE_COST_PROFILE"))
+            extra = {}
+            if "chunk_ceiling" in config_fields(self.policy_name):
+                # QoServe's largest chunk is vLLM's step cap (max_num_batched_tokens), not the cost model's
+                # 95%-of-peak point: with no decode to protect, a step as large as vLLM's own costs nobody
+                extra["chunk_ceiling"] = self.max_num_scheduled_tokens
             self.policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv,
-                                           max_num_seqs=self.max_num_running_reqs, kv_reserve=kv_reserve)
+                                           max_num_seqs=self.max_num_running_reqs, kv_reserve=kv_reserve, **extra)
             spec = os.environ.get("COSERVE_SPEC_POLICY", "none")
             if self.num_spec_tokens > 0 and spec != "none":
                 if self.scheduler_config.async_scheduling:
