@@ -4,32 +4,25 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.vllm.conftest import run_step, vllm_request
 
 BATCH_FAR = {"qos_class": "batch", "deadline_s": 3600}
 
 
-def test_waiting_order_is_hybrid_priority_not_arrival(make_scheduler):
-    """A batch job with an hour's deadline arrived first; the interactive prompt due in a second runs first."""
-    s = make_scheduler("qoserve", max_batched=64)
+@pytest.mark.parametrize("policy, first", [("qoserve", "chat"), ("vllm-fcfs", "batch")])
+def test_waiting_order_is_hybrid_priority_not_arrival(make_scheduler, policy, first):
+    """A batch job with an hour's deadline arrived first; the interactive prompt due in a second runs first
+    under QoServe, while vLLM's own FCFS (the same class, policy vllm-fcfs) keeps the arrival order."""
+    s = make_scheduler(policy, max_batched=64)
     now = time.time()
-    batch = vllm_request(64, BATCH_FAR, arrival=now - 1)
-    chat = vllm_request(64, {"ttft_ms": 1000, "tbt_ms": 100}, arrival=now)
-    s.add_request(batch)
-    s.add_request(chat)
+    reqs = {"batch": vllm_request(64, BATCH_FAR, arrival=now - 1),
+            "chat": vllm_request(64, {"ttft_ms": 1000, "tbt_ms": 100}, arrival=now)}
+    for r in reqs.values():
+        s.add_request(r)
     out, _ = run_step(s)
-    assert list(out.num_scheduled_tokens) == [chat.request_id]
-
-
-def test_native_fcfs_keeps_vllms_order(make_scheduler):
-    s = make_scheduler("vllm-fcfs", max_batched=64)
-    now = time.time()
-    batch = vllm_request(64, BATCH_FAR, arrival=now - 1)
-    chat = vllm_request(64, {"ttft_ms": 1000, "tbt_ms": 100}, arrival=now)
-    s.add_request(batch)
-    s.add_request(chat)
-    out, _ = run_step(s)
-    assert list(out.num_scheduled_tokens) == [batch.request_id]
+    assert list(out.num_scheduled_tokens) == [reqs[first].request_id]
 
 
 def test_prefill_budget_follows_decode_slack(make_scheduler):
