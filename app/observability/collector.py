@@ -3,7 +3,8 @@
 Workers are separate processes (and machines); rather than prometheus multiprocess mode,
 the API derives every metric from SQL, the source of truth: gauges from the current job
 states and worker heartbeats, histograms and counters from the finished jobs' metrics.
-Names follow vLLM's (``vllm:`` -> ``coserve:``) where one exists.
+Names follow vLLM's (``vllm:`` -> ``coserve:``) where one exists, and those series are exported under
+vLLM's own ``vllm:`` name too (``VLLM_ALIASES``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import case, func, literal_column, select
 from sqlalchemy.orm import Session
@@ -38,6 +39,25 @@ WAITING = (JobStatus.QUEUED.value, JobStatus.DISPATCHED.value)
 FINISH_REASON = func.coalesce(Job.finish_reason, literal_column("'stop'")).label("finish_reason")
 
 
+# coserve's metrics that mean what vLLM's of the same name mean are also exported under vLLM's name, so a
+# dashboard built for vLLM reads them (coserve's carry extra tier/kind labels). Not aliased:
+# time_per_output_token (coserve's is each job's median gap, vLLM's each gap) and coserve's own
+# relegation, SLO and heartbeat series, which vLLM has no name for.
+VLLM_ALIASES = {f"coserve:{n}": f"vllm:{n}" for n in (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+    "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "request_success", "prompt_tokens", "generation_tokens")}
+
+
+def vllm_alias(family: Metric) -> Metric:
+    """The same series under vLLM's name."""
+    name = VLLM_ALIASES[family.name]
+    alias = Metric(name, family.documentation + " (vLLM's name)", family.type)
+    for smp in family.samples:
+        alias.add_sample(name + smp.name[len(family.name):], smp.labels, smp.value, smp.timestamp, smp.exemplar)
+    return alias
+
+
 class SqlCollector(Collector):
     def __init__(self, url: str, model_name: str, tiers: Sequence[str] | None = None) -> None:
         """``tiers``: the configured tiers, each gets its gauge series (zero when it has no jobs)."""
@@ -55,9 +75,10 @@ class SqlCollector(Collector):
             workers = list(s.scalars(select(WorkerState)))
             histograms = list(self._histograms(s))
             counters = list(self._counters(s))
-        yield from self._gauges(by_state, workers)
-        yield from histograms
-        yield from counters
+        for family in (*self._gauges(by_state, workers), *histograms, *counters):
+            yield family
+            if family.name in VLLM_ALIASES:
+                yield vllm_alias(family)
 
     def _gauges(self, by_state, workers) -> Iterator:
         labels = ["model_name", "tier"]

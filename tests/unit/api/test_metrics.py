@@ -105,3 +105,27 @@ def test_statements_compile_for_postgresql():
     assert sql.count("CASE WHEN") == 2 and "GROUP BY jobs.tier, jobs.kind" in sql
     assert "julianday" in str(seconds_between("sqlite", Job.created_at, Job.started_at).compile(
         dialect=sqlite.dialect()))
+
+
+def test_vllm_names_carry_the_same_series(client, db_url):
+    """Series that mean what vLLM's mean are exported under vLLM's names too, with equal values."""
+    from app.observability.collector import VLLM_ALIASES
+
+    now = utcnow()
+    with session_scope(db_url) as s:
+        t = Tenant(name="v")
+        s.add(t)
+        s.flush()
+        s.add_all([_job(t.id, "running", "paid"), _job(t.id, "succeeded", "paid", ttft_s=0.2, ttlt_s=1.0, slo_met=True,
+                                                        created_at=now - timedelta(seconds=2),
+                                                        started_at=now - timedelta(seconds=1),
+                                                        finished_at=now, finish_reason="stop", prompt_tokens=4,
+                                                        completion_tokens=6)])
+        s.add(WorkerState(id="wv", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.5, "kv_recomputes": 1}))
+    text = client.get("/metrics").text
+    samples = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+               for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    for ours, theirs in VLLM_ALIASES.items():
+        mine = {(n[len(ours):], lab): v for (n, lab), v in samples.items() if n.startswith(ours)}
+        alias = {(n[len(theirs):], lab): v for (n, lab), v in samples.items() if n.startswith(theirs)}
+        assert mine and mine == alias, ours
