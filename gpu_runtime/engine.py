@@ -174,9 +174,7 @@ class Engine:
             req.finish_time = self.executor.now()
             outputs.append(self._finish(req))
         for rid, tier in promotions:
-            change = getattr(self.scheduler, "change_tier", None)
-            if change is not None:
-                change(rid, tier)
+            self.scheduler.change_tier(rid, tier)
         for rid in resumes:  # reported as "resumed" by the next schedule()
             if not self.scheduler.resume(rid):
                 log.info("resume %s: not relegated (any more)", rid)

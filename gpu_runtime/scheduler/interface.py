@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request
 
 
@@ -68,6 +69,14 @@ class Scheduler(ABC):
     @abstractmethod
     def resume(self, request_id: str) -> bool:
         """Operator action: put a relegated request back into normal scheduling."""
+
+    def change_tier(self, request_id: str, tier: Tier) -> Request | None:
+        """Operator action (promote): the request's tier changes; returns it if it was known."""
+        raise NotImplementedError(f"{type(self).__name__} does not change tiers")
+
+    def note_kv_released(self, request: Request) -> None:
+        """The engine freed the request's KV (its own preemption): it recomputes its prefill later."""
+        raise NotImplementedError(f"{type(self).__name__} does not track released KV")
 
     @property
     @abstractmethod

@@ -71,7 +71,7 @@ class _Driver:
         self.scheduler.max_num_scheduled_tokens = self.full
         return dt
 
-    def prefill_all(self, decoders: int) -> None:
+    def prefill_all(self) -> None:
         """Steps at full budget until every request is past its prompt."""
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in self.scheduler.running) \
                 or len(self.scheduler.waiting):
@@ -99,7 +99,7 @@ def profile_vllm(engine: Any, grid: ProfileGrid = VLLM_GRID, name: str = "vllm",
     for ctx in grid.contexts:
         for nd in grid.decodes:
             decoders = [drv.add(ctx, 1 << 20) for _ in range(nd)]
-            drv.prefill_all(nd)
+            drv.prefill_all()
             for chunk in grid.chunks:
                 for start in (grid.starts if chunk else (0,)):
                     if chunk == 0 and nd == 0:

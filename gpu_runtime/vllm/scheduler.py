@@ -143,7 +143,7 @@ class CoserveScheduler(AsyncScheduler):
     def promote(self, request_id: str, tier: Tier) -> None:
         """Operator action: the request's tier changes (called on the engine-core thread)."""
         if self.policy is not None:
-            self.policy.change_tier(request_id, tier)  # type: ignore[attr-defined]
+            self.policy.change_tier(request_id, tier)
 
     def queue_depths(self) -> dict[str, int]:
         if self.policy is None:
@@ -185,7 +185,7 @@ class CoserveScheduler(AsyncScheduler):
         for rid in out.preempted_req_ids:  # vLLM's own recompute preemption (KV ran out)
             mirror = self.mirrors.get(rid)
             if mirror is not None and rid not in self.kv.released:
-                self.policy.note_kv_released(mirror)  # type: ignore[attr-defined]
+                self.policy.note_kv_released(mirror)
                 self.events.append((rid, "recomputed"))
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
@@ -205,22 +205,24 @@ class CoserveScheduler(AsyncScheduler):
         """Shows vLLM only this step's batch; returns the full waiting queue and the running requests set aside."""
         decode_ids = {r.request_id for r in plan.decodes}
         chunks = [(p.request.request_id, p.num_tokens) for p in plan.prefills]
-        running_ids = {r.request_id for r in self.running}
+        by_id = {r.request_id: r for r in self.running}
         # vLLM schedules running requests before waiting ones and gives each min(tokens left, budget left):
         # a partial chunk is always the policy's last, so it is exact unless a started prompt's partial
         # chunk would come before new prompts the policy put ahead of it. That chunk waits a step.
-        if chunks and chunks[-1][0] in running_ids and any(rid not in running_ids for rid, _ in chunks[:-1]):
-            vreq = self.requests[chunks[-1][0]]
+        if chunks and chunks[-1][0] in by_id and any(rid not in by_id for rid, _ in chunks[:-1]):
+            vreq = by_id[chunks[-1][0]]
             if chunks[-1][1] < vreq.num_tokens - vreq.num_computed_tokens:
                 chunks.pop()
         chosen = {rid for rid, _ in chunks}
-        kept = [r for r in self.running if r.request_id in decode_ids or r.request_id not in self.mirrors]
-        by_id = {r.request_id: r for r in self.running}
-        kept += [by_id[rid] for rid, _ in chunks if rid in by_id]
-        stashed = [r for r in self.running if r.request_id not in decode_ids and r.request_id in self.mirrors
-                   and r.request_id not in chosen]
+        decodes, stashed = [], []
+        for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
+            if r.request_id in decode_ids or r.request_id not in self.mirrors:
+                decodes.append(r)
+            elif r.request_id not in chosen:
+                stashed.append(r)
         decode_tokens = sum(max(0, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens)
-                            for r in kept if r.request_id not in chosen)
+                            for r in decodes)
+        kept = decodes + [by_id[rid] for rid, _ in chunks if rid in by_id]
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
         visible = create_request_queue(SchedulingPolicy.FCFS)

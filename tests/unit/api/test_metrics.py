@@ -18,7 +18,8 @@ def _job(tenant, status, tier, **kw):
                prompt="x", sampling={}, **kw)
 
 
-def test_metrics_endpoint_reflects_sql(client, db_url):
+def _seed(db_url) -> None:
+    """Jobs in every state the metrics read, and a worker row."""
     now = utcnow()
     with session_scope(db_url) as s:
         t = Tenant(name="m")
@@ -33,6 +34,10 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
                         finished_at=now, finish_reason="stop", prompt_tokens=5, completion_tokens=3),
                    _job(t.id, "expired", "free", kind="batch", finished_at=now)])
         s.add(WorkerState(id="w9", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.25, "kv_recomputes": 3}))
+
+
+def test_metrics_endpoint_reflects_sql(client, db_url):
+    _seed(db_url)
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     samples = {}
@@ -111,17 +116,7 @@ def test_vllm_names_carry_the_same_series(client, db_url):
     """Series that mean what vLLM's mean are exported under vLLM's names too, with equal values."""
     from app.observability.collector import VLLM_ALIASES
 
-    now = utcnow()
-    with session_scope(db_url) as s:
-        t = Tenant(name="v")
-        s.add(t)
-        s.flush()
-        s.add_all([_job(t.id, "running", "paid"), _job(t.id, "succeeded", "paid", ttft_s=0.2, ttlt_s=1.0, slo_met=True,
-                                                        created_at=now - timedelta(seconds=2),
-                                                        started_at=now - timedelta(seconds=1),
-                                                        finished_at=now, finish_reason="stop", prompt_tokens=4,
-                                                        completion_tokens=6)])
-        s.add(WorkerState(id="wv", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.5, "kv_recomputes": 1}))
+    _seed(db_url)
     text = client.get("/metrics").text
     samples = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
                for fam in text_string_to_metric_families(text) for smp in fam.samples}
