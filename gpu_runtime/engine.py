@@ -73,6 +73,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.last_stats = StepStats()
         self.num_recomputes = 0  # requests whose KV was released under memory pressure (recompute preemption)
+        self.idle = False  # the last step scheduled nothing (work admitted, none schedulable): the caller may wait
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._resumes: deque[str] = deque()
@@ -116,6 +117,7 @@ class Engine:
         now = self.executor.now()
         sched = self.scheduler.schedule(now)
         outputs += self._events(sched)
+        self.idle = sched.is_empty
         if sched.is_empty:
             self.speculation.maintain(self.executor, self.scheduler.queue_depths().get("prefill", 0))
             return outputs

@@ -4,8 +4,9 @@ Messages are JSON ``{"action": "resume" | "promote", "job_id": ..., "tier": ...}
 the admin API (``app/api/admin.py``). Drain needs no message: the worker's heartbeat
 reads ``workers.draining``; cancel goes through the jobs' own cancel channel.
 
-``start_control_listener(engine, worker_id, redis_url, stop)`` runs the listener thread; the
-GPU worker starts it beside its engine.
+``start_control_listener(inbox, worker_id, redis_url, stop)`` runs the listener thread; the
+GPU worker starts it with its engine thread's inbox (``workers/inbox.py``), so the engine
+thread applies each action between two steps.
 """
 
 from __future__ import annotations
@@ -26,27 +27,27 @@ def control_channel(worker_id: str) -> str:
     return f"coserve:control:{worker_id}"
 
 
-def handle(engine: Any, message: dict[str, Any]) -> bool:
-    """Applies one control message to ``engine``; False if it was not understood."""
+def handle(inbox: Any, message: dict[str, Any]) -> bool:
+    """Hands one control message to ``inbox`` (``resume``/``promote``); False if it was not understood."""
     action, job_id = message.get("action"), message.get("job_id")
     if not job_id:
         return False
     if action == "resume":
-        engine.resume(job_id)
+        inbox.resume(job_id)
         return True
     if action == "promote":
         try:
             tier = Tier(message.get("tier", "paid"))
         except ValueError:
             return False
-        engine.promote(job_id, tier)  # applied by the engine thread, which owns the request
-        engine.resume(job_id)  # a promoted job that was relegated comes back too
+        inbox.promote(job_id, tier)  # applied by the engine thread, which owns the request
+        inbox.resume(job_id)  # a promoted job that was relegated comes back too
         return True
     log.warning("unknown control action %r", action)
     return False
 
 
-def start_control_listener(engine: Any, worker_id: str, redis_url: str,
+def start_control_listener(inbox: Any, worker_id: str, redis_url: str,
                            stop: threading.Event | None = None) -> threading.Thread:
     stop = stop or threading.Event()
 
@@ -60,7 +61,7 @@ def start_control_listener(engine: Any, worker_id: str, redis_url: str,
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
                         try:
-                            handle(engine, json.loads(msg["data"]))
+                            handle(inbox, json.loads(msg["data"]))
                         except (ValueError, TypeError) as exc:
                             log.warning("bad control message %r: %s", msg.get("data"), exc)
             except redis.RedisError:

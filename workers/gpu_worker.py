@@ -1,17 +1,20 @@
 """The long-lived GPU worker: one process per device, one engine, model loaded once.
 
-Shape (measured choice, see the report): the process loads the model, then runs a Celery
-consumer (solo pool) in the main thread beside four threads:
+The process loads the model, then runs a Celery consumer (solo pool) in the main thread
+beside these threads:
 
-* engine: calls ``Engine.step()`` while there is work; streams deltas to Redis; writes
-  completions, relegations and resumptions back to SQL;
-* heartbeat: renews the leases of its jobs, writes the ``workers`` row (KV usage, queue
-  depths, speculation state), notices cancelled/lost jobs and ``draining``;
+* engine (``workers/engine_thread.py``): the only caller of the engine. It applies the
+  inbox's commands (``workers/inbox.py``), steps, and puts what came out in the outbox;
+* outbox (``workers/outbox.py``): the only writer of the engine's results. SQL writes with
+  retries, each on its own; token events streamed to Redis in order, held while Redis is away;
+* heartbeat: renews the leases of its jobs, writes the ``workers`` row (the engine thread's
+  snapshot of KV usage, queue depths, speculation), notices cancelled/lost jobs and ``draining``;
 * sweeper: ``workers.sweeper.sweep`` every ``sweep_seconds``;
-* cancel listener: Redis pub/sub for prompt aborts (the heartbeat poll is the fallback).
+* cancel listener: Redis pub/sub for prompt aborts (the heartbeat poll is the fallback);
+* control listener: operator actions (resume, promote) into the inbox.
 
-The Celery task only leases the job and hands it to the engine; it blocks while the
-engine is full, so an idle worker beside this one gets the next message.
+The Celery task only leases the job and puts it in the inbox; it blocks while the engine is
+full, so an idle worker beside this one gets the next message.
 """
 
 from __future__ import annotations
@@ -21,47 +24,39 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
 from importlib import import_module
 from typing import Any
 
 import redis
 from celery.signals import worker_shutting_down
-from sqlalchemy import select, update
+from sqlalchemy import update
 
 from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
-from app.services.dispatch import dispatch, send_job
+from app.services.dispatch import send_job
 from app.services.model_info import encode_input, get_tokenizer
-from app.services.streaming import CANCEL_CHANNEL, StreamEvent, publish
-from app.services.transitions import ACTIVE, as_utc, transition, utcnow
+from app.services.streaming import CANCEL_CHANNEL, StreamEvent
+from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from gpu_runtime.factory import build_engine, resolve_device
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
-from gpu_runtime.request import Request, RequestStatus
+from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 from workers import decode_history
 from workers import lease as leases
+from workers.active_job import ActiveJob, ActiveJobs
 from workers.celery_app import get_celery, queue_name
 from workers.control import start_control_listener
+from workers.engine_thread import EngineThread
+from workers.inbox import Abort, Add, Inbox, Learn
+from workers.outbox import Outbox, StepRecords
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
 from workers.sweeper import sweep
 
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = int(os.environ.get("COSERVE_MAX_INFLIGHT", "64"))  # jobs in the engine before the task waits
-
-
-@dataclass
-class ActiveJob:
-    lease: leases.Lease
-    request: Request
-    created_at: Any
-    text: list[str] = field(default_factory=list)
-    relegated: bool = False
-    first_token_recorded: bool = False
 
 
 class GpuWorker:
@@ -72,24 +67,23 @@ class GpuWorker:
         self.queue = queue_name(settings.model_name)
         self.device = resolve_device(settings.device)
         self.backend = settings.engine_backend if not os.environ.get("COSERVE_ENGINE_FACTORY") else "custom"
-        self.active: dict[str, ActiveJob] = {}
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
+        self.active = ActiveJobs()
+        self.inbox = Inbox()
         self.stopping = threading.Event()
         self.draining = False
         self.shutting_down = False  # Celery began a warm shutdown
-        self.requeued: list[str] = []  # given back after an engine error, to send after the next step
         self.engine: Any = None
         self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+        self.outbox = Outbox(self.url, self.redis, self.active)
+        self.engine_thread: EngineThread | None = None
         self.threads: list[threading.Thread] = []
         self.peers: decode_history.PeerLengths | None = None  # what the model's other workers finish
-        self.peer_lengths: list[tuple[str, int]] = []  # read by the heartbeat, recorded by the engine thread
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
         t0 = time.monotonic()
         self.tokenizer = get_tokenizer(self.settings.model)
-        self.engine = self._build_engine()
+        self.attach(self._build_engine())
         log.info("worker %s: %s engine ready on %s in %.1fs", self.worker_id, self.backend, self.device,
                  time.monotonic() - t0)
         history = getattr(self.engine.scheduler, "history", None)
@@ -98,14 +92,22 @@ class GpuWorker:
             with session_scope(self.url) as s:
                 decode_history.seed(history, decode_history.finished_lengths(s, self.settings.model_name))
         self._register()
-        # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub
-        self.threads.append(start_control_listener(self.engine, self.worker_id, self.settings.redis_url,
+        # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub, into the inbox
+        self.threads.append(start_control_listener(self.inbox, self.worker_id, self.settings.redis_url,
                                                    self.stopping))
-        for name, fn in (("engine", self._engine_loop), ("heartbeat", self._heartbeat_loop),
+        self.outbox.start()
+        for name, fn in (("engine", self.engine_thread.run), ("heartbeat", self._heartbeat_loop),
                          ("sweeper", self._sweeper_loop), ("cancel", self._cancel_loop)):
             t = threading.Thread(target=fn, name=f"coserve-{name}", daemon=True)
             t.start()
             self.threads.append(t)
+
+    def attach(self, engine: Any) -> EngineThread:
+        """The engine this worker serves with, and the thread that alone will call it."""
+        self.engine = engine
+        self.engine_thread = EngineThread(engine, self.active, self.inbox, self.outbox, self.settings,
+                                          self.worker_id, self.stopping)
+        return self.engine_thread
 
     def _build_engine(self) -> Any:
         s = self.settings
@@ -128,16 +130,15 @@ class GpuWorker:
     def stop(self, grace_s: float = 10.0) -> None:
         """Lets running jobs finish for ``grace_s``, then gives the rest back to the queue."""
         deadline = time.monotonic() + grace_s
-        while self.active and time.monotonic() < deadline:
+        while len(self.active) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.stopping.set()
-        self.wake.set()
+        self.inbox.wake()
         for t in self.threads:
             if t.name == "coserve-engine":
                 t.join(5)
-        with self.lock:
-            rest = list(self.active.values())
-            self.active.clear()
+        self.outbox.close()  # what finished is written before the rest is given back
+        rest = self.active.take_all()
         with session_scope(self.url, immediate=True) as s:
             for job in rest:
                 if leases.release(s, job.lease, f"worker {self.worker_id} shut down"):
@@ -186,19 +187,17 @@ class GpuWorker:
             job = s.get(Job, job_id)
             try:
                 request = self._request(job)
-                # registered before the engine sees it, so its first outputs are not dropped
-                with self.lock:
-                    self.active[job_id] = ActiveJob(lease, request, as_utc(job.created_at))
-                self.engine.add_request(request)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
-                with self.lock:
-                    self.active.pop(job_id, None)
                 log.warning("job %s failed at admission: %s", job_id, exc)
                 leases.finish(s, lease, JobStatus.FAILED, {"error": str(exc)}, detail="rejected by the engine")
-                self._publish([(job_id, StreamEvent("end", attempt=lease.attempt, status="failed",
-                                                    data={"error": str(exc)}))])
+                end = StreamEvent("end", attempt=lease.attempt, status="failed", data={"error": str(exc)})
+                self.outbox.put(StepRecords(deltas=[(job_id, end)]))
                 return
-        self.wake.set()
+            created = as_utc(job.created_at)
+        # registered and queued under one lock: an abort that sees the job is applied after its add
+        with self.active.lock:
+            self.active.add(ActiveJob(lease, request, created))
+            self.inbox.put(Add(job_id))
 
     def _hold(self, job_id: str, held: bool) -> None:
         """Marks (or unmarks) a still-dispatched job as held by this worker while it waits for room."""
@@ -233,184 +232,16 @@ class GpuWorker:
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind))
 
-    # ---------------------------------------------------------------- engine thread
-    def _engine_loop(self) -> None:
-        while not self.stopping.is_set():
-            if not self.engine.has_work and not self.requeued:
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
-            # jobs given back after an engine error are sent again only once a step has taken
-            # their aborts: sent earlier, one could come back here and its abort hit the new run
-            requeued, self.requeued = self.requeued, []
-            self._learn_from_peers()
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:
-                log.exception("engine step failed; giving its jobs back to the queue")
-                self._fail_all(f"engine error: {exc}")
-                continue
-            finally:
-                self._resend(requeued)
-            try:
-                self._handle(outputs)
-            except Exception:
-                log.exception("could not record engine outputs (will retry via leases)")
-
-    def _learn_from_peers(self) -> None:
-        """Records the lengths the heartbeat read from the other workers (the history is the engine thread's)."""
-        if not self.peer_lengths:
-            return
-        with self.lock:
-            lengths, self.peer_lengths = self.peer_lengths, []
-        for key, n in lengths:
-            self.engine.scheduler.history.record(key, n)
-
-    def _handle(self, outputs: list[Any]) -> None:
-        events: list[tuple[str, StreamEvent]] = []
-        first_tokens: list[ActiveJob] = []
-        for out in outputs:
-            job = self.active.get(out.request_id)
-            if job is None:
-                continue
-            attempt = job.lease.attempt
-            if out.new_token_ids and not job.first_token_recorded:
-                job.first_token_recorded = True
-                first_tokens.append(job)
-            if out.new_text or out.new_token_ids:
-                job.text.append(out.new_text)
-                events.append((out.request_id, StreamEvent("delta", attempt, out.new_text, list(out.new_token_ids))))
-            if out.event == "rejected":  # the engine could not admit it (bad input): fail this job only
-                end = self._reject(job)
-                if end is not None:
-                    events.append((out.request_id, end))
-                continue
-            if out.event in ("relegated", "resumed"):
-                self._relegation(job, out.event)
-                events.append((out.request_id, StreamEvent("status", attempt, status=out.event)))
-            if out.finished:
-                end = self._complete(job, out)
-                if end is not None:
-                    events.append((out.request_id, end))
-        self._record_first_tokens(first_tokens)
-        self._publish(events)
-
-    def _record_first_tokens(self, jobs: list[ActiveJob]) -> None:
-        """One write per step for the jobs whose first token came out in it (dashboard, job resource)."""
-        if not jobs:
-            return
-        now = utcnow()
-        with session_scope(self.url, immediate=True) as s:
-            for job in jobs:
-                s.execute(update(Job).where(Job.id == job.lease.job_id, Job.attempt == job.lease.attempt,
-                                            Job.first_token_at.is_(None)).values(first_token_at=now))
-
-    def _relegation(self, job: ActiveJob, event: str) -> None:
-        src, dst = ((JobStatus.RUNNING, JobStatus.RELEGATED) if event == "relegated"
-                    else (JobStatus.RELEGATED, JobStatus.RUNNING))
-        values = {"relegation_count": Job.relegation_count + 1} if event == "relegated" else {}
-        with session_scope(self.url, immediate=True) as s:
-            transition(s, job.lease.job_id, src, dst, worker_id=self.worker_id, attempt=job.lease.attempt,
-                       detail=f"engine {event} it", values=values)
-
-    def _complete(self, job: ActiveJob, out: Any) -> StreamEvent | None:
-        with self.lock:
-            self.active.pop(out.request_id, None)
-        if out.status is RequestStatus.FINISHED_ABORTED:
-            return None  # cancelled (the API wrote it) or lease lost: nothing to record
-        m = out.metrics
-        reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
-        text = "".join(job.text)
-        values = {"output_text": text, "finish_reason": reason, "completion_tokens": m.num_output_tokens,
-                  "prompt_tokens": job.request.prompt_len, "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s,
-                  "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s, "slo_met": m.slo_met,
-                  "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
-                  "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
-        with session_scope(self.url, immediate=True) as s:
-            ok = leases.finish(s, job.lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})")
-        if not ok:
-            return None
-        return StreamEvent("end", job.lease.attempt, status="succeeded", finish_reason=reason,
-                           data={"prompt_tokens": job.request.prompt_len, "completion_tokens": m.num_output_tokens,
-                                 "metrics": m.as_dict()})
-
-    def _reject(self, job: ActiveJob) -> StreamEvent | None:
-        with self.lock:
-            self.active.pop(job.lease.job_id, None)
-        error = "the engine rejected the request at admission (invalid parameters; see the worker log)"
-        with session_scope(self.url, immediate=True) as s:
-            if not leases.finish(s, job.lease, JobStatus.FAILED, {"error": error}, detail="rejected by the engine"):
-                return None
-        return StreamEvent("end", job.lease.attempt, status="failed", data={"error": error})
-
-    def _fail_all(self, error: str) -> None:
-        """A step raised: give every job in the engine back to the queue (another attempt, maybe on
-        another worker); a job already on its last allowed attempt fails instead, so a request that
-        breaks every engine it meets cannot circulate forever."""
-        with self.lock:
-            jobs = list(self.active.values())
-            self.active.clear()
-        events, resend = [], []
-        with session_scope(self.url, immediate=True) as s:
-            for job in jobs:
-                self.engine.abort(job.lease.job_id)
-                if job.lease.attempt >= self.settings.max_attempts:
-                    msg = f"{error} (gave up after {job.lease.attempt} attempts)"
-                    if leases.finish(s, job.lease, JobStatus.FAILED, {"error": msg}, detail="engine error"):
-                        events.append((job.lease.job_id, StreamEvent("end", job.lease.attempt, status="failed",
-                                                                     data={"error": msg})))
-                elif leases.release(s, job.lease, f"engine error on {self.worker_id}; requeued"):
-                    resend.append(job.lease.job_id)
-        self._publish(events)
-        self.requeued += resend  # sent by the engine loop after the next step took the aborts
-        if jobs:
-            log.warning("engine error: requeued %d jobs, failed %d on their last attempt", len(resend), len(events))
-
-    def _resend(self, job_ids: list[str]) -> None:
-        if not job_ids:
-            return
-        try:
-            with session_scope(self.url) as s:
-                for job_id in job_ids:  # marked dispatched, then sent; a failed send leaves it for the sweeper
-                    dispatch(s, self.settings.redis_url, job_id, self.settings.model_name,
-                             detail="requeued after an engine error")
-        except Exception:  # they are queued in SQL: the sweeper sends them
-            log.exception("could not resend %d requeued jobs", len(job_ids))
-
-    def _publish(self, events: list[tuple[str, StreamEvent]]) -> None:
-        if not events:
-            return
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id, ev in events:
-                publish(pipe, job_id, ev)
-            pipe.execute()
-        except redis.RedisError as exc:  # streaming is best effort; SQL has the result
-            log.warning("could not stream %d events: %s", len(events), exc)
-
-    # ---------------------------------------------------------------- heartbeat, sweeper, cancel
+        # ---------------------------------------------------------------- heartbeat, sweeper, cancel
     def _state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"pid": os.getpid(), "active_jobs": len(self.active), "device": self.device}
-        if self.engine is not None:
-            try:
-                cap = self.engine.executor.capacity()
-                state.update(kv_total_blocks=cap.total_blocks, kv_free_blocks=cap.free_blocks,
-                             kv_usage=round(cap.usage, 4), kv_recomputes=self.engine.num_recomputes)
-                state["queues"] = self.engine.scheduler.queue_depths()
-                state["speculation"] = self.engine.speculation.state()
-                state["draft_on_device"] = bool(self.engine.executor.draft_on_device)
-                drafter = getattr(self.engine.executor, "drafter", None)
-                state["drafter"] = type(drafter).__name__ if drafter is not None else None
-                stats = self.engine.last_stats
-                state["last_step"] = {"latency_s": stats.step_latency_s, "decodes": stats.num_decodes,
-                                      "prefill_tokens": stats.num_prefill_tokens}
-            except Exception as exc:  # the dashboard gets less detail, the heartbeat still beats
-                state["state_error"] = str(exc)
+        state: dict[str, Any] = {"pid": os.getpid(), "active_jobs": len(self.active), "device": self.device,
+                                 "outbox_pending": self.outbox.pending}
+        if self.engine_thread is not None:
+            state.update(self.engine_thread.state)  # the engine thread's snapshot: no engine reads from here
         return state
 
     def heartbeat(self) -> None:
-        with self.lock:
-            jobs = list(self.active.values())
+        jobs = self.active.snapshot()
         with session_scope(self.url, immediate=True) as s:
             held = leases.renew(s, self.worker_id, [j.lease for j in jobs], self.settings.lease_seconds)
             row = s.get(WorkerState, self.worker_id)
@@ -422,7 +253,7 @@ class GpuWorker:
             row.state = self._state()
             draining = bool(row.draining)
         for job in jobs:  # cancelled by the API, or our lease was lost: stop generating it
-            if job.lease.job_id not in held:
+            if job.lease.job_id not in held and not job.finished:
                 log.info("job %s is no longer ours (cancelled or lease lost); aborting", job.lease.job_id)
                 self.abort(job.lease.job_id)
         if draining != self.draining:
@@ -432,13 +263,12 @@ class GpuWorker:
             with session_scope(self.url) as s:
                 lengths = self.peers.read(s)
             if lengths:
-                with self.lock:
-                    self.peer_lengths.extend(lengths)
+                self.inbox.put(Learn(tuple(lengths)))
 
     def abort(self, job_id: str) -> None:
-        if job_id in self.active:
-            self.engine.abort(job_id)
-            self.wake.set()
+        with self.active.lock:  # after the job's Add (the intake queues it under this lock)
+            if job_id in self.active:
+                self.inbox.put(Abort(job_id))
 
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(self.settings.heartbeat_seconds):

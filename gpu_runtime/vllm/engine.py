@@ -101,6 +101,7 @@ class VLLMEngine:
         self.external: dict[str, str] = {}  # and back
         self.last_stats = StepStats()
         self.num_recomputes = 0
+        self.idle = False  # the last step ran nothing (work admitted, none schedulable): the caller may wait
         self._inbox = _Inbox()
         self._lock = threading.Lock()
         from vllm.platforms import current_platform
@@ -142,6 +143,7 @@ class VLLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._take_inbox()
         if not self.llm.has_unfinished_requests():
+            self.idle = not outputs
             return outputs
         t0 = time.perf_counter()
         results = self.llm.step()
@@ -150,6 +152,7 @@ class VLLMEngine:
         outputs += self._events()
         for res in results:
             outputs.append(self._output(res, now))
+        self.idle = not outputs and getattr(self.core_scheduler, "last_scheduled_tokens", 1) == 0
         last = getattr(self.core_scheduler, "last_step", None)
         self.last_stats = StepStats(num_prefill_tokens=last[0] if last else 0, num_decodes=last[1] if last else 0,
                                     step_latency_s=elapsed, prefill_budget=last[2] if last else 0)

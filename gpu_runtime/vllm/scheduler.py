@@ -83,6 +83,7 @@ class CoserveScheduler(AsyncScheduler):
         self._resumes: deque[str] = deque()
         self._max_tokens = self.max_num_scheduled_tokens
         self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
+        self.last_scheduled_tokens = 0  # every token the last schedule() gave the model (0: nothing to run)
         self.policy_s = 0.0  # seconds spent in coserve's code (policy, mirrors, arranging), vLLM's own excluded
         self.kv = VLLMKVView(self)
         self.policy = None
@@ -153,7 +154,9 @@ class CoserveScheduler(AsyncScheduler):
     # ------------------------------------------------------------ one step
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.policy is None:
-            return super().schedule(throttle_prefills)
+            out = super().schedule(throttle_prefills)
+            self.last_scheduled_tokens = out.total_num_scheduled_tokens
+            return out
         t0 = time.perf_counter()
         now = self.clock()
         while self._resumes:
@@ -190,6 +193,7 @@ class CoserveScheduler(AsyncScheduler):
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
+        self.last_scheduled_tokens = out.total_num_scheduled_tokens
         self.policy_s += time.perf_counter() - t0 - t_vllm
         return out
 

@@ -18,7 +18,9 @@ from app.services.jobs import submit_job
 from app.services.streaming import StreamEvent, stream_key
 from workers import lease as leases
 from tests.conftest import wait_for
-from workers.gpu_worker import ActiveJob, GpuWorker
+from workers.active_job import ActiveJob
+from workers.gpu_worker import GpuWorker
+from workers.outbox import StepRecords
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +46,7 @@ def test_engine_error_requeues_jobs_and_fails_only_the_exhausted(settings, keys)
     settings = settings.model_copy(update={"max_attempts": 2})
     worker = GpuWorker(settings)
     r = redis.Redis.from_url(settings.redis_url)
-    worker.engine = _Engine(lambda: r.llen("coserve.tiny"))
+    engine_thread = worker.attach(_Engine(lambda: r.llen("coserve.tiny")))
     with session_scope(url) as s:
         principal = authenticate(s, keys.paid)
         fresh, last = (submit_job(s, principal, JobCreate(prompt=p, max_tokens=4), settings, dispatch=False).job.id
@@ -54,30 +56,33 @@ def test_engine_error_requeues_jobs_and_fails_only_the_exhausted(settings, keys)
     with session_scope(url) as s:
         for job_id in (fresh, last):
             lease = leases.acquire(s, job_id, worker.worker_id, 30)
-            worker.active[job_id] = ActiveJob(lease, None, None)
+            worker.active.add(ActiveJob(lease, None, None, in_engine=True))
 
-    worker._fail_all("engine error: boom")
+    worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
+    worker.outbox.flush_events()
 
-    assert worker.active == {} and sorted(worker.engine.aborted) == sorted([fresh, last])
+    assert len(worker.active) == 0 and sorted(worker.engine.aborted) == sorted([fresh, last])
     with session_scope(url) as s:
         a, b = s.get(Job, fresh), s.get(Job, last)
         assert (a.status, a.attempt, a.worker_id, a.lease_expires_at) == ("queued", 1, None, None)
         assert b.status == "failed" and "gave up after 2 attempts" in b.error
-    assert worker.requeued == [fresh] and r.llen("coserve.tiny") == 0
+    assert engine_thread.requeued == [fresh] and r.llen("coserve.tiny") == 0
     end = StreamEvent.parse(r.xrange(stream_key(last))[-1][1])
     assert end.type == "end" and end.status == "failed"
     assert not r.exists(stream_key(fresh))  # its stream goes on with the next attempt
 
     # the engine loop sends it again only after a step took the aborts (else a quick return to
     # this worker could have its new run aborted)
-    loop = threading.Thread(target=worker._engine_loop, daemon=True)
+    worker.outbox.start()
+    loop = threading.Thread(target=engine_thread.run, daemon=True)
     loop.start()
     try:
         wait_for(lambda: r.llen("coserve.tiny") == 1, 10, "the requeued job to be sent")
     finally:
         worker.stopping.set()
         loop.join(5)
-    assert worker.engine.steps[0] == 0 and worker.requeued == []
+        worker.outbox.close()
+    assert worker.engine.steps[0] == 0 and engine_thread.requeued == []
     assert fresh.encode() in r.lrange("coserve.tiny", 0, -1)[0]
     with session_scope(url) as s:
         assert s.get(Job, fresh).status == "dispatched"

@@ -37,7 +37,7 @@ class _Engine:
 def test_heartbeat_brings_other_workers_finished_lengths_into_the_history(settings, keys):
     worker = GpuWorker(settings)
     key = history_key("summarize", keys.tenant_id, "batch")
-    worker.engine = _Engine(key)
+    engine_thread = worker.attach(_Engine(key))
     start = utcnow()
     worker.peers = PeerLengths(settings.model_name, worker.worker_id, since=start)
     with session_scope(settings.sqlalchemy_url) as s:
@@ -48,9 +48,11 @@ def test_heartbeat_brings_other_workers_finished_lengths_into_the_history(settin
     assert worker.engine.scheduler.history.predict(key, 4096) == 4096  # nothing known yet
 
     worker.heartbeat()
-    assert sorted(worker.peer_lengths) == [(key, 90), (key, 100), (key, 110)]
+    (learned,) = worker.inbox.drain()
+    assert sorted(learned.lengths) == [(key, 90), (key, 100), (key, 110)]
+    worker.inbox.put(learned)
 
-    loop = threading.Thread(target=worker._engine_loop, daemon=True)
+    loop = threading.Thread(target=engine_thread.run, daemon=True)
     loop.start()
     try:
         wait_for(lambda: worker.engine.predicted_at_step, 10, "an engine step")
@@ -58,6 +60,6 @@ def test_heartbeat_brings_other_workers_finished_lengths_into_the_history(settin
         worker.stopping.set()
         loop.join(5)
     # recorded before the first step; the 4000-token job this worker finished itself is not counted twice
-    assert worker.engine.predicted_at_step[0] == 120 and worker.peer_lengths == []
+    assert worker.engine.predicted_at_step[0] == 120 and len(worker.inbox) == 0
     worker.heartbeat()
-    assert worker.peer_lengths == []  # each job read once
+    assert len(worker.inbox) == 0  # each job read once

@@ -1,0 +1,236 @@
+"""The worker's threads keep one writer each (issue 19, item 6): each race the code review found,
+reproduced against the real DB and Redis with the real engine thread and outbox around a real
+``Engine`` on the simulated executor (or a stand-in engine where the race needs one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from app.auth import authenticate
+from app.db.models import Job
+from app.db.session import session_scope
+from app.embedded import start_redis
+from app.schemas import JobCreate
+from app.services.jobs import submit_job
+from app.services.streaming import StreamEvent, stream_key
+from gpu_runtime.engine import Engine, RequestOutput
+from gpu_runtime.executor.sim import SimExecutor
+from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.request import Request, RequestStatus
+from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.scheduler.registry import create_scheduler
+from tests.conftest import free_port
+from tests.unit.scheduler.helpers import COST
+from workers import control, outbox as outbox_module
+from workers import lease as leases
+from workers.active_job import ActiveJob, ActiveJobs
+from workers.gpu_worker import GpuWorker
+from workers.inbox import Abort, Add
+from workers.outbox import Outbox, StepRecords
+
+pytestmark = pytest.mark.integration
+
+
+def _request(job_id: str, tier: Tier = Tier.PAID, max_tokens: int = 4) -> Request:
+    return Request(job_id, [1] * 8, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=60.0, tbt_s=10.0), 0.0)
+
+
+def _leased_jobs(settings, keys, worker, n: int, in_engine: bool = False) -> list[ActiveJob]:
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        principal = authenticate(s, keys.paid)
+        ids = [submit_job(s, principal, JobCreate(prompt=f"p{i}", max_tokens=4), settings, dispatch=False).job.id
+               for i in range(n)]
+    jobs = []
+    with session_scope(url) as s:
+        for job_id in ids:
+            job = ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30), _request(job_id), s.get(Job, job_id)
+                            .created_at, in_engine=in_engine)
+            worker.active.add(job)
+            jobs.append(job)
+    return jobs
+
+
+def _finished(job: ActiveJob) -> RequestOutput:
+    req = job.request
+    req.output_token_ids, req.token_times, req.finish_time = [5, 6], [0.1, 0.2], 0.2
+    req.status = RequestStatus.FINISHED_LENGTH
+    from gpu_runtime.metrics import request_metrics
+
+    return RequestOutput(job.job_id, [6], "", RequestStatus.FINISHED_LENGTH, metrics=request_metrics(req))
+
+
+class _OneStep:
+    """Returns the given outputs from its first step, then nothing."""
+
+    has_work = True
+    idle = False
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self.outputs = outputs
+
+    def step(self) -> list[RequestOutput]:
+        out, self.outputs = self.outputs, []
+        return out
+
+
+def _status(url: str, job_id: str) -> str:
+    with session_scope(url) as s:
+        return s.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def test_a_write_that_raises_neither_drops_the_steps_other_outputs_nor_holds_the_job(settings, keys, monkeypatch):
+    worker = GpuWorker(settings)
+    a, b, c = _leased_jobs(settings, keys, worker, 3, in_engine=True)
+    engine_thread = worker.attach(_OneStep([_finished(a), _finished(b), _finished(c)]))
+    real_finish, calls = leases.finish, {a.job_id: 0, c.job_id: 0}
+
+    def finish(s, lease, *args, **kw):  # a's write fails once, c's every time
+        if lease.job_id in calls:
+            calls[lease.job_id] += 1
+            if lease.job_id == c.job_id or calls[lease.job_id] == 1:
+                raise RuntimeError("disk I/O error")
+        return real_finish(s, lease, *args, **kw)
+    monkeypatch.setattr(leases, "finish", finish)
+
+    worker.outbox.apply(engine_thread.iterate())
+    url = settings.sqlalchemy_url
+    assert _status(url, b.job_id) == "succeeded"  # the write after the failed one went through
+    assert _status(url, a.job_id) == "running" and a.job_id in worker.active  # retried, its lease still renewed
+    for _ in range(outbox_module.MAX_TRIES):
+        for record in worker.outbox._retry:
+            record.not_before = 0.0
+        worker.outbox.retry_due()
+    assert _status(url, a.job_id) == "succeeded" and calls[a.job_id] == 2
+    # c's write never succeeds: given up, the job leaves the worker, so its lease lapses for the sweeper
+    assert calls[c.job_id] == outbox_module.MAX_TRIES and len(worker.active) == 0
+    worker.outbox.flush_events()
+    r = redis.Redis.from_url(settings.redis_url)
+    ends = {j.job_id: StreamEvent.parse(r.xrange(stream_key(j.job_id))[-1][1]) for j in (a, b)}
+    assert {e.status for e in ends.values()} == {"succeeded"}
+    c_events = [StreamEvent.parse(raw).type for _id, raw in r.xrange(stream_key(c.job_id))]
+    assert c_events == ["delta"]  # its token streamed, but no "end" for a result that is not in SQL
+
+
+class _Recorder:
+    """A stand-in engine that records the calls the engine thread makes."""
+
+    has_work = False
+    idle = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.requests: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        self.calls.append(("add", request.request_id))
+        self.requests[request.request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        self.calls.append(("abort", request_id))
+
+    def step(self) -> list:
+        return []
+
+
+def test_an_abort_that_arrives_before_the_engine_took_the_add_still_stops_the_job(settings, keys):
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Recorder())
+    (job,) = _leased_jobs(settings, keys, worker, 1)
+    worker.inbox.put(Add(job.job_id))  # the intake's add, not yet applied by the engine thread
+    worker.abort(job.job_id)  # the cancel listener, in between
+    engine_thread.iterate()
+    assert worker.engine.calls == [("add", job.job_id), ("abort", job.job_id)]
+    # an abort for a job the engine never got is not applied to a later run of the same id
+    worker.inbox.put(Abort("job_unknown"))
+    engine_thread.iterate()
+    assert worker.engine.calls[-1] == ("abort", job.job_id)
+
+
+def test_reconcile_gives_back_a_job_the_engine_lost(settings, keys):
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Recorder())
+    kept, lost = _leased_jobs(settings, keys, worker, 2, in_engine=True)
+    worker.engine.requests[kept.job_id] = kept.request  # the engine knows only one of them
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    assert worker.active.snapshot_ids() == [kept.job_id]
+    url = settings.sqlalchemy_url
+    assert _status(url, lost.job_id) == "dispatched" and _status(url, kept.job_id) == "running"
+    assert redis.Redis.from_url(settings.redis_url).llen("coserve.tiny") == 1  # sent to a worker again
+
+
+class _Stuck:
+    """Work admitted that the scheduler cannot place (e.g. all KV held): every step runs nothing."""
+
+    has_work = True
+    idle = True
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self) -> list:
+        self.steps += 1
+        return []
+
+
+def test_an_engine_with_nothing_schedulable_is_not_spun(settings):
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Stuck())
+    loop = threading.Thread(target=engine_thread.run, daemon=True)
+    loop.start()
+    time.sleep(0.5)
+    worker.stopping.set()
+    worker.inbox.wake()
+    loop.join(5)
+    # backing off 1 ms -> 50 ms: about 15 steps in 0.5 s (a spinning loop makes thousands)
+    assert 3 <= worker.engine.steps <= 40, worker.engine.steps
+    steps = worker.engine.steps
+    worker.stopping.clear()
+    worker.inbox.put(Abort("x"))  # a command wakes it at once
+    started = time.monotonic()
+    engine_thread.iterate()
+    assert time.monotonic() - started < 0.1 and worker.engine.steps == steps + 1
+
+
+def test_a_promotion_reaches_the_scheduler_through_the_inbox_and_keeps_its_tier_counts(settings):
+    worker = GpuWorker(settings)
+    engine = Engine(SimExecutor(COST, kv_blocks=64, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine_thread = worker.attach(engine)
+    free = _request("free-job", Tier.FREE)
+    engine.add_request(free)
+    engine.step()  # admitted and waiting or running
+    control.handle(worker.inbox, {"action": "promote", "job_id": "free-job", "tier": "paid"})
+    assert free.qos.tier is Tier.FREE  # the control thread changed nothing itself
+    engine_thread.iterate()  # the engine thread applies it, the next step the scheduler
+    engine.step()
+    assert free.qos.tier is Tier.PAID and engine.scheduler.free_waiting == 0
+    engine.abort("free-job")
+    engine.step()
+    assert engine.scheduler.free_waiting == 0 and engine.scheduler.num_unfinished == 0
+
+
+def test_stream_events_wait_in_order_while_redis_is_away(tmp_path, settings):
+    port = free_port()
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.5, socket_timeout=1.0)
+    box = Outbox(settings.sqlalchemy_url, client, ActiveJobs())
+    deltas = [("job_a", StreamEvent("delta", 1, t, [i], offset=3 * i)) for i, t in enumerate(("one", "two", "thr"))]
+    box.apply(StepRecords(deltas=deltas[:2]))
+    box.flush_events()  # Redis is down: nothing is lost
+    assert box.pending == 2
+    box.apply(StepRecords(deltas=deltas[2:]))
+    proc, url = start_redis(tmp_path / "redis", port)
+    try:
+        box._publish_after = 0.0
+        box.flush_events()
+        assert box.pending == 0
+        got = [StreamEvent.parse(raw) for _id, raw in redis.Redis.from_url(url).xrange(stream_key("job_a"))]
+        assert [(e.text, e.offset) for e in got] == [("one", 0), ("two", 3), ("thr", 6)]
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,0 +1,73 @@
+"""The jobs a worker holds: one ``ActiveJob`` per leased job, in an ``ActiveJobs`` registry.
+
+Who writes what: the Celery intake adds a job; the engine thread alone fills in what the
+engine produced (text, offsets, ``in_engine``, ``finished``); the outbox's I/O thread removes
+a job once its last write is durable. The heartbeat reads the leases to renew them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from gpu_runtime.request import Request
+from workers.lease import Lease
+
+
+@dataclass
+class ActiveJob:
+    lease: Lease
+    request: Request | None
+    created_at: datetime | None
+    text: list[str] = field(default_factory=list)  # engine thread: what it produced so far
+    produced: int = 0  # engine thread: characters streamed so far, the next delta's offset
+    first_token_recorded: bool = False
+    in_engine: bool = False  # engine thread: its add was applied
+    finished: bool = False  # engine thread: its last record is in the outbox
+
+    @property
+    def job_id(self) -> str:
+        return self.lease.job_id
+
+
+class ActiveJobs:
+    """A lock-guarded map job id -> ActiveJob; ``lock`` also orders intake against aborts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._jobs: dict[str, ActiveJob] = {}
+
+    def add(self, job: ActiveJob) -> None:
+        with self.lock:
+            self._jobs[job.job_id] = job
+
+    def get(self, job_id: str) -> ActiveJob | None:
+        return self._jobs.get(job_id)
+
+    def pop(self, job_id: str) -> ActiveJob | None:
+        with self.lock:
+            return self._jobs.pop(job_id, None)
+
+    def take_all(self) -> list[ActiveJob]:
+        with self.lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+        return jobs
+
+    def snapshot(self) -> list[ActiveJob]:
+        with self.lock:
+            return list(self._jobs.values())
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.snapshot_ids())
+
+    def snapshot_ids(self) -> list[str]:
+        with self.lock:
+            return list(self._jobs)

@@ -1,0 +1,285 @@
+"""The engine thread: the only caller of the engine and the only writer of what it produced.
+
+Each iteration it applies the inbox's commands in order (add, abort, resume, promote,
+learned lengths), runs one engine step, and turns the step's outputs into outbox records:
+token deltas (each with its character offset, so a reader can tell a gap from a pause),
+first-token times, relegations and resumptions, completions and rejections. It never does
+I/O itself. It also keeps the worker honest:
+
+* reconcile: every ``reconcile_s`` a job the worker holds that the engine no longer knows
+  (lost without an output) is given back to the queue instead of being renewed forever;
+* an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
+  its inbox, backing off from 1 ms to 50 ms;
+* a step that raises gives every job back to the queue (the last allowed attempt fails), and
+  those jobs are sent again only after the next step took their aborts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from app.db.models import Job, JobStatus
+from app.services.dispatch import dispatch
+from app.services.streaming import StreamEvent
+from app.services.transitions import transition, utcnow
+from app.settings import Settings
+from gpu_runtime.request import RequestStatus
+from workers import lease as leases
+from workers.active_job import ActiveJob, ActiveJobs
+from workers.inbox import Abort, Add, Command, Inbox, Learn, Promote, Resume
+from workers.outbox import Outbox, Record, StepRecords
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # no work at all: wait this long for the inbox
+IDLE_BACKOFF_S = (0.001, 0.05)  # work admitted but nothing schedulable: first and longest sleep
+
+
+class EngineThread:
+    def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
+                 worker_id: str, stopping: threading.Event, reconcile_s: float | None = None) -> None:
+        self.engine = engine
+        self.active = active
+        self.inbox = inbox
+        self.outbox = outbox
+        self.settings = settings
+        self.worker_id = worker_id
+        self.stopping = stopping
+        self.reconcile_s = reconcile_s if reconcile_s is not None else settings.heartbeat_seconds
+        self.requeued: list[str] = []  # given back after an engine error, to send after the next step
+        self._next_reconcile = time.monotonic() + self.reconcile_s
+        self._idle_sleep = 0.0
+        self.state: dict[str, Any] = {}  # the engine's facts for the heartbeat, refreshed by this thread
+        self.refresh_state()
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.outbox.put(self.iterate())
+
+    def iterate(self) -> StepRecords:
+        """One turn: commands, maybe a step, the records they produced (sleeps when there is nothing to do)."""
+        step = StepRecords(records=self._apply(self.inbox.drain()))
+        if not self.engine.has_work and not self.requeued:
+            step.records += self._reconcile_if_due()
+            if not step:
+                self.inbox.wait(IDLE_WAIT_S)
+            return step
+        # jobs given back after an engine error are sent again only once a step has taken their aborts:
+        # sent earlier, one could come back here and its abort hit the new run
+        requeued, self.requeued = self.requeued, []
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; giving its jobs back to the queue")
+            step.records += self._resend(requeued) + self.fail_all(f"engine error: {exc}")
+            return step
+        produced = self._records(outputs)
+        step.deltas += produced.deltas
+        step.records += produced.records + self._resend(requeued) + self._reconcile_if_due()
+        self._pace(bool(outputs))
+        return step
+
+    def _pace(self, produced: bool) -> None:
+        """Sleeps on the inbox while the engine has work it cannot schedule (no busy spin)."""
+        if produced or not getattr(self.engine, "idle", False):
+            self._idle_sleep = 0.0
+            return
+        first, longest = IDLE_BACKOFF_S
+        self._idle_sleep = min(longest, max(first, self._idle_sleep * 2))
+        self.inbox.wait(self._idle_sleep)
+
+    # ---------------------------------------------------------------- commands
+    def _apply(self, commands: list[Command]) -> list[Record]:
+        records: list[Record] = []
+        for cmd in commands:
+            job = self.active.get(cmd.job_id) if not isinstance(cmd, Learn) else None
+            if isinstance(cmd, Add):
+                if job is None or job.finished:
+                    continue
+                try:
+                    self.engine.add_request(job.request)
+                    job.in_engine = True
+                except Exception as exc:  # bad input the API could not catch: fail this attempt only
+                    log.warning("job %s failed at admission: %s", cmd.job_id, exc)
+                    job.finished = True
+                    records.append(self._failure(job, str(exc), "rejected by the engine"))
+            elif isinstance(cmd, Abort):
+                if job is not None and job.in_engine and not job.finished:
+                    self.engine.abort(cmd.job_id)
+            elif isinstance(cmd, Resume):
+                self.engine.resume(cmd.job_id)
+            elif isinstance(cmd, Promote):
+                self.engine.promote(cmd.job_id, cmd.tier)
+            elif isinstance(cmd, Learn):
+                for key, n in cmd.lengths:
+                    self.engine.scheduler.history.record(key, n)
+        return records
+
+    # ---------------------------------------------------------------- outputs -> records
+    def _records(self, outputs: list[Any]) -> StepRecords:
+        step = StepRecords()
+        first_tokens: list[ActiveJob] = []
+        for out in outputs:
+            job = self.active.get(out.request_id)
+            if job is None or job.finished:
+                continue
+            attempt = job.lease.attempt
+            if out.new_token_ids and not job.first_token_recorded:
+                job.first_token_recorded = True
+                first_tokens.append(job)
+            if out.new_text or out.new_token_ids:
+                job.text.append(out.new_text)
+                step.deltas.append((job.job_id, StreamEvent("delta", attempt, out.new_text, list(out.new_token_ids),
+                                                            offset=job.produced)))
+                job.produced += len(out.new_text)
+            if out.event == "rejected":  # the engine could not admit it (bad input): fail this job only
+                job.finished = True
+                step.records.append(self._failure(job, "the engine rejected the request at admission (invalid "
+                                                       "parameters; see the worker log)", "rejected by the engine"))
+                continue
+            if out.event in ("relegated", "resumed"):
+                step.records.append(self._relegation(job, out.event))
+            if out.finished:
+                job.finished = True
+                step.records.append(self._completion(job, out))
+        if first_tokens:
+            step.records.insert(0, self._first_tokens(first_tokens))
+        return step
+
+    def _first_tokens(self, jobs: list[ActiveJob]) -> Record:
+        """One write per step for the jobs whose first token came out in it (dashboard, job resource)."""
+        now, keys = utcnow(), [(j.job_id, j.lease.attempt) for j in jobs]
+
+        def write(s: Session) -> None:
+            for job_id, attempt in keys:
+                s.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt, Job.first_token_at.is_(None))
+                          .values(first_token_at=now))
+        return Record(f"first tokens of {len(keys)} jobs", write)
+
+    def _relegation(self, job: ActiveJob, event: str) -> Record:
+        src, dst = ((JobStatus.RUNNING, JobStatus.RELEGATED) if event == "relegated"
+                    else (JobStatus.RELEGATED, JobStatus.RUNNING))
+        values = {"relegation_count": Job.relegation_count + 1} if event == "relegated" else {}
+        lease = job.lease
+
+        def write(s: Session) -> bool:
+            return transition(s, lease.job_id, src, dst, worker_id=self.worker_id, attempt=lease.attempt,
+                              detail=f"engine {event} it", values=values)
+        return Record(f"{event} {lease.job_id}", write,
+                      [(lease.job_id, StreamEvent("status", lease.attempt, status=event))])
+
+    def _completion(self, job: ActiveJob, out: Any) -> Record:
+        if out.status is RequestStatus.FINISHED_ABORTED:
+            return Record(f"abort of {job.job_id}", leaving=job.job_id)  # cancelled (the API wrote it) or lease lost
+        m = out.metrics
+        reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
+        prompt_tokens = job.request.prompt_len
+        values = {"output_text": "".join(job.text), "finish_reason": reason, "completion_tokens": m.num_output_tokens,
+                  "prompt_tokens": prompt_tokens, "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s,
+                  "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s, "slo_met": m.slo_met,
+                  "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
+                  "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
+        lease = job.lease
+        end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
+                          data={"prompt_tokens": prompt_tokens, "completion_tokens": m.num_output_tokens,
+                                "metrics": m.as_dict()})
+
+        def write(s: Session) -> bool:
+            return leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})")
+        return Record(f"the result of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
+
+    @staticmethod
+    def _failure(job: ActiveJob, error: str, detail: str) -> Record:
+        lease = job.lease
+        end = StreamEvent("end", lease.attempt, status="failed", data={"error": error})
+
+        def write(s: Session) -> bool:
+            return leases.finish(s, lease, JobStatus.FAILED, {"error": error}, detail=detail)
+        return Record(f"the failure of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
+
+    # ---------------------------------------------------------------- giving jobs back
+    def fail_all(self, error: str) -> list[Record]:
+        """A step raised: every job in the engine goes back to the queue (another attempt, maybe on another
+        worker); a job on its last allowed attempt fails instead, so a request that breaks every engine it
+        meets cannot circulate forever."""
+        records = []
+        for job in self.active.snapshot():
+            if job.finished:
+                continue
+            job.finished = True
+            if job.in_engine:
+                self.engine.abort(job.job_id)
+            if job.lease.attempt >= self.settings.max_attempts:
+                records.append(self._failure(job, f"{error} (gave up after {job.lease.attempt} attempts)",
+                                             "engine error"))
+            else:
+                records.append(self._give_back(job, f"engine error on {self.worker_id}; requeued"))
+                self.requeued.append(job.job_id)  # sent after the next step took the aborts
+        if records:
+            log.warning("engine error: gave back %d jobs (%d to requeue)", len(records), len(self.requeued))
+        return records
+
+    @staticmethod
+    def _give_back(job: ActiveJob, detail: str) -> Record:
+        lease = job.lease
+        return Record(f"the release of {lease.job_id}", lambda s: leases.release(s, lease, detail),
+                      leaving=lease.job_id)
+
+    def _resend(self, job_ids: list[str]) -> list[Record]:
+        if not job_ids:
+            return []
+        url, model = self.settings.redis_url, self.settings.model_name
+
+        def write(s: Session) -> None:  # marked dispatched, then sent; a failed send leaves it for the sweeper
+            for job_id in job_ids:
+                dispatch(s, url, job_id, model, detail="requeued after an engine error")
+        return [Record(f"the resend of {len(job_ids)} jobs", write)]
+
+    def _reconcile_if_due(self) -> list[Record]:
+        now = time.monotonic()
+        if now < self._next_reconcile:
+            return []
+        self._next_reconcile = now + self.reconcile_s
+        self.refresh_state()
+        return self.reconcile()
+
+    def refresh_state(self) -> None:
+        """A snapshot of the engine for the worker's row (KV, queues, speculation, last step)."""
+        engine, state = self.engine, {}
+        try:
+            cap = engine.executor.capacity()
+            state.update(kv_total_blocks=cap.total_blocks, kv_free_blocks=cap.free_blocks,
+                         kv_usage=round(cap.usage, 4), kv_recomputes=engine.num_recomputes)
+            state["queues"] = engine.scheduler.queue_depths()
+            state["speculation"] = engine.speculation.state()
+            state["draft_on_device"] = bool(engine.executor.draft_on_device)
+            drafter = getattr(engine.executor, "drafter", None)
+            state["drafter"] = type(drafter).__name__ if drafter is not None else None
+            stats = engine.last_stats
+            state["last_step"] = {"latency_s": stats.step_latency_s, "decodes": stats.num_decodes,
+                                  "prefill_tokens": stats.num_prefill_tokens}
+        except Exception as exc:  # the dashboard gets less detail, the heartbeat still beats
+            state["state_error"] = str(exc)
+        self.state = state
+
+    def reconcile(self) -> list[Record]:
+        """Jobs the worker holds that the engine no longer knows go back to the queue."""
+        live = getattr(self.engine, "requests", None)
+        if not isinstance(live, dict):
+            return []
+        records = []
+        for job in self.active.snapshot():
+            if job.in_engine and not job.finished and job.job_id not in live:
+                log.warning("job %s is held by this worker but not in its engine; giving it back", job.job_id)
+                job.finished = True
+                records.append(self._give_back(job, f"lost by the engine of {self.worker_id}; requeued"))
+                records += self._resend([job.job_id])
+        return records

@@ -1,0 +1,82 @@
+"""What other threads ask of the engine thread, in one FIFO: add, abort, resume, promote, learn.
+
+The engine thread is the only caller of the engine. The Celery intake, the cancel
+listener, the heartbeat and the operator's control listener put commands here; the
+engine thread applies them, in order, before each step. Because the intake registers a
+job and queues its ``Add`` under the registry's lock, an ``Abort`` for a job the worker
+holds is always applied after its ``Add``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from gpu_runtime.qos import Tier
+
+
+@dataclass(frozen=True)
+class Add:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Promote:
+    job_id: str
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class Learn:
+    """Output lengths the model's other workers finished (read by the heartbeat from SQL)."""
+
+    lengths: tuple[tuple[str, int], ...]
+
+
+Command = Add | Abort | Resume | Promote | Learn
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._commands: deque[Command] = deque()
+        self._lock = threading.Lock()
+        self.ready = threading.Event()
+
+    def put(self, command: Command) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self.ready.set()
+
+    def drain(self) -> list[Command]:
+        with self._lock:
+            commands, self._commands = list(self._commands), deque()
+        return commands
+
+    def wait(self, timeout: float) -> None:
+        """Sleeps until a command arrives (or ``wake``), at most ``timeout`` seconds."""
+        self.ready.wait(timeout)
+        self.ready.clear()
+
+    def wake(self) -> None:
+        self.ready.set()
+
+    def __len__(self) -> int:
+        return len(self._commands)
+
+    # the verbs of the operator's control messages (workers/control.py)
+    def resume(self, job_id: str) -> None:
+        self.put(Resume(job_id))
+
+    def promote(self, job_id: str, tier: Tier) -> None:
+        self.put(Promote(job_id, tier))

@@ -1,0 +1,190 @@
+"""The engine thread's outputs on their way to SQL and Redis: an outbox drained by one I/O thread.
+
+The engine thread never waits on I/O. After each step it puts one ``StepRecords`` here: the
+step's token deltas (stream events) and its ``Record``s (a SQL write, the events it unlocks,
+and whether the job leaves the worker once it is written). The I/O thread, the only one that
+writes the engine's results:
+
+* applies each record on its own, so one write that raises cannot drop the others; a failed
+  write is retried with backoff, and given up after ``MAX_TRIES`` (the job then leaves the
+  worker, its lease lapses and the sweeper runs it again);
+* publishes stream events in the order they were produced and never drops them while Redis
+  is away: they wait, in order, and go out when it is back (a client's stream pauses);
+* publishes a record's events only after its write committed (a reader that sees ``end`` finds
+  the job terminal in SQL).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+from sqlalchemy.orm import Session
+
+from app.db.session import session_scope
+from app.services.streaming import StreamEvent, publish
+from workers.active_job import ActiveJobs
+
+log = logging.getLogger(__name__)
+
+MAX_TRIES = 8  # a write's attempts before it is given up (backoff 0.5 s doubling, capped at 8 s: ~40 s)
+MAX_WAITING_EVENTS = 500_000  # past this, the oldest waiting events are dropped (readers see the gap)
+PUBLISH_CHUNK = 2048
+
+
+@dataclass
+class Record:
+    """One SQL write for the worker's jobs and the stream events it unlocks."""
+
+    what: str  # for the log: "finish job_x", "first tokens", ...
+    write: Callable[[Session], bool | None] | None = None  # False: the lease is not ours; skip the events
+    events: list[tuple[str, StreamEvent]] = field(default_factory=list)
+    leaving: str | None = None  # a job id that leaves the worker once this record is done (or given up)
+    tries: int = 0
+    not_before: float = 0.0
+
+
+@dataclass
+class StepRecords:
+    deltas: list[tuple[str, StreamEvent]] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.deltas or self.records)
+
+
+class Outbox:
+    def __init__(self, url: str, redis_client: redis.Redis, active: ActiveJobs) -> None:
+        self.url = url
+        self.redis = redis_client
+        self.active = active
+        self._steps: queue.Queue[StepRecords | None] = queue.Queue()
+        self._retry: list[Record] = []
+        self._events: deque[tuple[str, StreamEvent]] = deque()
+        self._publish_after = 0.0
+        self._publish_backoff = 0.0
+        self._thread: threading.Thread | None = None
+
+    # ---- the engine thread's side
+    def put(self, step: StepRecords) -> None:
+        if step:
+            self._steps.put(step)
+
+    # ---- life cycle
+    def start(self) -> threading.Thread:
+        self._thread = threading.Thread(target=self.run, name="coserve-outbox", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Writes what is queued (retrying for at most ``timeout``), then stops the thread."""
+        self._steps.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout + 5)
+
+    @property
+    def pending(self) -> int:
+        """Steps, retries and events not written yet (tests, the heartbeat's state)."""
+        return self._steps.qsize() + len(self._retry) + len(self._events)
+
+    # ---- the I/O thread
+    def run(self, close_timeout: float = 15.0) -> None:
+        closing_at: float | None = None
+        while True:
+            wait = 0.5 if not (self._retry or self._events) else 0.05
+            try:
+                step = self._steps.get(timeout=wait) if closing_at is None else self._steps.get_nowait()
+            except queue.Empty:
+                step = None
+            else:
+                if step is None:
+                    closing_at = time.monotonic()
+            if step:
+                self.apply(step)
+            self.retry_due()
+            self.flush_events()
+            if closing_at is not None and self._steps.empty():
+                done = not (self._retry or self._events)
+                if done or time.monotonic() - closing_at > close_timeout:
+                    if not done:
+                        log.error("outbox closed with %d writes and %d stream events unwritten",
+                                  len(self._retry), len(self._events))
+                    return
+
+    def apply(self, step: StepRecords) -> None:
+        self._queue_events(step.deltas)
+        for record in step.records:
+            self._try(record)
+
+    def retry_due(self) -> None:
+        now = time.monotonic()
+        due = [r for r in self._retry if r.not_before <= now]
+        if not due:
+            return
+        self._retry = [r for r in self._retry if r.not_before > now]
+        for record in due:
+            self._try(record)
+
+    def _try(self, record: Record) -> None:
+        ok: bool | None = True
+        if record.write is not None:
+            try:
+                with session_scope(self.url, immediate=True) as s:
+                    ok = record.write(s)
+            except Exception as exc:
+                record.tries += 1
+                if record.tries >= MAX_TRIES:
+                    log.error("gave up writing %s after %d tries: %s%s", record.what, record.tries, exc,
+                              "; the job leaves this worker and its lease will lapse" if record.leaving else "")
+                    self._leave(record)
+                    return
+                record.not_before = time.monotonic() + min(8.0, 0.5 * 2 ** (record.tries - 1))
+                log.warning("could not write %s (try %d, will retry): %s", record.what, record.tries, exc)
+                self._retry.append(record)
+                return
+        if ok is not False:
+            self._queue_events(record.events)
+        self._leave(record)
+
+    def _leave(self, record: Record) -> None:
+        if record.leaving is not None:
+            self.active.pop(record.leaving)
+
+    def _queue_events(self, events: list[tuple[str, StreamEvent]]) -> None:
+        self._events.extend(events)
+        overflow = len(self._events) - MAX_WAITING_EVENTS
+        if overflow > 0:
+            for _ in range(overflow):
+                self._events.popleft()
+            log.error("dropped the %d oldest stream events waiting for Redis (readers fill the gap from SQL)",
+                      overflow)
+
+    def flush_events(self) -> None:
+        """Publishes the waiting events in order; on a Redis error they stay, to be sent again."""
+        if not self._events or time.monotonic() < self._publish_after:
+            return
+        while self._events:
+            chunk = [self._events[i] for i in range(min(PUBLISH_CHUNK, len(self._events)))]
+            try:
+                pipe = self.redis.pipeline(transaction=True)  # all of a chunk or none of it
+                for job_id, ev in chunk:
+                    publish(pipe, job_id, ev)
+                pipe.execute()
+            except redis.RedisError as exc:
+                first = self._publish_backoff == 0.0
+                self._publish_backoff = min(2.0, max(0.1, self._publish_backoff * 2))
+                self._publish_after = time.monotonic() + self._publish_backoff
+                if first:
+                    log.warning("streams paused, %d events wait for Redis: %s", len(self._events), exc)
+                return
+            for _ in chunk:
+                self._events.popleft()
+            if self._publish_backoff:
+                log.warning("Redis is back: streams resumed")
+                self._publish_backoff = 0.0
