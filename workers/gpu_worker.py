@@ -34,6 +34,7 @@ from sqlalchemy import update
 from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
+from app.observability import engine_metrics
 from app.services.dispatch import send_job
 from app.services.model_info import encode_input, get_tokenizer
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent
@@ -252,6 +253,11 @@ class GpuWorker:
             row.heartbeat_at = utcnow()
             row.state = self._state()
             draining = bool(row.draining)
+        if self.backend == "vllm":  # vLLM's own metrics, for the API's /metrics
+            try:
+                engine_metrics.publish(self.redis, self.worker_id, 3 * self.settings.heartbeat_seconds + 5)
+            except redis.RedisError as exc:
+                log.debug("engine metrics not published: %s", exc)
         for job in jobs:  # cancelled by the API, or our lease was lost: stop generating it
             if job.lease.job_id not in held and not job.finished:
                 log.info("job %s is no longer ours (cancelled or lease lost); aborting", job.lease.job_id)

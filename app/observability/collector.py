@@ -59,13 +59,16 @@ def vllm_alias(family: Metric) -> Metric:
 
 
 class SqlCollector(Collector):
-    def __init__(self, url: str, model_name: str, tiers: Sequence[str] | None = None) -> None:
-        """``tiers``: the configured tiers, each gets its gauge series (zero when it has no jobs)."""
+    def __init__(self, url: str, model_name: str, tiers: Sequence[str] | None = None,
+                 engine_names: set[str] | frozenset[str] = frozenset()) -> None:
+        """``tiers``: the configured tiers, each gets its gauge series (zero when it has no jobs).
+        ``engine_names``: the ``vllm:`` names the engines export themselves (their aliases are left out)."""
         if tiers is None:
             from app.settings import get_settings
 
             tiers = get_settings().tiers
         self.url, self.model_name, self.tiers = url, model_name, tuple(tiers)
+        self.engine_names = engine_names
 
     def collect(self) -> Iterator:
         # every aggregate is computed by the database: a scrape costs a few grouped scans, not
@@ -77,7 +80,7 @@ class SqlCollector(Collector):
             counters = list(self._counters(s))
         for family in (*self._gauges(by_state, workers), *histograms, *counters):
             yield family
-            if family.name in VLLM_ALIASES:
+            if family.name in VLLM_ALIASES and VLLM_ALIASES[family.name] not in self.engine_names:
                 yield vllm_alias(family)
 
     def _gauges(self, by_state, workers) -> Iterator:

@@ -77,6 +77,21 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert state["kv_total_blocks"] > 0 and "relegated" in state["queues"], state
     assert state["speculation"]["engine"] == "vllm"
 
+    # vLLM's own engine metrics come through the API's /metrics, labelled with the worker; each name once
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def engine_families() -> dict:
+        text = httpx.get(f"{base}/metrics").text
+        return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+    fams = wait_for(lambda: (f := engine_families()).get("vllm:generation_tokens") and f, 30,
+                    "vLLM's engine metrics in /metrics")
+    generated = [s for s in fams["vllm:generation_tokens"].samples if s.labels.get("worker_id") == "w-vllm"]
+    assert generated and generated[0].value >= batch["completion_tokens"], generated
+    assert "vllm:kv_cache_usage_perc" in fams and "vllm:time_to_first_token_seconds" in fams
+    text = httpx.get(f"{base}/metrics").text
+    assert text.count("# TYPE vllm:num_requests_running ") == 1  # vLLM's own, not also coserve's alias
+    assert "coserve:num_requests_running" in text
+
 
 def test_free_job_relegated_under_load_then_finishes(vllm_stack):
     """A free job that cannot make its 1 ms TTFT is relegated (SQL says so), then finishes when load drops."""

@@ -1,0 +1,104 @@
+"""vLLM's own engine metrics, carried from the workers to the API's ``GET /metrics``.
+
+A worker on the vLLM backend runs vLLM's Prometheus stat logger in its process (the
+``vllm:`` series a ``vllm serve`` exports: scheduler state, KV usage, token counters, latency
+histograms, speculative decoding). Its heartbeat stores a snapshot of those series in Redis
+(``coserve:engine-metrics:<worker_id>``, expiring if the worker stops beating); the API merges
+every live worker's snapshot into one family per name, each sample labelled with its
+``worker_id``. Where vLLM exports a name itself, coserve's SQL-derived alias of that name
+(``collector.VLLM_ALIASES``) is left out, so each name appears once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "coserve:engine-metrics:"
+ENGINE_PREFIX = "vllm:"
+
+
+def engine_metrics_key(worker_id: str) -> str:
+    return KEY_PREFIX + worker_id
+
+
+def snapshot(registry: CollectorRegistry = REGISTRY, prefix: str = ENGINE_PREFIX) -> list[dict]:
+    """The registry's families whose name starts with ``prefix``, as JSON-ready dicts."""
+    out = []
+    for family in registry.collect():
+        if not family.name.startswith(prefix):
+            continue
+        out.append({"name": family.name, "type": family.type, "doc": family.documentation,
+                    "samples": [[s.name, s.labels, s.value] for s in family.samples]})
+    return out
+
+
+def publish(client, worker_id: str, ttl_s: float, registry: CollectorRegistry = REGISTRY) -> int:
+    """Stores this process's engine series for the API; returns how many families (0: none to send)."""
+    families = snapshot(registry)
+    if families:
+        client.set(engine_metrics_key(worker_id), json.dumps(families), ex=max(1, int(ttl_s)))
+    return len(families)
+
+
+def merge(snapshots: dict[str, list[dict]]) -> list[Metric]:
+    """One family per name over the workers' snapshots, each sample labelled with its worker."""
+    families: dict[str, Metric] = {}
+    for worker_id, fams in sorted(snapshots.items()):
+        for fam in fams:
+            family = families.get(fam["name"])
+            if family is None:
+                family = families[fam["name"]] = Metric(fam["name"], fam["doc"], fam["type"])
+            elif family.type != fam["type"]:
+                log.warning("engine metric %s is a %s on %s, a %s elsewhere; skipped there", fam["name"],
+                            fam["type"], worker_id, family.type)
+                continue
+            for name, labels, value in fam["samples"]:
+                family.add_sample(name, {**labels, "worker_id": worker_id}, value)
+    return list(families.values())
+
+
+class EngineMetricsCollector(Collector):
+    """The live workers' engine series, read from Redis at scrape time."""
+
+    def __init__(self, redis_url: str, worker_ids: list[str]) -> None:
+        self.redis_url, self.worker_ids = redis_url, worker_ids
+        self._families: list[Metric] | None = None
+
+    def families(self) -> list[Metric]:
+        if self._families is None:
+            self._families = merge(self._read())
+        return self._families
+
+    def _read(self) -> dict[str, list[dict]]:
+        if not self.worker_ids:
+            return {}
+        import redis
+
+        try:
+            client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+            raw = client.mget([engine_metrics_key(w) for w in self.worker_ids])
+        except redis.RedisError as exc:  # the SQL-derived series still answer
+            log.warning("engine metrics unavailable: %s", exc)
+            return {}
+        out = {}
+        for worker_id, blob in zip(self.worker_ids, raw):
+            if blob:
+                try:
+                    out[worker_id] = json.loads(blob)
+                except ValueError:
+                    log.warning("unreadable engine metrics from %s", worker_id)
+        return out
+
+    def names(self) -> set[str]:
+        return {f.name for f in self.families()}
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families()
