@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     chat_tbt_ms: float | None = Field(None, gt=0, description="/v1/chat/completions TBT target (ms)")
     completions_ttft_ms: float | None = Field(None, gt=0, description="/v1/completions TTFT target (ms)")
     completions_tbt_ms: float | None = Field(None, gt=0, description="/v1/completions TBT target (ms)")
+    stream_outage_s: float = Field(60.0, gt=0, description="how long a stream reader waits for Redis to answer "
+                                                         "again before it ends the stream with an error event "
+                                                         "(the job goes on; non-stream requests wait on SQL)")
     # worker
     worker_id: str | None = None
     lease_seconds: float = 30.0

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -16,11 +17,11 @@ from fastapi.responses import StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
-from app.api.openai_compat import job_events
 from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
 from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
+from app.services.job_follow import job_events
 from app.services.notify import announce_cancel
 from app.settings import Settings
 
@@ -118,15 +119,19 @@ def get_job(job_id: str, session: SessionDep, principal: CurrentPrincipal) -> Jo
 
 @router.get("/{job_id}/stream", response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
-                             "description": "server-sent events: delta, status, then one end"}, **responses(404)})
+                             "description": "server-sent events: delta, status, then one end (or one "
+                                            "error if the stream could not be read on)"}, **responses(404)})
 def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep
                ) -> StreamingResponse:
     """The job's tokens as they are generated, from its first token, then one ``end`` event.
 
     Events: ``delta`` ``{"text", "token_ids"}``, ``status`` ``{"status"}`` (relegated/resumed),
     ``end`` ``{"status", "finish_reason", "error", "prompt_tokens", "completion_tokens"}``. A job
-    that already finished answers its whole text as one delta and the end. Disconnecting does
-    not cancel the job (``POST /v1/jobs/{id}/cancel`` does)."""
+    that already finished answers its whole text as one delta and the end. Each character comes
+    once, in order: across a Redis outage the stream resumes where it was, and text the stream
+    lost comes with the end. If the stream stays unreadable (``stream_outage_s``) the last event
+    is ``error`` ``{"id", "error", "code"}`` instead; the job goes on. Disconnecting does not
+    cancel the job (``POST /v1/jobs/{id}/cancel`` does)."""
     job = _own_job(session, principal, job_id)
     return StreamingResponse(_sse_events(settings, job.id), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -138,22 +143,31 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
     delivered = 0  # characters sent, to fill in what the stream missed when SQL reports the end
-    async for ev in job_events(settings, job_id):
-        if ev.type == "delta":
-            if ev.text or ev.token_ids:
-                delivered += len(ev.text)
-                yield _sse("delta", {"text": ev.text, "token_ids": ev.token_ids})
-        elif ev.type == "status":
-            yield _sse("status", {"status": ev.status})
-        elif ev.type == "end":
-            if ev.data.get("from_sql") and ev.status == JobStatus.SUCCEEDED:
-                rest = (ev.data.get("output_text") or "")[delivered:]
-                if rest:
-                    yield _sse("delta", {"text": rest, "token_ids": []})
-            yield _sse("end", {"id": job_id, "status": ev.status, "finish_reason": ev.finish_reason,
-                               "error": ev.data.get("error"), "prompt_tokens": ev.data.get("prompt_tokens"),
-                               "completion_tokens": ev.data.get("completion_tokens")})
-            return
+    try:
+        async with aclosing(job_events(settings, job_id)) as events:
+            async for ev in events:
+                if ev.type == "delta":
+                    if ev.text or ev.token_ids:
+                        delivered += len(ev.text)
+                        yield _sse("delta", {"text": ev.text, "token_ids": ev.token_ids})
+                elif ev.type == "status":
+                    yield _sse("status", {"status": ev.status})
+                elif ev.type == "error":  # the stream could not be read on; the job goes on
+                    yield _sse("error", {"id": job_id, "error": ev.data.get("error"), "code": ev.data.get("code")})
+                    return
+                elif ev.type == "end":
+                    if ev.data.get("from_sql") and ev.status == JobStatus.SUCCEEDED:
+                        rest = (ev.data.get("output_text") or "")[delivered:]
+                        if rest:
+                            yield _sse("delta", {"text": rest, "token_ids": []})
+                    yield _sse("end", {"id": job_id, "status": ev.status, "finish_reason": ev.finish_reason,
+                                       "error": ev.data.get("error"), "prompt_tokens": ev.data.get("prompt_tokens"),
+                                       "completion_tokens": ev.data.get("completion_tokens")})
+                    return
+    except Exception:  # a bug or a database error: an error event rather than a body cut short
+        log.exception("the stream of job %s failed", job_id)
+        yield _sse("error", {"id": job_id, "error": f"the stream failed; the job goes on (GET /v1/jobs/{job_id})",
+                             "code": "stream_interrupted"})
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404))

@@ -3,6 +3,9 @@
 Each request becomes an interactive job (``submit_job``; a ``deadline`` extension field
 makes it a deadline job). The answer follows the job's Redis stream: as server-sent
 events in OpenAI's chunk format when ``stream`` is set, else once the job is terminal.
+A client that hangs up before its answer is complete cancels the job (a stream by closing,
+a plain request noticed while it waits); nothing else does: a Redis outage or a failure
+here ends a stream with an error chunk, and a plain request then waits on SQL.
 """
 
 from __future__ import annotations
@@ -10,34 +13,32 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import aclosing
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
-import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import Job, JobStatus
-from app.db.session import session_scope
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_completion,
                                 now_s, openai_param, text_completion, usage, validation_message)
 from app.services import jobs as job_service
-from app.services.notify import announce_cancel
-from app.services.streaming import StreamEvent, follow_job
+from app.services.job_follow import cancel_abandoned, job_events, wait_for_end
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 
-POLL_S = 0.1  # SQL polling interval when no Redis is configured
+T = TypeVar("T")
 
 
 async def _body(request: Request, model: type) -> Any:
@@ -67,57 +68,23 @@ def _submit(session, principal: Principal, settings: Settings, spec, endpoint: s
 
 
 # ---------------------------------------------------------------- following a job
-def _terminal_event(url: str, job_id: str) -> StreamEvent | None:
-    """SQL's view: an ``end`` event if the job is terminal (with its text), else None."""
-    with session_scope(url) as s:
-        job = s.get(Job, job_id)
-        if job is None or not JobStatus(job.status).terminal:
-            return None
-        return StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason=job.finish_reason,
-                           data={"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
-                                 "output_text": job.output_text or "", "error": job.error, "from_sql": True})
+DISCONNECT_POLL_S = 0.5  # how often a non-stream request looks whether its client is still there
+ABANDONED = "client disconnected before the answer was complete"
 
 
-async def job_events(settings: Settings, job_id: str) -> AsyncIterator[StreamEvent]:
-    """The job's events until its terminal one (Redis stream; SQL when Redis is absent)."""
-    url = settings.sqlalchemy_url
-    if not settings.redis_url:
-        while (end := await run_in_threadpool(_terminal_event, url, job_id)) is None:
-            await asyncio.sleep(POLL_S)
-        yield end
-        return
-    seen_terminal = False
-
-    async def check_done() -> StreamEvent | None:
-        # the worker commits SQL just before it publishes the stream's last events: only
-        # trust SQL's "terminal" when the stream stayed silent on a second look
-        nonlocal seen_terminal
-        end = await run_in_threadpool(_terminal_event, url, job_id)
-        if end is None:
-            return None
-        if seen_terminal or end.status != JobStatus.SUCCEEDED:
-            return end
-        seen_terminal = True
-        return None
-
-    client = aioredis.Redis.from_url(settings.redis_url)
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, or None once the client is found gone (``work`` is cancelled then)."""
+    task = asyncio.ensure_future(work)
     try:
-        async for ev in follow_job(client, job_id, block_ms=500, check_done=check_done):
-            yield ev
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                return None
+        return task.result()
     finally:
-        await client.aclose()
-
-
-def _cancel_abandoned(settings: Settings, job_id: str) -> None:
-    """The client went away mid-stream: stop generating for nobody."""
-    try:
-        with session_scope(settings.sqlalchemy_url) as s:
-            job = s.get(Job, job_id)
-            if job is not None and not JobStatus(job.status).terminal:
-                if job_service.cancel_job(s, job, detail="client disconnected from the stream"):
-                    announce_cancel(settings.redis_url, job)
-    except Exception:
-        log.exception("could not cancel abandoned job %s", job_id)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
 
 
 def _job_error(status: str | None, error: str | None) -> OpenAIError:
@@ -131,6 +98,10 @@ def _job_error(status: str | None, error: str | None) -> OpenAIError:
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def _sse_error(err: OpenAIError) -> bytes:
+    return _sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
 
 
 async def _stream(settings: Settings, job: Job, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
@@ -152,37 +123,49 @@ async def _stream(settings: Settings, job: Job, chat: bool, include_usage: bool)
         return out
 
     delivered = 0
-    done = False
+    # the stream ended on its own (the job's end, an error, a failure here): only a client that
+    # hung up (Starlette cancels or closes this generator) abandons the job
+    ended = False
     try:
         if chat:
             yield _sse(chunk(None, None, first=True))
-        async for ev in job_events(settings, job.id):
-            if ev.type == "delta" and ev.text:
-                delivered += len(ev.text)
-                yield _sse(chunk(ev.text, None))
-            elif ev.type == "end":
-                done = True
-                if ev.status != JobStatus.SUCCEEDED:
-                    err = _job_error(ev.status, ev.data.get("error"))
-                    yield _sse({"error": {"message": err.message, "type": err.type, "param": None,
-                                          "code": err.code}})
+        async with aclosing(job_events(settings, job.id)) as events:
+            async for ev in events:
+                if ev.type == "delta" and ev.text:
+                    delivered += len(ev.text)
+                    yield _sse(chunk(ev.text, None))
+                elif ev.type == "error":  # the stream could not be read on; the job goes on
+                    ended = True
+                    yield _sse_error(OpenAIError(503, ev.data.get("error") or "the stream was interrupted",
+                                                 type="server_error", code="stream_interrupted"))
+                    return  # no [DONE]: the answer is incomplete
+                elif ev.type == "end":
+                    ended = True
+                    if ev.status != JobStatus.SUCCEEDED:
+                        yield _sse_error(_job_error(ev.status, ev.data.get("error")))
+                        break
+                    if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
+                        rest = (ev.data.get("output_text") or "")[delivered:]
+                        if rest:
+                            yield _sse(chunk(rest, None))
+                    yield _sse(chunk(None, ev.finish_reason or "stop"))
+                    if include_usage:
+                        yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+                                    "usage": usage(ev.data.get("prompt_tokens"), ev.data.get("completion_tokens"))})
                     break
-                if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
-                    rest = (ev.data.get("output_text") or "")[delivered:]
-                    if rest:
-                        yield _sse(chunk(rest, None))
-                yield _sse(chunk(None, ev.finish_reason or "stop"))
-                if include_usage:
-                    yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                                "usage": usage(ev.data.get("prompt_tokens"), ev.data.get("completion_tokens"))})
-                break
+        ended = True
         yield _sse("[DONE]")
+    except Exception:  # a bug or a database error: say so to the client; the job itself goes on
+        ended = True
+        log.exception("the stream of job %s failed", job.id)
+        yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{job.id})",
+                                     type="server_error", code="stream_interrupted"))
     finally:
-        if not done:
+        if not ended:
             # SQL and Redis I/O: in a worker thread, never on the event loop; shielded, because this
             # runs while the disconnected response's task is being cancelled
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_cancel_abandoned, settings, job.id)
+                await anyio.to_thread.run_sync(cancel_abandoned, settings, job.id, ABANDONED)
 
 
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
@@ -200,19 +183,17 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(_stream(settings, job, chat, include_usage), media_type="text/event-stream",
                                  headers=headers)
-    end = None
-    async for ev in job_events(settings, job.id):
-        if ev.type == "end":
-            end = ev
-    row = await run_in_threadpool(_terminal_event, settings.sqlalchemy_url, job.id)
-    status = row.status if row is not None else (end.status if end else None)
-    if status != JobStatus.SUCCEEDED:
-        raise _job_error(status, (row or end).data.get("error") if (row or end) else None)
-    d = row.data
+    end = await _unless_disconnected(request, wait_for_end(settings, job.id))
+    if end is None:  # nobody waits for the answer any more: stop generating it
+        await run_in_threadpool(cancel_abandoned, settings, job.id, ABANDONED)
+        return Response(status_code=499)  # nginx's "client closed request"; no one reads it
+    if end.status != JobStatus.SUCCEEDED:
+        raise _job_error(end.status, end.data.get("error"))
+    d = end.data
     extra = {"system_fingerprint": None, "coserve": {"job_id": job.id}}
     make = chat_completion if chat else text_completion
     content = make(("chatcmpl-" if chat else "cmpl-") + job.id, job.model, now_s(), d["output_text"],
-                   row.finish_reason or "stop", d["prompt_tokens"], d["completion_tokens"], extra)
+                   end.finish_reason or "stop", d["prompt_tokens"], d["completion_tokens"], extra)
     return JSONResponse(content, headers=headers)
 
 

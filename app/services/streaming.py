@@ -4,22 +4,36 @@ The worker XADDs ``delta`` events (text and token ids) while a job runs and one
 terminal ``end`` event; the API follows a job's stream with ``follow_job`` (the
 OpenAI-compatible SSE endpoints are built on it). Each event carries the job's attempt:
 when a crashed worker's job is rerun, the new attempt starts over and ``follow_job``
-skips the text the client already received.
+skips the text the client already received. A delta also carries its ``offset`` in the
+attempt's text, so a follower tells a lost event (Redis restarted empty, a dropped
+publish) from a repeated one and never hands on text out of order: after a gap the
+attempt's text comes from SQL once the job ends. ``follow_job`` rides out a Redis outage
+(reading on from its last entry), polling SQL meanwhile for the job's end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
 CANCEL_CHANNEL = "coserve:cancel"
 STREAM_TTL_S = 3600  # a finished job's stream is kept this long for late readers
 STREAM_MAXLEN = 100_000
+OUTAGE_LIMIT_S = 60.0  # how long a follower waits for Redis to answer again before its error event
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # its pauses between reads while Redis is away (doubling)
+# what a read during an outage raises: refused or reset connections, a server still loading its data
+# (BusyLoadingError is a ConnectionError), a socket timeout; OSError for errors redis-py did not wrap
+OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def stream_key(job_id: str) -> str:
@@ -28,22 +42,27 @@ def stream_key(job_id: str) -> str:
 
 @dataclass
 class StreamEvent:
-    type: str  # "delta" | "end" | "status"
+    type: str  # "delta" | "end" | "status"; followers also yield "error" (the stream could not be read)
     attempt: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     status: str | None = None  # on "end": succeeded | failed | cancelled | expired; on "status": the new state
     finish_reason: str | None = None
     data: dict[str, Any] = field(default_factory=dict)  # usage and metrics on "end"
+    # on "delta": characters of this attempt's text before this one (None: a publisher that did not say)
+    offset: int | None = None
 
     @property
     def terminal(self) -> bool:
         return self.type == "end"
 
     def fields(self) -> dict[str, str]:
-        return {"type": self.type, "attempt": str(self.attempt), "text": self.text,
-                "token_ids": json.dumps(self.token_ids), "status": self.status or "",
-                "finish_reason": self.finish_reason or "", "data": json.dumps(self.data)}
+        out = {"type": self.type, "attempt": str(self.attempt), "text": self.text,
+               "token_ids": json.dumps(self.token_ids), "status": self.status or "",
+               "finish_reason": self.finish_reason or "", "data": json.dumps(self.data)}
+        if self.offset is not None:
+            out["offset"] = str(self.offset)
+        return out
 
     @classmethod
     def parse(cls, raw: dict) -> StreamEvent:
@@ -51,7 +70,8 @@ class StreamEvent:
              for k, v in raw.items()}
         return cls(type=f.get("type", "delta"), attempt=int(f.get("attempt", 0)), text=f.get("text", ""),
                    token_ids=json.loads(f.get("token_ids") or "[]"), status=f.get("status") or None,
-                   finish_reason=f.get("finish_reason") or None, data=json.loads(f.get("data") or "{}"))
+                   finish_reason=f.get("finish_reason") or None, data=json.loads(f.get("data") or "{}"),
+                   offset=int(f["offset"]) if f.get("offset") else None)
 
 
 def publish(pipe: Any, job_id: str, event: StreamEvent) -> None:
@@ -62,43 +82,140 @@ def publish(pipe: Any, job_id: str, event: StreamEvent) -> None:
         pipe.expire(key, STREAM_TTL_S)
 
 
-async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000,
-                     check_done: Callable[[], Awaitable[StreamEvent | None]] | None = None,
-                     ) -> AsyncIterator[StreamEvent]:
-    """Yields a job's events from the start until its terminal event.
+SqlEnd = Callable[[], Awaitable[StreamEvent | None]]
 
-    ``redis`` is a ``redis.asyncio.Redis``. ``check_done`` is polled whenever no event
-    arrived for ``block_ms``: it returns a terminal event when SQL says the job ended
-    without one in the stream (e.g. cancelled while queued), else None.
+
+@dataclass
+class _Progress:
+    """What a follower has handed on, and how much of the current attempt's text it has seen."""
+
+    job_id: str
+    attempt: int | None = None
+    produced: int = 0  # characters of the current attempt's text seen without a hole, from its start
+    delivered: int = 0  # characters yielded, over all attempts
+    gap: bool = False  # the current attempt's stream lost text: no more deltas; SQL has it at the end
+
+    def admit(self, ev: StreamEvent) -> StreamEvent | None:
+        """``ev`` as the client should get it (a delta cut to the text it lacks), or None to skip it."""
+        if self.attempt is None or ev.attempt > self.attempt:
+            self.attempt, self.produced, self.gap = ev.attempt, 0, False
+        elif ev.attempt < self.attempt:
+            return None  # a stale attempt's leftovers
+        if ev.type != "delta":
+            return ev
+        if self.gap:
+            return None
+        if not ev.text:
+            return ev  # token ids whose text is not complete yet: nothing to place
+        start = self.produced if ev.offset is None else ev.offset
+        if start > self.produced:
+            log.warning("the stream of %s lost characters %d-%d of attempt %d; its text will come from SQL",
+                        self.job_id, self.produced, start, ev.attempt)
+            self.gap = True
+            return None
+        end = start + len(ev.text)
+        # a repeated publish, or a rerun regenerating text the client already has
+        have = max(self.produced, self.delivered)
+        self.produced = max(self.produced, end)
+        if end <= have:
+            return None
+        ev.text = ev.text[max(0, have - start):]
+        self.delivered = end
+        return ev
+
+    def error(self, message: str) -> StreamEvent:
+        return StreamEvent("error", attempt=self.attempt or 0, data={"error": message, "code": "stream_interrupted"})
+
+
+@dataclass
+class _Outage:
+    """A run of failed reads: when it began and how long to pause before the next try."""
+
+    job_id: str
+    began: float = field(default_factory=time.monotonic)
+    delay: float = RETRY_FIRST_S
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.began
+
+    def pause(self) -> float:
+        delay, self.delay = self.delay, min(self.delay * 2, RETRY_MAX_S)
+        return delay
+
+
+async def _end_from_sql(sql_end: SqlEnd | None, progress: _Progress, wait_s: float = 10.0) -> StreamEvent:
+    """The end of an attempt whose stream lost text: SQL's end, which carries the whole text.
+
+    The worker commits the job before it publishes the end, so SQL normally has it at once."""
+    if sql_end is None:
+        return progress.error("the job's stream lost text and there is no other source for it")
+    deadline = time.monotonic() + wait_s
+    while (end := await sql_end()) is None:
+        if time.monotonic() > deadline:
+            return progress.error("the job's stream lost text and the job has not ended in the database")
+        await asyncio.sleep(0.1)
+    return end
+
+
+async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: SqlEnd | None = None,
+                     outage_limit_s: float = OUTAGE_LIMIT_S) -> AsyncIterator[StreamEvent]:
+    """Yields a job's events from the start until its terminal one; text once each, in order.
+
+    ``redis`` is a ``redis.asyncio.Redis``. ``sql_end`` returns SQL's view of the job's end (an
+    ``end`` event whose data holds ``output_text`` and ``from_sql``) or None while it runs. It is
+    asked when the stream stays silent for ``block_ms`` (a job that ended with no end event in the
+    stream, e.g. cancelled while queued; a success is trusted on the second silent look, since the
+    worker commits SQL just before it publishes the last events), while Redis is away, and for the
+    end of an attempt whose stream lost text (deltas stop at the gap; the consumer takes the rest
+    from ``output_text``).
+
+    Redis errors: the read is retried from the last entry, with growing pauses. If the job ends
+    meanwhile, SQL's end is yielded; if Redis stays away for ``outage_limit_s``, an ``error`` event
+    is (the job itself goes on: its result is in SQL).
     """
     key = stream_key(job_id)
     last_id = "0-0"
-    attempt = None
-    delivered = 0  # characters of text already yielded (over all attempts)
-    produced = 0  # characters the current attempt produced so far
+    progress = _Progress(job_id)
+    quiet_end = False  # SQL said succeeded while the stream was silent
+    outage: _Outage | None = None
     while True:
-        resp = await redis.xread({key: last_id}, count=256, block=block_ms)
-        if not resp:
-            if check_done is not None:
-                done = await check_done()
-                if done is not None:
-                    yield done
-                    return
+        try:
+            resp = await redis.xread({key: last_id}, count=256, block=block_ms)
+        except OUTAGE_ERRORS as exc:
+            if outage is None:
+                outage = _Outage(job_id)
+                log.warning("cannot read the stream of %s (%s); retrying for up to %.0f s", job_id, exc,
+                            outage_limit_s)
+            if sql_end is not None and (end := await sql_end()) is not None:
+                yield end  # the job ended meanwhile: SQL has all of its text
+                return
+            if outage.elapsed() >= outage_limit_s:
+                yield progress.error(f"the job's stream was unreachable for {outage.elapsed():.0f} s ({exc}); "
+                                     f"the job goes on: GET /v1/jobs/{job_id} has its result when it ends")
+                return
+            await asyncio.sleep(outage.pause())
             continue
+        if outage is not None:
+            log.info("the stream of %s is readable again after %.1f s", job_id, outage.elapsed())
+            outage = None
+        if not resp:
+            if sql_end is not None:
+                end = await sql_end()
+                if end is not None and (quiet_end or progress.gap or end.status != "succeeded"):
+                    yield end
+                    return
+                quiet_end = end is not None
+            continue
+        quiet_end = False
         for _key, entries in resp:
             for entry_id, raw in entries:
                 last_id = entry_id
-                ev = StreamEvent.parse(raw)
-                if attempt is None or ev.attempt > attempt:
-                    attempt, produced = ev.attempt, 0
-                elif ev.attempt < attempt:
-                    continue  # a stale attempt's leftovers
-                if ev.type == "delta" and ev.text:
-                    start, produced = produced, produced + len(ev.text)
-                    if produced <= delivered:
-                        continue  # a rerun regenerating text the client already has
-                    ev.text = ev.text[max(0, delivered - start):]
-                    delivered = produced
+                ev = progress.admit(StreamEvent.parse(raw))
+                if ev is None:
+                    continue
+                if ev.terminal and progress.gap:
+                    yield await _end_from_sql(sql_end, progress)
+                    return
                 yield ev
                 if ev.terminal:
                     return
