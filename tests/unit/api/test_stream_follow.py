@@ -16,6 +16,8 @@ from redis.backoff import NoBackoff
 from app.services.streaming import StreamEvent, follow_job, publish
 from tests.redis_process import RestartableRedis, own_redis, persistent_redis  # noqa: F401 - fixtures
 
+pytestmark = pytest.mark.integration  # each test runs a redis-server of its own
+
 JOB = "job_follow"
 TEXT = "Hello world!"
 
