@@ -19,6 +19,7 @@ from app.services.jobs import JobValidationError, resolve_tier
 from app.services.transitions import utcnow
 from app.summarize import service
 from app.summarize.documents import Document
+from app.summarize.store import RunView
 from app.wire import SecondsOrWindow, Text, utc_z
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,14 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
                             "body", "deadline")
     docs = [Document(d.id, d.text) for d in body.documents]
     try:
-        run = await run_in_threadpool(
+        progress = await run_in_threadpool(
             service.start_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
             max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
             overlap_tokens=body.overlap_tokens, tier=tier)
     except (ValueError, JobValidationError) as exc:
         raise unprocessable(str(exc)) from exc
-    return _utc_z(run.progress())
+    service.drive_in_thread(settings, progress.id)
+    return _utc_z(progress.as_dict())
 
 
 def _utc_z(state: dict) -> dict:
@@ -77,27 +79,26 @@ def _utc_z(state: dict) -> dict:
     return state
 
 
-RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # new_id's shape; anything else (a NUL, a path) names no file
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # new_id's shape; anything else (a NUL, a path) names no run
 
 
-def _own(settings, principal, run_id: str) -> dict:
-    state = service.load(settings.data_dir, run_id) if RUN_ID.fullmatch(run_id) else None
-    if state is None or state.pop("tenant_id") != principal.tenant_id:
+def _own(settings, principal, run_id: str, with_results: bool = False) -> RunView:
+    run = service.view(settings, run_id, with_results) if RUN_ID.fullmatch(run_id) else None
+    if run is None or run.tenant_id != principal.tenant_id:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no summarization {run_id!r}")
-    return _utc_z(state)
+    return run
 
 
 @router.get("/{run_id}", responses=responses(404))
 def get_run(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> dict:
-    return _own(settings, principal, run_id)
+    return _utc_z(_own(settings, principal, run_id).progress.as_dict())
 
 
 @router.get("/{run_id}/results", response_class=Response,
             responses={200: {"content": {"application/jsonl": {}}, "description": "one summary per line"},
                        **responses(404, 409)})
 def results(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> Response:
-    state = _own(settings, principal, run_id)
-    path = service.runs_dir(settings.data_dir) / f"{run_id}.jsonl"
-    if state["status"] == "running" or not path.exists():
+    run = _own(settings, principal, run_id, with_results=True)
+    if run.progress.status == "running" or run.results is None:
         raise HTTPException(status.HTTP_409_CONFLICT, "the run is still going; poll until its status is completed")
-    return Response(path.read_bytes(), media_type="application/jsonl")
+    return Response(run.results, media_type="application/jsonl")

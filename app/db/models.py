@@ -199,3 +199,49 @@ class WorkerState(Base):
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     draining: Mapped[bool] = mapped_column(Boolean, default=False)
     state: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # KV usage, spec policy, queues
+
+
+class SummarizationRun(Base):
+    """A map-reduce summarization (``/v1/summarize``). Any process advances it from these rows
+    (``app.summarize.driver``): the one holding its lease, one committed step at a time."""
+
+    __tablename__ = "summarization_runs"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("sum"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(200))  # its jobs' model: only that model's workers (tokenizer) step it
+    tier: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), default="running", index=True)  # running | completed | failed
+    deadline_at: Mapped[datetime] = mapped_column()
+    # the splitter as resolved at creation, so every process cuts the same chunks
+    max_summary_tokens: Mapped[int] = mapped_column(Integer)
+    chunk_tokens: Mapped[int] = mapped_column(Integer)
+    overlap_tokens: Mapped[int] = mapped_column(Integer)
+    documents: Mapped[int] = mapped_column(Integer, default=0)
+    documents_done: Mapped[int] = mapped_column(Integer, default=0)
+    documents_failed: Mapped[int] = mapped_column(Integer, default=0)
+    jobs_submitted: Mapped[int] = mapped_column(Integer, default=0)
+    jobs_done: Mapped[int] = mapped_column(Integer, default=0)
+    # committed steps: a step commits only on the version it read, and only while it holds the lease
+    version: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class SummarizationDocument(Base):
+    """One document of a run: its current level's text and the ids of that level's jobs."""
+
+    __tablename__ = "summarization_documents"
+    run_id: Mapped[str] = mapped_column(ForeignKey("summarization_runs.id", ondelete="CASCADE"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)  # order in the request and the results
+    doc_id: Mapped[str] = mapped_column(String(200))
+    level: Mapped[int] = mapped_column(Integer, default=0)
+    text: Mapped[str] = mapped_column(Text)  # this level's input
+    pending: Mapped[list[Any]] = mapped_column(JSON, default=list)  # this level's job ids
+    final: Mapped[bool] = mapped_column(Boolean, default=False)  # the pending job is the document's summary
+    chunks: Mapped[int] = mapped_column(Integer, default=0)  # level-0 chunks
+    jobs: Mapped[int] = mapped_column(Integer, default=0)
+    summary: Mapped[str | None] = mapped_column(Text, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    done: Mapped[bool] = mapped_column(Boolean, default=False)  # summary or error: steps skip it

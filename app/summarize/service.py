@@ -1,15 +1,19 @@
-"""Server-side summarization runs: jobs submitted in-process, state in ``data_dir/summaries``.
+"""Server-side summarization runs: created here, kept in SQL, advanced by any process.
 
-A run is driven by a thread of the API process (``start_run``); its progress and results
-are written to ``<id>.json`` / ``<id>.jsonl`` after every change, so a poll from any API
-process can read them. A run whose API process stopped is not resumed (its jobs still
-finish; the report says so).
+``start_run`` builds the first level's jobs and writes the run, its documents and those
+jobs in one transaction (errors surface in the request; nothing half-made is left);
+``drive_in_thread`` then advances it from the API process (``driver.advance``) for
+latency. Every worker's sweeper advances running runs too (``driver.advance_open_runs``),
+under the same lease, so a run finishes when this process dies. Runs written by older
+versions as ``data_dir/summaries/<id>.json`` are still read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from datetime import datetime
@@ -18,24 +22,27 @@ from pathlib import Path
 from sqlalchemy import select
 
 from app.auth import Principal
-from app.db.models import Job, new_id
-from app.db.session import session_scope
+from app.db.models import Job, SummarizationRun, new_id
+from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import jobs as job_service
-from app.services.model_info import get_tokenizer, max_model_len
+from app.services.model_info import max_model_len
+from app.services.transitions import utcnow
 from app.settings import Settings
+from app.summarize import driver, store
 from app.summarize.documents import Document
-from app.summarize.pipeline import SummarizeRun
-from app.summarize.split import TokenSplitter
+from app.summarize.pipeline import DocState, Progress, advance_doc
 
 log = logging.getLogger(__name__)
 
 PROMPT_OVERHEAD_TOKENS = 64  # instruction + chat template around a chunk
 POLL_S = 0.5
+MAX_DRIVE_ERRORS = 20  # in a row: this process stops driving the run; the workers' sweeper goes on
 
 
 class SqlBackend:
-    """Submits jobs with ``submit_job`` and reads their state from SQL."""
+    """A ``JobBackend`` that submits each job at once with ``submit_job`` (scripts, tests); runs
+    of the service build their jobs inside a step's transaction instead (``driver.JobCollector``)."""
 
     def __init__(self, settings: Settings, principal: Principal, tier: str | None) -> None:
         self.settings, self.principal, self.tier = settings, principal, tier
@@ -53,12 +60,6 @@ class SqlBackend:
             return {r.id: (r.status, r.output_text, r.error) for r in rows}
 
 
-def runs_dir(data_dir: Path) -> Path:
-    path = Path(data_dir) / "summaries"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int) -> int:
     room = max_model_len(settings.model) - max_summary_tokens - PROMPT_OVERHEAD_TOKENS
     if room < 32:
@@ -66,47 +67,66 @@ def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int)
     return min(chunk_tokens, room)
 
 
-def save(data_dir: Path, tenant_id: str, run: SummarizeRun) -> None:
-    d = runs_dir(data_dir)
-    state = {"tenant_id": tenant_id, **run.progress()}
-    tmp = d / f"{run.id}.json.tmp"
-    tmp.write_text(json.dumps(state))
-    tmp.replace(d / f"{run.id}.json")
-    if run.status != "running":
-        (d / f"{run.id}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.results()))
-
-
-def load(data_dir: Path, run_id: str) -> dict | None:
-    path = runs_dir(data_dir) / f"{run_id}.json"
-    if "/" in run_id or not path.exists():
-        return None
-    return json.loads(path.read_text())
-
-
 def start_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
-              max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str | None) -> SummarizeRun:
+              max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str) -> Progress:
     budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
-    splitter = TokenSplitter(get_tokenizer(settings.model), budget, min(overlap_tokens, budget // 4))
-    run = SummarizeRun.create(new_id("sum"), documents, deadline_at, max_summary_tokens)
-    backend = SqlBackend(settings, principal, tier)
-    run.step(backend, splitter)  # submit the first level now: errors surface in the request
-    save(settings.data_dir, principal.tenant_id, run)
+    run = SummarizationRun(
+        id=new_id("sum"), tenant_id=principal.tenant_id, model=settings.model_name, tier=tier, status="running",
+        deadline_at=deadline_at, max_summary_tokens=max_summary_tokens, chunk_tokens=budget,
+        overlap_tokens=min(overlap_tokens, budget // 4), documents=len(documents), documents_done=0,
+        documents_failed=0, jobs_submitted=0, jobs_done=0, version=0, created_at=utcnow())
+    docs = [DocState(d.id, text=d.text) for d in documents]
+    backend = driver.collector_for(settings, run, {})
+    planner = driver.planner_for(settings, run, backend)
+    run.jobs_submitted = sum(advance_doc(doc, {}, planner).submitted for doc in docs)
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.add(run)
+        s.flush()  # the run before the rows that name it
+        s.add_all(store.new_document(run.id, i, doc) for i, doc in enumerate(docs))
+        store.add_jobs(s, backend.jobs, f"summarization {run.id}", dispatched=bool(settings.redis_url))
+    store.send(settings, backend.jobs)
+    return store.progress_of(run)
 
-    def drive() -> None:
+
+def drive_in_thread(settings: Settings, run_id: str) -> threading.Thread:
+    """Advances the run from a thread of this process until it ends, for latency (the workers'
+    sweeper advances it too, every ``sweep_seconds``, and alone once this process is gone)."""
+    owner = f"api-{socket.gethostname()}-{os.getpid()}"
+    thread = threading.Thread(target=_drive, args=(settings, run_id, owner), name=f"summarize-{run_id}",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _drive(settings: Settings, run_id: str, owner: str) -> None:
+    errors = 0
+    while errors < MAX_DRIVE_ERRORS:
+        time.sleep(POLL_S)
         try:
-            while run.status == "running":
-                time.sleep(POLL_S)
-                before = (run.jobs_submitted, run.jobs_done)
-                run.step(backend, splitter)
-                if (run.jobs_submitted, run.jobs_done) != before or run.status != "running":
-                    save(settings.data_dir, principal.tenant_id, run)
-        except Exception as exc:
-            log.exception("summarization run %s failed", run.id)
-            run.status = "failed"
-            for d in run.docs:
-                if not d.done:
-                    d.error = f"pipeline error: {exc}"
-            save(settings.data_dir, principal.tenant_id, run)
+            step = driver.advance(settings, run_id, owner)
+        except Exception:
+            errors += 1
+            log.warning("could not advance summarization %s (%d in a row)", run_id, errors, exc_info=True)
+            continue
+        errors = 0
+        if step.status != "running":
+            return
+    log.warning("stopped driving summarization %s here; the workers' sweeper carries it on", run_id)
 
-    threading.Thread(target=drive, name=f"summarize-{run.id}", daemon=True).start()
-    return run
+
+def view(settings: Settings, run_id: str, with_results: bool = False) -> store.RunView | None:
+    """The run from SQL, or from the files of a run an older version wrote."""
+    return store.view(settings.sqlalchemy_url, run_id, with_results) or _legacy_view(settings.data_dir, run_id)
+
+
+def _legacy_view(data_dir: Path, run_id: str) -> store.RunView | None:
+    folder = Path(data_dir) / "summaries"
+    state_file, results_file = folder / f"{run_id}.json", folder / f"{run_id}.jsonl"
+    if "/" in run_id or not state_file.exists():
+        return None
+    state = json.loads(state_file.read_text())
+    progress = Progress(state["id"], state["status"], datetime.fromisoformat(state["deadline_at"]), state["documents"],
+                        state["documents_done"], state["documents_failed"], state["jobs_submitted"],
+                        state["jobs_done"])
+    results = results_file.read_bytes() if results_file.exists() else None
+    return store.RunView(state["tenant_id"], progress, results)

@@ -1,0 +1,240 @@
+"""The durable driver: one step of a summarization run, taken by whichever process can.
+
+``advance`` is safe to call from any number of processes at any time (the API that started
+the run, for latency; every worker's sweeper, so a run finishes whatever process dies):
+
+1. a read-only look: the run's version and which documents have all their jobs ended
+   (nothing ready: return, no write);
+2. a claim: a guarded UPDATE takes the run's lease if it is free or expired *and* the
+   version is still the one read (so the look is current);
+3. the step in memory (``pipeline.advance_doc``): collect the ready levels, build the next
+   levels' jobs;
+4. one transaction: the run row moves to version + 1 and drops the lease, guarded by
+   (lease owner, version); the new jobs and the changed documents are written with it.
+   A step whose lease was taken over meanwhile matches nothing and commits nothing;
+5. the new jobs are sent to the workers.
+
+A process killed anywhere leaves either the old version (its lease expires, another
+process redoes the step) or the new one with its jobs in SQL (sent now, or by the
+workers' sweeper). Jobs are never submitted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+from sqlalchemy import func, or_, select, update
+
+from app.auth import Principal
+from app.db.models import Job, SummarizationDocument, SummarizationRun
+from app.db.session import session_scope, write_guard
+from app.schemas import JobCreate
+from app.services.jobs import build_job
+from app.services.model_info import get_tokenizer
+from app.services.transitions import as_utc, utcnow
+from app.settings import Settings
+from app.summarize import store
+from app.summarize.pipeline import TERMINAL, Advance, Planner, advance_doc, final_status
+from app.summarize.split import TokenSplitter
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = "/v1/summarize"
+
+
+class Outcome(StrEnum):
+    IDLE = "idle"  # nothing ready (no job of a whole level ended), or the run is over
+    BUSY = "busy"  # another process holds the run's lease, or stepped it since our look
+    STEPPED = "stepped"  # collected, submitted, committed
+    LOST = "lost"  # the lease was taken over mid-step: nothing committed (the new holder redoes it)
+
+
+@dataclass(frozen=True)
+class Step:
+    outcome: Outcome
+    status: str | None  # the run's status after the step; None for an unknown run
+    submitted: tuple[str, ...] = ()  # ids of the jobs this step created
+
+
+class JobCollector:
+    """A ``JobBackend`` that builds jobs without writing them (the step's transaction does)
+    and answers polls from results read before the step."""
+
+    def __init__(self, settings: Settings, principal: Principal, tier: str, results: dict[str, store.JobResult]):
+        self.settings, self.principal, self.tier, self.results = settings, principal, tier, results
+        self.jobs: list[Job] = []
+
+    def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str:
+        spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
+                         temperature=0.0, app_id=app_id, tier=self.tier)
+        # overdue_ok: a later level still runs when earlier ones overran the deadline
+        job = build_job(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True)
+        self.jobs.append(job)
+        return job.id
+
+    def poll(self, job_ids: list[str]) -> dict[str, store.JobResult]:
+        return {j: self.results[j] for j in job_ids if j in self.results}
+
+
+def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector) -> Planner:
+    split = TokenSplitter(get_tokenizer(settings.model), run.chunk_tokens, run.overlap_tokens)
+    return Planner(backend, split, run.max_summary_tokens, as_utc(run.deadline_at))
+
+
+def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, store.JobResult]) -> JobCollector:
+    principal = Principal(key_id="", tenant_id=run.tenant_id, tier=run.tier, is_admin=False)
+    return JobCollector(settings, principal, run.tier, results)
+
+
+@dataclass
+class _Look:
+    run: SummarizationRun
+    ready: list[int] = field(default_factory=list)  # positions of documents with work to do
+
+
+def _look(url: str, run_id: str) -> _Look | None:
+    with session_scope(url) as s:
+        run = s.get(SummarizationRun, run_id)
+        if run is None:
+            return None
+        look = _Look(run)
+        if run.status != "running":
+            return look
+        docs = s.execute(select(SummarizationDocument.position, SummarizationDocument.pending).where(
+            SummarizationDocument.run_id == run_id, SummarizationDocument.done.is_(False))).all()
+        statuses = store.job_statuses(s, [j for d in docs for j in d.pending])
+        look.ready = [d.position for d in docs if all(statuses.get(j) in TERMINAL for j in d.pending)]
+        return look
+
+
+def _claim(url: str, run: SummarizationRun, owner: str, lease_s: float) -> bool:
+    now = utcnow()
+    with session_scope(url) as s, write_guard(s):
+        claimed = s.execute(update(SummarizationRun).where(
+            SummarizationRun.id == run.id, SummarizationRun.status == "running",
+            SummarizationRun.version == run.version,
+            or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
+            .values(lease_owner=owner, lease_expires_at=now + timedelta(seconds=lease_s))
+            .execution_options(synchronize_session=False)).rowcount == 1
+    return claimed
+
+
+def _release(url: str, run_id: str, owner: str) -> None:
+    """Gives the lease back early (the step failed before committing); best effort: it expires anyway."""
+    try:
+        with session_scope(url) as s, write_guard(s):
+            s.execute(update(SummarizationRun).where(SummarizationRun.id == run_id,
+                                                     SummarizationRun.lease_owner == owner)
+                      .values(lease_owner=None, lease_expires_at=None).execution_options(synchronize_session=False))
+    except Exception:
+        log.warning("could not release the lease of summarization %s; it expires on its own", run_id, exc_info=True)
+
+
+def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | None = None) -> Step:
+    """One step of ``run_id`` if it has one to take and nobody else is taking it."""
+    url = settings.sqlalchemy_url
+    look = _look(url, run_id)
+    if look is None:
+        return Step(Outcome.IDLE, None)
+    run = look.run
+    if run.status != "running" or not look.ready:
+        return Step(Outcome.IDLE, run.status)
+    if not _claim(url, run, owner, lease_s if lease_s is not None else settings.lease_seconds):
+        return Step(Outcome.BUSY, run.status)
+    committed = False
+    try:
+        step = _step(settings, run, look.ready, owner)
+        committed = step.outcome == Outcome.STEPPED
+        return step
+    finally:
+        if not committed:
+            _release(url, run_id, owner)
+
+
+def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: str) -> Step:
+    url = settings.sqlalchemy_url
+    # the lease is ours and the version unchanged since the look: these rows are current
+    with session_scope(url) as s:
+        docs = store.documents(s, run.id, ready)
+        results = store.job_results(s, [j for d in docs.values() for j in d.pending])
+    backend = collector_for(settings, run, results)
+    failure = None
+    moves: list[Advance] = []
+    try:
+        planner = planner_for(settings, run, backend)
+        moves = [advance_doc(doc, results, planner) for doc in docs.values()]
+    except Exception as exc:  # the pipeline itself failed (split, a job it cannot build): so does the run
+        log.exception("summarization run %s failed", run.id)
+        failure = f"pipeline error: {exc}"
+    if failure is not None:
+        return _commit_failure(url, run, owner, failure)
+    newly_done = sum(d.done for d in docs.values())
+    newly_failed = sum(d.error is not None for d in docs.values())
+    done, failed = run.documents_done + newly_done, run.documents_failed + newly_failed
+    status = final_status(done - failed) if done == run.documents else "running"
+    values = {"documents_done": done, "documents_failed": failed, "status": status,
+              "jobs_submitted": run.jobs_submitted + sum(m.submitted for m in moves),
+              "jobs_done": run.jobs_done + sum(m.collected for m in moves)}
+    dispatched = bool(settings.redis_url)
+    with session_scope(url) as s, write_guard(s):
+        if not _advance_version(s, run, owner, values):
+            s.rollback()
+            log.info("summarization %s: lease lost mid-step; %d built jobs dropped", run.id, len(backend.jobs))
+            return Step(Outcome.LOST, "running")
+        store.add_jobs(s, backend.jobs, f"summarization {run.id}", dispatched)
+        for position, doc in docs.items():
+            s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
+                                                          SummarizationDocument.position == position)
+                      .values(**store.doc_values(doc)).execution_options(synchronize_session=False))
+    store.send(settings, backend.jobs)
+    if status != "running":
+        log.info("summarization %s %s: %d/%d documents, %d jobs", run.id, status, done - failed, run.documents,
+                 values["jobs_submitted"])
+    return Step(Outcome.STEPPED, status, tuple(j.id for j in backend.jobs))
+
+
+def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool:
+    """Version + 1 and the lease dropped, only while ``owner`` holds it (the first write of the step)."""
+    if values.get("status", "running") != "running":
+        values = {**values, "finished_at": utcnow()}
+    return s.execute(update(SummarizationRun).where(
+        SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner, SummarizationRun.version == run.version)
+        .values(version=run.version + 1, lease_owner=None, lease_expires_at=None, **values)
+        .execution_options(synchronize_session=False)).rowcount == 1
+
+
+def _commit_failure(url: str, run: SummarizationRun, owner: str, error: str) -> Step:
+    """Fails the run and every document not done yet (their running jobs still finish)."""
+    with session_scope(url, immediate=True) as s, write_guard(s):  # reads, then writes
+        unfinished = s.scalar(select(func.count()).select_from(SummarizationDocument).where(
+            SummarizationDocument.run_id == run.id, SummarizationDocument.done.is_(False)))
+        values = {"status": "failed", "documents_done": run.documents,
+                  "documents_failed": run.documents_failed + unfinished}
+        if not _advance_version(s, run, owner, values):
+            s.rollback()
+            return Step(Outcome.LOST, "running")
+        s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
+                                                      SummarizationDocument.done.is_(False))
+                  .values(error=error, pending=[], done=True).execution_options(synchronize_session=False))
+    return Step(Outcome.STEPPED, "failed")
+
+
+def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[Step]:
+    """Steps every running summarization of this process's model whose lease is free (the
+    workers' sweeper calls this: a run goes on when the API that started it is gone)."""
+    now = utcnow()
+    with session_scope(settings.sqlalchemy_url) as s:
+        ids = s.scalars(select(SummarizationRun.id).where(
+            SummarizationRun.status == "running", SummarizationRun.model == settings.model_name,
+            or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
+            .order_by(SummarizationRun.created_at).limit(limit)).all()
+    steps = []
+    for run_id in ids:
+        try:
+            steps.append(advance(settings, run_id, owner))
+        except Exception:
+            log.exception("could not advance summarization %s", run_id)
+    return steps

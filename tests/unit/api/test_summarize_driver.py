@@ -1,0 +1,222 @@
+"""The durable summarization step (``app.summarize.driver.advance``) on a real migrated SQLite
+DB, with no worker: the tests end jobs in SQL themselves. A step commits once or not at all,
+never submits a job twice, and any process can take it over when its holder stops."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select, update
+
+from app.auth import Principal, create_tenant
+from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
+from app.db.session import session_scope
+from app.services.transitions import utcnow
+from app.summarize import driver, service
+from app.summarize.documents import Document
+from app.summarize.driver import Outcome
+from tests.conftest import make_settings
+
+LONG = " ".join(f"Fact number {i} is about the topic of the document." for i in range(60))
+
+
+@pytest.fixture
+def settings(tmp_path, db_url, tiny_model_dir):
+    return make_settings(tmp_path, db_url, None, tiny_model_dir)  # no broker: new jobs stay queued
+
+
+@pytest.fixture
+def principal(db_url) -> Principal:
+    with session_scope(db_url) as s:
+        tenant = create_tenant(s, "acme", "paid")
+        return Principal(key_id="", tenant_id=tenant.id, tier="paid", is_admin=False)
+
+
+def start(settings, principal, docs=None) -> str:
+    docs = docs or [Document("long", LONG), Document("short", "The cat sat on the mat. It was warm.")]
+    progress = service.start_run(settings, principal, docs, utcnow() + timedelta(hours=1), max_summary_tokens=12,
+                                 chunk_tokens=120, overlap_tokens=8, tier="paid")
+    return progress.id
+
+
+def finish_jobs(url: str, status: str = "succeeded") -> int:
+    """What the workers would do: every pending job of the run ends with a short text."""
+    with session_scope(url) as s:
+        ids = s.scalars(select(Job.id).where(Job.status.in_(["queued", "dispatched"]))).all()
+        for job_id in ids:
+            s.execute(update(Job).where(Job.id == job_id).values(status=status, output_text=f"Summary {job_id[-4:]}.",
+                                                                 finished_at=utcnow()))
+    return len(ids)
+
+
+def run_row(url: str, run_id: str) -> SummarizationRun:
+    with session_scope(url) as s:
+        return s.get(SummarizationRun, run_id)
+
+
+def job_count(url: str) -> int:
+    with session_scope(url) as s:
+        return s.scalar(select(func.count()).select_from(Job))
+
+
+def test_start_writes_the_run_its_documents_and_first_level_together(settings, principal):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal)
+    run = run_row(url, run_id)
+    assert (run.status, run.documents, run.version, run.lease_owner) == ("running", 2, 0, None)
+    with session_scope(url) as s:
+        docs = s.scalars(select(SummarizationDocument).order_by(SummarizationDocument.position)).all()
+        jobs = s.scalars(select(Job)).all()
+        events = s.scalar(select(func.count()).select_from(JobEvent))
+    assert [d.doc_id for d in docs] == ["long", "short"]
+    assert docs[0].chunks > 1 and not docs[0].final and docs[1].final and docs[1].chunks == 1
+    assert sorted(j.id for j in jobs) == sorted(docs[0].pending + docs[1].pending)
+    assert run.jobs_submitted == len(jobs) and events == len(jobs)
+    assert {j.status for j in jobs} == {"queued"} and {j.endpoint for j in jobs} == {"/v1/summarize"}
+    assert {j.app_id for j in jobs} == {"summarize-map", "summarize-final"}
+    # nothing ended yet: a step has nothing to do and writes nothing
+    assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.IDLE, "running")
+    assert run_row(url, run_id).version == 0
+
+
+def test_a_step_happens_once_however_often_it_is_asked(settings, principal):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal)
+    first_level = job_count(url)
+    finish_jobs(url)
+    step = driver.advance(settings, run_id, "p1")
+    assert step.outcome == Outcome.STEPPED and len(step.submitted) >= 1
+    after = job_count(url)
+    assert after == first_level + len(step.submitted)
+    for owner in ("p1", "p2", "p1"):  # the same results again: nothing new to do
+        assert driver.advance(settings, run_id, owner).outcome == Outcome.IDLE
+    assert job_count(url) == after
+    run = run_row(url, run_id)
+    assert run.version == 1 and run.lease_owner is None and run.documents_done == 1  # "short" is summarized
+    while finish_jobs(url):
+        driver.advance(settings, run_id, "p2")
+    run = run_row(url, run_id)
+    assert (run.status, run.documents_done, run.documents_failed) == ("completed", 2, 0)
+    assert run.jobs_submitted == run.jobs_done == job_count(url) and run.finished_at is not None
+    view = service.view(settings, run_id, with_results=True)
+    lines = view.results.decode().splitlines()
+    assert [line.split('"id": ')[1].split(",")[0] for line in lines] == ['"long"', '"short"']
+    assert view.progress.as_dict()["status"] == "completed"
+
+
+def test_a_held_lease_keeps_others_out_until_it_expires(settings, principal):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal)
+    finish_jobs(url)
+    run = run_row(url, run_id)
+    assert driver._claim(url, run, "dead-api", lease_s=0.3)  # a process claimed the step, then was killed
+    assert driver.advance(settings, run_id, "worker").outcome == Outcome.BUSY
+    assert driver.advance_open_runs(settings, "worker") == []  # the sweeper does not even look
+    with session_scope(url) as s:  # its lease runs out
+        s.execute(update(SummarizationRun).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    step = driver.advance(settings, run_id, "worker")
+    assert step.outcome == Outcome.STEPPED and step.submitted
+    assert run_row(url, run_id).lease_owner is None
+
+
+def test_a_step_whose_lease_was_taken_over_commits_nothing(settings, principal, monkeypatch):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal)
+    finish_jobs(url)
+    before = job_count(url)
+    real = driver.planner_for
+
+    def slow_planner(settings_, run, backend):
+        # mid-step, the lease expires and another process takes it over
+        with session_scope(url) as s:
+            s.execute(update(SummarizationRun).values(lease_owner="other", lease_expires_at=utcnow()))
+        return real(settings_, run, backend)
+
+    monkeypatch.setattr(driver, "planner_for", slow_planner)
+    assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.LOST, "running")
+    monkeypatch.setattr(driver, "planner_for", real)
+    assert job_count(url) == before  # the jobs it built were never written
+    assert run_row(url, run_id).version == 0
+    step = driver.advance(settings, run_id, "p2")  # the lease of "other" has expired: p2 redoes the step
+    assert step.outcome == Outcome.STEPPED and job_count(url) == before + len(step.submitted)
+
+
+def test_concurrent_drivers_submit_each_job_once(settings, principal):
+    url = settings.sqlalchemy_url
+    docs = [Document(f"d{i}", LONG if i % 2 else f"Short document {i}. It ends here.") for i in range(6)]
+    run_id = start(settings, principal, docs)
+    stop = threading.Event()
+    outcomes: list[Outcome] = []
+
+    def drive(owner: str) -> None:
+        while not stop.is_set():
+            outcomes.append(driver.advance(settings, run_id, owner).outcome)
+
+    threads = [threading.Thread(target=drive, args=(f"p{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(200):
+            finish_jobs(url)
+            if run_row(url, run_id).status != "running":
+                break
+            stop.wait(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    run = run_row(url, run_id)
+    assert run.status == "completed" and run.documents_done == 6, outcomes[-5:]
+    with session_scope(url) as s:
+        per_doc = s.scalars(select(SummarizationDocument.jobs)).all()
+    assert job_count(url) == run.jobs_submitted == run.jobs_done == sum(per_doc)
+    assert Outcome.STEPPED in outcomes
+
+
+def test_failed_jobs_fail_their_document_and_a_pipeline_error_fails_the_run(settings, principal, monkeypatch):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal, [Document("a", "One short document.")])
+    finish_jobs(url, status="failed")
+    assert driver.advance(settings, run_id, "p1").status == "failed"  # no document has a summary
+    assert run_row(url, run_id).documents_failed == 1
+    assert "1 job(s) failed" in service.view(settings, run_id, with_results=True).results.decode()
+
+    run_id = start(settings, principal)
+    finish_jobs(url)
+
+    def broken(*_a, **_kw):
+        raise ValueError("no tokenizer today")
+
+    monkeypatch.setattr(driver, "planner_for", broken)
+    assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.STEPPED, "failed")
+    run = run_row(url, run_id)
+    assert (run.documents_done, run.documents_failed, run.lease_owner) == (2, 2, None)
+    assert "pipeline error: no tokenizer today" in service.view(settings, run_id, with_results=True).results.decode()
+
+
+def test_the_sweeper_steps_only_its_models_runs(settings, principal):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal)
+    finish_jobs(url)
+    other = settings.model_copy(update={"model_name": "another-model"})
+    assert driver.advance_open_runs(other, "w-other") == []
+    steps = driver.advance_open_runs(settings, "w1")
+    assert [s.outcome for s in steps] == [Outcome.STEPPED]
+    assert run_row(url, run_id).version == 1
+
+
+def test_runs_an_older_version_kept_in_files_are_still_read(settings):
+    folder = settings.data_dir / "summaries"
+    folder.mkdir()
+    state = {"tenant_id": "ten_1", "id": "sum_old", "object": "summarization", "status": "completed",
+             "deadline_at": "2030-01-01T00:00:00+00:00", "documents": 1, "documents_done": 1, "documents_failed": 0,
+             "jobs_submitted": 1, "jobs_done": 1}
+    (folder / "sum_old.json").write_text(json.dumps(state))
+    (folder / "sum_old.jsonl").write_text('{"id": "a", "summary": "S."}\n')
+    view = service.view(settings, "sum_old", with_results=True)
+    assert view.tenant_id == "ten_1" and view.progress.as_dict() == {k: v for k, v in state.items() if k != "tenant_id"}
+    assert view.results == b'{"id": "a", "summary": "S."}\n'
+    assert service.view(settings, "sum_nope") is None
