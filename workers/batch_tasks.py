@@ -5,18 +5,11 @@ ended) through ``app.batch.finalize.maybe_finalize``, which is idempotent.
 ``restart_stalled_validation`` re-runs the validation and fan-out of batches left in
 ``validating`` (the API process that ran it died): the fan-out's guarded
 ``validating -> in_progress`` update lets only one run create the jobs.
-
-Summarization runs are the same kind of fan-out/fan-in over jobs: the sweeper steps the
-running ones (``app.summarize.driver.advance_open_runs``), so a run finishes when the API
-that started it dies. Until the worker's sweeper loop calls that itself, it rides along
-with ``restart_stalled_validation``, the upkeep call that gets the settings.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,7 +21,6 @@ from app.db.models import Batch
 from app.db.session import session_scope
 from app.services.transitions import utcnow
 from app.settings import Settings
-from app.summarize.driver import advance_open_runs
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +46,4 @@ def restart_stalled_validation(settings: Settings, stale_after_s: float = 300.0)
     for batch_id in stalled:
         log.warning("batch %s has been validating since before %s; validating it here", batch_id, cutoff)
         start_batch(settings, batch_id)
-    # interim hook (see the module's docstring); its own errors stay its own
-    try:
-        advance_open_runs(settings, settings.worker_id or f"{socket.gethostname()}-{os.getpid()}")
-    except Exception:
-        log.exception("could not advance the summarization runs")
     return stalled

@@ -40,6 +40,7 @@ from app.services.model_info import encode_input, get_tokenizer
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
+from app.summarize.driver import advance_open_runs
 from gpu_runtime.factory import build_engine, resolve_device
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request
@@ -292,6 +293,7 @@ class GpuWorker:
                           holder_stale_s=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
                 restart_stalled_validation(self.settings)  # batches whose API died while validating them
+                advance_open_runs(self.settings, self.worker_id)  # summarization runs, whichever process started them
             except Exception:
                 log.exception("sweep failed")
 
