@@ -92,8 +92,14 @@ class _Progress:
     job_id: str
     attempt: int | None = None
     produced: int = 0  # characters of the current attempt's text seen without a hole, from its start
-    delivered: int = 0  # characters yielded, over all attempts
+    sent: list[str] = field(default_factory=list)  # the text yielded, over all attempts
+    delivered: int = 0  # its length
     gap: bool = False  # the current attempt's stream lost text: no more deltas; SQL has it at the end
+
+    def _sent_text(self) -> str:
+        if len(self.sent) > 1:
+            self.sent[:] = ["".join(self.sent)]
+        return self.sent[0] if self.sent else ""
 
     def admit(self, ev: StreamEvent) -> StreamEvent | None:
         """``ev`` as the client should get it (a delta cut to the text it lacks), or None to skip it."""
@@ -114,14 +120,35 @@ class _Progress:
             self.gap = True
             return None
         end = start + len(ev.text)
-        # a repeated publish, or a rerun regenerating text the client already has
-        have = max(self.produced, self.delivered)
+        # a repeated publish, or a rerun regenerating text the client already has: the part the client has
+        # must be the same text (a rerun after a worker died may sample differently, or a different batch
+        # may round a near-tie the other way); a rerun that parted from it cannot be streamed on
+        have = self.delivered
+        if start < have:
+            overlap = ev.text[:have - start]
+            if overlap != self._sent_text()[start:start + len(overlap)]:
+                return self.diverged()
         self.produced = max(self.produced, end)
         if end <= have:
             return None
         ev.text = ev.text[max(0, have - start):]
         self.delivered = end
+        self.sent.append(ev.text)
         return ev
+
+    def settle(self, end: StreamEvent) -> StreamEvent:
+        """SQL's end, if its text goes on from what was streamed (the consumer sends the rest); else an error."""
+        text = end.data.get("output_text")
+        if end.data.get("from_sql") and text is not None and not text.startswith(self._sent_text()):
+            return self.diverged()
+        return end
+
+    def diverged(self) -> StreamEvent:
+        log.warning("job %s: attempt %s's text parted from what its stream already sent", self.job_id, self.attempt)
+        return StreamEvent("error", attempt=self.attempt or 0, data={
+            "error": f"the job was run again after a worker failure and the new run's text differs from what this "
+                     f"stream already sent; the job goes on: GET /v1/jobs/{self.job_id} has its result",
+            "code": "stream_diverged"})
 
     def error(self, message: str) -> StreamEvent:
         return StreamEvent("error", attempt=self.attempt or 0, data={"error": message, "code": "stream_interrupted"})
@@ -187,7 +214,7 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
                 log.warning("cannot read the stream of %s (%s); retrying for up to %.0f s", job_id, exc,
                             outage_limit_s)
             if sql_end is not None and (end := await sql_end()) is not None:
-                yield end  # the job ended meanwhile: SQL has all of its text
+                yield progress.settle(end)  # the job ended meanwhile: SQL has all of its text
                 return
             if outage.elapsed() >= outage_limit_s:
                 yield progress.error(f"the job's stream was unreachable for {outage.elapsed():.0f} s ({exc}); "
@@ -202,7 +229,7 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
             if sql_end is not None:
                 end = await sql_end()
                 if end is not None and (quiet_end or progress.gap or end.status != "succeeded"):
-                    yield end
+                    yield progress.settle(end)
                     return
                 quiet_end = end is not None
             continue
@@ -214,8 +241,8 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
                 if ev is None:
                     continue
                 if ev.terminal and progress.gap:
-                    yield await _end_from_sql(sql_end, progress)
+                    yield progress.settle(await _end_from_sql(sql_end, progress))
                     return
                 yield ev
-                if ev.terminal:
+                if ev.terminal or ev.type == "error":
                     return

