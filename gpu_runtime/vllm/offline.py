@@ -31,13 +31,15 @@ class OfflineRun:
         return sum(len(t) for t in self.tokens.values())
 
 
-def summarization_prompts(model: str, n: int) -> list[list[int]]:
-    """The first ``n`` SpecBench summarization questions, through the model's chat template."""
+def summarization_prompts(model: str, n: int, chat: bool = True) -> list[list[int]]:
+    """The first ``n`` SpecBench summarization questions, through the model's chat template (or as raw text)."""
     from app.services.model_info import encode_input
     from gpu_runtime.data import specbench_path
 
     rows = [json.loads(line) for line in specbench_path().read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["category"] == "summarization"][:n]
+    if not chat:
+        return [encode_input(model, r["turns"][0], None) for r in rows]
     return [encode_input(model, None, [{"role": "user", "content": r["turns"][0]}]) for r in rows]
 
 
@@ -50,7 +52,7 @@ def random_prompts(n: int, length: int, seed: int = 0, vocab: int = 49152) -> li
 
 
 def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
-             qos: QoSSpec | None = None) -> OfflineRun:
+             qos: QoSSpec | None = None, ignore_eos: bool = True) -> OfflineRun:
     """Runs ``prompts`` ``batch`` at a time (each group to completion) and collects their tokens."""
     qos = qos or QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=10.0, tbt_s=1.0)
     run = OfflineRun()
@@ -58,7 +60,7 @@ def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
         for i, ids in enumerate(prompts[start:start + batch], start):
-            engine.add_request(Request(f"p{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), qos,
+            engine.add_request(Request(f"p{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), qos,
                                        arrival_time=engine.executor.now()))
         while engine.has_work:
             for out in engine.step():
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=4, help="SpecBench summarization prompts (at least the batch)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--workload", choices=("summarization", "random"), default="summarization")
+    ap.add_argument("--raw", action="store_true", help="summarization prompts as raw text, without the chat template")
+    ap.add_argument("--stop-at-eos", action="store_true", help="end at EOS (default: ignore it, --max-tokens each)")
     ap.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to run, one after the other")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (the n-gram drafter compiles)")
@@ -88,13 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_vllm_engine(args.model, scheduler_policy=args.policy, spec_policy=args.spec, dtype=args.dtype,
                                max_model_len=4096, cost_profile="auto")
     n = max(args.prompts, *args.batch)
-    prompts = (summarization_prompts(args.model, n) if args.workload == "summarization"
+    prompts = (summarization_prompts(args.model, n, chat=not args.raw) if args.workload == "summarization"
                else random_prompts(n, args.input_len))
     for _ in range(args.warmup):
         generate(engine, prompts[:1], 16, 1)
     results = {}
     for b in args.batch:  # one batch of b prompts, or --prompts of them b at a time
-        run = generate(engine, prompts[:max(b, args.prompts)], args.max_tokens, b)
+        run = generate(engine, prompts[:max(b, args.prompts)], args.max_tokens, b, ignore_eos=not args.stop_at_eos)
         results[str(b)] = {"tokens": run.tokens, "elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens,
                            "policy_s": run.policy_s, "speculation": run.speculation}
     if args.out == "-":
