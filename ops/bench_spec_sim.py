@@ -24,7 +24,11 @@ The engine stack schedules each stream's TBT deadlines from its first token by d
 (``--tbt-anchor``), the pace the scored mean TPOT measures; the vLLM-style scheduler has no
 deadlines.
 
-    python ops/bench_spec_sim.py [--duration 60] [--rps 2 4 6 8]
+``--slo-scale`` multiplies every TPOT target (the paper's SLO scale; TTFT stays 10 s) and may
+list several scales: each gets its own tables, and a last table sets AdaServe against the best
+static policy (chain-n or static tree, on coserve's scheduler) at every scale and RPS.
+
+    python ops/bench_spec_sim.py [--duration 60] [--rps 2 4 6 8] [--slo-scale 0.6 1.0 1.6]
 """
 
 from __future__ import annotations
@@ -149,11 +153,78 @@ def describe_drafter(drafter: DrafterSpec, draft_cost_ms: float | None) -> str:
             f"{drafter.cpu_s_per_request * 1e6:.1f} us/request + {drafter.cpu_s_per_context_token * 1e9:.0f} ns/context token")
 
 
+def report(rows, names: list[str], stack: str, vllm_stack: bool) -> None:
+    """The tables of one SLO scale: every policy by RPS, the goals, attainment per category."""
+    print(f"\nSLO attainment and goodput, every policy on {stack}:")
+    print_table(rows, names)
+    if vllm_stack:
+        print("\nthe baselines as systems: vLLM-style scheduling (FCFS, decodes first, 2048 tokens per step):")
+        print_table(rows, BASELINES, VLLM)
+    print("\nTPOT-only attainment (the paper's definition; counts requests deferred past their TTFT target):")
+    for rps, n, res in rows:
+        print(f"{rps:5.1f} " + " ".join(f"{k} {res[k].attainment_tpot * 100:5.1f}%" for k in names))
+    if vllm_stack:
+        print_goals(rows, VLLM, "coserve + AdaServe vs vLLM-Spec(n) and the static tree as systems "
+                                "(the paper's comparison)")
+    print_goals(rows, "", f"AdaServe vs the static policies on the same {stack} (speculation policy alone)")
+    print("\nper category attainment at the highest RPS (attained/total):")
+    _, _, res = rows[-1]
+    for k, m in res.items():
+        print(f"  {k:17s} " + "  ".join(f"{c}: {a}/{t}" for c, (a, t) in sorted(m.by_category.items()))
+              + f"   tokens/step {m.tokens_per_step:.2f}")
+
+
+def pool_runs(runs: list[RunMetrics]) -> RunMetrics:
+    """One policy's runs over several seeds as one: counts summed, goodput over the summed spans."""
+    if len(runs) == 1:
+        return runs[0]
+    out = RunMetrics(runs[0].policy)
+    for m in runs:
+        for f in ("requests", "attained", "attained_tpot", "output_tokens", "goodput_tokens", "makespan_s",
+                  "busy_s", "steps"):
+            setattr(out, f, getattr(out, f) + getattr(m, f))
+        for cat, (a, t) in m.by_category.items():
+            got, tot = out.by_category.get(cat, (0, 0))
+            out.by_category[cat] = (got + a, tot + t)
+    out.tokens_per_step = sum(m.tokens_per_step * m.steps for m in runs) / max(1, out.steps)
+    out.mean_tpot_s = sum(m.mean_tpot_s * m.requests for m in runs) / max(1, out.requests)
+    return out
+
+
+def best_static(res: dict[str, RunMetrics]) -> str:
+    """The static policy (chain-n or static tree) with the highest attainment, goodput breaking ties."""
+    return max(SPEC_BASELINES, key=lambda b: (res[b].attainment, res[b].goodput))
+
+
+def print_scale_table(by_scale, duration_s: float, seeds: int = 1) -> None:
+    """AdaServe against the best static shape at each SLO scale (goal: never below it)."""
+    print(f"\nAdaServe vs the best static shape by SLO scale ({duration_s:g} s of arrivals per run, "
+          f"{seeds} seed{'s' if seeds > 1 else ''} pooled; attainment, goodput):")
+    print(f"{'scale':>5s} {'RPS':>5s} {'none':>16s} {'best static':>28s} {'adaserve':>16s} {'vs best':>8s}  goal")
+    ok_all = True
+    for scale, rows in by_scale:
+        for rps, _, res in rows:
+            best = best_static(res)
+            a, b = res["adaserve"], res[best]
+            ok = a.attainment >= b.attainment
+            ok_all &= ok
+            cell = f"{b.attainment * 100:5.1f}% {b.goodput:5.0f}t/s ({best})"
+            ratio = fmt_ratio(a.attainment, b.attainment)
+            print(f"{scale:5.2f} {rps:5.1f} {res['none'].attainment * 100:6.1f}% {res['none'].goodput:5.0f}t/s "
+                  f"{cell:>28s} {a.attainment * 100:6.1f}% {a.goodput:5.0f}t/s {ratio:>8s}  {'PASS' if ok else 'FAIL'}")
+    print(f"AdaServe >= the best static shape at every scale: {'PASS' if ok_all else 'FAIL'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     ap.add_argument("--rps", type=float, nargs="+", default=[4.0, 6.0, 8.0, 10.0])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-scale", type=float, nargs="+", default=[1.0],
+                    help="multiply every TPOT target by this (AdaServe's SLO scale; TTFT unchanged); several values "
+                         "run a sweep and end with AdaServe vs the best static shape per scale")
+    ap.add_argument("--seed", type=int, nargs="+", default=[0],
+                    help="arrival and acceptance seeds; with several, each policy's runs are pooled (attainment over "
+                         "all their requests, goodput over their summed spans)")
     ap.add_argument("--stack", choices=["engine", "harness"], default="engine")
     ap.add_argument("--drafter", choices=sorted(DRAFTERS), default="prompt-lookup",
                     help="prompt-lookup: measured acceptance and CPU cost; draft-model: assumed acceptance")
@@ -185,47 +256,47 @@ def main() -> None:
     if args.stack == "engine":
         cost_model, slos = engine_setup()
 
-        def run(name, arrivals, scheduler=("qoserve", {})):
-            return simulate_engine(name, arrivals, cost_model, acceptance, args.draft_cost_ms / 1e3, args.seed,
+        def run(name, arrivals, seed, scheduler=("qoserve", {})):
+            return simulate_engine(name, arrivals, cost_model, acceptance, args.draft_cost_ms / 1e3, seed,
                                    drafter=drafter, score_until=args.duration if args.tail > 0 else None,
                                    scheduler=scheduler)
     else:
         slos = adaserve_slos(profile)
 
-        def run(name, arrivals, scheduler=None):
-            return simulate(create_policy(name), arrivals, profile, acceptance, seed=args.seed, drafter=drafter)
+        def run(name, arrivals, seed, scheduler=None):
+            return simulate(create_policy(name), arrivals, profile, acceptance, seed=seed, drafter=drafter)
     print(describe_drafter(drafter, args.draft_cost_ms if args.stack == "engine" else None))
     print("TPOT SLOs (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in slos.items())
           + (f"; TTFT 10 s; TBT deadlines from {args.tbt_anchor}" if args.stack == "engine" else ""))
     t0 = time.perf_counter()
-    rows = []
-    for rps in args.rps:
-        arrivals = poisson_arrivals(rps, args.duration + (args.tail if args.stack == "engine" else 0.0), slos,
-                                    seed=args.seed, tbt_anchor=TbtAnchor(args.tbt_anchor))
-        res = {name: run(name, arrivals) for name in [*BASELINES, "adaserve", *args.also]}
-        if vllm_stack:
-            res |= {VLLM + name: run(name, arrivals, VLLM_SCHEDULER) for name in BASELINES}
-        rows.append((rps, res["none"].requests, res))
     names = [*BASELINES, "adaserve", *args.also]
     stack = "coserve (QoServe scheduler)" if args.stack == "engine" else "decode-level harness"
-    print(f"\nSLO attainment and goodput, every policy on {stack}:")
-    print_table(rows, names)
-    if vllm_stack:
-        print("\nthe baselines as systems: vLLM-style scheduling (FCFS, decodes first, 2048 tokens per step):")
-        print_table(rows, BASELINES, VLLM)
-    print("\nTPOT-only attainment (the paper's definition; counts requests deferred past their TTFT target):")
-    for rps, n, res in rows:
-        print(f"{rps:5.1f} " + " ".join(f"{k} {res[k].attainment_tpot * 100:5.1f}%" for k in names))
-    if vllm_stack:
-        print_goals(rows, VLLM, "coserve + AdaServe vs vLLM-Spec(n) and the static tree as systems "
-                                "(the paper's comparison)")
-    print_goals(rows, "", f"AdaServe vs the static policies on the same {stack} (speculation policy alone)")
-    print("\nper category attainment at the highest RPS (attained/total):")
-    _, _, res = rows[-1]
-    for k, m in res.items():
-        print(f"  {k:17s} " + "  ".join(f"{c}: {a}/{t}" for c, (a, t) in sorted(m.by_category.items()))
-              + f"   tokens/step {m.tokens_per_step:.2f}")
-    print(f"\n(simulated {len(rows) * len(rows[0][2])} runs in {time.perf_counter() - t0:.1f} s)")
+    by_scale = []
+    for scale in args.slo_scale:
+        scaled = {k: v * scale for k, v in slos.items()}
+        rows = []
+        for rps in args.rps:
+            runs: dict[str, list[RunMetrics]] = {}
+            for seed in args.seed:
+                arrivals = poisson_arrivals(rps, args.duration + (args.tail if args.stack == "engine" else 0.0),
+                                            scaled, seed=seed, tbt_anchor=TbtAnchor(args.tbt_anchor))
+                for name in names:
+                    runs.setdefault(name, []).append(run(name, arrivals, seed))
+                if vllm_stack:
+                    for name in BASELINES:
+                        runs.setdefault(VLLM + name, []).append(run(name, arrivals, seed, VLLM_SCHEDULER))
+            res = {name: pool_runs(ms) for name, ms in runs.items()}
+            rows.append((rps, res["none"].requests, res))
+        if len(args.slo_scale) > 1 or scale != 1.0:
+            print(f"\n===== SLO scale x{scale:g}: TPOT SLOs (ms) "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in scaled.items()) + " =====")
+        report(rows, names, stack, vllm_stack)
+        by_scale.append((scale, rows))
+    if len(by_scale) > 1:
+        print_scale_table(by_scale, args.duration, len(args.seed))
+    runs = sum(len(rows) * len(rows[0][2]) for _, rows in by_scale) * len(args.seed)
+    print(f"\n(simulated {runs} runs in {time.perf_counter() - t0:.1f} s)")
+
 
 if __name__ == "__main__":
     main()

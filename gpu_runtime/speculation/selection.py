@@ -7,6 +7,10 @@ probable remaining nodes until B is spent. Pure Python; no torch.
 
 ``likely_beyond_slack`` is the same co-serving rule for chains (AdaSpec, Nightjar): the tokens
 the pass's spare time pays for, then only likely ones.
+
+``select_for_rate`` is what AdaServe falls back to when the selection above leaves a requirement
+unmet: every requirement the candidates can meet, then the most expected accepted tokens per second
+of iteration. ``iteration_rate`` and ``requirements_met`` score any selection (a static shape's too).
 """
 
 from __future__ import annotations
@@ -131,3 +135,85 @@ def likely_beyond_slack(chains: dict[str, TokenTree], curve: Callable[[int], flo
     cheap = slack_tokens(curve, num_requests, prefill_tokens, spare_s, num_requests + drafted) - num_requests
     inputs = [SelectionInput(rid, 0.0, len(t)) for rid, t in chains.items()]
     return select_trees(inputs, chains, len(chains) + drafted, None, len(chains) + cheap, min_prob).trees
+
+
+def iteration_rate(trees: dict[str, TokenTree], num_requests: int, pass_time: Callable[[int], float],
+                   fixed_s: float = 0.0) -> float:
+    """Expected accepted tokens per second of one iteration: (roots + sum of the verified f(v)) over
+    ``fixed_s`` (drafting) + ``pass_time(tree tokens)`` (the verification pass with that many tree tokens)."""
+    tokens = sum(len(t) for t in trees.values())
+    gained = num_requests + sum(t.expected_accepted() for t in trees.values())
+    return gained / (fixed_s + pass_time(tokens))
+
+
+def requirements_met(inputs: list[SelectionInput], trees: dict[str, TokenTree]) -> int:
+    """How many requests' A(r) the selection meets in expectation (root + the verified f(v))."""
+    return sum(1 for x in inputs
+               if 1.0 + (trees[x.request_id].expected_accepted() if x.request_id in trees else 0.0) + 1e-9
+               >= x.requirement)
+
+
+def select_for_rate(inputs: list[SelectionInput], candidates: dict[str, TokenTree],
+                    pass_time: Callable[[int], float], fixed_s: float = 0.0) -> SelectionResult:
+    """Meet every requirement the candidates can meet, then maximize ``iteration_rate``.
+
+    A request's A(r) can be met when its whole candidate tree would meet it; its most probable
+    nodes, as few as do, are taken first. Then nodes are added in descending f(v) across all trees
+    and the count with the best rate is kept (ties: fewer tokens). No budget B, n_max or likelihood
+    rule: the rate prices every token by the time it adds to the pass.
+
+    This is the best selection for (requirements met, then rate). No selection meets a requirement
+    the whole tree cannot, so none meets more. Among those that meet as many, any with k tokens
+    takes as long as ours with k, and holds at most our expected tokens: within a tree any j
+    connected nodes hold at most its j most probable (f(v) never grows down a path), the prefix
+    sums of a tree's nodes in that order are concave, and adding the best next node across trees,
+    from the counts the requirements force, maximizes a sum of concave functions. So no static
+    shape drawn from the same candidates (a chain of n, a static tree of 23 nodes) does better.
+    """
+    frontiers = {x.request_id: _Frontier(candidates[x.request_id])
+                 for x in inputs if x.request_id in candidates and len(candidates[x.request_id])}
+    gained = float(len(inputs))  # the roots (bonus tokens)
+    required = 0
+    for x in inputs:
+        fr = frontiers.get(x.request_id)
+        if fr is None or 1.0 + fr.tree.expected_accepted() + 1e-9 < x.requirement:
+            continue  # not even the whole tree meets it: left to the rate
+        have = 1.0
+        while have + 1e-9 < x.requirement and fr.peek() is not None:
+            f = fr.take()
+            have += f
+            gained += f
+            required += 1
+    pool = [(-p, rid) for rid, fr in frontiers.items() if (p := _peek_prob(fr)) is not None]
+    heapq.heapify(pool)
+    order: list[tuple[str, float]] = []  # (request, f(v)) taken after the required nodes, in order
+    while pool:
+        _, rid = heapq.heappop(pool)
+        fr = frontiers[rid]
+        order.append((rid, fr.take()))
+        nxt = _peek_prob(fr)
+        if nxt is not None:
+            heapq.heappush(pool, (-nxt, rid))
+    best_k, best_rate = 0, gained / (fixed_s + pass_time(required))
+    for k, (_, f) in enumerate(order, start=1):
+        gained += f
+        rate = gained / (fixed_s + pass_time(required + k))
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    # Each frontier recorded its nodes in the order taken: the required ones, then its part of ``order``.
+    dropped: dict[str, int] = {}
+    for rid, _ in order[best_k:]:
+        dropped[rid] = dropped.get(rid, 0) + 1
+    result = SelectionResult()
+    for x in inputs:
+        n_acc = 1.0
+        fr = frontiers.get(x.request_id)
+        if fr is not None:
+            nodes = fr.chosen[:len(fr.chosen) - dropped.get(x.request_id, 0)]
+            if nodes:
+                result.trees[x.request_id] = fr.tree.subtree(nodes)
+                n_acc += sum(fr.tree.path_probs[i] for i in nodes)
+        result.expected[x.request_id] = n_acc
+        if n_acc + 1e-9 < x.requirement:
+            result.infeasible.add(x.request_id)
+    return result
