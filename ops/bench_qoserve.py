@@ -4,8 +4,9 @@ Policies: QoServe, Sarathi FCFS/EDF/SRPF (chunk 256), vLLM-style FCFS without ch
 and siloed replicas, one per QoS bucket (Q1 chunk 256, Q2 and Q3 chunk 2048: three machines,
 goodput per machine). For each profile (first the MEASURED CPU profile of the default model,
 gpu_runtime/costmodel/profiles/cpu-*.json; then, clearly labelled, the SYNTHETIC 8B/A100
-roofline profile) and each Azure trace, with the paper's three tiers (Q1 TTFT 6 s / TBT
-50 ms, Q2 TTLT 600 s, Q3 TTLT 1800 s, equal thirds) and every SLO multiplied by
+roofline profile) and each Azure trace, with the paper's three tiers (by default Q1 TTFT 6 s /
+TBT 50 ms, Q2 TTLT 600 s, Q3 TTLT 1800 s, equal thirds, all paid; --mix, --free-share, --ttft,
+--tbt, --q2-ttlt, --q3-ttlt and --slo-scale change them) and every SLO multiplied by
 (profile batch-1 decode step / 12.5 ms). Requests ask for max_tokens 4096 and stop at the
 trace's output length (EOS), so no policy sees true output lengths. The cost model is the
 piecewise-linear fit; both candidates' cross-validated MAPE is printed per profile.
@@ -15,7 +16,9 @@ piecewise-linear fit; both candidates' cross-validated MAPE is printed per profi
    drains, so a run of S minutes lets a backlog of up to ~600-1800 s pile up unnoticed and
    over-states capacity by roughly 600/S..1800/S (5-minute runs doubled it: QoServe "met"
    24 QPS on conv, above the A100 profile's whole prefill rate of ~20k tokens/s / 1155
-   tokens). The paper ran 4 hours; --minutes (default 30, x SLO scale) trades that for time.
+   tokens; 30-minute runs still gave 15.99 QPS where 120-minute runs give 10.54). The paper
+   ran 4 hours; --minutes (default 120, x the profile's SLO scale) trades that for time, and
+   every table states the run length it came from.
    The search bracket comes from a hard bound: the profile's saturated prefill rate over the
    trace's mean prompt; a run stops as soon as 1% of its requests finished late.
 2. bursty load (paper 4.3): Poisson arrivals alternating every --bursty-period-min (paper:
@@ -25,19 +28,24 @@ piecewise-linear fit; both candidates' cross-validated MAPE is printed per profi
    35 QPS on 10 replicas with no violation (Table 4), 3.65 QPS optimal load (Table 5), i.e.
    ~3.5 QPS per replica. So low = 2.0/3.5 = 0.57x and high = 5.0/3.5 = 1.43x QoServe's
    measured goodput on the bursty trace (mean 1.0x: the troughs must absorb the bursts).
+   The free share of the bursty run is --bursty-free-share (paper: 20%).
    Reported per policy: violations overall, paid ("important") and free, and what
    relegation did (jobs relegated, how many finished later, how many of those in a trough) and how many
    jobs had their KV released and recomputed (KV admission reserves predicted, not max_tokens, output).
 
 Runs are subsampled (--minutes of arrivals per goodput run, --bursty-minutes of bursty
-load; the paper ran 4 hours) to finish in tens of minutes on two cores.
+load; the paper ran 4 hours). At the default 120 minutes, QoServe, Sarathi-FCFS and Sarathi-EDF
+on both traces of the A100 profile took 31 min with --workers 2 on two cores; the six policies
+take longer, and --policies / --traces shorten it.
 
-    python ops/bench_qoserve.py [--minutes 30] [--traces conv,code] [--profiles ...] [--workers 1]
+    python ops/bench_qoserve.py [--minutes 120] [--traces conv,code] [--profiles ...] [--workers 1]
+        [--mix 1:1:1] [--free-share 0] [--ttft 6] [--tbt 0.05] [--q2-ttlt 600] [--q3-ttlt 1800] [--slo-scale 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -59,28 +67,108 @@ from gpu_runtime.costmodel.profile import (
     scheduling_cost_model,
     slo_scale,
 )
-from gpu_runtime.qos import TbtAnchor
+from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.sim.capacity import capacity_search
 from gpu_runtime.sim.metrics import relegation_summary, summarize
 from gpu_runtime.sim.runner import Experiment, run_policy, silo_buckets, simulate
-from gpu_runtime.sim.workload import load_trace, paper_tiers
+from gpu_runtime.sim.workload import TierSpec, load_trace
 
 POLICIES = ("qoserve", "sarathi-fcfs", "sarathi-edf", "sarathi-srpf", "vllm-fcfs", "silo")
-# A siloed deployment runs one replica per QoS bucket (Q1, Q2, Q3): goodput is per machine.
-MACHINES = {"silo": len(silo_buckets(paper_tiers()))}
 GOALS = {"sarathi-fcfs": 1.5, "sarathi-edf": 1.2}  # QoServe's goodput over these baselines (paper: 1.5-2.4x, +20-40%)
 # Paper 4.3: 2.0 <-> 5.0 QPS against QoServe's ~3.5 QPS per replica (Table 4: 35 QPS on 10 replicas; Table 5: 3.65).
 PAPER_BURSTY_QPS = (2.0, 5.0)
 PAPER_CAPACITY_QPS = 3.5
+TIER_NAMES = ("Q1", "Q2", "Q3")  # interactive, batch with the short deadline, batch with the long one
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The tier mix and SLOs of a run, before the profile's SLO scale (defaults: QoServe's evaluation)."""
+
+    mix: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)  # shares of Q1, Q2, Q3 (sum 1)
+    free_share: float = 0.0  # of every bucket, free tier (the rest paid)
+    ttft_s: float = 6.0  # Q1 time to first token
+    tbt_s: float = 0.05  # Q1 time between tokens
+    q2_ttlt_s: float = 600.0  # Q2 time to last token
+    q3_ttlt_s: float = 1800.0  # Q3 time to last token
+    slo_scale: float = 1.0  # multiplies every SLO above (tighter < 1 < looser)
+
+    def __post_init__(self) -> None:
+        if len(self.mix) != 3 or min(self.mix) < 0 or abs(sum(self.mix) - 1.0) > 1e-6:
+            raise ValueError(f"mix must be three non-negative shares summing to 1, got {self.mix}")
+        if not 0.0 <= self.free_share <= 1.0:
+            raise ValueError(f"free share must be within [0, 1], got {self.free_share}")
+        if min(self.ttft_s, self.tbt_s, self.q2_ttlt_s, self.q3_ttlt_s, self.slo_scale) <= 0:
+            raise ValueError("SLOs and the SLO scale must be positive")
+
+    def qos(self, profile_scale: float = 1.0, tbt_anchor: TbtAnchor = TbtAnchor.ARRIVAL) -> dict[str, QoSSpec]:
+        """Each bucket's (paid) QoS, every SLO x slo_scale x ``profile_scale``."""
+        k = self.slo_scale * profile_scale
+        return {"Q1": QoSSpec(QoSClass.INTERACTIVE, ttft_s=self.ttft_s * k, tbt_s=self.tbt_s * k,
+                              tbt_anchor=tbt_anchor),
+                "Q2": QoSSpec(QoSClass.BATCH, ttlt_s=self.q2_ttlt_s * k),
+                "Q3": QoSSpec(QoSClass.BATCH, ttlt_s=self.q3_ttlt_s * k)}
+
+    def tiers(self, profile_scale: float = 1.0, tbt_anchor: TbtAnchor = TbtAnchor.ARRIVAL,
+              free_share: float | None = None) -> list[TierSpec]:
+        """The mix as the simulator's tiers: buckets with no share are left out, each bucket split into
+        paid and free when ``free_share`` (default: this workload's) is above 0."""
+        free = self.free_share if free_share is None else free_share
+        out = []
+        for (name, qos), share in zip(self.qos(profile_scale, tbt_anchor).items(), self.mix):
+            if share <= 0:
+                continue
+            if free > 0:
+                out.append(TierSpec(f"{name}-paid", share * (1 - free), qos))
+                out.append(TierSpec(f"{name}-free", share * free, dataclasses.replace(qos, tier=Tier.FREE)))
+            else:
+                out.append(TierSpec(name, share, qos))
+        return [t for t in out if t.share > 0]
+
+    def machines(self, policy: str) -> int:
+        """Replicas a policy's deployment uses: a silo runs one per QoS bucket in the mix, the rest one."""
+        return len(silo_buckets(self.tiers())) if policy == "silo" else 1
+
+    def describe(self, profile_scale: float = 1.0) -> str:
+        q = self.qos(profile_scale)
+        mix = "/".join(f"{n} {s:.0%}" for n, s in zip(TIER_NAMES, self.mix))
+        return (f"mix {mix}, {self.free_share:.0%} free; Q1 TTFT {q['Q1'].ttft_s:.1f} s / TBT "
+                f"{q['Q1'].tbt_s * 1e3:.0f} ms, Q2 TTLT {q['Q2'].ttlt_s:.0f} s, Q3 TTLT {q['Q3'].ttlt_s:.0f} s")
+
+
+def parse_mix(text: str) -> tuple[float, float, float]:
+    """'Q1:Q2:Q3' weights (or comma-separated), normalized to shares: '1:1:1' = equal thirds, '2:1:1' = half Q1."""
+    bad = argparse.ArgumentTypeError(f"--mix wants three non-negative weights Q1:Q2:Q3, got {text!r}")
+    try:
+        parts = [float(x) for x in text.replace(",", ":").split(":")]
+    except ValueError:
+        raise bad from None
+    if len(parts) != 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise bad
+    total = sum(parts)
+    return parts[0] / total, parts[1] / total, parts[2] / total
+
+
+def _share(text: str) -> float:
+    x = float(text)
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share within [0, 1], got {text!r}")
+    return x
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    return Workload(mix=args.mix, free_share=args.free_share, ttft_s=args.ttft, tbt_s=args.tbt,
+                    q2_ttlt_s=args.q2_ttlt, q3_ttlt_s=args.q3_ttlt, slo_scale=args.slo_scale)
 
 
 def _violations(qps: float, policy: str, profile: str, trace: str, minutes: float, seed: int,
-                arrivals: str = "poisson", tbt_anchor: str = TbtAnchor.ARRIVAL.value) -> float:
+                arrivals: str = "poisson", tbt_anchor: str = TbtAnchor.ARRIVAL.value,
+                workload: Workload = Workload()) -> float:
     cm = scheduling_cost_model(profile)
     scale = slo_scale(cm)
     n = max(50, int(qps * minutes * 60.0 * scale))  # a fixed span of (scaled) time at every rate
     exp = Experiment(trace=trace, num_requests=n, seed=seed, arrivals=arrivals)
-    return run_policy(policy, cm, exp, paper_tiers(scale, tbt_anchor=TbtAnchor(tbt_anchor)), qps=qps,
+    return run_policy(policy, cm, exp, workload.tiers(scale, TbtAnchor(tbt_anchor)), qps=qps,
                       stop_above=0.01).violation_rate
 
 
@@ -94,20 +182,22 @@ def rate_bound(profile: str, trace: str, max_prompt: int = Experiment.max_prompt
 
 
 def goodput(policy: str, profile: str, trace: str, minutes: float, lo: float, hi: float, iters: int,
-            seed: int, arrivals: str = "poisson", tbt_anchor: str = TbtAnchor.ARRIVAL.value) -> float:
-    machines = MACHINES.get(policy, 1)
+            seed: int, arrivals: str = "poisson", tbt_anchor: str = TbtAnchor.ARRIVAL.value,
+            workload: Workload = Workload()) -> float:
+    machines = workload.machines(policy)  # a silo's goodput is per machine
     f = partial(_violations, policy=policy, profile=profile, trace=trace, minutes=minutes, seed=seed,
-                arrivals=arrivals, tbt_anchor=tbt_anchor)
+                arrivals=arrivals, tbt_anchor=tbt_anchor, workload=workload)
     return capacity_search(f, lo * machines, hi * machines, target=0.01, iters=iters) / machines
 
 
 def bursty(policy: str, profile: str, trace: str, low: float, high: float, minutes: float, period_min: float,
-           seed: int, tbt_anchor: str = TbtAnchor.ARRIVAL.value) -> dict:
+           seed: int, tbt_anchor: str = TbtAnchor.ARRIVAL.value, workload: Workload = Workload(),
+           free_share: float = 0.2) -> dict:
     cm = scheduling_cost_model(profile)
     scale = slo_scale(cm)
     exp = Experiment(trace=trace, seed=seed)
     period = period_min * 60.0 * scale
-    reqs = simulate(policy, cm, exp, paper_tiers(scale, free_share=0.2, tbt_anchor=TbtAnchor(tbt_anchor)),
+    reqs = simulate(policy, cm, exp, workload.tiers(scale, TbtAnchor(tbt_anchor), free_share=free_share),
                     bursty=(low, high, period, minutes * 60.0 * scale))
     s = summarize(reqs)
     rel = relegation_summary(reqs, low_phase=lambda t: int(t // period) % 2 == 0)
@@ -128,7 +218,7 @@ def _goal(ratio: float, goal: float) -> str:
     return "pass" if ratio >= goal else "FAIL"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profiles", default=",".join(str(p) for p in (CPU_PROFILE, A100_PROFILE) if p.exists()),
                     help="profile paths or shipped names (default: the measured CPU profile, then the synthetic "
@@ -136,8 +226,10 @@ def main() -> None:
     ap.add_argument("--arrivals", default="poisson", choices=("poisson", "trace"),
                     help="goodput runs: Poisson, or the trace's own timestamps rescaled to each QPS")
     ap.add_argument("--traces", default="conv,code")
-    ap.add_argument("--minutes", type=float, default=30.0,
-                    help="arrival span of each goodput run (x SLO scale; paper: 240); requests = qps x span")
+    ap.add_argument("--minutes", type=float, default=120.0,
+                    help="arrival span of each goodput run (x the profile's SLO scale; paper: 240); requests = qps "
+                         "x span. Under 120 the batch tiers' backlog over-states goodput (30 min: conv 15.99 QPS "
+                         "where 120 min gives 10.54)")
     ap.add_argument("--iters", type=int, default=5, help="binary-search steps")
     ap.add_argument("--bursty-minutes", type=float, default=90.0,
                     help="bursty run length (x SLO scale; paper: 240): 90 = three low/high cycles")
@@ -155,7 +247,25 @@ def main() -> None:
                     help="where Q1's TBT deadlines start: arrival (QoServe's eq. 2, the paper's metric) or "
                          "first-token (stream pace; the violations count the same deadlines)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    tiers = ap.add_argument_group("tiers and SLOs (defaults: QoServe's evaluation; every SLO is also scaled by "
+                                  "the profile's batch-1 decode step / 12.5 ms)")
+    tiers.add_argument("--mix", type=parse_mix, default=(1 / 3, 1 / 3, 1 / 3), metavar="Q1:Q2:Q3",
+                       help="weights of interactive (Q1), short-deadline batch (Q2) and long-deadline batch (Q3) "
+                            "requests, normalized (default 1:1:1, equal thirds)")
+    tiers.add_argument("--free-share", type=_share, default=0.0,
+                       help="share of every bucket that is free tier in the goodput runs (default 0: all paid)")
+    tiers.add_argument("--bursty-free-share", type=_share, default=0.2, help="the same for the bursty run (paper: 0.2)")
+    tiers.add_argument("--ttft", type=float, default=6.0, help="Q1 TTFT target, seconds (paper: 6)")
+    tiers.add_argument("--tbt", type=float, default=0.05, help="Q1 TBT target, seconds (paper: 0.05)")
+    tiers.add_argument("--q2-ttlt", type=float, default=600.0, help="Q2 deadline, seconds after arrival (paper: 600)")
+    tiers.add_argument("--q3-ttlt", type=float, default=1800.0, help="Q3 deadline, seconds after arrival (paper: 1800)")
+    tiers.add_argument("--slo-scale", type=float, default=1.0, help="multiplies all four SLOs (< 1 tighter)")
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    workload = workload_from_args(args)
     policies = tuple(args.policies.split(","))
     bursty_policies = tuple(args.bursty_policies.split(","))
     console = Console(width=140)
@@ -171,9 +281,11 @@ def main() -> None:
         console.print(f"\n[bold]{path.stem}[/]: {kind} profile, {len(prof.samples)} shapes, device "
                       f"{prof.meta.get('device', '?')}, attention {prof.meta.get('attention_layout', 'not recorded')}")
         console.print(f"  cost model {SCHEDULING_MODEL}; {fit_report(path).summary()}")
-        console.print(f"  batch-1 decode step {scale * 12.5:.1f} ms -> SLO scale factor x{scale:.2f} "
-                      f"(Q1 TTFT {6 * scale:.1f} s / TBT {50 * scale:.0f} ms, Q2 {600 * scale:.0f} s, "
-                      f"Q3 {1800 * scale:.0f} s); arrivals {args.arrivals}; TBT deadlines from {args.tbt_anchor}")
+        run_min = args.minutes * scale
+        console.print(f"  batch-1 decode step {scale * 12.5:.1f} ms -> SLO scale factor x{scale:.2f}; "
+                      f"{workload.describe(scale)}; arrivals {args.arrivals}; TBT deadlines from {args.tbt_anchor}")
+        console.print(f"  goodput runs: {run_min:.1f} simulated minutes of arrivals each"
+                      + ("" if run_min >= 120 else " (UNDER 120: the batch tiers' backlog over-states goodput)"))
         traces = [] if args.skip_goodput else args.traces.split(",")
         # Search range per trace: up to (a little above) the rate at which the replica could only run prompts.
         bound = {trace: rate_bound(str(path), trace) for trace in traces}
@@ -181,10 +293,11 @@ def main() -> None:
             console.print(f"  {trace}: saturated prefill alone caps any policy at {bound[trace]:.3f} QPS; "
                           f"search {bound[trace] / 4:.3f} .. {bound[trace]:.3f}")
         jobs = {(trace, pol): pool.submit(goodput, pol, str(path), trace, args.minutes, bound[trace] / 4,
-                                          bound[trace], args.iters, args.seed, args.arrivals, args.tbt_anchor)
+                                          bound[trace], args.iters, args.seed, args.arrivals, args.tbt_anchor,
+                                          workload)
                 for trace in traces for pol in policies}
-        table = Table(title=f"goodput per machine (QPS at <= 1% violations, SLOs x{scale:.2f}, "
-                            f"{args.minutes * scale:.1f} min of {args.arrivals} arrivals per run) - {name}")
+        table = Table(title=f"goodput per machine (QPS at <= 1% violations), run length {run_min:.1f} simulated "
+                            f"min of {args.arrivals} arrivals per point, {workload.describe(scale)} - {name}")
         others = [p for p in policies if p != "qoserve"]
         goal_pols = [p for p in others if p in GOALS]
         for col in ("trace", *policies, *(f"vs {p}" for p in others),
@@ -218,11 +331,11 @@ def main() -> None:
                           "give --bursty-qps LOW:HIGH)")
             continue
         bj = {pol: pool.submit(bursty, pol, str(path), trace, low, high, args.bursty_minutes, args.bursty_period_min,
-                               args.seed, args.tbt_anchor)
+                               args.seed, args.tbt_anchor, workload, args.bursty_free_share)
               for pol in bursty_policies}
         bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {args.bursty_period_min * scale:.0f} min "
-                         f"(starting low), 20% free tier, SLOs x{scale:.2f}, "
-                         f"{args.bursty_minutes * scale:.0f} min, {trace} - {name}")
+                         f"(starting low), {args.bursty_free_share:.0%} free tier, SLOs as above, "
+                         f"run length {args.bursty_minutes * scale:.0f} simulated min, {trace} - {name}")
         for col in ("policy", "requests", "violations", "paid (jobs)", "free (jobs)", "relegated (paid)", "finished later",
                     "in a trough", "KV recomputed", "goal"):
             bt.add_column(col, justify="right")
