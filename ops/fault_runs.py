@@ -45,7 +45,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +69,7 @@ from app.db.migrate import upgrade  # noqa: E402
 from app.db.models import Job, JobEvent, JobStatus, WorkerState  # noqa: E402
 from app.db.session import session_scope  # noqa: E402
 from app.embedded import start_redis, terminate_group  # noqa: E402
+from tests.conftest import free_port, wait_for  # noqa: E402
 from app.services.streaming import stream_key  # noqa: E402
 
 log = logging.getLogger("fault_runs")
@@ -146,22 +146,6 @@ class Result:
 
 
 # ---------------------------------------------------------------- the stack
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 class Stack:
     """Redis, SQLite, the API and the workers of one scenario, under ``root``.
 
@@ -173,7 +157,7 @@ class Stack:
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.db_url = f"sqlite:///{root / 'coserve.db'}"
-        self.base = f"http://127.0.0.1:{_free_port()}"
+        self.base = f"http://127.0.0.1:{free_port()}"
         self.redis_proc: subprocess.Popen | None = None
         self.redis_url = ""
         self.redis_port: int | None = None
