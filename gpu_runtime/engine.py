@@ -36,7 +36,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     status: RequestStatus = RequestStatus.WAITING
-    event: str | None = None  # "relegated" | "resumed" | "preempted" | "recomputed" | None
+    event: str | None = None  # "relegated" | "resumed" | "preempted" | "recomputed" | "expired" | None
     metrics: RequestMetrics | None = None  # set when finished
 
     @property
@@ -184,6 +184,11 @@ class Engine:
 
     def _events(self, sched: SchedulerOutput) -> list[RequestOutput]:
         out = [RequestOutput(r.request_id, status=r.status, event="relegated") for r in sched.relegated]
+        for r in sched.expired:  # relegated past their expiry: the scheduler let them go, their KV goes too
+            r.finish_time = self.executor.now()
+            done = self._finish(r)
+            done.event = "expired"
+            out.append(done)
         out += [RequestOutput(r.request_id, status=r.status, event="resumed") for r in sched.resumed]
         out += [RequestOutput(r.request_id, status=r.status, event="preempted") for r in sched.preempted]
         out += [RequestOutput(r.request_id, status=r.status, event="recomputed") for r in sched.recomputed]

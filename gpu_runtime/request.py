@@ -20,6 +20,7 @@ class RequestStatus(StrEnum):
     FINISHED_STOPPED = "finished_stopped"  # EOS or stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens reached
     FINISHED_ABORTED = "finished_aborted"  # cancelled by the user or an operator
+    FINISHED_EXPIRED = "finished_expired"  # relegated under overload and given up on past its expiry
 
     @property
     def finished(self) -> bool:

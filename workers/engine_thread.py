@@ -179,6 +179,8 @@ class EngineThread:
     def _completion(self, job: ActiveJob, out: Any) -> Record:
         if out.status is RequestStatus.FINISHED_ABORTED:
             return Record(f"abort of {job.job_id}", leaving=job.job_id)  # cancelled (the API wrote it) or lease lost
+        if out.status is RequestStatus.FINISHED_EXPIRED:
+            return self._expiry(job)
         m = out.metrics
         reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
         prompt_tokens = job.request.prompt_len
@@ -195,6 +197,18 @@ class EngineThread:
         def write(s: Session) -> bool:
             return leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})")
         return Record(f"the result of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
+
+    @staticmethod
+    def _expiry(job: ActiveJob) -> Record:
+        """The scheduler gave up on a job it had relegated under overload (past its expiry): expired, SLO missed."""
+        lease = job.lease
+        error = "relegated under overload and expired before it could run (its deadline had long passed)"
+        end = StreamEvent("end", lease.attempt, status="expired", data={"error": error})
+
+        def write(s: Session) -> bool:
+            return leases.finish(s, lease, JobStatus.EXPIRED, {"error": error, "slo_met": False},
+                                 detail="expired: relegated under overload")
+        return Record(f"the expiry of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
 
     @staticmethod
     def _failure(job: ActiveJob, error: str, detail: str) -> Record:

@@ -22,7 +22,7 @@ from gpu_runtime.scheduler.priority import decode_remaining
 log = logging.getLogger(__name__)
 
 
-def decode_slack(req: Request, now: float) -> float:
+def decode_slack(req: Request, now: float, lost_below_s: float = 0.0) -> float:
     """Time left before the request's next token is due (QoServe 3.2: slack to the next deadline).
 
     Interactive: max(D_n (eq. 2, anchored as its QoS says), t_last + TBT) - now. Batch: the per-token time its TTLT
@@ -30,7 +30,8 @@ def decode_slack(req: Request, now: float) -> float:
     violated or relegated cannot be saved by smaller chunks, so it must not pin the budget
     to the floor (that collapses prefill throughput and cascades under overload): an
     interactive one keeps one TBT of slack (it still streams at its pace), a batch one
-    leaves the minimum (infinite slack)."""
+    leaves the minimum (infinite slack). So does a batch job whose pace is below ``lost_below_s``, the
+    shortest pass the engine can run: it misses its deadline however small the chunks."""
     q = req.qos
     if q.qos_class is QoSClass.INTERACTIVE:
         d_n = req.next_token_deadline()
@@ -43,10 +44,11 @@ def decode_slack(req: Request, now: float) -> float:
     assert deadline is not None
     if deadline <= now or req.relegation_count:
         return math.inf
-    return (deadline - now) / max(1, decode_remaining(req))
+    pace = (deadline - now) / max(1, decode_remaining(req))
+    return math.inf if pace < lost_below_s else pace
 
 
-def min_slack(decodes: Iterable[Request], now: float) -> float:
+def min_slack(decodes: Iterable[Request], now: float, lost_below_s: float = 0.0) -> float:
     """min over decodes of ``decode_slack`` (inlined for on-time interactive ones: this runs every iteration)."""
     best = math.inf
     interactive, first_token = QoSClass.INTERACTIVE, TbtAnchor.FIRST_TOKEN
@@ -64,7 +66,7 @@ def min_slack(decodes: Iterable[Request], now: float) -> float:
             else:
                 s = decode_slack(r, now)
         else:
-            s = decode_slack(r, now)
+            s = decode_slack(r, now, lost_below_s)
         if s < best:
             best = s
     return best
@@ -104,7 +106,6 @@ class ChunkBudget:
                prefill_start: int = 0) -> BudgetChoice:
         """Alg. 1 lines 5-7. ``prefill_start``: tokens already computed of the prompt the chunk goes to
         (its attention covers them: a continued long prompt costs more than a fresh one)."""
-        slack = min_slack(decodes, now)
         n_dec = len(decodes)
         ctx = sum(r.num_computed_tokens for r in decodes)
         space = self.space
@@ -115,6 +116,9 @@ class ChunkBudget:
         def time_at(c: int) -> float:
             return predict(BatchFeatures(c, n_dec, start + c, ctx, 0, n_dec + 1, c * (start + c / 2)))
 
+        # A batch decode that cannot keep its pace even beside the smallest chunk is lost: cutting every chunk
+        # to the floor for it would only collapse prefill throughput (and cascade under overload).
+        slack = min_slack(decodes, now, time_at(space[0]) * self.safety)
         if slack == math.inf:
             return BudgetChoice(space[-1], time_at(space[-1]), slack)
         # Largest c with time_at(c) * safety <= slack; time grows with c, so bisect on the space.

@@ -44,4 +44,11 @@ class QoServeConfig(SchedulerConfig):
     paid_guard_window: int = 16  # paid jobs the guard looks at per iteration, earliest latest-start first (bursty
     # A100 code run: 16, 64 and 256 leave the same paid jobs late)
     free_yields: bool = True  # a free job that would make a paid job late by running first is relegated
+    # When a paid job is relegated: "hopeless" (it cannot meet its deadline even at the head of the queue) or
+    # "violated" (QoServe 3.4 as printed: once late, and only if no free job waits); see relegation.py
+    paid_relegation: str = "hopeless"
+    # A relegated job with no output yet expires (finished_expired) once its deadline passed by this multiple
+    # of its own TTFT/TTLT; None: relegated jobs wait for spare capacity however long it takes
+    relegated_expiry: float | None = 2.0
+    relegated_expiry_min_s: float = 60.0  # ... and at least this many seconds after its deadline
     risk_margin: float = 1.5  # predicted prefill time x margin must fit before the deadline, else "at risk"

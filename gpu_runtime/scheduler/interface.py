@@ -27,6 +27,9 @@ class SchedulerOutput:
     resumed: list[Request] = field(default_factory=list)  # relegated jobs brought back this iteration
     preempted: list[Request] = field(default_factory=list)  # prefills paused for a more urgent one
     recomputed: list[Request] = field(default_factory=list)  # KV released under memory pressure (recompute later)
+    # Relegated jobs given up on (past their expiry, relegation.expires_at): they left every queue with the
+    # status finished_expired; the engine frees their KV and reports them finished
+    expired: list[Request] = field(default_factory=list)
     prefill_budget: int = 0  # the chunk budget C chosen for this iteration (tokens)
     predicted_latency_s: float | None = None  # cost-model prediction of the batch time
     # Time the pass may take before the tightest decode misses its next deadline (slack / safety), when

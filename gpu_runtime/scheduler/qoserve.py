@@ -3,6 +3,7 @@ selective preemption of prefills."""
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections import Counter
@@ -17,7 +18,15 @@ from gpu_runtime.scheduler.chunking import ChunkBudget, build_search_space
 from gpu_runtime.scheduler.config import QoServeConfig
 from gpu_runtime.scheduler.interface import SchedulerOutput
 from gpu_runtime.scheduler.priority import LoadAdaptiveAlpha, decode_remaining, first_deadline, hybrid_priority
-from gpu_runtime.scheduler.relegation import WorkEstimate, predicted_finish, should_relegate
+from gpu_runtime.scheduler.relegation import (
+    PaidRelegation,
+    WorkEstimate,
+    expires_at,
+    free_yields_until,
+    may_expire,
+    predicted_finish,
+    should_relegate,
+)
 from gpu_runtime.scheduler.request_queue import PriorityQueue, RequestQueue
 
 if TYPE_CHECKING:
@@ -38,6 +47,10 @@ class QoServeScheduler(BaseScheduler):
                                    saturation_fraction=config.saturation_fraction)
         self.chunking = ChunkBudget(self.cost_model, space, config.safety, config.kv_short_fraction)
         self.pinned: set[str] = set()  # resumed by an operator: never relegated again
+        self.paid_relegation = PaidRelegation(config.paid_relegation)
+        # (expiry time, request id) of every relegation; checked lazily (the job may have left the queue)
+        self._expiry: list[tuple[float, str]] = []
+        self._free_yield_until = -math.inf  # free jobs yield to any waiting paid job until then (free_yields_until)
         top = space[-1]
         self._sec_per_prefill_token = self.cost_model.predict(BatchFeatures.of_shape(top)) / top
         # A batch job's time per output token in the paid guard: one step of a full decode batch (the least
@@ -116,7 +129,34 @@ class QoServeScheduler(BaseScheduler):
             self.waiting.rekey()
             self.relegated.rekey()
 
+    def _expire(self, out: SchedulerOutput, now: float) -> None:
+        """Relegated jobs past their expiry (``expires_at``) leave every queue as finished_expired."""
+        while self._expiry and self._expiry[0][0] <= now:
+            _, rid = heapq.heappop(self._expiry)
+            req = self.relegated.get(rid)
+            if req is None or not may_expire(req):
+                continue  # resumed, finished or streaming since: not shed work any more
+            self.relegated.remove(rid)
+            self.started.discard(rid)
+            self._release(rid)
+            self._on_leave(rid)
+            req.status = RequestStatus.FINISHED_EXPIRED
+            out.expired.append(req)
+        if out.expired:
+            log.info("%d relegated jobs expired", len(out.expired))
+
+    def _relegate(self, req: Request, out: SchedulerOutput, now: float) -> None:
+        self._free_yield_until = free_yields_until(self._free_yield_until, req, now)
+        req.status = RequestStatus.RELEGATED
+        req.relegation_count += 1
+        self.relegated.push(req)  # not re-checked in this iteration
+        out.relegated.append(req)
+        if self.config.relegated_expiry is not None:
+            t = expires_at(req, self.config.relegated_expiry, self.config.relegated_expiry_min_s)
+            heapq.heappush(self._expiry, (t, req.request_id))
+
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
+        self._expire(out, now)
         if len(self.waiting) + len(self.relegated) == 0:
             return
         self._yield_memo.clear()
@@ -129,8 +169,7 @@ class QoServeScheduler(BaseScheduler):
         out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
-        est = WorkEstimate(choice.predicted_s, choice.budget,
-                           decode_step_time(self.cost_model, max(1, len(out.decodes)), 512))
+        est = WorkEstimate(choice.predicted_s, choice.budget, self._batch_pace(out.decodes))
         left = choice.budget
         if self.config.preemption:
             left = self._run_unpreemptable(out, now, kv, left, est)
@@ -142,11 +181,9 @@ class QoServeScheduler(BaseScheduler):
             req = self._pop_waiting()
             assert req is not None
             if (self.config.relegation and req.request_id not in self.pinned
-                    and (should_relegate(req, now, est, self.free_waiting) or self._free_yields(req, now, est))):
-                req.status = RequestStatus.RELEGATED
-                req.relegation_count += 1
-                self.relegated.push(req)  # not re-checked in this iteration
-                out.relegated.append(req)
+                    and (should_relegate(req, now, est, self.free_waiting, self.paid_relegation)
+                         or self._free_yields(req, now, est))):
+                self._relegate(req, out, now)
                 continue
             n = self._take_chunk(req, left, kv, out)
             if n == 0:
@@ -166,12 +203,24 @@ class QoServeScheduler(BaseScheduler):
             left -= n
         self._mark_preempted(out)
 
+    def _batch_pace(self, decodes: list[Request]) -> float:
+        """Time per output token a batch job may count on once decoding: one pass beside the largest chunk.
+        Admitting it on a faster pace (a pure decode step) would make its slack pin every later chunk to
+        the floor until it finished, collapsing prefill throughput under overload."""
+        n = len(decodes)
+        top = self.chunking.space[-1]
+        ctx = sum(r.num_computed_tokens for r in decodes)
+        return self.cost_model.predict(BatchFeatures(top, n, top, ctx, 0, n + 1, top * top / 2))
+
     def _free_yields(self, req: Request, now: float, est: WorkEstimate) -> bool:
         """A free job gives way when running its prompt first would make a paid job late (QoServe 3.4: the
         low-priority tier is affected first): it is relegated, before it is itself overdue, and runs with
-        spare budget. Also when the paid queue is too long to show that within the guard's window."""
+        spare budget. Also when the paid queue is too long to show that within the guard's window, and to
+        any waiting paid job while paid jobs are being lost to overload (``free_yields_until``)."""
         if not (self.config.free_yields and req.qos.tier is Tier.FREE and len(self._paid_by_start)):
             return False
+        if now < self._free_yield_until:
+            return True
         iterations = math.ceil(req.prefill_remaining / max(1, est.budget))  # how long its prefill holds the budget
         verdict = self._yield_memo.get(iterations)  # one walk per distinct delay and iteration
         if verdict is None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from gpu_runtime.metrics import slo_met
 from gpu_runtime.qos import Tier
-from gpu_runtime.request import Request
+from gpu_runtime.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class RelegationSummary:
     finished: int  # relegated ones that finished anyway (resumed, served with spare budget)
     finished_in_low: int  # of those, finished while the arrival rate was low (bursty runs)
     unfinished: int  # relegated ones still unfinished when the run ended
+    expired: int = 0  # relegated ones the scheduler gave up on (finished_expired: not in ``finished``)
 
     @property
     def finished_share(self) -> float:
@@ -91,7 +92,9 @@ class RelegationSummary:
 def relegation_summary(requests: list[Request], low_phase: Callable[[float], bool] | None = None) -> RelegationSummary:
     """``low_phase(t)``: whether time ``t`` lies in a low-rate phase (bursty arrivals)."""
     rel = [r for r in requests if r.relegation_count]
-    done = [r for r in rel if r.status.finished and r.finish_time is not None]
+    expired = sum(1 for r in rel if r.status is RequestStatus.FINISHED_EXPIRED)
+    done = [r for r in rel if r.status.finished and r.finish_time is not None
+            and r.status is not RequestStatus.FINISHED_EXPIRED]
     in_low = sum(1 for r in done if low_phase is not None and low_phase(r.finish_time))  # type: ignore[arg-type]
     return RelegationSummary(len(rel), sum(1 for r in rel if r.qos.tier is Tier.PAID), len(done), in_low,
-                             len(rel) - len(done))
+                             len(rel) - len(done) - expired, expired)

@@ -212,6 +212,12 @@ class VLLMEngine:
             req = self.requests.get(rid) if rid is not None else None
             if req is None:
                 continue
+            if event == "expired":  # the policy gave up on it (vLLM ends it as an abort): a finished job
+                req.status, req.finish_time = RequestStatus.FINISHED_EXPIRED, time.time()
+                done = self._finish(req)
+                done.event = "expired"
+                out.append(done)
+                continue
             if event == "relegated":
                 req.relegation_count += 1
             self.num_recomputes += event == "recomputed"

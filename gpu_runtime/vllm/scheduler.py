@@ -79,7 +79,8 @@ class CoserveScheduler(AsyncScheduler):
         self.clock = time.time  # vLLM stamps arrival_time with time.time()
         self.mirrors: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}  # request id -> why its QoS was refused (finished as an error)
-        self.events: deque[tuple[str, str]] = deque()  # (request id, relegated|resumed|preempted|recomputed)
+        self.events: deque[tuple[str, str]] = deque()  # (request id, relegated|resumed|preempted|recomputed|expired)
+        self.expired: list[VLLMRequest] = []  # finished by the policy's expiry, reported by update_from_output
         self._resumes: deque[str] = deque()
         self._max_tokens = self.max_num_scheduled_tokens
         self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
@@ -170,6 +171,8 @@ class CoserveScheduler(AsyncScheduler):
         self.kv.released.clear()
         plan = self.policy.schedule(now)
         self._report(plan)
+        if plan.expired:
+            self._expire(plan)
         if self.drafts is not None:  # each decode verifies the policy's share of vLLM's draft tokens
             self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
                              plan, now)
@@ -197,9 +200,18 @@ class CoserveScheduler(AsyncScheduler):
         self.policy_s += time.perf_counter() - t0 - t_vllm
         return out
 
+    def _expire(self, plan: PolicyOutput) -> None:
+        """Relegated requests the policy gave up on end now (their KV freed before vLLM schedules), as aborts
+        in vLLM's terms; the "expired" event tells the worker's engine what they were."""
+        ids = [r.request_id for r in plan.expired]
+        for rid in ids:
+            self.mirrors.pop(rid, None)
+        self.expired += super().finish_requests(ids, VStatus.FINISHED_ABORTED)
+
     def _report(self, plan: PolicyOutput) -> None:
         for event, reqs in (("relegated", plan.relegated), ("resumed", plan.resumed),
-                            ("preempted", plan.preempted), ("recomputed", plan.recomputed)):
+                            ("preempted", plan.preempted), ("recomputed", plan.recomputed),
+                            ("expired", plan.expired)):
             for r in reqs:
                 self.events.append((r.request_id, event))
                 if event != "preempted":
@@ -254,6 +266,8 @@ class CoserveScheduler(AsyncScheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.rejected:
             self._finish_rejected(outputs)
+        if self.expired:
+            self._report_expired(outputs)
         if self.policy is None:
             return outputs
         t0 = time.perf_counter()
@@ -286,6 +300,14 @@ class CoserveScheduler(AsyncScheduler):
         """Requests whose QoS was refused end as errors (the log says why)."""
         ids, self.rejected = list(self.rejected), {}
         for req in super().finish_requests(ids, VStatus.FINISHED_ERROR):
+            outputs.setdefault(req.client_index, EngineCoreOutputs())
+            outputs[req.client_index].outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))
+
+    def _report_expired(self, outputs: dict[int, Any]) -> None:
+        """The requests ``_expire`` finished reach their clients as finished (vLLM's "abort")."""
+        reqs, self.expired = self.expired, []
+        for req in reqs:
             outputs.setdefault(req.client_index, EngineCoreOutputs())
             outputs[req.client_index].outputs.append(EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))

@@ -66,6 +66,27 @@ def test_free_job_past_its_deadline_is_relegated_then_resumed(make_scheduler):
     assert late_free.request_id in out.num_scheduled_tokens
 
 
+def test_a_relegated_job_past_its_expiry_ends_as_an_abort_with_an_expired_event(make_scheduler):
+    """Relegated and then given up on (deadline + max(2 x TTFT, 60 s) passed): vLLM frees it and reports it;
+    the event says it expired, so the worker records expired, not cancelled."""
+    from vllm.v1.request import RequestStatus
+
+    s = make_scheduler("qoserve", max_batched=64)
+    gone = vllm_request(64, {"tier": "free", "ttft_ms": 100, "tbt_ms": 100}, arrival=time.time() - 61)
+    busy = vllm_request(64, {"ttft_ms": 2000, "tbt_ms": 200}, max_tokens=50)
+    s.add_request(gone)
+    s.add_request(busy)
+    run_step(s)
+    assert (gone.request_id, "relegated") in s.events
+    out, engine_out = run_step(s)
+    assert (gone.request_id, "expired") in s.events
+    assert gone.status == RequestStatus.FINISHED_ABORTED and gone.request_id not in s.requests
+    assert gone.request_id not in s.mirrors and s.policy.queue_depths()["relegated"] == 0
+    assert gone.request_id not in out.num_scheduled_tokens
+    ends = [o for eco in engine_out.values() for o in eco.outputs if o.request_id == gone.request_id]
+    assert len(ends) == 1 and ends[0].finish_reason is not None
+
+
 def test_operator_resume_brings_a_relegated_job_back(make_scheduler):
     s = make_scheduler("qoserve", max_batched=64)
     late_free = vllm_request(64, {"tier": "free", "ttft_ms": 100, "tbt_ms": 100}, arrival=time.time() - 5)

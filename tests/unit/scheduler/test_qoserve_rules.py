@@ -3,7 +3,7 @@
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import RequestStatus
 from gpu_runtime.scheduler.registry import available, create_scheduler
-from gpu_runtime.scheduler.relegation import WorkEstimate, should_relegate
+from gpu_runtime.scheduler.relegation import PaidRelegation, WorkEstimate, should_relegate
 
 from tests.unit.scheduler.helpers import COST, batch, decoding, interactive
 
@@ -14,11 +14,15 @@ def test_free_job_is_relegated_when_it_will_violate_paid_only_when_violated():
     # needs 10 iterations of 0.1 s = 1 s, only 0.5 s left: will violate, not yet violated
     free = interactive("f", prompt=1000, ttft=0.5, tier=Tier.FREE)
     paid = interactive("p", prompt=1000, ttft=0.5, tier=Tier.PAID)
-    assert should_relegate(free, 0.0, EST, free_jobs_waiting=0)
-    assert not should_relegate(paid, 0.0, EST, free_jobs_waiting=0)
+    late = PaidRelegation.VIOLATED  # QoServe 3.4 as printed
+    assert should_relegate(free, 0.0, EST, free_jobs_waiting=0, paid=late)
+    assert not should_relegate(paid, 0.0, EST, free_jobs_waiting=0, paid=late)
     # once violated, a paid job goes only if no free job is left
-    assert should_relegate(paid, 0.6, EST, free_jobs_waiting=0)
-    assert not should_relegate(paid, 0.6, EST, free_jobs_waiting=1)
+    assert should_relegate(paid, 0.6, EST, free_jobs_waiting=0, paid=late)
+    assert not should_relegate(paid, 0.6, EST, free_jobs_waiting=1, paid=late)
+    # the default: a paid job that cannot make it even at the head of the queue goes at once, free jobs or not
+    assert should_relegate(paid, 0.0, EST, free_jobs_waiting=1)
+    assert not should_relegate(interactive("ok", prompt=400, ttft=0.5), 0.0, EST, free_jobs_waiting=1)
 
 
 def test_batch_job_relegation_counts_predicted_decode_time():
@@ -53,7 +57,7 @@ def test_schedule_relegates_hopeless_free_job_and_serves_others_first():
 
 
 def test_relegated_job_is_not_rechecked_and_resume_brings_it_back():
-    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=16, chunk_floor=16)
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=16, chunk_floor=16, relegated_expiry=None)
     late = interactive("late", prompt=500, ttft=0.1, tier=Tier.FREE)
     other = interactive("other", arrival=0.0, prompt=500, ttft=100.0)
     s.add_request(late)
@@ -251,13 +255,14 @@ def test_paid_guard_sums_the_paid_work_queued_ahead():
 
 
 def test_paid_guard_counts_a_batch_jobs_predicted_decode_time():
-    # Due at 0.6 s with a 256-token prompt: the prefill alone could wait, 30 predicted decode steps cannot.
+    # Due at 1.5 s with a 256-token prompt: the prefill alone could wait, 30 predicted decode steps cannot
+    # (it still makes it if it starts now: 30 passes of 35.6 ms beside a full chunk).
     free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
-    late = batch("b", prompt=256, ttlt=0.6, max_tokens=30)
+    late = batch("b", prompt=256, ttlt=1.5, max_tokens=30)
     late.predicted_output_len = 30
     assert _first_prefill([free, late]) == "b"
     free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
-    short = batch("b", prompt=256, ttlt=0.6, max_tokens=30)
+    short = batch("b", prompt=256, ttlt=1.5, max_tokens=30)
     short.predicted_output_len = 1
     assert _first_prefill([free, short]) == "free"
 
