@@ -132,6 +132,7 @@ class Result:
     cancelled: int = 0
     streams: int = 0  # streams and plain answers followed
     stream_errors: int = 0  # of those, ended with a clear error (allowed)
+    diverged: int = 0  # of those errors, a rerun whose text parted from what was streamed (allowed, counted apart)
     truncated: int = 0  # succeeded with fewer tokens than max_tokens under ignore_eos
     seconds: float = 0.0
     error: str | None = None  # the run itself failed (start-up, a timeout before the damage)
@@ -305,6 +306,7 @@ class Follower:
     text: str = ""  # what it was handed, in order
     ending: str = ""  # "end" | "done" | "error" | "http-<code>" | "cut: ..." | "" (still running)
     end_status: str | None = None  # the job status its end event named (native)
+    error_code: str | None = None  # the code of the error event it ended with
     thread: threading.Thread | None = None
 
     def start(self, stack: Stack, body: dict[str, object], timeout: float) -> Follower:
@@ -337,6 +339,7 @@ class Follower:
                         self.text += data.get("text", "")
                     elif name in ("end", "error"):
                         self.ending, self.end_status = name, data.get("status")
+                        self.error_code = data.get("code")
 
     def _openai_stream(self, stack: Stack, body: dict[str, object], timeout: float) -> None:
         with httpx.stream("POST", f"{stack.base}/v1/chat/completions", headers=stack.auth,
@@ -353,7 +356,7 @@ class Follower:
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
-                    self.ending = "error"
+                    self.ending, self.error_code = "error", (data["error"] or {}).get("code")
                 elif data.get("choices"):
                     self.text += data["choices"][0]["delta"].get("content") or ""
 
@@ -366,7 +369,11 @@ class Follower:
             self.text = resp.json()["choices"][0]["message"]["content"] or ""
 
     def verdict(self, row: Any) -> str:
-        """'clean', 'error' (a clear error at the end, text a prefix of SQL's) or 'corrupted'."""
+        """'clean', 'error' (a clear error at the end, text a prefix of SQL's), 'diverged' (the job was rerun
+        after a worker died, the rerun's text parted from what was streamed, and the stream said so with a
+        ``stream_diverged`` error) or 'corrupted'."""
+        if self.ending == "error" and self.error_code == "stream_diverged":
+            return "diverged"
         if row is None:
             return "corrupted" if self.ending in ("end", "done", "http-200") else "error"
         full = row.output_text or ""
@@ -597,7 +604,12 @@ def audit(stack: Stack, trial: Trial, opts: Options, result: Result) -> None:
             result.streams += 1
             row = jobs.get(f.job_id) if f.job_id else None
             verdict = f.verdict(row)
-            if verdict == "error":
+            if verdict == "diverged":
+                result.stream_errors += 1
+                result.diverged += 1
+                result.notes.append(f"{f.kind} stream of {f.job_id}: its rerun's text parted from the "
+                                    f"{len(f.text)} characters sent; ended with a stream_diverged error")
+            elif verdict == "error":
                 result.stream_errors += 1
                 result.notes.append(f"{f.kind} stream of {f.job_id} ended with an error ({f.ending})")
             elif verdict == "corrupted":
@@ -658,7 +670,7 @@ def run_scenario(name: str, opts: Options) -> Result:
 def table(results: list[Result]) -> Table:
     t = Table(title="fault runs (lost, duplicated, stuck, corrupted, cancelled should all be 0)")
     for col in ("scenario", "backend", "accepted", "succeeded", "lost", "duplicated", "stuck", "corrupted",
-                "cancelled", "streams (errors)", "truncated", "s"):
+                "cancelled", "streams (err, div)", "truncated", "s"):
         t.add_column(col, justify="left" if col in ("scenario", "backend") else "right", no_wrap=True)
     for r in results:
         def bad(n: int | None) -> str:
@@ -667,7 +679,7 @@ def table(results: list[Result]) -> Table:
             t.add_row(r.scenario, r.backend, f"[red]run failed: {r.error[:80]}[/red]", *[""] * 9)
             continue
         t.add_row(r.scenario, r.backend, str(r.accepted), str(r.succeeded), bad(r.lost), bad(r.duplicated),
-                  bad(r.stuck), bad(r.corrupted), bad(r.cancelled), f"{r.streams} ({r.stream_errors})",
+                  bad(r.stuck), bad(r.corrupted), bad(r.cancelled), f"{r.streams} ({r.stream_errors}, {r.diverged})",
                   bad(r.truncated), f"{r.seconds:.0f}")
     return t
 
