@@ -31,6 +31,8 @@ def run(policy: str, args: argparse.Namespace, out: Path) -> dict:
            "--max-tokens", str(args.max_tokens), "--batch", *map(str, args.batch), "--out", str(out)]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if args.raw:
+        cmd += ["--raw"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (a batch of b runs b prompts)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--raw", action="store_true", help="the prompts as raw text, without the chat template")
     args = ap.parse_args()
     if args.policies[0] != "none":
         args.policies.insert(0, "none")
@@ -53,7 +56,8 @@ def main() -> None:
         for policy in args.policies:
             results[policy] = run(policy, args, Path(tmp) / f"{policy}.json")
             console.print(policy, {b: round(r["output_tokens"] / r["elapsed_s"], 1) for b, r in results[policy].items()})
-    table = Table(title=f"vLLM speculation, SpecBench summarization, {args.max_tokens} tokens each, "
+    table = Table(title=f"vLLM speculation, SpecBench summarization{' (raw text)' if args.raw else ''}, "
+                        f"{args.max_tokens} tokens each, "
                         f"dtype {args.dtype or 'bfloat16'}")
     for col in ("batch", "policy", "tok/s", "x none", "same tokens as none", "speculation state"):
         table.add_column(col)
