@@ -8,7 +8,6 @@ a job once its last write is durable. The heartbeat reads the leases to renew th
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -64,9 +63,6 @@ class ActiveJobs:
 
     def __len__(self) -> int:
         return len(self._jobs)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.snapshot_ids())
 
     def snapshot_ids(self) -> list[str]:
         with self.lock:

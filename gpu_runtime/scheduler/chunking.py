@@ -90,6 +90,7 @@ class BudgetChoice:
     budget: int  # prefill tokens allowed this iteration
     predicted_s: float  # predicted batch time at that budget
     min_slack_s: float  # tightest decode slack (inf without decodes)
+    context_tokens: int = 0  # KV tokens of the decodes the choice was made for (their attention's work)
 
 
 class ChunkBudget:
@@ -120,7 +121,7 @@ class ChunkBudget:
         # to the floor for it would only collapse prefill throughput (and cascade under overload).
         slack = min_slack(decodes, now, time_at(space[0]) * self.safety)
         if slack == math.inf:
-            return BudgetChoice(space[-1], time_at(space[-1]), slack)
+            return BudgetChoice(space[-1], time_at(space[-1]), slack, ctx)
         # Largest c with time_at(c) * safety <= slack; time grows with c, so bisect on the space.
         lo, hi = 0, len(space)
         while lo < hi:
@@ -130,7 +131,7 @@ class ChunkBudget:
             else:
                 hi = mid
         c = space[lo - 1] if lo > 0 else space[0]  # nothing fits: smallest chunk still makes progress
-        return BudgetChoice(c, time_at(c), slack)
+        return BudgetChoice(c, time_at(c), slack, ctx)
 
 
 def largest_fitting_chunk(cost_model: CostModel, target_s: float, num_decodes: int, decode_context: int,

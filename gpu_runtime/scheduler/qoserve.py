@@ -169,7 +169,7 @@ class QoServeScheduler(BaseScheduler):
         out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
-        est = WorkEstimate(choice.predicted_s, choice.budget, self._batch_pace(out.decodes))
+        est = WorkEstimate(choice.predicted_s, choice.budget, self._batch_pace(len(out.decodes), choice.context_tokens))
         left = choice.budget
         if self.config.preemption:
             left = self._run_unpreemptable(out, now, kv, left, est)
@@ -203,13 +203,11 @@ class QoServeScheduler(BaseScheduler):
             left -= n
         self._mark_preempted(out)
 
-    def _batch_pace(self, decodes: list[Request]) -> float:
-        """Time per output token a batch job may count on once decoding: one pass beside the largest chunk.
-        Admitting it on a faster pace (a pure decode step) would make its slack pin every later chunk to
-        the floor until it finished, collapsing prefill throughput under overload."""
-        n = len(decodes)
+    def _batch_pace(self, n: int, ctx: int) -> float:
+        """Time per output token a batch job may count on once decoding: one pass beside the largest chunk, with
+        ``n`` decodes holding ``ctx`` KV tokens. Admitting it on a faster pace (a pure decode step) would make its
+        slack pin every later chunk to the floor until it finished, collapsing prefill throughput under overload."""
         top = self.chunking.space[-1]
-        ctx = sum(r.num_computed_tokens for r in decodes)
         return self.cost_model.predict(BatchFeatures(top, n, top, ctx, 0, n + 1, top * top / 2))
 
     def _free_yields(self, req: Request, now: float, est: WorkEstimate) -> bool:

@@ -152,7 +152,7 @@ class VLLMEngine:
         outputs += self._events()
         for res in results:
             outputs.append(self._output(res, now))
-        self.idle = not outputs and getattr(self.core_scheduler, "last_scheduled_tokens", 1) == 0
+        self.idle = not outputs and self.core_scheduler.last_scheduled_tokens == 0
         last = getattr(self.core_scheduler, "last_step", None)
         self.last_stats = StepStats(num_prefill_tokens=last[0] if last else 0, num_decodes=last[1] if last else 0,
                                     step_latency_s=elapsed, prefill_budget=last[2] if last else 0)

@@ -299,19 +299,21 @@ class CoserveScheduler(AsyncScheduler):
     def _finish_rejected(self, outputs: dict[int, Any]) -> None:
         """Requests whose QoS was refused end as errors (the log says why)."""
         ids, self.rejected = list(self.rejected), {}
-        for req in super().finish_requests(ids, VStatus.FINISHED_ERROR):
-            outputs.setdefault(req.client_index, EngineCoreOutputs())
-            outputs[req.client_index].outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))
+        _tell_finished(outputs, super().finish_requests(ids, VStatus.FINISHED_ERROR))
 
     def _report_expired(self, outputs: dict[int, Any]) -> None:
         """The requests ``_expire`` finished reach their clients as finished (vLLM's "abort")."""
         reqs, self.expired = self.expired, []
-        for req in reqs:
-            outputs.setdefault(req.client_index, EngineCoreOutputs())
-            outputs[req.client_index].outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))
+        _tell_finished(outputs, reqs)
 
     def preempt_for_policy(self, request: VLLMRequest) -> None:
         """vLLM's recompute preemption of ``request`` (already out of ``running``), on the policy's choice."""
         self._preempt_request(request, time.monotonic())
+
+
+def _tell_finished(outputs: dict[int, Any], requests: list[VLLMRequest]) -> None:
+    """Adds each request's final (empty) output for its client: a request vLLM's step did not finish itself."""
+    for req in requests:
+        outputs.setdefault(req.client_index, EngineCoreOutputs())
+        outputs[req.client_index].outputs.append(EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))

@@ -4,7 +4,6 @@ out, a run reaches its end. Uses the throwaway cluster of ``test_postgres``."""
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 from sqlalchemy import func, select, update
@@ -17,22 +16,11 @@ from app.summarize import driver, service
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
 from tests.conftest import make_settings
+from tests.unit.api.test_summarize_driver import LONG, drive_concurrently, finish_jobs
 from tests.integration.test_postgres import pg_server, pg_url  # noqa: F401  (fixtures)
 from tests.integration.test_postgres import pytestmark as postgres_marks
 
 pytestmark = postgres_marks
-
-LONG = " ".join(f"Fact number {i} is about the topic of the document." for i in range(60))
-
-
-def _finish_jobs(url: str) -> int:
-    with session_scope(url) as s:
-        ids = s.scalars(select(Job.id).where(Job.status.in_(["queued", "dispatched"]))).all()
-        for job_id in ids:
-            s.execute(update(Job).where(Job.id == job_id).values(status="succeeded", output_text="A summary.",
-                                                                 finished_at=utcnow()))
-    return len(ids)
-
 
 def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir):  # noqa: F811
     from app.db.migrate import upgrade
@@ -44,7 +32,7 @@ def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir):  # noqa: F811
     docs = [Document(f"d{i}", LONG if i % 2 else f"Short document {i}. It ends here.") for i in range(4)]
     run_id = service.start_run(settings, principal, docs, utcnow() + timedelta(hours=1), max_summary_tokens=12,
                                chunk_tokens=120, overlap_tokens=8, tier="paid").id
-    _finish_jobs(pg_url)
+    finish_jobs(pg_url)
     with session_scope(pg_url) as s:
         run = s.get(SummarizationRun, run_id)
     assert driver._claim(pg_url, run, "dead-api", lease_s=60)
@@ -52,27 +40,7 @@ def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir):  # noqa: F811
     with session_scope(pg_url) as s:
         s.execute(update(SummarizationRun).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
 
-    stop = threading.Event()
-    outcomes: list[Outcome] = []
-
-    def drive(owner: str) -> None:
-        while not stop.is_set():
-            outcomes.append(driver.advance(settings, run_id, owner).outcome)
-
-    threads = [threading.Thread(target=drive, args=(f"p{i}",)) for i in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        for _ in range(200):
-            _finish_jobs(pg_url)
-            with session_scope(pg_url) as s:
-                if s.get(SummarizationRun, run_id).status != "running":
-                    break
-            stop.wait(0.05)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
+    outcomes = drive_concurrently(settings, run_id)
     with session_scope(pg_url) as s:
         run = s.get(SummarizationRun, run_id)
         jobs = s.scalar(select(func.count()).select_from(Job))

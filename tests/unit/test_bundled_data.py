@@ -4,7 +4,6 @@ nothing looks for them outside the repository (a user's clone has nothing beside
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -42,19 +41,7 @@ def test_licenses_and_citation_travel_with_the_data():
     assert "Splitwise" in readme and "Apache-2.0" in readme
 
 
-# the old lookups beside the repository: the helper that every script copied, and its environment variable
-_OUTSIDE = re.compile(r"COSERVE_SHARED_DIR|shared_dir\(")
-
-
-def test_no_code_reads_data_from_beside_the_repository():
-    this = Path(__file__).resolve()
-    offenders = []
-    for folder in ("app", "gpu_runtime", "workers", "ops", "scripts", "tests", "migrations"):
-        for path in (REPO / folder).rglob("*"):
-            if path.suffix not in (".py", ".sh") or path.resolve() == this:
-                continue
-            for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-                if _OUTSIDE.search(line):
-                    offenders.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
-    assert not offenders, "\n".join(offenders)
+def test_data_paths_lie_inside_the_repository():
+    # CI (.ci/run) runs the whole suite in a clone alone in an empty folder: a read from beside the
+    # repository fails there; this names the loaders' own paths
     assert all(p.is_relative_to(REPO) for p in (DATA_DIR, trace_path("conv"), specbench_path()))

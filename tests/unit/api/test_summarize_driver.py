@@ -52,6 +52,32 @@ def finish_jobs(url: str, status: str = "succeeded") -> int:
     return len(ids)
 
 
+def drive_concurrently(settings, run_id: str, drivers: int = 3) -> list[Outcome]:
+    """``drivers`` threads step the run at once while the "workers" finish its jobs, until it ends."""
+    url = settings.sqlalchemy_url
+    stop = threading.Event()
+    outcomes: list[Outcome] = []
+
+    def drive(owner: str) -> None:
+        while not stop.is_set():
+            outcomes.append(driver.advance(settings, run_id, owner).outcome)
+
+    threads = [threading.Thread(target=drive, args=(f"p{i}",)) for i in range(drivers)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(200):
+            finish_jobs(url)
+            if run_row(url, run_id).status != "running":
+                break
+            stop.wait(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    return outcomes
+
+
 def run_row(url: str, run_id: str) -> SummarizationRun:
     with session_scope(url) as s:
         return s.get(SummarizationRun, run_id)
@@ -148,26 +174,7 @@ def test_concurrent_drivers_submit_each_job_once(settings, principal):
     url = settings.sqlalchemy_url
     docs = [Document(f"d{i}", LONG if i % 2 else f"Short document {i}. It ends here.") for i in range(6)]
     run_id = start(settings, principal, docs)
-    stop = threading.Event()
-    outcomes: list[Outcome] = []
-
-    def drive(owner: str) -> None:
-        while not stop.is_set():
-            outcomes.append(driver.advance(settings, run_id, owner).outcome)
-
-    threads = [threading.Thread(target=drive, args=(f"p{i}",)) for i in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        for _ in range(200):
-            finish_jobs(url)
-            if run_row(url, run_id).status != "running":
-                break
-            stop.wait(0.05)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
+    outcomes = drive_concurrently(settings, run_id)
     run = run_row(url, run_id)
     assert run.status == "completed" and run.documents_done == 6, outcomes[-5:]
     with session_scope(url) as s:

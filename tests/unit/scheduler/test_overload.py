@@ -75,7 +75,7 @@ def test_a_batch_job_is_admitted_only_if_it_decodes_in_time_beside_full_chunks()
     out = s.schedule(0.0)
     assert [r.request_id for r in out.relegated] == ["tight"]
     assert out.prefills[0].request is roomy
-    assert math.isclose(s._batch_pace([]), COST.predict(BatchFeatures(256, 0, 256, 0, 0, 1, 256 * 128)))
+    assert math.isclose(s._batch_pace(0, 0), COST.predict(BatchFeatures(256, 0, 256, 0, 0, 1, 256 * 128)))
 
 
 def test_a_lost_batch_decode_does_not_pin_the_chunk_to_the_floor():
