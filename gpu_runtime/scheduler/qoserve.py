@@ -9,7 +9,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from gpu_runtime.costmodel.base import decode_step_time
+from gpu_runtime.costmodel.base import decode_step_time, saturation_tokens
 from gpu_runtime.costmodel.features import BatchFeatures
 from gpu_runtime.qos import QoSClass, Tier
 from gpu_runtime.request import Request, RequestStatus
@@ -52,6 +52,10 @@ class QoServeScheduler(BaseScheduler):
         self._expiry: list[tuple[float, str]] = []
         self._free_yield_until = -math.inf  # free jobs yield to any waiting paid job until then (free_yields_until)
         top = space[-1]
+        # A batch decode's pace is set beside the chunk where prefill throughput saturates, not beside a larger
+        # ceiling (vLLM's step cap: 2048 tokens, ~8 s a pass on the CPU profile, made every batch job "hopeless")
+        self._pace_chunk = min(top, saturation_tokens(self.cost_model, fraction=config.saturation_fraction,
+                                                      floor=config.chunk_floor))
         self._sec_per_prefill_token = self.cost_model.predict(BatchFeatures.of_shape(top)) / top
         # A batch job's time per output token in the paid guard: one step of a full decode batch (the least
         # it can take; dynamic chunking paces decodes to their deadlines once they run).
@@ -204,10 +208,11 @@ class QoServeScheduler(BaseScheduler):
         self._mark_preempted(out)
 
     def _batch_pace(self, n: int, ctx: int) -> float:
-        """Time per output token a batch job may count on once decoding: one pass beside the largest chunk, with
-        ``n`` decodes holding ``ctx`` KV tokens. Admitting it on a faster pace (a pure decode step) would make its
-        slack pin every later chunk to the floor until it finished, collapsing prefill throughput under overload."""
-        top = self.chunking.space[-1]
+        """Time per output token a batch job may count on once decoding: one pass beside a saturating chunk (the
+        largest chunk, or the cost model's saturation point when the space reaches past it), with ``n`` decodes
+        holding ``ctx`` KV tokens. Admitting it on a faster pace (a pure decode step) would make its slack pin
+        every later chunk to the floor until it finished, collapsing prefill throughput under overload."""
+        top = self._pace_chunk
         return self.cost_model.predict(BatchFeatures(top, n, top, ctx, 0, n + 1, top * top / 2))
 
     def _free_yields(self, req: Request, now: float, est: WorkEstimate) -> bool:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from gpu_runtime.costmodel.base import saturation_tokens
 from gpu_runtime.costmodel.features import BatchFeatures
 from gpu_runtime.engine import Engine
 from gpu_runtime.executor.sim import SimExecutor
@@ -203,3 +204,14 @@ def test_in_simulation_every_relegated_job_finishes_or_expires_and_the_summary_t
     # the paper's rule leaves the paid jobs that cannot make it in line: they are served late instead
     kept = [r for r in _overloaded_run("violated") if r.qos.tier is Tier.PAID and not r.relegation_count]
     assert sum(not slo_met(r) for r in kept) > 50
+
+
+def test_the_batch_pace_is_set_beside_a_saturating_chunk_not_a_larger_ceiling():
+    # On vLLM the chunk ceiling is the engine's step cap (2048), far past where prefill throughput saturates;
+    # a pass beside it is no pace a batch decode meets in practice (on the CPU profile it made every batch job
+    # hopeless on arrival: 256 of 556 relegated at a load where every job finished on time)
+    sat = saturation_tokens(COST, fraction=0.95)
+    assert sat < 8192
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=8192)
+    assert s.chunking.space[-1] == 8192
+    assert math.isclose(s._batch_pace(0, 0), COST.predict(BatchFeatures(sat, 0, sat, 0, 0, 1, sat * sat / 2)))
