@@ -174,7 +174,7 @@ def run_point(policy: str, qps: float, cfg: dict, rows, tiers, words: list[str],
         t_start = time.monotonic()
         ids = asyncio.run(send_all(f"http://127.0.0.1:{port}", key, reqs, buckets, texts))
         cut = time.monotonic() + cfg["drain_s"]
-        while time.monotonic() < cut and (left := open_jobs(data, ids)):
+        while time.monotonic() < cut and open_jobs(data, ids):
             time.sleep(2)
         run_s = time.monotonic() - t_start
         left = open_jobs(data, ids)
