@@ -13,7 +13,7 @@ from sqlalchemy import func, select, update
 
 from app.auth import Principal, create_tenant
 from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
-from app.db.session import session_scope
+from app.db.session import session_scope, write_guard
 from app.services.transitions import utcnow
 from app.summarize import driver, service
 from app.summarize.documents import Document
@@ -44,7 +44,7 @@ def start(settings, principal, docs=None) -> str:
 
 def finish_jobs(url: str, status: str = "succeeded") -> int:
     """What the workers would do: every pending job of the run ends with a short text."""
-    with session_scope(url) as s:
+    with session_scope(url, immediate=True) as s, write_guard(s):  # reads, then writes: as the worker does
         ids = s.scalars(select(Job.id).where(Job.status.in_(["queued", "dispatched"]))).all()
         for job_id in ids:
             s.execute(update(Job).where(Job.id == job_id).values(status=status, output_text=f"Summary {job_id[-4:]}.",
