@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     worker_id: str | None = None
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
+    max_inflight: int = Field(
+        1024, gt=0, description="jobs a worker holds in its engine before its Celery task waits (the rest stay in "
+                                "the queue for other workers). The scheduler can only order, relegate and shed the "
+                                "jobs it holds: a small cap leaves an overload backlog in the queue's FIFO order")
     sweep_seconds: float = 10.0
     max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
     backend: Literal["auto", "vllm", "torch"] = Field(
@@ -60,6 +64,9 @@ class Settings(BaseSettings):
     vllm_enforce_eager: bool | None = Field(None, description="vLLM without compiled graphs (None: eager on CPU, "
                                                               "where compiling takes minutes; graphs on GPUs)")
     vllm_max_model_len: int | None = Field(None, gt=0, description="vLLM context length (None: the model's)")
+    vllm_step_log: Path | None = Field(None, description="vLLM backend: append every engine step (its batch, "
+                                                          "latency and the host time before the next) to this "
+                                                          "JSONL file; `coserve profile --from-steps` fits on it")
     scheduler_policy: str = "qoserve"
     spec_policy: str = Field("none", description="none | chain-N | static-tree | adaserve | adaspec | nightjar")
     draft: str = Field("prompt-lookup", description="drafter when spec_policy is not 'none': 'prompt-lookup' "

@@ -41,6 +41,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -54,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.embedded import terminate_group  # noqa: E402
-from gpu_runtime.costmodel.profile import scheduling_cost_model, slo_scale  # noqa: E402
+from gpu_runtime.costmodel.profile import resolve_profile, scheduling_cost_model, slo_scale  # noqa: E402
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier  # noqa: E402
 from gpu_runtime.scheduler.registry import config_fields  # noqa: E402
 from gpu_runtime.sim.capacity import find_capacity  # noqa: E402
@@ -68,6 +69,7 @@ from gpu_runtime.sim.replay import (  # noqa: E402
     scaled_tiers,
 )
 from gpu_runtime.sim.workload import SimRequest, load_trace, paper_tiers  # noqa: E402
+from gpu_runtime.vllm.step_log import StepRecord, load_steps, step_costs  # noqa: E402
 from ops.bench_backends import start_coserve  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -158,7 +160,8 @@ def open_jobs(data: Path, ids: list[str]) -> int:
     return int(n or 0)
 
 
-def run_point(policy: str, qps: float, cfg: dict, rows, tiers, words: list[str], tmp: Path) -> dict:
+def run_point(policy: str, qps: float, cfg: dict, rows, tiers, words: list[str], tmp: Path,
+              steps_dir: Path | None) -> dict:
     reqs = realtime_requests(rows, qps, cfg["minutes"], tiers, seed=cfg["seed"])
     buckets = [r.app_id.removeprefix("trace-") for r in reqs]  # type: ignore[union-attr]
     rng = random.Random(cfg["seed"] + 1)
@@ -166,6 +169,10 @@ def run_point(policy: str, qps: float, cfg: dict, rows, tiers, words: list[str],
     data = tmp / f"{policy}-{qps:g}"
     log = tmp / f"{policy}-{qps:g}.log"
     os.environ["COSERVE_SCHEDULER_POLICY"] = policy
+    os.environ["COSERVE_COST_PROFILE"] = cfg.get("plan_profile") or "auto"
+    steps = (steps_dir or tmp) / f"{policy}@{qps:g}.jsonl"
+    steps.unlink(missing_ok=True)
+    os.environ["COSERVE_VLLM_STEP_LOG"] = str(steps)
     port = free_port()
     proc, key, ready_s = start_coserve("vllm", data, port, log)
     console.print(f"[bold]{policy} @ {qps:g} QPS[/]: stack ready in {ready_s:.0f}s; {len(reqs)} requests over "
@@ -185,7 +192,28 @@ def run_point(policy: str, qps: float, cfg: dict, rows, tiers, words: list[str],
         terminate_group([proc])
     console.print(f"  done in {run_s:.0f}s, {left} jobs still open at the cut")
     return {"policy": policy, "qps": qps, "run_s": run_s, "cut_s": cfg["minutes"] * 60 + cfg["drain_s"],
+            "steps": str(steps) if steps_dir else None, "step_summary": step_summary(load_steps(steps)),
             "jobs": [_job_json(j) for j in jobs]}
+
+
+def step_summary(steps: list[StepRecord]) -> dict:
+    """What the worker's steps were like: their shape, their latency, the host time between them, and how far
+    the cost model the simulator replays with was from each step's in-place cost."""
+    costs = step_costs(steps)
+    if not costs:
+        return {"steps": len(steps)}
+    model = scheduling_cost_model(str(VLLM_PROFILE))
+    n = len(steps)
+    span = steps[-1].t + steps[-1].latency_s - steps[0].t
+    return {"steps": n, "busy_share": sum(s.latency_s for s in steps) / span if span > 0 else 1.0,
+            "latency_ms": 1e3 * statistics.mean(s.latency_s for s in steps),
+            "gap_ms_p50": 1e3 * statistics.median([s.gap_s for s in steps if s.gap_s is not None] or [0.0]),
+            "prefill_tokens": statistics.mean(s.features.num_prefill_tokens for s in steps),
+            "chunks": statistics.mean(s.features.num_requests - s.features.num_decode_tokens for s in steps),
+            "decodes": statistics.mean(s.features.num_decode_tokens for s in steps),
+            "grid_profile_mape": statistics.mean(abs(model.predict(f) - c) / c for f, c in costs),
+            "grid_profile_bias": statistics.mean(model.predict(f) for f, _ in costs) / statistics.mean(
+                c for _, c in costs)}
 
 
 # ---------------------------------------------------------------- results: print, replay, save
@@ -232,8 +260,25 @@ def point_table(points: list[dict], title: str) -> Table:
     return t
 
 
-def fidelity_tables(points: list[dict]) -> list[Table]:
-    cost_model = scheduling_cost_model(str(VLLM_PROFILE))
+def steps_table(points: list[dict]) -> Table:
+    t = Table(title="the worker's steps (COSERVE_VLLM_STEP_LOG): shape, in-place cost, and the grid profile's error "
+                    "on each step's latency + host gap")
+    for col in ("policy", "QPS", "steps", "busy", "latency ms", "host gap p50 ms", "prompt tok/step", "chunks/step",
+                "decodes/step", "grid MAPE", "grid / in place"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for p in points:
+        s = p.get("step_summary") or {}
+        if "latency_ms" not in s:
+            continue
+        t.add_row(p["policy"], f"{p['qps']:g}", str(s["steps"]), _pct(s["busy_share"]), f"{s['latency_ms']:.1f}",
+                  f"{s['gap_ms_p50']:.1f}", f"{s['prefill_tokens']:.0f}", f"{s['chunks']:.1f}", f"{s['decodes']:.1f}",
+                  _pct(s["grid_profile_mape"]), f"{s['grid_profile_bias']:.2f}")
+    return t
+
+
+def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str | None) -> list[Table]:
+    cost_model = scheduling_cost_model(sim_profile)
+    plan_model = scheduling_cost_model(plan_profile or str(VLLM_PROFILE))  # what the engine's policy planned with
     out = []
     for p in points:
         sim_policy = SIMULATED.get(p["policy"])
@@ -242,11 +287,13 @@ def fidelity_tables(points: list[dict]) -> list[Table]:
         jobs = [_job_from_json(j) for j in p["jobs"]]
         # the policy's config as the engine runs it: QoServe's chunk ceiling is vLLM's step cap there
         extra = {"chunk_ceiling": VLLM_STEP_TOKENS} if "chunk_ceiling" in config_fields(sim_policy) else {}
-        predicted = replay(jobs, sim_policy, cost_model, KV_BLOCKS, BLOCK_SIZE, until_s=p["cut_s"], **extra)
+        predicted = replay(jobs, sim_policy, cost_model, KV_BLOCKS, BLOCK_SIZE, until_s=p["cut_s"],
+                           plan_cost_model=plan_model, **extra)
         m, s = bucket_stats(jobs), bucket_stats(predicted)
         fid = fidelity(m, s)
         label = " (the simulator's own FCFS, an approximation of vLLM's)" if p["policy"] == "vllm-fcfs" else ""
-        t = Table(title=f"simulator vs engine: {p['policy']} @ {p['qps']:g} QPS{label}; MAPE {fid.mape:.1%} over "
+        t = Table(title=f"simulator ({Path(sim_profile).stem}) vs engine: {p['policy']} @ {p['qps']:g} QPS{label}; "
+                        f"MAPE {fid.mape:.1%} over "
                         f"{len(fid.rows)} figures; violations measured {sum(j.violated for j in jobs) / len(jobs):.1%}"
                         f", predicted {sum(j.violated for j in predicted) / len(predicted):.1%}")
         for col in ("bucket", "jobs", "viol. meas / sim", "TTFT p50 ms", "TTFT p99 ms", "TBT p50 ms", "TBT p99 ms"):
@@ -298,7 +345,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="save every job's measurements (JSON)")
     ap.add_argument("--from-json", type=Path, default=None, help="re-print and re-simulate a saved run")
+    ap.add_argument("--sim-profile", default=str(VLLM_PROFILE),
+                    help="the profile the simulator replays with (default: the shipped grid profile of vLLM; "
+                         "e.g. one `coserve profile --from-steps` fitted on another run's step log)")
+    ap.add_argument("--plan-profile", default=None,
+                    help="the profile the worker's policy plans with (COSERVE_COST_PROFILE; default: the shipped one)")
+    ap.add_argument("--steps-dir", type=Path, default=None,
+                    help="keep each point's step log here (default: next to --out, else discarded)")
     args = ap.parse_args()
+    if not resolve_profile(args.sim_profile).exists():
+        raise SystemExit(f"--sim-profile {args.sim_profile!r}: no such profile")
 
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -310,7 +366,7 @@ def main() -> None:
         cfg = {"trace": args.trace, "minutes": args.minutes, "free_share": args.free_share,
                "length_scale": args.length_scale, "seed": args.seed,
                "deadline_scale": args.deadline_scale if args.deadline_scale is not None else args.length_scale,
-               "slo_scale": slo_scale(scheduling_cost_model(str(VLLM_PROFILE)))}
+               "slo_scale": slo_scale(scheduling_cost_model(str(VLLM_PROFILE))), "plan_profile": args.plan_profile}
         points = []
     rows = scaled_rows(load_trace(cfg["trace"]), cfg["length_scale"], max_prompt=2048)
     tiers = make_tiers(cfg)
@@ -325,11 +381,14 @@ def main() -> None:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         words = single_token_words(AutoTokenizer.from_pretrained(str(vllm_checkpoint("smollm2-135m"))))
+        steps_dir = args.steps_dir or (args.out.with_suffix(".steps") if args.out else None)
+        if steps_dir:
+            steps_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="bench-realtime-") as tmp_s:
             tmp = Path(tmp_s)
 
             def point(policy: str, qps: float) -> dict:
-                p = run_point(policy, qps, cfg, rows, tiers, words, tmp)
+                p = run_point(policy, qps, cfg, rows, tiers, words, tmp, steps_dir)
                 points.append(p)
                 if args.out:
                     args.out.write_text(json.dumps({"config": cfg, "points": points}))
@@ -351,7 +410,8 @@ def main() -> None:
     if not args.from_json:
         for policy, qps in goodput.items():
             console.print(f"goodput {policy}: {qps:.3g} QPS (<= 1% violations; capacity search over real runs)")
-    for t in fidelity_tables(points):
+    console.print(steps_table(points))
+    for t in fidelity_tables(points, args.sim_profile, cfg.get("plan_profile")):
         console.print(t)
 
 

@@ -58,7 +58,6 @@ from workers.sweeper import sweep
 
 log = logging.getLogger(__name__)
 
-MAX_INFLIGHT = int(os.environ.get("COSERVE_MAX_INFLIGHT", "64"))  # jobs in the engine before the task waits
 
 
 class GpuWorker:
@@ -122,7 +121,7 @@ class GpuWorker:
             return build_vllm_engine(s.model, device=self.device, scheduler_policy=s.scheduler_policy,
                                      spec_policy=s.spec_policy, cost_profile=s.cost_profile, kv_reserve=s.kv_reserve,
                                      kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
-                                     max_model_len=s.vllm_max_model_len)
+                                     max_model_len=s.vllm_max_model_len, step_log=s.vllm_step_log)
         else:
             build = build_engine
         return build(s.model, device=self.device, scheduler_policy=s.scheduler_policy, spec_policy=s.spec_policy,
@@ -165,7 +164,7 @@ class GpuWorker:
     def accept(self, job_id: str) -> None:
         """Lease ``job_id`` and add it to the engine; waits while the engine is full."""
         holding = False
-        while len(self.active) >= MAX_INFLIGHT or self.draining:
+        while len(self.active) >= self.settings.max_inflight or self.draining:
             if self.stopping.is_set() or self.shutting_down or self.draining:
                 # hand it back for another worker; a draining worker pauses so the message
                 # does not bounce between it and the broker

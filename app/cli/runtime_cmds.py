@@ -209,10 +209,16 @@ def profile(
                                            "a check that profiling works)")] = "full",
     backend: Annotated[str, typer.Option(help="the engine to profile: vllm (what the worker serves on where "
                                               "installed) | torch (coserve's own engine)")] = "auto",
+    from_steps: Annotated[list[Path] | None, typer.Option(
+        "--from-steps", help="fit on a vLLM worker's step logs (COSERVE_VLLM_STEP_LOG) instead of timing a grid: "
+                             "each step's latency plus the host time to the next")] = None,
 ) -> None:
     """Time the real engine over a grid of batch shapes and write a latency profile (JSON).
 
     The scheduler plans with a cost model fitted on it: point COSERVE_COST_PROFILE at the file."""
+    if from_steps:
+        _profile_from_steps(from_steps, out)
+        return
     from rich.console import Console
 
     from gpu_runtime.costmodel.profile import annotate_profile
@@ -264,6 +270,26 @@ def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, gri
     report = annotate_profile(out)
     console.print(f"wrote {len(prof.samples)} samples of the vLLM engine to {out}; {report.summary()}; "
                   f"lowest: {report.chosen}")
+
+
+def _profile_from_steps(logs: list[Path], out: Path) -> None:
+    """A profile of the steps a worker ran in place (``gpu_runtime.vllm.step_log``)."""
+    from rich.console import Console
+
+    from gpu_runtime.costmodel.profile import annotate_profile
+    from gpu_runtime.vllm.step_log import profile_from_steps
+
+    missing = [str(p) for p in logs if not p.is_file()]
+    if missing:
+        raise typer.BadParameter(f"no such step log: {', '.join(missing)}", param_hint="--from-steps")
+    try:
+        prof = profile_from_steps(logs, name=out.stem)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--from-steps") from exc
+    prof.save(out)
+    report = annotate_profile(out)
+    Console().print(f"wrote {len(prof.samples)} in-place steps to {out} (median host gap "
+                    f"{prof.meta['host_gap_s_median'] * 1e3:.1f} ms); {report.summary()}")
 
 
 def register(cli: typer.Typer) -> None:

@@ -77,15 +77,19 @@ class JobResult:
 
 
 def replay(jobs: list[JobResult], policy: str, cost_model: CostModel, kv_blocks: int, block_size: int,
-           until_s: float | None = None, **sched_config) -> list[JobResult]:
+           until_s: float | None = None, plan_cost_model: CostModel | None = None,
+           **sched_config) -> list[JobResult]:
     """The same arrivals, lengths and QoS through the simulator under ``policy``; the run stops at
-    ``until_s`` (what is unfinished then stays unfinished, as in the measured run)."""
+    ``until_s`` (what is unfinished then stays unfinished, as in the measured run). Passes take
+    ``cost_model``'s time; the policy plans with ``plan_cost_model`` (default: the same), as the
+    engine's policy planned with its own profile."""
     reqs = []
     for i, j in enumerate(jobs):
         sp = SamplingParams(max_tokens=j.output_tokens, ignore_eos=True)
         reqs.append(SimRequest(f"replay-{i}", [1] * j.prompt_tokens, sp, j.qos, j.arrival_s,
                                app_id=f"trace-{j.bucket}", stop_after=j.output_tokens))
-    rep = make_replica(policy, policy, cost_model, kv_blocks, block_size, **sched_config)
+    rep = make_replica(policy, policy, cost_model, kv_blocks, block_size, plan_cost_model=plan_cost_model,
+                       **sched_config)
     done = Simulator([rep], max_time=until_s).run(reqs)
     by_id = {r.request_id: r for r in done}
     out = []

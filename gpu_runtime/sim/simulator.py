@@ -64,9 +64,12 @@ class Replica:
 
 
 def make_replica(name: str, policy: str, cost_model: CostModel, kv_blocks: int, block_size: int = 16,
-                 noise: float = 0.0, seed: int = 0, **sched_config) -> Replica:
+                 noise: float = 0.0, seed: int = 0, plan_cost_model: CostModel | None = None,
+                 **sched_config) -> Replica:
+    """A simulated engine whose passes take ``cost_model``'s time; its scheduler plans with
+    ``plan_cost_model`` (default: the same model; a real engine's policy may plan with another)."""
     ex = TraceSimExecutor(cost_model, kv_blocks=kv_blocks, block_size=block_size, noise=noise, seed=seed)
-    sched = create_scheduler(policy, cost_model=cost_model, executor=ex, **sched_config)
+    sched = create_scheduler(policy, cost_model=plan_cost_model or cost_model, executor=ex, **sched_config)
     return Replica(name, Engine(ex, sched), ex)
 
 

@@ -56,7 +56,8 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
 
 
 def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
-                      cost_profile: str | None = "auto", kv_reserve: str = "predicted", **engine_kw: Any) -> Any:
+                      cost_profile: str | None = "auto", kv_reserve: str = "predicted",
+                      step_log: str | os.PathLike | None = None, **engine_kw: Any) -> Any:
     """A ``VLLMEngine`` (the worker's engine) running ``scheduler_policy`` inside vLLM's scheduler."""
     from gpu_runtime.scheduler.registry import available
 
@@ -78,4 +79,4 @@ def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = 
     llm = LLMEngine.from_engine_args(engine_args(model, device, scheduler_policy, spec_policy, **engine_kw))
     log.info("vLLM engine ready in %.1fs: model=%s scheduler=%s speculation=%s", time.monotonic() - t0, model,
              scheduler_policy, spec_policy)
-    return VLLMEngine(llm, spec_policy)
+    return VLLMEngine(llm, spec_policy, step_log=step_log)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.engine import RequestOutput, StepStats
@@ -25,6 +26,7 @@ from gpu_runtime.qos import QoSClass, Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from gpu_runtime.vllm.qos_args import to_extra_args
+from gpu_runtime.vllm.step_log import StepLog, StepRecord
 
 if TYPE_CHECKING:
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -89,7 +91,7 @@ class _SpeculationView:
 
 
 class VLLMEngine:
-    def __init__(self, llm: LLMEngine, spec_policy: str = "none") -> None:
+    def __init__(self, llm: LLMEngine, spec_policy: str = "none", step_log: str | Path | None = None) -> None:
         self.llm = llm
         self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
         self.scheduler = _SchedulerView(self.core_scheduler)
@@ -104,6 +106,9 @@ class VLLMEngine:
         self.idle = False  # the last step ran nothing (work admitted, none schedulable): the caller may wait
         self._inbox = _Inbox()
         self._lock = threading.Lock()
+        self.step_log = StepLog(step_log) if step_log else None
+        self.core_scheduler.record_features = self.step_log is not None
+        self._last_end: float | None = None  # when the last step that ran something ended (the step log's gap)
         from vllm.platforms import current_platform
 
         # vLLM-CPU cannot rewind a seeded request's generator after a partial prefill chunk ("CPU Generator does
@@ -156,7 +161,16 @@ class VLLMEngine:
         last = getattr(self.core_scheduler, "last_step", None)
         self.last_stats = StepStats(num_prefill_tokens=last[0] if last else 0, num_decodes=last[1] if last else 0,
                                     step_latency_s=elapsed, prefill_budget=last[2] if last else 0)
+        if self.step_log is not None:
+            self._log_step(t0, elapsed, now)
         return outputs
+
+    def _log_step(self, t0: float, elapsed: float, now: float) -> None:
+        ran = self.core_scheduler.last_scheduled_tokens > 0
+        if ran and self.core_scheduler.last_features is not None:
+            gap = None if self._last_end is None else t0 - self._last_end
+            self.step_log.write(StepRecord(now - elapsed, elapsed, gap, self.core_scheduler.last_features))
+        self._last_end = t0 + elapsed if ran else None
 
     def _take_inbox(self) -> list[RequestOutput]:
         with self._lock:

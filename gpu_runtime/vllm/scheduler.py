@@ -29,6 +29,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_qu
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus as VStatus
 
+from gpu_runtime.costmodel.features import BatchFeatures
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request
 from gpu_runtime.scheduler.interface import SchedulerOutput as PolicyOutput
@@ -36,6 +37,7 @@ from gpu_runtime.vllm.kv_view import VLLMKVView
 from gpu_runtime.vllm.mirror import finished_status, make_mirror, sync_outputs, sync_progress
 from gpu_runtime.vllm.qos_args import QoSArgsError
 from gpu_runtime.vllm.speculation import DraftLengths
+from gpu_runtime.vllm.step_log import batch_features
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -86,6 +88,8 @@ class CoserveScheduler(AsyncScheduler):
         self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
         self.last_scheduled_tokens = 0  # every token the last schedule() gave the model (0: nothing to run)
         self.policy_s = 0.0  # seconds spent in coserve's code (policy, mirrors, arranging), vLLM's own excluded
+        self.record_features = False  # the worker's step log is on: keep the last step's batch features
+        self.last_features: BatchFeatures | None = None
         self.kv = VLLMKVView(self)
         self.policy = None
         self.drafts: DraftLengths | None = None
@@ -157,6 +161,8 @@ class CoserveScheduler(AsyncScheduler):
         if self.policy is None:
             out = super().schedule(throttle_prefills)
             self.last_scheduled_tokens = out.total_num_scheduled_tokens
+            if self.record_features:
+                self.last_features = batch_features(out, self.requests)
             return out
         t0 = time.perf_counter()
         now = self.clock()
@@ -197,6 +203,8 @@ class CoserveScheduler(AsyncScheduler):
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
+        if self.record_features:
+            self.last_features = batch_features(out, self.requests)
         self.policy_s += time.perf_counter() - t0 - t_vllm
         return out
 

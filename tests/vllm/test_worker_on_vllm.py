@@ -24,7 +24,7 @@ MODEL = {"COSERVE_MODEL": "smollm2-135m", "COSERVE_MODEL_NAME": "smollm2-135m-in
 def vllm_stack(settings, live_server, keys, start_worker):
     settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
     settings.default_max_tokens = 32
-    start_worker("w-vllm", **MODEL)
+    start_worker("w-vllm", **MODEL, COSERVE_VLLM_STEP_LOG=str(settings.data_dir / "steps.jsonl"))
     return live_server, keys
 
 
@@ -91,6 +91,16 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     text = httpx.get(f"{base}/metrics").text
     assert text.count("# TYPE vllm:num_requests_running ") == 1  # vLLM's own, not also coserve's alias
     assert "coserve:num_requests_running" in text
+
+    # the worker logged every step it ran: the prompts' chunks, then one decode a step, each timed
+    from gpu_runtime.vllm.step_log import load_steps
+
+    steps = load_steps(settings.data_dir / "steps.jsonl")
+    prompts = [s for s in steps if s.features.num_prefill_tokens]
+    decodes = [s for s in steps if s.features.num_decode_tokens]
+    assert len(prompts) >= 3 and all(s.latency_s > 0 for s in steps)  # the chat twice, the batch job
+    assert sum(s.features.num_decode_tokens for s in decodes) >= batch["completion_tokens"] - 1
+    assert any(s.gap_s is not None and 0 <= s.gap_s < 0.25 for s in decodes)  # back to back: the host time between
 
 
 def test_free_job_relegated_under_load_then_finishes(vllm_stack):
