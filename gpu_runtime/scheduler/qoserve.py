@@ -173,7 +173,9 @@ class QoServeScheduler(BaseScheduler):
         out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
-        est = WorkEstimate(choice.predicted_s, choice.budget, self._batch_pace(len(out.decodes), choice.context_tokens))
+        n, ctx = len(out.decodes), choice.context_tokens
+        est = WorkEstimate(choice.predicted_s, choice.budget, self._batch_pace(n, ctx),
+                           self.cost_model.predict(BatchFeatures(0, n + 1, 0, ctx, 0, n + 1, 0.0)))
         left = choice.budget
         if self.config.preemption:
             left = self._run_unpreemptable(out, now, kv, left, est)

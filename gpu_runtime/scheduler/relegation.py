@@ -45,15 +45,30 @@ class WorkEstimate:
     iteration_s: float  # predicted time of this iteration's batch
     budget: int  # prefill tokens per iteration
     decode_step_s: float  # time per output token a batch job can count on once it decodes
+    interactive_step_s: float = 0.0  # the least time per token of an interactive stream: a pure decode pass
+    # of the running decodes and one more
+
+
+def pace_loss(req: Request, est: WorkEstimate) -> float:
+    """How far an interactive job's last token falls behind its first token's lateness (eq. 2: token n is due
+    TBT after token n-1's deadline): a stream whose every pass takes longer than TBT loses the difference per
+    token, so an on-time first token only keeps the job on time if it came that much early."""
+    tbt = req.qos.tbt_s
+    if tbt is None or est.interactive_step_s <= tbt:
+        return 0.0
+    return max(0, decode_remaining(req) - 1) * (est.interactive_step_s - tbt)
 
 
 def predicted_finish(req: Request, now: float, est: WorkEstimate) -> float:
     """Best-case time the job meets its first deadline's condition if it ran from now on: its prefill
-    with the whole budget every iteration, then (batch, eq. 3) its predicted decode at ``decode_step_s``."""
+    with the whole budget every iteration, then (batch, eq. 3) its predicted decode at ``decode_step_s``,
+    or (interactive, eq. 1-2) the ground its stream will lose to a pace slower than TBT."""
     prefill_iters = math.ceil(req.prefill_remaining / max(1, est.budget))
     t = now + prefill_iters * est.iteration_s
     if req.qos.qos_class is QoSClass.BATCH:
         t += max(0, decode_remaining(req) - 1) * est.decode_step_s
+    else:
+        t += pace_loss(req, est)
     return t
 
 

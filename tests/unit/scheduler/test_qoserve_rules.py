@@ -34,6 +34,18 @@ def test_batch_job_relegation_counts_predicted_decode_time():
     assert not should_relegate(r, 0.0, EST, 0)
 
 
+def test_interactive_relegation_counts_a_stream_slower_than_tbt():
+    # first token at 0.1 s of a 1 s TTFT; 20 tokens at TBT 0.1 s
+    r = interactive("i", prompt=100, ttft=1.0, tbt=0.1, max_tokens=20, tier=Tier.FREE)
+    r.predicted_output_len = 20
+    assert not should_relegate(r, 0.0, EST, 0)  # decode passes within TBT: no pace lost
+    # passes of 0.15 s lose 0.05 s a token: 19 x 0.05 = 0.95 s behind, more than the 0.9 s the first token saved
+    slow = WorkEstimate(iteration_s=0.1, budget=100, decode_step_s=0.02, interactive_step_s=0.15)
+    assert should_relegate(r, 0.0, slow, 0)
+    r.predicted_output_len = 10  # 9 x 0.05 = 0.45 s: it still makes every deadline
+    assert not should_relegate(r, 0.0, slow, 0)
+
+
 def test_schedule_relegates_hopeless_free_job_and_serves_others_first():
     s = create_scheduler("qoserve", cost_model=COST)
     hopeless = interactive("free-late", arrival=0.0, prompt=200, ttft=0.5, tier=Tier.FREE)
