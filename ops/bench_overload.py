@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import heapq
 import logging
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -41,6 +40,7 @@ from gpu_runtime.metrics import slo_met
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request
 from gpu_runtime.scheduler.priority import first_deadline
+from gpu_runtime.sim.capacity import late_floor
 from gpu_runtime.sim.runner import Experiment, simulate
 from gpu_runtime.sim.workload import paper_tiers
 
@@ -96,23 +96,7 @@ def free_on_time_while_paid_late(reqs: list[Request]) -> int:
 
 def run_floor(reqs: list[Request], goodput: float) -> float:
     """Share of the paid jobs late even for the fluid server of the docstring (EDF, drop when infeasible)."""
-    paid = sorted((r.arrival_time, first_deadline(r)) for r in reqs if r.qos.tier is Tier.PAID)
-    if not paid:
-        return 0.0
-    work = 1.0 / goodput
-    pending: list[float] = []  # deadlines of arrived jobs not yet served
-    t, i, on_time = 0.0, 0, 0
-    while i < len(paid) or pending:
-        if not pending:
-            t = max(t, paid[i][0])
-        while i < len(paid) and paid[i][0] <= t:
-            heapq.heappush(pending, paid[i][1])
-            i += 1
-        due = heapq.heappop(pending)
-        if t + work <= due:
-            t += work
-            on_time += 1
-    return 1.0 - on_time / len(paid)
+    return late_floor([(r.arrival_time, first_deadline(r)) for r in reqs if r.qos.tier is Tier.PAID], goodput)
 
 
 def run(policy: str, load: float, goodput: float, minutes: float, free_share: float, profile: str,

@@ -58,7 +58,7 @@ from app.embedded import terminate_group  # noqa: E402
 from gpu_runtime.costmodel.profile import resolve_profile, scheduling_cost_model, slo_scale  # noqa: E402
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier  # noqa: E402
 from gpu_runtime.scheduler.registry import config_fields  # noqa: E402
-from gpu_runtime.sim.capacity import find_capacity  # noqa: E402
+from gpu_runtime.sim.capacity import find_capacity, late_floor  # noqa: E402
 from gpu_runtime.sim.replay import (  # noqa: E402
     JobResult,
     bucket_stats,
@@ -239,10 +239,22 @@ def _ms(x: float) -> str:
     return "-" if x != x else f"{x * 1e3:.0f}"
 
 
-def point_table(points: list[dict], title: str) -> Table:
+def paid_floor(jobs: list[JobResult], minutes: float, goodput: float) -> tuple[float, float]:
+    """The paid lateness capacity forces: steady (1 - goodput / paid QPS) and for this run's paid arrivals
+    (``late_floor``: a fluid EDF server at ``goodput`` that drops what cannot make it)."""
+    paid = [j for j in jobs if j.qos.tier is Tier.PAID]
+    if not paid:
+        return 0.0, 0.0
+    steady = max(0.0, 1 - goodput / (len(paid) / (minutes * 60)))
+    due = [(j.arrival_s, j.arrival_s + (j.qos.ttft_s if j.qos.qos_class is QoSClass.INTERACTIVE else j.qos.ttlt_s))
+           for j in paid]
+    return steady, late_floor(due, goodput)
+
+
+def point_table(points: list[dict], title: str, minutes: float, goodput: float | None = None) -> Table:
     t = Table(title=title)
-    for col in ("policy", "QPS", "jobs", "violations", "paid", "free", "per bucket", "relegated (done/expired/open)",
-                "output tok/s"):
+    for col in ("policy", "QPS", "jobs", "violations", "paid", *(("paid floor steady / run",) if goodput else ()),
+                "free", "per bucket", "relegated (done/expired/open)", "output tok/s"):
         t.add_column(col, justify="left" if col in ("policy", "per bucket") else "right")
     for p in points:
         jobs = [_job_from_json(j) for j in p["jobs"]]
@@ -253,8 +265,9 @@ def point_table(points: list[dict], title: str) -> Table:
         rel_exp = sum(1 for j in rel if j.status == "expired")
         per = " ".join(f"{b} {s.violation_rate:.0%}" for b, s in bucket_stats(jobs).items())
         tokens = sum(j.output_tokens for j in jobs if j.finished)
+        floor = [" / ".join(map(_pct, paid_floor(jobs, minutes, goodput)))] if goodput else []
         t.add_row(p["policy"], f"{p['qps']:g}", str(len(jobs)), _pct(sum(j.violated for j in jobs) / len(jobs)),
-                  _pct(sum(j.violated for j in paid) / len(paid)) if paid else "-",
+                  _pct(sum(j.violated for j in paid) / len(paid)) if paid else "-", *floor,
                   _pct(sum(j.violated for j in free) / len(free)) if free else "-", per,
                   f"{len(rel)} ({rel_done}/{rel_exp}/{len(rel) - rel_done - rel_exp})", f"{tokens / p['run_s']:.1f}")
     return t
@@ -350,6 +363,8 @@ def main() -> None:
                          "e.g. one `coserve profile --from-steps` fitted on another run's step log)")
     ap.add_argument("--plan-profile", default=None,
                     help="the profile the worker's policy plans with (COSERVE_COST_PROFILE; default: the shipped one)")
+    ap.add_argument("--goodput", type=float, default=None,
+                    help="a measured goodput (QPS): print the paid lateness it forces beside each point (overload)")
     ap.add_argument("--steps-dir", type=Path, default=None,
                     help="keep each point's step log here (default: next to --out, else discarded)")
     args = ap.parse_args()
@@ -392,7 +407,7 @@ def main() -> None:
                 points.append(p)
                 if args.out:
                     args.out.write_text(json.dumps({"config": cfg, "points": points}))
-                console.print(point_table([p], ""))
+                console.print(point_table([p], "", cfg["minutes"], args.goodput))
                 return p
 
             for spec in args.points:
@@ -406,7 +421,9 @@ def main() -> None:
 
                 goodput[policy] = find_capacity(violation_at, args.guess, grow=1.5, max_steps=3, iters=2)
     console.print(point_table(points, f"{cfg['trace']}: each point {cfg['minutes']:g} min of Poisson arrivals, "
-                                      f"free share {cfg['free_share']:.0%}"))
+                                      f"free share {cfg['free_share']:.0%}"
+                                      + (f"; floors at a goodput of {args.goodput:g} QPS" if args.goodput else ""),
+                              cfg["minutes"], args.goodput))
     if not args.from_json:
         for policy, qps in goodput.items():
             console.print(f"goodput {policy}: {qps:.3g} QPS (<= 1% violations; capacity search over real runs)")

@@ -3,6 +3,7 @@ the default QPS sweep of ``coserve simulate``, a bracket around that capacity.""
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections.abc import Callable
@@ -86,3 +87,27 @@ def _round_step(x: float) -> float:
     exp = math.floor(math.log10(x))
     candidates = [m * 10.0 ** e for e in (exp, exp + 1) for m in (1.0, 2.0, 2.5, 5.0)]
     return min(candidates, key=lambda c: abs(math.log(c / x)))
+
+
+def late_floor(jobs: list[tuple[float, float]], goodput: float) -> float:
+    """Share of ``jobs`` (arrival, first deadline) late even for a fluid server that serves each in
+    1/``goodput`` seconds, earliest deadline first, and drops a job the moment it cannot make its
+    deadline: the lateness capacity forces on this run, drain included (every job priced as the
+    average one)."""
+    jobs = sorted(jobs)
+    if not jobs:
+        return 0.0
+    work = 1.0 / goodput
+    pending: list[float] = []  # deadlines of arrived jobs not yet served
+    t, i, on_time = 0.0, 0, 0
+    while i < len(jobs) or pending:
+        if not pending:
+            t = max(t, jobs[i][0])
+        while i < len(jobs) and jobs[i][0] <= t:
+            heapq.heappush(pending, jobs[i][1])
+            i += 1
+        due = heapq.heappop(pending)
+        if t + work <= due:
+            t += work
+            on_time += 1
+    return 1.0 - on_time / len(jobs)
