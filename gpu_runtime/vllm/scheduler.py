@@ -203,9 +203,9 @@ class CoserveScheduler(AsyncScheduler):
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
-        if self.record_features:
-            self.last_features = batch_features(out, self.requests)
         self.policy_s += time.perf_counter() - t0 - t_vllm
+        if self.record_features:  # the step log's cost, not the policy's
+            self.last_features = batch_features(out, self.requests)
         return out
 
     def _expire(self, plan: PolicyOutput) -> None:
