@@ -59,7 +59,6 @@ from workers.sweeper import sweep
 log = logging.getLogger(__name__)
 
 
-
 class GpuWorker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

@@ -174,8 +174,7 @@ class QoServeScheduler(BaseScheduler):
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
         n, ctx = len(out.decodes), choice.context_tokens
-        est = WorkEstimate(choice.predicted_s, choice.budget, self._batch_pace(n, ctx),
-                           self.cost_model.predict(BatchFeatures(0, n + 1, 0, ctx, 0, n + 1, 0.0)))
+        est = WorkEstimate(choice.predicted_s, choice.budget, self._batch_pace(n, ctx), self._stream_pace(n, ctx))
         left = choice.budget
         if self.config.preemption:
             left = self._run_unpreemptable(out, now, kv, left, est)
@@ -216,6 +215,11 @@ class QoServeScheduler(BaseScheduler):
         every later chunk to the floor until it finished, collapsing prefill throughput under overload."""
         top = self._pace_chunk
         return self.cost_model.predict(BatchFeatures(top, n, top, ctx, 0, n + 1, top * top / 2))
+
+    def _stream_pace(self, n: int, ctx: int) -> float:
+        """The least time per token of an interactive stream joining ``n`` decodes that hold ``ctx`` KV tokens: a
+        decode pass alone (eq. 2's pace is lost when it exceeds TBT, ``pace_loss``)."""
+        return self.cost_model.predict(BatchFeatures(0, n + 1, 0, ctx, 0, n + 1, 0.0))
 
     def _free_yields(self, req: Request, now: float, est: WorkEstimate) -> bool:
         """A free job gives way when running its prompt first would make a paid job late (QoServe 3.4: the

@@ -160,9 +160,7 @@ class CoserveScheduler(AsyncScheduler):
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.policy is None:
             out = super().schedule(throttle_prefills)
-            self.last_scheduled_tokens = out.total_num_scheduled_tokens
-            if self.record_features:
-                self.last_features = batch_features(out, self.requests)
+            self._note_step(out)
             return out
         t0 = time.perf_counter()
         now = self.clock()
@@ -202,11 +200,15 @@ class CoserveScheduler(AsyncScheduler):
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
-        self.last_scheduled_tokens = out.total_num_scheduled_tokens
         self.policy_s += time.perf_counter() - t0 - t_vllm
-        if self.record_features:  # the step log's cost, not the policy's
-            self.last_features = batch_features(out, self.requests)
+        self._note_step(out)  # the step log's cost, not the policy's
         return out
+
+    def _note_step(self, out: SchedulerOutput) -> None:
+        """What the worker reads of the step just scheduled: its token count, and its batch for the step log."""
+        self.last_scheduled_tokens = out.total_num_scheduled_tokens
+        if self.record_features:
+            self.last_features = batch_features(out, self.requests)
 
     def _expire(self, plan: PolicyOutput) -> None:
         """Relegated requests the policy gave up on end now (their KV freed before vLLM schedules), as aborts

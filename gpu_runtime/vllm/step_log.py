@@ -88,14 +88,19 @@ def load_steps(path: str | Path) -> list[StepRecord]:
     return [StepRecord.from_json(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def busy_gap(step: StepRecord, idle_gap_s: float = IDLE_GAP_S) -> float | None:
+    """The host time before ``step`` if the engine thread was busy through it (None: after an idle pause)."""
+    return step.gap_s if step.gap_s is not None and step.gap_s <= idle_gap_s else None
+
+
 def step_costs(steps: list[StepRecord], idle_gap_s: float = IDLE_GAP_S) -> list[tuple[BatchFeatures, float]]:
     """Each step's cost to the schedule: its latency plus the host time before the next step began
     (a step followed by an idle pause, or by nothing, is left out: its host time is unknown)."""
     out = []
     for step, nxt in zip(steps, steps[1:], strict=False):
-        if nxt.gap_s is None or nxt.gap_s > idle_gap_s or step.features.total_tokens == 0:
-            continue
-        out.append((step.features, step.latency_s + nxt.gap_s))
+        gap = busy_gap(nxt, idle_gap_s)
+        if gap is not None and step.features.total_tokens:
+            out.append((step.features, step.latency_s + gap))
     return out
 
 
@@ -106,7 +111,7 @@ def profile_from_steps(paths: list[str | Path], name: str = "vllm-in-place") -> 
     for p in paths:
         steps = load_steps(p)
         samples += step_costs(steps)
-        gaps += [s.gap_s for s in steps if s.gap_s is not None and s.gap_s <= IDLE_GAP_S]
+        gaps += [g for g in map(busy_gap, steps) if g is not None]
     if not samples:
         raise ValueError(f"no step with a known cost in {', '.join(map(str, paths))}: was the worker busy?")
     meta = {"engine": "vllm", "source": "worker step log", "logs": [str(p) for p in paths],
