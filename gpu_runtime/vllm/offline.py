@@ -19,6 +19,12 @@ from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 
 
+OFFLINE_QOS = {
+    "interactive": QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=10.0, tbt_s=1.0),
+    "batch": QoSSpec(QoSClass.BATCH, Tier.PAID, ttlt_s=3600.0),
+}
+
+
 @dataclass
 class OfflineRun:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> output token ids
@@ -54,7 +60,7 @@ def random_prompts(n: int, length: int, seed: int = 0, vocab: int = 49152) -> li
 def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
              qos: QoSSpec | None = None, ignore_eos: bool = True) -> OfflineRun:
     """Runs ``prompts`` ``batch`` at a time (each group to completion) and collects their tokens."""
-    qos = qos or QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=10.0, tbt_s=1.0)
+    qos = qos or OFFLINE_QOS["interactive"]
     run = OfflineRun()
     policy_before = engine.core_scheduler.policy_s
     t0 = time.perf_counter()
@@ -85,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to run, one after the other")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (the n-gram drafter compiles)")
+    ap.add_argument("--qos", choices=tuple(OFFLINE_QOS), default="interactive",
+                    help="every prompt's QoS: interactive (TTFT 10 s, TBT 1 s) or batch (TTLT 1 h, what offline work is)")
     ap.add_argument("--out", default="-", help="where the JSON goes (vLLM logs to stdout: give a file)")
     args = ap.parse_args(argv)
     from gpu_runtime.vllm.build import build_vllm_engine
@@ -98,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         generate(engine, prompts[:1], 16, 1)
     results = {}
     for b in args.batch:  # one batch of b prompts, or --prompts of them b at a time
-        run = generate(engine, prompts[:max(b, args.prompts)], args.max_tokens, b, ignore_eos=not args.stop_at_eos)
+        run = generate(engine, prompts[:max(b, args.prompts)], args.max_tokens, b, qos=OFFLINE_QOS[args.qos],
+                       ignore_eos=not args.stop_at_eos)
         results[str(b)] = {"tokens": run.tokens, "elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens,
                            "policy_s": run.policy_s, "speculation": run.speculation}
     if args.out == "-":
