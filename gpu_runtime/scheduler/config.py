@@ -28,6 +28,12 @@ class VLLMConfig(SchedulerConfig):
 
 
 @dataclass
+class VLLMV1Config(SchedulerConfig):
+    max_num_batched_tokens: int = 2048  # tokens per step, decodes included (vLLM-CPU's default step cap)
+    order: str = "fcfs"  # fcfs | priority (vLLM's scheduling_policy; priority: vllm_priority, then arrival)
+
+
+@dataclass
 class QoServeConfig(SchedulerConfig):
     queue: str = "priority"
     alpha_low_ms: float = 1.0  # ms/token at low load (close to EDF)

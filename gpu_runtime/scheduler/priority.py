@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from gpu_runtime.qos import QoSClass
+from gpu_runtime.qos import QoSClass, Tier
 from gpu_runtime.request import Request
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,12 @@ def first_deadline(req: Request) -> float:
             return req.next_token_deadline()
         return req.arrival_time + q.ttft_s  # type: ignore[operator]
     return req.arrival_time + q.ttlt_s  # type: ignore[operator]
+
+
+def vllm_priority(req: Request) -> int:
+    """How a vLLM user maps coserve's classes to vLLM's priority policy (lower runs first): paid interactive,
+    paid batch, free interactive, free batch."""
+    return (req.qos.tier is Tier.FREE) * 2 + (req.qos.qos_class is QoSClass.BATCH)
 
 
 def decode_remaining(req: Request) -> int:

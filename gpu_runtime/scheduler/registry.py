@@ -6,11 +6,11 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from gpu_runtime.scheduler.config import QoServeConfig, SarathiConfig, VLLMConfig
+from gpu_runtime.scheduler.config import QoServeConfig, SarathiConfig, VLLMConfig, VLLMV1Config
 from gpu_runtime.scheduler.interface import Scheduler
 from gpu_runtime.scheduler.qoserve import QoServeScheduler
 from gpu_runtime.scheduler.sarathi import SarathiScheduler
-from gpu_runtime.scheduler.vllm import VLLMScheduler
+from gpu_runtime.scheduler.vllm import VLLMScheduler, VLLMV1Scheduler
 
 if TYPE_CHECKING:
     from gpu_runtime.costmodel.base import CostModel
@@ -24,7 +24,9 @@ REGISTRY: dict[str, tuple[type, type, dict[str, Any]]] = {
     "sarathi-fcfs": (SarathiScheduler, SarathiConfig, {"order": "fcfs"}),
     "sarathi-edf": (SarathiScheduler, SarathiConfig, {"order": "edf"}),
     "sarathi-srpf": (SarathiScheduler, SarathiConfig, {"order": "srpf"}),
-    "vllm-fcfs": (VLLMScheduler, VLLMConfig, {}),
+    "vllm-fcfs": (VLLMScheduler, VLLMConfig, {}),  # v0: whole prompts, prefill-prioritizing
+    "vllm-v1-fcfs": (VLLMV1Scheduler, VLLMV1Config, {"order": "fcfs"}),  # what the vLLM backend's vllm-fcfs runs
+    "vllm-v1-priority": (VLLMV1Scheduler, VLLMV1Config, {"order": "priority"}),  # ... and its vllm-priority
 }
 
 

@@ -1,5 +1,11 @@
-"""vLLM (v0 default) baseline: no chunking; waiting prompts run whole, in prefill-only
-iterations that pause the decodes (prefill-prioritizing), FCFS."""
+"""vLLM's schedulers as baselines in coserve's engine and simulator.
+
+``VLLMScheduler`` is vLLM v0's default: no chunking; waiting prompts run whole, in prefill-only
+iterations that pause the decodes (prefill-prioritizing), FCFS. ``VLLMV1Scheduler`` is the v1
+scheduler the vLLM backend runs untouched (``vllm-fcfs`` / ``vllm-priority`` there): one token
+budget per step, running requests first (each decode one token, a started prompt its next chunk),
+then waiting prompts chunked into what is left, FCFS or by vLLM's priority; the simulator replays
+engine runs of vLLM's own policies with it."""
 
 from __future__ import annotations
 
@@ -7,9 +13,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from gpu_runtime.scheduler.base import BaseScheduler, KVBudget
-from gpu_runtime.scheduler.config import VLLMConfig
+from gpu_runtime.scheduler.config import VLLMConfig, VLLMV1Config
 from gpu_runtime.scheduler.interface import SchedulerOutput
-from gpu_runtime.scheduler.request_queue import FCFSQueue, RequestQueue
+from gpu_runtime.scheduler.priority import vllm_priority
+from gpu_runtime.scheduler.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 
 if TYPE_CHECKING:
     from gpu_runtime.costmodel.base import CostModel
@@ -43,3 +50,40 @@ class VLLMScheduler(BaseScheduler):
             left -= n
         if out.prefills:
             out.decodes = []  # prefill-prioritizing: decodes wait for the prompts
+
+
+class VLLMV1Scheduler(BaseScheduler):
+    def __init__(self, config: VLLMV1Config | None = None, cost_model: CostModel | None = None,
+                 executor: Executor | None = None) -> None:
+        config = config or VLLMV1Config()
+        if config.order not in ("fcfs", "priority"):
+            raise ValueError(f"unknown vLLM scheduling order {config.order!r} (fcfs, priority)")
+        self.config: VLLMV1Config = config
+        super().__init__(config, cost_model, executor)
+
+    def _make_queue(self) -> RequestQueue:
+        if self.config.order == "fcfs":
+            return FCFSQueue()
+        return PriorityQueue(lambda r: (vllm_priority(r), r.arrival_time))  # type: ignore[arg-type,return-value]
+
+    def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
+        left = out.prefill_budget = max(0, self.config.max_num_batched_tokens - len(out.decodes))
+        # vLLM's running list holds the prompts it already started: they continue before any waiting one
+        started = [r for rid in self.started if (r := self.waiting.get(rid)) is not None]
+        for req in sorted(started, key=self.waiting.key):
+            if left <= 0:
+                return
+            self._remove_waiting(req.request_id)
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:
+                self._push_waiting(req)
+                return
+            left -= n
+        while left > 0 and len(self.waiting):
+            req = self._pop_waiting()
+            assert req is not None
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:  # KV or admission exhausted
+                self._push_waiting(req)
+                break
+            left -= n

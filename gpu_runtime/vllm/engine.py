@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 from gpu_runtime.engine import RequestOutput, StepStats
 from gpu_runtime.executor.base import KVCapacity
 from gpu_runtime.metrics import request_metrics
-from gpu_runtime.qos import QoSClass, Tier
+from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
+from gpu_runtime.scheduler.priority import vllm_priority
 from gpu_runtime.vllm.qos_args import to_extra_args
 from gpu_runtime.vllm.step_log import StepLog, StepRecord
 
@@ -36,12 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
-
-
-def vllm_priority(req: Request) -> int:
-    """How a vLLM user maps coserve's classes to vLLM's priority policy (lower runs first): paid interactive,
-    paid batch, free interactive, free batch."""
-    return (req.qos.tier is Tier.FREE) * 2 + (req.qos.qos_class is QoSClass.BATCH)
 
 
 @dataclass

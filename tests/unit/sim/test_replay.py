@@ -127,3 +127,12 @@ def test_saved_jobs_load_back_unchanged(bench):
     job = dataclasses.replace(_job("Q1-free", dataclasses.replace(INTERACTIVE, tier=Tier.FREE), 3.5), relegations=2,
                               status="succeeded")
     assert bench._job_from_json(bench._job_json(job)) == job
+
+
+def test_every_engine_policy_is_replayed_with_a_simulator_policy_of_the_registry(bench):
+    from gpu_runtime.scheduler.registry import available
+
+    assert set(bench.SIMULATED) == set(bench.POLICIES)
+    assert set(bench.SIMULATED.values()) <= set(available())
+    # vLLM's own schedulers are replayed with the v1 model, not v0's whole-prompt policy
+    assert bench.SIMULATED["vllm-fcfs"] == "vllm-v1-fcfs" and bench.SIMULATED["vllm-priority"] == "vllm-v1-priority"
