@@ -211,7 +211,8 @@ def profile(
                                               "installed) | torch (coserve's own engine)")] = "auto",
     from_steps: Annotated[list[Path] | None, typer.Option(
         "--from-steps", help="fit on a vLLM worker's step logs (COSERVE_VLLM_STEP_LOG) instead of timing a grid: "
-                             "each step's latency plus the host time to the next; repeat the option for several logs")] = None,
+                             "each step's latency plus the host time to the next; repeat the option for several "
+                             "logs")] = None,
 ) -> None:
     """Time the real engine over a grid of batch shapes and write a latency profile (JSON).
 

@@ -57,9 +57,11 @@ class QoServeScheduler(BaseScheduler):
         self._pace_chunk = min(top, saturation_tokens(self.cost_model, fraction=config.saturation_fraction,
                                                       floor=config.chunk_floor))
         self._sec_per_prefill_token = self.cost_model.predict(BatchFeatures.of_shape(top)) / top
-        # A batch job's time per output token in the paid guard: one step of a full decode batch (the least
-        # it can take; dynamic chunking paces decodes to their deadlines once they run).
-        self._guard_decode_step_s = decode_step_time(self.cost_model, config.max_num_seqs, 512)
+        # A batch job's time per output token in the paid guard: a decode step alone, the fastest it can go. The
+        # guard moves a job ahead of others, so it assumes the least the job needs; relegation, which takes a job
+        # out of line, prices the same decode at a loaded engine's pace (_batch_pace). Both err toward the other
+        # jobs. (A full decode batch, 1.7 s a token on the CPU profile, made every 35 s batch job due on arrival.)
+        self._guard_decode_step_s = decode_step_time(self.cost_model, 1, 512)
         self._targets: Counter[float] = Counter()  # TTFT/TTLT of unfinished requests -> how many
         self._target_of: dict[str, float] = {}
         self._min_first_target = math.inf  # tightest target unfinished: horizon of the load signal

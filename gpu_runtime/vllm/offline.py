@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to run, one after the other")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (the n-gram drafter compiles)")
     ap.add_argument("--qos", choices=tuple(OFFLINE_QOS), default="interactive",
-                    help="every prompt's QoS: interactive (TTFT 10 s, TBT 1 s) or batch (TTLT 1 h, what offline work is)")
+                    help="every prompt's QoS: interactive (TTFT 10 s, TBT 1 s) or batch (TTLT 1 h: offline work)")
     ap.add_argument("--out", default="-", help="where the JSON goes (vLLM logs to stdout: give a file)")
     args = ap.parse_args(argv)
     from gpu_runtime.vllm.build import build_vllm_engine

@@ -266,17 +266,32 @@ def test_paid_guard_sums_the_paid_work_queued_ahead():
     assert first in {"p1", "p2"}
 
 
-def test_paid_guard_counts_a_batch_jobs_predicted_decode_time():
-    # Due at 1.5 s with a 256-token prompt: the prefill alone could wait, 30 predicted decode steps cannot
-    # (it still makes it if it starts now: 30 passes of 35.6 ms beside a full chunk).
+def test_paid_guard_counts_a_batch_jobs_predicted_decode_at_a_decode_step_alone():
+    # A 256-token prompt (one 35.6 ms chunk) due at 0.13 s. The guard prices its decode at a decode step alone
+    # (10.1 ms, the fastest it can go): with 3 predicted tokens it needs 66 ms, x1.5 margin 99 ms, so it cannot
+    # wait one more chunk; the prefill alone (53 ms with the margin) could. With 1 predicted token it can wait.
     free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
-    late = batch("b", prompt=256, ttlt=1.5, max_tokens=30)
-    late.predicted_output_len = 30
+    late = batch("b", prompt=256, ttlt=0.13, max_tokens=30)
+    late.predicted_output_len = 3
     assert _first_prefill([free, late]) == "b"
     free = interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE)
-    short = batch("b", prompt=256, ttlt=1.5, max_tokens=30)
+    short = batch("b", prompt=256, ttlt=0.13, max_tokens=30)
     short.predicted_output_len = 1
     assert _first_prefill([free, short]) == "free"
+
+
+def test_paid_guard_leaves_a_job_a_loaded_engine_cannot_finish_in_time_to_relegation():
+    # 30 predicted tokens due at 0.3 s: at a decode step alone (10.1 ms) it would be due now, but relegation prices
+    # the decode at a pass beside a full 512-token chunk (61 ms a token): hopeless, so it is relegated, not moved
+    # ahead of the free job (which takes half the budget; the paid one is looked at next)
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=512, chunk_floor=512)
+    s.add_request(interactive("free", prompt=256, ttft=0.10, tier=Tier.FREE))
+    hopeless = batch("b", prompt=256, ttlt=0.3, max_tokens=30)
+    hopeless.predicted_output_len = 30
+    s.add_request(hopeless)
+    out = s.schedule(now=0.0)
+    assert out.prefills[0].request.request_id == "free"
+    assert [r.request_id for r in out.relegated] == ["b"]
 
 
 def test_a_free_job_gives_way_when_its_whole_prefill_would_make_a_paid_job_late():
