@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -68,6 +68,11 @@ class Settings(BaseSettings):
                                                           "latency and the host time before the next) to this "
                                                           "JSONL file; `coserve profile --from-steps` fits on it")
     scheduler_policy: str = "qoserve"
+    scheduler_config: dict[str, Any] = Field(
+        default_factory=dict, description="overrides of the policy's config (gpu_runtime/scheduler/config.py), a "
+                                          "JSON object, e.g. {\"relegated_expiry\": null} (relegated jobs never "
+                                          "expire) or {\"relegated_expiry_min_s\": 600}; an unknown key stops "
+                                          "the worker at start with its name")
     spec_policy: str = Field("none", description="none | chain-N | static-tree | adaserve | adaspec | nightjar")
     draft: str = Field("prompt-lookup", description="drafter when spec_policy is not 'none': 'prompt-lookup' "
                                                      "(model-free) or a draft checkpoint sharing the tokenizer")

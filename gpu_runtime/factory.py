@@ -60,8 +60,10 @@ def load_profile_for(device: str, cost_profile: str | None) -> CostModel | None:
 
 def build_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
                  kv_blocks: int | None = None, draft: str | None = None, tokenizer: Any = None,
-                 cost_profile: str | None = "auto", kv_reserve: str = "predicted") -> Engine:
-    """A ready engine for ``model`` (bundled name or checkpoint directory) on ``device``."""
+                 cost_profile: str | None = "auto", kv_reserve: str = "predicted",
+                 scheduler_config: dict[str, Any] | None = None) -> Engine:
+    """A ready engine for ``model`` (bundled name or checkpoint directory) on ``device``; ``scheduler_config``
+    overrides fields of the policy's config (unknown ones are errors)."""
     from gpu_runtime.executor.torch import TorchExecutor
     from gpu_runtime.scheduler.registry import create_scheduler
     from gpu_runtime.speculation.registry import create_policy
@@ -76,8 +78,8 @@ def build_engine(model: str, device: str = "auto", scheduler_policy: str = "qose
         from gpu_runtime.costmodel.profile import conservative_cost_model
 
         cost_model = conservative_cost_model()
-    scheduler = _call_with_known(create_scheduler, scheduler_policy, cost_model=cost_model, executor=executor,
-                                 kv_reserve=kv_reserve)
+    scheduler = create_scheduler(scheduler_policy, cost_model=cost_model, executor=executor,
+                                 **{"kv_reserve": kv_reserve, **(scheduler_config or {})})
     speculation = _call_with_known(create_policy, spec_policy, executor=executor)
     tok = tokenizer if tokenizer is not None else getattr(executor, "tokenizer", None)
     log.info("engine: model=%s device=%s scheduler=%s speculation=%s kv_blocks=%s cost model=%s", model, device,

@@ -120,12 +120,14 @@ class GpuWorker:
             return build_vllm_engine(s.model, device=self.device, scheduler_policy=s.scheduler_policy,
                                      spec_policy=s.spec_policy, cost_profile=s.cost_profile, kv_reserve=s.kv_reserve,
                                      kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
-                                     max_model_len=s.vllm_max_model_len, step_log=s.vllm_step_log)
+                                     max_model_len=s.vllm_max_model_len, step_log=s.vllm_step_log,
+                                     scheduler_config=s.scheduler_config)
         else:
             build = build_engine
         return build(s.model, device=self.device, scheduler_policy=s.scheduler_policy, spec_policy=s.spec_policy,
                      kv_blocks=s.kv_blocks, draft=s.draft if s.spec_policy != "none" else None,
-                     cost_profile=s.cost_profile, kv_reserve=s.kv_reserve, tokenizer=self.tokenizer)
+                     cost_profile=s.cost_profile, kv_reserve=s.kv_reserve, tokenizer=self.tokenizer,
+                     scheduler_config=s.scheduler_config)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Lets running jobs finish for ``grace_s``, then gives the rest back to the queue."""

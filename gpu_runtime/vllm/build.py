@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from typing import Any
 
-from gpu_runtime.vllm.scheduler import SCHEDULER_CLS, VLLM_NATIVE
+from gpu_runtime.vllm.scheduler import SCHEDULER_CLS, SCHEDULER_CONFIG_ENV, VLLM_NATIVE
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,10 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
 
 def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
                       cost_profile: str | None = "auto", kv_reserve: str = "predicted",
-                      step_log: str | os.PathLike | None = None, **engine_kw: Any) -> Any:
-    """A ``VLLMEngine`` (the worker's engine) running ``scheduler_policy`` inside vLLM's scheduler."""
+                      step_log: str | os.PathLike | None = None, scheduler_config: dict[str, Any] | None = None,
+                      **engine_kw: Any) -> Any:
+    """A ``VLLMEngine`` (the worker's engine) running ``scheduler_policy`` inside vLLM's scheduler;
+    ``scheduler_config`` overrides fields of the policy's config (unknown ones are errors)."""
     from gpu_runtime.scheduler.registry import available
 
     known = sorted({*available(), *VLLM_NATIVE})
@@ -71,6 +74,7 @@ def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = 
     os.environ["COSERVE_COST_PROFILE"] = cost_profile or "none"
     os.environ["COSERVE_KV_RESERVE"] = kv_reserve
     os.environ["COSERVE_SPEC_POLICY"] = spec_policy
+    os.environ[SCHEDULER_CONFIG_ENV] = json.dumps(scheduler_config or {})
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from gpu_runtime.vllm.engine import VLLMEngine

@@ -18,6 +18,7 @@ baselines on the same engine.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -48,10 +49,24 @@ log = logging.getLogger(__name__)
 
 VLLM_NATIVE = ("vllm-fcfs", "vllm-priority")  # vLLM's own scheduler, untouched
 SCHEDULER_CLS = "gpu_runtime.vllm.scheduler.CoserveScheduler"
+SCHEDULER_CONFIG_ENV = "COSERVE_SCHEDULER_CONFIG"  # JSON object: overrides of the policy's config fields
 
 
 def policy_name() -> str:
     return os.environ.get("COSERVE_SCHEDULER_POLICY", "qoserve")
+
+
+def policy_overrides() -> dict[str, Any]:
+    """The policy config fields ``COSERVE_SCHEDULER_CONFIG`` sets (a JSON object; unset: none)."""
+    raw = os.environ.get(SCHEDULER_CONFIG_ENV, "").strip()
+    try:
+        value = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{SCHEDULER_CONFIG_ENV} is not JSON ({exc}): give an object such as "
+                         '{"relegated_expiry_min_s": 600}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{SCHEDULER_CONFIG_ENV} must be a JSON object of config fields, not {raw!r}")
+    return value
 
 
 def _cost_model(profile: str | None) -> Any:
@@ -101,8 +116,9 @@ class CoserveScheduler(AsyncScheduler):
                 # QoServe's largest chunk is vLLM's step cap (max_num_batched_tokens), not the cost model's
                 # 95%-of-peak point: with no decode to protect, a step as large as vLLM's own costs nobody
                 extra["chunk_ceiling"] = self.max_num_scheduled_tokens
-            self.policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv,
-                                           max_num_seqs=self.max_num_running_reqs, kv_reserve=kv_reserve, **extra)
+            config = {"max_num_seqs": self.max_num_running_reqs, "kv_reserve": kv_reserve, **extra,
+                      **policy_overrides()}
+            self.policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv, **config)
             spec = os.environ.get("COSERVE_SPEC_POLICY", "none")
             if self.num_spec_tokens > 0 and spec != "none":
                 if self.scheduler_config.async_scheduling:

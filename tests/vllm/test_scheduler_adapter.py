@@ -182,3 +182,16 @@ def test_nightjar_can_choose_no_speculation(make_scheduler):
     r.spec_token_ids = [5, 6, 7, 8]
     out, _ = run_step(s)
     assert out.scheduled_spec_decode_tokens == {} and out.num_scheduled_tokens == {r.request_id: 1}
+
+
+def test_policy_config_overrides_come_from_coserve_scheduler_config(make_scheduler, monkeypatch):
+    monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", '{"relegated_expiry": null, "chunk_floor": 32}')
+    sched = make_scheduler()
+    assert sched.policy.config.relegated_expiry is None and sched.policy.config.chunk_floor == 32
+    assert sched.policy.config.max_num_seqs == 16  # vLLM's own limits still reach the policy
+    monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", '{"relegated_expiry_min": 600}')
+    with pytest.raises(ValueError, match="relegated_expiry_min"):
+        make_scheduler()
+    monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", "relegated_expiry=600")
+    with pytest.raises(ValueError, match="not JSON"):
+        make_scheduler()
