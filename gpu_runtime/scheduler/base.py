@@ -322,6 +322,19 @@ class BaseScheduler(Scheduler):
         """How many more requests may start holding KV (max_num_seqs)."""
         return self.config.max_num_seqs - len(self.running) - len(self.started)
 
+    def _take_in_order(self, left: int, kv: KVBudget, out: SchedulerOutput) -> int:
+        """Chunks of waiting prompts in queue order until ``left`` tokens are spent or KV or admission runs out;
+        returns the tokens left."""
+        while left > 0 and len(self.waiting):
+            req = self._pop_waiting()
+            assert req is not None
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:  # KV or admission exhausted
+                self._push_waiting(req)
+                break
+            left -= n
+        return left
+
     def _take_chunk(self, req: Request, n: int, kv: KVBudget, out: SchedulerOutput) -> int:
         """Add up to ``n`` prompt tokens of ``req`` to ``out`` if KV and admission allow; returns tokens taken."""
         admit = req.request_id not in self.started

@@ -36,12 +36,5 @@ class SarathiScheduler(BaseScheduler):
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
         # Sarathi-Serve's chunk size is a token budget: each decode takes one token of it first, and the
         # prefill chunks get what is left (so a batch of chunk_size decodes admits no prefill).
-        left = out.prefill_budget = max(0, self.config.chunk_size - len(out.decodes))
-        while left > 0 and len(self.waiting):
-            req = self._pop_waiting()
-            assert req is not None
-            n = self._take_chunk(req, left, kv, out)
-            if n == 0:  # KV or admission exhausted
-                self._push_waiting(req)
-                break
-            left -= n
+        out.prefill_budget = max(0, self.config.chunk_size - len(out.decodes))
+        self._take_in_order(out.prefill_budget, kv, out)

@@ -79,11 +79,4 @@ class VLLMV1Scheduler(BaseScheduler):
                 self._push_waiting(req)
                 return
             left -= n
-        while left > 0 and len(self.waiting):
-            req = self._pop_waiting()
-            assert req is not None
-            n = self._take_chunk(req, left, kv, out)
-            if n == 0:  # KV or admission exhausted
-                self._push_waiting(req)
-                break
-            left -= n
+        self._take_in_order(left, kv, out)
