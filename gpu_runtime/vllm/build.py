@@ -74,7 +74,8 @@ def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = 
     os.environ["COSERVE_COST_PROFILE"] = cost_profile or "none"
     os.environ["COSERVE_KV_RESERVE"] = kv_reserve
     os.environ["COSERVE_SPEC_POLICY"] = spec_policy
-    os.environ[SCHEDULER_CONFIG_ENV] = json.dumps(scheduler_config or {})
+    if scheduler_config is not None:  # else the policy reads COSERVE_SCHEDULER_CONFIG as the environment has it
+        os.environ[SCHEDULER_CONFIG_ENV] = json.dumps(scheduler_config)
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from gpu_runtime.vllm.engine import VLLMEngine
