@@ -60,7 +60,7 @@ from app.embedded import terminate_group  # noqa: E402
 from gpu_runtime.costmodel.profile import resolve_profile, scheduling_cost_model, slo_scale  # noqa: E402
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier  # noqa: E402
 from gpu_runtime.scheduler.registry import config_fields  # noqa: E402
-from gpu_runtime.sim.capacity import find_capacity, late_floor  # noqa: E402
+from gpu_runtime.sim.capacity import find_capacity, late_floor, sustained_violation_rate  # noqa: E402
 from gpu_runtime.sim.replay import (  # noqa: E402
     JobResult,
     bucket_stats,
@@ -423,7 +423,9 @@ def main() -> None:
             for policy in args.search:
                 def violation_at(qps: float, policy: str = policy) -> float:
                     jobs = point(policy, round(qps, 3))["jobs"]
-                    return sum(not (j["finished"] and j["slo_met"]) for j in jobs) / len(jobs)
+                    late = sum(not (j["finished"] and j["slo_met"]) for j in jobs) / len(jobs)
+                    return sustained_violation_rate(late, [(j["arrival_s"], j["arrival_s"] + j["ttlt_s"]
+                                                            if j["ttlt_s"] is not None else None) for j in jobs])
 
                 goodput[policy] = find_capacity(violation_at, args.guess, grow=1.5, max_steps=3, iters=2)
     console.print(point_table(points, f"{cfg['trace']}: each point {cfg['minutes']:g} min of Poisson arrivals, "

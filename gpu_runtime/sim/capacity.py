@@ -3,10 +3,11 @@ the default QPS sweep of ``coserve simulate``, a bracket around that capacity.""
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gpu_runtime.costmodel.base import CostModel, decode_step_time, saturation_tokens
 from gpu_runtime.costmodel.features import BatchFeatures
@@ -34,6 +35,42 @@ def capacity_search(violation_at: Callable[[float], float], lo: float, hi: float
         else:
             hi = mid
     return lo
+
+
+def backlog_growth(jobs: Iterable[tuple[float, float | None]]) -> float:
+    """How much the jobs in the system grew over the second half of the arrivals, per job that arrived in it.
+
+    ``jobs``: (arrival, finish or None) pairs; a job leaves the system when it finishes, however it ended
+    (an expired job was shed). A replica that keeps up ends the span with about as many jobs in it as it
+    had at its middle (0 here, give or take the queue's own noise); one behind its arrivals grows by
+    1 - service rate / arrival rate. A run with deadlines far longer than its backlog (QoServe's 30-minute
+    batch tier) can end with a growing queue and few violations: its rate is not sustainable however few
+    jobs were late yet."""
+    jobs = list(jobs)
+    if len(jobs) < 2:
+        return 0.0
+    arrivals = sorted(a for a, _ in jobs)
+    finishes = sorted(f for _, f in jobs if f is not None)
+    mid, end = (arrivals[0] + arrivals[-1]) / 2, arrivals[-1]
+
+    def in_system(t: float) -> int:
+        return bisect.bisect_right(arrivals, t) - bisect.bisect_right(finishes, t)
+
+    arrived = bisect.bisect_right(arrivals, end) - bisect.bisect_right(arrivals, mid)
+    return (in_system(end) - in_system(mid)) / max(1, arrived)
+
+
+def keeps_up(jobs: Iterable[tuple[float, float | None]], tolerance: float = 0.02) -> bool:
+    """The backlog did not grow (``backlog_growth``) by more than ``tolerance`` of the arrivals, or by more
+    than two standard deviations of their Poisson count (short runs: ~10% for 360 arrivals)."""
+    jobs = list(jobs)
+    return backlog_growth(jobs) <= max(tolerance, 2.0 / math.sqrt(max(1, len(jobs) / 2)))
+
+
+def sustained_violation_rate(violation_rate: float, jobs: Iterable[tuple[float, float | None]]) -> float:
+    """What a capacity search should see of a run: its violation rate if the replica kept up with the
+    arrivals (``keeps_up``), else 1.0 (the rate is past capacity even if its deadlines hid it)."""
+    return violation_rate if keeps_up(jobs) else 1.0
 
 
 def throughput_guess(cost_model: CostModel, mean_prompt: float, mean_output: float, decode_batch: int = 32) -> float:
