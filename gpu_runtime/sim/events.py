@@ -36,7 +36,10 @@ class ArrivalEvent(Event):
         if rep.idle:
             rep.idle = False
             rep.executor.advance_to(self.time)
-            return [StepEvent(self.time, 0, rep)]
+            # The step starts at the replica's clock, which a step that ran past this arrival left ahead of it:
+            # the arrivals up to then must reach the scheduler before it (the heap puts them first), or each
+            # would get a step of its own, one request at a time.
+            return [StepEvent(rep.executor.now(), 0, rep)]
         return []
 
 

@@ -197,3 +197,16 @@ def test_relegated_free_jobs_resume_after_a_burst_and_paid_ones_keep_their_deadl
     assert rel.finished == rel.relegated and rel.unfinished == 0  # every relegated job came back and finished
     assert rel.finished_in_low == rel.finished
     assert all(r.num_output_tokens == 20 for r in done)
+
+
+def test_arrivals_during_a_step_that_emptied_the_replica_are_batched_into_the_next_step():
+    # one-token jobs of 100 prompt tokens every 15 ms; a pass of one of them takes 20 ms and finishes it, so the
+    # replica is idle at the end of every step with the arrivals of those 20 ms not yet handed over. The next
+    # step must see them all at once (they share a pass: two take 30 ms), not start one job per step behind
+    # the clock, falling 5 ms further behind with every job.
+    reqs = [Request(f"r{k}", [1] * 100, SamplingParams(max_tokens=1, ignore_eos=True),
+                    QoSSpec(QoSClass.BATCH, Tier.PAID, ttlt_s=100.0), k * 0.015) for k in range(60)]
+    rep = make_replica("r", "sarathi-fcfs", COST, kv_blocks=100_000, chunk_size=2048)
+    done = Simulator([rep]).run(reqs)
+    assert len({round(r.token_times[0], 9) for r in done}) < len(done)  # some jobs share a pass
+    assert max(r.token_times[0] - r.arrival_time for r in done) < 0.08  # one job a pass: the last waits 0.3 s
