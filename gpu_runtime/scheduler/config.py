@@ -50,6 +50,9 @@ class QoServeConfig(SchedulerConfig):
     paid_guard_window: int = 16  # paid jobs the guard looks at per iteration, earliest latest-start first (bursty
     # A100 code run: 16, 64 and 256 leave the same paid jobs late)
     free_yields: bool = True  # a free job that would make a paid job late by running first is relegated
+    # ... and free work yields to every waiting paid job while paid work arrives as fast as the saturated engine
+    # serves, over the longest paid target (overload.py: sustained overload, not a burst)
+    free_yields_overload: bool = True
     # When a paid job is relegated: "hopeless" (it cannot meet its deadline even at the head of the queue) or
     # "violated" (QoServe 3.4 as printed: once late, and only if no free job waits); see relegation.py
     paid_relegation: str = "hopeless"

@@ -62,6 +62,11 @@ class DecodeLengthHistory:
             guess = 2 * generated
         return max(generated + 1, min(max_tokens, guess)) if generated < max_tokens else max_tokens
 
+    def mean(self, app_id: str | None) -> float | None:
+        """The app's mean finished decode length (None below ``min_samples``)."""
+        s = self.stats.get(app_id or "")
+        return s.mean if s is not None and s.n >= self.min_samples else None
+
     def predict(self, app_id: str | None, max_tokens: int) -> int:
         """Mean + 2 std of the app's finished decode lengths, capped at ``max_tokens``."""
         s = self.stats.get(app_id or "")

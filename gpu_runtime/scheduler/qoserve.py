@@ -17,6 +17,7 @@ from gpu_runtime.scheduler.base import BaseScheduler, KVBudget
 from gpu_runtime.scheduler.chunking import ChunkBudget, build_search_space
 from gpu_runtime.scheduler.config import QoServeConfig
 from gpu_runtime.scheduler.interface import SchedulerOutput
+from gpu_runtime.scheduler.overload import PaidOverload
 from gpu_runtime.scheduler.priority import LoadAdaptiveAlpha, decode_remaining, first_deadline, hybrid_priority
 from gpu_runtime.scheduler.relegation import (
     PaidRelegation,
@@ -51,6 +52,8 @@ class QoServeScheduler(BaseScheduler):
         # (expiry time, request id) of every relegation; checked lazily (the job may have left the queue)
         self._expiry: list[tuple[float, str]] = []
         self._free_yield_until = -math.inf  # free jobs yield to any waiting paid job until then (free_yields_until)
+        self._overload = PaidOverload()  # ... and while paid work alone fills the engine (free_yields_overload)
+        self._saturated = False  # this step left prompts waiting
         top = space[-1]
         # A batch decode's pace is set beside the chunk where prefill throughput saturates, not beside a larger
         # ceiling (vLLM's step cap: 2048 tokens, ~8 s a pass on the CPU profile, made every batch job "hopeless")
@@ -110,7 +113,17 @@ class QoServeScheduler(BaseScheduler):
         self._targets[t] += 1
         self._target_of[request.request_id] = t
         self._min_first_target = min(self._min_first_target, t)
+        mean_output = self.history.mean(request.app_id)
+        if request.qos.tier is Tier.PAID and mean_output is not None:  # unknown lengths are not guessed at
+            tokens = request.prompt_len + min(request.sampling.max_tokens, mean_output)
+            self._overload.paid_arrived(request.arrival_time, tokens, t)
         super().add_request(request)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        self._saturated = False  # set by _fill when prompts are left waiting
+        out = super().schedule(now)
+        self._overload.step_began(now, sum(p.num_tokens for p in out.prefills) + len(out.decodes), self._saturated)
+        return out
 
     def _on_leave(self, request_id: str) -> None:
         self.pinned.discard(request_id)
@@ -167,6 +180,8 @@ class QoServeScheduler(BaseScheduler):
             return
         self._yield_memo.clear()
         self._update_alpha()
+        if self.config.free_yields_overload:
+            self._overload.update(now)
         # Alg. 1 lines 5-7: budget C from the minimum decode slack; the chunk's attention starts where
         # the first prompt in line stopped (a continued long prompt costs more than a fresh one).
         head = self.waiting.peek() or self.relegated.peek()
@@ -199,6 +214,7 @@ class QoServeScheduler(BaseScheduler):
             left -= n
         for req in skipped:
             self._push_waiting(req)
+        self._saturated = len(self.waiting) > 0  # the budget or the KV ran out before the queue did
         # Spare budget goes to relegated jobs (they sort after every other job).
         while left > 0 and len(self.relegated):
             req = self.relegated.pop()
@@ -227,10 +243,11 @@ class QoServeScheduler(BaseScheduler):
         """A free job gives way when running its prompt first would make a paid job late (QoServe 3.4: the
         low-priority tier is affected first): it is relegated, before it is itself overdue, and runs with
         spare budget. Also when the paid queue is too long to show that within the guard's window, and to
-        any waiting paid job while paid jobs are being lost to overload (``free_yields_until``)."""
+        any waiting paid job while paid jobs are being lost to overload (``free_yields_until``) or paid work
+        alone arrives as fast as the engine serves (``PaidOverload``)."""
         if not (self.config.free_yields and req.qos.tier is Tier.FREE and len(self._paid_by_start)):
             return False
-        if now < self._free_yield_until:
+        if now < self._free_yield_until or self._overload.overloaded:
             return True
         iterations = math.ceil(req.prefill_remaining / max(1, est.budget))  # how long its prefill holds the budget
         verdict = self._yield_memo.get(iterations)  # one walk per distinct delay and iteration
