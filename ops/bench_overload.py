@@ -119,7 +119,8 @@ def run(policy: str, load: float, goodput: float, minutes: float, free_share: fl
         return not (r.status.finished and not _expired(r) and slo_met(r))
 
     rel = [r for r in reqs if r.relegation_count]
-    start, end = (lambda a: (a[0] + (a[-1] - a[0]) / 4, a[-1]))(sorted(r.arrival_time for r in reqs))
+    first, end = min(r.arrival_time for r in reqs), max(r.arrival_time for r in reqs)
+    start = first + (end - first) / 4  # served QPS: over the last three quarters of the arrivals
     served = sum(1 for r in reqs if r.finish_time is not None and start <= r.finish_time <= end and not _expired(r))
     done = [r for r in rel if r.status.finished and not _expired(r)]
     paid_rate = qps * (1 - free_share)

@@ -53,7 +53,6 @@ class QoServeScheduler(BaseScheduler):
         self._expiry: list[tuple[float, str]] = []
         self._free_yield_until = -math.inf  # free jobs yield to any waiting paid job until then (free_yields_until)
         self._overload = PaidOverload()  # ... and while paid work alone fills the engine (free_yields_overload)
-        self._saturated = False  # this step left prompts waiting
         top = space[-1]
         # A batch decode's pace is set beside the chunk where prefill throughput saturates, not beside a larger
         # ceiling (vLLM's step cap: 2048 tokens, ~8 s a pass on the CPU profile, made every batch job "hopeless")
@@ -113,16 +112,18 @@ class QoServeScheduler(BaseScheduler):
         self._targets[t] += 1
         self._target_of[request.request_id] = t
         self._min_first_target = min(self._min_first_target, t)
-        mean_output = self.history.mean(request.app_id)
-        if request.qos.tier is Tier.PAID and mean_output is not None:  # unknown lengths are not guessed at
+        mean_output = self.history.mean(request.app_id) if request.qos.tier is Tier.PAID else None
+        if mean_output is not None:  # a paid job; unknown lengths are not guessed at
             tokens = request.prompt_len + min(request.sampling.max_tokens, mean_output)
             self._overload.paid_arrived(request.arrival_time, tokens, t)
         super().add_request(request)
 
     def schedule(self, now: float) -> SchedulerOutput:
-        self._saturated = False  # set by _fill when prompts are left waiting
         out = super().schedule(now)
-        self._overload.step_began(now, sum(p.num_tokens for p in out.prefills) + len(out.decodes), self._saturated)
+        # saturated: the budget or the KV ran out before the queue did (prompts still wait after this step)
+        saturated = len(self.waiting) > 0
+        tokens = sum(p.num_tokens for p in out.prefills) + len(out.decodes) if saturated else 0
+        self._overload.step_began(now, tokens, saturated)
         return out
 
     def _on_leave(self, request_id: str) -> None:
@@ -214,7 +215,6 @@ class QoServeScheduler(BaseScheduler):
             left -= n
         for req in skipped:
             self._push_waiting(req)
-        self._saturated = len(self.waiting) > 0  # the budget or the KV ran out before the queue did
         # Spare budget goes to relegated jobs (they sort after every other job).
         while left > 0 and len(self.relegated):
             req = self.relegated.pop()
