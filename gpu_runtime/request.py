@@ -45,6 +45,7 @@ class Request:
     # pressure (vLLM-style recompute preemption): the prefill covers prompt + those outputs.
     recomputed_outputs: int = 0
     num_recomputes: int = 0  # times its KV was released and recomputed
+    scheduled_time: float | None = None  # clock time its first prefill chunk was scheduled
     finish_time: float | None = None
     # Filled by the scheduler: predicted remaining decode tokens (running mean + 2 std).
     predicted_output_len: int | None = None

@@ -216,6 +216,8 @@ class BaseScheduler(Scheduler):
         self._fill(out, now, kv)
         for p in out.prefills:
             if p.request.request_id not in self.started:
+                if p.request.scheduled_time is None:
+                    p.request.scheduled_time = now
                 self.started.add(p.request.request_id)
                 fp = kv.footprint(p.request) if self.executor is not None else 0
                 self._footprint += fp

@@ -53,6 +53,9 @@ class QoServeConfig(SchedulerConfig):
     # ... and free work yields to every waiting paid job while paid work arrives as fast as the saturated engine
     # serves, over the longest paid target (overload.py: sustained overload, not a burst)
     free_yields_overload: bool = True
+    # ... and to relegated paid work: while a paid job is relegated, free jobs are relegated behind it and the
+    # spare budget serves relegated paid jobs before free ones (a late paid job finishes before free work runs)
+    free_yields_relegated_paid: bool = True
     # When a paid job is relegated: "hopeless" (it cannot meet its deadline even at the head of the queue) or
     # "violated" (QoServe 3.4 as printed: once late, and only if no free job waits); see relegation.py
     paid_relegation: str = "hopeless"

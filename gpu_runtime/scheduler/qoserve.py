@@ -18,7 +18,13 @@ from gpu_runtime.scheduler.chunking import ChunkBudget, build_search_space
 from gpu_runtime.scheduler.config import QoServeConfig
 from gpu_runtime.scheduler.interface import SchedulerOutput
 from gpu_runtime.scheduler.overload import PaidOverload
-from gpu_runtime.scheduler.priority import LoadAdaptiveAlpha, decode_remaining, first_deadline, hybrid_priority
+from gpu_runtime.scheduler.priority import (
+    LoadAdaptiveAlpha,
+    decode_remaining,
+    first_deadline,
+    hybrid_priority,
+    relegated_priority,
+)
 from gpu_runtime.scheduler.relegation import (
     PaidRelegation,
     WorkEstimate,
@@ -49,6 +55,8 @@ class QoServeScheduler(BaseScheduler):
         self.chunking = ChunkBudget(self.cost_model, space, config.safety, config.kv_short_fraction)
         self.pinned: set[str] = set()  # resumed by an operator: never relegated again
         self.paid_relegation = PaidRelegation(config.paid_relegation)
+        self.relegated = PriorityQueue(
+            lambda r: relegated_priority(r, self.alpha.alpha_s, config.free_yields_relegated_paid))
         # (expiry time, request id) of every relegation; checked lazily (the job may have left the queue)
         self._expiry: list[tuple[float, str]] = []
         self._free_yield_until = -math.inf  # free jobs yield to any waiting paid job until then (free_yields_until)
@@ -244,8 +252,13 @@ class QoServeScheduler(BaseScheduler):
         low-priority tier is affected first): it is relegated, before it is itself overdue, and runs with
         spare budget. Also when the paid queue is too long to show that within the guard's window, and to
         any waiting paid job while paid jobs are being lost to overload (``free_yields_until``) or paid work
-        alone arrives as fast as the engine serves (``PaidOverload``)."""
-        if not (self.config.free_yields and req.qos.tier is Tier.FREE and len(self._paid_by_start)):
+        alone arrives as fast as the engine serves (``PaidOverload``). And to relegated paid work, late or
+        bound to be: it runs first with spare budget, so no free job finishes on time ahead of it."""
+        if not (self.config.free_yields and req.qos.tier is Tier.FREE):
+            return False
+        if self._paid_relegated():
+            return True
+        if not len(self._paid_by_start):
             return False
         if now < self._free_yield_until or self._overload.overloaded:
             return True
@@ -255,6 +268,11 @@ class QoServeScheduler(BaseScheduler):
             _, must_run, cleared = self._walk_paid(now, est, iterations * est.iteration_s)
             verdict = self._yield_memo[iterations] = must_run > 0 or not cleared
         return verdict
+
+    def _paid_relegated(self) -> bool:
+        """A relegated paid job is still to be served (it heads the tier-ordered relegated queue)."""
+        head = self.relegated.peek() if self.config.free_yields_relegated_paid else None
+        return head is not None and head.qos.tier is Tier.PAID
 
     def _run_unpreemptable(self, out: SchedulerOutput, now: float, kv: KVBudget, left: int,
                            est: WorkEstimate) -> int:

@@ -12,11 +12,14 @@ import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from typing import TypeAlias
 
 from gpu_runtime.request import Request
 from gpu_runtime.scheduler.priority import first_deadline
 
 log = logging.getLogger(__name__)
+
+QueueKey: TypeAlias = float | tuple[bool, float]  # lower runs first
 
 
 class RequestQueue(ABC):
@@ -26,7 +29,7 @@ class RequestQueue(ABC):
         self._seq = itertools.count()
 
     @abstractmethod
-    def key(self, request: Request) -> float:
+    def key(self, request: Request) -> QueueKey:
         """Lower runs first."""
 
     def push(self, request: Request) -> None:
@@ -99,11 +102,11 @@ class DeadlineQueue(RequestQueue):
 class PriorityQueue(RequestQueue):
     """Ordered by any key function, e.g. QoServe's hybrid priority or SRPF's remaining work."""
 
-    def __init__(self, key_fn: Callable[[Request], float]) -> None:
+    def __init__(self, key_fn: Callable[[Request], QueueKey]) -> None:
         super().__init__()
         self.key_fn = key_fn
 
-    def key(self, request: Request) -> float:
+    def key(self, request: Request) -> QueueKey:
         return self.key_fn(request)
 
 

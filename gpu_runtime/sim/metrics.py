@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,3 +100,25 @@ def relegation_summary(requests: list[Request], low_phase: Callable[[float], boo
     in_low = sum(1 for r in done if low_phase is not None and low_phase(r.finish_time))  # type: ignore[arg-type]
     return RelegationSummary(len(rel), sum(1 for r in rel if r.qos.tier is Tier.PAID), len(done), in_low,
                              len(rel) - len(done) - expired, expired)
+
+
+def free_on_time_while_paid_late(reqs: list[Request], whole_service: bool = False) -> int:
+    """Free jobs that met their SLO although a paid job that ended late was waiting (arrived, not finished) while
+    the free job's prompt was computed (first prefill chunk to first token): the free job took prefill capacity a
+    late paid job lacked. ``whole_service``: while it was served at all, its decode to the last token included
+    (stricter: the scheduler, like vLLM's, never preempts a running decode for a job that arrives later)."""
+    late_paid = sorted((r.arrival_time, math.inf if r.finish_time is None else r.finish_time) for r in reqs
+                       if r.qos.tier is Tier.PAID and not (r.status.finished and slo_met(r)))
+    arrivals = [a for a, _ in late_paid]
+    latest_end: list[float] = []  # latest end (finish or expiry) among the late paid jobs arrived so far
+    for _, e in late_paid:
+        latest_end.append(max(e, latest_end[-1]) if latest_end else e)
+    n = 0
+    for r in reqs:
+        if r.qos.tier is not Tier.FREE or not (r.status.finished and slo_met(r)) or r.first_token_time is None:
+            continue
+        start = r.arrival_time if r.scheduled_time is None else r.scheduled_time
+        end = r.finish_time if whole_service else r.first_token_time
+        i = bisect.bisect_right(arrivals, end)  # late paid jobs that arrived before the span ended ...
+        n += i > 0 and latest_end[i - 1] > start  # ... one of them still waiting once it began
+    return n

@@ -160,14 +160,32 @@ def test_free_work_yields_to_any_waiting_paid_job_once_a_paid_job_was_lost(paid_
     relegated = sorted(r.request_id for r in out.relegated)
     assert relegated == (["a", "f"] if paid_lost else [])
     assert out.prefills[0].request.request_id == ("p" if paid_lost else "f")
-    # a's target (100 ms) later, free work is back to yielding only when it would make a paid job late
-    s2 = create_scheduler("qoserve", cost_model=COST, **SMALL)
+    # a's target (100 ms) later, free work is back to yielding only when it would make a paid job late (a itself
+    # still relegated is a rule of its own, off here: test_free_work_waits_behind_relegated_paid_work)
+    s2 = create_scheduler("qoserve", cost_model=COST, free_yields_relegated_paid=False, **SMALL)
     for r in (interactive("a", arrival=0.0, prompt=1000, ttft=0.1), interactive("p", arrival=0.0, prompt=500,
                                                                                  ttft=10.0)):
         s2.add_request(r)
     s2.schedule(0.0)
     s2.add_request(interactive("f2", arrival=0.15, prompt=100, ttft=0.5, tier=Tier.FREE))
     assert s2.schedule(0.15).relegated == []
+
+
+@pytest.mark.parametrize("rule", [True, False])
+def test_free_work_waits_behind_relegated_paid_work(rule):
+    # "a" (paid, 10 passes due in 100 ms) is hopeless and relegated; no paid job waits in line. With the rule on,
+    # the free job "f" is relegated behind it and the step's budget (EDF, one 100-token pass) serves "a" first;
+    # off, "f" takes the pass and "a" waits for spare budget.
+    s = create_scheduler("qoserve", cost_model=COST, free_yields_relegated_paid=rule, **SMALL)
+    s.add_request(interactive("a", prompt=1000, ttft=0.1))
+    s.add_request(interactive("f", prompt=100, ttft=0.5, tier=Tier.FREE))
+    out = s.schedule(0.0)
+    assert sorted(r.request_id for r in out.relegated) == (["a", "f"] if rule else ["a"])
+    assert [p.request.request_id for p in out.prefills][0] == ("a" if rule else "f")
+    # once no paid job is relegated, free work runs in line again
+    s.abort_request("a")
+    s.add_request(interactive("g", arrival=0.05, prompt=100, ttft=0.5, tier=Tier.FREE))
+    assert "g" not in [r.request_id for r in s.schedule(0.05).relegated]
 
 
 def _overloaded_run(rule: str):
