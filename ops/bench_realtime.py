@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -61,6 +62,7 @@ from gpu_runtime.costmodel.profile import resolve_profile, scheduling_cost_model
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier  # noqa: E402
 from gpu_runtime.scheduler.registry import config_fields  # noqa: E402
 from gpu_runtime.sim.capacity import find_capacity, late_floor, sustained_violation_rate  # noqa: E402
+from gpu_runtime.sim.metrics import spans_while_waiting  # noqa: E402
 from gpu_runtime.sim.replay import (  # noqa: E402
     JobResult,
     bucket_stats,
@@ -255,10 +257,22 @@ def paid_floor(jobs: list[JobResult], minutes: float, goodput: float) -> tuple[f
     return steady, late_floor(due, goodput)
 
 
+def free_while_paid_late(jobs: list[JobResult]) -> int:
+    """At most how many free jobs were on time while a paid job that ended late was waiting and their prompt ran
+    (``spans_while_waiting``): the engine does not log when a prompt's first chunk ran, so the span is the whole
+    wait from arrival to the first token, and an expired paid job waits to the end of the run."""
+    late_paid = [(j.arrival_s, j.arrival_s + j.ttlt_s if j.finished and j.ttlt_s is not None else math.inf)
+                 for j in jobs if j.qos.tier is Tier.PAID and j.violated]
+    spans = [(j.arrival_s, j.arrival_s + j.ttft_s) for j in jobs
+             if j.qos.tier is Tier.FREE and not j.violated and j.ttft_s is not None]
+    return spans_while_waiting(spans, late_paid)
+
+
 def point_table(points: list[dict], title: str, minutes: float, goodput: float | None = None) -> Table:
     t = Table(title=title)
     for col in ("policy", "QPS", "jobs", "violations", "paid", *(("paid floor steady / run",) if goodput else ()),
-                "free", "per bucket", "relegated (done/expired/open)", "output tok/s"):
+                "free", "free on time while paid late (at most)", "per bucket", "relegated (done/expired/open)",
+                "output tok/s"):
         t.add_column(col, justify="left" if col in ("policy", "per bucket") else "right")
     for p in points:
         jobs = [_job_from_json(j) for j in p["jobs"]]
@@ -272,7 +286,8 @@ def point_table(points: list[dict], title: str, minutes: float, goodput: float |
         floor = [" / ".join(map(_pct, paid_floor(jobs, minutes, goodput)))] if goodput else []
         t.add_row(p["policy"], f"{p['qps']:g}", str(len(jobs)), _pct(sum(j.violated for j in jobs) / len(jobs)),
                   _pct(sum(j.violated for j in paid) / len(paid)) if paid else "-", *floor,
-                  _pct(sum(j.violated for j in free) / len(free)) if free else "-", per,
+                  _pct(sum(j.violated for j in free) / len(free)) if free else "-",
+                  str(free_while_paid_late(jobs)) if free else "-", per,
                   f"{len(rel)} ({rel_done}/{rel_exp}/{len(rel) - rel_done - rel_exp})", f"{tokens / p['run_s']:.1f}")
     return t
 

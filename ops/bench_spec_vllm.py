@@ -9,12 +9,14 @@ the CPU serves) vLLM's own verification pass can part from plain decoding at nea
 
     python ops/bench_spec_vllm.py                              # none, nightjar, adaspec, adaserve, chain-4
     python ops/bench_spec_vllm.py --policies none nightjar --batch 1 8 --dtype float32
+    python ops/bench_spec_vllm.py --policies none nightjar --batch 8 32 --repeats 3   # paired rounds, medians
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,10 @@ def run(policy: str, args: argparse.Namespace, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _tput(r: dict) -> float:
+    return r["output_tokens"] / r["elapsed_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", nargs="+", default=["none", "nightjar", "adaspec", "adaserve", "chain-4"])
@@ -47,29 +53,40 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--raw", action="store_true", help="the prompts as raw text, without the chat template")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every policy, interleaved (round r runs each policy once): the table gives the "
+                         "median speed-up over none's run of the same round, and the range")
     args = ap.parse_args()
     if args.policies[0] != "none":
         args.policies.insert(0, "none")
     console = Console(width=160)
-    results = {}
+    results: dict[str, list[dict]] = {p: [] for p in args.policies}
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in args.policies:
-            results[policy] = run(policy, args, Path(tmp) / f"{policy}.json")
-            console.print(policy, {b: round(r["output_tokens"] / r["elapsed_s"], 1) for b, r in results[policy].items()})
+        for rnd in range(args.repeats):
+            for policy in args.policies:
+                results[policy].append(run(policy, args, Path(tmp) / f"{policy}-{rnd}.json"))
+                console.print(f"round {rnd + 1}", policy,
+                              {b: round(_tput(r), 1) for b, r in results[policy][-1].items()})
+    console.print(speedup_table(results, args))
+
+
+def speedup_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Table:
+    """Per batch size and policy: median tok/s over the rounds, and the speed-up over none's run of each round."""
     table = Table(title=f"vLLM speculation, SpecBench summarization{' (raw text)' if args.raw else ''}, "
-                        f"{args.max_tokens} tokens each, "
-                        f"dtype {args.dtype or 'bfloat16'}")
-    for col in ("batch", "policy", "tok/s", "x none", "same tokens as none", "speculation state"):
+                        f"{args.max_tokens} tokens each, dtype {args.dtype or 'bfloat16'}, {args.repeats} round(s)")
+    for col in ("batch", "policy", "tok/s (median)", "x none (median)", "x none (range)", "same tokens as none",
+                "speculation state (last round)"):
         table.add_column(col)
     for b in map(str, args.batch):
-        base = results["none"][b]
         for policy in args.policies:
-            r = results[policy][b]
-            tput = r["output_tokens"] / r["elapsed_s"]
-            state = {k: v for k, v in r["speculation"].items() if k in ("gamma", "length", "acceptance", "budget")}
-            table.add_row(b, policy, f"{tput:.1f}", f"{tput / (base['output_tokens'] / base['elapsed_s']):.2f}",
-                          str(r["tokens"] == base["tokens"]), json.dumps(state))
-    console.print(table)
+            runs = [r[b] for r in results[policy]]
+            ratios = [_tput(r[b]) / _tput(base[b]) for r, base in zip(results[policy], results["none"])]
+            state = {k: v for k, v in runs[-1]["speculation"].items()
+                     if k in ("gamma", "length", "acceptance", "budget")}
+            same = all(r[b]["tokens"] == base[b]["tokens"] for r, base in zip(results[policy], results["none"]))
+            table.add_row(b, policy, f"{statistics.median(map(_tput, runs)):.1f}", f"{statistics.median(ratios):.2f}",
+                          f"{min(ratios):.2f}-{max(ratios):.2f}", str(same), json.dumps(state))
+    return table
 
 
 if __name__ == "__main__":

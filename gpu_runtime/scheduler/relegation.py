@@ -12,9 +12,10 @@ Relegating it costs no free job anything, so the tier order (free first) still h
 is shed before a paid job that could be saved. ``PaidRelegation.VIOLATED`` is the paper's text
 read literally: a paid job only once its deadline passed and no free job waits.
 
-A relegated job runs with spare budget and resumes when load drops. One that is still relegated
-(no token out) long after its deadline expires (``expires_at``): the engine finishes it with the
-status ``finished_expired`` instead of leaving it queued for ever.
+A relegated job runs with spare budget and resumes when load drops. Relegated paid jobs run before
+relegated free ones, and while one waits, free jobs yield to it (``free_yields_relegated_paid``).
+One that is still relegated (no token out) long after its deadline expires (``expires_at``): the
+engine finishes it with the status ``finished_expired`` instead of leaving it queued for ever.
 """
 
 from __future__ import annotations

@@ -107,18 +107,23 @@ def free_on_time_while_paid_late(reqs: list[Request], whole_service: bool = Fals
     the free job's prompt was computed (first prefill chunk to first token): the free job took prefill capacity a
     late paid job lacked. ``whole_service``: while it was served at all, its decode to the last token included
     (stricter: the scheduler, like vLLM's, never preempts a running decode for a job that arrives later)."""
-    late_paid = sorted((r.arrival_time, math.inf if r.finish_time is None else r.finish_time) for r in reqs
-                       if r.qos.tier is Tier.PAID and not (r.status.finished and slo_met(r)))
-    arrivals = [a for a, _ in late_paid]
-    latest_end: list[float] = []  # latest end (finish or expiry) among the late paid jobs arrived so far
-    for _, e in late_paid:
+    late_paid = [(r.arrival_time, math.inf if r.finish_time is None else r.finish_time) for r in reqs
+                 if r.qos.tier is Tier.PAID and not (r.status.finished and slo_met(r))]
+    spans = [(r.arrival_time if r.scheduled_time is None else r.scheduled_time,
+              r.finish_time if whole_service else r.first_token_time) for r in reqs
+             if r.qos.tier is Tier.FREE and r.status.finished and slo_met(r) and r.first_token_time is not None]
+    return spans_while_waiting(spans, late_paid)  # type: ignore[arg-type]
+
+
+def spans_while_waiting(spans: list[tuple[float, float]], waiting: list[tuple[float, float]]) -> int:
+    """How many ``(start, end)`` spans overlap at least one ``(arrival, end)`` waiting window."""
+    waiting = sorted(waiting)
+    arrivals = [a for a, _ in waiting]
+    latest_end: list[float] = []  # latest end among the windows opened so far
+    for _, e in waiting:
         latest_end.append(max(e, latest_end[-1]) if latest_end else e)
     n = 0
-    for r in reqs:
-        if r.qos.tier is not Tier.FREE or not (r.status.finished and slo_met(r)) or r.first_token_time is None:
-            continue
-        start = r.arrival_time if r.scheduled_time is None else r.scheduled_time
-        end = r.finish_time if whole_service else r.first_token_time
-        i = bisect.bisect_right(arrivals, end)  # late paid jobs that arrived before the span ended ...
-        n += i > 0 and latest_end[i - 1] > start  # ... one of them still waiting once it began
+    for start, end in spans:
+        i = bisect.bisect_right(arrivals, end)  # windows opened before the span ended ...
+        n += i > 0 and latest_end[i - 1] > start  # ... one of them still open once it began
     return n

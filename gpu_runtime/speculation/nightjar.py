@@ -171,14 +171,19 @@ class GammaBandit:
 
     def arm_cap(self, batch_size: int) -> int:
         """Largest gamma bucket ``batch_size`` may play: the smallest over smaller buckets
-        with enough data of the largest gamma (near) best there (Gamma_max if none)."""
+        with enough data of the largest gamma (near) best there (Gamma_max if none). With
+        ``unimodal``, a smaller bucket has enough data once the arms up to its leader's
+        neighbour have it (it never plays the longer ones, which goodput's unimodality rules out)."""
         cap = self.config.max_gamma
         if not self.config.share_across_batches:
             return cap
         key = self.bucket(batch_size)
         for other in sorted(k for k in self.states if k < key):
             st = self.states[other]
-            arms = range(min(cap, st.num_arms - 1) + 1)
+            top = min(cap, st.num_arms - 1)
+            if self.config.unimodal:  # lengths past the leader's neighbour are never played there: known to lose
+                top = min(top, self.leader_neighbour(st, top))
+            arms = range(top + 1)
             means = [st.mean(g) for g in arms]
             if any(m is None or len(st.rewards[g]) < self.config.share_min_samples
                    for g, m in zip(arms, means)):

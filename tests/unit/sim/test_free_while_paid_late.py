@@ -48,3 +48,13 @@ def test_on_time_paid_jobs_and_late_free_jobs_do_not_count():
     free_ok = job("g", Tier.FREE, 0.0, 50.0, 1.0, [2.0])
     assert free_on_time_while_paid_late([paid_ok, free_ok]) == 0
     assert free_on_time_while_paid_late([paid_late, free_ok]) == 1
+
+
+def test_spans_against_waiting_windows():
+    from gpu_runtime.sim.metrics import spans_while_waiting
+
+    windows = [(0.0, 2.0), (5.0, float("inf"))]
+    # (1, 3) overlaps the first window, (3, 4) none, (4, 6) the second, (10, 11) the open second
+    assert spans_while_waiting([(1.0, 3.0), (3.0, 4.0), (4.0, 6.0), (10.0, 11.0)], windows) == 3
+    assert spans_while_waiting([(2.0, 4.9)], windows) == 0  # the first closed at 2, the second opens at 5
+    assert spans_while_waiting([(1.0, 2.0)], []) == 0
