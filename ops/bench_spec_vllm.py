@@ -84,8 +84,8 @@ def speedup_table(results: dict[str, list[dict]], args: argparse.Namespace) -> T
             state = {k: v for k, v in runs[-1]["speculation"].items()
                      if k in ("gamma", "length", "acceptance", "budget")}
             same = all(r[b]["tokens"] == base[b]["tokens"] for r, base in zip(results[policy], results["none"]))
-            table.add_row(b, policy, f"{statistics.median(map(_tput, runs)):.1f}", f"{statistics.median(ratios):.2f}",
-                          f"{min(ratios):.2f}-{max(ratios):.2f}", str(same), json.dumps(state))
+            table.add_row(b, policy, f"{statistics.median(map(_tput, runs)):.1f}", f"{statistics.median(ratios):.3f}",
+                          f"{min(ratios):.3f}-{max(ratios):.3f}", str(same), json.dumps(state))
     return table
 
 

@@ -23,6 +23,6 @@ def test_speed_ups_are_paired_by_round(monkeypatch):
                               repeats=3)
     table = bench_spec_vllm.speedup_table(results, args)
     rows = list(zip(*(c._cells for c in table.columns)))
-    assert rows[1][:6] == ("8", "nightjar", "10.5", "1.01", "0.95-1.05", "True")  # 1.05, 0.95, 1.01 paired
-    assert rows[0][3] == "1.00"
+    assert rows[1][:6] == ("8", "nightjar", "10.5", "1.010", "0.950-1.050", "True")  # 1.05, 0.95, 1.01 paired
+    assert rows[0][3] == "1.000"
     sys.modules.pop("bench_spec_vllm", None)
