@@ -79,11 +79,11 @@ def speedup_table(results: dict[str, list[dict]], args: argparse.Namespace) -> T
         table.add_column(col)
     for b in map(str, args.batch):
         for policy in args.policies:
-            runs = [r[b] for r in results[policy]]
-            ratios = [_tput(r[b]) / _tput(base[b]) for r, base in zip(results[policy], results["none"])]
+            runs, bases = [r[b] for r in results[policy]], [r[b] for r in results["none"]]
+            ratios = [_tput(r) / _tput(base) for r, base in zip(runs, bases)]
             state = {k: v for k, v in runs[-1]["speculation"].items()
                      if k in ("gamma", "length", "acceptance", "budget")}
-            same = all(r[b]["tokens"] == base[b]["tokens"] for r, base in zip(results[policy], results["none"]))
+            same = all(r["tokens"] == base["tokens"] for r, base in zip(runs, bases))
             table.add_row(b, policy, f"{statistics.median(map(_tput, runs)):.1f}", f"{statistics.median(ratios):.3f}",
                           f"{min(ratios):.3f}-{max(ratios):.3f}", str(same), json.dumps(state))
     return table

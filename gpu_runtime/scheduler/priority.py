@@ -44,10 +44,9 @@ def hybrid_priority(req: Request, alpha_s: float) -> float:
     return first_deadline(req) + alpha_s * (req.prefill_remaining + decode_remaining(req))
 
 
-def relegated_priority(req: Request, alpha_s: float, tier_first: bool) -> tuple[bool, float]:
-    """Order of the relegated queue: the hybrid key (eq. 4/5), paid before free when ``tier_first`` (the low
-    tier is shed first, QoServe 3.4)."""
-    return tier_first and req.qos.tier is Tier.FREE, hybrid_priority(req, alpha_s)
+def tier_first_priority(req: Request, alpha_s: float) -> tuple[bool, float]:
+    """Paid before free (the low tier is shed first, QoServe 3.4), then the hybrid key (eq. 4/5)."""
+    return req.qos.tier is Tier.FREE, hybrid_priority(req, alpha_s)
 
 
 def remaining_work(req: Request) -> float:

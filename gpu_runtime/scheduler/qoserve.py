@@ -23,7 +23,7 @@ from gpu_runtime.scheduler.priority import (
     decode_remaining,
     first_deadline,
     hybrid_priority,
-    relegated_priority,
+    tier_first_priority,
 )
 from gpu_runtime.scheduler.relegation import (
     PaidRelegation,
@@ -55,8 +55,8 @@ class QoServeScheduler(BaseScheduler):
         self.chunking = ChunkBudget(self.cost_model, space, config.safety, config.kv_short_fraction)
         self.pinned: set[str] = set()  # resumed by an operator: never relegated again
         self.paid_relegation = PaidRelegation(config.paid_relegation)
-        self.relegated = PriorityQueue(
-            lambda r: relegated_priority(r, self.alpha.alpha_s, config.free_yields_relegated_paid))
+        if config.free_yields_relegated_paid:  # relegated paid work runs first (and free work yields to it)
+            self.relegated = PriorityQueue(lambda r: tier_first_priority(r, self.alpha.alpha_s))
         # (expiry time, request id) of every relegation; checked lazily (the job may have left the queue)
         self._expiry: list[tuple[float, str]] = []
         self._free_yield_until = -math.inf  # free jobs yield to any waiting paid job until then (free_yields_until)
@@ -120,7 +120,8 @@ class QoServeScheduler(BaseScheduler):
         self._targets[t] += 1
         self._target_of[request.request_id] = t
         self._min_first_target = min(self._min_first_target, t)
-        mean_output = self.history.mean(request.app_id) if request.qos.tier is Tier.PAID else None
+        watch = self.config.free_yields_overload and request.qos.tier is Tier.PAID
+        mean_output = self.history.mean(request.app_id) if watch else None
         if mean_output is not None:  # a paid job; unknown lengths are not guessed at
             tokens = request.prompt_len + min(request.sampling.max_tokens, mean_output)
             self._overload.paid_arrived(request.arrival_time, tokens, t)
@@ -128,6 +129,8 @@ class QoServeScheduler(BaseScheduler):
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = super().schedule(now)
+        if not self.config.free_yields_overload:
+            return out
         # saturated: the budget or the KV ran out before the queue did (prompts still wait after this step)
         saturated = len(self.waiting) > 0
         tokens = sum(p.num_tokens for p in out.prefills) + len(out.decodes) if saturated else 0

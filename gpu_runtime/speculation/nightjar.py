@@ -148,6 +148,12 @@ class _BinState:
                 self.bin = 1
 
 
+def neighbour_of_leader(means: list[float | None]) -> int:
+    """One above the arm (index) with the best mean among those tried (0 before any reward)."""
+    tried = [(m, g) for g, m in enumerate(means) if m is not None]
+    return max(tried)[1] + 1 if tried else 0
+
+
 class GammaBandit:
     """The arm-selection part of Nightjar, usable without an engine (tests, simulation)."""
 
@@ -180,11 +186,10 @@ class GammaBandit:
         key = self.bucket(batch_size)
         for other in sorted(k for k in self.states if k < key):
             st = self.states[other]
-            top = min(cap, st.num_arms - 1)
+            means = [st.mean(g) for g in range(min(cap, st.num_arms - 1) + 1)]
             if self.config.unimodal:  # lengths past the leader's neighbour are never played there: known to lose
-                top = min(top, self.leader_neighbour(st, top))
-            arms = range(top + 1)
-            means = [st.mean(g) for g in arms]
+                means = means[:neighbour_of_leader(means) + 1]
+            arms = range(len(means))
             if any(m is None or len(st.rewards[g]) < self.config.share_min_samples
                    for g, m in zip(arms, means)):
                 continue  # not learned yet: no evidence to share
@@ -213,8 +218,7 @@ class GammaBandit:
     @staticmethod
     def leader_neighbour(st: _BinState, cap: int) -> int:
         """One above the arm with the best mean reward so far (0 before any reward)."""
-        tried = [(m, g) for g in range(cap + 1) if (m := st.mean(g)) is not None]
-        return max(tried)[1] + 1 if tried else 0
+        return neighbour_of_leader([st.mean(g) for g in range(cap + 1)])
 
     def explorable(self, st: _BinState, cap: int, batch_size: int = 1) -> list[int]:
         """Arms 0..cap whose confidence interval reaches the best arm's lower bound."""
