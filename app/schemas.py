@@ -91,6 +91,8 @@ class SloMiss(BaseModel):
 
 
 class JobMetrics(BaseModel):
+    queue_s: float | None = Field(None, description="seconds from submission until the engine ran the first "
+                                                    "chunk of its prompt (vLLM's queue time)")
     ttft_s: float | None = None
     tbt_p50_s: float | None = None
     tbt_p99_s: float | None = None
@@ -136,8 +138,8 @@ class JobPublic(BaseModel):
     @classmethod
     def of(cls, job: Any) -> JobPublic:
         out = cls.model_validate(job)
-        out.metrics = JobMetrics(ttft_s=job.ttft_s, tbt_p50_s=job.tbt_p50_s, tbt_p99_s=job.tbt_p99_s,
-                                 ttlt_s=job.ttlt_s, slo_met=job.slo_met, relegation_count=job.relegation_count,
+        out.metrics = JobMetrics(queue_s=job.queue_s, ttft_s=job.ttft_s, tbt_p50_s=job.tbt_p50_s,
+                                 tbt_p99_s=job.tbt_p99_s, ttlt_s=job.ttlt_s, slo_met=job.slo_met, relegation_count=job.relegation_count,
                                  slo_miss=job.slo_miss if job.slo_met is False else None)
         return out
 

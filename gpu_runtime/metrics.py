@@ -46,6 +46,7 @@ class RequestMetrics:
     num_output_tokens: int
     slo_met: bool | None  # None while unfinished
     slo_miss: DeadlineMiss | None = None  # the first deadline missed, when slo_met is False
+    queue_s: float | None = None  # arrival to its first prompt chunk (vLLM's queue time); None: never scheduled
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -69,6 +70,7 @@ def request_metrics(req: Request) -> RequestMetrics:
         num_output_tokens=len(times),
         slo_met=miss is None if req.status.finished else None,
         slo_miss=miss,
+        queue_s=None if req.scheduled_time is None else req.scheduled_time - req.arrival_time,
     )
 
 

@@ -110,6 +110,7 @@ class Job(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     # per-job metrics
+    queue_s: Mapped[float | None] = mapped_column(Float, default=None)  # submission to its first prompt chunk
     ttft_s: Mapped[float | None] = mapped_column(Float, default=None)
     tbt_p50_s: Mapped[float | None] = mapped_column(Float, default=None)
     tbt_p99_s: Mapped[float | None] = mapped_column(Float, default=None)

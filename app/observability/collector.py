@@ -122,7 +122,10 @@ class SqlCollector(Collector):
         yield preempt
 
     def _histograms(self, s: Session) -> Iterator:
-        queue_s = seconds_between(s.get_bind().dialect.name, Job.created_at, Job.started_at)
+        # the engine's queue time (submission to the first prompt chunk); rows written before workers recorded it
+        # fall back to submission to the worker's lease
+        queue_s = func.coalesce(Job.queue_s, seconds_between(s.get_bind().dialect.name, Job.created_at,
+                                                             Job.started_at))
         series = (
             ("coserve:time_to_first_token_seconds", "Time to first token, per finished job.", TTFT_BUCKETS,
              Job.ttft_s),
@@ -130,8 +133,8 @@ class SqlCollector(Collector):
              TPOT_BUCKETS, Job.tbt_p50_s),
             ("coserve:e2e_request_latency_seconds", "Submission to last token, per finished job.", E2E_BUCKETS,
              Job.ttlt_s),
-            ("coserve:request_queue_time_seconds", "Submission to the worker's lease, per finished job.",
-             E2E_BUCKETS, queue_s),
+            ("coserve:request_queue_time_seconds", "Submission to the engine running the first chunk of the "
+             "prompt, per finished job.", E2E_BUCKETS, queue_s),
         )
         for name, doc, edges, value in series:
             fam = HistogramMetricFamily(name, doc, labels=["model_name", "tier", "kind"])

@@ -70,6 +70,7 @@ class JobResult:
     slo_met: bool | None
     relegations: int = 0
     status: str = ""
+    queue_s: float | None = None  # arrival to its first prompt chunk (None: not recorded, or never scheduled)
 
     @property
     def violated(self) -> bool:
@@ -98,7 +99,7 @@ def replay(jobs: list[JobResult], policy: str, cost_model: CostModel, kv_blocks:
         m = request_metrics(r)
         out.append(dataclasses.replace(j, finished=r.status.finished, ttft_s=m.ttft_s, tbt_p50_s=m.tbt_p50_s,
                                        tbt_p99_s=m.tbt_p99_s, ttlt_s=m.ttlt_s, slo_met=m.slo_met,
-                                       relegations=r.relegation_count, status=str(r.status)))
+                                       relegations=r.relegation_count, status=str(r.status), queue_s=m.queue_s))
     return out
 
 

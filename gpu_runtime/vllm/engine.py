@@ -103,6 +103,7 @@ class VLLMEngine:
         self._lock = threading.Lock()
         self.step_log = StepLog(step_log) if step_log else None
         self.core_scheduler.record_features = self.step_log is not None
+        self.core_scheduler.report_events = True
         self._last_end: float | None = None  # when the last step that ran something ended (the step log's gap)
         from vllm.platforms import current_platform
 
@@ -149,7 +150,7 @@ class VLLMEngine:
         results = self.llm.step()
         elapsed = time.perf_counter() - t0
         now = time.time()
-        outputs += self._events()
+        outputs += self._events(now - elapsed)
         for res in results:
             outputs.append(self._output(res, now))
         self.idle = not outputs and self.core_scheduler.last_scheduled_tokens == 0
@@ -212,7 +213,7 @@ class VLLMEngine:
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 
-    def _events(self) -> list[RequestOutput]:
+    def _events(self, step_start: float) -> list[RequestOutput]:
         out = []
         events = self.core_scheduler.events
         while events:
@@ -220,6 +221,9 @@ class VLLMEngine:
             rid = self.internal.get(internal)
             req = self.requests.get(rid) if rid is not None else None
             if req is None:
+                continue
+            if event == "started":  # its first prompt chunk ran in this step (the job's queue time ends)
+                req.scheduled_time = step_start
                 continue
             if event == "expired":  # the policy gave up on it (vLLM ends it as an abort): a finished job
                 req.status, req.finish_time = RequestStatus.FINISHED_EXPIRED, time.time()

@@ -96,7 +96,10 @@ class CoserveScheduler(AsyncScheduler):
         self.clock = time.time  # vLLM stamps arrival_time with time.time()
         self.mirrors: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}  # request id -> why its QoS was refused (finished as an error)
-        self.events: deque[tuple[str, str]] = deque()  # (request id, relegated|resumed|preempted|recomputed|expired)
+        # (request id, started|relegated|resumed|preempted|recomputed|expired), read by the worker's engine each step;
+        # kept only when one reads them (a plain `vllm serve` does not)
+        self.events: deque[tuple[str, str]] = deque()
+        self.report_events = False
         self.expired: list[VLLMRequest] = []  # finished by the policy's expiry, reported by update_from_output
         self._resumes: deque[str] = deque()
         self._max_tokens = self.max_num_scheduled_tokens
@@ -212,7 +215,8 @@ class CoserveScheduler(AsyncScheduler):
             mirror = self.mirrors.get(rid)
             if mirror is not None and rid not in self.kv.released:
                 self.policy.note_kv_released(mirror)
-                self.events.append((rid, "recomputed"))
+                if self.report_events:
+                    self.events.append((rid, "recomputed"))
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
@@ -223,6 +227,8 @@ class CoserveScheduler(AsyncScheduler):
     def _note_step(self, out: SchedulerOutput) -> None:
         """What the worker reads of the step just scheduled: its token count, and its batch for the step log."""
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
+        if self.report_events:  # a prompt's first chunk: the end of its queue time
+            self.events.extend((new.req_id, "started") for new in out.scheduled_new_reqs)
         if self.record_features:
             self.last_features = batch_features(out, self.requests)
 
@@ -239,7 +245,8 @@ class CoserveScheduler(AsyncScheduler):
                             ("preempted", plan.preempted), ("recomputed", plan.recomputed),
                             ("expired", plan.expired)):
             for r in reqs:
-                self.events.append((r.request_id, event))
+                if self.report_events:
+                    self.events.append((r.request_id, event))
                 if event != "preempted":
                     log.info("request %s %s", r.request_id, event)
 

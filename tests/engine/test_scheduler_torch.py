@@ -52,6 +52,7 @@ def test_qoserve_drives_the_torch_executor_on_a_mixed_workload(default_executor)
         m = finished[r.request_id].metrics
         assert m is not None and m.num_output_tokens == 4
         assert m.ttft_s is not None and m.ttft_s > 0 and m.ttlt_s >= m.ttft_s
+        assert m.queue_s is not None and 0 <= m.queue_s <= m.ttft_s
         assert m.slo_met is not None
     # chunked prompts: some iteration ran less than a whole prompt (budget 16 tokens)
     assert any(len(r.prompt_token_ids) > 16 for r in reqs)

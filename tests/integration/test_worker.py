@@ -89,6 +89,7 @@ def test_jobs_run_stream_and_report_metrics(service):
         assert job["completion_tokens"] == job["sampling"]["max_tokens"] and job["finish_reason"] == "length"
         m = job["metrics"]
         assert m["ttft_s"] > 0 and m["ttlt_s"] >= m["ttft_s"] and m["tbt_p99_s"] >= m["tbt_p50_s"] > 0
+        assert 0 <= m["queue_s"] <= m["ttft_s"]
         assert m["slo_met"] in (True, False)
         assert events_of(settings.sqlalchemy_url, job_id) == [
             (None, "queued"), ("queued", "dispatched"), ("dispatched", "running"), ("running", "succeeded")]

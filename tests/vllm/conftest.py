@@ -25,7 +25,7 @@ def make_scheduler(tiny_model_dir, monkeypatch):
     from gpu_runtime.vllm.scheduler import CoserveScheduler
 
     def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
-              profile: str = "none") -> CoserveScheduler:
+              profile: str = "none", report_events: bool = True) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
         cache = CacheConfig(block_size=16, enable_prefix_caching=False)
@@ -36,8 +36,10 @@ def make_scheduler(tiny_model_dir, monkeypatch):
                                                              max_model_len=512, is_encoder_decoder=False))
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
         kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-        return CoserveScheduler(vllm_config=config, kv_cache_config=kv,
-                                structured_output_manager=StructuredOutputManager(config), block_size=16)
+        scheduler = CoserveScheduler(vllm_config=config, kv_cache_config=kv,
+                                     structured_output_manager=StructuredOutputManager(config), block_size=16)
+        scheduler.report_events = report_events  # as the worker's engine sets it
+        return scheduler
 
     return build
 

@@ -87,6 +87,31 @@ def test_a_relegated_job_past_its_expiry_ends_as_an_abort_with_an_expired_event(
     assert len(ends) == 1 and ends[0].finish_reason is not None
 
 
+@pytest.mark.parametrize("policy", ["qoserve", "vllm-fcfs"])
+def test_a_prompts_first_chunk_is_reported_once_and_only_to_a_reader(make_scheduler, policy):
+    """The worker's engine learns when each prompt's first chunk ran (the job's queue time ends there): one
+    "started" event per request, in the step that ran its first chunk, under coserve's policies and vLLM's own.
+    A plain `vllm serve` has no reader: the scheduler keeps no events at all."""
+    s = make_scheduler(policy, max_batched=64)
+    first = vllm_request(96, {"ttft_ms": 5000, "tbt_ms": 500}, max_tokens=4)
+    s.add_request(first)
+    run_step(s)  # 64 of its 96 prompt tokens
+    assert [e for e in s.events if e[1] == "started"] == [(first.request_id, "started")]
+    s.events.clear()
+    later = vllm_request(16, {"ttft_ms": 5000, "tbt_ms": 500}, max_tokens=4)
+    s.add_request(later)
+    for _ in range(3):
+        run_step(s)
+    assert [e for e in s.events if e[1] == "started"] == [(later.request_id, "started")]
+
+    quiet = make_scheduler(policy, max_batched=64, report_events=False)
+    late_free = vllm_request(64, {"tier": "free", "ttft_ms": 100, "tbt_ms": 100}, arrival=time.time() - 5)
+    quiet.add_request(late_free)
+    quiet.add_request(vllm_request(64, {"ttft_ms": 2000, "tbt_ms": 200}, max_tokens=2))
+    run_step(quiet)
+    assert not quiet.events
+
+
 def test_operator_resume_brings_a_relegated_job_back(make_scheduler):
     s = make_scheduler("qoserve", max_batched=64)
     late_free = vllm_request(64, {"tier": "free", "ttft_ms": 100, "tbt_ms": 100}, arrival=time.time() - 5)

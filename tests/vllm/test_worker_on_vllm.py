@@ -54,6 +54,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert r.status_code == 201, r.text
     batch = finished(base, keys.paid, r.json()["id"])
     assert batch["status"] == "succeeded" and batch["completion_tokens"] > 0 and batch["metrics"]["ttlt_s"] > 0
+    assert 0 <= batch["metrics"]["queue_s"] <= batch["metrics"]["ttft_s"]  # the engine reported its first chunk
 
     # the native SSE stream of a finished job replays its tokens and ends with the final status
     events, name = [], None
@@ -115,4 +116,5 @@ def test_free_job_relegated_under_load_then_finishes(vllm_stack):
     free = finished(base, keys.free, r.json()["id"])
     assert free["status"] == "succeeded", free
     assert free["metrics"]["relegation_count"] >= 1 and free["completion_tokens"] > 0, free
+    assert 0 < free["metrics"]["queue_s"] <= free["metrics"]["ttft_s"], free  # relegated before its prompt ran
     assert all(finished(base, keys.paid, j)["status"] == "succeeded" for j in paid)

@@ -30,7 +30,7 @@ def _seed(db_url) -> None:
                    _job(t.id, "succeeded", "paid", ttft_s=0.03, tbt_p50_s=0.02, ttlt_s=0.5, slo_met=True,
                         created_at=now - timedelta(seconds=2), started_at=now - timedelta(seconds=1.5),
                         finished_at=now, finish_reason="length", prompt_tokens=10, completion_tokens=7),
-                   _job(t.id, "succeeded", "free", ttft_s=3.0, tbt_p50_s=0.3, ttlt_s=9.0, slo_met=False,
+                   _job(t.id, "succeeded", "free", queue_s=1.25, ttft_s=3.0, tbt_p50_s=0.3, ttlt_s=9.0, slo_met=False,
                         finished_at=now, finish_reason="stop", prompt_tokens=5, completion_tokens=3),
                    _job(t.id, "expired", "free", kind="batch", finished_at=now)])
         s.add(WorkerState(id="w9", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.25, "kv_recomputes": 3}))
@@ -58,7 +58,8 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
     assert get("coserve:time_to_first_token_seconds_bucket", model_name="tiny", tier="free", kind="interactive",
                le="2.5") == 0
     assert abs(get("coserve:request_queue_time_seconds_sum", model_name="tiny", tier="paid",
-                   kind="interactive") - 0.5) < 1e-3
+                   kind="interactive") - 0.5) < 1e-3  # no queue time recorded: submission to the lease
+    assert get("coserve:request_queue_time_seconds_sum", model_name="tiny", tier="free", kind="interactive") == 1.25
     assert get("coserve:slo_attainment_total", model_name="tiny", tier="paid", kind="interactive", outcome="met") == 1
     assert get("coserve:slo_attainment_total", model_name="tiny", tier="free", kind="interactive",
                outcome="violated") == 1

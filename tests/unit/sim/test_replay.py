@@ -94,6 +94,9 @@ def test_replay_runs_the_same_arrivals_through_the_policy_and_stops_at_the_cut()
     assert all(p.ttft_s is not None and p.ttft_s > 0 for p in predicted)
     # TTLT covers the prompt and all 16 (32) output tokens
     assert all(p.ttlt_s > p.ttft_s for p in predicted)
+    # queue time: arrival to the first prompt chunk, within the TTFT; some of the 20 prompts waited for others
+    assert all(p.queue_s is not None and 0 <= p.queue_s < p.ttft_s for p in predicted)
+    assert max(p.queue_s for p in predicted) > 0
     cut = replay(jobs, "qoserve", cost_model, kv_blocks=4000, block_size=16, until_s=0.5)
     assert any(not p.finished for p in cut)
     assert all(p.violated for p in cut if not p.finished)
@@ -127,6 +130,22 @@ def test_saved_jobs_load_back_unchanged(bench):
     job = dataclasses.replace(_job("Q1-free", dataclasses.replace(INTERACTIVE, tier=Tier.FREE), 3.5), relegations=2,
                               status="succeeded")
     assert bench._job_from_json(bench._job_json(job)) == job
+    timed = dataclasses.replace(job, queue_s=0.25)
+    assert bench._job_from_json(bench._job_json(timed)) == timed
+    older = {k: v for k, v in bench._job_json(timed).items() if k != "queue_s"}  # a run saved before queue times
+    assert bench._job_from_json(older).queue_s is None
+
+
+def test_free_jobs_served_after_a_late_paid_job_left_do_not_count(bench):
+    """A late paid job waits from 0 s to 10 s (its TTLT). A free job on time arrived at 5 s: it counts when its
+    prompt ran (queue time 1 s: 6-7 s) while the paid job waited, not when its prompt only ran once the paid job
+    had left (queue time 6 s: 11-12 s). Without a queue time its whole wait counts (an upper bound)."""
+    free = dataclasses.replace(INTERACTIVE, tier=Tier.FREE)
+    paid_late = _job("Q1-paid", INTERACTIVE, 0.0, ttft=9.0, met=False)  # TTLT 10 s
+    on_time = _job("Q1-free", free, 5.0, ttft=7.0)
+    assert bench.free_while_paid_late([paid_late, dataclasses.replace(on_time, queue_s=6.0)]) == 0
+    assert bench.free_while_paid_late([paid_late, dataclasses.replace(on_time, queue_s=1.0, ttft_s=2.0)]) == 1
+    assert bench.free_while_paid_late([paid_late, on_time]) == 1
 
 
 def test_every_engine_policy_is_replayed_with_a_simulator_policy_of_the_registry(bench):
