@@ -52,8 +52,9 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = 5.0
     max_inflight: int = Field(
         1024, gt=0, description="jobs a worker holds in its engine before its Celery task waits (the rest stay in "
-                                "the queue for other workers). The scheduler can only order, relegate and shed the "
-                                "jobs it holds: a small cap leaves an overload backlog in the queue's FIFO order")
+                                "the queue for other workers); relegated jobs do not count. The scheduler can only "
+                                "order, relegate and shed the jobs it holds: a small cap leaves an overload backlog "
+                                "in the queue's FIFO order")
     sweep_seconds: float = 10.0
     max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
     backend: Literal["auto", "vllm", "torch"] = Field(

@@ -1,8 +1,8 @@
 """The jobs a worker holds: one ``ActiveJob`` per leased job, in an ``ActiveJobs`` registry.
 
 Who writes what: the Celery intake adds a job; the engine thread alone fills in what the
-engine produced (text, offsets, ``in_engine``, ``finished``); the outbox's I/O thread removes
-a job once its last write is durable. The heartbeat reads the leases to renew them.
+engine produced (text, offsets, ``in_engine``, ``finished``, ``relegated``); the outbox's I/O
+thread removes a job once its last write is durable. The heartbeat reads the leases to renew them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class ActiveJob:
     first_token_recorded: bool = False
     in_engine: bool = False  # engine thread: its add was applied
     finished: bool = False  # engine thread: its last record is in the outbox
+    relegated: bool = False  # engine thread (``ActiveJobs.set_relegated``): shed under overload, not resumed yet
 
     @property
     def job_id(self) -> str:
@@ -37,6 +38,7 @@ class ActiveJobs:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._jobs: dict[str, ActiveJob] = {}
+        self._relegated = 0  # how many of them are relegated
 
     def add(self, job: ActiveJob) -> None:
         with self.lock:
@@ -47,12 +49,30 @@ class ActiveJobs:
 
     def pop(self, job_id: str) -> ActiveJob | None:
         with self.lock:
-            return self._jobs.pop(job_id, None)
+            job = self._jobs.pop(job_id, None)
+            if job is not None and job.relegated:
+                self._relegated -= 1
+            return job
 
     def take_all(self) -> list[ActiveJob]:
         with self.lock:
-            jobs, self._jobs = list(self._jobs.values()), {}
+            jobs, self._jobs, self._relegated = list(self._jobs.values()), {}, 0
         return jobs
+
+    def set_relegated(self, job: ActiveJob, relegated: bool) -> None:
+        with self.lock:
+            if job.relegated != relegated and self._jobs.get(job.job_id) is job:
+                job.relegated = relegated
+                self._relegated += 1 if relegated else -1
+
+    @property
+    def relegated(self) -> int:
+        return self._relegated
+
+    @property
+    def in_line(self) -> int:
+        """The jobs the engine serves in line: relegated ones (shed, waiting for spare capacity) left out."""
+        return len(self._jobs) - self._relegated
 
     def snapshot(self) -> list[ActiveJob]:
         with self.lock:

@@ -146,6 +146,7 @@ class EngineThread:
                                                        "parameters; see the worker log)", "rejected by the engine"))
                 continue
             if out.event in ("relegated", "resumed"):
+                self.active.set_relegated(job, out.event == "relegated")
                 step.records.append(self._relegation(job, out.event))
             if out.finished:
                 job.finished = True

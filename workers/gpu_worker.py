@@ -165,7 +165,7 @@ class GpuWorker:
     def accept(self, job_id: str) -> None:
         """Lease ``job_id`` and add it to the engine; waits while the engine is full."""
         holding = False
-        while len(self.active) >= self.settings.max_inflight or self.draining:
+        while self.active.in_line >= self.settings.max_inflight or self.draining:
             if self.stopping.is_set() or self.shutting_down or self.draining:
                 # hand it back for another worker; a draining worker pauses so the message
                 # does not bounce between it and the broker
@@ -236,7 +236,8 @@ class GpuWorker:
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel
     def _state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"pid": os.getpid(), "active_jobs": len(self.active), "device": self.device,
+        state: dict[str, Any] = {"pid": os.getpid(), "active_jobs": len(self.active),
+                                 "relegated_jobs": self.active.relegated, "device": self.device,
                                  "outbox_pending": self.outbox.pending}
         if self.engine_thread is not None:
             state.update(self.engine_thread.state)  # the engine thread's snapshot: no engine reads from here

@@ -198,6 +198,34 @@ def test_an_engine_with_nothing_schedulable_is_not_spun(settings):
     assert time.monotonic() - started < 0.1 and worker.engine.steps == steps + 1
 
 
+def test_relegated_jobs_leave_room_under_the_in_flight_cap(settings, keys):
+    """The cap counts the jobs the engine serves in line. Relegated jobs (shed under overload, waiting for spare
+    capacity) leave room, so new arrivals reach the scheduler instead of waiting in the queue's FIFO order; a
+    resumed job counts again."""
+    worker = GpuWorker(settings.model_copy(update={"max_inflight": 2}))
+    a, b = _leased_jobs(settings, keys, worker, 2, in_engine=True)
+    stand_in = _OneStep([RequestOutput(j.job_id, status=RequestStatus.RELEGATED, event="relegated") for j in (a, b)])
+    stand_in.executor = SimExecutor(COST, kv_blocks=64, block_size=16)  # the intake reads the engine's clock
+    stand_in.add_request = lambda request: None
+    engine_thread = worker.attach(stand_in)
+    worker.outbox.apply(engine_thread.iterate())
+    assert _status(settings.sqlalchemy_url, a.job_id) == "relegated"
+    assert (worker.active.in_line, worker.active.relegated, worker._state()["relegated_jobs"]) == (0, 2, 2)
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        new = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="new", max_tokens=4), settings).job.id
+    intake = threading.Thread(target=worker.accept, args=(new,), daemon=True)
+    intake.start()
+    intake.join(10)
+    assert not intake.is_alive() and new in worker.active  # taken at once: two held, none in line
+
+    stand_in.outputs = [RequestOutput(a.job_id, status=RequestStatus.WAITING, event="resumed")]
+    worker.outbox.apply(engine_thread.iterate())
+    assert (worker.active.in_line, worker.active.relegated) == (2, 1)
+    worker.active.pop(b.job_id)  # b leaves (finished or expired): the count follows
+    assert (worker.active.in_line, worker.active.relegated) == (2, 0)
+
+
 def test_a_promotion_reaches_the_scheduler_through_the_inbox_and_keeps_its_tier_counts(settings):
     worker = GpuWorker(settings)
     engine = Engine(SimExecutor(COST, kv_blocks=64, block_size=16), create_scheduler("qoserve", cost_model=COST))
