@@ -35,6 +35,8 @@ def run(policy: str, args: argparse.Namespace, out: Path) -> dict:
         cmd += ["--dtype", args.dtype]
     if args.raw:
         cmd += ["--raw"]
+    if args.spec_tokens:
+        cmd += ["--spec-tokens", str(args.spec_tokens)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
@@ -53,6 +55,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--raw", action="store_true", help="the prompts as raw text, without the chat template")
+    ap.add_argument("--spec-tokens", type=int, default=None,
+                    help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every policy, interleaved (round r runs each policy once): the table gives the "
                          "median speed-up over none's run of the same round, and the range")

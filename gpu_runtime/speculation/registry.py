@@ -37,14 +37,20 @@ def policy_names() -> list[str]:
     return ["none", "chain-<n>", *[n for n in POLICIES if n != "none"]]
 
 
+def chain_length(name: str) -> int | None:
+    """N of a static ``chain-N`` policy (None for the others)."""
+    m = _CHAIN.match(name)
+    return int(m.group(1)) if m else None
+
+
 def create_policy(name: str, executor: Executor | None = None, **config) -> SpeculationPolicy:
     """Build a fresh policy; ``chain-4`` etc. are static chains of that length.
 
     ``executor`` (optional) is bound right away so the policy can read its profile; the
     Engine binds it again, which is harmless."""
-    m = _CHAIN.match(name)
-    if m:
-        policy: SpeculationPolicy = StaticChain(int(m.group(1)), **config)
+    n = chain_length(name)
+    if n is not None:
+        policy: SpeculationPolicy = StaticChain(n, **config)
     else:
         try:
             cls = POLICIES[name]

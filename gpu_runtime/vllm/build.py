@@ -12,8 +12,22 @@ from gpu_runtime.vllm.scheduler import SCHEDULER_CLS, SCHEDULER_CONFIG_ENV, VLLM
 
 log = logging.getLogger(__name__)
 
-# coserve's speculation policies on vLLM's n-gram drafter: the most draft tokens a step may verify.
+# coserve's adaptive speculation policies on vLLM's n-gram drafter: the most draft tokens a step may verify,
+# unless set (``draft_tokens``)
 SPEC_MAX_TOKENS = 8
+
+
+def draft_tokens(spec_policy: str, requested: int | None = None) -> int:
+    """vLLM's ``num_speculative_tokens``: the draft tokens its drafter proposes per request and step, of which
+    the speculation policy verifies a share. ``requested`` when given; else N for a static ``chain-N`` (it
+    verifies all N), else ``SPEC_MAX_TOKENS``."""
+    from gpu_runtime.speculation.registry import chain_length
+
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"draft tokens per step must be >= 1 (got {requested})")
+        return requested
+    return chain_length(spec_policy) or SPEC_MAX_TOKENS
 
 
 def vllm_available() -> bool:
@@ -25,7 +39,7 @@ def vllm_available() -> bool:
 def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
                 max_model_len: int | None = None, kv_cache_gib: int = 2, enforce_eager: bool | None = None,
                 max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
-                enable_prefix_caching: bool | None = None) -> Any:
+                enable_prefix_caching: bool | None = None, spec_tokens: int | None = None) -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``)."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
@@ -51,8 +65,8 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
     if spec_policy != "none":
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": SPEC_MAX_TOKENS,
-                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        kwargs["speculative_config"] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+                                        "num_speculative_tokens": draft_tokens(spec_policy, spec_tokens)}
     return EngineArgs(**kwargs)
 
 

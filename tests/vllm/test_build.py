@@ -1,0 +1,22 @@
+"""The worker's vLLM engine arguments: how many draft tokens vLLM's proposer drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_runtime.vllm.build import SPEC_MAX_TOKENS, draft_tokens, engine_args
+
+
+def test_draft_tokens_follow_the_policy_unless_set():
+    assert draft_tokens("chain-16") == 16  # a static chain verifies all N: vLLM must draft N
+    assert draft_tokens("nightjar") == draft_tokens("adaspec") == SPEC_MAX_TOKENS == 8
+    assert draft_tokens("chain-4", 12) == draft_tokens("adaserve", 12) == 12
+    with pytest.raises(ValueError, match=">= 1"):
+        draft_tokens("adaspec", 0)
+
+
+def test_engine_args_ask_vllm_for_the_draft_length():
+    spec = engine_args("smollm2-135m", spec_policy="adaspec", spec_tokens=16).speculative_config
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 16
+    assert engine_args("smollm2-135m", spec_policy="chain-12").speculative_config["num_speculative_tokens"] == 12
+    assert engine_args("smollm2-135m").speculative_config is None
