@@ -148,7 +148,8 @@ def read_jobs(data: Path, ids: list[str], reqs: list[SimRequest], buckets: list[
         j = rows[jid]
         out.append(JobResult(bucket, req.qos, (j.created_at - t0).total_seconds(), j.prompt_tokens or req.prompt_len,
                              req.sampling.max_tokens, j.status == JobStatus.SUCCEEDED, j.ttft_s, j.tbt_p50_s,
-                             j.tbt_p99_s, j.ttlt_s, j.slo_met, j.relegation_count, j.status, j.queue_s))
+                             j.tbt_p99_s, j.ttlt_s, j.slo_met, j.relegation_count, j.status, j.queue_s,
+                             (j.started_at - j.created_at).total_seconds() if j.started_at else None))
     return out
 
 

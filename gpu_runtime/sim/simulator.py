@@ -89,13 +89,16 @@ class Simulator:
     def _late(self, start: int) -> int:
         return sum(1 for out in self.finished[start:] if out.metrics is not None and out.metrics.slo_met is False)
 
-    def run(self, arrivals: list[Request]) -> list[Request]:
+    def run(self, arrivals: list[Request], reaches_engine: dict[str, float] | None = None) -> list[Request]:
+        """``reaches_engine``: when a request reaches its replica's scheduler, where that is later than its
+        arrival (a replayed service's dispatch hop); its deadlines still count from ``arrival_time``."""
         seq = itertools.count()
         late, seen = 0, 0
         heap: list[tuple[float, int, Event]] = []  # (time, tie-break, event)
         for req in arrivals:
             self.requests[req.request_id] = req
-            ev = ArrivalEvent(req.arrival_time, 0, req, self.replicas[self.router(req)])
+            t = max(req.arrival_time, (reaches_engine or {}).get(req.request_id, req.arrival_time))
+            ev = ArrivalEvent(t, 0, req, self.replicas[self.router(req)])
             heapq.heappush(heap, (ev.time, next(seq), ev))
         while heap:
             _, _, ev = heapq.heappop(heap)

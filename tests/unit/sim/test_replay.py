@@ -136,6 +136,18 @@ def test_saved_jobs_load_back_unchanged(bench):
     assert bench._job_from_json(older).queue_s is None
 
 
+def test_a_replayed_job_reaches_the_engine_after_its_dispatch_hop():
+    """A job the service took 0.5 s to hand to the worker starts no earlier in the replay; its TTFT still
+    counts from submission, so the hop costs it 0.5 s of its deadline, as it did on the engine."""
+    cost_model = scheduling_cost_model(A100_PROFILE)
+    jobs = [_job("Q1", INTERACTIVE, 0.0, ttft=None, finished=False, met=None, prompt=256, output=4)]
+    direct = replay(jobs, "qoserve", cost_model, kv_blocks=4000, block_size=16)[0]
+    hop = replay([dataclasses.replace(jobs[0], dispatch_s=0.5)], "qoserve", cost_model, kv_blocks=4000,
+                 block_size=16)[0]
+    assert hop.ttft_s == pytest.approx(direct.ttft_s + 0.5) and hop.queue_s == pytest.approx(0.5)
+    assert direct.queue_s == 0.0
+
+
 def test_free_jobs_served_after_a_late_paid_job_left_do_not_count(bench):
     """A late paid job waits from 0 s to 10 s (its TTLT). A free job on time arrived at 5 s: it counts when its
     prompt ran (queue time 1 s: 6-7 s) while the paid job waited, not when its prompt only ran once the paid job
