@@ -223,7 +223,8 @@ class VLLMEngine:
             if req is None:
                 continue
             if event == "started":  # its first prompt chunk ran in this step (the job's queue time ends)
-                req.scheduled_time = step_start
+                if req.scheduled_time is None:
+                    req.scheduled_time = step_start
                 continue
             if event == "expired":  # the policy gave up on it (vLLM ends it as an abort): a finished job
                 req.status, req.finish_time = RequestStatus.FINISHED_EXPIRED, time.time()

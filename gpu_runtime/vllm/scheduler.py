@@ -225,7 +225,8 @@ class CoserveScheduler(AsyncScheduler):
         return out
 
     def _note_step(self, out: SchedulerOutput) -> None:
-        """What the worker reads of the step just scheduled: its token count, and its batch for the step log."""
+        """What the worker reads of the step just scheduled: its token count, the prompts it started, and its
+        batch for the step log."""
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
         if self.report_events:  # a prompt's first chunk: the end of its queue time
             self.events.extend((new.req_id, "started") for new in out.scheduled_new_reqs)
