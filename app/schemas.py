@@ -139,7 +139,8 @@ class JobPublic(BaseModel):
     def of(cls, job: Any) -> JobPublic:
         out = cls.model_validate(job)
         out.metrics = JobMetrics(queue_s=job.queue_s, ttft_s=job.ttft_s, tbt_p50_s=job.tbt_p50_s,
-                                 tbt_p99_s=job.tbt_p99_s, ttlt_s=job.ttlt_s, slo_met=job.slo_met, relegation_count=job.relegation_count,
+                                 tbt_p99_s=job.tbt_p99_s, ttlt_s=job.ttlt_s, slo_met=job.slo_met,
+                                 relegation_count=job.relegation_count,
                                  slo_miss=job.slo_miss if job.slo_met is False else None)
         return out
 
