@@ -215,8 +215,7 @@ class CoserveScheduler(AsyncScheduler):
             mirror = self.mirrors.get(rid)
             if mirror is not None and rid not in self.kv.released:
                 self.policy.note_kv_released(mirror)
-                if self.report_events:
-                    self.events.append((rid, "recomputed"))
+                self._event(rid, "recomputed")
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
@@ -224,12 +223,17 @@ class CoserveScheduler(AsyncScheduler):
         self._note_step(out)  # the step log's cost, not the policy's
         return out
 
+    def _event(self, request_id: str, event: str) -> None:
+        """Tells the worker's engine what happened to a request (nothing is kept without a reader)."""
+        if self.report_events:
+            self.events.append((request_id, event))
+
     def _note_step(self, out: SchedulerOutput) -> None:
         """What the worker reads of the step just scheduled: its token count, the prompts it started, and its
         batch for the step log."""
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
-        if self.report_events:  # a prompt's first chunk: the end of its queue time
-            self.events.extend((new.req_id, "started") for new in out.scheduled_new_reqs)
+        for new in out.scheduled_new_reqs:  # a prompt's first chunk: the end of its queue time
+            self._event(new.req_id, "started")
         if self.record_features:
             self.last_features = batch_features(out, self.requests)
 
@@ -246,8 +250,7 @@ class CoserveScheduler(AsyncScheduler):
                             ("preempted", plan.preempted), ("recomputed", plan.recomputed),
                             ("expired", plan.expired)):
             for r in reqs:
-                if self.report_events:
-                    self.events.append((r.request_id, event))
+                self._event(r.request_id, event)
                 if event != "preempted":
                     log.info("request %s %s", r.request_id, event)
 
