@@ -73,6 +73,11 @@ class AdaServeConfig:
 class AdaServe(SpeculationPolicy):
     name = "adaserve"
 
+    @classmethod
+    def drafting_up_to(cls, longest: int) -> dict[str, int]:
+        # the deepest beam (the fallback's) is the drafter's longest; eq. 8's D_max never exceeds it
+        return {"fallback_depth": longest, "d_max": min(AdaServeConfig.d_max, longest)}
+
     def __init__(self, config: AdaServeConfig | None = None,
                  latency_curve: Callable[[int], float] | None = None, **overrides) -> None:
         self.config = config or AdaServeConfig(**overrides)

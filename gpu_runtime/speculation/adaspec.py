@@ -70,6 +70,10 @@ class ChainEstimate:
 class AdaSpec(SpeculationPolicy):
     name = "adaspec"
 
+    @classmethod
+    def drafting_up_to(cls, longest: int) -> dict[str, int]:
+        return {"max_length": longest}
+
     def __init__(self, config: AdaSpecConfig | None = None, target_cost: LinearStepCost | None = None,
                  draft_cost: LinearStepCost | None = None, **overrides) -> None:
         self.config = config or AdaSpecConfig(**overrides)

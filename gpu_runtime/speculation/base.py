@@ -27,6 +27,12 @@ class SpeculationPolicy(ABC):
     # (AdaSpec's adaptive drafter); None drafts every entry to its depth.
     keep_drafting: KeepDrafting | None = None
 
+    @classmethod
+    def drafting_up_to(cls, longest: int) -> dict[str, int]:
+        """Config fields that make the policy's longest draft ``longest`` tokens: what the engine's drafter
+        proposes per request and step (vLLM's ``num_speculative_tokens``). {} for a policy without a length."""
+        return {}
+
     def bind(self, executor: Executor) -> None:
         """Called once by the engine; policies may read the executor's profile/capacity."""
         self.executor = executor

@@ -263,6 +263,10 @@ class GammaBandit:
 class Nightjar(SpeculationPolicy):
     name = "nightjar"
 
+    @classmethod
+    def drafting_up_to(cls, longest: int) -> dict[str, int]:
+        return {"max_gamma": longest}  # arms 0..longest
+
     def __init__(self, config: NightjarConfig | None = None,
                  switch_cost: Callable[[int, int], float | None] | None = None, **overrides) -> None:
         self.config = config or NightjarConfig(**overrides)

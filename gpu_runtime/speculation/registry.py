@@ -43,11 +43,14 @@ def chain_length(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def create_policy(name: str, executor: Executor | None = None, **config) -> SpeculationPolicy:
+def create_policy(name: str, executor: Executor | None = None, longest_draft: int | None = None,
+                  **config) -> SpeculationPolicy:
     """Build a fresh policy; ``chain-4`` etc. are static chains of that length.
 
     ``executor`` (optional) is bound right away so the policy can read its profile; the
-    Engine binds it again, which is harmless."""
+    Engine binds it again, which is harmless. ``longest_draft``: the most tokens the engine's
+    drafter proposes per request and step; the adaptive policies' longest length becomes it
+    (``config`` still wins)."""
     n = chain_length(name)
     if n is not None:
         policy: SpeculationPolicy = StaticChain(n, **config)
@@ -56,6 +59,8 @@ def create_policy(name: str, executor: Executor | None = None, **config) -> Spec
             cls = POLICIES[name]
         except KeyError:
             raise ValueError(f"unknown speculation policy {name!r}; known: {', '.join(policy_names())}") from None
+        if longest_draft is not None:
+            config = {**cls.drafting_up_to(longest_draft), **config}
         policy = cls(**config)
     if executor is not None:
         policy.bind(executor)

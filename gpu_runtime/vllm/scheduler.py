@@ -130,7 +130,7 @@ class CoserveScheduler(AsyncScheduler):
                     log.warning("COSERVE_SPEC_POLICY=%s needs synchronous scheduling (the worker's in-process "
                                 "engine); with async scheduling vLLM's own draft lengths are used", spec)
                 else:
-                    self.drafts = DraftLengths(spec, cost_model)
+                    self.drafts = DraftLengths(spec, cost_model, self.num_spec_tokens)
         log.info("coserve scheduler in vLLM: policy %s, speculation %s", self.policy_name,
                  self.drafts.name if self.drafts else "vLLM's" if self.num_spec_tokens else "none")
 

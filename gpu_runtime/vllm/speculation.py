@@ -48,9 +48,10 @@ class _DraftExecutor:
 class DraftLengths:
     """Trims vLLM's per-request draft tokens to what a coserve speculation policy keeps, and feeds it back."""
 
-    def __init__(self, name: str, cost_model: Any, prior_acceptance: float = 0.6) -> None:
+    def __init__(self, name: str, cost_model: Any, longest_draft: int, prior_acceptance: float = 0.6) -> None:
         self.name = name
-        self.policy = create_policy(name, executor=_DraftExecutor(cost_model))
+        # the policy's lengths go up to what vLLM drafts (num_speculative_tokens), no further
+        self.policy = create_policy(name, executor=_DraftExecutor(cost_model), longest_draft=longest_draft)
         self.acceptance = prior_acceptance  # per-position acceptance of vLLM's drafts (EMA), for path probabilities
         self.kept: dict[str, int] = {}  # request -> draft tokens verified in the step in flight
         self._decodes: list[Request] = []

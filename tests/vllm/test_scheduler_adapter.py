@@ -180,7 +180,7 @@ def test_draft_tokens_are_trimmed_per_request_to_the_policys_choice(make_schedul
 
     s = make_scheduler("qoserve")
     s.num_spec_tokens = 6
-    s.drafts = DraftLengths("chain-2", conservative_cost_model())
+    s.drafts = DraftLengths("chain-2", conservative_cost_model(), longest_draft=6)
     a, b = vllm_request(16, max_tokens=32), vllm_request(16, max_tokens=32)
     s.add_request(a)
     s.add_request(b)
@@ -199,7 +199,7 @@ def test_nightjar_can_choose_no_speculation(make_scheduler):
 
     s = make_scheduler("qoserve")
     s.num_spec_tokens = 4
-    s.drafts = DraftLengths("nightjar", conservative_cost_model())
+    s.drafts = DraftLengths("nightjar", conservative_cost_model(), longest_draft=4)
     s.drafts.policy.bandit.choose = lambda batch, switch_cost=0.0: 0  # the bandit's verdict under load
     r = vllm_request(16, max_tokens=32)
     s.add_request(r)

@@ -257,6 +257,17 @@ def test_registry_names():
         create_policy("adaspec", no_such_knob=1)
 
 
+def test_adaptive_lengths_go_up_to_what_the_drafter_proposes():
+    """vLLM drafts num_speculative_tokens per request: each policy's longest length becomes that."""
+    assert create_policy("adaspec", longest_draft=16).config.max_length == 16
+    assert create_policy("nightjar", longest_draft=16).config.max_gamma == 16
+    ada = create_policy("adaserve", longest_draft=16).config
+    assert ada.fallback_depth == 16 and ada.d_max == AdaServeConfig.d_max
+    assert create_policy("adaserve", longest_draft=2).config.d_max == 2
+    assert create_policy("nightjar", longest_draft=16, max_gamma=3).config.max_gamma == 3  # explicit config wins
+    assert create_policy("chain-4", longest_draft=16).length == 4
+
+
 def test_adaserve_budget_from_cost_model_knee():
     from gpu_runtime.costmodel.base import batch_time
     from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
