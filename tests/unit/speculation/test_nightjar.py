@@ -24,10 +24,42 @@ def test_untried_arms_first():
     b = GammaBandit(NightjarConfig(max_gamma=3))
     seen = []
     for _ in range(4):
-        g = b.choose(2)
+        g = b.choose(8)
         seen.append(g)
-        b.update(2, g, 1.0)
+        b.update(8, g, 1.0)
     assert seen == [0, 1, 2, 3]
+
+
+def test_at_batch_size_one_an_arm_is_sampled_before_its_mean_counts():
+    """One step's reward at batch 1 is a single hit or miss: each arm is played 8 times before exploitation."""
+    b = GammaBandit(NightjarConfig(max_gamma=2))
+    seen = []
+    for _ in range(24):
+        g = b.choose(1)
+        seen.append(g)
+        b.update(1, g, 10.0 + g)
+    assert seen == [0] * 8 + [1] * 8 + [2] * 8
+
+
+def test_noisy_rewards_at_batch_one_do_not_stop_the_climb_at_an_unlucky_arm():
+    """Batch 1, n-gram drafts: a step either hits (the longer the draft, the more tokens) or misses. The
+    goodput grows with gamma, so the bandit ends on the longest lengths, though some arms' first rewards
+    are all misses."""
+    rng = random.Random(11)
+    bandit = GammaBandit(NightjarConfig(max_gamma=8, seed=2))
+
+    def reward(g: int) -> float:
+        return 38.0 + (25.0 * g if rng.random() < 0.45 else -4.0 * (g > 0))
+
+    for _ in range(400):
+        g = bandit.choose(1)
+        bandit.update(1, g, reward(g))
+    late = Counter()
+    for _ in range(300):
+        g = bandit.choose(1)
+        bandit.update(1, g, reward(g))
+        late[g] += 1
+    assert late.most_common(1)[0][0] >= 6
 
 
 def test_converges_to_best_arm_and_switches_after_change():
