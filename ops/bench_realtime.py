@@ -13,7 +13,7 @@ Scaling to this machine (all printed):
   mean 1155 -> 72 prompt and 211 -> 13 output tokens); every request asks for exactly its scaled
   output (``max_tokens``, EOS ignored), in the engine and in the simulator alike;
 * SLOs: the paper's tiers (Q1 TTFT 6 s / TBT 50 ms, Q2 TTLT 600 s, Q3 TTLT 1800 s) x s, where
-  s = this engine's batch-1 decode step (the shipped vLLM profile) / 12.5 ms; the batch deadlines
+  s = this engine's batch-1 decode step (the shipped vLLM profile of this CPU) / 12.5 ms; the batch deadlines
   also x ``--deadline-scale`` (default: the length scale: a job 16x shorter gets a 16x shorter
   deadline), so a run of a few minutes is several batch deadlines long;
 * arrivals: Poisson at the point's QPS for ``--minutes`` of wall-clock time; the tiers in equal
@@ -81,7 +81,8 @@ console = Console(width=170)
 POLICIES = ("qoserve", "sarathi-edf", "vllm-fcfs", "vllm-priority")
 SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-v1-fcfs",
              "vllm-priority": "vllm-v1-priority"}
-VLLM_PROFILE = ROOT / "gpu_runtime/costmodel/profiles/cpu-smollm2-135m-vllm.json"
+# what runs saved before the profile was chosen by machine planned with (their config has no plan_profile)
+FIRST_VLLM_PROFILE = ROOT / "gpu_runtime/costmodel/profiles/cpu-smollm2-135m-vllm.json"
 KV_BLOCKS, BLOCK_SIZE = 727, 128  # vLLM-CPU's pool at VLLM_CPU_KVCACHE_SPACE=2 (the profile's meta)
 VLLM_STEP_TOKENS = 2048  # vLLM-CPU's max_num_batched_tokens (its default)
 VLLM_MAX_SEQS = 128  # vLLM's max_num_seqs (its engine default): coserve's policies get it from vLLM too
@@ -199,17 +200,26 @@ def run_point(policy: str, qps: float, cfg: dict, rows, tiers, words: list[str],
         terminate_group([proc])
     console.print(f"  done in {run_s:.0f}s, {left} jobs still open at the cut")
     return {"policy": policy, "qps": qps, "run_s": run_s, "cut_s": cfg["minutes"] * 60 + cfg["drain_s"],
-            "steps": str(steps) if steps_dir else None, "step_summary": step_summary(load_steps(steps)),
+            "steps": str(steps) if steps_dir else None,
+            "step_summary": step_summary(load_steps(steps), cfg["grid_profile"]),
             "jobs": [_job_json(j) for j in jobs]}
 
 
-def step_summary(steps: list[StepRecord]) -> dict:
+def engine_profile() -> str:
+    """The shipped vLLM profile of this CPU: the one COSERVE_COST_PROFILE=auto plans with here."""
+    from gpu_runtime.costmodel.machine import cpu_machine
+    from gpu_runtime.vllm.profiling import default_profile
+
+    return default_profile(cpu_machine()) or str(FIRST_VLLM_PROFILE)
+
+
+def step_summary(steps: list[StepRecord], grid_profile: str) -> dict:
     """What the worker's steps were like: their shape, their latency, the host time between them, and how far
     the cost model the simulator replays with was from each step's in-place cost."""
     costs = step_costs(steps)
     if not costs:
         return {"steps": len(steps)}
-    model = scheduling_cost_model(str(VLLM_PROFILE))
+    model = scheduling_cost_model(grid_profile)
     n = len(steps)
     span = steps[-1].t + steps[-1].latency_s - steps[0].t
     return {"steps": n, "busy_share": sum(s.latency_s for s in steps) / span if span > 0 else 1.0,
@@ -310,9 +320,9 @@ def steps_table(points: list[dict]) -> Table:
     return t
 
 
-def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str | None) -> list[Table]:
+def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str) -> list[Table]:
     cost_model = scheduling_cost_model(sim_profile)
-    plan_model = scheduling_cost_model(plan_profile or str(VLLM_PROFILE))  # what the engine's policy planned with
+    plan_model = scheduling_cost_model(plan_profile)  # what the engine's policy planned with
     out = []
     for p in points:
         sim_policy = SIMULATED.get(p["policy"])
@@ -381,30 +391,35 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="save every job's measurements (JSON)")
     ap.add_argument("--from-json", type=Path, default=None, help="re-print and re-simulate a saved run")
-    ap.add_argument("--sim-profile", default=str(VLLM_PROFILE),
-                    help="the profile the simulator replays with (default: the shipped grid profile of vLLM; "
+    ap.add_argument("--sim-profile", default=None,
+                    help="the profile the simulator replays with (default: the run's plan profile, the shipped grid "
+                         "profile of vLLM on this CPU; "
                          "e.g. one `coserve profile --from-steps` fitted on another run's step log)")
     ap.add_argument("--plan-profile", default=None,
-                    help="the profile the worker's policy plans with (COSERVE_COST_PROFILE; default: the shipped one)")
+                    help="the profile the worker's policy plans with (COSERVE_COST_PROFILE; default: the shipped one "
+                         "of this CPU)")
     ap.add_argument("--goodput", type=float, default=None,
                     help="a measured goodput (QPS): print the paid lateness it forces beside each point (overload)")
     ap.add_argument("--steps-dir", type=Path, default=None,
                     help="keep each point's step log here (default: next to --out, else discarded)")
     args = ap.parse_args()
-    if not resolve_profile(args.sim_profile).exists():
-        raise SystemExit(f"--sim-profile {args.sim_profile!r}: no such profile")
+    for flag, path in (("--sim-profile", args.sim_profile), ("--plan-profile", args.plan_profile)):
+        if path is not None and not resolve_profile(path).exists():
+            raise SystemExit(f"{flag} {path!r}: no such profile")
 
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         cfg, points = saved["config"], saved["points"]
     else:
+        grid = engine_profile()  # this CPU's shipped grid profile: the SLO scale, and what the policy plans with
         for spec in args.points:
             if "@" not in spec or spec.split("@")[0] not in POLICIES:
                 raise SystemExit(f"--points takes policy@qps with a policy of {', '.join(POLICIES)}, not {spec!r}")
         cfg = {"trace": args.trace, "minutes": args.minutes, "free_share": args.free_share,
                "length_scale": args.length_scale, "seed": args.seed,
                "deadline_scale": args.deadline_scale if args.deadline_scale is not None else args.length_scale,
-               "slo_scale": slo_scale(scheduling_cost_model(str(VLLM_PROFILE))), "plan_profile": args.plan_profile}
+               "grid_profile": grid, "slo_scale": slo_scale(scheduling_cost_model(grid)),
+               "plan_profile": args.plan_profile or grid}
         points = []
     rows = scaled_rows(load_trace(cfg["trace"]), cfg["length_scale"], max_prompt=2048)
     tiers = make_tiers(cfg)
@@ -453,7 +468,8 @@ def main() -> None:
         for policy, qps in goodput.items():
             console.print(f"goodput {policy}: {qps:.3g} QPS (<= 1% violations; capacity search over real runs)")
     console.print(steps_table(points))
-    for t in fidelity_tables(points, args.sim_profile, cfg.get("plan_profile")):
+    plan = cfg.get("plan_profile") or str(FIRST_VLLM_PROFILE)
+    for t in fidelity_tables(points, args.sim_profile or plan, plan):
         console.print(t)
 
 

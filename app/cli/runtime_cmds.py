@@ -222,6 +222,7 @@ def profile(
         return
     from rich.console import Console
 
+    from gpu_runtime.costmodel.machine import this_machine
     from gpu_runtime.costmodel.profile import annotate_profile
     from gpu_runtime.costmodel.profiler import ProfileGrid, profile_executor
     from gpu_runtime.factory import resolve_device
@@ -244,7 +245,8 @@ def profile(
     vocab = getattr(getattr(ex, "tokenizer", None), "vocab_size", None) or 1000
     layout = getattr(ex, "attention_layout", None)
     prof = profile_executor(ex, shapes, name=f"{dev}-{Path(model).name}", vocab=min(vocab, 49152),
-                            meta={"model": model, "device": dev, "attention_layout": layout},
+                            meta={"model": model, "device": dev, "attention_layout": layout,
+                                  "machine": this_machine(dev).as_dict()},
                             progress=lambda i, n: console.print(f"  {i}/{n}", end="\r"))
     prof.save(out)
     report = annotate_profile(out, layout)  # cross-validated MAPE of each candidate, stored in meta["fit"]
@@ -256,6 +258,7 @@ def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, gri
     """Whole vLLM engine steps (scheduling, forward, sampling, output processing) over the grid."""
     import dataclasses
 
+    from gpu_runtime.costmodel.machine import this_machine
     from gpu_runtime.costmodel.profile import annotate_profile
     from gpu_runtime.vllm.build import build_vllm_engine
     from gpu_runtime.vllm.profiling import GRIDS, profile_vllm
@@ -265,7 +268,7 @@ def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, gri
     shapes = GRIDS[grid] if grid == "smoke" else dataclasses.replace(GRIDS[grid], repeats=repeats)
     engine = build_vllm_engine(model, device=device, scheduler_policy="vllm-fcfs")
     prof = profile_vllm(engine, shapes, name=f"{device}-{Path(model).name}-vllm",
-                        meta={"model": model, "device": device},
+                        meta={"model": model, "device": device, "machine": this_machine(device).as_dict()},
                         progress=lambda i, n: console.print(f"  {i}/{n}", end="\r"))
     prof.save(out)
     report = annotate_profile(out)

@@ -9,6 +9,7 @@ order: running decodes take one token each, then the chunked request takes the r
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import statistics
@@ -18,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.costmodel.features import BatchFeatures
+from gpu_runtime.costmodel.machine import Machine, match_score, this_machine
 from gpu_runtime.costmodel.profile import Profile
 from gpu_runtime.costmodel.profiler import ProfileGrid
 
 log = logging.getLogger(__name__)
 
 PROFILES = Path(__file__).resolve().parent.parent / "costmodel" / "profiles"
-CPU_VLLM_PROFILE = PROFILES / "cpu-smollm2-135m-vllm.json"
 
 # vLLM-CPU batches at most 2048 tokens a step by default: the chunks stay below it with 64 decodes beside.
 VLLM_GRID = ProfileGrid(chunks=(0, 32, 128, 512, 1024, 1920), starts=(0, 1024), decodes=(0, 1, 8, 32, 64),
@@ -34,13 +35,43 @@ SMOKE_GRID = ProfileGrid(chunks=(0, 64), starts=(0, 64), decodes=(0, 2), context
 GRIDS = {"full": VLLM_GRID, "small": SMALL_GRID, "smoke": SMOKE_GRID}
 
 
-def default_profile() -> str | None:
-    """The shipped profile of vLLM on this kind of machine (the CPU one), or None."""
-    from vllm.platforms import current_platform
+def shipped_vllm_profiles(folder: Path = PROFILES) -> list[tuple[Path, Machine | None]]:
+    """The shipped profiles of the vLLM engine, each with the machine it was measured on (None: not recorded)."""
+    found = []
+    for path in sorted(folder.glob("*-vllm.json")):
+        meta = json.loads(path.read_text()).get("meta", {})
+        if meta.get("engine") == "vllm":
+            found.append((path, Machine.from_dict(meta.get("machine"))))
+    return found
 
-    if current_platform.is_cpu() and CPU_VLLM_PROFILE.exists():
-        return str(CPU_VLLM_PROFILE)
-    return None
+
+def default_profile(here: Machine | None = None, folder: Path = PROFILES) -> str | None:
+    """The shipped vLLM profile that best fits this machine (``COSERVE_COST_PROFILE=auto``): one measured on
+    the same CPU, else on a CPU with the same instruction set, else the CPU profile without a recorded
+    machine; on a GPU only one of the same GPU. None: nothing fits (the policy plans conservatively)."""
+    if here is None:
+        from vllm.platforms import current_platform
+
+        here = this_machine("cpu" if current_platform.is_cpu() else "cuda")
+
+    def fit(profiled: Machine | None) -> int:
+        if profiled is None:  # not recorded: the first shipped profile (a CPU; which one was not kept)
+            return 1 if here.device == "cpu" else 0
+        return match_score(profiled, here)
+
+    floor = 1 if here.device == "cpu" else 2  # a GPU plans only with a profile of the same GPU
+    # among CPU profiles of other machines, the unrecorded one: it is the slowest shipped, and a policy that
+    # overprices steps only chunks smaller than it could, while one that underprices them misses deadlines
+    scored = [(fit(m), m is None, p) for p, m in shipped_vllm_profiles(folder)]
+    best = max((t for t in scored if t[0] >= floor), default=None)
+    if best is None:
+        return None
+    score, _, path = best
+    if score < 2:
+        log.warning("no shipped vLLM profile was measured on a machine like this one (%s): planning with %s; "
+                    "`coserve profile --backend vllm` measures this one (then set COSERVE_COST_PROFILE)",
+                    here.describe(), path.name)
+    return str(path)
 
 
 class _Driver:

@@ -55,5 +55,8 @@ def test_coserve_profile_times_the_vllm_engine(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     prof = Profile.load(out)
     assert prof.meta["engine"] == "vllm" and len(prof.samples) == 5 and all(t > 0 for _, t in prof.samples)
+    from gpu_runtime.costmodel.machine import Machine, cpu_machine
+
+    assert Machine.from_dict(prof.meta["machine"]) == cpu_machine()  # what COSERVE_COST_PROFILE=auto matches on
     model = scheduling_cost_model(out)
     assert model.predict(BatchFeatures.of_shape(64, 0, 2, 64)) > model.predict(BatchFeatures.of_shape(0, 0, 2, 64))
