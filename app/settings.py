@@ -81,7 +81,8 @@ class Settings(BaseSettings):
     draft: str = Field("prompt-lookup", description="drafter when spec_policy is not 'none': 'prompt-lookup' "
                                                      "(model-free) or a draft checkpoint sharing the tokenizer")
     cost_profile: str = Field("auto", description="latency profile the scheduler plans with: a `coserve profile` "
-                                                   "JSON, a shipped name, 'auto' (shipped CPU profile on CPU) or 'none'")
+                                                   "JSON, a shipped name, 'auto' (on a CPU the shipped profile of one "
+                                                   "like it) or 'none'")
     kv_blocks: int | None = Field(None, description="KV cache blocks on CPU (None = sized from memory)")
     kv_reserve: Literal["predicted", "max_tokens"] = Field(
         "predicted", description="KV admission: reserve prompt + the application's predicted output (recompute "

