@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     cost_profile: str = Field("auto", description="latency profile the scheduler plans with: a `coserve profile` "
                                                    "JSON, a shipped name, 'auto' (on a CPU the shipped profile of one "
                                                    "like it) or 'none'")
+    cost_calibration: bool = Field(True, description="vLLM backend: scale the profile's step costs to what this "
+                                                      "engine's steps take where it serves (median over recent busy "
+                                                      "steps); off plans with the profile as measured")
     kv_blocks: int | None = Field(None, description="KV cache blocks on CPU (None = sized from memory)")
     kv_reserve: Literal["predicted", "max_tokens"] = Field(
         "predicted", description="KV admission: reserve prompt + the application's predicted output (recompute "

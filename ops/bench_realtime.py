@@ -178,6 +178,7 @@ def run_point(policy: str, qps: float, cfg: dict, rows, tiers, words: list[str],
     log = tmp / f"{policy}-{qps:g}.log"
     os.environ["COSERVE_SCHEDULER_POLICY"] = policy
     os.environ["COSERVE_COST_PROFILE"] = cfg.get("plan_profile") or "auto"
+    os.environ["COSERVE_COST_CALIBRATION"] = "on" if cfg.get("cost_calibration") else "off"
     steps = (steps_dir or tmp) / f"{policy}@{qps:g}.jsonl"
     steps.unlink(missing_ok=True)
     os.environ["COSERVE_VLLM_STEP_LOG"] = str(steps)
@@ -320,7 +321,7 @@ def steps_table(points: list[dict]) -> Table:
     return t
 
 
-def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str) -> list[Table]:
+def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str, calibrated: bool) -> list[Table]:
     cost_model = scheduling_cost_model(sim_profile)
     plan_model = scheduling_cost_model(plan_profile)  # what the engine's policy planned with
     out = []
@@ -333,6 +334,8 @@ def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str) -> 
         fields = config_fields(sim_policy)
         extra = {k: v for k, v in (("chunk_ceiling", VLLM_STEP_TOKENS), ("max_num_batched_tokens", VLLM_STEP_TOKENS),
                                    ("max_num_seqs", VLLM_MAX_SEQS)) if k in fields}
+        if calibrated and not p["policy"].startswith("vllm-"):  # coserve's policy scaled its model to the steps
+            extra["calibrate"] = True
         predicted = replay(jobs, sim_policy, cost_model, KV_BLOCKS, BLOCK_SIZE, until_s=p["cut_s"],
                            plan_cost_model=plan_model, **extra)
         m, s = bucket_stats(jobs), bucket_stats(predicted)
@@ -398,6 +401,8 @@ def main() -> None:
     ap.add_argument("--plan-profile", default=None,
                     help="the profile the worker's policy plans with (COSERVE_COST_PROFILE; default: the shipped one "
                          "of this CPU)")
+    ap.add_argument("--no-calibration", action="store_true",
+                    help="the worker's policy plans with the profile as measured (COSERVE_COST_CALIBRATION=off)")
     ap.add_argument("--goodput", type=float, default=None,
                     help="a measured goodput (QPS): print the paid lateness it forces beside each point (overload)")
     ap.add_argument("--steps-dir", type=Path, default=None,
@@ -419,7 +424,7 @@ def main() -> None:
                "length_scale": args.length_scale, "seed": args.seed,
                "deadline_scale": args.deadline_scale if args.deadline_scale is not None else args.length_scale,
                "grid_profile": grid, "slo_scale": slo_scale(scheduling_cost_model(grid)),
-               "plan_profile": args.plan_profile or grid}
+               "plan_profile": args.plan_profile or grid, "cost_calibration": not args.no_calibration}
         points = []
     rows = scaled_rows(load_trace(cfg["trace"]), cfg["length_scale"], max_prompt=2048)
     tiers = make_tiers(cfg)
@@ -469,7 +474,7 @@ def main() -> None:
             console.print(f"goodput {policy}: {qps:.3g} QPS (<= 1% violations; capacity search over real runs)")
     console.print(steps_table(points))
     plan = cfg.get("plan_profile") or str(FIRST_VLLM_PROFILE)
-    for t in fidelity_tables(points, args.sim_profile or plan, plan):
+    for t in fidelity_tables(points, args.sim_profile or plan, plan, bool(cfg.get("cost_calibration"))):
         console.print(t)
 
 

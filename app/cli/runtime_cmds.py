@@ -100,14 +100,27 @@ def simulate(
         raise typer.BadParameter("--policies: name at least one scheduler")
     tiers = paper_tiers(scale, free_share)
 
-    def run(name: str, q: float, stop_above: float | None = None) -> RunSummary:
+    def bursty_at(q: float) -> tuple[float, float, float, float] | None:
         # bursty: low = QPS/2.5, high = QPS (QoServe 4.3's 2 <-> 5), long enough for ~--requests arrivals
-        bursty = (q / 2.5, q, period * scale, requests / (0.7 * q)) if arrivals == "bursty" else None
-        return run_policy(name, cm, exp, tiers, qps=q, bursty=bursty, stop_above=stop_above)
+        return (q / 2.5, q, period * scale, requests / (0.7 * q)) if arrivals == "bursty" else None
+
+    def run(name: str, q: float) -> RunSummary:
+        return run_policy(name, cm, exp, tiers, qps=q, bursty=bursty_at(q))
+
+    def sustained(q: float, stop_above: float | None = None) -> float:
+        """The first policy's share of late jobs at ``q``, or 1.0 if its backlog grew (a rate past capacity
+        whose long deadlines hid it in a run of ``--requests``)."""
+        from gpu_runtime.sim.capacity import sustained_violation_rate
+        from gpu_runtime.sim.metrics import summarize
+        from gpu_runtime.sim.runner import simulate as simulate_requests
+
+        reqs = simulate_requests(names[0], cm, exp, tiers, qps=q, bursty=bursty_at(q), stop_above=stop_above)
+        return sustained_violation_rate(summarize(reqs).violation_rate,
+                                        [(r.arrival_time, r.finish_time) for r in reqs])
 
     rates = _qps_list(qps, sweep)
     if rates is None:
-        rates = _default_sweep(names[0], exp, cm, run, console)
+        rates = _default_sweep(names[0], exp, cm, sustained, console)
     table = Table(title=f"{trace}: violations (SLOs x {scale:.2f}, {arrivals} arrivals)")
     # policy names and rates never shrink to "sarath…": at 80 columns the figures wrap their headers instead
     table.add_column("policy", no_wrap=True, min_width=len(max(names, key=len)))
@@ -133,10 +146,11 @@ def simulate(
         console.print(f"wrote {out / 'results.json'} and {out / 'violations.png'}")
 
 
-def _default_sweep(policy: str, exp: Experiment, cm: CostModel, run: Callable[..., RunSummary],
+def _default_sweep(policy: str, exp: Experiment, cm: CostModel, violations: Callable[[float, float | None], float],
                    console: Console) -> list[float]:
     """Rates around ``policy``'s capacity on this very experiment (same trace, request count, arrivals
-    and SLOs), so the first plot shows where violations start to climb. A fixed range cannot: with
+    and SLOs), so the first plot shows where violations start to climb; ``violations(qps, stop_above)``
+    is a run's sustained violation rate (``sustained_violation_rate``). A fixed range cannot: with
     300 requests of ``conv``, the shipped CPU profile's capacity is about 0.05 QPS and the synthetic
     A100 profile's over a thousand times that."""
     from gpu_runtime.sim.capacity import find_capacity, sweep_around, throughput_guess
@@ -151,11 +165,11 @@ def _default_sweep(policy: str, exp: Experiment, cm: CostModel, run: Callable[..
     with console.status(f"finding {policy}'s capacity to center the sweep on"):
         # requests that miss even on an idle replica (a prompt whose prefill outlasts its TTFT) are a
         # floor no rate goes below: capacity is where violations climb CAPACITY_TARGET above it
-        floor = run(policy, lowest).violation_rate
+        floor = violations(lowest, None)
         target = floor + CAPACITY_TARGET
         # stop_above: a run that already missed more than the target need not finish to answer
-        capacity = find_capacity(lambda q: run(policy, q, stop_above=target).violation_rate, guess,
-                                 target=target, grow=grow, max_steps=steps)
+        capacity = find_capacity(lambda q: violations(q, target), guess, target=target, grow=grow,
+                                 max_steps=steps)
     within = f"{target:.0%} violations" + (f" ({floor:.1%} miss even at {lowest:.3g} QPS)" if floor else "")
     if capacity > 0:
         note = f"{policy} stays within {within} up to ~{capacity:.3g} QPS"

@@ -24,6 +24,7 @@ from gpu_runtime.executor.kv_blocks import BlockManager
 from gpu_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from gpu_runtime.costmodel.calibration import InPlaceCalibration
     from gpu_runtime.costmodel.base import CostModel
     from gpu_runtime.sim.acceptance import AcceptanceModel
     from gpu_runtime.speculation.token_tree import TokenTree
@@ -56,6 +57,7 @@ class SimExecutor:
         self._draft_on_device = acceptance is not None
         self.draft_blocks = draft_blocks  # device memory of the draft (weights + its KV), in KV blocks
         self._draft_synced: dict[str, tuple[int, int]] = {}  # request -> (step, tokens) when last drafted
+        self.calibration: InPlaceCalibration | None = None  # fed every step's cost, as vLLM's scheduler feeds it
 
     # ---- clock ----
     def now(self) -> float:
@@ -107,9 +109,12 @@ class SimExecutor:
                 # Rejected tree slots are scratch: keep pending token + accepted path.
                 self.blocks.truncate(d.request_id, d.position + 1 + len(accepted))
             result.tokens[d.request_id] = [SIM_TOKEN] * (len(accepted) + 1)
-        latency = self.cost_model.predict(BatchFeatures.from_plan(plan))
+        features = BatchFeatures.from_plan(plan)
+        latency = self.cost_model.predict(features)
         if self.noise:
             latency *= max(0.5, 1.0 + self.rng.gauss(0.0, self.noise))
+        if self.calibration is not None:
+            self.calibration.observe(features, latency)
         result.latency_s = latency
         self.clock += latency
         self.num_steps += 1

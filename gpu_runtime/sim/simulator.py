@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_runtime.costmodel.base import CostModel
+from gpu_runtime.costmodel.calibration import InPlaceCalibration, ScaledCostModel
 from gpu_runtime.engine import Engine, RequestOutput
 from gpu_runtime.executor.base import BatchPlan, StepResult
 from gpu_runtime.executor.sim import SimExecutor
@@ -65,11 +66,16 @@ class Replica:
 
 def make_replica(name: str, policy: str, cost_model: CostModel, kv_blocks: int, block_size: int = 16,
                  noise: float = 0.0, seed: int = 0, plan_cost_model: CostModel | None = None,
-                 **sched_config) -> Replica:
+                 calibrate: bool = False, **sched_config) -> Replica:
     """A simulated engine whose passes take ``cost_model``'s time; its scheduler plans with
-    ``plan_cost_model`` (default: the same model; a real engine's policy may plan with another)."""
+    ``plan_cost_model`` (default: the same model; a real engine's policy may plan with another), scaled to
+    the simulated steps' cost with ``calibrate`` as the vLLM worker scales it (COSERVE_COST_CALIBRATION)."""
     ex = TraceSimExecutor(cost_model, kv_blocks=kv_blocks, block_size=block_size, noise=noise, seed=seed)
-    sched = create_scheduler(policy, cost_model=plan_cost_model or cost_model, executor=ex, **sched_config)
+    plan = plan_cost_model or cost_model
+    if calibrate:
+        plan = ScaledCostModel(plan)
+        ex.calibration = InPlaceCalibration(plan)
+    sched = create_scheduler(policy, cost_model=plan, executor=ex, **sched_config)
     return Replica(name, Engine(ex, sched), ex)
 
 

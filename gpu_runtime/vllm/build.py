@@ -73,9 +73,10 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
 def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
                       cost_profile: str | None = "auto", kv_reserve: str = "predicted",
                       step_log: str | os.PathLike | None = None, scheduler_config: dict[str, Any] | None = None,
-                      **engine_kw: Any) -> Any:
+                      cost_calibration: bool = True, **engine_kw: Any) -> Any:
     """A ``VLLMEngine`` (the worker's engine) running ``scheduler_policy`` inside vLLM's scheduler;
-    ``scheduler_config`` overrides fields of the policy's config (unknown ones are errors)."""
+    ``scheduler_config`` overrides fields of the policy's config (unknown ones are errors); with
+    ``cost_calibration`` the policy's cost model is scaled to the engine's measured steps."""
     from gpu_runtime.scheduler.registry import available
 
     known = sorted({*available(), *VLLM_NATIVE})
@@ -86,6 +87,7 @@ def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["COSERVE_SCHEDULER_POLICY"] = scheduler_policy
     os.environ["COSERVE_COST_PROFILE"] = cost_profile or "none"
+    os.environ["COSERVE_COST_CALIBRATION"] = "on" if cost_calibration else "off"
     os.environ["COSERVE_KV_RESERVE"] = kv_reserve
     os.environ["COSERVE_SPEC_POLICY"] = spec_policy
     if scheduler_config is not None:  # else the policy reads COSERVE_SCHEDULER_CONFIG as the environment has it

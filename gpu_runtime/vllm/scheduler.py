@@ -30,6 +30,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_qu
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus as VStatus
 
+from gpu_runtime.costmodel.calibration import InPlaceCalibration, ScaledCostModel
 from gpu_runtime.costmodel.features import BatchFeatures
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request
@@ -38,7 +39,7 @@ from gpu_runtime.vllm.kv_view import VLLMKVView
 from gpu_runtime.vllm.mirror import finished_status, make_mirror, sync_outputs, sync_progress
 from gpu_runtime.vllm.qos_args import QoSArgsError
 from gpu_runtime.vllm.speculation import DraftLengths
-from gpu_runtime.vllm.step_log import batch_features
+from gpu_runtime.vllm.step_log import IDLE_GAP_S, batch_features
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -50,6 +51,14 @@ log = logging.getLogger(__name__)
 VLLM_NATIVE = ("vllm-fcfs", "vllm-priority")  # vLLM's own scheduler, untouched
 SCHEDULER_CLS = "gpu_runtime.vllm.scheduler.CoserveScheduler"
 SCHEDULER_CONFIG_ENV = "COSERVE_SCHEDULER_CONFIG"  # JSON object: overrides of the policy's config fields
+
+
+def calibrate_in_place() -> bool:
+    """``COSERVE_COST_CALIBRATION`` (default on): scale the profile's step costs to what this engine's steps take."""
+    value = os.environ.get("COSERVE_COST_CALIBRATION", "on").strip().lower()
+    if value not in ("on", "off", "1", "0", "true", "false"):
+        raise ValueError(f"COSERVE_COST_CALIBRATION must be on or off, not {value!r}")
+    return value in ("on", "1", "true")
 
 
 def policy_name() -> str:
@@ -108,12 +117,18 @@ class CoserveScheduler(AsyncScheduler):
         self.policy_s = 0.0  # seconds spent in coserve's code (policy, mirrors, arranging), vLLM's own excluded
         self.record_features = False  # the worker's step log is on: keep the last step's batch features
         self.last_features: BatchFeatures | None = None
+        self.calibration: InPlaceCalibration | None = None  # the cost model's level, measured on this engine's steps
+        self._step_began: float | None = None  # perf_counter at schedule() of the step in flight (it ran tokens)
+        self._step_ended = 0.0  # perf_counter when update_from_output last returned
         self.kv = VLLMKVView(self)
         self.policy = None
         self.drafts: DraftLengths | None = None
         if not self.native:
             kv_reserve = os.environ.get("COSERVE_KV_RESERVE", "predicted")
             cost_model = _cost_model(os.environ.get("COSERVE_COST_PROFILE"))
+            if calibrate_in_place():
+                cost_model = ScaledCostModel(cost_model)
+                self.calibration = InPlaceCalibration(cost_model)
             extra = {}
             if "chunk_ceiling" in config_fields(self.policy_name):
                 # QoServe's largest chunk is vLLM's step cap (max_num_batched_tokens), not the cost model's
@@ -182,6 +197,7 @@ class CoserveScheduler(AsyncScheduler):
             self._note_step(out)
             return out
         t0 = time.perf_counter()
+        self._measure_step(t0)
         now = self.clock()
         while self._resumes:
             rid = self._resumes.popleft()
@@ -221,7 +237,23 @@ class CoserveScheduler(AsyncScheduler):
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
         self.policy_s += time.perf_counter() - t0 - t_vllm
         self._note_step(out)  # the step log's cost, not the policy's
+        if self.calibration is not None and out.total_num_scheduled_tokens:
+            self._step_began = t0
         return out
+
+    def _measure_step(self, now: float) -> None:
+        """The step scheduled last cost from its schedule() until this one, if the engine went straight on
+        (a pause longer than IDLE_GAP_S is the engine waiting for work); it calibrates the cost model."""
+        began, self._step_began = self._step_began, None
+        if began is None or self.last_features is None or self._step_ended < began:
+            return  # nothing ran, or its output is not in yet (async scheduling: no measurement)
+        if now - self._step_ended <= IDLE_GAP_S:
+            before = self.calibration.model.scale
+            self.calibration.observe(self.last_features, now - began)
+            after = self.calibration.model.scale
+            if abs(after - before) > 0.1 * before:
+                log.info("cost model scaled to %.2fx its profile (median of %d steps as this engine ran them)",
+                         after, len(self.calibration.ratios))
 
     def _event(self, request_id: str, event: str) -> None:
         """Tells the worker's engine what happened to a request (nothing is kept without a reader)."""
@@ -234,7 +266,7 @@ class CoserveScheduler(AsyncScheduler):
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
         for new in out.scheduled_new_reqs:  # a prompt's first chunk: the end of its queue time
             self._event(new.req_id, "started")
-        if self.record_features:
+        if self.record_features or self.calibration is not None:
             self.last_features = batch_features(out, self.requests)
 
     def _expire(self, plan: PolicyOutput) -> None:
@@ -308,6 +340,7 @@ class CoserveScheduler(AsyncScheduler):
         if self.policy is None:
             return outputs
         t0 = time.perf_counter()
+        self._step_ended = t0
         now = self.clock()
         decodes = []
         accepted: dict[str, int] = {}

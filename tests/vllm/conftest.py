@@ -25,9 +25,11 @@ def make_scheduler(tiny_model_dir, monkeypatch):
     from gpu_runtime.vllm.scheduler import CoserveScheduler
 
     def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
-              profile: str = "none", report_events: bool = True) -> CoserveScheduler:
+              profile: str = "none", report_events: bool = True, calibrate: bool = False) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
+        # no model runs here, so steps take microseconds: calibrating to them only where a test asks
+        monkeypatch.setenv("COSERVE_COST_CALIBRATION", "on" if calibrate else "off")
         cache = CacheConfig(block_size=16, enable_prefix_caching=False)
         cache.num_gpu_blocks = blocks
         config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
@@ -56,12 +58,16 @@ def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float
 
 def run_step(scheduler, token: int = 7):
     """One scheduled step as the model runner would answer it: a token for every request past its prompt."""
+    out = scheduler.schedule()
+    return out, answer_step(scheduler, out, token)
+
+
+def answer_step(scheduler, out, token: int = 7):
+    """What the model runner returns for the scheduled step ``out``, handed to the scheduler."""
     from vllm.v1.outputs import ModelRunnerOutput
 
-    out = scheduler.schedule()
     ids = list(out.num_scheduled_tokens)
     sampled = [[] if scheduler.requests[r].num_computed_tokens < scheduler.requests[r].num_tokens else [token]
                for r in ids]
-    engine_out = scheduler.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={
+    return scheduler.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={
         r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
-    return out, engine_out

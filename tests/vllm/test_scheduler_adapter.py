@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.vllm.conftest import run_step, vllm_request
+from tests.vllm.conftest import answer_step, run_step, vllm_request
 
 BATCH_FAR = {"qos_class": "batch", "deadline_s": 3600}
 
@@ -220,3 +220,38 @@ def test_policy_config_overrides_come_from_coserve_scheduler_config(make_schedul
     monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", "relegated_expiry=600")
     with pytest.raises(ValueError, match="not JSON"):
         make_scheduler()
+
+
+def test_the_cost_model_is_scaled_to_the_steps_as_they_ran(make_scheduler):
+    """Each busy step's cost (schedule() to the next schedule()) against the profile's prediction: the policy
+    plans with the median ratio. A pause longer than IDLE_GAP_S before the next step is idle time, not cost."""
+    from gpu_runtime.costmodel.profile import conservative_cost_model
+    from gpu_runtime.vllm.step_log import IDLE_GAP_S
+
+    s = make_scheduler("qoserve", calibrate=True)
+    cal = s.calibration
+    assert cal is not None and s.policy.cost_model is cal.model and cal.model.scale == 1.0
+    cal.min_steps = cal.every = 1
+    s.add_request(vllm_request(16, max_tokens=64))
+    run_step(s)  # the prompt
+    predicted = []
+    for _ in range(3):  # decode steps that take 0.15 s each in place (the model would run in the sleep)
+        out = s.schedule()
+        predicted.append(conservative_cost_model().predict(s.last_features))
+        time.sleep(0.15)
+        answer_step(s, out)
+    assert cal.steps == 3  # the prompt's step and two decodes: each ended when the next one was scheduled
+    assert cal.model.scale >= 0.15 / max(predicted) > 1.0  # the conservative model says ~41 ms a decode step
+    time.sleep(IDLE_GAP_S + 0.1)  # the engine waited for work after the third decode: that one is not measured
+    s.schedule()
+    assert cal.steps == 3
+
+
+def test_calibration_is_a_setting(make_scheduler, monkeypatch):
+    assert make_scheduler("qoserve").calibration is None  # COSERVE_COST_CALIBRATION=off (the fixture's default)
+    monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", "qoserve")
+    monkeypatch.setenv("COSERVE_COST_CALIBRATION", "maybe")
+    from gpu_runtime.vllm.scheduler import calibrate_in_place
+
+    with pytest.raises(ValueError, match="on or off"):
+        calibrate_in_place()
