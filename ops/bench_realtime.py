@@ -229,6 +229,7 @@ def step_summary(steps: list[StepRecord], grid_profile: str) -> dict:
             "prefill_tokens": statistics.mean(s.features.num_prefill_tokens for s in steps),
             "chunks": statistics.mean(s.features.num_requests - s.features.num_decode_tokens for s in steps),
             "decodes": statistics.mean(s.features.num_decode_tokens for s in steps),
+            "plan_scale_end": next((s.plan_scale for s in reversed(steps) if s.plan_scale is not None), None),
             "grid_profile_mape": statistics.mean(abs(model.predict(f) - c) / c for f, c in costs),
             "grid_profile_bias": statistics.mean(model.predict(f) for f, _ in costs) / statistics.mean(
                 c for _, c in costs)}
@@ -309,7 +310,7 @@ def steps_table(points: list[dict]) -> Table:
     t = Table(title="the worker's steps (COSERVE_VLLM_STEP_LOG): shape, in-place cost, and the grid profile's error "
                     "on each step's latency + host gap")
     for col in ("policy", "QPS", "steps", "busy", "latency ms", "host gap p50 ms", "prompt tok/step", "chunks/step",
-                "decodes/step", "grid MAPE", "grid / in place"):
+                "decodes/step", "grid MAPE", "grid / in place", "plan scale (end)"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for p in points:
         s = p.get("step_summary") or {}
@@ -317,7 +318,8 @@ def steps_table(points: list[dict]) -> Table:
             continue
         t.add_row(p["policy"], f"{p['qps']:g}", str(s["steps"]), _pct(s["busy_share"]), f"{s['latency_ms']:.1f}",
                   f"{s['gap_ms_p50']:.1f}", f"{s['prefill_tokens']:.0f}", f"{s['chunks']:.1f}", f"{s['decodes']:.1f}",
-                  _pct(s["grid_profile_mape"]), f"{s['grid_profile_bias']:.2f}")
+                  _pct(s["grid_profile_mape"]), f"{s['grid_profile_bias']:.2f}",
+                  f"{s['plan_scale_end']:.2f}" if s.get("plan_scale_end") is not None else "-")
     return t
 
 

@@ -57,15 +57,18 @@ class StepRecord:
     latency_s: float  # LLMEngine.step(): scheduling, the forward pass, sampling, output processing
     gap_s: float | None  # host time since the previous step ended (None: the previous one ran nothing)
     features: BatchFeatures
+    plan_scale: float | None = None  # the policy's cost model / its profile when it planned (calibration; None: off)
 
     def to_json(self) -> str:
+        extra = {} if self.plan_scale is None else {"plan_scale": round(self.plan_scale, 4)}
         return json.dumps({"t": round(self.t, 6), "latency_s": round(self.latency_s, 6),
-                           "gap_s": None if self.gap_s is None else round(self.gap_s, 6), **asdict(self.features)})
+                           "gap_s": None if self.gap_s is None else round(self.gap_s, 6), **asdict(self.features),
+                           **extra})
 
     @classmethod
     def from_json(cls, line: str) -> StepRecord:
         row = json.loads(line)
-        return cls(row["t"], row["latency_s"], row["gap_s"], BatchFeatures.from_dict(row))
+        return cls(row["t"], row["latency_s"], row["gap_s"], BatchFeatures.from_dict(row), row.get("plan_scale"))
 
 
 class StepLog:

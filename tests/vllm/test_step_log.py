@@ -25,6 +25,7 @@ def test_features_split_prompt_chunks_from_decodes(make_scheduler):
 
 
 def test_features_are_kept_only_when_asked(make_scheduler):
+    """The step log's features cost a pass over the batch: only with a step log or calibration."""
     sched = make_scheduler("qoserve")
     sched.add_request(vllm_request(20))
     run_step(sched)

@@ -102,6 +102,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert len(prompts) >= 3 and all(s.latency_s > 0 for s in steps)  # the chat twice, the batch job
     assert sum(s.features.num_decode_tokens for s in decodes) >= batch["completion_tokens"] - 1
     assert any(s.gap_s is not None and 0 <= s.gap_s < 0.25 for s in decodes)  # back to back: the host time between
+    assert all(s.plan_scale is not None and s.plan_scale > 0 for s in steps)  # calibration is on by default
 
 
 def test_free_job_relegated_under_load_then_finishes(vllm_stack):

@@ -32,11 +32,12 @@ def test_log_round_trip_and_a_fitted_profile(tmp_path):
     for i in range(60):
         f = shape(32 * (i % 5), 1 + i % 7)
         latency = 0.020 + 0.0005 * f.num_prefill_tokens + 0.002 * f.num_decode_tokens
-        log.write(StepRecord(t, latency, 0.005 if i else None, f))
+        log.write(StepRecord(t, latency, 0.005 if i else None, f, plan_scale=1.5 if i else None))
         t += latency + 0.005
     log.close()
     steps = load_steps(path)
     assert len(steps) == 60 and steps[0].gap_s is None and steps[1].features == shape(32, 2)
+    assert steps[0].plan_scale is None and steps[1].plan_scale == 1.5  # what the calibrated policy planned with
     out = tmp_path / "profile.json"
     prof = profile_from_steps([path], name="in-place")
     prof.save(out)
