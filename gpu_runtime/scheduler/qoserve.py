@@ -67,6 +67,7 @@ class QoServeScheduler(BaseScheduler):
         self._pace_chunk = min(top, saturation_tokens(self.cost_model, fraction=config.saturation_fraction,
                                                       floor=config.chunk_floor))
         self._top_chunk = top
+        self._refresh_prices()
         self._targets: Counter[float] = Counter()  # TTFT/TTLT of unfinished requests -> how many
         self._target_of: dict[str, float] = {}
         self._min_first_target = math.inf  # tightest target unfinished: horizon of the load signal
@@ -77,19 +78,16 @@ class QoServeScheduler(BaseScheduler):
         self._paid_prefill_total_s = 0.0
         self._yield_memo: dict[int, bool] = {}  # this iteration's free-yield verdicts by prefill iterations
 
-    # Read from the cost model each time: a model calibrated in place changes its level while the engine runs
-    # (gpu_runtime/costmodel/calibration.py). Values cached per waiting job keep the level they were pushed with.
-    @property
-    def _sec_per_prefill_token(self) -> float:
-        return self.cost_model.predict(BatchFeatures.of_shape(self._top_chunk)) / self._top_chunk
-
-    @property
-    def _guard_decode_step_s(self) -> float:
-        """A batch job's time per output token in the paid guard: a decode step alone, the fastest it can go. The
-        guard moves a job ahead of others, so it assumes the least the job needs; relegation, which takes a job
-        out of line, prices the same decode at a loaded engine's pace (_batch_pace). Both err toward the other
-        jobs. (A full decode batch, 1.7 s a token on the CPU profile, made every 35 s batch job due on arrival.)"""
-        return decode_step_time(self.cost_model, 1, 512)
+    def _refresh_prices(self) -> None:
+        """The cost model's prices the guard and the load signal use, read once an iteration: a model calibrated
+        in place changes its level while the engine runs (gpu_runtime/costmodel/calibration.py). Values cached
+        per waiting job keep the level they were pushed with."""
+        self._sec_per_prefill_token = self.cost_model.predict(BatchFeatures.of_shape(self._top_chunk)) / self._top_chunk
+        # A batch job's time per output token in the paid guard: a decode step alone, the fastest it can go. The
+        # guard moves a job ahead of others, so it assumes the least the job needs; relegation, which takes a job
+        # out of line, prices the same decode at a loaded engine's pace (_batch_pace). Both err toward the other
+        # jobs. (A full decode batch, 1.7 s a token on the CPU profile, made every 35 s batch job due on arrival.)
+        self._guard_decode_step_s = decode_step_time(self.cost_model, 1, 512)
 
     def _prefill_s(self, req: Request) -> float:
         return req.prefill_remaining * self._sec_per_prefill_token
@@ -137,6 +135,7 @@ class QoServeScheduler(BaseScheduler):
         super().add_request(request)
 
     def schedule(self, now: float) -> SchedulerOutput:
+        self._refresh_prices()
         out = super().schedule(now)
         if not self.config.free_yields_overload:
             return out
