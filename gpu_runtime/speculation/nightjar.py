@@ -92,8 +92,10 @@ class NightjarConfig:
     # first, generalized). At batch size 1 a single step's reward is one hit or miss of the drafter, and one
     # unlucky first reward of gamma 2 stopped the unimodal climb there for a whole run: vLLM, n-gram drafts,
     # batch 1, gamma 1 played 300 times, gamma 2 28 and gamma 3 3, though gamma 2's mean was 85 tok/s
-    # against gamma 1's 67. From batch size 8 on one reward (one step of 8+ requests) is enough, as before.
-    sample_min_request_steps: int = 8
+    # against gamma 1's 67. From batch size 4 on one reward is enough, as before. 4 against 8 (docs/BENCHMARKS.md,
+    # stop 24): vLLM batch 1 raw text 2.35x against 2.21-2.33x, chat 1.26x against 1.22x; the simulator's
+    # batch-1 phase (ops/bench_spec_dynamic.py) 1.37x against 1.17x (1.27x before either rule).
+    sample_min_request_steps: int = 4
     # Co-serving (as AdaServe's rule): the chain tokens whose extra pass time fits the scheduler's spare time
     # are verified as drafted; beyond them only tokens with path probability >= this. 0: no limit.
     min_prob_beyond_slack: float = 0.2
@@ -229,8 +231,8 @@ class GammaBandit:
 
     def leader_neighbour(self, st: _BinState, cap: int, batch_size: int = 1) -> int:
         """One above the highest arm that may still be the best (0 before any reward): the leader by mean
-        reward, or, where one step's reward is a few requests' hits and misses (batch sizes below
-        ``sample_min_request_steps``), an arm whose Lemma 1 upper bound reaches the leader's mean, so that
+        reward, or, where one step's reward is a few requests' hits and misses (an arm needs more than one
+        reward, ``samples_needed``), an arm whose Lemma 1 upper bound reaches the leader's mean, so that
         one unlucky arm does not stop the climb. From there on a step averages enough requests, and the
         climb stays at one above the leader."""
         means = {g: m for g in range(cap + 1) if (m := st.mean(g)) is not None}

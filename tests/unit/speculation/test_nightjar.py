@@ -31,14 +31,16 @@ def test_untried_arms_first():
 
 
 def test_at_batch_size_one_an_arm_is_sampled_before_its_mean_counts():
-    """One step's reward at batch 1 is a single hit or miss: each arm is played 8 times before exploitation."""
+    """One step's reward at batch 1 is a single hit or miss: each arm is played 4 times before exploitation
+    (twice at batch 2, once from batch 4 on)."""
     b = GammaBandit(NightjarConfig(max_gamma=2))
     seen = []
-    for _ in range(24):
+    for _ in range(12):
         g = b.choose(1)
         seen.append(g)
         b.update(1, g, 10.0 + g)
-    assert seen == [0] * 8 + [1] * 8 + [2] * 8
+    assert seen == [0] * 4 + [1] * 4 + [2] * 4
+    assert [b.samples_needed(n) for n in (1, 2, 3, 4, 64)] == [4, 2, 2, 1, 1]
 
 
 def test_noisy_rewards_at_batch_one_do_not_stop_the_climb_at_an_unlucky_arm():
