@@ -274,6 +274,9 @@ class EngineThread:
             state.update(kv_total_blocks=cap.total_blocks, kv_free_blocks=cap.free_blocks,
                          kv_usage=round(cap.usage, 4), kv_recomputes=engine.num_recomputes)
             state["queues"] = engine.scheduler.queue_depths()
+            calibration = getattr(engine.scheduler, "calibration_state", None)  # the vLLM backend's
+            if calibration is not None:
+                state["cost_calibration"] = calibration()
             state["speculation"] = engine.speculation.state()
             state["draft_on_device"] = bool(engine.executor.draft_on_device)
             drafter = getattr(engine.executor, "drafter", None)

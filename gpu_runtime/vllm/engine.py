@@ -65,7 +65,8 @@ class _Executor:
 
 
 class _SchedulerView:
-    """What the worker asks of ``engine.scheduler``: the decode-length history and the queue depths."""
+    """What the worker asks of ``engine.scheduler``: the decode-length history, the queue depths and the
+    cost model's calibration."""
 
     def __init__(self, scheduler: CoserveScheduler) -> None:
         self._scheduler = scheduler
@@ -74,6 +75,10 @@ class _SchedulerView:
 
     def queue_depths(self) -> dict[str, int]:
         return self._scheduler.queue_depths()
+
+    def calibration_state(self) -> dict[str, float] | None:
+        cal = self._scheduler.calibration
+        return cal.state() if cal is not None else None
 
 
 class _SpeculationView:

@@ -77,6 +77,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
         state = s.scalar(select(WorkerState.state).where(WorkerState.id == "w-vllm"))
     assert state["kv_total_blocks"] > 0 and "relegated" in state["queues"], state
     assert state["speculation"]["engine"] == "vllm"
+    assert state["cost_calibration"]["scale"] > 0 and state["cost_calibration"]["steps"] >= 0  # on by default
 
     # vLLM's own engine metrics come through the API's /metrics, labelled with the worker; each name once
     from prometheus_client.parser import text_string_to_metric_families
