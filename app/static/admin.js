@@ -126,6 +126,9 @@ function renderWorkers(workers) {
     cell(row, w.heartbeat_age_s.toFixed(1), "num");
     cell(row, s.kv_usage == null ? "-" : (100 * s.kv_usage).toFixed(1) + "%", "num");
     cell(row, s.queues ? Object.entries(s.queues).map(([k, v]) => `${k}=${v}`).join(" ") : "-");
+    // the profile's step costs x what this engine's steps measured (vLLM backend, COSERVE_COST_CALIBRATION)
+    const cal = s.cost_calibration;
+    cell(row, cal ? `${cal.scale.toFixed(2)}x (${cal.steps} steps)` : "-", "num");
     const spec = cell(row, s.speculation ? "" : "-", "speculation");
     if (s.speculation) lines(spec, keyValues(s.speculation));
     cell(row, s.draft_on_device == null ? "-" : (s.draft_on_device ? "on" : "off"));
