@@ -45,18 +45,19 @@ class InPlaceCalibration:
         self.bounds = bounds  # the scale stays within these (a stalled step must not wreck planning)
         self.steps = 0
 
-    def observe(self, features: BatchFeatures, seconds: float) -> None:
-        """One busy step: its features and what it cost in place (latency plus the host gap to the next)."""
-        if seconds <= 0 or not features.total_tokens:
-            return
-        predicted = self.model.base.predict(features)
+    def observe(self, features: BatchFeatures, seconds: float) -> bool:
+        """One busy step: its features and what it cost in place (latency plus the host gap to the next).
+        True when the scale moved by more than 10%."""
+        predicted = self.model.base.predict(features) if seconds > 0 and features.total_tokens else 0.0
         if predicted <= 0:
-            return
+            return False
         self.ratios.append(seconds / predicted)
         self.steps += 1
-        if self.steps >= self.min_steps and self.steps % self.every == 0:
-            lo, hi = self.bounds
-            self.model.scale = min(hi, max(lo, statistics.median(self.ratios)))
+        if self.steps < self.min_steps or self.steps % self.every:
+            return False
+        lo, hi = self.bounds
+        before, self.model.scale = self.model.scale, min(hi, max(lo, statistics.median(self.ratios)))
+        return abs(self.model.scale - before) > 0.1 * before
 
     def state(self) -> dict[str, float]:
         return {"scale": round(self.model.scale, 3), "steps": self.steps}

@@ -211,9 +211,9 @@ class GammaBandit:
     def choose(self, batch_size: int, switch_cost_s: float = 0.0) -> int:
         st = self.state_for(batch_size)
         cap = self.arm_cap(batch_size)
-        if self.config.unimodal:
-            cap = min(cap, self.leader_neighbour(st, cap, batch_size))
         need = self.samples_needed(batch_size)
+        if self.config.unimodal:
+            cap = min(cap, self.leader_neighbour(st, cap, noisy=need > 1))
         untried = [g for g in range(cap + 1) if len(st.rewards[g]) < need]
         if untried:  # untried (and, at small batch sizes, under-sampled) arms first, shortest first
             return untried[0]
@@ -229,17 +229,17 @@ class GammaBandit:
         ``sample_min_request_steps`` request-steps (1 at batch sizes from that on)."""
         return max(1, -(-self.config.sample_min_request_steps // max(1, batch_size)))
 
-    def leader_neighbour(self, st: _BinState, cap: int, batch_size: int = 1) -> int:
+    def leader_neighbour(self, st: _BinState, cap: int, noisy: bool = False) -> int:
         """One above the highest arm that may still be the best (0 before any reward): the leader by mean
-        reward, or, where one step's reward is a few requests' hits and misses (an arm needs more than one
-        reward, ``samples_needed``), an arm whose Lemma 1 upper bound reaches the leader's mean, so that
-        one unlucky arm does not stop the climb. From there on a step averages enough requests, and the
+        reward, or, where one step's reward is a few requests' hits and misses (``noisy``: an arm needs more
+        than one reward, ``samples_needed``), an arm whose Lemma 1 upper bound reaches the leader's mean, so
+        that one unlucky arm does not stop the climb. From there on a step averages enough requests, and the
         climb stays at one above the leader."""
         means = {g: m for g in range(cap + 1) if (m := st.mean(g)) is not None}
         if not means:
             return 0
         best, delta = max(means.values()), self.config.explore_delta
-        noisy = delta is not None and self.samples_needed(batch_size) > 1
+        noisy = noisy and delta is not None
         may_lead = [g for g, m in means.items()
                     if m >= best or (noisy and len(st.rewards[g]) >= 2 and m + st.radius(g, delta) >= best)]
         return max(may_lead) + 1

@@ -170,7 +170,7 @@ class VLLMEngine:
         ran = self.core_scheduler.last_scheduled_tokens > 0
         if ran and self.core_scheduler.last_features is not None:
             gap = None if self._last_end is None else t0 - self._last_end
-            cal = getattr(self.core_scheduler, "calibration", None)
+            cal = self.core_scheduler.calibration
             self.step_log.write(StepRecord(now - elapsed, elapsed, gap, self.core_scheduler.last_features,
                                            cal.model.scale if cal is not None else None))
         self._last_end = t0 + elapsed if ran else None

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from pydantic import TypeAdapter, ValidationError
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -55,10 +56,11 @@ SCHEDULER_CONFIG_ENV = "COSERVE_SCHEDULER_CONFIG"  # JSON object: overrides of t
 
 def calibrate_in_place() -> bool:
     """``COSERVE_COST_CALIBRATION`` (default on): scale the profile's step costs to what this engine's steps take."""
-    value = os.environ.get("COSERVE_COST_CALIBRATION", "on").strip().lower()
-    if value not in ("on", "off", "1", "0", "true", "false"):
-        raise ValueError(f"COSERVE_COST_CALIBRATION must be on or off, not {value!r}")
-    return value in ("on", "1", "true")
+    raw = os.environ.get("COSERVE_COST_CALIBRATION", "on")
+    try:  # pydantic's booleans, as the worker's settings read them: on/off, true/false, 1/0, yes/no
+        return TypeAdapter(bool).validate_python(raw.strip())
+    except ValidationError:
+        raise ValueError(f"COSERVE_COST_CALIBRATION must be on or off, not {raw!r}") from None
 
 
 def policy_name() -> str:
@@ -247,13 +249,9 @@ class CoserveScheduler(AsyncScheduler):
         began, self._step_began = self._step_began, None
         if began is None or self.last_features is None or self._step_ended < began:
             return  # nothing ran, or its output is not in yet (async scheduling: no measurement)
-        if now - self._step_ended <= IDLE_GAP_S:
-            before = self.calibration.model.scale
-            self.calibration.observe(self.last_features, now - began)
-            after = self.calibration.model.scale
-            if abs(after - before) > 0.1 * before:
-                log.info("cost model scaled to %.2fx its profile (median of %d steps as this engine ran them)",
-                         after, len(self.calibration.ratios))
+        if now - self._step_ended <= IDLE_GAP_S and self.calibration.observe(self.last_features, now - began):
+            log.info("cost model scaled to %.2fx its profile (median of %d steps as this engine ran them)",
+                     self.calibration.model.scale, len(self.calibration.ratios))
 
     def _event(self, request_id: str, event: str) -> None:
         """Tells the worker's engine what happened to a request (nothing is kept without a reader)."""
