@@ -71,7 +71,7 @@ class AdaSpec(SpeculationPolicy):
     name = "adaspec"
 
     @classmethod
-    def drafting_up_to(cls, longest: int) -> dict[str, int]:
+    def drafting_up_to(cls, longest: int, chains_only: bool = False) -> dict[str, int]:
         return {"max_length": longest}
 
     def __init__(self, config: AdaSpecConfig | None = None, target_cost: LinearStepCost | None = None,
@@ -260,7 +260,7 @@ class AdaSpec(SpeculationPolicy):
         context = sum(r.num_computed_tokens for r in decodes)
         verified = sum(len(t) for t in selected.values())
         self.target_cost.observe(context, n + verified + self._prefill, result.latency_s)  # every token of the pass
-        if draft_latency_s > 0 and self._length > 0:
+        if self._length > 0:  # a draft timed at 0 is free: vLLM's n-gram drafter runs inside the pass it verifies
             self.draft_cost.observe(context, n, draft_latency_s / self._length)
         if self.config.calibrate and selected:
             predicted = sum(self._verified.get(rid, 0.0) for rid in selected)

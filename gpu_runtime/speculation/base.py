@@ -28,9 +28,10 @@ class SpeculationPolicy(ABC):
     keep_drafting: KeepDrafting | None = None
 
     @classmethod
-    def drafting_up_to(cls, longest: int) -> dict[str, int]:
+    def drafting_up_to(cls, longest: int, chains_only: bool = False) -> dict[str, int]:
         """Config fields that make the policy's longest draft ``longest`` tokens: what the engine's drafter
-        proposes per request and step (vLLM's ``num_speculative_tokens``). {} for a policy without a length."""
+        proposes per request and step (vLLM's ``num_speculative_tokens``). {} for a policy without a length.
+        ``chains_only``: the drafter proposes one chain per request (vLLM), no beam of several."""
         return {}
 
     def bind(self, executor: Executor) -> None:

@@ -288,7 +288,7 @@ class Nightjar(SpeculationPolicy):
     name = "nightjar"
 
     @classmethod
-    def drafting_up_to(cls, longest: int) -> dict[str, int]:
+    def drafting_up_to(cls, longest: int, chains_only: bool = False) -> dict[str, int]:
         return {"max_gamma": longest}  # arms 0..longest
 
     def __init__(self, config: NightjarConfig | None = None,

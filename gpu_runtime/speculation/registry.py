@@ -44,13 +44,13 @@ def chain_length(name: str) -> int | None:
 
 
 def create_policy(name: str, executor: Executor | None = None, longest_draft: int | None = None,
-                  **config) -> SpeculationPolicy:
+                  chains_only: bool = False, **config) -> SpeculationPolicy:
     """Build a fresh policy; ``chain-4`` etc. are static chains of that length.
 
     ``executor`` (optional) is bound right away so the policy can read its profile; the
     Engine binds it again, which is harmless. ``longest_draft``: the most tokens the engine's
     drafter proposes per request and step; the adaptive policies' longest length becomes it
-    (``config`` still wins)."""
+    (``config`` still wins); ``chains_only``: it proposes one chain per request, no beams."""
     n = chain_length(name)
     if n is not None:
         policy: SpeculationPolicy = StaticChain(n, **config)
@@ -60,7 +60,7 @@ def create_policy(name: str, executor: Executor | None = None, longest_draft: in
         except KeyError:
             raise ValueError(f"unknown speculation policy {name!r}; known: {', '.join(policy_names())}") from None
         if longest_draft is not None:
-            config = {**cls.drafting_up_to(longest_draft), **config}
+            config = {**cls.drafting_up_to(longest_draft, chains_only), **config}
         policy = cls(**config)
     if executor is not None:
         policy.bind(executor)

@@ -21,8 +21,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.executor.base import StepResult
-from gpu_runtime.speculation.token_tree import TokenTree
+from gpu_runtime.speculation.draft_acceptance import PositionAcceptance
 from gpu_runtime.speculation.registry import create_policy
+from gpu_runtime.speculation.token_tree import TokenTree
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request as VLLMRequest
@@ -48,11 +49,12 @@ class _DraftExecutor:
 class DraftLengths:
     """Trims vLLM's per-request draft tokens to what a coserve speculation policy keeps, and feeds it back."""
 
-    def __init__(self, name: str, cost_model: Any, longest_draft: int, prior_acceptance: float = 0.6) -> None:
+    def __init__(self, name: str, cost_model: Any, longest_draft: int) -> None:
         self.name = name
         # the policy's lengths go up to what vLLM drafts (num_speculative_tokens), no further
-        self.policy = create_policy(name, executor=_DraftExecutor(cost_model), longest_draft=longest_draft)
-        self.acceptance = prior_acceptance  # per-position acceptance of vLLM's drafts (EMA), for path probabilities
+        self.policy = create_policy(name, executor=_DraftExecutor(cost_model), longest_draft=longest_draft,
+                                    chains_only=True)
+        self.acceptance = PositionAcceptance(longest_draft)  # of vLLM's drafts, by position: path probabilities
         self.kept: dict[str, int] = {}  # request -> draft tokens verified in the step in flight
         self._decodes: list[Request] = []
         self._selected: dict[str, TokenTree] = {}
@@ -75,7 +77,7 @@ class DraftLengths:
             d = depth.get(m.request_id, 0)
             if d > 0:
                 tokens = list(v.spec_token_ids[:d])
-                candidates[m.request_id] = TokenTree.chain(tokens, [self.acceptance] * len(tokens))
+                candidates[m.request_id] = TokenTree.chain(tokens, self.acceptance.conditionals(len(tokens)))
         self._selected = policy.select(self._decodes, candidates, now) if candidates else {}
         for m, v in drafted:
             tree = self._selected.get(m.request_id)
@@ -92,14 +94,13 @@ class DraftLengths:
         result = StepResult(accepted_nodes={rid: list(range(n)) for rid, n in accepted.items() if n > 0},
                             latency_s=latency)
         self.policy.observe(self._decodes, self._selected, result, 0.0, now)
-        proposed = sum(self.kept.values())
-        if proposed:
-            rate = sum(min(accepted.get(rid, 0), k) for rid, k in self.kept.items()) / proposed
-            self.acceptance = 0.9 * self.acceptance + 0.1 * rate
+        for rid, k in self.kept.items():
+            self.acceptance.observe(k, min(accepted.get(rid, 0), k))
         self._decodes = []
 
     def state(self) -> dict[str, object]:
-        return {**self.policy.state(), "engine": "vllm", "acceptance": round(self.acceptance, 3)}
+        rates = self.acceptance.conditionals(self.acceptance.longest)
+        return {**self.policy.state(), "engine": "vllm", "acceptance": [round(q, 3) for q in rates]}
 
 
 def _chain_prefix(tree: TokenTree) -> int:

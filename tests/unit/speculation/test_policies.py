@@ -169,6 +169,22 @@ def test_adaspec_free_draft_drafts_max_length_and_stops_on_real_confidences():
     assert seeded.draft_plan([a], 0.0) == []
 
 
+def test_adaspec_takes_a_drafter_timed_at_zero_as_free():
+    """vLLM's n-gram drafter runs inside the step it verifies: the policy hears a draft time of 0. That is a
+    free draft (the whole chain, Alg. 1 on its confidences), not a draft cost never measured (the warm-up's
+    cycle through lengths 1..max_length, forever)."""
+    pol = AdaSpec(warmup_steps=4)
+    a = make_request("a")
+    for step in range(12):
+        entries = pol.draft_plan([a], float(step))
+        chain = TokenTree.chain(list(range(entries[0].depth)), [0.9] * entries[0].depth)
+        selected = pol.select([a], {"a": chain}, float(step))
+        pol.observe([a], selected, StepResult(accepted_nodes={"a": [0, 1]}, latency_s=0.02 + 0.001 * len(chain)),
+                    0.0, float(step))
+    assert pol.draft_cost.fitted and pol.draft_cost.predict(100, 1) == 0.0
+    assert [e.depth for e in pol.draft_plan([a], 12.0)] == [pol.config.max_length]
+
+
 def _drafted_depth(pol: AdaSpec, path_prob, max_depth: int = 8) -> int:
     """The depth a drafter reaches asking ``keep_drafting`` after each depth (both requests alike)."""
     depth = 1
@@ -266,6 +282,27 @@ def test_adaptive_lengths_go_up_to_what_the_drafter_proposes():
     assert create_policy("adaserve", longest_draft=2).config.d_max == 2
     assert create_policy("nightjar", longest_draft=16, max_gamma=3).config.max_gamma == 3  # explicit config wins
     assert create_policy("chain-4", longest_draft=16).length == 4
+    # one chain per request (vLLM): no beam width, so AdaServe's eq. 8 may go as deep as the drafter
+    assert create_policy("adaserve", longest_draft=16, chains_only=True).config.d_max == 16
+    assert create_policy("adaspec", longest_draft=16, chains_only=True).config.max_length == 16
+
+
+def test_position_acceptance_learns_each_position_of_a_copying_drafter():
+    """A chain of k tokens with a accepted tried positions 1..min(a + 1, k) and passed 1..a."""
+    from gpu_runtime.speculation.draft_acceptance import PositionAcceptance
+
+    acc = PositionAcceptance(longest=8, prior=0.6, weight=0.05)
+    assert acc.conditionals(3) == [0.6, 0.6, 0.6]
+    for _ in range(400):  # a lookup that misses at once half the time, and copies 4 tokens when it hits
+        acc.observe(4, 0)
+        acc.observe(4, 4)
+    q = acc.conditionals(8)
+    assert abs(q[0] - 0.5) < 0.05  # position 1: half the chains
+    assert q[1] > 0.95 and q[2] > 0.95 and q[3] > 0.95  # past a first hit the copy goes on
+    assert acc.seen[4:] == [0] * 4 and q[4:] == [q[3]] * 4  # never verified: the deepest measured rate
+    acc.observe(2, 1)  # a rejection at position 2 lowers position 2, not position 3
+    assert acc.conditionals(3)[1] < q[1] and acc.conditionals(3)[2] == q[2]
+    assert acc.conditionals(10)[8:] == [acc.conditionals(8)[7]] * 2  # past the longest: the last rate
 
 
 def test_adaserve_budget_from_cost_model_knee():
