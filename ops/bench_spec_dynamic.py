@@ -205,7 +205,9 @@ def main() -> None:
             tpot[n] += m.mean_tpot_s / len(args.seeds)
             if n == "nightjar":
                 arms = {b: [len(r) for r in st.rewards] for b, st in sorted(pol.bandit.states.items())}
-                extra = (f"nightjar reward samples per arm by batch bucket (last seed): {arms}\n"
+                mixed = {b: [len(r) for r in st.rewards] for b, st in sorted(pol.bandit.mixed_states.items())}
+                extra = (f"nightjar reward samples per arm by batch bucket (last seed): plain passes {arms}, "
+                         f"passes with prompt chunks {mixed}\n"
                          f"nightjar draft offloads / reloads (last seed): {pol.offloads} / {pol.reloads}")
     best = max(STATIC, key=lambda n: tput[n])
     print(f"\n{'policy':12s} {'tokens/s':>10s} {'mean TPOT ms':>13s} {'vs none':>8s}")

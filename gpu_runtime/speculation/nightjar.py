@@ -31,7 +31,11 @@ window because the load drifts), kept per request so that the batch sizes sharin
 bucket stay comparable (``GammaBandit.update``). The paper's steps are pure speculative decode steps
 (vLLM 0.8 runs prefills in separate steps); here a pass may also carry prefill chunks, and
 its reward counts them with the decode tokens: the pass's whole token rate, which is what a
-length choice trades (``Nightjar._reward``).
+length choice trades (``Nightjar._reward``). Such mixed passes learn apart from plain decode
+passes (the bandit's context is the batch-size bucket and whether the pass carries a chunk):
+in one window a chunk pass's rate, several times a plain pass's, made the arm that drew it
+lead until the window forgot it (vLLM, batch 32, the batch's prompts still prefilling at
+batch 19-31: gamma 1 played 34 of 84 steps, 0.94x no speculation).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpu_runtime.costmodel.base import CostModel
+from gpu_runtime.costmodel.features import BatchFeatures
 from gpu_runtime.executor.base import DraftEntry
 from gpu_runtime.speculation.base import SpeculationPolicy
 from gpu_runtime.speculation.cost import Ema
@@ -168,7 +174,8 @@ class GammaBandit:
     def __init__(self, config: NightjarConfig | None = None) -> None:
         self.config = config or NightjarConfig()
         self.rng = random.Random(self.config.seed)
-        self.states: dict[int, _BinState] = {}
+        self.states: dict[int, _BinState] = {}  # by batch-size bucket: plain decode passes
+        self.mixed_states: dict[int, _BinState] = {}  # the same for passes that also carry prompt chunks
         self.prev_gamma = 0
 
     def bucket(self, batch_size: int) -> int:
@@ -176,14 +183,18 @@ class GammaBandit:
             return max(1, batch_size)
         return 1 << (batch_size - 1).bit_length()
 
-    def state_for(self, batch_size: int) -> _BinState:
-        key = self.bucket(batch_size)
-        if key not in self.states:
-            self.states[key] = _BinState(self.config.max_gamma + 1, self.config.window,
-                                         reset_per_block=self.config.explore_reset_per_block)
-        return self.states[key]
+    def _states(self, mixed: bool) -> dict[int, _BinState]:
+        return self.mixed_states if mixed else self.states
 
-    def arm_cap(self, batch_size: int) -> int:
+    def state_for(self, batch_size: int, mixed: bool = False) -> _BinState:
+        """The statistics of ``batch_size``'s bucket, for passes with (``mixed``) or without prompt chunks."""
+        key, states = self.bucket(batch_size), self._states(mixed)
+        if key not in states:
+            states[key] = _BinState(self.config.max_gamma + 1, self.config.window,
+                                    reset_per_block=self.config.explore_reset_per_block)
+        return states[key]
+
+    def arm_cap(self, batch_size: int, mixed: bool = False) -> int:
         """Largest gamma bucket ``batch_size`` may play: the smallest over smaller buckets
         with enough data of the largest gamma (near) best there (Gamma_max if none). With
         ``unimodal``, a smaller bucket has enough data once the arms up to its leader's
@@ -191,9 +202,9 @@ class GammaBandit:
         cap = self.config.max_gamma
         if not self.config.share_across_batches:
             return cap
-        key = self.bucket(batch_size)
-        for other in sorted(k for k in self.states if k < key):
-            st = self.states[other]
+        key, states = self.bucket(batch_size), self._states(mixed)
+        for other in sorted(k for k in states if k < key):
+            st = states[other]
             means = [st.mean(g) for g in range(min(cap, st.num_arms - 1) + 1)]
             if self.config.unimodal:  # lengths past the leader's neighbour are never played there: known to lose
                 means = means[:neighbour_of_leader(means) + 1]
@@ -208,9 +219,10 @@ class GammaBandit:
             cap = min(cap, max(near))
         return cap
 
-    def choose(self, batch_size: int, switch_cost_s: float = 0.0) -> int:
-        st = self.state_for(batch_size)
-        cap = self.arm_cap(batch_size)
+    def choose(self, batch_size: int, switch_cost_s: float = 0.0, mixed: bool = False) -> int:
+        """Gamma for a pass of ``batch_size`` decodes; ``mixed``: the pass also carries prompt chunks."""
+        st = self.state_for(batch_size, mixed)
+        cap = self.arm_cap(batch_size, mixed)
         need = self.samples_needed(batch_size)
         if self.config.unimodal:
             cap = min(cap, self.leader_neighbour(st, cap, noisy=need > 1))
@@ -272,12 +284,13 @@ class GammaBandit:
                 best, best_cost = g, cost
         return best
 
-    def update(self, batch_size: int, gamma: int, reward: float) -> None:
+    def update(self, batch_size: int, gamma: int, reward: float, mixed: bool = False) -> None:
         """``reward``: the step's goodput g (tokens/s over the batch). It is kept per request
         (g / B): at one batch size that ranks arms exactly as g does (eq. 1), and within a
         bucket of batch sizes it removes the dominant confound, goodput growing with B, so
-        arms played at different batch sizes of the bucket stay comparable."""
-        st = self.state_for(batch_size)
+        arms played at different batch sizes of the bucket stay comparable. ``mixed``: the pass
+        also carried prompt chunks (kept apart: ``Nightjar._reward``)."""
+        st = self.state_for(batch_size, mixed)
         st.rewards[gamma].append(reward / max(1, batch_size))
         st.updates += 1
         st.advance()
@@ -312,14 +325,16 @@ class Nightjar(SpeculationPolicy):
         if self.switch_cost is None:
             self.switch_cost = getattr(executor, "draft_switch_cost", None)
         self._curve = getattr(executor, "latency_curve", None)
-        cost_model = getattr(executor, "cost_model", None)
+        cost_model = self._cost_model = getattr(executor, "cost_model", None)
         if self._curve is None and cost_model is not None:
             from gpu_runtime.costmodel.base import batch_time
 
             self._curve = lambda n: batch_time(cost_model, n)
 
     _curve: Callable[[int], float] | None = None
+    _cost_model: CostModel | None = None
     _prefill_tokens = 0
+    _context = 0  # mean context of the pass's decodes
 
     def _reward(self, latency_s: float, draft_s: float, decodes: int, accepted: int) -> float | None:
         """The step's goodput, Nightjar's reward (tokens/s over the batch): every token the pass
@@ -330,7 +345,20 @@ class Nightjar(SpeculationPolicy):
         alone, made trees look free in prefill-heavy passes: on the code trace Nightjar then
         speculated through phases where no speculation was best.)"""
         total_s = latency_s + draft_s
-        return (self._prefill_tokens + decodes + accepted) / total_s if total_s > 0 else None
+        if total_s <= 0:
+            return None
+        prefill = self._prefill_tokens
+        rate = (prefill + decodes + accepted) / total_s
+        if prefill and decodes and self._cost_model is not None:
+            # Mixed passes keep their own statistics (``GammaBandit.mixed_states``), and among them the chunk
+            # varies (QoServe sizes it each step): the pass's rate is taken relative to the same pass without
+            # speculation, at the rate of its decodes alone (both priced by the profile), so a large chunk does
+            # not make the arm that drew it lead. The arms still trade as the whole pass does.
+            plain = self._cost_model.predict(BatchFeatures.of_shape(prefill, 0, decodes, self._context))
+            alone = self._cost_model.predict(BatchFeatures.of_shape(0, 0, decodes, self._context))
+            if plain > 0 and alone > 0:
+                rate *= plain / (prefill + decodes) * decodes / alone
+        return rate
 
     def _c_prefill(self, l_max: int, batch: int) -> float:
         """Eq. 3's c_prefill(L_max, B): the executor's profiled figure, else the online estimate."""
@@ -347,10 +375,12 @@ class Nightjar(SpeculationPolicy):
         self._prefill_tokens = self.prefill_tokens_in_pass
         if not decodes:
             return []
+        self._context = sum(r.num_computed_tokens for r in decodes) // len(decodes)
         self._l_max = max((r.num_output_tokens - self._last_drafted.get(r.request_id, 0) for r in decodes),
                           default=0)
         on_device = getattr(self, "executor", None) is None or self.executor.draft_on_device
-        self.gamma = self.bandit.choose(len(decodes), self._c_prefill(self._l_max, len(decodes)))
+        self.gamma = self.bandit.choose(len(decodes), self._c_prefill(self._l_max, len(decodes)),
+                                        mixed=self._prefill_tokens > 0)
         if not on_device:
             self.gamma = 0  # the draft is offloaded: only plain decoding is possible
         if self.gamma == 0:
@@ -379,7 +409,7 @@ class Nightjar(SpeculationPolicy):
         reward = self._reward(result.latency_s, draft_latency_s, len(decodes), accepted)
         prev = self.bandit.prev_gamma
         if reward is not None:
-            self.bandit.update(len(decodes), gamma, reward)
+            self.bandit.update(len(decodes), gamma, reward, mixed=self._prefill_tokens > 0)
         else:
             self.bandit.prev_gamma = gamma
         if gamma > 0 and draft_latency_s > 0:

@@ -203,7 +203,7 @@ def test_nightjar_can_choose_no_speculation(make_scheduler):
     s = make_scheduler("qoserve")
     s.num_spec_tokens = 4
     s.drafts = DraftLengths("nightjar", conservative_cost_model(), longest_draft=4)
-    s.drafts.policy.bandit.choose = lambda batch, switch_cost=0.0: 0  # the bandit's verdict under load
+    s.drafts.policy.bandit.choose = lambda batch, switch_cost=0.0, mixed=False: 0  # the verdict under load
     r = vllm_request(16, max_tokens=32)
     s.add_request(r)
     run_step(s)

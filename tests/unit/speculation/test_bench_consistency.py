@@ -228,6 +228,16 @@ def test_rewards_are_per_request_means_not_medians():
     assert b.state_for(10).mean(1) == pytest.approx(18.0)  # (3*100 + 2*300) / 5 / batch 10
 
 
+class _CurveCost:
+    """A cost model that prices a pass by its token count alone."""
+
+    def __init__(self, curve) -> None:
+        self.curve = curve
+
+    def predict(self, f) -> float:
+        return self.curve(f.num_prefill_tokens + f.num_decode_tokens + f.tree_tokens)
+
+
 class _CurveExecutor:
     draft_on_device = True
     has_draft = True
@@ -236,6 +246,8 @@ class _CurveExecutor:
     @staticmethod
     def latency_curve(n: int) -> float:
         return 0.010 + 0.001 * n
+
+    cost_model = _CurveCost(latency_curve)
 
 
 def test_nightjar_rewards_the_whole_token_rate_of_a_mixed_pass():
@@ -246,7 +258,28 @@ def test_nightjar_rewards_the_whole_token_rate_of_a_mixed_pass():
     pol.draft_plan(reqs, 0.0)
     assert pol.gamma == 0  # untried arm 0 first
     pol.observe(reqs, {}, StepResult(latency_s=0.2), 0.0, 0.0)  # 2 decodes + 90 prefill tokens
-    assert pol.bandit.state_for(2).mean(0) == pytest.approx(92 / 0.2 / 2)  # per request
+    curve = _CurveExecutor.latency_curve
+    # the pass's token rate against the same pass's predicted one, at the decodes' predicted rate; per request
+    st = pol.bandit.state_for(2, mixed=True)  # a pass with a prompt chunk: learned apart from plain passes
+    assert st.mean(0) == pytest.approx(92 / 0.2 * curve(92) / 92 * 2 / curve(2) / 2)
+    assert pol.bandit.state_for(2).mean(0) is None
+
+
+def test_nightjar_reward_of_a_pass_with_a_chunk_compares_with_a_plain_pass():
+    """A pass that also carries a prompt chunk is not a better arm: where the profile prices passes right, a
+    plain decode step and one with a 2048-token chunk give gamma 0 the same reward (before, the chunk's
+    tokens counted: 1.3x here, ~13x on vLLM at batch 32, and that arm led for its whole window)."""
+    curve = _CurveExecutor.latency_curve
+    reqs = [make_request(f"r{i}") for i in range(32)]
+    rewards = []
+    for chunk in (0, 2048):
+        pol = Nightjar(NightjarConfig(max_gamma=1))
+        pol.bind(_CurveExecutor())
+        pol.prefill_tokens_in_pass = chunk
+        pol.draft_plan(reqs, 0.0)
+        pol.observe(reqs, {}, StepResult(latency_s=curve(chunk + 32)), 0.0, 0.0)
+        rewards.append(pol.bandit.state_for(32, mixed=chunk > 0).mean(0))
+    assert rewards[1] == pytest.approx(rewards[0]) == pytest.approx(32 / curve(32) / 32)
 
 
 def _mixed_pass_rewards(prefill: int, curve) -> tuple[float, float]:
@@ -255,6 +288,8 @@ def _mixed_pass_rewards(prefill: int, curve) -> tuple[float, float]:
     from gpu_runtime.speculation.token_tree import TokenTree
 
     pol = Nightjar(NightjarConfig(max_gamma=1, share_across_batches=False, unimodal=False))
+    pol.bind(type("Profiled", (_CurveExecutor,),
+                  {"latency_curve": staticmethod(curve), "cost_model": _CurveCost(curve)})())
     reqs = [make_request(f"r{i}") for i in range(10)]
     for gamma in (0, 1):
         pol.prefill_tokens_in_pass = prefill
@@ -264,7 +299,7 @@ def _mixed_pass_rewards(prefill: int, curve) -> tuple[float, float]:
         accepted = {r.request_id: [0] for r in reqs[:5]} if gamma else {}
         verified = prefill + 10 + sum(len(t) for t in trees.values())
         pol.observe(reqs, trees, StepResult(accepted_nodes=accepted, latency_s=curve(verified)), 0.0, 0.0)
-    st = pol.bandit.state_for(10)
+    st = pol.bandit.state_for(10, mixed=prefill > 0)
     return st.mean(0), st.mean(1)
 
 
@@ -278,7 +313,10 @@ def test_nightjar_reward_charges_trees_what_they_cost_in_the_pass():
     # and gamma 1 would look 1.5x better)
     plain, spec = _mixed_pass_rewards(200, curve)
     assert spec < plain
-    assert plain == pytest.approx(210 / 0.210 / 10) and spec == pytest.approx(215 / 0.220 / 10)
+    # each as the pass's rate against the plain pass's predicted one, at the decodes' predicted rate alone
+    to_decodes = curve(210) / 210 * 10 / curve(10)
+    assert plain == pytest.approx(210 / 0.210 * to_decodes / 10)
+    assert spec == pytest.approx(215 / 0.220 * to_decodes / 10)
     # beside 5 prompt tokens the pass stays under the floor: the trees ride free and gamma 1 wins
     plain, spec = _mixed_pass_rewards(5, curve)
     assert spec == pytest.approx(1.333 * plain, rel=1e-3)
