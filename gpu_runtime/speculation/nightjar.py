@@ -17,6 +17,13 @@
   bucket, an exploration bin also skips arms that Lemma 1's confidence bound already
   shows to be worse than the best one (``NightjarConfig.explore_delta``), and no arm more
   than one above the best measured one (goodput is unimodal in gamma: ``unimodal``).
+* Conservative where Nightjar's point is never to be slower than not speculating: exploitation
+  values a speculating arm at its mean less one standard error and gamma 0 at its mean plus one
+  (``exploit_doubt_se``, from batch size 4 on), so a length is played only when it beats no
+  speculation by more than the rewards' noise; and arms other than the exploitation choice are
+  played only while the bucket's estimated loss against gamma 0 stays within 1% of its reward
+  (``regret_budget``, after the conservative bandits of Wu et al., 2016). Where speculation
+  wins, both are idle.
 * In a co-serving pass (QoServe sets the spare time its slack leaves), the chain tokens that fit
   that time are verified as drafted, beyond them only those with path probability >= 0.2
   (AdaServe's rule; ``min_prob_beyond_slack``): the pass QoServe sized for its deadlines does
@@ -105,6 +112,18 @@ class NightjarConfig:
     # Co-serving (as AdaServe's rule): the chain tokens whose extra pass time fits the scheduler's spare time
     # are verified as drafted; beyond them only tokens with path probability >= this. 0: no limit.
     min_prob_beyond_slack: float = 0.2
+    # Conservative exploration (Nightjar's promise: never slower than not speculating): a bucket plays an arm
+    # other than its exploitation choice (untried arms, exploration bins) only while what its plays so far
+    # are estimated to have lost against gamma 0 (plays x mean difference) stays within this share of gamma
+    # 0's reward over all its steps. Where speculation wins the estimate is a gain and nothing is held back;
+    # where every length loses, exploration is paid for by the budget and stops when it is spent (vLLM,
+    # batch 32, chat prompts: gamma 1 3-5% below gamma 0 a step with 8% step noise, and explored in 29% of
+    # the steps of a 0.96x run). None: explore as Algorithm 1 does.
+    regret_budget: float | None = 0.01
+    # Exploitation values a speculating arm at its mean less this many standard errors of it, gamma 0 at its mean
+    # plus as many: a length must beat no speculation by more than its rewards' noise to be played. Only where a
+    # step averages sample_min_request_steps requests or more (at batch 1 a reward is one hit or miss).
+    exploit_doubt_se: float = 1.0
 
 
 @dataclass
@@ -122,9 +141,11 @@ class _BinState:
     updates: int = 0  # rewards observed in this bucket (T of Lemma 1)
     reset_per_block: bool = True
     rewards: list[deque] = field(default_factory=list)
+    plays: list[int] = field(default_factory=list)  # rewards per arm over the whole run (not windowed)
 
     def __post_init__(self) -> None:
         self.rewards = [deque(maxlen=self.window) for _ in range(self.num_arms)]
+        self.plays = [0] * self.num_arms
 
     @property
     def explore_index(self) -> int:
@@ -139,6 +160,27 @@ class _BinState:
         r = self.rewards[arm]
         return sum(r) / len(r) if r else None
 
+    def _spread(self, arm: int) -> float | None:
+        """Sample standard deviation of the arm's recent rewards (None below two)."""
+        r = self.rewards[arm]
+        if len(r) < 2:
+            return None
+        m = sum(r) / len(r)
+        return math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
+
+    def standard_error(self, arm: int) -> float:
+        """Standard error of the arm's mean reward. Below two rewards the spread is the bucket's, relative to
+        the mean, pooled over the arms that have two (0 while none has)."""
+        r = self.rewards[arm]
+        if not r:
+            return 0.0
+        sd = self._spread(arm)
+        if sd is None:
+            rel = [sd / abs(m) for g in range(self.num_arms)
+                   if (sd := self._spread(g)) is not None and (m := self.mean(g))]
+            sd = sum(rel) / len(rel) * abs(self.mean(arm)) if rel else 0.0
+        return sd / math.sqrt(len(r))
+
     def radius(self, arm: int, delta: float, min_samples: int = 2) -> float:
         """Lemma 1: |g~ - mu| <= sqrt(2 log(2T/delta)) * sigma / sqrt(N), sigma the sample spread
         (unbounded below ``min_samples`` rewards)."""
@@ -148,6 +190,17 @@ class _BinState:
         m = sum(r) / len(r)
         sd = math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
         return math.sqrt(2.0 * math.log(2.0 * max(2, self.updates) / delta)) * sd / math.sqrt(len(r))
+
+    def may_explore(self, budget: float | None) -> bool:
+        """Whether this bucket can still afford an arm other than its exploitation choice: the estimated loss of
+        its plays against gamma 0, sum over arms of plays x (mean(0) - mean(g)), is within ``budget`` times
+        gamma 0's reward over all its steps (``NightjarConfig.regret_budget``). Always true before gamma 0
+        has a reward (there is no baseline yet) and with no budget."""
+        base = self.mean(0)
+        if budget is None or base is None:
+            return True
+        lost = sum(n * (base - m) for g, n in enumerate(self.plays[1:], 1) if n and (m := self.mean(g)) is not None)
+        return lost <= budget * self.updates * base
 
     def advance(self) -> None:
         """Algorithm 1 lines 16-22."""
@@ -227,11 +280,12 @@ class GammaBandit:
         if self.config.unimodal:
             cap = min(cap, self.leader_neighbour(st, cap, noisy=need > 1))
         untried = [g for g in range(cap + 1) if len(st.rewards[g]) < need]
-        if untried:  # untried (and, at small batch sizes, under-sampled) arms first, shortest first
+        affordable = st.may_explore(self.config.regret_budget)
+        if untried and (untried[0] == 0 or affordable):  # untried (at small batch sizes, under-sampled) arms first
             return untried[0]
         if st.round == 1:  # line 6-8: a new bin explores with probability 1/sqrt(b)
             st.exploring = self.rng.random() < 1.0 / math.sqrt(st.explore_index)
-        if st.exploring:  # line 11: uniform over the arms that can still win
+        if st.exploring and affordable:  # line 11: uniform over the arms that can still win
             arms = self.explorable(st, cap, batch_size)
             return arms[self.rng.randrange(len(arms))]
         return self.exploit(st, switch_cost_s, cap, batch_size)
@@ -273,8 +327,13 @@ class GammaBandit:
         """Eq. 3: seconds per token, plus the draft catch-up cost spread over gamma tokens.
         Rewards are stored per request (see ``update``): g(B, gamma) = B * mean."""
         best, best_cost = 0, math.inf
+        # where a step's reward is a few requests' hits and misses (batch sizes below sample_min_request_steps), its
+        # spread says little of the arm's mean: there the means decide, as the samples rule already waited for them
+        doubt = self.config.exploit_doubt_se if self.samples_needed(batch_size) == 1 else 0.0
         for g in range(st.num_arms if cap is None else cap + 1):
             m = st.mean(g)
+            if m is not None and doubt:  # speculating arms at their lower bound, gamma 0 at its upper one
+                m += doubt * st.standard_error(g) * (1 if g == 0 else -1)
             if m is None or m <= 0:
                 continue
             cost = 1.0 / (m * max(1, batch_size))
@@ -292,6 +351,7 @@ class GammaBandit:
         also carried prompt chunks (kept apart: ``Nightjar._reward``)."""
         st = self.state_for(batch_size, mixed)
         st.rewards[gamma].append(reward / max(1, batch_size))
+        st.plays[gamma] += 1
         st.updates += 1
         st.advance()
         self.prev_gamma = gamma
