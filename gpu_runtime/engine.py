@@ -207,9 +207,9 @@ class Engine:
         decodes = [DecodeEntry(r.request_id, r.num_computed_tokens, r.last_token_id) for r in sched.decodes]
         selected: dict = {}
         draft_latency = 0.0
+        self.speculation.prefill_tokens_in_pass = sum(len(c.token_ids) for c in prefills)  # observe reads it too
+        self.speculation.pass_spare_s = sched.pass_spare_s
         if decodes and self.executor.has_draft:
-            self.speculation.prefill_tokens_in_pass = sum(len(c.token_ids) for c in prefills)
-            self.speculation.pass_spare_s = sched.pass_spare_s
             entries = self.speculation.draft_plan(sched.decodes, now)
             if entries:
                 drafted = self.executor.draft(entries, self.speculation.keep_drafting)

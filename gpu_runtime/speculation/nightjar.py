@@ -464,8 +464,9 @@ class Nightjar(SpeculationPolicy):
         # Engine skips draft_plan when it has no drafter; count those steps as gamma = 0.
         gamma = self.gamma if self._batch == len(decodes) else 0
         accepted = sum(len(v) for v in result.accepted_nodes.values())
-        if self._batch != len(decodes):
-            self._prefill_tokens = 0  # draft_plan was skipped: prefill tokens of this pass unknown
+        if self._batch != len(decodes):  # draft_plan was skipped (no drafts this pass): the engine's own figures
+            self._prefill_tokens = self.prefill_tokens_in_pass
+            self._context = sum(r.num_computed_tokens for r in decodes) // len(decodes)
         reward = self._reward(result.latency_s, draft_latency_s, len(decodes), accepted)
         prev = self.bandit.prev_gamma
         if reward is not None:

@@ -66,11 +66,11 @@ class DraftLengths:
         drafted = [(m, v) for m, v in decodes if v.spec_token_ids]
         self._decodes = [m for m, _ in decodes]
         self._selected = {}
-        if not drafted:
-            return
-        policy = self.policy
+        policy = self.policy  # what the pass carries besides its decodes, drafts or not (observe reads it too)
         policy.prefill_tokens_in_pass = sum(p.num_tokens for p in plan.prefills)
         policy.pass_spare_s = plan.pass_spare_s
+        if not drafted:
+            return
         depth = {e.request_id: e.depth for e in policy.draft_plan(self._decodes, now)}
         candidates = {}
         for m, v in drafted:

@@ -273,3 +273,18 @@ def test_passes_with_prompt_chunks_learn_apart_from_plain_decode_passes():
     assert b.state_for(32).mean(1) == pytest.approx(13.9) and b.state_for(32, mixed=True).mean(1) == 40.0
     assert b.exploit(b.state_for(32), 0.0, 1, 32) == 0
     assert b.exploit(b.state_for(32, mixed=True), 0.0, 1, 32) == 1
+
+
+def test_a_pass_without_drafts_that_carries_prompt_chunks_is_a_mixed_pass():
+    """vLLM's drafter may propose nothing for a pass (prompts just started); Nightjar then hears of the pass
+    without having planned it. A pass that prefilled is slow for its decodes: counted as a plain gamma-0 pass
+    (as before) one such reward, 1.4 tokens/s a request against ~15, made no speculation look worst at batch 16."""
+    pol = Nightjar(NightjarConfig(max_gamma=1))
+    reqs = [make_request(f"r{i}") for i in range(4)]
+    pol.prefill_tokens_in_pass = 512  # the engine says what the pass carries, drafts or not
+    pol.observe(reqs, {}, StepResult(accepted_nodes={}, latency_s=0.5), 0.0, 0.0)
+    assert pol.bandit.state_for(4, mixed=True).plays == [1, 0]
+    assert pol.bandit.state_for(4).plays == [0, 0]
+    pol.prefill_tokens_in_pass = 0
+    pol.observe(reqs, {}, StepResult(accepted_nodes={}, latency_s=0.05), 0.0, 0.0)
+    assert pol.bandit.state_for(4).plays == [1, 0]
