@@ -160,26 +160,23 @@ class _BinState:
         r = self.rewards[arm]
         return sum(r) / len(r) if r else None
 
-    def _spread(self, arm: int) -> float | None:
-        """Sample standard deviation of the arm's recent rewards (None below two)."""
-        r = self.rewards[arm]
-        if len(r) < 2:
-            return None
-        m = sum(r) / len(r)
-        return math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
-
-    def standard_error(self, arm: int) -> float:
-        """Standard error of the arm's mean reward. Below two rewards the spread is the bucket's, relative to
-        the mean, pooled over the arms that have two (0 while none has)."""
-        r = self.rewards[arm]
-        if not r:
-            return 0.0
-        sd = self._spread(arm)
-        if sd is None:
-            rel = [sd / abs(m) for g in range(self.num_arms)
-                   if (sd := self._spread(g)) is not None and (m := self.mean(g))]
-            sd = sum(rel) / len(rel) * abs(self.mean(arm)) if rel else 0.0
-        return sd / math.sqrt(len(r))
+    def standard_errors(self) -> list[float]:
+        """Standard error of each arm's mean reward (0 without rewards). Below two rewards the spread is the
+        bucket's, relative to the mean, pooled over the arms that have two (0 while none has)."""
+        spread: list[float | None] = []
+        rel = []
+        for r in self.rewards:
+            if len(r) < 2:
+                spread.append(None)
+                continue
+            m = sum(r) / len(r)
+            sd = math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
+            spread.append(sd)
+            if m:
+                rel.append(sd / abs(m))
+        pooled = sum(rel) / len(rel) if rel else 0.0
+        return [0.0 if not r else (sd if sd is not None else pooled * abs(sum(r) / len(r))) / math.sqrt(len(r))
+                for r, sd in zip(self.rewards, spread)]
 
     def radius(self, arm: int, delta: float, min_samples: int = 2) -> float:
         """Lemma 1: |g~ - mu| <= sqrt(2 log(2T/delta)) * sigma / sqrt(N), sigma the sample spread
@@ -330,10 +327,11 @@ class GammaBandit:
         # where a step's reward is a few requests' hits and misses (batch sizes below sample_min_request_steps), its
         # spread says little of the arm's mean: there the means decide, as the samples rule already waited for them
         doubt = self.config.exploit_doubt_se if self.samples_needed(batch_size) == 1 else 0.0
+        se = st.standard_errors() if doubt else None
         for g in range(st.num_arms if cap is None else cap + 1):
             m = st.mean(g)
-            if m is not None and doubt:  # speculating arms at their lower bound, gamma 0 at its upper one
-                m += doubt * st.standard_error(g) * (1 if g == 0 else -1)
+            if m is not None and se is not None:  # speculating arms at their lower bound, gamma 0 at its upper one
+                m += doubt * se[g] * (1 if g == 0 else -1)
             if m is None or m <= 0:
                 continue
             cost = 1.0 / (m * max(1, batch_size))
