@@ -138,7 +138,6 @@ class _BinState:
     round: int = 1  # tau_B
     exploring: bool = False
     bins_total: int = 1  # bins started so far (all blocks)
-    updates: int = 0  # rewards observed in this bucket (T of Lemma 1)
     reset_per_block: bool = True
     rewards: list[deque] = field(default_factory=list)
     plays: list[int] = field(default_factory=list)  # rewards per arm over the whole run (not windowed)
@@ -146,6 +145,11 @@ class _BinState:
     def __post_init__(self) -> None:
         self.rewards = [deque(maxlen=self.window) for _ in range(self.num_arms)]
         self.plays = [0] * self.num_arms
+
+    @property
+    def updates(self) -> int:
+        """Rewards observed in this bucket (T of Lemma 1)."""
+        return sum(self.plays)
 
     @property
     def explore_index(self) -> int:
@@ -160,23 +164,22 @@ class _BinState:
         r = self.rewards[arm]
         return sum(r) / len(r) if r else None
 
+    def spread(self, arm: int) -> float | None:
+        """Sample standard deviation of the arm's recent rewards (None below two)."""
+        r = self.rewards[arm]
+        if len(r) < 2:
+            return None
+        m = sum(r) / len(r)
+        return math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
+
     def standard_errors(self) -> list[float]:
         """Standard error of each arm's mean reward (0 without rewards). Below two rewards the spread is the
         bucket's, relative to the mean, pooled over the arms that have two (0 while none has)."""
-        spread: list[float | None] = []
-        rel = []
-        for r in self.rewards:
-            if len(r) < 2:
-                spread.append(None)
-                continue
-            m = sum(r) / len(r)
-            sd = math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
-            spread.append(sd)
-            if m:
-                rel.append(sd / abs(m))
+        spreads = [self.spread(g) for g in range(self.num_arms)]
+        rel = [sd / abs(m) for g, sd in enumerate(spreads) if sd is not None and (m := self.mean(g))]
         pooled = sum(rel) / len(rel) if rel else 0.0
-        return [0.0 if not r else (sd if sd is not None else pooled * abs(sum(r) / len(r))) / math.sqrt(len(r))
-                for r, sd in zip(self.rewards, spread)]
+        return [0.0 if not r else (sd if sd is not None else pooled * abs(self.mean(g))) / math.sqrt(len(r))
+                for g, (r, sd) in enumerate(zip(self.rewards, spreads))]
 
     def radius(self, arm: int, delta: float, min_samples: int = 2) -> float:
         """Lemma 1: |g~ - mu| <= sqrt(2 log(2T/delta)) * sigma / sqrt(N), sigma the sample spread
@@ -184,8 +187,7 @@ class _BinState:
         r = self.rewards[arm]
         if len(r) < max(2, min_samples):
             return math.inf
-        m = sum(r) / len(r)
-        sd = math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
+        sd = self.spread(arm)
         return math.sqrt(2.0 * math.log(2.0 * max(2, self.updates) / delta)) * sd / math.sqrt(len(r))
 
     def may_explore(self, budget: float | None) -> bool:
@@ -277,12 +279,13 @@ class GammaBandit:
         if self.config.unimodal:
             cap = min(cap, self.leader_neighbour(st, cap, noisy=need > 1))
         untried = [g for g in range(cap + 1) if len(st.rewards[g]) < need]
-        affordable = st.may_explore(self.config.regret_budget)
-        if untried and (untried[0] == 0 or affordable):  # untried (at small batch sizes, under-sampled) arms first
+        budget = self.config.regret_budget
+        # untried (at small batch sizes, under-sampled) arms first, gamma 0 always, the others while affordable
+        if untried and (untried[0] == 0 or st.may_explore(budget)):
             return untried[0]
         if st.round == 1:  # line 6-8: a new bin explores with probability 1/sqrt(b)
             st.exploring = self.rng.random() < 1.0 / math.sqrt(st.explore_index)
-        if st.exploring and affordable:  # line 11: uniform over the arms that can still win
+        if st.exploring and st.may_explore(budget):  # line 11: uniform over the arms that can still win
             arms = self.explorable(st, cap, batch_size)
             return arms[self.rng.randrange(len(arms))]
         return self.exploit(st, switch_cost_s, cap, batch_size)
@@ -350,7 +353,6 @@ class GammaBandit:
         st = self.state_for(batch_size, mixed)
         st.rewards[gamma].append(reward / max(1, batch_size))
         st.plays[gamma] += 1
-        st.updates += 1
         st.advance()
         self.prev_gamma = gamma
 
@@ -433,7 +435,7 @@ class Nightjar(SpeculationPolicy):
         self._prefill_tokens = self.prefill_tokens_in_pass
         if not decodes:
             return []
-        self._context = sum(r.num_computed_tokens for r in decodes) // len(decodes)
+        self._context = _mean_context(decodes)
         self._l_max = max((r.num_output_tokens - self._last_drafted.get(r.request_id, 0) for r in decodes),
                           default=0)
         on_device = getattr(self, "executor", None) is None or self.executor.draft_on_device
@@ -464,7 +466,7 @@ class Nightjar(SpeculationPolicy):
         accepted = sum(len(v) for v in result.accepted_nodes.values())
         if self._batch != len(decodes):  # draft_plan was skipped (no drafts this pass): the engine's own figures
             self._prefill_tokens = self.prefill_tokens_in_pass
-            self._context = sum(r.num_computed_tokens for r in decodes) // len(decodes)
+            self._context = _mean_context(decodes)
         reward = self._reward(result.latency_s, draft_latency_s, len(decodes), accepted)
         prev = self.bandit.prev_gamma
         if reward is not None:
@@ -510,3 +512,8 @@ class Nightjar(SpeculationPolicy):
         return {"policy": self.name, "gamma": self.gamma, "prev_gamma": self.bandit.prev_gamma,
                 "draft_on_device": bool(on.draft_on_device) if on is not None else True,
                 "offloads": self.offloads, "reloads": self.reloads}
+
+
+def _mean_context(decodes) -> int:
+    """Mean context (computed tokens) of a pass's decodes, the context its cost is priced at."""
+    return sum(r.num_computed_tokens for r in decodes) // len(decodes)
