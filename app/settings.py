@@ -66,8 +66,12 @@ class Settings(BaseSettings):
                                                               "where compiling takes minutes; graphs on GPUs)")
     vllm_max_model_len: int | None = Field(None, gt=0, description="vLLM context length (None: the model's)")
     vllm_spec_tokens: int | None = Field(None, gt=0, le=64, description="vLLM with speculation: draft tokens its "
-                                         "n-gram drafter proposes per request and step (num_speculative_tokens), "
+                                         "drafter proposes per request and step at most (num_speculative_tokens), "
                                          "of which spec_policy verifies a share (None: N for chain-N, else 8)")
+    vllm_drafter: Literal["ngram", "suffix"] = Field(
+        "ngram", description="vLLM with speculation: its drafter, 'ngram' (prompt lookup) or 'suffix' (suffix "
+                             "decoding over the prompt and earlier outputs; needs arctic-inference, which "
+                             "scripts/setup.sh installs)")
     vllm_step_log: Path | None = Field(None, description="vLLM backend: append every engine step (its batch, "
                                                           "latency and the host time before the next) to this "
                                                           "JSONL file; `coserve profile --from-steps` fits on it")

@@ -37,6 +37,7 @@ def run(policy: str, args: argparse.Namespace, out: Path) -> dict:
         cmd += ["--raw"]
     if args.spec_tokens:
         cmd += ["--spec-tokens", str(args.spec_tokens)]
+    cmd += ["--drafter", args.drafter]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--raw", action="store_true", help="the prompts as raw text, without the chat template")
     ap.add_argument("--spec-tokens", type=int, default=None,
                     help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8)")
+    ap.add_argument("--drafter", choices=("ngram", "suffix"), default="ngram",
+                    help="vLLM's drafter: n-gram prompt lookup, or suffix decoding (arctic-inference)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every policy, interleaved (round r runs each policy once): the table gives the "
                          "median speed-up over none's run of the same round, and the range")
@@ -76,7 +79,7 @@ def main() -> None:
 
 def speedup_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Table:
     """Per batch size and policy: median tok/s over the rounds, and the speed-up over none's run of each round."""
-    table = Table(title=f"vLLM speculation, SpecBench summarization{' (raw text)' if args.raw else ''}, "
+    table = Table(title=f"vLLM speculation, SpecBench summarization, {args.drafter} drafts{' (raw text)' if args.raw else ''}, "
                         f"{args.max_tokens} tokens each, dtype {args.dtype or 'bfloat16'}, {args.repeats} round(s)")
     for col in ("batch", "policy", "tok/s (median)", "x none (median)", "x none (range)", "same tokens as none",
                 "speculation state (last round)"):

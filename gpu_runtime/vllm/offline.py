@@ -95,12 +95,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="every prompt's QoS: interactive (TTFT 10 s, TBT 1 s) or batch (TTLT 1 h: offline work)")
     ap.add_argument("--spec-tokens", type=int, default=None,
                     help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8)")
+    ap.add_argument("--drafter", default="ngram", help="vLLM's drafter when speculating: ngram or suffix")
     ap.add_argument("--out", default="-", help="where the JSON goes (vLLM logs to stdout: give a file)")
     args = ap.parse_args(argv)
     from gpu_runtime.vllm.build import build_vllm_engine
 
     engine = build_vllm_engine(args.model, scheduler_policy=args.policy, spec_policy=args.spec, dtype=args.dtype,
-                               max_model_len=4096, cost_profile="auto", spec_tokens=args.spec_tokens)
+                               max_model_len=4096, cost_profile="auto", spec_tokens=args.spec_tokens,
+                               drafter=args.drafter)
     n = max(args.prompts, *args.batch)
     prompts = (summarization_prompts(args.model, n, chat=not args.raw) if args.workload == "summarization"
                else random_prompts(n, args.input_len))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_runtime.vllm.build import SPEC_MAX_TOKENS, draft_tokens, engine_args
+from gpu_runtime.vllm.build import SPEC_MAX_TOKENS, draft_tokens, engine_args, speculative_config
 
 
 def test_draft_tokens_follow_the_policy_unless_set():
@@ -20,3 +20,12 @@ def test_engine_args_ask_vllm_for_the_draft_length():
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 16
     assert engine_args("smollm2-135m", spec_policy="chain-12").speculative_config["num_speculative_tokens"] == 12
     assert engine_args("smollm2-135m").speculative_config is None
+
+
+def test_the_drafter_is_vllms_ngram_or_suffix_decoding():
+    spec = engine_args("smollm2-135m", spec_policy="nightjar", drafter="suffix", spec_tokens=32).speculative_config
+    assert spec["method"] == "suffix" and spec["num_speculative_tokens"] == 32
+    assert spec["suffix_decoding_max_tree_depth"] >= 32  # a draft is no longer than the tree is deep
+    assert speculative_config("ngram", 8)["method"] == "ngram"
+    with pytest.raises(ValueError, match="ngram, suffix"):
+        speculative_config("eagle", 8)

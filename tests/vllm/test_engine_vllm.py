@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_runtime.speculation.draft_acceptance import PositionAcceptance
+
 pytestmark = [pytest.mark.model, pytest.mark.integration]
 
 
@@ -41,6 +43,17 @@ def test_speculation_policies_are_lossless(plain_vllm, tmp_path):
         run = offline(tmp_path, "--policy", "qoserve", "--spec", spec, "--batch", "1")
         assert run["1"]["tokens"] == plain_vllm["1"]["tokens"], spec
         assert run["1"]["speculation"]["policy"] == spec and run["1"]["speculation"]["engine"] == "vllm"
+
+
+def test_suffix_decoding_drafts_are_lossless(plain_vllm, tmp_path):
+    """vLLM's suffix-decoding drafter (arctic-inference) under an adaptive policy gives plain decoding's tokens,
+    and the policy saw its drafts (it learns acceptance from the chains it verified)."""
+    run = offline(tmp_path, "--policy", "qoserve", "--spec", "adaspec", "--drafter", "suffix", "--spec-tokens", "12",
+                  "--batch", "1", "3")
+    assert run["1"]["tokens"] == plain_vllm["1"]["tokens"] and run["3"]["tokens"] == plain_vllm["3"]["tokens"]
+    spec = run["3"]["speculation"]
+    assert spec["policy"] == "adaspec" and len(spec["acceptance"]) == 12
+    assert spec["acceptance"][0] != PositionAcceptance.prior  # it learnt from the suffix drafts it verified
 
 
 def test_coserve_profile_times_the_vllm_engine(tmp_path):
