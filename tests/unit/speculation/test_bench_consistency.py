@@ -192,6 +192,21 @@ def test_a_unimodal_bucket_shares_its_cap_without_playing_the_lengths_it_ruled_o
     assert with_ties.arm_cap(16) == 1
 
 
+def test_a_batch_1_arm_counts_for_larger_buckets_only_once_it_has_the_samples_batch_1_needs():
+    # A worker's first steps run at batch 1, where one reward is one hit or miss of the drafter: one miss of
+    # gamma 1 there capped every larger bucket at gamma 0 for the rest of the run (vLLM, suffix drafts).
+    b = GammaBandit(NightjarConfig(max_gamma=5))
+    assert b.samples_needed(1) == 4
+    _feed(b, 1, [20.0], times=4)
+    b.update(1, 1, 12.0)  # gamma 1's first reward: a miss
+    assert b.arm_cap(16) == 5
+    assert b.choose(16) == 0 and not b.update(16, 0, 320.0)
+    assert b.choose(16) == 1  # the larger bucket climbs on its own evidence
+    for _ in range(3):
+        b.update(1, 1, 12.0)  # four misses in four steps: now batch 1's evidence is shared
+    assert b.arm_cap(16) == 0
+
+
 def test_exploration_skips_arms_whose_confidence_interval_cannot_reach_the_best():
     b = GammaBandit(NightjarConfig(max_gamma=2, share_across_batches=False))
     for r in (100.0, 101.0, 99.0, 100.0, 100.5, 99.5, 100.2, 99.8):
