@@ -77,14 +77,18 @@ class NightjarConfig:
     explore_reset_per_block: bool = False
     # Cap a bucket's arms by what smaller buckets learned (monotone best gamma in B, see the
     # module doc); a smaller bucket counts once each of its arms has this many rewards, and
-    # an arm within ``share_tolerance`` of its best reward still counts as best there. One
-    # reward per arm is enough where a step averages several requests (below that, the
-    # samples rule's count: ``samples_needed``): the risks are lopsided. A cap set too low by a noisy small
-    # bucket costs little above it (the best gamma only shrinks with B), while no cap makes
-    # a new large bucket play every length once more (untried arms first) plus exploration
-    # bins, each long step at gamma 5 and batch ~100 costing several plain steps.
+    # an arm within ``share_tolerance`` of its best reward still counts as best there. Before
+    # the unimodal climb (``unimodal``), no cap made a new large bucket play every length once
+    # more (untried arms first) plus exploration bins, each long step at gamma 5 and batch ~100
+    # costing several plain steps; a cap set too low by a noisy small bucket, though, holds a
+    # larger one below lengths that win there for good, so the evidence must be substantial.
     share_across_batches: bool = True
     share_min_samples: int = 1
+    # ... and each arm's rewards cover this many request-steps (rewards x the bucket's batch size). A worker's
+    # first steps run at batch 1, where a reward is one hit or miss of the drafter: with one reward (then four)
+    # enough, gamma 1's misses in the first 16 tokens of one prompt capped every larger bucket at gamma 0 for the
+    # rest of the run (vLLM, suffix drafts, raw text: 1.00x at batch 16 in one round, 1.56x in the next).
+    share_min_request_steps: int = 16
     share_tolerance: float = 0.03
     # Lemma 1's confidence radius bounds each arm's estimate with probability 1 - delta; an
     # exploration bin draws uniformly over the arms whose upper bound still reaches the best
@@ -262,11 +266,7 @@ class GammaBandit:
             if self.config.unimodal:  # lengths past the leader's neighbour are never played there: known to lose
                 means = means[:neighbour_of_leader(means) + 1]
             arms = range(len(means))
-            # an arm's mean is evidence here only once the smaller bucket's own rule would weigh it (samples_needed):
-            # one batch-1 reward is one hit or miss of the drafter, and one miss of gamma 1 in a worker's first
-            # steps capped every larger bucket at 0 for good (vLLM, suffix drafts, raw text: 1.01x at batch 16
-            # where a fixed chain gave 1.45x)
-            need = max(self.config.share_min_samples, self.samples_needed(other))
+            need = max(self.config.share_min_samples, -(-self.config.share_min_request_steps // other))
             if any(m is None or len(st.rewards[g]) < need for g, m in zip(arms, means)):
                 continue  # not learned yet: no evidence to share
             best = max(means)

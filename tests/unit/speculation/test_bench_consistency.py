@@ -173,8 +173,10 @@ def test_larger_batches_only_play_lengths_that_won_at_smaller_ones():
 
 def test_arm_cap_ignores_buckets_without_enough_data_and_keeps_near_ties():
     b = GammaBandit(NightjarConfig(max_gamma=3, share_tolerance=0.05, unimodal=False))
-    _feed(b, 4, [10.0, 11.0, 10.6], times=2)  # gamma 3 never tried at batch 4: no evidence yet
+    _feed(b, 4, [10.0, 11.0, 10.6], times=4)  # gamma 3 never tried at batch 4: no evidence yet
     assert b.arm_cap(32) == 3
+    _feed(b, 4, [10.0, 11.0, 10.6, 5.0], times=3)
+    assert b.arm_cap(32) == 3  # 3 rewards of gamma 3 at batch 4 cover 12 request-steps: not yet 16
     _feed(b, 4, [10.0, 11.0, 10.6, 5.0], times=1)
     assert b.arm_cap(32) == 2  # 10.6 is within 5% of 11: gamma 2 may still win above
 
@@ -184,26 +186,26 @@ def test_a_unimodal_bucket_shares_its_cap_without_playing_the_lengths_it_ruled_o
     # not count as "not learned": larger batches would then play every length again (vLLM, SpecBench
     # summarization on the CPU: Nightjar 0.97x no speculation at batch 16 and 32).
     b = GammaBandit(NightjarConfig(max_gamma=5))
-    _feed(b, 1, [20.0, 16.0])  # gamma 0 wins clearly; 2..5 never played
+    _feed(b, 1, [20.0, 16.0], times=16)  # gamma 0 wins clearly over 16 steps each; 2..5 never played
     assert b.arm_cap(16) == 0 and b.arm_cap(32) == 0
     assert {b.choose(32) for _ in range(50) if not b.update(32, 0, 640.0)} == {0}
     with_ties = GammaBandit(NightjarConfig(max_gamma=5, share_tolerance=0.05))
-    _feed(with_ties, 1, [20.0, 19.5, 15.0])  # gamma 1 within 5% of the leader: may still win above
+    _feed(with_ties, 1, [20.0, 19.5, 15.0], times=16)  # gamma 1 within 5% of the leader: may still win above
     assert with_ties.arm_cap(16) == 1
 
 
-def test_a_batch_1_arm_counts_for_larger_buckets_only_once_it_has_the_samples_batch_1_needs():
+def test_a_smaller_buckets_arm_caps_larger_ones_only_once_its_rewards_cover_enough_request_steps():
     # A worker's first steps run at batch 1, where one reward is one hit or miss of the drafter: one miss of
     # gamma 1 there capped every larger bucket at gamma 0 for the rest of the run (vLLM, suffix drafts).
-    b = GammaBandit(NightjarConfig(max_gamma=5))
-    assert b.samples_needed(1) == 4
-    _feed(b, 1, [20.0], times=4)
-    b.update(1, 1, 12.0)  # gamma 1's first reward: a miss
+    b = GammaBandit(NightjarConfig(max_gamma=5, share_min_request_steps=16))
+    _feed(b, 1, [20.0], times=16)
+    for _ in range(4):
+        b.update(1, 1, 12.0)  # gamma 1 missed four times (the samples rule's count at batch 1): a few tokens' luck
     assert b.arm_cap(16) == 5
     assert b.choose(16) == 0 and not b.update(16, 0, 320.0)
     assert b.choose(16) == 1  # the larger bucket climbs on its own evidence
-    for _ in range(3):
-        b.update(1, 1, 12.0)  # four misses in four steps: now batch 1's evidence is shared
+    for _ in range(12):
+        b.update(1, 1, 12.0)  # 16 request-steps of misses: now batch 1's evidence is shared
     assert b.arm_cap(16) == 0
 
 
