@@ -43,7 +43,9 @@ if python -c "import vllm" 2>/dev/null && ! python -c "import arctic_inference" 
   echo "[setup] building arctic-inference 0.3.0 (vLLM's suffix decoding)"
   pins="$(mktemp)"
   python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$pins"
-  PIP_CONSTRAINT="$pins" pip install -q --no-deps "arctic-inference==${COSERVE_ARCTIC_VERSION:-0.3.0}"
+  PIP_CONSTRAINT="$pins" pip install -q --no-deps "arctic-inference==${COSERVE_ARCTIC_VERSION:-0.3.0}" \
+    || echo "[setup] arctic-inference did not build (a C++ compiler is needed): the n-gram drafter still works," \
+            "COSERVE_VLLM_DRAFTER=suffix will not" >&2
   rm -f "$pins"
 fi
 pip install -q -e ".[test,postgres]"
