@@ -58,8 +58,8 @@ def main() -> None:
     ap.add_argument("--raw", action="store_true", help="the prompts as raw text, without the chat template")
     ap.add_argument("--spec-tokens", type=int, default=None,
                     help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8)")
-    ap.add_argument("--drafter", choices=("ngram", "suffix"), default="ngram",
-                    help="vLLM's drafter: n-gram prompt lookup, or suffix decoding (arctic-inference)")
+    ap.add_argument("--drafter", default="ngram",
+                    help="vLLM's drafter: ngram (prompt lookup) or suffix (suffix decoding, arctic-inference)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every policy, interleaved (round r runs each policy once): the table gives the "
                          "median speed-up over none's run of the same round, and the range")

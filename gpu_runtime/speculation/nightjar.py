@@ -76,18 +76,18 @@ class NightjarConfig:
     # False keeps counting bins, so exploration keeps decaying (less regret on short runs).
     explore_reset_per_block: bool = False
     # Cap a bucket's arms by what smaller buckets learned (monotone best gamma in B, see the
-    # module doc); a smaller bucket counts once each of its arms has this many rewards, and
-    # an arm within ``share_tolerance`` of its best reward still counts as best there. Before
-    # the unimodal climb (``unimodal``), no cap made a new large bucket play every length once
-    # more (untried arms first) plus exploration bins, each long step at gamma 5 and batch ~100
+    # module doc); a smaller bucket counts once each of its arms has rewards covering
+    # ``share_min_request_steps`` request-steps (rewards x the bucket's batch size), and an arm
+    # within ``share_tolerance`` of its best reward still counts as best there. Before the
+    # unimodal climb (``unimodal``), no cap made a new large bucket play every length once more
+    # (untried arms first) plus exploration bins, each long step at gamma 5 and batch ~100
     # costing several plain steps; a cap set too low by a noisy small bucket, though, holds a
-    # larger one below lengths that win there for good, so the evidence must be substantial.
+    # larger one below lengths that win there for good, so the evidence must be substantial. A
+    # worker's first steps run at batch 1, where a reward is one hit or miss of the drafter: with
+    # one reward (then four) enough, gamma 1's misses in the first 16 tokens of one prompt capped
+    # every larger bucket at gamma 0 for the rest of the run (vLLM, suffix drafts, raw text: 1.00x
+    # at batch 16 in one round, 1.56x in the next).
     share_across_batches: bool = True
-    share_min_samples: int = 1
-    # ... and each arm's rewards cover this many request-steps (rewards x the bucket's batch size). A worker's
-    # first steps run at batch 1, where a reward is one hit or miss of the drafter: with one reward (then four)
-    # enough, gamma 1's misses in the first 16 tokens of one prompt capped every larger bucket at gamma 0 for the
-    # rest of the run (vLLM, suffix drafts, raw text: 1.00x at batch 16 in one round, 1.56x in the next).
     share_min_request_steps: int = 16
     share_tolerance: float = 0.03
     # Lemma 1's confidence radius bounds each arm's estimate with probability 1 - delta; an
@@ -219,6 +219,12 @@ class _BinState:
                 self.bin = 1
 
 
+def rewards_covering(request_steps: int, batch_size: int) -> int:
+    """Rewards of a bucket at ``batch_size`` that cover ``request_steps`` request-steps (a reward averages its
+    batch), at least one."""
+    return max(1, -(-request_steps // max(1, batch_size)))
+
+
 def neighbour_of_leader(means: list[float | None]) -> int:
     """One above the arm (index) with the best mean among those tried (0 before any reward)."""
     tried = [(m, g) for g, m in enumerate(means) if m is not None]
@@ -266,7 +272,7 @@ class GammaBandit:
             if self.config.unimodal:  # lengths past the leader's neighbour are never played there: known to lose
                 means = means[:neighbour_of_leader(means) + 1]
             arms = range(len(means))
-            need = max(self.config.share_min_samples, -(-self.config.share_min_request_steps // other))
+            need = rewards_covering(self.config.share_min_request_steps, other)
             if any(m is None or len(st.rewards[g]) < need for g, m in zip(arms, means)):
                 continue  # not learned yet: no evidence to share
             best = max(means)
@@ -298,7 +304,7 @@ class GammaBandit:
     def samples_needed(self, batch_size: int) -> int:
         """Rewards an arm gets before exploitation and the unimodal climb weigh its mean: enough to cover
         ``sample_min_request_steps`` request-steps (1 at batch sizes from that on)."""
-        return max(1, -(-self.config.sample_min_request_steps // max(1, batch_size)))
+        return rewards_covering(self.config.sample_min_request_steps, batch_size)
 
     def leader_neighbour(self, st: _BinState, cap: int, noisy: bool = False) -> int:
         """One above the highest arm that may still be the best (0 before any reward): the leader by mean
@@ -321,7 +327,7 @@ class GammaBandit:
         delta = self.config.explore_delta
         if delta is None:
             return arms
-        min_samples = -(-self.config.explore_min_request_steps // max(1, batch_size))
+        min_samples = rewards_covering(self.config.explore_min_request_steps, batch_size)
         bounds = {g: (m, st.radius(g, delta, min_samples)) for g in arms if (m := st.mean(g)) is not None}
         if not bounds:
             return arms
