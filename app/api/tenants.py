@@ -11,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.auth import announce_revocation, create_key, create_tenant
+from app.db.session import write_guard
 from app.db.models import ApiKey, Tenant
 from app.schemas import KeyCreated, KeyPublic, TenantCreate
 
@@ -48,8 +49,10 @@ def create_key_route(tenant_id: str, session: SessionDep, settings: SettingsDep,
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
     if tier is not None and tier not in settings.tiers:
         raise unprocessable(f"unknown tier {tier!r}; choose one of {list(settings.tiers)}", "query", "tier")
-    key, plaintext = create_key(session, tenant, tier=tier, is_admin=admin)
-    session.commit()
+    session.commit()  # end the read: SQLite refuses to turn it into a write once another writer has committed
+    with write_guard(session):
+        key, plaintext = create_key(session, tenant, tier=tier, is_admin=admin)
+        session.commit()
     return KeyCreated(tenant_id=tenant.id, key_id=key.id, api_key=plaintext, tier=tier or tenant.default_tier,
                       is_admin=key.is_admin)
 
@@ -71,8 +74,10 @@ def revoke_key_route(key_id: str, request: Request, session: SessionDep, setting
     if key is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no API key {key_id!r}")
     if not key.revoked:
-        key.revoked = True
-        session.commit()
+        session.commit()  # end the read (as above)
+        with write_guard(session):
+            key.revoked = True
+            session.commit()
         log.info("revoked API key %s", key.id)
     key_cache(request).clear()
     announce_revocation(settings.redis_url)  # also when it was already revoked: a retry repairs a lost one
