@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.executor.base import StepResult
-from gpu_runtime.speculation.draft_acceptance import PositionAcceptance
+from gpu_runtime.speculation.draft_acceptance import ProposalAcceptance
 from gpu_runtime.speculation.registry import create_policy
 from gpu_runtime.speculation.token_tree import TokenTree
 
@@ -54,8 +54,10 @@ class DraftLengths:
         # the policy's lengths go up to what vLLM drafts (num_speculative_tokens), no further
         self.policy = create_policy(name, executor=_DraftExecutor(cost_model), longest_draft=longest_draft,
                                     chains_only=True)
-        self.acceptance = PositionAcceptance(longest_draft)  # of vLLM's drafts, by position: path probabilities
+        # of vLLM's drafts, by position and size of proposal: the path probabilities the policies rank with
+        self.acceptance = ProposalAcceptance(longest_draft)
         self.kept: dict[str, int] = {}  # request -> draft tokens verified in the step in flight
+        self.proposed: dict[str, int] = {}  # request -> draft tokens vLLM proposed for the step in flight
         self._decodes: list[Request] = []
         self._selected: dict[str, TokenTree] = {}
         self._t0 = 0.0
@@ -64,6 +66,7 @@ class DraftLengths:
         """Before vLLM schedules the step: keep the policy's share of each decode's draft tokens."""
         self.kept, self._t0 = {}, time.perf_counter()
         drafted = [(m, v) for m, v in decodes if v.spec_token_ids]
+        self.proposed = {m.request_id: len(v.spec_token_ids) for m, v in drafted}
         self._decodes = [m for m, _ in decodes]
         self._selected = {}
         policy = self.policy  # what the pass carries besides its decodes, drafts or not (observe reads it too)
@@ -77,7 +80,8 @@ class DraftLengths:
             d = depth.get(m.request_id, 0)
             if d > 0:
                 tokens = list(v.spec_token_ids[:d])
-                candidates[m.request_id] = TokenTree.chain(tokens, self.acceptance.conditionals(len(tokens)))
+                rates = self.acceptance.conditionals(len(tokens), proposed=len(v.spec_token_ids))
+                candidates[m.request_id] = TokenTree.chain(tokens, rates)
         self._selected = policy.select(self._decodes, candidates, now) if candidates else {}
         for m, v in drafted:
             tree = self._selected.get(m.request_id)
@@ -95,11 +99,11 @@ class DraftLengths:
                             latency_s=latency)
         self.policy.observe(self._decodes, self._selected, result, 0.0, now)
         for rid, k in self.kept.items():
-            self.acceptance.observe(k, min(accepted.get(rid, 0), k))
+            self.acceptance.observe(self.proposed[rid], k, min(accepted.get(rid, 0), k))
         self._decodes = []
 
     def state(self) -> dict[str, object]:
-        rates = self.acceptance.conditionals(self.acceptance.longest)
+        rates = self.acceptance.rates
         return {**self.policy.state(), "engine": "vllm", "acceptance": [round(q, 3) for q in rates]}
 
 

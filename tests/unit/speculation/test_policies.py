@@ -305,6 +305,43 @@ def test_position_acceptance_learns_each_position_of_a_copying_drafter():
     assert acc.conditionals(10)[8:] == [acc.conditionals(8)[7]] * 2  # past the longest: the last rate
 
 
+def test_position_acceptance_leaves_the_prior_as_fast_at_deep_positions_as_at_the_first():
+    """Few chains reach a deep position: its rate is the mean of what it saw (the prior counting as one) until the
+    EMA's window is reached, not an EMA that creeps away from the prior."""
+    from gpu_runtime.speculation.draft_acceptance import PositionAcceptance
+
+    acc = PositionAcceptance(longest=12, prior=0.6, weight=0.02)
+    for _ in range(9):  # nine 12-token chains, all accepted
+        acc.observe(12, 12)
+    q = acc.conditionals(12)
+    assert q == [q[0]] * 12 and abs(q[0] - (0.6 + 9) / 10) < 1e-9  # (prior + 9 hits) / 10
+    for _ in range(500):  # past 1/weight tokens it forgets at the EMA's rate
+        acc.observe(1, 0)
+    assert acc.conditionals(1)[0] < 0.01
+
+
+def test_proposal_acceptance_keeps_a_self_sizing_drafters_long_proposals_apart_from_its_guesses():
+    """Suffix decoding proposes many tokens when its tree is confident and one when it guesses: the rates of a long
+    proposal come from long proposals once they have enough, the pooled rates before and for unseen sizes."""
+    from gpu_runtime.speculation.draft_acceptance import ProposalAcceptance, size_class
+
+    assert [size_class(n) for n in (0, 1, 2, 3, 4, 7, 8, 12, 16)] == [1, 1, 2, 2, 3, 3, 4, 4, 5]
+    acc = ProposalAcceptance(longest=12, min_seen=8)
+    for _ in range(4):
+        acc.observe(12, 12, 12)  # confident proposals: every token accepted
+    assert acc.conditionals(12, proposed=12) == acc.pooled.conditionals(12)  # too few yet: the pooled rates
+    for _ in range(40):
+        acc.observe(12, 12, 12)
+        for _ in range(3):
+            acc.observe(1, 1, 0)  # guesses: rejected
+    long, guess, pooled = acc.conditionals(12, proposed=12), acc.conditionals(1, proposed=1), acc.pooled.conditionals(1)
+    assert long[0] > 0.95 and guess[0] < 0.1 and guess[0] < pooled[0] < long[0]
+    assert acc.conditionals(12, proposed=5) == acc.pooled.conditionals(12)  # a size never proposed: pooled
+    assert acc.conditionals(4, proposed=9) == long[:4]  # 9 is in 12's class
+    acc.observe(12, 6, 6)  # trimmed to 6 and all accepted: positions 1..6 of the class learn, 7.. do not
+    assert acc.by_size[4].seen[5] == 45 and acc.by_size[4].seen[6] == 44
+
+
 def test_adaserve_budget_from_cost_model_knee():
     from gpu_runtime.costmodel.base import batch_time
     from gpu_runtime.costmodel.profile import A100_PROFILE, load_cost_model
