@@ -210,7 +210,8 @@ class AdaServe(SpeculationPolicy):
             return timed
         if self.step_cost.fitted and self.step_cost.gamma > 0:
             context = sum(r.num_computed_tokens for r in decodes)
-            return lambda k: self.step_cost.predict(context, len(decodes) + k)
+            prompt = self.prefill_tokens_in_pass
+            return lambda k: self.step_cost.predict(context, len(decodes) + k, prompt)
         return None
 
     def observe(self, decodes, selected, result, draft_latency_s, now):
@@ -221,7 +222,7 @@ class AdaServe(SpeculationPolicy):
         self.t_draft.update(draft_latency_s)
         context = sum(r.num_computed_tokens for r in decodes)
         tokens = len(decodes) + sum(len(t) for t in selected.values())
-        self.step_cost.observe(context, tokens, result.latency_s)
+        self.step_cost.observe(context, tokens, result.latency_s, self.prefill_tokens_in_pass)
         acc = sum(len(v) for v in result.accepted_nodes.values())
         self._accepted.update(1.0 + acc / len(decodes))
 

@@ -22,9 +22,10 @@ time; with the per-token target alone, a pass of 35 decodes with 2 draft tokens 
 coding request's 18.3 ms and capped every chain at one token.
 
 A co-serving pass also runs the iteration's prefill chunks: the target's fit counts every
-token of the pass (fitted on decode tokens alone, the chunks' time made each tree token look
-several times dearer than it is), the goodput's time is the whole pass, and Alg. 3's TPOT
-check reads the decode part.
+token of the pass, the chunks' tokens at a price of their own (fitted on decode tokens alone, the
+chunks' time made each tree token look several times dearer than it is; fitted with the chunks'
+tokens as decode tokens, it looked half as dear as it is: ``LinearStepCost``), the goodput's time is
+the whole pass, and Alg. 3's TPOT check reads the decode part.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class AdaSpec(SpeculationPolicy):
         """(whole step, its decode part): drafting plus the target pass with and without the pass's prefill
         chunks (Alg. 3's TPOT check reads the decode part)."""
         decode = self.target_cost.predict(context, n + verified)
-        return draft_s + self.target_cost.predict(context, n + verified + self._prefill), draft_s + decode
+        return draft_s + self.target_cost.predict(context, n + verified, self._prefill), draft_s + decode
 
     def plan_length(self, n: int, context: int, tpot_limit: float | None) -> int:
         """Alg. 1: extend the chain while the predicted goodput rises (first local maximum)."""
@@ -228,7 +229,8 @@ class AdaSpec(SpeculationPolicy):
                 break
         out = {rid: chains[rid][0].subtree(list(range(k))) for rid, k in keep.items() if k > 0}
         if self.config.min_prob_beyond_slack > 0 and self.pass_spare_s is not None and out:
-            out = likely_beyond_slack(out, lambda tokens: self.target_cost.predict(context, tokens), len(decodes),
+            out = likely_beyond_slack(out, lambda tokens: self.target_cost.predict(context, tokens - self._prefill,
+                                                                                  self._prefill), len(decodes),
                                       self._prefill, self.pass_spare_s, self.config.min_prob_beyond_slack)
             keep = {rid: len(out.get(rid, ())) for rid in keep}
         self._verified = {rid: sum(rates[rid][:k]) for rid, k in keep.items()}
@@ -259,7 +261,7 @@ class AdaSpec(SpeculationPolicy):
         n = len(decodes)
         context = sum(r.num_computed_tokens for r in decodes)
         verified = sum(len(t) for t in selected.values())
-        self.target_cost.observe(context, n + verified + self._prefill, result.latency_s)  # every token of the pass
+        self.target_cost.observe(context, n + verified, result.latency_s, self._prefill)  # every token of the pass
         if self._length > 0:  # a draft timed at 0 is free: vLLM's n-gram drafter runs inside the pass it verifies
             self.draft_cost.observe(context, n, draft_latency_s / self._length)
         if self.config.calibrate and selected:

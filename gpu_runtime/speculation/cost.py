@@ -2,7 +2,12 @@
 
 ``LinearStepCost`` is AdaSpec's time model T = alpha*N_c + gamma*N_b + delta (section
 4.1), fitted online by least squares from observed passes (or seeded from the cost
-model's profile). ``knee_budget`` turns a latency-vs-tokens curve into AdaServe's
+model's profile). A co-serving pass also carries prompt chunks, whose tokens cost less each
+than decode and draft tokens (a matrix product over a chunk against one row per request, and
+attention over the chunk's own prefix rather than a whole context): they get their own price,
+gamma_p * N_p. Lumped into N_b, the chunks pulled the fitted price of a draft token down (vLLM
+on CPU, batch 16, chat prompts: 0.79 ms a token, against 1.49 ms with the chunks apart) and
+AdaSpec verified chains that cost more than they gained (0.82-0.86x no speculation). ``knee_budget`` turns a latency-vs-tokens curve into AdaServe's
 verification budget B: the largest batch whose latency stays within a tolerance of the
 one-token pass (the roofline knee, preprint section 5; DESIGN.md: from the profile).
 """
@@ -22,24 +27,27 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LinearStepCost:
-    """T(N_c, N_b) = alpha*N_c + gamma*N_b + delta (AdaSpec eq. 1), fitted online."""
+    """T(N_c, N_b, N_p) = alpha*N_c + gamma*N_b + gamma_p*N_p + delta (AdaSpec eq. 1, with a pass's prompt
+    tokens N_p priced apart), fitted online."""
 
     alpha: float = 0.0  # seconds per context token attended
-    gamma: float = 0.0  # seconds per token in the batch
+    gamma: float = 0.0  # seconds per decode or draft token in the batch
     delta: float = 0.0  # fixed cost of a pass
+    gamma_prompt: float | None = None  # seconds per prompt token; None (no pass with one observed yet): gamma
     window: int = 256  # observations kept for the fit
     min_samples: int = 8
     _obs: deque = field(default_factory=deque, repr=False)
 
-    def predict(self, num_context: float, num_batch: float) -> float:
-        return max(0.0, self.alpha * num_context + self.gamma * num_batch + self.delta)
+    def predict(self, num_context: float, num_batch: float, num_prompt: float = 0.0) -> float:
+        per_prompt_token = self.gamma if self.gamma_prompt is None else self.gamma_prompt
+        return max(0.0, self.alpha * num_context + self.gamma * num_batch + per_prompt_token * num_prompt + self.delta)
 
     @property
     def fitted(self) -> bool:
         return len(self._obs) >= self.min_samples or self.gamma > 0 or self.delta > 0
 
-    def observe(self, num_context: float, num_batch: float, latency_s: float) -> None:
-        self._obs.append((float(num_context), float(num_batch), float(latency_s)))
+    def observe(self, num_context: float, num_batch: float, latency_s: float, num_prompt: float = 0.0) -> None:
+        self._obs.append((float(num_context), float(num_batch), float(num_prompt), float(latency_s)))
         while len(self._obs) > self.window:
             self._obs.popleft()
         if len(self._obs) >= self.min_samples:
@@ -47,8 +55,14 @@ class LinearStepCost:
 
     def _fit(self) -> None:
         data = np.asarray(self._obs)
-        self.alpha, self.gamma, self.delta = nonnegative_fit(
-            np.column_stack([data[:, 0], data[:, 1], np.ones(len(data))]), data[:, 2])
+        ones = np.ones(len(data))
+        if not data[:, 2].any():  # no prompt tokens in the window: nothing to price them by
+            self.alpha, self.gamma, self.delta = nonnegative_fit(np.column_stack([data[:, 0], data[:, 1], ones]),
+                                                                 data[:, 3])
+            self.gamma_prompt = None
+            return
+        self.alpha, self.gamma, self.gamma_prompt, self.delta = nonnegative_fit(
+            np.column_stack([data[:, 0], data[:, 1], data[:, 2], ones]), data[:, 3])
 
     @classmethod
     def from_points(cls, points: list[tuple[float, float, float]]) -> LinearStepCost:

@@ -50,6 +50,22 @@ def test_linear_cost_fit_recovers_coefficients():
     assert cost.delta == pytest.approx(0.02, rel=1e-6)
 
 
+def test_linear_cost_prices_a_passs_prompt_tokens_apart_from_its_decode_and_draft_tokens():
+    """Chunks of prompt cost less a token than decode and draft tokens; lumped together, a draft token looks cheap."""
+    cost = LinearStepCost()
+    for nb in (16, 24, 40, 56):
+        cost.observe(16_000, nb, 0.015 + 1.5e-3 * nb)  # plain decode passes
+        for np_ in (256, 512, 1024):
+            cost.observe(16_000, nb, 0.015 + 1.5e-3 * nb + 0.8e-3 * np_, np_)  # passes with a prompt chunk
+    assert cost.gamma == pytest.approx(1.5e-3, rel=1e-3) and cost.gamma_prompt == pytest.approx(0.8e-3, rel=1e-3)
+    assert cost.predict(16_000, 40, 512) == pytest.approx(0.015 + 0.06 + 0.4096, rel=1e-3)
+    lumped = LinearStepCost()  # the same passes, prompt tokens counted as batch tokens
+    for nc, nb, npr, t in cost._obs:
+        lumped.observe(nc, nb + npr, t)
+    assert lumped.gamma < 0.9e-3 and lumped.gamma_prompt is None
+    assert lumped.predict(0, 10, 5) == pytest.approx(lumped.predict(0, 15))  # no prompt token seen: a batch token
+
+
 def test_adaserve_depth_width_follow_load():
     pol = AdaServe(AdaServeConfig(d_min=2, d_max=8, w_max=3, c1=1, c2=0, draft_budget=12))
     assert pol.shape(1, budget=64) == (8, 3)  # light load: deepest, widest
