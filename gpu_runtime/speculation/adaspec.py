@@ -90,7 +90,6 @@ class AdaSpec(SpeculationPolicy):
         self._length = 0
         self._verified: dict[str, int] = {}
         self._free_draft = False  # this step drafted max_length: Alg. 1 stops on real confidences in select
-        self._prefill = 0  # prompt tokens in this iteration's pass (the engine's prefill_tokens_in_pass)
         # A draft model's step: (requests, context tokens, tightest TPOT) for ``keep_drafting``, and the
         # expected tokens (bonus included) and verified tokens of the depths drafted so far.
         self._step_plan: tuple[int, int, float | None] | None = None
@@ -122,7 +121,7 @@ class AdaSpec(SpeculationPolicy):
         """(whole step, its decode part): drafting plus the target pass with and without the pass's prefill
         chunks (Alg. 3's TPOT check reads the decode part)."""
         decode = self.target_cost.predict(context, n + verified)
-        return draft_s + self.target_cost.predict(context, n + verified, self._prefill), draft_s + decode
+        return draft_s + self.target_cost.predict(context, n + verified, self.prefill_tokens_in_pass), draft_s + decode
 
     def plan_length(self, n: int, context: int, tpot_limit: float | None) -> int:
         """Alg. 1: extend the chain while the predicted goodput rises (first local maximum)."""
@@ -145,7 +144,6 @@ class AdaSpec(SpeculationPolicy):
         cfg = self.config
         self._free_draft = False
         self._step_plan = None
-        self._prefill = self.prefill_tokens_in_pass
         if self._steps <= cfg.warmup_steps or not (self.target_cost.fitted and self.draft_cost.fitted):
             self._length = 1 + (self._steps - 1) % cfg.max_length  # spread N_b so the fit is identifiable
         else:
@@ -229,9 +227,9 @@ class AdaSpec(SpeculationPolicy):
                 break
         out = {rid: chains[rid][0].subtree(list(range(k))) for rid, k in keep.items() if k > 0}
         if self.config.min_prob_beyond_slack > 0 and self.pass_spare_s is not None and out:
-            out = likely_beyond_slack(out, lambda tokens: self.target_cost.predict(context, tokens - self._prefill,
-                                                                                  self._prefill), len(decodes),
-                                      self._prefill, self.pass_spare_s, self.config.min_prob_beyond_slack)
+            prompt = self.prefill_tokens_in_pass
+            out = likely_beyond_slack(out, lambda tokens: self.target_cost.predict(context, tokens - prompt, prompt),
+                                      len(decodes), prompt, self.pass_spare_s, self.config.min_prob_beyond_slack)
             keep = {rid: len(out.get(rid, ())) for rid in keep}
         self._verified = {rid: sum(rates[rid][:k]) for rid, k in keep.items()}
         return out
@@ -261,7 +259,10 @@ class AdaSpec(SpeculationPolicy):
         n = len(decodes)
         context = sum(r.num_computed_tokens for r in decodes)
         verified = sum(len(t) for t in selected.values())
-        self.target_cost.observe(context, n + verified, result.latency_s, self._prefill)  # every token of the pass
+        # every token of the pass; the prompt tokens as the engine set them for this pass, also when it had no drafts
+        # and draft_plan did not run (a value kept from the last draft_plan priced a 1.6 s pass with a 2,048-token
+        # chunk as a plain decode pass, and the fit put every pass's time into delta)
+        self.target_cost.observe(context, n + verified, result.latency_s, self.prefill_tokens_in_pass)
         if self._length > 0:  # a draft timed at 0 is free: vLLM's n-gram drafter runs inside the pass it verifies
             self.draft_cost.observe(context, n, draft_latency_s / self._length)
         if self.config.calibrate and selected:
