@@ -1,7 +1,6 @@
 """Nightjar: when (and how much) to speculate, plus elastic draft memory.
 
-* A bandit per batch-size bucket over gamma in {0..G_max} (0 = no speculation; past 4 a geometric
-  grid of lengths, ``gamma_arms``), with
+* A bandit per batch-size bucket over gamma in {0..G_max} (0 = no speculation), with
   ADA-BINGREEDY time structure (Algorithm 1): bins of sqrt(H) rounds, sqrt(H) bins per
   block, H doubling per block; a bin explores with probability 1/sqrt(b). Untried arms
   are played first (DESIGN.md decision).
@@ -68,14 +67,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class NightjarConfig:
     max_gamma: int = 5  # Gamma_max: arms 0..max_gamma
-    # Every length up to ``dense_arms`` is an arm; past it each arm is ``arm_ratio`` times the one before (rounded
-    # up), the last one max_gamma. The paper's Gamma_max is a few tokens; vLLM's drafters propose up to 24 here, and
-    # with an arm per length the unimodal climb stalled: suffix decoding sizes its own proposals, so gamma 6 and 7
-    # differ only on the few steps it proposes more than 6, a difference one step's noise at batch 1 hides (vLLM,
-    # raw SpecBench text, batch 1: the bandit settled on gamma 5-6 while most of the gain came from 12-token
-    # proposals). A grid step is a difference the rewards can show.
-    dense_arms: int = 4
-    arm_ratio: float = 1.5
     window: int = 32  # rewards kept per arm (recent ones: the environment drifts)
     bucket_batch_sizes: bool = True  # share statistics across batch sizes of one power of two
     tau_low: float = 0.10  # free-KV threshold (share of blocks) for offloading the draft
@@ -228,15 +219,6 @@ class _BinState:
                 self.bin = 1
 
 
-def gamma_arms(max_gamma: int, dense: int = 4, ratio: float = 1.5) -> list[int]:
-    """The lengths a bandit plays: 0..dense, then a geometric grid (each ``ratio`` times the last, rounded up)
-    ending at ``max_gamma`` (``NightjarConfig.dense_arms``)."""
-    arms = list(range(min(dense, max_gamma) + 1))
-    while arms[-1] < max_gamma:
-        arms.append(min(max_gamma, max(arms[-1] + 1, math.ceil(arms[-1] * ratio))))
-    return arms
-
-
 def rewards_covering(request_steps: int, batch_size: int) -> int:
     """Rewards of a bucket at ``batch_size`` that cover ``request_steps`` request-steps (a reward averages its
     batch), at least one."""
@@ -250,12 +232,10 @@ def neighbour_of_leader(means: list[float | None]) -> int:
 
 
 class GammaBandit:
-    """The arm-selection part of Nightjar, usable without an engine (tests, simulation). ``choose`` and ``update``
-    speak lengths (gamma); inside, arm i plays ``gammas[i]`` (caps, bounds and means are by arm)."""
+    """The arm-selection part of Nightjar, usable without an engine (tests, simulation)."""
 
     def __init__(self, config: NightjarConfig | None = None) -> None:
         self.config = config or NightjarConfig()
-        self.gammas = gamma_arms(self.config.max_gamma, self.config.dense_arms, self.config.arm_ratio)
         self.rng = random.Random(self.config.seed)
         self.states: dict[int, _BinState] = {}  # by batch-size bucket: plain decode passes
         self.mixed_states: dict[int, _BinState] = {}  # the same for passes that also carry prompt chunks
@@ -273,16 +253,16 @@ class GammaBandit:
         """The statistics of ``batch_size``'s bucket, for passes with (``mixed``) or without prompt chunks."""
         key, states = self.bucket(batch_size), self._states(mixed)
         if key not in states:
-            states[key] = _BinState(len(self.gammas), self.config.window,
+            states[key] = _BinState(self.config.max_gamma + 1, self.config.window,
                                     reset_per_block=self.config.explore_reset_per_block)
         return states[key]
 
     def arm_cap(self, batch_size: int, mixed: bool = False) -> int:
-        """Largest arm bucket ``batch_size`` may play: the smallest over smaller buckets
+        """Largest gamma bucket ``batch_size`` may play: the smallest over smaller buckets
         with enough data of the largest gamma (near) best there (Gamma_max if none). With
         ``unimodal``, a smaller bucket has enough data once the arms up to its leader's
         neighbour have it (it never plays the longer ones, which goodput's unimodality rules out)."""
-        cap = len(self.gammas) - 1
+        cap = self.config.max_gamma
         if not self.config.share_across_batches:
             return cap
         key, states = self.bucket(batch_size), self._states(mixed)
@@ -304,10 +284,6 @@ class GammaBandit:
 
     def choose(self, batch_size: int, switch_cost_s: float = 0.0, mixed: bool = False) -> int:
         """Gamma for a pass of ``batch_size`` decodes; ``mixed``: the pass also carries prompt chunks."""
-        return self.gammas[self.choose_arm(batch_size, switch_cost_s, mixed)]
-
-    def choose_arm(self, batch_size: int, switch_cost_s: float = 0.0, mixed: bool = False) -> int:
-        """The arm (an index of ``gammas``) for a pass of ``batch_size`` decodes."""
         st = self.state_for(batch_size, mixed)
         cap = self.arm_cap(batch_size, mixed)
         need = self.samples_needed(batch_size)
@@ -374,7 +350,7 @@ class GammaBandit:
                 continue
             cost = 1.0 / (m * max(1, batch_size))
             if self.prev_gamma == 0 and g > 0:
-                cost += switch_cost_s / self.gammas[g]
+                cost += switch_cost_s / g
             if cost < best_cost:
                 best, best_cost = g, cost
         return best
@@ -384,11 +360,10 @@ class GammaBandit:
         (g / B): at one batch size that ranks arms exactly as g does (eq. 1), and within a
         bucket of batch sizes it removes the dominant confound, goodput growing with B, so
         arms played at different batch sizes of the bucket stay comparable. ``mixed``: the pass
-        also carried prompt chunks (kept apart: ``Nightjar._reward``). ``gamma`` is one of ``gammas``."""
+        also carried prompt chunks (kept apart: ``Nightjar._reward``)."""
         st = self.state_for(batch_size, mixed)
-        arm = self.gammas.index(gamma)
-        st.rewards[arm].append(reward / max(1, batch_size))
-        st.plays[arm] += 1
+        st.rewards[gamma].append(reward / max(1, batch_size))
+        st.plays[gamma] += 1
         st.advance()
         self.prev_gamma = gamma
 
@@ -398,7 +373,7 @@ class Nightjar(SpeculationPolicy):
 
     @classmethod
     def drafting_up_to(cls, longest: int, chains_only: bool = False) -> dict[str, int]:
-        return {"max_gamma": longest}  # arms 0..longest (gamma_arms)
+        return {"max_gamma": longest}  # arms 0..longest
 
     def __init__(self, config: NightjarConfig | None = None,
                  switch_cost: Callable[[int, int], float | None] | None = None, **overrides) -> None:
