@@ -66,6 +66,29 @@ def test_linear_cost_prices_a_passs_prompt_tokens_apart_from_its_decode_and_draf
     assert lumped.predict(0, 10, 5) == pytest.approx(lumped.predict(0, 15))  # no prompt token seen: a batch token
 
 
+def test_adaspecs_time_model_prices_a_draft_tokens_attention_over_its_requests_context():
+    """A verified draft token reads its request's whole context, as its decode token does: at long contexts a draft
+    token costs more. With N_c the contexts alone, the fit prices every draft token alike, at its mean."""
+    from gpu_runtime.speculation.adaspec import _attended
+
+    def true_time(n: int, ctx: int, k: int) -> float:  # k draft tokens per request, each attending ctx
+        return 0.012 + 0.8e-3 * n * (1 + k) + 0.9e-6 * n * (1 + k) * ctx
+
+    with_attention, contexts_only = LinearStepCost(), LinearStepCost()
+    for n in (1, 2, 4, 8):
+        for ctx in (200, 1000, 3000):
+            for k in (0, 1, 2, 4):
+                t, context, verified = true_time(n, ctx, k), n * ctx, n * k
+                with_attention.observe(_attended(context, n, verified), n + verified, t)
+                contexts_only.observe(context, n + verified, t)
+    for ctx in (200, 3000):  # 32 draft tokens at batch 8
+        extra = true_time(8, ctx, 4) - true_time(8, ctx, 0)
+        priced = with_attention.predict(_attended(8 * ctx, 8, 32), 40) - with_attention.predict(8 * ctx, 8)
+        assert priced == pytest.approx(extra, rel=0.02)
+    extra = true_time(8, 3000, 4) - true_time(8, 3000, 0)
+    assert contexts_only.predict(24_000, 40) - contexts_only.predict(24_000, 8) < 0.8 * extra
+
+
 def test_adaserve_depth_width_follow_load():
     pol = AdaServe(AdaServeConfig(d_min=2, d_max=8, w_max=3, c1=1, c2=0, draft_budget=12))
     assert pol.shape(1, budget=64) == (8, 3)  # light load: deepest, widest
