@@ -263,8 +263,8 @@ class AdaSpec(SpeculationPolicy):
         context = sum(r.num_computed_tokens for r in decodes)
         verified = sum(len(t) for t in selected.values())
         # every token of the pass; the prompt tokens as the engine set them for this pass, also when it had no drafts
-        # and draft_plan did not run (a value kept from the last draft_plan priced a 1.6 s pass with a 2,048-token
-        # chunk as a plain decode pass, and the fit put every pass's time into delta)
+        # and draft_plan did not run (a value kept from the last draft_plan made 1.6 s passes that carried a prompt
+        # chunk look like plain decode passes, and the fit put every pass's time into delta)
         self.target_cost.observe(_attended(context, n, verified), n + verified, result.latency_s,
                                  self.prefill_tokens_in_pass)
         if self._length > 0:  # a draft timed at 0 is free: vLLM's n-gram drafter runs inside the pass it verifies
