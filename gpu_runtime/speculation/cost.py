@@ -3,13 +3,15 @@
 ``LinearStepCost`` is AdaSpec's time model T = alpha*N_c + gamma*N_b + delta (section
 4.1), fitted online by least squares from observed passes (or seeded from the cost
 model's profile). A co-serving pass also carries prompt chunks, whose tokens cost less each
-than decode and draft tokens (a matrix product over a chunk against one row per request, and
-attention over the chunk's own prefix rather than a whole context): they get their own price,
-gamma_p * N_p. Lumped into N_b, the chunks pulled the fitted price of a draft token down (vLLM
-on CPU, batch 16, chat prompts: 0.79 ms a token, against 1.49 ms with the chunks apart) and
-AdaSpec verified chains that cost more than they gained (0.82-0.86x no speculation). ``knee_budget`` turns a latency-vs-tokens curve into AdaServe's
-verification budget B: the largest batch whose latency stays within a tolerance of the
-one-token pass (the roofline knee, preprint section 5; DESIGN.md: from the profile).
+than decode and draft tokens (a chunk runs as large matrix products, and its tokens attend to
+their prompt's prefix rather than to a whole context): they get their own price, gamma_p * N_p.
+Lumped into N_b, the chunks pulled the fitted price of a draft token down (vLLM on CPU, batch 16,
+chat prompts: 0.79 ms a token, against 1.49 ms with the chunks apart), and AdaSpec verified chains
+that cost more than they gained (0.85-0.90x no speculation at batch 8-32).
+
+``knee_budget`` turns a latency-vs-tokens curve into AdaServe's verification budget B: the
+largest batch whose latency stays within a tolerance of the one-token pass (the roofline knee,
+preprint section 5; DESIGN.md: from the profile).
 """
 
 from __future__ import annotations
