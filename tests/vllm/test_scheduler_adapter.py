@@ -191,9 +191,13 @@ def test_draft_tokens_are_trimmed_per_request_to_the_policys_choice(make_schedul
     assert out.scheduled_spec_decode_tokens == {a.request_id: [1, 2]}
     assert out.num_scheduled_tokens == {a.request_id: 3, b.request_id: 1}
     assert s.drafts.kept == {a.request_id: 2}
-    # the step's output (run_step's runner accepts no draft token): position 1 was tried and missed
-    assert s.drafts.acceptance.seen[:2] == [1, 0]
-    assert s.drafts.acceptance.conditionals(2)[0] < 0.6  # below the prior: the next chains' path probabilities
+    # the step's output (run_step's runner accepts no draft token): position 1 was tried and missed, in the pooled
+    # rates and in those of 6-token proposals
+    from gpu_runtime.speculation.draft_acceptance import size_class
+
+    assert s.drafts.acceptance.pooled.seen[:2] == [1, 0]
+    assert s.drafts.acceptance.by_size[size_class(6)].seen[:2] == [1, 0] and len(s.drafts.acceptance.by_size) == 1
+    assert s.drafts.acceptance.conditionals(2, proposed=6)[0] < 0.6  # below the prior: the next chains' path probs
 
 
 def test_nightjar_can_choose_no_speculation(make_scheduler):
