@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timezone
 from urllib.parse import unquote
 
 import openai
@@ -199,8 +200,9 @@ def test_timestamps_are_utc_with_z_on_every_answer(client, keys):
         assert body["created_at"] == posted["created_at"]
         assert body["deadline_at"] == posted["deadline_at"]  # the instant asked for, kept across SQLite
     assert cancelled["finished_at"].endswith("Z")
-    assert posted["deadline_at"][11:16] == near[11:16].replace(near[11:13], f"{int(near[11:13]) - 5:02d}") \
-        or posted["deadline_at"][:10] != near[:10]  # 5 hours earlier in UTC (or the day before)
+    # 5 hours earlier in UTC (computed, not by replacing the hour digits: at 06:06 that also replaced the minutes)
+    utc = datetime.fromisoformat(near).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    assert posted["deadline_at"][:19] == utc
     tenant = client.post("/v1/admin/tenants", json={"name": "zulu"}, headers=H(keys.admin)).json()
     keys_listed = client.get(f"/v1/admin/tenants/{tenant['tenant_id']}/keys", headers=H(keys.admin)).json()
     assert keys_listed[0]["created_at"].endswith("Z")
