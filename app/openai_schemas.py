@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies and the OpenAI error shape.
 
 The request models accept what the official ``openai`` client sends plus coserve's QoS
-extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``), and turn into a
+extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's sampling extensions
+(``top_k``, ``min_p``, ``repetition_penalty``), and turn into a
 ``JobCreate``. OpenAI fields coserve does not implement (logprobs, tools, echo, ...) are
 declared, so a request that sets one to anything but its default gets a 400 with
 ``code="unsupported_value"`` instead of an answer that silently ignored it; fields
@@ -26,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
-from app.schemas import MAX_TARGET_MS, MAX_WINDOW_S, ChatMessage, JobCreate
+from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate
 from app.wire import Text, json_safe
+from gpu_runtime.sampling import PENALTY_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,12 @@ class SamplingFields(BaseModel):
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int | None = None
+    presence_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    # vLLM's sampling extensions, which its OpenAI server takes beside OpenAI's fields (extra_body)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -173,14 +181,9 @@ class UnsupportedFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # chat: bool; completions: int (the number of most likely tokens)
     logprobs: bool | int | None = None
-    # the sampler has no repetition penalties: 0 (OpenAI's default) is accepted, anything else is refused
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
 
     # field -> values that mean "not used" (what clients send when they do not set it)
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "logit_bias": (None, {}), "logprobs": (None, False), "presence_penalty": (None, 0, 0.0),
-        "frequency_penalty": (None, 0, 0.0)}
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {"logit_bias": (None, {}), "logprobs": (None, False)}
 
     def check_unsupported(self) -> None:
         for name, defaults in self.unsupported.items():
@@ -208,7 +211,9 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
-                      ignore_eos=self.ignore_eos, stream=bool(self.stream))
+                      ignore_eos=self.ignore_eos, stream=bool(self.stream),
+                      **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+                         if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
         if self.deadline is not None and window is None and at is None:
             window, at = _deadline(self.deadline)

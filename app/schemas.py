@@ -8,10 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.wire import Text, UtcDatetime
+from gpu_runtime.sampling import PENALTY_LIMIT
 
 MAX_TARGET_MS = 3_600_000.0  # a TTFT/TBT target above an hour is a unit mistake
 MAX_WINDOW_S = 30 * 24 * 3600.0
 MAX_SEED = 2**63 - 1  # torch generators take a 64-bit seed; a larger one fails inside the engine step
+MAX_TOP_K = 2**31 - 1  # vLLM keeps top_k as int32 (a k beyond the vocabulary means all tokens)
 
 
 class ChatMessage(BaseModel):
@@ -48,6 +50,14 @@ class JobCreate(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[Text] = Field(default_factory=list, max_length=16)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="sample among the k most likely tokens (0 or -1: all)")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens less likely than min_p x the most likely one")
+    presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, description=(
+        "taken off the logit of every token the output already holds (vLLM backend)"))
+    frequency_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, description=(
+        "taken off a token's logit once per time the output holds it (vLLM backend)"))
+    repetition_penalty: float = Field(1.0, gt=0, description=(
+        "divides positive and multiplies negative logits of tokens in the prompt or output (1: none; vLLM backend)"))
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
 
@@ -77,7 +87,9 @@ class JobCreate(BaseModel):
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos}
+                "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos,
+                "top_k": max(0, self.top_k), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
 
 
 class SloMiss(BaseModel):

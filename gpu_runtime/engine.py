@@ -18,6 +18,7 @@ from gpu_runtime.executor.base import BatchPlan, DecodeEntry, PrefillChunk, Step
 from gpu_runtime.metrics import RequestMetrics, request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
+from gpu_runtime.sampling import PENALTIES_UNSUPPORTED
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class Engine:
             raise ValueError(
                 f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) "
                 f"exceeds the model's context of {self.executor.max_model_len} tokens")
+        if request.sampling.penalized:
+            raise ValueError(PENALTIES_UNSUPPORTED)
         with self._lock:
             self._inbox.append(request)
 

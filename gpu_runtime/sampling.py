@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
+PENALTIES_UNSUPPORTED = ("presence_penalty, frequency_penalty and repetition_penalty need the vLLM backend "
+                         "(COSERVE_BACKEND=vllm): the own torch engine does not apply them; leave them unset")
+MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative decoding, which this server runs "
+                          "(COSERVE_SPEC_POLICY); leave min_p unset or use top_k / top_p")
 
 
 @dataclass(frozen=True)
@@ -13,6 +20,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, not included in the text
     seed: int | None = None  # per-request generator seed for reproducible sampling
     ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed output lengths)
+    top_k: int = 0  # sample among the k most likely tokens only (0: all of them)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # taken off the logit of every token the output already holds
+    frequency_penalty: float = 0.0  # taken off a token's logit once per time the output holds it
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -21,7 +33,21 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0: no limit)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("repetition_penalty must be > 0 (1: none)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a token's logit depends on the tokens before it (the penalties), not only on the model."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -80,7 +80,7 @@ def make_settings(data_dir: Path, db_url: str, redis_url: str, model_dir: Path):
 
     return Settings(data_dir=data_dir, database_url=db_url, REDIS_URL=redis_url, model=str(model_dir),
                     model_name="tiny", device="cpu", lease_seconds=3.0, heartbeat_seconds=0.5,
-                    sweep_seconds=0.5, default_max_tokens=16)
+                    sweep_seconds=0.5, default_max_tokens=16, backend="torch")  # as ``worker_env`` starts workers
 
 
 @pytest.fixture

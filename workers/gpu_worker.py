@@ -219,7 +219,11 @@ class GpuWorker:
         sampling = SamplingParams(max_tokens=int(sp.get("max_tokens", self.settings.default_max_tokens)),
                                   temperature=float(sp.get("temperature", 0.0)), top_p=float(sp.get("top_p", 1.0)),
                                   stop=tuple(sp.get("stop") or ()), seed=sp.get("seed"),
-                                  ignore_eos=bool(sp.get("ignore_eos", False)))
+                                  ignore_eos=bool(sp.get("ignore_eos", False)), top_k=int(sp.get("top_k", 0)),
+                                  min_p=float(sp.get("min_p", 0.0)),
+                                  presence_penalty=float(sp.get("presence_penalty", 0.0)),
+                                  frequency_penalty=float(sp.get("frequency_penalty", 0.0)),
+                                  repetition_penalty=float(sp.get("repetition_penalty", 1.0)))
         try:
             tier = Tier(job.tier)
         except ValueError:

@@ -27,6 +27,7 @@ from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, get_tokenizer, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
+from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, PENALTIES_UNSUPPORTED
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,17 @@ class IdempotencyConflict(ValueError):
     """The Idempotency-Key was already used for a different request (HTTP 409)."""
 
 
+NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES}
+
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
 
 
 def _same_request(existing: Job, new: Job) -> bool:
     def sampling(job: Job) -> dict:  # a seed the server drew differs on every submission
-        return {k: v for k, v in job.sampling.items() if k != "seed"}
+        # jobs stored before top_k, min_p and the penalties were fields hold them at their neutral values
+        return {k: v for k, v in {**NEUTRAL_SAMPLING, **job.sampling}.items() if k != "seed"}
 
     return (all(getattr(existing, f) == getattr(new, f) for f in _IDENTITY if f != "sampling")
             and sampling(existing) == sampling(new))
@@ -87,6 +92,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                                  param="model", code="model_not_found")
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
+    if refused := engine_refusal(settings, sampling):
+        raise JobValidationError(refused[1], param=refused[0], code="unsupported_value")
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
@@ -126,6 +133,22 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 f"{limit} tokens; shorten the prompt or lower max_tokens", **blame)
         job.prompt_tokens = n
     return job
+
+
+
+
+def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None:
+    """(param, message) for a sampling parameter the server's engine cannot apply, else None: the penalties
+    on the own torch engine, min_p beside vLLM's speculative decoding (vLLM refuses that pair)."""
+    penalties = [k for k, neutral in NEUTRAL_PENALTIES.items() if sampling[k] != neutral]
+    if not penalties and not sampling["min_p"]:
+        return None
+    backend = settings.engine_backend
+    if penalties and backend == "torch":
+        return penalties[0], PENALTIES_UNSUPPORTED
+    if sampling["min_p"] and backend == "vllm" and settings.spec_policy != "none":
+        return "min_p", MIN_P_WITH_SPECULATION
+    return None
 
 
 BIG_PROMPT_CHARS = 4096  # above this, callers on an event loop tokenize in a worker thread

@@ -215,6 +215,8 @@ class VLLMEngine:
 
         sp = req.sampling
         return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                              top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
+                              frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
                               stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
                               ignore_eos=sp.ignore_eos,
                               output_kind=RequestOutputKind.DELTA,

@@ -57,6 +57,11 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].message.content == full[:full.index(stop)]
 
+    # vLLM's top_k, which the own engine's sampler applies too: sampling among the single most likely token is greedy
+    top1 = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=7,
+                                       temperature=1.0, seed=11, extra_body={"ignore_eos": True, "top_k": 1})
+    assert top1.choices[0].message.content == full
+
 
 def test_streaming_matches_non_streaming(oai):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "Count to ten"}], max_tokens=9, temperature=0,
@@ -109,6 +114,14 @@ def test_errors_have_openai_shape(live_server, keys):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model="tiny", prompt="x", seed=2**63)
     assert exc.value.body["param"] == "seed"
+    # penalties are vLLM's to apply: this server's workers run the own engine, which says so before accepting
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], frequency_penalty=0.5)
+    assert exc.value.body["param"] == "frequency_penalty" and exc.value.body["code"] == "unsupported_value"
+    assert "COSERVE_BACKEND=vllm" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], presence_penalty=2.5)
+    assert exc.value.body["param"] == "presence_penalty"
     bad = openai.OpenAI(base_url=live_server + "/v1", api_key="cs-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

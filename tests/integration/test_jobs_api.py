@@ -153,6 +153,19 @@ def test_deadline_beyond_the_longest_window_is_422(client, keys):
     assert r.status_code == 422 and "days away" in r.text
 
 
+def test_sampling_fields_are_kept_or_refused_by_what_the_engine_applies(client, keys, settings):
+    r = submit(client, keys.paid, top_k=-1, min_p=0.05, temperature=0.7, seed=5)
+    assert r.status_code == 201, r.text
+    assert r.json()["sampling"] | {"top_k": 0, "min_p": 0.05, "repetition_penalty": 1.0} == r.json()["sampling"]
+    r = submit(client, keys.paid, repetition_penalty=1.3)  # these workers run the own engine (settings.backend)
+    assert r.status_code == 422 and "repetition_penalty" in r.text and "COSERVE_BACKEND=vllm" in r.text
+    settings.backend, settings.spec_policy = "vllm", "adaspec"
+    r = submit(client, keys.paid, repetition_penalty=1.3, frequency_penalty=-0.5)
+    assert r.status_code == 201 and r.json()["sampling"]["frequency_penalty"] == -0.5, r.text
+    r = submit(client, keys.paid, min_p=0.1)  # vLLM's speculative decoding refuses min_p
+    assert r.status_code == 422 and "min_p" in r.text
+
+
 def test_idempotency_key_returns_same_job(client, keys):
     h = {**H(keys.paid), "Idempotency-Key": "abc-1"}
     a = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)

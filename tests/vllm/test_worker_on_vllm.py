@@ -23,6 +23,7 @@ MODEL = {"COSERVE_MODEL": "smollm2-135m", "COSERVE_MODEL_NAME": "smollm2-135m-in
 @pytest.fixture
 def vllm_stack(settings, live_server, keys, start_worker):
     settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
+    settings.backend = "vllm"  # what the API checks sampling parameters against, as the worker below serves
     settings.default_max_tokens = 32
     start_worker("w-vllm", **MODEL, COSERVE_VLLM_STEP_LOG=str(settings.data_dir / "steps.jsonl"))
     return live_server, keys
@@ -48,6 +49,23 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     plain = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
                                         temperature=0)
     assert plain.choices[0].message.content == streamed  # greedy: the same tokens streamed or not
+
+    # vLLM's sampling parameters reach its sampler: sampling among the one most likely token (top_k 1, or min_p 1)
+    # is greedy, and the penalties break a loop that greedy decoding stays in
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        one = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
+                                          temperature=1.0, extra_body=extra)
+        assert one.choices[0].message.content == streamed, extra
+
+    def has(**kw) -> int:
+        text = oai.completions.create(model="smollm2-135m-instruct", prompt="ha ha ha ha ha ha ha ha", max_tokens=24,
+                                      temperature=0, extra_body={"ignore_eos": True, **kw.pop("extra", {})},
+                                      **kw).choices[0].text
+        return text.split().count("ha")
+
+    looping = has()
+    assert looping >= 12 and has(frequency_penalty=2.0) < looping / 2
+    assert has(extra={"repetition_penalty": 1.5}) < looping / 2
 
     r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
         "kind": "batch", "prompt": "The three primary colors are", "deadline_window_s": 600, "max_tokens": 16})

@@ -22,8 +22,16 @@ def make_generator(sampling: SamplingParams, device: torch.device) -> torch.Gene
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Softmax at the request's temperature, restricted to the top-p nucleus and renormalized."""
+    """Softmax at the request's temperature, then (in vLLM's order) tokens below min_p of the most likely one
+    dropped, the top_k kept, the top-p nucleus of what is left kept; renormalized."""
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.min_p > 0:
+        probs = probs.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), 0.0)
+    if 0 < sampling.top_k < probs.shape[-1]:
+        kth = probs.topk(sampling.top_k, dim=-1).values[..., -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if sampling.min_p > 0 or sampling.top_k:
+        probs = probs / probs.sum(-1, keepdim=True)
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token

@@ -89,9 +89,10 @@ def test_openai_request_mapping():
     ("tool_choice", "auto", False), ("tool_choice", "none", True),
     ("response_format", {"type": "json_object"}, False), ("response_format", {"type": "text"}, True),
     ("logit_bias", {"42": 5}, False), ("logit_bias", {}, True), ("seed", -1, False), ("seed", 2**63, False),
-    ("seed", 2**63 - 1, True), ("presence_penalty", 0.5, False), ("presence_penalty", 0, True),
-    ("frequency_penalty", -1.0, False), ("frequency_penalty", 0.0, True)])
-def test_unsupported_openai_fields_are_rejected_not_ignored(field, value, ok):
+    ("seed", 2**63 - 1, True), ("presence_penalty", 0.5, True), ("presence_penalty", 2.5, False),
+    ("frequency_penalty", -1.0, True), ("frequency_penalty", -2.01, False), ("repetition_penalty", 0, False),
+    ("top_k", -2, False), ("top_k", 40, True), ("min_p", 1.1, False), ("min_p", 0.05, True)])
+def test_unsupported_or_out_of_range_openai_fields_are_rejected_not_ignored(field, value, ok):
     parsed = parse_file(chat("a", **{field: value}).encode(), "/v1/chat/completions", 3600)
     if ok:
         assert parsed.valid and not parsed.invalid

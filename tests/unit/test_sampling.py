@@ -1,0 +1,76 @@
+"""Sampling parameters beyond temperature and top-p: top_k, min_p and the penalties, and which engine takes them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from app.services.jobs import engine_refusal
+from app.settings import Settings
+from gpu_runtime.engine import Engine
+from gpu_runtime.executor.sim import SimExecutor
+from gpu_runtime.executor.torch.sampler import target_probs
+from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+from gpu_runtime.request import Request
+from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.scheduler.registry import create_scheduler
+from tests.unit.scheduler.helpers import COST
+
+LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+@pytest.mark.parametrize("field,value", [("top_k", -1), ("min_p", 1.5), ("presence_penalty", 2.5),
+                                         ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+                                         ("repetition_penalty", float("nan"))])
+def test_out_of_range_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_penalized_is_true_only_off_the_neutral_values():
+    assert not SamplingParams().penalized and not SamplingParams(top_k=3, min_p=0.1).penalized
+    for field, value in (("presence_penalty", 0.1), ("frequency_penalty", -0.5), ("repetition_penalty", 1.1)):
+        assert SamplingParams(**{field: value}).penalized
+
+
+def test_top_k_keeps_the_k_most_likely_tokens_renormalized():
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely():
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.25))  # keeps p >= 0.125
+    assert torch.allclose(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+
+
+def test_top_p_applies_to_what_top_k_left():
+    # after top_k=3: 0.526, 0.316, 0.158; top_p 0.8 keeps the first two (0.526 alone is short of it)
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_own_engine_refuses_penalties_at_admission():
+    ex = SimExecutor(COST, kv_blocks=64, block_size=16)
+    engine = Engine(ex, create_scheduler("qoserve", cost_model=COST, executor=ex))
+    qos = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=1.0, tbt_s=0.1)
+    with pytest.raises(ValueError, match="vLLM backend"):
+        engine.add_request(Request("r", [1] * 8, SamplingParams(max_tokens=4, frequency_penalty=0.5), qos, 0.0))
+    engine.add_request(Request("ok", [1] * 8, SamplingParams(max_tokens=4, top_k=5, min_p=0.1), qos, 0.0))
+
+
+SAMPLING = dataclasses.asdict(SamplingParams())
+
+
+@pytest.mark.parametrize("backend,spec,sampling,refused", [
+    ("torch", "none", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("torch", "none", {"top_k": 4, "min_p": 0.2}, None),  # the own sampler applies both
+    ("vllm", "none", {"presence_penalty": -1.0, "min_p": 0.2}, None),
+    ("vllm", "nightjar", {"min_p": 0.2}, "min_p"),  # vLLM refuses min_p with speculative decoding
+    ("vllm", "nightjar", {"frequency_penalty": 1.0}, None),
+])
+def test_the_api_refuses_what_the_servers_engine_cannot_apply(backend, spec, sampling, refused):
+    settings = Settings(backend=backend, spec_policy=spec)
+    got = engine_refusal(settings, {**SAMPLING, **sampling})
+    assert (got and got[0]) == refused
