@@ -2,7 +2,7 @@
 
 The request models accept what the official ``openai`` client sends plus coserve's QoS
 extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's sampling extensions
-(``top_k``, ``min_p``, ``repetition_penalty``), and turn into a
+(``top_k``, ``min_p``, ``repetition_penalty``, ``structured_outputs``), and turn into a
 ``JobCreate``. OpenAI fields coserve does not implement (logprobs, tools, echo, ...) are
 declared, so a request that sets one to anything but its default gets a 400 with
 ``code="unsupported_value"`` instead of an answer that silently ignored it; fields
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
-from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate
+from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate, StructuredOutputs
 from app.wire import Text, json_safe
 from gpu_runtime.sampling import PENALTY_LIMIT
 
@@ -154,6 +154,9 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs (one constraint, JobCreate's form)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -203,6 +206,25 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
+    def output_constraint(self) -> StructuredOutputs | None:
+        """The constraint of ``response_format`` (text, json_object or json_schema) or ``structured_outputs``."""
+        fmt = self.response_format
+        if fmt is None or fmt == {"type": "text"}:
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise OpenAIError(400, "give response_format or structured_outputs, not both", param="response_format")
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return StructuredOutputs(json_object=True)
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise OpenAIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  param="response_format")
+            return StructuredOutputs(json=schema)
+        raise OpenAIError(400, f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
+                               "'json_schema'", param="response_format", code="unsupported_value")
+
     def job_spec(self, *, prompt: str | None = None, messages: list[ChatMessage] | None = None,
                  batch_window_s: float | None = None, deadline_at: datetime | None = None) -> JobCreate:
         """The job for this request; a ``deadline`` (or a Batch API window) makes it batch-class."""
@@ -211,7 +233,7 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
-                      ignore_eos=self.ignore_eos, stream=bool(self.stream),
+                      ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
                          if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
@@ -266,12 +288,10 @@ class ChatCompletionRequest(_Base):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         **UnsupportedFields.unsupported, "top_logprobs": (None, 0), "tools": (None, []),
-        "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"})}
+        "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none")}
 
     def chat_messages(self) -> list[ChatMessage]:
         out = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -19,6 +20,44 @@ MAX_TOP_K = 2**31 - 1  # vLLM keeps top_k as int32 (a k beyond the vocabulary me
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured outputs: exactly one constraint the generated text must match (vLLM backend)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | Text | None = Field(None, alias="json", description="a JSON schema (an object, "
+                                                                                      "or its JSON text)")
+    regex: Text | None = Field(None, description="a regular expression")
+    choice: list[Text] | None = Field(None, min_length=1, description="the text is one of these strings")
+    grammar: Text | None = Field(None, min_length=1, description="a grammar (EBNF as xgrammar reads it, or Lark)")
+    json_object: Literal[True] | None = Field(None, description="any JSON object")
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [k for k, v in self.fields_set_to_values().items() if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar or json_object"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        if isinstance(self.json_schema, str):
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise ValueError(f"json is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("json must be a JSON schema object")
+        if self.regex is not None and "\x00" in self.regex:
+            raise ValueError("regex must not contain a NUL character")
+        return self
+
+    def fields_set_to_values(self) -> dict[str, Any]:
+        return {"json": self.json_schema, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object}
+
+    def fields(self) -> dict[str, Any]:
+        """The one constraint in vLLM's field form, e.g. ``{"json": {...}}`` (what a job's sampling keeps)."""
+        return {k: v for k, v in self.fields_set_to_values().items() if v is not None}
 
 
 class JobCreate(BaseModel):
@@ -58,6 +97,8 @@ class JobCreate(BaseModel):
         "taken off a token's logit once per time the output holds it (vLLM backend)"))
     repetition_penalty: float = Field(1.0, gt=0, description=(
         "divides positive and multiplies negative logits of tokens in the prompt or output (1: none; vLLM backend)"))
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "constrain the text to a JSON schema, a regex, a list of choices or a grammar (vLLM backend)"))
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
 
@@ -89,7 +130,8 @@ class JobCreate(BaseModel):
         return {"max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos,
                 "top_k": max(0, self.top_k), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "structured_outputs": self.structured_outputs.fields() if self.structured_outputs else None}
 
 
 class SloMiss(BaseModel):
@@ -143,6 +185,8 @@ class JobPublic(BaseModel):
     attempt: int = 0
     worker_id: str | None = None
     error: str | None = None
+    error_code: str | None = Field(None, description="a failure's cause: 'invalid_request' when the engine refused "
+                                                     "the request's parameters (resubmit with them changed)")
     batch_id: str | None = None
     custom_id: str | None = None
     metrics: JobMetrics = Field(default_factory=JobMetrics)

@@ -18,7 +18,7 @@ from gpu_runtime.executor.base import BatchPlan, DecodeEntry, PrefillChunk, Step
 from gpu_runtime.metrics import RequestMetrics, request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
-from gpu_runtime.sampling import PENALTIES_UNSUPPORTED
+from gpu_runtime.sampling import PENALTIES_UNSUPPORTED, STRUCTURED_UNSUPPORTED
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class RequestOutput:
     status: RequestStatus = RequestStatus.WAITING
     event: str | None = None  # "relegated" | "resumed" | "preempted" | "recomputed" | "expired" | None
     metrics: RequestMetrics | None = None  # set when finished
+    error: str | None = None  # event "rejected": what the engine refused in the request
 
     @property
     def finished(self) -> bool:
@@ -92,6 +93,8 @@ class Engine:
                 f"exceeds the model's context of {self.executor.max_model_len} tokens")
         if request.sampling.penalized:
             raise ValueError(PENALTIES_UNSUPPORTED)
+        if request.sampling.structured is not None:
+            raise ValueError(STRUCTURED_UNSUPPORTED)
         with self._lock:
             self._inbox.append(request)
 
@@ -165,7 +168,7 @@ class Engine:
                 log.warning("request %s rejected at admission: %s", req.request_id, exc)
                 self.executor.free(req.request_id)
                 req.status, req.finish_time = RequestStatus.FINISHED_ABORTED, self.executor.now()
-                outputs.append(RequestOutput(req.request_id, status=req.status, event="rejected"))
+                outputs.append(RequestOutput(req.request_id, status=req.status, event="rejected", error=str(exc)))
                 continue
             self.requests[req.request_id] = req
             self.scheduler.add_request(req)

@@ -2,14 +2,48 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 PENALTIES_UNSUPPORTED = ("presence_penalty, frequency_penalty and repetition_penalty need the vLLM backend "
                          "(COSERVE_BACKEND=vllm): the own torch engine does not apply them; leave them unset")
 MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative decoding, which this server runs "
                           "(COSERVE_SPEC_POLICY); leave min_p unset or use top_k / top_p")
+
+
+STRUCTURED_UNSUPPORTED = ("structured outputs (response_format, structured_outputs) need the vLLM backend "
+                          "(COSERVE_BACKEND=vllm): the own torch engine does not constrain its output; leave them unset")
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """Structured output: the text must match a JSON schema (``json``), any JSON object (``json_object``), a regular
+    expression, one of a list of strings (``choice``) or a grammar (vLLM's ``StructuredOutputsParams``, one field)."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    spec: str  # the schema or the choices as JSON text, the regex or the grammar ("" for json_object)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"unknown output constraint {self.kind!r}; choose from {', '.join(CONSTRAINT_KINDS)}")
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> OutputConstraint:
+        """From vLLM's field form, e.g. ``{"json": {...schema...}}`` or ``{"choice": ["yes", "no"]}``."""
+        (kind, value), = fields.items()
+        if kind in ("json", "choice"):
+            return cls(kind, value if isinstance(value, str) else json.dumps(value))
+        return cls(kind, "" if kind == "json_object" else value)
+
+    def fields(self) -> dict[str, Any]:
+        """vLLM's field form (the inverse of ``of``)."""
+        if self.kind == "json_object":
+            return {"json_object": True}
+        return {self.kind: json.loads(self.spec) if self.kind in ("json", "choice") else self.spec}
 
 
 @dataclass(frozen=True)
@@ -25,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # taken off the logit of every token the output already holds
     frequency_penalty: float = 0.0  # taken off a token's logit once per time the output holds it
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    structured: OutputConstraint | None = None  # what the text must match (vLLM backend)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

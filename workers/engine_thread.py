@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from app.db.models import Job, JobStatus
+from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.services.dispatch import dispatch
 from app.services.streaming import StreamEvent
 from app.services.transitions import transition, utcnow
@@ -110,7 +110,7 @@ class EngineThread:
                 except Exception as exc:  # bad input the API could not catch: fail this attempt only
                     log.warning("job %s failed at admission: %s", cmd.job_id, exc)
                     job.finished = True
-                    records.append(self._failure(job, str(exc), "rejected by the engine"))
+                    records.append(self._failure(job, str(exc), "rejected by the engine", INVALID_REQUEST))
             elif isinstance(cmd, Abort):
                 if job is not None and job.in_engine and not job.finished:
                     self.engine.abort(cmd.job_id)
@@ -142,8 +142,9 @@ class EngineThread:
                 job.produced += len(out.new_text)
             if out.event == "rejected":  # the engine could not admit it (bad input): fail this job only
                 job.finished = True
-                step.records.append(self._failure(job, "the engine rejected the request at admission (invalid "
-                                                       "parameters; see the worker log)", "rejected by the engine"))
+                why = out.error or "invalid parameters; see the worker log"
+                step.records.append(self._failure(job, f"the engine refused the request: {why}",
+                                                  "rejected by the engine", INVALID_REQUEST))
                 continue
             if out.event in ("relegated", "resumed"):
                 self.active.set_relegated(job, out.event == "relegated")
@@ -212,12 +213,13 @@ class EngineThread:
         return Record(f"the expiry of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
 
     @staticmethod
-    def _failure(job: ActiveJob, error: str, detail: str) -> Record:
+    def _failure(job: ActiveJob, error: str, detail: str, code: str | None = None) -> Record:
+        """``code``: ``INVALID_REQUEST`` where the request's own parameters failed it (else None)."""
         lease = job.lease
-        end = StreamEvent("end", lease.attempt, status="failed", data={"error": error})
+        end = StreamEvent("end", lease.attempt, status="failed", data={"error": error, "code": code})
 
         def write(s: Session) -> bool:
-            return leases.finish(s, lease, JobStatus.FAILED, {"error": error}, detail=detail)
+            return leases.finish(s, lease, JobStatus.FAILED, {"error": error, "error_code": code}, detail=detail)
         return Record(f"the failure of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
 
     # ---------------------------------------------------------------- giving jobs back

@@ -32,7 +32,7 @@ from celery.signals import worker_shutting_down
 from sqlalchemy import update
 
 from app.db.migrate import upgrade
-from app.db.models import Job, JobStatus, WorkerState
+from app.db.models import INVALID_REQUEST, Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
 from app.services.dispatch import send_job
@@ -44,7 +44,7 @@ from app.summarize.driver import advance_open_runs
 from gpu_runtime.factory import build_engine, resolve_device
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request
-from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.sampling import OutputConstraint, SamplingParams
 from workers import decode_history
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
@@ -193,8 +193,10 @@ class GpuWorker:
                 request = self._request(job)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
                 log.warning("job %s failed at admission: %s", job_id, exc)
-                leases.finish(s, lease, JobStatus.FAILED, {"error": str(exc)}, detail="rejected by the engine")
-                end = StreamEvent("end", attempt=lease.attempt, status="failed", data={"error": str(exc)})
+                leases.finish(s, lease, JobStatus.FAILED, {"error": str(exc), "error_code": INVALID_REQUEST},
+                              detail="rejected by the engine")
+                end = StreamEvent("end", attempt=lease.attempt, status="failed",
+                                  data={"error": str(exc), "code": INVALID_REQUEST})
                 self.outbox.put(StepRecords(deltas=[(job_id, end)]))
                 return
             created = as_utc(job.created_at)
@@ -223,7 +225,9 @@ class GpuWorker:
                                   min_p=float(sp.get("min_p", 0.0)),
                                   presence_penalty=float(sp.get("presence_penalty", 0.0)),
                                   frequency_penalty=float(sp.get("frequency_penalty", 0.0)),
-                                  repetition_penalty=float(sp.get("repetition_penalty", 1.0)))
+                                  repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
+                                  structured=OutputConstraint.of(sp["structured_outputs"])
+                                  if sp.get("structured_outputs") else None)
         try:
             tier = Tier(job.tier)
         except ValueError:

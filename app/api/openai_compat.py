@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.auth import Principal
-from app.db.models import Job, JobStatus
+from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_completion,
                                 now_s, openai_param, text_completion, usage, validation_message)
 from app.services import jobs as job_service
@@ -87,7 +87,9 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
             await asyncio.wait({task})
 
 
-def _job_error(status: str | None, error: str | None) -> OpenAIError:
+def _job_error(status: str | None, error: str | None, code: str | None = None) -> OpenAIError:
+    if code == INVALID_REQUEST:  # the engine refused the request's parameters: the client's to fix, as vLLM answers
+        return OpenAIError(400, error or "the engine refused the request", code=INVALID_REQUEST)
     if status == JobStatus.CANCELLED:
         return OpenAIError(409, "the request was cancelled", type="cancelled", code="cancelled")
     if status == JobStatus.EXPIRED:
@@ -142,7 +144,7 @@ async def _stream(settings: Settings, job: Job, chat: bool, include_usage: bool)
                 elif ev.type == "end":
                     ended = True
                     if ev.status != JobStatus.SUCCEEDED:
-                        yield _sse_error(_job_error(ev.status, ev.data.get("error")))
+                        yield _sse_error(_job_error(ev.status, ev.data.get("error"), ev.data.get("code")))
                         break
                     if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
                         rest = (ev.data.get("output_text") or "")[delivered:]
@@ -188,7 +190,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         await run_in_threadpool(cancel_abandoned, settings, job.id, ABANDONED)
         return Response(status_code=499)  # nginx's "client closed request"; no one reads it
     if end.status != JobStatus.SUCCEEDED:
-        raise _job_error(end.status, end.data.get("error"))
+        raise _job_error(end.status, end.data.get("error"), end.data.get("code"))
     d = end.data
     extra = {"system_fingerprint": None, "coserve": {"job_id": job.id}}
     make = chat_completion if chat else text_completion

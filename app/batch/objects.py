@@ -39,7 +39,7 @@ def output_line(job: Job) -> dict[str, Any]:
 
 
 def job_error_line(job: Job) -> dict[str, Any]:
-    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(job.status, "request_failed")
+    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(job.status, job.error_code or "request_failed")
     message = {"cancelled": "the request was cancelled with its batch",
                "expired": "the batch's completion window ended before this request finished"}.get(
         job.status, f"generation failed: {job.error or 'unknown error'}")

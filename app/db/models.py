@@ -32,6 +32,9 @@ class JobKind(StrEnum):
     BATCH = "batch"
 
 
+INVALID_REQUEST = "invalid_request"  # Job.error_code: the engine refused the request's parameters
+
+
 class JobStatus(StrEnum):
     QUEUED = "queued"
     DISPATCHED = "dispatched"
@@ -125,6 +128,9 @@ class Job(Base):
     worker_id: Mapped[str | None] = mapped_column(String(200), default=None)
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    # a failure's cause in a word: "invalid_request" when the engine refused the request's parameters (the
+    # OpenAI routes answer it with a 400), else None (the engine or the worker failed)
+    error_code: Mapped[str | None] = mapped_column(String(40), default=None)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   cascade="all, delete-orphan")

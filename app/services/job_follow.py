@@ -39,7 +39,8 @@ def sql_end_event(url: str, job_id: str) -> StreamEvent | None:
             return None
         return StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason=job.finish_reason,
                            data={"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
-                                 "output_text": job.output_text or "", "error": job.error, "from_sql": True})
+                                 "output_text": job.output_text or "", "error": job.error, "code": job.error_code,
+                                 "from_sql": True})
 
 
 async def job_events(settings: Settings, job_id: str) -> AsyncIterator[StreamEvent]:

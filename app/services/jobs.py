@@ -27,7 +27,7 @@ from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, get_tokenizer, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
-from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, PENALTIES_UNSUPPORTED
+from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, PENALTIES_UNSUPPORTED, STRUCTURED_UNSUPPORTED
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class IdempotencyConflict(ValueError):
 
 
 NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES}
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
@@ -138,14 +138,17 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
 
 
 def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None:
-    """(param, message) for a sampling parameter the server's engine cannot apply, else None: the penalties
-    on the own torch engine, min_p beside vLLM's speculative decoding (vLLM refuses that pair)."""
+    """(param, message) for a sampling parameter the server's engine cannot apply, else None: the penalties and
+    structured outputs on the own torch engine, min_p beside vLLM's speculative decoding (vLLM refuses that pair)."""
     penalties = [k for k, neutral in NEUTRAL_PENALTIES.items() if sampling[k] != neutral]
-    if not penalties and not sampling["min_p"]:
+    structured = sampling.get("structured_outputs") is not None
+    if not penalties and not sampling["min_p"] and not structured:
         return None
     backend = settings.engine_backend
     if penalties and backend == "torch":
         return penalties[0], PENALTIES_UNSUPPORTED
+    if structured and backend == "torch":
+        return "structured_outputs", STRUCTURED_UNSUPPORTED
     if sampling["min_p"] and backend == "vllm" and settings.spec_policy != "none":
         return "min_p", MIN_P_WITH_SPECULATION
     return None

@@ -187,7 +187,7 @@ class VLLMEngine:
             except Exception as exc:  # e.g. parameters vLLM refuses: fail this request, not the step
                 log.warning("request %s rejected at admission: %s", req.request_id, exc)
                 req.status = RequestStatus.FINISHED_ABORTED
-                outputs.append(RequestOutput(req.request_id, status=req.status, event="rejected"))
+                outputs.append(RequestOutput(req.request_id, status=req.status, event="rejected", error=str(exc)))
                 continue
             self.requests[req.request_id] = req
             self.internal[internal] = req.request_id
@@ -211,14 +211,15 @@ class VLLMEngine:
 
     def _sampling(self, req: Request) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         sp = req.sampling
+        structured = StructuredOutputsParams(**sp.structured.fields()) if sp.structured is not None else None
         return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
                               frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
                               stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
-                              ignore_eos=sp.ignore_eos,
+                              ignore_eos=sp.ignore_eos, structured_outputs=structured,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 

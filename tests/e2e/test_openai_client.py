@@ -105,8 +105,12 @@ def test_errors_have_openai_shape(live_server, keys):
     assert exc.value.body["param"] == "tools" and exc.value.body["code"] == "unsupported_value"
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                    response_format={"type": "json_object"})
+                                    response_format={"type": "xml"})
     assert exc.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as exc:  # structured outputs are vLLM's, as the penalties below
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                    response_format={"type": "json_object"})
+    assert exc.value.body["code"] == "unsupported_value" and "COSERVE_BACKEND=vllm" in exc.value.body["message"]
     for kw in ({"echo": True}, {"best_of": 3}, {"suffix": "end"}, {"logprobs": 2}, {"logit_bias": {"50256": -100}}):
         with pytest.raises(openai.BadRequestError) as exc:
             oai.completions.create(model="tiny", prompt="x", **kw)
@@ -150,3 +154,22 @@ def test_client_disconnect_cancels_the_job(live_server, keys, start_worker):
              30, "the abandoned job to be cancelled", interval=0.2)
     job = httpx.get(f"{live_server}/v1/jobs/{job_id}", headers=auth).json()
     assert job["completion_tokens"] is None or job["completion_tokens"] < 400
+
+
+def test_what_the_engine_refuses_is_the_clients_to_fix_not_a_server_error(oai, settings, live_server, keys):
+    """A worker's engine may refuse what the API let through (here the API believes vLLM serves, and this worker's own
+    engine refuses the penalty): the job fails as an invalid request, and the OpenAI routes answer 400, as vLLM does."""
+    settings.backend = "vllm"
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, frequency_penalty=0.5)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(**kw)
+    body = exc.value.body
+    assert body["code"] == "invalid_request" and "COSERVE_BACKEND=vllm" in body["message"], body
+    with pytest.raises(openai.APIError) as exc:  # streaming: the 200 has gone out; the error comes as an event
+        list(oai.chat.completions.create(stream=True, **kw))
+    assert "COSERVE_BACKEND=vllm" in str(exc.value)
+    job_id = httpx.post(f"{live_server}/v1/jobs", headers={"Authorization": f"Bearer {keys.paid}"},
+                        json={"prompt": "x", "max_tokens": 4, "repetition_penalty": 1.2}).json()["id"]
+    job = wait_for(lambda: (j := httpx.get(f"{live_server}/v1/jobs/{job_id}", headers={
+        "Authorization": f"Bearer {keys.paid}"}).json())["status"] == "failed" and j, 60, "the job to fail")
+    assert job["error_code"] == "invalid_request" and "repetition_penalty" in job["error"]

@@ -14,7 +14,7 @@ from gpu_runtime.executor.sim import SimExecutor
 from gpu_runtime.executor.torch.sampler import target_probs
 from gpu_runtime.qos import QoSClass, QoSSpec, Tier
 from gpu_runtime.request import Request
-from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.sampling import OutputConstraint, SamplingParams
 from gpu_runtime.scheduler.registry import create_scheduler
 from tests.unit.scheduler.helpers import COST
 
@@ -57,6 +57,8 @@ def test_own_engine_refuses_penalties_at_admission():
     qos = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=1.0, tbt_s=0.1)
     with pytest.raises(ValueError, match="vLLM backend"):
         engine.add_request(Request("r", [1] * 8, SamplingParams(max_tokens=4, frequency_penalty=0.5), qos, 0.0))
+    with pytest.raises(ValueError, match="vLLM backend"):
+        engine.add_request(Request("s", [1] * 8, SamplingParams(structured=OutputConstraint("regex", "a+")), qos, 0.0))
     engine.add_request(Request("ok", [1] * 8, SamplingParams(max_tokens=4, top_k=5, min_p=0.1), qos, 0.0))
 
 
@@ -69,8 +71,39 @@ SAMPLING = dataclasses.asdict(SamplingParams())
     ("vllm", "none", {"presence_penalty": -1.0, "min_p": 0.2}, None),
     ("vllm", "nightjar", {"min_p": 0.2}, "min_p"),  # vLLM refuses min_p with speculative decoding
     ("vllm", "nightjar", {"frequency_penalty": 1.0}, None),
+    ("torch", "none", {"structured_outputs": {"json_object": True}}, "structured_outputs"),
+    ("vllm", "adaspec", {"structured_outputs": {"regex": "[0-9]+"}}, None),
 ])
 def test_the_api_refuses_what_the_servers_engine_cannot_apply(backend, spec, sampling, refused):
     settings = Settings(backend=backend, spec_policy=spec)
     got = engine_refusal(settings, {**SAMPLING, **sampling})
     assert (got and got[0]) == refused
+
+
+@pytest.mark.parametrize("fields", [{"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                                    {"choice": ["yes", "no"]}, {"regex": "[a-z]{3}"}, {"json_object": True},
+                                    {"grammar": 'root ::= "a" | "b"'}])
+def test_an_output_constraint_keeps_vllms_field_form(fields):
+    assert OutputConstraint.of(fields).fields() == fields
+
+
+def test_openai_response_format_becomes_the_jobs_constraint():
+    from app.openai_schemas import ChatCompletionRequest, OpenAIError
+
+    def constraint(**body):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+        req.check()
+        return req.job_spec(messages=req.chat_messages()).sampling(8)["structured_outputs"]
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert constraint(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}) == {
+        "json": schema}
+    assert constraint(response_format={"type": "json_object"}) == {"json_object": True}
+    assert constraint(response_format={"type": "text"}) is None and constraint() is None
+    assert constraint(structured_outputs={"choice": ["yes", "no"]}) == {"choice": ["yes", "no"]}
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+                 {"response_format": {"type": "yaml"}},
+                 {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}):
+        with pytest.raises(OpenAIError) as exc:
+            constraint(**body)
+        assert exc.value.status_code == 400 and exc.value.param == "response_format"

@@ -67,6 +67,24 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert looping >= 12 and has(frequency_penalty=2.0) < looping / 2
     assert has(extra={"repetition_penalty": 1.5}) < looping / 2
 
+    # structured outputs: OpenAI's response_format and vLLM's structured_outputs constrain the text
+    person = [{"role": "user", "content": "Invent a person. Reply in JSON with name and age."}]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=person, max_tokens=48, temperature=0,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "person", "schema": schema}})
+    parsed = json.loads(out.choices[0].message.content)
+    assert set(parsed) == {"name", "age"} and isinstance(parsed["age"], int), parsed
+    out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": ["Lyon", "Nice"]}})
+    assert out.choices[0].message.content in ("Lyon", "Nice")
+    # what only vLLM can judge (a regex it cannot compile) comes back as the client's error, a 400, not a 500
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8,
+                                    extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert exc.value.body["code"] == "invalid_request" and "regex" in exc.value.body["message"], exc.value.body
+
     r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
         "kind": "batch", "prompt": "The three primary colors are", "deadline_window_s": 600, "max_tokens": 16})
     assert r.status_code == 201, r.text
