@@ -3,7 +3,7 @@
 The request models accept what the official ``openai`` client sends plus coserve's QoS
 extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's sampling extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``structured_outputs``), and turn into a
-``JobCreate``. OpenAI fields coserve does not implement (logprobs, tools, echo, ...) are
+``JobCreate``. OpenAI fields coserve does not implement (tools, echo, ...) are
 declared, so a request that sets one to anything but its default gets a 400 with
 ``code="unsupported_value"`` instead of an answer that silently ignored it; fields
 unknown to both are ignored.
@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from app.api.errors import CheckedRoute, loc_param, validation_errors
 from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate, StructuredOutputs
 from app.wire import Text, json_safe
+from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import PENALTY_LIMIT
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,8 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    # chat: true/false (top_logprobs says how many alternatives); completions: the number of alternatives
+    logprobs: bool | int | None = None
     # structured output: OpenAI's response_format, or vLLM's structured_outputs (one constraint, JobCreate's form)
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -183,10 +186,9 @@ class UnsupportedFields(BaseModel):
 
     logit_bias: dict[str, float] | None = None
     # chat: bool; completions: int (the number of most likely tokens)
-    logprobs: bool | int | None = None
 
     # field -> values that mean "not used" (what clients send when they do not set it)
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {"logit_bias": (None, {}), "logprobs": (None, False)}
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {"logit_bias": (None, {})}
 
     def check_unsupported(self) -> None:
         for name, defaults in self.unsupported.items():
@@ -234,6 +236,7 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
+                      logprobs=self.logprob_count(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
                          if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
@@ -283,15 +286,26 @@ def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
 class ChatCompletionRequest(_Base):
     messages: list[dict[str, Any]] = Field(min_length=1)
     # not implemented: tool calling, structured output, token log-probabilities
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **UnsupportedFields.unsupported, "top_logprobs": (None, 0), "tools": (None, []),
+        **UnsupportedFields.unsupported, "tools": (None, []),
         "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none")}
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to report (``top_logprobs``) where ``logprobs`` is true, else None."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise OpenAIError(400, "logprobs is true or false here; top_logprobs says how many alternatives",
+                              param="logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     def chat_messages(self) -> list[ChatMessage]:
         out = []
@@ -334,6 +348,15 @@ class CompletionRequest(_Base):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         **UnsupportedFields.unsupported, "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 
+    def logprob_count(self) -> int | None:
+        """``logprobs``: the alternatives per token to report (None: no logprobs)."""
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        if self.logprobs is True or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise OpenAIError(400, f"logprobs is the number of alternatives per token, 0-{MAX_TOP_LOGPROBS}",
+                              param="logprobs")
+        return self.logprobs
+
     def prompt_text(self) -> str:
         if isinstance(self.prompt, list):
             if len(self.prompt) != 1:
@@ -352,12 +375,37 @@ def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str,
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def _logprob_item(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs`` from a job's stored ones (``TokenLogprob.as_dict()``; None: not asked for)."""
+    if entries is None:
+        return None
+    return {"content": [{**_logprob_item(e["token"], e["logprob"]),
+                         "top_logprobs": [_logprob_item(t, lp) for t, lp in e["top"]]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs``; ``offset``: characters of the text before the first entry's token."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for t, lp in e["top"]} for e in entries], "text_offset": offsets}
+
+
 def chat_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens)}
     if extra:
         body.update(extra)
@@ -366,9 +414,10 @@ def chat_completion(cid: str, model: str, created: int, text: str, finish_reason
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
+                         "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens)}
     if extra:
         body.update(extra)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.wire import Text, UtcDatetime
+from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import PENALTY_LIMIT
 
 MAX_TARGET_MS = 3_600_000.0  # a TTFT/TBT target above an hour is a unit mistake
@@ -97,6 +98,8 @@ class JobCreate(BaseModel):
         "taken off a token's logit once per time the output holds it (vLLM backend)"))
     repetition_penalty: float = Field(1.0, gt=0, description=(
         "divides positive and multiplies negative logits of tokens in the prompt or output (1: none; vLLM backend)"))
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "report each output token's log-probability and this many most likely alternatives (vLLM backend)"))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "constrain the text to a JSON schema, a regex, a list of choices or a grammar (vLLM backend)"))
     ignore_eos: bool = False
@@ -131,7 +134,8 @@ class JobCreate(BaseModel):
                 "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos,
                 "top_k": max(0, self.top_k), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                "structured_outputs": self.structured_outputs.fields() if self.structured_outputs else None}
+                "structured_outputs": self.structured_outputs.fields() if self.structured_outputs else None,
+                "logprobs": self.logprobs}
 
 
 class SloMiss(BaseModel):
@@ -182,6 +186,8 @@ class JobPublic(BaseModel):
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    output_logprobs: list[dict[str, Any]] | None = Field(None, description=(
+        "where the job asked for logprobs: per output token its text, log-probability and the top alternatives"))
     attempt: int = 0
     worker_id: str | None = None
     error: str | None = None

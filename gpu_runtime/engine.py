@@ -18,7 +18,8 @@ from gpu_runtime.executor.base import BatchPlan, DecodeEntry, PrefillChunk, Step
 from gpu_runtime.metrics import RequestMetrics, request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
-from gpu_runtime.sampling import PENALTIES_UNSUPPORTED, STRUCTURED_UNSUPPORTED
+from gpu_runtime.logprobs import TokenLogprob
+from gpu_runtime.sampling import LOGPROBS_UNSUPPORTED, PENALTIES_UNSUPPORTED, STRUCTURED_UNSUPPORTED
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class RequestOutput:
     event: str | None = None  # "relegated" | "resumed" | "preempted" | "recomputed" | "expired" | None
     metrics: RequestMetrics | None = None  # set when finished
     error: str | None = None  # event "rejected": what the engine refused in the request
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, where the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -95,6 +97,8 @@ class Engine:
             raise ValueError(PENALTIES_UNSUPPORTED)
         if request.sampling.structured is not None:
             raise ValueError(STRUCTURED_UNSUPPORTED)
+        if request.sampling.logprobs is not None:
+            raise ValueError(LOGPROBS_UNSUPPORTED)
         with self._lock:
             self._inbox.append(request)
 

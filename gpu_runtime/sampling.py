@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
+
 PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 PENALTIES_UNSUPPORTED = ("presence_penalty, frequency_penalty and repetition_penalty need the vLLM backend "
                          "(COSERVE_BACKEND=vllm): the own torch engine does not apply them; leave them unset")
@@ -14,6 +16,8 @@ MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative deco
                           "(COSERVE_SPEC_POLICY); leave min_p unset or use top_k / top_p")
 
 
+LOGPROBS_UNSUPPORTED = ("token log-probabilities need the vLLM backend (COSERVE_BACKEND=vllm): the own torch "
+                        "engine does not report them; leave logprobs unset")
 STRUCTURED_UNSUPPORTED = ("structured outputs (response_format, structured_outputs) need the vLLM backend "
                           "(COSERVE_BACKEND=vllm): the own torch engine does not constrain its output; leave them unset")
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -60,6 +64,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # taken off a token's logit once per time the output holds it
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     structured: OutputConstraint | None = None  # what the text must match (vLLM backend)
+    logprobs: int | None = None  # report each output token's log-probability and this many alternatives (vLLM)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,6 +80,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
                 raise ValueError(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError("repetition_penalty must be > 0 (1: none)")
 

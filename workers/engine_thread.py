@@ -135,10 +135,14 @@ class EngineThread:
             if out.new_token_ids and not job.first_token_recorded:
                 job.first_token_recorded = True
                 first_tokens.append(job)
+            data = {}
+            if out.new_logprobs:  # with their index in the attempt's logprobs, as offset places the text
+                data = {"logprobs": [lp.as_dict() for lp in out.new_logprobs], "logprobs_offset": len(job.logprobs)}
+                job.logprobs.extend(data["logprobs"])
             if out.new_text or out.new_token_ids:
                 job.text.append(out.new_text)
                 step.deltas.append((job.job_id, StreamEvent("delta", attempt, out.new_text, list(out.new_token_ids),
-                                                            offset=job.produced)))
+                                                            data=data, offset=job.produced)))
                 job.produced += len(out.new_text)
             if out.event == "rejected":  # the engine could not admit it (bad input): fail this job only
                 job.finished = True
@@ -190,7 +194,8 @@ class EngineThread:
                   "prompt_tokens": prompt_tokens, "queue_s": m.queue_s, "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s,
                   "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s, "slo_met": m.slo_met,
                   "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
-                  "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
+                  "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None,
+                  "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None}
         lease = job.lease
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
                           data={"prompt_tokens": prompt_tokens, "completion_tokens": m.num_output_tokens,

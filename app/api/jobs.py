@@ -125,8 +125,9 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
                ) -> StreamingResponse:
     """The job's tokens as they are generated, from its first token, then one ``end`` event.
 
-    Events: ``delta`` ``{"text", "token_ids"}``, ``status`` ``{"status"}`` (relegated/resumed),
-    ``end`` ``{"status", "finish_reason", "error", "prompt_tokens", "completion_tokens"}``. A job
+    Events: ``delta`` ``{"text", "token_ids"}`` (and ``"logprobs"`` where the job asked for them),
+    ``status`` ``{"status"}`` (relegated/resumed),
+    ``end`` ``{"status", "finish_reason", "error", "error_code", "prompt_tokens", "completion_tokens"}``. A job
     that already finished answers its whole text as one delta and the end. Each character comes
     once, in order: across a Redis outage the stream resumes where it was, and text the stream
     lost comes with the end. If the stream stays unreadable (``stream_outage_s``) the last event
@@ -143,13 +144,18 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
     delivered = 0  # characters sent, to fill in what the stream missed when SQL reports the end
+    logprobs_sent = 0  # token logprobs sent, likewise
     try:
         async with aclosing(job_events(settings, job_id)) as events:
             async for ev in events:
                 if ev.type == "delta":
                     if ev.text or ev.token_ids:
                         delivered += len(ev.text)
-                        yield _sse("delta", {"text": ev.text, "token_ids": ev.token_ids})
+                        delta: dict[str, Any] = {"text": ev.text, "token_ids": ev.token_ids}
+                        if "logprobs" in ev.data:
+                            delta["logprobs"] = ev.data["logprobs"]
+                            logprobs_sent += len(delta["logprobs"])
+                        yield _sse("delta", delta)
                 elif ev.type == "status":
                     yield _sse("status", {"status": ev.status})
                 elif ev.type == "error":  # the stream could not be read on; the job goes on
@@ -158,10 +164,13 @@ async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
                 elif ev.type == "end":
                     if ev.data.get("from_sql") and ev.status == JobStatus.SUCCEEDED:
                         rest = (ev.data.get("output_text") or "")[delivered:]
-                        if rest:
-                            yield _sse("delta", {"text": rest, "token_ids": []})
+                        rest_logprobs = (ev.data.get("logprobs") or [])[logprobs_sent:]
+                        if rest or rest_logprobs:
+                            yield _sse("delta", {"text": rest, "token_ids": []} | (
+                                {"logprobs": rest_logprobs} if ev.data.get("logprobs") is not None else {}))
                     yield _sse("end", {"id": job_id, "status": ev.status, "finish_reason": ev.finish_reason,
-                                       "error": ev.data.get("error"), "prompt_tokens": ev.data.get("prompt_tokens"),
+                                       "error": ev.data.get("error"), "error_code": ev.data.get("code"),
+                                       "prompt_tokens": ev.data.get("prompt_tokens"),
                                        "completion_tokens": ev.data.get("completion_tokens")})
                     return
     except Exception:  # a bug or a database error: an error event rather than a body cut short

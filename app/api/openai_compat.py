@@ -29,7 +29,8 @@ from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_completion,
-                                now_s, openai_param, text_completion, usage, validation_message)
+                                chat_logprobs, completion_logprobs, now_s, openai_param, text_completion, usage,
+                                validation_message)
 from app.services import jobs as job_service
 from app.services.job_follow import cancel_abandoned, job_events, wait_for_end
 from app.settings import Settings
@@ -111,20 +112,23 @@ async def _stream(settings: Settings, job: Job, chat: bool, include_usage: bool)
     created, model = now_s(), job.model
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def chunk(text: str | None, finish: str | None, first: bool = False,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": completion_logprobs(logprobs, delivered),
+                      "finish_reason": finish}
         out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
 
-    delivered = 0
+    delivered = 0  # characters sent
+    logprobs_sent = 0  # token logprobs sent (where the job asked for them)
     # the stream ended on its own (the job's end, an error, a failure here): only a client that
     # hung up (Starlette cancels or closes this generator) abandons the job
     ended = False
@@ -133,9 +137,11 @@ async def _stream(settings: Settings, job: Job, chat: bool, include_usage: bool)
             yield _sse(chunk(None, None, first=True))
         async with aclosing(job_events(settings, job.id)) as events:
             async for ev in events:
-                if ev.type == "delta" and ev.text:
+                if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
+                    logprobs = ev.data.get("logprobs") or None
+                    logprobs_sent += len(logprobs or ())
+                    yield _sse(chunk(ev.text, None, logprobs=logprobs))
                     delivered += len(ev.text)
-                    yield _sse(chunk(ev.text, None))
                 elif ev.type == "error":  # the stream could not be read on; the job goes on
                     ended = True
                     yield _sse_error(OpenAIError(503, ev.data.get("error") or "the stream was interrupted",
@@ -148,8 +154,10 @@ async def _stream(settings: Settings, job: Job, chat: bool, include_usage: bool)
                         break
                     if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
                         rest = (ev.data.get("output_text") or "")[delivered:]
-                        if rest:
-                            yield _sse(chunk(rest, None))
+                        rest_logprobs = (ev.data.get("logprobs") or [])[logprobs_sent:] or None
+                        if rest or rest_logprobs:
+                            yield _sse(chunk(rest, None, logprobs=rest_logprobs))
+                            delivered += len(rest)
                     yield _sse(chunk(None, ev.finish_reason or "stop"))
                     if include_usage:
                         yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
@@ -195,7 +203,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     extra = {"system_fingerprint": None, "coserve": {"job_id": job.id}}
     make = chat_completion if chat else text_completion
     content = make(("chatcmpl-" if chat else "cmpl-") + job.id, job.model, now_s(), d["output_text"],
-                   end.finish_reason or "stop", d["prompt_tokens"], d["completion_tokens"], extra)
+                   end.finish_reason or "stop", d["prompt_tokens"], d["completion_tokens"], extra, d.get("logprobs"))
     return JSONResponse(content, headers=headers)
 
 

@@ -33,13 +33,14 @@ def output_line(job: Job) -> dict[str, Any]:
     make = chat_completion if job.endpoint == "/v1/chat/completions" else text_completion
     prefix = "chatcmpl-" if job.endpoint == "/v1/chat/completions" else "cmpl-"
     body = make(prefix + job.id, job.model, ts(job.finished_at) or 0, job.output_text or "",
-                job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens)
+                job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs)
     return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
             "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
 
 
 def job_error_line(job: Job) -> dict[str, Any]:
-    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(job.status, job.error_code or "request_failed")
+    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(
+        job.status, job.error_code or "request_failed")
     message = {"cancelled": "the request was cancelled with its batch",
                "expired": "the batch's completion window ended before this request finished"}.get(
         job.status, f"generation failed: {job.error or 'unknown error'}")

@@ -27,7 +27,8 @@ from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, get_tokenizer, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
-from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, PENALTIES_UNSUPPORTED, STRUCTURED_UNSUPPORTED
+from gpu_runtime.sampling import (LOGPROBS_UNSUPPORTED, MIN_P_WITH_SPECULATION, PENALTIES_UNSUPPORTED,
+                                  STRUCTURED_UNSUPPORTED)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class IdempotencyConflict(ValueError):
 
 
 NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None}
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "logprobs": None}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
@@ -138,13 +139,16 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
 
 
 def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None:
-    """(param, message) for a sampling parameter the server's engine cannot apply, else None: the penalties and
-    structured outputs on the own torch engine, min_p beside vLLM's speculative decoding (vLLM refuses that pair)."""
+    """(param, message) for a sampling parameter the server's engine cannot apply, else None: the penalties,
+    structured outputs and logprobs on the own torch engine, min_p beside vLLM's speculative decoding (vLLM refuses that pair)."""
     penalties = [k for k, neutral in NEUTRAL_PENALTIES.items() if sampling[k] != neutral]
     structured = sampling.get("structured_outputs") is not None
-    if not penalties and not sampling["min_p"] and not structured:
+    logprobs = sampling.get("logprobs") is not None
+    if not penalties and not sampling["min_p"] and not structured and not logprobs:
         return None
     backend = settings.engine_backend
+    if logprobs and backend == "torch":
+        return "logprobs", LOGPROBS_UNSUPPORTED
     if penalties and backend == "torch":
         return penalties[0], PENALTIES_UNSUPPORTED
     if structured and backend == "torch":

@@ -94,6 +94,7 @@ class _Progress:
     produced: int = 0  # characters of the current attempt's text seen without a hole, from its start
     sent: list[str] = field(default_factory=list)  # the text yielded, over all attempts
     delivered: int = 0  # its length
+    logprobs_delivered: int = 0  # token logprobs yielded (deltas carry them by index in their attempt)
     gap: bool = False  # the current attempt's stream lost text: no more deltas; SQL has it at the end
 
     def _sent_text(self) -> str:
@@ -112,7 +113,7 @@ class _Progress:
         if self.gap:
             return None
         if not ev.text:
-            return ev  # token ids whose text is not complete yet: nothing to place
+            return self._new_logprobs(ev)  # token ids whose text is not complete yet: nothing to place
         start = self.produced if ev.offset is None else ev.offset
         if start > self.produced:
             log.warning("the stream of %s lost characters %d-%d of attempt %d; its text will come from SQL",
@@ -134,6 +135,15 @@ class _Progress:
         ev.text = ev.text[max(0, have - start):]
         self.delivered = end
         self.sent.append(ev.text)
+        return self._new_logprobs(ev)
+
+    def _new_logprobs(self, ev: StreamEvent) -> StreamEvent:
+        """``ev`` with only the token logprobs not yet yielded (a rerun repeats the ones before)."""
+        entries = ev.data.get("logprobs")
+        if entries:
+            skip = max(0, self.logprobs_delivered - int(ev.data.get("logprobs_offset", self.logprobs_delivered)))
+            ev.data = {**ev.data, "logprobs": entries[skip:]}
+            self.logprobs_delivered += len(entries) - min(skip, len(entries))
         return ev
 
     def settle(self, end: StreamEvent) -> StreamEvent:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.engine import RequestOutput, StepStats
 from gpu_runtime.executor.base import KVCapacity
+from gpu_runtime.logprobs import FLOOR, TokenLogprob
 from gpu_runtime.metrics import request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
@@ -219,7 +220,7 @@ class VLLMEngine:
                               top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
                               frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
                               stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
-                              ignore_eos=sp.ignore_eos, structured_outputs=structured,
+                              ignore_eos=sp.ignore_eos, structured_outputs=structured, logprobs=sp.logprobs,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 
@@ -259,13 +260,15 @@ class VLLMEngine:
         req.token_times.extend([now] * len(new_ids))
         if new_ids and req.status is RequestStatus.WAITING:
             req.status = RequestStatus.DECODING
+        logprobs = (token_logprobs(new_ids, comp.logprobs, req.sampling.logprobs)
+                    if comp is not None and req.sampling.logprobs is not None else None)
         if not res.finished:
-            return RequestOutput(req.request_id, new_ids, text, req.status)
+            return RequestOutput(req.request_id, new_ids, text, req.status, new_logprobs=logprobs)
         reason = comp.finish_reason if comp is not None else None
         req.status = _FINISH.get(reason or "", RequestStatus.FINISHED_ABORTED)
         req.finish_time = now
         out = self._finish(req)
-        out.new_token_ids, out.new_text = new_ids, text
+        out.new_token_ids, out.new_text, out.new_logprobs = new_ids, text, logprobs
         if reason == "error":  # vLLM refused it (e.g. its QoS): the job fails, it was not cancelled
             out.event = "rejected"
         return out
@@ -276,3 +279,19 @@ class VLLMEngine:
         if internal is not None:
             self.internal.pop(internal, None)
         return RequestOutput(req.request_id, status=req.status, metrics=request_metrics(req))
+
+
+def token_logprobs(token_ids: list[int], steps: Any, top: int) -> list[TokenLogprob]:
+    """vLLM's per-position logprobs (a dict of token id -> ``Logprob`` per new token: the sampled token and the
+    ``top`` most likely) as ``TokenLogprob``s, the alternatives by vLLM's rank."""
+    out = []
+    for token_id, step in zip(token_ids, steps or (), strict=False):
+        chosen = step[token_id]
+        ranked = sorted((lp for lp in step.values() if lp.rank is not None and lp.rank <= top), key=lambda lp: lp.rank)
+        out.append(TokenLogprob(_text(chosen), max(chosen.logprob, FLOOR),
+                                tuple((_text(lp), max(lp.logprob, FLOOR)) for lp in ranked)))
+    return out
+
+
+def _text(lp: Any) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""

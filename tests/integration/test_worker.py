@@ -159,7 +159,7 @@ def test_native_stream_sends_token_deltas_until_the_end(service):
     assert len(deltas) > 1 and sum(len(d["token_ids"]) for d in deltas) == 16  # token by token, not at once
     assert "".join(d["text"] for d in deltas) == job["output_text"]
     assert events[-1] == ("end", {"id": job_id, "status": "succeeded", "finish_reason": "length", "error": None,
-                                  "prompt_tokens": job["prompt_tokens"], "completion_tokens": 16})
+                                  "error_code": None, "prompt_tokens": job["prompt_tokens"], "completion_tokens": 16})
     # a finished job replays; other tenants cannot follow it
     assert _sse(client, keys.paid, job_id) == events
     assert client.get(f"/v1/jobs/{job_id}/stream", headers=H(keys.other)).status_code == 404
@@ -194,7 +194,9 @@ def test_a_request_the_engine_cannot_admit_fails_alone(service):
     with session_scope(url) as s:
         assert dispatch(s, settings.redis_url, bad, "tiny")
     job = wait_status(client, keys.paid, bad, {"failed", "succeeded"})
-    assert job["status"] == "failed" and "rejected" in job["error"]
+    # the engine's own words, and the client's request to fix (an OpenAI route answers it with a 400)
+    assert job["status"] == "failed" and "refused the request: Overflow" in job["error"], job
+    assert job["error_code"] == "invalid_request"
     assert wait_status(client, keys.paid, running, {"succeeded", "failed"}, timeout=120)["status"] == "succeeded"
     assert status_of(client, keys.paid, running)["attempt"] == 1
     end = StreamEvent.parse(redis.Redis.from_url(settings.redis_url).xrange(stream_key(bad))[-1][1])

@@ -67,6 +67,24 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert looping >= 12 and has(frequency_penalty=2.0) < looping / 2
     assert has(extra={"repetition_penalty": 1.5}) < looping / 2
 
+    # token logprobs: greedy takes the most likely token, so each token leads its own alternatives
+    kw = dict(model="smollm2-135m-instruct", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+              top_logprobs=3)
+    answer = oai.chat.completions.create(**kw)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    assert "".join(c.token for c in content).startswith(answer.choices[0].message.content)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token and
+               c.logprob == c.top_logprobs[0].logprob <= 0 for c in content), content
+    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    streamed_lp = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed_lp] == [c.token for c in content]
+    assert [c.logprob for c in streamed_lp] == pytest.approx([c.logprob for c in content], abs=1e-3)
+    comp = oai.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=6,
+                                  temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lps = comp.choices[0].logprobs
+    assert "".join(lps.tokens) == comp.choices[0].text and lps.text_offset[0] == 0 and len(lps.top_logprobs[0]) == 2
+
     # structured outputs: OpenAI's response_format and vLLM's structured_outputs constrain the text
     person = [{"role": "user", "content": "Invent a person. Reply in JSON with name and age."}]
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -84,7 +84,8 @@ def test_openai_request_mapping():
 
 
 @pytest.mark.parametrize("field,value,ok", [
-    ("logprobs", True, False), ("logprobs", False, True), ("top_logprobs", 2, False), ("top_logprobs", 0, True),
+    ("logprobs", True, True), ("logprobs", False, True), ("logprobs", 3, False), ("top_logprobs", 2, False),
+    ("top_logprobs", 0, True), ("top_logprobs", 21, False),
     ("tools", [{"type": "function", "function": {"name": "f"}}], False), ("tools", [], True),
     ("tool_choice", "auto", False), ("tool_choice", "none", True),
     ("response_format", {"type": "xml"}, False), ("response_format", {"type": "text"}, True),
@@ -102,7 +103,7 @@ def test_unsupported_or_out_of_range_openai_fields_are_rejected_not_ignored(fiel
         assert not parsed.valid and field in parsed.invalid[0].message
 
 
-@pytest.mark.parametrize("body", [{"echo": True}, {"best_of": 2}, {"suffix": "x"}, {"logprobs": 0}])
+@pytest.mark.parametrize("body", [{"echo": True}, {"best_of": 2}, {"suffix": "x"}])
 def test_unsupported_completion_fields(body):
     req = CompletionRequest.model_validate({"prompt": "x", **body})
     with pytest.raises(OpenAIError) as exc:

@@ -1,0 +1,53 @@
+"""Token logprobs: vLLM's per-position dicts as coserve keeps them, OpenAI's two response shapes, and a stream
+that hands each token's logprob on once across a rerun."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from app.openai_schemas import chat_logprobs, completion_logprobs
+from app.services.streaming import StreamEvent, _Progress
+from gpu_runtime.logprobs import FLOOR, TokenLogprob
+
+ENTRIES = [TokenLogprob("Hel", -0.1, (("Hel", -0.1), ("He", -2.5))).as_dict(),
+           TokenLogprob("lo", -0.7, (("lo", -0.7), ("p", -1.0))).as_dict()]
+
+
+def lp(logprob: float, rank: int, text: str) -> SimpleNamespace:  # vllm.logprobs.Logprob's fields
+    return SimpleNamespace(logprob=logprob, rank=rank, decoded_token=text)
+
+
+def test_vllm_positions_become_the_chosen_token_and_its_ranked_alternatives():
+    from gpu_runtime.vllm.engine import token_logprobs
+
+    # the sampled token (id 7, rank 3) comes first in vLLM's dict, then the top 2; a token ruled out is -inf
+    steps = [{7: lp(-1.5, 3, " b"), 4: lp(-0.2, 1, " a"), 9: lp(-0.9, 2, " c")},
+             {4: lp(float("-inf"), 1, " a")}]
+    got = token_logprobs([7, 4], steps, 2)
+    assert got[0] == TokenLogprob(" b", -1.5, ((" a", -0.2), (" c", -0.9)))
+    assert got[1] == TokenLogprob(" a", FLOOR, ((" a", FLOOR),))
+    assert TokenLogprob.of(got[0].as_dict()) == got[0]
+
+
+def test_openai_shapes():
+    chat = chat_logprobs(ENTRIES)["content"]
+    assert [c["token"] for c in chat] == ["Hel", "lo"] and chat[0]["bytes"] == list(b"Hel")
+    assert chat[1]["top_logprobs"] == [{"token": "lo", "logprob": -0.7, "bytes": list(b"lo")},
+                                       {"token": "p", "logprob": -1.0, "bytes": list(b"p")}]
+    comp = completion_logprobs(ENTRIES, offset=5)
+    assert comp == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -0.7],
+                    "top_logprobs": [{"Hel": -0.1, "He": -2.5}, {"lo": -0.7, "p": -1.0}], "text_offset": [5, 8]}
+    assert chat_logprobs(None) is None and completion_logprobs(None) is None
+
+
+def test_a_rerun_repeats_no_logprob_the_stream_already_sent():
+    def delta(attempt, text, offset, first):
+        return StreamEvent("delta", attempt, text, [1], offset=offset,
+                           data={"logprobs": ENTRIES[first:first + 1], "logprobs_offset": first})
+
+    follower = _Progress("job")
+    sent = [follower.admit(delta(1, "Hel", 0, 0))]
+    # the worker died; attempt 2 regenerates both tokens: only the second one's logprob is new
+    sent += [follower.admit(delta(2, "Hel", 0, 0)), follower.admit(delta(2, "lo", 3, 1))]
+    kept = [e.data["logprobs"] for e in sent if e is not None]
+    assert kept == [ENTRIES[:1], ENTRIES[1:]] and follower.logprobs_delivered == 2
