@@ -34,6 +34,7 @@ from gpu_runtime.sampling import PENALTY_LIMIT
 
 log = logging.getLogger(__name__)
 
+MAX_CHOICES = 16  # n: choices per request, each generated as a job of its own
 MAX_SEED = 2**63 - 1  # the engine seeds a torch.Generator, which takes a signed 64-bit value
 WINDOW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 WINDOW_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -203,8 +204,8 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
 
     def check(self) -> None:
         self.check_unsupported()
-        if self.n not in (None, 1):
-            raise OpenAIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise OpenAIError(400, f"n must be between 1 and {MAX_CHOICES}", param="n")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
@@ -252,6 +253,27 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
         except ValidationError as exc:
             message, param = validation_message(list(exc.errors()))
             raise OpenAIError(400, message, param=openai_param(param)) from exc
+
+
+def choice_specs(spec: JobCreate, n: int | None) -> list[JobCreate]:
+    """The jobs of a request's ``n`` choices: the same request, a seeded one with seeds seed, seed + 1, ... (each
+    choice reproducible and unlike the others); unseeded, each job draws a seed of its own when it samples."""
+    if not n or n == 1:
+        return [spec]
+    if spec.seed is None:
+        return [spec] * n
+    return [spec.model_copy(update={"seed": (spec.seed + i) % (MAX_SEED + 1)}) for i in range(n)]
+
+
+def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One response of the bodies of a request's choices (one job each): their choices indexed in order, the
+    completion tokens summed (the prompt counts once, as OpenAI counts it)."""
+    body = bodies[0]
+    if len(bodies) > 1:
+        body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        u = body["usage"]
+        body["usage"] = usage(u["prompt_tokens"], sum(b["usage"]["completion_tokens"] for b in bodies))
+    return body
 
 
 def openai_param(param: str | None) -> str | None:

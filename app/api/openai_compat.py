@@ -29,10 +29,11 @@ from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_completion,
-                                chat_logprobs, completion_logprobs, now_s, openai_param, text_completion, usage,
-                                validation_message)
+                                chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s, openai_param,
+                                text_completion, usage, validation_message)
 from app.services import jobs as job_service
 from app.services.job_follow import cancel_abandoned, job_events, wait_for_end
+from app.services.streaming import StreamEvent
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -107,75 +108,127 @@ def _sse_error(err: OpenAIError) -> bytes:
     return _sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
 
 
-async def _stream(settings: Settings, job: Job, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    cid = ("chatcmpl-" if chat else "cmpl-") + job.id
-    created, model = now_s(), job.model
-    obj = "chat.completion.chunk" if chat else "text_completion"
+async def _merged_events(settings: Settings, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The events of a request's jobs (one per choice) as they come, each with its choice's index; a job's own
+    events stay in order."""
+    if len(jobs) == 1:
+        async with aclosing(job_events(settings, jobs[0].id)) as events:
+            async for ev in events:
+                yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
 
-    def chunk(text: str | None, finish: str | None, first: bool = False,
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async with aclosing(job_events(settings, job.id)) as events:
+                async for ev in events:
+                    queue.put_nowait((i, ev))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which fails the stream with it
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(tasks)
+        while running:
+            i, ev = await queue.get()
+            if ev is None:
+                running -= 1
+            elif isinstance(ev, BaseException):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _abandon(settings: Settings, jobs: list[Job], detail: str = ABANDONED) -> None:
+    """Stops generating the unfinished ones of ``jobs`` (SQL and Redis I/O: in a worker thread)."""
+    for job in jobs:
+        await anyio.to_thread.run_sync(cancel_abandoned, settings, job.id, detail)
+
+
+async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
+    created, model = now_s(), jobs[0].model
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    delivered = [0] * len(jobs)  # characters sent, per choice
+    logprobs_sent = [0] * len(jobs)  # token logprobs sent (where the jobs asked for them), per choice
+
+    def chunk(i: int, text: str | None, finish: str | None, first: bool = False,
               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": completion_logprobs(logprobs, delivered),
+            choice = {"index": i, "text": text or "", "logprobs": completion_logprobs(logprobs, delivered[i]),
                       "finish_reason": finish}
         out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
 
-    delivered = 0  # characters sent
-    logprobs_sent = 0  # token logprobs sent (where the job asked for them)
-    # the stream ended on its own (the job's end, an error, a failure here): only a client that
-    # hung up (Starlette cancels or closes this generator) abandons the job
+    unfinished, prompt_tokens, completion_tokens = len(jobs), 0, 0
+    # the stream ended on its own (the jobs' ends, an error, a failure here): only a client that
+    # hung up (Starlette cancels or closes this generator) abandons the jobs
     ended = False
     try:
         if chat:
-            yield _sse(chunk(None, None, first=True))
-        async with aclosing(job_events(settings, job.id)) as events:
-            async for ev in events:
+            for i in range(len(jobs)):
+                yield _sse(chunk(i, None, None, first=True))
+        async with aclosing(_merged_events(settings, jobs)) as events:
+            async for i, ev in events:
                 if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
                     logprobs = ev.data.get("logprobs") or None
-                    logprobs_sent += len(logprobs or ())
-                    yield _sse(chunk(ev.text, None, logprobs=logprobs))
-                    delivered += len(ev.text)
+                    logprobs_sent[i] += len(logprobs or ())
+                    yield _sse(chunk(i, ev.text, None, logprobs=logprobs))
+                    delivered[i] += len(ev.text)
                 elif ev.type == "error":  # the stream could not be read on; the job goes on
                     ended = True
                     yield _sse_error(OpenAIError(503, ev.data.get("error") or "the stream was interrupted",
                                                  type="server_error", code="stream_interrupted"))
                     return  # no [DONE]: the answer is incomplete
                 elif ev.type == "end":
-                    ended = True
                     if ev.status != JobStatus.SUCCEEDED:
+                        ended = True
                         yield _sse_error(_job_error(ev.status, ev.data.get("error"), ev.data.get("code")))
+                        if len(jobs) > 1:  # the answer is lost without this choice: the others stop too
+                            with anyio.CancelScope(shield=True):
+                                await _abandon(settings, jobs, "another choice of the request failed")
                         break
                     if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
-                        rest = (ev.data.get("output_text") or "")[delivered:]
-                        rest_logprobs = (ev.data.get("logprobs") or [])[logprobs_sent:] or None
+                        rest = (ev.data.get("output_text") or "")[delivered[i]:]
+                        rest_logprobs = (ev.data.get("logprobs") or [])[logprobs_sent[i]:] or None
                         if rest or rest_logprobs:
-                            yield _sse(chunk(rest, None, logprobs=rest_logprobs))
-                            delivered += len(rest)
-                    yield _sse(chunk(None, ev.finish_reason or "stop"))
+                            yield _sse(chunk(i, rest, None, logprobs=rest_logprobs))
+                            delivered[i] += len(rest)
+                    yield _sse(chunk(i, None, ev.finish_reason or "stop"))
+                    prompt_tokens = ev.data.get("prompt_tokens") or prompt_tokens
+                    completion_tokens += ev.data.get("completion_tokens") or 0
+                    unfinished -= 1
+                    if unfinished:
+                        continue
                     if include_usage:
                         yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                                    "usage": usage(ev.data.get("prompt_tokens"), ev.data.get("completion_tokens"))})
+                                    "usage": usage(prompt_tokens, completion_tokens)})
                     break
         ended = True
         yield _sse("[DONE]")
-    except Exception:  # a bug or a database error: say so to the client; the job itself goes on
+    except Exception:  # a bug or a database error: say so to the client; the jobs themselves go on
         ended = True
-        log.exception("the stream of job %s failed", job.id)
-        yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{job.id})",
+        log.exception("the stream of job %s failed", jobs[0].id)
+        yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{jobs[0].id})",
                                      type="server_error", code="stream_interrupted"))
     finally:
         if not ended:
-            # SQL and Redis I/O: in a worker thread, never on the event loop; shielded, because this
-            # runs while the disconnected response's task is being cancelled
+            # shielded, because this runs while the disconnected response's task is being cancelled
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(cancel_abandoned, settings, job.id, ABANDONED)
+                await _abandon(settings, jobs)
 
 
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
@@ -186,25 +239,28 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
-    job = await run_in_threadpool(_submit, session, principal, settings, spec, endpoint, writer)
-    headers = {"x-coserve-job-id": job.id}
+    jobs = await run_in_threadpool(
+        lambda: [_submit(session, principal, settings, s, endpoint, writer) for s in choice_specs(spec, body.n)])
+    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(_stream(settings, job, chat, include_usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(settings, jobs, chat, include_usage), media_type="text/event-stream",
                                  headers=headers)
-    end = await _unless_disconnected(request, wait_for_end(settings, job.id))
-    if end is None:  # nobody waits for the answer any more: stop generating it
-        await run_in_threadpool(cancel_abandoned, settings, job.id, ABANDONED)
+    ends = await _unless_disconnected(request, asyncio.gather(*(wait_for_end(settings, job.id) for job in jobs)))
+    if ends is None:  # nobody waits for the answer any more: stop generating it
+        await _abandon(settings, jobs)
         return Response(status_code=499)  # nginx's "client closed request"; no one reads it
-    if end.status != JobStatus.SUCCEEDED:
-        raise _job_error(end.status, end.data.get("error"), end.data.get("code"))
-    d = end.data
-    extra = {"system_fingerprint": None, "coserve": {"job_id": job.id}}
+    for end in ends:
+        if end.status != JobStatus.SUCCEEDED:
+            raise _job_error(end.status, end.data.get("error"), end.data.get("code"))
+    coserve = {"job_id": jobs[0].id} | ({"job_ids": [job.id for job in jobs]} if len(jobs) > 1 else {})
+    extra = {"system_fingerprint": None, "coserve": coserve}
     make = chat_completion if chat else text_completion
-    content = make(("chatcmpl-" if chat else "cmpl-") + job.id, job.model, now_s(), d["output_text"],
-                   end.finish_reason or "stop", d["prompt_tokens"], d["completion_tokens"], extra, d.get("logprobs"))
-    return JSONResponse(content, headers=headers)
+    bodies = [make(("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s(), end.data["output_text"],
+                   end.finish_reason or "stop", end.data["prompt_tokens"], end.data["completion_tokens"], extra,
+                   end.data.get("logprobs")) for end in ends]
+    return JSONResponse(merge_choices(bodies), headers=headers)
 
 
 def _documented_body(model: type) -> dict[str, Any]:

@@ -82,6 +82,9 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float) -> Valid
         return InvalidLine(line_no, cid, f"line {line_no}: 'body' must be a JSON object", "invalid_body")
     if body.get("stream"):
         return InvalidLine(line_no, cid, f"line {line_no}: stream is not supported in batches", "invalid_body")
+    if body.get("n") not in (None, 1):
+        return InvalidLine(line_no, cid, f"line {line_no}: only n=1 in batches (one line per completion)",
+                           "invalid_body")
     try:
         req = ENDPOINTS[endpoint].model_validate(body)
         req.check()

@@ -63,6 +63,26 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert top1.choices[0].message.content == full
 
 
+def test_n_choices_each_a_job(oai, live_server, keys):
+    """n choices come from n jobs: sampled with seeds seed, seed + 1, ...; streamed interleaved by choice index."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=6, temperature=1.0,
+              seed=7, extra_body={"ignore_eos": True})
+    three = oai.chat.completions.create(n=3, **kw)
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.completion_tokens == 18
+    alone = oai.chat.completions.create(**{**kw, "seed": 8})  # choice 1's seed on its own: the same text
+    assert three.choices[1].message.content == alone.choices[0].message.content
+    assert len({c.message.content for c in three.choices}) > 1  # tiny random model, three seeds: not all alike
+    chunks = list(oai.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kw))
+    text = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+            for i in (0, 1)}
+    assert text == {0: three.choices[0].message.content, 1: three.choices[1].message.content}
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 12
+    comp = oai.completions.create(model="tiny", prompt="Once", max_tokens=3, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert comp.choices[0].text == comp.choices[1].text  # greedy: every choice alike
+
+
 def test_streaming_matches_non_streaming(oai):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "Count to ten"}], max_tokens=9, temperature=0,
               extra_body={"ignore_eos": True})
@@ -86,8 +106,8 @@ def test_errors_have_openai_shape(live_server, keys):
     # every error here is caught before a job is submitted: no worker needed
     oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=30)
     with pytest.raises(openai.BadRequestError) as exc:
-        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
-    assert exc.value.body["param"] == "n" and "n=1" in exc.value.body["message"]
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=17)
+    assert exc.value.body["param"] == "n" and "between 1 and 16" in exc.value.body["message"]
     with pytest.raises(openai.NotFoundError) as exc:
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert exc.value.body["code"] == "model_not_found"

@@ -77,7 +77,8 @@ def test_openai_request_mapping():
         CompletionRequest.model_validate({"prompt": ["p", "q"]}).prompt_text()
     assert exc.value.param == "prompt"
     with pytest.raises(OpenAIError):
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 2}).check()
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 17}).check()
+    assert not parse_file(chat("a", n=2).encode(), "/v1/chat/completions", 3600).valid  # a batch line is one answer
     for qos in ({"ttft_ms": 5}, {"tbt_anchor": "first-token"}):  # a deadline job has no token pace
         with pytest.raises(OpenAIError):
             CompletionRequest.model_validate({"prompt": "p", "deadline": "2h", **qos}).job_spec(prompt="p")
