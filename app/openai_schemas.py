@@ -209,6 +209,10 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
+    def echo_fields(self) -> dict[str, Any]:
+        """The job fields of OpenAI completions' echo (none elsewhere)."""
+        return {}
+
     def output_constraint(self) -> StructuredOutputs | None:
         """The constraint of ``response_format`` (text, json_object or json_schema) or ``structured_outputs``."""
         fmt = self.response_format
@@ -237,7 +241,7 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
-                      logprobs=self.logprob_count(),
+                      logprobs=self.logprob_count(), **self.echo_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
                          if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
@@ -362,13 +366,19 @@ class ChatCompletionRequest(_Base):
 
 class CompletionRequest(_Base):
     prompt: Text | list[Text]
-    # not implemented: echoing the prompt, best-of-n sampling, insertion (suffix)
+    # echo: the answer repeats the prompt (with logprobs, the prompt's too); not implemented: best-of-n, insertion
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **UnsupportedFields.unsupported, "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+        **UnsupportedFields.unsupported, "best_of": (None, 1), "suffix": (None, "")}
+
+    def check(self) -> None:
+        super().check()
+        if self.echo and self.stream:
+            raise OpenAIError(400, "echo is not supported with stream=true; ask without streaming",
+                              param="echo", code="unsupported_value")
 
     def logprob_count(self) -> int | None:
         """``logprobs``: the alternatives per token to report (None: no logprobs)."""
@@ -378,6 +388,11 @@ class CompletionRequest(_Base):
             raise OpenAIError(400, f"logprobs is the number of alternatives per token, 0-{MAX_TOP_LOGPROBS}",
                               param="logprobs")
         return self.logprobs
+
+    def echo_fields(self) -> dict[str, Any]:
+        if not self.echo:
+            return {}
+        return {"echo": True, "prompt_logprobs": self.logprob_count()}
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, list):
@@ -419,7 +434,8 @@ def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for t, lp in e["top"]} for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e["logprob"] is None else {t: lp for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets}
 
 
 def chat_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
@@ -436,7 +452,14 @@ def chat_completion(cid: str, model: str, created: int, text: str, finish_reason
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
-                    extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
+                    echo: tuple[str, list[dict[str, Any]] | None] | None = None) -> dict[str, Any]:
+    """``echo``: the prompt and its logprobs, which the text and the logprobs then start with."""
+    if echo is not None:
+        prompt, prompt_logprobs = echo
+        text = prompt + text
+        if logprobs is not None:
+            logprobs = (prompt_logprobs or []) + logprobs
     body = {"id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
                          "finish_reason": finish_reason}],

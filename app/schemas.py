@@ -100,6 +100,9 @@ class JobCreate(BaseModel):
         "divides positive and multiplies negative logits of tokens in the prompt or output (1: none; vLLM backend)"))
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "report each output token's log-probability and this many most likely alternatives (vLLM backend)"))
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "the same for each prompt token (vLLM backend)"))
+    echo: bool = Field(False, description="OpenAI completions' echo: its answer repeats the prompt before the output")
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "constrain the text to a JSON schema, a regex, a list of choices or a grammar (vLLM backend)"))
     ignore_eos: bool = False
@@ -135,7 +138,7 @@ class JobCreate(BaseModel):
                 "top_k": max(0, self.top_k), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "structured_outputs": self.structured_outputs.fields() if self.structured_outputs else None,
-                "logprobs": self.logprobs}
+                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo}
 
 
 class SloMiss(BaseModel):
@@ -188,6 +191,8 @@ class JobPublic(BaseModel):
     completion_tokens: int | None = None
     output_logprobs: list[dict[str, Any]] | None = Field(None, description=(
         "where the job asked for logprobs: per output token its text, log-probability and the top alternatives"))
+    prompt_logprobs: list[dict[str, Any]] | None = Field(None, description=(
+        "where the job asked for prompt_logprobs: the same per prompt token (the first one's logprob is null)"))
     attempt: int = 0
     worker_id: str | None = None
     error: str | None = None

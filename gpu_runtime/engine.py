@@ -42,6 +42,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # set when finished
     error: str | None = None  # event "rejected": what the engine refused in the request
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, where the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, once, where the request asked
 
     @property
     def finished(self) -> bool:
@@ -97,7 +98,7 @@ class Engine:
             raise ValueError(PENALTIES_UNSUPPORTED)
         if request.sampling.structured is not None:
             raise ValueError(STRUCTURED_UNSUPPORTED)
-        if request.sampling.logprobs is not None:
+        if request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None:
             raise ValueError(LOGPROBS_UNSUPPORTED)
         with self._lock:
             self._inbox.append(request)

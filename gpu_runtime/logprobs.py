@@ -11,11 +11,11 @@ FLOOR = -9999.0  # a token the sampler ruled out has log-probability -inf, which
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One output token: its text, its log-probability under the model, and the most likely alternatives
-    at its position (text, log-probability; most likely first)."""
+    """One token: its text, its log-probability under the model (None for a prompt's first token: nothing precedes
+    it), and the most likely alternatives at its position (text, log-probability; most likely first)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
@@ -23,4 +23,6 @@ class TokenLogprob:
 
     @classmethod
     def of(cls, d: dict[str, Any]) -> TokenLogprob:
-        return cls(d["token"], float(d["logprob"]), tuple((str(t), float(lp)) for t, lp in d.get("top") or ()))
+        logprob = d["logprob"]
+        return cls(d["token"], None if logprob is None else float(logprob),
+                   tuple((str(t), float(lp)) for t, lp in d.get("top") or ()))

@@ -65,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     structured: OutputConstraint | None = None  # what the text must match (vLLM backend)
     logprobs: int | None = None  # report each output token's log-probability and this many alternatives (vLLM)
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none: nothing precedes it)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -80,8 +81,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
                 raise ValueError(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(self, name)) is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError("repetition_penalty must be > 0 (1: none)")
 

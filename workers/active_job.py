@@ -22,6 +22,7 @@ class ActiveJob:
     created_at: datetime | None
     text: list[str] = field(default_factory=list)  # engine thread: what it produced so far
     logprobs: list[dict] = field(default_factory=list)  # engine thread: its tokens' logprobs, where it asked
+    prompt_logprobs: list[dict] | None = None  # engine thread: its prompt's, where it asked (the first report)
     produced: int = 0  # engine thread: characters streamed so far, the next delta's offset
     first_token_recorded: bool = False
     in_engine: bool = False  # engine thread: its add was applied

@@ -136,6 +136,8 @@ class EngineThread:
                 job.first_token_recorded = True
                 first_tokens.append(job)
             data = {}
+            if out.prompt_logprobs and job.prompt_logprobs is None:  # a recomputed prompt reports them again
+                job.prompt_logprobs = [lp.as_dict() for lp in out.prompt_logprobs]
             if out.new_logprobs:  # with their index in the attempt's logprobs, as offset places the text
                 data = {"logprobs": [lp.as_dict() for lp in out.new_logprobs], "logprobs_offset": len(job.logprobs)}
                 job.logprobs.extend(data["logprobs"])
@@ -195,7 +197,8 @@ class EngineThread:
                   "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s, "slo_met": m.slo_met,
                   "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None,
-                  "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None}
+                  "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
+                  "prompt_logprobs": job.prompt_logprobs}
         lease = job.lease
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
                           data={"prompt_tokens": prompt_tokens, "completion_tokens": m.num_output_tokens,

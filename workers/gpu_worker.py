@@ -227,7 +227,8 @@ class GpuWorker:
                                   frequency_penalty=float(sp.get("frequency_penalty", 0.0)),
                                   repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
                                   structured=OutputConstraint.of(sp["structured_outputs"])
-                                  if sp.get("structured_outputs") else None, logprobs=sp.get("logprobs"))
+                                  if sp.get("structured_outputs") else None, logprobs=sp.get("logprobs"),
+                                  prompt_logprobs=sp.get("prompt_logprobs"))
         try:
             tier = Tier(job.tier)
         except ValueError:

@@ -259,7 +259,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     make = chat_completion if chat else text_completion
     bodies = [make(("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s(), end.data["output_text"],
                    end.finish_reason or "stop", end.data["prompt_tokens"], end.data["completion_tokens"], extra,
-                   end.data.get("logprobs")) for end in ends]
+                   end.data.get("logprobs"), **({"echo": (spec.prompt, end.data.get("prompt_logprobs"))}
+                                                if not chat and spec.echo else {})) for end in ends]
     return JSONResponse(merge_choices(bodies), headers=headers)
 
 

@@ -30,10 +30,11 @@ def batch_object(b: Batch) -> dict[str, Any]:
 
 def output_line(job: Job) -> dict[str, Any]:
     """A succeeded job as an output-file line: the body an online request would have returned."""
-    make = chat_completion if job.endpoint == "/v1/chat/completions" else text_completion
-    prefix = "chatcmpl-" if job.endpoint == "/v1/chat/completions" else "cmpl-"
-    body = make(prefix + job.id, job.model, ts(job.finished_at) or 0, job.output_text or "",
-                job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs)
+    chat = job.endpoint == "/v1/chat/completions"
+    echo = {} if chat or not (job.sampling or {}).get("echo") else {"echo": (job.prompt or "", job.prompt_logprobs)}
+    body = (chat_completion if chat else text_completion)(
+        ("chatcmpl-" if chat else "cmpl-") + job.id, job.model, ts(job.finished_at) or 0, job.output_text or "",
+        job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs, **echo)
     return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
             "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
 

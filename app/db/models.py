@@ -114,6 +114,7 @@ class Job(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     # where the request asked for them: one per output token, gpu_runtime.logprobs.TokenLogprob.as_dict()
     output_logprobs: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    prompt_logprobs: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # the same per prompt token
     # per-job metrics
     queue_s: Mapped[float | None] = mapped_column(Float, default=None)  # submission to its first prompt chunk
     ttft_s: Mapped[float | None] = mapped_column(Float, default=None)

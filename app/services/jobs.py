@@ -49,7 +49,8 @@ class IdempotencyConflict(ValueError):
 
 
 NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "logprobs": None}
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "logprobs": None,
+                    "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
@@ -143,12 +144,12 @@ def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None
     structured outputs and logprobs on the own torch engine, min_p beside vLLM's speculative decoding (vLLM refuses that pair)."""
     penalties = [k for k, neutral in NEUTRAL_PENALTIES.items() if sampling[k] != neutral]
     structured = sampling.get("structured_outputs") is not None
-    logprobs = sampling.get("logprobs") is not None
+    logprobs = [k for k in ("logprobs", "prompt_logprobs") if sampling.get(k) is not None]
     if not penalties and not sampling["min_p"] and not structured and not logprobs:
         return None
     backend = settings.engine_backend
     if logprobs and backend == "torch":
-        return "logprobs", LOGPROBS_UNSUPPORTED
+        return logprobs[0], LOGPROBS_UNSUPPORTED
     if penalties and backend == "torch":
         return penalties[0], PENALTIES_UNSUPPORTED
     if structured and backend == "torch":

@@ -221,6 +221,7 @@ class VLLMEngine:
                               frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
                               stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
                               ignore_eos=sp.ignore_eos, structured_outputs=structured, logprobs=sp.logprobs,
+                              prompt_logprobs=sp.prompt_logprobs,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 
@@ -262,16 +263,27 @@ class VLLMEngine:
             req.status = RequestStatus.DECODING
         logprobs = (token_logprobs(new_ids, comp.logprobs, req.sampling.logprobs)
                     if comp is not None and req.sampling.logprobs is not None else None)
+        prompt = self._prompt_logprobs(req, res.prompt_logprobs)
         if not res.finished:
-            return RequestOutput(req.request_id, new_ids, text, req.status, new_logprobs=logprobs)
+            return RequestOutput(req.request_id, new_ids, text, req.status, new_logprobs=logprobs,
+                                 prompt_logprobs=prompt)
         reason = comp.finish_reason if comp is not None else None
         req.status = _FINISH.get(reason or "", RequestStatus.FINISHED_ABORTED)
         req.finish_time = now
         out = self._finish(req)
-        out.new_token_ids, out.new_text, out.new_logprobs = new_ids, text, logprobs
+        out.new_token_ids, out.new_text, out.new_logprobs, out.prompt_logprobs = new_ids, text, logprobs, prompt
         if reason == "error":  # vLLM refused it (e.g. its QoS): the job fails, it was not cancelled
             out.event = "rejected"
         return out
+
+    def _prompt_logprobs(self, req: Request, steps: Any) -> list[TokenLogprob] | None:
+        """vLLM's prompt logprobs (all at once, at the end of the prefill) as ``TokenLogprob``s; the first token has
+        no log-probability (nothing precedes it)."""
+        if not steps or req.sampling.prompt_logprobs is None:
+            return None
+        first = self.llm.get_tokenizer().decode([req.prompt_token_ids[0]])
+        return [TokenLogprob(first, None)] + token_logprobs(req.prompt_token_ids[1:], steps[1:],
+                                                                 req.sampling.prompt_logprobs)
 
     def _finish(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)

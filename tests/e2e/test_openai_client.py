@@ -57,6 +57,11 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].message.content == full[:full.index(stop)]
 
+    # echo: the completion's text starts with its prompt
+    echoed = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, seed=3, echo=True,
+                                    extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})
+    assert echoed.choices[0].text == "Once upon a time" + comp.choices[0].text
+
     # vLLM's top_k, which the own engine's sampler applies too: sampling among the single most likely token is greedy
     top1 = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=7,
                                        temperature=1.0, seed=11, extra_body={"ignore_eos": True, "top_k": 1})
@@ -131,7 +136,8 @@ def test_errors_have_openai_shape(live_server, keys):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                     response_format={"type": "json_object"})
     assert exc.value.body["code"] == "unsupported_value" and "COSERVE_BACKEND=vllm" in exc.value.body["message"]
-    for kw in ({"echo": True}, {"best_of": 3}, {"suffix": "end"}, {"logprobs": 2}, {"logit_bias": {"50256": -100}}):
+    for kw in ({"echo": True, "stream": True}, {"best_of": 3}, {"suffix": "end"}, {"logprobs": 2},
+               {"logit_bias": {"50256": -100}}):
         with pytest.raises(openai.BadRequestError) as exc:
             oai.completions.create(model="tiny", prompt="x", **kw)
         assert exc.value.body["param"] == next(iter(kw)) and exc.value.body["code"] == "unsupported_value"

@@ -84,6 +84,14 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                                   temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     lps = comp.choices[0].logprobs
     assert "".join(lps.tokens) == comp.choices[0].text and lps.text_offset[0] == 0 and len(lps.top_logprobs[0]) == 2
+    # echo with logprobs (how evaluation harnesses score a text): the prompt's tokens come first, the first unscored
+    scored = oai.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=1,
+                                    temperature=0, logprobs=1, echo=True, extra_body={"ignore_eos": True})
+    lps = scored.choices[0].logprobs
+    assert scored.choices[0].text == "The capital of France is" + comp.choices[0].text[:len(lps.tokens[-1])]
+    assert len(lps.tokens) == scored.usage.prompt_tokens + 1 and "".join(lps.tokens) == scored.choices[0].text
+    assert lps.token_logprobs[0] is None and all(lp <= 0 for lp in lps.token_logprobs[1:])
+    assert lps.token_logprobs[-1] == pytest.approx(comp.choices[0].logprobs.token_logprobs[0], abs=1e-3)
 
     # structured outputs: OpenAI's response_format and vLLM's structured_outputs constrain the text
     person = [{"role": "user", "content": "Invent a person. Reply in JSON with name and age."}]

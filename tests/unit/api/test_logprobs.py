@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from app.openai_schemas import chat_logprobs, completion_logprobs
+from app.openai_schemas import chat_logprobs, completion_logprobs, text_completion
 from app.services.streaming import StreamEvent, _Progress
 from gpu_runtime.logprobs import FLOOR, TokenLogprob
 
@@ -51,3 +51,15 @@ def test_a_rerun_repeats_no_logprob_the_stream_already_sent():
     sent += [follower.admit(delta(2, "Hel", 0, 0)), follower.admit(delta(2, "lo", 3, 1))]
     kept = [e.data["logprobs"] for e in sent if e is not None]
     assert kept == [ENTRIES[:1], ENTRIES[1:]] and follower.logprobs_delivered == 2
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    prompt = [TokenLogprob("Say", None).as_dict(), TokenLogprob(" hi", -3.0, ((" hello", -1.0),)).as_dict()]
+    body = text_completion("cmpl-1", "m", 0, "Hello", "length", 2, 2, logprobs=ENTRIES, echo=("Say hi", prompt))
+    choice = body["choices"][0]
+    assert choice["text"] == "Say hiHello"
+    assert choice["logprobs"]["tokens"] == ["Say", " hi", "Hel", "lo"]
+    assert choice["logprobs"]["token_logprobs"][:2] == [None, -3.0] and choice["logprobs"]["top_logprobs"][0] is None
+    assert choice["logprobs"]["text_offset"] == [0, 3, 6, 9]
+    plain = text_completion("cmpl-1", "m", 0, "Hello", "length", 2, 2, echo=("Say hi", None))["choices"][0]
+    assert plain["text"] == "Say hiHello" and plain["logprobs"] is None

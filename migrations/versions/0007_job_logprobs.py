@@ -1,4 +1,4 @@
-"""jobs.output_logprobs: each output token's log-probability and alternatives, for jobs that asked for them
+"""jobs.output_logprobs, jobs.prompt_logprobs: each token's log-probability and alternatives, for jobs that asked
 
 Revision ID: 0007
 Revises: 0006
@@ -21,8 +21,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table('jobs') as batch:
         batch.add_column(sa.Column('output_logprobs', sa.JSON(), nullable=True))
+        batch.add_column(sa.Column('prompt_logprobs', sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table('jobs') as batch:
+        batch.drop_column('prompt_logprobs')
         batch.drop_column('output_logprobs')
