@@ -3,7 +3,7 @@
 The request models accept what the official ``openai`` client sends plus coserve's QoS
 extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's sampling extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``structured_outputs``), and turn into a
-``JobCreate``. OpenAI fields coserve does not implement (tools, echo, ...) are
+``JobCreate``. OpenAI fields coserve does not implement (tools, logit_bias, best_of, ...) are
 declared, so a request that sets one to anything but its default gets a 400 with
 ``code="unsupported_value"`` instead of an answer that silently ignored it; fields
 unknown to both are ignored.
@@ -186,7 +186,6 @@ class UnsupportedFields(BaseModel):
     """OpenAI fields both endpoints have that coserve does not implement (accepted only at their defaults)."""
 
     logit_bias: dict[str, float] | None = None
-    # chat: bool; completions: int (the number of most likely tokens)
 
     # field -> values that mean "not used" (what clients send when they do not set it)
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {"logit_bias": (None, {})}
@@ -216,11 +215,11 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
     def output_constraint(self) -> StructuredOutputs | None:
         """The constraint of ``response_format`` (text, json_object or json_schema) or ``structured_outputs``."""
         fmt = self.response_format
-        if fmt is None or fmt == {"type": "text"}:
+        kind = (fmt or {}).get("type", "text")
+        if kind == "text":
             return self.structured_outputs
         if self.structured_outputs is not None:
             raise OpenAIError(400, "give response_format or structured_outputs, not both", param="response_format")
-        kind = fmt.get("type")
         if kind == "json_object":
             return StructuredOutputs(json_object=True)
         if kind == "json_schema":
@@ -228,7 +227,12 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
             if not isinstance(schema, dict):
                 raise OpenAIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
                                   param="response_format")
-            return StructuredOutputs(json=schema)
+            try:
+                return StructuredOutputs(json=schema)
+            except ValidationError as exc:
+                message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise OpenAIError(400, f"response_format json_schema.schema: {message}",
+                                  param="response_format") from exc
         raise OpenAIError(400, f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
                                "'json_schema'", param="response_format", code="unsupported_value")
 
@@ -311,7 +315,7 @@ def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
 
 class ChatCompletionRequest(_Base):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    # not implemented: tool calling, structured output, token log-probabilities
+    # not implemented: tool calling
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -440,7 +444,8 @@ def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -
 
 def chat_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
-                    extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None,
+                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],

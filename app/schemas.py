@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -23,6 +24,17 @@ class ChatMessage(BaseModel):
     content: Text
 
 
+def _all_finite(value: Any) -> bool:
+    """Whether every number in a JSON value is finite."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_all_finite(v) for v in value)
+    return True
+
+
 class StructuredOutputs(BaseModel):
     """vLLM's structured outputs: exactly one constraint the generated text must match (vLLM backend)."""
 
@@ -41,13 +53,16 @@ class StructuredOutputs(BaseModel):
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar or json_object"
                              + (f" (got {', '.join(given)})" if given else ""))
-        if isinstance(self.json_schema, str):
+        schema = self.json_schema
+        if isinstance(schema, str):
             try:
-                schema = json.loads(self.json_schema)
+                schema = json.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"json is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise ValueError("json must be a JSON schema object")
+        if schema is not None and not _all_finite(schema):  # Python's JSON reads NaN and Infinity; JSON has neither
+            raise ValueError("json holds a number that is not finite (NaN or Infinity); JSON schemas cannot")
         if self.regex is not None and "\x00" in self.regex:
             raise ValueError("regex must not contain a NUL character")
         return self
@@ -102,7 +117,8 @@ class JobCreate(BaseModel):
         "report each output token's log-probability and this many most likely alternatives (vLLM backend)"))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "the same for each prompt token (vLLM backend)"))
-    echo: bool = Field(False, description="OpenAI completions' echo: its answer repeats the prompt before the output")
+    echo: bool = Field(False, description=("OpenAI completions' echo: that route's answer starts with the prompt "
+                                           "(the job resource keeps prompt and output apart)"))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "constrain the text to a JSON schema, a regex, a list of choices or a grammar (vLLM backend)"))
     ignore_eos: bool = False

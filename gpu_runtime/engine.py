@@ -19,7 +19,6 @@ from gpu_runtime.metrics import RequestMetrics, request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.logprobs import TokenLogprob
-from gpu_runtime.sampling import LOGPROBS_UNSUPPORTED, PENALTIES_UNSUPPORTED, STRUCTURED_UNSUPPORTED
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ class RequestOutput:
     status: RequestStatus = RequestStatus.WAITING
     event: str | None = None  # "relegated" | "resumed" | "preempted" | "recomputed" | "expired" | None
     metrics: RequestMetrics | None = None  # set when finished
-    error: str | None = None  # event "rejected": what the engine refused in the request
+    error: str | None = None  # event "rejected": what the engine refused in the request (None: it failed itself)
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, where the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, once, where the request asked
 
@@ -94,12 +93,8 @@ class Engine:
             raise ValueError(
                 f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) "
                 f"exceeds the model's context of {self.executor.max_model_len} tokens")
-        if request.sampling.penalized:
-            raise ValueError(PENALTIES_UNSUPPORTED)
-        if request.sampling.structured is not None:
-            raise ValueError(STRUCTURED_UNSUPPORTED)
-        if request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None:
-            raise ValueError(LOGPROBS_UNSUPPORTED)
+        if refused := request.sampling.own_engine_refusal():
+            raise ValueError(refused[1])
         with self._lock:
             self._inbox.append(request)
 

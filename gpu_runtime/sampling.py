@@ -19,7 +19,8 @@ MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative deco
 LOGPROBS_UNSUPPORTED = ("token log-probabilities need the vLLM backend (COSERVE_BACKEND=vllm): the own torch "
                         "engine does not report them; leave logprobs unset")
 STRUCTURED_UNSUPPORTED = ("structured outputs (response_format, structured_outputs) need the vLLM backend "
-                          "(COSERVE_BACKEND=vllm): the own torch engine does not constrain its output; leave them unset")
+                          "(COSERVE_BACKEND=vllm): the own torch engine does not constrain its output; "
+                          "leave them unset")
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -95,3 +96,29 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a token's logit depends on the tokens before it (the penalties), not only on the model."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def own_engine_refusal(self) -> tuple[str, str] | None:
+        """(parameter, why) for what the own torch engine does not do (vLLM does all of it), else None."""
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                return name, LOGPROBS_UNSUPPORTED
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                return name, PENALTIES_UNSUPPORTED
+        if self.structured is not None:
+            return "structured_outputs", STRUCTURED_UNSUPPORTED
+        return None
+
+    @classmethod
+    def from_job(cls, sampling: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+        """A job's stored sampling (``JobCreate.sampling``; keys a job stored before they existed take their
+        defaults)."""
+        sp, structured = sampling, sampling.get("structured_outputs")
+        return cls(max_tokens=int(sp.get("max_tokens", default_max_tokens)),
+                   temperature=float(sp.get("temperature", 0.0)), top_p=float(sp.get("top_p", 1.0)),
+                   stop=tuple(sp.get("stop") or ()), seed=sp.get("seed"), ignore_eos=bool(sp.get("ignore_eos", False)), top_k=int(sp.get("top_k", 0)),
+                   min_p=float(sp.get("min_p", 0.0)), presence_penalty=float(sp.get("presence_penalty", 0.0)),
+                   frequency_penalty=float(sp.get("frequency_penalty", 0.0)),
+                   repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
+                   structured=OutputConstraint.of(structured) if structured else None, logprobs=sp.get("logprobs"),
+                   prompt_logprobs=sp.get("prompt_logprobs"))

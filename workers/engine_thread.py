@@ -110,7 +110,8 @@ class EngineThread:
                 except Exception as exc:  # bad input the API could not catch: fail this attempt only
                     log.warning("job %s failed at admission: %s", cmd.job_id, exc)
                     job.finished = True
-                    records.append(self._failure(job, str(exc), "rejected by the engine", INVALID_REQUEST))
+                    records.append(self._failure(job, str(exc), "rejected by the engine",
+                                                 INVALID_REQUEST if isinstance(exc, ValueError | TypeError) else None))
             elif isinstance(cmd, Abort):
                 if job is not None and job.in_engine and not job.finished:
                     self.engine.abort(cmd.job_id)
@@ -148,9 +149,13 @@ class EngineThread:
                 job.produced += len(out.new_text)
             if out.event == "rejected":  # the engine could not admit it (bad input): fail this job only
                 job.finished = True
-                why = out.error or "invalid parameters; see the worker log"
-                step.records.append(self._failure(job, f"the engine refused the request: {why}",
-                                                  "rejected by the engine", INVALID_REQUEST))
+                if out.error is not None:  # the request's own parameters: the client's to fix
+                    record = self._failure(job, f"the engine refused the request: {out.error}",
+                                           "rejected by the engine", INVALID_REQUEST)
+                else:
+                    record = self._failure(job, "the engine could not take the request (see the worker log)",
+                                           "rejected by the engine")
+                step.records.append(record)
                 continue
             if out.event in ("relegated", "resumed"):
                 self.active.set_relegated(job, out.event == "relegated")

@@ -44,7 +44,7 @@ from app.summarize.driver import advance_open_runs
 from gpu_runtime.factory import build_engine, resolve_device
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request
-from gpu_runtime.sampling import OutputConstraint, SamplingParams
+from gpu_runtime.sampling import SamplingParams
 from workers import decode_history
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
@@ -193,10 +193,10 @@ class GpuWorker:
                 request = self._request(job)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
                 log.warning("job %s failed at admission: %s", job_id, exc)
-                leases.finish(s, lease, JobStatus.FAILED, {"error": str(exc), "error_code": INVALID_REQUEST},
+                code = INVALID_REQUEST if isinstance(exc, ValueError | TypeError) else None
+                leases.finish(s, lease, JobStatus.FAILED, {"error": str(exc), "error_code": code},
                               detail="rejected by the engine")
-                end = StreamEvent("end", attempt=lease.attempt, status="failed",
-                                  data={"error": str(exc), "code": INVALID_REQUEST})
+                end = StreamEvent("end", attempt=lease.attempt, status="failed", data={"error": str(exc), "code": code})
                 self.outbox.put(StepRecords(deltas=[(job_id, end)]))
                 return
             created = as_utc(job.created_at)
@@ -217,18 +217,7 @@ class GpuWorker:
 
     def _request(self, job: Job) -> Request:
         ids = encode_input(self.settings.model, job.prompt, job.messages)
-        sp = job.sampling or {}
-        sampling = SamplingParams(max_tokens=int(sp.get("max_tokens", self.settings.default_max_tokens)),
-                                  temperature=float(sp.get("temperature", 0.0)), top_p=float(sp.get("top_p", 1.0)),
-                                  stop=tuple(sp.get("stop") or ()), seed=sp.get("seed"),
-                                  ignore_eos=bool(sp.get("ignore_eos", False)), top_k=int(sp.get("top_k", 0)),
-                                  min_p=float(sp.get("min_p", 0.0)),
-                                  presence_penalty=float(sp.get("presence_penalty", 0.0)),
-                                  frequency_penalty=float(sp.get("frequency_penalty", 0.0)),
-                                  repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
-                                  structured=OutputConstraint.of(sp["structured_outputs"])
-                                  if sp.get("structured_outputs") else None, logprobs=sp.get("logprobs"),
-                                  prompt_logprobs=sp.get("prompt_logprobs"))
+        sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
         try:
             tier = Tier(job.tier)
         except ValueError:

@@ -21,7 +21,7 @@ from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
 from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
-from app.services.job_follow import job_events
+from app.services.job_follow import job_events, rest_from_sql
 from app.services.notify import announce_cancel
 from app.settings import Settings
 
@@ -163,11 +163,10 @@ async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
                     return
                 elif ev.type == "end":
                     if ev.data.get("from_sql") and ev.status == JobStatus.SUCCEEDED:
-                        rest = (ev.data.get("output_text") or "")[delivered:]
-                        rest_logprobs = (ev.data.get("logprobs") or [])[logprobs_sent:]
+                        rest, rest_logprobs = rest_from_sql(ev, delivered, logprobs_sent)
                         if rest or rest_logprobs:
                             yield _sse("delta", {"text": rest, "token_ids": []} | (
-                                {"logprobs": rest_logprobs} if ev.data.get("logprobs") is not None else {}))
+                                {"logprobs": rest_logprobs} if rest_logprobs is not None else {}))
                     yield _sse("end", {"id": job_id, "status": ev.status, "finish_reason": ev.finish_reason,
                                        "error": ev.data.get("error"), "error_code": ev.data.get("code"),
                                        "prompt_tokens": ev.data.get("prompt_tokens"),

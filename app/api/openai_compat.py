@@ -32,7 +32,7 @@ from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAI
                                 chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s, openai_param,
                                 text_completion, usage, validation_message)
 from app.services import jobs as job_service
-from app.services.job_follow import cancel_abandoned, job_events, wait_for_end
+from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
 from app.services.streaming import StreamEvent
 from app.settings import Settings
 
@@ -72,6 +72,7 @@ def _submit(session, principal: Principal, settings: Settings, spec, endpoint: s
 # ---------------------------------------------------------------- following a job
 DISCONNECT_POLL_S = 0.5  # how often a non-stream request looks whether its client is still there
 ABANDONED = "client disconnected before the answer was complete"
+ANOTHER_FAILED = "another choice of the request failed"
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
@@ -106,6 +107,39 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 
 def _sse_error(err: OpenAIError) -> bytes:
     return _sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
+
+
+def _submit_choices(session, principal: Principal, settings: Settings, specs: list, endpoint: str,
+                    writer=None) -> list[Job]:
+    """The jobs of a request's choices; if one cannot be submitted, those already are stop."""
+    jobs: list[Job] = []
+    try:
+        for spec in specs:
+            jobs.append(_submit(session, principal, settings, spec, endpoint, writer))
+    except Exception:
+        for job in jobs:
+            cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
+        raise
+    return jobs
+
+
+async def _ends(settings: Settings, jobs: list[Job]) -> list[StreamEvent]:
+    """Every job's end; or, as soon as one did not succeed, that end alone (the others are stopped)."""
+    waits = [asyncio.ensure_future(wait_for_end(settings, job.id)) for job in jobs]
+    try:
+        pending = set(waits)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for wait in done:
+                if (end := wait.result()).status != JobStatus.SUCCEEDED:
+                    if len(jobs) > 1:
+                        await _abandon(settings, jobs, ANOTHER_FAILED)
+                    return [end]
+        return [wait.result() for wait in waits]
+    finally:  # on an error or a cancel (the client left), no wait goes on alone
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 async def _merged_events(settings: Settings, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamEvent]]:
@@ -196,14 +230,13 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                 elif ev.type == "end":
                     if ev.status != JobStatus.SUCCEEDED:
                         ended = True
+                        if len(jobs) > 1:  # the answer is lost without this choice: the others stop too, first
+                            with anyio.CancelScope(shield=True):  # (the client may be gone at the next yield)
+                                await _abandon(settings, jobs, ANOTHER_FAILED)
                         yield _sse_error(_job_error(ev.status, ev.data.get("error"), ev.data.get("code")))
-                        if len(jobs) > 1:  # the answer is lost without this choice: the others stop too
-                            with anyio.CancelScope(shield=True):
-                                await _abandon(settings, jobs, "another choice of the request failed")
                         break
                     if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
-                        rest = (ev.data.get("output_text") or "")[delivered[i]:]
-                        rest_logprobs = (ev.data.get("logprobs") or [])[logprobs_sent[i]:] or None
+                        rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_sent[i])
                         if rest or rest_logprobs:
                             yield _sse(chunk(i, rest, None, logprobs=rest_logprobs))
                             delivered[i] += len(rest)
@@ -239,21 +272,20 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
-    jobs = await run_in_threadpool(
-        lambda: [_submit(session, principal, settings, s, endpoint, writer) for s in choice_specs(spec, body.n)])
+    jobs = await run_in_threadpool(_submit_choices, session, principal, settings, choice_specs(spec, body.n), endpoint,
+                                   writer)
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(_stream(settings, jobs, chat, include_usage), media_type="text/event-stream",
                                  headers=headers)
-    ends = await _unless_disconnected(request, asyncio.gather(*(wait_for_end(settings, job.id) for job in jobs)))
+    ends = await _unless_disconnected(request, _ends(settings, jobs))
     if ends is None:  # nobody waits for the answer any more: stop generating it
         await _abandon(settings, jobs)
         return Response(status_code=499)  # nginx's "client closed request"; no one reads it
-    for end in ends:
-        if end.status != JobStatus.SUCCEEDED:
-            raise _job_error(end.status, end.data.get("error"), end.data.get("code"))
+    if ends[0].status != JobStatus.SUCCEEDED:
+        raise _job_error(ends[0].status, ends[0].data.get("error"), ends[0].data.get("code"))
     coserve = {"job_id": jobs[0].id} | ({"job_ids": [job.id for job in jobs]} if len(jobs) > 1 else {})
     extra = {"system_fingerprint": None, "coserve": coserve}
     make = chat_completion if chat else text_completion

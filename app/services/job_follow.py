@@ -44,6 +44,13 @@ def sql_end_event(url: str, job_id: str) -> StreamEvent | None:
                                  "from_sql": True})
 
 
+def rest_from_sql(end: StreamEvent, delivered: int, logprobs_sent: int) -> tuple[str, list[dict] | None]:
+    """What a follower has not yet sent of a job SQL reports ended (``end.data["from_sql"]``): the rest of its
+    text after ``delivered`` characters, and of its token logprobs after ``logprobs_sent`` (None: none asked)."""
+    logprobs = end.data.get("logprobs")
+    return (end.data.get("output_text") or "")[delivered:], None if logprobs is None else logprobs[logprobs_sent:]
+
+
 async def job_events(settings: Settings, job_id: str) -> AsyncIterator[StreamEvent]:
     """The job's events until its ``end`` (or an ``error``: the stream stayed unreadable).
 

@@ -27,8 +27,7 @@ from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, get_tokenizer, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
-from gpu_runtime.sampling import (LOGPROBS_UNSUPPORTED, MIN_P_WITH_SPECULATION, PENALTIES_UNSUPPORTED,
-                                  STRUCTURED_UNSUPPORTED)
+from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +47,10 @@ class IdempotencyConflict(ValueError):
     """The Idempotency-Key was already used for a different request (HTTP 409)."""
 
 
-NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "logprobs": None,
-                    "prompt_logprobs": None, "echo": False}
+# the sampling fields jobs stored before they existed hold at these values
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0, "structured_outputs": None, "logprobs": None, "prompt_logprobs": None,
+                    "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
@@ -58,7 +58,6 @@ _IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt
 
 def _same_request(existing: Job, new: Job) -> bool:
     def sampling(job: Job) -> dict:  # a seed the server drew differs on every submission
-        # jobs stored before top_k, min_p and the penalties were fields hold them at their neutral values
         return {k: v for k, v in {**NEUTRAL_SAMPLING, **job.sampling}.items() if k != "seed"}
 
     return (all(getattr(existing, f) == getattr(new, f) for f in _IDENTITY if f != "sampling")
@@ -138,23 +137,15 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
 
 
 
-
 def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None:
-    """(param, message) for a sampling parameter the server's engine cannot apply, else None: the penalties,
-    structured outputs and logprobs on the own torch engine, min_p beside vLLM's speculative decoding (vLLM refuses that pair)."""
-    penalties = [k for k, neutral in NEUTRAL_PENALTIES.items() if sampling[k] != neutral]
-    structured = sampling.get("structured_outputs") is not None
-    logprobs = [k for k in ("logprobs", "prompt_logprobs") if sampling.get(k) is not None]
-    if not penalties and not sampling["min_p"] and not structured and not logprobs:
-        return None
-    backend = settings.engine_backend
-    if logprobs and backend == "torch":
-        return logprobs[0], LOGPROBS_UNSUPPORTED
-    if penalties and backend == "torch":
-        return penalties[0], PENALTIES_UNSUPPORTED
-    if structured and backend == "torch":
-        return "structured_outputs", STRUCTURED_UNSUPPORTED
-    if sampling["min_p"] and backend == "vllm" and settings.spec_policy != "none":
+    """(param, message) for a sampling parameter the server's engine cannot apply, else None: what the own torch
+    engine does not do where the server says it runs that engine (``COSERVE_BACKEND=torch``: with ``auto`` the
+    API cannot know what its workers run, and a worker refuses it at admission, a 400 all the same), and min_p
+    beside vLLM's speculative decoding (vLLM refuses that pair)."""
+    params = SamplingParams.from_job(sampling, settings.default_max_tokens)
+    if settings.backend == "torch":
+        return params.own_engine_refusal()
+    if params.min_p and settings.spec_policy != "none":
         return "min_p", MIN_P_WITH_SPECULATION
     return None
 

@@ -112,6 +112,11 @@ class _Progress:
             return ev
         if self.gap:
             return None
+        if (first := ev.data.get("logprobs_offset")) is not None and first > self.logprobs_delivered:
+            log.warning("the stream of %s lost token logprobs %d-%d of attempt %d; the rest will come from SQL",
+                        self.job_id, self.logprobs_delivered, first, ev.attempt)
+            self.gap = True  # a lost delta of token ids only (no text) leaves this hole alone
+            return None
         if not ev.text:
             return self._new_logprobs(ev)  # token ids whose text is not complete yet: nothing to place
         start = self.produced if ev.offset is None else ev.offset

@@ -12,6 +12,7 @@ inbox); ``step()``, called by the engine thread alone, applies them and runs one
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -186,9 +187,14 @@ class VLLMEngine:
                                                 self._sampling(req), arrival_time=req.arrival_time,
                                                 priority=vllm_priority(req) if self.priority_policy else 0)
             except Exception as exc:  # e.g. parameters vLLM refuses: fail this request, not the step
+                from vllm.exceptions import VLLMClientError
+
                 log.warning("request %s rejected at admission: %s", req.request_id, exc)
                 req.status = RequestStatus.FINISHED_ABORTED
-                outputs.append(RequestOutput(req.request_id, status=req.status, event="rejected", error=str(exc)))
+                # its words where vLLM judged the request (the client's to fix), not where vLLM itself failed
+                refused = isinstance(exc, VLLMClientError | ValueError | TypeError)
+                outputs.append(RequestOutput(req.request_id, status=req.status, event="rejected",
+                                             error=str(exc) if refused else None))
                 continue
             self.requests[req.request_id] = req
             self.internal[internal] = req.request_id
@@ -300,9 +306,14 @@ def token_logprobs(token_ids: list[int], steps: Any, top: int) -> list[TokenLogp
     for token_id, step in zip(token_ids, steps or (), strict=False):
         chosen = step[token_id]
         ranked = sorted((lp for lp in step.values() if lp.rank is not None and lp.rank <= top), key=lambda lp: lp.rank)
-        out.append(TokenLogprob(_text(chosen), max(chosen.logprob, FLOOR),
-                                tuple((_text(lp), max(lp.logprob, FLOOR)) for lp in ranked)))
+        out.append(TokenLogprob(_text(chosen), _floored(chosen.logprob),
+                                tuple((_text(lp), _floored(lp.logprob)) for lp in ranked)))
     return out
+
+
+def _floored(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (and NaN) become ``FLOOR``."""
+    return logprob if math.isfinite(logprob) and logprob > FLOOR else FLOOR
 
 
 def _text(lp: Any) -> str:

@@ -166,6 +166,17 @@ def test_sampling_fields_are_kept_or_refused_by_what_the_engine_applies(client, 
     assert r.status_code == 422 and "min_p" in r.text
 
 
+def test_a_schema_json_cannot_carry_is_a_4xx_not_a_500(client, keys, settings):
+    settings.backend = "vllm"  # structured outputs pass the engine check; the schema itself must not
+    body = '{"prompt": "x", "structured_outputs": {"json": {"type": "number", "maximum": NaN}}}'
+    r = client.post("/v1/jobs", content=body, headers={**H(keys.paid), "Content-Type": "application/json"})
+    assert r.status_code == 422 and "not finite" in r.text, r.text
+    body = ('{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": '
+            '{"type": "json_schema", "json_schema": {"name": "n", "schema": {"maximum": Infinity}}}}')
+    r = client.post("/v1/chat/completions", content=body, headers={**H(keys.paid), "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 def test_idempotency_key_returns_same_job(client, keys):
     h = {**H(keys.paid), "Idempotency-Key": "abc-1"}
     a = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)

@@ -100,10 +100,22 @@ def test_openai_response_format_becomes_the_jobs_constraint():
         "json": schema}
     assert constraint(response_format={"type": "json_object"}) == {"json_object": True}
     assert constraint(response_format={"type": "text"}) is None and constraint() is None
+    assert constraint(response_format={"type": "text", "name": "ignored"}) is None
     assert constraint(structured_outputs={"choice": ["yes", "no"]}) == {"choice": ["yes", "no"]}
     for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+                 {"response_format": {"type": "json_schema", "json_schema": {"schema": {"maximum": float("nan")}}}},
                  {"response_format": {"type": "yaml"}},
                  {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}):
         with pytest.raises(OpenAIError) as exc:
             constraint(**body)
         assert exc.value.status_code == 400 and exc.value.param == "response_format"
+
+
+def test_a_schema_with_a_number_json_cannot_carry_is_refused():
+    from pydantic import ValidationError
+
+    from app.schemas import JobCreate
+
+    for schema in ({"maximum": float("inf")}, '{"minimum": NaN}', {"anyOf": [{"const": [1.0, float("nan")]}]}):
+        with pytest.raises(ValidationError, match="not finite"):
+            JobCreate(prompt="x", structured_outputs={"json": schema})

@@ -63,3 +63,12 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     assert choice["logprobs"]["text_offset"] == [0, 3, 6, 9]
     plain = text_completion("cmpl-1", "m", 0, "Hello", "length", 2, 2, echo=("Say hi", None))["choices"][0]
     assert plain["text"] == "Say hiHello" and plain["logprobs"] is None
+
+
+def test_a_lost_delta_of_logprobs_is_a_gap_the_end_fills_from_sql():
+    follower = _Progress("job")
+    first = StreamEvent("delta", 1, "Hel", [1], offset=0, data={"logprobs": ENTRIES[:1], "logprobs_offset": 0})
+    assert follower.admit(first) is not None
+    # the delta of token 1 (its text held back by the detokenizer) was lost; token 2's text follows on
+    later = StreamEvent("delta", 1, "lo", [2], offset=3, data={"logprobs": ENTRIES[1:], "logprobs_offset": 2})
+    assert follower.admit(later) is None and follower.gap
