@@ -237,10 +237,12 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                                "'json_schema'", param="response_format", code="unsupported_value")
 
     def job_spec(self, *, prompt: str | None = None, messages: list[ChatMessage] | None = None,
-                 batch_window_s: float | None = None, deadline_at: datetime | None = None) -> JobCreate:
+                 batch_window_s: float | None = None, deadline_at: datetime | None = None,
+                 prompt_token_ids: list[int] | None = None) -> JobCreate:
         """The job for this request; a ``deadline`` (or a Batch API window) makes it batch-class."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        common = dict(model=self.model, prompt=prompt, messages=messages, tier=self.tier, app_id=self.app_id,
+        common = dict(model=self.model, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                      tier=self.tier, app_id=self.app_id,
                       max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
@@ -369,7 +371,8 @@ class ChatCompletionRequest(_Base):
 
 
 class CompletionRequest(_Base):
-    prompt: Text | list[Text]
+    # text, or token ids (OpenAI's array of tokens: what evaluation harnesses send); one prompt per request
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     # echo: the answer repeats the prompt (with logprobs, the prompt's too); not implemented: best-of-n, insertion
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
@@ -398,12 +401,18 @@ class CompletionRequest(_Base):
             return {}
         return {"echo": True, "prompt_logprobs": self.logprob_count()}
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
+    def prompt_input(self) -> dict[str, Any]:
+        """``job_spec``'s prompt argument: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
+            if len(prompt) != 1:
                 raise OpenAIError(400, "only a single prompt per request is supported", param="prompt")
-            return self.prompt[0]
-        return self.prompt
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt:
+                raise OpenAIError(400, "prompt must not be empty", param="prompt")
+            return {"prompt_token_ids": prompt}
+        return {"prompt": prompt}
 
 
 # ---------------------------------------------------------------- responses

@@ -86,6 +86,8 @@ class JobCreate(BaseModel):
     kind: Literal["interactive", "batch"] = "interactive"
     model: Text | None = Field(None, description="served model name; default: the server's model")
     prompt: Text | None = Field(None, description="raw prompt (completion)")
+    prompt_token_ids: list[int] | None = Field(None, min_length=1, description=(
+        "the prompt as token ids of the model's tokenizer (instead of prompt or messages)"))
     messages: list[ChatMessage] | None = Field(None, description="chat messages (chat template applied)")
     tier: Text | None = Field(None, description="free | paid; default: the API key's tier")
     app_id: Text | None = Field(None, max_length=200, description=(
@@ -126,8 +128,9 @@ class JobCreate(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> JobCreate:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError("give exactly one of 'prompt' or 'messages'" + (
+                " or 'prompt_token_ids'" if self.prompt_token_ids is not None else ""))
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
         if self.prompt is not None and not self.prompt:

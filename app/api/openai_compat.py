@@ -267,7 +267,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
     body = await _body(request, ChatCompletionRequest if chat else CompletionRequest)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    spec = body.job_spec(messages=body.chat_messages()) if chat else body.job_spec(prompt=body.prompt_text())
+    spec = body.job_spec(messages=body.chat_messages()) if chat else body.job_spec(**body.prompt_input())
     if spec.kind == "interactive":  # this endpoint's QoS defaults for the targets the request left out
         ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
@@ -291,7 +291,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     make = chat_completion if chat else text_completion
     bodies = [make(("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s(), end.data["output_text"],
                    end.finish_reason or "stop", end.data["prompt_tokens"], end.data["completion_tokens"], extra,
-                   end.data.get("logprobs"), **({"echo": (spec.prompt, end.data.get("prompt_logprobs"))}
+                   end.data.get("logprobs"), **({"echo": (jobs[0].prompt or "", end.data.get("prompt_logprobs"))}
                                                 if not chat and spec.echo else {})) for end in ends]
     return JSONResponse(merge_choices(bodies), headers=headers)
 

@@ -91,8 +91,7 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float) -> Valid
         if req.deadline is not None or req.ttft_ms or req.tbt_ms:
             raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
         spec = (req.job_spec(messages=req.chat_messages(), batch_window_s=window_s)
-                if endpoint == "/v1/chat/completions" else req.job_spec(prompt=req.prompt_text(),
-                                                                         batch_window_s=window_s))
+                if endpoint == "/v1/chat/completions" else req.job_spec(**req.prompt_input(), batch_window_s=window_s))
     except ValidationError as exc:
         message, _ = validation_message(list(exc.errors()))
         return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {message}", "invalid_body")

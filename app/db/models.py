@@ -96,6 +96,8 @@ class Job(Base):
     deadline_at: Mapped[datetime | None] = mapped_column(default=None)
     # input: a raw prompt or chat messages, and sampling params
     prompt: Mapped[str | None] = mapped_column(Text, default=None)
+    # a prompt given as token ids (``prompt`` then holds their text, for display and echo): what the engine runs
+    prompt_token_ids: Mapped[list[int] | None] = mapped_column(JSON, default=None)
     messages: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     endpoint: Mapped[str] = mapped_column(String(64), default="/v1/jobs")  # API shape to answer in

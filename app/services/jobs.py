@@ -53,7 +53,7 @@ NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequenc
                     "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
-_IDENTITY = ("kind", "prompt", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
+_IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
 
 
 def _same_request(existing: Job, new: Job) -> bool:
@@ -99,9 +99,11 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
         sampling["seed"] = secrets.randbelow(2**62)
+    prompt = spec.prompt if spec.prompt_token_ids is None else token_prompt_text(settings.model, spec.prompt_token_ids)
     now = utcnow()
     job = Job(id=new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
-              app_id=spec.app_id, prompt=spec.prompt, sampling=sampling, endpoint=endpoint, stream=spec.stream,
+              app_id=spec.app_id, prompt=prompt, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
+              endpoint=endpoint, stream=spec.stream,
               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
               status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0,
               messages=[m.model_dump() for m in spec.messages] if spec.messages is not None else None)
@@ -122,12 +124,12 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         limit = max_model_len(settings.model)
         chars = input_chars(spec)
         # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
-        blame = {"param": "prompt" if spec.prompt is not None else "messages", "code": "context_length_exceeded"}
+        blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}
         if chars > limit * max_chars_per_token(settings.model):  # no tokenizer needed to see it cannot fit
             raise JobValidationError(
                 f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
                 "shorten the prompt", **blame)
-        n = len(encode_input(settings.model, job.prompt, job.messages))
+        n = len(job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages))
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError(
                 f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "
@@ -153,8 +155,20 @@ def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None
 BIG_PROMPT_CHARS = 4096  # above this, callers on an event loop tokenize in a worker thread
 
 
+def token_prompt_text(model: str, ids: list[int]) -> str:
+    """The text of a prompt given as token ids (raises ``JobValidationError`` for an id the tokenizer lacks)."""
+    tok = get_tokenizer(model)
+    vocab = len(tok)
+    if bad := [i for i in ids if not 0 <= i < vocab][:3]:
+        raise JobValidationError(f"prompt token ids must be in [0, {vocab}) for this model's tokenizer; got {bad}",
+                                 param="prompt")
+    return tok.decode(ids)
+
+
 def input_chars(spec: JobCreate) -> int:
     """Characters of the prompt or of all messages' contents (a cheap size before tokenizing)."""
+    if spec.prompt_token_ids is not None:
+        return 4 * len(spec.prompt_token_ids)  # decoded on the way in: about as costly as text of that size
     if spec.prompt is not None:
         return len(spec.prompt)
     return sum(len(m.content) for m in spec.messages or ())

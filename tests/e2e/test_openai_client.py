@@ -62,6 +62,18 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
                                     extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})
     assert echoed.choices[0].text == "Once upon a time" + comp.choices[0].text
 
+    # a prompt as token ids (OpenAI's array of tokens) runs those tokens: the text prompt's answer
+    from app.services.model_info import encode_input, get_tokenizer
+
+    ids = encode_input(settings.model, "Once upon a time", None)
+    by_ids = oai.completions.create(model="tiny", prompt=ids, max_tokens=5, seed=3, echo=True,
+                                    extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})
+    assert by_ids.choices[0].text == get_tokenizer(settings.model).decode(ids) + comp.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="tiny", prompt=[ids[0], 10**9], max_tokens=2)
+    assert exc.value.body["param"] == "prompt" and "token ids" in exc.value.body["message"]
+
     # vLLM's top_k, which the own engine's sampler applies too: sampling among the single most likely token is greedy
     top1 = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=7,
                                        temperature=1.0, seed=11, extra_body={"ignore_eos": True, "top_k": 1})

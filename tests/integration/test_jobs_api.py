@@ -166,6 +166,13 @@ def test_sampling_fields_are_kept_or_refused_by_what_the_engine_applies(client, 
     assert r.status_code == 422 and "min_p" in r.text
 
 
+def test_a_prompt_of_token_ids(client, keys):
+    r = client.post("/v1/jobs", json={"prompt_token_ids": [5, 6, 7], "max_tokens": 2}, headers=H(keys.paid))
+    assert r.status_code == 201 and r.json()["prompt_tokens"] == 3, r.text
+    r = client.post("/v1/jobs", json={"prompt_token_ids": [5], "prompt": "x"}, headers=H(keys.paid))
+    assert r.status_code == 422 and "prompt_token_ids" in r.text
+
+
 def test_a_schema_json_cannot_carry_is_a_4xx_not_a_500(client, keys, settings):
     settings.backend = "vllm"  # structured outputs pass the engine check; the schema itself must not
     body = '{"prompt": "x", "structured_outputs": {"json": {"type": "number", "maximum": NaN}}}'

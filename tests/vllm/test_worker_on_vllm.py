@@ -92,6 +92,14 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert len(lps.tokens) == scored.usage.prompt_tokens + 1 and "".join(lps.tokens) == scored.choices[0].text
     assert lps.token_logprobs[0] is None and all(lp <= 0 for lp in lps.token_logprobs[1:])
     assert lps.token_logprobs[-1] == pytest.approx(comp.choices[0].logprobs.token_logprobs[0], abs=1e-3)
+    # the same request with the prompt as token ids (what lm-eval's local-completions sends) scores the same
+    from app.services.model_info import encode_input
+
+    by_ids = oai.completions.create(model="smollm2-135m-instruct", prompt=encode_input("smollm2-135m",
+                                    "The capital of France is", None), max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == scored.choices[0].text
+    assert by_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lps.token_logprobs[1:], abs=1e-3)
 
     # structured outputs: OpenAI's response_format and vLLM's structured_outputs constrain the text
     person = [{"role": "user", "content": "Invent a person. Reply in JSON with name and age."}]

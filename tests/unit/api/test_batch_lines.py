@@ -71,10 +71,10 @@ def test_openai_request_mapping():
     assert spec.messages[0].role == "system" and spec.messages[0].content == "be brief"
     assert spec.temperature == 1.0  # OpenAI's default
     deadline = CompletionRequest.model_validate({"prompt": ["p"], "deadline": "2h"})
-    spec = deadline.job_spec(prompt=deadline.prompt_text())
+    spec = deadline.job_spec(**deadline.prompt_input())
     assert spec.kind == "batch" and spec.deadline_window_s == 7200
     with pytest.raises(OpenAIError) as exc:
-        CompletionRequest.model_validate({"prompt": ["p", "q"]}).prompt_text()
+        CompletionRequest.model_validate({"prompt": ["p", "q"]}).prompt_input()
     assert exc.value.param == "prompt"
     with pytest.raises(OpenAIError):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 17}).check()

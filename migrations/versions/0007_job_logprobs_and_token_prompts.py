@@ -1,4 +1,5 @@
-"""jobs.output_logprobs, jobs.prompt_logprobs: each token's log-probability and alternatives, for jobs that asked
+"""jobs.output_logprobs, jobs.prompt_logprobs: each token's log-probability and alternatives, for jobs that asked;
+jobs.prompt_token_ids: a prompt given as token ids (what evaluation harnesses send)
 
 Revision ID: 0007
 Revises: 0006
@@ -22,9 +23,11 @@ def upgrade() -> None:
     with op.batch_alter_table('jobs') as batch:
         batch.add_column(sa.Column('output_logprobs', sa.JSON(), nullable=True))
         batch.add_column(sa.Column('prompt_logprobs', sa.JSON(), nullable=True))
+        batch.add_column(sa.Column('prompt_token_ids', sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table('jobs') as batch:
+        batch.drop_column('prompt_token_ids')
         batch.drop_column('prompt_logprobs')
         batch.drop_column('output_logprobs')
