@@ -381,11 +381,6 @@ class CompletionRequest(_Base):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         **UnsupportedFields.unsupported, "best_of": (None, 1), "suffix": (None, "")}
 
-    def check(self) -> None:
-        super().check()
-        if self.echo and self.stream:
-            raise OpenAIError(400, "echo is not supported with stream=true; ask without streaming",
-                              param="echo", code="unsupported_value")
 
     def logprob_count(self) -> int | None:
         """``logprobs``: the alternatives per token to report (None: no logprobs)."""

@@ -139,8 +139,9 @@ class EngineThread:
             data = {}
             if out.prompt_logprobs and job.prompt_logprobs is None:  # a recomputed prompt reports them again
                 job.prompt_logprobs = [lp.as_dict() for lp in out.prompt_logprobs]
+                data["prompt_logprobs"] = job.prompt_logprobs  # with the first token: a stream's echo needs them
             if out.new_logprobs:  # with their index in the attempt's logprobs, as offset places the text
-                data = {"logprobs": [lp.as_dict() for lp in out.new_logprobs], "logprobs_offset": len(job.logprobs)}
+                data |= {"logprobs": [lp.as_dict() for lp in out.new_logprobs], "logprobs_offset": len(job.logprobs)}
                 job.logprobs.extend(data["logprobs"])
             if out.new_text or out.new_token_ids:
                 job.text.append(out.new_text)

@@ -189,8 +189,11 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
     cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
     created, model = now_s(), jobs[0].model
     obj = "chat.completion.chunk" if chat else "text_completion"
-    delivered = [0] * len(jobs)  # characters sent, per choice
+    delivered = [0] * len(jobs)  # characters of the output sent, per choice
     logprobs_sent = [0] * len(jobs)  # token logprobs sent (where the jobs asked for them), per choice
+    # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
+    echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
+    echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
 
     def chunk(i: int, text: str | None, finish: str | None, first: bool = False,
               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -200,8 +203,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                 delta["content"] = text
             choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": i, "text": text or "", "logprobs": completion_logprobs(logprobs, delivered[i]),
-                      "finish_reason": finish}
+            choice = {"index": i, "text": text or "",
+                      "logprobs": completion_logprobs(logprobs, echoed[i] + delivered[i]), "finish_reason": finish}
         out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
             out["usage"] = None
@@ -215,8 +218,21 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
         if chat:
             for i in range(len(jobs)):
                 yield _sse(chunk(i, None, None, first=True))
+        def echo_chunk(i: int, ev: StreamEvent) -> bytes | None:
+            """The prompt of an echoing choice, once, before its first text."""
+            if not echo[i]:
+                return None
+            echo[i] = False
+            prompt, asked = jobs[i].prompt or "", (jobs[i].sampling or {}).get("prompt_logprobs") is not None
+            out = _sse(chunk(i, prompt, None, logprobs=(ev.data.get("prompt_logprobs") or []) if asked else None))
+            echoed[i] = len(prompt)
+            return out
+
         async with aclosing(_merged_events(settings, jobs)) as events:
             async for i, ev in events:
+                if ev.type in ("delta", "end") and ev.status in (None, JobStatus.SUCCEEDED) and (
+                        first := echo_chunk(i, ev)):
+                    yield first
                 if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
                     logprobs = ev.data.get("logprobs") or None
                     logprobs_sent[i] += len(logprobs or ())

@@ -61,6 +61,10 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     echoed = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, seed=3, echo=True,
                                     extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})
     assert echoed.choices[0].text == "Once upon a time" + comp.choices[0].text
+    streamed = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, seed=3, echo=True,
+                                      stream=True, extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})
+    chunks = [c.choices[0].text for c in streamed]
+    assert chunks[0] == "Once upon a time" and "".join(chunks) == echoed.choices[0].text
 
     # a prompt as token ids (OpenAI's array of tokens) runs those tokens: the text prompt's answer
     from app.services.model_info import encode_input, get_tokenizer
@@ -148,8 +152,7 @@ def test_errors_have_openai_shape(live_server, keys):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                     response_format={"type": "json_object"})
     assert exc.value.body["code"] == "unsupported_value" and "COSERVE_BACKEND=vllm" in exc.value.body["message"]
-    for kw in ({"echo": True, "stream": True}, {"best_of": 3}, {"suffix": "end"}, {"logprobs": 2},
-               {"logit_bias": {"50256": -100}}):
+    for kw in ({"best_of": 3}, {"suffix": "end"}, {"logprobs": 2}, {"logit_bias": {"50256": -100}}):
         with pytest.raises(openai.BadRequestError) as exc:
             oai.completions.create(model="tiny", prompt="x", **kw)
         assert exc.value.body["param"] == next(iter(kw)) and exc.value.body["code"] == "unsupported_value"

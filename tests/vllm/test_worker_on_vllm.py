@@ -99,6 +99,11 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                                     "The capital of France is", None), max_tokens=1, temperature=0, logprobs=1,
                                     echo=True, extra_body={"ignore_eos": True})
     assert by_ids.choices[0].text == scored.choices[0].text
+    streamed = list(oai.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                           max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True,
+                                           extra_body={"ignore_eos": True}))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed[0].choices[0].text == "The capital of France is" and tokens == lps.tokens
     assert by_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lps.token_logprobs[1:], abs=1e-3)
 
     # structured outputs: OpenAI's response_format and vLLM's structured_outputs constrain the text
