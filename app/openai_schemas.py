@@ -275,14 +275,15 @@ def choice_specs(spec: JobCreate, n: int | None) -> list[JobCreate]:
     return [spec.model_copy(update={"seed": (spec.seed + i) % (MAX_SEED + 1)}) for i in range(n)]
 
 
-def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """One response of the bodies of a request's choices (one job each): their choices indexed in order, the
-    completion tokens summed (the prompt counts once, as OpenAI counts it)."""
+def merge_choices(bodies: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
+    """One response of the bodies of a request's choices (one job each; ``n`` per prompt, a prompt's together):
+    their choices indexed in order, the completion tokens summed, each prompt's tokens counted once (OpenAI's
+    usage)."""
     body = bodies[0]
     if len(bodies) > 1:
         body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
-        u = body["usage"]
-        body["usage"] = usage(u["prompt_tokens"], sum(b["usage"]["completion_tokens"] for b in bodies))
+        body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies[::n]),
+                              sum(b["usage"]["completion_tokens"] for b in bodies))
     return body
 
 
@@ -396,18 +397,29 @@ class CompletionRequest(_Base):
             return {}
         return {"echo": True, "prompt_logprobs": self.logprob_count()}
 
-    def prompt_input(self) -> dict[str, Any]:
-        """``job_spec``'s prompt argument: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
+    def prompt_inputs(self) -> list[dict[str, Any]]:
+        """``job_spec``'s prompt argument for each prompt: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
-            if len(prompt) != 1:
-                raise OpenAIError(400, "only a single prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            if not prompt:
-                raise OpenAIError(400, "prompt must not be empty", param="prompt")
-            return {"prompt_token_ids": prompt}
-        return {"prompt": prompt}
+        several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        prompts = prompt if several else [prompt]
+        if len(prompts) * (self.n or 1) > MAX_CHOICES * 4:
+            raise OpenAIError(400, f"at most {MAX_CHOICES * 4} completions per request (prompts x n)", param="prompt")
+        out = []
+        for one in prompts:
+            if isinstance(one, list):
+                if not one:
+                    raise OpenAIError(400, "prompt must not be empty", param="prompt")
+                out.append({"prompt_token_ids": one})
+            else:
+                out.append({"prompt": one})
+        return out
+
+    def prompt_input(self) -> dict[str, Any]:
+        """The one prompt (a Batch API line, which answers one completion)."""
+        prompts = self.prompt_inputs()
+        if len(prompts) != 1:
+            raise OpenAIError(400, "only a single prompt per request is supported here", param="prompt")
+        return prompts[0]
 
 
 # ---------------------------------------------------------------- responses

@@ -185,7 +185,9 @@ async def _abandon(settings: Settings, jobs: list[Job], detail: str = ABANDONED)
         await anyio.to_thread.run_sync(cancel_abandoned, settings, job.id, detail)
 
 
-async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage: bool,
+                  n: int = 1) -> AsyncIterator[bytes]:
+    """The jobs' tokens as OpenAI chunks, choice i = job i; ``n`` choices per prompt (usage counts a prompt once)."""
     cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
     created, model = now_s(), jobs[0].model
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -210,7 +212,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
             out["usage"] = None
         return out
 
-    unfinished, prompt_tokens, completion_tokens = len(jobs), 0, 0
+    unfinished, prompt_tokens, completion_tokens = len(jobs), [0] * len(jobs), 0
     # the stream ended on its own (the jobs' ends, an error, a failure here): only a client that
     # hung up (Starlette cancels or closes this generator) abandons the jobs
     ended = False
@@ -257,14 +259,14 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                             yield _sse(chunk(i, rest, None, logprobs=rest_logprobs))
                             delivered[i] += len(rest)
                     yield _sse(chunk(i, None, ev.finish_reason or "stop"))
-                    prompt_tokens = ev.data.get("prompt_tokens") or prompt_tokens
+                    prompt_tokens[i] = ev.data.get("prompt_tokens") or 0
                     completion_tokens += ev.data.get("completion_tokens") or 0
                     unfinished -= 1
                     if unfinished:
                         continue
                     if include_usage:
                         yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                                    "usage": usage(prompt_tokens, completion_tokens)})
+                                    "usage": usage(sum(prompt_tokens[::n]), completion_tokens)})
                     break
         ended = True
         yield _sse("[DONE]")
@@ -283,18 +285,21 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
     body = await _body(request, ChatCompletionRequest if chat else CompletionRequest)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    spec = body.job_spec(messages=body.chat_messages()) if chat else body.job_spec(**body.prompt_input())
-    if spec.kind == "interactive":  # this endpoint's QoS defaults for the targets the request left out
+    specs = ([body.job_spec(messages=body.chat_messages())] if chat
+             else [body.job_spec(**prompt) for prompt in body.prompt_inputs()])
+    if specs[0].kind == "interactive":  # this endpoint's QoS defaults for the targets the request left out
         ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
-        spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
+        specs = [spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
+                 for spec in specs]
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
-    jobs = await run_in_threadpool(_submit_choices, session, principal, settings, choice_specs(spec, body.n), endpoint,
-                                   writer)
+    n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
+    jobs = await run_in_threadpool(_submit_choices, session, principal, settings,
+                                   [choice for spec in specs for choice in choice_specs(spec, n)], endpoint, writer)
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(_stream(settings, jobs, chat, include_usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(settings, jobs, chat, include_usage, n), media_type="text/event-stream",
                                  headers=headers)
     ends = await _unless_disconnected(request, _ends(settings, jobs))
     if ends is None:  # nobody waits for the answer any more: stop generating it
@@ -307,9 +312,10 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     make = chat_completion if chat else text_completion
     bodies = [make(("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s(), end.data["output_text"],
                    end.finish_reason or "stop", end.data["prompt_tokens"], end.data["completion_tokens"], extra,
-                   end.data.get("logprobs"), **({"echo": (jobs[0].prompt or "", end.data.get("prompt_logprobs"))}
-                                                if not chat and spec.echo else {})) for end in ends]
-    return JSONResponse(merge_choices(bodies), headers=headers)
+                   end.data.get("logprobs"), **({"echo": (job.prompt or "", end.data.get("prompt_logprobs"))}
+                                                if not chat and specs[0].echo else {}))
+              for job, end in zip(jobs, ends, strict=True)]
+    return JSONResponse(merge_choices(bodies, n), headers=headers)
 
 
 def _documented_body(model: type) -> dict[str, Any]:

@@ -102,6 +102,19 @@ def test_n_choices_each_a_job(oai, live_server, keys):
     comp = oai.completions.create(model="tiny", prompt="Once", max_tokens=3, temperature=0, n=2,
                                   extra_body={"ignore_eos": True})
     assert comp.choices[0].text == comp.choices[1].text  # greedy: every choice alike
+    # several prompts in one request (token ids too), n each: choice index = prompt x n + choice, usage per prompt once
+    both = oai.completions.create(model="tiny", prompt=["Once", "Hello there"], max_tokens=3, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    hello = oai.completions.create(model="tiny", prompt="Hello there", max_tokens=3, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert [c.text for c in both.choices] == [comp.choices[0].text] * 2 + [hello.choices[0].text] * 2
+    assert both.usage.prompt_tokens == comp.usage.prompt_tokens + hello.usage.prompt_tokens
+    assert both.usage.completion_tokens == 12
+    chunks = list(oai.completions.create(model="tiny", prompt=["Once", "Hello there"], max_tokens=3, temperature=0,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == 1) == hello.choices[0].text
+    assert chunks[-1].usage.prompt_tokens == both.usage.prompt_tokens
 
 
 def test_streaming_matches_non_streaming(oai):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from app.openai_schemas import chat_logprobs, completion_logprobs, text_completion
+from app.openai_schemas import CompletionRequest, chat_logprobs, completion_logprobs, merge_choices, text_completion
 from app.services.streaming import StreamEvent, _Progress
 from gpu_runtime.logprobs import FLOOR, TokenLogprob
 
@@ -72,3 +72,16 @@ def test_a_lost_delta_of_logprobs_is_a_gap_the_end_fills_from_sql():
     # the delta of token 1 (its text held back by the detokenizer) was lost; token 2's text follows on
     later = StreamEvent("delta", 1, "lo", [2], offset=3, data={"logprobs": ENTRIES[1:], "logprobs_offset": 2})
     assert follower.admit(later) is None and follower.gap
+
+
+def test_several_prompts_make_a_job_each_and_one_usage():
+    req = CompletionRequest.model_validate({"prompt": [[1, 2], [3]]})
+    assert req.prompt_inputs() == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_inputs() == [{"prompt": "a"}, {"prompt": "b"}]
+    assert CompletionRequest.model_validate({"prompt": [7, 8]}).prompt_inputs() == [{"prompt_token_ids": [7, 8]}]
+    # two prompts of 5 and 3 tokens, n = 2 each: a prompt's tokens count once
+    bodies = [text_completion("c", "m", 0, t, "length", p, 2) for t, p in (("a", 5), ("b", 5), ("c", 3), ("d", 3))]
+    merged = merge_choices(bodies, n=2)
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3] and [c["text"] for c in merged["choices"]] == list(
+        "abcd")
+    assert merged["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
