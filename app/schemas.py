@@ -49,7 +49,7 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutputs:
-        given = [k for k, v in self.fields_set_to_values().items() if v is not None]
+        given = list(self.fields())
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar or json_object"
                              + (f" (got {', '.join(given)})" if given else ""))
@@ -67,13 +67,9 @@ class StructuredOutputs(BaseModel):
             raise ValueError("regex must not contain a NUL character")
         return self
 
-    def fields_set_to_values(self) -> dict[str, Any]:
-        return {"json": self.json_schema, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                "json_object": self.json_object}
-
     def fields(self) -> dict[str, Any]:
         """The one constraint in vLLM's field form, e.g. ``{"json": {...}}`` (what a job's sampling keeps)."""
-        return {k: v for k, v in self.fields_set_to_values().items() if v is not None}
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class JobCreate(BaseModel):

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpu_runtime.executor.base import BatchPlan, DecodeEntry, PrefillChunk, StepResult
+from gpu_runtime.logprobs import TokenLogprob
 from gpu_runtime.metrics import RequestMetrics, request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
-from gpu_runtime.logprobs import TokenLogprob
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ from typing import Any
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
 PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
+NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # no penalty
 PENALTIES_UNSUPPORTED = ("presence_penalty, frequency_penalty and repetition_penalty need the vLLM backend "
                          "(COSERVE_BACKEND=vllm): the own torch engine does not apply them; leave them unset")
 MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative decoding, which this server runs "
@@ -95,14 +96,14 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether a token's logit depends on the tokens before it (the penalties), not only on the model."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return any(getattr(self, name) != neutral for name, neutral in NEUTRAL_PENALTIES.items())
 
     def own_engine_refusal(self) -> tuple[str, str] | None:
         """(parameter, why) for what the own torch engine does not do (vLLM does all of it), else None."""
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 return name, LOGPROBS_UNSUPPORTED
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        for name, neutral in NEUTRAL_PENALTIES.items():
             if getattr(self, name) != neutral:
                 return name, PENALTIES_UNSUPPORTED
         if self.structured is not None:

@@ -42,6 +42,11 @@ IDLE_WAIT_S = 0.05  # no work at all: wait this long for the inbox
 IDLE_BACKOFF_S = (0.001, 0.05)  # work admitted but nothing schedulable: first and longest sleep
 
 
+def refusal_code(exc: BaseException) -> str | None:
+    """``INVALID_REQUEST`` where admitting a job raised over its own parameters (the client's to fix), else None."""
+    return INVALID_REQUEST if isinstance(exc, ValueError | TypeError) else None
+
+
 class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
                  worker_id: str, stopping: threading.Event, reconcile_s: float | None = None) -> None:
@@ -110,8 +115,7 @@ class EngineThread:
                 except Exception as exc:  # bad input the API could not catch: fail this attempt only
                     log.warning("job %s failed at admission: %s", cmd.job_id, exc)
                     job.finished = True
-                    records.append(self._failure(job, str(exc), "rejected by the engine",
-                                                 INVALID_REQUEST if isinstance(exc, ValueError | TypeError) else None))
+                    records.append(self._failure(job, str(exc), "rejected by the engine", refusal_code(exc)))
             elif isinstance(cmd, Abort):
                 if job is not None and job.in_engine and not job.finished:
                     self.engine.abort(cmd.job_id)

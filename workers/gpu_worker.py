@@ -32,7 +32,7 @@ from celery.signals import worker_shutting_down
 from sqlalchemy import update
 
 from app.db.migrate import upgrade
-from app.db.models import INVALID_REQUEST, Job, JobStatus, WorkerState
+from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
 from app.services.dispatch import send_job
@@ -50,7 +50,7 @@ from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
 from workers.celery_app import get_celery, queue_name
 from workers.control import start_control_listener
-from workers.engine_thread import EngineThread
+from workers.engine_thread import EngineThread, refusal_code
 from workers.inbox import Abort, Add, Inbox, Learn
 from workers.outbox import Outbox, StepRecords
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
@@ -193,7 +193,7 @@ class GpuWorker:
                 request = self._request(job)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
                 log.warning("job %s failed at admission: %s", job_id, exc)
-                code = INVALID_REQUEST if isinstance(exc, ValueError | TypeError) else None
+                code = refusal_code(exc)
                 leases.finish(s, lease, JobStatus.FAILED, {"error": str(exc), "error_code": code},
                               detail="rejected by the engine")
                 end = StreamEvent("end", attempt=lease.attempt, status="failed", data={"error": str(exc), "code": code})

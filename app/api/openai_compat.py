@@ -212,6 +212,16 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
             out["usage"] = None
         return out
 
+    def echo_chunk(i: int, ev: StreamEvent) -> bytes | None:
+        """The prompt of an echoing choice, once, before its first text."""
+        if not echo[i]:
+            return None
+        echo[i] = False
+        prompt, asked = jobs[i].prompt or "", (jobs[i].sampling or {}).get("prompt_logprobs") is not None
+        out = _sse(chunk(i, prompt, None, logprobs=(ev.data.get("prompt_logprobs") or []) if asked else None))
+        echoed[i] = len(prompt)
+        return out
+
     unfinished, prompt_tokens, completion_tokens = len(jobs), [0] * len(jobs), 0
     # the stream ended on its own (the jobs' ends, an error, a failure here): only a client that
     # hung up (Starlette cancels or closes this generator) abandons the jobs
@@ -220,16 +230,6 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
         if chat:
             for i in range(len(jobs)):
                 yield _sse(chunk(i, None, None, first=True))
-        def echo_chunk(i: int, ev: StreamEvent) -> bytes | None:
-            """The prompt of an echoing choice, once, before its first text."""
-            if not echo[i]:
-                return None
-            echo[i] = False
-            prompt, asked = jobs[i].prompt or "", (jobs[i].sampling or {}).get("prompt_logprobs") is not None
-            out = _sse(chunk(i, prompt, None, logprobs=(ev.data.get("prompt_logprobs") or []) if asked else None))
-            echoed[i] = len(prompt)
-            return out
-
         async with aclosing(_merged_events(settings, jobs)) as events:
             async for i, ev in events:
                 if ev.type in ("delta", "end") and ev.status in (None, JobStatus.SUCCEEDED) and (

@@ -27,7 +27,7 @@ from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, get_tokenizer, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
-from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, SamplingParams
+from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, NEUTRAL_PENALTIES, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,8 @@ class IdempotencyConflict(ValueError):
 
 
 # the sampling fields jobs stored before they existed hold at these values
-NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "repetition_penalty": 1.0, "structured_outputs": None, "logprobs": None, "prompt_logprobs": None,
-                    "echo": False}
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "logprobs": None,
+                    "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
@@ -144,10 +143,9 @@ def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None
     engine does not do where the server says it runs that engine (``COSERVE_BACKEND=torch``: with ``auto`` the
     API cannot know what its workers run, and a worker refuses it at admission, a 400 all the same), and min_p
     beside vLLM's speculative decoding (vLLM refuses that pair)."""
-    params = SamplingParams.from_job(sampling, settings.default_max_tokens)
     if settings.backend == "torch":
-        return params.own_engine_refusal()
-    if params.min_p and settings.spec_policy != "none":
+        return SamplingParams.from_job(sampling, settings.default_max_tokens).own_engine_refusal()
+    if sampling["min_p"] and settings.spec_policy != "none":
         return "min_p", MIN_P_WITH_SPECULATION
     return None
 
