@@ -59,16 +59,26 @@ def db_url(tmp_path) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with the default model's tokenizer (context 512)."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama"), context=512)
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory) -> Path:
+    """The same tiny Llama with a context of 4096 (what the own engine's default KV pool holds), for jobs
+    long enough that a test can act on one while it runs."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), context=4096)
+
+
+def _tiny_llama(path: Path, context: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from app.services.model_info import get_tokenizer
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     tok = get_tokenizer("smollm2-135m")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)

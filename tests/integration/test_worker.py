@@ -27,8 +27,9 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, redis_server, tiny_model_dir):
-    """One API + one worker ("w1") shared by this module's tests (a worker start costs ~10 s)."""
+def service(tmp_path_factory, redis_server, long_tiny_model_dir):
+    """One API + one worker ("w1") shared by this module's tests (a worker start costs ~10 s), on the tiny
+    Llama with a long context, so that a job of thousands of tokens runs long enough to cancel."""
     from fastapi.testclient import TestClient
 
     from app.auth import clear_cache
@@ -39,7 +40,7 @@ def service(tmp_path_factory, redis_server, tiny_model_dir):
     db_url = f"sqlite:///{tmp / 'coserve.db'}"
     upgrade(db_url)
     redis.Redis.from_url(redis_server).flushall()
-    settings = make_settings(tmp, db_url, redis_server, tiny_model_dir)
+    settings = make_settings(tmp, db_url, redis_server, long_tiny_model_dir)
     keys = make_keys(db_url)
     pool = WorkerPool(settings, tmp)
     pool.start("w1")
@@ -51,6 +52,7 @@ def service(tmp_path_factory, redis_server, tiny_model_dir):
         pool.stop()
 
 H = Keys.header
+LONG = 4000  # tokens: seconds of work for the tiny model, where 480 took under a second and raced a cancel
 
 
 def submit(client, key, **body):
@@ -124,7 +126,7 @@ def test_follow_job_yields_deltas_until_the_end(service):
 
 def test_cancel_aborts_a_running_job(service):
     client, keys, settings = service.client, service.keys, service.settings
-    job_id = submit(client, keys.paid, max_tokens=480, prompt="a")
+    job_id = submit(client, keys.paid, max_tokens=LONG, prompt="a")
     wait_status(client, keys.paid, job_id, {"running"})
     r = client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
     assert r.json()["status"] == "cancelled"
@@ -167,7 +169,7 @@ def test_native_stream_sends_token_deltas_until_the_end(service):
 
 def test_native_stream_of_a_cancelled_job_ends(service):
     client, keys = service.client, service.keys
-    job_id = submit(client, keys.paid, max_tokens=480, prompt="a")
+    job_id = submit(client, keys.paid, max_tokens=LONG, prompt="a")
     wait_status(client, keys.paid, job_id, {"running"})
     client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
     events = _sse(client, keys.paid, job_id)
