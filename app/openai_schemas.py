@@ -3,7 +3,7 @@
 The request models accept what the official ``openai`` client sends plus coserve's QoS
 extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's sampling extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``structured_outputs``), and turn into a
-``JobCreate``. OpenAI fields coserve does not implement (tools, logit_bias, best_of, ...) are
+``JobCreate``. OpenAI fields coserve does not implement (best_of, suffix, functions) are
 declared, so a request that sets one to anything but its default gets a 400 with
 ``code="unsupported_value"`` instead of an answer that silently ignored it; fields
 unknown to both are ignored.
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
 from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate, StructuredOutputs
+from app.tool_calls import MAX_TOOLS, calls_in, tool_finish_reason
 from app.wire import Text, json_safe
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import PENALTY_LIMIT
@@ -152,6 +153,7 @@ class SamplingFields(BaseModel):
     n: int | None = None
     presence_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     frequency_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias; JobCreate checks both
     # vLLM's sampling extensions, which its OpenAI server takes beside OpenAI's fields (extra_body)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -183,12 +185,10 @@ def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
 
 
 class UnsupportedFields(BaseModel):
-    """OpenAI fields both endpoints have that coserve does not implement (accepted only at their defaults)."""
+    """OpenAI fields an endpoint has that coserve does not implement (accepted only at their defaults)."""
 
-    logit_bias: dict[str, float] | None = None
-
-    # field -> values that mean "not used" (what clients send when they do not set it)
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {"logit_bias": (None, {})}
+    # field -> values that mean "not used" (what clients send when they do not set it); each endpoint's own
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def check_unsupported(self) -> None:
         for name, defaults in self.unsupported.items():
@@ -210,6 +210,10 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
 
     def echo_fields(self) -> dict[str, Any]:
         """The job fields of OpenAI completions' echo (none elsewhere)."""
+        return {}
+
+    def tool_fields(self) -> dict[str, Any]:
+        """The job fields of chat's tool calling (none elsewhere)."""
         return {}
 
     def output_constraint(self) -> StructuredOutputs | None:
@@ -247,7 +251,8 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
-                      logprobs=self.logprob_count(), **self.echo_fields(),
+                      logprobs=self.logprob_count(), logit_bias=self.logit_bias or None, **self.echo_fields(),
+                      **self.tool_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
                          if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
@@ -318,16 +323,29 @@ def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
 
 class ChatCompletionRequest(_Base):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    # not implemented: tool calling
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    # tool calling: JobCreate checks the tools and a forced choice ("auto" is answered here)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # not implemented: the deprecated functions API (tools replaced it)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **UnsupportedFields.unsupported, "tools": (None, []),
-        "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none")}
+        **UnsupportedFields.unsupported, "functions": (None, []), "function_call": (None, "none")}
+
+    def tool_fields(self) -> dict[str, Any]:
+        choice = self.tool_choice
+        if choice == "auto" and not self.tools:
+            raise OpenAIError(400, 'tool_choice "auto" needs tools', param="tool_choice")
+        if self.tools and choice in (None, "auto"):
+            raise OpenAIError(400, 'tool_choice "auto" (the default where tools are given) lets the model call '
+                                   "tools in its own syntax, which this server does not parse; send tool_choice "
+                                   '"required", {"type": "function", "function": {"name": ...}} or "none"',
+                              param="tool_choice", code="unsupported_value")
+        return {"tools": self.tools or None, "tool_choice": choice,
+                "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls}
 
     def logprob_count(self) -> int | None:
         """Alternatives per token to report (``top_logprobs``) where ``logprobs`` is true, else None."""
@@ -362,7 +380,8 @@ class ChatCompletionRequest(_Base):
             if content is None:
                 content = ""
             try:
-                out.append(ChatMessage(role=role, content=content))
+                out.append(ChatMessage(role=role, content=content, tool_calls=m.get("tool_calls"),
+                                       tool_call_id=m.get("tool_call_id"), name=m.get("name")))
             except ValidationError as exc:
                 # name the field that failed (the role, the content or both), not always the role
                 message, param = validation_message(
@@ -458,12 +477,25 @@ def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -
             "text_offset": offsets}
 
 
+def tool_answer(job_id: str, sampling: dict[str, Any] | None, text: str,
+                engine_reason: str | None) -> tuple[list[dict[str, Any]] | None, str]:
+    """A chat job's tool calls (None: its answer is text) and its finish reason, in OpenAI's terms."""
+    choice = (sampling or {}).get("tool_choice")
+    calls = calls_in(job_id, choice, text)
+    return calls, tool_finish_reason(choice, calls, engine_reason) or "stop"
+
+
 def chat_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
                     extra: dict[str, Any] | None = None,
-                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    logprobs: list[dict[str, Any]] | None = None,
+                    tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``tool_calls``: the calls the text was read as (the message then has no content, as OpenAI answers)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens)}
     if extra:

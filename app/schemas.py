@@ -5,23 +5,42 @@ from __future__ import annotations
 import json
 import math
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, calls_in, forced_choice, forced_schema
 from app.wire import Text, UtcDatetime
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
-from gpu_runtime.sampling import PENALTY_LIMIT
+from gpu_runtime.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
 
 MAX_TARGET_MS = 3_600_000.0  # a TTFT/TBT target above an hour is a unit mistake
 MAX_WINDOW_S = 30 * 24 * 3600.0
 MAX_SEED = 2**63 - 1  # torch generators take a 64-bit seed; a larger one fails inside the engine step
 MAX_TOP_K = 2**31 - 1  # vLLM keeps top_k as int32 (a k beyond the vocabulary means all tokens)
+MAX_LOGIT_BIASES = 1024  # tokens one request may bias
+TokenId = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls (its history)")
+    tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
+    name: Text | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has a tool_call_id")
+        return self
+
+    def stored(self) -> dict[str, Any]:
+        """The message as a job keeps it and a chat template reads it (fields it does not have left out)."""
+        return self.model_dump(exclude_none=True)
 
 
 def _all_finite(value: Any) -> bool:
@@ -111,6 +130,9 @@ class JobCreate(BaseModel):
         "taken off a token's logit once per time the output holds it (vLLM backend)"))
     repetition_penalty: float = Field(1.0, gt=0, description=(
         "divides positive and multiplies negative logits of tokens in the prompt or output (1: none; vLLM backend)"))
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIASES, description=(
+        "token id -> a bias in [-100, 100] added to its logit before sampling (-100: never, 100: always; vLLM "
+        "backend, without speculation)"))
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "report each output token's log-probability and this many most likely alternatives (vLLM backend)"))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
@@ -119,6 +141,13 @@ class JobCreate(BaseModel):
                                            "(the job resource keeps prompt and output apart)"))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "constrain the text to a JSON schema, a regex, a list of choices or a grammar (vLLM backend)"))
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS, description=(
+        "functions the model may call, given to the model's chat template (chat messages only)"))
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "'required' (one call or more to the tools) or {'type': 'function', 'function': {'name': ...}} (that "
+        "function): the text is generated as the calls' JSON and read back as tool_calls (vLLM backend); "
+        "'none' or unset: the text is free"))
+    parallel_tool_calls: bool = Field(True, description="with tool_choice 'required': more than one call allowed")
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
 
@@ -139,6 +168,7 @@ class JobCreate(BaseModel):
             raise ValueError("give deadline_at or deadline_window_s, not both")
         if self.deadline_at is not None and self.deadline_at.tzinfo is None:
             raise ValueError("deadline_at needs a timezone (e.g. '2030-01-01T12:00:00Z')")
+        self._check_tools()
         if self.deadline_at is not None and self.deadline_at.utcoffset():
             # SQLite keeps a datetime's wall time and drops its offset: store UTC
             try:
@@ -147,12 +177,41 @@ class JobCreate(BaseModel):
                 raise ValueError("deadline_at is out of range; give a time within the next 30 days") from None
         return self
 
+    def _check_tools(self) -> None:
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are given to a chat template: send messages, not a prompt")
+        names = [t.function.name for t in self.tools or ()]
+        if not all(_all_finite(t.function.parameters) for t in self.tools or ()):
+            raise ValueError("a tool's parameters hold a number that is not finite (NaN or Infinity); JSON "
+                             "schemas cannot")
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have different names")
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if not names:
+            raise ValueError(f"tool_choice {forced_choice(choice)!r} needs tools")
+        if not isinstance(choice, str) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                             f"({', '.join(names)})")
+        if self.structured_outputs is not None:
+            raise ValueError("a forced tool_choice constrains the text already: give it or structured_outputs, "
+                             "not both")
+
+    def output_constraint(self) -> dict[str, Any] | None:
+        """The constraint the text is generated under, in vLLM's field form: the structured outputs asked for,
+        or the JSON of a forced tool choice."""
+        if (choice := forced_choice(self.tool_choice)) is not None:
+            return {"json": forced_schema(self.tools or [], choice, self.parallel_tool_calls)}
+        return self.structured_outputs.fields() if self.structured_outputs else None
+
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos,
                 "top_k": max(0, self.top_k), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                "structured_outputs": self.structured_outputs.fields() if self.structured_outputs else None,
+                "structured_outputs": self.output_constraint(), "tool_choice": forced_choice(self.tool_choice),
+                "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo}
 
 
@@ -204,6 +263,9 @@ class JobPublic(BaseModel):
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description=(
+        "where tool_choice forced calls: the calls read from the output text (OpenAI's shape, arguments as JSON "
+        "text); null while running, or where the text was cut before it was whole"))
     output_logprobs: list[dict[str, Any]] | None = Field(None, description=(
         "where the job asked for logprobs: per output token its text, log-probability and the top alternatives"))
     prompt_logprobs: list[dict[str, Any]] | None = Field(None, description=(
@@ -224,6 +286,8 @@ class JobPublic(BaseModel):
                                  tbt_p99_s=job.tbt_p99_s, ttlt_s=job.ttlt_s, slo_met=job.slo_met,
                                  relegation_count=job.relegation_count,
                                  slo_miss=job.slo_miss if job.slo_met is False else None)
+        if job.output_text is not None:
+            out.tool_calls = calls_in(job.id, (job.sampling or {}).get("tool_choice"), job.output_text)
         return out
 
 

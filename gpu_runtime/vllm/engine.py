@@ -92,6 +92,18 @@ class _SpeculationView:
         return drafts.state() if drafts is not None else {"policy": self.name, "engine": "vllm"}
 
 
+def admission_error(request: Request, max_model_len: int, speculating: bool) -> str | None:
+    """Why the engine cannot take ``request`` as asked, else None (what vLLM itself checks comes later)."""
+    if request.prompt_len == 0:
+        return "prompt is empty"
+    if request.prompt_len + request.sampling.max_tokens > max_model_len:
+        return (f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the "
+                f"model's context of {max_model_len} tokens")
+    if speculating and (refused := request.sampling.speculation_refusal()):
+        return refused[1]  # vLLM would serve it without that parameter
+    return None
+
+
 class VLLMEngine:
     def __init__(self, llm: LLMEngine, spec_policy: str = "none", step_log: str | Path | None = None) -> None:
         self.llm = llm
@@ -122,12 +134,9 @@ class VLLMEngine:
 
     # ---- thread-safe entry points ----
     def add_request(self, request: Request) -> None:
-        if request.prompt_len == 0:
-            raise ValueError("prompt is empty")
-        total = request.prompt_len + request.sampling.max_tokens
-        if total > self.executor.max_model_len:
-            raise ValueError(f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) "
-                             f"exceeds the model's context of {self.executor.max_model_len} tokens")
+        speculating = self.llm.vllm_config.speculative_config is not None
+        if (refused := admission_error(request, self.executor.max_model_len, speculating)) is not None:
+            raise ValueError(refused)
         with self._lock:
             self._inbox.new.append(request)
 
@@ -227,7 +236,7 @@ class VLLMEngine:
                               frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
                               stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
                               ignore_eos=sp.ignore_eos, structured_outputs=structured, logprobs=sp.logprobs,
-                              prompt_logprobs=sp.prompt_logprobs,
+                              prompt_logprobs=sp.prompt_logprobs, logit_bias=dict(sp.logit_bias) or None,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 

@@ -31,6 +31,15 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert chat.usage.completion_tokens == 7 and chat.usage.prompt_tokens > 3
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + 7
 
+    # tools offered with tool_choice "none", a history holding a call and its result: the answer is text
+    history = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    tool_chat = oai.chat.completions.create(model="tiny", messages=history, max_tokens=3, tool_choice="none",
+                                            tools=[{"type": "function", "function": {"name": "get_weather"}}],
+                                            extra_body={"ignore_eos": True})
+    assert tool_chat.choices[0].message.content and tool_chat.choices[0].message.tool_calls is None
+
     comp = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, seed=3,
                                   extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})
     assert comp.object == "text_completion" and comp.choices[0].text and comp.usage.completion_tokens == 5
@@ -156,7 +165,12 @@ def test_errors_have_openai_shape(live_server, keys):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                     tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert exc.value.body["param"] == "tools" and exc.value.body["code"] == "unsupported_value"
+    # tools without tool_choice mean "auto": the model's own call syntax, which this server does not parse
+    assert exc.value.body["param"] == "tool_choice" and exc.value.body["code"] == "unsupported_value"
+    with pytest.raises(openai.BadRequestError) as exc:  # a forced call is generated under vLLM's structured outputs
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tool_choice="required",
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    assert exc.value.body["param"] == "tool_choice" and "COSERVE_BACKEND=vllm" in exc.value.body["message"]
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                     response_format={"type": "xml"})

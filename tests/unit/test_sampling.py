@@ -29,6 +29,20 @@ def test_out_of_range_values_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_logit_bias_round_trips_from_the_job_and_stays_in_range():
+    from app.schemas import JobCreate
+
+    sampling = JobCreate(prompt="x", logit_bias={"7": 2.5, 3: -100}).sampling(16)
+    assert sampling["logit_bias"] == {"7": 2.5, "3": -100.0}  # JSON keys: text
+    assert SamplingParams.from_job(sampling, 16).logit_bias == ((3, -100.0), (7, 2.5))
+    assert SamplingParams.from_job({"max_tokens": 4}, 16).logit_bias == ()  # a job stored before it existed
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 100.5),))
+    for bad in ({"-1": 1.0}, {"x": 1.0}, {"1": float("inf")}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            JobCreate(prompt="x", logit_bias=bad)
+
+
 def test_penalized_is_true_only_off_the_neutral_values():
     assert not SamplingParams().penalized and not SamplingParams(top_k=3, min_p=0.1).penalized
     for field, value in (("presence_penalty", 0.1), ("frequency_penalty", -0.5), ("repetition_penalty", 1.1)):
@@ -73,6 +87,9 @@ SAMPLING = dataclasses.asdict(SamplingParams())
     ("vllm", "nightjar", {"frequency_penalty": 1.0}, None),
     ("torch", "none", {"structured_outputs": {"json_object": True}}, "structured_outputs"),
     ("vllm", "adaspec", {"structured_outputs": {"regex": "[0-9]+"}}, None),
+    ("torch", "none", {"logit_bias": {"5": 3.0}}, "logit_bias"),
+    ("vllm", "none", {"logit_bias": {"5": -100.0}}, None),
+    ("vllm", "nightjar", {"logit_bias": {"5": 3.0}}, "logit_bias"),  # vLLM's sampler drops it while speculating
 ])
 def test_the_api_refuses_what_the_servers_engine_cannot_apply(backend, spec, sampling, refused):
     settings = Settings(backend=backend, spec_policy=spec)
@@ -119,3 +136,16 @@ def test_a_schema_with_a_number_json_cannot_carry_is_refused():
     for schema in ({"maximum": float("inf")}, '{"minimum": NaN}', {"anyOf": [{"const": [1.0, float("nan")]}]}):
         with pytest.raises(ValidationError, match="not finite"):
             JobCreate(prompt="x", structured_outputs={"json": schema})
+
+
+def test_a_speculating_vllm_engine_refuses_what_its_sampler_would_drop():
+    from gpu_runtime.vllm.engine import admission_error
+
+    qos = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=1.0, tbt_s=0.1)
+    biased = Request("r", [1] * 8, SamplingParams(max_tokens=4, logit_bias=((5, 3.0),)), qos, 0.0)
+    assert admission_error(biased, 2048, speculating=False) is None
+    assert "logit_bias" in admission_error(biased, 2048, speculating=True)
+    min_p = Request("m", [1] * 8, SamplingParams(max_tokens=4, min_p=0.1), qos, 0.0)
+    assert "min_p" in admission_error(min_p, 2048, speculating=True)
+    assert "context of 10" in admission_error(min_p, 10, speculating=False)
+

@@ -67,6 +67,16 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert looping >= 12 and has(frequency_penalty=2.0) < looping / 2
     assert has(extra={"repetition_penalty": 1.5}) < looping / 2
 
+    # logit_bias: +100 makes a token the greedy choice, -100 rules it out
+    from app.services.model_info import get_tokenizer
+
+    rome, = get_tokenizer("smollm2-135m").encode(" Rome", add_special_tokens=False)
+    capital = dict(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=1, temperature=0)
+    greedy = oai.completions.create(**capital).choices[0].text
+    assert oai.completions.create(**capital, logit_bias={str(rome): 100}).choices[0].text == " Rome"
+    greedy_id, = get_tokenizer("smollm2-135m").encode(greedy, add_special_tokens=False)
+    assert oai.completions.create(**capital, logit_bias={str(greedy_id): -100}).choices[0].text != greedy
+
     # token logprobs: greedy takes the most likely token, so each token leads its own alternatives
     kw = dict(model="smollm2-135m-instruct", messages=messages, max_tokens=12, temperature=0, logprobs=True,
               top_logprobs=3)
@@ -118,6 +128,42 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8, temperature=0,
                                       extra_body={"structured_outputs": {"choice": ["Lyon", "Nice"]}})
     assert out.choices[0].message.content in ("Lyon", "Nice")
+    # tool calling: a forced choice generates the calls' JSON under its schema, answered as tool_calls
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time"}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call_kw = dict(model="smollm2-135m-instruct", messages=ask, max_tokens=64, temperature=0, tools=[weather, clock])
+    named = oai.chat.completions.create(**call_kw,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "stop"
+    required = oai.chat.completions.create(**call_kw, tool_choice="required", parallel_tool_calls=False)
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1, required
+    assert calls[0].function.name in ("get_weather", "get_time") and isinstance(json.loads(calls[0].function.arguments),
+                                                                               dict)
+    chunks = list(oai.chat.completions.create(**call_kw, tool_choice="required", parallel_tool_calls=False,
+                                              stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (c.function.name, c.function.arguments) for c in calls] and deltas[0].id.startswith("call_")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # no text beside the calls
+    # the conversation goes on: the call and its result in the history, the answer in text
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."}]
+    reply = oai.chat.completions.create(model="smollm2-135m-instruct", messages=history, max_tokens=12,
+                                        temperature=0, tools=[weather], tool_choice="none")
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
+        "messages": ask, "tools": [weather], "max_tokens": 64,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert r.status_code == 201, r.text
+    native = finished(base, keys.paid, r.json()["id"])
+    assert native["tool_calls"][0]["function"]["name"] == "get_weather", native
     # what only vLLM can judge (a regex it cannot compile) comes back as the client's error, a 400, not a 500
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8,

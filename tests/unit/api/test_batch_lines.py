@@ -92,7 +92,8 @@ def test_openai_request_mapping():
     ("response_format", {"type": "xml"}, False), ("response_format", {"type": "text"}, True),
     ("response_format", {"type": "json_object"}, True), ("response_format", {"type": "json_schema"}, False),
     ("structured_outputs", {"choice": ["a"]}, True), ("structured_outputs", {"choice": ["a"], "regex": "a"}, False),
-    ("logit_bias", {"42": 5}, False), ("logit_bias", {}, True), ("seed", -1, False), ("seed", 2**63, False),
+    ("logit_bias", {"42": 5}, True), ("logit_bias", {"x": 5}, False), ("logit_bias", {"42": 101}, False),
+    ("logit_bias", {}, True), ("seed", -1, False), ("seed", 2**63, False),
     ("seed", 2**63 - 1, True), ("presence_penalty", 0.5, True), ("presence_penalty", 2.5, False),
     ("frequency_penalty", -1.0, True), ("frequency_penalty", -2.01, False), ("repetition_penalty", 0, False),
     ("top_k", -2, False), ("top_k", 40, True), ("min_p", 1.1, False), ("min_p", 0.05, True)])

@@ -1,0 +1,135 @@
+"""Tool calling: a forced tool choice's schema, the calls read back from its text, and the request checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app.batch.objects import output_line
+from app.db.models import Job
+from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_completion, tool_answer
+from app.schemas import ChatMessage, JobCreate
+from app.tool_calls import ToolSpec, calls_in, forced_schema, template_messages, tool_finish_reason
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: it takes none
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def tools() -> list[ToolSpec]:
+    return [ToolSpec.model_validate(WEATHER), ToolSpec.model_validate(CLOCK)]
+
+
+def test_a_named_choice_generates_that_functions_arguments():
+    assert forced_schema(tools(), NAMED) == WEATHER["function"]["parameters"]
+    assert forced_schema(tools(), {"type": "function", "function": {"name": "get_time"}}) == {
+        "type": "object", "properties": {}}
+
+
+def test_required_generates_a_list_of_calls_each_naming_one_tool():
+    schema = forced_schema(tools(), "required")
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    assert forced_schema(tools(), "required", parallel=False)["maxItems"] == 1
+
+
+def test_the_schemas_compile_as_vllms_grammar_backend_reads_them():
+    xgrammar = pytest.importorskip("xgrammar")
+    for choice in ("required", NAMED):
+        xgrammar.Grammar.from_json_schema(json.dumps(forced_schema(tools(), choice)))
+
+
+def test_calls_read_back_from_the_text():
+    text = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time",
+                                                                                  "parameters": {}}])
+    calls = calls_in("job_abc", "required", text)
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert [c["id"] for c in calls] == ["call_abc_0", "call_abc_1"]  # stable: every read of the job agrees
+    assert calls_in("job_abc", NAMED, '{"city": "Rome"}') == [
+        {"id": "call_abc_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    assert calls_in("job_abc", None, "plain text") is None  # a free choice: the answer is text
+    assert calls_in("job_abc", "required", '[{"name": "get_weather", "param') is None  # cut by max_tokens
+
+
+def test_finish_reason_is_openais():
+    calls = [{"id": "x"}]
+    assert tool_finish_reason("required", calls, "stop") == "tool_calls"
+    assert tool_finish_reason("required", None, "length") == "length"
+    assert tool_finish_reason(NAMED, calls, "stop") == "stop"  # OpenAI ends a named call with stop
+    assert tool_answer("job_abc", {"tool_choice": None}, "hello", None) == (None, "stop")
+
+
+def test_job_create_checks_the_tools_and_keeps_the_constraint():
+    spec = JobCreate(messages=USER, tools=[WEATHER, CLOCK], tool_choice=NAMED)
+    sampling = spec.sampling(16)
+    assert sampling["structured_outputs"] == {"json": WEATHER["function"]["parameters"]}
+    assert sampling["tool_choice"] == NAMED
+    assert JobCreate(messages=USER, tools=[WEATHER], tool_choice="none").sampling(16)["tool_choice"] is None
+    for bad, words in [
+        (dict(messages=USER, tool_choice="required"), "needs tools"),
+        (dict(messages=USER, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+         "not among the tools"),
+        (dict(messages=USER, tools=[WEATHER, WEATHER]), "different names"),
+        (dict(prompt="x", tools=[WEATHER]), "send messages"),
+        (dict(messages=USER, tools=[WEATHER], tool_choice="required", structured_outputs={"choice": ["a"]}),
+         "not both"),
+        (dict(messages=USER, tools=[{"type": "function", "function": {"name": "has space"}}]), "pattern"),
+        (dict(messages=USER, tools=[WEATHER], tool_choice="auto"), "tool_choice"),
+        (dict(messages=USER, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "maximum": float("nan")}}}]), "not finite")]:
+        with pytest.raises(ValidationError, match=words):
+            JobCreate(**bad)
+
+
+def test_history_with_calls_reaches_the_template_with_arguments_as_objects():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [ChatMessage(role="assistant", content="", tool_calls=[call]),
+               ChatMessage(role="tool", content="sunny", tool_call_id="call_1")]
+    stored = [m.stored() for m in history]
+    assert "name" not in stored[0] and stored[1]["tool_call_id"] == "call_1"
+    assert template_messages(stored)[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert stored[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the job keeps the text
+    with pytest.raises(ValidationError, match="only an assistant"):
+        ChatMessage(role="user", content="x", tool_calls=[call])
+    with pytest.raises(ValidationError, match="only a tool message"):
+        ChatMessage(role="user", content="x", tool_call_id="call_1")
+
+
+def test_openai_request_maps_tools_and_answers_auto_with_a_clear_400():
+    body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c"}], "tools": [WEATHER], "tool_choice": "required",
+        "parallel_tool_calls": False}
+    req = ChatCompletionRequest.model_validate(body)
+    spec = req.job_spec(messages=req.chat_messages())
+    assert spec.tool_choice == "required" and spec.sampling(16)["structured_outputs"]["json"]["maxItems"] == 1
+    assert spec.messages[1].tool_calls[0].id == "c" and spec.messages[2].tool_call_id == "c"
+    for choice in (None, "auto"):
+        req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], "tool_choice": choice})
+        with pytest.raises(OpenAIError) as exc:
+            req.job_spec(messages=req.chat_messages())
+        assert exc.value.param == "tool_choice" and exc.value.code == "unsupported_value"
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], "tool_choice": "maybe"})
+    with pytest.raises(OpenAIError) as exc:
+        req.job_spec(messages=req.chat_messages())
+    assert exc.value.param == "tool_choice"
+
+
+def test_answers_carry_the_calls_and_no_content():
+    calls = calls_in("job_abc", NAMED, '{"city": "Rome"}')
+    body = chat_completion("chatcmpl-job_abc", "m", 0, '{"city": "Rome"}', "stop", 5, 7, tool_calls=calls)
+    message = body["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"] == calls
+    job = Job(id="job_abc", endpoint="/v1/chat/completions", model="m", output_text='[{"name": "get_time", '
+              '"parameters": {}}]', finish_reason="stop", sampling={"tool_choice": "required"}, prompt_tokens=5,
+              completion_tokens=9, custom_id="r1")
+    line = output_line(job)["response"]["body"]["choices"][0]
+    assert line["finish_reason"] == "tool_calls" and line["message"]["tool_calls"][0]["function"]["name"] == "get_time"
