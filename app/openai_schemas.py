@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
 from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate, StructuredOutputs
-from app.tool_calls import MAX_TOOLS, calls_in, tool_finish_reason
+from app.tool_calls import MAX_TOOLS
 from app.wire import Text, json_safe
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import PENALTY_LIMIT
@@ -337,13 +337,8 @@ class ChatCompletionRequest(_Base):
 
     def tool_fields(self) -> dict[str, Any]:
         choice = self.tool_choice
-        if choice == "auto" and not self.tools:
-            raise OpenAIError(400, 'tool_choice "auto" needs tools', param="tool_choice")
-        if self.tools and choice in (None, "auto"):
-            raise OpenAIError(400, 'tool_choice "auto" (the default where tools are given) lets the model call '
-                                   "tools in its own syntax, which this server does not parse; send tool_choice "
-                                   '"required", {"type": "function", "function": {"name": ...}} or "none"',
-                              param="tool_choice", code="unsupported_value")
+        if choice is None and self.tools:
+            choice = "auto"  # OpenAI's default where tools are given
         return {"tools": self.tools or None, "tool_choice": choice,
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls}
 
@@ -477,23 +472,15 @@ def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -
             "text_offset": offsets}
 
 
-def tool_answer(job_id: str, sampling: dict[str, Any] | None, text: str,
-                engine_reason: str | None) -> tuple[list[dict[str, Any]] | None, str]:
-    """A chat job's tool calls (None: its answer is text) and its finish reason, in OpenAI's terms."""
-    choice = (sampling or {}).get("tool_choice")
-    calls = calls_in(job_id, choice, text)
-    return calls, tool_finish_reason(choice, calls, engine_reason) or "stop"
-
-
-def chat_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
+def chat_completion(cid: str, model: str, created: int, content: str | None, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
                     extra: dict[str, Any] | None = None,
                     logprobs: list[dict[str, Any]] | None = None,
                     tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """``tool_calls``: the calls the text was read as (the message then has no content, as OpenAI answers)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    """``tool_calls``: the calls the text was read as (``content``: the text before them, or None)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        message["tool_calls"] = tool_calls
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message,
                          "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],

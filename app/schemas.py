@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, calls_in, forced_choice, forced_schema
+from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
 from app.wire import Text, UtcDatetime
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
@@ -146,7 +146,8 @@ class JobCreate(BaseModel):
     tool_choice: ToolChoice | None = Field(None, description=(
         "'required' (one call or more to the tools) or {'type': 'function', 'function': {'name': ...}} (that "
         "function): the text is generated as the calls' JSON and read back as tool_calls (vLLM backend); "
-        "'none' or unset: the text is free"))
+        "'auto': the model may call tools in its own syntax, read back where the server has a parser for it "
+        "(COSERVE_TOOL_CALL_PARSER); 'none' or unset: the text is free"))
     parallel_tool_calls: bool = Field(True, description="with tool_choice 'required': more than one call allowed")
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
@@ -186,22 +187,22 @@ class JobCreate(BaseModel):
                              "schemas cannot")
         if len(set(names)) != len(names):
             raise ValueError("tools must have different names")
-        choice = self.tool_choice
-        if choice is None or choice == "none":
+        choice = kept_choice(self.tool_choice)
+        if choice is None:
             return
         if not names:
-            raise ValueError(f"tool_choice {forced_choice(choice)!r} needs tools")
-        if not isinstance(choice, str) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise ValueError(f"tool_choice names {choice['function']['name']!r}, which is not among the tools "
                              f"({', '.join(names)})")
-        if self.structured_outputs is not None:
+        if is_forced(choice) and self.structured_outputs is not None:
             raise ValueError("a forced tool_choice constrains the text already: give it or structured_outputs, "
                              "not both")
 
     def output_constraint(self) -> dict[str, Any] | None:
         """The constraint the text is generated under, in vLLM's field form: the structured outputs asked for,
         or the JSON of a forced tool choice."""
-        if (choice := forced_choice(self.tool_choice)) is not None:
+        if is_forced(choice := kept_choice(self.tool_choice)):
             return {"json": forced_schema(self.tools or [], choice, self.parallel_tool_calls)}
         return self.structured_outputs.fields() if self.structured_outputs else None
 
@@ -210,7 +211,7 @@ class JobCreate(BaseModel):
                 "top_p": self.top_p, "stop": list(self.stop), "seed": self.seed, "ignore_eos": self.ignore_eos,
                 "top_k": max(0, self.top_k), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                "structured_outputs": self.output_constraint(), "tool_choice": forced_choice(self.tool_choice),
+                "structured_outputs": self.output_constraint(), "tool_choice": kept_choice(self.tool_choice),
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo}
 
@@ -264,8 +265,8 @@ class JobPublic(BaseModel):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, description=(
-        "where tool_choice forced calls: the calls read from the output text (OpenAI's shape, arguments as JSON "
-        "text); null while running, or where the text was cut before it was whole"))
+        "the calls read from the output text where tool_choice asked for calls (OpenAI's shape, arguments as JSON "
+        "text); null while running, where the model made none, or where the text was cut before it was whole"))
     output_logprobs: list[dict[str, Any]] | None = Field(None, description=(
         "where the job asked for logprobs: per output token its text, log-probability and the top alternatives"))
     prompt_logprobs: list[dict[str, Any]] | None = Field(None, description=(
@@ -287,7 +288,7 @@ class JobPublic(BaseModel):
                                  relegation_count=job.relegation_count,
                                  slo_miss=job.slo_miss if job.slo_met is False else None)
         if job.output_text is not None:
-            out.tool_calls = calls_in(job.id, (job.sampling or {}).get("tool_choice"), job.output_text)
+            out.tool_calls = read_answer(job.id, job.sampling, job.output_text, job.finish_reason).tool_calls
         return out
 
 

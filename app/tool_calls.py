@@ -5,16 +5,19 @@ A job whose ``tool_choice`` names a function, or is ``"required"``, generates un
 structured outputs), so its text always parses: a named function's arguments object, or a list of
 ``{"name", "parameters"}`` calls to any of the tools. This needs no parser for the model's own tool-call
 syntax, which is why it works with every model (vLLM serves the forced choices the same way). ``"auto"``,
-where the model decides in its own syntax, needs such a parser and is not offered.
+where the model decides and writes calls in its own syntax, is read with that syntax's reader
+(``app.tool_syntax``), which the server's settings name.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from app.tool_syntax import SYNTAXES, RawCall
 from app.wire import Text
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
@@ -50,15 +53,14 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-CHOICES = """tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}"""
+CHOICES = """tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}"""
 
 
 def _choice(value: Any) -> Any:
     """One error naming tool_choice, instead of one per member of the union."""
     if isinstance(value, str):
-        if value not in ("none", "required"):
-            raise ValueError(f"{CHOICES}, not {value!r}" + (
-                " (the model's own call syntax is not parsed here)" if value == "auto" else ""))
+        if value not in ("none", "auto", "required"):
+            raise ValueError(f"{CHOICES}, not {value!r}")
         return value
     if isinstance(value, dict):
         try:
@@ -68,7 +70,7 @@ def _choice(value: Any) -> Any:
     return value
 
 
-ToolChoice = Annotated[Literal["none", "required"] | NamedToolChoice, BeforeValidator(_choice)]
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_choice)]
 
 
 class FunctionCall(BaseModel):
@@ -86,12 +88,17 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-def forced_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
-    """What a job keeps of its choice: ``"required"``, the named choice as OpenAI writes it, or None where the
-    text is free (no choice, or ``"none"``)."""
+def kept_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    """What a job keeps of its choice: ``"auto"``, ``"required"``, the named choice as OpenAI writes it, or None
+    where the text is free (no choice, or ``"none"``)."""
     if choice is None or choice == "none":
         return None
     return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def is_forced(choice: str | dict[str, Any] | None) -> bool:
+    """Whether the text is generated as the calls' JSON (``"required"`` or a named function)."""
+    return choice == "required" or isinstance(choice, dict)
 
 
 def forced_schema(tools: list[ToolSpec], choice: str | dict[str, Any], parallel: bool = True) -> dict[str, Any]:
@@ -116,32 +123,78 @@ def call_id(job_id: str, index: int) -> str:
     return f"call_{job_id.removeprefix('job_')}_{index}"
 
 
-def calls_in(job_id: str, choice: str | dict[str, Any] | None, text: str) -> list[dict[str, Any]] | None:
-    """The tool calls in the text of a job with a forced ``choice``, in OpenAI's shape; None where the choice
-    was free or the text is not whole (cut by max_tokens: the answer then carries the text)."""
-    if choice is None:
-        return None
+def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | None:
     if isinstance(choice, dict):  # the text is the named function's arguments
-        calls = [(choice["function"]["name"], text)]
+        return [(choice["function"]["name"], text)]
+    try:
+        parsed = json.loads(text)
+    except ValueError:  # cut by max_tokens
+        return None
+    if not isinstance(parsed, list) or not all(isinstance(c, dict) and "name" in c for c in parsed):
+        return None
+    return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in parsed]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A chat job's answer in OpenAI's terms: its content, its tool calls and why it ended."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None
+    finish_reason: str
+
+
+def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_reason: str | None) -> Answer:
+    """The answer in a chat job's text. A forced choice's text is the calls (no content; where it does not
+    parse, cut short, the text is the content); ``"auto"`` reads the model's own syntax (the job's
+    ``tool_parser``), with the content before the calls. Calls end in ``tool_calls`` except a named one,
+    which ends in ``stop``, as OpenAI answers them."""
+    sampling = sampling or {}
+    choice, reason = sampling.get("tool_choice"), engine_reason or "stop"
+    if choice is None:
+        return Answer(text, None, reason)
+    if choice == "auto":
+        content, raw = SYNTAXES[sampling.get("tool_parser") or "hermes"].split(text)
     else:
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(parsed, list) or not all(isinstance(c, dict) and "name" in c for c in parsed):
-            return None
-        calls = [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in parsed]
-    return [{"id": call_id(job_id, i), "type": "function", "function": {"name": name, "arguments": arguments}}
-            for i, (name, arguments) in enumerate(calls)]
+        raw = _forced_calls(choice, text)
+        content = None if raw is not None else text
+    if raw is None:
+        return Answer(text, None, reason)
+    calls = [{"id": call_id(job_id, i), "type": "function", "function": {"name": name, "arguments": arguments}}
+             for i, (name, arguments) in enumerate(raw)]
+    ends_in_calls = choice == "auto" or (choice == "required" and reason == "stop")
+    return Answer(content, calls, "tool_calls" if ends_in_calls else reason)
 
 
-def tool_finish_reason(choice: str | dict[str, Any] | None, calls: list[dict[str, Any]] | None,
-                  engine_reason: str | None) -> str | None:
-    """OpenAI's finish reason: ``tool_calls`` where ``"required"`` made calls and the text ended by itself; a
-    named call ends with ``stop``, as OpenAI answers it."""
-    if choice == "required" and calls and engine_reason == "stop":
-        return "tool_calls"
-    return engine_reason
+class AnswerStream:
+    """How much of a chat job's text a stream may show as content while it comes: all of a free text, none of a
+    forced choice's (the calls' JSON), and of ``"auto"`` what surely comes before the model's first call."""
+
+    def __init__(self, job_id: str, sampling: dict[str, Any] | None) -> None:
+        self.job_id, self.sampling = job_id, sampling or {}
+        self.choice = self.sampling.get("tool_choice")
+        self.text = ""  # all of the text so far
+        self.shown = 0  # characters of it sent as content
+
+    def feed(self, delta: str) -> str:
+        """The content to send now, given the text's next ``delta``."""
+        if self.choice is None:
+            self.shown += len(delta)
+            return delta
+        self.text += delta
+        if self.choice != "auto":
+            return ""
+        safe = SYNTAXES[self.sampling.get("tool_parser") or "hermes"].content_so_far(self.text)
+        out = self.text[self.shown:safe] if safe > self.shown else ""
+        self.shown += len(out)
+        return out
+
+    def end(self, engine_reason: str | None) -> tuple[str, Answer]:
+        """The content still to send and the whole answer, once the text is whole."""
+        answer = read_answer(self.job_id, self.sampling, self.text, engine_reason)
+        if self.choice is None:
+            return "", answer
+        return (answer.content or "")[self.shown:], answer
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -30,11 +30,12 @@ from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_completion,
                                 chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s, openai_param,
-                                text_completion, tool_answer, usage, validation_message)
+                                text_completion, usage, validation_message)
 from app.services import jobs as job_service
 from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
 from app.services.streaming import StreamEvent
 from app.settings import Settings
+from app.tool_calls import AnswerStream, read_answer
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +197,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
     # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
-    # chat with a forced tool choice: the text is the calls' JSON, held back and sent as tool_calls at the end
-    forced = [chat and (job.sampling or {}).get("tool_choice") is not None for job in jobs]
-    held: list[list[str]] = [[] for _ in jobs]
+    # chat: what of the text is content (a tool call's text is held back and sent as tool_calls at the end)
+    answers = [AnswerStream(job.id, job.sampling if chat else None) for job in jobs]
 
     def chunk(i: int, text: str | None, finish: str | None, first: bool = False,
               logprobs: list[dict[str, Any]] | None = None,
@@ -244,10 +244,9 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                 if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
                     logprobs = ev.data.get("logprobs") or None
                     logprobs_sent[i] += len(logprobs or ())
-                    if forced[i]:
-                        held[i].append(ev.text)
-                    if logprobs or not forced[i]:
-                        yield _sse(chunk(i, None if forced[i] else ev.text, None, logprobs=logprobs))
+                    content = answers[i].feed(ev.text)
+                    if content or logprobs:
+                        yield _sse(chunk(i, content, None, logprobs=logprobs))
                     delivered[i] += len(ev.text)
                 elif ev.type == "error":  # the stream could not be read on; the job goes on
                     ended = True
@@ -264,17 +263,14 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                         break
                     if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
                         rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_sent[i])
-                        if forced[i]:
-                            held[i].append(rest)
-                        if rest_logprobs or (rest and not forced[i]):
-                            yield _sse(chunk(i, None if forced[i] else rest, None, logprobs=rest_logprobs))
+                        content = answers[i].feed(rest)
+                        if content or rest_logprobs:
+                            yield _sse(chunk(i, content, None, logprobs=rest_logprobs))
                         delivered[i] += len(rest)
-                    finish = ev.finish_reason or "stop"
-                    if forced[i]:
-                        text = "".join(held[i])
-                        calls, finish = tool_answer(jobs[i].id, jobs[i].sampling, text, ev.finish_reason)
-                        yield _sse(chunk(i, None if calls else text, None, tool_calls=calls))
-                    yield _sse(chunk(i, None, finish))
+                    content, answer = answers[i].end(ev.finish_reason)
+                    if content or answer.tool_calls:
+                        yield _sse(chunk(i, content, None, tool_calls=answer.tool_calls))
+                    yield _sse(chunk(i, None, answer.finish_reason))
                     prompt_tokens[i] = ev.data.get("prompt_tokens") or 0
                     completion_tokens += ev.data.get("completion_tokens") or 0
                     unfinished -= 1
@@ -327,14 +323,16 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     extra = {"system_fingerprint": None, "coserve": coserve}
     bodies = []
     for job, end in zip(jobs, ends, strict=True):
-        common = (("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s(), end.data["output_text"])
+        head = (("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s())
         counts = (end.data["prompt_tokens"], end.data["completion_tokens"], extra, end.data.get("logprobs"))
         if chat:
-            calls, reason = tool_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
-            bodies.append(chat_completion(*common, reason, *counts, tool_calls=calls))
+            answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
+            bodies.append(chat_completion(*head, answer.content, answer.finish_reason, *counts,
+                                          tool_calls=answer.tool_calls))
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
-            bodies.append(text_completion(*common, end.finish_reason or "stop", *counts, **echo))
+            bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
+                                          **echo))
     return JSONResponse(merge_choices(bodies, n), headers=headers)
 
 

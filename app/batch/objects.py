@@ -6,7 +6,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.db.models import Batch, Job
-from app.openai_schemas import chat_completion, text_completion, tool_answer
+from app.openai_schemas import chat_completion, text_completion
+from app.tool_calls import read_answer
 
 
 def ts(dt: datetime | None) -> int | None:
@@ -33,10 +34,10 @@ def output_line(job: Job) -> dict[str, Any]:
     chat = job.endpoint == "/v1/chat/completions"
     text, reason = job.output_text or "", job.finish_reason or "stop"
     if chat:
-        calls, reason = tool_answer(job.id, job.sampling, text, reason)
-        body = chat_completion("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,
-                               job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs,
-                               tool_calls=calls)
+        answer = read_answer(job.id, job.sampling, text, reason)
+        body = chat_completion("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, answer.content,
+                               answer.finish_reason, job.prompt_tokens, job.completion_tokens,
+                               logprobs=job.output_logprobs, tool_calls=answer.tool_calls)
     else:
         echo = {"echo": (job.prompt or "", job.prompt_logprobs)} if (job.sampling or {}).get("echo") else {}
         body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,

@@ -49,8 +49,7 @@ class IdempotencyConflict(ValueError):
 
 # the sampling fields jobs stored before they existed hold at these values
 NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
-                    "logit_bias": None, "logprobs": None,
-                    "prompt_logprobs": None, "echo": False}
+                    "tool_parser": None, "logit_bias": None, "logprobs": None, "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor",
@@ -101,6 +100,14 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
         sampling["seed"] = secrets.randbelow(2**62)
+    if sampling["tool_choice"] == "auto":  # the model writes its calls in its own syntax: read with its parser
+        if settings.tool_call_parser is None:
+            raise JobValidationError(
+                'tool_choice "auto" (the default where tools are given) lets the model call tools in its own '
+                "syntax, and this server has no parser for it (COSERVE_TOOL_CALL_PARSER); send tool_choice "
+                '"required", {"type": "function", "function": {"name": ...}} or "none"', param="tool_choice",
+                code="unsupported_value")
+        sampling["tool_parser"] = settings.tool_call_parser
     if spec.logit_bias:
         check_token_ids(settings.model, list(spec.logit_bias), "logit_bias")
     prompt = spec.prompt if spec.prompt_token_ids is None else token_prompt_text(settings.model, spec.prompt_token_ids)

@@ -158,6 +158,31 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     reply = oai.chat.completions.create(model="smollm2-135m-instruct", messages=history, max_tokens=12,
                                         temperature=0, tools=[weather], tool_choice="none")
     assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    # tool_choice "auto" (OpenAI's default with tools): the model writes calls in its own syntax, which the
+    # server's parser reads (Hermes here: the model copies the call shown in its history)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="smollm2-135m-instruct", messages=ask, tools=[weather], max_tokens=8)
+    assert exc.value.body["param"] == "tool_choice" and "COSERVE_TOOL_CALL_PARSER" in exc.value.body["message"]
+    settings.tool_call_parser = "hermes"
+    shown = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    few_shot = [{"role": "system", "content": "To call get_weather(city), answer only with <tool_call>{\"name\": "
+                                              "\"get_weather\", \"arguments\": {\"city\": ...}}</tool_call>."},
+                *ask, {"role": "assistant", "content": shown}, {"role": "tool", "content": "Sunny, 24 degrees."},
+                {"role": "assistant", "content": "It is sunny in Paris."},
+                {"role": "user", "content": "What is the weather in Rome?"}]
+    auto_kw = dict(model="smollm2-135m-instruct", messages=few_shot, max_tokens=40, temperature=0, tools=[weather])
+    auto = oai.chat.completions.create(**auto_kw)
+    assert auto.choices[0].finish_reason == "tool_calls", auto
+    auto_call = auto.choices[0].message.tool_calls[0].function
+    assert (auto_call.name, json.loads(auto_call.arguments)) == ("get_weather", {"city": "Rome"})
+    chunks = list(oai.chat.completions.create(**auto_kw, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(auto_call.name, auto_call.arguments)]
+    assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    text = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
+                                       temperature=0, tools=[weather])  # no call: the answer is its text
+    assert text.choices[0].message.content == plain.choices[0].message.content
+    assert text.choices[0].message.tool_calls is None
     r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
         "messages": ask, "tools": [weather], "max_tokens": 64,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})

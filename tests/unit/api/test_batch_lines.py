@@ -87,7 +87,8 @@ def test_openai_request_mapping():
 @pytest.mark.parametrize("field,value,ok", [
     ("logprobs", True, True), ("logprobs", False, True), ("logprobs", 3, False), ("top_logprobs", 2, False),
     ("top_logprobs", 0, True), ("top_logprobs", 21, False),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], False), ("tools", [], True),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], True), ("tools", [], True),
+    ("tool_choice", "maybe", False),
     ("tool_choice", "auto", False), ("tool_choice", "none", True),
     ("response_format", {"type": "xml"}, False), ("response_format", {"type": "text"}, True),
     ("response_format", {"type": "json_object"}, True), ("response_format", {"type": "json_schema"}, False),

@@ -9,9 +9,10 @@ from pydantic import ValidationError
 
 from app.batch.objects import output_line
 from app.db.models import Job
-from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_completion, tool_answer
+from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_completion
 from app.schemas import ChatMessage, JobCreate
-from app.tool_calls import ToolSpec, calls_in, forced_schema, template_messages, tool_finish_reason
+from app.tool_calls import AnswerStream, ToolSpec, forced_schema, read_answer, template_messages
+from app.tool_syntax import SYNTAXES
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -46,25 +47,73 @@ def test_the_schemas_compile_as_vllms_grammar_backend_reads_them():
         xgrammar.Grammar.from_json_schema(json.dumps(forced_schema(tools(), choice)))
 
 
-def test_calls_read_back_from_the_text():
+def calls(job_id: str, choice, text: str, reason: str = "stop"):
+    return read_answer(job_id, {"tool_choice": choice}, text, reason).tool_calls
+
+
+def test_forced_calls_read_back_from_the_text():
     text = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time",
                                                                                   "parameters": {}}])
-    calls = calls_in("job_abc", "required", text)
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
-    assert [c["id"] for c in calls] == ["call_abc_0", "call_abc_1"]  # stable: every read of the job agrees
-    assert calls_in("job_abc", NAMED, '{"city": "Rome"}') == [
+    got = calls("job_abc", "required", text)
+    assert [c["function"]["name"] for c in got] == ["get_weather", "get_time"]
+    assert json.loads(got[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert [c["id"] for c in got] == ["call_abc_0", "call_abc_1"]  # stable: every read of the job agrees
+    assert calls("job_abc", NAMED, '{"city": "Rome"}') == [
         {"id": "call_abc_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
-    assert calls_in("job_abc", None, "plain text") is None  # a free choice: the answer is text
-    assert calls_in("job_abc", "required", '[{"name": "get_weather", "param') is None  # cut by max_tokens
+    assert calls("job_abc", None, "plain text") is None  # a free choice: the answer is text
+    cut = read_answer("job_abc", {"tool_choice": "required"}, '[{"name": "get_weather", "param', "length")
+    assert (cut.content, cut.tool_calls, cut.finish_reason) == ('[{"name": "get_weather", "param', None, "length")
 
 
 def test_finish_reason_is_openais():
-    calls = [{"id": "x"}]
-    assert tool_finish_reason("required", calls, "stop") == "tool_calls"
-    assert tool_finish_reason("required", None, "length") == "length"
-    assert tool_finish_reason(NAMED, calls, "stop") == "stop"  # OpenAI ends a named call with stop
-    assert tool_answer("job_abc", {"tool_choice": None}, "hello", None) == (None, "stop")
+    assert read_answer("j", {"tool_choice": "required"}, "[]", "stop").finish_reason == "tool_calls"
+    named = read_answer("j", {"tool_choice": NAMED}, "{}", "stop")
+    assert named.finish_reason == "stop" and named.content is None  # OpenAI ends a named call with stop
+    assert read_answer("j", {"tool_choice": None}, "hello", None) == read_answer("j", None, "hello", "stop")
+    auto = read_answer("j", {"tool_choice": "auto", "tool_parser": "hermes"},
+                       'Let me look.<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "stop")
+    assert auto.content == "Let me look." and auto.finish_reason == "tool_calls"
+    assert read_answer("j", {"tool_choice": "auto", "tool_parser": "hermes"}, "Hi!", "stop").tool_calls is None
+
+
+HERMES = SYNTAXES["hermes"]
+
+
+@pytest.mark.parametrize("text,content,raw", [
+    ("It is sunny.", "It is sunny.", None),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None,
+     [("get_weather", '{"city": "Paris"}')]),
+    ('Checking.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+     '{"x": 1}}</tool_call>', "Checking.\n", [("a", "{}"), ("b", '{"x": 1}')]),
+    ('<tool_call>{"name": "a", "arguments": {"x": 1}}', None, [("a", '{"x": 1}')]),  # the end tag cut off
+    ('<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', None),  # no whole call: all text
+    ('<tool_call>["a"]</tool_call>', '<tool_call>["a"]</tool_call>', None),
+])
+def test_hermes_syntax_splits_content_and_calls(text, content, raw):
+    assert HERMES.split(text) == (content, raw)
+
+
+def test_hermes_stream_shows_only_what_surely_is_content():
+    assert HERMES.content_so_far("Hello <tool") == len("Hello ")  # "<tool" may become "<tool_call>"
+    assert HERMES.content_so_far("a < b") == len("a < b")
+    assert HERMES.content_so_far('ok<tool_call>{"na') == 2
+
+
+def test_a_stream_shows_content_and_keeps_the_calls_for_the_end():
+    sampling = {"tool_choice": "auto", "tool_parser": "hermes"}
+    stream = AnswerStream("job_s", sampling)
+    pieces = ["Let", " me <", "tool_call>{\"name\": \"get_time\",", " \"arguments\": {}}</tool_call>"]
+    shown = "".join(stream.feed(p) for p in pieces)
+    rest, answer = stream.end("stop")
+    assert shown + rest == "Let me " and answer.content == "Let me " and answer.finish_reason == "tool_calls"
+    assert answer.tool_calls[0]["function"]["name"] == "get_time"
+    plain = AnswerStream("job_p", sampling)  # no call: every character is shown, the held-back tail at the end
+    shown = "".join(plain.feed(p) for p in ["1 <", " 2"]) + plain.end("stop")[0]
+    assert shown == "1 < 2"
+    forced = AnswerStream("job_f", {"tool_choice": NAMED})
+    assert forced.feed('{"city": "Rome"}') == "" and forced.end("stop")[1].tool_calls[0]["id"] == "call_f_0"
+    free = AnswerStream("job_t", None)
+    assert free.feed("abc") == "abc" and free.end("length") == ("", read_answer("job_t", None, "", "length"))
 
 
 def test_job_create_checks_the_tools_and_keeps_the_constraint():
@@ -82,7 +131,8 @@ def test_job_create_checks_the_tools_and_keeps_the_constraint():
         (dict(messages=USER, tools=[WEATHER], tool_choice="required", structured_outputs={"choice": ["a"]}),
          "not both"),
         (dict(messages=USER, tools=[{"type": "function", "function": {"name": "has space"}}]), "pattern"),
-        (dict(messages=USER, tools=[WEATHER], tool_choice="auto"), "tool_choice"),
+        (dict(messages=USER, tool_choice="auto"), "needs tools"),
+        (dict(messages=USER, tools=[WEATHER], tool_choice="maybe"), "tool_choice must be"),
         (dict(messages=USER, tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "maximum": float("nan")}}}]), "not finite")]:
         with pytest.raises(ValidationError, match=words):
@@ -103,7 +153,7 @@ def test_history_with_calls_reaches_the_template_with_arguments_as_objects():
         ChatMessage(role="user", content="x", tool_call_id="call_1")
 
 
-def test_openai_request_maps_tools_and_answers_auto_with_a_clear_400():
+def test_openai_request_maps_tools():
     body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "c"}], "tools": [WEATHER], "tool_choice": "required",
@@ -112,11 +162,10 @@ def test_openai_request_maps_tools_and_answers_auto_with_a_clear_400():
     spec = req.job_spec(messages=req.chat_messages())
     assert spec.tool_choice == "required" and spec.sampling(16)["structured_outputs"]["json"]["maxItems"] == 1
     assert spec.messages[1].tool_calls[0].id == "c" and spec.messages[2].tool_call_id == "c"
-    for choice in (None, "auto"):
+    for choice in (None, "auto"):  # OpenAI's default where tools are given (the server's parser reads it)
         req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], "tool_choice": choice})
-        with pytest.raises(OpenAIError) as exc:
-            req.job_spec(messages=req.chat_messages())
-        assert exc.value.param == "tool_choice" and exc.value.code == "unsupported_value"
+        spec = req.job_spec(messages=req.chat_messages())
+        assert spec.tool_choice == "auto" and spec.sampling(16)["structured_outputs"] is None
     req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], "tool_choice": "maybe"})
     with pytest.raises(OpenAIError) as exc:
         req.job_spec(messages=req.chat_messages())
@@ -124,10 +173,10 @@ def test_openai_request_maps_tools_and_answers_auto_with_a_clear_400():
 
 
 def test_answers_carry_the_calls_and_no_content():
-    calls = calls_in("job_abc", NAMED, '{"city": "Rome"}')
-    body = chat_completion("chatcmpl-job_abc", "m", 0, '{"city": "Rome"}', "stop", 5, 7, tool_calls=calls)
+    got = calls("job_abc", NAMED, '{"city": "Rome"}')
+    body = chat_completion("chatcmpl-job_abc", "m", 0, None, "stop", 5, 7, tool_calls=got)
     message = body["choices"][0]["message"]
-    assert message["content"] is None and message["tool_calls"] == calls
+    assert message["content"] is None and message["tool_calls"] == got
     job = Job(id="job_abc", endpoint="/v1/chat/completions", model="m", output_text='[{"name": "get_time", '
               '"parameters": {}}]', finish_reason="stop", sampling={"tool_choice": "required"}, prompt_tokens=5,
               completion_tokens=9, custom_id="r1")

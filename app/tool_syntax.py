@@ -1,0 +1,58 @@
+"""The syntax a model writes its own tool calls in (``tool_choice`` "auto"), read back out of its text.
+
+One reader per syntax, chosen by ``COSERVE_TOOL_CALL_PARSER`` (vLLM's ``--tool-call-parser`` names the same
+formats). A reader splits a finished text into the content before the calls and the calls, and says how much
+of a text still being generated is surely content (a stream shows that much and holds back the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+RawCall = tuple[str, str]  # (function name, arguments as JSON text)
+
+
+@dataclass(frozen=True)
+class TaggedJsonSyntax:
+    """Calls as JSON objects ``{"name": ..., "arguments": {...}}`` between a start and an end tag (Hermes and
+    Qwen 2.5/3 write ``<tool_call>...</tool_call>``); the text before the first tag is the content."""
+
+    start: str
+    end: str
+
+    def split(self, text: str) -> tuple[str | None, list[RawCall] | None]:
+        """(content, calls); calls None where the text holds none, or one that does not parse (then the whole
+        text is the content, as vLLM answers it)."""
+        at = text.find(self.start)
+        if at < 0:
+            return text, None
+        calls = []
+        pattern = re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|\Z)"
+        for block in re.findall(pattern, text[at:], flags=re.DOTALL):  # the last one may be cut short
+            try:
+                call = json.loads(block)
+            except ValueError:
+                return text, None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return text, None
+            arguments = call.get("arguments", call.get("parameters", {}))
+            calls.append((call["name"], arguments if isinstance(arguments, str) else
+                          json.dumps(arguments, ensure_ascii=False)))
+        content = text[:at]
+        return (content if content.strip() else None), calls
+
+    def content_so_far(self, text: str) -> int:
+        """How many leading characters of a text still being generated are content whatever comes next: up
+        to the start tag, or short of a tail that may become one."""
+        at = text.find(self.start)
+        if at >= 0:
+            return at
+        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if text.endswith(self.start[:k]):
+                return len(text) - k
+        return len(text)
+
+
+SYNTAXES = {"hermes": TaggedJsonSyntax("<tool_call>", "</tool_call>")}
