@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
 from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate, StructuredOutputs
-from app.tool_calls import MAX_TOOLS
+from app.tool_calls import MAX_TOOLS, read_answer
 from app.wire import Text, json_safe
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import PENALTY_LIMIT
@@ -488,6 +488,15 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
     if extra:
         body.update(extra)
     return body
+
+
+def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[str, Any] | None, text: str,
+                engine_reason: str | None, prompt_tokens: int | None, completion_tokens: int | None,
+                extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A chat job's answer as OpenAI's body: its text read as content and tool calls (``read_answer``)."""
+    answer = read_answer(job_id, sampling, text, engine_reason)
+    return chat_completion(cid, model, created, answer.content, answer.finish_reason, prompt_tokens,
+                           completion_tokens, extra, logprobs, tool_calls=answer.tool_calls)
 
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,

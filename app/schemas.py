@@ -147,7 +147,7 @@ class JobCreate(BaseModel):
         "'required' (one call or more to the tools) or {'type': 'function', 'function': {'name': ...}} (that "
         "function): the text is generated as the calls' JSON and read back as tool_calls (vLLM backend); "
         "'auto': the model may call tools in its own syntax, read back where the server has a parser for it "
-        "(COSERVE_TOOL_CALL_PARSER); 'none' or unset: the text is free"))
+        "(COSERVE_TOOL_CALL_PARSER); 'none' or unset: the text is free (unset means 'auto' on the OpenAI route)"))
     parallel_tool_calls: bool = Field(True, description="with tool_choice 'required': more than one call allowed")
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
@@ -198,6 +198,8 @@ class JobCreate(BaseModel):
         if is_forced(choice) and self.structured_outputs is not None:
             raise ValueError("a forced tool_choice constrains the text already: give it or structured_outputs, "
                              "not both")
+        if is_forced(choice):
+            forced_schema(self.tools or [], choice)  # raises where the tools' definitions clash
 
     def output_constraint(self) -> dict[str, Any] | None:
         """The constraint the text is generated under, in vLLM's field form: the structured outputs asked for,
@@ -212,6 +214,7 @@ class JobCreate(BaseModel):
                 "top_k": max(0, self.top_k), "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "structured_outputs": self.output_constraint(), "tool_choice": kept_choice(self.tool_choice),
+                "parallel_tool_calls": self.parallel_tool_calls,
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo}
 
@@ -266,7 +269,9 @@ class JobPublic(BaseModel):
     completion_tokens: int | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, description=(
         "the calls read from the output text where tool_choice asked for calls (OpenAI's shape, arguments as JSON "
-        "text); null while running, where the model made none, or where the text was cut before it was whole"))
+        "text; a named function's arguments as generated, cut short where max_tokens cut them); null while "
+        "running, where the model made none, or where the text of 'required' or 'auto' was cut before a call "
+        "was whole"))
     output_logprobs: list[dict[str, Any]] | None = Field(None, description=(
         "where the job asked for logprobs: per output token its text, log-probability and the top alternatives"))
     prompt_logprobs: list[dict[str, Any]] | None = Field(None, description=(

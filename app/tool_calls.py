@@ -23,6 +23,10 @@ from app.wire import Text
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 MAX_TOOLS = 128
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without parameters takes none
+DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the definitions its $refs name (from its root)
+FORCED_CHOICE_UNSUPPORTED = ("a forced tool_choice ('required' or a named function) is generated under vLLM's "
+                             "structured outputs: it needs the vLLM backend (COSERVE_BACKEND=vllm); send tool_choice "
+                             "'none' or 'auto'")
 
 
 class FunctionSpec(BaseModel):
@@ -109,10 +113,20 @@ def forced_schema(tools: list[ToolSpec], choice: str | dict[str, Any], parallel:
         name = choice["function"]["name"]
         function = next(t.function for t in tools if t.function.name == name)
         return function.parameters or EMPTY_PARAMETERS
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                "parameters": t.function.parameters or EMPTY_PARAMETERS},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1}
+    calls = []
+    for tool in tools:
+        # a $ref resolves from the root: each tool's definitions move up there, where every tool's refs find them
+        parameters = dict(tool.function.parameters or EMPTY_PARAMETERS)
+        for key in DEFINITION_KEYS:
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                if schema.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise ValueError(f"tools define {key}/{name} differently; with tool_choice 'required' their "
+                                     "definitions share one schema: give them different names")
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                                        "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema["items"] = {"anyOf": calls}
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -124,8 +138,8 @@ def call_id(job_id: str, index: int) -> str:
 
 
 def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | None:
-    if isinstance(choice, dict):  # the text is the named function's arguments
-        return [(choice["function"]["name"], text)]
+    if isinstance(choice, dict):  # the text is the named function's arguments (as generated, even if cut short)
+        return [(choice["function"]["name"], text)] if text.strip() else None
     try:
         parsed = json.loads(text)
     except ValueError:  # cut by max_tokens
@@ -145,10 +159,11 @@ class Answer:
 
 
 def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_reason: str | None) -> Answer:
-    """The answer in a chat job's text. A forced choice's text is the calls (no content; where it does not
-    parse, cut short, the text is the content); ``"auto"`` reads the model's own syntax (the job's
-    ``tool_parser``), with the content before the calls. Calls end in ``tool_calls`` except a named one,
-    which ends in ``stop``, as OpenAI answers them."""
+    """The answer in a chat job's text. A forced choice's text is the calls (no content): a named function's
+    arguments as generated (cut short by max_tokens too, as vLLM answers), the list of ``"required"`` where it
+    parses (else the text is the content); ``"auto"`` reads the model's own syntax (the job's ``tool_parser``),
+    with the content before the calls. Calls end in ``tool_calls`` except a named one, which ends in ``stop``,
+    as OpenAI answers them."""
     sampling = sampling or {}
     choice, reason = sampling.get("tool_choice"), engine_reason or "stop"
     if choice is None:
@@ -160,6 +175,8 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
         content = None if raw is not None else text
     if raw is None:
         return Answer(text, None, reason)
+    if sampling.get("parallel_tool_calls") is False:
+        raw = raw[:1]  # one call at most, as asked ("required" generates only one; "auto" may write more)
     calls = [{"id": call_id(job_id, i), "type": "function", "function": {"name": name, "arguments": arguments}}
              for i, (name, arguments) in enumerate(raw)]
     ends_in_calls = choice == "auto" or (choice == "required" and reason == "stop")
@@ -184,7 +201,8 @@ class AnswerStream:
         self.text += delta
         if self.choice != "auto":
             return ""
-        safe = SYNTAXES[self.sampling.get("tool_parser") or "hermes"].content_so_far(self.text)
+        # the text up to what was shown is content: look for a call from there on (less a tag's length)
+        safe = SYNTAXES[self.sampling.get("tool_parser") or "hermes"].content_so_far(self.text, self.shown)
         out = self.text[self.shown:safe] if safe > self.shown else ""
         self.shown += len(out)
         return out
@@ -212,5 +230,5 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments

@@ -43,10 +43,11 @@ class TaggedJsonSyntax:
         content = text[:at]
         return (content if content.strip() else None), calls
 
-    def content_so_far(self, text: str) -> int:
+    def content_so_far(self, text: str, known: int = 0) -> int:
         """How many leading characters of a text still being generated are content whatever comes next: up
-        to the start tag, or short of a tail that may become one."""
-        at = text.find(self.start)
+        to the start tag, or short of a tail that may become one (``known``: characters already found to be
+        content, not searched again)."""
+        at = text.find(self.start, max(0, known - len(self.start)))
         if at >= 0:
             return at
         for k in range(min(len(self.start) - 1, len(text)), 0, -1):

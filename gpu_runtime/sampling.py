@@ -74,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None  # report each output token's log-probability and this many alternatives (vLLM)
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none: nothing precedes it)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the token's logit before sampling
+    skip_special_tokens: bool = True  # leave special tokens out of the text (False: a tool-call tag may be one)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -144,4 +145,5 @@ class SamplingParams:
                    repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
                    structured=OutputConstraint.of(structured) if structured else None, logprobs=sp.get("logprobs"),
                    prompt_logprobs=sp.get("prompt_logprobs"),
-                   logit_bias=tuple(sorted((int(t), float(b)) for t, b in (sp.get("logit_bias") or {}).items())))
+                   logit_bias=tuple(sorted((int(t), float(b)) for t, b in (sp.get("logit_bias") or {}).items())),
+                   skip_special_tokens=not sp.get("tool_parser"))  # the model's own call syntax is read: keep tags

@@ -28,14 +28,14 @@ from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
-from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_completion,
+from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_answer,
                                 chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s, openai_param,
                                 text_completion, usage, validation_message)
 from app.services import jobs as job_service
 from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
 from app.services.streaming import StreamEvent
 from app.settings import Settings
-from app.tool_calls import AnswerStream, read_answer
+from app.tool_calls import AnswerStream
 
 log = logging.getLogger(__name__)
 
@@ -326,9 +326,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         head = (("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s())
         counts = (end.data["prompt_tokens"], end.data["completion_tokens"], extra, end.data.get("logprobs"))
         if chat:
-            answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
-            bodies.append(chat_completion(*head, answer.content, answer.finish_reason, *counts,
-                                          tool_calls=answer.tool_calls))
+            bodies.append(chat_answer(*head, job.id, job.sampling, end.data["output_text"], end.finish_reason,
+                                      *counts))
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,

@@ -6,8 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.db.models import Batch, Job
-from app.openai_schemas import chat_completion, text_completion
-from app.tool_calls import read_answer
+from app.openai_schemas import chat_answer, text_completion
 
 
 def ts(dt: datetime | None) -> int | None:
@@ -34,10 +33,8 @@ def output_line(job: Job) -> dict[str, Any]:
     chat = job.endpoint == "/v1/chat/completions"
     text, reason = job.output_text or "", job.finish_reason or "stop"
     if chat:
-        answer = read_answer(job.id, job.sampling, text, reason)
-        body = chat_completion("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, answer.content,
-                               answer.finish_reason, job.prompt_tokens, job.completion_tokens,
-                               logprobs=job.output_logprobs, tool_calls=answer.tool_calls)
+        body = chat_answer("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, job.id, job.sampling, text,
+                           reason, job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs)
     else:
         echo = {"echo": (job.prompt or "", job.prompt_logprobs)} if (job.sampling or {}).get("echo") else {}
         body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,

@@ -24,9 +24,10 @@ from app.db.session import write_guard
 from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services.job_writer import JobWriter
-from app.services.model_info import encode_input, get_tokenizer, max_model_len
+from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
+from app.tool_calls import FORCED_CHOICE_UNSUPPORTED, is_forced
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class IdempotencyConflict(ValueError):
 
 # the sampling fields jobs stored before they existed hold at these values
 NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
-                    "tool_parser": None, "logit_bias": None, "logprobs": None, "prompt_logprobs": None, "echo": False}
+                    "tool_parser": None, "parallel_tool_calls": True, "logit_bias": None, "logprobs": None, "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor",
@@ -94,8 +95,9 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
     if refused := engine_refusal(settings, sampling):
-        param = "tool_choice" if refused[0] == "structured_outputs" and sampling["tool_choice"] else refused[0]
-        raise JobValidationError(refused[1], param=param, code="unsupported_value")
+        if refused[0] == "structured_outputs" and is_forced(sampling["tool_choice"]):
+            refused = ("tool_choice", FORCED_CHOICE_UNSUPPORTED)
+        raise JobValidationError(refused[1], param=refused[0], code="unsupported_value")
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
@@ -141,7 +143,10 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
             raise JobValidationError(
                 f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
                 "shorten the prompt", **blame)
-        n = len(job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools))
+        try:
+            n = len(job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools))
+        except ChatTemplateError as exc:
+            raise JobValidationError(str(exc), param="messages") from exc
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError(
                 f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "
@@ -156,10 +161,10 @@ def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None
     engine does not do where the server says it runs that engine (``COSERVE_BACKEND=torch``: with ``auto`` the
     API cannot know what its workers run, and a worker refuses it at admission, a 400 all the same), and min_p or
     logit_bias beside vLLM's speculative decoding (vLLM's sampler would drop them; its workers refuse them too)."""
+    if settings.backend != "torch" and settings.spec_policy == "none":
+        return None  # vLLM without speculation applies every parameter (the common case: no parsing)
     params = SamplingParams.from_job(sampling, settings.default_max_tokens)
-    if settings.backend == "torch":
-        return params.own_engine_refusal()
-    return params.speculation_refusal() if settings.spec_policy != "none" else None
+    return params.own_engine_refusal() if settings.backend == "torch" else params.speculation_refusal()
 
 
 BIG_PROMPT_CHARS = 4096  # above this, callers on an event loop tokenize in a worker thread

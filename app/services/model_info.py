@@ -115,14 +115,26 @@ def _max_model_len(model: str) -> int:
     return n
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the messages or tools (e.g. a template that takes one tool call per
+    message): the request's to change."""
+
+
 def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None,
                  tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template."""
+    """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template
+    (raises ``ChatTemplateError`` where the template cannot render them)."""
+    import jinja2
+
     tok = get_tokenizer(model)
     if messages is not None:
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
-                                          tokenize=True)
+            try:
+                ids = tok.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
+                                              tokenize=True)
+            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+                raise ChatTemplateError(f"the model's chat template cannot render these messages and tools: "
+                                        f"{type(exc).__name__}: {exc}") from exc
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)

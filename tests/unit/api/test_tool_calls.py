@@ -182,3 +182,51 @@ def test_answers_carry_the_calls_and_no_content():
               completion_tokens=9, custom_id="r1")
     line = output_line(job)["response"]["body"]["choices"][0]
     assert line["finish_reason"] == "tool_calls" and line["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_required_lifts_each_tools_definitions_to_the_root_where_refs_resolve():
+    with_defs = {"type": "function", "function": {"name": "add_person", "parameters": {
+        "type": "object", "properties": {"person": {"$ref": "#/$defs/Person"}},
+        "$defs": {"Person": {"type": "object", "properties": {"name": {"type": "string"}}}}}}}
+    schema = forced_schema([ToolSpec.model_validate(with_defs), ToolSpec.model_validate(CLOCK)], "required")
+    assert schema["$defs"] == {"Person": {"type": "object", "properties": {"name": {"type": "string"}}}}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    xgrammar = pytest.importorskip("xgrammar")
+    xgrammar.Grammar.from_json_schema(json.dumps(schema))  # the $ref resolves
+    clash = json.loads(json.dumps(with_defs).replace("add_person", "other").replace('"string"', '"integer"'))
+    with pytest.raises(ValidationError, match="differently"):
+        JobCreate(messages=USER, tools=[with_defs, clash], tool_choice="required")
+
+
+def test_one_call_at_most_when_parallel_calls_are_off_and_none_from_an_empty_named_text():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    auto = {"tool_choice": "auto", "tool_parser": "hermes"}
+    assert len(read_answer("j", auto, text, "stop").tool_calls) == 2
+    assert len(read_answer("j", {**auto, "parallel_tool_calls": False}, text, "stop").tool_calls) == 1
+    assert read_answer("j", {"tool_choice": NAMED}, "  ", "length").tool_calls is None
+
+
+def test_a_template_that_refuses_the_history_is_the_clients_error(tiny_model_dir, tmp_path):
+    import shutil
+
+    from app.auth import Principal
+    from app.services.jobs import JobValidationError, build_job
+    from app.services.model_info import ChatTemplateError, encode_input
+    from app.settings import Settings
+
+    model = tmp_path / "strict"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m.tool_calls is defined and m.tool_calls | length > 1 %}"
+                               "{{ raise_exception('one tool call per message') }}{% endif %}{{ m.content }}"
+                               "{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    history = [*USER, {"role": "assistant", "content": "", "tool_calls": [call, {**call, "id": "d"}]}]
+    with pytest.raises(ChatTemplateError, match="one tool call per message"):
+        encode_input(str(model), None, history)
+    settings = Settings(model=str(model), model_name="strict", backend="vllm")
+    with pytest.raises(JobValidationError, match="one tool call per message") as exc:
+        build_job(settings, Principal("k", "t", "paid", False), JobCreate(model="strict", messages=history))
+    assert exc.value.param == "messages"
