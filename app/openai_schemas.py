@@ -1,12 +1,12 @@
 """OpenAI-compatible request bodies and the OpenAI error shape.
 
-The request models accept what the official ``openai`` client sends plus coserve's QoS
-extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's sampling extensions
-(``top_k``, ``min_p``, ``repetition_penalty``, ``structured_outputs``), and turn into a
-``JobCreate``. OpenAI fields coserve does not implement (best_of, suffix, functions) are
-declared, so a request that sets one to anything but its default gets a 400 with
-``code="unsupported_value"`` instead of an answer that silently ignored it; fields
-unknown to both are ignored.
+The request models accept what the official ``openai`` client sends (``service_tier`` picks coserve's
+tier) plus coserve's QoS extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's
+sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``structured_outputs``), and turn into a ``JobCreate``. OpenAI fields coserve does not implement
+(best_of, suffix, functions) are declared, so a request that sets one to anything but its default gets
+a 400 with ``code="unsupported_value"`` instead of an answer that silently ignored it; fields unknown to
+both are ignored.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from gpu_runtime.sampling import PENALTY_LIMIT
 
 log = logging.getLogger(__name__)
 
+SERVICE_TIERS = {"flex": "free", "priority": "paid"}  # OpenAI's service_tier -> coserve's default tiers
 MAX_CHOICES = 16  # n: choices per request, each generated as a job of its own
 MAX_SEED = 2**63 - 1  # the engine seeds a torch.Generator, which takes a signed 64-bit value
 WINDOW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
@@ -126,8 +127,19 @@ class QoSExtension(BaseModel):
     deadline: float | str | None = Field(
         None, description="makes it a deadline (batch-class) job: seconds from now, a window like '2h', or an ISO time")
     tier: Text | None = None
+    # OpenAI's own field for the same idea: "flex" is the lowest tier (free: relegated first under load),
+    # "priority" the highest (paid), "auto"/"default" the key's tier
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     app_id: Text | None = Field(None, max_length=200)
     ignore_eos: bool = False
+
+    def job_tier(self) -> str | None:
+        """The tier asked for: ``tier``, or OpenAI's ``service_tier`` in the default tiers' names."""
+        service = SERVICE_TIERS.get(self.service_tier or "auto")
+        if self.tier is not None and service is not None and self.tier != service:
+            raise OpenAIError(400, f"tier {self.tier!r} and service_tier {self.service_tier!r} disagree; give one",
+                              param="service_tier")
+        return self.tier or service
 
     @field_validator("deadline", mode="before")
     @classmethod
@@ -158,6 +170,8 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
     # chat: true/false (top_logprobs says how many alternatives); completions: the number of alternatives
     logprobs: bool | int | None = None
     # structured output: OpenAI's response_format, or vLLM's structured_outputs (one constraint, JobCreate's form)
@@ -246,15 +260,15 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
         """The job for this request; a ``deadline`` (or a Batch API window) makes it batch-class."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         common = dict(model=self.model, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                      tier=self.tier, app_id=self.app_id,
+                      tier=self.job_tier(), app_id=self.app_id,
                       max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
                       logprobs=self.logprob_count(), logit_bias=self.logit_bias or None, **self.echo_fields(),
                       **self.tool_fields(),
-                      **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-                         if (v := getattr(self, k)) is not None})
+                      **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                        "min_tokens", "stop_token_ids") if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
         if self.deadline is not None and window is None and at is None:
             window, at = _deadline(self.deadline)
@@ -437,6 +451,13 @@ class CompletionRequest(_Base):
 
 
 # ---------------------------------------------------------------- responses
+def service_tier(tier: str, tiers: tuple[str, ...]) -> str:
+    """OpenAI's name for the tier a job ran at: the lowest tier is ``flex``, the highest ``priority``."""
+    if len(tiers) > 1 and tier == tiers[0]:
+        return "flex"
+    return "priority" if len(tiers) > 1 and tier == tiers[-1] else "default"
+
+
 def now_s() -> int:
     return int(time.time())
 

@@ -19,6 +19,7 @@ MAX_WINDOW_S = 30 * 24 * 3600.0
 MAX_SEED = 2**63 - 1  # torch generators take a 64-bit seed; a larger one fails inside the engine step
 MAX_TOP_K = 2**31 - 1  # vLLM keeps top_k as int32 (a k beyond the vocabulary means all tokens)
 MAX_LOGIT_BIASES = 1024  # tokens one request may bias
+MAX_STOP_TOKEN_IDS = 256
 TokenId = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 
@@ -121,6 +122,10 @@ class JobCreate(BaseModel):
     temperature: float = Field(0.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[Text] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description=(
+        "token ids that end the text beside the end of sequence (vLLM backend)"))
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description=(
+        "no end of sequence or stop token before this many tokens (vLLM backend)"))
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="sample among the k most likely tokens (0 or -1: all)")
     min_p: float = Field(0.0, ge=0, le=1, description="drop tokens less likely than min_p x the most likely one")
@@ -170,6 +175,8 @@ class JobCreate(BaseModel):
         if self.deadline_at is not None and self.deadline_at.tzinfo is None:
             raise ValueError("deadline_at needs a timezone (e.g. '2030-01-01T12:00:00Z')")
         self._check_tools()
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens})")
         if self.deadline_at is not None and self.deadline_at.utcoffset():
             # SQLite keeps a datetime's wall time and drops its offset: store UTC
             try:
@@ -216,6 +223,7 @@ class JobCreate(BaseModel):
                 "structured_outputs": self.output_constraint(), "tool_choice": kept_choice(self.tool_choice),
                 "parallel_tool_calls": self.parallel_tool_calls,
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+                "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo}
 
 

@@ -15,6 +15,8 @@ PENALTIES_UNSUPPORTED = ("presence_penalty, frequency_penalty and repetition_pen
                          "(COSERVE_BACKEND=vllm): the own torch engine does not apply them; leave them unset")
 MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative decoding, which this server runs "
                           "(COSERVE_SPEC_POLICY); leave min_p unset or use top_k / top_p")
+STOP_TOKENS_UNSUPPORTED = ("min_tokens and stop_token_ids need the vLLM backend (COSERVE_BACKEND=vllm): the own "
+                           "torch engine does not apply them; leave them unset")
 LOGIT_BIAS_LIMIT = 100.0  # a bias lies in [-100, 100] (OpenAI's range; vLLM clamps to it)
 LOGIT_BIAS_UNSUPPORTED = ("logit_bias needs the vLLM backend (COSERVE_BACKEND=vllm): the own torch engine does not "
                           "apply it; leave logit_bias unset")
@@ -74,6 +76,8 @@ class SamplingParams:
     logprobs: int | None = None  # report each output token's log-probability and this many alternatives (vLLM)
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none: nothing precedes it)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the token's logit before sampling
+    min_tokens: int = 0  # the end-of-sequence and stop tokens cannot come before this many tokens (vLLM)
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the text beside the end of sequence (vLLM)
     skip_special_tokens: bool = True  # leave special tokens out of the text (False: a tool-call tag may be one)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError("repetition_penalty must be > 0 (1: none)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}]; got {self.min_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
         for token, bias in self.logit_bias:
             if token < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise ValueError(f"logit_bias maps token ids (>= 0) to a bias in [-{LOGIT_BIAS_LIMIT:g}, "
@@ -121,6 +129,10 @@ class SamplingParams:
             return "structured_outputs", STRUCTURED_UNSUPPORTED
         if self.logit_bias:
             return "logit_bias", LOGIT_BIAS_UNSUPPORTED
+        if self.min_tokens:
+            return "min_tokens", STOP_TOKENS_UNSUPPORTED
+        if self.stop_token_ids:
+            return "stop_token_ids", STOP_TOKENS_UNSUPPORTED
         return None
 
     def speculation_refusal(self) -> tuple[str, str] | None:
@@ -146,4 +158,5 @@ class SamplingParams:
                    structured=OutputConstraint.of(structured) if structured else None, logprobs=sp.get("logprobs"),
                    prompt_logprobs=sp.get("prompt_logprobs"),
                    logit_bias=tuple(sorted((int(t), float(b)) for t, b in (sp.get("logit_bias") or {}).items())),
+                   min_tokens=int(sp.get("min_tokens") or 0), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
                    skip_special_tokens=not sp.get("tool_parser"))  # the model's own call syntax is read: keep tags

@@ -30,7 +30,7 @@ from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_answer,
                                 chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s, openai_param,
-                                text_completion, usage, validation_message)
+                                service_tier, text_completion, usage, validation_message)
 from app.services import jobs as job_service
 from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
 from app.services.streaming import StreamEvent
@@ -320,7 +320,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     if ends[0].status != JobStatus.SUCCEEDED:
         raise _job_error(ends[0].status, ends[0].data.get("error"), ends[0].data.get("code"))
     coserve = {"job_id": jobs[0].id} | ({"job_ids": [job.id for job in jobs]} if len(jobs) > 1 else {})
-    extra = {"system_fingerprint": None, "coserve": coserve}
+    extra = {"system_fingerprint": None, "service_tier": service_tier(jobs[0].tier, settings.tiers),
+             "coserve": coserve}
     bodies = []
     for job, end in zip(jobs, ends, strict=True):
         head = (("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s())

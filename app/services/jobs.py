@@ -50,7 +50,8 @@ class IdempotencyConflict(ValueError):
 
 # the sampling fields jobs stored before they existed hold at these values
 NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
-                    "tool_parser": None, "parallel_tool_calls": True, "logit_bias": None, "logprobs": None, "prompt_logprobs": None, "echo": False}
+                    "tool_parser": None, "parallel_tool_calls": True, "logit_bias": None,
+                    "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor",
@@ -94,6 +95,10 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                                  param="model", code="model_not_found")
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
+    if sampling["min_tokens"] > sampling["max_tokens"]:
+        raise JobValidationError(f"min_tokens ({sampling['min_tokens']}) is more than max_tokens "
+                                 f"({sampling['max_tokens']}, this server's default); lower it or give max_tokens",
+                                 param="min_tokens")
     if refused := engine_refusal(settings, sampling):
         if refused[0] == "structured_outputs" and is_forced(sampling["tool_choice"]):
             refused = ("tool_choice", FORCED_CHOICE_UNSUPPORTED)
@@ -112,6 +117,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         sampling["tool_parser"] = settings.tool_call_parser
     if spec.logit_bias:
         check_token_ids(settings.model, list(spec.logit_bias), "logit_bias")
+    if spec.stop_token_ids:
+        check_token_ids(settings.model, spec.stop_token_ids, "stop_token_ids")
     prompt = spec.prompt if spec.prompt_token_ids is None else token_prompt_text(settings.model, spec.prompt_token_ids)
     now = utcnow()
     job = Job(id=new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,

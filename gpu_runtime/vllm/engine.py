@@ -237,7 +237,8 @@ class VLLMEngine:
                               stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
                               ignore_eos=sp.ignore_eos, structured_outputs=structured, logprobs=sp.logprobs,
                               prompt_logprobs=sp.prompt_logprobs, logit_bias=dict(sp.logit_bias) or None,
-                              skip_special_tokens=sp.skip_special_tokens,
+                              skip_special_tokens=sp.skip_special_tokens, min_tokens=sp.min_tokens,
+                              stop_token_ids=list(sp.stop_token_ids) or None,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 

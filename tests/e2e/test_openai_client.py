@@ -52,6 +52,14 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert targets(chat.id) == (1500.0, 90.0)
     assert targets(comp.id) == (5000.0, 400.0)  # the request's ttft_ms wins; tbt from /v1/completions
 
+    # OpenAI's service_tier picks coserve's tier: "flex" runs as free work (relegated first under load)
+    assert chat.service_tier == "priority"  # the paid key's own tier, the highest
+    flex = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=2,
+                                       service_tier="flex", extra_body={"ignore_eos": True})
+    assert flex.service_tier == "flex" and httpx.get(
+        f"{live_server}/v1/jobs/{flex.id.split('-', 1)[1]}", headers={"Authorization": f"Bearer {keys.paid}"}
+    ).json()["tier"] == "free"
+
     # greedy is deterministic: the same request twice gives the same text
     again = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}],
                                         max_tokens=7, temperature=0, extra_body={"ignore_eos": True})

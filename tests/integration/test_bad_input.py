@@ -62,6 +62,10 @@ CHAT = '"messages": [{"role": "user", "content": "hi"}]'
     ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt", SURROGATE),
     ("/v1/completions", '{"prompt": "hi", "user": "x", "tools": [{"\\ud800": 1}]}', 400, "tools.0.\\ud800", SURROGATE),
     ("/v1/summarize", '{"documents": [{"id": "\\ud800", "text": "x"}]}', 422, "documents.0.id", SURROGATE),
+    # sampling fields that cannot hold together
+    ("/v1/completions", '{"prompt": "hi", "min_tokens": 100000}', 400, "min_tokens", "more than max_tokens"),
+    ("/v1/jobs", '{"prompt": "hi", "max_tokens": 4, "min_tokens": 5}', 422, None, "more than max_tokens"),
+    ("/v1/chat/completions", '{%s, "tier": "paid", "service_tier": "flex"}' % CHAT, 400, "service_tier", "disagree"),
     # out of range
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "deadline": 1e12}', 422, "deadline", "30 days"),
     ("/v1/jobs", '{"prompt": "hi", "kind": "batch", "deadline_at": "9999-12-31T23:59:59-12:00"}', 422, None,

@@ -90,6 +90,8 @@ SAMPLING = dataclasses.asdict(SamplingParams())
     ("torch", "none", {"logit_bias": {"5": 3.0}}, "logit_bias"),
     ("vllm", "none", {"logit_bias": {"5": -100.0}}, None),
     ("vllm", "nightjar", {"logit_bias": {"5": 3.0}}, "logit_bias"),  # vLLM's sampler drops it while speculating
+    ("torch", "none", {"min_tokens": 4}, "min_tokens"), ("torch", "none", {"stop_token_ids": [2]}, "stop_token_ids"),
+    ("vllm", "nightjar", {"min_tokens": 4, "stop_token_ids": [2]}, None),
 ])
 def test_the_api_refuses_what_the_servers_engine_cannot_apply(backend, spec, sampling, refused):
     settings = Settings(backend=backend, spec_policy=spec)
@@ -148,4 +150,19 @@ def test_a_speculating_vllm_engine_refuses_what_its_sampler_would_drop():
     min_p = Request("m", [1] * 8, SamplingParams(max_tokens=4, min_p=0.1), qos, 0.0)
     assert "min_p" in admission_error(min_p, 2048, speculating=True)
     assert "context of 10" in admission_error(min_p, 10, speculating=False)
+
+
+def test_min_tokens_and_stop_token_ids_round_trip_and_are_checked():
+    from app.schemas import JobCreate
+
+    sampling = JobCreate(prompt="x", max_tokens=8, min_tokens=3, stop_token_ids=[2, 7]).sampling(16)
+    params = SamplingParams.from_job(sampling, 16)
+    assert (params.min_tokens, params.stop_token_ids) == (3, (2, 7))
+    assert SamplingParams.from_job({"max_tokens": 4}, 16).min_tokens == 0  # a job stored before they existed
+    with pytest.raises(ValueError, match="min_tokens"):
+        JobCreate(prompt="x", max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError):
+        JobCreate(prompt="x", stop_token_ids=[-1])
 

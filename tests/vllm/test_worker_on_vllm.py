@@ -77,6 +77,17 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     greedy_id, = get_tokenizer("smollm2-135m").encode(greedy, add_special_tokens=False)
     assert oai.completions.create(**capital, logit_bias={str(greedy_id): -100}).choices[0].text != greedy
 
+    # min_tokens keeps a short answer going; a stop token id ends the text where it comes
+    short = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=24, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 16, short
+    longer = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=24,
+                                         temperature=0, extra_body={"min_tokens": 16})
+    assert longer.usage.completion_tokens >= 16
+    first = oai.completions.create(**{**capital, "max_tokens": 24}).choices[0].text
+    first_id = get_tokenizer("smollm2-135m").encode(first, add_special_tokens=False)[0]
+    cut = oai.completions.create(**{**capital, "max_tokens": 24}, extra_body={"stop_token_ids": [first_id]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 1, (first, cut)
+
     # token logprobs: greedy takes the most likely token, so each token leads its own alternatives
     kw = dict(model="smollm2-135m-instruct", messages=messages, max_tokens=12, temperature=0, logprobs=True,
               top_logprobs=3)

@@ -94,7 +94,9 @@ def test_openai_request_mapping():
     ("response_format", {"type": "json_object"}, True), ("response_format", {"type": "json_schema"}, False),
     ("structured_outputs", {"choice": ["a"]}, True), ("structured_outputs", {"choice": ["a"], "regex": "a"}, False),
     ("logit_bias", {"42": 5}, True), ("logit_bias", {"x": 5}, False), ("logit_bias", {"42": 101}, False),
-    ("logit_bias", {}, True), ("seed", -1, False), ("seed", 2**63, False),
+    ("logit_bias", {}, True), ("min_tokens", 5, True), ("min_tokens", -1, False), ("stop_token_ids", [2], True),
+    ("stop_token_ids", [-1], False), ("service_tier", "flex", True), ("service_tier", "turbo", False),
+    ("seed", -1, False), ("seed", 2**63, False),
     ("seed", 2**63 - 1, True), ("presence_penalty", 0.5, True), ("presence_penalty", 2.5, False),
     ("frequency_penalty", -1.0, True), ("frequency_penalty", -2.01, False), ("repetition_penalty", 0, False),
     ("top_k", -2, False), ("top_k", 40, True), ("min_p", 1.1, False), ("min_p", 0.05, True)])
@@ -124,3 +126,21 @@ def test_a_lone_surrogate_fails_its_line_not_the_file():
     assert bad[2].custom_id == "b" and bad[2].code == "invalid_body"
     assert "body.messages.0.content contains a lone surrogate \\ud800" in bad[2].message
     assert bad[3].custom_id is None and bad[3].code == "invalid_request" and "custom_id" in bad[3].message
+
+
+def test_service_tier_names_the_default_tiers():
+    from app.openai_schemas import service_tier
+
+    def tier(**body):
+        return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body}).job_tier()
+
+    assert tier(service_tier="flex") == "free" and tier(service_tier="priority") == "paid"
+    assert tier(service_tier="auto") is None and tier() is None  # the key's own tier
+    assert tier(service_tier="flex", tier="free") == "free"
+    with pytest.raises(OpenAIError) as exc:
+        tier(service_tier="flex", tier="paid")
+    assert exc.value.param == "service_tier"
+    tiers = ("free", "paid")
+    assert [service_tier(t, tiers) for t in tiers] == ["flex", "priority"]
+    assert service_tier("paid", ("paid",)) == "default"
+

@@ -1,0 +1,96 @@
+"""``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer, as vLLM's server offers it.
+
+Clients count a prompt's tokens before they send it (or fit it to the context), and turn token ids back into
+text, with the tokenizer and chat template the worker uses. The answers have vLLM's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.api.deps import CurrentPrincipal, SettingsDep
+from app.api.errors import openai_responses
+from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, validation_message
+from app.schemas import TokenId
+from app.services.jobs import JobValidationError, check_token_ids
+from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
+from app.settings import Settings
+from app.wire import Text
+
+router = APIRouter(tags=["openai"], route_class=OpenAIRoute, responses=openai_responses(400, 401, 404))
+
+MAX_DETOKENIZE = 1_000_000  # token ids in one request (a body of this size is already megabytes)
+
+
+class TokenizeRequest(BaseModel):
+    """A prompt, or chat messages (with the tools offered) through the model's chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = Field(True, description="a prompt: the tokenizer's special tokens (e.g. BOS) too")
+    return_token_strs: bool = Field(False, description="also each token's text")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE)
+
+
+def _check_model(settings: Settings, model: str | None) -> None:
+    if model is not None and model != settings.model_name:
+        raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+
+
+def _parsed(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(list(exc.errors()))
+        raise OpenAIError(400, message, param=param) from exc
+
+
+def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
+    if req.prompt is not None:
+        tok = get_tokenizer(settings.model)
+        return list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+    chat = _parsed(ChatCompletionRequest, {"messages": req.messages, "tools": req.tools})
+    try:  # the messages and tools as a chat job keeps them: the same checks, the same template input
+        spec = chat.job_spec(messages=chat.chat_messages())
+        return encode_input(settings.model, None, [m.stored() for m in spec.messages],
+                            [t.model_dump(exclude_none=True) for t in spec.tools or ()] or None)
+    except ChatTemplateError as exc:
+        raise OpenAIError(400, str(exc), param="messages") from exc
+
+
+@router.post("/tokenize")
+async def tokenize(body: dict[str, Any], settings: SettingsDep, _principal: CurrentPrincipal) -> dict[str, Any]:
+    """Token ids of a prompt or of chat messages, their count and the model's context length."""
+    req = _parsed(TokenizeRequest, body)
+    _check_model(settings, req.model)
+    ids = await run_in_threadpool(_tokenize, settings, req)
+    strs = get_tokenizer(settings.model).convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len(settings.model), "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: dict[str, Any], settings: SettingsDep, _principal: CurrentPrincipal) -> dict[str, Any]:
+    """The text of token ids."""
+    req = _parsed(DetokenizeRequest, body)
+    _check_model(settings, req.model)
+    try:
+        check_token_ids(settings.model, req.tokens, "tokens")
+    except JobValidationError as exc:
+        raise OpenAIError(400, str(exc), param="tokens") from exc
+    return {"prompt": await run_in_threadpool(get_tokenizer(settings.model).decode, req.tokens)}

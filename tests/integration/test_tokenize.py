@@ -1,0 +1,46 @@
+"""``POST /tokenize`` and ``/detokenize`` on the real app: the tokenizer and chat template a job's prompt uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Keys
+
+pytestmark = pytest.mark.integration
+
+H = Keys.header
+CHAT = [{"role": "user", "content": "Weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+
+
+def test_tokenize_counts_what_a_job_would_run_and_detokenize_reverses_it(client, keys):
+    r = client.post("/tokenize", json={"prompt": "Hello world"}, headers=H(keys.paid))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 1 and body["max_model_len"] == 512 and body["token_strs"] is None
+    plain = client.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
+                                           "return_token_strs": True}, headers=H(keys.paid)).json()
+    assert len(plain["token_strs"]) == plain["count"] <= body["count"]
+    back = client.post("/detokenize", json={"tokens": plain["tokens"]}, headers=H(keys.paid))
+    assert back.status_code == 200 and back.json() == {"prompt": "Hello world"}
+
+    chat = client.post("/tokenize", json={"model": "tiny", "messages": CHAT, "tools": TOOLS}, headers=H(keys.paid))
+    job = client.post("/v1/jobs", json={"messages": CHAT, "tools": TOOLS, "max_tokens": 4}, headers=H(keys.paid))
+    assert chat.status_code == 200 and job.status_code == 201, (chat.text, job.text)
+    assert chat.json()["count"] == job.json()["prompt_tokens"]  # the chat template, as the job's prompt
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"prompt": "x", "messages": CHAT}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_bad_input_is_a_400_in_openais_shape(client, keys, path, body, status, param):
+    r = client.post(path, json=body, headers=H(keys.paid))
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert client.post(path, json=body).status_code == 401  # a key is needed
