@@ -184,35 +184,53 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
 
 
 class AnswerStream:
-    """How much of a chat job's text a stream may show as content while it comes: all of a free text, none of a
-    forced choice's (the calls' JSON), and of ``"auto"`` what surely comes before the model's first call."""
+    """What a chat job's stream may show while its text comes: all of a free text as content; a named function's
+    arguments as they come, as deltas of one tool call (the first delta names the call, as vLLM streams them);
+    nothing of ``"required"``'s list until it is whole; of ``"auto"`` the content that surely comes before the
+    model's first call."""
 
     def __init__(self, job_id: str, sampling: dict[str, Any] | None) -> None:
         self.job_id, self.sampling = job_id, sampling or {}
         self.choice = self.sampling.get("tool_choice")
         self.text = ""  # all of the text so far
-        self.shown = 0  # characters of it sent as content
+        self.shown = 0  # characters of it sent, as content or as a named call's arguments
+        self.call_open = False  # a named call's first delta went out
 
-    def feed(self, delta: str) -> str:
-        """The content to send now, given the text's next ``delta``."""
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
+        """The content and the tool-call deltas to send now, given the text's next ``delta``."""
         if self.choice is None:
             self.shown += len(delta)
-            return delta
+            return delta, None
         self.text += delta
+        if isinstance(self.choice, dict):
+            return "", self._named_call_delta()
         if self.choice != "auto":
-            return ""
+            return "", None
         # the text up to what was shown is content: look for a call from there on (less a tag's length)
         safe = SYNTAXES[self.sampling.get("tool_parser") or "hermes"].content_so_far(self.text, self.shown)
         out = self.text[self.shown:safe] if safe > self.shown else ""
         self.shown += len(out)
-        return out
+        return out, None
 
-    def end(self, engine_reason: str | None) -> tuple[str, Answer]:
-        """The content still to send and the whole answer, once the text is whole."""
+    def _named_call_delta(self) -> list[dict[str, Any]] | None:
+        if not self.call_open and not self.text.strip():
+            return None  # blank so far: perhaps no call at all (read_answer's rule)
+        arguments, self.shown = self.text[self.shown:], len(self.text)
+        if self.call_open:
+            return [{"function": {"arguments": arguments}}] if arguments else None
+        self.call_open = True
+        name = self.choice["function"]["name"]
+        return [{"id": call_id(self.job_id, 0), "type": "function",
+                 "function": {"name": name, "arguments": arguments}}]
+
+    def end(self, engine_reason: str | None) -> tuple[str, list[dict[str, Any]] | None, Answer]:
+        """The content and the tool calls still to send, and the whole answer, once the text is whole."""
         answer = read_answer(self.job_id, self.sampling, self.text, engine_reason)
         if self.choice is None:
-            return "", answer
-        return (answer.content or "")[self.shown:], answer
+            return "", None, answer
+        if self.call_open:
+            return "", None, answer  # the named call went out as it came
+        return (answer.content or "")[self.shown:], answer.tool_calls, answer
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

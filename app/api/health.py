@@ -1,12 +1,14 @@
-"""Liveness (``/healthz``) and readiness (``/readyz``: DB, Redis, a live worker)."""
+"""Liveness (``/healthz``), readiness (``/readyz``: DB, Redis, a live worker), and vLLM's server's probes under
+its names (``/health``: ready or not, as the status code says; ``/version``), for load balancers set up for it."""
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from importlib.metadata import version as package_version
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import func, select, text
 
 from app.api.deps import SessionDep, SettingsDep
@@ -50,3 +52,16 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     ready = all(not v.startswith("error") and v != "unknown" for v in checks.values())
     return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks},
                         status_code=200 if ready else 503)
+
+
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "ready (empty body)", "content": None},
+                       503: {"description": "not ready (empty body): /readyz says why", "content": None}})
+def health(session: SessionDep, settings: SettingsDep) -> Response:
+    """vLLM's probe: 200 with an empty body where the service can serve (``/readyz``'s checks pass), else 503."""
+    return Response(status_code=readyz(session, settings).status_code)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": package_version("coserve")}

@@ -197,7 +197,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
     # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
-    # chat: what of the text is content (a tool call's text is held back and sent as tool_calls at the end)
+    # chat: what of the text is content, and which tool calls' deltas go out when (app.tool_calls.AnswerStream)
     answers = [AnswerStream(job.id, job.sampling if chat else None) for job in jobs]
 
     def chunk(i: int, text: str | None, finish: str | None, first: bool = False,
@@ -244,9 +244,9 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                 if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
                     logprobs = ev.data.get("logprobs") or None
                     logprobs_sent[i] += len(logprobs or ())
-                    content = answers[i].feed(ev.text)
-                    if content or logprobs:
-                        yield _sse(chunk(i, content, None, logprobs=logprobs))
+                    content, calls = answers[i].feed(ev.text)
+                    if content or logprobs or calls:
+                        yield _sse(chunk(i, content, None, logprobs=logprobs, tool_calls=calls))
                     delivered[i] += len(ev.text)
                 elif ev.type == "error":  # the stream could not be read on; the job goes on
                     ended = True
@@ -263,13 +263,13 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                         break
                     if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
                         rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_sent[i])
-                        content = answers[i].feed(rest)
-                        if content or rest_logprobs:
-                            yield _sse(chunk(i, content, None, logprobs=rest_logprobs))
+                        content, calls = answers[i].feed(rest)
+                        if content or rest_logprobs or calls:
+                            yield _sse(chunk(i, content, None, logprobs=rest_logprobs, tool_calls=calls))
                         delivered[i] += len(rest)
-                    content, answer = answers[i].end(ev.finish_reason)
-                    if content or answer.tool_calls:
-                        yield _sse(chunk(i, content, None, tool_calls=answer.tool_calls))
+                    content, calls, answer = answers[i].end(ev.finish_reason)
+                    if content or calls:
+                        yield _sse(chunk(i, content, None, tool_calls=calls))
                     yield _sse(chunk(i, None, answer.finish_reason))
                     prompt_tokens[i] = ev.data.get("prompt_tokens") or 0
                     completion_tokens += ev.data.get("completion_tokens") or 0

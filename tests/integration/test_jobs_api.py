@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -342,6 +343,8 @@ def test_health_and_readiness(client, settings):
     r = client.get("/readyz")
     assert r.status_code == 503 and r.json()["checks"]["workers"].startswith("error")
     assert r.json()["checks"]["database"] == "ok" and r.json()["checks"]["redis"] == "ok"
+    assert client.get("/health").status_code == 503  # vLLM's probe says the same, by its status alone
+    assert client.get("/version").json()["version"] == importlib.metadata.version("coserve")
 
 
 def test_admin_key_from_settings_is_registered(settings, keys):

@@ -80,7 +80,7 @@ def events_of(url, job_id):
 
 def test_jobs_run_stream_and_report_metrics(service):
     client, keys, settings = service.client, service.keys, service.settings
-    assert client.get("/readyz").status_code == 200
+    assert client.get("/readyz").status_code == 200 and client.get("/health").status_code == 200
     ids = [submit(client, keys.paid, max_tokens=12) for _ in range(3)]
     ids.append(submit(client, keys.free, kind="batch", deadline_window_s=600, max_tokens=5,
                       messages=[{"role": "user", "content": "hi"}], prompt=None))

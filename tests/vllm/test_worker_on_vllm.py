@@ -163,6 +163,14 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
         (c.function.name, c.function.arguments) for c in calls] and deltas[0].id.startswith("call_")
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # no text beside the calls
+    # a named call streams its arguments as they come: the first delta names the call, the rest add to them
+    chunks = list(oai.chat.completions.create(**call_kw, stream=True,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert len(deltas) > 1 and {d.index for d in deltas} == {0} and deltas[0].function.name == "get_weather"
+    assert deltas[0].id.startswith("call_") and all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
     # the conversation goes on: the call and its result in the history, the answer in text
     history = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."}]

@@ -103,17 +103,34 @@ def test_a_stream_shows_content_and_keeps_the_calls_for_the_end():
     sampling = {"tool_choice": "auto", "tool_parser": "hermes"}
     stream = AnswerStream("job_s", sampling)
     pieces = ["Let", " me <", "tool_call>{\"name\": \"get_time\",", " \"arguments\": {}}</tool_call>"]
-    shown = "".join(stream.feed(p) for p in pieces)
-    rest, answer = stream.end("stop")
-    assert shown + rest == "Let me " and answer.content == "Let me " and answer.finish_reason == "tool_calls"
-    assert answer.tool_calls[0]["function"]["name"] == "get_time"
+    fed = [stream.feed(p) for p in pieces]
+    rest, calls, answer = stream.end("stop")
+    assert all(c is None for _, c in fed) and calls == answer.tool_calls  # auto's calls go out whole, at the end
+    assert "".join(t for t, _ in fed) + rest == "Let me " and answer.content == "Let me "
+    assert answer.finish_reason == "tool_calls" and calls[0]["function"]["name"] == "get_time"
     plain = AnswerStream("job_p", sampling)  # no call: every character is shown, the held-back tail at the end
-    shown = "".join(plain.feed(p) for p in ["1 <", " 2"]) + plain.end("stop")[0]
+    shown = "".join(plain.feed(p)[0] for p in ["1 <", " 2"]) + plain.end("stop")[0]
     assert shown == "1 < 2"
-    forced = AnswerStream("job_f", {"tool_choice": NAMED})
-    assert forced.feed('{"city": "Rome"}') == "" and forced.end("stop")[1].tool_calls[0]["id"] == "call_f_0"
     free = AnswerStream("job_t", None)
-    assert free.feed("abc") == "abc" and free.end("length") == ("", read_answer("job_t", None, "", "length"))
+    assert free.feed("abc") == ("abc", None) and free.end("length") == ("", None, read_answer("job_t", None, "",
+                                                                                               "length"))
+
+
+def test_a_named_call_streams_its_arguments_as_they_come():
+    forced = AnswerStream("job_f", {"tool_choice": NAMED})
+    deltas = [forced.feed(p) for p in [" ", '{"city":', "", ' "Rome"}']]
+    assert deltas[0] == ("", None)  # blank so far: no call yet
+    assert deltas[1] == ("", [{"id": "call_f_0", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ' {"city":'}}])
+    assert deltas[2] == ("", None) and deltas[3] == ("", [{"function": {"arguments": ' "Rome"}'}}])
+    rest, calls, answer = forced.end("stop")
+    assert (rest, calls) == ("", None)  # nothing left to send
+    assert answer.tool_calls[0]["function"]["arguments"] == ' {"city": "Rome"}' and answer.finish_reason == "stop"
+    blank = AnswerStream("job_b", {"tool_choice": NAMED})
+    assert blank.feed("  ") == ("", None) and blank.end("length")[:2] == ("  ", None)  # no call: the text as is
+    required = AnswerStream("job_r", {"tool_choice": "required"})
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert required.feed(text) == ("", None) and required.end("stop")[1][0]["function"]["name"] == "get_weather"
 
 
 def test_job_create_checks_the_tools_and_keeps_the_constraint():
