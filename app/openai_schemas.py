@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
-from app.schemas import MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, ChatMessage, JobCreate, StructuredOutputs
+from app.schemas import (MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, TEMPLATE_DEFAULTS, ChatMessage, JobCreate,
+                         StructuredOutputs)
 from app.tool_calls import MAX_TOOLS, read_answer
 from app.wire import Text, json_safe
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
@@ -230,6 +231,10 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
         """The job fields of chat's tool calling (none elsewhere)."""
         return {}
 
+    def template_fields(self) -> dict[str, Any]:
+        """The job fields of chat's template options (none elsewhere)."""
+        return {}
+
     def output_constraint(self) -> StructuredOutputs | None:
         """The constraint of ``response_format`` (text, json_object or json_schema) or ``structured_outputs``."""
         fmt = self.response_format
@@ -266,7 +271,7 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
                       logprobs=self.logprob_count(), logit_bias=self.logit_bias or None, **self.echo_fields(),
-                      **self.tool_fields(),
+                      **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                         "min_tokens", "stop_token_ids") if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
@@ -342,6 +347,10 @@ class ChatCompletionRequest(_Base):
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extensions: how the messages go through the chat template (JobCreate checks them)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # not implemented: the deprecated functions API (tools replaced it)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -355,6 +364,9 @@ class ChatCompletionRequest(_Base):
             choice = "auto"  # OpenAI's default where tools are given
         return {"tools": self.tools or None, "tool_choice": choice,
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls}
+
+    def template_fields(self) -> dict[str, Any]:
+        return {k: v for k in TEMPLATE_DEFAULTS if (v := getattr(self, k)) is not None}
 
     def logprob_count(self) -> int | None:
         """Alternatives per token to report (``top_logprobs``) where ``logprobs`` is true, else None."""

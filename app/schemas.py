@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
 from app.wire import Text, UtcDatetime
@@ -19,6 +20,15 @@ MAX_WINDOW_S = 30 * 24 * 3600.0
 MAX_SEED = 2**63 - 1  # torch generators take a 64-bit seed; a larger one fails inside the engine step
 MAX_TOP_K = 2**31 - 1  # vLLM keeps top_k as int32 (a k beyond the vocabulary means all tokens)
 MAX_LOGIT_BIASES = 1024  # tokens one request may bias
+MAX_TEMPLATE_KWARGS = 32
+TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+TEMPLATE_DEFAULTS: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False,
+                                     "chat_template_kwargs": None}
+# apply_chat_template's own arguments and what it renders the template with: a request's kwargs cannot replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "pad_token", "unk_token"})
 MAX_STOP_TOKEN_IDS = 256
 TokenId = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
@@ -154,8 +164,43 @@ class JobCreate(BaseModel):
         "'auto': the model may call tools in its own syntax, read back where the server has a parser for it "
         "(COSERVE_TOOL_CALL_PARSER); 'none' or unset: the text is free (unset means 'auto' on the OpenAI route)"))
     parallel_tool_calls: bool = Field(True, description="with tool_choice 'required': more than one call allowed")
+    # how the messages go through the chat template (vLLM's chat extensions)
+    add_generation_prompt: bool = Field(True, description=(
+        "end the rendered chat with the template's start of an assistant turn (chat messages only)"))
+    continue_final_message: bool = Field(False, description=(
+        "leave the last message open, so the model continues it (a prefilled answer: give add_generation_prompt "
+        "false; chat messages only)"))
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS, description=(
+        "more variables for the chat template (e.g. {'enable_thinking': false} for Qwen3; chat messages only)"))
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
+
+    @field_validator("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+    @classmethod
+    def _for_messages(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        if value != TEMPLATE_DEFAULTS[info.field_name] and "messages" in info.data and info.data["messages"] is None:
+            raise ValueError(f"{info.field_name} is for the chat template: send messages, not a prompt")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_turn_at_the_end(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message continues the last message, add_generation_prompt (true by "
+                             "default) starts a new one: give add_generation_prompt false with it")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, item in (value or {}).items():
+            if not TEMPLATE_VARIABLE.fullmatch(key) or key in RESERVED_TEMPLATE_VARIABLES:
+                raise ValueError(f"key {key!r}: give a template variable's name (letters, digits and _), and none "
+                                 "that the server sets itself (messages, tools, add_generation_prompt, ...)")
+            if not _all_finite(item):
+                raise ValueError(f"[{key!r}] holds a number that is not finite")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> JobCreate:
@@ -207,6 +252,14 @@ class JobCreate(BaseModel):
                              "not both")
         if is_forced(choice):
             forced_schema(self.tools or [], choice)  # raises where the tools' definitions clash
+
+    def template_options(self) -> dict[str, Any] | None:
+        """The chat template's options that differ from the defaults (None where none do)."""
+        options = {k: v for k, v in (("add_generation_prompt", self.add_generation_prompt),
+                                     ("continue_final_message", self.continue_final_message),
+                                     ("chat_template_kwargs", self.chat_template_kwargs or None))
+                   if v != TEMPLATE_DEFAULTS[k]}
+        return options or None
 
     def output_constraint(self) -> dict[str, Any] | None:
         """The constraint the text is generated under, in vLLM's field form: the structured outputs asked for,

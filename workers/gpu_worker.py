@@ -216,7 +216,8 @@ class GpuWorker:
             log.exception("could not record the holder of job %s", job_id)
 
     def _request(self, job: Job) -> Request:
-        ids = job.prompt_token_ids or encode_input(self.settings.model, job.prompt, job.messages, job.tools)
+        ids = job.prompt_token_ids or encode_input(self.settings.model, job.prompt, job.messages, job.tools,
+                                                   job.template_options)
         sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
         try:
             tier = Tier(job.tier)

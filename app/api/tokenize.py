@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, validation_message
-from app.schemas import TokenId
+from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services.jobs import JobValidationError, check_token_ids
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
 from app.settings import Settings
@@ -23,6 +23,7 @@ from app.wire import Text
 
 router = APIRouter(tags=["openai"], route_class=OpenAIRoute, responses=openai_responses(400, 401, 404))
 
+TEMPLATE_OPTIONS = tuple(TEMPLATE_DEFAULTS)
 MAX_DETOKENIZE = 1_000_000  # token ids in one request (a body of this size is already megabytes)
 
 
@@ -36,6 +37,9 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = Field(None, min_length=1)
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = Field(True, description="a prompt: the tokenizer's special tokens (e.g. BOS) too")
+    add_generation_prompt: bool | None = Field(None, description="messages: as a chat request takes it")
+    continue_final_message: bool | None = Field(None, description="messages: as a chat request takes it")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as a chat request takes it")
     return_token_strs: bool = Field(False, description="also each token's text")
 
 
@@ -63,13 +67,17 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:
+        for name in TEMPLATE_OPTIONS:
+            if getattr(req, name) is not None:
+                raise OpenAIError(400, f"{name} is for the chat template: send messages, not a prompt", param=name)
         tok = get_tokenizer(settings.model)
         return list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-    chat = _parsed(ChatCompletionRequest, {"messages": req.messages, "tools": req.tools})
-    try:  # the messages and tools as a chat job keeps them: the same checks, the same template input
+    chat = _parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", *TEMPLATE_OPTIONS}))
+    try:  # the messages, tools and template options as a chat job keeps them: the same checks, the same input
         spec = chat.job_spec(messages=chat.chat_messages())
         return encode_input(settings.model, None, [m.stored() for m in spec.messages],
-                            [t.model_dump(exclude_none=True) for t in spec.tools or ()] or None)
+                            [t.model_dump(exclude_none=True) for t in spec.tools or ()] or None,
+                            spec.template_options())
     except ChatTemplateError as exc:
         raise OpenAIError(400, str(exc), param="messages") from exc
 

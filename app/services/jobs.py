@@ -54,8 +54,8 @@ NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_o
                     "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
-_IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "sampling", "ttft_ms", "tbt_ms", "tbt_anchor",
-             "app_id", "model", "tier")
+_IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "template_options", "sampling", "ttft_ms",
+             "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
 
 
 def _same_request(existing: Job, new: Job) -> bool:
@@ -127,7 +127,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
               status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0,
               messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,
-              tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None)
+              tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
+              template_options=spec.template_options())
     if spec.kind == JobKind.INTERACTIVE:
         job.ttft_ms = spec.ttft_ms or settings.default_ttft_ms
         job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
@@ -151,7 +152,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
                 "shorten the prompt", **blame)
         try:
-            n = len(job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools))
+            n = len(job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools,
+                                                         job.template_options))
         except ChatTemplateError as exc:
             raise JobValidationError(str(exc), param="messages") from exc
         if n + sampling["max_tokens"] > limit:

@@ -121,18 +121,23 @@ class ChatTemplateError(ValueError):
 
 
 def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template
-    (raises ``ChatTemplateError`` where the template cannot render them)."""
+                 tools: list[dict[str, Any]] | None = None, options: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template,
+    with a job's ``template_options`` (raises ``ChatTemplateError`` where the template cannot render them)."""
     import jinja2
 
     tok = get_tokenizer(model)
+    options = options or {}
     if messages is not None:
         if getattr(tok, "chat_template", None):
             try:
-                ids = tok.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
-                                              tokenize=True)
-            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+                ids = tok.apply_chat_template(
+                    template_messages(messages), tools=tools, tokenize=True,
+                    add_generation_prompt=options.get("add_generation_prompt", True),
+                    continue_final_message=options.get("continue_final_message", False),
+                    **options.get("chat_template_kwargs") or {})
+            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError,
+                    ValueError) as exc:  # ValueError: a final message to continue that the template does not write
                 raise ChatTemplateError(f"the model's chat template cannot render these messages and tools: "
                                         f"{type(exc).__name__}: {exc}") from exc
             if isinstance(ids, dict) or hasattr(ids, "keys"):

@@ -30,7 +30,34 @@ def test_tokenize_counts_what_a_job_would_run_and_detokenize_reverses_it(client,
     assert chat.json()["count"] == job.json()["prompt_tokens"]  # the chat template, as the job's prompt
 
 
+def test_template_options_shape_the_chat_prompt_as_a_job_runs_it(client, keys):
+    def tokens(**extra) -> list[int]:
+        r = client.post("/tokenize", json={"messages": CHAT, **extra}, headers=H(keys.paid))
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    def text(ids: list[int]) -> str:
+        return client.post("/detokenize", json={"tokens": ids}, headers=H(keys.paid)).json()["prompt"]
+
+    full, bare = tokens(), tokens(add_generation_prompt=False)
+    assert full[:len(bare)] == bare and len(full) > len(bare)  # the assistant turn's opening, and only that
+    prefill = [*CHAT, {"role": "assistant", "content": "It is sunny"}]
+    closed = tokens(messages=prefill, add_generation_prompt=False)
+    opened = tokens(messages=prefill, add_generation_prompt=False, continue_final_message=True)
+    assert text(opened).endswith("It is sunny") and not text(closed).endswith("It is sunny")
+    assert closed[:len(opened)] == opened  # the same turn, left open
+    job = client.post("/v1/jobs", json={"messages": prefill, "add_generation_prompt": False,
+                                        "continue_final_message": True, "max_tokens": 4}, headers=H(keys.paid))
+    assert job.status_code == 201 and job.json()["prompt_tokens"] == len(opened), job.text
+    kwargs = tokens(chat_template_kwargs={"enable_thinking": False})  # a variable this template does not read
+    assert kwargs == full
+
+
 @pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": 1}}, 400, "chat_template_kwargs"),
     ("/tokenize", {"prompt": "x", "messages": CHAT}, 400, "prompt"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),

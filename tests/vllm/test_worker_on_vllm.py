@@ -88,6 +88,17 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     cut = oai.completions.create(**{**capital, "max_tokens": 24}, extra_body={"stop_token_ids": [first_id]})
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 1, (first, cut)
 
+    # a prefilled answer (continue_final_message) runs the prompt /tokenize renders: the same greedy text as a
+    # completion of those token ids
+    prefill = {"messages": [*messages, {"role": "assistant", "content": "The capital of France is"}],
+               "add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{base}/tokenize", json=prefill, headers=Keys.header(keys.paid)).json()["tokens"]
+    go_on = oai.chat.completions.create(model="smollm2-135m-instruct", messages=prefill["messages"], max_tokens=8,
+                                        temperature=0, extra_body={k: prefill[k] for k in list(prefill)[1:]})
+    same = oai.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=8, temperature=0)
+    assert go_on.choices[0].message.content == same.choices[0].text and go_on.usage.prompt_tokens == len(ids)
+    assert "paris" in same.choices[0].text.lower(), same
+
     # token logprobs: greedy takes the most likely token, so each token leads its own alternatives
     kw = dict(model="smollm2-135m-instruct", messages=messages, max_tokens=12, temperature=0, logprobs=True,
               top_logprobs=3)
