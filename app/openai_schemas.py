@@ -113,7 +113,11 @@ class OpenAIRoute(CheckedRoute):
 
 # ---------------------------------------------------------------- requests
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage (and ``usage: null`` on the others)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has its choice's usage so far
+
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class QoSExtension(BaseModel):

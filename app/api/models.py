@@ -10,6 +10,8 @@ from fastapi import APIRouter
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.services.model_info import max_model_len
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -18,17 +20,19 @@ router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=OpenAIRoute
 _STARTED = int(datetime.now(UTC).timestamp())
 
 
-def _model(name: str) -> dict:
-    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "coserve"}
+def _model(settings: Settings) -> dict:
+    """OpenAI's model object, with what vLLM's adds: the model it was loaded from and its context length."""
+    return {"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "coserve",
+            "root": settings.model, "parent": None, "max_model_len": max_model_len(settings.model)}
 
 
 @router.get("")
 def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    return {"object": "list", "data": [_model(settings.model_name)]}
+    return {"object": "list", "data": [_model(settings)]}
 
 
 @router.get("/{model_id:path}", responses=openai_responses(404))
 def get_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
     if model_id != settings.model_name:
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-    return _model(model_id)
+    return _model(settings)

@@ -28,9 +28,9 @@ from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
-from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, chat_answer,
-                                chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s, openai_param,
-                                service_tier, text_completion, usage, validation_message)
+from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, StreamOptions,
+                                chat_answer, chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s,
+                                openai_param, service_tier, text_completion, usage, validation_message)
 from app.services import jobs as job_service
 from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
 from app.services.streaming import StreamEvent
@@ -187,12 +187,14 @@ async def _abandon(settings: Settings, jobs: list[Job], detail: str = ABANDONED)
 
 
 async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage: bool,
-                  n: int = 1) -> AsyncIterator[bytes]:
-    """The jobs' tokens as OpenAI chunks, choice i = job i; ``n`` choices per prompt (usage counts a prompt once)."""
+                  n: int = 1, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+    """The jobs' tokens as OpenAI chunks, choice i = job i; ``n`` choices per prompt (usage counts a prompt once);
+    ``continuous_usage``: each chunk has its choice's usage so far (vLLM's ``continuous_usage_stats``)."""
     cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
     created, model = now_s(), jobs[0].model
     obj = "chat.completion.chunk" if chat else "text_completion"
     delivered = [0] * len(jobs)  # characters of the output sent, per choice
+    generated = [0] * len(jobs)  # output tokens so far, per choice
     logprobs_sent = [0] * len(jobs)  # token logprobs sent (where the jobs asked for them), per choice
     # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
@@ -215,7 +217,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                       "logprobs": completion_logprobs(logprobs, echoed[i] + delivered[i]), "finish_reason": finish}
         out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
-            out["usage"] = None
+            out["usage"] = usage(jobs[i].prompt_tokens, generated[i]) if continuous_usage else None
         return out
 
     def echo_chunk(i: int, ev: StreamEvent) -> bytes | None:
@@ -244,6 +246,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                 if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
                     logprobs = ev.data.get("logprobs") or None
                     logprobs_sent[i] += len(logprobs or ())
+                    generated[i] += len(ev.token_ids)
                     content, calls = answers[i].feed(ev.text)
                     if content or logprobs or calls:
                         yield _sse(chunk(i, content, None, logprobs=logprobs, tool_calls=calls))
@@ -268,6 +271,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage
                             yield _sse(chunk(i, content, None, logprobs=rest_logprobs, tool_calls=calls))
                         delivered[i] += len(rest)
                     content, calls, answer = answers[i].end(ev.finish_reason)
+                    generated[i] = ev.data.get("completion_tokens") or generated[i]
                     if content or calls:
                         yield _sse(chunk(i, content, None, tool_calls=calls))
                     yield _sse(chunk(i, None, answer.finish_reason))
@@ -309,10 +313,10 @@ async def _complete(request: Request, session, principal: Principal, settings: S
                                    [choice for spec in specs for choice in choice_specs(spec, n)], endpoint, writer)
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options or StreamOptions()
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(_stream(settings, jobs, chat, include_usage, n), media_type="text/event-stream",
-                                 headers=headers)
+        return StreamingResponse(_stream(settings, jobs, chat, options.include_usage, n, options.usage_in_every_chunk()),
+                                 media_type="text/event-stream", headers=headers)
     ends = await _unless_disconnected(request, _ends(settings, jobs))
     if ends is None:  # nobody waits for the answer any more: stop generating it
         await _abandon(settings, jobs)

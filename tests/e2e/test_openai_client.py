@@ -21,7 +21,7 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     # per-endpoint QoS defaults (the app reads this settings object per request)
     settings.chat_ttft_ms, settings.chat_tbt_ms, settings.completions_tbt_ms = 1500.0, 90.0, 400.0
     models = oai.models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].max_model_len == 512  # as vLLM's says it
 
     chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}],
                                        max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
@@ -146,6 +146,12 @@ def test_streaming_matches_non_streaming(oai):
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk tells its choice's usage so far, counting up to the whole
+    counted = list(oai.chat.completions.create(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    so_far = [c.usage.completion_tokens for c in counted]
+    assert so_far == sorted(so_far) and so_far[0] == 0 and so_far[-2:] == [9, 9]
+    assert {c.usage.prompt_tokens for c in counted} == {full.usage.prompt_tokens}
 
     comp_chunks = list(oai.completions.create(model="tiny", prompt="Hello", max_tokens=4, stream=True,
                                               temperature=0, extra_body={"ignore_eos": True}))
