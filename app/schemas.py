@@ -54,6 +54,11 @@ class ChatMessage(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+def _is_default(option: str, value: Any) -> bool:
+    """Whether a chat-template option is at its default (no kwargs: None or {})."""
+    return value == TEMPLATE_DEFAULTS.get(option) or value == {}
+
+
 def _all_finite(value: Any) -> bool:
     """Whether every number in a JSON value is finite."""
     if isinstance(value, float):
@@ -178,8 +183,7 @@ class JobCreate(BaseModel):
     @field_validator("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
     @classmethod
     def _for_messages(cls, value: Any, info: ValidationInfo) -> Any:
-        assert info.field_name is not None
-        if value != TEMPLATE_DEFAULTS[info.field_name] and "messages" in info.data and info.data["messages"] is None:
+        if not _is_default(info.field_name or "", value) and "messages" in info.data and info.data["messages"] is None:
             raise ValueError(f"{info.field_name} is for the chat template: send messages, not a prompt")
         return value
 
@@ -255,11 +259,7 @@ class JobCreate(BaseModel):
 
     def template_options(self) -> dict[str, Any] | None:
         """The chat template's options that differ from the defaults (None where none do)."""
-        options = {k: v for k, v in (("add_generation_prompt", self.add_generation_prompt),
-                                     ("continue_final_message", self.continue_final_message),
-                                     ("chat_template_kwargs", self.chat_template_kwargs or None))
-                   if v != TEMPLATE_DEFAULTS[k]}
-        return options or None
+        return {k: v for k in TEMPLATE_DEFAULTS if not _is_default(k, v := getattr(self, k))} or None
 
     def output_constraint(self) -> dict[str, Any] | None:
         """The constraint the text is generated under, in vLLM's field form: the structured outputs asked for,
