@@ -56,4 +56,44 @@ class TaggedJsonSyntax:
         return len(text)
 
 
-SYNTAXES = {"hermes": TaggedJsonSyntax("<tool_call>", "</tool_call>")}
+@dataclass(frozen=True)
+class LeadingJsonSyntax:
+    """Calls as the whole answer: JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``, perhaps
+    after a tag (Llama 3.1-3.3 write ``<|python_tag|>`` or nothing before them); an answer that does not start
+    with one is content, all of it."""
+
+    tag: str
+
+    def split(self, text: str) -> tuple[str | None, list[RawCall] | None]:
+        body = text.lstrip().removeprefix(self.tag).lstrip()
+        if not body.startswith("{"):
+            return text, None
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                call, at = decoder.raw_decode(body, at)
+            except ValueError:  # cut short, or not JSON after all: the text is the content
+                return text, None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return text, None
+            arguments = call.get("parameters", call.get("arguments", {}))
+            calls.append((call["name"], arguments if isinstance(arguments, str) else
+                          json.dumps(arguments, ensure_ascii=False)))
+            rest = body[at:].lstrip()
+            at = len(body) - len(rest.removeprefix(";").lstrip())
+        return None, calls
+
+    def content_so_far(self, text: str, known: int = 0) -> int:
+        """All of the text once its start shows it is no call (calls only come first), none while it may be."""
+        if known:
+            return len(text)
+        start = text.lstrip()
+        if not start or start.startswith(("{", self.tag)) or self.tag.startswith(start):
+            return 0
+        return len(text)
+
+
+SYNTAXES: dict[str, TaggedJsonSyntax | LeadingJsonSyntax] = {
+    "hermes": TaggedJsonSyntax("<tool_call>", "</tool_call>"),
+    "llama3_json": LeadingJsonSyntax("<|python_tag|>"),
+}

@@ -99,6 +99,35 @@ def test_hermes_stream_shows_only_what_surely_is_content():
     assert HERMES.content_so_far('ok<tool_call>{"na') == 2
 
 
+LLAMA3 = SYNTAXES["llama3_json"]
+
+
+@pytest.mark.parametrize("text,content,raw", [
+    ("It is sunny.", "It is sunny.", None),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", '{"city": "Paris"}')]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}', None,
+     [("a", "{}"), ("b", '{"x": 1}')]),
+    (' {"name": "a", "parameters": {"x": 1}} ', None, [("a", '{"x": 1}')]),
+    ('{"name": "a", "parame', '{"name": "a", "parame', None),  # cut short: all text
+    ('{"city": "Paris"}', '{"city": "Paris"}', None),  # JSON, but no call
+    ('Sure. {"name": "a", "parameters": {}}', 'Sure. {"name": "a", "parameters": {}}', None),  # calls come first
+])
+def test_llama3_json_syntax_reads_calls_that_are_the_whole_answer(text, content, raw):
+    assert LLAMA3.split(text) == (content, raw)
+
+
+def test_llama3_json_stream_holds_back_what_may_be_a_call():
+    assert LLAMA3.content_so_far("") == 0 and LLAMA3.content_so_far("  {") == 0
+    assert LLAMA3.content_so_far("<|pyt") == 0 and LLAMA3.content_so_far("<|python_tag|>{") == 0
+    assert LLAMA3.content_so_far("The weather") == len("The weather")
+    assert LLAMA3.content_so_far("The weather {", known=3) == len("The weather {")  # shown as content already
+    stream = AnswerStream("job_l", {"tool_choice": "auto", "tool_parser": "llama3_json"})
+    fed = [stream.feed(p) for p in ['{"name": "get_time", ', '"parameters": {}}']]
+    rest, calls, answer = stream.end("stop")
+    assert fed == [("", None)] * 2 and rest == "" and calls[0]["function"]["name"] == "get_time"
+    assert answer.content is None and answer.finish_reason == "tool_calls"
+
+
 def test_a_stream_shows_content_and_keeps_the_calls_for_the_end():
     sampling = {"tool_choice": "auto", "tool_parser": "hermes"}
     stream = AnswerStream("job_s", sampling)
