@@ -193,8 +193,7 @@ class AnswerStream:
         self.job_id, self.sampling = job_id, sampling or {}
         self.choice = self.sampling.get("tool_choice")
         self.text = ""  # all of the text so far
-        self.shown = 0  # characters of it sent, as content or as a named call's arguments
-        self.call_open = False  # a named call's first delta went out
+        self.shown = 0  # characters of it sent, as content or as a named call's arguments (0: no call yet)
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
         """The content and the tool-call deltas to send now, given the text's next ``delta``."""
@@ -213,12 +212,11 @@ class AnswerStream:
         return out, None
 
     def _named_call_delta(self) -> list[dict[str, Any]] | None:
-        if not self.call_open and not self.text.strip():
+        if not self.shown and not self.text.strip():
             return None  # blank so far: perhaps no call at all (read_answer's rule)
-        arguments, self.shown = self.text[self.shown:], len(self.text)
-        if self.call_open:
+        opened, arguments, self.shown = self.shown > 0, self.text[self.shown:], len(self.text)
+        if opened:
             return [{"function": {"arguments": arguments}}] if arguments else None
-        self.call_open = True
         name = self.choice["function"]["name"]
         return [{"id": call_id(self.job_id, 0), "type": "function",
                  "function": {"name": name, "arguments": arguments}}]
@@ -226,10 +224,8 @@ class AnswerStream:
     def end(self, engine_reason: str | None) -> tuple[str, list[dict[str, Any]] | None, Answer]:
         """The content and the tool calls still to send, and the whole answer, once the text is whole."""
         answer = read_answer(self.job_id, self.sampling, self.text, engine_reason)
-        if self.choice is None:
-            return "", None, answer
-        if self.call_open:
-            return "", None, answer  # the named call went out as it came
+        if self.choice is None or (isinstance(self.choice, dict) and self.shown):
+            return "", None, answer  # all shown already (a named call went out as it came)
         return (answer.content or "")[self.shown:], answer.tool_calls, answer
 
 

@@ -10,8 +10,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 RawCall = tuple[str, str]  # (function name, arguments as JSON text)
+
+
+def _raw_call(call: Any) -> RawCall:
+    """A call object ``{"name": ..., "arguments" or "parameters": ...}`` (raises ValueError where it is not one)."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ValueError("not a call")
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -32,14 +41,9 @@ class TaggedJsonSyntax:
         pattern = re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|\Z)"
         for block in re.findall(pattern, text[at:], flags=re.DOTALL):  # the last one may be cut short
             try:
-                call = json.loads(block)
+                calls.append(_raw_call(json.loads(block)))
             except ValueError:
                 return text, None
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return text, None
-            arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append((call["name"], arguments if isinstance(arguments, str) else
-                          json.dumps(arguments, ensure_ascii=False)))
         content = text[:at]
         return (content if content.strip() else None), calls
 
@@ -71,14 +75,10 @@ class LeadingJsonSyntax:
         decoder, calls, at = json.JSONDecoder(), [], 0
         while at < len(body):
             try:
-                call, at = decoder.raw_decode(body, at)
-            except ValueError:  # cut short, or not JSON after all: the text is the content
+                parsed, at = decoder.raw_decode(body, at)
+                calls.append(_raw_call(parsed))
+            except ValueError:  # cut short, or not a call after all: the text is the content
                 return text, None
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return text, None
-            arguments = call.get("parameters", call.get("arguments", {}))
-            calls.append((call["name"], arguments if isinstance(arguments, str) else
-                          json.dumps(arguments, ensure_ascii=False)))
             rest = body[at:].lstrip()
             at = len(body) - len(rest.removeprefix(";").lstrip())
         return None, calls

@@ -10,11 +10,13 @@ from importlib.metadata import version as package_version
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
 
 from app.api.deps import SessionDep, SettingsDep
 from app.db.models import WorkerState
 from app.services.notify import redis_client
 from app.services.transitions import utcnow
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,13 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses={503: {"description": "a check failed (the body says which)"}})
 def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
+    ready, checks = _readiness(session, settings)
+    return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks},
+                        status_code=200 if ready else 503)
+
+
+def _readiness(session: Session, settings: Settings) -> tuple[bool, dict[str, str]]:
+    """Whether the service can serve, and each check's outcome (DB, Redis, a live worker)."""
     checks: dict[str, str] = {}
     try:
         session.execute(text("SELECT 1"))
@@ -49,9 +58,7 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
         checks["workers"] = f"{live} live" if live else "error: no live worker"
     else:
         checks["workers"] = "unknown"
-    ready = all(not v.startswith("error") and v != "unknown" for v in checks.values())
-    return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks},
-                        status_code=200 if ready else 503)
+    return all(not v.startswith("error") and v != "unknown" for v in checks.values()), checks
 
 
 @router.get("/health", response_class=Response,
@@ -59,7 +66,7 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
                        503: {"description": "not ready (empty body): /readyz says why", "content": None}})
 def health(session: SessionDep, settings: SettingsDep) -> Response:
     """vLLM's probe: 200 with an empty body where the service can serve (``/readyz``'s checks pass), else 503."""
-    return Response(status_code=readyz(session, settings).status_code)
+    return Response(status_code=200 if _readiness(session, settings)[0] else 503)
 
 
 @router.get("/version")

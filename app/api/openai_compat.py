@@ -186,10 +186,11 @@ async def _abandon(settings: Settings, jobs: list[Job], detail: str = ABANDONED)
         await anyio.to_thread.run_sync(cancel_abandoned, settings, job.id, detail)
 
 
-async def _stream(settings: Settings, jobs: list[Job], chat: bool, include_usage: bool,
-                  n: int = 1, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: StreamOptions,
+                  n: int = 1) -> AsyncIterator[bytes]:
     """The jobs' tokens as OpenAI chunks, choice i = job i; ``n`` choices per prompt (usage counts a prompt once);
-    ``continuous_usage``: each chunk has its choice's usage so far (vLLM's ``continuous_usage_stats``)."""
+    ``options``: the usage chunk at the end, and each chunk's usage so far (vLLM's ``continuous_usage_stats``)."""
+    include_usage, continuous_usage = options.include_usage, options.usage_in_every_chunk()
     cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
     created, model = now_s(), jobs[0].model
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -313,9 +314,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
                                    [choice for spec in specs for choice in choice_specs(spec, n)], endpoint, writer)
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
-        options = body.stream_options or StreamOptions()
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(_stream(settings, jobs, chat, options.include_usage, n, options.usage_in_every_chunk()),
+        return StreamingResponse(_stream(settings, jobs, chat, body.stream_options or StreamOptions(), n),
                                  media_type="text/event-stream", headers=headers)
     ends = await _unless_disconnected(request, _ends(settings, jobs))
     if ends is None:  # nobody waits for the answer any more: stop generating it

@@ -23,7 +23,6 @@ from app.wire import Text
 
 router = APIRouter(tags=["openai"], route_class=OpenAIRoute, responses=openai_responses(400, 401, 404))
 
-TEMPLATE_OPTIONS = tuple(TEMPLATE_DEFAULTS)
 MAX_DETOKENIZE = 1_000_000  # token ids in one request (a body of this size is already megabytes)
 
 
@@ -67,12 +66,12 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:
-        for name in TEMPLATE_OPTIONS:
+        for name in TEMPLATE_DEFAULTS:
             if getattr(req, name) is not None:
                 raise OpenAIError(400, f"{name} is for the chat template: send messages, not a prompt", param=name)
         tok = get_tokenizer(settings.model)
         return list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-    chat = _parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", *TEMPLATE_OPTIONS}))
+    chat = _parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", *TEMPLATE_DEFAULTS}))
     try:  # the messages, tools and template options as a chat job keeps them: the same checks, the same input
         spec = chat.job_spec(messages=chat.chat_messages())
         return encode_input(settings.model, None, [m.stored() for m in spec.messages],
