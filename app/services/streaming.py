@@ -199,6 +199,18 @@ async def _end_from_sql(sql_end: SqlEnd | None, progress: _Progress, wait_s: flo
     return end
 
 
+def _raise_a_lost_cancel() -> None:
+    """Raises the cancel of this task that a call returned over.
+
+    redis-py writes a command under ``asyncio.wait_for``; on Python 3.11 that returns the write's
+    result and drops a cancel that arrives as the write completes (CPython gh-86296, fixed in 3.12).
+    The follower then read on until the job ended, and the API, waiting for it to stop, cancelled
+    a hung-up client's job only then."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: SqlEnd | None = None,
                      outage_limit_s: float = OUTAGE_LIMIT_S) -> AsyncIterator[StreamEvent]:
     """Yields a job's events from the start until its terminal one; text once each, in order.
@@ -223,6 +235,7 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
     while True:
         try:
             resp = await redis.xread({key: last_id}, count=256, block=block_ms)
+            _raise_a_lost_cancel()
         except OUTAGE_ERRORS as exc:
             if outage is None:
                 outage = _Outage(job_id)

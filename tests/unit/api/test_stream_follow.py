@@ -186,3 +186,43 @@ def test_sqls_end_that_parts_from_the_streamed_text_is_an_error_too(own_redis):
     put(url, delta("Goodbye", 0), delta("!", 11))
     evs = asyncio.run(asyncio.wait_for(follow(url, sql_end=sql), 30))
     assert text_of(evs) == "Goodbye" and evs[-1].type == "error" and evs[-1].data["code"] == "stream_diverged"
+
+
+class CancelSwallowingRedis:
+    """A read that returns over its task's cancel, as redis-py's write under Python 3.11's ``asyncio.wait_for``
+    does when the cancel lands as the write completes (CPython gh-86296)."""
+
+    def __init__(self) -> None:
+        self.reads, self.swallowed = 0, False
+
+    async def xread(self, streams, count, block):
+        self.reads += 1
+        try:
+            await asyncio.sleep(block / 1000)
+        except asyncio.CancelledError:
+            if self.swallowed:
+                raise
+            self.swallowed = True  # the first one only, as the race does
+        return []
+
+
+def test_a_follower_stops_when_cancelled_even_if_a_read_returned_over_the_cancel():
+    async def scenario() -> tuple[bool, int]:
+        fake, sql = CancelSwallowingRedis(), FakeSql()
+
+        async def read_all():
+            async for _ in follow_job(fake, JOB, block_ms=50, sql_end=sql):
+                pass
+        task = asyncio.ensure_future(read_all())
+        await asyncio.sleep(0.12)  # inside the third read
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        reads = fake.reads
+        if not done:  # the second cancel gets through
+            task.cancel()
+            await asyncio.wait({task})
+        return bool(done) and task.cancelled(), reads
+
+    stopped, reads = asyncio.run(scenario())
+    assert stopped, "the follower read on after its cancel"
+    assert reads == 3
