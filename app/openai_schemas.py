@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from app.api.errors import CheckedRoute, loc_param, validation_errors
 from app.schemas import (MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, TEMPLATE_DEFAULTS, ChatMessage, JobCreate,
                          StructuredOutputs)
+from app.settings import DEFAULT_TIERS
 from app.tool_calls import MAX_TOOLS, read_answer
 from app.wire import Text, json_safe
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
@@ -36,7 +37,6 @@ from gpu_runtime.sampling import PENALTY_LIMIT
 
 log = logging.getLogger(__name__)
 
-SERVICE_TIERS = {"flex": "free", "priority": "paid"}  # OpenAI's service_tier -> coserve's default tiers
 MAX_CHOICES = 16  # n: choices per request, each generated as a job of its own
 MAX_SEED = 2**63 - 1  # the engine seeds a torch.Generator, which takes a signed 64-bit value
 WINDOW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
@@ -138,9 +138,10 @@ class QoSExtension(BaseModel):
     app_id: Text | None = Field(None, max_length=200)
     ignore_eos: bool = False
 
-    def job_tier(self) -> str | None:
-        """The tier asked for: ``tier``, or OpenAI's ``service_tier`` in the default tiers' names."""
-        service = SERVICE_TIERS.get(self.service_tier or "auto")
+    def job_tier(self, tiers: tuple[str, ...] = DEFAULT_TIERS) -> str | None:
+        """The tier asked for: ``tier``, or OpenAI's ``service_tier`` among ``tiers`` (the configured ones, lowest
+        first): ``flex`` the lowest, ``priority`` the highest."""
+        service = {"flex": tiers[0], "priority": tiers[-1]}.get(self.service_tier or "auto")
         if self.tier is not None and service is not None and self.tier != service:
             raise OpenAIError(400, f"tier {self.tier!r} and service_tier {self.service_tier!r} disagree; give one",
                               param="service_tier")
@@ -265,11 +266,12 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
 
     def job_spec(self, *, prompt: str | None = None, messages: list[ChatMessage] | None = None,
                  batch_window_s: float | None = None, deadline_at: datetime | None = None,
-                 prompt_token_ids: list[int] | None = None) -> JobCreate:
-        """The job for this request; a ``deadline`` (or a Batch API window) makes it batch-class."""
+                 prompt_token_ids: list[int] | None = None, tiers: tuple[str, ...] = DEFAULT_TIERS) -> JobCreate:
+        """The job for this request; a ``deadline`` (or a Batch API window) makes it batch-class; ``tiers``: the
+        configured ones, lowest first (what ``service_tier`` names)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         common = dict(model=self.model, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                      tier=self.job_tier(), app_id=self.app_id,
+                      tier=self.job_tier(tiers), app_id=self.app_id,
                       max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,

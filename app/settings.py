@@ -10,6 +10,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+DEFAULT_TIERS = ("free", "paid")  # the service tiers, lowest first (free work is relegated first)
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="COSERVE_", env_file=".env", extra="ignore")
 
@@ -24,7 +26,7 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto | cpu | cuda")
     admin_key: str | None = Field(None, description="admin API key; generated and printed by `coserve up` if unset")
     default_tier: str = "paid"
-    tiers: tuple[str, ...] = ("free", "paid")
+    tiers: tuple[str, ...] = DEFAULT_TIERS
     max_body_bytes: int = Field(8 * 1024 * 1024, description="largest JSON request body")
     max_file_bytes: int = Field(200 * 1024 * 1024, description="largest /v1/files upload (Batch API input)")
     # default QoS

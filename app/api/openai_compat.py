@@ -302,8 +302,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
     body = await _body(request, ChatCompletionRequest if chat else CompletionRequest)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    specs = ([body.job_spec(messages=body.chat_messages())] if chat
-             else [body.job_spec(**prompt) for prompt in body.prompt_inputs()])
+    specs = ([body.job_spec(messages=body.chat_messages(), tiers=settings.tiers)] if chat
+             else [body.job_spec(**prompt, tiers=settings.tiers) for prompt in body.prompt_inputs()])
     if specs[0].kind == "interactive":  # this endpoint's QoS defaults for the targets the request left out
         ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
         specs = [spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})

@@ -59,7 +59,7 @@ def _start(settings: Settings, batch_id: str) -> None:
         endpoint, tier, tenant_id = batch.endpoint, batch.tier, batch.tenant_id
         expires_at = as_utc(batch.expires_at)
     window_s = parse_window(batch.completion_window)
-    parsed = batch_lines.parse_file(content, endpoint, window_s)
+    parsed = batch_lines.parse_file(content, endpoint, window_s, settings.tiers)
     if parsed.file_errors:
         with session_scope(url) as s, write_guard(s):
             s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(

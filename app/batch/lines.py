@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from app.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, validation_message
 from app.schemas import JobCreate
+from app.settings import DEFAULT_TIERS
 from app.wire import find_lone_surrogate, surrogate_message
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class ParsedFile:
         return len(self.valid) + len(self.invalid)
 
 
-def parse_line(line_no: int, text: str, endpoint: str, window_s: float) -> ValidLine | InvalidLine:
+def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ValidLine | InvalidLine:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -90,8 +91,9 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float) -> Valid
         req.check()
         if req.deadline is not None or req.ttft_ms or req.tbt_ms:
             raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
-        spec = (req.job_spec(messages=req.chat_messages(), batch_window_s=window_s)
-                if endpoint == "/v1/chat/completions" else req.job_spec(**req.prompt_input(), batch_window_s=window_s))
+        spec = (req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers)
+                if endpoint == "/v1/chat/completions"
+                else req.job_spec(**req.prompt_input(), batch_window_s=window_s, tiers=tiers))
     except ValidationError as exc:
         message, _ = validation_message(list(exc.errors()))
         return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {message}", "invalid_body")
@@ -100,7 +102,7 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float) -> Valid
     return ValidLine(line_no, cid, spec)
 
 
-def parse_file(content: bytes, endpoint: str, window_s: float) -> ParsedFile:
+def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ParsedFile:
     out = ParsedFile()
     try:
         text = content.decode("utf-8")
@@ -117,7 +119,7 @@ def parse_file(content: bytes, endpoint: str, window_s: float) -> ParsedFile:
                                 "message": f"{len(lines)} requests; a batch takes at most {MAX_LINES}"})
         return out
     for line_no, t in lines:
-        parsed = parse_line(line_no, t, endpoint, window_s)
+        parsed = parse_line(line_no, t, endpoint, window_s, tiers)
         (out.valid if isinstance(parsed, ValidLine) else out.invalid).append(parsed)
         if parsed.custom_id:
             seen[parsed.custom_id].append(line_no)

@@ -128,11 +128,12 @@ def test_a_lone_surrogate_fails_its_line_not_the_file():
     assert bad[3].custom_id is None and bad[3].code == "invalid_request" and "custom_id" in bad[3].message
 
 
-def test_service_tier_names_the_default_tiers():
+def test_service_tier_names_the_lowest_and_the_highest_configured_tier():
     from app.openai_schemas import service_tier
 
-    def tier(**body):
-        return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body}).job_tier()
+    def tier(tiers=("free", "paid"), **body):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+        return req.job_tier(tiers)
 
     assert tier(service_tier="flex") == "free" and tier(service_tier="priority") == "paid"
     assert tier(service_tier="auto") is None and tier() is None  # the key's own tier
@@ -143,4 +144,8 @@ def test_service_tier_names_the_default_tiers():
     tiers = ("free", "paid")
     assert [service_tier(t, tiers) for t in tiers] == ["flex", "priority"]
     assert service_tier("paid", ("paid",)) == "default"
+    renamed = ("bronze", "silver", "gold")  # COSERVE_TIERS renamed: a request's name and the answer's agree
+    assert tier(renamed, service_tier="flex") == "bronze" and tier(renamed, service_tier="priority") == "gold"
+    assert [service_tier(tier(renamed, service_tier=s), renamed) for s in ("flex", "priority")] == ["flex", "priority"]
+    assert tier(renamed, service_tier="default") is None
 
