@@ -60,9 +60,11 @@ async def _body(request: Request, model: type) -> Any:
     return body
 
 
-def _submit(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None) -> Job:
+def _submit(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
+            response: dict[str, Any] | None = None) -> Job:
     try:
-        return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer).job
+        return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer,
+                                      response=response).job
     except job_service.JobValidationError as exc:
         # OpenAI's codes: 404 only for an unknown model; a request over the context is a 400
         # (context_length_exceeded), which the official client raises as BadRequestError

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import logging
 import secrets
+from typing import Any
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -54,8 +55,8 @@ NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_o
                     "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
-_IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "template_options", "sampling", "ttft_ms",
-             "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
+_IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "template_options", "response", "sampling",
+             "ttft_ms", "tbt_ms", "tbt_anchor", "app_id", "model", "tier")
 
 
 def _same_request(existing: Job, new: Job) -> bool:
@@ -87,8 +88,9 @@ def resolve_tier(settings: Settings, principal: Principal, requested: str | None
 
 def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
               batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
-              count_tokens: bool = True, overdue_ok: bool = False) -> Job:
-    """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``)."""
+              count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None) -> Job:
+    """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``response``: a
+    Responses API request's own fields (``app.responses_schemas.KEPT``)."""
     model = spec.model or settings.model_name
     if model != settings.model_name:
         raise JobValidationError(f"unknown model {model!r}; this server serves {settings.model_name!r}",
@@ -128,7 +130,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
               status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0,
               messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,
               tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
-              template_options=spec.template_options())
+              template_options=spec.template_options(), response=response)
     if spec.kind == JobKind.INTERACTIVE:
         job.ttft_ms = spec.ttft_ms or settings.default_ttft_ms
         job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
@@ -219,7 +221,7 @@ def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | Non
 def submit_job(session: Session, principal: Principal, spec: JobCreate, settings: Settings, *,
                idempotency_key: str | None = None, batch_id: str | None = None, custom_id: str | None = None,
                endpoint: str = "/v1/jobs", dispatch: bool = True, writer: JobWriter | None = None,
-               overdue_ok: bool = False) -> Submitted:
+               overdue_ok: bool = False, response: dict[str, Any] | None = None) -> Submitted:
     """Writes the job row, commits, then sends it to the workers (unless ``dispatch=False``).
 
     With a ``writer`` (the API's group-commit writer) the row is committed together with
@@ -229,7 +231,7 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     reduce) must still run when earlier stages overran; the scheduler then treats it as late.
     """
     job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
-                    custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok)
+                    custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok, response=response)
     if idempotency_key:
         existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key)
         if existing is not None:

@@ -121,6 +121,8 @@ def _resources(base: str, session: requests.Session, model: str) -> dict[str, st
         "run_id": ok(session.post(f"{base}/v1/summarize", json={"documents": [{"id": "d", "text": "x y z"}]}))["id"],
         "tenant_id": tenant["tenant_id"], "key_id": tenant["key_id"],  # not the caller's key: revoking it is fine
         "worker_id": "stand-in", "model_id": model,
+        "response_id": ok(session.post(f"{base}/v1/responses", json={"model": model, "input": "hi",
+                                                                     "max_output_tokens": 2}))["id"],
     }
 
 
@@ -244,6 +246,17 @@ BODIES = {
                                "max_tokens": st.integers(1, 4), "stream": st.booleans()}),
         {**ODD_SAMPLING, "prompt": st.one_of(ODD_TEXT, st.lists(ODD_TEXT, max_size=2)),
          "deadline": st.one_of(ODD_NUMBER, ODD_TEXT), "echo": ODD_VALUE, "best_of": ODD_NUMBER}),
+    ("POST", "/v1/responses"): odd(
+        st.fixed_dictionaries({"model": st.just("tiny"), "input": st.one_of(TEXT, MESSAGES),
+                               "max_output_tokens": st.integers(1, 4), "stream": st.booleans()}),
+        {**{k: v for k, v in ODD_SAMPLING.items() if k not in ("messages", "max_tokens")},
+         "input": st.one_of(ODD_TEXT, st.lists(st.one_of(ODD_MESSAGE, st.dictionaries(ODD_TEXT, ODD_VALUE,
+                                                                                         max_size=3)), max_size=2)),
+         "instructions": ODD_VALUE, "max_output_tokens": ODD_NUMBER, "previous_response_id": ODD_TEXT,
+         "text": st.one_of(ODD_VALUE, st.fixed_dictionaries({"format": ODD_VALUE})),
+         "tools": st.one_of(ODD_VALUE, st.lists(st.dictionaries(ODD_TEXT, ODD_VALUE, max_size=3), max_size=2)),
+         "tool_choice": ODD_VALUE, "metadata": ODD_VALUE, "store": ODD_VALUE, "reasoning": ODD_VALUE,
+         "deadline": st.one_of(ODD_NUMBER, ODD_TEXT)}),
     ("POST", "/v1/summarize"): odd(
         st.fixed_dictionaries({"documents": st.lists(st.fixed_dictionaries({"id": TEXT, "text": TEXT}), min_size=1,
                                                      max_size=2, unique_by=lambda d: d["id"]),

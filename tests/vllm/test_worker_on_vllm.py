@@ -188,6 +188,25 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     reply = oai.chat.completions.create(model="smollm2-135m-instruct", messages=history, max_tokens=12,
                                         temperature=0, tools=[weather], tool_choice="none")
     assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    # the Responses API: the same forced call as a function_call item, plain and streamed, then the conversation
+    # goes on from the call's output
+    flat = [{"type": "function", **weather["function"]}, {"type": "function", "name": "get_time"}]
+    resp_kw = dict(model="smollm2-135m-instruct", input=ask[0]["content"], tools=flat, max_output_tokens=64,
+                   temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    resp = oai.responses.create(**resp_kw)
+    item = resp.output[0]
+    assert [o.type for o in resp.output] == ["function_call"] and resp.status == "completed"
+    assert (item.name, item.arguments) == ("get_weather", call.function.arguments) and item.call_id.startswith("call_")
+    events = list(oai.responses.create(**resp_kw, stream=True))
+    assert [e.type for e in events if e.type.startswith("response.output_item")] == [
+        "response.output_item.added", "response.output_item.done"] and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == item.arguments
+    assert events[-1].response.output[0].arguments == item.arguments
+    answered = oai.responses.create(model="smollm2-135m-instruct", previous_response_id=resp.id, tools=flat,
+                                    tool_choice="none", max_output_tokens=12, temperature=0, input=[
+                                        {"type": "function_call_output", "call_id": item.call_id,
+                                         "output": "Sunny, 24 degrees."}])
+    assert answered.output_text and [o.type for o in answered.output] == ["message"]
     # tool_choice "auto" (OpenAI's default with tools): the model writes calls in its own syntax, which the
     # server's parser reads (Hermes here: the model copies the call shown in its history)
     with pytest.raises(openai.BadRequestError) as exc:

@@ -1,0 +1,252 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (plain and streamed), ``GET`` and ``DELETE
+/v1/responses/{id}``.
+
+A response is a chat job (``app.responses_schemas`` writes the request as chat and the job as a Response):
+it runs, is followed, cancelled when its client hangs up and refused as chat completions are. Its id names
+its job (``resp_<hex>`` is ``job_<hex>``). ``previous_response_id`` continues a stored response's
+conversation: its messages (less its instructions) and its answer come before the new input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.errors import openai_responses
+from app.api.openai_compat import _abandon, _body, _documented_body, _ends, _job_error, _submit, _unless_disconnected
+from app.auth import Principal
+from app.db.models import Job, JobStatus
+from app.db.session import write_guard
+from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.responses_schemas import (ResponsesRequest, call_item, history_of, job_id_of, message_item,
+                                   response_body)
+from app.services import jobs as job_service
+from app.services.job_follow import job_events, rest_from_sql
+from app.settings import Settings
+from app.tool_calls import AnswerStream, read_answer
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+
+ENDPOINT = "/v1/responses"
+
+
+def _stored(session, principal: Principal, resp_id: str, param: str | None = None) -> Job:
+    """The tenant's stored response ``resp_id`` (404, or 400 naming ``param`` where the body gave the id)."""
+    job_id = job_id_of(resp_id)
+    job = job_service.get_job(session, principal.tenant_id, job_id) if job_id else None
+    if job is None or job.endpoint != ENDPOINT or not (job.response or {}).get("store", True):
+        raise OpenAIError(400 if param else 404, f"no stored response {resp_id!r}", param=param,
+                          code="response_not_found")
+    return job
+
+
+def _answer(job: Job):
+    return read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
+
+
+def _history(session, principal: Principal, resp_id: str) -> list[dict[str, Any]]:
+    job = _stored(session, principal, resp_id, param="previous_response_id")
+    if job.status != JobStatus.SUCCEEDED:
+        raise OpenAIError(400, f"response {resp_id!r} is {job.status}; continue from a completed one",
+                          param="previous_response_id")
+    return history_of(job.messages or [], job.response or {}, _answer(job))
+
+
+def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
+    kept = job.response or {}
+    if job.status == JobStatus.SUCCEEDED:
+        return response_body(job, kept, settings.tiers, answer=_answer(job), prompt_tokens=job.prompt_tokens,
+                             completion_tokens=job.completion_tokens)
+    error = None
+    if job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED):
+        err = _job_error(job.status, job.error, job.error_code)
+        error = {"code": err.code or err.type, "message": err.message}
+    return response_body(job, kept, settings.tiers, error=error)
+
+
+async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[bytes]:
+    """The job as the Responses API's stream of typed events: created, the output items' text and call
+    arguments as they come, then completed (or incomplete, failed; an ``error`` event where the stream broke)."""
+    sequence = itertools.count()
+
+    def event(kind: str, **fields: Any) -> bytes:
+        data = json.dumps({"type": kind, "sequence_number": next(sequence), **fields}, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    answer_stream = AnswerStream(job.id, job.sampling)
+    items: list[dict[str, Any]] = []  # the output items opened, in order (a message, then function calls)
+    message: dict[str, Any] | None = None  # the message item while it is open
+    text = ""  # its text so far
+    calls: dict[int, dict[str, Any]] = {}  # the call items by the call's index
+
+    def close_message() -> list[bytes]:
+        nonlocal message
+        if message is None:
+            return []
+        at, item = items.index(message), message_item(job.id, text)
+        items[at], message = item, None
+        part = item["content"][0]
+        return [event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0, text=text,
+                      logprobs=[]),
+                event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
+                      part=part),
+                event("response.output_item.done", output_index=at, item=item)]
+
+    def open_message() -> list[bytes]:
+        nonlocal message
+        message = message_item(job.id, "", status="in_progress")
+        items.append(message)
+        at = len(items) - 1
+        return [event("response.output_item.added", output_index=at, item=message),
+                event("response.content_part.added", item_id=message["id"], output_index=at, content_index=0,
+                      part={"type": "output_text", "text": "", "annotations": []})]
+
+    def pieces(content: str, deltas: list[dict[str, Any]] | None) -> list[bytes]:
+        nonlocal text
+        out: list[bytes] = []
+        if content:
+            if message is None:
+                out += open_message()
+            text += content
+            out.append(event("response.output_text.delta", item_id=message["id"], output_index=items.index(message),
+                             content_index=0, delta=content, logprobs=[]))
+        for k, delta in enumerate(deltas or ()):
+            if "id" in delta:  # a call opens: the message before it is done
+                out += close_message()
+                call = {**delta, "function": {**delta["function"], "arguments": ""}}
+                calls[k] = call_item(call, status="in_progress")
+                items.append(calls[k])
+                out.append(event("response.output_item.added", output_index=len(items) - 1, item=calls[k]))
+            if arguments := delta["function"].get("arguments"):
+                calls[k]["arguments"] += arguments
+                out.append(event("response.function_call_arguments.delta", item_id=calls[k]["id"],
+                                 output_index=items.index(calls[k]), delta=arguments))
+        return out
+
+    def close_calls() -> list[bytes]:
+        out = []
+        for item in calls.values():
+            at = items.index(item)
+            item["status"] = "completed"
+            out += [event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                          arguments=item["arguments"]),
+                    event("response.output_item.done", output_index=at, item=item)]
+        return out
+
+    whole = ""  # the job's text read
+    ended = False  # the stream ended on its own; only a client that hung up abandons the job
+    try:
+        yield event("response.created", response=response_body(job, kept, settings.tiers, status="queued"))
+        yield event("response.in_progress", response=response_body(job, kept, settings.tiers, status="running"))
+        async with aclosing(job_events(settings, job.id)) as events:
+            async for ev in events:
+                if ev.type == "delta" and ev.text:
+                    for out in pieces(*answer_stream.feed(ev.text)):
+                        yield out
+                    whole += ev.text
+                elif ev.type == "error":  # the stream could not be read on; the job goes on
+                    ended = True
+                    yield event("error", code="stream_interrupted", param=None,
+                                message=ev.data.get("error") or "the stream was interrupted")
+                    return
+                elif ev.type == "end":
+                    ended = True
+                    if ev.status != JobStatus.SUCCEEDED:
+                        err = _job_error(ev.status, ev.data.get("error"), ev.data.get("code"))
+                        yield event("response.failed", response=response_body(
+                            job, kept, settings.tiers, status=ev.status,
+                            error={"code": err.code or err.type, "message": err.message}))
+                        return
+                    if ev.data.get("from_sql"):  # ended through SQL: what the stream missed
+                        rest, _ = rest_from_sql(ev, len(whole), 0)
+                        for out in pieces(*answer_stream.feed(rest)):
+                            yield out
+                        whole += rest
+                    content, new_calls, _ = answer_stream.end(ev.finish_reason)
+                    for out in pieces(content, new_calls):
+                        yield out
+                    opened = [] if items else open_message()  # an empty answer is an empty message, as in the Response
+                    for out in opened + close_message() + close_calls():
+                        yield out
+                    answer = read_answer(job.id, job.sampling, whole, ev.finish_reason)
+                    body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
+                                         prompt_tokens=ev.data.get("prompt_tokens"),
+                                         completion_tokens=ev.data.get("completion_tokens"))
+                    yield event("response.completed" if body["status"] == "completed" else "response.incomplete",
+                                response=body)
+                    return
+        ended = True
+    except Exception:  # a bug or a database error: say so; the job itself goes on
+        ended = True
+        log.exception("the Responses stream of job %s failed", job.id)
+        yield event("error", code="stream_interrupted", param=None,
+                    message=f"the stream failed; the job goes on (GET /v1/responses/{job.id})")
+    finally:
+        if not ended:  # the client hung up: stop generating for nobody (shielded: this task is being cancelled)
+            with anyio.CancelScope(shield=True):
+                await _abandon(settings, [job])
+
+
+_ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Response, or its events with stream: true"},
+            **openai_responses(400, 401, 404, 409, 413, 500, 504)}
+
+
+@router.post("/responses", responses=_ANSWERS, openapi_extra=_documented_body(ResponsesRequest))
+async def create_response(request: Request, session: SessionDep, principal: CurrentPrincipal,
+                          settings: SettingsDep):
+    """OpenAI's Responses API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat."""
+    body = await _body(request, ResponsesRequest)
+    history = []
+    if body.previous_response_id is not None:
+        history = await run_in_threadpool(_history, session, principal, body.previous_response_id)
+    chat, spec = body.chat_request(await request.json(), history, settings.tiers)
+    if spec.kind == "interactive":
+        ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
+        spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
+    kept = body.kept()
+    writer = getattr(request.app.state, "job_writer", None)
+    job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)
+    headers = {"x-coserve-job-id": job.id}
+    if chat.stream:
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(_events(settings, job, kept), media_type="text/event-stream", headers=headers)
+    ends = await _unless_disconnected(request, _ends(settings, [job]))
+    if ends is None:  # nobody waits for the answer any more
+        await _abandon(settings, [job])
+        return Response(status_code=499)
+    end = ends[0]
+    if end.status != JobStatus.SUCCEEDED:
+        raise _job_error(end.status, end.data.get("error"), end.data.get("code"))
+    answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
+    return JSONResponse(response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
+                                      prompt_tokens=end.data["prompt_tokens"],
+                                      completion_tokens=end.data["completion_tokens"]), headers=headers)
+
+
+@router.get("/responses/{response_id}", responses=openai_responses(401, 404))
+def get_response(response_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
+    """A stored response: its output once the job is done, its status meanwhile."""
+    return _retrieved(_stored(session, principal, response_id), settings)
+
+
+@router.delete("/responses/{response_id}", responses=openai_responses(401, 404))
+def delete_response(response_id: str, session: SessionDep, principal: CurrentPrincipal):
+    """Forgets a stored response: it can no longer be retrieved or continued (its job stays in /v1/jobs)."""
+    job = _stored(session, principal, response_id)
+    session.commit()  # end the read snapshot before writing
+    with write_guard(session):
+        job.response = {**(job.response or {}), "store": False}
+        session.commit()
+    return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -1,0 +1,264 @@
+"""OpenAI's Responses API (``POST /v1/responses``) in coserve's terms.
+
+A Responses request is a chat request written differently: its ``input`` (a string, or items: messages,
+function calls and their outputs) and ``instructions`` become chat messages, ``max_output_tokens``,
+``text.format`` and its flat function tools become chat's fields, and coserve's QoS fields and vLLM's sampling
+extensions are taken as chat takes them. ``ResponsesRequest.chat_request`` makes that chat request (so one
+set of checks runs), naming the Responses field in any error. ``response_body`` writes a job as a Response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.openai_schemas import ChatCompletionRequest, OpenAIError, service_tier, usage, validation_message
+from app.schemas import JobCreate
+from app.settings import DEFAULT_TIERS
+from app.tool_calls import Answer
+from app.wire import Text, as_utc
+
+# what a Responses request takes as chat does (coserve's QoS, vLLM's sampling extensions, OpenAI's own)
+SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "user", "stream",
+                 "service_tier", "parallel_tool_calls", "ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "tier",
+                 "app_id", "ignore_eos", "chat_template_kwargs")
+# a chat field named in an error -> the Responses field the client wrote
+RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+# what the stored job keeps of the request, to write it back in the Response and to continue the conversation
+KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
+        "text")
+
+
+def response_id(job_id: str) -> str:
+    return "resp_" + job_id.removeprefix("job_")
+
+
+def job_id_of(resp_id: str) -> str | None:
+    """The job of a response id, or None when it is not one."""
+    return "job_" + resp_id.removeprefix("resp_") if resp_id.startswith("resp_") else None
+
+
+class ResponsesRequest(BaseModel):
+    """The Responses-only fields; the rest of the body is read as chat reads it (``chat_request``)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    input: str | list[dict[str, Any]]
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    previous_response_id: Text | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    metadata: dict[str, Text] | None = Field(None, max_length=16)
+    store: bool = True
+    # not implemented: accepted only where they ask for nothing
+    background: bool | None = None
+    truncation: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        """Refuses what this server does not implement (a 400 naming the field)."""
+        for name, ok in (("background", self.background in (None, False)),
+                         ("truncation", self.truncation in (None, "disabled")),
+                         ("conversation", self.conversation is None), ("prompt", self.prompt is None),
+                         ("reasoning", not (self.reasoning or {}).get("effort") and not (self.reasoning or {}).get(
+                             "summary")),
+                         ("include", not self.include), ("top_logprobs", not self.top_logprobs)):
+            if not ok:
+                raise OpenAIError(400, f"{name}={getattr(self, name)!r} is not supported by this server; leave "
+                                       f"{name} unset", param=name, code="unsupported_value")
+
+    def kept(self) -> dict[str, Any]:
+        return {k: v for k in KEPT if (v := getattr(self, k)) is not None}
+
+    def chat_request(self, raw: dict[str, Any], history: list[dict[str, Any]],
+                     tiers: tuple[str, ...] = DEFAULT_TIERS) -> tuple[ChatCompletionRequest, JobCreate]:
+        """The chat request this one is, and its job: ``history`` (the previous response's conversation) first,
+        then the instructions, then the input; ``tiers``: the configured ones (what ``service_tier`` names)."""
+        messages = list(history)
+        if self.instructions is not None:
+            messages.append({"role": "system", "content": self.instructions})
+        messages += input_messages(self.input)
+        body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
+        body["messages"] = messages
+        if self.max_output_tokens is not None:
+            body["max_tokens"] = self.max_output_tokens
+        if self.tools:
+            body["tools"] = [chat_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = chat_tool_choice(self.tool_choice)
+        if (fmt := (self.text or {}).get("format")) is not None:
+            body["response_format"] = chat_response_format(fmt)
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+            chat.check()
+            return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers)
+        except ValidationError as exc:
+            message, param = validation_message(list(exc.errors()))
+            raise _renamed(OpenAIError(400, message, param=param)) from exc
+        except OpenAIError as exc:
+            raise _renamed(exc) from exc
+
+
+def _renamed(exc: OpenAIError) -> OpenAIError:
+    """The error with the chat field it names written as the Responses field."""
+    param = exc.param or ""
+    head, _, rest = param.partition(".")
+    if head not in RESPONSES_PARAM:
+        return exc
+    new = RESPONSES_PARAM[head] + ("." + rest if rest and head != "messages" else "")
+    return OpenAIError(exc.status_code, exc.message.replace(param, new) if param in exc.message else exc.message,
+                       param=new, code=exc.code, type=exc.type)
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message item's content as text: a string, or its input_text/output_text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise OpenAIError(400, f"{where}.content.{j}: only input_text and output_text parts with a text are "
+                                   f"supported (not {kind!r})", param=f"{where}.content.{j}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as chat messages: messages as they are, a run of function calls as one assistant message with
+    its tool calls, a call's output as a tool message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise OpenAIError(400, "input must not be empty", param="input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        if not isinstance(item, dict):
+            raise OpenAIError(400, f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("user", "system", "developer", "assistant"):
+                raise OpenAIError(400, f"{where}.role must be user, system, developer or assistant",
+                                  param=f"{where}.role")
+            out.append({"role": item["role"], "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise OpenAIError(400, f"{where}: a function_call has call_id, name and arguments (strings)",
+                                  param=where)
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise OpenAIError(400, f"{where}: a function_call_output has call_id and output (strings)",
+                                  param=where)
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            raise OpenAIError(400, f"{where}.type {kind!r} is not supported; use message, function_call or "
+                                   "function_call_output", param=f"{where}.type", code="unsupported_value")
+    return out
+
+
+def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool (flat) in chat's form."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise OpenAIError(400, f"tools.{i}: only function tools are supported (not {kind!r})", param=f"tools.{i}",
+                          code="unsupported_value")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def chat_response_format(fmt: Any) -> dict[str, Any]:
+    if not isinstance(fmt, dict):
+        raise OpenAIError(400, "text.format must be an object", param="text.format")
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    return fmt
+
+
+def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Answer) -> list[dict[str, Any]]:
+    """A finished response's conversation, for one that continues it: its messages without its instructions
+    (OpenAI does not carry them over), then its answer as the assistant's turn."""
+    if kept.get("instructions") is not None:
+        at = next((i for i, m in enumerate(messages)
+                   if m.get("role") == "system" and m.get("content") == kept["instructions"]), None)
+        if at is not None:
+            messages = messages[:at] + messages[at + 1:]
+    turn: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
+    if answer.tool_calls:
+        turn["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in answer.tool_calls]
+    return [*messages, turn]
+
+
+# ---------------------------------------------------------------- the Response
+def message_item(job_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": "msg_" + job_id.removeprefix("job_"), "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text or
+            status == "completed" else []}
+
+
+def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    """A chat tool call as a Responses function_call item (its id is chat's call id, as is its call_id)."""
+    return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": status,
+            "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+def output_items(job_id: str, answer: Answer) -> list[dict[str, Any]]:
+    items = [message_item(job_id, answer.content)] if answer.content or not answer.tool_calls else []
+    return items + [call_item(c) for c in answer.tool_calls or ()]
+
+
+STATUSES = {"queued": "queued", "running": "in_progress", "relegated": "in_progress", "succeeded": "completed",
+            "cancelled": "cancelled", "failed": "failed", "expired": "failed"}
+
+
+def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, status: str | None = None,
+                  answer: Answer | None = None, prompt_tokens: int | None = None,
+                  completion_tokens: int | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job as a Response: ``answer`` once it has one (``status`` the job's status, coserve's names)."""
+    state = STATUSES.get(status or job.status, "in_progress")
+    incomplete = None
+    if state == "completed" and answer is not None and answer.finish_reason == "length":
+        state, incomplete = "incomplete", {"reason": "max_output_tokens"}
+    sampling = job.sampling or {}
+    fmt = (kept.get("text") or {}).get("format") or {"type": "text"}
+    body = {
+        "id": response_id(job.id), "object": "response", "created_at": int(as_utc(job.created_at).timestamp()),
+        "status": state, "background": False, "error": error, "incomplete_details": incomplete,
+        "instructions": kept.get("instructions"), "max_output_tokens": kept.get("max_output_tokens"),
+        "model": job.model, "output": output_items(job.id, answer) if answer is not None else [],
+        "parallel_tool_calls": sampling.get("parallel_tool_calls", True),
+        "previous_response_id": kept.get("previous_response_id"), "reasoning": None,
+        "service_tier": service_tier(job.tier, tiers), "store": kept.get("store", True),
+        "temperature": sampling.get("temperature"), "text": {"format": fmt},
+        "tool_choice": kept.get("tool_choice", "auto" if kept.get("tools") else "none"),
+        "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"), "truncation": "disabled",
+        "usage": None, "metadata": kept.get("metadata") or {}, "user": None}
+    if answer is not None:
+        counts = usage(prompt_tokens, completion_tokens)
+        body["usage"] = {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                         "output_tokens": counts["completion_tokens"],
+                         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": counts["total_tokens"]}
+    return body

@@ -1,0 +1,107 @@
+"""OpenAI's Responses API with the official ``openai`` client against the real app (HTTP), Redis, Celery
+worker and DB: plain and streamed answers, retrieval, continuing a conversation, deleting, and errors."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from app.db.models import Job
+from app.db.session import session_scope
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+@pytest.fixture
+def oai(live_server, keys, start_worker) -> openai.OpenAI:
+    start_worker("w1")
+    return openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=120)
+
+
+def _job(live_server: str, key: str, resp_id: str) -> dict:
+    return httpx.get(f"{live_server}/v1/jobs/job_{resp_id.removeprefix('resp_')}",
+                     headers={"Authorization": f"Bearer {key}"}).json()
+
+
+def _messages(settings, resp_id: str) -> list[dict]:
+    """The chat messages the response's job ran on (SQL)."""
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.get(Job, "job_" + resp_id.removeprefix("resp_")).messages
+
+
+def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys, settings):
+    first = oai.responses.create(model="tiny", input="Say hi", instructions="Be brief", max_output_tokens=6,
+                                 temperature=0, metadata={"run": "a"}, extra_body={"ignore_eos": True, "tier": "free"})
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    assert first.output_text and first.output[0].type == "message" and first.output[0].role == "assistant"
+    assert first.usage.output_tokens == 6 and first.usage.total_tokens == first.usage.input_tokens + 6
+    assert first.instructions == "Be brief" and first.metadata == {"run": "a"} and first.service_tier == "flex"
+    job = _job(live_server, keys.paid, first.id)
+    assert _messages(settings, first.id) == [{"role": "system", "content": "Be brief"},
+                                             {"role": "user", "content": "Say hi"}]
+    assert job["tier"] == "free" and job["ttft_ms"] and job["tbt_ms"]
+
+    again = oai.responses.retrieve(first.id)
+    assert again.output_text == first.output_text and again.status == "incomplete"
+
+    # the next turn: the first's input and answer, not its instructions, then the new input
+    second = oai.responses.create(model="tiny", previous_response_id=first.id, max_output_tokens=3,
+                                  input=[{"role": "user", "content": [{"type": "input_text", "text": "Again"}]}],
+                                  extra_body={"ignore_eos": True})
+    assert second.previous_response_id == first.id and second.instructions is None
+    assert _messages(settings, second.id) == [
+        {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Again"}]
+
+    # another tenant sees none of it; deleted, it can be neither retrieved nor continued
+    other = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.other, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    assert oai.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.create(model="tiny", input="x", previous_response_id=first.id)
+    assert exc.value.body["param"] == "previous_response_id"
+    unstored = oai.responses.create(model="tiny", input="x", max_output_tokens=1, store=False)
+    assert unstored.store is False and unstored.output_text is not None
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(unstored.id)
+
+
+def test_a_streamed_response_sends_the_text_as_typed_events(oai):
+    stream = oai.responses.create(model="tiny", input="Tell me a story", max_output_tokens=8, stream=True,
+                                  extra_body={"ignore_eos": True})
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text and final.output_text == text == events[-4].text
+    assert final.usage.output_tokens == 8 and events[0].response.status == "queued"
+    assert oai.responses.retrieve(final.id).output_text == text
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input.0.type", "not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0", "input_text"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
+    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
+    ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"input": []}, "input", "must not be empty"),
+    ({}, "input", "input"),
+])
+def test_bad_requests_name_the_responses_field(live_server, keys, body, param, says):
+    resp = httpx.post(f"{live_server}/v1/responses", headers={"Authorization": f"Bearer {keys.paid}"},
+                      json={"model": "tiny", **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and says in error["message"], error

@@ -1,0 +1,97 @@
+"""The Responses API written as chat: input items to messages, tools and formats to chat's, errors named
+in Responses' terms, a finished response's conversation, and a job written back as a Response."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
+
+from app.openai_schemas import OpenAIError
+from app.responses_schemas import (ResponsesRequest, history_of, input_messages, job_id_of, response_body,
+                                   response_id)
+from app.tool_calls import Answer
+
+CALL = {"id": "call_ab_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}
+
+
+def chat(body: dict, history: list | None = None):
+    req = ResponsesRequest.model_validate(body)
+    req.check()
+    return req.chat_request(body, history or [])[0]
+
+
+def test_input_items_become_chat_messages_and_parallel_calls_one_turn():
+    items = [{"role": "developer", "content": "Terse."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Wea"},
+                                                             {"type": "input_text", "text": "ther?"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    assert input_messages(items) == [
+        {"role": "developer", "content": "Terse."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
+
+
+def test_the_chat_request_carries_instructions_tools_format_and_qos():
+    req = chat({"input": "Hi", "instructions": "Be brief", "max_output_tokens": 5, "tier": "free", "ttft_ms": 900,
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                "tool_choice": {"type": "function", "name": "f"}},
+               history=[{"role": "user", "content": "Before"}])
+    assert [m.content for m in req.chat_messages()] == ["Before", "Be brief", "Hi"]
+    assert req.max_tokens == 5 and req.tier == "free" and req.ttft_ms == 900
+    assert req.tools == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert req.tool_choice == {"type": "function", "function": {"name": "f"}}
+    formatted = chat({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                         "schema": {"type": "object"}}}})
+    assert formatted.response_format == {"type": "json_schema",
+                                         "json_schema": {"name": "x", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"type": "function_call", "call_id": "c"}]}, "input.0"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+])
+def test_errors_name_the_field_the_client_wrote(body, param):
+    with pytest.raises(OpenAIError) as exc:
+        chat(body)
+    assert exc.value.status_code == 400 and exc.value.param == param, exc.value.message
+
+
+def test_a_continued_conversation_drops_the_instructions_and_adds_the_answer():
+    messages = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Weather?"}]
+    answer = Answer(content=None, tool_calls=[{**CALL, "index": 0}], finish_reason="tool_calls")
+    assert history_of(messages, {"instructions": "Be brief"}, answer) == [
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    # without instructions every message stays, a system one too
+    text = Answer(content="Sunny", tool_calls=None, finish_reason="stop")
+    assert history_of(messages, {}, text)[0] == messages[0]
+
+
+def test_a_job_written_as_a_response():
+    job = SimpleNamespace(id="job_ab", status="succeeded", created_at=datetime(2026, 1, 1, tzinfo=UTC),
+                          model="m", tier="free", sampling={"temperature": 0.5, "top_p": 1.0})
+    assert response_id(job.id) == "resp_ab" and job_id_of("resp_ab") == "job_ab" and job_id_of("job_ab") is None
+    cut = response_body(job, {"max_output_tokens": 3}, ("free", "paid"),
+                        answer=Answer("Hel", None, "length"), prompt_tokens=4, completion_tokens=3)
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["output"][0]["content"][0]["text"] == "Hel" and cut["service_tier"] == "flex"
+    assert cut["usage"]["total_tokens"] == 7 and cut["max_output_tokens"] == 3
+    called = response_body(job, {}, ("free", "paid"), answer=Answer(None, [CALL], "tool_calls"))
+    assert called["status"] == "completed" and called["output"] == [
+        {"id": "fc_ab_0", "type": "function_call", "status": "completed", "call_id": "call_ab_0",
+         "name": "get_weather", "arguments": '{"city":"Rome"}'}]
+    running = response_body(job, {}, ("free", "paid"), status="running")
+    assert running["status"] == "in_progress" and running["output"] == [] and running["usage"] is None
+    failed = response_body(job, {}, ("free", "paid"), status="expired", error={"code": "deadline_exceeded",
+                                                                               "message": "late"})
+    assert failed["status"] == "failed" and failed["error"]["code"] == "deadline_exceeded"
