@@ -557,4 +557,4 @@ def text_completion(cid: str, model: str, created: int, text: str, finish_reason
     return body
 
 
-EndpointKind = Literal["/v1/chat/completions", "/v1/completions"]
+EndpointKind = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]

@@ -75,11 +75,15 @@ class ResponsesRequest(BaseModel):
                 raise OpenAIError(400, f"{name}={getattr(self, name)!r} is not supported by this server; leave "
                                        f"{name} unset", param=name, code="unsupported_value")
 
-    def kept(self) -> dict[str, Any]:
-        return {k: v for k in KEPT if (v := getattr(self, k)) is not None}
+    def kept(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the job keeps of the request; ``input_from``: where its input starts among the job's messages
+        (after the continued conversation and the instructions)."""
+        return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None},
+                "input_from": len(history) + (self.instructions is not None)}
 
     def chat_request(self, raw: dict[str, Any], history: list[dict[str, Any]],
-                     tiers: tuple[str, ...] = DEFAULT_TIERS) -> tuple[ChatCompletionRequest, JobCreate]:
+                     tiers: tuple[str, ...] = DEFAULT_TIERS,
+                     batch_window_s: float | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
         """The chat request this one is, and its job: ``history`` (the previous response's conversation) first,
         then the instructions, then the input; ``tiers``: the configured ones (what ``service_tier`` names)."""
         messages = list(history)
@@ -99,7 +103,7 @@ class ResponsesRequest(BaseModel):
         try:
             chat = ChatCompletionRequest.model_validate(body)
             chat.check()
-            return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers)
+            return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers, batch_window_s=batch_window_s)
         except ValidationError as exc:
             message, param = validation_message(list(exc.errors()))
             raise _renamed(OpenAIError(400, message, param=param)) from exc
@@ -210,6 +214,25 @@ def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Ans
     if answer.tool_calls:
         turn["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in answer.tool_calls]
     return [*messages, turn]
+
+
+def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as the Responses API's input items (``input_messages`` read back), each with an id."""
+    hexid, out = job_id.removeprefix("job_"), []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            out.append({"id": f"fco_{hexid}_{i}", "type": "function_call_output", "status": "completed",
+                        "call_id": m.get("tool_call_id"), "output": m["content"]})
+            continue
+        if m["content"] or not m.get("tool_calls"):
+            out.append({"id": f"msg_{hexid}_{i}", "type": "message", "status": "completed", "role": m["role"],
+                        "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text",
+                                     "text": m["content"]}]})
+        for k, call in enumerate(m.get("tool_calls") or ()):
+            out.append({"id": f"fc_{hexid}_{i}_{k}", "type": "function_call", "status": "completed",
+                        "call_id": call["id"], "name": call["function"]["name"],
+                        "arguments": call["function"]["arguments"]})
+    return out
 
 
 # ---------------------------------------------------------------- the Response

@@ -35,7 +35,7 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=OpenAIRou
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: str = Field("24h", description="'24h', or any window such as '30m', '2h', '7d'")
     metadata: dict[str, str] | None = None
     tier: str | None = Field(None, description="coserve extension: the batch's tier (up to the key's)")

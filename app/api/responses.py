@@ -14,10 +14,10 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,7 +28,7 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import write_guard
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (ResponsesRequest, call_item, history_of, job_id_of, message_item,
+from app.responses_schemas import (ResponsesRequest, call_item, history_of, input_items, job_id_of, message_item,
                                    response_body)
 from app.services import jobs as job_service
 from app.services.job_follow import job_events, rest_from_sql
@@ -215,7 +215,7 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     if spec.kind == "interactive":
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
-    kept = body.kept()
+    kept = body.kept(history)
     writer = getattr(request.app.state, "job_writer", None)
     job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)
     headers = {"x-coserve-job-id": job.id}
@@ -241,6 +241,26 @@ def get_response(response_id: str, session: SessionDep, principal: CurrentPrinci
     return _retrieved(_stored(session, principal, response_id), settings)
 
 
+@router.get("/responses/{response_id}/input_items", responses=openai_responses(400, 401, 404))
+def list_input_items(response_id: str, session: SessionDep, principal: CurrentPrincipal,
+                     limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                     order: Literal["asc", "desc"] = "desc", after: str | None = None):
+    """The response's input (not the conversation it continued, nor its instructions) as items, newest first
+    unless ``order=asc``; ``after``: an item id, the page starts past it."""
+    job = _stored(session, principal, response_id)
+    items = input_items(job.id, (job.messages or [])[(job.response or {}).get("input_from", 0):])
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise OpenAIError(400, f"no input item {after!r} in response {response_id!r}", param="after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
 @router.delete("/responses/{response_id}", responses=openai_responses(401, 404))
 def delete_response(response_id: str, session: SessionDep, principal: CurrentPrincipal):
     """Forgets a stored response: it can no longer be retrieved or continued (its job stays in /v1/jobs)."""
@@ -249,4 +269,4 @@ def delete_response(response_id: str, session: SessionDep, principal: CurrentPri
     with write_guard(session):
         job.response = {**(job.response or {}), "store": False}
         session.commit()
-    return {"id": response_id, "object": "response.deleted", "deleted": True}
+    return {"id": response_id, "object": "response", "deleted": True}

@@ -73,7 +73,7 @@ def _start(settings: Settings, batch_id: str) -> None:
         spec = v.spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
         try:
             jobs.append(build_job(settings, principal, spec, batch_id=batch_id, custom_id=v.custom_id,
-                                  endpoint=endpoint))
+                                  endpoint=endpoint, response=v.response))
         except JobValidationError as exc:
             invalid.append(invalid_line(v.line_no, v.custom_id, "invalid_body", f"line {v.line_no}: {exc}"))
     invalid.sort(key=lambda r: r["error"]["line"])

@@ -16,13 +16,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, validation_message
+from app.responses_schemas import ResponsesRequest
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.wire import find_lone_surrogate, surrogate_message
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+             "/v1/responses": ResponsesRequest}
 MAX_LINES = 50_000
 
 
@@ -31,6 +33,7 @@ class ValidLine:
     line_no: int
     custom_id: str
     spec: JobCreate
+    response: dict[str, Any] | None = None  # a Responses line's own fields (jobs.response)
 
 
 @dataclass
@@ -86,20 +89,27 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: t
     if body.get("n") not in (None, 1):
         return InvalidLine(line_no, cid, f"line {line_no}: only n=1 in batches (one line per completion)",
                            "invalid_body")
+    response = None
     try:
         req = ENDPOINTS[endpoint].model_validate(body)
         req.check()
+        if endpoint == "/v1/responses":
+            if req.previous_response_id is not None:
+                raise OpenAIError(400, "previous_response_id is not supported in batches; give the whole input")
+            response = req.kept([])
+            req, spec = req.chat_request(body, [], tiers, batch_window_s=window_s)  # its QoS checked below
         if req.deadline is not None or req.ttft_ms or req.tbt_ms:
             raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
-        spec = (req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers)
-                if endpoint == "/v1/chat/completions"
-                else req.job_spec(**req.prompt_input(), batch_window_s=window_s, tiers=tiers))
+        if endpoint == "/v1/chat/completions":
+            spec = req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers)
+        elif endpoint == "/v1/completions":
+            spec = req.job_spec(**req.prompt_input(), batch_window_s=window_s, tiers=tiers)
     except ValidationError as exc:
         message, _ = validation_message(list(exc.errors()))
         return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {message}", "invalid_body")
     except OpenAIError as exc:
         return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {exc.message}", "invalid_body")
-    return ValidLine(line_no, cid, spec)
+    return ValidLine(line_no, cid, spec, response)
 
 
 def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ParsedFile:

@@ -7,6 +7,8 @@ from typing import Any
 
 from app.db.models import Batch, Job
 from app.openai_schemas import chat_answer, text_completion
+from app.responses_schemas import response_body
+from app.tool_calls import read_answer
 
 
 def ts(dt: datetime | None) -> int | None:
@@ -32,7 +34,13 @@ def output_line(job: Job) -> dict[str, Any]:
     """A succeeded job as an output-file line: the body an online request would have returned."""
     chat = job.endpoint == "/v1/chat/completions"
     text, reason = job.output_text or "", job.finish_reason or "stop"
-    if chat:
+    if job.endpoint == "/v1/responses":
+        from app.settings import get_settings  # the tiers service_tier names (the process's settings)
+
+        body = response_body(job, job.response or {}, get_settings().tiers, status=job.status,
+                             answer=read_answer(job.id, job.sampling, text, reason),
+                             prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens)
+    elif chat:
         body = chat_answer("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, job.id, job.sampling, text,
                            reason, job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs)
     else:

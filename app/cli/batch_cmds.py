@@ -81,7 +81,7 @@ def _follow(api: Api, batch_id: str) -> dict[str, Any]:
 
 @batch_app.command("create")
 def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL of requests")],
-           endpoint: Annotated[str, typer.Option(help="/v1/chat/completions or /v1/completions")] =
+           endpoint: Annotated[str, typer.Option(help="/v1/chat/completions, /v1/completions or /v1/responses")] =
            "/v1/chat/completions",
            window: Annotated[str, typer.Option("--window", "-w", help="completion window: 30m, 2h, 24h, 7d")] = "24h",
            wait: Annotated[bool, typer.Option(help="follow it with a progress bar until it ends")] = False,

@@ -73,6 +73,29 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker):
     assert done.id in [b.id for b in oai.batches.list().data]
 
 
+def test_a_batch_of_responses(oai, start_worker):
+    start_worker("w1")
+
+    def response_line(cid, **body):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/responses", "body": {
+            "model": "tiny", "input": "Hi", "max_output_tokens": 3, "ignore_eos": True, **body}})
+    lines = [response_line("a", instructions="Be brief", metadata={"k": "v"}),
+             response_line("b", previous_response_id="resp_x"), response_line("c", max_output_tokens=0),
+             response_line("d", input=[{"role": "user", "content": [{"type": "input_text", "text": "Yo"}]}])]
+    batch = oai.batches.create(input_file_id=upload(oai, lines).id, endpoint="/v1/responses", completion_window="1h")
+    done = wait_batch(oai, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    out = {r["custom_id"]: r["response"]["body"] for r in jsonl(oai, done.output_file_id)}
+    assert sorted(out) == ["a", "d"]
+    for body in out.values():
+        assert body["object"] == "response" and body["status"] == "incomplete" and body["usage"]["output_tokens"] == 3
+        assert body["output"][0]["content"][0]["text"]
+    assert out["a"]["instructions"] == "Be brief" and out["a"]["metadata"] == {"k": "v"}
+    assert oai.responses.retrieve(out["d"]["id"]).output_text == out["d"]["output"][0]["content"][0]["text"]
+    errors = {e["custom_id"]: e["error"]["message"] for e in jsonl(oai, done.error_file_id)}
+    assert "previous_response_id" in errors["b"] and "max_output_tokens" in errors["c"]
+
+
 def test_duplicate_custom_id_fails_validation(oai):
     src = upload(oai, [line("x"), line("y"), line("x"), line("y"), line("z")])
     batch = oai.batches.create(input_file_id=src.id, endpoint="/v1/chat/completions", completion_window="24h")

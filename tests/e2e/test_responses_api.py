@@ -55,6 +55,11 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys
         {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "Again"}]
 
+    # each response's own input, as items (newest first): not the conversation it continued, nor instructions
+    assert [(i.type, i.role, i.content[0].text) for i in oai.responses.input_items.list(second.id).data] == [
+        ("message", "user", "Again")]
+    assert [i.content[0].text for i in oai.responses.input_items.list(first.id, order="asc").data] == ["Say hi"]
+
     # another tenant sees none of it; deleted, it can be neither retrieved nor continued
     other = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.other, max_retries=0)
     with pytest.raises(openai.NotFoundError):

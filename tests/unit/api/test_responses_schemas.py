@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from app.openai_schemas import OpenAIError
-from app.responses_schemas import (ResponsesRequest, history_of, input_messages, job_id_of, response_body,
-                                   response_id)
+from app.responses_schemas import (ResponsesRequest, history_of, input_items, input_messages, job_id_of,
+                                   response_body, response_id)
 from app.tool_calls import Answer
 
 CALL = {"id": "call_ab_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}
@@ -36,6 +36,13 @@ def test_input_items_become_chat_messages_and_parallel_calls_one_turn():
             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
+    # read back as items: the same kinds, calls and outputs in the same order
+    back = input_items("job_ab", input_messages(items))
+    assert [(i["type"], i.get("role"), i.get("call_id")) for i in back] == [
+        ("message", "developer", None), ("message", "user", None), ("function_call", None, "c1"),
+        ("function_call", None, "c2"), ("function_call_output", None, "c1")]
+    assert len({i["id"] for i in back}) == len(back) and back[1]["content"][0] == {"type": "input_text",
+                                                                                   "text": "Weather?"}
 
 
 def test_the_chat_request_carries_instructions_tools_format_and_qos():
