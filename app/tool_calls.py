@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from app.tool_syntax import SYNTAXES, RawCall
+from app.tool_call_scan import CallScanner, raw_arguments
+from app.tool_syntax import SYNTAXES, RawCall, read_call
 from app.wire import Text
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
@@ -144,9 +145,11 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | No
         parsed = json.loads(text)
     except ValueError:  # cut by max_tokens
         return None
-    if not isinstance(parsed, list) or not all(isinstance(c, dict) and "name" in c for c in parsed):
+    if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed):
         return None
-    return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in parsed]
+    written = raw_arguments(text, 2)  # the arguments as generated, as a stream sent them
+    return [read_call({"name": c["name"], "parameters": c.get("parameters", {})},
+                      written[i] if i < len(written) else None) for i, c in enumerate(parsed)]
 
 
 @dataclass(frozen=True)
@@ -184,16 +187,20 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
 
 
 class AnswerStream:
-    """What a chat job's stream may show while its text comes: all of a free text as content; a named function's
-    arguments as they come, as deltas of one tool call (the first delta names the call, as vLLM streams them);
-    nothing of ``"required"``'s list until it is whole; of ``"auto"`` the content that surely comes before the
-    model's first call."""
+    """What a chat job's stream may show while its text comes: all of a free text as content; of ``"auto"`` the
+    content that surely comes before the model's first call; and each call as it comes, as vLLM streams them: a
+    first delta that names the call (its id, its name, the arguments so far), then deltas that add to its
+    arguments. A delta carries its call's ``index``."""
 
     def __init__(self, job_id: str, sampling: dict[str, Any] | None) -> None:
         self.job_id, self.sampling = job_id, sampling or {}
         self.choice = self.sampling.get("tool_choice")
+        self.syntax = SYNTAXES[self.sampling.get("tool_parser") or "hermes"] if self.choice == "auto" else None
+        self.most = 1 if self.sampling.get("parallel_tool_calls") is False else None  # calls sent at most
         self.text = ""  # all of the text so far
-        self.shown = 0  # characters of it sent, as content or as a named call's arguments (0: no call yet)
+        self.shown = 0  # characters of it sent as content (a named call: as its arguments)
+        self.scanner: CallScanner | None = None  # "required" and "auto": the calls read so far
+        self.sent: dict[int, int] = {}  # characters of each call's arguments sent, by its index (opened calls)
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
         """The content and the tool-call deltas to send now, given the text's next ``delta``."""
@@ -203,30 +210,61 @@ class AnswerStream:
         self.text += delta
         if isinstance(self.choice, dict):
             return "", self._named_call_delta()
-        if self.choice != "auto":
-            return "", None
-        # the text up to what was shown is content: look for a call from there on (less a tag's length)
-        safe = SYNTAXES[self.sampling.get("tool_parser") or "hermes"].content_so_far(self.text, self.shown)
-        out = self.text[self.shown:safe] if safe > self.shown else ""
-        self.shown += len(out)
-        return out, None
+        content = ""
+        if self.syntax is not None:
+            # the text up to what was shown is content: look for a call from there on (less a tag's length)
+            safe = self.syntax.content_so_far(self.text, self.shown)
+            content = self.text[self.shown:safe] if safe > self.shown else ""
+            self.shown += len(content)
+        self._scan(delta)
+        return content, self._call_deltas()
+
+    def _scan(self, delta: str) -> None:
+        if self.scanner is not None:
+            self.scanner.feed(delta)
+            return
+        start = 0 if self.syntax is None else self.syntax.calls_start(self.text)
+        if start is not None:  # "required" is a list of calls from the start; "auto"'s calls once they show
+            self.scanner = CallScanner(2 if self.syntax is None else 1)
+            self.scanner.feed(self.text[start:])
+
+    def _call_deltas(self) -> list[dict[str, Any]] | None:
+        out = []
+        calls = self.scanner.calls if self.scanner is not None else []
+        for k, call in enumerate(calls[:self.most]):
+            arguments = call.arguments(self.scanner.text)
+            if call.name is None or arguments is None:
+                continue  # not yet named, or arguments that are sent whole at the end
+            if k not in self.sent:
+                out.append({"index": k, "id": call_id(self.job_id, k), "type": "function",
+                            "function": {"name": call.name, "arguments": arguments}})
+            elif len(arguments) > self.sent[k]:
+                out.append({"index": k, "function": {"arguments": arguments[self.sent[k]:]}})
+            self.sent[k] = len(arguments)
+        return out or None
 
     def _named_call_delta(self) -> list[dict[str, Any]] | None:
         if not self.shown and not self.text.strip():
             return None  # blank so far: perhaps no call at all (read_answer's rule)
         opened, arguments, self.shown = self.shown > 0, self.text[self.shown:], len(self.text)
         if opened:
-            return [{"function": {"arguments": arguments}}] if arguments else None
+            return [{"index": 0, "function": {"arguments": arguments}}] if arguments else None
         name = self.choice["function"]["name"]
-        return [{"id": call_id(self.job_id, 0), "type": "function",
+        return [{"index": 0, "id": call_id(self.job_id, 0), "type": "function",
                  "function": {"name": name, "arguments": arguments}}]
 
     def end(self, engine_reason: str | None) -> tuple[str, list[dict[str, Any]] | None, Answer]:
-        """The content and the tool calls still to send, and the whole answer, once the text is whole."""
+        """The content and the tool-call deltas still to send, and the whole answer, once the text is whole."""
         answer = read_answer(self.job_id, self.sampling, self.text, engine_reason)
         if self.choice is None or (isinstance(self.choice, dict) and self.shown):
             return "", None, answer  # all shown already (a named call went out as it came)
-        return (answer.content or "")[self.shown:], answer.tool_calls, answer
+        rest = []
+        for k, call in enumerate(answer.tool_calls or ()):
+            if k not in self.sent:  # not streamed (arguments not an object): whole
+                rest.append({"index": k, **call})
+            elif len(arguments := call["function"]["arguments"]) > self.sent[k]:
+                rest.append({"index": k, "function": {"arguments": arguments[self.sent[k]:]}})
+        return (answer.content or "")[self.shown:], rest or None, answer
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

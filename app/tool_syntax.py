@@ -12,14 +12,19 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from app.tool_call_scan import raw_arguments
+
 RawCall = tuple[str, str]  # (function name, arguments as JSON text)
 
 
-def _raw_call(call: Any) -> RawCall:
-    """A call object ``{"name": ..., "arguments" or "parameters": ...}`` (raises ValueError where it is not one)."""
+def read_call(call: Any, written: str | None = None) -> RawCall:
+    """A call object ``{"name": ..., "arguments" or "parameters": ...}`` (raises ValueError where it is not one);
+    its arguments as ``written`` where the text's object is known (a stream sent them so), else as JSON text."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise ValueError("not a call")
     arguments = call.get("arguments", call.get("parameters", {}))
+    if written is not None and isinstance(arguments, dict):
+        return call["name"], written
     return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
@@ -41,11 +46,16 @@ class TaggedJsonSyntax:
         pattern = re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|\Z)"
         for block in re.findall(pattern, text[at:], flags=re.DOTALL):  # the last one may be cut short
             try:
-                calls.append(_raw_call(json.loads(block)))
+                calls.append(read_call(json.loads(block), next(iter(raw_arguments(block, 1)), None)))
             except ValueError:
                 return text, None
         content = text[:at]
         return (content if content.strip() else None), calls
+
+    def calls_start(self, text: str) -> int | None:
+        """Where the calls begin in a text still being generated (None: none yet)."""
+        at = text.find(self.start)
+        return at if at >= 0 else None
 
     def content_so_far(self, text: str, known: int = 0) -> int:
         """How many leading characters of a text still being generated are content whatever comes next: up
@@ -72,16 +82,21 @@ class LeadingJsonSyntax:
         body = text.lstrip().removeprefix(self.tag).lstrip()
         if not body.startswith("{"):
             return text, None
-        decoder, calls, at = json.JSONDecoder(), [], 0
+        decoder, calls, at, written = json.JSONDecoder(), [], 0, raw_arguments(body, 1)
         while at < len(body):
             try:
                 parsed, at = decoder.raw_decode(body, at)
-                calls.append(_raw_call(parsed))
+                calls.append(read_call(parsed, written[len(calls)] if len(calls) < len(written) else None))
             except ValueError:  # cut short, or not a call after all: the text is the content
                 return text, None
             rest = body[at:].lstrip()
             at = len(body) - len(rest.removeprefix(";").lstrip())
         return None, calls
+
+    def calls_start(self, text: str) -> int | None:
+        """Where the calls begin in a text still being generated: its start, once that shows a call."""
+        start = text.lstrip()
+        return 0 if start.startswith(("{", self.tag)) else None
 
     def content_so_far(self, text: str, known: int = 0) -> int:
         """All of the text once its start shows it is no call (calls only come first), none while it may be."""

@@ -122,7 +122,8 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
             text += content
             out.append(event("response.output_text.delta", item_id=message["id"], output_index=items.index(message),
                              content_index=0, delta=content, logprobs=[]))
-        for k, delta in enumerate(deltas or ()):
+        for delta in deltas or ():
+            k = delta["index"]
             if "id" in delta:  # a call opens: the message before it is done
                 out += close_message()
                 call = {**delta, "function": {**delta["function"], "arguments": ""}}

@@ -124,19 +124,37 @@ def test_llama3_json_stream_holds_back_what_may_be_a_call():
     stream = AnswerStream("job_l", {"tool_choice": "auto", "tool_parser": "llama3_json"})
     fed = [stream.feed(p) for p in ['{"name": "get_time", ', '"parameters": {}}']]
     rest, calls, answer = stream.end("stop")
-    assert fed == [("", None)] * 2 and rest == "" and calls[0]["function"]["name"] == "get_time"
-    assert answer.content is None and answer.finish_reason == "tool_calls"
+    assert fed == [("", None), ("", [{"index": 0, "id": "call_l_0", "type": "function",
+                                      "function": {"name": "get_time", "arguments": "{}"}}])]
+    assert (rest, calls) == ("", None) and answer.content is None and answer.finish_reason == "tool_calls"
 
 
-def test_a_stream_shows_content_and_keeps_the_calls_for_the_end():
+def streamed_calls(deltas: list[dict]) -> list[dict]:
+    """Calls put together from their stream's deltas, as a client does."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                             "function": {"name": d["function"].get("name"), "arguments": ""}})
+        call["function"]["arguments"] += d["function"].get("arguments", "")
+    return [calls[k] for k in sorted(calls)]
+
+
+def test_auto_streams_the_content_then_each_call_as_it_comes():
     sampling = {"tool_choice": "auto", "tool_parser": "hermes"}
     stream = AnswerStream("job_s", sampling)
-    pieces = ["Let", " me <", "tool_call>{\"name\": \"get_time\",", " \"arguments\": {}}</tool_call>"]
+    pieces = ["Let", " me <", "tool_call>{\"name\": \"get_weather\",", " \"arguments\": {\"ci", "ty\": \"Oslo\"}",
+              "}</tool_call>\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>"]
     fed = [stream.feed(p) for p in pieces]
     rest, calls, answer = stream.end("stop")
-    assert all(c is None for _, c in fed) and calls == answer.tool_calls  # auto's calls go out whole, at the end
+    deltas = [d for _, ds in fed for d in ds or ()] + (calls or [])
+    assert [d["function"].get("arguments") for d in deltas] == ['{"ci', 'ty": "Oslo"}', "{}"]  # as they came
+    assert [d.get("id") for d in deltas] == ["call_s_0", None, "call_s_1"]
+    assert streamed_calls(deltas) == answer.tool_calls  # the stream adds up to the answer
     assert "".join(t for t, _ in fed) + rest == "Let me " and answer.content == "Let me "
-    assert answer.finish_reason == "tool_calls" and calls[0]["function"]["name"] == "get_time"
+    assert answer.finish_reason == "tool_calls" and calls is None
+    one = AnswerStream("job_o", {**sampling, "parallel_tool_calls": False})  # the first call only
+    sent = [d for p in pieces for d in one.feed(p)[1] or ()] + (one.end("stop")[1] or [])
+    assert [c["function"]["name"] for c in streamed_calls(sent)] == ["get_weather"]
     plain = AnswerStream("job_p", sampling)  # no call: every character is shown, the held-back tail at the end
     shown = "".join(plain.feed(p)[0] for p in ["1 <", " 2"]) + plain.end("stop")[0]
     assert shown == "1 < 2"
@@ -149,17 +167,24 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     forced = AnswerStream("job_f", {"tool_choice": NAMED})
     deltas = [forced.feed(p) for p in [" ", '{"city":', "", ' "Rome"}']]
     assert deltas[0] == ("", None)  # blank so far: no call yet
-    assert deltas[1] == ("", [{"id": "call_f_0", "type": "function",
+    assert deltas[1] == ("", [{"index": 0, "id": "call_f_0", "type": "function",
                                "function": {"name": "get_weather", "arguments": ' {"city":'}}])
-    assert deltas[2] == ("", None) and deltas[3] == ("", [{"function": {"arguments": ' "Rome"}'}}])
+    assert deltas[2] == ("", None) and deltas[3] == ("", [{"index": 0, "function": {"arguments": ' "Rome"}'}}])
     rest, calls, answer = forced.end("stop")
     assert (rest, calls) == ("", None)  # nothing left to send
     assert answer.tool_calls[0]["function"]["arguments"] == ' {"city": "Rome"}' and answer.finish_reason == "stop"
     blank = AnswerStream("job_b", {"tool_choice": NAMED})
     assert blank.feed("  ") == ("", None) and blank.end("length")[:2] == ("  ", None)  # no call: the text as is
     required = AnswerStream("job_r", {"tool_choice": "required"})
-    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
-    assert required.feed(text) == ("", None) and required.end("stop")[1][0]["function"]["name"] == "get_weather"
+    pieces = ['[{"name": "get_weather", "param', 'eters": {"city":"Os', 'lo"}}, {"parameters": {"q": ["a"]}, ',
+              '"name": "search"}]']
+    fed = [required.feed(p) for p in pieces]
+    rest, calls, answer = required.end("stop")
+    deltas = [d for _, ds in fed for d in ds or ()] + (calls or [])
+    assert fed[0] == ("", None) and fed[1][1][0]["function"] == {"name": "get_weather", "arguments": '{"city":"Os'}
+    assert streamed_calls(deltas) == answer.tool_calls and answer.finish_reason == "tool_calls"
+    assert answer.tool_calls[0]["function"]["arguments"] == '{"city":"Oslo"}'  # as generated, as streamed
+    assert answer.tool_calls[1]["function"] == {"name": "search", "arguments": '{"q": ["a"]}'}  # named after
 
 
 def test_job_create_checks_the_tools_and_keeps_the_constraint():
@@ -276,3 +301,21 @@ def test_a_template_that_refuses_the_history_is_the_clients_error(tiny_model_dir
     with pytest.raises(JobValidationError, match="one tool call per message") as exc:
         build_job(settings, Principal("k", "t", "paid", False), JobCreate(model="strict", messages=history))
     assert exc.value.param == "messages"
+
+
+def test_the_call_scanner_reads_strings_nesting_and_arguments_that_are_no_object():
+    from app.tool_call_scan import CallScanner, raw_arguments
+
+    text = '[{"name": "a\\"}", "parameters": {"s": "x}\\\\\\"{", "n": [1, {"y": null}]}}, {"name": "b", "parameters": "{}"}]'
+    scanner = CallScanner(2)
+    for c in text:  # one character at a time: every prefix is read as the whole text is
+        scanner.feed(c)
+    first, second = scanner.calls
+    assert first.name == 'a"}' and first.arguments(text) == '{"s": "x}\\\\\\"{", "n": [1, {"y": null}]}'
+    assert second.name == "b" and not second.streamable and second.arguments(text) is None
+    assert raw_arguments(text, 2) == [first.arguments(text), None]
+    stream = AnswerStream("job_x", {"tool_choice": "required"})
+    fed = [d for c in text for d in stream.feed(c)[1] or ()]
+    rest, calls, answer = stream.end("stop")
+    assert [d["index"] for d in calls] == [1] and calls[0]["function"]["arguments"] == "{}"  # the string, whole
+    assert streamed_calls(fed + calls) == answer.tool_calls
