@@ -28,7 +28,7 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "f
 RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
-        "text")
+        "text", "background")
 
 
 def response_id(job_id: str) -> str:
@@ -54,8 +54,9 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     metadata: dict[str, Text] | None = Field(None, max_length=16)
     store: bool = True
+    background: bool | None = None  # answered at once (queued); GET polls it, POST .../cancel stops it
+    stream: bool | None = None  # (chat reads it too)
     # not implemented: accepted only where they ask for nothing
-    background: bool | None = None
     truncation: str | None = None
     conversation: Any = None
     prompt: Any = None
@@ -65,8 +66,13 @@ class ResponsesRequest(BaseModel):
 
     def check(self) -> None:
         """Refuses what this server does not implement (a 400 naming the field)."""
-        for name, ok in (("background", self.background in (None, False)),
-                         ("truncation", self.truncation in (None, "disabled")),
+        if self.background and self.stream:
+            raise OpenAIError(400, "background with stream=true is not supported by this server; poll GET "
+                                   "/v1/responses/{id} instead", param="stream", code="unsupported_value")
+        if self.background and not self.store:
+            raise OpenAIError(400, "a background response is polled, so it must be stored: leave store true",
+                              param="store")
+        for name, ok in (("truncation", self.truncation in (None, "disabled")),
                          ("conversation", self.conversation is None), ("prompt", self.prompt is None),
                          ("reasoning", not (self.reasoning or {}).get("effort") and not (self.reasoning or {}).get(
                              "summary")),
@@ -269,7 +275,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
     fmt = (kept.get("text") or {}).get("format") or {"type": "text"}
     body = {
         "id": response_id(job.id), "object": "response", "created_at": int(as_utc(job.created_at).timestamp()),
-        "status": state, "background": False, "error": error, "incomplete_details": incomplete,
+        "status": state, "background": bool(kept.get("background")), "error": error,
+        "incomplete_details": incomplete,
         "instructions": kept.get("instructions"), "max_output_tokens": kept.get("max_output_tokens"),
         "model": job.model, "output": output_items(job.id, answer) if answer is not None else [],
         "parallel_tool_calls": sampling.get("parallel_tool_calls", True),

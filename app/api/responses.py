@@ -32,6 +32,7 @@ from app.responses_schemas import (ResponsesRequest, call_item, history_of, inpu
                                    response_body)
 from app.services import jobs as job_service
 from app.services.job_follow import job_events, rest_from_sql
+from app.services.notify import announce_cancel
 from app.settings import Settings
 from app.tool_calls import AnswerStream, read_answer
 
@@ -220,6 +221,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     writer = getattr(request.app.state, "job_writer", None)
     job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)
     headers = {"x-coserve-job-id": job.id}
+    if body.background:  # the client polls GET /v1/responses/{id}; nothing here waits for the job
+        return JSONResponse(response_body(job, kept, settings.tiers, status="queued"), headers=headers)
     if chat.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(_events(settings, job, kept), media_type="text/event-stream", headers=headers)
@@ -260,6 +263,18 @@ def list_input_items(response_id: str, session: SessionDep, principal: CurrentPr
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+@router.post("/responses/{response_id}/cancel", responses=openai_responses(400, 401, 404))
+def cancel_response(response_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
+    """Stops a background response that has not ended (one that has is answered as it is, as OpenAI does)."""
+    job = _stored(session, principal, response_id)
+    if not (job.response or {}).get("background"):
+        raise OpenAIError(400, "only a background response can be cancelled (a plain one stops when its client "
+                               "hangs up)", param="response_id")
+    if not JobStatus(job.status).terminal and job_service.cancel_job(session, job, detail="cancelled by the client"):
+        announce_cancel(settings.redis_url, job)
+    return _retrieved(job, settings)
 
 
 @router.delete("/responses/{response_id}", responses=openai_responses(401, 404))

@@ -1,5 +1,6 @@
 """OpenAI's Responses API with the official ``openai`` client against the real app (HTTP), Redis, Celery
-worker and DB: plain and streamed answers, retrieval, continuing a conversation, deleting, and errors."""
+worker and DB: plain, streamed and background answers, retrieval, continuing a conversation, cancelling,
+deleting, and errors."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from app.db.models import Job
 from app.db.session import session_scope
+from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -93,12 +95,34 @@ def test_a_streamed_response_sends_the_text_as_typed_events(oai):
     assert oai.responses.retrieve(final.id).output_text == text
 
 
+def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys, start_worker):
+    start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.05")
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
+    quick = oai.responses.create(model="tiny", input="Hi", max_output_tokens=4, background=True,
+                                 extra_body={"ignore_eos": True})
+    assert quick.background is True and quick.status == "queued" and quick.output == []  # answered at once
+    done = wait_for(lambda: (r := oai.responses.retrieve(quick.id)).status not in ("queued", "in_progress") and r,
+                    60, "the background response to end", interval=0.2)
+    assert done.status == "incomplete" and done.output_text and done.usage.output_tokens == 4
+    assert oai.responses.cancel(quick.id).status == "incomplete"  # ended already: answered as it is
+
+    slow = oai.responses.create(model="tiny", input="Tell me a long story", max_output_tokens=400,
+                                background=True, extra_body={"ignore_eos": True})
+    stopped = oai.responses.cancel(slow.id)
+    assert stopped.status == "cancelled" and oai.responses.retrieve(slow.id).status == "cancelled"
+    plain = oai.responses.create(model="tiny", input="x", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.cancel(plain.id)
+    assert "only a background response" in exc.value.body["message"]
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input.0.type", "not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0", "input_text"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
-    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "background": True, "stream": True}, "stream", "not supported"),
+    ({"input": "x", "background": True, "store": False}, "store", "must be stored"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"input": []}, "input", "must not be empty"),
