@@ -48,11 +48,13 @@ class Settings(BaseSettings):
     stream_outage_s: float = Field(60.0, gt=0, description="how long a stream reader waits for Redis to answer "
                                                          "again before it ends the stream with an error event "
                                                          "(the job goes on; non-stream requests wait on SQL)")
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="how the model writes a tool call of its own (tool_choice 'auto', the default where tools "
                           "are given): 'hermes' (<tool_call>{json}</tool_call>: Qwen 2.5/3, Hermes and others), "
                           "'llama3_json' (the answer is {\"name\": ..., \"parameters\": ...} objects, '; '-separated, "
-                          "perhaps after <|python_tag|>: Llama 3.1-3.3); unset: 'auto' is refused and only forced "
+                          "perhaps after <|python_tag|>: Llama 3.1-3.3), 'mistral' ([TOOL_CALLS] then a JSON list of "
+                          "calls, or name[ARGS]{json}; call ids of 9 letters and digits, as Mistral's templates "
+                          "take); unset: 'auto' is refused and only forced "
                           "choices are served (vLLM's --tool-call-parser)")
     # worker
     worker_id: str | None = None

@@ -11,7 +11,9 @@ where the model decides and writes calls in its own syntax, is read with that sy
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -23,6 +25,7 @@ from app.wire import Text
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 MAX_TOOLS = 128
+ALPHANUMERIC = string.ascii_letters + string.digits
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without parameters takes none
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the definitions its $refs name (from its root)
 FORCED_CHOICE_UNSUPPORTED = ("a forced tool_choice ('required' or a named function) is generated under vLLM's "
@@ -133,8 +136,12 @@ def forced_schema(tools: list[ToolSpec], choice: str | dict[str, Any], parallel:
     return schema
 
 
-def call_id(job_id: str, index: int) -> str:
-    """A call's id, the same whenever the job's answer is read (a stream, the plain answer, a batch line)."""
+def call_id(job_id: str, index: int, parser: str | None = None) -> str:
+    """A call's id, the same whenever the job's answer is read (a stream, the plain answer, a batch line).
+    Mistral's chat templates take only 9 letters and digits (as vLLM writes them for its mistral parser)."""
+    if parser == "mistral":
+        digest = int.from_bytes(hashlib.sha256(f"{job_id}/{index}".encode()).digest()[:8], "big")
+        return "".join(ALPHANUMERIC[(digest // 62**i) % 62] for i in range(9))
     return f"call_{job_id.removeprefix('job_')}_{index}"
 
 
@@ -180,7 +187,7 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
         return Answer(text, None, reason)
     if sampling.get("parallel_tool_calls") is False:
         raw = raw[:1]  # one call at most, as asked ("required" generates only one; "auto" may write more)
-    calls = [{"id": call_id(job_id, i), "type": "function", "function": {"name": name, "arguments": arguments}}
+    calls = [{"id": call_id(job_id, i, sampling.get("tool_parser")), "type": "function", "function": {"name": name, "arguments": arguments}}
              for i, (name, arguments) in enumerate(raw)]
     ends_in_calls = choice == "auto" or (choice == "required" and reason == "stop")
     return Answer(content, calls, "tool_calls" if ends_in_calls else reason)
@@ -225,7 +232,7 @@ class AnswerStream:
             return
         start = 0 if self.syntax is None else self.syntax.calls_start(self.text)
         if start is not None:  # "required" is a list of calls from the start; "auto"'s calls once they show
-            self.scanner = CallScanner(2 if self.syntax is None else 1)
+            self.scanner = CallScanner(2 if self.syntax is None else self.syntax.call_depth)
             self.scanner.feed(self.text[start:])
 
     def _call_deltas(self) -> list[dict[str, Any]] | None:
@@ -236,7 +243,8 @@ class AnswerStream:
             if call.name is None or arguments is None:
                 continue  # not yet named, or arguments that are sent whole at the end
             if k not in self.sent:
-                out.append({"index": k, "id": call_id(self.job_id, k), "type": "function",
+                out.append({"index": k, "id": call_id(self.job_id, k, self.sampling.get("tool_parser")),
+                            "type": "function",
                             "function": {"name": call.name, "arguments": arguments}})
             elif len(arguments) > self.sent[k]:
                 out.append({"index": k, "function": {"arguments": arguments[self.sent[k]:]}})
@@ -250,7 +258,7 @@ class AnswerStream:
         if opened:
             return [{"index": 0, "function": {"arguments": arguments}}] if arguments else None
         name = self.choice["function"]["name"]
-        return [{"index": 0, "id": call_id(self.job_id, 0), "type": "function",
+        return [{"index": 0, "id": call_id(self.job_id, 0, self.sampling.get("tool_parser")), "type": "function",
                  "function": {"name": name, "arguments": arguments}}]
 
     def end(self, engine_reason: str | None) -> tuple[str, list[dict[str, Any]] | None, Answer]:

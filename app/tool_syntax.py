@@ -28,6 +28,18 @@ def read_call(call: Any, written: str | None = None) -> RawCall:
     return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
+def _held_tag_prefix(text: str, tag: str, known: int) -> int:
+    """How much of a text still being generated is surely before ``tag``: up to it, or short of a tail that may
+    become it (``known``: characters already found to be before it, not searched again)."""
+    at = text.find(tag, max(0, known - len(tag)))
+    if at >= 0:
+        return at
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return len(text) - k
+    return len(text)
+
+
 @dataclass(frozen=True)
 class TaggedJsonSyntax:
     """Calls as JSON objects ``{"name": ..., "arguments": {...}}`` between a start and an end tag (Hermes and
@@ -35,6 +47,7 @@ class TaggedJsonSyntax:
 
     start: str
     end: str
+    call_depth: int = 1  # a call's keys lie in a top-level object
 
     def split(self, text: str) -> tuple[str | None, list[RawCall] | None]:
         """(content, calls); calls None where the text holds none, or one that does not parse (then the whole
@@ -61,13 +74,7 @@ class TaggedJsonSyntax:
         """How many leading characters of a text still being generated are content whatever comes next: up
         to the start tag, or short of a tail that may become one (``known``: characters already found to be
         content, not searched again)."""
-        at = text.find(self.start, max(0, known - len(self.start)))
-        if at >= 0:
-            return at
-        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if text.endswith(self.start[:k]):
-                return len(text) - k
-        return len(text)
+        return _held_tag_prefix(text, self.start, known)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class LeadingJsonSyntax:
     with one is content, all of it."""
 
     tag: str
+    call_depth: int = 1
 
     def split(self, text: str) -> tuple[str | None, list[RawCall] | None]:
         body = text.lstrip().removeprefix(self.tag).lstrip()
@@ -108,7 +116,56 @@ class LeadingJsonSyntax:
         return len(text)
 
 
-SYNTAXES: dict[str, TaggedJsonSyntax | LeadingJsonSyntax] = {
+@dataclass(frozen=True)
+class MistralSyntax:
+    """Mistral's calls after the ``[TOOL_CALLS]`` token: a JSON list of ``{"name": ..., "arguments": {...}}``
+    objects (tokenizers before v11), or ``name[ARGS]{...}``, each call after its own ``[TOOL_CALLS]`` (v11 on);
+    the text before the first tag is the content."""
+
+    tag: str = "[TOOL_CALLS]"
+    args_tag: str = "[ARGS]"
+    call_depth: int = 2  # the list form: a call's keys lie in objects of a top-level list
+
+    def split(self, text: str) -> tuple[str | None, list[RawCall] | None]:
+        at = text.find(self.tag)
+        if at < 0:
+            return text, None
+        content, body = text[:at], text[at + len(self.tag):].strip()
+        try:
+            calls = self._listed(body) if body.startswith("[") else self._named(body)
+        except ValueError:  # cut short, or not calls after all: the text is the content
+            return text, None
+        return (content if content.strip() else None), calls
+
+    def _listed(self, body: str) -> list[RawCall]:
+        parsed, _ = json.JSONDecoder().raw_decode(body)
+        if not isinstance(parsed, list):
+            raise ValueError("not a list of calls")
+        written = raw_arguments(body, self.call_depth)
+        return [read_call(c, written[i] if i < len(written) else None) for i, c in enumerate(parsed)]
+
+    def _named(self, body: str) -> list[RawCall]:
+        calls = []
+        for part in body.split(self.tag):
+            name, sep, arguments = part.partition(self.args_tag)
+            name, arguments = name.strip(), arguments.strip()
+            if not sep or not name:
+                raise ValueError("not a call")
+            parsed, end = json.JSONDecoder().raw_decode(arguments)
+            calls.append(read_call({"name": name, "arguments": parsed}, arguments[:end]))
+        return calls
+
+    def calls_start(self, text: str) -> int | None:
+        at = text.find(self.tag)
+        return at + len(self.tag) if at >= 0 else None
+
+    def content_so_far(self, text: str, known: int = 0) -> int:
+        return _held_tag_prefix(text, self.tag, known)
+
+
+Syntax = TaggedJsonSyntax | LeadingJsonSyntax | MistralSyntax
+SYNTAXES: dict[str, Syntax] = {
     "hermes": TaggedJsonSyntax("<tool_call>", "</tool_call>"),
     "llama3_json": LeadingJsonSyntax("<|python_tag|>"),
+    "mistral": MistralSyntax(),
 }

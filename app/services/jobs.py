@@ -116,7 +116,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 "syntax, and this server has no parser for it (COSERVE_TOOL_CALL_PARSER); send tool_choice "
                 '"required", {"type": "function", "function": {"name": ...}} or "none"', param="tool_choice",
                 code="unsupported_value")
-        sampling["tool_parser"] = settings.tool_call_parser
+    if sampling["tool_choice"] is not None and settings.tool_call_parser is not None:
+        sampling["tool_parser"] = settings.tool_call_parser  # its syntax, and its calls' id style (Mistral: 9 letters)
     if spec.logit_bias:
         check_token_ids(settings.model, list(spec.logit_bias), "logit_bias")
     if spec.stop_token_ids:

@@ -11,7 +11,7 @@ from app.batch.objects import output_line
 from app.db.models import Job
 from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_completion
 from app.schemas import ChatMessage, JobCreate
-from app.tool_calls import AnswerStream, ToolSpec, forced_schema, read_answer, template_messages
+from app.tool_calls import AnswerStream, ToolSpec, call_id, forced_schema, read_answer, template_messages
 from app.tool_syntax import SYNTAXES
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
@@ -319,3 +319,37 @@ def test_the_call_scanner_reads_strings_nesting_and_arguments_that_are_no_object
     rest, calls, answer = stream.end("stop")
     assert [d["index"] for d in calls] == [1] and calls[0]["function"]["arguments"] == "{}"  # the string, whole
     assert streamed_calls(fed + calls) == answer.tool_calls
+
+
+MISTRAL = SYNTAXES["mistral"]
+
+
+@pytest.mark.parametrize("text,content,raw", [
+    ("It is sunny.", "It is sunny.", None),
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "t", "arguments": {}}]', None,
+     [("get_weather", '{"city": "Paris"}'), ("t", "{}")]),  # tokenizers before v11
+    ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city":"Oslo"}[TOOL_CALLS]t[ARGS]{}', "Sure.",
+     [("get_weather", '{"city":"Oslo"}'), ("t", "{}")]),  # v11 on
+    ('[TOOL_CALLS] [{"name": "a", "argu', '[TOOL_CALLS] [{"name": "a", "argu', None),  # cut short: all text
+    ("[TOOL_CALLS]get_weather{}", "[TOOL_CALLS]get_weather{}", None),  # no [ARGS]
+])
+def test_mistral_syntax_reads_both_forms_of_its_calls(text, content, raw):
+    assert MISTRAL.split(text) == (content, raw)
+
+
+def test_mistral_calls_stream_with_ids_its_templates_take():
+    sampling = {"tool_choice": "auto", "tool_parser": "mistral"}
+    stream = AnswerStream("job_m", sampling)
+    pieces = ["Checking", " [TOOL", '_CALLS] [{"name": "get_weather", "arguments": {"ci', 'ty": "Rome"}}]']
+    fed = [stream.feed(p) for p in pieces]
+    rest, calls, answer = stream.end("stop")
+    deltas = [d for _, ds in fed for d in ds or ()] + (calls or [])
+    assert "".join(t for t, _ in fed) + rest == "Checking " == answer.content
+    assert streamed_calls(deltas) == answer.tool_calls and len(deltas) == 2  # named, then the rest of its arguments
+    ids = {call_id(f"job_{i}", k, "mistral") for i in range(50) for k in range(3)}
+    assert len(ids) == 150 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert answer.tool_calls[0]["id"] == call_id("job_m", 0, "mistral")
+    v11 = AnswerStream("job_v", sampling)  # name[ARGS]{...}: the calls go out whole at the end
+    fed = [v11.feed(p) for p in ["[TOOL_CALLS]get_time", "[ARGS]", "{}"]]
+    rest, calls, answer = v11.end("stop")
+    assert all(ds is None for _, ds in fed) and streamed_calls(calls) == answer.tool_calls
