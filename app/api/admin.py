@@ -23,7 +23,7 @@ from sqlalchemy import func, select, update
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.db.models import Job, JobEvent, JobStatus, WorkerState
-from app.db.session import write_guard
+from app.db.session import write_after_read
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel, redis_client
 from app.services.transitions import as_utc, utcnow
@@ -174,8 +174,7 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
     job = _job(session, job_id)
     if JobStatus(job.status).terminal:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
-    session.commit()
-    with write_guard(session):
+    with write_after_read(session):
         session.execute(update(Job).where(Job.id == job_id).values(tier=body.tier))
         session.commit()
     delivered = _control(settings, job, {"action": "promote", "job_id": job_id, "tier": body.tier})
@@ -197,8 +196,7 @@ class Drain(BaseModel):
 
 @router.post("/admin/api/workers/{worker_id}/drain", responses={**ADMIN, **responses(404, 413)})
 def drain(worker_id: str, body: Drain, session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
-    session.commit()
-    with write_guard(session):
+    with write_after_read(session):
         n = session.execute(update(WorkerState).where(WorkerState.id == worker_id)
                             .values(draining=body.drain)).rowcount
         session.commit()

@@ -22,7 +22,7 @@ from app.batch.finalize import cancel_batch, maybe_finalize
 from app.batch.lines import ENDPOINTS
 from app.batch.objects import batch_object
 from app.db.models import Batch, new_id
-from app.db.session import write_guard
+from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute, parse_window
 from app.services.jobs import JobValidationError, resolve_tier
 from app.services.transitions import utcnow
@@ -69,8 +69,7 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
     batch = Batch(id=new_id("batch"), tenant_id=principal.tenant_id, endpoint=body.endpoint,
                   input_file_id=src.id, completion_window=body.completion_window, status="validating", tier=tier,
                   metadata_=body.metadata, created_at=now, expires_at=expires_at_for(now, body.completion_window))
-    session.commit()
-    with write_guard(session):
+    with write_after_read(session):
         session.add(batch)
         session.commit()
     background.add_task(start_batch, settings, batch.id)

@@ -26,7 +26,7 @@ from app.api.errors import openai_responses
 from app.api.openai_compat import _abandon, _body, _documented_body, _ends, _job_error, _submit, _unless_disconnected
 from app.auth import Principal
 from app.db.models import Job, JobStatus
-from app.db.session import write_guard
+from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.responses_schemas import (ResponsesRequest, call_item, history_of, input_items, job_id_of, message_item,
                                    response_body)
@@ -281,8 +281,7 @@ def cancel_response(response_id: str, session: SessionDep, principal: CurrentPri
 def delete_response(response_id: str, session: SessionDep, principal: CurrentPrincipal):
     """Forgets a stored response: it can no longer be retrieved or continued (its job stays in /v1/jobs)."""
     job = _stored(session, principal, response_id)
-    session.commit()  # end the read snapshot before writing
-    with write_guard(session):
+    with write_after_read(session):
         job.response = {**(job.response or {}), "store": False}
         session.commit()
     return {"id": response_id, "object": "response", "deleted": True}

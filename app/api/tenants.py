@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.auth import announce_revocation, create_key, create_tenant
-from app.db.session import write_guard
+from app.db.session import write_after_read
 from app.db.models import ApiKey, Tenant
 from app.schemas import KeyCreated, KeyPublic, TenantCreate
 
@@ -49,8 +49,7 @@ def create_key_route(tenant_id: str, session: SessionDep, settings: SettingsDep,
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
     if tier is not None and tier not in settings.tiers:
         raise unprocessable(f"unknown tier {tier!r}; choose one of {list(settings.tiers)}", "query", "tier")
-    session.commit()  # end the read: SQLite refuses to turn it into a write once another writer has committed
-    with write_guard(session):
+    with write_after_read(session):
         key, plaintext = create_key(session, tenant, tier=tier, is_admin=admin)
         session.commit()
     return KeyCreated(tenant_id=tenant.id, key_id=key.id, api_key=plaintext, tier=tier or tenant.default_tier,
@@ -74,8 +73,7 @@ def revoke_key_route(key_id: str, request: Request, session: SessionDep, setting
     if key is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no API key {key_id!r}")
     if not key.revoked:
-        session.commit()  # end the read (as above)
-        with write_guard(session):
+        with write_after_read(session):
             key.revoked = True
             session.commit()
         log.info("revoked API key %s", key.id)

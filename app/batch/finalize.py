@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from app.batch.objects import job_error_line, output_line
 from app.batch.storage import save_file
 from app.db.models import Batch, Job, JobStatus
-from app.db.session import write_guard
+from app.db.session import write_after_read, write_guard
 from app.services.notify import announce_cancel
 from app.services.transitions import NOT_TERMINAL, as_utc, transition, utcnow
 
@@ -47,8 +47,7 @@ def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis
     for job_id in ids:
         # End the read transaction the previous announce opened: a deferred transaction that read and
         # then writes fails at once ("database is locked") if a worker committed in between.
-        session.commit()
-        with write_guard(session):
+        with write_after_read(session):
             ok = transition(session, job_id, NOT_TERMINAL, to, detail=detail,
                             values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value})
             session.commit()
@@ -114,8 +113,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         values.update(status="expired", expired_at=now)
     else:
         values.update(status="completed", completed_at=now)
-    session.commit()  # end the read of the jobs before writing (no file was saved when there were no lines)
-    with write_guard(session):
+    with write_after_read(session):
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
         session.commit()
     log.info("batch %s %s: %d completed, %d failed", batch_id, values["status"], completed, failed)
@@ -124,8 +122,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
 
 def cancel_batch(session: Session, batch: Batch, data_dir: Path, redis_url: str | None) -> Batch:
     """validating|in_progress -> cancelling; pending jobs cancelled, running ones aborted; then fan-in."""
-    session.commit()
-    with write_guard(session):
+    with write_after_read(session):
         session.execute(update(Batch).where(Batch.id == batch.id, Batch.status.in_(("validating", "in_progress")))
                         .values(status="cancelling", cancelling_at=utcnow()))
         session.commit()

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from app.db.models import File, new_id, utcnow
-from app.db.session import write_guard
+from app.db.session import write_after_read
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,7 @@ def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, p
     path.write_bytes(content)
     row = File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=len(content),
                path=str(path), created_at=utcnow(), deleted=False)
-    session.commit()
-    with write_guard(session):
+    with write_after_read(session):
         session.add(row)
         session.commit()
     return row
@@ -50,8 +49,7 @@ def get_file(session: Session, tenant_id: str | None, file_id: str) -> File | No
 
 def delete_file(session: Session, row: File) -> None:
     Path(row.path).unlink(missing_ok=True)
-    session.commit()
-    with write_guard(session):
+    with write_after_read(session):
         row.deleted = True
         session.commit()
 

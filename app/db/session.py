@@ -126,3 +126,12 @@ def session_scope(url: str, immediate: bool = False) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+@contextmanager
+def write_after_read(session: Session) -> Iterator[None]:
+    """Ends the session's read (SQLite refuses to turn a read into a write once another writer has
+    committed), then writes under ``write_guard``."""
+    session.commit()
+    with write_guard(session):
+        yield

@@ -12,7 +12,7 @@ from uuid import uuid4
 from sqlalchemy.orm import Session
 
 from app.db.models import JobStatus
-from app.db.session import write_guard
+from app.db.session import write_after_read, write_guard
 from app.services.transitions import transition, utcnow
 from workers.celery_app import RUN_JOB, get_celery, queue_name
 
@@ -76,8 +76,7 @@ def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, 
     Marking first keeps the events in order (a worker may lease the job as soon as the
     message lands); a failed send moves it back to ``queued`` for the sweeper.
     """
-    session.commit()  # end any read snapshot: the update starts a write transaction
-    with write_guard(session):
+    with write_after_read(session):
         marked = transition(session, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail=detail,
                             values={"dispatched_at": utcnow()})
         session.commit()

@@ -21,7 +21,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from app.auth import Principal
 from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
-from app.db.session import write_guard
+from app.db.session import write_after_read, write_guard
 from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services.job_writer import JobWriter
@@ -332,8 +332,7 @@ def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, ki
 
 def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the user") -> bool:
     """Marks a non-terminal job ``cancelled`` (commits); the worker aborts it in its engine."""
-    session.commit()  # end the read snapshot before writing
-    with write_guard(session):
+    with write_after_read(session):
         ok = transition(session, job.id, NOT_TERMINAL, JobStatus.CANCELLED, detail=detail,
                         values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": "cancelled"})
         session.commit()
