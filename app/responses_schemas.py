@@ -13,11 +13,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.openai_schemas import ChatCompletionRequest, OpenAIError, service_tier, usage, validation_message
+from app.openai_schemas import (ChatCompletionRequest, OpenAIError, chat_logprobs, service_tier, usage,
+                                validation_message)
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import Answer
 from app.wire import Text, as_utc
+from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
 # what a Responses request takes as chat does (coserve's QoS, vLLM's sampling extensions, OpenAI's own)
 SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -25,8 +27,10 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "f
                  "service_tier", "parallel_tool_calls", "ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "tier",
                  "app_id", "ignore_eos", "chat_template_kwargs")
 # a chat field named in an error -> the Responses field the client wrote
-RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+                   "logprobs": "include"}
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
         "text", "background")
 
@@ -56,13 +60,13 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     background: bool | None = None  # answered at once (queued); GET polls it, POST .../cancel stops it
     stream: bool | None = None  # (chat reads it too)
+    include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token, with the above
     # not implemented: accepted only where they ask for nothing
     truncation: str | None = None
     conversation: Any = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
 
     def check(self) -> None:
         """Refuses what this server does not implement (a 400 naming the field)."""
@@ -72,11 +76,13 @@ class ResponsesRequest(BaseModel):
         if self.background and not self.store:
             raise OpenAIError(400, "a background response is polled, so it must be stored: leave store true",
                               param="store")
+        if unknown := [i for i in self.include or () if i != LOGPROBS_INCLUDE]:
+            raise OpenAIError(400, f"include {unknown[0]!r} is not supported by this server; it includes only "
+                                   f"{LOGPROBS_INCLUDE!r}", param="include", code="unsupported_value")
         for name, ok in (("truncation", self.truncation in (None, "disabled")),
                          ("conversation", self.conversation is None), ("prompt", self.prompt is None),
                          ("reasoning", not (self.reasoning or {}).get("effort") and not (self.reasoning or {}).get(
-                             "summary")),
-                         ("include", not self.include), ("top_logprobs", not self.top_logprobs)):
+                             "summary"))):
             if not ok:
                 raise OpenAIError(400, f"{name}={getattr(self, name)!r} is not supported by this server; leave "
                                        f"{name} unset", param=name, code="unsupported_value")
@@ -106,18 +112,20 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if (fmt := (self.text or {}).get("format")) is not None:
             body["response_format"] = chat_response_format(fmt)
+        if LOGPROBS_INCLUDE in (self.include or ()):
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         try:
             chat = ChatCompletionRequest.model_validate(body)
             chat.check()
             return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers, batch_window_s=batch_window_s)
         except ValidationError as exc:
             message, param = validation_message(list(exc.errors()))
-            raise _renamed(OpenAIError(400, message, param=param)) from exc
+            raise in_responses_terms(OpenAIError(400, message, param=param)) from exc
         except OpenAIError as exc:
-            raise _renamed(exc) from exc
+            raise in_responses_terms(exc) from exc
 
 
-def _renamed(exc: OpenAIError) -> OpenAIError:
+def in_responses_terms(exc: OpenAIError) -> OpenAIError:
     """The error with the chat field it names written as the Responses field."""
     param = exc.param or ""
     head, _, rest = param.partition(".")
@@ -242,10 +250,17 @@ def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, A
 
 
 # ---------------------------------------------------------------- the Response
-def message_item(job_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def token_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A job's stored token logprobs as an output_text part's (chat's entries: token, logprob, bytes, top)."""
+    return (chat_logprobs(entries) or {}).get("content") or []
+
+
+def message_item(job_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``logprobs``: the job's stored token logprobs (None: not asked for)."""
     return {"id": "msg_" + job_id.removeprefix("job_"), "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text or
-            status == "completed" else []}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": token_logprobs(logprobs)}]
+            if text or status == "completed" else []}
 
 
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -254,8 +269,9 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
             "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
-def output_items(job_id: str, answer: Answer) -> list[dict[str, Any]]:
-    items = [message_item(job_id, answer.content)] if answer.content or not answer.tool_calls else []
+def output_items(job_id: str, answer: Answer, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    shown = answer.content or not answer.tool_calls
+    items = [message_item(job_id, answer.content or "", logprobs=logprobs)] if shown else []
     return items + [call_item(c) for c in answer.tool_calls or ()]
 
 
@@ -265,8 +281,10 @@ STATUSES = {"queued": "queued", "running": "in_progress", "relegated": "in_progr
 
 def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, status: str | None = None,
                   answer: Answer | None = None, prompt_tokens: int | None = None,
-                  completion_tokens: int | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The job as a Response: ``answer`` once it has one (``status`` the job's status, coserve's names)."""
+                  completion_tokens: int | None = None, error: dict[str, Any] | None = None,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The job as a Response: ``answer`` once it has one (``status`` the job's status, coserve's names), with its
+    token ``logprobs`` where they were asked for."""
     state = STATUSES.get(status or job.status, "in_progress")
     incomplete = None
     if state == "completed" and answer is not None and answer.finish_reason == "length":
@@ -278,7 +296,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "status": state, "background": bool(kept.get("background")), "error": error,
         "incomplete_details": incomplete,
         "instructions": kept.get("instructions"), "max_output_tokens": kept.get("max_output_tokens"),
-        "model": job.model, "output": output_items(job.id, answer) if answer is not None else [],
+        "model": job.model, "output": output_items(job.id, answer, logprobs) if answer is not None else [],
         "parallel_tool_calls": sampling.get("parallel_tool_calls", True),
         "previous_response_id": kept.get("previous_response_id"), "reasoning": None,
         "service_tier": service_tier(job.tier, tiers), "store": kept.get("store", True),

@@ -28,8 +28,8 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (ResponsesRequest, call_item, history_of, input_items, job_id_of, message_item,
-                                   response_body)
+from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, input_items, job_id_of,
+                                   message_item, response_body, token_logprobs)
 from app.services import jobs as job_service
 from app.services.job_follow import job_events, rest_from_sql
 from app.services.notify import announce_cancel
@@ -69,7 +69,7 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     kept = job.response or {}
     if job.status == JobStatus.SUCCEEDED:
         return response_body(job, kept, settings.tiers, answer=_answer(job), prompt_tokens=job.prompt_tokens,
-                             completion_tokens=job.completion_tokens)
+                             completion_tokens=job.completion_tokens, logprobs=job.output_logprobs)
     error = None
     if job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED):
         err = _job_error(job.status, job.error, job.error_code)
@@ -91,16 +91,18 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
     message: dict[str, Any] | None = None  # the message item while it is open
     text = ""  # its text so far
     calls: dict[int, dict[str, Any]] = {}  # the call items by the call's index
+    logprobs: list[dict[str, Any]] | None = [] if (job.sampling or {}).get("logprobs") is not None else None
+    pending = 0  # of them, those not yet sent with a text delta
 
     def close_message() -> list[bytes]:
         nonlocal message
         if message is None:
             return []
-        at, item = items.index(message), message_item(job.id, text)
+        at, item = items.index(message), message_item(job.id, text, logprobs=logprobs)
         items[at], message = item, None
         part = item["content"][0]
         return [event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0, text=text,
-                      logprobs=[]),
+                      logprobs=part["logprobs"]),
                 event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                       part=part),
                 event("response.output_item.done", output_index=at, item=item)]
@@ -115,14 +117,15 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                       part={"type": "output_text", "text": "", "annotations": []})]
 
     def pieces(content: str, deltas: list[dict[str, Any]] | None) -> list[bytes]:
-        nonlocal text
+        nonlocal text, pending
         out: list[bytes] = []
         if content:
             if message is None:
                 out += open_message()
             text += content
+            sent, pending = token_logprobs(logprobs[len(logprobs) - pending:]) if pending else [], 0
             out.append(event("response.output_text.delta", item_id=message["id"], output_index=items.index(message),
-                             content_index=0, delta=content, logprobs=[]))
+                             content_index=0, delta=content, logprobs=sent))
         for delta in deltas or ():
             k = delta["index"]
             if "id" in delta:  # a call opens: the message before it is done
@@ -154,7 +157,10 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
         yield event("response.in_progress", response=response_body(job, kept, settings.tiers, status="running"))
         async with aclosing(job_events(settings, job.id)) as events:
             async for ev in events:
-                if ev.type == "delta" and ev.text:
+                if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
+                    if logprobs is not None and ev.data.get("logprobs"):
+                        logprobs += ev.data["logprobs"]
+                        pending += len(ev.data["logprobs"])
                     for out in pieces(*answer_stream.feed(ev.text)):
                         yield out
                     whole += ev.text
@@ -172,7 +178,10 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                             error={"code": err.code or err.type, "message": err.message}))
                         return
                     if ev.data.get("from_sql"):  # ended through SQL: what the stream missed
-                        rest, _ = rest_from_sql(ev, len(whole), 0)
+                        rest, rest_logprobs = rest_from_sql(ev, len(whole), len(logprobs or ()))
+                        if logprobs is not None and rest_logprobs:
+                            logprobs += rest_logprobs
+                            pending += len(rest_logprobs)
                         for out in pieces(*answer_stream.feed(rest)):
                             yield out
                         whole += rest
@@ -185,7 +194,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                     answer = read_answer(job.id, job.sampling, whole, ev.finish_reason)
                     body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
                                          prompt_tokens=ev.data.get("prompt_tokens"),
-                                         completion_tokens=ev.data.get("completion_tokens"))
+                                         completion_tokens=ev.data.get("completion_tokens"), logprobs=logprobs)
                     yield event("response.completed" if body["status"] == "completed" else "response.incomplete",
                                 response=body)
                     return
@@ -219,7 +228,10 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
     kept = body.kept(history)
     writer = getattr(request.app.state, "job_writer", None)
-    job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)
+    try:
+        job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)
+    except OpenAIError as exc:  # the job's checks name chat's fields
+        raise in_responses_terms(exc) from exc
     headers = {"x-coserve-job-id": job.id}
     if body.background:  # the client polls GET /v1/responses/{id}; nothing here waits for the job
         return JSONResponse(response_body(job, kept, settings.tiers, status="queued"), headers=headers)
@@ -236,7 +248,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
     return JSONResponse(response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
                                       prompt_tokens=end.data["prompt_tokens"],
-                                      completion_tokens=end.data["completion_tokens"]), headers=headers)
+                                      completion_tokens=end.data["completion_tokens"],
+                                      logprobs=end.data.get("logprobs")), headers=headers)
 
 
 @router.get("/responses/{response_id}", responses=openai_responses(401, 404))

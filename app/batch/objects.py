@@ -39,7 +39,8 @@ def output_line(job: Job) -> dict[str, Any]:
 
         body = response_body(job, job.response or {}, get_settings().tiers, status=job.status,
                              answer=read_answer(job.id, job.sampling, text, reason),
-                             prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens)
+                             prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
+                             logprobs=job.output_logprobs)
     elif chat:
         body = chat_answer("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, job.id, job.sampling, text,
                            reason, job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs)

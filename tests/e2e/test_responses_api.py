@@ -125,6 +125,8 @@ def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys,
     ({"input": "x", "background": True, "store": False}, "store", "must be stored"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "includes only"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "vLLM"),  # the own engine has none
     ({"input": []}, "input", "must not be empty"),
     ({}, "input", "input"),
 ])

@@ -209,6 +209,17 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                                         {"type": "function_call_output", "call_id": item.call_id,
                                          "output": "Sunny, 24 degrees."}])
     assert answered.output_text and [o.type for o in answered.output] == ["message"]
+    # token logprobs on the Responses API: each output token's, with its alternatives, streamed as they come
+    lp_kw = dict(model="smollm2-135m-instruct", input=messages[0]["content"], max_output_tokens=6, temperature=0,
+                 include=["message.output_text.logprobs"], top_logprobs=2)
+    scored = oai.responses.create(**lp_kw)
+    tokens = scored.output[0].content[0].logprobs
+    assert len(tokens) == scored.usage.output_tokens and "".join(t.token for t in tokens) == scored.output_text
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
+    events = list(oai.responses.create(**lp_kw, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, round(t.logprob, 3)) for t in streamed] == [(t.token, round(t.logprob, 3)) for t in tokens]
+    assert len(events[-1].response.output[0].content[0].logprobs) == len(tokens)
     # tool_choice "auto" (OpenAI's default with tools): the model writes calls in its own syntax, which the
     # server's parser reads (Hermes here: the model copies the call shown in its history)
     with pytest.raises(openai.BadRequestError) as exc:
