@@ -64,7 +64,7 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
     ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input.0"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
 ])
