@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from app.batch.objects import output_line
@@ -353,3 +356,31 @@ def test_mistral_calls_stream_with_ids_its_templates_take():
     fed = [v11.feed(p) for p in ["[TOOL_CALLS]get_time", "[ARGS]", "{}"]]
     rest, calls, answer = v11.end("stop")
     assert all(ds is None for _, ds in fed) and streamed_calls(calls) == answer.tool_calls
+
+
+ARGUMENT_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                         max_size=3), max_leaves=6)
+CALLS = st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+                           st.dictionaries(st.text(max_size=5), ARGUMENT_VALUES, max_size=3)), min_size=1, max_size=3)
+
+
+@given(calls=CALLS, cuts=st.lists(st.integers(0, 400), max_size=12), compact=st.booleans(),
+       syntax=st.sampled_from(["required", "hermes", "llama3_json", "mistral"]))
+@settings(max_examples=300, deadline=None)
+def test_any_chunking_of_the_calls_streams_deltas_that_add_up_to_the_answer(calls, cuts, compact, syntax):
+    separators = (",", ":") if compact else (", ", ": ")
+    dumps = functools.partial(json.dumps, separators=separators)  # escapes as json does: quotes, backslashes
+    key = "parameters" if syntax in ("required", "llama3_json") else "arguments"
+    objects = [dumps({"name": name, key: arguments}) for name, arguments in calls]
+    text = {"required": "[" + ", ".join(objects) + "]",
+            "hermes": "Let me see. " + "".join(f"<tool_call>\n{o}\n</tool_call>" for o in objects),
+            "llama3_json": "; ".join(objects), "mistral": "[TOOL_CALLS] [" + ", ".join(objects) + "]"}[syntax]
+    sampling = {"tool_choice": "required"} if syntax == "required" else {"tool_choice": "auto", "tool_parser": syntax}
+    stream = AnswerStream("job_h", sampling)
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    fed = [stream.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
+    rest, more, answer = stream.end("stop")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer.tool_calls] == calls
+    assert streamed_calls([d for _, ds in fed for d in ds or ()] + (more or [])) == answer.tool_calls
+    assert "".join(t for t, _ in fed) + rest == (answer.content or "")
