@@ -357,6 +357,7 @@ class ChatCompletionRequest(_Base):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = None  # vLLM's: the answer starts with the last message where it is the assistant's
     # not implemented: the deprecated functions API (tools replaced it)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -373,6 +374,10 @@ class ChatCompletionRequest(_Base):
 
     def template_fields(self) -> dict[str, Any]:
         return {k: v for k in TEMPLATE_DEFAULTS if (v := getattr(self, k)) is not None}
+
+    def echo_fields(self) -> dict[str, Any]:
+        last = self.messages[-1] if self.messages else {}
+        return {"echo": True} if self.echo and isinstance(last, dict) and last.get("role") == "assistant" else {}
 
     def logprob_count(self) -> int | None:
         """Alternatives per token to report (``top_logprobs``) where ``logprobs`` is true, else None."""
@@ -529,12 +534,20 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
     return body
 
 
+def chat_echo(messages: list[dict[str, Any]] | None, sampling: dict[str, Any] | None) -> str:
+    """What a chat answer starts with: the last message, where the job echoes it (vLLM's chat ``echo``)."""
+    return messages[-1]["content"] if messages and (sampling or {}).get("echo") else ""
+
+
 def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[str, Any] | None, text: str,
                 engine_reason: str | None, prompt_tokens: int | None, completion_tokens: int | None,
-                extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A chat job's answer as OpenAI's body: its text read as content and tool calls (``read_answer``)."""
+                extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
+                echo: str = "") -> dict[str, Any]:
+    """A chat job's answer as OpenAI's body: its text read as content and tool calls (``read_answer``), its
+    content after ``echo`` (``chat_echo``)."""
     answer = read_answer(job_id, sampling, text, engine_reason)
-    return chat_completion(cid, model, created, answer.content, answer.finish_reason, prompt_tokens,
+    content = echo + answer.content if echo and answer.content is not None else answer.content
+    return chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
                            completion_tokens, extra, logprobs, tool_calls=answer.tool_calls)
 
 

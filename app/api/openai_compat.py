@@ -29,8 +29,8 @@ from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, StreamOptions,
-                                chat_answer, chat_logprobs, choice_specs, completion_logprobs, merge_choices, now_s,
-                                openai_param, service_tier, text_completion, usage, validation_message)
+                                chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, merge_choices,
+                                now_s, openai_param, service_tier, text_completion, usage, validation_message)
 from app.services import jobs as job_service
 from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
 from app.services.streaming import StreamEvent
@@ -241,6 +241,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
         if chat:
             for i in range(len(jobs)):
                 yield _sse(chunk(i, None, None, first=True))
+                if echoed := chat_echo(jobs[i].messages, jobs[i].sampling):  # vLLM's chat echo: the last message
+                    yield _sse(chunk(i, echoed, None))
         async with aclosing(_merged_events(settings, jobs)) as events:
             async for i, ev in events:
                 if ev.type in ("delta", "end") and ev.status in (None, JobStatus.SUCCEEDED) and (
@@ -334,7 +336,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         counts = (end.data["prompt_tokens"], end.data["completion_tokens"], extra, end.data.get("logprobs"))
         if chat:
             bodies.append(chat_answer(*head, job.id, job.sampling, end.data["output_text"], end.finish_reason,
-                                      *counts))
+                                      *counts, echo=chat_echo(job.messages, job.sampling)))
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.db.models import Batch, Job
-from app.openai_schemas import chat_answer, text_completion
+from app.openai_schemas import chat_answer, chat_echo, text_completion
 from app.responses_schemas import response_body
 from app.tool_calls import read_answer
 
@@ -43,7 +43,8 @@ def output_line(job: Job) -> dict[str, Any]:
                              logprobs=job.output_logprobs)
     elif chat:
         body = chat_answer("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, job.id, job.sampling, text,
-                           reason, job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs)
+                           reason, job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs,
+                           echo=chat_echo(job.messages, job.sampling))
     else:
         echo = {"echo": (job.prompt or "", job.prompt_logprobs)} if (job.sampling or {}).get("echo") else {}
         body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,

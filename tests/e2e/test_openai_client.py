@@ -159,6 +159,23 @@ def test_streaming_matches_non_streaming(oai):
     assert comp_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_chat_echo_starts_the_answer_with_the_assistants_last_message(oai):
+    prefill = [{"role": "user", "content": "Name a color"}, {"role": "assistant", "content": "My favourite is"}]
+    kw = dict(model="tiny", messages=prefill, max_tokens=4, temperature=0)
+    template = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+    plain = oai.chat.completions.create(**kw, extra_body=template).choices[0].message.content
+    echoed = oai.chat.completions.create(**kw, extra_body={**template, "echo": True}).choices[0].message.content
+    assert plain and echoed == "My favourite is" + plain  # vLLM's chat echo: the continued message, then the rest
+    chunks = list(oai.chat.completions.create(**kw, stream=True, extra_body={**template, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    # the last message is not the assistant's: nothing to echo
+    asked = [{"role": "user", "content": "Name a color"}]
+    assert (oai.chat.completions.create(model="tiny", messages=asked, max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True, "echo": True}).choices[0].message.content
+            == oai.chat.completions.create(model="tiny", messages=asked, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].message.content)
+
+
 def test_errors_have_openai_shape(live_server, keys):
     # every error here is caught before a job is submitted: no worker needed
     oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=30)
