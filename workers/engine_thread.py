@@ -47,6 +47,12 @@ def refusal_code(exc: BaseException) -> str | None:
     return INVALID_REQUEST if isinstance(exc, ValueError | TypeError) else None
 
 
+
+def failed_attempt(lease: leases.Lease, error: str, code: str | None = None) -> tuple[dict[str, Any], StreamEvent]:
+    """What a failed attempt writes on its job (``leases.finish``) and the event that ends its stream."""
+    return ({"error": error, "error_code": code},
+            StreamEvent("end", lease.attempt, status="failed", data={"error": error, "code": code}))
+
 class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
                  worker_id: str, stopping: threading.Event, reconcile_s: float | None = None) -> None:
@@ -234,10 +240,10 @@ class EngineThread:
     def _failure(job: ActiveJob, error: str, detail: str, code: str | None = None) -> Record:
         """``code``: ``INVALID_REQUEST`` where the request's own parameters failed it (else None)."""
         lease = job.lease
-        end = StreamEvent("end", lease.attempt, status="failed", data={"error": error, "code": code})
+        values, end = failed_attempt(lease, error, code)
 
         def write(s: Session) -> bool:
-            return leases.finish(s, lease, JobStatus.FAILED, {"error": error, "error_code": code}, detail=detail)
+            return leases.finish(s, lease, JobStatus.FAILED, values, detail=detail)
         return Record(f"the failure of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
 
     # ---------------------------------------------------------------- giving jobs back

@@ -37,7 +37,7 @@ from app.db.session import session_scope
 from app.observability import engine_metrics
 from app.services.dispatch import send_job
 from app.services.model_info import encode_input, get_tokenizer
-from app.services.streaming import CANCEL_CHANNEL, StreamEvent
+from app.services.streaming import CANCEL_CHANNEL
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from app.summarize.driver import advance_open_runs
@@ -50,7 +50,7 @@ from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
 from workers.celery_app import get_celery, queue_name
 from workers.control import start_control_listener
-from workers.engine_thread import EngineThread, refusal_code
+from workers.engine_thread import EngineThread, failed_attempt, refusal_code
 from workers.inbox import Abort, Add, Inbox, Learn
 from workers.outbox import Outbox, StepRecords
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
@@ -193,10 +193,8 @@ class GpuWorker:
                 request = self._request(job)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
                 log.warning("job %s failed at admission: %s", job_id, exc)
-                code = refusal_code(exc)
-                leases.finish(s, lease, JobStatus.FAILED, {"error": str(exc), "error_code": code},
-                              detail="rejected by the engine")
-                end = StreamEvent("end", attempt=lease.attempt, status="failed", data={"error": str(exc), "code": code})
+                values, end = failed_attempt(lease, str(exc), refusal_code(exc))
+                leases.finish(s, lease, JobStatus.FAILED, values, detail="rejected by the engine")
                 self.outbox.put(StepRecords(deltas=[(job_id, end)]))
                 return
             created = as_utc(job.created_at)
