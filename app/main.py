@@ -106,7 +106,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = api.state.settings
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
-    for module in (health, jobs, openai_compat, responses, models, tokenize, files, batches, summarize, admin, tenants, metrics):
+    for module in (health, jobs, openai_compat, responses, models, tokenize, files, batches, summarize, admin, tenants,
+                   metrics):
         api.include_router(module.router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES)
     _document_openai_errors(api)

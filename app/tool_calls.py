@@ -187,7 +187,8 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
         return Answer(text, None, reason)
     if sampling.get("parallel_tool_calls") is False:
         raw = raw[:1]  # one call at most, as asked ("required" generates only one; "auto" may write more)
-    calls = [{"id": call_id(job_id, i, sampling.get("tool_parser")), "type": "function", "function": {"name": name, "arguments": arguments}}
+    calls = [{"id": call_id(job_id, i, sampling.get("tool_parser")), "type": "function",
+              "function": {"name": name, "arguments": arguments}}
              for i, (name, arguments) in enumerate(raw)]
     ends_in_calls = choice == "auto" or (choice == "required" and reason == "stop")
     return Answer(content, calls, "tool_calls" if ends_in_calls else reason)

@@ -55,7 +55,8 @@ class ParsedFile:
         return len(self.valid) + len(self.invalid)
 
 
-def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ValidLine | InvalidLine:
+def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
+               tiers: tuple[str, ...] = DEFAULT_TIERS) -> ValidLine | InvalidLine:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -309,7 +309,8 @@ def test_a_template_that_refuses_the_history_is_the_clients_error(tiny_model_dir
 def test_the_call_scanner_reads_strings_nesting_and_arguments_that_are_no_object():
     from app.tool_call_scan import CallScanner, raw_arguments
 
-    text = '[{"name": "a\\"}", "parameters": {"s": "x}\\\\\\"{", "n": [1, {"y": null}]}}, {"name": "b", "parameters": "{}"}]'
+    text = ('[{"name": "a\\"}", "parameters": {"s": "x}\\\\\\"{", "n": [1, {"y": null}]}}, '
+            '{"name": "b", "parameters": "{}"}]')
     scanner = CallScanner(2)
     for c in text:  # one character at a time: every prefix is read as the whole text is
         scanner.feed(c)
