@@ -213,7 +213,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
             if text:
                 delta["content"] = text
             if tool_calls:
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
+                delta["tool_calls"] = tool_calls  # each names its call's index
             choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         else:
             choice = {"index": i, "text": text or "",

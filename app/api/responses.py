@@ -65,16 +65,20 @@ def _history(session, principal: Principal, resp_id: str) -> list[dict[str, Any]
     return history_of(job.messages or [], job.response or {}, _answer(job))
 
 
+def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
+    """A Response's ``error``: what the chat routes would answer for the job's end, as code and message."""
+    err = _job_error(status, error, code)
+    return {"code": err.code or err.type, "message": err.message}
+
+
 def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     kept = job.response or {}
     if job.status == JobStatus.SUCCEEDED:
         return response_body(job, kept, settings.tiers, answer=_answer(job), prompt_tokens=job.prompt_tokens,
                              completion_tokens=job.completion_tokens, logprobs=job.output_logprobs)
-    error = None
-    if job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED):
-        err = _job_error(job.status, job.error, job.error_code)
-        error = {"code": err.code or err.type, "message": err.message}
-    return response_body(job, kept, settings.tiers, error=error)
+    ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED)
+    return response_body(job, kept, settings.tiers,
+                         error=_error(job.status, job.error, job.error_code) if ended else None)
 
 
 async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -172,10 +176,9 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                 elif ev.type == "end":
                     ended = True
                     if ev.status != JobStatus.SUCCEEDED:
-                        err = _job_error(ev.status, ev.data.get("error"), ev.data.get("code"))
                         yield event("response.failed", response=response_body(
                             job, kept, settings.tiers, status=ev.status,
-                            error={"code": err.code or err.type, "message": err.message}))
+                            error=_error(ev.status, ev.data.get("error"), ev.data.get("code"))))
                         return
                     if ev.data.get("from_sql"):  # ended through SQL: what the stream missed
                         rest, rest_logprobs = rest_from_sql(ev, len(whole), len(logprobs or ()))
