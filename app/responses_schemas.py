@@ -70,9 +70,6 @@ class ResponsesRequest(BaseModel):
 
     def check(self) -> None:
         """Refuses what this server does not implement (a 400 naming the field)."""
-        if self.background and self.stream:
-            raise OpenAIError(400, "background with stream=true is not supported by this server; poll GET "
-                                   "/v1/responses/{id} instead", param="stream", code="unsupported_value")
         if self.background and not self.store:
             raise OpenAIError(400, "a background response is polled, so it must be stored: leave store true",
                               param="store")
@@ -219,11 +216,9 @@ def chat_response_format(fmt: Any) -> dict[str, Any]:
 def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Answer) -> list[dict[str, Any]]:
     """A finished response's conversation, for one that continues it: its messages without its instructions
     (OpenAI does not carry them over), then its answer as the assistant's turn."""
-    if kept.get("instructions") is not None:
-        at = next((i for i, m in enumerate(messages)
-                   if m.get("role") == "system" and m.get("content") == kept["instructions"]), None)
-        if at is not None:
-            messages = messages[:at] + messages[at + 1:]
+    if kept.get("instructions") is not None:  # the message just before the input (``input_from``)
+        at = kept["input_from"] - 1
+        messages = messages[:at] + messages[at + 1:]
     turn: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
     if answer.tool_calls:
         turn["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in answer.tool_calls]

@@ -212,10 +212,10 @@ class AnswerStream:
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
         """The content and the tool-call deltas to send now, given the text's next ``delta``."""
+        self.text += delta
         if self.choice is None:
             self.shown += len(delta)
             return delta, None
-        self.text += delta
         if isinstance(self.choice, dict):
             return "", self._named_call_delta()
         content = ""

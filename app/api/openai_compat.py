@@ -18,7 +18,6 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 import anyio
-import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,10 +31,11 @@ from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAI
                                 chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, merge_choices,
                                 now_s, openai_param, service_tier, text_completion, usage, validation_message)
 from app.services import jobs as job_service
-from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
-from app.services.streaming import StreamEvent
+from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
+                                        abandoned_on_hangup, answer_events)
+from app.services.answer_events import ends as job_ends
+from app.services.job_follow import cancel_abandoned
 from app.settings import Settings
-from app.tool_calls import AnswerStream
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,6 @@ def _submit(session, principal: Principal, settings: Settings, spec, endpoint: s
 
 # ---------------------------------------------------------------- following a job
 DISCONNECT_POLL_S = 0.5  # how often a non-stream request looks whether its client is still there
-ABANDONED = "client disconnected before the answer was complete"
-ANOTHER_FAILED = "another choice of the request failed"
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
@@ -126,68 +124,6 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
     return jobs
 
 
-async def _ends(settings: Settings, jobs: list[Job]) -> list[StreamEvent]:
-    """Every job's end; or, as soon as one did not succeed, that end alone (the others are stopped)."""
-    waits = [asyncio.ensure_future(wait_for_end(settings, job.id)) for job in jobs]
-    try:
-        pending = set(waits)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for wait in done:
-                if (end := wait.result()).status != JobStatus.SUCCEEDED:
-                    if len(jobs) > 1:
-                        await _abandon(settings, jobs, ANOTHER_FAILED)
-                    return [end]
-        return [wait.result() for wait in waits]
-    finally:  # on an error or a cancel (the client left), no wait goes on alone
-        for wait in waits:
-            wait.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
-
-
-async def _merged_events(settings: Settings, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """The events of a request's jobs (one per choice) as they come, each with its choice's index; a job's own
-    events stay in order."""
-    if len(jobs) == 1:
-        async with aclosing(job_events(settings, jobs[0].id)) as events:
-            async for ev in events:
-                yield 0, ev
-        return
-    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, job: Job) -> None:
-        try:
-            async with aclosing(job_events(settings, job.id)) as events:
-                async for ev in events:
-                    queue.put_nowait((i, ev))
-        except Exception as exc:  # noqa: BLE001 - handed to the reader, which fails the stream with it
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
-    try:
-        running = len(tasks)
-        while running:
-            i, ev = await queue.get()
-            if ev is None:
-                running -= 1
-            elif isinstance(ev, BaseException):
-                raise ev
-            else:
-                yield i, ev
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _abandon(settings: Settings, jobs: list[Job], detail: str = ABANDONED) -> None:
-    """Stops generating the unfinished ones of ``jobs`` (SQL and Redis I/O: in a worker thread)."""
-    for job in jobs:
-        await anyio.to_thread.run_sync(cancel_abandoned, settings, job.id, detail)
-
-
 async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: StreamOptions,
                   n: int = 1) -> AsyncIterator[bytes]:
     """The jobs' tokens as OpenAI chunks, choice i = job i; ``n`` choices per prompt (usage counts a prompt once);
@@ -196,18 +132,13 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
     cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
     created, model = now_s(), jobs[0].model
     obj = "chat.completion.chunk" if chat else "text_completion"
-    delivered = [0] * len(jobs)  # characters of the output sent, per choice
-    generated = [0] * len(jobs)  # output tokens so far, per choice
-    logprobs_sent = [0] * len(jobs)  # token logprobs sent (where the jobs asked for them), per choice
     # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
-    # chat: what of the text is content, and which tool calls' deltas go out when (app.tool_calls.AnswerStream)
-    answers = [AnswerStream(job.id, job.sampling if chat else None) for job in jobs]
 
-    def chunk(i: int, text: str | None, finish: str | None, first: bool = False,
-              logprobs: list[dict[str, Any]] | None = None,
-              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def chunk(i: int, text: str | None, finish: str | None, generated: int, first: bool = False,
+              logprobs: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+              offset: int = 0) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
@@ -217,90 +148,51 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
             choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         else:
             choice = {"index": i, "text": text or "",
-                      "logprobs": completion_logprobs(logprobs, echoed[i] + delivered[i]), "finish_reason": finish}
+                      "logprobs": completion_logprobs(logprobs, echoed[i] + offset), "finish_reason": finish}
         out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
-            out["usage"] = usage(jobs[i].prompt_tokens, generated[i]) if continuous_usage else None
+            out["usage"] = usage(jobs[i].prompt_tokens, generated) if continuous_usage else None
         return out
 
-    def echo_chunk(i: int, ev: StreamEvent) -> bytes | None:
-        """The prompt of an echoing choice, once, before its first text."""
-        if not echo[i]:
-            return None
-        echo[i] = False
-        prompt, asked = jobs[i].prompt or "", (jobs[i].sampling or {}).get("prompt_logprobs") is not None
-        out = _sse(chunk(i, prompt, None, logprobs=(ev.data.get("prompt_logprobs") or []) if asked else None))
-        echoed[i] = len(prompt)
-        return out
-
-    unfinished, prompt_tokens, completion_tokens = len(jobs), [0] * len(jobs), 0
-    # the stream ended on its own (the jobs' ends, an error, a failure here): only a client that
-    # hung up (Starlette cancels or closes this generator) abandons the jobs
-    ended = False
+    prompt_tokens, completion_tokens, finished = [0] * len(jobs), 0, 0
     try:
         if chat:
             for i in range(len(jobs)):
-                yield _sse(chunk(i, None, None, first=True))
-                if echoed := chat_echo(jobs[i].messages, jobs[i].sampling):  # vLLM's chat echo: the last message
-                    yield _sse(chunk(i, echoed, None))
-        async with aclosing(_merged_events(settings, jobs)) as events:
-            async for i, ev in events:
-                if ev.type in ("delta", "end") and ev.status in (None, JobStatus.SUCCEEDED) and (
-                        first := echo_chunk(i, ev)):
-                    yield first
-                if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
-                    logprobs = ev.data.get("logprobs") or None
-                    logprobs_sent[i] += len(logprobs or ())
-                    generated[i] += len(ev.token_ids)
-                    content, calls = answers[i].feed(ev.text)
-                    if content or logprobs or calls:
-                        yield _sse(chunk(i, content, None, logprobs=logprobs, tool_calls=calls))
-                    delivered[i] += len(ev.text)
-                elif ev.type == "error":  # the stream could not be read on; the job goes on
-                    ended = True
-                    yield _sse_error(OpenAIError(503, ev.data.get("error") or "the stream was interrupted",
-                                                 type="server_error", code="stream_interrupted"))
-                    return  # no [DONE]: the answer is incomplete
-                elif ev.type == "end":
-                    if ev.status != JobStatus.SUCCEEDED:
-                        ended = True
+                yield _sse(chunk(i, None, None, 0, first=True))
+                if echoed_turn := chat_echo(jobs[i].messages, jobs[i].sampling):  # vLLM's chat echo: the last message
+                    yield _sse(chunk(i, echoed_turn, None, 0))
+        async with aclosing(answer_events(settings, jobs, chat)) as items:
+            async for item in items:
+                match item:
+                    case Begun(choice=i) if echo[i]:  # the prompt of an echoing choice, once, before its text
+                        prompt = jobs[i].prompt or ""
+                        asked = (jobs[i].sampling or {}).get("prompt_logprobs") is not None
+                        yield _sse(chunk(i, prompt, None, 0, logprobs=(item.prompt_logprobs or []) if asked else None))
+                        echo[i], echoed[i] = False, len(prompt)
+                    case Piece(choice=i):
+                        yield _sse(chunk(i, item.content, None, item.generated, logprobs=item.logprobs,
+                                         tool_calls=item.calls, offset=item.offset))
+                    case Interrupted():  # the stream could not be read on; the job goes on
+                        yield _sse_error(OpenAIError(503, item.message, type="server_error", code="stream_interrupted"))
+                        return  # no [DONE]: the answer is incomplete
+                    case Failed(choice=i):
                         if len(jobs) > 1:  # the answer is lost without this choice: the others stop too, first
                             with anyio.CancelScope(shield=True):  # (the client may be gone at the next yield)
-                                await _abandon(settings, jobs, ANOTHER_FAILED)
-                        yield _sse_error(_job_error(ev.status, ev.data.get("error"), ev.data.get("code")))
-                        break
-                    if ev.data.get("from_sql"):  # ended through SQL: send what the stream missed
-                        rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_sent[i])
-                        content, calls = answers[i].feed(rest)
-                        if content or rest_logprobs or calls:
-                            yield _sse(chunk(i, content, None, logprobs=rest_logprobs, tool_calls=calls))
-                        delivered[i] += len(rest)
-                    content, calls, answer = answers[i].end(ev.finish_reason)
-                    generated[i] = ev.data.get("completion_tokens") or generated[i]
-                    if content or calls:
-                        yield _sse(chunk(i, content, None, tool_calls=calls))
-                    yield _sse(chunk(i, None, answer.finish_reason))
-                    prompt_tokens[i] = ev.data.get("prompt_tokens") or 0
-                    completion_tokens += ev.data.get("completion_tokens") or 0
-                    unfinished -= 1
-                    if unfinished:
-                        continue
-                    if include_usage:
-                        yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                                    "usage": usage(sum(prompt_tokens[::n]), completion_tokens)})
-                    break
-        ended = True
+                                await abandon(settings, jobs, ANOTHER_FAILED)
+                        yield _sse_error(_job_error(item.status, item.error, item.code))
+                    case Finished(choice=i):
+                        yield _sse(chunk(i, None, item.answer.finish_reason, item.completion_tokens))
+                        prompt_tokens[i] = item.prompt_tokens
+                        completion_tokens += item.completion_tokens
+                        finished += 1
+        if include_usage and finished == len(jobs):
+            yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+                        "usage": usage(sum(prompt_tokens[::n]), completion_tokens)})
         yield _sse("[DONE]")
     except Exception:  # a bug or a database error: say so to the client; the jobs themselves go on
-        ended = True
         log.exception("the stream of job %s failed", jobs[0].id)
         yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{jobs[0].id})",
                                      type="server_error", code="stream_interrupted"))
-    finally:
-        if not ended:
-            # shielded, because this runs while the disconnected response's task is being cancelled
-            with anyio.CancelScope(shield=True):
-                await _abandon(settings, jobs)
 
 
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
@@ -319,11 +211,12 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(_stream(settings, jobs, chat, body.stream_options or StreamOptions(), n),
-                                 media_type="text/event-stream", headers=headers)
-    ends = await _unless_disconnected(request, _ends(settings, jobs))
+        chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)
+        return StreamingResponse(abandoned_on_hangup(settings, jobs, chunks), media_type="text/event-stream",
+                                 headers=headers)
+    ends = await _unless_disconnected(request, job_ends(settings, jobs))
     if ends is None:  # nobody waits for the answer any more: stop generating it
-        await _abandon(settings, jobs)
+        await abandon(settings, jobs)
         return Response(status_code=499)  # nginx's "client closed request"; no one reads it
     if ends[0].status != JobStatus.SUCCEEDED:
         raise _job_error(ends[0].status, ends[0].data.get("error"), ends[0].data.get("code"))

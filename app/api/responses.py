@@ -9,21 +9,19 @@ conversation: its messages (less its instructions) and its answer come before th
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
-import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
-from app.api.openai_compat import _abandon, _body, _documented_body, _ends, _job_error, _submit, _unless_disconnected
+from app.api.openai_compat import _body, _documented_body, _job_error, _submit, _unless_disconnected
 from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import write_after_read
@@ -31,10 +29,12 @@ from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, input_items, job_id_of,
                                    message_item, response_body, token_logprobs)
 from app.services import jobs as job_service
-from app.services.job_follow import job_events, rest_from_sql
+from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
+from app.services.answer_events import ends as job_ends
+from app.services.job_follow import stream_expired
 from app.services.notify import announce_cancel
 from app.settings import Settings
-from app.tool_calls import AnswerStream, read_answer
+from app.tool_calls import read_answer
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +81,10 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
                          error=_error(job.status, job.error, job.error_code) if ended else None)
 
 
-async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[bytes]:
-    """The job as the Responses API's stream of typed events: created, the output items' text and call
-    arguments as they come, then completed (or incomplete, failed; an ``error`` event where the stream broke)."""
-    sequence = itertools.count()
-
-    def event(kind: str, **fields: Any) -> bytes:
-        data = json.dumps({"type": kind, "sequence_number": next(sequence), **fields}, separators=(",", ":"))
-        return f"event: {kind}\ndata: {data}\n\n".encode()
-
-    answer_stream = AnswerStream(job.id, job.sampling)
+async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The job as the Responses API's typed events, without their sequence numbers: created, the output items'
+    text and call arguments as they come, then completed (or incomplete, failed; an ``error`` event where the
+    stream broke). The same job's events are the same events every time its stream is read."""
     items: list[dict[str, Any]] = []  # the output items opened, in order (a message, then function calls)
     message: dict[str, Any] | None = None  # the message item while it is open
     text = ""  # its text so far
@@ -98,38 +92,38 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
     logprobs: list[dict[str, Any]] | None = [] if (job.sampling or {}).get("logprobs") is not None else None
     pending = 0  # of them, those not yet sent with a text delta
 
-    def close_message() -> list[bytes]:
+    def close_message() -> list[dict[str, Any]]:
         nonlocal message
         if message is None:
             return []
         at, item = items.index(message), message_item(job.id, text, logprobs=logprobs)
         items[at], message = item, None
         part = item["content"][0]
-        return [event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0, text=text,
-                      logprobs=part["logprobs"]),
-                event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
-                      part=part),
-                event("response.output_item.done", output_index=at, item=item)]
+        return [_event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+                       text=text, logprobs=part["logprobs"]),
+                _event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
+                       part=part),
+                _event("response.output_item.done", output_index=at, item=item)]
 
-    def open_message() -> list[bytes]:
+    def open_message() -> list[dict[str, Any]]:
         nonlocal message
         message = message_item(job.id, "", status="in_progress")
         items.append(message)
         at = len(items) - 1
-        return [event("response.output_item.added", output_index=at, item=message),
-                event("response.content_part.added", item_id=message["id"], output_index=at, content_index=0,
-                      part={"type": "output_text", "text": "", "annotations": []})]
+        return [_event("response.output_item.added", output_index=at, item=message),
+                _event("response.content_part.added", item_id=message["id"], output_index=at, content_index=0,
+                       part={"type": "output_text", "text": "", "annotations": []})]
 
-    def pieces(content: str, deltas: list[dict[str, Any]] | None) -> list[bytes]:
+    def pieces(content: str, deltas: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         nonlocal text, pending
-        out: list[bytes] = []
+        out: list[dict[str, Any]] = []
         if content:
             if message is None:
                 out += open_message()
             text += content
             sent, pending = token_logprobs(logprobs[len(logprobs) - pending:]) if pending else [], 0
-            out.append(event("response.output_text.delta", item_id=message["id"], output_index=items.index(message),
-                             content_index=0, delta=content, logprobs=sent))
+            out.append(_event("response.output_text.delta", item_id=message["id"],
+                              output_index=items.index(message), content_index=0, delta=content, logprobs=sent))
         for delta in deltas or ():
             k = delta["index"]
             if "id" in delta:  # a call opens: the message before it is done
@@ -137,84 +131,76 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                 call = {**delta, "function": {**delta["function"], "arguments": ""}}
                 calls[k] = call_item(call, status="in_progress")
                 items.append(calls[k])
-                out.append(event("response.output_item.added", output_index=len(items) - 1, item=calls[k]))
+                out.append(_event("response.output_item.added", output_index=len(items) - 1, item=calls[k]))
             if arguments := delta["function"].get("arguments"):
                 calls[k]["arguments"] += arguments
-                out.append(event("response.function_call_arguments.delta", item_id=calls[k]["id"],
-                                 output_index=items.index(calls[k]), delta=arguments))
+                out.append(_event("response.function_call_arguments.delta", item_id=calls[k]["id"],
+                                  output_index=items.index(calls[k]), delta=arguments))
         return out
 
-    def close_calls() -> list[bytes]:
+    def close_calls() -> list[dict[str, Any]]:
         out = []
         for item in calls.values():
             at = items.index(item)
             item["status"] = "completed"
-            out += [event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                          arguments=item["arguments"]),
-                    event("response.output_item.done", output_index=at, item=item)]
+            out += [_event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                           arguments=item["arguments"]),
+                    _event("response.output_item.done", output_index=at, item=item)]
         return out
 
-    whole = ""  # the job's text read
-    ended = False  # the stream ended on its own; only a client that hung up abandons the job
     try:
-        yield event("response.created", response=response_body(job, kept, settings.tiers, status="queued"))
-        yield event("response.in_progress", response=response_body(job, kept, settings.tiers, status="running"))
-        async with aclosing(job_events(settings, job.id)) as events:
-            async for ev in events:
-                if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
-                    if logprobs is not None and ev.data.get("logprobs"):
-                        logprobs += ev.data["logprobs"]
-                        pending += len(ev.data["logprobs"])
-                    for out in pieces(*answer_stream.feed(ev.text)):
-                        yield out
-                    whole += ev.text
-                elif ev.type == "error":  # the stream could not be read on; the job goes on
-                    ended = True
-                    yield event("error", code="stream_interrupted", param=None,
-                                message=ev.data.get("error") or "the stream was interrupted")
-                    return
-                elif ev.type == "end":
-                    ended = True
-                    if ev.status != JobStatus.SUCCEEDED:
-                        yield event("response.failed", response=response_body(
-                            job, kept, settings.tiers, status=ev.status,
-                            error=_error(ev.status, ev.data.get("error"), ev.data.get("code"))))
-                        return
-                    if ev.data.get("from_sql"):  # ended through SQL: what the stream missed
-                        rest, rest_logprobs = rest_from_sql(ev, len(whole), len(logprobs or ()))
-                        if logprobs is not None and rest_logprobs:
-                            logprobs += rest_logprobs
-                            pending += len(rest_logprobs)
-                        for out in pieces(*answer_stream.feed(rest)):
+        yield _event("response.created", response=response_body(job, kept, settings.tiers, status="queued"))
+        yield _event("response.in_progress", response=response_body(job, kept, settings.tiers, status="running"))
+        async with aclosing(answer_events(settings, [job])) as answer:
+            async for item in answer:
+                match item:
+                    case Piece():
+                        if logprobs is not None and item.logprobs:
+                            logprobs += item.logprobs
+                            pending += len(item.logprobs)
+                        for out in pieces(item.content, item.calls):
                             yield out
-                        whole += rest
-                    content, new_calls, _ = answer_stream.end(ev.finish_reason)
-                    for out in pieces(content, new_calls):
-                        yield out
-                    opened = [] if items else open_message()  # an empty answer is an empty message, as in the Response
-                    for out in opened + close_message() + close_calls():
-                        yield out
-                    answer = read_answer(job.id, job.sampling, whole, ev.finish_reason)
-                    body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
-                                         prompt_tokens=ev.data.get("prompt_tokens"),
-                                         completion_tokens=ev.data.get("completion_tokens"), logprobs=logprobs)
-                    yield event("response.completed" if body["status"] == "completed" else "response.incomplete",
-                                response=body)
-                    return
-        ended = True
+                    case Interrupted():  # the stream could not be read on; the job goes on
+                        yield _event("error", code="stream_interrupted", param=None, message=item.message)
+                    case Failed():
+                        yield _event("response.failed", response=response_body(
+                            job, kept, settings.tiers, status=item.status,
+                            error=_error(item.status, item.error, item.code)))
+                    case Finished():
+                        opened = [] if items else open_message()  # an empty answer: an empty message, as in the Response
+                        for out in opened + close_message() + close_calls():
+                            yield out
+                        body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED,
+                                             answer=item.answer, prompt_tokens=item.prompt_tokens,
+                                             completion_tokens=item.completion_tokens, logprobs=logprobs)
+                        yield _event("response.completed" if body["status"] == "completed" else "response.incomplete",
+                                     response=body)
     except Exception:  # a bug or a database error: say so; the job itself goes on
-        ended = True
         log.exception("the Responses stream of job %s failed", job.id)
-        yield event("error", code="stream_interrupted", param=None,
-                    message=f"the stream failed; the job goes on (GET /v1/responses/{job.id})")
-    finally:
-        if not ended:  # the client hung up: stop generating for nobody (shielded: this task is being cancelled)
-            with anyio.CancelScope(shield=True):
-                await _abandon(settings, [job])
+        yield _event("error", code="stream_interrupted", param=None,
+                     message=f"the stream failed; the job goes on (GET /v1/responses/{job.id})")
+
+
+def _event(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, **fields}
+
+
+async def _numbered(events: AsyncIterator[dict[str, Any]], starting_after: int | None = None) -> AsyncIterator[bytes]:
+    """``events`` as server-sent events, numbered from 0 in order; those up to ``starting_after`` are left out
+    (a client that resumes a stream has them)."""
+    number = -1
+    async with aclosing(events) as typed:
+        async for ev in typed:
+            number += 1
+            if starting_after is None or number > starting_after:
+                data = json.dumps({"type": ev["type"], "sequence_number": number, **ev}, separators=(",", ":"))
+                yield f"event: {ev['type']}\ndata: {data}\n\n".encode()
 
 
 _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Response, or its events with stream: true"},
             **openai_responses(400, 401, 404, 409, 413, 500, 504)}
+_ANSWERS_GET = {200: _ANSWERS[200], **openai_responses(400, 401, 404)}
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/responses", responses=_ANSWERS, openapi_extra=_documented_body(ResponsesRequest))
@@ -236,14 +222,16 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     except OpenAIError as exc:  # the job's checks name chat's fields
         raise in_responses_terms(exc) from exc
     headers = {"x-coserve-job-id": job.id}
+    if chat.stream:
+        events = _numbered(_events(settings, job, kept))
+        if not body.background:  # a background response runs on when its client hangs up (GET resumes it)
+            events = abandoned_on_hangup(settings, [job], events)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers | _STREAM_HEADERS)
     if body.background:  # the client polls GET /v1/responses/{id}; nothing here waits for the job
         return JSONResponse(response_body(job, kept, settings.tiers, status="queued"), headers=headers)
-    if chat.stream:
-        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(_events(settings, job, kept), media_type="text/event-stream", headers=headers)
-    ends = await _unless_disconnected(request, _ends(settings, [job]))
+    ends = await _unless_disconnected(request, job_ends(settings, [job]))
     if ends is None:  # nobody waits for the answer any more
-        await _abandon(settings, [job])
+        await abandon(settings, [job])
         return Response(status_code=499)
     end = ends[0]
     if end.status != JobStatus.SUCCEEDED:
@@ -255,10 +243,21 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
                                       logprobs=end.data.get("logprobs")), headers=headers)
 
 
-@router.get("/responses/{response_id}", responses=openai_responses(401, 404))
-def get_response(response_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
-    """A stored response: its output once the job is done, its status meanwhile."""
-    return _retrieved(_stored(session, principal, response_id), settings)
+@router.get("/responses/{response_id}", responses=_ANSWERS_GET)
+async def get_response(response_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
+                       stream: bool = False, starting_after: Annotated[int | None, Query(ge=0)] = None):
+    """A stored response: its output once the job is done, its status meanwhile; with ``stream``, its events
+    from the start (those after the event numbered ``starting_after``), live while it runs. A response's
+    events can be read again until an hour after it ended (the job's stream expires then)."""
+    job = await run_in_threadpool(_stored, session, principal, response_id)
+    if not stream:
+        return _retrieved(job, settings)
+    if starting_after is not None and JobStatus(job.status).terminal and await stream_expired(settings, job.id):
+        raise OpenAIError(400, f"the events of response {response_id!r} have expired (they are kept for an hour "
+                               "after it ends): read it without stream, or stream it again from the start",
+                          param="starting_after")
+    return StreamingResponse(_numbered(_events(settings, job, job.response or {}), starting_after),
+                             media_type="text/event-stream", headers={"x-coserve-job-id": job.id} | _STREAM_HEADERS)
 
 
 @router.get("/responses/{response_id}/input_items", responses=openai_responses(400, 401, 404))

@@ -21,7 +21,7 @@ from app.db.models import Job, JobStatus
 from app.db.session import session_scope
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel
-from app.services.streaming import StreamEvent, follow_job
+from app.services.streaming import OUTAGE_ERRORS, StreamEvent, follow_job, stream_key
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,20 @@ async def job_events(settings: Settings, job_id: str) -> AsyncIterator[StreamEve
         async for ev in follow_job(client, job_id, block_ms=BLOCK_MS, sql_end=sql_end,
                                    outage_limit_s=settings.stream_outage_s):
             yield ev
+    finally:
+        await client.aclose()
+
+
+async def stream_expired(settings: Settings, job_id: str) -> bool:
+    """Whether the job's Redis stream is gone (it expires ``STREAM_TTL_S`` after the job's end); False where there
+    is no Redis (SQL alone answers the same every time) or it cannot be asked."""
+    if not settings.redis_url:
+        return False
+    client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    try:
+        return not await client.exists(stream_key(job_id))
+    except OUTAGE_ERRORS:
+        return False
     finally:
         await client.aclose()
 

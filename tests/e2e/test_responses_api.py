@@ -4,12 +4,16 @@ deleting, and errors."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
+import redis
 
 from app.db.models import Job
 from app.db.session import session_scope
+from app.services.streaming import stream_key
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -116,12 +120,53 @@ def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys,
     assert "only a background response" in exc.value.body["message"]
 
 
+def _sse_events(lines) -> list[dict]:
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+
+
+def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_server, keys, start_worker, settings):
+    start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.05")
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
+    seen: list[dict] = []
+    with httpx.stream("POST", f"{live_server}/v1/responses", headers={"Authorization": f"Bearer {keys.paid}"},
+                      json={"model": "tiny", "input": "Tell me a story", "max_output_tokens": 40, "background": True,
+                            "stream": True, "ignore_eos": True}, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():  # the client leaves after a few deltas
+            seen += _sse_events([line])
+            if sum(e["type"] == "response.output_text.delta" for e in seen) == 3:
+                break
+    assert seen[0]["type"] == "response.created" and seen[0]["response"]["background"] is True
+    resp_id, last = seen[0]["response"]["id"], seen[-1]["sequence_number"]
+
+    # it runs on (a plain stream's job would be cancelled), and GET resumes the stream after the last event read
+    resumed = list(oai.responses.retrieve(resp_id, stream=True, starting_after=last))
+    assert resumed[0].sequence_number == last + 1 and resumed[-1].type == "response.incomplete"
+    final = resumed[-1].response
+    assert final.usage.output_tokens == 40 and oai.responses.retrieve(resp_id).status == "incomplete"
+    deltas = [e["delta"] for e in seen if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas + [e.delta for e in resumed if e.type == "response.output_text.delta"]) == final.output_text
+
+    # read again from the start, the stream is the same events with the same numbers
+    whole = list(oai.responses.retrieve(resp_id, stream=True))
+    assert [(e.sequence_number, e.type) for e in whole] == (
+        [(e["sequence_number"], e["type"]) for e in seen] + [(e.sequence_number, e.type) for e in resumed])
+
+    # once the job's stream has expired, a replay is the whole answer at once, and resuming it is refused
+    redis.Redis.from_url(settings.redis_url).delete(stream_key("job_" + resp_id.removeprefix("resp_")))
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.retrieve(resp_id, stream=True, starting_after=last)
+    assert exc.value.body["param"] == "starting_after" and "expired" in exc.value.body["message"]
+    condensed = list(oai.responses.retrieve(resp_id, stream=True))
+    assert "".join(e.delta for e in condensed if e.type == "response.output_text.delta") == final.output_text
+    assert condensed[-1].type == "response.incomplete"
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input.0.type", "not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0", "input_text"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
-    ({"input": "x", "background": True, "stream": True}, "stream", "not supported"),
     ({"input": "x", "background": True, "store": False}, "store", "must be stored"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),

@@ -77,8 +77,17 @@ def test_errors_name_the_field_the_client_wrote(body, param):
 def test_a_continued_conversation_drops_the_instructions_and_adds_the_answer():
     messages = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Weather?"}]
     answer = Answer(content=None, tool_calls=[{**CALL, "index": 0}], finish_reason="tool_calls")
-    assert history_of(messages, {"instructions": "Be brief"}, answer) == [
+    assert history_of(messages, {"instructions": "Be brief", "input_from": 1}, answer) == [
         {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    # a continued conversation that had a system message of the same text keeps it: the instructions are
+    # the message before the input
+    earlier = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello"}]
+    body = {"model": "m", "input": "Weather?", "instructions": "Be brief"}
+    req = ResponsesRequest.model_validate(body)
+    job_messages = req.chat_request(body, earlier)[0].messages
+    assert history_of(job_messages, req.kept(earlier), answer)[:4] == [
+        *earlier, {"role": "user", "content": "Weather?"}]
     # without instructions every message stays, a system one too
     text = Answer(content="Sunny", tool_calls=None, finish_reason="stop")
     assert history_of(messages, {}, text)[0] == messages[0]

@@ -162,8 +162,8 @@ def test_auto_streams_the_content_then_each_call_as_it_comes():
     shown = "".join(plain.feed(p)[0] for p in ["1 <", " 2"]) + plain.end("stop")[0]
     assert shown == "1 < 2"
     free = AnswerStream("job_t", None)
-    assert free.feed("abc") == ("abc", None) and free.end("length") == ("", None, read_answer("job_t", None, "",
-                                                                                               "length"))
+    assert free.feed("abc") == ("abc", None)
+    assert free.end("length") == ("", None, read_answer("job_t", None, "abc", "length"))  # the whole answer
 
 
 def test_a_named_call_streams_its_arguments_as_they_come():

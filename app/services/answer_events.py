@@ -1,0 +1,205 @@
+"""A request's answer while its jobs run (one job per choice): their events read as what a client is sent.
+
+``answer_events`` turns the jobs' stream events into content, tool-call deltas and token logprobs as they come,
+then each choice's whole answer (or the failure that ended it). The OpenAI chunks of chat and completions and
+the Responses API's typed events are two ways of writing the same items. ``abandoned_on_hangup`` stops the jobs
+of a client that leaves before its stream has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from app.db.models import Job, JobStatus
+from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
+from app.services.streaming import StreamEvent
+from app.settings import Settings
+from app.tool_calls import Answer, AnswerStream
+
+log = logging.getLogger(__name__)
+
+ABANDONED = "client disconnected before the answer was complete"
+ANOTHER_FAILED = "another choice of the request failed"
+
+
+@dataclass
+class Begun:
+    """Choice ``choice`` produced its first event (a completion's echo goes out before its text)."""
+
+    choice: int
+    prompt_logprobs: list[dict[str, Any]] | None  # the prompt's token logprobs, where the job asked for them
+
+
+@dataclass
+class Piece:
+    """What choice ``choice`` adds to its answer now."""
+
+    choice: int
+    content: str  # text that is the answer's content
+    calls: list[dict[str, Any]] | None  # tool-call deltas, each naming its call's index
+    logprobs: list[dict[str, Any]] | None  # token logprobs new with it (None where the job asked for none)
+    offset: int  # characters of the choice's text before this piece's (completions' text_offset)
+    generated: int  # output tokens of the choice so far, counted from the stream
+
+
+@dataclass
+class Finished:
+    """Choice ``choice`` succeeded; every piece of it was given."""
+
+    choice: int
+    answer: Answer
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    """Choice ``choice`` ended without its answer (the items stop here)."""
+
+    choice: int
+    status: str
+    error: str | None
+    code: str | None
+
+
+@dataclass
+class Interrupted:
+    """The stream could not be read on; the jobs go on (the items stop here)."""
+
+    message: str
+
+
+AnswerItem = Begun | Piece | Finished | Failed | Interrupted
+
+
+async def merged_events(settings: Settings, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The events of a request's jobs (one per choice) as they come, each with its choice's index; a job's own
+    events stay in order."""
+    if len(jobs) == 1:
+        async with aclosing(job_events(settings, jobs[0].id)) as events:
+            async for ev in events:
+                yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async with aclosing(job_events(settings, job.id)) as events:
+                async for ev in events:
+                    queue.put_nowait((i, ev))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which fails the stream with it
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(tasks)
+        while running:
+            i, ev = await queue.get()
+            if ev is None:
+                running -= 1
+            elif isinstance(ev, BaseException):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) -> AsyncIterator[AnswerItem]:
+    """The answers of ``jobs`` (choice i = job i) as they come, until every choice has finished, one has
+    failed, or the stream was interrupted. ``chat``: read tool calls as the jobs asked (a completion's text is
+    all content)."""
+    answers = [AnswerStream(job.id, job.sampling if chat else None) for job in jobs]
+    delivered = [0] * len(jobs)  # characters of each choice's text given
+    generated = [0] * len(jobs)  # its output tokens counted from the stream
+    logprobs_given = [0] * len(jobs)  # its token logprobs given
+    begun = [False] * len(jobs)
+    unfinished = len(jobs)
+
+    def piece(i: int, content: str, calls: list[dict[str, Any]] | None, logprobs: list[dict[str, Any]] | None,
+              text: str) -> Piece | None:
+        given = Piece(i, content, calls, logprobs, delivered[i], generated[i])
+        delivered[i] += len(text)
+        logprobs_given[i] += len(logprobs or ())
+        return given if content or calls or logprobs else None
+
+    async with aclosing(merged_events(settings, jobs)) as events:
+        async for i, ev in events:
+            if not begun[i] and ev.type in ("delta", "end") and ev.status in (None, JobStatus.SUCCEEDED):
+                begun[i] = True
+                yield Begun(i, ev.data.get("prompt_logprobs"))
+            if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
+                generated[i] += len(ev.token_ids)
+                if given := piece(i, *answers[i].feed(ev.text), ev.data.get("logprobs") or None, ev.text):
+                    yield given
+            elif ev.type == "error":
+                yield Interrupted(ev.data.get("error") or "the stream was interrupted")
+                return
+            elif ev.type == "end":
+                if ev.status != JobStatus.SUCCEEDED:
+                    yield Failed(i, ev.status or JobStatus.FAILED, ev.data.get("error"), ev.data.get("code"))
+                    return
+                if ev.data.get("from_sql"):  # ended through SQL: what the stream missed
+                    rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_given[i])
+                    if given := piece(i, *answers[i].feed(rest), rest_logprobs or None, rest):
+                        yield given
+                content, calls, answer = answers[i].end(ev.finish_reason)
+                if given := piece(i, content, calls, None, ""):
+                    yield given
+                yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0)
+                unfinished -= 1
+                if not unfinished:
+                    return
+
+
+async def abandon(settings: Settings, jobs: list[Job], detail: str = ABANDONED) -> None:
+    """Stops generating the unfinished ones of ``jobs`` (SQL and Redis I/O: in a worker thread)."""
+    for job in jobs:
+        await anyio.to_thread.run_sync(cancel_abandoned, settings, job.id, detail)
+
+
+async def abandoned_on_hangup(settings: Settings, jobs: list[Job],
+                              stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``stream`` as it is; a client that hangs up before it ends (Starlette closes or cancels this generator)
+    stops the jobs. A stream that ends on its own, with an error too, leaves them alone."""
+    ended = False
+    try:
+        async with aclosing(stream) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        ended = True
+    finally:
+        if not ended:  # shielded: this runs while the disconnected response's task is being cancelled
+            with anyio.CancelScope(shield=True):
+                await abandon(settings, jobs)
+
+
+async def ends(settings: Settings, jobs: list[Job]) -> list[StreamEvent]:
+    """Every job's end; or, as soon as one did not succeed, that end alone (the others are stopped)."""
+    waits = [asyncio.ensure_future(wait_for_end(settings, job.id)) for job in jobs]
+    try:
+        pending = set(waits)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for wait in done:
+                if (end := wait.result()).status != JobStatus.SUCCEEDED:
+                    if len(jobs) > 1:
+                        await abandon(settings, jobs, ANOTHER_FAILED)
+                    return [end]
+        return [wait.result() for wait in waits]
+    finally:  # on an error or a cancel (the client left), no wait goes on alone
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
