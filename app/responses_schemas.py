@@ -9,7 +9,7 @@ set of checks runs), naming the Responses field in any error. ``response_body`` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,7 +32,7 @@ RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "resp
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
-        "text", "background")
+        "text", "background", "truncation")
 
 
 def response_id(job_id: str) -> str:
@@ -62,8 +62,8 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = None  # (chat reads it too)
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token, with the above
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns go where the context is short
     # not implemented: accepted only where they ask for nothing
-    truncation: str | None = None
     conversation: Any = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
@@ -76,8 +76,7 @@ class ResponsesRequest(BaseModel):
         if unknown := [i for i in self.include or () if i != LOGPROBS_INCLUDE]:
             raise OpenAIError(400, f"include {unknown[0]!r} is not supported by this server; it includes only "
                                    f"{LOGPROBS_INCLUDE!r}", param="include", code="unsupported_value")
-        for name, ok in (("truncation", self.truncation in (None, "disabled")),
-                         ("conversation", self.conversation is None), ("prompt", self.prompt is None),
+        for name, ok in (("conversation", self.conversation is None), ("prompt", self.prompt is None),
                          ("reasoning", not (self.reasoning or {}).get("effort") and not (self.reasoning or {}).get(
                              "summary"))):
             if not ok:
@@ -297,7 +296,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "service_tier": service_tier(job.tier, tiers), "store": kept.get("store", True),
         "temperature": sampling.get("temperature"), "text": {"format": fmt},
         "tool_choice": kept.get("tool_choice", "auto" if kept.get("tools") else "none"),
-        "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"), "truncation": "disabled",
+        "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"),
+        "truncation": kept.get("truncation") or "disabled",
         "usage": None, "metadata": kept.get("metadata") or {}, "user": None}
     if answer is not None:
         counts = usage(prompt_tokens, completion_tokens)

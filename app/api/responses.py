@@ -32,6 +32,7 @@ from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import stream_expired
+from app.services.truncation import fit_context
 from app.services.notify import announce_cancel
 from app.settings import Settings
 from app.tool_calls import read_answer
@@ -216,6 +217,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
     kept = body.kept(history)
+    if body.truncation == "auto":  # the oldest turns go where the conversation outgrew the context
+        spec, kept["input_from"] = await run_in_threadpool(fit_context, settings, spec, kept["input_from"])
     writer = getattr(request.app.state, "job_writer", None)
     try:
         job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)

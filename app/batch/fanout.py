@@ -24,6 +24,7 @@ from app.openai_schemas import parse_window
 from app.services import dispatch as dispatching
 from app.services.jobs import JobValidationError, build_job
 from app.services.transitions import as_utc, utcnow
+from app.services.truncation import fit_context
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ def _start(settings: Settings, batch_id: str) -> None:
     jobs = []
     for v in parsed.valid:
         spec = v.spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
+        if (v.response or {}).get("truncation") == "auto":  # a Responses line: its oldest turns go if too long
+            spec, v.response["input_from"] = fit_context(settings, spec, v.response["input_from"])
         try:
             jobs.append(build_job(settings, principal, spec, batch_id=batch_id, custom_id=v.custom_id,
                                   endpoint=endpoint, response=v.response))

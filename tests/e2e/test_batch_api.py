@@ -82,11 +82,16 @@ def test_a_batch_of_responses(oai, start_worker):
     lines = [response_line("a", instructions="Be brief", metadata={"k": "v"}),
              response_line("b", previous_response_id="resp_x"), response_line("c", max_output_tokens=0),
              response_line("d", input=[{"role": "user", "content": [{"type": "input_text", "text": "Yo"}]}])]
+    words = " ".join(f"word{i}" for i in range(40))  # a conversation of ~650 tokens, over the context of 512
+    long = [{"role": "user", "content": words}, {"role": "assistant", "content": words}] * 4 + [
+        {"role": "user", "content": "Hi"}]
+    lines += [response_line("e", input=long, truncation="auto"), response_line("f", input=long)]
     batch = oai.batches.create(input_file_id=upload(oai, lines).id, endpoint="/v1/responses", completion_window="1h")
     done = wait_batch(oai, batch.id, {"completed", "failed"})
-    assert done.status == "completed" and done.request_counts.completed == 2, done
+    assert done.status == "completed" and done.request_counts.completed == 3, done
     out = {r["custom_id"]: r["response"]["body"] for r in jsonl(oai, done.output_file_id)}
-    assert sorted(out) == ["a", "d"]
+    assert sorted(out) == ["a", "d", "e"]
+    assert out["e"]["truncation"] == "auto" and out["e"]["usage"]["input_tokens"] < 512
     for body in out.values():
         assert body["object"] == "response" and body["status"] == "incomplete" and body["usage"]["output_tokens"] == 3
         assert body["output"][0]["content"][0]["text"]
@@ -94,6 +99,7 @@ def test_a_batch_of_responses(oai, start_worker):
     assert oai.responses.retrieve(out["d"]["id"]).output_text == out["d"]["output"][0]["content"][0]["text"]
     errors = {e["custom_id"]: e["error"]["message"] for e in jsonl(oai, done.error_file_id)}
     assert "previous_response_id" in errors["b"] and "max_output_tokens" in errors["c"]
+    assert "exceeds the model's context" in errors["f"]  # without truncation the long one is refused
 
 
 def test_duplicate_custom_id_fails_validation(oai):

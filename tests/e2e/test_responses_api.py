@@ -120,6 +120,23 @@ def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys,
     assert "only a background response" in exc.value.body["message"]
 
 
+def test_truncation_auto_drops_the_oldest_turns_that_outgrow_the_context(oai):
+    words = " ".join(f"word{i}" for i in range(40))
+    turns = [m for i in range(4) for m in ({"role": "user", "content": f"question {i}: {words}"},
+                                           {"role": "assistant", "content": words})]
+    body = {"model": "tiny", "input": [*turns, {"role": "user", "content": "And now?"}], "instructions": "Be brief",
+            "max_output_tokens": 64}
+    with pytest.raises(openai.BadRequestError) as exc:  # ~650 tokens and 64 to answer: over the context of 512
+        oai.responses.create(**body)
+    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "input"
+    fitted = oai.responses.create(**body, truncation="auto")
+    assert fitted.truncation == "auto" and fitted.usage.input_tokens + 64 <= 512
+    items = oai.responses.input_items.list(fitted.id, order="asc").data
+    assert 1 < len(items) < len(turns) + 1 and items[-1].content[0].text == "And now?"
+    assert items[0].content[0].text != turns[0]["content"]  # the oldest went first
+    assert oai.responses.retrieve(fitted.id).instructions == "Be brief"
+
+
 def _sse_events(lines) -> list[dict]:
     return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
 
@@ -170,6 +187,7 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     ({"input": "x", "background": True, "store": False}, "store", "must be stored"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"input": "x", "truncation": "sometimes"}, "truncation", "'auto' or 'disabled'"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "includes only"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "vLLM"),  # the own engine has none
     ({"input": []}, "input", "must not be empty"),

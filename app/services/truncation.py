@@ -1,0 +1,60 @@
+"""The Responses API's ``truncation: "auto"``: a conversation too long for the model's context loses its oldest
+turns until the prompt and the answer's ``max_output_tokens`` fit.
+
+System messages (the instructions, and system or developer input) stay; a tool result whose call was dropped
+goes with it (a template cannot render a result without its call); the newest message always stays, so a
+request that does not fit even then is refused as any other over-long one."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from app.schemas import JobCreate
+from app.services.model_info import ChatTemplateError, encode_input, max_model_len
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[JobCreate, int]:
+    """``spec`` with the oldest droppable messages left out until it fits, and where the response's own input
+    starts among those kept (``input_from`` was its place among all of them)."""
+    limit = max_model_len(settings.model) - spec.sampling(settings.default_max_tokens)["max_tokens"]
+    messages = list(spec.messages or ())
+    tools = [t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None
+
+    def fits(kept: list[int]) -> bool:
+        try:
+            ids = encode_input(settings.model, None, [messages[i].stored() for i in kept], tools,
+                               spec.template_options())
+        except ChatTemplateError:
+            return True  # the submission names the template's error
+        return len(ids) <= limit
+
+    kept = list(range(len(messages)))
+    answered = messages[-1].tool_call_id if messages else None  # the call the newest message answers stays too
+    droppable = [i for i in kept[:-1] if messages[i].role != "system"
+                 and not any(c.id == answered for c in messages[i].tool_calls or ())]
+    if fits(kept) or not droppable:
+        return spec, input_from
+    # the fewest oldest turns to drop: a binary search over how many (each try tokenizes the whole prompt)
+    low, high = 1, len(droppable)
+    while low < high:
+        mid = (low + high) // 2
+        if fits(_without(messages, kept, droppable[:mid])):
+            high = mid
+        else:
+            low = mid + 1
+    kept = _without(messages, kept, droppable[:low])
+    log.info("truncation auto: dropped %d of %d messages to fit the context", len(messages) - len(kept),
+             len(messages))
+    return (spec.model_copy(update={"messages": [messages[i] for i in kept]}),
+            sum(1 for i in kept if i < input_from))
+
+
+def _without(messages: list[Any], kept: list[int], dropped: list[int]) -> list[int]:
+    """``kept`` less ``dropped`` and the tool results whose calls are gone with them."""
+    gone = set(dropped)
+    calls = {c.id for i in dropped for c in messages[i].tool_calls or ()}
+    return [i for i in kept if i not in gone and not (messages[i].role == "tool" and messages[i].tool_call_id in calls)]
