@@ -9,8 +9,8 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api import (admin, batches, errors, files, health, jobs, metrics, models, openai_compat, responses, summarize,
-                     tenants, tokenize)
+from app.api import (admin, batches, conversations, errors, files, health, jobs, metrics, models, openai_compat,
+                     responses, summarize, tenants, tokenize)
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
@@ -21,8 +21,8 @@ from app.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 # the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
-OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/files", "/v1/batches",
-                   "/tokenize", "/detokenize")
+OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
+                   "/v1/files", "/v1/batches", "/tokenize", "/detokenize")
 
 
 @asynccontextmanager
@@ -106,8 +106,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = api.state.settings
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
-    for module in (health, jobs, openai_compat, responses, models, tokenize, files, batches, summarize, admin, tenants,
-                   metrics):
+    for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, files, batches, summarize,
+                   admin, tenants, metrics):
         api.include_router(module.router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES)
     _document_openai_errors(api)

@@ -63,8 +63,8 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token, with the above
     truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns go where the context is short
+    conversation: Text | dict[str, Any] | None = None  # an id, or {"id": ...}: its items come first, its turn after
     # not implemented: accepted only where they ask for nothing
-    conversation: Any = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
 
@@ -76,17 +76,27 @@ class ResponsesRequest(BaseModel):
         if unknown := [i for i in self.include or () if i != LOGPROBS_INCLUDE]:
             raise OpenAIError(400, f"include {unknown[0]!r} is not supported by this server; it includes only "
                                    f"{LOGPROBS_INCLUDE!r}", param="include", code="unsupported_value")
-        for name, ok in (("conversation", self.conversation is None), ("prompt", self.prompt is None),
+        if isinstance(self.conversation, dict) and not isinstance(self.conversation.get("id"), str):
+            raise OpenAIError(400, "conversation must be a conversation id or an object with its id",
+                              param="conversation")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise OpenAIError(400, "give conversation or previous_response_id, not both", param="conversation")
+        for name, ok in (("prompt", self.prompt is None),
                          ("reasoning", not (self.reasoning or {}).get("effort") and not (self.reasoning or {}).get(
                              "summary"))):
             if not ok:
                 raise OpenAIError(400, f"{name}={getattr(self, name)!r} is not supported by this server; leave "
                                        f"{name} unset", param=name, code="unsupported_value")
 
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation["id"] if isinstance(self.conversation, dict) else self.conversation
+
     def kept(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """What the job keeps of the request; ``input_from``: where its input starts among the job's messages
         (after the continued conversation and the instructions)."""
-        return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None},
+        conversation = {"conversation": {"id": self.conversation_id}} if self.conversation is not None else {}
+        return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation,
                 "input_from": len(history) + (self.instructions is not None)}
 
     def chat_request(self, raw: dict[str, Any], history: list[dict[str, Any]],
@@ -243,6 +253,21 @@ def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
+def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None, missing: str) -> dict[str, Any]:
+    """A page of ``items`` (oldest first) as OpenAI lists them: newest first unless ``order`` is asc, past the item
+    ``after`` (a 400 saying ``missing`` where there is none)."""
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise OpenAIError(400, missing, param="after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
 # ---------------------------------------------------------------- the Response
 def token_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """A job's stored token logprobs as an output_text part's (chat's entries: token, logprob, bytes, top)."""
@@ -292,7 +317,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "instructions": kept.get("instructions"), "max_output_tokens": kept.get("max_output_tokens"),
         "model": job.model, "output": output_items(job.id, answer, logprobs) if answer is not None else [],
         "parallel_tool_calls": sampling.get("parallel_tool_calls", True),
-        "previous_response_id": kept.get("previous_response_id"), "reasoning": None,
+        "previous_response_id": kept.get("previous_response_id"), "conversation": kept.get("conversation"),
+        "reasoning": None,
         "service_tier": service_tier(job.tier, tiers), "store": kept.get("store", True),
         "temperature": sampling.get("temperature"), "text": {"format": fmt},
         "tool_choice": kept.get("tool_choice", "auto" if kept.get("tools") else "none"),

@@ -26,8 +26,9 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, input_items, job_id_of,
-                                   message_item, response_body, token_logprobs)
+from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, input_items, item_page,
+                                   job_id_of, message_item, response_body, token_logprobs)
+from app.services import conversations
 from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
 from app.services.answer_events import ends as job_ends
@@ -64,6 +65,17 @@ def _history(session, principal: Principal, resp_id: str) -> list[dict[str, Any]
         raise OpenAIError(400, f"response {resp_id!r} is {job.status}; continue from a completed one",
                           param="previous_response_id")
     return history_of(job.messages or [], job.response or {}, _answer(job))
+
+
+def _conversation_history(session, principal: Principal, conv_id: str) -> list[dict[str, Any]]:
+    return conversations.history(session, conversations.find(session, principal.tenant_id, conv_id,
+                                                             param="conversation"))
+
+
+def _add_turn(session, conv_id: str, job_id: str) -> None:
+    with write_after_read(session):
+        conversations.add_turn(session, conv_id, job_id)
+        session.commit()
 
 
 def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
@@ -168,7 +180,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                             job, kept, settings.tiers, status=item.status,
                             error=_error(item.status, item.error, item.code)))
                     case Finished():
-                        opened = [] if items else open_message()  # an empty answer: an empty message, as in the Response
+                        opened = [] if items else open_message()  # an empty answer is an empty message
                         for out in opened + close_message() + close_calls():
                             yield out
                         body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED,
@@ -212,6 +224,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     history = []
     if body.previous_response_id is not None:
         history = await run_in_threadpool(_history, session, principal, body.previous_response_id)
+    elif body.conversation_id is not None:
+        history = await run_in_threadpool(_conversation_history, session, principal, body.conversation_id)
     chat, spec = body.chat_request(await request.json(), history, settings.tiers)
     if spec.kind == "interactive":
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
@@ -224,6 +238,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)
     except OpenAIError as exc:  # the job's checks name chat's fields
         raise in_responses_terms(exc) from exc
+    if body.conversation_id is not None:  # the conversation shows this turn once the response completes
+        await run_in_threadpool(_add_turn, session, body.conversation_id, job.id)
     headers = {"x-coserve-job-id": job.id}
     if chat.stream:
         events = _numbered(_events(settings, job, kept))
@@ -271,16 +287,7 @@ def list_input_items(response_id: str, session: SessionDep, principal: CurrentPr
     unless ``order=asc``; ``after``: an item id, the page starts past it."""
     job = _stored(session, principal, response_id)
     items = input_items(job.id, (job.messages or [])[(job.response or {}).get("input_from", 0):])
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-        if at is None:
-            raise OpenAIError(400, f"no input item {after!r} in response {response_id!r}", param="after")
-        items = items[at + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    return item_page(items, limit, order, after, f"no input item {after!r} in response {response_id!r}")
 
 
 @router.post("/responses/{response_id}/cancel", responses=openai_responses(400, 401, 404))

@@ -95,8 +95,9 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
         req = ENDPOINTS[endpoint].model_validate(body)
         req.check()
         if endpoint == "/v1/responses":
-            if req.previous_response_id is not None:
-                raise OpenAIError(400, "previous_response_id is not supported in batches; give the whole input")
+            if req.previous_response_id is not None or req.conversation is not None:
+                raise OpenAIError(400, "previous_response_id and conversation are not supported in batches; give "
+                                       "the whole input")
             response = req.kept([])
             req, spec = req.chat_request(body, [], tiers, batch_window_s=window_s)  # its QoS checked below
         if req.deadline is not None or req.ttft_ms or req.tbt_ms:

@@ -217,6 +217,29 @@ class WorkerState(Base):
     state: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # KV usage, spec policy, queues
 
 
+class Conversation(Base):
+    """OpenAI's Conversations API: items that responses given the conversation read first and add their turn to."""
+
+    __tablename__ = "conversations"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("conv"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)  # ("metadata" is SQLAlchemy's)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ConversationEntry(Base):
+    """A conversation's items in order: one item added by itself, or a response's turn (``job_id``), which
+    stands for the response's input and output items once the response has completed."""
+
+    __tablename__ = "conversation_entries"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # the order
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"), index=True)
+    item: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    job_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    deleted: Mapped[list[Any]] = mapped_column(JSON, default=list)  # ids of the turn's items deleted from it
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class SummarizationRun(Base):
     """A map-reduce summarization (``/v1/summarize``). Any process advances it from these rows
     (``app.summarize.driver``): the one holding its lease, one committed step at a time."""

@@ -113,7 +113,10 @@ def _resources(base: str, session: requests.Session, model: str) -> dict[str, st
     file_id = ok(session.post(f"{base}/v1/files", data={"purpose": "batch"},
                               files={"file": ("in.jsonl", json.dumps(line).encode())}))["id"]
     tenant = ok(session.post(f"{base}/v1/admin/tenants", json={"name": "fuzzed"}))
+    conversation = ok(session.post(f"{base}/v1/conversations", json={"items": [{"role": "user", "content": "hi"}]}))
     return {
+        "conversation_id": conversation["id"],
+        "item_id": ok(session.get(f"{base}/v1/conversations/{conversation['id']}/items"))["data"][0]["id"],
         "job_id": ok(session.post(f"{base}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}))["id"],
         "file_id": file_id,
         "batch_id": ok(session.post(f"{base}/v1/batches", json={"input_file_id": file_id,
@@ -256,7 +259,12 @@ BODIES = {
          "text": st.one_of(ODD_VALUE, st.fixed_dictionaries({"format": ODD_VALUE})),
          "tools": st.one_of(ODD_VALUE, st.lists(st.dictionaries(ODD_TEXT, ODD_VALUE, max_size=3), max_size=2)),
          "tool_choice": ODD_VALUE, "metadata": ODD_VALUE, "store": ODD_VALUE, "reasoning": ODD_VALUE,
-         "deadline": st.one_of(ODD_NUMBER, ODD_TEXT)}),
+         "deadline": st.one_of(ODD_NUMBER, ODD_TEXT), "conversation": ODD_VALUE, "truncation": ODD_VALUE,
+         "background": ODD_VALUE}),
+    ("POST", "/v1/conversations"): odd(
+        st.fixed_dictionaries({"items": MESSAGES}),
+        {"items": st.lists(st.one_of(ODD_MESSAGE, st.dictionaries(ODD_TEXT, ODD_VALUE, max_size=3)), max_size=2),
+         "metadata": st.one_of(ODD_VALUE, st.dictionaries(ODD_TEXT, ODD_TEXT, max_size=2))}),
     ("POST", "/v1/summarize"): odd(
         st.fixed_dictionaries({"documents": st.lists(st.fixed_dictionaries({"id": TEXT, "text": TEXT}), min_size=1,
                                                      max_size=2, unique_by=lambda d: d["id"]),

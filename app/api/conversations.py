@@ -1,0 +1,131 @@
+"""OpenAI's Conversations API: ``/v1/conversations`` and its items. A response given ``conversation`` reads the
+conversation's items first and adds its own turn (``app.services.conversations``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.deps import CurrentPrincipal, SessionDep
+from app.api.errors import openai_responses
+from app.db.models import Conversation
+from app.db.session import write_after_read
+from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.responses_schemas import item_page
+from app.services import conversations as service
+from app.wire import Text
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+
+Metadata = Annotated[dict[str, Text], Field(max_length=16)]  # OpenAI's: at most 16 keys
+
+
+class ConversationCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[dict[str, Any]] | None = Field(None, max_length=service.MAX_ITEMS)
+    metadata: Metadata | None = None
+
+
+class ConversationUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    metadata: Metadata
+
+
+class ItemsCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=service.MAX_ITEMS)
+
+
+def _find(session, principal, conversation_id: str) -> Conversation:
+    return service.find(session, principal.tenant_id, conversation_id)
+
+
+@router.post("/conversations", responses=openai_responses(400, 401))
+def create_conversation(body: ConversationCreate, session: SessionDep, principal: CurrentPrincipal):
+    """A conversation, with its first items if given."""
+    items = service.new_items(body.items) if body.items else []
+    conv = Conversation(tenant_id=principal.tenant_id, meta=body.metadata or {})
+    with write_after_read(session):
+        session.add(conv)
+        session.flush()
+        service.add_items(session, conv, items)
+        session.commit()
+    return service.conversation_body(conv)
+
+
+@router.get("/conversations/{conversation_id}", responses=openai_responses(401, 404))
+def get_conversation(conversation_id: str, session: SessionDep, principal: CurrentPrincipal):
+    return service.conversation_body(_find(session, principal, conversation_id))
+
+
+@router.post("/conversations/{conversation_id}", responses=openai_responses(400, 401, 404))
+def update_conversation(conversation_id: str, body: ConversationUpdate, session: SessionDep,
+                        principal: CurrentPrincipal):
+    """Replaces the conversation's metadata."""
+    conv = _find(session, principal, conversation_id)
+    with write_after_read(session):
+        conv.meta = body.metadata
+        session.commit()
+    return service.conversation_body(conv)
+
+
+@router.delete("/conversations/{conversation_id}", responses=openai_responses(401, 404))
+def delete_conversation(conversation_id: str, session: SessionDep, principal: CurrentPrincipal):
+    """Deletes the conversation and its items (the responses given it stay)."""
+    conv = _find(session, principal, conversation_id)
+    with write_after_read(session):
+        for entry in service.entries(session, conv):
+            session.delete(entry)
+        session.delete(conv)
+        session.commit()
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+
+@router.post("/conversations/{conversation_id}/items", responses=openai_responses(400, 401, 404))
+def create_items(conversation_id: str, body: ItemsCreate, session: SessionDep, principal: CurrentPrincipal):
+    """Adds items at the end of the conversation; answers them as a list."""
+    conv = _find(session, principal, conversation_id)
+    items = service.new_items(body.items)
+    with write_after_read(session):
+        service.add_items(session, conv, items)
+        session.commit()
+    return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
+            "has_more": False}
+
+
+@router.get("/conversations/{conversation_id}/items", responses=openai_responses(400, 401, 404))
+def list_items(conversation_id: str, session: SessionDep, principal: CurrentPrincipal,
+               limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
+               after: str | None = None):
+    """The conversation's items, newest first unless ``order=asc``; ``after``: an item id, the page starts past it."""
+    conv = _find(session, principal, conversation_id)
+    items = [item for _, item in service.items_of(session, conv)]
+    return item_page(items, limit, order, after, f"no item {after!r} in conversation {conversation_id!r}")
+
+
+@router.get("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(401, 404))
+def get_item(conversation_id: str, item_id: str, session: SessionDep, principal: CurrentPrincipal):
+    conv = _find(session, principal, conversation_id)
+    found = next((item for _, item in service.items_of(session, conv) if item["id"] == item_id), None)
+    if found is None:
+        raise OpenAIError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")
+    return found
+
+
+@router.delete("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(401, 404))
+def delete_item(conversation_id: str, item_id: str, session: SessionDep, principal: CurrentPrincipal):
+    """Takes the item out of the conversation; answers the conversation."""
+    conv = _find(session, principal, conversation_id)
+    with write_after_read(session):
+        if not service.delete_item(session, conv, item_id):
+            raise OpenAIError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")
+        session.commit()
+    return service.conversation_body(conv)

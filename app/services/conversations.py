@@ -1,0 +1,98 @@
+"""OpenAI's Conversations API over SQL: a conversation's items are its own (added with it or later) and the turns
+of the responses given it, in order. A response's turn (its input items, then its output) shows once the
+response has completed; a failed, cancelled or unfinished one adds nothing yet."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.db.models import Conversation, ConversationEntry, Job, JobStatus
+from app.openai_schemas import OpenAIError
+from app.responses_schemas import input_items, input_messages, output_items
+from app.tool_calls import read_answer
+from app.wire import as_utc
+
+MAX_ITEMS = 20  # items one request may add (OpenAI's limit)
+
+
+def conversation_body(conv: Conversation) -> dict[str, Any]:
+    return {"id": conv.id, "object": "conversation", "created_at": int(as_utc(conv.created_at).timestamp()),
+            "metadata": conv.meta or {}}
+
+
+def find(session: Session, tenant_id: str, conv_id: str, param: str | None = None) -> Conversation:
+    """The tenant's conversation ``conv_id`` (404, or 400 naming ``param`` where a request's field gave it)."""
+    conv = session.get(Conversation, conv_id)
+    if conv is None or conv.tenant_id != tenant_id:
+        raise OpenAIError(400 if param else 404, f"no conversation {conv_id!r}", param=param,
+                          code="conversation_not_found")
+    return conv
+
+
+def new_items(items: list[dict[str, Any]], param: str = "items") -> list[dict[str, Any]]:
+    """Items a client adds, checked as a response's input is and written as stored items with ids of their own."""
+    try:
+        messages = input_messages(items)
+    except OpenAIError as exc:
+        raise OpenAIError(400, exc.message.replace("input", param), param=(exc.param or "").replace("input", param),
+                          code=exc.code) from exc
+    return input_items("job_" + uuid.uuid4().hex[:24], messages)
+
+
+def add_items(session: Session, conv: Conversation, items: list[dict[str, Any]]) -> None:
+    session.add_all([ConversationEntry(conversation_id=conv.id, item=item) for item in items])
+
+
+def add_turn(session: Session, conv_id: str, job_id: str) -> None:
+    """The turn of response ``job_id``, which the conversation shows once the response has completed (none where
+    the conversation was deleted since the response read it)."""
+    if session.get(Conversation, conv_id) is not None:
+        session.add(ConversationEntry(conversation_id=conv_id, job_id=job_id))
+
+
+def entries(session: Session, conv: Conversation) -> list[ConversationEntry]:
+    return list(session.scalars(select(ConversationEntry).where(ConversationEntry.conversation_id == conv.id)
+                                .order_by(ConversationEntry.id)))
+
+
+def turn_items(job: Job | None) -> list[dict[str, Any]]:
+    """A response's input and output items, once it has completed."""
+    if job is None or job.status != JobStatus.SUCCEEDED:
+        return []
+    answer = read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
+    return input_items(job.id, (job.messages or [])[(job.response or {}).get("input_from", 0):]) + output_items(
+        job.id, answer)
+
+
+def items_of(session: Session, conv: Conversation) -> list[tuple[ConversationEntry, dict[str, Any]]]:
+    """The conversation's items in order, each with the entry it comes from."""
+    out = []
+    for entry in entries(session, conv):
+        if entry.item is not None:
+            out.append((entry, entry.item))
+        else:
+            out += [(entry, item) for item in turn_items(session.get(Job, entry.job_id))
+                    if item["id"] not in (entry.deleted or ())]
+    return out
+
+
+def history(session: Session, conv: Conversation) -> list[dict[str, Any]]:
+    """The conversation as chat messages, for a response that continues it."""
+    items = [item for _, item in items_of(session, conv)]
+    return input_messages(items) if items else []
+
+
+def delete_item(session: Session, conv: Conversation, item_id: str) -> bool:
+    """Takes the item out of the conversation (a response's item is hidden from its turn); False: no such item."""
+    for entry, item in items_of(session, conv):
+        if item["id"] == item_id:
+            if entry.item is not None:
+                session.delete(entry)
+            else:
+                entry.deleted = [*(entry.deleted or ()), item_id]
+            return True
+    return False

@@ -1,0 +1,104 @@
+"""OpenAI's Conversations API with the official ``openai`` client against the real app (HTTP), Redis, Celery
+worker and DB: a conversation's own items, responses that read it and add their turn, items deleted, metadata,
+tenants kept apart."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from app.db.models import Job
+from app.db.session import session_scope
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+@pytest.fixture
+def oai(live_server, keys, start_worker) -> openai.OpenAI:
+    start_worker("w1")
+    return openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=120)
+
+
+def _messages(settings, resp_id: str) -> list[dict]:
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.get(Job, "job_" + resp_id.removeprefix("resp_")).messages
+
+
+def _texts(oai, conv_id: str) -> list[tuple[str, str]]:
+    items = oai.conversations.items.list(conv_id, order="asc").data
+    return [(i.role, i.content[0].text) if i.type == "message" else (i.type, i.id) for i in items]
+
+
+def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_server, keys):
+    conv = oai.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada"}],
+                                    metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    assert oai.conversations.retrieve(conv.id).metadata == {"topic": "names"}
+
+    first = oai.responses.create(model="tiny", conversation=conv.id, input="What is my name?", instructions="Be brief",
+                                 max_output_tokens=4, extra_body={"ignore_eos": True})
+    assert first.conversation.id == conv.id
+    assert _messages(settings, first.id) == [{"role": "user", "content": "My name is Ada"},
+                                             {"role": "system", "content": "Be brief"},
+                                             {"role": "user", "content": "What is my name?"}]
+    # the turn (input, then output; not the instructions) follows the conversation's own item
+    assert _texts(oai, conv.id) == [("user", "My name is Ada"), ("user", "What is my name?"),
+                                    ("assistant", first.output_text)]
+    assert oai.responses.input_items.list(first.id).data[0].content[0].text == "What is my name?"
+
+    # items added by hand, retrieved one by one; the next response reads them all, as {"id": ...} too
+    added = oai.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Hi"}])
+    assert oai.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id).content[0].text == "Hi"
+    second = oai.responses.create(model="tiny", conversation={"id": conv.id}, input="Again", max_output_tokens=2,
+                                  extra_body={"ignore_eos": True})
+    assert _messages(settings, second.id) == [
+        {"role": "user", "content": "My name is Ada"}, {"role": "user", "content": "What is my name?"},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Again"}]
+
+    # deleting an item of its own and one of a response's turn: neither is listed nor read again
+    items = oai.conversations.items.list(conv.id, order="asc").data
+    assert len(items) == 6 and oai.conversations.items.list(conv.id, limit=2).has_more
+    oai.conversations.items.delete(items[0].id, conversation_id=conv.id)
+    assert oai.conversations.items.delete(items[2].id, conversation_id=conv.id).id == conv.id
+    assert [t for t, _ in _texts(oai, conv.id)] == ["user", "user", "user", "assistant"]
+    third = oai.responses.create(model="tiny", conversation=conv.id, input="Last", max_output_tokens=1)
+    assert [m["content"] for m in _messages(settings, third.id)][:2] == ["What is my name?", "Hi"]
+    with pytest.raises(openai.NotFoundError):
+        oai.conversations.items.retrieve(items[0].id, conversation_id=conv.id)
+
+    assert oai.conversations.update(conv.id, metadata={"topic": "other"}).metadata == {"topic": "other"}
+
+    # another tenant sees none of it, and cannot continue it
+    other = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.other, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        other.conversations.items.list(conv.id)
+    with pytest.raises(openai.BadRequestError) as exc:
+        other.responses.create(model="tiny", conversation=conv.id, input="x")
+    assert exc.value.body["param"] == "conversation"
+
+    deleted = oai.conversations.delete(conv.id)
+    assert deleted.deleted is True and deleted.id == conv.id
+    with pytest.raises(openai.NotFoundError):
+        oai.conversations.retrieve(conv.id)
+    assert oai.responses.retrieve(first.id).output_text == first.output_text  # its responses stay
+
+
+@pytest.mark.parametrize(("path", "body", "param", "says"), [
+    ("/v1/conversations", {"items": [{"role": "robot", "content": "x"}]}, "items.0.role", "must be user"),
+    ("/v1/conversations", {"items": [{"type": "input_image"}]}, "items.0.type", "not supported"),
+    ("/v1/conversations", {"items": [{"role": "user", "content": "x"}] * 21}, "items", "at most 20"),
+    ("/v1/conversations", {"metadata": {"k": 1}}, "metadata.k", "string"),
+    ("/v1/responses", {"model": "tiny", "input": "x", "conversation": "conv_nope"}, "conversation", "no conversation"),
+    ("/v1/responses", {"model": "tiny", "input": "x", "conversation": {"name": "x"}}, "conversation", "its id"),
+    ("/v1/responses", {"model": "tiny", "input": "x", "conversation": "conv_x", "previous_response_id": "resp_y"},
+     "conversation", "not both"),
+])
+def test_bad_conversation_requests_name_the_field(live_server, keys, path, body, param, says):
+    resp = httpx.post(live_server + path, headers={"Authorization": f"Bearer {keys.paid}"}, json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and says in error["message"], error
