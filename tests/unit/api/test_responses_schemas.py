@@ -66,7 +66,8 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": "x", "conversation": {"name": "c"}}, "conversation"),
 ])
 def test_errors_name_the_field_the_client_wrote(body, param):
     with pytest.raises(OpenAIError) as exc:
