@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 
 ENDPOINT = "/v1/responses"
+Event = tuple[str, str]  # a stream event's type, and its other fields as JSON (``_event``)
 
 
 def _stored(session, principal: Principal, resp_id: str, param: str | None = None) -> Job:
@@ -94,7 +95,7 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
                          error=_error(job.status, job.error, job.error_code) if ended else None)
 
 
-async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[Event]:
     """The job as the Responses API's typed events, without their sequence numbers: created, the output items'
     text and call arguments as they come, then completed (or incomplete, failed; an ``error`` event where the
     stream broke). The same job's events are the same events every time its stream is read."""
@@ -105,7 +106,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
     logprobs: list[dict[str, Any]] | None = [] if (job.sampling or {}).get("logprobs") is not None else None
     pending = 0  # of them, those not yet sent with a text delta
 
-    def close_message() -> list[dict[str, Any]]:
+    def close_message() -> list[Event]:
         nonlocal message
         if message is None:
             return []
@@ -118,7 +119,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                        part=part),
                 _event("response.output_item.done", output_index=at, item=item)]
 
-    def open_message() -> list[dict[str, Any]]:
+    def open_message() -> list[Event]:
         nonlocal message
         message = message_item(job.id, "", status="in_progress")
         items.append(message)
@@ -127,9 +128,9 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                 _event("response.content_part.added", item_id=message["id"], output_index=at, content_index=0,
                        part={"type": "output_text", "text": "", "annotations": []})]
 
-    def pieces(content: str, deltas: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    def pieces(content: str, deltas: list[dict[str, Any]] | None) -> list[Event]:
         nonlocal text, pending
-        out: list[dict[str, Any]] = []
+        out: list[Event] = []
         if content:
             if message is None:
                 out += open_message()
@@ -151,7 +152,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                                   output_index=items.index(calls[k]), delta=arguments))
         return out
 
-    def close_calls() -> list[dict[str, Any]]:
+    def close_calls() -> list[Event]:
         out = []
         for item in calls.values():
             at = items.index(item)
@@ -194,20 +195,21 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                      message=f"the stream failed; the job goes on (GET /v1/responses/{job.id})")
 
 
-def _event(kind: str, **fields: Any) -> dict[str, Any]:
-    return {"type": kind, **fields}
+def _event(kind: str, **fields: Any) -> Event:
+    """An event of ``kind``, its fields written now (the items they show change as the answer grows)."""
+    return kind, json.dumps(fields, separators=(",", ":"))
 
 
-async def _numbered(events: AsyncIterator[dict[str, Any]], starting_after: int | None = None) -> AsyncIterator[bytes]:
+async def _numbered(events: AsyncIterator[Event], starting_after: int | None = None) -> AsyncIterator[bytes]:
     """``events`` as server-sent events, numbered from 0 in order; those up to ``starting_after`` are left out
     (a client that resumes a stream has them)."""
     number = -1
     async with aclosing(events) as typed:
-        async for ev in typed:
+        async for kind, fields in typed:
             number += 1
             if starting_after is None or number > starting_after:
-                data = json.dumps({"type": ev["type"], "sequence_number": number, **ev}, separators=(",", ":"))
-                yield f"event: {ev['type']}\ndata: {data}\n\n".encode()
+                rest = "}" if fields == "{}" else "," + fields[1:]
+                yield f'event: {kind}\ndata: {{"type":{json.dumps(kind)},"sequence_number":{number}{rest}\n\n'.encode()
 
 
 _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Response, or its events with stream: true"},
