@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.deps import CurrentPrincipal, SessionDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.db.models import Conversation
-from app.db.session import write_after_read
+from app.db.session import read_then_write
 from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.responses_schemas import item_page
 from app.services import conversations as service
@@ -48,17 +48,18 @@ def _find(session, principal, conversation_id: str) -> Conversation:
     return service.find(session, principal.tenant_id, conversation_id)
 
 
+# writes read the conversation first: each in a session that holds the write lock throughout (read_then_write)
+
 @router.post("/conversations", responses=openai_responses(400, 401))
-def create_conversation(body: ConversationCreate, session: SessionDep, principal: CurrentPrincipal):
+def create_conversation(body: ConversationCreate, principal: CurrentPrincipal, settings: SettingsDep):
     """A conversation, with its first items if given."""
     items = service.new_items(body.items) if body.items else []
-    conv = Conversation(tenant_id=principal.tenant_id, meta=body.metadata or {})
-    with write_after_read(session):
-        session.add(conv)
-        session.flush()
-        service.add_items(session, conv, items)
-        session.commit()
-    return service.conversation_body(conv)
+    with read_then_write(settings.sqlalchemy_url) as s:
+        conv = Conversation(tenant_id=principal.tenant_id, meta=body.metadata or {})
+        s.add(conv)
+        s.flush()
+        service.add_items(s, conv, items)
+        return service.conversation_body(conv)
 
 
 @router.get("/conversations/{conversation_id}", responses=openai_responses(401, 404))
@@ -67,36 +68,29 @@ def get_conversation(conversation_id: str, session: SessionDep, principal: Curre
 
 
 @router.post("/conversations/{conversation_id}", responses=openai_responses(400, 401, 404))
-def update_conversation(conversation_id: str, body: ConversationUpdate, session: SessionDep,
-                        principal: CurrentPrincipal):
+def update_conversation(conversation_id: str, body: ConversationUpdate, principal: CurrentPrincipal,
+                        settings: SettingsDep):
     """Replaces the conversation's metadata."""
-    conv = _find(session, principal, conversation_id)
-    with write_after_read(session):
+    with read_then_write(settings.sqlalchemy_url) as s:
+        conv = _find(s, principal, conversation_id)
         conv.meta = body.metadata
-        session.commit()
-    return service.conversation_body(conv)
+        return service.conversation_body(conv)
 
 
 @router.delete("/conversations/{conversation_id}", responses=openai_responses(401, 404))
-def delete_conversation(conversation_id: str, session: SessionDep, principal: CurrentPrincipal):
+def delete_conversation(conversation_id: str, principal: CurrentPrincipal, settings: SettingsDep):
     """Deletes the conversation and its items (the responses given it stay)."""
-    conv = _find(session, principal, conversation_id)
-    with write_after_read(session):
-        for entry in service.entries(session, conv):
-            session.delete(entry)
-        session.delete(conv)
-        session.commit()
+    with read_then_write(settings.sqlalchemy_url) as s:
+        service.delete_conversation(s, _find(s, principal, conversation_id))
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
 @router.post("/conversations/{conversation_id}/items", responses=openai_responses(400, 401, 404))
-def create_items(conversation_id: str, body: ItemsCreate, session: SessionDep, principal: CurrentPrincipal):
+def create_items(conversation_id: str, body: ItemsCreate, principal: CurrentPrincipal, settings: SettingsDep):
     """Adds items at the end of the conversation; answers them as a list."""
-    conv = _find(session, principal, conversation_id)
     items = service.new_items(body.items)
-    with write_after_read(session):
-        service.add_items(session, conv, items)
-        session.commit()
+    with read_then_write(settings.sqlalchemy_url) as s:
+        service.add_items(s, _find(s, principal, conversation_id), items)
     return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
             "has_more": False}
 
@@ -116,16 +110,19 @@ def get_item(conversation_id: str, item_id: str, session: SessionDep, principal:
     conv = _find(session, principal, conversation_id)
     found = next((item for _, item in service.items_of(session, conv) if item["id"] == item_id), None)
     if found is None:
-        raise OpenAIError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")
+        raise _no_item(conversation_id, item_id)
     return found
 
 
 @router.delete("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(401, 404))
-def delete_item(conversation_id: str, item_id: str, session: SessionDep, principal: CurrentPrincipal):
+def delete_item(conversation_id: str, item_id: str, principal: CurrentPrincipal, settings: SettingsDep):
     """Takes the item out of the conversation; answers the conversation."""
-    conv = _find(session, principal, conversation_id)
-    with write_after_read(session):
-        if not service.delete_item(session, conv, item_id):
-            raise OpenAIError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")
-        session.commit()
-    return service.conversation_body(conv)
+    with read_then_write(settings.sqlalchemy_url) as s:
+        conv = _find(s, principal, conversation_id)
+        if not service.delete_item(s, conv, item_id):
+            raise _no_item(conversation_id, item_id)
+        return service.conversation_body(conv)
+
+
+def _no_item(conversation_id: str, item_id: str) -> OpenAIError:
+    return OpenAIError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")

@@ -24,7 +24,7 @@ from app.api.errors import openai_responses
 from app.api.openai_compat import _body, _documented_body, _job_error, _submit, _unless_disconnected
 from app.auth import Principal
 from app.db.models import Job, JobStatus
-from app.db.session import write_after_read
+from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, input_items, item_page,
                                    job_id_of, message_item, response_body, token_logprobs)
@@ -73,10 +73,9 @@ def _conversation_history(session, principal: Principal, conv_id: str) -> list[d
                                                              param="conversation"))
 
 
-def _add_turn(session, conv_id: str, job_id: str) -> None:
-    with write_after_read(session):
-        conversations.add_turn(session, conv_id, job_id)
-        session.commit()
+def _add_turn(settings: Settings, conv_id: str, job_id: str) -> None:
+    with read_then_write(settings.sqlalchemy_url) as s:  # it looks whether the conversation is still there
+        conversations.add_turn(s, conv_id, job_id)
 
 
 def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
@@ -241,7 +240,7 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     except OpenAIError as exc:  # the job's checks name chat's fields
         raise in_responses_terms(exc) from exc
     if body.conversation_id is not None:  # the conversation shows this turn once the response completes
-        await run_in_threadpool(_add_turn, session, body.conversation_id, job.id)
+        await run_in_threadpool(_add_turn, settings, body.conversation_id, job.id)
     headers = {"x-coserve-job-id": job.id}
     if chat.stream:
         events = _numbered(_events(settings, job, kept))

@@ -129,6 +129,14 @@ def session_scope(url: str, immediate: bool = False) -> Iterator[Session]:
 
 
 @contextmanager
+def read_then_write(url: str) -> Iterator[Session]:
+    """A session for work that reads, then writes what it read: SQLite's write lock from its first statement
+    (BEGIN IMMEDIATE, under ``write_guard``), so no other writer commits in between; commits at the end."""
+    with session_scope(url, immediate=True) as session, write_guard(session):
+        yield session
+
+
+@contextmanager
 def write_after_read(session: Session) -> Iterator[None]:
     """Ends the session's read (SQLite refuses to turn a read into a write once another writer has
     committed), then writes under ``write_guard``."""

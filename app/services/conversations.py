@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Conversation, ConversationEntry, Job, JobStatus
@@ -84,6 +84,12 @@ def history(session: Session, conv: Conversation) -> list[dict[str, Any]]:
     """The conversation as chat messages, for a response that continues it."""
     items = [item for _, item in items_of(session, conv)]
     return input_messages(items) if items else []
+
+
+def delete_conversation(session: Session, conv: Conversation) -> None:
+    """The conversation and its entries (the responses given it stay)."""
+    session.execute(delete(ConversationEntry).where(ConversationEntry.conversation_id == conv.id))
+    session.delete(conv)
 
 
 def delete_item(session: Session, conv: Conversation, item_id: str) -> bool:
