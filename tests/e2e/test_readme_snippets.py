@@ -49,7 +49,8 @@ PLANS: dict[str, Plan] = {
         # JOB_ID is a job of this stack that missed its 1 ms TTFT: status explains the miss
         expect=("submitted job_", "first missed deadline", "token 1 (the first) was due 0.001 s")),
     "curl -s http://127.0.0.1:8000/v1/jobs": Plan(expect=('"kind":"batch"', '"deadline_at":')),
-    "from openai import OpenAI": Plan(),
+    "client.chat.completions.create(": Plan(),
+    "client.conversations.create(": Plan(expect=("['message', 'message', 'message']",)),
     "coserve batch create requests.jsonl": Plan(
         edits=(("ops/demo_summarize.sh", ": ops/demo_summarize.sh",
                 "80 prompts on the 135M model: tens of minutes on a CPU (tests/e2e/test_summarize_and_cli.py "
