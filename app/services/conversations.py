@@ -33,12 +33,13 @@ def find(session: Session, tenant_id: str, conv_id: str, param: str | None = Non
     return conv
 
 
-def new_items(items: list[dict[str, Any]], param: str = "items") -> list[dict[str, Any]]:
+def new_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Items a client adds, checked as a response's input is and written as stored items with ids of their own."""
     try:
         messages = input_messages(items)
-    except OpenAIError as exc:
-        raise OpenAIError(400, exc.message.replace("input", param), param=(exc.param or "").replace("input", param),
+    except OpenAIError as exc:  # it names the field as ``input...``: here it is ``items...`` (not input_text)
+        param = "items" + (exc.param or "input").removeprefix("input")
+        raise OpenAIError(400, exc.message.replace(exc.param or "input", param, 1), param=param,
                           code=exc.code) from exc
     return input_items("job_" + uuid.uuid4().hex[:24], messages)
 

@@ -90,6 +90,8 @@ def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_s
 @pytest.mark.parametrize(("path", "body", "param", "says"), [
     ("/v1/conversations", {"items": [{"role": "robot", "content": "x"}]}, "items.0.role", "must be user"),
     ("/v1/conversations", {"items": [{"type": "input_image"}]}, "items.0.type", "not supported"),
+    ("/v1/conversations", {"items": [{"role": "user", "content": [{"type": "input_image"}]}]}, "items.0.content.0",
+     "only input_text and output_text parts"),
     ("/v1/conversations", {"items": [{"role": "user", "content": "x"}] * 21}, "items", "at most 20"),
     ("/v1/conversations", {"metadata": {"k": 1}}, "metadata.k", "string"),
     ("/v1/responses", {"model": "tiny", "input": "x", "conversation": "conv_nope"}, "conversation", "no conversation"),
