@@ -17,7 +17,7 @@ from app.openai_schemas import (ChatCompletionRequest, OpenAIError, chat_logprob
                                 validation_message)
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import Answer
+from app.tool_calls import Answer, read_answer
 from app.wire import Text, as_utc
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
@@ -251,6 +251,16 @@ def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, A
                         "call_id": call["id"], "name": call["function"]["name"],
                         "arguments": call["function"]["arguments"]})
     return out
+
+
+def own_input_items(job: Any) -> list[dict[str, Any]]:
+    """A response job's own input as items: not the conversation it continued, nor its instructions."""
+    return input_items(job.id, (job.messages or [])[(job.response or {}).get("input_from", 0):])
+
+
+def stored_answer(job: Any) -> Answer:
+    """A finished response job's answer, read from its stored text."""
+    return read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
 
 
 def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None, missing: str) -> dict[str, Any]:

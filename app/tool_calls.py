@@ -214,7 +214,6 @@ class AnswerStream:
         """The content and the tool-call deltas to send now, given the text's next ``delta``."""
         self.text += delta
         if self.choice is None:
-            self.shown += len(delta)
             return delta, None
         if isinstance(self.choice, dict):
             return "", self._named_call_delta()

@@ -3,7 +3,6 @@ conversation's items first and adds its own turn (``app.services.conversations``
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
@@ -13,12 +12,10 @@ from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.db.models import Conversation
 from app.db.session import read_then_write
-from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.openai_schemas import OpenAIRoute
 from app.responses_schemas import item_page
 from app.services import conversations as service
 from app.wire import Text
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 
@@ -107,11 +104,7 @@ def list_items(conversation_id: str, session: SessionDep, principal: CurrentPrin
 
 @router.get("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(401, 404))
 def get_item(conversation_id: str, item_id: str, session: SessionDep, principal: CurrentPrincipal):
-    conv = _find(session, principal, conversation_id)
-    found = next((item for _, item in service.items_of(session, conv) if item["id"] == item_id), None)
-    if found is None:
-        raise _no_item(conversation_id, item_id)
-    return found
+    return service.find_item(session, _find(session, principal, conversation_id), item_id)[1]
 
 
 @router.delete("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(401, 404))
@@ -119,10 +112,5 @@ def delete_item(conversation_id: str, item_id: str, principal: CurrentPrincipal,
     """Takes the item out of the conversation; answers the conversation."""
     with read_then_write(settings.sqlalchemy_url) as s:
         conv = _find(s, principal, conversation_id)
-        if not service.delete_item(s, conv, item_id):
-            raise _no_item(conversation_id, item_id)
+        service.delete_item(s, conv, item_id)
         return service.conversation_body(conv)
-
-
-def _no_item(conversation_id: str, item_id: str) -> OpenAIError:
-    return OpenAIError(404, f"no item {item_id!r} in conversation {conversation_id!r}", code="item_not_found")

@@ -26,8 +26,8 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, input_items, item_page,
-                                   job_id_of, message_item, response_body, token_logprobs)
+from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, item_page, job_id_of,
+                                   message_item, own_input_items, response_body, stored_answer, token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
@@ -56,16 +56,12 @@ def _stored(session, principal: Principal, resp_id: str, param: str | None = Non
     return job
 
 
-def _answer(job: Job):
-    return read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
-
-
 def _history(session, principal: Principal, resp_id: str) -> list[dict[str, Any]]:
     job = _stored(session, principal, resp_id, param="previous_response_id")
     if job.status != JobStatus.SUCCEEDED:
         raise OpenAIError(400, f"response {resp_id!r} is {job.status}; continue from a completed one",
                           param="previous_response_id")
-    return history_of(job.messages or [], job.response or {}, _answer(job))
+    return history_of(job.messages or [], job.response or {}, stored_answer(job))
 
 
 def _conversation_history(session, principal: Principal, conv_id: str) -> list[dict[str, Any]]:
@@ -87,7 +83,7 @@ def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
 def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     kept = job.response or {}
     if job.status == JobStatus.SUCCEEDED:
-        return response_body(job, kept, settings.tiers, answer=_answer(job), prompt_tokens=job.prompt_tokens,
+        return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
                              completion_tokens=job.completion_tokens, logprobs=job.output_logprobs)
     ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED)
     return response_body(job, kept, settings.tiers,
@@ -287,8 +283,7 @@ def list_input_items(response_id: str, session: SessionDep, principal: CurrentPr
     """The response's input (not the conversation it continued, nor its instructions) as items, newest first
     unless ``order=asc``; ``after``: an item id, the page starts past it."""
     job = _stored(session, principal, response_id)
-    items = input_items(job.id, (job.messages or [])[(job.response or {}).get("input_from", 0):])
-    return item_page(items, limit, order, after, f"no input item {after!r} in response {response_id!r}")
+    return item_page(own_input_items(job), limit, order, after, f"no input item {after!r} in response {response_id!r}")
 
 
 @router.post("/responses/{response_id}/cancel", responses=openai_responses(400, 401, 404))

@@ -12,8 +12,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Conversation, ConversationEntry, Job, JobStatus
 from app.openai_schemas import OpenAIError
-from app.responses_schemas import input_items, input_messages, output_items
-from app.tool_calls import read_answer
+from app.responses_schemas import input_items, input_messages, output_items, own_input_items, stored_answer
 from app.wire import as_utc
 
 MAX_ITEMS = 20  # items one request may add (OpenAI's limit)
@@ -64,9 +63,7 @@ def turn_items(job: Job | None) -> list[dict[str, Any]]:
     """A response's input and output items, once it has completed."""
     if job is None or job.status != JobStatus.SUCCEEDED:
         return []
-    answer = read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
-    return input_items(job.id, (job.messages or [])[(job.response or {}).get("input_from", 0):]) + output_items(
-        job.id, answer)
+    return own_input_items(job) + output_items(job.id, stored_answer(job))
 
 
 def items_of(session: Session, conv: Conversation) -> list[tuple[ConversationEntry, dict[str, Any]]]:
@@ -93,13 +90,18 @@ def delete_conversation(session: Session, conv: Conversation) -> None:
     session.delete(conv)
 
 
-def delete_item(session: Session, conv: Conversation, item_id: str) -> bool:
-    """Takes the item out of the conversation (a response's item is hidden from its turn); False: no such item."""
-    for entry, item in items_of(session, conv):
-        if item["id"] == item_id:
-            if entry.item is not None:
-                session.delete(entry)
-            else:
-                entry.deleted = [*(entry.deleted or ()), item_id]
-            return True
-    return False
+def find_item(session: Session, conv: Conversation, item_id: str) -> tuple[ConversationEntry, dict[str, Any]]:
+    """The conversation's item ``item_id`` and the entry it comes from (404 where there is none)."""
+    found = next(((entry, item) for entry, item in items_of(session, conv) if item["id"] == item_id), None)
+    if found is None:
+        raise OpenAIError(404, f"no item {item_id!r} in conversation {conv.id!r}", code="item_not_found")
+    return found
+
+
+def delete_item(session: Session, conv: Conversation, item_id: str) -> None:
+    """Takes the item out of the conversation (a response's item is hidden from its turn; 404: no such item)."""
+    entry, _ = find_item(session, conv, item_id)
+    if entry.item is not None:
+        session.delete(entry)
+    else:
+        entry.deleted = [*(entry.deleted or ()), item_id]
