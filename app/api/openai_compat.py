@@ -44,7 +44,7 @@ router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 T = TypeVar("T")
 
 
-async def _body(request: Request, model: type) -> Any:
+async def read_body(request: Request, model: type) -> Any:
     try:
         raw = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -60,8 +60,9 @@ async def _body(request: Request, model: type) -> Any:
     return body
 
 
-def _submit(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
-            response: dict[str, Any] | None = None) -> Job:
+def submit_openai_job(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
+                      response: dict[str, Any] | None = None) -> Job:
+    """The request's job, its refusal in OpenAI's terms (404 for an unknown model, else 400)."""
     try:
         return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer,
                                       response=response).job
@@ -76,7 +77,7 @@ def _submit(session, principal: Principal, settings: Settings, spec, endpoint: s
 DISCONNECT_POLL_S = 0.5  # how often a non-stream request looks whether its client is still there
 
 
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """``work``'s result, or None once the client is found gone (``work`` is cancelled then)."""
     task = asyncio.ensure_future(work)
     try:
@@ -91,7 +92,7 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
             await asyncio.wait({task})
 
 
-def _job_error(status: str | None, error: str | None, code: str | None = None) -> OpenAIError:
+def job_error(status: str | None, error: str | None, code: str | None = None) -> OpenAIError:
     if code == INVALID_REQUEST:  # the engine refused the request's parameters: the client's to fix, as vLLM answers
         return OpenAIError(400, error or "the engine refused the request", code=INVALID_REQUEST)
     if status == JobStatus.CANCELLED:
@@ -116,7 +117,7 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
     jobs: list[Job] = []
     try:
         for spec in specs:
-            jobs.append(_submit(session, principal, settings, spec, endpoint, writer))
+            jobs.append(submit_openai_job(session, principal, settings, spec, endpoint, writer))
     except Exception:
         for job in jobs:
             cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
@@ -179,7 +180,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         if len(jobs) > 1:  # the answer is lost without this choice: the others stop too, first
                             with anyio.CancelScope(shield=True):  # (the client may be gone at the next yield)
                                 await abandon(settings, jobs, ANOTHER_FAILED)
-                        yield _sse_error(_job_error(item.status, item.error, item.code))
+                        yield _sse_error(job_error(item.status, item.error, item.code))
                     case Finished(choice=i):
                         yield _sse(chunk(i, None, item.answer.finish_reason, item.completion_tokens))
                         prompt_tokens[i] = item.prompt_tokens
@@ -196,7 +197,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
 
 
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
-    body = await _body(request, ChatCompletionRequest if chat else CompletionRequest)
+    body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     specs = ([body.job_spec(messages=body.chat_messages(), tiers=settings.tiers)] if chat
              else [body.job_spec(**prompt, tiers=settings.tiers) for prompt in body.prompt_inputs()])
@@ -214,12 +215,12 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)
         return StreamingResponse(abandoned_on_hangup(settings, jobs, chunks), media_type="text/event-stream",
                                  headers=headers)
-    ends = await _unless_disconnected(request, job_ends(settings, jobs))
+    ends = await unless_disconnected(request, job_ends(settings, jobs))
     if ends is None:  # nobody waits for the answer any more: stop generating it
         await abandon(settings, jobs)
         return Response(status_code=499)  # nginx's "client closed request"; no one reads it
     if ends[0].status != JobStatus.SUCCEEDED:
-        raise _job_error(ends[0].status, ends[0].data.get("error"), ends[0].data.get("code"))
+        raise job_error(ends[0].status, ends[0].data.get("error"), ends[0].data.get("code"))
     coserve = {"job_id": jobs[0].id} | ({"job_ids": [job.id for job in jobs]} if len(jobs) > 1 else {})
     extra = {"system_fingerprint": None, "service_tier": service_tier(jobs[0].tier, settings.tiers),
              "coserve": coserve}
@@ -237,7 +238,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     return JSONResponse(merge_choices(bodies, n), headers=headers)
 
 
-def _documented_body(model: type) -> dict[str, Any]:
+def documented_body(model: type) -> dict[str, Any]:
     """The request body for the OpenAPI document: these routes parse it themselves (to answer
     every error in OpenAI's shape), so FastAPI cannot see it."""
     schema = model.model_json_schema()
@@ -259,14 +260,14 @@ _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a comple
             **openai_responses(400, 401, 404, 409, 413, 500, 504)}
 
 
-@router.post("/chat/completions", responses=_ANSWERS, openapi_extra=_documented_body(ChatCompletionRequest))
+@router.post("/chat/completions", responses=_ANSWERS, openapi_extra=documented_body(ChatCompletionRequest))
 async def chat_completions(request: Request, session: SessionDep, principal: CurrentPrincipal,
                            settings: SettingsDep):
     """OpenAI chat completions; QoS extension fields: ttft_ms, tbt_ms, deadline, tier."""
     return await _complete(request, session, principal, settings, chat=True)
 
 
-@router.post("/completions", responses=_ANSWERS, openapi_extra=_documented_body(CompletionRequest))
+@router.post("/completions", responses=_ANSWERS, openapi_extra=documented_body(CompletionRequest))
 async def completions(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
     """OpenAI (legacy) text completions; same extension fields as chat."""
     return await _complete(request, session, principal, settings, chat=False)

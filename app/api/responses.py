@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
-from app.api.openai_compat import _body, _documented_body, _job_error, _submit, _unless_disconnected
+from app.api.openai_compat import documented_body, job_error, read_body, submit_openai_job, unless_disconnected
 from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import read_then_write, write_after_read
@@ -76,7 +76,7 @@ def _add_turn(settings: Settings, conv_id: str, job_id: str) -> None:
 
 def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
     """A Response's ``error``: what the chat routes would answer for the job's end, as code and message."""
-    err = _job_error(status, error, code)
+    err = job_error(status, error, code)
     return {"code": err.code or err.type, "message": err.message}
 
 
@@ -213,11 +213,11 @@ _ANSWERS_GET = {200: _ANSWERS[200], **openai_responses(400, 401, 404)}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@router.post("/responses", responses=_ANSWERS, openapi_extra=_documented_body(ResponsesRequest))
+@router.post("/responses", responses=_ANSWERS, openapi_extra=documented_body(ResponsesRequest))
 async def create_response(request: Request, session: SessionDep, principal: CurrentPrincipal,
                           settings: SettingsDep):
     """OpenAI's Responses API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat."""
-    body = await _body(request, ResponsesRequest)
+    body = await read_body(request, ResponsesRequest)
     history = []
     if body.previous_response_id is not None:
         history = await run_in_threadpool(_history, session, principal, body.previous_response_id)
@@ -232,7 +232,7 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         spec, kept["input_from"] = await run_in_threadpool(fit_context, settings, spec, kept["input_from"])
     writer = getattr(request.app.state, "job_writer", None)
     try:
-        job = await run_in_threadpool(_submit, session, principal, settings, spec, ENDPOINT, writer, kept)
+        job = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer, kept)
     except OpenAIError as exc:  # the job's checks name chat's fields
         raise in_responses_terms(exc) from exc
     if body.conversation_id is not None:  # the conversation shows this turn once the response completes
@@ -245,13 +245,13 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         return StreamingResponse(events, media_type="text/event-stream", headers=headers | _STREAM_HEADERS)
     if body.background:  # the client polls GET /v1/responses/{id}; nothing here waits for the job
         return JSONResponse(response_body(job, kept, settings.tiers, status="queued"), headers=headers)
-    ends = await _unless_disconnected(request, job_ends(settings, [job]))
+    ends = await unless_disconnected(request, job_ends(settings, [job]))
     if ends is None:  # nobody waits for the answer any more
         await abandon(settings, [job])
         return Response(status_code=499)
     end = ends[0]
     if end.status != JobStatus.SUCCEEDED:
-        raise _job_error(end.status, end.data.get("error"), end.data.get("code"))
+        raise job_error(end.status, end.data.get("error"), end.data.get("code"))
     answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
     return JSONResponse(response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
                                       prompt_tokens=end.data["prompt_tokens"],
