@@ -205,16 +205,18 @@ class AnswerStream:
         self.choice = self.sampling.get("tool_choice")
         self.syntax = SYNTAXES[self.sampling.get("tool_parser") or "hermes"] if self.choice == "auto" else None
         self.most = 1 if self.sampling.get("parallel_tool_calls") is False else None  # calls sent at most
-        self.text = ""  # all of the text so far
+        self.text = ""  # all of the text so far (free text: in ``free``, joined at the end)
+        self.free: list[str] = []  # a free text's pieces: no copy of the whole text per token on the stream
         self.shown = 0  # characters of it sent as content (a named call: as its arguments)
         self.scanner: CallScanner | None = None  # "required" and "auto": the calls read so far
         self.sent: dict[int, int] = {}  # characters of each call's arguments sent, by its index (opened calls)
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
         """The content and the tool-call deltas to send now, given the text's next ``delta``."""
-        self.text += delta
         if self.choice is None:
+            self.free.append(delta)
             return delta, None
+        self.text += delta
         if isinstance(self.choice, dict):
             return "", self._named_call_delta()
         content = ""
@@ -263,7 +265,7 @@ class AnswerStream:
 
     def end(self, engine_reason: str | None) -> tuple[str, list[dict[str, Any]] | None, Answer]:
         """The content and the tool-call deltas still to send, and the whole answer, once the text is whole."""
-        answer = read_answer(self.job_id, self.sampling, self.text, engine_reason)
+        answer = read_answer(self.job_id, self.sampling, "".join(self.free) or self.text, engine_reason)
         if self.choice is None or (isinstance(self.choice, dict) and self.shown):
             return "", None, answer  # all shown already (a named call went out as it came)
         rest = []
