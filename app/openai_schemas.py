@@ -15,7 +15,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any, ClassVar, Literal
 
@@ -312,7 +312,9 @@ def merge_choices(bodies: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
     if len(bodies) > 1:
         body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
         body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies[::n]),
-                              sum(b["usage"]["completion_tokens"] for b in bodies))
+                              sum(b["usage"]["completion_tokens"] for b in bodies),
+                              known_sum(b["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+                                        for b in bodies[::n]))
     return body
 
 
@@ -484,9 +486,20 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:
+def usage(prompt_tokens: int | None, completion_tokens: int | None,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens`` (the prompt tokens the engine's prefix cache held) where known."""
     p, c = int(prompt_tokens or 0), int(completion_tokens or 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": int(cached_tokens)}
+    return out
+
+
+def known_sum(counts: Iterable[int | None]) -> int | None:
+    """The sum of the counts that are known (None: none is)."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 def _logprob_item(token: str, logprob: float) -> dict[str, Any]:
@@ -519,7 +532,8 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
                     prompt_tokens: int | None, completion_tokens: int | None,
                     extra: dict[str, Any] | None = None,
                     logprobs: list[dict[str, Any]] | None = None,
-                    tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    tool_calls: list[dict[str, Any]] | None = None,
+                    cached_tokens: int | None = None) -> dict[str, Any]:
     """``tool_calls``: the calls the text was read as (``content``: the text before them, or None)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls is not None:
@@ -527,7 +541,7 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message,
                          "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if extra:
         body.update(extra)
     return body
@@ -541,19 +555,21 @@ def chat_echo(messages: list[dict[str, Any]] | None, sampling: dict[str, Any] | 
 def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[str, Any] | None, text: str,
                 engine_reason: str | None, prompt_tokens: int | None, completion_tokens: int | None,
                 extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
-                echo: str = "") -> dict[str, Any]:
+                echo: str = "", cached_tokens: int | None = None) -> dict[str, Any]:
     """A chat job's answer as OpenAI's body: its text read as content and tool calls (``read_answer``), its
     content after ``echo`` (``chat_echo``)."""
     answer = read_answer(job_id, sampling, text, engine_reason)
     content = echo + answer.content if echo and answer.content is not None else answer.content
     return chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
-                           completion_tokens, extra, logprobs, tool_calls=answer.tool_calls)
+                           completion_tokens, extra, logprobs, tool_calls=answer.tool_calls,
+                           cached_tokens=cached_tokens)
 
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
                     extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
-                    echo: tuple[str, list[dict[str, Any]] | None] | None = None) -> dict[str, Any]:
+                    echo: tuple[str, list[dict[str, Any]] | None] | None = None,
+                    cached_tokens: int | None = None) -> dict[str, Any]:
     """``echo``: the prompt and its logprobs, which the text and the logprobs then start with."""
     if echo is not None:
         prompt, prompt_logprobs = echo
@@ -563,7 +579,7 @@ def text_completion(cid: str, model: str, created: int, text: str, finish_reason
     body = {"id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
                          "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if extra:
         body.update(extra)
     return body

@@ -311,7 +311,7 @@ STATUSES = {"queued": "queued", "running": "in_progress", "relegated": "in_progr
 def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, status: str | None = None,
                   answer: Answer | None = None, prompt_tokens: int | None = None,
                   completion_tokens: int | None = None, error: dict[str, Any] | None = None,
-                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  logprobs: list[dict[str, Any]] | None = None, cached_tokens: int | None = None) -> dict[str, Any]:
     """The job as a Response: ``answer`` once it has one (``status`` the job's status, coserve's names), with its
     token ``logprobs`` where they were asked for."""
     state = STATUSES.get(status or job.status, "in_progress")
@@ -337,7 +337,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "usage": None, "metadata": kept.get("metadata") or {}, "user": None}
     if answer is not None:
         counts = usage(prompt_tokens, completion_tokens)
-        body["usage"] = {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        body["usage"] = {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached_tokens or 0},
                          "output_tokens": counts["completion_tokens"],
                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": counts["total_tokens"]}
     return body

@@ -328,6 +328,9 @@ class JobPublic(BaseModel):
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = Field(None, description=(
+        "of the prompt tokens, those the engine found in its prefix cache (not computed again); 0 on the own "
+        "engine, which keeps no prefix cache; null until the job succeeded"))
     tool_calls: list[dict[str, Any]] | None = Field(None, description=(
         "the calls read from the output text where tool_choice asked for calls (OpenAI's shape, arguments as JSON "
         "text; a named function's arguments as generated, cut short where max_tokens cut them); null while "

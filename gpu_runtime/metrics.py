@@ -47,6 +47,7 @@ class RequestMetrics:
     slo_met: bool | None  # None while unfinished
     slo_miss: DeadlineMiss | None = None  # the first deadline missed, when slo_met is False
     queue_s: float | None = None  # arrival to its first prompt chunk (vLLM's queue time); None: never scheduled
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage's cached_tokens)
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -71,6 +72,7 @@ def request_metrics(req: Request) -> RequestMetrics:
         slo_met=miss is None if req.status.finished else None,
         slo_miss=miss,
         queue_s=None if req.scheduled_time is None else req.scheduled_time - req.arrival_time,
+        num_cached_tokens=req.num_cached_tokens,
     )
 
 

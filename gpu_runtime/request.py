@@ -46,6 +46,7 @@ class Request:
     recomputed_outputs: int = 0
     num_recomputes: int = 0  # times its KV was released and recomputed
     scheduled_time: float | None = None  # clock time its first prefill chunk was scheduled
+    num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache held when its prefill began
     finish_time: float | None = None
     # Filled by the scheduler: predicted remaining decode tokens (running mean + 2 std).
     predicted_output_len: int | None = None

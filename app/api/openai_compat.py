@@ -29,7 +29,8 @@ from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, StreamOptions,
                                 chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, merge_choices,
-                                now_s, openai_param, service_tier, text_completion, usage, validation_message)
+                                known_sum, now_s, openai_param, service_tier, text_completion, usage,
+                                validation_message)
 from app.services import jobs as job_service
 from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
                                         abandoned_on_hangup, answer_events)
@@ -156,6 +157,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
         return out
 
     prompt_tokens, completion_tokens, finished = [0] * len(jobs), 0, 0
+    cached: list[int | None] = [None] * len(jobs)
     try:
         if chat:
             for i in range(len(jobs)):
@@ -183,12 +185,12 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         yield _sse_error(job_error(item.status, item.error, item.code))
                     case Finished(choice=i):
                         yield _sse(chunk(i, None, item.answer.finish_reason, item.completion_tokens))
-                        prompt_tokens[i] = item.prompt_tokens
+                        prompt_tokens[i], cached[i] = item.prompt_tokens, item.cached_tokens
                         completion_tokens += item.completion_tokens
                         finished += 1
         if include_usage and finished == len(jobs):
             yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                        "usage": usage(sum(prompt_tokens[::n]), completion_tokens)})
+                        "usage": usage(sum(prompt_tokens[::n]), completion_tokens, known_sum(cached[::n]))})
         yield _sse("[DONE]")
     except Exception:  # a bug or a database error: say so to the client; the jobs themselves go on
         log.exception("the stream of job %s failed", jobs[0].id)
@@ -228,13 +230,14 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     for job, end in zip(jobs, ends, strict=True):
         head = (("chatcmpl-" if chat else "cmpl-") + jobs[0].id, jobs[0].model, now_s())
         counts = (end.data["prompt_tokens"], end.data["completion_tokens"], extra, end.data.get("logprobs"))
+        cached = end.data.get("cached_tokens")
         if chat:
             bodies.append(chat_answer(*head, job.id, job.sampling, end.data["output_text"], end.finish_reason,
-                                      *counts, echo=chat_echo(job.messages, job.sampling)))
+                                      *counts, echo=chat_echo(job.messages, job.sampling), cached_tokens=cached))
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
-                                          **echo))
+                                          **echo, cached_tokens=cached))
     return JSONResponse(merge_choices(bodies, n), headers=headers)
 
 

@@ -84,7 +84,8 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     kept = job.response or {}
     if job.status == JobStatus.SUCCEEDED:
         return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
-                             completion_tokens=job.completion_tokens, logprobs=job.output_logprobs)
+                             completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
+                             cached_tokens=job.cached_tokens)
     ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED)
     return response_body(job, kept, settings.tiers,
                          error=_error(job.status, job.error, job.error_code) if ended else None)
@@ -181,7 +182,8 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                             yield out
                         body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED,
                                              answer=item.answer, prompt_tokens=item.prompt_tokens,
-                                             completion_tokens=item.completion_tokens, logprobs=logprobs)
+                                             completion_tokens=item.completion_tokens, logprobs=logprobs,
+                                             cached_tokens=item.cached_tokens)
                         yield _event("response.completed" if body["status"] == "completed" else "response.incomplete",
                                      response=body)
     except Exception:  # a bug or a database error: say so; the job itself goes on
@@ -256,7 +258,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     return JSONResponse(response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
                                       prompt_tokens=end.data["prompt_tokens"],
                                       completion_tokens=end.data["completion_tokens"],
-                                      logprobs=end.data.get("logprobs")), headers=headers)
+                                      logprobs=end.data.get("logprobs"),
+                                      cached_tokens=end.data.get("cached_tokens")), headers=headers)
 
 
 @router.get("/responses/{response_id}", responses=_ANSWERS_GET)

@@ -40,15 +40,16 @@ def output_line(job: Job) -> dict[str, Any]:
         body = response_body(job, job.response or {}, get_settings().tiers, status=job.status,
                              answer=read_answer(job.id, job.sampling, text, reason),
                              prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                             logprobs=job.output_logprobs)
+                             logprobs=job.output_logprobs, cached_tokens=job.cached_tokens)
     elif chat:
         body = chat_answer("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, job.id, job.sampling, text,
                            reason, job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs,
-                           echo=chat_echo(job.messages, job.sampling))
+                           echo=chat_echo(job.messages, job.sampling), cached_tokens=job.cached_tokens)
     else:
         echo = {"echo": (job.prompt or "", job.prompt_logprobs)} if (job.sampling or {}).get("echo") else {}
         body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,
-                               job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs, **echo)
+                               job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs, **echo,
+                               cached_tokens=job.cached_tokens)
     return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
             "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
 

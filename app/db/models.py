@@ -118,6 +118,8 @@ class Job(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    # prompt tokens the engine found in its prefix cache (vLLM's num_cached_tokens; 0 on the own engine, which has none)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     # where the request asked for them: one per output token, gpu_runtime.logprobs.TokenLogprob.as_dict()
     output_logprobs: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     prompt_logprobs: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # the same per prompt token

@@ -46,7 +46,7 @@ FINISH_REASON = func.coalesce(Job.finish_reason, literal_column("'stop'")).label
 VLLM_ALIASES = {f"coserve:{n}": f"vllm:{n}" for n in (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
     "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-    "request_success", "prompt_tokens", "generation_tokens")}
+    "request_success", "prompt_tokens", "prompt_tokens_cached", "generation_tokens")}
 
 
 def vllm_alias(family: Metric) -> Metric:
@@ -152,6 +152,9 @@ class SqlCollector(Collector):
         outcome = CounterMetricFamily("coserve:request_outcome", "Terminal jobs by status.",
                                       labels=["model_name", "status"])
         prompt = CounterMetricFamily("coserve:prompt_tokens", "Prompt tokens of finished jobs.", labels=["model_name"])
+        cached = CounterMetricFamily("coserve:prompt_tokens_cached",
+                                     "Prompt tokens of finished jobs found in the engine's prefix cache.",
+                                     labels=["model_name"])
         gen = CounterMetricFamily("coserve:generation_tokens", "Generated tokens of finished jobs.",
                                   labels=["model_name"])
         finished = Job.finished_at.is_not(None)
@@ -166,17 +169,19 @@ class SqlCollector(Collector):
             slo_acc[(tier, kind, "violated")] += n
         for (tier, kind, out), n in sorted(slo_acc.items()):
             slo.add_metric([self.model_name, tier, kind, out], n)
-        p = g = 0
-        for reason, n, prompt_tokens, completion_tokens in s.execute(success_query()):
+        p = c = g = 0
+        for reason, n, prompt_tokens, cached_tokens, completion_tokens in s.execute(success_query()):
             success.add_metric([self.model_name, reason], n)
             p += prompt_tokens or 0
+            c += cached_tokens or 0
             g += completion_tokens or 0
         for status, n in s.execute(select(Job.status, func.count()).where(finished).group_by(Job.status)
                                    .order_by(Job.status)):
             outcome.add_metric([self.model_name, status], n)
         prompt.add_metric([self.model_name], p)
+        cached.add_metric([self.model_name], c)
         gen.add_metric([self.model_name], g)
-        yield from (slo, success, outcome, prompt, gen)
+        yield from (slo, success, outcome, prompt, cached, gen)
 
 
 def histogram_query(value, edges: Sequence[float]):
@@ -188,8 +193,9 @@ def histogram_query(value, edges: Sequence[float]):
 
 
 def success_query():
-    """Succeeded jobs per finish reason, with their prompt and generated token sums."""
-    return (select(FINISH_REASON, func.count(), func.sum(Job.prompt_tokens), func.sum(Job.completion_tokens))
+    """Succeeded jobs per finish reason, with their prompt, cached prompt and generated token sums."""
+    return (select(FINISH_REASON, func.count(), func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens),
+                   func.sum(Job.completion_tokens))
             .where(Job.finished_at.is_not(None), Job.status == JobStatus.SUCCEEDED.value)
             .group_by(FINISH_REASON).order_by(FINISH_REASON))
 

@@ -58,6 +58,7 @@ class Finished:
     answer: Answer
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None  # of the prompt tokens, those the engine's prefix cache held
 
 
 @dataclass
@@ -158,7 +159,8 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                 content, calls, answer = answers[i].end(ev.finish_reason)
                 if given := piece(i, content, calls, None, ""):
                     yield given
-                yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0)
+                yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0,
+                               ev.data.get("cached_tokens"))
                 unfinished -= 1
                 if not unfinished:
                     return

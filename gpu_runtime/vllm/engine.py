@@ -276,6 +276,7 @@ class VLLMEngine:
         text = comp.text if comp is not None else ""
         req.output_token_ids.extend(new_ids)
         req.token_times.extend([now] * len(new_ids))
+        req.num_cached_tokens = res.num_cached_tokens or 0  # vLLM's count from its prefill (kept after recomputes)
         if new_ids and req.status is RequestStatus.WAITING:
             req.status = RequestStatus.DECODING
         logprobs = (token_logprobs(new_ids, comp.logprobs, req.sampling.logprobs)

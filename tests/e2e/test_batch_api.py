@@ -61,6 +61,7 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker):
         assert r["response"]["status_code"] == 200 and r["error"] is None
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] == (6 if r["custom_id"] == "b" else 4)
+        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # the engine said: none cached
 
     errors = {e["error"]["line"]: e for e in jsonl(oai, done.error_file_id)}
     assert sorted(errors) == [2, 4, 5, 6, 7]

@@ -30,6 +30,7 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
     assert chat.usage.completion_tokens == 7 and chat.usage.prompt_tokens > 3
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + 7
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # the own engine keeps no prefix cache
 
     # tools offered with tool_choice "none", a history holding a call and its result: the answer is text
     history = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
@@ -145,6 +146,7 @@ def test_streaming_matches_non_streaming(oai):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
     assert all(c.usage is None for c in chunks[:-1])
     # vLLM's continuous_usage_stats: every chunk tells its choice's usage so far, counting up to the whole
     counted = list(oai.chat.completions.create(

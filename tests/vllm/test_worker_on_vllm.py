@@ -277,6 +277,26 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert "".join(d["text"] for n, d in events if n == "delta") == batch["output_text"]
     assert events[-1][0] == "end" and events[-1][1]["status"] == "succeeded"
 
+    # vLLM's prefix cache: a prompt seen before is found in it, whole blocks of it (128 tokens on the CPU), and
+    # usage says how many, as OpenAI's cached_tokens (chat, completions, Responses, the native job)
+    notes = " ".join(f"Note {i}: the meeting on day {i} covered budget line {i * 7} and staffing." for i in range(40))
+    first = oai.completions.create(model="smollm2-135m-instruct", prompt=notes, max_tokens=2, temperature=0)
+    again = oai.completions.create(model="smollm2-135m-instruct", prompt=notes, max_tokens=2, temperature=0)
+    n_prompt = again.usage.prompt_tokens
+    assert n_prompt > 256 and first.usage.prompt_tokens_details.cached_tokens == 0, first.usage
+    hit = again.usage.prompt_tokens_details.cached_tokens
+    assert hit % 128 == 0 and n_prompt - 128 <= hit < n_prompt, again.usage  # all but the last, partial block
+    again_job = job(base, keys.paid, again.id.removeprefix("cmpl-"))
+    assert again_job["cached_tokens"] == hit and job(base, keys.paid, first.id.removeprefix("cmpl-"))[
+        "cached_tokens"] == 0
+    said = [{"role": "user", "content": notes + " Summarize."}]
+    chunks = list(oai.chat.completions.create(model="smollm2-135m-instruct", messages=said, max_tokens=2,
+                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    # the stream's usage chunk; the chat template put a system turn before the notes, so no block was seen before
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0, chunks[-1].usage
+    reply = oai.responses.create(model="smollm2-135m-instruct", input=said, max_output_tokens=2)
+    assert reply.usage.input_tokens_details.cached_tokens >= reply.usage.input_tokens - 128 > 0, reply.usage
+
     from sqlalchemy import select
 
     from app.db.models import WorkerState

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from app.openai_schemas import CompletionRequest, chat_logprobs, completion_logprobs, merge_choices, text_completion
+from app.openai_schemas import (CompletionRequest, chat_completion, chat_logprobs, completion_logprobs, merge_choices,
+                                text_completion, usage)
 from app.services.streaming import StreamEvent, _Progress
 from gpu_runtime.logprobs import FLOOR, TokenLogprob
 
@@ -85,3 +86,15 @@ def test_several_prompts_make_a_job_each_and_one_usage():
     assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3] and [c["text"] for c in merged["choices"]] == list(
         "abcd")
     assert merged["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
+
+
+def test_usage_says_the_cached_prompt_tokens_where_the_engine_counted_them():
+    assert "prompt_tokens_details" not in usage(5, 2)  # a count not known (a stream's running usage) is left out
+    assert usage(5, 2, 0)["prompt_tokens_details"] == {"cached_tokens": 0}
+    # two prompts, n = 2: a prompt's cached tokens count once, as its prompt tokens do
+    bodies = [text_completion("c", "m", 0, t, "stop", p, 1, cached_tokens=k)
+              for t, p, k in (("a", 300, 256), ("b", 300, 256), ("c", 200, 128), ("d", 200, 128))]
+    merged = merge_choices(bodies, n=2)["usage"]
+    assert merged["prompt_tokens"] == 500 and merged["prompt_tokens_details"] == {"cached_tokens": 384}
+    chat = chat_completion("x", "m", 0, "hi", "stop", 300, 1, cached_tokens=256)
+    assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == 256

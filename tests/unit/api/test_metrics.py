@@ -29,7 +29,8 @@ def _seed(db_url) -> None:
                    _job(t.id, "relegated", "free"),
                    _job(t.id, "succeeded", "paid", ttft_s=0.03, tbt_p50_s=0.02, ttlt_s=0.5, slo_met=True,
                         created_at=now - timedelta(seconds=2), started_at=now - timedelta(seconds=1.5),
-                        finished_at=now, finish_reason="length", prompt_tokens=10, completion_tokens=7),
+                        finished_at=now, finish_reason="length", prompt_tokens=10, completion_tokens=7,
+                        cached_tokens=8),
                    _job(t.id, "succeeded", "free", queue_s=1.25, ttft_s=3.0, tbt_p50_s=0.3, ttlt_s=9.0, slo_met=False,
                         finished_at=now, finish_reason="stop", prompt_tokens=5, completion_tokens=3),
                    _job(t.id, "expired", "free", kind="batch", finished_at=now)])
@@ -66,6 +67,9 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
     assert get("coserve:slo_attainment_total", model_name="tiny", tier="free", kind="batch", outcome="violated") == 1
     assert get("coserve:request_success_total", model_name="tiny", finished_reason="length") == 1
     assert get("coserve:generation_tokens_total", model_name="tiny") == 10
+    assert get("coserve:prompt_tokens_total", model_name="tiny") == 15
+    assert get("coserve:prompt_tokens_cached_total", model_name="tiny") == 8  # the other job has no count
+    assert get("vllm:prompt_tokens_cached_total", model_name="tiny") == 8  # under vLLM's name too
 
 
 def _samples(families):
