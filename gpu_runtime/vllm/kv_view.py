@@ -15,6 +15,7 @@ from gpu_runtime.executor.base import KVCapacity
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler as VLLMScheduler
+    from vllm.v1.request import Request as VLLMRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,15 @@ class VLLMKVView:
         have = req.num_computed_tokens if req is not None else 0
         bs = self.block_size
         return max(0, -(-(have + n) // bs) - -(-have // bs))
+
+    def cached_prefix(self, request: VLLMRequest) -> int:
+        """Tokens of a new request's prompt that vLLM's prefix cache holds now: what its first schedule would find
+        (whole blocks, never the last token, which is computed again for its logits; 0 with caching off)."""
+        manager = self.scheduler.kv_cache_manager
+        if not manager.prefix_cache_lookup_enabled(request) or not request.block_hashes:
+            return 0
+        _, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        return hit
 
     def release_kv(self, request_id: str) -> None:
         """vLLM recompute preemption of a running request, chosen by the policy (least urgent first)."""

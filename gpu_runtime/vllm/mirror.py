@@ -28,8 +28,10 @@ def make_mirror(vreq: VLLMRequest) -> Request:
 
 
 def sync_progress(mirror: Request, vreq: VLLMRequest) -> None:
-    """Tokens in the KV cache (prompt progress of a prefill, context of a decode), as vLLM counts them."""
-    mirror.num_computed_tokens = vreq.num_computed_tokens
+    """Tokens in the KV cache (prompt progress of a prefill, context of a decode), as vLLM counts them. A prompt
+    vLLM has not started keeps the prefix-cache hit it was added with (vLLM counts it when it schedules it)."""
+    if vreq.num_computed_tokens or vreq.num_preemptions:
+        mirror.num_computed_tokens = vreq.num_computed_tokens
 
 
 def sync_outputs(mirror: Request, vreq: VLLMRequest, now: float) -> int:

@@ -164,6 +164,8 @@ class CoserveScheduler(AsyncScheduler):
             super().add_request(request)  # finished as an error by the next update_from_output
             return
         super().add_request(request)
+        # a prompt vLLM's prefix cache partly holds is planned for, ordered and judged (relegation) by what is left
+        mirror.num_computed_tokens = mirror.num_cached_tokens = self.kv.cached_prefix(request)
         self.mirrors[request.request_id] = mirror
         self.policy.add_request(mirror)  # type: ignore[union-attr]
 

@@ -25,12 +25,13 @@ def make_scheduler(tiny_model_dir, monkeypatch):
     from gpu_runtime.vllm.scheduler import CoserveScheduler
 
     def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
-              profile: str = "none", report_events: bool = True, calibrate: bool = False) -> CoserveScheduler:
+              profile: str = "none", report_events: bool = True, calibrate: bool = False,
+              prefix_caching: bool = False) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
         # no model runs here, so steps take microseconds: calibrating to them only where a test asks
         monkeypatch.setenv("COSERVE_COST_CALIBRATION", "on" if calibrate else "off")
-        cache = CacheConfig(block_size=16, enable_prefix_caching=False)
+        cache = CacheConfig(block_size=16, enable_prefix_caching=prefix_caching)
         cache.num_gpu_blocks = blocks
         config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
                             cache_config=cache,
@@ -47,13 +48,23 @@ def make_scheduler(tiny_model_dir, monkeypatch):
 
 
 def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,
-                 max_tokens: int = 8, request_id: str | None = None):
+                 max_tokens: int = 8, request_id: str | None = None, first_token: int = 10, hashed: bool = False):
+    """A request whose prompt is ``first_token``, ``first_token + 1``, ...; ``hashed``: with the block hashes
+    vLLM's engine core gives every request when prefix caching is on (16-token blocks, as ``make_scheduler``)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
+    hasher = None
+    if hashed:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(fn := get_hash_fn_by_name("sha256"))
+        hasher = get_request_block_hasher(16, fn)
     rid = request_id or f"r{next(_ids)}"
-    return Request(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
-                   pooling_params=None, arrival_time=time.time() if arrival is None else arrival)
+    return Request(rid, list(range(first_token, first_token + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, extra_args=extra_args), pooling_params=None,
+                   arrival_time=time.time() if arrival is None else arrival, block_hasher=hasher)
 
 
 def run_step(scheduler, token: int = 7):

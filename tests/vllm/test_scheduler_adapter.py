@@ -262,3 +262,24 @@ def test_calibration_is_a_setting(make_scheduler, monkeypatch):
 
     with pytest.raises(ValueError, match="on or off"):
         calibrate_in_place()
+
+
+def test_a_prompt_found_in_the_prefix_cache_is_planned_for_what_is_left(make_scheduler):
+    """A prompt whose first 192 of 200 tokens vLLM's prefix cache holds (an earlier turn of the conversation) is,
+    to the policy, a prompt of 8: it runs first (shortest remaining) and its chunk takes 8 tokens of the step, the
+    rest going to the next prompt. Planned at its full length it took the whole step's budget and left it unused."""
+    s = make_scheduler("qoserve", max_batched=64, prefix_caching=True)
+    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    earlier = vllm_request(200, chat, max_tokens=2, hashed=True)
+    s.add_request(earlier)
+    for _ in range(8):
+        run_step(s)
+    assert earlier.request_id not in s.requests  # done; its blocks stay in the cache
+    again = vllm_request(200, chat, max_tokens=2, hashed=True)  # the same prompt
+    other = vllm_request(100, chat, max_tokens=2, first_token=5000, hashed=True)
+    s.add_request(other)
+    s.add_request(again)
+    assert s.mirrors[again.request_id].num_computed_tokens == 192  # 12 whole blocks; the last token is recomputed
+    assert s.mirrors[other.request_id].num_computed_tokens == 0
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {again.request_id: 8, other.request_id: 56}, out.num_scheduled_tokens
