@@ -16,13 +16,14 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.db.models import ApiKey, Tenant
+from app.services.rate_limits import Limits
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Principal:
     tenant_id: str
     tier: str  # the highest tier this key may request
     is_admin: bool
+    limits: Limits = field(default_factory=Limits)  # the tenant's rate limits (API requests; none for pipelines)
 
 
 def hash_key(key: str) -> str:
@@ -149,11 +151,13 @@ def announce_revocation(redis_url: str | None) -> bool:
 def lookup(session: Session, key: str) -> Principal | None:
     """The key's principal from SQL (None: unknown or revoked), uncached."""
     row = session.execute(
-        select(ApiKey.id, ApiKey.tenant_id, ApiKey.tier, ApiKey.is_admin, ApiKey.revoked, Tenant.default_tier)
+        select(ApiKey.id, ApiKey.tenant_id, ApiKey.tier, ApiKey.is_admin, ApiKey.revoked, Tenant.default_tier,
+               Tenant.requests_per_minute, Tenant.tokens_per_minute)
         .join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key))).first()
     if row is None or row.revoked:
         return None
-    return Principal(row.id, row.tenant_id, row.tier or row.default_tier, row.is_admin)
+    return Principal(row.id, row.tenant_id, row.tier or row.default_tier, row.is_admin,
+                     Limits(row.requests_per_minute, row.tokens_per_minute))
 
 
 def authenticate(session: Session, key: str, cache: KeyCache | None = None) -> Principal | None:

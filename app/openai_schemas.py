@@ -58,12 +58,15 @@ class OpenAIError(Exception):
     """Raised in OpenAI-compatible routes; rendered as ``{"error": {...}}``."""
 
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
+        self.headers = headers or {}
 
     def response(self) -> JSONResponse:
-        return error_response(self.status_code, self.message, type=self.type, param=self.param, code=self.code)
+        out = error_response(self.status_code, self.message, type=self.type, param=self.param, code=self.code)
+        out.headers.update(self.headers)
+        return out
 
 
 def error_response(status_code: int, message: str, *, type: str | None = None, param: str | None = None,

@@ -367,11 +367,30 @@ class JobList(BaseModel):
     next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page")
 
 
-class TenantCreate(BaseModel):
+MAX_RATE = 2**31 - 1  # a limit is an SQL integer
+
+
+class TenantLimits(BaseModel):
+    """A tenant's rate limits on its API requests (null: no limit). The buckets refill the limit per minute."""
+
     model_config = ConfigDict(extra="forbid")
+    requests_per_minute: int | None = Field(None, ge=1, le=MAX_RATE)
+    tokens_per_minute: int | None = Field(None, ge=1, le=MAX_RATE, description=(
+        "a request costs its prompt tokens plus its max_tokens (the most it may use), as OpenAI counts"))
+
+
+class TenantCreate(TenantLimits):
     name: Text = Field(min_length=1, max_length=200)
     default_tier: Text = "paid"
     admin: bool = Field(False, description="the first key is an admin key")
+
+
+class TenantPublic(TenantLimits):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    default_tier: str
 
 
 class KeyPublic(BaseModel):

@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from app.auth import _MISS, KeyCache, Principal, lookup
 from app.db.session import get_sessionmaker
+from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,16 @@ def key_cache(request: Request) -> KeyCache:
         settings = getattr(state, "settings", None) or get_settings()
         cache = state.key_cache = KeyCache(settings.redis_url)
     return cache
+
+
+def rate_limiter(request: Request) -> RateLimiter:
+    """The app's door to the tenants' rate-limit buckets (one per app, on its Redis)."""
+    state = request.app.state
+    limiter = getattr(state, "rate_limiter", None)
+    if limiter is None:
+        settings = getattr(state, "settings", None) or get_settings()
+        limiter = state.rate_limiter = RateLimiter(settings.redis_url)
+    return limiter
 
 
 async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:

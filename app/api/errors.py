@@ -51,7 +51,8 @@ class OpenAIErrorBody(BaseModel):
 
 _WHY = {400: "invalid request", 401: "missing, invalid or revoked API key", 403: "needs an admin API key",
         404: "not found (or another tenant's)", 409: "conflicts with the resource's state",
-        413: "request body over the size limit", 422: "invalid request", 503: "not ready",
+        413: "request body over the size limit", 422: "invalid request",
+        429: "over the tenant's rate limit (retry-after says when to try again)", 503: "not ready",
         500: "the generation failed", 504: "the request's deadline passed"}
 
 

@@ -15,7 +15,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
@@ -23,6 +23,7 @@ from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
 from app.services.job_follow import job_events, rest_from_sql
 from app.services.notify import announce_cancel
+from app.services.rate_limits import RateLimited
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,14 @@ def _unprocessable(exc: job_service.JobValidationError) -> RequestValidationErro
 
 @router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED,
              responses={200: {"model": JobPublic, "description": "the job an earlier request with this "
-                                                                 "Idempotency-Key created"}, **responses(409, 413)})
+                                                                 "Idempotency-Key created"}, **responses(409, 413, 429)})
 async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: SettingsDep, request: Request,
                      response: Response,
                      idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic | Response:
     # async: the common path (no Idempotency-Key) validates on the loop and awaits the
     # group-commit writer, without a worker thread or a DB session per request
     writer = getattr(request.app.state, "job_writer", None)
+    limiter = rate_limiter(request)
     try:
         if writer is not None and not idempotency_key:
             if job_service.input_chars(spec) > job_service.BIG_PROMPT_CHARS:
@@ -52,11 +54,15 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
                 job = await run_in_threadpool(job_service.build_job, settings, principal, spec)
             else:
                 job = job_service.build_job(settings, principal, spec)
+            job_service.charge_rate_limits(limiter, principal, job)
             job = await asyncio.wrap_future(writer.submit(job, "submitted via /v1/jobs"))
             # serialized here: a returned model would be validated again against response_model
             return Response(JobPublic.of(job).model_dump_json(), status.HTTP_201_CREATED,
                             media_type="application/json")
-        submitted = await run_in_threadpool(_submit_with_session, settings, principal, spec, idempotency_key)
+        submitted = await run_in_threadpool(_submit_with_session, settings, principal, spec, idempotency_key,
+                                            limiter)
+    except RateLimited as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers=exc.decision.headers()) from exc
     except job_service.IdempotencyConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     except job_service.JobValidationError as exc:
@@ -66,10 +72,11 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
     return JobPublic.of(submitted.job)
 
 
-def _submit_with_session(settings, principal, spec, idempotency_key):
+def _submit_with_session(settings, principal, spec, idempotency_key, limiter):
     session = get_sessionmaker(settings.sqlalchemy_url)()
     try:
-        return job_service.submit_job(session, principal, spec, settings, idempotency_key=idempotency_key)
+        return job_service.submit_job(session, principal, spec, settings, idempotency_key=idempotency_key,
+                                      limiter=limiter)
     finally:
         session.close()
 

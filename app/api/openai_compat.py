@@ -23,7 +23,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
@@ -36,6 +36,7 @@ from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished,
                                         abandoned_on_hangup, answer_events)
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
+from app.services.rate_limits import RateLimited, RateLimiter
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,17 @@ async def read_body(request: Request, model: type) -> Any:
 
 
 def submit_openai_job(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
-                      response: dict[str, Any] | None = None) -> Job:
-    """The request's job, its refusal in OpenAI's terms (404 for an unknown model, else 400)."""
+                      response: dict[str, Any] | None = None, limiter: RateLimiter | None = None,
+                      charge: tuple[bool, bool] = (True, True)) -> Job:
+    """The request's job, its refusal in OpenAI's terms (404 for an unknown model, 429 over the tenant's rate
+    limits, else 400); ``limiter`` and ``charge`` as ``submit_job``'s."""
     try:
         return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer,
-                                      response=response).job
+                                      response=response, limiter=limiter, charge=charge).job
+    except RateLimited as exc:
+        d = exc.decision
+        kind = "tokens" if d.too_large or d.tokens_wait_s > d.requests_wait_s else "requests"
+        raise OpenAIError(429, str(exc), type=kind, code="rate_limit_exceeded", headers=d.headers()) from exc
     except job_service.JobValidationError as exc:
         # OpenAI's codes: 404 only for an unknown model; a request over the context is a 400
         # (context_length_exceeded), which the official client raises as BadRequestError
@@ -113,12 +120,15 @@ def _sse_error(err: OpenAIError) -> bytes:
 
 
 def _submit_choices(session, principal: Principal, settings: Settings, specs: list, endpoint: str,
-                    writer=None) -> list[Job]:
-    """The jobs of a request's choices; if one cannot be submitted, those already are stop."""
+                    writer=None, limiter: RateLimiter | None = None, n: int = 1) -> list[Job]:
+    """The jobs of a request's choices (``n`` per prompt); if one cannot be submitted, those already are stop. The
+    rate limits count the request once and each prompt's tokens once, as OpenAI's do, and every choice's
+    ``max_tokens``."""
     jobs: list[Job] = []
     try:
-        for spec in specs:
-            jobs.append(submit_openai_job(session, principal, settings, spec, endpoint, writer))
+        for i, spec in enumerate(specs):
+            jobs.append(submit_openai_job(session, principal, settings, spec, endpoint, writer, limiter=limiter,
+                                          charge=(i == 0, i % n == 0)))
     except Exception:
         for job in jobs:
             cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
@@ -210,7 +220,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
     n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
     jobs = await run_in_threadpool(_submit_choices, session, principal, settings,
-                                   [choice for spec in specs for choice in choice_specs(spec, n)], endpoint, writer)
+                                   [choice for spec in specs for choice in choice_specs(spec, n)], endpoint, writer,
+                                   rate_limiter(request), n)
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -260,7 +271,7 @@ def documented_body(model: type) -> dict[str, Any]:
 # 200 is JSON, or server-sent events with stream: true; 409/500/504: the job was cancelled,
 # failed or expired before it finished (a non-stream request waits for its end)
 _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a completion, or its chunks as events"},
-            **openai_responses(400, 401, 404, 409, 413, 500, 504)}
+            **openai_responses(400, 401, 404, 409, 413, 429, 500, 504)}
 
 
 @router.post("/chat/completions", responses=_ANSWERS, openapi_extra=documented_body(ChatCompletionRequest))

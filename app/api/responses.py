@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
 from app.api.openai_compat import documented_body, job_error, read_body, submit_openai_job, unless_disconnected
 from app.auth import Principal
@@ -210,7 +210,7 @@ async def _numbered(events: AsyncIterator[Event], starting_after: int | None = N
 
 
 _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Response, or its events with stream: true"},
-            **openai_responses(400, 401, 404, 409, 413, 500, 504)}
+            **openai_responses(400, 401, 404, 409, 413, 429, 500, 504)}
 _ANSWERS_GET = {200: _ANSWERS[200], **openai_responses(400, 401, 404)}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -234,7 +234,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         spec, kept["input_from"] = await run_in_threadpool(fit_context, settings, spec, kept["input_from"])
     writer = getattr(request.app.state, "job_writer", None)
     try:
-        job = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer, kept)
+        job = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer, kept,
+                                      rate_limiter(request))
     except OpenAIError as exc:  # the job's checks name chat's fields
         raise in_responses_terms(exc) from exc
     if body.conversation_id is not None:  # the conversation shows this turn once the response completes

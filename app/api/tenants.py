@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import APIRouter, HTTPException, Request, status
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
@@ -13,7 +13,7 @@ from app.api.errors import CheckedRoute, responses, unprocessable
 from app.auth import announce_revocation, create_key, create_tenant
 from app.db.session import write_after_read
 from app.db.models import ApiKey, Tenant
-from app.schemas import KeyCreated, KeyPublic, TenantCreate
+from app.schemas import KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ def create_tenant_route(body: TenantCreate, session: SessionDep, settings: Setti
                             "body", "default_tier")
     try:
         tenant = create_tenant(session, body.name, body.default_tier)
+        tenant.requests_per_minute, tenant.tokens_per_minute = body.requests_per_minute, body.tokens_per_minute
         key, plaintext = create_key(session, tenant, is_admin=body.admin)
         session.commit()
     except IntegrityError as exc:
@@ -38,6 +39,26 @@ def create_tenant_route(body: TenantCreate, session: SessionDep, settings: Setti
     log.info("created tenant %s with key %s", tenant.id, key.prefix)
     return KeyCreated(tenant_id=tenant.id, key_id=key.id, api_key=plaintext, tier=tenant.default_tier,
                       is_admin=key.is_admin)
+
+
+@router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404))
+def set_limits_route(tenant_id: str, body: TenantLimits, request: Request, session: SessionDep,
+                     _admin: AdminPrincipal) -> TenantPublic:
+    """Sets the tenant's rate limits: the fields given (null: no limit), the others as they were. Every API
+    process applies them within its key cache's few seconds (this one at once)."""
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
+    changes = {field: getattr(body, field) for field in body.model_fields_set}
+    if changes:
+        with write_after_read(session):  # an UPDATE by key: no read inside the write
+            session.execute(update(Tenant).where(Tenant.id == tenant_id).values(**changes))
+            session.commit()
+    key_cache(request).clear()
+    tenant = session.get(Tenant, tenant_id)
+    log.info("tenant %s rate limits: %s requests, %s tokens per minute", tenant.id, tenant.requests_per_minute,
+             tenant.tokens_per_minute)
+    return TenantPublic.model_validate(tenant)
 
 
 @router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED,

@@ -402,6 +402,35 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                       soft_wrap=True)
         print(plaintext)
 
+    @keys_app.command("limits")
+    def keys_limits(tenant: Annotated[str, typer.Option(help="the tenant's name")],
+                    requests_per_minute: Annotated[int | None, typer.Option(
+                        min=0, help="its API requests per minute; 0: no limit")] = None,
+                    tokens_per_minute: Annotated[int | None, typer.Option(
+                        min=0, help="its tokens per minute (prompt + max_tokens); 0: no limit")] = None) -> None:
+        """Show or set a tenant's rate limits (every key of it shares them; API processes apply a change within
+        seconds). Without a limit given, shows them."""
+        from sqlalchemy import select
+
+        from app.db.migrate import upgrade
+        from app.db.models import Tenant
+        from app.db.session import session_scope
+
+        settings = _settings()
+        upgrade(settings.sqlalchemy_url)
+        with session_scope(settings.sqlalchemy_url, immediate=True) as s:
+            row = s.scalar(select(Tenant).where(Tenant.name == tenant))
+            if row is None:
+                console.print(f"[red]no tenant {escape(repr(tenant))}[/red]")
+                raise typer.Exit(1)
+            if requests_per_minute is not None:
+                row.requests_per_minute = requests_per_minute or None
+            if tokens_per_minute is not None:
+                row.tokens_per_minute = tokens_per_minute or None
+            rpm, tpm = row.requests_per_minute, row.tokens_per_minute
+        console.print(escape(f"tenant {tenant}: {rpm or 'no limit of'} requests per minute, "
+                             f"{tpm or 'no limit of'} tokens per minute"), soft_wrap=True)
+
     @keys_app.command("list")
     def keys_list(tenant: Annotated[str | None, typer.Option(help="only this tenant's keys")] = None,
                   as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False

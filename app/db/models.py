@@ -55,6 +55,9 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ten"))
     name: Mapped[str] = mapped_column(String(200), unique=True)
     default_tier: Mapped[str] = mapped_column(String(32), default="paid")
+    # rate limits of its API requests (app/services/rate_limits.py); null: none
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from app.cli import batch_cmds, cli, service_cmds
 from app.cli.output import error_message, print_table
 from app.schemas import JobCreate
+from app.services.rate_limits import Limits
 
 JOB_ID = "job_4d2605ab90c14e0f8a7d3b21"
 BATCH_ID = "batch_7e5c1d0a4b3f42e6a9d8c0b1"
@@ -165,3 +166,19 @@ def test_keys_create_admin_keeps_its_label_and_keys_list_shows_it(db_env):
     assert [r["tenant"] for r in json.loads(res.output)] == ["acme"]
     res = run.invoke(cli, ["keys", "list", "--tenant", "nobody"], env=db_env)
     assert res.exit_code == 1 and "no keys" in res.output
+
+
+def test_keys_limits_sets_and_clears_a_tenants_rate_limits(db_env, db_url):
+    from app.auth import lookup
+    from app.db.session import session_scope
+
+    run = CliRunner()
+    plaintext = run.invoke(cli, ["keys", "create", "--tenant", "acme"], env=db_env).output.strip().splitlines()[-1]
+    res = run.invoke(cli, ["keys", "limits", "--tenant", "acme", "--requests-per-minute", "30",
+                           "--tokens-per-minute", "9000"], env=db_env)
+    assert res.exit_code == 0 and "30 requests per minute, 9000 tokens per minute" in res.output, res.output
+    with session_scope(db_url) as s:  # what the API reads with the key
+        assert lookup(s, plaintext).limits == Limits(30, 9000)
+    res = run.invoke(cli, ["keys", "limits", "--tenant", "acme", "--requests-per-minute", "0"], env=db_env)
+    assert "no limit of requests per minute, 9000 tokens" in res.output, res.output
+    assert run.invoke(cli, ["keys", "limits", "--tenant", "nobody"], env=db_env).exit_code == 1

@@ -1,0 +1,176 @@
+"""Per-tenant rate limits: requests and tokens per minute, as OpenAI's API applies them.
+
+A tenant may have a limit on requests per minute and on tokens per minute (null: none). Each is
+a token bucket in Redis, shared by every API process: it holds up to the limit and refills at the
+limit per 60 s, so a tenant can burst up to its minute's worth and then goes at its rate. A request
+costs one request and its prompt tokens plus ``max_tokens`` (OpenAI counts the tokens a request may
+use, not the ones it will). Both buckets are checked and taken together in one Lua script, so
+concurrent API processes never overdraw them. A refusal is a 429 that says which limit, how much
+is left and when the bucket holds enough again (``retry-after``, which the official client waits
+for before its retry), with OpenAI's ``x-ratelimit-*`` headers.
+
+Redis down: the request goes through (a limit is a guard against a noisy tenant, not a reason to
+stop serving); the API logs it once a minute at most.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import redis
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "coserve:ratelimit:"
+WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
+
+# KEYS: the request bucket, the token bucket. ARGV: now, then per bucket: capacity (-1: no limit), cost.
+# Each bucket is a hash {level, at}; it refills capacity / WINDOW_S per second up to capacity. Takes both
+# costs only when both fit; answers per bucket: level after, seconds until the cost would fit (0: it fits).
+_TAKE = """
+local now = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+local levels, waits, ok = {}, {}, true
+for i = 1, 2 do
+  local cap, cost = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
+  if cap < 0 then
+    levels[i], waits[i] = -1, 0
+  else
+    local state = redis.call('HMGET', KEYS[i], 'level', 'at')
+    local level, at = tonumber(state[1]), tonumber(state[2])
+    if level == nil then level, at = cap, now end
+    level = math.min(cap, level + math.max(0, now - at) * cap / window)
+    levels[i] = level
+    if cost > level then
+      ok = false
+      waits[i] = (cost - level) * window / cap
+    else
+      waits[i] = 0
+    end
+  end
+end
+if ok then
+  for i = 1, 2 do
+    local cap, cost = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
+    if cap >= 0 then
+      levels[i] = levels[i] - cost
+      redis.call('HSET', KEYS[i], 'level', tostring(levels[i]), 'at', tostring(now))
+      redis.call('EXPIRE', KEYS[i], math.ceil(window * 2))
+    end
+  end
+end
+return {ok and 1 or 0, tostring(levels[1]), tostring(waits[1]), tostring(levels[2]), tostring(waits[2])}
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's limits (None: no limit)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the buckets said of one request."""
+
+    allowed: bool
+    limits: Limits
+    requests_left: float | None = None  # after this request where allowed, else now
+    tokens_left: float | None = None
+    requests_wait_s: float = 0.0  # until the request bucket holds its cost (0: it does)
+    tokens_wait_s: float = 0.0
+    tokens_asked: int = 0
+
+    @property
+    def retry_after_s(self) -> float:
+        return max(self.requests_wait_s, self.tokens_wait_s)
+
+    @property
+    def too_large(self) -> bool:
+        """The request costs more tokens than the bucket can ever hold: waiting will not help."""
+        tpm = self.limits.tokens_per_minute
+        return tpm is not None and self.tokens_asked > tpm
+
+    def message(self) -> str:
+        tpm, rpm = self.limits.tokens_per_minute, self.limits.requests_per_minute
+        if self.too_large:
+            return (f"request too large: it may use {self.tokens_asked} tokens (prompt + max_tokens), over this "
+                    f"key's limit of {tpm} tokens per minute; lower max_tokens or shorten the prompt")
+        if self.tokens_wait_s > self.requests_wait_s:
+            return (f"rate limit reached for tokens per minute: limit {tpm}, {int(self.tokens_left or 0)} left, "
+                    f"this request may use {self.tokens_asked}; try again in {_duration(self.retry_after_s)}")
+        return (f"rate limit reached for requests per minute: limit {rpm}; try again in "
+                f"{_duration(self.retry_after_s)}")
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for the limits that apply (and ``retry-after`` on a refusal)."""
+        out: dict[str, str] = {}
+        for name, cap, left in (("requests", self.limits.requests_per_minute, self.requests_left),
+                                ("tokens", self.limits.tokens_per_minute, self.tokens_left)):
+            if cap is None or left is None:
+                continue
+            out[f"x-ratelimit-limit-{name}"] = str(cap)
+            out[f"x-ratelimit-remaining-{name}"] = str(max(0, int(left)))
+            out[f"x-ratelimit-reset-{name}"] = _duration((cap - max(0.0, left)) * WINDOW_S / cap)  # until full
+        if not self.allowed and not self.too_large:
+            out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
+            out["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
+        return out
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's way of writing a reset time: ``1s``, ``6m0s``, ``250ms``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, secs = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+class RateLimiter:
+    """One API process's door to the shared buckets."""
+
+    def __init__(self, redis_url: str | None) -> None:
+        self._redis = (redis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
+                       if redis_url else None)
+        self._script = self._redis.register_script(_TAKE) if self._redis is not None else None
+        self._warned = 0.0
+
+    def take(self, tenant_id: str, limits: Limits, tokens: int, requests: int = 1,
+             now: float | None = None) -> Decision:
+        """Takes ``requests`` and ``tokens`` from the tenant's buckets, or refuses and takes nothing."""
+        if not limits.any:
+            return Decision(True, limits)
+        if self._script is None:
+            return Decision(True, limits)
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        args = [now if now is not None else time.time(), WINDOW_S,
+                -1 if rpm is None else rpm, requests, -1 if tpm is None else tpm, tokens]
+        keys = [f"{KEY_PREFIX}{tenant_id}:requests", f"{KEY_PREFIX}{tenant_id}:tokens"]
+        try:
+            ok, r_left, r_wait, t_left, t_wait = self._script(keys=keys, args=args)
+        except redis.RedisError as exc:
+            if time.monotonic() - self._warned > 60:
+                self._warned = time.monotonic()
+                log.warning("rate limits not applied (Redis unavailable: %s)", exc)
+            return Decision(True, limits)
+        return Decision(bool(ok), limits,
+                        requests_left=None if rpm is None else float(r_left),
+                        tokens_left=None if tpm is None else float(t_left),
+                        requests_wait_s=float(r_wait), tokens_wait_s=float(t_wait), tokens_asked=tokens)
+
+
+class RateLimited(Exception):
+    """A request over its tenant's limits (HTTP 429)."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.message())
+        self.decision = decision

@@ -1,0 +1,107 @@
+"""Per-tenant rate limits: the buckets in a real Redis, and the API's 429s (real app, SQL migrated by Alembic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.services.rate_limits import Limits, RateLimiter
+from tests.conftest import Keys
+
+pytestmark = pytest.mark.integration
+
+H = Keys.header
+
+
+def test_buckets_take_both_costs_or_neither_and_refill_over_the_minute(redis_url):
+    limiter = RateLimiter(redis_url)
+    limits = Limits(requests_per_minute=2, tokens_per_minute=100)
+    t = 1000.0
+    first = limiter.take("ten_a", limits, 60, now=t)
+    assert first.allowed and first.requests_left == 1 and first.tokens_left == 40
+    over = limiter.take("ten_a", limits, 50, now=t)  # 50 tokens > 40 left: refused, and nothing is taken
+    assert not over.allowed and over.tokens_wait_s == pytest.approx(6.0)  # 10 tokens at 100 per 60 s
+    assert "tokens per minute" in over.message() and over.headers()["retry-after"] == "6"
+    second = limiter.take("ten_a", limits, 40, now=t)  # the request the refusal did not take is still there
+    assert second.allowed and second.requests_left == 0 and second.tokens_left == 0
+    third = limiter.take("ten_a", limits, 1, now=t)
+    assert not third.allowed and third.requests_wait_s == pytest.approx(30.0)  # one request per 30 s
+    assert "requests per minute" in third.message() and third.headers()["retry-after"] == "30"
+    later = limiter.take("ten_a", limits, 1, now=t + 30)  # refilled: one request, 50 tokens
+    assert later.allowed and later.tokens_left == pytest.approx(49)
+    headers = later.headers()
+    assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"] == "1m0s" and "retry-after" not in headers
+    assert limiter.take("ten_b", limits, 60, now=t).allowed  # another tenant's buckets are its own
+    huge = limiter.take("ten_b", limits, 101, now=t + 3600)  # more than the bucket ever holds
+    assert not huge.allowed and huge.too_large and "request too large" in huge.message()
+    assert "retry-after" not in huge.headers()  # waiting would not help
+    assert limiter.take("ten_c", Limits(), 10**9, now=t).allowed  # no limits: nothing asked of Redis
+
+
+def test_without_redis_requests_go_through():
+    limiter = RateLimiter("redis://127.0.0.1:1/0")  # nothing listens there
+    assert limiter.take("ten_a", Limits(1, 1), 10).allowed
+
+
+def test_the_api_answers_429_over_a_tenants_limits(client, keys):
+    assert client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 2},
+                        headers=H(keys.paid)).status_code == 403
+    assert client.patch("/v1/admin/tenants/ten_nope", json={"requests_per_minute": 2},
+                        headers=H(keys.admin)).status_code == 404
+    bad = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 0},
+                       headers=H(keys.admin))
+    assert bad.status_code == 422 and "requests_per_minute" in bad.text
+    r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 2}, headers=H(keys.admin))
+    assert r.status_code == 200 and r.json()["requests_per_minute"] == 2 and r.json()["tokens_per_minute"] is None
+
+    job = {"prompt": "hello", "max_tokens": 4}
+    assert [client.post("/v1/jobs", json=job, headers=H(keys.paid)).status_code for _ in range(2)] == [201, 201]
+    refused = client.post("/v1/jobs", json=job, headers=H(keys.free))  # the tenant's bucket, whichever key
+    assert refused.status_code == 429 and "requests per minute: limit 2" in refused.json()["detail"]
+    assert refused.headers["x-ratelimit-limit-requests"] == "2" and int(refused.headers["retry-after"]) >= 29
+    chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                       headers=H(keys.paid))
+    assert chat.status_code == 429 and chat.json()["error"]["code"] == "rate_limit_exceeded"
+    assert chat.json()["error"]["type"] == "requests" and "retry-after" in chat.headers
+    assert client.post("/v1/jobs", json=job, headers=H(keys.other)).status_code == 201  # other tenants go on
+
+    # tokens: a request may use its prompt and max_tokens; one larger than the minute's tokens never fits
+    r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": None,
+                                                                  "tokens_per_minute": 64}, headers=H(keys.admin))
+    assert r.json() == {**r.json(), "requests_per_minute": None, "tokens_per_minute": 64}
+    big = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 100,
+                                             "background": True}, headers=H(keys.paid))
+    assert big.status_code == 429 and "request too large" in big.json()["error"]["message"]
+    assert big.json()["error"]["type"] == "tokens" and "retry-after" not in big.headers
+    fits = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 16,
+                                              "background": True}, headers=H(keys.paid))
+    assert fits.status_code == 200, fits.text
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"tokens_per_minute": None}, headers=H(keys.admin))
+    assert client.post("/v1/jobs", json=job, headers=H(keys.paid)).status_code == 201  # no limits: as before
+
+
+def test_a_request_of_several_choices_and_prompts_counts_once(settings, keys, redis_url):
+    """OpenAI counts a request once and each prompt's tokens once, with every choice's max_tokens."""
+    from app.api.openai_compat import _submit_choices
+    from app.auth import Principal
+    from app.db.session import get_sessionmaker
+    from app.openai_schemas import CompletionRequest, OpenAIError, choice_specs
+
+    limiter = RateLimiter(redis_url)
+    body = CompletionRequest.model_validate({"model": "tiny", "prompt": ["one two three", "four"], "max_tokens": 5,
+                                             "n": 2})
+    specs = [c for p in body.prompt_inputs() for c in choice_specs(body.job_spec(**p, tiers=settings.tiers), 2)]
+    session = get_sessionmaker(settings.sqlalchemy_url)()
+    try:
+        principal = Principal("k", keys.tenant_id, "paid", False, Limits(requests_per_minute=1,
+                                                                          tokens_per_minute=1000))
+        jobs = _submit_choices(session, principal, settings, specs, "/v1/completions", limiter=limiter, n=2)
+        prompts = sum(j.prompt_tokens for j in jobs[::2])
+        assert len(jobs) == 4
+        left = limiter.take(keys.tenant_id, Limits(tokens_per_minute=1000), 0, requests=0)
+        assert left.tokens_left == pytest.approx(1000 - prompts - 4 * 5, abs=2)  # (it refilled a little since)
+        with pytest.raises(OpenAIError) as refused:  # the one request of the minute is spent
+            _submit_choices(session, principal, settings, specs[:1], "/v1/completions", limiter=limiter)
+        assert refused.value.status_code == 429 and refused.value.type == "requests"
+    finally:
+        session.close()
