@@ -139,7 +139,7 @@ def in_responses_terms(exc: OpenAIError) -> OpenAIError:
         return exc
     new = RESPONSES_PARAM[head] + ("." + rest if rest and head != "messages" else "")
     return OpenAIError(exc.status_code, exc.message.replace(param, new) if param in exc.message else exc.message,
-                       param=new, code=exc.code, type=exc.type)
+                       param=new, code=exc.code, type=exc.type, headers=exc.headers)
 
 
 def _text_of(content: Any, where: str) -> str:

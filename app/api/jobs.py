@@ -54,11 +54,11 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
                 job = await run_in_threadpool(job_service.build_job, settings, principal, spec)
             else:
                 job = job_service.build_job(settings, principal, spec)
-            job_service.charge_rate_limits(limiter, principal, job)
+            rate = job_service.charge_rate_limits(limiter, principal, job)
             job = await asyncio.wrap_future(writer.submit(job, "submitted via /v1/jobs"))
             # serialized here: a returned model would be validated again against response_model
             return Response(JobPublic.of(job).model_dump_json(), status.HTTP_201_CREATED,
-                            media_type="application/json")
+                            media_type="application/json", headers=rate.headers() if rate is not None else None)
         submitted = await run_in_threadpool(_submit_with_session, settings, principal, spec, idempotency_key,
                                             limiter)
     except RateLimited as exc:
@@ -69,6 +69,7 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
         raise _unprocessable(exc) from exc
     if not submitted.created:
         response.status_code = status.HTTP_200_OK
+    response.headers.update(submitted.rate_headers())
     return JobPublic.of(submitted.job)
 
 

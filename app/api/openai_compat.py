@@ -64,12 +64,12 @@ async def read_body(request: Request, model: type) -> Any:
 
 def submit_openai_job(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
                       response: dict[str, Any] | None = None, limiter: RateLimiter | None = None,
-                      charge: tuple[bool, bool] = (True, True)) -> Job:
+                      charge: tuple[bool, bool] = (True, True)) -> job_service.Submitted:
     """The request's job, its refusal in OpenAI's terms (404 for an unknown model, 429 over the tenant's rate
     limits, else 400); ``limiter`` and ``charge`` as ``submit_job``'s."""
     try:
         return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer,
-                                      response=response, limiter=limiter, charge=charge).job
+                                      response=response, limiter=limiter, charge=charge)
     except RateLimited as exc:
         d = exc.decision
         kind = "tokens" if d.too_large or d.tokens_wait_s > d.requests_wait_s else "requests"
@@ -120,20 +120,23 @@ def _sse_error(err: OpenAIError) -> bytes:
 
 
 def _submit_choices(session, principal: Principal, settings: Settings, specs: list, endpoint: str,
-                    writer=None, limiter: RateLimiter | None = None, n: int = 1) -> list[Job]:
-    """The jobs of a request's choices (``n`` per prompt); if one cannot be submitted, those already are stop. The
-    rate limits count the request once and each prompt's tokens once, as OpenAI's do, and every choice's
-    ``max_tokens``."""
+                    writer=None, limiter: RateLimiter | None = None, n: int = 1) -> tuple[list[Job], dict[str, str]]:
+    """The jobs of a request's choices (``n`` per prompt), and the rate-limit headers of the answer; if one cannot
+    be submitted, those already are stop. The rate limits count the request once and each prompt's tokens once,
+    as OpenAI's do, and every choice's ``max_tokens``."""
     jobs: list[Job] = []
+    headers: dict[str, str] = {}
     try:
         for i, spec in enumerate(specs):
-            jobs.append(submit_openai_job(session, principal, settings, spec, endpoint, writer, limiter=limiter,
-                                          charge=(i == 0, i % n == 0)))
+            submitted = submit_openai_job(session, principal, settings, spec, endpoint, writer, limiter=limiter,
+                                          charge=(i == 0, i % n == 0))
+            jobs.append(submitted.job)
+            headers = submitted.rate_headers()  # the buckets after the last choice
     except Exception:
         for job in jobs:
             cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
         raise
-    return jobs
+    return jobs, headers
 
 
 async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: StreamOptions,
@@ -219,10 +222,10 @@ async def _complete(request: Request, session, principal: Principal, settings: S
                  for spec in specs]
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
     n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
-    jobs = await run_in_threadpool(_submit_choices, session, principal, settings,
-                                   [choice for spec in specs for choice in choice_specs(spec, n)], endpoint, writer,
-                                   rate_limiter(request), n)
-    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
+    jobs, rate_headers = await run_in_threadpool(
+        _submit_choices, session, principal, settings, [choice for spec in specs for choice in choice_specs(spec, n)],
+        endpoint, writer, rate_limiter(request), n)
+    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **rate_headers}
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)

@@ -234,13 +234,14 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         spec, kept["input_from"] = await run_in_threadpool(fit_context, settings, spec, kept["input_from"])
     writer = getattr(request.app.state, "job_writer", None)
     try:
-        job = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer, kept,
-                                      rate_limiter(request))
+        submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
+                                            kept, rate_limiter(request))
     except OpenAIError as exc:  # the job's checks name chat's fields
         raise in_responses_terms(exc) from exc
+    job = submitted.job
     if body.conversation_id is not None:  # the conversation shows this turn once the response completes
         await run_in_threadpool(_add_turn, settings, body.conversation_id, job.id)
-    headers = {"x-coserve-job-id": job.id}
+    headers = {"x-coserve-job-id": job.id, **submitted.rate_headers()}
     if chat.stream:
         events = _numbered(_events(settings, job, kept))
         if not body.background:  # a background response runs on when its client hangs up (GET resumes it)

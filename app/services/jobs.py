@@ -72,6 +72,11 @@ def _same_request(existing: Job, new: Job) -> bool:
 class Submitted:
     job: Job
     created: bool  # False when an Idempotency-Key matched an earlier job
+    rate: Decision | None = None  # what the tenant's rate limits said of it (None: not charged, no limits)
+
+    def rate_headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for the answer (none without limits)."""
+        return self.rate.headers() if self.rate is not None else {}
 
 
 def resolve_tier(settings: Settings, principal: Principal, requested: str | None) -> str:
@@ -258,9 +263,9 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
                 raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "
                                           f"{existing.id} with a different request; use a new key")
             return Submitted(existing, created=False)
-    charge_rate_limits(limiter, principal, job, request=charge[0], prompt=charge[1])
+    rate = charge_rate_limits(limiter, principal, job, request=charge[0], prompt=charge[1])
     if writer is not None and not idempotency_key and dispatch:
-        return Submitted(writer.write(job, f"submitted via {endpoint}"), created=True)
+        return Submitted(writer.write(job, f"submitted via {endpoint}"), created=True, rate=rate)
     # end the read snapshot (auth, idempotency lookup): the insert starts a write transaction
     session.commit()
     try:
@@ -285,7 +290,7 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
             # dispatch() already wrote the row; reflect it in the answer without marking the object
             # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
             set_committed_value(job, "status", JobStatus.DISPATCHED.value)
-    return Submitted(job, created=True)
+    return Submitted(job, created=True, rate=rate)
 
 
 def get_job(session: Session, tenant_id: str | None, job_id: str) -> Job | None:

@@ -55,7 +55,11 @@ def test_the_api_answers_429_over_a_tenants_limits(client, keys):
     assert r.status_code == 200 and r.json()["requests_per_minute"] == 2 and r.json()["tokens_per_minute"] is None
 
     job = {"prompt": "hello", "max_tokens": 4}
-    assert [client.post("/v1/jobs", json=job, headers=H(keys.paid)).status_code for _ in range(2)] == [201, 201]
+    taken = [client.post("/v1/jobs", json=job, headers=H(keys.paid)) for _ in range(2)]
+    assert [r.status_code for r in taken] == [201, 201]
+    # every answer says where the tenant stands, as OpenAI's do
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in taken] == ["1", "0"]
+    assert taken[0].headers["x-ratelimit-limit-requests"] == "2" and "x-ratelimit-limit-tokens" not in taken[0].headers
     refused = client.post("/v1/jobs", json=job, headers=H(keys.free))  # the tenant's bucket, whichever key
     assert refused.status_code == 429 and "requests per minute: limit 2" in refused.json()["detail"]
     assert refused.headers["x-ratelimit-limit-requests"] == "2" and int(refused.headers["retry-after"]) >= 29
@@ -64,6 +68,12 @@ def test_the_api_answers_429_over_a_tenants_limits(client, keys):
     assert chat.status_code == 429 and chat.json()["error"]["code"] == "rate_limit_exceeded"
     assert chat.json()["error"]["type"] == "requests" and "retry-after" in chat.headers
     assert client.post("/v1/jobs", json=job, headers=H(keys.other)).status_code == 201  # other tenants go on
+    import openai  # the official client raises its RateLimitError (and would wait retry-after before a retry)
+
+    oai = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=keys.paid, http_client=client, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as limited:
+        oai.responses.create(model="tiny", input="hi", background=True)
+    assert limited.value.code == "rate_limit_exceeded" and limited.value.response.headers["retry-after"]
 
     # tokens: a request may use its prompt and max_tokens; one larger than the minute's tokens never fits
     r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": None,
@@ -76,6 +86,7 @@ def test_the_api_answers_429_over_a_tenants_limits(client, keys):
     fits = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 16,
                                               "background": True}, headers=H(keys.paid))
     assert fits.status_code == 200, fits.text
+    assert 0 <= int(fits.headers["x-ratelimit-remaining-tokens"]) <= 64 - 16
     client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"tokens_per_minute": None}, headers=H(keys.admin))
     assert client.post("/v1/jobs", json=job, headers=H(keys.paid)).status_code == 201  # no limits: as before
 
@@ -95,7 +106,8 @@ def test_a_request_of_several_choices_and_prompts_counts_once(settings, keys, re
     try:
         principal = Principal("k", keys.tenant_id, "paid", False, Limits(requests_per_minute=1,
                                                                           tokens_per_minute=1000))
-        jobs = _submit_choices(session, principal, settings, specs, "/v1/completions", limiter=limiter, n=2)
+        jobs, headers = _submit_choices(session, principal, settings, specs, "/v1/completions", limiter=limiter, n=2)
+        assert headers["x-ratelimit-remaining-requests"] == "0"
         prompts = sum(j.prompt_tokens for j in jobs[::2])
         assert len(jobs) == 4
         left = limiter.take(keys.tenant_id, Limits(tokens_per_minute=1000), 0, requests=0)
