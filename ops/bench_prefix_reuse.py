@@ -1,0 +1,201 @@
+"""Conversations on vLLM's prefix cache: scheduling policies on the same engine, in wall-clock time.
+
+Multi-turn conversations (the Responses and Conversations APIs' traffic) send each turn with the
+whole conversation before it, which vLLM's prefix cache mostly holds. This replays such a load
+against the worker's vLLM engine in this process (``build_vllm_engine``, prefix caching on, as
+the worker runs it), one policy per process:
+
+* ``--conversations`` conversations, each ``--turns`` turns, all behind one system prompt of
+  ``--system`` tokens; a turn adds ``--user`` new tokens to the conversation so far (its earlier
+  prompts and answers) and answers ``--answer`` tokens; the next turn comes ``--think-s`` after
+  the answer (closed loop per conversation, conversations started ``--stagger-s`` apart);
+* beside them, fresh prompts of ``--fresh-len`` random tokens arrive Poisson at ``--fresh-qps``
+  (nothing of them is cached), answering ``--answer`` tokens;
+* every request is interactive, TTFT ``--ttft-s`` and TBT ``--tbt-s`` (paid), EOS ignored.
+
+Printed per policy: TTFT p50/p99 of the conversation turns after the first (the ones the cache
+holds) and of the fresh prompts, the share of requests whose every token met its deadline, the
+prompt tokens found in the cache, output tok/s and the run's length.
+
+    python ops/bench_prefix_reuse.py --policies qoserve vllm-fcfs
+    python ops/bench_prefix_reuse.py --policies qoserve --fresh-qps 2 --out run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VOCAB = 49152
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    """One policy's run in this process: the load above, the per-request results."""
+    from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+    from gpu_runtime.request import Request
+    from gpu_runtime.sampling import SamplingParams
+    from gpu_runtime.vllm.build import build_vllm_engine
+
+    engine = build_vllm_engine(args.model, scheduler_policy=args.one, max_model_len=4096, cost_profile="auto",
+                               enable_prefix_caching=True)
+    qos = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=args.ttft_s, tbt_s=args.tbt_s)
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    # warm-up: one short request, untimed (the first steps of a fresh engine are slow)
+    engine.add_request(Request("warm", tokens(32), SamplingParams(max_tokens=4, ignore_eos=True), qos,
+                               arrival_time=time.time()))
+    while engine.has_work:
+        engine.step()
+
+    system = tokens(args.system)
+    history = {c: list(system) for c in range(args.conversations)}
+    turn = dict.fromkeys(range(args.conversations), 0)
+    t0 = time.time()
+    due: list[tuple[float, str]] = []  # (arrival, request key)
+    for c in range(args.conversations):
+        heapq.heappush(due, (t0 + c * args.stagger_s, f"c{c}"))
+    t = t0
+    fresh = 0
+    while True:
+        t += rng.expovariate(args.fresh_qps) if args.fresh_qps > 0 else float("inf")
+        if t > t0 + args.fresh_minutes * 60:
+            break
+        heapq.heappush(due, (t, f"f{fresh}"))
+        fresh += 1
+    prompts: dict[str, list[int]] = {}
+    answers: dict[str, list[int]] = {}
+    results: list[dict] = []
+    kind: dict[str, str] = {}
+    while due or engine.has_work:
+        now = time.time()
+        while due and due[0][0] <= now:
+            arrival, key = heapq.heappop(due)
+            if key.startswith("c"):
+                c = int(key[1:])
+                history[c] += tokens(args.user)
+                rid = f"{key}t{turn[c]}"
+                kind[rid] = "first turn" if turn[c] == 0 else "later turn"
+                ids = list(history[c])
+            else:
+                rid, ids = key, tokens(args.fresh_len)
+                kind[rid] = "fresh"
+            prompts[rid] = ids
+            engine.add_request(Request(rid, ids, SamplingParams(max_tokens=args.answer, ignore_eos=True), qos,
+                                       arrival_time=arrival))
+        if not engine.has_work:
+            time.sleep(max(0.0, min(0.05, due[0][0] - time.time())) if due else 0.0)
+            continue
+        for out in engine.step():
+            answers.setdefault(out.request_id, []).extend(out.new_token_ids)
+            m = out.metrics
+            if m is None or out.request_id == "warm":
+                continue
+            rid = out.request_id
+            results.append({"id": rid, "kind": kind[rid], "prompt": len(prompts[rid]), "ttft_s": m.ttft_s,
+                            "slo_met": m.slo_met, "cached": getattr(m, "num_cached_tokens", 0),
+                            "tokens": m.num_output_tokens, "finished": time.time() - t0})
+            if rid.startswith("c"):  # the conversation goes on after the answer
+                c = int(rid[1:].split("t")[0])
+                history[c] += answers[rid]
+                turn[c] += 1
+                if turn[c] < args.turns:
+                    heapq.heappush(due, (time.time() + args.think_s, f"c{c}"))
+    return {"policy": args.one, "elapsed_s": time.time() - t0, "requests": results}
+
+
+def summary(run: dict) -> dict:
+    reqs = run["requests"]
+    out = {"policy": run["policy"], "elapsed_s": run["elapsed_s"], "n": len(reqs)}
+    for k in ("later turn", "fresh"):
+        ttfts = [r["ttft_s"] for r in reqs if r["kind"] == k and r["ttft_s"] is not None]
+        out[k] = (_pct(ttfts, 50), _pct(ttfts, 99), len(ttfts))
+    out["met"] = sum(bool(r["slo_met"]) for r in reqs) / max(1, len(reqs))
+    out["cached"] = sum(r["cached"] for r in reqs) / max(1, sum(r["prompt"] for r in reqs))
+    out["tok_s"] = sum(r["tokens"] for r in reqs) / max(1e-9, run["elapsed_s"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", nargs="+", default=["qoserve", "vllm-fcfs"])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system", type=int, default=384, help="tokens of the system prompt all conversations share")
+    ap.add_argument("--user", type=int, default=96, help="new tokens a turn adds")
+    ap.add_argument("--answer", type=int, default=32, help="tokens each request generates")
+    ap.add_argument("--think-s", type=float, default=1.0)
+    ap.add_argument("--stagger-s", type=float, default=2.0)
+    ap.add_argument("--fresh-qps", type=float, default=1.0)
+    ap.add_argument("--fresh-len", type=int, default=768)
+    ap.add_argument("--fresh-minutes", type=float, default=2.0, help="how long fresh prompts keep arriving")
+    ap.add_argument("--ttft-s", type=float, default=2.0)
+    ap.add_argument("--tbt-s", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="every request's result, as JSON")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one policy here
+    args = ap.parse_args(argv)
+    if args.one:
+        Path(args.out).write_text(json.dumps(run_one(args)))
+        return
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in args.policies:  # one process per engine (vLLM's in-process engine core is process-wide)
+            out = Path(tmp) / f"{policy}.json"
+            proc = subprocess.run([sys.executable, __file__, "--one", policy, "--out", str(out), *_passed(args)],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
+            runs.append(json.loads(out.read_text()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(runs))
+    table = Table(title=f"{args.conversations} conversations x {args.turns} turns beside fresh prompts at "
+                        f"{args.fresh_qps}/s for {args.fresh_minutes} min; TTFT {args.ttft_s} s, TBT {args.tbt_s} s")
+    for col in ("policy", "later turns TTFT p50 / p99 s", "fresh TTFT p50 / p99 s", "SLO met", "prompt cached",
+                "output tok/s", "run s", "requests"):
+        table.add_column(col)
+    for run in runs:
+        s = summary(run)
+
+        def pair(k: str) -> str:
+            p50, p99, n = s[k]
+            return "-" if p50 is None else f"{p50:.2f} / {p99:.2f} ({n})"
+        table.add_row(s["policy"], pair("later turn"), pair("fresh"), f"{s['met']:.1%}", f"{s['cached']:.1%}",
+                      f"{s['tok_s']:.1f}", f"{s['elapsed_s']:.0f}", str(s["n"]))
+    Console(width=160).print(table)
+
+
+def _passed(args: argparse.Namespace) -> list[str]:
+    """The workload's options for a policy's own process."""
+    out = []
+    for name in ("model", "conversations", "turns", "system", "user", "answer", "think_s", "stagger_s", "fresh_qps",
+                 "fresh_len", "fresh_minutes", "ttft_s", "tbt_s", "seed"):
+        out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return out
+
+
+if __name__ == "__main__":
+    main()
