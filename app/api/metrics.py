@@ -15,6 +15,7 @@ from app.db.models import WorkerState
 from app.db.session import session_scope
 from app.observability.collector import SqlCollector
 from app.observability.engine_metrics import EngineMetricsCollector
+from app.observability.rate_limit_metrics import RateLimitCollector
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def metrics(settings: SettingsDep) -> Response:
         engines = EngineMetricsCollector(settings.redis_url, workers)
         engine_names = engines.names()
         registry.register(engines)
+        registry.register(RateLimitCollector(settings.redis_url))
     registry.register(SqlCollector(settings.sqlalchemy_url, settings.model_name, tiers=settings.tiers,
                                    engine_names=engine_names))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -72,8 +72,7 @@ def submit_openai_job(session, principal: Principal, settings: Settings, spec, e
                                       response=response, limiter=limiter, charge=charge)
     except RateLimited as exc:
         d = exc.decision
-        kind = "tokens" if d.too_large or d.tokens_wait_s > d.requests_wait_s else "requests"
-        raise OpenAIError(429, str(exc), type=kind, code="rate_limit_exceeded", headers=d.headers()) from exc
+        raise OpenAIError(429, str(exc), type=d.limit_hit, code="rate_limit_exceeded", headers=d.headers()) from exc
     except job_service.JobValidationError as exc:
         # OpenAI's codes: 404 only for an unknown model; a request over the context is a 400
         # (context_length_exceeded), which the official client raises as BadRequestError

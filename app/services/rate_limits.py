@@ -25,6 +25,7 @@ import redis
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "coserve:ratelimit:"
+REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|requests|tokens" -> requests refused (GET /metrics)
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
 
 # KEYS: the request bucket, the token bucket. ARGV: now, then per bucket: capacity (-1: no limit), cost.
@@ -91,6 +92,11 @@ class Decision:
     tokens_asked: int = 0
 
     @property
+    def limit_hit(self) -> str:
+        """Which limit refused it: ``tokens`` or ``requests`` (OpenAI's error type)."""
+        return "tokens" if self.too_large or self.tokens_wait_s > self.requests_wait_s else "requests"
+
+    @property
     def retry_after_s(self) -> float:
         return max(self.requests_wait_s, self.tokens_wait_s)
 
@@ -105,7 +111,7 @@ class Decision:
         if self.too_large:
             return (f"request too large: it may use {self.tokens_asked} tokens (prompt + max_tokens), over this "
                     f"key's limit of {tpm} tokens per minute; lower max_tokens or shorten the prompt")
-        if self.tokens_wait_s > self.requests_wait_s:
+        if self.limit_hit == "tokens":
             return (f"rate limit reached for tokens per minute: limit {tpm}, {int(self.tokens_left or 0)} left, "
                     f"this request may use {self.tokens_asked}; try again in {_duration(self.retry_after_s)}")
         return (f"rate limit reached for requests per minute: limit {rpm}; try again in "
@@ -157,15 +163,31 @@ class RateLimiter:
         keys = [f"{KEY_PREFIX}{tenant_id}:requests", f"{KEY_PREFIX}{tenant_id}:tokens"]
         try:
             ok, r_left, r_wait, t_left, t_wait = self._script(keys=keys, args=args)
+            decision = Decision(bool(ok), limits, requests_left=None if rpm is None else float(r_left),
+                                tokens_left=None if tpm is None else float(t_left), requests_wait_s=float(r_wait),
+                                tokens_wait_s=float(t_wait), tokens_asked=tokens)
+            if not decision.allowed:
+                self._redis.hincrby(REFUSALS, f"{tenant_id}|{decision.limit_hit}", 1)
         except redis.RedisError as exc:
             if time.monotonic() - self._warned > 60:
                 self._warned = time.monotonic()
                 log.warning("rate limits not applied (Redis unavailable: %s)", exc)
             return Decision(True, limits)
-        return Decision(bool(ok), limits,
-                        requests_left=None if rpm is None else float(r_left),
-                        tokens_left=None if tpm is None else float(t_left),
-                        requests_wait_s=float(r_wait), tokens_wait_s=float(t_wait), tokens_asked=tokens)
+        return decision
+
+
+def refusals(redis_url: str) -> dict[tuple[str, str], int]:
+    """Requests refused so far, per (tenant id, limit); empty where Redis cannot say."""
+    try:
+        raw = redis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0).hgetall(REFUSALS)
+    except redis.RedisError as exc:
+        log.warning("rate-limit refusals unavailable: %s", exc)
+        return {}
+    out = {}
+    for field, n in raw.items():
+        tenant, _, limit = field.decode().rpartition("|")
+        out[(tenant, limit)] = int(n)
+    return out
 
 
 class RateLimited(Exception):
