@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Request, status
 from sqlalchemy.orm import Session
@@ -18,6 +18,8 @@ from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 async def settings_dep(request: Request) -> Settings:
@@ -47,24 +49,25 @@ def _lookup(url: str, key: str) -> Principal | None:
         session.close()
 
 
+def _per_app(request: Request, name: str, make: Callable[[str | None], T]) -> T:
+    """The app's one ``name``, made on first use from its Redis URL."""
+    state = request.app.state
+    value = getattr(state, name, None)
+    if value is None:
+        settings = getattr(state, "settings", None) or get_settings()
+        value = make(settings.redis_url)
+        setattr(state, name, value)
+    return value
+
+
 def key_cache(request: Request) -> KeyCache:
     """The app's key cache (``create_app`` makes one per app, with its Redis)."""
-    state = request.app.state
-    cache = getattr(state, "key_cache", None)
-    if cache is None:
-        settings = getattr(state, "settings", None) or get_settings()
-        cache = state.key_cache = KeyCache(settings.redis_url)
-    return cache
+    return _per_app(request, "key_cache", KeyCache)
 
 
 def rate_limiter(request: Request) -> RateLimiter:
     """The app's door to the tenants' rate-limit buckets (one per app, on its Redis)."""
-    state = request.app.state
-    limiter = getattr(state, "rate_limiter", None)
-    if limiter is None:
-        settings = getattr(state, "settings", None) or get_settings()
-        limiter = state.rate_limiter = RateLimiter(settings.redis_url)
-    return limiter
+    return _per_app(request, "rate_limiter", RateLimiter)
 
 
 async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
