@@ -9,6 +9,7 @@ checks that every accepted job is in SQL and its id is in the model's Redis queu
 broker work).
 
     python ops/bench_submit.py --api-workers 1,2 --requests 4000 --concurrency 64
+    python ops/bench_submit.py --api-workers 1 --rate-limits     # with and without a rate-limited tenant
 """
 
 from __future__ import annotations
@@ -108,12 +109,18 @@ def group_cpu_s(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def run_config(api_workers: int, n: int, concurrency: int, model: str, rate: float) -> list[dict]:
+def run_config(api_workers: int, n: int, concurrency: int, model: str, rate: float,
+               limited: bool = False) -> list[dict]:
+    """``limited``: the tenant has rate limits too high to refuse anything, so every submission pays the bucket
+    check (one Redis script call) and nothing else changes."""
     data = Path(tempfile.mkdtemp(prefix="bench-submit-"))
     db = f"sqlite:///{data / 'coserve.db'}"
     upgrade(db)
     with session_scope(db) as s:
-        key = create_key(s, create_tenant(s, "bench"))[1]
+        tenant = create_tenant(s, "bench")
+        if limited:
+            tenant.requests_per_minute = tenant.tokens_per_minute = 10**9
+        key = create_key(s, tenant)[1]
     rproc, rurl = start_redis(data / "redis")
     port = free_port()
     env = dict(os.environ, REDIS_URL=rurl, COSERVE_DATABASE_URL=db, COSERVE_DATA_DIR=str(data),
@@ -145,7 +152,8 @@ def run_config(api_workers: int, n: int, concurrency: int, model: str, rate: flo
             cpu0 = group_cpu_s(api.pid)
             lat, ids, errors, wall = asyncio.run(_load(url, key, n, concurrency, submit, phase_rate))
             cpu_ms = 1e3 * (group_cpu_s(api.pid) - cpu0) / n
-            row = {"config": f"{api_workers} uvicorn worker(s)", "endpoint": label, "n": n, "errors": errors,
+            row = {"config": f"{api_workers} uvicorn worker(s)" + (", rate-limited tenant" if limited else ""),
+                   "endpoint": label, "n": n, "errors": errors,
                    "load": f"open loop, {phase_rate:.0f}/s offered" if phase_rate else "closed loop",
                    "rps": n / wall, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
                    "p99_ms": 1e3 * float(np.percentile(lat, 99)), "verified": "-",
@@ -181,10 +189,14 @@ def main() -> None:
                     help="offered jobs/s of the open-loop phase (0: skip it); latency counts from each "
                          "request's due time")
     ap.add_argument("--model", default="smollm2-135m", help="tokenizer used to count prompt tokens")
+    ap.add_argument("--rate-limits", action="store_true",
+                    help="each configuration again with a rate-limited tenant (limits it never reaches): the cost of "
+                         "the bucket check, side by side")
     args = ap.parse_args()
     rows = []
     for w in (int(x) for x in args.api_workers.split(",")):
-        rows += run_config(w, args.requests, args.concurrency, args.model, args.rate)
+        for limited in (False, True) if args.rate_limits else (False,):
+            rows += run_config(w, args.requests, args.concurrency, args.model, args.rate, limited)
     t = Table(title=f"POST /v1/jobs submission, {args.concurrency} concurrent clients, {os.cpu_count()} CPUs "
                     f"(goal: >= 500 jobs/s, p99 < 50 ms)")
     for col in ("config", "endpoint", "load", "requests", "errors", "req/s", "p50 ms", "p99 ms", "API CPU ms/req",

@@ -8,6 +8,10 @@ its message lands); a dispatcher thread then sends their tasks in one Redis pipe
 moves the jobs it could not send back to ``queued`` for the sweeper. A process that dies
 between the commit and the send leaves dispatched jobs without a message: the sweeper
 sends those again (``workers/sweeper.py``), as it does for any lost message.
+
+Jobs submitted with a rate-limit charge are judged by their tenants' buckets before the insert,
+the whole batch in one Redis call (``RateLimiter.take_many``); a refused job is not written and
+its caller gets ``RateLimited``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from sqlalchemy import insert
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
 from app.services.dispatch import send_jobs
+from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
 from app.services.transitions import transition, utcnow
 from app.settings import Settings
 
@@ -32,16 +37,25 @@ MAX_BATCH = 256
 JOB_COLUMNS = [c.key for c in Job.__table__.columns]
 
 
+@dataclass(frozen=True)
+class Written:
+    job: Job
+    rate: Decision | None = None  # its tenant's buckets after it, where it was charged
+
+
 @dataclass
 class _Pending:
     job: Job
     detail: str
+    charge: Charge | None = None
+    rate: Decision | None = None
     done: Future = field(default_factory=Future)
 
 
 class JobWriter:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.limiter = RateLimiter(settings.redis_url)
         self._inbox: queue.Queue[_Pending | None] = queue.Queue()
         self._sends: queue.Queue[list[Job] | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._write_loop, name="coserve-job-writer", daemon=True),
@@ -49,15 +63,16 @@ class JobWriter:
         for t in self._threads:
             t.start()
 
-    def submit(self, job: Job, detail: str) -> Future:
-        """A future that resolves to ``job`` once it is committed (or to the insert's error)."""
-        pending = _Pending(job, detail)
+    def submit(self, job: Job, detail: str, charge: Charge | None = None) -> Future:
+        """A future that resolves to ``Written`` once the job is committed (or to the insert's error, or to
+        ``RateLimited`` where its ``charge`` did not fit)."""
+        pending = _Pending(job, detail, charge)
         self._inbox.put(pending)
         return pending.done
 
-    def write(self, job: Job, detail: str, timeout: float = 30.0) -> Job:
-        """Blocks until ``job`` is committed; raises what the insert raised."""
-        return self.submit(job, detail).result(timeout)
+    def write(self, job: Job, detail: str, charge: Charge | None = None, timeout: float = 30.0) -> Written:
+        """Blocks until the job is committed; raises what the insert raised."""
+        return self.submit(job, detail, charge).result(timeout)
 
     def close(self) -> None:
         self._inbox.put(None)
@@ -82,7 +97,20 @@ class JobWriter:
                     self._inbox.put(None)
                     break
                 batch.append(nxt)
-            self._insert(sessions, batch)
+            batch = self._charge(batch)
+            if batch:
+                self._insert(sessions, batch)
+
+    def _charge(self, batch: list[_Pending]) -> list[_Pending]:
+        """The batch's jobs its tenants' rate limits let through (the others' callers get ``RateLimited``)."""
+        charged = [p for p in batch if p.charge is not None]
+        if not charged:
+            return batch
+        for p, decision in zip(charged, self.limiter.take_many([p.charge for p in charged]), strict=True):
+            p.rate = decision
+            if not decision.allowed:
+                p.done.set_exception(RateLimited(decision))
+        return [p for p in batch if p.rate is None or p.rate.allowed]
 
     def _insert(self, sessions, batch: list[_Pending]) -> None:
         dispatch = bool(self.settings.redis_url)
@@ -118,7 +146,7 @@ class JobWriter:
         for p in batch:
             if dispatch:
                 p.job.status, p.job.dispatched_at = JobStatus.DISPATCHED.value, now
-            p.done.set_result(p.job)
+            p.done.set_result(Written(p.job, p.rate))
         if dispatch:
             self._sends.put([p.job for p in batch])
 

@@ -26,7 +26,7 @@ from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services.job_writer import JobWriter
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
-from app.services.rate_limits import Decision, RateLimited, RateLimiter
+from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
 from app.tool_calls import FORCED_CHOICE_UNSUPPORTED, is_forced
@@ -225,18 +225,14 @@ def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | Non
     return session.scalars(select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)).first()
 
 
-def charge_rate_limits(limiter: RateLimiter | None, principal: Principal, job: Job, *, request: bool = True,
-                       prompt: bool = True) -> Decision | None:
-    """Takes the job's cost from its tenant's buckets (raises ``RateLimited`` when over a limit): ``request``, one
-    request (a request's first job); ``prompt``, its prompt tokens (a prompt's first choice), with its
-    ``max_tokens`` in any case. None: no limiter or no limit."""
-    if limiter is None or not principal.limits.any:
+def rate_charge(principal: Principal, job: Job, *, request: bool = True, prompt: bool = True) -> Charge | None:
+    """What the job takes from its tenant's buckets (None: the tenant has no limits): ``request``, one request (a
+    request's first job); ``prompt``, its prompt tokens (a prompt's first choice), with its ``max_tokens`` in any
+    case."""
+    if not principal.limits.any:
         return None
     tokens = ((job.prompt_tokens or 0) if prompt else 0) + int((job.sampling or {}).get("max_tokens") or 0)
-    decision = limiter.take(principal.tenant_id, principal.limits, tokens, requests=int(request))
-    if not decision.allowed:
-        raise RateLimited(decision)
-    return decision
+    return Charge(principal.tenant_id, principal.limits, int(request), tokens)
 
 
 def submit_job(session: Session, principal: Principal, spec: JobCreate, settings: Settings, *,
@@ -251,8 +247,9 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     the returned job is then ``queued`` and becomes ``dispatched`` within milliseconds.
     ``overdue_ok`` accepts a deadline already past: a pipeline's later stage (summarization's
     reduce) must still run when earlier stages overran; the scheduler then treats it as late.
-    ``limiter``: the tenant's rate limits apply (API requests), ``charge`` saying whether this job is its request's
-    first and its prompt's first choice (``charge_rate_limits``); a repeated idempotent request is not charged.
+    ``limiter``: the tenant's rate limits apply (API requests; raises ``RateLimited`` over them), ``charge`` saying
+    whether this job is its request's first and its prompt's first choice (``rate_charge``); the writer charges
+    its batch in one call. A repeated idempotent request is not charged.
     """
     job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
                     custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok, response=response)
@@ -263,9 +260,15 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
                 raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "
                                           f"{existing.id} with a different request; use a new key")
             return Submitted(existing, created=False)
-    rate = charge_rate_limits(limiter, principal, job, request=charge[0], prompt=charge[1])
+    cost = rate_charge(principal, job, request=charge[0], prompt=charge[1]) if limiter is not None else None
     if writer is not None and not idempotency_key and dispatch:
-        return Submitted(writer.write(job, f"submitted via {endpoint}"), created=True, rate=rate)
+        written = writer.write(job, f"submitted via {endpoint}", cost)
+        return Submitted(written.job, created=True, rate=written.rate)
+    rate = None
+    if cost is not None:
+        rate = limiter.take_many([cost])[0]
+        if not rate.allowed:
+            raise RateLimited(rate)
     # end the read snapshot (auth, idempotency lookup): the insert starts a write transaction
     session.commit()
     try:

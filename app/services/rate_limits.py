@@ -28,44 +28,55 @@ KEY_PREFIX = "coserve:ratelimit:"
 REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|requests|tokens" -> requests refused (GET /metrics)
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
 
-# KEYS: the request bucket, the token bucket. ARGV: now, then per bucket: capacity (-1: no limit), cost.
-# Each bucket is a hash {level, at}; it refills capacity / WINDOW_S per second up to capacity. Takes both
-# costs only when both fit; answers per bucket: level after, seconds until the cost would fit (0: it fits).
+# Several requests' charges in one call, each judged after the ones before it. KEYS: per charge its request
+# bucket and its token bucket, then the refusal counts. ARGV: now, window, then per charge: request capacity
+# (-1: no limit), requests, token capacity, tokens, the tenant id. Each bucket is a hash {level, at} refilling
+# capacity / window per second up to capacity; a charge takes both costs only when both fit. Answers per
+# charge: 1/0, then per bucket the level after and the seconds until its cost would fit (0: it fits).
 _TAKE = """
-local now = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
-local levels, waits, ok = {}, {}, true
-for i = 1, 2 do
-  local cap, cost = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
-  if cap < 0 then
-    levels[i], waits[i] = -1, 0
-  else
-    local state = redis.call('HMGET', KEYS[i], 'level', 'at')
-    local level, at = tonumber(state[1]), tonumber(state[2])
-    if level == nil then level, at = cap, now end
-    level = math.min(cap, level + math.max(0, now - at) * cap / window)
-    levels[i] = level
-    if cost > level then
-      ok = false
-      waits[i] = (cost - level) * window / cap
-    else
-      waits[i] = 0
-    end
-  end
-end
-if ok then
+local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+local refusals = KEYS[#KEYS]
+local out = {}
+for c = 0, (#KEYS - 1) / 2 - 1 do
+  local levels, waits, ok = {}, {}, true
   for i = 1, 2 do
-    local cap, cost = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
+    local cap, cost = tonumber(ARGV[3 + 5 * c + 2 * (i - 1)]), tonumber(ARGV[4 + 5 * c + 2 * (i - 1)])
+    levels[i], waits[i] = -1, 0
     if cap >= 0 then
-      levels[i] = levels[i] - cost
-      redis.call('HSET', KEYS[i], 'level', tostring(levels[i]), 'at', tostring(now))
-      redis.call('EXPIRE', KEYS[i], math.ceil(window * 2))
+      local state = redis.call('HMGET', KEYS[2 * c + i], 'level', 'at')
+      local level, at = tonumber(state[1]), tonumber(state[2])
+      if level == nil then level, at = cap, now end
+      level = math.min(cap, level + math.max(0, now - at) * cap / window)
+      levels[i] = level
+      if cost > level then
+        ok = false
+        waits[i] = (cost - level) * window / cap
+      end
     end
   end
+  if ok then
+    for i = 1, 2 do
+      local cap, cost = tonumber(ARGV[3 + 5 * c + 2 * (i - 1)]), tonumber(ARGV[4 + 5 * c + 2 * (i - 1)])
+      if cap >= 0 then
+        levels[i] = levels[i] - cost
+        redis.call('HSET', KEYS[2 * c + i], 'level', tostring(levels[i]), 'at', tostring(now))
+        redis.call('EXPIRE', KEYS[2 * c + i], math.ceil(window * 2))
+      end
+    end
+  else
+    local t_cap, t_cost = tonumber(ARGV[5 + 5 * c]), tonumber(ARGV[6 + 5 * c])
+    local too_large = t_cap >= 0 and t_cost > t_cap  -- as Decision.limit_hit names it
+    local limit = (too_large or waits[2] > waits[1]) and 'tokens' or 'requests'
+    redis.call('HINCRBY', refusals, ARGV[7 + 5 * c] .. '|' .. limit, 1)
+  end
+  table.insert(out, ok and 1 or 0)
+  for i = 1, 2 do
+    table.insert(out, tostring(levels[i]))
+    table.insert(out, tostring(waits[i]))
+  end
 end
-return {ok and 1 or 0, tostring(levels[1]), tostring(waits[1]), tostring(levels[2]), tostring(waits[2])}
+return out
 """
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -141,8 +152,18 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
+@dataclass(frozen=True)
+class Charge:
+    """What one request takes from its tenant's buckets."""
+
+    tenant_id: str
+    limits: Limits
+    requests: int  # 1, or 0 for a request's further jobs (its other choices and prompts)
+    tokens: int
+
+
 class RateLimiter:
-    """One API process's door to the shared buckets."""
+    """One process's door to the shared buckets."""
 
     def __init__(self, redis_url: str | None) -> None:
         self._redis = (redis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
@@ -153,27 +174,37 @@ class RateLimiter:
     def take(self, tenant_id: str, limits: Limits, tokens: int, requests: int = 1,
              now: float | None = None) -> Decision:
         """Takes ``requests`` and ``tokens`` from the tenant's buckets, or refuses and takes nothing."""
-        if not limits.any:
-            return Decision(True, limits)
-        if self._script is None:
-            return Decision(True, limits)
-        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-        args = [now if now is not None else time.time(), WINDOW_S,
-                -1 if rpm is None else rpm, requests, -1 if tpm is None else tpm, tokens]
-        keys = [f"{KEY_PREFIX}{tenant_id}:requests", f"{KEY_PREFIX}{tenant_id}:tokens"]
+        return self.take_many([Charge(tenant_id, limits, requests, tokens)], now)[0]
+
+    def take_many(self, charges: list[Charge], now: float | None = None) -> list[Decision]:
+        """``take`` for each charge in turn, in one Redis call (the group-commit writer's batch)."""
+        limited = [c for c in charges if c.limits.any]
+        if not limited or self._script is None:
+            return [Decision(True, c.limits) for c in charges]
+        keys, args = [], [now if now is not None else time.time(), WINDOW_S]
+        for c in limited:
+            rpm, tpm = c.limits.requests_per_minute, c.limits.tokens_per_minute
+            keys += [f"{KEY_PREFIX}{c.tenant_id}:requests", f"{KEY_PREFIX}{c.tenant_id}:tokens"]
+            args += [-1 if rpm is None else rpm, c.requests, -1 if tpm is None else tpm, c.tokens, c.tenant_id]
         try:
-            ok, r_left, r_wait, t_left, t_wait = self._script(keys=keys, args=args)
-            decision = Decision(bool(ok), limits, requests_left=None if rpm is None else float(r_left),
-                                tokens_left=None if tpm is None else float(t_left), requests_wait_s=float(r_wait),
-                                tokens_wait_s=float(t_wait), tokens_asked=tokens)
-            if not decision.allowed:
-                self._redis.hincrby(REFUSALS, f"{tenant_id}|{decision.limit_hit}", 1)
+            answer = self._script(keys=[*keys, REFUSALS], args=args)
         except redis.RedisError as exc:
             if time.monotonic() - self._warned > 60:
                 self._warned = time.monotonic()
                 log.warning("rate limits not applied (Redis unavailable: %s)", exc)
-            return Decision(True, limits)
-        return decision
+            return [Decision(True, c.limits) for c in charges]
+        said = iter(answer[i:i + 5] for i in range(0, len(answer), 5))
+        out = []
+        for c in charges:
+            if not c.limits.any:
+                out.append(Decision(True, c.limits))
+                continue
+            ok, r_left, r_wait, t_left, t_wait = next(said)
+            rpm, tpm = c.limits.requests_per_minute, c.limits.tokens_per_minute
+            out.append(Decision(bool(ok), c.limits, requests_left=None if rpm is None else float(r_left),
+                                tokens_left=None if tpm is None else float(t_left), requests_wait_s=float(r_wait),
+                                tokens_wait_s=float(t_wait), tokens_asked=c.tokens))
+        return out
 
 
 def refusals(redis_url: str) -> dict[tuple[str, str], int]:

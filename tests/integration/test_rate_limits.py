@@ -119,3 +119,43 @@ def test_a_request_of_several_choices_and_prompts_counts_once(settings, keys, re
         assert refused.value.status_code == 429 and refused.value.type == "requests"
     finally:
         session.close()
+
+
+def test_one_call_judges_many_charges_in_turn(redis_url):
+    from app.services.rate_limits import Charge
+
+    limiter = RateLimiter(redis_url)
+    two = Limits(requests_per_minute=2)
+    said = limiter.take_many([Charge("ten_m", two, 1, 5), Charge("ten_n", Limits(), 1, 5), Charge("ten_m", two, 1, 5),
+                              Charge("ten_m", two, 1, 5), Charge("ten_m", two, 0, 5)], now=50.0)
+    assert [d.allowed for d in said] == [True, True, True, False, True]  # a further job of a request costs none
+    assert said[2].requests_left == 0 and said[3].requests_wait_s == pytest.approx(30.0)
+
+
+def test_the_group_commit_writer_refuses_what_the_limits_do_not_let_through(settings, keys):
+    """Three jobs of a tenant allowed two requests a minute, submitted at once: two are written, one is refused
+    and never reaches SQL."""
+    from concurrent.futures import wait
+
+    from app.auth import Principal
+    from app.db.models import Job
+    from app.db.session import session_scope
+    from app.schemas import JobCreate
+    from app.services.job_writer import JobWriter
+    from app.services.jobs import build_job, rate_charge
+    from app.services.rate_limits import RateLimited
+
+    principal = Principal("k", keys.tenant_id, "paid", False, Limits(requests_per_minute=2))
+    writer = JobWriter(settings)
+    try:
+        jobs = [build_job(settings, principal, JobCreate(prompt="hi", max_tokens=2)) for _ in range(3)]
+        futures = [writer.submit(job, "test", rate_charge(principal, job)) for job in jobs]
+        wait(futures, timeout=30)
+    finally:
+        writer.close()
+    refused = [f for f in futures if isinstance(f.exception(), RateLimited)]
+    written = [f.result() for f in futures if f.exception() is None]
+    assert len(refused) == 1 and len(written) == 2
+    assert sorted(w.rate.requests_left for w in written) == [0, 1]
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert {j.id for j in s.query(Job).filter(Job.tenant_id == keys.tenant_id)} == {w.job.id for w in written}
