@@ -317,7 +317,10 @@ class CoserveScheduler(AsyncScheduler):
                 visible.add_request(r)
         self.waiting = visible
         self.running = kept
-        self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks))
+        # with speculation vLLM pads a new prompt left with one token to compute (the rest in its prefix cache) to a
+        # whole draft step, and waits rather than run it unpadded: room for that padding
+        pad = self.num_spec_tokens if self.num_spec_tokens and any(n == 1 for r, n in chunks if r not in by_id) else 0
+        self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
 
     def _restore(self, held: Any, stashed: list[VLLMRequest]) -> None:

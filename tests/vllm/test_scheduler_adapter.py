@@ -281,5 +281,25 @@ def test_a_prompt_found_in_the_prefix_cache_is_planned_for_what_is_left(make_sch
     s.add_request(again)
     assert s.mirrors[again.request_id].num_computed_tokens == 192  # 12 whole blocks; the last token is recomputed
     assert s.mirrors[other.request_id].num_computed_tokens == 0
+    # its KV: the 8 tokens after the hit, and the hit's 12 blocks, which leave the free pool with it (none of them
+    # is held by a running request)
+    assert s.kv.blocks_needed(again.request_id, 8) == 13 and s.kv.blocks_needed(other.request_id, 56) == 4
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == {again.request_id: 8, other.request_id: 56}, out.num_scheduled_tokens
+
+
+def test_a_prompt_left_with_one_token_by_the_cache_runs_while_speculating(make_scheduler):
+    """With speculation vLLM pads a new prompt whose cache hit leaves it one token to a whole draft step, and
+    waits rather than run it unpadded; the step's budget has room for that (it had none: the prompt never ran)."""
+    s = make_scheduler("qoserve", max_batched=64, prefix_caching=True)
+    s.num_spec_tokens = 4
+    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    earlier = vllm_request(33, chat, max_tokens=2, hashed=True)
+    s.add_request(earlier)
+    for _ in range(4):
+        run_step(s)
+    again = vllm_request(33, chat, max_tokens=2, hashed=True)
+    s.add_request(again)
+    assert s.mirrors[again.request_id].num_computed_tokens == 32
+    out = s.schedule()
+    assert out.num_scheduled_tokens.get(again.request_id, 0) >= 1, out.num_scheduled_tokens
