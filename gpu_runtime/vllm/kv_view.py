@@ -37,6 +37,11 @@ class VLLMKVView:
         req = self.scheduler.requests.get(request_id)
         have = req.num_computed_tokens if req is not None else 0
         bs = self.block_size
+        if req is not None and not have and not req.num_preemptions:
+            # a prompt not started: the n tokens after its prefix-cache hit (which the policy counts computed), and
+            # the hit's blocks too, which leave the free pool with it unless a running request holds them
+            mirror = self.scheduler.mirrors.get(request_id)
+            return -(-((mirror.num_cached_tokens if mirror is not None else 0) + n) // bs)
         return max(0, -(-(have + n) // bs) - -(-have // bs))
 
     def cached_prefix(self, request: VLLMRequest) -> int:
