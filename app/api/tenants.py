@@ -1,4 +1,5 @@
-"""Admin: tenants and their API keys: create (keys are shown once), list, revoke."""
+"""Admin: tenants (create, list, their rate limits) and their API keys: create (keys are shown once), list,
+revoke."""
 
 from __future__ import annotations
 
@@ -39,6 +40,20 @@ def create_tenant_route(body: TenantCreate, session: SessionDep, settings: Setti
     log.info("created tenant %s with key %s", tenant.id, key.prefix)
     return KeyCreated(tenant_id=tenant.id, key_id=key.id, api_key=plaintext, tier=tenant.default_tier,
                       is_admin=key.is_admin)
+
+
+@router.get("/tenants", response_model=list[TenantPublic])
+def list_tenants_route(session: SessionDep, _admin: AdminPrincipal) -> list[TenantPublic]:
+    """Every tenant, by name, with its default tier and rate limits."""
+    return [TenantPublic.model_validate(t) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+
+
+@router.get("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404))
+def get_tenant_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal) -> TenantPublic:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
+    return TenantPublic.model_validate(tenant)
 
 
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404))

@@ -53,6 +53,11 @@ def test_the_api_answers_429_over_a_tenants_limits(client, keys):
     assert bad.status_code == 422 and "requests_per_minute" in bad.text
     r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 2}, headers=H(keys.admin))
     assert r.status_code == 200 and r.json()["requests_per_minute"] == 2 and r.json()["tokens_per_minute"] is None
+    listed = client.get("/v1/admin/tenants", headers=H(keys.admin)).json()
+    assert [t["name"] for t in listed] == ["acme", "globex", "ops"] and listed[0] == r.json()
+    assert client.get(f"/v1/admin/tenants/{keys.tenant_id}", headers=H(keys.admin)).json() == r.json()
+    assert client.get("/v1/admin/tenants", headers=H(keys.paid)).status_code == 403
+    assert client.get("/v1/admin/tenants/ten_nope", headers=H(keys.admin)).status_code == 404
 
     job = {"prompt": "hello", "max_tokens": 4}
     taken = [client.post("/v1/jobs", json=job, headers=H(keys.paid)) for _ in range(2)]
