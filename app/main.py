@@ -16,6 +16,7 @@ from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
 from app.services.job_writer import JobWriter
 from app.services.model_info import get_tokenizer, max_model_len
+from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ async def lifespan(api: FastAPI):
                                     settings.default_tier)
         except Exception as exc:
             log.warning("could not register COSERVE_ADMIN_KEY: %s", exc)
-    api.state.job_writer = JobWriter(settings)
+    api.state.job_writer = JobWriter(settings, api.state.rate_limiter)
     try:
         yield
     finally:
@@ -105,6 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.settings = settings or get_settings()
     settings = api.state.settings
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
+    api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, files, batches, summarize,
                    admin, tenants, metrics):

@@ -66,7 +66,7 @@ def key_cache(request: Request) -> KeyCache:
 
 
 def rate_limiter(request: Request) -> RateLimiter:
-    """The app's door to the tenants' rate-limit buckets (one per app, on its Redis)."""
+    """The app's door to the tenants' rate-limit buckets (``create_app`` makes one per app, its writer's too)."""
     return _per_app(request, "rate_limiter", RateLimiter)
 
 

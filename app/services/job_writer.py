@@ -53,9 +53,9 @@ class _Pending:
 
 
 class JobWriter:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, limiter: RateLimiter | None = None) -> None:
         self.settings = settings
-        self.limiter = RateLimiter(settings.redis_url)
+        self.limiter = limiter or RateLimiter(settings.redis_url)
         self._inbox: queue.Queue[_Pending | None] = queue.Queue()
         self._sends: queue.Queue[list[Job] | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._write_loop, name="coserve-job-writer", daemon=True),
