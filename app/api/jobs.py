@@ -23,7 +23,7 @@ from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
 from app.services.job_follow import job_events, rest_from_sql
 from app.services.notify import announce_cancel
-from app.services.rate_limits import RateLimited
+from app.services.rate_limits import RateLimited, rate_headers
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -39,14 +39,14 @@ def _unprocessable(exc: job_service.JobValidationError) -> RequestValidationErro
 
 @router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED,
              responses={200: {"model": JobPublic, "description": "the job an earlier request with this "
-                                                                 "Idempotency-Key created"}, **responses(409, 413, 429)})
+                                                                 "Idempotency-Key created"},
+                        **responses(409, 413, 429)})
 async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: SettingsDep, request: Request,
                      response: Response,
                      idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobPublic | Response:
     # async: the common path (no Idempotency-Key) validates on the loop and awaits the
     # group-commit writer, without a worker thread or a DB session per request
     writer = getattr(request.app.state, "job_writer", None)
-    limiter = rate_limiter(request)
     try:
         if writer is not None and not idempotency_key:
             if job_service.input_chars(spec) > job_service.BIG_PROMPT_CHARS:
@@ -59,10 +59,9 @@ async def create_job(spec: JobCreate, principal: CurrentPrincipal, settings: Set
                                                               job_service.rate_charge(principal, job)))
             # serialized here: a returned model would be validated again against response_model
             return Response(JobPublic.of(written.job).model_dump_json(), status.HTTP_201_CREATED,
-                            media_type="application/json",
-                            headers=written.rate.headers() if written.rate is not None else None)
+                            media_type="application/json", headers=rate_headers(written.rate))
         submitted = await run_in_threadpool(_submit_with_session, settings, principal, spec, idempotency_key,
-                                            limiter)
+                                            rate_limiter(request))
     except RateLimited as exc:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers=exc.decision.headers()) from exc
     except job_service.IdempotencyConflict as exc:

@@ -124,18 +124,16 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
     be submitted, those already are stop. The rate limits count the request once and each prompt's tokens once,
     as OpenAI's do, and every choice's ``max_tokens``."""
     jobs: list[Job] = []
-    headers: dict[str, str] = {}
     try:
         for i, spec in enumerate(specs):
             submitted = submit_openai_job(session, principal, settings, spec, endpoint, writer, limiter=limiter,
                                           charge=(i == 0, i % n == 0))
             jobs.append(submitted.job)
-            headers = submitted.rate_headers()  # the buckets after the last choice
     except Exception:
         for job in jobs:
             cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
         raise
-    return jobs, headers
+    return jobs, submitted.rate_headers()  # the buckets after the last choice
 
 
 async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: StreamOptions,

@@ -26,7 +26,7 @@ from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services.job_writer import JobWriter
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
-from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
+from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
 from app.tool_calls import FORCED_CHOICE_UNSUPPORTED, is_forced
@@ -76,7 +76,7 @@ class Submitted:
 
     def rate_headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for the answer (none without limits)."""
-        return self.rate.headers() if self.rate is not None else {}
+        return rate_headers(self.rate)
 
 
 def resolve_tier(settings: Settings, principal: Principal, requested: str | None) -> str:

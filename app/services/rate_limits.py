@@ -38,36 +38,34 @@ local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 local refusals = KEYS[#KEYS]
 local out = {}
 for c = 0, (#KEYS - 1) / 2 - 1 do
-  local levels, waits, ok = {}, {}, true
+  local base = 3 + 5 * c
+  local caps = {tonumber(ARGV[base]), tonumber(ARGV[base + 2])}
+  local costs = {tonumber(ARGV[base + 1]), tonumber(ARGV[base + 3])}
+  local levels, waits, ok = {-1, -1}, {0, 0}, true
   for i = 1, 2 do
-    local cap, cost = tonumber(ARGV[3 + 5 * c + 2 * (i - 1)]), tonumber(ARGV[4 + 5 * c + 2 * (i - 1)])
-    levels[i], waits[i] = -1, 0
-    if cap >= 0 then
+    if caps[i] >= 0 then
       local state = redis.call('HMGET', KEYS[2 * c + i], 'level', 'at')
       local level, at = tonumber(state[1]), tonumber(state[2])
-      if level == nil then level, at = cap, now end
-      level = math.min(cap, level + math.max(0, now - at) * cap / window)
-      levels[i] = level
-      if cost > level then
+      if level == nil then level, at = caps[i], now end
+      levels[i] = math.min(caps[i], level + math.max(0, now - at) * caps[i] / window)
+      if costs[i] > levels[i] then
         ok = false
-        waits[i] = (cost - level) * window / cap
+        waits[i] = (costs[i] - levels[i]) * window / caps[i]
       end
     end
   end
   if ok then
     for i = 1, 2 do
-      local cap, cost = tonumber(ARGV[3 + 5 * c + 2 * (i - 1)]), tonumber(ARGV[4 + 5 * c + 2 * (i - 1)])
-      if cap >= 0 then
-        levels[i] = levels[i] - cost
+      if caps[i] >= 0 then
+        levels[i] = levels[i] - costs[i]
         redis.call('HSET', KEYS[2 * c + i], 'level', tostring(levels[i]), 'at', tostring(now))
         redis.call('EXPIRE', KEYS[2 * c + i], math.ceil(window * 2))
       end
     end
   else
-    local t_cap, t_cost = tonumber(ARGV[5 + 5 * c]), tonumber(ARGV[6 + 5 * c])
-    local too_large = t_cap >= 0 and t_cost > t_cap  -- as Decision.limit_hit names it
+    local too_large = caps[2] >= 0 and costs[2] > caps[2]  -- as Decision.limit_hit names it
     local limit = (too_large or waits[2] > waits[1]) and 'tokens' or 'requests'
-    redis.call('HINCRBY', refusals, ARGV[7 + 5 * c] .. '|' .. limit, 1)
+    redis.call('HINCRBY', refusals, ARGV[base + 4] .. '|' .. limit, 1)
   end
   table.insert(out, ok and 1 or 0)
   for i = 1, 2 do
@@ -142,6 +140,11 @@ class Decision:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
             out["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
         return out
+
+
+def rate_headers(decision: Decision | None) -> dict[str, str]:
+    """The answer's ``x-ratelimit-*`` headers (none where no limit applied)."""
+    return decision.headers() if decision is not None else {}
 
 
 def _duration(seconds: float) -> str:
