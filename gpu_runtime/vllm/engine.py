@@ -276,7 +276,6 @@ class VLLMEngine:
         text = comp.text if comp is not None else ""
         req.output_token_ids.extend(new_ids)
         req.token_times.extend([now] * len(new_ids))
-        req.num_cached_tokens = res.num_cached_tokens or 0  # vLLM's count from its prefill (kept after recomputes)
         if new_ids and req.status is RequestStatus.WAITING:
             req.status = RequestStatus.DECODING
         logprobs = (token_logprobs(new_ids, comp.logprobs, req.sampling.logprobs)
@@ -288,6 +287,7 @@ class VLLMEngine:
         reason = comp.finish_reason if comp is not None else None
         req.status = _FINISH.get(reason or "", RequestStatus.FINISHED_ABORTED)
         req.finish_time = now
+        req.num_cached_tokens = res.num_cached_tokens or 0  # vLLM's count from its prefill (kept after recomputes)
         out = self._finish(req)
         out.new_token_ids, out.new_text, out.new_logprobs, out.prompt_logprobs = new_ids, text, logprobs, prompt
         if reason == "error":  # vLLM refused it (e.g. its QoS): the job fails, it was not cancelled
