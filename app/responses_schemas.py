@@ -337,7 +337,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "usage": None, "metadata": kept.get("metadata") or {}, "user": None}
     if answer is not None:
         counts = usage(prompt_tokens, completion_tokens)
-        body["usage"] = {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached_tokens or 0},
+        body["usage"] = {"input_tokens": counts["prompt_tokens"],
+                         "input_tokens_details": {"cached_tokens": cached_tokens or 0},
                          "output_tokens": counts["completion_tokens"],
                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": counts["total_tokens"]}
     return body

@@ -209,8 +209,9 @@ class EngineThread:
         reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
         prompt_tokens = job.request.prompt_len
         values = {"output_text": "".join(job.text), "finish_reason": reason, "completion_tokens": m.num_output_tokens,
-                  "prompt_tokens": prompt_tokens, "cached_tokens": m.num_cached_tokens, "queue_s": m.queue_s, "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s,
-                  "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s, "slo_met": m.slo_met,
+                  "prompt_tokens": prompt_tokens, "cached_tokens": m.num_cached_tokens, "queue_s": m.queue_s,
+                  "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s,
+                  "slo_met": m.slo_met,
                   "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None,
                   "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
