@@ -13,12 +13,14 @@ the worker runs it), one policy per process:
   (nothing of them is cached), answering ``--answer`` tokens;
 * every request is interactive, TTFT ``--ttft-s`` and TBT ``--tbt-s`` (paid), EOS ignored.
 
-Printed per policy: TTFT p50/p99 of the conversation turns after the first (the ones the cache
-holds) and of the fresh prompts, the share of requests whose every token met its deadline, the
+Printed per policy: TTFT p50/p99 of the conversations' first turns (with ``--stagger-s 0`` they
+arrive together, behind a system prompt none of them finds cached), of the turns after the first
+(the ones the cache holds) and of the fresh prompts, the share of requests whose every token met its deadline, the
 prompt tokens found in the cache, output tok/s and the run's length.
 
     python ops/bench_prefix_reuse.py --policies qoserve vllm-fcfs
     python ops/bench_prefix_reuse.py --policies qoserve --fresh-qps 2 --out run.json
+    python ops/bench_prefix_reuse.py --conversations 48 --turns 2 --stagger-s 0   # a burst behind one system prompt
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def run_one(args: argparse.Namespace) -> dict:
 def summary(run: dict) -> dict:
     reqs = run["requests"]
     out = {"policy": run["policy"], "elapsed_s": run["elapsed_s"], "n": len(reqs)}
-    for k in ("later turn", "fresh"):
+    for k in ("first turn", "later turn", "fresh"):
         ttfts = [r["ttft_s"] for r in reqs if r["kind"] == k and r["ttft_s"] is not None]
         out[k] = (_pct(ttfts, 50), _pct(ttfts, 99), len(ttfts))
     out["met"] = sum(bool(r["slo_met"]) for r in reqs) / max(1, len(reqs))
@@ -174,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps(runs))
     table = Table(title=f"{args.conversations} conversations x {args.turns} turns beside fresh prompts at "
                         f"{args.fresh_qps}/s for {args.fresh_minutes} min; TTFT {args.ttft_s} s, TBT {args.tbt_s} s")
-    for col in ("policy", "later turns TTFT p50 / p99 s", "fresh TTFT p50 / p99 s", "SLO met", "prompt cached",
-                "output tok/s", "run s", "requests"):
+    for col in ("policy", "first turns TTFT p50 / p99 s", "later turns TTFT p50 / p99 s", "fresh TTFT p50 / p99 s",
+                "SLO met", "prompt cached", "output tok/s", "run s", "requests"):
         table.add_column(col)
     for run in runs:
         s = summary(run)
@@ -183,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         def pair(k: str) -> str:
             p50, p99, n = s[k]
             return "-" if p50 is None else f"{p50:.2f} / {p99:.2f} ({n})"
-        table.add_row(s["policy"], pair("later turn"), pair("fresh"), f"{s['met']:.1%}", f"{s['cached']:.1%}",
-                      f"{s['tok_s']:.1f}", f"{s['elapsed_s']:.0f}", str(s["n"]))
+        table.add_row(s["policy"], pair("first turn"), pair("later turn"), pair("fresh"), f"{s['met']:.1%}",
+                      f"{s['cached']:.1%}", f"{s['tok_s']:.1f}", f"{s['elapsed_s']:.0f}", str(s["n"]))
     Console(width=160).print(table)
 
 

@@ -303,6 +303,19 @@ class BaseScheduler(Scheduler):
         else:
             self._push_waiting(req)
 
+    def note_cached_prefix(self, req: Request, tokens: int) -> None:
+        """The engine's prefix cache holds the first ``tokens`` of a prompt it has not (re)started (computed for
+        another request since, or for this one before a preemption): they count as computed, and its place in its
+        queue follows its shorter remaining prefill."""
+        if self._remove_waiting(req.request_id) is not None:
+            req.num_computed_tokens = tokens
+            self._push_waiting(req)
+        elif self.relegated.remove(req.request_id) is not None:
+            req.num_computed_tokens = tokens
+            self.relegated.push(req)
+        else:
+            req.num_computed_tokens = tokens
+
     def _release(self, request_id: str) -> None:
         self._footprint -= self._holders.pop(request_id, 0)
 

@@ -24,9 +24,14 @@ class VLLMKVView:
     """Read-mostly view of a vLLM scheduler's KV cache (only ``release_kv`` changes it)."""
 
     def __init__(self, scheduler: VLLMScheduler) -> None:
+        from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+
         self.scheduler = scheduler
         self.block_size = scheduler.block_size
         self.released: list[str] = []  # preempted on the policy's request, this schedule() call
+        manager = scheduler.kv_cache_manager
+        # one KV cache group hashed by whole blocks: a hit grows exactly when the block after it is cached
+        self._probe_groups = [0] if isinstance(manager.coordinator, UnitaryKVCacheCoordinator) else None
 
     def capacity(self) -> KVCapacity:
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -37,9 +42,9 @@ class VLLMKVView:
         req = self.scheduler.requests.get(request_id)
         have = req.num_computed_tokens if req is not None else 0
         bs = self.block_size
-        if req is not None and not have and not req.num_preemptions:
-            # a prompt not started: the n tokens after its prefix-cache hit (which the policy counts computed), and
-            # the hit's blocks too, which leave the free pool with it unless a running request holds them
+        if req is not None and not have:
+            # a prompt not (re)started: the n tokens after its prefix-cache hit (which the policy counts computed),
+            # and the hit's blocks too, which leave the free pool with it unless a running request holds them
             mirror = self.scheduler.mirrors.get(request_id)
             return -(-((mirror.num_cached_tokens if mirror is not None else 0) + n) // bs)
         return max(0, -(-(have + n) // bs) - -(-have // bs))
@@ -52,6 +57,19 @@ class VLLMKVView:
             return 0
         _, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
         return hit
+
+    def cached_prefix_since(self, request: VLLMRequest, before: int) -> int:
+        """A waiting prompt's hit now, given the hit ``before``: looked up again only when the block after it was
+        cached since (another request computed the same prefix), which costs one probe per waiting prompt and
+        step. A hit that eviction shrank is not looked for: vLLM finds it when it starts the request."""
+        bs, hashes = self.block_size, request.block_hashes
+        after = before // bs
+        if (after + 1) * bs > request.num_tokens - 1 or after >= len(hashes):
+            return before  # no whole block after the hit that the cache could hold
+        pool = self.scheduler.kv_cache_manager.block_pool
+        if self._probe_groups is not None and pool.get_cached_block(hashes[after], self._probe_groups) is None:
+            return before
+        return self.cached_prefix(request)
 
     def release_kv(self, request_id: str) -> None:
         """vLLM recompute preemption of a running request, chosen by the policy (least urgent first)."""

@@ -27,11 +27,14 @@ def make_mirror(vreq: VLLMRequest) -> Request:
                    arrival_time=vreq.arrival_time, app_id=q.app_id)
 
 
-def sync_progress(mirror: Request, vreq: VLLMRequest) -> None:
-    """Tokens in the KV cache (prompt progress of a prefill, context of a decode), as vLLM counts them. A prompt
-    vLLM has not started keeps the prefix-cache hit it was added with (vLLM counts it when it schedules it)."""
-    if vreq.num_computed_tokens or vreq.num_preemptions:
-        mirror.num_computed_tokens = vreq.num_computed_tokens
+def sync_progress(mirror: Request, vreq: VLLMRequest) -> bool:
+    """Tokens in the KV cache (prompt progress of a prefill, context of a decode), as vLLM counts them; False for
+    a request vLLM has yet to (re)start, whose mirror counts its prefix-cache hit instead (vLLM counts it when it
+    schedules the request)."""
+    if not vreq.num_computed_tokens:
+        return False
+    mirror.num_computed_tokens = vreq.num_computed_tokens
+    return True
 
 
 def sync_outputs(mirror: Request, vreq: VLLMRequest, now: float) -> int:

@@ -207,10 +207,7 @@ class CoserveScheduler(AsyncScheduler):
             rid = self._resumes.popleft()
             if not self.policy.resume(rid):
                 log.info("resume %s: not relegated (any more)", rid)
-        for rid, mirror in self.mirrors.items():
-            vreq = self.requests.get(rid)
-            if vreq is not None:
-                sync_progress(mirror, vreq)
+        self._sync_mirrors()
         self.kv.released.clear()
         plan = self.policy.schedule(now)
         self._report(plan)
@@ -244,6 +241,22 @@ class CoserveScheduler(AsyncScheduler):
         if self.calibration is not None and out.total_num_scheduled_tokens:
             self._step_began = t0
         return out
+
+    def _sync_mirrors(self) -> None:
+        """The policy sees vLLM's progress; a prompt vLLM has yet to (re)start is planned for, ordered and judged by
+        what its prefix cache does not hold now: requests sharing a system prompt that arrived together find it
+        cached once the first of them ran, and a preempted request finds its own blocks until they are reused."""
+        for rid, mirror in self.mirrors.items():
+            vreq = self.requests.get(rid)
+            if vreq is None or sync_progress(mirror, vreq):
+                continue
+            if mirror.num_computed_tokens == mirror.num_cached_tokens:
+                hit = self.kv.cached_prefix_since(vreq, mirror.num_cached_tokens)
+            else:  # its KV was released (preempted): nothing known of its hit
+                hit = self.kv.cached_prefix(vreq)
+            mirror.num_cached_tokens = hit
+            if hit != mirror.num_computed_tokens:
+                self.policy.note_cached_prefix(mirror, hit)  # type: ignore[union-attr]
 
     def _measure_step(self, now: float) -> None:
         """The step scheduled last cost from its schedule() until this one, if the engine went straight on

@@ -48,9 +48,11 @@ def make_scheduler(tiny_model_dir, monkeypatch):
 
 
 def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,
-                 max_tokens: int = 8, request_id: str | None = None, first_token: int = 10, hashed: bool = False):
-    """A request whose prompt is ``first_token``, ``first_token + 1``, ...; ``hashed``: with the block hashes
-    vLLM's engine core gives every request when prefix caching is on (16-token blocks, as ``make_scheduler``)."""
+                 max_tokens: int = 8, request_id: str | None = None, first_token: int = 10, hashed: bool = False,
+                 prompt: list[int] | None = None):
+    """A request whose prompt is ``prompt``, else ``first_token``, ``first_token + 1``, ...; ``hashed``: with the
+    block hashes vLLM's engine core gives every request when prefix caching is on (16-token blocks, as
+    ``make_scheduler``)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -62,7 +64,7 @@ def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float
         init_none_hash(fn := get_hash_fn_by_name("sha256"))
         hasher = get_request_block_hasher(16, fn)
     rid = request_id or f"r{next(_ids)}"
-    return Request(rid, list(range(first_token, first_token + prompt_len)),
+    return Request(rid, prompt if prompt is not None else list(range(first_token, first_token + prompt_len)),
                    SamplingParams(max_tokens=max_tokens, extra_args=extra_args), pooling_params=None,
                    arrival_time=time.time() if arrival is None else arrival, block_hasher=hasher)
 

@@ -303,3 +303,47 @@ def test_a_prompt_left_with_one_token_by_the_cache_runs_while_speculating(make_s
     assert s.mirrors[again.request_id].num_computed_tokens == 32
     out = s.schedule()
     assert out.num_scheduled_tokens.get(again.request_id, 0) >= 1, out.num_scheduled_tokens
+
+
+def test_prompts_that_arrived_together_are_planned_for_the_prefix_the_first_of_them_cached(make_scheduler):
+    """Three prompts behind one 64-token system prompt arrive together, when none of it is cached. Once the first
+    has run, the other two find the system prompt in vLLM's cache: each is planned for its 8-token tail, and both
+    run in the next step. Planned at full length (the hit looked up on arrival only), the second took the whole
+    step's budget, ran its 8 tokens, and the third waited a step."""
+    s = make_scheduler("qoserve", max_batched=72, prefix_caching=True)
+    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    system = list(range(100, 164))
+    reqs = [vllm_request(0, chat, max_tokens=2, hashed=True, prompt=system + list(range(1000 * i, 1000 * i + 8)))
+            for i in (1, 2, 3)]
+    for r in reqs:
+        s.add_request(r)
+    assert all(s.mirrors[r.request_id].num_computed_tokens == 0 for r in reqs)
+    out, _ = run_step(s)
+    ran = next(iter(out.num_scheduled_tokens))
+    assert out.num_scheduled_tokens == {ran: 72}
+    rest = [r.request_id for r in reqs if r.request_id != ran]
+    out, _ = run_step(s)
+    assert {rid: out.num_scheduled_tokens.get(rid) for rid in rest} == dict.fromkeys(rest, 8), out.num_scheduled_tokens
+
+
+def test_a_preempted_request_is_planned_for_what_its_own_cached_blocks_leave(make_scheduler):
+    """Preempted after its prompt and four tokens, a request's blocks stay in vLLM's prefix cache until reused: the
+    policy counts them computed, so its recompute (it runs first: it is due first) takes a few tokens of the step
+    and a waiting prompt the rest. Counted as nothing cached, the recompute took the step's whole budget, of which
+    vLLM ran 4 tokens, and the prompt waited."""
+    s = make_scheduler("qoserve", max_batched=64, prefix_caching=True)
+    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    victim = vllm_request(64, {"ttft_ms": 2000, "tbt_ms": 1000}, max_tokens=50, hashed=True)
+    s.add_request(victim)
+    for _ in range(4):  # its prompt, then three tokens
+        run_step(s)
+    mirror = s.mirrors[victim.request_id]
+    assert mirror.num_output_tokens == 4
+    s.kv.release_kv(victim.request_id)  # what the policy's recompute preemption does (least urgent first)
+    s.policy.note_kv_released(mirror)
+    waiting = vllm_request(64, chat, max_tokens=2, first_token=5000, hashed=True)
+    s.add_request(waiting)
+    out, _ = run_step(s)
+    assert waiting.request_id in out.num_scheduled_tokens and victim.request_id in out.num_scheduled_tokens, \
+        out.num_scheduled_tokens
+    assert mirror.num_cached_tokens == 64  # its prompt's 4 blocks; the outputs fill no whole block
