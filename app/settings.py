@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     tiers: tuple[str, ...] = DEFAULT_TIERS
     max_body_bytes: int = Field(8 * 1024 * 1024, description="largest JSON request body")
     max_file_bytes: int = Field(200 * 1024 * 1024, description="largest /v1/files upload (Batch API input)")
+    batch_file_expiry_days: float = Field(30.0, ge=0, description="an upload with purpose 'batch' and no "
+                                          "expires_after expires this many days after it was made, as OpenAI's do "
+                                          "(0: kept until deleted); other files are kept unless they say otherwise")
     # default QoS
     default_ttft_ms: float = 2000.0
     default_tbt_ms: float = 200.0

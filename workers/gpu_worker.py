@@ -31,6 +31,7 @@ import redis
 from celery.signals import worker_shutting_down
 from sqlalchemy import update
 
+from app.batch.storage import delete_expired_files
 from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
@@ -292,6 +293,8 @@ class GpuWorker:
                           resend_after_s=max(30.0, 5 * self.settings.lease_seconds),
                           holder_stale_s=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
+                with session_scope(self.url) as s:
+                    delete_expired_files(s)  # the Files API's expires_after
                 restart_stalled_validation(self.settings)  # batches whose API died while validating them
                 advance_open_runs(self.settings, self.worker_id)  # summarization runs, whichever process started them
             except Exception:

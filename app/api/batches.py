@@ -38,6 +38,9 @@ class BatchCreate(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: str = Field("24h", description="'24h', or any window such as '30m', '2h', '7d'")
     metadata: dict[str, str] | None = None
+    output_expires_after: storage.ExpiresAfter | None = Field(
+        None, description="when the batch's output and error files expire, counted from when each is made "
+                          "(unset: they are kept until deleted)")
     tier: str | None = Field(None, description="coserve extension: the batch's tier (up to the key's)")
 
 
@@ -68,7 +71,8 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
     now = utcnow()
     batch = Batch(id=new_id("batch"), tenant_id=principal.tenant_id, endpoint=body.endpoint,
                   input_file_id=src.id, completion_window=body.completion_window, status="validating", tier=tier,
-                  metadata_=body.metadata, created_at=now, expires_at=expires_at_for(now, body.completion_window))
+                  metadata_=body.metadata, created_at=now, expires_at=expires_at_for(now, body.completion_window),
+                  output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None)
     with write_after_read(session):
         session.add(batch)
         session.commit()

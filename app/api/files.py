@@ -1,21 +1,24 @@
-"""OpenAI Files API (``purpose=batch``): upload (multipart), list, get, content, delete."""
+"""OpenAI Files API (``purpose=batch``): upload (multipart, with ``expires_after``), list, get, content, delete."""
 
 from __future__ import annotations
 
 import logging
 import re
+from datetime import timedelta
 from typing import Annotated, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
-from sqlalchemy import select
+from pydantic import ValidationError
+from sqlalchemy import or_, select
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.batch import storage
 from app.db.models import File as FileRow
+from app.db.models import utcnow
 from app.openai_schemas import OpenAIError, OpenAIRoute
 
 log = logging.getLogger(__name__)
@@ -50,22 +53,38 @@ def _own(session, principal, file_id: str) -> FileRow:
     return row
 
 
+def lifetime(anchor: str | None, seconds: str | None, purpose: str, batch_days: float) -> timedelta | None:
+    """How long the upload lives: its ``expires_after`` (the official client sends the object as the form fields
+    ``expires_after[anchor]`` and ``expires_after[seconds]``), else the default of its purpose (None: kept)."""
+    if anchor is None and seconds is None:
+        return timedelta(days=batch_days) if purpose == "batch" and batch_days > 0 else None
+    try:
+        return storage.ExpiresAfter(anchor=anchor, seconds=seconds).lifetime  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise OpenAIError(400, "expires_after needs anchor 'created_at' and seconds from 3600 (an hour) to 2592000 "
+                               f"(30 days): {exc.errors()[0]['msg']}", param="expires_after") from None
+
+
 @router.post("", responses=openai_responses(400, 413))
 async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                       file: Annotated[UploadFile, File()],
-                      purpose: Annotated[UploadPurpose, Form()]) -> dict:
+                      purpose: Annotated[UploadPurpose, Form()],
+                      expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+                      expires_seconds: Annotated[str | None, Form(alias="expires_after[seconds]")] = None) -> dict:
+    lives = lifetime(expires_anchor, expires_seconds, purpose, settings.batch_file_expiry_days)
     content = await file.read()
     if not content:
         raise OpenAIError(400, "the file is empty", param="file")
     row = await run_in_threadpool(storage.save_file, session, settings.data_dir, principal.tenant_id,
-                                  clean_filename(file.filename), purpose, content)
+                                  clean_filename(file.filename), purpose, content, lives)
     return storage.file_object(row)
 
 
 @router.get("", responses=openai_responses(400))
 def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | None = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 100, after: str | None = None) -> dict:
-    q = select(FileRow).where(FileRow.tenant_id == principal.tenant_id, FileRow.deleted.is_(False))
+    q = select(FileRow).where(FileRow.tenant_id == principal.tenant_id, FileRow.deleted.is_(False),
+                              or_(FileRow.expires_at.is_(None), FileRow.expires_at > utcnow()))
     if purpose:
         q = q.where(FileRow.purpose == purpose)
     rows = list(session.scalars(q.order_by(FileRow.created_at.desc(), FileRow.id.desc())))
@@ -87,7 +106,11 @@ def get_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> 
                        **openai_responses(404)})
 def file_content(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> Response:
     row = _own(session, principal, file_id)
-    return Response(storage.read_content(row), media_type="application/jsonl",
+    try:
+        content = storage.read_content(row)
+    except FileNotFoundError:  # deleted since it was read (it expired, or a DELETE raced this request)
+        raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="file_not_found") from None
+    return Response(content, media_type="application/jsonl",
                     headers={"Content-Disposition": content_disposition(row.filename)})
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import func, select, update
@@ -100,12 +101,13 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     out_lines = [json.dumps(output_line(j)) for j in jobs if j.status == JobStatus.SUCCEEDED]
     err_lines = invalid + [json.dumps(job_error_line(j)) for j in jobs if j.status != JobStatus.SUCCEEDED]
     values: dict = {}
+    lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
     if out_lines:
         values["output_file_id"] = save_file(session, data_dir, batch.tenant_id, f"{batch_id}_output.jsonl",
-                                             "batch_output", ("\n".join(out_lines) + "\n").encode()).id
+                                             "batch_output", ("\n".join(out_lines) + "\n").encode(), lives).id
     if err_lines:
         values["error_file_id"] = save_file(session, data_dir, batch.tenant_id, f"{batch_id}_error.jsonl",
-                                            "batch_output", ("\n".join(err_lines) + "\n").encode()).id
+                                            "batch_output", ("\n".join(err_lines) + "\n").encode(), lives).id
     now = utcnow()
     if prev == "cancelling":
         values.update(status="cancelled", cancelled_at=now)

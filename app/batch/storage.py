@@ -1,20 +1,38 @@
-"""Files API storage: content under ``data_dir/files/<id>``, metadata in the ``files`` table."""
+"""Files API storage: content under ``data_dir/files/<id>``, metadata in the ``files`` table.
+
+A file may expire (``expires_after``; uploads for batches by default, as OpenAI's do): from its
+``expires_at`` on the API no longer shows it, and the workers' sweeper deletes it.
+"""
 
 from __future__ import annotations
 
 import logging
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
-from app.db.models import File, new_id, utcnow
+from app.db.models import Batch, File, new_id, utcnow
 from app.db.session import write_after_read
 
 log = logging.getLogger(__name__)
 
 UPLOAD_PURPOSES = ("batch", "user_data")
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy of a file: ``seconds`` after its creation, an hour to 30 days."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"] = Field(description="when the time starts: the file's creation")
+    seconds: int = Field(ge=3600, le=30 * 24 * 3600, description="seconds after the anchor (3600 to 2592000)")
+
+    @property
+    def lifetime(self) -> timedelta:
+        return timedelta(seconds=self.seconds)
 
 
 def files_dir(data_dir: Path) -> Path:
@@ -23,13 +41,16 @@ def files_dir(data_dir: Path) -> Path:
     return path
 
 
-def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes) -> File:
+def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes,
+              lifetime: timedelta | None = None) -> File:
     """Writes the content, then the row (commits)."""
     file_id = new_id("file")
     path = files_dir(data_dir) / file_id
     path.write_bytes(content)
+    now = utcnow()
     row = File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=len(content),
-               path=str(path), created_at=utcnow(), deleted=False)
+               path=str(path), created_at=now, deleted=False,
+               expires_at=now + lifetime if lifetime is not None else None)
     with write_after_read(session):
         session.add(row)
         session.commit()
@@ -40,9 +61,13 @@ def read_content(row: File) -> bytes:
     return Path(row.path).read_bytes()
 
 
+def expired(row: File, now: datetime | None = None) -> bool:
+    return row.expires_at is not None and _utc(row.expires_at) <= (now or utcnow())
+
+
 def get_file(session: Session, tenant_id: str | None, file_id: str) -> File | None:
     row = session.get(File, file_id)
-    if row is None or row.deleted or (tenant_id is not None and row.tenant_id != tenant_id):
+    if row is None or row.deleted or expired(row) or (tenant_id is not None and row.tenant_id != tenant_id):
         return None
     return row
 
@@ -54,7 +79,25 @@ def delete_file(session: Session, row: File) -> None:
         session.commit()
 
 
+def delete_expired_files(session: Session, limit: int = 500) -> int:
+    """Deletes the files whose time is up (content, then the row's flag), up to ``limit``; returns how many. An
+    upload a batch still validates from waits until the batch has read it."""
+    validating = exists().where(Batch.input_file_id == File.id, Batch.status == "validating")
+    rows = list(session.scalars(select(File).where(File.deleted.is_(False), File.expires_at.is_not(None),
+                                                  File.expires_at <= utcnow(), ~validating).limit(limit)))
+    for row in rows:
+        delete_file(session, row)
+    if rows:
+        log.info("deleted %d expired files", len(rows))
+    return len(rows)
+
+
+def _utc(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)  # SQLite hands datetimes back naive (stored in UTC)
+
+
 def file_object(row: File) -> dict[str, Any]:
-    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
-    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(created.timestamp()),
-            "filename": row.filename, "purpose": row.purpose, "status": "processed", "status_details": None}
+    expires = int(_utc(row.expires_at).timestamp()) if row.expires_at is not None else None
+    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(_utc(row.created_at).timestamp()),
+            "expires_at": expires, "filename": row.filename, "purpose": row.purpose, "status": "processed",
+            "status_details": None}

@@ -177,6 +177,8 @@ class File(Base):
     path: Mapped[str] = mapped_column(String(1000))  # where the content lives under data_dir
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # gone from the API at this time and deleted by the workers' sweeper (expires_after; null: kept)
+    expires_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
 
 
 class Batch(Base):
@@ -206,6 +208,7 @@ class Batch(Base):
     cancelling_at: Mapped[datetime | None] = mapped_column(default=None)
     cancelled_at: Mapped[datetime | None] = mapped_column(default=None)
     errors: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # validation errors of the whole file
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer, default=None)  # its output/error files'
 
 
 class WorkerState(Base):

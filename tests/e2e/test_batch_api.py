@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import openai
 import pytest
+from sqlalchemy import update
 
+from app.db.models import File, utcnow
+from app.db.session import session_scope, write_guard
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -36,7 +40,7 @@ def jsonl(oai, file_id):
     return [json.loads(t) for t in oai.files.content(file_id).text.splitlines()]
 
 
-def test_batch_round_trip_with_bad_lines(oai, start_worker):
+def test_batch_round_trip_with_bad_lines(oai, start_worker, settings):
     start_worker("w1")
     lines = [line("a", "Hello"), "{not json", line("b", "Tell me a joke", max_tokens=6),
              line("c", url="/v1/embeddings"), json.dumps({"method": "POST", "url": "/v1/chat/completions",
@@ -46,7 +50,7 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker):
     assert src.purpose == "batch" and src.bytes > 0
     assert src.id in [f.id for f in oai.files.list().data]
     batch = oai.batches.create(input_file_id=src.id, endpoint="/v1/chat/completions", completion_window="30m",
-                               metadata={"run": "test"})
+                               metadata={"run": "test"}, output_expires_after={"anchor": "created_at", "seconds": 7200})
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "test"}
     assert batch.expires_at - batch.created_at == 1800
     done = wait_batch(oai, batch.id, {"completed", "failed"})
@@ -72,6 +76,21 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker):
     assert "n=1" in errors[7]["error"]["message"]
     assert all(e["response"] is None for e in errors.values())
     assert done.id in [b.id for b in oai.batches.list().data]
+
+    # output_expires_after: both files expire two hours after they were made; once expired, the worker's sweeper
+    # deletes them
+    for file_id in (done.output_file_id, done.error_file_id):
+        made = oai.files.retrieve(file_id)
+        assert made.expires_at == made.created_at + 7200 and made.purpose == "batch_output"
+    with session_scope(settings.sqlalchemy_url) as s:
+        path = Path(s.get(File, done.error_file_id).path)
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):  # a write first: SQLite's lock is taken at once
+        s.execute(update(File).where(File.id == done.error_file_id).values(expires_at=utcnow()))
+        s.commit()
+    wait_for(lambda: not path.exists(), 15, "the worker's sweeper to delete the expired error file")
+    with pytest.raises(openai.NotFoundError):
+        oai.files.content(done.error_file_id)
+    assert len(jsonl(oai, done.output_file_id)) == 3
 
 
 def test_a_batch_of_responses(oai, start_worker):
