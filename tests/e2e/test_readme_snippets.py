@@ -50,6 +50,9 @@ PLANS: dict[str, Plan] = {
         expect=("submitted job_", "first missed deadline", "token 1 (the first) was due 0.001 s")),
     "curl -s http://127.0.0.1:8000/v1/jobs": Plan(expect=('"kind":"batch"', '"deadline_at":')),
     "client.chat.completions.create(": Plan(),
+    # the jobs the blocks before it ran are in the last day's usage
+    "/v1/organization/usage/completions": Plan(expect=('"object":"page"', "organization.usage.completions.result",
+                                                       '"service_tier":"priority"')),
     "client.conversations.create(": Plan(expect=("['message', 'message', 'message']",)),
     "coserve batch create requests.jsonl": Plan(
         edits=(("ops/demo_summarize.sh", ": ops/demo_summarize.sh",

@@ -198,3 +198,28 @@ def test_lease_sql_on_postgres(pg_url, tmp_path, redis_url):
         assert leases.finish(s, second, JobStatus.SUCCEEDED, {"output_text": "ok"})
         ends = s.scalars(select(JobEvent.job_id).where(JobEvent.to_status == "succeeded")).all()
     assert sorted(ends) == sorted([a, b])
+
+
+def test_usage_buckets_on_postgres(pg_url):
+    """The Usage API's grouped SQL (bucket index from PostgreSQL's epoch) gives what it gives on SQLite."""
+    from datetime import UTC, datetime
+
+    from app.auth import create_tenant
+    from app.db.migrate import upgrade
+    from app.db.models import Job
+    from app.db.session import session_scope
+    from app.services.usage import UsageQuery, completions_usage
+
+    upgrade(pg_url)
+    t0 = int(datetime(2026, 11, 1, tzinfo=UTC).timestamp())
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "usage-pg")
+        for offset, model, tokens in ((59, "a", 10), (60, "a", 20), (61, "b", 40), (3 * 60 + 1, "a", 80)):
+            s.add(Job(tenant_id=tenant.id, kind="interactive", tier="paid", model=model, sampling={},
+                      status="succeeded", created_at=datetime.fromtimestamp(t0 + offset, UTC), prompt_tokens=tokens,
+                      completion_tokens=1, slo_met=True))
+        s.commit()
+        page = completions_usage(s, UsageQuery(t0, t0 + 4 * 60, "1m", 60, group_by=("model",),
+                                               tenant_ids=(tenant.id,)), str)
+    assert [sorted((r["model"], r["input_tokens"]) for r in b["results"]) for b in page["data"]] == [
+        [("a", 10)], [("a", 20), ("b", 40)], [], [("a", 80)]]

@@ -1,0 +1,100 @@
+"""Token usage by time bucket, as OpenAI's Usage API reports it (``/v1/organization/usage/completions``).
+
+Counts the jobs an engine ran (those with a prompt token count), by when they were submitted: input,
+cached input and output tokens and requests, grouped by tenant (OpenAI's project), model, batch or
+service tier; coserve adds how many met their SLO, missed it and were relegated. Summed in SQL, so a
+month of jobs costs one grouped query.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, Integer, case, cast, func, select
+from sqlalchemy.orm import Session
+
+from app.db.models import Job
+
+BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
+BUCKETS_PER_PAGE = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default and largest page
+GROUPS = ("project_id", "model", "batch", "service_tier")  # what a job records (it keeps no key or user id)
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    start: int  # unix seconds: the first bucket starts here
+    end: int  # unix seconds, exclusive
+    width: str  # a key of BUCKET_WIDTHS
+    limit: int  # buckets in this page
+    first: int = 0  # index of this page's first bucket
+    group_by: tuple[str, ...] = ()
+    tenant_ids: tuple[str, ...] | None = None  # None: every tenant
+    models: tuple[str, ...] | None = None
+    batch: bool | None = None  # only Batch API jobs (True) or none of them (False)
+
+    @property
+    def seconds(self) -> int:
+        return BUCKET_WIDTHS[self.width]
+
+    @property
+    def buckets(self) -> int:
+        """Buckets in the whole range (the last may end after ``end``)."""
+        return max(0, -(-(self.end - self.start) // self.seconds))
+
+
+def _epoch(column: Any, dialect: str) -> Any:
+    """Unix seconds of a stored UTC timestamp, in the database's own terms."""
+    if dialect == "sqlite":
+        return cast(func.strftime("%s", column), Integer)
+    return cast(func.floor(func.extract("epoch", column)), BigInteger)
+
+
+def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dict[str, Any]:
+    """One page of buckets (OpenAI's ``page`` of ``bucket`` objects); ``service_tier(tier)`` names a tier."""
+    last = min(q.buckets, q.first + q.limit)
+    lo, hi = q.start + q.first * q.seconds, min(q.end, q.start + last * q.seconds)
+    dialect = session.get_bind().dialect.name
+    bucket = ((_epoch(Job.created_at, dialect) - q.start) // q.seconds).label("bucket")
+    columns = {"project_id": Job.tenant_id, "model": Job.model, "batch": Job.batch_id.is_not(None),
+               "service_tier": Job.tier}
+    keys = [columns[g].label(g) for g in q.group_by]
+    stmt = select(bucket, *keys, func.sum(Job.prompt_tokens), func.coalesce(func.sum(Job.cached_tokens), 0),
+                  func.coalesce(func.sum(Job.completion_tokens), 0), func.count(),
+                  func.sum(case((Job.slo_met.is_(True), 1), else_=0)),
+                  func.sum(case((Job.slo_met.is_(False), 1), else_=0)),
+                  func.sum(case((Job.relegation_count > 0, 1), else_=0)))
+    stmt = stmt.where(Job.prompt_tokens.is_not(None), Job.created_at >= _at(lo), Job.created_at < _at(hi))
+    if q.tenant_ids is not None:
+        stmt = stmt.where(Job.tenant_id.in_(q.tenant_ids))
+    if q.models is not None:
+        stmt = stmt.where(Job.model.in_(q.models))
+    if q.batch is not None:
+        stmt = stmt.where(Job.batch_id.is_not(None) if q.batch else Job.batch_id.is_(None))
+    results: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in session.execute(stmt.group_by(bucket, *keys).order_by(bucket, *keys)):
+        index, group, sums = int(row[0]), row[1:1 + len(keys)], row[1 + len(keys):]
+        result = _result(sums)
+        for name, value in zip(q.group_by, group, strict=True):
+            result[name] = service_tier(value) if name == "service_tier" else bool(value) if name == "batch" else value
+        results[index].append(result)
+    data = [{"object": "bucket", "start_time": q.start + i * q.seconds, "end_time": q.start + (i + 1) * q.seconds,
+             "results": results.get(i, [])} for i in range(q.first, last)]
+    more = last < q.buckets
+    return {"object": "page", "data": data, "has_more": more, "next_page": f"page_{last}" if more else None}
+
+
+def _result(sums: Any) -> dict[str, Any]:
+    inputs, cached, outputs, requests, met, missed, relegated = (int(v or 0) for v in sums)
+    return {"object": "organization.usage.completions.result", "input_tokens": inputs, "output_tokens": outputs,
+            "input_cached_tokens": cached, "input_audio_tokens": 0, "output_audio_tokens": 0,
+            "num_model_requests": requests, "project_id": None, "user_id": None, "api_key_id": None, "model": None,
+            "batch": None, "service_tier": None,
+            # coserve's: of these requests, how many met their SLO, missed it, and were relegated
+            "num_slo_met": met, "num_slo_missed": missed, "num_relegated": relegated}
+
+
+def _at(unix_s: int) -> datetime:
+    return datetime.fromtimestamp(unix_s, UTC)

@@ -1,0 +1,137 @@
+"""OpenAI's Usage API (``GET /v1/organization/usage/completions``) over jobs in a real SQLite database migrated
+by Alembic, through the real app: buckets, grouping, filters, pages, who sees what, and bad input."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import select
+
+from app.db.models import Batch, File, Job, Tenant
+from app.db.session import session_scope
+
+pytestmark = pytest.mark.integration
+
+DAY = 86400
+T0 = int(datetime(2026, 11, 1, tzinfo=UTC).timestamp())  # the first bucket's start
+URL = "/v1/organization/usage/completions"
+
+
+def at(seconds: int) -> datetime:
+    return datetime.fromtimestamp(T0 + seconds, UTC)
+
+
+@pytest.fixture
+def jobs(db_url, keys):
+    """acme: a paid chat job and a relegated free batch job on day 0; globex: one job on day 1; and jobs that
+    do not count (one that never ran, one before the range)."""
+    with session_scope(db_url) as s:
+        acme = keys.tenant_id
+        globex = s.scalars(select(Tenant.id).where(Tenant.name == "globex")).one()
+        s.add(File(id="file_in", tenant_id=acme, filename="in.jsonl", purpose="batch", bytes=1, path="/dev/null"))
+        s.flush()
+        s.add(Batch(id="batch_1", tenant_id=acme, endpoint="/v1/chat/completions", input_file_id="file_in",
+                    completion_window="24h", status="completed", tier="free"))
+        common = {"kind": "interactive", "sampling": {}, "status": "succeeded"}
+        s.add_all([
+            Job(tenant_id=acme, tier="paid", model="tiny", created_at=at(3600), prompt_tokens=100,
+                completion_tokens=10, cached_tokens=64, slo_met=True, **common),
+            Job(tenant_id=acme, tier="free", model="tiny", created_at=at(7200), prompt_tokens=50,
+                completion_tokens=5, cached_tokens=0, slo_met=False, relegation_count=1, batch_id="batch_1",
+                **common),
+            Job(tenant_id=globex, tier="paid", model="other", created_at=at(DAY + 300), prompt_tokens=30,
+                completion_tokens=3, cached_tokens=None, slo_met=True, **common),
+            Job(tenant_id=acme, tier="paid", model="tiny", created_at=at(3600), **{**common, "status": "cancelled"}),
+            Job(tenant_id=acme, tier="paid", model="tiny", created_at=at(-60), prompt_tokens=999,
+                completion_tokens=9, slo_met=True, **common),
+        ])
+        s.commit()
+        return acme, globex
+
+
+def get(client, key, **params):
+    return client.get(URL, params={"start_time": T0, "end_time": T0 + 3 * DAY, **params},
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def test_day_buckets_sum_the_jobs_an_engine_ran(client, keys, jobs):
+    r = get(client, keys.admin)
+    assert r.status_code == 200, r.text
+    page = r.json()
+    assert page["object"] == "page" and not page["has_more"] and page["next_page"] is None
+    assert [(b["start_time"] - T0, b["end_time"] - T0) for b in page["data"]] == [(0, DAY), (DAY, 2 * DAY),
+                                                                                 (2 * DAY, 3 * DAY)]
+    (day0,), (day1,), empty = (b["results"] for b in page["data"])
+    assert empty == []
+    assert {k: day0[k] for k in ("input_tokens", "output_tokens", "input_cached_tokens", "num_model_requests",
+                                 "num_slo_met", "num_slo_missed", "num_relegated")} == {
+        "input_tokens": 150, "output_tokens": 15, "input_cached_tokens": 64, "num_model_requests": 2,
+        "num_slo_met": 1, "num_slo_missed": 1, "num_relegated": 1}
+    assert day0["object"] == "organization.usage.completions.result" and day0["project_id"] is None
+    assert (day1["input_tokens"], day1["input_cached_tokens"], day1["num_model_requests"]) == (30, 0, 1)
+
+
+def test_grouped_and_filtered(client, keys, jobs):
+    acme, globex = jobs
+    r = get(client, keys.admin, group_by=["project_id", "service_tier", "batch"])
+    day0 = r.json()["data"][0]["results"]
+    assert sorted((x["project_id"], x["service_tier"], x["batch"], x["input_tokens"]) for x in day0) == [
+        (acme, "flex", True, 50), (acme, "priority", False, 100)]
+    r = get(client, keys.admin, group_by=["model"], models=["other"])
+    assert [[(x["model"], x["input_tokens"]) for x in b["results"]] for b in r.json()["data"]] == [
+        [], [("other", 30)], []]
+    r = get(client, keys.admin, batch="true")
+    assert [[x["input_tokens"] for x in b["results"]] for b in r.json()["data"]] == [[50], [], []]
+    r = get(client, keys.admin, project_ids=[globex])
+    assert [[x["input_tokens"] for x in b["results"]] for b in r.json()["data"]] == [[], [30], []]
+
+
+def test_a_tenant_key_sees_its_own_usage_only(client, keys, jobs):
+    acme, globex = jobs
+    r = get(client, keys.paid, group_by=["project_id"])
+    assert r.status_code == 200, r.text
+    assert [[(x["project_id"], x["input_tokens"]) for x in b["results"]] for b in r.json()["data"]] == [
+        [(acme, 150)], [], []]
+    r = get(client, keys.other)  # globex's own key
+    assert [[x["input_tokens"] for x in b["results"]] for b in r.json()["data"]] == [[], [30], []]
+    r = get(client, keys.paid, project_ids=[globex])
+    assert r.status_code == 403 and r.json()["error"]["param"] == "project_ids", r.text
+    assert client.get(URL, params={"start_time": T0}).status_code == 401
+
+
+def test_hour_buckets_come_in_pages(client, keys, jobs):
+    r = get(client, keys.admin, bucket_width="1h")
+    page = r.json()
+    assert len(page["data"]) == 24 and page["has_more"] and page["next_page"]
+    assert [b["results"][0]["input_tokens"] if b["results"] else 0 for b in page["data"][:4]] == [0, 100, 50, 0]
+    seen = 24
+    while page["has_more"]:
+        page = get(client, keys.admin, bucket_width="1h", page=page["next_page"]).json()
+        assert page["data"][0]["start_time"] == T0 + seen * 3600
+        seen += len(page["data"])
+    assert seen == 72
+    assert get(client, keys.admin, bucket_width="1h", limit=100).json()["data"][24]["results"][0]["input_tokens"] == 30
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"end_time": T0}, "end_time"),
+    ({"group_by": ["api_key_id"]}, "group_by"),
+    ({"limit": 32}, "limit"),
+    ({"bucket_width": "1w"}, "bucket_width"),
+    ({"page": "elsewhere"}, "page"),
+])
+def test_bad_input_is_a_400_naming_the_parameter(client, keys, params, param):
+    r = get(client, keys.admin, **params)
+    assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), r.text
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"start_time": 10 ** 12}, "start_time"),
+    ({"end_time": 10 ** 12}, "end_time"),
+    ({"page": "page_999999"}, "page"),
+    ({"page": "page_" + "9" * 30}, "page"),
+])
+def test_times_and_pages_out_of_range_are_400s(client, keys, params, param):
+    r = get(client, keys.admin, **params)
+    assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), r.text
