@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from app.cli import batch_cmds, runtime_cmds, service_cmds
+from app.cli import batch_cmds, runtime_cmds, service_cmds, usage_cmds
 
 HELP = """coserve: co-serve interactive LLM requests (TTFT/TBT targets) and deadline batch jobs on the same GPUs.
 
@@ -18,6 +18,7 @@ cli = typer.Typer(help=HELP, epilog="Run `coserve COMMAND --help` for a command'
 service_cmds.register(cli)  # up, worker, submit, status, jobs
 batch_cmds.register(cli)  # batch, summarize
 runtime_cmds.register(cli)  # simulate, profile
+usage_cmds.register(cli)  # usage
 
 
 def main() -> None:

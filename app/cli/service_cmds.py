@@ -51,6 +51,16 @@ def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
     return url.rstrip("/"), key
 
 
+def admin_key() -> str:
+    """The admin key ``coserve up`` saved in its credentials (``COSERVE_ADMIN_KEY`` first)."""
+    from app.credentials import load_credentials
+
+    key = os.environ.get("COSERVE_ADMIN_KEY") or (load_credentials(_settings().data_dir) or {}).get("admin_key")
+    if not key:
+        raise typer.BadParameter("no admin key: pass --key, set COSERVE_ADMIN_KEY, or run `coserve up` first")
+    return key
+
+
 def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str, Any]:
     try:
         r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)

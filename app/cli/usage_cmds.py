@@ -1,0 +1,60 @@
+"""CLI: ``coserve usage``, the Usage API's buckets as a table (tokens, requests and SLOs per bucket and group)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from app.cli.output import kept, list_table, other, print_json, print_table, when
+
+console = Console()
+
+GROUPS = ("project_id", "model", "batch", "service_tier")
+NUMBERS = ("num_model_requests", "input_tokens", "input_cached_tokens", "output_tokens", "num_slo_met",
+           "num_slo_missed", "num_relegated")
+HEADERS = ("requests", "input", "cached", "output", "SLO met", "missed", "relegated")
+PAGE = {"1m": 1440, "1h": 168, "1d": 31}  # the most buckets a page holds: fewer round trips
+
+
+def register(cli: typer.Typer) -> None:
+    @cli.command()
+    def usage(days: Annotated[float, typer.Option(min=0, help="how far back from now")] = 1.0,
+              bucket: Annotated[str, typer.Option(help="1m, 1h or 1d")] = "1h",
+              by: Annotated[list[str] | None, typer.Option(help=f"group by (repeat): {', '.join(GROUPS)}")] = None,
+              admin: Annotated[bool, typer.Option("--admin", help="every tenant's, with the admin key `coserve up` "
+                                                                  "saved (else your key's tenant only)")] = False,
+              as_json: Annotated[bool, typer.Option("--json", help="every bucket as JSON")] = False,
+              url: Annotated[str | None, typer.Option(help="API base URL")] = None,
+              key: Annotated[str | None, typer.Option(help="API key")] = None) -> None:
+        """Tokens and requests the engines ran, and how many met their SLO, per time bucket (the Usage API)."""
+        from app.cli.service_cmds import _client_config, _request, admin_key
+
+        url, key = _client_config(url, admin_key() if admin and key is None else key)
+        params: dict[str, Any] = {"start_time": int(time.time() - days * 86400), "bucket_width": bucket,
+                                  "group_by": by or [], "limit": PAGE.get(bucket)}
+        buckets: list[dict[str, Any]] = []
+        while True:
+            page = _request("GET", url, key, "/v1/organization/usage/completions", params=params)
+            buckets += page["data"]
+            if not page["has_more"]:
+                break
+            params["page"] = page["next_page"]
+        if as_json:
+            print_json(buckets)
+            return
+        rows = [(when(b["start_time"]), *(str(r[g]) for g in by or ()), *(str(r[n]) for n in NUMBERS))
+                for b in buckets for r in b["results"]]
+        if not rows:
+            console.print(f"no usage in the last {days:g} days")
+            return
+        table = list_table(kept("from", [r[0] for r in rows]), *(kept(g, [r[1 + i] for r in rows])
+                                                                  for i, g in enumerate(by or ())),
+                           *(other(h, justify="right") for h in HEADERS))
+        for r in rows:
+            table.add_row(*r)
+        totals = [sum(int(r[1 + len(by or ()) + i]) for r in rows) for i in range(len(NUMBERS))]
+        table.add_row("total", *([""] * len(by or ())), *(str(t) for t in totals))
+        print_table(console, table)
