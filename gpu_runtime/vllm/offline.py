@@ -29,6 +29,7 @@ OFFLINE_QOS = {
 class OfflineRun:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> output token ids
     elapsed_s: float = 0.0  # wall time of the generation (engine already loaded and warm)
+    steps: int = 0  # engine steps it took
     policy_s: float = 0.0  # of which in coserve's scheduling code (0 with vLLM's own scheduler)
     speculation: dict[str, Any] = field(default_factory=dict)  # the speculation policy's last state
 
@@ -69,6 +70,7 @@ def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
             engine.add_request(Request(f"p{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), qos,
                                        arrival_time=engine.executor.now()))
         while engine.has_work:
+            run.steps += 1
             for out in engine.step():
                 run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     run.elapsed_s = time.perf_counter() - t0
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--raw", action="store_true", help="summarization prompts as raw text, without the chat template")
     ap.add_argument("--stop-at-eos", action="store_true", help="end at EOS (default: ignore it, --max-tokens each)")
     ap.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="random workload: tokens of a system prompt every prompt starts with (before --input-len)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to run, one after the other")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (the n-gram drafter compiles)")
     ap.add_argument("--qos", choices=tuple(OFFLINE_QOS), default="interactive",
@@ -106,14 +110,17 @@ def main(argv: list[str] | None = None) -> None:
     n = max(args.prompts, *args.batch)
     prompts = (summarization_prompts(args.model, n, chat=not args.raw) if args.workload == "summarization"
                else random_prompts(n, args.input_len))
-    for _ in range(args.warmup):
-        generate(engine, prompts[:1], 16, 1)
+    if args.shared_prefix:
+        system = random_prompts(1, args.shared_prefix, seed=1)[0]
+        prompts = [system + p for p in prompts]
+    for _ in range(args.warmup):  # without the shared prefix: the timed prompts find none of it cached
+        generate(engine, [prompts[0][args.shared_prefix:]], 16, 1)
     results = {}
     for b in args.batch:  # one batch of b prompts, or --prompts of them b at a time
         run = generate(engine, prompts[:max(b, args.prompts)], args.max_tokens, b, qos=OFFLINE_QOS[args.qos],
                        ignore_eos=not args.stop_at_eos)
         results[str(b)] = {"tokens": run.tokens, "elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens,
-                           "policy_s": run.policy_s, "speculation": run.speculation}
+                           "policy_s": run.policy_s, "steps": run.steps, "speculation": run.speculation}
     if args.out == "-":
         json.dump(results, sys.stdout)
     else:
