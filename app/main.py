@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.api import (admin, batches, conversations, errors, files, health, jobs, metrics, models, openai_compat,
-                     responses, summarize, tenants, tokenize, usage)
+                     responses, summarize, tenants, tokenize, usage, webhooks)
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 # the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
-                   "/v1/files", "/v1/batches", "/v1/organization", "/tokenize", "/detokenize")
+                   "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/tokenize",
+                   "/detokenize")
 
 
 @asynccontextmanager
@@ -109,7 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, files, batches, summarize,
-                   admin, tenants, usage, metrics):
+                   admin, tenants, usage, webhooks, metrics):
         api.include_router(module.router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES)
     _document_openai_errors(api)

@@ -69,6 +69,11 @@ class Settings(BaseSettings):
                                 "order, relegate and shed the jobs it holds: a small cap leaves an overload backlog "
                                 "in the queue's FIFO order")
     sweep_seconds: float = 10.0
+    webhook_retry_s: float = Field(5.0, gt=0, description="a failed webhook delivery is retried after this, doubling "
+                                                           "each time up to an hour")
+    webhook_max_attempts: int = Field(16, ge=1, description="deliveries of an event before it is given up (about "
+                                                            "8 hours with the default retry)")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="how long a webhook endpoint has to answer")
     max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
     backend: Literal["auto", "vllm", "torch"] = Field(
         "auto", description="the worker's engine: 'vllm' (coserve's scheduler inside vLLM; the default wherever "

@@ -223,3 +223,41 @@ def redis_server_binary() -> str:
     path = find()
     assert shutil.which(path) or Path(path).exists()
     return path
+
+
+# ---------------------------------------------------------------- webhooks
+@dataclass
+class WebhookReceiver:
+    """A real HTTP server on loopback that records each POST (body, headers) and answers the next status of
+    ``statuses`` (200 once they run out)."""
+
+    url: str
+    received: list[tuple[bytes, dict[str, str]]]
+    statuses: list[int]
+
+
+@pytest.fixture
+def webhook_receiver() -> Iterator[WebhookReceiver]:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received: list[tuple[bytes, dict[str, str]]] = []
+    statuses: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            received.append((body, {k.lower(): v for k, v in self.headers.items()}))
+            self.send_response(statuses.pop(0) if statuses else 200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield WebhookReceiver(f"http://127.0.0.1:{server.server_address[1]}/hook", received, statuses)
+    server.shutdown()
+    server.server_close()

@@ -32,6 +32,7 @@ from celery.signals import worker_shutting_down
 from sqlalchemy import update
 
 from app.batch.storage import delete_expired_files
+from app.services.webhooks import deliver_due
 from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
@@ -58,6 +59,8 @@ from workers.batch_tasks import finalize_open_batches, restart_stalled_validatio
 from workers.sweeper import sweep
 
 log = logging.getLogger(__name__)
+
+WEBHOOK_POLL_S = 1.0  # how often a worker looks for webhook deliveries that are due
 
 
 class GpuWorker:
@@ -98,7 +101,8 @@ class GpuWorker:
                                                    self.stopping))
         self.outbox.start()
         for name, fn in (("engine", self.engine_thread.run), ("heartbeat", self._heartbeat_loop),
-                         ("sweeper", self._sweeper_loop), ("cancel", self._cancel_loop)):
+                         ("sweeper", self._sweeper_loop), ("cancel", self._cancel_loop),
+                         ("webhooks", self._webhook_loop)):
             t = threading.Thread(target=fn, name=f"coserve-{name}", daemon=True)
             t.start()
             self.threads.append(t)
@@ -299,6 +303,18 @@ class GpuWorker:
                 advance_open_runs(self.settings, self.worker_id)  # summarization runs, whichever process started them
             except Exception:
                 log.exception("sweep failed")
+
+    def _webhook_loop(self) -> None:
+        """Sends the tenants' due webhook deliveries (its own thread: an endpoint that is slow to answer holds up
+        no sweep)."""
+        s = self.settings
+        while not self.stopping.wait(WEBHOOK_POLL_S):
+            try:
+                with session_scope(self.url) as session:
+                    deliver_due(session, retry_s=s.webhook_retry_s, max_attempts=s.webhook_max_attempts,
+                                timeout_s=s.webhook_timeout_s)
+            except Exception:
+                log.exception("webhook delivery failed")
 
     def _cancel_loop(self) -> None:
         while not self.stopping.is_set():

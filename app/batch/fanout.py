@@ -11,7 +11,7 @@ import logging
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from app.auth import Principal
 from app.batch import lines as batch_lines
@@ -25,6 +25,7 @@ from app.services import dispatch as dispatching
 from app.services.jobs import JobValidationError, build_job
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_context
+from app.services.webhooks import emit
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,15 @@ def start_batch(settings: Settings, batch_id: str) -> None:
     except Exception as exc:
         log.exception("batch %s failed during validation", batch_id)
         with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-            s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
-                status="failed", failed_at=utcnow(),
-                errors=[{"code": "internal_error", "message": f"validation failed: {exc}", "line": None}]))
+            _fail(s, batch_id, errors=[{"code": "internal_error", "message": f"validation failed: {exc}",
+                                        "line": None}])
+
+
+def _fail(session, batch_id: str, **values) -> None:
+    """validating -> failed, and the batch.failed event with it (the caller commits)."""
+    if session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+            status="failed", failed_at=utcnow(), **values)).rowcount == 1:
+        emit(session, session.scalar(select(Batch.tenant_id).where(Batch.id == batch_id)), "batch.failed", batch_id)
 
 
 def _start(settings: Settings, batch_id: str) -> None:
@@ -63,8 +70,7 @@ def _start(settings: Settings, batch_id: str) -> None:
     parsed = batch_lines.parse_file(content, endpoint, window_s, settings.tiers)
     if parsed.file_errors:
         with session_scope(url) as s, write_guard(s):
-            s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
-                status="failed", failed_at=utcnow(), errors=parsed.file_errors, total=parsed.total))
+            _fail(s, batch_id, errors=parsed.file_errors, total=parsed.total)
         log.info("batch %s failed validation: %s", batch_id, parsed.file_errors)
         return
     principal = Principal(key_id="", tenant_id=tenant_id, tier=tier, is_admin=False)

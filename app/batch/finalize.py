@@ -21,6 +21,7 @@ from app.batch.storage import save_file
 from app.db.models import Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
 from app.services.notify import announce_cancel
+from app.services.webhooks import emit
 from app.services.transitions import NOT_TERMINAL, as_utc, transition, utcnow
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         values.update(status="completed", completed_at=now)
     with write_after_read(session):
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
+        emit(session, batch.tenant_id, f"batch.{values['status']}", batch_id)  # with the status, or not at all
         session.commit()
     log.info("batch %s %s: %d completed, %d failed", batch_id, values["status"], completed, failed)
     return True

@@ -211,6 +211,42 @@ class Batch(Base):
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, default=None)  # its output/error files'
 
 
+class WebhookEndpoint(Base):
+    """Where a tenant's events go (OpenAI's Webhook Endpoints API), and the secret that signs them."""
+
+    __tablename__ = "webhook_endpoints"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("we"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(String(2000))
+    event_types: Mapped[list[Any]] = mapped_column(JSON)
+    # signing keys (Standard Webhooks' whsec_...): kept as they are, since every delivery is signed with them
+    secret: Mapped[str] = mapped_column(String(100))
+    old_secret: Mapped[str | None] = mapped_column(String(100), default=None)  # still signs until old_secret_until
+    old_secret_until: Mapped[datetime | None] = mapped_column(default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint: sent by the workers until the endpoint answers 2xx or the attempts run out."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_due", "delivered_at", "next_attempt_at"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("wh"))  # webhook-id
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
+    event_id: Mapped[str] = mapped_column(String(40))
+    type: Mapped[str] = mapped_column(String(64))
+    body: Mapped[str] = mapped_column(Text)  # the JSON sent, the same bytes every attempt
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(default=None)
+    failed_at: Mapped[datetime | None] = mapped_column(default=None)  # gave up
+    last_status: Mapped[int | None] = mapped_column(Integer, default=None)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+
+
 class WorkerState(Base):
     """Heartbeat row of a live GPU worker (dashboard and /readyz)."""
 

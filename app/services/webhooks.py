@@ -1,0 +1,141 @@
+"""Webhooks: events a tenant's endpoints subscribed to, signed and delivered until answered.
+
+An event (``batch.completed`` ...) becomes one delivery row per subscribed endpoint, written in the
+transaction that made it happen, so none is lost to a crash. Every worker's webhook thread sends
+the due rows (``deliver_due``): the body is signed as Standard Webhooks (and OpenAI) sign it —
+``webhook-signature: v1,<base64 HMAC-SHA256 of "{webhook-id}.{webhook-timestamp}.{body}">`` with the
+endpoint's ``whsec_`` key, and with its previous key too for a day after a rotation that kept it —
+which the official client checks with ``client.webhooks.unwrap``. A delivery that gets no 2xx is
+retried, the wait doubling from ``webhook_retry_s`` up to an hour, until ``webhook_max_attempts``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import httpx
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app.db.models import WebhookDelivery, WebhookEndpoint, new_id, utcnow
+from app.db.session import write_after_read, write_guard
+from app.services.transitions import as_utc
+
+log = logging.getLogger(__name__)
+
+# the events coserve raises; OpenAI's response.* ones are sent for background responses there, not yet here
+EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
+KEEP_OLD_SECRET = timedelta(hours=24)  # rotate_secret's keep_old_secret_active_for_24_hours
+CLAIM_S = 120.0  # a delivery being sent is not due again for this long (a worker that died mid-send)
+MAX_RETRY_S = 3600.0
+
+
+def new_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def secret_hint(secret: str) -> str:
+    return f"whsec_...{secret[-4:]}"
+
+
+def signature(secret: str, webhook_id: str, timestamp: int, body: str) -> str:
+    """Standard Webhooks' ``v1,`` signature of one delivery."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{webhook_id}.{timestamp}.{body}".encode(), hashlib.sha256).digest()
+    return "v1," + base64.b64encode(mac).decode()
+
+
+def event_body(event_id: str, event_type: str, object_id: str) -> str:
+    return json.dumps({"id": event_id, "object": "event", "type": event_type, "created_at": int(time.time()),
+                       "data": {"id": object_id}}, separators=(",", ":"))
+
+
+def emit(session: Session, tenant_id: str, event_type: str, object_id: str) -> int:
+    """Queues ``event_type`` about ``object_id`` for each of the tenant's endpoints that subscribed to it, in the
+    caller's transaction (the caller commits); returns how many."""
+    endpoints = [e for e in session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id))
+                 if event_type in e.event_types]
+    if not endpoints:
+        return 0
+    event_id = new_id("evt")
+    body = event_body(event_id, event_type, object_id)
+    now = utcnow()
+    session.add_all(WebhookDelivery(endpoint_id=e.id, event_id=event_id, type=event_type, body=body, created_at=now,
+                                    next_attempt_at=now, attempts=0) for e in endpoints)
+    return len(endpoints)
+
+
+@dataclass(frozen=True)
+class Sent:
+    status: int | None  # the endpoint's HTTP status (None: no answer)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+
+def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float) -> Sent:
+    """One signed POST of ``body`` to the endpoint."""
+    ts = int(time.time())
+    keys = [endpoint.secret]
+    if endpoint.old_secret and endpoint.old_secret_until and as_utc(endpoint.old_secret_until) > utcnow():
+        keys.append(endpoint.old_secret)
+    headers = {"content-type": "application/json", "user-agent": "coserve-webhooks", "webhook-id": webhook_id,
+               "webhook-timestamp": str(ts), "webhook-signature": " ".join(signature(k, webhook_id, ts, body)
+                                                                           for k in keys)}
+    try:
+        r = httpx.post(endpoint.url, content=body.encode(), headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return Sent(None, f"{type(exc).__name__}: {exc}"[:500])
+    return Sent(r.status_code, None if 200 <= r.status_code < 300 else r.text[:500])
+
+
+def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_s: float, limit: int = 50) -> int:
+    """Sends the deliveries that are due (each claimed first, so two workers never send one at once); returns how
+    many endpoints answered 2xx."""
+    now = utcnow()
+    due = session.execute(select(WebhookDelivery.id, WebhookDelivery.next_attempt_at).where(
+        WebhookDelivery.delivered_at.is_(None), WebhookDelivery.failed_at.is_(None),
+        WebhookDelivery.next_attempt_at <= now).order_by(WebhookDelivery.next_attempt_at).limit(limit)).all()
+    session.commit()
+    delivered = 0
+    for delivery_id, when in due:
+        with write_guard(session):
+            claimed = session.execute(update(WebhookDelivery).where(
+                WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == when,
+                WebhookDelivery.delivered_at.is_(None)).values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S)))
+            session.commit()
+        if claimed.rowcount != 1:
+            continue  # another worker took it
+        row = session.get(WebhookDelivery, delivery_id)
+        endpoint = session.get(WebhookEndpoint, row.endpoint_id) if row is not None else None
+        if row is None or endpoint is None:
+            continue  # the endpoint was deleted meanwhile (its deliveries with it)
+        attempts, body, kind = row.attempts + 1, row.body, row.type
+        session.expunge(endpoint)
+        session.commit()  # no transaction held while the endpoint answers
+        sent = send(endpoint, delivery_id, body, timeout_s)
+        values: dict = {"attempts": attempts, "last_status": sent.status, "last_error": sent.error}
+        if sent.ok:
+            values["delivered_at"] = utcnow()
+            delivered += 1
+        elif attempts >= max_attempts:
+            values["failed_at"] = utcnow()
+            log.warning("gave up webhook %s (%s) to %s after %d attempts: %s", delivery_id, kind, endpoint.url,
+                        attempts, sent.error or sent.status)
+        else:
+            wait = min(MAX_RETRY_S, retry_s * 2 ** (attempts - 1))
+            values["next_attempt_at"] = utcnow() + timedelta(seconds=wait)
+        with write_after_read(session):
+            session.execute(update(WebhookDelivery).where(WebhookDelivery.id == delivery_id).values(**values))
+            session.commit()
+    return delivered

@@ -1,0 +1,133 @@
+"""OpenAI's Webhook Endpoints API with the official client (real app, real SQLite migrated by Alembic), and the
+signed deliveries: checked with the client's own ``webhooks.unwrap``, retried until answered, given up on."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import openai
+import pytest
+from sqlalchemy import select, update
+
+from app.db.models import WebhookDelivery, utcnow
+from app.db.session import session_scope
+from app.services.webhooks import deliver_due, emit
+
+pytestmark = pytest.mark.integration
+
+
+def client_for(client, key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=key, http_client=client, max_retries=0)
+
+
+@pytest.fixture
+def oai(client, keys) -> openai.OpenAI:
+    return client_for(client, keys.paid)
+
+
+def test_endpoints_are_created_listed_changed_and_deleted_per_tenant(oai, client, keys):
+    made = oai.webhooks.create(event_types=["batch.completed", "batch.failed"], name="pipeline",
+                               url="https://example.com/hooks")
+    assert made.signing_secret.startswith("whsec_") and made.signing_secret_hint.endswith(made.signing_secret[-4:])
+    assert made.object == "webhook_endpoint" and made.event_types == ["batch.completed", "batch.failed"]
+    got = oai.webhooks.retrieve(made.id)
+    assert got.url == "https://example.com/hooks" and not hasattr(got, "signing_secret")
+    assert [e.id for e in oai.webhooks.list()] == [made.id]
+
+    changed = oai.webhooks.update(made.id, name="renamed", event_types=["batch.expired"])
+    assert (changed.name, changed.event_types, changed.url) == ("renamed", ["batch.expired"], made.url)
+
+    other = client_for(client, keys.other)  # another tenant sees none of it
+    assert list(other.webhooks.list()) == []
+    with pytest.raises(openai.NotFoundError):
+        other.webhooks.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):
+        other.webhooks.delete(made.id)
+
+    gone = oai.webhooks.delete(made.id)
+    assert gone.deleted and gone.object == "webhook_endpoint.deleted"
+    with pytest.raises(openai.NotFoundError):
+        oai.webhooks.retrieve(made.id)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"event_types": ["response.completed"]}, "event_types"),
+    ({"event_types": []}, "event_types"),
+    ({"url": "ftp://example.com/x"}, "url"),
+    ({"url": "not a url"}, "url"),
+])
+def test_bad_endpoints_are_400s_naming_the_field(oai, fields, param):
+    body = {"event_types": ["batch.completed"], "name": "n", "url": "https://example.com/h", **fields}
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.webhooks.create(**body)
+    assert param in (exc.value.body.get("param") or ""), exc.value.body
+
+
+def test_a_test_delivery_is_signed_as_the_official_client_checks(oai, webhook_receiver):
+    made = oai.webhooks.create(event_types=["batch.completed"], name="t", url=webhook_receiver.url)
+    webhook_receiver.statuses.append(204)
+    result = oai.webhooks.test(made.id, event_type="batch.completed")
+    assert (result.status_code, result.success, result.webhook_endpoint_id) == (204, True, made.id)
+    body, headers = webhook_receiver.received[-1]
+    event = oai.webhooks.unwrap(body, headers, secret=made.signing_secret)
+    assert event.type == "batch.completed" and event.data.id.startswith("batch_")
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        oai.webhooks.unwrap(body, headers, secret="whsec_" + "A" * 44)
+
+    kept = oai.webhooks.rotate_secret(made.id, keep_old_secret_active_for_24_hours=True)
+    assert kept.signing_secret != made.signing_secret
+    oai.webhooks.test(made.id, event_type="batch.failed")
+    body, headers = webhook_receiver.received[-1]
+    for secret in (kept.signing_secret, made.signing_secret):  # both sign for a day
+        assert oai.webhooks.unwrap(body, headers, secret=secret).type == "batch.failed"
+    fresh = oai.webhooks.rotate_secret(made.id)  # the old ones stop at once
+    oai.webhooks.test(made.id, event_type="batch.expired")
+    body, headers = webhook_receiver.received[-1]
+    assert oai.webhooks.unwrap(body, headers, secret=fresh.signing_secret).type == "batch.expired"
+    for secret in (kept.signing_secret, made.signing_secret):
+        with pytest.raises(openai.InvalidWebhookSignatureError):
+            oai.webhooks.unwrap(body, headers, secret=secret)
+
+    with pytest.raises(openai.BadRequestError):  # nothing listens there
+        dead = oai.webhooks.update(made.id, url="http://127.0.0.1:9/none")
+        oai.webhooks.test(dead.id, event_type="batch.completed")
+
+
+def test_an_event_is_retried_until_answered_and_given_up_after_its_attempts(oai, db_url, keys, webhook_receiver):
+    made = oai.webhooks.create(event_types=["batch.completed"], name="r", url=webhook_receiver.url)
+    oai.webhooks.create(event_types=["batch.failed"], name="not this one", url=webhook_receiver.url)
+    webhook_receiver.statuses.extend([500, 503])
+    with session_scope(db_url) as s:
+        assert emit(s, keys.tenant_id, "batch.completed", "batch_abc") == 1
+        s.commit()
+        send = {"retry_s": 30.0, "max_attempts": 5, "timeout_s": 5.0}
+        assert deliver_due(s, **send) == 0  # 500
+        row = s.scalars(select(WebhookDelivery)).one()
+        assert (row.attempts, row.last_status, row.delivered_at) == (1, 500, None)
+        assert deliver_due(s, **send) == 0  # not due for 30 s
+        for _ in range(2):  # time passes: due again, then 503, then 200
+            s.execute(update(WebhookDelivery).values(next_attempt_at=utcnow() - timedelta(seconds=1)))
+            s.commit()
+            delivered = deliver_due(s, **send)
+        assert delivered == 1
+        s.refresh(row)
+        assert row.attempts == 3 and row.delivered_at is not None and row.last_status == 200
+    bodies = {b for b, _ in webhook_receiver.received}
+    ids = {h["webhook-id"] for _, h in webhook_receiver.received}
+    assert len(webhook_receiver.received) == 3 and len(bodies) == 1 and ids == {row.id}  # the same message each time
+    event = oai.webhooks.unwrap(bodies.pop(), webhook_receiver.received[-1][1], secret=made.signing_secret)
+    assert (event.type, event.data.id) == ("batch.completed", "batch_abc")
+
+    webhook_receiver.statuses.extend([500] * 5)
+    with session_scope(db_url) as s:
+        emit(s, keys.tenant_id, "batch.completed", "batch_def")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=1, timeout_s=5.0) == 0
+        last = s.scalars(select(WebhookDelivery).where(WebhookDelivery.body.contains("batch_def"))).one()
+        assert last.failed_at is not None and last.attempts == 1  # given up: not due again
+        s.execute(update(WebhookDelivery).values(next_attempt_at=utcnow() - timedelta(seconds=1)))
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=1, timeout_s=5.0) == 0
+    assert sum(b"batch_def" in b for b, _ in webhook_receiver.received) == 1
+    assert json.loads(webhook_receiver.received[-1][0])["type"] == "batch.completed"
