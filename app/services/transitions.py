@@ -53,17 +53,41 @@ def transition(
     """
     expected = (expected,) if isinstance(expected, JobStatus) else tuple(expected)
     values = dict(values or {})
+    ends = to in RESPONSE_EVENTS  # an end a background response's webhook reports: the row says whether it is one
     for prev in expected:  # one statement per expected state, so the event knows where it came from
         stmt = update(Job).where(Job.id == job_id, Job.status == prev.value, *where)
         if attempt is not None:
             stmt = stmt.where(Job.attempt == attempt)
         if worker_id is not None and prev in ACTIVE:  # only the lease holder moves a running job
             stmt = stmt.where(Job.worker_id == worker_id)
-        row = session.execute(stmt.values(status=to.value, **values).execution_options(synchronize_session=False))
-        if row.rowcount == 1:
+        stmt = stmt.values(status=to.value, **values)
+        if ends:
+            stmt = stmt.returning(Job.tenant_id, Job.endpoint, Job.response, Job.finish_reason)
+        result = session.execute(stmt.execution_options(synchronize_session=False))
+        ended = result.first() if ends else None
+        if ended is not None or (not ends and result.rowcount == 1):
             event_attempt = values.get("attempt", attempt)
             session.execute(insert(JobEvent).values(
                 job_id=job_id, from_status=prev.value, to_status=to.value, at=utcnow(), worker_id=worker_id,
                 attempt=event_attempt if isinstance(event_attempt, int) else 0, detail=detail))
+            if ended is not None:
+                _announce_response(session, job_id, to, *ended)
             return True
     return False
+
+
+# a background response's end, as OpenAI's webhooks name it (a deadline that passed fails it)
+RESPONSE_EVENTS = {JobStatus.SUCCEEDED: "response.completed", JobStatus.FAILED: "response.failed",
+                   JobStatus.EXPIRED: "response.failed", JobStatus.CANCELLED: "response.cancelled"}
+
+
+def _announce_response(session: Session, job_id: str, to: JobStatus, tenant_id: str, endpoint: str,
+                       response: dict[str, Any] | None, finish_reason: str | None) -> None:
+    """The ``response.*`` webhook event of a background Responses API job that just ended (in this transaction)."""
+    if endpoint != "/v1/responses" or not (response or {}).get("background"):
+        return
+    from app.responses_schemas import response_id
+    from app.services.webhooks import emit
+
+    kind = "response.incomplete" if to is JobStatus.SUCCEEDED and finish_reason == "length" else RESPONSE_EVENTS[to]
+    emit(session, tenant_id, kind, response_id(job_id))

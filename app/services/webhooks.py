@@ -31,8 +31,9 @@ from app.services.transitions import as_utc
 
 log = logging.getLogger(__name__)
 
-# the events coserve raises; OpenAI's response.* ones are sent for background responses there, not yet here
-EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
+# the events coserve raises (a response's: background responses only, as OpenAI's)
+EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled", "response.completed",
+               "response.failed", "response.cancelled", "response.incomplete")
 KEEP_OLD_SECRET = timedelta(hours=24)  # rotate_secret's keep_old_secret_active_for_24_hours
 CLAIM_S = 120.0  # a delivery being sent is not due again for this long (a worker that died mid-send)
 MAX_RETRY_S = 3600.0

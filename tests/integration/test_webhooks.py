@@ -52,7 +52,7 @@ def test_endpoints_are_created_listed_changed_and_deleted_per_tenant(oai, client
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"event_types": ["response.completed"]}, "event_types"),
+    ({"event_types": ["eval.run.succeeded"]}, "event_types"),
     ({"event_types": []}, "event_types"),
     ({"url": "ftp://example.com/x"}, "url"),
     ({"url": "not a url"}, "url"),
@@ -131,3 +131,32 @@ def test_an_event_is_retried_until_answered_and_given_up_after_its_attempts(oai,
         assert deliver_due(s, retry_s=30.0, max_attempts=1, timeout_s=5.0) == 0
     assert sum(b"batch_def" in b for b, _ in webhook_receiver.received) == 1
     assert json.loads(webhook_receiver.received[-1][0])["type"] == "batch.completed"
+
+
+def test_a_background_responses_end_is_an_event_and_other_jobs_ends_are_not(oai, db_url, keys):
+    """The transition that ends a job writes the event: cancelled, failed, expired, completed, or incomplete (its
+    max_output_tokens reached), for background Responses API jobs only."""
+    from app.db.models import Job, JobStatus
+    from app.services.transitions import transition
+
+    oai.webhooks.create(event_types=["response.completed", "response.failed", "response.cancelled",
+                                     "response.incomplete"], name="r", url="https://example.com/h")
+    background = {"endpoint": "/v1/responses", "response": {"background": True, "store": True}}
+    cases = [(background, JobStatus.CANCELLED, None, "response.cancelled"),
+             (background, JobStatus.FAILED, None, "response.failed"),
+             (background, JobStatus.EXPIRED, None, "response.failed"),
+             (background, JobStatus.SUCCEEDED, "stop", "response.completed"),
+             (background, JobStatus.SUCCEEDED, "length", "response.incomplete"),
+             ({"endpoint": "/v1/responses", "response": {"store": True}}, JobStatus.SUCCEEDED, "stop", None),
+             ({"endpoint": "/v1/chat/completions"}, JobStatus.CANCELLED, None, None)]
+    with session_scope(db_url) as s:
+        for i, (kind, to, reason, _) in enumerate(cases):
+            s.add(Job(id=f"job_{i:024d}", tenant_id=keys.tenant_id, kind="interactive", tier="paid", model="tiny",
+                      sampling={}, status="running", **kind))
+        s.commit()
+        for i, (_, to, reason, _) in enumerate(cases):
+            assert transition(s, f"job_{i:024d}", JobStatus.RUNNING, to, values={"finish_reason": reason})
+            assert not transition(s, f"job_{i:024d}", JobStatus.RUNNING, to)  # ended once: one event
+        s.commit()
+        sent = {json.loads(d.body)["data"]["id"]: d.type for d in s.scalars(select(WebhookDelivery))}
+    assert sent == {f"resp_{i:024d}": event for i, (*_, event) in enumerate(cases) if event is not None}

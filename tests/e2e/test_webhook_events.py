@@ -1,5 +1,5 @@
-"""A batch's end reaches its tenant's webhook endpoint: real app, Redis, Celery worker (whose webhook thread
-sends it), SQLite, and a real HTTP receiver; the official client checks the signature."""
+"""A batch's and a background response's end reach the tenant's webhook endpoint: real app, Redis, Celery worker
+(whose webhook thread sends them), SQLite, and a real HTTP receiver; the official client checks the signature."""
 
 from __future__ import annotations
 
@@ -34,3 +34,18 @@ def test_a_finished_batch_is_announced_to_the_endpoint(live_server, keys, start_
     assert got[batch.id].type == "batch.completed" and oai.batches.retrieve(batch.id).status == "completed"
     assert got[failed.id].type == "batch.failed"
     assert len(webhook_receiver.received) == 2  # once each
+
+
+def test_a_background_response_is_announced_when_it_ends(live_server, keys, start_worker, webhook_receiver):
+    start_worker("w1")
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
+    hook = oai.webhooks.create(event_types=["response.completed", "response.incomplete", "response.failed"],
+                               name="responses", url=webhook_receiver.url)
+    shown = oai.responses.create(model="tiny", input="Hi", max_output_tokens=4)  # not background: no event
+    late = oai.responses.create(model="tiny", input="Hi", max_output_tokens=4, background=True)
+    event = wait_for(lambda: webhook_receiver.received and oai.webhooks.unwrap(*webhook_receiver.received[0],
+                                                                                  secret=hook.signing_secret),
+                     60, "the background response's event")
+    done = oai.responses.retrieve(late.id)
+    assert event.data.id == late.id and event.type == f"response.{done.status}", (event, done.status)
+    assert shown.id != late.id and len(webhook_receiver.received) == 1
