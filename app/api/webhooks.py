@@ -150,6 +150,7 @@ def send_test(webhook_endpoint_id: str, body: TestDelivery, session: SessionDep,
     if body.event_type not in webhooks.EVENT_TYPES:
         raise OpenAIError(400, f"coserve sends no {body.event_type} events; test one of "
                                f"{', '.join(webhooks.EVENT_TYPES)}", param="event_type")
+    session.expunge(row)
     session.commit()  # no read transaction held across the request to the endpoint
     sent = webhooks.send(row, new_id("wh"), webhooks.event_body(new_id("evt"), body.event_type, new_id("batch")),
                          settings.webhook_timeout_s)

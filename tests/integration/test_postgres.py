@@ -223,3 +223,33 @@ def test_usage_buckets_on_postgres(pg_url):
                                                tenant_ids=(tenant.id,)), str)
     assert [sorted((r["model"], r["input_tokens"]) for r in b["results"]) for b in page["data"]] == [
         [("a", 10)], [("a", 20), ("b", 40)], [], [("a", 80)]]
+
+
+def test_file_expiry_and_webhook_deliveries_on_postgres(pg_url, tmp_path, webhook_receiver):
+    """The sweep's expired-file query (a correlated NOT EXISTS) and a webhook delivery's claim (a guarded UPDATE on
+    a timestamp) on PostgreSQL."""
+    from datetime import UTC, datetime
+
+    from app.auth import create_tenant
+    from app.batch.storage import delete_expired_files
+    from app.db.migrate import upgrade
+    from app.db.models import File, WebhookDelivery, WebhookEndpoint
+    from app.db.session import session_scope
+    from app.services.webhooks import deliver_due, emit, new_secret
+
+    upgrade(pg_url)
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "expiry-pg")
+        content = tmp_path / "f"
+        content.write_text("x")
+        s.add(File(id="file_pg", tenant_id=tenant.id, filename="f", purpose="batch", bytes=1, path=str(content),
+                   expires_at=datetime(2020, 1, 1, tzinfo=UTC)))
+        s.add(WebhookEndpoint(id="we_pg", tenant_id=tenant.id, name="n", url=webhook_receiver.url,
+                              event_types=["batch.completed"], secret=new_secret()))
+        s.commit()
+        assert delete_expired_files(s) == 1 and not content.exists()
+        assert emit(s, tenant.id, "batch.completed", "batch_pg") == 1
+        s.commit()
+        assert deliver_due(s, retry_s=5.0, max_attempts=3, timeout_s=5.0) == 1
+        assert s.scalars(select(WebhookDelivery)).one().delivered_at is not None
+    assert len(webhook_receiver.received) == 1
