@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = Field(16, ge=1, description="deliveries of an event before it is given up (about "
                                                             "8 hours with the default retry)")
     webhook_timeout_s: float = Field(10.0, gt=0, description="how long a webhook endpoint has to answer")
+    webhook_private_targets: bool = Field(True, description="webhook endpoints may be loopback, private or "
+                                          "link-local addresses (an internal receiver); false where tenants are "
+                                          "not trusted with this network: such URLs are refused and never called")
     max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
     backend: Literal["auto", "vllm", "torch"] = Field(
         "auto", description="the worker's engine: 'vllm' (coserve's scheduler inside vLLM; the default wherever "

@@ -312,7 +312,7 @@ class GpuWorker:
             try:
                 with session_scope(self.url) as session:
                     deliver_due(session, retry_s=s.webhook_retry_s, max_attempts=s.webhook_max_attempts,
-                                timeout_s=s.webhook_timeout_s)
+                                timeout_s=s.webhook_timeout_s, private_targets=s.webhook_private_targets)
             except Exception:
                 log.exception("webhook delivery failed")
 

@@ -44,7 +44,7 @@ class TestDelivery(BaseModel):
     event_type: str
 
 
-def _checked(body: EndpointCreate | EndpointUpdate) -> None:
+def _checked(body: EndpointCreate | EndpointUpdate, private_targets: bool) -> None:
     unknown = [t for t in body.event_types or () if t not in webhooks.EVENT_TYPES]
     if unknown:
         raise OpenAIError(400, f"coserve sends no {', '.join(unknown)} events; subscribe to any of "
@@ -53,6 +53,9 @@ def _checked(body: EndpointCreate | EndpointUpdate) -> None:
         parts = urlsplit(body.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise OpenAIError(400, f"url must be an http(s) URL with a host, not {body.url!r}", param="url")
+        if not private_targets and (address := webhooks.private_address(body.url)) is not None:
+            raise OpenAIError(400, f"url's host {parts.hostname!r} is {address}, not a public address: this server "
+                                   "sends webhooks to public addresses only", param="url")
 
 
 def _object(e: WebhookEndpoint, secret: bool = False) -> dict[str, Any]:
@@ -73,8 +76,9 @@ def _own(session, principal, endpoint_id: str) -> WebhookEndpoint:
 
 
 @router.post("", responses=openai_responses(400))
-def create(body: EndpointCreate, session: SessionDep, principal: CurrentPrincipal) -> dict[str, Any]:
-    _checked(body)
+def create(body: EndpointCreate, session: SessionDep, principal: CurrentPrincipal,
+           settings: SettingsDep) -> dict[str, Any]:
+    _checked(body, settings.webhook_private_targets)
     now = utcnow()
     row = WebhookEndpoint(id=new_id("we"), tenant_id=principal.tenant_id, name=body.name, url=body.url,
                           event_types=list(dict.fromkeys(body.event_types)), secret=webhooks.new_secret(),
@@ -105,8 +109,8 @@ def retrieve(webhook_endpoint_id: str, session: SessionDep, principal: CurrentPr
 
 @router.post("/{webhook_endpoint_id}", responses=openai_responses(400, 404))
 def update_endpoint(webhook_endpoint_id: str, body: EndpointUpdate, session: SessionDep,
-                    principal: CurrentPrincipal) -> dict[str, Any]:
-    _checked(body)
+                    principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
+    _checked(body, settings.webhook_private_targets)
     row = _own(session, principal, webhook_endpoint_id)
     changes = {k: v for k, v in {"name": body.name, "url": body.url,
                                  "event_types": list(dict.fromkeys(body.event_types or ())) or None}.items()
@@ -153,7 +157,7 @@ def send_test(webhook_endpoint_id: str, body: TestDelivery, session: SessionDep,
     session.expunge(row)
     session.commit()  # no read transaction held across the request to the endpoint
     sent = webhooks.send(row, new_id("wh"), webhooks.event_body(new_id("evt"), body.event_type, new_id("batch")),
-                         settings.webhook_timeout_s)
+                         settings.webhook_timeout_s, settings.webhook_private_targets)
     if sent.status is None:
         raise OpenAIError(400, f"the endpoint at {row.url} did not answer: {sent.error}", param="url")
     return {"object": "webhook_endpoint.test", "webhook_endpoint_id": row.id, "event_type": body.event_type,

@@ -14,12 +14,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy import select, update
@@ -37,6 +40,21 @@ EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancel
 KEEP_OLD_SECRET = timedelta(hours=24)  # rotate_secret's keep_old_secret_active_for_24_hours
 CLAIM_S = 120.0  # a delivery being sent is not due again for this long (a worker that died mid-send)
 MAX_RETRY_S = 3600.0
+
+
+def private_address(url: str) -> str | None:
+    """The loopback, private, link-local or otherwise non-public address ``url``'s host resolves to (None: all
+    public); a host that does not resolve counts as one (nothing can be said of where it leads)."""
+    host = urlsplit(url).hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return host or url
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        if not address.is_global:
+            return str(address)
+    return None
 
 
 def new_secret() -> str:
@@ -84,8 +102,12 @@ class Sent:
         return self.status is not None and 200 <= self.status < 300
 
 
-def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float) -> Sent:
-    """One signed POST of ``body`` to the endpoint."""
+def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float,
+         private_targets: bool = True) -> Sent:
+    """One signed POST of ``body`` to the endpoint (not made where ``private_targets`` is off and its host now
+    resolves to a private address)."""
+    if not private_targets and (address := private_address(endpoint.url)) is not None:
+        return Sent(None, f"not sent: {endpoint.url} resolves to {address}, a private address")
     ts = int(time.time())
     keys = [endpoint.secret]
     if endpoint.old_secret and endpoint.old_secret_until and as_utc(endpoint.old_secret_until) > utcnow():
@@ -100,7 +122,8 @@ def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float
     return Sent(r.status_code, None if 200 <= r.status_code < 300 else r.text[:500])
 
 
-def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_s: float, limit: int = 50) -> int:
+def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_s: float, limit: int = 50,
+                private_targets: bool = True) -> int:
     """Sends the deliveries that are due (each claimed first, so two workers never send one at once); returns how
     many endpoints answered 2xx."""
     now = utcnow()
@@ -124,7 +147,7 @@ def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_
         attempts, body, kind = row.attempts + 1, row.body, row.type
         session.expunge(endpoint)
         session.commit()  # no transaction held while the endpoint answers
-        sent = send(endpoint, delivery_id, body, timeout_s)
+        sent = send(endpoint, delivery_id, body, timeout_s, private_targets)
         values: dict = {"attempts": attempts, "last_status": sent.status, "last_error": sent.error}
         if sent.ok:
             values["delivered_at"] = utcnow()

@@ -160,3 +160,36 @@ def test_a_background_responses_end_is_an_event_and_other_jobs_ends_are_not(oai,
         s.commit()
         sent = {json.loads(d.body)["data"]["id"]: d.type for d in s.scalars(select(WebhookDelivery))}
     assert sent == {f"resp_{i:024d}": event for i, (*_, event) in enumerate(cases) if event is not None}
+
+
+def test_with_private_targets_off_internal_urls_are_refused_and_never_called(settings, keys, db_url,
+                                                                             webhook_receiver):
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.db.models import WebhookEndpoint
+    from app.main import create_app
+    from app.services.webhooks import new_secret
+
+    clear_cache()
+    with TestClient(create_app(settings.model_copy(update={"webhook_private_targets": False}))) as strict:
+        oai = client_for(strict, keys.paid)
+        for url in (webhook_receiver.url, "http://localhost:9/x", "http://10.1.2.3/x", "http://[::1]/x",
+                    "http://169.254.169.254/latest/meta-data"):
+            with pytest.raises(openai.BadRequestError) as exc:
+                oai.webhooks.create(event_types=["batch.completed"], name="n", url=url)
+            assert exc.value.body["param"] == "url" and "public" in exc.value.body["message"], exc.value.body
+        public = oai.webhooks.create(event_types=["batch.completed"], name="n", url="https://93.184.215.14/hook")
+        with pytest.raises(openai.BadRequestError):
+            oai.webhooks.update(public.id, url=webhook_receiver.url)
+        oai.webhooks.delete(public.id)
+    with session_scope(db_url) as s:  # made while they were allowed: its events are not sent now
+        s.add(WebhookEndpoint(id="we_internal", tenant_id=keys.tenant_id, name="n", url=webhook_receiver.url,
+                              event_types=["batch.completed"], secret=new_secret()))
+        s.commit()
+        emit(s, keys.tenant_id, "batch.completed", "batch_x")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=False) == 0
+        row = s.scalars(select(WebhookDelivery)).one()
+        assert row.attempts == 1 and "private address" in row.last_error
+    assert webhook_receiver.received == []
