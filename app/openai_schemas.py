@@ -485,6 +485,17 @@ def service_tier(tier: str, tiers: tuple[str, ...]) -> str:
     return "priority" if len(tiers) > 1 and tier == tiers[-1] else "default"
 
 
+def list_page(rows: list[Any], after: str | None, limit: int, shown: Callable[[Any], dict[str, Any]]) -> dict:
+    """OpenAI's ``list`` object: up to ``limit`` of ``rows`` (in order, each with an ``id``) after the one whose id
+    is ``after`` (none after an id it does not hold), each as ``shown`` writes it."""
+    if after:
+        ids = [r.id for r in rows]
+        rows = rows[ids.index(after) + 1:] if after in ids else []
+    page = rows[:limit]
+    return {"object": "list", "data": [shown(r) for r in page], "has_more": len(rows) > limit,
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+
+
 def now_s() -> int:
     return int(time.time())
 

@@ -19,7 +19,7 @@ from app.api.errors import openai_responses
 from app.batch import storage
 from app.db.models import File as FileRow
 from app.db.models import utcnow
-from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.openai_schemas import OpenAIError, OpenAIRoute, list_page
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,7 @@ def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | 
     if purpose:
         q = q.where(FileRow.purpose == purpose)
     rows = list(session.scalars(q.order_by(FileRow.created_at.desc(), FileRow.id.desc())))
-    if after:
-        ids = [r.id for r in rows]
-        rows = rows[ids.index(after) + 1:] if after in ids else []
-    page = rows[:limit]
-    return {"object": "list", "data": [storage.file_object(r) for r in page], "has_more": len(rows) > limit,
-            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+    return list_page(rows, after, limit, storage.file_object)
 
 
 @router.get("/{file_id}", responses=openai_responses(404))

@@ -14,7 +14,7 @@ from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.db.models import WebhookEndpoint, new_id, utcnow
 from app.db.session import write_after_read
-from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.openai_schemas import OpenAIError, OpenAIRoute, list_page
 from app.services import webhooks
 from app.services.transitions import as_utc
 
@@ -94,12 +94,7 @@ def list_endpoints(session: SessionDep, principal: CurrentPrincipal, after: str 
                    limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
     rows = list(session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == principal.tenant_id)
                                 .order_by(WebhookEndpoint.created_at.desc(), WebhookEndpoint.id.desc())))
-    if after:
-        ids = [r.id for r in rows]
-        rows = rows[ids.index(after) + 1:] if after in ids else []
-    page = rows[:limit]
-    return {"object": "list", "data": [_object(r) for r in page], "has_more": len(rows) > limit,
-            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+    return list_page(rows, after, limit, _object)
 
 
 @router.get("/{webhook_endpoint_id}", responses=openai_responses(404))

@@ -11,7 +11,7 @@ import logging
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import update
 
 from app.auth import Principal
 from app.batch import lines as batch_lines
@@ -54,9 +54,10 @@ def start_batch(settings: Settings, batch_id: str) -> None:
 
 def _fail(session, batch_id: str, **values) -> None:
     """validating -> failed, and the batch.failed event with it (the caller commits)."""
-    if session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
-            status="failed", failed_at=utcnow(), **values)).rowcount == 1:
-        emit(session, session.scalar(select(Batch.tenant_id).where(Batch.id == batch_id)), "batch.failed", batch_id)
+    tenant_id = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+        status="failed", failed_at=utcnow(), **values).returning(Batch.tenant_id))
+    if tenant_id is not None:
+        emit(session, tenant_id, "batch.failed", batch_id)
 
 
 def _start(settings: Settings, batch_id: str) -> None:

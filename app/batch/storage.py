@@ -7,7 +7,7 @@ A file may expire (``expires_after``; uploads for batches by default, as OpenAI'
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Batch, File, new_id, utcnow
 from app.db.session import write_after_read
+from app.services.transitions import as_utc
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ def read_content(row: File) -> bytes:
     return Path(row.path).read_bytes()
 
 
-def expired(row: File, now: datetime | None = None) -> bool:
-    return row.expires_at is not None and _utc(row.expires_at) <= (now or utcnow())
+def expired(row: File) -> bool:
+    return row.expires_at is not None and as_utc(row.expires_at) <= utcnow()
 
 
 def get_file(session: Session, tenant_id: str | None, file_id: str) -> File | None:
@@ -92,12 +93,8 @@ def delete_expired_files(session: Session, limit: int = 500) -> int:
     return len(rows)
 
 
-def _utc(dt: datetime) -> datetime:
-    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)  # SQLite hands datetimes back naive (stored in UTC)
-
-
 def file_object(row: File) -> dict[str, Any]:
-    expires = int(_utc(row.expires_at).timestamp()) if row.expires_at is not None else None
-    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(_utc(row.created_at).timestamp()),
+    expires = int(as_utc(row.expires_at).timestamp()) if row.expires_at is not None else None
+    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(as_utc(row.created_at).timestamp()),
             "expires_at": expires, "filename": row.filename, "purpose": row.purpose, "status": "processed",
             "status_details": None}

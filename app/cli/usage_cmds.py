@@ -45,16 +45,16 @@ def register(cli: typer.Typer) -> None:
         if as_json:
             print_json(buckets)
             return
-        rows = [(when(b["start_time"]), *(str(r[g]) for g in by or ()), *(str(r[n]) for n in NUMBERS))
-                for b in buckets for r in b["results"]]
-        if not rows:
+        groups = by or []
+        results = [(b["start_time"], r) for b in buckets for r in b["results"]]
+        if not results:
             console.print(f"no usage in the last {days:g} days")
             return
-        table = list_table(kept("from", [r[0] for r in rows]), *(kept(g, [r[1 + i] for r in rows])
-                                                                  for i, g in enumerate(by or ())),
+        rows = [(when(start), *(str(r[g]) for g in groups), *(str(r[n]) for n in NUMBERS)) for start, r in results]
+        table = list_table(kept("from", [row[0] for row in rows]),
+                           *(kept(g, [str(r[g]) for _, r in results]) for g in groups),
                            *(other(h, justify="right") for h in HEADERS))
-        for r in rows:
-            table.add_row(*r)
-        totals = [sum(int(r[1 + len(by or ()) + i]) for r in rows) for i in range(len(NUMBERS))]
-        table.add_row("total", *([""] * len(by or ())), *(str(t) for t in totals))
+        for row in rows:
+            table.add_row(*row)
+        table.add_row("total", *([""] * len(groups)), *(str(sum(r[n] for _, r in results)) for n in NUMBERS))
         print_table(console, table)

@@ -53,25 +53,23 @@ def transition(
     """
     expected = (expected,) if isinstance(expected, JobStatus) else tuple(expected)
     values = dict(values or {})
-    ends = to in RESPONSE_EVENTS  # an end a background response's webhook reports: the row says whether it is one
+    # the row as it ends, where a background response's webhook may report the end (the job's id otherwise)
+    returned = (Job.tenant_id, Job.endpoint, Job.response, Job.finish_reason) if to in RESPONSE_EVENTS else (Job.id,)
     for prev in expected:  # one statement per expected state, so the event knows where it came from
         stmt = update(Job).where(Job.id == job_id, Job.status == prev.value, *where)
         if attempt is not None:
             stmt = stmt.where(Job.attempt == attempt)
         if worker_id is not None and prev in ACTIVE:  # only the lease holder moves a running job
             stmt = stmt.where(Job.worker_id == worker_id)
-        stmt = stmt.values(status=to.value, **values)
-        if ends:
-            stmt = stmt.returning(Job.tenant_id, Job.endpoint, Job.response, Job.finish_reason)
-        result = session.execute(stmt.execution_options(synchronize_session=False))
-        ended = result.first() if ends else None
-        if ended is not None or (not ends and result.rowcount == 1):
+        row = session.execute(stmt.values(status=to.value, **values).returning(*returned)
+                              .execution_options(synchronize_session=False)).first()
+        if row is not None:
             event_attempt = values.get("attempt", attempt)
             session.execute(insert(JobEvent).values(
                 job_id=job_id, from_status=prev.value, to_status=to.value, at=utcnow(), worker_id=worker_id,
                 attempt=event_attempt if isinstance(event_attempt, int) else 0, detail=detail))
-            if ended is not None:
-                _announce_response(session, job_id, to, *ended)
+            if to in RESPONSE_EVENTS:
+                _announce_response(session, job_id, to, *row)
             return True
     return False
 

@@ -119,7 +119,7 @@ def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float
         r = httpx.post(endpoint.url, content=body.encode(), headers=headers, timeout=timeout_s)
     except httpx.HTTPError as exc:
         return Sent(None, f"{type(exc).__name__}: {exc}"[:500])
-    return Sent(r.status_code, None if 200 <= r.status_code < 300 else r.text[:500])
+    return Sent(r.status_code, None if r.is_success else r.text[:500])
 
 
 def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_s: float, limit: int = 50,
@@ -136,15 +136,17 @@ def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_
         with write_guard(session):
             claimed = session.execute(update(WebhookDelivery).where(
                 WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == when,
-                WebhookDelivery.delivered_at.is_(None)).values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S)))
+                WebhookDelivery.delivered_at.is_(None)).values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S))
+                .returning(WebhookDelivery.endpoint_id, WebhookDelivery.attempts, WebhookDelivery.body,
+                           WebhookDelivery.type)).first()
             session.commit()
-        if claimed.rowcount != 1:
-            continue  # another worker took it
-        row = session.get(WebhookDelivery, delivery_id)
-        endpoint = session.get(WebhookEndpoint, row.endpoint_id) if row is not None else None
-        if row is None or endpoint is None:
-            continue  # the endpoint was deleted meanwhile (its deliveries with it)
-        attempts, body, kind = row.attempts + 1, row.body, row.type
+        if claimed is None:
+            continue  # another worker took it, or the endpoint was deleted (its deliveries with it)
+        endpoint_id, tried, body, kind = claimed
+        endpoint = session.get(WebhookEndpoint, endpoint_id)
+        if endpoint is None:
+            continue
+        attempts = tried + 1
         session.expunge(endpoint)
         session.commit()  # no transaction held while the endpoint answers
         sent = send(endpoint, delivery_id, body, timeout_s, private_targets)

@@ -297,24 +297,22 @@ class BaseScheduler(Scheduler):
         req.release_kv()
         if self.running.pop(rid, None) is not None:
             req.status = RequestStatus.WAITING
-            self._push_waiting(req)
-        elif self.relegated.remove(rid) is not None:
-            self.relegated.push(req)  # re-keyed: its remaining prefill changed
-        else:
-            self._push_waiting(req)
+        self._requeue(req)
 
     def note_cached_prefix(self, req: Request, tokens: int) -> None:
         """The engine's prefix cache holds the first ``tokens`` of a prompt it has not (re)started (computed for
         another request since, or for this one before a preemption): they count as computed, and its place in its
         queue follows its shorter remaining prefill."""
-        if self._remove_waiting(req.request_id) is not None:
-            req.num_computed_tokens = tokens
-            self._push_waiting(req)
-        elif self.relegated.remove(req.request_id) is not None:
-            req.num_computed_tokens = tokens
+        req.num_computed_tokens = tokens
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        """A request whose remaining prefill changed takes its new place: in the relegated queue if it is there,
+        else in the prefill queue (both key on what is left)."""
+        if self.relegated.remove(req.request_id) is not None:
             self.relegated.push(req)
         else:
-            req.num_computed_tokens = tokens
+            self._push_waiting(req)
 
     def _release(self, request_id: str) -> None:
         self._footprint -= self._holders.pop(request_id, 0)
