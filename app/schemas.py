@@ -371,12 +371,16 @@ MAX_RATE = 2**31 - 1  # a limit is an SQL integer
 
 
 class TenantLimits(BaseModel):
-    """A tenant's rate limits on its API requests (null: no limit). The buckets refill the limit per minute."""
+    """A tenant's rate limits on its API requests and its Batch API queue limit (null: no limit). The rate
+    buckets refill the limit per minute."""
 
     model_config = ConfigDict(extra="forbid")
     requests_per_minute: int | None = Field(None, ge=1, le=MAX_RATE)
     tokens_per_minute: int | None = Field(None, ge=1, le=MAX_RATE, description=(
         "a request costs its prompt tokens plus its max_tokens (the most it may use), as OpenAI counts"))
+    batch_queue_tokens: int | None = Field(None, ge=1, le=MAX_RATE, description=(
+        "prompt tokens its batches may have queued at once, per model; a batch past it fails validation "
+        "(token_limit_exceeded)"))
 
 
 class TenantCreate(TenantLimits):

@@ -20,7 +20,7 @@ from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import cancel_batch, maybe_finalize
 from app.batch.lines import ENDPOINTS
-from app.batch.objects import batch_object
+from app.batch.objects import batch_object, batch_usage
 from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute, parse_window
@@ -69,8 +69,9 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
     if src.purpose != "batch":
         raise OpenAIError(400, "the input file's purpose must be 'batch'", param="input_file_id")
     now = utcnow()
-    batch = Batch(id=new_id("batch"), tenant_id=principal.tenant_id, endpoint=body.endpoint,
-                  input_file_id=src.id, completion_window=body.completion_window, status="validating", tier=tier,
+    batch = Batch(id=new_id("batch"), tenant_id=principal.tenant_id, api_key_id=principal.key_id,
+                  endpoint=body.endpoint, input_file_id=src.id, completion_window=body.completion_window,
+                  status="validating", tier=tier,
                   metadata_=body.metadata, created_at=now, expires_at=expires_at_for(now, body.completion_window),
                   output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None)
     with write_after_read(session):
@@ -95,7 +96,8 @@ def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: Set
         if b.status in ("in_progress", "cancelling"):
             maybe_finalize(session, b.id, settings.data_dir, settings.redis_url)
             session.refresh(b)
-    return {"object": "list", "data": [batch_object(b) for b in page], "has_more": len(rows) > limit,
+    usage = batch_usage(session, (b.id for b in page))
+    return {"object": "list", "data": [batch_object(b, usage.get(b.id)) for b in page], "has_more": len(rows) > limit,
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 
@@ -107,7 +109,7 @@ async def get_batch(batch_id: str, session: SessionDep, principal: CurrentPrinci
         if batch.status in ("in_progress", "cancelling"):
             maybe_finalize(session, batch_id, settings.data_dir, settings.redis_url)
             session.refresh(batch)
-        return batch_object(batch)
+        return batch_object(batch, batch_usage(session, [batch_id]).get(batch_id))
 
     return await run_in_threadpool(read)
 
@@ -117,4 +119,5 @@ def cancel(batch_id: str, session: SessionDep, principal: CurrentPrincipal, sett
     batch = _own(session, principal, batch_id)
     if batch.status not in ("validating", "in_progress", "cancelling"):
         raise OpenAIError(409, f"Cannot cancel a batch with status {batch.status!r}", param="batch_id")
-    return batch_object(cancel_batch(session, batch, settings.data_dir, settings.redis_url))
+    batch = cancel_batch(session, batch, settings.data_dir, settings.redis_url)
+    return batch_object(batch, batch_usage(session, [batch_id]).get(batch_id))

@@ -31,7 +31,8 @@ def create_tenant_route(body: TenantCreate, session: SessionDep, settings: Setti
                             "body", "default_tier")
     try:
         tenant = create_tenant(session, body.name, body.default_tier)
-        tenant.requests_per_minute, tenant.tokens_per_minute = body.requests_per_minute, body.tokens_per_minute
+        for field in TenantLimits.model_fields:
+            setattr(tenant, field, getattr(body, field))
         key, plaintext = create_key(session, tenant, is_admin=body.admin)
         session.commit()
     except IntegrityError as exc:
@@ -59,8 +60,9 @@ def get_tenant_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404))
 def set_limits_route(tenant_id: str, body: TenantLimits, request: Request, session: SessionDep,
                      _admin: AdminPrincipal) -> TenantPublic:
-    """Sets the tenant's rate limits: the fields given (null: no limit), the others as they were. Every API
-    process applies them within its key cache's few seconds (this one at once)."""
+    """Sets the tenant's rate limits and batch queue limit: the fields given (null: no limit), the others as they
+    were. Every API process applies rate limits within its key cache's few seconds (this one at once); the queue
+    limit applies to batches validated from then on."""
     tenant = session.get(Tenant, tenant_id)
     if tenant is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
@@ -71,8 +73,8 @@ def set_limits_route(tenant_id: str, body: TenantLimits, request: Request, sessi
             session.commit()
     key_cache(request).clear()
     tenant = session.get(Tenant, tenant_id)
-    log.info("tenant %s rate limits: %s requests, %s tokens per minute", tenant.id, tenant.requests_per_minute,
-             tenant.tokens_per_minute)
+    log.info("tenant %s limits: %s requests, %s tokens per minute, %s batch queue tokens", tenant.id,
+             tenant.requests_per_minute, tenant.tokens_per_minute, tenant.batch_queue_tokens)
     return TenantPublic.model_validate(tenant)
 
 

@@ -33,6 +33,8 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
                 bucket_width: Literal["1m", "1h", "1d"] = "1d",
                 project_ids: Annotated[list[str] | None, Query(description="tenant ids (an admin key's choice)")]
                 = None,
+                api_key_ids: Annotated[list[str] | None, Query(description="keys that submitted the jobs")]
+                = None,
                 models: Annotated[list[str] | None, Query()] = None,
                 batch: bool | None = None,
                 group_by: Annotated[list[str] | None, Query(description=f"any of {', '.join(GROUPS)}")] = None,
@@ -61,7 +63,7 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
                               param="project_ids", code="forbidden")
         tenants = (principal.tenant_id,)
     query = UsageQuery(start_time, end, bucket_width, limit or default, first, groups, tenants,
-                       tuple(models) if models else None, batch)
+                       tuple(api_key_ids) if api_key_ids else None, tuple(models) if models else None, batch)
     if first > query.buckets:
         raise OpenAIError(400, f"page {page!r} is past the range's {query.buckets} buckets", param="page")
     return completions_usage(session, query, lambda tier: service_tier(tier, settings.tiers))

@@ -15,11 +15,12 @@ from sqlalchemy import update
 
 from app.auth import Principal
 from app.batch import lines as batch_lines
+from app.batch import queue_limit
 from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
 from app.db.models import Batch, File, JobEvent, JobStatus
-from app.db.session import session_scope, write_guard
+from app.db.session import read_then_write, session_scope, write_guard
 from app.openai_schemas import parse_window
 from app.services import dispatch as dispatching
 from app.services.jobs import JobValidationError, build_job
@@ -65,7 +66,7 @@ def _start(settings: Settings, batch_id: str) -> None:
     with session_scope(url) as s:
         batch = s.get(Batch, batch_id)
         content = read_content(s.get(File, batch.input_file_id))
-        endpoint, tier, tenant_id = batch.endpoint, batch.tier, batch.tenant_id
+        endpoint, tier, tenant_id, key_id = batch.endpoint, batch.tier, batch.tenant_id, batch.api_key_id
         expires_at = as_utc(batch.expires_at)
     window_s = parse_window(batch.completion_window)
     parsed = batch_lines.parse_file(content, endpoint, window_s, settings.tiers)
@@ -74,7 +75,7 @@ def _start(settings: Settings, batch_id: str) -> None:
             _fail(s, batch_id, errors=parsed.file_errors, total=parsed.total)
         log.info("batch %s failed validation: %s", batch_id, parsed.file_errors)
         return
-    principal = Principal(key_id="", tenant_id=tenant_id, tier=tier, is_admin=False)
+    principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
     invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message) for i in parsed.invalid]
     jobs = []
     for v in parsed.valid:
@@ -90,7 +91,11 @@ def _start(settings: Settings, batch_id: str) -> None:
     path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)
     path.write_text("".join(json.dumps(r) + "\n" for r in invalid))
-    with session_scope(url) as s, write_guard(s):
+    with read_then_write(url) as s:
+        if refused := _over_queue_limit(s, tenant_id, jobs):
+            _fail(s, batch_id, errors=[refused], total=parsed.total)
+            log.info("batch %s refused: %s", batch_id, refused["message"])
+            return
         ok = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
             status="in_progress", in_progress_at=utcnow(), total=parsed.total, failed=len(invalid),
             completed=0)).rowcount == 1
@@ -112,6 +117,14 @@ def _start(settings: Settings, batch_id: str) -> None:
     if not jobs:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)
+
+
+def _over_queue_limit(session, tenant_id: str, jobs: list) -> dict | None:
+    """The queue limit's error for the first model whose jobs would not fit (app/batch/queue_limit.py)."""
+    tokens: dict[str, int] = {}
+    for job in jobs:
+        tokens[job.model] = tokens.get(job.model, 0) + (job.prompt_tokens or 0)
+    return next(filter(None, (queue_limit.refusal(session, tenant_id, m, n) for m, n in tokens.items())), None)
 
 
 def expires_at_for(created_at, window: str):

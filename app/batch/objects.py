@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from collections.abc import Iterable
 from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from app.db.models import Batch, Job
 from app.openai_schemas import chat_answer, chat_echo, text_completion
@@ -17,7 +21,22 @@ def ts(dt: datetime | None) -> int | None:
     return int((dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp())
 
 
-def batch_object(b: Batch) -> dict[str, Any]:
+def batch_usage(session: Session, batch_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Each batch's ``usage``: the tokens of its jobs an engine finished (one grouped query for a page)."""
+    rows = session.execute(select(Job.batch_id, func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens),
+                                  func.sum(Job.completion_tokens))
+                           .where(Job.batch_id.in_(list(batch_ids)), Job.completion_tokens.is_not(None))
+                           .group_by(Job.batch_id))
+    return {batch_id: _usage(*(int(n or 0) for n in sums)) for batch_id, *sums in rows}
+
+
+def _usage(inputs: int = 0, cached: int = 0, outputs: int = 0) -> dict[str, Any]:
+    return {"input_tokens": inputs, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": outputs,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inputs + outputs}
+
+
+def batch_object(b: Batch, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Batch object; ``usage`` from ``batch_usage`` (none: nothing finished yet)."""
     errors = {"object": "list", "data": b.errors} if b.errors else None
     return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors,
             "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
@@ -27,7 +46,7 @@ def batch_object(b: Batch) -> dict[str, Any]:
             "expired_at": ts(b.expired_at), "cancelling_at": ts(b.cancelling_at),
             "cancelled_at": ts(b.cancelled_at),
             "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
-            "metadata": b.metadata_, "coserve": {"tier": b.tier}}
+            "usage": usage or _usage(), "metadata": b.metadata_, "coserve": {"tier": b.tier}}
 
 
 def output_line(job: Job) -> dict[str, Any]:

@@ -417,9 +417,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     requests_per_minute: Annotated[int | None, typer.Option(
                         min=0, help="its API requests per minute; 0: no limit")] = None,
                     tokens_per_minute: Annotated[int | None, typer.Option(
-                        min=0, help="its tokens per minute (prompt + max_tokens); 0: no limit")] = None) -> None:
-        """Show or set a tenant's rate limits (every key of it shares them; API processes apply a change within
-        seconds). Without a limit given, shows them."""
+                        min=0, help="its tokens per minute (prompt + max_tokens); 0: no limit")] = None,
+                    batch_queue_tokens: Annotated[int | None, typer.Option(
+                        min=0, help="prompt tokens its batches may have queued at once; 0: no limit")] = None
+                    ) -> None:
+        """Show or set a tenant's rate limits and batch queue limit (every key of it shares them; API processes
+        apply a rate limit's change within seconds). Without a limit given, shows them."""
         from sqlalchemy import select
 
         from app.db.migrate import upgrade
@@ -437,9 +440,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 row.requests_per_minute = requests_per_minute or None
             if tokens_per_minute is not None:
                 row.tokens_per_minute = tokens_per_minute or None
-            rpm, tpm = row.requests_per_minute, row.tokens_per_minute
+            if batch_queue_tokens is not None:
+                row.batch_queue_tokens = batch_queue_tokens or None
+            rpm, tpm, queue = row.requests_per_minute, row.tokens_per_minute, row.batch_queue_tokens
         console.print(escape(f"tenant {tenant}: {rpm or 'no limit of'} requests per minute, "
-                             f"{tpm or 'no limit of'} tokens per minute"), soft_wrap=True)
+                             f"{tpm or 'no limit of'} tokens per minute, "
+                             f"{queue or 'no limit of'} tokens queued in batches"), soft_wrap=True)
 
     @keys_app.command("list")
     def keys_list(tenant: Annotated[str | None, typer.Option(help="only this tenant's keys")] = None,

@@ -58,6 +58,8 @@ class Tenant(Base):
     # rate limits of its API requests (app/services/rate_limits.py); null: none
     requests_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
+    # the Batch API's queue limit: prompt tokens of its batches' unfinished jobs (app/batch/queue_limit.py); null: none
+    batch_queue_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 
@@ -87,6 +89,7 @@ class Job(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True, default=None)
     custom_id: Mapped[str | None] = mapped_column(String(200), default=None)  # Batch API line id
+    api_key_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the key that submitted it (usage by key)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
     kind: Mapped[str] = mapped_column(String(16))  # JobKind
     tier: Mapped[str] = mapped_column(String(32))
@@ -209,6 +212,7 @@ class Batch(Base):
     cancelled_at: Mapped[datetime | None] = mapped_column(default=None)
     errors: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # validation errors of the whole file
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, default=None)  # its output/error files'
+    api_key_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the key that created it: its jobs'
 
 
 class WebhookEndpoint(Base):
@@ -292,6 +296,7 @@ class SummarizationRun(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("sum"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     model: Mapped[str] = mapped_column(String(200))  # its jobs' model: only that model's workers (tokenizer) step it
+    api_key_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the key that started it: its jobs'
     tier: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16), default="running", index=True)  # running | completed | failed
     deadline_at: Mapped[datetime] = mapped_column()

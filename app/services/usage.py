@@ -1,7 +1,8 @@
 """Token usage by time bucket, as OpenAI's Usage API reports it (``/v1/organization/usage/completions``).
 
-Counts the jobs an engine ran (those with a prompt token count), by when they were submitted: input,
-cached input and output tokens and requests, grouped by tenant (OpenAI's project), model, batch or
+Counts the jobs an engine finished (those with an output token count: a job's prompt tokens are counted at
+submission, so a job cancelled or refused before it ran has them too), by when they were submitted: input,
+cached input and output tokens and requests, grouped by tenant (OpenAI's project), API key, model, batch or
 service tier; coserve adds how many met their SLO, missed it and were relegated. Summed in SQL, so a
 month of jobs costs one grouped query.
 """
@@ -20,7 +21,7 @@ from app.db.models import Job
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 BUCKETS_PER_PAGE = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default and largest page
-GROUPS = ("project_id", "model", "batch", "service_tier")  # what a job records (it keeps no key or user id)
+GROUPS = ("project_id", "api_key_id", "model", "batch", "service_tier")  # what a job records (no user id)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class UsageQuery:
     first: int = 0  # index of this page's first bucket
     group_by: tuple[str, ...] = ()
     tenant_ids: tuple[str, ...] | None = None  # None: every tenant
+    api_key_ids: tuple[str, ...] | None = None
     models: tuple[str, ...] | None = None
     batch: bool | None = None  # only Batch API jobs (True) or none of them (False)
 
@@ -58,17 +60,19 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     lo, hi = q.start + q.first * q.seconds, min(q.end, q.start + last * q.seconds)
     dialect = session.get_bind().dialect.name
     bucket = ((_epoch(Job.created_at, dialect) - q.start) // q.seconds).label("bucket")
-    columns = {"project_id": Job.tenant_id, "model": Job.model, "batch": Job.batch_id.is_not(None),
-               "service_tier": Job.tier}
+    columns = {"project_id": Job.tenant_id, "api_key_id": Job.api_key_id, "model": Job.model,
+               "batch": Job.batch_id.is_not(None), "service_tier": Job.tier}
     keys = [columns[g].label(g) for g in q.group_by]
     stmt = select(bucket, *keys, func.sum(Job.prompt_tokens), func.coalesce(func.sum(Job.cached_tokens), 0),
                   func.coalesce(func.sum(Job.completion_tokens), 0), func.count(),
                   func.sum(case((Job.slo_met.is_(True), 1), else_=0)),
                   func.sum(case((Job.slo_met.is_(False), 1), else_=0)),
                   func.sum(case((Job.relegation_count > 0, 1), else_=0)))
-    stmt = stmt.where(Job.prompt_tokens.is_not(None), Job.created_at >= _at(lo), Job.created_at < _at(hi))
+    stmt = stmt.where(Job.completion_tokens.is_not(None), Job.created_at >= _at(lo), Job.created_at < _at(hi))
     if q.tenant_ids is not None:
         stmt = stmt.where(Job.tenant_id.in_(q.tenant_ids))
+    if q.api_key_ids is not None:
+        stmt = stmt.where(Job.api_key_id.in_(q.api_key_ids))
     if q.models is not None:
         stmt = stmt.where(Job.model.in_(q.models))
     if q.batch is not None:

@@ -85,7 +85,7 @@ def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector
 
 
 def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, store.JobResult]) -> JobCollector:
-    principal = Principal(key_id="", tenant_id=run.tenant_id, tier=run.tier, is_admin=False)
+    principal = Principal(key_id=run.api_key_id or "", tenant_id=run.tenant_id, tier=run.tier, is_admin=False)
     return JobCollector(settings, principal, run.tier, results)
 
 

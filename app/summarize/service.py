@@ -71,10 +71,10 @@ def start_run(settings: Settings, principal: Principal, documents: list[Document
               max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str) -> Progress:
     budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
     run = SummarizationRun(
-        id=new_id("sum"), tenant_id=principal.tenant_id, model=settings.model_name, tier=tier, status="running",
-        deadline_at=deadline_at, max_summary_tokens=max_summary_tokens, chunk_tokens=budget,
-        overlap_tokens=min(overlap_tokens, budget // 4), documents=len(documents), documents_done=0,
-        documents_failed=0, jobs_submitted=0, jobs_done=0, version=0, created_at=utcnow())
+        id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None, model=settings.model_name,
+        tier=tier, status="running", deadline_at=deadline_at, max_summary_tokens=max_summary_tokens,
+        chunk_tokens=budget, overlap_tokens=min(overlap_tokens, budget // 4), documents=len(documents),
+        documents_done=0, documents_failed=0, jobs_submitted=0, jobs_done=0, version=0, created_at=utcnow())
     docs = [DocState(d.id, text=d.text) for d in documents]
     backend = driver.collector_for(settings, run, {})
     planner = driver.planner_for(settings, run, backend)

@@ -66,6 +66,10 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker, settings):
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] == (6 if r["custom_id"] == "b" else 4)
         assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # the engine said: none cached
+    usage = [r["response"]["body"]["usage"] for r in out]
+    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usage) > 0  # the batch's usage sums its lines'
+    assert done.usage.output_tokens == 14 and done.usage.total_tokens == done.usage.input_tokens + 14
+    assert done.usage.input_tokens_details.cached_tokens == 0
 
     errors = {e["error"]["line"]: e for e in jsonl(oai, done.error_file_id)}
     assert sorted(errors) == [2, 4, 5, 6, 7]

@@ -253,3 +253,33 @@ def test_file_expiry_and_webhook_deliveries_on_postgres(pg_url, tmp_path, webhoo
         assert deliver_due(s, retry_s=5.0, max_attempts=3, timeout_s=5.0) == 1
         assert s.scalars(select(WebhookDelivery)).one().delivered_at is not None
     assert len(webhook_receiver.received) == 1
+
+
+def test_batch_queue_limit_and_usage_on_postgres(pg_url):
+    """The queue limit's locked read of the tenant's cap and its sum of queued tokens, and a batch's usage, on
+    PostgreSQL."""
+    from app.auth import create_tenant
+    from app.batch.objects import batch_usage
+    from app.batch.queue_limit import refusal
+    from app.db.migrate import upgrade
+    from app.db.models import Batch, File, Job
+    from app.db.session import read_then_write, session_scope
+
+    upgrade(pg_url)
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "queue-pg")
+        tenant.batch_queue_tokens = 100
+        s.add(File(id="file_q", tenant_id=tenant.id, filename="in.jsonl", purpose="batch", bytes=1, path="/x"))
+        s.flush()
+        s.add(Batch(id="batch_q", tenant_id=tenant.id, endpoint="/v1/completions", input_file_id="file_q",
+                    completion_window="24h", status="in_progress", tier="paid"))
+        s.flush()
+        for status, tokens, out in (("queued", 60, None), ("succeeded", 500, 7), ("running", 30, None)):
+            s.add(Job(tenant_id=tenant.id, batch_id="batch_q", kind="batch", tier="paid", model="m", sampling={},
+                      status=status, prompt_tokens=tokens, completion_tokens=out))
+        tenant_id = tenant.id
+    with read_then_write(pg_url) as s:
+        assert refusal(s, tenant_id, "m", 10) is None  # 90 queued + 10 fit in 100
+        assert refusal(s, tenant_id, "m", 11)["code"] == "token_limit_exceeded"
+        assert refusal(s, tenant_id, "other", 100) is None  # per model
+        assert batch_usage(s, ["batch_q"])["batch_q"]["total_tokens"] == 507

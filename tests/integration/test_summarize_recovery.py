@@ -102,6 +102,8 @@ def test_api_killed_mid_run_the_run_still_completes(api, client, keys, settings,
         jobs = s.scalars(select(Job).where(Job.endpoint == "/v1/summarize")).all()
         per_doc = {d.doc_id: d for d in s.scalars(select(SummarizationDocument))}
     assert {j.status for j in jobs} == {"succeeded"}
+    # the key that started the run is every job's, the worker's steps' too (usage by key)
+    assert {j.api_key_id for j in jobs} == {run.api_key_id} and run.api_key_id.startswith("key")
     # every job submitted once: the run's count, the documents' counts and the table agree
     assert len(jobs) == run.jobs_submitted == run.jobs_done == sum(d.jobs for d in per_doc.values())
     assert per_doc["long"].level >= 1 and per_doc["long"].jobs > per_doc["long"].chunks >= 3

@@ -116,7 +116,7 @@ def test_hour_buckets_come_in_pages(client, keys, jobs):
 
 @pytest.mark.parametrize("params, param", [
     ({"end_time": T0}, "end_time"),
-    ({"group_by": ["api_key_id"]}, "group_by"),
+    ({"group_by": ["user_id"]}, "group_by"),
     ({"limit": 32}, "limit"),
     ({"bucket_width": "1w"}, "bucket_width"),
     ({"page": "elsewhere"}, "page"),
@@ -135,3 +135,36 @@ def test_bad_input_is_a_400_naming_the_parameter(client, keys, params, param):
 def test_times_and_pages_out_of_range_are_400s(client, keys, params, param):
     r = get(client, keys.admin, **params)
     assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), r.text
+
+
+def test_usage_by_the_key_that_submitted_the_jobs(client, keys, db_url):
+    """Jobs submitted over HTTP record their key; only the ones an engine finished count (the worker's write is
+    done here in SQL)."""
+    from sqlalchemy import update
+
+    from app.auth import hash_key
+    from app.db.models import ApiKey
+
+    body = {"kind": "interactive", "prompt": "hello there", "max_tokens": 4}
+    ids = {}
+    for name, key in (("paid", keys.paid), ("paid", keys.paid), ("free", keys.free), ("queued", keys.paid)):
+        r = client.post("/v1/jobs", json=body, headers=keys.header(key))
+        assert r.status_code in (200, 201, 202), r.text
+        ids.setdefault(name, []).append(r.json()["id"])
+    with session_scope(db_url) as s:
+        key_of = {k: s.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(v)))
+                  for k, v in (("paid", keys.paid), ("free", keys.free))}
+        assert {s.get(Job, i).api_key_id for i in ids["paid"] + ids["queued"]} == {key_of["paid"]}
+        done = ids["paid"] + ids["free"]
+        s.execute(update(Job).where(Job.id.in_(done)).values(completion_tokens=4, status="succeeded"))
+        s.commit()
+    now = int(datetime.now(UTC).timestamp())
+    r = client.get(URL, params={"start_time": now - 3600, "end_time": now + 60, "group_by": ["api_key_id"]},
+                   headers=keys.header(keys.paid))
+    assert r.status_code == 200, r.text
+    results = [x for b in r.json()["data"] for x in b["results"]]
+    assert sorted((x["api_key_id"], x["num_model_requests"], x["output_tokens"]) for x in results) == sorted(
+        [(key_of["paid"], 2, 8), (key_of["free"], 1, 4)])
+    r = client.get(URL, params={"start_time": now - 3600, "end_time": now + 60, "api_key_ids": [key_of["free"]]},
+                   headers=keys.header(keys.admin))
+    assert [x["num_model_requests"] for b in r.json()["data"] for x in b["results"]] == [1]

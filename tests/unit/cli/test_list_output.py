@@ -181,4 +181,12 @@ def test_keys_limits_sets_and_clears_a_tenants_rate_limits(db_env, db_url):
         assert lookup(s, plaintext).limits == Limits(30, 9000)
     res = run.invoke(cli, ["keys", "limits", "--tenant", "acme", "--requests-per-minute", "0"], env=db_env)
     assert "no limit of requests per minute, 9000 tokens" in res.output, res.output
+    res = run.invoke(cli, ["keys", "limits", "--tenant", "acme", "--batch-queue-tokens", "50000"], env=db_env)
+    assert "9000 tokens per minute, 50000 tokens queued in batches" in res.output, res.output
+    from sqlalchemy import select
+
+    from app.db.models import Tenant
+
+    with session_scope(db_url) as s:
+        assert s.scalar(select(Tenant.batch_queue_tokens).where(Tenant.name == "acme")) == 50000
     assert run.invoke(cli, ["keys", "limits", "--tenant", "nobody"], env=db_env).exit_code == 1
