@@ -25,6 +25,13 @@ def enqueued_tokens(session: Session, tenant_id: str, model: str) -> int:
         Job.status.in_([s.value for s in NOT_TERMINAL]))))
 
 
+def queued_by_tenant(session: Session) -> dict[str, int]:
+    """Every tenant's prompt tokens queued in batches, all models together (the admin dashboard's column)."""
+    return {tenant_id: int(n or 0) for tenant_id, n in session.execute(
+        select(Job.tenant_id, func.sum(Job.prompt_tokens)).where(
+            Job.batch_id.is_not(None), Job.status.in_([s.value for s in NOT_TERMINAL])).group_by(Job.tenant_id))}
+
+
 def refusal(session: Session, tenant_id: str, model: str, tokens: int) -> dict | None:
     """The batch's file error where ``tokens`` more would pass the tenant's cap, else None. Call it in the
     transaction that adds the jobs: the tenant's row is locked (PostgreSQL) or the database is (SQLite), so two

@@ -82,6 +82,7 @@ class Job(Base):
     __table_args__ = (
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
+        Index("ix_jobs_created", "created_at"),  # every tenant's usage by time (admin: Usage API, dashboard)
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_model_finished", "model", "finished_at"),  # workers' decode-length history reads
     )

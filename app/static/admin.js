@@ -2,8 +2,10 @@
 "use strict";
 const KEY = "coserve.adminKey";
 const POLL_MS = 1000;
+const TENANTS_POLL_MS = 30000; // the tenants' day of usage is a heavier read than the overview
 const $ = (sel) => document.querySelector(sel);
 let timer = null;
+let tenantsTimer = null;
 
 function key() { return sessionStorage.getItem(KEY); }
 
@@ -139,6 +141,36 @@ function renderWorkers(workers) {
   }
 }
 
+// one row per tenant: its last day's usage, SLO met as a share of the jobs judged, its limits
+function renderTenants(tenants) {
+  const tbody = $("#tenants tbody");
+  tbody.replaceChildren();
+  const n = (v) => v.toLocaleString("en-US");
+  for (const t of tenants) {
+    const d = t.day;
+    const row = tbody.insertRow();
+    row.id = "tenant-" + t.id;
+    cell(row, t.name).title = t.id;
+    cell(row, t.default_tier);
+    cell(row, n(d.num_model_requests), "num requests");
+    cell(row, n(d.input_tokens), "num");
+    cell(row, n(d.output_tokens), "num");
+    const judged = d.num_slo_met + d.num_slo_missed;
+    cell(row, judged ? `${(100 * d.num_slo_met / judged).toFixed(1)}% of ${n(judged)}` : "-", "num slo");
+    cell(row, n(d.num_relegated), "num");
+    const rate = [t.requests_per_minute && `${n(t.requests_per_minute)} requests`,
+      t.tokens_per_minute && `${n(t.tokens_per_minute)} tokens`].filter(Boolean);
+    cell(row, rate.length ? rate.join(", ") : "none");
+    cell(row, `${n(t.batch_queued_tokens)} / ${t.batch_queue_tokens ? n(t.batch_queue_tokens) : "no limit"}`,
+      "num batch-queue");
+  }
+}
+
+async function refreshTenants() {
+  try { renderTenants((await api("/admin/api/tenants")).tenants); }
+  catch (e) { if (e.message !== "auth") $("#status").textContent = "tenants update failed: " + e.message; }
+}
+
 // SLO attainment (% met) per minute, one polyline per tier, drawn as inline SVG over a time axis that
 // ends now and spans the minutes with points (at least 10, at most the window), labelled in local time.
 function renderSlo(points, nowIso, windowS = 3600, bucketS = 60) {
@@ -218,7 +250,13 @@ function show(loggedIn) {
   $("#dash").hidden = !loggedIn;
   $("#logout").hidden = !loggedIn;
   clearInterval(timer);
-  if (loggedIn) { refresh(); timer = setInterval(refresh, POLL_MS); }
+  clearInterval(tenantsTimer);
+  if (loggedIn) {
+    refresh();
+    timer = setInterval(refresh, POLL_MS);
+    refreshTenants();
+    tenantsTimer = setInterval(refreshTenants, TENANTS_POLL_MS);
+  }
 }
 
 function logout(message) {

@@ -1,5 +1,5 @@
 """api_key_id on jobs, batches and summarization runs (usage by key), tenants.batch_queue_tokens (the Batch API's
-queue limit)
+queue limit), an index of jobs by submission time (every tenant's usage)
 
 Revision ID: 0016
 Revises: 0015
@@ -28,9 +28,11 @@ def upgrade() -> None:
             batch.add_column(sa.Column('api_key_id', sa.String(length=40), nullable=True))
     with op.batch_alter_table('tenants') as batch:
         batch.add_column(sa.Column('batch_queue_tokens', sa.Integer(), nullable=True))
+    op.create_index('ix_jobs_created', 'jobs', ['created_at'])
 
 
 def downgrade() -> None:
+    op.drop_index('ix_jobs_created', table_name='jobs')
     with op.batch_alter_table('tenants') as batch:
         batch.drop_column('batch_queue_tokens')
     for table in reversed(_BY_KEY):

@@ -83,6 +83,11 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, tmp_path
         expect(page.locator("#queues tr[data-tier=free] td[data-status=relegated]")).to_have_text("1")
         expect(page.locator("#worker-w1")).to_contain_text("serving")
         expect(page.locator("#slo-chart polyline")).to_have_count(2)  # one line per tier
+        # the tenants' last day: acme's three finished warm-up jobs (the running and relegated ones not yet)
+        acme = page.locator(f"#tenant-{keys.tenant_id}")
+        expect(acme.locator("td.requests")).to_have_text("3")
+        expect(acme.locator("td.batch-queue")).to_have_text("0 / no limit")
+        assert "% of" in acme.locator("td.slo").inner_text()
         # a time axis: clock labels (HH:MM) under the plot, at least two of them
         ticks = page.locator("#slo-chart text.tick.x").all_text_contents()
         assert len(ticks) >= 2 and all(len(t) == 5 and t[2] == ":" for t in ticks), ticks

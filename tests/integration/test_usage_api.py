@@ -168,3 +168,12 @@ def test_usage_by_the_key_that_submitted_the_jobs(client, keys, db_url):
     r = client.get(URL, params={"start_time": now - 3600, "end_time": now + 60, "api_key_ids": [key_of["free"]]},
                    headers=keys.header(keys.admin))
     assert [x["num_model_requests"] for b in r.json()["data"] for x in b["results"]] == [1]
+
+    # the admin dashboard's tenant table reads the same sums, for the last day
+    assert client.get("/admin/api/tenants", headers=keys.header(keys.paid)).status_code == 403
+    rows = {t["name"]: t for t in client.get("/admin/api/tenants", headers=keys.header(keys.admin)).json()["tenants"]}
+    assert sorted(rows) == ["acme", "globex", "ops"]
+    assert rows["acme"]["day"] == {"num_model_requests": 3, "input_tokens": rows["acme"]["day"]["input_tokens"],
+                                   "output_tokens": 12, "num_slo_met": 0, "num_slo_missed": 0, "num_relegated": 0}
+    assert rows["acme"]["day"]["input_tokens"] > 0 and rows["globex"]["day"]["num_model_requests"] == 0
+    assert (rows["acme"]["batch_queued_tokens"], rows["acme"]["batch_queue_tokens"]) == (0, None)
