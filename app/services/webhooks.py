@@ -45,16 +45,50 @@ MAX_RETRY_S = 3600.0
 def private_address(url: str) -> str | None:
     """The loopback, private, link-local or otherwise non-public address ``url``'s host resolves to (None: all
     public); a host that does not resolve counts as one (nothing can be said of where it leads)."""
+    resolved = _resolve(url)
+    return resolved if isinstance(resolved, str) else None
+
+
+def _resolve(url: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address] | str:
+    """Every address ``url``'s host resolves to, or the first that is not public (or the host, unresolved)."""
     host = urlsplit(url).hostname or ""
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError):
         return host or url
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
-        if not address.is_global:
-            return str(address)
-    return None
+    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    private = next((a for a in addresses if not a.is_global), None)
+    return str(private) if private is not None else addresses
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one delivery's POST goes: the URL as given, or, pinned, the URL with the address vetted in place of
+    its host, the host kept for the ``Host`` header and TLS (SNI and the certificate's name)."""
+
+    url: str
+    host_header: str | None = None
+    sni_hostname: str | None = None
+
+    @staticmethod
+    def pinned(url: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Target:
+        parts = urlsplit(url)
+        at = f"[{address}]" if address.version == 6 else str(address)
+        userinfo, _, host = parts.netloc.rpartition("@")
+        netloc = (f"{userinfo}@" if userinfo else "") + (at if parts.port is None else f"{at}:{parts.port}")
+        return Target(parts._replace(netloc=netloc).geturl(), host, parts.hostname)
+
+
+def target(url: str, private_targets: bool) -> Target | str:
+    """The delivery's target, or why it is not sent. With private targets off the host is resolved once and the
+    POST goes to the address that was checked: a name that resolves elsewhere a moment later (DNS rebinding)
+    cannot lead it to an internal address."""
+    if private_targets:
+        return Target(url)
+    resolved = _resolve(url)
+    if isinstance(resolved, str):
+        return f"not sent: {url} resolves to {resolved}, a private address"
+    return Target.pinned(url, resolved[0])
 
 
 def new_secret() -> str:
@@ -105,9 +139,10 @@ class Sent:
 def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float,
          private_targets: bool = True) -> Sent:
     """One signed POST of ``body`` to the endpoint (not made where ``private_targets`` is off and its host now
-    resolves to a private address)."""
-    if not private_targets and (address := private_address(endpoint.url)) is not None:
-        return Sent(None, f"not sent: {endpoint.url} resolves to {address}, a private address")
+    resolves to a private address; see ``target``)."""
+    to = target(endpoint.url, private_targets)
+    if isinstance(to, str):
+        return Sent(None, to)
     ts = int(time.time())
     keys = [endpoint.secret]
     if endpoint.old_secret and endpoint.old_secret_until and as_utc(endpoint.old_secret_until) > utcnow():
@@ -115,8 +150,12 @@ def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float
     headers = {"content-type": "application/json", "user-agent": "coserve-webhooks", "webhook-id": webhook_id,
                "webhook-timestamp": str(ts), "webhook-signature": " ".join(signature(k, webhook_id, ts, body)
                                                                            for k in keys)}
+    if to.host_header is not None:
+        headers["host"] = to.host_header
     try:
-        r = httpx.post(endpoint.url, content=body.encode(), headers=headers, timeout=timeout_s)
+        with httpx.Client(timeout=timeout_s) as client:
+            r = client.post(to.url, content=body.encode(), headers=headers,
+                            extensions={"sni_hostname": to.sni_hostname} if to.sni_hostname else None)
     except httpx.HTTPError as exc:
         return Sent(None, f"{type(exc).__name__}: {exc}"[:500])
     return Sent(r.status_code, None if r.is_success else r.text[:500])

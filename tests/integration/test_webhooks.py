@@ -193,3 +193,51 @@ def test_with_private_targets_off_internal_urls_are_refused_and_never_called(set
         row = s.scalars(select(WebhookDelivery)).one()
         assert row.attempts == 1 and "private address" in row.last_error
     assert webhook_receiver.received == []
+
+
+def test_with_private_targets_off_a_delivery_goes_to_the_address_that_was_checked(keys, db_url, webhook_receiver,
+                                                                                  monkeypatch):
+    """DNS rebinding: the endpoint's name answers a vetted address to the check and another one after it. The POST
+    goes to the checked address (the name resolved once), with the name as its Host. Loopback stands in for a
+    public address here (the check is told it is public), and the rebound answer is another loopback address
+    the receiver does not listen on."""
+    import ipaddress
+    import socket
+
+    from app.db.models import WebhookEndpoint
+    from app.services.webhooks import new_secret
+
+    real = socket.getaddrinfo
+    answers = iter(["127.0.0.1", "127.0.0.2", "127.0.0.2"])
+    asked = []
+
+    def rebinding(host, *args, **kwargs):
+        if host != "hooks.rebind.test":
+            return real(host, *args, **kwargs)
+        asked.append(host)
+        return real(next(answers), *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    monkeypatch.setattr(ipaddress.IPv4Address, "is_global", property(lambda self: True))
+    port = webhook_receiver.url.split(":")[2].split("/")[0]
+    with session_scope(db_url) as s:
+        s.add(WebhookEndpoint(id="we_rebind", tenant_id=keys.tenant_id, name="n", event_types=["batch.completed"],
+                              url=f"http://hooks.rebind.test:{port}/hook", secret=new_secret()))
+        s.commit()
+        emit(s, keys.tenant_id, "batch.completed", "batch_rebind")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=False) == 1
+    assert asked == ["hooks.rebind.test"]  # resolved once, for the check
+    ((body, headers),) = webhook_receiver.received
+    assert json.loads(body)["data"]["id"] == "batch_rebind" and headers["host"] == f"hooks.rebind.test:{port}"
+
+
+def test_a_pinned_target_keeps_the_host_for_tls_and_the_host_header():
+    import ipaddress
+
+    from app.services.webhooks import Target
+
+    t = Target.pinned("https://u:p@hooks.example.com:8443/a?b=1", ipaddress.ip_address("93.184.215.14"))
+    assert t == Target("https://u:p@93.184.215.14:8443/a?b=1", "hooks.example.com:8443", "hooks.example.com")
+    t = Target.pinned("https://hooks.example.com/a", ipaddress.ip_address("2606:2800:21f:cb07:6820:80da:af6b:8b2c"))
+    assert t.url == "https://[2606:2800:21f:cb07:6820:80da:af6b:8b2c]/a" and t.host_header == "hooks.example.com"
