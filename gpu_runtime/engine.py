@@ -83,6 +83,9 @@ class Engine:
         self._resumes: deque[str] = deque()
         self._promotions: deque[tuple[str, Tier]] = deque()
         self._lock = threading.Lock()
+        # prompts not (re)started, probed each step for a longer cached prefix (an executor with a prefix cache)
+        self._unstarted: set[str] = set()
+        self._prefix_caching = bool(getattr(executor, "prefix_caching", False))
 
     # ---- thread-safe entry points ----
     def add_request(self, request: Request) -> None:
@@ -120,9 +123,14 @@ class Engine:
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         outputs = self._take_inbox()
+        if self._prefix_caching:
+            self._note_cached_prefixes()
         now = self.executor.now()
         sched = self.scheduler.schedule(now)
         outputs += self._events(sched)
+        if self._prefix_caching:
+            self._unstarted.difference_update(p.request.request_id for p in sched.prefills)
+            self._unstarted.update(r.request_id for r in sched.recomputed)
         self.idle = sched.is_empty
         if sched.is_empty:
             self.speculation.maintain(self.executor, self.scheduler.queue_depths().get("prefill", 0))
@@ -172,6 +180,8 @@ class Engine:
                 continue
             self.requests[req.request_id] = req
             self.scheduler.add_request(req)
+            if self._prefix_caching:
+                self._unstarted.add(req.request_id)
         for rid in aborts:
             req = self.scheduler.abort_request(rid)
             if req is None:
@@ -187,6 +197,21 @@ class Engine:
             if not self.scheduler.resume(rid):
                 log.info("resume %s: not relegated (any more)", rid)
         return outputs
+
+    def _note_cached_prefixes(self) -> None:
+        """Prompts not (re)started whose prefix the executor's cache holds further than known (computed for
+        another request since, or for this one before its KV was released) start with it shared, and the
+        scheduler plans them for what is left (as ``gpu_runtime/vllm/scheduler.py`` does inside vLLM)."""
+        for rid in list(self._unstarted):
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                self._unstarted.discard(rid)
+                continue
+            hit = self.executor.cached_prefix(rid, req.prompt_token_ids, req.num_computed_tokens)
+            if hit > req.num_computed_tokens:
+                self.executor.share_prefix(rid, hit)
+                req.num_cached_tokens = hit
+                self.scheduler.note_cached_prefix(req, hit)
 
     def _events(self, sched: SchedulerOutput) -> list[RequestOutput]:
         out = [RequestOutput(r.request_id, status=r.status, event="relegated") for r in sched.relegated]
@@ -254,6 +279,8 @@ class Engine:
         for p in sched.prefills:
             req = p.request
             req.num_computed_tokens += p.num_tokens
+            if req.request_id in result.cached_tokens:  # found cached as the pass ran (an executor's prefix cache)
+                req.num_cached_tokens = result.cached_tokens[req.request_id]
             new = result.tokens.get(req.request_id, [])
             if not req.in_prefill and new:
                 req.status = RequestStatus.DECODING if req.status is RequestStatus.WAITING else req.status

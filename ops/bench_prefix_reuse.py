@@ -51,15 +51,77 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
+class WallClock:
+    """The real engine's time."""
+
+    now = staticmethod(time.time)
+
+    @staticmethod
+    def wait_until(t: float) -> None:
+        time.sleep(max(0.0, min(0.05, t - time.time())))
+
+
+class SimClock:
+    """The simulated engine's time: waiting moves it on."""
+
+    def __init__(self, executor) -> None:  # noqa: ANN001 - a SimExecutor
+        self.executor = executor
+
+    def now(self) -> float:
+        return self.executor.now()
+
+    def wait_until(self, t: float) -> None:
+        self.executor.advance_to(t)
+
+
 def run_one(args: argparse.Namespace) -> dict:
-    """One policy's run in this process: the load above, the per-request results."""
+    """One policy's run on vLLM in this process: the load above, the per-request results, and the engine's KV
+    pool and step limits (what a simulation of the run needs)."""
+    from gpu_runtime.vllm.build import build_vllm_engine
+
+    step_log = Path(args.step_log) / f"{args.one}.jsonl" if args.step_log else None
+    engine = build_vllm_engine(args.model, scheduler_policy=args.one, max_model_len=4096, cost_profile="auto",
+                               enable_prefix_caching=True, step_log=step_log)
+    config = engine.llm.vllm_config
+    run = drive(engine, WallClock(), args, args.one)
+    run["engine"] = {"block_size": config.cache_config.block_size, "kv_blocks": config.cache_config.num_gpu_blocks,
+                     "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                     "max_num_seqs": config.scheduler_config.max_num_seqs}
+    return run
+
+
+SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-v1-fcfs",
+             "vllm-priority": "vllm-v1-priority"}
+
+
+def simulate_one(args: argparse.Namespace, measured: dict, profile: str, prefix_cache: bool) -> dict | None:
+    """The same load through the simulator (the policy's code on a cost model of this CPU's vLLM, the measured
+    run's KV pool and step limits, coserve's policies calibrating as the worker does); ``prefix_cache``: with the
+    simulator's model of vLLM's prefix cache, else every prompt priced whole."""
+    from gpu_runtime.costmodel.profile import scheduling_cost_model
+    from gpu_runtime.scheduler.registry import config_fields
+    from gpu_runtime.sim.simulator import make_replica
+
+    policy = SIMULATED.get(measured["policy"])
+    if policy is None:
+        return None
+    eng = measured["engine"]
+    fields = config_fields(policy)
+    extra = {k: v for k, v in (("chunk_ceiling", eng["max_num_batched_tokens"]),
+                               ("max_num_batched_tokens", eng["max_num_batched_tokens"]),
+                               ("max_num_seqs", eng["max_num_seqs"])) if k in fields}
+    model = scheduling_cost_model(profile)
+    replica = make_replica(policy, policy, model, eng["kv_blocks"], eng["block_size"], prefix_caching=prefix_cache,
+                           calibrate=not measured["policy"].startswith("vllm-"), **extra)
+    return drive(replica.engine, SimClock(replica.executor), args, measured["policy"])
+
+
+def drive(engine, clock, args: argparse.Namespace, policy: str) -> dict:  # noqa: ANN001 - either engine
+    """The load above on ``engine`` (the worker's vLLM engine or a simulated one), in ``clock``'s time."""
     from gpu_runtime.qos import QoSClass, QoSSpec, Tier
     from gpu_runtime.request import Request
     from gpu_runtime.sampling import SamplingParams
-    from gpu_runtime.vllm.build import build_vllm_engine
 
-    engine = build_vllm_engine(args.model, scheduler_policy=args.one, max_model_len=4096, cost_profile="auto",
-                               enable_prefix_caching=True)
     qos = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=args.ttft_s, tbt_s=args.tbt_s)
     rng = random.Random(args.seed)
 
@@ -68,14 +130,14 @@ def run_one(args: argparse.Namespace) -> dict:
 
     # warm-up: one short request, untimed (the first steps of a fresh engine are slow)
     engine.add_request(Request("warm", tokens(32), SamplingParams(max_tokens=4, ignore_eos=True), qos,
-                               arrival_time=time.time()))
+                               arrival_time=clock.now()))
     while engine.has_work:
         engine.step()
 
     system = tokens(args.system)
     history = {c: list(system) for c in range(args.conversations)}
     turn = dict.fromkeys(range(args.conversations), 0)
-    t0 = time.time()
+    t0 = clock.now()
     due: list[tuple[float, str]] = []  # (arrival, request key)
     for c in range(args.conversations):
         heapq.heappush(due, (t0 + c * args.stagger_s, f"c{c}"))
@@ -92,7 +154,7 @@ def run_one(args: argparse.Namespace) -> dict:
     results: list[dict] = []
     kind: dict[str, str] = {}
     while due or engine.has_work:
-        now = time.time()
+        now = clock.now()
         while due and due[0][0] <= now:
             arrival, key = heapq.heappop(due)
             if key.startswith("c"):
@@ -108,7 +170,8 @@ def run_one(args: argparse.Namespace) -> dict:
             engine.add_request(Request(rid, ids, SamplingParams(max_tokens=args.answer, ignore_eos=True), qos,
                                        arrival_time=arrival))
         if not engine.has_work:
-            time.sleep(max(0.0, min(0.05, due[0][0] - time.time())) if due else 0.0)
+            if due:
+                clock.wait_until(due[0][0])
             continue
         for out in engine.step():
             answers.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -118,14 +181,18 @@ def run_one(args: argparse.Namespace) -> dict:
             rid = out.request_id
             results.append({"id": rid, "kind": kind[rid], "prompt": len(prompts[rid]), "ttft_s": m.ttft_s,
                             "slo_met": m.slo_met, "cached": getattr(m, "num_cached_tokens", 0),
-                            "tokens": m.num_output_tokens, "finished": time.time() - t0})
+                            "tokens": m.num_output_tokens, "finished": clock.now() - t0})
             if rid.startswith("c"):  # the conversation goes on after the answer
                 c = int(rid[1:].split("t")[0])
                 history[c] += answers[rid]
                 turn[c] += 1
                 if turn[c] < args.turns:
-                    heapq.heappush(due, (time.time() + args.think_s, f"c{c}"))
-    return {"policy": args.one, "elapsed_s": time.time() - t0, "requests": results}
+                    heapq.heappush(due, (clock.now() + args.think_s, f"c{c}"))
+        if engine.idle and isinstance(clock, SimClock):  # nothing schedulable: simulated time waits for arrivals
+            if not due:
+                raise RuntimeError(f"{policy}: the simulated engine holds work it never schedules")
+            clock.wait_until(due[0][0])
+    return {"policy": policy, "elapsed_s": clock.now() - t0, "requests": results}
 
 
 def summary(run: dict) -> dict:
@@ -158,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tbt-s", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="every request's result, as JSON")
+    ap.add_argument("--simulate", nargs="?", const="auto", default=None, metavar="PROFILE",
+                    help="also run the load through the simulator on PROFILE (default: the vLLM profile of this CPU "
+                         "the engine planned with), with and without its prefix-cache model, beside the measured")
+    ap.add_argument("--step-log", default=None, metavar="DIR",
+                    help="write each policy's engine steps to DIR/POLICY.jsonl (coserve profile --from-steps reads it)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one policy here
     args = ap.parse_args(argv)
     if args.one:
@@ -172,22 +244,47 @@ def main(argv: list[str] | None = None) -> None:
             if proc.returncode != 0:
                 raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
             runs.append(json.loads(out.read_text()))
+    rows = [("measured", run) for run in runs]
+    if args.simulate:
+        from gpu_runtime.vllm.profiling import default_profile
+
+        profile = default_profile() if args.simulate == "auto" else args.simulate  # the engine's "auto" choice
+        if profile is None:
+            raise SystemExit("no shipped vLLM profile fits this machine: pass --simulate PROFILE")
+        for run in runs:
+            for label, model in (("simulated", True), ("simulated, no prefix cache", False)):
+                sim = simulate_one(args, run, profile, model)
+                if sim is not None:
+                    rows.append((f"{label} ({Path(profile).stem})", sim))
     if args.out:
-        Path(args.out).write_text(json.dumps(runs))
+        Path(args.out).write_text(json.dumps([{"source": source, **run} for source, run in rows]))
     table = Table(title=f"{args.conversations} conversations x {args.turns} turns beside fresh prompts at "
                         f"{args.fresh_qps}/s for {args.fresh_minutes} min; TTFT {args.ttft_s} s, TBT {args.tbt_s} s")
-    for col in ("policy", "first turns TTFT p50 / p99 s", "later turns TTFT p50 / p99 s", "fresh TTFT p50 / p99 s",
-                "SLO met", "prompt cached", "output tok/s", "run s", "requests"):
+    for col in ("policy", "run", "first turns TTFT p50 / p99 s", "later turns TTFT p50 / p99 s",
+                "fresh TTFT p50 / p99 s", "SLO met", "prompt cached", "output tok/s", "run s", "requests",
+                "TTFT error vs measured"):
         table.add_column(col)
-    for run in runs:
+    measured = {run["policy"]: summary(run) for run in runs}
+    for source, run in sorted(rows, key=lambda r: r[1]["policy"]):
         s = summary(run)
 
         def pair(k: str) -> str:
             p50, p99, n = s[k]
             return "-" if p50 is None else f"{p50:.2f} / {p99:.2f} ({n})"
-        table.add_row(s["policy"], pair("first turn"), pair("later turn"), pair("fresh"), f"{s['met']:.1%}",
-                      f"{s['cached']:.1%}", f"{s['tok_s']:.1f}", f"{s['elapsed_s']:.0f}", str(s["n"]))
-    Console(width=160).print(table)
+        error = "-" if source == "measured" else f"{ttft_error(s, measured[s['policy']]):.1%}"
+        table.add_row(s["policy"], source, pair("first turn"), pair("later turn"), pair("fresh"), f"{s['met']:.1%}",
+                      f"{s['cached']:.1%}", f"{s['tok_s']:.1f}", f"{s['elapsed_s']:.0f}", str(s["n"]), error)
+    Console(width=200).print(table)
+    if args.simulate:
+        print("TTFT error: mean absolute percentage error of the TTFT p50 and p99 of each kind of request, "
+              "simulated against measured")
+
+
+def ttft_error(sim: dict, measured: dict) -> float:
+    """MAPE of the TTFT p50 and p99 per kind of request (first turns, later turns, fresh), where both have them."""
+    errors = [abs(s - m) / m for k in ("first turn", "later turn", "fresh")
+              for s, m in zip(sim[k][:2], measured[k][:2], strict=True) if s is not None and m]
+    return sum(errors) / len(errors) if errors else float("nan")
 
 
 def _passed(args: argparse.Namespace) -> list[str]:
@@ -196,6 +293,9 @@ def _passed(args: argparse.Namespace) -> list[str]:
     for name in ("model", "conversations", "turns", "system", "user", "answer", "think_s", "stagger_s", "fresh_qps",
                  "fresh_len", "fresh_minutes", "ttft_s", "tbt_s", "seed"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.step_log:
+        Path(args.step_log).mkdir(parents=True, exist_ok=True)
+        out += ["--step-log", str(Path(args.step_log).resolve())]
     return out
 
 

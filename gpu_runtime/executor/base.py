@@ -63,6 +63,9 @@ class StepResult:
     # For decodes with a tree: indices of accepted tree nodes, root to leaf.
     accepted_nodes: dict[str, list[int]] = field(default_factory=dict)
     latency_s: float = 0.0  # measured (torch) or predicted (sim) wall time of the pass
+    # prompts whose first chunk found this many of their tokens in the prefix cache (computed earlier in the same
+    # pass: vLLM caches a block when it allocates it), so the pass computed only the rest (simulator)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -26,6 +26,8 @@ class Allocation:
 class BlockTable:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose slots are reserved (cached or scratch)
+    # leading blocks held elsewhere (a prefix-cache hit, simulated: ``BlockManager.share``), not in ``blocks``
+    shared_blocks: int = 0
 
 
 class BlockManager:
@@ -54,9 +56,9 @@ class BlockManager:
     def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
         """Extra blocks to reserve ``num_new_tokens`` more slots for ``request_id``."""
         table = self.tables.get(request_id)
-        held = len(table.blocks) if table else 0
-        used = table.num_tokens if table else 0
-        return max(0, self.blocks_for(used + num_new_tokens) - held)
+        if table is None:
+            return self.blocks_for(num_new_tokens)
+        return max(0, self.blocks_for(table.num_tokens + num_new_tokens) - len(table.blocks) - table.shared_blocks)
 
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
         return self.blocks_needed(request_id, num_new_tokens) <= self.num_free
@@ -78,7 +80,7 @@ class BlockManager:
         table = self.tables.get(request_id)
         if table is None or num_tokens >= table.num_tokens:
             return 0
-        keep = self.blocks_for(num_tokens)
+        keep = max(0, self.blocks_for(num_tokens) - table.shared_blocks)
         dropped = table.blocks[keep:]
         del table.blocks[keep:]
         table.num_tokens = num_tokens
@@ -92,6 +94,15 @@ class BlockManager:
             return 0
         self._release(table.blocks)
         return len(table.blocks)
+
+    def share(self, request_id: str, num_tokens: int) -> None:
+        """``request_id``, holding no block of its own yet, starts with its first ``num_tokens`` (whole blocks) in
+        blocks held elsewhere: the simulator's prefix-cache hit, counted once for every request that shares it (a
+        second call grows it). Slots of shared blocks are not in the table (no real executor shares blocks)."""
+        table = self.tables.get(request_id)
+        if (table is not None and table.blocks) or num_tokens % self.block_size:
+            raise ValueError(f"share {num_tokens} tokens: {request_id} holds KV, or that is not whole blocks")
+        self.tables[request_id] = BlockTable(num_tokens=num_tokens, shared_blocks=num_tokens // self.block_size)
 
     def slot(self, request_id: str, position: int) -> int:
         table = self.tables[request_id]

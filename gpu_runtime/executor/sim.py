@@ -9,6 +9,11 @@ The simulated draft occupies ``draft_blocks`` KV blocks' worth of device memory:
 it grows the pool by that much and reloading shrinks it back (Nightjar section 5), like
 TorchExecutor. A request the draft skipped for some steps (speculation off) pays a
 catch-up prefill on its next draft: ``draft_switch_cost``, Nightjar's c_prefill(L_max, B).
+
+With ``prefix_caching`` it keeps vLLM's automatic prefix cache (``prefix_cache.py``): every full block a request
+computed is named by its content, a prompt not started yet finds the blocks of its prefix that are resident
+(``cached_prefix``) and starts with them shared (``share_prefix``: no compute, no new memory), and a freed block
+stays cached until the pool needs its memory. Off by default: trace requests have placeholder prompts, all alike.
 """
 
 from __future__ import annotations
@@ -19,8 +24,17 @@ from typing import TYPE_CHECKING
 
 from gpu_runtime.costmodel.base import batch_time, decode_step_time
 from gpu_runtime.costmodel.features import BatchFeatures
-from gpu_runtime.executor.base import BatchPlan, DraftEntry, DraftResult, KeepDrafting, KVCapacity, StepResult
+from gpu_runtime.executor.base import (
+    BatchPlan,
+    DraftEntry,
+    DraftResult,
+    KeepDrafting,
+    KVCapacity,
+    PrefillChunk,
+    StepResult,
+)
 from gpu_runtime.executor.kv_blocks import BlockManager
+from gpu_runtime.executor.prefix_cache import PrefixCache, block_hashes
 from gpu_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,7 +52,8 @@ class SimExecutor:
     def __init__(self, cost_model: CostModel, kv_blocks: int = 1 << 20, block_size: int = 16,
                  max_model_len: int = 1 << 20, acceptance: AcceptanceModel | None = None,
                  draft_cost_s: float = 0.0, noise: float = 0.0, seed: int = 0, draft_blocks: int = 0,
-                 draft_cpu_s_per_request: float = 0.0, draft_cpu_s_per_context_token: float = 0.0) -> None:
+                 draft_cpu_s_per_request: float = 0.0, draft_cpu_s_per_context_token: float = 0.0,
+                 prefix_caching: bool = False) -> None:
         self.cost_model = cost_model
         self.blocks = BlockManager(kv_blocks, block_size)
         self.max_model_len = max_model_len
@@ -58,6 +73,10 @@ class SimExecutor:
         self.draft_blocks = draft_blocks  # device memory of the draft (weights + its KV), in KV blocks
         self._draft_synced: dict[str, tuple[int, int]] = {}  # request -> (step, tokens) when last drafted
         self.calibration: InPlaceCalibration | None = None  # fed every step's cost, as vLLM's scheduler feeds it
+        self.prefix_cache = PrefixCache() if prefix_caching else None
+        self._prompt_blocks: dict[str, list[int]] = {}  # request -> names of its prompt's cacheable blocks
+        self._held: dict[str, list[int]] = {}  # request -> names of the full blocks its KV has, in order
+        self._tail: dict[str, list[int]] = {}  # request -> tokens of its KV after its last full block
 
     # ---- clock ----
     def now(self) -> float:
@@ -78,19 +97,93 @@ class SimExecutor:
 
     def free(self, request_id: str) -> None:
         self.blocks.free(request_id)
+        self._prompt_blocks.pop(request_id, None)
+        self._uncache(request_id)
         self.categories.pop(request_id, None)
         self._draft_synced.pop(request_id, None)
 
     def release_kv(self, request_id: str) -> None:
         self.blocks.free(request_id)
         self._draft_synced.pop(request_id, None)
+        self._uncache(request_id)
+
+    # ---- prefix cache ----
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
+
+    def cached_prefix(self, request_id: str, prompt_token_ids: list[int], known: int = 0) -> int:
+        """Tokens of the prompt's prefix the cache holds, in whole blocks and at most all but its last token (vLLM
+        computes the last to sample from it). ``known``: a hit found before; only the block after it is probed
+        unless that one is resident too (one lookup a step for a prompt that waits)."""
+        names = self._prompt_blocks.get(request_id)
+        if names is None:
+            names = self._prompt_blocks[request_id] = block_hashes(prompt_token_ids[:-1], self.blocks.block_size)
+        k = known // self.blocks.block_size
+        if self.prefix_cache is None or k >= len(names) or names[k] not in self.prefix_cache:
+            return known
+        return self.prefix_cache.leading_hits(names, k) * self.blocks.block_size
+
+    def share_prefix(self, request_id: str, num_tokens: int) -> None:
+        """The request, not started, starts with the first ``num_tokens`` of its prompt (``cached_prefix``'s) in
+        the cached blocks: it holds them, and computes and pays memory for the rest only."""
+        assert self.prefix_cache is not None
+        bs = self.blocks.block_size
+        held = self._held.setdefault(request_id, [])
+        more = self._prompt_blocks[request_id][len(held):num_tokens // bs]
+        self.prefix_cache.hold(more)
+        held += more
+        self.blocks.share(request_id, num_tokens)
+
+    def _past_cached_prefix(self, chunk: PrefillChunk, result: StepResult) -> PrefillChunk:
+        """A prompt's first chunk starts past the blocks of it the cache holds, those an earlier chunk of the same
+        pass put there included (vLLM names a block when it allocates it, and the pass writes a layer's KV before
+        its attention reads it); at most all but the prompt's last token, and never past the chunk (vLLM's hit may
+        reach past the tokens the policy planned for the prompt; the plan's end bounds it here)."""
+        bs = self.blocks.block_size
+        names = block_hashes(chunk.token_ids[:-1] if chunk.sample else chunk.token_ids, bs)
+        hit = self.prefix_cache.leading_hits(names)
+        if not hit:
+            return chunk
+        self.prefix_cache.hold(names[:hit])
+        self._held[chunk.request_id] = names[:hit]
+        self.blocks.share(chunk.request_id, hit * bs)
+        result.cached_tokens[chunk.request_id] = hit * bs
+        return PrefillChunk(chunk.request_id, hit * bs, chunk.token_ids[hit * bs:], chunk.sample)
+
+    def _cache_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Tokens written to the request's KV: each block they fill is named and held (cached)."""
+        held = self._held.setdefault(request_id, [])
+        tail = self._tail.setdefault(request_id, [])
+        tail += token_ids
+        bs = self.blocks.block_size
+        if len(tail) >= bs:
+            full = len(tail) // bs * bs
+            names = block_hashes(tail[:full], bs, held[-1] if held else None)
+            self.prefix_cache.hold(names)
+            held += names
+            del tail[:full]
+
+    def _uncache(self, request_id: str) -> None:
+        """The request's KV is gone: its blocks stay cached, idle, as long as the pool's free memory holds them."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.release(self._held.pop(request_id, []))
+        self._tail.pop(request_id, None)
+        self.prefix_cache.evict_to(self.blocks.num_free)
 
     # ---- passes ----
     def step(self, plan: BatchPlan) -> StepResult:
         result = StepResult()
+        priced = []
         for c in plan.prefills:
+            if self.prefix_cache is not None and c.start == 0 and c.request_id not in self.blocks.tables:
+                c = self._past_cached_prefix(c, result)
+            priced.append(c)
             if self.blocks.allocate(c.request_id, len(c.token_ids)) is None:
                 raise RuntimeError(f"KV exhausted for prefill of {c.request_id}")
+            if self.prefix_cache is not None:
+                self._cache_tokens(c.request_id, c.token_ids)
             if c.sample:
                 result.tokens[c.request_id] = [SIM_TOKEN]
         tables, bs = self.blocks.tables, self.blocks.block_size
@@ -109,7 +202,12 @@ class SimExecutor:
                 # Rejected tree slots are scratch: keep pending token + accepted path.
                 self.blocks.truncate(d.request_id, d.position + 1 + len(accepted))
             result.tokens[d.request_id] = [SIM_TOKEN] * (len(accepted) + 1)
-        features = BatchFeatures.from_plan(plan)
+            if self.prefix_cache is not None:  # the step wrote the fed token's KV and the accepted path's
+                self._cache_tokens(d.request_id, [d.token_id] + [SIM_TOKEN] * len(accepted))
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict_to(self.blocks.num_free)  # the step's new blocks took idle ones' memory
+        features = BatchFeatures.from_plan(BatchPlan([c for c in priced if c.token_ids], plan.decodes)
+                                           if self.prefix_cache is not None else plan)
         latency = self.cost_model.predict(features)
         if self.noise:
             latency *= max(0.5, 1.0 + self.rng.gauss(0.0, self.noise))

@@ -81,6 +81,11 @@ class Scheduler(ABC):
         """The engine freed the request's KV (its own preemption): it recomputes its prefill later."""
         raise NotImplementedError(f"{type(self).__name__} does not track released KV")
 
+    def note_cached_prefix(self, request: Request, tokens: int) -> None:
+        """The engine's prefix cache holds the first ``tokens`` of a prompt not (re)started: they count as
+        computed."""
+        raise NotImplementedError(f"{type(self).__name__} does not track cached prefixes")
+
     @property
     @abstractmethod
     def num_unfinished(self) -> int:

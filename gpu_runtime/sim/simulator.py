@@ -66,11 +66,13 @@ class Replica:
 
 def make_replica(name: str, policy: str, cost_model: CostModel, kv_blocks: int, block_size: int = 16,
                  noise: float = 0.0, seed: int = 0, plan_cost_model: CostModel | None = None,
-                 calibrate: bool = False, **sched_config) -> Replica:
+                 calibrate: bool = False, prefix_caching: bool = False, **sched_config) -> Replica:
     """A simulated engine whose passes take ``cost_model``'s time; its scheduler plans with
     ``plan_cost_model`` (default: the same model; a real engine's policy may plan with another), scaled to
-    the simulated steps' cost with ``calibrate`` as the vLLM worker scales it (COSERVE_COST_CALIBRATION)."""
-    ex = TraceSimExecutor(cost_model, kv_blocks=kv_blocks, block_size=block_size, noise=noise, seed=seed)
+    the simulated steps' cost with ``calibrate`` as the vLLM worker scales it (COSERVE_COST_CALIBRATION);
+    ``prefix_caching``: vLLM's prefix cache (for requests whose prompts are real token ids)."""
+    ex = TraceSimExecutor(cost_model, kv_blocks=kv_blocks, block_size=block_size, noise=noise, seed=seed,
+                          prefix_caching=prefix_caching)
     plan = plan_cost_model or cost_model
     if calibrate:
         plan = ScaledCostModel(plan)

@@ -1,0 +1,38 @@
+"""ops/bench_prefix_reuse.py's simulated runs: the same conversations load through the simulator, with its model
+of vLLM's prefix cache and without it (what the simulator priced before it had one)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+OPS = Path(__file__).resolve().parents[3] / "ops"
+PROFILE = "cpu-avx512-smollm2-135m-vllm"
+ENGINE = {"block_size": 128, "kv_blocks": 727, "max_num_batched_tokens": 2048, "max_num_seqs": 128}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(OPS))
+    try:
+        import bench_prefix_reuse
+    finally:
+        sys.path.remove(str(OPS))
+    return bench_prefix_reuse
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "vllm-fcfs"])
+def test_conversations_behind_one_system_prompt_find_it_cached_in_simulation(bench, policy):
+    load = argparse.Namespace(conversations=12, turns=2, system=512, user=64, answer=16, think_s=0.5,
+                              stagger_s=0.0, fresh_qps=0.5, fresh_len=256, fresh_minutes=0.3, ttft_s=2.0, tbt_s=0.5,
+                              seed=0)
+    measured = {"policy": policy, "engine": ENGINE}
+    cached = bench.summary(bench.simulate_one(load, measured, PROFILE, prefix_cache=True))
+    whole = bench.summary(bench.simulate_one(load, measured, PROFILE, prefix_cache=False))
+    assert cached["n"] == whole["n"] == 12 * 2 + cached["fresh"][2] and cached["fresh"][2] > 0
+    # later turns find their conversation so far cached (prompt and answer blocks), first turns the system prompt
+    assert cached["cached"] > 0.5 and whole["cached"] == 0.0
+    assert cached["later turn"][0] < whole["later turn"][0]  # TTFT p50 of the turns the cache holds
