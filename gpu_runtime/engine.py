@@ -83,8 +83,9 @@ class Engine:
         self._resumes: deque[str] = deque()
         self._promotions: deque[tuple[str, Tier]] = deque()
         self._lock = threading.Lock()
-        # prompts not (re)started, probed each step for a longer cached prefix (an executor with a prefix cache)
-        self._unstarted: set[str] = set()
+        # prompts not (re)started, probed each step for a longer cached prefix (an executor with a prefix cache);
+        # a dict: probed in admission order, the same in every process (a set's order follows string hashes)
+        self._unstarted: dict[str, None] = {}
         self._prefix_caching = bool(getattr(executor, "prefix_caching", False))
 
     # ---- thread-safe entry points ----
@@ -129,8 +130,9 @@ class Engine:
         sched = self.scheduler.schedule(now)
         outputs += self._events(sched)
         if self._prefix_caching:
-            self._unstarted.difference_update(p.request.request_id for p in sched.prefills)
-            self._unstarted.update(r.request_id for r in sched.recomputed)
+            for p in sched.prefills:
+                self._unstarted.pop(p.request.request_id, None)
+            self._unstarted.update(dict.fromkeys(r.request_id for r in sched.recomputed))
         self.idle = sched.is_empty
         if sched.is_empty:
             self.speculation.maintain(self.executor, self.scheduler.queue_depths().get("prefill", 0))
@@ -181,7 +183,7 @@ class Engine:
             self.requests[req.request_id] = req
             self.scheduler.add_request(req)
             if self._prefix_caching:
-                self._unstarted.add(req.request_id)
+                self._unstarted[req.request_id] = None
         for rid in aborts:
             req = self.scheduler.abort_request(rid)
             if req is None:
@@ -205,7 +207,7 @@ class Engine:
         for rid in list(self._unstarted):
             req = self.requests.get(rid)
             if req is None or req.status.finished:
-                self._unstarted.discard(rid)
+                del self._unstarted[rid]
                 continue
             hit = self.executor.cached_prefix(rid, req.prompt_token_ids, req.num_computed_tokens)
             if hit > req.num_computed_tokens:

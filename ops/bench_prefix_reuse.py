@@ -21,6 +21,9 @@ prompt tokens found in the cache, output tok/s and the run's length.
     python ops/bench_prefix_reuse.py --policies qoserve vllm-fcfs
     python ops/bench_prefix_reuse.py --policies qoserve --fresh-qps 2 --out run.json
     python ops/bench_prefix_reuse.py --conversations 48 --turns 2 --stagger-s 0   # a burst behind one system prompt
+    python ops/bench_prefix_reuse.py --simulate --out run.json   # beside the simulator, with and without its
+                                                                 # model of the prefix cache
+    python ops/bench_prefix_reuse.py --simulate --from-json run.json   # simulate saved runs again
 """
 
 from __future__ import annotations
@@ -228,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--simulate", nargs="?", const="auto", default=None, metavar="PROFILE",
                     help="also run the load through the simulator on PROFILE (default: the vLLM profile of this CPU "
                          "the engine planned with), with and without its prefix-cache model, beside the measured")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="take the measured runs from FILE (an earlier --out, run with the same load options) "
+                         "instead of running vLLM: with --simulate, simulates them again")
     ap.add_argument("--step-log", default=None, metavar="DIR",
                     help="write each policy's engine steps to DIR/POLICY.jsonl (coserve profile --from-steps reads it)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one policy here
@@ -236,9 +242,12 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps(run_one(args)))
         return
     runs = []
+    if args.from_json:  # measured runs saved with --out (the same load options): simulate them again
+        saved = json.loads(Path(args.from_json).read_text())
+        runs = [r for r in saved if r.get("source", "measured") == "measured" and r["policy"] in args.policies]
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in args.policies:  # one process per engine (vLLM's in-process engine core is process-wide)
-            out = Path(tmp) / f"{policy}.json"
+        for policy in [] if args.from_json else args.policies:  # one process per engine (vLLM's engine core
+            out = Path(tmp) / f"{policy}.json"  # runs in the process, one per process)
             proc = subprocess.run([sys.executable, __file__, "--one", policy, "--out", str(out), *_passed(args)],
                                   cwd=ROOT, capture_output=True, text=True, timeout=3600)
             if proc.returncode != 0:

@@ -12,9 +12,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None, start: int = 0) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0, start: int = 0) -> list[int]:
     """Names of the full blocks of ``token_ids[start:]`` (``start`` on a block boundary), the first chained to
-    ``parent``, the name of the block before ``start``."""
+    ``parent``, the name of the block before ``start`` (0: none). Hashes of ints only: the same in every process."""
     out = []
     for lo in range(start, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[lo:lo + block_size])))

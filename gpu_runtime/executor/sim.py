@@ -124,6 +124,10 @@ class SimExecutor:
             return known
         return self.prefix_cache.leading_hits(names, k) * self.blocks.block_size
 
+    def prompt_blocks(self, request_id: str) -> list[int]:
+        """Names of the prompt's cacheable blocks (``cached_prefix`` computed them; none before)."""
+        return self._prompt_blocks.get(request_id, [])
+
     def share_prefix(self, request_id: str, num_tokens: int) -> None:
         """The request, not started, starts with the first ``num_tokens`` of its prompt (``cached_prefix``'s) in
         the cached blocks: it holds them, and computes and pays memory for the rest only."""
@@ -159,7 +163,7 @@ class SimExecutor:
         bs = self.blocks.block_size
         if len(tail) >= bs:
             full = len(tail) // bs * bs
-            names = block_hashes(tail[:full], bs, held[-1] if held else None)
+            names = block_hashes(tail[:full], bs, held[-1] if held else 0)
             self.prefix_cache.hold(names)
             held += names
             del tail[:full]
@@ -177,8 +181,12 @@ class SimExecutor:
         result = StepResult()
         priced = []
         for c in plan.prefills:
-            if self.prefix_cache is not None and c.start == 0 and c.request_id not in self.blocks.tables:
-                c = self._past_cached_prefix(c, result)
+            if self.prefix_cache is not None and c.request_id not in self.blocks.tables:
+                if c.start:  # the policy planned it past blocks a prompt before it in this pass caches
+                    self.share_prefix(c.request_id, c.start)
+                    result.cached_tokens[c.request_id] = c.start
+                else:
+                    c = self._past_cached_prefix(c, result)
             priced.append(c)
             if self.blocks.allocate(c.request_id, len(c.token_ids)) is None:
                 raise RuntimeError(f"KV exhausted for prefill of {c.request_id}")

@@ -118,6 +118,13 @@ class BaseScheduler(Scheduler):
         if config.kv_reserve not in ("predicted", "max_tokens"):
             raise ValueError(f"kv_reserve must be 'predicted' or 'max_tokens', not {config.kv_reserve!r}")
         self._reserve_predicted = config.kv_reserve == "predicted"
+        # An executor with a prefix cache names each prompt's cacheable blocks (``prompt_blocks``). vLLM caches a
+        # block when it allocates it, so a prompt planned after another in the same pass finds the blocks they
+        # share: ``_pass_blocks`` holds the names planned so far this pass.
+        caching = executor is not None and getattr(executor, "prefix_caching", False)
+        self._prompt_blocks = getattr(executor, "prompt_blocks", None) if caching else None
+        self._block_size = executor.capacity().block_size if self._prompt_blocks is not None else 1
+        self._pass_blocks: set = set()
 
     @abstractmethod
     def _make_queue(self) -> RequestQueue:
@@ -203,6 +210,7 @@ class BaseScheduler(Scheduler):
         out = SchedulerOutput()
         out.resumed, self._resumed = self._resumed, []
         self._new_admits = 0
+        self._pass_blocks.clear()
         kv = KVBudget(self.executor, self.config.kv_watermark, self._footprint, self._reserved_output)
         if self.executor is not None and kv.free - kv.outstanding < len(self.running):
             self._make_room_for_decodes(kv, out)
@@ -353,8 +361,23 @@ class BaseScheduler(Scheduler):
         admit = req.request_id not in self.started
         if admit and self._admit_room() <= self._new_admits:
             return 0
+        names = self._prompt_blocks(req.request_id) if self._prompt_blocks is not None else ()
+        if admit and names:
+            self._join_pass_prefix(req, names)
         n = kv.take(req, min(n, req.prefill_remaining), admit=admit)
         if n > 0:
             out.prefills.append(ScheduledPrefill(req, n))
             self._new_admits += admit
+            if names:
+                self._pass_blocks.update(names[:(req.num_computed_tokens + n) // self._block_size])
         return n
+
+    def _join_pass_prefix(self, req: Request, names) -> None:  # noqa: ANN001 - the executor's block names
+        """A prompt about to start counts as computed the blocks after its known hit that prompts planned earlier
+        in this pass will have cached, so it is planned for what is left (vLLM computes that much of it)."""
+        known = req.num_computed_tokens // self._block_size
+        shared = known
+        while shared < len(names) and names[shared] in self._pass_blocks:
+            shared += 1
+        if shared > known:
+            req.num_computed_tokens = shared * self._block_size

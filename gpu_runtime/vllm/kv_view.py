@@ -49,6 +49,19 @@ class VLLMKVView:
             return -(-((mirror.num_cached_tokens if mirror is not None else 0) + n) // bs)
         return max(0, -(-(have + n) // bs) - -(-have // bs))
 
+    @property
+    def prefix_caching(self) -> bool:
+        return bool(self.scheduler.kv_cache_manager.enable_caching)
+
+    def prompt_blocks(self, request_id: str) -> list:
+        """vLLM's names (block hashes) of the request's prompt blocks a hit may cover: whole blocks, never the last
+        token (none where the request does not look its prefix up)."""
+        req = self.scheduler.requests.get(request_id)
+        manager = self.scheduler.kv_cache_manager
+        if req is None or not manager.prefix_cache_lookup_enabled(req):
+            return []
+        return req.block_hashes[:(req.num_prompt_tokens - 1) // self.block_size]
+
     def cached_prefix(self, request: VLLMRequest) -> int:
         """Tokens of a new request's prompt that vLLM's prefix cache holds now: what its first schedule would find
         (whole blocks, never the last token, which is computed again for its logits; 0 with caching off)."""

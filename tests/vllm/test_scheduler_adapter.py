@@ -347,3 +347,21 @@ def test_a_preempted_request_is_planned_for_what_its_own_cached_blocks_leave(mak
     assert waiting.request_id in out.num_scheduled_tokens and victim.request_id in out.num_scheduled_tokens, \
         out.num_scheduled_tokens
     assert mirror.num_cached_tokens == 64  # its prompt's 4 blocks; the outputs fill no whole block
+
+
+def test_prompts_planned_in_one_step_share_the_prefix_the_first_of_them_caches(make_scheduler):
+    """Three prompts behind one 64-token system prompt arrive together, when none of it is cached. vLLM caches a
+    block when it allocates it, so in one step the second and third prompts find the first one's system prompt:
+    the policy plans them for their 8-token tails and all three run in the first step (72 + 8 + 8 tokens of a
+    96-token budget). Planned at full length, the second took the rest of the budget (vLLM ran 8 of its tokens)
+    and the third waited a step."""
+    s = make_scheduler("qoserve", max_batched=96, prefix_caching=True)
+    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    system = list(range(100, 164))
+    reqs = [vllm_request(0, chat, max_tokens=2, hashed=True, prompt=system + list(range(1000 * i, 1000 * i + 8)))
+            for i in (1, 2, 3)]
+    for r in reqs:
+        s.add_request(r)
+    out, _ = run_step(s)
+    assert sorted(out.num_scheduled_tokens.values()) == [8, 8, 72], out.num_scheduled_tokens
+    assert all(s.mirrors[r.request_id].num_computed_tokens == 72 for r in reqs)  # the policy's view: all started
