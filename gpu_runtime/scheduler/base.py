@@ -121,7 +121,7 @@ class BaseScheduler(Scheduler):
         # An executor with a prefix cache names each prompt's cacheable blocks (``prompt_blocks``). vLLM caches a
         # block when it allocates it, so a prompt planned after another in the same pass finds the blocks they
         # share: ``_pass_blocks`` holds the names planned so far this pass.
-        caching = executor is not None and getattr(executor, "prefix_caching", False)
+        caching = config.plan_shared_prefixes and executor is not None and getattr(executor, "prefix_caching", False)
         self._prompt_blocks = getattr(executor, "prompt_blocks", None) if caching else None
         self._block_size = executor.capacity().block_size if self._prompt_blocks is not None else 1
         self._pass_blocks: set = set()

@@ -14,6 +14,11 @@ class SchedulerConfig:
     # until 3 are known; re-reserved when a job outlives it; recompute preemption if the cache still runs
     # out) or prompt + "max_tokens" (never preempts, but a 4096-token max_tokens caps concurrency).
     kv_reserve: str = "predicted"
+    # With a prefix cache, a prompt planned after another in the same step that shares its first blocks is
+    # planned for the rest only, as vLLM's own scheduler does (it caches a block when it allocates it). Off for
+    # coserve's policies: it fills a burst's first step with tails, and Alg. 1's budget, set by decode slack
+    # alone, then made that step outlast the prompts' TTFT (BENCHMARKS, stop 38); vLLM computes the rest anyway.
+    plan_shared_prefixes: bool = False
 
 
 @dataclass
@@ -31,6 +36,7 @@ class VLLMConfig(SchedulerConfig):
 class VLLMV1Config(SchedulerConfig):
     max_num_batched_tokens: int = 2048  # tokens per step, decodes included (vLLM-CPU's default step cap)
     order: str = "fcfs"  # fcfs | priority (vLLM's scheduling_policy; priority: vllm_priority, then arrival)
+    plan_shared_prefixes: bool = True  # vLLM's scheduler looks each prompt's hit up as it schedules it
 
 
 @dataclass
