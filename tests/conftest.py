@@ -20,6 +20,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def ops_script(name: str):  # noqa: ANN201 - the module
+    """A script of ``ops/`` imported as a module (they import each other by bare name, so ``ops/`` is on the
+    path while it loads)."""
+    import importlib
+
+    ops = str(ROOT / "ops")
+    sys.path.insert(0, ops)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(ops)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -306,18 +306,24 @@ def test_a_prompt_left_with_one_token_by_the_cache_runs_while_speculating(make_s
     assert out.num_scheduled_tokens.get(again.request_id, 0) >= 1, out.num_scheduled_tokens
 
 
-def test_prompts_that_arrived_together_are_planned_for_the_prefix_the_first_of_them_cached(make_scheduler):
-    """Three prompts behind one 64-token system prompt arrive together, when none of it is cached. Once the first
-    has run, the other two find the system prompt in vLLM's cache: each is planned for its 8-token tail, and both
-    run in the next step. Planned at full length (the hit looked up on arrival only), the second took the whole
-    step's budget, ran its 8 tokens, and the third waited a step."""
-    s = make_scheduler("qoserve", max_batched=72, prefix_caching=True)
+def behind_one_system_prompt(s) -> list:  # noqa: ANN001 - a CoserveScheduler
+    """Three chats added together: a 64-token system prompt, then 8 tokens of their own."""
     chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
     system = list(range(100, 164))
     reqs = [vllm_request(0, chat, max_tokens=2, hashed=True, prompt=system + list(range(1000 * i, 1000 * i + 8)))
             for i in (1, 2, 3)]
     for r in reqs:
         s.add_request(r)
+    return reqs
+
+
+def test_prompts_that_arrived_together_are_planned_for_the_prefix_the_first_of_them_cached(make_scheduler):
+    """Three prompts behind one 64-token system prompt arrive together, when none of it is cached. Once the first
+    has run, the other two find the system prompt in vLLM's cache: each is planned for its 8-token tail, and both
+    run in the next step. Planned at full length (the hit looked up on arrival only), the second took the whole
+    step's budget, ran its 8 tokens, and the third waited a step."""
+    s = make_scheduler("qoserve", max_batched=72, prefix_caching=True)
+    reqs = behind_one_system_prompt(s)
     assert all(s.mirrors[r.request_id].num_computed_tokens == 0 for r in reqs)
     out, _ = run_step(s)
     ran = next(iter(out.num_scheduled_tokens))
@@ -360,12 +366,7 @@ def test_prompts_planned_in_one_step_share_the_prefix_the_first_of_them_caches(m
     budget (vLLM runs 8 of its tokens) and the third waits a step."""
     monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", json.dumps({"plan_shared_prefixes": plan_shared}))
     s = make_scheduler("qoserve", max_batched=96, prefix_caching=True)
-    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
-    system = list(range(100, 164))
-    reqs = [vllm_request(0, chat, max_tokens=2, hashed=True, prompt=system + list(range(1000 * i, 1000 * i + 8)))
-            for i in (1, 2, 3)]
-    for r in reqs:
-        s.add_request(r)
+    behind_one_system_prompt(s)
     out, _ = run_step(s)
     assert sorted(out.num_scheduled_tokens.values()) == ([8, 8, 72] if plan_shared else [8, 72]), \
         out.num_scheduled_tokens

@@ -4,24 +4,18 @@ of vLLM's prefix cache and without it (what the simulator priced before it had o
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 
-OPS = Path(__file__).resolve().parents[3] / "ops"
+from tests.conftest import ops_script
+
 PROFILE = "cpu-avx512-smollm2-135m-vllm"
 ENGINE = {"block_size": 128, "kv_blocks": 727, "max_num_batched_tokens": 2048, "max_num_seqs": 128}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(OPS))
-    try:
-        import bench_prefix_reuse
-    finally:
-        sys.path.remove(str(OPS))
-    return bench_prefix_reuse
+    return ops_script("bench_prefix_reuse")
 
 
 @pytest.mark.parametrize("policy", ["qoserve", "vllm-fcfs"])

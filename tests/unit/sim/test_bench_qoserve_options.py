@@ -6,25 +6,17 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 from gpu_runtime.qos import QoSClass, Tier
 from gpu_runtime.sim.workload import TraceRow, build_requests, paper_tiers
-
-OPS = Path(__file__).resolve().parents[3] / "ops"
+from tests.conftest import ops_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(OPS))
-    try:
-        import bench_qoserve
-    finally:
-        sys.path.remove(str(OPS))
-    return bench_qoserve
+    return ops_script("bench_qoserve")
 
 
 def test_defaults_are_the_papers_tiers_and_two_hour_runs(bench):

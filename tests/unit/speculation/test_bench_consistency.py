@@ -4,8 +4,6 @@ attainment metric's TTFT rule."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,19 +18,15 @@ from gpu_runtime.speculation.adaserve import AdaServe
 from gpu_runtime.speculation.nightjar import GammaBandit, Nightjar, NightjarConfig
 from gpu_runtime.speculation.token_tree import TokenTree
 
+from tests.conftest import ops_script
+
 from .conftest import make_request
 
-OPS = Path(__file__).resolve().parents[3] / "ops"
 
 
 @pytest.fixture(scope="module")
 def harness():
-    sys.path.insert(0, str(OPS))
-    try:
-        import bench_spec_harness
-    finally:
-        sys.path.remove(str(OPS))
-    return bench_spec_harness
+    return ops_script("bench_spec_harness")
 
 
 # ---- drafter consistency ----
