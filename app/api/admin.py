@@ -123,7 +123,7 @@ def tenants(session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
     API's sums over the jobs submitted in the 24 hours before now). The dashboard reads it less often than the
     overview: the day's sums read a day of jobs (by ``ix_jobs_created``)."""
     now = utcnow()
-    end = int(now.timestamp())
+    end = int(now.timestamp()) + 1  # exclusive: the jobs of this very second count too
     day = completions_usage(session, UsageQuery(end - 86400, end, "1d", 1, group_by=("project_id",)), str)
     usage = {r["project_id"]: r for r in day["data"][0]["results"]}
     queued = queued_by_tenant(session)
