@@ -93,26 +93,19 @@ def run_one(args: argparse.Namespace) -> dict:
     return run
 
 
-SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-v1-fcfs",
-             "vllm-priority": "vllm-v1-priority"}
-
-
 def simulate_one(args: argparse.Namespace, measured: dict, profile: str, prefix_cache: bool) -> dict | None:
     """The same load through the simulator (the policy's code on a cost model of this CPU's vLLM, the measured
     run's KV pool and step limits, coserve's policies calibrating as the worker does); ``prefix_cache``: with the
     simulator's model of vLLM's prefix cache, else every prompt priced whole."""
     from gpu_runtime.costmodel.profile import scheduling_cost_model
-    from gpu_runtime.scheduler.registry import config_fields
+    from gpu_runtime.sim.replay import SIMULATED, vllm_limits
     from gpu_runtime.sim.simulator import make_replica
 
     policy = SIMULATED.get(measured["policy"])
     if policy is None:
         return None
     eng = measured["engine"]
-    fields = config_fields(policy)
-    extra = {k: v for k, v in (("chunk_ceiling", eng["max_num_batched_tokens"]),
-                               ("max_num_batched_tokens", eng["max_num_batched_tokens"]),
-                               ("max_num_seqs", eng["max_num_seqs"])) if k in fields}
+    extra = vllm_limits(policy, eng["max_num_batched_tokens"], eng["max_num_seqs"])
     model = scheduling_cost_model(profile)
     replica = make_replica(policy, policy, model, eng["kv_blocks"], eng["block_size"], prefix_caching=prefix_cache,
                            calibrate=not measured["policy"].startswith("vllm-"), **extra)

@@ -60,10 +60,10 @@ sys.path.insert(0, str(ROOT))
 from app.embedded import terminate_group  # noqa: E402
 from gpu_runtime.costmodel.profile import resolve_profile, scheduling_cost_model, slo_scale  # noqa: E402
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier  # noqa: E402
-from gpu_runtime.scheduler.registry import config_fields  # noqa: E402
 from gpu_runtime.sim.capacity import find_capacity, late_floor, sustained_violation_rate  # noqa: E402
 from gpu_runtime.sim.metrics import spans_while_waiting  # noqa: E402
 from gpu_runtime.sim.replay import (  # noqa: E402
+    SIMULATED,
     JobResult,
     bucket_stats,
     fidelity,
@@ -71,6 +71,7 @@ from gpu_runtime.sim.replay import (  # noqa: E402
     replay,
     scaled_rows,
     scaled_tiers,
+    vllm_limits,
 )
 from gpu_runtime.sim.workload import SimRequest, load_trace, paper_tiers  # noqa: E402
 from gpu_runtime.vllm.step_log import StepRecord, load_steps, step_costs  # noqa: E402
@@ -79,8 +80,6 @@ from tests.conftest import free_port  # noqa: E402
 
 console = Console(width=170)
 POLICIES = ("qoserve", "sarathi-edf", "vllm-fcfs", "vllm-priority")
-SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-v1-fcfs",
-             "vllm-priority": "vllm-v1-priority"}
 # what runs saved before the profile was chosen by machine planned with (their config has no plan_profile)
 FIRST_VLLM_PROFILE = ROOT / "gpu_runtime/costmodel/profiles/cpu-smollm2-135m-vllm.json"
 KV_BLOCKS, BLOCK_SIZE = 727, 128  # vLLM-CPU's pool at VLLM_CPU_KVCACHE_SPACE=2 (the profile's meta)
@@ -332,10 +331,7 @@ def fidelity_tables(points: list[dict], sim_profile: str, plan_profile: str, cal
         if sim_policy is None:
             continue
         jobs = [_job_from_json(j) for j in p["jobs"]]
-        # the policy's config as the engine runs it: QoServe's chunk ceiling is vLLM's step cap there
-        fields = config_fields(sim_policy)
-        extra = {k: v for k, v in (("chunk_ceiling", VLLM_STEP_TOKENS), ("max_num_batched_tokens", VLLM_STEP_TOKENS),
-                                   ("max_num_seqs", VLLM_MAX_SEQS)) if k in fields}
+        extra: dict = vllm_limits(sim_policy, VLLM_STEP_TOKENS, VLLM_MAX_SEQS)  # the policy's config as vLLM ran it
         if calibrated and not p["policy"].startswith("vllm-"):  # coserve's policy scaled its model to the steps
             extra["calibrate"] = True
         predicted = replay(jobs, sim_policy, cost_model, KV_BLOCKS, BLOCK_SIZE, until_s=p["cut_s"],

@@ -16,20 +16,19 @@ from app.db.models import Job, Tenant
 from app.services.transitions import NOT_TERMINAL
 
 ERROR_CODE = "token_limit_exceeded"
+QUEUED = (Job.batch_id.is_not(None), Job.status.in_([s.value for s in NOT_TERMINAL]))  # a batch's unended jobs
 
 
 def enqueued_tokens(session: Session, tenant_id: str, model: str) -> int:
     """Prompt tokens of the tenant's batch jobs for ``model`` that have not ended."""
     return int(session.scalar(select(func.coalesce(func.sum(Job.prompt_tokens), 0)).where(
-        Job.tenant_id == tenant_id, Job.model == model, Job.batch_id.is_not(None),
-        Job.status.in_([s.value for s in NOT_TERMINAL]))))
+        Job.tenant_id == tenant_id, Job.model == model, *QUEUED)))
 
 
 def queued_by_tenant(session: Session) -> dict[str, int]:
     """Every tenant's prompt tokens queued in batches, all models together (the admin dashboard's column)."""
     return {tenant_id: int(n or 0) for tenant_id, n in session.execute(
-        select(Job.tenant_id, func.sum(Job.prompt_tokens)).where(
-            Job.batch_id.is_not(None), Job.status.in_([s.value for s in NOT_TERMINAL])).group_by(Job.tenant_id))}
+        select(Job.tenant_id, func.sum(Job.prompt_tokens)).where(*QUEUED).group_by(Job.tenant_id))}
 
 
 def refusal(session: Session, tenant_id: str, model: str, tokens: int) -> dict | None:

@@ -131,13 +131,16 @@ class SimExecutor:
     def share_prefix(self, request_id: str, num_tokens: int) -> None:
         """The request, not started, starts with the first ``num_tokens`` of its prompt (``cached_prefix``'s) in
         the cached blocks: it holds them, and computes and pays memory for the rest only."""
-        assert self.prefix_cache is not None
-        bs = self.blocks.block_size
+        self._share(request_id, self._prompt_blocks[request_id][:num_tokens // self.blocks.block_size])
+
+    def _share(self, request_id: str, names: list[int]) -> None:
+        """The request starts with the blocks ``names`` (its prompt's first, cached): it holds those it did not yet,
+        in place of blocks of its own."""
         held = self._held.setdefault(request_id, [])
-        more = self._prompt_blocks[request_id][len(held):num_tokens // bs]
+        more = names[len(held):]
         self.prefix_cache.hold(more)
         held += more
-        self.blocks.share(request_id, num_tokens)
+        self.blocks.share(request_id, len(names) * self.blocks.block_size)
 
     def _past_cached_prefix(self, chunk: PrefillChunk, result: StepResult) -> PrefillChunk:
         """A prompt's first chunk starts past the blocks of it the cache holds, those an earlier chunk of the same
@@ -149,9 +152,7 @@ class SimExecutor:
         hit = self.prefix_cache.leading_hits(names)
         if not hit:
             return chunk
-        self.prefix_cache.hold(names[:hit])
-        self._held[chunk.request_id] = names[:hit]
-        self.blocks.share(chunk.request_id, hit * bs)
+        self._share(chunk.request_id, names[:hit])
         result.cached_tokens[chunk.request_id] = hit * bs
         return PrefillChunk(chunk.request_id, hit * bs, chunk.token_ids[hit * bs:], chunk.sample)
 

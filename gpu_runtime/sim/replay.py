@@ -22,8 +22,23 @@ from gpu_runtime.costmodel.base import CostModel
 from gpu_runtime.metrics import request_metrics
 from gpu_runtime.qos import QoSClass, QoSSpec
 from gpu_runtime.sampling import SamplingParams
+from gpu_runtime.scheduler.registry import config_fields
 from gpu_runtime.sim.simulator import Simulator, make_replica
 from gpu_runtime.sim.workload import SimRequest, TierSpec, TraceRow, build_requests, poisson_times
+
+
+# a policy the vLLM worker runs -> the simulator's model of it (coserve's own policies are the same code in both)
+SIMULATED = {"qoserve": "qoserve", "sarathi-edf": "sarathi-edf", "vllm-fcfs": "vllm-v1-fcfs",
+             "vllm-priority": "vllm-v1-priority"}
+
+
+def vllm_limits(policy: str, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, int]:
+    """The simulated ``policy``'s config as a vLLM engine's step limits bound it there: QoServe's chunk ceiling and
+    vLLM's step cap are the engine's max_num_batched_tokens, the requests holding KV its max_num_seqs."""
+    fields = config_fields(policy)
+    return {k: v for k, v in (("chunk_ceiling", max_num_batched_tokens),
+                              ("max_num_batched_tokens", max_num_batched_tokens),
+                              ("max_num_seqs", max_num_seqs)) if k in fields}
 
 
 def scaled_rows(rows: tuple[TraceRow, ...], length_scale: float, max_prompt: int) -> tuple[TraceRow, ...]:
