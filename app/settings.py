@@ -93,6 +93,12 @@ class Settings(BaseSettings):
         "ngram", description="vLLM with speculation: its drafter, 'ngram' (prompt lookup) or 'suffix' (suffix "
                              "decoding over the prompt and earlier outputs; needs arctic-inference, which "
                              "scripts/setup.sh installs)")
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM backend: any other argument of vLLM's engine (EngineArgs, as "
+                                          "`vllm serve` takes it with '_' for '-'), a JSON object, e.g. "
+                                          "{\"tensor_parallel_size\": 2, \"gpu_memory_utilization\": 0.85}; it wins "
+                                          "over the vllm_* settings; an unknown or coserve-owned key (model, "
+                                          "scheduler_cls, scheduling_policy) stops the worker at start with its name")
     vllm_step_log: Path | None = Field(None, description="vLLM backend: append every engine step (its batch, "
                                                           "latency and the host time before the next) to this "
                                                           "JSONL file; `coserve profile --from-steps` fits on it")

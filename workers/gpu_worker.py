@@ -127,6 +127,7 @@ class GpuWorker:
                                      kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
                                      max_model_len=s.vllm_max_model_len, spec_tokens=s.vllm_spec_tokens,
                                      drafter=s.vllm_drafter, step_log=s.vllm_step_log,
+                                     overrides=s.vllm_engine_args,
                                      scheduler_config=s.scheduler_config,
                                      cost_calibration=s.cost_calibration)
         else:

@@ -49,6 +49,36 @@ def speculative_config(drafter: str, num_tokens: int) -> dict[str, Any]:
     raise ValueError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)}")
 
 
+# EngineArgs fields the worker sets itself, and the setting that decides each instead
+OWNED_ENGINE_ARGS = {
+    "model": "COSERVE_MODEL names the model",
+    "scheduler_cls": "coserve's scheduler is the one the worker serves with; COSERVE_SCHEDULER_POLICY picks its policy",
+    "scheduling_policy": "COSERVE_SCHEDULER_POLICY picks it (vllm-fcfs or vllm-priority)",
+}
+
+
+def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> dict[str, Any]:
+    """``overrides`` (COSERVE_VLLM_ENGINE_ARGS) if each names an ``EngineArgs`` field the worker leaves to the
+    operator; else a ValueError that names the key and what to do instead."""
+    import dataclasses
+    import difflib
+
+    from vllm import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in overrides:
+        if key in OWNED_ENGINE_ARGS:
+            raise ValueError(f"COSERVE_VLLM_ENGINE_ARGS may not set {key!r}: {OWNED_ENGINE_ARGS[key]}")
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else " (see vLLM's EngineArgs / `vllm serve --help`)"
+            raise ValueError(f"COSERVE_VLLM_ENGINE_ARGS: {key!r} is not a vLLM engine argument{hint}")
+    if overrides.get("speculative_config") and spec_policy == "none":
+        raise ValueError("COSERVE_VLLM_ENGINE_ARGS sets a speculative_config but COSERVE_SPEC_POLICY is 'none': "
+                         "set the policy that decides how many draft tokens are verified (e.g. chain-4, adaspec)")
+    return overrides
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -59,8 +89,10 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
                 max_model_len: int | None = None, kv_cache_gib: int = 2, enforce_eager: bool | None = None,
                 max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
                 enable_prefix_caching: bool | None = None, spec_tokens: int | None = None,
-                drafter: str = "ngram") -> Any:
-    """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``)."""
+                drafter: str = "ngram", overrides: dict[str, Any] | None = None) -> Any:
+    """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``); ``overrides``
+    (any other engine argument: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``quantization``, a
+    ``speculative_config`` with another drafter, ...) win over what the other parameters set."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
 
@@ -86,6 +118,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         kwargs["max_num_seqs"] = max_num_seqs
     if spec_policy != "none":
         kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens))
+    kwargs.update(checked_overrides(overrides or {}, spec_policy))
     return EngineArgs(**kwargs)
 
 

@@ -1,6 +1,8 @@
-"""The worker's vLLM engine arguments: how many draft tokens vLLM's proposer drafts."""
+"""The worker's vLLM engine arguments: how many draft tokens vLLM's proposer drafts, and the operator's own."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -29,3 +31,26 @@ def test_the_drafter_is_vllms_ngram_or_suffix_decoding():
     assert speculative_config("ngram", 8)["method"] == "ngram"
     with pytest.raises(ValueError, match="ngram, suffix"):
         speculative_config("eagle", 8)
+
+
+def test_any_other_engine_argument_passes_through_and_wins():
+    args = engine_args("smollm2-135m", max_model_len=2048, max_num_seqs=16,
+                       overrides={"max_num_seqs": 7, "block_size": 64, "gpu_memory_utilization": 0.8})
+    assert (args.max_num_seqs, args.block_size, args.gpu_memory_utilization) == (7, 64, 0.8)
+    assert args.max_model_len == 2048  # what the overrides leave alone stays the worker's
+    assert args.scheduler_cls.endswith("CoserveScheduler")
+    eagle = {"method": "eagle", "model": "some/eagle-head", "num_speculative_tokens": 3}
+    assert engine_args("smollm2-135m", spec_policy="adaspec",
+                       overrides={"speculative_config": eagle}).speculative_config == eagle
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"tensor_paralel_size": 2}, "'tensor_paralel_size' is not a vLLM engine argument; did you mean "
+                                 "'tensor_parallel_size'"),
+    ({"scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "may not set 'scheduler_cls'"),
+    ({"model": "/elsewhere"}, "COSERVE_MODEL"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}, "COSERVE_SPEC_POLICY is 'none'"),
+])
+def test_a_bad_engine_argument_is_refused_with_its_name(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine_args("smollm2-135m", overrides=overrides)
