@@ -298,10 +298,12 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
             "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
-def output_items(job_id: str, answer: Answer, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def output_items(job_id: str, answer: Answer, logprobs: list[dict[str, Any]] | None = None,
+                 status: str = "completed") -> list[dict[str, Any]]:
+    """``status``: the items' (``incomplete``: a cancelled response's, cut where it stopped)."""
     shown = answer.content or not answer.tool_calls
-    items = [message_item(job_id, answer.content or "", logprobs=logprobs)] if shown else []
-    return items + [call_item(c) for c in answer.tool_calls or ()]
+    items = [message_item(job_id, answer.content or "", status, logprobs)] if shown else []
+    return items + [call_item(c, status) for c in answer.tool_calls or ()]
 
 
 STATUSES = {"queued": "queued", "running": "in_progress", "relegated": "in_progress", "succeeded": "completed",
@@ -312,8 +314,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
                   answer: Answer | None = None, prompt_tokens: int | None = None,
                   completion_tokens: int | None = None, error: dict[str, Any] | None = None,
                   logprobs: list[dict[str, Any]] | None = None, cached_tokens: int | None = None) -> dict[str, Any]:
-    """The job as a Response: ``answer`` once it has one (``status`` the job's status, coserve's names), with its
-    token ``logprobs`` where they were asked for."""
+    """The job as a Response: ``answer`` once it has one (``status`` the job's status, coserve's names; a cancelled
+    job's answer is what it produced before the cancel), with its token ``logprobs`` where they were asked for."""
     state = STATUSES.get(status or job.status, "in_progress")
     incomplete = None
     if state == "completed" and answer is not None and answer.finish_reason == "length":
@@ -325,7 +327,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "status": state, "background": bool(kept.get("background")), "error": error,
         "incomplete_details": incomplete,
         "instructions": kept.get("instructions"), "max_output_tokens": kept.get("max_output_tokens"),
-        "model": job.model, "output": output_items(job.id, answer, logprobs) if answer is not None else [],
+        "model": job.model, "output": [] if answer is None else output_items(
+            job.id, answer, logprobs, "incomplete" if state == "cancelled" else "completed"),
         "parallel_tool_calls": sampling.get("parallel_tool_calls", True),
         "previous_response_id": kept.get("previous_response_id"), "conversation": kept.get("conversation"),
         "reasoning": None,

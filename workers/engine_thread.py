@@ -3,8 +3,9 @@
 Each iteration it applies the inbox's commands in order (add, abort, resume, promote,
 learned lengths), runs one engine step, and turns the step's outputs into outbox records:
 token deltas (each with its character offset, so a reader can tell a gap from a pause),
-first-token times, relegations and resumptions, completions and rejections. It never does
-I/O itself. It also keeps the worker honest:
+first-token times, relegations and resumptions, completions and rejections, and what a job
+the API cancelled had produced (its text and token counts stay on it). It never does I/O
+itself. It also keeps the worker honest:
 
 * reconcile: every ``reconcile_s`` a job the worker holds that the engine no longer knows
   (lost without an output) is given back to the queue instead of being renewed forever;
@@ -202,7 +203,7 @@ class EngineThread:
 
     def _completion(self, job: ActiveJob, out: Any) -> Record:
         if out.status is RequestStatus.FINISHED_ABORTED:
-            return Record(f"abort of {job.job_id}", leaving=job.job_id)  # cancelled (the API wrote it) or lease lost
+            return self._abort(job, out)
         if out.status is RequestStatus.FINISHED_EXPIRED:
             return self._expiry(job)
         m = out.metrics
@@ -220,10 +221,37 @@ class EngineThread:
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
                           data={"prompt_tokens": prompt_tokens, "completion_tokens": m.num_output_tokens,
                                 "cached_tokens": m.num_cached_tokens, "metrics": m.as_dict()})
+        produced = self._produced(job, m)
 
         def write(s: Session) -> bool:
-            return leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})")
+            if leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})"):
+                return True
+            if produced is not None:  # cancelled as it finished: its output stays, as an abort's does
+                leases.keep_cancelled(s, lease, produced)
+            return False
         return Record(f"the result of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
+
+    def _abort(self, job: ActiveJob, out: Any) -> Record:
+        """The engine stopped the job: the API cancelled it, or the worker lost its lease. A job this attempt ran
+        until the API cancelled it keeps what the engine produced (its text so far, its token counts: billed as
+        OpenAI bills a cancelled request); a lost lease writes nothing (the job runs again). No stream event:
+        the API ended the stream as it cancelled."""
+        lease, produced = job.lease, self._produced(job, out.metrics)
+        if produced is None:
+            return Record(f"abort of {lease.job_id}", leaving=lease.job_id)
+        return Record(f"the partial result of {lease.job_id}", lambda s: leases.keep_cancelled(s, lease, produced),
+                      leaving=lease.job_id)
+
+    @staticmethod
+    def _produced(job: ActiveJob, m: Any) -> dict[str, Any] | None:
+        """What a job that ends cancelled keeps of its attempt (None: the engine produced no token, or did not
+        count them)."""
+        if m is None or not m.num_output_tokens:
+            return None
+        return {"output_text": "".join(job.text), "completion_tokens": m.num_output_tokens,
+                "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
+                "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
+                "prompt_logprobs": job.prompt_logprobs}
 
     @staticmethod
     def _expiry(job: ActiveJob) -> Record:

@@ -71,6 +71,20 @@ def finish(session: Session, lease: Lease, to: JobStatus, values: dict[str, Any]
     return ok
 
 
+def keep_cancelled(session: Session, lease: Lease, values: dict[str, Any]) -> bool:
+    """Writes what this attempt produced (``values``: text, token counts) on its job if the API cancelled the job
+    while this attempt held it (commits); the status stays ``cancelled``. False where the job is not this attempt's
+    cancelled job: its lease was lost, it runs again elsewhere or is in any other state."""
+    # the worker too: a lapsed lease's job goes back to the queue at the same attempt with no worker, and one
+    # cancelled while it waits there was not cancelled while this attempt ran it
+    done = session.execute(update(Job).where(Job.id == lease.job_id, Job.attempt == lease.attempt,
+                                             Job.worker_id == lease.worker_id,
+                                             Job.status == JobStatus.CANCELLED.value)
+                           .values(**values).execution_options(synchronize_session=False)).rowcount
+    session.commit()
+    return bool(done)
+
+
 def release(session: Session, lease: Lease, detail: str) -> bool:
     """Gives a running job back (worker shutdown): running/relegated -> queued (commits)."""
     ok = transition(session, lease.job_id, ACTIVE, JobStatus.QUEUED, worker_id=lease.worker_id,

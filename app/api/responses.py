@@ -87,8 +87,13 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
                              completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
                              cached_tokens=job.cached_tokens)
     ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED)
-    return response_body(job, kept, settings.tiers,
-                         error=_error(job.status, job.error, job.error_code) if ended else None)
+    error = _error(job.status, job.error, job.error_code) if ended else None
+    if job.status == JobStatus.CANCELLED and job.completion_tokens is not None:
+        # cancelled while it ran: the output produced so far, and its usage (billed, as OpenAI bills it)
+        return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
+                             completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
+                             cached_tokens=job.cached_tokens, error=error)
+    return response_body(job, kept, settings.tiers, error=error)
 
 
 async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[Event]:

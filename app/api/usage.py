@@ -29,7 +29,8 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
                 start_time: Annotated[int, Query(ge=0, le=LAST_SECOND,
                                                  description="unix seconds: the first bucket starts here")],
                 end_time: Annotated[int | None, Query(ge=0, le=LAST_SECOND,
-                                                      description="unix seconds, exclusive (default: now)")] = None,
+                                                      description="unix seconds, exclusive (default: the end "
+                                                                  "of the current second)")] = None,
                 bucket_width: Literal["1m", "1h", "1d"] = "1d",
                 project_ids: Annotated[list[str] | None, Query(description="tenant ids (an admin key's choice)")]
                 = None,
@@ -40,7 +41,7 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
                 group_by: Annotated[list[str] | None, Query(description=f"any of {', '.join(GROUPS)}")] = None,
                 limit: Annotated[int | None, Query(ge=1, description="buckets a page")] = None,
                 page: Annotated[str | None, Query(description="next_page of the page before")] = None) -> dict:
-    end = int(time.time()) if end_time is None else end_time
+    end = int(time.time()) + 1 if end_time is None else end_time  # exclusive: the jobs of this very second count
     if end <= start_time:
         raise OpenAIError(400, f"end_time ({end}) must come after start_time ({start_time})", param="end_time")
     default, most = BUCKETS_PER_PAGE[bucket_width]

@@ -22,7 +22,8 @@ def ts(dt: datetime | None) -> int | None:
 
 
 def batch_usage(session: Session, batch_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Each batch's ``usage``: the tokens of its jobs an engine finished (one grouped query for a page)."""
+    """Each batch's ``usage``: the tokens of its jobs an engine ran (finished, or cancelled with the batch after
+    producing tokens: those count too), one grouped query for a page."""
     rows = session.execute(select(Job.batch_id, func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens),
                                   func.sum(Job.completion_tokens))
                            .where(Job.batch_id.in_(list(batch_ids)), Job.completion_tokens.is_not(None))

@@ -177,3 +177,28 @@ def test_usage_by_the_key_that_submitted_the_jobs(client, keys, db_url):
                                    "output_tokens": 12, "num_slo_met": 0, "num_slo_missed": 0, "num_relegated": 0}
     assert rows["acme"]["day"]["input_tokens"] > 0 and rows["globex"]["day"]["num_model_requests"] == 0
     assert (rows["acme"]["batch_queued_tokens"], rows["acme"]["batch_queue_tokens"]) == (0, None)
+
+
+def test_the_default_range_ends_after_the_current_second(client, keys, db_url, monkeypatch):
+    """Without end_time the range ends after the current second (end is exclusive): a job that ran in this very
+    second counts, and a range that starts in it is not empty (the API's clock is held inside one second)."""
+    import types
+
+    from app.api import usage as usage_api
+
+    now = T0 + 5 * DAY
+    with session_scope(db_url) as s:
+        s.add(Job(tenant_id=keys.tenant_id, tier="paid", model="tiny", created_at=at(5 * DAY).replace(microsecond=25),
+                  prompt_tokens=7, completion_tokens=2, kind="interactive", sampling={}, status="succeeded"))
+        s.commit()
+    monkeypatch.setattr(usage_api, "time", types.SimpleNamespace(time=lambda: now + 0.75))  # the API's clock only
+
+    def counted(start: int) -> tuple[list[list[int]], int]:
+        """Each bucket's output tokens, and when the last bucket ends."""
+        r = client.get(URL, params={"start_time": start}, headers={"Authorization": f"Bearer {keys.admin}"})
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        return [[x["output_tokens"] for x in b["results"]] for b in data], data[-1]["end_time"]
+
+    assert counted(now - DAY) == ([[], [2]], now + DAY)  # the last bucket holds the current second
+    assert counted(now) == ([[2]], now + DAY)

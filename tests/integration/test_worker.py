@@ -133,9 +133,68 @@ def test_cancel_aborts_a_running_job(service):
     # the worker drops it (its engine holds no job) and never overwrites the cancel
     wait_for(lambda: _worker_state(settings)["active_jobs"] == 0, 30, "the worker to abort the job")
     job = status_of(client, keys.paid, job_id)
-    assert job["status"] == "cancelled" and job["output_text"] is None
+    assert job["status"] == "cancelled" and job["finish_reason"] == "cancelled"
+    # what it produced before the cancel stays (none where the cancel came before its first token)
+    assert (job["output_text"] is None) == (job["completion_tokens"] is None), job
     assert [e for e in events_of(settings.sqlalchemy_url, job_id) if e[1] in ("succeeded", "cancelled")] == [
         ("running", "cancelled")]
+
+
+def _streamed(settings, job_id) -> tuple[str, int, list[str]]:
+    """The job's stream so far: its deltas' text, their token count, and the other events' types."""
+    evs = [StreamEvent.parse(f) for _id, f in redis.Redis.from_url(settings.redis_url).xrange(stream_key(job_id))]
+    deltas = [e for e in evs if e.type == "delta"]
+    return "".join(e.text for e in deltas), sum(len(e.token_ids) for e in deltas), [e.type for e in evs
+                                                                                     if e.type != "delta"]
+
+
+def _cancelled_with_tokens(service, key, job_id, cancel_path) -> dict:
+    """Cancels the job once it has streamed some tokens; its resource once the worker wrote what it produced."""
+    client, settings = service.client, service.settings
+    seen = wait_for(lambda: (n := _streamed(settings, job_id)[1]) >= 8 and n, 60, f"{job_id} to generate")
+    r = client.post(cancel_path, headers=H(key))
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    job = wait_for(lambda: (j := status_of(client, key, job_id))["completion_tokens"] is not None and j, 30,
+                   "the worker to write what the job produced")
+    assert job["status"] == "cancelled" and job["finish_reason"] == "cancelled", job
+    assert job["output_text"] and seen <= job["completion_tokens"] < LONG and job["prompt_tokens"] > 0, job
+    # the text and tokens its stream carried, and no event from the worker (the API's cancel ended the stream)
+    text, _tokens, others = wait_for(lambda: (st := _streamed(settings, job_id))[1] == job["completion_tokens"]
+                                     and st, 10, "the stream to carry the job's last tokens")
+    assert text == job["output_text"] and others == ["end"]
+    assert [e for e in events_of(settings.sqlalchemy_url, job_id) if e[1] in ("succeeded", "cancelled")] == [
+        ("running", "cancelled")]
+    return job
+
+
+def test_a_job_cancelled_while_it_runs_keeps_its_output_and_is_billed(service):
+    client, keys = service.client, service.keys
+    key = keys.other  # globex: no other test here runs its jobs, so its usage is this job's
+    since = int(time.time()) - 60
+    job_id = submit(client, key, max_tokens=LONG, prompt="a")
+    job = _cancelled_with_tokens(service, key, job_id, f"/v1/jobs/{job_id}/cancel")
+    r = client.get("/v1/organization/usage/completions", params={"start_time": since, "bucket_width": "1h"},
+                   headers=H(key))
+    assert r.status_code == 200, r.text
+    results = [x for b in r.json()["data"] for x in b["results"]]
+    assert [(x["num_model_requests"], x["input_tokens"], x["output_tokens"]) for x in results] == [
+        (1, job["prompt_tokens"], job["completion_tokens"])]
+
+
+def test_a_cancelled_background_response_shows_its_output_and_usage(service):
+    client, keys = service.client, service.keys
+    r = client.post("/v1/responses", headers=H(keys.paid), json={
+        "model": "tiny", "input": "Tell me a long story", "max_output_tokens": LONG, "background": True,
+        "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+    resp_id, job_id = r.json()["id"], r.headers["x-coserve-job-id"]
+    job = _cancelled_with_tokens(service, keys.paid, job_id, f"/v1/responses/{resp_id}/cancel")
+    body = client.get(f"/v1/responses/{resp_id}", headers=H(keys.paid)).json()
+    assert body["status"] == "cancelled"
+    (item,) = body["output"]
+    assert (item["type"], item["status"], item["content"][0]["text"]) == ("message", "incomplete", job["output_text"])
+    assert (body["usage"]["input_tokens"], body["usage"]["output_tokens"]) == (job["prompt_tokens"],
+                                                                              job["completion_tokens"])
 
 
 def _sse(client, key, job_id) -> list[tuple[str, dict]]:

@@ -262,3 +262,63 @@ def test_stream_events_wait_in_order_while_redis_is_away(tmp_path, settings):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _ended(job: ActiveJob, status: RequestStatus, tokens: int, text: str = "", counted: bool = True) -> RequestOutput:
+    """The engine's last output for ``job``: ``tokens`` generated in all, the last one (with ``text``) in this
+    output where it finished by itself; ``counted`` False: an output without metrics."""
+    from gpu_runtime.metrics import request_metrics
+
+    req = job.request
+    req.output_token_ids, req.token_times = [5] * tokens, [0.1 * (i + 1) for i in range(tokens)]
+    req.status, req.finish_time = status, 1.0
+    new = [5] if status is not RequestStatus.FINISHED_ABORTED else []
+    return RequestOutput(job.job_id, new, text, status, metrics=request_metrics(req) if counted else None)
+
+
+def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, keys):
+    """The API cancelled the job (status cancelled) while this attempt ran it: the engine's abort writes the text and
+    token counts it produced on the job, as does a finish that raced the cancel; the job stays cancelled and its
+    stream gets no event from the worker. An abort for a job that is no longer this attempt's (its lease was lost,
+    it ran again elsewhere or waits to) writes nothing, nor does one without tokens or without their count."""
+    from app.db.models import JobEvent
+    from app.services.jobs import cancel_job
+
+    worker = GpuWorker(settings)
+    jobs = _leased_jobs(settings, keys, worker, 6, in_engine=True)
+    cancelled, finishing, rerun, requeued, silent, uncounted = jobs
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        leases.release(s, rerun.lease, "lease lost")
+        assert leases.acquire(s, rerun.job_id, "w2", 30).attempt == 2  # another worker runs it now
+        leases.release(s, requeued.lease, "lease lost")  # back in the queue, at the same attempt
+        for job in jobs:
+            cancel_job(s, s.get(Job, job.job_id))
+    stand_in = _OneStep([RequestOutput(j.job_id, [5, 5], "Hello", RequestStatus.DECODING) for j in jobs
+                         if j is not silent])
+    engine_thread = worker.attach(stand_in)
+    worker.outbox.apply(engine_thread.iterate())  # tokens streamed before the worker heard of the cancel
+    stand_in.outputs = [_ended(cancelled, RequestStatus.FINISHED_ABORTED, 2),
+                        _ended(finishing, RequestStatus.FINISHED_LENGTH, 3, " world"),
+                        *(_ended(j, RequestStatus.FINISHED_ABORTED, 2) for j in (rerun, requeued)),
+                        _ended(silent, RequestStatus.FINISHED_ABORTED, 0),
+                        _ended(uncounted, RequestStatus.FINISHED_ABORTED, 2, counted=False)]
+    worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    assert len(worker.active) == 0  # every one of them left the worker
+
+    with session_scope(url) as s:
+        rows = {j.job_id: s.get(Job, j.job_id) for j in jobs}
+        kept = {j.job_id: (r.output_text, r.completion_tokens, r.prompt_tokens, r.cached_tokens)
+                for j in jobs if (r := rows[j.job_id]).completion_tokens is not None}
+        assert kept == {cancelled.job_id: ("Hello", 2, 8, 0), finishing.job_id: ("Hello world", 3, 8, 0)}
+        assert {(r.status, r.finish_reason) for r in rows.values()} == {("cancelled", "cancelled")}
+        assert all(r.output_text is None for r in rows.values() if r.id not in kept)
+        assert (rows[rerun.job_id].attempt, rows[rerun.job_id].worker_id) == (2, "w2")
+        ends = s.scalars(select(JobEvent.to_status).where(JobEvent.job_id.in_(list(kept)),
+                                                          JobEvent.from_status == "running")).all()
+        assert ends == ["cancelled", "cancelled"]  # no other terminal transition
+    r = redis.Redis.from_url(settings.redis_url)
+    for job in (cancelled, finishing):
+        assert [StreamEvent.parse(raw).type for _id, raw in r.xrange(stream_key(job.job_id))] == ["delta"] * (
+            2 if job is finishing else 1)

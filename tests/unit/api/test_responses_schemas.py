@@ -116,3 +116,14 @@ def test_a_job_written_as_a_response():
     failed = response_body(job, {}, ("free", "paid"), status="expired", error={"code": "deadline_exceeded",
                                                                                "message": "late"})
     assert failed["status"] == "failed" and failed["error"]["code"] == "deadline_exceeded"
+
+
+def test_a_cancelled_response_shows_what_it_produced_as_incomplete_items():
+    job = SimpleNamespace(id="job_ab", status="cancelled", created_at=datetime(2026, 1, 1, tzinfo=UTC),
+                          model="m", tier="paid", sampling={})
+    body = response_body(job, {}, ("free", "paid"), answer=Answer("Hel", [CALL], "cancelled"), prompt_tokens=4,
+                         completion_tokens=3)
+    assert body["status"] == "cancelled" and body["incomplete_details"] is None
+    assert [(item["type"], item["status"]) for item in body["output"]] == [("message", "incomplete"),
+                                                                           ("function_call", "incomplete")]
+    assert body["output"][0]["content"][0]["text"] == "Hel" and body["usage"]["output_tokens"] == 3
