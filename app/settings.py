@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,6 +23,10 @@ class Settings(BaseSettings):
     port: int = 8000
     model: str = Field("smollm2-135m", description="'smollm2-135m' (bundled GGUF) or a HF checkpoint directory")
     model_name: str = Field("smollm2-135m-instruct", description="name shown in /v1/models and routing")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters served beside the model on the vLLM backend, a JSON object "
+                                          "name -> adapter directory (PEFT's adapter_config.json and weights), as "
+                                          "`vllm serve --lora-modules name=path`; a request names one as its model")
     device: str = Field("auto", description="auto | cpu | cuda")
     admin_key: str | None = Field(None, description="admin API key; generated and printed by `coserve up` if unset")
     default_tier: str = "paid"
@@ -138,6 +142,28 @@ class Settings(BaseSettings):
         import importlib.util
 
         return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _adapter_names(cls, modules: dict[str, str]) -> dict[str, str]:
+        for name, path in modules.items():
+            if not name.strip() or len(name) > 128 or any(c.isspace() for c in name):
+                raise ValueError(f"LoRA adapter name {name!r}: 1-128 characters, no spaces")
+            if not path:
+                raise ValueError(f"LoRA adapter {name!r} has no directory")
+        return modules
+
+    @model_validator(mode="after")
+    def _adapters_beside_the_model(self) -> Settings:
+        if self.model_name in self.lora_modules:
+            raise ValueError(f"LoRA adapter {self.model_name!r} has the model's own name (COSERVE_MODEL_NAME); "
+                             "rename the adapter")
+        return self
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """The names a request may give as its model: the model's, then its LoRA adapters'."""
+        return (self.model_name, *self.lora_modules)
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -93,6 +93,8 @@ class Engine:
         total = request.prompt_len + request.sampling.max_tokens
         if request.prompt_len == 0:
             raise ValueError("prompt is empty")
+        if request.lora_name is not None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: adapters are served on the vLLM backend only")
         if total > self.executor.max_model_len:
             raise ValueError(
                 f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) "

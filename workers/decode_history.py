@@ -31,14 +31,16 @@ def history_key(app_id: str | None, tenant_id: str, kind: str) -> str:
     return f"{tenant_id}/app:{app_id}" if app_id else f"{tenant_id}/kind:{kind}"
 
 
-def _succeeded(model: str):
-    return (Job.model == model, Job.status == JobStatus.SUCCEEDED, Job.completion_tokens.is_not(None))
+def _succeeded(models: str | tuple[str, ...]):
+    """Succeeded jobs of ``models``: the model's name, or it and its LoRA adapters' (a worker serves them all)."""
+    names = (models,) if isinstance(models, str) else models
+    return (Job.model.in_(names), Job.status == JobStatus.SUCCEEDED, Job.completion_tokens.is_not(None))
 
 
-def finished_lengths(session: Session, model: str, limit: int = 4096) -> list[tuple[str, int]]:
-    """(history key, output tokens) of the model's latest ``limit`` succeeded jobs, oldest first."""
+def finished_lengths(session: Session, models: str | tuple[str, ...], limit: int = 4096) -> list[tuple[str, int]]:
+    """(history key, output tokens) of the models' latest ``limit`` succeeded jobs, oldest first."""
     rows = session.execute(
-        select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens).where(*_succeeded(model))
+        select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens).where(*_succeeded(models))
         .order_by(Job.finished_at.desc()).limit(limit)).all()
     return [(history_key(app, tenant, kind), int(n)) for app, tenant, kind, n in reversed(rows)]
 
@@ -46,13 +48,13 @@ def finished_lengths(session: Session, model: str, limit: int = 4096) -> list[tu
 class PeerLengths:
     """What the model's other workers finished since the last read (this worker records its own)."""
 
-    def __init__(self, model: str, worker_id: str, since: datetime, limit: int = 4096) -> None:
-        self.model, self.worker_id, self.since, self.limit = model, worker_id, since, limit
+    def __init__(self, models: str | tuple[str, ...], worker_id: str, since: datetime, limit: int = 4096) -> None:
+        self.models, self.worker_id, self.since, self.limit = models, worker_id, since, limit
 
     def read(self, session: Session) -> list[tuple[str, int]]:
         rows = session.execute(
             select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens, Job.finished_at)
-            .where(*_succeeded(self.model), Job.finished_at > self.since,
+            .where(*_succeeded(self.models), Job.finished_at > self.since,
                    or_(Job.worker_id.is_(None), Job.worker_id != self.worker_id))
             .order_by(Job.finished_at).limit(self.limit)).all()
         if rows:

@@ -69,6 +69,8 @@ class GpuWorker:
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.url = settings.sqlalchemy_url
         self.queue = queue_name(settings.model_name)
+        # a LoRA adapter's jobs come on its own queue (routed by the job's model); this worker serves them all
+        self.queues = [queue_name(m) for m in settings.served_models]
         self.device = resolve_device(settings.device)
         self.backend = settings.engine_backend if not os.environ.get("COSERVE_ENGINE_FACTORY") else "custom"
         self.active = ActiveJobs()
@@ -92,9 +94,9 @@ class GpuWorker:
                  time.monotonic() - t0)
         history = getattr(self.engine.scheduler, "history", None)
         if history is not None:  # predicted output lengths (KV admission, batch deadlines) from what finished
-            self.peers = decode_history.PeerLengths(self.settings.model_name, self.worker_id, since=utcnow())
+            self.peers = decode_history.PeerLengths(self.settings.served_models, self.worker_id, since=utcnow())
             with session_scope(self.url) as s:
-                decode_history.seed(history, decode_history.finished_lengths(s, self.settings.model_name))
+                decode_history.seed(history, decode_history.finished_lengths(s, self.settings.served_models))
         self._register()
         # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub, into the inbox
         self.threads.append(start_control_listener(self.inbox, self.worker_id, self.settings.redis_url,
@@ -127,10 +129,13 @@ class GpuWorker:
                                      kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
                                      max_model_len=s.vllm_max_model_len, spec_tokens=s.vllm_spec_tokens,
                                      drafter=s.vllm_drafter, step_log=s.vllm_step_log,
-                                     overrides=s.vllm_engine_args,
+                                     overrides=s.vllm_engine_args, lora_modules=s.lora_modules,
                                      scheduler_config=s.scheduler_config,
                                      cost_calibration=s.cost_calibration)
         else:
+            if s.lora_modules:
+                raise SystemExit("COSERVE_LORA_MODULES: LoRA adapters are served on the vLLM backend "
+                                 f"(COSERVE_BACKEND=vllm), not on {self.backend!r}")
             build = build_engine
         return build(s.model, device=self.device, scheduler_policy=s.scheduler_policy, spec_policy=s.spec_policy,
                      kv_blocks=s.kv_blocks, draft=s.draft if s.spec_policy != "none" else None,
@@ -237,7 +242,8 @@ class GpuWorker:
         # arrival on the engine clock = when the job was submitted, so queueing counts against TTFT
         waited = (utcnow() - created).total_seconds()
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
-                       app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind))
+                       app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind),
+                       lora_name=job.model if job.model != self.settings.model_name else None)
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel
     def _state(self) -> dict[str, Any]:
@@ -296,7 +302,8 @@ class GpuWorker:
                 with session_scope(self.url, immediate=True) as s:
                     sweep(s, self.settings.redis_url, queued_grace_s=max(2.0, self.settings.sweep_seconds),
                           resend_after_s=max(30.0, 5 * self.settings.lease_seconds),
-                          holder_stale_s=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+                          holder_stale_s=self.settings.lease_seconds, max_attempts=self.settings.max_attempts,
+                          served=self.settings.served_models)
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
                 with session_scope(self.url) as s:
                     delete_expired_files(s)  # the Files API's expires_after
@@ -347,7 +354,7 @@ def run_worker(settings: Settings) -> None:
     @worker_shutting_down.connect(weak=False)
     def _on_shutdown(**_kw):
         runtime.shutting_down = True  # short: a task waiting for engine room gives its job back
-    worker = app.Worker(pool="solo", concurrency=1, queues=[runtime.queue], hostname=f"{runtime.worker_id}@%h",
+    worker = app.Worker(pool="solo", concurrency=1, queues=runtime.queues, hostname=f"{runtime.worker_id}@%h",
                         loglevel=os.environ.get("COSERVE_LOG_LEVEL", "WARNING"), without_heartbeat=True,
                         without_mingle=True, without_gossip=True, quiet=True)
     try:

@@ -37,7 +37,10 @@ class SweepResult:
 
 
 def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, resend_after_s: float = 300.0,
-          holder_stale_s: float = 30.0, max_attempts: int = 5, limit: int = 500) -> SweepResult:
+          holder_stale_s: float = 30.0, max_attempts: int = 5, limit: int = 500,
+          served: tuple[str, ...] = ()) -> SweepResult:
+    """``served``: the models (a model and its LoRA adapters) whose queues the sweeping worker consumes; a job
+    given back to any of them counts as queued (a worker gives a job back to its model's queue)."""
     result = SweepResult()
     now = utcnow()
     expired = session.execute(select(Job.id, Job.status, Job.attempt, Job.worker_id).where(
@@ -71,13 +74,13 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
         if not dispatch(session, redis_url, job.id, job.model, detail="sent by the sweeper"):
             break  # the broker is down: try again next sweep
         result.dispatched += 1
-    result.resent = _resend_lost(session, redis_url, now, resend_after_s, holder_stale_s, limit)
+    result.resent = _resend_lost(session, redis_url, now, resend_after_s, holder_stale_s, limit, served)
     session.commit()
     return result
 
 
 def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, holder_stale_s: float,
-                 limit: int) -> int:
+                 limit: int, served: tuple[str, ...] = ()) -> int:
     """Sends again the dispatched jobs whose message is lost, not merely old ones (a batch backlog
     keeps jobs dispatched for hours, and a copy per sweep would flood the queue):
 
@@ -97,7 +100,7 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
         Job.dispatched_at < now - timedelta(seconds=resend_after_s)).limit(limit)).all()
     lost = [(j.id, j.model, f"its holder {j.worker_id} stopped beating") for j in held]
     if unheld:
-        waiting = _queued_ids(redis_url, {j.model for j in unheld})
+        waiting = _queued_ids(redis_url, {j.model for j in unheld} | set(served))
         lost += [(j.id, j.model, "its message left the queue unprocessed") for j in unheld
                  if waiting is not None and j.id not in waiting]
     resent = 0

@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the model this deployment serves (OpenAI list shape)."""
+"""``GET /v1/models``: the model this deployment serves and its LoRA adapters (OpenAI list shape)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,22 @@ router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=OpenAIRoute
 _STARTED = int(datetime.now(UTC).timestamp())
 
 
-def _model(settings: Settings) -> dict:
-    """OpenAI's model object, with what vLLM's adds: the model it was loaded from and its context length."""
-    return {"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "coserve",
-            "root": settings.model, "parent": None, "max_model_len": max_model_len(settings.model)}
+def _model(settings: Settings, name: str) -> dict:
+    """OpenAI's model object, with what vLLM's adds: the model it was loaded from and its context length; a LoRA
+    adapter's parent is the model it adapts (its root is its name: the server's paths are not shown)."""
+    adapter = name != settings.model_name
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "coserve",
+            "root": name if adapter else settings.model, "parent": settings.model_name if adapter else None,
+            "max_model_len": max_model_len(settings.model)}
 
 
 @router.get("")
 def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    return {"object": "list", "data": [_model(settings)]}
+    return {"object": "list", "data": [_model(settings, name) for name in settings.served_models]}
 
 
 @router.get("/{model_id:path}", responses=openai_responses(404))
 def get_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    if model_id != settings.model_name:
+    if model_id not in settings.served_models:
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-    return _model(settings)
+    return _model(settings, model_id)

@@ -50,7 +50,7 @@ class DetokenizeRequest(BaseModel):
 
 
 def _check_model(settings: Settings, model: str | None) -> None:
-    if model is not None and model != settings.model_name:
+    if model is not None and model not in settings.served_models:  # an adapter shares the model's tokenizer
         raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
 

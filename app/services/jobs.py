@@ -98,9 +98,10 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``response``: a
     Responses API request's own fields (``app.responses_schemas.KEPT``)."""
     model = spec.model or settings.model_name
-    if model != settings.model_name:
-        raise JobValidationError(f"unknown model {model!r}; this server serves {settings.model_name!r}",
-                                 param="model", code="model_not_found")
+    if model not in settings.served_models:
+        raise JobValidationError(f"unknown model {model!r}; this server serves "
+                                 f"{', '.join(map(repr, settings.served_models))}", param="model",
+                                 code="model_not_found")
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
     if sampling["min_tokens"] > sampling["max_tokens"]:

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+from gpu_runtime.vllm.lora import lora_engine_args
 from gpu_runtime.vllm.scheduler import SCHEDULER_CLS, SCHEDULER_CONFIG_ENV, VLLM_NATIVE
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
                 max_model_len: int | None = None, kv_cache_gib: int = 2, enforce_eager: bool | None = None,
                 max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
                 enable_prefix_caching: bool | None = None, spec_tokens: int | None = None,
-                drafter: str = "ngram", overrides: dict[str, Any] | None = None) -> Any:
+                drafter: str = "ngram", lora_modules: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``); ``overrides``
     (any other engine argument: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``quantization``, a
     ``speculative_config`` with another drafter, ...) win over what the other parameters set."""
@@ -118,6 +120,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         kwargs["max_num_seqs"] = max_num_seqs
     if spec_policy != "none":
         kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens))
+    kwargs.update(lora_engine_args(lora_modules or {}))  # LoRA adapters served beside the model
     kwargs.update(checked_overrides(overrides or {}, spec_policy))
     return EngineArgs(**kwargs)
 
@@ -125,7 +128,8 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
 def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",
                       cost_profile: str | None = "auto", kv_reserve: str = "predicted",
                       step_log: str | os.PathLike | None = None, scheduler_config: dict[str, Any] | None = None,
-                      cost_calibration: bool = True, **engine_kw: Any) -> Any:
+                      cost_calibration: bool = True, lora_modules: dict[str, str] | None = None,
+                      **engine_kw: Any) -> Any:
     """A ``VLLMEngine`` (the worker's engine) running ``scheduler_policy`` inside vLLM's scheduler;
     ``scheduler_config`` overrides fields of the policy's config (unknown ones are errors); with
     ``cost_calibration`` the policy's cost model is scaled to the engine's measured steps."""
@@ -149,7 +153,8 @@ def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = 
     from gpu_runtime.vllm.engine import VLLMEngine
 
     t0 = time.monotonic()
-    llm = LLMEngine.from_engine_args(engine_args(model, device, scheduler_policy, spec_policy, **engine_kw))
+    llm = LLMEngine.from_engine_args(engine_args(model, device, scheduler_policy, spec_policy,
+                                                 lora_modules=lora_modules, **engine_kw))
     log.info("vLLM engine ready in %.1fs: model=%s scheduler=%s speculation=%s", time.monotonic() - t0, model,
              scheduler_policy, spec_policy)
-    return VLLMEngine(llm, spec_policy, step_log=step_log)
+    return VLLMEngine(llm, spec_policy, step_log=step_log, lora_modules=lora_modules)

@@ -28,6 +28,7 @@ from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from gpu_runtime.scheduler.priority import vllm_priority
+from gpu_runtime.vllm.lora import lora_requests
 from gpu_runtime.vllm.qos_args import to_extra_args
 from gpu_runtime.vllm.step_log import StepLog, StepRecord
 
@@ -105,8 +106,10 @@ def admission_error(request: Request, max_model_len: int, speculating: bool) -> 
 
 
 class VLLMEngine:
-    def __init__(self, llm: LLMEngine, spec_policy: str = "none", step_log: str | Path | None = None) -> None:
+    def __init__(self, llm: LLMEngine, spec_policy: str = "none", step_log: str | Path | None = None,
+                 lora_modules: dict[str, str] | None = None) -> None:
         self.llm = llm
+        self.loras = lora_requests(lora_modules or {})  # adapter name -> what vLLM loads it by
         self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
         self.scheduler = _SchedulerView(self.core_scheduler)
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
@@ -134,6 +137,9 @@ class VLLMEngine:
 
     # ---- thread-safe entry points ----
     def add_request(self, request: Request) -> None:
+        if request.lora_name is not None and request.lora_name not in self.loras:
+            served = ", ".join(self.loras) or "none"
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not served here (adapters: {served})")
         speculating = self.llm.vllm_config.speculative_config is not None
         if (refused := admission_error(request, self.executor.max_model_len, speculating)) is not None:
             raise ValueError(refused)
@@ -194,6 +200,7 @@ class VLLMEngine:
             try:
                 internal = self.llm.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
                                                 self._sampling(req), arrival_time=req.arrival_time,
+                                                lora_request=self._lora(req),
                                                 priority=vllm_priority(req) if self.priority_policy else 0)
             except Exception as exc:  # e.g. parameters vLLM refuses: fail this request, not the step
                 from vllm.exceptions import VLLMClientError
@@ -224,6 +231,9 @@ class VLLMEngine:
             if internal is not None:
                 self.core_scheduler.resume(internal)
         return outputs
+
+    def _lora(self, req: Request) -> Any:
+        return self.loras[req.lora_name] if req.lora_name is not None else None
 
     def _sampling(self, req: Request) -> Any:
         from vllm import SamplingParams

@@ -99,3 +99,12 @@ def test_tiny_top_p_is_greedy(tiny_model):
     reqs = [make_request(PROMPT, max_tokens=16, temperature=1.5, top_p=1e-6, seed=s) for s in range(3)]
     out = run_engine(ex, reqs)
     assert all(out[r.request_id] == ref for r in reqs)  # the nucleus is the argmax alone, whatever the seed
+
+
+def test_the_own_engine_refuses_a_lora_adapter_rather_than_serve_the_model_in_its_place(tiny_model):
+    ex = TorchExecutor.from_model(tiny_model, kv_blocks=32, block_size=16)
+    engine = Engine(ex, FCFSTestScheduler(ex, chunk=16))
+    request = make_request(PROMPT, max_tokens=4)
+    request.lora_name = "sql-lora"
+    with pytest.raises(ValueError, match="adapters are served on the vLLM backend only"):
+        engine.add_request(request)

@@ -103,6 +103,40 @@ def test_validation_errors_say_what_to_fix(client, keys, body, fragment):
     assert fragment in r.text
 
 
+def test_a_lora_adapter_is_a_model_a_request_may_name(settings, keys):
+    """Adapters (COSERVE_LORA_MODULES) are listed under the model, accepted as a job's model and sent on their own
+    queue, which the workers serving the model consume; other names are refused with the served ones."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    with TestClient(create_app(settings)) as client:
+        listed = client.get("/v1/models", headers=H(keys.paid)).json()["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [("tiny", None), ("sql-lora", "tiny")]
+        assert "/adapters" not in str(listed)  # the server's paths are not shown
+        assert client.get("/v1/models/sql-lora", headers=H(keys.paid)).json()["parent"] == "tiny"
+        r = submit(client, keys.paid, model="sql-lora", max_tokens=4)
+        assert r.status_code == 201 and r.json()["model"] == "sql-lora", r.text
+        queued = wait_for(lambda: redis.Redis.from_url(settings.redis_url).lrange("coserve.sql-lora", 0, -1), 10,
+                          "the adapter's task")
+        assert r.json()["id"].encode() in queued[0]
+        r = submit(client, keys.paid, model="other-lora")
+        assert r.status_code == 422 and "this server serves 'tiny', 'sql-lora'" in r.text, r.text
+
+
+def test_adapter_names_are_checked_where_the_settings_are_read(tmp_path):
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="has the model's own name"):
+        Settings(data_dir=tmp_path, model_name="m", lora_modules={"m": "/a"})
+    with pytest.raises(ValidationError, match="no spaces"):
+        Settings(data_dir=tmp_path, lora_modules={"my lora": "/a"})
+    assert Settings(data_dir=tmp_path, model_name="m", lora_modules={"a": "/a"}).served_models == ("m", "a")
+
+
 def test_free_key_cannot_ask_for_paid(client, keys):
     r = submit(client, keys.free, tier="paid")
     assert r.status_code == 422 and "allows tier 'free'" in r.text

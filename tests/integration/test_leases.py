@@ -90,6 +90,24 @@ def test_sweeper_leaves_a_backlog_in_the_queue_alone(settings, keys):
     assert sorted(m for raw in r.lrange("coserve.tiny", 0, -1) for m in job_ids if m.encode() in raw) == sorted(job_ids)
 
 
+def test_an_adapters_job_given_back_to_the_models_queue_is_not_sent_twice(settings, keys):
+    """A LoRA adapter's job travels on its own queue; a worker gives jobs back to its model's queue, which every
+    worker of the model consumes too: the sweeper looks in the queues of every model it serves."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    with session_scope(settings.sqlalchemy_url) as s:
+        from app.auth import authenticate
+
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", max_tokens=4, model="sql-lora"),
+                            settings, dispatch=True).job.id
+    r = redis.Redis.from_url(settings.redis_url)
+    assert job_id.encode() in r.lpop("coserve.sql-lora")
+    r.rpush("coserve.tiny", job_id.encode())  # given back (the message carries the id, as a worker's does)
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=0, served=settings.served_models).resent == 0
+    with session_scope(settings.sqlalchemy_url) as s:  # a sweeper that looked only in the job's own queue
+        assert sweep(s, settings.redis_url, resend_after_s=0).resent == 1
+
+
 def test_sweeper_resends_a_job_held_by_a_dead_worker(settings, keys):
     """A worker that waits for engine room marks the dispatched row; when its heartbeat goes stale
     the job is sent again at once (no waiting for Redis's visibility timeout)."""

@@ -84,3 +84,41 @@ def answer_step(scheduler, out, token: int = 7):
                for r in ids]
     return scheduler.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={
         r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+
+
+def write_lora_adapter(checkpoint, out, scale: float, rank: int = 8, seed: int = 0):
+    """A PEFT LoRA adapter for ``checkpoint``'s attention (q and v projections): random A, B drawn at ``scale``
+    (0: the adapter changes nothing, so the model answers as without it)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    kv = cfg["num_key_value_heads"] * (hidden // cfg["num_attention_heads"])
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, width in (("q_proj", hidden), ("v_proj", kv)):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.05
+            weights[f"{name}.lora_B.weight"] = torch.randn(width, rank, generator=gen) * scale
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": str(checkpoint)}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory) -> dict[str, str]:
+    """Two adapters of the default model: ``zero-lora`` (changes nothing) and ``tilted-lora`` (changes answers)."""
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+
+    checkpoint, root = vllm_checkpoint("smollm2-135m"), tmp_path_factory.mktemp("lora")
+    return {"zero-lora": str(write_lora_adapter(checkpoint, root / "zero", 0.0)),
+            "tilted-lora": str(write_lora_adapter(checkpoint, root / "tilted", 0.5, rank=16))}

@@ -54,3 +54,27 @@ def test_any_other_engine_argument_passes_through_and_wins():
 def test_a_bad_engine_argument_is_refused_with_its_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         engine_args("smollm2-135m", overrides=overrides)
+
+
+def test_lora_adapters_turn_lora_on_with_a_slot_and_rank_for_each(tmp_path):
+    import json
+
+    from gpu_runtime.vllm.lora import lora_engine_args
+
+    def adapter(name: str, config: dict | None) -> str:
+        (tmp_path / name).mkdir()
+        if config is not None:
+            (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    modules = {"a": adapter("a", {"r": 8}), "b": adapter("b", {"r": 12})}
+    args = engine_args("smollm2-135m", lora_modules=modules)
+    assert (args.enable_lora, args.max_lora_rank, args.max_loras, args.max_cpu_loras) == (True, 16, 2, 2)
+    assert not engine_args("smollm2-135m").enable_lora
+    assert engine_args("smollm2-135m", lora_modules=modules, overrides={"max_loras": 1}).max_loras == 1
+    with pytest.raises(ValueError, match="LoRA adapter 'c': no adapter_config.json in"):
+        lora_engine_args({"c": adapter("c", None)})
+    with pytest.raises(ValueError, match="LoRA adapter 'd': .* has no rank 'r'"):
+        lora_engine_args({"d": adapter("d", {"peft_type": "LORA"})})
+    with pytest.raises(ValueError, match="rank 1024 is not one vLLM serves"):
+        lora_engine_args({"e": adapter("e", {"r": 1024})})

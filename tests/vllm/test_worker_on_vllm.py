@@ -6,6 +6,7 @@ client streams from it, a batch job and a relegated free job finish, and SQL hol
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -23,11 +24,13 @@ MODEL = {"COSERVE_MODEL": "smollm2-135m", "COSERVE_MODEL_NAME": "smollm2-135m-in
 
 
 @pytest.fixture
-def vllm_stack(settings, live_server, keys, start_worker):
+def vllm_stack(settings, live_server, keys, start_worker, lora_adapters):
     settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
     settings.backend = "vllm"  # what the API checks sampling parameters against, as the worker below serves
     settings.default_max_tokens = 32
-    start_worker("w-vllm", **MODEL, COSERVE_VLLM_STEP_LOG=str(settings.data_dir / "steps.jsonl"))
+    settings.lora_modules = lora_adapters  # served beside the model: requests may name them
+    start_worker("w-vllm", **MODEL, COSERVE_VLLM_STEP_LOG=str(settings.data_dir / "steps.jsonl"),
+                 COSERVE_LORA_MODULES=json.dumps(lora_adapters))
     return live_server, keys
 
 
@@ -51,6 +54,24 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     plain = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
                                         temperature=0)
     assert plain.choices[0].message.content == streamed  # greedy: the same tokens streamed or not
+
+    # LoRA adapters served beside the model: listed under it, a request names one as its model, and its answer is
+    # the adapter's (one whose B is zero answers as the model does; another does not), billed under its name
+    listed = {m["id"]: m for m in httpx.get(f"{base}/v1/models", headers=Keys.header(keys.paid)).json()["data"]}
+    assert listed["tilted-lora"]["parent"] == listed["zero-lora"]["parent"] == "smollm2-135m-instruct", listed
+    adapted = {name: oai.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
+               for name in ("zero-lora", "tilted-lora")}
+    assert adapted["zero-lora"].choices[0].message.content == streamed
+    tilted = adapted["tilted-lora"]
+    assert tilted.model == "tilted-lora" and tilted.choices[0].message.content != streamed, tilted
+    with pytest.raises(openai.NotFoundError, match="unknown model 'other-lora'"):
+        oai.chat.completions.create(model="other-lora", messages=messages, max_tokens=4)
+    usage = httpx.get(f"{base}/v1/organization/usage/completions", headers=Keys.header(keys.admin),
+                      params={"start_time": int(time.time()) - 3600, "group_by": ["model"],
+                              "bucket_width": "1d"}).json()
+    by_model = {r["model"]: r for b in usage["data"] for r in b["results"]}
+    assert by_model["tilted-lora"]["num_model_requests"] == 1, by_model
+    assert by_model["tilted-lora"]["output_tokens"] == tilted.usage.completion_tokens
 
     # vLLM's sampling parameters reach its sampler: sampling among the one most likely token (top_k 1, or min_p 1)
     # is greedy, and the penalties break a loop that greedy decoding stays in
