@@ -86,7 +86,8 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
         return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
                              completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
                              cached_tokens=job.cached_tokens)
-    ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED)
+    # a cancelled response is no error (OpenAI's error is null there: its status says it was cancelled)
+    ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED)
     error = _error(job.status, job.error, job.error_code) if ended else None
     if job.status == JobStatus.CANCELLED and job.completion_tokens is not None:
         # cancelled while it ran: the output produced so far, and its usage (billed, as OpenAI bills it)

@@ -151,12 +151,13 @@ class SqlCollector(Collector):
                                       labels=["model_name", "finished_reason"])
         outcome = CounterMetricFamily("coserve:request_outcome", "Terminal jobs by status.",
                                       labels=["model_name", "status"])
-        prompt = CounterMetricFamily("coserve:prompt_tokens", "Prompt tokens of finished jobs.", labels=["model_name"])
+        prompt = CounterMetricFamily("coserve:prompt_tokens", "Prompt tokens of the jobs an engine ran (finished, "
+                                     "or cancelled after their first token).", labels=["model_name"])
         cached = CounterMetricFamily("coserve:prompt_tokens_cached",
-                                     "Prompt tokens of finished jobs found in the engine's prefix cache.",
+                                     "Prompt tokens of those jobs found in the engine's prefix cache.",
                                      labels=["model_name"])
-        gen = CounterMetricFamily("coserve:generation_tokens", "Generated tokens of finished jobs.",
-                                  labels=["model_name"])
+        gen = CounterMetricFamily("coserve:generation_tokens", "Generated tokens of those jobs (a cancelled one's "
+                                  "before the cancel).", labels=["model_name"])
         finished = Job.finished_at.is_not(None)
         slo_acc: dict[tuple[str, str, str], int] = defaultdict(int)
         for tier, kind, met, n in s.execute(select(Job.tier, Job.kind, Job.slo_met, func.count())
@@ -169,18 +170,15 @@ class SqlCollector(Collector):
             slo_acc[(tier, kind, "violated")] += n
         for (tier, kind, out), n in sorted(slo_acc.items()):
             slo.add_metric([self.model_name, tier, kind, out], n)
-        p = c = g = 0
-        for reason, n, prompt_tokens, cached_tokens, completion_tokens in s.execute(success_query()):
+        for reason, n in s.execute(success_query()):
             success.add_metric([self.model_name, reason], n)
-            p += prompt_tokens or 0
-            c += cached_tokens or 0
-            g += completion_tokens or 0
+        p, c, g = s.execute(tokens_query()).one()
         for status, n in s.execute(select(Job.status, func.count()).where(finished).group_by(Job.status)
                                    .order_by(Job.status)):
             outcome.add_metric([self.model_name, status], n)
-        prompt.add_metric([self.model_name], p)
-        cached.add_metric([self.model_name], c)
-        gen.add_metric([self.model_name], g)
+        prompt.add_metric([self.model_name], p or 0)
+        cached.add_metric([self.model_name], c or 0)
+        gen.add_metric([self.model_name], g or 0)
         yield from (slo, success, outcome, prompt, cached, gen)
 
 
@@ -193,11 +191,17 @@ def histogram_query(value, edges: Sequence[float]):
 
 
 def success_query():
-    """Succeeded jobs per finish reason, with their prompt, cached prompt and generated token sums."""
-    return (select(FINISH_REASON, func.count(), func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens),
-                   func.sum(Job.completion_tokens))
+    """Succeeded jobs per finish reason."""
+    return (select(FINISH_REASON, func.count())
             .where(Job.finished_at.is_not(None), Job.status == JobStatus.SUCCEEDED.value)
             .group_by(FINISH_REASON).order_by(FINISH_REASON))
+
+
+def tokens_query():
+    """Prompt, cached prompt and generated token sums of the jobs an engine ran: the ones with an output count
+    (succeeded, or cancelled after their first token: what they ran before the cancel, as the Usage API bills)."""
+    return select(func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens), func.sum(Job.completion_tokens)).where(
+        Job.finished_at.is_not(None), Job.completion_tokens.is_not(None))
 
 
 def seconds_between(dialect: str, start, end):

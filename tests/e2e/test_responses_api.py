@@ -114,6 +114,7 @@ def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys,
                                 background=True, extra_body={"ignore_eos": True})
     stopped = oai.responses.cancel(slow.id)
     assert stopped.status == "cancelled" and oai.responses.retrieve(slow.id).status == "cancelled"
+    assert stopped.error is None and oai.responses.retrieve(slow.id).error is None  # cancelled is no error
     plain = oai.responses.create(model="tiny", input="x", max_output_tokens=1)
     with pytest.raises(openai.BadRequestError) as exc:
         oai.responses.cancel(plain.id)

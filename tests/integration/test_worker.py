@@ -190,7 +190,7 @@ def test_a_cancelled_background_response_shows_its_output_and_usage(service):
     resp_id, job_id = r.json()["id"], r.headers["x-coserve-job-id"]
     job = _cancelled_with_tokens(service, keys.paid, job_id, f"/v1/responses/{resp_id}/cancel")
     body = client.get(f"/v1/responses/{resp_id}", headers=H(keys.paid)).json()
-    assert body["status"] == "cancelled"
+    assert body["status"] == "cancelled" and body["error"] is None  # as OpenAI's: cancelled is no error
     (item,) = body["output"]
     assert (item["type"], item["status"], item["content"][0]["text"]) == ("message", "incomplete", job["output_text"])
     assert (body["usage"]["input_tokens"], body["usage"]["output_tokens"]) == (job["prompt_tokens"],

@@ -33,7 +33,11 @@ def _seed(db_url) -> None:
                         cached_tokens=8),
                    _job(t.id, "succeeded", "free", queue_s=1.25, ttft_s=3.0, tbt_p50_s=0.3, ttlt_s=9.0, slo_met=False,
                         finished_at=now, finish_reason="stop", prompt_tokens=5, completion_tokens=3),
-                   _job(t.id, "expired", "free", kind="batch", finished_at=now)])
+                   _job(t.id, "expired", "free", kind="batch", finished_at=now),
+                   # cancelled after 2 tokens: they count (as the Usage API bills them), the job is no success
+                   _job(t.id, "cancelled", "paid", finished_at=now, finish_reason="cancelled", prompt_tokens=4,
+                        completion_tokens=2),
+                   _job(t.id, "cancelled", "paid", finished_at=now, finish_reason="cancelled", prompt_tokens=6)])
         s.add(WorkerState(id="w9", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.25, "kv_recomputes": 3}))
 
 
@@ -66,8 +70,8 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
                outcome="violated") == 1
     assert get("coserve:slo_attainment_total", model_name="tiny", tier="free", kind="batch", outcome="violated") == 1
     assert get("coserve:request_success_total", model_name="tiny", finished_reason="length") == 1
-    assert get("coserve:generation_tokens_total", model_name="tiny") == 10
-    assert get("coserve:prompt_tokens_total", model_name="tiny") == 15
+    assert get("coserve:generation_tokens_total", model_name="tiny") == 10 + 2
+    assert get("coserve:prompt_tokens_total", model_name="tiny") == 15 + 4  # the one cancelled before it ran: not
     assert get("coserve:prompt_tokens_cached_total", model_name="tiny") == 8  # the other job has no count
     assert get("vllm:prompt_tokens_cached_total", model_name="tiny") == 8  # under vLLM's name too
 
