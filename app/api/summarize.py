@@ -40,6 +40,7 @@ class SummarizeCreate(BaseModel):
     chunk_tokens: int = Field(1024, ge=64, le=32_768, description="largest chunk of document text per job")
     overlap_tokens: int = Field(64, ge=0, le=1024)
     tier: Text | None = None
+    model: Text | None = Field(None, description="the server's model (default) or one of its LoRA adapters")
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, responses=responses(413))
@@ -55,6 +56,9 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         tier = resolve_tier(settings, principal, body.tier)
     except JobValidationError as exc:
         raise unprocessable(str(exc), "body", "tier") from exc
+    if body.model is not None and body.model not in settings.served_models:
+        raise unprocessable(f"unknown model {body.model!r}; this server serves "
+                            f"{', '.join(map(repr, settings.served_models))}", "body", "model")
     if window <= 0:
         raise unprocessable("deadline must be in the future", "body", "deadline")
     if window > MAX_WINDOW_S:  # also keeps now + window inside the calendar (1e12 s is 31,700 years)
@@ -65,7 +69,7 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         progress = await run_in_threadpool(
             service.start_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
             max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
-            overlap_tokens=body.overlap_tokens, tier=tier)
+            overlap_tokens=body.overlap_tokens, tier=tier, model=body.model)
     except (ValueError, JobValidationError) as exc:
         raise unprocessable(str(exc)) from exc
     service.drive_in_thread(settings, progress.id)

@@ -166,6 +166,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
               max_summary_tokens: Annotated[int, typer.Option(help="tokens per summary")] = 128,
               chunk_tokens: Annotated[int, typer.Option(help="largest chunk of text per job")] = 1024,
               overlap_tokens: Annotated[int, typer.Option(help="tokens shared by neighbouring chunks")] = 64,
+              model: Annotated[str | None, typer.Option(help="the server's model (default) or one of its LoRA "
+                                                             "adapters")] = None,
               tier: Tier = None, url: Url = None, key: Key = None) -> None:
     """Summarize long documents map-reduce as deadline batch jobs; writes one JSON line per document.
 
@@ -182,7 +184,7 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     run = api.call("POST", "/v1/summarize", json={
         "documents": [{"id": d.id, "text": d.text} for d in docs], "deadline": deadline,
         "max_summary_tokens": max_summary_tokens, "chunk_tokens": chunk_tokens,
-        "overlap_tokens": overlap_tokens, "tier": tier}).json()
+        "overlap_tokens": overlap_tokens, "tier": tier, "model": model}).json()
     deadline_at = datetime.fromisoformat(run["deadline_at"])
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("jobs {task.fields[jobs]}"), TimeElapsedColumn(),

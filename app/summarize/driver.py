@@ -63,13 +63,15 @@ class JobCollector:
     """A ``JobBackend`` that builds jobs without writing them (the step's transaction does)
     and answers polls from results read before the step."""
 
-    def __init__(self, settings: Settings, principal: Principal, tier: str, results: dict[str, store.JobResult]):
+    def __init__(self, settings: Settings, principal: Principal, tier: str, results: dict[str, store.JobResult],
+                 model: str | None = None):
         self.settings, self.principal, self.tier, self.results = settings, principal, tier, results
+        self.model = model  # the run's: the server's model or a LoRA adapter
         self.jobs: list[Job] = []
 
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str:
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
-                         temperature=0.0, app_id=app_id, tier=self.tier)
+                         temperature=0.0, app_id=app_id, tier=self.tier, model=self.model)
         # overdue_ok: a later level still runs when earlier ones overran the deadline
         job = build_job(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True)
         self.jobs.append(job)
@@ -86,7 +88,7 @@ def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector
 
 def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, store.JobResult]) -> JobCollector:
     principal = Principal(key_id=run.api_key_id or "", tenant_id=run.tenant_id, tier=run.tier, is_admin=False)
-    return JobCollector(settings, principal, run.tier, results)
+    return JobCollector(settings, principal, run.tier, results, run.model)
 
 
 @dataclass
@@ -228,7 +230,7 @@ def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[
     now = utcnow()
     with session_scope(settings.sqlalchemy_url) as s:
         ids = s.scalars(select(SummarizationRun.id).where(
-            SummarizationRun.status == "running", SummarizationRun.model == settings.model_name,
+            SummarizationRun.status == "running", SummarizationRun.model.in_(settings.served_models),
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
             .order_by(SummarizationRun.created_at).limit(limit)).all()
     steps = []

@@ -183,9 +183,10 @@ class Progress:
     documents_failed: int
     jobs_submitted: int
     jobs_done: int  # ended, succeeded or not
+    model: str | None = None  # the model or LoRA adapter its jobs run on (None: a run kept before it was recorded)
 
     def as_dict(self) -> dict:
-        return {"id": self.id, "object": "summarization", "status": self.status,
+        return {"id": self.id, "object": "summarization", "model": self.model, "status": self.status,
                 "deadline_at": self.deadline_at.isoformat(), "documents": self.documents,
                 "documents_done": self.documents_done, "documents_failed": self.documents_failed,
                 "jobs_submitted": self.jobs_submitted, "jobs_done": self.jobs_done}

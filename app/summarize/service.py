@@ -68,10 +68,12 @@ def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int)
 
 
 def start_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
-              max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str) -> Progress:
+              max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str,
+              model: str | None = None) -> Progress:
+    """``model``: the server's model (None) or one of its LoRA adapters, which every job of the run names."""
     budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
     run = SummarizationRun(
-        id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None, model=settings.model_name,
+        id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None, model=model or settings.model_name,
         tier=tier, status="running", deadline_at=deadline_at, max_summary_tokens=max_summary_tokens,
         chunk_tokens=budget, overlap_tokens=min(overlap_tokens, budget // 4), documents=len(documents),
         documents_done=0, documents_failed=0, jobs_submitted=0, jobs_done=0, version=0, created_at=utcnow())

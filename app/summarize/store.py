@@ -110,7 +110,7 @@ class RunView:
 
 def progress_of(run: SummarizationRun) -> Progress:
     return Progress(run.id, run.status, as_utc(run.deadline_at), run.documents, run.documents_done,
-                    run.documents_failed, run.jobs_submitted, run.jobs_done)
+                    run.documents_failed, run.jobs_submitted, run.jobs_done, run.model)
 
 
 def view(url: str, run_id: str, with_results: bool = False) -> RunView | None:

@@ -68,6 +68,7 @@ CHAT = '"messages": [{"role": "user", "content": "hi"}]'
     ("/v1/chat/completions", '{%s, "tier": "paid", "service_tier": "flex"}' % CHAT, 400, "service_tier", "disagree"),
     # out of range
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "deadline": 1e12}', 422, "deadline", "30 days"),
+    ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "model": "gpt-9"}', 422, "model", "unknown model"),
     ("/v1/jobs", '{"prompt": "hi", "kind": "batch", "deadline_at": "9999-12-31T23:59:59-12:00"}', 422, None,
      "out of range"),
 ])

@@ -215,6 +215,21 @@ def test_the_sweeper_steps_only_its_models_runs(settings, principal):
     assert run_row(url, run_id).version == 1
 
 
+def test_a_run_on_a_lora_adapter_names_it_in_every_job_and_its_models_workers_step_it(settings, principal):
+    url = settings.sqlalchemy_url
+    settings.lora_modules = {"summary-lora": "/adapters/summary"}
+    progress = service.start_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
+                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid",
+                                 model="summary-lora")
+    assert progress.as_dict()["model"] == "summary-lora"
+    with session_scope(url) as s:
+        assert set(s.scalars(select(Job.model))) == {"summary-lora"}
+    finish_jobs(url)
+    assert [s.outcome for s in driver.advance_open_runs(settings, "w1")] == [Outcome.STEPPED]
+    with session_scope(url) as s:  # the next level's jobs too
+        assert set(s.scalars(select(Job.model))) == {"summary-lora"} and s.scalar(select(func.count(Job.id))) > 1
+
+
 def test_runs_an_older_version_kept_in_files_are_still_read(settings):
     folder = settings.data_dir / "summaries"
     folder.mkdir()
@@ -224,6 +239,7 @@ def test_runs_an_older_version_kept_in_files_are_still_read(settings):
     (folder / "sum_old.json").write_text(json.dumps(state))
     (folder / "sum_old.jsonl").write_text('{"id": "a", "summary": "S."}\n')
     view = service.view(settings, "sum_old", with_results=True)
-    assert view.tenant_id == "ten_1" and view.progress.as_dict() == {k: v for k, v in state.items() if k != "tenant_id"}
+    kept = {k: v for k, v in state.items() if k != "tenant_id"}
+    assert view.tenant_id == "ten_1" and view.progress.as_dict() == {**kept, "model": None}  # not recorded then
     assert view.results == b'{"id": "a", "summary": "S."}\n'
     assert service.view(settings, "sum_nope") is None
