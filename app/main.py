@@ -15,7 +15,7 @@ from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
 from app.services.job_writer import JobWriter
-from app.services.model_info import get_tokenizer, max_model_len
+from app.services.model_info import get_tokenizer, max_model_len, use_chat_template
 from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
 
@@ -106,6 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Co-serving interactive LLM requests and deadline batch jobs.")
     api.state.settings = settings or get_settings()
     settings = api.state.settings
+    use_chat_template(settings.model, settings.chat_template)  # before any request renders chat messages
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)

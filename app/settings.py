@@ -28,6 +28,10 @@ class Settings(BaseSettings):
                                           "name -> adapter directory (PEFT's adapter_config.json and weights), as "
                                           "`vllm serve --lora-modules name=path`; a request names one as its model")
     device: str = Field("auto", description="auto | cpu | cuda")
+    chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, that chat "
+                                                        "messages are rendered with instead of the model's own (as "
+                                                        "`vllm serve --chat-template`; set alike on the API and the "
+                                                        "workers)")
     admin_key: str | None = Field(None, description="admin API key; generated and printed by `coserve up` if unset")
     default_tier: str = "paid"
     tiers: tuple[str, ...] = DEFAULT_TIERS
@@ -97,6 +101,11 @@ class Settings(BaseSettings):
         "ngram", description="vLLM with speculation: its drafter, 'ngram' (prompt lookup) or 'suffix' (suffix "
                              "decoding over the prompt and earlier outputs; needs arctic-inference, which "
                              "scripts/setup.sh installs)")
+    prefix_cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant", description="vLLM backend: whose prompts a prompt may reuse from the prefix cache: 'tenant' (its "
+                              "own tenant's, as OpenAI scopes prompt caching to an organization: a shared cache "
+                              "tells one tenant, by cached_tokens and TTFT, what another sent) or 'shared' (all: "
+                              "more hits across tenants that send the same system prompt)")
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="vLLM backend: any other argument of vLLM's engine (EngineArgs, as "
                                           "`vllm serve` takes it with '_' for '-'), a JSON object, e.g. "

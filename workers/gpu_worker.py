@@ -38,7 +38,7 @@ from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
 from app.services.dispatch import send_job
-from app.services.model_info import encode_input, get_tokenizer
+from app.services.model_info import encode_input, get_tokenizer, use_chat_template
 from app.services.streaming import CANCEL_CHANNEL
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
@@ -89,6 +89,7 @@ class GpuWorker:
     def start(self) -> None:
         t0 = time.monotonic()
         self.tokenizer = get_tokenizer(self.settings.model)
+        use_chat_template(self.settings.model, self.settings.chat_template)  # the API's, as it counted prompts
         self.attach(self._build_engine())
         log.info("worker %s: %s engine ready on %s in %.1fs", self.worker_id, self.backend, self.device,
                  time.monotonic() - t0)
@@ -243,7 +244,8 @@ class GpuWorker:
         waited = (utcnow() - created).total_seconds()
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind),
-                       lora_name=job.model if job.model != self.settings.model_name else None)
+                       lora_name=job.model if job.model != self.settings.model_name else None,
+                       cache_salt=job.tenant_id if self.settings.prefix_cache_scope == "tenant" else None)
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel
     def _state(self) -> dict[str, Any]:

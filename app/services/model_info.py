@@ -115,6 +115,30 @@ def _max_model_len(model: str) -> int:
     return n
 
 
+_own_templates: dict[str, str | None] = {}  # model -> the chat template its tokenizer came with
+
+
+def use_chat_template(model: str, template: str | None) -> None:
+    """Chat messages of ``model`` are rendered with ``template`` (Jinja text, or a file holding it) from now on in
+    this process; None: with the model's own. A template Jinja cannot parse is a ValueError that says where."""
+    import jinja2
+
+    if template is None and model not in _own_templates:
+        return  # never replaced: nothing to load or restore
+    tok = get_tokenizer(model)
+    own = _own_templates.setdefault(model, getattr(tok, "chat_template", None))
+    if template is None:
+        tok.chat_template = own
+        return
+    path = Path(template)
+    text = path.read_text() if len(template) < 4096 and "\n" not in template and path.is_file() else template
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"COSERVE_CHAT_TEMPLATE is not a Jinja template: line {exc.lineno}: {exc.message}") from None
+    tok.chat_template = text
+
+
 class ChatTemplateError(ValueError):
     """The model's chat template refused the messages or tools (e.g. a template that takes one tool call per
     message): the request's to change."""

@@ -198,7 +198,10 @@ class VLLMEngine:
         outputs = []
         for req in box.new:
             try:
-                internal = self.llm.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
+                prompt = {"prompt_token_ids": req.prompt_token_ids}
+                if req.cache_salt is not None:  # vLLM's cache_salt: cached blocks are shared within its scope only
+                    prompt["cache_salt"] = req.cache_salt
+                internal = self.llm.add_request(req.request_id, prompt,
                                                 self._sampling(req), arrival_time=req.arrival_time,
                                                 lora_request=self._lora(req),
                                                 priority=vllm_priority(req) if self.priority_policy else 0)

@@ -274,3 +274,32 @@ def test_what_the_engine_refuses_is_the_clients_to_fix_not_a_server_error(oai, s
     job = wait_for(lambda: (j := httpx.get(f"{live_server}/v1/jobs/{job_id}", headers={
         "Authorization": f"Bearer {keys.paid}"}).json())["status"] == "failed" and j, 60, "the job to fail")
     assert job["error_code"] == "invalid_request" and "repetition_penalty" in job["error"]
+
+
+def test_the_worker_renders_chat_with_the_operators_template_as_the_api_counted(settings, tmp_path, keys,
+                                                                                 start_worker):
+    """COSERVE_CHAT_TEMPLATE set alike on the API and a worker: the prompt the worker runs is the one the API
+    counted (the job's final prompt_tokens come from the engine; the model's own template gives another count)."""
+    from app.main import create_app
+    from app.services.model_info import encode_input, use_chat_template
+
+    template = tmp_path / "brackets.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}")
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    own = len(encode_input(settings.model, None, messages))
+    settings.chat_template = str(template)
+    try:
+        from fastapi.testclient import TestClient
+
+        with TestClient(create_app(settings)) as client:
+            start_worker("w1", COSERVE_CHAT_TEMPLATE=str(template))
+            counted = client.post("/v1/jobs", json={"messages": messages, "max_tokens": 2},
+                                  headers={"Authorization": f"Bearer {keys.paid}"}).json()
+            assert counted["prompt_tokens"] != own, (counted, own)
+            done = wait_for(lambda: (j := client.get(f"/v1/jobs/{counted['id']}", headers={
+                "Authorization": f"Bearer {keys.paid}"}).json())["status"] == "succeeded" and j, 120,
+                "the job to finish")
+            assert done["prompt_tokens"] == counted["prompt_tokens"], done  # the worker ran the same prompt
+    finally:
+        settings.chat_template = None
+        use_chat_template(settings.model, None)

@@ -71,3 +71,32 @@ def test_bad_input_is_a_400_in_openais_shape(client, keys, path, body, status, p
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert client.post(path, json=body).status_code == 401  # a key is needed
+
+
+BRACKETS = "{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}"
+
+
+def test_a_chat_template_of_the_operators_replaces_the_models(settings, keys, tmp_path):
+    """COSERVE_CHAT_TEMPLATE (Jinja text or a file), as vllm serve --chat-template; an app without it renders with
+    the model's own again; a template Jinja cannot parse stops the app at start with where it fails."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    def rendered(client) -> str:
+        ids = client.post("/tokenize", json={"messages": CHAT}, headers=H(keys.paid)).json()["tokens"]
+        return client.post("/detokenize", json={"tokens": ids}, headers=H(keys.paid)).json()["prompt"]
+
+    (tmp_path / "brackets.jinja").write_text(BRACKETS)
+    for template in (BRACKETS, str(tmp_path / "brackets.jinja")):
+        settings.chat_template = template
+        with TestClient(create_app(settings)) as client:
+            assert rendered(client).endswith("<<user: Weather in Paris?>>"), rendered(client)
+    settings.chat_template = None
+    with TestClient(create_app(settings)) as client:
+        assert "<<" not in rendered(client) and "Weather in Paris?" in rendered(client)
+    settings.chat_template = "{% for m in messages %}{{ m.content }"
+    with pytest.raises(ValueError, match="not a Jinja template: line 1"):
+        create_app(settings)
+    settings.chat_template = None
+    create_app(settings)  # the model's own again, for the tests after this one

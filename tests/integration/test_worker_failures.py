@@ -88,3 +88,11 @@ def test_engine_error_requeues_jobs_and_fails_only_the_exhausted(settings, keys)
         assert s.get(Job, fresh).status == "dispatched"
         details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == fresh).order_by(JobEvent.id)).all()
     assert details[-2:] == [f"engine error on {worker.worker_id}; requeued", "requeued after an engine error"]
+
+
+def test_a_worker_on_the_own_engine_does_not_start_with_lora_adapters(settings):
+    """The own engine serves no adapters: a worker set to serve some on it stops at start, saying why, rather
+    than answer their requests with the model alone."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    with pytest.raises(SystemExit, match="LoRA adapters are served on the vLLM backend"):
+        GpuWorker(settings)._build_engine()

@@ -312,6 +312,11 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     again_job = job(base, keys.paid, again.id.removeprefix("cmpl-"))
     assert again_job["cached_tokens"] == hit and job(base, keys.paid, first.id.removeprefix("cmpl-"))[
         "cached_tokens"] == 0
+    # the cache is the tenant's own (COSERVE_PREFIX_CACHE_SCOPE=tenant): another tenant sending the same prompt
+    # finds nothing cached, so neither cached_tokens nor its TTFT tells it what this tenant sent
+    other = openai.OpenAI(base_url=base + "/v1", api_key=keys.other, max_retries=0, timeout=240)
+    theirs = other.completions.create(model="smollm2-135m-instruct", prompt=notes, max_tokens=2, temperature=0)
+    assert theirs.usage.prompt_tokens == n_prompt and theirs.usage.prompt_tokens_details.cached_tokens == 0
     said = [{"role": "user", "content": notes + " Summarize."}]
     chunks = list(oai.chat.completions.create(model="smollm2-135m-instruct", messages=said, max_tokens=2,
                                               temperature=0, stream=True, stream_options={"include_usage": True}))
