@@ -7,6 +7,7 @@ wider verification pass rounds differently), which says nothing about the schedu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,11 +65,16 @@ def test_coserve_profile_times_the_vllm_engine(tmp_path):
 
     out = tmp_path / "vllm.json"
     exe = Path(sys.executable).parent / "coserve"
+    # the engine the worker would build: COSERVE_VLLM_ENGINE_ARGS reach it (its speculative_config does not: the grid
+    # times plain steps)
+    args = '{"num_gpu_blocks_override": 200, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}'
     proc = subprocess.run([str(exe), "profile", "--backend", "vllm", "--grid", "smoke", "--device", "cpu",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COSERVE_VLLM_ENGINE_ARGS": args})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     prof = Profile.load(out)
     assert prof.meta["engine"] == "vllm" and len(prof.samples) == 5 and all(t > 0 for _, t in prof.samples)
+    assert prof.meta["kv_blocks"] == 200 - 1  # vLLM keeps one block as its null block
     from gpu_runtime.costmodel.machine import Machine, cpu_machine
 
     assert Machine.from_dict(prof.meta["machine"]) == cpu_machine()  # what COSERVE_COST_PROFILE=auto matches on
