@@ -175,7 +175,7 @@ class Engine:
             promotions, self._promotions = list(self._promotions), deque()
         for req in new:
             try:
-                self.executor.add_request(req.request_id, req.sampling, category=req.app_id)
+                self.executor.add_request(req.request_id, req.sampling, category=req.app_id, cache_salt=req.cache_salt)
             except Exception as exc:  # e.g. a seed the generator rejects: fail this request, not the step
                 log.warning("request %s rejected at admission: %s", req.request_id, exc)
                 self.executor.free(req.request_id)

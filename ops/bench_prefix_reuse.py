@@ -24,6 +24,7 @@ prompt tokens found in the cache, output tok/s and the run's length.
     python ops/bench_prefix_reuse.py --simulate --out run.json   # beside the simulator, with and without its
                                                                  # model of the prefix cache
     python ops/bench_prefix_reuse.py --simulate --from-json run.json   # simulate saved runs again
+    python ops/bench_prefix_reuse.py --tenants 4 --cache-scope shared   # what the per-tenant cache costs
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def drive(engine, clock, args: argparse.Namespace, policy: str) -> dict:  # noqa
                 kind[rid] = "fresh"
             prompts[rid] = ids
             engine.add_request(Request(rid, ids, SamplingParams(max_tokens=args.answer, ignore_eos=True), qos,
-                                       arrival_time=arrival))
+                                       arrival_time=arrival, cache_salt=cache_salt(args, int(key[1:]))))
         if not engine.has_work:
             if due:
                 clock.wait_until(due[0][0])
@@ -189,6 +190,13 @@ def drive(engine, clock, args: argparse.Namespace, policy: str) -> dict:  # noqa
                 raise RuntimeError(f"{policy}: the simulated engine holds work it never schedules")
             clock.wait_until(due[0][0])
     return {"policy": policy, "elapsed_s": clock.now() - t0, "requests": results}
+
+
+def cache_salt(args: argparse.Namespace, index: int) -> str | None:
+    """The prefix-cache scope of conversation or fresh prompt ``index``: its tenant's (the worker's default,
+    COSERVE_PREFIX_CACHE_SCOPE=tenant; tenants take the conversations in turn) or none (``--cache-scope shared``)."""
+    tenants = getattr(args, "tenants", 1)
+    return f"tenant-{index % tenants}" if getattr(args, "cache_scope", "shared") == "tenant" else None
 
 
 def summary(run: dict) -> dict:
@@ -220,6 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttft-s", type=float, default=2.0)
     ap.add_argument("--tbt-s", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tenants", type=int, default=1, help="tenants the conversations (and fresh prompts) belong "
+                                                          "to, in turn")
+    ap.add_argument("--cache-scope", choices=["tenant", "shared"], default="tenant",
+                    help="whose prompts a prompt may reuse from the prefix cache (COSERVE_PREFIX_CACHE_SCOPE): its "
+                         "tenant's (vLLM's cache_salt, the worker's default) or every tenant's")
     ap.add_argument("--out", default=None, help="every request's result, as JSON")
     ap.add_argument("--simulate", nargs="?", const="auto", default=None, metavar="PROFILE",
                     help="also run the load through the simulator on PROFILE (default: the vLLM profile of this CPU "
@@ -261,7 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps([{"source": source, **run} for source, run in rows]))
     table = Table(title=f"{args.conversations} conversations x {args.turns} turns beside fresh prompts at "
-                        f"{args.fresh_qps}/s for {args.fresh_minutes} min; TTFT {args.ttft_s} s, TBT {args.tbt_s} s")
+                        f"{args.fresh_qps}/s for {args.fresh_minutes} min; TTFT {args.ttft_s} s, TBT {args.tbt_s} s; "
+                        f"{args.tenants} tenant(s), prefix cache scope {args.cache_scope}")
     for col in ("policy", "run", "first turns TTFT p50 / p99 s", "later turns TTFT p50 / p99 s",
                 "fresh TTFT p50 / p99 s", "SLO met", "prompt cached", "output tok/s", "run s", "requests",
                 "TTFT error vs measured"):
@@ -293,7 +307,7 @@ def _passed(args: argparse.Namespace) -> list[str]:
     """The workload's options for a policy's own process."""
     out = []
     for name in ("model", "conversations", "turns", "system", "user", "answer", "think_s", "stagger_s", "fresh_qps",
-                 "fresh_len", "fresh_minutes", "ttft_s", "tbt_s", "seed"):
+                 "fresh_len", "fresh_minutes", "ttft_s", "tbt_s", "seed", "tenants", "cache_scope"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.step_log:
         Path(args.step_log).mkdir(parents=True, exist_ok=True)

@@ -113,9 +113,11 @@ class Executor(Protocol):
     def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
         """Extra KV blocks ``request_id`` needs to cache ``num_new_tokens`` more tokens."""
 
-    def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None) -> None:
+    def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None,
+                    cache_salt: str | None = None) -> None:
         """Register a request before its first prefill chunk; ``category`` is its application
-        (the simulator draws acceptance per category; a real model ignores it)."""
+        (the simulator draws acceptance per category; a real model ignores it); ``cache_salt``: the prefix-cache
+        scope it shares blocks within (an executor with a prefix cache reads it)."""
 
     def free(self, request_id: str) -> None:
         """Release every KV block (target and draft) held by the request."""

@@ -8,6 +8,7 @@ queue and drops it only when that block is handed out again, least recently free
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -20,6 +21,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0, sta
         parent = hash((parent, tuple(token_ids[lo:lo + block_size])))
         out.append(parent)
     return out
+
+
+def salt_root(cache_salt: str) -> int:
+    """What the first block of a prompt with ``cache_salt`` is chained to (vLLM hashes the salt into its first
+    block's name): a stable int, the same in every process (str hashes are not)."""
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "big") or 1
 
 
 class PrefixCache:

@@ -34,7 +34,7 @@ from gpu_runtime.executor.base import (
     StepResult,
 )
 from gpu_runtime.executor.kv_blocks import BlockManager
-from gpu_runtime.executor.prefix_cache import PrefixCache, block_hashes
+from gpu_runtime.executor.prefix_cache import PrefixCache, block_hashes, salt_root
 from gpu_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,6 +77,7 @@ class SimExecutor:
         self._prompt_blocks: dict[str, list[int]] = {}  # request -> names of its prompt's cacheable blocks
         self._held: dict[str, list[int]] = {}  # request -> names of the full blocks its KV has, in order
         self._tail: dict[str, list[int]] = {}  # request -> tokens of its KV after its last full block
+        self._roots: dict[str, int] = {}  # request -> what its first block's name is chained to (its cache salt)
 
     # ---- clock ----
     def now(self) -> float:
@@ -92,13 +93,17 @@ class SimExecutor:
     def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
         return self.blocks.blocks_needed(request_id, num_new_tokens)
 
-    def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None) -> None:
+    def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None,
+                    cache_salt: str | None = None) -> None:
         self.categories[request_id] = category
+        if cache_salt is not None:  # vLLM's cache_salt: only prompts with the same salt share blocks
+            self._roots[request_id] = salt_root(cache_salt)
 
     def free(self, request_id: str) -> None:
         self.blocks.free(request_id)
         self._prompt_blocks.pop(request_id, None)
         self._uncache(request_id)
+        self._roots.pop(request_id, None)
         self.categories.pop(request_id, None)
         self._draft_synced.pop(request_id, None)
 
@@ -118,7 +123,8 @@ class SimExecutor:
         unless that one is resident too (one lookup a step for a prompt that waits)."""
         names = self._prompt_blocks.get(request_id)
         if names is None:
-            names = self._prompt_blocks[request_id] = block_hashes(prompt_token_ids[:-1], self.blocks.block_size)
+            names = self._prompt_blocks[request_id] = block_hashes(prompt_token_ids[:-1], self.blocks.block_size,
+                                                                   self._roots.get(request_id, 0))
         k = known // self.blocks.block_size
         if self.prefix_cache is None or k >= len(names) or names[k] not in self.prefix_cache:
             return known
@@ -148,7 +154,8 @@ class SimExecutor:
         its attention reads it); at most all but the prompt's last token, and never past the chunk (vLLM's hit may
         reach past the tokens the policy planned for the prompt; the plan's end bounds it here)."""
         bs = self.blocks.block_size
-        names = block_hashes(chunk.token_ids[:-1] if chunk.sample else chunk.token_ids, bs)
+        names = block_hashes(chunk.token_ids[:-1] if chunk.sample else chunk.token_ids, bs,
+                             self._roots.get(chunk.request_id, 0))
         hit = self.prefix_cache.leading_hits(names)
         if not hit:
             return chunk
@@ -164,7 +171,7 @@ class SimExecutor:
         bs = self.blocks.block_size
         if len(tail) >= bs:
             full = len(tail) // bs * bs
-            names = block_hashes(tail[:full], bs, held[-1] if held else 0)
+            names = block_hashes(tail[:full], bs, held[-1] if held else self._roots.get(request_id, 0))
             self.prefix_cache.hold(names)
             held += names
             del tail[:full]

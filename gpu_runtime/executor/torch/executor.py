@@ -203,7 +203,8 @@ class TorchExecutor:
     def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
         return self.blocks.blocks_needed(request_id, num_new_tokens)
 
-    def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None) -> None:
+    def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None,
+                    cache_salt: str | None = None) -> None:  # no prefix cache here: the salt scopes nothing
         self._requests[request_id] = _RequestState(sampling, make_generator(sampling, self.device))
 
     def free(self, request_id: str) -> None:

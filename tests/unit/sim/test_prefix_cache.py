@@ -37,7 +37,7 @@ def test_idle_blocks_stay_until_the_pool_needs_their_memory_least_recently_freed
 
 
 def run(prefix_caching: bool, prompts: list[list[int]], kv_blocks: int = 4096, policy: str = "qoserve",
-        max_tokens: int = 4):
+        max_tokens: int = 4, salts: list[str | None] | None = None):
     priced = []  # the prompt tokens each pass computed (what the executor priced)
 
     class Counting(PiecewiseLinearCostModel):
@@ -50,7 +50,7 @@ def run(prefix_caching: bool, prompts: list[list[int]], kv_blocks: int = 4096, p
     engine = Engine(ex, create_scheduler(policy, cost_model=COST, executor=ex))
     for i, ids in enumerate(prompts):
         engine.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), QOS,
-                                   arrival_time=0.0))
+                                   arrival_time=0.0, cache_salt=salts[i] if salts else None))
     done = {}
     while engine.has_work:
         for out in engine.step():
@@ -73,6 +73,19 @@ def test_prompts_behind_one_system_prompt_compute_it_once_and_start_sooner():
     assert warm_tokens == cold_tokens - sum(hits) <= 552 + 15 * 40 + 512
     assert sum(m.ttft_s for m in warm.values()) < 0.6 * sum(m.ttft_s for m in cold.values())
     assert ex.prefix_cache.num_idle > 0  # finished requests' blocks stay cached while memory allows
+
+
+def test_prompts_share_cached_blocks_within_their_cache_salt_only():
+    """vLLM's cache_salt (the worker's: the tenant): the same system prompt is computed once per salt."""
+    rng = random.Random(1)
+    system = [rng.randrange(3, 1000) for _ in range(512)]
+    prompts = [system + [rng.randrange(3, 1000) for _ in range(40)] for _ in range(8)]
+    shared, shared_tokens, *_ = run(True, prompts)
+    salted, salted_tokens, *_ = run(True, prompts, salts=["acme", "globex"] * 4)
+    hits = {r: m.num_cached_tokens for r, m in salted.items()}
+    assert sorted(hits.values())[:2] == [0, 0] and all(h > 0 for h in sorted(hits.values())[2:])  # one per salt
+    assert salted_tokens == shared_tokens + 512  # the second tenant computed the system prompt again
+    assert sum(m.num_cached_tokens for m in shared.values()) == sum(hits.values()) + 512
 
 
 def test_a_request_whose_kv_was_released_finds_its_own_blocks_cached():
