@@ -8,7 +8,8 @@ since (``PeerLengths``, every heartbeat) keeps the workers' histories from drift
 
 Lengths are learnt per tenant and ``app_id`` (``history_key``); a job without one is learnt
 with its tenant's jobs of the same kind, so chat answers and long batch outputs do not share
-a prediction.
+a prediction. A job run with a LoRA adapter is learnt apart from the model's (a tuned model
+answers at its own length).
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 log = logging.getLogger(__name__)
 
 
-def history_key(app_id: str | None, tenant_id: str, kind: str) -> str:
+def history_key(app_id: str | None, tenant_id: str, kind: str, adapter: str | None = None) -> str:
     """What a job's output length is learnt under: its tenant's app_id, else its tenant's jobs of its kind
-    (scoped by tenant, so no tenant's outputs move another's predictions and KV reservations)."""
-    return f"{tenant_id}/app:{app_id}" if app_id else f"{tenant_id}/kind:{kind}"
+    (scoped by tenant, so no tenant's outputs move another's predictions and KV reservations), and its LoRA
+    ``adapter``'s apart from the model's."""
+    scope = f"{tenant_id}/lora:{adapter}" if adapter else tenant_id
+    return f"{scope}/app:{app_id}" if app_id else f"{scope}/kind:{kind}"
+
+
+def _adapter(model: str, models: str | tuple[str, ...]) -> str | None:
+    """``model`` if it is one of ``models``' LoRA adapters (the first of them is the model itself)."""
+    return None if isinstance(models, str) or model == models[0] else model
 
 
 def _succeeded(models: str | tuple[str, ...]):
@@ -40,9 +48,10 @@ def _succeeded(models: str | tuple[str, ...]):
 def finished_lengths(session: Session, models: str | tuple[str, ...], limit: int = 4096) -> list[tuple[str, int]]:
     """(history key, output tokens) of the models' latest ``limit`` succeeded jobs, oldest first."""
     rows = session.execute(
-        select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens).where(*_succeeded(models))
+        select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens, Job.model).where(*_succeeded(models))
         .order_by(Job.finished_at.desc()).limit(limit)).all()
-    return [(history_key(app, tenant, kind), int(n)) for app, tenant, kind, n in reversed(rows)]
+    return [(history_key(app, tenant, kind, _adapter(model, models)), int(n))
+            for app, tenant, kind, n, model in reversed(rows)]
 
 
 class PeerLengths:
@@ -53,13 +62,14 @@ class PeerLengths:
 
     def read(self, session: Session) -> list[tuple[str, int]]:
         rows = session.execute(
-            select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens, Job.finished_at)
+            select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens, Job.finished_at, Job.model)
             .where(*_succeeded(self.models), Job.finished_at > self.since,
                    or_(Job.worker_id.is_(None), Job.worker_id != self.worker_id))
             .order_by(Job.finished_at).limit(self.limit)).all()
         if rows:
             self.since = rows[-1].finished_at
-        return [(history_key(app, tenant, kind), int(n)) for app, tenant, kind, n, _ in rows]
+        return [(history_key(app, tenant, kind, _adapter(model, self.models)), int(n))
+                for app, tenant, kind, n, _, model in rows]
 
 
 def seed(history: DecodeLengthHistory, lengths: list[tuple[str, int]]) -> None:

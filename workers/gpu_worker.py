@@ -242,9 +242,10 @@ class GpuWorker:
                           tbt_anchor=TbtAnchor(job.tbt_anchor or self.settings.tbt_anchor))
         # arrival on the engine clock = when the job was submitted, so queueing counts against TTFT
         waited = (utcnow() - created).total_seconds()
+        adapter = job.model if job.model != self.settings.model_name else None
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
-                       app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind),
-                       lora_name=job.model if job.model != self.settings.model_name else None,
+                       app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
+                       lora_name=adapter,
                        cache_salt=job.tenant_id if self.settings.prefix_cache_scope == "tenant" else None)
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel

@@ -72,3 +72,12 @@ def test_peer_lengths_reads_what_other_workers_finished_since_the_last_read(db_u
     finish("chat", 45, "w2", 5.0)
     with session_scope(db_url) as s:
         assert peers.read(s) == [(chat, 45)]
+    # a worker of "m" serving the LoRA adapter "m-lora" too learns the adapter's lengths apart from the model's
+    served = PeerLengths(("m", "m-lora"), "w1", since=start + timedelta(seconds=4.5))
+    finish("chat", 8, "w2", 6.0, model="m-lora")
+    finish("chat", 46, "w2", 6.5)
+    finish("chat", 9, "w2", 7.0, model="unserved-lora")
+    with session_scope(db_url) as s:
+        adapted = history_key("chat", tenant, "interactive", "m-lora")
+        assert adapted != chat and served.read(s) == [(chat, 45), (adapted, 8), (chat, 46)]
+        assert (adapted, 8) in finished_lengths(s, ("m", "m-lora"))
