@@ -130,13 +130,26 @@ def use_chat_template(model: str, template: str | None) -> None:
     if template is None:
         tok.chat_template = own
         return
-    path = Path(template)
-    text = path.read_text() if len(template) < 4096 and "\n" not in template and path.is_file() else template
+    text = _template_file(template)
+    if text is None and "{" not in template:  # no file of that name, and no Jinja either: a path mistyped
+        raise ValueError(f"COSERVE_CHAT_TEMPLATE: no file {template!r} (nor a Jinja template: it has no '{{')")
+    text = template if text is None else text
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"COSERVE_CHAT_TEMPLATE is not a Jinja template: line {exc.lineno}: {exc.message}") from None
     tok.chat_template = text
+
+
+def _template_file(template: str) -> str | None:
+    """The text of the file ``template`` names, if it names one (a template's own text names none)."""
+    if "\n" in template or "{" in template:
+        return None
+    try:
+        path = Path(template)
+        return path.read_text() if path.is_file() else None
+    except OSError:  # e.g. longer than a file name may be
+        return None
 
 
 class ChatTemplateError(ValueError):

@@ -20,7 +20,8 @@ def adapter_rank(name: str, path: str | Path) -> int:
     try:
         rank = json.loads(config.read_text())["r"]
     except FileNotFoundError:
-        raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path} (a PEFT adapter directory)")
+        raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path} (a PEFT adapter directory)") \
+            from None
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"LoRA adapter {name!r}: {config} has no rank 'r' ({exc})") from None
     if not isinstance(rank, int) or not 1 <= rank <= LORA_RANKS[-1]:

@@ -98,5 +98,11 @@ def test_a_chat_template_of_the_operators_replaces_the_models(settings, keys, tm
     settings.chat_template = "{% for m in messages %}{{ m.content }"
     with pytest.raises(ValueError, match="not a Jinja template: line 1"):
         create_app(settings)
+    settings.chat_template = str(tmp_path / "mistyped.jinja")
+    with pytest.raises(ValueError, match="no file .*mistyped.jinja"):
+        create_app(settings)
+    settings.chat_template = "{{ messages[0]['content'] }}" * 40  # longer than a file name: a template
+    with TestClient(create_app(settings)) as client:
+        assert rendered(client).endswith("Weather in Paris?" * 40)
     settings.chat_template = None
     create_app(settings)  # the model's own again, for the tests after this one
