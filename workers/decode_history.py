@@ -34,19 +34,23 @@ def history_key(app_id: str | None, tenant_id: str, kind: str, adapter: str | No
     return f"{scope}/app:{app_id}" if app_id else f"{scope}/kind:{kind}"
 
 
-def _adapter(model: str, models: str | tuple[str, ...]) -> str | None:
-    """``model`` if it is one of ``models``' LoRA adapters (the first of them is the model itself)."""
-    return None if isinstance(models, str) or model == models[0] else model
+def _served(models: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The model's name, or it and its LoRA adapters' (a worker serves them all), the model's first."""
+    return (models,) if isinstance(models, str) else tuple(models)
 
 
-def _succeeded(models: str | tuple[str, ...]):
-    """Succeeded jobs of ``models``: the model's name, or it and its LoRA adapters' (a worker serves them all)."""
-    names = (models,) if isinstance(models, str) else models
-    return (Job.model.in_(names), Job.status == JobStatus.SUCCEEDED, Job.completion_tokens.is_not(None))
+def _adapter(model: str, served: tuple[str, ...]) -> str | None:
+    """``model`` if it is one of the served LoRA adapters, not the model itself."""
+    return None if model == served[0] else model
+
+
+def _succeeded(served: tuple[str, ...]):
+    return (Job.model.in_(served), Job.status == JobStatus.SUCCEEDED, Job.completion_tokens.is_not(None))
 
 
 def finished_lengths(session: Session, models: str | tuple[str, ...], limit: int = 4096) -> list[tuple[str, int]]:
     """(history key, output tokens) of the models' latest ``limit`` succeeded jobs, oldest first."""
+    models = _served(models)
     rows = session.execute(
         select(Job.app_id, Job.tenant_id, Job.kind, Job.completion_tokens, Job.model).where(*_succeeded(models))
         .order_by(Job.finished_at.desc()).limit(limit)).all()
@@ -58,7 +62,7 @@ class PeerLengths:
     """What the model's other workers finished since the last read (this worker records its own)."""
 
     def __init__(self, models: str | tuple[str, ...], worker_id: str, since: datetime, limit: int = 4096) -> None:
-        self.models, self.worker_id, self.since, self.limit = models, worker_id, since, limit
+        self.models, self.worker_id, self.since, self.limit = _served(models), worker_id, since, limit
 
     def read(self, session: Session) -> list[tuple[str, int]]:
         rows = session.execute(

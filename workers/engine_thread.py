@@ -208,20 +208,17 @@ class EngineThread:
             return self._expiry(job)
         m = out.metrics
         reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
-        prompt_tokens = job.request.prompt_len
-        values = {"output_text": "".join(job.text), "finish_reason": reason, "completion_tokens": m.num_output_tokens,
-                  "prompt_tokens": prompt_tokens, "cached_tokens": m.num_cached_tokens, "queue_s": m.queue_s,
+        output = self._output(job, m)
+        values = {**output, "finish_reason": reason, "queue_s": m.queue_s,
                   "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s,
                   "slo_met": m.slo_met,
                   "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
-                  "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None,
-                  "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
-                  "prompt_logprobs": job.prompt_logprobs}
+                  "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
         lease = job.lease
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
-                          data={"prompt_tokens": prompt_tokens, "completion_tokens": m.num_output_tokens,
+                          data={"prompt_tokens": output["prompt_tokens"], "completion_tokens": m.num_output_tokens,
                                 "cached_tokens": m.num_cached_tokens, "metrics": m.as_dict()})
-        produced = self._produced(job, m)
+        produced = output if m.num_output_tokens else None  # what it keeps if the API cancelled it meanwhile
 
         def write(s: Session) -> bool:
             if leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})"):
@@ -242,12 +239,15 @@ class EngineThread:
         return Record(f"the partial result of {lease.job_id}", lambda s: leases.keep_cancelled(s, lease, produced),
                       leaving=lease.job_id)
 
-    @staticmethod
-    def _produced(job: ActiveJob, m: Any) -> dict[str, Any] | None:
+    @classmethod
+    def _produced(cls, job: ActiveJob, m: Any) -> dict[str, Any] | None:
         """What a job that ends cancelled keeps of its attempt (None: the engine produced no token, or did not
         count them)."""
-        if m is None or not m.num_output_tokens:
-            return None
+        return cls._output(job, m) if m is not None and m.num_output_tokens else None
+
+    @staticmethod
+    def _output(job: ActiveJob, m: Any) -> dict[str, Any]:
+        """The job's columns of what its attempt produced: text, token counts, the logprobs it asked for."""
         return {"output_text": "".join(job.text), "completion_tokens": m.num_output_tokens,
                 "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
                 "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,

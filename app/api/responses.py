@@ -82,15 +82,11 @@ def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
 
 def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     kept = job.response or {}
-    if job.status == JobStatus.SUCCEEDED:
-        return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
-                             completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
-                             cached_tokens=job.cached_tokens)
     # a cancelled response is no error (OpenAI's error is null there: its status says it was cancelled)
     ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED)
     error = _error(job.status, job.error, job.error_code) if ended else None
-    if job.status == JobStatus.CANCELLED and job.completion_tokens is not None:
-        # cancelled while it ran: the output produced so far, and its usage (billed, as OpenAI bills it)
+    # succeeded, or cancelled while it ran: the output produced (so far), and its usage (billed, as OpenAI bills it)
+    if job.status == JobStatus.SUCCEEDED or (job.status == JobStatus.CANCELLED and job.completion_tokens is not None):
         return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
                              completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
                              cached_tokens=job.cached_tokens, error=error)

@@ -15,7 +15,7 @@ from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.openai_schemas import parse_window
 from app.schemas import MAX_WINDOW_S
-from app.services.jobs import JobValidationError, resolve_tier
+from app.services.jobs import JobValidationError, resolve_model, resolve_tier
 from app.services.transitions import utcnow
 from app.summarize import service
 from app.summarize.documents import Document
@@ -56,9 +56,10 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         tier = resolve_tier(settings, principal, body.tier)
     except JobValidationError as exc:
         raise unprocessable(str(exc), "body", "tier") from exc
-    if body.model is not None and body.model not in settings.served_models:
-        raise unprocessable(f"unknown model {body.model!r}; this server serves "
-                            f"{', '.join(map(repr, settings.served_models))}", "body", "model")
+    try:
+        model = resolve_model(settings, body.model)
+    except JobValidationError as exc:
+        raise unprocessable(str(exc), "body", "model") from exc
     if window <= 0:
         raise unprocessable("deadline must be in the future", "body", "deadline")
     if window > MAX_WINDOW_S:  # also keeps now + window inside the calendar (1e12 s is 31,700 years)
@@ -69,7 +70,7 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         progress = await run_in_threadpool(
             service.start_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
             max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
-            overlap_tokens=body.overlap_tokens, tier=tier, model=body.model)
+            overlap_tokens=body.overlap_tokens, tier=tier, model=model)
     except (ValueError, JobValidationError) as exc:
         raise unprocessable(str(exc)) from exc
     service.drive_in_thread(settings, progress.id)

@@ -92,16 +92,22 @@ def resolve_tier(settings: Settings, principal: Principal, requested: str | None
     return requested
 
 
+def resolve_model(settings: Settings, requested: str | None) -> str:
+    """The model a request names (default: the server's), if the server serves it: its own or a LoRA adapter."""
+    model = requested or settings.model_name
+    if model not in settings.served_models:
+        raise JobValidationError(f"unknown model {model!r}; this server serves "
+                                 f"{', '.join(map(repr, settings.served_models))}", param="model",
+                                 code="model_not_found")
+    return model
+
+
 def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
               batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
               count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None) -> Job:
     """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``response``: a
     Responses API request's own fields (``app.responses_schemas.KEPT``)."""
-    model = spec.model or settings.model_name
-    if model not in settings.served_models:
-        raise JobValidationError(f"unknown model {model!r}; this server serves "
-                                 f"{', '.join(map(repr, settings.served_models))}", param="model",
-                                 code="model_not_found")
+    model = resolve_model(settings, spec.model)
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
     if sampling["min_tokens"] > sampling["max_tokens"]:

@@ -124,11 +124,15 @@ class SimExecutor:
         names = self._prompt_blocks.get(request_id)
         if names is None:
             names = self._prompt_blocks[request_id] = block_hashes(prompt_token_ids[:-1], self.blocks.block_size,
-                                                                   self._roots.get(request_id, 0))
+                                                                   self._root(request_id))
         k = known // self.blocks.block_size
         if self.prefix_cache is None or k >= len(names) or names[k] not in self.prefix_cache:
             return known
         return self.prefix_cache.leading_hits(names, k) * self.blocks.block_size
+
+    def _root(self, request_id: str) -> int:
+        """What the request's first block is chained to: its cache salt's root, else 0 (the salt-less scope)."""
+        return self._roots.get(request_id, 0)
 
     def prompt_blocks(self, request_id: str) -> list[int]:
         """Names of the prompt's cacheable blocks (``cached_prefix`` computed them; none before)."""
@@ -155,7 +159,7 @@ class SimExecutor:
         reach past the tokens the policy planned for the prompt; the plan's end bounds it here)."""
         bs = self.blocks.block_size
         names = block_hashes(chunk.token_ids[:-1] if chunk.sample else chunk.token_ids, bs,
-                             self._roots.get(chunk.request_id, 0))
+                             self._root(chunk.request_id))
         hit = self.prefix_cache.leading_hits(names)
         if not hit:
             return chunk
@@ -171,7 +175,7 @@ class SimExecutor:
         bs = self.blocks.block_size
         if len(tail) >= bs:
             full = len(tail) // bs * bs
-            names = block_hashes(tail[:full], bs, held[-1] if held else self._roots.get(request_id, 0))
+            names = block_hashes(tail[:full], bs, held[-1] if held else self._root(request_id))
             self.prefix_cache.hold(names)
             held += names
             del tail[:full]
