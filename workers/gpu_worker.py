@@ -250,7 +250,8 @@ class GpuWorker:
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel
     def _state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"pid": os.getpid(), "active_jobs": len(self.active),
+        state: dict[str, Any] = {"pid": os.getpid(), "served": list(self.settings.served_models),
+                                 "active_jobs": len(self.active),
                                  "relegated_jobs": self.active.relegated, "device": self.device,
                                  "outbox_pending": self.outbox.pending}
         if self.engine_thread is not None:

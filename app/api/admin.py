@@ -149,12 +149,13 @@ def overview(session: SessionDep, _admin: AdminPrincipal,
     for j in active:
         # the worker records first_token_at when the first token comes out, so every running job
         # is judged: TTFT before it, TBT while relegated after it, TTLT for deadline jobs
-        jobs.append({"id": j.id, "tier": j.tier, "kind": j.kind, "status": j.status, "worker_id": j.worker_id,
+        jobs.append({"id": j.id, "model": j.model, "tier": j.tier, "kind": j.kind, "status": j.status,
+                     "worker_id": j.worker_id,
                      "relegation_count": j.relegation_count, "tenant_id": j.tenant_id,
                      "age_s": round((now - as_utc(j.created_at)).total_seconds(), 3),
                      "first_token": j.first_token_at is not None,
                      "overdue_s": round(overdue_s(j, now, relegated_at.get(j.id)), 3)})
-    workers = [{"id": w.id, "model": w.model, "device": w.device, "draining": w.draining,
+    workers = [{"id": w.id, "model": w.model, "served": w.served, "device": w.device, "draining": w.draining,
                 "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {}}
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
     return {"now": utc_z(now), "queues": queues, "jobs": jobs, "workers": workers,

@@ -1,4 +1,4 @@
-"""Liveness (``/healthz``), readiness (``/readyz``: DB, Redis, a live worker), and vLLM's server's probes under
+"""Liveness (``/healthz``), readiness (``/readyz``: DB, Redis, a live worker serving the model), and vLLM's server's probes under
 its names (``/health``: ready or not, as the status code says; ``/version``), for load balancers set up for it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from importlib.metadata import version as package_version
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy import func, select, text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from app.api.deps import SessionDep, SettingsDep
@@ -51,14 +51,30 @@ def _readiness(session: Session, settings: Settings) -> tuple[bool, dict[str, st
     except Exception as exc:
         checks["redis"] = f"error: {exc}"
     if checks["database"] == "ok":
-        # a worker is live when its heartbeat is fresher than three heartbeat periods
-        since = utcnow() - timedelta(seconds=3 * settings.heartbeat_seconds + 1)
-        live = session.scalar(select(func.count()).select_from(WorkerState).where(
-            WorkerState.heartbeat_at >= since, WorkerState.draining.is_(False))) or 0
-        checks["workers"] = f"{live} live" if live else "error: no live worker"
+        checks.update(_worker_checks(session, settings))
     else:
         checks["workers"] = "unknown"
+    # a warning (an adapter no live worker serves) is reported without taking the model's service down
     return all(not v.startswith("error") and v != "unknown" for v in checks.values()), checks
+
+
+def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
+    """A live worker serves the API's model, and one serves each of its adapters; a job for a model no worker
+    consumes would wait in its queue for good."""
+    since = utcnow() - timedelta(seconds=3 * settings.heartbeat_seconds + 1)  # live: beat in three periods
+    live = list(session.scalars(select(WorkerState).where(WorkerState.heartbeat_at >= since,
+                                                          WorkerState.draining.is_(False))))
+    if not live:
+        return {"workers": "error: no live worker"}
+    served = {m for w in live for m in w.served}
+    if settings.model_name not in served:
+        return {"workers": f"error: {len(live)} live, none serving {settings.model_name!r} "
+                           f"(they serve {', '.join(repr(m) for m in sorted(served))}: set COSERVE_MODEL_NAME alike)"}
+    checks = {"workers": f"{len(live)} live"}
+    if unserved := [name for name in settings.lora_modules if name not in served]:
+        checks["adapters"] = (f"warning: no live worker serves {', '.join(repr(m) for m in unserved)}; their jobs "
+                              "wait in the queue (give the workers the same COSERVE_LORA_MODULES)")
+    return checks
 
 
 @router.get("/health", response_class=Response,

@@ -265,6 +265,12 @@ class WorkerState(Base):
     draining: Mapped[bool] = mapped_column(Boolean, default=False)
     state: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # KV usage, spec policy, queues
 
+    @property
+    def served(self) -> tuple[str, ...]:
+        """The models whose queues the worker consumes: its model and LoRA adapters (a row written before the
+        worker recorded them: its model)."""
+        return tuple((self.state or {}).get("served") or (self.model,))
+
 
 class Conversation(Base):
     """OpenAI's Conversations API: items that responses given the conversation read first and add their turn to."""

@@ -68,6 +68,7 @@ function renderJobs(jobs) {
     row.id = "job-" + j.id;
     row.className = j.status;
     cell(row, j.id);
+    cell(row, j.model, "model");
     cell(row, j.tier);
     cell(row, j.kind);
     cell(row, j.status).className = "status";
@@ -124,6 +125,7 @@ function renderWorkers(workers) {
     const row = tbody.insertRow();
     row.id = "worker-" + w.id;
     cell(row, w.id);
+    cell(row, (w.served || [w.model]).join(", "), "models");
     cell(row, w.device);
     cell(row, w.heartbeat_age_s.toFixed(1), "num");
     cell(row, s.kv_usage == null ? "-" : (100 * s.kv_usage).toFixed(1) + "%", "num");

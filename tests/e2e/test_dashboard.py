@@ -65,7 +65,7 @@ def test_admin_api_requires_admin_key(live_server, keys):
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install -y chromium)")
-def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, tmp_path):
+def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     base, hog, late = overloaded
@@ -80,6 +80,7 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, tmp_path
         row = page.locator(f"#job-{late}")
         expect(row.locator("td.status")).to_have_text("relegated", timeout=20_000)
         expect(page.locator(f"#job-{hog} td.status")).to_have_text("running")
+        expect(page.locator(f"#job-{hog} td.model")).to_have_text(settings.model_name)
         expect(page.locator("#queues tr[data-tier=free] td[data-status=relegated]")).to_have_text("1")
         expect(page.locator("#worker-w1")).to_contain_text("serving")
         expect(page.locator("#slo-chart polyline")).to_have_count(2)  # one line per tier
@@ -93,6 +94,7 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, tmp_path
         assert len(ticks) >= 2 and all(len(t) == 5 and t[2] == ":" for t in ticks), ticks
         # speculation as key: value lines, not JSON
         expect(page.locator("#worker-w1 td.speculation span.kv").first).to_have_text("policy: none")
+        expect(page.locator("#worker-w1 td.models")).to_have_text(settings.model_name)  # with adapters: them too
         assert "{" not in page.locator("#worker-w1 td.speculation").inner_text()
         assert page.evaluate("keyValues({policy: 'adaspec', scale: 1.04213, confidence: [0.9, 0.712], "
                              "drafter: {on: true, k: 4}, last: null})") == [

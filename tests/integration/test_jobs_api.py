@@ -381,6 +381,35 @@ def test_health_and_readiness(client, settings):
     assert client.get("/version").json()["version"] == importlib.metadata.version("coserve")
 
 
+def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_adapter(settings, keys, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from app.db.models import WorkerState
+    from app.main import create_app
+
+    def beat(model: str, served: list[str] | None) -> None:
+        with session_scope(settings.sqlalchemy_url) as s:
+            row = s.get(WorkerState, "w1") or WorkerState(id="w1", queue="q", device="cpu")
+            row.model, row.heartbeat_at, row.draining = model, datetime.now(UTC), False
+            row.state = {"served": served} if served is not None else {}
+            s.add(row)
+
+    s = settings.model_copy(update={"lora_modules": {"tilted": str(tmp_path)}})
+    with TestClient(create_app(s)) as c:
+        beat("another-model", None)  # workers of a model the API does not name: its jobs would never run
+        r = c.get("/readyz")
+        assert r.status_code == 503 and f"none serving {s.model_name!r}" in r.json()["checks"]["workers"]
+        assert "'another-model'" in r.json()["checks"]["workers"] and c.get("/health").status_code == 503
+        beat(s.model_name, None)  # a row without its served list (an older worker) serves its model
+        r = c.get("/readyz")
+        assert r.status_code == 200 and r.json()["checks"]["workers"] == "1 live"
+        assert r.json()["checks"]["adapters"].startswith("warning: no live worker serves 'tilted'")
+        beat(s.model_name, [s.model_name, "tilted"])
+        assert c.get("/readyz").json()["checks"] == {"database": "ok", "redis": "ok", "workers": "1 live"}
+        assert [w["served"] for w in c.get("/admin/api/overview", headers=H(keys.admin)).json()["workers"]] \
+            == [[s.model_name, "tilted"]]
+
+
 def test_admin_key_from_settings_is_registered(settings, keys):
     from fastapi.testclient import TestClient
 

@@ -59,6 +59,8 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     # the adapter's (one whose B is zero answers as the model does; another does not), billed under its name
     listed = {m["id"]: m for m in httpx.get(f"{base}/v1/models", headers=Keys.header(keys.paid)).json()["data"]}
     assert listed["tilted-lora"]["parent"] == listed["zero-lora"]["parent"] == "smollm2-135m-instruct", listed
+    ready = httpx.get(f"{base}/readyz").json()  # the worker says it serves the adapters: no warning of them
+    assert ready["status"] == "ready" and "adapters" not in ready["checks"], ready
     adapted = {name: oai.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
                for name in ("zero-lora", "tilted-lora")}
     assert adapted["zero-lora"].choices[0].message.content == streamed
