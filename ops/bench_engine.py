@@ -12,7 +12,7 @@ batch 1/32 vs the weight-read limit (weight bytes / device copy bandwidth, measu
 timing a multi-GB bf16 copy unless --bandwidth-gbs is given).
 
     python ops/bench_engine.py [--prompts 16] [--decode-tokens 64] [--threads 2] [--repeats 3]
-    python ops/bench_engine.py --gpu [--bandwidth-gbs GBS]
+    python ops/bench_engine.py --gpu [--bandwidth-gbs GBS] [--profile]
 """
 
 from __future__ import annotations
@@ -255,10 +255,43 @@ def run_gpu(args: argparse.Namespace) -> None:
             step = statistics.median(times)
             print(f"{name:14} {batch:>5} {pos:>5} {step * 1e3:8.2f} {bound * 1e3:8.2f} {100 * bound / step:6.0f}% "
                   f"{kv_bytes / 1e6:7.0f}")
+            if args.profile and batch == 1:
+                profile_decode(ex, rids, pos, name)
             for rid in rids:
                 ex.free(rid)
         del ex, hf
         torch.cuda.empty_cache()
+
+
+def profile_decode(ex: TorchExecutor, rids: list[str], pos: int, name: str, steps: int = 5) -> None:
+    """Where a decode step's time goes: Python (cProfile, by cumulative time) and the ops torch's profiler
+    sees (by self CPU time and by self device time)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from gpu_runtime.executor.base import BatchPlan, DecodeEntry
+
+    def run(n: int, at: int) -> int:
+        for _ in range(n):
+            ex.step(BatchPlan(decodes=[DecodeEntry(r, at, 7) for r in rids]))
+            at += 1
+        return at
+
+    print(f"\n--- {name}, batch {len(rids)}: cProfile of {steps} steps (top 20 by cumulative time) ---")
+    prof = cProfile.Profile()
+    prof.enable()
+    pos = run(steps, pos)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(20)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        pos = run(steps, pos)
+    table = tp.key_averages()
+    print(f"--- {name}: torch profiler, {steps} steps, by self CPU time ---")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    print(f"--- {name}: torch profiler, {steps} steps, by self device time ---")
+    print(table.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
 
 
 def main() -> None:
@@ -276,6 +309,8 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--ctx", type=int, default=512, help="--gpu: context length per request")
     p.add_argument("--gpu-steps", type=int, default=20)
+    p.add_argument("--profile", action="store_true",
+                   help="--gpu: also profile batch-1 decode steps (cProfile and torch's profiler)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="--gpu: device GB/s for the limit (default: measured with a 4 GiB bf16 copy)")
     args = p.parse_args()

@@ -134,7 +134,7 @@ def teacher_samples(target: PreTrainedModel, prompts: list[list[int]], gen_token
         for b in range(0, len(order), batch_size):
             rows = order[b:b + batch_size]
             width = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long, device=target.device)
             mask = torch.zeros_like(ids)
             for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
@@ -156,7 +156,7 @@ def teacher_samples(target: PreTrainedModel, prompts: list[list[int]], gen_token
                 lp = torch.cat(parts)
                 top = lp.topk(topk, -1)
                 seq = torch.tensor(prompts[i] + gen[:n])
-                samples[i] = Sample(seq, len(prompts[i]) - m, top.indices, top.values)
+                samples[i] = Sample(seq, len(prompts[i]) - m, top.indices.cpu(), top.values.cpu())  # cached as is
             log.info("teacher: %d/%d sequences", min(b + batch_size, len(order)), len(order))
     finally:
         hook.remove()
@@ -216,7 +216,8 @@ def build_draft(target: PreTrainedModel, layers: list[int]) -> LlamaForCausalLM:
     cfg.update(num_hidden_layers=len(layers), tie_word_embeddings=True, use_cache=True)
     config = LlamaConfig(**cfg)
     config.architectures = ["LlamaForCausalLM"]
-    draft = LlamaForCausalLM(config).to(next(target.parameters()).dtype)
+    weight = next(target.parameters())
+    draft = LlamaForCausalLM(config).to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
         draft.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -266,7 +267,7 @@ def distill_loss(draft: PreTrainedModel, samples: list[Sample]) -> tuple[torch.T
     """(cross-entropy to the teacher on its top-k, summed over positions; top-k KL summed; top-1 matches).
 
     lm_head runs on the loss positions only (it is 28M of the draft's MACs per position)."""
-    ids, flat, idx, t_logp = _batch(samples)
+    ids, flat, idx, t_logp = (t.to(draft.device) for t in _batch(samples))
     hidden = draft.model(input_ids=ids, use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])[flat]
     d_logp = draft.lm_head(hidden).float().log_softmax(-1)
@@ -367,10 +368,12 @@ def train(draft: PreTrainedModel, train_set: list[Sample], val_set: list[Sample]
 
 
 # ---------------------------------------------------------------- CLI
-def load_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, Any]:
+def load_target(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, Any]:
     from gpu_runtime.executor.torch.executor import DEFAULT_MODEL, load_hf
 
-    return load_hf(DEFAULT_MODEL, "cpu", dtype)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_hf(DEFAULT_MODEL, device, dtype)
 
 
 def main() -> None:
@@ -393,6 +396,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=32, help="teacher log-probs kept per position")
     ap.add_argument("--teacher-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto", help="auto (a GPU when there is one) | cpu | cuda[:N]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-train-minutes", type=float, default=22.0, help="safety stop (logged) for slow machines")
     args = ap.parse_args()
@@ -401,7 +405,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    target, tokenizer = load_target()
+    target, tokenizer = load_target(args.device)
     target.requires_grad_(False)
     n_target = target.config.num_hidden_layers
     log.info("target loaded in %.1f s", time.perf_counter() - t0)

@@ -1,8 +1,12 @@
-"""Fixtures: tiny random Llama/Qwen2 models, an engine driver, and the real default model (session)."""
+"""Fixtures: tiny random Llama/Qwen2 models, an engine driver, and the real default model (session).
+
+``COSERVE_TEST_DEVICE=cuda`` puts the tiny models (and with them the executors, drafts and reference passes) on
+the GPU: the same tests then check the engine there (``ops/gpu_check.sh``)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from gpu_runtime.sampling import SamplingParams
 from tests.engine.fcfs import FCFSTestScheduler
 
 _ids = itertools.count()
+DEVICE = os.environ.get("COSERVE_TEST_DEVICE", "cpu")  # where the tiny models live
 
 
 def tiny_llama(seed: int = 0, vocab: int = 97, layers: int = 2, **overrides):
@@ -30,7 +35,7 @@ def tiny_llama(seed: int = 0, vocab: int = 97, layers: int = 2, **overrides):
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
-    return model
+    return model.to(DEVICE)
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +67,7 @@ def run_engine(executor, requests, scheduler=None, speculation=None, chunk: int 
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None  # like ignore_eos: a generation_config argument does not override it
     try:

@@ -38,7 +38,7 @@ def test_teacher_samples_hold_the_targets_top_k_on_the_loss_positions(target):
     for p, s in zip(prompts, samples):
         assert s.ids[:len(p)].tolist() == p and len(s.ids) == len(p) + 6
         with torch.no_grad():  # one unpadded forward pass: the same as generate's left-padded batch
-            logp = target(s.ids[None]).logits[0, s.start:-1].log_softmax(-1)
+            logp = target(s.ids[None].to(target.device)).logits[0, s.start:-1].log_softmax(-1).cpu()
         assert s.start == len(p) - 4
         assert torch.equal(logp.topk(5, -1).indices, s.topk_idx)
         assert torch.allclose(logp.topk(5, -1).values, s.topk_logp, atol=1e-4)
@@ -65,7 +65,7 @@ def test_saved_draft_loads_and_speculation_keeps_the_greedy_output(target, tmp_p
     draft = distill_draft.build_draft(target, distill_draft.init_layers("first", 4, 2))
     out = distill_draft.save_draft(draft, tmp_path / "draft", meta={"steps": 0})
     assert (out / "config.json").exists() and (out / "distill.json").exists()
-    runner = DraftModelRunner.from_pretrained(str(out), block_size=4)
+    runner = DraftModelRunner.from_pretrained(str(out), device=str(target.device), dtype=target.dtype, block_size=4)
     assert runner.hf_model.config.num_hidden_layers == 2
     assert torch.equal(runner.hf_model.lm_head.weight, target.lm_head.weight)  # tied, copied from the target
     prompts = _prompts(3, seed=3)

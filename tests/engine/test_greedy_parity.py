@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gpu_runtime.executor.torch import TorchExecutor
-from tests.engine.conftest import hf_greedy, make_request, run_engine, tiny_llama
+from tests.engine.conftest import DEVICE, hf_greedy, make_request, run_engine, tiny_llama
 
 
 def test_single_request_matches_generate(tiny_model):
@@ -38,7 +38,7 @@ def test_qwen2_bias_and_untied_head_match_generate():
     torch.manual_seed(3)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=89, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
-                                         tie_word_embeddings=False)).eval()
+                                         tie_word_embeddings=False)).eval().to(DEVICE)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.mul_(4.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p)) if name.endswith("bias") else None
@@ -74,7 +74,8 @@ def test_from_pretrained_checkpoint_directory_with_draft(tmp_path, tiny_model):
     target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
     tiny_model.save_pretrained(target_dir)  # config + safetensors
     tiny_llama(seed=4).save_pretrained(draft_dir)
-    ex = TorchExecutor.from_pretrained(str(target_dir), device="cpu", kv_blocks=32, block_size=8, draft=str(draft_dir))
+    ex = TorchExecutor.from_pretrained(str(target_dir), device=DEVICE, kv_blocks=32, block_size=8,
+                                      draft=str(draft_dir))
     assert ex.has_draft and ex.draft_on_device and ex.capacity().total_blocks == 32
     prompt = [9, 8, 7, 6, 5, 4]
     req = make_request(prompt, max_tokens=10)

@@ -32,7 +32,7 @@ def test_chunked_prefill_gives_one_shot_logits(tiny_model):
     one = _prefill(ex, "one", prompt, [45])
     chunked = _prefill(ex, "chunked", prompt, [7, 1, 16, 13, 8])
     with torch.no_grad():
-        ref = tiny_model(torch.tensor([prompt])).logits[0, -1].float()
+        ref = tiny_model(torch.tensor([prompt], device=ex.device)).logits[0, -1].float()
     assert torch.allclose(one, chunked, atol=1e-4, rtol=1e-4)
     assert torch.allclose(one, ref, atol=1e-4, rtol=1e-4)
     # the next decode step reads both caches the same way

@@ -75,7 +75,7 @@ def test_beam_tree_path_probabilities_are_products_of_conditionals():
             path = [tree.token_ids[a] for a in tree.ancestors(i)]
             prob = 1.0
             for k, tok in enumerate(path):
-                logits = target(torch.tensor([seq + path[:k]])).logits[0, -1]
+                logits = target(torch.tensor([seq + path[:k]], device=target.device)).logits[0, -1]
                 prob *= float(torch.softmax(logits.float(), -1)[tok])
             assert abs(prob - tree.path_probs[i]) < 1e-4 * max(1.0, prob)
     assert runner.blocks.num_tokens(req.request_id) == len(seq)  # scratch slots dropped
@@ -167,17 +167,18 @@ def _exact_marginals(model, prompt: list[int], steps: int, temperature: float) -
     (V^(steps-1) sequences: tiny vocab only) with the reference transformers forward."""
     vocab = model.config.vocab_size
     marginals = []
-    prefixes = torch.tensor([prompt])
-    weights = torch.ones(1, dtype=torch.float64)
+    prefixes = torch.tensor([prompt], device=model.device)
+    weights = torch.ones(1, dtype=torch.float64, device=model.device)
     with torch.no_grad():
         for step in range(steps):
             logits = model(prefixes).logits[:, -1].double()
             cond = torch.softmax(logits / temperature, -1)  # [prefixes, V]
             joint = weights[:, None] * cond
-            marginals.append(joint.sum(0))
+            marginals.append(joint.sum(0).cpu())
             if step + 1 < steps:  # every prefix extended by every token
                 prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
-                                      torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], 1)
+                                      torch.arange(vocab, device=model.device).repeat(prefixes.shape[0])[:, None]],
+                                     1)
                 weights = joint.reshape(-1)
     return marginals
 

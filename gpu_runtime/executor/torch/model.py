@@ -9,11 +9,13 @@ pass can mix prefill chunks, decodes and token trees of many requests.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,6 +77,13 @@ def _linear(x: torch.Tensor, dense: torch.Tensor, packed: torch.Tensor | None,
 # Batch-size hint oneDNN packs the weights for; verification passes of 2-16 tokens at batch 1
 # are the case the packing is for (any token count still runs on the packed weights).
 PREPACK_BATCH_HINT = 8
+
+
+# SDPA kernels on a GPU, cuDNN's left out: it builds an execution plan for every new shape, and a decode's key
+# length grows by one every step, so each layer's call paid 1.4-2.7 ms of host time for 8 us of GPU work (H100,
+# torch 2.11, Llama-3.1-8B shape at batch 1: 64 ms a step, 91% of it in that planning; ops/bench_engine.py --gpu
+# --profile). Flash attention takes unmasked calls, the memory-efficient kernel masked ones, math the rest.
+GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -240,6 +249,10 @@ class PagedDecoder:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs every layer, writes the new tokens' K/V, returns logits [N, vocab] (float32)."""
+        with sdpa_kernel(GPU_ATTENTION_BACKENDS) if self.device.type == "cuda" else nullcontext():
+            return self._forward(fb)
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         n_tok = fb.input_ids.shape[0]
         R, Q = fb.query_index.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
