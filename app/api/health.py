@@ -1,5 +1,6 @@
-"""Liveness (``/healthz``), readiness (``/readyz``: DB, Redis, a live worker serving the model), and vLLM's server's probes under
-its names (``/health``: ready or not, as the status code says; ``/version``), for load balancers set up for it."""
+"""Liveness (``/healthz``), readiness (``/readyz``: DB, Redis, a live worker serving the model), and vLLM's
+server's probes under its names (``/health``: ready or not, as the status code says; ``/version``), for load
+balancers set up for it."""
 
 from __future__ import annotations
 
