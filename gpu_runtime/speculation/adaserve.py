@@ -56,6 +56,12 @@ class AdaServeConfig:
     # prompt lookup 8 RPS 86.0 / 98.4 / 96.6 / 93.9 / 92.5 / 92.5%, 10 RPS 70.2 / 82.5 / 81.7 / 79.9 / 77.8 /
     # 77.6%; draft model (assumed acceptance) 18 RPS 81.8 / 86.1 / 87.2 / 87.0 / 84.6 / 79.2%.
     min_prob_beyond_slack: float = 0.2
+    # The spare time of a pass that carries a prefill chunk is not free: the prompts queued behind the chunk wait
+    # for the whole pass, so there tree tokens take the likelihood rule from the first one (False), as they do
+    # beyond the slack. Draft model (assumed acceptance) at 18 RPS and 1.6x the SLOs, 3 seeds: 97.6% attained with
+    # those tokens free (the misses: first tokens of queued prompts), 97.8% without, the best static shape 97.7%
+    # (docs/BENCHMARKS.md, stop 40).
+    spare_free_beside_prefill: bool = False
     warmup_tokens_per_request: int = 4  # B per request until a latency curve is known
     # When the selection above leaves an A(r) unmet that a selection can act on (``_selection_can_help``),
     # meet every requirement the candidates can, then verify what maximizes expected accepted tokens per
@@ -131,7 +137,8 @@ class AdaServe(SpeculationPolicy):
                                   min_tokens=max(1, num_requests))
             budget = max(knee, in_pass)
             if cfg.min_prob_beyond_slack > 0 and self.pass_spare_s is not None:
-                self._cheap = slack_tokens(curve, num_requests, prefill_tokens, self.pass_spare_s, budget)
+                spare = self.pass_spare_s if prefill_tokens == 0 or cfg.spare_free_beside_prefill else 0.0
+                self._cheap = slack_tokens(curve, num_requests, prefill_tokens, spare, budget)
             return budget
         if self.step_cost.fitted and self.step_cost.gamma > 0:
             return knee_budget(lambda n: self.step_cost.predict(num_context, n), cfg.max_budget,

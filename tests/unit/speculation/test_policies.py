@@ -420,14 +420,24 @@ def test_adaserve_counts_the_tokens_that_fit_the_passs_spare_time_as_cheap():
     pol.pass_spare_s = None  # no time budget from the scheduler: all of B is cheap
     b = pol.budget(16, prefill_tokens=256)
     assert pol._cheap is None
-    pol.pass_spare_s = 0.0  # the chunk already fills the slack: only the roots are cheap
-    assert pol.budget(16, prefill_tokens=256) == b and pol._cheap == 16
+    pol.pass_spare_s = 0.0  # the decodes' slack is spent: only the roots are cheap
+    b = pol.budget(16)
+    assert pol._cheap == 16
     pol.pass_spare_s = 0.002
-    pol.budget(16, prefill_tokens=256)
+    pol.budget(16)
     cheap = pol._cheap
     assert 16 < cheap < b
-    grow = batch_time(cm, 256 + cheap) - batch_time(cm, 256 + 16)
-    assert grow <= 0.002 < batch_time(cm, 256 + cheap + 1) - batch_time(cm, 256 + 16)
+    grow = batch_time(cm, cheap) - batch_time(cm, 16)
+    assert grow <= 0.002 < batch_time(cm, cheap + 1) - batch_time(cm, 16)
+    # beside a prefill chunk the spare time is the queued prompts' too: no tree token is cheap there
+    pol.budget(16, prefill_tokens=256)
+    assert pol._cheap == 16
+    free = AdaServe(min_prob_beyond_slack=0.3, spare_free_beside_prefill=True)
+    free.bind(Exec())
+    free.pass_spare_s = 0.002
+    free.budget(16, prefill_tokens=256)
+    assert 16 < free._cheap
+    assert batch_time(cm, 256 + free._cheap) - batch_time(cm, 256 + 16) <= 0.002
     assert AdaServe(min_prob_beyond_slack=0.0).config.min_prob_beyond_slack == 0.0
 
 
