@@ -100,13 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec-tokens", type=int, default=None,
                     help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8)")
     ap.add_argument("--drafter", default="ngram", help="vLLM's drafter when speculating: ngram or suffix")
+    ap.add_argument("--engine-args", type=json.loads, default=None, metavar="JSON",
+                    help="more vLLM EngineArgs, as COSERVE_VLLM_ENGINE_ARGS takes them (e.g. a speculative_config)")
     ap.add_argument("--out", default="-", help="where the JSON goes (vLLM logs to stdout: give a file)")
     args = ap.parse_args(argv)
     from gpu_runtime.vllm.build import build_vllm_engine
 
     engine = build_vllm_engine(args.model, scheduler_policy=args.policy, spec_policy=args.spec, dtype=args.dtype,
                                max_model_len=4096, cost_profile="auto", spec_tokens=args.spec_tokens,
-                               drafter=args.drafter)
+                               drafter=args.drafter, overrides=args.engine_args)
     n = max(args.prompts, *args.batch)
     prompts = (summarization_prompts(args.model, n, chat=not args.raw) if args.workload == "summarization"
                else random_prompts(n, args.input_len))
