@@ -156,7 +156,7 @@ def teacher_samples(target: PreTrainedModel, prompts: list[list[int]], gen_token
                 lp = torch.cat(parts)
                 top = lp.topk(topk, -1)
                 seq = torch.tensor(prompts[i] + gen[:n])
-                samples[i] = Sample(seq, len(prompts[i]) - m, top.indices.cpu(), top.values.cpu())  # cached as is
+                samples[i] = Sample(seq, len(prompts[i]) - m, top.indices.cpu(), top.values.cpu())  # cache: any device
             log.info("teacher: %d/%d sequences", min(b + batch_size, len(order)), len(order))
     finally:
         hook.remove()

@@ -81,8 +81,9 @@ PREPACK_BATCH_HINT = 8
 
 # SDPA kernels on a GPU, cuDNN's left out: it builds an execution plan for every new shape, and a decode's key
 # length grows by one every step, so each layer's call paid 1.4-2.7 ms of host time for 8 us of GPU work (H100,
-# torch 2.11, Llama-3.1-8B shape at batch 1: 64 ms a step, 91% of it in that planning; ops/bench_engine.py --gpu
-# --profile). Flash attention takes unmasked calls, the memory-efficient kernel masked ones, math the rest.
+# torch 2.11, Llama-3.1-8B / 3.2-1B shapes at batch 1: 61% / 76% of the host time, 64 / 68 ms steps, 31 / 13-16 ms
+# without it; ops/bench_engine.py --gpu --profile). Flash attention takes unmasked calls, the memory-efficient
+# kernel masked ones, math the rest.
 GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
