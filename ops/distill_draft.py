@@ -370,10 +370,9 @@ def train(draft: PreTrainedModel, train_set: list[Sample], val_set: list[Sample]
 # ---------------------------------------------------------------- CLI
 def load_target(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, Any]:
     from gpu_runtime.executor.torch.executor import DEFAULT_MODEL, load_hf
+    from gpu_runtime.factory import resolve_device
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load_hf(DEFAULT_MODEL, device, dtype)
+    return load_hf(DEFAULT_MODEL, resolve_device(device), dtype)
 
 
 def main() -> None:

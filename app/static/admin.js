@@ -125,7 +125,7 @@ function renderWorkers(workers) {
     const row = tbody.insertRow();
     row.id = "worker-" + w.id;
     cell(row, w.id);
-    cell(row, (w.served || [w.model]).join(", "), "models");
+    cell(row, w.served.join(", "), "models");
     cell(row, w.device);
     cell(row, w.heartbeat_age_s.toFixed(1), "num");
     cell(row, s.kv_usage == null ? "-" : (100 * s.kv_usage).toFixed(1) + "%", "num");
