@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     stream_outage_s: float = Field(60.0, gt=0, description="how long a stream reader waits for Redis to answer "
                                                          "again before it ends the stream with an error event "
                                                          "(the job goes on; non-stream requests wait on SQL)")
+    cancel_wait_s: float = Field(10.0, ge=0, description="how long a cancel of a running job waits for its worker to "
+                                                       "stop it and write what it produced, so that the reply holds "
+                                                       "the output so far and its usage (0: reply at once; the "
+                                                       "worker writes them later)")
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="how the model writes a tool call of its own (tool_choice 'auto', the default where tools "
                           "are given): 'hermes' (<tool_call>{json}</tool_call>: Qwen 2.5/3, Hermes and others), "

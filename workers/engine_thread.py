@@ -218,32 +218,37 @@ class EngineThread:
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
                           data={"prompt_tokens": output["prompt_tokens"], "completion_tokens": m.num_output_tokens,
                                 "cached_tokens": m.num_cached_tokens, "metrics": m.as_dict()})
-        produced = output if m.num_output_tokens else None  # what it keeps if the API cancelled it meanwhile
 
-        def write(s: Session) -> bool:
+        def write(s: Session) -> bool | list[tuple[str, StreamEvent]]:
             if leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})"):
                 return True
-            if produced is not None:  # cancelled as it finished: its output stays, as an abort's does
-                leases.keep_cancelled(s, lease, produced)
+            if leases.keep_cancelled(s, lease, output):  # cancelled as it finished: its output stays, as an abort's
+                return self._kept(lease, output)
             return False
         return Record(f"the result of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
 
     def _abort(self, job: ActiveJob, out: Any) -> Record:
         """The engine stopped the job: the API cancelled it, or the worker lost its lease. A job this attempt ran
         until the API cancelled it keeps what the engine produced (its text so far, its token counts: billed as
-        OpenAI bills a cancelled request); a lost lease writes nothing (the job runs again). No stream event:
-        the API ended the stream as it cancelled."""
+        OpenAI bills a cancelled request; a prompt the engine began is billed with no output); a lost lease writes
+        nothing (the job runs again). The API ended the stream as it cancelled; a ``kept`` event after that end
+        tells it this worker is done with the job and wrote what it keeps."""
         lease, produced = job.lease, self._produced(job, out.metrics)
-        if produced is None:
-            return Record(f"abort of {lease.job_id}", leaving=lease.job_id)
         return Record(f"the partial result of {lease.job_id}", lambda s: leases.keep_cancelled(s, lease, produced),
-                      leaving=lease.job_id)
+                      self._kept(lease, produced), leaving=lease.job_id)
+
+    @staticmethod
+    def _kept(lease: Any, produced: dict[str, Any] | None) -> list[tuple[str, StreamEvent]]:
+        """The event that says the worker wrote what a cancelled attempt keeps (its usage, if any)."""
+        usage = {k: produced[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens")} if produced else {}
+        return [(lease.job_id, StreamEvent("kept", lease.attempt, status="cancelled", data=usage))]
 
     @classmethod
     def _produced(cls, job: ActiveJob, m: Any) -> dict[str, Any] | None:
-        """What a job that ends cancelled keeps of its attempt (None: the engine produced no token, or did not
-        count them)."""
-        return cls._output(job, m) if m is not None and m.num_output_tokens else None
+        """What a job that ends cancelled keeps of its attempt: its output so far, or no output where the engine
+        had begun its prompt only (None: the engine never scheduled it, or did not count)."""
+        started = m is not None and (m.num_output_tokens or m.queue_s is not None)
+        return cls._output(job, m) if started else None
 
     @staticmethod
     def _output(job: ActiveJob, m: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus
@@ -71,16 +71,18 @@ def finish(session: Session, lease: Lease, to: JobStatus, values: dict[str, Any]
     return ok
 
 
-def keep_cancelled(session: Session, lease: Lease, values: dict[str, Any]) -> bool:
-    """Writes what this attempt produced (``values``: text, token counts) on its job if the API cancelled the job
-    while this attempt held it (commits); the status stays ``cancelled``. False where the job is not this attempt's
-    cancelled job: its lease was lost, it runs again elsewhere or is in any other state."""
+def keep_cancelled(session: Session, lease: Lease, values: dict[str, Any] | None) -> bool:
+    """Writes what this attempt produced (``values``: text, token counts; None: nothing) on its job if the API
+    cancelled the job while this attempt held it (commits); the status stays ``cancelled``. False where the job is
+    not this attempt's cancelled job: its lease was lost, it runs again elsewhere or is in any other state."""
     # the worker too: a lapsed lease's job goes back to the queue at the same attempt with no worker, and one
     # cancelled while it waits there was not cancelled while this attempt ran it
-    done = session.execute(update(Job).where(Job.id == lease.job_id, Job.attempt == lease.attempt,
-                                             Job.worker_id == lease.worker_id,
-                                             Job.status == JobStatus.CANCELLED.value)
-                           .values(**values).execution_options(synchronize_session=False)).rowcount
+    ours = (Job.id == lease.job_id, Job.attempt == lease.attempt, Job.worker_id == lease.worker_id,
+            Job.status == JobStatus.CANCELLED.value)
+    if not values:
+        return session.scalar(select(func.count()).select_from(Job).where(*ours)) == 1
+    done = session.execute(update(Job).where(*ours).values(**values)
+                           .execution_options(synchronize_session=False)).rowcount
     session.commit()
     return bool(done)
 

@@ -43,7 +43,8 @@ class Record:
     """One SQL write for the worker's jobs and the stream events it unlocks."""
 
     what: str  # for the log: "finish job_x", "first tokens", ...
-    write: Callable[[Session], bool | None] | None = None  # False: the lease is not ours; skip the events
+    # False: the lease is not ours, skip the events; a list: the events to publish instead of ``events``
+    write: Callable[[Session], bool | list[tuple[str, StreamEvent]] | None] | None = None
     events: list[tuple[str, StreamEvent]] = field(default_factory=list)
     leaving: str | None = None  # a job id that leaves the worker once this record is done (or given up)
     tries: int = 0
@@ -132,7 +133,7 @@ class Outbox:
             self._try(record)
 
     def _try(self, record: Record) -> None:
-        ok: bool | None = True
+        ok: bool | list[tuple[str, StreamEvent]] | None = True
         if record.write is not None:
             try:
                 with session_scope(self.url, immediate=True) as s:
@@ -148,7 +149,9 @@ class Outbox:
                 log.warning("could not write %s (try %d, will retry): %s", record.what, record.tries, exc)
                 self._retry.append(record)
                 return
-        if ok is not False:
+        if isinstance(ok, list):
+            self._queue_events(ok)
+        elif ok is not False:
             self._queue_events(record.events)
         self._leave(record)
 

@@ -26,7 +26,8 @@ from app.batch.queue_limit import queued_by_tenant
 from app.db.models import Job, JobEvent, JobStatus, Tenant, WorkerState
 from app.db.session import write_after_read
 from app.services import jobs as job_service
-from app.services.notify import announce_cancel, redis_client
+from app.services.cancel import cancel as cancel_job
+from app.services.notify import redis_client
 from app.services.transitions import as_utc, utcnow
 from app.services.usage import UsageQuery, completions_usage
 from app.wire import Text, utc_z
@@ -209,9 +210,7 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
 @router.post("/admin/api/jobs/{job_id}/cancel", responses={**ADMIN, **responses(404)})
 def cancel(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
     job = _job(session, job_id)
-    ok = job_service.cancel_job(session, job, detail="cancelled by an admin")
-    if ok:
-        announce_cancel(settings.redis_url, job)
+    ok = cancel_job(session, settings, job, "cancelled by an admin")
     return {"id": job_id, "action": "cancel", "cancelled": ok}
 
 

@@ -22,7 +22,7 @@ from app.db.session import get_sessionmaker
 from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
 from app.services.job_follow import job_events, rest_from_sql
-from app.services.notify import announce_cancel
+from app.services.cancel import cancel
 from app.services.rate_limits import RateLimited, rate_headers
 from app.settings import Settings
 
@@ -192,6 +192,5 @@ async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404))
 def cancel_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> JobPublic:
     job = _own_job(session, principal, job_id)
-    if job_service.cancel_job(session, job):
-        announce_cancel(settings.redis_url, job)
+    cancel(session, settings, job, "cancelled by the user")
     return JobPublic.of(job)

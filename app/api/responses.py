@@ -34,7 +34,7 @@ from app.services.answer_events import Failed, Finished, Interrupted, Piece, aba
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import stream_expired
 from app.services.truncation import fit_context
-from app.services.notify import announce_cancel
+from app.services.cancel import cancel
 from app.settings import Settings
 from app.tool_calls import read_answer
 
@@ -300,8 +300,7 @@ def cancel_response(response_id: str, session: SessionDep, principal: CurrentPri
     if not (job.response or {}).get("background"):
         raise OpenAIError(400, "only a background response can be cancelled (a plain one stops when its client "
                                "hangs up)", param="response_id")
-    if not JobStatus(job.status).terminal and job_service.cancel_job(session, job, detail="cancelled by the client"):
-        announce_cancel(settings.redis_url, job)
+    cancel(session, settings, job, "cancelled by the client")
     return _retrieved(job, settings)
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from functools import lru_cache
 
 import redis
 
 from app.db.models import Job
-from app.services.streaming import CANCEL_CHANNEL, StreamEvent, publish
+from app.services.streaming import CANCEL_CHANNEL, StreamEvent, publish, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -18,15 +19,43 @@ def redis_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=2.0)
 
 
-def announce_cancel(redis_url: str | None, job: Job) -> None:
-    """Ends the job's stream and asks its worker to abort it; workers also poll SQL."""
+def announce_cancel(redis_url: str | None, job: Job) -> str | None:
+    """Ends the job's stream and asks its worker to abort it; workers also poll SQL. Returns the id of the
+    stream's end event (None without Redis, or where Redis could not be told)."""
     if not redis_url:
-        return
+        return None
     try:
         client = redis_client(redis_url)
         pipe = client.pipeline()
         publish(pipe, job.id, StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason="cancelled"))
         pipe.publish(CANCEL_CHANNEL, job.id)
-        pipe.execute()
+        end_id = pipe.execute()[0]
+        return end_id.decode() if isinstance(end_id, bytes) else end_id
     except redis.RedisError as exc:
         log.warning("could not announce cancel of %s: %s", job.id, exc)
+        return None
+
+
+def await_kept(redis_url: str, job: Job, end_id: str, timeout_s: float) -> bool:
+    """Waits (at most ``timeout_s``) for the worker that ran the job's attempt to say, with a ``kept`` event on
+    the job's stream, that it stopped the job and wrote what the attempt produced. False: no word in time."""
+    client, key = redis_client(redis_url), stream_key(job.id)
+    deadline = time.monotonic() + timeout_s
+
+    def kept(entries: list) -> bool:
+        return any((ev := StreamEvent.parse(fields)).type == "kept" and ev.attempt == job.attempt
+                   for _id, fields in entries)
+    try:
+        # a worker that saw the cancel in SQL before the end was published wrote its word just before it
+        if kept(client.xrevrange(key, count=4)):
+            return True
+        after = end_id
+        while (left := deadline - time.monotonic()) > 0:
+            # blocks under the client's socket timeout (2 s)
+            for _key, entries in client.xread({key: after}, count=64, block=max(1, int(min(left, 1.0) * 1000))):
+                if kept(entries):
+                    return True
+                after = entries[-1][0]
+    except redis.RedisError as exc:
+        log.warning("could not hear whether the worker stopped %s: %s", job.id, exc)
+    return False

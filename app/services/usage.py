@@ -2,7 +2,7 @@
 
 Counts the jobs an engine ran (those with an output token count: a job's prompt tokens are counted at
 submission, so a job cancelled or refused before it ran has them too; one cancelled while it ran counts what
-it produced before the cancel), by when they were submitted: input, cached input and output tokens and
+it produced before the cancel, or its prompt with no output where the engine had begun only that), by when they were submitted: input, cached input and output tokens and
 requests, grouped by tenant (OpenAI's project), API key, model, batch or service tier; coserve adds how many
 met their SLO, missed it and were relegated. Summed in SQL, so a month of jobs costs one grouped query.
 """

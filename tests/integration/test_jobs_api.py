@@ -351,6 +351,42 @@ def test_cancel_queued_job(client, keys, settings):
     assert len(terminal) == 1
 
 
+def test_the_cancel_of_a_running_job_answers_once_its_worker_wrote_what_it_kept(client, keys, settings, monkeypatch):
+    """A worker (played here by a thread that does what ``workers/engine_thread.py`` does) hears the cancel, writes
+    what the attempt produced and says so with a ``kept`` event; the cancel's answer holds that. Where no worker
+    answers, the cancel answers after ``cancel_wait_s`` with the job cancelled and nothing kept."""
+    import threading
+
+    from app.services.streaming import CANCEL_CHANNEL, StreamEvent, publish
+    from workers import lease as leases
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    silent, heard = (submit(client, keys.paid).json()["id"] for _ in range(2))
+    with session_scope(url) as s:
+        held = {job_id: leases.acquire(s, job_id, "w1", 30) for job_id in (silent, heard)}
+    monkeypatch.setattr(settings, "cancel_wait_s", 0.3)
+    got = client.post(f"/v1/jobs/{silent}/cancel", headers=H(keys.paid)).json()
+    assert (got["status"], got["output_text"], got["completion_tokens"]) == ("cancelled", None, None)
+
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(CANCEL_CHANNEL)
+
+    def worker() -> None:
+        for message in pubsub.listen():
+            if message["data"] == heard.encode():
+                time.sleep(0.2)  # the engine's step ends first
+                with session_scope(url) as s:
+                    assert leases.keep_cancelled(s, held[heard], {"output_text": "abc", "completion_tokens": 3})
+                publish(r, heard, StreamEvent("kept", held[heard].attempt, status="cancelled"))
+                return
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    monkeypatch.setattr(settings, "cancel_wait_s", 30.0)
+    got = client.post(f"/v1/jobs/{heard}/cancel", headers=H(keys.paid)).json()
+    assert (got["status"], got["output_text"], got["completion_tokens"]) == ("cancelled", "abc", 3)
+    thread.join(5)
+
+
 def test_broker_down_job_stays_queued(client, keys, settings, monkeypatch):
     from app.services import dispatch
 

@@ -134,8 +134,10 @@ def test_cancel_aborts_a_running_job(service):
     wait_for(lambda: _worker_state(settings)["active_jobs"] == 0, 30, "the worker to abort the job")
     job = status_of(client, keys.paid, job_id)
     assert job["status"] == "cancelled" and job["finish_reason"] == "cancelled"
-    # what it produced before the cancel stays (none where the cancel came before its first token)
+    # what it produced before the cancel stays (no text where the cancel came before its first token, no count
+    # where it came before the engine began the prompt), written before the cancel's reply
     assert (job["output_text"] is None) == (job["completion_tokens"] is None), job
+    assert (r.json()["output_text"], r.json()["completion_tokens"]) == (job["output_text"], job["completion_tokens"])
     assert [e for e in events_of(settings.sqlalchemy_url, job_id) if e[1] in ("succeeded", "cancelled")] == [
         ("running", "cancelled")]
 
@@ -149,19 +151,20 @@ def _streamed(settings, job_id) -> tuple[str, int, list[str]]:
 
 
 def _cancelled_with_tokens(service, key, job_id, cancel_path) -> dict:
-    """Cancels the job once it has streamed some tokens; its resource once the worker wrote what it produced."""
+    """Cancels the job once it has streamed some tokens: the reply comes once the worker wrote what it produced."""
     client, settings = service.client, service.settings
     seen = wait_for(lambda: (n := _streamed(settings, job_id)[1]) >= 8 and n, 60, f"{job_id} to generate")
     r = client.post(cancel_path, headers=H(key))
     assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
-    job = wait_for(lambda: (j := status_of(client, key, job_id))["completion_tokens"] is not None and j, 30,
-                   "the worker to write what the job produced")
+    job = status_of(client, key, job_id)  # at once: the cancel waited for the worker's word
     assert job["status"] == "cancelled" and job["finish_reason"] == "cancelled", job
     assert job["output_text"] and seen <= job["completion_tokens"] < LONG and job["prompt_tokens"] > 0, job
-    # the text and tokens its stream carried, and no event from the worker (the API's cancel ended the stream)
-    text, _tokens, others = wait_for(lambda: (st := _streamed(settings, job_id))[1] == job["completion_tokens"]
-                                     and st, 10, "the stream to carry the job's last tokens")
-    assert text == job["output_text"] and others == ["end"]
+    reply = r.json()
+    usage = reply["usage"] if "usage" in reply else reply  # a Response's usage, or the job itself
+    assert usage.get("output_tokens", usage.get("completion_tokens")) == job["completion_tokens"], reply
+    # the text and tokens its stream carried, the API's end, and the worker's word that it wrote the rest
+    text, _tokens, others = _streamed(settings, job_id)
+    assert text == job["output_text"] and others == ["end", "kept"]
     assert [e for e in events_of(settings.sqlalchemy_url, job_id) if e[1] in ("succeeded", "cancelled")] == [
         ("running", "cancelled")]
     return job

@@ -278,15 +278,17 @@ def _ended(job: ActiveJob, status: RequestStatus, tokens: int, text: str = "", c
 
 def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, keys):
     """The API cancelled the job (status cancelled) while this attempt ran it: the engine's abort writes the text and
-    token counts it produced on the job, as does a finish that raced the cancel; the job stays cancelled and its
-    stream gets no event from the worker. An abort for a job that is no longer this attempt's (its lease was lost,
-    it ran again elsewhere or waits to) writes nothing, nor does one without tokens or without their count."""
+    token counts it produced on the job, as does a finish that raced the cancel, and an abort of a job whose prompt
+    the engine had begun (its prompt tokens, no output); the job stays cancelled, and its stream gets one ``kept``
+    event from the worker once that is written (the API's cancel waits for it). An abort for a job that is no longer
+    this attempt's (its lease was lost, it ran again elsewhere or waits to) writes nothing and says nothing, nor
+    does one the engine never scheduled or did not count write anything."""
     from app.db.models import JobEvent
     from app.services.jobs import cancel_job
 
     worker = GpuWorker(settings)
-    jobs = _leased_jobs(settings, keys, worker, 6, in_engine=True)
-    cancelled, finishing, rerun, requeued, silent, uncounted = jobs
+    jobs = _leased_jobs(settings, keys, worker, 7, in_engine=True)
+    cancelled, finishing, rerun, requeued, silent, uncounted, prefilled = jobs
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
         leases.release(s, rerun.lease, "lease lost")
@@ -295,14 +297,16 @@ def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, 
         for job in jobs:
             cancel_job(s, s.get(Job, job.job_id))
     stand_in = _OneStep([RequestOutput(j.job_id, [5, 5], "Hello", RequestStatus.DECODING) for j in jobs
-                         if j is not silent])
+                         if j not in (silent, prefilled)])
     engine_thread = worker.attach(stand_in)
     worker.outbox.apply(engine_thread.iterate())  # tokens streamed before the worker heard of the cancel
+    prefilled.request.scheduled_time = 0.05  # its first prompt chunk ran; no token yet
     stand_in.outputs = [_ended(cancelled, RequestStatus.FINISHED_ABORTED, 2),
                         _ended(finishing, RequestStatus.FINISHED_LENGTH, 3, " world"),
                         *(_ended(j, RequestStatus.FINISHED_ABORTED, 2) for j in (rerun, requeued)),
                         _ended(silent, RequestStatus.FINISHED_ABORTED, 0),
-                        _ended(uncounted, RequestStatus.FINISHED_ABORTED, 2, counted=False)]
+                        _ended(uncounted, RequestStatus.FINISHED_ABORTED, 2, counted=False),
+                        _ended(prefilled, RequestStatus.FINISHED_ABORTED, 0)]
     worker.outbox.apply(engine_thread.iterate())
     worker.outbox.flush_events()
     assert len(worker.active) == 0  # every one of them left the worker
@@ -311,14 +315,22 @@ def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, 
         rows = {j.job_id: s.get(Job, j.job_id) for j in jobs}
         kept = {j.job_id: (r.output_text, r.completion_tokens, r.prompt_tokens, r.cached_tokens)
                 for j in jobs if (r := rows[j.job_id]).completion_tokens is not None}
-        assert kept == {cancelled.job_id: ("Hello", 2, 8, 0), finishing.job_id: ("Hello world", 3, 8, 0)}
+        assert kept == {cancelled.job_id: ("Hello", 2, 8, 0), finishing.job_id: ("Hello world", 3, 8, 0),
+                        prefilled.job_id: ("", 0, 8, 0)}
         assert {(r.status, r.finish_reason) for r in rows.values()} == {("cancelled", "cancelled")}
         assert all(r.output_text is None for r in rows.values() if r.id not in kept)
         assert (rows[rerun.job_id].attempt, rows[rerun.job_id].worker_id) == (2, "w2")
         ends = s.scalars(select(JobEvent.to_status).where(JobEvent.job_id.in_(list(kept)),
                                                           JobEvent.from_status == "running")).all()
-        assert ends == ["cancelled", "cancelled"]  # no other terminal transition
+        assert ends == ["cancelled"] * 3  # no other terminal transition
     r = redis.Redis.from_url(settings.redis_url)
-    for job in (cancelled, finishing):
-        assert [StreamEvent.parse(raw).type for _id, raw in r.xrange(stream_key(job.job_id))] == ["delta"] * (
-            2 if job is finishing else 1)
+    streams = {j.job_id: [StreamEvent.parse(raw) for _id, raw in r.xrange(stream_key(j.job_id))] for j in jobs}
+    deltas = {j.job_id: 0 if j in (silent, prefilled) else 2 if j is finishing else 1 for j in jobs}
+    for job in (cancelled, finishing, silent, uncounted, prefilled):
+        events = streams[job.job_id]
+        assert [e.type for e in events] == ["delta"] * deltas[job.job_id] + ["kept"], job.job_id
+        usage = kept.get(job.job_id)
+        assert events[-1].data == ({} if usage is None else {"prompt_tokens": usage[2], "completion_tokens":
+                                                             usage[1], "cached_tokens": usage[3]})
+    for job in (rerun, requeued):  # no word from a worker that no longer runs the attempt
+        assert [e.type for e in streams[job.job_id]] == ["delta"]

@@ -327,6 +327,19 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     reply = oai.responses.create(model="smollm2-135m-instruct", input=said, max_output_tokens=2)
     assert reply.usage.input_tokens_details.cached_tokens >= reply.usage.input_tokens - 128 > 0, reply.usage
 
+    # a cancel while vLLM generates: the answer comes once the worker aborted the request in vLLM and wrote the
+    # text and token counts produced so far, so the answer, SQL and usage agree
+    long_id = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
+        "prompt": "Count from one to a thousand:", "max_tokens": 1500, "ignore_eos": True}).json()["id"]
+    wait_for(lambda: job(base, keys.paid, long_id)["first_token_at"] is not None, 120, "the job's first token",
+             interval=0.1)
+    cancelled = httpx.post(f"{base}/v1/jobs/{long_id}/cancel", headers=Keys.header(keys.paid), timeout=30).json()
+    assert cancelled["status"] == "cancelled" and 1 <= cancelled["completion_tokens"] < 1500, cancelled
+    assert cancelled["output_text"] and cancelled["prompt_tokens"] > 0, cancelled
+    again = job(base, keys.paid, long_id)
+    assert (again["output_text"], again["completion_tokens"]) == (cancelled["output_text"],
+                                                                 cancelled["completion_tokens"])
+
     from sqlalchemy import select
 
     from app.db.models import WorkerState

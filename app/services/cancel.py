@@ -1,0 +1,27 @@
+"""Cancelling one job from the API: SQL first (the cancel is durable), then its stream's end and its worker's
+abort; where a worker was running the job, the reply waits for it to write what the attempt produced, so that the
+cancelled job answers with its output so far and its usage, as OpenAI's cancel of a background response does."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from app.db.models import Job
+from app.services import jobs as job_service
+from app.services.notify import announce_cancel, await_kept
+from app.services.transitions import ACTIVE
+from app.settings import Settings
+
+
+def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
+    """Cancels the job if it has not ended (False where it had); ``job`` is refreshed with what its worker kept,
+    or as the cancel left it where the worker did not answer within ``settings.cancel_wait_s``."""
+    held = job.status in ACTIVE  # an engine holds it: its worker writes what the attempt keeps
+    if not job_service.cancel_job(session, job, detail=detail):
+        return False
+    end_id = announce_cancel(settings.redis_url, job)
+    if held and end_id is not None and settings.cancel_wait_s > 0:
+        if await_kept(settings.redis_url, job, end_id, settings.cancel_wait_s):
+            session.commit()  # a fresh read sees the worker's write
+            session.refresh(job)
+    return True
