@@ -368,6 +368,22 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             console.print(job["output_text"], markup=False)
 
     @cli.command()
+    def cancel(job_id: str, url: Annotated[str | None, typer.Option()] = None,
+               key: Annotated[str | None, typer.Option()] = None,
+               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+        """Cancel a job that has not ended; a running one keeps what it produced (shown)."""
+        url, key = _client_config(url, key)
+        job = _request("POST", url, key, f"/v1/jobs/{job_id}/cancel")
+        if as_json:
+            console.print_json(json.dumps(job))
+            return
+        if job["status"] != "cancelled":
+            console.print(f"{job_id} had already ended ({job['status']}): nothing to cancel")
+        console.print(_job_table(job))
+        if job.get("output_text"):
+            console.print(job["output_text"], markup=False)
+
+    @cli.command()
     def jobs(status_: Annotated[str | None, typer.Option("--status")] = None,
              kind: Annotated[str | None, typer.Option()] = None,
              limit: Annotated[int, typer.Option()] = 20,

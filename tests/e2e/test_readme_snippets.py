@@ -47,7 +47,8 @@ PLANS: dict[str, Plan] = {
                                     "this test starts is what it leaves behind"),
     'coserve submit "Name three rivers in Europe."': Plan(
         # JOB_ID is a job of this stack that missed its 1 ms TTFT: status explains the miss
-        expect=("submitted job_", "first missed deadline", "token 1 (the first) was due 0.001 s")),
+        expect=("submitted job_", "first missed deadline", "token 1 (the first) was due 0.001 s",
+                "nothing to cancel")),  # JOB_ID had succeeded
     "curl -s http://127.0.0.1:8000/v1/jobs": Plan(expect=('"kind":"batch"', '"deadline_at":')),
     "client.chat.completions.create(": Plan(),
     # the jobs the blocks before it ran are in the last day's usage

@@ -67,6 +67,19 @@ def test_summarize_api_validation(live_server, keys):
     assert httpx.get(f"{live_server}/v1/summarize/sum_nope", headers=h).status_code == 404
 
 
+def test_cancel_cli_stops_a_job_and_says_when_one_had_ended(live_server, keys):
+    auth = ["--url", live_server, "--key", keys.paid]
+    job_id = httpx.post(f"{live_server}/v1/jobs", headers=Keys.header(keys.paid),
+                        json={"prompt": "Hello", "max_tokens": 4}).json()["id"]  # no worker: it waits
+    r = CliRunner().invoke(cli, ["cancel", job_id, *auth])
+    assert r.exit_code == 0 and "cancelled" in r.output and "already ended" not in r.output, r.output
+    assert httpx.get(f"{live_server}/v1/jobs/{job_id}", headers=Keys.header(keys.paid)).json()["status"] == "cancelled"
+    r = CliRunner().invoke(cli, ["cancel", job_id, "--json", *auth])
+    assert r.exit_code == 0 and json.loads(r.output)["status"] == "cancelled"
+    r = CliRunner().invoke(cli, ["cancel", "job_nope", *auth])
+    assert r.exit_code != 0 and "404" in r.output
+
+
 def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     start_worker("w1")
     src = tmp_path / "in.jsonl"
