@@ -34,6 +34,7 @@ static policy (chain-n or static tree, on coserve's scheduler) at every scale an
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -243,9 +244,13 @@ def main() -> None:
                          "paper compares against")
     ap.add_argument("--also", nargs="*", default=[], metavar="POLICY",
                     help="more speculation policies to run on coserve's stack (e.g. adaspec nightjar)")
+    ap.add_argument("--config", nargs="*", default=[], metavar="POLICY=JSON",
+                    help="config fields of a speculation policy on coserve's stack, e.g. "
+                         "adaspec='{\"spare_free_beside_prefill\": true}'")
     ap.add_argument("--measure-drafter", action="store_true",
                     help="time PromptLookupDrafter.propose on this host and use that cost")
     args = ap.parse_args()
+    configs = {name: json.loads(fields) for name, fields in (c.split("=", 1) for c in args.config)}
     profile = RooflineProfile()
     drafter = DRAFTERS[args.drafter]
     if args.measure_drafter and not drafter.model:
@@ -257,7 +262,8 @@ def main() -> None:
         cost_model, slos = engine_setup()
 
         def run(name, arrivals, seed, scheduler=("qoserve", {})):
-            return simulate_engine(name, arrivals, cost_model, acceptance, args.draft_cost_ms / 1e3, seed,
+            policy = create_policy(name, **configs[name]) if name in configs else name
+            return simulate_engine(policy, arrivals, cost_model, acceptance, args.draft_cost_ms / 1e3, seed,
                                    drafter=drafter, score_until=args.duration if args.tail > 0 else None,
                                    scheduler=scheduler)
     else:

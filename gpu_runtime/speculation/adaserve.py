@@ -136,8 +136,8 @@ class AdaServe(SpeculationPolicy):
             in_pass = knee_budget(lambda n: curve(n + prefill_tokens), cfg.max_budget, cfg.budget_tolerance,
                                   min_tokens=max(1, num_requests))
             budget = max(knee, in_pass)
-            if cfg.min_prob_beyond_slack > 0 and self.pass_spare_s is not None:
-                spare = self.pass_spare_s if prefill_tokens == 0 or cfg.spare_free_beside_prefill else 0.0
+            spare = self.free_spare_s(prefill_tokens, cfg.spare_free_beside_prefill)
+            if cfg.min_prob_beyond_slack > 0 and spare is not None:
                 self._cheap = slack_tokens(curve, num_requests, prefill_tokens, spare, budget)
             return budget
         if self.step_cost.fitted and self.step_cost.gamma > 0:

@@ -50,6 +50,14 @@ class SpeculationPolicy(ABC):
                 draft_latency_s: float, now: float) -> None:
         """Feedback after the step: accepted nodes and measured latencies."""
 
+    def free_spare_s(self, prefill_tokens: int, free_beside_prefill: bool) -> float | None:
+        """``pass_spare_s`` as the time tree tokens may take for free (AdaServe's slack rule): none in a pass that
+        carries ``prefill_tokens`` of prompts unless ``free_beside_prefill``, since the prompts queued behind the
+        chunk wait for the whole pass too. None: the scheduler sets no time budget."""
+        if self.pass_spare_s is None:
+            return None
+        return self.pass_spare_s if prefill_tokens == 0 or free_beside_prefill else 0.0
+
     def maintain(self, executor: Executor, num_waiting: int) -> None:
         """Once per iteration, outside the forward pass: e.g. Nightjar's draft offload/reload."""
 

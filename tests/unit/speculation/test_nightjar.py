@@ -258,6 +258,12 @@ def test_in_a_co_serving_pass_only_likely_tokens_go_beyond_the_spare_time():
     assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 3, "b": 3}
     pol.pass_spare_s, pol.config.min_prob_beyond_slack = 0.0, 0.3  # nothing cheap: only >= 0.3
     assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 2, "b": 1}
+    # a pass that carries a prefill chunk: its spare time is free (Nightjar's default), all six fit as before;
+    # with AdaServe's rule it is not (the queued prompts wait for the pass too): every token takes the likelihood rule
+    pol.pass_spare_s, pol.config.min_prob_beyond_slack, pol._prefill_tokens = 0.0065, 0.2, 64
+    assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 3, "b": 3}
+    pol.config.spare_free_beside_prefill = False
+    assert {rid: len(t) for rid, t in pol.select(reqs, chains(), 0.0).items()} == {"a": 2, "b": 2}
 
 
 def test_passes_with_prompt_chunks_learn_apart_from_plain_decode_passes():

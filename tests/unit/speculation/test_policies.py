@@ -152,13 +152,34 @@ def test_adaspec_length_is_first_local_maximum():
 
 
 def test_adaspec_tpot_limit_stops_drafting():
-    pol = _seeded_adaspec()
+    pol = _seeded_adaspec(tpot_check="step")  # the paper's Alg. 3: the step's time within the target
     for e in pol.confidence:
         e.value = 0.95
     free = pol.plan_length(n=1, context=0, tpot_limit=None)
     assert free >= 3
     # one draft step costs 0.0025 s on top of 0.022 s: a 0.026 s limit allows at most one
     assert pol.plan_length(n=1, context=0, tpot_limit=0.026) <= 1
+    # a target that even a plain step (0.022 s) breaks binds nothing: only accepted drafts can bring a request's
+    # pace toward it, so the length is goodput's, as with no target (before, every chain was refused there)
+    assert pol.plan_length(n=1, context=0, tpot_limit=0.015) == free
+    pol._step_plan, pol._step_tokens, pol._step_verified = (1, 0, 0.015), 1.0, 0  # a draft model's later depths
+    assert pol.keep_drafting(1, {"a": 0.95})
+    pol._step_plan, pol._step_tokens, pol._step_verified = (1, 0, 0.026), 1.0, 0
+    assert not pol.keep_drafting(1, {"a": 0.95})  # two draft steps and two tokens: past 0.026 s
+
+
+def test_adaspec_tpot_check_per_token_bounds_the_expected_time_a_token():
+    """The default reads Alg. 3's target as a pace: the step's decode time over the tokens a request is expected
+    to get from it. A 40 ms step that yields 2 tokens keeps a 25 ms target, one that yields 1.5 does not; the
+    paper's check refuses both. Where a plain step (22 ms) already breaks the target, neither binds."""
+    per_token, step = _seeded_adaspec(), _seeded_adaspec(tpot_check="step")
+    assert per_token.config.tpot_check == "per-token"
+    assert not per_token._breaks_tpot(0, 1, 0.040, 2.0, 0.025) and step._breaks_tpot(0, 1, 0.040, 2.0, 0.025)
+    assert per_token._breaks_tpot(0, 1, 0.040, 1.5, 0.025) and step._breaks_tpot(0, 1, 0.040, 1.5, 0.025)
+    assert not per_token._breaks_tpot(0, 1, 0.040, 1.5, 0.015) and not step._breaks_tpot(0, 1, 0.040, 1.5, 0.015)
+    for e in per_token.confidence:
+        e.value = 0.95
+    assert per_token.plan_length(n=1, context=0, tpot_limit=0.026) == per_token.plan_length(1, 0, None)
 
 
 def test_adaspec_verifier_drops_unlikely_tail():
@@ -175,9 +196,9 @@ def test_adaspec_verifier_drops_unlikely_tail():
 
 
 def test_adaspec_in_a_co_serving_pass_keeps_only_likely_tokens_beyond_the_spare_time():
-    def select(spare, min_prob=0.85):
-        pol = _seeded_adaspec(min_prob_beyond_slack=min_prob)
-        pol._steps, pol._length, pol.pass_spare_s = 100, 4, spare
+    def select(spare, min_prob=0.85, prefill=0, free_beside_prefill=False):
+        pol = _seeded_adaspec(min_prob_beyond_slack=min_prob, spare_free_beside_prefill=free_beside_prefill)
+        pol._steps, pol._length, pol.pass_spare_s, pol.prefill_tokens_in_pass = 100, 4, spare, prefill
         a = make_request("a", ttlt=1e6)
         chain = TokenTree.chain([1, 2, 3, 4], [0.95, 0.95, 0.95, 0.95])  # path 0.95, 0.90, 0.86, 0.81
         return len(pol.select([a], {"a": chain}, now=0.0)["a"])
@@ -187,6 +208,9 @@ def test_adaspec_in_a_co_serving_pass_keeps_only_likely_tokens_beyond_the_spare_
     assert select(0.0045) == 3  # two tokens (2 ms each) are cheap: the two most likely; the third passes 0.85
     assert select(0.0085) == 4  # all four fit the spare time
     assert select(0.0, min_prob=0.0) == 4  # rule off
+    # beside a prefill chunk the spare time is not free: the queued prompts wait for the whole pass
+    assert select(0.0085, prefill=32) == 3
+    assert select(0.0085, prefill=32, free_beside_prefill=True) == 4
 
 
 def test_adaspec_free_draft_drafts_max_length_and_stops_on_real_confidences():
@@ -258,11 +282,17 @@ def test_adaspec_draft_model_decides_each_further_step_on_the_real_confidences()
     # (38 ms with its verification) would break it (Alg. 3)
     tight = [make_request("a", tbt=0.036), make_request("b", tbt=0.036)]
     for now, depth in ((1.17, 1), (0.0, 8)):  # at 0 s the next token is due in 1.18 s: no step breaks that
-        pol = _seeded_adaspec()
+        pol = _seeded_adaspec(tpot_check="step")
         for e in pol.confidence:
             e.value = 0.95
         pol.draft_plan(tight, now)
         assert _drafted_depth(pol, lambda d: 0.97 ** d) == depth
+    # read as a pace (the default), the longer steps' expected time per token stays within the 36 ms
+    pol = _seeded_adaspec()
+    for e in pol.confidence:
+        e.value = 0.95
+    pol.draft_plan(tight, 1.17)
+    assert _drafted_depth(pol, lambda d: 0.97 ** d) > 1
 
 
 def test_adaspec_fits_the_target_on_every_token_of_a_co_serving_pass():
