@@ -212,6 +212,16 @@ def _stream_text(url: str, key: str, job_id: str, timeout: float) -> bool:
     return False
 
 
+def _show_job(job: dict[str, Any], as_json: bool) -> None:
+    """A job as the API answered it: its JSON, or the table and its output text."""
+    if as_json:
+        console.print_json(json.dumps(job))
+        return
+    console.print(_job_table(job))
+    if job.get("output_text"):
+        console.print(job["output_text"], markup=False)
+
+
 def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the service commands
     keys_app = typer.Typer(help="Manage API keys (direct DB access).", no_args_is_help=True)
     cli.add_typer(keys_app, name="keys")
@@ -359,13 +369,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
         """Show one job."""
         url, key = _client_config(url, key)
-        job = _request("GET", url, key, f"/v1/jobs/{job_id}")
-        if as_json:
-            console.print_json(json.dumps(job))
-            return
-        console.print(_job_table(job))
-        if job.get("output_text"):
-            console.print(job["output_text"], markup=False)
+        _show_job(_request("GET", url, key, f"/v1/jobs/{job_id}"), as_json)
 
     @cli.command()
     def cancel(job_id: str, url: Annotated[str | None, typer.Option()] = None,
@@ -374,14 +378,9 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         """Cancel a job that has not ended; a running one keeps what it produced (shown)."""
         url, key = _client_config(url, key)
         job = _request("POST", url, key, f"/v1/jobs/{job_id}/cancel")
-        if as_json:
-            console.print_json(json.dumps(job))
-            return
-        if job["status"] != "cancelled":
+        if job["status"] != "cancelled" and not as_json:
             console.print(f"{job_id} had already ended ({job['status']}): nothing to cancel")
-        console.print(_job_table(job))
-        if job.get("output_text"):
-            console.print(job["output_text"], markup=False)
+        _show_job(job, as_json)
 
     @cli.command()
     def jobs(status_: Annotated[str | None, typer.Option("--status")] = None,
