@@ -1,6 +1,6 @@
 """Cancelling one job from the API: SQL first (the cancel is durable), then its stream's end and its worker's
 abort; where a worker was running the job, the reply waits for it to write what the attempt produced, so that the
-cancelled job answers with its output so far and its usage, as OpenAI's cancel of a background response does."""
+cancel answers with the job's output so far and its usage (a client need not poll for them)."""
 
 from __future__ import annotations
 
