@@ -136,10 +136,10 @@ class AdaSpec(SpeculationPolicy):
         its target only by accepting drafts, and the length that maximizes goodput is the best it can do (with the
         constraint, every chain was refused there: 7-8% of requests attained at 0.6x the SLOs with a draft model,
         80% with chain-4)."""
-        per_token = self.config.tpot_check == "per-token"
-        if tpot_limit is None or (t_decode * n / max(tokens, n) if per_token else t_decode) <= tpot_limit:
+        if tpot_limit is None:
             return False
-        return self._step_times(context, n, 0, 0.0)[1] <= tpot_limit
+        pace = t_decode * n / tokens if self.config.tpot_check == "per-token" else t_decode
+        return pace > tpot_limit and self._step_times(context, n, 0, 0.0)[1] <= tpot_limit
 
     def _step_times(self, context: int, n: int, verified: int, draft_s: float) -> tuple[float, float]:
         """(whole step, its decode part): drafting plus the target pass with and without the pass's prefill
