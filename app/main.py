@@ -9,8 +9,8 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api import (admin, batches, conversations, errors, files, health, jobs, metrics, models, openai_compat,
-                     responses, summarize, tenants, tokenize, usage, webhooks)
+from app.api import (admin, batches, conversations, errors, files, health, jobs, lora, metrics, models,
+                     openai_compat, responses, summarize, tenants, tokenize, usage, webhooks)
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 # the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
                    "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/tokenize",
-                   "/detokenize")
+                   "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 @asynccontextmanager
@@ -110,8 +110,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
-    for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, files, batches, summarize,
-                   admin, tenants, usage, webhooks, metrics):
+    for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, lora, files, batches,
+                   summarize, admin, tenants, usage, webhooks, metrics):
         api.include_router(module.router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES)
     _document_openai_errors(api)

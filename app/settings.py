@@ -27,6 +27,13 @@ class Settings(BaseSettings):
         default_factory=dict, description="LoRA adapters served beside the model on the vLLM backend, a JSON object "
                                           "name -> adapter directory (PEFT's adapter_config.json and weights), as "
                                           "`vllm serve --lora-modules name=path`; a request names one as its model")
+    runtime_lora: bool = Field(False, description="let an admin load and unload LoRA adapters while coserve runs "
+                                                  "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter), as vLLM's "
+                                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING; set alike on the API and workers")
+    max_loras: int = Field(4, ge=1, le=64, description="with runtime_lora: the adapters loaded at runtime one batch "
+                                                       "may mix, beside one slot for each of lora_modules")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="with runtime_lora: the largest rank of an adapter "
+                                                             "loaded at runtime (vLLM's --max-lora-rank)")
     device: str = Field("auto", description="auto | cpu | cuda")
     chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, that chat "
                                                         "messages are rendered with instead of the model's own (as "

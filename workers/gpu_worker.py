@@ -30,6 +30,7 @@ from typing import Any
 import redis
 from celery.signals import worker_shutting_down
 from sqlalchemy import update
+from sqlalchemy.orm import Session
 
 from app.batch.storage import delete_expired_files
 from app.services.webhooks import deliver_due
@@ -37,6 +38,7 @@ from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
+from app.services import adapters
 from app.services.dispatch import send_job
 from app.services.model_info import encode_input, get_tokenizer, use_chat_template
 from app.services.streaming import CANCEL_CHANNEL
@@ -131,12 +133,14 @@ class GpuWorker:
                                      max_model_len=s.vllm_max_model_len, spec_tokens=s.vllm_spec_tokens,
                                      drafter=s.vllm_drafter, step_log=s.vllm_step_log,
                                      overrides=s.vllm_engine_args, lora_modules=s.lora_modules,
+                                     runtime_loras=s.max_loras if s.runtime_lora else 0,
+                                     runtime_lora_rank=s.max_lora_rank,
                                      scheduler_config=s.scheduler_config,
                                      cost_calibration=s.cost_calibration)
         else:
-            if s.lora_modules:
-                raise SystemExit("COSERVE_LORA_MODULES: LoRA adapters are served on the vLLM backend "
-                                 f"(COSERVE_BACKEND=vllm), not on {self.backend!r}")
+            if s.lora_modules or s.runtime_lora:
+                raise SystemExit("COSERVE_LORA_MODULES, COSERVE_RUNTIME_LORA: LoRA adapters are served on the vLLM "
+                                 f"backend (COSERVE_BACKEND=vllm), not on {self.backend!r}")
             build = build_engine
         return build(s.model, device=self.device, scheduler_policy=s.scheduler_policy, spec_policy=s.spec_policy,
                      kv_blocks=s.kv_blocks, draft=s.draft if s.spec_policy != "none" else None,
@@ -202,7 +206,7 @@ class GpuWorker:
                 return
             job = s.get(Job, job_id)
             try:
-                request = self._request(job)
+                request = self._request(job, s)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
                 log.warning("job %s failed at admission: %s", job_id, exc)
                 values, end = failed_attempt(lease, str(exc), refusal_code(exc))
@@ -225,7 +229,7 @@ class GpuWorker:
         except Exception:  # best effort: without the mark the sweeper's age rule still recovers it
             log.exception("could not record the holder of job %s", job_id)
 
-    def _request(self, job: Job) -> Request:
+    def _request(self, job: Job, session: Session) -> Request:
         ids = job.prompt_token_ids or encode_input(self.settings.model, job.prompt, job.messages, job.tools,
                                                    job.template_options)
         sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
@@ -243,14 +247,21 @@ class GpuWorker:
         # arrival on the engine clock = when the job was submitted, so queueing counts against TTFT
         waited = (utcnow() - created).total_seconds()
         adapter = job.model if job.model != self.settings.model_name else None
+        path = None
+        if adapter is not None and adapter not in self.settings.lora_modules:  # loaded at runtime: from SQL
+            path = adapters.adapter_path(session, adapter)
+            if path is None:
+                raise ValueError(f"LoRA adapter {adapter!r} was unloaded before this job began; load it again "
+                                 "(POST /v1/load_lora_adapter) and resubmit")
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
-                       lora_name=adapter,
+                       lora_name=adapter, lora_path=path,
                        cache_salt=job.tenant_id if self.settings.prefix_cache_scope == "tenant" else None)
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel
     def _state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"pid": os.getpid(), "served": list(self.settings.served_models),
+                                 "runtime_lora": self.settings.runtime_lora,
                                  "active_jobs": len(self.active),
                                  "relegated_jobs": self.active.relegated, "device": self.device,
                                  "outbox_pending": self.outbox.pending}

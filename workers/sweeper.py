@@ -16,6 +16,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus, WorkerState
+from app.services.adapters import queue_models
 from app.services.dispatch import dispatch, send_job
 from app.services.notify import redis_client
 from app.services.streaming import StreamEvent, publish
@@ -70,8 +71,9 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
     queued = session.execute(select(Job.id, Job.model).where(
         Job.status == JobStatus.QUEUED.value, Job.created_at < now - timedelta(seconds=queued_grace_s))
         .order_by(Job.created_at).limit(limit)).all()
+    queues = queue_models(session, {j.model for j in queued})  # a runtime LoRA adapter's jobs: its model's queue
     for job in queued:
-        if not dispatch(session, redis_url, job.id, job.model, detail="sent by the sweeper"):
+        if not dispatch(session, redis_url, job.id, queues[job.model], detail="sent by the sweeper"):
             break  # the broker is down: try again next sweep
         result.dispatched += 1
     result.resent = _resend_lost(session, redis_url, now, resend_after_s, holder_stale_s, limit, served)
@@ -104,8 +106,9 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
         lost += [(j.id, j.model, "its message left the queue unprocessed") for j in unheld
                  if waiting is not None and j.id not in waiting]
     resent = 0
+    queues = queue_models(session, {model for _id, model, _why in lost})
     for job_id, model, why in lost:
-        if not send_job(redis_url, job_id, model):
+        if not send_job(redis_url, job_id, queues[model]):
             break
         session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.DISPATCHED.value)
                         .values(dispatched_at=utcnow(), worker_id=None).execution_options(synchronize_session=False))

@@ -75,6 +75,10 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
     if unserved := [name for name in settings.lora_modules if name not in served]:
         checks["adapters"] = (f"warning: no live worker serves {', '.join(repr(m) for m in unserved)}; their jobs "
                               "wait in the queue (give the workers the same COSERVE_LORA_MODULES)")
+    if settings.runtime_lora and not any((w.state or {}).get("runtime_lora") for w in live
+                                         if settings.model_name in w.served):
+        checks["runtime_lora"] = ("warning: no live worker of the model loads adapters at runtime; jobs of the "
+                                  "adapters loaded so fail (set COSERVE_RUNTIME_LORA=1 on the workers too)")
     return checks
 
 

@@ -1,4 +1,5 @@
-"""``GET /v1/models``: the model this deployment serves and its LoRA adapters (OpenAI list shape)."""
+"""``GET /v1/models``: the model this deployment serves and its LoRA adapters, those configured and those loaded
+since (OpenAI list shape)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.services import adapters
 from app.services.model_info import max_model_len
 from app.settings import Settings
 
@@ -31,11 +33,11 @@ def _model(settings: Settings, name: str) -> dict:
 
 @router.get("")
 def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    return {"object": "list", "data": [_model(settings, name) for name in settings.served_models]}
+    return {"object": "list", "data": [_model(settings, name) for name in adapters.served_models(settings)]}
 
 
 @router.get("/{model_id:path}", responses=openai_responses(404))
 def get_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    if model_id not in settings.served_models:
+    if not adapters.is_served(settings, model_id):
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
     return _model(settings, model_id)

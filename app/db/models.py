@@ -272,6 +272,18 @@ class WorkerState(Base):
         return tuple((self.state or {}).get("served") or (self.model,))
 
 
+class LoraAdapter(Base):
+    """A LoRA adapter an admin loaded while coserve runs (``/v1/load_lora_adapter``): every worker of its model
+    serves it, loading it from ``path`` on its first request."""
+
+    __tablename__ = "lora_adapters"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))  # the served model it adapts, whose workers run its jobs
+    path: Mapped[str] = mapped_column(Text)
+    rank: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Conversation(Base):
     """OpenAI's Conversations API: items that responses given the conversation read first and add their turn to."""
 

@@ -23,6 +23,7 @@ from app.auth import Principal
 from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
 from app.schemas import MAX_WINDOW_S, JobCreate
+from app.services import adapters
 from app.services import dispatch as dispatching
 from app.services.job_writer import JobWriter
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
@@ -95,9 +96,9 @@ def resolve_tier(settings: Settings, principal: Principal, requested: str | None
 def resolve_model(settings: Settings, requested: str | None) -> str:
     """The model a request names (default: the server's), if the server serves it: its own or a LoRA adapter."""
     model = requested or settings.model_name
-    if model not in settings.served_models:
+    if not adapters.is_served(settings, model):
         raise JobValidationError(f"unknown model {model!r}; this server serves "
-                                 f"{', '.join(map(repr, settings.served_models))}", param="model",
+                                 f"{', '.join(map(repr, adapters.served_models(settings)))}", param="model",
                                  code="model_not_found")
     return model
 
@@ -297,7 +298,8 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
         return Submitted(existing, created=False)
     if dispatch:
         redis_url = settings.redis_url
-        if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model):
+        if redis_url and dispatching.dispatch(session, redis_url, job.id,
+                                                          adapters.queue_model(settings, job.model)):
             # dispatch() already wrote the row; reflect it in the answer without marking the object
             # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
             set_committed_value(job, "status", JobStatus.DISPATCHED.value)

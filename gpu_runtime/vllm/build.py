@@ -91,10 +91,12 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
                 max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
                 enable_prefix_caching: bool | None = None, spec_tokens: int | None = None,
                 drafter: str = "ngram", lora_modules: dict[str, str] | None = None,
+                runtime_loras: int = 0, runtime_lora_rank: int = 16,
                 overrides: dict[str, Any] | None = None) -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``); ``overrides``
     (any other engine argument: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``quantization``, a
-    ``speculative_config`` with another drafter, ...) win over what the other parameters set."""
+    ``speculative_config`` with another drafter, ...) win over what the other parameters set; ``runtime_loras``:
+    LoRA slots for adapters loaded while it runs, up to ``runtime_lora_rank``."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
 
@@ -120,7 +122,8 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         kwargs["max_num_seqs"] = max_num_seqs
     if spec_policy != "none":
         kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens))
-    kwargs.update(lora_engine_args(lora_modules or {}))  # LoRA adapters served beside the model
+    # LoRA adapters served beside the model
+    kwargs.update(lora_engine_args(lora_modules or {}, runtime_loras, runtime_lora_rank))
     kwargs.update(checked_overrides(overrides or {}, spec_policy))
     return EngineArgs(**kwargs)
 
@@ -153,8 +156,9 @@ def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = 
     from gpu_runtime.vllm.engine import VLLMEngine
 
     t0 = time.monotonic()
-    llm = LLMEngine.from_engine_args(engine_args(model, device, scheduler_policy, spec_policy,
-                                                 lora_modules=lora_modules, **engine_kw))
+    args = engine_args(model, device, scheduler_policy, spec_policy, lora_modules=lora_modules, **engine_kw)
+    llm = LLMEngine.from_engine_args(args)
     log.info("vLLM engine ready in %.1fs: model=%s scheduler=%s speculation=%s", time.monotonic() - t0, model,
              scheduler_policy, spec_policy)
-    return VLLMEngine(llm, spec_policy, step_log=step_log, lora_modules=lora_modules)
+    return VLLMEngine(llm, spec_policy, step_log=step_log, lora_modules=lora_modules,
+                      runtime_lora=engine_kw.get("runtime_loras", 0) > 0 and args.enable_lora)

@@ -28,7 +28,7 @@ from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from gpu_runtime.scheduler.priority import vllm_priority
-from gpu_runtime.vllm.lora import lora_requests
+from gpu_runtime.vllm.lora import LoraRegistry
 from gpu_runtime.vllm.qos_args import to_extra_args
 from gpu_runtime.vllm.step_log import StepLog, StepRecord
 
@@ -107,9 +107,9 @@ def admission_error(request: Request, max_model_len: int, speculating: bool) -> 
 
 class VLLMEngine:
     def __init__(self, llm: LLMEngine, spec_policy: str = "none", step_log: str | Path | None = None,
-                 lora_modules: dict[str, str] | None = None) -> None:
+                 lora_modules: dict[str, str] | None = None, runtime_lora: bool = False) -> None:
         self.llm = llm
-        self.loras = lora_requests(lora_modules or {})  # adapter name -> what vLLM loads it by
+        self.loras = LoraRegistry(lora_modules or {}, runtime_lora)  # those it started with, those loaded since
         self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
         self.scheduler = _SchedulerView(self.core_scheduler)
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
@@ -137,9 +137,8 @@ class VLLMEngine:
 
     # ---- thread-safe entry points ----
     def add_request(self, request: Request) -> None:
-        if request.lora_name is not None and request.lora_name not in self.loras:
-            served = ", ".join(self.loras) or "none"
-            raise ValueError(f"LoRA adapter {request.lora_name!r} is not served here (adapters: {served})")
+        if (refused := self.loras.refusal(request.lora_name, request.lora_path)) is not None:
+            raise ValueError(refused)
         speculating = self.llm.vllm_config.speculative_config is not None
         if (refused := admission_error(request, self.executor.max_model_len, speculating)) is not None:
             raise ValueError(refused)
@@ -236,7 +235,18 @@ class VLLMEngine:
         return outputs
 
     def _lora(self, req: Request) -> Any:
-        return self.loras[req.lora_name] if req.lora_name is not None else None
+        """The request's ``LoRARequest``; an adapter new to the engine is loaded here, so a directory vLLM cannot
+        load fails this request (ValueError) instead of the step that would load it."""
+        lora, new = self.loras.request(req.lora_name, req.lora_path)
+        if new:
+            try:
+                self.llm.add_lora(lora)
+            except Exception as exc:
+                self.loras.forget(req.lora_name, req.lora_path)
+                raise ValueError(f"LoRA adapter {req.lora_name!r} could not be loaded from {req.lora_path}: "
+                                 f"{exc}") from exc
+            log.info("loaded LoRA adapter %r (id %d) from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+        return lora
 
     def _sampling(self, req: Request) -> Any:
         from vllm import SamplingParams

@@ -29,14 +29,18 @@ def adapter_rank(name: str, path: str | Path) -> int:
     return rank
 
 
-def lora_engine_args(modules: dict[str, str]) -> dict[str, Any]:
+def lora_engine_args(modules: dict[str, str], runtime_slots: int = 0, runtime_rank: int = 16) -> dict[str, Any]:
     """Engine arguments that serve ``modules`` (name -> directory): LoRA on, slots for every adapter in one batch
-    (so the policy's batches never wait on vLLM's max_loras), the smallest rank vLLM allows that holds them."""
-    if not modules:
+    (so the policy's batches never wait on vLLM's max_loras), the smallest rank vLLM allows that holds them.
+
+    ``runtime_slots`` more for adapters loaded while the engine runs, up to ``runtime_rank``: those beyond the
+    slots wait for one (vLLM's scheduler admits a batch's adapters up to max_loras) and are kept on the CPU."""
+    if not modules and not runtime_slots:
         return {}
-    rank = max(adapter_rank(name, path) for name, path in modules.items())
-    return {"enable_lora": True, "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
-            "max_loras": len(modules), "max_cpu_loras": len(modules)}
+    ranks = [adapter_rank(name, path) for name, path in modules.items()] + ([runtime_rank] if runtime_slots else [])
+    slots = len(modules) + runtime_slots
+    return {"enable_lora": True, "max_lora_rank": next(r for r in LORA_RANKS if r >= max(ranks)),
+            "max_loras": slots, "max_cpu_loras": slots}
 
 
 def lora_requests(modules: dict[str, str]) -> dict[str, Any]:
@@ -46,3 +50,43 @@ def lora_requests(modules: dict[str, str]) -> dict[str, Any]:
     from vllm.lora.request import LoRARequest
 
     return {name: LoRARequest(name, i, str(Path(path).resolve())) for i, (name, path) in enumerate(modules.items(), 1)}
+
+
+class LoraRegistry:
+    """The adapters an engine serves: those it started with, and those loaded at runtime as requests name them.
+
+    A runtime adapter gets the next id the first time a request names it at a path; a new path under the same name
+    (the adapter replaced) gets a new id, so vLLM neither serves the old weights nor reuses their cached blocks."""
+
+    def __init__(self, modules: dict[str, str], runtime: bool) -> None:
+        self.fixed = lora_requests(modules)
+        self.runtime = runtime
+        self.loaded: dict[tuple[str, str], Any] = {}  # (name, path) -> LoRARequest
+        self._next_id = len(self.fixed) + 1
+
+    def refusal(self, name: str | None, path: str | None) -> str | None:
+        """Why a request naming adapter ``name`` (at ``path`` when loaded at runtime) cannot run here."""
+        if name is None or name in self.fixed or (path is not None and self.runtime):
+            return None
+        if path is not None:
+            return f"LoRA adapter {name!r} was loaded at runtime, but this engine serves none (COSERVE_RUNTIME_LORA)"
+        return f"LoRA adapter {name!r} is not served here (adapters: {', '.join(self.fixed) or 'none'})"
+
+    def request(self, name: str | None, path: str | None) -> tuple[Any, bool]:
+        """vLLM's ``LoRARequest`` for the adapter, and whether it is new to the engine (load it first)."""
+        if name is None:
+            return None, False
+        if name in self.fixed:
+            return self.fixed[name], False
+        key = (name, str(Path(path or "").resolve()))
+        if key in self.loaded:
+            return self.loaded[key], False
+        from vllm.lora.request import LoRARequest
+
+        self.loaded[key] = LoRARequest(name, self._next_id, key[1])
+        self._next_id += 1
+        return self.loaded[key], True
+
+    def forget(self, name: str, path: str | None) -> None:
+        """Drops an adapter whose load failed, so a later request tries again."""
+        self.loaded.pop((name, str(Path(path or "").resolve())), None)

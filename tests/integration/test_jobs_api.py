@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import time
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -123,6 +124,78 @@ def test_a_lora_adapter_is_a_model_a_request_may_name(settings, keys):
         assert r.json()["id"].encode() in queued[0]
         r = submit(client, keys.paid, model="other-lora")
         assert r.status_code == 422 and "this server serves 'tiny', 'sql-lora'" in r.text, r.text
+
+
+def _adapter_dir(path, rank: int = 8):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
+    (path / "adapter_model.safetensors").write_bytes(b"")  # the API checks it is there; a worker loads it
+    return str(path)
+
+
+def test_an_admin_loads_a_lora_adapter_at_runtime_and_its_jobs_go_to_the_models_queue(settings, keys, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: the admin key, a directory checked with an error
+    that says what to fix, the adapter listed and served at once, its jobs on the model's queue (every worker of
+    the model serves it); unloaded, it is an unknown model again."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.services.adapters import queue_models
+
+    rt, big = _adapter_dir(tmp_path / "rt"), _adapter_dir(tmp_path / "big", rank=64)
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+
+    def load(client, key=keys.admin, **body):
+        return client.post("/v1/load_lora_adapter", json=body, headers=H(key))
+
+    with TestClient(create_app(settings)) as client:  # runtime loading off, as vLLM's default
+        r = load(client, lora_name="rt-lora", lora_path=rt)
+        assert r.status_code == 404 and "COSERVE_RUNTIME_LORA=1" in r.json()["error"]["message"], r.text
+    settings.runtime_lora = True
+    with TestClient(create_app(settings)) as client:
+        assert load(client, keys.paid, lora_name="rt-lora", lora_path=rt).status_code == 403
+        for body, status, fragment in (
+                ({"lora_name": "rt-lora"}, 400, "lora_path"),
+                ({"lora_name": "rt-lora", "lora_path": "rt"}, 400, "give an absolute path"),
+                ({"lora_name": "rt-lora", "lora_path": str(tmp_path / "none")}, 400, "is not a directory"),
+                ({"lora_name": "rt-lora", "lora_path": str(tmp_path)}, 400, "no adapter_config.json"),
+                ({"lora_name": "big-lora", "lora_path": big}, 400, "up to rank 16 (COSERVE_MAX_LORA_RANK"),
+                ({"lora_name": "tiny", "lora_path": rt}, 400, "is the model's own name"),
+                ({"lora_name": "sql-lora", "lora_path": rt}, 400, "an adapter of COSERVE_LORA_MODULES"),
+                ({"lora_name": "my lora", "lora_path": rt}, 400, "no spaces")):
+            r = load(client, **body)
+            assert r.status_code == status and fragment in r.json()["error"]["message"], (body, r.text)
+        r = load(client, lora_name="rt-lora", lora_path=rt)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'rt-lora' loaded.", r.text
+        r = load(client, lora_name="rt-lora", lora_path=rt)
+        assert r.status_code == 400 and "already loaded" in r.text, r.text
+        assert load(client, lora_name="rt-lora", lora_path=rt, load_inplace=True).status_code == 200
+
+        listed = client.get("/v1/models", headers=H(keys.paid)).json()["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [("tiny", None), ("sql-lora", "tiny"), ("rt-lora", "tiny")]
+        assert str(tmp_path) not in str(listed)
+        assert client.get("/v1/models/rt-lora", headers=H(keys.paid)).json()["parent"] == "tiny"
+        assert client.post("/tokenize", json={"model": "rt-lora", "prompt": "hi"}, headers=H(keys.paid)).is_success
+        r = submit(client, keys.paid, model="rt-lora", max_tokens=4)
+        assert r.status_code == 201 and r.json()["model"] == "rt-lora", r.text
+        queued = wait_for(lambda: redis.Redis.from_url(settings.redis_url).lrange("coserve.tiny", 0, -1), 10,
+                          "the adapter's task on the model's queue")
+        assert r.json()["id"].encode() in queued[0]
+        with session_scope(settings.sqlalchemy_url) as s:  # the sweeper's resends take the same queue
+            assert queue_models(s, {"rt-lora", "sql-lora", "tiny"}) == {"rt-lora": "tiny", "sql-lora": "sql-lora",
+                                                                         "tiny": "tiny"}
+
+        def unload(name):
+            return client.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=H(keys.admin))
+
+        r = unload("rt-lora")
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'rt-lora' unloaded.", r.text
+        r = unload("rt-lora")
+        assert r.status_code == 404 and "'rt-lora' is not loaded" in r.json()["error"]["message"], r.text
+        r = unload("sql-lora")
+        assert r.status_code == 400 and "remove it there" in r.text, r.text
+        r = submit(client, keys.paid, model="rt-lora")
+        assert r.status_code == 422 and "unknown model 'rt-lora'" in r.text, r.text
 
 
 def test_adapter_names_are_checked_where_the_settings_are_read(tmp_path):
@@ -444,6 +517,13 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
         assert c.get("/readyz").json()["checks"] == {"database": "ok", "redis": "ok", "workers": "1 live"}
         assert [w["served"] for w in c.get("/admin/api/overview", headers=H(keys.admin)).json()["workers"]] \
             == [[s.model_name, "tilted"]]
+    s.runtime_lora = True  # adapters loaded at runtime need workers that load them
+    with TestClient(create_app(s)) as c:
+        r = c.get("/readyz")
+        assert r.status_code == 200 and "COSERVE_RUNTIME_LORA=1 on the workers" in r.json()["checks"]["runtime_lora"]
+        with session_scope(settings.sqlalchemy_url) as db:
+            db.get(WorkerState, "w1").state = {"served": [s.model_name, "tilted"], "runtime_lora": True}
+        assert "runtime_lora" not in c.get("/readyz").json()["checks"]
 
 
 def test_admin_key_from_settings_is_registered(settings, keys):

@@ -30,10 +30,38 @@ def test_requests_carry_each_jobs_tbt_anchor_targets_and_history_key(settings, k
         principal = authenticate(s, keys.paid)
         ids = {name: submit_job(s, principal, spec, settings, dispatch=False).job.id for name, spec in specs.items()}
     with session_scope(url) as s:
-        req = {name: worker._request(s.get(Job, job_id)) for name, job_id in ids.items()}
+        req = {name: worker._request(s.get(Job, job_id), s) for name, job_id in ids.items()}
     paced, default, batch = req["paced"].qos, req["default"].qos, req["batch"].qos
     assert (paced.ttft_s, paced.tbt_s, paced.tbt_anchor) == (0.8, 0.04, TbtAnchor.FIRST_TOKEN)
     assert default.tbt_anchor is TbtAnchor(settings.tbt_anchor) and default.tbt_s == settings.default_tbt_ms / 1e3
     assert batch.qos_class is QoSClass.BATCH and 590 < batch.ttlt_s <= 600
     assert req["paced"].app_id == history_key("chat", keys.tenant_id, "interactive")
     assert req["batch"].app_id == history_key(None, keys.tenant_id, "batch")
+
+
+def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_unloaded(settings, keys, tmp_path):
+    """A LoRA adapter loaded at runtime reaches the engine as its name and the directory SQL holds for it; a job
+    whose adapter was unloaded before it began is refused with what to do."""
+    from app.db.models import LoraAdapter
+    from app.services import adapters
+
+    settings.runtime_lora = True
+    worker = GpuWorker(settings)
+    worker.engine = SimpleNamespace(executor=SimpleNamespace(now=lambda: 100.0))
+    lora = tmp_path / "rt"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text('{"r": 8}')
+    (lora / "adapter_model.safetensors").write_bytes(b"")
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        adapters.load(s, settings, "rt-lora", str(lora))
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", model="rt-lora"), settings,
+                            dispatch=False).job.id
+    with session_scope(url) as s:
+        req = worker._request(s.get(Job, job_id), s)
+        assert (req.lora_name, req.lora_path) == ("rt-lora", str(lora.resolve()))
+        assert req.app_id == history_key(None, keys.tenant_id, "interactive", "rt-lora")
+        s.delete(s.get(LoraAdapter, "rt-lora"))
+        s.commit()
+        with pytest.raises(ValueError, match="'rt-lora' was unloaded before this job began; load it again"):
+            worker._request(s.get(Job, job_id), s)

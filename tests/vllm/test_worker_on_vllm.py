@@ -29,8 +29,9 @@ def vllm_stack(settings, live_server, keys, start_worker, lora_adapters):
     settings.backend = "vllm"  # what the API checks sampling parameters against, as the worker below serves
     settings.default_max_tokens = 32
     settings.lora_modules = lora_adapters  # served beside the model: requests may name them
+    settings.runtime_lora = True  # and an admin may load more (one slot for them beside the two)
     start_worker("w-vllm", **MODEL, COSERVE_VLLM_STEP_LOG=str(settings.data_dir / "steps.jsonl"),
-                 COSERVE_LORA_MODULES=json.dumps(lora_adapters))
+                 COSERVE_LORA_MODULES=json.dumps(lora_adapters), COSERVE_RUNTIME_LORA="1", COSERVE_MAX_LORAS="1")
     return live_server, keys
 
 
@@ -68,6 +69,27 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert tilted.model == "tilted-lora" and tilted.choices[0].message.content != streamed, tilted
     with pytest.raises(openai.NotFoundError, match="unknown model 'other-lora'"):
         oai.chat.completions.create(model="other-lora", messages=messages, max_tokens=4)
+
+    # loaded at runtime (vLLM's /v1/load_lora_adapter): the tilted weights under another name answer as the
+    # configured adapter does; a directory vLLM cannot load fails its job, not the worker; unloaded, a name is
+    # unknown again
+    def lora(action: str, **body) -> httpx.Response:
+        return httpx.post(f"{base}/v1/{action}_lora_adapter", json=body, headers=Keys.header(keys.admin))
+
+    assert lora("load", lora_name="runtime-lora", lora_path=settings.lora_modules["tilted-lora"]).status_code == 200
+    broken = settings.data_dir / "broken-lora"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}))
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    assert lora("load", lora_name="broken-lora", lora_path=str(broken)).status_code == 200
+    with pytest.raises(openai.APIError, match="LoRA adapter 'broken-lora' could not be loaded"):
+        oai.chat.completions.create(model="broken-lora", messages=messages, max_tokens=4)
+    runtime = oai.chat.completions.create(model="runtime-lora", messages=messages, max_tokens=12, temperature=0)
+    assert runtime.model == "runtime-lora", runtime
+    assert runtime.choices[0].message.content == tilted.choices[0].message.content
+    assert lora("unload", lora_name="runtime-lora").status_code == 200
+    with pytest.raises(openai.NotFoundError, match="unknown model 'runtime-lora'"):
+        oai.chat.completions.create(model="runtime-lora", messages=messages, max_tokens=4)
     usage = httpx.get(f"{base}/v1/organization/usage/completions", headers=Keys.header(keys.admin),
                       params={"start_time": int(time.time()) - 3600, "group_by": ["model"],
                               "bucket_width": "1d"}).json()

@@ -1,0 +1,75 @@
+"""``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: LoRA adapters loaded while coserve runs, as
+vLLM's server offers them with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (here ``COSERVE_RUNTIME_LORA``).
+
+The adapter's directory is a path on the server, so these need the admin key. The answers have vLLM's shapes: a
+line of text on success, an error object otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
+from app.api.errors import openai_responses
+from app.openai_schemas import OpenAIError, OpenAIRoute, validation_message
+from app.services import adapters
+from app.wire import Text
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute,
+                   responses=openai_responses(400, 401, 403, 404))
+DONE = {200: {"description": "a line saying it is done", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+class LoadAdapter(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: Text
+    lora_path: Text
+    load_inplace: bool = False  # replace an adapter of that name (its jobs not yet begun take the new weights)
+
+
+class UnloadAdapter(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: Text
+    lora_int_id: int | None = None  # vLLM's; the name alone says which adapter here
+
+
+def _parsed(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(list(exc.errors()))
+        raise OpenAIError(400, message, param=param) from exc
+
+
+@router.post("/load_lora_adapter", responses=DONE)
+async def load_lora_adapter(body: dict[str, Any], session: SessionDep, settings: SettingsDep,
+                            _admin: AdminPrincipal) -> PlainTextResponse:
+    """Serves a LoRA adapter of the model under ``lora_name`` from now on: requests name it as their model."""
+    req = _parsed(LoadAdapter, body)
+    try:
+        await run_in_threadpool(adapters.load, session, settings, req.lora_name, req.lora_path,
+                                load_inplace=req.load_inplace)
+    except adapters.AdapterError as exc:
+        raise OpenAIError(exc.status, str(exc), param="lora_name" if exc.status == 404 else None) from exc
+    except ValueError as exc:  # the directory is not an adapter vLLM could load
+        raise OpenAIError(400, str(exc), param="lora_path") from exc
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' loaded.")
+
+
+@router.post("/unload_lora_adapter", responses=DONE)
+async def unload_lora_adapter(body: dict[str, Any], session: SessionDep, settings: SettingsDep,
+                              _admin: AdminPrincipal) -> PlainTextResponse:
+    """Stops serving a runtime adapter; its jobs that have not begun fail, saying it was unloaded."""
+    req = _parsed(UnloadAdapter, body)
+    try:
+        await run_in_threadpool(adapters.unload, session, settings, req.lora_name)
+    except adapters.AdapterError as exc:
+        raise OpenAIError(exc.status, str(exc), param="lora_name") from exc
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' unloaded.")

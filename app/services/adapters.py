@@ -1,0 +1,169 @@
+"""LoRA adapters an admin loads while coserve runs (vLLM's runtime LoRA updating).
+
+``COSERVE_LORA_MODULES`` fixes the adapters a deployment starts with; with ``COSERVE_RUNTIME_LORA`` an admin adds
+more (``POST /v1/load_lora_adapter``) and removes them (``/v1/unload_lora_adapter``). SQL keeps them
+(``lora_adapters``), so every API process and every worker sees the same set. A runtime adapter's jobs go to its
+model's queue: any worker of the model serves them, loading the adapter on its first request.
+
+Each process keeps what it read for ``FRESH_S``; a name it does not know is read again before it is refused, so a
+job may name an adapter the moment its load was answered, whichever API process takes the job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from app.db.models import LoraAdapter
+from app.db.session import session_scope, write_after_read
+from app.settings import Settings
+from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank
+
+FRESH_S = 1.0  # how long a process trusts what it read of the table
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's weight files, one of which vLLM loads
+
+
+class AdapterError(ValueError):
+    """A load or unload refused; ``status`` is the HTTP status it answers with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Adapter:
+    model: str  # the served model it adapts
+    path: str
+
+
+_read: dict[str, tuple[float, dict[str, Adapter]]] = {}  # database url -> (when read, name -> adapter)
+
+
+def _table(session: Session) -> dict[str, Adapter]:
+    return {row.name: Adapter(row.model, row.path) for row in session.scalars(select(LoraAdapter))}
+
+
+def loaded(settings: Settings, *, fresh: bool = False) -> dict[str, Adapter]:
+    """The adapters loaded at runtime, every model's (none while runtime loading is off)."""
+    if not settings.runtime_lora:
+        return {}
+    url = settings.sqlalchemy_url
+    seen = _read.get(url)
+    if seen is not None and not fresh and time.monotonic() - seen[0] < FRESH_S:
+        return seen[1]
+    with session_scope(url) as s:
+        adapters = _table(s)
+    _read[url] = (time.monotonic(), adapters)
+    return adapters
+
+
+def runtime_adapters(settings: Settings, *, fresh: bool = False) -> dict[str, Adapter]:
+    """The runtime adapters of the model this deployment serves."""
+    return {name: a for name, a in loaded(settings, fresh=fresh).items() if a.model == settings.model_name}
+
+
+def served_models(settings: Settings) -> tuple[str, ...]:
+    """The names a request may give as its model: the model's, its configured adapters', those loaded since."""
+    return (*settings.served_models, *runtime_adapters(settings))
+
+
+def is_served(settings: Settings, model: str) -> bool:
+    if model in settings.served_models:
+        return True
+    return model in runtime_adapters(settings) or model in runtime_adapters(settings, fresh=True)
+
+
+def queue_model(settings: Settings, model: str) -> str:
+    """The model whose queue takes a job for ``model``: a runtime adapter's model (every worker of it serves the
+    adapter), else ``model`` (a configured adapter has a queue of its own)."""
+    if model in settings.served_models:
+        return model
+    adapter = loaded(settings).get(model) or loaded(settings, fresh=True).get(model)
+    return adapter.model if adapter is not None else model
+
+
+def queue_models(session: Session, models: set[str]) -> dict[str, str]:
+    """``queue_model`` for the models of jobs read from SQL (the sweeper's), in one query: model -> the model
+    whose queue takes its jobs."""
+    rows = session.execute(select(LoraAdapter.name, LoraAdapter.model).where(LoraAdapter.name.in_(models))).all()
+    bases = {name: model for name, model in rows}
+    return {m: bases.get(m, m) for m in models}
+
+
+def adapter_path(session: Session, name: str) -> str | None:
+    """Where a worker loads a runtime adapter from; None when it is not loaded (unloaded after its job came)."""
+    return session.scalar(select(LoraAdapter.path).where(LoraAdapter.name == name))
+
+
+def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]:
+    """The adapter directory, absolute, and its rank; an AdapterError saying what to fix where it cannot serve."""
+    try:
+        directory = Path(path).expanduser()
+        if not directory.is_absolute():
+            raise AdapterError(f"lora_path {path!r}: give an absolute path (the workers load it from their own "
+                               "working directory otherwise)")
+        if not directory.is_dir():
+            raise AdapterError(f"lora_path {path!r} is not a directory this server can read")
+        rank = adapter_rank(name, directory)
+        if not any((directory / w).is_file() for w in WEIGHTS):
+            raise AdapterError(f"LoRA adapter {name!r}: no {' or '.join(WEIGHTS)} in {path}")
+    except (OSError, RuntimeError) as exc:  # a name too long, a file it may not read, an unknown ~user
+        raise AdapterError(f"lora_path {path!r} cannot be read here: {exc}") from None
+    limit = next(r for r in LORA_RANKS if r >= settings.max_lora_rank)
+    if rank > limit:
+        raise AdapterError(f"LoRA adapter {name!r} has rank {rank}; this server serves runtime adapters up to rank "
+                           f"{limit} (COSERVE_MAX_LORA_RANK, set alike on the API and the workers)")
+    return str(directory.resolve()), rank
+
+
+def load(session: Session, settings: Settings, name: str, path: str, *, load_inplace: bool = False) -> None:
+    """Adds (or, ``load_inplace``, replaces) the runtime adapter ``name`` of the served model (commits)."""
+    _enabled(settings)
+    if not name or not path:
+        raise AdapterError("give both lora_name and lora_path")
+    if len(name) > 128 or any(c.isspace() for c in name):
+        raise AdapterError(f"lora_name {name!r}: 1-128 characters, no spaces")
+    if name in settings.served_models:
+        what = "the model's own name" if name == settings.model_name else "an adapter of COSERVE_LORA_MODULES"
+        raise AdapterError(f"lora_name {name!r} is {what}; choose another name")
+    directory, rank = check_directory(settings, name, path)
+    with write_after_read(session):  # one writer: the read of the name and its write are one transaction
+        row = session.get(LoraAdapter, name)
+        if row is not None and not load_inplace:
+            raise AdapterError(f"LoRA adapter {name!r} is already loaded; unload it first, or set load_inplace to "
+                               "replace it")
+        if row is not None and row.model != settings.model_name:
+            raise AdapterError(f"LoRA adapter {name!r} adapts model {row.model!r}, not this server's")
+        if row is None:
+            session.add(LoraAdapter(name=name, model=settings.model_name, path=directory, rank=rank))
+        else:
+            row.path, row.rank = directory, rank
+        session.commit()
+    _read.pop(settings.sqlalchemy_url, None)
+
+
+def unload(session: Session, settings: Settings, name: str) -> None:
+    """Removes the runtime adapter ``name`` (commits); its jobs still waiting then fail with a clear error."""
+    _enabled(settings)
+    if not name:
+        raise AdapterError("give lora_name")
+    if name in settings.lora_modules:
+        raise AdapterError(f"LoRA adapter {name!r} is configured by COSERVE_LORA_MODULES; remove it there")
+    with write_after_read(session):
+        removed = session.execute(delete(LoraAdapter).where(LoraAdapter.name == name,
+                                                            LoraAdapter.model == settings.model_name)).rowcount
+        session.commit()
+    _read.pop(settings.sqlalchemy_url, None)
+    if not removed:
+        raise AdapterError(f"LoRA adapter {name!r} is not loaded", status=404)
+
+
+def _enabled(settings: Settings) -> None:
+    if not settings.runtime_lora:
+        raise AdapterError("loading LoRA adapters at runtime is off: start the API and workers with "
+                           "COSERVE_RUNTIME_LORA=1", status=404)
