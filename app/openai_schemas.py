@@ -93,6 +93,15 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "; ".join(parts), param
 
 
+def openai_parsed(model: type[BaseModel], body: Any) -> Any:
+    """``body`` validated as ``model``; a 400 in OpenAI's shape that names the field where it is not."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(list(exc.errors()))
+        raise OpenAIError(400, message, param=param) from exc
+
+
 class OpenAIRoute(CheckedRoute):
     """A route whose errors (auth, validation, HTTPException) come out in OpenAI's shape."""
 

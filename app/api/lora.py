@@ -12,11 +12,11 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
-from app.openai_schemas import OpenAIError, OpenAIRoute, validation_message
+from app.openai_schemas import OpenAIError, OpenAIRoute, openai_parsed
 from app.services import adapters
 from app.wire import Text
 
@@ -40,19 +40,11 @@ class UnloadAdapter(BaseModel):
     lora_int_id: int | None = None  # vLLM's; the name alone says which adapter here
 
 
-def _parsed(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        message, param = validation_message(list(exc.errors()))
-        raise OpenAIError(400, message, param=param) from exc
-
-
 @router.post("/load_lora_adapter", responses=DONE)
 async def load_lora_adapter(body: dict[str, Any], session: SessionDep, settings: SettingsDep,
                             _admin: AdminPrincipal) -> PlainTextResponse:
     """Serves a LoRA adapter of the model under ``lora_name`` from now on: requests name it as their model."""
-    req = _parsed(LoadAdapter, body)
+    req = openai_parsed(LoadAdapter, body)
     try:
         await run_in_threadpool(adapters.load, session, settings, req.lora_name, req.lora_path,
                                 load_inplace=req.load_inplace)
@@ -67,7 +59,7 @@ async def load_lora_adapter(body: dict[str, Any], session: SessionDep, settings:
 async def unload_lora_adapter(body: dict[str, Any], session: SessionDep, settings: SettingsDep,
                               _admin: AdminPrincipal) -> PlainTextResponse:
     """Stops serving a runtime adapter; its jobs that have not begun fail, saying it was unloaded."""
-    req = _parsed(UnloadAdapter, body)
+    req = openai_parsed(UnloadAdapter, body)
     try:
         await run_in_threadpool(adapters.unload, session, settings, req.lora_name)
     except adapters.AdapterError as exc:

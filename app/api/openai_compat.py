@@ -21,7 +21,6 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
@@ -29,8 +28,8 @@ from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, StreamOptions,
                                 chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, merge_choices,
-                                known_sum, now_s, openai_param, service_tier, text_completion, usage,
-                                validation_message)
+                                known_sum, now_s, openai_param, openai_parsed, service_tier, text_completion,
+                                usage)
 from app.services import jobs as job_service
 from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
                                         abandoned_on_hangup, answer_events)
@@ -53,11 +52,7 @@ async def read_body(request: Request, model: type) -> Any:
         raise OpenAIError(400, f"the body is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise OpenAIError(400, "the body must be a JSON object")
-    try:
-        body = model.model_validate(raw)
-    except ValidationError as exc:
-        message, param = validation_message(list(exc.errors()))
-        raise OpenAIError(400, message, param=param) from exc
+    body = openai_parsed(model, raw)
     body.check()
     return body
 

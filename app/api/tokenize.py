@@ -10,11 +10,11 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
-from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, validation_message
+from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, openai_parsed
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import adapters
 from app.services.jobs import JobValidationError, check_token_ids
@@ -55,14 +55,6 @@ def _check_model(settings: Settings, model: str | None) -> None:
         raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
 
-def _parsed(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        message, param = validation_message(list(exc.errors()))
-        raise OpenAIError(400, message, param=param) from exc
-
-
 def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -72,7 +64,7 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
                 raise OpenAIError(400, f"{name} is for the chat template: send messages, not a prompt", param=name)
         tok = get_tokenizer(settings.model)
         return list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-    chat = _parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", *TEMPLATE_DEFAULTS}))
+    chat = openai_parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", *TEMPLATE_DEFAULTS}))
     try:  # the messages, tools and template options as a chat job keeps them: the same checks, the same input
         spec = chat.job_spec(messages=chat.chat_messages())
         return encode_input(settings.model, None, [m.stored() for m in spec.messages],
@@ -85,7 +77,7 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
 @router.post("/tokenize")
 async def tokenize(body: dict[str, Any], settings: SettingsDep, _principal: CurrentPrincipal) -> dict[str, Any]:
     """Token ids of a prompt or of chat messages, their count and the model's context length."""
-    req = _parsed(TokenizeRequest, body)
+    req = openai_parsed(TokenizeRequest, body)
     _check_model(settings, req.model)
     ids = await run_in_threadpool(_tokenize, settings, req)
     strs = get_tokenizer(settings.model).convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -95,7 +87,7 @@ async def tokenize(body: dict[str, Any], settings: SettingsDep, _principal: Curr
 @router.post("/detokenize")
 async def detokenize(body: dict[str, Any], settings: SettingsDep, _principal: CurrentPrincipal) -> dict[str, Any]:
     """The text of token ids."""
-    req = _parsed(DetokenizeRequest, body)
+    req = openai_parsed(DetokenizeRequest, body)
     _check_model(settings, req.model)
     try:
         check_token_ids(settings.model, req.tokens, "tokens")
