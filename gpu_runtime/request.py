@@ -37,6 +37,7 @@ class Request:
     app_id: str | None = None  # key for per-application decode-length history
     lora_name: str | None = None  # the LoRA adapter it runs with (the vLLM engine's), None: the model itself
     lora_path: str | None = None  # where an adapter loaded at runtime is (None: one the engine started with)
+    lora_version: float = 0.0  # when that adapter was loaded: a reload from the same path is new weights
     cache_salt: str | None = None  # prefix-cache scope: only requests with the same salt share cached blocks
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # prompt (and later output) tokens already in the KV cache

@@ -247,15 +247,16 @@ class GpuWorker:
         # arrival on the engine clock = when the job was submitted, so queueing counts against TTFT
         waited = (utcnow() - created).total_seconds()
         adapter = job.model if job.model != self.settings.model_name else None
-        path = None
+        path, version = None, 0.0
         if adapter is not None and adapter not in self.settings.lora_modules:  # loaded at runtime: from SQL
-            path = adapters.adapter_path(session, adapter)
-            if path is None:
+            source = adapters.adapter_source(session, adapter)
+            if source is None:
                 raise ValueError(f"LoRA adapter {adapter!r} was unloaded before this job began; load it again "
                                  "(POST /v1/load_lora_adapter) and resubmit")
+            path, version = source
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
-                       lora_name=adapter, lora_path=path,
+                       lora_name=adapter, lora_path=path, lora_version=version,
                        cache_salt=job.tenant_id if self.settings.prefix_cache_scope == "tenant" else None)
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel

@@ -14,7 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
+from app.api.deps import AdminPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute, openai_parsed
 from app.services import adapters
@@ -41,12 +41,12 @@ class UnloadAdapter(BaseModel):
 
 
 @router.post("/load_lora_adapter", responses=DONE)
-async def load_lora_adapter(body: dict[str, Any], session: SessionDep, settings: SettingsDep,
+async def load_lora_adapter(body: dict[str, Any], settings: SettingsDep,
                             _admin: AdminPrincipal) -> PlainTextResponse:
     """Serves a LoRA adapter of the model under ``lora_name`` from now on: requests name it as their model."""
     req = openai_parsed(LoadAdapter, body)
     try:
-        await run_in_threadpool(adapters.load, session, settings, req.lora_name, req.lora_path,
+        await run_in_threadpool(adapters.load, settings, req.lora_name, req.lora_path,
                                 load_inplace=req.load_inplace)
     except adapters.AdapterError as exc:
         raise OpenAIError(exc.status, str(exc), param="lora_name" if exc.status == 404 else None) from exc
@@ -56,12 +56,12 @@ async def load_lora_adapter(body: dict[str, Any], session: SessionDep, settings:
 
 
 @router.post("/unload_lora_adapter", responses=DONE)
-async def unload_lora_adapter(body: dict[str, Any], session: SessionDep, settings: SettingsDep,
+async def unload_lora_adapter(body: dict[str, Any], settings: SettingsDep,
                               _admin: AdminPrincipal) -> PlainTextResponse:
     """Stops serving a runtime adapter; its jobs that have not begun fail, saying it was unloaded."""
     req = openai_parsed(UnloadAdapter, body)
     try:
-        await run_in_threadpool(adapters.unload, session, settings, req.lora_name)
+        await run_in_threadpool(adapters.unload, settings, req.lora_name)
     except adapters.AdapterError as exc:
         raise OpenAIError(exc.status, str(exc), param="lora_name") from exc
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' unloaded.")

@@ -281,7 +281,8 @@ class LoraAdapter(Base):
     model: Mapped[str] = mapped_column(String(200))  # the served model it adapts, whose workers run its jobs
     path: Mapped[str] = mapped_column(Text)
     rank: Mapped[int] = mapped_column(Integer)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # when it was last loaded: a load in place from the same path (new weights there) is a new version to a worker
+    loaded_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Conversation(Base):

@@ -19,7 +19,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from app.db.models import LoraAdapter
-from app.db.session import session_scope, write_after_read
+from app.db.session import read_then_write, session_scope
+from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank
 
@@ -95,9 +96,11 @@ def queue_models(session: Session, models: set[str]) -> dict[str, str]:
     return {m: bases.get(m, m) for m in models}
 
 
-def adapter_path(session: Session, name: str) -> str | None:
-    """Where a worker loads a runtime adapter from; None when it is not loaded (unloaded after its job came)."""
-    return session.scalar(select(LoraAdapter.path).where(LoraAdapter.name == name))
+def adapter_source(session: Session, name: str) -> tuple[str, float] | None:
+    """Where a worker loads a runtime adapter from, and its version (when it was last loaded, a POSIX time);
+    None when it is not loaded (unloaded after its job came)."""
+    row = session.get(LoraAdapter, name)
+    return (row.path, as_utc(row.loaded_at).timestamp()) if row is not None else None
 
 
 def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]:
@@ -121,8 +124,8 @@ def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]
     return str(directory.resolve()), rank
 
 
-def load(session: Session, settings: Settings, name: str, path: str, *, load_inplace: bool = False) -> None:
-    """Adds (or, ``load_inplace``, replaces) the runtime adapter ``name`` of the served model (commits)."""
+def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False) -> None:
+    """Adds (or, ``load_inplace``, replaces) the runtime adapter ``name`` of the served model."""
     _enabled(settings)
     if not name or not path:
         raise AdapterError("give both lora_name and lora_path")
@@ -132,7 +135,7 @@ def load(session: Session, settings: Settings, name: str, path: str, *, load_inp
         what = "the model's own name" if name == settings.model_name else "an adapter of COSERVE_LORA_MODULES"
         raise AdapterError(f"lora_name {name!r} is {what}; choose another name")
     directory, rank = check_directory(settings, name, path)
-    with write_after_read(session):  # one writer: the read of the name and its write are one transaction
+    with read_then_write(settings.sqlalchemy_url) as session:  # the read of the name and its write: one writer
         row = session.get(LoraAdapter, name)
         if row is not None and not load_inplace:
             raise AdapterError(f"LoRA adapter {name!r} is already loaded; unload it first, or set load_inplace to "
@@ -141,23 +144,21 @@ def load(session: Session, settings: Settings, name: str, path: str, *, load_inp
             raise AdapterError(f"LoRA adapter {name!r} adapts model {row.model!r}, not this server's")
         if row is None:
             session.add(LoraAdapter(name=name, model=settings.model_name, path=directory, rank=rank))
-        else:
-            row.path, row.rank = directory, rank
-        session.commit()
+        else:  # the workers load it anew for the jobs that begin from now on
+            row.path, row.rank, row.loaded_at = directory, rank, utcnow()
     _read.pop(settings.sqlalchemy_url, None)
 
 
-def unload(session: Session, settings: Settings, name: str) -> None:
-    """Removes the runtime adapter ``name`` (commits); its jobs still waiting then fail with a clear error."""
+def unload(settings: Settings, name: str) -> None:
+    """Removes the runtime adapter ``name``; its jobs still waiting then fail with a clear error."""
     _enabled(settings)
     if not name:
         raise AdapterError("give lora_name")
     if name in settings.lora_modules:
         raise AdapterError(f"LoRA adapter {name!r} is configured by COSERVE_LORA_MODULES; remove it there")
-    with write_after_read(session):
+    with read_then_write(settings.sqlalchemy_url) as session:
         removed = session.execute(delete(LoraAdapter).where(LoraAdapter.name == name,
                                                             LoraAdapter.model == settings.model_name)).rowcount
-        session.commit()
     _read.pop(settings.sqlalchemy_url, None)
     if not removed:
         raise AdapterError(f"LoRA adapter {name!r} is not loaded", status=404)

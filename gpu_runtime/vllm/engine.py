@@ -105,6 +105,15 @@ def admission_error(request: Request, max_model_len: int, speculating: bool) -> 
     return None
 
 
+def cache_salt(req: Request) -> str | None:
+    """The request's prefix-cache scope: its own salt (the tenant's), and for an adapter loaded at runtime its
+    version. vLLM keys an adapter's cached blocks by its name and path, so blocks computed with the weights an
+    in-place reload replaced would be served again (vLLM's server warns of it); the version keeps them apart."""
+    if not req.lora_version:
+        return req.cache_salt
+    return f"{req.cache_salt or ''}@lora:{req.lora_version!r}"
+
+
 class VLLMEngine:
     def __init__(self, llm: LLMEngine, spec_policy: str = "none", step_log: str | Path | None = None,
                  lora_modules: dict[str, str] | None = None, runtime_lora: bool = False) -> None:
@@ -198,8 +207,8 @@ class VLLMEngine:
         for req in box.new:
             try:
                 prompt = {"prompt_token_ids": req.prompt_token_ids}
-                if req.cache_salt is not None:  # vLLM's cache_salt: cached blocks are shared within its scope only
-                    prompt["cache_salt"] = req.cache_salt
+                if (salt := cache_salt(req)) is not None:  # vLLM's cache_salt: blocks are shared within its scope
+                    prompt["cache_salt"] = salt
                 internal = self.llm.add_request(req.request_id, prompt,
                                                 self._sampling(req), arrival_time=req.arrival_time,
                                                 lora_request=self._lora(req),
@@ -237,12 +246,12 @@ class VLLMEngine:
     def _lora(self, req: Request) -> Any:
         """The request's ``LoRARequest``; an adapter new to the engine is loaded here, so a directory vLLM cannot
         load fails this request (ValueError) instead of the step that would load it."""
-        lora, new = self.loras.request(req.lora_name, req.lora_path)
+        lora, new = self.loras.request(req.lora_name, req.lora_path, req.lora_version)
         if new:
             try:
                 self.llm.add_lora(lora)
             except Exception as exc:
-                self.loras.forget(req.lora_name, req.lora_path)
+                self.loras.forget(req.lora_name, req.lora_path, req.lora_version)
                 raise ValueError(f"LoRA adapter {req.lora_name!r} could not be loaded from {req.lora_path}: "
                                  f"{exc}") from exc
             log.info("loaded LoRA adapter %r (id %d) from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)

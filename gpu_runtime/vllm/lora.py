@@ -55,13 +55,14 @@ def lora_requests(modules: dict[str, str]) -> dict[str, Any]:
 class LoraRegistry:
     """The adapters an engine serves: those it started with, and those loaded at runtime as requests name them.
 
-    A runtime adapter gets the next id the first time a request names it at a path; a new path under the same name
-    (the adapter replaced) gets a new id, so vLLM neither serves the old weights nor reuses their cached blocks."""
+    A runtime adapter gets the next id the first time a request names a version of it (its path and when it was
+    loaded): an adapter replaced, from another path or from the same one with new weights there, is a new adapter
+    to vLLM, which loads it from disk and does not serve the old weights."""
 
     def __init__(self, modules: dict[str, str], runtime: bool) -> None:
         self.fixed = lora_requests(modules)
         self.runtime = runtime
-        self.loaded: dict[tuple[str, str], Any] = {}  # (name, path) -> LoRARequest
+        self.loaded: dict[tuple[str, str, float], Any] = {}  # (name, path, version) -> LoRARequest
         self._next_id = len(self.fixed) + 1
 
     def refusal(self, name: str | None, path: str | None) -> str | None:
@@ -72,13 +73,13 @@ class LoraRegistry:
             return f"LoRA adapter {name!r} was loaded at runtime, but this engine serves none (COSERVE_RUNTIME_LORA)"
         return f"LoRA adapter {name!r} is not served here (adapters: {', '.join(self.fixed) or 'none'})"
 
-    def request(self, name: str | None, path: str | None) -> tuple[Any, bool]:
+    def request(self, name: str | None, path: str | None, version: float = 0.0) -> tuple[Any, bool]:
         """vLLM's ``LoRARequest`` for the adapter, and whether it is new to the engine (load it first)."""
         if name is None:
             return None, False
         if name in self.fixed:
             return self.fixed[name], False
-        key = (name, str(Path(path or "").resolve()))
+        key = (name, str(Path(path or "").resolve()), version)
         if key in self.loaded:
             return self.loaded[key], False
         from vllm.lora.request import LoRARequest
@@ -87,6 +88,6 @@ class LoraRegistry:
         self._next_id += 1
         return self.loaded[key], True
 
-    def forget(self, name: str, path: str | None) -> None:
+    def forget(self, name: str, path: str | None, version: float = 0.0) -> None:
         """Drops an adapter whose load failed, so a later request tries again."""
-        self.loaded.pop((name, str(Path(path or "").resolve())), None)
+        self.loaded.pop((name, str(Path(path or "").resolve()), version), None)

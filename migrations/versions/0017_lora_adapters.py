@@ -25,7 +25,7 @@ def upgrade() -> None:
         sa.Column('model', sa.String(length=200), nullable=False),
         sa.Column('path', sa.Text(), nullable=False),
         sa.Column('rank', sa.Integer(), nullable=False),
-        sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+        sa.Column('loaded_at', sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint('name'),
     )
 

@@ -54,13 +54,17 @@ def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_u
     (lora / "adapter_model.safetensors").write_bytes(b"")
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
-        adapters.load(s, settings, "rt-lora", str(lora))
+        adapters.load(settings, "rt-lora", str(lora))
         job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", model="rt-lora"), settings,
                             dispatch=False).job.id
     with session_scope(url) as s:
         req = worker._request(s.get(Job, job_id), s)
-        assert (req.lora_name, req.lora_path) == ("rt-lora", str(lora.resolve()))
+        assert (req.lora_name, req.lora_path) == ("rt-lora", str(lora.resolve())) and req.lora_version > 0
         assert req.app_id == history_key(None, keys.tenant_id, "interactive", "rt-lora")
+    adapters.load(settings, "rt-lora", str(lora), load_inplace=True)  # new weights at the same path: a new version
+    with session_scope(url) as s:
+        again = worker._request(s.get(Job, job_id), s)
+        assert again.lora_path == req.lora_path and again.lora_version > req.lora_version
         s.delete(s.get(LoraAdapter, "rt-lora"))
         s.commit()
         with pytest.raises(ValueError, match="'rt-lora' was unloaded before this job began; load it again"):

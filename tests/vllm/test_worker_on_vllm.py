@@ -6,6 +6,7 @@ client streams from it, a batch job and a relegated free job finish, and SQL hol
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import httpx
@@ -71,12 +72,14 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
         oai.chat.completions.create(model="other-lora", messages=messages, max_tokens=4)
 
     # loaded at runtime (vLLM's /v1/load_lora_adapter): the tilted weights under another name answer as the
-    # configured adapter does; a directory vLLM cannot load fails its job, not the worker; unloaded, a name is
-    # unknown again
+    # configured adapter does; loaded again in place after zero weights were written to its directory, it answers
+    # as the model does (its prompt's blocks cached under the old weights not reused); a directory vLLM cannot load
+    # fails its job, not the worker; unloaded, a name is unknown again
     def lora(action: str, **body) -> httpx.Response:
         return httpx.post(f"{base}/v1/{action}_lora_adapter", json=body, headers=Keys.header(keys.admin))
 
-    assert lora("load", lora_name="runtime-lora", lora_path=settings.lora_modules["tilted-lora"]).status_code == 200
+    moving = shutil.copytree(settings.lora_modules["tilted-lora"], settings.data_dir / "moving-lora")
+    assert lora("load", lora_name="runtime-lora", lora_path=str(moving)).status_code == 200
     broken = settings.data_dir / "broken-lora"
     broken.mkdir()
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}))
@@ -87,6 +90,18 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     runtime = oai.chat.completions.create(model="runtime-lora", messages=messages, max_tokens=12, temperature=0)
     assert runtime.model == "runtime-lora", runtime
     assert runtime.choices[0].message.content == tilted.choices[0].message.content
+    long = [{"role": "system", "content": "You answer questions about geography. " * 60}, *messages]  # cached blocks
+
+    def answer(model: str):
+        return oai.chat.completions.create(model=model, messages=long, max_tokens=12, temperature=0)
+
+    plain_long, _, again = answer("smollm2-135m-instruct"), answer("runtime-lora"), answer("runtime-lora")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0, again.usage  # the adapter's blocks are cached
+    shutil.copytree(settings.lora_modules["zero-lora"], moving, dirs_exist_ok=True)
+    assert lora("load", lora_name="runtime-lora", lora_path=str(moving), load_inplace=True).status_code == 200
+    reloaded = answer("runtime-lora")
+    assert reloaded.usage.prompt_tokens_details.cached_tokens == 0, reloaded.usage
+    assert reloaded.choices[0].message.content == plain_long.choices[0].message.content, reloaded
     assert lora("unload", lora_name="runtime-lora").status_code == 200
     with pytest.raises(openai.NotFoundError, match="unknown model 'runtime-lora'"):
         oai.chat.completions.create(model="runtime-lora", messages=messages, max_tokens=4)
