@@ -97,9 +97,10 @@ class GpuWorker:
                  time.monotonic() - t0)
         history = getattr(self.engine.scheduler, "history", None)
         if history is not None:  # predicted output lengths (KV admission, batch deadlines) from what finished
-            self.peers = decode_history.PeerLengths(self.settings.served_models, self.worker_id, since=utcnow())
+            served = adapters.served_models(self.settings)  # the adapters loaded at runtime so far too
+            self.peers = decode_history.PeerLengths(served, self.worker_id, since=utcnow())
             with session_scope(self.url) as s:
-                decode_history.seed(history, decode_history.finished_lengths(s, self.settings.served_models))
+                decode_history.seed(history, decode_history.finished_lengths(s, served))
         self._register()
         # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub, into the inbox
         self.threads.append(start_control_listener(self.inbox, self.worker_id, self.settings.redis_url,
@@ -295,6 +296,7 @@ class GpuWorker:
             self.draining = draining
             log.info("worker %s %s", self.worker_id, "draining: taking no new jobs" if draining else "serving again")
         if self.peers is not None:
+            self.peers.models = adapters.served_models(self.settings)  # adapters loaded (or unloaded) since
             with session_scope(self.url) as s:
                 lengths = self.peers.read(s)
             if lengths:

@@ -63,3 +63,25 @@ def test_heartbeat_brings_other_workers_finished_lengths_into_the_history(settin
     assert worker.engine.predicted_at_step[0] == 120 and len(worker.inbox) == 0
     worker.heartbeat()
     assert len(worker.inbox) == 0  # each job read once
+
+
+def test_heartbeat_learns_from_the_jobs_of_an_adapter_loaded_at_runtime(settings, keys, tmp_path):
+    from app.services import adapters
+
+    settings.runtime_lora = True
+    worker = GpuWorker(settings)
+    worker.attach(_Engine("unused"))
+    start = utcnow()
+    worker.peers = PeerLengths(settings.model_name, worker.worker_id, since=start)  # before the adapter was loaded
+    lora = tmp_path / "rt"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text('{"r": 8}')
+    (lora / "adapter_model.safetensors").write_bytes(b"")
+    adapters.load(settings, "rt-lora", str(lora))
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(Job(tenant_id=keys.tenant_id, kind="interactive", tier="paid", model="rt-lora", status="succeeded",
+                  prompt="x", sampling={}, app_id="chat", completion_tokens=77, worker_id="peer",
+                  finished_at=start + timedelta(seconds=1)))
+    worker.heartbeat()
+    (learned,) = worker.inbox.drain()
+    assert list(learned.lengths) == [(history_key("chat", keys.tenant_id, "interactive", "rt-lora"), 77)]
