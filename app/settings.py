@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     port: int = 8000
     model: str = Field("smollm2-135m", description="'smollm2-135m' (bundled GGUF) or a HF checkpoint directory")
     model_name: str = Field("smollm2-135m-instruct", description="name shown in /v1/models and routing")
+    model_aliases: tuple[str, ...] = Field((), description="more names a request may give as its model, a JSON list "
+                                                           "(`vllm serve --served-model-name NAME ALIAS...`); jobs "
+                                                           "and answers carry COSERVE_MODEL_NAME")
     lora_modules: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters served beside the model on the vLLM backend, a JSON object "
                                           "name -> adapter directory (PEFT's adapter_config.json and weights), as "
@@ -178,7 +181,17 @@ class Settings(BaseSettings):
         if self.model_name in self.lora_modules:
             raise ValueError(f"LoRA adapter {self.model_name!r} has the model's own name (COSERVE_MODEL_NAME); "
                              "rename the adapter")
+        for alias in self.model_aliases:
+            if not alias.strip() or len(alias) > 200 or any(c.isspace() for c in alias):
+                raise ValueError(f"model alias {alias!r}: 1-200 characters, no spaces")
+            if alias == self.model_name or alias in self.lora_modules:
+                raise ValueError(f"model alias {alias!r} is already the name of the model or of a LoRA adapter")
         return self
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names the model itself answers to: its own, then its aliases."""
+        return (self.model_name, *self.model_aliases)
 
     @property
     def served_models(self) -> tuple[str, ...]:

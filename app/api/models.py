@@ -25,7 +25,7 @@ _STARTED = int(datetime.now(UTC).timestamp())
 def _model(settings: Settings, name: str) -> dict:
     """OpenAI's model object, with what vLLM's adds: the model it was loaded from and its context length; a LoRA
     adapter's parent is the model it adapts (its root is its name: the server's paths are not shown)."""
-    adapter = name != settings.model_name
+    adapter = name not in settings.model_names
     return {"id": name, "object": "model", "created": _STARTED, "owned_by": "coserve",
             "root": name if adapter else settings.model, "parent": settings.model_name if adapter else None,
             "max_model_len": max_model_len(settings.model)}
@@ -33,7 +33,7 @@ def _model(settings: Settings, name: str) -> dict:
 
 @router.get("")
 def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    return {"object": "list", "data": [_model(settings, name) for name in adapters.served_models(settings)]}
+    return {"object": "list", "data": [_model(settings, name) for name in adapters.listed_models(settings)]}
 
 
 @router.get("/{model_id:path}", responses=openai_responses(404))

@@ -69,12 +69,18 @@ def runtime_adapters(settings: Settings, *, fresh: bool = False) -> dict[str, Ad
 
 
 def served_models(settings: Settings) -> tuple[str, ...]:
-    """The names a request may give as its model: the model's, its configured adapters', those loaded since."""
+    """The models a request may name: the model, its configured adapters, those loaded since (the jobs' models)."""
     return (*settings.served_models, *runtime_adapters(settings))
 
 
+def listed_models(settings: Settings) -> tuple[str, ...]:
+    """``/v1/models``: the model under each of its names, then its adapters."""
+    return (*settings.model_names, *settings.lora_modules, *runtime_adapters(settings))
+
+
 def is_served(settings: Settings, model: str) -> bool:
-    if model in settings.served_models:
+    """Whether a request may name ``model``: the model (or an alias of it) or one of its adapters."""
+    if model in settings.served_models or model in settings.model_aliases:
         return True
     return model in runtime_adapters(settings) or model in runtime_adapters(settings, fresh=True)
 
@@ -131,8 +137,8 @@ def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False
         raise AdapterError("give both lora_name and lora_path")
     if len(name) > 128 or any(c.isspace() for c in name):
         raise AdapterError(f"lora_name {name!r}: 1-128 characters, no spaces")
-    if name in settings.served_models:
-        what = "the model's own name" if name == settings.model_name else "an adapter of COSERVE_LORA_MODULES"
+    if name in settings.served_models or name in settings.model_aliases:
+        what = "a name of the model" if name in settings.model_names else "an adapter of COSERVE_LORA_MODULES"
         raise AdapterError(f"lora_name {name!r} is {what}; choose another name")
     directory, rank = check_directory(settings, name, path)
     with read_then_write(settings.sqlalchemy_url) as session:  # the read of the name and its write: one writer

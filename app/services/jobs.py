@@ -96,9 +96,11 @@ def resolve_tier(settings: Settings, principal: Principal, requested: str | None
 def resolve_model(settings: Settings, requested: str | None) -> str:
     """The model a request names (default: the server's), if the server serves it: its own or a LoRA adapter."""
     model = requested or settings.model_name
+    if model in settings.model_aliases:  # as vLLM's served model names: the job and its answers carry the first
+        return settings.model_name
     if not adapters.is_served(settings, model):
         raise JobValidationError(f"unknown model {model!r}; this server serves "
-                                 f"{', '.join(map(repr, adapters.served_models(settings)))}", param="model",
+                                 f"{', '.join(map(repr, adapters.listed_models(settings)))}", param="model",
                                  code="model_not_found")
     return model
 

@@ -126,6 +126,29 @@ def test_a_lora_adapter_is_a_model_a_request_may_name(settings, keys):
         assert r.status_code == 422 and "this server serves 'tiny', 'sql-lora'" in r.text, r.text
 
 
+def test_the_model_answers_to_its_aliases_under_its_own_name(settings, keys):
+    """vLLM's --served-model-name NAME ALIAS...: each name is listed and accepted; jobs, their queue and their
+    answers carry the first."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    settings.model_aliases = ("gpt-4o-mini", "local/chat")
+    with TestClient(create_app(settings)) as client:
+        listed = client.get("/v1/models", headers=H(keys.paid)).json()["data"]
+        assert [(m["id"], m["parent"], m["root"]) for m in listed] == [
+            (name, None, settings.model) for name in ("tiny", "gpt-4o-mini", "local/chat")]
+        assert client.get("/v1/models/local/chat", headers=H(keys.paid)).json()["root"] == settings.model
+        r = submit(client, keys.paid, model="gpt-4o-mini", max_tokens=4)
+        assert r.status_code == 201 and r.json()["model"] == "tiny", r.text
+        queued = wait_for(lambda: redis.Redis.from_url(settings.redis_url).lrange("coserve.tiny", 0, -1), 10,
+                          "the job on the model's queue")
+        assert r.json()["id"].encode() in queued[0]
+        assert client.post("/tokenize", json={"model": "local/chat", "prompt": "hi"}, headers=H(keys.paid)).is_success
+        r = submit(client, keys.paid, model="gpt-4o")
+        assert r.status_code == 422 and "this server serves 'tiny', 'gpt-4o-mini', 'local/chat'" in r.text, r.text
+
+
 def _adapter_dir(path, rank: int = 8):
     path.mkdir(parents=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
@@ -160,7 +183,7 @@ def test_an_admin_loads_a_lora_adapter_at_runtime_and_its_jobs_go_to_the_models_
                 ({"lora_name": "rt-lora", "lora_path": str(tmp_path / "none")}, 400, "is not a directory"),
                 ({"lora_name": "rt-lora", "lora_path": str(tmp_path)}, 400, "no adapter_config.json"),
                 ({"lora_name": "big-lora", "lora_path": big}, 400, "up to rank 16 (COSERVE_MAX_LORA_RANK"),
-                ({"lora_name": "tiny", "lora_path": rt}, 400, "is the model's own name"),
+                ({"lora_name": "tiny", "lora_path": rt}, 400, "is a name of the model"),
                 ({"lora_name": "sql-lora", "lora_path": rt}, 400, "an adapter of COSERVE_LORA_MODULES"),
                 ({"lora_name": "my lora", "lora_path": rt}, 400, "no spaces")):
             r = load(client, **body)
@@ -208,6 +231,10 @@ def test_adapter_names_are_checked_where_the_settings_are_read(tmp_path):
     with pytest.raises(ValidationError, match="no spaces"):
         Settings(data_dir=tmp_path, lora_modules={"my lora": "/a"})
     assert Settings(data_dir=tmp_path, model_name="m", lora_modules={"a": "/a"}).served_models == ("m", "a")
+    with pytest.raises(ValidationError, match="model alias 'a' is already the name of the model or of a LoRA"):
+        Settings(data_dir=tmp_path, model_name="m", lora_modules={"a": "/a"}, model_aliases=["a"])
+    with pytest.raises(ValidationError, match="model alias 'my model': 1-200 characters, no spaces"):
+        Settings(data_dir=tmp_path, model_aliases=["my model"])
 
 
 def test_free_key_cannot_ask_for_paid(client, keys):
