@@ -38,7 +38,7 @@ from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
-from app.services import adapters
+from app.services import lora_adapters
 from app.services.dispatch import send_job
 from app.services.model_info import encode_input, get_tokenizer, use_chat_template
 from app.services.streaming import CANCEL_CHANNEL
@@ -97,7 +97,7 @@ class GpuWorker:
                  time.monotonic() - t0)
         history = getattr(self.engine.scheduler, "history", None)
         if history is not None:  # predicted output lengths (KV admission, batch deadlines) from what finished
-            served = adapters.served_models(self.settings)  # the adapters loaded at runtime so far too
+            served = lora_adapters.served_models(self.settings)  # the adapters loaded at runtime so far too
             self.peers = decode_history.PeerLengths(served, self.worker_id, since=utcnow())
             with session_scope(self.url) as s:
                 decode_history.seed(history, decode_history.finished_lengths(s, served))
@@ -250,7 +250,7 @@ class GpuWorker:
         adapter = job.model if job.model != self.settings.model_name else None
         path, version = None, 0.0
         if adapter is not None and adapter not in self.settings.lora_modules:  # loaded at runtime: from SQL
-            source = adapters.adapter_source(session, adapter)
+            source = lora_adapters.adapter_source(session, adapter)
             if source is None:
                 raise ValueError(f"LoRA adapter {adapter!r} was unloaded before this job began; load it again "
                                  "(POST /v1/load_lora_adapter) and resubmit")
@@ -296,7 +296,7 @@ class GpuWorker:
             self.draining = draining
             log.info("worker %s %s", self.worker_id, "draining: taking no new jobs" if draining else "serving again")
         if self.peers is not None:
-            self.peers.models = adapters.served_models(self.settings)  # adapters loaded (or unloaded) since
+            self.peers.models = lora_adapters.served_models(self.settings)  # adapters loaded (or unloaded) since
             with session_scope(self.url) as s:
                 lengths = self.peers.read(s)
             if lengths:

@@ -16,7 +16,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus, WorkerState
-from app.services.adapters import queue_models
+from app.services.lora_adapters import queue_models
 from app.services.dispatch import dispatch, send_job
 from app.services.notify import redis_client
 from app.services.streaming import StreamEvent, publish

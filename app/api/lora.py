@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from app.api.deps import AdminPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute, openai_parsed
-from app.services import adapters
+from app.services import lora_adapters
 from app.wire import Text
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute,
@@ -46,9 +46,9 @@ async def load_lora_adapter(body: dict[str, Any], settings: SettingsDep,
     """Serves a LoRA adapter of the model under ``lora_name`` from now on: requests name it as their model."""
     req = openai_parsed(LoadAdapter, body)
     try:
-        await run_in_threadpool(adapters.load, settings, req.lora_name, req.lora_path,
+        await run_in_threadpool(lora_adapters.load, settings, req.lora_name, req.lora_path,
                                 load_inplace=req.load_inplace)
-    except adapters.AdapterError as exc:
+    except lora_adapters.AdapterError as exc:
         raise OpenAIError(exc.status, str(exc), param="lora_name" if exc.status == 404 else None) from exc
     except ValueError as exc:  # the directory is not an adapter vLLM could load
         raise OpenAIError(400, str(exc), param="lora_path") from exc
@@ -61,7 +61,7 @@ async def unload_lora_adapter(body: dict[str, Any], settings: SettingsDep,
     """Stops serving a runtime adapter; its jobs that have not begun fail, saying it was unloaded."""
     req = openai_parsed(UnloadAdapter, body)
     try:
-        await run_in_threadpool(adapters.unload, settings, req.lora_name)
-    except adapters.AdapterError as exc:
+        await run_in_threadpool(lora_adapters.unload, settings, req.lora_name)
+    except lora_adapters.AdapterError as exc:
         raise OpenAIError(exc.status, str(exc), param="lora_name") from exc
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' unloaded.")

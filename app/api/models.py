@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.services import adapters
+from app.services import lora_adapters
 from app.services.model_info import max_model_len
 from app.settings import Settings
 
@@ -33,11 +33,11 @@ def _model(settings: Settings, name: str) -> dict:
 
 @router.get("")
 def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    return {"object": "list", "data": [_model(settings, name) for name in adapters.listed_models(settings)]}
+    return {"object": "list", "data": [_model(settings, name) for name in lora_adapters.listed_models(settings)]}
 
 
 @router.get("/{model_id:path}", responses=openai_responses(404))
 def get_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    if not adapters.is_served(settings, model_id):
+    if not lora_adapters.is_served(settings, model_id):
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
     return _model(settings, model_id)

@@ -16,7 +16,7 @@ from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, openai_parsed
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
-from app.services import adapters
+from app.services import lora_adapters
 from app.services.jobs import JobValidationError, check_token_ids
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
 from app.settings import Settings
@@ -51,7 +51,7 @@ class DetokenizeRequest(BaseModel):
 
 
 def _check_model(settings: Settings, model: str | None) -> None:
-    if model is not None and not adapters.is_served(settings, model):  # an adapter shares the model's tokenizer
+    if model is not None and not lora_adapters.is_served(settings, model):  # an adapter shares the model's tokenizer
         raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
 

@@ -23,8 +23,8 @@ from app.auth import Principal
 from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
 from app.schemas import MAX_WINDOW_S, JobCreate
-from app.services import adapters
 from app.services import dispatch as dispatching
+from app.services import lora_adapters
 from app.services.job_writer import JobWriter
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
@@ -98,9 +98,9 @@ def resolve_model(settings: Settings, requested: str | None) -> str:
     model = requested or settings.model_name
     if model in settings.model_aliases:  # as vLLM's served model names: the job and its answers carry the first
         return settings.model_name
-    if not adapters.is_served(settings, model):
+    if not lora_adapters.is_served(settings, model):
         raise JobValidationError(f"unknown model {model!r}; this server serves "
-                                 f"{', '.join(map(repr, adapters.listed_models(settings)))}", param="model",
+                                 f"{', '.join(map(repr, lora_adapters.listed_models(settings)))}", param="model",
                                  code="model_not_found")
     return model
 
@@ -301,7 +301,7 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     if dispatch:
         redis_url = settings.redis_url
         if redis_url and dispatching.dispatch(session, redis_url, job.id,
-                                                          adapters.queue_model(settings, job.model)):
+                                                          lora_adapters.queue_model(settings, job.model)):
             # dispatch() already wrote the row; reflect it in the answer without marking the object
             # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
             set_committed_value(job, "status", JobStatus.DISPATCHED.value)

@@ -32,7 +32,7 @@ from app.auth import Principal
 from app.db.models import Job, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
-from app.services import adapters
+from app.services import lora_adapters
 from app.services.jobs import build_job
 from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
@@ -231,7 +231,7 @@ def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[
     now = utcnow()
     with session_scope(settings.sqlalchemy_url) as s:
         ids = s.scalars(select(SummarizationRun.id).where(
-            SummarizationRun.status == "running", SummarizationRun.model.in_(adapters.served_models(settings)),
+            SummarizationRun.status == "running", SummarizationRun.model.in_(lora_adapters.served_models(settings)),
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
             .order_by(SummarizationRun.created_at).limit(limit)).all()
     steps = []

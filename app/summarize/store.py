@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
-from app.services import adapters
+from app.services import lora_adapters
 from app.services.dispatch import send_jobs
 from app.services.transitions import as_utc, transition, utcnow
 from app.settings import Settings
@@ -89,7 +89,7 @@ def send(settings: Settings, jobs: list[Job]) -> None:
     where the workers' sweeper picks them up."""
     if not jobs or not settings.redis_url:
         return
-    todo = [(job.id, adapters.queue_model(settings, job.model)) for job in jobs]
+    todo = [(job.id, lora_adapters.queue_model(settings, job.model)) for job in jobs]
     sent = set(send_jobs(settings.redis_url, todo))
     unsent = [job_id for job_id, _model in todo if job_id not in sent]
     if not unsent:

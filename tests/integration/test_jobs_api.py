@@ -163,7 +163,7 @@ def test_an_admin_loads_a_lora_adapter_at_runtime_and_its_jobs_go_to_the_models_
     from fastapi.testclient import TestClient
 
     from app.main import create_app
-    from app.services.adapters import queue_models
+    from app.services.lora_adapters import queue_models
 
     rt, big = _adapter_dir(tmp_path / "rt"), _adapter_dir(tmp_path / "big", rank=64)
     settings.lora_modules = {"sql-lora": "/adapters/sql"}

@@ -66,7 +66,7 @@ def test_heartbeat_brings_other_workers_finished_lengths_into_the_history(settin
 
 
 def test_heartbeat_learns_from_the_jobs_of_an_adapter_loaded_at_runtime(settings, keys, tmp_path):
-    from app.services import adapters
+    from app.services import lora_adapters
 
     settings.runtime_lora = True
     worker = GpuWorker(settings)
@@ -77,7 +77,7 @@ def test_heartbeat_learns_from_the_jobs_of_an_adapter_loaded_at_runtime(settings
     lora.mkdir()
     (lora / "adapter_config.json").write_text('{"r": 8}')
     (lora / "adapter_model.safetensors").write_bytes(b"")
-    adapters.load(settings, "rt-lora", str(lora))
+    lora_adapters.load(settings, "rt-lora", str(lora))
     with session_scope(settings.sqlalchemy_url) as s:
         s.add(Job(tenant_id=keys.tenant_id, kind="interactive", tier="paid", model="rt-lora", status="succeeded",
                   prompt="x", sampling={}, app_id="chat", completion_tokens=77, worker_id="peer",

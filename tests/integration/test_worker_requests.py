@@ -43,7 +43,7 @@ def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_u
     """A LoRA adapter loaded at runtime reaches the engine as its name and the directory SQL holds for it; a job
     whose adapter was unloaded before it began is refused with what to do."""
     from app.db.models import LoraAdapter
-    from app.services import adapters
+    from app.services import lora_adapters
 
     settings.runtime_lora = True
     worker = GpuWorker(settings)
@@ -54,14 +54,14 @@ def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_u
     (lora / "adapter_model.safetensors").write_bytes(b"")
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
-        adapters.load(settings, "rt-lora", str(lora))
+        lora_adapters.load(settings, "rt-lora", str(lora))
         job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", model="rt-lora"), settings,
                             dispatch=False).job.id
     with session_scope(url) as s:
         req = worker._request(s.get(Job, job_id), s)
         assert (req.lora_name, req.lora_path) == ("rt-lora", str(lora.resolve())) and req.lora_version > 0
         assert req.app_id == history_key(None, keys.tenant_id, "interactive", "rt-lora")
-    adapters.load(settings, "rt-lora", str(lora), load_inplace=True)  # new weights at the same path: a new version
+    lora_adapters.load(settings, "rt-lora", str(lora), load_inplace=True)  # new weights at the same path: a new version
     with session_scope(url) as s:
         again = worker._request(s.get(Job, job_id), s)
         assert again.lora_path == req.lora_path and again.lora_version > req.lora_version

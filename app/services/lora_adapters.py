@@ -1,4 +1,4 @@
-"""LoRA adapters an admin loads while coserve runs (vLLM's runtime LoRA updating).
+"""LoRA adapters an admin loads while coserve runs (vLLM's runtime LoRA updating), and the names a request may give.
 
 ``COSERVE_LORA_MODULES`` fixes the adapters a deployment starts with; with ``COSERVE_RUNTIME_LORA`` an admin adds
 more (``POST /v1/load_lora_adapter``) and removes them (``/v1/unload_lora_adapter``). SQL keeps them
