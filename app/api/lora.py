@@ -49,7 +49,7 @@ async def load_lora_adapter(body: dict[str, Any], settings: SettingsDep,
         await run_in_threadpool(lora_adapters.load, settings, req.lora_name, req.lora_path,
                                 load_inplace=req.load_inplace)
     except lora_adapters.AdapterError as exc:
-        raise OpenAIError(exc.status, str(exc), param="lora_name" if exc.status == 404 else None) from exc
+        raise OpenAIError(exc.status, str(exc)) from exc
     except ValueError as exc:  # the directory is not an adapter vLLM could load
         raise OpenAIError(400, str(exc), param="lora_path") from exc
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' loaded.")
