@@ -26,6 +26,7 @@ from app.batch.queue_limit import queued_by_tenant
 from app.db.models import Job, JobEvent, JobStatus, Tenant, WorkerState
 from app.db.session import write_after_read
 from app.services import jobs as job_service
+from app.services import lora_adapters
 from app.services.cancel import cancel as cancel_job
 from app.services.notify import redis_client
 from app.services.transitions import as_utc, utcnow
@@ -137,7 +138,7 @@ def tenants(session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
 
 
 @router.get("/admin/api/overview", responses=ADMIN)
-def overview(session: SessionDep, _admin: AdminPrincipal,
+def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
              minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60) -> dict[str, Any]:
     now = utcnow()
     queues = [{"tier": tier, "status": st, "count": n} for st, tier, n in session.execute(
@@ -156,7 +157,10 @@ def overview(session: SessionDep, _admin: AdminPrincipal,
                      "age_s": round((now - as_utc(j.created_at)).total_seconds(), 3),
                      "first_token": j.first_token_at is not None,
                      "overdue_s": round(overdue_s(j, now, relegated_at.get(j.id)), 3)})
-    workers = [{"id": w.id, "model": w.model, "served": w.served, "device": w.device, "draining": w.draining,
+    loaded = lora_adapters.loaded(settings)  # a worker that loads adapters at runtime serves its model's
+    workers = [{"id": w.id, "model": w.model, "device": w.device, "draining": w.draining,
+                "served": [*w.served, *(name for name, a in loaded.items() if a.model == w.model and
+                                        (w.state or {}).get("runtime_lora"))],
                 "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {}}
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
     return {"now": utc_z(now), "queues": queues, "jobs": jobs, "workers": workers,

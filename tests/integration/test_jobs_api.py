@@ -551,6 +551,11 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
         with session_scope(settings.sqlalchemy_url) as db:
             db.get(WorkerState, "w1").state = {"served": [s.model_name, "tilted"], "runtime_lora": True}
         assert "runtime_lora" not in c.get("/readyz").json()["checks"]
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": _adapter_dir(tmp_path / "rt")},
+                   headers=H(keys.admin))
+        assert r.status_code == 200, r.text
+        assert [w["served"] for w in c.get("/admin/api/overview", headers=H(keys.admin)).json()["workers"]] \
+            == [[s.model_name, "tilted", "rt"]]  # the dashboard's models of the worker
 
 
 def test_admin_key_from_settings_is_registered(settings, keys):
