@@ -26,15 +26,18 @@ def make_scheduler(tiny_model_dir, monkeypatch):
 
     def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
               profile: str = "none", report_events: bool = True, calibrate: bool = False,
-              prefix_caching: bool = False) -> CoserveScheduler:
+              prefix_caching: bool = False, max_loras: int | None = None) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
         # no model runs here, so steps take microseconds: calibrating to them only where a test asks
         monkeypatch.setenv("COSERVE_COST_CALIBRATION", "on" if calibrate else "off")
         cache = CacheConfig(block_size=16, enable_prefix_caching=prefix_caching)
         cache.num_gpu_blocks = blocks
+        from vllm.config import LoRAConfig
+
+        lora = LoRAConfig(max_loras=max_loras, max_lora_rank=8) if max_loras else None  # LoRA slots of a batch
         config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
-                            cache_config=cache,
+                            cache_config=cache, lora_config=lora,
                             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
                                                              max_model_len=512, is_encoder_decoder=False))
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
@@ -49,10 +52,10 @@ def make_scheduler(tiny_model_dir, monkeypatch):
 
 def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,
                  max_tokens: int = 8, request_id: str | None = None, first_token: int = 10, hashed: bool = False,
-                 prompt: list[int] | None = None):
+                 prompt: list[int] | None = None, lora: int | None = None):
     """A request whose prompt is ``prompt``, else ``first_token``, ``first_token + 1``, ...; ``hashed``: with the
     block hashes vLLM's engine core gives every request when prefix caching is on (16-token blocks, as
-    ``make_scheduler``)."""
+    ``make_scheduler``); ``lora``: the id of the LoRA adapter it runs with."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -64,9 +67,15 @@ def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float
         init_none_hash(fn := get_hash_fn_by_name("sha256"))
         hasher = get_request_block_hasher(16, fn)
     rid = request_id or f"r{next(_ids)}"
+    adapter = None
+    if lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        adapter = LoRARequest(f"lora-{lora}", lora, f"/adapters/{lora}")
     return Request(rid, prompt if prompt is not None else list(range(first_token, first_token + prompt_len)),
                    SamplingParams(max_tokens=max_tokens, extra_args=extra_args), pooling_params=None,
-                   arrival_time=time.time() if arrival is None else arrival, block_hasher=hasher)
+                   arrival_time=time.time() if arrival is None else arrival, block_hasher=hasher,
+                   lora_request=adapter)
 
 
 def run_step(scheduler, token: int = 7):

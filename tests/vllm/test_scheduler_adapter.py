@@ -370,3 +370,29 @@ def test_prompts_planned_in_one_step_share_the_prefix_the_first_of_them_caches(m
     out, _ = run_step(s)
     assert sorted(out.num_scheduled_tokens.values()) == ([8, 8, 72] if plan_shared else [8, 72]), \
         out.num_scheduled_tokens
+
+
+def test_the_running_requests_never_hold_more_adapters_than_the_lora_slots(make_scheduler):
+    """vLLM admits a prompt of another adapter only while the step's running requests leave a LoRA slot, and
+    asserts that they never hold more. A started prompt the policy sets aside for a step is still running: a prompt
+    of a second adapter admitted beside it would break that on the next step (one slot here). It waits instead,
+    out of the policy's sight, so the steps go to what can run."""
+    s = make_scheduler("qoserve", max_batched=32, max_loras=1)
+    now = time.time()
+    started = vllm_request(256, BATCH_FAR, arrival=now - 1, lora=1)
+    s.add_request(started)
+    out, _ = run_step(s)
+    assert 0 < out.num_scheduled_tokens[started.request_id] < 256  # a first chunk: running, prompt unfinished
+    urgent = vllm_request(32, {"ttft_ms": 200, "tbt_ms": 50}, arrival=now, lora=2, max_tokens=2)
+    s.add_request(urgent)
+    steps = []
+    for _ in range(40):
+        out, _ = run_step(s)
+        running = {r.lora_request.lora_int_id for r in s.running if r.lora_request}
+        assert len(running) <= 1, (out.num_scheduled_tokens, running)
+        steps.append(dict(out.num_scheduled_tokens))
+        if urgent.request_id in out.num_scheduled_tokens:
+            break
+    # the policy plans what can run: the started prompt and its decodes, no step empty; then the other adapter's
+    assert all(steps[:-1]) and urgent.request_id in steps[-1], [sorted(st.items()) for st in steps]
+    assert started.is_finished() and sum(st.get(started.request_id, 0) for st in steps) >= 256 - 32, steps
