@@ -177,6 +177,24 @@ class BaseScheduler(Scheduler):
             self.running.pop(request_id, None)
         return req
 
+    def set_aside(self, request_ids: list[str]) -> list[tuple[Request, bool]]:
+        """Takes prompts the engine cannot start now out of the waiting and relegated queues, for one ``schedule``
+        (the vLLM adapter: an adapter with no LoRA slot); returns what ``put_back`` restores."""
+        aside = []
+        for rid in request_ids:
+            if (req := self._remove_waiting(rid)) is not None:
+                aside.append((req, False))
+            elif (req := self.relegated.remove(rid)) is not None:
+                aside.append((req, True))
+        return aside
+
+    def put_back(self, aside: list[tuple[Request, bool]]) -> None:
+        for req, relegated in aside:
+            if relegated:
+                self.relegated.push(req)
+            else:
+                self._push_waiting(req)
+
     def resume(self, request_id: str) -> bool:
         req = self.relegated.remove(request_id)
         if req is None:

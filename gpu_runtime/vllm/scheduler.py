@@ -209,11 +209,11 @@ class CoserveScheduler(AsyncScheduler):
                 log.info("resume %s: not relegated (any more)", rid)
         self._sync_mirrors()
         self.kv.released.clear()
-        hidden = self._hide_without_lora_slot() if self.lora_config is not None else []
+        aside = self.policy.set_aside(self._without_lora_slot()) if self.lora_config is not None else []
         try:
             plan = self.policy.schedule(now)
         finally:
-            self._show(hidden)
+            self.policy.put_back(aside)
         self._report(plan)
         if plan.expired:
             self._expire(plan)
@@ -349,7 +349,7 @@ class CoserveScheduler(AsyncScheduler):
         vLLM counts the slots of the requests it schedules, and asserts that its running requests never hold more
         adapters than max_loras. A started prompt set aside for this step still holds its adapter's slot, which
         vLLM does not see: the new prompt waits until a slot is free among all running requests.
-        (``_hide_without_lora_slot`` keeps the policy from choosing prompts that cannot start; this catches new
+        (``_without_lora_slot`` keeps the policy from choosing prompts that cannot start; this catches new
         prompts of several adapters chosen for the last free slots.)"""
         held = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         kept = []
@@ -362,34 +362,15 @@ class CoserveScheduler(AsyncScheduler):
             kept.append((rid, n))
         return kept
 
-    def _hide_without_lora_slot(self) -> list[tuple[Any, bool]]:
-        """Takes out of the policy's queues, for this step, the prompts not yet started whose adapter has no LoRA
-        slot: the running requests hold every slot with other adapters. The policy then plans what can run (the
-        started prompts, decodes) instead of choosing a prompt vLLM cannot start, step after step, until it is
-        late. Returns (mirror, whether it was relegated) to put back."""
+    def _without_lora_slot(self) -> list[str]:
+        """The prompts not yet started whose adapter has no LoRA slot: the running requests hold every slot with
+        other adapters. Set aside from the policy for the step, it plans what can run (the started prompts, the
+        decodes) instead of choosing a prompt vLLM cannot start, step after step, until it is late."""
         held = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         if len(held) < self.lora_config.max_loras:
             return []
-        running = {r.request_id for r in self.running}
-        hidden = []
-        for queue, relegated in ((self.policy.waiting, False), (self.policy.relegated, True)):
-            for mirror in list(queue):
-                vreq = self.requests.get(mirror.request_id)
-                lora = vreq.lora_request if vreq is not None else None
-                if lora is not None and lora.lora_int_id not in held and mirror.request_id not in running:
-                    if relegated:
-                        queue.remove(mirror.request_id)
-                    else:
-                        self.policy._remove_waiting(mirror.request_id)
-                    hidden.append((mirror, relegated))
-        return hidden
-
-    def _show(self, hidden: list[tuple[Any, bool]]) -> None:
-        for mirror, relegated in hidden:
-            if relegated:
-                self.policy.relegated.push(mirror)
-            else:
-                self.policy._push_waiting(mirror)
+        return [r.request_id for r in self.waiting if r.lora_request is not None
+                and r.lora_request.lora_int_id not in held and r.request_id in self.mirrors]
 
     def _restore(self, held: Any, stashed: list[VLLMRequest]) -> None:
         left = list(self.waiting)  # prompts vLLM did not take, and requests it preempted
