@@ -12,6 +12,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_TIERS = ("free", "paid")  # the service tiers, lowest first (free work is relegated first)
 
+def adapter_name_refusal(name: str) -> str | None:
+    """What is wrong with ``name`` as a LoRA adapter's (configured or loaded at runtime); None if nothing."""
+    if not name.strip() or len(name) > 128 or any(c.isspace() for c in name):
+        return f"name {name!r}: 1-128 characters, no spaces"
+    return None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="COSERVE_", env_file=".env", extra="ignore")
 
@@ -170,8 +177,8 @@ class Settings(BaseSettings):
     @classmethod
     def _adapter_names(cls, modules: dict[str, str]) -> dict[str, str]:
         for name, path in modules.items():
-            if not name.strip() or len(name) > 128 or any(c.isspace() for c in name):
-                raise ValueError(f"LoRA adapter name {name!r}: 1-128 characters, no spaces")
+            if (refused := adapter_name_refusal(name)) is not None:
+                raise ValueError(f"LoRA adapter {refused}")
             if not path:
                 raise ValueError(f"LoRA adapter {name!r} has no directory")
         return modules

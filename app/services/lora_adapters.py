@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from app.db.models import LoraAdapter
 from app.db.session import read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
-from app.settings import Settings
+from app.settings import Settings, adapter_name_refusal
 from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank
 
 FRESH_S = 1.0  # how long a process trusts what it read of the table
@@ -78,11 +78,17 @@ def listed_models(settings: Settings) -> tuple[str, ...]:
     return (*settings.model_names, *settings.lora_modules, *runtime_adapters(settings))
 
 
+def _runtime_adapter(settings: Settings, name: str) -> Adapter | None:
+    """The runtime adapter ``name``, read again where this process has not seen it (loaded a moment ago)."""
+    return loaded(settings).get(name) or loaded(settings, fresh=True).get(name)
+
+
 def is_served(settings: Settings, model: str) -> bool:
     """Whether a request may name ``model``: the model (or an alias of it) or one of its adapters."""
     if model in settings.served_models or model in settings.model_aliases:
         return True
-    return model in runtime_adapters(settings) or model in runtime_adapters(settings, fresh=True)
+    adapter = _runtime_adapter(settings, model)
+    return adapter is not None and adapter.model == settings.model_name
 
 
 def queue_model(settings: Settings, model: str) -> str:
@@ -90,13 +96,15 @@ def queue_model(settings: Settings, model: str) -> str:
     adapter), else ``model`` (a configured adapter has a queue of its own)."""
     if model in settings.served_models:
         return model
-    adapter = loaded(settings).get(model) or loaded(settings, fresh=True).get(model)
+    adapter = _runtime_adapter(settings, model)
     return adapter.model if adapter is not None else model
 
 
 def queue_models(session: Session, models: set[str]) -> dict[str, str]:
     """``queue_model`` for the models of jobs read from SQL (the sweeper's), in one query: model -> the model
     whose queue takes its jobs."""
+    if not models:
+        return {}
     rows = session.execute(select(LoraAdapter.name, LoraAdapter.model).where(LoraAdapter.name.in_(models))).all()
     bases = {name: model for name, model in rows}
     return {m: bases.get(m, m) for m in models}
@@ -135,8 +143,8 @@ def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False
     _enabled(settings)
     if not name or not path:
         raise AdapterError("give both lora_name and lora_path")
-    if len(name) > 128 or any(c.isspace() for c in name):
-        raise AdapterError(f"lora_name {name!r}: 1-128 characters, no spaces")
+    if (refused := adapter_name_refusal(name)) is not None:
+        raise AdapterError(f"lora_{refused}")
     if name in settings.served_models or name in settings.model_aliases:
         what = "a name of the model" if name in settings.model_names else "an adapter of COSERVE_LORA_MODULES"
         raise AdapterError(f"lora_name {name!r} is {what}; choose another name")

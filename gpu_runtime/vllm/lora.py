@@ -79,7 +79,7 @@ class LoraRegistry:
             return None, False
         if name in self.fixed:
             return self.fixed[name], False
-        key = (name, str(Path(path or "").resolve()), version)
+        key = (name, path or "", version)  # the path as SQL holds it, resolved when it was loaded
         if key in self.loaded:
             return self.loaded[key], False
         from vllm.lora.request import LoRARequest
@@ -90,4 +90,4 @@ class LoraRegistry:
 
     def forget(self, name: str, path: str | None, version: float = 0.0) -> None:
         """Drops an adapter whose load failed, so a later request tries again."""
-        self.loaded.pop((name, str(Path(path or "").resolve()), version), None)
+        self.loaded.pop((name, path or "", version), None)

@@ -209,7 +209,9 @@ class CoserveScheduler(AsyncScheduler):
                 log.info("resume %s: not relegated (any more)", rid)
         self._sync_mirrors()
         self.kv.released.clear()
-        aside = self.policy.set_aside(self._without_lora_slot()) if self.lora_config is not None else []
+        # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
+        slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if self.lora_config else None
+        aside = self.policy.set_aside(self._without_lora_slot(slots)) if slots is not None else []
         try:
             plan = self.policy.schedule(now)
         finally:
@@ -220,7 +222,7 @@ class CoserveScheduler(AsyncScheduler):
         if self.drafts is not None:  # each decode verifies the policy's share of vLLM's draft tokens
             self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
                              plan, now)
-        held, stashed = self._arrange(plan)
+        held, stashed = self._arrange(plan, slots)
         t_vllm = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)
@@ -303,7 +305,7 @@ class CoserveScheduler(AsyncScheduler):
                 if event != "preempted":
                     log.info("request %s %s", r.request_id, event)
 
-    def _arrange(self, plan: PolicyOutput) -> tuple[Any, list[VLLMRequest]]:
+    def _arrange(self, plan: PolicyOutput, slots: set[int] | None = None) -> tuple[Any, list[VLLMRequest]]:
         """Shows vLLM only this step's batch; returns the full waiting queue and the running requests set aside."""
         decode_ids = {r.request_id for r in plan.decodes}
         chunks = [(p.request.request_id, p.num_tokens) for p in plan.prefills]
@@ -315,8 +317,8 @@ class CoserveScheduler(AsyncScheduler):
             vreq = by_id[chunks[-1][0]]
             if chunks[-1][1] < vreq.num_tokens - vreq.num_computed_tokens:
                 chunks.pop()
-        if self.lora_config is not None:
-            chunks = self._within_lora_slots(chunks, by_id)
+        if slots is not None:
+            chunks = self._within_lora_slots(chunks, by_id, set(slots))
         chosen = {rid for rid, _ in chunks}
         decodes, stashed = [], []
         for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
@@ -342,7 +344,7 @@ class CoserveScheduler(AsyncScheduler):
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
 
-    def _within_lora_slots(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest]
+    def _within_lora_slots(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest], held: set[int]
                            ) -> list[tuple[str, int]]:
         """The policy's chunks less new prompts whose adapter would take a LoRA slot that none is left for.
 
@@ -350,8 +352,7 @@ class CoserveScheduler(AsyncScheduler):
         adapters than max_loras. A started prompt set aside for this step still holds its adapter's slot, which
         vLLM does not see: the new prompt waits until a slot is free among all running requests.
         (``_without_lora_slot`` keeps the policy from choosing prompts that cannot start; this catches new
-        prompts of several adapters chosen for the last free slots.)"""
-        held = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        prompts of several adapters chosen for the last free slots.) ``held``: the running requests' slots."""
         kept = []
         for rid, n in chunks:
             lora = None if rid in running else getattr(self.requests.get(rid), "lora_request", None)
@@ -362,11 +363,10 @@ class CoserveScheduler(AsyncScheduler):
             kept.append((rid, n))
         return kept
 
-    def _without_lora_slot(self) -> list[str]:
+    def _without_lora_slot(self, held: set[int]) -> list[str]:
         """The prompts not yet started whose adapter has no LoRA slot: the running requests hold every slot with
         other adapters. Set aside from the policy for the step, it plans what can run (the started prompts, the
         decodes) instead of choosing a prompt vLLM cannot start, step after step, until it is late."""
-        held = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         if len(held) < self.lora_config.max_loras:
             return []
         return [r.request_id for r in self.waiting if r.lora_request is not None
