@@ -30,7 +30,7 @@ from app.schemas import (MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, TEMPLATE_DEFAUL
                          StructuredOutputs)
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import MAX_TOOLS, read_answer
-from app.wire import Text, json_safe
+from app.wire import Metadata, Text, json_safe
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import PENALTY_LIMIT
 
@@ -371,6 +371,9 @@ class ChatCompletionRequest(_Base):
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None  # vLLM's: the answer starts with the last message where it is the assistant's
+    # OpenAI's stored chat completions: the answer is kept, to list and retrieve (app.services.stored_completions)
+    store: bool | None = None
+    metadata: Metadata | None = None
     # not implemented: the deprecated functions API (tools replaced it)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -586,6 +589,15 @@ def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[
     return chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
                            completion_tokens, extra, logprobs, tool_calls=answer.tool_calls,
                            cached_tokens=cached_tokens)
+
+
+def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A finished chat job's answer as OpenAI's body, from what the job stored (a batch's output line, a stored
+    chat completion)."""
+    return chat_answer(cid, job.model, created, job.id, job.sampling, job.output_text or "",
+                       job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, extra,
+                       logprobs=job.output_logprobs,
+                       echo=chat_echo(job.messages, job.sampling), cached_tokens=job.cached_tokens)
 
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,

@@ -18,7 +18,7 @@ from app.openai_schemas import (ChatCompletionRequest, OpenAIError, chat_logprob
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import Answer, read_answer
-from app.wire import Text, as_utc
+from app.wire import Metadata, Text, as_utc
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
 # what a Responses request takes as chat does (coserve's QoS, vLLM's sampling extensions, OpenAI's own)
@@ -56,7 +56,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    metadata: dict[str, Text] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
     store: bool = True
     background: bool | None = None  # answered at once (queued); GET polls it, POST .../cancel stops it
     stream: bool | None = None  # (chat reads it too)
@@ -107,7 +107,7 @@ class ResponsesRequest(BaseModel):
         messages = list(history)
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
-        messages += input_messages(self.input)
+        messages += input_messages(self.input) if self.input is not None else []
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
         body["messages"] = messages
         if self.max_output_tokens is not None:
@@ -129,6 +129,19 @@ class ResponsesRequest(BaseModel):
             raise in_responses_terms(OpenAIError(400, message, param=param)) from exc
         except OpenAIError as exc:
             raise in_responses_terms(exc) from exc
+
+
+class InputTokensRequest(ResponsesRequest):
+    """A Responses request to count the input tokens of (``POST /v1/responses/input_tokens``): its input may be
+    left out where a conversation or a previous response gives the turns."""
+
+    input: str | list[dict[str, Any]] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.input is None and self.conversation is None and self.previous_response_id is None:
+            raise OpenAIError(400, "give input, or a conversation or previous_response_id whose turns to count",
+                              param="input")
 
 
 def in_responses_terms(exc: OpenAIError) -> OpenAIError:

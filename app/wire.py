@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator
+from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints
 
 SURROGATE_HINT = ("which is not valid Unicode; send valid UTF-8 text (a JSON \\u escape of a surrogate "
                   "must be a high one followed by a low one, e.g. \\ud83d\\ude00)")
@@ -52,6 +52,10 @@ def finite_or_text(value: Any) -> Any:
 
 # a str field that must be valid Unicode (it is tokenized, stored as UTF-8 and echoed)
 Text = Annotated[str, AfterValidator(check_text)]
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64), AfterValidator(check_text)],
+                          Annotated[str, StringConstraints(max_length=512), AfterValidator(check_text)]],
+                     Field(max_length=16)]
 # seconds or a window like '2h'
 SecondsOrWindow = Annotated[float | str, BeforeValidator(finite_or_text)]
 

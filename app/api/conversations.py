@@ -15,11 +15,9 @@ from app.db.session import read_then_write
 from app.openai_schemas import OpenAIRoute
 from app.responses_schemas import item_page
 from app.services import conversations as service
-from app.wire import Text
+from app.wire import Metadata
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
-
-Metadata = Annotated[dict[str, Text], Field(max_length=16)]  # OpenAI's: at most 16 keys
 
 
 class ConversationCreate(BaseModel):

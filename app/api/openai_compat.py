@@ -31,6 +31,7 @@ from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAI
                                 known_sum, now_s, openai_param, openai_parsed, service_tier, text_completion,
                                 usage)
 from app.services import jobs as job_service
+from app.services import stored_completions
 from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
                                         abandoned_on_hangup, answer_events)
 from app.services.answer_events import ends as job_ends
@@ -59,12 +60,12 @@ async def read_body(request: Request, model: type) -> Any:
 
 def submit_openai_job(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
                       response: dict[str, Any] | None = None, limiter: RateLimiter | None = None,
-                      charge: tuple[bool, bool] = (True, True)) -> job_service.Submitted:
+                      charge: tuple[bool, bool] = (True, True), job_id: str | None = None) -> job_service.Submitted:
     """The request's job, its refusal in OpenAI's terms (404 for an unknown model, 429 over the tenant's rate
-    limits, else 400); ``limiter`` and ``charge`` as ``submit_job``'s."""
+    limits, else 400); ``limiter``, ``charge`` and ``job_id`` as ``submit_job``'s."""
     try:
         return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer,
-                                      response=response, limiter=limiter, charge=charge)
+                                      response=response, limiter=limiter, charge=charge, job_id=job_id)
     except RateLimited as exc:
         d = exc.decision
         raise OpenAIError(429, str(exc), type=d.limit_hit, code="rate_limit_exceeded", headers=d.headers()) from exc
@@ -114,15 +115,19 @@ def _sse_error(err: OpenAIError) -> bytes:
 
 
 def _submit_choices(session, principal: Principal, settings: Settings, specs: list, endpoint: str,
-                    writer=None, limiter: RateLimiter | None = None, n: int = 1) -> tuple[list[Job], dict[str, str]]:
+                    writer=None, limiter: RateLimiter | None = None, n: int = 1,
+                    metadata: dict[str, str] | None = None, store: bool = False) -> tuple[list[Job], dict[str, str]]:
     """The jobs of a request's choices (``n`` per prompt), and the rate-limit headers of the answer; if one cannot
     be submitted, those already are stop. The rate limits count the request once and each prompt's tokens once,
-    as OpenAI's do, and every choice's ``max_tokens``."""
+    as OpenAI's do, and every choice's ``max_tokens``. ``store``: the answer is kept as a stored chat completion,
+    with ``metadata``."""
     jobs: list[Job] = []
+    ids, kept = stored_completions.kept_fields(metadata, len(specs)) if store else ([None] * len(specs), None)
     try:
         for i, spec in enumerate(specs):
             submitted = submit_openai_job(session, principal, settings, spec, endpoint, writer, limiter=limiter,
-                                          charge=(i == 0, i % n == 0))
+                                          charge=(i == 0, i % n == 0), response=kept if i == 0 else None,
+                                          job_id=ids[i])
             jobs.append(submitted.job)
     except Exception:
         for job in jobs:
@@ -216,7 +221,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
     jobs, rate_headers = await run_in_threadpool(
         _submit_choices, session, principal, settings, [choice for spec in specs for choice in choice_specs(spec, n)],
-        endpoint, writer, rate_limiter(request), n)
+        endpoint, writer, rate_limiter(request), n, *((body.metadata, True) if chat and body.store else ()))
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **rate_headers}
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -26,13 +26,15 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (ResponsesRequest, call_item, history_of, in_responses_terms, item_page, job_id_of,
-                                   message_item, own_input_items, response_body, stored_answer, token_logprobs)
+from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_item, history_of, in_responses_terms,
+                                   item_page, job_id_of, message_item, own_input_items, response_body, stored_answer,
+                                   token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import stream_expired
+from app.services.model_info import ChatTemplateError
 from app.services.truncation import fit_context
 from app.services.cancel import cancel
 from app.settings import Settings
@@ -67,6 +69,15 @@ def _history(session, principal: Principal, resp_id: str) -> list[dict[str, Any]
 def _conversation_history(session, principal: Principal, conv_id: str) -> list[dict[str, Any]]:
     return conversations.history(session, conversations.find(session, principal.tenant_id, conv_id,
                                                              param="conversation"))
+
+
+def _prior_turns(session, principal: Principal, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The messages before the request's own: its previous response's conversation, or its conversation's."""
+    if body.previous_response_id is not None:
+        return _history(session, principal, body.previous_response_id)
+    if body.conversation_id is not None:
+        return _conversation_history(session, principal, body.conversation_id)
+    return []
 
 
 def _add_turn(settings: Settings, conv_id: str, job_id: str) -> None:
@@ -222,11 +233,7 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
                           settings: SettingsDep):
     """OpenAI's Responses API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat."""
     body = await read_body(request, ResponsesRequest)
-    history = []
-    if body.previous_response_id is not None:
-        history = await run_in_threadpool(_history, session, principal, body.previous_response_id)
-    elif body.conversation_id is not None:
-        history = await run_in_threadpool(_conversation_history, session, principal, body.conversation_id)
+    history = await run_in_threadpool(_prior_turns, session, principal, body)
     chat, spec = body.chat_request(await request.json(), history, settings.tiers)
     if spec.kind == "interactive":
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
@@ -264,6 +271,33 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
                                       completion_tokens=end.data["completion_tokens"],
                                       logprobs=end.data.get("logprobs"),
                                       cached_tokens=end.data.get("cached_tokens")), headers=headers)
+
+
+@router.post("/responses/input_tokens", responses=openai_responses(400, 401, 404),
+             openapi_extra=documented_body(InputTokensRequest))
+async def count_input_tokens(request: Request, session: SessionDep, principal: CurrentPrincipal,
+                             settings: SettingsDep):
+    """The tokens a Responses request's input would take: its conversation or previous response, instructions,
+    input and tools through the model's chat template, as its job would count them (after ``truncation: "auto"``
+    dropped the oldest turns, where asked)."""
+    body = await read_body(request, InputTokensRequest)
+    history = await run_in_threadpool(_prior_turns, session, principal, body)
+    _, spec = body.chat_request(await request.json(), history, settings.tiers)
+    count = await run_in_threadpool(_input_tokens, settings, spec, body.kept(history)["input_from"], body.truncation)
+    return {"object": "response.input_tokens", "input_tokens": count}
+
+
+def _input_tokens(settings: Settings, spec, input_from: int, truncation: str | None) -> int:
+    try:
+        job_service.resolve_model(settings, spec.model)
+    except job_service.JobValidationError as exc:
+        raise OpenAIError(404, str(exc), param="model", code=exc.code) from exc
+    if truncation == "auto":
+        spec, _ = fit_context(settings, spec, input_from)
+    try:
+        return len(job_service.encode_spec(settings.model, spec))
+    except ChatTemplateError as exc:
+        raise OpenAIError(400, str(exc), param="input") from exc
 
 
 @router.get("/responses/{response_id}", responses=_ANSWERS_GET)

@@ -17,8 +17,8 @@ from app.api.errors import openai_responses
 from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, openai_parsed
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import lora_adapters
-from app.services.jobs import JobValidationError, check_token_ids
-from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
+from app.services.jobs import JobValidationError, check_token_ids, encode_spec
+from app.services.model_info import ChatTemplateError, get_tokenizer, max_model_len
 from app.settings import Settings
 from app.wire import Text
 
@@ -66,10 +66,7 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
         return list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
     chat = openai_parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", *TEMPLATE_DEFAULTS}))
     try:  # the messages, tools and template options as a chat job keeps them: the same checks, the same input
-        spec = chat.job_spec(messages=chat.chat_messages())
-        return encode_input(settings.model, None, [m.stored() for m in spec.messages],
-                            [t.model_dump(exclude_none=True) for t in spec.tools or ()] or None,
-                            spec.template_options())
+        return encode_spec(settings.model, chat.job_spec(messages=chat.chat_messages()))
     except ChatTemplateError as exc:
         raise OpenAIError(400, str(exc), param="messages") from exc
 

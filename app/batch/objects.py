@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Batch, Job
-from app.openai_schemas import chat_answer, chat_echo, text_completion
+from app.openai_schemas import stored_chat_answer, text_completion
 from app.responses_schemas import response_body
 from app.tool_calls import read_answer
 
@@ -62,9 +62,7 @@ def output_line(job: Job) -> dict[str, Any]:
                              prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
                              logprobs=job.output_logprobs, cached_tokens=job.cached_tokens)
     elif chat:
-        body = chat_answer("chatcmpl-" + job.id, job.model, ts(job.finished_at) or 0, job.id, job.sampling, text,
-                           reason, job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs,
-                           echo=chat_echo(job.messages, job.sampling), cached_tokens=job.cached_tokens)
+        body = stored_chat_answer(job, "chatcmpl-" + job.id, ts(job.finished_at) or 0)
     else:
         echo = {"echo": (job.prompt or "", job.prompt_logprobs)} if (job.sampling or {}).get("echo") else {}
         body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,

@@ -109,7 +109,7 @@ class Job(Base):
     tools: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # functions offered to the chat template
     # add_generation_prompt / continue_final_message / chat_template_kwargs where not the defaults
     template_options: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
-    response: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # a Responses API request's own fields
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # an OpenAI request's fields kept
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     endpoint: Mapped[str] = mapped_column(String(64), default="/v1/jobs")  # API shape to answer in
     stream: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -107,9 +107,11 @@ def resolve_model(settings: Settings, requested: str | None) -> str:
 
 def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
               batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
-              count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None) -> Job:
-    """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``response``: a
-    Responses API request's own fields (``app.responses_schemas.KEPT``)."""
+              count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None,
+              job_id: str | None = None) -> Job:
+    """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``response``: an OpenAI
+    request's own fields the answer keeps (Responses: ``app.responses_schemas.KEPT``; a stored chat completion's:
+    ``app.services.stored_completions``); ``job_id``: the job's id where the caller chose it (a new one else)."""
     model = resolve_model(settings, spec.model)
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(settings.default_max_tokens)
@@ -140,7 +142,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         check_token_ids(settings.model, spec.stop_token_ids, "stop_token_ids")
     prompt = spec.prompt if spec.prompt_token_ids is None else token_prompt_text(settings.model, spec.prompt_token_ids)
     now = utcnow()
-    job = Job(id=new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
+    job = Job(id=job_id or new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
               app_id=spec.app_id, prompt=prompt, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
               endpoint=endpoint, stream=spec.stream,
               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
@@ -213,6 +215,16 @@ def token_prompt_text(model: str, ids: list[int]) -> str:
     return get_tokenizer(model).decode(ids)
 
 
+def encode_spec(model: str, spec: JobCreate) -> list[int]:
+    """Token ids of a job's input as its worker will feed it: the prompt, or the messages and the tools offered
+    through the chat template with the job's template options (raises ``ChatTemplateError``)."""
+    if spec.prompt_token_ids is not None:
+        return list(spec.prompt_token_ids)
+    return encode_input(model, spec.prompt, [m.stored() for m in spec.messages] if spec.messages is not None else None,
+                        [t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
+                        spec.template_options())
+
+
 def input_chars(spec: JobCreate) -> int:
     """Characters of the prompt or of all messages' contents (a cheap size before tokenizing)."""
     if spec.prompt_token_ids is not None:
@@ -250,7 +262,8 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
                idempotency_key: str | None = None, batch_id: str | None = None, custom_id: str | None = None,
                endpoint: str = "/v1/jobs", dispatch: bool = True, writer: JobWriter | None = None,
                overdue_ok: bool = False, response: dict[str, Any] | None = None,
-               limiter: RateLimiter | None = None, charge: tuple[bool, bool] = (True, True)) -> Submitted:
+               limiter: RateLimiter | None = None, charge: tuple[bool, bool] = (True, True),
+               job_id: str | None = None) -> Submitted:
     """Writes the job row, commits, then sends it to the workers (unless ``dispatch=False``).
 
     With a ``writer`` (the API's group-commit writer) the row is committed together with
@@ -263,7 +276,7 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     its batch in one call. A repeated idempotent request is not charged.
     """
     job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
-                    custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok, response=response)
+                    custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok, response=response, job_id=job_id)
     if idempotency_key:
         existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key)
         if existing is not None:

@@ -50,7 +50,8 @@ PLANS: dict[str, Plan] = {
         expect=("submitted job_", "first missed deadline", "token 1 (the first) was due 0.001 s",
                 "nothing to cancel")),  # JOB_ID had succeeded
     "curl -s http://127.0.0.1:8000/v1/jobs": Plan(expect=('"kind":"batch"', '"deadline_at":')),
-    "client.chat.completions.create(": Plan(),
+    'stream=True, extra_body={"ttft_ms": 1000': Plan(),
+    "client.chat.completions.list(": Plan(expect=("[True] ['Hi!'] True",)),
     # the jobs the blocks before it ran are in the last day's usage
     "/v1/organization/usage/completions": Plan(expect=('"object":"page"', "organization.usage.completions.result",
                                                        '"service_tier":"priority"')),

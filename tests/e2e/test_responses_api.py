@@ -52,10 +52,16 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys
     again = oai.responses.retrieve(first.id)
     assert again.output_text == first.output_text and again.status == "incomplete"
 
-    # the next turn: the first's input and answer, not its instructions, then the new input
-    second = oai.responses.create(model="tiny", previous_response_id=first.id, max_output_tokens=3,
-                                  input=[{"role": "user", "content": [{"type": "input_text", "text": "Again"}]}],
+    # the next turn: the first's input and answer, not its instructions, then the new input; its input tokens
+    # counted before it runs are the ones it is billed for
+    turn = [{"role": "user", "content": [{"type": "input_text", "text": "Again"}]}]
+    counted = oai.responses.input_tokens.count(model="tiny", previous_response_id=first.id, input=turn)
+    assert counted.object == "response.input_tokens"
+    assert oai.responses.input_tokens.count(input="Say hi", instructions="Be brief").input_tokens == \
+        first.usage.input_tokens
+    second = oai.responses.create(model="tiny", previous_response_id=first.id, max_output_tokens=3, input=turn,
                                   extra_body={"ignore_eos": True})
+    assert second.usage.input_tokens == counted.input_tokens
     assert second.previous_response_id == first.id and second.instructions is None
     assert _messages(settings, second.id) == [
         {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": first.output_text},

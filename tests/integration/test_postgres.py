@@ -225,6 +225,32 @@ def test_usage_buckets_on_postgres(pg_url):
         [("a", 10)], [("a", 20), ("b", 40)], [], [("a", 80)]]
 
 
+def test_stored_chat_completions_on_postgres(pg_url):
+    """The stored-completion list's filter on a JSON field (``store``) and its cursor on PostgreSQL."""
+    from datetime import UTC, datetime, timedelta
+
+    from app.auth import create_tenant
+    from app.db.migrate import upgrade
+    from app.db.models import Job
+    from app.db.session import session_scope
+    from app.services import stored_completions
+
+    upgrade(pg_url)
+    t0 = datetime(2026, 11, 1, tzinfo=UTC)
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "stored-pg")
+        for i, store in enumerate((True, False, None, True, True)):
+            kept = None if store is None else {"store": store, "metadata": {"n": str(i)}, "choices": [f"job_pg{i}"]}
+            s.add(Job(id=f"job_pg{i}", tenant_id=tenant.id, kind="interactive", tier="paid", model="m", sampling={},
+                      status="succeeded", endpoint="/v1/chat/completions", created_at=t0 + timedelta(seconds=i),
+                      output_text="x", response=kept))
+        s.commit()
+        page = stored_completions.page(s, tenant.id, ("free", "paid"), limit=1, order="asc", after="chatcmpl-job_pg0")
+        assert [c["id"] for c in page["data"]] == ["chatcmpl-job_pg3"] and page["has_more"]
+        page = stored_completions.page(s, tenant.id, ("free", "paid"), limit=5, order="desc", metadata={"n": "0"})
+        assert [c["id"] for c in page["data"]] == ["chatcmpl-job_pg0"] and not page["has_more"]
+
+
 def test_file_expiry_and_webhook_deliveries_on_postgres(pg_url, tmp_path, webhook_receiver):
     """The sweep's expired-file query (a correlated NOT EXISTS) and a webhook delivery's claim (a guarded UPDATE on
     a timestamp) on PostgreSQL."""

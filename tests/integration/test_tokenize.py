@@ -106,3 +106,42 @@ def test_a_chat_template_of_the_operators_replaces_the_models(settings, keys, tm
         assert rendered(client).endswith("Weather in Paris?" * 40)
     settings.chat_template = None
     create_app(settings)  # the model's own again, for the tests after this one
+
+
+def test_responses_input_tokens_count_what_the_response_would_run_on(client, keys):
+    """``POST /v1/responses/input_tokens`` (OpenAI's count): a conversation's turns, instructions, input and tools
+    as the response's job counts them (a background response, answered before any worker runs it)."""
+    items = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."}]
+    conv = client.post("/v1/conversations", json={"items": items}, headers=H(keys.paid)).json()["id"]
+    request = {"conversation": conv, "input": "What is my name?", "instructions": "Be brief",
+               "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+               "tool_choice": "none"}
+    counted = client.post("/v1/responses/input_tokens", json=request, headers=H(keys.paid))
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["object"] == "response.input_tokens"
+    ran = client.post("/v1/responses", json={**request, "background": True, "max_output_tokens": 4},
+                      headers=H(keys.paid))
+    assert ran.status_code == 200, ran.text
+    job = client.get(f"/v1/jobs/job_{ran.json()['id'].removeprefix('resp_')}", headers=H(keys.paid)).json()
+    assert counted.json()["input_tokens"] == job["prompt_tokens"] > 20
+    alone = client.post("/v1/responses/input_tokens", json={"conversation": conv}, headers=H(keys.paid)).json()
+    assert 0 < alone["input_tokens"] < counted.json()["input_tokens"]  # the conversation's turns alone
+
+    # a conversation over the context: counted whole, or as truncation "auto" would cut it
+    long_items = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 60} for i in range(12)]
+    long_conv = client.post("/v1/conversations", json={"items": long_items}, headers=H(keys.paid)).json()["id"]
+    whole = client.post("/v1/responses/input_tokens", json={"conversation": long_conv, "input": "Sum up"},
+                        headers=H(keys.paid)).json()["input_tokens"]
+    cut = client.post("/v1/responses/input_tokens", json={"conversation": long_conv, "input": "Sum up",
+                                                          "truncation": "auto", "max_output_tokens": 16},
+                      headers=H(keys.paid)).json()["input_tokens"]
+    assert whole > 512 >= cut + 16 and cut > 0
+
+    for body, status, param in (({}, 400, "input"), ({"input": "x", "model": "nope"}, 404, "model"),
+                                ({"previous_response_id": "resp_nope"}, 400, "previous_response_id"),
+                                ({"conversation": "conv_nope"}, 400, "conversation"),
+                                ({"input": [{"role": "user", "content": 5}]}, 400, None)):
+        r = client.post("/v1/responses/input_tokens", json=body, headers=H(keys.paid))
+        assert r.status_code == status and (param is None or r.json()["error"]["param"] == param), (body, r.text)
+    assert client.post("/v1/responses/input_tokens", json={"conversation": conv},
+                       headers=H(keys.other)).status_code == 400  # another tenant's conversation

@@ -1,0 +1,129 @@
+"""Stored chat completions (OpenAI's ``store``): a chat request given ``store: true`` keeps its answer, for
+``/v1/chat/completions`` to list, retrieve, update (its metadata) and delete, and its messages to list.
+
+A stored completion is its first choice's job. That job's ``response`` field holds ``store``, the request's
+``metadata`` and the ids of every choice's job (``choices``, chosen before they were submitted). It shows once
+every choice has succeeded: OpenAI keeps what the model answered, not a failed or cancelled request. A delete
+forgets it (``store`` false); its jobs stay in ``/v1/jobs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import and_, or_, select, true
+from sqlalchemy.orm import Session
+
+from app.db.models import Job, JobStatus, new_id
+from app.openai_schemas import OpenAIError, merge_choices, service_tier, stored_chat_answer
+from app.responses_schemas import item_page
+from app.wire import as_utc
+
+ENDPOINT = "/v1/chat/completions"
+PREFIX = "chatcmpl-"
+SCAN_ROWS = 64  # stored completions read a query while a page is filled
+
+
+def kept_fields(metadata: dict[str, str] | None, choices: int) -> tuple[list[str], dict[str, Any]]:
+    """The job ids of a stored request's ``choices`` and what its first job keeps (the others keep nothing)."""
+    ids = [new_id("job") for _ in range(choices)]
+    return ids, {"store": True, "metadata": metadata or {}, "choices": ids}
+
+
+def completion_id(job: Job) -> str:
+    return PREFIX + job.id
+
+
+def _job_id(cid: str) -> str | None:
+    return cid.removeprefix(PREFIX) if cid.startswith(PREFIX + "job_") else None
+
+
+def _is_stored(job: Job | None, tenant_id: str) -> bool:
+    return (job is not None and job.tenant_id == tenant_id and job.endpoint == ENDPOINT
+            and bool((job.response or {}).get("store")))
+
+
+def _choices(session: Session, job: Job) -> list[Job] | None:
+    """Every choice's job, in order, where all of them succeeded (else None)."""
+    ids = (job.response or {}).get("choices") or [job.id]
+    others = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(ids[1:])))} if len(ids) > 1 else {}
+    jobs = [job, *(others.get(i) for i in ids[1:])]
+    return jobs if all(j is not None and j.status == JobStatus.SUCCEEDED for j in jobs) else None
+
+
+def find(session: Session, tenant_id: str, cid: str) -> Job:
+    """The tenant's stored completion ``cid`` (its first choice's job), finished or not (404 where none)."""
+    job_id = _job_id(cid)
+    job = session.get(Job, job_id, populate_existing=True) if job_id else None
+    if not _is_stored(job, tenant_id):
+        raise OpenAIError(404, f"no stored chat completion {cid!r} (only a chat completion created with "
+                               "store: true is kept)", param="completion_id", code="not_found")
+    return job
+
+
+def finished(session: Session, tenant_id: str, cid: str) -> list[Job]:
+    """The stored completion's jobs, one per choice (404 until every choice has succeeded)."""
+    job = find(session, tenant_id, cid)
+    jobs = _choices(session, job)
+    if jobs is None:
+        raise OpenAIError(404, f"chat completion {cid!r} has not finished, or did not succeed: it is kept once "
+                               "every choice has its answer", param="completion_id", code="not_found")
+    return jobs
+
+
+def completion_body(jobs: list[Job], tiers: tuple[str, ...]) -> dict[str, Any]:
+    """The stored completion as OpenAI retrieves it: the chat completion, with its metadata."""
+    first = jobs[0]
+    cid, created = completion_id(first), int(as_utc(first.created_at).timestamp())
+    coserve = {"job_id": first.id} | ({"job_ids": [j.id for j in jobs]} if len(jobs) > 1 else {})
+    extra = {"system_fingerprint": None, "service_tier": service_tier(first.tier, tiers),
+             "metadata": (first.response or {}).get("metadata") or {}, "coserve": coserve}
+    return merge_choices([stored_chat_answer(j, cid, created, dict(extra)) for j in jobs], len(jobs))
+
+
+def page(session: Session, tenant_id: str, tiers: tuple[str, ...], *, limit: int, order: str,
+         after: str | None = None, model: str | None = None,
+         metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """OpenAI's list of the tenant's stored completions, oldest first unless ``order`` is desc, past the one
+    ``after`` names (a 400 where the tenant never had it), of ``model`` and holding every pair of ``metadata``."""
+    desc = order == "desc"
+    query = select(Job).where(Job.tenant_id == tenant_id, Job.endpoint == ENDPOINT,
+                              Job.status == JobStatus.SUCCEEDED, Job.response["store"].as_boolean() == true())
+    if model is not None:
+        query = query.where(Job.model == model)
+    query = query.order_by(*((Job.created_at.desc(), Job.id.desc()) if desc else (Job.created_at, Job.id)))
+    mark = None
+    if after is not None:  # a cursor: the completion need not be stored still (deleted meanwhile)
+        mark = session.get(Job, _job_id(after) or "")
+        if mark is None or mark.tenant_id != tenant_id or mark.endpoint != ENDPOINT:
+            raise OpenAIError(400, f"no chat completion {after!r} to list after", param="after")
+    data: list[dict[str, Any]] = []
+    while len(data) <= limit:
+        if mark is not None:
+            later = Job.created_at < mark.created_at if desc else Job.created_at > mark.created_at
+            query_after = query.where(or_(later, and_(Job.created_at == mark.created_at,
+                                                      Job.id < mark.id if desc else Job.id > mark.id)))
+        else:
+            query_after = query
+        rows = session.scalars(query_after.limit(SCAN_ROWS)).all()
+        for job in rows:
+            kept = (job.response or {}).get("metadata") or {}
+            if all(kept.get(k) == v for k, v in (metadata or {}).items()) and (jobs := _choices(session, job)):
+                data.append(completion_body(jobs, tiers))
+                if len(data) > limit:
+                    break
+        if len(rows) < SCAN_ROWS:
+            break
+        mark = rows[-1]
+    shown = data[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(data) > limit}
+
+
+def message_page(job: Job, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """The stored completion's request messages as OpenAI lists them (ids ``<completion id>-<index>``)."""
+    cid = completion_id(job)
+    items = [{"id": f"{cid}-{i}", "role": m.get("role"), "content": m.get("content"), "name": m.get("name"),
+              "content_parts": None, **{k: m[k] for k in ("tool_calls", "tool_call_id") if k in m}}
+             for i, m in enumerate(job.messages or [])]
+    return item_page(items, limit, order, after, f"no message {after!r} in chat completion {cid!r}")
