@@ -44,6 +44,10 @@ class Settings(BaseSettings):
                                                        "may mix, beside one slot for each of lora_modules")
     max_lora_rank: int = Field(16, ge=1, le=512, description="with runtime_lora: the largest rank of an adapter "
                                                              "loaded at runtime (vLLM's --max-lora-rank)")
+    lora_resolver_dir: Path | None = Field(
+        None, description="with runtime_lora: a directory of LoRA adapters, one subdirectory per adapter name; a "
+                          "request naming an adapter that is not loaded loads <dir>/<name> first, as vLLM's "
+                          "filesystem LoRA resolver (VLLM_LORA_RESOLVER_CACHE_DIR)")
     device: str = Field("auto", description="auto | cpu | cuda")
     chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, that chat "
                                                         "messages are rendered with instead of the model's own (as "
@@ -193,6 +197,9 @@ class Settings(BaseSettings):
                 raise ValueError(f"model alias {alias!r}: 1-200 characters, no spaces")
             if alias == self.model_name or alias in self.lora_modules:
                 raise ValueError(f"model alias {alias!r} is already the name of the model or of a LoRA adapter")
+        if self.lora_resolver_dir is not None and not self.runtime_lora:
+            raise ValueError("COSERVE_LORA_RESOLVER_DIR loads adapters at runtime: set COSERVE_RUNTIME_LORA=1 too "
+                             "(on the API and the workers)")
         return self
 
     @property

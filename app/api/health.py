@@ -79,6 +79,9 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
                                          if settings.model_name in w.served):
         checks["runtime_lora"] = ("warning: no live worker of the model loads adapters at runtime; jobs of the "
                                   "adapters loaded so fail (set COSERVE_RUNTIME_LORA=1 on the workers too)")
+    if settings.lora_resolver_dir is not None and not settings.lora_resolver_dir.expanduser().is_dir():
+        checks["lora_resolver_dir"] = (f"warning: COSERVE_LORA_RESOLVER_DIR {str(settings.lora_resolver_dir)!r} is "
+                                       "not a directory this API can read; requests that name its adapters fail")
     return checks
 
 

@@ -99,6 +99,11 @@ def resolve_model(settings: Settings, requested: str | None) -> str:
     if model in settings.model_aliases:  # as vLLM's served model names: the job and its answers carry the first
         return settings.model_name
     if not lora_adapters.is_served(settings, model):
+        try:
+            if lora_adapters.resolve(settings, model):  # an adapter of the resolver's directory, loaded now
+                return model
+        except lora_adapters.AdapterError as exc:
+            raise JobValidationError(str(exc), param="model", code="model_not_found") from exc
         raise JobValidationError(f"unknown model {model!r}; this server serves "
                                  f"{', '.join(map(repr, lora_adapters.listed_models(settings)))}", param="model",
                                  code="model_not_found")

@@ -11,6 +11,7 @@ job may name an adapter the moment its load was answered, whichever API process 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,40 @@ def queue_models(session: Session, models: set[str]) -> dict[str, str]:
     return {m: bases.get(m, m) for m in models}
 
 
+def resolve(settings: Settings, name: str) -> bool:
+    """Loads ``<COSERVE_LORA_RESOLVER_DIR>/<name>`` as the runtime adapter ``name`` where a request names an adapter
+    not loaded yet (vLLM's filesystem LoRA resolver): True once loaded (by this call or a concurrent one), False
+    where the directory has no such adapter; an AdapterError where it has one this server cannot serve."""
+    root = settings.lora_resolver_dir
+    if root is None or not settings.runtime_lora or adapter_name_refusal(name) is not None:
+        return False
+    if name.startswith(".") or "/" in name or "\\" in name:  # one directory below the root, never above it
+        return False
+    directory = (Path(root).expanduser() / name).absolute()
+    try:
+        config = json.loads((directory / "adapter_config.json").read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"LoRA adapter {name!r} in COSERVE_LORA_RESOLVER_DIR: its adapter_config.json cannot "
+                           f"be read ({exc})") from None
+    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"{name!r} in COSERVE_LORA_RESOLVER_DIR is not a LoRA adapter (peft_type LORA)")
+    base = config.get("base_model_name_or_path")
+    if base and not _adapts(settings, str(base)):
+        raise AdapterError(f"LoRA adapter {name!r} in COSERVE_LORA_RESOLVER_DIR adapts {base!r}, not this server's "
+                           f"model {settings.model_name!r}")
+    load(settings, name, str(directory), if_absent=True)
+    return True
+
+
+def _adapts(settings: Settings, base: str) -> bool:
+    """Whether an adapter's base model is the served one: one of its names, its path, or that path's (or a hub
+    id's) last part, case aside (``HuggingFaceTB/SmolLM2-135M-Instruct`` for ``smollm2-135m-instruct``)."""
+    names = {n.lower() for n in (*settings.model_names, settings.model, Path(settings.model).name)}
+    return base.lower() in names or base.rstrip("/").rsplit("/", 1)[-1].lower() in names
+
+
 def adapter_source(session: Session, name: str) -> tuple[str, float] | None:
     """Where a worker loads a runtime adapter from, and its version (when it was last loaded, a POSIX time);
     None when it is not loaded (unloaded after its job came)."""
@@ -138,8 +173,9 @@ def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]
     return str(directory.resolve()), rank
 
 
-def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False) -> None:
-    """Adds (or, ``load_inplace``, replaces) the runtime adapter ``name`` of the served model."""
+def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False, if_absent: bool = False) -> None:
+    """Adds (or, ``load_inplace``, replaces) the runtime adapter ``name`` of the served model; ``if_absent``: one
+    already loaded under that name is kept as it is."""
     _enabled(settings)
     if not name or not path:
         raise AdapterError("give both lora_name and lora_path")
@@ -151,6 +187,8 @@ def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False
     directory, rank = check_directory(settings, name, path)
     with read_then_write(settings.sqlalchemy_url) as session:  # the read of the name and its write: one writer
         row = session.get(LoraAdapter, name)
+        if row is not None and if_absent and row.model == settings.model_name:
+            return
         if row is not None and not load_inplace:
             raise AdapterError(f"LoRA adapter {name!r} is already loaded; unload it first, or set load_inplace to "
                                "replace it")

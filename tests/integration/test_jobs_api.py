@@ -221,6 +221,49 @@ def test_an_admin_loads_a_lora_adapter_at_runtime_and_its_jobs_go_to_the_models_
         assert r.status_code == 422 and "unknown model 'rt-lora'" in r.text, r.text
 
 
+def test_a_request_naming_an_adapter_of_the_resolver_directory_loads_it(settings, keys, tmp_path):
+    """vLLM's filesystem LoRA resolver: an adapter not loaded yet, found as <COSERVE_LORA_RESOLVER_DIR>/<name>, is
+    loaded by the first request that names it (then listed, its jobs on the model's queue); a directory it cannot
+    serve answers why; a name outside the directory is an unknown model."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    root = tmp_path / "adapters"
+    _adapter_dir(root / "ada")
+    (root / "ada" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "base_model_name_or_path": "SomeOrg/TINY"}))  # the model's name, a hub id's
+    _adapter_dir(root / "other-base")
+    (root / "other-base" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "base_model_name_or_path": "meta-llama/Llama-3.1-8B"}))
+    _adapter_dir(root / "big", rank=64)
+    _adapter_dir(tmp_path / "outside")
+    settings.runtime_lora, settings.lora_resolver_dir = True, root
+    with TestClient(create_app(settings)) as client:
+        assert [m["id"] for m in client.get("/v1/models", headers=H(keys.paid)).json()["data"]] == ["tiny"]
+        r = submit(client, keys.paid, model="ada", max_tokens=2)
+        assert r.status_code == 201 and r.json()["model"] == "ada", r.text
+        job_id = r.json()["id"]
+        queued = wait_for(lambda: redis.Redis.from_url(settings.redis_url).lrange("coserve.tiny", 0, -1), 10,
+                          "the adapter's task on the model's queue")
+        assert job_id.encode() in b"".join(queued)
+        listed = client.get("/v1/models", headers=H(keys.paid)).json()["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [("tiny", None), ("ada", "tiny")]
+        assert submit(client, keys.paid, model="ada", max_tokens=2).status_code == 201  # loaded once, served after
+        for name, status, fragment in (("other-base", 404, "adapts 'meta-llama/Llama-3.1-8B', not this server's"),
+                                       ("big", 404, "up to rank 16"), ("missing", 404, "unknown model 'missing'"),
+                                       ("../outside", 404, "unknown model '../outside'")):
+            r = client.post("/v1/completions", headers=H(keys.paid), json={"model": name, "prompt": "x"})
+            assert r.status_code == status and fragment in r.json()["error"]["message"], (name, r.text)
+        assert [m["id"] for m in client.get("/v1/models", headers=H(keys.paid)).json()["data"]] == ["tiny", "ada"]
+        # unloaded, the next request that names it loads it again
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "ada"}, headers=H(keys.admin)).is_success
+        assert submit(client, keys.paid, model="ada", max_tokens=2).status_code == 201
+    with pytest.raises(ValueError, match="set COSERVE_RUNTIME_LORA=1 too"):
+        Settings(lora_resolver_dir=root)
+
+
 def test_adapter_names_are_checked_where_the_settings_are_read(tmp_path):
     from pydantic import ValidationError
 
@@ -551,6 +594,10 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
         with session_scope(settings.sqlalchemy_url) as db:
             db.get(WorkerState, "w1").state = {"served": [s.model_name, "tilted"], "runtime_lora": True}
         assert "runtime_lora" not in c.get("/readyz").json()["checks"]
+        s.lora_resolver_dir = tmp_path / "no-such-dir"  # (the app reads its settings object per request)
+        assert "is not a directory" in c.get("/readyz").json()["checks"]["lora_resolver_dir"]
+        s.lora_resolver_dir = tmp_path
+        assert "lora_resolver_dir" not in c.get("/readyz").json()["checks"]
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": _adapter_dir(tmp_path / "rt")},
                    headers=H(keys.admin))
         assert r.status_code == 200, r.text
