@@ -559,9 +559,12 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
                     extra: dict[str, Any] | None = None,
                     logprobs: list[dict[str, Any]] | None = None,
                     tool_calls: list[dict[str, Any]] | None = None,
-                    cached_tokens: int | None = None) -> dict[str, Any]:
-    """``tool_calls``: the calls the text was read as (``content``: the text before them, or None)."""
+                    cached_tokens: int | None = None, reasoning: str | None = None) -> dict[str, Any]:
+    """``tool_calls``: the calls the text was read as (``content``: the text before them, or None);
+    ``reasoning``: a reasoning model's thinking, as vLLM's message carries it."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning"] = reasoning
     if tool_calls is not None:
         message["tool_calls"] = tool_calls
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
@@ -588,7 +591,7 @@ def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[
     content = echo + answer.content if echo and answer.content is not None else answer.content
     return chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
                            completion_tokens, extra, logprobs, tool_calls=answer.tool_calls,
-                           cached_tokens=cached_tokens)
+                           cached_tokens=cached_tokens, reasoning=answer.reasoning)
 
 
 def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:

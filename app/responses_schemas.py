@@ -25,7 +25,7 @@ from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "user", "stream",
                  "service_tier", "parallel_tool_calls", "ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "tier",
-                 "app_id", "ignore_eos", "chat_template_kwargs")
+                 "app_id", "ignore_eos", "chat_template_kwargs", "structured_outputs")
 # a chat field named in an error -> the Responses field the client wrote
 RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
                    "logprobs": "include"}
@@ -199,6 +199,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":  # a reasoning model's earlier thinking, given back: its turn is the answer
+            continue
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
                 raise OpenAIError(400, f"{where}: a function_call_output has call_id and output (strings)",
@@ -305,6 +307,13 @@ def message_item(job_id: str, text: str, status: str = "completed",
             if text or status == "completed" else []}
 
 
+def reasoning_item(job_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking as a Responses reasoning item (its text as a ``reasoning_text`` part)."""
+    return {"id": "rs_" + job_id.removeprefix("job_"), "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if text or status == "completed" else [],
+            "encrypted_content": None}
+
+
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     """A chat tool call as a Responses function_call item (its id is chat's call id, as is its call_id)."""
     return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": status,
@@ -315,8 +324,9 @@ def output_items(job_id: str, answer: Answer, logprobs: list[dict[str, Any]] | N
                  status: str = "completed") -> list[dict[str, Any]]:
     """``status``: the items' (``incomplete``: a cancelled response's, cut where it stopped)."""
     shown = answer.content or not answer.tool_calls
+    thought = [reasoning_item(job_id, answer.reasoning, status)] if answer.reasoning is not None else []
     items = [message_item(job_id, answer.content or "", status, logprobs)] if shown else []
-    return items + [call_item(c, status) for c in answer.tool_calls or ()]
+    return thought + items + [call_item(c, status) for c in answer.tool_calls or ()]
 
 
 STATUSES = {"queued": "queued", "running": "in_progress", "relegated": "in_progress", "succeeded": "completed",

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.reasoning import ReasoningParser
 
 DEFAULT_TIERS = ("free", "paid")  # the service tiers, lowest first (free work is relegated first)
 
@@ -92,6 +93,11 @@ class Settings(BaseSettings):
                           "calls, or name[ARGS]{json}; call ids of 9 letters and digits, as Mistral's templates "
                           "take); unset: 'auto' is refused and only forced "
                           "choices are served (vLLM's --tool-call-parser)")
+    reasoning_parser: ReasoningParser | None = Field(
+        None, description="how a reasoning model's thinking is read out of its chat answers (vLLM's "
+                          "--reasoning-parser): 'deepseek_r1' (the answer starts in thought, up to </think>) or "
+                          "'qwen3' (an answer that starts with <think> thinks up to </think>); the thinking goes "
+                          "in the message's 'reasoning' and in a Responses reasoning item, not in the content")
     # worker
     worker_id: str | None = None
     lease_seconds: float = 30.0

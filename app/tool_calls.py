@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from app.reasoning import ReasoningStream, split_reasoning
 from app.tool_call_scan import CallScanner, raw_arguments
 from app.tool_syntax import SYNTAXES, RawCall, read_call
 from app.wire import Text
@@ -161,11 +162,13 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | No
 
 @dataclass(frozen=True)
 class Answer:
-    """A chat job's answer in OpenAI's terms: its content, its tool calls and why it ended."""
+    """A chat job's answer in OpenAI's terms: its content, its tool calls and why it ended; a reasoning model's
+    thinking (``reasoning``, where the job reads it: ``app.reasoning``)."""
 
     content: str | None
     tool_calls: list[dict[str, Any]] | None
     finish_reason: str
+    reasoning: str | None = None
 
 
 def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_reason: str | None) -> Answer:
@@ -173,8 +176,14 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     arguments as generated (cut short by max_tokens too, as vLLM answers), the list of ``"required"`` where it
     parses (else the text is the content); ``"auto"`` reads the model's own syntax (the job's ``tool_parser``),
     with the content before the calls. Calls end in ``tool_calls`` except a named one, which ends in ``stop``,
-    as OpenAI answers them."""
+    as OpenAI answers them. A reasoning model's thinking comes first, out of the content (the job's
+    ``reasoning_parser``); its calls are read from the rest."""
     sampling = sampling or {}
+    if parser := sampling.get("reasoning_parser"):
+        reasoning, content = split_reasoning(parser, text)
+        answer = read_answer(job_id, {**sampling, "reasoning_parser": None}, content or "", engine_reason)
+        kept = answer.content if content is not None or answer.tool_calls else None  # never stopped thinking
+        return replace(answer, content=kept, reasoning=reasoning)
     choice, reason = sampling.get("tool_choice"), engine_reason or "stop"
     if choice is None:
         return Answer(text, None, reason)
@@ -202,19 +211,28 @@ class AnswerStream:
 
     def __init__(self, job_id: str, sampling: dict[str, Any] | None) -> None:
         self.job_id, self.sampling = job_id, sampling or {}
+        parser = self.sampling.get("reasoning_parser")
+        self.thinking = ReasoningStream(parser) if parser else None  # the thinking, read off before the rest
+        self.whole: list[str] = []  # every piece, thinking included: the whole answer is read from it at the end
         self.choice = self.sampling.get("tool_choice")
         self.syntax = SYNTAXES[self.sampling.get("tool_parser") or "hermes"] if self.choice == "auto" else None
         self.most = 1 if self.sampling.get("parallel_tool_calls") is False else None  # calls sent at most
-        self.text = ""  # all of the text so far (free text: in ``free``, joined at the end)
-        self.free: list[str] = []  # a free text's pieces: no copy of the whole text per token on the stream
+        self.text = ""  # the answer's text so far, where calls are read from it (free text: only in ``whole``)
         self.shown = 0  # characters of it sent as content (a named call: as its arguments)
         self.scanner: CallScanner | None = None  # "required" and "auto": the calls read so far
         self.sent: dict[int, int] = {}  # characters of each call's arguments sent, by its index (opened calls)
 
-    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
-        """The content and the tool-call deltas to send now, given the text's next ``delta``."""
+    def feed(self, delta: str) -> tuple[str, str, list[dict[str, Any]] | None]:
+        """The reasoning, the content and the tool-call deltas to send now, given the text's next ``delta``."""
+        self.whole.append(delta)
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, delta = self.thinking.feed(delta)
+        return (reasoning, *self._content(delta)) if delta else (reasoning, "", None)
+
+    def _content(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
+        """The content and the tool-call deltas of the answer's (not thinking) text's next ``delta``."""
         if self.choice is None:
-            self.free.append(delta)
             return delta, None
         self.text += delta
         if isinstance(self.choice, dict):
@@ -263,9 +281,16 @@ class AnswerStream:
         return [{"index": 0, "id": call_id(self.job_id, 0, self.sampling.get("tool_parser")), "type": "function",
                  "function": {"name": name, "arguments": arguments}}]
 
-    def end(self, engine_reason: str | None) -> tuple[str, list[dict[str, Any]] | None, Answer]:
-        """The content and the tool-call deltas still to send, and the whole answer, once the text is whole."""
-        answer = read_answer(self.job_id, self.sampling, "".join(self.free) or self.text, engine_reason)
+    def end(self, engine_reason: str | None) -> tuple[str, str, list[dict[str, Any]] | None, Answer]:
+        """The reasoning, the content and the tool-call deltas still to send, and the whole answer, once the text
+        is whole."""
+        reasoning, held = self.thinking.end() if self.thinking is not None else ("", "")
+        content, calls = self._content(held) if held else ("", None)
+        rest, more, answer = self._rest(engine_reason)
+        return reasoning, content + rest, (calls or []) + (more or []) or None, answer
+
+    def _rest(self, engine_reason: str | None) -> tuple[str, list[dict[str, Any]] | None, Answer]:
+        answer = read_answer(self.job_id, self.sampling, "".join(self.whole), engine_reason)
         if self.choice is None or (isinstance(self.choice, dict) and self.shown):
             return "", None, answer  # all shown already (a named call went out as it came)
         rest = []

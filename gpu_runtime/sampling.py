@@ -159,4 +159,5 @@ class SamplingParams:
                    prompt_logprobs=sp.get("prompt_logprobs"),
                    logit_bias=tuple(sorted((int(t), float(b)) for t, b in (sp.get("logit_bias") or {}).items())),
                    min_tokens=int(sp.get("min_tokens") or 0), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-                   skip_special_tokens=not sp.get("tool_parser"))  # the model's own call syntax is read: keep tags
+                   # the model's own call or thinking syntax is read: keep its tags
+                   skip_special_tokens=not (sp.get("tool_parser") or sp.get("reasoning_parser")))

@@ -150,9 +150,11 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
 
     def chunk(i: int, text: str | None, finish: str | None, generated: int, first: bool = False,
               logprobs: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None,
-              offset: int = 0) -> dict[str, Any]:
+              offset: int = 0, reasoning: str = "") -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if reasoning:
+                delta["reasoning"] = reasoning  # a reasoning model's thinking (vLLM's delta field)
             if text:
                 delta["content"] = text
             if tool_calls:
@@ -184,7 +186,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         echo[i], echoed[i] = False, len(prompt)
                     case Piece(choice=i):
                         yield _sse(chunk(i, item.content, None, item.generated, logprobs=item.logprobs,
-                                         tool_calls=item.calls, offset=item.offset))
+                                         tool_calls=item.calls, offset=item.offset, reasoning=item.reasoning))
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _sse_error(OpenAIError(503, item.message, type="server_error", code="stream_interrupted"))
                         return  # no [DONE]: the answer is incomplete

@@ -27,8 +27,8 @@ from app.db.models import Job, JobStatus
 from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_item, history_of, in_responses_terms,
-                                   item_page, job_id_of, message_item, own_input_items, response_body, stored_answer,
-                                   token_logprobs)
+                                   item_page, job_id_of, message_item, own_input_items, reasoning_item, response_body,
+                                   stored_answer, token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
@@ -108,7 +108,9 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
     """The job as the Responses API's typed events, without their sequence numbers: created, the output items'
     text and call arguments as they come, then completed (or incomplete, failed; an ``error`` event where the
     stream broke). The same job's events are the same events every time its stream is read."""
-    items: list[dict[str, Any]] = []  # the output items opened, in order (a message, then function calls)
+    items: list[dict[str, Any]] = []  # the output items opened, in order (reasoning, a message, function calls)
+    thought: dict[str, Any] | None = None  # the reasoning item while it is open
+    thinking = ""  # its text so far
     message: dict[str, Any] | None = None  # the message item while it is open
     text = ""  # its text so far
     calls: dict[int, dict[str, Any]] = {}  # the call items by the call's index
@@ -128,6 +130,27 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                        part=part),
                 _event("response.output_item.done", output_index=at, item=item)]
 
+    def close_thought() -> list[Event]:
+        nonlocal thought
+        if thought is None:
+            return []
+        at, item = items.index(thought), reasoning_item(job.id, thinking)
+        items[at], thought = item, None
+        return [_event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                       text=thinking),
+                _event("response.output_item.done", output_index=at, item=item)]
+
+    def think(reasoning: str) -> list[Event]:
+        nonlocal thought, thinking
+        out: list[Event] = []
+        if thought is None:
+            thought = reasoning_item(job.id, "", status="in_progress")
+            items.append(thought)
+            out.append(_event("response.output_item.added", output_index=len(items) - 1, item=thought))
+        thinking += reasoning
+        return out + [_event("response.reasoning_text.delta", item_id=thought["id"], output_index=items.index(thought),
+                             content_index=0, delta=reasoning)]
+
     def open_message() -> list[Event]:
         nonlocal message
         message = message_item(job.id, "", status="in_progress")
@@ -137,20 +160,20 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                 _event("response.content_part.added", item_id=message["id"], output_index=at, content_index=0,
                        part={"type": "output_text", "text": "", "annotations": []})]
 
-    def pieces(content: str, deltas: list[dict[str, Any]] | None) -> list[Event]:
+    def pieces(reasoning: str, content: str, deltas: list[dict[str, Any]] | None) -> list[Event]:
         nonlocal text, pending
-        out: list[Event] = []
+        out: list[Event] = think(reasoning) if reasoning else []
         if content:
             if message is None:
-                out += open_message()
+                out += close_thought() + open_message()
             text += content
             sent, pending = token_logprobs(logprobs[len(logprobs) - pending:]) if pending else [], 0
             out.append(_event("response.output_text.delta", item_id=message["id"],
                               output_index=items.index(message), content_index=0, delta=content, logprobs=sent))
         for delta in deltas or ():
             k = delta["index"]
-            if "id" in delta:  # a call opens: the message before it is done
-                out += close_message()
+            if "id" in delta:  # a call opens: the thinking and the message before it are done
+                out += close_thought() + close_message()
                 call = {**delta, "function": {**delta["function"], "arguments": ""}}
                 calls[k] = call_item(call, status="in_progress")
                 items.append(calls[k])
@@ -181,7 +204,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                         if logprobs is not None and item.logprobs:
                             logprobs += item.logprobs
                             pending += len(item.logprobs)
-                        for out in pieces(item.content, item.calls):
+                        for out in pieces(item.reasoning, item.content, item.calls):
                             yield out
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _event("error", code="stream_interrupted", param=None, message=item.message)
@@ -190,8 +213,9 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                             job, kept, settings.tiers, status=item.status,
                             error=_error(item.status, item.error, item.code)))
                     case Finished():
-                        opened = [] if items else open_message()  # an empty answer is an empty message
-                        for out in opened + close_message() + close_calls():
+                        # an answer with neither text nor calls has an empty message
+                        opened = [] if calls or any(i["type"] == "message" for i in items) else open_message()
+                        for out in close_thought() + opened + close_message() + close_calls():
                             yield out
                         body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED,
                                              answer=item.answer, prompt_tokens=item.prompt_tokens,

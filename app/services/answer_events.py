@@ -44,6 +44,7 @@ class Piece:
 
     choice: int
     content: str  # text that is the answer's content
+    reasoning: str  # a reasoning model's thinking (where the job reads it apart: ``app.reasoning``)
     calls: list[dict[str, Any]] | None  # tool-call deltas, each naming its call's index
     logprobs: list[dict[str, Any]] | None  # token logprobs new with it (None where the job asked for none)
     offset: int  # characters of the choice's text before this piece's (completions' text_offset)
@@ -129,12 +130,12 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
     begun = [False] * len(jobs)
     unfinished = len(jobs)
 
-    def piece(i: int, content: str, calls: list[dict[str, Any]] | None, logprobs: list[dict[str, Any]] | None,
-              text: str) -> Piece | None:
-        given = Piece(i, content, calls, logprobs, delivered[i], generated[i])
+    def piece(i: int, reasoning: str, content: str, calls: list[dict[str, Any]] | None,
+              logprobs: list[dict[str, Any]] | None, text: str) -> Piece | None:
+        given = Piece(i, content, reasoning, calls, logprobs, delivered[i], generated[i])
         delivered[i] += len(text)
         logprobs_given[i] += len(logprobs or ())
-        return given if content or calls or logprobs else None
+        return given if reasoning or content or calls or logprobs else None
 
     async with aclosing(merged_events(settings, jobs)) as events:
         async for i, ev in events:
@@ -156,8 +157,8 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                     rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_given[i])
                     if given := piece(i, *answers[i].feed(rest), rest_logprobs or None, rest):
                         yield given
-                content, calls, answer = answers[i].end(ev.finish_reason)
-                if given := piece(i, content, calls, None, ""):
+                reasoning, content, calls, answer = answers[i].end(ev.finish_reason)
+                if given := piece(i, reasoning, content, calls, None, ""):
                     yield given
                 yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0,
                                ev.data.get("cached_tokens"))

@@ -51,9 +51,11 @@ class IdempotencyConflict(ValueError):
     """The Idempotency-Key was already used for a different request (HTTP 409)."""
 
 
+# the routes whose answers carry a reasoning model's thinking apart from the content (as vLLM's do)
+REASONING_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")
 # the sampling fields jobs stored before they existed hold at these values
 NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
-                    "tool_parser": None, "parallel_tool_calls": True, "logit_bias": None,
+                    "tool_parser": None, "reasoning_parser": None, "parallel_tool_calls": True, "logit_bias": None,
                     "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
@@ -141,6 +143,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 code="unsupported_value")
     if sampling["tool_choice"] is not None and settings.tool_call_parser is not None:
         sampling["tool_parser"] = settings.tool_call_parser  # its syntax, and its calls' id style (Mistral: 9 letters)
+    if settings.reasoning_parser is not None and endpoint in REASONING_ENDPOINTS:
+        sampling["reasoning_parser"] = settings.reasoning_parser  # its answers' thinking is read apart
     if spec.logit_bias:
         check_token_ids(settings.model, list(spec.logit_bias), "logit_bias")
     if spec.stop_token_ids:

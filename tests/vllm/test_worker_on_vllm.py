@@ -314,6 +314,22 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert r.status_code == 201, r.text
     native = finished(base, keys.paid, r.json()["id"])
     assert native["tool_calls"][0]["function"]["name"] == "get_weather", native
+    # a reasoning model's thinking (COSERVE_REASONING_PARSER): out of the content, in the message's reasoning, the
+    # stream's reasoning deltas and a Responses reasoning item (a regex makes this model think in qwen3's tags)
+    settings.reasoning_parser = "qwen3"
+    think_kw = dict(model="smollm2-135m-instruct", messages=ask, max_tokens=40, temperature=0,
+                    extra_body={"structured_outputs": {"regex": "<think>[a-z ]{4,24}</think>(Paris|Rome|Oslo)"}})
+    thought = oai.chat.completions.create(**think_kw).choices[0].message
+    assert thought.model_extra["reasoning"] and thought.content in ("Paris", "Rome", "Oslo"), thought
+    assert "<think>" not in thought.content + thought.model_extra["reasoning"]
+    chunks = [c.choices[0].delta for c in oai.chat.completions.create(**think_kw, stream=True) if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in chunks) == thought.model_extra["reasoning"]
+    assert "".join(d.content or "" for d in chunks) == thought.content
+    reply = oai.responses.create(model="smollm2-135m-instruct", input=ask, max_output_tokens=40, temperature=0,
+                                 extra_body=think_kw["extra_body"])  # vLLM's structured_outputs, as on chat
+    assert [i.type for i in reply.output] == ["reasoning", "message"], reply.output
+    assert reply.output[0].content[0].text == thought.model_extra["reasoning"] and reply.output_text == thought.content
+    settings.reasoning_parser = None
     # what only vLLM can judge (a regex it cannot compile) comes back as the client's error, a 400, not a 500
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8,

@@ -43,8 +43,8 @@ def test_each_choice_adds_its_text_and_ends_with_its_whole_answer(monkeypatch):
               (1, delta(": 1}")), (0, end()), (1, end())]
     items = items_of(monkeypatch, [TEXT_JOB, CALL_JOB], events)
     assert items[0] == Begun(0, [{"x": 1}])
-    assert items[1] == Piece(0, "He", None, None, offset=0, generated=2)
-    assert [i for i in items if isinstance(i, Piece) and i.choice == 0][1] == Piece(0, "llo", None, None, 2, 3)
+    assert items[1] == Piece(0, "He", "", None, None, offset=0, generated=2)
+    assert [i for i in items if isinstance(i, Piece) and i.choice == 0][1] == Piece(0, "llo", "", None, None, 2, 3)
     call_args = "".join(d["function"]["arguments"] for i in items if isinstance(i, Piece) and i.choice == 1
                         for d in i.calls or ())
     assert call_args == '{"a": 1}'
@@ -59,7 +59,7 @@ def test_an_end_from_sql_gives_the_rest_of_the_text_and_its_logprobs(monkeypatch
     sql_end = end(from_sql=True, output_text="Hello", logprobs=lp)
     items = items_of(monkeypatch, [TEXT_JOB], [(0, delta("He", logprobs=lp[:1])), (0, sql_end)])
     pieces = [i for i in items if isinstance(i, Piece)]
-    assert pieces[-1] == Piece(0, "llo", None, lp[1:], offset=2, generated=1)
+    assert pieces[-1] == Piece(0, "llo", "", None, lp[1:], offset=2, generated=1)
     assert items[-1].answer.content == "Hello"
 
 

@@ -19,10 +19,10 @@ JOB = SimpleNamespace(id="job_x", status="running", created_at=datetime(2026, 1,
                       tier="paid", sampling={"tool_choice": "required"})
 
 
-def events(monkeypatch, starting_after: int | None = None) -> list[dict]:
-    items = [Piece(0, "", [{"index": 0, **CALL, "function": {"name": "get_weather", "arguments": '{"city"'}}],
+def events(monkeypatch, starting_after: int | None = None, items: list | None = None) -> list[dict]:
+    items = items or [Piece(0, "", "", [{"index": 0, **CALL, "function": {"name": "get_weather", "arguments": '{"city"'}}],
                    None, 0, 3),
-             Piece(0, "", [{"index": 0, "function": {"arguments": ': "Rome"}'}}], None, 7, 5),
+             Piece(0, "", "", [{"index": 0, "function": {"arguments": ': "Rome"}'}}], None, 7, 5),
              Finished(0, Answer(None, [CALL], "tool_calls"), 9, 5)]
 
     async def answer_events(_settings, _jobs, chat=True):
@@ -60,3 +60,26 @@ def test_a_resumed_stream_starts_after_the_number_it_was_given(monkeypatch):
     whole = events(monkeypatch)
     resumed = events(monkeypatch, starting_after=3)
     assert resumed == whole[4:]
+
+
+def test_a_reasoning_models_thinking_is_a_reasoning_item_before_its_message(monkeypatch):
+    thinking = [Piece(0, "", "Rome is", None, None, 0, 2), Piece(0, "", " sunny", None, None, 7, 3),
+                Piece(0, "It is sunny.", "", None, None, 22, 6),
+                Finished(0, Answer("It is sunny.", None, "stop", reasoning="Rome is sunny"), 9, 6)]
+    sent = events(monkeypatch, items=thinking)
+    kinds = [e["type"] for e in sent]
+    assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.delta", "response.reasoning_text.done"]
+    assert sent[2]["item"]["type"] == "reasoning" and sent[2]["item"]["content"] == []
+    assert "".join(e["delta"] for e in sent if e["type"] == "response.reasoning_text.delta") == "Rome is sunny"
+    assert kinds[6] == "response.output_item.done" and kinds[7] == "response.output_item.added"  # then the message
+    assert sent[7]["output_index"] == 1 and sent[7]["item"]["type"] == "message"
+    final = sent[-1]["response"]["output"]
+    assert [i["type"] for i in final] == ["reasoning", "message"]
+    assert final[0]["content"] == [{"type": "reasoning_text", "text": "Rome is sunny"}] == sent[6]["item"]["content"]
+    assert final[1]["content"][0]["text"] == "It is sunny."
+    cut_off = [Piece(0, "", "Still", None, None, 0, 1),  # it never stopped thinking: an empty message after it
+               Finished(0, Answer(None, None, "length", reasoning="Still"), 9, 1)]
+    sent = events(monkeypatch, items=cut_off)
+    added = [e["item"]["type"] for e in sent if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message"] and [i["type"] for i in sent[-1]["response"]["output"]] == added

@@ -125,8 +125,8 @@ def test_llama3_json_stream_holds_back_what_may_be_a_call():
     assert LLAMA3.content_so_far("The weather") == len("The weather")
     assert LLAMA3.content_so_far("The weather {", known=3) == len("The weather {")  # shown as content already
     stream = AnswerStream("job_l", {"tool_choice": "auto", "tool_parser": "llama3_json"})
-    fed = [stream.feed(p) for p in ['{"name": "get_time", ', '"parameters": {}}']]
-    rest, calls, answer = stream.end("stop")
+    fed = [stream.feed(p)[1:] for p in ['{"name": "get_time", ', '"parameters": {}}']]
+    _, rest, calls, answer = stream.end("stop")
     assert fed == [("", None), ("", [{"index": 0, "id": "call_l_0", "type": "function",
                                       "function": {"name": "get_time", "arguments": "{}"}}])]
     assert (rest, calls) == ("", None) and answer.content is None and answer.finish_reason == "tool_calls"
@@ -147,8 +147,8 @@ def test_auto_streams_the_content_then_each_call_as_it_comes():
     stream = AnswerStream("job_s", sampling)
     pieces = ["Let", " me <", "tool_call>{\"name\": \"get_weather\",", " \"arguments\": {\"ci", "ty\": \"Oslo\"}",
               "}</tool_call>\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>"]
-    fed = [stream.feed(p) for p in pieces]
-    rest, calls, answer = stream.end("stop")
+    fed = [stream.feed(p)[1:] for p in pieces]
+    _, rest, calls, answer = stream.end("stop")
     deltas = [d for _, ds in fed for d in ds or ()] + (calls or [])
     assert [d["function"].get("arguments") for d in deltas] == ['{"ci', 'ty": "Oslo"}', "{}"]  # as they came
     assert [d.get("id") for d in deltas] == ["call_s_0", None, "call_s_1"]
@@ -156,33 +156,33 @@ def test_auto_streams_the_content_then_each_call_as_it_comes():
     assert "".join(t for t, _ in fed) + rest == "Let me " and answer.content == "Let me "
     assert answer.finish_reason == "tool_calls" and calls is None
     one = AnswerStream("job_o", {**sampling, "parallel_tool_calls": False})  # the first call only
-    sent = [d for p in pieces for d in one.feed(p)[1] or ()] + (one.end("stop")[1] or [])
+    sent = [d for p in pieces for d in one.feed(p)[2] or ()] + (one.end("stop")[2] or [])
     assert [c["function"]["name"] for c in streamed_calls(sent)] == ["get_weather"]
     plain = AnswerStream("job_p", sampling)  # no call: every character is shown, the held-back tail at the end
-    shown = "".join(plain.feed(p)[0] for p in ["1 <", " 2"]) + plain.end("stop")[0]
+    shown = "".join(plain.feed(p)[1] for p in ["1 <", " 2"]) + plain.end("stop")[1]
     assert shown == "1 < 2"
     free = AnswerStream("job_t", None)
-    assert free.feed("abc") == ("abc", None)
-    assert free.end("length") == ("", None, read_answer("job_t", None, "abc", "length"))  # the whole answer
+    assert free.feed("abc") == ("", "abc", None)
+    assert free.end("length") == ("", "", None, read_answer("job_t", None, "abc", "length"))  # the whole answer
 
 
 def test_a_named_call_streams_its_arguments_as_they_come():
     forced = AnswerStream("job_f", {"tool_choice": NAMED})
-    deltas = [forced.feed(p) for p in [" ", '{"city":', "", ' "Rome"}']]
+    deltas = [forced.feed(p)[1:] for p in [" ", '{"city":', "", ' "Rome"}']]
     assert deltas[0] == ("", None)  # blank so far: no call yet
     assert deltas[1] == ("", [{"index": 0, "id": "call_f_0", "type": "function",
                                "function": {"name": "get_weather", "arguments": ' {"city":'}}])
     assert deltas[2] == ("", None) and deltas[3] == ("", [{"index": 0, "function": {"arguments": ' "Rome"}'}}])
-    rest, calls, answer = forced.end("stop")
+    _, rest, calls, answer = forced.end("stop")
     assert (rest, calls) == ("", None)  # nothing left to send
     assert answer.tool_calls[0]["function"]["arguments"] == ' {"city": "Rome"}' and answer.finish_reason == "stop"
     blank = AnswerStream("job_b", {"tool_choice": NAMED})
-    assert blank.feed("  ") == ("", None) and blank.end("length")[:2] == ("  ", None)  # no call: the text as is
+    assert blank.feed("  ") == ("", "", None) and blank.end("length")[1:3] == ("  ", None)  # no call: the text as is
     required = AnswerStream("job_r", {"tool_choice": "required"})
     pieces = ['[{"name": "get_weather", "param', 'eters": {"city":"Os', 'lo"}}, {"parameters": {"q": ["a"]}, ',
               '"name": "search"}]']
-    fed = [required.feed(p) for p in pieces]
-    rest, calls, answer = required.end("stop")
+    fed = [required.feed(p)[1:] for p in pieces]
+    _, rest, calls, answer = required.end("stop")
     deltas = [d for _, ds in fed for d in ds or ()] + (calls or [])
     assert fed[0] == ("", None) and fed[1][1][0]["function"] == {"name": "get_weather", "arguments": '{"city":"Os'}
     assert streamed_calls(deltas) == answer.tool_calls and answer.finish_reason == "tool_calls"
@@ -319,8 +319,8 @@ def test_the_call_scanner_reads_strings_nesting_and_arguments_that_are_no_object
     assert second.name == "b" and not second.streamable and second.arguments(text) is None
     assert raw_arguments(text, 2) == [first.arguments(text), None]
     stream = AnswerStream("job_x", {"tool_choice": "required"})
-    fed = [d for c in text for d in stream.feed(c)[1] or ()]
-    rest, calls, answer = stream.end("stop")
+    fed = [d for c in text for d in stream.feed(c)[2] or ()]
+    _, rest, calls, answer = stream.end("stop")
     assert [d["index"] for d in calls] == [1] and calls[0]["function"]["arguments"] == "{}"  # the string, whole
     assert streamed_calls(fed + calls) == answer.tool_calls
 
@@ -345,8 +345,8 @@ def test_mistral_calls_stream_with_ids_its_templates_take():
     sampling = {"tool_choice": "auto", "tool_parser": "mistral"}
     stream = AnswerStream("job_m", sampling)
     pieces = ["Checking", " [TOOL", '_CALLS] [{"name": "get_weather", "arguments": {"ci', 'ty": "Rome"}}]']
-    fed = [stream.feed(p) for p in pieces]
-    rest, calls, answer = stream.end("stop")
+    fed = [stream.feed(p)[1:] for p in pieces]
+    _, rest, calls, answer = stream.end("stop")
     deltas = [d for _, ds in fed for d in ds or ()] + (calls or [])
     assert "".join(t for t, _ in fed) + rest == "Checking " == answer.content
     assert streamed_calls(deltas) == answer.tool_calls and len(deltas) == 2  # named, then the rest of its arguments
@@ -354,8 +354,8 @@ def test_mistral_calls_stream_with_ids_its_templates_take():
     assert len(ids) == 150 and all(len(i) == 9 and i.isalnum() for i in ids)
     assert answer.tool_calls[0]["id"] == call_id("job_m", 0, "mistral")
     v11 = AnswerStream("job_v", sampling)  # name[ARGS]{...}: the calls go out whole at the end
-    fed = [v11.feed(p) for p in ["[TOOL_CALLS]get_time", "[ARGS]", "{}"]]
-    rest, calls, answer = v11.end("stop")
+    fed = [v11.feed(p)[1:] for p in ["[TOOL_CALLS]get_time", "[ARGS]", "{}"]]
+    _, rest, calls, answer = v11.end("stop")
     assert all(ds is None for _, ds in fed) and streamed_calls(calls) == answer.tool_calls
 
 
@@ -380,8 +380,8 @@ def test_any_chunking_of_the_calls_streams_deltas_that_add_up_to_the_answer(call
     sampling = {"tool_choice": "required"} if syntax == "required" else {"tool_choice": "auto", "tool_parser": syntax}
     stream = AnswerStream("job_h", sampling)
     bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
-    fed = [stream.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
-    rest, more, answer = stream.end("stop")
+    fed = [stream.feed(text[a:b])[1:] for a, b in zip(bounds, bounds[1:])]
+    _, rest, more, answer = stream.end("stop")
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer.tool_calls] == calls
     assert streamed_calls([d for _, ds in fed for d in ds or ()] + (more or [])) == answer.tool_calls
     assert "".join(t for t, _ in fed) + rest == (answer.content or "")
