@@ -359,6 +359,9 @@ def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
     return None, at
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's values
+
+
 class ChatCompletionRequest(_Base):
     messages: list[dict[str, Any]] = Field(min_length=1)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -371,6 +374,8 @@ class ChatCompletionRequest(_Base):
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None  # vLLM's: the answer starts with the last message where it is the assistant's
+    # how hard a reasoning model thinks: as vLLM, the chat template's reasoning_effort and enable_thinking
+    reasoning_effort: ReasoningEffort | None = None
     # OpenAI's stored chat completions: the answer is kept, to list and retrieve (app.services.stored_completions)
     store: bool | None = None
     metadata: Metadata | None = None
@@ -389,7 +394,12 @@ class ChatCompletionRequest(_Base):
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls}
 
     def template_fields(self) -> dict[str, Any]:
-        return {k: v for k in TEMPLATE_DEFAULTS if (v := getattr(self, k)) is not None}
+        fields = {k: v for k in TEMPLATE_DEFAULTS if (v := getattr(self, k)) is not None}
+        if self.reasoning_effort is not None:  # the request's own chat_template_kwargs win, as they are explicit
+            fields["chat_template_kwargs"] = {"reasoning_effort": self.reasoning_effort,
+                                              "enable_thinking": self.reasoning_effort != "none",
+                                              **fields.get("chat_template_kwargs", {})}
+        return fields
 
     def echo_fields(self) -> dict[str, Any]:
         last = self.messages[-1] if self.messages else {}

@@ -28,11 +28,11 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "f
                  "app_id", "ignore_eos", "chat_template_kwargs", "structured_outputs")
 # a chat field named in an error -> the Responses field the client wrote
 RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
-                   "logprobs": "include"}
+                   "logprobs": "include", "reasoning_effort": "reasoning.effort"}
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
-        "text", "background", "truncation")
+        "text", "background", "truncation", "reasoning")
 
 
 def response_id(job_id: str) -> str:
@@ -81,9 +81,7 @@ class ResponsesRequest(BaseModel):
                               param="conversation")
         if self.conversation is not None and self.previous_response_id is not None:
             raise OpenAIError(400, "give conversation or previous_response_id, not both", param="conversation")
-        for name, ok in (("prompt", self.prompt is None),
-                         ("reasoning", not (self.reasoning or {}).get("effort") and not (self.reasoning or {}).get(
-                             "summary"))):
+        for name, ok in (("prompt", self.prompt is None), ("reasoning", not (self.reasoning or {}).get("summary"))):
             if not ok:
                 raise OpenAIError(400, f"{name}={getattr(self, name)!r} is not supported by this server; leave "
                                        f"{name} unset", param=name, code="unsupported_value")
@@ -118,6 +116,8 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if (fmt := (self.text or {}).get("format")) is not None:
             body["response_format"] = chat_response_format(fmt)
+        if (effort := (self.reasoning or {}).get("effort")) is not None:
+            body["reasoning_effort"] = effort  # checked as chat's (reasoning.effort in the error)
         if LOGPROBS_INCLUDE in (self.include or ()):
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         try:
@@ -354,7 +354,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
             job.id, answer, logprobs, "incomplete" if state == "cancelled" else "completed"),
         "parallel_tool_calls": sampling.get("parallel_tool_calls", True),
         "previous_response_id": kept.get("previous_response_id"), "conversation": kept.get("conversation"),
-        "reasoning": None,
+        "reasoning": {"effort": effort, "summary": None} if (effort := (kept.get("reasoning") or {}).get("effort"))
+        else None,
         "service_tier": service_tier(job.tier, tiers), "store": kept.get("store", True),
         "temperature": sampling.get("temperature"), "text": {"format": fmt},
         "tool_choice": kept.get("tool_choice", "auto" if kept.get("tools") else "none"),

@@ -145,3 +145,26 @@ def test_responses_input_tokens_count_what_the_response_would_run_on(client, key
         assert r.status_code == status and (param is None or r.json()["error"]["param"] == param), (body, r.text)
     assert client.post("/v1/responses/input_tokens", json={"conversation": conv},
                        headers=H(keys.other)).status_code == 400  # another tenant's conversation
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(client, keys, settings):
+    """Chat's ``reasoning_effort`` and Responses' ``reasoning.effort``: the template's ``reasoning_effort``, and its
+    ``enable_thinking`` (off for "none") unless the request's own chat_template_kwargs set it."""
+    from app.db.models import Job
+    from app.db.session import session_scope
+    from app.openai_schemas import ChatCompletionRequest
+
+    chat = ChatCompletionRequest(messages=CHAT, reasoning_effort="none")
+    assert chat.template_fields() == {"chat_template_kwargs": {"reasoning_effort": "none", "enable_thinking": False}}
+    own = ChatCompletionRequest(messages=CHAT, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})
+    assert own.template_fields()["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": False}
+
+    r = client.post("/v1/responses", json={"input": "hi", "reasoning": {"effort": "low"}, "background": True,
+                                           "max_output_tokens": 2}, headers=H(keys.paid))
+    assert r.status_code == 200 and r.json()["reasoning"] == {"effort": "low", "summary": None}, r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, "job_" + r.json()["id"].removeprefix("resp_"))
+        assert job.template_options["chat_template_kwargs"] == {"reasoning_effort": "low", "enable_thinking": True}
+    for reasoning, param in (({"effort": "extreme"}, "reasoning.effort"), ({"summary": "auto"}, "reasoning")):
+        r = client.post("/v1/responses", json={"input": "hi", "reasoning": reasoning}, headers=H(keys.paid))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
