@@ -10,7 +10,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.api import (admin, batches, conversations, errors, files, health, jobs, lora, metrics, models,
-                     openai_compat, responses, stored_completions, summarize, tenants, tokenize, usage, webhooks)
+                     openai_compat, prefix_cache, responses, stored_completions, summarize, tenants, tokenize, usage,
+                     webhooks)
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
@@ -111,7 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, lora, files, batches,
-                   summarize, admin, tenants, usage, webhooks, metrics, stored_completions):
+                   summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache):
         api.include_router(module.router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES)
     _document_openai_errors(api)

@@ -119,6 +119,11 @@ class Engine:
         with self._lock:
             self._promotions.append((request_id, tier))
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets the executor's cached prefixes, where it keeps any (between steps, from the engine thread)."""
+        reset = getattr(self.executor, "reset_prefix_cache", None)
+        return bool(reset(reset_running_requests)) if reset is not None else True
+
     @property
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.num_unfinished > 0

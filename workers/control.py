@@ -1,7 +1,9 @@
 """Operator actions reaching a worker: Redis pub/sub on ``coserve:control:<worker_id>``.
 
 Messages are JSON ``{"action": "resume" | "promote", "job_id": ..., "tier": ...}`` sent by
-the admin API (``app/api/admin.py``). Drain needs no message: the worker's heartbeat
+the admin API (``app/api/admin.py``), or ``{"action": "reset_prefix_cache", "reply_to": ...}``
+(``POST /reset_prefix_cache``): the worker pushes ``{"worker": ..., "reset": ...}`` on the
+``reply_to`` list once its engine thread reset the cache. Drain needs no message: the worker's heartbeat
 reads ``workers.draining``; cancel goes through the jobs' own cancel channel.
 
 ``start_control_listener(inbox, worker_id, redis_url, stop)`` runs the listener thread; the
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -23,13 +26,29 @@ from gpu_runtime.qos import Tier
 log = logging.getLogger(__name__)
 
 
+REPLY_TTL_S = 120  # a reply list nobody read goes
+
+
 def control_channel(worker_id: str) -> str:
     return f"coserve:control:{worker_id}"
 
 
-def handle(inbox: Any, message: dict[str, Any]) -> bool:
-    """Hands one control message to ``inbox`` (``resume``/``promote``); False if it was not understood."""
+RESET_WAIT_S = 30.0  # how long the listener waits for the engine thread to reset the prefix cache
+
+
+def handle(inbox: Any, message: dict[str, Any], reply: Callable[[str, dict[str, Any]], None] | None = None) -> bool:
+    """Hands one control message to ``inbox`` (``resume``/``promote``, ``reset_prefix_cache``, whose outcome goes
+    to ``reply``); False if it was not understood."""
     action, job_id = message.get("action"), message.get("job_id")
+    if action == "reset_prefix_cache" and isinstance(message.get("reply_to"), str):
+        done = inbox.reset_prefix_cache(bool(message.get("reset_running_requests")))
+        try:
+            outcome: dict[str, Any] = {"reset": bool(done.result(timeout=RESET_WAIT_S))}
+        except Exception as exc:  # noqa: BLE001 - the engine's error or the wait's, said to the operator
+            outcome = {"reset": False, "error": f"{exc.__class__.__name__}: {exc}"}
+        if reply is not None:
+            reply(message["reply_to"], outcome)
+        return True
     if not job_id:
         return False
     if action == "resume":
@@ -51,8 +70,15 @@ def start_control_listener(inbox: Any, worker_id: str, redis_url: str,
                            stop: threading.Event | None = None) -> threading.Thread:
     stop = stop or threading.Event()
 
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
+
+    def answer(reply_to: str, outcome: dict[str, Any]) -> None:
+        with client.pipeline() as pipe:
+            pipe.rpush(reply_to, json.dumps({"worker": worker_id, **outcome}))
+            pipe.expire(reply_to, REPLY_TTL_S)
+            pipe.execute()
+
     def loop() -> None:
-        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         while not stop.is_set():
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
@@ -61,7 +87,7 @@ def start_control_listener(inbox: Any, worker_id: str, redis_url: str,
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
                         try:
-                            handle(inbox, json.loads(msg["data"]))
+                            handle(inbox, json.loads(msg["data"]), answer)
                         except (ValueError, TypeError) as exc:
                             log.warning("bad control message %r: %s", msg.get("data"), exc)
             except redis.RedisError:

@@ -34,7 +34,7 @@ from app.settings import Settings
 from gpu_runtime.request import RequestStatus
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.inbox import Abort, Add, Command, Inbox, Learn, Promote, Resume
+from workers.inbox import Abort, Add, Command, Inbox, Learn, Promote, ResetPrefixCache, Resume
 from workers.outbox import Outbox, Record, StepRecords
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class EngineThread:
     def _apply(self, commands: list[Command]) -> list[Record]:
         records: list[Record] = []
         for cmd in commands:
-            job = self.active.get(cmd.job_id) if not isinstance(cmd, Learn) else None
+            job = self.active.get(cmd.job_id) if not isinstance(cmd, Learn | ResetPrefixCache) else None
             if isinstance(cmd, Add):
                 if job is None or job.finished:
                     continue
@@ -133,6 +133,11 @@ class EngineThread:
             elif isinstance(cmd, Learn):
                 for key, n in cmd.lengths:
                     self.engine.scheduler.history.record(key, n)
+            elif isinstance(cmd, ResetPrefixCache):
+                try:
+                    cmd.done.set_result(self.engine.reset_prefix_cache(cmd.reset_running_requests))
+                except Exception as exc:  # noqa: BLE001 - the operator hears why; the engine goes on
+                    cmd.done.set_exception(exc)
         return records
 
     # ---------------------------------------------------------------- outputs -> records

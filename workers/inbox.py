@@ -1,4 +1,5 @@
-"""What other threads ask of the engine thread, in one FIFO: add, abort, resume, promote, learn.
+"""What other threads ask of the engine thread, in one FIFO: add, abort, resume, promote, learn, reset the prefix
+cache.
 
 The engine thread is the only caller of the engine. The Celery intake, the cancel
 listener, the heartbeat and the operator's control listener put commands here; the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from gpu_runtime.qos import Tier
@@ -44,7 +46,15 @@ class Learn:
     lengths: tuple[tuple[str, int], ...]
 
 
-Command = Add | Abort | Resume | Promote | Learn
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget the prefix cache's blocks (vLLM's ``reset_prefix_cache``); ``done`` gets whether it was reset."""
+
+    done: Future
+    reset_running_requests: bool = False
+
+
+Command = Add | Abort | Resume | Promote | Learn | ResetPrefixCache
 
 
 class Inbox:
@@ -80,3 +90,9 @@ class Inbox:
 
     def promote(self, job_id: str, tier: Tier) -> None:
         self.put(Promote(job_id, tier))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> Future:
+        """Whether the engine forgot its cached prefix blocks, once the engine thread got to it."""
+        done: Future = Future()
+        self.put(ResetPrefixCache(done, reset_running_requests))
+        return done

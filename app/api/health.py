@@ -5,18 +5,17 @@ balancers set up for it."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from importlib.metadata import version as package_version
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from app.api.deps import SessionDep, SettingsDep
-from app.db.models import WorkerState
+from app.db.models import Job, JobStatus
 from app.services.notify import redis_client
-from app.services.transitions import utcnow
+from app.services.workers import live_workers
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,9 +61,7 @@ def _readiness(session: Session, settings: Settings) -> tuple[bool, dict[str, st
 def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
     """A live worker serves the API's model, and one serves each of its adapters; a job for a model no worker
     consumes would wait in its queue for good."""
-    since = utcnow() - timedelta(seconds=3 * settings.heartbeat_seconds + 1)  # live: beat in three periods
-    live = list(session.scalars(select(WorkerState).where(WorkerState.heartbeat_at >= since,
-                                                          WorkerState.draining.is_(False))))
+    live = live_workers(session, settings)
     if not live:
         return {"workers": "error: no live worker"}
     served = {m for w in live for m in w.served}
@@ -91,6 +88,25 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
 def health(session: SessionDep, settings: SettingsDep) -> Response:
     """vLLM's probe: 200 with an empty body where the service can serve (``/readyz``'s checks pass), else 503."""
     return Response(status_code=200 if _readiness(session, settings)[0] else 503)
+
+
+@router.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                  responses={200: {"description": "ready (empty body)", "content": None},
+                             503: {"description": "not ready (empty body): /readyz says why", "content": None}})
+def ping(session: SessionDep, settings: SettingsDep) -> Response:
+    """SageMaker's probe, as vLLM serves it: ``/health``'s answer."""
+    return health(session, settings)
+
+
+UNFINISHED = tuple(s.value for s in JobStatus if not s.terminal)
+
+
+@router.get("/load")
+def load(session: SessionDep) -> dict[str, int]:
+    """vLLM's load figure for a router in front of several deployments: the jobs this deployment has accepted and
+    not finished (queued, running or relegated, every model's and tenant's)."""
+    return {"server_load": session.scalar(select(func.count()).select_from(Job)
+                                          .where(Job.status.in_(UNFINISHED))) or 0}
 
 
 @router.get("/version")

@@ -166,6 +166,11 @@ class VLLMEngine:
         with self._lock:
             self._inbox.promotions.append((request_id, tier))
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: forgets every cached prefix block (between steps, from the engine thread); False where running
+        requests hold blocks, unless ``reset_running_requests`` preempts them first."""
+        return self.llm.reset_prefix_cache(reset_running_requests)
+
     @property
     def has_work(self) -> bool:
         return bool(self._inbox.new) or self.llm.has_unfinished_requests()

@@ -379,6 +379,12 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0, chunks[-1].usage
     reply = oai.responses.create(model="smollm2-135m-instruct", input=said, max_output_tokens=2)
     assert reply.usage.input_tokens_details.cached_tokens >= reply.usage.input_tokens - 128 > 0, reply.usage
+    # vLLM's POST /reset_prefix_cache (the admin's): the worker's engine forgets every cached block
+    assert httpx.post(f"{base}/reset_prefix_cache", headers=Keys.header(keys.paid)).status_code == 403
+    r = httpx.post(f"{base}/reset_prefix_cache", headers=Keys.header(keys.admin), timeout=60)
+    assert r.status_code == 200 and r.json() == {"reset": True, "workers": {"w-vllm": {"reset": True}}}, r.text
+    cold = oai.completions.create(model="smollm2-135m-instruct", prompt=notes, max_tokens=2, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0, cold.usage
 
     # a cancel while vLLM generates: the answer comes once the worker aborted the request in vLLM and wrote the
     # text and token counts produced so far, so the answer, SQL and usage agree

@@ -65,7 +65,8 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input.0"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "x", "conversation": {"name": "c"}}, "conversation"),
 ])

@@ -1,0 +1,32 @@
+"""``POST /reset_prefix_cache``: every live worker of the model forgets its cached prefix blocks, as vLLM's server
+offers it (there in its dev mode). A benchmark of the prefix cache starts cold with it; an operator clears blocks
+that should not be served again. It needs the admin key."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
+from app.api.errors import responses
+from app.services.workers import reset_prefix_caches
+
+router = APIRouter(tags=["admin"])
+
+
+@router.post("/reset_prefix_cache", responses={
+    200: {"description": "every live worker of the model forgot its cached prefixes"},
+    409: {"description": "a worker kept its cache (running requests held blocks, or it did not answer); the body "
+                         "gives each worker's answer"}, **responses(401, 403)})
+async def reset_prefix_cache(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
+                             reset_running_requests: Annotated[bool, Query(
+                                 description="preempt running requests first, so their blocks go too (vLLM's)")]
+                             = False) -> JSONResponse:
+    """Each live worker's answer, by worker id: ``reset`` true where its engine forgot every cached block."""
+    workers = await run_in_threadpool(reset_prefix_caches, session, settings,
+                                      reset_running_requests=reset_running_requests)
+    done = all(w["reset"] for w in workers.values())
+    return JSONResponse({"reset": done, "workers": workers}, status_code=200 if done else 409)

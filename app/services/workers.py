@@ -1,0 +1,55 @@
+"""The workers as the API sees them: which are live (their heartbeat in SQL), and operator actions that reach
+every live worker of the model over its control channel (``workers.control``)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.db.models import WorkerState
+from app.services.notify import redis_client
+from app.services.transitions import utcnow
+from app.settings import Settings
+from workers.control import control_channel
+
+RESET_TIMEOUT_S = 30.0  # how long a prefix-cache reset waits for every worker's answer
+
+
+def live_workers(session: Session, settings: Settings, *, draining: bool = False) -> list[WorkerState]:
+    """Workers whose heartbeat came within three periods (those draining too, where ``draining``)."""
+    since = utcnow() - timedelta(seconds=3 * settings.heartbeat_seconds + 1)
+    query = select(WorkerState).where(WorkerState.heartbeat_at >= since)
+    if not draining:
+        query = query.where(WorkerState.draining.is_(False))
+    return list(session.scalars(query.order_by(WorkerState.id)))
+
+
+def reset_prefix_caches(session: Session, settings: Settings, *, reset_running_requests: bool = False,
+                        timeout_s: float = RESET_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+    """Asks every live worker of the model (draining ones too: their caches serve their last jobs) to forget its
+    cached prefix blocks, as vLLM's ``POST /reset_prefix_cache``; each worker's answer, by worker id (``reset``
+    false with no ``error``: running requests held blocks; a worker that did not answer in ``timeout_s`` says so)."""
+    workers = [w.id for w in live_workers(session, settings, draining=True) if settings.model_name in w.served]
+    client = redis_client(settings.redis_url)
+    reply_to = f"coserve:control:reply:{uuid.uuid4().hex}"
+    message = json.dumps({"action": "reset_prefix_cache", "reply_to": reply_to,
+                          "reset_running_requests": reset_running_requests})
+    asked = [w for w in workers if client.publish(control_channel(w), message)]  # those listening
+    answers: dict[str, dict[str, Any]] = {w: {"reset": False, "error": "not listening on its control channel"}
+                                          for w in workers if w not in asked}
+    deadline = time.monotonic() + timeout_s
+    while len([w for w in asked if w in answers]) < len(asked) and (left := deadline - time.monotonic()) > 0:
+        popped = client.blpop([reply_to], timeout=max(1, int(left)))
+        if popped is not None:
+            reply = json.loads(popped[1])
+            answers[reply.pop("worker")] = reply
+    client.delete(reply_to)
+    for w in asked:
+        answers.setdefault(w, {"reset": False, "error": f"no answer within {timeout_s:.0f} s"})
+    return answers
