@@ -247,6 +247,10 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
         """The job fields of chat's tool calling (none elsewhere)."""
         return {}
 
+    def reasoning_fields(self) -> dict[str, Any]:
+        """The job fields of chat's reasoning options (none elsewhere)."""
+        return {}
+
     def template_fields(self) -> dict[str, Any]:
         """The job fields of chat's template options (none elsewhere)."""
         return {}
@@ -288,6 +292,7 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
                       logprobs=self.logprob_count(), logit_bias=self.logit_bias or None, **self.echo_fields(),
+                      **self.reasoning_fields(),
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                         "min_tokens", "stop_token_ids") if (v := getattr(self, k)) is not None})
@@ -376,6 +381,7 @@ class ChatCompletionRequest(_Base):
     echo: bool | None = None  # vLLM's: the answer starts with the last message where it is the assistant's
     # how hard a reasoning model thinks: as vLLM, the chat template's reasoning_effort and enable_thinking
     reasoning_effort: ReasoningEffort | None = None
+    include_reasoning: bool | None = None  # vLLM's: false leaves the thinking out of the answer
     # OpenAI's stored chat completions: the answer is kept, to list and retrieve (app.services.stored_completions)
     store: bool | None = None
     metadata: Metadata | None = None
@@ -392,6 +398,9 @@ class ChatCompletionRequest(_Base):
             choice = "auto"  # OpenAI's default where tools are given
         return {"tools": self.tools or None, "tool_choice": choice,
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls}
+
+    def reasoning_fields(self) -> dict[str, Any]:
+        return {"include_reasoning": False} if self.include_reasoning is False else {}
 
     def template_fields(self) -> dict[str, Any]:
         fields = {k: v for k in TEMPLATE_DEFAULTS if (v := getattr(self, k)) is not None}

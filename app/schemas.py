@@ -159,6 +159,9 @@ class JobCreate(BaseModel):
         "the same for each prompt token (vLLM backend)"))
     echo: bool = Field(False, description=("OpenAI completions' echo: that route's answer starts with the prompt "
                                            "(the job resource keeps prompt and output apart)"))
+    include_reasoning: bool = Field(True, description=(
+        "vLLM's: where the server reads a reasoning model's thinking (COSERVE_REASONING_PARSER), false leaves it "
+        "out of the chat answer (it is still not content)"))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "constrain the text to a JSON schema, a regex, a list of choices or a grammar (vLLM backend)"))
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS, description=(
@@ -277,7 +280,8 @@ class JobCreate(BaseModel):
                 "parallel_tool_calls": self.parallel_tool_calls,
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
-                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo}
+                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo,
+                **({} if self.include_reasoning else {"include_reasoning": False})}
 
 
 class SloMiss(BaseModel):

@@ -183,7 +183,8 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
         reasoning, content = split_reasoning(parser, text)
         answer = read_answer(job_id, {**sampling, "reasoning_parser": None}, content or "", engine_reason)
         kept = answer.content if content is not None or answer.tool_calls else None  # never stopped thinking
-        return replace(answer, content=kept, reasoning=reasoning)
+        shown = reasoning if sampling.get("include_reasoning", True) else None  # vLLM's include_reasoning
+        return replace(answer, content=kept, reasoning=shown)
     choice, reason = sampling.get("tool_choice"), engine_reason or "stop"
     if choice is None:
         return Answer(text, None, reason)
@@ -213,6 +214,7 @@ class AnswerStream:
         self.job_id, self.sampling = job_id, sampling or {}
         parser = self.sampling.get("reasoning_parser")
         self.thinking = ReasoningStream(parser) if parser else None  # the thinking, read off before the rest
+        self.shows_thinking = self.sampling.get("include_reasoning", True)
         self.whole: list[str] = []  # every piece, thinking included: the whole answer is read from it at the end
         self.choice = self.sampling.get("tool_choice")
         self.syntax = SYNTAXES[self.sampling.get("tool_parser") or "hermes"] if self.choice == "auto" else None
@@ -228,6 +230,7 @@ class AnswerStream:
         reasoning = ""
         if self.thinking is not None:
             reasoning, delta = self.thinking.feed(delta)
+            reasoning = reasoning if self.shows_thinking else ""
         return (reasoning, *self._content(delta)) if delta else (reasoning, "", None)
 
     def _content(self, delta: str) -> tuple[str, list[dict[str, Any]] | None]:
@@ -285,6 +288,7 @@ class AnswerStream:
         """The reasoning, the content and the tool-call deltas still to send, and the whole answer, once the text
         is whole."""
         reasoning, held = self.thinking.end() if self.thinking is not None else ("", "")
+        reasoning = reasoning if self.shows_thinking else ""
         content, calls = self._content(held) if held else ("", None)
         rest, more, answer = self._rest(engine_reason)
         return reasoning, content + rest, (calls or []) + (more or []) or None, answer

@@ -55,7 +55,8 @@ class IdempotencyConflict(ValueError):
 REASONING_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")
 # the sampling fields jobs stored before they existed hold at these values
 NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
-                    "tool_parser": None, "reasoning_parser": None, "parallel_tool_calls": True, "logit_bias": None,
+                    "tool_parser": None, "reasoning_parser": None, "include_reasoning": True,
+                    "parallel_tool_calls": True, "logit_bias": None,
                     "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key

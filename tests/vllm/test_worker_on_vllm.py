@@ -325,6 +325,10 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     chunks = [c.choices[0].delta for c in oai.chat.completions.create(**think_kw, stream=True) if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning") or "" for d in chunks) == thought.model_extra["reasoning"]
     assert "".join(d.content or "" for d in chunks) == thought.content
+    hidden = oai.chat.completions.create(**{**think_kw, "extra_body": {**think_kw["extra_body"],
+                                                                      "include_reasoning": False}})
+    assert hidden.choices[0].message.content == thought.content  # vLLM's include_reasoning: the thinking left out
+    assert "reasoning" not in (hidden.choices[0].message.model_extra or {})
     reply = oai.responses.create(model="smollm2-135m-instruct", input=ask, max_output_tokens=40, temperature=0,
                                  extra_body=think_kw["extra_body"])  # vLLM's structured_outputs, as on chat
     assert [i.type for i in reply.output] == ["reasoning", "message"], reply.output

@@ -88,3 +88,12 @@ def test_tool_calls_are_read_after_the_thinking():
     assert "".join(f[1] for f in fed) + content == "Let me check." and whole == answer
     assert read_answer("job_d", {"reasoning_parser": "deepseek_r1"}, "cut off", "length") == \
         Answer(None, None, "length", reasoning="cut off")  # never stopped thinking: no content
+
+
+def test_include_reasoning_false_leaves_the_thinking_out_and_still_not_in_the_content():
+    sampling = {"reasoning_parser": "deepseek_r1", "include_reasoning": False}
+    assert read_answer("job_h", sampling, "hmm</think>Paris", "stop") == Answer("Paris", None, "stop")
+    stream = AnswerStream("job_h", sampling)
+    fed = [stream.feed(p) for p in ["hm", "m</th", "ink>Par", "is"]]
+    assert [f[0] for f in fed] == ["", "", "", ""] and "".join(f[1] for f in fed) == "Paris"
+    assert stream.end("stop")[:2] == ("", "")
