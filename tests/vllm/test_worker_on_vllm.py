@@ -105,6 +105,17 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert lora("unload", lora_name="runtime-lora").status_code == 200
     with pytest.raises(openai.NotFoundError, match="unknown model 'runtime-lora'"):
         oai.chat.completions.create(model="runtime-lora", messages=messages, max_tokens=4)
+    # vLLM's filesystem resolver (COSERVE_LORA_RESOLVER_DIR): the first request naming an adapter of the directory
+    # loads it (an adapter trained on the hub's SmolLM2 adapts the served model), then it answers as itself
+    found = shutil.copytree(settings.lora_modules["tilted-lora"], settings.data_dir / "resolver" / "found-lora")
+    config = json.loads((found / "adapter_config.json").read_text())
+    (found / "adapter_config.json").write_text(json.dumps(
+        {**config, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    settings.lora_resolver_dir = found.parent
+    resolved = oai.chat.completions.create(model="found-lora", messages=messages, max_tokens=12, temperature=0)
+    assert resolved.model == "found-lora" and resolved.choices[0].message.content == tilted.choices[0].message.content
+    settings.lora_resolver_dir = None
+    assert lora("unload", lora_name="found-lora").status_code == 200
     usage = httpx.get(f"{base}/v1/organization/usage/completions", headers=Keys.header(keys.admin),
                       params={"start_time": int(time.time()) - 3600, "group_by": ["model"],
                               "bucket_width": "1d"}).json()
