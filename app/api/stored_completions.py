@@ -8,7 +8,7 @@ import re
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
@@ -20,6 +20,7 @@ from app.wire import Metadata
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 
 _METADATA_PARAM = re.compile(r"metadata\[(.*)\]")  # the filter's pairs: metadata[key]=value, as OpenAI's
+_METADATA = TypeAdapter(Metadata)
 
 
 class CompletionUpdate(BaseModel):
@@ -29,11 +30,12 @@ class CompletionUpdate(BaseModel):
 
 
 def _metadata_filter(request: Request) -> dict[str, str]:
+    """The pairs of ``metadata[key]=value``, checked as a request's metadata is (``app.wire.Metadata``)."""
     pairs = {m.group(1): v for k, v in request.query_params.multi_items() if (m := _METADATA_PARAM.fullmatch(k))}
-    if len(pairs) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in pairs.items()):
-        raise OpenAIError(400, "metadata filters at most 16 pairs, keys of at most 64 characters and values of "
-                               "at most 512", param="metadata")
-    return pairs
+    try:
+        return _METADATA.validate_python(pairs)
+    except ValidationError as exc:
+        raise OpenAIError(400, f"metadata filters: {exc.errors()[0]['msg']}", param="metadata") from exc
 
 
 @router.get("/chat/completions", responses=openai_responses(400, 401))

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from app.db.models import Job, JobStatus, new_id
 from app.openai_schemas import OpenAIError, merge_choices, service_tier, stored_chat_answer
 from app.responses_schemas import item_page
+from app.services.jobs import get_job
 from app.wire import as_utc
 
 ENDPOINT = "/v1/chat/completions"
@@ -38,9 +39,11 @@ def _job_id(cid: str) -> str | None:
     return cid.removeprefix(PREFIX) if cid.startswith(PREFIX + "job_") else None
 
 
-def _is_stored(job: Job | None, tenant_id: str) -> bool:
-    return (job is not None and job.tenant_id == tenant_id and job.endpoint == ENDPOINT
-            and bool((job.response or {}).get("store")))
+def _chat_job(session: Session, tenant_id: str, cid: str) -> Job | None:
+    """The tenant's chat job a completion id names, stored or not (None where it names none)."""
+    job_id = _job_id(cid)
+    job = get_job(session, tenant_id, job_id) if job_id else None
+    return job if job is not None and job.endpoint == ENDPOINT else None
 
 
 def _choices(session: Session, job: Job) -> list[Job] | None:
@@ -53,9 +56,8 @@ def _choices(session: Session, job: Job) -> list[Job] | None:
 
 def find(session: Session, tenant_id: str, cid: str) -> Job:
     """The tenant's stored completion ``cid`` (its first choice's job), finished or not (404 where none)."""
-    job_id = _job_id(cid)
-    job = session.get(Job, job_id, populate_existing=True) if job_id else None
-    if not _is_stored(job, tenant_id):
+    job = _chat_job(session, tenant_id, cid)
+    if job is None or not (job.response or {}).get("store"):
         raise OpenAIError(404, f"no stored chat completion {cid!r} (only a chat completion created with "
                                "store: true is kept)", param="completion_id", code="not_found")
     return job
@@ -94,8 +96,8 @@ def page(session: Session, tenant_id: str, tiers: tuple[str, ...], *, limit: int
     query = query.order_by(*((Job.created_at.desc(), Job.id.desc()) if desc else (Job.created_at, Job.id)))
     mark = None
     if after is not None:  # a cursor: the completion need not be stored still (deleted meanwhile)
-        mark = session.get(Job, _job_id(after) or "")
-        if mark is None or mark.tenant_id != tenant_id or mark.endpoint != ENDPOINT:
+        mark = _chat_job(session, tenant_id, after)
+        if mark is None:
             raise OpenAIError(400, f"no chat completion {after!r} to list after", param="after")
     data: list[dict[str, Any]] = []
     while len(data) <= limit:

@@ -43,12 +43,14 @@ def reset_prefix_caches(session: Session, settings: Settings, *, reset_running_r
     asked = [w for w in workers if client.publish(control_channel(w), message)]  # those listening
     answers: dict[str, dict[str, Any]] = {w: {"reset": False, "error": "not listening on its control channel"}
                                           for w in workers if w not in asked}
-    deadline = time.monotonic() + timeout_s
-    while len([w for w in asked if w in answers]) < len(asked) and (left := deadline - time.monotonic()) > 0:
+    deadline, waiting = time.monotonic() + timeout_s, set(asked)
+    while waiting and (left := deadline - time.monotonic()) > 0:
         popped = client.blpop([reply_to], timeout=max(1, int(left)))
         if popped is not None:
             reply = json.loads(popped[1])
-            answers[reply.pop("worker")] = reply
+            worker = reply.pop("worker")
+            answers[worker] = reply
+            waiting.discard(worker)
     client.delete(reply_to)
     for w in asked:
         answers.setdefault(w, {"reset": False, "error": f"no answer within {timeout_s:.0f} s"})
