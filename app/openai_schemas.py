@@ -331,7 +331,9 @@ def merge_choices(bodies: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
         body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies[::n]),
                               sum(b["usage"]["completion_tokens"] for b in bodies),
                               known_sum(b["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
-                                        for b in bodies[::n]))
+                                        for b in bodies[::n]),
+                              known_sum(b["usage"].get("completion_tokens_details", {}).get("reasoning_tokens")
+                                        for b in bodies))
     return body
 
 
@@ -532,12 +534,15 @@ def now_s() -> int:
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int | None,
-          cached_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage; ``cached_tokens`` (the prompt tokens the engine's prefix cache held) where known."""
+          cached_tokens: int | None = None, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens`` (the prompt tokens the engine's prefix cache held) and
+    ``reasoning_tokens`` (the completion tokens a reasoning model thought in) where known."""
     p, c = int(prompt_tokens or 0), int(completion_tokens or 0)
     out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": int(cached_tokens)}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": int(reasoning_tokens)}
     return out
 
 
@@ -578,7 +583,8 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
                     extra: dict[str, Any] | None = None,
                     logprobs: list[dict[str, Any]] | None = None,
                     tool_calls: list[dict[str, Any]] | None = None,
-                    cached_tokens: int | None = None, reasoning: str | None = None) -> dict[str, Any]:
+                    cached_tokens: int | None = None, reasoning: str | None = None,
+                    reasoning_tokens: int | None = None) -> dict[str, Any]:
     """``tool_calls``: the calls the text was read as (``content``: the text before them, or None);
     ``reasoning``: a reasoning model's thinking, as vLLM's message carries it."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -589,7 +595,7 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message,
                          "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
     if extra:
         body.update(extra)
     return body
@@ -603,14 +609,15 @@ def chat_echo(messages: list[dict[str, Any]] | None, sampling: dict[str, Any] | 
 def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[str, Any] | None, text: str,
                 engine_reason: str | None, prompt_tokens: int | None, completion_tokens: int | None,
                 extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
-                echo: str = "", cached_tokens: int | None = None) -> dict[str, Any]:
+                echo: str = "", cached_tokens: int | None = None,
+                reasoning_tokens: int | None = None) -> dict[str, Any]:
     """A chat job's answer as OpenAI's body: its text read as content and tool calls (``read_answer``), its
     content after ``echo`` (``chat_echo``)."""
     answer = read_answer(job_id, sampling, text, engine_reason)
     content = echo + answer.content if echo and answer.content is not None else answer.content
     return chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
                            completion_tokens, extra, logprobs, tool_calls=answer.tool_calls,
-                           cached_tokens=cached_tokens, reasoning=answer.reasoning)
+                           cached_tokens=cached_tokens, reasoning=answer.reasoning, reasoning_tokens=reasoning_tokens)
 
 
 def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -619,7 +626,8 @@ def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] |
     return chat_answer(cid, job.model, created, job.id, job.sampling, job.output_text or "",
                        job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, extra,
                        logprobs=job.output_logprobs,
-                       echo=chat_echo(job.messages, job.sampling), cached_tokens=job.cached_tokens)
+                       echo=chat_echo(job.messages, job.sampling), cached_tokens=job.cached_tokens,
+                       reasoning_tokens=job.reasoning_tokens)
 
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,

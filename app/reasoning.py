@@ -9,6 +9,8 @@ Models such as DeepSeek-R1 and Qwen3 think between ``<think>`` and ``</think>`` 
   is all content (thinking switched off).
 
 ``split_reasoning`` reads a whole text, ``ReasoningStream`` the same text as its pieces come; both give the same.
+``ReasoningTokens`` counts the generated tokens that are thinking (usage's ``reasoning_tokens``), as the worker
+sees them come.
 """
 
 from __future__ import annotations
@@ -64,9 +66,34 @@ class ReasoningStream:
         content, self.held = self.held, ""
         return reasoning, content
 
+    @property
+    def in_thought(self) -> bool:
+        """Whether the text so far leaves the model thinking (a deepseek_r1 text starts in thought)."""
+        return self.mode == "thinking" or (self.mode == "head" and self.starts_in_thought)
+
     def end(self) -> tuple[str, str]:
         """(reasoning, content) held back, once the text is whole."""
         held, self.held = self.held, ""
         if self.mode == "head":  # shorter than <think>: no tag
             return (held, "") if self.starts_in_thought else ("", held)
         return held, ""  # a partial </think> that never closed is thought
+
+
+class ReasoningTokens:
+    """How many generated tokens are thinking, fed the text and token count of each engine step.
+
+    A token is thinking when the model is still in thought after it and it is not the ``<think>`` tag (vLLM's
+    ``count_reasoning_tokens`` leaves both tags out). A step of several tokens (speculation) that closes the thought
+    counts the share of them its thinking text has. Exact where the tags are single tokens, as in the models these
+    parsers are for; a tag written as several tokens counts its pieces inside the thought."""
+
+    def __init__(self, parser: str) -> None:
+        self.stream = ReasoningStream(parser)
+        self.count = 0
+
+    def feed(self, text: str, tokens: int) -> None:
+        reasoning, content = self.stream.feed(text)
+        if self.stream.in_thought:
+            self.count += 0 if text == OPEN else tokens
+        elif reasoning and tokens > 1:  # thought and tag (and content) in one step: its share of the tokens
+            self.count += round(tokens * len(reasoning) / (len(reasoning) + len(CLOSE) + len(content)))

@@ -336,6 +336,9 @@ class JobPublic(BaseModel):
         "of the prompt tokens, those the engine found in its prefix cache (not computed again); 0 on the own "
         "engine, which keeps no prefix cache; null until the job succeeded (or was cancelled after its first "
         "token: a cancelled job keeps the text and token counts produced before the cancel)"))
+    reasoning_tokens: int | None = Field(None, description=(
+        "of the completion tokens, those a reasoning model spent thinking (COSERVE_REASONING_PARSER; the tags "
+        "themselves not counted); null where no reasoning parser read the job"))
     tool_calls: list[dict[str, Any]] | None = Field(None, description=(
         "the calls read from the output text where tool_choice asked for calls (OpenAI's shape, arguments as JSON "
         "text; a named function's arguments as generated, cut short where max_tokens cut them); null while "

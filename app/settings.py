@@ -97,7 +97,8 @@ class Settings(BaseSettings):
         None, description="how a reasoning model's thinking is read out of its chat answers (vLLM's "
                           "--reasoning-parser): 'deepseek_r1' (the answer starts in thought, up to </think>) or "
                           "'qwen3' (an answer that starts with <think> thinks up to </think>); the thinking goes "
-                          "in the message's 'reasoning' and in a Responses reasoning item, not in the content")
+                          "in the message's 'reasoning' and in a Responses reasoning item, not in the content; "
+                          "on a vLLM worker a structured output's grammar starts after the thinking")
     # worker
     worker_id: str | None = None
     lease_seconds: float = 30.0

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from app.reasoning import ReasoningTokens
 from gpu_runtime.request import Request
 from workers.lease import Lease
 
@@ -28,6 +29,7 @@ class ActiveJob:
     in_engine: bool = False  # engine thread: its add was applied
     finished: bool = False  # engine thread: its last record is in the outbox
     relegated: bool = False  # engine thread (``ActiveJobs.set_relegated``): shed under overload, not resumed yet
+    reasoning: ReasoningTokens | None = None  # engine thread: counts its thinking tokens (a reasoning parser's job)
 
     @property
     def job_id(self) -> str:

@@ -39,6 +39,8 @@ from workers.outbox import Outbox, Record, StepRecords
 
 log = logging.getLogger(__name__)
 
+# a job's token counts, in its end and kept events as in its columns
+USAGE = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
 IDLE_WAIT_S = 0.05  # no work at all: wait this long for the inbox
 IDLE_BACKOFF_S = (0.001, 0.05)  # work admitted but nothing schedulable: first and longest sleep
 
@@ -160,6 +162,8 @@ class EngineThread:
                 data |= {"logprobs": [lp.as_dict() for lp in out.new_logprobs], "logprobs_offset": len(job.logprobs)}
                 job.logprobs.extend(data["logprobs"])
             if out.new_text or out.new_token_ids:
+                if job.reasoning is not None:
+                    job.reasoning.feed(out.new_text, len(out.new_token_ids))
                 job.text.append(out.new_text)
                 step.deltas.append((job.job_id, StreamEvent("delta", attempt, out.new_text, list(out.new_token_ids),
                                                             data=data, offset=job.produced)))
@@ -221,8 +225,7 @@ class EngineThread:
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
         lease = job.lease
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
-                          data={"prompt_tokens": output["prompt_tokens"], "completion_tokens": m.num_output_tokens,
-                                "cached_tokens": m.num_cached_tokens, "metrics": m.as_dict()})
+                          data={**{k: output[k] for k in USAGE}, "metrics": m.as_dict()})
 
         def write(s: Session) -> bool | list[tuple[str, StreamEvent]]:
             if leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})"):
@@ -245,7 +248,7 @@ class EngineThread:
     @staticmethod
     def _kept(lease: Any, produced: dict[str, Any] | None) -> list[tuple[str, StreamEvent]]:
         """The event that says the worker wrote what a cancelled attempt keeps (its usage, if any)."""
-        usage = {k: produced[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens")} if produced else {}
+        usage = {k: produced[k] for k in USAGE} if produced else {}
         return [(lease.job_id, StreamEvent("kept", lease.attempt, status="cancelled", data=usage))]
 
     @classmethod
@@ -260,6 +263,7 @@ class EngineThread:
         """The job's columns of what its attempt produced: text, token counts, the logprobs it asked for."""
         return {"output_text": "".join(job.text), "completion_tokens": m.num_output_tokens,
                 "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
+                "reasoning_tokens": job.reasoning.count if job.reasoning is not None else None,
                 "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
                 "prompt_logprobs": job.prompt_logprobs}
 

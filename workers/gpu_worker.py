@@ -38,6 +38,7 @@ from app.db.migrate import upgrade
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
+from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
 from app.services.dispatch import send_job
 from app.services.model_info import encode_input, get_tokenizer, use_chat_template
@@ -135,7 +136,7 @@ class GpuWorker:
                                      drafter=s.vllm_drafter, step_log=s.vllm_step_log,
                                      overrides=s.vllm_engine_args, lora_modules=s.lora_modules,
                                      runtime_loras=s.max_loras if s.runtime_lora else 0,
-                                     runtime_lora_rank=s.max_lora_rank,
+                                     runtime_lora_rank=s.max_lora_rank, reasoning_parser=s.reasoning_parser,
                                      scheduler_config=s.scheduler_config,
                                      cost_calibration=s.cost_calibration)
         else:
@@ -215,9 +216,10 @@ class GpuWorker:
                 self.outbox.put(StepRecords(deltas=[(job_id, end)]))
                 return
             created = as_utc(job.created_at)
+            parser = (job.sampling or {}).get("reasoning_parser")
         # registered and queued under one lock: an abort that sees the job is applied after its add
         with self.active.lock:
-            self.active.add(ActiveJob(lease, request, created))
+            self.active.add(ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None))
             self.inbox.put(Add(job_id))
 
     def _hold(self, job_id: str, held: bool) -> None:

@@ -137,7 +137,7 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
     Events: ``delta`` ``{"text", "token_ids"}`` (and ``"logprobs"`` where the job asked for them),
     ``status`` ``{"status"}`` (relegated/resumed),
     ``end`` ``{"status", "finish_reason", "error", "error_code", "prompt_tokens", "completion_tokens",
-    "cached_tokens"}``. A job
+    "cached_tokens", "reasoning_tokens"}``. A job
     that already finished answers its whole text as one delta and the end. Each character comes
     once, in order: across a Redis outage the stream resumes where it was, and text the stream
     lost comes with the end. If the stream stays unreadable (``stream_outage_s``) the last event
@@ -181,7 +181,8 @@ async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
                                        "error": ev.data.get("error"), "error_code": ev.data.get("code"),
                                        "prompt_tokens": ev.data.get("prompt_tokens"),
                                        "completion_tokens": ev.data.get("completion_tokens"),
-                                       "cached_tokens": ev.data.get("cached_tokens")})
+                                       "cached_tokens": ev.data.get("cached_tokens"),
+                                       "reasoning_tokens": ev.data.get("reasoning_tokens")})
                     return
     except Exception:  # a bug or a database error: an error event rather than a body cut short
         log.exception("the stream of job %s failed", job_id)

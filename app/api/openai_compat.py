@@ -170,6 +170,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
 
     prompt_tokens, completion_tokens, finished = [0] * len(jobs), 0, 0
     cached: list[int | None] = [None] * len(jobs)
+    reasoning: list[int | None] = [None] * len(jobs)
     try:
         if chat:
             for i in range(len(jobs)):
@@ -197,12 +198,14 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         yield _sse_error(job_error(item.status, item.error, item.code))
                     case Finished(choice=i):
                         yield _sse(chunk(i, None, item.answer.finish_reason, item.completion_tokens))
-                        prompt_tokens[i], cached[i] = item.prompt_tokens, item.cached_tokens
+                        prompt_tokens[i], cached[i], reasoning[i] = (item.prompt_tokens, item.cached_tokens,
+                                                                     item.reasoning_tokens)
                         completion_tokens += item.completion_tokens
                         finished += 1
         if include_usage and finished == len(jobs):
             yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                        "usage": usage(sum(prompt_tokens[::n]), completion_tokens, known_sum(cached[::n]))})
+                        "usage": usage(sum(prompt_tokens[::n]), completion_tokens, known_sum(cached[::n]),
+                                       known_sum(reasoning))})
         yield _sse("[DONE]")
     except Exception:  # a bug or a database error: say so to the client; the jobs themselves go on
         log.exception("the stream of job %s failed", jobs[0].id)
@@ -246,7 +249,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         cached = end.data.get("cached_tokens")
         if chat:
             bodies.append(chat_answer(*head, job.id, job.sampling, end.data["output_text"], end.finish_reason,
-                                      *counts, echo=chat_echo(job.messages, job.sampling), cached_tokens=cached))
+                                      *counts, echo=chat_echo(job.messages, job.sampling), cached_tokens=cached,
+                                      reasoning_tokens=end.data.get("reasoning_tokens")))
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,

@@ -100,7 +100,7 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     if job.status == JobStatus.SUCCEEDED or (job.status == JobStatus.CANCELLED and job.completion_tokens is not None):
         return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
                              completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
-                             cached_tokens=job.cached_tokens, error=error)
+                             cached_tokens=job.cached_tokens, reasoning_tokens=job.reasoning_tokens, error=error)
     return response_body(job, kept, settings.tiers, error=error)
 
 
@@ -220,7 +220,8 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                         body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED,
                                              answer=item.answer, prompt_tokens=item.prompt_tokens,
                                              completion_tokens=item.completion_tokens, logprobs=logprobs,
-                                             cached_tokens=item.cached_tokens)
+                                             cached_tokens=item.cached_tokens,
+                                             reasoning_tokens=item.reasoning_tokens)
                         yield _event("response.completed" if body["status"] == "completed" else "response.incomplete",
                                      response=body)
     except Exception:  # a bug or a database error: say so; the job itself goes on
@@ -294,7 +295,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
                                       prompt_tokens=end.data["prompt_tokens"],
                                       completion_tokens=end.data["completion_tokens"],
                                       logprobs=end.data.get("logprobs"),
-                                      cached_tokens=end.data.get("cached_tokens")), headers=headers)
+                                      cached_tokens=end.data.get("cached_tokens"),
+                                      reasoning_tokens=end.data.get("reasoning_tokens")), headers=headers)
 
 
 @router.post("/responses/input_tokens", responses=openai_responses(400, 401, 404),

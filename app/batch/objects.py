@@ -25,15 +25,15 @@ def batch_usage(session: Session, batch_ids: Iterable[str]) -> dict[str, dict[st
     """Each batch's ``usage``: the tokens of its jobs an engine ran (finished, or cancelled with the batch after
     producing tokens: those count too), one grouped query for a page."""
     rows = session.execute(select(Job.batch_id, func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens),
-                                  func.sum(Job.completion_tokens))
+                                  func.sum(Job.completion_tokens), func.sum(Job.reasoning_tokens))
                            .where(Job.batch_id.in_(list(batch_ids)), Job.completion_tokens.is_not(None))
                            .group_by(Job.batch_id))
     return {batch_id: _usage(*(int(n or 0) for n in sums)) for batch_id, *sums in rows}
 
 
-def _usage(inputs: int = 0, cached: int = 0, outputs: int = 0) -> dict[str, Any]:
+def _usage(inputs: int = 0, cached: int = 0, outputs: int = 0, reasoning: int = 0) -> dict[str, Any]:
     return {"input_tokens": inputs, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": outputs,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inputs + outputs}
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inputs + outputs}
 
 
 def batch_object(b: Batch, usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -60,7 +60,8 @@ def output_line(job: Job) -> dict[str, Any]:
         body = response_body(job, job.response or {}, get_settings().tiers, status=job.status,
                              answer=read_answer(job.id, job.sampling, text, reason),
                              prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                             logprobs=job.output_logprobs, cached_tokens=job.cached_tokens)
+                             logprobs=job.output_logprobs, cached_tokens=job.cached_tokens,
+                             reasoning_tokens=job.reasoning_tokens)
     elif chat:
         body = stored_chat_answer(job, "chatcmpl-" + job.id, ts(job.finished_at) or 0)
     else:

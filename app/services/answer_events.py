@@ -60,6 +60,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None  # of the prompt tokens, those the engine's prefix cache held
+    reasoning_tokens: int | None = None  # of the completion tokens, those it thought in (a reasoning parser's)
 
 
 @dataclass
@@ -161,7 +162,7 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                 if given := piece(i, reasoning, content, calls, None, ""):
                     yield given
                 yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0,
-                               ev.data.get("cached_tokens"))
+                               ev.data.get("cached_tokens"), ev.data.get("reasoning_tokens"))
                 unfinished -= 1
                 if not unfinished:
                     return

@@ -39,7 +39,7 @@ def sql_end_event(url: str, job_id: str) -> StreamEvent | None:
             return None
         return StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason=job.finish_reason,
                            data={"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
-                                 "cached_tokens": job.cached_tokens,
+                                 "cached_tokens": job.cached_tokens, "reasoning_tokens": job.reasoning_tokens,
                                  "output_text": job.output_text or "", "error": job.error, "code": job.error_code,
                                  "logprobs": job.output_logprobs, "prompt_logprobs": job.prompt_logprobs,
                                  "from_sql": True})

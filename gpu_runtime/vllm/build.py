@@ -80,6 +80,24 @@ def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> d
     return overrides
 
 
+def reasoning_outputs_config(checkpoint: str, reasoning_parser: str | None) -> dict[str, Any]:
+    """The ``structured_outputs_config`` under which vLLM applies a request's grammar after the model's thinking
+    (as ``vllm serve --reasoning-parser`` does), where the tokenizer has the ``<think>`` and ``</think>`` tokens
+    that vLLM's parser looks for; else nothing, with a warning: the grammar then covers the whole answer."""
+    if reasoning_parser is None:
+        return {}
+    from transformers import AutoTokenizer
+
+    from app.reasoning import CLOSE, OPEN
+
+    vocab = AutoTokenizer.from_pretrained(checkpoint).get_vocab()
+    if OPEN in vocab and CLOSE in vocab:
+        return {"structured_outputs_config": {"reasoning_parser": reasoning_parser}}
+    log.warning("reasoning parser %s: the tokenizer of %s has no %s and %s tokens, so a structured output's grammar "
+                "covers the model's thinking too", reasoning_parser, checkpoint, OPEN, CLOSE)
+    return {}
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -91,12 +109,13 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
                 max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
                 enable_prefix_caching: bool | None = None, spec_tokens: int | None = None,
                 drafter: str = "ngram", lora_modules: dict[str, str] | None = None,
-                runtime_loras: int = 0, runtime_lora_rank: int = 16,
+                runtime_loras: int = 0, runtime_lora_rank: int = 16, reasoning_parser: str | None = None,
                 overrides: dict[str, Any] | None = None) -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``); ``overrides``
     (any other engine argument: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``quantization``, a
     ``speculative_config`` with another drafter, ...) win over what the other parameters set; ``runtime_loras``:
-    LoRA slots for adapters loaded while it runs, up to ``runtime_lora_rank``."""
+    LoRA slots for adapters loaded while it runs, up to ``runtime_lora_rank``; ``reasoning_parser``: a grammar
+    applies after the thinking (``reasoning_outputs_config``)."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
 
@@ -124,6 +143,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens))
     # LoRA adapters served beside the model
     kwargs.update(lora_engine_args(lora_modules or {}, runtime_loras, runtime_lora_rank))
+    kwargs.update(reasoning_outputs_config(kwargs["model"], reasoning_parser))
     kwargs.update(checked_overrides(overrides or {}, spec_policy))
     return EngineArgs(**kwargs)
 

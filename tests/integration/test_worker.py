@@ -224,7 +224,8 @@ def test_native_stream_sends_token_deltas_until_the_end(service):
     assert "".join(d["text"] for d in deltas) == job["output_text"]
     assert events[-1] == ("end", {"id": job_id, "status": "succeeded", "finish_reason": "length", "error": None,
                                   "error_code": None, "prompt_tokens": job["prompt_tokens"], "completion_tokens": 16,
-                                  "cached_tokens": 0})  # the own engine keeps no prefix cache
+                                  "cached_tokens": 0,  # the own engine keeps no prefix cache
+                                  "reasoning_tokens": None})  # no reasoning parser read it
     # a finished job replays; other tenants cannot follow it
     assert _sse(client, keys.paid, job_id) == events
     assert client.get(f"/v1/jobs/{job_id}/stream", headers=H(keys.other)).status_code == 404

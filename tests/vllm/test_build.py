@@ -78,3 +78,43 @@ def test_lora_adapters_turn_lora_on_with_a_slot_and_rank_for_each(tmp_path):
         lora_engine_args({"d": adapter("d", {"peft_type": "LORA"})})
     with pytest.raises(ValueError, match="rank 1024 is not one vLLM serves"):
         lora_engine_args({"e": adapter("e", {"r": 1024})})
+
+
+def _thinking_checkpoint(out, rename: dict[str, str]):
+    """The default model's checkpoint with two unused special tokens renamed (``rename``), as a reasoning model's
+    tokenizer has ``<think>`` and ``</think>``; the weights are the same file."""
+    import json
+    import shutil
+
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+
+    out.mkdir()
+    for f in vllm_checkpoint("smollm2-135m").iterdir():
+        (out / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, out / f.name)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    for added in tokenizer["added_tokens"]:
+        added["content"] = rename.get(added["content"], added["content"])
+    tokenizer["model"]["vocab"] = {rename.get(k, k): v for k, v in tokenizer["model"]["vocab"].items()}
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    for added in config.get("added_tokens_decoder", {}).values():
+        added["content"] = rename.get(added["content"], added["content"])
+    config["additional_special_tokens"] = [rename.get(t, t) for t in config.get("additional_special_tokens", [])]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_reasoning_parser_applies_the_grammar_after_the_thinking(tmp_path, caplog):
+    # vllm serve --reasoning-parser: a structured output's grammar starts once the model closed its thought
+    thinking = _thinking_checkpoint(tmp_path / "thinking", {"<repo_name>": "<think>", "<reponame>": "</think>"})
+    args = engine_args(str(thinking), reasoning_parser="deepseek_r1")
+    assert args.structured_outputs_config == {"reasoning_parser": "deepseek_r1"}
+    # no parser set: vLLM's default, the grammar covers it all
+    assert engine_args(str(thinking)).structured_outputs_config.reasoning_parser == ""
+    mine = {"reasoning_parser": "qwen3", "enable_in_reasoning": True}
+    assert engine_args(str(thinking), reasoning_parser="deepseek_r1",
+                       overrides={"structured_outputs_config": mine}).structured_outputs_config == mine
+    # a tokenizer without the tags (the default model's): vLLM's parser could not start, so it is left off, said
+    with caplog.at_level("WARNING", logger="gpu_runtime.vllm.build"):
+        assert engine_args("smollm2-135m", reasoning_parser="qwen3").structured_outputs_config.reasoning_parser == ""
+    assert "has no <think> and </think> tokens" in caplog.text

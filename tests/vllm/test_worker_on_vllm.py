@@ -330,10 +330,18 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     settings.reasoning_parser = "qwen3"
     think_kw = dict(model="smollm2-135m-instruct", messages=ask, max_tokens=40, temperature=0,
                     extra_body={"structured_outputs": {"regex": "<think>[a-z ]{4,24}</think>(Paris|Rome|Oslo)"}})
-    thought = oai.chat.completions.create(**think_kw).choices[0].message
+    thinking = oai.chat.completions.create(**think_kw)
+    thought = thinking.choices[0].message
     assert thought.model_extra["reasoning"] and thought.content in ("Paris", "Rome", "Oslo"), thought
     assert "<think>" not in thought.content + thought.model_extra["reasoning"]
-    chunks = [c.choices[0].delta for c in oai.chat.completions.create(**think_kw, stream=True) if c.choices]
+    # the tokens it thought in, counted by the worker as they came (here the tags are text, several tokens each)
+    spent = thinking.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < spent < thinking.usage.completion_tokens, thinking.usage
+    row = httpx.get(f"{base}/v1/jobs/{thinking.model_extra['coserve']['job_id']}", headers=Keys.header(keys.paid))
+    assert row.json()["reasoning_tokens"] == spent
+    streamed = list(oai.chat.completions.create(**think_kw, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.completion_tokens_details.reasoning_tokens == spent
+    chunks = [c.choices[0].delta for c in streamed if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning") or "" for d in chunks) == thought.model_extra["reasoning"]
     assert "".join(d.content or "" for d in chunks) == thought.content
     hidden = oai.chat.completions.create(**{**think_kw, "extra_body": {**think_kw["extra_body"],
@@ -344,6 +352,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                                  extra_body=think_kw["extra_body"])  # vLLM's structured_outputs, as on chat
     assert [i.type for i in reply.output] == ["reasoning", "message"], reply.output
     assert reply.output[0].content[0].text == thought.model_extra["reasoning"] and reply.output_text == thought.content
+    assert reply.usage.output_tokens_details.reasoning_tokens == spent
     settings.reasoning_parser = None
     # what only vLLM can judge (a regex it cannot compile) comes back as the client's error, a 400, not a 500
     with pytest.raises(openai.BadRequestError) as exc:

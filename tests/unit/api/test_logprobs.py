@@ -98,3 +98,13 @@ def test_usage_says_the_cached_prompt_tokens_where_the_engine_counted_them():
     assert merged["prompt_tokens"] == 500 and merged["prompt_tokens_details"] == {"cached_tokens": 384}
     chat = chat_completion("x", "m", 0, "hi", "stop", 300, 1, cached_tokens=256)
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+
+
+def test_usage_says_the_reasoning_tokens_where_a_parser_counted_them():
+    assert "completion_tokens_details" not in usage(5, 2)  # no reasoning parser: not known
+    assert usage(5, 9, reasoning_tokens=6)["completion_tokens_details"] == {"reasoning_tokens": 6}
+    # n = 2 choices of one prompt: every choice's thinking counts, as its completion tokens do
+    bodies = [chat_completion("x", "m", 0, "hi", "stop", 300, c, reasoning="hm", reasoning_tokens=r)
+              for c, r in ((9, 6), (4, 3))]
+    merged = merge_choices(bodies, n=2)["usage"]
+    assert merged["completion_tokens"] == 13 and merged["completion_tokens_details"] == {"reasoning_tokens": 9}

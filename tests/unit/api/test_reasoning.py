@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.reasoning import ReasoningStream, split_reasoning
+from app.reasoning import CLOSE, OPEN, ReasoningStream, ReasoningTokens, split_reasoning
 from app.tool_calls import Answer, AnswerStream, read_answer
 
 
@@ -97,3 +97,48 @@ def test_include_reasoning_false_leaves_the_thinking_out_and_still_not_in_the_co
     fed = [stream.feed(p) for p in ["hm", "m</th", "ink>Par", "is"]]
     assert [f[0] for f in fed] == ["", "", "", ""] and "".join(f[1] for f in fed) == "Paris"
     assert stream.end("stop")[:2] == ("", "")
+
+
+def _depth_count(tokens: list[str], starts_in_thought: bool) -> int:
+    """vLLM's ``count_reasoning_tokens`` over single-token tags (a deepseek_r1 answer starts inside the thought its
+    template opened): the tokens between the open and the close, the tags left out."""
+    depth, count = int(starts_in_thought), 0
+    for token in tokens:
+        if token == OPEN:
+            depth = 1
+        elif token == CLOSE:
+            depth = 0
+        elif depth:
+            count += 1
+    return count
+
+
+WORDS = st.sampled_from(["a", " b", "c.", "\n", " <", "x"])
+
+
+@given(parser=st.sampled_from(["deepseek_r1", "qwen3"]), thought=st.lists(WORDS, max_size=10),
+       answer=st.lists(WORDS, max_size=6), opened=st.booleans(), closed=st.booleans())
+def test_thinking_tokens_are_counted_as_vllm_counts_single_token_tags(parser, thought, answer, opened, closed):
+    tokens = ([OPEN] if opened else []) + thought + ([CLOSE] + answer if closed else [])
+    count = ReasoningTokens(parser)
+    for token in tokens:  # one token a step
+        count.feed(token, 1)
+    thinks = opened or parser == "deepseek_r1"  # qwen3 thinks only where the answer opens a thought
+    expected = _depth_count(tokens, parser == "deepseek_r1") if thinks else 0
+    reasoning = split_reasoning(parser, "".join(tokens))[0]
+    # a " <" held back as a possible tag is thought all the same: the count is the tokens, not the text
+    assert count.count == expected, (tokens, reasoning)
+
+
+def test_a_step_of_several_tokens_that_closes_the_thought_counts_its_share():
+    count = ReasoningTokens("qwen3")
+    count.feed("<think>", 1)
+    count.feed("one two", 2)
+    assert count.count == 2
+    count.feed(" three" + CLOSE + "Paris", 4)  # speculation: 4 tokens, 6 characters of thought in 19
+    assert count.count == 2 + round(4 * 6 / 19)
+    count.feed(" is it", 2)
+    assert count.count == 3  # the answer adds none
+    off = ReasoningTokens("qwen3")  # thinking switched off: nothing is thought
+    off.feed("Paris", 1)
+    assert off.count == 0
