@@ -119,6 +119,12 @@ class Supervisor:
     def dead(self) -> list[str]:
         return [name for name, p in self.procs if p.poll() is not None]
 
+    def stop_one(self, name: str) -> None:
+        """Stops the child ``name`` and forgets it (the others go on)."""
+        gone = [p for n, p in self.procs if n == name]
+        terminate_group(gone)
+        self.procs = [(n, p) for n, p in self.procs if n != name]
+
     def stop(self) -> None:
         # reverse start order: API and workers before the Redis they need
         for _name, p in reversed(self.procs):

@@ -124,6 +124,9 @@ class JobCreate(BaseModel):
     app_id: Text | None = Field(None, max_length=200, description=(
         "application key for decode-length history (output lengths are predicted from the tenant's finished "
         "jobs of the same app_id; without one, from its jobs of the same kind)"))
+    prompt_cache_key: Text | None = Field(None, max_length=1024, description=(
+        "OpenAI's: requests that give the same key go to the same worker, whose prefix cache holds what they "
+        "share (prefix routing; without it a chat's opening messages are the key)"))
     # QoS: interactive jobs have TTFT/TBT targets, batch jobs a deadline
     ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-to-first-token target")
     tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-between-tokens target")

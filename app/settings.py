@@ -109,6 +109,13 @@ class Settings(BaseSettings):
                                 "order, relegate and shed the jobs it holds: a small cap leaves an overload backlog "
                                 "in the queue's FIFO order")
     sweep_seconds: float = 10.0
+    routing: Literal["prefix", "queue"] = Field(
+        "prefix", description="how jobs reach a model's workers: 'prefix' sends a conversation's turns (and the "
+                              "requests of one prompt_cache_key) to the worker whose prefix cache holds them, "
+                              "unless it is routing_slack jobs busier than the least loaded; 'queue': every job on "
+                              "the model's one queue, taken by whichever worker asks first")
+    routing_slack: int = Field(16, ge=0, description="prefix routing: the jobs a worker may hold above the least "
+                                                     "loaded live worker and still get the jobs routed to it")
     webhook_retry_s: float = Field(5.0, gt=0, description="a failed webhook delivery is retried after this, doubling "
                                                            "each time up to an hour")
     webhook_max_attempts: int = Field(16, ge=1, description="deliveries of an event before it is given up (about "

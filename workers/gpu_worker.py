@@ -42,6 +42,7 @@ from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
 from app.services.dispatch import send_job
 from app.services.model_info import encode_input, get_tokenizer, use_chat_template
+from app.services.routing import WORKER_QUEUES, worker_queue
 from app.services.streaming import CANCEL_CHANNEL
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
@@ -59,7 +60,7 @@ from workers.engine_thread import EngineThread, failed_attempt, refusal_code
 from workers.inbox import Abort, Add, Inbox, Learn
 from workers.outbox import Outbox, StepRecords
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
-from workers.sweeper import sweep
+from workers.sweeper import reroute, sweep
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class GpuWorker:
         self.queue = queue_name(settings.model_name)
         # a LoRA adapter's jobs come on its own queue (routed by the job's model); this worker serves them all
         self.queues = [queue_name(m) for m in settings.served_models]
+        if settings.routing == "prefix":  # and the jobs prefix routing sends this worker alone
+            self.queues.append(worker_queue(self.worker_id))
         self.device = resolve_device(settings.device)
         self.backend = settings.engine_backend if not os.environ.get("COSERVE_ENGINE_FACTORY") else "custom"
         self.active = ActiveJobs()
@@ -103,6 +106,8 @@ class GpuWorker:
             with session_scope(self.url) as s:
                 decode_history.seed(history, decode_history.finished_lengths(s, served))
         self._register()
+        if self.settings.routing == "prefix":  # the sweepers look after this worker's own queue once it is gone
+            self.redis.sadd(WORKER_QUEUES, worker_queue(self.worker_id))
         # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub, into the inbox
         self.threads.append(start_control_listener(self.inbox, self.worker_id, self.settings.redis_url,
                                                    self.stopping))
@@ -168,6 +173,8 @@ class GpuWorker:
             row = s.get(WorkerState, self.worker_id)
             if row is not None:
                 s.delete(row)
+            if self.settings.routing == "prefix":  # what was routed to this worker and not taken yet
+                reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
         log.info("worker %s stopped (%d jobs given back)", self.worker_id, len(rest))
 
     def _register(self) -> None:
@@ -268,6 +275,8 @@ class GpuWorker:
                                  "runtime_lora": self.settings.runtime_lora,
                                  "active_jobs": len(self.active),
                                  "relegated_jobs": self.active.relegated, "device": self.device,
+                                 # what prefix routing weighs: the jobs it serves in line, and how many it takes
+                                 "in_line": self.active.in_line, "max_inflight": self.settings.max_inflight,
                                  "outbox_pending": self.outbox.pending}
         if self.engine_thread is not None:
             state.update(self.engine_thread.state)  # the engine thread's snapshot: no engine reads from here

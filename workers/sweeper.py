@@ -1,4 +1,5 @@
-"""The sweeper: requeues jobs whose lease expired and (re)sends jobs nobody took.
+"""The sweeper: requeues jobs whose lease expired, (re)sends jobs nobody took, and gives the jobs routed to a worker
+that died back to their model's queue.
 
 It runs as a thread in every GPU worker (every ``sweep_seconds``); all its changes are
 guarded updates, so several workers sweeping at once is safe.
@@ -19,6 +20,7 @@ from app.db.models import Job, JobStatus, WorkerState
 from app.services.lora_adapters import queue_models
 from app.services.dispatch import dispatch, send_job
 from app.services.notify import redis_client
+from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.streaming import StreamEvent, publish
 from app.services.transitions import ACTIVE, transition, utcnow
 from workers.celery_app import queue_name
@@ -35,6 +37,7 @@ class SweepResult:
     failed: int = 0  # leases expired on the last allowed attempt -> failed (a job that kills workers)
     dispatched: int = 0  # queued jobs sent
     resent: int = 0  # dispatched, never leased, message lost (its holder died or it left the queue): sent again
+    rerouted: int = 0  # waiting on the own queue of a worker that is gone: sent to the model's queue
 
 
 def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, resend_after_s: float = 300.0,
@@ -76,9 +79,52 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
         if not dispatch(session, redis_url, job.id, queues[job.model], detail="sent by the sweeper"):
             break  # the broker is down: try again next sweep
         result.dispatched += 1
+    result.rerouted = _reroute_orphaned(session, redis_url, now - timedelta(seconds=holder_stale_s))
     result.resent = _resend_lost(session, redis_url, now, resend_after_s, holder_stale_s, limit, served)
     session.commit()
     return result
+
+
+def _reroute_orphaned(session: Session, redis_url: str, stale_before) -> int:
+    """Sends the jobs waiting on the own queue of a worker that stopped beating (prefix routing's) to their model's
+    queue; returns how many were sent."""
+    try:
+        queues = [q.decode() for q in redis_client(redis_url).smembers(WORKER_QUEUES)]
+    except redis.RedisError as exc:
+        log.warning("could not read the workers' own queues (%s); rerouting nothing this sweep", exc)
+        return 0
+    if not queues:
+        return 0
+    live = set(session.scalars(select(WorkerState.id).where(WorkerState.heartbeat_at >= stale_before)))
+    return reroute(session, redis_url, [q for q in queues if q.removeprefix(WORKER_QUEUE_PREFIX) not in live])
+
+
+def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
+    """Sends the jobs waiting on workers' own ``queues`` to their model's queue and removes those queues (a worker
+    that stopped, or died); returns how many were sent."""
+    ids: set[str] = set()
+    try:
+        client = redis_client(redis_url)
+        for queue in queues:
+            ids.update(m.decode() for raw in client.lrange(queue, 0, -1) for m in _JOB_ID.findall(raw))
+            # the list, and the binding kombu declared for it; then it is no one's to look after
+            client.delete(queue, f"_kombu.binding.{queue}")
+            client.srem(WORKER_QUEUES, queue)
+    except redis.RedisError as exc:
+        log.warning("could not read the workers' own queues (%s); rerouting nothing this time", exc)
+        return 0
+    waiting = session.execute(select(Job.id, Job.model).where(
+        Job.id.in_(ids), Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_(None))).all() if ids else []
+    models = queue_models(session, {j.model for j in waiting})
+    sent = 0
+    for job in waiting:  # a message a dead worker's queue lost here is sent again later as lost (_resend_lost)
+        if not send_job(redis_url, job.id, models[job.model]):
+            break
+        sent += 1
+    if queues:
+        log.info("removed the own queues of %d workers that are gone; sent their %d waiting jobs to the models' "
+                 "queues", len(queues), sent)
+    return sent
 
 
 def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, holder_stale_s: float,
@@ -118,7 +164,7 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
 
 
 def _queued_ids(redis_url: str, models: set[str]) -> set[str] | None:
-    """Ids of the jobs whose message waits in the models' queues; None when unknown (Redis down,
+    """Ids of the jobs whose message waits in the models' queues or a worker's own; None when unknown (Redis down,
     or a queue too long to scan: a long queue is a backlog, and its messages are not lost)."""
     try:
         client = redis_client(redis_url)
@@ -128,6 +174,9 @@ def _queued_ids(redis_url: str, models: set[str]) -> set[str] | None:
             if client.llen(queue) > QUEUE_SCAN_CAP:
                 return None
             for raw in client.lrange(queue, 0, -1):
+                ids.update(m.decode() for m in _JOB_ID.findall(raw))
+        for queue in client.smembers(WORKER_QUEUES):  # the workers' own (prefix routing's)
+            for raw in client.lrange(queue, 0, QUEUE_SCAN_CAP):
                 ids.update(m.decode() for m in _JOB_ID.findall(raw))
         return ids
     except redis.RedisError as exc:

@@ -23,7 +23,7 @@ from app.db.models import Batch, File, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_guard
 from app.openai_schemas import parse_window
 from app.services import dispatch as dispatching
-from app.services import lora_adapters
+from app.services import routing
 from app.services.jobs import JobValidationError, build_job
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_context
@@ -114,8 +114,8 @@ def _start(settings: Settings, batch_id: str) -> None:
     if settings.redis_url:
         with session_scope(url) as s:
             for job in jobs:
-                dispatching.dispatch(s, settings.redis_url, job.id, lora_adapters.queue_model(settings, job.model),
-                                     detail=f"batch {batch_id}")
+                dispatching.dispatch(s, settings.redis_url, job.id, job.model, detail=f"batch {batch_id}",
+                                     queue=routing.job_queue(settings, job.model, job.route_key))
     if not jobs:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)

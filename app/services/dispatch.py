@@ -1,7 +1,8 @@
-"""Sending jobs to the workers' queue, after the job row is committed.
+"""Sending jobs to the workers' queues, after the job row is committed.
 
-A send that fails (broker down) leaves the job ``queued``; the sweeper dispatches it
-later, so an accepted job is never lost.
+A job goes on its model's queue, or on one worker's where prefix routing chose it (``app.services.routing``). A
+send that fails (broker down) leaves the job ``queued``; the sweeper dispatches it later, so an accepted job is
+never lost.
 """
 
 from __future__ import annotations
@@ -22,25 +23,29 @@ log = logging.getLogger(__name__)
 SEND_RETRY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2, "interval_max": 0.5}
 
 
-def send_job(redis_url: str, job_id: str, model_name: str) -> bool:
+def send_to(redis_url: str, job_id: str, queue: str) -> bool:
+    """Sends ``job_id`` on the queue named ``queue``; False where the broker could not take it."""
     try:
-        get_celery(redis_url).send_task(RUN_JOB, args=[job_id], queue=queue_name(model_name),
-                                        retry=True, retry_policy=SEND_RETRY)
+        get_celery(redis_url).send_task(RUN_JOB, args=[job_id], queue=queue, retry=True, retry_policy=SEND_RETRY)
         return True
     except Exception as exc:  # kombu raises OperationalError and socket errors alike
         log.warning("could not send job %s to the broker (%s); it stays queued for the sweeper", job_id, exc)
         return False
 
 
-def _queue(app, model_name: str):
-    """The model's kombu Queue from Celery's queue map (added on first use, as send_task does)."""
-    name = queue_name(model_name)
+def send_job(redis_url: str, job_id: str, model_name: str) -> bool:
+    """Sends ``job_id`` on its model's queue, which every worker of the model consumes."""
+    return send_to(redis_url, job_id, queue_name(model_name))
+
+
+def _queue(app, name: str):
+    """The kombu Queue ``name`` from Celery's queue map (added on first use, as send_task does)."""
     queues = app.amqp.queues
     return queues[name] if name in queues else queues.select_add(name)
 
 
 def send_jobs(redis_url: str, jobs: list[tuple[str, str]]) -> list[str]:
-    """Sends (job_id, model_name) pairs on one producer; returns the ids sent, in order.
+    """Sends (job_id, queue name) pairs on one producer; returns the ids sent, in order.
 
     The fast path buffers the messages in kombu's publish batch (one Redis pipeline, one
     round trip instead of one per job) without kombu's retry wrapper. If it fails, every
@@ -52,26 +57,28 @@ def send_jobs(redis_url: str, jobs: list[tuple[str, str]]) -> list[str]:
     amqp = app.amqp
     try:
         with app.producer_or_acquire() as producer, producer.batch(max_size=len(jobs) + 1):
-            for job_id, model in jobs:
+            for job_id, queue in jobs:
                 # Celery's message layer directly (what send_task calls once it has routed the
                 # task): the queue is known and results are ignored, and it costs ~40% less
                 # CPU per message than send_task; argsrepr given instead of a saferepr each time
                 message = amqp.create_task_message(uuid4().hex, RUN_JOB, [job_id], {},
                                                    argsrepr=f"['{job_id}']", kwargsrepr="{}")
-                amqp.send_task_message(producer, RUN_JOB, message, queue=_queue(app, model), retry=False)
-        return [job_id for job_id, _model in jobs]
+                amqp.send_task_message(producer, RUN_JOB, message, queue=_queue(app, queue), retry=False)
+        return [job_id for job_id, _queue_name in jobs]
     except Exception as exc:
         log.info("batched send of %d jobs failed (%s); sending one by one", len(jobs), exc)
     sent: list[str] = []
-    for job_id, model in jobs:
-        if not send_job(redis_url, job_id, model):
+    for job_id, queue in jobs:
+        if not send_to(redis_url, job_id, queue):
             break
         sent.append(job_id)
     return sent
 
 
-def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None) -> bool:
-    """Mark a committed ``queued`` job ``dispatched``, then send it (commits).
+def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None,
+             queue: str | None = None) -> bool:
+    """Mark a committed ``queued`` job ``dispatched``, then send it (commits) on ``queue`` (a queue name; None: the
+    model's).
 
     Marking first keeps the events in order (a worker may lease the job as soon as the
     message lands); a failed send moves it back to ``queued`` for the sweeper.
@@ -82,7 +89,7 @@ def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, 
         session.commit()
     if not marked:
         return True  # someone else moved it on; nothing to send
-    if send_job(redis_url, job_id, model_name):
+    if send_to(redis_url, job_id, queue or queue_name(model_name)):
         return True
     with write_guard(session):
         transition(session, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,

@@ -26,7 +26,7 @@ from sqlalchemy import insert
 
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
-from app.services import lora_adapters
+from app.services import routing
 from app.services.dispatch import send_jobs
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
 from app.services.transitions import transition, utcnow
@@ -167,9 +167,9 @@ class JobWriter:
                     self._sends.put(None)
                     break
                 jobs += more
-            todo = [(j.id, lora_adapters.queue_model(self.settings, j.model)) for j in jobs]
+            todo = [(j.id, routing.job_queue(self.settings, j.model, j.route_key)) for j in jobs]
             sent = set(send_jobs(self.settings.redis_url, todo))
-            unsent = [job_id for job_id, _m in todo if job_id not in sent]
+            unsent = [job_id for job_id, _queue in todo if job_id not in sent]
             if unsent:
                 self._unmark(sessions, unsent)
 

@@ -24,7 +24,7 @@ from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
 from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
-from app.services import lora_adapters
+from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
@@ -161,6 +161,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
               messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,
               tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
               template_options=spec.template_options(), response=response)
+    job.route_key = routing.route_key(principal.tenant_id, model, prompt_cache_key=spec.prompt_cache_key,
+                                      messages=job.messages, prompt=prompt, prompt_token_ids=spec.prompt_token_ids)
     if spec.kind == JobKind.INTERACTIVE:
         job.ttft_ms = spec.ttft_ms or settings.default_ttft_ms
         job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
@@ -323,8 +325,8 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
         return Submitted(existing, created=False)
     if dispatch:
         redis_url = settings.redis_url
-        if redis_url and dispatching.dispatch(session, redis_url, job.id,
-                                                          lora_adapters.queue_model(settings, job.model)):
+        if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model,
+                                              queue=routing.job_queue(settings, job.model, job.route_key)):
             # dispatch() already wrote the row; reflect it in the answer without marking the object
             # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
             set_committed_value(job, "status", JobStatus.DISPATCHED.value)

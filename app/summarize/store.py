@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
-from app.services import lora_adapters
+from app.services import routing
 from app.services.dispatch import send_jobs
 from app.services.transitions import as_utc, transition, utcnow
 from app.settings import Settings
@@ -89,9 +89,9 @@ def send(settings: Settings, jobs: list[Job]) -> None:
     where the workers' sweeper picks them up."""
     if not jobs or not settings.redis_url:
         return
-    todo = [(job.id, lora_adapters.queue_model(settings, job.model)) for job in jobs]
+    todo = [(job.id, routing.job_queue(settings, job.model, job.route_key)) for job in jobs]
     sent = set(send_jobs(settings.redis_url, todo))
-    unsent = [job_id for job_id, _model in todo if job_id not in sent]
+    unsent = [job_id for job_id, _queue in todo if job_id not in sent]
     if not unsent:
         return
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):

@@ -170,3 +170,40 @@ def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(settings, keys)
     entries = redis.Redis.from_url(settings.redis_url).xrange(stream_key(job_id))
     end = StreamEvent.parse(entries[-1][1])
     assert end.type == "end" and end.status == "failed" and "gave up" in end.data["error"]
+
+
+def test_jobs_routed_to_a_worker_that_died_go_back_to_the_models_queue(settings, keys):
+    """Prefix routing puts a conversation's jobs on one worker's own queue; when that worker stops beating, the
+    sweeper sends what waits there to the model's queue and removes the dead queue (and kombu's binding of it)."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.db.models import WorkerState
+    from app.services.routing import WORKER_QUEUES, worker_queue
+    from app.services.transitions import utcnow
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    r.sadd(WORKER_QUEUES, worker_queue("w9"))  # as the worker does when it starts
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu",
+                          state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
+    job_ids = [_job(settings, keys, dispatch=True) for _ in range(2)]  # the same prompt: one key, one worker
+    assert r.llen("coserve.tiny") == 0 and r.llen(worker_queue("w9")) == 2
+    r.sadd(f"_kombu.binding.{worker_queue('w9')}", "binding")  # as kombu declares a queue's binding
+    with session_scope(url) as s:  # its worker is alive: its jobs wait for it, not lost
+        result = sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30)
+        assert (result.rerouted, result.resent) == (0, 0)
+    with session_scope(url) as s:
+        s.execute(update(WorkerState).where(WorkerState.id == "w9")
+                  .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30)
+        assert (result.rerouted, result.resent) == (2, 0)
+    assert not r.exists(worker_queue("w9"), f"_kombu.binding.{worker_queue('w9')}")
+    assert not r.sismember(WORKER_QUEUES, worker_queue("w9"))  # no one's to look after any more
+    waiting = b"".join(r.lrange("coserve.tiny", 0, -1))
+    assert all(job_id.encode() in waiting for job_id in job_ids) and r.llen("coserve.tiny") == 2
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30).rerouted == 0  # once
+        assert {s.get(Job, j).status for j in job_ids} == {"dispatched"}

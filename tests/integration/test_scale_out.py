@@ -27,3 +27,77 @@ def test_two_workers_both_take_work(client, keys, settings, start_worker):
     rows = wait_for(done, 120, "all jobs to succeed", interval=0.5)
     by_worker = {r.worker_id for r in rows}
     assert by_worker == {"wa", "wb"}
+
+
+def _opening(tenant_id: str, worker: str, others: list[str], n: int) -> list[list[dict]]:
+    """``n`` conversation openings whose prefix-routing key belongs to ``worker`` among ``others``."""
+    from app.services.routing import Candidate, choose, route_key
+
+    candidates = [Candidate(w, 0, 1024) for w in [worker, *others]]
+    found = []
+    for i in range(1000):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Topic {i}: tell me"}]
+        if choose(route_key(tenant_id, "tiny", messages=messages), candidates, 16) == worker:
+            found.append(messages)
+            if len(found) == n:
+                return found
+    raise AssertionError("no opening found")
+
+
+def _ran_on(settings, ids: list[str]) -> list[str]:
+    def done():
+        with session_scope(settings.sqlalchemy_url) as s:
+            rows = s.execute(select(Job.id, Job.status, Job.worker_id).where(Job.id.in_(ids))).all()
+        return rows if len(rows) == len(ids) and all(r.status == "succeeded" for r in rows) else None
+    by_id = {r.id: r.worker_id for r in wait_for(done, 120, "the jobs to succeed", interval=0.3)}
+    return [by_id[i] for i in ids]
+
+
+def test_a_conversations_turns_run_on_the_worker_that_ran_the_turn_before(client, keys, settings, start_worker):
+    # prefix routing: the worker whose prefix cache holds the conversation gets its next turn; conversations spread
+    start_worker("wa")
+    start_worker("wb")
+    conversations = _opening(keys.tenant_id, "wa", ["wb"], 2) + _opening(keys.tenant_id, "wb", ["wa"], 2)
+    ran: list[list[str]] = [[] for _ in conversations]
+    for turn in range(3):
+        ids = []
+        for i, history in enumerate(conversations):
+            r = client.post("/v1/jobs", headers=Keys.header(keys.paid),
+                            json={"messages": history, "max_tokens": 6, "ignore_eos": True})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["id"])
+        for i, worker in enumerate(_ran_on(settings, ids)):
+            ran[i].append(worker)
+            conversations[i] = conversations[i] + [{"role": "assistant", "content": f"answer {turn}"},
+                                                   {"role": "user", "content": f"and then {turn}?"}]
+    assert ran == [["wa"] * 3, ["wa"] * 3, ["wb"] * 3, ["wb"] * 3]
+    # a prompt_cache_key routes requests that share nothing else to one worker, as OpenAI's does
+    ids = [client.post("/v1/jobs", headers=Keys.header(keys.paid), json={
+        "prompt": f"Item {i}", "max_tokens": 4, "prompt_cache_key": "user-7"}).json()["id"] for i in range(4)]
+    assert len(set(_ran_on(settings, ids))) == 1
+
+
+def test_a_job_routed_to_a_worker_that_died_runs_on_another(client, keys, settings, start_worker):
+    import redis
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.db.models import WorkerState
+    from app.services.routing import WORKER_QUEUES, worker_queue
+    from app.services.transitions import utcnow
+
+    start_worker("wa")
+    redis.Redis.from_url(settings.redis_url).sadd(WORKER_QUEUES, worker_queue("wz"))  # as a worker starting does
+    with session_scope(settings.sqlalchemy_url) as s:  # a worker that beat a moment ago, and then died
+        s.add(WorkerState(id="wz", model="tiny", queue="coserve.tiny", device="cpu",
+                          state={"served": ["tiny"], "in_line": 0, "max_inflight": 1024}))
+    [messages] = _opening(keys.tenant_id, "wz", ["wa"], 1)
+    job_id = client.post("/v1/jobs", headers=Keys.header(keys.paid),
+                         json={"messages": messages, "max_tokens": 4}).json()["id"]
+    wait_for(lambda: redis.Redis.from_url(settings.redis_url).llen(worker_queue("wz")) == 1, 10,
+             "the job on wz's own queue")  # routed to it (the API's writer sends it after its commit)
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(WorkerState).where(WorkerState.id == "wz")
+                  .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+    assert _ran_on(settings, [job_id]) == ["wa"]  # wa's sweeper gave it back to the model's queue

@@ -1,0 +1,170 @@
+"""Prefix-aware routing: which of a model's workers takes a job (SGLang's cache-aware router and the vLLM production
+stack's prefix-aware routing, on Celery queues).
+
+Each worker keeps the prompts it served in its engine's prefix cache, so a conversation's next turn is cheapest on
+the worker that ran the turn before. A job's ``route_key`` names what its prompt opens with: the request's
+``prompt_cache_key`` (OpenAI's field for this), else a chat's messages up to its first user message (a
+conversation's turns share them, and requests that share only a system prompt spread), else the first characters
+of a raw prompt. Rendezvous hashing maps a key to one live worker, and a worker that comes or goes moves only its
+own keys. That worker gets the job on its own queue unless it holds more than ``slack`` jobs above the least loaded
+worker, which then gets it. A job without a key, or with no live worker in sight, goes on the model's shared queue,
+as every job did before.
+
+A process reads the live workers (heartbeat, jobs held) from SQL at most once per ``REFRESH_S`` and adds the jobs it
+sent each worker since that worker's heartbeat. The sweeper gives a queue whose worker died back to the model's
+queue (``workers.sweeper``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+
+from app.db.models import WorkerState
+from app.db.session import session_scope
+from app.services import lora_adapters
+from app.services.transitions import as_utc, utcnow
+from app.settings import Settings
+from workers.celery_app import queue_name
+
+REFRESH_S = 1.0  # how long a process trusts what it read of the workers
+PROMPT_CHARS = 1024  # a raw prompt's key: its opening (about 256 tokens)
+PROMPT_IDS = 256  # the same for a prompt given as token ids
+WORKER_QUEUE_PREFIX = "coserve.worker."
+WORKER_QUEUES = "coserve:worker-queues"  # a Redis set: every worker's own queue, for the sweeper to look after
+
+
+def worker_queue(worker_id: str) -> str:
+    """The queue only ``worker_id`` consumes."""
+    return WORKER_QUEUE_PREFIX + worker_id
+
+
+def route_key(tenant_id: str, model: str, *, prompt_cache_key: str | None = None,
+              messages: list[dict[str, Any]] | None = None, prompt: str | None = None,
+              prompt_token_ids: list[int] | None = None) -> str | None:
+    """The job's key (16 hex digits), or None where its prompt names nothing to route by. The tenant is part of it:
+    a prefix cache shared only within a tenant (``COSERVE_PREFIX_CACHE``) is no reason to meet another's."""
+    if prompt_cache_key:
+        basis: Any = ["key", prompt_cache_key]
+    elif messages:
+        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1)
+        basis = ["chat", [[m.get("role"), m.get("content")] for m in messages[:first_user + 1]]]
+    elif prompt_token_ids:
+        basis = ["ids", prompt_token_ids[:PROMPT_IDS]]
+    elif prompt:
+        basis = ["text", prompt[:PROMPT_CHARS]]
+    else:
+        return None
+    text = json.dumps([tenant_id, model, basis], separators=(",", ":"), default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _weight(key: str, worker_id: str) -> bytes:
+    return hashlib.blake2b(f"{key}|{worker_id}".encode(), digest_size=8).digest()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    id: str
+    load: int  # the jobs it serves in line (relegated ones left out)
+    capacity: int  # the most it takes in line (COSERVE_MAX_INFLIGHT): a fuller one leaves a job's message waiting
+
+    @property
+    def has_room(self) -> bool:
+        return self.load < self.capacity
+
+
+def choose(key: str, candidates: list[Candidate], slack: int) -> str | None:
+    """The worker for ``key``: its rendezvous (highest-random-weight) worker, unless that one is full or holds more
+    than ``slack`` jobs above the least loaded, which then takes it; None (the shared queue) where none has room."""
+    open_ = [c for c in candidates if c.has_room]
+    if not open_:
+        return None
+    home = max(candidates, key=lambda c: _weight(key, c.id))
+    least = min(open_, key=lambda c: (c.load, c.id))
+    return home.id if home.has_room and home.load <= least.load + slack else least.id
+
+
+@dataclass
+class _Worker:
+    id: str
+    served: tuple[str, ...]
+    held: int  # jobs it served in line at its heartbeat
+    capacity: int
+    heartbeat_at: datetime
+
+
+class Router:
+    """One process's routing: the live workers it last read, and the jobs it sent each since their heartbeat."""
+
+    def __init__(self, url: str, live_s: float, slack: int) -> None:
+        self.url, self.live_s, self.slack = url, live_s, slack
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._read_at = float("-inf")
+        self._sent: dict[str, deque[datetime]] = defaultdict(deque)  # worker -> when this process sent it a job
+
+    def queue(self, model: str, key: str | None) -> str:
+        """The queue a job of ``model`` (the model whose workers serve it) with ``key`` goes on."""
+        if key is None:
+            return queue_name(model)
+        with self._lock:
+            workers = [w for w in self._live() if model in w.served]
+            chosen = choose(key, [Candidate(w.id, w.held + self._since(w), w.capacity) for w in workers],
+                            self.slack)
+            if chosen is None:
+                return queue_name(model)
+            self._sent[chosen].append(utcnow())
+            return worker_queue(chosen)
+
+    def _since(self, worker: _Worker) -> int:
+        """The jobs this process sent ``worker`` after its last heartbeat (which did not count them yet)."""
+        sent = self._sent[worker.id]
+        while sent and sent[0] < worker.heartbeat_at:
+            sent.popleft()
+        return len(sent)
+
+    def _live(self) -> list[_Worker]:
+        if time.monotonic() - self._read_at >= REFRESH_S:
+            self._read_at = time.monotonic()
+            since = utcnow() - timedelta(seconds=self.live_s)
+            with session_scope(self.url) as s:
+                rows = s.execute(select(WorkerState).where(WorkerState.heartbeat_at >= since,
+                                                           WorkerState.draining.is_(False))).scalars().all()
+                self._workers = [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at))
+                                 for r in rows]
+            for gone in set(self._sent) - {w.id for w in self._workers}:
+                del self._sent[gone]
+        return self._workers
+
+
+def _load(state: dict[str, Any]) -> tuple[int, int]:
+    """(jobs in line, capacity) from a worker's heartbeat state (an older worker's: its jobs, no cap)."""
+    return int(state.get("in_line", state.get("active_jobs")) or 0), int(state.get("max_inflight") or 2**31)
+
+
+_routers: dict[tuple[str, float, int], Router] = {}
+_routers_lock = threading.Lock()
+
+
+def router(url: str, live_s: float, slack: int) -> Router:
+    """The process's router for the database at ``url``."""
+    with _routers_lock:
+        return _routers.setdefault((url, live_s, slack), Router(url, live_s, slack))
+
+
+def job_queue(settings: Settings, model: str, key: str | None) -> str:
+    """The queue a new job for ``model`` (a model, or an adapter of one) with ``route_key`` ``key`` goes on."""
+    base = lora_adapters.queue_model(settings, model)  # a runtime adapter's jobs: any worker of its model
+    if settings.routing != "prefix" or key is None:
+        return queue_name(base)
+    # live: beat within a lease, as the sweeper judges (older, its leases lapse and its own queue is rerouted)
+    return router(settings.sqlalchemy_url, settings.lease_seconds, settings.routing_slack).queue(base, key)
