@@ -3,7 +3,8 @@
 The request models accept what the official ``openai`` client sends (``service_tier`` picks coserve's
 tier) plus coserve's QoS extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's
 sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``structured_outputs``), and turn into a ``JobCreate``. OpenAI fields coserve does not implement
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``structured_outputs``), and turn into a
+``JobCreate``. OpenAI fields coserve does not implement
 (best_of, suffix, functions) are declared, so a request that sets one to anything but its default gets
 a 400 with ``code="unsupported_value"`` instead of an answer that silently ignored it; fields unknown to
 both are ignored.
@@ -189,6 +190,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
     # chat: true/false (top_logprobs says how many alternatives); completions: the number of alternatives
     logprobs: bool | int | None = None
     # structured output: OpenAI's response_format, or vLLM's structured_outputs (one constraint, JobCreate's form)
@@ -296,7 +300,8 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       **self.reasoning_fields(),
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                        "min_tokens", "stop_token_ids") if (v := getattr(self, k)) is not None})
+                                        "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                                        "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
         if self.deadline is not None and window is None and at is None:
             window, at = _deadline(self.deadline)

@@ -30,6 +30,8 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "pad_token", "unk_token"})
 MAX_STOP_TOKEN_IDS = 256
+MAX_ALLOWED_TOKEN_IDS = 262_144  # a vocabulary's worth
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
 TokenId = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 
@@ -144,6 +146,13 @@ class JobCreate(BaseModel):
         "token ids that end the text beside the end of sequence (vLLM backend)"))
     min_tokens: int = Field(0, ge=0, le=1_000_000, description=(
         "no end of sequence or stop token before this many tokens (vLLM backend)"))
+    include_stop_str_in_output: bool = Field(False, description=(
+        "vLLM's: the stop string that ended the text stays at its end"))
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS, description=(
+        "vLLM's: only these token ids may be generated (vLLM backend)"))
+    bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS, description=(
+        "vLLM's: words (each as the tokenizer writes it, with or without a leading space) never generated (vLLM "
+        "backend)"))
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="sample among the k most likely tokens (0 or -1: all)")
     min_p: float = Field(0.0, ge=0, le=1, description="drop tokens less likely than min_p x the most likely one")
@@ -283,6 +292,8 @@ class JobCreate(BaseModel):
                 "parallel_tool_calls": self.parallel_tool_calls,
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
+                "include_stop_str_in_output": self.include_stop_str_in_output,
+                "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo,
                 **({} if self.include_reasoning else {"include_reasoning": False})}
 

@@ -24,14 +24,15 @@ class Detokenizer:
         return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
 
     def update(self, request: Request, finished: bool) -> tuple[str, bool]:
-        """Returns (new text, stop string hit). On a hit the text ends before the stop string."""
+        """Returns (new text, stop string hit). On a hit the text ends before the stop string (after it, with
+        ``include_stop_str_in_output``)."""
         text = self.text(request)
         sent = self._emitted.get(request.request_id, 0)
         hit = False
         for stop in request.sampling.stop:
             pos = text.find(stop, max(0, sent - len(stop)))
             if pos >= 0:
-                text, hit = text[:pos], True
+                text, hit = text[:pos + len(stop) * request.sampling.include_stop_str_in_output], True
         if not (finished or hit):
             # hold back an incomplete character and anything that could start a stop string
             cut = len(text)

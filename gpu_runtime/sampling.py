@@ -15,6 +15,8 @@ PENALTIES_UNSUPPORTED = ("presence_penalty, frequency_penalty and repetition_pen
                          "(COSERVE_BACKEND=vllm): the own torch engine does not apply them; leave them unset")
 MIN_P_WITH_SPECULATION = ("min_p cannot be combined with vLLM's speculative decoding, which this server runs "
                           "(COSERVE_SPEC_POLICY); leave min_p unset or use top_k / top_p")
+VOCABULARY_UNSUPPORTED = ("allowed_token_ids and bad_words need the vLLM backend (COSERVE_BACKEND=vllm): the own "
+                          "torch engine does not restrict its vocabulary; leave them unset")
 STOP_TOKENS_UNSUPPORTED = ("min_tokens and stop_token_ids need the vLLM backend (COSERVE_BACKEND=vllm): the own "
                            "torch engine does not apply them; leave them unset")
 LOGIT_BIAS_LIMIT = 100.0  # a bias lies in [-100, 100] (OpenAI's range; vLLM clamps to it)
@@ -79,6 +81,9 @@ class SamplingParams:
     min_tokens: int = 0  # the end-of-sequence and stop tokens cannot come before this many tokens (vLLM)
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the text beside the end of sequence (vLLM)
     skip_special_tokens: bool = True  # leave special tokens out of the text (False: a tool-call tag may be one)
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be generated (vLLM; empty: any)
+    bad_words: tuple[str, ...] = ()  # never generated (vLLM)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -133,6 +138,9 @@ class SamplingParams:
             return "min_tokens", STOP_TOKENS_UNSUPPORTED
         if self.stop_token_ids:
             return "stop_token_ids", STOP_TOKENS_UNSUPPORTED
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name):
+                return name, VOCABULARY_UNSUPPORTED
         return None
 
     def speculation_refusal(self) -> tuple[str, str] | None:
@@ -160,4 +168,7 @@ class SamplingParams:
                    logit_bias=tuple(sorted((int(t), float(b)) for t, b in (sp.get("logit_bias") or {}).items())),
                    min_tokens=int(sp.get("min_tokens") or 0), stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
                    # the model's own call or thinking syntax is read: keep its tags
-                   skip_special_tokens=not (sp.get("tool_parser") or sp.get("reasoning_parser")))
+                   skip_special_tokens=not (sp.get("tool_parser") or sp.get("reasoning_parser")),
+                   include_stop_str_in_output=bool(sp.get("include_stop_str_in_output", False)),
+                   allowed_token_ids=tuple(sp.get("allowed_token_ids") or ()),
+                   bad_words=tuple(sp.get("bad_words") or ()))

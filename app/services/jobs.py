@@ -57,7 +57,8 @@ REASONING_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")
 NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
                     "tool_parser": None, "reasoning_parser": None, "include_reasoning": True,
                     "parallel_tool_calls": True, "logit_bias": None,
-                    "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False}
+                    "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False,
+                    "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": None}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "template_options", "response", "sampling",
@@ -150,6 +151,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         check_token_ids(settings.model, list(spec.logit_bias), "logit_bias")
     if spec.stop_token_ids:
         check_token_ids(settings.model, spec.stop_token_ids, "stop_token_ids")
+    if spec.allowed_token_ids:
+        check_token_ids(settings.model, spec.allowed_token_ids, "allowed_token_ids")
     prompt = spec.prompt if spec.prompt_token_ids is None else token_prompt_text(settings.model, spec.prompt_token_ids)
     now = utcnow()
     job = Job(id=job_id or new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,

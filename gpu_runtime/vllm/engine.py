@@ -276,6 +276,9 @@ class VLLMEngine:
                               prompt_logprobs=sp.prompt_logprobs, logit_bias=dict(sp.logit_bias) or None,
                               skip_special_tokens=sp.skip_special_tokens, min_tokens=sp.min_tokens,
                               stop_token_ids=list(sp.stop_token_ids) or None,
+                              include_stop_str_in_output=sp.include_stop_str_in_output,
+                              allowed_token_ids=list(sp.allowed_token_ids) or None,
+                              bad_words=list(sp.bad_words) or None,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 

@@ -52,6 +52,17 @@ def test_stop_string_cuts_text_and_finishes_stopped(tiny_model):
     assert ex.capacity().free_blocks == 32
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(tiny_model):
+    # vLLM's include_stop_str_in_output: the text ends after the stop string, which may end inside a token
+    tok = CharTokenizer()
+    full = tok.decode(hf_greedy(tiny_model, PROMPT, 12))
+    stop = full[9:12]
+    ex = TorchExecutor.from_model(tiny_model, kv_blocks=32, block_size=4)
+    kept = make_request(PROMPT, max_tokens=12, stop=(stop,), include_stop_str_in_output=True)
+    assert _run_with_text(ex, [kept], tok)[kept.request_id] == (full[: full.find(stop) + len(stop)],
+                                                               RequestStatus.FINISHED_STOPPED)
+
+
 def test_stop_string_with_speculation_cuts_inside_accepted_tokens(tiny_model):
     """A tree step commits several tokens at once; the stop string may sit in the middle of them."""
     tok = CharTokenizer()

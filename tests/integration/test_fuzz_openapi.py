@@ -220,7 +220,10 @@ ODD_MESSAGE = st.fixed_dictionaries(
 ODD_SAMPLING = {"max_tokens": ODD_NUMBER, "temperature": ODD_NUMBER, "top_p": ODD_NUMBER, "seed": ODD_NUMBER,
                 "stop": st.one_of(ODD_TEXT, st.lists(ODD_TEXT, max_size=5)), "app_id": ODD_TEXT, "tier": ODD_TEXT,
                 "ttft_ms": ODD_NUMBER, "tbt_ms": ODD_NUMBER, "tbt_anchor": ODD_TEXT, "model": ODD_TEXT,
-                "messages": st.lists(ODD_MESSAGE, max_size=2)}
+                "messages": st.lists(ODD_MESSAGE, max_size=2), "prompt_cache_key": ODD_TEXT,
+                "allowed_token_ids": st.one_of(ODD_VALUE, st.lists(ODD_NUMBER, max_size=3)),
+                "bad_words": st.one_of(ODD_VALUE, st.lists(ODD_TEXT, max_size=3)),
+                "include_stop_str_in_output": ODD_VALUE}
 
 
 def odd(valid: st.SearchStrategy[dict], odd_fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict]:

@@ -92,6 +92,10 @@ SAMPLING = dataclasses.asdict(SamplingParams())
     ("vllm", "nightjar", {"logit_bias": {"5": 3.0}}, "logit_bias"),  # vLLM's sampler drops it while speculating
     ("torch", "none", {"min_tokens": 4}, "min_tokens"), ("torch", "none", {"stop_token_ids": [2]}, "stop_token_ids"),
     ("vllm", "nightjar", {"min_tokens": 4, "stop_token_ids": [2]}, None),
+    ("torch", "none", {"allowed_token_ids": [5, 6]}, "allowed_token_ids"), ("torch", "none", {"bad_words": ["no"]},
+                                                                            "bad_words"),
+    ("torch", "none", {"include_stop_str_in_output": True}, None),  # the own engine keeps the stop string too
+    ("vllm", "nightjar", {"allowed_token_ids": [5], "bad_words": ["no"]}, None),  # vLLM's rejection sampler applies
 ])
 def test_the_api_refuses_what_the_servers_engine_cannot_apply(backend, spec, sampling, refused):
     settings = Settings(backend=backend, spec_policy=spec)
@@ -166,3 +170,17 @@ def test_min_tokens_and_stop_token_ids_round_trip_and_are_checked():
     with pytest.raises(ValueError):
         JobCreate(prompt="x", stop_token_ids=[-1])
 
+
+
+def test_vllms_vocabulary_and_stop_string_options_round_trip():
+    from app.schemas import JobCreate
+
+    sampling = JobCreate(prompt="x", stop=["."], include_stop_str_in_output=True, allowed_token_ids=[3, 9],
+                         bad_words=["never", " never"]).sampling(16)
+    params = SamplingParams.from_job(sampling, 16)
+    assert (params.include_stop_str_in_output, params.allowed_token_ids, params.bad_words) == \
+        (True, (3, 9), ("never", " never"))
+    old = SamplingParams.from_job({"max_tokens": 4}, 16)  # a job stored before they existed
+    assert (old.include_stop_str_in_output, old.allowed_token_ids, old.bad_words) == (False, (), ())
+    with pytest.raises(ValueError):
+        JobCreate(prompt="x", allowed_token_ids=[])  # an empty vocabulary could generate nothing

@@ -161,6 +161,15 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     cut = oai.completions.create(**{**capital, "max_tokens": 24}, extra_body={"stop_token_ids": [first_id]})
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 1, (first, cut)
 
+    # vLLM's include_stop_str_in_output, allowed_token_ids and bad_words
+    stop = first.strip().split()[0]
+    kept = oai.completions.create(**{**capital, "max_tokens": 24}, stop=[stop],
+                                  extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text.endswith(stop) and first.startswith(kept.text), (first, kept)
+    only = oai.completions.create(**{**capital, "max_tokens": 3}, extra_body={"allowed_token_ids": [rome]})
+    assert only.choices[0].text == " Rome" * 3
+    banned = oai.completions.create(**capital, extra_body={"bad_words": [greedy]}).choices[0].text
+    assert banned != greedy and oai.completions.create(**capital).choices[0].text == greedy
     # a prefilled answer (continue_final_message) runs the prompt /tokenize renders: the same greedy text as a
     # completion of those token ids
     prefill = {"messages": [*messages, {"role": "assistant", "content": "The capital of France is"}],
