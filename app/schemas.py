@@ -146,6 +146,9 @@ class JobCreate(BaseModel):
         "token ids that end the text beside the end of sequence (vLLM backend)"))
     min_tokens: int = Field(0, ge=0, le=1_000_000, description=(
         "no end of sequence or stop token before this many tokens (vLLM backend)"))
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description=(
+        "vLLM's: the prompt keeps only its last k tokens (left truncation); -1: as many as fit beside max_tokens in "
+        "the model's context"))
     include_stop_str_in_output: bool = Field(False, description=(
         "vLLM's: the stop string that ended the text stays at its end"))
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS, description=(
@@ -230,6 +233,9 @@ class JobCreate(BaseModel):
             raise ValueError("'messages' must not be empty")
         if self.prompt is not None and not self.prompt:
             raise ValueError("'prompt' must not be empty")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens keeps the last k tokens of the prompt (k >= 1), or -1: as many "
+                             "as fit; 0 would leave no prompt")
         if self.kind == "interactive" and (self.deadline_at or self.deadline_window_s):
             raise ValueError("interactive jobs take ttft_ms/tbt_ms; use kind='batch' for a deadline")
         if self.kind == "batch" and (self.ttft_ms or self.tbt_ms or self.tbt_anchor):
@@ -293,6 +299,7 @@ class JobCreate(BaseModel):
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
                 "include_stop_str_in_output": self.include_stop_str_in_output,
+                "truncate_prompt_tokens": self.truncate_prompt_tokens,
                 "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo,
                 **({} if self.include_reasoning else {"include_reasoning": False})}

@@ -41,8 +41,9 @@ from app.observability import engine_metrics
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
 from app.services.dispatch import send_job
-from app.services.model_info import encode_input, get_tokenizer, use_chat_template
+from app.services.model_info import encode_input, get_tokenizer, max_model_len, use_chat_template
 from app.services.routing import WORKER_QUEUES, worker_queue
+from app.services.truncation import kept_prompt
 from app.services.streaming import CANCEL_CHANNEL
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
@@ -243,6 +244,8 @@ class GpuWorker:
         ids = job.prompt_token_ids or encode_input(self.settings.model, job.prompt, job.messages, job.tools,
                                                    job.template_options)
         sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
+        ids = kept_prompt(ids, (job.sampling or {}).get("truncate_prompt_tokens"), max_model_len(self.settings.model),
+                          sampling.max_tokens)
         try:
             tier = Tier(job.tier)
         except ValueError:

@@ -1,5 +1,6 @@
 """The Responses API's ``truncation: "auto"``: a conversation too long for the model's context loses its oldest
-turns until the prompt and the answer's ``max_output_tokens`` fit.
+turns until the prompt and the answer's ``max_output_tokens`` fit. And vLLM's ``truncate_prompt_tokens``, which keeps
+a prompt's last tokens (``kept_prompt``).
 
 System messages (the instructions, and system or developer input) stay; a tool result whose call was dropped
 goes with it (a template cannot render a result without its call); the newest message always stays, so a
@@ -15,6 +16,15 @@ from app.services.model_info import ChatTemplateError, encode_input, max_model_l
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+def kept_prompt(ids: list[int], truncate: int | None, context: int, max_tokens: int) -> list[int]:
+    """The prompt ``ids`` as the engine takes it under ``truncate_prompt_tokens``: its last ``truncate`` tokens (-1:
+    as many as fit beside ``max_tokens`` in a ``context``-token model; None: all of it)."""
+    if truncate is None:
+        return ids
+    keep = context - max_tokens if truncate == -1 else truncate
+    return ids[-max(1, keep):]
 
 
 def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[JobCreate, int]:

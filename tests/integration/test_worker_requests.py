@@ -69,3 +69,31 @@ def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_u
         s.commit()
         with pytest.raises(ValueError, match="'rt-lora' was unloaded before this job began; load it again"):
             worker._request(s.get(Job, job_id), s)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(settings, keys):
+    # vLLM's truncate_prompt_tokens: the API counts and bills what the worker feeds, the prompt's last k tokens
+    from app.services.jobs import JobValidationError, encode_spec
+
+    worker = GpuWorker(settings)
+    worker.engine = SimpleNamespace(executor=SimpleNamespace(now=lambda: 100.0))
+    long = "one two three four five six seven eight nine ten " * 60  # over the tiny model's 512 tokens
+    full = encode_spec(settings.model, JobCreate(prompt=long))
+    assert len(full) > 512
+    specs = {"last 7": JobCreate(prompt=long, max_tokens=8, truncate_prompt_tokens=7),
+             "fits": JobCreate(messages=[{"role": "user", "content": long}], max_tokens=16,
+                               truncate_prompt_tokens=-1),
+             "short": JobCreate(prompt="hi there", max_tokens=8, truncate_prompt_tokens=100)}
+    with session_scope(settings.sqlalchemy_url) as s:
+        principal = authenticate(s, keys.paid)
+        jobs = {name: submit_job(s, principal, spec, settings, dispatch=False).job for name, spec in specs.items()}
+        with pytest.raises(JobValidationError, match="exceeds the model's context"):  # without it: too long
+            submit_job(s, principal, JobCreate(prompt=long, max_tokens=8), settings, dispatch=False)
+    with session_scope(settings.sqlalchemy_url) as s:
+        fed = {name: worker._request(s.get(Job, job.id), s).prompt_token_ids for name, job in jobs.items()}
+    assert fed["last 7"] == full[-7:] and jobs["last 7"].prompt_tokens == 7
+    chat = encode_spec(settings.model, specs["fits"])
+    assert fed["fits"] == chat[-(512 - 16):] and jobs["fits"].prompt_tokens == 512 - 16  # ends with its turn
+    assert fed["short"] == encode_spec(settings.model, specs["short"]) == fed["short"][-100:]
+    with pytest.raises(ValueError, match="0 would leave no prompt"):
+        JobCreate(prompt="x", truncate_prompt_tokens=0)
