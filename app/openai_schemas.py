@@ -3,7 +3,7 @@
 The request models accept what the official ``openai`` client sends (``service_tier`` picks coserve's
 tier) plus coserve's QoS extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's
 sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``,
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``cache_salt``,
 ``structured_outputs``), and turn into a
 ``JobCreate``. OpenAI fields coserve does not implement
 (best_of, suffix, functions) are declared, so a request that sets one to anything but its default gets
@@ -193,6 +193,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
+    cache_salt: Text | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
     # chat: true/false (top_logprobs says how many alternatives); completions: the number of alternatives
@@ -303,7 +304,7 @@ class _Base(QoSExtension, SamplingFields, UnsupportedFields):
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                         "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                                        "truncate_prompt_tokens",
+                                        "truncate_prompt_tokens", "cache_salt",
                                         "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at
         if self.deadline is not None and window is None and at is None:

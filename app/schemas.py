@@ -146,6 +146,9 @@ class JobCreate(BaseModel):
         "token ids that end the text beside the end of sequence (vLLM backend)"))
     min_tokens: int = Field(0, ge=0, le=1_000_000, description=(
         "no end of sequence or stop token before this many tokens (vLLM backend)"))
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256, description=(
+        "vLLM's: only requests with the same salt share prefix-cache blocks (within the tenant, under "
+        "COSERVE_PREFIX_CACHE_SCOPE=tenant)"))
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description=(
         "vLLM's: the prompt keeps only its last k tokens (left truncation); -1: as many as fit beside max_tokens in "
         "the model's context"))
@@ -299,7 +302,7 @@ class JobCreate(BaseModel):
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
                 "include_stop_str_in_output": self.include_stop_str_in_output,
-                "truncate_prompt_tokens": self.truncate_prompt_tokens,
+                "truncate_prompt_tokens": self.truncate_prompt_tokens, "cache_salt": self.cache_salt,
                 "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo,
                 **({} if self.include_reasoning else {"include_reasoning": False})}

@@ -270,7 +270,16 @@ class GpuWorker:
         return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
                        lora_name=adapter, lora_path=path, lora_version=version,
-                       cache_salt=job.tenant_id if self.settings.prefix_cache_scope == "tenant" else None)
+                       cache_salt=self._cache_salt(job))
+
+    def _cache_salt(self, job: Job) -> str | None:
+        """The job's prefix-cache scope: its tenant's (COSERVE_PREFIX_CACHE_SCOPE=tenant), narrowed by the
+        request's own ``cache_salt`` (vLLM's) where it gave one."""
+        scope = job.tenant_id if self.settings.prefix_cache_scope == "tenant" else None
+        salt = (job.sampling or {}).get("cache_salt")
+        if salt is None:
+            return scope
+        return salt if scope is None else f"{scope}:{salt}"
 
         # ---------------------------------------------------------------- heartbeat, sweeper, cancel
     def _state(self) -> dict[str, Any]:

@@ -60,7 +60,7 @@ NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_o
                     "parallel_tool_calls": True, "logit_bias": None,
                     "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False,
                     "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": None,
-                    "truncate_prompt_tokens": None}
+                    "truncate_prompt_tokens": None, "cache_salt": None}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "template_options", "response", "sampling",

@@ -223,7 +223,7 @@ ODD_SAMPLING = {"max_tokens": ODD_NUMBER, "temperature": ODD_NUMBER, "top_p": OD
                 "messages": st.lists(ODD_MESSAGE, max_size=2), "prompt_cache_key": ODD_TEXT,
                 "allowed_token_ids": st.one_of(ODD_VALUE, st.lists(ODD_NUMBER, max_size=3)),
                 "bad_words": st.one_of(ODD_VALUE, st.lists(ODD_TEXT, max_size=3)),
-                "include_stop_str_in_output": ODD_VALUE, "truncate_prompt_tokens": ODD_NUMBER}
+                "include_stop_str_in_output": ODD_VALUE, "truncate_prompt_tokens": ODD_NUMBER, "cache_salt": ODD_TEXT}
 
 
 def odd(valid: st.SearchStrategy[dict], odd_fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict]:

@@ -97,3 +97,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(settings, keys):
     assert fed["short"] == encode_spec(settings.model, specs["short"]) == fed["short"][-100:]
     with pytest.raises(ValueError, match="0 would leave no prompt"):
         JobCreate(prompt="x", truncate_prompt_tokens=0)
+
+
+def test_a_requests_cache_salt_narrows_its_tenants_prefix_cache_scope(settings, keys):
+    worker = GpuWorker(settings)
+    with session_scope(settings.sqlalchemy_url) as s:
+        principal = authenticate(s, keys.paid)
+        plain, salted = (submit_job(s, principal, JobCreate(prompt="hi", cache_salt=salt), settings,
+                                    dispatch=False).job for salt in (None, "project-a"))
+    assert worker._cache_salt(plain) == keys.tenant_id  # COSERVE_PREFIX_CACHE_SCOPE=tenant, the default
+    assert worker._cache_salt(salted) == f"{keys.tenant_id}:project-a"
+    worker.settings = settings.model_copy(update={"prefix_cache_scope": "shared"})
+    assert (worker._cache_salt(plain), worker._cache_salt(salted)) == (None, "project-a")

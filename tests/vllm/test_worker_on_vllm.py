@@ -405,6 +405,10 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     other = openai.OpenAI(base_url=base + "/v1", api_key=keys.other, max_retries=0, timeout=240)
     theirs = other.completions.create(model="smollm2-135m-instruct", prompt=notes, max_tokens=2, temperature=0)
     assert theirs.usage.prompt_tokens == n_prompt and theirs.usage.prompt_tokens_details.cached_tokens == 0
+    # vLLM's cache_salt narrows it further: only requests with the same salt share blocks
+    salted = [oai.completions.create(model="smollm2-135m-instruct", prompt=notes, max_tokens=2, temperature=0,
+                                     extra_body={"cache_salt": "project-a"}).usage for _ in range(2)]
+    assert [u.prompt_tokens_details.cached_tokens for u in salted] == [0, hit], salted
     said = [{"role": "user", "content": notes + " Summarize."}]
     chunks = list(oai.chat.completions.create(model="smollm2-135m-instruct", messages=said, max_tokens=2,
                                               temperature=0, stream=True, stream_options={"include_usage": True}))
