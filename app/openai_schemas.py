@@ -223,6 +223,14 @@ def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
                for d in defaults)
 
 
+# what to do instead, where the server has another way
+UNSUPPORTED_HINTS = {
+    "priority": " (the API key's tier, or service_tier / tier, orders the work, with the QoS targets ttft_ms, tbt_ms "
+                "and deadline)",
+    "vllm_xargs": " (give coserve's QoS fields ttft_ms, tbt_ms, deadline and tier in the body itself)",
+    "chat_template": " (the server applies its own, COSERVE_CHAT_TEMPLATE; chat_template_kwargs reach it)"}
+
+
 class UnsupportedFields(BaseModel):
     """OpenAI fields an endpoint has that coserve does not implement (accepted only at their defaults)."""
 
@@ -233,12 +241,36 @@ class UnsupportedFields(BaseModel):
         for name, defaults in self.unsupported.items():
             value = getattr(self, name)
             if not _is_default(value, defaults):
-                raise OpenAIError(400, f"{name}={value!r} is not supported by this server; leave {name} unset",
+                hint = UNSUPPORTED_HINTS.get(name, "")
+                raise OpenAIError(400, f"{name}={value!r} is not supported by this server; leave {name} unset{hint}",
                                   param=name, code="unsupported_value")
 
 
-class _Base(QoSExtension, SamplingFields, UnsupportedFields):
+class VllmUnsupported(BaseModel):
+    """vLLM's request fields coserve does not implement: declared, so that setting one is a 400 that names it
+    instead of an answer that silently went without it."""
+
+    priority: Any = None  # coserve's tiers and QoS targets order the work: a request cannot rank itself
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    chat_template: Any = None  # the server's template (COSERVE_CHAT_TEMPLATE), which its workers apply too
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None  # coserve's QoS fields are the request's own (ttft_ms, tbt_ms, deadline, tier)
+
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+        "chat_template": (None,), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+        "return_token_ids": (None, False), "return_tokens_as_token_ids": (None, False),
+        "logits_processors": (None, []), "vllm_xargs": (None, {})}
+
+
+class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**VllmUnsupported.unsupported}
 
     def check(self) -> None:
         self.check_unsupported()
@@ -402,7 +434,7 @@ class ChatCompletionRequest(_Base):
     function_call: str | dict[str, Any] | None = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **UnsupportedFields.unsupported, "functions": (None, []), "function_call": (None, "none")}
+        **_Base.unsupported, "functions": (None, []), "function_call": (None, "none")}
 
     def tool_fields(self) -> dict[str, Any]:
         choice = self.tool_choice
@@ -478,7 +510,7 @@ class CompletionRequest(_Base):
     suffix: str | None = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **UnsupportedFields.unsupported, "best_of": (None, 1), "suffix": (None, "")}
+        **_Base.unsupported, "best_of": (None, 1), "suffix": (None, "")}
 
 
     def logprob_count(self) -> int | None:

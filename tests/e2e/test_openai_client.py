@@ -216,6 +216,13 @@ def test_errors_have_openai_shape(live_server, keys):
         with pytest.raises(openai.BadRequestError) as exc:
             oai.completions.create(model="tiny", prompt="x", **kw)
         assert exc.value.body["param"] == next(iter(kw)) and exc.value.body["code"] == "unsupported_value"
+    # vLLM's fields coserve does not implement are refused by name too, not answered as if they were not there
+    for extra in ({"priority": -5}, {"use_beam_search": True}, {"skip_special_tokens": False},
+                  {"return_token_ids": True}, {"chat_template": "{{ messages }}"}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], extra_body=extra)
+        assert exc.value.body["param"] == next(iter(extra)) and exc.value.body["code"] == "unsupported_value"
+    assert "tier" in exc.value.body["message"] or "COSERVE_CHAT_TEMPLATE" in exc.value.body["message"]
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model="tiny", prompt="x", seed=2**63)
     assert exc.value.body["param"] == "seed"
