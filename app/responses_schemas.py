@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.openai_schemas import (ChatCompletionRequest, OpenAIError, chat_logprobs, service_tier, usage,
-                                validation_message)
+from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsupported, chat_logprobs, service_tier,
+                                usage, validation_message)
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import Answer, read_answer
@@ -27,7 +27,8 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "f
                  "service_tier", "parallel_tool_calls", "ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "tier",
                  "app_id", "ignore_eos", "chat_template_kwargs", "structured_outputs", "include_reasoning",
                  "prompt_cache_key", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
-                 "truncate_prompt_tokens", "cache_salt")
+                 "truncate_prompt_tokens", "cache_salt",
+                 *VllmUnsupported.unsupported)  # vLLM's fields coserve refuses, refused here as on chat
 # a chat field named in an error -> the Responses field the client wrote
 RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
                    "logprobs": "include", "reasoning_effort": "reasoning.effort"}

@@ -128,3 +128,16 @@ def test_a_cancelled_response_shows_what_it_produced_as_incomplete_items():
     assert [(item["type"], item["status"]) for item in body["output"]] == [("message", "incomplete"),
                                                                            ("function_call", "incomplete")]
     assert body["output"][0]["content"][0]["text"] == "Hel" and body["usage"]["output_tokens"] == 3
+
+
+def test_vllms_request_fields_reach_the_job_or_are_refused_by_name_as_on_chat():
+    raw = {"model": "m", "input": "hi", "cache_salt": "a", "truncate_prompt_tokens": 5, "bad_words": ["no"],
+           "include_stop_str_in_output": True, "prompt_cache_key": "user-1"}
+    _chat, spec = ResponsesRequest.model_validate(raw).chat_request(raw, [])
+    assert (spec.cache_salt, spec.truncate_prompt_tokens, spec.bad_words, spec.include_stop_str_in_output,
+            spec.prompt_cache_key) == ("a", 5, ["no"], True, "user-1")
+    for field, value in (("priority", 2), ("use_beam_search", True), ("return_token_ids", True)):
+        raw = {"model": "m", "input": "hi", field: value}
+        with pytest.raises(OpenAIError) as exc:
+            ResponsesRequest.model_validate(raw).chat_request(raw, [])
+        assert exc.value.param == field and exc.value.status_code == 400
