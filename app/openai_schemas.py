@@ -4,11 +4,10 @@ The request models accept what the official ``openai`` client sends (``service_t
 tier) plus coserve's QoS extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's
 sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``cache_salt``,
-``structured_outputs``), and turn into a
-``JobCreate``. OpenAI fields coserve does not implement
-(best_of, suffix, functions) are declared, so a request that sets one to anything but its default gets
-a 400 with ``code="unsupported_value"`` instead of an answer that silently ignored it; fields unknown to
-both are ignored.
+``structured_outputs``), and turn into a ``JobCreate``. OpenAI fields coserve does not implement (best_of, suffix,
+functions) and vLLM's (``VllmUnsupported``) are declared, so a request that sets one to anything but its default gets
+a 400 with ``code="unsupported_value"`` instead of an answer that silently ignored it; fields unknown to both are
+ignored.
 """
 
 from __future__ import annotations
