@@ -127,8 +127,8 @@ def replay(url: str, key: str, admin: str, args: argparse.Namespace) -> dict:
         for t in range(args.turns):
             out = one_turn(url, key, messages, args.answer)
             turns[c].append(out)
-            messages = messages + [{"role": "assistant", "content": out["text"]},
-                                   {"role": "user", "content": f"Question {t + 1}: say more about {rng.choice(WORDS)}."}]
+            question = f"Question {t + 1}: say more about {rng.choice(WORDS)}."
+            messages = messages + [{"role": "assistant", "content": out["text"]}, {"role": "user", "content": question}]
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=converse, args=(c,)) for c in range(args.conversations)]
@@ -167,7 +167,7 @@ def main() -> None:
             redis_url = None
             for routing in ("queue", "prefix"):
                 url, key, admin, redis_url = start_stack(Path(tmp), routing, sup, redis_url)
-                console.print(f"[dim]{routing}: replaying {args.conversations} conversations x {args.turns} turns[/dim]")
+                console.print(f"[dim]{routing}: {args.conversations} conversations x {args.turns} turns[/dim]")
                 results[routing] = replay(url, key, admin, args)
                 sup.stop_one(f"api-{routing}")
     finally:

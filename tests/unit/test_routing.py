@@ -1,4 +1,5 @@
-"""Prefix routing's pure rules (``app.services.routing``): the key a job's prompt gives, and the worker a key goes to."""
+"""Prefix routing's pure rules (``app.services.routing``): the key a job's prompt gives, and the worker a key goes
+to."""
 
 from __future__ import annotations
 
