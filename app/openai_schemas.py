@@ -191,6 +191,7 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the answer's token ids in the answer
     truncate_prompt_tokens: int | None = None
     cache_salt: Text | None = None
     allowed_token_ids: list[int] | None = None
@@ -255,7 +256,6 @@ class VllmUnsupported(BaseModel):
     chat_template: Any = None  # the server's template (COSERVE_CHAT_TEMPLATE), which its workers apply too
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
-    return_token_ids: Any = None
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None  # coserve's QoS fields are the request's own (ttft_ms, tbt_ms, deadline, tier)
@@ -263,7 +263,7 @@ class VllmUnsupported(BaseModel):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
         "chat_template": (None,), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-        "return_token_ids": (None, False), "return_tokens_as_token_ids": (None, False),
+        "return_tokens_as_token_ids": (None, False),
         "logits_processors": (None, []), "vllm_xargs": (None, {})}
 
 
@@ -334,7 +334,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                       **self.reasoning_fields(),
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                        "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                                        "min_tokens", "stop_token_ids", "include_stop_str_in_output", "return_token_ids",
                                         "truncate_prompt_tokens", "cache_salt",
                                         "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None})
         window, at = batch_window_s, deadline_at

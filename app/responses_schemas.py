@@ -109,6 +109,9 @@ class ResponsesRequest(BaseModel):
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
         messages += input_messages(self.input) if self.input is not None else []
+        if raw.get("return_token_ids"):
+            raise OpenAIError(400, "return_token_ids is chat's and completions' (vLLM's): a Response carries no token "
+                                   "ids; leave it unset", param="return_token_ids", code="unsupported_value")
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
         body["messages"] = messages
         if self.max_output_tokens is not None:

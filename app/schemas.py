@@ -154,6 +154,9 @@ class JobCreate(BaseModel):
         "the model's context"))
     include_stop_str_in_output: bool = Field(False, description=(
         "vLLM's: the stop string that ended the text stays at its end"))
+    return_token_ids: bool = Field(False, description=(
+        "vLLM's: the answer carries the prompt's token ids and each choice's generated ids (the job keeps them as "
+        "output_token_ids)"))
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS, description=(
         "vLLM's: only these token ids may be generated (vLLM backend)"))
     bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS, description=(
@@ -302,6 +305,7 @@ class JobCreate(BaseModel):
                 "logit_bias": {str(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
                 "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
                 "include_stop_str_in_output": self.include_stop_str_in_output,
+                "return_token_ids": self.return_token_ids,
                 "truncate_prompt_tokens": self.truncate_prompt_tokens, "cache_salt": self.cache_salt,
                 "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo,
@@ -368,6 +372,8 @@ class JobPublic(BaseModel):
         "text; a named function's arguments as generated, cut short where max_tokens cut them); null while "
         "running, where the model made none, or where the text of 'required' or 'auto' was cut before a call "
         "was whole"))
+    output_token_ids: list[int] | None = Field(None, description=(
+        "the generated token ids, where the job asked for them (return_token_ids)"))
     output_logprobs: list[dict[str, Any]] | None = Field(None, description=(
         "where the job asked for logprobs: per output token its text, log-probability and the top alternatives"))
     prompt_logprobs: list[dict[str, Any]] | None = Field(None, description=(

@@ -41,9 +41,9 @@ from app.observability import engine_metrics
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
 from app.services.dispatch import send_job
-from app.services.model_info import encode_input, get_tokenizer, max_model_len, use_chat_template
+from app.services.model_info import get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUES, worker_queue
-from app.services.truncation import kept_prompt
+from app.services.truncation import fed_prompt
 from app.services.streaming import CANCEL_CHANNEL
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
@@ -225,9 +225,11 @@ class GpuWorker:
                 return
             created = as_utc(job.created_at)
             parser = (job.sampling or {}).get("reasoning_parser")
+            token_ids = [] if (job.sampling or {}).get("return_token_ids") else None
         # registered and queued under one lock: an abort that sees the job is applied after its add
         with self.active.lock:
-            self.active.add(ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None))
+            self.active.add(ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
+                                      token_ids=token_ids))
             self.inbox.put(Add(job_id))
 
     def _hold(self, job_id: str, held: bool) -> None:
@@ -241,11 +243,8 @@ class GpuWorker:
             log.exception("could not record the holder of job %s", job_id)
 
     def _request(self, job: Job, session: Session) -> Request:
-        ids = job.prompt_token_ids or encode_input(self.settings.model, job.prompt, job.messages, job.tools,
-                                                   job.template_options)
+        ids = fed_prompt(self.settings, job)
         sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
-        ids = kept_prompt(ids, (job.sampling or {}).get("truncate_prompt_tokens"), max_model_len(self.settings.model),
-                          sampling.max_tokens)
         try:
             tier = Tier(job.tier)
         except ValueError:

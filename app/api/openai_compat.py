@@ -37,6 +37,7 @@ from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished,
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
 from app.services.rate_limits import RateLimited, RateLimiter
+from app.services.truncation import fed_prompt
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -147,10 +148,13 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
     # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
+    # vLLM's return_token_ids: the prompt's ids in a choice's first chunk, the generated ones as they come
+    prompt_ids = await run_in_threadpool(_prompt_ids, settings, jobs)
+    prompt_said = [False] * len(jobs)
 
     def chunk(i: int, text: str | None, finish: str | None, generated: int, first: bool = False,
               logprobs: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None,
-              offset: int = 0, reasoning: str = "") -> dict[str, Any]:
+              offset: int = 0, reasoning: str = "", token_ids: list[int] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if reasoning:
@@ -164,6 +168,11 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
             choice = {"index": i, "text": text or "",
                       "logprobs": completion_logprobs(logprobs, echoed[i] + offset), "finish_reason": finish}
         out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if prompt_ids[i] is not None:
+            choice["token_ids"] = token_ids or []
+            if not prompt_said[i]:  # chat's first chunk carries them (top level); a completion's, in its choice
+                (out if chat else choice)["prompt_token_ids"] = prompt_ids[i]
+                prompt_said[i] = True
         if include_usage:
             out["usage"] = usage(jobs[i].prompt_tokens, generated) if continuous_usage else None
         return out
@@ -187,7 +196,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         echo[i], echoed[i] = False, len(prompt)
                     case Piece(choice=i):
                         yield _sse(chunk(i, item.content, None, item.generated, logprobs=item.logprobs,
-                                         tool_calls=item.calls, offset=item.offset, reasoning=item.reasoning))
+                                         tool_calls=item.calls, offset=item.offset, reasoning=item.reasoning,
+                                         token_ids=item.token_ids))
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _sse_error(OpenAIError(503, item.message, type="server_error", code="stream_interrupted"))
                         return  # no [DONE]: the answer is incomplete
@@ -197,7 +207,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                                 await abandon(settings, jobs, ANOTHER_FAILED)
                         yield _sse_error(job_error(item.status, item.error, item.code))
                     case Finished(choice=i):
-                        yield _sse(chunk(i, None, item.answer.finish_reason, item.completion_tokens))
+                        yield _sse(chunk(i, None, item.answer.finish_reason, item.completion_tokens,
+                                         token_ids=item.token_ids))
                         prompt_tokens[i], cached[i], reasoning[i] = (item.prompt_tokens, item.cached_tokens,
                                                                      item.reasoning_tokens)
                         completion_tokens += item.completion_tokens
@@ -255,7 +266,16 @@ async def _complete(request: Request, session, principal: Principal, settings: S
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
                                           **echo, cached_tokens=cached))
+    for i, ids in enumerate(await run_in_threadpool(_prompt_ids, settings, jobs)):
+        if ids is not None:  # vLLM's return_token_ids: chat says the prompt's once, a completion in each choice
+            bodies[i]["choices"][0]["token_ids"] = ends[i].data.get("output_token_ids") or []
+            (bodies[i] if chat else bodies[i]["choices"][0])["prompt_token_ids"] = ids
     return JSONResponse(merge_choices(bodies, n), headers=headers)
+
+
+def _prompt_ids(settings: Settings, jobs: list[Job]) -> list[list[int] | None]:
+    """Each job's prompt ids as its worker feeds them, where it asked for them (vLLM's return_token_ids)."""
+    return [fed_prompt(settings, job) if (job.sampling or {}).get("return_token_ids") else None for job in jobs]
 
 
 def documented_body(model: type) -> dict[str, Any]:

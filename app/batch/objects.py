@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from app.db.models import Batch, Job
 from app.openai_schemas import stored_chat_answer, text_completion
 from app.responses_schemas import response_body
+from app.services.truncation import fed_prompt
 from app.tool_calls import read_answer
 
 
@@ -69,6 +70,11 @@ def output_line(job: Job) -> dict[str, Any]:
         body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,
                                job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs, **echo,
                                cached_tokens=job.cached_tokens)
+    if (job.sampling or {}).get("return_token_ids") and job.endpoint != "/v1/responses":  # vLLM's, as online
+        from app.settings import get_settings
+
+        body["choices"][0]["token_ids"] = job.output_token_ids or []
+        (body if chat else body["choices"][0])["prompt_token_ids"] = fed_prompt(get_settings(), job)
     return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
             "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
 

@@ -134,6 +134,8 @@ class Job(Base):
     # where the request asked for them: one per output token, gpu_runtime.logprobs.TokenLogprob.as_dict()
     output_logprobs: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     prompt_logprobs: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # the same per prompt token
+    # the generated token ids, where the request asked for them (vLLM's return_token_ids)
+    output_token_ids: Mapped[list[int] | None] = mapped_column(JSON, default=None)
     # per-job metrics
     queue_s: Mapped[float | None] = mapped_column(Float, default=None)  # submission to its first prompt chunk
     ttft_s: Mapped[float | None] = mapped_column(Float, default=None)

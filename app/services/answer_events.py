@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -49,6 +49,7 @@ class Piece:
     logprobs: list[dict[str, Any]] | None  # token logprobs new with it (None where the job asked for none)
     offset: int  # characters of the choice's text before this piece's (completions' text_offset)
     generated: int  # output tokens of the choice so far, counted from the stream
+    token_ids: list[int] = field(default_factory=list)  # ids generated since the last piece (with the text)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int | None = None  # of the prompt tokens, those the engine's prefix cache held
     reasoning_tokens: int | None = None  # of the completion tokens, those it thought in (a reasoning parser's)
+    token_ids: list[int] = field(default_factory=list)  # generated ids no piece carried (text held back to the end)
 
 
 @dataclass
@@ -130,19 +132,28 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
     logprobs_given = [0] * len(jobs)  # its token logprobs given
     begun = [False] * len(jobs)
     unfinished = len(jobs)
+    ids_pending: list[list[int]] = [[] for _ in jobs]  # generated ids not given yet (they go with the next piece)
+    ids_seen = [0] * len(jobs)  # generated ids read from the stream
 
     def piece(i: int, reasoning: str, content: str, calls: list[dict[str, Any]] | None,
               logprobs: list[dict[str, Any]] | None, text: str) -> Piece | None:
-        given = Piece(i, content, reasoning, calls, logprobs, delivered[i], generated[i])
+        shown = bool(reasoning or content or calls or logprobs)
+        given = Piece(i, content, reasoning, calls, logprobs, delivered[i], generated[i],
+                      ids_pending[i] if shown else [])
         delivered[i] += len(text)
         logprobs_given[i] += len(logprobs or ())
-        return given if reasoning or content or calls or logprobs else None
+        if shown:
+            ids_pending[i] = []
+        return given if shown else None
 
     async with aclosing(merged_events(settings, jobs)) as events:
         async for i, ev in events:
             if not begun[i] and ev.type in ("delta", "end") and ev.status in (None, JobStatus.SUCCEEDED):
                 begun[i] = True
                 yield Begun(i, ev.data.get("prompt_logprobs"))
+            if ev.type == "delta":
+                ids_pending[i] += ev.token_ids
+                ids_seen[i] += len(ev.token_ids)
             if ev.type == "delta" and (ev.text or ev.data.get("logprobs")):
                 generated[i] += len(ev.token_ids)
                 if given := piece(i, *answers[i].feed(ev.text), ev.data.get("logprobs") or None, ev.text):
@@ -155,6 +166,7 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                     yield Failed(i, ev.status or JobStatus.FAILED, ev.data.get("error"), ev.data.get("code"))
                     return
                 if ev.data.get("from_sql"):  # ended through SQL: what the stream missed
+                    ids_pending[i] += (ev.data.get("output_token_ids") or [])[ids_seen[i]:]
                     rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_given[i])
                     if given := piece(i, *answers[i].feed(rest), rest_logprobs or None, rest):
                         yield given
@@ -162,7 +174,7 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                 if given := piece(i, reasoning, content, calls, None, ""):
                     yield given
                 yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0,
-                               ev.data.get("cached_tokens"), ev.data.get("reasoning_tokens"))
+                               ev.data.get("cached_tokens"), ev.data.get("reasoning_tokens"), ids_pending[i])
                 unfinished -= 1
                 if not unfinished:
                     return

@@ -42,6 +42,7 @@ def sql_end_event(url: str, job_id: str) -> StreamEvent | None:
                                  "cached_tokens": job.cached_tokens, "reasoning_tokens": job.reasoning_tokens,
                                  "output_text": job.output_text or "", "error": job.error, "code": job.error_code,
                                  "logprobs": job.output_logprobs, "prompt_logprobs": job.prompt_logprobs,
+                                 "output_token_ids": job.output_token_ids,
                                  "from_sql": True})
 
 

@@ -29,7 +29,7 @@ from app.services.job_writer import JobWriter
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
-from app.services.truncation import kept_prompt
+from app.services.truncation import fed_prompt
 from app.settings import Settings
 from app.tool_calls import FORCED_CHOICE_UNSUPPORTED, is_forced
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
@@ -60,7 +60,7 @@ NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_o
                     "parallel_tool_calls": True, "logit_bias": None,
                     "min_tokens": 0, "stop_token_ids": [], "logprobs": None, "prompt_logprobs": None, "echo": False,
                     "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": None,
-                    "truncate_prompt_tokens": None, "cache_salt": None}
+                    "truncate_prompt_tokens": None, "cache_salt": None, "return_token_ids": False}
 
 # what makes two submissions "the same request" under one Idempotency-Key
 _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "template_options", "response", "sampling",
@@ -192,11 +192,9 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
                 "shorten the prompt", **blame)
         try:
-            ids = job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools,
-                                                       job.template_options)
+            n = len(fed_prompt(settings, job))  # what the worker will feed
         except ChatTemplateError as exc:
             raise JobValidationError(str(exc), param="messages") from exc
-        n = len(kept_prompt(ids, truncate, limit, sampling["max_tokens"]))  # what the worker will feed
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError(
                 f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "

@@ -27,6 +27,16 @@ def kept_prompt(ids: list[int], truncate: int | None, context: int, max_tokens: 
     return ids[-max(1, keep):]
 
 
+def fed_prompt(settings: Settings, job: Any) -> list[int]:
+    """A job's prompt as its worker feeds the engine: the token ids of its prompt, or of its messages and tools
+    through the chat template, cut to ``truncate_prompt_tokens`` (raises ``ChatTemplateError``)."""
+    ids = job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools,
+                                               job.template_options)
+    sampling = job.sampling or {}
+    return kept_prompt(list(ids), sampling.get("truncate_prompt_tokens"), max_model_len(settings.model),
+                       int(sampling.get("max_tokens", settings.default_max_tokens)))
+
+
 def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[JobCreate, int]:
     """``spec`` with the oldest droppable messages left out until it fits, and where the response's own input
     starts among those kept (``input_from`` was its place among all of them)."""

@@ -161,6 +161,31 @@ def test_streaming_matches_non_streaming(oai):
     assert comp_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(oai, live_server, keys):
+    # vLLM's return_token_ids (RL rollouts): the ids the worker fed and generated, no tokenizing the text again
+    messages = [{"role": "user", "content": "Count to ten"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=9, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    full = oai.chat.completions.create(**kw)
+    fed = httpx.post(live_server + "/tokenize", headers={"Authorization": f"Bearer {keys.paid}"},
+                     json={"model": "tiny", "messages": messages}).json()["tokens"]
+    ids = full.choices[0].model_extra["token_ids"]
+    assert full.model_extra["prompt_token_ids"] == fed and len(fed) == full.usage.prompt_tokens
+    assert len(ids) == full.usage.completion_tokens == 9
+    said = httpx.post(live_server + "/detokenize", headers={"Authorization": f"Bearer {keys.paid}"},
+                      json={"model": "tiny", "tokens": ids}).json()["prompt"]
+    assert said == full.choices[0].message.content
+    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    assert chunks[0].model_extra["prompt_token_ids"] == fed  # the first chunk says the prompt's
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks if c.choices), []) == ids
+    # a completion says both in its choice; a request that did not ask gets neither
+    comp = oai.completions.create(model="tiny", prompt=fed, max_tokens=9, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    assert comp.model_extra["prompt_token_ids"] == fed and comp.model_extra["token_ids"] == ids
+    plain = oai.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True}})
+    assert "token_ids" not in plain.choices[0].model_extra and "prompt_token_ids" not in plain.model_extra
+
+
 def test_chat_echo_starts_the_answer_with_the_assistants_last_message(oai):
     prefill = [{"role": "user", "content": "Name a color"}, {"role": "assistant", "content": "My favourite is"}]
     kw = dict(model="tiny", messages=prefill, max_tokens=4, temperature=0)
@@ -218,7 +243,7 @@ def test_errors_have_openai_shape(live_server, keys):
         assert exc.value.body["param"] == next(iter(kw)) and exc.value.body["code"] == "unsupported_value"
     # vLLM's fields coserve does not implement are refused by name too, not answered as if they were not there
     for extra in ({"priority": -5}, {"use_beam_search": True}, {"skip_special_tokens": False},
-                  {"return_token_ids": True}, {"chat_template": "{{ messages }}"}):
+                  {"return_tokens_as_token_ids": True}, {"chat_template": "{{ messages }}"}):
         with pytest.raises(openai.BadRequestError) as exc:
             oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], extra_body=extra)
         assert exc.value.body["param"] == next(iter(extra)) and exc.value.body["code"] == "unsupported_value"

@@ -43,8 +43,9 @@ def test_each_choice_adds_its_text_and_ends_with_its_whole_answer(monkeypatch):
               (1, delta(": 1}")), (0, end()), (1, end())]
     items = items_of(monkeypatch, [TEXT_JOB, CALL_JOB], events)
     assert items[0] == Begun(0, [{"x": 1}])
-    assert items[1] == Piece(0, "He", "", None, None, offset=0, generated=2)
-    assert [i for i in items if isinstance(i, Piece) and i.choice == 0][1] == Piece(0, "llo", "", None, None, 2, 3)
+    assert items[1] == Piece(0, "He", "", None, None, offset=0, generated=2, token_ids=[0, 1])
+    assert [i for i in items if isinstance(i, Piece) and i.choice == 0][1] == Piece(0, "llo", "", None, None, 2, 3,
+                                                                                   [0])
     call_args = "".join(d["function"]["arguments"] for i in items if isinstance(i, Piece) and i.choice == 1
                         for d in i.calls or ())
     assert call_args == '{"a": 1}'
@@ -56,10 +57,11 @@ def test_each_choice_adds_its_text_and_ends_with_its_whole_answer(monkeypatch):
 
 def test_an_end_from_sql_gives_the_rest_of_the_text_and_its_logprobs(monkeypatch):
     lp = [{"token": "a", "logprob": -1.0}, {"token": "b", "logprob": -2.0}]
-    sql_end = end(from_sql=True, output_text="Hello", logprobs=lp)
+    sql_end = end(from_sql=True, output_text="Hello", logprobs=lp, output_token_ids=[7, 8])
     items = items_of(monkeypatch, [TEXT_JOB], [(0, delta("He", logprobs=lp[:1])), (0, sql_end)])
     pieces = [i for i in items if isinstance(i, Piece)]
-    assert pieces[-1] == Piece(0, "llo", "", None, lp[1:], offset=2, generated=1)
+    assert pieces[-1] == Piece(0, "llo", "", None, lp[1:], offset=2, generated=1, token_ids=[8])  # the ids after
+    assert pieces[0].token_ids == [0]  # the stream's (this fake's ids count from 0)
     assert items[-1].answer.content == "Hello"
 
 
@@ -95,3 +97,11 @@ def test_only_a_client_that_leaves_before_the_end_stops_the_jobs(monkeypatch, le
     monkeypatch.setattr(module, "abandon", abandon)
     assert asyncio.run(run()) == ([b"a"] if leaves else [b"a", b"b"])
     assert stopped == ([TEXT_JOB] if leaves else [])
+
+
+def test_generated_ids_go_with_the_piece_that_shows_their_text_or_with_the_end(monkeypatch):
+    # a forced call's text is held back until its arguments are whole: its ids wait for the piece that shows it
+    events = [(0, delta('{"a', 2)), (0, delta("", 1)), (0, delta('": 1}', 1)), (0, end())]
+    items = items_of(monkeypatch, [CALL_JOB], events)
+    ids = [i.token_ids for i in items if isinstance(i, (Piece, Finished))]
+    assert sum(ids, []) == [0, 1, 0, 0] and all(isinstance(i, list) for i in ids)

@@ -149,3 +149,16 @@ def test_service_tier_names_the_lowest_and_the_highest_configured_tier():
     assert [service_tier(tier(renamed, service_tier=s), renamed) for s in ("flex", "priority")] == ["flex", "priority"]
     assert tier(renamed, service_tier="default") is None
 
+
+
+def test_a_batch_line_carries_the_token_ids_its_request_asked_for():
+    from app.batch.objects import output_line
+    from app.db.models import Job
+
+    job = Job(id="job_t", endpoint="/v1/completions", model="m", output_text=" hi", finish_reason="length",
+              sampling={"return_token_ids": True, "max_tokens": 2}, prompt_token_ids=[5, 6, 7], prompt_tokens=3,
+              completion_tokens=2, output_token_ids=[9, 10], custom_id="r1")
+    choice = output_line(job)["response"]["body"]["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == ([5, 6, 7], [9, 10])
+    job.sampling = {"max_tokens": 2}  # not asked: neither
+    assert not {"prompt_token_ids", "token_ids"} & set(output_line(job)["response"]["body"]["choices"][0])
