@@ -161,6 +161,11 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     cut = oai.completions.create(**{**capital, "max_tokens": 24}, extra_body={"stop_token_ids": [first_id]})
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 1, (first, cut)
 
+    # vLLM's return_token_ids: the ids vLLM generated, which the stream's text comes from
+    given = oai.completions.create(**{**capital, "max_tokens": 24}, extra_body={"return_token_ids": True}).choices[0]
+    assert given.text == first and given.model_extra["prompt_token_ids"] == get_tokenizer("smollm2-135m").encode(
+        capital["prompt"], add_special_tokens=False)
+    assert get_tokenizer("smollm2-135m").decode(given.model_extra["token_ids"]) == first
     # vLLM's include_stop_str_in_output, allowed_token_ids and bad_words
     stop = first.strip().split()[0]
     kept = oai.completions.create(**{**capital, "max_tokens": 24}, stop=[stop],
