@@ -289,6 +289,11 @@ class GpuWorker:
                                  # what prefix routing weighs: the jobs it serves in line, and how many it takes
                                  "in_line": self.active.in_line, "max_inflight": self.settings.max_inflight,
                                  "outbox_pending": self.outbox.pending}
+        if self.settings.routing == "prefix":  # jobs prefix routing sent this worker alone, not taken yet
+            try:
+                state["routed_waiting"] = self.redis.llen(worker_queue(self.worker_id))
+            except redis.RedisError:
+                pass
         if self.engine_thread is not None:
             state.update(self.engine_thread.state)  # the engine thread's snapshot: no engine reads from here
         return state

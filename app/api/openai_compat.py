@@ -149,7 +149,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
     # vLLM's return_token_ids: the prompt's ids in a choice's first chunk, the generated ones as they come
-    prompt_ids = await run_in_threadpool(_prompt_ids, settings, jobs)
+    asked = any((job.sampling or {}).get("return_token_ids") for job in jobs)
+    prompt_ids = await run_in_threadpool(_prompt_ids, settings, jobs) if asked else [None] * len(jobs)
     prompt_said = [False] * len(jobs)
 
     def chunk(i: int, text: str | None, finish: str | None, generated: int, first: bool = False,
@@ -266,7 +267,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
                                           **echo, cached_tokens=cached))
-    for i, ids in enumerate(await run_in_threadpool(_prompt_ids, settings, jobs)):
+    asked = any((job.sampling or {}).get("return_token_ids") for job in jobs)
+    for i, ids in enumerate(await run_in_threadpool(_prompt_ids, settings, jobs) if asked else []):
         if ids is not None:  # vLLM's return_token_ids: chat says the prompt's once, a completion in each choice
             bodies[i]["choices"][0]["token_ids"] = ends[i].data.get("output_token_ids") or []
             (bodies[i] if chat else bodies[i]["choices"][0])["prompt_token_ids"] = ids

@@ -109,9 +109,13 @@ class SqlCollector(Collector):
         preempt = CounterMetricFamily("coserve:num_preemptions", "Requests whose KV the worker's engine released "
                                       "under memory pressure, to recompute later (since the worker started).",
                                       labels=["worker"])
+        routed = GaugeMetricFamily("coserve:worker_routed_jobs_waiting", "Jobs prefix routing sent the worker that "
+                                   "wait on its own queue (at its last heartbeat).", labels=["worker"])
         now = utcnow()
         for w in workers:
             state = w.state or {}
+            if state.get("routed_waiting") is not None:
+                routed.add_metric([w.id], float(state["routed_waiting"]))
             if state.get("kv_usage") is not None:
                 kv.add_metric([w.id], float(state["kv_usage"]))
             if state.get("kv_recomputes") is not None:
@@ -120,6 +124,7 @@ class SqlCollector(Collector):
         yield kv
         yield up
         yield preempt
+        yield routed
 
     def _histograms(self, s: Session) -> Iterator:
         # the engine's queue time (submission to the first prompt chunk); rows written before workers recorded it

@@ -79,6 +79,8 @@ def test_prefix_routing_keeps_a_conversation_on_its_worker_and_survives_a_dead_o
             conversations[i] = conversations[i] + [{"role": "assistant", "content": f"answer {turn}"},
                                                    {"role": "user", "content": f"and then {turn}?"}]
     assert ran == [["wa"] * 3, ["wa"] * 3, ["wb"] * 3, ["wb"] * 3]
+    with session_scope(settings.sqlalchemy_url) as s:  # each heartbeat says what waits on its own queue
+        assert all(isinstance(w.state.get("routed_waiting"), int) for w in s.scalars(select(WorkerState)))
     # a prompt_cache_key routes requests that share nothing else to one worker, as OpenAI's does
     ids = [client.post("/v1/jobs", headers=Keys.header(keys.paid), json={
         "prompt": f"Item {i}", "max_tokens": 4, "prompt_cache_key": "user-7"}).json()["id"] for i in range(4)]
