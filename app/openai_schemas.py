@@ -269,7 +269,6 @@ class VllmUnsupported(BaseModel):
 
 class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**VllmUnsupported.unsupported}
 
     def check(self) -> None:
         self.check_unsupported()
@@ -639,6 +638,16 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
     if extra:
         body.update(extra)
+    return body
+
+
+def with_token_ids(body: dict[str, Any], chat: bool, prompt_ids: list[int], output_ids: list[int] | None
+                   ) -> dict[str, Any]:
+    """A one-choice answer ``body`` with vLLM's ``return_token_ids``: the choice's generated ids, and the prompt's
+    (chat: at the top, a completion: in its choice)."""
+    choice = body["choices"][0]
+    choice["token_ids"] = output_ids or []
+    (body if chat else choice)["prompt_token_ids"] = prompt_ids
     return body
 
 

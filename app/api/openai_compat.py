@@ -29,7 +29,7 @@ from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, StreamOptions,
                                 chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, merge_choices,
                                 known_sum, now_s, openai_param, openai_parsed, service_tier, text_completion,
-                                usage)
+                                usage, with_token_ids)
 from app.services import jobs as job_service
 from app.services import stored_completions
 from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
@@ -149,8 +149,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
     # vLLM's return_token_ids: the prompt's ids in a choice's first chunk, the generated ones as they come
-    asked = any((job.sampling or {}).get("return_token_ids") for job in jobs)
-    prompt_ids = await run_in_threadpool(_prompt_ids, settings, jobs) if asked else [None] * len(jobs)
+    prompt_ids = await _prompt_ids(settings, jobs)
     prompt_said = [False] * len(jobs)
 
     def chunk(i: int, text: str | None, finish: str | None, generated: int, first: bool = False,
@@ -267,17 +266,19 @@ async def _complete(request: Request, session, principal: Principal, settings: S
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
                                           **echo, cached_tokens=cached))
-    asked = any((job.sampling or {}).get("return_token_ids") for job in jobs)
-    for i, ids in enumerate(await run_in_threadpool(_prompt_ids, settings, jobs) if asked else []):
-        if ids is not None:  # vLLM's return_token_ids: chat says the prompt's once, a completion in each choice
-            bodies[i]["choices"][0]["token_ids"] = ends[i].data.get("output_token_ids") or []
-            (bodies[i] if chat else bodies[i]["choices"][0])["prompt_token_ids"] = ids
+    for i, ids in enumerate(await _prompt_ids(settings, jobs)):
+        if ids is not None:  # vLLM's return_token_ids
+            with_token_ids(bodies[i], chat, ids, ends[i].data.get("output_token_ids"))
     return JSONResponse(merge_choices(bodies, n), headers=headers)
 
 
-def _prompt_ids(settings: Settings, jobs: list[Job]) -> list[list[int] | None]:
-    """Each job's prompt ids as its worker feeds them, where it asked for them (vLLM's return_token_ids)."""
-    return [fed_prompt(settings, job) if (job.sampling or {}).get("return_token_ids") else None for job in jobs]
+async def _prompt_ids(settings: Settings, jobs: list[Job]) -> list[list[int] | None]:
+    """Each job's prompt ids as its worker feeds them, where it asked for them (vLLM's return_token_ids); no
+    tokenizing, and no thread, where none did."""
+    asked = [bool((job.sampling or {}).get("return_token_ids")) for job in jobs]
+    if not any(asked):
+        return [None] * len(jobs)
+    return await run_in_threadpool(lambda: [fed_prompt(settings, j) if a else None for j, a in zip(jobs, asked)])
 
 
 def documented_body(model: type) -> dict[str, Any]:

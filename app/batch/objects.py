@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Batch, Job
-from app.openai_schemas import stored_chat_answer, text_completion
+from app.openai_schemas import stored_chat_answer, text_completion, with_token_ids
 from app.responses_schemas import response_body
 from app.services.truncation import fed_prompt
 from app.tool_calls import read_answer
@@ -73,8 +73,7 @@ def output_line(job: Job) -> dict[str, Any]:
     if (job.sampling or {}).get("return_token_ids") and job.endpoint != "/v1/responses":  # vLLM's, as online
         from app.settings import get_settings
 
-        body["choices"][0]["token_ids"] = job.output_token_ids or []
-        (body if chat else body["choices"][0])["prompt_token_ids"] = fed_prompt(get_settings(), job)
+        with_token_ids(body, chat, fed_prompt(get_settings(), job), job.output_token_ids)
     return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
             "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
 
