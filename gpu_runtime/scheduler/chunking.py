@@ -88,7 +88,7 @@ def build_search_space(cost_model: CostModel, floor: int = 16, ceiling: int | No
 @dataclass
 class BudgetChoice:
     budget: int  # prefill tokens allowed this iteration
-    predicted_s: float  # predicted batch time at that budget
+    predicted_s: float  # predicted batch time at that budget (of the prompt tokens queued, where fewer)
     min_slack_s: float  # tightest decode slack (inf without decodes)
     context_tokens: int = 0  # KV tokens of the decodes the choice was made for (their attention's work)
 
@@ -104,9 +104,12 @@ class ChunkBudget:
         self.kv_short_fraction = kv_short_fraction  # free-KV share below which the space is halved
 
     def choose(self, decodes: list[Request], now: float, kv_free_fraction: float = 1.0,
-               prefill_start: int = 0) -> BudgetChoice:
+               prefill_start: int = 0, queued_tokens: int | None = None) -> BudgetChoice:
         """Alg. 1 lines 5-7. ``prefill_start``: tokens already computed of the prompt the chunk goes to
-        (its attention covers them: a continued long prompt costs more than a fresh one)."""
+        (its attention covers them: a continued long prompt costs more than a fresh one). ``queued_tokens``: the
+        prompt tokens waiting for a chunk. The pass predicted runs no more of them than wait: a 47-token prompt
+        alone is a 47-token pass, not one of the budget (with vLLM's 4096-token step cap on the CPU, 6.7 s
+        predicted against 63 ms, which relegated every interactive job that met an idle engine)."""
         n_dec = len(decodes)
         ctx = sum(r.num_computed_tokens for r in decodes)
         space = self.space
@@ -115,13 +118,18 @@ class ChunkBudget:
         predict, start = self.cost_model.predict, prefill_start
 
         def time_at(c: int) -> float:
+            if not c:  # the decodes alone
+                return predict(BatchFeatures(0, n_dec, 0, ctx, 0, n_dec, 0.0))
             return predict(BatchFeatures(c, n_dec, start + c, ctx, 0, n_dec + 1, c * (start + c / 2)))
+
+        def chosen(c: int, slack: float) -> BudgetChoice:
+            return BudgetChoice(c, time_at(c if queued_tokens is None else min(c, queued_tokens)), slack, ctx)
 
         # A batch decode that cannot keep its pace even beside the smallest chunk is lost: cutting every chunk
         # to the floor for it would only collapse prefill throughput (and cascade under overload).
         slack = min_slack(decodes, now, time_at(space[0]) * self.safety)
         if slack == math.inf:
-            return BudgetChoice(space[-1], time_at(space[-1]), slack, ctx)
+            return chosen(space[-1], slack)
         # Largest c with time_at(c) * safety <= slack; time grows with c, so bisect on the space.
         lo, hi = 0, len(space)
         while lo < hi:
@@ -130,8 +138,7 @@ class ChunkBudget:
                 lo = mid + 1
             else:
                 hi = mid
-        c = space[lo - 1] if lo > 0 else space[0]  # nothing fits: smallest chunk still makes progress
-        return BudgetChoice(c, time_at(c), slack, ctx)
+        return chosen(space[lo - 1] if lo > 0 else space[0], slack)  # nothing fits: the smallest still progresses
 
 
 def largest_fitting_chunk(cost_model: CostModel, target_s: float, num_decodes: int, decode_context: int,

@@ -206,7 +206,8 @@ class QoServeScheduler(BaseScheduler):
         # the first prompt in line stopped (a continued long prompt costs more than a fresh one).
         head = self.waiting.peek() or self.relegated.peek()
         choice = self.chunking.choose(out.decodes, now, kv.unreserved_fraction,
-                                      head.num_computed_tokens if head is not None else 0)
+                                      head.num_computed_tokens if head is not None else 0,
+                                      self._queued_prefill(self._top_chunk))
         out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
@@ -244,6 +245,16 @@ class QoServeScheduler(BaseScheduler):
                 break
             left -= n
         self._mark_preempted(out)
+
+    def _queued_prefill(self, cap: int) -> int:
+        """The prompt tokens this pass may run (waiting, then relegated ones with spare budget), counted to ``cap``."""
+        n = self.waiting_prefill_tokens
+        if n < cap:
+            for req in self.relegated:
+                n += req.prefill_remaining
+                if n >= cap:
+                    break
+        return n
 
     def _batch_pace(self, n: int, ctx: int) -> float:
         """Time per output token a batch job may count on once decoding: one pass beside a saturating chunk (the

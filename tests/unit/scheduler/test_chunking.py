@@ -127,3 +127,17 @@ def test_first_token_anchor_keeps_the_stream_at_its_pace():
     # A first token later than D_1 keeps eq. 2: the anchor never loosens a deadline.
     late = decoding(interactive("c", ttft=1.0, tbt=0.05, anchor=TbtAnchor.FIRST_TOKEN), outputs=1, times=[1.2])
     assert math.isclose(late.next_token_deadline(), 1.05)
+
+
+def test_the_pass_predicted_runs_no_more_prompt_than_is_queued():
+    budget = ChunkBudget(COST, [64, 128, 256, 512, 1024], safety=1.2)
+    # no decodes: the budget is the top of the space, but a 100-token queue makes a 100-token pass
+    alone = budget.choose([], now=0.0, queued_tokens=100)
+    assert alone.budget == 1024
+    assert math.isclose(alone.predicted_s, 0.010 + 1e-4 * 100)  # time(c) = 0.010 + 1e-4 * tokens
+    assert math.isclose(budget.choose([], now=0.0, queued_tokens=5000).predicted_s, 0.010 + 1e-4 * 1024)
+    # with a decode and nothing queued, the pass is the decode alone: the slack above it is spare
+    r = decoding(interactive("a", ttft=1.0, tbt=0.05), outputs=1, times=[0.9])
+    idle = budget.choose([r], now=1.0, queued_tokens=0)
+    assert idle.budget == 256 and math.isclose(idle.predicted_s, 0.010 + 1e-4)
+    assert math.isclose(budget.choose([r], now=1.0).predicted_s, 0.010 + 1e-4 * 257)  # unknown queue: the budget

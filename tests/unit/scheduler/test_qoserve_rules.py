@@ -312,3 +312,22 @@ def test_a_free_job_gives_way_when_its_whole_prefill_would_make_a_paid_job_late(
     s.add_request(interactive("free", prompt=512, ttft=0.12, tier=Tier.FREE))
     s.add_request(interactive("paid", prompt=256, ttft=0.15))
     assert s.schedule(now=0.0).prefills[0].request.request_id == "free"
+
+
+def test_a_short_prompt_is_not_relegated_for_a_budget_larger_than_the_queue():
+    # The pass of the whole budget (8192 tokens, 0.83 s) would miss a 0.5 s TTFT; the 100 tokens queued take 20 ms.
+    # Before, the job was predicted at the whole budget and relegated on arriving at an idle engine.
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=8192)
+    short = interactive("short", prompt=100, ttft=0.5)
+    s.add_request(short)
+    out = s.schedule(now=0.0)
+    assert out.relegated == [] and short.relegation_count == 0
+    assert [p.request.request_id for p in out.prefills] == ["short"]
+    # one that cannot make it even alone still goes: 6000 tokens take 0.61 s
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=8192)
+    s.add_request(interactive("long", prompt=6000, ttft=0.5, tier=Tier.FREE))
+    assert [r.request_id for r in s.schedule(now=0.0).relegated] == ["long"]
+    # a relegated prompt's tokens count in the pass too: with 2000 of them waiting, a 0.3 s TTFT is out of reach
+    s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=8192)
+    s.add_request(interactive("shed", prompt=2000, ttft=0.05, tier=Tier.FREE))
+    assert [r.request_id for r in s.schedule(now=0.0).relegated] == ["shed"]
