@@ -143,6 +143,7 @@ class GpuWorker:
                                      overrides=s.vllm_engine_args, lora_modules=s.lora_modules,
                                      runtime_loras=s.max_loras if s.runtime_lora else 0,
                                      runtime_lora_rank=s.max_lora_rank, reasoning_parser=s.reasoning_parser,
+                                     served_model_name=s.model_name,
                                      scheduler_config=s.scheduler_config,
                                      cost_calibration=s.cost_calibration)
         else:

@@ -55,6 +55,7 @@ OWNED_ENGINE_ARGS = {
     "model": "COSERVE_MODEL names the model",
     "scheduler_cls": "coserve's scheduler is the one the worker serves with; COSERVE_SCHEDULER_POLICY picks its policy",
     "scheduling_policy": "COSERVE_SCHEDULER_POLICY picks it (vllm-fcfs or vllm-priority)",
+    "served_model_name": "COSERVE_MODEL_NAME names the model in the API and in vLLM's metrics",
 }
 
 
@@ -110,12 +111,13 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
                 enable_prefix_caching: bool | None = None, spec_tokens: int | None = None,
                 drafter: str = "ngram", lora_modules: dict[str, str] | None = None,
                 runtime_loras: int = 0, runtime_lora_rank: int = 16, reasoning_parser: str | None = None,
-                overrides: dict[str, Any] | None = None) -> Any:
+                served_model_name: str | None = None, overrides: dict[str, Any] | None = None) -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``); ``overrides``
     (any other engine argument: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``quantization``, a
     ``speculative_config`` with another drafter, ...) win over what the other parameters set; ``runtime_loras``:
     LoRA slots for adapters loaded while it runs, up to ``runtime_lora_rank``; ``reasoning_parser``: a grammar
-    applies after the thinking (``reasoning_outputs_config``)."""
+    applies after the thinking (``reasoning_outputs_config``); ``served_model_name``: the model's name in vLLM's
+    metrics (their ``model_name`` label, as ``vllm serve --served-model-name`` sets it; else the checkpoint's path)."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
 
@@ -139,6 +141,8 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         kwargs["max_model_len"] = max_model_len
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
+    if served_model_name:
+        kwargs["served_model_name"] = served_model_name
     if spec_policy != "none":
         kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens))
     # LoRA adapters served beside the model

@@ -24,6 +24,12 @@ def test_engine_args_ask_vllm_for_the_draft_length():
     assert engine_args("smollm2-135m").speculative_config is None
 
 
+def test_vllm_knows_the_model_by_its_served_name():
+    assert engine_args("smollm2-135m", served_model_name="smollm2-135m-instruct").served_model_name == \
+        "smollm2-135m-instruct"
+    assert engine_args("smollm2-135m").served_model_name is None  # vLLM then names it by the checkpoint's path
+
+
 def test_the_drafter_is_vllms_ngram_or_suffix_decoding():
     spec = engine_args("smollm2-135m", spec_policy="nightjar", drafter="suffix", spec_tokens=32).speculative_config
     assert spec["method"] == "suffix" and spec["num_speculative_tokens"] == 32
@@ -49,6 +55,7 @@ def test_any_other_engine_argument_passes_through_and_wins():
                                  "'tensor_parallel_size'"),
     ({"scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "may not set 'scheduler_cls'"),
     ({"model": "/elsewhere"}, "COSERVE_MODEL"),
+    ({"served_model_name": "other"}, "COSERVE_MODEL_NAME"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}, "COSERVE_SPEC_POLICY is 'none'"),
 ])
 def test_a_bad_engine_argument_is_refused_with_its_name(overrides, message):

@@ -463,6 +463,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                     "vLLM's engine metrics in /metrics")
     generated = [s for s in fams["vllm:generation_tokens"].samples if s.labels.get("worker_id") == "w-vllm"]
     assert generated and generated[0].value >= batch["completion_tokens"], generated
+    assert generated[0].labels["model_name"] == settings.model_name  # the served name, as coserve's own metrics
     assert "vllm:kv_cache_usage_perc" in fams and "vllm:time_to_first_token_seconds" in fams
     text = httpx.get(f"{base}/metrics").text
     assert text.count("# TYPE vllm:num_requests_running ") == 1  # vLLM's own, not also coserve's alias
