@@ -13,8 +13,9 @@ Start everything locally with `coserve up`; then `coserve submit`, `coserve batc
 COSERVE_URL/COSERVE_API_KEY). Settings come from COSERVE_* environment variables or .env.
 """
 
+# Markdown: a docstring's paragraph wraps as one (rich mode kept its line breaks, leaving short lines)
 cli = typer.Typer(help=HELP, epilog="Run `coserve COMMAND --help` for a command's options.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, rich_markup_mode="markdown")
 service_cmds.register(cli)  # up, worker, submit, status, jobs
 batch_cmds.register(cli)  # batch, summarize
 runtime_cmds.register(cli)  # simulate, profile

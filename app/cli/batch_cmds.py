@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.cli.options import AsJson, Key, Url
 from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,6 @@ console = Console()
 batch_app = typer.Typer(help="OpenAI-compatible Batch API: submit a JSONL of requests with a completion window.",
                         no_args_is_help=True)
 
-Url = Annotated[str | None, typer.Option("--url", help="API base URL (default: from `coserve up`)")]
-Key = Annotated[str | None, typer.Option("--key", help="API key (default: COSERVE_API_KEY or `coserve up`'s)")]
 Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. free or paid (at most your key's; "
                                                          "default: the key's tier)")]
 BatchId = Annotated[str, typer.Argument(help="batch id (batch_...)")]
@@ -114,7 +113,7 @@ def status(batch_id: BatchId,
 
 @batch_app.command("list")
 def list_(limit: Annotated[int, typer.Option(min=1, max=100, help="how many batches to show")] = 20,
-          as_json: Annotated[bool, typer.Option("--json", help="print the API's JSON page instead")] = False,
+          as_json: AsJson = False,
           url: Url = None, key: Key = None) -> None:
     """List your batches, newest first."""
     page = Api(url, key).call("GET", "/v1/batches", params={"limit": limit}).json()

@@ -59,7 +59,7 @@ def simulate(
     max_tokens: Annotated[int, typer.Option(help="max_tokens every request asks for (it stops at the trace's "
                                                  "output length)")] = 4096,
     kv_blocks: Annotated[int, typer.Option(help="KV blocks of the simulated replica")] = 30000,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(help="seed of the sampled requests and arrivals")] = 0,
     out: Annotated[Path | None, typer.Option(help="directory for results.json and violations.png")] = None,
 ) -> None:
     """Simulate scheduling policies on a trace with QoServe's three tiers (SLOs scaled to the profile)."""

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from app.cli.options import AsJson, JobId, Key, Url
 from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
@@ -339,12 +340,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         ttft_ms: Annotated[float | None, typer.Option(help="interactive: time-to-first-token target")] = None,
         batch: Annotated[bool, typer.Option("--batch", help="a batch job with a deadline")] = False,
         deadline_s: Annotated[float | None, typer.Option(help="batch: seconds from now")] = None,
-        max_tokens: Annotated[int | None, typer.Option()] = None,
-        tier: Annotated[str | None, typer.Option()] = None,
+        max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate (default: the API's)")] = None,
+        tier: Annotated[str | None, typer.Option(help="tier to run as, e.g. free (at most your key's; "
+                                                      "default: the key's tier)")] = None,
         raw: Annotated[bool, typer.Option("--raw", help="send as a raw prompt (no chat template)")] = False,
         wait: Annotated[bool, typer.Option("--wait", help="wait for the result and print it")] = False,
-        url: Annotated[str | None, typer.Option(help="API base URL")] = None,
-        key: Annotated[str | None, typer.Option(help="API key")] = None,
+        url: Url = None, key: Key = None,
     ) -> None:
         """Submit a job to a running coserve."""
         url, key = _client_config(url, key)
@@ -364,17 +365,13 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             console.print(_job_table(job))
 
     @cli.command()
-    def status(job_id: str, url: Annotated[str | None, typer.Option()] = None,
-               key: Annotated[str | None, typer.Option()] = None,
-               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    def status(job_id: JobId, url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
         """Show one job."""
         url, key = _client_config(url, key)
         _show_job(_request("GET", url, key, f"/v1/jobs/{job_id}"), as_json)
 
     @cli.command()
-    def cancel(job_id: str, url: Annotated[str | None, typer.Option()] = None,
-               key: Annotated[str | None, typer.Option()] = None,
-               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    def cancel(job_id: JobId, url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
         """Cancel a job that has not ended; a running one keeps what it produced (shown)."""
         url, key = _client_config(url, key)
         job = _request("POST", url, key, f"/v1/jobs/{job_id}/cancel")
@@ -383,13 +380,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         _show_job(job, as_json)
 
     @cli.command()
-    def jobs(status_: Annotated[str | None, typer.Option("--status")] = None,
-             kind: Annotated[str | None, typer.Option()] = None,
-             limit: Annotated[int, typer.Option()] = 20,
-             url: Annotated[str | None, typer.Option()] = None,
-             key: Annotated[str | None, typer.Option()] = None,
-             as_json: Annotated[bool, typer.Option("--json", help="print the API's JSON page instead")] = False
-             ) -> None:
+    def jobs(status_: Annotated[str | None, typer.Option("--status", help="only jobs in this status: queued, "
+                                                          "dispatched, running, relegated, succeeded, failed, "
+                                                          "cancelled or expired")] = None,
+             kind: Annotated[str | None, typer.Option(help="only interactive or batch jobs")] = None,
+             limit: Annotated[int, typer.Option(min=1, max=100, help="how many jobs to show")] = 20,
+             url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
         """List your jobs, newest first."""
         url, key = _client_config(url, key)
         params = {k: v for k, v in {"status": status_, "kind": kind, "limit": limit}.items() if v is not None}
@@ -402,7 +398,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     @keys_app.command("create")
     def keys_create(tenant: Annotated[str, typer.Option(help="tenant name (created if missing)")],
                     tier: Annotated[str | None, typer.Option(help="key tier; default: the tenant's")] = None,
-                    admin: Annotated[bool, typer.Option("--admin")] = False,
+                    admin: Annotated[bool, typer.Option("--admin", help="an admin key (the dashboard's actions "
+                                                                        "and every tenant's usage)")] = False,
                     default_tier: Annotated[str, typer.Option(help="tier of a new tenant")] = "paid") -> None:
         """Create an API key (printed once; only its hash is stored)."""
         from sqlalchemy import select

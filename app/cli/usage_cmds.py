@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from app.cli.options import Key, Url
 from app.cli.output import kept, list_table, other, print_json, print_table, when
 
 console = Console()
@@ -27,8 +28,7 @@ def register(cli: typer.Typer) -> None:
               admin: Annotated[bool, typer.Option("--admin", help="every tenant's, with the admin key `coserve up` "
                                                                   "saved (else your key's tenant only)")] = False,
               as_json: Annotated[bool, typer.Option("--json", help="every bucket as JSON")] = False,
-              url: Annotated[str | None, typer.Option(help="API base URL")] = None,
-              key: Annotated[str | None, typer.Option(help="API key")] = None) -> None:
+              url: Url = None, key: Key = None) -> None:
         """Tokens and requests the engines ran, and how many met their SLO, per time bucket (the Usage API)."""
         from app.cli.service_cmds import _client_config, _request, admin_key
 

@@ -1,0 +1,31 @@
+"""``coserve --help`` and every command's help: each option says what it is, and a paragraph of a docstring wraps as
+one paragraph (Typer's rich help kept a docstring's line breaks, leaving a short line where the source broke)."""
+
+from __future__ import annotations
+
+import typer.main
+from typer.testing import CliRunner
+
+from app.cli import cli
+
+
+def _commands(cmd, path=()):
+    if hasattr(cmd, "commands"):
+        for name, sub in cmd.commands.items():
+            yield from _commands(sub, (*path, name))
+    else:
+        yield " ".join(path), cmd
+
+
+def test_every_option_and_argument_has_help():
+    missing = {path: names for path, cmd in _commands(typer.main.get_command(cli))
+               if (names := [p.name for p in cmd.params if p.name != "help" and not getattr(p, "help", None)])}
+    assert missing == {}
+
+
+def test_a_docstring_paragraph_wraps_as_one():
+    runner = CliRunner()
+    out = runner.invoke(cli, ["--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}).output
+    assert "coserve batch create or coserve summarize talk to it (credentials from coserve up" in out, out
+    limits = runner.invoke(cli, ["keys", "limits", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}).output
+    assert "API processes apply a rate limit's change within seconds" in limits, limits
