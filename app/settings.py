@@ -135,7 +135,8 @@ class Settings(BaseSettings):
     vllm_max_model_len: int | None = Field(None, gt=0, description="vLLM context length (None: the model's)")
     vllm_spec_tokens: int | None = Field(None, gt=0, le=64, description="vLLM with speculation: draft tokens its "
                                          "drafter proposes per request and step at most (num_speculative_tokens), "
-                                         "of which spec_policy verifies a share (None: N for chain-N, else 8)")
+                                         "of which spec_policy verifies a share (None: N for chain-N, else 8; 32 with "
+                                         "suffix)")
     vllm_drafter: Literal["ngram", "suffix"] = Field(
         "ngram", description="vLLM with speculation: its drafter, 'ngram' (prompt lookup) or 'suffix' (suffix "
                              "decoding over the prompt and earlier outputs; needs arctic-inference, which "

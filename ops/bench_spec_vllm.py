@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--raw", action="store_true", help="the prompts as raw text, without the chat template")
     ap.add_argument("--spec-tokens", type=int, default=None,
-                    help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8)")
+                    help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8; 32 with "
+                         "the suffix drafter)")
     ap.add_argument("--drafter", default="ngram",
                     help="vLLM's drafter: ngram (prompt lookup) or suffix (suffix decoding, arctic-inference)")
     ap.add_argument("--repeats", type=int, default=1,

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--qos", choices=tuple(OFFLINE_QOS), default="interactive",
                     help="every prompt's QoS: interactive (TTFT 10 s, TBT 1 s) or batch (TTLT 1 h: offline work)")
     ap.add_argument("--spec-tokens", type=int, default=None,
-                    help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8)")
+                    help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8; 32 with "
+                         "the suffix drafter)")
     ap.add_argument("--drafter", default="ngram", help="vLLM's drafter when speculating: ngram or suffix")
     ap.add_argument("--engine-args", type=json.loads, default=None, metavar="JSON",
                     help="more vLLM EngineArgs, as COSERVE_VLLM_ENGINE_ARGS takes them (e.g. a speculative_config)")

@@ -6,12 +6,14 @@ import re
 
 import pytest
 
-from gpu_runtime.vllm.build import SPEC_MAX_TOKENS, draft_tokens, engine_args, speculative_config
+from gpu_runtime.vllm.build import SPEC_MAX_TOKENS, SUFFIX_MAX_TOKENS, draft_tokens, engine_args, speculative_config
 
 
 def test_draft_tokens_follow_the_policy_unless_set():
     assert draft_tokens("chain-16") == 16  # a static chain verifies all N: vLLM must draft N
     assert draft_tokens("nightjar") == draft_tokens("adaspec") == SPEC_MAX_TOKENS == 8
+    assert draft_tokens("adaspec", drafter="suffix") == SUFFIX_MAX_TOKENS == 32  # suffix trees draft longer
+    assert draft_tokens("chain-4", drafter="suffix") == 4
     assert draft_tokens("chain-4", 12) == draft_tokens("adaserve", 12) == 12
     with pytest.raises(ValueError, match=">= 1"):
         draft_tokens("adaspec", 0)
@@ -34,6 +36,10 @@ def test_the_drafter_is_vllms_ngram_or_suffix_decoding():
     spec = engine_args("smollm2-135m", spec_policy="nightjar", drafter="suffix", spec_tokens=32).speculative_config
     assert spec["method"] == "suffix" and spec["num_speculative_tokens"] == 32
     assert spec["suffix_decoding_max_tree_depth"] >= 32  # a draft is no longer than the tree is deep
+    # an adaptive policy trims each draft, so suffix decoding may draft past its match's length (vLLM: up to it)
+    assert spec["suffix_decoding_max_spec_factor"] == 2.0 and spec["suffix_decoding_max_tree_depth"] == 64
+    chain = engine_args("smollm2-135m", spec_policy="chain-24", drafter="suffix").speculative_config
+    assert chain["num_speculative_tokens"] == 24 and "suffix_decoding_max_spec_factor" not in chain  # verifies all
     assert speculative_config("ngram", 8)["method"] == "ngram"
     with pytest.raises(ValueError, match="ngram, suffix"):
         speculative_config("eagle", 8)
