@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 # coserve's adaptive speculation policies: the most draft tokens a step may verify, unless set (``draft_tokens``).
 # n-gram drafts are prompt lookups of a few tokens; suffix trees draft longer, and the policies trim what does not
-# pay (at batch 1 on the CPU, AdaSpec with 32 suffix tokens took 10-12% fewer steps than with 24: BENCHMARKS stop 40).
+# pay (on the CPU, AdaSpec with 32 suffix tokens: 2.37x none at batch 1, no loss at 8-32; BENCHMARKS stops 40, 45).
 SPEC_MAX_TOKENS = 8
 SUFFIX_MAX_TOKENS = 32
 
@@ -50,11 +50,9 @@ def speculative_config(drafter: str, num_tokens: int, trimmed: bool = False) -> 
         if importlib.util.find_spec("arctic_inference") is None:
             raise ValueError("the suffix drafter needs the arctic-inference package (scripts/setup.sh installs it)")
         # the tree depth bounds match + draft; vLLM's default cap on a draft is the depth
-        if trimmed:
-            return {"method": "suffix", "num_speculative_tokens": num_tokens,
-                    "suffix_decoding_max_tree_depth": max(2 * num_tokens, 24), "suffix_decoding_max_spec_factor": 2.0}
+        room = {"suffix_decoding_max_spec_factor": 2.0} if trimmed else {}
         return {"method": "suffix", "num_speculative_tokens": num_tokens,
-                "suffix_decoding_max_tree_depth": max(num_tokens, 24)}
+                "suffix_decoding_max_tree_depth": max((2 if trimmed else 1) * num_tokens, 24), **room}
     raise ValueError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)}")
 
 
