@@ -30,7 +30,7 @@ class ActiveJob:
     finished: bool = False  # engine thread: its last record is in the outbox
     relegated: bool = False  # engine thread (``ActiveJobs.set_relegated``): shed under overload, not resumed yet
     reasoning: ReasoningTokens | None = None  # engine thread: counts its thinking tokens (a reasoning parser's job)
-    token_ids: list[int] | None = None  # engine thread: the ids it generated, where the job asked for them
+    return_token_ids: bool = False  # its end carries the ids it generated (its request keeps them)
 
     @property
     def job_id(self) -> str:

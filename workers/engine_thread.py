@@ -164,8 +164,6 @@ class EngineThread:
             if out.new_text or out.new_token_ids:
                 if job.reasoning is not None:
                     job.reasoning.feed(out.new_text, len(out.new_token_ids))
-                if job.token_ids is not None:
-                    job.token_ids.extend(out.new_token_ids)
                 job.text.append(out.new_text)
                 step.deltas.append((job.job_id, StreamEvent("delta", attempt, out.new_text, list(out.new_token_ids),
                                                             data=data, offset=job.produced)))
@@ -266,7 +264,7 @@ class EngineThread:
         return {"output_text": "".join(job.text), "completion_tokens": m.num_output_tokens,
                 "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
                 "reasoning_tokens": job.reasoning.count if job.reasoning is not None else None,
-                "output_token_ids": job.token_ids,
+                "output_token_ids": list(job.request.output_token_ids) if job.return_token_ids else None,
                 "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
                 "prompt_logprobs": job.prompt_logprobs}
 

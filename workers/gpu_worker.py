@@ -226,11 +226,11 @@ class GpuWorker:
                 return
             created = as_utc(job.created_at)
             parser = (job.sampling or {}).get("reasoning_parser")
-            token_ids = [] if (job.sampling or {}).get("return_token_ids") else None
+            return_ids = bool((job.sampling or {}).get("return_token_ids"))
         # registered and queued under one lock: an abort that sees the job is applied after its add
         with self.active.lock:
             self.active.add(ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
-                                      token_ids=token_ids))
+                                      return_token_ids=return_ids))
             self.inbox.put(Add(job_id))
 
     def _hold(self, job_id: str, held: bool) -> None:

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app.cli.options import AsJson, Key, Url
+from app.cli.options import AsJson, Key, Tier, Url
 from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,6 @@ console = Console()
 batch_app = typer.Typer(help="OpenAI-compatible Batch API: submit a JSONL of requests with a completion window.",
                         no_args_is_help=True)
 
-Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. free or paid (at most your key's; "
-                                                         "default: the key's tier)")]
 BatchId = Annotated[str, typer.Argument(help="batch id (batch_...)")]
 BATCH_DONE = {"completed", "failed", "expired", "cancelled"}
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.cli.options import AsJson, JobId, Key, Url
+from app.cli.options import AsJson, JobId, Key, Tier, Url
 from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
@@ -341,8 +341,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         batch: Annotated[bool, typer.Option("--batch", help="a batch job with a deadline")] = False,
         deadline_s: Annotated[float | None, typer.Option(help="batch: seconds from now")] = None,
         max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate (default: the API's)")] = None,
-        tier: Annotated[str | None, typer.Option(help="tier to run as, e.g. free (at most your key's; "
-                                                      "default: the key's tier)")] = None,
+        tier: Tier = None,
         raw: Annotated[bool, typer.Option("--raw", help="send as a raw prompt (no chat template)")] = False,
         wait: Annotated[bool, typer.Option("--wait", help="wait for the result and print it")] = False,
         url: Url = None, key: Key = None,
