@@ -19,9 +19,12 @@ from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 
 
-OFFLINE_QOS = {
-    "interactive": QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=10.0, tbt_s=1.0),
-    "batch": QoSSpec(QoSClass.BATCH, Tier.PAID, ttlt_s=3600.0),
+_INTERACTIVE = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=10.0, tbt_s=1.0)
+_BATCH = QoSSpec(QoSClass.BATCH, Tier.PAID, ttlt_s=3600.0)
+OFFLINE_QOS = {  # the QoS of prompt i is the name's i-th, cycled
+    "interactive": (_INTERACTIVE,),
+    "batch": (_BATCH,),
+    "mixed": (_INTERACTIVE, _BATCH),
 }
 
 
@@ -59,16 +62,16 @@ def random_prompts(n: int, length: int, seed: int = 0, vocab: int = 49152) -> li
 
 
 def generate(engine: Any, prompts: list[list[int]], max_tokens: int, batch: int,
-             qos: QoSSpec | None = None, ignore_eos: bool = True) -> OfflineRun:
-    """Runs ``prompts`` ``batch`` at a time (each group to completion) and collects their tokens."""
-    qos = qos or OFFLINE_QOS["interactive"]
+             qos: tuple[QoSSpec, ...] = OFFLINE_QOS["interactive"], ignore_eos: bool = True) -> OfflineRun:
+    """Runs ``prompts`` ``batch`` at a time (each group to completion) and collects their tokens; prompt i runs
+    with ``qos[i % len(qos)]``."""
     run = OfflineRun()
     policy_before = engine.core_scheduler.policy_s
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
         for i, ids in enumerate(prompts[start:start + batch], start):
-            engine.add_request(Request(f"p{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), qos,
-                                       arrival_time=engine.executor.now()))
+            engine.add_request(Request(f"p{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                                       qos[i % len(qos)], arrival_time=engine.executor.now()))
         while engine.has_work:
             run.steps += 1
             for out in engine.step():
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to run, one after the other")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (the n-gram drafter compiles)")
     ap.add_argument("--qos", choices=tuple(OFFLINE_QOS), default="interactive",
-                    help="every prompt's QoS: interactive (TTFT 10 s, TBT 1 s) or batch (TTLT 1 h: offline work)")
+                    help="the prompts' QoS: interactive (TTFT 10 s, TBT 1 s), batch (TTLT 1 h: offline work) or "
+                         "mixed (one of each, in turn)")
     ap.add_argument("--spec-tokens", type=int, default=None,
                     help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8; 32 with "
                          "the suffix drafter)")

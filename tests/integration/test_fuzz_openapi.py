@@ -13,8 +13,8 @@ Two passes:
   control characters, far dates, texts over the context.
 
 A stand-in worker finishes every job at once, so a completion that passes validation is
-answered instead of waiting for an engine. Bounded to about two minutes on a 2-core
-machine by the examples per operation (``COSERVE_FUZZ_EXAMPLES``, default 250; raise it to
+answered instead of waiting for an engine. Bounded to about two and a half minutes on a 2-core
+machine by the examples per operation (``COSERVE_FUZZ_EXAMPLES``, default 100; raise it to
 hunt longer).
 """
 
@@ -44,7 +44,7 @@ from tests.conftest import free_port, make_keys, make_settings
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = int(os.environ.get("COSERVE_FUZZ_EXAMPLES", "250"))
+EXAMPLES = int(os.environ.get("COSERVE_FUZZ_EXAMPLES", "100"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance]
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,

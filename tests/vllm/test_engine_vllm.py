@@ -32,9 +32,9 @@ def plain_vllm(tmp_path_factory) -> dict:
     return offline(tmp_path_factory.mktemp("plain"), "--policy", "vllm-fcfs", "--batch", "1", "3")
 
 
-@pytest.mark.parametrize("qos", ["interactive", "batch"])
-def test_qoserve_in_vllm_gives_plain_vllms_greedy_tokens(plain_vllm, tmp_path, qos):
-    ours = offline(tmp_path, "--policy", "qoserve", "--batch", "3", "--qos", qos)
+def test_qoserve_in_vllm_gives_plain_vllms_greedy_tokens(plain_vllm, tmp_path):
+    # interactive and batch prompts in one batch: the deadline path and the TTFT/TBT path co-scheduled
+    ours = offline(tmp_path, "--policy", "qoserve", "--batch", "3", "--qos", "mixed")
     assert ours["3"]["tokens"] == plain_vllm["3"]["tokens"]
     assert ours["3"]["output_tokens"] == 3 * 40
 
