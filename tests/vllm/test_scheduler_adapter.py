@@ -67,6 +67,19 @@ def test_free_job_past_its_deadline_is_relegated_then_resumed(make_scheduler):
     assert late_free.request_id in out.num_scheduled_tokens
 
 
+def test_a_lone_batch_job_on_the_cpu_profile_is_not_relegated(make_scheduler):
+    """vLLM's step cap (4,096 tokens) and the shipped CPU profile: 440 tokens due in a minute decode in ~13 s on an
+    idle engine. Priced beside a saturating chunk (0.22 s a token: 97 s), the job was relegated on arrival."""
+    from gpu_runtime.costmodel.profile import PROFILE_DIR
+
+    s = make_scheduler("qoserve", max_batched=4096, profile=str(PROFILE_DIR / "cpu-avx512-smollm2-135m-vllm.json"))
+    job = vllm_request(64, {"qos_class": "batch", "deadline_s": 60}, max_tokens=440)
+    s.add_request(job)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {job.request_id: 64}
+    assert s.queue_depths()["relegated"] == 0 and (job.request_id, "relegated") not in s.events
+
+
 def test_a_relegated_job_past_its_expiry_ends_as_an_abort_with_an_expired_event(make_scheduler):
     """Relegated and then given up on (deadline + max(2 x TTFT, 60 s) passed): vLLM frees it and reports it;
     the event says it expired, so the worker records expired, not cancelled."""

@@ -64,19 +64,19 @@ def test_a_paid_job_that_can_still_make_it_is_not_relegated_under_load():
 
 def test_a_batch_job_is_admitted_only_if_it_decodes_in_time_beside_full_chunks():
     # Budget 256 (35.6 ms a pass); a pure decode step takes 10.1 ms. 40 predicted tokens due in 1.0 s fit at
-    # the pure decode pace (0.4 s) but not beside full chunks (40 x 35.6 ms = 1.42 s): relegated before its
-    # decodes would cut every later chunk to the floor.
+    # the pure decode pace (0.4 s) but not beside full chunks (40 x 35.6 ms = 1.42 s), which the 300 prompt
+    # tokens queued behind it fill: relegated before its decodes would cut every later chunk to the floor.
     s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=256, chunk_floor=16)
     tight = batch("tight", prompt=100, ttlt=1.0, max_tokens=40)
     tight.predicted_output_len = 40
-    roomy = batch("roomy", prompt=100, ttlt=2.0, max_tokens=40)
+    roomy = batch("roomy", prompt=300, ttlt=2.0, max_tokens=40)
     roomy.predicted_output_len = 40
     s.add_request(tight)
     s.add_request(roomy)
     out = s.schedule(0.0)
     assert [r.request_id for r in out.relegated] == ["tight"]
     assert out.prefills[0].request is roomy
-    assert math.isclose(s._batch_pace(0, 0), COST.predict(BatchFeatures(256, 0, 256, 0, 0, 1, 256 * 128)))
+    assert math.isclose(s._batch_pace(0, 0, queued=8192), COST.predict(BatchFeatures(256, 0, 256, 0, 0, 1, 256 * 128)))
 
 
 def test_a_lost_batch_decode_does_not_pin_the_chunk_to_the_floor():
@@ -232,4 +232,5 @@ def test_the_batch_pace_is_set_beside_a_saturating_chunk_not_a_larger_ceiling():
     assert sat < 8192
     s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=8192)
     assert s.chunking.space[-1] == 8192
-    assert math.isclose(s._batch_pace(0, 0), COST.predict(BatchFeatures(sat, 0, sat, 0, 0, 1, sat * sat / 2)))
+    saturated = COST.predict(BatchFeatures(sat, 0, sat, 0, 0, 1, sat * sat / 2))
+    assert math.isclose(s._batch_pace(0, 0, queued=8192), saturated)

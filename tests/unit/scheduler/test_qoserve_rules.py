@@ -331,3 +331,20 @@ def test_a_short_prompt_is_not_relegated_for_a_budget_larger_than_the_queue():
     s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=8192)
     s.add_request(interactive("shed", prompt=2000, ttft=0.05, tier=Tier.FREE))
     assert [r.request_id for r in s.schedule(now=0.0).relegated] == ["shed"]
+
+
+def test_a_batch_job_is_paced_beside_the_prompts_queued_other_than_its_own():
+    # 500 tokens due in 20 s. Beside a saturating chunk (2048 tokens, 0.215 s a pass) they would take 107 s; with
+    # nothing else queued its decode runs alone (10 ms a token, 5 s). Before, it was relegated at an idle engine.
+    def relegated(*others: int) -> list[str]:
+        s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=2048)
+        job = batch("job", prompt=100, ttlt=20.0, max_tokens=500)
+        job.predicted_output_len = 500
+        s.add_request(job)
+        for i, prompt in enumerate(others):  # due later: they queue behind the job
+            s.add_request(batch(f"other{i}", prompt=prompt, ttlt=1000.0))
+        return [r.request_id for r in s.schedule(now=0.0).relegated]
+
+    assert relegated() == []
+    assert relegated(200) == []  # beside 200 prompt tokens: 30 ms a token, 15 s
+    assert relegated(3000) == ["job"]  # under a backlog the saturating chunk's pace holds
