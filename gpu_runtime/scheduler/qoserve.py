@@ -261,23 +261,24 @@ class QoServeScheduler(BaseScheduler):
                     break
         return n
 
-    def _batch_pace(self, n: int, ctx: int, queued: int) -> float:
+    def _batch_pace(self, n: int, ctx: int, beside: int) -> float:
         """Time per output token a batch job may count on once decoding: one pass with ``n`` decodes holding
         ``ctx`` KV tokens beside a saturating chunk (the largest chunk, or the cost model's saturation point when
-        the space reaches past it), or beside every prompt token ``queued`` where fewer wait. Under a backlog,
-        admitting it on a faster pace (a pure decode step) would make its slack pin every later chunk to the
-        floor until it finished, collapsing prefill throughput under overload. With little queued, the saturating
-        chunk's pace (0.22 s a token on the CPU profile, 0.2 s on the A100 one) relegated a lone job that alone
-        would finish in a fraction of its deadline."""
-        c = min(self._pace_chunk, queued)
+        the space reaches past it), or beside the ``beside`` prompt tokens that may run with it where fewer. Under
+        a backlog, admitting it on a faster pace (a pure decode step) would make its slack pin every later chunk
+        to the floor until it finished, collapsing prefill throughput under overload. With little queued, the
+        saturating chunk's pace (0.22 s a token on the CPU profile, 0.2 s on the A100 one) relegated a lone job
+        that alone would finish in a fraction of its deadline."""
+        c = min(self._pace_chunk, beside)
         return self.cost_model.predict(BatchFeatures(c, n, c, ctx, 0, n + 1, c * c / 2))
 
     def _estimate_for(self, req: Request, est: WorkEstimate, n: int, ctx: int, queued: int) -> WorkEstimate:
         """``est`` as a batch job's relegation check sees it: its decode runs beside the prompts queued other than
         its own (its prompt is done by then), not beside every prompt queued."""
-        if req.qos.qos_class is not QoSClass.BATCH or queued - req.prefill_remaining >= self._pace_chunk:
-            return est
-        return replace(est, decode_step_s=self._batch_pace(n, ctx, max(0, queued - req.prefill_remaining)))
+        others = queued - req.prefill_remaining
+        if req.qos.qos_class is not QoSClass.BATCH or others >= self._pace_chunk:
+            return est  # already priced beside the saturating chunk
+        return replace(est, decode_step_s=self._batch_pace(n, ctx, max(0, others)))
 
     def _stream_pace(self, n: int, ctx: int) -> float:
         """The least time per token of an interactive stream joining ``n`` decodes that hold ``ctx`` KV tokens: a

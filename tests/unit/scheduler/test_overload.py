@@ -76,7 +76,7 @@ def test_a_batch_job_is_admitted_only_if_it_decodes_in_time_beside_full_chunks()
     out = s.schedule(0.0)
     assert [r.request_id for r in out.relegated] == ["tight"]
     assert out.prefills[0].request is roomy
-    assert math.isclose(s._batch_pace(0, 0, queued=8192), COST.predict(BatchFeatures(256, 0, 256, 0, 0, 1, 256 * 128)))
+    assert math.isclose(s._batch_pace(0, 0, beside=8192), COST.predict(BatchFeatures(256, 0, 256, 0, 0, 1, 256 * 128)))
 
 
 def test_a_lost_batch_decode_does_not_pin_the_chunk_to_the_floor():
@@ -233,4 +233,4 @@ def test_the_batch_pace_is_set_beside_a_saturating_chunk_not_a_larger_ceiling():
     s = create_scheduler("qoserve", cost_model=COST, chunk_ceiling=8192)
     assert s.chunking.space[-1] == 8192
     saturated = COST.predict(BatchFeatures(sat, 0, sat, 0, 0, 1, sat * sat / 2))
-    assert math.isclose(s._batch_pace(0, 0, queued=8192), saturated)
+    assert math.isclose(s._batch_pace(0, 0, beside=8192), saturated)
