@@ -218,7 +218,7 @@ def _show_job(job: dict[str, Any], as_json: bool) -> None:
     if as_json:
         console.print_json(json.dumps(job))
         return
-    console.print(_job_table(job))
+    print_table(console, _job_table(job))
     if job.get("output_text"):
         console.print(job["output_text"], markup=False)
 
@@ -307,7 +307,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     return
                 console.print(f"[bold]demo job {job['id']}[/bold] ({job['status']}): {DEMO_PROMPT}")
                 console.print(job.get("output_text") or job.get("error") or "", markup=False)  # model text, not markup
-                console.print(_job_table(job))
+                print_table(console, _job_table(job))
                 if exit_after_demo:
                     return
             console.print("serving; Ctrl-C stops everything")
@@ -361,7 +361,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             job = _wait(url, key, job["id"], 3600)
             if not streamed:
                 console.print(job.get("output_text") or "", markup=False)
-            console.print(_job_table(job))
+            print_table(console, _job_table(job))
 
     @cli.command()
     def status(job_id: JobId, url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
