@@ -13,4 +13,7 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) \
     || echo "[test] could not install postgresql; the PostgreSQL test will be skipped"
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two test processes (pytest-xdist), a test file each at a time: most of a test's time is spent waiting on the
+# worker, engine and HTTP processes it starts, so two halve the wall time even on two cores (four gain nothing
+# more there). COSERVE_TEST_PROCESSES=0 runs it in this process; a later -n in the arguments wins.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${COSERVE_TEST_PROCESSES:-2}" --dist loadfile "$@"
