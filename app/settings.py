@@ -152,6 +152,10 @@ class Settings(BaseSettings):
                                           "{\"tensor_parallel_size\": 2, \"gpu_memory_utilization\": 0.85}; it wins "
                                           "over the vllm_* settings; an unknown or coserve-owned key (model, "
                                           "scheduler_cls, scheduling_policy) stops the worker at start with its name")
+    vllm_args: str = Field(
+        "", description="vLLM backend: engine options as `vllm serve` takes them on its command line, e.g. "
+                        "'--tensor-parallel-size 2 --max-num-seqs 128', read with vLLM's own parser; they win over "
+                        "vllm_engine_args. `coserve worker` and `coserve up` take them after their own options")
     vllm_step_log: Path | None = Field(None, description="vLLM backend: append every engine step (its batch, "
                                                           "latency and the host time before the next) to this "
                                                           "JSONL file; `coserve profile --from-steps` fits on it")

@@ -134,13 +134,15 @@ class GpuWorker:
             build = getattr(import_module(factory.split(":")[0]), factory.split(":")[1])
         elif self.backend == "vllm":
             from gpu_runtime.vllm.build import build_vllm_engine
+            from gpu_runtime.vllm.cli_args import operator_engine_args
 
             return build_vllm_engine(s.model, device=self.device, scheduler_policy=s.scheduler_policy,
                                      spec_policy=s.spec_policy, cost_profile=s.cost_profile, kv_reserve=s.kv_reserve,
                                      kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
                                      max_model_len=s.vllm_max_model_len, spec_tokens=s.vllm_spec_tokens,
                                      drafter=s.vllm_drafter, step_log=s.vllm_step_log,
-                                     overrides=s.vllm_engine_args, lora_modules=s.lora_modules,
+                                     overrides=operator_engine_args(s.vllm_engine_args, s.vllm_args),
+                                     lora_modules=s.lora_modules,
                                      runtime_loras=s.max_loras if s.runtime_lora else 0,
                                      runtime_lora_rank=s.max_lora_rank, reasoning_parser=s.reasoning_parser,
                                      served_model_name=s.model_name,

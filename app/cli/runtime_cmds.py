@@ -270,7 +270,8 @@ def profile(
 
 def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, grid: str) -> None:
     """Whole vLLM engine steps (scheduling, forward, sampling, output processing) over the grid, on the engine the
-    worker would build (COSERVE_VLLM_ENGINE_ARGS: the same parallelism, quantization, memory share)."""
+    worker would build (COSERVE_VLLM_ENGINE_ARGS and COSERVE_VLLM_ARGS: the same parallelism, quantization, memory
+    share)."""
     import dataclasses
 
     from app.settings import get_settings
@@ -278,13 +279,16 @@ def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, gri
     from gpu_runtime.costmodel.machine import this_machine
     from gpu_runtime.costmodel.profile import annotate_profile
     from gpu_runtime.vllm.build import build_vllm_engine
+    from gpu_runtime.vllm.cli_args import operator_engine_args
     from gpu_runtime.vllm.profiling import GRIDS, profile_vllm
 
     if grid not in GRIDS:
         raise typer.BadParameter(f"--grid must be one of {', '.join(GRIDS)}")
     shapes = GRIDS[grid] if grid == "smoke" else dataclasses.replace(GRIDS[grid], repeats=repeats)
     # the grid times plain steps: a speculative_config the worker's engine takes is left out
-    overrides = {k: v for k, v in get_settings().vllm_engine_args.items() if k != "speculative_config"}
+    settings = get_settings()
+    overrides = {k: v for k, v in operator_engine_args(settings.vllm_engine_args, settings.vllm_args).items()
+                 if k != "speculative_config"}
     engine = build_vllm_engine(model, device=device, scheduler_policy="vllm-fcfs", overrides=overrides)
     prof = profile_vllm(engine, shapes, name=f"{device}-{Path(model).name}-vllm",
                         meta={"model": model, "device": device, "machine": this_machine(device).as_dict()},

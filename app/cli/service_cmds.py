@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -39,6 +40,28 @@ def _settings(**overrides: Any):
     if env_data_dir is not None:
         updates["data_dir"] = env_data_dir
     return s.model_copy(update=updates)
+
+
+# a worker's vLLM engine options follow its own, as `vllm serve` takes them
+VLLM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _vllm_args(ctx: typer.Context, settings: Any) -> str:
+    """COSERVE_VLLM_ARGS with the command's trailing vLLM engine options after it (the last of a flag wins), checked
+    with vLLM's parser first: a flag it refuses stops the command (exit 2) before anything starts."""
+    if not ctx.args:
+        return settings.vllm_args
+    if settings.engine_backend != "vllm":
+        raise typer.BadParameter(f"{shlex.join(ctx.args)!r}: vLLM engine options need the vLLM backend (this one "
+                                 f"is {settings.engine_backend!r}; COSERVE_BACKEND=vllm, with vLLM installed)")
+    from gpu_runtime.vllm.cli_args import engine_cli_args
+
+    joined = f"{settings.vllm_args} {shlex.join(ctx.args)}".strip()
+    try:
+        engine_cli_args(joined, prog=f"coserve {ctx.info_name}")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return joined
 
 
 def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
@@ -227,8 +250,9 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     keys_app = typer.Typer(help="Manage API keys (direct DB access).", no_args_is_help=True)
     cli.add_typer(keys_app, name="keys")
 
-    @cli.command()
+    @cli.command(context_settings=VLLM_OPTIONS)
     def up(
+        ctx: typer.Context,
         demo: Annotated[bool, typer.Option("--demo", help="submit a demo job once ready and print its text")] = False,
         exit_after_demo: Annotated[bool, typer.Option("--exit-after-demo", help="stop after the demo")] = False,
         host: Annotated[str | None, typer.Option(help="API host")] = None,
@@ -240,7 +264,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             help="uvicorn worker processes (default: 2 with 2+ CPUs; one process tops out near 700 submissions/s)"
         )] = None,
     ) -> None:
-        """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker."""
+        """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker. Options after
+        these go to the worker's vLLM engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
         from app.credentials import credentials_path, ensure_credentials
         from app.db.migrate import upgrade
         from app.embedded import Supervisor, record_redis_url, start_redis
@@ -249,6 +274,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         if api_workers is None:
             api_workers = min(2, os.cpu_count() or 1)
         settings = _settings(host=host, port=port, data_dir=data_dir, model=model, device=device)
+        vllm_args = _vllm_args(ctx, settings)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         data = settings.data_dir.resolve()
         sup = Supervisor()
@@ -272,7 +298,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                                                 admin_key=settings.admin_key, api_url=api_url)
             env = dict(os.environ, REDIS_URL=redis_url, COSERVE_DATA_DIR=str(data),
                        COSERVE_DATABASE_URL=settings.sqlalchemy_url, COSERVE_MODEL=settings.model,
-                       COSERVE_DEVICE=settings.device, PYTHONUNBUFFERED="1")
+                       COSERVE_DEVICE=settings.device, COSERVE_VLLM_ARGS=vllm_args, PYTHONUNBUFFERED="1")
             sup.spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "app.main:app_factory", "--host",
                               settings.host, "--port", str(settings.port), "--workers", str(api_workers),
                               "--log-level", "warning", "--no-access-log"], env, data / "logs" / "api.log")
@@ -320,18 +346,22 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             console.print("stopping ...")
             sup.stop()
 
-    @cli.command()
+    @cli.command(context_settings=VLLM_OPTIONS)
     def worker(
+        ctx: typer.Context,
         model: Annotated[str | None, typer.Option(help="'smollm2-135m' or a checkpoint directory")] = None,
         device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
         worker_id: Annotated[str | None, typer.Option(help="default: host-pid")] = None,
     ) -> None:
-        """Run one long-lived GPU worker (needs REDIS_URL and the database URL)."""
+        """Run one long-lived GPU worker (needs REDIS_URL and the database URL). Options after these go to its vLLM
+        engine, as `vllm serve` takes them (e.g. --tensor-parallel-size 2 --gpu-memory-utilization 0.85)."""
         from workers.gpu_worker import run_worker
 
+        settings = _settings(model=model, device=device, worker_id=worker_id)
+        settings = settings.model_copy(update={"vllm_args": _vllm_args(ctx, settings)})
         logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
-        run_worker(_settings(model=model, device=device, worker_id=worker_id))
+        run_worker(settings)
 
     @cli.command()
     def submit(

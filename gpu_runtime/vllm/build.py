@@ -66,8 +66,8 @@ OWNED_ENGINE_ARGS = {
 
 
 def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> dict[str, Any]:
-    """``overrides`` (COSERVE_VLLM_ENGINE_ARGS) if each names an ``EngineArgs`` field the worker leaves to the
-    operator; else a ValueError that names the key and what to do instead."""
+    """``overrides`` (the operator's: ``cli_args.operator_engine_args``) if each names an ``EngineArgs`` field the
+    worker leaves to the operator; else a ValueError that names the key and what to do instead."""
     import dataclasses
     import difflib
 
@@ -76,7 +76,8 @@ def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> d
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     for key in overrides:
         if key in OWNED_ENGINE_ARGS:
-            raise ValueError(f"COSERVE_VLLM_ENGINE_ARGS may not set {key!r}: {OWNED_ENGINE_ARGS[key]}")
+            raise ValueError(f"vLLM engine arguments (COSERVE_VLLM_ENGINE_ARGS, COSERVE_VLLM_ARGS, a worker's flags) "
+                             f"may not set {key!r}: {OWNED_ENGINE_ARGS[key]}")
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else " (see vLLM's EngineArgs / `vllm serve --help`)"

@@ -20,8 +20,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.model]
 MODEL = {"COSERVE_MODEL": "smollm2-135m", "COSERVE_MODEL_NAME": "smollm2-135m-instruct",
          "COSERVE_BACKEND": "vllm", "COSERVE_LEASE_SECONDS": "60", "COSERVE_VLLM_KV_CACHE_GIB": "1",
          "COSERVE_VLLM_MAX_MODEL_LEN": "2048",
-         # any other vLLM engine argument reaches the engine (this pool is smaller than the 1 GiB would give)
-         "COSERVE_VLLM_ENGINE_ARGS": '{"num_gpu_blocks_override": 300}'}
+         # any other vLLM engine argument reaches the engine (this pool is smaller than the 1 GiB would give), as a
+         # JSON object or as `vllm serve`'s flags (what `coserve up --num-gpu-blocks-override 300` passes), which win
+         "COSERVE_VLLM_ENGINE_ARGS": '{"num_gpu_blocks_override": 200}',
+         "COSERVE_VLLM_ARGS": "--num-gpu-blocks-override 300"}
 
 
 @pytest.fixture
@@ -448,7 +450,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
 
     with session_scope(settings.sqlalchemy_url) as s:
         state = s.scalar(select(WorkerState.state).where(WorkerState.id == "w-vllm"))
-    # COSERVE_VLLM_ENGINE_ARGS reached the engine: its 300 blocks, one of them vLLM's null block
+    # the flags reached the engine over the JSON object's 200: its 300 blocks, one of them vLLM's null block
     assert state["kv_total_blocks"] == 300 - 1 and "relegated" in state["queues"], state
     assert state["speculation"]["engine"] == "vllm"
     assert state["cost_calibration"]["scale"] > 0 and state["cost_calibration"]["steps"] >= 0  # on by default

@@ -1,0 +1,77 @@
+"""vLLM engine options on a worker's command line, as `vllm serve` takes them: read with vLLM's own parser into
+the engine arguments they set, refused before anything starts when vLLM's parser or coserve refuses them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli
+from gpu_runtime.vllm.build import engine_args
+from gpu_runtime.vllm.cli_args import engine_cli_args, operator_engine_args
+
+
+def test_the_flags_set_only_the_fields_they_name():
+    got = engine_cli_args("--tensor-parallel-size 2 --gpu-memory-utilization=0.85 --no-enable-prefix-caching "
+                          "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
+    assert got == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.85, "enable_prefix_caching": False,
+                   "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    assert engine_cli_args("") == engine_cli_args([]) == {}
+    # what the flags leave alone stays the worker's (max_model_len), not vLLM's default
+    args = engine_args("smollm2-135m", max_model_len=2048, max_num_seqs=16,
+                       overrides=engine_cli_args(["--max-num-seqs", "7", "--block-size", "64"]))
+    assert (args.max_num_seqs, args.block_size, args.max_model_len) == (7, 64, 2048)
+
+
+def test_the_flags_win_over_the_json_engine_args():
+    both = operator_engine_args({"max_num_seqs": 9, "block_size": 32}, "--max-num-seqs 7")
+    assert both == {"max_num_seqs": 7, "block_size": 32}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ("--tensor-paralel-size 2", "unrecognized arguments: --tensor-paralel-size 2"),
+    ("--max-num-seqs lots", "argument --max-num-seqs: invalid int value: 'lots'"),
+    ("stray", "unrecognized arguments: stray"),
+])
+def test_a_flag_vllm_refuses_is_named(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine_cli_args(argv)
+
+
+def test_a_flag_coserve_sets_itself_is_refused():
+    with pytest.raises(ValueError, match=re.escape("may not set 'scheduler_cls'")):
+        engine_args("smollm2-135m", overrides=engine_cli_args("--scheduler-cls some.Scheduler"))
+
+
+def test_coserve_worker_passes_its_trailing_flags_to_the_engine(monkeypatch):
+    import workers.gpu_worker
+
+    started = []
+    monkeypatch.setattr(workers.gpu_worker, "run_worker", started.append)
+    monkeypatch.setenv("COSERVE_BACKEND", "vllm")
+    monkeypatch.setenv("COSERVE_VLLM_ARGS", "--max-num-seqs 9 --block-size 32")
+    res = CliRunner().invoke(cli, ["worker", "--worker-id", "w9", "--max-num-seqs", "7", "--enforce-eager"])
+    assert res.exit_code == 0, res.output
+    (settings,) = started
+    assert settings.worker_id == "w9"
+    assert settings.vllm_args == "--max-num-seqs 9 --block-size 32 --max-num-seqs 7 --enforce-eager"
+    # the command line's flags come last: they win over the environment's
+    assert operator_engine_args({}, settings.vllm_args) == {"max_num_seqs": 7, "block_size": 32,
+                                                           "enforce_eager": True}
+
+
+@pytest.mark.parametrize("command", ["worker", "up"])
+def test_a_refused_flag_stops_the_command_before_anything_starts(monkeypatch, tmp_path, command):
+    import workers.gpu_worker
+
+    monkeypatch.setattr(workers.gpu_worker, "run_worker", lambda _s: pytest.fail("the worker started"))
+    monkeypatch.setenv("COSERVE_BACKEND", "vllm")
+    res = CliRunner().invoke(cli, [command, "--max-num-seqs", "lots"], env={"COSERVE_DATA_DIR": str(tmp_path)})
+    assert res.exit_code == 2, res.output
+    assert "invalid int value: 'lots'" in " ".join(res.output.split())
+    assert not (tmp_path / "logs").exists()  # `up` started nothing
+    monkeypatch.setenv("COSERVE_BACKEND", "torch")
+    res = CliRunner().invoke(cli, [command, "--max-num-seqs", "4"], env={"COSERVE_DATA_DIR": str(tmp_path)})
+    assert res.exit_code == 2 and "need the vLLM backend" in " ".join(res.output.split()), res.output
