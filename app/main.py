@@ -16,7 +16,7 @@ from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
 from app.services.job_writer import JobWriter
-from app.services.model_info import get_tokenizer, max_model_len, use_chat_template
+from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
 
@@ -34,7 +34,7 @@ async def lifespan(api: FastAPI):
     model = api.state.settings.model
     try:
         await run_in_threadpool(get_tokenizer, model)
-        await run_in_threadpool(max_model_len, model)
+        await run_in_threadpool(context_length, api.state.settings)
     except Exception as exc:  # the API still serves reads; submissions will report the problem
         log.warning("could not load the tokenizer of %s at start-up: %s", model, exc)
     settings = api.state.settings

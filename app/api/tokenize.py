@@ -18,7 +18,7 @@ from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, 
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import lora_adapters
 from app.services.jobs import JobValidationError, check_token_ids, encode_spec
-from app.services.model_info import ChatTemplateError, get_tokenizer, max_model_len
+from app.services.model_info import ChatTemplateError, context_length, get_tokenizer
 from app.settings import Settings
 from app.wire import Text
 
@@ -78,7 +78,7 @@ async def tokenize(body: dict[str, Any], settings: SettingsDep, _principal: Curr
     _check_model(settings, req.model)
     ids = await run_in_threadpool(_tokenize, settings, req)
     strs = get_tokenizer(settings.model).convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": max_model_len(settings.model), "tokens": ids, "token_strs": strs}
+    return {"count": len(ids), "max_model_len": context_length(settings), "tokens": ids, "token_strs": strs}
 
 
 @router.post("/detokenize")

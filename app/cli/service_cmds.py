@@ -46,11 +46,12 @@ def _settings(**overrides: Any):
 VLLM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def _vllm_args(ctx: typer.Context, settings: Any) -> str:
-    """COSERVE_VLLM_ARGS with the command's trailing vLLM engine options after it (the last of a flag wins), checked
-    with vLLM's parser first: a flag it refuses stops the command (exit 2) before anything starts."""
+def _vllm_args(ctx: typer.Context, settings: Any) -> tuple[str, dict[str, Any]]:
+    """COSERVE_VLLM_ARGS with the command's trailing vLLM engine options after it (the last of a flag wins), and the
+    engine arguments they set, checked with vLLM's parser first: a flag it refuses stops the command (exit 2) before
+    anything starts."""
     if not ctx.args:
-        return settings.vllm_args
+        return settings.vllm_args, {}
     if settings.engine_backend != "vllm":
         raise typer.BadParameter(f"{shlex.join(ctx.args)!r}: vLLM engine options need the vLLM backend (this one "
                                  f"is {settings.engine_backend!r}; COSERVE_BACKEND=vllm, with vLLM installed)")
@@ -58,10 +59,19 @@ def _vllm_args(ctx: typer.Context, settings: Any) -> str:
 
     joined = f"{settings.vllm_args} {shlex.join(ctx.args)}".strip()
     try:
-        engine_cli_args(joined, prog=f"coserve {ctx.info_name}")
+        return joined, engine_cli_args(joined, prog=f"coserve {ctx.info_name}")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    return joined
+
+
+def _split_env(env: dict[str, str], vllm_args: str, engine_flags: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    """The API's and the worker's environments under `coserve up`: the worker takes the vLLM flags; the API only
+    the context length they set (it holds jobs to it without reading vLLM's flags, or importing vLLM)."""
+    api_env = dict(env, COSERVE_VLLM_ARGS="")
+    context = engine_flags.get("max_model_len")
+    if isinstance(context, int) and context > 0:
+        api_env["COSERVE_VLLM_MAX_MODEL_LEN"] = str(context)
+    return api_env, dict(env, COSERVE_VLLM_ARGS=vllm_args)
 
 
 def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
@@ -274,7 +284,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         if api_workers is None:
             api_workers = min(2, os.cpu_count() or 1)
         settings = _settings(host=host, port=port, data_dir=data_dir, model=model, device=device)
-        vllm_args = _vllm_args(ctx, settings)
+        vllm_args, engine_flags = _vllm_args(ctx, settings)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         data = settings.data_dir.resolve()
         sup = Supervisor()
@@ -298,11 +308,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                                                 admin_key=settings.admin_key, api_url=api_url)
             env = dict(os.environ, REDIS_URL=redis_url, COSERVE_DATA_DIR=str(data),
                        COSERVE_DATABASE_URL=settings.sqlalchemy_url, COSERVE_MODEL=settings.model,
-                       COSERVE_DEVICE=settings.device, COSERVE_VLLM_ARGS=vllm_args, PYTHONUNBUFFERED="1")
+                       COSERVE_DEVICE=settings.device, PYTHONUNBUFFERED="1")
+            api_env, worker_env = _split_env(env, vllm_args, engine_flags)
             sup.spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "app.main:app_factory", "--host",
                               settings.host, "--port", str(settings.port), "--workers", str(api_workers),
-                              "--log-level", "warning", "--no-access-log"], env, data / "logs" / "api.log")
-            sup.spawn("worker", [sys.executable, "-m", "workers.gpu_worker"], env, data / "logs" / "worker.log")
+                              "--log-level", "warning", "--no-access-log"], api_env, data / "logs" / "api.log")
+            sup.spawn("worker", [sys.executable, "-m", "workers.gpu_worker"], worker_env, data / "logs" / "worker.log")
             if created:
                 console.print(f"[bold]API key[/bold] (shown once, saved to {credentials_path(data)}): "
                               f"{creds['api_key']}")
@@ -358,7 +369,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         from workers.gpu_worker import run_worker
 
         settings = _settings(model=model, device=device, worker_id=worker_id)
-        settings = settings.model_copy(update={"vllm_args": _vllm_args(ctx, settings)})
+        settings = settings.model_copy(update={"vllm_args": _vllm_args(ctx, settings)[0]})
         logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
         run_worker(settings)

@@ -26,7 +26,7 @@ from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
-from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, max_model_len
+from app.services.model_info import ChatTemplateError, context_length, encode_input, get_tokenizer
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.services.truncation import fed_prompt
@@ -182,7 +182,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                                      "days away; give a nearer deadline", param="deadline_at")
         job.deadline_at = deadline
     if count_tokens:
-        limit = max_model_len(settings.model)
+        limit = context_length(settings)
         chars = input_chars(spec)
         # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
         blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from app.schemas import JobCreate
-from app.services.model_info import ChatTemplateError, encode_input, max_model_len
+from app.services.model_info import ChatTemplateError, context_length, encode_input
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,14 +33,14 @@ def fed_prompt(settings: Settings, job: Any) -> list[int]:
     ids = job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools,
                                                job.template_options)
     sampling = job.sampling or {}
-    return kept_prompt(list(ids), sampling.get("truncate_prompt_tokens"), max_model_len(settings.model),
+    return kept_prompt(list(ids), sampling.get("truncate_prompt_tokens"), context_length(settings),
                        int(sampling.get("max_tokens", settings.default_max_tokens)))
 
 
 def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[JobCreate, int]:
     """``spec`` with the oldest droppable messages left out until it fits, and where the response's own input
     starts among those kept (``input_from`` was its place among all of them)."""
-    limit = max_model_len(settings.model) - spec.sampling(settings.default_max_tokens)["max_tokens"]
+    limit = context_length(settings) - spec.sampling(settings.default_max_tokens)["max_tokens"]
     messages = list(spec.messages or ())
     tools = [t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None
 

@@ -115,6 +115,33 @@ def test_over_the_context_is_400_context_length_exceeded(client, keys, settings,
     assert jobs_in_sql(settings) == 0
 
 
+def test_a_shorter_engine_context_holds_jobs_to_it(client, keys, settings):
+    """vLLM set to less context than the model's (COSERVE_VLLM_MAX_MODEL_LEN, or max_model_len among its engine
+    arguments: `vllm serve --max-model-len`): the API refuses what the engine would refuse, and says what it serves."""
+    def submit(max_tokens: int):
+        return client.post("/v1/jobs", json={"messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": max_tokens}, headers=H(keys.paid))
+
+    def served() -> tuple[int, int]:
+        model = client.get("/v1/models/tiny", headers=H(keys.paid)).json()
+        counted = client.post("/tokenize", json={"prompt": "hi"}, headers=H(keys.paid)).json()
+        return model["max_model_len"], counted["max_model_len"]
+
+    settings.backend = "vllm"
+    settings.vllm_max_model_len = 256
+    assert served() == (256, 256) and submit(200).status_code == 201
+    settings.vllm_engine_args = {"max_model_len": 128}  # the smaller of the two holds
+    r = submit(200)
+    assert r.status_code == 422 and "exceeds the model's context of 128 tokens" in r.json()["detail"][0]["msg"], r.text
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200},
+                    headers=H(keys.paid))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert served() == (128, 128)
+    settings.backend = "torch"  # the own engine serves the model's whole context (512 tokens)
+    assert served() == (512, 512) and submit(200).status_code == 201
+    assert jobs_in_sql(settings) == 2
+
+
 def test_openai_client_raises_bad_request_for_the_context(client, keys):
     oai = openai.OpenAI(base_url="http://testserver/v1", api_key=keys.paid, http_client=client, max_retries=0)
     with pytest.raises(openai.BadRequestError) as exc:

@@ -75,3 +75,19 @@ def test_a_refused_flag_stops_the_command_before_anything_starts(monkeypatch, tm
     monkeypatch.setenv("COSERVE_BACKEND", "torch")
     res = CliRunner().invoke(cli, [command, "--max-num-seqs", "4"], env={"COSERVE_DATA_DIR": str(tmp_path)})
     assert res.exit_code == 2 and "need the vLLM backend" in " ".join(res.output.split()), res.output
+
+
+def test_the_flags_context_length_holds_jobs_on_the_api_and_the_worker(tmp_path, tiny_model_dir):
+    from app.cli.service_cmds import _split_env
+    from app.services.model_info import context_length
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path, "sqlite://", "", tiny_model_dir).model_copy(update={"backend": "vllm"})
+    assert context_length(settings) == 512  # the tiny model's
+    assert context_length(settings.model_copy(update={"vllm_args": "--max-model-len 100"})) == 100  # a worker's
+    # `coserve up --max-model-len 100`: the worker takes the flags, the API the context length alone
+    flags = "--max-model-len 100 --max-num-seqs 8"
+    api, worker = _split_env({"PATH": "/bin"}, flags, engine_cli_args(flags))
+    assert api == {"PATH": "/bin", "COSERVE_VLLM_ARGS": "", "COSERVE_VLLM_MAX_MODEL_LEN": "100"}
+    assert worker == {"PATH": "/bin", "COSERVE_VLLM_ARGS": flags}
+    assert _split_env({}, "--max-num-seqs 8", {"max_num_seqs": 8})[0] == {"COSERVE_VLLM_ARGS": ""}
