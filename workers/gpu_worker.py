@@ -41,7 +41,7 @@ from app.observability import engine_metrics
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
 from app.services.dispatch import send_job
-from app.services.model_info import get_tokenizer, use_chat_template
+from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
 from app.services.streaming import CANCEL_CHANNEL
@@ -287,6 +287,7 @@ class GpuWorker:
     def _state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"pid": os.getpid(), "served": list(self.settings.served_models),
                                  "runtime_lora": self.settings.runtime_lora,
+                                 "context_length": context_length(self.settings),  # for the API's readiness
                                  "active_jobs": len(self.active),
                                  "relegated_jobs": self.active.relegated, "device": self.device,
                                  # what prefix routing weighs: the jobs it serves in line, and how many it takes

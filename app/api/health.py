@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from app.api.deps import SessionDep, SettingsDep
 from app.db.models import Job, JobStatus
+from app.services.model_info import context_length
 from app.services.notify import redis_client
 from app.services.workers import live_workers
 from app.settings import Settings
@@ -76,10 +77,27 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
                                          if settings.model_name in w.served):
         checks["runtime_lora"] = ("warning: no live worker of the model loads adapters at runtime; jobs of the "
                                   "adapters loaded so fail (set COSERVE_RUNTIME_LORA=1 on the workers too)")
+    if warning := _context_warning(live, settings):
+        checks["context_length"] = warning
     if settings.lora_resolver_dir is not None and not settings.lora_resolver_dir.expanduser().is_dir():
         checks["lora_resolver_dir"] = (f"warning: COSERVE_LORA_RESOLVER_DIR {str(settings.lora_resolver_dir)!r} is "
                                        "not a directory this API can read; requests that name its adapters fail")
     return checks
+
+
+def _context_warning(live: list, settings: Settings) -> str | None:
+    """A warning where a live worker of the model serves less context than this API holds jobs to (its vLLM engine
+    set shorter than the API knows): a job between the two would pass the API and fail at that worker."""
+    served = [n for w in live if settings.model_name in w.served
+              and isinstance(n := (w.state or {}).get("context_length"), int)]
+    try:
+        held = context_length(settings)
+    except Exception:  # noqa: BLE001 - no model config here: the submit path reports that itself
+        return None
+    if not served or min(served) >= held:
+        return None
+    return (f"warning: a live worker serves a context of {min(served)} tokens, this API holds jobs to {held}; a "
+            f"longer job fails at that worker (set COSERVE_VLLM_MAX_MODEL_LEN={min(served)} on the API)")
 
 
 @router.get("/health", response_class=Response,

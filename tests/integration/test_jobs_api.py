@@ -598,6 +598,16 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
         assert "is not a directory" in c.get("/readyz").json()["checks"]["lora_resolver_dir"]
         s.lora_resolver_dir = tmp_path
         assert "lora_resolver_dir" not in c.get("/readyz").json()["checks"]
+        # a worker whose engine serves less context than the API holds jobs to (the tiny model's 512 tokens)
+        with session_scope(settings.sqlalchemy_url) as db:
+            db.get(WorkerState, "w1").state = {"served": [s.model_name, "tilted"], "runtime_lora": True,
+                                               "context_length": 256}
+        r = c.get("/readyz")
+        assert r.status_code == 200 and r.json()["checks"]["context_length"] == (
+            "warning: a live worker serves a context of 256 tokens, this API holds jobs to 512; a longer job fails "
+            "at that worker (set COSERVE_VLLM_MAX_MODEL_LEN=256 on the API)")
+        s.backend, s.vllm_max_model_len = "vllm", 256  # the API told so: no warning
+        assert "context_length" not in c.get("/readyz").json()["checks"]
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": _adapter_dir(tmp_path / "rt")},
                    headers=H(keys.admin))
         assert r.status_code == 200, r.text

@@ -452,6 +452,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
         state = s.scalar(select(WorkerState.state).where(WorkerState.id == "w-vllm"))
     # the flags reached the engine over the JSON object's 200: its 300 blocks, one of them vLLM's null block
     assert state["kv_total_blocks"] == 300 - 1 and "relegated" in state["queues"], state
+    assert state["context_length"] == 2048  # COSERVE_VLLM_MAX_MODEL_LEN, less than the model's: /readyz compares
     assert state["speculation"]["engine"] == "vllm"
     assert state["cost_calibration"]["scale"] > 0 and state["cost_calibration"]["steps"] >= 0  # on by default
 
