@@ -50,14 +50,16 @@ def _vllm_args(ctx: typer.Context, settings: Any) -> tuple[str, dict[str, Any]]:
     """COSERVE_VLLM_ARGS with the command's trailing vLLM engine options after it (the last of a flag wins), and the
     engine arguments they set, checked with vLLM's parser first: a flag it refuses stops the command (exit 2) before
     anything starts."""
-    if not ctx.args:
-        return settings.vllm_args, {}
+    joined = f"{settings.vllm_args} {shlex.join(ctx.args)}".strip()
+    if not joined:
+        return "", {}
     if settings.engine_backend != "vllm":
+        if not ctx.args:
+            return joined, {}  # COSERVE_VLLM_ARGS alone: the worker leaves it unread, as the other vllm settings
         raise typer.BadParameter(f"{shlex.join(ctx.args)!r}: vLLM engine options need the vLLM backend (this one "
                                  f"is {settings.engine_backend!r}; COSERVE_BACKEND=vllm, with vLLM installed)")
     from gpu_runtime.vllm.cli_args import engine_cli_args
 
-    joined = f"{settings.vllm_args} {shlex.join(ctx.args)}".strip()
     try:
         return joined, engine_cli_args(joined, prog=f"coserve {ctx.info_name}")
     except ValueError as exc:

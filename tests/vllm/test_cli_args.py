@@ -91,3 +91,23 @@ def test_the_flags_context_length_holds_jobs_on_the_api_and_the_worker(tmp_path,
     assert api == {"PATH": "/bin", "COSERVE_VLLM_ARGS": "", "COSERVE_VLLM_MAX_MODEL_LEN": "100"}
     assert worker == {"PATH": "/bin", "COSERVE_VLLM_ARGS": flags}
     assert _split_env({}, "--max-num-seqs 8", {"max_num_seqs": 8})[0] == {"COSERVE_VLLM_ARGS": ""}
+
+
+def test_up_reads_the_flags_of_the_environment_too(monkeypatch):
+    """`COSERVE_VLLM_ARGS=--max-model-len 100 coserve up`: its API holds jobs to 100 tokens as with the flag given."""
+    import click
+    import typer
+
+    from app.cli.service_cmds import _vllm_args
+    from app.settings import Settings
+
+    def ctx(*args: str) -> typer.Context:
+        context = typer.Context(click.Command("up"), info_name="up")
+        context.args = list(args)  # what click leaves of the command line after the command's own options
+        return context
+
+    settings = Settings(backend="vllm", vllm_args="--max-model-len 100")
+    assert _vllm_args(ctx(), settings) == ("--max-model-len 100", {"max_model_len": 100})
+    assert _vllm_args(ctx("--max-model-len", "64"), settings) == ("--max-model-len 100 --max-model-len 64",
+                                                                  {"max_model_len": 64})
+    assert _vllm_args(ctx(), Settings(backend="vllm")) == ("", {})
