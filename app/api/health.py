@@ -88,16 +88,16 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
 def _context_warning(live: list, settings: Settings) -> str | None:
     """A warning where a live worker of the model serves less context than this API holds jobs to (its vLLM engine
     set shorter than the API knows): a job between the two would pass the API and fail at that worker."""
-    served = [n for w in live if settings.model_name in w.served
-              and isinstance(n := (w.state or {}).get("context_length"), int)]
+    served = min((n for w in live if settings.model_name in w.served
+                  and isinstance(n := (w.state or {}).get("context_length"), int)), default=None)
     try:
         held = context_length(settings)
     except Exception:  # noqa: BLE001 - no model config here: the submit path reports that itself
         return None
-    if not served or min(served) >= held:
+    if served is None or served >= held:
         return None
-    return (f"warning: a live worker serves a context of {min(served)} tokens, this API holds jobs to {held}; a "
-            f"longer job fails at that worker (set COSERVE_VLLM_MAX_MODEL_LEN={min(served)} on the API)")
+    return (f"warning: a live worker serves a context of {served} tokens, this API holds jobs to {held}; a longer "
+            f"job fails at that worker (set COSERVE_VLLM_MAX_MODEL_LEN={served} on the API)")
 
 
 @router.get("/health", response_class=Response,

@@ -61,7 +61,7 @@ def _vllm_args(ctx: typer.Context, settings: Any) -> tuple[str, dict[str, Any]]:
     from gpu_runtime.vllm.cli_args import engine_cli_args
 
     try:
-        return joined, engine_cli_args(joined, prog=f"coserve {ctx.info_name}")
+        return joined, engine_cli_args(joined)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 

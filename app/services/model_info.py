@@ -99,25 +99,17 @@ def max_model_len(model: str) -> int:
 
 def context_length(settings: Any) -> int:
     """The context length (prompt + output tokens) jobs are held to: the model's, or less where the vLLM engine is
-    set to less (``COSERVE_VLLM_MAX_MODEL_LEN``, or ``max_model_len`` in ``COSERVE_VLLM_ENGINE_ARGS``: what ``vllm
-    serve --max-model-len`` sets), so the API refuses what the engine would and ``/v1/models`` says what it serves."""
+    set to less (``COSERVE_VLLM_MAX_MODEL_LEN``, or ``max_model_len`` among the operator's engine arguments, which
+    win over it as they do in the engine: what ``vllm serve --max-model-len`` sets), so the API refuses what the
+    engine would and ``/v1/models`` says what it serves."""
     n = max_model_len(settings.model)
     if settings.backend == "torch":  # the own engine serves the model's whole context
         return n
-    caps = [settings.vllm_max_model_len, settings.vllm_engine_args.get("max_model_len")]
-    if settings.vllm_args:  # `vllm serve`'s flags (a worker's; `coserve up` gives its API the setting above)
-        caps.append(_flags_max_model_len(settings.vllm_args))
-    for cap in caps:
-        if isinstance(cap, int) and cap > 0:  # vLLM's -1 fits the context to memory: not known here
-            n = min(n, cap)
-    return n
+    from gpu_runtime.vllm.cli_args import operator_engine_args  # vLLM itself only where flags are set
 
-
-@lru_cache(maxsize=4)
-def _flags_max_model_len(flags: str) -> int | None:
-    from gpu_runtime.vllm.cli_args import engine_cli_args
-
-    return engine_cli_args(flags).get("max_model_len")
+    cap = operator_engine_args(settings.vllm_engine_args, settings.vllm_args).get("max_model_len",
+                                                                                  settings.vllm_max_model_len)
+    return min(n, cap) if isinstance(cap, int) and cap > 0 else n  # vLLM's -1 fits the context to memory
 
 
 def _max_model_len(model: str) -> int:

@@ -4,18 +4,24 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 
-def engine_cli_args(argv: str | Sequence[str], prog: str = "coserve worker") -> dict[str, Any]:
+def engine_cli_args(argv: str | Sequence[str]) -> dict[str, Any]:
     """The ``EngineArgs`` fields that ``argv`` (a list, or one string split as a shell would) sets, and only those:
     a field it leaves out keeps the worker's value, not vLLM's default. A ValueError names what vLLM's parser
     refused (an unknown flag, a value of the wrong type)."""
-    parts = shlex.split(argv) if isinstance(argv, str) else list(argv)
-    if not parts:
-        return {}
+    parts = tuple(shlex.split(argv) if isinstance(argv, str) else argv)
+    return copy.deepcopy(_parsed(parts)) if parts else {}  # a copy: vLLM may fill in the configs it is given
+
+
+@lru_cache(maxsize=8)
+def _parsed(parts: tuple[str, ...]) -> dict[str, Any]:
+    """One parse per command line: the API checks each job against the context length they set."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -24,10 +30,10 @@ def engine_cli_args(argv: str | Sequence[str], prog: str = "coserve worker") -> 
             raise ValueError(f"vLLM engine arguments {shlex.join(parts)!r}: {message} (they are `vllm serve`'s "
                              f"engine options; see `vllm serve --help`)")
 
-    parser = EngineArgs.add_cli_args(Parser(prog=prog, add_help=False))
+    parser = EngineArgs.add_cli_args(Parser(add_help=False))
     for action in parser._actions:  # argparse has no public way to tell a given option from its default
         action.default = argparse.SUPPRESS
-    return vars(parser.parse_args(parts))
+    return vars(parser.parse_args(list(parts)))
 
 
 def operator_engine_args(json_args: dict[str, Any], cli_args: str) -> dict[str, Any]:

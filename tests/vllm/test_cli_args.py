@@ -111,3 +111,18 @@ def test_up_reads_the_flags_of_the_environment_too(monkeypatch):
     assert _vllm_args(ctx("--max-model-len", "64"), settings) == ("--max-model-len 100 --max-model-len 64",
                                                                   {"max_model_len": 64})
     assert _vllm_args(ctx(), Settings(backend="vllm")) == ("", {})
+
+
+def test_the_api_holds_jobs_to_the_context_the_engine_gets(tmp_path, tiny_model_dir):
+    """The operator's engine arguments win over COSERVE_VLLM_MAX_MODEL_LEN in the engine (engine_args), and so in
+    the API's context length: a smaller setting beside them does not hold jobs to less than the engine serves."""
+    from app.services.model_info import context_length
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path, "sqlite://", "", tiny_model_dir).model_copy(
+        update={"backend": "vllm", "vllm_max_model_len": 64})
+    assert context_length(settings) == 64
+    assert context_length(settings.model_copy(update={"vllm_engine_args": {"max_model_len": 200}})) == 200
+    both = settings.model_copy(update={"vllm_engine_args": {"max_model_len": 200}, "vllm_args": "--max-model-len 100"})
+    assert context_length(both) == 100 == engine_args("smollm2-135m", max_model_len=64, overrides=operator_engine_args(
+        both.vllm_engine_args, both.vllm_args)).max_model_len
