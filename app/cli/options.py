@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import shlex
+from typing import Annotated, Any
 
 import typer
 
@@ -12,3 +13,28 @@ AsJson = Annotated[bool, typer.Option("--json", help="print the API's JSON inste
 Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. free or paid (at most your key's; "
                                                          "default: the key's tier)")]
 JobId = Annotated[str, typer.Argument(help="job id (job_...)")]
+
+
+# vLLM's engine options follow a command's own, as `vllm serve` takes them (worker, up, profile)
+VLLM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def vllm_flags(ctx: typer.Context, settings: Any, backend: str | None = None) -> tuple[str, dict[str, Any]]:
+    """COSERVE_VLLM_ARGS with the command's trailing vLLM engine options after it (the last of a flag wins), and the
+    engine arguments they set, checked with vLLM's parser first: a flag it refuses stops the command (exit 2) before
+    anything starts. ``backend``: the engine the command runs (default: the settings')."""
+    joined = f"{settings.vllm_args} {shlex.join(ctx.args)}".strip()
+    if not joined:
+        return "", {}
+    backend = backend or settings.engine_backend
+    if backend != "vllm":
+        if not ctx.args:
+            return joined, {}  # COSERVE_VLLM_ARGS alone: the torch engine leaves it unread, as the other vllm settings
+        raise typer.BadParameter(f"{shlex.join(ctx.args)!r}: vLLM engine options need the vLLM backend (this one "
+                                 f"is {backend!r}; COSERVE_BACKEND=vllm, with vLLM installed)")
+    from gpu_runtime.vllm.cli_args import engine_cli_args
+
+    try:
+        return joined, engine_cli_args(joined)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from app.cli.options import VLLM_OPTIONS, vllm_flags
 from app.cli.output import print_table
 
 if TYPE_CHECKING:
@@ -213,6 +214,7 @@ def _plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
 
 
 def profile(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="bundled model name or checkpoint directory")] = "smollm2-135m",
     out: Annotated[Path, typer.Option(help="where to write the JSON profile")] = Path("profile.json"),
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
@@ -230,8 +232,12 @@ def profile(
 ) -> None:
     """Time the real engine over a grid of batch shapes and write a latency profile (JSON).
 
-    The scheduler plans with a cost model fitted on it: point COSERVE_COST_PROFILE at the file."""
+    The scheduler plans with a cost model fitted on it: point COSERVE_COST_PROFILE at the file. Options after these
+    go to the profiled vLLM engine, as `coserve worker` takes them (e.g. --max-num-seqs 64 --block-size 32)."""
     if from_steps:
+        if ctx.args:
+            raise typer.BadParameter(f"{' '.join(ctx.args)!r}: --from-steps fits on logged steps; it builds no engine "
+                                     "to give vLLM options to")
         _profile_from_steps(from_steps, out)
         return
     from rich.console import Console
@@ -247,8 +253,12 @@ def profile(
         from gpu_runtime.vllm.build import vllm_available
 
         backend = "vllm" if vllm_available() else "torch"
+    from app.settings import get_settings
+
+    settings = get_settings()
+    vllm_args = vllm_flags(ctx, settings, backend)[0]
     if backend == "vllm":
-        _profile_vllm(console, model, out, dev, repeats, grid)
+        _profile_vllm(console, model, out, dev, repeats, grid, settings.model_copy(update={"vllm_args": vllm_args}))
         return
     from gpu_runtime.executor.torch import TorchExecutor
 
@@ -268,13 +278,11 @@ def profile(
                   f"lowest: {report.chosen}")
 
 
-def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, grid: str) -> None:
+def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, grid: str, settings: Any) -> None:
     """Whole vLLM engine steps (scheduling, forward, sampling, output processing) over the grid, on the engine the
-    worker would build (COSERVE_VLLM_ENGINE_ARGS and COSERVE_VLLM_ARGS: the same parallelism, quantization, memory
-    share)."""
+    worker would build (COSERVE_VLLM_ENGINE_ARGS, then COSERVE_VLLM_ARGS and the command's vLLM options: the same
+    parallelism, quantization, memory share)."""
     import dataclasses
-
-    from app.settings import get_settings
 
     from gpu_runtime.costmodel.machine import this_machine
     from gpu_runtime.costmodel.profile import annotate_profile
@@ -286,7 +294,6 @@ def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, gri
         raise typer.BadParameter(f"--grid must be one of {', '.join(GRIDS)}")
     shapes = GRIDS[grid] if grid == "smoke" else dataclasses.replace(GRIDS[grid], repeats=repeats)
     # the grid times plain steps: a speculative_config the worker's engine takes is left out
-    settings = get_settings()
     overrides = {k: v for k, v in operator_engine_args(settings.vllm_engine_args, settings.vllm_args).items()
                  if k != "speculative_config"}
     engine = build_vllm_engine(model, device=device, scheduler_policy="vllm-fcfs", overrides=overrides)
@@ -321,4 +328,4 @@ def _profile_from_steps(logs: list[Path], out: Path) -> None:
 
 def register(cli: typer.Typer) -> None:
     cli.command("simulate")(simulate)
-    cli.command("profile")(profile)
+    cli.command("profile", context_settings=VLLM_OPTIONS)(profile)

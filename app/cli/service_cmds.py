@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shlex
 import signal
 import sys
 import time
@@ -21,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.cli.options import AsJson, JobId, Key, Tier, Url
+from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, vllm_flags
 from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
@@ -40,30 +39,6 @@ def _settings(**overrides: Any):
     if env_data_dir is not None:
         updates["data_dir"] = env_data_dir
     return s.model_copy(update=updates)
-
-
-# a worker's vLLM engine options follow its own, as `vllm serve` takes them
-VLLM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
-
-
-def _vllm_args(ctx: typer.Context, settings: Any) -> tuple[str, dict[str, Any]]:
-    """COSERVE_VLLM_ARGS with the command's trailing vLLM engine options after it (the last of a flag wins), and the
-    engine arguments they set, checked with vLLM's parser first: a flag it refuses stops the command (exit 2) before
-    anything starts."""
-    joined = f"{settings.vllm_args} {shlex.join(ctx.args)}".strip()
-    if not joined:
-        return "", {}
-    if settings.engine_backend != "vllm":
-        if not ctx.args:
-            return joined, {}  # COSERVE_VLLM_ARGS alone: the worker leaves it unread, as the other vllm settings
-        raise typer.BadParameter(f"{shlex.join(ctx.args)!r}: vLLM engine options need the vLLM backend (this one "
-                                 f"is {settings.engine_backend!r}; COSERVE_BACKEND=vllm, with vLLM installed)")
-    from gpu_runtime.vllm.cli_args import engine_cli_args
-
-    try:
-        return joined, engine_cli_args(joined)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
 
 
 def _split_env(env: dict[str, str], vllm_args: str, engine_flags: dict[str, Any]) -> tuple[dict[str, str], ...]:
@@ -286,7 +261,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         if api_workers is None:
             api_workers = min(2, os.cpu_count() or 1)
         settings = _settings(host=host, port=port, data_dir=data_dir, model=model, device=device)
-        vllm_args, engine_flags = _vllm_args(ctx, settings)
+        vllm_args, engine_flags = vllm_flags(ctx, settings)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         data = settings.data_dir.resolve()
         sup = Supervisor()
@@ -371,7 +346,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         from workers.gpu_worker import run_worker
 
         settings = _settings(model=model, device=device, worker_id=worker_id)
-        settings = settings.model_copy(update={"vllm_args": _vllm_args(ctx, settings)[0]})
+        settings = settings.model_copy(update={"vllm_args": vllm_flags(ctx, settings)[0]})
         logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
         run_worker(settings)

@@ -98,7 +98,7 @@ def test_up_reads_the_flags_of_the_environment_too(monkeypatch):
     import click
     import typer
 
-    from app.cli.service_cmds import _vllm_args
+    from app.cli.options import vllm_flags
     from app.settings import Settings
 
     def ctx(*args: str) -> typer.Context:
@@ -107,10 +107,10 @@ def test_up_reads_the_flags_of_the_environment_too(monkeypatch):
         return context
 
     settings = Settings(backend="vllm", vllm_args="--max-model-len 100")
-    assert _vllm_args(ctx(), settings) == ("--max-model-len 100", {"max_model_len": 100})
-    assert _vllm_args(ctx("--max-model-len", "64"), settings) == ("--max-model-len 100 --max-model-len 64",
+    assert vllm_flags(ctx(), settings) == ("--max-model-len 100", {"max_model_len": 100})
+    assert vllm_flags(ctx("--max-model-len", "64"), settings) == ("--max-model-len 100 --max-model-len 64",
                                                                   {"max_model_len": 64})
-    assert _vllm_args(ctx(), Settings(backend="vllm")) == ("", {})
+    assert vllm_flags(ctx(), Settings(backend="vllm")) == ("", {})
 
 
 def test_the_api_holds_jobs_to_the_context_the_engine_gets(tmp_path, tiny_model_dir):
@@ -126,3 +126,32 @@ def test_the_api_holds_jobs_to_the_context_the_engine_gets(tmp_path, tiny_model_
     both = settings.model_copy(update={"vllm_engine_args": {"max_model_len": 200}, "vllm_args": "--max-model-len 100"})
     assert context_length(both) == 100 == engine_args("smollm2-135m", max_model_len=64, overrides=operator_engine_args(
         both.vllm_engine_args, both.vllm_args)).max_model_len
+
+
+def test_coserve_profile_takes_the_flags_the_worker_takes(monkeypatch, tmp_path):
+    """`coserve profile --backend vllm` times the engine the worker's flags build; flags it cannot use stop it first."""
+    import gpu_runtime.vllm.build
+
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build(model, device, scheduler_policy, overrides):  # the engine's arguments are what is checked here
+        built.append(overrides)
+        raise Built
+
+    monkeypatch.setattr(gpu_runtime.vllm.build, "build_vllm_engine", build)
+    monkeypatch.setenv("COSERVE_VLLM_ENGINE_ARGS", '{"max_num_seqs": 9, "block_size": 32}')
+    monkeypatch.setenv("COSERVE_VLLM_ARGS", "--max-num-seqs 8")
+    out = str(tmp_path / "p.json")
+    res = CliRunner().invoke(cli, ["profile", "--backend", "vllm", "--device", "cpu", "--out", out,
+                                   "--max-num-seqs", "7", "--enforce-eager"])
+    assert isinstance(res.exception, Built), res.output
+    assert built == [{"max_num_seqs": 7, "block_size": 32, "enforce_eager": True}]
+    for argv, message in [(["--backend", "vllm", "--max-num-seqs", "lots"], "invalid int value: 'lots'"),
+                          (["--backend", "torch", "--max-num-seqs", "4"], "need the vLLM backend"),
+                          (["--from-steps", out, "--max-num-seqs", "4"], "it builds no engine")]:
+        res = CliRunner().invoke(cli, ["profile", "--device", "cpu", "--out", out, *argv])
+        assert res.exit_code == 2 and message in " ".join(res.output.replace("│", " ").split()), res.output
+    assert len(built) == 1
