@@ -100,17 +100,18 @@ def _context_warning(live: list, settings: Settings) -> str | None:
             f"job fails at that worker (set COSERVE_VLLM_MAX_MODEL_LEN={served} on the API)")
 
 
-@router.get("/health", response_class=Response,
-            responses={200: {"description": "ready (empty body)", "content": None},
-                       503: {"description": "not ready (empty body): /readyz says why", "content": None}})
+_PROBE = {200: {"description": "ready (empty body)", "content": None},
+          503: {"description": "not ready (empty body): /readyz says why", "content": None}}
+
+
+@router.get("/health", response_class=Response, responses=_PROBE)
 def health(session: SessionDep, settings: SettingsDep) -> Response:
     """vLLM's probe: 200 with an empty body where the service can serve (``/readyz``'s checks pass), else 503."""
     return Response(status_code=200 if _readiness(session, settings)[0] else 503)
 
 
-@router.api_route("/ping", methods=["GET", "POST"], response_class=Response,
-                  responses={200: {"description": "ready (empty body)", "content": None},
-                             503: {"description": "not ready (empty body): /readyz says why", "content": None}})
+@router.get("/ping", response_class=Response, responses=_PROBE)  # one route a method: each its own operation id
+@router.post("/ping", response_class=Response, responses=_PROBE)
 def ping(session: SessionDep, settings: SettingsDep) -> Response:
     """SageMaker's probe, as vLLM serves it: ``/health``'s answer."""
     return health(session, settings)
