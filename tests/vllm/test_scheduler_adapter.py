@@ -409,3 +409,24 @@ def test_the_running_requests_never_hold_more_adapters_than_the_lora_slots(make_
     # the policy plans what can run: the started prompt and its decodes, no step empty; then the other adapter's
     assert all(steps[:-1]) and urgent.request_id in steps[-1], [sorted(st.items()) for st in steps]
     assert started.is_finished() and sum(st.get(started.request_id, 0) for st in steps) >= 256 - 32, steps
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "vllm-fcfs"])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_in_flight_runs_again_only_with_async_scheduling(make_scheduler, policy, async_scheduling):
+    """vLLM without async scheduling (so under pipeline parallelism, with several batches in flight) schedules a
+    request again only once its last token is in; with async scheduling its next step goes out before, the worker
+    filling the token in. The scheduler class is the same either way; it follows the engine's setting. (It had
+    always scheduled as with async scheduling: under pipeline parallelism a later stage got no token to run.)"""
+    s = make_scheduler(policy)
+    s.scheduler_config.async_scheduling = async_scheduling
+    r = vllm_request(16, max_tokens=4)
+    s.add_request(r)
+    first = s.schedule()  # the whole prompt: its first token comes with this step's output
+    assert first.num_scheduled_tokens == {r.request_id: 16}
+    second = s.schedule()  # the next batch, scheduled while the first is in flight
+    assert (r.request_id in second.num_scheduled_tokens) is async_scheduling
+    answer_step(s, first)
+    if not async_scheduling:
+        assert s.schedule().num_scheduled_tokens == {r.request_id: 1}  # its token is in: it decodes
+    assert r.num_output_placeholders == (1 if async_scheduling else 0)
