@@ -25,6 +25,7 @@ prompt tokens found in the cache, output tok/s and the run's length.
                                                                  # model of the prefix cache
     python ops/bench_prefix_reuse.py --simulate --from-json run.json   # simulate saved runs again
     python ops/bench_prefix_reuse.py --tenants 4 --cache-scope shared   # what the per-tenant cache costs
+    python ops/bench_prefix_reuse.py --system 96 --vllm-args='--block-size 32'   # a short system prompt, cached
 """
 
 from __future__ import annotations
@@ -82,10 +83,12 @@ def run_one(args: argparse.Namespace) -> dict:
     """One policy's run on vLLM in this process: the load above, the per-request results, and the engine's KV
     pool and step limits (what a simulation of the run needs)."""
     from gpu_runtime.vllm.build import build_vllm_engine
+    from gpu_runtime.vllm.cli_args import engine_cli_args
 
     step_log = Path(args.step_log) / f"{args.one}.jsonl" if args.step_log else None
     engine = build_vllm_engine(args.model, scheduler_policy=args.one, max_model_len=4096, cost_profile="auto",
-                               enable_prefix_caching=True, step_log=step_log)
+                               enable_prefix_caching=True, step_log=step_log,
+                               overrides=engine_cli_args(args.vllm_args))
     config = engine.llm.vllm_config
     run = drive(engine, WallClock(), args, args.one)
     run["engine"] = {"block_size": config.cache_config.block_size, "kv_blocks": config.cache_config.num_gpu_blocks,
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                          "instead of running vLLM: with --simulate, simulates them again")
     ap.add_argument("--step-log", default=None, metavar="DIR",
                     help="write each policy's engine steps to DIR/POLICY.jsonl (coserve profile --from-steps reads it)")
+    ap.add_argument("--vllm-args", default="", help="vLLM engine flags, as `coserve worker` takes them after its own "
+                                                    "(e.g. '--block-size 32')")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one policy here
     args = ap.parse_args(argv)
     if args.one:
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps([{"source": source, **run} for source, run in rows]))
     table = Table(title=f"{args.conversations} conversations x {args.turns} turns beside fresh prompts at "
                         f"{args.fresh_qps}/s for {args.fresh_minutes} min; TTFT {args.ttft_s} s, TBT {args.tbt_s} s; "
-                        f"{args.tenants} tenant(s), prefix cache scope {args.cache_scope}")
+                        f"{args.tenants} tenant(s), prefix cache scope {args.cache_scope}; KV block "
+                        f"{'/'.join(sorted({str(r['engine']['block_size']) for r in runs if 'engine' in r})) or '-'}")
     for col in ("policy", "run", "first turns TTFT p50 / p99 s", "later turns TTFT p50 / p99 s",
                 "fresh TTFT p50 / p99 s", "SLO met", "prompt cached", "output tok/s", "run s", "requests",
                 "TTFT error vs measured"):
@@ -307,8 +313,8 @@ def _passed(args: argparse.Namespace) -> list[str]:
     """The workload's options for a policy's own process."""
     out = []
     for name in ("model", "conversations", "turns", "system", "user", "answer", "think_s", "stagger_s", "fresh_qps",
-                 "fresh_len", "fresh_minutes", "ttft_s", "tbt_s", "seed", "tenants", "cache_scope"):
-        out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+                 "fresh_len", "fresh_minutes", "ttft_s", "tbt_s", "seed", "tenants", "cache_scope", "vllm_args"):
+        out += [f"--{name.replace('_', '-')}={getattr(args, name)}"]
     if args.step_log:
         Path(args.step_log).mkdir(parents=True, exist_ok=True)
         out += ["--step-log", str(Path(args.step_log).resolve())]
