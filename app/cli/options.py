@@ -32,9 +32,10 @@ def vllm_flags(ctx: typer.Context, settings: Any, backend: str | None = None) ->
             return joined, {}  # COSERVE_VLLM_ARGS alone: the torch engine leaves it unread, as the other vllm settings
         raise typer.BadParameter(f"{shlex.join(ctx.args)!r}: vLLM engine options need the vLLM backend (this one "
                                  f"is {backend!r}; COSERVE_BACKEND=vllm, with vLLM installed)")
+    from gpu_runtime.vllm.build import checked_overrides
     from gpu_runtime.vllm.cli_args import engine_cli_args
 
-    try:
-        return joined, engine_cli_args(joined)
+    try:  # vLLM's parser, then what coserve refuses of them (the fields it sets itself, ...)
+        return joined, checked_overrides(engine_cli_args(joined), settings.spec_policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -82,6 +82,11 @@ def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> d
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else " (see vLLM's EngineArgs / `vllm serve --help`)"
             raise ValueError(f"COSERVE_VLLM_ENGINE_ARGS: {key!r} is not a vLLM engine argument{hint}")
+    if isinstance(dp := overrides.get("data_parallel_size"), int) and dp > 1:
+        # vLLM's in-process engine core waits for the other data-parallel ranks' engines, which nothing starts
+        raise ValueError(f"data_parallel_size {dp}: a coserve worker runs one engine replica; run a worker per replica "
+                         "instead (e.g. one `coserve worker` per GPU with CUDA_VISIBLE_DEVICES): they share the "
+                         "queue, and jobs are routed across them")
     if overrides.get("speculative_config") and spec_policy == "none":
         raise ValueError("COSERVE_VLLM_ENGINE_ARGS sets a speculative_config but COSERVE_SPEC_POLICY is 'none': "
                          "set the policy that decides how many draft tokens are verified (e.g. chain-4, adaspec)")

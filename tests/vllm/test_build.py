@@ -75,6 +75,7 @@ def test_pipeline_parallelism_on_the_cpu_compiles_the_stages():
     ({"model": "/elsewhere"}, "COSERVE_MODEL"),
     ({"served_model_name": "other"}, "COSERVE_MODEL_NAME"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}, "COSERVE_SPEC_POLICY is 'none'"),
+    ({"data_parallel_size": 2}, "run a worker per replica"),
 ])
 def test_a_bad_engine_argument_is_refused_with_its_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):

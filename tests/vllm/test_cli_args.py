@@ -72,6 +72,12 @@ def test_a_refused_flag_stops_the_command_before_anything_starts(monkeypatch, tm
     assert res.exit_code == 2, res.output
     assert "invalid int value: 'lots'" in " ".join(res.output.split())
     assert not (tmp_path / "logs").exists()  # `up` started nothing
+    # what vLLM takes but coserve refuses (a worker is one replica; coserve sets the scheduler) stops it there too
+    for flags, message in ((["--data-parallel-size", "2"], "run a worker per replica"),
+                           (["--scheduler-cls", "some.Scheduler"], "may not set 'scheduler_cls'")):
+        res = CliRunner().invoke(cli, [command, *flags], env={"COSERVE_DATA_DIR": str(tmp_path)})
+        assert res.exit_code == 2 and message in " ".join(res.output.replace("│", " ").split()), res.output
+    assert not (tmp_path / "logs").exists()
     monkeypatch.setenv("COSERVE_BACKEND", "torch")
     res = CliRunner().invoke(cli, [command, "--max-num-seqs", "4"], env={"COSERVE_DATA_DIR": str(tmp_path)})
     assert res.exit_code == 2 and "need the vLLM backend" in " ".join(res.output.split()), res.output
