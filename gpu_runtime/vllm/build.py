@@ -88,7 +88,7 @@ def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> d
                          "instead (e.g. one `coserve worker` per GPU with CUDA_VISIBLE_DEVICES): they share the "
                          "queue, and jobs are routed across them")
     if overrides.get("speculative_config") and spec_policy == "none":
-        raise ValueError("COSERVE_VLLM_ENGINE_ARGS sets a speculative_config but COSERVE_SPEC_POLICY is 'none': "
+        raise ValueError("the vLLM engine arguments set a speculative_config but COSERVE_SPEC_POLICY is 'none': "
                          "set the policy that decides how many draft tokens are verified (e.g. chain-4, adaspec)")
     return overrides
 
@@ -163,7 +163,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     kwargs.update(lora_engine_args(lora_modules or {}, runtime_loras, runtime_lora_rank))
     kwargs.update(reasoning_outputs_config(kwargs["model"], reasoning_parser))
     kwargs.update(checked_overrides(overrides or {}, spec_policy))
-    if cpu and kwargs.get("pipeline_parallel_size", 1) > 1:
+    if cpu and isinstance(stages := kwargs.get("pipeline_parallel_size"), int) and stages > 1:
         kwargs["enforce_eager"] = cpu_pipeline_eager(kwargs["enforce_eager"], explicit=enforce_eager is not None
                                                      or "enforce_eager" in (overrides or {}))
     return EngineArgs(**kwargs)
