@@ -56,6 +56,11 @@ def test_any_other_engine_argument_passes_through_and_wins():
                        overrides={"speculative_config": eagle}).speculative_config == eagle
 
 
+def test_vllms_own_policies_may_run_without_chunked_prefill():
+    assert engine_args("smollm2-135m", scheduler_policy="vllm-fcfs",
+                       overrides={"enable_chunked_prefill": False}).enable_chunked_prefill is False
+
+
 def test_pipeline_parallelism_on_the_cpu_compiles_the_stages():
     """vLLM-CPU's eager mode fails under pipeline parallelism (a later stage's input buffer is never allocated):
     the CPU's eager default gives way to compiled stages there, and eager asked for with it is refused."""
@@ -76,6 +81,7 @@ def test_pipeline_parallelism_on_the_cpu_compiles_the_stages():
     ({"served_model_name": "other"}, "COSERVE_MODEL_NAME"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}, "COSERVE_SPEC_POLICY is 'none'"),
     ({"data_parallel_size": 2}, "run a worker per replica"),
+    ({"enable_chunked_prefill": False}, "the qoserve policy runs prompts in chunks"),
 ])
 def test_a_bad_engine_argument_is_refused_with_its_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
