@@ -88,10 +88,12 @@ def test_prefix_routing_keeps_a_conversation_on_its_worker_and_survives_a_dead_o
 
     # a worker that beat a moment ago and then died: what was routed to it runs on another once it is stale
     r = redis.Redis.from_url(settings.redis_url)
-    r.sadd(WORKER_QUEUES, worker_queue("wz"))  # as a worker starting does
     with session_scope(settings.sqlalchemy_url) as s:
         s.add(WorkerState(id="wz", model="tiny", queue="coserve.tiny", device="cpu",
                           state={"served": ["tiny"], "in_line": 0, "max_inflight": 1024}))
+    # registered, then its queue named, as a worker starting does (the other way round, a sweep in between took the
+    # queue for a dead worker's and dropped it, and the job routed there waited 30 s to be sent again as lost)
+    r.sadd(WORKER_QUEUES, worker_queue("wz"))
     time.sleep(REFRESH_S + 0.1)  # the API's view of the workers is at most this old
     [messages] = _opening(keys.tenant_id, "wz", ["wa", "wb"], 1)
     job_id = client.post("/v1/jobs", headers=Keys.header(keys.paid),
