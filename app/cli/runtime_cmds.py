@@ -253,9 +253,9 @@ def profile(
         from gpu_runtime.vllm.build import vllm_available
 
         backend = "vllm" if vllm_available() else "torch"
-    from app.settings import get_settings
+    from app.settings import Settings
 
-    settings = get_settings()
+    settings = Settings()  # the environment as it is now (the API's cached settings are not this command's)
     vllm_args = vllm_flags(ctx, settings, backend)[0]
     if backend == "vllm":
         _profile_vllm(console, model, out, dev, repeats, grid, settings.model_copy(update={"vllm_args": vllm_args}))
