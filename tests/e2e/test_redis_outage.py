@@ -112,6 +112,12 @@ def _jobs(url: str) -> dict[str, Job]:
         return {j.id: j for j in s.scalars(select(Job))}
 
 
+def _diverged_after_a_rerun(job: Job, events: list) -> bool:
+    """The stream ended with its error for a job that ran again (a worker failed it during the outage) and whose new
+    run's text parted from what the stream had sent: the one case where SQL's text need not go on from the stream's."""
+    return job.attempt > 1 and "run again" in str(events[-1][1])
+
+
 def _dropped(tmp_path) -> str:
     """The worker log's lines about events it could not publish (the worker's side of the fix)."""
     log = tmp_path / "w1.log"
@@ -163,13 +169,16 @@ def test_streams_survive_a_redis_restart(live_server, keys, settings, own_redis,
         assert native.text() == full, f"native stream text differs from SQL's{note}"
         assert data["status"] == "succeeded" and data["completion_tokens"] == MAX_TOKENS
     else:
-        assert full.startswith(native.text()), f"native stream sent text SQL does not have{note}"
+        assert full.startswith(native.text()) or _diverged_after_a_rerun(jobs[native.job_id], native.events), \
+            f"native stream sent text SQL does not have{note}"
 
     # the OpenAI stream: the same, with its finish chunk and [DONE]; or an error chunk last
     full = jobs[stream.job_id].output_text
     names = [n for n, _ in stream.events]
     if "error" in names:
-        assert names[-1] == "error" and full.startswith(stream.text()), f"{stream.events[-3:]}{note}"
+        assert names[-1] == "error", f"{stream.events[-3:]}{note}"
+        assert full.startswith(stream.text()) or _diverged_after_a_rerun(jobs[stream.job_id], stream.events), \
+            f"{stream.events[-3:]}{note}"
     else:
         assert stream.text() == full, f"OpenAI stream text differs from SQL's{note}"
         assert names[-2:] == ["finish", "done"]
