@@ -40,16 +40,17 @@ def test_qoserve_in_vllm_gives_plain_vllms_greedy_tokens(plain_vllm, tmp_path):
     assert ours["3"]["output_tokens"] == 3 * 40
 
 
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="two pipeline stages need two CPUs to bind their threads to")
 def test_pipeline_parallel_stages_give_plain_vllms_greedy_tokens(plain_vllm, tmp_path):
     """Two pipeline stages (two worker processes, vLLM's batch queue: two batches in flight, no async scheduling)
     under QoServe give plain vLLM's tokens. Before, coserve's scheduler ran a request in flight again before its
     token was in, and the CPU's eager default never allocated the second stage's input buffer."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("two pipeline stages need two CPUs to bind their threads to")
     run = offline(tmp_path, "--policy", "qoserve", "--batch", "3", "--qos", "mixed",
                   "--engine-args", '{"pipeline_parallel_size": 2}',
-                  env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})  # vLLM-CPU: a core per stage
+                  env={"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"})  # vLLM-CPU: a core per stage
     assert run["3"]["tokens"] == plain_vllm["3"]["tokens"]
     assert run["3"]["output_tokens"] == 3 * 40
 
