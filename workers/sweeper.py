@@ -11,6 +11,7 @@ import logging
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from uuid import uuid4
 
 import redis
 from sqlalchemy import or_, select, update
@@ -106,10 +107,17 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     try:
         client = redis_client(redis_url)
         for queue in queues:
-            ids.update(m.decode() for raw in client.lrange(queue, 0, -1) for m in _JOB_ID.findall(raw))
-            # the list, and the binding kombu declared for it; then it is no one's to look after
-            client.delete(queue, f"_kombu.binding.{queue}")
+            # no one's to look after first, then the list moved aside whole: a job sent there after the move makes
+            # a new list, which its sender names again (app.services.dispatch), for the next sweep
             client.srem(WORKER_QUEUES, queue)
+            taken = f"{queue}.rerouting.{uuid4().hex}"
+            try:
+                client.rename(queue, taken)
+            except redis.ResponseError:  # no such list: nothing waits there
+                taken = None
+            if taken is not None:
+                ids.update(m.decode() for raw in client.lrange(taken, 0, -1) for m in _JOB_ID.findall(raw))
+            client.delete(*filter(None, (taken, f"_kombu.binding.{queue}")))  # and the binding kombu declared
     except redis.RedisError as exc:
         log.warning("could not read the workers' own queues (%s); rerouting nothing this time", exc)
         return 0

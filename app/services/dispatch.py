@@ -12,8 +12,12 @@ from uuid import uuid4
 
 from sqlalchemy.orm import Session
 
+import redis
+
 from app.db.models import JobStatus
 from app.db.session import write_after_read, write_guard
+from app.services.notify import redis_client
+from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.transitions import transition, utcnow
 from workers.celery_app import RUN_JOB, get_celery, queue_name
 
@@ -27,10 +31,24 @@ def send_to(redis_url: str, job_id: str, queue: str) -> bool:
     """Sends ``job_id`` on the queue named ``queue``; False where the broker could not take it."""
     try:
         get_celery(redis_url).send_task(RUN_JOB, args=[job_id], queue=queue, retry=True, retry_policy=SEND_RETRY)
-        return True
     except Exception as exc:  # kombu raises OperationalError and socket errors alike
         log.warning("could not send job %s to the broker (%s); it stays queued for the sweeper", job_id, exc)
         return False
+    _look_after(redis_url, [queue])
+    return True
+
+
+def _look_after(redis_url: str, queues: list[str]) -> None:
+    """Names the workers' own queues among ``queues`` to the sweepers, after a send to them. A process routes by a
+    view of the workers up to ``REFRESH_S`` old, so its send may land on the queue of a worker that a sweeper has
+    just dropped (or that has just stopped); named again, the next sweep gives that job to its model's queue."""
+    own = {q for q in queues if q.startswith(WORKER_QUEUE_PREFIX)}
+    if not own:
+        return
+    try:
+        redis_client(redis_url).sadd(WORKER_QUEUES, *own)
+    except redis.RedisError as exc:  # the message is sent; if it is lost, the sweeper resends it later
+        log.warning("could not name the workers' queues %s to the sweepers (%s)", sorted(own), exc)
 
 
 def send_job(redis_url: str, job_id: str, model_name: str) -> bool:
@@ -64,6 +82,7 @@ def send_jobs(redis_url: str, jobs: list[tuple[str, str]]) -> list[str]:
                 message = amqp.create_task_message(uuid4().hex, RUN_JOB, [job_id], {},
                                                    argsrepr=f"['{job_id}']", kwargsrepr="{}")
                 amqp.send_task_message(producer, RUN_JOB, message, queue=_queue(app, queue), retry=False)
+        _look_after(redis_url, [queue for _job_id, queue in jobs])
         return [job_id for job_id, _queue_name in jobs]
     except Exception as exc:
         log.info("batched send of %d jobs failed (%s); sending one by one", len(jobs), exc)

@@ -12,7 +12,8 @@ as every job did before.
 
 A process reads the live workers (heartbeat, jobs held) from SQL at most once per ``REFRESH_S`` and adds the jobs it
 sent each worker since that worker's heartbeat. The sweeper gives a queue whose worker died back to the model's
-queue (``workers.sweeper``).
+queue (``workers.sweeper``); a send to a worker's queue names it to the sweepers again (``app.services.dispatch``), so
+a job routed by a view older than the sweeper's is not left on a queue no one looks after.
 """
 
 from __future__ import annotations

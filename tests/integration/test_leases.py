@@ -207,3 +207,34 @@ def test_jobs_routed_to_a_worker_that_died_go_back_to_the_models_queue(settings,
     with session_scope(url) as s:
         assert sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30).rerouted == 0  # once
         assert {s.get(Job, j).status for j in job_ids} == {"dispatched"}
+
+
+def test_a_job_routed_to_a_queue_the_sweeper_just_dropped_is_rerouted_by_the_next_sweep(settings, keys):
+    """A process routes by a view of the workers up to a second old, so it may send a job to the own queue of a
+    worker that a sweeper has just found dead and dropped. The send names the queue to the sweepers again, and the
+    next sweep gives the job to the model's queue at once, not after ``resend_after_s`` as a lost message."""
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.services.dispatch import dispatch
+    from app.services.routing import WORKER_QUEUES, worker_queue
+    from app.services.transitions import utcnow
+
+    url, r, queue = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url), worker_queue("w8")
+    r.sadd(WORKER_QUEUES, queue)
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w8", model="tiny", queue="coserve.tiny", device="cpu",
+                          heartbeat_at=utcnow() - timedelta(seconds=60), state={"served": ["tiny"]}))
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30).rerouted == 0  # nothing waits
+    assert not r.sismember(WORKER_QUEUES, queue) and not r.exists(queue)  # dropped
+    job_id = _job(settings, keys)  # the API, by its older view, still routes to w8
+    with session_scope(url) as s:
+        assert dispatch(s, settings.redis_url, job_id, "tiny", queue=queue)
+    assert r.llen(queue) == 1 and r.sismember(WORKER_QUEUES, queue)
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30)
+        assert (result.rerouted, result.resent) == (1, 0)
+    assert job_id.encode() in b"".join(r.lrange("coserve.tiny", 0, -1))
+    assert not r.exists(queue) and not r.sismember(WORKER_QUEUES, queue)
+    assert not [k for k in r.keys(f"{queue}*")]  # nothing moved aside is left behind
