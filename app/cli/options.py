@@ -36,6 +36,6 @@ def vllm_flags(ctx: typer.Context, settings: Any, backend: str | None = None) ->
     from gpu_runtime.vllm.cli_args import engine_cli_args
 
     try:  # vLLM's parser, then what coserve refuses of them (the fields it sets itself, ...)
-        return joined, checked_overrides(engine_cli_args(joined), settings.spec_policy, settings.scheduler_policy)
+        return joined, checked_overrides(engine_cli_args(joined), settings.spec_policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -65,10 +65,9 @@ OWNED_ENGINE_ARGS = {
 }
 
 
-def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none",
-                      scheduler_policy: str = "qoserve") -> dict[str, Any]:
+def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> dict[str, Any]:
     """``overrides`` (the operator's: ``cli_args.operator_engine_args``) if each names an ``EngineArgs`` field the
-    worker leaves to the operator, for the worker's policies; else a ValueError that names the key and what to do
+    worker leaves to the operator, for the worker's speculation policy; else a ValueError that names the key and what to do
     instead."""
     import dataclasses
     import difflib
@@ -89,11 +88,6 @@ def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none",
         raise ValueError(f"data_parallel_size {dp}: a coserve worker runs one engine replica; run a worker per replica "
                          "instead (e.g. one `coserve worker` per GPU with CUDA_VISIBLE_DEVICES): they share the "
                          "queue, and jobs are routed across them")
-    if overrides.get("enable_chunked_prefill") is False and scheduler_policy not in VLLM_NATIVE:
-        # the policy plans prompts in chunks, which vLLM then declines to run: a long prompt would wait for a budget
-        # that covers it whole
-        raise ValueError(f"enable_chunked_prefill false: the {scheduler_policy} policy runs prompts in chunks each "
-                         f"step; leave chunked prefill on, or run vLLM's own {' or '.join(VLLM_NATIVE)} without it")
     if overrides.get("speculative_config") and spec_policy == "none":
         raise ValueError("the vLLM engine arguments set a speculative_config but COSERVE_SPEC_POLICY is 'none': "
                          "set the policy that decides how many draft tokens are verified (e.g. chain-4, adaspec)")
@@ -169,7 +163,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     # LoRA adapters served beside the model
     kwargs.update(lora_engine_args(lora_modules or {}, runtime_loras, runtime_lora_rank))
     kwargs.update(reasoning_outputs_config(kwargs["model"], reasoning_parser))
-    kwargs.update(checked_overrides(overrides or {}, spec_policy, scheduler_policy))
+    kwargs.update(checked_overrides(overrides or {}, spec_policy))
     if cpu and isinstance(stages := kwargs.get("pipeline_parallel_size"), int) and stages > 1:
         kwargs["enforce_eager"] = cpu_pipeline_eager(kwargs["enforce_eager"], explicit=enforce_eager is not None
                                                      or "enforce_eager" in (overrides or {}))

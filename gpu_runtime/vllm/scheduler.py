@@ -335,6 +335,11 @@ class CoserveScheduler(AsyncScheduler):
                 chunks.pop()
         if slots is not None:
             chunks = self._within_lora_slots(chunks, by_id, set(slots))
+        if not self.scheduler_config.enable_chunked_prefill:
+            # vLLM runs a prompt whole or not at all here (the operator's choice, or a model it cannot chunk: MLA on
+            # a CPU, non-causal attention): the policy's chunk of it becomes the whole rest, else it would wait for a
+            # step whose planned budget covers it, which under steady decodes does not come
+            chunks = [(rid, self._prompt_left(rid, n)) for rid, n in chunks]
         chosen = {rid for rid, _ in chunks}
         decodes, stashed = [], []
         for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
@@ -359,6 +364,11 @@ class CoserveScheduler(AsyncScheduler):
         pad = self.num_spec_tokens if self.num_spec_tokens and any(n == 1 for r, n in chunks if r not in by_id) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
+
+    def _prompt_left(self, request_id: str, planned: int) -> int:
+        """The prompt tokens ``request_id`` has left to compute (``planned`` where vLLM does not hold it)."""
+        vreq = self.requests.get(request_id)
+        return planned if vreq is None else max(planned, vreq.num_prompt_tokens - vreq.num_computed_tokens)
 
     def _within_lora_slots(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest], held: set[int]
                            ) -> list[tuple[str, int]]:

@@ -26,7 +26,8 @@ def make_scheduler(tiny_model_dir, monkeypatch):
 
     def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
               profile: str = "none", report_events: bool = True, calibrate: bool = False,
-              prefix_caching: bool = False, max_loras: int | None = None) -> CoserveScheduler:
+              prefix_caching: bool = False, max_loras: int | None = None,
+              chunked_prefill: bool = True) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
         # no model runs here, so steps take microseconds: calibrating to them only where a test asks
@@ -39,7 +40,8 @@ def make_scheduler(tiny_model_dir, monkeypatch):
         config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
                             cache_config=cache, lora_config=lora,
                             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
-                                                             max_model_len=512, is_encoder_decoder=False))
+                                                             max_model_len=512, is_encoder_decoder=False,
+                                                             enable_chunked_prefill=chunked_prefill))
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
         kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
         scheduler = CoserveScheduler(vllm_config=config, kv_cache_config=kv,

@@ -56,8 +56,9 @@ def test_any_other_engine_argument_passes_through_and_wins():
                        overrides={"speculative_config": eagle}).speculative_config == eagle
 
 
-def test_vllms_own_policies_may_run_without_chunked_prefill():
-    assert engine_args("smollm2-135m", scheduler_policy="vllm-fcfs",
+@pytest.mark.parametrize("policy", ["qoserve", "vllm-fcfs"])
+def test_every_policy_may_run_without_chunked_prefill(policy):
+    assert engine_args("smollm2-135m", scheduler_policy=policy,
                        overrides={"enable_chunked_prefill": False}).enable_chunked_prefill is False
 
 
@@ -81,7 +82,6 @@ def test_pipeline_parallelism_on_the_cpu_compiles_the_stages():
     ({"served_model_name": "other"}, "COSERVE_MODEL_NAME"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}, "COSERVE_SPEC_POLICY is 'none'"),
     ({"data_parallel_size": 2}, "run a worker per replica"),
-    ({"enable_chunked_prefill": False}, "the qoserve policy runs prompts in chunks"),
 ])
 def test_a_bad_engine_argument_is_refused_with_its_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):

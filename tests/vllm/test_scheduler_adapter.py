@@ -48,6 +48,22 @@ def test_prefill_budget_follows_decode_slack(make_scheduler):
     assert out2.num_scheduled_tokens[other.request_id] == 480
 
 
+def test_without_chunked_prefill_the_policys_chunk_runs_as_the_whole_prompt(make_scheduler):
+    """Where vLLM runs no prompt in chunks (``--no-enable-chunked-prefill``, or a model vLLM cannot chunk), it skips a
+    prompt longer than the step's budget. The chunk the policy cut beside a tight decode becomes the whole prompt,
+    which runs that step, instead of waiting for the decode to finish."""
+    s = make_scheduler("qoserve", max_batched=512, chunked_prefill=False)
+    tight = vllm_request(16, {"ttft_ms": 10_000, "tbt_ms": 30, "tbt_anchor": "first-token"}, max_tokens=64)
+    s.add_request(tight)
+    run_step(s)
+    long_prompt = vllm_request(480, {"ttft_ms": 60_000, "tbt_ms": 1000})
+    s.add_request(long_prompt)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {tight.request_id: 1, long_prompt.request_id: 480}
+    out, _ = run_step(s)  # both decode on, and the policy's mirror knows the prompt is done
+    assert out.num_scheduled_tokens == {tight.request_id: 1, long_prompt.request_id: 1}
+
+
 def test_free_job_past_its_deadline_is_relegated_then_resumed(make_scheduler):
     """A free prompt already past its TTFT waits behind paid work and is reported; it runs once load drops."""
     s = make_scheduler("qoserve", max_batched=64)
