@@ -16,7 +16,7 @@ from app.api.deps import SessionDep, SettingsDep
 from app.db.models import Job, JobStatus
 from app.services.model_info import context_length
 from app.services.notify import redis_client
-from app.services.workers import live_workers
+from app.services.workers import live_workers, served_context
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
                                          if settings.model_name in w.served):
         checks["runtime_lora"] = ("warning: no live worker of the model loads adapters at runtime; jobs of the "
                                   "adapters loaded so fail (set COSERVE_RUNTIME_LORA=1 on the workers too)")
-    if warning := _context_warning(live, settings):
+    if warning := _context_warning(session, settings):
         checks["context_length"] = warning
     if settings.lora_resolver_dir is not None and not settings.lora_resolver_dir.expanduser().is_dir():
         checks["lora_resolver_dir"] = (f"warning: COSERVE_LORA_RESOLVER_DIR {str(settings.lora_resolver_dir)!r} is "
@@ -85,19 +85,18 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
     return checks
 
 
-def _context_warning(live: list, settings: Settings) -> str | None:
-    """A warning where a live worker of the model serves less context than this API holds jobs to (its vLLM engine
-    set shorter than the API knows): a job between the two would pass the API and fail at that worker."""
-    served = min((n for w in live if settings.model_name in w.served
-                  and isinstance(n := (w.state or {}).get("context_length"), int)), default=None)
+def _context_warning(session: Session, settings: Settings) -> str | None:
+    """A warning where a live worker of the model serves less context than this API's engine settings say (its vLLM
+    engine set shorter than the API knows): jobs are held to the worker's (``held_context_length``)."""
+    served = served_context(session, settings)
     try:
-        held = context_length(settings)
+        own = context_length(settings)
     except Exception:  # noqa: BLE001 - no model config here: the submit path reports that itself
         return None
-    if served is None or served >= held:
+    if served is None or served >= own:
         return None
-    return (f"warning: a live worker serves a context of {served} tokens, this API holds jobs to {held}; a longer "
-            f"job fails at that worker (set COSERVE_VLLM_MAX_MODEL_LEN={served} on the API)")
+    return (f"warning: a live worker serves a context of {served} tokens, this API's engine settings say {own}; "
+            f"jobs are held to {served} (set COSERVE_VLLM_MAX_MODEL_LEN={served} on the API to match)")
 
 
 _PROBE = {200: {"description": "ready (empty body)", "content": None},

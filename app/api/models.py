@@ -12,7 +12,7 @@ from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.services import lora_adapters
-from app.services.model_info import context_length
+from app.services.workers import held_context_length
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def _model(settings: Settings, name: str) -> dict:
     adapter = name not in settings.model_names
     return {"id": name, "object": "model", "created": _STARTED, "owned_by": "coserve",
             "root": name if adapter else settings.model, "parent": settings.model_name if adapter else None,
-            "max_model_len": context_length(settings)}
+            "max_model_len": held_context_length(settings)}
 
 
 @router.get("")

@@ -38,6 +38,7 @@ from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
 from app.services.rate_limits import RateLimited, RateLimiter
 from app.services.truncation import fed_prompt
+from app.services.workers import held_context_length
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,12 @@ async def _prompt_ids(settings: Settings, jobs: list[Job]) -> list[list[int] | N
     asked = [bool((job.sampling or {}).get("return_token_ids")) for job in jobs]
     if not any(asked):
         return [None] * len(jobs)
-    return await run_in_threadpool(lambda: [fed_prompt(settings, j) if a else None for j, a in zip(jobs, asked)])
+
+    def fed() -> list[list[int] | None]:
+        context = held_context_length(settings)  # SQL at most once a second: off the event loop too
+        return [fed_prompt(settings, j, context) if a else None for j, a in zip(jobs, asked)]
+
+    return await run_in_threadpool(fed)
 
 
 def documented_body(model: type) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, 
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import lora_adapters
 from app.services.jobs import JobValidationError, check_token_ids, encode_spec
-from app.services.model_info import ChatTemplateError, context_length, get_tokenizer
+from app.services.model_info import ChatTemplateError, get_tokenizer
+from app.services.workers import held_context_length
 from app.settings import Settings
 from app.wire import Text
 
@@ -76,9 +77,9 @@ async def tokenize(body: dict[str, Any], settings: SettingsDep, _principal: Curr
     """Token ids of a prompt or of chat messages, their count and the model's context length."""
     req = openai_parsed(TokenizeRequest, body)
     _check_model(settings, req.model)
-    ids = await run_in_threadpool(_tokenize, settings, req)
+    ids, context = await run_in_threadpool(lambda: (_tokenize(settings, req), held_context_length(settings)))
     strs = get_tokenizer(settings.model).convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": context_length(settings), "tokens": ids, "token_strs": strs}
+    return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
 
 
 @router.post("/detokenize")

@@ -26,10 +26,11 @@ from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
-from app.services.model_info import ChatTemplateError, context_length, encode_input, get_tokenizer
+from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.services.truncation import fed_prompt
+from app.services.workers import held_context_length
 from app.settings import Settings
 from app.tool_calls import FORCED_CHOICE_UNSUPPORTED, is_forced
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
@@ -182,7 +183,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                                      "days away; give a nearer deadline", param="deadline_at")
         job.deadline_at = deadline
     if count_tokens:
-        limit = context_length(settings)
+        limit = held_context_length(settings)
         chars = input_chars(spec)
         # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
         blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}
@@ -192,7 +193,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
                 "shorten the prompt", **blame)
         try:
-            n = len(fed_prompt(settings, job))  # what the worker will feed
+            n = len(fed_prompt(settings, job, limit))  # what the worker will feed
         except ChatTemplateError as exc:
             raise JobValidationError(str(exc), param="messages") from exc
         if n + sampling["max_tokens"] > limit:

@@ -13,6 +13,7 @@ from typing import Any
 
 from app.schemas import JobCreate
 from app.services.model_info import ChatTemplateError, context_length, encode_input
+from app.services.workers import held_context_length
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -27,20 +28,23 @@ def kept_prompt(ids: list[int], truncate: int | None, context: int, max_tokens: 
     return ids[-max(1, keep):]
 
 
-def fed_prompt(settings: Settings, job: Any) -> list[int]:
+def fed_prompt(settings: Settings, job: Any, context: int | None = None) -> list[int]:
     """A job's prompt as its worker feeds the engine: the token ids of its prompt, or of its messages and tools
-    through the chat template, cut to ``truncate_prompt_tokens`` (raises ``ChatTemplateError``)."""
+    through the chat template, cut to ``truncate_prompt_tokens`` within ``context`` tokens (None: the engine
+    settings', as the worker holds it; the API passes the context it holds jobs to) (raises
+    ``ChatTemplateError``)."""
     ids = job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools,
                                                job.template_options)
     sampling = job.sampling or {}
-    return kept_prompt(list(ids), sampling.get("truncate_prompt_tokens"), context_length(settings),
+    return kept_prompt(list(ids), sampling.get("truncate_prompt_tokens"),
+                       context_length(settings) if context is None else context,
                        int(sampling.get("max_tokens", settings.default_max_tokens)))
 
 
 def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[JobCreate, int]:
     """``spec`` with the oldest droppable messages left out until it fits, and where the response's own input
     starts among those kept (``input_from`` was its place among all of them)."""
-    limit = context_length(settings) - spec.sampling(settings.default_max_tokens)["max_tokens"]
+    limit = held_context_length(settings) - spec.sampling(settings.default_max_tokens)["max_tokens"]
     messages = list(spec.messages or ())
     tools = [t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None
 

@@ -4,21 +4,29 @@ every live worker of the model over its control channel (``workers.control``).""
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 import uuid
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from app.db.models import WorkerState
+from app.db.session import session_scope
+from app.services.model_info import context_length
 from app.services.notify import redis_client
 from app.services.transitions import utcnow
 from app.settings import Settings
 from workers.control import control_channel
 
+log = logging.getLogger(__name__)
+
 RESET_TIMEOUT_S = 30.0  # how long a prefix-cache reset waits for every worker's answer
+SERVED_CONTEXT_S = 1.0  # how long a process trusts what it read of the live workers' context
 
 
 def live_workers(session: Session, settings: Settings, *, draining: bool = False) -> list[WorkerState]:
@@ -28,6 +36,37 @@ def live_workers(session: Session, settings: Settings, *, draining: bool = False
     if not draining:
         query = query.where(WorkerState.draining.is_(False))
     return list(session.scalars(query.order_by(WorkerState.id)))
+
+
+def served_context(session: Session, settings: Settings) -> int | None:
+    """The least context (prompt + output tokens) a live worker of the model serves, from its heartbeat; None where
+    none says."""
+    return min((n for w in live_workers(session, settings) if settings.model_name in w.served
+                and isinstance(n := (w.state or {}).get("context_length"), int)), default=None)
+
+
+_served: dict[tuple[str, str], tuple[float, int | None]] = {}  # (database, model) -> (read at, served context)
+_served_lock = threading.Lock()
+
+
+def held_context_length(settings: Settings) -> int:
+    """The context the API holds a job to: its own engine settings' (``context_length``), or less where a live
+    worker of the model serves less (its engine set shorter than this API knows), so a job it accepts is one every
+    worker can run. The workers are read at most once per ``SERVED_CONTEXT_S``."""
+    key = (settings.sqlalchemy_url, settings.model_name)
+    with _served_lock:
+        read_at, served = _served.get(key, (float("-inf"), None))
+        if time.monotonic() - read_at >= SERVED_CONTEXT_S:
+            try:
+                with session_scope(settings.sqlalchemy_url) as s:
+                    served = served_context(s, settings)
+            except SQLAlchemyError as exc:
+                # nothing known of the workers: the settings' context (writing the job reports the database)
+                log.warning("could not read the workers' context (%s); holding jobs to the settings'", exc)
+                served = None
+            _served[key] = (time.monotonic(), served)
+    own = context_length(settings)
+    return own if served is None else min(own, served)
 
 
 def reset_prefix_caches(session: Session, settings: Settings, *, reset_running_requests: bool = False,

@@ -26,7 +26,7 @@ from app.db.models import Job, SummarizationRun, new_id
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import jobs as job_service
-from app.services.model_info import context_length
+from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
 from app.summarize import driver, store
@@ -61,7 +61,7 @@ class SqlBackend:
 
 
 def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int) -> int:
-    room = context_length(settings) - max_summary_tokens - PROMPT_OVERHEAD_TOKENS
+    room = held_context_length(settings) - max_summary_tokens - PROMPT_OVERHEAD_TOKENS
     if room < 32:
         raise ValueError(f"max_summary_tokens={max_summary_tokens} leaves no room for text in the model's context")
     return min(chunk_tokens, room)

@@ -604,8 +604,8 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
                                                "context_length": 256}
         r = c.get("/readyz")
         assert r.status_code == 200 and r.json()["checks"]["context_length"] == (
-            "warning: a live worker serves a context of 256 tokens, this API holds jobs to 512; a longer job fails "
-            "at that worker (set COSERVE_VLLM_MAX_MODEL_LEN=256 on the API)")
+            "warning: a live worker serves a context of 256 tokens, this API's engine settings say 512; jobs are "
+            "held to 256 (set COSERVE_VLLM_MAX_MODEL_LEN=256 on the API to match)")
         s.backend, s.vllm_max_model_len = "vllm", 256  # the API told so: no warning
         assert "context_length" not in c.get("/readyz").json()["checks"]
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": _adapter_dir(tmp_path / "rt")},
@@ -613,6 +613,32 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
         assert r.status_code == 200, r.text
         assert [w["served"] for w in c.get("/admin/api/overview", headers=H(keys.admin)).json()["workers"]] \
             == [[s.model_name, "tilted", "rt"]]  # the dashboard's models of the worker
+
+
+def test_jobs_are_held_to_the_least_context_a_live_worker_serves(client, settings, keys, monkeypatch):
+    """A worker whose vLLM engine serves less context than the API's settings say (the tiny model's 512 tokens):
+    the API refuses what that worker could not run, as vLLM would, instead of accepting a job that then fails
+    there; and it says so where clients read the context. Once no live worker serves less, the model's holds."""
+    from app.db.models import WorkerState
+    from app.services import workers as workers_service
+
+    monkeypatch.setattr(workers_service, "SERVED_CONTEXT_S", 0.0)  # read the workers on every request here
+    assert client.get(f"/v1/models/{settings.model_name}", headers=H(keys.paid)).json()["max_model_len"] == 512
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(WorkerState(id="w-short", model=settings.model_name, queue="q", device="cpu",
+                          state={"served": [settings.model_name], "context_length": 256}))
+    assert client.get(f"/v1/models/{settings.model_name}", headers=H(keys.paid)).json()["max_model_len"] == 256
+    assert client.post("/tokenize", json={"prompt": "hi"}, headers=H(keys.paid)).json()["max_model_len"] == 256
+    r = submit(client, keys.paid, max_tokens=300)
+    assert r.status_code == 422 and "exceeds the model's context of 256 tokens" in r.text, r.text
+    r = client.post("/v1/completions", json={"model": settings.model_name, "prompt": "hi", "max_tokens": 300},
+                    headers=H(keys.paid))
+    assert r.status_code == 400 and "context of 256 tokens" in r.json()["error"]["message"], r.text
+    assert submit(client, keys.paid, max_tokens=200).status_code == 201
+    with session_scope(settings.sqlalchemy_url) as s:  # that worker stops beating: no longer live
+        s.get(WorkerState, "w-short").heartbeat_at = datetime.now(UTC) - timedelta(minutes=5)
+    assert submit(client, keys.paid, max_tokens=300).status_code == 201
+    assert client.get(f"/v1/models/{settings.model_name}", headers=H(keys.paid)).json()["max_model_len"] == 512
 
 
 def test_admin_key_from_settings_is_registered(settings, keys):
