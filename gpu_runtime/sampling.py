@@ -68,6 +68,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept before sampling
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, not included in the text
     seed: int | None = None  # per-request generator seed for reproducible sampling
+    seed_drawn: bool = False  # the server drew the seed (for reruns), the client gave none
     ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed output lengths)
     top_k: int = 0  # sample among the k most likely tokens only (0: all of them)
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
@@ -159,7 +160,8 @@ class SamplingParams:
         sp, structured = sampling, sampling.get("structured_outputs")
         return cls(max_tokens=int(sp.get("max_tokens", default_max_tokens)),
                    temperature=float(sp.get("temperature", 0.0)), top_p=float(sp.get("top_p", 1.0)),
-                   stop=tuple(sp.get("stop") or ()), seed=sp.get("seed"), ignore_eos=bool(sp.get("ignore_eos", False)), top_k=int(sp.get("top_k", 0)),
+                   stop=tuple(sp.get("stop") or ()), seed=sp.get("seed"), seed_drawn=bool(sp.get("seed_drawn", False)),
+                   ignore_eos=bool(sp.get("ignore_eos", False)), top_k=int(sp.get("top_k", 0)),
                    min_p=float(sp.get("min_p", 0.0)), presence_penalty=float(sp.get("presence_penalty", 0.0)),
                    frequency_penalty=float(sp.get("frequency_penalty", 0.0)),
                    repetition_penalty=float(sp.get("repetition_penalty", 1.0)),

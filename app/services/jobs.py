@@ -70,7 +70,7 @@ _IDENTITY = ("kind", "prompt", "prompt_token_ids", "messages", "tools", "templat
 
 def _same_request(existing: Job, new: Job) -> bool:
     def sampling(job: Job) -> dict:  # a seed the server drew differs on every submission
-        return {k: v for k, v in {**NEUTRAL_SAMPLING, **job.sampling}.items() if k != "seed"}
+        return {k: v for k, v in {**NEUTRAL_SAMPLING, **job.sampling}.items() if k not in ("seed", "seed_drawn")}
 
     return (all(getattr(existing, f) == getattr(new, f) for f in _IDENTITY if f != "sampling")
             and sampling(existing) == sampling(new))
@@ -138,7 +138,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
-        sampling["seed"] = secrets.randbelow(2**62)
+        sampling["seed"], sampling["seed_drawn"] = secrets.randbelow(2**62), True
     if sampling["tool_choice"] == "auto":  # the model writes its calls in its own syntax: read with its parser
         if settings.tool_call_parser is None:
             raise JobValidationError(

@@ -42,6 +42,17 @@ log = logging.getLogger(__name__)
 _FINISH = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
+def seed_applies(req: Request, whole_seeded: bool, coserve_policy: bool, step_cap: int) -> bool:
+    """Whether vLLM may seed ``req``'s sampling. Where seeded prompts must run whole (``whole_seeded``: the CPU),
+    only under coserve's policy (which runs them so), where the prompt and its output fit one step, and not a seed
+    the server drew (for reruns): every sampled job's prompt would then run whole, and decodes beside a long one
+    wait for it, which chunked prefill is there to prevent."""
+    if not whole_seeded:
+        return True
+    return coserve_policy and not req.sampling.seed_drawn and (
+        len(req.prompt_token_ids) + req.sampling.max_tokens <= step_cap)
+
+
 @dataclass
 class _Inbox:
     new: deque[Request] = field(default_factory=deque)
@@ -136,13 +147,15 @@ class VLLMEngine:
         self.core_scheduler.record_features = self.step_log is not None
         self.core_scheduler.report_events = True
         self._last_end: float | None = None  # when the last step that ran something ended (the step log's gap)
-        from vllm.platforms import current_platform
-
-        # vLLM-CPU cannot rewind a seeded request's generator after a partial prefill chunk ("CPU Generator does
-        # not use offset" kills the step, and every job in it): on the CPU requests sample from vLLM's own stream.
-        self.seeded = not current_platform.is_cpu()
-        if not self.seeded:
-            log.info("vLLM on the CPU: per-request seeds are not applied (vLLM-CPU cannot chunk a seeded prompt)")
+        # vLLM-CPU cannot rewind a seeded request's generator after a part of its prompt ran ("CPU Generator does
+        # not use offset" kills the step, and every job in it): there coserve's policy runs a seeded prompt whole
+        # (CoserveScheduler.whole_seeded), so a client's seed applies where the prompt and its output fit one step;
+        # vLLM's own policies cut prompts as they go, so under them seeds stay off on the CPU
+        self.whole_seeded = self.core_scheduler.whole_seeded
+        if self.whole_seeded:
+            log.info("vLLM on the CPU: a client's seed applies where the policy is coserve's and the prompt and "
+                     "max_tokens fit one step (%d tokens); else the request samples from vLLM's own stream",
+                     self.core_scheduler.step_cap)
 
     # ---- thread-safe entry points ----
     def add_request(self, request: Request) -> None:
@@ -268,10 +281,12 @@ class VLLMEngine:
 
         sp = req.sampling
         structured = StructuredOutputsParams(**sp.structured.fields()) if sp.structured is not None else None
+        seeded = seed_applies(req, self.whole_seeded, self.core_scheduler.policy is not None,
+                              self.core_scheduler.step_cap)
         return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
                               frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
-                              stop=list(sp.stop) or None, seed=sp.seed if self.seeded else None,
+                              stop=list(sp.stop) or None, seed=sp.seed if seeded else None,
                               ignore_eos=sp.ignore_eos, structured_outputs=structured, logprobs=sp.logprobs,
                               prompt_logprobs=sp.prompt_logprobs, logit_bias=dict(sp.logit_bias) or None,
                               skip_special_tokens=sp.skip_special_tokens, min_tokens=sp.min_tokens,

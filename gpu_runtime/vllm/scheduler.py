@@ -68,6 +68,18 @@ def policy_name() -> str:
     return os.environ.get("COSERVE_SCHEDULER_POLICY", "qoserve")
 
 
+def seeds_need_whole_prompts() -> bool:
+    """Whether a seeded request's prompt must run in one step: vLLM rewinds the generator of a request whose prompt
+    ran in part (its sampled token thrown away), which a CPU generator cannot."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _seeded(request: VLLMRequest) -> bool:
+    return request.sampling_params is not None and request.sampling_params.seed is not None
+
+
 def policy_overrides() -> dict[str, Any]:
     """The policy config fields ``COSERVE_SCHEDULER_CONFIG`` sets (a JSON object; unset: none)."""
     raw = os.environ.get(SCHEDULER_CONFIG_ENV, "").strip()
@@ -114,7 +126,7 @@ class CoserveScheduler(AsyncScheduler):
         self.report_events = False
         self.expired: list[VLLMRequest] = []  # finished by the policy's expiry, reported by update_from_output
         self._resumes: deque[str] = deque()
-        self._max_tokens = self.max_num_scheduled_tokens
+        self._max_tokens = self.max_num_scheduled_tokens  # vLLM's step cap (max_num_batched_tokens)
         self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
         self.last_scheduled_tokens = 0  # every token the last schedule() gave the model (0: nothing to run)
         self.policy_s = 0.0  # seconds spent in coserve's code (policy, mirrors, arranging), vLLM's own excluded
@@ -124,6 +136,13 @@ class CoserveScheduler(AsyncScheduler):
         self._step_began: float | None = None  # perf_counter at schedule() of the step in flight (it ran tokens)
         self._step_ended = 0.0  # perf_counter when update_from_output last returned
         self.kv = VLLMKVView(self)
+        # a prompt the policy chose runs whole in one step: where vLLM runs none in parts (the operator's choice, or
+        # a model it cannot chunk: MLA on a CPU, non-causal attention), else it would wait for a step whose planned
+        # budget covers it, which under steady decodes does not come; and a seeded one where vLLM cannot rewind a
+        # request's generator after a part of its prompt (the CPU: "CPU Generator does not use offset" kills the
+        # step, and every request in it)
+        self.whole_prompts = not self.scheduler_config.enable_chunked_prefill
+        self.whole_seeded = seeds_need_whole_prompts()
         self.policy = None
         self.drafts: DraftLengths | None = None
         if not self.native:
@@ -151,6 +170,11 @@ class CoserveScheduler(AsyncScheduler):
                     self.drafts = DraftLengths(spec, cost_model, self.num_spec_tokens)
         log.info("coserve scheduler in vLLM: policy %s, speculation %s", self.policy_name,
                  self.drafts.name if self.drafts else "vLLM's" if self.num_spec_tokens else "none")
+
+    @property
+    def step_cap(self) -> int:
+        """The most tokens a step runs (vLLM's ``max_num_batched_tokens``; each step's budget is set below it)."""
+        return self._max_tokens
 
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: VLLMRequest) -> None:
@@ -335,11 +359,6 @@ class CoserveScheduler(AsyncScheduler):
                 chunks.pop()
         if slots is not None:
             chunks = self._within_lora_slots(chunks, by_id, set(slots))
-        if not self.scheduler_config.enable_chunked_prefill:
-            # vLLM runs a prompt whole or not at all here (the operator's choice, or a model it cannot chunk: MLA on
-            # a CPU, non-causal attention): the policy's chunk of it becomes the whole rest, else it would wait for a
-            # step whose planned budget covers it, which under steady decodes does not come
-            chunks = [(rid, self._prompt_left(rid, n)) for rid, n in chunks]
         chosen = {rid for rid, _ in chunks}
         decodes, stashed = [], []
         for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
@@ -349,6 +368,8 @@ class CoserveScheduler(AsyncScheduler):
                 stashed.append(r)
         decode_tokens = sum(max(0, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens)
                             for r in decodes)
+        if self.whole_prompts or self.whole_seeded:
+            chunks = self._as_whole(chunks, by_id, self._max_tokens - decode_tokens - self.num_spec_tokens)
         kept = decodes + [by_id[rid] for rid, _ in chunks if rid in by_id]
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
@@ -365,10 +386,26 @@ class CoserveScheduler(AsyncScheduler):
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
 
-    def _prompt_left(self, request_id: str, planned: int) -> int:
-        """The prompt tokens ``request_id`` has left to compute (``planned`` where vLLM does not hold it)."""
-        vreq = self.requests.get(request_id)
-        return planned if vreq is None else max(planned, vreq.num_prompt_tokens - vreq.num_computed_tokens)
+    def _as_whole(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest],
+                  room: int) -> list[tuple[str, int]]:
+        """``chunks`` with each new prompt that may not run in parts at its whole rest (what vLLM computes for it:
+        its prompt, and the tokens it made before a preemption), where the step's ``room`` holds it; else it and the
+        new prompts after it wait for a step with room (the decodes drain meanwhile). vLLM skips a prompt its budget does not cover whole where chunked prefill is off,
+        and cuts one where it is on, which a seeded request on the CPU cannot survive (``whole_seeded``)."""
+        kept, blocked = [], False
+        for rid, n in chunks:
+            if rid not in running:
+                if blocked:  # as vLLM without chunked prefill: no prompt passes one that waits for room
+                    continue
+                vreq = self.requests.get(rid)
+                if vreq is not None and (self.whole_prompts or _seeded(vreq)):
+                    n = max(n, vreq.num_tokens - vreq.num_computed_tokens)
+                    if n > room:
+                        blocked = True
+                        continue
+            kept.append((rid, n))
+            room -= n
+        return kept
 
     def _within_lora_slots(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest], held: set[int]
                            ) -> list[tuple[str, int]]:

@@ -64,6 +64,70 @@ def test_without_chunked_prefill_the_policys_chunk_runs_as_the_whole_prompt(make
     assert out.num_scheduled_tokens == {tight.request_id: 1, long_prompt.request_id: 1}
 
 
+def test_which_seeds_reach_vllm_where_seeded_prompts_must_run_whole():
+    """A client's seed reaches vLLM on the CPU where coserve's policy runs and the prompt with its output fits a
+    step; a seed the server drew for reruns does not there (every sampled prompt would run whole). Elsewhere
+    every seed does."""
+    from gpu_runtime.qos import QoSClass, QoSSpec
+    from gpu_runtime.request import Request
+    from gpu_runtime.sampling import SamplingParams
+    from gpu_runtime.vllm.engine import seed_applies
+
+    def req(prompt: int, max_tokens: int = 16, drawn: bool = False) -> Request:
+        return Request("r", list(range(prompt)), SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3,
+                                                                seed_drawn=drawn),
+                       QoSSpec(QoSClass.BATCH, ttlt_s=3600.0), 0.0)
+
+    assert seed_applies(req(100), whole_seeded=True, coserve_policy=True, step_cap=512)
+    assert seed_applies(req(496), whole_seeded=True, coserve_policy=True, step_cap=512)  # 496 + 16: one step
+    assert not seed_applies(req(497), whole_seeded=True, coserve_policy=True, step_cap=512)
+    assert not seed_applies(req(100), whole_seeded=True, coserve_policy=False, step_cap=512)  # vLLM's policies
+    assert not seed_applies(req(100, drawn=True), whole_seeded=True, coserve_policy=True, step_cap=512)
+    assert all(seed_applies(req(n, drawn=d), whole_seeded=False, coserve_policy=p, step_cap=512)
+               for n in (100, 4000) for d in (False, True) for p in (False, True))
+
+
+def test_a_seeded_prompt_runs_whole_where_vllm_cannot_rewind_its_generator(make_scheduler):
+    """On the CPU vLLM cannot rewind a seeded request's generator after a part of its prompt ran (the step fails,
+    and every request in it): the policy's chunk of a seeded prompt becomes the whole prompt, an unseeded one is
+    still cut, and a seeded prompt the step has no room for waits until one has."""
+    from vllm import SamplingParams
+
+    def seeded(n: int, **kw):
+        r = vllm_request(n, {"ttft_ms": 60_000, "tbt_ms": 1000}, **kw)
+        r.sampling_params = SamplingParams(max_tokens=8, seed=7, extra_args=r.sampling_params.extra_args)
+        return r
+
+    s = make_scheduler("qoserve", max_batched=512)
+    assert s.whole_seeded  # this machine is a CPU
+    tight = vllm_request(16, {"ttft_ms": 10_000, "tbt_ms": 30, "tbt_anchor": "first-token"}, max_tokens=64)
+    s.add_request(tight)
+    run_step(s)
+    plain, lucky = vllm_request(480, {"ttft_ms": 60_000, "tbt_ms": 1000}), seeded(300)
+    s.add_request(plain)
+    out, _ = run_step(s)
+    assert 0 < out.num_scheduled_tokens[plain.request_id] < 480  # cut beside the tight decode, as ever
+    s.add_request(lucky)
+    for _ in range(40):
+        out, _ = run_step(s)
+        if lucky.request_id in out.num_scheduled_tokens:
+            break
+    assert out.num_scheduled_tokens[lucky.request_id] == 300, out.num_scheduled_tokens  # whole, never a part
+
+    s = make_scheduler("qoserve", max_batched=512)
+    s.add_request(tight := vllm_request(16, {"ttft_ms": 10_000, "tbt_ms": 30, "tbt_anchor": "first-token"},
+                                        max_tokens=64))
+    run_step(s)
+    s.add_request(big := seeded(512))
+    out, _ = run_step(s)  # 512 and the decode's token pass the 512-token cap: it waits, not cut to 511
+    assert out.num_scheduled_tokens == {tight.request_id: 1}
+    while tight.request_id in s.requests:  # until the decode is done
+        out, _ = run_step(s)
+        assert out.num_scheduled_tokens.get(big.request_id, 512) == 512, out.num_scheduled_tokens
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {big.request_id: 512}
+
+
 def test_free_job_past_its_deadline_is_relegated_then_resumed(make_scheduler):
     """A free prompt already past its TTFT waits behind paid work and is reported; it runs once load drops."""
     s = make_scheduler("qoserve", max_batched=64)

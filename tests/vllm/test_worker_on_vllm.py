@@ -142,6 +142,27 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert looping >= 12 and has(frequency_penalty=2.0) < looping / 2
     assert has(extra={"repetition_penalty": 1.5}) < looping / 2
 
+    # a seed samples the same text again, another seed another (on the CPU too, where the policy runs a seeded
+    # prompt whole: vLLM-CPU cannot rewind a generator after a part of a prompt ran); a long seeded prompt sent
+    # beside a running decode runs whole, and neither request fails
+    def sampled(seed: int, prompt: str = "Once upon a time", max_tokens: int = 16, **qos):
+        return oai.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=max_tokens,
+                                      temperature=1.0, seed=seed, extra_body={"ignore_eos": True, **qos}).choices[0]
+
+    texts = [sampled(seed).text for seed in (11, 11, 12)]
+    assert texts[0] == texts[1] != texts[2], texts
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        # a decode with a tight TBT: beside it the policy would cut a prompt into chunks
+        decoding = pool.submit(oai.completions.create, model="smollm2-135m-instruct", prompt="Count: one, two,",
+                               max_tokens=48, temperature=0,
+                               extra_body={"ignore_eos": True, "tbt_ms": 20, "tbt_anchor": "first-token"})
+        time.sleep(1.0)
+        long_seeded = sampled(5, "The quick brown fox jumps over the lazy dog. " * 60, max_tokens=8, ttft_ms=60_000)
+        assert decoding.result().choices[0].finish_reason == "length"
+    assert long_seeded.finish_reason == "length" and long_seeded.text, long_seeded
+
     # logit_bias: +100 makes a token the greedy choice, -100 rules it out
     from app.services.model_info import get_tokenizer
 
