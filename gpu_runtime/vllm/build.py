@@ -67,8 +67,8 @@ OWNED_ENGINE_ARGS = {
 
 def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> dict[str, Any]:
     """``overrides`` (the operator's: ``cli_args.operator_engine_args``) if each names an ``EngineArgs`` field the
-    worker leaves to the operator, for the worker's speculation policy; else a ValueError that names the key and what to do
-    instead."""
+    worker leaves to the operator, for the worker's speculation policy; else a ValueError that names the key and
+    what to do instead."""
     import dataclasses
     import difflib
 

@@ -390,8 +390,9 @@ class CoserveScheduler(AsyncScheduler):
                   room: int) -> list[tuple[str, int]]:
         """``chunks`` with each new prompt that may not run in parts at its whole rest (what vLLM computes for it:
         its prompt, and the tokens it made before a preemption), where the step's ``room`` holds it; else it and the
-        new prompts after it wait for a step with room (the decodes drain meanwhile). vLLM skips a prompt its budget does not cover whole where chunked prefill is off,
-        and cuts one where it is on, which a seeded request on the CPU cannot survive (``whole_seeded``)."""
+        new prompts after it wait for a step with room (the decodes drain meanwhile). vLLM skips a prompt its budget
+        does not cover whole where chunked prefill is off, and cuts one where it is on, which a seeded request on the
+        CPU cannot survive (``whole_seeded``)."""
         kept, blocked = [], False
         for rid, n in chunks:
             if rid not in running:
