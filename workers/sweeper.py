@@ -11,7 +11,6 @@ import logging
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from uuid import uuid4
 
 import redis
 from sqlalchemy import or_, select, update
@@ -107,17 +106,15 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     try:
         client = redis_client(redis_url)
         for queue in queues:
-            # no one's to look after first, then the list moved aside whole: a job sent there after the move makes
-            # a new list, which its sender names again (app.services.dispatch), for the next sweep
+            # no one's to look after first, then the list read and removed in one transaction (with the binding kombu
+            # declared for it): a job sent there after that makes a new list, which its sender names again
+            # (app.services.dispatch), for the next sweep
             client.srem(WORKER_QUEUES, queue)
-            taken = f"{queue}.rerouting.{uuid4().hex}"
-            try:
-                client.rename(queue, taken)
-            except redis.ResponseError:  # no such list: nothing waits there
-                taken = None
-            if taken is not None:
-                ids.update(m.decode() for raw in client.lrange(taken, 0, -1) for m in _JOB_ID.findall(raw))
-            client.delete(*filter(None, (taken, f"_kombu.binding.{queue}")))  # and the binding kombu declared
+            pipe = client.pipeline(transaction=True)
+            pipe.lrange(queue, 0, -1)
+            pipe.delete(queue, f"_kombu.binding.{queue}")
+            waiting, _deleted = pipe.execute()
+            ids.update(m.decode() for raw in waiting for m in _JOB_ID.findall(raw))
     except redis.RedisError as exc:
         log.warning("could not read the workers' own queues (%s); rerouting nothing this time", exc)
         return 0

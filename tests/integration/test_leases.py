@@ -237,4 +237,4 @@ def test_a_job_routed_to_a_queue_the_sweeper_just_dropped_is_rerouted_by_the_nex
         assert (result.rerouted, result.resent) == (1, 0)
     assert job_id.encode() in b"".join(r.lrange("coserve.tiny", 0, -1))
     assert not r.exists(queue) and not r.sismember(WORKER_QUEUES, queue)
-    assert not [k for k in r.keys(f"{queue}*")]  # nothing moved aside is left behind
+    assert not r.keys(f"{queue}*")  # nothing of the dropped queue is left behind
