@@ -106,14 +106,14 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     try:
         client = redis_client(redis_url)
         for queue in queues:
-            # no one's to look after first, then the list read and removed in one transaction (with the binding kombu
-            # declared for it): a job sent there after that makes a new list, which its sender names again
-            # (app.services.dispatch), for the next sweep
-            client.srem(WORKER_QUEUES, queue)
+            # in one transaction: no one's to look after any more, what waits there read, the list and the binding
+            # kombu declared for it removed. A job sent there after it makes a new list, which its sender names again
+            # (app.services.dispatch) for the next sweep
             pipe = client.pipeline(transaction=True)
+            pipe.srem(WORKER_QUEUES, queue)
             pipe.lrange(queue, 0, -1)
             pipe.delete(queue, f"_kombu.binding.{queue}")
-            waiting, _deleted = pipe.execute()
+            _named, waiting, _deleted = pipe.execute()
             ids.update(m.decode() for raw in waiting for m in _JOB_ID.findall(raw))
     except redis.RedisError as exc:
         log.warning("could not read the workers' own queues (%s); rerouting nothing this time", exc)
