@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 from uuid import uuid4
 
-from sqlalchemy.orm import Session
-
 import redis
+from sqlalchemy.orm import Session
 
 from app.db.models import JobStatus
 from app.db.session import write_after_read, write_guard

@@ -137,7 +137,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         raise JobValidationError(refused[1], param=refused[0], code="unsupported_value")
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
-        # stream that resumes mid-way stays one generation (up to batch-dependent rounding)
+        # stream that resumes mid-way stays one generation (up to batch-dependent rounding); marked
+        # drawn: vLLM-CPU applies a client's seed only (gpu_runtime.vllm.engine.seed_applies)
         sampling["seed"], sampling["seed_drawn"] = secrets.randbelow(2**62), True
     if sampling["tool_choice"] == "auto":  # the model writes its calls in its own syntax: read with its parser
         if settings.tool_call_parser is None:

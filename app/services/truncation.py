@@ -30,9 +30,8 @@ def kept_prompt(ids: list[int], truncate: int | None, context: int, max_tokens: 
 
 def fed_prompt(settings: Settings, job: Any, context: int | None = None) -> list[int]:
     """A job's prompt as its worker feeds the engine: the token ids of its prompt, or of its messages and tools
-    through the chat template, cut to ``truncate_prompt_tokens`` within ``context`` tokens (None: the engine
-    settings', as the worker holds it; the API passes the context it holds jobs to) (raises
-    ``ChatTemplateError``)."""
+    through the chat template, cut to ``truncate_prompt_tokens`` within ``context`` tokens: the API passes the
+    context it holds jobs to, the worker none (its engine settings'). Raises ``ChatTemplateError``."""
     ids = job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools,
                                                job.template_options)
     sampling = job.sampling or {}
