@@ -42,15 +42,12 @@ log = logging.getLogger(__name__)
 _FINISH = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
-def seed_applies(req: Request, whole_seeded: bool, coserve_policy: bool, step_cap: int) -> bool:
-    """Whether vLLM may seed ``req``'s sampling. Where seeded prompts must run whole (``whole_seeded``: the CPU),
-    only under coserve's policy (which runs them so), where the prompt and its output fit one step, and not a seed
-    the server drew (for reruns): every sampled job's prompt would then run whole, and decodes beside a long one
-    wait for it, which chunked prefill is there to prevent."""
-    if not whole_seeded:
-        return True
-    return coserve_policy and not req.sampling.seed_drawn and (
-        len(req.prompt_token_ids) + req.sampling.max_tokens <= step_cap)
+def seed_applies(req: Request, whole_seeded: bool) -> bool:
+    """Whether ``req``'s seed goes to vLLM: not, where seeded prompts must run whole (``whole_seeded``: the CPU), a
+    seed the server drew for reruns: every sampled job's prompt would then run whole, and decodes beside a long one
+    wait for it, which chunked prefill is there to prevent. (The scheduler drops a client's seed where the prompt
+    cannot run whole: ``CoserveScheduler._unseed_unless_whole``.)"""
+    return not (whole_seeded and req.sampling.seed_drawn)
 
 
 @dataclass
@@ -281,8 +278,7 @@ class VLLMEngine:
 
         sp = req.sampling
         structured = StructuredOutputsParams(**sp.structured.fields()) if sp.structured is not None else None
-        seeded = seed_applies(req, self.whole_seeded, self.core_scheduler.policy is not None,
-                              self.core_scheduler.step_cap)
+        seeded = seed_applies(req, self.whole_seeded)
         return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
                               frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,

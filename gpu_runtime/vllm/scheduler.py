@@ -178,6 +178,8 @@ class CoserveScheduler(AsyncScheduler):
 
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: VLLMRequest) -> None:
+        if self.whole_seeded and _seeded(request) and request.request_id not in self.requests:
+            self._unseed_unless_whole(request)
         if self.native or request.request_id in self.requests:
             super().add_request(request)
             return
@@ -193,6 +195,19 @@ class CoserveScheduler(AsyncScheduler):
         mirror.num_computed_tokens = mirror.num_cached_tokens = self.kv.cached_prefix(request)
         self.mirrors[request.request_id] = mirror
         self.policy.add_request(mirror)  # type: ignore[union-attr]
+
+    def _unseed_unless_whole(self, request: VLLMRequest) -> None:
+        """Drops the seed of a request whose prompt cannot run whole (``whole_seeded``): under vLLM's own policies,
+        which cut prompts as they go, or where the prompt and its output pass a step. vLLM-CPU would fail the step
+        it ran a part of it in (a plain ``vllm serve --scheduler-cls`` too), and every request in that step."""
+        step = self._max_tokens - self.num_spec_tokens  # the most a prompt gets in a step (_as_whole's room)
+        why = ("vLLM's own policy cuts prompts" if self.native else
+               f"its prompt and max_tokens pass a step's {step} tokens"
+               if request.num_prompt_tokens + (request.sampling_params.max_tokens or 0) > step else None)
+        if why is not None:
+            log.info("request %s samples unseeded: on the CPU a seeded prompt must run whole, and %s",
+                     request.request_id, why)
+            request.sampling_params.seed = None
 
     def finish_requests(self, request_ids: Any, finished_status: VStatus) -> list[VLLMRequest]:
         finished = super().finish_requests(request_ids, finished_status)

@@ -64,27 +64,34 @@ def test_without_chunked_prefill_the_policys_chunk_runs_as_the_whole_prompt(make
     assert out.num_scheduled_tokens == {tight.request_id: 1, long_prompt.request_id: 1}
 
 
-def test_which_seeds_reach_vllm_where_seeded_prompts_must_run_whole():
-    """A client's seed reaches vLLM on the CPU where coserve's policy runs and the prompt with its output fits a
-    step; a seed the server drew for reruns does not there (every sampled prompt would run whole). Elsewhere
-    every seed does."""
+def test_which_seeds_reach_vllm_where_seeded_prompts_must_run_whole(make_scheduler):
+    """On the CPU a client's seed reaches vLLM's sampler where coserve's policy runs and the prompt with its output
+    fits a step; the scheduler drops it otherwise (vLLM's own policies, a longer prompt), and the engine does not
+    pass a seed the server drew for reruns (every sampled prompt would run whole). Elsewhere every seed goes."""
+    from vllm import SamplingParams as VLLMSampling
+
     from gpu_runtime.qos import QoSClass, QoSSpec
     from gpu_runtime.request import Request
     from gpu_runtime.sampling import SamplingParams
     from gpu_runtime.vllm.engine import seed_applies
 
-    def req(prompt: int, max_tokens: int = 16, drawn: bool = False) -> Request:
-        return Request("r", list(range(prompt)), SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3,
-                                                                seed_drawn=drawn),
+    def job(drawn: bool) -> Request:
+        return Request("r", [1, 2, 3], SamplingParams(max_tokens=16, temperature=1.0, seed=3, seed_drawn=drawn),
                        QoSSpec(QoSClass.BATCH, ttlt_s=3600.0), 0.0)
 
-    assert seed_applies(req(100), whole_seeded=True, coserve_policy=True, step_cap=512)
-    assert seed_applies(req(496), whole_seeded=True, coserve_policy=True, step_cap=512)  # 496 + 16: one step
-    assert not seed_applies(req(497), whole_seeded=True, coserve_policy=True, step_cap=512)
-    assert not seed_applies(req(100), whole_seeded=True, coserve_policy=False, step_cap=512)  # vLLM's policies
-    assert not seed_applies(req(100, drawn=True), whole_seeded=True, coserve_policy=True, step_cap=512)
-    assert all(seed_applies(req(n, drawn=d), whole_seeded=False, coserve_policy=p, step_cap=512)
-               for n in (100, 4000) for d in (False, True) for p in (False, True))
+    assert seed_applies(job(False), whole_seeded=True) and not seed_applies(job(True), whole_seeded=True)
+    assert seed_applies(job(False), whole_seeded=False) and seed_applies(job(True), whole_seeded=False)
+
+    def seed_kept(policy: str, prompt: int, max_tokens: int = 16) -> bool:
+        s = make_scheduler(policy, max_batched=512)
+        r = vllm_request(prompt, {"ttft_ms": 60_000, "tbt_ms": 1000})
+        r.sampling_params = VLLMSampling(max_tokens=max_tokens, seed=7, extra_args=r.sampling_params.extra_args)
+        s.add_request(r)
+        return r.sampling_params.seed == 7
+
+    assert seed_kept("qoserve", 496)  # 496 + 16: one step
+    assert not seed_kept("qoserve", 497)
+    assert not seed_kept("vllm-fcfs", 100)  # vLLM's own policy cuts prompts as they go
 
 
 def test_a_seeded_prompt_runs_whole_where_vllm_cannot_rewind_its_generator(make_scheduler):
@@ -115,17 +122,20 @@ def test_a_seeded_prompt_runs_whole_where_vllm_cannot_rewind_its_generator(make_
     assert out.num_scheduled_tokens[lucky.request_id] == 300, out.num_scheduled_tokens  # whole, never a part
 
     s = make_scheduler("qoserve", max_batched=512)
-    s.add_request(tight := vllm_request(16, {"ttft_ms": 10_000, "tbt_ms": 30, "tbt_anchor": "first-token"},
-                                        max_tokens=64))
+    tight = [vllm_request(16, {"ttft_ms": 10_000, "tbt_ms": 30, "tbt_anchor": "first-token"}, max_tokens=64)
+             for _ in range(10)]
+    for r in tight:
+        s.add_request(r)
     run_step(s)
-    s.add_request(big := seeded(512))
-    out, _ = run_step(s)  # 512 and the decode's token pass the 512-token cap: it waits, not cut to 511
-    assert out.num_scheduled_tokens == {tight.request_id: 1}
-    while tight.request_id in s.requests:  # until the decode is done
-        out, _ = run_step(s)
-        assert out.num_scheduled_tokens.get(big.request_id, 512) == 512, out.num_scheduled_tokens
+    s.add_request(big := seeded(504))  # 504 + 8 output tokens: one step, but not beside ten decodes
     out, _ = run_step(s)
-    assert out.num_scheduled_tokens == {big.request_id: 512}
+    assert big.sampling_params.seed == 7 and big.request_id not in out.num_scheduled_tokens, out.num_scheduled_tokens
+    while any(r.request_id in s.requests for r in tight):  # until the decodes are done: never a part of it
+        out, _ = run_step(s)
+        assert out.num_scheduled_tokens.get(big.request_id, 504) == 504, out.num_scheduled_tokens
+    if big.request_id not in out.num_scheduled_tokens:
+        out, _ = run_step(s)
+    assert out.num_scheduled_tokens.get(big.request_id) == 504, out.num_scheduled_tokens
 
 
 def test_free_job_past_its_deadline_is_relegated_then_resumed(make_scheduler):
