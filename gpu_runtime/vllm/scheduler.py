@@ -26,6 +26,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
+from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -77,7 +78,8 @@ def seeds_need_whole_prompts() -> bool:
 
 
 def _seeded(request: VLLMRequest) -> bool:
-    return request.sampling_params is not None and request.sampling_params.seed is not None
+    """Whether the request samples from a generator of its own (a seed, and not greedy)."""
+    return request.sampling_params is not None and request.sampling_params.sampling_type is SamplingType.RANDOM_SEED
 
 
 def policy_overrides() -> dict[str, Any]:

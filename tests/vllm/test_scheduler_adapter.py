@@ -82,16 +82,18 @@ def test_which_seeds_reach_vllm_where_seeded_prompts_must_run_whole(make_schedul
     assert seed_applies(job(False), whole_seeded=True) and not seed_applies(job(True), whole_seeded=True)
     assert seed_applies(job(False), whole_seeded=False) and seed_applies(job(True), whole_seeded=False)
 
-    def seed_kept(policy: str, prompt: int, max_tokens: int = 16) -> bool:
+    def seed_kept(policy: str, prompt: int, max_tokens: int = 16, temperature: float = 1.0) -> bool:
         s = make_scheduler(policy, max_batched=512)
         r = vllm_request(prompt, {"ttft_ms": 60_000, "tbt_ms": 1000})
-        r.sampling_params = VLLMSampling(max_tokens=max_tokens, seed=7, extra_args=r.sampling_params.extra_args)
+        r.sampling_params = VLLMSampling(max_tokens=max_tokens, seed=7, temperature=temperature,
+                                         extra_args=r.sampling_params.extra_args)
         s.add_request(r)
         return r.sampling_params.seed == 7
 
     assert seed_kept("qoserve", 496)  # 496 + 16: one step
     assert not seed_kept("qoserve", 497)
     assert not seed_kept("vllm-fcfs", 100)  # vLLM's own policy cuts prompts as they go
+    assert seed_kept("vllm-fcfs", 497, temperature=0.0)  # greedy: no generator, nothing to rewind
 
 
 def test_a_seeded_prompt_runs_whole_where_vllm_cannot_rewind_its_generator(make_scheduler):
@@ -100,9 +102,10 @@ def test_a_seeded_prompt_runs_whole_where_vllm_cannot_rewind_its_generator(make_
     still cut, and a seeded prompt the step has no room for waits until one has."""
     from vllm import SamplingParams
 
-    def seeded(n: int, **kw):
-        r = vllm_request(n, {"ttft_ms": 60_000, "tbt_ms": 1000}, **kw)
-        r.sampling_params = SamplingParams(max_tokens=8, seed=7, extra_args=r.sampling_params.extra_args)
+    def seeded(n: int, temperature: float = 1.0):
+        r = vllm_request(n, {"ttft_ms": 60_000, "tbt_ms": 1000})
+        r.sampling_params = SamplingParams(max_tokens=8, seed=7, temperature=temperature,
+                                           extra_args=r.sampling_params.extra_args)
         return r
 
     s = make_scheduler("qoserve", max_batched=512)
@@ -110,10 +113,14 @@ def test_a_seeded_prompt_runs_whole_where_vllm_cannot_rewind_its_generator(make_
     tight = vllm_request(16, {"ttft_ms": 10_000, "tbt_ms": 30, "tbt_anchor": "first-token"}, max_tokens=64)
     s.add_request(tight)
     run_step(s)
-    plain, lucky = vllm_request(480, {"ttft_ms": 60_000, "tbt_ms": 1000}), seeded(300)
+    plain, greedy, lucky = vllm_request(480, {"ttft_ms": 60_000, "tbt_ms": 1000}), seeded(480, 0.0), seeded(300)
     s.add_request(plain)
     out, _ = run_step(s)
     assert 0 < out.num_scheduled_tokens[plain.request_id] < 480  # cut beside the tight decode, as ever
+    s.add_request(greedy)  # a seed without sampling (temperature 0): no generator, cut as ever
+    while greedy.request_id not in out.num_scheduled_tokens:
+        out, _ = run_step(s)
+    assert 0 < out.num_scheduled_tokens[greedy.request_id] < 480
     s.add_request(lucky)
     for _ in range(40):
         out, _ = run_step(s)
