@@ -101,6 +101,7 @@ class _Worker:
     held: int  # jobs it served in line at its heartbeat
     capacity: int
     heartbeat_at: datetime
+    context: int | None  # the context its engine serves, from its heartbeat (None: not said)
 
 
 class Router:
@@ -126,6 +127,12 @@ class Router:
             self._sent[chosen].append(utcnow())
             return worker_queue(chosen)
 
+    def served_context(self, model: str) -> int | None:
+        """The least context a live worker of ``model`` serves (None: none says)."""
+        with self._lock:
+            return min((w.context for w in self._live() if model in w.served and w.context is not None),
+                       default=None)
+
     def _since(self, worker: _Worker) -> int:
         """The jobs this process sent ``worker`` after its last heartbeat (which did not count them yet)."""
         sent = self._sent[worker.id]
@@ -140,8 +147,8 @@ class Router:
             with session_scope(self.url) as s:
                 rows = s.execute(select(WorkerState).where(WorkerState.heartbeat_at >= since,
                                                            WorkerState.draining.is_(False))).scalars().all()
-                self._workers = [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at))
-                                 for r in rows]
+                self._workers = [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at),
+                                         advertised_context(r.state)) for r in rows]
             for gone in set(self._sent) - {w.id for w in self._workers}:
                 del self._sent[gone]
         return self._workers
@@ -150,6 +157,12 @@ class Router:
 def _load(state: dict[str, Any]) -> tuple[int, int]:
     """(jobs in line, capacity) from a worker's heartbeat state (an older worker's: its jobs, no cap)."""
     return int(state.get("in_line", state.get("active_jobs")) or 0), int(state.get("max_inflight") or 2**31)
+
+
+def advertised_context(state: dict[str, Any] | None) -> int | None:
+    """The context a worker's heartbeat state says its engine serves (None: not said)."""
+    n = (state or {}).get("context_length")
+    return n if isinstance(n, int) else None
 
 
 _routers: dict[tuple[str, float, int], Router] = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from datetime import timedelta
@@ -16,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from app.db.models import WorkerState
-from app.db.session import session_scope
+from app.services import routing
 from app.services.model_info import context_length
 from app.services.notify import redis_client
 from app.services.transitions import utcnow
@@ -26,7 +25,6 @@ from workers.control import control_channel
 log = logging.getLogger(__name__)
 
 RESET_TIMEOUT_S = 30.0  # how long a prefix-cache reset waits for every worker's answer
-SERVED_CONTEXT_S = 1.0  # how long a process trusts what it read of the live workers' context
 
 
 def live_workers(session: Session, settings: Settings, *, draining: bool = False) -> list[WorkerState]:
@@ -42,29 +40,20 @@ def served_context(session: Session, settings: Settings) -> int | None:
     """The least context (prompt + output tokens) a live worker of the model serves, from its heartbeat; None where
     none says."""
     return min((n for w in live_workers(session, settings) if settings.model_name in w.served
-                and isinstance(n := (w.state or {}).get("context_length"), int)), default=None)
-
-
-_served: dict[tuple[str, str], tuple[float, int | None]] = {}  # (database, model) -> (read at, served context)
-_served_lock = threading.Lock()
+                and (n := routing.advertised_context(w.state)) is not None), default=None)
 
 
 def held_context_length(settings: Settings) -> int:
     """The context the API holds a job to: its own engine settings' (``context_length``), or less where a live
     worker of the model serves less (its engine set shorter than this API knows), so a job it accepts is one every
-    worker can run. The workers are read at most once per ``SERVED_CONTEXT_S``."""
-    key = (settings.sqlalchemy_url, settings.model_name)
-    with _served_lock:
-        read_at, served = _served.get(key, (float("-inf"), None))
-        if time.monotonic() - read_at >= SERVED_CONTEXT_S:
-            try:
-                with session_scope(settings.sqlalchemy_url) as s:
-                    served = served_context(s, settings)
-            except SQLAlchemyError as exc:
-                # nothing known of the workers: the settings' context (writing the job reports the database)
-                log.warning("could not read the workers' context (%s); holding jobs to the settings'", exc)
-                served = None
-            _served[key] = (time.monotonic(), served)
+    worker can run. The workers as the process's router last read them (at most once per ``routing.REFRESH_S``)."""
+    try:
+        served = routing.router(settings.sqlalchemy_url, settings.lease_seconds,
+                                settings.routing_slack).served_context(settings.model_name)
+    except SQLAlchemyError as exc:
+        # nothing known of the workers: the settings' context (writing the job reports the database)
+        log.warning("could not read the workers' context (%s); holding jobs to the settings'", exc)
+        served = None
     own = context_length(settings)
     return own if served is None else min(own, served)
 

@@ -148,8 +148,7 @@ class VLLMEngine:
         # not use offset" kills the step, and every job in it): there coserve's policy runs a seeded prompt whole
         # (CoserveScheduler.whole_seeded), so a client's seed applies where the prompt and its output fit one step;
         # vLLM's own policies cut prompts as they go, so under them seeds stay off on the CPU
-        self.whole_seeded = self.core_scheduler.whole_seeded
-        if self.whole_seeded:
+        if self.core_scheduler.whole_seeded:
             log.info("vLLM on the CPU: a client's seed applies where the policy is coserve's and the prompt and "
                      "max_tokens fit one step (%d tokens); else the request samples from vLLM's own stream",
                      self.core_scheduler.step_cap)
@@ -278,7 +277,7 @@ class VLLMEngine:
 
         sp = req.sampling
         structured = StructuredOutputsParams(**sp.structured.fields()) if sp.structured is not None else None
-        seeded = seed_applies(req, self.whole_seeded)
+        seeded = seed_applies(req, self.core_scheduler.whole_seeded)
         return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
                               frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,

@@ -620,9 +620,9 @@ def test_jobs_are_held_to_the_least_context_a_live_worker_serves(client, setting
     the API refuses what that worker could not run, as vLLM would, instead of accepting a job that then fails
     there; and it says so where clients read the context. Once no live worker serves less, the model's holds."""
     from app.db.models import WorkerState
-    from app.services import workers as workers_service
+    from app.services import routing
 
-    monkeypatch.setattr(workers_service, "SERVED_CONTEXT_S", 0.0)  # read the workers on every request here
+    monkeypatch.setattr(routing, "REFRESH_S", 0.0)  # read the workers on every request here
     assert client.get(f"/v1/models/{settings.model_name}", headers=H(keys.paid)).json()["max_model_len"] == 512
     with session_scope(settings.sqlalchemy_url) as s:
         s.add(WorkerState(id="w-short", model=settings.model_name, queue="q", device="cpu",
