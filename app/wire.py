@@ -30,15 +30,23 @@ def _lone_surrogate(text: str) -> str | None:
     return None
 
 
-def surrogate_message(char: str) -> str:
+def _unstorable(text: str) -> str | None:
+    """The first character of ``text`` no database column takes: a lone surrogate (not UTF-8) or NUL (PostgreSQL's
+    text refuses it)."""
+    return "\x00" if "\x00" in text else _lone_surrogate(text)
+
+
+def unstorable_message(char: str) -> str:
+    if char == "\x00":
+        return "contains a NUL character (\\u0000), which cannot be stored; remove it"
     return f"contains a lone surrogate {escape(char)}, {SURROGATE_HINT}"
 
 
 def check_text(value: str) -> str:
-    """Pydantic validator: refuses a string holding a lone surrogate."""
-    bad = _lone_surrogate(value)
+    """Pydantic validator: refuses a string holding a lone surrogate or NUL."""
+    bad = _unstorable(value)
     if bad is not None:
-        raise ValueError(surrogate_message(bad))
+        raise ValueError(unstorable_message(bad))
     return value
 
 
@@ -60,20 +68,20 @@ Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64), After
 SecondsOrWindow = Annotated[float | str, BeforeValidator(finite_or_text)]
 
 
-def find_lone_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], str] | None:
-    """The location and character of the first lone surrogate in decoded JSON (keys too), or None."""
+def find_unstorable(value: Any, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], str] | None:
+    """The location and character of the first lone surrogate or NUL in decoded JSON (keys too), or None."""
     if isinstance(value, str):
-        bad = _lone_surrogate(value)
+        bad = _unstorable(value)
         return (path, bad) if bad is not None else None
     if isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(k, str) and (bad := _lone_surrogate(k)) is not None:
-                return (*path, escape(k)), bad
-            if (found := find_lone_surrogate(v, (*path, k))) is not None:
+            if isinstance(k, str) and (bad := _unstorable(k)) is not None:
+                return (*path, escape(k).replace("\x00", "\\u0000")), bad
+            if (found := find_unstorable(v, (*path, k))) is not None:
                 return found
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            if (found := find_lone_surrogate(v, (*path, i))) is not None:
+            if (found := find_unstorable(v, (*path, i))) is not None:
                 return found
     return None
 

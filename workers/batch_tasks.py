@@ -16,7 +16,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from app.batch.fanout import start_batch
-from app.batch.finalize import OPEN, maybe_finalize
+from app.batch.finalize import maybe_finalize, stalled_or_open
 from app.db.models import Batch
 from app.db.session import session_scope
 from app.services.transitions import utcnow
@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 
 
 def finalize_open_batches(url: str, data_dir: Path, redis_url: str | None) -> list[str]:
-    """Finalizes every open batch whose jobs are all terminal (or whose window ended)."""
+    """Finalizes every open batch whose jobs are all terminal (or whose window ended), and takes over the finalizing
+    of a batch whose writer died."""
     done = []
     with session_scope(url) as s:
-        for batch_id in list(s.scalars(select(Batch.id).where(Batch.status.in_(OPEN)))):
+        for batch_id in list(s.scalars(select(Batch.id).where(stalled_or_open()))):
             try:
                 if maybe_finalize(s, batch_id, data_dir, redis_url):
                     done.append(batch_id)

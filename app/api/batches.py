@@ -21,11 +21,13 @@ from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import cancel_batch, maybe_finalize
 from app.batch.lines import ENDPOINTS
 from app.batch.objects import batch_object, batch_usage
+from app.db import pagination
 from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute, parse_window
 from app.services.jobs import JobValidationError, resolve_tier
 from app.services.transitions import utcnow
+from app.wire import Metadata
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,9 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")
     input_file_id: str
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
-    completion_window: str = Field("24h", description="'24h', or any window such as '30m', '2h', '7d'")
-    metadata: dict[str, str] | None = None
+    completion_window: str = Field("24h", max_length=Batch.completion_window.type.length,
+                                   description="'24h', or any window such as '30m', '2h', '7d'")
+    metadata: Metadata | None = Field(None, description="up to 16 pairs: keys up to 64 characters, values up to 512")
     output_expires_after: storage.ExpiresAfter | None = Field(
         None, description="when the batch's output and error files expire, counted from when each is made "
                           "(unset: they are kept until deleted)")
@@ -88,9 +91,8 @@ def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: Set
     if after:
         ref = session.get(Batch, after)
         if ref is not None:
-            q = q.where((Batch.created_at < ref.created_at) |
-                        ((Batch.created_at == ref.created_at) & (Batch.id < ref.id)))
-    rows = list(session.scalars(q.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)))
+            q = q.where(pagination.after(Batch, ref.created_at, ref.id))
+    rows = list(session.scalars(q.order_by(*pagination.in_order(Batch)).limit(limit + 1)))
     page = rows[:limit]
     for b in page:
         if b.status in ("in_progress", "cancelling"):

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from app.wire import find_lone_surrogate, json_safe, surrogate_message
+from app.wire import find_unstorable, json_safe, unstorable_message
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +145,19 @@ def _json_body(request: Request) -> bool:
 
 
 class CheckedRoute(APIRoute):
-    """Refuses, with a 422 naming the field, a JSON body holding a lone surrogate anywhere
-    (in a field no model checks too: metadata, tools, a dict key). The body is parsed once:
-    Starlette caches it for the route's own parsing."""
+    """Refuses, with a 422 naming the field, a NUL character in the path or the query, and a JSON body holding a lone
+    surrogate or a NUL anywhere (in a field no model checks too: metadata, tools, a dict key). The body is parsed
+    once: Starlette caches it for the route's own parsing."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
+            for where, params in (("path", request.path_params.items()), ("query", request.query_params.multi_items())):
+                for name, value in params:
+                    if isinstance(value, str) and "\x00" in value:  # an id no column holds (PostgreSQL refuses it)
+                        raise RequestValidationError([{"type": "string_unicode", "loc": (where, name),
+                                                       "msg": unstorable_message("\x00"), "input": None}])
             if request.method in ("POST", "PUT", "PATCH") and _json_body(request):
                 try:
                     body = await request.json()
@@ -162,11 +167,11 @@ class CheckedRoute(APIRoute):
                     raise RequestValidationError([{
                         "type": "json_invalid", "loc": ("body",), "input": None,
                         "msg": f"the body is not valid JSON: it is not UTF-8 text (byte {exc.start})"}]) from None
-                found = find_lone_surrogate(body)
+                found = find_unstorable(body)
                 if found is not None:
                     where, char = found
                     raise RequestValidationError([{"type": "string_unicode", "loc": ("body", *where),
-                                                   "msg": surrogate_message(char), "input": None}])
+                                                   "msg": unstorable_message(char), "input": None}])
             return await handler(request)
 
         return checked

@@ -17,6 +17,7 @@ from sqlalchemy import or_, select
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.batch import storage
+from app.db import pagination
 from app.db.models import File as FileRow
 from app.db.models import utcnow
 from app.openai_schemas import OpenAIError, OpenAIRoute, list_page
@@ -82,13 +83,21 @@ async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings
 
 @router.get("", responses=openai_responses(400))
 def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | None = None,
-               limit: Annotated[int, Query(ge=1, le=10_000)] = 100, after: str | None = None) -> dict:
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 100, after: str | None = None,
+               order: Annotated[Literal["asc", "desc"], Query(description="by creation: desc newest first")] = "desc",
+               ) -> dict:
+    newest_first = order == "desc"
     q = select(FileRow).where(FileRow.tenant_id == principal.tenant_id, FileRow.deleted.is_(False),
                               or_(FileRow.expires_at.is_(None), FileRow.expires_at > utcnow()))
     if purpose:
         q = q.where(FileRow.purpose == purpose)
-    rows = list(session.scalars(q.order_by(FileRow.created_at.desc(), FileRow.id.desc())))
-    return list_page(rows, after, limit, storage.file_object)
+    if after:  # the cursor file may be deleted or expired by now (a loop that deletes as it lists)
+        mark = session.get(FileRow, after)
+        if mark is None or mark.tenant_id != principal.tenant_id:
+            return list_page([], None, limit, storage.file_object)
+        q = q.where(pagination.after(FileRow, mark.created_at, mark.id, newest_first))
+    rows = list(session.scalars(q.order_by(*pagination.in_order(FileRow, newest_first)).limit(limit + 1)))
+    return list_page(rows, None, limit, storage.file_object)
 
 
 @router.get("/{file_id}", responses=openai_responses(404))

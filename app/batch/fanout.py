@@ -20,7 +20,7 @@ from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
 from app.db.models import Batch, File, JobEvent, JobStatus
-from app.db.session import read_then_write, session_scope, write_guard
+from app.db.session import read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
 from app.services import dispatch as dispatching
 from app.services import routing
@@ -47,11 +47,12 @@ def start_batch(settings: Settings, batch_id: str) -> None:
     """Validates the batch's input file and creates + dispatches its jobs (a background task)."""
     try:
         _start(settings, batch_id)
-    except Exception as exc:
-        log.exception("batch %s failed during validation", batch_id)
-        with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-            _fail(s, batch_id, errors=[{"code": "internal_error", "message": f"validation failed: {exc}",
-                                        "line": None}])
+    except Exception:
+        log.exception("batch %s failed during validation", batch_id)  # the cause stays in the log: it may name
+        with session_scope(settings.sqlalchemy_url) as s, write_guard(s):  # paths, SQL and other lines' text
+            _fail(s, batch_id, errors=[{"code": "internal_error", "line": None,
+                                        "message": "the server failed to validate the input file (its log says "
+                                                   "why); no request of this batch ran, so it can be sent again"}])
 
 
 def _fail(session, batch_id: str, **values) -> None:
@@ -66,7 +67,14 @@ def _start(settings: Settings, batch_id: str) -> None:
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
         batch = s.get(Batch, batch_id)
-        content = read_content(s.get(File, batch.input_file_id))
+        try:
+            content = read_content(s.get(File, batch.input_file_id))
+        except FileNotFoundError:  # deleted before it was read
+            with write_after_read(s):
+                _fail(s, batch_id, errors=[{"code": "invalid_file", "line": None, "param": "input_file_id",
+                                            "message": f"the input file {batch.input_file_id} was deleted before "
+                                                       "its lines were read"}])
+            return
         endpoint, tier, tenant_id, key_id = batch.endpoint, batch.tier, batch.tenant_id, batch.api_key_id
         expires_at = as_utc(batch.expires_at)
     window_s = parse_window(batch.completion_window)

@@ -3,7 +3,9 @@
 ``maybe_finalize`` is idempotent and safe to call from anywhere (API reads of the batch,
 the cancel route, the workers' sweeper through ``workers.batch_tasks``): it refreshes
 ``request_counts``, expires a batch whose window ended, and the one caller that wins the
-guarded ``in_progress|cancelling -> finalizing`` update writes the files.
+guarded ``in_progress|cancelling -> finalizing`` update writes the files. Their rows and the
+final status commit together; a batch left finalizing by a caller that died is taken over
+once ``STALLED_AFTER`` has passed.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import logging
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.batch.objects import job_error_line, output_line
-from app.batch.storage import save_file
+from app.batch.storage import new_file
 from app.db.models import Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
 from app.services.notify import announce_cancel
@@ -28,6 +30,19 @@ log = logging.getLogger(__name__)
 
 OPEN = ("in_progress", "cancelling")
 TERMINAL_JOB = [s.value for s in JobStatus if s.terminal]
+STALLED_AFTER = timedelta(minutes=5)  # a batch finalizing this long lost the process that wrote its files
+
+
+def stalled(batch: Batch) -> bool:
+    """Whether ``batch`` has been finalizing so long that its writer must have died."""
+    return (batch.status == "finalizing" and batch.finalizing_at is not None
+            and as_utc(batch.finalizing_at) <= utcnow() - STALLED_AFTER)
+
+
+def stalled_or_open():  # noqa: ANN201 - a SQL condition
+    """Batches ``maybe_finalize`` may still finish: open, or stalled while finalizing."""
+    return or_(Batch.status.in_(OPEN),
+               and_(Batch.status == "finalizing", Batch.finalizing_at <= utcnow() - STALLED_AFTER))
 
 
 def _invalid_lines(data_dir: Path, batch_id: str) -> list[str]:
@@ -68,12 +83,12 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         data_dir = data_dir or get_settings().data_dir
         redis_url = redis_url or get_settings().redis_url
     batch = session.get(Batch, batch_id, populate_existing=True)
-    if batch is None or batch.status not in OPEN:
+    if batch is None or (batch.status not in OPEN and not stalled(batch)):
         return False
+    cancelled = batch.cancelling_at is not None  # cancelling, or finalizing after it
     counts = _counts(session, batch_id)
     pending = sum(n for st, n in counts.items() if st not in TERMINAL_JOB)
-    window_over = (batch.status == "in_progress" and batch.expires_at is not None
-                   and as_utc(batch.expires_at) <= utcnow())
+    window_over = not cancelled and batch.expires_at is not None and as_utc(batch.expires_at) <= utcnow()
     if pending and window_over:
         stop_jobs(session, batch_id, JobStatus.EXPIRED, "the batch's completion window ended", redis_url)
         counts = _counts(session, batch_id)
@@ -91,35 +106,44 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
                 session.execute(update(Batch).where(Batch.id == batch_id).values(completed=completed, failed=failed))
                 session.commit()
         return False
-    prev = batch.status
-    with write_guard(session):
-        won = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == prev).values(
-            status="finalizing", finalizing_at=utcnow(), completed=completed, failed=failed)).rowcount == 1
+    mine = utcnow()  # this caller's finalizing, as the batch row holds it
+    with write_guard(session):  # one caller wins; a stalled finalizing is taken over by one caller too
+        won = session.execute(update(Batch).where(
+            Batch.id == batch_id, Batch.status == batch.status, Batch.finalizing_at == batch.finalizing_at).values(
+            status="finalizing", finalizing_at=mine, completed=completed, failed=failed)).rowcount == 1
         session.commit()
     if not won:
         return False
     jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.created_at, Job.id)))
     out_lines = [json.dumps(output_line(j)) for j in jobs if j.status == JobStatus.SUCCEEDED]
     err_lines = invalid + [json.dumps(job_error_line(j)) for j in jobs if j.status != JobStatus.SUCCEEDED]
-    values: dict = {}
     lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
-    if out_lines:
-        values["output_file_id"] = save_file(session, data_dir, batch.tenant_id, f"{batch_id}_output.jsonl",
-                                             "batch_output", ("\n".join(out_lines) + "\n").encode(), lives).id
-    if err_lines:
-        values["error_file_id"] = save_file(session, data_dir, batch.tenant_id, f"{batch_id}_error.jsonl",
-                                            "batch_output", ("\n".join(err_lines) + "\n").encode(), lives).id
+    files = {key: new_file(data_dir, batch.tenant_id, f"{batch_id}_{name}.jsonl", "batch_output",
+                           ("\n".join(lines) + "\n").encode(), lives)
+             for key, name, lines in (("output_file_id", "output", out_lines), ("error_file_id", "error", err_lines))
+             if lines}
+    values: dict = {key: row.id for key, row in files.items()}
     now = utcnow()
-    if prev == "cancelling":
+    if cancelled:
         values.update(status="cancelled", cancelled_at=now)
     elif expired:
         values.update(status="expired", expired_at=now)
     else:
         values.update(status="completed", completed_at=now)
+    # the files and the final status in one transaction: a finalize that dies before it leaves the batch
+    # finalizing, for a later caller to take over once stalled; one taken over meanwhile writes nothing
     with write_after_read(session):
-        session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
-        emit(session, batch.tenant_id, f"batch.{values['status']}", batch_id)  # with the status, or not at all
+        still_mine = session.execute(update(Batch).where(
+            Batch.id == batch_id, Batch.status == "finalizing", Batch.finalizing_at == mine).values(**values)).rowcount
+        if still_mine:
+            session.add_all(files.values())
+            emit(session, batch.tenant_id, f"batch.{values['status']}", batch_id)  # with the status, or not at all
         session.commit()
+    if not still_mine:
+        for row in files.values():
+            Path(row.path).unlink(missing_ok=True)
+        log.warning("batch %s: another caller took its finalizing over", batch_id)
+        return False
     log.info("batch %s %s: %d completed, %d failed", batch_id, values["status"], completed, failed)
     return True
 

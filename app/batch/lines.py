@@ -15,17 +15,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.db.models import Job
 from app.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, validation_message
 from app.responses_schemas import ResponsesRequest
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
-from app.wire import find_lone_surrogate, surrogate_message
+from app.wire import find_unstorable, unstorable_message
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
              "/v1/responses": ResponsesRequest}
 MAX_LINES = 50_000
+CUSTOM_ID_CHARS: int = Job.__table__.c.custom_id.type.length  # what its job's column holds
 
 
 @dataclass
@@ -63,19 +65,23 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
         return InvalidLine(line_no, None, f"line {line_no}: not valid JSON ({exc.msg})", "invalid_json")
     if not isinstance(obj, dict):
         return InvalidLine(line_no, None, f"line {line_no}: must be a JSON object", "invalid_json")
-    # a lone surrogate ("\ud800") decodes but can be neither tokenized nor stored: this line
-    # fails here, before its job joins the batch's one insert (where it would fail them all)
-    if (found := find_lone_surrogate(obj)) is not None:
+    # a lone surrogate ("\ud800") decodes but can be neither tokenized nor stored, and PostgreSQL stores no NUL: this
+    # line fails here, before its job joins the batch's one insert (where it would fail them all)
+    if (found := find_unstorable(obj)) is not None:
         where, char = found
         custom_id = obj.get("custom_id")
         clean_id = custom_id if isinstance(custom_id, str) and where[:1] != ("custom_id",) else None
-        return InvalidLine(line_no, clean_id, f"line {line_no}: {'.'.join(map(str, where))} {surrogate_message(char)}",
+        return InvalidLine(line_no, clean_id,
+                           f"line {line_no}: {'.'.join(map(str, where))} {unstorable_message(char)}",
                            "invalid_body" if where[:1] == ("body",) else "invalid_request")
     custom_id = obj.get("custom_id")
     cid = custom_id if isinstance(custom_id, str) else None
     if not cid:
         return InvalidLine(line_no, None, f"line {line_no}: 'custom_id' is missing or not a non-empty string",
                            "missing_custom_id")
+    if len(cid) > CUSTOM_ID_CHARS:  # would fail the batch's one insert of its jobs
+        return InvalidLine(line_no, cid, f"line {line_no}: 'custom_id' has {len(cid)} characters; at most "
+                           f"{CUSTOM_ID_CHARS}", "invalid_custom_id")
     if obj.get("method", "POST") != "POST":
         return InvalidLine(line_no, cid, f"line {line_no}: method must be POST, not {obj.get('method')!r}",
                            "invalid_method")
@@ -122,7 +128,9 @@ def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str,
         out.file_errors.append({"code": "invalid_file", "message": "the file is not UTF-8 text", "line": None})
         return out
     seen: dict[str, list[int]] = defaultdict(list)
-    lines = [(i + 1, t) for i, t in enumerate(text.splitlines()) if t.strip()]
+    # JSONL lines end at "\n" only: str.splitlines() would also cut at U+2028, U+0085 and the like, which JSON
+    # strings may hold raw
+    lines = [(i + 1, t) for i, t in enumerate(text.split("\n")) if t.strip()]
     if not lines:
         out.file_errors.append({"code": "empty_file", "message": "the file has no requests", "line": None})
         return out

@@ -42,16 +42,22 @@ def files_dir(data_dir: Path) -> Path:
     return path
 
 
-def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes,
-              lifetime: timedelta | None = None) -> File:
-    """Writes the content, then the row (commits)."""
+def new_file(data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes,
+             lifetime: timedelta | None = None) -> File:
+    """Writes the content; its row is the caller's to add (the file exists once that commits)."""
     file_id = new_id("file")
     path = files_dir(data_dir) / file_id
     path.write_bytes(content)
     now = utcnow()
-    row = File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=len(content),
-               path=str(path), created_at=now, deleted=False,
-               expires_at=now + lifetime if lifetime is not None else None)
+    return File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=len(content),
+                path=str(path), created_at=now, deleted=False,
+                expires_at=now + lifetime if lifetime is not None else None)
+
+
+def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes,
+              lifetime: timedelta | None = None) -> File:
+    """Writes the content, then the row (commits)."""
+    row = new_file(data_dir, tenant_id, filename, purpose, content, lifetime)
     with write_after_read(session):
         session.add(row)
         session.commit()

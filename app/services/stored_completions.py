@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import and_, or_, select, true
+from sqlalchemy import select, true
 from sqlalchemy.orm import Session
 
+from app.db import pagination
 from app.db.models import Job, JobStatus, new_id
 from app.openai_schemas import OpenAIError, merge_choices, service_tier, stored_chat_answer
 from app.responses_schemas import item_page
@@ -93,7 +94,7 @@ def page(session: Session, tenant_id: str, tiers: tuple[str, ...], *, limit: int
                               Job.status == JobStatus.SUCCEEDED, Job.response["store"].as_boolean() == true())
     if model is not None:
         query = query.where(Job.model == model)
-    query = query.order_by(*((Job.created_at.desc(), Job.id.desc()) if desc else (Job.created_at, Job.id)))
+    query = query.order_by(*pagination.in_order(Job, desc))
     mark = None
     if after is not None:  # a cursor: the completion need not be stored still (deleted meanwhile)
         mark = _chat_job(session, tenant_id, after)
@@ -101,12 +102,7 @@ def page(session: Session, tenant_id: str, tiers: tuple[str, ...], *, limit: int
             raise OpenAIError(400, f"no chat completion {after!r} to list after", param="after")
     data: list[dict[str, Any]] = []
     while len(data) <= limit:
-        if mark is not None:
-            later = Job.created_at < mark.created_at if desc else Job.created_at > mark.created_at
-            query_after = query.where(or_(later, and_(Job.created_at == mark.created_at,
-                                                      Job.id < mark.id if desc else Job.id > mark.id)))
-        else:
-            query_after = query
+        query_after = query if mark is None else query.where(pagination.after(Job, mark.created_at, mark.id, desc))
         rows = session.scalars(query_after.limit(SCAN_ROWS)).all()
         for job in rows:
             kept = (job.response or {}).get("metadata") or {}

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 H = Keys.header
 SURROGATE = "lone surrogate"
+NUL = "NUL character"
 
 
 def jobs_in_sql(settings) -> int:
@@ -62,6 +63,12 @@ CHAT = '"messages": [{"role": "user", "content": "hi"}]'
     ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt", SURROGATE),
     ("/v1/completions", '{"prompt": "hi", "user": "x", "tools": [{"\\ud800": 1}]}', 400, "tools.0.\\ud800", SURROGATE),
     ("/v1/summarize", '{"documents": [{"id": "\\ud800", "text": "x"}]}', 422, "documents.0.id", SURROGATE),
+    # NUL: PostgreSQL's text refuses it (a 500 there before), so it is refused on every database
+    ("/v1/jobs", '{"prompt": "a\\u0000b"}', 422, "prompt", NUL),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\u0000"}]}', 400, "messages.0.content",
+     NUL),
+    ("/v1/completions", '{"prompt": "hi", "user": "\\u0000"}', 400, "user", NUL),
+    ("/v1/batches", '{"input_file_id": "file-x\\u0000", "endpoint": "/v1/completions"}', 400, "input_file_id", NUL),
     # sampling fields that cannot hold together
     ("/v1/completions", '{"prompt": "hi", "min_tokens": 100000}', 400, "min_tokens", "more than max_tokens"),
     ("/v1/jobs", '{"prompt": "hi", "max_tokens": 4, "min_tokens": 5}', 422, None, "more than max_tokens"),
@@ -299,3 +306,49 @@ def test_an_unknown_upload_purpose_names_the_known_ones(client, keys):
                     headers=H(keys.paid))
     assert r.status_code == 400 and r.json()["error"]["param"] == "purpose", r.text
     assert "'batch'" in r.json()["error"]["message"] and "'user_data'" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, status, field", [
+    ("/v1/files/file%00x", 400, "file_id"), ("/v1/files/file%00x/content", 400, "file_id"),
+    ("/v1/batches/batch%00x", 400, "batch_id"), ("/v1/batches?after=b%00", 400, "after"),
+    ("/v1/files?purpose=b%00", 400, "purpose"), ("/v1/jobs/job%00x", 422, "job_id"),
+])
+def test_a_nul_in_the_url_is_a_4xx_naming_the_parameter(client, keys, path, status, field):
+    r = client.get(path, headers=H(keys.paid))
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == field and NUL in r.json()["error"]["message"]
+    else:
+        assert r.json()["detail"][0]["loc"][-1] == field and NUL in r.json()["detail"][0]["msg"]
+
+
+def test_a_batchs_metadata_and_window_are_held_to_what_openai_and_the_store_take(client, keys, settings):
+    f = client.post("/v1/files", headers=H(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", b"{}\n")}).json()
+    base = {"input_file_id": f["id"], "endpoint": "/v1/completions"}
+    for extra, param in (({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                         ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+                         ({"completion_window": "1.00000000000000h"}, "completion_window")):
+        r = client.post("/v1/batches", headers=H(keys.paid), json={**base, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalar(select(func.count()).select_from(Batch)) == 0
+    r = client.post("/v1/batches", headers=H(keys.paid), json={**base, "metadata": {f"k{i}": "v" * 512 for i in range(16)}})
+    assert r.status_code == 200 and len(r.json()["metadata"]) == 16
+
+
+def test_listing_files_while_deleting_them_reaches_every_file_in_either_order(client, keys):
+    for order in ("asc", "desc"):
+        ids = [client.post("/v1/files", headers=H(keys.paid), data={"purpose": "batch"},
+                           files={"file": (f"{i}.jsonl", b"{}\n")}).json()["id"] for i in range(5)]
+        seen, after = [], None
+        while True:  # `for f in client.files.list(): client.files.delete(f.id)`: a page starts after a deleted file
+            page = client.get("/v1/files", headers=H(keys.paid),
+                              params={"limit": 2, "order": order, **({"after": after} if after else {})}).json()
+            for d in page["data"]:
+                seen.append(d["id"])
+                assert client.delete(f"/v1/files/{d['id']}", headers=H(keys.paid)).status_code == 200
+            if not page["has_more"]:
+                break
+            after = page["last_id"]
+        assert seen == (ids if order == "asc" else ids[::-1]), order

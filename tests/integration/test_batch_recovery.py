@@ -1,4 +1,5 @@
-"""A batch whose API process died while validating it is validated by a worker's sweeper."""
+"""A batch whose API process died while validating it is validated by a worker's sweeper, and one whose writer died
+while finalizing it is finalized by one."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select
 
-from app.batch.fanout import expires_at_for
-from app.db.models import Batch, Job, new_id
+from app.batch import finalize
+from app.batch.fanout import expires_at_for, start_batch
+from app.db.models import Batch, File, Job, new_id
 from app.db.session import session_scope
 from app.services.transitions import utcnow
 from tests.conftest import Keys
-from workers.batch_tasks import restart_stalled_validation
+from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
 
 pytestmark = pytest.mark.integration
 
@@ -37,3 +39,76 @@ def test_stalled_validation_is_restarted_once(client, keys, settings):
         batch = s.get(Batch, batch_id)
         assert (batch.status, batch.total, batch.failed) == ("in_progress", 4, 1)
         assert s.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch_id)) == 3
+
+
+def _bad_lines_batch(client, keys) -> str:
+    """A batch whose one line is invalid: it finalizes as soon as it is validated (no job to wait for)."""
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", b"{not json\n")}).json()
+    return client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "1h"}).json()["id"]
+
+
+def _output_files(settings, batch_id: str) -> list[str]:
+    with session_scope(settings.sqlalchemy_url) as s:
+        return list(s.scalars(select(File.id).where(File.filename.startswith(batch_id))))
+
+
+def test_a_batch_left_finalizing_by_a_dead_writer_is_finalized_by_the_sweeper(client, keys, settings, monkeypatch):
+    real_new_file = finalize.new_file
+    calls = []
+
+    def dies_once(*args, **kwargs):  # the first writer dies between taking the batch and writing its files
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError("disk full")
+        return real_new_file(*args, **kwargs)
+
+    monkeypatch.setattr(finalize, "new_file", dies_once)
+    batch_id = _bad_lines_batch(client, keys)
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert batch["status"] == "finalizing" and batch["error_file_id"] is None and _output_files(settings, batch_id) == []
+    assert finalize_open_batches(settings.sqlalchemy_url, settings.data_dir, None) == []  # not stalled yet
+    monkeypatch.setattr(finalize, "STALLED_AFTER", timedelta(0))
+    assert finalize_open_batches(settings.sqlalchemy_url, settings.data_dir, None) == [batch_id]
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    assert json.loads(errors)["error"]["code"] == "invalid_json"
+    assert _output_files(settings, batch_id) == [batch["error_file_id"]]
+
+
+def test_a_writer_whose_finalizing_was_taken_over_writes_nothing(client, keys, settings, monkeypatch):
+    real_new_file = finalize.new_file
+    taken_over: list[list[str]] = []
+
+    def slow_writer(*args, **kwargs):  # while the first writer writes, the sweeper judges it dead and takes over
+        if not taken_over:
+            taken_over.append([])
+            taken_over[0] = finalize_open_batches(settings.sqlalchemy_url, settings.data_dir, None)
+        return real_new_file(*args, **kwargs)
+
+    monkeypatch.setattr(finalize, "STALLED_AFTER", timedelta(0))
+    monkeypatch.setattr(finalize, "new_file", slow_writer)
+    batch_id = _bad_lines_batch(client, keys)
+    assert taken_over == [[batch_id]]
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert batch["status"] == "completed"
+    assert _output_files(settings, batch_id) == [batch["error_file_id"]]  # the first writer's file is not kept
+    assert sorted(p.name for p in (settings.data_dir / "files").iterdir()) == sorted(
+        [batch["error_file_id"], batch["input_file_id"]])
+
+
+def test_a_batch_whose_input_file_went_before_validation_fails_saying_so(client, keys, settings):
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", b"{}\n")}).json()
+    batch_id = new_id("batch")
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=f["id"],
+                    completion_window="1h", status="validating", tier="paid"))
+    assert client.delete(f"/v1/files/{f['id']}", headers=Keys.header(keys.paid)).status_code == 200
+    start_batch(settings, batch_id)
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert batch["status"] == "failed"
+    assert batch["errors"]["data"] == [{"code": "invalid_file", "line": None, "param": "input_file_id",
+                                        "message": f"the input file {f['id']} was deleted before its lines were read"}]

@@ -162,3 +162,20 @@ def test_a_batch_line_carries_the_token_ids_its_request_asked_for():
     assert (choice["prompt_token_ids"], choice["token_ids"]) == ([5, 6, 7], [9, 10])
     job.sampling = {"max_tokens": 2}  # not asked: neither
     assert not {"prompt_token_ids", "token_ids"} & set(output_line(job)["response"]["body"]["choices"][0])
+
+
+def test_lines_end_at_newlines_only_and_a_nul_or_an_overlong_custom_id_fails_its_line():
+    # U+2028, U+2029 and U+0085 are line breaks to str.splitlines() but may stand raw inside a JSON string
+    raw = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": text}]}}, ensure_ascii=False)
+           for c, text in (("a", "one\u2028two"), ("b", "x\u0085y\u2029z"), ("c", "plain"))]
+    parsed = parse_file(("\r\n".join(raw) + "\r\n").encode(), "/v1/chat/completions", 60)
+    assert not parsed.invalid and [v.custom_id for v in parsed.valid] == ["a", "b", "c"]
+    assert parsed.valid[0].spec.messages[0].content == "one\u2028two" and parsed.valid[2].line_no == 3
+    lines = [chat("a"), chat("n" * 201), chat("b", user="x\u0000y"), chat("c\u0000")]
+    parsed = parse_file("\n".join(lines).encode(), "/v1/chat/completions", 60)
+    assert not parsed.file_errors and [v.custom_id for v in parsed.valid] == ["a"]
+    bad = {i.line_no: i for i in parsed.invalid}
+    assert bad[2].code == "invalid_custom_id" and "201 characters; at most 200" in bad[2].message
+    assert bad[3].custom_id == "b" and "body.user contains a NUL character" in bad[3].message
+    assert bad[4].custom_id is None and bad[4].code == "invalid_request" and "custom_id" in bad[4].message

@@ -1,0 +1,24 @@
+"""Keyset pagination of the listed tables: rows in (created_at, id) order, and the rows after a cursor row.
+
+A cursor names a row by its creation time and id, so a page starts after it even once that row is gone from the
+list (deleted, expired, another status), and rows created meanwhile neither shift nor repeat a page.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, or_
+
+
+def in_order(table: Any, newest_first: bool = True) -> tuple[Any, Any]:
+    """``order_by`` of ``table``'s rows: by creation, ties by id."""
+    return (table.created_at.desc(), table.id.desc()) if newest_first else (table.created_at.asc(), table.id.asc())
+
+
+def after(table: Any, created_at: datetime, row_id: str, newest_first: bool = True) -> ColumnElement[bool]:
+    """The rows of ``table`` that come after the row (``created_at``, ``row_id``) in ``in_order``."""
+    if newest_first:
+        return or_(table.created_at < created_at, and_(table.created_at == created_at, table.id < row_id))
+    return or_(table.created_at > created_at, and_(table.created_at == created_at, table.id > row_id))
