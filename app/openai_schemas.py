@@ -485,7 +485,7 @@ class ChatCompletionRequest(_Base):
                         raise OpenAIError(400, f"messages.{i}.content.{j}.text must be a string",
                                           param=f"messages.{i}.content.{j}.text")
                     texts.append(text)
-                content = "".join(texts)
+                content = "\n".join(texts)  # as vLLM joins a string-format template's text parts
             if content is None:
                 content = ""
             try:
@@ -614,8 +614,15 @@ def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["logprob"] is None else {t: lp for t, lp in e["top"]} for e in entries],
+            "top_logprobs": [None if e["logprob"] is None else _with_chosen(e) for e in entries],
             "text_offset": offsets}
+
+
+def _with_chosen(entry: dict[str, Any]) -> dict[str, float]:
+    """A legacy completion's ``top_logprobs`` entry: the ``logprobs`` likeliest tokens and the chosen one, whatever
+    its rank (OpenAI's legacy API, vLLM: up to ``logprobs`` + 1 tokens)."""
+    top = {t: lp for t, lp in entry["top"]}
+    return top if entry["token"] in top else {entry["token"]: entry["logprob"], **top}
 
 
 def chat_completion(cid: str, model: str, created: int, content: str | None, finish_reason: str | None,

@@ -162,7 +162,7 @@ def in_responses_terms(exc: OpenAIError) -> OpenAIError:
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A message item's content as text: a string, or its input_text/output_text parts joined."""
+    """A message item's content as text: a string, or its input_text/output_text parts, a line each."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -174,7 +174,7 @@ def _text_of(content: Any, where: str) -> str:
             raise OpenAIError(400, f"{where}.content.{j}: only input_text and output_text parts with a text are "
                                    f"supported (not {kind!r})", param=f"{where}.content.{j}")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as chat's text parts (vLLM's join)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

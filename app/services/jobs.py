@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from app.auth import Principal
+from app.db import pagination
 from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
 from app.schemas import MAX_WINDOW_S, JobCreate
@@ -197,6 +198,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
             n = len(fed_prompt(settings, job, limit))  # what the worker will feed
         except ChatTemplateError as exc:
             raise JobValidationError(str(exc), param="messages") from exc
+        if spec.max_tokens is None and max(1, sampling["min_tokens"]) <= limit - n < sampling["max_tokens"]:
+            sampling["max_tokens"] = limit - n  # unset (vLLM, OpenAI): what the context leaves, up to the default
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError(
                 f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "
@@ -391,8 +394,8 @@ def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, ki
     if cursor:
         at, job_id = _decode_cursor(cursor)
         at = at.replace(tzinfo=None) if session.bind.dialect.name == "sqlite" else at
-        q = q.where(or_(Job.created_at < at, and_(Job.created_at == at, Job.id < job_id)))
-    q = q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+        q = q.where(pagination.after(Job, at, job_id))
+    q = q.order_by(*pagination.in_order(Job)).limit(limit + 1)
     if offset:
         q = q.offset(offset)
     rows = list(session.scalars(q))

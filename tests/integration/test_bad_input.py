@@ -122,6 +122,23 @@ def test_over_the_context_is_400_context_length_exceeded(client, keys, settings,
     assert jobs_in_sql(settings) == 0
 
 
+def test_without_max_tokens_a_prompt_that_fits_gets_what_the_context_leaves(client, keys, settings):
+    """vLLM's and OpenAI's unset max_tokens: the default (16 in tests) where it fits, else the rest of the context."""
+    def submit(n: int, **extra):
+        return client.post("/v1/jobs", json={"prompt_token_ids": [5] * n, **extra}, headers=H(keys.paid))
+
+    settings.backend = "vllm"  # which applies min_tokens
+    for n, left in ((400, 16), (500, 12), (511, 1)):  # the tiny model's context is 512 tokens
+        r = submit(n)
+        assert r.status_code == 201, r.text
+        with session_scope(settings.sqlalchemy_url) as s:
+            assert s.get(Job, r.json()["id"]).sampling["max_tokens"] == left, n
+    for n, extra in ((512, {}), (500, {"max_tokens": 13}), (500, {"min_tokens": 13})):
+        r = submit(n, **extra)
+        assert r.status_code == 422 and "exceeds the model's context of 512" in r.text, (n, extra)
+    assert jobs_in_sql(settings) == 3
+
+
 def test_a_shorter_engine_context_holds_jobs_to_it(client, keys, settings):
     """vLLM set to less context than the model's (COSERVE_VLLM_MAX_MODEL_LEN, or max_model_len among its engine
     arguments: `vllm serve --max-model-len`): the API refuses what the engine would refuse, and says what it serves."""

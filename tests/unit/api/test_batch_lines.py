@@ -69,6 +69,9 @@ def test_openai_request_mapping():
     assert spec.kind == "interactive" and spec.max_tokens == 9 and spec.tbt_ms == 50
     assert spec.tbt_anchor == "first-token"
     assert spec.messages[0].role == "system" and spec.messages[0].content == "be brief"
+    parts = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]}).chat_messages()
+    assert parts[0].content == "Hello\nworld"  # vLLM's join of a string-format template's text parts
     assert spec.temperature == 1.0  # OpenAI's default
     deadline = CompletionRequest.model_validate({"prompt": ["p"], "deadline": "2h"})
     spec = deadline.job_spec(**deadline.prompt_input())

@@ -39,6 +39,11 @@ def test_openai_shapes():
     assert comp == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -0.7],
                     "top_logprobs": [{"Hel": -0.1, "He": -2.5}, {"lo": -0.7, "p": -1.0}], "text_offset": [5, 8]}
     assert chat_logprobs(None) is None and completion_logprobs(None) is None
+    # the legacy shape holds the chosen token too where it is not among the top (logprobs: 1, or 0)
+    sampled = [TokenLogprob(" b", -1.5, ((" a", -0.2),)).as_dict(), TokenLogprob(" c", -0.4, ()).as_dict()]
+    assert completion_logprobs(sampled)["top_logprobs"] == [{" b": -1.5, " a": -0.2}, {" c": -0.4}]
+    assert chat_logprobs(sampled)["content"][0]["top_logprobs"] == [{"token": " a", "logprob": -0.2,
+                                                                     "bytes": list(b" a")}]  # chat's: the top only
 
 
 def test_a_rerun_repeats_no_logprob_the_stream_already_sent():

@@ -24,13 +24,13 @@ def chat(body: dict, history: list | None = None):
 
 def test_input_items_become_chat_messages_and_parallel_calls_one_turn():
     items = [{"role": "developer", "content": "Terse."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Wea"},
-                                                             {"type": "input_text", "text": "ther?"}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather"},
+                                                             {"type": "input_text", "text": "today?"}]},
              {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
              {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
     assert input_messages(items) == [
-        {"role": "developer", "content": "Terse."}, {"role": "user", "content": "Weather?"},
+        {"role": "developer", "content": "Terse."}, {"role": "user", "content": "Weather\ntoday?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
@@ -42,7 +42,7 @@ def test_input_items_become_chat_messages_and_parallel_calls_one_turn():
         ("message", "developer", None), ("message", "user", None), ("function_call", None, "c1"),
         ("function_call", None, "c2"), ("function_call_output", None, "c1")]
     assert len({i["id"] for i in back}) == len(back) and back[1]["content"][0] == {"type": "input_text",
-                                                                                   "text": "Weather?"}
+                                                                                   "text": "Weather\ntoday?"}
 
 
 def test_the_chat_request_carries_instructions_tools_format_and_qos():
