@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, loc_param, validation_errors
-from app.schemas import (MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, TEMPLATE_DEFAULTS, ChatMessage, JobCreate,
-                         StructuredOutputs)
+from app.schemas import (MAX_SEED, MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, MIN_SEED, TEMPLATE_DEFAULTS, ChatMessage,
+                         JobCreate, StructuredOutputs)
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import MAX_TOOLS, read_answer
 from app.wire import Metadata, Text, json_safe
@@ -38,7 +38,6 @@ from gpu_runtime.sampling import PENALTY_LIMIT
 log = logging.getLogger(__name__)
 
 MAX_CHOICES = 16  # n: choices per request, each generated as a job of its own
-MAX_SEED = 2**63 - 1  # the engine seeds a torch.Generator, which takes a signed 64-bit value
 WINDOW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 WINDOW_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -179,7 +178,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Text | list[Text] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     n: int | None = None
     presence_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     frequency_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)

@@ -18,6 +18,7 @@ from gpu_runtime.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
 MAX_TARGET_MS = 3_600_000.0  # a TTFT/TBT target above an hour is a unit mistake
 MAX_WINDOW_S = 30 * 24 * 3600.0
 MAX_SEED = 2**63 - 1  # torch generators take a 64-bit seed; a larger one fails inside the engine step
+MIN_SEED = -(2**63)  # OpenAI's and vLLM's int64
 MAX_TOP_K = 2**31 - 1  # vLLM keeps top_k as int32 (a k beyond the vocabulary means all tokens)
 MAX_LOGIT_BIASES = 1024  # tokens one request may bias
 MAX_TEMPLATE_KWARGS = 32
@@ -162,7 +163,7 @@ class JobCreate(BaseModel):
     bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS, description=(
         "vLLM's: words (each as the tokenizer writes it, with or without a leading space) never generated (vLLM "
         "backend)"))
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="sample among the k most likely tokens (0 or -1: all)")
     min_p: float = Field(0.0, ge=0, le=1, description="drop tokens less likely than min_p x the most likely one")
     presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, description=(

@@ -95,7 +95,7 @@ def test_keys_stored_as_hashes(client, keys, settings):
     ({"messages": [{"role": "user", "content": "hi"}]}, "exactly one"),
     ({"model": "gpt-9"}, "unknown model"),
     ({"seed": 2**64}, "less than or equal"),  # would overflow the engine's generator
-    ({"seed": -1}, "greater than or equal"),
+    ({"seed": -(2**63) - 1}, "greater than or equal"),  # OpenAI's and vLLM's int64: -1 is a seed
     ({"prompt": "x" * 100_000}, "cannot fit the model's context"),  # rejected before tokenizing
 ])
 def test_validation_errors_say_what_to_fix(client, keys, body, fragment):

@@ -99,7 +99,7 @@ def test_openai_request_mapping():
     ("logit_bias", {"42": 5}, True), ("logit_bias", {"x": 5}, False), ("logit_bias", {"42": 101}, False),
     ("logit_bias", {}, True), ("min_tokens", 5, True), ("min_tokens", -1, False), ("stop_token_ids", [2], True),
     ("stop_token_ids", [-1], False), ("service_tier", "flex", True), ("service_tier", "turbo", False),
-    ("seed", -1, False), ("seed", 2**63, False),
+    ("seed", -1, True), ("seed", -(2**63) - 1, False), ("seed", 2**63, False),
     ("seed", 2**63 - 1, True), ("presence_penalty", 0.5, True), ("presence_penalty", 2.5, False),
     ("frequency_penalty", -1.0, True), ("frequency_penalty", -2.01, False), ("repetition_penalty", 0, False),
     ("top_k", -2, False), ("top_k", 40, True), ("min_p", 1.1, False), ("min_p", 0.05, True)])
