@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
+import redis
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
@@ -29,7 +30,7 @@ from app.services import jobs as job_service
 from app.services import lora_adapters
 from app.services.cancel import cancel as cancel_job
 from app.services.notify import redis_client
-from app.services.transitions import as_utc, utcnow
+from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 from app.services.usage import UsageQuery, completions_usage
 from app.wire import Text, utc_z
 
@@ -179,7 +180,12 @@ def _control(settings, job: Job, message: dict[str, Any]) -> bool:
         return False
     from workers.control import control_channel
 
-    receivers = redis_client(settings.redis_url).publish(control_channel(job.worker_id), json.dumps(message))
+    try:
+        receivers = redis_client(settings.redis_url).publish(control_channel(job.worker_id), json.dumps(message))
+    except redis.RedisError as exc:  # what SQL holds stands (a promote's tier); "delivered" false says the worker
+        # was not told
+        log.warning("could not tell worker %s to %s job %s: %s", job.worker_id, message["action"], job.id, exc)
+        return False
     return receivers > 0
 
 
@@ -202,11 +208,14 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
     if body.tier not in settings.tiers:
         raise unprocessable(f"tier must be one of {list(settings.tiers)}", "body", "tier")
     job = _job(session, job_id)
-    if JobStatus(job.status).terminal:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
-    with write_after_read(session):
-        session.execute(update(Job).where(Job.id == job_id).values(tier=body.tier))
+    with write_after_read(session):  # never a job that ended, even between the read and this write
+        open_ = [s.value for s in NOT_TERMINAL]
+        promoted = session.execute(update(Job).where(Job.id == job_id, Job.status.in_(open_))
+                                   .values(tier=body.tier)).rowcount
         session.commit()
+    if not promoted:
+        session.refresh(job)
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
     delivered = _control(settings, job, {"action": "promote", "job_id": job_id, "tier": body.tier})
     return {"id": job_id, "action": "promote", "tier": body.tier, "delivered": delivered}
 

@@ -297,15 +297,16 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     whether this job is its request's first and its prompt's first choice (``rate_charge``); the writer charges
     its batch in one call. A repeated idempotent request is not charged.
     """
+    existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key) if idempotency_key else None
+    # a retry whose deadline has passed since the first try still answers that job
     job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
-                    custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok, response=response, job_id=job_id)
-    if idempotency_key:
-        existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key)
-        if existing is not None:
-            if not _same_request(existing, job):
-                raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "
-                                          f"{existing.id} with a different request; use a new key")
-            return Submitted(existing, created=False)
+                    custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok or existing is not None,
+                    response=response, job_id=job_id)
+    if existing is not None:
+        if not _same_request(existing, job):
+            raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "
+                                      f"{existing.id} with a different request; use a new key")
+        return Submitted(existing, created=False)
     cost = rate_charge(principal, job, request=charge[0], prompt=charge[1]) if limiter is not None else None
     if writer is not None and not idempotency_key and dispatch:
         written = writer.write(job, f"submitted via {endpoint}", cost)

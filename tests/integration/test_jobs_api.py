@@ -375,6 +375,17 @@ def test_idempotency_key_returns_same_job(client, keys):
     assert c.json()["id"] != a.json()["id"]
 
 
+def test_an_idempotent_retry_after_its_deadline_passed_answers_the_job(client, keys):
+    body = {"prompt": "hi", "kind": "batch", "deadline_at": (datetime.now(UTC) + timedelta(seconds=1)).isoformat()}
+    a = client.post("/v1/jobs", json=body, headers={**H(keys.paid), "Idempotency-Key": "late-1"})
+    assert a.status_code == 201, a.text
+    time.sleep(1.2)
+    b = client.post("/v1/jobs", json=body, headers={**H(keys.paid), "Idempotency-Key": "late-1"})
+    assert b.status_code == 200 and b.json()["id"] == a.json()["id"], b.text
+    c = client.post("/v1/jobs", json=body, headers={**H(keys.paid), "Idempotency-Key": "late-2"})  # a new request
+    assert c.status_code == 422 and "in the past" in c.text
+
+
 def test_idempotency_race_loser_gets_409_for_a_different_body(client, keys, settings, monkeypatch):
     """Two submissions with one key race past the lookup; the insert's unique constraint decides,
     and the loser gets the winner's job only when it sent the same request."""

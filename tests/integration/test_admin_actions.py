@@ -1,0 +1,48 @@
+"""The admin's job actions answer as documented when Redis is away or the job ends meanwhile (real app, migrated
+SQLite, real Redis, no worker): never a 500, and never a change to a job that has ended."""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+
+from app.api import admin
+from app.db.models import Job
+from app.db.session import session_scope
+from tests.conftest import Keys
+
+H = Keys.header
+
+
+def _job(client, keys, settings, **values) -> str:
+    job_id = client.post("/v1/jobs", json={"prompt": "hi"}, headers=H(keys.paid)).json()["id"]
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(**values))
+    return job_id
+
+
+def test_resume_and_promote_with_redis_away_stand_in_sql_and_say_undelivered(client, keys, settings, monkeypatch):
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w1")
+    monkeypatch.setattr(settings, "redis_url", "redis://127.0.0.1:1/0")  # nothing listens there
+    r = client.post(f"/admin/api/jobs/{job_id}/resume", headers=H(keys.admin))
+    assert r.status_code == 200 and r.json()["delivered"] is False, r.text
+    r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "free"}, headers=H(keys.admin))
+    assert r.status_code == 200 and r.json()["delivered"] is False, r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job_id).tier == "free"  # the promote stands in SQL
+
+
+def test_promote_of_a_job_that_ends_meanwhile_is_a_409_and_changes_nothing(client, keys, settings, monkeypatch):
+    job_id = _job(client, keys, settings, status="running", worker_id="w1")
+    read = admin._job
+
+    def then_it_ends(session, job_id: str) -> Job:  # the worker finishes the job between the read and the write
+        job = read(session, job_id)
+        with session_scope(settings.sqlalchemy_url) as s:
+            s.execute(update(Job).where(Job.id == job_id).values(status="succeeded"))
+        return job
+
+    monkeypatch.setattr(admin, "_job", then_it_ends)
+    r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "free"}, headers=H(keys.admin))
+    assert r.status_code == 409 and "already ended (succeeded)" in r.json()["detail"], r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job_id).tier == "paid"
