@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import httpx
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 from sqlalchemy import select
@@ -50,7 +51,12 @@ def _checked(body: EndpointCreate | EndpointUpdate, private_targets: bool) -> No
         raise OpenAIError(400, f"coserve sends no {', '.join(unknown)} events; subscribe to any of "
                                f"{', '.join(webhooks.EVENT_TYPES)}", param="event_types")
     if body.url is not None:
-        parts = urlsplit(body.url)
+        try:  # what the sender will have to parse, connect to and name (IDNA)
+            parts = urlsplit(body.url)
+            httpx.URL(body.url)
+            (parts.hostname or "").encode("idna")
+        except (ValueError, httpx.InvalidURL) as exc:
+            raise OpenAIError(400, f"url {body.url!r} is not a valid URL: {exc}", param="url") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise OpenAIError(400, f"url must be an http(s) URL with a host, not {body.url!r}", param="url")
         if not private_targets and (address := webhooks.private_address(body.url)) is not None:
@@ -156,4 +162,4 @@ def send_test(webhook_endpoint_id: str, body: TestDelivery, session: SessionDep,
     if sent.status is None:
         raise OpenAIError(400, f"the endpoint at {row.url} did not answer: {sent.error}", param="url")
     return {"object": "webhook_endpoint.test", "webhook_endpoint_id": row.id, "event_type": body.event_type,
-            "status_code": sent.status, "success": True}
+            "status_code": sent.status, "success": sent.ok}

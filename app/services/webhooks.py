@@ -156,7 +156,7 @@ def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float
         with httpx.Client(timeout=timeout_s) as client:
             r = client.post(to.url, content=body.encode(), headers=headers,
                             extensions={"sni_hostname": to.sni_hostname} if to.sni_hostname else None)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:  # a URL it cannot send to fails the attempt
         return Sent(None, f"{type(exc).__name__}: {exc}"[:500])
     return Sent(r.status_code, None if r.is_success else r.text[:500])
 

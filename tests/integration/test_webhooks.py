@@ -10,9 +10,9 @@ import openai
 import pytest
 from sqlalchemy import select, update
 
-from app.db.models import WebhookDelivery, utcnow
+from app.db.models import WebhookDelivery, WebhookEndpoint, utcnow
 from app.db.session import session_scope
-from app.services.webhooks import deliver_due, emit
+from app.services.webhooks import deliver_due, emit, new_secret
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +56,8 @@ def test_endpoints_are_created_listed_changed_and_deleted_per_tenant(oai, client
     ({"event_types": []}, "event_types"),
     ({"url": "ftp://example.com/x"}, "url"),
     ({"url": "not a url"}, "url"),
+    ({"url": "http://[::1"}, "url"), ({"url": "http://ex\uff03ample.com/"}, "url"),  # a 500 before
+    ({"url": "http://a..b/x"}, "url"), ({"url": "http://a\u0000b/x"}, "url"),  # accepted, then never sendable
 ])
 def test_bad_endpoints_are_400s_naming_the_field(oai, fields, param):
     body = {"event_types": ["batch.completed"], "name": "n", "url": "https://example.com/h", **fields}
@@ -89,6 +91,9 @@ def test_a_test_delivery_is_signed_as_the_official_client_checks(oai, webhook_re
         with pytest.raises(openai.InvalidWebhookSignatureError):
             oai.webhooks.unwrap(body, headers, secret=secret)
 
+    webhook_receiver.statuses.append(500)  # an answer, but not a 2xx
+    result = oai.webhooks.test(made.id, event_type="batch.completed")
+    assert (result.status_code, result.success) == (500, False)
     with pytest.raises(openai.BadRequestError):  # nothing listens there
         dead = oai.webhooks.update(made.id, url="http://127.0.0.1:9/none")
         oai.webhooks.test(dead.id, event_type="batch.completed")
@@ -167,9 +172,7 @@ def test_with_private_targets_off_internal_urls_are_refused_and_never_called(set
     from fastapi.testclient import TestClient
 
     from app.auth import clear_cache
-    from app.db.models import WebhookEndpoint
     from app.main import create_app
-    from app.services.webhooks import new_secret
 
     clear_cache()
     with TestClient(create_app(settings.model_copy(update={"webhook_private_targets": False}))) as strict:
@@ -204,8 +207,6 @@ def test_with_private_targets_off_a_delivery_goes_to_the_address_that_was_checke
     import ipaddress
     import socket
 
-    from app.db.models import WebhookEndpoint
-    from app.services.webhooks import new_secret
 
     real = socket.getaddrinfo
     answers = iter(["127.0.0.1", "127.0.0.2", "127.0.0.2"])
@@ -241,3 +242,15 @@ def test_a_pinned_target_keeps_the_host_for_tls_and_the_host_header():
     assert t == Target("https://u:p@93.184.215.14:8443/a?b=1", "hooks.example.com:8443", "hooks.example.com")
     t = Target.pinned("https://hooks.example.com/a", ipaddress.ip_address("2606:2800:21f:cb07:6820:80da:af6b:8b2c"))
     assert t.url == "https://[2606:2800:21f:cb07:6820:80da:af6b:8b2c]/a" and t.host_header == "hooks.example.com"
+
+
+def test_a_delivery_to_a_url_that_cannot_be_sent_to_counts_its_attempts(keys, db_url):
+    with session_scope(db_url) as s:  # stored before URLs were checked this closely
+        s.add(WebhookEndpoint(id="we_bad", tenant_id=keys.tenant_id, name="n", url="http://a..b/x",
+                              event_types=["batch.completed"], secret=new_secret()))
+        s.commit()
+        emit(s, keys.tenant_id, "batch.completed", "batch_x")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=1, timeout_s=5.0) == 0
+        row = s.scalars(select(WebhookDelivery)).one()
+        assert row.attempts == 1 and row.failed_at is not None and "UnicodeError" in row.last_error
