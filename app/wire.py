@@ -36,6 +36,12 @@ def _unstorable(text: str) -> str | None:
     return "\x00" if "\x00" in text else _lone_surrogate(text)
 
 
+def storable(text: str) -> str:
+    """``text`` as every database column holds it: a NUL (a model may generate one, and a token id may decode to
+    one) as U+FFFD, the replacement character."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def unstorable_message(char: str) -> str:
     if char == "\x00":
         return "contains a NUL character (\\u0000), which cannot be stored; remove it"

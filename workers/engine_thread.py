@@ -31,6 +31,7 @@ from app.services.dispatch import dispatch
 from app.services.streaming import StreamEvent
 from app.services.transitions import transition, utcnow
 from app.settings import Settings
+from app.wire import storable
 from gpu_runtime.request import RequestStatus
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
@@ -162,12 +163,13 @@ class EngineThread:
                 data |= {"logprobs": [lp.as_dict() for lp in out.new_logprobs], "logprobs_offset": len(job.logprobs)}
                 job.logprobs.extend(data["logprobs"])
             if out.new_text or out.new_token_ids:
+                text = storable(out.new_text)  # the stream says what SQL will hold
                 if job.reasoning is not None:
-                    job.reasoning.feed(out.new_text, len(out.new_token_ids))
-                job.text.append(out.new_text)
-                step.deltas.append((job.job_id, StreamEvent("delta", attempt, out.new_text, list(out.new_token_ids),
+                    job.reasoning.feed(text, len(out.new_token_ids))
+                job.text.append(text)
+                step.deltas.append((job.job_id, StreamEvent("delta", attempt, text, list(out.new_token_ids),
                                                             data=data, offset=job.produced)))
-                job.produced += len(out.new_text)
+                job.produced += len(text)
             if out.event == "rejected":  # the engine could not admit it (bad input): fail this job only
                 job.finished = True
                 if out.error is not None:  # the request's own parameters: the client's to fix

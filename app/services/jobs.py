@@ -34,6 +34,7 @@ from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
 from app.tool_calls import FORCED_CHOICE_UNSUPPORTED, is_forced
+from app.wire import storable
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         check_token_ids(settings.model, spec.stop_token_ids, "stop_token_ids")
     if spec.allowed_token_ids:
         check_token_ids(settings.model, spec.allowed_token_ids, "allowed_token_ids")
-    prompt = spec.prompt if spec.prompt_token_ids is None else token_prompt_text(settings.model, spec.prompt_token_ids)
+    prompt = (spec.prompt if spec.prompt_token_ids is None
+              else storable(token_prompt_text(settings.model, spec.prompt_token_ids)))  # ids may decode to a NUL
     now = utcnow()
     job = Job(id=job_id or new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
               app_id=spec.app_id, prompt=prompt, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,

@@ -369,3 +369,15 @@ def test_listing_files_while_deleting_them_reaches_every_file_in_either_order(cl
                 break
             after = page["last_id"]
         assert seen == (ids if order == "asc" else ids[::-1]), order
+
+
+def test_a_prompt_of_token_ids_that_decode_to_a_nul_is_kept_with_the_replacement_character(client, keys, settings):
+    from app.services.model_info import get_tokenizer
+
+    nul = get_tokenizer(settings.model).decode([190])
+    assert nul == "\x00"  # a byte token of the default model's tokenizer
+    r = client.post("/v1/jobs", json={"prompt_token_ids": [190, 5, 190]}, headers=H(keys.paid))
+    assert r.status_code == 201, r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, r.json()["id"])
+        assert "\x00" not in job.prompt and job.prompt.count("\ufffd") == 2 and job.prompt_token_ids == [190, 5, 190]

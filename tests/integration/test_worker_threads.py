@@ -335,3 +335,21 @@ def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, 
                                                              "reasoning_tokens": None})  # no reasoning parser
     for job in (rerun, requeued):  # no word from a worker that no longer runs the attempt
         assert [e.type for e in streams[job.job_id]] == ["delta"]
+
+
+def test_a_nul_the_model_generates_is_streamed_and_stored_as_the_replacement_character(settings, keys):
+    """PostgreSQL's text holds no NUL, and a model may generate one (a byte token): the stream and SQL agree on
+    U+FFFD, so the job's result is written on every database."""
+    worker = GpuWorker(settings)
+    (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
+    stand_in = _OneStep([RequestOutput(job.job_id, [5], "a\x00", RequestStatus.DECODING)])
+    engine_thread = worker.attach(stand_in)
+    worker.outbox.apply(engine_thread.iterate())
+    stand_in.outputs = [_ended(job, RequestStatus.FINISHED_LENGTH, 2, "\x00b")]
+    worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job.job_id).output_text == "a\ufffd\ufffdb"
+    events = [StreamEvent.parse(raw) for _id, raw in redis.Redis.from_url(settings.redis_url).xrange(
+        stream_key(job.job_id))]
+    assert [(e.text, e.offset) for e in events if e.type == "delta"] == [("a\ufffd", 0), ("\ufffdb", 2)]
