@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,8 @@ class Document:
 
 def load_jsonl(path: Path) -> list[Document]:
     docs = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # JSONL lines end at "\n" only (str.splitlines() would cut at a raw U+2028 inside a JSON string too)
+    for i, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -41,17 +43,31 @@ def load_paths(paths: list[Path]) -> list[Document]:
     docs: list[Document] = []
     for path in paths:
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES + (".jsonl",))
-            docs += load_paths(files)
+            docs += _load_folder(path)
         elif path.suffix.lower() == ".jsonl":
             docs += load_jsonl(path)
         elif path.is_file():
             docs.append(Document(path.stem, path.read_text(encoding="utf-8")))
         else:
             raise FileNotFoundError(path)
-    ids = [d.id for d in docs]
-    if len(set(ids)) != len(ids):
-        raise ValueError("document ids must be unique")
+    seen = Counter(d.id for d in docs)
+    if twice := sorted(i for i, n in seen.items() if n > 1):
+        raise ValueError(f"document ids must be unique; given more than once: {', '.join(map(repr, twice[:5]))}")
+    return docs
+
+
+def _load_folder(folder: Path) -> list[Document]:
+    """A folder's documents: a text file's id is its name without the suffix, or its path within the folder where
+    two files share that name (``intro.md`` and ``guide/intro.md``, ``a.txt`` and ``a.md``)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + (".jsonl",))
+    stems = Counter(p.stem for p in files if p.suffix.lower() != ".jsonl")
+    docs: list[Document] = []
+    for p in files:
+        if p.suffix.lower() == ".jsonl":
+            docs += load_jsonl(p)
+        else:
+            docs.append(Document(p.stem if stems[p.stem] == 1 else p.relative_to(folder).as_posix(),
+                                 p.read_text(encoding="utf-8")))
     return docs
 
 

@@ -38,7 +38,7 @@ from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from app.summarize import store
-from app.summarize.pipeline import TERMINAL, Advance, Planner, advance_doc, final_status
+from app.summarize.pipeline import TERMINAL, Advance, DocState, Planner, advance_doc, final_status
 from app.summarize.split import TokenSplitter
 
 log = logging.getLogger(__name__)
@@ -168,12 +168,13 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: st
     moves: list[Advance] = []
     try:
         planner = planner_for(settings, run, backend)
-        moves = [advance_doc(doc, results, planner) for doc in docs.values()]
-    except Exception as exc:  # the pipeline itself failed (split, a job it cannot build): so does the run
+    except Exception as exc:  # the pipeline itself failed (its model, its prompts): so does the run
         log.exception("summarization run %s failed", run.id)
         failure = f"pipeline error: {exc}"
     if failure is not None:
         return _commit_failure(url, run, owner, failure)
+    moves = [_advance_or_fail(run.id, position, doc, results, planner, backend)
+             for position, doc in docs.items()]
     newly_done = sum(d.done for d in docs.values())
     newly_failed = sum(d.error is not None for d in docs.values())
     done, failed = run.documents_done + newly_done, run.documents_failed + newly_failed
@@ -197,6 +198,21 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: st
         log.info("summarization %s %s: %d/%d documents, %d jobs", run.id, status, done - failed, run.documents,
                  values["jobs_submitted"])
     return Step(Outcome.STEPPED, status, tuple(j.id for j in backend.jobs))
+
+
+def _advance_or_fail(run_id: str, position: int, doc: DocState, results: dict, planner: Planner,
+                     backend: JobCollector) -> Advance:
+    """``advance_doc``, where a failure (a split, a job it cannot build from this document's text) fails this
+    document alone, and the jobs it built for it are not sent."""
+    pending, built = list(doc.pending), len(backend.jobs)
+    try:
+        return advance_doc(doc, results, planner)
+    except Exception as exc:
+        log.exception("summarization %s: document %d failed", run_id, position)
+        del backend.jobs[built:]
+        collected = len(pending) if not doc.pending else 0  # its last level had ended: collected before it failed
+        doc.pending, doc.error = [], f"pipeline error: {exc}"
+        return Advance(collected=collected)
 
 
 def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool:
@@ -233,7 +249,7 @@ def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[
         ids = s.scalars(select(SummarizationRun.id).where(
             SummarizationRun.status == "running", SummarizationRun.model.in_(lora_adapters.served_models(settings)),
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
-            .order_by(SummarizationRun.created_at).limit(limit)).all()
+            .order_by(func.random()).limit(limit)).all()  # any ``limit`` of them: none waits on older ones forever
     steps = []
     for run_id in ids:
         try:

@@ -65,8 +65,12 @@ class TokenSplitter:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def hard_split(self, text: str, size: int) -> list[str]:
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        return [self.tok.decode(ids[i:i + size]) for i in range(0, len(ids), max(1, size))]
+        """Windows of ``size`` tokens, cut in the text where a window's first token starts: a character that spans
+        two byte-level tokens (CJK, emoji) stays whole, where decoding each window alone would garble it."""
+        starts = [a for a, _b in self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+                  ["offset_mapping"]]
+        cuts = sorted({0, len(text), *starts[max(1, size)::max(1, size)]})
+        return [piece for a, b in zip(cuts, cuts[1:]) if (piece := text[a:b].strip())]
 
     def __call__(self, text: str) -> list[str]:
         return split_text(text, self.count, self.max_tokens, self.overlap, self.hard_split)

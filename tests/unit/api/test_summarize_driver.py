@@ -215,6 +215,21 @@ def test_the_sweeper_steps_only_its_models_runs(settings, principal):
     assert run_row(url, run_id).version == 1
 
 
+def test_the_sweeper_reaches_a_newer_run_while_more_older_ones_wait_than_one_sweep_takes(settings, principal):
+    url = settings.sqlalchemy_url
+    waiting = [start(settings, principal, [Document(f"d{i}", "The cat sat.")]) for i in range(3)]
+    newest = start(settings, principal, [Document("new", "The dog ran.")])
+    with session_scope(url, immediate=True) as s, write_guard(s):  # only the newest run's job ended
+        last = s.scalar(select(Job.id).order_by(Job.created_at.desc()).limit(1))
+        s.execute(update(Job).where(Job.id == last).values(status="succeeded", output_text="A dog.",
+                                                           finished_at=utcnow()))
+    for _ in range(60):  # a sweep of one run at a time: before, always the oldest, which waits on its job
+        if any(step.outcome is Outcome.STEPPED for step in driver.advance_open_runs(settings, "w1", limit=1)):
+            break
+    assert run_row(url, newest).status == "completed"
+    assert {run_row(url, r).status for r in waiting} == {"running"}
+
+
 def test_a_run_on_a_lora_adapter_names_it_in_every_job_and_its_models_workers_step_it(settings, principal):
     url = settings.sqlalchemy_url
     settings.lora_modules = {"summary-lora": "/adapters/summary"}
@@ -243,3 +258,17 @@ def test_runs_an_older_version_kept_in_files_are_still_read(settings):
     assert view.tenant_id == "ten_1" and view.progress.as_dict() == {**kept, "model": None}  # not recorded then
     assert view.results == b'{"id": "a", "summary": "S."}\n'
     assert service.view(settings, "sum_nope") is None
+
+
+def test_a_sentence_cut_by_tokens_keeps_every_character_whole(settings):
+    """Chinese has no '. ' to cut at, and a character spans several byte-level tokens: each window is cut where its
+    first token starts in the text (decoding each window alone garbled the characters at the cuts)."""
+    from app.services.model_info import get_tokenizer
+    from app.summarize.split import TokenSplitter
+
+    text = "这是一个关于猫的故事它很温暖" * 40
+    split = TokenSplitter(get_tokenizer(settings.model), 100, 8)
+    chunks = split(text)
+    assert len(chunks) > 5 and all(split.count(c) <= 100 for c in chunks)
+    assert all(c in text and "\ufffd" not in c for c in chunks)
+    assert text.startswith(chunks[0]) and text.endswith(chunks[-1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import pytest
@@ -93,3 +94,17 @@ def test_loaders(tmp_path):
         load_paths([tmp_path / "bad.jsonl"])
     docs = specbench_summarization()
     assert len(docs) == 80 and all(d.text for d in docs)
+
+
+def test_folders_name_files_that_share_a_name_by_their_path_and_jsonl_lines_end_at_newlines(tmp_path):
+    (tmp_path / "guide").mkdir()
+    for name in ("intro.md", "guide/intro.md", "a.txt", "a.md", "solo.txt"):
+        (tmp_path / name).write_text(f"Text of {name}.")
+    (tmp_path / "more.jsonl").write_text(json.dumps({"id": "u", "text": "one\u2028two\u0085three"},
+                                                    ensure_ascii=False) + "\n", encoding="utf-8")
+    docs = {d.id: d.text for d in load_paths([tmp_path])}
+    assert docs == {"a.md": "Text of a.md.", "a.txt": "Text of a.txt.", "guide/intro.md": "Text of guide/intro.md.",
+                    "intro.md": "Text of intro.md.", "u": "one\u2028two\u0085three", "solo": "Text of solo.txt."}
+    (tmp_path / "again.jsonl").write_text('{"id": "solo", "text": "x"}\n')
+    with pytest.raises(ValueError, match="given more than once: 'solo'"):
+        load_paths([tmp_path])

@@ -1,0 +1,50 @@
+"""A summarization run whose one document cannot go on fails that document alone (real app and its driver thread,
+migrated SQLite, real Redis; the jobs' results written in SQL as a worker writes them)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select, update
+
+from app.db.models import Job, SummarizationDocument, SummarizationRun
+from app.db.session import session_scope
+from app.summarize.documents import specbench_summarization
+from tests.conftest import Keys, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _docs(settings, run_id: str) -> dict[str, SummarizationDocument]:
+    with session_scope(settings.sqlalchemy_url) as s:
+        rows = s.scalars(select(SummarizationDocument).where(SummarizationDocument.run_id == run_id)).all()
+        s.expunge_all()
+        return {d.doc_id: d for d in rows}
+
+
+def _finish(settings, job_ids: list[str], text: str) -> None:
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(Job).where(Job.id.in_(job_ids)).values(status="succeeded", output_text=text,
+                                                               completion_tokens=3))
+
+
+def test_a_document_whose_next_level_cannot_be_built_fails_alone(client, keys, settings):
+    body = {"documents": [{"id": "long", "text": specbench_summarization(limit=1)[0].text},
+                          {"id": "short", "text": "The cat sat. It was warm."}],
+            "deadline": "30m", "max_summary_tokens": 12, "chunk_tokens": 160, "overlap_tokens": 16}
+    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body)
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    docs = _docs(settings, run_id)
+    assert len(docs["long"].pending) > 1 and len(docs["short"].pending) == 1
+    _finish(settings, docs["long"].pending, "a\x00b")  # a summary its reduce level cannot take (a NUL)
+    failed = wait_for(lambda: (d := _docs(settings, run_id)["long"]).error and d, 30, "the long document to fail")
+    assert failed.done and "NUL" in failed.error
+    short = _docs(settings, run_id)["short"]
+    assert not short.done and short.error is None  # its job runs on
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, short.pending[0]).status in ("queued", "dispatched")
+        assert s.get(SummarizationRun, run_id).status == "running"
+    _finish(settings, short.pending, "A cat in the warmth.")
+    run = wait_for(lambda: (r := client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json())
+                   ["status"] != "running" and r, 30, "the run to end")
+    assert (run["status"], run["documents_done"], run["documents_failed"]) == ("completed", 2, 1), run
