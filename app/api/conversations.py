@@ -82,12 +82,13 @@ def delete_conversation(conversation_id: str, principal: CurrentPrincipal, setti
 
 @router.post("/conversations/{conversation_id}/items", responses=openai_responses(400, 401, 404))
 def create_items(conversation_id: str, body: ItemsCreate, principal: CurrentPrincipal, settings: SettingsDep):
-    """Adds items at the end of the conversation; answers them as a list."""
+    """Adds items at the end of the conversation; answers them as a list (reasoning items are not kept: a model's
+    earlier thinking is not given back to it, so a list of only those adds nothing)."""
     items = service.new_items(body.items)
     with read_then_write(settings.sqlalchemy_url) as s:
         service.add_items(s, _find(s, principal, conversation_id), items)
-    return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
-            "has_more": False}
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": False}
 
 
 @router.get("/conversations/{conversation_id}/items", responses=openai_responses(400, 401, 404))

@@ -65,6 +65,6 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
         tenants = (principal.tenant_id,)
     query = UsageQuery(start_time, end, bucket_width, limit or default, first, groups, tenants,
                        tuple(api_key_ids) if api_key_ids else None, tuple(models) if models else None, batch)
-    if first > query.buckets:
+    if page is not None and first >= query.buckets:  # no next_page names it: the range has no bucket there
         raise OpenAIError(400, f"page {page!r} is past the range's {query.buckets} buckets", param="page")
     return completions_usage(session, query, lambda tier: service_tier(tier, settings.tiers))

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, true
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -113,6 +113,10 @@ class Job(Base):
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     endpoint: Mapped[str] = mapped_column(String(64), default="/v1/jobs")  # API shape to answer in
     stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    # what usage counts of it, as OpenAI bills a request of n choices or several prompts: its request (the
+    # request's first job) and its prompt tokens (the prompt's first choice)
+    counts_request: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    counts_prompt: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     # state
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED, index=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -167,7 +167,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
               endpoint=endpoint, stream=spec.stream,
               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
               api_key_id=principal.key_id or None,
-              status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0,
+              status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0, counts_request=True,
+              counts_prompt=True,
               messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,
               tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
               template_options=spec.template_options(), response=response)
@@ -304,6 +305,7 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
                     custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok or existing is not None,
                     response=response, job_id=job_id)
+    job.counts_request, job.counts_prompt = charge  # usage counts a request and a prompt once, as the limits do
     if existing is not None:
         if not _same_request(existing, job):
             raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "

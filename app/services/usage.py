@@ -63,8 +63,10 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     columns = {"project_id": Job.tenant_id, "api_key_id": Job.api_key_id, "model": Job.model,
                "batch": Job.batch_id.is_not(None), "service_tier": Job.tier}
     keys = [columns[g].label(g) for g in q.group_by]
-    stmt = select(bucket, *keys, func.sum(Job.prompt_tokens), func.coalesce(func.sum(Job.cached_tokens), 0),
-                  func.coalesce(func.sum(Job.completion_tokens), 0), func.count(),
+    # a request of n choices or several prompts: one request, each prompt's tokens once (OpenAI's usage)
+    stmt = select(bucket, *keys, func.sum(case((Job.counts_prompt, Job.prompt_tokens), else_=0)),
+                  func.sum(case((Job.counts_prompt, func.coalesce(Job.cached_tokens, 0)), else_=0)),
+                  func.coalesce(func.sum(Job.completion_tokens), 0), func.sum(case((Job.counts_request, 1), else_=0)),
                   func.sum(case((Job.slo_met.is_(True), 1), else_=0)),
                   func.sum(case((Job.slo_met.is_(False), 1), else_=0)),
                   func.sum(case((Job.relegation_count > 0, 1), else_=0)))

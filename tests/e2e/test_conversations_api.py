@@ -104,3 +104,14 @@ def test_bad_conversation_requests_name_the_field(live_server, keys, path, body,
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_items_that_are_only_reasoning_add_nothing_and_say_so(live_server, keys):
+    h = {"Authorization": f"Bearer {keys.paid}"}
+    conv = httpx.post(live_server + "/v1/conversations", headers=h, json={"items": [
+        {"type": "reasoning", "summary": []}]}).json()
+    added = httpx.post(f"{live_server}/v1/conversations/{conv['id']}/items", headers=h,
+                       json={"items": [{"type": "reasoning", "summary": []}]})
+    assert added.status_code == 200, added.text  # a 500 before
+    assert added.json() == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    assert httpx.get(f"{live_server}/v1/conversations/{conv['id']}/items", headers=h).json()["data"] == []

@@ -131,6 +131,8 @@ def test_bad_input_is_a_400_naming_the_parameter(client, keys, params, param):
     ({"end_time": 10 ** 12}, "end_time"),
     ({"page": "page_999999"}, "page"),
     ({"page": "page_" + "9" * 30}, "page"),
+    # the page just past the range's last bucket, where that range ends in year 9999: a 500 before
+    ({"start_time": 253402300700, "end_time": 253402300799, "bucket_width": "1d", "page": "page_1"}, "page"),
 ])
 def test_times_and_pages_out_of_range_are_400s(client, keys, params, param):
     r = get(client, keys.admin, **params)
@@ -202,3 +204,27 @@ def test_the_default_range_ends_after_the_current_second(client, keys, db_url, m
 
     assert counted(now - DAY) == ([[], [2]], now + DAY)  # the last bucket holds the current second
     assert counted(now) == ([[2]], now + DAY)
+
+
+def test_a_request_of_n_choices_and_two_prompts_counts_once_with_each_prompt_once(client, keys, db_url, settings):
+    """As OpenAI bills it and the answer's own usage says: one request, each prompt's tokens once, every choice's
+    output (through the route's submission of a request's choices; the worker's write done here in SQL)."""
+    from sqlalchemy import update
+
+    from app.api.openai_compat import _submit_choices
+    from app.auth import authenticate
+    from app.schemas import JobCreate
+
+    prompts = [JobCreate(prompt="hello there", max_tokens=4), JobCreate(prompt="and a longer one again", max_tokens=4)]
+    with session_scope(db_url) as s:
+        jobs, _ = _submit_choices(s, authenticate(s, keys.paid), settings, [p for p in prompts for _ in range(3)],
+                                  "/v1/completions", n=3)
+        ids = [j.id for j in jobs]
+    with session_scope(db_url) as s:
+        s.execute(update(Job).where(Job.id.in_(ids)).values(completion_tokens=4, status="succeeded"))
+        prompt_tokens = [s.get(Job, i).prompt_tokens for i in ids]
+    now = int(datetime.now(UTC).timestamp())
+    r = client.get(URL, params={"start_time": now - 3600, "end_time": now + 60}, headers=keys.header(keys.paid))
+    (result,) = [x for b in r.json()["data"] for x in b["results"]]
+    assert (result["num_model_requests"], result["input_tokens"], result["output_tokens"]) == (
+        1, prompt_tokens[0] + prompt_tokens[3], 24)
