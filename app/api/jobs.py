@@ -172,7 +172,7 @@ async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
                     yield _sse("error", {"id": job_id, "error": ev.data.get("error"), "code": ev.data.get("code")})
                     return
                 elif ev.type == "end":
-                    if ev.data.get("from_sql") and ev.status == JobStatus.SUCCEEDED:
+                    if ev.data.get("from_sql"):  # what SQL kept (a cancelled job keeps its text too)
                         rest, rest_logprobs = rest_from_sql(ev, delivered, logprobs_sent)
                         if rest or rest_logprobs:
                             yield _sse("delta", {"text": rest, "token_ids": []} | (

@@ -674,3 +674,21 @@ def test_a_pipeline_stage_past_its_deadline_is_still_accepted(settings, keys):
     with session_scope(settings.sqlalchemy_url) as s:
         job = s.get(Job, job_id)
         assert job.status in ("queued", "dispatched") and job.kind == "batch"
+
+
+def test_the_stream_of_a_cancelled_job_whose_events_expired_gives_the_text_it_kept(client, keys, settings):
+    from sqlalchemy import update
+
+    from app.services.streaming import stream_key
+
+    job = client.post("/v1/jobs", json={"prompt": "hi"}, headers=H(keys.paid)).json()
+    with session_scope(settings.sqlalchemy_url) as s:  # cancelled while it ran: its worker wrote what it produced
+        s.execute(update(Job).where(Job.id == job["id"]).values(
+            status="cancelled", output_text="abc def", completion_tokens=3, prompt_tokens=5, finish_reason="cancelled"))
+    redis.Redis.from_url(settings.redis_url).delete(stream_key(job["id"]))  # its events expire after an hour
+    body = client.get(f"/v1/jobs/{job['id']}/stream", headers=H(keys.paid)).text
+    events = [(block.split("\n")[0], json.loads(block.split("\n")[1].removeprefix("data: ")))
+              for block in body.strip().split("\n\n")]
+    assert [(e, d.get("text", d.get("status"))) for e, d in events] == [
+        ("event: delta", "abc def"), ("event: end", "cancelled")]
+    assert events[-1][1]["completion_tokens"] == 3
