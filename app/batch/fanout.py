@@ -113,10 +113,12 @@ def _start(settings: Settings, batch_id: str) -> None:
                 s.add(job)
                 s.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value,
                                at=job.created_at, attempt=0, detail=f"batch {batch_id}"))
-    if not ok:  # cancelled while validating
+    if not ok:  # cancelled while validating: this ends it, with its event, unless the cancel's fan-in did
         with session_scope(url) as s, write_guard(s):
-            s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
-                status="cancelled", cancelled_at=utcnow(), total=parsed.total))
+            tenant = s.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
+                status="cancelled", cancelled_at=utcnow(), total=parsed.total).returning(Batch.tenant_id))
+            if tenant is not None:
+                emit(s, tenant, "batch.cancelled", batch_id)
         return
     log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
     if settings.redis_url:

@@ -112,3 +112,22 @@ def test_a_batch_whose_input_file_went_before_validation_fails_saying_so(client,
     assert batch["status"] == "failed"
     assert batch["errors"]["data"] == [{"code": "invalid_file", "line": None, "param": "input_file_id",
                                         "message": f"the input file {f['id']} was deleted before its lines were read"}]
+
+
+def test_a_batch_cancelled_while_validating_ends_with_its_event_when_validation_ends_it(client, keys, settings):
+    from app.db.models import WebhookDelivery, WebhookEndpoint
+    from app.services.webhooks import new_secret
+
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", b"{}\n")}).json()
+    batch_id = new_id("batch")
+    with session_scope(settings.sqlalchemy_url) as s:  # the cancel committed; its fan-in has not run yet
+        s.add(WebhookEndpoint(id="we_1", tenant_id=keys.tenant_id, name="n", url="http://127.0.0.1:9/x",
+                              event_types=["batch.cancelled"], secret=new_secret()))
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=f["id"],
+                    completion_window="1h", status="cancelling", tier="paid", cancelling_at=utcnow()))
+    start_batch(settings, batch_id)  # validation ends it first
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Batch, batch_id).status == "cancelled"
+        assert not finalize.maybe_finalize(s, batch_id, settings.data_dir, None)  # the cancel's fan-in, late
+        assert [d.type for d in s.scalars(select(WebhookDelivery))] == ["batch.cancelled"]  # once
