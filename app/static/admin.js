@@ -16,8 +16,16 @@ async function api(path, options = {}) {
   });
   if (r.status === 401 || r.status === 403) { logout("this key is not an admin key"); throw new Error("auth"); }
   const body = await r.json().catch(() => ({}));
-  if (!r.ok) throw new Error(body.detail || body.error?.message || r.statusText);
+  if (!r.ok) throw new Error(errorText(body) || r.statusText);
   return body;
+}
+
+// a 4xx's message: {"detail": "..."}, a 422's {"detail": [{"loc", "msg"}, ...]}, or OpenAI's {"error": {...}}
+function errorText(body) {
+  if (Array.isArray(body.detail)) {
+    return body.detail.map((e) => (e.loc || []).filter((p) => p !== "body").join(".") + ": " + e.msg).join("; ");
+  }
+  return body.detail || body.error?.message;
 }
 
 function cell(row, text, cls) {

@@ -101,6 +101,10 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
                              "drafter: {on: true, k: 4}, last: null})") == [
             "policy: adaspec", "scale: 1.042", "confidence: 0.9, 0.712", "drafter.on: yes", "drafter.k: 4",
             "last: -"]
+        # an error answer reads as its message, a 422's list of errors too (not "[object Object]")
+        assert page.evaluate("errorText({detail: [{loc: ['body', 'tier'], msg: 'tier must be one of [a]'}]})") == (
+            "tier: tier must be one of [a]")
+        assert page.evaluate("errorText({detail: 'job x already ended'})") == "job x already ended"
         # every running or relegated job has a Cancel button
         expect(row.locator("button[data-action=cancel]")).to_have_count(1)
         expect(page.locator(f"#job-{hog} button[data-action=cancel]")).to_have_text("Cancel")
