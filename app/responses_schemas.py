@@ -229,8 +229,12 @@ def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A Responses tool_choice in chat's terms (a forced function is ``{"type": "function", "name": ...}`` here)."""
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise OpenAIError(400, 'tool_choice {"type": "function"} needs the "name" of one of the tools',
+                              param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
 

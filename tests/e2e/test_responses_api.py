@@ -191,6 +191,8 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input.0.type", "not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0", "input_text"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+     "tool_choice.name", "needs the \"name\""),
     ({"input": "x", "background": True, "store": False}, "store", "must be stored"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
