@@ -16,9 +16,10 @@ from app.settings import Settings
 def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
     """Cancels the job if it has not ended (False where it had); ``job`` is refreshed with what its worker kept,
     or as the cancel left it where the worker did not answer within ``settings.cancel_wait_s``."""
-    held = job.status in ACTIVE  # an engine holds it: its worker writes what the attempt keeps
-    if not job_service.cancel_job(session, job, detail=detail):
+    cancelled_from = job_service.cancel_job(session, job, detail=detail)
+    if cancelled_from is None:
         return False
+    held = cancelled_from in ACTIVE  # an engine held it (as the cancel's write found it, not an earlier read)
     end_id = announce_cancel(settings.redis_url, job)
     if held and end_id is not None and settings.cancel_wait_s > 0:
         if await_kept(settings.redis_url, job, end_id, settings.cancel_wait_s):

@@ -409,11 +409,16 @@ def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, ki
     return rows, (_encode_cursor(rows[-1]) if more and rows else None)
 
 
-def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the user") -> bool:
-    """Marks a non-terminal job ``cancelled`` (commits); the worker aborts it in its engine."""
+def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the user") -> JobStatus | None:
+    """Marks a non-terminal job ``cancelled`` (commits); the worker aborts it in its engine. Returns the status it
+    was cancelled from, as the guarded write found it (None: it had ended)."""
+    cancelled_from = None
     with write_after_read(session):
-        ok = transition(session, job.id, NOT_TERMINAL, JobStatus.CANCELLED, detail=detail,
-                        values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": "cancelled"})
+        for status in NOT_TERMINAL:  # one guarded write per state, so that the one that matched is known
+            if transition(session, job.id, status, JobStatus.CANCELLED, detail=detail,
+                          values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": "cancelled"}):
+                cancelled_from = status
+                break
         session.commit()
     session.refresh(job)
-    return ok
+    return cancelled_from

@@ -1,5 +1,6 @@
-"""The admin's job actions answer as documented when Redis is away or the job ends meanwhile (real app, migrated
-SQLite, real Redis, no worker): never a 500, and never a change to a job that has ended."""
+"""Actions on a job (the admin's, and a cancel) answer as documented when Redis is away or the job moves on
+meanwhile (real app, migrated SQLite, real Redis, no worker): never a 500, never a change to a job that has ended,
+and a cancel judges the job's state by its own write."""
 
 from __future__ import annotations
 
@@ -46,3 +47,20 @@ def test_promote_of_a_job_that_ends_meanwhile_is_a_409_and_changes_nothing(clien
     assert r.status_code == 409 and "already ended (succeeded)" in r.json()["detail"], r.text
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.get(Job, job_id).tier == "paid"
+
+
+def test_a_cancel_waits_for_the_worker_of_a_job_that_started_running_after_it_was_read(client, keys, settings,
+                                                                                      monkeypatch):
+    """Whether a worker holds the job (and so writes what it produced before the cancel answers) is judged by the
+    cancel's own guarded write, not by the read before it."""
+    from app.services import cancel as cancelling
+
+    job_id = _job(client, keys, settings, status="dispatched")
+    waited = []
+    monkeypatch.setattr(cancelling, "await_kept", lambda *args: waited.append(args[1].id) or False)
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)  # read while dispatched
+        with session_scope(settings.sqlalchemy_url) as other:  # a worker leases it meanwhile
+            other.execute(update(Job).where(Job.id == job_id).values(status="running", worker_id="w1", attempt=1))
+        assert cancelling.cancel(s, settings, job, "cancelled by the user")
+        assert job.status == "cancelled" and waited == [job_id]
