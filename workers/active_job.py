@@ -52,8 +52,11 @@ class ActiveJobs:
     def get(self, job_id: str) -> ActiveJob | None:
         return self._jobs.get(job_id)
 
-    def pop(self, job_id: str) -> ActiveJob | None:
+    def pop(self, job_id: str, attempt: int | None = None) -> ActiveJob | None:
+        """Removes the job (where ``attempt`` is given: only while it is that attempt of the job)."""
         with self.lock:
+            if attempt is not None and (held := self._jobs.get(job_id)) is not None and held.lease.attempt != attempt:
+                return None
             job = self._jobs.pop(job_id, None)
             if job is not None and job.relegated:
                 self._relegated -= 1

@@ -210,7 +210,7 @@ class EngineThread:
             return transition(s, lease.job_id, src, dst, worker_id=self.worker_id, attempt=lease.attempt,
                               detail=f"engine {event} it", values=values)
         return Record(f"{event} {lease.job_id}", write,
-                      [(lease.job_id, StreamEvent("status", lease.attempt, status=event))])
+                      [(lease.job_id, StreamEvent("status", lease.attempt, status=event))], job_id=lease.job_id)
 
     def _completion(self, job: ActiveJob, out: Any) -> Record:
         if out.status is RequestStatus.FINISHED_ABORTED:
@@ -235,7 +235,7 @@ class EngineThread:
             if leases.keep_cancelled(s, lease, output):  # cancelled as it finished: its output stays, as an abort's
                 return self._kept(lease, output)
             return False
-        return Record(f"the result of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
+        return Record(f"the result of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease)
 
     def _abort(self, job: ActiveJob, out: Any) -> Record:
         """The engine stopped the job: the API cancelled it, or the worker lost its lease. A job this attempt ran
@@ -245,7 +245,7 @@ class EngineThread:
         tells it this worker is done with the job and wrote what it keeps."""
         lease, produced = job.lease, self._produced(job, out.metrics)
         return Record(f"the partial result of {lease.job_id}", lambda s: leases.keep_cancelled(s, lease, produced),
-                      self._kept(lease, produced), leaving=lease.job_id)
+                      self._kept(lease, produced), leaving=lease)
 
     @staticmethod
     def _kept(lease: Any, produced: dict[str, Any] | None) -> list[tuple[str, StreamEvent]]:
@@ -280,7 +280,7 @@ class EngineThread:
         def write(s: Session) -> bool:
             return leases.finish(s, lease, JobStatus.EXPIRED, {"error": error, "slo_met": False},
                                  detail="expired: relegated under overload")
-        return Record(f"the expiry of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
+        return Record(f"the expiry of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease)
 
     @staticmethod
     def _failure(job: ActiveJob, error: str, detail: str, code: str | None = None) -> Record:
@@ -290,7 +290,7 @@ class EngineThread:
 
         def write(s: Session) -> bool:
             return leases.finish(s, lease, JobStatus.FAILED, values, detail=detail)
-        return Record(f"the failure of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease.job_id)
+        return Record(f"the failure of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease)
 
     # ---------------------------------------------------------------- giving jobs back
     def fail_all(self, error: str) -> list[Record]:
@@ -318,7 +318,7 @@ class EngineThread:
     def _give_back(job: ActiveJob, detail: str) -> Record:
         lease = job.lease
         return Record(f"the release of {lease.job_id}", lambda s: leases.release(s, lease, detail),
-                      leaving=lease.job_id)
+                      leaving=lease)
 
     def _resend(self, job_ids: list[str]) -> list[Record]:
         if not job_ids:

@@ -195,6 +195,9 @@ class GpuWorker:
     # ---------------------------------------------------------------- intake (Celery task)
     def accept(self, job_id: str) -> None:
         """Lease ``job_id`` and add it to the engine; waits while the engine is full."""
+        if not self._without_earlier_attempt(job_id):
+            send_job(self.settings.redis_url, job_id, self.settings.model_name)  # for when that attempt has left
+            return
         holding = False
         while self.active.in_line >= self.settings.max_inflight or self.draining:
             if self.stopping.is_set() or self.shutting_down or self.draining:
@@ -234,6 +237,28 @@ class GpuWorker:
             self.active.add(ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
                                       return_token_ids=return_ids))
             self.inbox.put(Add(job_id))
+
+    def _without_earlier_attempt(self, job_id: str, wait_s: float = 1.0) -> bool:
+        """False while an earlier attempt of ``job_id`` is still in this worker although SQL has the job pending again
+        (its lease lapsed while it ran here, and the sweeper's resend came back here). The engine knows both attempts
+        by the job's id, so the earlier one is aborted first, and the new one waits (at most ``wait_s`` here) until
+        it has left."""
+        if job_id not in self.active:
+            return True
+        with session_scope(self.url) as s:
+            row = s.get(Job, job_id, populate_existing=True)
+            if row is None or JobStatus(row.status) not in leases.PENDING:
+                return True  # a second message for the attempt running here: the lease says so at once
+        log.warning("job %s came back to this worker while its earlier attempt still runs here; aborting that one",
+                    job_id)
+        with self.active.lock:
+            self.inbox.put(Abort(job_id))
+        deadline = time.monotonic() + wait_s
+        while job_id in self.active:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _hold(self, job_id: str, held: bool) -> None:
         """Marks (or unmarks) a still-dispatched job as held by this worker while it waits for room."""

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from app.db.session import session_scope
 from app.services.streaming import StreamEvent, publish
 from workers.active_job import ActiveJobs
+from workers.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,14 @@ class Record:
     # False: the lease is not ours, skip the events; a list: the events to publish instead of ``events``
     write: Callable[[Session], bool | list[tuple[str, StreamEvent]] | None] | None = None
     events: list[tuple[str, StreamEvent]] = field(default_factory=list)
-    leaving: str | None = None  # a job id that leaves the worker once this record is done (or given up)
+    leaving: Lease | None = None  # an attempt that leaves the worker once this record is done (or given up)
+    job_id: str | None = None  # the one job it writes for: its later records wait behind it while it is retried
     tries: int = 0
     not_before: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.job_id is None and self.leaving is not None:
+            self.job_id = self.leaving.job_id
 
 
 @dataclass
@@ -133,6 +139,11 @@ class Outbox:
             self._try(record)
 
     def _try(self, record: Record) -> None:
+        if record.job_id is not None and any(r.job_id == record.job_id and r is not record for r in self._retry):
+            # a write of the same job waits for a retry: its writes land in the order the engine made them
+            record.not_before = max(r.not_before for r in self._retry if r.job_id == record.job_id)
+            self._retry.append(record)
+            return
         ok: bool | list[tuple[str, StreamEvent]] | None = True
         if record.write is not None:
             try:
@@ -156,8 +167,8 @@ class Outbox:
         self._leave(record)
 
     def _leave(self, record: Record) -> None:
-        if record.leaving is not None:
-            self.active.pop(record.leaving)
+        if record.leaving is not None:  # that attempt only: the job may be here again under a newer one
+            self.active.pop(record.leaving.job_id, record.leaving.attempt)
 
     def _queue_events(self, events: list[tuple[str, StreamEvent]]) -> None:
         self._events.extend(events)

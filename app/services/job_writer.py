@@ -98,9 +98,15 @@ class JobWriter:
                     self._inbox.put(None)
                     break
                 batch.append(nxt)
-            batch = self._charge(batch)
-            if batch:
-                self._insert(sessions, batch)
+            try:  # this thread must outlive any one batch: every later submission waits on it
+                batch = self._charge(batch)
+                if batch:
+                    self._insert(sessions, batch)
+            except Exception as exc:
+                log.exception("could not write %d submissions", len(batch))
+                for p in batch:
+                    if not p.done.done():
+                        p.done.set_exception(exc)
 
     def _charge(self, batch: list[_Pending]) -> list[_Pending]:
         """The batch's jobs its tenants' rate limits let through (the others' callers get ``RateLimited``)."""
@@ -167,11 +173,18 @@ class JobWriter:
                     self._sends.put(None)
                     break
                 jobs += more
-            todo = [(j.id, routing.job_queue(self.settings, j.model, j.route_key)) for j in jobs]
-            sent = set(send_jobs(self.settings.redis_url, todo))
-            unsent = [job_id for job_id, _queue in todo if job_id not in sent]
+            try:  # this thread must outlive any one batch: every later job waits on it to be sent
+                todo = [(j.id, routing.job_queue(self.settings, j.model, j.route_key)) for j in jobs]
+                sent = set(send_jobs(self.settings.redis_url, todo))
+                unsent = [job_id for job_id, _queue in todo if job_id not in sent]
+            except Exception:
+                log.exception("could not send %d jobs; they go back to the queue for the sweeper", len(jobs))
+                unsent = [j.id for j in jobs]
             if unsent:
-                self._unmark(sessions, unsent)
+                try:
+                    self._unmark(sessions, unsent)
+                except Exception:  # left dispatched: the sweeper's lost-message rule sends them
+                    log.exception("could not mark %d unsent jobs queued", len(unsent))
 
     def _unmark(self, sessions, ids: list[str]) -> None:
         session = sessions()

@@ -353,3 +353,91 @@ def test_a_nul_the_model_generates_is_streamed_and_stored_as_the_replacement_cha
     events = [StreamEvent.parse(raw) for _id, raw in redis.Redis.from_url(settings.redis_url).xrange(
         stream_key(job.job_id))]
     assert [(e.text, e.offset) for e in events if e.type == "delta"] == [("a\ufffd", 0), ("\ufffdb", 2)]
+
+
+def _lapse_and_requeue(settings, job_id: str) -> None:
+    """The worker's heartbeat was late (a busy database): the lease lapses and a sweeper requeues and resends."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.services.transitions import utcnow
+    from workers.sweeper import sweep
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+        s.commit()
+        sweep(s, settings.redis_url, queued_grace_s=0)
+
+
+def test_a_job_that_comes_back_to_the_worker_still_running_it_runs_once_in_its_engine(settings, keys):
+    """The engine knows a job's attempts by the job's id: the earlier attempt is aborted before the next is added,
+    so the engine never runs two and the result is the new attempt's alone."""
+    url = settings.sqlalchemy_url
+    worker = GpuWorker(settings)
+    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine_thread = worker.attach(engine)
+    with session_scope(url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=12),
+                            settings, dispatch=False).job.id
+    worker.accept(job_id)
+    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens
+        worker.outbox.apply(engine_thread.iterate())
+    first = worker.active.get(job_id)
+    assert first.lease.attempt == 1 and first.request.num_output_tokens > 0
+    _lapse_and_requeue(settings, job_id)
+    worker.accept(job_id)  # the resend comes back here at once: attempt 1 must go first (the message is sent back)
+    assert worker.active.get(job_id) is first
+    worker.outbox.apply(engine_thread.iterate())  # the engine aborts attempt 1; its record leaves the worker
+    assert job_id not in worker.active and first.request.status is RequestStatus.FINISHED_ABORTED
+    worker.accept(job_id)  # the message again: attempt 2 now
+    second = worker.active.get(job_id)
+    assert second.lease.attempt == 2
+    for _ in range(60):
+        worker.outbox.apply(engine_thread.iterate())
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt, job.completion_tokens) == ("succeeded", 2, second.request.num_output_tokens)
+    assert not engine.has_work
+
+
+def test_an_earlier_attempts_last_record_leaves_a_newer_attempt_of_the_job_in_place(settings, keys):
+    worker = GpuWorker(settings)
+    (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
+    old = _ended(job, RequestStatus.FINISHED_ABORTED, 2)
+    engine_thread = worker.attach(_OneStep([old]))
+    step = engine_thread.iterate()  # attempt 1's abort: a record that takes it off the worker once written
+    newer = ActiveJob(leases.Lease(job.job_id, job.lease.attempt + 1, worker.worker_id), job.request, job.created_at)
+    worker.active.add(newer)  # meanwhile the job was leased here again
+    worker.outbox.apply(step)
+    assert worker.active.get(job.job_id) is newer
+
+
+def test_a_retried_relegation_lands_before_the_resumption_after_it(settings, keys, monkeypatch):
+    """The outbox retries a failed write; a later write of the same job waits behind it, so SQL ends as the engine
+    did (running), not as the retried relegation would leave it."""
+    from workers import engine_thread as engine_thread_module
+
+    worker = GpuWorker(settings)
+    (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
+    stand_in = _OneStep([RequestOutput(job.job_id, status=RequestStatus.RELEGATED, event="relegated")])
+    engine_thread = worker.attach(stand_in)
+    real, failed = engine_thread_module.transition, []
+
+    def transition(s, job_id, src, dst, **kw):  # the relegation's write meets a busy database once
+        if dst.value == "relegated" and not failed:
+            failed.append(job_id)
+            raise RuntimeError("database is locked")
+        return real(s, job_id, src, dst, **kw)
+
+    monkeypatch.setattr(engine_thread_module, "transition", transition)
+    worker.outbox.apply(engine_thread.iterate())
+    stand_in.outputs = [RequestOutput(job.job_id, status=RequestStatus.WAITING, event="resumed")]
+    worker.outbox.apply(engine_thread.iterate())
+    for record in worker.outbox._retry:
+        record.not_before = 0.0
+    worker.outbox.retry_due()
+    assert failed and not worker.outbox._retry
+    assert _status(settings.sqlalchemy_url, job.job_id) == "running"
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job.job_id).relegation_count == 1

@@ -1,0 +1,64 @@
+"""The API's group-commit writer and its sender (real migrated SQLite, real Redis): a failure in one batch fails
+that batch's submissions or sends alone, and the threads go on for every later one."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from app.auth import Principal
+from app.db.models import Job
+from app.db.session import session_scope
+from app.schemas import JobCreate
+from app.services import job_writer
+from app.services.jobs import build_job, rate_charge
+from app.services.rate_limits import Limits
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _job(settings, keys, limits: Limits | None = None) -> tuple[Principal, Job]:
+    principal = Principal("k", keys.tenant_id, "paid", False, limits or Limits())
+    return principal, build_job(settings, principal, JobCreate(prompt="hi", max_tokens=2))
+
+
+def test_a_send_that_fails_puts_its_jobs_back_for_the_sweeper_and_later_jobs_are_sent(settings, keys, monkeypatch):
+    real, calls = job_writer.routing.job_queue, []
+
+    def job_queue(*args):  # routing reads SQL (live workers, runtime adapters): one read fails
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("could not connect to server")
+        return real(*args)
+
+    monkeypatch.setattr(job_writer.routing, "job_queue", job_queue)
+    writer = job_writer.JobWriter(settings)
+    try:
+        first = writer.write(_job(settings, keys)[1], "test").job.id
+        wait_for(lambda: _status(settings, first) == "queued", 10, "the unsent job to go back to the queue")
+        later = writer.write(_job(settings, keys)[1], "test").job.id
+        queue = redis.Redis.from_url(settings.redis_url)
+        wait_for(lambda: later.encode() in b"".join(queue.lrange("coserve.tiny", 0, -1)), 10, "the later send")
+    finally:
+        writer.close()
+
+
+def test_a_batch_whose_write_fails_fails_its_submissions_and_later_ones_are_written(settings, keys, monkeypatch):
+    writer = job_writer.JobWriter(settings)
+    try:
+        principal, job = _job(settings, keys, Limits(requests_per_minute=100))
+        monkeypatch.setattr(writer.limiter, "take_many", lambda charges: 1 / 0)  # the limits' Redis call fails
+        with pytest.raises(ZeroDivisionError):
+            writer.write(job, "test", rate_charge(principal, job), timeout=10)
+        monkeypatch.undo()
+        written = writer.write(_job(settings, keys)[1], "test", timeout=10)
+        assert _status(settings, written.job.id) in ("queued", "dispatched")
+    finally:
+        writer.close()
+
+
+def _status(settings, job_id: str) -> str | None:
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        return job.status if job is not None else None
