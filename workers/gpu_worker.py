@@ -45,7 +45,7 @@ from app.services.model_info import context_length, get_tokenizer, use_chat_temp
 from app.services.routing import WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
 from app.services.streaming import CANCEL_CHANNEL
-from app.services.transitions import as_utc, utcnow
+from app.services.transitions import PENDING, as_utc, utcnow
 from app.settings import Settings
 from app.summarize.driver import advance_open_runs
 from gpu_runtime.factory import build_engine, resolve_device
@@ -247,7 +247,7 @@ class GpuWorker:
             return True
         with session_scope(self.url) as s:
             row = s.get(Job, job_id, populate_existing=True)
-            if row is None or JobStatus(row.status) not in leases.PENDING:
+            if row is None or JobStatus(row.status) not in PENDING:
                 return True  # a second message for the attempt running here: the lease says so at once
         log.warning("job %s came back to this worker while its earlier attempt still runs here; aborting that one",
                     job_id)

@@ -164,15 +164,11 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: st
         docs = store.documents(s, run.id, ready)
         results = store.job_results(s, [j for d in docs.values() for j in d.pending])
     backend = collector_for(settings, run, results)
-    failure = None
-    moves: list[Advance] = []
     try:
         planner = planner_for(settings, run, backend)
     except Exception as exc:  # the pipeline itself failed (its model, its prompts): so does the run
         log.exception("summarization run %s failed", run.id)
-        failure = f"pipeline error: {exc}"
-    if failure is not None:
-        return _commit_failure(url, run, owner, failure)
+        return _commit_failure(url, run, owner, f"pipeline error: {exc}")
     moves = [_advance_or_fail(run.id, position, doc, results, planner, backend)
              for position, doc in docs.items()]
     newly_done = sum(d.done for d in docs.values())
