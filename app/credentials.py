@@ -28,9 +28,23 @@ def credentials_path(data_dir: Path) -> Path:
     return Path(data_dir) / FILENAME
 
 
+class CredentialsError(ValueError):
+    """The credentials file cannot be read."""
+
+
 def load_credentials(data_dir: Path) -> dict[str, str] | None:
+    """The saved credentials (None: none saved); raises ``CredentialsError`` for a file that is not a JSON object."""
     path = credentials_path(data_dir)
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise CredentialsError(f"{path} cannot be read ({exc}); remove it and run `coserve up` again for new keys, "
+                               "or pass --key and --url") from None
+    if not isinstance(data, dict):
+        raise CredentialsError(f"{path} holds no credentials; remove it and run `coserve up` again for new keys")
+    return data
 
 
 def _write_private(path: Path, data: dict[str, str]) -> None:
@@ -58,8 +72,8 @@ def ensure_credentials(url: str, data_dir: Path, *, default_tier: str = "paid", 
     if admin_key:
         ensure_admin_key(url, admin_key, default_tier)
     with session_scope(url, immediate=True) as s:
-        if existing is not None and s.scalar(select(ApiKey.id).where(
-                ApiKey.key_hash == hash_key(existing.get("api_key", "")))) is not None:
+        if existing is not None and s.scalar(select(ApiKey.id).where(  # a revoked saved key is replaced
+                ApiKey.key_hash == hash_key(existing.get("api_key", "")), ApiKey.revoked.is_(False))) is not None:
             if existing.get("url") != api_url:
                 existing["url"] = api_url
                 _write_private(credentials_path(data_dir), existing)
@@ -68,7 +82,11 @@ def ensure_credentials(url: str, data_dir: Path, *, default_tier: str = "paid", 
             s, DEFAULT_TENANT, default_tier)
         _, user_key = create_key(s, tenant)
         creds = {"url": api_url, "api_key": user_key, "tenant_id": tenant.id}
-        if not admin_key:
+        kept_admin = (existing or {}).get("admin_key")
+        if not admin_key and kept_admin and s.scalar(select(ApiKey.id).where(
+                ApiKey.key_hash == hash_key(kept_admin), ApiKey.is_admin.is_(True), ApiKey.revoked.is_(False))):
+            creds["admin_key"] = kept_admin  # only the user key was revoked: the admin key saved with it stays
+        elif not admin_key:
             admin_tenant = s.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT)) or create_tenant(
                 s, ADMIN_TENANT, default_tier)
             _, admin_plain = create_key(s, admin_tenant, is_admin=True)

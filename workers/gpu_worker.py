@@ -411,10 +411,25 @@ class GpuWorker:
                 self.stopping.wait(1.0)  # the heartbeat poll covers the gap
 
 
+def _wait_for_redis(url: str, wait_s: float = 30.0) -> None:
+    """Returns once Redis answers at ``url``; a worker started beside Redis waits ``wait_s`` for it, then stops with
+    the reason."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
+            return
+        except redis.RedisError as exc:
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"Redis at REDIS_URL does not answer ({exc}); start it or fix the URL") from None
+            time.sleep(1.0)
+
+
 def run_worker(settings: Settings) -> None:
     """``coserve worker``: migrate, load the model, consume the model's queue until stopped."""
     if not settings.redis_url:
         raise SystemExit("REDIS_URL is not set; start Redis (or use `coserve up`) and export REDIS_URL")
+    _wait_for_redis(settings.redis_url)  # before the model loads: minutes lost to a typo in the URL otherwise
     # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a CPU shared with the API
     # and Redis, spinning threads stalled every parallel region (bench_spec_engine with one core busy:
     # 6.2 -> 12.5 tok/s); on a quiet machine the two settings measured the same. An explicit value wins.

@@ -128,6 +128,14 @@ def cancel(batch_id: BatchId, url: Url = None, key: Key = None) -> None:
     console.print(f"batch {batch_id}: {b['status']}")
 
 
+def _save(path: Path, text: str) -> None:
+    """Writes a downloaded file; a path that cannot be written is a usage error naming it."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot write {path}: {exc.strerror}") from None
+
+
 @batch_app.command("results")
 def results(batch_id: BatchId,
             output: Annotated[Path | None, typer.Option("--output", "-o", help="write the output JSONL here")] = None,
@@ -142,14 +150,14 @@ def results(batch_id: BatchId,
     if b.get("output_file_id"):
         text = api.call("GET", f"/v1/files/{b['output_file_id']}/content").text
         if output:
-            output.write_text(text)
+            _save(output, text)
             console.print(f"{len(text.splitlines())} results -> {output}")
         else:
             typer.echo(text, nl=False)
     if b.get("error_file_id"):
         text = api.call("GET", f"/v1/files/{b['error_file_id']}/content").text
         if errors:
-            errors.write_text(text)
+            _save(errors, text)
         console.print(f"[yellow]{len(text.splitlines())} failed requests[/yellow]"
                       + (f" -> {errors}" if errors else " (use --errors FILE to save them)"))
 
@@ -172,7 +180,12 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     """
     from app.summarize.documents import load_paths, specbench_summarization
 
-    docs = specbench_summarization() if specbench else load_paths(list(paths or []))
+    try:
+        docs = specbench_summarization() if specbench else load_paths(list(paths or []))
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(f"no such file or folder: {exc.filename or exc}", param_hint="PATHS") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # a bad JSONL line, ids given twice, a file that is not UTF-8
+        raise typer.BadParameter(str(exc), param_hint="PATHS") from None
     docs = docs[:limit] if limit else docs
     if not docs:
         raise typer.BadParameter("no documents: give files/folders/JSONL or --specbench")
@@ -197,7 +210,7 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
             time.sleep(1.0)
     # judged when the run ended (its last poll), not after the results download
     finished_at, elapsed = datetime.now(UTC), time.monotonic() - t0
-    output.write_text(api.call("GET", f"/v1/summarize/{run['id']}/results").text)
+    _save(output, api.call("GET", f"/v1/summarize/{run['id']}/results").text)
     window_s = (deadline_at - started_at).total_seconds()
     spare_s = (deadline_at - finished_at).total_seconds()
     met = spare_s >= 0

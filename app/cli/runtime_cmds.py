@@ -52,7 +52,7 @@ def simulate(
                                                    "from 1/4 to 2x the first policy's capacity, found by "
                                                    "simulation")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated scheduler names")] = "qoserve,sarathi-fcfs,sarathi-edf",
-    requests: Annotated[int, typer.Option(help="requests sampled from the trace per run")] = 300,
+    requests: Annotated[int, typer.Option(help="requests sampled from the trace per run", min=1)] = 300,
     free_share: Annotated[float, typer.Option(help="share of free-tier jobs")] = 0.0,
     arrivals: Annotated[str, typer.Option(help="poisson | trace (the trace's timestamps rescaled to each QPS) | "
                                                "bursty (alternates QPS/2.5 and QPS every --period s)")] = "poisson",
@@ -99,6 +99,12 @@ def simulate(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise typer.BadParameter("--policies: name at least one scheduler")
+    from gpu_runtime.scheduler.registry import available
+
+    if unknown := [n for n in names if n not in available()]:
+        raise typer.BadParameter(f"--policies: no scheduler {', '.join(unknown)}; choose from {', '.join(available())}")
+    if trace not in ("conv", "code") and not Path(trace).is_file():
+        raise typer.BadParameter(f"--trace {trace!r}: give conv, code or the path of a CSV trace")
     tiers = paper_tiers(scale, free_share)
 
     def bursty_at(q: float) -> tuple[float, float, float, float] | None:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -51,12 +52,22 @@ def _split_env(env: dict[str, str], vllm_args: str, engine_flags: dict[str, Any]
     return api_env, dict(env, COSERVE_VLLM_ARGS=vllm_args)
 
 
-def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
-    from app.credentials import load_credentials
+def _saved_credentials() -> dict[str, str]:
+    """What ``coserve up`` saved (empty: nothing saved); a file that cannot be read is a usage error saying so."""
+    from app.credentials import CredentialsError, load_credentials
 
-    creds = load_credentials(_settings().data_dir) or {}
-    url = url or os.environ.get("COSERVE_URL") or creds.get("url") or "http://127.0.0.1:8000"
-    key = key or os.environ.get("COSERVE_API_KEY") or creds.get("api_key")
+    try:
+        return load_credentials(_settings().data_dir) or {}
+    except CredentialsError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
+    url = url or os.environ.get("COSERVE_URL")
+    key = key or os.environ.get("COSERVE_API_KEY")
+    creds = _saved_credentials() if not (url and key) else {}  # given both, no file is read
+    url = url or creds.get("url") or "http://127.0.0.1:8000"
+    key = key or creds.get("api_key")
     if not key:
         raise typer.BadParameter("no API key: pass --key, set COSERVE_API_KEY, or run `coserve up` first")
     return url.rstrip("/"), key
@@ -64,9 +75,7 @@ def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
 
 def admin_key() -> str:
     """The admin key ``coserve up`` saved in its credentials (``COSERVE_ADMIN_KEY`` first)."""
-    from app.credentials import load_credentials
-
-    key = os.environ.get("COSERVE_ADMIN_KEY") or (load_credentials(_settings().data_dir) or {}).get("admin_key")
+    key = os.environ.get("COSERVE_ADMIN_KEY") or _saved_credentials().get("admin_key")
     if not key:
         raise typer.BadParameter("no admin key: pass --key, set COSERVE_ADMIN_KEY, or run `coserve up` first")
     return key
@@ -75,7 +84,7 @@ def admin_key() -> str:
 def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str, Any]:
     try:
         r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         console.print(f"[red]cannot reach {url}: {exc}[/red] (is `coserve up` running?)")
         raise typer.Exit(2) from exc
     if r.status_code >= 400:
@@ -233,6 +242,27 @@ def _show_job(job: dict[str, Any], as_json: bool) -> None:
         console.print(job["output_text"], markup=False)
 
 
+def http_url(host: str, port: int) -> str:
+    """The API's URL for ``host`` (an IPv6 address in brackets; all interfaces: this machine's loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _unusable_port(host: str, port: int) -> str | None:
+    """Why the API cannot listen on ``host``:``port`` (None: it can); a port another server holds would answer
+    `coserve up`'s readiness check in its place."""
+    if port == 0:
+        return "give the API a port number (0 would pick one this command cannot tell its clients)"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no bar
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return f"the API cannot listen on {host}:{port} ({exc.strerror}); another server holds it? pick --port"
+    return None
+
+
 def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the service commands
     keys_app = typer.Typer(help="Manage API keys (direct DB access).", no_args_is_help=True)
     cli.add_typer(keys_app, name="keys")
@@ -250,10 +280,13 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         api_workers: Annotated[int | None, typer.Option(
             help="uvicorn worker processes (default: 2 with 2+ CPUs; one process tops out near 700 submissions/s)"
         )] = None,
+        start_timeout: Annotated[float, typer.Option(
+            help="seconds to wait for the API and the worker to be ready (the model's first load included)",
+            min=1)] = 1800.0,
     ) -> None:
         """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker. Options after
         these go to the worker's vLLM engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
-        from app.credentials import credentials_path, ensure_credentials
+        from app.credentials import CredentialsError, credentials_path, ensure_credentials
         from app.db.migrate import upgrade
         from app.embedded import Supervisor, record_redis_url, start_redis
 
@@ -261,6 +294,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         if api_workers is None:
             api_workers = min(2, os.cpu_count() or 1)
         settings = _settings(host=host, port=port, data_dir=data_dir, model=model, device=device)
+        if refused := _unusable_port(settings.host, settings.port):
+            raise typer.BadParameter(refused, param_hint="--port")
         vllm_args, engine_flags = vllm_flags(ctx, settings)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         data = settings.data_dir.resolve()
@@ -270,8 +305,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         def on_signal(signum, _frame):
             stop["now"] = True
 
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
+            signal.signal(signum, on_signal)
         try:
             redis_url = settings.redis_url
             if not redis_url:
@@ -280,9 +315,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 record_redis_url(data, redis_url)  # `keys revoke` announces revocations through it
                 console.print(f"[dim]redis-server (embedded) on {redis_url}[/dim]")
             upgrade(settings.sqlalchemy_url)
-            api_url = f"http://{settings.host}:{settings.port}"
-            creds, created = ensure_credentials(settings.sqlalchemy_url, data, default_tier=settings.default_tier,
-                                                admin_key=settings.admin_key, api_url=api_url)
+            api_url = http_url(settings.host, settings.port)
+            try:
+                creds, created = ensure_credentials(settings.sqlalchemy_url, data, default_tier=settings.default_tier,
+                                                    admin_key=settings.admin_key, api_url=api_url)
+            except CredentialsError as exc:
+                raise typer.BadParameter(str(exc)) from None
             env = dict(os.environ, REDIS_URL=redis_url, COSERVE_DATA_DIR=str(data),
                        COSERVE_DATABASE_URL=settings.sqlalchemy_url, COSERVE_MODEL=settings.model,
                        COSERVE_DEVICE=settings.device, PYTHONUNBUFFERED="1")
@@ -297,16 +335,23 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 if "admin_key" in creds:
                     console.print(f"[bold]admin key[/bold]: {creds['admin_key']}")
             console.print(f"waiting for the API and the worker (model {settings.model}) ...")
+            checks: Any = None
             while True:
                 if stop["now"]:
                     return
                 if dead := sup.dead():
                     console.print(f"[red]{', '.join(dead)} exited during start-up; see {data / 'logs'}[/red]")
                     raise typer.Exit(1)
+                if time.monotonic() - t0 > start_timeout:
+                    console.print(f"[red]not ready after {start_timeout:.0f}s[/red]; /readyz said: "
+                                  f"{escape(str(checks))}; see {data / 'logs'}")
+                    raise typer.Exit(1)
                 try:
-                    if httpx.get(api_url + "/readyz", timeout=2).status_code == 200:
+                    r = httpx.get(api_url + "/readyz", timeout=2)
+                    if r.status_code == 200:
                         break
-                except httpx.HTTPError:
+                    checks = r.json().get("checks", r.text)
+                except (httpx.HTTPError, ValueError):
                     pass
                 time.sleep(0.25)
             ready_s = time.monotonic() - t0
@@ -365,6 +410,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         url: Url = None, key: Key = None,
     ) -> None:
         """Submit a job to a running coserve."""
+        if batch and (tbt_ms is not None or ttft_ms is not None):
+            raise typer.BadParameter("a batch job has a deadline, not TTFT/TBT targets; drop --batch or them")
+        if not batch and deadline_s is not None:
+            raise typer.BadParameter("--deadline-s is a batch job's; add --batch")
         url, key = _client_config(url, key)
         body: dict[str, Any] = {"kind": "batch" if batch else "interactive", "max_tokens": max_tokens, "tier": tier}
         body.update({"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]})
@@ -417,7 +466,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     tier: Annotated[str | None, typer.Option(help="key tier; default: the tenant's")] = None,
                     admin: Annotated[bool, typer.Option("--admin", help="an admin key (the dashboard's actions "
                                                                         "and every tenant's usage)")] = False,
-                    default_tier: Annotated[str, typer.Option(help="tier of a new tenant")] = "paid") -> None:
+                    default_tier: Annotated[str | None, typer.Option(
+                        help="tier of a new tenant; default: COSERVE_DEFAULT_TIER")] = None) -> None:
         """Create an API key (printed once; only its hash is stored)."""
         from sqlalchemy import select
 
@@ -427,6 +477,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         from app.db.session import session_scope
 
         settings = _settings()
+        default_tier = default_tier or settings.default_tier
         for t in (tier, default_tier):
             if t is not None and t not in settings.tiers:
                 raise typer.BadParameter(f"unknown tier {t!r}; choose one of {list(settings.tiers)}")

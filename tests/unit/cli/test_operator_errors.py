@@ -1,0 +1,85 @@
+"""An operator's everyday mistakes get a message and an exit status, not a traceback: a port another server holds,
+an IPv6 host, a credentials file that cannot be read, a saved key that was revoked (real migrated SQLite where a
+database is read; no server runs)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from sqlalchemy import update
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.cli.service_cmds import http_url
+from app.credentials import ensure_credentials
+from app.db.models import ApiKey
+from app.db.session import session_scope
+
+
+def test_up_refuses_a_port_another_server_holds_before_starting_anything(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = CliRunner().invoke(cli, ["up", "--port", str(port), "--data-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "cannot listen on 127.0.0.1" in res.output, res.output
+    assert not (tmp_path / "credentials.json").exists()  # it started nothing and saved nothing
+    res = CliRunner().invoke(cli, ["up", "--port", "0", "--data-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "port number" in res.output, res.output
+
+
+def test_the_api_url_brackets_an_ipv6_host_and_reaches_all_interfaces_through_loopback():
+    assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("::", 8000) == "http://[::1]:8000"
+    assert http_url("0.0.0.0", 8000) == "http://127.0.0.1:8000" and http_url("api.local", 80) == "http://api.local:80"
+
+
+def test_a_credentials_file_that_cannot_be_read_is_a_message_and_not_needed_with_url_and_key(tmp_path):
+    (tmp_path / "credentials.json").write_text("{bad")
+    env = {"COSERVE_DATA_DIR": str(tmp_path)}
+    res = CliRunner().invoke(cli, ["status", "job_x"], env=env)
+    assert res.exit_code == 2 and "cannot be read" in res.output and "Traceback" not in res.output, res.output
+    res = CliRunner().invoke(cli, ["status", "job_x", "--key", "k", "--url", "http://127.0.0.1:1"], env=env)
+    assert res.exit_code == 2 and "cannot reach http://127.0.0.1:1" in res.output, res.output
+
+
+def test_a_revoked_saved_key_is_replaced_and_the_admin_key_saved_with_it_stays(tmp_path, db_url):
+    first, created = ensure_credentials(db_url, tmp_path)
+    assert created and ensure_credentials(db_url, tmp_path) == (first, False)
+    with session_scope(db_url) as s:
+        s.execute(update(ApiKey).where(ApiKey.prefix == first["api_key"][:10]).values(revoked=True))
+    again, created = ensure_credentials(db_url, tmp_path)
+    assert created and again["api_key"] != first["api_key"] and again["admin_key"] == first["admin_key"]
+
+
+def test_submit_refuses_targets_of_the_other_kind_of_job():
+    auth = ["--key", "k", "--url", "http://127.0.0.1:1"]
+    res = CliRunner().invoke(cli, ["submit", "hi", "--deadline-s", "5", *auth])
+    assert res.exit_code == 2 and "--deadline-s is a batch job's" in res.output, res.output
+    res = CliRunner().invoke(cli, ["submit", "hi", "--batch", "--tbt-ms", "5", *auth])
+    assert res.exit_code == 2 and "not TTFT/TBT targets" in res.output, res.output
+
+
+def test_paths_that_do_not_exist_or_cannot_be_written_are_usage_errors(tmp_path):
+    res = CliRunner().invoke(cli, ["summarize", str(tmp_path / "nothere.txt"), "--key", "k", "--url", "http://x"])
+    assert res.exit_code == 2 and "no such file or folder" in res.output, res.output
+    res = CliRunner().invoke(cli, ["simulate", "--trace", str(tmp_path / "none.csv")])
+    assert res.exit_code == 2 and "--trace" in res.output, res.output
+    res = CliRunner().invoke(cli, ["simulate", "--policies", "qoserve,bogus"])
+    assert res.exit_code == 2 and "no scheduler bogus" in res.output, res.output
+
+
+def test_keys_create_gives_a_new_tenant_the_configured_default_tier(db_url):
+    env = {"COSERVE_DATABASE_URL": db_url, "COSERVE_TIERS": '["bronze","gold"]', "COSERVE_DEFAULT_TIER": "bronze"}
+    res = CliRunner().invoke(cli, ["keys", "create", "--tenant", "a"], env=env)
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(cli, ["keys", "list", "--json"], env=env)
+    assert [r["effective_tier"] for r in json.loads(res.output)] == ["bronze"]
+
+
+def test_a_worker_whose_redis_does_not_answer_stops_with_the_reason_before_loading_a_model():
+    from workers.gpu_worker import _wait_for_redis
+
+    with pytest.raises(SystemExit, match="Redis at REDIS_URL does not answer"):
+        _wait_for_redis("redis://127.0.0.1:1/0", wait_s=0)
