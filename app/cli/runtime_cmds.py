@@ -99,10 +99,10 @@ def simulate(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise typer.BadParameter("--policies: name at least one scheduler")
-    from gpu_runtime.scheduler.registry import available
+    from gpu_runtime.sim.runner import policies as known
 
-    if unknown := [n for n in names if n not in available()]:
-        raise typer.BadParameter(f"--policies: no scheduler {', '.join(unknown)}; choose from {', '.join(available())}")
+    if unknown := [n for n in names if n not in known()]:
+        raise typer.BadParameter(f"--policies: no scheduler {', '.join(unknown)}; choose from {', '.join(known())}")
     if trace not in ("conv", "code") and not Path(trace).is_file():
         raise typer.BadParameter(f"--trace {trace!r}: give conv, code or the path of a CSV trace")
     tiers = paper_tiers(scale, free_share)

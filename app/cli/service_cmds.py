@@ -32,14 +32,19 @@ DEMO_PROMPT = "In two sentences: why do interactive and batch LLM jobs benefit f
 
 
 def _settings(**overrides: Any):
+    """The environment's settings with the command's options over them, validated alike (a bad value in either is
+    a usage error naming the setting)."""
+    from pydantic import ValidationError
+
     from app.settings import Settings
 
-    env_data_dir = overrides.pop("data_dir", None)
-    s = Settings()
-    updates = {k: v for k, v in overrides.items() if v is not None}
-    if env_data_dir is not None:
-        updates["data_dir"] = env_data_dir
-    return s.model_copy(update=updates)
+    try:
+        s = Settings()
+        updates = {k: v for k, v in overrides.items() if v is not None}
+        return Settings.model_validate({**s.model_dump(), **updates}) if updates else s
+    except ValidationError as exc:
+        raise typer.BadParameter("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                                 ) from None
 
 
 def _split_env(env: dict[str, str], vllm_args: str, engine_flags: dict[str, Any]) -> tuple[dict[str, str], ...]:
@@ -251,8 +256,6 @@ def http_url(host: str, port: int) -> str:
 def _unusable_port(host: str, port: int) -> str | None:
     """Why the API cannot listen on ``host``:``port`` (None: it can); a port another server holds would answer
     `coserve up`'s readiness check in its place."""
-    if port == 0:
-        return "give the API a port number (0 would pick one this command cannot tell its clients)"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no bar

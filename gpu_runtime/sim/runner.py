@@ -77,13 +77,23 @@ def run_policy(policy: str, cost_model: CostModel, exp: Experiment, tiers: list[
     return summarize(simulate(policy, cost_model, exp, tiers, qps, bursty, stop_above, **sched_config), by)
 
 
+SILO = "silo"  # not a scheduler: each QoS bucket on a replica of its own (the siloed deployment QoServe compares)
+
+
+def policies() -> list[str]:
+    """What ``run_policy`` simulates: every registered scheduler, and the silo baseline."""
+    from gpu_runtime.scheduler.registry import available
+
+    return [*available(), SILO]
+
+
 def simulate(policy: str, cost_model: CostModel, exp: Experiment, tiers: list[TierSpec], qps: float | None = None,
              bursty: tuple[float, float, float, float] | None = None, stop_above: float | None = None,
              **sched_config) -> list[Request]:
     """``run_policy`` without the summary: every request as the run left it (for per-request reports)."""
     reqs = make_arrivals(exp, tiers, qps, bursty)
     limit = None if stop_above is None else int(stop_above * len(reqs))
-    if policy == "silo":
+    if policy == SILO:
         return _run_silo(reqs, cost_model, exp, tiers, max_violations=limit, **sched_config)
     rep = make_replica(policy, policy, cost_model, exp.kv_blocks, exp.block_size, exp.noise, exp.seed,
                        **sched_config)

@@ -27,7 +27,7 @@ def test_up_refuses_a_port_another_server_holds_before_starting_anything(tmp_pat
     assert res.exit_code == 2 and "cannot listen on 127.0.0.1" in res.output, res.output
     assert not (tmp_path / "credentials.json").exists()  # it started nothing and saved nothing
     res = CliRunner().invoke(cli, ["up", "--port", "0", "--data-dir", str(tmp_path)])
-    assert res.exit_code == 2 and "port number" in res.output, res.output
+    assert res.exit_code == 2 and "port: Input should be greater than or equal to 1" in res.output, res.output
 
 
 def test_the_api_url_brackets_an_ipv6_host_and_reaches_all_interfaces_through_loopback():
@@ -83,3 +83,10 @@ def test_a_worker_whose_redis_does_not_answer_stops_with_the_reason_before_loadi
 
     with pytest.raises(SystemExit, match="Redis at REDIS_URL does not answer"):
         _wait_for_redis("redis://127.0.0.1:1/0", wait_s=0)
+
+
+def test_an_option_is_validated_as_its_setting_is(tmp_path):
+    res = CliRunner().invoke(cli, ["up", "--device", "tpu", "--data-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "device" in res.output and "Traceback" not in res.output, res.output
+    res = CliRunner().invoke(cli, ["keys", "list"], env={"COSERVE_DEFAULT_TIER": "gold"})
+    assert res.exit_code == 2 and "COSERVE_DEFAULT_TIER 'gold'" in res.output, res.output
