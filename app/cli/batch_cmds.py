@@ -90,7 +90,10 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
                                                "completion_window": window, "tier": tier}).json()
     console.print(f"batch [bold]{b['id']}[/bold] created from {path} ({f['bytes']} bytes), window {window}")
     if wait:
-        print_table(console, _batch_table([_follow(api, b["id"])]))
+        b = _follow(api, b["id"])
+        print_table(console, _batch_table([b]))
+        if b["status"] != "completed":  # failed, expired or cancelled: a script goes no further
+            raise typer.Exit(1)
 
 
 @batch_app.command("status")

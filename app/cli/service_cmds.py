@@ -432,6 +432,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             if not streamed:
                 console.print(job.get("output_text") or "", markup=False)
             print_table(console, _job_table(job))
+            if job["status"] != "succeeded":  # a script's `coserve submit --wait && ...` goes no further
+                console.print(f"[red]job {job['id']} {job['status']}[/red]"
+                              + ("" if job["status"] in TERMINAL else " after an hour's wait"))
+                raise typer.Exit(1)
 
     @cli.command()
     def status(job_id: JobId, url: Url = None, key: Key = None, as_json: AsJson = False) -> None:

@@ -80,6 +80,30 @@ def test_cancel_cli_stops_a_job_and_says_when_one_had_ended(live_server, keys):
     assert r.exit_code != 0 and "404" in r.output
 
 
+def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_server, keys, tmp_path):
+    """A script's `coserve submit --wait && next` stops at a job that ended otherwise (no worker here: the job waits
+    until another client cancels it); `batch create --wait` likewise at a batch that failed."""
+    import threading
+
+    auth = ["--url", live_server, "--key", keys.paid]
+    h = Keys.header(keys.paid)
+
+    def cancel_what_waits() -> None:
+        for job in httpx.get(f"{live_server}/v1/jobs", headers=h, params={"status": "dispatched"}).json()["data"]:
+            httpx.post(f"{live_server}/v1/jobs/{job['id']}/cancel", headers=h)
+
+    timer = threading.Timer(2.0, cancel_what_waits)
+    timer.start()
+    r = CliRunner().invoke(cli, ["submit", "Hello", "--max-tokens", "4", "--wait", *auth])
+    timer.join()
+    assert r.exit_code == 1 and "cancelled" in r.output, r.output
+    src = tmp_path / "twice.jsonl"  # the same custom_id twice fails the whole batch
+    src.write_text("\n".join(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                         "body": {"model": "tiny", "prompt": "x", "max_tokens": 1}}) for _ in range(2)))
+    r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "--wait", *auth])
+    assert r.exit_code == 1 and "failed" in r.output, r.output
+
+
 def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     start_worker("w1")
     src = tmp_path / "in.jsonl"
