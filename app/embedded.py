@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -45,11 +46,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def redis_silent(url: str, wait_s: float, poll_s: float = 1.0,
+                 give_up: Callable[[], bool] = lambda: False) -> Exception | None:
+    """None once Redis at ``url`` answers a ping; else why it did not within ``wait_s`` (or once ``give_up()``)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=min(2.0, max(0.5, poll_s)), socket_timeout=2.0)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.ping()
+            return None
+        except redis.RedisError as exc:
+            if give_up() or time.monotonic() >= deadline:
+                return exc
+            time.sleep(poll_s)
+
+
 def start_redis(directory: Path, port: int | None = None, *, persist: bool = False,
                 timeout: float = 10.0) -> tuple[subprocess.Popen, str]:
     """Starts redis-server bound to 127.0.0.1; returns the process and its URL once it answers."""
-    import redis
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     port = port or _free_port()
@@ -62,17 +78,9 @@ def start_redis(directory: Path, port: int | None = None, *, persist: bool = Fal
     # the worker and API that need it for a clean shutdown; the supervisor stops it last
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"redis-server did not start on port {port}; see {directory / 'redis.log'}")
-            time.sleep(0.05)
+    if redis_silent(url, timeout, poll_s=0.05, give_up=lambda: proc.poll() is not None) is not None:
+        proc.kill()
+        raise RuntimeError(f"redis-server did not start on port {port}; see {directory / 'redis.log'}")
     log.info("redis-server pid %d on %s", proc.pid, url)
     return proc, url
 

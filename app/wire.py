@@ -30,20 +30,22 @@ def _lone_surrogate(text: str) -> str | None:
     return None
 
 
+NUL = "\x00"  # PostgreSQL's text refuses it
+
+
 def _unstorable(text: str) -> str | None:
-    """The first character of ``text`` no database column takes: a lone surrogate (not UTF-8) or NUL (PostgreSQL's
-    text refuses it)."""
-    return "\x00" if "\x00" in text else _lone_surrogate(text)
+    """The first character of ``text`` no database column takes: a lone surrogate (not UTF-8) or NUL."""
+    return NUL if NUL in text else _lone_surrogate(text)
 
 
 def storable(text: str) -> str:
     """``text`` as every database column holds it: a NUL (a model may generate one, and a token id may decode to
     one) as U+FFFD, the replacement character."""
-    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+    return text.replace(NUL, "\ufffd") if NUL in text else text
 
 
 def unstorable_message(char: str) -> str:
-    if char == "\x00":
+    if char == NUL:
         return "contains a NUL character (\\u0000), which cannot be stored; remove it"
     return f"contains a lone surrogate {escape(char)}, {SURROGATE_HINT}"
 
@@ -82,7 +84,7 @@ def find_unstorable(value: Any, path: tuple[str | int, ...] = ()) -> tuple[tuple
     if isinstance(value, dict):
         for k, v in value.items():
             if isinstance(k, str) and (bad := _unstorable(k)) is not None:
-                return (*path, escape(k).replace("\x00", "\\u0000")), bad
+                return (*path, escape(k).replace(NUL, "\\u0000")), bad
             if (found := find_unstorable(v, (*path, k))) is not None:
                 return found
     elif isinstance(value, list):

@@ -210,7 +210,7 @@ class EngineThread:
             return transition(s, lease.job_id, src, dst, worker_id=self.worker_id, attempt=lease.attempt,
                               detail=f"engine {event} it", values=values)
         return Record(f"{event} {lease.job_id}", write,
-                      [(lease.job_id, StreamEvent("status", lease.attempt, status=event))], job_id=lease.job_id)
+                      [(lease.job_id, StreamEvent("status", lease.attempt, status=event))], for_job=lease.job_id)
 
     def _completion(self, job: ActiveJob, out: Any) -> Record:
         if out.status is RequestStatus.FINISHED_ABORTED:

@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 from app.batch.storage import delete_expired_files
 from app.services.webhooks import deliver_due
 from app.db.migrate import upgrade
+from app.embedded import redis_silent
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
@@ -414,15 +415,8 @@ class GpuWorker:
 def _wait_for_redis(url: str, wait_s: float = 30.0) -> None:
     """Returns once Redis answers at ``url``; a worker started beside Redis waits ``wait_s`` for it, then stops with
     the reason."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
-            return
-        except redis.RedisError as exc:
-            if time.monotonic() >= deadline:
-                raise SystemExit(f"Redis at REDIS_URL does not answer ({exc}); start it or fix the URL") from None
-            time.sleep(1.0)
+    if (silent := redis_silent(url, wait_s)) is not None:
+        raise SystemExit(f"Redis at REDIS_URL does not answer ({silent}); start it or fix the URL")
 
 
 def run_worker(settings: Settings) -> None:

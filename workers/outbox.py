@@ -48,13 +48,14 @@ class Record:
     write: Callable[[Session], bool | list[tuple[str, StreamEvent]] | None] | None = None
     events: list[tuple[str, StreamEvent]] = field(default_factory=list)
     leaving: Lease | None = None  # an attempt that leaves the worker once this record is done (or given up)
-    job_id: str | None = None  # the one job it writes for: its later records wait behind it while it is retried
+    for_job: str | None = None  # the one job it writes for, where no attempt leaves with it
     tries: int = 0
     not_before: float = 0.0
 
-    def __post_init__(self) -> None:
-        if self.job_id is None and self.leaving is not None:
-            self.job_id = self.leaving.job_id
+    @property
+    def job_id(self) -> str | None:
+        """The one job it writes for (None: several): its later records wait behind it while it is retried."""
+        return self.leaving.job_id if self.leaving is not None else self.for_job
 
 
 @dataclass

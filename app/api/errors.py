@@ -155,9 +155,9 @@ class CheckedRoute(APIRoute):
         async def checked(request: Request) -> Response:
             for where, params in (("path", request.path_params.items()), ("query", request.query_params.multi_items())):
                 for name, value in params:
-                    if isinstance(value, str) and "\x00" in value:  # an id no column holds (PostgreSQL refuses it)
+                    if (found := find_unstorable(value)) is not None:  # an id no column holds (a NUL)
                         raise RequestValidationError([{"type": "string_unicode", "loc": (where, name),
-                                                       "msg": unstorable_message("\x00"), "input": None}])
+                                                       "msg": unstorable_message(found[1]), "input": None}])
             if request.method in ("POST", "PUT", "PATCH") and _json_body(request):
                 try:
                     body = await request.json()

@@ -78,7 +78,8 @@ def simulate(
         scheduling_cost_model,
         slo_scale,
     )
-    from gpu_runtime.sim.runner import ARRIVALS, Experiment, run_policy
+    from gpu_runtime.sim.runner import ARRIVALS, TRACES, Experiment, run_policy
+    from gpu_runtime.sim.runner import policies as known
     from gpu_runtime.sim.workload import paper_tiers
 
     if arrivals not in ARRIVALS:
@@ -99,11 +100,9 @@ def simulate(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise typer.BadParameter("--policies: name at least one scheduler")
-    from gpu_runtime.sim.runner import policies as known
-
     if unknown := [n for n in names if n not in known()]:
         raise typer.BadParameter(f"--policies: no scheduler {', '.join(unknown)}; choose from {', '.join(known())}")
-    if trace not in ("conv", "code") and not Path(trace).is_file():
+    if trace not in TRACES and not Path(trace).is_file():
         raise typer.BadParameter(f"--trace {trace!r}: give conv, code or the path of a CSV trace")
     tiers = paper_tiers(scale, free_share)
 

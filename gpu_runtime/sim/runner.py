@@ -25,6 +25,8 @@ from gpu_runtime.sim.workload import (
 log = logging.getLogger(__name__)
 
 ARRIVALS = ("poisson", "trace", "bursty")
+TRACES = ("conv", "code")  # the Azure 2023 traces the repository holds; any other trace is a CSV path
+SILO = "silo"  # not a scheduler: each QoS bucket on a replica of its own (the siloed deployment QoServe compares)
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Experiment:
 
 def trace_rows(exp: Experiment) -> tuple[TraceRow, ...]:
     """The rows of ``exp.trace``: a bundled trace's name or a CSV path."""
-    return load_trace(exp.trace) if exp.trace in ("conv", "code") else load_trace("custom", exp.trace)
+    return load_trace(exp.trace) if exp.trace in TRACES else load_trace("custom", exp.trace)
 
 
 def make_arrivals(exp: Experiment, tiers: list[TierSpec], qps: float | None = None,
@@ -75,9 +77,6 @@ def run_policy(policy: str, cost_model: CostModel, exp: Experiment, tiers: list[
     """``stop_above``: end the run as soon as more than this share of its requests finished late (the
     summary then reports a violation rate above it; capacity search needs no more)."""
     return summarize(simulate(policy, cost_model, exp, tiers, qps, bursty, stop_above, **sched_config), by)
-
-
-SILO = "silo"  # not a scheduler: each QoS bucket on a replica of its own (the siloed deployment QoServe compares)
 
 
 def policies() -> list[str]:
