@@ -128,6 +128,9 @@ class Settings(BaseSettings):
                                           "link-local addresses (an internal receiver); false where tenants are "
                                           "not trusted with this network: such URLs are refused and never called")
     max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
+    engine_error_limit: int = Field(3, ge=1, description="engine steps that raise with no token made between them "
+                                    "after which the worker gives its jobs back and exits with status 1, as vLLM's "
+                                    "server exits when its engine dies (a broken device fails every step)")
     backend: Literal["auto", "vllm", "torch"] = Field(
         "auto", description="the worker's engine: 'vllm' (coserve's scheduler inside vLLM; the default wherever "
                             "vllm is installed), 'torch' (coserve's own engine: token trees, the reference)")

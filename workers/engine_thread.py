@@ -12,7 +12,10 @@ itself. It also keeps the worker honest:
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
 * a step that raises gives every job back to the queue (the last allowed attempt fails), and
-  those jobs are sent again only after the next step took their aborts.
+  those jobs are sent again only after the next step took their aborts;
+* an engine whose steps raise ``engine_error_limit`` times with no token made between them is
+  broken (a lost device fails every step): the thread stops stepping, sends what it gave back
+  at once, and calls ``on_broken``, so the worker stops instead of failing every job it takes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -59,7 +63,8 @@ def failed_attempt(lease: leases.Lease, error: str, code: str | None = None) -> 
 
 class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
-                 worker_id: str, stopping: threading.Event, reconcile_s: float | None = None) -> None:
+                 worker_id: str, stopping: threading.Event, reconcile_s: float | None = None,
+                 on_broken: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.active = active
         self.inbox = inbox
@@ -69,6 +74,9 @@ class EngineThread:
         self.stopping = stopping
         self.reconcile_s = reconcile_s if reconcile_s is not None else settings.heartbeat_seconds
         self.requeued: list[str] = []  # given back after an engine error, to send after the next step
+        self.failed_steps = 0  # steps that raised since the engine last made a token
+        self.broken: str | None = None  # why the engine was given up on; the loop then ends
+        self.on_broken = on_broken
         self._next_reconcile = time.monotonic() + self.reconcile_s
         self._idle_sleep = 0.0
         self.state: dict[str, Any] = {}  # the engine's facts for the heartbeat, refreshed by this thread
@@ -76,8 +84,10 @@ class EngineThread:
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and self.broken is None:
             self.outbox.put(self.iterate())
+        if self.broken is not None and self.on_broken is not None:
+            self.on_broken(self.broken)
 
     def iterate(self) -> StepRecords:
         """One turn: commands, maybe a step, the records they produced (sleeps when there is nothing to do)."""
@@ -95,7 +105,15 @@ class EngineThread:
         except Exception as exc:
             log.exception("engine step failed; giving its jobs back to the queue")
             step.records += self._resend(requeued) + self.fail_all(f"engine error: {exc}")
+            self.failed_steps += 1
+            if self.failed_steps >= self.settings.engine_error_limit:  # no step will take the aborts: send now
+                self.broken = f"{self.failed_steps} engine steps failed with no token made between them ({exc})"
+                log.critical("the engine of %s is broken: %s", self.worker_id, self.broken)
+                step.records += self._resend(self.requeued)
+                self.requeued = []
             return step
+        if any(out.new_token_ids for out in outputs):
+            self.failed_steps = 0
         produced = self._records(outputs)
         step.deltas += produced.deltas
         step.records += produced.records + self._resend(requeued) + self._reconcile_if_due()

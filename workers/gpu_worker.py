@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -125,7 +126,7 @@ class GpuWorker:
         """The engine this worker serves with, and the thread that alone will call it."""
         self.engine = engine
         self.engine_thread = EngineThread(engine, self.active, self.inbox, self.outbox, self.settings,
-                                          self.worker_id, self.stopping)
+                                          self.worker_id, self.stopping, on_broken=self._engine_broken)
         return self.engine_thread
 
     def _build_engine(self) -> Any:
@@ -159,9 +160,21 @@ class GpuWorker:
                      cost_profile=s.cost_profile, kv_reserve=s.kv_reserve, tokenizer=self.tokenizer,
                      scheduler_config=s.scheduler_config)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine was given up on (its steps kept raising), else None."""
+        return self.engine_thread.broken if self.engine_thread is not None else None
+
+    def _engine_broken(self, reason: str) -> None:
+        """The engine thread gave up on the engine: Celery's warm shutdown stops the intake, ``stop`` gives back
+        what came in meanwhile, and ``run_worker`` exits with status 1 (a supervisor starts a fresh process)."""
+        self.shutting_down = True
+        log.critical("worker %s stops: %s", self.worker_id, reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def stop(self, grace_s: float = 10.0) -> None:
         """Lets running jobs finish for ``grace_s``, then gives the rest back to the queue."""
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + (grace_s if self.broken is None else 0.0)  # a broken engine finishes nothing
         while len(self.active) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.stopping.set()
@@ -200,7 +213,7 @@ class GpuWorker:
             send_job(self.settings.redis_url, job_id, self.settings.model_name)  # for when that attempt has left
             return
         holding = False
-        while self.active.in_line >= self.settings.max_inflight or self.draining:
+        while self.active.in_line >= self.settings.max_inflight or self.draining or self.shutting_down:
             if self.stopping.is_set() or self.shutting_down or self.draining:
                 # hand it back for another worker; a draining worker pauses so the message
                 # does not bounce between it and the broker
@@ -444,6 +457,9 @@ def run_worker(settings: Settings) -> None:
         worker.start()
     finally:
         runtime.stop()
+    if runtime.broken is not None:
+        raise SystemExit(f"worker {runtime.worker_id}: the engine is broken ({runtime.broken}); its jobs were "
+                         "given back to the queue")
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ a stand-in engine)."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -96,3 +97,54 @@ def test_a_worker_on_the_own_engine_does_not_start_with_lora_adapters(settings):
     settings.lora_modules = {"sql-lora": "/adapters/sql"}
     with pytest.raises(SystemExit, match="LoRA adapters are served on the vLLM backend"):
         GpuWorker(settings)._build_engine()
+
+
+def test_a_worker_whose_engine_keeps_failing_gives_its_jobs_back_and_exits(settings, keys, start_worker, tmp_path):
+    """A lost device fails every step: after ``engine_error_limit`` failed steps in a row the worker process gives
+    its jobs back and exits with status 1 (as vLLM's server does when its engine dies), instead of taking jobs
+    from the queue only to fail them all, one attempt after another."""
+    worker = start_worker("w1", COSERVE_ENGINE_FACTORY="tests.integration.broken_engine:build",
+                          COSERVE_ENGINE_ERROR_LIMIT="2")
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello", max_tokens=4), settings).job.id
+    assert worker.wait(90) == 1
+    log_text = (tmp_path / "w1.log").read_text()
+    assert "the engine is broken (2 engine steps failed with no token made between them (device lost))" in log_text
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        # two attempts ran and failed on this worker; the job waits in the queue for a healthy one
+        assert (job.status, job.attempt, job.worker_id, job.error) == ("dispatched", 2, None, None)
+        details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id)).all()
+    assert details.count("engine error on w1; requeued") == 2
+    assert redis.Redis.from_url(settings.redis_url).llen("coserve.tiny") == 1
+
+
+class _Flaky:
+    """Steps as told: "raise", "token" (a token made) or "quiet" (a step that ran and made none, e.g. a prefill
+    chunk, or one that only took aborts)."""
+
+    has_work = True
+
+    def __init__(self, script: list[str]) -> None:
+        self.script = script
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def step(self) -> list:
+        what = self.script.pop(0)
+        if what == "raise":
+            raise RuntimeError("device lost")
+        return [SimpleNamespace(request_id="gone", new_token_ids=[7] if what == "token" else [])]
+
+
+@pytest.mark.parametrize(("script", "broken"), [
+    (["raise", "token", "raise", "token", "raise"], False),  # a token between failures: a bad request, not a device
+    (["raise", "quiet", "raise"], True),  # a step that made nothing proves nothing
+])
+def test_only_failures_with_no_token_between_them_break_the_engine(settings, script, broken):
+    worker = GpuWorker(settings.model_copy(update={"engine_error_limit": 2}))
+    engine_thread = worker.attach(_Flaky(list(script)))
+    for _ in script:
+        engine_thread.iterate()
+    assert (engine_thread.broken is not None) is broken
