@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, BackgroundTasks, Query
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
+from sqlalchemy import false, select
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
@@ -88,10 +88,9 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
 def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
     q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
-    if after:
-        ref = session.get(Batch, after)
-        if ref is not None:
-            q = q.where(pagination.after(Batch, ref.created_at, ref.id))
+    if after:  # not one of the tenant's batches: an empty page, as for files
+        ref = pagination.cursor_row(session, Batch, after, principal.tenant_id)
+        q = q.where(false() if ref is None else pagination.after(Batch, ref.created_at, ref.id))
     rows = list(session.scalars(q.order_by(*pagination.in_order(Batch)).limit(limit + 1)))
     page = rows[:limit]
     for b in page:

@@ -92,8 +92,8 @@ def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | 
     if purpose:
         q = q.where(FileRow.purpose == purpose)
     if after:  # the cursor file may be deleted or expired by now (a loop that deletes as it lists)
-        mark = session.get(FileRow, after)
-        if mark is None or mark.tenant_id != principal.tenant_id:
+        mark = pagination.cursor_row(session, FileRow, after, principal.tenant_id)
+        if mark is None:
             return list_page([], None, limit, storage.file_object)
         q = q.where(pagination.after(FileRow, mark.created_at, mark.id, newest_first))
     rows = list(session.scalars(q.order_by(*pagination.in_order(FileRow, newest_first)).limit(limit + 1)))

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_, or_
+from sqlalchemy.orm import Session
 
 
 def in_order(table: Any, newest_first: bool = True) -> tuple[Any, Any]:
@@ -22,3 +23,10 @@ def after(table: Any, created_at: datetime, row_id: str, newest_first: bool = Tr
     if newest_first:
         return or_(table.created_at < created_at, and_(table.created_at == created_at, table.id < row_id))
     return or_(table.created_at > created_at, and_(table.created_at == created_at, table.id > row_id))
+
+
+def cursor_row(session: Session, table: Any, row_id: str, tenant_id: str) -> Any | None:
+    """The tenant's row that an ``after`` cursor names; None for an unknown id and for another tenant's alike, so a
+    listing tells no tenant whether someone else's id exists (or when it was made)."""
+    row = session.get(table, row_id)
+    return row if row is not None and row.tenant_id == tenant_id else None

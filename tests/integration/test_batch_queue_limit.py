@@ -78,3 +78,14 @@ def test_the_queue_limit_is_refused_when_out_of_range(client, keys):
     r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"batch_queue_tokens": 10},
                      headers=keys.header(keys.paid))
     assert r.status_code == 403, r.text
+
+
+def test_another_tenants_batch_as_a_list_cursor_reads_as_an_unknown_id(oai, keys):
+    """The listing's ``after`` tells a tenant nothing of another's batch: neither that it exists (a page after it) nor
+    when it was made (which of the tenant's own batches come after it)."""
+    theirs = submit(oai)
+    other = openai.OpenAI(base_url=oai.base_url, api_key=keys.other, http_client=oai._client, max_retries=0)
+    own = submit(other)
+    assert [b.id for b in other.batches.list()] == [own.id]
+    assert other.batches.list(after=theirs.id).data == other.batches.list(after="batch_unknown").data == []
+    assert [b.id for b in oai.batches.list(after=submit(oai).id)] == [theirs.id]  # a tenant's own cursor pages
