@@ -17,6 +17,7 @@ from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsuppor
                                 usage, validation_message)
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
+from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
 from app.tool_calls import Answer, read_answer
 from app.wire import Metadata, Text, as_utc
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
@@ -31,7 +32,8 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "f
                  *VllmUnsupported.unsupported)  # vLLM's fields coserve refuses, refused here as on chat
 # a chat field named in an error -> the Responses field the client wrote
 RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
-                   "logprobs": "include", "reasoning_effort": "reasoning.effort"}
+                   "structured_outputs": "text.format", "logprobs": "include", "reasoning_effort": "reasoning.effort"}
+NAMED_CHOICE = '{"type": "function", "name": ...}'  # the Responses API's form of a named tool_choice
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
@@ -154,11 +156,13 @@ def in_responses_terms(exc: OpenAIError) -> OpenAIError:
     """The error with the chat field it names written as the Responses field."""
     param = exc.param or ""
     head, _, rest = param.partition(".")
+    message = exc.message.replace(CHAT_NAMED_CHOICE, NAMED_CHOICE)
     if head not in RESPONSES_PARAM:
-        return exc
+        return exc if message == exc.message else OpenAIError(exc.status_code, message, param=exc.param,
+                                                               code=exc.code, type=exc.type, headers=exc.headers)
     new = RESPONSES_PARAM[head] + ("." + rest if rest and head != "messages" else "")
-    return OpenAIError(exc.status_code, exc.message.replace(param, new) if param in exc.message else exc.message,
-                       param=new, code=exc.code, type=exc.type, headers=exc.headers)
+    return OpenAIError(exc.status_code, message.replace(param, new), param=new, code=exc.code, type=exc.type,
+                       headers=exc.headers)
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -29,9 +29,15 @@ MAX_TOOLS = 128
 ALPHANUMERIC = string.ascii_letters + string.digits
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without parameters takes none
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the definitions its $refs name (from its root)
-FORCED_CHOICE_UNSUPPORTED = ("a forced tool_choice ('required' or a named function) is generated under vLLM's "
-                             "structured outputs: it needs the vLLM backend (COSERVE_BACKEND=vllm); send tool_choice "
-                             "'none' or 'auto'")
+NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'  # chat's form of a named tool_choice
+
+
+def forced_choice_unsupported(auto: bool) -> str:
+    """Why a forced tool_choice is refused, and the choices left (``auto``: the server reads calls in the model's
+    own syntax, COSERVE_TOOL_CALL_PARSER)."""
+    return ("a forced tool_choice ('required' or a named function) is generated under vLLM's structured outputs: it "
+            "needs the vLLM backend (COSERVE_BACKEND=vllm); send tool_choice " + ("'none' or 'auto'" if auto else
+            "'none' (this server has no parser for the calls of 'auto' either: COSERVE_TOOL_CALL_PARSER)"))
 
 
 class FunctionSpec(BaseModel):
@@ -62,7 +68,7 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-CHOICES = """tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}"""
+CHOICES = f'tool_choice must be "none", "auto", "required" or {NAMED_CHOICE}'
 
 
 def _choice(value: Any) -> Any:

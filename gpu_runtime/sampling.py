@@ -28,9 +28,9 @@ LOGIT_BIAS_WITH_SPECULATION = ("logit_bias cannot be combined with vLLM's specul
 
 LOGPROBS_UNSUPPORTED = ("token log-probabilities need the vLLM backend (COSERVE_BACKEND=vllm): the own torch "
                         "engine does not report them; leave logprobs unset")
-STRUCTURED_UNSUPPORTED = ("structured outputs (response_format, structured_outputs) need the vLLM backend "
-                          "(COSERVE_BACKEND=vllm): the own torch engine does not constrain its output; "
-                          "leave them unset")
+# the error's param names the field, in the terms of the route that was asked (chat's or the Responses API's)
+STRUCTURED_UNSUPPORTED = ("structured outputs need the vLLM backend (COSERVE_BACKEND=vllm): the own torch engine does "
+                          "not constrain its output; leave the output format unset")
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 

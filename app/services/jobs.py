@@ -33,7 +33,7 @@ from app.services.transitions import NOT_TERMINAL, transition, utcnow
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
-from app.tool_calls import FORCED_CHOICE_UNSUPPORTED, is_forced
+from app.tool_calls import NAMED_CHOICE, forced_choice_unsupported, is_forced
 from app.wire import storable
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
 
@@ -135,7 +135,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                                  param="min_tokens")
     if refused := engine_refusal(settings, sampling):
         if refused[0] == "structured_outputs" and is_forced(sampling["tool_choice"]):
-            refused = ("tool_choice", FORCED_CHOICE_UNSUPPORTED)
+            refused = ("tool_choice", forced_choice_unsupported(settings.tool_call_parser is not None))
         raise JobValidationError(refused[1], param=refused[0], code="unsupported_value")
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
@@ -147,7 +147,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
             raise JobValidationError(
                 'tool_choice "auto" (the default where tools are given) lets the model call tools in its own '
                 "syntax, and this server has no parser for it (COSERVE_TOOL_CALL_PARSER); send tool_choice "
-                '"required", {"type": "function", "function": {"name": ...}} or "none"', param="tool_choice",
+                f'"required", {NAMED_CHOICE} or "none"', param="tool_choice",
                 code="unsupported_value")
     if sampling["tool_choice"] is not None and settings.tool_call_parser is not None:
         sampling["tool_parser"] = settings.tool_call_parser  # its syntax, and its calls' id style (Mistral: 9 letters)

@@ -193,6 +193,10 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
      "tool_choice.name", "needs the \"name\""),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
+     "text.format", "structured outputs need the vLLM backend"),  # chat's structured_outputs, in its words
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice",
+     '"required", {"type": "function", "name": ...} or "none"'),  # the named choice in this API's form
     ({"input": "x", "background": True, "store": False}, "store", "must be stored"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
