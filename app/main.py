@@ -15,6 +15,7 @@ from app.api import (admin, batches, conversations, errors, files, health, jobs,
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.openai_schemas import OpenAIRoute
+from app.request_id import RequestId
 from app.services.job_writer import JobWriter
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.rate_limits import RateLimiter
@@ -111,6 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
+    api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, lora, files, batches,
                    summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache):
         api.include_router(module.router)

@@ -69,6 +69,11 @@ class OpenAIError(Exception):
         return out
 
 
+# OpenAI's SDKs retry a 409 (a lock that may clear) unless the answer says not to; coserve's 409s are states a retry
+# cannot change (a cancelled job, an ended batch), and a retried completion would generate the cancelled job again
+FINAL = {"x-should-retry": "false"}
+
+
 def error_response(status_code: int, message: str, *, type: str | None = None, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     if type is None:
@@ -76,7 +81,7 @@ def error_response(status_code: int, message: str, *, type: str | None = None, p
                 429: "rate_limit_error"}.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
     # json_safe: a message may quote what the client sent (a lone surrogate cannot be encoded)
     return JSONResponse(json_safe({"error": {"message": message, "type": type, "param": param, "code": code}}),
-                        status_code=status_code)
+                        status_code=status_code, headers=FINAL if status_code == 409 else None)
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -259,6 +259,14 @@ def test_errors_have_openai_shape(live_server, keys):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], presence_penalty=2.5)
     assert exc.value.body["param"] == "presence_penalty"
+    # a forced tool call needs vLLM's structured outputs, and "auto" a tool-call parser: the refusal names only the
+    # choice this server takes (it sent each client to the other refused one)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tools=[tool],
+                                    tool_choice="required")
+    assert exc.value.body["param"] == "tool_choice" and "send tool_choice 'none' (this server has no parser" in (
+        exc.value.body["message"])
     bad = openai.OpenAI(base_url=live_server + "/v1", api_key="cs-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -335,3 +343,28 @@ def test_the_worker_renders_chat_with_the_operators_template_as_the_api_counted(
     finally:
         settings.chat_template = None
         use_chat_template(settings.model, None)
+
+
+def test_the_sdk_does_not_retry_a_completion_whose_job_was_cancelled(live_server, keys):
+    """The official client retries a 409 unless told not to (``x-should-retry``): a chat request whose job a user
+    cancelled came back as a second job that ran to the end. No worker: the job waits queued until the cancel."""
+    import threading
+
+    client = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=2, timeout=30)
+    raised: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            raised.append(exc)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    auth = {"Authorization": f"Bearer {keys.paid}"}
+    job_id = wait_for(lambda: httpx.get(live_server + "/v1/jobs", headers=auth).json()["data"], 20, "the job")[0]["id"]
+    assert httpx.post(f"{live_server}/v1/jobs/{job_id}/cancel", headers=auth).status_code == 200
+    asking.join(60)
+    assert [type(e) for e in raised] == [openai.ConflictError]
+    assert raised[0].response.headers["x-should-retry"] == "false"
+    assert [j["id"] for j in httpx.get(live_server + "/v1/jobs", headers=auth).json()["data"]] == [job_id]

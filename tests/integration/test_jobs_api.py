@@ -692,3 +692,16 @@ def test_the_stream_of_a_cancelled_job_whose_events_expired_gives_the_text_it_ke
     assert [(e, d.get("text", d.get("status"))) for e, d in events] == [
         ("event: delta", "abc def"), ("event: end", "cancelled")]
     assert events[-1][1]["completion_tokens"] == 3
+
+
+def test_every_answer_carries_a_request_id(client, keys, settings):
+    """OpenAI's ``x-request-id`` (the SDK's ``_request_id``): the client's own echoed, as vLLM's server echoes it,
+    else a new one per request; a refusal before any route (413) carries it too."""
+    given = client.get("/v1/models", headers={**H(keys.paid), "X-Request-Id": "trace-42"})
+    assert given.headers["x-request-id"] == "trace-42"
+    made = [client.get("/v1/models", headers=H(keys.paid)).headers["x-request-id"] for _ in range(2)]
+    assert made[0] != made[1] and all(len(m) == 32 for m in made)
+    too_big = client.post("/v1/jobs", content=b"x" * (settings.max_body_bytes + 1), headers=H(keys.paid))
+    assert too_big.status_code == 413 and len(too_big.headers["x-request-id"]) == 32
+    odd = client.get("/v1/models", headers={**H(keys.paid), "X-Request-Id": "x" * 300})
+    assert odd.headers["x-request-id"] != "x" * 300
