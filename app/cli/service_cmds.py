@@ -47,6 +47,24 @@ def _settings(**overrides: Any):
                                  ) from None
 
 
+def _database(settings: Any, new_ok: bool = False) -> str:
+    """The settings' database, migrated. Where it is the default SQLite file and that file does not exist yet (a
+    command run outside the directory where `coserve up` ran), a command that reads it stops saying so instead of
+    making an empty one; one that may start it (``new_ok``) says that it did."""
+    from app.db.migrate import upgrade
+
+    path = None if settings.database_url else settings.data_dir / "coserve.db"
+    if path is not None and not path.exists():
+        where = (f"no database at {path.resolve()}: run this where `coserve up` ran (its ./data), or set "
+                 "COSERVE_DATA_DIR or COSERVE_DATABASE_URL")
+        if not new_ok:
+            console.print(f"[red]{escape(where)}[/red]")
+            raise typer.Exit(1)
+        console.print(escape(f"(a new database at {path.resolve()}; a server started elsewhere does not see it)"))
+    upgrade(settings.sqlalchemy_url)
+    return settings.sqlalchemy_url
+
+
 def _split_env(env: dict[str, str], vllm_args: str, engine_flags: dict[str, Any]) -> tuple[dict[str, str], ...]:
     """The API's and the worker's environments under `coserve up`: the worker takes the vLLM flags; the API only
     the context length they set (it holds jobs to it without reading vLLM's flags, or importing vLLM)."""
@@ -479,7 +497,6 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         from sqlalchemy import select
 
         from app.auth import create_key, create_tenant
-        from app.db.migrate import upgrade
         from app.db.models import Tenant
         from app.db.session import session_scope
 
@@ -488,8 +505,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         for t in (tier, default_tier):
             if t is not None and t not in settings.tiers:
                 raise typer.BadParameter(f"unknown tier {t!r}; choose one of {list(settings.tiers)}")
-        upgrade(settings.sqlalchemy_url)
-        with session_scope(settings.sqlalchemy_url, immediate=True) as s:
+        with session_scope(_database(settings, new_ok=True), immediate=True) as s:
             row = s.scalar(select(Tenant).where(Tenant.name == tenant)) or create_tenant(s, tenant, default_tier)
             key_row, plaintext = create_key(s, row, tier=tier, is_admin=admin)
             tenant_id, key_id = row.id, key_row.id
@@ -512,13 +528,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         apply a rate limit's change within seconds). Without a limit given, shows them."""
         from sqlalchemy import select
 
-        from app.db.migrate import upgrade
         from app.db.models import Tenant
         from app.db.session import session_scope
 
-        settings = _settings()
-        upgrade(settings.sqlalchemy_url)
-        with session_scope(settings.sqlalchemy_url, immediate=True) as s:
+        with session_scope(_database(_settings()), immediate=True) as s:
             row = s.scalar(select(Tenant).where(Tenant.name == tenant))
             if row is None:
                 console.print(f"[red]no tenant {escape(repr(tenant))}[/red]")
@@ -541,14 +554,11 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         """List API keys, revoked ones included (ids and prefixes; the keys themselves are never stored)."""
         from sqlalchemy import select
 
-        from app.db.migrate import upgrade
         from app.db.models import ApiKey, Tenant
         from app.db.session import session_scope
         from app.schemas import KeyPublic
 
-        settings = _settings()
-        upgrade(settings.sqlalchemy_url)
-        with session_scope(settings.sqlalchemy_url) as s:
+        with session_scope(_database(_settings())) as s:
             query = select(ApiKey, Tenant).join(Tenant).order_by(Tenant.name, ApiKey.created_at)
             if tenant is not None:
                 query = query.where(Tenant.name == tenant)
@@ -567,14 +577,11 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     ) -> None:
         """Revoke an API key: every API process answers 401 to it from its next request on."""
         from app.auth import CACHE_TTL_S, announce_revocation
-        from app.db.migrate import upgrade
         from app.db.models import ApiKey
         from app.db.session import session_scope
         from app.embedded import recorded_redis_url
 
-        settings = _settings()
-        upgrade(settings.sqlalchemy_url)
-        with session_scope(settings.sqlalchemy_url, immediate=True) as s:
+        with session_scope(_database(settings := _settings()), immediate=True) as s:
             row = s.get(ApiKey, key_id)
             if row is None:
                 console.print(f"[red]no API key {key_id!r}[/red]")

@@ -90,3 +90,17 @@ def test_an_option_is_validated_as_its_setting_is(tmp_path):
     assert res.exit_code == 2 and "device" in res.output and "Traceback" not in res.output, res.output
     res = CliRunner().invoke(cli, ["keys", "list"], env={"COSERVE_DEFAULT_TIER": "gold"})
     assert res.exit_code == 2 and "COSERVE_DEFAULT_TIER 'gold'" in res.output, res.output
+
+
+def test_keys_commands_outside_the_servers_directory_make_no_empty_database(tmp_path):
+    """Run where no `coserve up` ran, `keys list` and `keys revoke` listed nothing and revoked nothing, each silently
+    making an empty ./data/coserve.db; they say where they looked. `keys create` may start a database, and says so."""
+    env = {"COSERVE_DATA_DIR": str(tmp_path / "data"), "COSERVE_DATABASE_URL": ""}
+    for args in (["keys", "list"], ["keys", "revoke", "key_x"], ["keys", "limits", "--tenant", "a"]):
+        res = CliRunner().invoke(cli, args, env=env)
+        assert res.exit_code == 1 and "no database at" in res.output and "coserve up" in res.output, res.output
+    assert not (tmp_path / "data" / "coserve.db").exists()
+    res = CliRunner().invoke(cli, ["keys", "create", "--tenant", "a"], env=env)
+    assert res.exit_code == 0 and "a new database at" in res.output, res.output
+    res = CliRunner().invoke(cli, ["keys", "list", "--json"], env=env)
+    assert res.exit_code == 0 and [r["tenant"] for r in json.loads(res.output)] == ["a"], res.output
