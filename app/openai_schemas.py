@@ -546,13 +546,6 @@ class CompletionRequest(_Base):
                 out.append({"prompt": one})
         return out
 
-    def prompt_input(self) -> dict[str, Any]:
-        """The one prompt (a Batch API line, which answers one completion)."""
-        prompts = self.prompt_inputs()
-        if len(prompts) != 1:
-            raise OpenAIError(400, "only a single prompt per request is supported here", param="prompt")
-        return prompts[0]
-
 
 # ---------------------------------------------------------------- responses
 def service_tier(tier: str, tiers: tuple[str, ...]) -> str:

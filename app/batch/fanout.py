@@ -1,4 +1,5 @@
-"""Fan-out: a validated input file becomes one batch-class job per valid line.
+"""Fan-out: a validated input file becomes batch-class jobs: one per valid line, or one per choice of a line
+of several (``n``, or several prompts).
 
 Every job's TTLT deadline is the batch's ``expires_at`` (created_at + completion_window).
 Invalid lines are kept in ``data_dir/batches/<id>/invalid.jsonl`` for the error file.
@@ -19,7 +20,7 @@ from app.batch import queue_limit
 from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
-from app.db.models import Batch, File, JobEvent, JobStatus
+from app.db.models import Batch, File, Job, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
 from app.services import dispatch as dispatching
@@ -88,12 +89,8 @@ def _start(settings: Settings, batch_id: str) -> None:
     invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message) for i in parsed.invalid]
     jobs = []
     for v in parsed.valid:
-        spec = v.spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
-        if (v.response or {}).get("truncation") == "auto":  # a Responses line: its oldest turns go if too long
-            spec, v.response["input_from"] = fit_context(settings, spec, v.response["input_from"])
         try:
-            jobs.append(build_job(settings, principal, spec, batch_id=batch_id, custom_id=v.custom_id,
-                                  endpoint=endpoint, response=v.response))
+            jobs += _line_jobs(settings, principal, v, batch_id, endpoint, expires_at)
         except JobValidationError as exc:
             invalid.append(invalid_line(v.line_no, v.custom_id, "invalid_body", f"line {v.line_no}: {exc}"))
     invalid.sort(key=lambda r: r["error"]["line"])
@@ -129,6 +126,23 @@ def _start(settings: Settings, batch_id: str) -> None:
     if not jobs:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)
+
+
+def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.ValidLine, batch_id: str, endpoint: str,
+               expires_at) -> list[Job]:
+    """A valid line's jobs, due when the batch's window ends. Those of a line of several choices are numbered in
+    OpenAI's order (``choice_index``), and usage counts the line's request and each prompt once, as online."""
+    jobs = []
+    for i, spec in enumerate(line.specs):
+        spec = spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
+        if (line.response or {}).get("truncation") == "auto":  # a Responses line: its oldest turns go if too long
+            spec, line.response["input_from"] = fit_context(settings, spec, line.response["input_from"])
+        job = build_job(settings, principal, spec, batch_id=batch_id, custom_id=line.custom_id, endpoint=endpoint,
+                        response=line.response)
+        if len(line.specs) > 1:
+            job.choice_index, job.counts_request, job.counts_prompt = i, i == 0, i % line.n == 0
+        jobs.append(job)
+    return jobs
 
 
 def _over_queue_limit(session, tenant_id: str, jobs: list) -> dict | None:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 from pathlib import Path
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.batch.objects import job_error_line, output_line
@@ -50,9 +53,45 @@ def _invalid_lines(data_dir: Path, batch_id: str) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def _counts(session: Session, batch_id: str) -> dict[str, int]:
-    rows = session.execute(select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status))
-    return {status: n for status, n in rows}
+@dataclass(frozen=True)
+class Counts:
+    """A batch's requests (its valid lines) by where their jobs are: a request of several choices is done when all
+    are, and completed only if all succeeded."""
+
+    pending: int = 0
+    completed: int = 0
+    failed: int = 0
+    expired_jobs: int = 0
+
+
+def _number(condition: Any) -> Any:
+    """SQL: how many rows meet ``condition``."""
+    return func.sum(case((condition, 1), else_=0))
+
+
+def _counts(session: Session, batch_id: str) -> Counts:
+    single = Job.choice_index.is_(None)  # a line's only job: its lines are counted by status, in a handful of groups
+    lines = (select(single.label("single"), _number(Job.status.not_in(TERMINAL_JOB)).label("open"),
+                    _number(Job.status == JobStatus.SUCCEEDED.value).label("ok"), func.count().label("jobs"),
+                    _number(Job.status == JobStatus.EXPIRED.value).label("expired"))
+             .where(Job.batch_id == batch_id).group_by(single, case((single, Job.status), else_=Job.custom_id))
+             .subquery())
+    c = lines.c
+    done = c.open == 0  # a group of single lines counts its jobs (each a request), a line of choices counts once
+    row = session.execute(select(
+        func.sum(case((c.single, c.open), else_=case((c.open > 0, 1), else_=0))),
+        func.sum(case((c.single, c.ok), else_=case((done & (c.ok == c.jobs), 1), else_=0))),
+        func.sum(case((c.single, c.jobs - c.open - c.ok), else_=case((done & (c.ok < c.jobs), 1), else_=0))),
+        func.sum(c.expired))).one()
+    return Counts(*(int(n or 0) for n in row))
+
+
+def requests(jobs: Iterable[Job]) -> list[list[Job]]:
+    """A batch's jobs as its requests: a line's jobs together, in the order of its first job, its choices in order."""
+    lines: dict[str | None, list[Job]] = {}
+    for job in jobs:
+        lines.setdefault(job.custom_id, []).append(job)
+    return [sorted(line, key=lambda j: j.choice_index or 0) for line in lines.values()]
 
 
 def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis_url: str | None) -> int:
@@ -87,20 +126,17 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         return False
     cancelled = batch.cancelling_at is not None  # cancelling, or finalizing after it
     counts = _counts(session, batch_id)
-    pending = sum(n for st, n in counts.items() if st not in TERMINAL_JOB)
     window_over = not cancelled and batch.expires_at is not None and as_utc(batch.expires_at) <= utcnow()
-    if pending and window_over:
+    if counts.pending and window_over:
         stop_jobs(session, batch_id, JobStatus.EXPIRED, "the batch's completion window ended", redis_url)
         counts = _counts(session, batch_id)
-        pending = sum(n for st, n in counts.items() if st not in TERMINAL_JOB)
     # judged from the jobs, not from whether this call stopped them: a concurrent caller (the
     # worker's sweeper, another poll) may have expired them between our two reads
-    expired = window_over and counts.get(JobStatus.EXPIRED.value, 0) > 0
+    expired = window_over and counts.expired_jobs > 0
     invalid = _invalid_lines(data_dir, batch_id)
-    completed = counts.get(JobStatus.SUCCEEDED.value, 0)
-    failed = len(invalid) + sum(n for st, n in counts.items() if st in TERMINAL_JOB and st != "succeeded")
+    completed, failed = counts.completed, len(invalid) + counts.failed
     session.commit()
-    if pending:
+    if counts.pending:
         if (completed, failed) != (batch.completed, batch.failed):
             with write_guard(session):
                 session.execute(update(Batch).where(Batch.id == batch_id).values(completed=completed, failed=failed))
@@ -114,9 +150,14 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         session.commit()
     if not won:
         return False
-    jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.created_at, Job.id)))
-    out_lines = [json.dumps(output_line(j)) for j in jobs if j.status == JobStatus.SUCCEEDED]
-    err_lines = invalid + [json.dumps(job_error_line(j)) for j in jobs if j.status != JobStatus.SUCCEEDED]
+    jobs = session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.created_at, Job.id))
+    out_lines, err_lines = [], list(invalid)
+    for line in requests(jobs):  # a request of several choices answers whole, or with its first failed choice
+        failed_job = next((j for j in line if j.status != JobStatus.SUCCEEDED), None)
+        if failed_job is None:
+            out_lines.append(json.dumps(output_line(line)))
+        else:
+            err_lines.append(json.dumps(job_error_line(failed_job)))
     lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
     files = {key: new_file(data_dir, batch.tenant_id, f"{batch_id}_{name}.jsonl", "batch_output",
                            ("\n".join(lines) + "\n").encode(), lives)

@@ -2,7 +2,8 @@
 
 Line-level problems (bad JSON, wrong url, invalid body) reject that line only: it goes to
 the error file with its line number and reason. Duplicate ``custom_id`` values fail the
-whole file (OpenAI semantics).
+whole file (OpenAI semantics). A line of ``n`` choices, or of several prompts (completions),
+is a job per choice, as an online request is.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.db.models import Job
-from app.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIError, validation_message
+from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, choice_specs,
+                                 validation_message)
 from app.responses_schemas import ResponsesRequest
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
@@ -34,7 +36,8 @@ CUSTOM_ID_CHARS: int = Job.__table__.c.custom_id.type.length  # what its job's c
 class ValidLine:
     line_no: int
     custom_id: str
-    spec: JobCreate
+    specs: list[JobCreate]  # a job per choice: n per prompt, a prompt's together (OpenAI's index: prompt x n + choice)
+    n: int = 1  # choices per prompt
     response: dict[str, Any] | None = None  # a Responses line's own fields (jobs.response)
 
 
@@ -93,9 +96,6 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
         return InvalidLine(line_no, cid, f"line {line_no}: 'body' must be a JSON object", "invalid_body")
     if body.get("stream"):
         return InvalidLine(line_no, cid, f"line {line_no}: stream is not supported in batches", "invalid_body")
-    if body.get("n") not in (None, 1):
-        return InvalidLine(line_no, cid, f"line {line_no}: only n=1 in batches (one line per completion)",
-                           "invalid_body")
     response = None
     try:
         req = ENDPOINTS[endpoint].model_validate(body)
@@ -108,16 +108,20 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
             req, spec = req.chat_request(body, [], tiers, batch_window_s=window_s)  # its QoS checked below
         if req.deadline is not None or req.ttft_ms or req.tbt_ms:
             raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
+        n = getattr(req, "n", None) or 1  # a Responses line answers one output
         if endpoint == "/v1/chat/completions":
-            spec = req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers)
+            specs = choice_specs(req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers), n)
         elif endpoint == "/v1/completions":
-            spec = req.job_spec(**req.prompt_input(), batch_window_s=window_s, tiers=tiers)
+            specs = [choice for prompt in req.prompt_inputs()
+                     for choice in choice_specs(req.job_spec(**prompt, batch_window_s=window_s, tiers=tiers), n)]
+        else:
+            specs = [spec]
     except ValidationError as exc:
         message, _ = validation_message(list(exc.errors()))
         return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {message}", "invalid_body")
     except OpenAIError as exc:
         return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {exc.message}", "invalid_body")
-    return ValidLine(line_no, cid, spec, response)
+    return ValidLine(line_no, cid, specs, n, response)
 
 
 def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ParsedFile:

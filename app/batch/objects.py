@@ -6,11 +6,11 @@ from datetime import UTC, datetime
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Batch, Job
-from app.openai_schemas import stored_chat_answer, text_completion, with_token_ids
+from app.openai_schemas import merge_choices, stored_chat_answer, text_completion, with_token_ids
 from app.responses_schemas import response_body
 from app.services.truncation import fed_prompt
 from app.tool_calls import read_answer
@@ -25,7 +25,9 @@ def ts(dt: datetime | None) -> int | None:
 def batch_usage(session: Session, batch_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Each batch's ``usage``: the tokens of its jobs an engine ran (finished, or cancelled with the batch after
     producing tokens: those count too), one grouped query for a page."""
-    rows = session.execute(select(Job.batch_id, func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens),
+    prompt = Job.counts_prompt  # a line of several choices counts each prompt once
+    rows = session.execute(select(Job.batch_id, func.sum(case((prompt, Job.prompt_tokens), else_=0)),
+                                  func.sum(case((prompt, Job.cached_tokens), else_=0)),
                                   func.sum(Job.completion_tokens), func.sum(Job.reasoning_tokens))
                            .where(Job.batch_id.in_(list(batch_ids)), Job.completion_tokens.is_not(None))
                            .group_by(Job.batch_id))
@@ -51,8 +53,17 @@ def batch_object(b: Batch, usage: dict[str, Any] | None = None) -> dict[str, Any
             "usage": usage or _usage(), "metadata": b.metadata_, "coserve": {"tier": b.tier}}
 
 
-def output_line(job: Job) -> dict[str, Any]:
-    """A succeeded job as an output-file line: the body an online request would have returned."""
+def output_line(jobs: list[Job]) -> dict[str, Any]:
+    """A request's succeeded jobs (its choices, in order) as an output-file line: the body an online request would
+    have returned, its choices indexed and its usage counting each prompt once (``merge_choices``)."""
+    first, prompts = jobs[0], sum(j.counts_prompt is not False for j in jobs)  # None: unsaved, the default
+    body = merge_choices([_body(j) for j in jobs], len(jobs) // max(1, prompts))
+    return {"id": f"batch_req_{first.id}", "custom_id": first.custom_id,
+            "response": {"status_code": 200, "request_id": first.id, "body": body}, "error": None}
+
+
+def _body(job: Job) -> dict[str, Any]:
+    """A succeeded job's answer, as its endpoint gives it online."""
     chat = job.endpoint == "/v1/chat/completions"
     text, reason = job.output_text or "", job.finish_reason or "stop"
     if job.endpoint == "/v1/responses":
@@ -74,8 +85,7 @@ def output_line(job: Job) -> dict[str, Any]:
         from app.settings import get_settings
 
         with_token_ids(body, chat, fed_prompt(get_settings(), job), job.output_token_ids)
-    return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
-            "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
+    return body
 
 
 def job_error_line(job: Job) -> dict[str, Any]:

@@ -55,29 +55,32 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker, settings):
     assert batch.expires_at - batch.created_at == 1800
     done = wait_batch(oai, batch.id, {"completed", "failed"})
     assert done.status == "completed", done
-    assert done.request_counts.total == 8 and done.request_counts.completed == 3
-    assert done.request_counts.failed == 5
+    assert done.request_counts.total == 8 and done.request_counts.completed == 4  # a line of 3 choices is 1
+    assert done.request_counts.failed == 4
 
     out = jsonl(oai, done.output_file_id)
-    assert [r["custom_id"] for r in out] == ["a", "b", "f"]
+    assert [r["custom_id"] for r in out] == ["a", "b", "e", "f"]
     for r in out:
         body = r["response"]["body"]
         assert r["response"]["status_code"] == 200 and r["error"] is None
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
-        assert body["usage"]["completion_tokens"] == (6 if r["custom_id"] == "b" else 4)
+        assert body["usage"]["completion_tokens"] == {"b": 6, "e": 12}.get(r["custom_id"], 4)
         assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # the engine said: none cached
+    # n=3: one answer of three choices, as online (OpenAI's Batch API and vLLM's run_batch take n), its prompt once
+    e = out[2]["response"]["body"]
+    assert [c["index"] for c in e["choices"]] == [0, 1, 2] and all(c["message"]["content"] for c in e["choices"])
+    assert e["usage"]["prompt_tokens"] == out[3]["response"]["body"]["usage"]["prompt_tokens"]  # "Bye", "Last one"
     usage = [r["response"]["body"]["usage"] for r in out]
     assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usage) > 0  # the batch's usage sums its lines'
-    assert done.usage.output_tokens == 14 and done.usage.total_tokens == done.usage.input_tokens + 14
+    assert done.usage.output_tokens == 26 and done.usage.total_tokens == done.usage.input_tokens + 26
     assert done.usage.input_tokens_details.cached_tokens == 0
 
     errors = {e["error"]["line"]: e for e in jsonl(oai, done.error_file_id)}
-    assert sorted(errors) == [2, 4, 5, 6, 7]
+    assert sorted(errors) == [2, 4, 5, 6]
     assert errors[2]["error"]["code"] == "invalid_json" and "line 2" in errors[2]["error"]["message"]
     assert errors[4]["custom_id"] == "c" and "/v1/embeddings" in errors[4]["error"]["message"]
     assert errors[5]["error"]["code"] == "missing_custom_id"
     assert "max_tokens" in errors[6]["error"]["message"] and errors[6]["custom_id"] == "d"
-    assert "n=1" in errors[7]["error"]["message"]
     assert all(e["response"] is None for e in errors.values())
     assert done.id in [b.id for b in oai.batches.list().data]
 
@@ -94,7 +97,7 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker, settings):
     wait_for(lambda: not path.exists(), 15, "the worker's sweeper to delete the expired error file")
     with pytest.raises(openai.NotFoundError):
         oai.files.content(done.error_file_id)
-    assert len(jsonl(oai, done.output_file_id)) == 3
+    assert len(jsonl(oai, done.output_file_id)) == 4
 
 
 def test_a_batch_of_responses(oai, start_worker):

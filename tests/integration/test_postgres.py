@@ -285,6 +285,7 @@ def test_batch_queue_limit_and_usage_on_postgres(pg_url):
     """The queue limit's locked read of the tenant's cap and its sum of queued tokens, and a batch's usage, on
     PostgreSQL."""
     from app.auth import create_tenant
+    from app.batch import finalize
     from app.batch.objects import batch_usage
     from app.batch.queue_limit import refusal
     from app.db.migrate import upgrade
@@ -309,3 +310,9 @@ def test_batch_queue_limit_and_usage_on_postgres(pg_url):
         assert refusal(s, tenant_id, "m", 11)["code"] == "token_limit_exceeded"
         assert refusal(s, tenant_id, "other", 100) is None  # per model
         assert batch_usage(s, ["batch_q"])["batch_q"]["total_tokens"] == 507
+    with session_scope(pg_url) as s:  # a line of two choices, one still running: one pending request
+        for i, status in enumerate(("succeeded", "running")):
+            s.add(Job(tenant_id=tenant_id, batch_id="batch_q", kind="batch", tier="paid", model="m", sampling={},
+                      status=status, custom_id="two", choice_index=i, counts_request=i == 0, counts_prompt=i == 0))
+    with session_scope(pg_url) as s:
+        assert finalize._counts(s, "batch_q") == finalize.Counts(pending=3, completed=1, failed=0, expired_jobs=0)

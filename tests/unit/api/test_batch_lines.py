@@ -33,8 +33,9 @@ def test_valid_lines_become_batch_specs_with_the_window():
     assert not parsed.invalid and not parsed.file_errors and parsed.total == 2
     a = parsed.valid[0]
     assert isinstance(a, ValidLine) and a.line_no == 1 and a.custom_id == "a"
-    assert a.spec.kind == "batch" and a.spec.deadline_window_s == 3600 and a.spec.max_tokens == 5
-    assert a.spec.stop == ["END"] and a.spec.seed == 1 and a.spec.messages[0].content == "hi"
+    (spec,) = a.specs
+    assert spec.kind == "batch" and spec.deadline_window_s == 3600 and spec.max_tokens == 5
+    assert spec.stop == ["END"] and spec.seed == 1 and spec.messages[0].content == "hi"
     assert parsed.valid[1].line_no == 3  # blank lines are skipped but keep numbering
 
 
@@ -74,14 +75,11 @@ def test_openai_request_mapping():
     assert parts[0].content == "Hello\nworld"  # vLLM's join of a string-format template's text parts
     assert spec.temperature == 1.0  # OpenAI's default
     deadline = CompletionRequest.model_validate({"prompt": ["p"], "deadline": "2h"})
-    spec = deadline.job_spec(**deadline.prompt_input())
+    (prompt,) = deadline.prompt_inputs()
+    spec = deadline.job_spec(**prompt)
     assert spec.kind == "batch" and spec.deadline_window_s == 7200
-    with pytest.raises(OpenAIError) as exc:
-        CompletionRequest.model_validate({"prompt": ["p", "q"]}).prompt_input()
-    assert exc.value.param == "prompt"
     with pytest.raises(OpenAIError):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 17}).check()
-    assert not parse_file(chat("a", n=2).encode(), "/v1/chat/completions", 3600).valid  # a batch line is one answer
     for qos in ({"ttft_ms": 5}, {"tbt_anchor": "first-token"}):  # a deadline job has no token pace
         with pytest.raises(OpenAIError):
             CompletionRequest.model_validate({"prompt": "p", "deadline": "2h", **qos}).job_spec(prompt="p")
@@ -161,10 +159,10 @@ def test_a_batch_line_carries_the_token_ids_its_request_asked_for():
     job = Job(id="job_t", endpoint="/v1/completions", model="m", output_text=" hi", finish_reason="length",
               sampling={"return_token_ids": True, "max_tokens": 2}, prompt_token_ids=[5, 6, 7], prompt_tokens=3,
               completion_tokens=2, output_token_ids=[9, 10], custom_id="r1")
-    choice = output_line(job)["response"]["body"]["choices"][0]
+    choice = output_line([job])["response"]["body"]["choices"][0]
     assert (choice["prompt_token_ids"], choice["token_ids"]) == ([5, 6, 7], [9, 10])
     job.sampling = {"max_tokens": 2}  # not asked: neither
-    assert not {"prompt_token_ids", "token_ids"} & set(output_line(job)["response"]["body"]["choices"][0])
+    assert not {"prompt_token_ids", "token_ids"} & set(output_line([job])["response"]["body"]["choices"][0])
 
 
 def test_lines_end_at_newlines_only_and_a_nul_or_an_overlong_custom_id_fails_its_line():
@@ -174,7 +172,7 @@ def test_lines_end_at_newlines_only_and_a_nul_or_an_overlong_custom_id_fails_its
            for c, text in (("a", "one\u2028two"), ("b", "x\u0085y\u2029z"), ("c", "plain"))]
     parsed = parse_file(("\r\n".join(raw) + "\r\n").encode(), "/v1/chat/completions", 60)
     assert not parsed.invalid and [v.custom_id for v in parsed.valid] == ["a", "b", "c"]
-    assert parsed.valid[0].spec.messages[0].content == "one\u2028two" and parsed.valid[2].line_no == 3
+    assert parsed.valid[0].specs[0].messages[0].content == "one\u2028two" and parsed.valid[2].line_no == 3
     lines = [chat("a"), chat("n" * 201), chat("b", user="x\u0000y"), chat("c\u0000")]
     parsed = parse_file("\n".join(lines).encode(), "/v1/chat/completions", 60)
     assert not parsed.file_errors and [v.custom_id for v in parsed.valid] == ["a"]
@@ -182,3 +180,15 @@ def test_lines_end_at_newlines_only_and_a_nul_or_an_overlong_custom_id_fails_its
     assert bad[2].code == "invalid_custom_id" and "201 characters; at most 200" in bad[2].message
     assert bad[3].custom_id == "b" and "body.user contains a NUL character" in bad[3].message
     assert bad[4].custom_id is None and bad[4].code == "invalid_request" and "custom_id" in bad[4].message
+
+
+def test_a_line_of_several_choices_is_a_job_per_choice_in_openais_order():
+    """OpenAI's Batch API and vLLM's run_batch take n > 1 and, on completions, several prompts per line."""
+    (line,) = parse_file(chat("a", n=3, seed=7).encode(), "/v1/chat/completions", 3600).valid
+    assert line.n == 3 and [s.seed for s in line.specs] == [7, 8, 9]  # each choice reproducible, unlike the others
+    text = json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": ["p", "q"], "n": 2, "max_tokens": 3}})
+    (line,) = parse_file(text.encode(), "/v1/completions", 3600).valid
+    assert line.n == 2 and [s.prompt for s in line.specs] == ["p", "p", "q", "q"]  # index = prompt x n + choice
+    (bad,) = parse_file(chat("c", n=17).encode(), "/v1/chat/completions", 3600).invalid
+    assert "n must be between 1 and 16" in bad.message

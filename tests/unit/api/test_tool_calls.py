@@ -254,7 +254,7 @@ def test_answers_carry_the_calls_and_no_content():
     job = Job(id="job_abc", endpoint="/v1/chat/completions", model="m", output_text='[{"name": "get_time", '
               '"parameters": {}}]', finish_reason="stop", sampling={"tool_choice": "required"}, prompt_tokens=5,
               completion_tokens=9, custom_id="r1")
-    line = output_line(job)["response"]["body"]["choices"][0]
+    line = output_line([job])["response"]["body"]["choices"][0]
     assert line["finish_reason"] == "tool_calls" and line["message"]["tool_calls"][0]["function"]["name"] == "get_time"
 
 

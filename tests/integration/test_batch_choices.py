@@ -1,0 +1,62 @@
+"""A Batch API line of several choices (``n``, or several prompts on completions): a job per choice, one request in
+the batch's counts, and one answer in the output file, or one error where a choice failed (the real app and SQLite;
+no worker: the test ends the jobs in SQL)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import select, update
+
+from app.db.models import Job
+from app.db.session import session_scope, write_guard
+from tests.conftest import Keys
+
+pytestmark = pytest.mark.integration
+
+
+def _end(settings, job_ids: list[str], status: str, **values) -> None:
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.execute(update(Job).where(Job.id.in_(job_ids)).values(
+            status=status, output_text="ok", completion_tokens=1, prompt_tokens=3, finish_reason="stop", **values))
+        s.commit()
+
+
+def test_a_line_of_several_choices_answers_whole_or_fails_whole(client, keys, settings):
+    auth = Keys.header(keys.paid)
+    lines = [{"custom_id": "many", "body": {"prompt": ["p", "q"], "n": 2, "max_tokens": 2}},
+             {"custom_id": "one", "body": {"prompt": "r", "max_tokens": 2}},
+             {"custom_id": "whole", "body": {"prompt": "s", "n": 2, "max_tokens": 2}}]
+    text = "\n".join(json.dumps({**line, "method": "POST", "url": "/v1/completions"}) for line in lines)
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                              "completion_window": "1h"}).json()["id"]
+    with session_scope(settings.sqlalchemy_url) as s:
+        jobs = {cid: list(s.execute(select(Job.id, Job.prompt, Job.choice_index, Job.counts_request, Job.counts_prompt)
+                                    .where(Job.batch_id == batch_id, Job.custom_id == cid).order_by(Job.choice_index)))
+                for cid in ("many", "one", "whole")}
+    # OpenAI's choice index (prompt x n + choice); usage counts the request once and each prompt once
+    assert [tuple(r[1:]) for r in jobs["many"]] == [("p", 0, True, True), ("p", 1, False, False),
+                                                     ("q", 2, False, True), ("q", 3, False, False)]
+    assert [tuple(r[1:]) for r in jobs["one"]] == [("r", None, True, True)]
+    many = [r.id for r in jobs["many"]]
+
+    _end(settings, many[:3] + [jobs["one"][0].id] + [r.id for r in jobs["whole"]], "succeeded")
+    batch = client.get(f"/v1/batches/{batch_id}", headers=auth).json()
+    assert batch["status"] == "in_progress"  # one choice of "many" is still to run
+    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 0}
+    assert batch["usage"]["input_tokens"] == 3 * 4  # "p" and "q" of the running line once each, "r", "s" once
+
+    _end(settings, many[3:], "failed", error="engine error")
+    batch = client.get(f"/v1/batches/{batch_id}", headers=auth).json()
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    out = [json.loads(t) for t in client.get(f"/v1/files/{batch['output_file_id']}/content", headers=auth).text
+           .splitlines()]
+    assert sorted(r["custom_id"] for r in out) == ["one", "whole"]
+    whole = next(r for r in out if r["custom_id"] == "whole")["response"]["body"]
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    (error,) = [json.loads(t) for t in client.get(f"/v1/files/{batch['error_file_id']}/content", headers=auth)
+                .text.splitlines()]
+    assert error["custom_id"] == "many" and error["error"]["message"] == "generation failed: engine error"
