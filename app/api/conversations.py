@@ -39,11 +39,12 @@ class ItemsCreate(BaseModel):
     items: list[dict[str, Any]] = Field(min_length=1, max_length=service.MAX_ITEMS)
 
 
-def _find(session, principal, conversation_id: str) -> Conversation:
-    return service.find(session, principal.tenant_id, conversation_id)
+def _find(session, principal, conversation_id: str, lock: bool = False) -> Conversation:
+    return service.find(session, principal.tenant_id, conversation_id, lock=lock)
 
 
-# writes read the conversation first: each in a session that holds the write lock throughout (read_then_write)
+# writes read the conversation first, its row locked, each in a session that holds the write lock throughout
+# (read_then_write): one that the conversation's deletion overtook answers 404
 
 @router.post("/conversations", responses=openai_responses(400, 401))
 def create_conversation(body: ConversationCreate, principal: CurrentPrincipal, settings: SettingsDep):
@@ -67,7 +68,7 @@ def update_conversation(conversation_id: str, body: ConversationUpdate, principa
                         settings: SettingsDep):
     """Replaces the conversation's metadata."""
     with read_then_write(settings.sqlalchemy_url) as s:
-        conv = _find(s, principal, conversation_id)
+        conv = _find(s, principal, conversation_id, lock=True)
         conv.meta = body.metadata
         return service.conversation_body(conv)
 
@@ -76,7 +77,7 @@ def update_conversation(conversation_id: str, body: ConversationUpdate, principa
 def delete_conversation(conversation_id: str, principal: CurrentPrincipal, settings: SettingsDep):
     """Deletes the conversation and its items (the responses given it stay)."""
     with read_then_write(settings.sqlalchemy_url) as s:
-        service.delete_conversation(s, _find(s, principal, conversation_id))
+        service.delete_conversation(s, _find(s, principal, conversation_id, lock=True))
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
@@ -86,7 +87,7 @@ def create_items(conversation_id: str, body: ItemsCreate, principal: CurrentPrin
     earlier thinking is not given back to it, so a list of only those adds nothing)."""
     items = service.new_items(body.items)
     with read_then_write(settings.sqlalchemy_url) as s:
-        service.add_items(s, _find(s, principal, conversation_id), items)
+        service.add_items(s, _find(s, principal, conversation_id, lock=True), items)
     return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
             "last_id": items[-1]["id"] if items else None, "has_more": False}
 
@@ -110,6 +111,6 @@ def get_item(conversation_id: str, item_id: str, session: SessionDep, principal:
 def delete_item(conversation_id: str, item_id: str, principal: CurrentPrincipal, settings: SettingsDep):
     """Takes the item out of the conversation; answers the conversation."""
     with read_then_write(settings.sqlalchemy_url) as s:
-        conv = _find(s, principal, conversation_id)
+        conv = _find(s, principal, conversation_id, lock=True)
         service.delete_item(s, conv, item_id)
         return service.conversation_body(conv)

@@ -59,7 +59,7 @@ def update_completion(completion_id: str, body: CompletionUpdate, principal: Cur
                       settings: SettingsDep):
     """Replaces a stored chat completion's metadata (the one thing of it that can change)."""
     with read_then_write(settings.sqlalchemy_url) as s:
-        jobs = service.finished(s, principal.tenant_id, completion_id)
+        jobs = service.finished(s, principal.tenant_id, completion_id, lock=True)
         jobs[0].response = {**jobs[0].response, "metadata": body.metadata or {}}
         return service.completion_body(jobs, settings.tiers)
 
@@ -68,7 +68,7 @@ def update_completion(completion_id: str, body: CompletionUpdate, principal: Cur
 def delete_completion(completion_id: str, principal: CurrentPrincipal, settings: SettingsDep):
     """Forgets a stored chat completion: it is no longer listed or retrieved (its jobs stay in /v1/jobs)."""
     with read_then_write(settings.sqlalchemy_url) as s:
-        job = service.find(s, principal.tenant_id, completion_id)
+        job = service.find(s, principal.tenant_id, completion_id, lock=True)
         job.response = {**job.response, "store": False}
     return {"object": "chat.completion.deleted", "id": completion_id, "deleted": True}
 

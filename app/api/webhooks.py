@@ -73,8 +73,10 @@ def _object(e: WebhookEndpoint, secret: bool = False) -> dict[str, Any]:
     return out
 
 
-def _own(session, principal, endpoint_id: str) -> WebhookEndpoint:
-    row = session.get(WebhookEndpoint, endpoint_id)
+def _own(session, principal, endpoint_id: str, lock: bool = False) -> WebhookEndpoint:
+    """The tenant's endpoint (404 where none); ``lock``: read afresh inside a write and held for it (PostgreSQL's
+    row lock; SQLite's writers hold the whole database), so a change and a deletion come one after the other."""
+    row = session.get(WebhookEndpoint, endpoint_id, with_for_update=lock)
     if row is None or row.tenant_id != principal.tenant_id:
         raise OpenAIError(404, f"No such webhook endpoint: {endpoint_id}", param="webhook_endpoint_id",
                           code="webhook_endpoint_not_found")
@@ -112,24 +114,23 @@ def retrieve(webhook_endpoint_id: str, session: SessionDep, principal: CurrentPr
 def update_endpoint(webhook_endpoint_id: str, body: EndpointUpdate, session: SessionDep,
                     principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     _checked(body, settings.webhook_private_targets)
-    row = _own(session, principal, webhook_endpoint_id)
-    changes = {k: v for k, v in {"name": body.name, "url": body.url,
-                                 "event_types": list(dict.fromkeys(body.event_types or ())) or None}.items()
-               if v is not None and v != getattr(row, k)}
-    if changes:
-        with write_after_read(session):
-            for k, v in changes.items():
-                setattr(row, k, v)
+    with write_after_read(session):
+        row = _own(session, principal, webhook_endpoint_id, lock=True)
+        changes = {k: v for k, v in {"name": body.name, "url": body.url,
+                                     "event_types": list(dict.fromkeys(body.event_types or ())) or None}.items()
+                   if v is not None and v != getattr(row, k)}
+        for k, v in changes.items():
+            setattr(row, k, v)
+        if changes:
             row.updated_at = utcnow()
-            session.commit()
+        session.commit()
     return _object(row)
 
 
 @router.delete("/{webhook_endpoint_id}", responses=openai_responses(404))
 def delete(webhook_endpoint_id: str, session: SessionDep, principal: CurrentPrincipal) -> dict[str, Any]:
-    row = _own(session, principal, webhook_endpoint_id)
     with write_after_read(session):
-        session.delete(row)  # its pending deliveries go with it
+        session.delete(_own(session, principal, webhook_endpoint_id, lock=True))  # its pending deliveries go with it
         session.commit()
     return {"id": webhook_endpoint_id, "object": "webhook_endpoint.deleted", "deleted": True}
 
@@ -137,10 +138,9 @@ def delete(webhook_endpoint_id: str, session: SessionDep, principal: CurrentPrin
 @router.post("/{webhook_endpoint_id}/rotate_secret", responses=openai_responses(400, 404))
 def rotate_secret(webhook_endpoint_id: str, session: SessionDep, principal: CurrentPrincipal,
                   body: RotateSecret | None = None) -> dict[str, Any]:
-    row = _own(session, principal, webhook_endpoint_id)
     keep = body is not None and body.keep_old_secret_active_for_24_hours
     with write_after_read(session):
-        now = utcnow()
+        row, now = _own(session, principal, webhook_endpoint_id, lock=True), utcnow()
         row.old_secret, row.old_secret_until = (row.secret, now + webhooks.KEEP_OLD_SECRET) if keep else (None, None)
         row.secret, row.updated_at = webhooks.new_secret(), now
         session.commit()

@@ -23,9 +23,11 @@ def conversation_body(conv: Conversation) -> dict[str, Any]:
             "metadata": conv.meta or {}}
 
 
-def find(session: Session, tenant_id: str, conv_id: str, param: str | None = None) -> Conversation:
-    """The tenant's conversation ``conv_id`` (404, or 400 naming ``param`` where a request's field gave it)."""
-    conv = session.get(Conversation, conv_id)
+def find(session: Session, tenant_id: str, conv_id: str, param: str | None = None, lock: bool = False) -> Conversation:
+    """The tenant's conversation ``conv_id`` (404, or 400 naming ``param`` where a request's field gave it); ``lock``:
+    its row held until the transaction ends, so a write of its items or metadata and its deletion come one after
+    the other on PostgreSQL (SQLite's writers hold the whole database)."""
+    conv = session.get(Conversation, conv_id, with_for_update=lock)
     if conv is None or conv.tenant_id != tenant_id:
         raise OpenAIError(400 if param else 404, f"no conversation {conv_id!r}", param=param,
                           code="conversation_not_found")
@@ -50,7 +52,7 @@ def add_items(session: Session, conv: Conversation, items: list[dict[str, Any]])
 def add_turn(session: Session, conv_id: str, job_id: str) -> None:
     """The turn of response ``job_id``, which the conversation shows once the response has completed (none where
     the conversation was deleted since the response read it)."""
-    if session.get(Conversation, conv_id) is not None:
+    if session.get(Conversation, conv_id, with_for_update=True) is not None:  # held: a deletion waits, or came first
         session.add(ConversationEntry(conversation_id=conv_id, job_id=job_id))
 
 

@@ -34,7 +34,7 @@ from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
 from app.tool_calls import NAMED_CHOICE, forced_choice_unsupported, is_forced
-from app.wire import storable
+from app.wire import find_unstorable, storable
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -348,9 +348,10 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     return Submitted(job, created=True, rate=rate)
 
 
-def get_job(session: Session, tenant_id: str | None, job_id: str) -> Job | None:
-    """The job if it exists and belongs to ``tenant_id`` (None = any tenant, for admins)."""
-    job = session.get(Job, job_id, populate_existing=True)
+def get_job(session: Session, tenant_id: str | None, job_id: str, lock: bool = False) -> Job | None:
+    """The job if it exists and belongs to ``tenant_id`` (None = any tenant, for admins); ``lock``: its row held
+    for this transaction's write (PostgreSQL; SQLite's writers hold the whole database)."""
+    job = session.get(Job, job_id, populate_existing=True, with_for_update=lock)
     if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
         return None
     return job
@@ -363,6 +364,8 @@ def _encode_cursor(job: Job) -> str:
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         at, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        if find_unstorable(job_id) is not None:  # no job's id: PostgreSQL refuses a NUL in the comparison
+            raise ValueError(job_id)
         return datetime.fromisoformat(at), job_id
     except Exception as exc:
         raise JobValidationError("invalid cursor; pass the next_cursor value of the previous page",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.db.models import LoraAdapter
@@ -185,8 +186,21 @@ def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False
         what = "a name of the model" if name in settings.model_names else "an adapter of COSERVE_LORA_MODULES"
         raise AdapterError(f"lora_name {name!r} is {what}; choose another name")
     directory, rank = check_directory(settings, name, path)
-    with read_then_write(settings.sqlalchemy_url) as session:  # the read of the name and its write: one writer
-        row = session.get(LoraAdapter, name)
+    # the read of the name and its write: one writer on SQLite; on PostgreSQL a load of the same new name may
+    # commit in between (no row to lock yet), and then this one is judged again with that row there
+    for judged_again in (False, True):
+        try:
+            _load_row(settings, name, directory, rank, load_inplace, if_absent)
+            break
+        except IntegrityError:
+            if judged_again:
+                raise
+    _read.pop(settings.sqlalchemy_url, None)
+
+
+def _load_row(settings: Settings, name: str, directory: str, rank: int, load_inplace: bool, if_absent: bool) -> None:
+    with read_then_write(settings.sqlalchemy_url) as session:
+        row = session.get(LoraAdapter, name, with_for_update=True)
         if row is not None and if_absent and row.model == settings.model_name:
             return
         if row is not None and not load_inplace:
@@ -198,7 +212,6 @@ def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False
             session.add(LoraAdapter(name=name, model=settings.model_name, path=directory, rank=rank))
         else:  # the workers load it anew for the jobs that begin from now on
             row.path, row.rank, row.loaded_at = directory, rank, utcnow()
-    _read.pop(settings.sqlalchemy_url, None)
 
 
 def unload(settings: Settings, name: str) -> None:

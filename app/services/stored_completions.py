@@ -40,10 +40,11 @@ def _job_id(cid: str) -> str | None:
     return cid.removeprefix(PREFIX) if cid.startswith(PREFIX + "job_") else None
 
 
-def _chat_job(session: Session, tenant_id: str, cid: str) -> Job | None:
-    """The tenant's chat job a completion id names, stored or not (None where it names none)."""
+def _chat_job(session: Session, tenant_id: str, cid: str, lock: bool = False) -> Job | None:
+    """The tenant's chat job a completion id names, stored or not (None where it names none); ``lock``: as
+    ``get_job``'s."""
     job_id = _job_id(cid)
-    job = get_job(session, tenant_id, job_id) if job_id else None
+    job = get_job(session, tenant_id, job_id, lock) if job_id else None
     return job if job is not None and job.endpoint == ENDPOINT else None
 
 
@@ -55,18 +56,20 @@ def _choices(session: Session, job: Job) -> list[Job] | None:
     return jobs if all(j is not None and j.status == JobStatus.SUCCEEDED for j in jobs) else None
 
 
-def find(session: Session, tenant_id: str, cid: str) -> Job:
-    """The tenant's stored completion ``cid`` (its first choice's job), finished or not (404 where none)."""
-    job = _chat_job(session, tenant_id, cid)
+def find(session: Session, tenant_id: str, cid: str, lock: bool = False) -> Job:
+    """The tenant's stored completion ``cid`` (its first choice's job), finished or not (404 where none); ``lock``:
+    its row held for a write of what it keeps (the metadata, whether it is stored), so two such writes do not
+    undo each other on PostgreSQL."""
+    job = _chat_job(session, tenant_id, cid, lock)
     if job is None or not (job.response or {}).get("store"):
         raise OpenAIError(404, f"no stored chat completion {cid!r} (only a chat completion created with "
                                "store: true is kept)", param="completion_id", code="not_found")
     return job
 
 
-def finished(session: Session, tenant_id: str, cid: str) -> list[Job]:
-    """The stored completion's jobs, one per choice (404 until every choice has succeeded)."""
-    job = find(session, tenant_id, cid)
+def finished(session: Session, tenant_id: str, cid: str, lock: bool = False) -> list[Job]:
+    """The stored completion's jobs, one per choice (404 until every choice has succeeded); ``lock``: ``find``'s."""
+    job = find(session, tenant_id, cid, lock)
     jobs = _choices(session, job)
     if jobs is None:
         raise OpenAIError(404, f"chat completion {cid!r} has not finished, or did not succeed: it is kept once "

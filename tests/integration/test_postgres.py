@@ -316,3 +316,84 @@ def test_batch_queue_limit_and_usage_on_postgres(pg_url):
                       status=status, custom_id="two", choice_index=i, counts_request=i == 0, counts_prompt=i == 0))
     with session_scope(pg_url) as s:
         assert finalize._counts(s, "batch_q") == finalize.Counts(pending=3, completed=1, failed=0, expired_jobs=0)
+
+
+def test_writes_that_race_a_deletion_on_postgres(pg_url, tmp_path, redis_url, tiny_model_dir):
+    """On PostgreSQL a read-then-write session does not hold the database as SQLite's does: a write raced by a
+    deletion of what it read answered 500 (a foreign key, a row gone), or undid the deletion (a stored completion
+    listed again, a conversation item back). The row read is now locked for the write; each race, run many times,
+    answers 200 or 404 and a 200 deletion holds. So do a NUL in a jobs cursor and a LoRA adapter loaded thrice at
+    once (422; one 200 and two 400s)."""
+    import base64
+    import json
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.db.migrate import upgrade
+    from app.db.models import Job, new_id
+    from app.db.session import session_scope
+    from app.main import create_app
+    from tests.conftest import make_keys, make_settings
+
+    upgrade(pg_url)
+    keys = make_keys(pg_url)
+    settings = make_settings(tmp_path, pg_url, redis_url, tiny_model_dir).model_copy(update={"runtime_lora": True})
+    clear_cache()
+    client = TestClient(create_app(settings), raise_server_exceptions=False)
+    auth = {"Authorization": f"Bearer {keys.paid}"}
+
+    def race(*calls):
+        start = threading.Barrier(len(calls))
+        answers: list = [None] * len(calls)
+
+        def run(i):
+            start.wait()
+            answers[i] = calls[i]()
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return [a.status_code for a in answers]
+
+    with client:
+        for _ in range(12):
+            conv = client.post("/v1/conversations", json={"items": [{"role": "user", "content": "x"}]},
+                               headers=auth).json()["id"]
+            added, deleted = race(lambda: client.post(f"/v1/conversations/{conv}/items", headers=auth, json={
+                "items": [{"role": "user", "content": "y"}] * 5}), lambda: client.delete(f"/v1/conversations/{conv}",
+                                                                                         headers=auth))
+            assert added in (200, 404) and deleted == 200
+
+            job_id = new_id("job")
+            with session_scope(pg_url) as s:
+                s.add(Job(id=job_id, tenant_id=keys.tenant_id, kind="interactive", tier="paid", model="tiny",
+                          endpoint="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                          response={"store": True, "metadata": {}, "choices": [job_id]}, status="succeeded",
+                          output_text="hello", prompt_tokens=3, completion_tokens=1, finish_reason="stop",
+                          sampling={}))
+            url = f"/v1/chat/completions/chatcmpl-{job_id}"
+            updated, deleted = race(lambda: client.post(url, json={"metadata": {"k": "v"}}, headers=auth),
+                                    lambda: client.delete(url, headers=auth))
+            assert updated in (200, 404) and deleted == 200 and client.get(url, headers=auth).status_code == 404
+
+            hook = client.post("/v1/webhook_endpoints", headers=auth, json={
+                "url": "https://example.com/hook", "event_types": ["batch.completed"], "name": "n"}).json()["id"]
+            rotated, deleted = race(lambda: client.post(f"/v1/webhook_endpoints/{hook}/rotate_secret", headers=auth),
+                                    lambda: client.delete(f"/v1/webhook_endpoints/{hook}", headers=auth))
+            assert rotated in (200, 404) and deleted == 200
+
+        cursor = base64.urlsafe_b64encode("2020-01-01T00:00:00+00:00|job_\x00x".encode()).decode()
+        r = client.get("/v1/jobs", params={"cursor": cursor}, headers=auth)
+        assert r.status_code == 422 and "invalid cursor" in r.text
+        adapter = tmp_path / "adapter"
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+        (adapter / "adapter_model.safetensors").write_bytes(b"")
+        admin = {"Authorization": f"Bearer {keys.admin}"}
+        for i in range(5):
+            load = lambda: client.post("/v1/load_lora_adapter", headers=admin,  # noqa: E731
+                                       json={"lora_name": f"rt{i}", "lora_path": str(adapter)})
+            assert sorted(race(load, load, load)) == [200, 400, 400]

@@ -254,3 +254,32 @@ def test_a_delivery_to_a_url_that_cannot_be_sent_to_counts_its_attempts(keys, db
         assert deliver_due(s, retry_s=30.0, max_attempts=1, timeout_s=5.0) == 0
         row = s.scalars(select(WebhookDelivery)).one()
         assert row.attempts == 1 and row.failed_at is not None and "UnicodeError" in row.last_error
+
+
+def test_a_change_raced_by_the_endpoints_deletion_is_a_404(settings, keys):
+    """The change reads the endpoint afresh inside its write: one that a deletion overtook answered 500 (the row it
+    had read was gone by its UPDATE), on SQLite as on PostgreSQL (tests/integration/test_postgres.py)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    auth = {"Authorization": f"Bearer {keys.paid}"}
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        for _ in range(10):
+            hook = client.post("/v1/webhook_endpoints", headers=auth, json={
+                "url": "https://example.com/hook", "event_types": ["batch.completed"], "name": "n"}).json()["id"]
+            start, answers = threading.Barrier(2), {}
+
+            def call(name, method, path, body=None):
+                start.wait()
+                answers[name] = client.request(method, path, headers=auth, json=body).status_code
+            threads = [threading.Thread(target=call, args=("change", "POST", f"/v1/webhook_endpoints/{hook}",
+                                                           {"name": "m"})),
+                       threading.Thread(target=call, args=("delete", "DELETE", f"/v1/webhook_endpoints/{hook}"))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert answers["change"] in (200, 404) and answers["delete"] == 200, answers
