@@ -210,6 +210,9 @@ class CoserveScheduler(AsyncScheduler):
             log.info("request %s samples unseeded: on the CPU a seeded prompt must run whole, and %s",
                      request.request_id, why)
             request.sampling_params.seed = None
+            # vLLM caches the sampling type (RANDOM_SEED since ``_seeded`` read it): left, the model runner seeds a
+            # generator with None (the step fails) and ``_as_whole`` still holds the prompt for a step it cannot fit
+            vars(request.sampling_params).pop("sampling_type", None)
 
     def finish_requests(self, request_ids: Any, finished_status: VStatus) -> list[VLLMRequest]:
         finished = super().finish_requests(request_ids, finished_status)

@@ -69,6 +69,7 @@ def test_which_seeds_reach_vllm_where_seeded_prompts_must_run_whole(make_schedul
     fits a step; the scheduler drops it otherwise (vLLM's own policies, a longer prompt), and the engine does not
     pass a seed the server drew for reruns (every sampled prompt would run whole). Elsewhere every seed goes."""
     from vllm import SamplingParams as VLLMSampling
+    from vllm.sampling_params import SamplingType
 
     from gpu_runtime.qos import QoSClass, QoSSpec
     from gpu_runtime.request import Request
@@ -88,7 +89,12 @@ def test_which_seeds_reach_vllm_where_seeded_prompts_must_run_whole(make_schedul
         r.sampling_params = VLLMSampling(max_tokens=max_tokens, seed=7, temperature=temperature,
                                          extra_args=r.sampling_params.extra_args)
         s.add_request(r)
-        return r.sampling_params.seed == 7
+        kept = r.sampling_params.seed == 7
+        # vLLM caches the type the model runner seeds a generator by: a dropped seed must not leave it RANDOM_SEED
+        # (the step failed: "manual_seed expected a long, but got NoneType"; or the prompt waited for ever to run
+        # whole)
+        assert (r.sampling_params.sampling_type is SamplingType.RANDOM_SEED) == (kept and temperature > 0)
+        return kept
 
     assert seed_kept("qoserve", 496)  # 496 + 16: one step
     assert not seed_kept("qoserve", 497)
