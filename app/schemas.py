@@ -231,15 +231,18 @@ class JobCreate(BaseModel):
                 raise ValueError(f"[{key!r}] holds a number that is not finite")
         return value
 
+    @field_validator("prompt", "messages")
+    @classmethod
+    def _not_empty(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not value:  # the error's loc names the field, as OpenAI's param does
+            raise ValueError("must not be empty")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> JobCreate:
         if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
             raise ValueError("give exactly one of 'prompt' or 'messages'" + (
                 " or 'prompt_token_ids'" if self.prompt_token_ids is not None else ""))
-        if self.messages is not None and not self.messages:
-            raise ValueError("'messages' must not be empty")
-        if self.prompt is not None and not self.prompt:
-            raise ValueError("'prompt' must not be empty")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens keeps the last k tokens of the prompt (k >= 1), or -1: as many "
                              "as fit; 0 would leave no prompt")
