@@ -192,3 +192,10 @@ def test_a_line_of_several_choices_is_a_job_per_choice_in_openais_order():
     assert line.n == 2 and [s.prompt for s in line.specs] == ["p", "p", "q", "q"]  # index = prompt x n + choice
     (bad,) = parse_file(chat("c", n=17).encode(), "/v1/chat/completions", 3600).invalid
     assert "n must be between 1 and 16" in bad.message
+
+
+def test_an_empty_prompt_names_its_field():
+    req = CompletionRequest.model_validate({"prompt": ""})
+    with pytest.raises(OpenAIError) as exc:
+        req.job_spec(**req.prompt_inputs()[0])
+    assert exc.value.param == "prompt" and "must not be empty" in exc.value.message  # it named no field
