@@ -112,9 +112,9 @@ class EngineThread:
                 step.records += self._resend(self.requeued)
                 self.requeued = []
             return step
-        if any(out.new_token_ids for out in outputs):
-            self.failed_steps = 0
         produced = self._records(outputs)
+        if produced.deltas:  # tokens made: whatever failed before, the engine works
+            self.failed_steps = 0
         step.deltas += produced.deltas
         step.records += produced.records + self._resend(requeued) + self._reconcile_if_due()
         self._pace(bool(outputs))

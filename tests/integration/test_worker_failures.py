@@ -135,7 +135,9 @@ class _Flaky:
         what = self.script.pop(0)
         if what == "raise":
             raise RuntimeError("device lost")
-        return [SimpleNamespace(request_id="gone", new_token_ids=[7] if what == "token" else [])]
+        made = what == "token"
+        return [SimpleNamespace(request_id="held", new_token_ids=[7] if made else [], new_text="x" if made else "",
+                                prompt_logprobs=None, new_logprobs=None, event=None, finished=False)]
 
 
 @pytest.mark.parametrize(("script", "broken"), [
@@ -145,6 +147,8 @@ class _Flaky:
 def test_only_failures_with_no_token_between_them_break_the_engine(settings, script, broken):
     worker = GpuWorker(settings.model_copy(update={"engine_error_limit": 2}))
     engine_thread = worker.attach(_Flaky(list(script)))
-    for _ in script:
+    for attempt in range(1, len(script) + 1):  # each step's job: a new attempt where a failure gave the last back
+        if (held := worker.active.get("held")) is None or held.finished:
+            worker.active.add(ActiveJob(leases.Lease("held", attempt, worker.worker_id), None, None, in_engine=True))
         engine_thread.iterate()
     assert (engine_thread.broken is not None) is broken
