@@ -5,7 +5,7 @@ Poisson arrivals at a multiple of QoServe's goodput (default 9.45 QPS: conv, syn
 (SLO-scaled) time, QoServe's three tiers with --free-share of each tier free. Per policy:
 
 - paid late / free late: share of the tier's jobs that missed their SLO or never finished
-  (a relegated job counts as late however it ended);
+  (a relegated job that still finished within its SLO counts as on time, one that expired as late);
 - paid late, not relegated: paid jobs the scheduler kept in normal service and still let slip
   (what a paid customer was promised; relegation is the scheduler saying "shed" up front);
 - floor: about the least paid lateness capacity allows if it served paid work only. Steady:

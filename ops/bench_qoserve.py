@@ -295,8 +295,9 @@ def main() -> None:
         run_min = args.minutes * scale
         console.print(f"  batch-1 decode step {scale * 12.5:.1f} ms -> SLO scale factor x{scale:.2f}; "
                       f"{workload.describe(scale)}; arrivals {args.arrivals}; TBT deadlines from {args.tbt_anchor}")
-        console.print(f"  goodput runs: {run_min:.1f} simulated minutes of arrivals each"
-                      + ("" if run_min >= 120 else " (UNDER 120: the batch tiers' backlog over-states goodput)"))
+        if not args.skip_goodput:
+            console.print(f"  goodput runs: {run_min:.1f} simulated minutes of arrivals each"
+                          + ("" if run_min >= 120 else " (UNDER 120: the batch tiers' backlog over-states goodput)"))
         traces = [] if args.skip_goodput else args.traces.split(",")
         # Search range per trace: up to (a little above) the rate at which the replica could only run prompts.
         bound = {trace: rate_bound(str(path), trace) for trace in traces}
@@ -332,10 +333,10 @@ def main() -> None:
             console.print(f"bursty rates: paper {PAPER_BURSTY_QPS[0]}/{PAPER_BURSTY_QPS[1]} QPS over its "
                           f"{PAPER_CAPACITY_QPS} QPS capacity -> {low / good[trace]:.2f}x/{high / good[trace]:.2f}x "
                           f"QoServe's {good[trace]:.3f} QPS on {trace} = {low:.3f}/{high:.3f} QPS")
-        else:
-            if trace in good:
-                console.print(f"bursty run skipped: no QoServe goodput on {trace} to scale the rates from "
-                              "(run the qoserve policy too, or give --bursty-qps LOW:HIGH)")
+        else:  # said either way: a bursty run that was asked for and left out is not silent
+            why = (f"no QoServe goodput on {trace} to scale the rates from (run the qoserve policy too" if trace in good
+                   else f"{trace} (--bursty-trace) had no goodput run here (add it to --traces")
+            console.print(f"bursty run skipped: {why}, or give --bursty-qps LOW:HIGH)")
             continue
         if high <= 0:
             console.print(f"bursty run skipped: QoServe's goodput on {trace} is 0 (no rate to scale from; "
