@@ -20,7 +20,7 @@ def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
     if cancelled_from is None:
         return False
     held = cancelled_from in ACTIVE  # an engine held it (as the cancel's write found it, not an earlier read)
-    end_id = announce_cancel(settings.redis_url, job)
+    end_id = announce_cancel(settings.redis_url, job, held)
     if held and end_id is not None and settings.cancel_wait_s > 0:
         if await_kept(settings.redis_url, job, end_id, settings.cancel_wait_s):
             session.commit()  # a fresh read sees the worker's write

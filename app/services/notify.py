@@ -9,7 +9,7 @@ from functools import lru_cache
 import redis
 
 from app.db.models import Job
-from app.services.streaming import CANCEL_CHANNEL, StreamEvent, publish, stream_key
+from app.services.streaming import CANCEL_CHANNEL, KEPT_FOLLOWS, StreamEvent, publish, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -19,15 +19,18 @@ def redis_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=2.0)
 
 
-def announce_cancel(redis_url: str | None, job: Job) -> str | None:
+def announce_cancel(redis_url: str | None, job: Job, held: bool = False) -> str | None:
     """Ends the job's stream and asks its worker to abort it; workers also poll SQL. Returns the id of the
-    stream's end event (None without Redis, or where Redis could not be told)."""
+    stream's end event (None without Redis, or where Redis could not be told). ``held``: a worker ran the job, and
+    writes what it keeps (its text so far and its usage) after this end, with a ``kept`` event: the end says so,
+    and followers read on to it (``streaming.follow_job``)."""
     if not redis_url:
         return None
     try:
         client = redis_client(redis_url)
         pipe = client.pipeline()
-        publish(pipe, job.id, StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason="cancelled"))
+        publish(pipe, job.id, StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason="cancelled",
+                                          data={KEPT_FOLLOWS: True} if held else {}))
         pipe.publish(CANCEL_CHANNEL, job.id)
         end_id = pipe.execute()[0]
         return end_id.decode() if isinstance(end_id, bytes) else end_id

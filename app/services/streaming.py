@@ -30,6 +30,8 @@ CANCEL_CHANNEL = "coserve:cancel"
 STREAM_TTL_S = 3600  # a finished job's stream is kept this long for late readers
 STREAM_MAXLEN = 100_000
 OUTAGE_LIMIT_S = 60.0  # how long a follower waits for Redis to answer again before its error event
+KEPT_FOLLOWS = "kept_follows"  # a cancel's end: the worker that ran the job writes what it keeps after it
+KEPT_WAIT_S = 10.0  # how long a follower reads on past such an end for the worker's word (a cancel's own wait)
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # its pauses between reads while Redis is away (doubling)
 # what a read during an outage raises: refused or reset connections, a server still loading its data
 # (BusyLoadingError is a ConnectionError), a socket timeout; OSError for errors redis-py did not wrap
@@ -231,6 +233,10 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
     last_id = "0-0"
     progress = _Progress(job_id)
     quiet_end = False  # SQL said succeeded while the stream was silent
+    # a cancel's end while a worker ran the job, held until that worker's ``kept`` (its text up to the abort and its
+    # usage are in SQL then), or until KEPT_WAIT_S passed; the deltas it made after the cancel come on meanwhile
+    cancelled: tuple[StreamEvent, float] | None = None
+    kept = False  # the worker wrote what it keeps before the cancel's end reached the stream
     outage: _Outage | None = None
     while True:
         try:
@@ -254,6 +260,11 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
             log.info("the stream of %s is readable again after %.1f s", job_id, outage.elapsed())
             outage = None
         if not resp:
+            if cancelled is not None:  # SQL says cancelled already: what the worker keeps may not be written yet
+                if time.monotonic() >= cancelled[1]:
+                    yield cancelled[0]
+                    return
+                continue
             if sql_end is not None:
                 end = await sql_end()
                 if end is not None and (quiet_end or progress.gap or end.status != "succeeded"):
@@ -267,6 +278,17 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
                 last_id = entry_id
                 ev = progress.admit(StreamEvent.parse(raw))
                 if ev is None:
+                    continue
+                if ev.type == "kept":
+                    kept = True
+                if ev.terminal and ev.data.get(KEPT_FOLLOWS) and cancelled is None:
+                    cancelled = ev, time.monotonic() + KEPT_WAIT_S
+                if cancelled is not None and kept:
+                    yield progress.settle(await _end_from_sql(sql_end, progress)) if sql_end else cancelled[0]
+                    return
+                if cancelled is not None or ev.type == "kept":  # held, or the worker's word: nothing to yield
+                    if ev.type == "delta":
+                        yield ev  # what the worker made before it took the abort
                     continue
                 if ev.terminal and progress.gap:
                     yield progress.settle(await _end_from_sql(sql_end, progress))

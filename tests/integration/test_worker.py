@@ -241,6 +241,41 @@ def test_native_stream_of_a_cancelled_job_ends(service):
     wait_for(lambda: _worker_state(service.settings)["active_jobs"] == 0, 30, "the worker to abort the job")
 
 
+def test_a_stream_read_while_its_job_is_cancelled_ends_with_the_text_and_usage_the_job_kept(service):
+    """The cancel's end reached the stream before the worker took the abort: a live reader stopped there, short of
+    the text the worker made meanwhile and without the usage it kept. It reads on to the worker's word now."""
+    import json
+    import threading
+
+    client, keys, settings = service.client, service.keys, service.settings
+    job_id = submit(client, keys.paid, max_tokens=LONG, prompt="b")
+    text, end, started = [], {}, threading.Event()
+
+    def read() -> None:
+        with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=H(keys.paid)) as r:
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                    if name == "delta":
+                        text.append(data["text"])
+                        started.set()
+                    elif name == "end":
+                        end.update(data)
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60), "no token streamed"
+    client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
+    reader.join(60)
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        kept_text, kept_tokens = job.output_text, job.completion_tokens
+    assert end["status"] == "cancelled" and kept_tokens and end["completion_tokens"] == kept_tokens
+    assert "".join(text) == kept_text
+
+
 def test_a_request_the_engine_cannot_admit_fails_alone(service):
     """A seed the generator rejects (the API bounds it; this one slips past) fails its own job at
     admission; the jobs already running in the same engine are not touched."""
