@@ -237,7 +237,9 @@ def _event(kind: str, **fields: Any) -> Event:
 
 async def _numbered(events: AsyncIterator[Event], starting_after: int | None = None) -> AsyncIterator[bytes]:
     """``events`` as server-sent events, numbered from 0 in order; those up to ``starting_after`` are left out
-    (a client that resumes a stream has them)."""
+    (a client that resumes a stream has them). Where the events end before ``starting_after`` (the stream lost
+    events, after a Redis restart, and its text comes whole from SQL, in fewer events than were first sent), an
+    ``error`` event says so, instead of an empty answer a client takes for the rest of the response."""
     number = -1
     async with aclosing(events) as typed:
         async for kind, fields in typed:
@@ -245,6 +247,11 @@ async def _numbered(events: AsyncIterator[Event], starting_after: int | None = N
             if starting_after is None or number > starting_after:
                 rest = "}" if fields == "{}" else "," + fields[1:]
                 yield f'event: {kind}\ndata: {{"type":{json.dumps(kind)},"sequence_number":{number}{rest}\n\n'.encode()
+    if starting_after is not None and number < starting_after:
+        message = (f"this response's stream has {number + 1} events now, none after sequence_number {starting_after}: "
+                   "it was rebuilt from the stored response after its events were lost; GET the response for it")
+        fields = json.dumps({"code": "stream_rebuilt", "message": message, "param": "starting_after"})
+        yield f'event: error\ndata: {{"type":"error","sequence_number":{number + 1},{fields[1:]}\n\n'.encode()
 
 
 _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Response, or its events with stream: true"},

@@ -176,8 +176,17 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     assert [(e.sequence_number, e.type) for e in whole] == (
         [(e["sequence_number"], e["type"]) for e in seen] + [(e.sequence_number, e.type) for e in resumed])
 
+    # a stream that lost its first events (a Redis restart) is rebuilt from the stored response, in fewer events: a
+    # resume past its end says so (it answered nothing, which a client took for the rest of the response)
+    key = stream_key("job_" + resp_id.removeprefix("resp_"))
+    redis.Redis.from_url(settings.redis_url).xtrim(key, maxlen=3, approximate=False)
+    with httpx.stream("GET", f"{live_server}/v1/responses/{resp_id}", params={"stream": "true",
+                      "starting_after": len(whole) - 2}, headers={"Authorization": f"Bearer {keys.paid}"}) as resp:
+        rebuilt = _sse_events(resp.iter_lines())
+    assert [e["type"] for e in rebuilt] == ["error"] and rebuilt[0]["code"] == "stream_rebuilt", rebuilt
+
     # once the job's stream has expired, a replay is the whole answer at once, and resuming it is refused
-    redis.Redis.from_url(settings.redis_url).delete(stream_key("job_" + resp_id.removeprefix("resp_")))
+    redis.Redis.from_url(settings.redis_url).delete(key)
     with pytest.raises(openai.BadRequestError) as exc:
         oai.responses.retrieve(resp_id, stream=True, starting_after=last)
     assert exc.value.body["param"] == "starting_after" and "expired" in exc.value.body["message"]
