@@ -492,10 +492,6 @@ class ChatCompletionRequest(_Base):
                 content = "\n".join(texts)  # as vLLM joins a string-format template's text parts
             if content is None:
                 content = ""
-            if role == "tool" and m.get("tool_call_id") is None:  # OpenAI's and vLLM's message: a required field
-                raise OpenAIError(400, f"messages.{i}.tool_call_id is missing: a tool message names the call it "
-                                  "answers (the id of the assistant message's tool call)",
-                                  param=f"messages.{i}.tool_call_id")
             try:
                 out.append(ChatMessage(role=role, content=content, tool_calls=m.get("tool_calls"),
                                        tool_call_id=m.get("tool_call_id"), name=m.get("name")))
