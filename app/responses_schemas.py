@@ -351,7 +351,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
                   answer: Answer | None = None, prompt_tokens: int | None = None,
                   completion_tokens: int | None = None, error: dict[str, Any] | None = None,
                   logprobs: list[dict[str, Any]] | None = None, cached_tokens: int | None = None,
-                  reasoning_tokens: int | None = None) -> dict[str, Any]:
+                  reasoning_tokens: int | None = None, cache_write_tokens: int | None = None) -> dict[str, Any]:
     """The job as a Response: ``answer`` once it has one (``status`` the job's status, coserve's names; a cancelled
     job's answer is what it produced before the cancel), with its token ``logprobs`` where they were asked for."""
     state = STATUSES.get(status or job.status, "in_progress")
@@ -380,7 +380,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
     if answer is not None:
         counts = usage(prompt_tokens, completion_tokens)
         body["usage"] = {"input_tokens": counts["prompt_tokens"],
-                         "input_tokens_details": {"cached_tokens": cached_tokens or 0},
+                         "input_tokens_details": {"cached_tokens": cached_tokens or 0,
+                                                  "cache_write_tokens": cache_write_tokens or 0},
                          "output_tokens": counts["completion_tokens"],
                          "output_tokens_details": {"reasoning_tokens": reasoning_tokens or 0},
                          "total_tokens": counts["total_tokens"]}

@@ -48,6 +48,7 @@ class RequestMetrics:
     slo_miss: DeadlineMiss | None = None  # the first deadline missed, when slo_met is False
     queue_s: float | None = None  # arrival to its first prompt chunk (vLLM's queue time); None: never scheduled
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage's cached_tokens)
+    num_cache_write_tokens: int = 0  # prompt tokens written to the prefix cache (Responses' cache_write_tokens)
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -73,6 +74,7 @@ def request_metrics(req: Request) -> RequestMetrics:
         slo_miss=miss,
         queue_s=None if req.scheduled_time is None else req.scheduled_time - req.arrival_time,
         num_cached_tokens=req.num_cached_tokens,
+        num_cache_write_tokens=req.num_cache_write_tokens,
     )
 
 

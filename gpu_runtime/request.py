@@ -51,6 +51,7 @@ class Request:
     num_recomputes: int = 0  # times its KV was released and recomputed
     scheduled_time: float | None = None  # clock time its first prefill chunk was scheduled
     num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache held when its prefill began
+    num_cache_write_tokens: int = 0  # prompt tokens it computed and wrote to the prefix cache (vLLM's count)
     finish_time: float | None = None
     # Filled by the scheduler: predicted remaining decode tokens (running mean + 2 std).
     predicted_output_len: int | None = None

@@ -45,7 +45,7 @@ from workers.outbox import Outbox, Record, StepRecords
 log = logging.getLogger(__name__)
 
 # a job's token counts, in its end and kept events as in its columns
-USAGE = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
+USAGE = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "cache_write_tokens")
 IDLE_WAIT_S = 0.05  # no work at all: wait this long for the inbox
 IDLE_BACKOFF_S = (0.001, 0.05)  # work admitted but nothing schedulable: first and longest sleep
 
@@ -283,6 +283,7 @@ class EngineThread:
         """The job's columns of what its attempt produced: text, token counts, the logprobs it asked for."""
         return {"output_text": "".join(job.text), "completion_tokens": m.num_output_tokens,
                 "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
+                "cache_write_tokens": m.num_cache_write_tokens,
                 "reasoning_tokens": job.reasoning.count if job.reasoning is not None else None,
                 "output_token_ids": list(job.request.output_token_ids) if job.return_token_ids else None,
                 "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,

@@ -100,7 +100,8 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     if job.status == JobStatus.SUCCEEDED or (job.status == JobStatus.CANCELLED and job.completion_tokens is not None):
         return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
                              completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
-                             cached_tokens=job.cached_tokens, reasoning_tokens=job.reasoning_tokens, error=error)
+                             cached_tokens=job.cached_tokens, reasoning_tokens=job.reasoning_tokens, error=error,
+                             cache_write_tokens=job.cache_write_tokens)
     return response_body(job, kept, settings.tiers, error=error)
 
 
@@ -221,6 +222,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                                              answer=item.answer, prompt_tokens=item.prompt_tokens,
                                              completion_tokens=item.completion_tokens, logprobs=logprobs,
                                              cached_tokens=item.cached_tokens,
+                                             cache_write_tokens=item.cache_write_tokens,
                                              reasoning_tokens=item.reasoning_tokens)
                         yield _event("response.completed" if body["status"] == "completed" else "response.incomplete",
                                      response=body)
@@ -303,6 +305,7 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
                                       completion_tokens=end.data["completion_tokens"],
                                       logprobs=end.data.get("logprobs"),
                                       cached_tokens=end.data.get("cached_tokens"),
+                                      cache_write_tokens=end.data.get("cache_write_tokens"),
                                       reasoning_tokens=end.data.get("reasoning_tokens")), headers=headers)
 
 

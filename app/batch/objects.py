@@ -73,6 +73,7 @@ def _body(job: Job) -> dict[str, Any]:
                              answer=read_answer(job.id, job.sampling, text, reason),
                              prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
                              logprobs=job.output_logprobs, cached_tokens=job.cached_tokens,
+                             cache_write_tokens=job.cache_write_tokens,
                              reasoning_tokens=job.reasoning_tokens)
     elif chat:
         body = stored_chat_answer(job, "chatcmpl-" + job.id, ts(job.finished_at) or 0)

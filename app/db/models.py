@@ -134,6 +134,9 @@ class Job(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     # prompt tokens the engine found in its prefix cache (vLLM's num_cached_tokens; 0 on the own engine, which has none)
     cached_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    # prompt tokens it computed and wrote to that cache (vLLM's num_cache_creation_tokens; the Responses API's
+    # cache_write_tokens; 0 on the own engine)
+    cache_write_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     # what its prompt opens with, hashed: prefix routing sends jobs of one key to one worker (app.services.routing)
     route_key: Mapped[str | None] = mapped_column(String(16), default=None)
     # of the completion tokens, those the model spent thinking (a reasoning parser's jobs; else None)

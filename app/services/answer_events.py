@@ -63,6 +63,7 @@ class Finished:
     cached_tokens: int | None = None  # of the prompt tokens, those the engine's prefix cache held
     reasoning_tokens: int | None = None  # of the completion tokens, those it thought in (a reasoning parser's)
     token_ids: list[int] = field(default_factory=list)  # generated ids no piece carried (text held back to the end)
+    cache_write_tokens: int | None = None  # of the prompt tokens, those the engine wrote to its prefix cache
 
 
 @dataclass
@@ -174,7 +175,8 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                 if given := piece(i, reasoning, content, calls, None, ""):
                     yield given
                 yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0,
-                               ev.data.get("cached_tokens"), ev.data.get("reasoning_tokens"), ids_pending[i])
+                               ev.data.get("cached_tokens"), ev.data.get("reasoning_tokens"), ids_pending[i],
+                               ev.data.get("cache_write_tokens"))
                 unfinished -= 1
                 if not unfinished:
                     return

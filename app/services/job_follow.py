@@ -40,6 +40,7 @@ def sql_end_event(url: str, job_id: str) -> StreamEvent | None:
         return StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason=job.finish_reason,
                            data={"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
                                  "cached_tokens": job.cached_tokens, "reasoning_tokens": job.reasoning_tokens,
+                                 "cache_write_tokens": job.cache_write_tokens,
                                  "output_text": job.output_text or "", "error": job.error, "code": job.error_code,
                                  "logprobs": job.output_logprobs, "prompt_logprobs": job.prompt_logprobs,
                                  "output_token_ids": job.output_token_ids,

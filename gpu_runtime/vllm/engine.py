@@ -338,6 +338,7 @@ class VLLMEngine:
         req.status = _FINISH.get(reason or "", RequestStatus.FINISHED_ABORTED)
         req.finish_time = now
         req.num_cached_tokens = res.num_cached_tokens or 0  # vLLM's count from its prefill (kept after recomputes)
+        req.num_cache_write_tokens = res.num_cache_creation_tokens or 0
         out = self._finish(req)
         out.new_token_ids, out.new_text, out.new_logprobs, out.prompt_logprobs = new_ids, text, logprobs, prompt
         if reason == "error":  # vLLM refused it (e.g. its QoS): the job fails, it was not cancelled

@@ -1,4 +1,5 @@
-"""jobs.choice_index: a Batch API line's choice (a line of n choices or several prompts runs one job per choice)
+"""jobs.choice_index: a Batch API line's choice (a line of n choices or several prompts runs one job per choice);
+jobs.cache_write_tokens: the prompt tokens the engine wrote to its prefix cache (the Responses API's usage)
 
 Revision ID: 0022
 Revises: 0021
@@ -21,8 +22,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table('jobs') as batch:
         batch.add_column(sa.Column('choice_index', sa.Integer(), nullable=True))
+        batch.add_column(sa.Column('cache_write_tokens', sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table('jobs') as batch:
+        batch.drop_column('cache_write_tokens')
         batch.drop_column('choice_index')

@@ -51,6 +51,11 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys
 
     again = oai.responses.retrieve(first.id)
     assert again.output_text == first.output_text and again.status == "incomplete"
+    # the usage holds every field the API's types require (cache_write_tokens was missing): strict validation passes
+    from openai.types.responses import Response
+
+    raw = httpx.get(f"{live_server}/v1/responses/{first.id}", headers={"Authorization": f"Bearer {keys.paid}"}).json()
+    assert Response.model_validate(raw, strict=True).usage.input_tokens_details.cache_write_tokens == 0  # no cache
 
     # the next turn: the first's input and answer, not its instructions, then the new input; its input tokens
     # counted before it runs are the ones it is billed for

@@ -332,7 +332,8 @@ def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, 
         usage = kept.get(job.job_id)
         assert events[-1].data == ({} if usage is None else {"prompt_tokens": usage[2], "completion_tokens":
                                                              usage[1], "cached_tokens": usage[3],
-                                                             "reasoning_tokens": None})  # no reasoning parser
+                                                             "reasoning_tokens": None,  # no reasoning parser
+                                                             "cache_write_tokens": 0})  # the own engine: no cache
     for job in (rerun, requeued):  # no word from a worker that no longer runs the attempt
         assert [e.type for e in streams[job.job_id]] == ["delta"]
 

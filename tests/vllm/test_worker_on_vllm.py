@@ -307,6 +307,17 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                    temperature=0, tool_choice={"type": "function", "name": "get_weather"})
     resp = oai.responses.create(**resp_kw)
     item = resp.output[0]
+    # vLLM's count of the prompt tokens it wrote to its prefix cache: its full blocks, once (the second read hits)
+    # the prompt tokens vLLM wrote to its prefix cache (whole blocks), as its own Responses server counts them: a
+    # new prompt writes them, the same prompt again reads them
+    import uuid
+
+    text = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 40
+    wrote, read = (oai.responses.create(model="smollm2-135m-instruct", input=text, max_output_tokens=1).usage
+                   for _ in range(2))
+    assert wrote.input_tokens_details.cache_write_tokens > 0 and wrote.input_tokens_details.cached_tokens == 0
+    assert read.input_tokens_details.cached_tokens >= wrote.input_tokens_details.cache_write_tokens
+    assert read.input_tokens_details.cache_write_tokens < wrote.input_tokens_details.cache_write_tokens
     assert [o.type for o in resp.output] == ["function_call"] and resp.status == "completed"
     assert (item.name, item.arguments) == ("get_weather", call.function.arguments) and item.call_id.startswith("call_")
     events = list(oai.responses.create(**resp_kw, stream=True))

@@ -104,10 +104,11 @@ def test_a_job_written_as_a_response():
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert cut["output"][0]["content"][0]["text"] == "Hel" and cut["service_tier"] == "flex"
     assert cut["usage"]["total_tokens"] == 7 and cut["max_output_tokens"] == 3
-    assert cut["usage"]["input_tokens_details"] == {"cached_tokens": 0}  # no count: none cached
+    assert cut["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}  # no counts
     hit = response_body(job, {}, ("free", "paid"), answer=Answer("Hel", None, "stop"), prompt_tokens=300,
                         completion_tokens=3, cached_tokens=256)
-    assert hit["usage"]["input_tokens_details"] == {"cached_tokens": 256} and hit["usage"]["input_tokens"] == 300
+    assert hit["usage"]["input_tokens_details"] == {"cached_tokens": 256, "cache_write_tokens": 0}
+    assert hit["usage"]["input_tokens"] == 300
     called = response_body(job, {}, ("free", "paid"), answer=Answer(None, [CALL], "tool_calls"))
     assert called["status"] == "completed" and called["output"] == [
         {"id": "fc_ab_0", "type": "function_call", "status": "completed", "call_id": "call_ab_0",
