@@ -233,7 +233,7 @@ class JobCreate(BaseModel):
 
     @field_validator("prompt", "messages")
     @classmethod
-    def _not_empty(cls, value: Any, info: ValidationInfo) -> Any:
+    def _not_empty(cls, value: Any) -> Any:
         if value is not None and not value:  # the error's loc names the field, as OpenAI's param does
             raise ValueError("must not be empty")
         return value

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.services.dispatch import dispatch
-from app.services.streaming import StreamEvent
+from app.services.streaming import USAGE, StreamEvent
 from app.services.transitions import transition, utcnow
 from app.settings import Settings
 from app.wire import storable
@@ -44,8 +44,6 @@ from workers.outbox import Outbox, Record, StepRecords
 
 log = logging.getLogger(__name__)
 
-# a job's token counts, in its end and kept events as in its columns
-USAGE = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "cache_write_tokens")
 IDLE_WAIT_S = 0.05  # no work at all: wait this long for the inbox
 IDLE_BACKOFF_S = (0.001, 0.05)  # work admitted but nothing schedulable: first and longest sleep
 

@@ -265,8 +265,7 @@ class GpuWorker:
                 return True  # a second message for the attempt running here: the lease says so at once
         log.warning("job %s came back to this worker while its earlier attempt still runs here; aborting that one",
                     job_id)
-        with self.active.lock:
-            self.inbox.put(Abort(job_id))
+        self.abort(job_id)
         deadline = time.monotonic() + wait_s
         while job_id in self.active:
             if time.monotonic() >= deadline:

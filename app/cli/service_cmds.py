@@ -48,12 +48,15 @@ def _settings(**overrides: Any):
 
 
 def _database(settings: Any, new_ok: bool = False) -> str:
-    """The settings' database, migrated. Where it is the default SQLite file and that file does not exist yet (a
-    command run outside the directory where `coserve up` ran), a command that reads it stops saying so instead of
-    making an empty one; one that may start it (``new_ok``) says that it did."""
+    """The settings' database, migrated. Where it is an SQLite file that does not exist yet (a command run outside
+    the directory where `coserve up` ran), a command that reads it stops saying so instead of making an empty one;
+    one that may start it (``new_ok``) says that it did."""
+    from sqlalchemy.engine import make_url
+
     from app.db.migrate import upgrade
 
-    path = None if settings.database_url else settings.data_dir / "coserve.db"
+    url = make_url(settings.sqlalchemy_url)
+    path = Path(url.database) if url.get_backend_name() == "sqlite" and url.database else None
     if path is not None and not path.exists():
         where = (f"no database at {path.resolve()}: run this where `coserve up` ran (its ./data), or set "
                  "COSERVE_DATA_DIR or COSERVE_DATABASE_URL")

@@ -21,7 +21,7 @@ from app.db.models import Job, JobStatus
 from app.db.session import session_scope
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel
-from app.services.streaming import OUTAGE_ERRORS, StreamEvent, follow_job, stream_key
+from app.services.streaming import OUTAGE_ERRORS, USAGE, StreamEvent, follow_job, stream_key
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,7 @@ def sql_end_event(url: str, job_id: str) -> StreamEvent | None:
         if job is None or not JobStatus(job.status).terminal:
             return None
         return StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason=job.finish_reason,
-                           data={"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
-                                 "cached_tokens": job.cached_tokens, "reasoning_tokens": job.reasoning_tokens,
-                                 "cache_write_tokens": job.cache_write_tokens,
+                           data={**{k: getattr(job, k) for k in USAGE},
                                  "output_text": job.output_text or "", "error": job.error, "code": job.error_code,
                                  "logprobs": job.output_logprobs, "prompt_logprobs": job.prompt_logprobs,
                                  "output_token_ids": job.output_token_ids,
@@ -75,7 +73,7 @@ async def job_events(settings: Settings, job_id: str) -> AsyncIterator[StreamEve
                                      socket_timeout=BLOCK_MS / 1000 + 5.0)
     try:
         async for ev in follow_job(client, job_id, block_ms=BLOCK_MS, sql_end=sql_end,
-                                   outage_limit_s=settings.stream_outage_s):
+                                   outage_limit_s=settings.stream_outage_s, kept_wait_s=settings.cancel_wait_s):
             yield ev
     finally:
         await client.aclose()

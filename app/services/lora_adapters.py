@@ -188,13 +188,10 @@ def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False
     directory, rank = check_directory(settings, name, path)
     # the read of the name and its write: one writer on SQLite; on PostgreSQL a load of the same new name may
     # commit in between (no row to lock yet), and then this one is judged again with that row there
-    for judged_again in (False, True):
-        try:
-            _load_row(settings, name, directory, rank, load_inplace, if_absent)
-            break
-        except IntegrityError:
-            if judged_again:
-                raise
+    try:
+        _load_row(settings, name, directory, rank, load_inplace, if_absent)
+    except IntegrityError:
+        _load_row(settings, name, directory, rank, load_inplace, if_absent)
     _read.pop(settings.sqlalchemy_url, None)
 
 

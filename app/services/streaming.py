@@ -31,7 +31,8 @@ STREAM_TTL_S = 3600  # a finished job's stream is kept this long for late reader
 STREAM_MAXLEN = 100_000
 OUTAGE_LIMIT_S = 60.0  # how long a follower waits for Redis to answer again before its error event
 KEPT_FOLLOWS = "kept_follows"  # a cancel's end: the worker that ran the job writes what it keeps after it
-KEPT_WAIT_S = 10.0  # how long a follower reads on past such an end for the worker's word (a cancel's own wait)
+# a job's token counts, as its end and kept events carry them and as its columns hold them
+USAGE = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "cache_write_tokens")
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # its pauses between reads while Redis is away (doubling)
 # what a read during an outage raises: refused or reset connections, a server still loading its data
 # (BusyLoadingError is a ConnectionError), a socket timeout; OSError for errors redis-py did not wrap
@@ -214,7 +215,7 @@ def _raise_a_lost_cancel() -> None:
 
 
 async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: SqlEnd | None = None,
-                     outage_limit_s: float = OUTAGE_LIMIT_S) -> AsyncIterator[StreamEvent]:
+                     outage_limit_s: float = OUTAGE_LIMIT_S, kept_wait_s: float = 10.0) -> AsyncIterator[StreamEvent]:
     """Yields a job's events from the start until its terminal one; text once each, in order.
 
     ``redis`` is a ``redis.asyncio.Redis``. ``sql_end`` returns SQL's view of the job's end (an
@@ -228,14 +229,16 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
     Redis errors: the read is retried from the last entry, with growing pauses. If the job ends
     meanwhile, SQL's end is yielded; if Redis stays away for ``outage_limit_s``, an ``error`` event
     is (the job itself goes on: its result is in SQL).
+
+    A cancel's end that says the worker's word follows (``KEPT_FOLLOWS``) is held for up to ``kept_wait_s`` (the
+    cancel's own wait): the worker's deltas come on meanwhile, and its ``kept`` event ends the stream with SQL's end,
+    which then holds the text and usage the job kept.
     """
     key = stream_key(job_id)
     last_id = "0-0"
     progress = _Progress(job_id)
     quiet_end = False  # SQL said succeeded while the stream was silent
-    # a cancel's end while a worker ran the job, held until that worker's ``kept`` (its text up to the abort and its
-    # usage are in SQL then), or until KEPT_WAIT_S passed; the deltas it made after the cancel come on meanwhile
-    cancelled: tuple[StreamEvent, float] | None = None
+    cancelled: tuple[StreamEvent, float] | None = None  # a cancel's end held for the worker's word, and until when
     kept = False  # the worker wrote what it keeps before the cancel's end reached the stream
     outage: _Outage | None = None
     while True:
@@ -281,14 +284,16 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
                     continue
                 if ev.type == "kept":
                     kept = True
-                if ev.terminal and ev.data.get(KEPT_FOLLOWS) and cancelled is None:
-                    cancelled = ev, time.monotonic() + KEPT_WAIT_S
+                elif ev.terminal and ev.data.get(KEPT_FOLLOWS):
+                    cancelled = ev, time.monotonic() + kept_wait_s
+                elif cancelled is not None:  # held: what the worker made before it took the abort comes on
+                    if ev.type == "delta":
+                        yield ev
+                    continue
                 if cancelled is not None and kept:
                     yield progress.settle(await _end_from_sql(sql_end, progress)) if sql_end else cancelled[0]
                     return
-                if cancelled is not None or ev.type == "kept":  # held, or the worker's word: nothing to yield
-                    if ev.type == "delta":
-                        yield ev  # what the worker made before it took the abort
+                if cancelled is not None or ev.type == "kept":  # the held end, or the word before it
                     continue
                 if ev.terminal and progress.gap:
                     yield progress.settle(await _end_from_sql(sql_end, progress))

@@ -200,10 +200,11 @@ def test_a_cancelled_background_response_shows_its_output_and_usage(service):
                                                                               job["completion_tokens"])
 
 
-def _sse(client, key, job_id) -> list[tuple[str, dict]]:
+def _sse(client, key, job_id, events: list | None = None) -> list[tuple[str, dict]]:
+    """The native stream's events, appended to ``events`` as they come (another thread may watch them)."""
     import json
 
-    events, name = [], None
+    events, name = [] if events is None else events, None
     with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=H(key)) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -244,31 +245,18 @@ def test_native_stream_of_a_cancelled_job_ends(service):
 def test_a_stream_read_while_its_job_is_cancelled_ends_with_the_text_and_usage_the_job_kept(service):
     """The cancel's end reached the stream before the worker took the abort: a live reader stopped there, short of
     the text the worker made meanwhile and without the usage it kept. It reads on to the worker's word now."""
-    import json
     import threading
 
     client, keys, settings = service.client, service.keys, service.settings
     job_id = submit(client, keys.paid, max_tokens=LONG, prompt="b")
-    text, end, started = [], {}, threading.Event()
-
-    def read() -> None:
-        with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=H(keys.paid)) as r:
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    if name == "delta":
-                        text.append(data["text"])
-                        started.set()
-                    elif name == "end":
-                        end.update(data)
-    reader = threading.Thread(target=read)
+    events: list[tuple[str, dict]] = []
+    reader = threading.Thread(target=_sse, args=(client, keys.paid, job_id, events))
     reader.start()
-    assert started.wait(60), "no token streamed"
+    wait_for(lambda: any(name == "delta" for name, _ in events), 60, "a streamed token")
     client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
     reader.join(60)
+    text = [data["text"] for name, data in events if name == "delta"]
+    end = events[-1][1]
     with session_scope(settings.sqlalchemy_url) as s:
         job = s.get(Job, job_id)
         kept_text, kept_tokens = job.output_text, job.completion_tokens
