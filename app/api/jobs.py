@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
@@ -17,14 +14,13 @@ from fastapi.responses import StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import CheckedRoute, responses, unprocessable
+from app.api.job_stream import END_ID, StreamPosition, sse_events
 from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
 from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
-from app.services.job_follow import job_events, rest_from_sql
 from app.services.cancel import cancel
 from app.services.rate_limits import RateLimited, rate_headers
-from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +125,13 @@ def get_job(job_id: str, session: SessionDep, principal: CurrentPrincipal) -> Jo
 @router.get("/{job_id}/stream", response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "server-sent events: delta, status, then one end (or one "
-                                            "error if the stream could not be read on)"}, **responses(404)})
-def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep
-               ) -> StreamingResponse:
+                                            "error if the stream could not be read on)"},
+                        204: {"description": "Last-Event-ID is the end's: the stream has nothing left"},
+                        **responses(404)})
+def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
+               last_event_id: Annotated[str | None, Header(description=(
+                   "the id of the last event read, to resume after it (what a browser's EventSource sends "
+                   "when it reconnects)"))] = None) -> Response:
     """The job's tokens as they are generated, from its first token, then one ``end`` event.
 
     Events: ``delta`` ``{"text", "token_ids"}`` (and ``"logprobs"`` where the job asked for them),
@@ -142,52 +142,22 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
     once, in order: across a Redis outage the stream resumes where it was, and text the stream
     lost comes with the end. If the stream stays unreadable (``stream_outage_s``) the last event
     is ``error`` ``{"id", "error", "code"}`` instead; the job goes on. Disconnecting does not
-    cancel the job (``POST /v1/jobs/{id}/cancel`` does)."""
+    cancel the job (``POST /v1/jobs/{id}/cancel`` does).
+
+    Each ``delta`` has an SSE ``id``; reconnecting with it as ``Last-Event-ID`` resumes after that delta
+    (``status`` events at that point come again). The ``end`` has the id ``end``: a reconnect after it is a 204,
+    which stops an ``EventSource``."""
     job = _own_job(session, principal, job_id)
-    return StreamingResponse(_sse_events(settings, job.id), media_type="text/event-stream",
+    resume = None
+    if last_event_id is not None:
+        if last_event_id == END_ID:
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
+        try:
+            resume = StreamPosition.parse(last_event_id)
+        except ValueError as exc:
+            raise unprocessable(str(exc), "header", "last-event-id") from None
+    return StreamingResponse(sse_events(settings, job.id, resume), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-async def _sse_events(settings: Settings, job_id: str) -> AsyncIterator[bytes]:
-    delivered = 0  # characters sent, to fill in what the stream missed when SQL reports the end
-    logprobs_sent = 0  # token logprobs sent, likewise
-    try:
-        async with aclosing(job_events(settings, job_id)) as events:
-            async for ev in events:
-                if ev.type == "delta":
-                    if ev.text or ev.token_ids:
-                        delivered += len(ev.text)
-                        delta: dict[str, Any] = {"text": ev.text, "token_ids": ev.token_ids}
-                        if "logprobs" in ev.data:
-                            delta["logprobs"] = ev.data["logprobs"]
-                            logprobs_sent += len(delta["logprobs"])
-                        yield _sse("delta", delta)
-                elif ev.type == "status":
-                    yield _sse("status", {"status": ev.status})
-                elif ev.type == "error":  # the stream could not be read on; the job goes on
-                    yield _sse("error", {"id": job_id, "error": ev.data.get("error"), "code": ev.data.get("code")})
-                    return
-                elif ev.type == "end":
-                    if ev.data.get("from_sql"):  # what SQL kept (a cancelled job keeps its text too)
-                        rest, rest_logprobs = rest_from_sql(ev, delivered, logprobs_sent)
-                        if rest or rest_logprobs:
-                            yield _sse("delta", {"text": rest, "token_ids": []} | (
-                                {"logprobs": rest_logprobs} if rest_logprobs is not None else {}))
-                    yield _sse("end", {"id": job_id, "status": ev.status, "finish_reason": ev.finish_reason,
-                                       "error": ev.data.get("error"), "error_code": ev.data.get("code"),
-                                       "prompt_tokens": ev.data.get("prompt_tokens"),
-                                       "completion_tokens": ev.data.get("completion_tokens"),
-                                       "cached_tokens": ev.data.get("cached_tokens"),
-                                       "reasoning_tokens": ev.data.get("reasoning_tokens")})
-                    return
-    except Exception:  # a bug or a database error: an error event rather than a body cut short
-        log.exception("the stream of job %s failed", job_id)
-        yield _sse("error", {"id": job_id, "error": f"the stream failed; the job goes on (GET /v1/jobs/{job_id})",
-                             "code": "stream_interrupted"})
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404))

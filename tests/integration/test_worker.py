@@ -200,18 +200,26 @@ def test_a_cancelled_background_response_shows_its_output_and_usage(service):
                                                                               job["completion_tokens"])
 
 
-def _sse(client, key, job_id, events: list | None = None) -> list[tuple[str, dict]]:
-    """The native stream's events, appended to ``events`` as they come (another thread may watch them)."""
+def _sse(client, key, job_id, events: list | None = None, *, last_event_id: str | None = None,
+         ids: list | None = None) -> list[tuple[str, dict]]:
+    """The native stream's events, appended to ``events`` as they come (another thread may watch them); each
+    event's SSE id (None where it has none) to ``ids``."""
     import json
 
-    events, name = [] if events is None else events, None
-    with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=H(key)) as r:
+    events, name, event_id = [] if events is None else events, None, None
+    headers = H(key) | ({"Last-Event-ID": last_event_id} if last_event_id is not None else {})
+    with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
-            if line.startswith("event: "):
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("event: "):
                 name = line[7:]
             elif line.startswith("data: "):
                 events.append((name, json.loads(line[6:])))
+                if ids is not None:
+                    ids.append(event_id)
+                event_id = None
     return events
 
 
@@ -230,6 +238,25 @@ def test_native_stream_sends_token_deltas_until_the_end(service):
     # a finished job replays; other tenants cannot follow it
     assert _sse(client, keys.paid, job_id) == events
     assert client.get(f"/v1/jobs/{job_id}/stream", headers=H(keys.other)).status_code == 404
+
+
+def test_native_stream_resumes_after_the_last_event_id(service):
+    client, keys = service.client, service.keys
+    job_id = submit(client, keys.paid, max_tokens=12, stream=True)
+    ids: list = []
+    events = _sse(client, keys.paid, job_id, ids=ids)
+    assert ids[-1] == "end" and all(i is not None for i in ids[:-1])  # every delta names its position
+    for k in range(len(events) - 1):  # a reconnect after each delta gets exactly the rest
+        rest_ids: list = []
+        assert _sse(client, keys.paid, job_id, last_event_id=ids[k], ids=rest_ids) == events[k + 1:]
+        assert rest_ids == ids[k + 1:]
+    headers = H(keys.paid)
+    after_end = client.get(f"/v1/jobs/{job_id}/stream", headers=headers | {"Last-Event-ID": "end"})
+    assert after_end.status_code == 204 and after_end.content == b""  # EventSource stops reconnecting
+    bad = client.get(f"/v1/jobs/{job_id}/stream", headers=headers | {"Last-Event-ID": "7"})
+    assert bad.status_code == 422 and "Last-Event-ID" in bad.text
+    other = client.get(f"/v1/jobs/{job_id}/stream", headers=H(keys.other) | {"Last-Event-ID": "end"})
+    assert other.status_code == 404
 
 
 def test_native_stream_of_a_cancelled_job_ends(service):
