@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.reasoning import ReasoningParser
 from gpu_runtime.devices import DEVICE_PATTERN
+from gpu_runtime.qos import Tier
 
 DEFAULT_TIERS = ("free", "paid")  # the service tiers, lowest first (free work is relegated first)
 
@@ -221,6 +222,18 @@ class Settings(BaseSettings):
         if any(not t.strip() for t in tiers) or len(set(tiers)) != len(tiers):
             raise ValueError(f"COSERVE_TIERS {list(tiers)}: tier names must be distinct and not blank")
         return tiers
+
+    def engine_tier(self, tier: str) -> Tier:
+        """The engine's tier of a service tier: ``free`` and ``paid`` as such; otherwise the highest configured tier
+        is paid and the others free (relegated first)."""
+        try:
+            return Tier(tier)
+        except ValueError:
+            return Tier.PAID if tier == self.tiers[-1] else Tier.FREE
+
+    def tier_rank(self, tier: str) -> int:
+        """A service tier's position, lowest first (-1 for a name no longer configured)."""
+        return self.tiers.index(tier) if tier in self.tiers else -1
 
     @model_validator(mode="after")
     def _default_tier_is_a_tier(self) -> Settings:

@@ -286,10 +286,7 @@ class GpuWorker:
     def _request(self, job: Job, session: Session) -> Request:
         ids = fed_prompt(self.settings, job)
         sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
-        try:
-            tier = Tier(job.tier)
-        except ValueError:
-            tier = Tier.PAID if job.tier == self.settings.tiers[-1] else Tier.FREE
+        tier = self.settings.engine_tier(job.tier)
         created = as_utc(job.created_at)
         if job.kind == "batch":
             qos = QoSSpec(QoSClass.BATCH, tier, ttlt_s=max(1e-3, (as_utc(job.deadline_at) - created).total_seconds()))

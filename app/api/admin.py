@@ -208,6 +208,7 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
     if body.tier not in settings.tiers:
         raise unprocessable(f"tier must be one of {list(settings.tiers)}", "body", "tier")
     job = _job(session, job_id)
+    raised = settings.tier_rank(body.tier) > settings.tier_rank(job.tier)
     with write_after_read(session):  # never a job that ended, even between the read and this write
         open_ = [s.value for s in NOT_TERMINAL]
         promoted = session.execute(update(Job).where(Job.id == job_id, Job.status.in_(open_))
@@ -216,7 +217,9 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
     if not promoted:
         session.refresh(job)
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
-    delivered = _control(settings, job, {"action": "promote", "job_id": job_id, "tier": body.tier})
+    # the engine knows free and paid; a job moved up that was relegated comes back, one moved down stays where it is
+    delivered = _control(settings, job, {"action": "promote", "job_id": job_id,
+                                         "tier": settings.engine_tier(body.tier).value, "resume": raised})
     return {"id": job_id, "action": "promote", "tier": body.tier, "delivered": delivered}
 
 

@@ -64,3 +64,42 @@ def test_a_cancel_waits_for_the_worker_of_a_job_that_started_running_after_it_wa
             other.execute(update(Job).where(Job.id == job_id).values(status="running", worker_id="w1", attempt=1))
         assert cancelling.cancel(s, settings, job, "cancelled by the user")
         assert job.status == "cancelled" and waited == [job_id]
+
+
+def _promote_messages(client, keys, settings, job_id: str, *tiers: str) -> list[dict]:
+    """What the job's worker hears of promotions to ``tiers`` in turn (a real Redis subscriber in its place)."""
+    import json
+    import time
+
+    import redis
+
+    from workers.control import control_channel
+
+    pubsub = redis.Redis.from_url(settings.redis_url).pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(control_channel("w-listening"))
+    heard = []
+    try:
+        pubsub.get_message(timeout=1.0)  # the subscription is in place
+        for tier in tiers:
+            r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": tier}, headers=H(keys.admin))
+            assert r.status_code == 200 and r.json()["delivered"] is True, r.text
+            deadline = time.monotonic() + 5
+            while (msg := pubsub.get_message(timeout=0.5)) is None and time.monotonic() < deadline:
+                pass
+            heard.append(json.loads(msg["data"]))
+    finally:
+        pubsub.close()
+    return heard
+
+
+def test_a_relegated_job_moved_down_stays_relegated_and_one_moved_up_comes_back(client, keys, settings):
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w-listening")
+    assert [(m["tier"], m["resume"]) for m in _promote_messages(client, keys, settings, job_id, "free", "paid")] == [
+        ("free", False), ("paid", True)]
+
+
+def test_configured_tier_names_reach_the_engine_as_its_free_and_paid(client, keys, settings, monkeypatch):
+    monkeypatch.setattr(settings, "tiers", ("bronze", "silver", "gold"))
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w-listening", tier="silver")
+    heard = _promote_messages(client, keys, settings, job_id, "gold", "bronze", "silver")
+    assert [(m["tier"], m["resume"]) for m in heard] == [("paid", True), ("free", False), ("free", True)]

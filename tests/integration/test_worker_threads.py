@@ -243,6 +243,27 @@ def test_a_promotion_reaches_the_scheduler_through_the_inbox_and_keeps_its_tier_
     assert engine.scheduler.free_waiting == 0 and engine.scheduler.num_unfinished == 0
 
 
+class _Heard:
+    """An inbox that records what the control handler hands it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def promote(self, job_id: str, tier: Tier) -> None:
+        self.calls.append(("promote", job_id, tier))
+
+    def resume(self, job_id: str) -> None:
+        self.calls.append(("resume", job_id))
+
+
+def test_a_promotion_resumes_the_job_only_when_the_admin_moved_it_up():
+    down, up = _Heard(), _Heard()
+    assert control.handle(down, {"action": "promote", "job_id": "j", "tier": "free", "resume": False})
+    assert control.handle(up, {"action": "promote", "job_id": "j", "tier": "paid", "resume": True})
+    assert down.calls == [("promote", "j", Tier.FREE)]
+    assert up.calls == [("promote", "j", Tier.PAID), ("resume", "j")]
+
+
 def test_stream_events_wait_in_order_while_redis_is_away(tmp_path, settings):
     port = free_port()
     client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.5, socket_timeout=1.0)
