@@ -51,7 +51,7 @@ from app.services.transitions import PENDING, as_utc, utcnow
 from app.settings import Settings
 from app.summarize.driver import advance_open_runs
 from gpu_runtime.factory import build_engine, resolve_device
-from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
+from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor
 from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 from workers import decode_history
