@@ -105,12 +105,10 @@ SLO_BUCKET_S = 60
 def slo_series(session, minutes: int, bucket_s: int = SLO_BUCKET_S) -> list[dict[str, Any]]:
     """SLO attainment per time bucket and tier over the last ``minutes`` (finished jobs)."""
     since = utcnow() - timedelta(minutes=minutes)
-    rows = session.execute(select(Job.finished_at, Job.tier, Job.slo_met, Job.status)
-                           .where(Job.finished_at >= since, Job.finished_at.is_not(None))).all()
+    rows = session.execute(select(Job.finished_at, Job.tier, Job.slo_met)
+                           .where(Job.finished_at >= since, Job.slo_met.is_not(None))).all()
     acc: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
-    for finished_at, tier, met, st in rows:
-        if met is None and st != JobStatus.EXPIRED:
-            continue
+    for finished_at, tier, met in rows:
         t = int(as_utc(finished_at).timestamp()) // bucket_s * bucket_s
         acc[(t, tier)][0 if met else 1] += 1
     return [{"t": t, "tier": tier, "met": m, "violated": v} for (t, tier), (m, v) in sorted(acc.items())]

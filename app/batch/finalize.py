@@ -105,7 +105,8 @@ def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis
         # then writes fails at once ("database is locked") if a worker committed in between.
         with write_after_read(session):
             ok = transition(session, job_id, NOT_TERMINAL, to, detail=detail,
-                            values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value})
+                            values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value}
+                            | ({"slo_met": False} if to == JobStatus.EXPIRED else {}))  # its deadline passed
             session.commit()
         if ok:
             stopped += 1

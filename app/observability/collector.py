@@ -169,10 +169,6 @@ class SqlCollector(Collector):
                                             .where(finished, Job.slo_met.is_not(None))
                                             .group_by(Job.tier, Job.kind, Job.slo_met)):
             slo_acc[(tier, kind, "met" if met else "violated")] += n
-        for tier, kind, n in s.execute(select(Job.tier, Job.kind, func.count())  # expired before finishing
-                                       .where(finished, Job.slo_met.is_(None), Job.status == JobStatus.EXPIRED.value)
-                                       .group_by(Job.tier, Job.kind)):
-            slo_acc[(tier, kind, "violated")] += n
         for (tier, kind, out), n in sorted(slo_acc.items()):
             slo.add_metric([self.model_name, tier, kind, out], n)
         for reason, n in s.execute(success_query()):

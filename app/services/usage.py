@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, case, cast, func, select
+from sqlalchemy import BigInteger, Integer, and_, case, cast, func, or_, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Job
@@ -63,14 +63,17 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     columns = {"project_id": Job.tenant_id, "api_key_id": Job.api_key_id, "model": Job.model,
                "batch": Job.batch_id.is_not(None), "service_tier": Job.tier}
     keys = [columns[g].label(g) for g in q.group_by]
-    # a request of n choices or several prompts: one request, each prompt's tokens once (OpenAI's usage)
-    stmt = select(bucket, *keys, func.sum(case((Job.counts_prompt, Job.prompt_tokens), else_=0)),
-                  func.sum(case((Job.counts_prompt, func.coalesce(Job.cached_tokens, 0)), else_=0)),
-                  func.coalesce(func.sum(Job.completion_tokens), 0), func.sum(case((Job.counts_request, 1), else_=0)),
+    # a request of n choices or several prompts: one request, each prompt's tokens once (OpenAI's usage); a job that
+    # ended before it ran (expired in the queue) is no request, but it missed its SLO
+    ran = Job.completion_tokens.is_not(None)
+    stmt = select(bucket, *keys, func.sum(case((and_(ran, Job.counts_prompt), Job.prompt_tokens), else_=0)),
+                  func.sum(case((and_(ran, Job.counts_prompt), func.coalesce(Job.cached_tokens, 0)), else_=0)),
+                  func.coalesce(func.sum(Job.completion_tokens), 0),
+                  func.sum(case((and_(ran, Job.counts_request), 1), else_=0)),
                   func.sum(case((Job.slo_met.is_(True), 1), else_=0)),
                   func.sum(case((Job.slo_met.is_(False), 1), else_=0)),
                   func.sum(case((Job.relegation_count > 0, 1), else_=0)))
-    stmt = stmt.where(Job.completion_tokens.is_not(None), Job.created_at >= _at(lo), Job.created_at < _at(hi))
+    stmt = stmt.where(or_(ran, Job.slo_met.is_not(None)), Job.created_at >= _at(lo), Job.created_at < _at(hi))
     if q.tenant_ids is not None:
         stmt = stmt.where(Job.tenant_id.in_(q.tenant_ids))
     if q.api_key_ids is not None:

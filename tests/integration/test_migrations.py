@@ -29,3 +29,26 @@ def test_upgrade_matches_models_and_downgrade_empties(tmp_path):
     with engine.connect() as conn:
         assert "jobs" in inspect(conn).get_table_names()
     engine.dispose()
+
+
+def test_expired_jobs_of_older_databases_count_as_missed_slos(tmp_path):
+    """0023: a job a batch's window expired before it finished was written without ``slo_met``; it missed."""
+    from sqlalchemy.orm import Session
+
+    from app.db.models import Job, Tenant
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url, "0022")
+    engine = create_engine(url)
+    with Session(engine) as s:
+        tenant = Tenant(name="t")
+        s.add(tenant)
+        s.flush()
+        s.add_all([Job(id=f"job_{st}", tenant_id=tenant.id, tier="paid", model="m", kind="batch", sampling={},
+                       status=st) for st in ("expired", "cancelled", "succeeded")])
+        s.commit()
+    upgrade(url)
+    with Session(engine) as s:
+        assert {j.id: j.slo_met for j in s.query(Job)} == {"job_expired": False, "job_cancelled": None,
+                                                           "job_succeeded": None}
+    engine.dispose()

@@ -24,8 +24,9 @@ def at(seconds: int) -> datetime:
 
 @pytest.fixture
 def jobs(db_url, keys):
-    """acme: a paid chat job and a relegated free batch job on day 0; globex: one job on day 1; and jobs that
-    do not count (one that never ran, one before the range)."""
+    """acme: a paid chat job and a relegated free batch job on day 0; globex: one job on day 1; a batch job its
+    window expired in the queue (a missed SLO, no request); and jobs that do not count (one that never ran, one
+    before the range)."""
     with session_scope(db_url) as s:
         acme = keys.tenant_id
         globex = s.scalars(select(Tenant.id).where(Tenant.name == "globex")).one()
@@ -43,6 +44,8 @@ def jobs(db_url, keys):
             Job(tenant_id=globex, tier="paid", model="other", created_at=at(DAY + 300), prompt_tokens=30,
                 completion_tokens=3, cached_tokens=None, slo_met=True, **common),
             Job(tenant_id=acme, tier="paid", model="tiny", created_at=at(3600), **{**common, "status": "cancelled"}),
+            Job(tenant_id=acme, tier="free", model="tiny", created_at=at(7200), prompt_tokens=40, slo_met=False,
+                batch_id="batch_1", **{**common, "status": "expired"}),
             Job(tenant_id=acme, tier="paid", model="tiny", created_at=at(-60), prompt_tokens=999,
                 completion_tokens=9, slo_met=True, **common),
         ])
@@ -67,7 +70,7 @@ def test_day_buckets_sum_the_jobs_an_engine_ran(client, keys, jobs):
     assert {k: day0[k] for k in ("input_tokens", "output_tokens", "input_cached_tokens", "num_model_requests",
                                  "num_slo_met", "num_slo_missed", "num_relegated")} == {
         "input_tokens": 150, "output_tokens": 15, "input_cached_tokens": 64, "num_model_requests": 2,
-        "num_slo_met": 1, "num_slo_missed": 1, "num_relegated": 1}
+        "num_slo_met": 1, "num_slo_missed": 2, "num_relegated": 1}
     assert day0["object"] == "organization.usage.completions.result" and day0["project_id"] is None
     assert (day1["input_tokens"], day1["input_cached_tokens"], day1["num_model_requests"]) == (30, 0, 1)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+from sqlalchemy import select
+
 from app.batch.finalize import maybe_finalize
 from app.batch.storage import read_content, save_file
 from app.db.models import Batch, File, Job, Tenant, new_id
@@ -45,6 +47,9 @@ def test_window_ended_expires_pending_jobs(db_url, tmp_path):
         assert (b.completed, b.failed) == (1, 2)
         assert {e["custom_id"]: e["error"]["code"] for e in _errors(s, b)} == {"c1": "batch_expired",
                                                                               "c2": "batch_expired"}
+        # the jobs it expired missed their SLO (the Usage API's num_slo_missed, the dashboard, /metrics)
+        assert {j.custom_id: j.slo_met for j in s.scalars(select(Job).where(Job.batch_id == batch_id))} == {
+            "c0": None, "c1": False, "c2": False}
 
 
 def test_expired_by_a_concurrent_caller_is_still_expired(db_url, tmp_path):

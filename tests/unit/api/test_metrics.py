@@ -33,7 +33,7 @@ def _seed(db_url) -> None:
                         cached_tokens=8),
                    _job(t.id, "succeeded", "free", queue_s=1.25, ttft_s=3.0, tbt_p50_s=0.3, ttlt_s=9.0, slo_met=False,
                         finished_at=now, finish_reason="stop", prompt_tokens=5, completion_tokens=3),
-                   _job(t.id, "expired", "free", kind="batch", finished_at=now),
+                   _job(t.id, "expired", "free", kind="batch", finished_at=now, slo_met=False),
                    # cancelled after 2 tokens: they count (as the Usage API bills them), the job is no success
                    _job(t.id, "cancelled", "paid", finished_at=now, finish_reason="cancelled", prompt_tokens=4,
                         completion_tokens=2),
