@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.services.dispatch import dispatch
 from app.services.streaming import USAGE, StreamEvent
-from app.services.transitions import transition, utcnow
+from app.services.transitions import as_utc, transition, utcnow
 from app.settings import Settings
 from app.wire import storable
 from gpu_runtime.request import RequestStatus
@@ -58,6 +58,23 @@ def failed_attempt(lease: leases.Lease, error: str, code: str | None = None) -> 
     """What a failed attempt writes on its job (``leases.finish``) and the event that ends its stream."""
     return ({"error": error, "error_code": code},
             StreamEvent("end", lease.attempt, status="failed", data={"error": error, "code": code}))
+
+def relegation_detail(job: ActiveJob) -> str:
+    """Why the engine shed the job, as far as its target says (the operator's job history): its tier, and whether its
+    deadline had passed or was predicted to (QoServe 3.4: free work first, paid work that will miss anyway)."""
+    req = job.request
+    if req is None or job.created_at is None:
+        return "engine relegated it"
+    tier, q = req.qos.tier.value, req.qos
+    if q.ttlt_s is None and job.first_token_recorded:
+        return f"engine relegated it ({tier} tier): its stream fell behind its {q.tbt_s * 1e3:.0f} ms TBT"
+    target, name = (q.ttlt_s, "TTLT") if q.ttlt_s is not None else (q.ttft_s, "TTFT")
+    if target is None:
+        return f"engine relegated it ({tier} tier)"
+    due_in = (as_utc(job.created_at) + timedelta(seconds=target) - utcnow()).total_seconds()
+    when = f"passed {-due_in:.1f} s ago" if due_in < 0 else f"predicted to be missed, due in {due_in:.1f} s"
+    return f"engine relegated it ({tier} tier): its {target:g} s {name} deadline {when}"
+
 
 class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
@@ -222,9 +239,11 @@ class EngineThread:
         values = {"relegation_count": Job.relegation_count + 1} if event == "relegated" else {}
         lease = job.lease
 
+        detail = relegation_detail(job) if event == "relegated" else "engine resumed it"
+
         def write(s: Session) -> bool:
             return transition(s, lease.job_id, src, dst, worker_id=self.worker_id, attempt=lease.attempt,
-                              detail=f"engine {event} it", values=values)
+                              detail=detail, values=values)
         return Record(f"{event} {lease.job_id}", write,
                       [(lease.job_id, StreamEvent("status", lease.attempt, status=event))], for_job=lease.job_id)
 

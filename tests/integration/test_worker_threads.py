@@ -4,15 +4,17 @@ reproduced against the real DB and Redis with the real engine thread and outbox 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
 from sqlalchemy import select
 
 from app.auth import authenticate
-from app.db.models import Job
+from app.db.models import Job, JobEvent
 from app.db.session import session_scope
 from app.embedded import start_redis
 from app.schemas import JobCreate
@@ -29,6 +31,7 @@ from tests.unit.scheduler.helpers import COST
 from workers import control, outbox as outbox_module
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
+from workers.engine_thread import relegation_detail
 from workers.gpu_worker import GpuWorker
 from workers.inbox import Abort, Add
 from workers.outbox import Outbox, StepRecords
@@ -211,6 +214,10 @@ def test_relegated_jobs_leave_room_under_the_in_flight_cap(settings, keys):
     worker.outbox.apply(engine_thread.iterate())
     assert _status(settings.sqlalchemy_url, a.job_id) == "relegated"
     assert (worker.active.in_line, worker.active.relegated, worker._state()["relegated_jobs"]) == (0, 2, 2)
+    with session_scope(settings.sqlalchemy_url) as s:  # the operator's history says why
+        detail = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == a.job_id,
+                                                         JobEvent.to_status == "relegated")).one()
+    assert detail.startswith("engine relegated it (paid tier): its ") and " s TTFT deadline " in detail, detail
 
     with session_scope(settings.sqlalchemy_url) as s:
         new = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="new", max_tokens=4), settings).job.id
@@ -254,6 +261,23 @@ class _Heard:
 
     def resume(self, job_id: str) -> None:
         self.calls.append(("resume", job_id))
+
+
+def test_a_relegation_says_the_tier_and_the_deadline_that_was_missed_or_predicted_to_be():
+    now = datetime.now(UTC)
+
+    def job(qos: QoSSpec, age_s: float, first_token: bool = False) -> ActiveJob:
+        request = Request("j", [1] * 8, SamplingParams(max_tokens=4), qos, 0.0)
+        return ActiveJob(leases.Lease("j", 1, "w"), request, now - timedelta(seconds=age_s),
+                         first_token_recorded=first_token)
+
+    batch = QoSSpec(QoSClass.BATCH, Tier.FREE, ttlt_s=600.0)
+    chat = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=2.0, tbt_s=0.05)
+    assert re.fullmatch(r"engine relegated it \(free tier\): its 600 s TTLT deadline predicted to be missed, "
+                        r"due in 5(70\.0|69\.9) s", relegation_detail(job(batch, 30)))
+    assert relegation_detail(job(chat, 5)).startswith("engine relegated it (paid tier): its 2 s TTFT deadline passed 3.")
+    assert relegation_detail(job(chat, 5, first_token=True)) == (
+        "engine relegated it (paid tier): its stream fell behind its 50 ms TBT")
 
 
 def test_a_promotion_resumes_the_job_only_when_the_admin_moved_it_up():
