@@ -26,12 +26,14 @@ from app.api.errors import CheckedRoute, responses, unprocessable
 from app.batch.queue_limit import queued_by_tenant
 from app.db.models import Job, JobEvent, JobStatus, Tenant, WorkerState
 from app.db.session import write_after_read
+from app.schemas import JobPublic
 from app.services import jobs as job_service
 from app.services import lora_adapters
 from app.services.cancel import cancel as cancel_job
 from app.services.notify import redis_client
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 from app.services.usage import UsageQuery, completions_usage
+from app.services.workers import LIVE_HEARTBEATS
 from app.wire import Text, utc_z
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ APP_DIR = Path(__file__).resolve().parents[1]
 templates = Jinja2Templates(directory=str(APP_DIR / "templates"))
 STATIC = APP_DIR / "static"
 OPEN = [s.value for s in JobStatus if not s.terminal]
+JOBS_SHOWN = 500  # rows of the running and relegated jobs' table
 
 
 @router.get("/admin", response_class=HTMLResponse, include_in_schema=False)
@@ -142,9 +145,10 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
     now = utcnow()
     queues = [{"tier": tier, "status": st, "count": n} for st, tier, n in session.execute(
         select(Job.status, Job.tier, func.count()).where(Job.status.in_(OPEN)).group_by(Job.status, Job.tier))]
-    active = list(session.scalars(select(Job).where(Job.status.in_([JobStatus.RUNNING.value,
-                                                                    JobStatus.RELEGATED.value]))
-                                  .order_by(Job.created_at).limit(500)))
+    in_engine = Job.status.in_([JobStatus.RUNNING.value, JobStatus.RELEGATED.value])
+    active = list(session.scalars(select(Job).where(in_engine).order_by(Job.created_at).limit(JOBS_SHOWN)))
+    # the table shows the oldest; how many there are in all, so a cut table says so
+    total = len(active) if len(active) < JOBS_SHOWN else session.scalar(select(func.count()).where(in_engine))
     relegated_at = _relegated_at(session, [j.id for j in active if j.status == JobStatus.RELEGATED])
     jobs = []
     for j in active:
@@ -156,13 +160,15 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
                      "age_s": round((now - as_utc(j.created_at)).total_seconds(), 3),
                      "first_token": j.first_token_at is not None,
                      "overdue_s": round(overdue_s(j, now, relegated_at.get(j.id)), 3)})
+    alive_since = now - timedelta(seconds=LIVE_HEARTBEATS * settings.heartbeat_seconds + 1)
     loaded = lora_adapters.loaded(settings)  # a worker that loads adapters at runtime serves its model's
     workers = [{"id": w.id, "model": w.model, "device": w.device, "draining": w.draining,
                 "served": [*w.served, *(name for name, a in loaded.items() if a.model == w.model and
                                         (w.state or {}).get("runtime_lora"))],
-                "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {}}
+                "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {},
+                "alive": as_utc(w.heartbeat_at) >= alive_since}  # a worker that stopped without a word is "lost"
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
-    return {"now": utc_z(now), "queues": queues, "jobs": jobs, "workers": workers,
+    return {"now": utc_z(now), "queues": queues, "jobs": jobs, "jobs_total": total, "workers": workers,
             "slo": slo_series(session, minutes), "slo_window_s": minutes * 60, "slo_bucket_s": SLO_BUCKET_S}
 
 
@@ -171,6 +177,17 @@ def _job(session, job_id: str) -> Job:
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
     return job
+
+
+@router.get("/admin/api/jobs/{job_id}", responses={**ADMIN, **responses(404)})
+def job_history(job_id: str, session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
+    """Any tenant's job as ``GET /v1/jobs/{id}`` shows it to its tenant, with its tenant and its state transitions
+    (who made each and why: a relegation names the tier and the deadline)."""
+    job = _job(session, job_id)
+    events = session.scalars(select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.id))
+    return {"job": JobPublic.of(job).model_dump(mode="json"), "tenant_id": job.tenant_id,
+            "events": [{"at": utc_z(as_utc(e.at)), "from": e.from_status, "to": e.to_status, "worker_id": e.worker_id,
+                        "attempt": e.attempt, "detail": e.detail} for e in events]}
 
 
 def _control(settings, job: Job, message: dict[str, Any]) -> bool:

@@ -24,12 +24,13 @@ from workers.control import control_channel
 
 log = logging.getLogger(__name__)
 
+LIVE_HEARTBEATS = 3  # a worker whose heartbeat is older than this many periods (and a second) is lost
 RESET_TIMEOUT_S = 30.0  # how long a prefix-cache reset waits for every worker's answer
 
 
 def live_workers(session: Session, settings: Settings, *, draining: bool = False) -> list[WorkerState]:
     """Workers whose heartbeat came within three periods (those draining too, where ``draining``)."""
-    since = utcnow() - timedelta(seconds=3 * settings.heartbeat_seconds + 1)
+    since = utcnow() - timedelta(seconds=LIVE_HEARTBEATS * settings.heartbeat_seconds + 1)
     query = select(WorkerState).where(WorkerState.heartbeat_at >= since)
     if not draining:
         query = query.where(WorkerState.draining.is_(False))

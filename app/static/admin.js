@@ -6,6 +6,18 @@ const TENANTS_POLL_MS = 30000; // the tenants' day of usage is a heavier read th
 const $ = (sel) => document.querySelector(sel);
 let timer = null;
 let tenantsTimer = null;
+let refreshing = false;  // one overview read at a time: a slow one is not overtaken by the next
+let pointerDown = false;  // a press on a button the next redraw would replace
+const pending = new Set();  // "action job-or-worker id" of the actions sent and not answered yet
+document.addEventListener("pointerdown", () => { pointerDown = true; });
+document.addEventListener("pointerup", () => { pointerDown = false; });
+document.addEventListener("pointercancel", () => { pointerDown = false; });
+
+// while the operator presses a button or selects text (a job id to copy), the tables stay as they are
+function holding() {
+  const sel = window.getSelection();
+  return pointerDown || (sel && !sel.isCollapsed && $("#dash").contains(sel.anchorNode));
+}
 
 function key() { return sessionStorage.getItem(KEY); }
 
@@ -35,7 +47,15 @@ function cell(row, text, cls) {
   return td;
 }
 
-// opts: action (data-action, default: the label in lower case), title (tooltip and status text), cls
+// what an action's answer says happened: the API answers 200 also when no worker heard it or the job had ended
+function outcome(body) {
+  if (body.delivered === false) return "not delivered: no worker is listening (what SQL holds stands)";
+  if (body.cancelled === false) return "not done: the job had already ended";
+  return "done";
+}
+
+// opts: action (data-action, default: the label in lower case), title (tooltip and status text), cls, id (what it
+// acts on: a redraw keeps the button disabled while its action is pending)
 function button(td, label, onClick, opts = {}) {
   const b = document.createElement("button");
   const what = opts.title || label;
@@ -43,10 +63,14 @@ function button(td, label, onClick, opts = {}) {
   b.dataset.action = opts.action || label.toLowerCase();
   if (opts.title) b.title = opts.title;
   if (opts.cls) b.className = opts.cls;
+  const key = b.dataset.action + " " + (opts.id || "") + " " + label;
+  b.disabled = pending.has(key);
   b.addEventListener("click", async () => {
     b.disabled = true;
-    try { await onClick(); $("#status").textContent = what + " sent"; }
+    pending.add(key);
+    try { $("#status").textContent = what + ": " + outcome(await onClick()); }
     catch (e) { $("#status").textContent = what + " failed: " + e.message; }
+    finally { pending.delete(key); }
     refresh();
   });
   td.appendChild(b);
@@ -68,14 +92,20 @@ function renderQueues(queues) {
   }
 }
 
-function renderJobs(jobs) {
+function renderJobs(jobs, total) {
   const tbody = $("#jobs tbody");
   tbody.replaceChildren();
+  $("#jobs-shown").textContent = total > jobs.length ? `(the ${jobs.length} oldest of ${total})` : "";
   for (const j of jobs) {
     const row = tbody.insertRow();
     row.id = "job-" + j.id;
     row.className = j.status;
-    cell(row, j.id);
+    const idCell = cell(row, "");
+    const link = document.createElement("a");
+    link.href = "#job=" + encodeURIComponent(j.id);
+    link.textContent = j.id;
+    idCell.appendChild(link);
+    cell(row, j.tenant_id, "tenant");
     cell(row, j.model, "model");
     cell(row, j.tier);
     cell(row, j.kind);
@@ -86,10 +116,10 @@ function renderJobs(jobs) {
     cell(row, j.relegation_count, "num");
     const td = row.insertCell();
     if (j.status === "relegated") {
-      button(td, "Resume", () => api(`/admin/api/jobs/${j.id}/resume`, { method: "POST" }));
+      button(td, "Resume", () => api(`/admin/api/jobs/${j.id}/resume`, { method: "POST" }), { id: j.id });
     }
     button(td, "Cancel", () => api(`/admin/api/jobs/${j.id}/cancel`, { method: "POST" }),
-      { title: `cancel ${j.id}` });
+      { title: `cancel ${j.id}`, id: j.id });
     // one button per other tier, labelled by its target; tiers are configured lowest first,
     // so a later tier is a promotion and an earlier one a demotion
     const tiers = window.COSERVE_TIERS || [];
@@ -99,7 +129,7 @@ function renderJobs(jobs) {
       const verb = up ? "promote" : "demote";
       const b = button(td, (up ? "\u2191 " : "\u2193 ") + t, () => api(`/admin/api/jobs/${j.id}/promote`,
         { method: "POST", body: JSON.stringify({ tier: t }) }),
-        { action: verb, title: `${verb} ${j.id} to ${t}`, cls: "tier " + verb });
+        { action: verb, title: `${verb} ${j.id} to ${t}`, cls: "tier " + verb, id: j.id });
       b.dataset.tier = t;
     }
   }
@@ -145,10 +175,11 @@ function renderWorkers(workers) {
     const spec = cell(row, s.speculation ? "" : "-", "speculation");
     if (s.speculation) lines(spec, keyValues(s.speculation));
     cell(row, s.draft_on_device == null ? "-" : (s.draft_on_device ? "on" : "off"));
-    cell(row, w.draining ? "draining" : "serving");
+    // a worker that stopped without a word keeps its row: its heartbeat says it is gone
+    cell(row, !w.alive ? "lost (no heartbeat)" : w.draining ? "draining" : "serving", w.alive ? "" : "lost");
     const td = row.insertCell();
     button(td, w.draining ? "Undrain" : "Drain", () => api(`/admin/api/workers/${encodeURIComponent(w.id)}/drain`,
-      { method: "POST", body: JSON.stringify({ drain: !w.draining }) }));
+      { method: "POST", body: JSON.stringify({ drain: !w.draining }) }), { id: w.id });
   }
 }
 
@@ -244,16 +275,56 @@ function renderSlo(points, nowIso, windowS = 3600, bucketS = 60) {
 }
 
 async function refresh() {
+  if (refreshing || holding()) return;  // the next poll draws it
+  refreshing = true;
   try {
     const o = await api("/admin/api/overview");
+    if (holding()) return;
     renderQueues(o.queues);
-    renderJobs(o.jobs);
+    renderJobs(o.jobs, o.jobs_total);
     renderWorkers(o.workers);
     renderSlo(o.slo, o.now, o.slo_window_s, o.slo_bucket_s);
     $("#dash").dataset.updated = o.now;
   } catch (e) {
     if (e.message !== "auth") $("#status").textContent = "update failed: " + e.message;
+  } finally {
+    refreshing = false;
   }
+}
+
+// one job of any tenant, with its transitions and why each happened (#job=<id> in the address, or the search form)
+async function showJob(jobId) {
+  const box = $("#job-detail");
+  box.replaceChildren();
+  if (!jobId) { box.hidden = true; return; }
+  box.hidden = false;
+  let found;
+  try { found = await api(`/admin/api/jobs/${encodeURIComponent(jobId)}`); }
+  catch (e) { box.textContent = e.message; return; }
+  const j = found.job;
+  const facts = document.createElement("p");
+  lines(facts, [`job: ${j.id}`, `tenant: ${found.tenant_id}`, `status: ${j.status}`, `tier: ${j.tier}`,
+    `kind: ${j.kind}`, `worker: ${j.worker_id || "-"}`, `finish: ${j.finish_reason || "-"}`,
+    `SLO met: ${j.metrics.slo_met == null ? "-" : j.metrics.slo_met ? "yes" : "no"}`, ...(j.error ? [`error: ${j.error}`] : [])]);
+  const table = document.createElement("table");
+  table.id = "job-events";
+  const head = table.createTHead().insertRow();
+  for (const h of ["at", "from", "to", "worker", "attempt", "why"]) {
+    const th = document.createElement("th");
+    th.textContent = h;
+    head.appendChild(th);
+  }
+  const body = table.createTBody();
+  for (const e of found.events) {
+    const row = body.insertRow();
+    for (const v of [e.at, e.from || "-", e.to, e.worker_id || "-", e.attempt, e.detail || "-"]) cell(row, v);
+  }
+  box.append(facts, table);
+}
+
+function jobInAddress() {
+  const m = location.hash.match(/^#job=(.+)$/);
+  return m ? decodeURIComponent(m[1]) : "";
 }
 
 function show(loggedIn) {
@@ -263,6 +334,7 @@ function show(loggedIn) {
   clearInterval(timer);
   clearInterval(tenantsTimer);
   if (loggedIn) {
+    showJob(jobInAddress());
     refresh();
     timer = setInterval(refresh, POLL_MS);
     refreshTenants();
@@ -283,4 +355,9 @@ $("#login-form").addEventListener("submit", (ev) => {
   show(true);
 });
 $("#logout").addEventListener("click", () => logout());
+$("#job-search").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  location.hash = "job=" + encodeURIComponent($("#job-id").value.trim());
+});
+window.addEventListener("hashchange", () => { if (key()) showJob(jobInAddress()); });
 show(Boolean(key()));

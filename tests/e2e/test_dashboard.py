@@ -1,7 +1,8 @@
 """The admin dashboard in a real headless Chromium: an overloaded worker relegates a free-tier
 job, the dashboard shows it, and its Resume button brings it back to running; a running job's
 Cancel button cancels it; the SLO chart has a time axis, speculation state reads as key: value
-lines, and nothing the page loads answers 404 (the favicon included)."""
+lines, a job found by its id shows why it was relegated, a worker without a heartbeat reads as lost,
+and nothing the page loads answers 404 (the favicon included)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,16 @@ def test_admin_api_requires_admin_key(live_server, keys):
 def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.db.session import session_scope
+    from app.services.transitions import utcnow
+
     base, hog, late = overloaded
+    with session_scope(settings.sqlalchemy_url) as s:  # a worker that died without a word two hours ago
+        s.add(WorkerState(id="w-gone", model=settings.model_name, queue="q", device="cpu",
+                          heartbeat_at=utcnow() - timedelta(hours=2)))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -81,8 +91,10 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         expect(row.locator("td.status")).to_have_text("relegated", timeout=20_000)
         expect(page.locator(f"#job-{hog} td.status")).to_have_text("running")
         expect(page.locator(f"#job-{hog} td.model")).to_have_text(settings.model_name)
+        expect(row.locator("td.tenant")).to_have_text(keys.tenant_id)
         expect(page.locator("#queues tr[data-tier=free] td[data-status=relegated]")).to_have_text("1")
         expect(page.locator("#worker-w1")).to_contain_text("serving")
+        expect(page.locator("#worker-w-gone td.lost")).to_have_text("lost (no heartbeat)")
         expect(page.locator("#slo-chart polyline")).to_have_count(2)  # one line per tier
         # the tenants' last day: acme's three finished warm-up jobs (the running and relegated ones not yet)
         acme = page.locator(f"#tenant-{keys.tenant_id}")
@@ -105,6 +117,15 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         assert page.evaluate("errorText({detail: [{loc: ['body', 'tier'], msg: 'tier must be one of [a]'}]})") == (
             "tier: tier must be one of [a]")
         assert page.evaluate("errorText({detail: 'job x already ended'})") == "job x already ended"
+        # an action the API answered but that did nothing says so
+        assert page.evaluate("outcome({delivered: false})").startswith("not delivered: no worker is listening")
+        assert page.evaluate("outcome({cancelled: false})") == "not done: the job had already ended"
+        # any job by its id: its tenant and its transitions, a relegation with its reason
+        page.fill("#job-id", late)
+        page.click("#job-search button[type=submit]")
+        expect(page.locator("#job-detail")).to_contain_text(f"tenant: {keys.tenant_id}")
+        why = page.locator("#job-events tr", has_text="relegated").last.locator("td").last
+        expect(why).to_contain_text("engine relegated it (free tier): its 0.001 s TTFT deadline passed")
         # every running or relegated job has a Cancel button
         expect(row.locator("button[data-action=cancel]")).to_have_count(1)
         expect(page.locator(f"#job-{hog} button[data-action=cancel]")).to_have_text("Cancel")
@@ -142,6 +163,6 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         page.locator(f"#job-{hog} button[data-action=cancel]").click()
         expect(page.locator(f"#job-{hog}")).to_have_count(0, timeout=10_000)
         assert job_status(base, keys.paid, hog) == "cancelled"
-        expect(page.locator("#status")).to_have_text(f"cancel {hog} sent")
+        expect(page.locator("#status")).to_have_text(f"cancel {hog}: done")
         assert missing == [], missing  # the favicon too
         browser.close()

@@ -103,3 +103,32 @@ def test_configured_tier_names_reach_the_engine_as_its_free_and_paid(client, key
     job_id = _job(client, keys, settings, status="relegated", worker_id="w-listening", tier="silver")
     heard = _promote_messages(client, keys, settings, job_id, "gold", "bronze", "silver")
     assert [(m["tier"], m["resume"]) for m in heard] == [("paid", True), ("free", False), ("free", True)]
+
+
+def test_an_operator_finds_any_tenants_job_with_its_history(client, keys, settings):
+    job_id = _job(client, keys, settings, status="queued")
+    client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
+    assert client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.paid)).status_code == 403  # a tenant's key
+    assert client.get("/admin/api/jobs/job_none", headers=H(keys.admin)).status_code == 404
+    found = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()
+    assert (found["job"]["id"], found["job"]["status"], found["tenant_id"]) == (job_id, "cancelled", keys.tenant_id)
+    assert [(e["from"], e["to"], e["detail"]) for e in found["events"]][-1] == (
+        "queued", "cancelled", "cancelled by the user")
+
+
+def test_the_overview_says_how_many_jobs_its_table_leaves_out_and_which_workers_are_lost(client, keys, settings,
+                                                                                        monkeypatch):
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.services.transitions import utcnow
+
+    monkeypatch.setattr(admin, "JOBS_SHOWN", 2)
+    ids = [_job(client, keys, settings, status="running") for _ in range(3)]
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add_all([WorkerState(id="w-live", model="m", queue="q", device="cpu"),
+                   WorkerState(id="w-gone", model="m", queue="q", device="cpu",
+                               heartbeat_at=utcnow() - timedelta(hours=1))])
+    body = client.get("/admin/api/overview", headers=H(keys.admin)).json()
+    assert [j["id"] for j in body["jobs"]] == ids[:2] and body["jobs_total"] == 3  # the oldest, and how many
+    assert {w["id"]: w["alive"] for w in body["workers"]} == {"w-live": True, "w-gone": False}
