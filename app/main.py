@@ -14,6 +14,8 @@ from app.api import (admin, batches, conversations, errors, files, health, jobs,
                      webhooks)
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
+from app.db.migrate import schema_problem
+from app.db.session import get_engine
 from app.openai_schemas import OpenAIRoute
 from app.request_id import RequestId
 from app.services.job_writer import JobWriter
@@ -29,6 +31,11 @@ OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "
                    "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
+def schema_check(url: str) -> str | None:
+    with get_engine(url).connect() as conn:
+        return schema_problem(conn)
+
+
 @asynccontextmanager
 async def lifespan(api: FastAPI):
     # load the tokenizer before the first request instead of during it
@@ -39,6 +46,11 @@ async def lifespan(api: FastAPI):
     except Exception as exc:  # the API still serves reads; submissions will report the problem
         log.warning("could not load the tokenizer of %s at start-up: %s", model, exc)
     settings = api.state.settings
+    try:  # every request would fail on a schema behind this code; /readyz says so too
+        if problem := await run_in_threadpool(schema_check, settings.sqlalchemy_url):
+            log.error("%s", problem)
+    except Exception as exc:
+        log.warning("could not read the database's schema revision: %s", exc)
     if settings.admin_key:  # deployments (compose) pass the admin key in the environment
         try:
             await run_in_threadpool(ensure_admin_key, settings.sqlalchemy_url, settings.admin_key,

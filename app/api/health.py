@@ -13,6 +13,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from app.api.deps import SessionDep, SettingsDep
+from app.db.migrate import schema_problem
 from app.db.models import Job, JobStatus
 from app.services.model_info import context_length
 from app.services.notify import redis_client
@@ -41,7 +42,8 @@ def _readiness(session: Session, settings: Settings) -> tuple[bool, dict[str, st
     checks: dict[str, str] = {}
     try:
         session.execute(text("SELECT 1"))
-        checks["database"] = "ok"
+        problem = schema_problem(session.connection())
+        checks["database"] = "ok" if problem is None else f"error: {problem}"
     except Exception as exc:
         checks["database"] = f"error: {exc.__class__.__name__}"
     try:

@@ -85,6 +85,7 @@ class Job(Base):
         Index("ix_jobs_created", "created_at"),  # every tenant's usage by time (admin: Usage API, dashboard)
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_model_finished", "model", "finished_at"),  # workers' decode-length history reads
+        Index("ix_jobs_finished", "finished_at"),  # the jobs finished lately (the dashboard's SLO chart)
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)

@@ -571,6 +571,31 @@ def test_health_and_readiness(client, settings):
     assert client.get("/version").json()["version"] == importlib.metadata.version("coserve")
 
 
+def test_readiness_says_when_the_database_schema_is_not_this_coserves(tmp_path, redis_url, tiny_model_dir, caplog):
+    """An API started on a database behind its migrations fails every request that reads a new column; its
+    /readyz says so and what to run (it said the database was ok), and its start-up logs it."""
+    from fastapi.testclient import TestClient
+
+    from app.db.migrate import downgrade, head_revision, upgrade
+    from app.main import create_app
+    from tests.conftest import make_settings
+
+    url = f"sqlite:///{tmp_path / 'behind.db'}"
+    upgrade(url, "0021")
+    s = make_settings(tmp_path, url, redis_url, tiny_model_dir)
+    with caplog.at_level("ERROR"), TestClient(create_app(s)) as c:
+        database = c.get("/readyz").json()["checks"]["database"]
+    assert database.startswith(f"error: the database's schema is at revision 0021, this coserve needs "
+                               f"{head_revision()}: migrate it"), database
+    assert any("schema is at revision 0021" in r.getMessage() for r in caplog.records)
+    upgrade(url)
+    with TestClient(create_app(s)) as c:
+        assert c.get("/readyz").json()["checks"]["database"] == "ok"
+    downgrade(url, "base")
+    with TestClient(create_app(s)) as c:
+        assert "at revision none" in c.get("/readyz").json()["checks"]["database"]
+
+
 def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_adapter(settings, keys, tmp_path):
     from fastapi.testclient import TestClient
 

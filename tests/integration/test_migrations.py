@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from app.db.migrate import downgrade, upgrade
 from app.db.models import Base
@@ -52,3 +52,62 @@ def test_expired_jobs_of_older_databases_count_as_missed_slos(tmp_path):
         assert {j.id: j.slo_met for j in s.query(Job)} == {"job_expired": False, "job_cancelled": None,
                                                            "job_succeeded": None}
     engine.dispose()
+
+
+def as_first_written(url: str) -> None:
+    """Migrates ``url`` to 0023 and takes out what revisions 0002, 0007, 0016, 0017 and 0022 gained after they were
+    first written: a database an earlier coserve built (Alembic does not run a revision twice)."""
+    from alembic.operations import Operations
+
+    upgrade(url, "0023")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        op = Operations(MigrationContext.configure(conn))
+        op.drop_index("ix_jobs_model_finished", table_name="jobs")
+        op.drop_index("ix_jobs_created", table_name="jobs")
+        with op.batch_alter_table("jobs") as batch:
+            for column in ("prompt_logprobs", "prompt_token_ids", "cache_write_tokens"):
+                batch.drop_column(column)
+        with op.batch_alter_table("lora_adapters") as batch:
+            batch.alter_column("loaded_at", new_column_name="created_at")
+        conn.execute(text("INSERT INTO lora_adapters (name, model, path, rank, created_at) "
+                          "VALUES ('a', 'm', '/a', 8, CURRENT_TIMESTAMP)"))
+    engine.dispose()
+
+
+def assert_schema_is_the_models(url: str) -> None:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        assert diff == [], f"models and migrations drifted apart: {diff}"
+        assert conn.execute(text("SELECT name, loaded_at IS NOT NULL FROM lora_adapters")).all() == [("a", True)]
+    engine.dispose()
+
+
+def test_a_database_built_by_revisions_as_first_written_is_repaired(tmp_path):
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    as_first_written(url)
+    upgrade(url)
+    assert_schema_is_the_models(url)
+
+
+EDITED_AFTER_COMMIT = {"0002", "0007", "0016", "0017", "0022"}  # 0024 adds what their edits added
+
+
+def test_a_committed_revision_is_never_edited():
+    """A database migrated with a revision never runs it again, so a change after its commit never reaches it:
+    the change goes into a new revision. (Where the checkout has no history, there is nothing to compare.)"""
+    import shutil
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the git history of the checkout")
+    edited = []
+    for path in sorted((ROOT / "migrations" / "versions").glob("0*.py")):
+        commits = subprocess.run(["git", "log", "--format=%H", "--", str(path.relative_to(ROOT))], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.split()
+        if len(commits) > 1 and path.name[:4] not in EDITED_AFTER_COMMIT:
+            edited.append(path.name)
+    assert edited == [], f"{edited} changed after their first commit; put the change in a new revision"

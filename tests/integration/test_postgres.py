@@ -131,6 +131,15 @@ def test_migrations_upgrade_without_drift_and_downgrade(pg_url):
     engine.dispose()
 
 
+def test_a_database_built_by_revisions_as_first_written_is_repaired_on_postgres(pg_url):
+    from app.db.migrate import upgrade
+    from tests.integration.test_migrations import as_first_written, assert_schema_is_the_models
+
+    as_first_written(pg_url)
+    upgrade(pg_url)
+    assert_schema_is_the_models(pg_url)
+
+
 def test_concurrent_starts_migrate_once(pg_url):
     """Workers and the API all migrate at start (separate processes); the advisory lock serializes them."""
     code = "import sys; from app.db.migrate import upgrade; upgrade(sys.argv[1])"
