@@ -47,5 +47,15 @@ class Detokenizer:
             self._emitted.pop(request.request_id, None)
         return delta, hit
 
+    def tokens_past_stop(self, request: Request, new: int) -> int:
+        """How many of the request's last ``new`` output tokens follow the one that completed a stop string (a
+        speculative step accepts several at once; generation ends at that token, as it does one token a step)."""
+        ids = request.output_token_ids
+        for k in range(1, new):
+            text = self.tokenizer.decode(ids[:len(ids) - new + k], skip_special_tokens=True)
+            if any(stop in text for stop in request.sampling.stop):
+                return new - k
+        return 0
+
     def forget(self, request_id: str) -> None:
         self._emitted.pop(request_id, None)

@@ -321,6 +321,9 @@ class Engine:
             text, hit = self.detokenizer.update(req, finished=finish is not None)
             if hit:
                 finish = RequestStatus.FINISHED_STOPPED
+                # tokens accepted in the same step after the one that completed the stop string are not output
+                if past := self.detokenizer.tokens_past_stop(req, len(kept)):
+                    del req.output_token_ids[-past:], req.token_times[-past:], kept[-past:]
         if finish is not None:
             req.status = finish
             req.finish_time = now

@@ -78,6 +78,26 @@ def test_stop_string_with_speculation_cuts_inside_accepted_tokens(tiny_model):
     assert "".join(o.new_text for o in outs) == full[: full.find(stop)]
     assert req.status is RequestStatus.FINISHED_STOPPED
     assert ex.capacity().free_blocks == 32
+    # the output ends at the token that completed the stop string, as it does one token a step: tokens accepted
+    # after it in the same step are not output (nor counted, nor streamed)
+    ends = next(k for k in range(1, 17) if stop in tok.decode(full_ids[:k]))
+    assert req.output_token_ids == full_ids[:ends] == [t for o in outs for t in o.new_token_ids]
+    assert len(req.token_times) == ends
+
+
+def test_a_seed_samples_the_same_text_under_any_speculation(tiny_model):
+    """Every output token takes the next uniform of the request's generator, however many tokens a step verifies:
+    a seeded request samples the same tokens with speculation off and under any tree shape (the worker's rerun of a
+    seeded job after a crash relies on it, whatever the adaptive policies choose)."""
+    def sample(speculation, drafts: list[int]) -> list[int]:
+        drafter = NoisyTreeDrafter({len(PROMPT): drafts}, vocab=97, hit=0.8, seed=5) if speculation else None
+        ex = TorchExecutor.from_model(tiny_model, kv_blocks=32, block_size=4, drafter=drafter)
+        req = make_request(PROMPT, max_tokens=24, temperature=1.0, seed=7)
+        return run_engine(ex, [req], speculation=speculation)[req.request_id]
+
+    plain = sample(None, [])
+    for shape in (VerifyAll(depth=1, width=1), VerifyAll(depth=3, width=1), VerifyAll(depth=2, width=3)):
+        assert sample(shape, plain) == plain, shape
 
 
 @pytest.mark.parametrize("speculate", [False, True])

@@ -1,8 +1,9 @@
-"""Token sampling and token-tree verification (greedy and lossless multi-branch rejection)."""
+"""Token sampling and token-tree verification (greedy, and sampled with one uniform per output token)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -42,7 +43,11 @@ def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor
 
 
 def sample_token(probs: torch.Tensor, gen: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    """A token drawn from ``probs`` with one uniform of the request's generator (inverse CDF). Every output token
+    takes the next uniform, whether or not its step speculated, so a seed gives the same text under any speculation
+    policy or tree shape, and with speculation off."""
+    u = torch.rand(1, generator=gen, device=probs.device, dtype=torch.float64)
+    return _inverse_cdf(probs.to(torch.float64), u)
 
 
 def verify_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], int]:
@@ -50,11 +55,29 @@ def verify_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], int]:
 
     ``argmax[0]`` is the target's choice after the root, ``argmax[1 + i]`` after node i.
     Returns accepted node indices (root to leaf) and the bonus token."""
+    return _walk(tree, argmax.__getitem__)
+
+
+def verify_sampled(tree: TokenTree, probs: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
+    """Lossless verification of point-mass drafts with one uniform per output token.
+
+    ``probs[0]`` is the target distribution after the root, ``probs[1 + i]`` after node i. At each visited
+    node the target's token is drawn (``sample_token``); the child that carries it is accepted and the walk goes
+    on, and where none does that token is the bonus. Each output token is thus a sample of the target, and a
+    child's token x is accepted with probability p(x), as under multi-branch rejection with point-mass proposals
+    (SpecInfer Alg. 2), whose acceptance it equals."""
+    return _walk(tree, lambda row: sample_token(probs[row], gen))
+
+
+def _walk(tree: TokenTree, target_token: Callable[[int], int]) -> tuple[list[int], int]:
+    """Accepted node indices (root to leaf) and the bonus token: from the root, the child carrying the target's
+    token at its parent (``target_token(0)`` after the root, ``target_token(1 + i)`` after node i), until none
+    does; the target's token there is the bonus."""
     children = _children(tree)
     accepted: list[int] = []
     cur = -1
     while True:
-        want = argmax[cur + 1]
+        want = target_token(cur + 1)
         nxt = next((c for c in children[cur] if tree.token_ids[c] == want), None)
         if nxt is None:
             return accepted, want
@@ -62,47 +85,11 @@ def verify_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], int]:
         cur = nxt
 
 
-def verify_sampled(tree: TokenTree, probs: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
-    """Multi-branch rejection sampling with point-mass draft proposals (SpecInfer Alg. 2).
-
-    ``probs[0]`` is the target distribution after the root, ``probs[1 + i]`` after node i.
-    At a node, try each child x in order: accept with probability p(x); on rejection set
-    p(x) = 0 and renormalize. With no child accepted the bonus is drawn from the residual,
-    so every output token is distributed exactly as the target's.
-
-    One device round trip per visited node: its uniforms (one per child plus one for the
-    bonus) come from a single ``torch.rand`` on the generator's device and its probability
-    row is copied to the host once; the accept/reject walk then runs on host floats."""
-    children = _children(tree)
-    accepted: list[int] = []
-    cur = -1
-    while True:
-        kids = children[cur]
-        u = torch.rand(len(kids) + 1, generator=gen, device=probs.device).tolist()
-        target = probs[cur + 1].to("cpu", torch.float64)
-        p = target.clone()
-        total = float(p.sum())  # p is kept unnormalized; ``total`` is its mass
-        nxt = None
-        for k, c in enumerate(kids):
-            x = tree.token_ids[c]
-            if u[k] * total < float(p[x]):  # u < p(x) / total
-                nxt = c
-                break
-            p[x] = 0.0
-            total = float(p.sum())  # re-summed, not decremented: an exhausted residual must read exactly 0
-            if total <= 0.0:  # only with duplicate sibling tokens: the bonus comes from the target itself
-                p, total = target, float(target.sum())
-                break
-        if nxt is None:
-            return accepted, _inverse_cdf(p, u[-1])
-        accepted.append(nxt)
-        cur = nxt
-
-
-def _inverse_cdf(p: torch.Tensor, u: float) -> int:
-    """Token drawn from the (unnormalized, host) weights ``p`` with the uniform ``u``."""
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> int:
+    """The token the uniform ``u`` (a one-element tensor) picks from the unnormalized weights ``p``: the first whose
+    cumulative weight exceeds ``u`` times the total, so never one of weight 0."""
     cdf = p.cumsum(0)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True)[0])
+    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True)[0])
     return min(idx, p.shape[0] - 1)
 
 
