@@ -21,7 +21,11 @@ class Detokenizer:
         self._emitted: dict[str, int] = {}  # characters already sent per request
 
     def text(self, request: Request) -> str:
-        return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        return self._decode(request, request.output_token_ids)
+
+    def _decode(self, request: Request, ids: list[int]) -> str:
+        # special tokens stay where a parser reads them (a tool call's or a thinking tag may be one)
+        return self.tokenizer.decode(ids, skip_special_tokens=request.sampling.skip_special_tokens)
 
     def update(self, request: Request, finished: bool) -> tuple[str, bool]:
         """Returns (new text, stop string hit). On a hit the text ends before the stop string (after it, with
@@ -52,7 +56,7 @@ class Detokenizer:
         speculative step accepts several at once; generation ends at that token, as it does one token a step)."""
         ids = request.output_token_ids
         for k in range(1, new):
-            text = self.tokenizer.decode(ids[:len(ids) - new + k], skip_special_tokens=True)
+            text = self._decode(request, ids[:len(ids) - new + k])
             if any(stop in text for stop in request.sampling.stop):
                 return new - k
         return 0

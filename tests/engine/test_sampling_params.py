@@ -139,3 +139,19 @@ def test_the_own_engine_refuses_a_lora_adapter_rather_than_serve_the_model_in_it
     request.lora_name = "sql-lora"
     with pytest.raises(ValueError, match="adapters are served on the vLLM backend only"):
         engine.add_request(request)
+
+
+class TaggedTokenizer(CharTokenizer):
+    """Token 0 is a special token, ``<tool>``: left out of the text unless asked to keep it."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(("" if skip_special_tokens else "<tool>") if i == 0 else CharTokenizer.decode(self, [i])
+                       for i in ids)
+
+
+@pytest.mark.parametrize("skip, text", [(True, "bA"), (False, "<tool>bA")])
+def test_special_tokens_stay_in_the_text_where_the_request_keeps_them(skip, text):
+    """A job read by a tool-call or reasoning parser keeps special tokens (its tags may be some), as on vLLM."""
+    req = make_request([5, 6], max_tokens=4, skip_special_tokens=skip)
+    req.output_token_ids = [0, 1]
+    assert Detokenizer(TaggedTokenizer()).update(req, finished=True) == (text, False)
