@@ -232,7 +232,11 @@ UNSUPPORTED_HINTS = {
     "priority": " (the API key's tier, or service_tier / tier, orders the work, with the QoS targets ttft_ms, tbt_ms "
                 "and deadline)",
     "vllm_xargs": " (give coserve's QoS fields ttft_ms, tbt_ms, deadline and tier in the body itself)",
-    "chat_template": " (the server applies its own, COSERVE_CHAT_TEMPLATE; chat_template_kwargs reach it)"}
+    "chat_template": " (the server applies its own, COSERVE_CHAT_TEMPLATE; chat_template_kwargs reach it)",
+    "prompt_logprobs": " (a completion with echo=true and logprobs=k answers the prompt's token logprobs in OpenAI's "
+                       "form)",
+    "truncation_side": " (truncate_prompt_tokens keeps the prompt's last tokens)",
+    "logprob_token_ids": " (logprobs / top_logprobs report the most likely tokens)"}
 
 
 class UnsupportedFields(BaseModel):
@@ -240,6 +244,7 @@ class UnsupportedFields(BaseModel):
 
     # field -> values that mean "not used" (what clients send when they do not set it); each endpoint's own
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    default_max_tokens: ClassVar[int | None] = None  # without max_tokens: the server's (or what the context leaves)
 
     def check_unsupported(self) -> None:
         for name, defaults in self.unsupported.items():
@@ -263,12 +268,16 @@ class VllmUnsupported(BaseModel):
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None  # coserve's QoS fields are the request's own (ttft_ms, tbt_ms, deadline, tier)
+    prompt_logprobs: Any = None  # vLLM's own form (token ids and ranks), which coserve does not keep
+    truncation_side: Any = None
+    logprob_token_ids: Any = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
         "chat_template": (None,), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
         "return_tokens_as_token_ids": (None, False),
-        "logits_processors": (None, []), "vllm_xargs": (None, {})}
+        "logits_processors": (None, []), "vllm_xargs": (None, {}), "prompt_logprobs": (None,),
+        "truncation_side": (None, "left"), "logprob_token_ids": (None, [])}
 
 
 class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
@@ -329,7 +338,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         common = dict(model=self.model, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                       tier=self.job_tier(tiers), app_id=self.app_id, prompt_cache_key=self.prompt_cache_key,
-                      max_tokens=self.max_completion_tokens or self.max_tokens,
+                      max_tokens=self.max_completion_tokens or self.max_tokens or self.default_max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
@@ -513,6 +522,7 @@ class CompletionRequest(_Base):
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_Base.unsupported, "best_of": (None, 1), "suffix": (None, "")}
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's legacy completions and vLLM's, without max_tokens
 
 
     def logprob_count(self) -> int | None:

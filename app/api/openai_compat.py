@@ -44,18 +44,23 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+sagemaker = APIRouter(tags=["openai"], route_class=OpenAIRoute)  # SageMaker's inference route, as vLLM serves it
 
 T = TypeVar("T")
 
 
-async def read_body(request: Request, model: type) -> Any:
+async def json_object(request: Request) -> dict[str, Any]:
     try:
         raw = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise OpenAIError(400, f"the body is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise OpenAIError(400, "the body must be a JSON object")
-    body = openai_parsed(model, raw)
+    return raw
+
+
+async def read_body(request: Request, model: type) -> Any:
+    body = openai_parsed(model, await json_object(request))
     body.check()
     return body
 
@@ -320,3 +325,22 @@ async def chat_completions(request: Request, session: SessionDep, principal: Cur
 async def completions(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
     """OpenAI (legacy) text completions; same extension fields as chat."""
     return await _complete(request, session, principal, settings, chat=False)
+
+
+@router.post("/chat/completions/batch", responses=openai_responses(404), include_in_schema=False)
+def chat_completions_batch() -> None:
+    """vLLM's batched chat (``messages`` as a list of conversations); without this route the stored-completion
+    update (``POST /v1/chat/completions/{id}``) took the request and answered with its own fields' errors."""
+    raise OpenAIError(404, "POST /v1/chat/completions/batch (vLLM's batched chat) is not served here: send a chat "
+                           "completion per conversation, or a file of them to the Batch API (/v1/batches)",
+                      code="unknown_url")
+
+
+@sagemaker.post("/invocations", responses=_ANSWERS)
+async def invocations(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
+    """SageMaker's inference route, as vLLM serves it: a body with ``messages`` is a chat completion, one with
+    ``prompt`` a completion."""
+    raw = await json_object(request)
+    if ("messages" in raw) == ("prompt" in raw):
+        raise OpenAIError(400, "give messages (a chat completion) or prompt (a completion)", param="messages")
+    return await _complete(request, session, principal, settings, chat="messages" in raw)

@@ -194,9 +194,9 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}
         truncate = sampling.get("truncate_prompt_tokens")
         if truncate is None and chars > limit * max_chars_per_token(settings.model):  # no tokenizer needed
-            raise JobValidationError(
-                f"the prompt ({chars} characters) cannot fit the model's context of {limit} tokens; "
-                "shorten the prompt", **blame)
+            raise JobValidationError(  # OpenAI's and vLLM's words, which clients match to tell an over-long prompt
+                f"This model's maximum context length is {limit} tokens. However, the prompt's {chars} characters "
+                "cannot fit in it; shorten the prompt", **blame)
         try:
             n = len(fed_prompt(settings, job, limit))  # what the worker will feed
         except ChatTemplateError as exc:
@@ -205,8 +205,9 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
             sampling["max_tokens"] = limit - n  # unset (vLLM, OpenAI): what the context leaves, up to the default
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError(
-                f"prompt ({n} tokens) + max_tokens ({sampling['max_tokens']}) exceeds the model's context of "
-                f"{limit} tokens; shorten the prompt or lower max_tokens", **blame)
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + sampling['max_tokens']} tokens ({n} in the prompt, {sampling['max_tokens']} for the "
+                "completion); shorten the prompt or lower max_tokens", **blame)
         job.prompt_tokens = n
     return job
 

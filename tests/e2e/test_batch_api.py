@@ -126,7 +126,7 @@ def test_a_batch_of_responses(oai, start_worker):
     assert oai.responses.retrieve(out["d"]["id"]).output_text == out["d"]["output"][0]["content"][0]["text"]
     errors = {e["custom_id"]: e["error"]["message"] for e in jsonl(oai, done.error_file_id)}
     assert "previous_response_id" in errors["b"] and "max_output_tokens" in errors["c"]
-    assert "exceeds the model's context" in errors["f"]  # without truncation the long one is refused
+    assert "maximum context length is" in errors["f"]  # without truncation the long one is refused
 
 
 def test_duplicate_custom_id_fails_validation(oai):

@@ -368,3 +368,22 @@ def test_the_sdk_does_not_retry_a_completion_whose_job_was_cancelled(live_server
     assert [type(e) for e in raised] == [openai.ConflictError]
     assert raised[0].response.headers["x-should-retry"] == "false"
     assert [j["id"] for j in httpx.get(live_server + "/v1/jobs", headers=auth).json()["data"]] == [job_id]
+
+
+def test_sagemaker_invocations_route_by_body_and_a_completion_makes_16_tokens_by_default(oai, live_server, keys):
+    headers = {"Authorization": f"Bearer {keys.paid}"}
+    chat = httpx.post(f"{live_server}/invocations", headers=headers, timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    # vLLM's and OpenAI's legacy default without max_tokens (256 here before)
+    comp = httpx.post(f"{live_server}/invocations", headers=headers, timeout=120,
+                      json={"model": "tiny", "prompt": "Once", "ignore_eos": True})
+    assert comp.json()["object"] == "text_completion" and comp.json()["usage"]["completion_tokens"] == 16, comp.text
+    both = httpx.post(f"{live_server}/invocations", headers=headers, json={"model": "tiny", "prompt": "x",
+                                                                          "messages": []})
+    assert both.status_code == 400 and "give messages" in both.json()["error"]["message"]
+    assert httpx.post(f"{live_server}/invocations", json={"prompt": "x"}).status_code == 401
+    # vLLM's batched chat is not served: said so, not answered as a stored completion's metadata update
+    batch = httpx.post(f"{live_server}/v1/chat/completions/batch", headers=headers,
+                       json={"model": "tiny", "messages": [[{"role": "user", "content": "a"}]]})
+    assert batch.status_code == 404 and "Batch API" in batch.json()["error"]["message"], batch.text

@@ -135,7 +135,7 @@ def test_without_max_tokens_a_prompt_that_fits_gets_what_the_context_leaves(clie
             assert s.get(Job, r.json()["id"]).sampling["max_tokens"] == left, n
     for n, extra in ((512, {}), (500, {"max_tokens": 13}), (500, {"min_tokens": 13})):
         r = submit(n, **extra)
-        assert r.status_code == 422 and "exceeds the model's context of 512" in r.text, (n, extra)
+        assert r.status_code == 422 and "maximum context length is 512 tokens" in r.text, (n, extra)
     assert jobs_in_sql(settings) == 3
 
 
@@ -156,7 +156,7 @@ def test_a_shorter_engine_context_holds_jobs_to_it(client, keys, settings):
     assert served() == (256, 256) and submit(200).status_code == 201
     settings.vllm_engine_args = {"max_model_len": 128}  # the smaller of the two holds
     r = submit(200)
-    assert r.status_code == 422 and "exceeds the model's context of 128 tokens" in r.json()["detail"][0]["msg"], r.text
+    assert r.status_code == 422 and "maximum context length is 128 tokens" in r.json()["detail"][0]["msg"], r.text
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200},
                     headers=H(keys.paid))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text

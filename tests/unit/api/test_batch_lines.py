@@ -109,13 +109,23 @@ def test_unsupported_or_out_of_range_openai_fields_are_rejected_not_ignored(fiel
         assert not parsed.valid and field in parsed.invalid[0].message
 
 
-@pytest.mark.parametrize("body", [{"best_of": 2}, {"suffix": "x"}])
+@pytest.mark.parametrize("body", [{"best_of": 2}, {"suffix": "x"}, {"prompt_logprobs": 1}, {"truncation_side": "right"},
+                                  {"logprob_token_ids": [3]}])
 def test_unsupported_completion_fields(body):
     req = CompletionRequest.model_validate({"prompt": "x", **body})
     with pytest.raises(OpenAIError) as exc:
         req.check()
     assert exc.value.param == next(iter(body)) and exc.value.code == "unsupported_value"
-    CompletionRequest.model_validate({"prompt": "x", "echo": False, "best_of": 1, "suffix": None}).check()
+    CompletionRequest.model_validate({"prompt": "x", "echo": False, "best_of": 1, "suffix": None,
+                                      "truncation_side": "left", "logprob_token_ids": []}).check()
+
+
+def test_a_completion_without_max_tokens_makes_at_most_16_and_a_chat_the_servers_default():
+    """OpenAI's legacy completions and vLLM's default to 16; chat leaves it to the server (what the context allows)."""
+    assert CompletionRequest.model_validate({"prompt": "x"}).job_spec(prompt="x").max_tokens == 16
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": 40}).job_spec(prompt="x").max_tokens == 40
+    messages = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest.model_validate({"messages": messages}).job_spec(messages=messages).max_tokens is None
 
 
 def test_a_lone_surrogate_fails_its_line_not_the_file():
