@@ -638,17 +638,18 @@ def chat_completion(cid: str, model: str, created: int, content: str | None, fin
                     logprobs: list[dict[str, Any]] | None = None,
                     tool_calls: list[dict[str, Any]] | None = None,
                     cached_tokens: int | None = None, reasoning: str | None = None,
-                    reasoning_tokens: int | None = None) -> dict[str, Any]:
+                    reasoning_tokens: int | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
     """``tool_calls``: the calls the text was read as (``content``: the text before them, or None);
-    ``reasoning``: a reasoning model's thinking, as vLLM's message carries it."""
+    ``reasoning``: a reasoning model's thinking, as vLLM's message carries it; ``stop_reason``: vLLM's, the stop
+    string or token id that ended it."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["reasoning"] = reasoning
     if tool_calls is not None:
         message["tool_calls"] = tool_calls
     body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(logprobs),
+                         "finish_reason": finish_reason, "stop_reason": stop_reason}],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
     if extra:
         body.update(extra)
@@ -674,14 +675,15 @@ def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[
                 engine_reason: str | None, prompt_tokens: int | None, completion_tokens: int | None,
                 extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
                 echo: str = "", cached_tokens: int | None = None,
-                reasoning_tokens: int | None = None) -> dict[str, Any]:
+                reasoning_tokens: int | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
     """A chat job's answer as OpenAI's body: its text read as content and tool calls (``read_answer``), its
     content after ``echo`` (``chat_echo``)."""
     answer = read_answer(job_id, sampling, text, engine_reason)
     content = echo + answer.content if echo and answer.content is not None else answer.content
     return chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
                            completion_tokens, extra, logprobs, tool_calls=answer.tool_calls,
-                           cached_tokens=cached_tokens, reasoning=answer.reasoning, reasoning_tokens=reasoning_tokens)
+                           cached_tokens=cached_tokens, reasoning=answer.reasoning, reasoning_tokens=reasoning_tokens,
+                           stop_reason=stop_reason)
 
 
 def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -691,15 +693,16 @@ def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] |
                        job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, extra,
                        logprobs=job.output_logprobs,
                        echo=chat_echo(job.messages, job.sampling), cached_tokens=job.cached_tokens,
-                       reasoning_tokens=job.reasoning_tokens)
+                       reasoning_tokens=job.reasoning_tokens, stop_reason=job.stop_reason)
 
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
                     prompt_tokens: int | None, completion_tokens: int | None,
                     extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
                     echo: tuple[str, list[dict[str, Any]] | None] | None = None,
-                    cached_tokens: int | None = None) -> dict[str, Any]:
-    """``echo``: the prompt and its logprobs, which the text and the logprobs then start with."""
+                    cached_tokens: int | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
+    """``echo``: the prompt and its logprobs, which the text and the logprobs then start with; ``stop_reason``:
+    vLLM's, the stop string or token id that ended it."""
     if echo is not None:
         prompt, prompt_logprobs = echo
         text = prompt + text
@@ -707,7 +710,7 @@ def text_completion(cid: str, model: str, created: int, text: str, finish_reason
             logprobs = (prompt_logprobs or []) + logprobs
     body = {"id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
-                         "finish_reason": finish_reason}],
+                         "finish_reason": finish_reason, "stop_reason": stop_reason}],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if extra:
         body.update(extra)

@@ -362,6 +362,9 @@ class JobPublic(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict)
     output_text: str | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = Field(None, description=(
+        "what ended it where finish_reason is stop: the stop string (text) or stop token id (a number); null for "
+        "the end-of-sequence token (vLLM's stop_reason)"))
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = Field(None, description=(

@@ -27,17 +27,17 @@ class Detokenizer:
         # special tokens stay where a parser reads them (a tool call's or a thinking tag may be one)
         return self.tokenizer.decode(ids, skip_special_tokens=request.sampling.skip_special_tokens)
 
-    def update(self, request: Request, finished: bool) -> tuple[str, bool]:
-        """Returns (new text, stop string hit). On a hit the text ends before the stop string (after it, with
-        ``include_stop_str_in_output``)."""
+    def update(self, request: Request, finished: bool) -> tuple[str, str | None]:
+        """Returns (new text, the stop string it hit or None). On a hit the text ends before the stop string
+        (after it, with ``include_stop_str_in_output``); of several, the one that comes first."""
         text = self.text(request)
         sent = self._emitted.get(request.request_id, 0)
-        hit = False
+        hit = None
         for stop in request.sampling.stop:
             pos = text.find(stop, max(0, sent - len(stop)))
             if pos >= 0:
-                text, hit = text[:pos + len(stop) * request.sampling.include_stop_str_in_output], True
-        if not (finished or hit):
+                text, hit = text[:pos + len(stop) * request.sampling.include_stop_str_in_output], stop
+        if not (finished or hit is not None):
             # hold back an incomplete character and anything that could start a stop string
             cut = len(text)
             if text.endswith("\ufffd"):
@@ -47,7 +47,7 @@ class Detokenizer:
             text = text[:cut]
         delta = text[sent:] if len(text) > sent else ""
         self._emitted[request.request_id] = max(sent, len(text))
-        if finished or hit:
+        if finished or hit is not None:
             self._emitted.pop(request.request_id, None)
         return delta, hit
 

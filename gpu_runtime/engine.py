@@ -319,8 +319,8 @@ class Engine:
         text = ""
         if self.detokenizer is not None:
             text, hit = self.detokenizer.update(req, finished=finish is not None)
-            if hit:
-                finish = RequestStatus.FINISHED_STOPPED
+            if hit is not None:
+                finish, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit
                 # tokens accepted in the same step after the one that completed the stop string are not output
                 if past := self.detokenizer.tokens_past_stop(req, len(kept)):
                     del req.output_token_ids[-past:], req.token_times[-past:], kept[-past:]

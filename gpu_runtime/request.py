@@ -53,6 +53,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache held when its prefill began
     num_cache_write_tokens: int = 0  # prompt tokens it computed and wrote to the prefix cache (vLLM's count)
     finish_time: float | None = None
+    stop_reason: str | int | None = None  # what stopped it: the stop string or stop token id (None: EOS, length)
     # Filled by the scheduler: predicted remaining decode tokens (running mean + 2 std).
     predicted_output_len: int | None = None
 

@@ -255,14 +255,15 @@ class EngineThread:
         m = out.metrics
         reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
         output = self._output(job, m)
-        values = {**output, "finish_reason": reason, "queue_s": m.queue_s,
+        stop_reason = job.request.stop_reason  # the stop string or token id that ended it (vLLM's stop_reason)
+        values = {**output, "finish_reason": reason, "stop_reason": stop_reason, "queue_s": m.queue_s,
                   "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s,
                   "slo_met": m.slo_met,
                   "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
         lease = job.lease
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
-                          data={**{k: output[k] for k in USAGE}, "metrics": m.as_dict()})
+                          data={**{k: output[k] for k in USAGE}, "stop_reason": stop_reason, "metrics": m.as_dict()})
 
         def write(s: Session) -> bool | list[tuple[str, StreamEvent]]:
             if leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})"):

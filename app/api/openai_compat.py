@@ -160,7 +160,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
 
     def chunk(i: int, text: str | None, finish: str | None, generated: int, first: bool = False,
               logprobs: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None,
-              offset: int = 0, reasoning: str = "", token_ids: list[int] | None = None) -> dict[str, Any]:
+              offset: int = 0, reasoning: str = "", token_ids: list[int] | None = None,
+              stop_reason: str | int | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if reasoning:
@@ -173,6 +174,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
         else:
             choice = {"index": i, "text": text or "",
                       "logprobs": completion_logprobs(logprobs, echoed[i] + offset), "finish_reason": finish}
+        if finish is not None:  # vLLM's, on the chunk that ends the choice
+            choice["stop_reason"] = stop_reason
         out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if prompt_ids[i] is not None:
             choice["token_ids"] = token_ids or []
@@ -214,7 +217,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         yield _sse_error(job_error(item.status, item.error, item.code))
                     case Finished(choice=i):
                         yield _sse(chunk(i, None, item.answer.finish_reason, item.completion_tokens,
-                                         token_ids=item.token_ids))
+                                         token_ids=item.token_ids, stop_reason=item.stop_reason))
                         prompt_tokens[i], cached[i], reasoning[i] = (item.prompt_tokens, item.cached_tokens,
                                                                      item.reasoning_tokens)
                         completion_tokens += item.completion_tokens
@@ -267,11 +270,12 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         if chat:
             bodies.append(chat_answer(*head, job.id, job.sampling, end.data["output_text"], end.finish_reason,
                                       *counts, echo=chat_echo(job.messages, job.sampling), cached_tokens=cached,
-                                      reasoning_tokens=end.data.get("reasoning_tokens")))
+                                      reasoning_tokens=end.data.get("reasoning_tokens"),
+                                      stop_reason=end.data.get("stop_reason")))
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
-                                          **echo, cached_tokens=cached))
+                                          **echo, cached_tokens=cached, stop_reason=end.data.get("stop_reason")))
     for i, ids in enumerate(await _prompt_ids(settings, jobs)):
         if ids is not None:  # vLLM's return_token_ids
             with_token_ids(bodies[i], chat, ids, ends[i].data.get("output_token_ids"))

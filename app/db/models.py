@@ -131,6 +131,8 @@ class Job(Base):
     # output
     output_text: Mapped[str | None] = mapped_column(Text, default=None)
     finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
+    # vLLM's stop_reason: the stop string (text) or stop token id (a number) that ended it; null for EOS or length
+    stop_reason: Mapped[str | int | None] = mapped_column(JSON, nullable=True, default=None)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     # prompt tokens the engine found in its prefix cache (vLLM's num_cached_tokens; 0 on the own engine, which has none)

@@ -64,6 +64,7 @@ class Finished:
     reasoning_tokens: int | None = None  # of the completion tokens, those it thought in (a reasoning parser's)
     token_ids: list[int] = field(default_factory=list)  # generated ids no piece carried (text held back to the end)
     cache_write_tokens: int | None = None  # of the prompt tokens, those the engine wrote to its prefix cache
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
 
 
 @dataclass
@@ -176,7 +177,7 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                     yield given
                 yield Finished(i, answer, ev.data.get("prompt_tokens") or 0, ev.data.get("completion_tokens") or 0,
                                ev.data.get("cached_tokens"), ev.data.get("reasoning_tokens"), ids_pending[i],
-                               ev.data.get("cache_write_tokens"))
+                               ev.data.get("cache_write_tokens"), ev.data.get("stop_reason"))
                 unfinished -= 1
                 if not unfinished:
                     return

@@ -41,7 +41,7 @@ def sql_end_event(url: str, job_id: str) -> StreamEvent | None:
                            data={**{k: getattr(job, k) for k in USAGE},
                                  "output_text": job.output_text or "", "error": job.error, "code": job.error_code,
                                  "logprobs": job.output_logprobs, "prompt_logprobs": job.prompt_logprobs,
-                                 "output_token_ids": job.output_token_ids,
+                                 "output_token_ids": job.output_token_ids, "stop_reason": job.stop_reason,
                                  "from_sql": True})
 
 

@@ -336,7 +336,7 @@ class VLLMEngine:
                                  prompt_logprobs=prompt)
         reason = comp.finish_reason if comp is not None else None
         req.status = _FINISH.get(reason or "", RequestStatus.FINISHED_ABORTED)
-        req.finish_time = now
+        req.finish_time, req.stop_reason = now, comp.stop_reason if comp is not None else None
         req.num_cached_tokens = res.num_cached_tokens or 0  # vLLM's count from its prefill (kept after recomputes)
         req.num_cache_write_tokens = res.num_cache_creation_tokens or 0
         out = self._finish(req)

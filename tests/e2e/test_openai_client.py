@@ -74,6 +74,12 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
                                           extra_body={"ignore_eos": True})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].message.content == full[:full.index(stop)]
+    assert stopped.choices[0].model_extra["stop_reason"] == stop  # vLLM's: which stop ended it
+    assert chat.choices[0].model_extra["stop_reason"] is None  # max_tokens ended it
+    last = [c for c in oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=7, temperature=0,
+        stop=[stop, "\u2603never"], stream=True, extra_body={"ignore_eos": True}) if c.choices][-1].choices[0]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", stop)
 
     # echo: the completion's text starts with its prompt
     echoed = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, seed=3, echo=True,

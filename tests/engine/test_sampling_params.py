@@ -154,4 +154,4 @@ def test_special_tokens_stay_in_the_text_where_the_request_keeps_them(skip, text
     """A job read by a tool-call or reasoning parser keeps special tokens (its tags may be some), as on vLLM."""
     req = make_request([5, 6], max_tokens=4, skip_special_tokens=skip)
     req.output_token_ids = [0, 1]
-    assert Detokenizer(TaggedTokenizer()).update(req, finished=True) == (text, False)
+    assert Detokenizer(TaggedTokenizer()).update(req, finished=True) == (text, None)

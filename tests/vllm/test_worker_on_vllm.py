@@ -183,6 +183,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     first_id = get_tokenizer("smollm2-135m").encode(first, add_special_tokens=False)[0]
     cut = oai.completions.create(**{**capital, "max_tokens": 24}, extra_body={"stop_token_ids": [first_id]})
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 1, (first, cut)
+    assert cut.choices[0].model_extra["stop_reason"] == first_id  # vLLM's: the stop token's id, a number
 
     # vLLM's return_token_ids: the ids vLLM generated, which the stream's text comes from
     given = oai.completions.create(**{**capital, "max_tokens": 24}, extra_body={"return_token_ids": True}).choices[0]
@@ -194,6 +195,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     kept = oai.completions.create(**{**capital, "max_tokens": 24}, stop=[stop],
                                   extra_body={"include_stop_str_in_output": True}).choices[0]
     assert kept.finish_reason == "stop" and kept.text.endswith(stop) and first.startswith(kept.text), (first, kept)
+    assert kept.model_extra["stop_reason"] == stop
     only = oai.completions.create(**{**capital, "max_tokens": 3}, extra_body={"allowed_token_ids": [rome]})
     assert only.choices[0].text == " Rome" * 3
     banned = oai.completions.create(**capital, extra_body={"bad_words": [greedy]}).choices[0].text
