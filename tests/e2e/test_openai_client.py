@@ -76,6 +76,9 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert stopped.choices[0].message.content == full[:full.index(stop)]
     assert stopped.choices[0].model_extra["stop_reason"] == stop  # vLLM's: which stop ended it
     assert chat.choices[0].model_extra["stop_reason"] is None  # max_tokens ended it
+    job = httpx.get(f"{live_server}/v1/jobs/{stopped.id.removeprefix('chatcmpl-')}",
+                    headers={"Authorization": f"Bearer {keys.paid}"}).json()
+    assert job["stop_reason"] == stop  # the job keeps it
     last = [c for c in oai.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=7, temperature=0,
         stop=[stop, "\u2603never"], stream=True, extra_body={"ignore_eos": True}) if c.choices][-1].choices[0]
