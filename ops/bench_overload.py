@@ -114,7 +114,7 @@ def run(policy: str, load: float, goodput: float, minutes: float, free_share: fl
         policy=policy, load=load, qps=qps, n_paid=len(paid), n_free=len(free),
         paid_late=sum(map(late, paid)), free_late=sum(map(late, free)),
         paid_late_kept=sum(1 for r in paid if late(r) and not r.relegation_count),
-        floor=max(0.0, 1 - goodput / paid_rate), run_floor=run_floor(reqs, goodput),
+        floor=max(0.0, 1 - goodput / paid_rate) if paid_rate else 0.0, run_floor=run_floor(reqs, goodput),
         relegated_paid=sum(1 for r in rel if r.qos.tier is Tier.PAID),
         relegated_free=sum(1 for r in rel if r.qos.tier is Tier.FREE),
         relegated_finished=len(done), relegated_on_time=sum(1 for r in done if slo_met(r)),

@@ -36,7 +36,8 @@ piecewise-linear fit; both candidates' cross-validated MAPE is printed per profi
    measured goodput on the bursty trace (mean 1.0x: the troughs must absorb the bursts).
    The free share of the bursty run is --bursty-free-share (paper: 20%).
    Reported per policy: violations overall, paid ("important") and free, and what
-   relegation did (jobs relegated, how many finished later, how many of those in a trough) and how many
+   relegation did (jobs relegated, how many finished later, how many of those in a trough while arrivals came and
+   how many after the last arrival) and how many
    jobs had their KV released and recomputed (KV admission reserves predicted, not max_tokens, output).
 
 Runs are subsampled (--minutes of arrivals per goodput run, --bursty-minutes of bursty
@@ -349,7 +350,7 @@ def main() -> None:
                          f"(starting low), {args.bursty_free_share:.0%} free tier, SLOs as above, "
                          f"run length {args.bursty_minutes * scale:.0f} simulated min, {trace} - {name}")
         for col in ("policy", "requests", "violations", "paid (jobs)", "free (jobs)", "relegated (paid)", "finished later",
-                    "in a trough", "KV recomputed", "goal"):
+                    "in a trough", "after the arrivals", "KV recomputed", "goal"):
             bt.add_column(col, justify="right")
         res = {pol: bj[pol].result() for pol in bursty_policies}
         for pol in bursty_policies:
@@ -361,7 +362,7 @@ def main() -> None:
             bt.add_row(pol, str(r["n"]), f"{r['all']:.1%}", f"{r.get('paid', 0):.1%} ({late.get('paid', 0)})",
                        f"{r.get('free', 0):.1%} ({late.get('free', 0)})",
                        f"{rel.relegated} ({rel.relegated_paid})", str(rel.finished), str(rel.finished_in_low),
-                       str(r["recomputed"]), goal)
+                       str(rel.finished_after_arrivals), str(r["recomputed"]), goal)
         console.print(bt)
     pool.shutdown()
     console.print(f"total {time.time() - t0:.0f} s")

@@ -250,7 +250,7 @@ class RunMetrics:
     attained_tpot: int = 0  # the paper's definition alone: mean TPOT <= target (TTFT ignored)
     output_tokens: int = 0
     goodput_tokens: int = 0
-    makespan_s: float = 0.0
+    makespan_s: float = 0.0  # what goodput divides: an open-loop run's arrival span, a closed loop's whole run
     busy_s: float = 0.0
     steps: int = 0
     tokens_per_step: float = 0.0
@@ -443,12 +443,22 @@ def simulate(policy: SpeculationPolicy, arrivals: list[Arrival], profile: Roofli
             else:
                 still.append(req)
         running = still
-    start = 0.0 if concurrency is not None else min((a.time for a in arrivals), default=0.0)
-    m = _metrics(policy.name, done, info, now - start, busy, steps, step_tokens)
+    # closed loop: the run's own time; open loop: the arrivals' span, the same for every policy (its drain after the
+    # last arrival would otherwise divide its goodput as well as cost it the requests that missed)
+    span = now if concurrency is not None else arrival_span(arrivals)
+    m = _metrics(policy.name, done, info, span, busy, steps, step_tokens)
     m.tokens_by_phase = by_phase
     m.admitted_by_phase = admitted
     m.processed_by_phase = processed
     return m
+
+
+def arrival_span(arrivals: list[Arrival], until: float | None = None) -> float:
+    """Seconds from the first arrival to the last (to ``until``, where later arrivals are load only): what an open-loop
+    run's goodput is counted over, so that every policy given the same arrivals is divided by the same time."""
+    start = min((a.time for a in arrivals), default=0.0)
+    end = until if until is not None else max((a.time for a in arrivals), default=start)
+    return max(end - start, 1e-9)
 
 
 def _metrics(name, done, info, makespan, busy, steps, step_tokens) -> RunMetrics:

@@ -50,9 +50,10 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def tier_key(req: Request, by: str = "tier") -> str:
-    """Group key: the QoS tier (paid/free) or the application bucket (e.g. Q1)."""
+    """Group key: the QoS tier (paid/free) or the application bucket (e.g. Q1 of ``trace-Q1`` or ``trace-Q1-paid``)."""
     if by == "bucket" and req.app_id:
-        return req.app_id.rsplit("-", 1)[-1] if req.app_id.count("-") > 1 else req.app_id.split("-", 1)[-1]
+        parts = req.app_id.split("-")
+        return parts[1] if len(parts) > 1 else req.app_id
     return str(req.qos.tier)
 
 
@@ -82,9 +83,10 @@ class RelegationSummary:
     relegated: int  # requests relegated at least once
     relegated_paid: int  # of those, paid tier (only once violated and no free job was left)
     finished: int  # relegated ones that finished anyway (resumed, served with spare budget)
-    finished_in_low: int  # of those, finished while the arrival rate was low (bursty runs)
+    finished_in_low: int  # of those, finished while the arrival rate was low (bursty runs; arrivals still coming)
     unfinished: int  # relegated ones still unfinished when the run ended
     expired: int = 0  # relegated ones the scheduler gave up on (finished_expired: not in ``finished``)
+    finished_after_arrivals: int = 0  # of ``finished``, those that finished after the last arrival (the drain)
 
     @property
     def finished_share(self) -> float:
@@ -92,14 +94,18 @@ class RelegationSummary:
 
 
 def relegation_summary(requests: list[Request], low_phase: Callable[[float], bool] | None = None) -> RelegationSummary:
-    """``low_phase(t)``: whether time ``t`` lies in a low-rate phase (bursty arrivals)."""
+    """``low_phase(t)``: whether time ``t`` lies in a low-rate phase (bursty arrivals); a finish after the last arrival
+    is in neither phase but the drain."""
     rel = [r for r in requests if r.relegation_count]
     expired = sum(1 for r in rel if r.status is RequestStatus.FINISHED_EXPIRED)
     done = [r for r in rel if r.status.finished and r.finish_time is not None
             and r.status is not RequestStatus.FINISHED_EXPIRED]
-    in_low = sum(1 for r in done if low_phase is not None and low_phase(r.finish_time))  # type: ignore[arg-type]
+    last_arrival = max((r.arrival_time for r in requests), default=0.0)
+    drained = [r for r in done if r.finish_time > last_arrival]  # type: ignore[operator]
+    in_low = sum(1 for r in done if low_phase is not None and r.finish_time <= last_arrival  # type: ignore[operator]
+                 and low_phase(r.finish_time))  # type: ignore[arg-type]
     return RelegationSummary(len(rel), sum(1 for r in rel if r.qos.tier is Tier.PAID), len(done), in_low,
-                             len(rel) - len(done) - expired, expired)
+                             len(rel) - len(done) - expired, expired, len(drained))
 
 
 def free_on_time_while_paid_late(reqs: list[Request], whole_service: bool = False) -> int:

@@ -195,8 +195,20 @@ def test_relegated_free_jobs_resume_after_a_burst_and_paid_ones_keep_their_deadl
     rel = relegation_summary(done, low_phase=lambda t: t > 1.0)
     assert rel.relegated > 0 and rel.relegated_paid == 0
     assert rel.finished == rel.relegated and rel.unfinished == 0  # every relegated job came back and finished
-    assert rel.finished_in_low == rel.finished
+    # the last job arrives at 0.6 s: they finished after the arrivals (the drain), in no phase of them
+    assert rel.finished_after_arrivals == rel.finished and rel.finished_in_low == 0
     assert all(r.num_output_tokens == 20 for r in done)
+
+
+def test_a_request_groups_by_its_trace_bucket_with_or_without_a_tier_in_its_app_id():
+    from gpu_runtime.sim.metrics import tier_key
+
+    def req(app_id):
+        return Request("r", [1], SamplingParams(max_tokens=1), QoSSpec(QoSClass.BATCH, ttlt_s=1.0), 0.0,
+                       app_id=app_id)
+
+    buckets = [tier_key(req(a), by="bucket") for a in ("trace-Q1", "trace-Q2-paid", "trace-Q3-free")]
+    assert buckets == ["Q1", "Q2", "Q3"]
 
 
 def test_arrivals_during_a_step_that_emptied_the_replica_are_batched_into_the_next_step():

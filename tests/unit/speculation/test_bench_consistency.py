@@ -149,6 +149,21 @@ def test_request_deferred_past_its_ttft_is_not_attained(harness):
     assert m.goodput_tokens == 4
 
 
+def test_open_loop_goodput_is_over_the_arrivals_span_whatever_each_policys_drain(harness):
+    """Policies given the same arrivals are divided by the same time, the arrivals' span: a slower one's longer
+    drain after the last arrival costs it the requests it made late, not a longer divisor too."""
+    from gpu_runtime.speculation.registry import create_policy
+
+    qos = QoSSpec(QoSClass.BATCH, ttlt_s=3600.0)  # every request attains: goodput is tokens over the span
+    arrivals = [harness.Arrival(0.5 + 0.01 * i, 32, 64, "coding", qos) for i in range(40)]
+    dm = harness.DRAFTERS["draft-model"]
+    runs = [harness.simulate(create_policy(p), arrivals, harness.PROFILES["4090-7b"], harness.acceptance_for(dm),
+                             drafter=dm) for p in ("none", "chain-4")]
+    assert harness.arrival_span(arrivals) == pytest.approx(0.39) and harness.arrival_span(arrivals, 0.7) == pytest.approx(0.2)
+    assert [m.makespan_s for m in runs] == [pytest.approx(0.39)] * 2  # the drains differ; the spans do not
+    assert runs[0].goodput == runs[1].goodput == pytest.approx(40 * 64 / 0.39)
+
+
 # ---- Nightjar ----
 def _feed(bandit: GammaBandit, batch: int, per_request: list[float], times: int = 4) -> None:
     for _ in range(times):
