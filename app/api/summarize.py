@@ -17,7 +17,7 @@ from app.openai_schemas import parse_window
 from app.schemas import MAX_WINDOW_S
 from app.services.jobs import JobValidationError, resolve_model, resolve_tier
 from app.services.transitions import utcnow
-from app.summarize import service
+from app.summarize import driver, service
 from app.summarize.documents import Document
 from app.summarize.store import RunView
 from app.wire import SecondsOrWindow, Text, utc_z
@@ -97,6 +97,21 @@ def _own(settings, principal, run_id: str, with_results: bool = False) -> RunVie
 @router.get("/{run_id}", responses=responses(404))
 def get_run(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> dict:
     return _utc_z(_own(settings, principal, run_id).progress.as_dict())
+
+
+@router.post("/{run_id}/cancel", responses=responses(404, 409))
+def cancel_run(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> dict:
+    """Ends a running run: the documents not done yet fail with ``cancelled`` and their jobs are cancelled; the
+    summaries made so far stay in its results. A run that had ended is a 409."""
+    _own(settings, principal, run_id)
+    try:
+        cancelled = service.cancel(settings, run_id)
+    except driver.RunBusy:
+        raise HTTPException(status.HTTP_409_CONFLICT, "the run is being stepped right now; try again") from None
+    progress = _own(settings, principal, run_id).progress
+    if not cancelled:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"the run already ended ({progress.status})")
+    return _utc_z(progress.as_dict())
 
 
 @router.get("/{run_id}/results", response_class=Response,

@@ -25,9 +25,9 @@ from app.batch.objects import job_error_line, output_line
 from app.batch.storage import new_file
 from app.db.models import Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
-from app.services.notify import announce_cancel
+from app.services.cancel import stop_job_ids
 from app.services.webhooks import emit
-from app.services.transitions import NOT_TERMINAL, as_utc, transition, utcnow
+from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -98,20 +98,7 @@ def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis
     """Moves every non-terminal job of the batch to ``to`` (cancelled/expired); running ones are aborted."""
     ids = list(session.scalars(select(Job.id).where(Job.batch_id == batch_id,
                                                     Job.status.in_([s.value for s in NOT_TERMINAL]))))
-    session.commit()
-    stopped = 0
-    for job_id in ids:
-        # End the read transaction the previous announce opened: a deferred transaction that read and
-        # then writes fails at once ("database is locked") if a worker committed in between.
-        with write_after_read(session):
-            ok = transition(session, job_id, NOT_TERMINAL, to, detail=detail,
-                            values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value}
-                            | ({"slo_met": False} if to == JobStatus.EXPIRED else {}))  # its deadline passed
-            session.commit()
-        if ok:
-            stopped += 1
-            announce_cancel(redis_url, session.get(Job, job_id, populate_existing=True))
-    return stopped
+    return stop_job_ids(session, ids, to, detail, redis_url)
 
 
 def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None,

@@ -1,15 +1,17 @@
 """Cancelling one job from the API: SQL first (the cancel is durable), then its stream's end and its worker's
 abort; where a worker was running the job, the reply waits for it to write what the attempt produced, so that the
-cancel answers with the job's output so far and its usage (a client need not poll for them)."""
+cancel answers with the job's output so far and its usage (a client need not poll for them). ``stop_job_ids`` ends
+many at once (a batch's, a summarization run's) without waiting for their workers."""
 
 from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from app.db.models import Job
+from app.db.models import Job, JobStatus
+from app.db.session import write_after_read
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel, await_kept
-from app.services.transitions import ACTIVE
+from app.services.transitions import ACTIVE, NOT_TERMINAL, transition, utcnow
 from app.settings import Settings
 
 
@@ -26,3 +28,21 @@ def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
             session.commit()  # a fresh read sees the worker's write
             session.refresh(job)
     return True
+
+
+def stop_job_ids(session: Session, ids: list[str], to: JobStatus, detail: str, redis_url: str | None) -> int:
+    """Moves each of these jobs that has not ended to ``to`` (cancelled/expired); running ones are aborted."""
+    session.commit()
+    stopped = 0
+    for job_id in ids:
+        # End the read transaction the previous announce opened: a deferred transaction that read and
+        # then writes fails at once ("database is locked") if a worker committed in between.
+        with write_after_read(session):
+            ok = transition(session, job_id, NOT_TERMINAL, to, detail=detail,
+                            values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value}
+                            | ({"slo_met": False} if to == JobStatus.EXPIRED else {}))  # its deadline passed
+            session.commit()
+        if ok:
+            stopped += 1
+            announce_cancel(redis_url, session.get(Job, job_id, populate_existing=True))
+    return stopped

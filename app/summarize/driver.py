@@ -22,6 +22,7 @@ workers' sweeper). Jobs are never submitted twice.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -29,10 +30,11 @@ from enum import StrEnum
 from sqlalchemy import func, or_, select, update
 
 from app.auth import Principal
-from app.db.models import Job, SummarizationDocument, SummarizationRun
+from app.db.models import Job, JobStatus, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import lora_adapters
+from app.services.cancel import stop_job_ids
 from app.services.jobs import build_job
 from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
@@ -223,18 +225,53 @@ def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool
 
 def _commit_failure(url: str, run: SummarizationRun, owner: str, error: str) -> Step:
     """Fails the run and every document not done yet (their running jobs still finish)."""
+    return _end_run(url, run, owner, "failed", error)[0]
+
+
+def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: str) -> tuple[Step, list[str]]:
+    """Ends the run as ``status`` with every document not done yet failed with ``error``; also the ids of the jobs
+    those documents were waiting for."""
     with session_scope(url, immediate=True) as s, write_guard(s):  # reads, then writes
-        unfinished = s.scalar(select(func.count()).select_from(SummarizationDocument).where(
-            SummarizationDocument.run_id == run.id, SummarizationDocument.done.is_(False)))
-        values = {"status": "failed", "documents_done": run.documents,
-                  "documents_failed": run.documents_failed + unfinished}
+        pending = s.scalars(select(SummarizationDocument.pending).where(
+            SummarizationDocument.run_id == run.id, SummarizationDocument.done.is_(False))).all()
+        values = {"status": status, "documents_done": run.documents,
+                  "documents_failed": run.documents_failed + len(pending)}
         if not _advance_version(s, run, owner, values):
             s.rollback()
-            return Step(Outcome.LOST, "running")
+            return Step(Outcome.LOST, "running"), []
         s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
                                                       SummarizationDocument.done.is_(False))
                   .values(error=error, pending=[], done=True).execution_options(synchronize_session=False))
-    return Step(Outcome.STEPPED, "failed")
+    return Step(Outcome.STEPPED, status), [j for ids in pending for j in ids]
+
+
+CANCEL_TRIES = 40  # a step holds the run's lease for milliseconds: a cancel waits out one (0.05 s a try)
+
+
+class RunBusy(Exception):
+    """Another process kept stepping the run while a cancel waited for it."""
+
+
+def cancel(settings: Settings, run_id: str, owner: str) -> bool:
+    """Ends a running run as ``cancelled``: the documents not done fail with ``cancelled``, the jobs they waited for
+    are cancelled (running ones aborted), the summaries made so far stay. False where the run had ended (or is
+    unknown)."""
+    url = settings.sqlalchemy_url
+    for _ in range(CANCEL_TRIES):
+        with session_scope(url) as s:
+            run = s.get(SummarizationRun, run_id)
+        if run is None or run.status != "running":
+            return False
+        if _claim(url, run, owner, settings.lease_seconds):
+            step, jobs = _end_run(url, run, owner, "cancelled", "cancelled with its summarization run")
+            if step.outcome == Outcome.STEPPED:
+                with session_scope(url) as s:
+                    stop_job_ids(s, jobs, JobStatus.CANCELLED, f"cancelled with summarization {run_id}",
+                                 settings.redis_url)
+                return True
+            _release(url, run_id, owner)
+        time.sleep(0.05)
+    raise RunBusy(run_id)
 
 
 def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[Step]:

@@ -116,6 +116,11 @@ def _drive(settings: Settings, run_id: str, owner: str) -> None:
     log.warning("stopped driving summarization %s here; the workers' sweeper carries it on", run_id)
 
 
+def cancel(settings: Settings, run_id: str) -> bool:
+    """``driver.cancel`` from this process (``driver.RunBusy`` where the run stayed busy)."""
+    return driver.cancel(settings, run_id, f"cancel-{socket.gethostname()}-{os.getpid()}")
+
+
 def view(settings: Settings, run_id: str, with_results: bool = False) -> store.RunView | None:
     """The run from SQL, or from the files of a run an older version wrote."""
     return store.view(settings.sqlalchemy_url, run_id, with_results) or _legacy_view(settings.data_dir, run_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 from app.batch import finalize
+from app.services import cancel as cancelling
 from app.db.models import Batch, File, Job, JobStatus, Tenant
 from app.db.session import session_scope
 
@@ -38,7 +39,7 @@ def test_stopping_a_batchs_jobs_survives_a_worker_committing_between_them(db_url
         with sqlite3.connect(path, timeout=15) as worker:
             worker.execute("UPDATE jobs SET completion_tokens = ? WHERE id = ?", (len(announced), other_id))
 
-    monkeypatch.setattr(finalize, "announce_cancel", announce_then_a_worker_writes)
+    monkeypatch.setattr(cancelling, "announce_cancel", announce_then_a_worker_writes)
     with session_scope(db_url) as s:
         assert finalize.stop_jobs(s, batch_id, JobStatus.CANCELLED, "cancelled with its batch", "redis://unused") == 3
     with session_scope(db_url) as s:

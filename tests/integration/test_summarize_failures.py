@@ -3,6 +3,8 @@ migrated SQLite, real Redis; the jobs' results written in SQL as a worker writes
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from sqlalchemy import select, update
 
@@ -48,3 +50,23 @@ def test_a_document_whose_next_level_cannot_be_built_fails_alone(client, keys, s
     run = wait_for(lambda: (r := client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json())
                    ["status"] != "running" and r, 30, "the run to end")
     assert (run["status"], run["documents_done"], run["documents_failed"]) == ("completed", 2, 1), run
+
+
+def test_a_run_cancelled_keeps_its_summaries_and_cancels_the_jobs_it_waited_for(client, keys, settings):
+    body = {"documents": [{"id": "done", "text": "The cat sat. It was warm."},
+                          {"id": "open", "text": "The dog ran. It was cold."}], "deadline": "30m"}
+    run_id = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body).json()["id"]
+    docs = _docs(settings, run_id)
+    _finish(settings, docs["done"].pending, "A cat in the warmth.")
+    wait_for(lambda: _docs(settings, run_id)["done"].done, 30, "the first document's summary")
+    assert client.post(f"/v1/summarize/{run_id}/cancel", headers=Keys.header(keys.other)).status_code == 404
+    r = client.post(f"/v1/summarize/{run_id}/cancel", headers=Keys.header(keys.paid))
+    assert r.status_code == 200 and (r.json()["status"], r.json()["documents_failed"]) == ("cancelled", 1), r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, docs["open"].pending[0]).status == "cancelled"  # its job will not run
+    lines = [json.loads(line) for line in client.get(f"/v1/summarize/{run_id}/results",
+                                                     headers=Keys.header(keys.paid)).text.splitlines()]
+    assert {d["id"]: (d["summary"], d["error"]) for d in lines} == {
+        "done": ("A cat in the warmth.", None), "open": (None, "cancelled with its summarization run")}
+    again = client.post(f"/v1/summarize/{run_id}/cancel", headers=Keys.header(keys.paid))
+    assert again.status_code == 409 and "already ended (cancelled)" in again.json()["detail"]
