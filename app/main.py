@@ -77,7 +77,9 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         upload = scope["path"].startswith(self.upload_prefix)
         limit = self.upload_limit if upload else self.limit
-        hint = "upload a smaller file or split it" if upload else "split it, or upload a file for the Batch API"
+        hint = ("upload a smaller file or split it" if upload else
+                "split the documents over several runs" if scope["path"].startswith("/v1/summarize") else
+                "split it, or upload a file for the Batch API")
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None:

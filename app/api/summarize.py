@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from fastapi import APIRouter, HTTPException, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
@@ -30,6 +30,13 @@ router = APIRouter(prefix="/v1/summarize", tags=["summarize"], route_class=Check
 class DocumentIn(BaseModel):
     id: Text = Field(min_length=1, max_length=200)
     text: Text = Field(min_length=1)
+
+    @field_validator("text")
+    @classmethod
+    def _has_text(cls, text: str) -> str:
+        if not text.strip():  # the model would summarize nothing into a made-up summary
+            raise ValueError("the document has no text (only whitespace); leave it out")
+        return text
 
 
 class SummarizeCreate(BaseModel):

@@ -7,6 +7,7 @@ or the credentials ``coserve up`` wrote).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +33,9 @@ BatchId = Annotated[str, typer.Argument(help="batch id (batch_...)")]
 BATCH_DONE = {"completed", "failed", "expired", "cancelled"}
 
 
+PATIENCE_S = 120.0  # how long a poll rides out an unreachable API (a restart) before it gives up
+
+
 class Api:
     def __init__(self, url: str | None, key: str | None) -> None:
         from app.cli.service_cmds import _client_config
@@ -39,12 +43,20 @@ class Api:
         self.url, key = _client_config(url, key)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
-    def call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            r = self.http.request(method, path, **kw)
-        except httpx.HTTPError as exc:
-            console.print(f"[red]cannot reach {self.url}: {exc}[/red] (is `coserve up` running?)")
-            raise typer.Exit(2) from exc
+    def call(self, method: str, path: str, patient: bool = False, **kw: Any) -> httpx.Response:
+        """``patient``: a read that is retried, with growing pauses, while the API cannot be reached for up to
+        ``PATIENCE_S`` (a long run's poll outlives an API restart)."""
+        give_up, pause = time.monotonic() + (PATIENCE_S if patient else 0.0), 1.0
+        while True:
+            try:
+                r = self.http.request(method, path, **kw)
+                break
+            except httpx.HTTPError as exc:
+                if time.monotonic() + pause > give_up:
+                    console.print(f"[red]cannot reach {self.url}: {exc}[/red] (is `coserve up` running?)")
+                    raise typer.Exit(2) from exc
+                time.sleep(pause)
+                pause = min(pause * 2, 15.0)
         if r.status_code >= 400:
             console.print(f"[red]{r.status_code}[/red] {error_message(r)}")
             raise typer.Exit(1)
@@ -67,10 +79,10 @@ def _follow(api: Api, batch_id: str) -> dict[str, Any]:
                   console=console) as bar:
         task = bar.add_task(batch_id, total=None)
         while True:
-            b = api.call("GET", f"/v1/batches/{batch_id}").json()
+            b = api.call("GET", f"/v1/batches/{batch_id}", patient=True).json()
             c = b["request_counts"]
             bar.update(task, total=c["total"] or None, completed=c["completed"] + c["failed"],
-                       description=f"{batch_id} [{b['status']}]")
+                       description=f"{batch_id} {escape('[' + b['status'] + ']')}")
             if b["status"] in BATCH_DONE:
                 return b
             time.sleep(1.0)
@@ -90,6 +102,9 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
                                                "completion_window": window, "tier": tier}).json()
     console.print(f"batch [bold]{b['id']}[/bold] created from {path} ({f['bytes']} bytes), window {window}")
     if wait:
+        from app.cli.service_cmds import warn_without_workers
+
+        warn_without_workers(api.url)
         b = _follow(api, b["id"])
         print_table(console, _batch_table([b]))
         if b["status"] != "completed":  # failed, expired or cancelled: a script goes no further
@@ -131,11 +146,25 @@ def cancel(batch_id: BatchId, url: Url = None, key: Key = None) -> None:
     console.print(f"batch {batch_id}: {b['status']}")
 
 
+def _writable(path: Path) -> None:
+    """A usage error naming ``path`` where a file cannot be written there (checked before the work, not after)."""
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a folder; give a file name", param_hint="--output")
+    if not path.parent.is_dir():
+        raise typer.BadParameter(f"{path.parent} does not exist; create it or give another path", param_hint="--output")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise typer.BadParameter(f"cannot write {path}: permission denied", param_hint="--output")
+
+
 def _save(path: Path, text: str) -> None:
-    """Writes a downloaded file; a path that cannot be written is a usage error naming it."""
+    """Writes a downloaded file whole or not at all (a temporary file beside it, then renamed: two runs saving to
+    the same path leave one's whole file); a path that cannot be written is a usage error naming it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.write_text(text)
+        tmp.write_text(text)
+        os.replace(tmp, path)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         raise typer.BadParameter(f"cannot write {path}: {exc.strerror}") from None
 
 
@@ -170,62 +199,117 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
               deadline: Annotated[str, typer.Option("--deadline", "-d", help="finish within: 30m, 2h, 1d")] = "2h",
               output: Annotated[Path, typer.Option("--output", "-o", help="results JSONL")] = Path("summaries.jsonl"),
               specbench: Annotated[bool, typer.Option(help="summarize SpecBench's 80 summarization prompts")] = False,
-              limit: Annotated[int | None, typer.Option(help="only the first N documents")] = None,
+              limit: Annotated[int | None, typer.Option(min=1, help="only the first N documents")] = None,
               max_summary_tokens: Annotated[int, typer.Option(help="tokens per summary")] = 128,
               chunk_tokens: Annotated[int, typer.Option(help="largest chunk of text per job")] = 1024,
               overlap_tokens: Annotated[int, typer.Option(help="tokens shared by neighbouring chunks")] = 64,
               model: Annotated[str | None, typer.Option(help="the server's model (default) or one of its LoRA "
                                                              "adapters")] = None,
+              run_id: Annotated[str | None, typer.Option("--run", help="follow a run started before (its id, "
+                                                                       "sum_...) and save its results")] = None,
+              cancel_id: Annotated[str | None, typer.Option("--cancel", help="cancel a run (its id): the documents "
+                                                                             "not done fail, its summaries stay")] = None,
               tier: Tier = None, url: Url = None, key: Key = None) -> None:
     """Summarize long documents map-reduce as deadline batch jobs; writes one JSON line per document.
 
+    The run goes on on the server if this command stops: `--run ID` follows it again and saves its results.
     Exits 1 if a document failed or the run ended after the deadline.
     """
+    api = Api(url, key)
+    if cancel_id:
+        run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel").json()
+        console.print(f"summarization {cancel_id}: {run['status']} ({run['documents_done'] - run['documents_failed']}"
+                      f"/{run['documents']} documents summarized; `coserve summarize --run {cancel_id}` saves them)")
+        return
+    _writable(output)
+    if run_id:
+        if paths or specbench:
+            raise typer.BadParameter("--run follows a run started before: give no documents with it")
+        run = api.call("GET", f"/v1/summarize/{run_id}").json()
+    else:
+        run = _start_run(api, paths, specbench, limit, output, {
+            "deadline": deadline, "max_summary_tokens": max_summary_tokens, "chunk_tokens": chunk_tokens,
+            "overlap_tokens": overlap_tokens, "tier": tier, "model": model})
+    t0, started_at, deadline_at = time.monotonic(), datetime.now(UTC), datetime.fromisoformat(run["deadline_at"])
+    try:
+        run = _follow_run(api, run, deadline_at)
+    except KeyboardInterrupt:
+        console.print(f"\nstopped following; summarization {run['id']} goes on on the server: `coserve summarize "
+                      f"--run {run['id']} -o {output}` saves its results when it ends, `coserve summarize --cancel "
+                      f"{run['id']}` stops it")
+        raise typer.Exit(130) from None
+    # judged when the run ended (its last poll), not after the results download
+    finished_at, elapsed = datetime.now(UTC), time.monotonic() - t0
+    _save(output, api.call("GET", f"/v1/summarize/{run['id']}/results", patient=True).text)
+    console.print(f"{run['documents_done'] - run['documents_failed']}/{run['documents']} documents summarized "
+                  f"({run['jobs_done']} jobs) -> {output}")
+    spare_s = (deadline_at - finished_at).total_seconds()
+    met = spare_s >= 0
+    if not run_id:  # a run followed again began before this command: its wall time is not this command's
+        console.print(f"wall time {elapsed:.1f}s vs deadline {(deadline_at - started_at).total_seconds():.0f}s "
+                      f"({deadline}): " + (f"[green]before the deadline[/green] ({spare_s:.1f}s to spare)" if met
+                                           else f"[red]AFTER the deadline[/red] (late by {-spare_s:.1f}s)"))
+    elif not met:
+        console.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
+    if run["status"] == "cancelled":
+        console.print(f"[yellow]the run was cancelled; {run['documents_failed']} documents were not summarized"
+                      "[/yellow]")
+    elif run["documents_failed"]:
+        console.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {output}[/yellow]")
+    if run["documents_failed"] or not met:
+        raise typer.Exit(1)
+
+
+def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int | None, output: Path,
+               options: dict[str, Any]) -> dict[str, Any]:
+    """Reads the documents, starts the run and says its id (to follow it again, or cancel it)."""
+    from app.cli.service_cmds import warn_without_workers
     from app.summarize.documents import load_paths, specbench_summarization
 
+    if specbench and paths:
+        raise typer.BadParameter("--specbench summarizes SpecBench's prompts: give no PATHS with it")
     try:
-        docs = specbench_summarization() if specbench else load_paths(list(paths or []))
+        docs = specbench_summarization() if specbench else load_paths(list(paths or []), skip=[output])
     except FileNotFoundError as exc:
         raise typer.BadParameter(f"no such file or folder: {exc.filename or exc}", param_hint="PATHS") from None
-    except (ValueError, UnicodeDecodeError) as exc:  # a bad JSONL line, ids given twice, a file that is not UTF-8
+    except ValueError as exc:  # a bad JSONL line, ids given twice, a file that is not UTF-8 or holds no text
         raise typer.BadParameter(str(exc), param_hint="PATHS") from None
     docs = docs[:limit] if limit else docs
     if not docs:
         raise typer.BadParameter("no documents: give files/folders/JSONL or --specbench")
-    api = Api(url, key)
-    t0, started_at = time.monotonic(), datetime.now(UTC)
+    warn_without_workers(api.url)
     run = api.call("POST", "/v1/summarize", json={
-        "documents": [{"id": d.id, "text": d.text} for d in docs], "deadline": deadline,
-        "max_summary_tokens": max_summary_tokens, "chunk_tokens": chunk_tokens,
-        "overlap_tokens": overlap_tokens, "tier": tier, "model": model}).json()
-    deadline_at = datetime.fromisoformat(run["deadline_at"])
+        "documents": [{"id": d.id, "text": d.text} for d in docs], **options}).json()
+    console.print(f"summarization [bold]{run['id']}[/bold]: {len(docs)} documents (`coserve summarize --run "
+                  f"{run['id']}` follows it again, `--cancel {run['id']}` stops it)")
+    return run
+
+
+def _left(seconds: float) -> str:
+    """Time to the deadline: 2d03h, 4h05m, 3m07s; or passed."""
+    if seconds <= 0:
+        return "passed"
+    s = int(seconds)
+    if s >= 86400:
+        return f"in {s // 86400}d{s % 86400 // 3600:02d}h"
+    if s >= 3600:
+        return f"in {s // 3600}h{s % 3600 // 60:02d}m"
+    return f"in {s // 60}m{s % 60:02d}s"
+
+
+def _follow_run(api: Api, run: dict[str, Any], deadline_at: datetime) -> dict[str, Any]:
+    """Polls the run with a progress bar until it ends."""
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("jobs {task.fields[jobs]}"), TimeElapsedColumn(),
-                  TextColumn("deadline in {task.fields[left]}"), console=console) as bar:
-        task = bar.add_task("documents", total=len(docs), jobs="0/0", left="-")
+                  TextColumn("deadline {task.fields[left]}"), console=console) as bar:
+        task = bar.add_task("documents", total=run["documents"], jobs="0/0", left="-")
         while True:
-            run = api.call("GET", f"/v1/summarize/{run['id']}").json()
-            left = (deadline_at - datetime.now(UTC)).total_seconds()
+            run = api.call("GET", f"/v1/summarize/{run['id']}", patient=True).json()
             bar.update(task, completed=run["documents_done"], jobs=f"{run['jobs_done']}/{run['jobs_submitted']}",
-                       left=f"{int(left // 60)}m{int(left % 60):02d}s" if left > 0 else "passed")
+                       left=_left((deadline_at - datetime.now(UTC)).total_seconds()))
             if run["status"] != "running":
-                break
+                return run
             time.sleep(1.0)
-    # judged when the run ended (its last poll), not after the results download
-    finished_at, elapsed = datetime.now(UTC), time.monotonic() - t0
-    _save(output, api.call("GET", f"/v1/summarize/{run['id']}/results").text)
-    window_s = (deadline_at - started_at).total_seconds()
-    spare_s = (deadline_at - finished_at).total_seconds()
-    met = spare_s >= 0
-    console.print(f"{run['documents_done'] - run['documents_failed']}/{len(docs)} documents summarized "
-                  f"({run['jobs_done']} jobs) -> {output}")
-    console.print(f"wall time {elapsed:.1f}s vs deadline {window_s:.0f}s ({deadline}): "
-                  + (f"[green]before the deadline[/green] ({spare_s:.1f}s to spare)" if met
-                     else f"[red]AFTER the deadline[/red] (late by {-spare_s:.1f}s)"))
-    if run["documents_failed"]:
-        console.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {output}[/yellow]")
-    if run["documents_failed"] or not met:
-        raise typer.Exit(1)
 
 
 def register(cli: typer.Typer) -> None:

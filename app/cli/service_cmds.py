@@ -119,6 +119,18 @@ def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str,
     return r.json()
 
 
+def warn_without_workers(url: str) -> None:
+    """Says so where no live worker serves the API's model (its ``/readyz``): the jobs about to be sent would wait in
+    the queue, and a wait for them would show nothing."""
+    try:
+        workers = httpx.get(url + "/readyz", timeout=10).json().get("checks", {}).get("workers", "")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return  # an older server, or one that cannot say: the request itself will tell
+    if workers.startswith("error"):
+        console.print(f"[yellow]warning: {escape(workers.removeprefix('error: '))}: the jobs wait in the queue until "
+                      "a worker serves the model (`coserve worker`, or `coserve up`)[/yellow]")
+
+
 def _job_table(job: dict[str, Any]) -> Table:
     t = Table(show_header=False, title=f"job {job['id']}")
     m = job.get("metrics") or {}
@@ -448,6 +460,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         job = _request("POST", url, key, "/v1/jobs", json={k: v for k, v in body.items() if v is not None})
         console.print(f"submitted [bold]{job['id']}[/bold] ({job['status']})")
         if wait:
+            warn_without_workers(url)
             streamed = _stream_text(url, key, job["id"], 3600)
             job = _wait(url, key, job["id"], 3600)
             if not streamed:

@@ -22,10 +22,25 @@ class Document:
     text: str
 
 
+def _read(path: Path) -> str:
+    """A file's text; ValueError naming the file where it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); convert it or leave it out") from None
+
+
+def _text_file(path: Path, doc_id: str) -> Document:
+    text = _read(path)
+    if not text.strip():
+        raise ValueError(f"{path}: no text to summarize; leave it out")
+    return Document(doc_id, text)
+
+
 def load_jsonl(path: Path) -> list[Document]:
     docs = []
     # JSONL lines end at "\n" only (str.splitlines() would cut at a raw U+2028 inside a JSON string too)
-    for i, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+    for i, line in enumerate(_read(path).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -38,16 +53,18 @@ def load_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def load_paths(paths: list[Path]) -> list[Document]:
-    """Files (txt/md: one document each; jsonl: one per line) and folders of them."""
+def load_paths(paths: list[Path], skip: list[Path] | None = None) -> list[Document]:
+    """Files (txt/md: one document each; jsonl: one per line) and folders of them. A folder's hidden files and
+    folders (``.git``, ``.venv``) and the files in ``skip`` (the run's own output) are left out."""
     docs: list[Document] = []
+    skipped = {p.resolve() for p in skip or []}
     for path in paths:
         if path.is_dir():
-            docs += _load_folder(path)
+            docs += _load_folder(path, skipped)
         elif path.suffix.lower() == ".jsonl":
             docs += load_jsonl(path)
         elif path.is_file():
-            docs.append(Document(path.stem, path.read_text(encoding="utf-8")))
+            docs.append(_text_file(path, path.stem))
         else:
             raise FileNotFoundError(path)
     seen = Counter(d.id for d in docs)
@@ -56,18 +73,19 @@ def load_paths(paths: list[Path]) -> list[Document]:
     return docs
 
 
-def _load_folder(folder: Path) -> list[Document]:
+def _load_folder(folder: Path, skipped: set[Path]) -> list[Document]:
     """A folder's documents: a text file's id is its name without the suffix, or its path within the folder where
     two files share that name (``intro.md`` and ``guide/intro.md``, ``a.txt`` and ``a.md``)."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + (".jsonl",))
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + (".jsonl",)
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+                   and p.resolve() not in skipped)
     stems = Counter(p.stem for p in files if p.suffix.lower() != ".jsonl")
     docs: list[Document] = []
     for p in files:
         if p.suffix.lower() == ".jsonl":
             docs += load_jsonl(p)
         else:
-            docs.append(Document(p.stem if stems[p.stem] == 1 else p.relative_to(folder).as_posix(),
-                                 p.read_text(encoding="utf-8")))
+            docs.append(_text_file(p, p.stem if stems[p.stem] == 1 else p.relative_to(folder).as_posix()))
     return docs
 
 

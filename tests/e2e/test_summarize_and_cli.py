@@ -126,3 +126,45 @@ def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     assert json.loads(err.read_text())["error"]["line"] == 4
     r = run.invoke(cli, ["batch", "cancel", batch_id, *auth])
     assert r.exit_code == 1 and "409" in r.output
+
+
+def _flat(output: str) -> str:
+    """The CLI's words as one line: rich wraps them, in an error's box too."""
+    return " ".join(output.replace("\u2502", " ").split())
+
+
+def test_a_summarize_run_is_named_followed_again_and_cancelled_from_the_cli(live_server, keys, tmp_path, monkeypatch):
+    """No worker runs here: the CLI says so, names the run, and a run it stopped following can be followed again
+    (`--run`) or cancelled (`--cancel`); bad options are refused before a run starts."""
+    from app.cli import batch_cmds
+
+    auth = ["--url", live_server, "--key", keys.paid]
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat. It was warm.")
+    out = tmp_path / "out.jsonl"
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt  # Ctrl-C while the run is followed
+
+    with monkeypatch.context() as m:
+        m.setattr(batch_cmds, "_follow_run", interrupted)
+        r = CliRunner().invoke(cli, ["summarize", str(doc), "-o", str(out), *auth])
+    said = _flat(r.output)
+    assert r.exit_code == 130 and "no live worker" in said, r.output
+    run_id = said.split("summarization ", 1)[1].split(":", 1)[0]
+    assert f"coserve summarize --run {run_id} -o {out}" in said and f"--cancel {run_id}" in said
+    r = CliRunner().invoke(cli, ["summarize", "--cancel", run_id, *auth])
+    assert r.exit_code == 0 and f"summarization {run_id}: cancelled" in _flat(r.output), r.output
+    r = CliRunner().invoke(cli, ["summarize", "--run", run_id, "-o", str(out), *auth])
+    assert r.exit_code == 1 and "the run was cancelled" in _flat(r.output), r.output
+    assert json.loads(out.read_text())["error"] == "cancelled with its summarization run"
+    # refused before any run starts: an output that cannot be written, SpecBench beside paths, a limit of 0
+    for bad, says in ((["-o", str(tmp_path / "no" / "out.jsonl")], "does not exist"),
+                      (["-o", str(tmp_path)], "is a folder"), (["--specbench"], "give no PATHS"),
+                      (["--limit", "0"], "greater than or equal to 1")):
+        r = CliRunner().invoke(cli, ["summarize", str(doc), *bad, *auth])
+        said = _flat(r.output)
+        assert r.exit_code == 2 and says in said and "summarization sum_" not in said, (bad, r.output)
+    r = httpx.post(f"{live_server}/v1/summarize", headers=Keys.header(keys.paid),
+                   json={"documents": [{"id": "a", "text": " \n\t "}]})
+    assert r.status_code == 422 and "only whitespace" in r.text

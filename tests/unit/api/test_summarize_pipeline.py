@@ -108,3 +108,18 @@ def test_folders_name_files_that_share_a_name_by_their_path_and_jsonl_lines_end_
     (tmp_path / "again.jsonl").write_text('{"id": "solo", "text": "x"}\n')
     with pytest.raises(ValueError, match="given more than once: 'solo'"):
         load_paths([tmp_path])
+
+
+def test_a_folder_leaves_out_hidden_files_and_the_runs_own_output_and_names_a_bad_file(tmp_path):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "description.txt").write_text("a repository")
+    (tmp_path / ".notes.md").write_text("hidden")
+    (tmp_path / "doc.md").write_text("Text.")
+    (tmp_path / "summaries.jsonl").write_text('{"id": "doc", "summary": "from the last run", "error": null}\n')
+    assert [d.id for d in load_paths([tmp_path], skip=[tmp_path / "summaries.jsonl"])] == ["doc"]
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    with pytest.raises(ValueError, match=r"blank\.txt: no text to summarize"):
+        load_paths([tmp_path], skip=[tmp_path / "summaries.jsonl"])
+    (tmp_path / "blank.txt").write_bytes(b"\xff\xfe not text")
+    with pytest.raises(ValueError, match=r"blank\.txt: not UTF-8 text"):
+        load_paths([tmp_path / "blank.txt"])
