@@ -285,6 +285,11 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
 
     def check(self) -> None:
         self.check_unsupported()
+        if (self.default_max_tokens and self.max_tokens is None and self.max_completion_tokens is None
+                and (self.min_tokens or 0) > self.default_max_tokens):
+            raise OpenAIError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens "
+                                   f"({self.default_max_tokens}, its default here); lower it or give max_tokens",
+                              param="min_tokens")
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise OpenAIError(400, f"n must be between 1 and {MAX_CHOICES}", param="n")
         if self.stream_options is not None and not self.stream:

@@ -207,8 +207,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
                                                              "adapters")] = None,
               run_id: Annotated[str | None, typer.Option("--run", help="follow a run started before (its id, "
                                                                        "sum_...) and save its results")] = None,
-              cancel_id: Annotated[str | None, typer.Option("--cancel", help="cancel a run (its id): the documents "
-                                                                             "not done fail, its summaries stay")] = None,
+              cancel_id: Annotated[str | None, typer.Option(
+                  "--cancel", help="cancel a run (its id): the documents not done fail, its summaries stay")] = None,
               tier: Tier = None, url: Url = None, key: Key = None) -> None:
     """Summarize long documents map-reduce as deadline batch jobs; writes one JSON line per document.
 

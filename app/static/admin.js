@@ -305,7 +305,8 @@ async function showJob(jobId) {
   const facts = document.createElement("p");
   lines(facts, [`job: ${j.id}`, `tenant: ${found.tenant_id}`, `status: ${j.status}`, `tier: ${j.tier}`,
     `kind: ${j.kind}`, `worker: ${j.worker_id || "-"}`, `finish: ${j.finish_reason || "-"}`,
-    `SLO met: ${j.metrics.slo_met == null ? "-" : j.metrics.slo_met ? "yes" : "no"}`, ...(j.error ? [`error: ${j.error}`] : [])]);
+    `SLO met: ${j.metrics.slo_met == null ? "-" : j.metrics.slo_met ? "yes" : "no"}`,
+    ...(j.error ? [`error: ${j.error}`] : [])]);
   const table = document.createElement("table");
   table.id = "job-events";
   const head = table.createTHead().insertRow();

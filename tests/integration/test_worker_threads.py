@@ -275,7 +275,8 @@ def test_a_relegation_says_the_tier_and_the_deadline_that_was_missed_or_predicte
     chat = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=2.0, tbt_s=0.05)
     assert re.fullmatch(r"engine relegated it \(free tier\): its 600 s TTLT deadline predicted to be missed, "
                         r"due in 5(70\.0|69\.9) s", relegation_detail(job(batch, 30)))
-    assert relegation_detail(job(chat, 5)).startswith("engine relegated it (paid tier): its 2 s TTFT deadline passed 3.")
+    assert relegation_detail(job(chat, 5)).startswith(
+        "engine relegated it (paid tier): its 2 s TTFT deadline passed 3.")
     assert relegation_detail(job(chat, 5, first_token=True)) == (
         "engine relegated it (paid tier): its stream fell behind its 50 ms TBT")
 
