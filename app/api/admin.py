@@ -33,7 +33,7 @@ from app.services.cancel import cancel as cancel_job
 from app.services.notify import redis_client
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 from app.services.usage import UsageQuery, completions_usage
-from app.services.workers import LIVE_HEARTBEATS
+from app.services.workers import heartbeat_cutoff
 from app.wire import Text, utc_z
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
                      "age_s": round((now - as_utc(j.created_at)).total_seconds(), 3),
                      "first_token": j.first_token_at is not None,
                      "overdue_s": round(overdue_s(j, now, relegated_at.get(j.id)), 3)})
-    alive_since = now - timedelta(seconds=LIVE_HEARTBEATS * settings.heartbeat_seconds + 1)
+    alive_since = heartbeat_cutoff(settings, now)
     loaded = lora_adapters.loaded(settings)  # a worker that loads adapters at runtime serves its model's
     workers = [{"id": w.id, "model": w.model, "device": w.device, "draining": w.draining,
                 "served": [*w.served, *(name for name, a in loaded.items() if a.model == w.model and

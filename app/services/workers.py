@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -24,14 +24,18 @@ from workers.control import control_channel
 
 log = logging.getLogger(__name__)
 
-LIVE_HEARTBEATS = 3  # a worker whose heartbeat is older than this many periods (and a second) is lost
+LIVE_HEARTBEATS = 3  # heartbeat periods (and a second) after which a silent worker is lost
 RESET_TIMEOUT_S = 30.0  # how long a prefix-cache reset waits for every worker's answer
+
+
+def heartbeat_cutoff(settings: Settings, now: datetime | None = None) -> datetime:
+    """The oldest heartbeat of a worker still live (three periods and a second ago); older: lost."""
+    return (now or utcnow()) - timedelta(seconds=LIVE_HEARTBEATS * settings.heartbeat_seconds + 1)
 
 
 def live_workers(session: Session, settings: Settings, *, draining: bool = False) -> list[WorkerState]:
     """Workers whose heartbeat came within three periods (those draining too, where ``draining``)."""
-    since = utcnow() - timedelta(seconds=LIVE_HEARTBEATS * settings.heartbeat_seconds + 1)
-    query = select(WorkerState).where(WorkerState.heartbeat_at >= since)
+    query = select(WorkerState).where(WorkerState.heartbeat_at >= heartbeat_cutoff(settings))
     if not draining:
         query = query.where(WorkerState.draining.is_(False))
     return list(session.scalars(query.order_by(WorkerState.id)))
