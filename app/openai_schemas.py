@@ -244,7 +244,6 @@ class UnsupportedFields(BaseModel):
 
     # field -> values that mean "not used" (what clients send when they do not set it); each endpoint's own
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
-    default_max_tokens: ClassVar[int | None] = None  # without max_tokens: the server's (or what the context leaves)
 
     def check_unsupported(self) -> None:
         for name, defaults in self.unsupported.items():
@@ -285,11 +284,6 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
 
     def check(self) -> None:
         self.check_unsupported()
-        if (self.default_max_tokens and self.max_tokens is None and self.max_completion_tokens is None
-                and (self.min_tokens or 0) > self.default_max_tokens):
-            raise OpenAIError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens "
-                                   f"({self.default_max_tokens}, its default here); lower it or give max_tokens",
-                              param="min_tokens")
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise OpenAIError(400, f"n must be between 1 and {MAX_CHOICES}", param="n")
         if self.stream_options is not None and not self.stream:
@@ -343,7 +337,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         common = dict(model=self.model, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                       tier=self.job_tier(tiers), app_id=self.app_id, prompt_cache_key=self.prompt_cache_key,
-                      max_tokens=self.max_completion_tokens or self.max_tokens or self.default_max_tokens,
+                      max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
@@ -527,7 +521,6 @@ class CompletionRequest(_Base):
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_Base.unsupported, "best_of": (None, 1), "suffix": (None, "")}
-    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's legacy completions and vLLM's, without max_tokens
 
 
     def logprob_count(self) -> int | None:

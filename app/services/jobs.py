@@ -119,6 +119,14 @@ def resolve_model(settings: Settings, requested: str | None) -> str:
     return model
 
 
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's legacy completions and vLLM's, for a request that sets no max_tokens
+
+
+def default_max_tokens(settings: Settings, endpoint: str) -> int:
+    """What a request without max_tokens may make (at most: less where the context leaves less)."""
+    return COMPLETIONS_MAX_TOKENS if endpoint == "/v1/completions" else settings.default_max_tokens
+
+
 def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
               batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
               count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None,
@@ -128,10 +136,10 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     ``app.services.stored_completions``); ``job_id``: the job's id where the caller chose it (a new one else)."""
     model = resolve_model(settings, spec.model)
     tier = resolve_tier(settings, principal, spec.tier)
-    sampling = spec.sampling(settings.default_max_tokens)
+    sampling = spec.sampling(default_max_tokens(settings, endpoint))
     if sampling["min_tokens"] > sampling["max_tokens"]:
         raise JobValidationError(f"min_tokens ({sampling['min_tokens']}) is more than max_tokens "
-                                 f"({sampling['max_tokens']}, this server's default); lower it or give max_tokens",
+                                 f"({sampling['max_tokens']}, its default here); lower it or give max_tokens",
                                  param="min_tokens")
     if refused := engine_refusal(settings, sampling):
         if refused[0] == "structured_outputs" and is_forced(sampling["tool_choice"]):

@@ -71,6 +71,25 @@ def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_u
             worker._request(s.get(Job, job_id), s)
 
 
+def test_a_completion_without_max_tokens_makes_16_tokens_or_what_the_context_leaves(settings, keys):
+    """OpenAI's legacy completions and vLLM's default to 16, a chat to the server's default; either is cut to what
+    the context leaves beside the prompt, as vLLM cuts it."""
+    from app.services.jobs import build_job
+    from app.services.workers import held_context_length
+
+    context = held_context_length(settings)
+    with session_scope(settings.sqlalchemy_url) as s:
+        principal = authenticate(s, keys.paid)
+
+    def max_tokens(endpoint: str, spec: JobCreate) -> int:
+        return build_job(settings, principal, spec, endpoint=endpoint).sampling["max_tokens"]
+
+    assert max_tokens("/v1/completions", JobCreate(prompt="hi")) == 16
+    assert max_tokens("/v1/completions", JobCreate(prompt="hi", max_tokens=40)) == 40
+    assert max_tokens("/v1/chat/completions", JobCreate(prompt="hi")) == settings.default_max_tokens
+    assert max_tokens("/v1/completions", JobCreate(prompt_token_ids=[7] * (context - 5))) == 5
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(settings, keys):
     # vLLM's truncate_prompt_tokens: the API counts and bills what the worker feeds, the prompt's last k tokens
     from app.services.jobs import JobValidationError, encode_spec

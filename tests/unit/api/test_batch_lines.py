@@ -120,14 +120,6 @@ def test_unsupported_completion_fields(body):
                                       "truncation_side": "left", "logprob_token_ids": []}).check()
 
 
-def test_a_completion_without_max_tokens_makes_at_most_16_and_a_chat_the_servers_default():
-    """OpenAI's legacy completions and vLLM's default to 16; chat leaves it to the server (what the context allows)."""
-    assert CompletionRequest.model_validate({"prompt": "x"}).job_spec(prompt="x").max_tokens == 16
-    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": 40}).job_spec(prompt="x").max_tokens == 40
-    messages = [{"role": "user", "content": "x"}]
-    assert ChatCompletionRequest.model_validate({"messages": messages}).job_spec(messages=messages).max_tokens is None
-
-
 def test_a_lone_surrogate_fails_its_line_not_the_file():
     # decoded from "\ud800": it can be neither tokenized nor stored, so the line must not become a job
     lines = [chat("a"), chat("b").replace('"hi"', '"\\ud800"'), chat("\udc00")]  # json.dumps writes \udc00
