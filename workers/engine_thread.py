@@ -59,6 +59,7 @@ def failed_attempt(lease: leases.Lease, error: str, code: str | None = None) -> 
     return ({"error": error, "error_code": code},
             StreamEvent("end", lease.attempt, status="failed", data={"error": error, "code": code}))
 
+
 def relegation_detail(job: ActiveJob) -> str:
     """Why the engine shed the job, as far as its target says (the operator's job history): its tier, and whether its
     deadline had passed or was predicted to (QoServe 3.4: free work first, paid work that will miss anyway)."""
@@ -238,7 +239,6 @@ class EngineThread:
                     else (JobStatus.RELEGATED, JobStatus.RUNNING))
         values = {"relegation_count": Job.relegation_count + 1} if event == "relegated" else {}
         lease = job.lease
-
         detail = relegation_detail(job) if event == "relegated" else "engine resumed it"
 
         def write(s: Session) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -9,6 +12,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from app.db.migrate import downgrade, upgrade
 from app.db.models import Base
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -94,16 +98,11 @@ def test_a_database_built_by_revisions_as_first_written_is_repaired(tmp_path):
 EDITED_AFTER_COMMIT = {"0002", "0007", "0016", "0017", "0022"}  # 0024 adds what their edits added
 
 
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs the git history of the checkout (a clone has it)")
 def test_a_committed_revision_is_never_edited():
     """A database migrated with a revision never runs it again, so a change after its commit never reaches it:
-    the change goes into a new revision. (Where the checkout has no history, there is nothing to compare.)"""
-    import shutil
-    import subprocess
-
-    from tests.conftest import ROOT
-
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs the git history of the checkout")
+    the change goes into a new revision."""
     edited = []
     for path in sorted((ROOT / "migrations" / "versions").glob("0*.py")):
         commits = subprocess.run(["git", "log", "--format=%H", "--", str(path.relative_to(ROOT))], cwd=ROOT,
