@@ -9,9 +9,9 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api import (admin, batches, conversations, errors, files, health, jobs, lora, metrics, models,
-                     openai_compat, prefix_cache, responses, stored_completions, summarize, tenants, tokenize, usage,
-                     webhooks)
+from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora, metrics,
+                     models, openai_compat, prefix_cache, responses, stored_completions, summarize, tenants, tokenize,
+                     usage, webhooks)
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
                    "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/tokenize",
-                   "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations")
+                   "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations",
+                   "/v1/messages")
 
 
 def schema_check(url: str) -> str | None:
@@ -127,8 +128,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
-    for module in (health, jobs, openai_compat, responses, conversations, models, tokenize, lora, files, batches,
-                   summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache):
+    for module in (health, jobs, openai_compat, responses, anthropic_messages, conversations, models, tokenize, lora,
+                   files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache):
         api.include_router(module.router)
     api.include_router(openai_compat.sagemaker)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES)

@@ -189,7 +189,7 @@ class Settings(BaseSettings):
     def interactive_defaults(self, endpoint: str) -> tuple[float, float]:
         """(TTFT ms, TBT ms) for an interactive request to ``endpoint`` that set neither."""
         prefix = {"/v1/chat/completions": "chat", "/v1/responses": "chat",
-                  "/v1/completions": "completions"}.get(endpoint)
+                  "/v1/messages": "chat", "/v1/completions": "completions"}.get(endpoint)
         ttft = getattr(self, f"{prefix}_ttft_ms") if prefix else None
         tbt = getattr(self, f"{prefix}_tbt_ms") if prefix else None
         return ttft or self.default_ttft_ms, tbt or self.default_tbt_ms

@@ -70,15 +70,19 @@ def rate_limiter(request: Request) -> RateLimiter:
     return _per_app(request, "rate_limiter", RateLimiter)
 
 
-async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None,
+                        x_api_key: Annotated[str | None, Header()] = None) -> Principal:
     # async with a cache: the hot submit path needs no worker thread or DB session for auth, only the
     # revocation token's GET (app.auth); settings read here rather than as a sub-dependency (each one
     # costs FastAPI's resolver)
     settings = await settings_dep(request)
-    if not authorization or not authorization.lower().startswith("bearer "):
+    if authorization and authorization.lower().startswith("bearer "):
+        key = authorization[7:].strip()
+    elif x_api_key:  # Anthropic's SDKs send their key so
+        key = x_api_key.strip()
+    else:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
-    key = authorization[7:].strip()
     cache = key_cache(request)
     stamp = cache.stamp()  # one GET of the revocation token, before the lookup it vouches for
     principal = cache.get(key, stamp)

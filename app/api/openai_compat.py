@@ -36,6 +36,7 @@ from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished,
                                         abandoned_on_hangup, answer_events)
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
+from app.services.model_info import ChatTemplateError
 from app.services.rate_limits import RateLimited, RateLimiter
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
@@ -81,6 +82,19 @@ def submit_openai_job(session, principal: Principal, settings: Settings, spec, e
         # (context_length_exceeded), which the official client raises as BadRequestError
         raise OpenAIError(404 if exc.code == "model_not_found" else 400, str(exc), param=openai_param(exc.param),
                           code=exc.code) from exc
+
+
+def count_prompt_tokens(settings: Settings, spec) -> int:
+    """The tokens ``spec``'s prompt takes, as its job would count them (a 404 for an unknown model, a 400 where
+    the chat template refuses the messages)."""
+    try:
+        job_service.resolve_model(settings, spec.model)
+    except job_service.JobValidationError as exc:
+        raise OpenAIError(404, str(exc), param="model", code=exc.code) from exc
+    try:
+        return len(job_service.encode_spec(settings.model, spec))
+    except ChatTemplateError as exc:
+        raise OpenAIError(400, str(exc), param="messages") from exc
 
 
 # ---------------------------------------------------------------- following a job

@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
-from app.api.openai_compat import documented_body, job_error, read_body, submit_openai_job, unless_disconnected
+from app.api.openai_compat import (count_prompt_tokens, documented_body, job_error, read_body, submit_openai_job,
+                                   unless_disconnected)
 from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import read_then_write, write_after_read
@@ -34,7 +35,6 @@ from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import stream_expired
-from app.services.model_info import ChatTemplateError
 from app.services.truncation import fit_context
 from app.services.cancel import cancel
 from app.settings import Settings
@@ -319,21 +319,18 @@ async def count_input_tokens(request: Request, session: SessionDep, principal: C
     body = await read_body(request, InputTokensRequest)
     history = await run_in_threadpool(_prior_turns, session, principal, body)
     _, spec = body.chat_request(await request.json(), history, settings.tiers)
-    count = await run_in_threadpool(_input_tokens, settings, spec, body.kept(history)["input_from"], body.truncation)
+    try:
+        count = await run_in_threadpool(_input_tokens, settings, spec, body.kept(history)["input_from"],
+                                        body.truncation)
+    except OpenAIError as exc:  # the chat template's refusal names chat's messages
+        raise in_responses_terms(exc) from exc
     return {"object": "response.input_tokens", "input_tokens": count}
 
 
 def _input_tokens(settings: Settings, spec, input_from: int, truncation: str | None) -> int:
-    try:
-        job_service.resolve_model(settings, spec.model)
-    except job_service.JobValidationError as exc:
-        raise OpenAIError(404, str(exc), param="model", code=exc.code) from exc
     if truncation == "auto":
         spec, _ = fit_context(settings, spec, input_from)
-    try:
-        return len(job_service.encode_spec(settings.model, spec))
-    except ChatTemplateError as exc:
-        raise OpenAIError(400, str(exc), param="input") from exc
+    return count_prompt_tokens(settings, spec)
 
 
 @router.get("/responses/{response_id}", responses=_ANSWERS_GET)

@@ -56,7 +56,7 @@ class IdempotencyConflict(ValueError):
 
 
 # the routes whose answers carry a reasoning model's thinking apart from the content (as vLLM's do)
-REASONING_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")
+REASONING_ENDPOINTS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
 # the sampling fields jobs stored before they existed hold at these values
 NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, **NEUTRAL_PENALTIES, "structured_outputs": None, "tool_choice": None,
                     "tool_parser": None, "reasoning_parser": None, "include_reasoning": True,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import uuid
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -309,17 +311,6 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                    temperature=0, tool_choice={"type": "function", "name": "get_weather"})
     resp = oai.responses.create(**resp_kw)
     item = resp.output[0]
-    # vLLM's count of the prompt tokens it wrote to its prefix cache: its full blocks, once (the second read hits)
-    # the prompt tokens vLLM wrote to its prefix cache (whole blocks), as its own Responses server counts them: a
-    # new prompt writes them, the same prompt again reads them
-    import uuid
-
-    text = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 40
-    wrote, read = (oai.responses.create(model="smollm2-135m-instruct", input=text, max_output_tokens=1).usage
-                   for _ in range(2))
-    assert wrote.input_tokens_details.cache_write_tokens > 0 and wrote.input_tokens_details.cached_tokens == 0
-    assert read.input_tokens_details.cached_tokens >= wrote.input_tokens_details.cache_write_tokens
-    assert read.input_tokens_details.cache_write_tokens < wrote.input_tokens_details.cache_write_tokens
     assert [o.type for o in resp.output] == ["function_call"] and resp.status == "completed"
     assert (item.name, item.arguments) == ("get_weather", call.function.arguments) and item.call_id.startswith("call_")
     events = list(oai.responses.create(**resp_kw, stream=True))
@@ -332,6 +323,35 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                                         {"type": "function_call_output", "call_id": item.call_id,
                                          "output": "Sunny, 24 degrees."}])
     assert answered.output_text and [o.type for o in answered.output] == ["message"]
+    # the prompt tokens vLLM wrote to its prefix cache (whole blocks), as its own Responses server counts them: a
+    # new prompt writes them, the same prompt again reads them
+    text = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 40
+    wrote, read = (oai.responses.create(model="smollm2-135m-instruct", input=text, max_output_tokens=1).usage
+                   for _ in range(2))
+    assert wrote.input_tokens_details.cache_write_tokens > 0 and wrote.input_tokens_details.cached_tokens == 0
+    assert read.input_tokens_details.cached_tokens >= wrote.input_tokens_details.cache_write_tokens
+    assert read.input_tokens_details.cache_write_tokens < wrote.input_tokens_details.cache_write_tokens
+    # Anthropic's Messages API: the same forced call as a tool_use block, plain and streamed (its input as JSON
+    # deltas); a prompt read from the prefix cache is counted apart from input_tokens, as Anthropic counts it
+    claude = anthropic.Anthropic(base_url=base, api_key=keys.paid, max_retries=0, timeout=240)
+    msg_kw = dict(model="smollm2-135m-instruct", max_tokens=64, messages=ask, extra_body={"temperature": 0},
+                  tools=[{"name": "get_weather", "input_schema": weather["function"]["parameters"]},
+                         {"name": "get_time", "input_schema": {"type": "object"}}],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    msg = claude.messages.create(**msg_kw)
+    assert [b.type for b in msg.content] == ["tool_use"] and msg.stop_reason == "tool_use", msg
+    assert msg.content[0].name == "get_weather" and msg.content[0].input == json.loads(call.function.arguments)
+    with claude.messages.stream(**msg_kw) as stream:
+        partial = "".join(e.delta.partial_json for e in stream
+                          if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+        final = stream.get_final_message()
+    assert json.loads(partial) == msg.content[0].input and final.content[0].input == msg.content[0].input
+    assert final.stop_reason == "tool_use"
+    again = claude.messages.create(model="smollm2-135m-instruct", max_tokens=1,
+                                   messages=[{"role": "user", "content": text}]).usage
+    # the same user turn as the Responses input above: the same prompt, mostly read from the cache now
+    assert again.cache_read_input_tokens > 0 and again.input_tokens + again.cache_read_input_tokens == (
+        wrote.input_tokens)
     # token logprobs on the Responses API: each output token's, with its alternatives, streamed as they come
     lp_kw = dict(model="smollm2-135m-instruct", input=messages[0]["content"], max_output_tokens=6, temperature=0,
                  include=["message.output_text.logprobs"], top_logprobs=2)

@@ -1,0 +1,273 @@
+"""Anthropic's Messages API (``POST /v1/messages``, as vLLM serves it) in coserve's terms.
+
+A Messages request is a chat request written differently: ``system`` is the first message, a user turn's
+``tool_result`` blocks are tool messages, an assistant turn's ``tool_use`` blocks are its tool calls, the tools
+carry ``input_schema``, ``stop_sequences`` are chat's ``stop``. ``MessagesRequest.chat_request`` makes that chat
+request, so one set of checks runs (an error names the Messages field); coserve's QoS fields and vLLM's sampling
+extensions are taken as chat takes them. ``message_body`` writes a chat answer as a Message, and ``stop_of`` its
+end in Anthropic's terms.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.openai_schemas import ChatCompletionRequest, OpenAIError, validation_message
+from app.responses_schemas import SHARED_FIELDS
+from app.schemas import JobCreate
+from app.settings import DEFAULT_TIERS
+from app.tool_calls import Answer
+
+ENDPOINT = "/v1/messages"
+# a chat field named in an error -> the Messages field the client wrote
+MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.format"}
+# Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+# Anthropic's tool_choice types as chat's
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Anthropic's own request fields that change what is generated and that coserve does not serve
+UNSERVED = ("mcp_servers", "container", "context_management")
+
+
+def message_id(job_id: str) -> str:
+    return "msg_" + job_id.removeprefix("job_")
+
+
+class Block(BaseModel):
+    """A content block of a message: text, a tool call (``tool_use``), a tool's answer (``tool_result``) or thinking."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None
+
+
+class Message(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(BaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(BaseModel):
+    """The Messages-only fields; the rest of the body is read as chat reads it (``chat_request``)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[Block] | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+    def check(self, raw: dict[str, Any]) -> None:
+        for name in UNSERVED:
+            if raw.get(name):
+                raise OpenAIError(400, f"{name} is not served by coserve; leave it out", param=name,
+                                  code="unsupported_value")
+        if self.tool_choice is not None and self.tool_choice.type == "tool" and not self.tool_choice.name:
+            raise OpenAIError(400, "tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
+        if (self.thinking or {}).get("type") not in (None, "enabled", "disabled", "adaptive"):
+            raise OpenAIError(400, "thinking.type is 'enabled', 'disabled' or 'adaptive'", param="thinking.type")
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat messages: the system prompt first, each turn's blocks as chat writes them."""
+        out: list[dict[str, Any]] = []
+        if self.system:
+            out.append({"role": "system", "content": _text(self.system, "system")})
+        for i, message in enumerate(self.messages):
+            if isinstance(message.content, str):
+                out.append({"role": message.role, "content": message.content})
+            elif message.role == "user":
+                out += _user_turn(message.content, i)
+            else:
+                out.append(_assistant_turn(message.content, i))
+        return out
+
+    def chat_request(self, raw: dict[str, Any], tiers: tuple[str, ...] = DEFAULT_TIERS,
+                     count_only: bool = False) -> tuple[ChatCompletionRequest, JobCreate]:
+        """The chat request this one is, and its job; ``tiers``: the configured ones (what ``service_tier``
+        names); ``count_only``: for ``count_tokens``, whose body has no ``max_tokens``."""
+        body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
+        body["messages"] = self.chat_messages()
+        if not count_only:
+            body["max_tokens"] = self.max_tokens
+        if self.stop_sequences:
+            body["stop"] = self.stop_sequences
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                                               **({"description": t.description}
+                                                                  if t.description else {})}}
+                             for t in self.tools]
+        if (choice := self.tool_choice) is not None:
+            body["tool_choice"] = TOOL_CHOICES.get(choice.type) or {"type": "function",
+                                                                    "function": {"name": choice.name}}
+            if choice.disable_parallel_tool_use:
+                body["parallel_tool_calls"] = False
+        if (self.thinking or {}).get("type") == "disabled":  # as vLLM: the template's reasoning effort "none"
+            body["reasoning_effort"] = "none"
+        if (fmt := (self.output_config or {}).get("format")) is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+                raise OpenAIError(400, "output_config.format is {\"type\": \"json_schema\", \"schema\": {...}}",
+                                  param="output_config.format")
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": fmt.get("schema")}}
+        if isinstance(user := (self.metadata or {}).get("user_id"), str):
+            body.setdefault("user", user)
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+            chat.check()
+            return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers)
+        except ValidationError as exc:
+            message, param = validation_message(list(exc.errors()))
+            raise in_messages_terms(OpenAIError(400, message, param=param)) from exc
+        except OpenAIError as exc:
+            raise in_messages_terms(exc) from exc
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+
+    max_tokens: int = 1
+
+
+def in_messages_terms(exc: OpenAIError) -> OpenAIError:
+    """The error with the chat field it names written as the Messages field."""
+    head = (exc.param or "").partition(".")[0]
+    if head not in MESSAGES_PARAM:
+        return exc
+    return OpenAIError(exc.status_code, exc.message.replace(head, MESSAGES_PARAM[head]), param=MESSAGES_PARAM[head],
+                       code=exc.code, type=exc.type, headers=exc.headers)
+
+
+def _text(content: str | list[Block] | list[dict[str, Any]], where: str) -> str:
+    """The text of a string or of text blocks (a tool's answer, the system prompt)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, block in enumerate(content):
+        kind, text = (block.get("type"), block.get("text")) if isinstance(block, dict) else (block.type, block.text)
+        if kind != "text" or not isinstance(text, str):
+            raise OpenAIError(400, f"{where}.{j}: only text blocks are supported here (a {kind!r} block is not)",
+                              param=f"{where}.{j}.type")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _user_turn(blocks: list[Block], i: int) -> list[dict[str, Any]]:
+    """A user turn: its tool results as tool messages (first, answering the calls before), then its text."""
+    out, texts = [], []
+    for j, block in enumerate(blocks):
+        where = f"messages.{i}.content.{j}"
+        if block.type == "tool_result":
+            if not block.tool_use_id:
+                raise OpenAIError(400, f"{where}: a tool_result needs tool_use_id", param=f"{where}.tool_use_id")
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                        "content": _text(block.content or "", f"{where}.content")})
+        elif block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        else:
+            raise OpenAIError(400, f"{where}: a user turn holds text and tool_result blocks (a {block.type!r} block "
+                                   "is not supported)", param=f"{where}.type")
+    return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+
+
+def _assistant_turn(blocks: list[Block], i: int) -> dict[str, Any]:
+    """An assistant turn: its text, its tool calls; its thinking is left out (as chat templates leave it)."""
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        where = f"messages.{i}.content.{j}"
+        if block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        elif block.type == "tool_use":
+            if not block.id or not block.name:
+                raise OpenAIError(400, f"{where}: a tool_use needs its id and name", param=f"{where}.id")
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input or {})}})
+        elif block.type not in ("thinking", "redacted_thinking"):
+            raise OpenAIError(400, f"{where}: an assistant turn holds text, tool_use and thinking blocks (a "
+                                   f"{block.type!r} block is not supported)", param=f"{where}.type")
+    return {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
+
+
+def stop_of(finish_reason: str | None, stop_reason: str | int | None, calls: bool) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a chat answer's end (vLLM's mapping): max_tokens wins,
+    then a tool call, then the stop string that matched, else the end of the turn."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if calls or finish_reason == "tool_calls":
+        return "tool_use", None
+    if isinstance(stop_reason, str):
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+def usage_of(prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None) -> dict[str, Any]:
+    """Anthropic's usage: its ``input_tokens`` leave out those read from the prefix cache (counted apart)."""
+    cached = cached_tokens or 0
+    out: dict[str, Any] = {"input_tokens": max(0, int(prompt_tokens or 0) - cached),
+                           "output_tokens": int(completion_tokens or 0)}
+    if cached_tokens is not None:
+        out["cache_read_input_tokens"] = int(cached_tokens)
+    return out
+
+
+def content_blocks(answer: Answer) -> list[dict[str, Any]]:
+    """The answer's thinking, text and tool calls as content blocks, in that order."""
+    blocks: list[dict[str, Any]] = []
+    if answer.reasoning:
+        blocks.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+    if answer.content:
+        blocks.append({"type": "text", "text": answer.content})
+    for call in answer.tool_calls or ():
+        blocks.append(tool_use_block(call, call["function"]["arguments"]))
+    return blocks
+
+
+def tool_use_block(call: dict[str, Any], arguments: str | None) -> dict[str, Any]:
+    """A chat tool call as a ``tool_use`` block: its arguments parsed (``{}`` while they stream, or where they do
+    not parse: a call cut short by max_tokens)."""
+    try:
+        given = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        given = {}
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": given if isinstance(given, dict) else {}}
+
+
+def message_body(job_id: str, model: str, *, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+                 usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": message_id(job_id), "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+
+def error_body(status_code: int, message: str) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status_code, "api_error" if status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}

@@ -1,0 +1,183 @@
+"""Anthropic's Messages API, as vLLM serves it: ``POST /v1/messages`` (plain and streamed) and ``POST
+/v1/messages/count_tokens``.
+
+A message is a chat job (``app.anthropic_schemas`` writes the request as chat and the answer as a Message): it
+runs, is followed, cancelled when its client hangs up and refused as chat completions are, and its errors come
+in Anthropic's shape. Anthropic's SDKs send their key as ``x-api-key``, which coserve takes as a bearer key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, content_blocks, error_body,
+                                   message_body, stop_of, tool_use_block, usage_of)
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
+from app.api.openai_compat import (count_prompt_tokens, documented_body, job_error, json_object, submit_openai_job,
+                                   unless_disconnected)
+from app.db.models import Job, JobStatus
+from app.openai_schemas import OpenAIError, OpenAIRoute, openai_parsed
+from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
+from app.services.answer_events import ends as job_ends
+from app.settings import Settings
+from app.tool_calls import read_answer
+
+log = logging.getLogger(__name__)
+
+
+class AnthropicRoute(OpenAIRoute):
+    """A route whose errors come out in Anthropic's shape (``{"type": "error", "error": {...}}``)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def wrapped(request: Request) -> Response:
+            response = await handler(request)
+            if response.status_code < 400 or not isinstance(response, JSONResponse):
+                return response
+            error = json.loads(response.body).get("error")
+            out = JSONResponse(error_body(response.status_code, (error or {}).get("message", "")),
+                               status_code=response.status_code)
+            for name, value in response.headers.items():  # rate limits, Retry-After, x-should-retry
+                if name not in ("content-length", "content-type"):
+                    out.headers[name] = value
+            return out
+
+        return wrapped
+
+
+router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicRoute)
+
+
+async def _read(request: Request, model: type[MessagesRequest]) -> tuple[MessagesRequest, dict[str, Any]]:
+    raw = await json_object(request)
+    body = openai_parsed(model, raw)
+    body.check(raw)
+    return body, raw
+
+
+def _sse(kind: str, fields: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n".encode()
+
+
+def _sse_error(err: OpenAIError) -> bytes:
+    return _sse("error", {"error": error_body(err.status_code, err.message)["error"]})
+
+
+async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
+    """The job as the Messages API's stream: message_start, each content block (thinking, text, a tool call)
+    opened, added to and stopped in turn, then message_delta (why it ended, the usage) and message_stop; an
+    ``error`` event where the job failed or the stream broke."""
+    blocks: list[str] = []  # the blocks opened, by index: "thinking", "text", or a tool call's id
+    calls: dict[int, int] = {}  # a tool call's index in the answer -> its block's index
+    open_block: int | None = None
+
+    def start(kind: str, block: dict[str, Any]) -> list[bytes]:
+        nonlocal open_block
+        out = stop()
+        blocks.append(kind)
+        open_block = len(blocks) - 1
+        return out + [_sse("content_block_start", {"index": open_block, "content_block": block})]
+
+    def stop() -> list[bytes]:
+        nonlocal open_block
+        if open_block is None:
+            return []
+        at, open_block = open_block, None
+        return [_sse("content_block_stop", {"index": at})]
+
+    def add(kind: str, delta: dict[str, Any]) -> list[bytes]:
+        out = [] if open_block is not None and blocks[open_block] == kind else start(kind, {
+            "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+            "text": {"type": "text", "text": ""}}[kind])
+        return out + [_sse("content_block_delta", {"index": open_block, "delta": delta})]
+
+    def pieces(item: Piece) -> list[bytes]:
+        out = add("thinking", {"type": "thinking_delta", "thinking": item.reasoning}) if item.reasoning else []
+        if item.content:
+            out += add("text", {"type": "text_delta", "text": item.content})
+        for delta in item.calls or ():
+            if "id" in delta:  # a call opens: its block, its arguments as they come
+                out += start(delta["id"], tool_use_block(delta, None))
+                calls[delta["index"]] = open_block
+            if arguments := delta["function"].get("arguments"):
+                out.append(_sse("content_block_delta", {"index": calls[delta["index"]], "delta": {
+                    "type": "input_json_delta", "partial_json": arguments}}))
+        return out
+
+    try:
+        start_usage = usage_of(job.prompt_tokens, 0, None)
+        yield _sse("message_start", {"message": message_body(job.id, job.model, content=[], stop=(None, None),
+                                                             usage=start_usage)})
+        yield _sse("ping", {})
+        async with aclosing(answer_events(settings, [job])) as answer:
+            async for item in answer:
+                match item:
+                    case Piece():
+                        for out in pieces(item):
+                            yield out
+                    case Interrupted():  # the stream could not be read on; the job goes on
+                        yield _sse_error(OpenAIError(503, item.message))
+                    case Failed():
+                        yield _sse_error(job_error(item.status, item.error, item.code))
+                    case Finished():
+                        for out in stop():
+                            yield out
+                        end = stop_of(item.answer.finish_reason, item.stop_reason, bool(item.answer.tool_calls))
+                        yield _sse("message_delta", {
+                            "delta": {"stop_reason": end[0], "stop_sequence": end[1]},
+                            "usage": usage_of(item.prompt_tokens, item.completion_tokens, item.cached_tokens)})
+                        yield _sse("message_stop", {})
+    except Exception:  # a bug or a database error: say so; the job itself goes on
+        log.exception("the Messages stream of job %s failed", job.id)
+        yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{job.id})"))
+
+
+_ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Message, or its events with stream: true"}}
+
+
+@router.post("/messages", responses=_ANSWERS, openapi_extra=documented_body(MessagesRequest))
+async def create_message(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
+    """Anthropic's Messages API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat."""
+    body, raw = await _read(request, MessagesRequest)
+    chat, spec = body.chat_request(raw, settings.tiers)
+    if spec.kind == "interactive":
+        ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
+        spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
+    writer = getattr(request.app.state, "job_writer", None)
+    submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
+                                        None, rate_limiter(request))
+    job = submitted.job
+    headers = {"x-coserve-job-id": job.id, **submitted.rate_headers()}
+    if chat.stream:
+        events = abandoned_on_hangup(settings, [job], _events(settings, job))
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    ends = await unless_disconnected(request, job_ends(settings, [job]))
+    if ends is None:  # nobody waits for the answer any more
+        await abandon(settings, [job])
+        return Response(status_code=499)
+    end = ends[0]
+    if end.status != JobStatus.SUCCEEDED:
+        raise job_error(end.status, end.data.get("error"), end.data.get("code"))
+    answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
+    stop = stop_of(answer.finish_reason, end.data.get("stop_reason"), bool(answer.tool_calls))
+    return JSONResponse(message_body(job.id, job.model, content=content_blocks(answer), stop=stop, usage=usage_of(
+        end.data["prompt_tokens"], end.data["completion_tokens"], end.data.get("cached_tokens"))), headers=headers)
+
+
+@router.post("/messages/count_tokens", openapi_extra=documented_body(CountTokensRequest))
+async def count_tokens(request: Request, settings: SettingsDep, principal: CurrentPrincipal):
+    """The tokens a Messages request's system prompt, messages and tools take through the model's chat template,
+    as its job would count them."""
+    body, raw = await _read(request, CountTokensRequest)
+    _, spec = body.chat_request(raw, settings.tiers, count_only=True)
+    return {"input_tokens": await run_in_threadpool(count_prompt_tokens, settings, spec)}

@@ -1,0 +1,109 @@
+"""Anthropic's Messages API with the official ``anthropic`` client against the real app (HTTP), Redis, Celery
+worker and DB: plain and streamed messages, stop sequences, a conversation holding tool calls, token counting,
+the key as ``x-api-key``, and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+
+from app.db.models import Job
+from app.db.session import session_scope
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+@pytest.fixture
+def claude(live_server, keys, start_worker) -> anthropic.Anthropic:
+    start_worker("w1")  # the SDK sends the key as x-api-key
+    return anthropic.Anthropic(base_url=live_server, api_key=keys.paid, max_retries=0, timeout=120)
+
+
+def _job(settings, msg_id: str) -> Job:
+    """The message's job (SQL)."""
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, "job_" + msg_id.removeprefix("msg_"))
+        s.expunge(job)
+        return job
+
+
+def test_a_message_is_a_chat_job_plain_and_streamed(claude, settings):
+    settings.chat_ttft_ms, settings.chat_tbt_ms = 1500.0, 90.0
+    ask = dict(model="tiny", max_tokens=7, system="Be brief", messages=[{"role": "user", "content": "Say hi"}],
+               extra_body={"ignore_eos": True, "temperature": 0})  # this SDK has no temperature argument
+    message = claude.messages.create(**ask)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.stop_reason == "max_tokens" and message.stop_sequence is None
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text
+    assert message.usage.output_tokens == 7 and message.usage.input_tokens > 3
+    job = _job(settings, message.id)
+    assert job.endpoint == "/v1/messages" and (job.ttft_ms, job.tbt_ms) == (1500.0, 90.0)
+    assert job.messages[0] == {"role": "system", "content": "Be brief"}
+
+    # streamed: the SDK's accumulator reads every event, and the text is the plain answer's (greedy)
+    with claude.messages.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert final.content[0].text == message.content[0].text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 7 and final.usage.input_tokens == message.usage.input_tokens
+
+    # a stop sequence from the answer ends it there: stop_reason "stop_sequence", naming it
+    full = message.content[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stopped = claude.messages.create(**ask, stop_sequences=[stop, "\u2603never"])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert "".join(b.text for b in stopped.content) == full[:full.index(stop)]  # no block where no text
+
+
+def test_tool_turns_and_token_counts(claude, settings):
+    # a conversation holding a tool call and its result runs as chat's assistant call and tool message
+    weather = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}
+    turns = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                               {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                "input": {"city": "Oslo"}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                                          {"type": "text", "text": "And tomorrow?"}]}]
+    message = claude.messages.create(model="tiny", max_tokens=3, messages=turns, tools=[weather],
+                                     tool_choice={"type": "none"}, extra_body={"ignore_eos": True})
+    assert message.content[0].type == "text" and message.stop_reason == "max_tokens"
+    ran = _job(settings, message.id).messages
+    assert [m["role"] for m in ran] == ["user", "assistant", "tool", "user"]
+    assert ran[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert ran[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}
+
+    # count_tokens counts what the job would: its prompt tokens
+    counted = claude.messages.count_tokens(model="tiny", messages=turns, tools=[weather])
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "says"), [
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "x"}, 400,
+     "invalid_request_error", "stop_sequences"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error", "messages.0.content.0"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "mcp_servers": [{"url": "x"}]}, 400,
+     "invalid_request_error", "mcp_servers"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "not_found_error",
+     "nope"),
+    ({"max_tokens": 100000, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
+     "maximum context length"),
+])
+def test_bad_requests_are_answered_in_anthropic_shape(live_server, keys, body, status, kind, says):
+    resp = httpx.post(f"{live_server}/v1/messages", headers={"x-api-key": keys.paid},
+                      json={"model": "tiny", **body})
+    assert resp.status_code == status, resp.text
+    assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == kind
+    assert says in resp.json()["error"]["message"], resp.json()
+
+
+def test_a_missing_or_wrong_key_is_an_authentication_error(live_server):
+    with pytest.raises(anthropic.AuthenticationError) as exc:
+        anthropic.Anthropic(base_url=live_server, api_key="sk-wrong", max_retries=0).messages.create(
+            model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert exc.value.body["error"]["type"] == "authentication_error"
+    resp = httpx.post(f"{live_server}/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": []})
+    assert resp.status_code == 401 and resp.json()["type"] == "error"
