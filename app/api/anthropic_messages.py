@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, content_blocks, error_body,
                                    message_body, stop_of, tool_use_block, usage_of)
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
+from app.api.errors import anthropic_responses
 from app.api.openai_compat import (count_prompt_tokens, documented_body, job_error, json_object, submit_openai_job,
                                    unless_disconnected)
 from app.db.models import Job, JobStatus
@@ -141,7 +142,8 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
         yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{job.id})"))
 
 
-_ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Message, or its events with stream: true"}}
+_ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Message, or its events with stream: true"},
+            **anthropic_responses(400, 401, 404, 409, 413, 429, 500, 503, 504)}
 
 
 @router.post("/messages", responses=_ANSWERS, openapi_extra=documented_body(MessagesRequest))
@@ -174,7 +176,8 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
         end.data["prompt_tokens"], end.data["completion_tokens"], end.data.get("cached_tokens"))), headers=headers)
 
 
-@router.post("/messages/count_tokens", openapi_extra=documented_body(CountTokensRequest))
+@router.post("/messages/count_tokens", responses=anthropic_responses(400, 401, 404),
+             openapi_extra=documented_body(CountTokensRequest))
 async def count_tokens(request: Request, settings: SettingsDep, principal: CurrentPrincipal):
     """The tokens a Messages request's system prompt, messages and tools take through the model's chat template,
     as its job would count them."""

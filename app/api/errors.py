@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
@@ -65,6 +65,24 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 def openai_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` of an OpenAI-compatible route answering ``codes``."""
     return {c: {"model": HTTPError if c == 413 else OpenAIErrorBody, "description": _WHY.get(c, "error")}
+            for c in codes}
+
+
+class AnthropicErrorObject(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """An Anthropic-compatible route's error."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorObject
+
+
+def anthropic_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of an Anthropic-compatible route answering ``codes``."""
+    return {c: {"model": HTTPError if c == 413 else AnthropicErrorBody, "description": _WHY.get(c, "error")}
             for c in codes}
 
 
