@@ -157,13 +157,22 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | No
         return [(choice["function"]["name"], text)] if text.strip() else None
     try:
         parsed = json.loads(text)
-    except ValueError:  # cut by max_tokens
-        return None
+    except ValueError:  # cut by max_tokens: the calls begun, as far as they came (as a stream sent them)
+        return _begun_calls(text) or None
     if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed):
         return None
     written = raw_arguments(text, 2)  # the arguments as generated, as a stream sent them
     return [read_call({"name": c["name"], "parameters": c.get("parameters", {})},
                       written[i] if i < len(written) else None) for i, c in enumerate(parsed)]
+
+
+def _begun_calls(text: str) -> list[RawCall]:
+    """The calls of a ``"required"`` list cut short: each one named whose arguments began, with the arguments
+    written so far, which are what ``AnswerStream`` streamed of them."""
+    scanner = CallScanner(2)
+    scanner.feed(text)
+    return [(call.name, arguments) for call in scanner.calls
+            if call.name is not None and (arguments := call.arguments(scanner.text)) is not None]
 
 
 @dataclass(frozen=True)
@@ -179,8 +188,8 @@ class Answer:
 
 def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_reason: str | None) -> Answer:
     """The answer in a chat job's text. A forced choice's text is the calls (no content): a named function's
-    arguments as generated (cut short by max_tokens too, as vLLM answers), the list of ``"required"`` where it
-    parses (else the text is the content); ``"auto"`` reads the model's own syntax (the job's ``tool_parser``),
+    arguments as generated (cut short by max_tokens too, as vLLM answers), the list of ``"required"`` (where
+    max_tokens cut it: the calls it began, as they were streamed; a text that is no list is the content); ``"auto"`` reads the model's own syntax (the job's ``tool_parser``),
     with the content before the calls. Calls end in ``tool_calls`` except a named one, which ends in ``stop``,
     as OpenAI answers them. A reasoning model's thinking comes first, out of the content (the job's
     ``reasoning_parser``); its calls are read from the rest."""

@@ -188,6 +188,14 @@ def test_a_named_call_streams_its_arguments_as_they_come():
     assert streamed_calls(deltas) == answer.tool_calls and answer.finish_reason == "tool_calls"
     assert answer.tool_calls[0]["function"]["arguments"] == '{"city":"Oslo"}'  # as generated, as streamed
     assert answer.tool_calls[1]["function"] == {"name": "search", "arguments": '{"q": ["a"]}'}  # named after
+    # max_tokens cut the list inside a call's arguments: the answer is the calls streamed, not the raw text again
+    cut = AnswerStream("job_c", {"tool_choice": "required"})
+    fed = [cut.feed(p)[1:] for p in pieces[:2]]
+    _, rest, calls, answer = cut.end("length")
+    deltas = [d for _, ds in fed for d in ds or ()] + (calls or [])
+    assert rest == "" and answer.content is None and answer.finish_reason == "length"
+    assert streamed_calls(deltas) == answer.tool_calls == [
+        {"id": "call_c_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Os'}}]
 
 
 def test_job_create_checks_the_tools_and_keeps_the_constraint():
