@@ -38,7 +38,7 @@ from app.services.job_follow import stream_expired
 from app.services.truncation import fit_context
 from app.services.cancel import cancel
 from app.settings import Settings
-from app.tool_calls import read_answer
+from app.tool_calls import Answer, read_answer
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +117,13 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
     calls: dict[int, dict[str, Any]] = {}  # the call items by the call's index
     logprobs: list[dict[str, Any]] | None = [] if (job.sampling or {}).get("logprobs") is not None else None
     pending = 0  # of them, those not yet sent with a text delta
+    generated = 0  # output tokens so far
 
-    def close_message() -> list[Event]:
+    def close_message(status: str = "completed") -> list[Event]:
         nonlocal message
         if message is None:
             return []
-        at, item = items.index(message), message_item(job.id, text, logprobs=logprobs)
+        at, item = items.index(message), message_item(job.id, text, status, logprobs=logprobs)
         items[at], message = item, None
         part = item["content"][0]
         return [_event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
@@ -131,11 +132,11 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                        part=part),
                 _event("response.output_item.done", output_index=at, item=item)]
 
-    def close_thought() -> list[Event]:
+    def close_thought(status: str = "completed") -> list[Event]:
         nonlocal thought
         if thought is None:
             return []
-        at, item = items.index(thought), reasoning_item(job.id, thinking)
+        at, item = items.index(thought), reasoning_item(job.id, thinking, status)
         items[at], thought = item, None
         return [_event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
                        text=thinking),
@@ -185,11 +186,11 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                                   output_index=items.index(calls[k]), delta=arguments))
         return out
 
-    def close_calls() -> list[Event]:
+    def close_calls(status: str = "completed") -> list[Event]:
         out = []
         for item in calls.values():
             at = items.index(item)
-            item["status"] = "completed"
+            item["status"] = status
             out += [_event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                            arguments=item["arguments"]),
                     _event("response.output_item.done", output_index=at, item=item)]
@@ -202,6 +203,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
             async for item in answer:
                 match item:
                     case Piece():
+                        generated = item.generated
                         if logprobs is not None and item.logprobs:
                             logprobs += item.logprobs
                             pending += len(item.logprobs)
@@ -209,6 +211,16 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                             yield out
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _event("error", code="stream_interrupted", param=None, message=item.message)
+                    case Failed(status=JobStatus.CANCELLED):  # the output so far stays, as GET shows it
+                        for out in close_thought("incomplete") + close_message("incomplete") + close_calls(
+                                "incomplete"):
+                            yield out
+                        so_far = Answer(text or None, [{"id": c["call_id"], "type": "function", "function": {
+                            "name": c["name"], "arguments": c["arguments"]}} for c in calls.values()] or None,
+                                        "stop", thinking or None)
+                        yield _event("response.failed", response=response_body(
+                            job, kept, settings.tiers, status=JobStatus.CANCELLED, answer=so_far,
+                            prompt_tokens=job.prompt_tokens, completion_tokens=generated, logprobs=logprobs))
                     case Failed():
                         yield _event("response.failed", response=response_body(
                             job, kept, settings.tiers, status=item.status,
@@ -362,12 +374,15 @@ def list_input_items(response_id: str, session: SessionDep, principal: CurrentPr
 
 @router.post("/responses/{response_id}/cancel", responses=openai_responses(400, 401, 404))
 def cancel_response(response_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
-    """Stops a background response that has not ended (one that has is answered as it is, as OpenAI does)."""
+    """Stops a background response that has not ended (one that has is a 400, as vLLM and OpenAI answer it)."""
     job = _stored(session, principal, response_id)
     if not (job.response or {}).get("background"):
         raise OpenAIError(400, "only a background response can be cancelled (a plain one stops when its client "
                                "hangs up)", param="response_id")
-    cancel(session, settings, job, "cancelled by the client")
+    if not cancel(session, settings, job, "cancelled by the client"):
+        state = _retrieved(job, settings)["status"]
+        raise OpenAIError(400, f"response {response_id!r} has already ended ({state}): only a queued or running "
+                               "one can be cancelled", param="response_id")
     return _retrieved(job, settings)
 
 

@@ -119,7 +119,10 @@ def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys,
     done = wait_for(lambda: (r := oai.responses.retrieve(quick.id)).status not in ("queued", "in_progress") and r,
                     60, "the background response to end", interval=0.2)
     assert done.status == "incomplete" and done.output_text and done.usage.output_tokens == 4
-    assert oai.responses.cancel(quick.id).status == "incomplete"  # ended already: answered as it is
+    with pytest.raises(openai.BadRequestError) as exc:  # ended already: nothing to cancel, as vLLM answers
+        oai.responses.cancel(quick.id)
+    assert "already ended (incomplete)" in exc.value.body["message"]
+    assert oai.responses.retrieve(quick.id).status == "incomplete"
 
     slow = oai.responses.create(model="tiny", input="Tell me a long story", max_output_tokens=400,
                                 background=True, extra_body={"ignore_eos": True})
@@ -130,6 +133,27 @@ def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys,
     with pytest.raises(openai.BadRequestError) as exc:
         oai.responses.cancel(plain.id)
     assert "only a background response" in exc.value.body["message"]
+
+
+def test_a_cancelled_stream_ends_with_the_output_so_far(live_server, keys, start_worker):
+    start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.05")
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
+    events, cancelled = [], False
+    with httpx.stream("POST", f"{live_server}/v1/responses", headers={"Authorization": f"Bearer {keys.paid}"},
+                      json={"model": "tiny", "input": "Tell me a story", "max_output_tokens": 400, "background": True,
+                            "stream": True, "ignore_eos": True}, timeout=60) as resp:
+        for line in resp.iter_lines():  # cancelled after a few deltas; the stream then ends on its own
+            events += _sse_events([line])
+            if not cancelled and sum(e["type"] == "response.output_text.delta" for e in events) == 3:
+                cancelled = bool(oai.responses.cancel(events[0]["response"]["id"]))
+    last = events[-1]["response"]
+    assert events[-1]["type"] == "response.failed" and last["status"] == "cancelled" and last["error"] is None
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added and [i["id"] for i in done] == added and {i["status"] for i in done} == {"incomplete"}
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert last["output"] == done and last["output"][0]["content"][0]["text"] == text
+    assert last["usage"]["output_tokens"] >= 3 and last["usage"]["input_tokens"] > 0
 
 
 def test_truncation_auto_drops_the_oldest_turns_that_outgrow_the_context(oai):
