@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
-from app.api.errors import CheckedRoute, loc_param, validation_errors
+from app.api.errors import CheckedRoute, blamed, loc_param, validation_errors
 from app.schemas import (MAX_SEED, MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, MIN_SEED, TEMPLATE_DEFAULTS, ChatMessage,
                          JobCreate, StructuredOutputs)
 from app.settings import DEFAULT_TIERS
@@ -87,7 +87,7 @@ def error_response(status_code: int, message: str, *, type: str | None = None, p
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One message for pydantic's errors, and the field to blame (the first one's)."""
     parts, param = [], None
-    for e in errors:
+    for e in map(blamed, errors):
         if e.get("type") == "json_invalid":  # FastAPI's loc is ("body", <character offset>): no field
             parts.append(e["msg"] if e.get("loc") == ["body"] else
                          f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}")

@@ -9,6 +9,7 @@ set of checks runs), naming the Responses field in any error. ``response_body`` 
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,7 +38,7 @@ NAMED_CHOICE = '{"type": "function", "name": ...}'  # the Responses API's form o
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
-        "text", "background", "truncation", "reasoning")
+        "text", "background", "truncation", "reasoning", "user", "top_logprobs")
 
 
 def response_id(job_id: str) -> str:
@@ -62,6 +63,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     metadata: Metadata | None = None
+    user: Text | None = None  # (chat reads it too)
     store: bool = True
     background: bool | None = None  # answered at once (queued); GET polls it, POST .../cancel stops it
     stream: bool | None = None  # (chat reads it too)
@@ -318,13 +320,13 @@ def message_item(job_id: str, text: str, status: str = "completed",
     """``logprobs``: the job's stored token logprobs (None: not asked for)."""
     return {"id": "msg_" + job_id.removeprefix("job_"), "type": "message", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": token_logprobs(logprobs)}]
-            if text or status == "completed" else []}
+            if text or status != "in_progress" else []}
 
 
 def reasoning_item(job_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     """A reasoning model's thinking as a Responses reasoning item (its text as a ``reasoning_text`` part)."""
     return {"id": "rs_" + job_id.removeprefix("job_"), "type": "reasoning", "status": status, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}] if text or status == "completed" else [],
+            "content": [{"type": "reasoning_text", "text": text}] if text or status != "in_progress" else [],
             "encrypted_content": None}
 
 
@@ -366,17 +368,20 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "incomplete_details": incomplete,
         "instructions": kept.get("instructions"), "max_output_tokens": kept.get("max_output_tokens"),
         "model": job.model, "output": [] if answer is None else output_items(
-            job.id, answer, logprobs, "incomplete" if state == "cancelled" else "completed"),
+            job.id, answer, logprobs, "completed" if state == "completed" else "incomplete"),
         "parallel_tool_calls": sampling.get("parallel_tool_calls", True),
         "previous_response_id": kept.get("previous_response_id"), "conversation": kept.get("conversation"),
         "reasoning": {"effort": effort, "summary": None} if (effort := (kept.get("reasoning") or {}).get("effort"))
         else None,
         "service_tier": service_tier(job.tier, tiers), "store": kept.get("store", True),
         "temperature": sampling.get("temperature"), "text": {"format": fmt},
-        "tool_choice": kept.get("tool_choice", "auto" if kept.get("tools") else "none"),
+        "tool_choice": kept.get("tool_choice", "auto"),
         "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"),
         "truncation": kept.get("truncation") or "disabled",
-        "usage": None, "metadata": kept.get("metadata") or {}, "user": None}
+        "usage": None, "metadata": kept.get("metadata") or {}, "user": kept.get("user"),
+        "top_logprobs": kept.get("top_logprobs"), "completed_at": None}
+    if state == "completed":  # (a stream's last event is written before the job's end is stored)
+        body["completed_at"] = int(as_utc(job.finished_at).timestamp()) if job.finished_at else int(time.time())
     if answer is not None:
         counts = usage(prompt_tokens, completion_tokens)
         body["usage"] = {"input_tokens": counts["prompt_tokens"],

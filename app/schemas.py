@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
-from app.wire import Text, UtcDatetime
+from app.wire import FieldProblem, Text, UtcDatetime
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
 
@@ -278,10 +278,10 @@ class JobCreate(BaseModel):
         if choice is None:
             return
         if not names:
-            raise ValueError(f"tool_choice {choice!r} needs tools")
+            raise FieldProblem("tool_choice", f"{choice!r} needs tools")
         if isinstance(choice, dict) and choice["function"]["name"] not in names:
-            raise ValueError(f"tool_choice names {choice['function']['name']!r}, which is not among the tools "
-                             f"({', '.join(names)})")
+            raise FieldProblem("tool_choice", f"it names {choice['function']['name']!r}, which is not among the "
+                                              f"tools ({', '.join(names)})")
         if is_forced(choice) and self.structured_outputs is not None:
             raise ValueError("a forced tool_choice constrains the text already: give it or structured_outputs, "
                              "not both")

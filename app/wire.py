@@ -135,3 +135,12 @@ def utc_z(dt: datetime | None) -> str | None:
 # a response timestamp in UTC, whether it came from SQLite (naive) or Python (any offset);
 # pydantic writes a UTC datetime with a 'Z'
 UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
+
+
+class FieldProblem(ValueError):
+    """A model validator's refusal that one field is to blame for (its ``field``): the error names it as pydantic
+    names a field validator's."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field

@@ -96,7 +96,7 @@ def validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
     """The errors of ``exc`` as strict JSON: the NaN or lone surrogate that failed validation
     is echoed as text (JSONResponse refuses both), and a JSON syntax error says where and what."""
     out = []
-    for e in exc.errors():
+    for e in map(blamed, exc.errors()):
         if isinstance((e.get("ctx") or {}).get("error"), Exception):  # a validator's ValueError: its text
             e = {**e, "ctx": {**e["ctx"], "error": str(e["ctx"]["error"])}}
         e = jsonable_encoder(e)
@@ -193,6 +193,12 @@ class CheckedRoute(APIRoute):
             return await handler(request)
 
         return checked
+
+
+def blamed(error: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic error whose location names the field a model validator blamed (``FieldProblem``)."""
+    field = getattr((error.get("ctx") or {}).get("error"), "field", None)
+    return {**error, "loc": (*error.get("loc", ()), field)} if isinstance(field, str) else error
 
 
 def loc_param(loc: Sequence[Any]) -> str | None:

@@ -140,6 +140,8 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
         items[at], thought = item, None
         return [_event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
                        text=thinking),
+                _event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
+                       part={"type": "reasoning_text", "text": thinking}),
                 _event("response.output_item.done", output_index=at, item=item)]
 
     def think(reasoning: str) -> list[Event]:
@@ -148,7 +150,9 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
         if thought is None:
             thought = reasoning_item(job.id, "", status="in_progress")
             items.append(thought)
-            out.append(_event("response.output_item.added", output_index=len(items) - 1, item=thought))
+            out += [_event("response.output_item.added", output_index=len(items) - 1, item=thought),
+                    _event("response.content_part.added", item_id=thought["id"], output_index=len(items) - 1,
+                           content_index=0, part={"type": "reasoning_text", "text": ""})]
         thinking += reasoning
         return out + [_event("response.reasoning_text.delta", item_id=thought["id"], output_index=items.index(thought),
                              content_index=0, delta=reasoning)]
@@ -197,7 +201,9 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
         return out
 
     try:
-        yield _event("response.created", response=response_body(job, kept, settings.tiers, status="queued"))
+        # a background response is queued until it runs; a plain one is under way (as OpenAI and vLLM say)
+        created = "queued" if kept.get("background") else "running"
+        yield _event("response.created", response=response_body(job, kept, settings.tiers, status=created))
         yield _event("response.in_progress", response=response_body(job, kept, settings.tiers, status="running"))
         async with aclosing(answer_events(settings, [job])) as answer:
             async for item in answer:
@@ -228,7 +234,8 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                     case Finished():
                         # an answer with neither text nor calls has an empty message
                         opened = [] if calls or any(i["type"] == "message" for i in items) else open_message()
-                        for out in close_thought() + opened + close_message() + close_calls():
+                        cut = "incomplete" if item.answer.finish_reason == "length" else "completed"
+                        for out in close_thought(cut) + opened + close_message(cut) + close_calls(cut):
                             yield out
                         body = response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED,
                                              answer=item.answer, prompt_tokens=item.prompt_tokens,
@@ -262,8 +269,9 @@ async def _numbered(events: AsyncIterator[Event], starting_after: int | None = N
                 rest = "}" if fields == "{}" else "," + fields[1:]
                 yield f'event: {kind}\ndata: {{"type":{json.dumps(kind)},"sequence_number":{number}{rest}\n\n'.encode()
     if starting_after is not None and number < starting_after:
-        message = (f"this response's stream has {number + 1} events now, none after sequence_number {starting_after}: "
-                   "it was rebuilt from the stored response after its events were lost; GET the response for it")
+        message = (f"this response's stream has {number + 1} events, none after sequence_number {starting_after}: "
+                   "starting_after is past its end, or its events were lost (a Redis restart) and it was rebuilt "
+                   "from the stored response in fewer events; GET the response for it")
         fields = json.dumps({"code": "stream_rebuilt", "message": message, "param": "starting_after"})
         yield f'event: error\ndata: {{"type":"error","sequence_number":{number + 1},{fields[1:]}\n\n'.encode()
 

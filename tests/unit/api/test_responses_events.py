@@ -16,7 +16,7 @@ from app.tool_calls import Answer
 
 CALL = {"id": "call_x_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
 JOB = SimpleNamespace(id="job_x", status="running", created_at=datetime(2026, 1, 1, tzinfo=UTC), model="m",
-                      tier="paid", sampling={"tool_choice": "required"})
+                      tier="paid", sampling={"tool_choice": "required"}, finished_at=None)
 
 
 def events(monkeypatch, starting_after: int | None = None, items: list | None = None) -> list[dict]:
@@ -68,15 +68,19 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item_before_its_message(monk
                 Finished(0, Answer("It is sunny.", None, "stop", reasoning="Rome is sunny"), 9, 6)]
     sent = events(monkeypatch, items=thinking)
     kinds = [e["type"] for e in sent]
-    assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta",
-                          "response.reasoning_text.delta", "response.reasoning_text.done"]
+    # its text is a content part, added and done around its deltas, as vLLM streams it
+    assert kinds[2:8] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta", "response.reasoning_text.delta",
+                          "response.reasoning_text.done", "response.content_part.done"]
     assert sent[2]["item"]["type"] == "reasoning" and sent[2]["item"]["content"] == []
+    assert sent[3]["part"] == {"type": "reasoning_text", "text": ""}
+    assert sent[7]["part"] == {"type": "reasoning_text", "text": "Rome is sunny"}
     assert "".join(e["delta"] for e in sent if e["type"] == "response.reasoning_text.delta") == "Rome is sunny"
-    assert kinds[6] == "response.output_item.done" and kinds[7] == "response.output_item.added"  # then the message
-    assert sent[7]["output_index"] == 1 and sent[7]["item"]["type"] == "message"
+    assert kinds[8] == "response.output_item.done" and kinds[9] == "response.output_item.added"  # then the message
+    assert sent[9]["output_index"] == 1 and sent[9]["item"]["type"] == "message"
     final = sent[-1]["response"]["output"]
     assert [i["type"] for i in final] == ["reasoning", "message"]
-    assert final[0]["content"] == [{"type": "reasoning_text", "text": "Rome is sunny"}] == sent[6]["item"]["content"]
+    assert final[0]["content"] == [{"type": "reasoning_text", "text": "Rome is sunny"}] == sent[8]["item"]["content"]
     assert final[1]["content"][0]["text"] == "It is sunny."
     cut_off = [Piece(0, "", "Still", None, None, 0, 1),  # it never stopped thinking: an empty message after it
                Finished(0, Answer(None, None, "length", reasoning="Still"), 9, 1)]

@@ -97,18 +97,23 @@ def test_a_continued_conversation_drops_the_instructions_and_adds_the_answer():
 
 def test_a_job_written_as_a_response():
     job = SimpleNamespace(id="job_ab", status="succeeded", created_at=datetime(2026, 1, 1, tzinfo=UTC),
-                          model="m", tier="free", sampling={"temperature": 0.5, "top_p": 1.0})
+                          model="m", tier="free", sampling={"temperature": 0.5, "top_p": 1.0},
+                          finished_at=datetime(2026, 1, 1, 0, 0, 9, tzinfo=UTC))
     assert response_id(job.id) == "resp_ab" and job_id_of("resp_ab") == "job_ab" and job_id_of("job_ab") is None
     cut = response_body(job, {"max_output_tokens": 3}, ("free", "paid"),
                         answer=Answer("Hel", None, "length"), prompt_tokens=4, completion_tokens=3)
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert cut["output"][0]["content"][0]["text"] == "Hel" and cut["service_tier"] == "flex"
+    assert cut["output"][0]["status"] == "incomplete" and cut["completed_at"] is None  # max_output_tokens cut it
     assert cut["usage"]["total_tokens"] == 7 and cut["max_output_tokens"] == 3
     assert cut["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}  # no counts
     hit = response_body(job, {}, ("free", "paid"), answer=Answer("Hel", None, "stop"), prompt_tokens=300,
                         completion_tokens=3, cached_tokens=256)
     assert hit["usage"]["input_tokens_details"] == {"cached_tokens": 256, "cache_write_tokens": 0}
-    assert hit["usage"]["input_tokens"] == 300
+    assert hit["usage"]["input_tokens"] == 300 and hit["completed_at"] == 1767225609  # when the job ended
+    assert (hit["tool_choice"], hit["user"], hit["top_logprobs"]) == ("auto", None, None)  # OpenAI's defaults
+    kept = response_body(job, {"user": "u1", "top_logprobs": 2}, ("free", "paid"))
+    assert (kept["user"], kept["top_logprobs"]) == ("u1", 2)  # the request's, echoed
     called = response_body(job, {}, ("free", "paid"), answer=Answer(None, [CALL], "tool_calls"))
     assert called["status"] == "completed" and called["output"] == [
         {"id": "fc_ab_0", "type": "function_call", "status": "completed", "call_id": "call_ab_0",

@@ -252,6 +252,13 @@ def test_openai_request_maps_tools():
     with pytest.raises(OpenAIError) as exc:
         req.job_spec(messages=req.chat_messages())
     assert exc.value.param == "tool_choice"
+    # a choice naming no offered tool, or offered none: the error names tool_choice (it named no field)
+    for bad in ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tool_choice": "required"}):
+        req = ChatCompletionRequest.model_validate({"messages": USER, **bad})
+        with pytest.raises(OpenAIError) as exc:
+            req.job_spec(messages=req.chat_messages())
+        assert exc.value.param == "tool_choice" and exc.value.message.startswith("tool_choice: "), exc.value.message
 
 
 def test_answers_carry_the_calls_and_no_content():
