@@ -244,6 +244,15 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _heartbeat_within_the_lease(self) -> Settings:
+        # a lease renewed less often than twice in its length expires under a live worker, failing its long jobs
+        if 2 * self.heartbeat_seconds > self.lease_seconds:
+            raise ValueError(f"COSERVE_HEARTBEAT_SECONDS ({self.heartbeat_seconds:g}) must be at most half of "
+                             f"COSERVE_LEASE_SECONDS ({self.lease_seconds:g}): a worker renews its leases every "
+                             "heartbeat, and a lease that expires between two requeues the job of a live worker")
+        return self
+
+    @model_validator(mode="after")
     def _adapters_beside_the_model(self) -> Settings:
         if self.model_name in self.lora_modules:
             raise ValueError(f"LoRA adapter {self.model_name!r} has the model's own name (COSERVE_MODEL_NAME); "

@@ -205,6 +205,8 @@ class GpuWorker:
             row.started_at = row.heartbeat_at = utcnow()
             row.draining = False
             row.state = self._state()
+            if dropped := leases.drop_held_marks(s, self.worker_id):
+                log.info("%d jobs a worker %s that stopped waited with are to be sent again", dropped, self.worker_id)
 
     # ---------------------------------------------------------------- intake (Celery task)
     def accept(self, job_id: str) -> None:

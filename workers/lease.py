@@ -43,6 +43,15 @@ def acquire(session: Session, job_id: str, worker_id: str, lease_s: float) -> Le
     return Lease(job_id, row.attempt + 1, worker_id) if ok else None
 
 
+def drop_held_marks(session: Session, worker_id: str) -> int:
+    """Unmarks the dispatched jobs marked as waiting for engine room in a worker of this id, and returns how many:
+    a worker that starts holds none, so they are a predecessor's under the same id (a stable COSERVE_WORKER_ID,
+    a restarted container) that died. The sweeper's holder check cannot see it (the id beats again); unmarked,
+    their lost messages are sent again once missed from the queue, not after Redis's visibility timeout."""
+    return session.execute(update(Job).where(Job.status == JobStatus.DISPATCHED.value, Job.worker_id == worker_id)
+                           .values(worker_id=None).execution_options(synchronize_session=False)).rowcount
+
+
 def renew(session: Session, worker_id: str, leases: Iterable[Lease], lease_s: float) -> set[str]:
     """Extends the leases still held (commits); returns the ids of those held."""
     leases = list(leases)

@@ -139,6 +139,29 @@ def test_sweeper_resends_a_job_held_by_a_dead_worker(settings, keys):
     assert r.llen("coserve.tiny") == 1
 
 
+def test_a_worker_restarted_under_its_id_drops_the_marks_its_predecessor_left(settings, keys):
+    """The holder's id beats again, so the sweeper's stale-holder check never fires; a worker starting under it
+    unmarks the jobs, and the sweeper then sends their lost message again."""
+    from sqlalchemy import update
+
+    from app.db.models import WorkerState
+
+    url = settings.sqlalchemy_url
+    job_id = _job(settings, keys, dispatch=True)
+    r = redis.Redis.from_url(settings.redis_url)
+    r.delete("coserve.tiny")  # the dead worker took the message (unacked in its hands)
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w1", model="tiny", queue="coserve.tiny", device="cpu"))
+        s.execute(update(Job).where(Job.id == job_id).values(worker_id="w1"))
+    with session_scope(url) as s:  # w1 beats (it restarted): its mark keeps the job from being sent again
+        assert sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30).resent == 0
+    with session_scope(url) as s:
+        assert leases.drop_held_marks(s, "w2") == 0 and leases.drop_held_marks(s, "w1") == 1
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30).resent == 1
+    assert r.llen("coserve.tiny") == 1
+
+
 def test_guarded_transition_refuses_a_terminal_job(settings, keys):
     from app.services.transitions import NOT_TERMINAL, transition
 

@@ -68,6 +68,13 @@ def test_the_default_tier_error_says_what_to_fix():
         Settings(tiers=())
 
 
+def test_a_heartbeat_too_slow_for_the_lease_is_refused():
+    with pytest.raises(ValidationError, match=r"COSERVE_HEARTBEAT_SECONDS \(5\) must be at most half of "
+                                              r"COSERVE_LEASE_SECONDS \(3\)"):
+        Settings(lease_seconds=3, heartbeat_seconds=5)
+    assert Settings(lease_seconds=3, heartbeat_seconds=1.5).heartbeat_seconds == 1.5
+
+
 def test_the_defaults_construct():
     s = Settings()
     assert (s.port, s.device, s.default_tier, s.tiers, s.kv_blocks) == (8000, "auto", "paid", DEFAULT_TIERS, None)
