@@ -106,7 +106,8 @@ class Settings(BaseSettings):
     # worker
     worker_id: str | None = None
     lease_seconds: float = Field(30.0, gt=0, description="a job's lease; a dead worker's jobs requeue after it")
-    heartbeat_seconds: float = Field(5.0, gt=0, description="how often a worker renews its leases and heartbeat")
+    heartbeat_seconds: float = Field(5.0, gt=0, description="how often a worker renews its leases and heartbeat "
+                                                            "(at most half of lease_seconds)")
     max_inflight: int = Field(
         1024, gt=0, description="jobs a worker holds in its engine before its Celery task waits (the rest stay in "
                                 "the queue for other workers); relegated jobs do not count. The scheduler can only "
