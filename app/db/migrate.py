@@ -46,6 +46,6 @@ def schema_problem(conn: Connection) -> str | None:
         return None
     if current is None or current < head:  # revisions are numbered in order
         return (f"the database's schema is at revision {current or 'none'}, this coserve needs {head}: migrate it "
-                "(`coserve up` and the workers do at start; the compose file's migrate service; "
+                "(`coserve up`, the API and the workers do at start; the compose file's migrate service; "
                 "`alembic upgrade head`)")
     return f"the database's schema is at revision {current}, newer than this coserve knows ({head}): upgrade coserve"
