@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 # the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
-                   "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/tokenize",
-                   "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations",
+                   "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/v1/webhook_event_types",
+                   "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations",
                    "/v1/messages")
 
 
@@ -132,6 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache):
         api.include_router(module.router)
     api.include_router(openai_compat.sagemaker)
+    api.include_router(webhooks.event_types_router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES)
     _document_openai_errors(api)
     return api

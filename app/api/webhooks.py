@@ -3,6 +3,7 @@ test delivery. What is sent and how: ``app/services/webhooks.py``."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
@@ -22,6 +23,8 @@ from app.services.transitions import as_utc
 router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], route_class=OpenAIRoute,
                    responses=openai_responses(401))
 
+# a host name (IDNA-encoded) or an IP address (an IPv6 one without its brackets, perhaps with a zone)
+_HOST = re.compile(r"[A-Za-z0-9._:%-]+")
 EventTypes = Annotated[list[str], Field(min_length=1, description=f"any of {', '.join(webhooks.EVENT_TYPES)}")]
 
 
@@ -54,11 +57,14 @@ def _checked(body: EndpointCreate | EndpointUpdate, private_targets: bool) -> No
         try:  # what the sender will have to parse, connect to and name (IDNA)
             parts = urlsplit(body.url)
             httpx.URL(body.url)
-            (parts.hostname or "").encode("idna")
+            host = (parts.hostname or "").encode("idna").decode()
+            port = parts.port  # out of 0-65535: a ValueError
         except (ValueError, httpx.InvalidURL) as exc:
             raise OpenAIError(400, f"url {body.url!r} is not a valid URL: {exc}", param="url") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if parts.scheme not in ("http", "https") or not host:
             raise OpenAIError(400, f"url must be an http(s) URL with a host, not {body.url!r}", param="url")
+        if not _HOST.fullmatch(host) or port == 0:
+            raise OpenAIError(400, f"url {body.url!r} names no host and port a delivery can connect to", param="url")
         if not private_targets and (address := webhooks.private_address(body.url)) is not None:
             raise OpenAIError(400, f"url's host {parts.hostname!r} is {address}, not a public address: this server "
                                    "sends webhooks to public addresses only", param="url")
@@ -150,7 +156,8 @@ def rotate_secret(webhook_endpoint_id: str, session: SessionDep, principal: Curr
 @router.post("/{webhook_endpoint_id}/test", responses=openai_responses(400, 404))
 def send_test(webhook_endpoint_id: str, body: TestDelivery, session: SessionDep, principal: CurrentPrincipal,
          settings: SettingsDep) -> dict[str, Any]:
-    """Sends a sample ``event_type`` event (about a made-up batch) to the endpoint now, and says what it answered."""
+    """Sends a sample ``event_type`` event (about a made-up batch) to the endpoint now, and says what it answered
+    (``success``: it was sent and answered, whatever the status); the attempt ends within ``webhook_timeout_s``."""
     row = _own(session, principal, webhook_endpoint_id)
     if body.event_type not in webhooks.EVENT_TYPES:
         raise OpenAIError(400, f"coserve sends no {body.event_type} events; test one of "
@@ -162,4 +169,14 @@ def send_test(webhook_endpoint_id: str, body: TestDelivery, session: SessionDep,
     if sent.status is None:
         raise OpenAIError(400, f"the endpoint at {row.url} did not answer: {sent.error}", param="url")
     return {"object": "webhook_endpoint.test", "webhook_endpoint_id": row.id, "event_type": body.event_type,
-            "status_code": sent.status, "success": sent.ok}
+            "status_code": sent.status, "success": True}
+
+
+event_types_router = APIRouter(prefix="/v1/webhook_event_types", tags=["webhooks"], route_class=OpenAIRoute,
+                               responses=openai_responses(401))
+
+
+@event_types_router.get("")
+def list_event_types(principal: CurrentPrincipal) -> dict[str, Any]:
+    """The events coserve sends (``client.webhooks.event_types.list()``)."""
+    return {"object": "list", "data": list(webhooks.EVENT_TYPES)}
