@@ -13,6 +13,8 @@ from app.reasoning import ReasoningParser
 from gpu_runtime.devices import DEVICE_PATTERN
 from gpu_runtime.qos import Tier
 
+WEBHOOK_CLAIM_S = 120.0  # a webhook delivery being sent is not due again for this long (app.services.webhooks)
+
 DEFAULT_TIERS = ("free", "paid")  # the service tiers, lowest first (free work is relegated first)
 
 
@@ -125,7 +127,12 @@ class Settings(BaseSettings):
                                                            "each time up to an hour")
     webhook_max_attempts: int = Field(16, ge=1, description="deliveries of an event before it is given up (about "
                                                             "8 hours with the default retry)")
-    webhook_timeout_s: float = Field(10.0, gt=0, description="how long a webhook endpoint has to answer")
+    webhook_timeout_s: float = Field(10.0, gt=0, le=WEBHOOK_CLAIM_S / 2,
+                                     description="how long one webhook attempt may take in all (connecting, sending "
+                                                 "and the endpoint's answer); at most a minute, well inside the "
+                                                 "two minutes a delivery being sent is kept from other workers")
+    webhook_retention_days: float = Field(7.0, gt=0, description="delivered and given-up webhook deliveries are "
+                                                                 "deleted this long after their event")
     webhook_private_targets: bool = Field(True, description="webhook endpoints may be loopback, private or "
                                           "link-local addresses (an internal receiver); false where tenants are "
                                           "not trusted with this network: such URLs are refused and never called")

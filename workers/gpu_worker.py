@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from datetime import timedelta
 from importlib import import_module
 from typing import Any
 
@@ -34,7 +35,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from app.batch.storage import delete_expired_files
-from app.services.webhooks import deliver_due
+from app.services.webhooks import delete_settled, deliver_due
 from app.db.migrate import upgrade
 from app.embedded import redis_silent
 from app.db.models import Job, JobStatus, WorkerState
@@ -393,6 +394,7 @@ class GpuWorker:
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
                 with session_scope(self.url) as s:
                     delete_expired_files(s)  # the Files API's expires_after
+                    delete_settled(s, timedelta(days=self.settings.webhook_retention_days))  # webhook deliveries
                 restart_stalled_validation(self.settings)  # batches whose API died while validating them
                 advance_open_runs(self.settings, self.worker_id)  # summarization runs, whichever process started them
             except Exception:

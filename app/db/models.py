@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, true
+from sqlalchemy import (JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text,
+                        true)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -252,11 +253,19 @@ class WebhookEndpoint(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+PENDING_DELIVERY = text("delivered_at IS NULL AND failed_at IS NULL")
+
+
 class WebhookDelivery(Base):
     """One event for one endpoint: sent by the workers until the endpoint answers 2xx or the attempts run out."""
 
     __tablename__ = "webhook_deliveries"
-    __table_args__ = (Index("ix_webhook_deliveries_due", "delivered_at", "next_attempt_at"),)
+    __table_args__ = (
+        # the due query's: pending rows only, however many delivered and given-up ones the table keeps
+        Index("ix_webhook_deliveries_pending", "next_attempt_at", sqlite_where=PENDING_DELIVERY,
+              postgresql_where=PENDING_DELIVERY),
+        Index("ix_webhook_deliveries_created_at", "created_at"),  # the sweeper's retention
+    )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("wh"))  # webhook-id
     endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
     event_id: Mapped[str] = mapped_column(String(40))

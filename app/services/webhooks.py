@@ -6,12 +6,17 @@ the due rows (``deliver_due``): the body is signed as Standard Webhooks (and Ope
 ``webhook-signature: v1,<base64 HMAC-SHA256 of "{webhook-id}.{webhook-timestamp}.{body}">`` with the
 endpoint's ``whsec_`` key, and with its previous key too for a day after a rotation that kept it —
 which the official client checks with ``client.webhooks.unwrap``. A delivery that gets no 2xx is
-retried, the wait doubling from ``webhook_retry_s`` up to an hour, until ``webhook_max_attempts``.
+retried, the wait doubling from ``webhook_retry_s`` up to an hour (or as long as a 429 or 503 answer's
+``Retry-After`` asks, within the hour), until ``webhook_max_attempts``. An attempt ends at ``webhook_timeout_s``
+whatever the endpoint does, and the due deliveries are sent a few endpoints at a time, one delivery per endpoint at
+once: a tenant's slow endpoint holds up neither the others' events nor, for long, its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import email.utils
 import hashlib
 import hmac
 import ipaddress
@@ -20,17 +25,21 @@ import logging
 import secrets
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from functools import partial
 from urllib.parse import urlsplit
 
 import httpx
-from sqlalchemy import select, update
+from sqlalchemy import Select, delete, func, or_, select, update
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from app.db.models import WebhookDelivery, WebhookEndpoint, new_id, utcnow
 from app.db.session import write_after_read, write_guard
 from app.services.transitions import as_utc
+from app.settings import WEBHOOK_CLAIM_S
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +47,11 @@ log = logging.getLogger(__name__)
 EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled", "response.completed",
                "response.failed", "response.cancelled", "response.incomplete")
 KEEP_OLD_SECRET = timedelta(hours=24)  # rotate_secret's keep_old_secret_active_for_24_hours
-CLAIM_S = 120.0  # a delivery being sent is not due again for this long (a worker that died mid-send)
+CLAIM_S = WEBHOOK_CLAIM_S  # a delivery being sent is not due again for this long (a worker that died mid-send)
 MAX_RETRY_S = 3600.0
+SENDERS = 8  # endpoints a worker sends to at once
+PER_ENDPOINT = 5  # an endpoint's due deliveries taken in one pass: one endpoint's backlog cannot fill it
+ERROR_TEXT = 500  # characters of a failed answer's body kept (and read)
 
 
 def private_address(url: str) -> str | None:
@@ -130,6 +142,7 @@ def emit(session: Session, tenant_id: str, event_type: str, object_id: str) -> i
 class Sent:
     status: int | None  # the endpoint's HTTP status (None: no answer)
     error: str | None = None
+    retry_after: float | None = None  # seconds a 429 or 503 answer asked to wait before the next attempt
 
     @property
     def ok(self) -> bool:
@@ -139,10 +152,40 @@ class Sent:
 def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float,
          private_targets: bool = True) -> Sent:
     """One signed POST of ``body`` to the endpoint (not made where ``private_targets`` is off and its host now
-    resolves to a private address; see ``target``)."""
-    to = target(endpoint.url, private_targets)
-    if isinstance(to, str):
-        return Sent(None, to)
+    resolves to a private address; see ``target``), over in ``timeout_s`` whatever the endpoint does: httpx's
+    timeout bounds each read, so an endpoint that trickles its answer a byte at a time would hold the sender for
+    ever; a deadline cancels the attempt instead."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(_attempt(endpoint, webhook_id, body, timeout_s, private_targets))
+    finally:
+        loop.close()  # without waiting for a name lookup the deadline abandoned
+
+
+async def _attempt(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float,
+                   private_targets: bool) -> Sent:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            async with asyncio.timeout_at(deadline):  # the lookup, connecting, the request and the answer's head
+                to = await loop.run_in_executor(None, target, endpoint.url, private_targets)
+                if isinstance(to, str):
+                    return Sent(None, to)
+                answer = await client.send(client.build_request(
+                    "POST", to.url, content=body.encode(), headers=_signed_headers(endpoint, webhook_id, body, to),
+                    extensions={"sni_hostname": to.sni_hostname} if to.sni_hostname else None), stream=True)
+        except TimeoutError:
+            return Sent(None, f"TimeoutError: no answer within {timeout_s:g} s")
+        except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:  # a URL it cannot send to fails the attempt
+            return Sent(None, f"{type(exc).__name__}: {exc}"[:500])
+        try:
+            return await _answered(answer, deadline)
+        finally:
+            await answer.aclose()
+
+
+def _signed_headers(endpoint: WebhookEndpoint, webhook_id: str, body: str, to: Target) -> dict[str, str]:
     ts = int(time.time())
     keys = [endpoint.secret]
     if endpoint.old_secret and endpoint.old_secret_until and as_utc(endpoint.old_secret_until) > utcnow():
@@ -152,55 +195,153 @@ def send(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeout_s: float
                                                                            for k in keys)}
     if to.host_header is not None:
         headers["host"] = to.host_header
+    return headers
+
+
+async def _answered(answer: httpx.Response, deadline: float) -> Sent:
+    """What the endpoint answered: a 2xx's body is not read; of another, what of its start arrives by the deadline."""
+    if answer.is_success:
+        return Sent(answer.status_code)
+    text = b""
     try:
-        with httpx.Client(timeout=timeout_s) as client:
-            r = client.post(to.url, content=body.encode(), headers=headers,
-                            extensions={"sni_hostname": to.sni_hostname} if to.sni_hostname else None)
-    except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:  # a URL it cannot send to fails the attempt
-        return Sent(None, f"{type(exc).__name__}: {exc}"[:500])
-    return Sent(r.status_code, None if r.is_success else r.text[:500])
+        async with asyncio.timeout_at(deadline):
+            async for chunk in answer.aiter_bytes():
+                text += chunk
+                if len(text) >= ERROR_TEXT:
+                    break
+    except (TimeoutError, httpx.HTTPError):
+        pass  # the status is the answer; the text only explains it
+    wait = retry_after(answer.headers.get("retry-after")) if answer.status_code in (429, 503) else None
+    return Sent(answer.status_code, text[:ERROR_TEXT].decode(answer.encoding or "utf-8", "replace"), wait)
+
+
+def retry_after(value: str | None) -> float | None:
+    """The seconds a ``Retry-After`` header asks for (delay-seconds or an HTTP date); None: none, or unreadable."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    when = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How deliveries are sent and retried (the ``webhook_*`` settings)."""
+
+    retry_s: float
+    max_attempts: int
+    timeout_s: float
+    private_targets: bool = True
+
+    def wait(self, attempts: int, asked: float | None) -> float:
+        """Seconds before the next attempt: the doubling backoff, or longer where the endpoint asked, up to the
+        maximum."""
+        return min(MAX_RETRY_S, max(self.retry_s * 2 ** (attempts - 1), asked or 0.0))
 
 
 def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_s: float, limit: int = 50,
                 private_targets: bool = True) -> int:
     """Sends the deliveries that are due (each claimed first, so two workers never send one at once); returns how
-    many endpoints answered 2xx."""
-    now = utcnow()
-    due = session.execute(select(WebhookDelivery.id, WebhookDelivery.next_attempt_at).where(
-        WebhookDelivery.delivered_at.is_(None), WebhookDelivery.failed_at.is_(None),
-        WebhookDelivery.next_attempt_at <= now).order_by(WebhookDelivery.next_attempt_at).limit(limit)).all()
+    many endpoints answered 2xx. The endpoints are sent to ``SENDERS`` at a time, each one's deliveries one after
+    the other until one fails; no send starts after the first ``timeout_s``, so a pass lasts at most about two
+    timeouts whatever the endpoints do."""
+    lanes = _due_by_endpoint(session, limit)
     session.commit()
+    if not lanes:
+        return 0
+    policy = Policy(retry_s, max_attempts, timeout_s, private_targets)
+    lane = partial(_deliver_lane, session.get_bind(), policy, time.monotonic() + timeout_s)
+    with ThreadPoolExecutor(min(SENDERS, len(lanes)), thread_name_prefix="webhook-send") as pool:
+        return sum(pool.map(lane, lanes))
+
+
+def _due_by_endpoint(session: Session, limit: int) -> list[list[tuple[str, datetime]]]:
+    """The due deliveries (id, next_attempt_at), at most ``PER_ENDPOINT`` of an endpoint, grouped by endpoint, the
+    longest due first."""
+    lanes: dict[str, list[tuple[str, datetime]]] = {}
+    for delivery_id, endpoint_id, when in session.execute(due_query(limit)):
+        lanes.setdefault(endpoint_id, []).append((delivery_id, when))
+    return list(lanes.values())
+
+
+def due_query(limit: int) -> Select:
+    """The due deliveries' (id, endpoint_id, next_attempt_at), the longest due first, at most ``PER_ENDPOINT`` of
+    one endpoint; read from the index of pending deliveries (``ix_webhook_deliveries_pending``)."""
+    rank = func.row_number().over(partition_by=WebhookDelivery.endpoint_id,
+                                  order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id))
+    due = select(WebhookDelivery.id, WebhookDelivery.endpoint_id, WebhookDelivery.next_attempt_at,
+                 rank.label("rank")).where(WebhookDelivery.delivered_at.is_(None), WebhookDelivery.failed_at.is_(None),
+                                           WebhookDelivery.next_attempt_at <= utcnow()).subquery()
+    return (select(due.c.id, due.c.endpoint_id, due.c.next_attempt_at).where(due.c.rank <= PER_ENDPOINT)
+            .order_by(due.c.next_attempt_at, due.c.id).limit(limit))
+
+
+def _deliver_lane(bind: Engine | Connection, policy: Policy, starts_until: float,
+                  lane: list[tuple[str, datetime]]) -> int:
+    """Sends one endpoint's due deliveries in turn (its own session: one per thread); stops at the first that
+    fails (the endpoint is down or slow: the rest wait for their next pass) or at ``starts_until``."""
     delivered = 0
-    for delivery_id, when in due:
-        with write_guard(session):
-            claimed = session.execute(update(WebhookDelivery).where(
-                WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == when,
-                WebhookDelivery.delivered_at.is_(None)).values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S))
-                .returning(WebhookDelivery.endpoint_id, WebhookDelivery.attempts, WebhookDelivery.body,
-                           WebhookDelivery.type)).first()
-            session.commit()
-        if claimed is None:
-            continue  # another worker took it, or the endpoint was deleted (its deliveries with it)
-        endpoint_id, tried, body, kind = claimed
-        endpoint = session.get(WebhookEndpoint, endpoint_id)
-        if endpoint is None:
-            continue
-        attempts = tried + 1
-        session.expunge(endpoint)
-        session.commit()  # no transaction held while the endpoint answers
-        sent = send(endpoint, delivery_id, body, timeout_s, private_targets)
-        values: dict = {"attempts": attempts, "last_status": sent.status, "last_error": sent.error}
-        if sent.ok:
-            values["delivered_at"] = utcnow()
+    with Session(bind, expire_on_commit=False) as session:
+        for delivery_id, when in lane:
+            if time.monotonic() > starts_until:
+                break
+            sent = _deliver_one(session, delivery_id, when, policy)
+            if sent is None:
+                continue
+            if not sent.ok:
+                break
             delivered += 1
-        elif attempts >= max_attempts:
-            values["failed_at"] = utcnow()
-            log.warning("gave up webhook %s (%s) to %s after %d attempts: %s", delivery_id, kind, endpoint.url,
-                        attempts, sent.error or sent.status)
-        else:
-            wait = min(MAX_RETRY_S, retry_s * 2 ** (attempts - 1))
-            values["next_attempt_at"] = utcnow() + timedelta(seconds=wait)
-        with write_after_read(session):
-            session.execute(update(WebhookDelivery).where(WebhookDelivery.id == delivery_id).values(**values))
-            session.commit()
     return delivered
+
+
+def _deliver_one(session: Session, delivery_id: str, when: datetime, policy: Policy) -> Sent | None:
+    """Claims, sends and records one delivery; None where another worker took it or its endpoint is gone."""
+    with write_guard(session):
+        claimed = session.execute(update(WebhookDelivery).where(
+            WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == when,
+            WebhookDelivery.delivered_at.is_(None)).values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S))
+            .returning(WebhookDelivery.endpoint_id, WebhookDelivery.attempts, WebhookDelivery.body,
+                       WebhookDelivery.type)).first()
+        session.commit()
+    if claimed is None:
+        return None  # another worker took it, or the endpoint was deleted (its deliveries with it)
+    endpoint_id, tried, body, kind = claimed
+    endpoint = session.get(WebhookEndpoint, endpoint_id)
+    if endpoint is None:
+        return None
+    attempts = tried + 1
+    session.expunge(endpoint)
+    session.commit()  # no transaction held while the endpoint answers
+    sent = send(endpoint, delivery_id, body, policy.timeout_s, policy.private_targets)
+    values: dict = {"attempts": attempts, "last_status": sent.status, "last_error": sent.error}
+    if sent.ok:
+        values["delivered_at"] = utcnow()
+    elif attempts >= policy.max_attempts:
+        values["failed_at"] = utcnow()
+        log.warning("gave up webhook %s (%s) to %s after %d attempts: %s", delivery_id, kind, endpoint.url,
+                    attempts, sent.error or sent.status)
+    else:
+        values["next_attempt_at"] = utcnow() + timedelta(seconds=policy.wait(attempts, sent.retry_after))
+    with write_after_read(session):
+        session.execute(update(WebhookDelivery).where(WebhookDelivery.id == delivery_id).values(**values))
+        session.commit()
+    return sent
+
+
+def delete_settled(session: Session, kept_for: timedelta, limit: int = 5000) -> int:
+    """Deletes up to ``limit`` deliveries made more than ``kept_for`` ago that were delivered or given up (the
+    sweeper's, every sweep); returns how many."""
+    old = select(WebhookDelivery.id).where(WebhookDelivery.created_at < utcnow() - kept_for, or_(
+        WebhookDelivery.delivered_at.is_not(None), WebhookDelivery.failed_at.is_not(None))).limit(limit)
+    with write_after_read(session):
+        deleted = session.execute(delete(WebhookDelivery).where(WebhookDelivery.id.in_(old))
+                                  .execution_options(synchronize_session=False)).rowcount
+        session.commit()
+    return deleted

@@ -4,15 +4,22 @@ signed deliveries: checked with the client's own ``webhooks.unwrap``, retried un
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+import re
+import socketserver
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 
 import openai
 import pytest
 from sqlalchemy import select, update
 
-from app.db.models import WebhookDelivery, WebhookEndpoint, utcnow
+from app.db.models import Tenant, WebhookDelivery, WebhookEndpoint, utcnow
 from app.db.session import session_scope
-from app.services.webhooks import EVENT_TYPES, deliver_due, emit, new_secret
+from app.services.webhooks import CLAIM_S, EVENT_TYPES, deliver_due, emit, new_secret
 
 pytestmark = pytest.mark.integration
 
@@ -255,7 +262,7 @@ def test_a_delivery_to_a_url_that_cannot_be_sent_to_counts_its_attempts(keys, db
         s.commit()
         assert deliver_due(s, retry_s=30.0, max_attempts=1, timeout_s=5.0) == 0
         row = s.scalars(select(WebhookDelivery)).one()
-        assert row.attempts == 1 and row.failed_at is not None and "UnicodeError" in row.last_error
+        assert row.attempts == 1 and row.failed_at is not None and row.last_status is None and row.last_error
 
 
 def test_a_change_raced_by_the_endpoints_deletion_is_a_404(settings, keys):
@@ -289,3 +296,169 @@ def test_a_change_raced_by_the_endpoints_deletion_is_a_404(settings, keys):
 
 def test_the_event_types_are_listed_as_the_official_client_reads_them(oai):
     assert oai.webhooks.event_types.list().data == list(EVENT_TYPES)
+
+
+def test_the_timeout_is_kept_well_inside_the_claim_of_a_delivery_being_sent():
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError):
+        Settings(webhook_timeout_s=CLAIM_S)
+
+
+@contextmanager
+def scripted_endpoint(answer: Callable[[socketserver.BaseRequestHandler], None]) -> Iterator[str]:
+    """An HTTP endpoint that reads each POST whole, then lets ``answer`` write to the connection as it likes
+    (``self.request``): trickle, hang, or ask to be called later."""
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self):
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := self.request.recv(65536)):
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+            while len(body) < length and (chunk := self.request.recv(65536)):
+                body += chunk
+            try:
+                answer(self)
+            except OSError:
+                pass  # the sender hung up
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def trickled(head: bytes, then: bytes, for_s: float = 40.0):
+    """Answers ``head`` at once, then ``then`` over and over a byte every 0.2 s, for ``for_s``: every read the
+    sender makes gets a byte well inside any per-read timeout."""
+    def answer(handler):
+        handler.request.sendall(head)
+        ends = time.monotonic() + for_s
+        while time.monotonic() < ends:
+            for byte in then:
+                handler.request.sendall(bytes([byte]))
+                time.sleep(0.2)
+    return answer
+
+
+def answered(status: str, headers: str = ""):
+    def answer(handler):
+        handler.request.sendall(f"HTTP/1.1 {status}\r\n{headers}content-length: 0\r\n\r\n".encode())
+    return answer
+
+
+def add_endpoint(s, tenant_id: str, url: str, event_type: str = "batch.completed", name: str = "we_x") -> None:
+    s.add(WebhookEndpoint(id=name, tenant_id=tenant_id, name="n", url=url, event_types=[event_type],
+                          secret=new_secret()))
+    s.commit()
+
+
+@pytest.mark.parametrize("head, then, status", [
+    (b"HTTP/1.1 200 OK\r\n", b"x-slow: 1\r\n", None),  # the head trickles: no answer by the deadline
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n", b"x", 200),  # delivered: a 2xx's body is not read
+    (b"HTTP/1.1 500 Oops\r\ncontent-length: 100000\r\n\r\n", b"x", 500),  # what of its text came in time
+])
+def test_an_attempt_ends_at_the_timeout_however_slowly_the_endpoint_answers(keys, db_url, head, then, status):
+    """httpx's timeout bounds each read: an endpoint trickling its answer held the worker's webhook thread (and
+    the delivery's claim ran out, so another worker sent it again) for as long as it liked."""
+    with scripted_endpoint(trickled(head, then)) as url, session_scope(db_url) as s:
+        add_endpoint(s, keys.tenant_id, url)
+        emit(s, keys.tenant_id, "batch.completed", "batch_slow")
+        s.commit()
+        started = time.monotonic()
+        deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=1.0)
+        took = time.monotonic() - started
+        row = s.scalars(select(WebhookDelivery)).one()
+    assert took < 15, f"the attempt took {took:.1f} s"  # the endpoint trickles for 40 s
+    assert (row.attempts, row.last_status) == (1, status), (row.last_status, row.last_error)
+    assert status == 200 or "within 1 s" in row.last_error or row.last_error.startswith("x")
+
+
+def test_a_test_delivery_ends_at_the_timeout(settings, keys):
+    """``/test`` sends from the API's threadpool: a trickling endpoint held a thread for ever per call."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    with scripted_endpoint(trickled(b"HTTP/1.1 200 OK\r\n", b"x-slow: 1\r\n")) as url, \
+            TestClient(create_app(settings.model_copy(update={"webhook_timeout_s": 1.0}))) as api:
+        oai = client_for(api, keys.paid)
+        made = oai.webhooks.create(event_types=["batch.completed"], name="slow", url=url)
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as exc:
+            oai.webhooks.test(made.id, event_type="batch.completed")
+        took = time.monotonic() - started
+    assert took < 15 and "within 1 s" in exc.value.body["message"], (took, exc.value.body)
+
+
+def test_a_hanging_endpoint_holds_up_neither_another_tenants_events_nor_its_own_backlog(keys, db_url):
+    """The endpoints are sent to at once, an endpoint's deliveries one after the other until one fails: the
+    hanging endpoint answers only once the other tenant's event arrived, so it has to be sent meanwhile."""
+    other_arrived = threading.Event()
+
+    def hang(handler):
+        other_arrived.wait(20)
+        answered("500 Internal Server Error")(handler)
+
+    def ok(handler):
+        other_arrived.set()
+        answered("200 OK")(handler)
+
+    with scripted_endpoint(hang) as slow, scripted_endpoint(ok) as fast, session_scope(db_url) as s:
+        globex = s.scalar(select(Tenant.id).where(Tenant.name == "globex"))
+        add_endpoint(s, globex, slow, "batch.failed", name="we_hang")
+        add_endpoint(s, keys.tenant_id, fast, name="we_ok")
+        for i in range(10):  # the hanging endpoint's are due first
+            emit(s, globex, "batch.failed", f"batch_{i}")
+        s.commit()
+        emit(s, keys.tenant_id, "batch.completed", "batch_ok")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=2.0) == 1
+        tried = s.execute(select(WebhookDelivery.attempts, WebhookDelivery.last_status)
+                          .where(WebhookDelivery.endpoint_id == "we_hang")).all()
+    assert sorted(tried, key=lambda t: -t[0]) == [(1, 500)] + [(0, None)] * 9, tried
+
+
+@pytest.mark.parametrize("retry_after, wait_s", [
+    ("600", 600), (format_datetime(datetime.now(UTC) + timedelta(hours=2), usegmt=True), 3600)])  # capped
+def test_the_next_attempt_waits_as_long_as_a_retry_after_asks(keys, db_url, retry_after, wait_s):
+    with scripted_endpoint(answered("429 Too Many Requests", f"retry-after: {retry_after}\r\n")) as url, \
+            session_scope(db_url) as s:
+        add_endpoint(s, keys.tenant_id, url)
+        emit(s, keys.tenant_id, "batch.completed", "batch_busy")
+        s.commit()
+        before = utcnow()
+        deliver_due(s, retry_s=1.0, max_attempts=5, timeout_s=5.0)
+        row = s.scalars(select(WebhookDelivery)).one()
+    assert row.last_status == 429
+    waited = (row.next_attempt_at.replace(tzinfo=None) - before.replace(tzinfo=None)).total_seconds()
+    assert wait_s - 60 < waited <= wait_s + 60, waited
+
+
+def test_settled_deliveries_go_after_the_retention_and_the_due_query_reads_pending_ones_only(keys, db_url):
+    """Given-up rows stayed in the due index's range for ever, slowing every poll of every worker."""
+    from app.services.webhooks import delete_settled, due_query
+
+    old, new = utcnow() - timedelta(days=8), utcnow() - timedelta(days=1)
+    with session_scope(db_url) as s:
+        add_endpoint(s, keys.tenant_id, "https://example.com/h")
+        for name, made, settled in (("wh_delivered", old, {"delivered_at": old}), ("wh_gaveup", old,
+                                    {"failed_at": old}), ("wh_pending", old, {}), ("wh_recent", new,
+                                    {"delivered_at": new})):
+            s.add(WebhookDelivery(id=name, endpoint_id="we_x", event_id="evt", type="batch.completed", body="{}",
+                                  created_at=made, next_attempt_at=made, **settled))
+        s.commit()
+        assert delete_settled(s, timedelta(days=7)) == 2
+        assert set(s.scalars(select(WebhookDelivery.id))) == {"wh_pending", "wh_recent"}
+        query = due_query(50).compile(s.get_bind())
+        plan = s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + str(query),
+                                              tuple(str(query.params[k]) for k in query.positiontup)).all()
+    assert "ix_webhook_deliveries_pending" in " ".join(str(step) for step in plan), plan
