@@ -14,7 +14,7 @@ from app.api import (admin, anthropic_messages, batches, conversations, errors, 
                      usage, webhooks)
 from app.auth import KeyCache
 from app.credentials import ensure_admin_key
-from app.db.migrate import schema_problem
+from app.db.migrate import schema_problem, upgrade
 from app.db.session import get_engine
 from app.openai_schemas import OpenAIRoute
 from app.request_id import RequestId
@@ -37,6 +37,18 @@ def schema_check(url: str) -> str | None:
         return schema_problem(conn)
 
 
+def schema_at_head(url: str) -> str | None:
+    """Migrates a database behind this coserve, as each worker does at start (the API may start first, and would
+    fail every request meanwhile); what still keeps it from the schema (None: nothing)."""
+    if schema_check(url) is None:
+        return None
+    try:
+        upgrade(url)
+    except Exception as exc:  # a database newer than this coserve, or another process migrating it
+        log.warning("could not migrate the database: %s", exc)
+    return schema_check(url)
+
+
 @asynccontextmanager
 async def lifespan(api: FastAPI):
     # load the tokenizer before the first request instead of during it
@@ -48,7 +60,7 @@ async def lifespan(api: FastAPI):
         log.warning("could not load the tokenizer of %s at start-up: %s", model, exc)
     settings = api.state.settings
     try:  # every request would fail on a schema behind this code; /readyz says so too
-        if problem := await run_in_threadpool(schema_check, settings.sqlalchemy_url):
+        if problem := await run_in_threadpool(schema_at_head, settings.sqlalchemy_url):
             log.error("%s", problem)
     except Exception as exc:
         log.warning("could not read the database's schema revision: %s", exc)
