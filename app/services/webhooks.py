@@ -69,8 +69,24 @@ def _resolve(url: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address] | 
     except (OSError, UnicodeError):
         return host or url
     addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    private = next((a for a in addresses if not a.is_global), None)
+    private = next((a for a in addresses if not public(a)), None)
     return str(private) if private is not None else addresses
+
+
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix: a gateway forwards it to IPv4
+
+
+def public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether the address and any IPv4 address it carries (mapped, compatible, 6to4, Teredo, NAT64) are public:
+    Python counts ``64:ff9b::7f00:1`` global, though a NAT64 gateway takes it to 127.0.0.1."""
+    if not address.is_global:
+        return False
+    if address.version == 4:
+        return True
+    carried = [address.ipv4_mapped, address.sixtofour, address.teredo[1] if address.teredo else None]
+    if address in NAT64 or int(address) >> 32 == 0:  # NAT64, and the deprecated IPv4-compatible ::a.b.c.d
+        carried.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    return all(v4 is None or v4.is_global for v4 in carried)
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,11 @@ def test_with_private_targets_off_internal_urls_are_refused_and_never_called(set
     clear_cache()
     with TestClient(create_app(settings.model_copy(update={"webhook_private_targets": False}))) as strict:
         oai = client_for(strict, keys.paid)
+        # and IPv6 addresses that carry an internal IPv4 one (Python counts them global): NAT64, IPv4-compatible,
+        # 6to4, Teredo
         for url in (webhook_receiver.url, "http://localhost:9/x", "http://10.1.2.3/x", "http://[::1]/x",
-                    "http://169.254.169.254/latest/meta-data"):
+                    "http://169.254.169.254/latest/meta-data", "http://[64:ff9b::7f00:1]/x", "http://[::7f00:1]/x",
+                    "http://[2002:a01:203::1]/x", "http://[2001:0:4136:e378:8000:63bf:f5fe:fdfc]/x"):
             with pytest.raises(openai.BadRequestError) as exc:
                 oai.webhooks.create(event_types=["batch.completed"], name="n", url=url)
             assert exc.value.body["param"] == "url" and "public" in exc.value.body["message"], exc.value.body
