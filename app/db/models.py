@@ -313,6 +313,16 @@ class LoraAdapter(Base):
     loaded_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class UnloadedLoraAdapter(Base):
+    """A runtime LoRA adapter an admin unloaded, and the model it adapted: its jobs still waiting go on that model's
+    queue, whose workers fail them saying it was unloaded (no worker reads a queue of the adapter's name)."""
+
+    __tablename__ = "unloaded_lora_adapters"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    unloaded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Conversation(Base):
     """OpenAI's Conversations API: items that responses given the conversation read first and add their turn to."""
 

@@ -3,7 +3,9 @@
 ``COSERVE_LORA_MODULES`` fixes the adapters a deployment starts with; with ``COSERVE_RUNTIME_LORA`` an admin adds
 more (``POST /v1/load_lora_adapter``) and removes them (``/v1/unload_lora_adapter``). SQL keeps them
 (``lora_adapters``), so every API process and every worker sees the same set. A runtime adapter's jobs go to its
-model's queue: any worker of the model serves them, loading the adapter on its first request.
+model's queue: any worker of the model serves them, loading the adapter on its first request. Unloaded, it stays in
+``unloaded_lora_adapters``: its jobs still waiting (a request that named it a moment before, a job the sweeper gives
+back) go to that queue too, where a worker fails them saying it was unloaded.
 
 Each process keeps what it read for ``FRESH_S``; a name it does not know is read again before it is refused, so a
 job may name an adapter the moment its load was answered, whichever API process takes the job.
@@ -16,11 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import delete, select
+from sqlalchemy import Select, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.db.models import LoraAdapter
+from app.db.models import LoraAdapter, UnloadedLoraAdapter
 from app.db.session import read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings, adapter_name_refusal
@@ -95,21 +97,31 @@ def is_served(settings: Settings, model: str) -> bool:
 
 def queue_model(settings: Settings, model: str) -> str:
     """The model whose queue takes a job for ``model``: a runtime adapter's model (every worker of it serves the
-    adapter), else ``model`` (a configured adapter has a queue of its own)."""
+    adapter), loaded or unloaded since, else ``model`` (a configured adapter has a queue of its own)."""
     if model in settings.served_models:
         return model
     adapter = _runtime_adapter(settings, model)
-    return adapter.model if adapter is not None else model
+    if adapter is not None:
+        return adapter.model
+    with session_scope(settings.sqlalchemy_url) as s:  # unloaded after the request named it
+        return queue_models(s, {model})[model]
 
 
 def queue_models(session: Session, models: set[str]) -> dict[str, str]:
-    """``queue_model`` for the models of jobs read from SQL (the sweeper's), in one query: model -> the model
-    whose queue takes its jobs."""
+    """``queue_model`` for the models of jobs read from SQL (the sweeper's): model -> the model whose queue takes
+    its jobs. An unloaded adapter's go there too: a worker fails them, where no worker reads a queue of its name."""
     if not models:
         return {}
-    rows = session.execute(select(LoraAdapter.name, LoraAdapter.model).where(LoraAdapter.name.in_(models))).all()
-    bases = {name: model for name, model in rows}
+    unloaded = session.execute(select(UnloadedLoraAdapter.name, UnloadedLoraAdapter.model)
+                               .where(UnloadedLoraAdapter.name.in_(models))).all()
+    live = session.execute(select(LoraAdapter.name, LoraAdapter.model).where(LoraAdapter.name.in_(models))).all()
+    bases = {**dict(unloaded), **dict(live)}  # a name loaded again since: its row now
     return {m: bases.get(m, m) for m in models}
+
+
+def unloaded_adapters(model: str) -> Select[tuple[str]]:
+    """The names of ``model``'s runtime adapters unloaded (a subquery: the work of theirs still to end)."""
+    return select(UnloadedLoraAdapter.name).where(UnloadedLoraAdapter.model == model)
 
 
 def resolve(settings: Settings, name: str) -> bool:
@@ -221,6 +233,8 @@ def unload(settings: Settings, name: str) -> None:
     with read_then_write(settings.sqlalchemy_url) as session:
         removed = session.execute(delete(LoraAdapter).where(LoraAdapter.name == name,
                                                             LoraAdapter.model == settings.model_name)).rowcount
+        if removed:  # its jobs still waiting keep their model's queue
+            session.merge(UnloadedLoraAdapter(name=name, model=settings.model_name, unloaded_at=utcnow()))
     _read.pop(settings.sqlalchemy_url, None)
     if not removed:
         raise AdapterError(f"LoRA adapter {name!r} is not loaded", status=404)

@@ -276,11 +276,14 @@ def cancel(settings: Settings, run_id: str, owner: str) -> bool:
 
 def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[Step]:
     """Steps every running summarization of this process's model whose lease is free (the
-    workers' sweeper calls this: a run goes on when the API that started it is gone)."""
+    workers' sweeper calls this: a run goes on when the API that started it is gone), its runtime
+    LoRA adapters' too, unloaded ones' included: their jobs fail, and so the run ends."""
     now = utcnow()
     with session_scope(settings.sqlalchemy_url) as s:
         ids = s.scalars(select(SummarizationRun.id).where(
-            SummarizationRun.status == "running", SummarizationRun.model.in_(lora_adapters.served_models(settings)),
+            SummarizationRun.status == "running",
+            or_(SummarizationRun.model.in_(lora_adapters.served_models(settings)),
+                SummarizationRun.model.in_(lora_adapters.unloaded_adapters(settings.model_name))),
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
             .order_by(func.random()).limit(limit)).all()  # any ``limit`` of them: none waits on older ones forever
     steps = []

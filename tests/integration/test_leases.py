@@ -261,3 +261,37 @@ def test_a_job_routed_to_a_queue_the_sweeper_just_dropped_is_rerouted_by_the_nex
     assert job_id.encode() in b"".join(r.lrange("coserve.tiny", 0, -1))
     assert not r.exists(queue) and not r.sismember(WORKER_QUEUES, queue)
     assert not r.keys(f"{queue}*")  # nothing of the dropped queue is left behind
+
+
+def test_a_job_of_an_unloaded_runtime_adapter_goes_back_to_its_models_queue(settings, keys, tmp_path):
+    """A runtime LoRA adapter's job whose lease expired after an admin unloaded the adapter: the sweeper sends it to
+    the model's queue, whose worker fails it saying the adapter was unloaded (no worker reads a queue of the
+    adapter's name); so does a request that named the adapter a moment before the unload."""
+    import json
+
+    from app.auth import authenticate
+    from app.services import lora_adapters, routing
+
+    adapter = tmp_path / "rt"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    settings.runtime_lora = True
+    lora_adapters.load(settings, "rt-lora", str(adapter))
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", max_tokens=4, model="rt-lora"),
+                            settings, dispatch=False).job.id
+    with session_scope(url) as s:
+        assert leases.acquire(s, job_id, "w1", lease_s=0.2) is not None
+    lora_adapters.unload(settings, "rt-lora")
+    time.sleep(0.3)
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, queued_grace_s=0)
+    assert result.requeued == 1 and result.dispatched == 1
+    r = redis.Redis.from_url(settings.redis_url)
+    assert job_id.encode() in b"".join(r.lrange("coserve.tiny", 0, -1)) and not r.exists("coserve.rt-lora")
+    assert routing.job_queue(settings, "rt-lora", None) == "coserve.tiny"
+    lora_adapters.load(settings, "rt-lora", str(adapter))  # loaded again, then unloaded again
+    lora_adapters.unload(settings, "rt-lora")
+    assert routing.job_queue(settings, "rt-lora", None) == "coserve.tiny"

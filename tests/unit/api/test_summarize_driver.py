@@ -245,6 +245,27 @@ def test_a_run_on_a_lora_adapter_names_it_in_every_job_and_its_models_workers_st
         assert set(s.scalars(select(Job.model))) == {"summary-lora"} and s.scalar(select(func.count(Job.id))) > 1
 
 
+def test_a_run_on_a_runtime_adapter_unloaded_since_still_ends(settings, principal, tmp_path):
+    """An admin unloads the runtime adapter a run names: the workers fail its jobs, and the sweeper still steps
+    the run (its jobs cannot be built again), so it ends instead of running for good."""
+    from app.services import lora_adapters
+
+    url = settings.sqlalchemy_url
+    adapter = tmp_path / "rt"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    settings.runtime_lora = True
+    lora_adapters.load(settings, "rt-lora", str(adapter))
+    progress = service.start_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
+                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid",
+                                 model="rt-lora")
+    lora_adapters.unload(settings, "rt-lora")
+    finish_jobs(url, "failed")  # as a worker does: the adapter was unloaded before they began
+    assert [s.outcome for s in driver.advance_open_runs(settings, "w1")] == [Outcome.STEPPED]
+    assert run_row(url, progress.id).status == "failed"
+
+
 def test_runs_an_older_version_kept_in_files_are_still_read(settings):
     folder = settings.data_dir / "summaries"
     folder.mkdir()
