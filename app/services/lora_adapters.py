@@ -68,8 +68,11 @@ def loaded(settings: Settings, *, fresh: bool = False) -> dict[str, Adapter]:
 
 
 def runtime_adapters(settings: Settings, *, fresh: bool = False) -> dict[str, Adapter]:
-    """The runtime adapters of the model this deployment serves."""
-    return {name: a for name, a in loaded(settings, fresh=fresh).items() if a.model == settings.model_name}
+    """The runtime adapters of the model this deployment serves, but those whose name the settings give the model
+    or a configured adapter since they were loaded (served as that, and listed once)."""
+    configured = {*settings.model_names, *settings.lora_modules}
+    return {name: a for name, a in loaded(settings, fresh=fresh).items()
+            if a.model == settings.model_name and name not in configured}
 
 
 def served_models(settings: Settings) -> tuple[str, ...]:
@@ -228,14 +231,15 @@ def unload(settings: Settings, name: str) -> None:
     _enabled(settings)
     if not name:
         raise AdapterError("give lora_name")
-    if name in settings.lora_modules:
-        raise AdapterError(f"LoRA adapter {name!r} is configured by COSERVE_LORA_MODULES; remove it there")
+    # a name configured since it was loaded: its runtime row goes all the same (the configured adapter stays)
     with read_then_write(settings.sqlalchemy_url) as session:
         removed = session.execute(delete(LoraAdapter).where(LoraAdapter.name == name,
                                                             LoraAdapter.model == settings.model_name)).rowcount
-        if removed:  # its jobs still waiting keep their model's queue
+        if removed and name not in settings.served_models:  # its jobs still waiting keep their model's queue
             session.merge(UnloadedLoraAdapter(name=name, model=settings.model_name, unloaded_at=utcnow()))
     _read.pop(settings.sqlalchemy_url, None)
+    if not removed and name in settings.lora_modules:
+        raise AdapterError(f"LoRA adapter {name!r} is configured by COSERVE_LORA_MODULES; remove it there")
     if not removed:
         raise AdapterError(f"LoRA adapter {name!r} is not loaded", status=404)
 
