@@ -30,12 +30,13 @@ def test_ping_load_and_a_prefix_cache_reset_that_every_worker_answers(live_serve
 
     assert httpx.post(f"{live_server}/reset_prefix_cache", headers=H(keys.paid)).status_code == 403
     r = httpx.post(f"{live_server}/reset_prefix_cache", headers=H(keys.admin), timeout=60)
-    assert r.status_code == 200 and r.json() == {"reset": True, "workers": {"w1": {"reset": True}}}, r.text
+    assert r.status_code == 200, r.text
+    assert r.json() == {"success": True, "reset": True, "workers": {"w1": {"reset": True}}}, r.text
 
     with session_scope(settings.sqlalchemy_url) as s:  # a worker whose heartbeat is fresh but which does not listen
         s.add(WorkerState(id="ghost", queue="q", device="cpu", model=settings.model_name, draining=False,
                           heartbeat_at=datetime.now(UTC), state={"served": [settings.model_name]}))
     r = httpx.post(f"{live_server}/reset_prefix_cache", headers=H(keys.admin), params={"reset_running_requests": True},
                    timeout=60)
-    assert r.status_code == 409 and r.json()["workers"] == {
+    assert r.status_code == 409 and r.json()["success"] is False and r.json()["workers"] == {
         "ghost": {"reset": False, "error": "not listening on its control channel"}, "w1": {"reset": True}}, r.text

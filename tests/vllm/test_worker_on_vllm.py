@@ -480,7 +480,8 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     # vLLM's POST /reset_prefix_cache (the admin's): the worker's engine forgets every cached block
     assert httpx.post(f"{base}/reset_prefix_cache", headers=Keys.header(keys.paid)).status_code == 403
     r = httpx.post(f"{base}/reset_prefix_cache", headers=Keys.header(keys.admin), timeout=60)
-    assert r.status_code == 200 and r.json() == {"reset": True, "workers": {"w-vllm": {"reset": True}}}, r.text
+    assert r.status_code == 200, r.text
+    assert r.json() == {"success": True, "reset": True, "workers": {"w-vllm": {"reset": True}}}, r.text
     cold = oai.completions.create(model="smollm2-135m-instruct", prompt=notes, max_tokens=2, temperature=0)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0, cold.usage
 
