@@ -14,6 +14,7 @@ job may name an adapter the moment its load was answered, whichever API process 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from app.db.session import read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings, adapter_name_refusal
 from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank
+
+log = logging.getLogger(__name__)
 
 FRESH_S = 1.0  # how long a process trusts what it read of the table
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's weight files, one of which vLLM loads
@@ -130,13 +133,23 @@ def unloaded_adapters(model: str) -> Select[tuple[str]]:
 def resolve(settings: Settings, name: str) -> bool:
     """Loads ``<COSERVE_LORA_RESOLVER_DIR>/<name>`` as the runtime adapter ``name`` where a request names an adapter
     not loaded yet (vLLM's filesystem LoRA resolver): True once loaded (by this call or a concurrent one), False
-    where the directory has no such adapter; an AdapterError where it has one this server cannot serve."""
+    where the directory has no such adapter; an AdapterError where it has one this server cannot serve, which
+    names the directory as the setting (the request's sender sees it), not by the server's path (logged)."""
     root = settings.lora_resolver_dir
     if root is None or not settings.runtime_lora or adapter_name_refusal(name) is not None:
         return False
     if name.startswith(".") or "/" in name or "\\" in name:  # one directory below the root, never above it
         return False
-    directory = (Path(root).expanduser() / name).absolute()
+    root_dir = Path(root).expanduser().absolute()
+    try:
+        return _resolve(settings, name, root_dir / name)
+    except ValueError as exc:  # an AdapterError, or an adapter_config.json without a rank
+        log.warning("LoRA adapter %r of COSERVE_LORA_RESOLVER_DIR not loaded: %s", name, exc)
+        raise AdapterError(str(exc).replace(str(root_dir), "COSERVE_LORA_RESOLVER_DIR")) from None
+
+
+def _resolve(settings: Settings, name: str, directory: Path) -> bool:
+    """``resolve`` of the adapter directory ``directory``: its errors may show the server's paths."""
     try:
         config = json.loads((directory / "adapter_config.json").read_text())
     except FileNotFoundError:

@@ -264,6 +264,30 @@ def test_a_request_naming_an_adapter_of_the_resolver_directory_loads_it(settings
         Settings(lora_resolver_dir=root)
 
 
+def test_a_resolver_adapter_this_server_cannot_serve_is_refused_without_the_servers_paths(settings, keys, tmp_path,
+                                                                                         caplog):
+    """The resolver's refusals reach whoever named the adapter: they name the adapter and COSERVE_LORA_RESOLVER_DIR,
+    not where that directory is on the server (the log has it)."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    root = tmp_path / "adapters"
+    (root / "noweights").mkdir(parents=True)
+    (root / "noweights" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    _adapter_dir(root / "norank")
+    (root / "norank" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    settings.runtime_lora, settings.lora_resolver_dir = True, root
+    with TestClient(create_app(settings)) as client:
+        for name, fragment in (("noweights", "no adapter_model.safetensors or adapter_model.bin in "
+                                             "COSERVE_LORA_RESOLVER_DIR/noweights"),
+                               ("norank", "COSERVE_LORA_RESOLVER_DIR/norank/adapter_config.json has no rank 'r'")):
+            r = client.post("/v1/completions", headers=H(keys.paid), json={"model": name, "prompt": "x"})
+            message = r.json()["error"]["message"]
+            assert r.status_code == 404 and fragment in message and str(tmp_path) not in message, (name, r.text)
+    assert str(root / "noweights") in caplog.text
+
+
 def test_adapter_names_are_checked_where_the_settings_are_read(tmp_path):
     from pydantic import ValidationError
 
