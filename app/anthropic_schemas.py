@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from app.openai_schemas import ChatCompletionRequest, OpenAIError, validation_message
+from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_job
 from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
@@ -141,15 +141,7 @@ class MessagesRequest(BaseModel):
                                        "json_schema": {"name": "output", "schema": fmt.get("schema")}}
         if isinstance(user := (self.metadata or {}).get("user_id"), str):
             body.setdefault("user", user)
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-            chat.check()
-            return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers)
-        except ValidationError as exc:
-            message, param = validation_message(list(exc.errors()))
-            raise in_messages_terms(OpenAIError(400, message, param=param)) from exc
-        except OpenAIError as exc:
-            raise in_messages_terms(exc) from exc
+        return chat_job(body, tiers, in_messages_terms)
 
 
 class CountTokensRequest(MessagesRequest):

@@ -511,6 +511,21 @@ class ChatCompletionRequest(_Base):
         return out
 
 
+def chat_job(body: dict[str, Any], tiers: tuple[str, ...], in_terms: Callable[[OpenAIError], OpenAIError],
+             batch_window_s: float | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
+    """``body`` (another API's request written as chat: Responses, Messages) as a chat request and its job, with
+    chat's checks; ``in_terms`` writes an error in the other API's field names."""
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+        chat.check()
+        return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers, batch_window_s=batch_window_s)
+    except ValidationError as exc:
+        message, param = validation_message(list(exc.errors()))
+        raise in_terms(OpenAIError(400, message, param=param)) from exc
+    except OpenAIError as exc:
+        raise in_terms(exc) from exc
+
+
 class CompletionRequest(_Base):
     # text, or token ids (OpenAI's array of tokens: what evaluation harnesses send); one prompt per request
     prompt: Text | list[Text] | list[int] | list[list[int]]

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsupported, chat_logprobs, service_tier,
-                                usage, validation_message)
+from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsupported, chat_job, chat_logprobs,
+                                service_tier, usage)
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
@@ -130,15 +130,7 @@ class ResponsesRequest(BaseModel):
             body["reasoning_effort"] = effort  # checked as chat's (reasoning.effort in the error)
         if LOGPROBS_INCLUDE in (self.include or ()):
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-            chat.check()
-            return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers, batch_window_s=batch_window_s)
-        except ValidationError as exc:
-            message, param = validation_message(list(exc.errors()))
-            raise in_responses_terms(OpenAIError(400, message, param=param)) from exc
-        except OpenAIError as exc:
-            raise in_responses_terms(exc) from exc
+        return chat_job(body, tiers, in_responses_terms, batch_window_s)
 
 
 class InputTokensRequest(ResponsesRequest):

@@ -106,6 +106,22 @@ def make_settings(data_dir: Path, db_url: str, redis_url: str, model_dir: Path):
                     sweep_seconds=0.5, default_max_tokens=16, backend="torch")  # as ``worker_env`` starts workers
 
 
+def load_runtime_adapter(settings, tmp_path: Path, name: str = "rt-lora") -> Path:
+    """Loads a runtime LoRA adapter ``name`` of the settings' model (its weights an empty file: nothing runs it);
+    returns its folder."""
+    import json
+
+    from app.services import lora_adapters
+
+    adapter = tmp_path / name
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    settings.runtime_lora = True
+    lora_adapters.load(settings, name, str(adapter))
+    return adapter
+
+
 @pytest.fixture
 def settings(tmp_path, db_url, redis_url, tiny_model_dir):
     return make_settings(tmp_path, db_url, redis_url, tiny_model_dir)

@@ -22,14 +22,12 @@ from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest
                                    message_body, stop_of, tool_use_block, usage_of)
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import anthropic_responses
-from app.api.openai_compat import (count_prompt_tokens, documented_body, job_error, json_object, submit_openai_job,
-                                   unless_disconnected)
-from app.db.models import Job, JobStatus
+from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, json_object,
+                                   submit_openai_job)
+from app.db.models import Job
 from app.openai_schemas import OpenAIError, OpenAIRoute, openai_parsed
-from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
-from app.services.answer_events import ends as job_ends
+from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
 from app.settings import Settings
-from app.tool_calls import read_answer
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +161,10 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
         events = abandoned_on_hangup(settings, [job], _events(settings, job))
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    ends = await unless_disconnected(request, job_ends(settings, [job]))
-    if ends is None:  # nobody waits for the answer any more
-        await abandon(settings, [job])
-        return Response(status_code=499)
-    end = ends[0]
-    if end.status != JobStatus.SUCCEEDED:
-        raise job_error(end.status, end.data.get("error"), end.data.get("code"))
-    answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
+    answered = await answer_of(request, settings, job)
+    if isinstance(answered, Response):
+        return answered
+    end, answer = answered
     stop = stop_of(answer.finish_reason, end.data.get("stop_reason"), bool(answer.tool_calls))
     return JSONResponse(message_body(job.id, job.model, content=content_blocks(answer), stop=stop, usage=usage_of(
         end.data["prompt_tokens"], end.data["completion_tokens"], end.data.get("cached_tokens"))), headers=headers)

@@ -41,6 +41,7 @@ from app.services.rate_limits import RateLimited, RateLimiter
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
+from app.tool_calls import Answer, read_answer
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,19 @@ def job_error(status: str | None, error: str | None, code: str | None = None) ->
         return OpenAIError(504, "the request's deadline passed before it finished", type="timeout",
                            code="deadline_exceeded")
     return OpenAIError(500, f"generation failed: {error or 'unknown error'}", type="server_error")
+
+
+async def answer_of(request: Request, settings: Settings, job: Job) -> tuple[Any, Answer] | Response:
+    """A one-job request's end and its answer, once the job succeeded (its failure raised in OpenAI's terms); a 499
+    where the client left meanwhile (the job is stopped)."""
+    ends = await unless_disconnected(request, job_ends(settings, [job]))
+    if ends is None:  # nobody waits for the answer any more
+        await abandon(settings, [job])
+        return Response(status_code=499)  # nginx's "client closed request"; no one reads it
+    end = ends[0]
+    if end.status != JobStatus.SUCCEEDED:
+        raise job_error(end.status, end.data.get("error"), end.data.get("code"))
+    return end, read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:

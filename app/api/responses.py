@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
-from app.api.openai_compat import (count_prompt_tokens, documented_body, job_error, read_body, submit_openai_job,
-                                   unless_disconnected)
+from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, read_body,
+                                   submit_openai_job)
 from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import read_then_write, write_after_read
@@ -32,13 +32,12 @@ from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_it
                                    stored_answer, token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
-from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandon, abandoned_on_hangup, answer_events
-from app.services.answer_events import ends as job_ends
+from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
 from app.services.job_follow import stream_expired
 from app.services.truncation import fit_context
 from app.services.cancel import cancel
 from app.settings import Settings
-from app.tool_calls import Answer, read_answer
+from app.tool_calls import Answer
 
 log = logging.getLogger(__name__)
 
@@ -312,14 +311,10 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
         return StreamingResponse(events, media_type="text/event-stream", headers=headers | _STREAM_HEADERS)
     if body.background:  # the client polls GET /v1/responses/{id}; nothing here waits for the job
         return JSONResponse(response_body(job, kept, settings.tiers, status="queued"), headers=headers)
-    ends = await unless_disconnected(request, job_ends(settings, [job]))
-    if ends is None:  # nobody waits for the answer any more
-        await abandon(settings, [job])
-        return Response(status_code=499)
-    end = ends[0]
-    if end.status != JobStatus.SUCCEEDED:
-        raise job_error(end.status, end.data.get("error"), end.data.get("code"))
-    answer = read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
+    answered = await answer_of(request, settings, job)
+    if isinstance(answered, Response):
+        return answered
+    end, answer = answered
     return JSONResponse(response_body(job, kept, settings.tiers, status=JobStatus.SUCCEEDED, answer=answer,
                                       prompt_tokens=end.data["prompt_tokens"],
                                       completion_tokens=end.data["completion_tokens"],

@@ -13,6 +13,7 @@ from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import session_scope
 from app.schemas import JobCreate
 from app.services.jobs import submit_job
+from tests.conftest import load_runtime_adapter
 from workers import lease as leases
 from workers.sweeper import sweep
 
@@ -267,17 +268,10 @@ def test_a_job_of_an_unloaded_runtime_adapter_goes_back_to_its_models_queue(sett
     """A runtime LoRA adapter's job whose lease expired after an admin unloaded the adapter: the sweeper sends it to
     the model's queue, whose worker fails it saying the adapter was unloaded (no worker reads a queue of the
     adapter's name); so does a request that named the adapter a moment before the unload."""
-    import json
-
     from app.auth import authenticate
     from app.services import lora_adapters, routing
 
-    adapter = tmp_path / "rt"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
-    settings.runtime_lora = True
-    lora_adapters.load(settings, "rt-lora", str(adapter))
+    adapter = load_runtime_adapter(settings, tmp_path)
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
         job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", max_tokens=4, model="rt-lora"),

@@ -18,7 +18,7 @@ from app.services.transitions import utcnow
 from app.summarize import driver, service
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
-from tests.conftest import make_settings
+from tests.conftest import load_runtime_adapter, make_settings
 
 LONG = " ".join(f"Fact number {i} is about the topic of the document." for i in range(60))
 
@@ -251,12 +251,7 @@ def test_a_run_on_a_runtime_adapter_unloaded_since_still_ends(settings, principa
     from app.services import lora_adapters
 
     url = settings.sqlalchemy_url
-    adapter = tmp_path / "rt"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
-    settings.runtime_lora = True
-    lora_adapters.load(settings, "rt-lora", str(adapter))
+    load_runtime_adapter(settings, tmp_path)
     progress = service.start_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
                                  max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid",
                                  model="rt-lora")
