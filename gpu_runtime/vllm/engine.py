@@ -187,7 +187,9 @@ class VLLMEngine:
     # ---- the loop (engine thread only) ----
     def step(self) -> list[RequestOutput]:
         outputs = self._take_inbox()
-        if not self.llm.has_unfinished_requests():
+        # an abort that left nothing to run still steps once: vLLM's scheduler clears the aborted requests and its
+        # stat logger records the emptied state (else vllm:num_requests_running and the KV usage stay as they were)
+        if not self.llm.has_unfinished_requests() and not self.core_scheduler.has_requests():
             self.idle = not outputs
             return outputs
         t0 = time.perf_counter()

@@ -96,3 +96,17 @@ def test_coserve_profile_times_the_vllm_engine(tmp_path):
     assert Machine.from_dict(prof.meta["machine"]) == cpu_machine()  # what COSERVE_COST_PROFILE=auto matches on
     model = scheduling_cost_model(out)
     assert model.predict(BatchFeatures.of_shape(64, 0, 2, 64)) > model.predict(BatchFeatures.of_shape(0, 0, 2, 64))
+
+
+def test_vllms_gauges_empty_once_a_cancel_leaves_the_engine_idle():
+    """A request aborted while it decodes, the last one: vLLM's stat logger records the emptied scheduler (no request
+    running, no KV block held). Before, the engine stopped stepping once nothing was left, so vLLM never recorded
+    after the abort and /metrics showed the cancelled request running for good."""
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.aborted_request"], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # vLLM logs to stdout too: the answer is its one JSON line
+    gauges = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"running"')))
+    running, idle = gauges["running"], gauges["idle"]
+    assert running["vllm:num_requests_running"] == 1 and running["vllm:kv_cache_usage_perc"] > 0, running
+    assert idle == {"vllm:num_requests_running": 0, "vllm:kv_cache_usage_perc": 0}, idle
