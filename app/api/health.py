@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from importlib.metadata import version as package_version
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import SessionDep, SettingsDep
 from app.db.migrate import schema_problem
 from app.db.models import Job, JobStatus
+from app.db.session import DATABASE_UNAVAILABLE
 from app.services.model_info import context_length
 from app.services.notify import redis_client
 from app.services.workers import live_workers, served_context
@@ -121,12 +122,16 @@ def ping(session: SessionDep, settings: SettingsDep) -> Response:
 UNFINISHED = tuple(s.value for s in JobStatus if not s.terminal)
 
 
-@router.get("/load")
+@router.get("/load", responses={503: {"description": "the database cannot be reached"}})
 def load(session: SessionDep) -> dict[str, int]:
     """vLLM's load figure for a router in front of several deployments: the jobs this deployment has accepted and
     not finished (queued, running or relegated, every model's and tenant's)."""
-    return {"server_load": session.scalar(select(func.count()).select_from(Job)
-                                          .where(Job.status.in_(UNFINISHED))) or 0}
+    try:
+        unfinished = session.scalar(select(func.count()).select_from(Job).where(Job.status.in_(UNFINISHED)))
+    except DATABASE_UNAVAILABLE as exc:  # the router in front tries another deployment, as it would on a 503
+        log.warning("/load: the database cannot be reached: %s", exc)
+        raise HTTPException(503, "the database cannot be reached; /readyz says what else is down") from exc
+    return {"server_load": unfinished or 0}
 
 
 @router.get("/version")

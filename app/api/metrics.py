@@ -1,5 +1,8 @@
 """``GET /metrics``: Prometheus text format, derived from SQL at scrape time, with vLLM's own engine series
-from the workers that run it (see app.observability)."""
+from the workers that run it (see app.observability).
+
+Where the database cannot be reached the scrape still answers, with ``coserve:database_up`` 0 and the series kept in
+Redis (the engines', the rate limits'), as an exporter reports the system it watches being down."""
 
 from __future__ import annotations
 
@@ -8,14 +11,15 @@ import logging
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from sqlalchemy import select
 
 from app.api.deps import SettingsDep
-from app.db.models import WorkerState
-from app.db.session import session_scope
+from app.db.session import DATABASE_UNAVAILABLE
 from app.observability.collector import SqlCollector
 from app.observability.engine_metrics import EngineMetricsCollector
 from app.observability.rate_limit_metrics import RateLimitCollector
+from app.services.lora_adapters import served_models
+from app.services.workers import heartbeat_cutoff
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +29,22 @@ router = APIRouter(tags=["metrics"])
 @router.get("/metrics", include_in_schema=False)
 def metrics(settings: SettingsDep) -> Response:
     registry = CollectorRegistry(auto_describe=False)
-    engine_names: set[str] = set()
-    if settings.redis_url:  # vLLM's own series from the workers on the vLLM backend
-        with session_scope(settings.sqlalchemy_url) as s:
-            workers = list(s.scalars(select(WorkerState.id)))
-        engines = EngineMetricsCollector(settings.redis_url, workers)
-        engine_names = engines.names()
-        registry.register(engines)
+    sql = SqlCollector(settings.sqlalchemy_url, settings.model_name, tiers=settings.tiers,
+                       models=_counted_models(settings), live_since=heartbeat_cutoff(settings),
+                       # vLLM exports these names itself: from the configuration, so a scrape's names never
+                       # depend on whether Redis answered it
+                       vllm_aliases=settings.engine_backend != "vllm")
+    registry.register(sql)
+    if settings.redis_url:  # vLLM's own series from the live workers on the vLLM backend
+        registry.register(EngineMetricsCollector(settings.redis_url, sql.live_workers()))
         registry.register(RateLimitCollector(settings.redis_url))
-    registry.register(SqlCollector(settings.sqlalchemy_url, settings.model_name, tiers=settings.tiers,
-                                   engine_names=engine_names))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _counted_models(settings: Settings) -> tuple[str, ...]:
+    """The jobs' models this deployment's series count: its model and adapters (those loaded at runtime too, where
+    the database says which)."""
+    try:
+        return served_models(settings)
+    except DATABASE_UNAVAILABLE:  # the collector's own read fails alike, and says so
+        return settings.served_models

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 try:
     import fcntl
@@ -24,6 +26,11 @@ from sqlalchemy.orm import Session, sessionmaker
 log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 15_000
+# a server that stops answering fails a request (and a probe: /readyz) in seconds, not after the kernel's TCP timeout
+CONNECT_TIMEOUT_S = 5
+POOL_TIMEOUT_S = 10  # the longest a request waits for a pooled connection while all are in use
+# what a database that cannot be reached raises: refused, timed out, or no pooled connection came free in time
+DATABASE_UNAVAILABLE = (OperationalError, PoolTimeout)
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -55,7 +62,17 @@ def make_engine(url: str, **kwargs) -> Engine:
         event.listen(engine, "connect", lambda c, _r: setattr(c, "isolation_level", None))
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_timeout=POOL_TIMEOUT_S,
+                         connect_args=server_connect_args(url), **kwargs)
+
+
+def server_connect_args(url: str) -> dict[str, int]:
+    """The driver's connect timeout for a database server (libpq's ``connect_timeout``: PostgreSQL's drivers),
+    unless the URL sets its own."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql" or "connect_timeout" in parsed.query:
+        return {}
+    return {"connect_timeout": CONNECT_TIMEOUT_S}
 
 
 @lru_cache(maxsize=16)

@@ -3,8 +3,8 @@
 Workers are separate processes (and machines); rather than prometheus multiprocess mode,
 the API derives every metric from SQL, the source of truth: gauges from the current job
 states and worker heartbeats, histograms and counters from the finished jobs' metrics.
-Names follow vLLM's (``vllm:`` -> ``coserve:``) where one exists, and those series are exported under
-vLLM's own ``vllm:`` name too (``VLLM_ALIASES``).
+Names follow vLLM's (``vllm:`` -> ``coserve:``) where one exists, and where the workers do not run vLLM (which
+exports those itself) the series are exported under vLLM's own ``vllm:`` name too (``VLLM_ALIASES``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -19,7 +22,7 @@ from sqlalchemy import case, func, literal_column, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus, WorkerState
-from app.db.session import session_scope
+from app.db.session import DATABASE_UNAVAILABLE, session_scope
 from app.services.transitions import as_utc, utcnow
 
 log = logging.getLogger(__name__)
@@ -58,29 +61,77 @@ def vllm_alias(family: Metric) -> Metric:
     return alias
 
 
+def database_up(up: bool) -> GaugeMetricFamily:
+    family = GaugeMetricFamily("coserve:database_up", "1 where this scrape read the database; 0: it could not be "
+                               "reached, and the series derived from it are missing.")
+    family.add_metric([], 1.0 if up else 0.0)
+    return family
+
+
+@dataclass
+class Tables:
+    """What one scrape read from the database."""
+
+    by_state: list  # (status, tier, jobs) of the model's jobs
+    workers: list[WorkerState]  # the live ones
+    histograms: list[Metric]
+    counters: list[Metric]
+
+
 class SqlCollector(Collector):
-    def __init__(self, url: str, model_name: str, tiers: Sequence[str] | None = None,
-                 engine_names: set[str] | frozenset[str] = frozenset()) -> None:
+    def __init__(self, url: str, model_name: str, tiers: Sequence[str] | None = None, *,
+                 models: Sequence[str] | None = None, vllm_aliases: bool = True,
+                 live_since: datetime | None = None) -> None:
         """``tiers``: the configured tiers, each gets its gauge series (zero when it has no jobs).
-        ``engine_names``: the ``vllm:`` names the engines export themselves (their aliases are left out)."""
+        ``models``: the jobs' models counted, under ``model_name`` (the model's and its adapters', as vLLM counts an
+        adapter's requests under its model; default: ``model_name``'s alone): other models on the same database are
+        their own deployments'. ``vllm_aliases``: the series under vLLM's names too (off where the workers run vLLM,
+        which exports them itself). ``live_since``: workers whose last heartbeat is older are lost, left out."""
         if tiers is None:
             from app.settings import get_settings
 
             tiers = get_settings().tiers
         self.url, self.model_name, self.tiers = url, model_name, tuple(tiers)
-        self.engine_names = engine_names
+        self.models = tuple(models) if models is not None else (model_name,)
+        self.vllm_aliases, self.live_since = vllm_aliases, live_since
 
-    def collect(self) -> Iterator:
+    @cached_property
+    def tables(self) -> Tables | None:
+        """The scrape's reads (made once); None where the database could not be reached."""
+        try:
+            return self._query()
+        except DATABASE_UNAVAILABLE as exc:
+            log.warning("/metrics: the database cannot be reached: %s", exc)
+            return None
+
+    def live_workers(self) -> list[str] | None:
+        """The live workers' ids; None where the database could not be reached."""
+        tables = self.tables
+        return None if tables is None else [w.id for w in tables.workers]
+
+    def _query(self) -> Tables:
         # every aggregate is computed by the database: a scrape costs a few grouped scans, not
         # a transfer of every finished job to Python
+        workers = select(WorkerState)
+        if self.live_since is not None:
+            workers = workers.where(WorkerState.heartbeat_at >= self.live_since)
         with session_scope(self.url) as s:
-            by_state = s.execute(select(Job.status, Job.tier, func.count()).group_by(Job.status, Job.tier)).all()
-            workers = list(s.scalars(select(WorkerState)))
-            histograms = list(self._histograms(s))
-            counters = list(self._counters(s))
-        for family in (*self._gauges(by_state, workers), *histograms, *counters):
+            by_state = s.execute(select(Job.status, Job.tier, func.count()).where(self._served())
+                                 .group_by(Job.status, Job.tier)).all()
+            return Tables(by_state, list(s.scalars(workers.order_by(WorkerState.id))), list(self._histograms(s)),
+                          list(self._counters(s)))
+
+    def _served(self):
+        return Job.model.in_(self.models)
+
+    def collect(self) -> Iterator:
+        tables = self.tables
+        yield database_up(tables is not None)
+        if tables is None:
+            return
+        for family in (*self._gauges(tables.by_state, tables.workers), *tables.histograms, *tables.counters):
             yield family
-            if family.name in VLLM_ALIASES and VLLM_ALIASES[family.name] not in self.engine_names:
+            if self.vllm_aliases and family.name in VLLM_ALIASES:
                 yield vllm_alias(family)
 
     def _gauges(self, by_state, workers) -> Iterator:
@@ -143,7 +194,7 @@ class SqlCollector(Collector):
         )
         for name, doc, edges, value in series:
             fam = HistogramMetricFamily(name, doc, labels=["model_name", "tier", "kind"])
-            rows = s.execute(histogram_query(value, edges)).all()
+            rows = s.execute(histogram_query(value, edges, self._served())).all()
             for tier, kind, count, total, *cumulative in rows:
                 buckets = [(repr(float(e)), float(c or 0)) for e, c in zip(edges, cumulative)]
                 fam.add_metric([self.model_name, tier, kind], [*buckets, ("+Inf", float(count))], float(total or 0))
@@ -164,17 +215,18 @@ class SqlCollector(Collector):
         gen = CounterMetricFamily("coserve:generation_tokens", "Generated tokens of those jobs (a cancelled one's "
                                   "before the cancel).", labels=["model_name"])
         finished = Job.finished_at.is_not(None)
+        served = self._served()
         slo_acc: dict[tuple[str, str, str], int] = defaultdict(int)
         for tier, kind, met, n in s.execute(select(Job.tier, Job.kind, Job.slo_met, func.count())
-                                            .where(finished, Job.slo_met.is_not(None))
+                                            .where(finished, served, Job.slo_met.is_not(None))
                                             .group_by(Job.tier, Job.kind, Job.slo_met)):
             slo_acc[(tier, kind, "met" if met else "violated")] += n
         for (tier, kind, out), n in sorted(slo_acc.items()):
             slo.add_metric([self.model_name, tier, kind, out], n)
-        for reason, n in s.execute(success_query()):
+        for reason, n in s.execute(success_query(served)):
             success.add_metric([self.model_name, reason], n)
-        p, c, g = s.execute(tokens_query()).one()
-        for status, n in s.execute(select(Job.status, func.count()).where(finished).group_by(Job.status)
+        p, c, g = s.execute(tokens_query(served)).one()
+        for status, n in s.execute(select(Job.status, func.count()).where(finished, served).group_by(Job.status)
                                    .order_by(Job.status)):
             outcome.add_metric([self.model_name, status], n)
         prompt.add_metric([self.model_name], p or 0)
@@ -183,26 +235,28 @@ class SqlCollector(Collector):
         yield from (slo, success, outcome, prompt, cached, gen)
 
 
-def histogram_query(value, edges: Sequence[float]):
-    """Per (tier, kind): count, sum and one cumulative bucket count per edge (``value <= edge``)."""
+def histogram_query(value, edges: Sequence[float], *where):
+    """Per (tier, kind): count, sum and one cumulative bucket count per edge (``value <= edge``), of the finished
+    jobs ``where`` holds."""
     return (select(Job.tier, Job.kind, func.count(value), func.sum(value),
                    *(func.sum(case((value <= e, 1), else_=0)) for e in edges))
-            .where(Job.finished_at.is_not(None), value.is_not(None))
+            .where(Job.finished_at.is_not(None), value.is_not(None), *where)
             .group_by(Job.tier, Job.kind).order_by(Job.tier, Job.kind))
 
 
-def success_query():
-    """Succeeded jobs per finish reason."""
+def success_query(*where):
+    """Succeeded jobs (those ``where`` holds) per finish reason."""
     return (select(FINISH_REASON, func.count())
-            .where(Job.finished_at.is_not(None), Job.status == JobStatus.SUCCEEDED.value)
+            .where(Job.finished_at.is_not(None), Job.status == JobStatus.SUCCEEDED.value, *where)
             .group_by(FINISH_REASON).order_by(FINISH_REASON))
 
 
-def tokens_query():
-    """Prompt, cached prompt and generated token sums of the jobs an engine ran: the ones with an output count
-    (succeeded, or cancelled after their first token: what they ran before the cancel, as the Usage API bills)."""
+def tokens_query(*where):
+    """Prompt, cached prompt and generated token sums of the jobs an engine ran (those ``where`` holds): the ones
+    with an output count (succeeded, or cancelled after their first token: what they ran before the cancel, as the
+    Usage API bills)."""
     return select(func.sum(Job.prompt_tokens), func.sum(Job.cached_tokens), func.sum(Job.completion_tokens)).where(
-        Job.finished_at.is_not(None), Job.completion_tokens.is_not(None))
+        Job.finished_at.is_not(None), Job.completion_tokens.is_not(None), *where)
 
 
 def seconds_between(dialect: str, start, end):

@@ -68,7 +68,9 @@ def merge(snapshots: dict[str, list[dict]]) -> list[Metric]:
 class EngineMetricsCollector(Collector):
     """The live workers' engine series, read from Redis at scrape time."""
 
-    def __init__(self, redis_url: str, worker_ids: list[str]) -> None:
+    def __init__(self, redis_url: str, worker_ids: list[str] | None) -> None:
+        """``worker_ids``: the live workers (None where the database cannot say: every snapshot still in Redis, each
+        expiring once its worker stops beating)."""
         self.redis_url, self.worker_ids = redis_url, worker_ids
         self._families: list[Metric] | None = None
 
@@ -78,18 +80,21 @@ class EngineMetricsCollector(Collector):
         return self._families
 
     def _read(self) -> dict[str, list[dict]]:
-        if not self.worker_ids:
+        if self.worker_ids == []:
             return {}
         import redis
 
         try:
             client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
-            raw = client.mget([engine_metrics_key(w) for w in self.worker_ids])
+            workers = self.worker_ids
+            if workers is None:
+                workers = sorted(k.decode()[len(KEY_PREFIX):] for k in client.scan_iter(KEY_PREFIX + "*"))
+            raw = client.mget([engine_metrics_key(w) for w in workers]) if workers else []
         except redis.RedisError as exc:  # the SQL-derived series still answer
             log.warning("engine metrics unavailable: %s", exc)
             return {}
         out = {}
-        for worker_id, blob in zip(self.worker_ids, raw):
+        for worker_id, blob in zip(workers, raw):
             if blob:
                 try:
                     out[worker_id] = json.loads(blob)

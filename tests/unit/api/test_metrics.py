@@ -14,8 +14,8 @@ from app.services.transitions import utcnow
 
 
 def _job(tenant, status, tier, **kw):
-    return Job(tenant_id=tenant, kind=kw.pop("kind", "interactive"), tier=tier, model="tiny", status=status,
-               prompt="x", sampling={}, **kw)
+    return Job(tenant_id=tenant, kind=kw.pop("kind", "interactive"), tier=tier, model=kw.pop("model", "tiny"),
+               status=status, prompt="x", sampling={}, **kw)
 
 
 def _seed(db_url) -> None:
@@ -135,3 +135,55 @@ def test_vllm_names_carry_the_same_series(client, db_url):
         mine = {(n[len(ours):], lab): v for (n, lab), v in samples.items() if n.startswith(ours)}
         alias = {(n[len(theirs):], lab): v for (n, lab), v in samples.items() if n.startswith(theirs)}
         assert mine and mine == alias, ours
+
+
+def _scrape(client) -> dict:
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(client.get("/metrics").text) for smp in fam.samples}
+
+
+def test_a_lost_workers_series_leave_the_scrape(client, db_url):
+    """A worker killed without deregistering keeps its row; past the liveness cutoff its KV usage, preemptions,
+    routed queue and heartbeat age are no longer exported (the heartbeat age grew for ever)."""
+    with session_scope(db_url) as s:
+        s.add_all([WorkerState(id=w, model="tiny", queue="q", device="cpu", heartbeat_at=at,
+                               state={"kv_usage": 0.5, "kv_recomputes": 1, "routed_waiting": 2})
+                   for w, at in (("live", utcnow()), ("killed", utcnow() - timedelta(hours=1)))])
+    workers = {dict(labels).get("worker") for (name, labels) in _scrape(client)
+               if name.startswith(("coserve:kv_cache_usage_perc", "coserve:num_preemptions",
+                                   "coserve:worker_routed_jobs_waiting", "coserve:worker_heartbeat_age_seconds"))}
+    assert workers == {"live"}
+
+
+def test_vllm_names_come_from_the_engines_alone_on_the_vllm_backend(client, settings, db_url):
+    """Where the workers run vLLM, the vllm: names are vLLM's own series: coserve's aliases stay out whether or not
+    an engine's snapshot was read at this scrape (before, a scrape that found none exported the aliases instead,
+    with other labels and buckets)."""
+    _seed(db_url)
+    settings.backend = "vllm"
+    scraped = _scrape(client)
+    assert not [name for name, _labels in scraped if name.startswith("vllm:")]
+    assert scraped[("coserve:num_requests_running", (("model_name", "tiny"), ("tier", "paid")))] == 2
+    settings.backend = "torch"
+    assert ("vllm:num_requests_running", (("model_name", "tiny"), ("tier", "paid"))) in _scrape(client)
+
+
+def test_the_series_count_the_deployments_own_model_and_its_adapters(client, settings, db_url):
+    """Several models on one database: each API counts its model's jobs (an adapter's under the model's name, as
+    vLLM counts them), never another model's under its own name."""
+    settings.lora_modules = {"tiny-lora": "/adapters/tiny-lora"}
+    with session_scope(db_url) as s:
+        t = Tenant(name="multi")
+        s.add(t)
+        s.flush()
+        done = {"finished_at": utcnow(), "prompt_tokens": 5, "completion_tokens": 3}
+        s.add_all([_job(t.id, "running", "paid"), _job(t.id, "succeeded", "paid", **done),
+                   _job(t.id, "succeeded", "paid", **{**done, "model": "tiny-lora"}),
+                   _job(t.id, "running", "paid", model="other"), _job(t.id, "queued", "paid", model="other"),
+                   _job(t.id, "succeeded", "paid", **{**done, "model": "other"})])
+    scraped = _scrape(client)
+    assert scraped[("coserve:num_requests_running", (("model_name", "tiny"), ("tier", "paid")))] == 1
+    assert scraped[("coserve:num_requests_waiting", (("model_name", "tiny"), ("tier", "paid")))] == 0
+    assert scraped[("coserve:generation_tokens_total", (("model_name", "tiny"),))] == 6
+    assert scraped[("coserve:request_outcome_total", (("model_name", "tiny"), ("status", "succeeded")))] == 2
+    assert not [labels for _name, labels in scraped if ("model_name", "other") in labels]

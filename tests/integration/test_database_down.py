@@ -1,0 +1,78 @@
+"""The API's probes and metrics while its database cannot be reached: a PostgreSQL URL on a closed port (refused at
+once) and one on a server that accepts connections and never answers (a hung database)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.observability.engine_metrics import engine_metrics_key
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _postgres_url(port: int) -> str:
+    return f"postgresql+psycopg2://coserve@127.0.0.1:{port}/coserve"
+
+
+def _app(settings):
+    from app.auth import clear_cache
+    from app.main import create_app
+
+    clear_cache()
+    return create_app(settings)
+
+
+@pytest.fixture
+def refused_db_client(settings) -> Iterator[TestClient]:
+    settings.database_url = _postgres_url(free_port())  # nothing listens there
+    with TestClient(_app(settings)) as c:
+        yield c
+
+
+def test_load_is_a_503_saying_the_database_cannot_be_reached(refused_db_client):
+    r = refused_db_client.get("/load")
+    assert r.status_code == 503 and "database cannot be reached" in r.json()["detail"], r.text
+
+
+def test_metrics_serve_the_redis_series_and_say_the_database_is_down(refused_db_client, settings):
+    engine = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
+               "samples": [["vllm:num_requests_running", {"model_name": "tiny"}, 2.0]]}]
+    redis.Redis.from_url(settings.redis_url).set(engine_metrics_key("w1"), json.dumps(engine), ex=60)
+    r = refused_db_client.get("/metrics")
+    assert r.status_code == 200, r.text
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert families["coserve:database_up"].samples[0].value == 0
+    running = families["vllm:num_requests_running"].samples
+    assert [(s.labels, s.value) for s in running] == [({"model_name": "tiny", "worker_id": "w1"}, 2.0)]
+    assert "coserve:rate_limited_requests" in families
+    assert "coserve:num_requests_waiting" not in families  # nothing made up where SQL could not be read
+
+
+def test_readyz_answers_503_within_seconds_while_the_database_hangs(settings):
+    """A database server that takes the connection and never answers (stopped, a dead network path): /readyz fails
+    on the connect timeout; before, it waited on the kernel's TCP timeout (minutes)."""
+    # the socket closes first (its waiting connections reset): a probe still waiting on it ends, and the pool joins
+    with ThreadPoolExecutor(1) as pool, socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes the handshakes; nothing ever reads or answers
+        settings.database_url = _postgres_url(silent.getsockname()[1])
+
+        def probe() -> tuple[int, dict, float]:
+            with TestClient(_app(settings)) as c:  # start-up reads the schema: bounded the same way
+                t0 = time.monotonic()
+                r = c.get("/readyz")
+                return r.status_code, r.json(), time.monotonic() - t0
+
+        status, body, took = pool.submit(probe).result(timeout=120)
+    assert status == 503 and body["checks"]["database"].startswith("error"), body
+    assert took < 30
