@@ -16,6 +16,7 @@ from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem, upgrade
 from app.db.session import get_engine
+from app.observability.logs import configure_logging
 from app.openai_schemas import OpenAIRoute
 from app.request_id import RequestId
 from app.services.job_writer import JobWriter
@@ -131,6 +132,7 @@ class BodyLimit:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
+    configure_logging()  # as the workers do: the API's own INFO lines are kept, at COSERVE_LOG_LEVEL
     api = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan,
                   description="Co-serving interactive LLM requests and deadline batch jobs.")
     api.state.settings = settings or get_settings()

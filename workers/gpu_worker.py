@@ -41,6 +41,7 @@ from app.embedded import redis_silent
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
+from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
 from app.services.dispatch import send_job
@@ -463,8 +464,7 @@ def run_worker(settings: Settings) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
+    configure_logging()
     run_worker(Settings())
 
 

@@ -424,12 +424,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     ) -> None:
         """Run one long-lived GPU worker (needs REDIS_URL and the database URL). Options after these go to its vLLM
         engine, as `vllm serve` takes them (e.g. --tensor-parallel-size 2 --gpu-memory-utilization 0.85)."""
+        from app.observability.logs import configure_logging
         from workers.gpu_worker import run_worker
 
         settings = _settings(model=model, device=device, worker_id=worker_id)
         settings = settings.model_copy(update={"vllm_args": vllm_flags(ctx, settings)[0]})
-        logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"),
-                            format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
+        configure_logging()
         run_worker(settings)
 
     @cli.command()
