@@ -16,6 +16,7 @@ from app.auth import KeyCache
 from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem, upgrade
 from app.db.session import get_engine
+from app.observability.http_metrics import instrument
 from app.observability.logs import configure_logging
 from app.openai_schemas import OpenAIRoute
 from app.request_id import RequestId
@@ -142,6 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
+    api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
     for module in (health, jobs, openai_compat, responses, anthropic_messages, conversations, models, tokenize, lora,
                    files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache):
         api.include_router(module.router)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -27,7 +27,7 @@ router = APIRouter(tags=["metrics"])
 
 
 @router.get("/metrics", include_in_schema=False)
-def metrics(settings: SettingsDep) -> Response:
+def metrics(request: Request, settings: SettingsDep) -> Response:
     registry = CollectorRegistry(auto_describe=False)
     sql = SqlCollector(settings.sqlalchemy_url, settings.model_name, tiers=settings.tiers,
                        models=_counted_models(settings), live_since=heartbeat_cutoff(settings),
@@ -38,6 +38,7 @@ def metrics(settings: SettingsDep) -> Response:
     if settings.redis_url:  # vLLM's own series from the live workers on the vLLM backend
         registry.register(EngineMetricsCollector(settings.redis_url, sql.live_workers()))
         registry.register(RateLimitCollector(settings.redis_url))
+    registry.register(request.app.state.http_metrics)  # the app's HTTP series (app.observability.http_metrics)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -187,3 +187,15 @@ def test_the_series_count_the_deployments_own_model_and_its_adapters(client, set
     assert scraped[("coserve:generation_tokens_total", (("model_name", "tiny"),))] == 6
     assert scraped[("coserve:request_outcome_total", (("model_name", "tiny"), ("status", "succeeded")))] == 2
     assert not [labels for _name, labels in scraped if ("model_name", "other") in labels]
+
+
+def test_http_requests_are_counted_per_route_template(client, keys):
+    """As `vllm serve`'s http_ series: by route template, so a job's id is no label value, and every URL no route
+    matches under one handler: the series stay bounded whatever clients ask for."""
+    for n in range(3):
+        client.get(f"/v1/jobs/no-such-job-{n}", headers={"Authorization": f"Bearer {keys.paid}"})
+        client.get(f"/no/such/path/{n}")
+    client.get("/healthz")
+    handlers = {dict(labels)["handler"]: value for (name, labels), value in _scrape(client).items()
+                if name == "http_requests_total"}
+    assert handlers == {"/v1/jobs/{job_id}": 3, "none": 3}, handlers  # the probe is not traffic
