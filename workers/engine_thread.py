@@ -256,20 +256,21 @@ class EngineThread:
         reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
         output = self._output(job, m)
         stop_reason = job.request.stop_reason  # the stop string or token id that ended it (vLLM's stop_reason)
-        values = {**output, "finish_reason": reason, "stop_reason": stop_reason, "queue_s": m.queue_s,
-                  "ttft_s": m.ttft_s, "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s,
+        values = {**output, **self._timings(m), "finish_reason": reason, "stop_reason": stop_reason,
+                  "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s,
                   "slo_met": m.slo_met,
                   "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
         lease = job.lease
+        kept = {**output, **self._timings(m)}
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
                           data={**{k: output[k] for k in USAGE}, "stop_reason": stop_reason, "metrics": m.as_dict()})
 
         def write(s: Session) -> bool | list[tuple[str, StreamEvent]]:
             if leases.finish(s, lease, JobStatus.SUCCEEDED, values, detail=f"finished ({reason})"):
                 return True
-            if leases.keep_cancelled(s, lease, output):  # cancelled as it finished: its output stays, as an abort's
-                return self._kept(lease, output)
+            if leases.keep_cancelled(s, lease, kept):  # cancelled as it finished: its output stays, as an abort's
+                return self._kept(lease, kept)
             return False
         return Record(f"the result of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease)
 
@@ -294,7 +295,13 @@ class EngineThread:
         """What a job that ends cancelled keeps of its attempt: its output so far, or no output where the engine
         had begun its prompt only (None: the engine never scheduled it, or did not count)."""
         started = m is not None and (m.num_output_tokens or m.queue_s is not None)
-        return cls._output(job, m) if started else None
+        return {**cls._output(job, m), **cls._timings(m)} if started else None
+
+    @staticmethod
+    def _timings(m: Any) -> dict[str, float | None]:
+        """When the engine began the job's prompt and made its first token: a job cancelled after them keeps them
+        too, as vLLM records a request's time to first token when the token comes, whatever ends the request."""
+        return {"queue_s": m.queue_s, "ttft_s": m.ttft_s}
 
     @staticmethod
     def _output(job: ActiveJob, m: Any) -> dict[str, Any]:

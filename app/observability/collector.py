@@ -183,14 +183,14 @@ class SqlCollector(Collector):
         queue_s = func.coalesce(Job.queue_s, seconds_between(s.get_bind().dialect.name, Job.created_at,
                                                              Job.started_at))
         series = (
-            ("coserve:time_to_first_token_seconds", "Time to first token, per finished job.", TTFT_BUCKETS,
-             Job.ttft_s),
+            ("coserve:time_to_first_token_seconds", "Time to first token, per finished job (one cancelled after "
+             "its first token too).", TTFT_BUCKETS, Job.ttft_s),
             ("coserve:time_per_output_token_seconds", "Median time between output tokens, per finished job.",
              TPOT_BUCKETS, Job.tbt_p50_s),
             ("coserve:e2e_request_latency_seconds", "Submission to last token, per finished job.", E2E_BUCKETS,
              Job.ttlt_s),
             ("coserve:request_queue_time_seconds", "Submission to the engine running the first chunk of the "
-             "prompt, per finished job.", E2E_BUCKETS, queue_s),
+             "prompt, per finished job (one cancelled after that too).", E2E_BUCKETS, queue_s),
         )
         for name, doc, edges, value in series:
             fam = HistogramMetricFamily(name, doc, labels=["model_name", "tier", "kind"])

@@ -364,6 +364,10 @@ def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, 
         assert kept == {cancelled.job_id: ("Hello", 2, 8, 0), finishing.job_id: ("Hello world", 3, 8, 0),
                         prefilled.job_id: ("", 0, 8, 0)}
         assert {(r.status, r.finish_reason) for r in rows.values()} == {("cancelled", "cancelled")}
+        # the timings it made before the cancel, as vLLM records a time to first token when the token comes
+        assert rows[cancelled.job_id].ttft_s == pytest.approx(0.1 - cancelled.request.arrival_time)
+        assert rows[prefilled.job_id].ttft_s is None
+        assert rows[prefilled.job_id].queue_s == pytest.approx(0.05 - prefilled.request.arrival_time)
         assert all(r.output_text is None for r in rows.values() if r.id not in kept)
         assert (rows[rerun.job_id].attempt, rows[rerun.job_id].worker_id) == (2, "w2")
         ends = s.scalars(select(JobEvent.to_status).where(JobEvent.job_id.in_(list(kept)),
