@@ -102,8 +102,5 @@ class EngineMetricsCollector(Collector):
                     log.warning("unreadable engine metrics from %s", worker_id)
         return out
 
-    def names(self) -> set[str]:
-        return {f.name for f in self.families()}
-
     def collect(self) -> Iterator[Metric]:
         yield from self.families()
