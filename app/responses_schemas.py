@@ -113,6 +113,7 @@ class ResponsesRequest(BaseModel):
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
         messages += input_messages(self.input) if self.input is not None else []
+        _check_call_outputs(messages)
         if raw.get("return_token_ids"):
             raise OpenAIError(400, "return_token_ids is chat's and completions' (vLLM's): a Response carries no token "
                                    "ids; leave it unset", param="return_token_ids", code="unsupported_value")
@@ -214,6 +215,18 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise OpenAIError(400, f"{where}.type {kind!r} is not supported; use message, function_call or "
                                    "function_call_output", param=f"{where}.type", code="unsupported_value")
     return out
+
+
+def _check_call_outputs(messages: list[dict[str, Any]]) -> None:
+    """Refuses a function_call_output whose call_id no function_call before it has (in the input or the turns it
+    continues), as OpenAI does: the model would read an answer to a call it never made."""
+    made: set[str] = set()
+    for m in messages:
+        made.update(call["id"] for call in m.get("tool_calls") or ())
+        if m["role"] == "tool" and m.get("tool_call_id") not in made:
+            raise OpenAIError(400, f"no function_call with call_id {m.get('tool_call_id')!r} comes before its "
+                                   "function_call_output: give the call in input, or continue the response that "
+                                   "made it (previous_response_id)", param="input")
 
 
 def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:

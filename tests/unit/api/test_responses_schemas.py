@@ -45,6 +45,17 @@ def test_input_items_become_chat_messages_and_parallel_calls_one_turn():
                                                                                    "text": "Weather\ntoday?"}
 
 
+def test_a_call_output_answers_a_call_made_before_it():
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    with pytest.raises(OpenAIError) as exc:  # OpenAI refuses it: the model would read an answer to no call
+        chat({"input": [output]})
+    assert exc.value.param == "input" and "'c1'" in exc.value.message
+    made = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    assert chat({"input": [output]}, history=made).messages[-1] == {  # the call in the continued conversation
+        "role": "tool", "tool_call_id": "c1", "content": "sunny"}
+
+
 def test_the_chat_request_carries_instructions_tools_format_and_qos():
     req = chat({"input": "Hi", "instructions": "Be brief", "max_output_tokens": 5, "tier": "free", "ttft_ms": 900,
                 "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
