@@ -57,7 +57,7 @@ def parse_window(text: str) -> float:
 class OpenAIError(Exception):
     """Raised in OpenAI-compatible routes; rendered as ``{"error": {...}}``."""
 
-    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+    def __init__(self, status_code: int, message: str, *, type: str | None = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
@@ -108,7 +108,11 @@ def openai_parsed(model: type[BaseModel], body: Any) -> Any:
 
 
 class OpenAIRoute(CheckedRoute):
-    """A route whose errors (auth, validation, HTTPException) come out in OpenAI's shape."""
+    """A route whose errors (auth, validation, HTTPException) come out in OpenAI's shape (``error``'s)."""
+
+    def error(self, exc: OpenAIError) -> Response:
+        """The answer to a refusal (a subclass writes it in another API's shape)."""
+        return exc.response()
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
@@ -117,12 +121,13 @@ class OpenAIRoute(CheckedRoute):
             try:
                 return await handler(request)
             except OpenAIError as exc:
-                return exc.response()
+                return self.error(exc)
             except RequestValidationError as exc:
                 message, param = validation_message(validation_errors(exc))
-                return error_response(400, message, param=param, code="invalid_value")
+                return self.error(OpenAIError(400, message, param=param, code="invalid_value"))
             except HTTPException as exc:  # Starlette's: FastAPI raises it too (a body it cannot read)
-                return error_response(exc.status_code, str(exc.detail))
+                return self.error(OpenAIError(exc.status_code, str(exc.detail), type=None,
+                                              headers=dict(exc.headers or {})))
 
         return wrapped
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -25,9 +25,10 @@ from app.api.errors import anthropic_responses
 from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, json_object,
                                    submit_openai_job)
 from app.db.models import Job
-from app.openai_schemas import OpenAIError, OpenAIRoute, openai_parsed
+from app.openai_schemas import FINAL, OpenAIError, OpenAIRoute, openai_parsed
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
 from app.settings import Settings
+from app.wire import json_safe
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +36,11 @@ log = logging.getLogger(__name__)
 class AnthropicRoute(OpenAIRoute):
     """A route whose errors come out in Anthropic's shape (``{"type": "error", "error": {...}}``)."""
 
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def wrapped(request: Request) -> Response:
-            response = await handler(request)
-            if response.status_code < 400 or not isinstance(response, JSONResponse):
-                return response
-            error = json.loads(response.body).get("error")
-            out = JSONResponse(error_body(response.status_code, (error or {}).get("message", "")),
-                               status_code=response.status_code)
-            for name, value in response.headers.items():  # rate limits, Retry-After, x-should-retry
-                if name not in ("content-length", "content-type"):
-                    out.headers[name] = value
-            return out
-
-        return wrapped
+    def error(self, exc: OpenAIError) -> Response:
+        headers = exc.headers | (FINAL if exc.status_code == 409 else {})  # its SDKs read x-should-retry too
+        # json_safe: a message may quote what the client sent (a lone surrogate cannot be encoded)
+        return JSONResponse(json_safe(error_body(exc.status_code, exc.message)), status_code=exc.status_code,
+                            headers=headers)
 
 
 router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicRoute)
