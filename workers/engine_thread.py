@@ -256,13 +256,13 @@ class EngineThread:
         reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
         output = self._output(job, m)
         stop_reason = job.request.stop_reason  # the stop string or token id that ended it (vLLM's stop_reason)
-        values = {**output, **self._timings(m), "finish_reason": reason, "stop_reason": stop_reason,
+        kept = {**output, **self._timings(m)}  # what it keeps where a cancel came as it finished
+        values = {**kept, "finish_reason": reason, "stop_reason": stop_reason,
                   "tbt_p50_s": m.tbt_p50_s, "tbt_p99_s": m.tbt_p99_s, "ttlt_s": m.ttlt_s,
                   "slo_met": m.slo_met,
                   "slo_miss": m.slo_miss.as_dict() if getattr(m, "slo_miss", None) else None,
                   "first_token_at": job.created_at + timedelta(seconds=m.ttft_s) if m.ttft_s is not None else None}
         lease = job.lease
-        kept = {**output, **self._timings(m)}
         end = StreamEvent("end", lease.attempt, status="succeeded", finish_reason=reason,
                           data={**{k: output[k] for k in USAGE}, "stop_reason": stop_reason, "metrics": m.as_dict()})
 
