@@ -145,7 +145,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
     for module in (health, jobs, openai_compat, responses, anthropic_messages, conversations, models, tokenize, lora,
-                   files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache):
+                   files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions,
+                   prefix_cache):
         api.include_router(module.router)
     api.include_router(openai_compat.sagemaker)
     api.include_router(webhooks.event_types_router)

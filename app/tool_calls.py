@@ -189,10 +189,11 @@ class Answer:
 def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_reason: str | None) -> Answer:
     """The answer in a chat job's text. A forced choice's text is the calls (no content): a named function's
     arguments as generated (cut short by max_tokens too, as vLLM answers), the list of ``"required"`` (where
-    max_tokens cut it: the calls it began, as they were streamed; a text that is no list is the content); ``"auto"`` reads the model's own syntax (the job's ``tool_parser``),
-    with the content before the calls. Calls end in ``tool_calls`` except a named one, which ends in ``stop``,
-    as OpenAI answers them. A reasoning model's thinking comes first, out of the content (the job's
-    ``reasoning_parser``); its calls are read from the rest."""
+    max_tokens cut it: the calls it began, as they were streamed; a text that is no list is the content);
+    ``"auto"`` reads the model's own syntax (the job's ``tool_parser``), with the content before the calls.
+    Calls end in ``tool_calls`` except a named one, which ends in ``stop``, as OpenAI answers them. A reasoning
+    model's thinking comes first, out of the content (the job's ``reasoning_parser``); its calls are read from the
+    rest."""
     sampling = sampling or {}
     if parser := sampling.get("reasoning_parser"):
         reasoning, content = split_reasoning(parser, text)
