@@ -198,8 +198,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise OpenAIError(400, f"{where}: a function_call has call_id, name and arguments (strings)",
                                   param=where)
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = chat_call(item)
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
                 out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
@@ -339,6 +338,12 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
     """A chat tool call as a Responses function_call item (its id is chat's call id, as is its call_id)."""
     return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": status,
             "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+def chat_call(item: dict[str, Any]) -> dict[str, Any]:
+    """A function_call item (its call_id, name and arguments) as a chat tool call: ``call_item``'s inverse."""
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
 def output_items(job_id: str, answer: Answer, logprobs: list[dict[str, Any]] | None = None,

@@ -128,17 +128,24 @@ def job_error(status: str | None, error: str | None, code: str | None = None) ->
     return OpenAIError(500, f"generation failed: {error or 'unknown error'}", type="server_error")
 
 
-async def answer_of(request: Request, settings: Settings, job: Job) -> tuple[Any, Answer] | Response:
-    """A one-job request's end and its answer, once the job succeeded (its failure raised in OpenAI's terms); a 499
-    where the client left meanwhile (the job is stopped)."""
-    ends = await unless_disconnected(request, job_ends(settings, [job]))
-    if ends is None:  # nobody waits for the answer any more
-        await abandon(settings, [job])
+async def ends_of(request: Request, settings: Settings, jobs: list[Job]) -> list[Any] | Response:
+    """The request's jobs' ends, once its first succeeded (its failure raised in OpenAI's terms); a 499 where the
+    client left meanwhile (the jobs are stopped)."""
+    ends = await unless_disconnected(request, job_ends(settings, jobs))
+    if ends is None:  # nobody waits for the answer any more: stop generating it
+        await abandon(settings, jobs)
         return Response(status_code=499)  # nginx's "client closed request"; no one reads it
-    end = ends[0]
-    if end.status != JobStatus.SUCCEEDED:
-        raise job_error(end.status, end.data.get("error"), end.data.get("code"))
-    return end, read_answer(job.id, job.sampling, end.data["output_text"], end.finish_reason)
+    if ends[0].status != JobStatus.SUCCEEDED:
+        raise job_error(ends[0].status, ends[0].data.get("error"), ends[0].data.get("code"))
+    return ends
+
+
+async def answer_of(request: Request, settings: Settings, job: Job) -> tuple[Any, Answer] | Response:
+    """A one-job request's end and its answer (``ends_of``'s 499 where the client left)."""
+    ends = await ends_of(request, settings, [job])
+    if isinstance(ends, Response):
+        return ends
+    return ends[0], read_answer(job.id, job.sampling, ends[0].data["output_text"], ends[0].finish_reason)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -281,12 +288,9 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)
         return StreamingResponse(abandoned_on_hangup(settings, jobs, chunks), media_type="text/event-stream",
                                  headers=headers)
-    ends = await unless_disconnected(request, job_ends(settings, jobs))
-    if ends is None:  # nobody waits for the answer any more: stop generating it
-        await abandon(settings, jobs)
-        return Response(status_code=499)  # nginx's "client closed request"; no one reads it
-    if ends[0].status != JobStatus.SUCCEEDED:
-        raise job_error(ends[0].status, ends[0].data.get("error"), ends[0].data.get("code"))
+    ends = await ends_of(request, settings, jobs)
+    if isinstance(ends, Response):
+        return ends
     coserve = {"job_id": jobs[0].id} | ({"job_ids": [job.id for job in jobs]} if len(jobs) > 1 else {})
     extra = {"system_fingerprint": None, "service_tier": service_tier(jobs[0].tier, settings.tiers),
              "coserve": coserve}

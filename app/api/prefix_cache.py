@@ -37,12 +37,7 @@ async def reset_prefix_cache(session: SessionDep, settings: SettingsDep, _admin:
 
 
 @router.post("/reset_mm_cache", response_class=Response, responses=NOTHING_CACHED)
-async def reset_mm_cache(_admin: AdminPrincipal) -> Response:
-    """vLLM's multi-modal input cache: the models coserve serves take text alone."""
-    return Response(status_code=200)
-
-
 @router.post("/reset_encoder_cache", response_class=Response, responses=NOTHING_CACHED)
-async def reset_encoder_cache(_admin: AdminPrincipal) -> Response:
-    """vLLM's encoder output cache (multi-modal and encoder-decoder models): none for a text-only model."""
+async def reset_nothing(_admin: AdminPrincipal) -> Response:
+    """vLLM's multi-modal input cache and encoder output cache: none for the text-only models coserve serves."""
     return Response(status_code=200)

@@ -27,9 +27,9 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus
 from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_item, history_of, in_responses_terms,
-                                   item_page, job_id_of, message_item, own_input_items, reasoning_item, response_body,
-                                   stored_answer, token_logprobs)
+from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_item, chat_call, history_of,
+                                   in_responses_terms, item_page, job_id_of, message_item, own_input_items,
+                                   reasoning_item, response_body, stored_answer, token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
@@ -220,9 +220,8 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                         for out in close_thought("incomplete") + close_message("incomplete") + close_calls(
                                 "incomplete"):
                             yield out
-                        so_far = Answer(text or None, [{"id": c["call_id"], "type": "function", "function": {
-                            "name": c["name"], "arguments": c["arguments"]}} for c in calls.values()] or None,
-                                        "stop", thinking or None)
+                        so_far = Answer(text or None, [chat_call(c) for c in calls.values()] or None, "stop",
+                                        thinking or None)
                         yield _event("response.failed", response=response_body(
                             job, kept, settings.tiers, status=JobStatus.CANCELLED, answer=so_far,
                             prompt_tokens=job.prompt_tokens, completion_tokens=generated, logprobs=logprobs))
