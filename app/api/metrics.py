@@ -1,4 +1,5 @@
-"""``GET /metrics``: Prometheus text format, derived from SQL at scrape time, with vLLM's own engine series
+"""``GET /metrics``: Prometheus text format, derived from SQL at scrape time (the finished jobs' totals kept between
+scrapes: app.observability.tally), with vLLM's own engine series
 from the workers that run it (see app.observability).
 
 Where the database cannot be reached the scrape still answers, with ``coserve:database_up`` 0 and the series kept in
@@ -33,7 +34,7 @@ def metrics(request: Request, settings: SettingsDep) -> Response:
                        models=_counted_models(settings), live_since=heartbeat_cutoff(settings),
                        # vLLM exports these names itself: from the configuration, so a scrape's names never
                        # depend on whether Redis answered it
-                       vllm_aliases=settings.engine_backend != "vllm")
+                       vllm_aliases=settings.engine_backend != "vllm", tally=request.app.state.metrics_tally)
     registry.register(sql)
     if settings.redis_url:  # vLLM's own series from the live workers on the vLLM backend
         registry.register(EngineMetricsCollector(settings.redis_url, sql.live_workers()))

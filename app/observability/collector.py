@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import DATABASE_UNAVAILABLE, session_scope
-from app.services.transitions import as_utc, utcnow
+from app.observability.tally import Groups, Summed, Tally
+from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,15 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0, 28800.0, 86400.0)
+# (name, help, bucket edges) of the histograms of finished jobs (their values: SqlCollector._summed)
+HISTOGRAMS = (
+    ("coserve:time_to_first_token_seconds", "Time to first token, per finished job (one cancelled after its first "
+     "token too).", TTFT_BUCKETS),
+    ("coserve:time_per_output_token_seconds", "Median time between output tokens, per finished job.", TPOT_BUCKETS),
+    ("coserve:e2e_request_latency_seconds", "Submission to last token, per finished job.", E2E_BUCKETS),
+    ("coserve:request_queue_time_seconds", "Submission to the engine running the first chunk of the prompt, per "
+     "finished job (one cancelled after that too).", E2E_BUCKETS),
+)
 WAITING = (JobStatus.QUEUED.value, JobStatus.DISPATCHED.value)
 # a job that succeeded without a recorded reason stopped on EOS/stop; one expression object
 # (a literal, not a bind parameter) so SELECT, GROUP BY and ORDER BY render identically:
@@ -72,21 +82,21 @@ def database_up(up: bool) -> GaugeMetricFamily:
 class Tables:
     """What one scrape read from the database."""
 
-    by_state: list  # (status, tier, jobs) of the model's jobs
+    by_state: list  # (status, tier, jobs) of the model's jobs not yet ended
     workers: list[WorkerState]  # the live ones
-    histograms: list[Metric]
-    counters: list[Metric]
+    totals: dict[str, Groups]  # the finished jobs' sums (SqlCollector._summed)
 
 
 class SqlCollector(Collector):
     def __init__(self, url: str, model_name: str, tiers: Sequence[str] | None = None, *,
                  models: Sequence[str] | None = None, vllm_aliases: bool = True,
-                 live_since: datetime | None = None) -> None:
+                 live_since: datetime | None = None, tally: Tally | None = None) -> None:
         """``tiers``: the configured tiers, each gets its gauge series (zero when it has no jobs).
         ``models``: the jobs' models counted, under ``model_name`` (the model's and its adapters', as vLLM counts an
         adapter's requests under its model; default: ``model_name``'s alone): other models on the same database are
         their own deployments'. ``vllm_aliases``: the series under vLLM's names too (off where the workers run vLLM,
-        which exports them itself). ``live_since``: workers whose last heartbeat is older are lost, left out."""
+        which exports them itself). ``live_since``: workers whose last heartbeat is older are lost, left out.
+        ``tally``: the finished jobs' totals kept from earlier scrapes (default: none, all are read)."""
         if tiers is None:
             from app.settings import get_settings
 
@@ -94,6 +104,7 @@ class SqlCollector(Collector):
         self.url, self.model_name, self.tiers = url, model_name, tuple(tiers)
         self.models = tuple(models) if models is not None else (model_name,)
         self.vllm_aliases, self.live_since = vllm_aliases, live_since
+        self.tally = tally if tally is not None else Tally()
 
     @cached_property
     def tables(self) -> Tables | None:
@@ -110,16 +121,20 @@ class SqlCollector(Collector):
         return None if tables is None else [w.id for w in tables.workers]
 
     def _query(self) -> Tables:
-        # every aggregate is computed by the database: a scrape costs a few grouped scans, not
-        # a transfer of every finished job to Python
+        # every aggregate is computed by the database, over the jobs not yet ended and those finished since the
+        # tally's horizon: a scrape costs a few grouped index scans, not a pass over every job
         workers = select(WorkerState)
         if self.live_since is not None:
             workers = workers.where(WorkerState.heartbeat_at >= self.live_since)
         with session_scope(self.url) as s:
-            by_state = s.execute(select(Job.status, Job.tier, func.count()).where(self._served())
-                                 .group_by(Job.status, Job.tier)).all()
-            return Tables(by_state, list(s.scalars(workers.order_by(WorkerState.id))), list(self._histograms(s)),
-                          list(self._counters(s)))
+            # by status alone, the models picked here: the planner then takes the status index (SQLite, without
+            # statistics, took the model's, a pass over every job the model ever had)
+            live = s.execute(select(Job.status, Job.tier, Job.model, func.count())
+                             .where(Job.status.in_([st.value for st in NOT_TERMINAL]))
+                             .group_by(Job.status, Job.tier, Job.model)).all()
+            by_state = [(status, tier, n) for status, tier, model, n in live if model in self.models]
+            totals = self.tally.totals(s, (self.url, self.models), self._summed(s))
+            return Tables(by_state, list(s.scalars(workers.order_by(WorkerState.id))), totals)
 
     def _served(self):
         return Job.model.in_(self.models)
@@ -129,7 +144,8 @@ class SqlCollector(Collector):
         yield database_up(tables is not None)
         if tables is None:
             return
-        for family in (*self._gauges(tables.by_state, tables.workers), *tables.histograms, *tables.counters):
+        for family in (*self._gauges(tables.by_state, tables.workers), *self._histograms(tables.totals),
+                       *self._counters(tables.totals)):
             yield family
             if self.vllm_aliases and family.name in VLLM_ALIASES:
                 yield vllm_alias(family)
@@ -177,30 +193,36 @@ class SqlCollector(Collector):
         yield preempt
         yield routed
 
-    def _histograms(self, s: Session) -> Iterator:
+    def _summed(self, s: Session) -> dict[str, Summed]:
+        """The additive reads of finished jobs, by name: each histogram's and each counter's."""
         # the engine's queue time (submission to the first prompt chunk); rows written before workers recorded it
         # fall back to submission to the worker's lease
         queue_s = func.coalesce(Job.queue_s, seconds_between(s.get_bind().dialect.name, Job.created_at,
                                                              Job.started_at))
-        series = (
-            ("coserve:time_to_first_token_seconds", "Time to first token, per finished job (one cancelled after "
-             "its first token too).", TTFT_BUCKETS, Job.ttft_s),
-            ("coserve:time_per_output_token_seconds", "Median time between output tokens, per finished job.",
-             TPOT_BUCKETS, Job.tbt_p50_s),
-            ("coserve:e2e_request_latency_seconds", "Submission to last token, per finished job.", E2E_BUCKETS,
-             Job.ttlt_s),
-            ("coserve:request_queue_time_seconds", "Submission to the engine running the first chunk of the "
-             "prompt, per finished job (one cancelled after that too).", E2E_BUCKETS, queue_s),
-        )
-        for name, doc, edges, value in series:
+        served, finished = self._served(), Job.finished_at.is_not(None)
+        values = {"coserve:time_to_first_token_seconds": Job.ttft_s,
+                  "coserve:time_per_output_token_seconds": Job.tbt_p50_s,
+                  "coserve:e2e_request_latency_seconds": Job.ttlt_s, "coserve:request_queue_time_seconds": queue_s}
+        histograms = {name: Summed(histogram_query(values[name], edges, served), keys=2)
+                      for name, _doc, edges in HISTOGRAMS}
+        return {**histograms,
+                "slo": Summed(select(Job.tier, Job.kind, Job.slo_met, func.count())
+                              .where(finished, served, Job.slo_met.is_not(None))
+                              .group_by(Job.tier, Job.kind, Job.slo_met), keys=3),
+                "success": Summed(success_query(served), keys=1),
+                "tokens": Summed(tokens_query(served), keys=0),
+                "outcome": Summed(select(Job.status, func.count()).where(finished, served).group_by(Job.status),
+                                  keys=1)}
+
+    def _histograms(self, totals: dict[str, Groups]) -> Iterator:
+        for name, doc, edges in HISTOGRAMS:
             fam = HistogramMetricFamily(name, doc, labels=["model_name", "tier", "kind"])
-            rows = s.execute(histogram_query(value, edges, self._served())).all()
-            for tier, kind, count, total, *cumulative in rows:
-                buckets = [(repr(float(e)), float(c or 0)) for e, c in zip(edges, cumulative)]
-                fam.add_metric([self.model_name, tier, kind], [*buckets, ("+Inf", float(count))], float(total or 0))
+            for (tier, kind), (count, total, *cumulative) in sorted(totals[name].items()):
+                buckets = [(repr(float(e)), c) for e, c in zip(edges, cumulative)]
+                fam.add_metric([self.model_name, tier, kind], [*buckets, ("+Inf", count)], total)
             yield fam
 
-    def _counters(self, s: Session) -> Iterator:
+    def _counters(self, totals: dict[str, Groups]) -> Iterator:
         slo = CounterMetricFamily("coserve:slo_attainment", "Finished jobs that met or violated their SLO, by tier.",
                                   labels=["model_name", "tier", "kind", "outcome"])
         success = CounterMetricFamily("coserve:request_success", "Finished jobs by finish reason.",
@@ -214,24 +236,16 @@ class SqlCollector(Collector):
                                      labels=["model_name"])
         gen = CounterMetricFamily("coserve:generation_tokens", "Generated tokens of those jobs (a cancelled one's "
                                   "before the cancel).", labels=["model_name"])
-        finished = Job.finished_at.is_not(None)
-        served = self._served()
-        slo_acc: dict[tuple[str, str, str], int] = defaultdict(int)
-        for tier, kind, met, n in s.execute(select(Job.tier, Job.kind, Job.slo_met, func.count())
-                                            .where(finished, served, Job.slo_met.is_not(None))
-                                            .group_by(Job.tier, Job.kind, Job.slo_met)):
-            slo_acc[(tier, kind, "met" if met else "violated")] += n
-        for (tier, kind, out), n in sorted(slo_acc.items()):
-            slo.add_metric([self.model_name, tier, kind, out], n)
-        for reason, n in s.execute(success_query(served)):
+        for (tier, kind, met), (n,) in sorted(totals["slo"].items()):
+            slo.add_metric([self.model_name, tier, kind, "met" if met else "violated"], n)
+        for (reason,), (n,) in sorted(totals["success"].items()):
             success.add_metric([self.model_name, reason], n)
-        p, c, g = s.execute(tokens_query(served)).one()
-        for status, n in s.execute(select(Job.status, func.count()).where(finished, served).group_by(Job.status)
-                                   .order_by(Job.status)):
+        for (status,), (n,) in sorted(totals["outcome"].items()):
             outcome.add_metric([self.model_name, status], n)
-        prompt.add_metric([self.model_name], p or 0)
-        cached.add_metric([self.model_name], c or 0)
-        gen.add_metric([self.model_name], g or 0)
+        p, c, g = totals["tokens"].get((), (0.0, 0.0, 0.0))
+        prompt.add_metric([self.model_name], p)
+        cached.add_metric([self.model_name], c)
+        gen.add_metric([self.model_name], g)
         yield from (slo, success, outcome, prompt, cached, gen)
 
 

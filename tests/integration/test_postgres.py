@@ -234,6 +234,28 @@ def test_usage_buckets_on_postgres(pg_url):
         [("a", 10)], [("a", 20), ("b", 40)], [], [("a", 80)]]
 
 
+def test_metrics_with_a_tally_on_postgres(pg_url):
+    """/metrics' grouped SQL runs on PostgreSQL (the horizon's flag is one expression in SELECT and GROUP BY), and
+    scrapes that keep the settled totals give what one reading every job gives."""
+    from app.db.migrate import upgrade
+    from app.observability.collector import SqlCollector
+    from app.observability.tally import Tally
+    from tests.unit.api.test_metrics import _ended, _samples, _seed
+
+    upgrade(pg_url)
+    _seed(pg_url)
+    _ended(pg_url, (timedelta(hours=1), 100))
+
+    def scrape(tally):  # all but the heartbeat's age, which the clock moves
+        samples = _samples(SqlCollector(pg_url, "tiny", tiers=("free", "paid"), tally=tally).collect())
+        return {key: value for key, value in samples.items() if "heartbeat_age" not in key[0]}
+
+    tally = Tally()
+    scrapes = [scrape(tally), scrape(tally)]
+    assert scrapes[0] == scrapes[1] == scrape(Tally())
+    assert scrapes[0][("coserve:prompt_tokens_total", (("model_name", "tiny"),))] == 15 + 4 + 100
+
+
 def test_stored_chat_completions_on_postgres(pg_url):
     """The stored-completion list's filter on a JSON field (``store``) and its cursor on PostgreSQL."""
     from datetime import UTC, datetime, timedelta

@@ -10,6 +10,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from app.db.models import Job, Tenant, WorkerState
 from app.db.session import session_scope
 from app.observability.collector import TTFT_BUCKETS, SqlCollector, histogram_query, seconds_between, success_query
+from app.observability.tally import SETTLE, Tally
 from app.services.transitions import utcnow
 
 
@@ -99,6 +100,40 @@ def test_buckets_are_cumulative_across_edges(db_url):
     assert edges == sorted(edges)  # never decreasing: each bucket counts everything at or below its edge
     assert samples[("coserve:time_to_first_token_seconds_count",
                     (("kind", "interactive"), ("model_name", "tiny"), ("tier", "paid")))] == 4
+
+
+def _ended(db_url, *jobs: tuple[timedelta, int]) -> None:
+    """Succeeded jobs, each (how long ago it finished, its prompt tokens)."""
+    now = utcnow()
+    with session_scope(db_url) as s:
+        tenant = s.query(Tenant).first() or Tenant(name="t")
+        s.add(tenant)
+        s.flush()
+        s.add_all([_job(tenant.id, "succeeded", "paid", finished_at=now - ago, ttft_s=0.03, prompt_tokens=tokens,
+                        completion_tokens=1) for ago, tokens in jobs])
+
+
+def test_a_tally_reads_each_settled_job_once(db_url):
+    """The jobs finished before the horizon are summed once and kept: a later scrape reads only those finished
+    since, and adds the recent ones afresh each time (never twice)."""
+    _ended(db_url, (timedelta(hours=1), 10), (timedelta(0), 5))
+    tally = Tally()
+
+    def scrape(collector_tally):
+        samples = _samples(SqlCollector(db_url, "tiny", tiers=("paid",), tally=collector_tally).collect())
+        ttft = samples[("coserve:time_to_first_token_seconds_count",
+                        (("kind", "interactive"), ("model_name", "tiny"), ("tier", "paid")))]
+        return samples[("coserve:prompt_tokens_total", (("model_name", "tiny"),))], ttft
+
+    assert scrape(tally) == (15, 2)
+    assert tally.horizon is not None and utcnow() - tally.horizon >= SETTLE
+    # an end written an hour behind its stamp lies in the span kept: this tally does not read it; a new end counts
+    _ended(db_url, (timedelta(hours=2), 100), (timedelta(0), 1000))
+    assert scrape(tally) == (1015, 3)
+    assert scrape(tally) == (1015, 3)  # the recent jobs once, scrape after scrape
+    assert scrape(Tally()) == (1115, 4)  # a process starting afresh reads all
+    tally.scope = ("another database",)
+    assert scrape(tally) == (1115, 4)  # kept for other models or another database: started over
 
 
 def test_every_configured_tier_has_gauges(db_url):
