@@ -18,9 +18,9 @@ from app.db.migrate import schema_problem, upgrade
 from app.db.session import get_engine
 from app.observability.http_metrics import instrument
 from app.observability.tally import Tally
-from app.observability.logs import configure_logging
+from app.observability.logs import API_LOG_FORMAT, configure_logging
 from app.openai_schemas import OpenAIRoute
-from app.request_id import RequestId
+from app.request_id import LogRequestId, RequestId
 from app.services.job_writer import JobWriter
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.rate_limits import RateLimiter
@@ -134,7 +134,8 @@ class BodyLimit:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    configure_logging()  # as the workers do: the API's own INFO lines are kept, at COSERVE_LOG_LEVEL
+    # as the workers do: the API's own INFO lines are kept, at COSERVE_LOG_LEVEL, each naming its request
+    configure_logging(API_LOG_FORMAT, LogRequestId())
     api = FastAPI(title="coserve", version="0.1.0", lifespan=lifespan,
                   description="Co-serving interactive LLM requests and deadline batch jobs.")
     api.state.settings = settings or get_settings()

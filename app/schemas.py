@@ -355,6 +355,8 @@ class JobPublic(BaseModel):
     first_token_at: UtcDatetime | None = None
     finished_at: UtcDatetime | None = None
     app_id: str | None = None
+    request_id: str | None = Field(None, description=(
+        "the X-Request-Id of the request that submitted it (the client's own, or the one the API answered with)"))
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     tbt_anchor: str | None = None

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from app import request_id
 from app.wire import find_unstorable, json_safe, unstorable_message
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,22 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     return await http_exception_handler(request, exc)
 
 
+async def server_error_handler(request: Request, exc: Exception) -> Response:
+    """A 500 (a defect: no input should reach it) names the request's id in its body and header, and the log line
+    with the traceback names it too, so a client's report leads to it. In the shape of the route's API (OpenAI's,
+    Anthropic's: the route's own ``error``), else the native one."""
+    from app.openai_schemas import OpenAIError, OpenAIRoute  # it builds on this module
+
+    rid = request_id.current() or "-"
+    log.error("request %s (%s %s) failed", rid, request.method, request.url.path, exc_info=exc)
+    message = f"The server had an error while processing your request (request id {rid}); report it with this id"
+    route = request.scope.get("route")
+    answer = (route.error(OpenAIError(500, message, type="server_error")) if isinstance(route, OpenAIRoute)
+              else JSONResponse({"detail": message}, status_code=500))
+    answer.headers["x-request-id"] = rid
+    return answer
+
+
 def _openai_path(request: Request) -> bool:
     prefixes = getattr(request.app.state, "openai_prefixes", ())
     return any(request.url.path == p or request.url.path.startswith(p + "/") for p in prefixes)
@@ -151,6 +168,7 @@ def install(app: FastAPI, openai_prefixes: Sequence[str] = ()) -> None:
     app.state.openai_prefixes = tuple(openai_prefixes)
     app.add_exception_handler(RequestValidationError, request_validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, server_error_handler)
 
 
 # ---------------------------------------------------------------- routes

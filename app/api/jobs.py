@@ -84,6 +84,8 @@ def list_jobs(session: SessionDep, principal: CurrentPrincipal, settings: Settin
               status_: Annotated[JobStatus | None, Query(alias="status")] = None,
               kind: Literal["interactive", "batch"] | None = None, tier: str | None = None,
               batch_id: Annotated[str | None, Query(max_length=40)] = None,
+              request_id: Annotated[str | None, Query(max_length=256, description=(
+                  "the X-Request-Id of the request that submitted the jobs"))] = None,
               created_after: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
               created_before: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 20, cursor: str | None = None,
@@ -102,7 +104,7 @@ def list_jobs(session: SessionDep, principal: CurrentPrincipal, settings: Settin
                                 name) from None
     try:
         rows, nxt = job_service.list_jobs(session, principal.tenant_id, status=status_, kind=kind, tier=tier,
-                                          batch_id=batch_id, created_after=created_after,
+                                          batch_id=batch_id, request_id=request_id, created_after=created_after,
                                           created_before=created_before, limit=limit, cursor=cursor,
                                           offset=offset)
     except job_service.JobValidationError as exc:

@@ -87,6 +87,7 @@ class Job(Base):
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_model_finished", "model", "finished_at"),  # workers' decode-length history reads
         Index("ix_jobs_finished", "finished_at"),  # the jobs finished lately (the dashboard's SLO chart)
+        Index("ix_jobs_tenant_request", "tenant_id", "request_id"),  # a tenant's jobs by the request that sent them
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -97,6 +98,8 @@ class Job(Base):
     choice_index: Mapped[int | None] = mapped_column(Integer, default=None)
     api_key_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the key that submitted it (usage by key)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
+    # the submitting request's X-Request-Id (given by the client, or made by the API: app.request_id)
+    request_id: Mapped[str | None] = mapped_column(String(256), default=None)
     kind: Mapped[str] = mapped_column(String(16))  # JobKind
     tier: Mapped[str] = mapped_column(String(32))
     model: Mapped[str] = mapped_column(String(200))

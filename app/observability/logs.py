@@ -7,9 +7,18 @@ import logging
 import os
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
+# the API's: each line names the request it was written in (app.request_id)
+API_LOG_FORMAT = LOG_FORMAT.replace("%(message)s", "[request %(request_id)s] %(message)s")
 
 
-def configure_logging() -> None:
-    """Logs to stderr at ``COSERVE_LOG_LEVEL``; a no-op where the process configured logging already (a test runner,
-    an embedding application)."""
-    logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"), format=LOG_FORMAT)
+def configure_logging(log_format: str = LOG_FORMAT, *filters: logging.Filter) -> None:
+    """Logs to stderr at ``COSERVE_LOG_LEVEL``, each line passed through ``filters`` (which give what the format
+    names beyond a record's own fields); a no-op where the process configured logging already (a test runner, an
+    embedding application)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"), format=log_format)
+    for handler in root.handlers:
+        for f in filters:
+            handler.addFilter(f)

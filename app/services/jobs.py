@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from app import request_id
 from app.auth import Principal
 from app.db import pagination
 from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
@@ -174,7 +175,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
               app_id=spec.app_id, prompt=prompt, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
               endpoint=endpoint, stream=spec.stream,
               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
-              api_key_id=principal.key_id or None,
+              api_key_id=principal.key_id or None, request_id=request_id.current(),
               status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0, counts_request=True,
               counts_prompt=True,
               messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,
@@ -389,9 +390,9 @@ def _db_time(session: Session, at: datetime) -> datetime:
 
 
 def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, kind: str | None = None,
-              tier: str | None = None, batch_id: str | None = None, created_after: datetime | None = None,
-              created_before: datetime | None = None, limit: int = 20, cursor: str | None = None,
-              offset: int | None = None) -> tuple[list[Job], str | None]:
+              tier: str | None = None, batch_id: str | None = None, request_id: str | None = None,
+              created_after: datetime | None = None, created_before: datetime | None = None, limit: int = 20,
+              cursor: str | None = None, offset: int | None = None) -> tuple[list[Job], str | None]:
     """Newest first; keyset pagination by (created_at, id), or plain offset.
 
     Filters combine with AND; ``created_after``/``created_before`` are exclusive bounds."""
@@ -404,6 +405,8 @@ def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, ki
         q = q.where(Job.tier == tier)
     if batch_id:
         q = q.where(Job.batch_id == batch_id)
+    if request_id:
+        q = q.where(Job.request_id == request_id)
     if created_after is not None:
         q = q.where(Job.created_at > _db_time(session, created_after))
     if created_before is not None:

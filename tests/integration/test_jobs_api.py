@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
+import logging
 import time
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -758,3 +760,56 @@ def test_every_answer_carries_a_request_id(client, keys, settings):
     assert too_big.status_code == 413 and len(too_big.headers["x-request-id"]) == 32
     odd = client.get("/v1/models", headers={**H(keys.paid), "X-Request-Id": "x" * 300})
     assert odd.headers["x-request-id"] != "x" * 300
+
+
+def test_a_job_keeps_the_id_of_the_request_that_sent_it(client, keys):
+    """The client's X-Request-Id (or the one the API answered with) is the job's ``request_id``, and a tenant finds
+    its jobs by it; another tenant's job of the same request id is not shown."""
+    given = client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 2},
+                        headers={**H(keys.paid), "X-Request-Id": "trace-7"})
+    made = submit(client, keys.paid, max_tokens=2)
+    other = client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 2},
+                        headers={**H(keys.other), "X-Request-Id": "trace-7"})
+    assert given.json()["request_id"] == "trace-7"
+    assert made.json()["request_id"] == made.headers["x-request-id"]
+    found = client.get("/v1/jobs", params={"request_id": "trace-7"}, headers=H(keys.paid)).json()["data"]
+    assert [j["id"] for j in found] == [given.json()["id"]]
+    assert other.json()["id"] not in {j["id"] for j in found}
+
+
+def test_a_server_error_names_its_request(settings, caplog):
+    """A 500 (a defect) answers with the request's id in its body and header, in the shape of the route's API, and
+    the traceback's log line names the id too, so a client's report leads to it."""
+    from fastapi.testclient import TestClient
+
+    from app.api.anthropic_messages import AnthropicRoute
+    from app.main import create_app
+    from app.observability.logs import API_LOG_FORMAT
+    from app.openai_schemas import OpenAIRoute
+    from app.request_id import LogRequestId
+
+    def broken():
+        raise RuntimeError("a defect")
+
+    app = create_app(settings)
+    for path, route_class in (("/v1/models/broken", OpenAIRoute), ("/v1/messages/broken", AnthropicRoute)):
+        app.router.routes.insert(0, route_class(path, broken, methods=["GET"]))  # before /v1/models/{model}
+    app.add_api_route("/broken", broken)
+    lines = io.StringIO()  # the API's log lines as `coserve up` writes them (configure_logging)
+    handler = logging.StreamHandler(lines)
+    handler.setFormatter(logging.Formatter(API_LOG_FORMAT))
+    handler.addFilter(LogRequestId())
+    logging.getLogger().addHandler(handler)
+    try:
+        with TestClient(app, raise_server_exceptions=False) as c, caplog.at_level("ERROR"):
+            openai, anthropic, native = (c.get(path, headers={"X-Request-Id": "trace-500"}) for path in (
+                "/v1/models/broken", "/v1/messages/broken", "/broken"))
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert lines.getvalue().count("[request trace-500] request trace-500 (GET /broken) failed") == 1
+    for r in (openai, anthropic, native):
+        assert r.status_code == 500 and r.headers["x-request-id"] == "trace-500"
+    assert openai.json()["error"]["type"] == "server_error" and "trace-500" in openai.json()["error"]["message"]
+    assert anthropic.json()["type"] == "error" and anthropic.json()["error"]["type"] == "api_error"
+    assert "trace-500" in native.json()["detail"]
+    assert any("trace-500" in rec.getMessage() and rec.exc_info for rec in caplog.records)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import create_engine, insert, inspect, text
 
 from app.db.migrate import downgrade, upgrade
 from app.db.models import Base
@@ -48,8 +48,9 @@ def test_expired_jobs_of_older_databases_count_as_missed_slos(tmp_path):
         tenant = Tenant(name="t")
         s.add(tenant)
         s.flush()
-        s.add_all([Job(id=f"job_{st}", tenant_id=tenant.id, tier="paid", model="m", kind="batch", sampling={},
-                       status=st) for st in ("expired", "cancelled", "succeeded")])
+        # the columns 0022 had, not the model's all: later revisions add some
+        s.execute(insert(Job), [dict(id=f"job_{st}", tenant_id=tenant.id, tier="paid", model="m", kind="batch",
+                                     sampling={}, status=st) for st in ("expired", "cancelled", "succeeded")])
         s.commit()
     upgrade(url)
     with Session(engine) as s:

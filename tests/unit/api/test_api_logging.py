@@ -1,5 +1,5 @@
 """The API process logs as the workers do: at COSERVE_LOG_LEVEL, each line with its time, level, logger and
-thread (a process of its own: the test runner configures logging in this one)."""
+thread, and the API's with its request's id (a process of its own: the test runner configures logging in this one)."""
 
 from __future__ import annotations
 
@@ -29,4 +29,5 @@ def _api_stderr(settings, level: str) -> str:
 def test_the_api_logs_at_coserve_log_level(settings, level, logged):
     """Before, only the worker configured logging: the API's INFO lines were dropped whatever the level said."""
     stderr = _api_stderr(settings, level)
-    assert ("INFO app.api.jobs [MainThread] an API info line" in stderr) is logged, stderr[-2000:]
+    # a line written outside a request names none (app.request_id)
+    assert ("INFO app.api.jobs [MainThread] [request -] an API info line" in stderr) is logged, stderr[-2000:]
