@@ -31,6 +31,7 @@ from typing import Any
 
 import redis
 from celery.signals import worker_shutting_down
+from celery.utils.nodenames import host_format
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
@@ -451,7 +452,9 @@ def run_worker(settings: Settings) -> None:
     @worker_shutting_down.connect(weak=False)
     def _on_shutdown(**_kw):
         runtime.shutting_down = True  # short: a task waiting for engine room gives its job back
-    worker = app.Worker(pool="solo", concurrency=1, queues=runtime.queues, hostname=f"{runtime.worker_id}@%h",
+    # host_format: %h is the machine's name, as `celery worker -n` expands it (Celery's Worker does not)
+    worker = app.Worker(pool="solo", concurrency=1, queues=runtime.queues,
+                        hostname=host_format(f"{runtime.worker_id}@%h"),
                         loglevel=os.environ.get("COSERVE_LOG_LEVEL", "WARNING"), without_heartbeat=True,
                         without_mingle=True, without_gossip=True, quiet=True)
     try:

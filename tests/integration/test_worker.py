@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,14 @@ def events_of(url, job_id):
     with session_scope(url) as s:
         return [(e.from_status, e.to_status) for e in s.scalars(
             select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
+
+
+def test_the_worker_answers_celery_control_under_its_node_name(service):
+    """The worker's Celery node is ``<worker id>@<host>``, as `celery worker -n w1@%h` names it (it was ``w1@%h``)."""
+    from workers.celery_app import get_celery
+
+    replies = get_celery(service.settings.redis_url).control.ping(timeout=5)
+    assert [name for reply in replies for name in reply] == [f"w1@{socket.gethostname()}"]
 
 
 def test_jobs_run_stream_and_report_metrics(service):
