@@ -251,7 +251,7 @@ class EngineThread:
         if out.status is RequestStatus.FINISHED_ABORTED:
             return self._abort(job, out)
         if out.status is RequestStatus.FINISHED_EXPIRED:
-            return self._expiry(job)
+            return self._expiry(job, out)
         m = out.metrics
         reason = "length" if out.status is RequestStatus.FINISHED_LENGTH else "stop"
         output = self._output(job, m)
@@ -314,15 +314,20 @@ class EngineThread:
                 "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
                 "prompt_logprobs": job.prompt_logprobs}
 
-    @staticmethod
-    def _expiry(job: ActiveJob) -> Record:
-        """The scheduler gave up on a job it had relegated under overload (past its expiry): expired, SLO missed."""
-        lease = job.lease
-        error = "relegated under overload and expired before it could run (its deadline had long passed)"
-        end = StreamEvent("end", lease.attempt, status="expired", data={"error": error})
+    @classmethod
+    def _expiry(cls, job: ActiveJob, out: Any) -> Record:
+        """The scheduler gave up on a job it had relegated under overload (past its expiry): expired, SLO missed.
+        One relegated after its first tokens keeps what it produced, as a cancelled one does: a stream sent them,
+        and the engine ran them (the usage, the metrics' token counts)."""
+        lease, produced = job.lease, cls._produced(job, out.metrics) or {}
+        tokens = produced.get("completion_tokens")
+        error = ("relegated under overload and expired " + (f"after {tokens} of its tokens" if tokens else
+                 "before its first token") + " (its deadline had long passed)")
+        usage = {k: produced[k] for k in USAGE} if tokens else {}
+        end = StreamEvent("end", lease.attempt, status="expired", data={"error": error, **usage})
 
         def write(s: Session) -> bool:
-            return leases.finish(s, lease, JobStatus.EXPIRED, {"error": error, "slo_met": False},
+            return leases.finish(s, lease, JobStatus.EXPIRED, {**produced, "error": error, "slo_met": False},
                                  detail="expired: relegated under overload")
         return Record(f"the expiry of {lease.job_id}", write, [(lease.job_id, end)], leaving=lease)
 
