@@ -55,7 +55,7 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    input: str | list[dict[str, Any]]
+    input: str | list[dict[str, Any]] | None = None  # none: the conversation or previous response alone is answered
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     previous_response_id: Text | None = None
@@ -77,6 +77,8 @@ class ResponsesRequest(BaseModel):
 
     def check(self) -> None:
         """Refuses what this server does not implement (a 400 naming the field)."""
+        if self.input is None and self.conversation is None and self.previous_response_id is None:
+            raise OpenAIError(400, "give input, or a conversation or previous_response_id to continue", param="input")
         if self.background and not self.store:
             raise OpenAIError(400, "a background response is polled, so it must be stored: leave store true",
                               param="store")
@@ -113,7 +115,8 @@ class ResponsesRequest(BaseModel):
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
         messages += input_messages(self.input) if self.input is not None else []
-        _check_call_outputs(messages)
+        continued = "conversation" if self.conversation is not None else "previous_response_id"
+        _check_call_outputs(messages, len(history), continued)
         if raw.get("return_token_ids"):
             raise OpenAIError(400, "return_token_ids is chat's and completions' (vLLM's): a Response carries no token "
                                    "ids; leave it unset", param="return_token_ids", code="unsupported_value")
@@ -135,16 +138,7 @@ class ResponsesRequest(BaseModel):
 
 
 class InputTokensRequest(ResponsesRequest):
-    """A Responses request to count the input tokens of (``POST /v1/responses/input_tokens``): its input may be
-    left out where a conversation or a previous response gives the turns."""
-
-    input: str | list[dict[str, Any]] | None = None
-
-    def check(self) -> None:
-        super().check()
-        if self.input is None and self.conversation is None and self.previous_response_id is None:
-            raise OpenAIError(400, "give input, or a conversation or previous_response_id whose turns to count",
-                              param="input")
+    """A Responses request to count the input tokens of (``POST /v1/responses/input_tokens``)."""
 
 
 def in_responses_terms(exc: OpenAIError) -> OpenAIError:
@@ -216,16 +210,23 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _check_call_outputs(messages: list[dict[str, Any]]) -> None:
+def _check_call_outputs(messages: list[dict[str, Any]], own_from: int, continued: str) -> None:
     """Refuses a function_call_output whose call_id no function_call before it has (in the input or the turns it
-    continues), as OpenAI does: the model would read an answer to a call it never made."""
+    continues), as OpenAI does: the model would read an answer to a call it never made. One among the first
+    ``own_from`` messages comes from the ``continued`` field's turns (a conversation whose call item was deleted)."""
     made: set[str] = set()
-    for m in messages:
+    for i, m in enumerate(messages):
         made.update(call["id"] for call in m.get("tool_calls") or ())
-        if m["role"] == "tool" and m.get("tool_call_id") not in made:
-            raise OpenAIError(400, f"no function_call with call_id {m.get('tool_call_id')!r} comes before its "
-                                   "function_call_output: give the call in input, or continue the response that "
-                                   "made it (previous_response_id)", param="input")
+        if m["role"] != "tool" or m.get("tool_call_id") in made:
+            continue
+        call_id = m.get("tool_call_id")
+        if i < own_from:
+            raise OpenAIError(400, f"the {continued}'s function_call_output with call_id {call_id!r} follows no "
+                                   "function_call (was the call's item deleted?): delete the output's item too",
+                              param=continued)
+        raise OpenAIError(400, f"no function_call with call_id {call_id!r} comes before its function_call_output: "
+                               "give the call in input, or continue the response that made it "
+                               "(previous_response_id)", param="input")
 
 
 def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
@@ -288,9 +289,14 @@ def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
+def own_input(messages: list[dict[str, Any]], kept: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response job's own input as chat messages (not the conversation it continued, nor its instructions): all of
+    it, also where ``truncation: "auto"`` left part of it out of the job's ``messages`` (``fit_response``)."""
+    return kept["own_input"] if "own_input" in kept else messages[kept.get("input_from", 0):]
+
+
 def own_input_items(job: Any) -> list[dict[str, Any]]:
-    """A response job's own input as items: not the conversation it continued, nor its instructions."""
-    return input_items(job.id, (job.messages or [])[(job.response or {}).get("input_from", 0):])
+    return input_items(job.id, own_input(job.messages or [], job.response or {}))
 
 
 def stored_answer(job: Any) -> Answer:

@@ -30,7 +30,7 @@ class ConversationCreate(BaseModel):
 class ConversationUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    metadata: Metadata
+    metadata: Metadata | None  # null (as the official client may send): none
 
 
 class ItemsCreate(BaseModel):
@@ -69,7 +69,7 @@ def update_conversation(conversation_id: str, body: ConversationUpdate, principa
     """Replaces the conversation's metadata."""
     with read_then_write(settings.sqlalchemy_url) as s:
         conv = _find(s, principal, conversation_id, lock=True)
-        conv.meta = body.metadata
+        conv.meta = body.metadata or {}
         return service.conversation_body(conv)
 
 

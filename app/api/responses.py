@@ -4,7 +4,8 @@
 A response is a chat job (``app.responses_schemas`` writes the request as chat and the job as a Response):
 it runs, is followed, cancelled when its client hangs up and refused as chat completions are. Its id names
 its job (``resp_<hex>`` is ``job_<hex>``). ``previous_response_id`` continues a stored response's
-conversation: its messages (less its instructions) and its answer come before the new input.
+conversation: its messages (less its instructions) and its answer come before the new input; ``conversation``
+puts a conversation's items there, one response at a time (``app.services.conversations.take_turn``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from app.api.errors import openai_responses
 from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, read_body,
                                    submit_openai_job)
 from app.auth import Principal
-from app.db.models import Job, JobStatus
+from app.db.models import Job, JobStatus, new_id
 from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_item, chat_call, history_of,
@@ -34,7 +35,7 @@ from app.services import conversations
 from app.services import jobs as job_service
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
 from app.services.job_follow import stream_expired
-from app.services.truncation import fit_context
+from app.services.truncation import fit_context, fit_response
 from app.services.cancel import cancel
 from app.settings import Settings
 from app.tool_calls import Answer
@@ -79,9 +80,25 @@ def _prior_turns(session, principal: Principal, body: ResponsesRequest) -> list[
     return []
 
 
-def _add_turn(settings: Settings, conv_id: str, job_id: str) -> None:
-    with read_then_write(settings.sqlalchemy_url) as s:  # it looks whether the conversation is still there
-        conversations.add_turn(s, conv_id, job_id)
+def _take_turn(settings: Settings, principal: Principal, conv_id: str, job_id: str) -> list[dict[str, Any]]:
+    """The conversation's messages, read as response ``job_id`` takes its turn, in one transaction with the
+    conversation's row locked: a second response on it meanwhile is refused (``conversations.take_turn``)."""
+    with read_then_write(settings.sqlalchemy_url) as s:
+        conv = conversations.find(s, principal.tenant_id, conv_id, param="conversation", lock=True)
+        return conversations.take_turn(s, conv, job_id)
+
+
+def _give_back_turn(settings: Settings, conv_id: str, job_id: str) -> None:
+    with read_then_write(settings.sqlalchemy_url) as s:
+        conversations.give_back_turn(s, conv_id, job_id)
+
+
+async def _turns_before(session, principal: Principal, settings: Settings, body: ResponsesRequest,
+                        job_id: str) -> list[dict[str, Any]]:
+    """``_prior_turns`` of a response to be submitted as job ``job_id``: on a conversation, its turn taken."""
+    if body.conversation_id is not None:
+        return await run_in_threadpool(_take_turn, settings, principal, body.conversation_id, job_id)
+    return await run_in_threadpool(_prior_turns, session, principal, body)
 
 
 def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
@@ -285,23 +302,15 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
                           settings: SettingsDep):
     """OpenAI's Responses API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat."""
     body = await read_body(request, ResponsesRequest)
-    history = await run_in_threadpool(_prior_turns, session, principal, body)
-    chat, spec = body.chat_request(await request.json(), history, settings.tiers)
-    if spec.kind == "interactive":
-        ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
-        spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
-    kept = body.kept(history)
-    if body.truncation == "auto":  # the oldest turns go where the conversation outgrew the context
-        spec, kept["input_from"] = await run_in_threadpool(fit_context, settings, spec, kept["input_from"])
-    writer = getattr(request.app.state, "job_writer", None)
+    job_id = new_id("job")
+    history = await _turns_before(session, principal, settings, body, job_id)
     try:
-        submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
-                                            kept, rate_limiter(request))
-    except OpenAIError as exc:  # the job's checks name chat's fields
-        raise in_responses_terms(exc) from exc
+        chat, kept, submitted = await _submit(request, session, principal, settings, body, history, job_id)
+    except BaseException:  # a conversation's turn taken for a job never submitted
+        if body.conversation_id is not None:
+            await run_in_threadpool(_give_back_turn, settings, body.conversation_id, job_id)
+        raise
     job = submitted.job
-    if body.conversation_id is not None:  # the conversation shows this turn once the response completes
-        await run_in_threadpool(_add_turn, settings, body.conversation_id, job.id)
     headers = {"x-coserve-job-id": job.id, **submitted.rate_headers()}
     if chat.stream:
         events = _numbered(_events(settings, job, kept))
@@ -321,6 +330,25 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
                                       cached_tokens=end.data.get("cached_tokens"),
                                       cache_write_tokens=end.data.get("cache_write_tokens"),
                                       reasoning_tokens=end.data.get("reasoning_tokens")), headers=headers)
+
+
+async def _submit(request: Request, session, principal: Principal, settings: Settings, body: ResponsesRequest,
+                  history: list[dict[str, Any]], job_id: str):
+    """The response's chat request, what its job keeps of it, and the job submitted as ``job_id``."""
+    chat, spec = body.chat_request(await request.json(), history, settings.tiers)
+    if spec.kind == "interactive":
+        ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
+        spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
+    kept = body.kept(history)
+    if body.truncation == "auto":  # the oldest turns go where the conversation outgrew the context
+        spec = await run_in_threadpool(fit_response, settings, spec, kept)
+    writer = getattr(request.app.state, "job_writer", None)
+    try:
+        submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
+                                            kept, rate_limiter(request), job_id=job_id)
+    except OpenAIError as exc:  # the job's checks name chat's fields
+        raise in_responses_terms(exc) from exc
+    return chat, kept, submitted
 
 
 @router.post("/responses/input_tokens", responses=openai_responses(400, 401, 404),

@@ -27,7 +27,7 @@ from app.services import dispatch as dispatching
 from app.services import routing
 from app.services.jobs import JobValidationError, build_job
 from app.services.transitions import as_utc, utcnow
-from app.services.truncation import fit_context
+from app.services.truncation import fit_response
 from app.services.webhooks import emit
 from app.settings import Settings
 
@@ -136,7 +136,7 @@ def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.Valid
     for i, spec in enumerate(line.specs):
         spec = spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
         if (line.response or {}).get("truncation") == "auto":  # a Responses line: its oldest turns go if too long
-            spec, line.response["input_from"] = fit_context(settings, spec, line.response["input_from"])
+            spec = fit_response(settings, spec, line.response)
         job = build_job(settings, principal, spec, batch_id=batch_id, custom_id=line.custom_id, endpoint=endpoint,
                         response=line.response)
         if len(line.specs) > 1:

@@ -1,21 +1,25 @@
 """OpenAI's Conversations API over SQL: a conversation's items are its own (added with it or later) and the turns
 of the responses given it, in order. A response's turn (its input items, then its output) shows once the
-response has completed; a failed, cancelled or unfinished one adds nothing yet."""
+response has completed; a failed, cancelled or unfinished one adds nothing yet. One response at a time runs on a
+conversation: it takes its turn as it reads the items (``take_turn``)."""
 
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from app.db.models import Conversation, ConversationEntry, Job, JobStatus
+from app.db.models import Conversation, ConversationEntry, Job, JobStatus, utcnow
 from app.openai_schemas import OpenAIError
 from app.responses_schemas import input_items, input_messages, output_items, own_input_items, stored_answer
 from app.wire import as_utc
 
 MAX_ITEMS = 20  # items one request may add (OpenAI's limit)
+# a turn taken whose job is not written within this long was never submitted: it no longer locks its conversation
+SUBMIT_S = 60
 
 
 def conversation_body(conv: Conversation) -> dict[str, Any]:
@@ -49,11 +53,33 @@ def add_items(session: Session, conv: Conversation, items: list[dict[str, Any]])
     session.add_all([ConversationEntry(conversation_id=conv.id, item=item) for item in items])
 
 
-def add_turn(session: Session, conv_id: str, job_id: str) -> None:
-    """The turn of response ``job_id``, which the conversation shows once the response has completed (none where
-    the conversation was deleted since the response read it)."""
-    if session.get(Conversation, conv_id, with_for_update=True) is not None:  # held: a deletion waits, or came first
-        session.add(ConversationEntry(conversation_id=conv_id, job_id=job_id))
+def take_turn(session: Session, conv: Conversation, job_id: str) -> list[dict[str, Any]]:
+    """The conversation as chat messages for response ``job_id``, whose turn it adds at once (shown once the response
+    has completed): with ``conv``'s row locked (``find(lock=True)``) no other response reads the same turns. A 400
+    ``conversation_locked`` while an earlier response on it has not ended, as OpenAI answers."""
+    if any(_unended(session, entry) for entry in entries(session, conv)):
+        raise OpenAIError(400, f"another response is currently operating on conversation {conv.id!r}; try again once "
+                               "it has ended", param="conversation", code="conversation_locked")
+    messages = history(session, conv)
+    session.add(ConversationEntry(conversation_id=conv.id, job_id=job_id))
+    return messages
+
+
+def _unended(session: Session, entry: ConversationEntry) -> bool:
+    """Whether the entry is the turn of a response still queued or running, or one whose job is being submitted."""
+    if entry.job_id is None:
+        return False
+    job = session.get(Job, entry.job_id)
+    if job is None:  # taken, its job not yet written (or never: the API stopped in between)
+        return as_utc(entry.created_at) > utcnow() - timedelta(seconds=SUBMIT_S)
+    return not JobStatus(job.status).terminal
+
+
+def give_back_turn(session: Session, conv_id: str, job_id: str) -> None:
+    """Takes out the turn of response ``job_id`` where its job was not submitted (a submitted one's turn stays)."""
+    if session.get(Job, job_id) is None:
+        session.execute(delete(ConversationEntry).where(ConversationEntry.conversation_id == conv_id,
+                                                        ConversationEntry.job_id == job_id))
 
 
 def entries(session: Session, conv: Conversation) -> list[ConversationEntry]:

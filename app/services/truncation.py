@@ -76,6 +76,17 @@ def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[J
             sum(1 for i in kept if i < input_from))
 
 
+def fit_response(settings: Settings, spec: JobCreate, kept: dict[str, Any]) -> JobCreate:
+    """A Responses job's ``fit_context``: ``kept`` (what the job keeps of the request) says where the input starts
+    among the messages kept and, where the prompt lost some of the input, the whole input (``own_input``): the
+    response's input items and its conversation's turn are what the client sent, only the engine reads less."""
+    own = [m.stored() for m in (spec.messages or ())[kept["input_from"]:]]
+    fitted, kept["input_from"] = fit_context(settings, spec, kept["input_from"])
+    if len(fitted.messages or ()) - kept["input_from"] < len(own):
+        kept["own_input"] = own
+    return fitted
+
+
 def _without(messages: list[Any], kept: list[int], dropped: list[int]) -> list[int]:
     """``kept`` less ``dropped`` and the tool results whose calls are gone with them."""
     gone = set(dropped)

@@ -10,6 +10,7 @@ import pytest
 
 from app.db.models import Job
 from app.db.session import session_scope
+from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -69,6 +70,7 @@ def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_s
         oai.conversations.items.retrieve(items[0].id, conversation_id=conv.id)
 
     assert oai.conversations.update(conv.id, metadata={"topic": "other"}).metadata == {"topic": "other"}
+    assert oai.conversations.update(conv.id, metadata=None).metadata == {}  # null clears it (a 400 before)
 
     # another tenant sees none of it, and cannot continue it
     other = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.other, max_retries=0)
@@ -115,3 +117,56 @@ def test_items_that_are_only_reasoning_add_nothing_and_say_so(live_server, keys)
     assert added.status_code == 200, added.text  # a 500 before
     assert added.json() == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
     assert httpx.get(f"{live_server}/v1/conversations/{conv['id']}/items", headers=h).json()["data"] == []
+
+
+def test_one_response_at_a_time_runs_on_a_conversation(live_server, keys, start_worker):
+    start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.05")
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
+    conv = oai.conversations.create(items=[{"type": "message", "role": "user", "content": "start"}])
+    first = oai.responses.create(model="tiny", conversation=conv.id, input="turn A", max_output_tokens=20,
+                                 background=True, extra_body={"ignore_eos": True})
+    # both read "start" alone and wrote their turns after it, in either order, before
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.create(model="tiny", conversation=conv.id, input="turn B", max_output_tokens=2)
+    assert exc.value.body["code"] == "conversation_locked" and exc.value.body["param"] == "conversation"
+    done = wait_for(lambda: (r := oai.responses.retrieve(first.id)).status not in ("queued", "in_progress") and r,
+                    60, "the first response to end", interval=0.2)
+    with pytest.raises(openai.BadRequestError):  # refused as its job is submitted: it takes no turn, locks nothing
+        oai.responses.create(model="tiny", conversation=conv.id, input="turn B", max_output_tokens=4096)
+    second = oai.responses.create(model="tiny", conversation=conv.id, input="turn B", max_output_tokens=2)
+    assert _texts(oai, conv.id) == [("user", "start"), ("user", "turn A"), ("assistant", done.output_text),
+                                    ("user", "turn B"), ("assistant", second.output_text)]
+
+
+def test_truncation_auto_keeps_the_whole_input_in_the_conversation(oai, settings):
+    conv = oai.conversations.create()
+    words = " ".join(f"word{i}" for i in range(100))
+    sent = [f"message number {i}: {words}" for i in range(3)]  # over the context of 512
+    fitted = oai.responses.create(model="tiny", conversation=conv.id, input=[{"role": "user", "content": t}
+                                                                             for t in sent],
+                                  max_output_tokens=4, truncation="auto")
+    read = [m["content"] for m in _messages(settings, fitted.id)]
+    assert 0 < len(read) < len(sent) and read == sent[-len(read):]  # the engine read the newest
+    # the response's input and the conversation's turn are what was sent (its first message was lost before)
+    assert [i.content[0].text for i in oai.responses.input_items.list(fitted.id, order="asc").data] == sent
+    assert _texts(oai, conv.id) == [*(("user", t) for t in sent), ("assistant", fitted.output_text)]
+
+
+def test_a_response_without_input_answers_the_conversation(oai, settings):
+    conv = oai.conversations.create()
+    oai.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Hi"}])
+    answer = oai.responses.create(model="tiny", conversation=conv.id, max_output_tokens=2)  # a 400 before
+    assert _messages(settings, answer.id) == [{"role": "user", "content": "Hi"}]
+    assert oai.responses.input_items.list(answer.id).data == []
+    assert _texts(oai, conv.id) == [("user", "Hi"), ("assistant", answer.output_text)]
+
+
+def test_an_output_whose_call_was_deleted_names_the_conversation(oai):
+    conv = oai.conversations.create(items=[
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"}])
+    call = oai.conversations.items.list(conv.id, order="asc").data[0]
+    oai.conversations.items.delete(call.id, conversation_id=conv.id)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.create(model="tiny", conversation=conv.id, input="x", max_output_tokens=1)
+    assert exc.value.body["param"] == "conversation" and "'call_1'" in exc.value.body["message"]
