@@ -353,8 +353,9 @@ def test_writes_that_race_a_deletion_on_postgres(pg_url, tmp_path, redis_url, ti
     """On PostgreSQL a read-then-write session does not hold the database as SQLite's does: a write raced by a
     deletion of what it read answered 500 (a foreign key, a row gone), or undid the deletion (a stored completion
     listed again, a conversation item back). The row read is now locked for the write; each race, run many times,
-    answers 200 or 404 and a 200 deletion holds. So do a NUL in a jobs cursor and a LoRA adapter loaded thrice at
-    once (422; one 200 and two 400s)."""
+    answers 200 or 404 and a 200 deletion holds; of two responses on one conversation at once one is refused
+    (they both read its items and added their turns before). So do a NUL in a jobs cursor and a LoRA adapter
+    loaded thrice at once (422; one 200 and two 400s)."""
     import base64
     import json
     import threading
@@ -397,6 +398,11 @@ def test_writes_that_race_a_deletion_on_postgres(pg_url, tmp_path, redis_url, ti
                 "items": [{"role": "user", "content": "y"}] * 5}), lambda: client.delete(f"/v1/conversations/{conv}",
                                                                                          headers=auth))
             assert added in (200, 404) and deleted == 200
+
+            conv = client.post("/v1/conversations", json={}, headers=auth).json()["id"]
+            respond = lambda: client.post("/v1/responses", headers=auth, json={  # noqa: E731
+                "model": "tiny", "conversation": conv, "input": "hi", "background": True})
+            assert sorted(race(respond, respond)) == [200, 400]  # the other is conversation_locked
 
             job_id = new_id("job")
             with session_scope(pg_url) as s:
