@@ -17,7 +17,6 @@ from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem, upgrade
 from app.db.session import get_engine
 from app.observability.http_metrics import instrument
-from app.observability.tally import Tally
 from app.observability.logs import API_LOG_FORMAT, configure_logging
 from app.openai_schemas import OpenAIRoute
 from app.request_id import LogRequestId, RequestId
@@ -146,7 +145,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
-    api.state.metrics_tally = Tally()  # the finished jobs' totals /metrics keeps between scrapes
     for module in (health, jobs, openai_compat, responses, anthropic_messages, conversations, models, tokenize, lora,
                    files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions,
                    prefix_cache):

@@ -34,7 +34,7 @@ def metrics(request: Request, settings: SettingsDep) -> Response:
                        models=_counted_models(settings), live_since=heartbeat_cutoff(settings),
                        # vLLM exports these names itself: from the configuration, so a scrape's names never
                        # depend on whether Redis answered it
-                       vllm_aliases=settings.engine_backend != "vllm", tally=request.app.state.metrics_tally)
+                       vllm_aliases=settings.engine_backend != "vllm")
     registry.register(sql)
     if settings.redis_url:  # vLLM's own series from the live workers on the vLLM backend
         registry.register(EngineMetricsCollector(settings.redis_url, sql.live_workers()))

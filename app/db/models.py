@@ -326,6 +326,16 @@ class UnloadedLoraAdapter(Base):
     unloaded_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class MetricTotals(Base):
+    """The finished jobs' series ``/metrics`` has summed, of the jobs that ended before ``horizon``: later scrapes
+    add only the jobs ended since (app.observability.tally). One row per set of counted models."""
+
+    __tablename__ = "metric_totals"
+    scope: Mapped[str] = mapped_column(String(40), primary_key=True)
+    horizon: Mapped[datetime]
+    totals: Mapped[dict[str, Any]] = mapped_column(JSON)  # query name -> [[group key, sums], ...]
+
+
 class Conversation(Base):
     """OpenAI's Conversations API: items that responses given the conversation read first and add their turn to."""
 

@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import DATABASE_UNAVAILABLE, session_scope
-from app.observability.tally import Groups, Summed, Tally
+from app.observability import tally
+from app.observability.tally import Groups, Summed
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 
 log = logging.getLogger(__name__)
@@ -90,13 +91,12 @@ class Tables:
 class SqlCollector(Collector):
     def __init__(self, url: str, model_name: str, tiers: Sequence[str] | None = None, *,
                  models: Sequence[str] | None = None, vllm_aliases: bool = True,
-                 live_since: datetime | None = None, tally: Tally | None = None) -> None:
+                 live_since: datetime | None = None) -> None:
         """``tiers``: the configured tiers, each gets its gauge series (zero when it has no jobs).
         ``models``: the jobs' models counted, under ``model_name`` (the model's and its adapters', as vLLM counts an
         adapter's requests under its model; default: ``model_name``'s alone): other models on the same database are
         their own deployments'. ``vllm_aliases``: the series under vLLM's names too (off where the workers run vLLM,
-        which exports them itself). ``live_since``: workers whose last heartbeat is older are lost, left out.
-        ``tally``: the finished jobs' totals kept from earlier scrapes (default: none, all are read)."""
+        which exports them itself). ``live_since``: workers whose last heartbeat is older are lost, left out."""
         if tiers is None:
             from app.settings import get_settings
 
@@ -104,7 +104,6 @@ class SqlCollector(Collector):
         self.url, self.model_name, self.tiers = url, model_name, tuple(tiers)
         self.models = tuple(models) if models is not None else (model_name,)
         self.vllm_aliases, self.live_since = vllm_aliases, live_since
-        self.tally = tally if tally is not None else Tally()
 
     @cached_property
     def tables(self) -> Tables | None:
@@ -122,7 +121,8 @@ class SqlCollector(Collector):
 
     def _query(self) -> Tables:
         # every aggregate is computed by the database, over the jobs not yet ended and those finished since the
-        # tally's horizon: a scrape costs a few grouped index scans, not a pass over every job
+        # horizon of the totals kept (app.observability.tally): a scrape costs a few grouped index scans, not a pass
+        # over every job
         workers = select(WorkerState)
         if self.live_since is not None:
             workers = workers.where(WorkerState.heartbeat_at >= self.live_since)
@@ -133,8 +133,12 @@ class SqlCollector(Collector):
                              .where(Job.status.in_([st.value for st in NOT_TERMINAL]))
                              .group_by(Job.status, Job.tier, Job.model)).all()
             by_state = [(status, tier, n) for status, tier, model, n in live if model in self.models]
-            totals = self.tally.totals(s, (self.url, self.models), self._summed(s))
-            return Tables(by_state, list(s.scalars(workers.order_by(WorkerState.id))), totals)
+            scope = tally.scope_of(self.models)
+            start = tally.kept(s, scope)
+            totals, after = tally.totals(s, start, self._summed(s))
+            tables = Tables(by_state, list(s.scalars(workers.order_by(WorkerState.id))), totals)
+        tally.keep(self.url, scope, start, after)
+        return tables
 
     def _served(self):
         return Job.model.in_(self.models)

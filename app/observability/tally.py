@@ -1,28 +1,33 @@
-"""Totals of finished jobs kept between scrapes, so a scrape reads only the jobs finished since the last one.
+"""Totals of finished jobs kept in the database between scrapes, so a scrape reads only the jobs finished since.
 
 Every series ``/metrics`` derives from finished jobs is a sum per group (a count, a sum of seconds or tokens, a
 bucket's count), and a finished job's values do not change once its end has settled. So the totals of the jobs that
-finished before a horizon are summed once and kept in the API process, and each scrape adds those finished since
-the horizon. Summing all of them at every scrape took 40 s at 300,000 jobs (docs/BENCHMARKS.md), past Prometheus's
-scrape timeout.
+finished before a horizon are summed once and kept (``metric_totals``, one row per set of counted models, shared by
+every API process and kept across restarts), and each scrape adds those finished since the horizon. Summing all of
+them at every scrape took 37-48 s at 300,000 jobs (docs/BENCHMARKS.md), past Prometheus's scrape timeout.
 
 ``SETTLE`` is how long a job's end may take to settle: a worker stamps ``finished_at`` at the attempt that writes
 the end, and a job cancelled while running gets its token counts from its worker shortly after the API stamped it.
-A job whose end is written later than that behind its ``finished_at`` is missed by the processes that had kept that
-span (a restarted API counts it)."""
+A job whose end is written later than that behind its ``finished_at`` is not counted."""
 
 from __future__ import annotations
 
-import threading
+import hashlib
+import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import Select
+from sqlalchemy import Select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from app.db.models import Job
+from app.db.models import Job, MetricTotals
+from app.db.session import session_scope
 from app.services.transitions import utcnow
+
+log = logging.getLogger(__name__)
 
 SETTLE = timedelta(minutes=5)
 
@@ -38,36 +43,65 @@ class Summed:
 
 
 @dataclass
-class Tally:
-    """One API process's kept totals, for one set of counted models (another set starts over)."""
+class Kept:
+    """The totals of the jobs finished before ``horizon`` (None: none kept yet), per query name."""
 
-    scope: tuple = ()
-    horizon: datetime | None = None  # the totals kept are those of the jobs finished before it
-    kept: dict[str, Groups] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # scrapes run on the API's thread pool
+    horizon: datetime | None = None
+    groups: dict[str, Groups] = field(default_factory=dict)
 
-    def totals(self, session: Session, scope: tuple, queries: Mapping[str, Summed]) -> dict[str, Groups]:
-        """Each query's totals per group over all finished jobs: those kept, plus the jobs finished since the
-        horizon. The horizon moves on only where every query was read."""
-        with self.lock:
-            if scope != self.scope:
-                self.scope, self.horizon, self.kept = scope, None, {}
-            horizon = utcnow() - SETTLE
-            settled = Job.finished_at < horizon
-            kept: dict[str, Groups] = {}
-            totals: dict[str, Groups] = {}
-            for name, summed in queries.items():
-                query = summed.query.add_columns(settled).group_by(settled)
-                if self.horizon is not None:
-                    query = query.where(Job.finished_at >= self.horizon)
-                kept[name], recent = dict(self.kept.get(name, {})), {}
-                for *row, is_settled in session.execute(query):
-                    add(kept[name] if is_settled else recent, tuple(row[:summed.keys]), row[summed.keys:])
-                totals[name] = dict(kept[name])
-                for key, values in recent.items():
-                    add(totals[name], key, values)
-            self.kept, self.horizon = kept, horizon
-            return totals
+
+def scope_of(models: Sequence[str]) -> str:
+    """The row of the totals of ``models``' jobs (another set of counted models keeps its own)."""
+    return hashlib.sha256(json.dumps(sorted(models)).encode()).hexdigest()[:40]
+
+
+def kept(session: Session, scope: str) -> Kept:
+    row = session.get(MetricTotals, scope)
+    if row is None:
+        return Kept()
+    return Kept(row.horizon, {name: {tuple(key): tuple(values) for key, values in groups}
+                              for name, groups in row.totals.items()})
+
+
+def totals(session: Session, start: Kept, queries: Mapping[str, Summed]) -> tuple[dict[str, Groups], Kept]:
+    """Each query's totals per group over all finished jobs, and what to keep from here: ``start``'s totals plus
+    the jobs finished since its horizon, those finished before the new horizon kept apart."""
+    horizon = utcnow() - SETTLE
+    settled = Job.finished_at < horizon
+    after = Kept(horizon)
+    out: dict[str, Groups] = {}
+    for name, summed in queries.items():
+        query = summed.query.add_columns(settled).group_by(settled)
+        if start.horizon is not None:
+            query = query.where(Job.finished_at >= start.horizon)
+        after.groups[name], recent = dict(start.groups.get(name, {})), {}
+        for *row, is_settled in session.execute(query):
+            add(after.groups[name] if is_settled else recent, tuple(row[:summed.keys]), row[summed.keys:])
+        out[name] = dict(after.groups[name])
+        for key, values in recent.items():
+            add(out[name], key, values)
+    return out, after
+
+
+def keep(url: str, scope: str, start: Kept, after: Kept) -> bool:
+    """Writes ``after`` where the row still holds ``start`` (another process may have moved it on: its totals are as
+    good). False where it was not written; a scrape answers all the same."""
+    totals_json = {name: [[list(key), list(values)] for key, values in groups.items()]
+                   for name, groups in after.groups.items()}
+    try:
+        with session_scope(url) as s:
+            if start.horizon is None:
+                s.add(MetricTotals(scope=scope, horizon=after.horizon, totals=totals_json))
+                s.flush()
+                return True
+            return s.execute(update(MetricTotals).where(MetricTotals.scope == scope,
+                                                        MetricTotals.horizon == start.horizon)
+                             .values(horizon=after.horizon, totals=totals_json)).rowcount == 1
+    except IntegrityError:  # another process kept the first totals meanwhile
+        return False
+    except SQLAlchemyError as exc:  # the next scrape reads from the horizon kept before
+        log.warning("/metrics: the finished jobs' totals were not kept: %s", exc)
+        return False
 
 
 def add(groups: Groups, key: tuple, values: Sequence[float | None]) -> None:
@@ -75,3 +109,4 @@ def add(groups: Groups, key: tuple, values: Sequence[float | None]) -> None:
     before = groups.get(key)
     values = tuple(float(v or 0) for v in values)
     groups[key] = values if before is None else tuple(a + b for a, b in zip(before, values))
+

@@ -234,25 +234,31 @@ def test_usage_buckets_on_postgres(pg_url):
         [("a", 10)], [("a", 20), ("b", 40)], [], [("a", 80)]]
 
 
-def test_metrics_with_a_tally_on_postgres(pg_url):
+def test_metrics_keep_their_totals_on_postgres(pg_url):
     """/metrics' grouped SQL runs on PostgreSQL (the horizon's flag is one expression in SELECT and GROUP BY), and
-    scrapes that keep the settled totals give what one reading every job gives."""
+    scrapes that read from the totals kept give what the first, which read every job, gave."""
     from app.db.migrate import upgrade
+    from app.db.models import MetricTotals
+    from app.db.session import session_scope
     from app.observability.collector import SqlCollector
-    from app.observability.tally import Tally
     from tests.unit.api.test_metrics import _ended, _samples, _seed
 
     upgrade(pg_url)
     _seed(pg_url)
     _ended(pg_url, (timedelta(hours=1), 100))
 
-    def scrape(tally):  # all but the heartbeat's age, which the clock moves
-        samples = _samples(SqlCollector(pg_url, "tiny", tiers=("free", "paid"), tally=tally).collect())
+    def scrape():  # all but the heartbeat's age, which the clock moves
+        samples = _samples(SqlCollector(pg_url, "tiny", tiers=("free", "paid")).collect())
         return {key: value for key, value in samples.items() if "heartbeat_age" not in key[0]}
 
-    tally = Tally()
-    scrapes = [scrape(tally), scrape(tally)]
-    assert scrapes[0] == scrapes[1] == scrape(Tally())
+    def horizon():
+        with session_scope(pg_url) as s:
+            return s.scalars(select(MetricTotals.horizon)).one()
+
+    scrapes = [scrape(), scrape()]  # every job; from the totals kept
+    kept = horizon()
+    scrapes.append(scrape())  # from the totals the second kept: the guarded update found its horizon
+    assert scrapes[0] == scrapes[1] == scrapes[2] and horizon() > kept
     assert scrapes[0][("coserve:prompt_tokens_total", (("model_name", "tiny"),))] == 15 + 4 + 100
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from datetime import timedelta
 
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from app.db.models import Job, Tenant, WorkerState
+from app.db.models import Job, MetricTotals, Tenant, WorkerState
 from app.db.session import session_scope
 from app.observability.collector import TTFT_BUCKETS, SqlCollector, histogram_query, seconds_between, success_query
-from app.observability.tally import SETTLE, Tally
-from app.services.transitions import utcnow
+from app.observability.tally import SETTLE
+from app.services.transitions import as_utc, utcnow
 
 
 def _job(tenant, status, tier, **kw):
@@ -113,27 +114,33 @@ def _ended(db_url, *jobs: tuple[timedelta, int]) -> None:
                         completion_tokens=1) for ago, tokens in jobs])
 
 
-def test_a_tally_reads_each_settled_job_once(db_url):
-    """The jobs finished before the horizon are summed once and kept: a later scrape reads only those finished
-    since, and adds the recent ones afresh each time (never twice)."""
+def test_the_settled_totals_are_kept_and_each_settled_job_read_once(db_url):
+    """The jobs finished before the horizon are summed once and kept in the database: a later scrape, by any API
+    process, reads only those finished since, and adds the recent ones afresh each time (never twice)."""
     _ended(db_url, (timedelta(hours=1), 10), (timedelta(0), 5))
-    tally = Tally()
 
-    def scrape(collector_tally):
-        samples = _samples(SqlCollector(db_url, "tiny", tiers=("paid",), tally=collector_tally).collect())
+    def scrape(models=("tiny",)):
+        samples = _samples(SqlCollector(db_url, "tiny", tiers=("paid",), models=models).collect())
         ttft = samples[("coserve:time_to_first_token_seconds_count",
                         (("kind", "interactive"), ("model_name", "tiny"), ("tier", "paid")))]
         return samples[("coserve:prompt_tokens_total", (("model_name", "tiny"),))], ttft
 
-    assert scrape(tally) == (15, 2)
-    assert tally.horizon is not None and utcnow() - tally.horizon >= SETTLE
-    # an end written an hour behind its stamp lies in the span kept: this tally does not read it; a new end counts
+    assert scrape() == (15, 2)
+    with session_scope(db_url) as s:
+        (row,) = s.query(MetricTotals).all()
+        assert utcnow() - as_utc(row.horizon) >= SETTLE
+    # an end written an hour behind its stamp lies in the span kept: it is not read; a new end counts
     _ended(db_url, (timedelta(hours=2), 100), (timedelta(0), 1000))
-    assert scrape(tally) == (1015, 3)
-    assert scrape(tally) == (1015, 3)  # the recent jobs once, scrape after scrape
-    assert scrape(Tally()) == (1115, 4)  # a process starting afresh reads all
-    tally.scope = ("another database",)
-    assert scrape(tally) == (1115, 4)  # kept for other models or another database: started over
+    assert scrape() == (1015, 3)
+    with session_scope(db_url) as s:
+        kept = s.scalars(select(MetricTotals.horizon)).one()
+    assert scrape() == (1015, 3)  # the recent jobs once, scrape after scrape
+    with session_scope(db_url) as s:
+        assert s.scalars(select(MetricTotals.horizon)).one() > kept  # each scrape moves the horizon on
+    assert scrape(("tiny", "tiny-lora")) == (1115, 4)  # other counted models keep their own totals: all read
+    with session_scope(db_url) as s:
+        s.query(MetricTotals).delete()
+    assert scrape() == (1115, 4)  # none kept: all read
 
 
 def test_every_configured_tier_has_gauges(db_url):
