@@ -1,7 +1,7 @@
 """Cancelling one job from the API: SQL first (the cancel is durable), then its stream's end and its worker's
 abort; where a worker was running the job, the reply waits for it to write what the attempt produced, so that the
 cancel answers with the job's output so far and its usage (a client need not poll for them). ``stop_job_ids`` ends
-many at once (a batch's, a summarization run's) without waiting for their workers."""
+many at once (a batch's, a summarization run's) in bulk, without waiting for their workers."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from sqlalchemy.orm import Session
 from app.db.models import Job, JobStatus
 from app.db.session import write_after_read
 from app.services import jobs as job_service
-from app.services.notify import announce_cancel, await_kept
-from app.services.transitions import ACTIVE, NOT_TERMINAL, transition, utcnow
+from app.services.notify import announce_cancel, announce_cancels, await_kept
+from app.services.transitions import ACTIVE, NOT_TERMINAL, transition_many, utcnow
 from app.settings import Settings
+
+STOP_CHUNK = 500  # jobs a transaction: SQLite caps one statement's parameters, and others may write in between
 
 
 def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
@@ -31,18 +33,21 @@ def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
 
 
 def stop_job_ids(session: Session, ids: list[str], to: JobStatus, detail: str, redis_url: str | None) -> int:
-    """Moves each of these jobs that has not ended to ``to`` (cancelled/expired); running ones are aborted."""
-    session.commit()
-    stopped = 0
-    for job_id in ids:
-        # End the read transaction the previous announce opened: a deferred transaction that read and
-        # then writes fails at once ("database is locked") if a worker committed in between.
-        with write_after_read(session):
-            ok = transition(session, job_id, NOT_TERMINAL, to, detail=detail,
-                            values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value}
-                            | ({"slo_met": False} if to == JobStatus.EXPIRED else {}))  # its deadline passed
-            session.commit()
-        if ok:
-            stopped += 1
-            announce_cancel(redis_url, session.get(Job, job_id, populate_existing=True))
-    return stopped
+    """Moves each of these jobs that has not ended to ``to`` (cancelled/expired), ``STOP_CHUNK`` jobs a transaction;
+    the workers running any are told to abort them."""
+    return sum(_stop_chunk(session, ids[i:i + STOP_CHUNK], to, detail, redis_url)
+               for i in range(0, len(ids), STOP_CHUNK))
+
+
+def _stop_chunk(session: Session, ids: list[str], to: JobStatus, detail: str, redis_url: str | None) -> int:
+    values = {"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value}
+    if to == JobStatus.EXPIRED:
+        values["slo_met"] = False  # its deadline passed
+    # End the read transaction the caller's last read (or the previous chunk's announce) opened: a deferred
+    # transaction that read and then writes fails at once ("database is locked") if a worker committed in between.
+    with write_after_read(session):
+        moved = transition_many(session, Job.id.in_(ids), NOT_TERMINAL, to, detail=detail, values=values)
+        session.commit()
+    # a job not yet running needs no word: a worker's lease of it finds it ended, and its stream's readers ask SQL
+    announce_cancels(redis_url, [(m.job_id, m.attempt) for m in moved if m.left in ACTIVE], to.value)
+    return len(moved)

@@ -27,16 +27,33 @@ def announce_cancel(redis_url: str | None, job: Job, held: bool = False) -> str 
     if not redis_url:
         return None
     try:
-        client = redis_client(redis_url)
-        pipe = client.pipeline()
-        publish(pipe, job.id, StreamEvent("end", attempt=job.attempt, status=job.status, finish_reason="cancelled",
-                                          data={KEPT_FOLLOWS: True} if held else {}))
-        pipe.publish(CANCEL_CHANNEL, job.id)
+        pipe = redis_client(redis_url).pipeline()
+        _queue_cancel(pipe, job.id, job.attempt, job.status, held)
         end_id = pipe.execute()[0]
         return end_id.decode() if isinstance(end_id, bytes) else end_id
     except redis.RedisError as exc:
         log.warning("could not announce cancel of %s: %s", job.id, exc)
         return None
+
+
+def announce_cancels(redis_url: str | None, jobs: list[tuple[str, int]], status: str) -> None:
+    """``announce_cancel`` for many (job id, attempt) pairs that ended as ``status``, in one Redis round trip."""
+    if not redis_url or not jobs:
+        return
+    try:
+        pipe = redis_client(redis_url).pipeline(transaction=False)
+        for job_id, attempt in jobs:
+            _queue_cancel(pipe, job_id, attempt, status, False)
+        pipe.execute()
+    except redis.RedisError as exc:  # their workers still see the cancel in SQL
+        log.warning("could not announce the cancel of %d jobs: %s", len(jobs), exc)
+
+
+def _queue_cancel(pipe: redis.client.Pipeline, job_id: str, attempt: int, status: str, held: bool) -> None:
+    """Queues on ``pipe`` the end of the job's stream and the word to its worker."""
+    publish(pipe, job_id, StreamEvent("end", attempt=attempt, status=status, finish_reason="cancelled",
+                                      data={KEPT_FOLLOWS: True} if held else {}))
+    pipe.publish(CANCEL_CHANNEL, job_id)
 
 
 def await_kept(redis_url: str, job: Job, end_id: str, timeout_s: float) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -72,6 +73,39 @@ def transition(
                 _announce_response(session, job_id, to, *row)
             return True
     return False
+
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A job that ``transition_many`` moved."""
+
+    job_id: str
+    left: JobStatus  # the state it was in
+    attempt: int  # its attempt, as the update found it
+
+
+def transition_many(session: Session, which: Any, expected: Iterable[JobStatus], to: JobStatus, *,
+                    detail: str | None = None, values: dict[str, Any] | None = None) -> list[Moved]:
+    """``transition`` for every job that ``which`` (a SQL condition) selects: one guarded UPDATE per expected state,
+    their job_events rows in one insert, and a background response's webhook event for each. The caller commits."""
+    values = dict(values or {})
+    returned = (Job.tenant_id, Job.endpoint, Job.response, Job.finish_reason) if to in RESPONSE_EVENTS else ()
+    event_attempt = values.get("attempt")
+    moved: list[Moved] = []
+    for prev in expected:  # a statement per expected state, as transition's, so each event knows where it came from
+        rows = session.execute(update(Job).where(which, Job.status == prev.value).values(status=to.value, **values)
+                               .returning(Job.id, Job.attempt, *returned)
+                               .execution_options(synchronize_session=False)).all()
+        moved += [Moved(row[0], prev, row[1]) for row in rows]
+        for row in rows if returned else ():
+            _announce_response(session, row[0], to, *row[2:])
+    if moved:
+        now = utcnow()
+        session.execute(insert(JobEvent), [
+            {"job_id": m.job_id, "from_status": m.left.value, "to_status": to.value, "at": now, "worker_id": None,
+             "attempt": event_attempt if isinstance(event_attempt, int) else 0, "detail": detail} for m in moved])
+    return moved
 
 
 # a background response's end, as OpenAI's webhooks name it (a deadline that passed fails it)

@@ -22,7 +22,7 @@ def test_stopping_a_batchs_jobs_survives_a_worker_committing_between_them(db_url
                   status="cancelling", tier="paid", total=4)
         s.add(b)
         s.flush()
-        jobs = [Job(tenant_id=t.id, kind="batch", tier="paid", model="m", status="queued", prompt="x", sampling={},
+        jobs = [Job(tenant_id=t.id, kind="batch", tier="paid", model="m", status="running", prompt="x", sampling={},
                     batch_id=b.id) for _ in range(3)]
         other = Job(tenant_id=t.id, kind="batch", tier="paid", model="m", status="running", prompt="y", sampling={})
         s.add_all([*jobs, other])
@@ -32,14 +32,15 @@ def test_stopping_a_batchs_jobs_survives_a_worker_committing_between_them(db_url
     path = db_url.removeprefix("sqlite:///")
     announced = []
 
-    def announce_then_a_worker_writes(redis_url, job):
-        # announce_cancel got the job from session.get: that read opened a transaction. A worker
-        # (its own connection, another process in production) commits before the next update.
-        announced.append(job.id)
+    def announce_then_a_worker_writes(redis_url, ended, status):
+        # after a chunk's announce a worker (its own connection, another process in production) commits before
+        # the next chunk's update
+        announced.extend(job_id for job_id, _attempt in ended)
         with sqlite3.connect(path, timeout=15) as worker:
             worker.execute("UPDATE jobs SET completion_tokens = ? WHERE id = ?", (len(announced), other_id))
 
-    monkeypatch.setattr(cancelling, "announce_cancel", announce_then_a_worker_writes)
+    monkeypatch.setattr(cancelling, "announce_cancels", announce_then_a_worker_writes)
+    monkeypatch.setattr(cancelling, "STOP_CHUNK", 1)  # a transaction per job
     with session_scope(db_url) as s:
         assert finalize.stop_jobs(s, batch_id, JobStatus.CANCELLED, "cancelled with its batch", "redis://unused") == 3
     with session_scope(db_url) as s:
