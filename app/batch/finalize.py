@@ -177,13 +177,19 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     return True
 
 
-def cancel_batch(session: Session, batch: Batch, data_dir: Path, redis_url: str | None) -> Batch:
-    """validating|in_progress -> cancelling; pending jobs cancelled, running ones aborted; then fan-in."""
+def cancel_batch(session: Session, batch: Batch, data_dir: Path, redis_url: str | None) -> bool:
+    """validating|in_progress -> cancelling; pending jobs cancelled, running ones aborted; then fan-in. False where
+    the batch was ending or had ended on its own before the cancel's update (it then changes nothing). ``batch`` is
+    refreshed either way."""
     with write_after_read(session):
-        session.execute(update(Batch).where(Batch.id == batch.id, Batch.status.in_(("validating", "in_progress")))
-                        .values(status="cancelling", cancelling_at=utcnow()))
+        took = session.execute(update(Batch).where(
+            Batch.id == batch.id, Batch.status.in_(("validating", "in_progress"))).values(
+            status="cancelling", cancelling_at=utcnow())).rowcount == 1
         session.commit()
+    session.refresh(batch)
+    if not took and batch.status != "cancelling":  # cancelling already: this is a repeat that helps it on
+        return False
     stop_jobs(session, batch.id, JobStatus.CANCELLED, "cancelled with its batch", redis_url)
     maybe_finalize(session, batch.id, data_dir, redis_url)
     session.refresh(batch)
-    return batch
+    return True

@@ -14,6 +14,8 @@ import pytest
 import redis
 from sqlalchemy import Engine, event, func, select, update
 
+from app.api import batches as batches_api
+from app.batch import finalize
 from app.db.models import Batch, Job, JobEvent
 from app.db.session import session_scope, write_guard
 from app.services.streaming import CANCEL_CHANNEL
@@ -109,3 +111,21 @@ def test_reading_a_batch_whose_window_ended_expires_its_jobs_promptly(client, ke
     assert batch["request_counts"] == {"total": 1000, "completed": 0, "failed": 1000}
     assert _job_statuses(settings, batch_id) == {"expired": 1000}
     assert _events_to(settings, batch_id, "expired") == 1000
+
+
+def test_a_cancel_that_loses_to_the_batchs_own_end_answers_409(client, keys, settings, monkeypatch):
+    batch_id = _batch(client, keys, 2)
+    real_cancel = finalize.cancel_batch
+
+    def batch_ends_first(session, batch, *args):  # between the route's read and the cancel's update
+        with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+            s.execute(update(Batch).where(Batch.id == batch_id).values(status="finalizing", finalizing_at=utcnow()))
+            s.commit()
+        return real_cancel(session, batch, *args)
+
+    monkeypatch.setattr(batches_api, "cancel_batch", batch_ends_first)
+    answer = client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
+    assert answer.status_code == 409, answer.text
+    assert answer.headers["x-should-retry"] == "false"
+    assert "finalizing" in answer.json()["error"]["message"]
+    assert _job_statuses(settings, batch_id) == {"dispatched": 2}  # the cancel changed nothing
