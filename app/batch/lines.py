@@ -127,7 +127,7 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
 def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ParsedFile:
     out = ParsedFile()
     try:
-        text = content.decode("utf-8")
+        text = content.decode("utf-8-sig")  # a byte-order mark (Notepad's, PowerShell's) is not part of line 1
     except UnicodeDecodeError:
         out.file_errors.append({"code": "invalid_file", "message": "the file is not UTF-8 text", "line": None})
         return out

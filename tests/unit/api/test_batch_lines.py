@@ -201,3 +201,9 @@ def test_an_empty_prompt_names_its_field():
     with pytest.raises(OpenAIError) as exc:
         req.job_spec(**req.prompt_inputs()[0])
     assert exc.value.param == "prompt" and "must not be empty" in exc.value.message  # it named no field
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line():
+    content = b"\xef\xbb\xbf" + (chat("first") + "\n" + chat("second") + "\n").encode()
+    parsed = parse_file(content, "/v1/chat/completions", 3600)
+    assert [v.custom_id for v in parsed.valid] == ["first", "second"] and parsed.invalid == []
