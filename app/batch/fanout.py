@@ -20,11 +20,11 @@ from app.batch import queue_limit
 from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
-from app.db.models import Batch, File, Job, JobEvent, JobStatus
+from app.db.models import Batch, File, Job
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
-from app.services import dispatch as dispatching
-from app.services import routing
+from app.services.dispatch import send_dispatched
+from app.services.job_writer import JobRows
 from app.services.jobs import JobValidationError, build_job
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
@@ -97,7 +97,8 @@ def _start(settings: Settings, batch_id: str) -> None:
     path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)
     path.write_text("".join(json.dumps(r) + "\n" for r in invalid))
-    with read_then_write(url) as s:
+    rows = JobRows.of([(job, f"batch {batch_id}") for job in jobs], utcnow() if settings.redis_url else None)
+    with read_then_write(url) as s:  # SQLite's write lock from here: the rows are made before
         if refused := _over_queue_limit(s, tenant_id, jobs):
             _fail(s, batch_id, errors=[refused], total=parsed.total)
             log.info("batch %s refused: %s", batch_id, refused["message"])
@@ -105,11 +106,8 @@ def _start(settings: Settings, batch_id: str) -> None:
         ok = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
             status="in_progress", in_progress_at=utcnow(), total=parsed.total, failed=len(invalid),
             completed=0)).rowcount == 1
-        if ok:
-            for job in jobs:
-                s.add(job)
-                s.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value,
-                               at=job.created_at, attempt=0, detail=f"batch {batch_id}"))
+        if ok:  # the jobs go in with the batch's start, all or none: a restarted validation starts from nothing
+            rows.insert(s)
     if not ok:  # cancelled while validating: this ends it, with its event, unless the cancel's fan-in did
         with session_scope(url) as s, write_guard(s):
             tenant = s.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
@@ -118,11 +116,7 @@ def _start(settings: Settings, batch_id: str) -> None:
                 emit(s, tenant, "batch.cancelled", batch_id)
         return
     log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
-    if settings.redis_url:
-        with session_scope(url) as s:
-            for job in jobs:
-                dispatching.dispatch(s, settings.redis_url, job.id, job.model, detail=f"batch {batch_id}",
-                                     queue=routing.job_queue(settings, job.model, job.route_key))
+    send_dispatched(settings, jobs)
     if not jobs:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)

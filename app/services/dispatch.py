@@ -8,17 +8,23 @@ never lost.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 from uuid import uuid4
 
 import redis
 from sqlalchemy.orm import Session
 
 from app.db.models import JobStatus
-from app.db.session import write_after_read, write_guard
+from app.db.session import session_scope, write_after_read, write_guard
+from app.services import routing
 from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.transitions import transition, utcnow
 from workers.celery_app import RUN_JOB, get_celery, queue_name
+
+if TYPE_CHECKING:
+    from app.db.models import Job
+    from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +97,23 @@ def send_jobs(redis_url: str, jobs: list[tuple[str, str]]) -> list[str]:
             break
         sent.append(job_id)
     return sent
+
+
+
+def send_dispatched(settings: Settings, jobs: list[Job]) -> None:
+    """Sends committed ``dispatched`` jobs in one batched send; the ones the broker refused go back to ``queued``,
+    where the workers' sweeper picks them up."""
+    if not jobs or not settings.redis_url:
+        return
+    todo = [(job.id, routing.job_queue(settings, job.model, job.route_key)) for job in jobs]
+    sent = set(send_jobs(settings.redis_url, todo))
+    unsent = [job_id for job_id, _queue in todo if job_id not in sent]
+    if not unsent:
+        return
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        for job_id in unsent:
+            transition(s, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
+                       detail="broker unavailable; the sweeper will send it")
 
 
 def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None,

@@ -21,8 +21,11 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import insert
+from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
@@ -52,6 +55,38 @@ class _Pending:
     rate: Decision | None = None
     done: Future = field(default_factory=Future)
 
+
+
+@dataclass(frozen=True)
+class JobRows:
+    """Built jobs as the rows of one Core executemany per table (no ORM unit of work), made before the caller takes
+    the write lock. With a ``dispatched_at`` they go in ``dispatched`` (events queued -> dispatched), for the caller
+    to send once committed (``dispatch.send_dispatched``)."""
+
+    jobs: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, jobs: list[tuple[Job, str]], dispatched_at: datetime | None) -> JobRows:
+        """``jobs``: each with its first event's detail."""
+        rows, events = [], []
+        for job, detail in jobs:
+            row = {k: getattr(job, k) for k in JOB_COLUMNS}
+            events.append({"job_id": job.id, "from_status": None, "to_status": JobStatus.QUEUED.value,
+                           "at": job.created_at, "attempt": 0, "detail": detail, "worker_id": None})
+            if dispatched_at is not None:
+                row.update(status=JobStatus.DISPATCHED.value, dispatched_at=dispatched_at)
+                events.append({"job_id": job.id, "from_status": JobStatus.QUEUED.value,
+                               "to_status": JobStatus.DISPATCHED.value, "at": dispatched_at, "attempt": 0,
+                               "detail": None, "worker_id": None})
+            rows.append(row)
+        return cls(rows, events)
+
+    def insert(self, session: Session) -> None:
+        """Adds the rows to the session's transaction (the caller commits)."""
+        if self.jobs:
+            session.execute(insert(Job.__table__), self.jobs)
+            session.execute(insert(JobEvent.__table__), self.events)
 
 class JobWriter:
     def __init__(self, settings: Settings, limiter: RateLimiter | None = None) -> None:
@@ -122,23 +157,11 @@ class JobWriter:
     def _insert(self, sessions, batch: list[_Pending]) -> None:
         dispatch = bool(self.settings.redis_url)
         now = utcnow()
-        rows, events = [], []
-        for p in batch:
-            row = {k: getattr(p.job, k) for k in JOB_COLUMNS}
-            events.append({"job_id": p.job.id, "from_status": None, "to_status": JobStatus.QUEUED.value,
-                           "at": p.job.created_at, "attempt": 0, "detail": p.detail, "worker_id": None})
-            if dispatch:
-                row.update(status=JobStatus.DISPATCHED.value, dispatched_at=now)
-                events.append({"job_id": p.job.id, "from_status": JobStatus.QUEUED.value,
-                               "to_status": JobStatus.DISPATCHED.value, "at": now, "attempt": 0, "detail": None,
-                               "worker_id": None})
-            rows.append(row)
+        rows = JobRows.of([(p.job, p.detail) for p in batch], now if dispatch else None)
         session = sessions()
         try:
             with write_guard(session):
-                # Core inserts on the tables: one executemany each (no ORM unit of work)
-                session.execute(insert(Job.__table__), rows)
-                session.execute(insert(JobEvent.__table__), events)
+                rows.insert(session)
                 session.commit()
         except Exception as exc:
             session.rollback()

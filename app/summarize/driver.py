@@ -35,6 +35,7 @@ from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import lora_adapters
 from app.services.cancel import stop_job_ids
+from app.services.dispatch import send_dispatched
 from app.services.jobs import build_job
 from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
@@ -191,7 +192,7 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: st
             s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
                                                           SummarizationDocument.position == position)
                       .values(**store.doc_values(doc)).execution_options(synchronize_session=False))
-    store.send(settings, backend.jobs)
+    send_dispatched(settings, backend.jobs)
     if status != "running":
         log.info("summarization %s %s: %d/%d documents, %d jobs", run.id, status, done - failed, run.documents,
                  values["jobs_submitted"])

@@ -26,6 +26,7 @@ from app.db.models import Job, SummarizationRun, new_id
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import jobs as job_service
+from app.services.dispatch import send_dispatched
 from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
@@ -86,7 +87,7 @@ def start_run(settings: Settings, principal: Principal, documents: list[Document
         s.flush()  # the run before the rows that name it
         s.add_all(store.new_document(run.id, i, doc) for i, doc in enumerate(docs))
         store.add_jobs(s, backend.jobs, f"summarization {run.id}", dispatched=bool(settings.redis_url))
-    store.send(settings, backend.jobs)
+    send_dispatched(settings, backend.jobs)
     return store.progress_of(run)
 
 

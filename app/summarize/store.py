@@ -18,11 +18,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
-from app.db.session import session_scope, write_guard
-from app.services import routing
-from app.services.dispatch import send_jobs
-from app.services.transitions import as_utc, transition, utcnow
-from app.settings import Settings
+from app.db.session import session_scope
+from app.services.transitions import as_utc, utcnow
 from app.summarize.pipeline import DocState, Progress, result_line
 
 log = logging.getLogger(__name__)
@@ -82,22 +79,6 @@ def add_jobs(session: Session, jobs: Iterable[Job], detail: str, dispatched: boo
             session.add(JobEvent(job_id=job.id, from_status=JobStatus.QUEUED.value,
                                  to_status=JobStatus.DISPATCHED.value, at=now, attempt=0))
         session.add(job)
-
-
-def send(settings: Settings, jobs: list[Job]) -> None:
-    """Sends committed ``dispatched`` jobs; the ones the broker refused go back to ``queued``,
-    where the workers' sweeper picks them up."""
-    if not jobs or not settings.redis_url:
-        return
-    todo = [(job.id, routing.job_queue(settings, job.model, job.route_key)) for job in jobs]
-    sent = set(send_jobs(settings.redis_url, todo))
-    unsent = [job_id for job_id, _queue in todo if job_id not in sent]
-    if not unsent:
-        return
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-        for job_id in unsent:
-            transition(s, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
-                       detail="broker unavailable; the sweeper will send it")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from app.api import batches as batches_api
 from app.batch import finalize
 from app.db.models import Batch, Job, JobEvent
 from app.db.session import session_scope, write_guard
+from app.services import dispatch
 from app.services.streaming import CANCEL_CHANNEL
 from app.services.transitions import utcnow
 from tests.conftest import Keys
@@ -129,3 +130,20 @@ def test_a_cancel_that_loses_to_the_batchs_own_end_answers_409(client, keys, set
     assert answer.headers["x-should-retry"] == "false"
     assert "finalizing" in answer.json()["error"]["message"]
     assert _job_statuses(settings, batch_id) == {"dispatched": 2}  # the cancel changed nothing
+
+
+def test_the_fanout_sends_its_jobs_in_one_batched_send(client, keys, settings, monkeypatch):
+    real_send = dispatch.send_jobs
+    sends: list[int] = []
+
+    def counted(redis_url, jobs):
+        sends.append(len(jobs))
+        return real_send(redis_url, jobs)
+
+    monkeypatch.setattr(dispatch, "send_jobs", counted)
+    batch_id = _batch(client, keys, 300)
+    assert sends == [300]
+    assert _job_statuses(settings, batch_id) == {"dispatched": 300}
+    assert _events_to(settings, batch_id, "dispatched") == 300
+    depth = redis.Redis.from_url(settings.redis_url).llen("coserve.tiny")
+    assert depth >= 300, depth
