@@ -251,7 +251,7 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
                                            else f"[red]AFTER the deadline[/red] (late by {-spare_s:.1f}s)"))
     elif not met:
         console.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
-    if run["status"] == "cancelled":
+    if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
         console.print(f"[yellow]the run was cancelled; {run['documents_failed']} documents were not summarized"
                       "[/yellow]")
     elif run["documents_failed"]:

@@ -117,10 +117,11 @@ def _look(url: str, run_id: str) -> _Look | None:
 
 
 def _claim(url: str, run: SummarizationRun, owner: str, lease_s: float) -> bool:
+    """Takes the run's lease while it is free or expired and the run is still as read (status, version)."""
     now = utcnow()
     with session_scope(url) as s, write_guard(s):
         claimed = s.execute(update(SummarizationRun).where(
-            SummarizationRun.id == run.id, SummarizationRun.status == "running",
+            SummarizationRun.id == run.id, SummarizationRun.status == run.status,
             SummarizationRun.version == run.version,
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
             .values(lease_owner=owner, lease_expires_at=now + timedelta(seconds=lease_s))
@@ -215,38 +216,44 @@ def _advance_or_fail(run_id: str, position: int, doc: DocState, results: dict, p
 
 
 def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool:
-    """Version + 1 and the lease dropped, only while ``owner`` holds it (the first write of the step)."""
+    """Version + 1 and the lease dropped (unless ``values`` keeps it), only while ``owner`` holds it (the first
+    write of the step)."""
     if values.get("status", "running") != "running":
         values = {**values, "finished_at": utcnow()}
     return s.execute(update(SummarizationRun).where(
         SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner, SummarizationRun.version == run.version)
-        .values(version=run.version + 1, lease_owner=None, lease_expires_at=None, **values)
+        .values({"version": run.version + 1, "lease_owner": None, "lease_expires_at": None} | values)
         .execution_options(synchronize_session=False)).rowcount == 1
 
 
 def _commit_failure(url: str, run: SummarizationRun, owner: str, error: str) -> Step:
     """Fails the run and every document not done yet (their running jobs still finish)."""
-    return _end_run(url, run, owner, "failed", error)[0]
+    return _end_run(url, run, owner, "failed", error)
 
 
-def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: str) -> tuple[Step, list[str]]:
-    """Ends the run as ``status`` with every document not done yet failed with ``error``; also the ids of the jobs
-    those documents were waiting for."""
+def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: str, keep_lease_s: float = 0) -> Step:
+    """Ends the run as ``status`` with every document not done yet failed with ``error``. ``keep_lease_s`` > 0: the
+    documents keep naming the jobs they waited for and ``owner`` keeps the lease that long, to stop those jobs."""
     with session_scope(url, immediate=True) as s, write_guard(s):  # reads, then writes
-        pending = s.scalars(select(SummarizationDocument.pending).where(
-            SummarizationDocument.run_id == run.id, SummarizationDocument.done.is_(False))).all()
-        values = {"status": status, "documents_done": run.documents,
-                  "documents_failed": run.documents_failed + len(pending)}
+        undone = s.scalar(select(func.count()).select_from(SummarizationDocument).where(
+            SummarizationDocument.run_id == run.id, SummarizationDocument.done.is_(False)))
+        values = {"status": status, "documents_done": run.documents, "documents_failed": run.documents_failed + undone}
+        if keep_lease_s > 0:
+            values |= {"lease_owner": owner, "lease_expires_at": utcnow() + timedelta(seconds=keep_lease_s)}
         if not _advance_version(s, run, owner, values):
             s.rollback()
-            return Step(Outcome.LOST, "running"), []
+            return Step(Outcome.LOST, "running")
+        failed = {"error": error, "done": True} | ({} if keep_lease_s > 0 else {"pending": []})
         s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
                                                       SummarizationDocument.done.is_(False))
-                  .values(error=error, pending=[], done=True).execution_options(synchronize_session=False))
-    return Step(Outcome.STEPPED, status), [j for ids in pending for j in ids]
+                  .values(**failed).execution_options(synchronize_session=False))
+    return Step(Outcome.STEPPED, status)
 
 
 CANCEL_TRIES = 40  # a step holds the run's lease for milliseconds: a cancel waits out one (0.05 s a try)
+# cancelled, and the jobs its documents waited for not all stopped yet: its documents still name them, and whoever
+# holds its lease stops them (the cancel itself, or a worker's sweeper where the cancel died partway)
+CANCELLING = "cancelling"
 
 
 class RunBusy(Exception):
@@ -264,21 +271,65 @@ def cancel(settings: Settings, run_id: str, owner: str) -> bool:
         if run is None or run.status != "running":
             return False
         if _claim(url, run, owner, settings.lease_seconds):
-            step, jobs = _end_run(url, run, owner, "cancelled", "cancelled with its summarization run")
+            step = _end_run(url, run, owner, CANCELLING, "cancelled with its summarization run",
+                            keep_lease_s=settings.lease_seconds)
             if step.outcome == Outcome.STEPPED:
-                with session_scope(url) as s:
-                    stop_job_ids(s, jobs, JobStatus.CANCELLED, f"cancelled with summarization {run_id}",
-                                 settings.redis_url)
+                try:
+                    _stop_cancelled_jobs(settings, run_id, owner)
+                except Exception:
+                    _release(url, run_id, owner)  # a worker's sweeper stops the rest now, not when the lease expires
+                    raise
                 return True
             _release(url, run_id, owner)
         time.sleep(0.05)
     raise RunBusy(run_id)
 
 
+def _stop_cancelled_jobs(settings: Settings, run_id: str, owner: str) -> Step:
+    """Stops the jobs a ``cancelling`` run's documents still name, then the run is ``cancelled`` and they name none;
+    ``owner`` holds its lease (a process that dies here leaves it ``cancelling``: the next holder stops them again,
+    the ones already stopped staying as they are)."""
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        pending = s.scalars(select(SummarizationDocument.pending).where(SummarizationDocument.run_id == run_id)).all()
+        stop_job_ids(s, [j for ids in pending for j in ids], JobStatus.CANCELLED,
+                     f"cancelled with summarization {run_id}", settings.redis_url)
+    with session_scope(url) as s, write_guard(s):
+        ended = s.execute(update(SummarizationRun).where(
+            SummarizationRun.id == run_id, SummarizationRun.status == CANCELLING, SummarizationRun.lease_owner == owner)
+            .values(status="cancelled", lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False)).rowcount == 1
+        if not ended:  # another process took the lease over meanwhile: it ends the run
+            s.rollback()
+            return Step(Outcome.LOST, CANCELLING)
+        s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run_id)
+                  .values(pending=[]).execution_options(synchronize_session=False))
+    return Step(Outcome.STEPPED, "cancelled")
+
+
+def finish_cancels(settings: Settings, owner: str, limit: int = 100) -> list[Step]:
+    """Stops the jobs of runs left ``cancelling`` by a cancel that died partway (the workers' sweeper calls this
+    through ``advance_open_runs``; any model's worker can: stopping a job needs no tokenizer)."""
+    url, now = settings.sqlalchemy_url, utcnow()
+    with session_scope(url) as s:
+        runs = s.scalars(select(SummarizationRun).where(
+            SummarizationRun.status == CANCELLING,
+            or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now)).limit(limit)).all()
+    steps = []
+    for run in runs:
+        try:
+            if _claim(url, run, owner, settings.lease_seconds):
+                steps.append(_stop_cancelled_jobs(settings, run.id, owner))
+        except Exception:
+            log.exception("could not stop the jobs of cancelled summarization %s", run.id)
+    return steps
+
+
 def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[Step]:
     """Steps every running summarization of this process's model whose lease is free (the
     workers' sweeper calls this: a run goes on when the API that started it is gone), its runtime
-    LoRA adapters' too, unloaded ones' included: their jobs fail, and so the run ends."""
+    LoRA adapters' too, unloaded ones' included: their jobs fail, and so the run ends. First it finishes
+    the cancels that died partway (``finish_cancels``)."""
     now = utcnow()
     with session_scope(settings.sqlalchemy_url) as s:
         ids = s.scalars(select(SummarizationRun.id).where(
@@ -287,7 +338,7 @@ def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[
                 SummarizationRun.model.in_(lora_adapters.unloaded_adapters(settings.model_name))),
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
             .order_by(func.random()).limit(limit)).all()  # any ``limit`` of them: none waits on older ones forever
-    steps = []
+    steps = finish_cancels(settings, owner, limit)
     for run_id in ids:
         try:
             steps.append(advance(settings, run_id, owner))

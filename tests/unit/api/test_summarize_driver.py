@@ -204,6 +204,32 @@ def test_failed_jobs_fail_their_document_and_a_pipeline_error_fails_the_run(sett
     assert "pipeline error: no tokenizer today" in service.view(settings, run_id, with_results=True).results.decode()
 
 
+def test_a_cancel_that_dies_partway_leaves_its_jobs_to_the_sweeper(settings, principal, monkeypatch):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal, [Document(f"d{i}", LONG) for i in range(3)])
+    real_stop = driver.stop_job_ids
+
+    def stop_two_then_die(session, ids, *args):
+        real_stop(session, ids[:2], *args)
+        raise ConnectionError("the API went away mid-cancel")
+
+    monkeypatch.setattr(driver, "stop_job_ids", stop_two_then_die)
+    with pytest.raises(ConnectionError):
+        driver.cancel(settings, run_id, "api")
+    run = run_row(url, run_id)
+    assert (run.status, run.documents_failed) == ("cancelling", 3)  # still naming the jobs left to stop
+    with session_scope(url) as s:
+        assert s.scalar(select(func.count()).select_from(Job).where(Job.status == "queued")) > 0
+    monkeypatch.setattr(driver, "stop_job_ids", real_stop)
+    driver.advance_open_runs(settings, "worker")
+    with session_scope(url) as s:
+        statuses = set(s.scalars(select(Job.status)).all())
+        pending = s.scalars(select(SummarizationDocument.pending)).all()
+    assert statuses == {"cancelled"} and all(p == [] for p in pending)
+    assert (run_row(url, run_id).status, run_row(url, run_id).lease_owner) == ("cancelled", None)
+    assert not driver.cancel(settings, run_id, "api")  # it had ended
+
+
 def test_the_sweeper_steps_only_its_models_runs(settings, principal):
     url = settings.sqlalchemy_url
     run_id = start(settings, principal)
