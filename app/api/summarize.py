@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from datetime import datetime, timedelta
+from functools import partial
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import false, select
 
-from app.api.deps import CurrentPrincipal, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
+from app.db import pagination
+from app.db.models import SummarizationRun
 from app.openai_schemas import parse_window
 from app.schemas import MAX_WINDOW_S
 from app.services.jobs import JobValidationError, resolve_model, resolve_tier
 from app.services.transitions import utcnow
-from app.summarize import driver, service
+from app.summarize import driver, service, store
 from app.summarize.documents import Document
-from app.summarize.store import RunView
 from app.wire import SecondsOrWindow, Text, utc_z
 
 log = logging.getLogger(__name__)
@@ -50,8 +55,13 @@ class SummarizeCreate(BaseModel):
     model: Text | None = Field(None, description="the server's model (default) or one of its LoRA adapters")
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses=responses(413))
-async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: SettingsDep) -> dict:
+@router.post("", status_code=status.HTTP_201_CREATED,
+             responses={200: {"description": "the run an earlier request with this Idempotency-Key started"},
+                        **responses(409, 413)})
+async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: SettingsDep, response: Response,
+                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict:
+    """Starts a run; a retry with the same Idempotency-Key (and body) answers the run the first request started,
+    one with a different body is a 409."""
     ids = [d.id for d in body.documents]
     if len(set(ids)) != len(ids):
         raise unprocessable("document ids must be unique", "body", "documents")
@@ -73,15 +83,45 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         raise unprocessable(f"deadline {window:g}s is longer than {MAX_WINDOW_S / 86400:.0f} days; give a shorter one",
                             "body", "deadline")
     docs = [Document(d.id, d.text) for d in body.documents]
+    idempotency = service.Idempotency(idempotency_key, _digest(body)) if idempotency_key else None
+    start_run = partial(service.start_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
+                        max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
+                        overlap_tokens=body.overlap_tokens, tier=tier, model=model, idempotency=idempotency)
     try:
-        progress = await run_in_threadpool(
-            service.start_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
-            max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
-            overlap_tokens=body.overlap_tokens, tier=tier, model=model)
+        if idempotency is None:
+            progress, created = await run_in_threadpool(start_run), True
+        else:
+            progress, created = await run_in_threadpool(service.start_idempotent_run, settings, principal,
+                                                        idempotency, start_run)
+    except service.IdempotencyConflict as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     except (ValueError, JobValidationError) as exc:
         raise unprocessable(str(exc)) from exc
-    service.drive_in_thread(settings, progress.id)
+    if created:
+        service.drive_in_thread(settings, progress.id)
+    else:
+        response.status_code = status.HTTP_200_OK
     return _utc_z(progress.as_dict())
+
+
+def _digest(body: SummarizeCreate) -> str:
+    """What makes two requests under one Idempotency-Key the same: their bodies (a window, not its end time)."""
+    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+
+
+@router.get("", responses=responses(422))
+def list_runs(session: SessionDep, principal: CurrentPrincipal,
+              limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
+    """The tenant's runs, newest first; ``after``: the last id of the page before."""
+    q = select(SummarizationRun).where(SummarizationRun.tenant_id == principal.tenant_id)
+    if after:  # not one of the tenant's runs: an empty page, as for batches
+        ref = pagination.cursor_row(session, SummarizationRun, after, principal.tenant_id)
+        q = q.where(false() if ref is None else pagination.after(SummarizationRun, ref.created_at, ref.id))
+    rows = list(session.scalars(q.order_by(*pagination.in_order(SummarizationRun)).limit(limit + 1)))
+    page = rows[:limit]
+    return {"object": "list", "data": [_utc_z(store.progress_of(r).as_dict()) for r in page],
+            "has_more": len(rows) > limit, "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None}
 
 
 def _utc_z(state: dict) -> dict:
@@ -94,7 +134,7 @@ def _utc_z(state: dict) -> dict:
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # new_id's shape; anything else (a NUL, a path) names no run
 
 
-def _own(settings, principal, run_id: str, with_results: bool = False) -> RunView:
+def _own(settings, principal, run_id: str, with_results: bool = False) -> store.RunView:
     run = service.view(settings, run_id, with_results) if RUN_ID.fullmatch(run_id) else None
     if run is None or run.tenant_id != principal.tenant_id:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no summarization {run_id!r}")

@@ -34,6 +34,10 @@ BATCH_DONE = {"completed", "failed", "expired", "cancelled"}
 
 
 PATIENCE_S = 120.0  # how long a poll rides out an unreachable API (a restart) before it gives up
+TIMEOUT_S = 60.0  # a request's answer
+# starting a summarization (its first level's jobs, thousands of documents) and cancelling one (every job it waited
+# for) take minutes on a busy server
+LONG_TIMEOUT_S = 600.0
 
 
 class Api:
@@ -41,11 +45,11 @@ class Api:
         from app.cli.service_cmds import _client_config
 
         self.url, key = _client_config(url, key)
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S)
 
     def call(self, method: str, path: str, patient: bool = False, **kw: Any) -> httpx.Response:
         """``patient``: a read that is retried, with growing pauses, while the API cannot be reached for up to
-        ``PATIENCE_S`` (a long run's poll outlives an API restart)."""
+        ``PATIENCE_S`` (a long run's poll outlives an API restart). ``timeout`` (s) in ``kw``: httpx's."""
         give_up, pause = time.monotonic() + (PATIENCE_S if patient else 0.0), 1.0
         while True:
             try:
@@ -53,7 +57,7 @@ class Api:
                 break
             except httpx.HTTPError as exc:
                 if time.monotonic() + pause > give_up:
-                    console.print(f"[red]cannot reach {self.url}: {exc}[/red] (is `coserve up` running?)")
+                    console.print(self._failure(method, path, exc, kw.get("timeout", TIMEOUT_S)))
                     raise typer.Exit(2) from exc
                 time.sleep(pause)
                 pause = min(pause * 2, 15.0)
@@ -61,6 +65,13 @@ class Api:
             console.print(f"[red]{r.status_code}[/red] {error_message(r)}")
             raise typer.Exit(1)
         return r
+
+    def _failure(self, method: str, path: str, exc: httpx.HTTPError, timeout_s: float) -> str:
+        """Why a request got no answer: an API that answered too late may still be doing what it was asked."""
+        if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+            return (f"[red]{method} {path} got no answer from {self.url} within {timeout_s:g}s[/red]: the server "
+                    "may still be doing it; look before you ask again")
+        return f"[red]cannot reach {self.url}: {exc}[/red] (is `coserve up` running?)"
 
 
 def _batch_table(batches: list[dict[str, Any]]) -> Table:
@@ -217,7 +228,7 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     """
     api = Api(url, key)
     if cancel_id:
-        run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel").json()
+        run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel", timeout=LONG_TIMEOUT_S).json()
         console.print(f"summarization {cancel_id}: {run['status']} ({run['documents_done'] - run['documents_failed']}"
                       f"/{run['documents']} documents summarized; `coserve summarize --run {cancel_id}` saves them)")
         return
@@ -279,7 +290,7 @@ def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int |
         raise typer.BadParameter("no documents: give files/folders/JSONL or --specbench")
     warn_without_workers(api.url)
     run = api.call("POST", "/v1/summarize", json={
-        "documents": [{"id": d.id, "text": d.text} for d in docs], **options}).json()
+        "documents": [{"id": d.id, "text": d.text} for d in docs], **options}, timeout=LONG_TIMEOUT_S).json()
     console.print(f"summarization [bold]{run['id']}[/bold]: {len(docs)} documents (`coserve summarize --run "
                   f"{run['id']}` follows it again, `--cancel {run['id']}` stops it)")
     return run

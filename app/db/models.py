@@ -364,6 +364,10 @@ class SummarizationRun(Base):
     (``app.summarize.driver``): the one holding its lease, one committed step at a time."""
 
     __tablename__ = "summarization_runs"
+    __table_args__ = (
+        Index("uq_summarization_runs_tenant_idempotency", "tenant_id", "idempotency_key", unique=True),
+        Index("ix_summarization_runs_tenant_created", "tenant_id", "created_at"),  # a tenant's runs, newest first
+    )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("sum"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     model: Mapped[str] = mapped_column(String(200))  # its jobs' model: only that model's workers (tokenizer) step it
@@ -386,6 +390,8 @@ class SummarizationRun(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)  # the request's Idempotency-Key
+    request_digest: Mapped[str | None] = mapped_column(String(64), default=None)  # its body's: a retry's must match
 
 
 class SummarizationDocument(Base):

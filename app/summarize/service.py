@@ -16,10 +16,13 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from app.auth import Principal
 from app.db.models import Job, SummarizationRun, new_id
@@ -70,10 +73,14 @@ def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int)
 
 def start_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
               max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str,
-              model: str | None = None) -> Progress:
-    """``model``: the server's model (None) or one of its LoRA adapters, which every job of the run names."""
+              model: str | None = None, idempotency: Idempotency | None = None) -> Progress:
+    """``model``: the server's model (None) or one of its LoRA adapters, which every job of the run names;
+    ``idempotency``: the run is kept under the request's Idempotency-Key (the insert fails where the tenant has a
+    run under that key already: ``start_idempotent_run`` answers that one)."""
     budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
     run = SummarizationRun(
+        idempotency_key=idempotency.key if idempotency else None,
+        request_digest=idempotency.digest if idempotency else None,
         id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None, model=model or settings.model_name,
         tier=tier, status="running", deadline_at=deadline_at, max_summary_tokens=max_summary_tokens,
         chunk_tokens=budget, overlap_tokens=min(overlap_tokens, budget // 4), documents=len(documents),
@@ -89,6 +96,46 @@ def start_run(settings: Settings, principal: Principal, documents: list[Document
         store.add_jobs(s, backend.jobs, f"summarization {run.id}", dispatched=bool(settings.redis_url))
     send_dispatched(settings, backend.jobs)
     return store.progress_of(run)
+
+
+@dataclass(frozen=True)
+class Idempotency:
+    """A request's Idempotency-Key and its body's digest: a retry under the key answers the run it made."""
+
+    key: str
+    digest: str
+
+
+class IdempotencyConflict(ValueError):
+    """The Idempotency-Key was already used for a different request (HTTP 409)."""
+
+
+def start_idempotent_run(settings: Settings, principal: Principal, idempotency: Idempotency,
+                         start: Callable[[], Progress]) -> tuple[Progress, bool]:
+    """The tenant's run under ``idempotency.key`` (created: False), or the one ``start`` makes with it (True);
+    ``IdempotencyConflict`` where the key named a different request."""
+    earlier = _run_by_key(settings, principal.tenant_id, idempotency)
+    if earlier is not None:
+        return earlier, False
+    try:
+        return start(), True
+    except IntegrityError:  # a concurrent request with the same key won the insert
+        earlier = _run_by_key(settings, principal.tenant_id, idempotency)
+        if earlier is None:
+            raise
+        return earlier, False
+
+
+def _run_by_key(settings: Settings, tenant_id: str, idempotency: Idempotency) -> Progress | None:
+    with session_scope(settings.sqlalchemy_url) as s:
+        run = s.scalars(select(SummarizationRun).where(SummarizationRun.tenant_id == tenant_id,
+                                                       SummarizationRun.idempotency_key == idempotency.key)).first()
+        if run is None:
+            return None
+        if run.request_digest != idempotency.digest:
+            raise IdempotencyConflict(f"Idempotency-Key {idempotency.key!r} was already used for summarization "
+                                      f"{run.id} with a different request; use a new key")
+        return store.progress_of(run)
 
 
 def drive_in_thread(settings: Settings, run_id: str) -> threading.Thread:

@@ -70,3 +70,36 @@ def test_a_run_cancelled_keeps_its_summaries_and_cancels_the_jobs_it_waited_for(
         "done": ("A cat in the warmth.", None), "open": (None, "cancelled with its summarization run")}
     again = client.post(f"/v1/summarize/{run_id}/cancel", headers=Keys.header(keys.paid))
     assert again.status_code == 409 and "already ended (cancelled)" in again.json()["detail"]
+
+
+def test_a_retry_with_the_same_idempotency_key_answers_the_run_it_started(client, keys, settings):
+    body = {"documents": [{"id": "a", "text": "The cat sat. It was warm."}], "deadline": "30m"}
+    first = client.post("/v1/summarize", headers=Keys.header(keys.paid) | {"Idempotency-Key": "k1"}, json=body)
+    again = client.post("/v1/summarize", headers=Keys.header(keys.paid) | {"Idempotency-Key": "k1"}, json=body)
+    assert (first.status_code, again.status_code) == (201, 200), again.text
+    assert again.json()["id"] == first.json()["id"]
+    other = client.post("/v1/summarize", headers=Keys.header(keys.paid) | {"Idempotency-Key": "k1"},
+                        json=body | {"deadline": "1h"})
+    assert other.status_code == 409 and first.json()["id"] in other.json()["detail"], other.text
+    # per tenant: another tenant's key of the same name starts its own run
+    theirs = client.post("/v1/summarize", headers=Keys.header(keys.other) | {"Idempotency-Key": "k1"}, json=body)
+    assert theirs.status_code == 201 and theirs.json()["id"] != first.json()["id"]
+    with session_scope(settings.sqlalchemy_url) as s:
+        runs = s.scalars(select(SummarizationRun.id)).all()
+        jobs = s.scalars(select(Job.id)).all()
+    assert len(runs) == 2 and len(jobs) == 2  # the retry made no run and no job
+
+
+def test_a_tenants_runs_are_listed_newest_first_page_by_page(client, keys):
+    body = {"documents": [{"id": "a", "text": "The cat sat. It was warm."}], "deadline": "30m"}
+    mine = [client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body).json()["id"] for _ in range(3)]
+    theirs = client.post("/v1/summarize", headers=Keys.header(keys.other), json=body).json()["id"]
+    page = client.get("/v1/summarize", params={"limit": 2}, headers=Keys.header(keys.paid)).json()
+    assert [r["id"] for r in page["data"]] == mine[::-1][:2] and page["has_more"], page
+    assert page["data"][0]["status"] == "running" and page["data"][0]["deadline_at"].endswith("Z")
+    rest = client.get("/v1/summarize", params={"limit": 2, "after": page["last_id"]},
+                      headers=Keys.header(keys.paid)).json()
+    assert [r["id"] for r in rest["data"]] == mine[:1] and not rest["has_more"]
+    assert [r["id"] for r in client.get("/v1/summarize", headers=Keys.header(keys.other)).json()["data"]] == [theirs]
+    # another tenant's run as a cursor tells nothing about it
+    assert client.get("/v1/summarize", params={"after": theirs}, headers=Keys.header(keys.paid)).json()["data"] == []

@@ -104,3 +104,22 @@ def test_keys_commands_outside_the_servers_directory_make_no_empty_database(tmp_
     assert res.exit_code == 0 and "a new database at" in res.output, res.output
     res = CliRunner().invoke(cli, ["keys", "list", "--json"], env=env)
     assert res.exit_code == 0 and [r["tenant"] for r in json.loads(res.output)] == ["a"], res.output
+
+
+def test_a_summarize_request_the_server_answers_too_late_is_said_to_maybe_go_on(tmp_path, monkeypatch):
+    from app.cli import batch_cmds, service_cmds
+
+    monkeypatch.setattr(batch_cmds, "LONG_TIMEOUT_S", 0.5)  # the start's and the cancel's (TIMEOUT_S stays)
+    monkeypatch.setattr(service_cmds, "warn_without_workers", lambda url: None)
+    (tmp_path / "doc.txt").write_text("The cat sat on the mat.")
+    with socket.socket() as silent:  # accepts the connection, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        auth = ["--key", "k", "--url", f"http://127.0.0.1:{silent.getsockname()[1]}"]
+        started = CliRunner().invoke(cli, ["summarize", str(tmp_path / "doc.txt"), "-o", str(tmp_path / "o.jsonl"),
+                                           *auth])
+        cancelled = CliRunner().invoke(cli, ["summarize", "--cancel", "sum_x", *auth])
+    for res, path in ((started, "/v1/summarize "), (cancelled, "/v1/summarize/sum_x/cancel ")):
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"POST {path}got no answer" in said and "within 0.5s" in said, res.output
+        assert "may still be doing it" in said and "cannot reach" not in said, res.output
