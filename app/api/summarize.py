@@ -95,7 +95,9 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
                                                         idempotency, start_run)
     except service.IdempotencyConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
-    except (ValueError, JobValidationError) as exc:
+    except JobValidationError as exc:
+        raise unprocessable(str(exc), *(("body", exc.param) if exc.param else ("body",))) from exc
+    except ValueError as exc:
         raise unprocessable(str(exc)) from exc
     if created:
         service.drive_in_thread(settings, progress.id)

@@ -71,6 +71,19 @@ def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int)
     return min(chunk_tokens, room)
 
 
+def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int) -> None:
+    """Refuses summaries that may be longer than half a chunk's new text (``chunk_tokens`` less the overlap): then a
+    level's joined summaries need at least twice fewer chunks than its text, so a document's levels end within
+    ``pipeline.MAX_LEVELS`` (longer ones may not shrink, and the document fails after many jobs)."""
+    most = (chunk_tokens - overlap_tokens) // 2
+    if max_summary_tokens > most:
+        raise job_service.JobValidationError(
+            f"max_summary_tokens={max_summary_tokens} is more than half of the {chunk_tokens - overlap_tokens} new "
+            f"tokens a chunk holds ({chunk_tokens} chunk tokens less {overlap_tokens} overlap): the summaries might "
+            f"not shrink from level to level; give max_summary_tokens <= {most} or a larger chunk_tokens",
+            param="max_summary_tokens")
+
+
 def start_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
               max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str,
               model: str | None = None, idempotency: Idempotency | None = None) -> Progress:
@@ -78,12 +91,14 @@ def start_run(settings: Settings, principal: Principal, documents: list[Document
     ``idempotency``: the run is kept under the request's Idempotency-Key (the insert fails where the tenant has a
     run under that key already: ``start_idempotent_run`` answers that one)."""
     budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
+    overlap_tokens = min(overlap_tokens, budget // 4)
+    check_shrinks(max_summary_tokens, budget, overlap_tokens)
     run = SummarizationRun(
         idempotency_key=idempotency.key if idempotency else None,
         request_digest=idempotency.digest if idempotency else None,
         id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None, model=model or settings.model_name,
         tier=tier, status="running", deadline_at=deadline_at, max_summary_tokens=max_summary_tokens,
-        chunk_tokens=budget, overlap_tokens=min(overlap_tokens, budget // 4), documents=len(documents),
+        chunk_tokens=budget, overlap_tokens=overlap_tokens, documents=len(documents),
         documents_done=0, documents_failed=0, jobs_submitted=0, jobs_done=0, version=0, created_at=utcnow())
     docs = [DocState(d.id, text=d.text) for d in documents]
     backend = driver.collector_for(settings, run, {})

@@ -103,3 +103,16 @@ def test_a_tenants_runs_are_listed_newest_first_page_by_page(client, keys):
     assert [r["id"] for r in client.get("/v1/summarize", headers=Keys.header(keys.other)).json()["data"]] == [theirs]
     # another tenant's run as a cursor tells nothing about it
     assert client.get("/v1/summarize", params={"after": theirs}, headers=Keys.header(keys.paid)).json()["data"] == []
+
+
+def test_summaries_too_long_to_shrink_a_level_are_refused_before_any_job(client, keys, settings):
+    body = {"documents": [{"id": "a", "text": "The cat sat. It was warm."}], "deadline": "30m",
+            "chunk_tokens": 256, "overlap_tokens": 64}  # 192 new tokens a chunk: summaries of at most 96
+    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 97})
+    assert r.status_code == 422, r.text
+    error = r.json()["detail"][0]
+    assert error["loc"] == ["body", "max_summary_tokens"] and "max_summary_tokens <= 96" in error["msg"], error
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
+    ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 96})
+    assert ok.status_code == 201, ok.text
