@@ -76,7 +76,7 @@ class JobCollector:
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str:
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
                          temperature=0.0, app_id=app_id, tier=self.tier, model=self.model)
-        # overdue_ok: a later level still runs when earlier ones overran the deadline
+        # overdue_ok: a retried step may build a level whose deadline passed meanwhile
         job = build_job(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True)
         self.jobs.append(job)
         return job.id
@@ -85,9 +85,24 @@ class JobCollector:
         return {j: self.results[j] for j in job_ids if j in self.results}
 
 
-def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector) -> Planner:
+LATE_LEVEL_S = 60.0  # a level's jobs with less of the run's deadline left than this get a fresh window
+
+
+def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector,
+                deadline_at: datetime | None = None) -> Planner:
+    """``deadline_at``: its jobs' (the run's where None)."""
     split = TokenSplitter(get_tokenizer(settings.model), run.chunk_tokens, run.overlap_tokens)
-    return Planner(backend, split, run.max_summary_tokens, as_utc(run.deadline_at))
+    return Planner(backend, split, run.max_summary_tokens, deadline_at or as_utc(run.deadline_at))
+
+
+def later_level_deadline(settings: Settings, run_deadline: datetime) -> datetime:
+    """A later level's jobs' deadline: the run's, or a fresh batch window (``default_batch_window_s``) where the run's
+    has passed or is under ``LATE_LEVEL_S`` away. The run is late either way; jobs given no time were relegated under
+    load and expired at once, failing their documents and the summaries earlier levels had made."""
+    now = utcnow()
+    if run_deadline - now >= timedelta(seconds=LATE_LEVEL_S):
+        return run_deadline
+    return now + timedelta(seconds=settings.default_batch_window_s)
 
 
 def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, store.JobResult]) -> JobCollector:
@@ -169,7 +184,7 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: st
         results = store.job_results(s, [j for d in docs.values() for j in d.pending])
     backend = collector_for(settings, run, results)
     try:
-        planner = planner_for(settings, run, backend)
+        planner = planner_for(settings, run, backend, later_level_deadline(settings, as_utc(run.deadline_at)))
     except Exception as exc:  # the pipeline itself failed (its model, its prompts): so does the run
         log.exception("summarization run %s failed", run.id)
         return _commit_failure(url, run, owner, f"pipeline error: {exc}")

@@ -155,11 +155,11 @@ def test_a_step_whose_lease_was_taken_over_commits_nothing(settings, principal, 
     before = job_count(url)
     real = driver.planner_for
 
-    def slow_planner(settings_, run, backend):
+    def slow_planner(settings_, run, backend, *deadline):
         # mid-step, the lease expires and another process takes it over
         with session_scope(url) as s:
             s.execute(update(SummarizationRun).values(lease_owner="other", lease_expires_at=utcnow()))
-        return real(settings_, run, backend)
+        return real(settings_, run, backend, *deadline)
 
     monkeypatch.setattr(driver, "planner_for", slow_planner)
     assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.LOST, "running")
@@ -228,6 +228,22 @@ def test_a_cancel_that_dies_partway_leaves_its_jobs_to_the_sweeper(settings, pri
     assert statuses == {"cancelled"} and all(p == [] for p in pending)
     assert (run_row(url, run_id).status, run_row(url, run_id).lease_owner) == ("cancelled", None)
     assert not driver.cancel(settings, run_id, "api")  # it had ended
+
+
+def test_a_later_level_past_the_runs_deadline_gets_a_fresh_window_not_an_expired_one(settings, principal):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal)
+    with session_scope(url) as s:
+        deadline = s.get(SummarizationRun, run_id).deadline_at
+        assert set(s.scalars(select(Job.deadline_at)).all()) == {deadline}  # the first level: the run's deadline
+        s.execute(update(SummarizationRun).values(deadline_at=utcnow() - timedelta(minutes=5)))  # the run overran
+    finish_jobs(url)
+    step = driver.advance(settings, run_id, "p1")
+    assert step.outcome == Outcome.STEPPED and step.submitted
+    with session_scope(url) as s:
+        later = s.scalars(select(Job.deadline_at).where(Job.id.in_(step.submitted))).all()
+    fresh = utcnow() + timedelta(seconds=settings.default_batch_window_s)
+    assert all(abs((d - fresh.replace(tzinfo=None)).total_seconds()) < 120 for d in later), (later, fresh)
 
 
 def test_the_sweeper_steps_only_its_models_runs(settings, principal):
