@@ -1,8 +1,8 @@
 """summarization_runs.idempotency_key and request_digest: POST /v1/summarize honours Idempotency-Key per tenant, as
 /v1/jobs does; an index on (tenant_id, created_at) for GET /v1/summarize, a tenant's runs newest first
 
-Revision ID: 0029
-Revises: 0028
+Revision ID: 0030
+Revises: 0029
 Create Date: 2026-11-29 03:00:00
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0029'
-down_revision: str | Sequence[str] | None = '0028'
+revision: str = '0030'
+down_revision: str | Sequence[str] | None = '0029'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
