@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import aclosing, contextmanager
 from typing import Any, TypeVar
 
 import anyio
@@ -37,7 +37,7 @@ from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished,
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
 from app.services.model_info import ChatTemplateError
-from app.services.rate_limits import RateLimited, RateLimiter
+from app.services.rate_limits import RateLimited, RateLimiter, rate_headers
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
@@ -70,11 +70,19 @@ async def read_body(request: Request, model: type) -> Any:
 def submit_openai_job(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
                       response: dict[str, Any] | None = None, limiter: RateLimiter | None = None,
                       charge: tuple[bool, bool] = (True, True), job_id: str | None = None) -> job_service.Submitted:
-    """The request's job, its refusal in OpenAI's terms (404 for an unknown model, 429 over the tenant's rate
-    limits, else 400); ``limiter``, ``charge`` and ``job_id`` as ``submit_job``'s."""
-    try:
+    """The request's job, its refusal in OpenAI's terms (``openai_refusals``); ``limiter``, ``charge`` and ``job_id``
+    as ``submit_job``'s."""
+    with openai_refusals():
         return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer,
                                       response=response, limiter=limiter, charge=charge, job_id=job_id)
+
+
+@contextmanager
+def openai_refusals() -> Iterator[None]:
+    """A submission's refusal in OpenAI's terms: 404 for an unknown model, 429 over the tenant's rate limits, else
+    400."""
+    try:
+        yield
     except RateLimited as exc:
         d = exc.decision
         raise OpenAIError(429, str(exc), type=d.limit_hit, code="rate_limit_exceeded", headers=d.headers()) from exc
@@ -160,22 +168,26 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
                     writer=None, limiter: RateLimiter | None = None, n: int = 1,
                     metadata: dict[str, str] | None = None, store: bool = False) -> tuple[list[Job], dict[str, str]]:
     """The jobs of a request's choices (``n`` per prompt), and the rate-limit headers of the answer; if one cannot
-    be submitted, those already are stop. The rate limits count the request once and each prompt's tokens once,
-    as OpenAI's do, and every choice's ``max_tokens``. ``store``: the answer is kept as a stored chat completion,
-    with ``metadata``."""
-    jobs: list[Job] = []
+    be submitted, those already are stop. The rate limits take the whole request at once before any job is
+    written (``charge_request``): the request once, each prompt's tokens once, as OpenAI's do, and every choice's
+    ``max_tokens``. ``store``: the answer is kept as a stored chat completion, with ``metadata``."""
     ids, kept = stored_completions.kept_fields(metadata, len(specs)) if store else ([None] * len(specs), None)
+    with openai_refusals():
+        built = [job_service.build_job(settings, principal, spec, endpoint=endpoint,
+                                       response=kept if i == 0 else None, job_id=ids[i])
+                 for i, spec in enumerate(specs)]
+        for i, job in enumerate(built):  # usage counts a request and a prompt once, as the limits do
+            job.counts_request, job.counts_prompt = i == 0, i % n == 0
+        rate = job_service.charge_request(limiter, principal, built)
+    jobs: list[Job] = []
     try:
-        for i, spec in enumerate(specs):
-            submitted = submit_openai_job(session, principal, settings, spec, endpoint, writer, limiter=limiter,
-                                          charge=(i == 0, i % n == 0), response=kept if i == 0 else None,
-                                          job_id=ids[i])
-            jobs.append(submitted.job)
+        for job in built:
+            jobs.append(job_service.record_job(session, settings, job, endpoint=endpoint, writer=writer).job)
     except Exception:
         for job in jobs:
             cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
         raise
-    return jobs, submitted.rate_headers()  # the buckets after the last choice
+    return jobs, rate_headers(rate)
 
 
 async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: StreamOptions,
@@ -279,10 +291,10 @@ async def _complete(request: Request, session, principal: Principal, settings: S
                  for spec in specs]
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
     n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
-    jobs, rate_headers = await run_in_threadpool(
+    jobs, limit_headers = await run_in_threadpool(
         _submit_choices, session, principal, settings, [choice for spec in specs for choice in choice_specs(spec, n)],
         endpoint, writer, rate_limiter(request), n, *((body.metadata, True) if chat and body.store else ()))
-    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **rate_headers}
+    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **limit_headers}
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)

@@ -293,6 +293,14 @@ def rate_charge(principal: Principal, job: Job, *, request: bool = True, prompt:
     return Charge(principal.tenant_id, principal.limits, int(request), tokens)
 
 
+def _earlier(existing: Job, job: Job) -> Submitted:
+    """The answer to a repeated Idempotency-Key: the earlier job, for the same request only."""
+    if not _same_request(existing, job):
+        raise IdempotencyConflict(f"Idempotency-Key {job.idempotency_key!r} was already used for job "
+                                  f"{existing.id} with a different request; use a new key")
+    return Submitted(existing, created=False)
+
+
 def submit_job(session: Session, principal: Principal, spec: JobCreate, settings: Settings, *,
                idempotency_key: str | None = None, batch_id: str | None = None, custom_id: str | None = None,
                endpoint: str = "/v1/jobs", dispatch: bool = True, writer: JobWriter | None = None,
@@ -317,19 +325,38 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
                     response=response, job_id=job_id)
     job.counts_request, job.counts_prompt = charge  # usage counts a request and a prompt once, as the limits do
     if existing is not None:
-        if not _same_request(existing, job):
-            raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "
-                                      f"{existing.id} with a different request; use a new key")
-        return Submitted(existing, created=False)
+        return _earlier(existing, job)
     cost = rate_charge(principal, job, request=charge[0], prompt=charge[1]) if limiter is not None else None
-    if writer is not None and not idempotency_key and dispatch:
+    return record_job(session, settings, job, endpoint=endpoint, dispatch=dispatch, writer=writer, cost=cost,
+                      limiter=limiter)
+
+
+def charge_request(limiter: RateLimiter | None, principal: Principal, jobs: list[Job]) -> Decision | None:
+    """Takes a whole request's cost from its tenant's buckets in one charge, before any of its jobs is written: one
+    request, each prompt's tokens once and every choice's ``max_tokens`` (``counts_request``/``counts_prompt`` say
+    which job counts which). Raises ``RateLimited``, taking nothing, where the total does not fit (too large where
+    it never can); None where no limit applies."""
+    costs = [rate_charge(principal, job, request=bool(job.counts_request), prompt=bool(job.counts_prompt))
+             for job in jobs] if limiter is not None else []
+    if not costs or costs[0] is None:
+        return None
+    decision = limiter.take(principal.tenant_id, principal.limits, sum(c.tokens for c in costs),
+                            requests=sum(c.requests for c in costs))
+    if not decision.allowed:
+        raise RateLimited(decision)
+    return decision
+
+
+def record_job(session: Session, settings: Settings, job: Job, *, endpoint: str = "/v1/jobs", dispatch: bool = True,
+               writer: JobWriter | None = None, cost: Charge | None = None,
+               limiter: RateLimiter | None = None) -> Submitted:
+    """Writes a built job's row and sends it to the workers, as ``submit_job`` says; ``cost`` taken by ``limiter``
+    (raises ``RateLimited``) once the row is in, so a concurrent retry with the same Idempotency-Key, which finds
+    the row there, is never charged nor refused."""
+    if writer is not None and not job.idempotency_key and dispatch:
         written = writer.write(job, f"submitted via {endpoint}", cost)
         return Submitted(written.job, created=True, rate=written.rate)
     rate = None
-    if cost is not None:
-        rate = limiter.take_many([cost])[0]
-        if not rate.allowed:
-            raise RateLimited(rate)
     # end the read snapshot (auth, idempotency lookup): the insert starts a write transaction
     session.commit()
     try:
@@ -337,17 +364,22 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
             session.add(job)
             session.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value,
                                  at=job.created_at, attempt=0, detail=f"submitted via {endpoint}"))
+            session.flush()  # a concurrent insert of the same Idempotency-Key fails here (or waits for it)
+            if cost is not None:
+                rate = limiter.take_many([cost])[0]
+                if not rate.allowed:
+                    raise RateLimited(rate)
             session.commit()
+    except RateLimited:
+        session.rollback()
+        raise
     except IntegrityError:
         session.rollback()
-        existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key) if idempotency_key else None
+        key = job.idempotency_key
+        existing = _by_idempotency_key(session, job.tenant_id, key) if key else None
         if existing is None:
             raise
-        # a concurrent submission with the same key won the insert: the same answer only for the same request
-        if not _same_request(existing, job):
-            raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was already used for job "
-                                      f"{existing.id} with a different request; use a new key") from None
-        return Submitted(existing, created=False)
+        return _earlier(existing, job)  # a concurrent submission with the same key won the insert
     if dispatch:
         redis_url = settings.redis_url
         if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model,

@@ -118,8 +118,9 @@ class Decision:
     def message(self) -> str:
         tpm, rpm = self.limits.tokens_per_minute, self.limits.requests_per_minute
         if self.too_large:
-            return (f"request too large: it may use {self.tokens_asked} tokens (prompt + max_tokens), over this "
-                    f"key's limit of {tpm} tokens per minute; lower max_tokens or shorten the prompt")
+            return (f"request too large: it may use {self.tokens_asked} tokens (its prompts, and max_tokens for each "
+                    f"choice), over this key's limit of {tpm} tokens per minute; lower max_tokens or n, or shorten "
+                    "the prompt")
         if self.limit_hit == "tokens":
             return (f"rate limit reached for tokens per minute: limit {tpm}, {int(self.tokens_left or 0)} left, "
                     f"this request may use {self.tokens_asked}; try again in {_duration(self.retry_after_s)}")

@@ -128,6 +128,52 @@ def test_a_request_of_several_choices_and_prompts_counts_once(settings, keys, re
         session.close()
 
 
+def test_a_request_of_several_choices_is_charged_whole_or_not_at_all(settings, keys, redis_url):
+    """n choices are one charge: a request whose total is over the tokens per minute is too large (no retry-after)
+    and takes nothing, though each choice alone would fit; one whose total fits passes."""
+    from app.api.openai_compat import _submit_choices
+    from app.auth import Principal
+    from app.db.session import get_sessionmaker
+    from app.openai_schemas import CompletionRequest, OpenAIError, choice_specs
+
+    limiter = RateLimiter(redis_url)
+    limits = Limits(tokens_per_minute=100)
+    principal = Principal("k", keys.tenant_id, "paid", False, limits)
+
+    def choices(n: int) -> list:
+        body = CompletionRequest.model_validate({"model": "tiny", "prompt": "hello", "max_tokens": 40, "n": n})
+        return choice_specs(body.job_spec(**body.prompt_inputs()[0], tiers=settings.tiers), n)
+
+    session = get_sessionmaker(settings.sqlalchemy_url)()
+    try:
+        with pytest.raises(OpenAIError) as refused:
+            _submit_choices(session, principal, settings, choices(3), "/v1/completions", limiter=limiter, n=3)
+        assert refused.value.status_code == 429 and refused.value.type == "tokens"
+        assert "request too large" in refused.value.message and "retry-after" not in refused.value.headers
+        assert limiter.take(keys.tenant_id, limits, 0, requests=0).tokens_left == 100  # nothing was taken
+        jobs, headers = _submit_choices(session, principal, settings, choices(2), "/v1/completions",
+                                        limiter=limiter, n=2)
+        assert len(jobs) == 2 and int(headers["x-ratelimit-remaining-tokens"]) <= 100 - 2 * 40
+    finally:
+        session.close()
+
+
+def test_concurrent_retries_with_one_idempotency_key_are_charged_once(client, keys, redis_url):
+    """Retries racing with the same Idempotency-Key all answer the one job; only the request that wrote it is
+    charged, so none is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 5}, headers=H(keys.admin))
+    job = {"prompt": "hello", "max_tokens": 4}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: client.post("/v1/jobs", json=job, headers={
+            **H(keys.paid), "Idempotency-Key": "retry-1"}), range(8)))
+    assert sorted(r.status_code for r in answers) == [200] * 7 + [201], [r.text for r in answers]
+    assert len({r.json()["id"] for r in answers}) == 1
+    left = RateLimiter(redis_url).take(keys.tenant_id, Limits(requests_per_minute=5), 0, requests=0).requests_left
+    assert 4 <= left < 4.5  # one request taken (the bucket refills 1/12 a second meanwhile)
+
+
 def test_one_call_judges_many_charges_in_turn(redis_url):
     from app.services.rate_limits import Charge
 
