@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from app.bounds import MAX_RATE
 from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
 from app.wire import FieldProblem, Text, UtcDatetime
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
@@ -414,7 +415,6 @@ class JobList(BaseModel):
     next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page")
 
 
-MAX_RATE = 2**31 - 1  # a limit is an SQL integer
 
 
 class TenantLimits(BaseModel):
@@ -438,6 +438,11 @@ class TenantCreate(TenantLimits):
 
 class TenantPublic(TenantLimits):
     model_config = ConfigDict(from_attributes=True)
+    # as stored, unbounded: a value over MAX_RATE that `coserve keys limits` once let in (SQLite) still reads
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = Field(None, description=TenantLimits.model_fields["tokens_per_minute"].description)
+    batch_queue_tokens: int | None = Field(None,
+                                           description=TenantLimits.model_fields["batch_queue_tokens"].description)
 
     id: str
     name: str

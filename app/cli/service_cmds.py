@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from app.bounds import MAX_RATE
 from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, vllm_flags
 from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
@@ -534,11 +535,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     @keys_app.command("limits")
     def keys_limits(tenant: Annotated[str, typer.Option(help="the tenant's name")],
                     requests_per_minute: Annotated[int | None, typer.Option(
-                        min=0, help="its API requests per minute; 0: no limit")] = None,
+                        min=0, max=MAX_RATE, help="its API requests per minute; 0: no limit")] = None,
                     tokens_per_minute: Annotated[int | None, typer.Option(
-                        min=0, help="its tokens per minute (prompt + max_tokens); 0: no limit")] = None,
+                        min=0, max=MAX_RATE, help="its tokens per minute (prompt + max_tokens); 0: no limit")] = None,
                     batch_queue_tokens: Annotated[int | None, typer.Option(
-                        min=0, help="prompt tokens its batches may have queued at once; 0: no limit")] = None
+                        min=0, max=MAX_RATE,
+                        help="prompt tokens its batches may have queued at once; 0: no limit")] = None
                     ) -> None:
         """Show or set a tenant's rate limits and batch queue limit (every key of it shares them; API processes
         apply a rate limit's change within seconds). Without a limit given, shows them."""

@@ -174,6 +174,20 @@ def test_concurrent_retries_with_one_idempotency_key_are_charged_once(client, ke
     assert 4 <= left < 4.5  # one request taken (the bucket refills 1/12 a second meanwhile)
 
 
+def test_a_stored_limit_over_the_apis_bound_still_reads(client, keys, db_url):
+    """A limit over MAX_RATE that an older `coserve keys limits` stored (SQLite) made the admin reads answer 500."""
+    from sqlalchemy import update
+
+    from app.db.models import Tenant
+    from app.db.session import session_scope
+
+    with session_scope(db_url) as s:
+        s.execute(update(Tenant).where(Tenant.id == keys.tenant_id).values(tokens_per_minute=3_000_000_000))
+    assert client.get("/v1/admin/tenants", headers=H(keys.admin)).status_code == 200
+    r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 5}, headers=H(keys.admin))
+    assert r.status_code == 200 and r.json()["tokens_per_minute"] == 3_000_000_000, r.text
+
+
 def test_one_call_judges_many_charges_in_turn(redis_url):
     from app.services.rate_limits import Charge
 

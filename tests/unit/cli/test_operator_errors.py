@@ -123,3 +123,14 @@ def test_a_summarize_request_the_server_answers_too_late_is_said_to_maybe_go_on(
         said = " ".join(res.output.split())
         assert res.exit_code == 2 and f"POST {path}got no answer" in said and "within 0.5s" in said, res.output
         assert "may still be doing it" in said and "cannot reach" not in said, res.output
+
+
+def test_keys_limits_refuses_a_limit_over_what_the_api_and_sql_hold(tmp_path):
+    """`keys limits` took any size: past 2**31-1 PostgreSQL's integer column refused it (a traceback) and SQLite
+    stored it, after which the admin API answered 500 reading the tenant."""
+    env = {"COSERVE_DATA_DIR": str(tmp_path / "data"), "COSERVE_DATABASE_URL": ""}
+    assert CliRunner().invoke(cli, ["keys", "create", "--tenant", "a"], env=env).exit_code == 0
+    res = CliRunner().invoke(cli, ["keys", "limits", "--tenant", "a", "--tokens-per-minute", str(2**31)], env=env)
+    assert res.exit_code == 2 and "2147483647" in res.output, res.output
+    res = CliRunner().invoke(cli, ["keys", "limits", "--tenant", "a", "--tokens-per-minute", str(2**31 - 1)], env=env)
+    assert res.exit_code == 0 and "2147483647 tokens per minute" in res.output, res.output

@@ -1,0 +1,3 @@
+"""Bounds the API's schemas and the CLI share, in a module of no imports (the CLI starts without pydantic)."""
+
+MAX_RATE = 2**31 - 1  # a tenant's limit is an SQL integer
