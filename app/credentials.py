@@ -55,14 +55,35 @@ def _write_private(path: Path, data: dict[str, str]) -> None:
     os.chmod(path, 0o600)
 
 
-def ensure_admin_key(url: str, admin_key: str, default_tier: str = "paid") -> None:
-    """Registers ``COSERVE_ADMIN_KEY`` (its hash) as an admin key if it is not yet known."""
+ENV_LABEL = "env:"  # the prefix shown for COSERVE_ADMIN_KEY's row, which marks it as the variable's
+
+
+def env_key_label(key_hash: str) -> str:
+    """What listings show of an operator-chosen key: a few hex digits of its hash, none of its characters (the
+    first ten of a short key are all of it)."""
+    return ENV_LABEL + key_hash[:4]
+
+
+def ensure_admin_key(url: str, admin_key: str, default_tier: str = "paid") -> int:
+    """Registers ``COSERVE_ADMIN_KEY`` (its hash) as an admin key if it is not yet known, and revokes the admin keys
+    an earlier value of the variable registered (a changed variable replaces the key); returns how many it revoked
+    (to announce: ``app.auth.announce_revocation``)."""
+    digest = hash_key(admin_key)
     with session_scope(url, immediate=True) as s:
-        if s.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(admin_key))) is not None:
-            return
+        stale = s.scalars(select(ApiKey).where(ApiKey.prefix.startswith(ENV_LABEL), ApiKey.key_hash != digest,
+                                               ApiKey.revoked.is_(False))).all()
+        for row in stale:
+            row.revoked = True
+            log.info("revoked admin key %s (%s): COSERVE_ADMIN_KEY has changed", row.id, row.prefix)
+        known = s.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
+        if known is not None:
+            if known.revoked:
+                log.error("COSERVE_ADMIN_KEY is revoked key %s; choose a new one", known.id)
+            return len(stale)
         tenant = s.scalar(select(Tenant).where(Tenant.name == ADMIN_TENANT)) or create_tenant(
             s, ADMIN_TENANT, default_tier)
-        s.add(ApiKey(tenant_id=tenant.id, key_hash=hash_key(admin_key), prefix=admin_key[:10], is_admin=True))
+        s.add(ApiKey(tenant_id=tenant.id, key_hash=digest, prefix=env_key_label(digest), is_admin=True))
+    return len(stale)
 
 
 def ensure_credentials(url: str, data_dir: Path, *, default_tier: str = "paid", admin_key: str | None = None,

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora, metrics,
                      models, openai_compat, prefix_cache, responses, stored_completions, summarize, tenants, tokenize,
                      usage, webhooks)
-from app.auth import KeyCache
+from app.auth import KeyCache, announce_revocation
 from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem, upgrade
 from app.db.session import get_engine
@@ -68,8 +68,9 @@ async def lifespan(api: FastAPI):
         log.warning("could not read the database's schema revision: %s", exc)
     if settings.admin_key:  # deployments (compose) pass the admin key in the environment
         try:
-            await run_in_threadpool(ensure_admin_key, settings.sqlalchemy_url, settings.admin_key,
-                                    settings.default_tier)
+            if await run_in_threadpool(ensure_admin_key, settings.sqlalchemy_url, settings.admin_key,
+                                       settings.default_tier):  # the variable's earlier key: refused everywhere
+                await run_in_threadpool(announce_revocation, settings.redis_url)
         except Exception as exc:
             log.warning("could not register COSERVE_ADMIN_KEY: %s", exc)
     api.state.job_writer = JobWriter(settings, api.state.rate_limiter)

@@ -87,3 +87,25 @@ def test_without_redis_nothing_cached_is_trusted(keys, db_url, redis_url):
     assert live.get(keys.paid, live.stamp()) == principal
     redis.Redis.from_url(redis_url).set(REVOCATIONS, "another revocation")
     assert live.get(keys.paid, live.stamp()) is _MISS
+
+
+def test_a_changed_admin_key_variable_revokes_the_earlier_one_and_stores_none_of_it(client, db_url, redis_url):
+    """COSERVE_ADMIN_KEY's row kept its first 10 characters (all of a short key) in clear, and a changed variable
+    left the earlier key an admin's; now the row shows a label of its hash, and a start with another value
+    revokes the earlier one (a generated admin key stays)."""
+    from app.credentials import ensure_admin_key
+
+    assert ensure_admin_key(db_url, "hunter2") == 0 and ensure_admin_key(db_url, "hunter2") == 0
+    with session_scope(db_url) as s:
+        assert [k.prefix for k in s.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key("hunter2")))] == [
+            "env:" + hash_key("hunter2")[:4]]
+    assert client.get("/v1/admin/tenants", headers=Keys.header("hunter2")).status_code == 200
+    generated = client.post("/v1/admin/tenants", json={"name": "ops2", "admin": True},
+                            headers=Keys.header("hunter2")).json()["api_key"]
+    assert ensure_admin_key(db_url, "s3cretAdminKey-2026") == 1
+    from app.auth import announce_revocation
+
+    announce_revocation(redis_url)  # as the API does at start when a key was revoked
+    assert client.get("/v1/admin/tenants", headers=Keys.header("hunter2")).status_code == 401
+    for key in ("s3cretAdminKey-2026", generated):
+        assert client.get("/v1/admin/tenants", headers=Keys.header(key)).status_code == 200

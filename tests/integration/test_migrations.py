@@ -111,3 +111,30 @@ def test_a_committed_revision_is_never_edited():
         if len(commits) > 1 and path.name[:4] not in EDITED_AFTER_COMMIT:
             edited.append(path.name)
     assert edited == [], f"{edited} changed after their first commit; put the change in a new revision"
+
+
+def test_admin_keys_of_older_databases_show_no_characters_of_an_operators_key(tmp_path):
+    """0029: an admin key from COSERVE_ADMIN_KEY kept its first 10 characters as its prefix (all of "hunter2");
+    it shows a label of its hash now, which marks it as the variable's; a generated key keeps its prefix."""
+    from sqlalchemy.orm import Session
+
+    from app.auth import hash_key
+    from app.db.models import ApiKey, Tenant
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url, "0028")
+    engine = create_engine(url)
+    with Session(engine) as s:
+        tenant = Tenant(name="admin")
+        s.add(tenant)
+        s.flush()
+        s.add_all([ApiKey(id="key_env", tenant_id=tenant.id, key_hash=hash_key("hunter2"), prefix="hunter2",
+                          is_admin=True),
+                   ApiKey(id="key_gen", tenant_id=tenant.id, key_hash=hash_key("cs-abcdefgh"), prefix="cs-abcdefg",
+                          is_admin=True)])
+        s.commit()
+    upgrade(url)
+    with Session(engine) as s:
+        assert {k.id: k.prefix for k in s.query(ApiKey)} == {"key_env": "env:" + hash_key("hunter2")[:4],
+                                                             "key_gen": "cs-abcdefg"}
+    engine.dispose()
