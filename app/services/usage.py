@@ -1,10 +1,11 @@
 """Token usage by time bucket, as OpenAI's Usage API reports it (``/v1/organization/usage/completions``).
 
-Counts the jobs an engine ran (those with an output token count: a job's prompt tokens are counted at
-submission, so a job cancelled or refused before it ran has them too; one cancelled while it ran counts what
-it produced before the cancel, or its prompt with no output where the engine had begun only that), by when they were submitted: input, cached input and output tokens and
-requests, grouped by tenant (OpenAI's project), API key, model, batch or service tier; coserve adds how many
-met their SLO, missed it and were relegated. Summed in SQL, so a month of jobs costs one grouped query.
+Counts the jobs an engine ran (those with an output token count: a job's prompt tokens are counted at submission, so
+a job cancelled or refused before it ran has them too; one cancelled while it ran counts what it produced before the
+cancel, or its prompt with no output where the engine had begun only that), by when they were submitted: input,
+cached input and output tokens and requests, grouped by tenant (OpenAI's project), API key, model, batch or service
+tier; coserve adds how many met their SLO, missed it and were relegated, counted by job (each choice of a request).
+Summed in SQL, so a month of jobs costs one grouped query.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _result(sums: Any) -> dict[str, Any]:
             "input_cached_tokens": cached, "input_audio_tokens": 0, "output_audio_tokens": 0,
             "num_model_requests": requests, "project_id": None, "user_id": None, "api_key_id": None, "model": None,
             "batch": None, "service_tier": None,
-            # coserve's: of these requests, how many met their SLO, missed it, and were relegated
+            # coserve's: how many jobs met their SLO, missed it, and were relegated; a job per choice and prompt,
+            # where num_model_requests counts a request once (which of its choices' SLOs is the request's: none)
             "num_slo_met": met, "num_slo_missed": missed, "num_relegated": relegated}
 
 
