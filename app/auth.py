@@ -42,6 +42,7 @@ class Principal:
     tier: str  # the highest tier this key may request
     is_admin: bool
     limits: Limits = field(default_factory=Limits)  # the tenant's rate limits (API requests; none for pipelines)
+    tenant_disabled: bool = False  # an operator disabled the tenant: the API refuses the key (403)
 
 
 def hash_key(key: str) -> str:
@@ -152,12 +153,12 @@ def lookup(session: Session, key: str) -> Principal | None:
     """The key's principal from SQL (None: unknown or revoked), uncached."""
     row = session.execute(
         select(ApiKey.id, ApiKey.tenant_id, ApiKey.tier, ApiKey.is_admin, ApiKey.revoked, Tenant.default_tier,
-               Tenant.requests_per_minute, Tenant.tokens_per_minute)
+               Tenant.requests_per_minute, Tenant.tokens_per_minute, Tenant.disabled)
         .join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key))).first()
     if row is None or row.revoked:
         return None
     return Principal(row.id, row.tenant_id, row.tier or row.default_tier, row.is_admin,
-                     Limits(row.requests_per_minute, row.tokens_per_minute))
+                     Limits(row.requests_per_minute, row.tokens_per_minute), bool(row.disabled))
 
 
 def authenticate(session: Session, key: str, cache: KeyCache | None = None) -> Principal | None:

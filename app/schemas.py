@@ -430,6 +430,13 @@ class TenantLimits(BaseModel):
         "(token_limit_exceeded)"))
 
 
+class TenantUpdate(TenantLimits):
+    """What an admin may change of a tenant: its limits, and whether it is disabled."""
+
+    disabled: bool = Field(False, description=(
+        "true: its keys are refused (403) and its open jobs and batches cancelled; false: its keys work again"))
+
+
 class TenantCreate(TenantLimits):
     name: Text = Field(min_length=1, max_length=200)
     default_tier: Text = "paid"
@@ -447,6 +454,7 @@ class TenantPublic(TenantLimits):
     id: str
     name: str
     default_tier: str
+    disabled: bool = False
 
 
 class KeyPublic(BaseModel):

@@ -93,6 +93,8 @@ async def get_principal(request: Request, authorization: Annotated[str | None, H
     if principal is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid or revoked API key",
                             headers={"WWW-Authenticate": "Bearer"})
+    if principal.tenant_disabled:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "this API key's tenant is disabled; ask the operator")
     return principal  # type: ignore[return-value]
 
 

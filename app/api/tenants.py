@@ -1,4 +1,4 @@
-"""Admin: tenants (create, list, their rate limits) and their API keys: create (keys are shown once), list,
+"""Admin: tenants (create, list, their rate limits, disable) and their API keys: create (keys are shown once), list,
 revoke."""
 
 from __future__ import annotations
@@ -8,13 +8,18 @@ import logging
 from fastapi import APIRouter, HTTPException, Request, status
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
+from app.batch.finalize import cancel_batch
 from app.auth import announce_revocation, create_key, create_tenant
 from app.db.session import write_after_read
-from app.db.models import ApiKey, Tenant
-from app.schemas import KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic
+from app.db.models import ApiKey, Batch, Job, JobStatus, Tenant
+from app.services.cancel import stop_job_ids
+from app.services.transitions import NOT_TERMINAL
+from app.settings import Settings
+from app.schemas import KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic, TenantUpdate
 
 log = logging.getLogger(__name__)
 
@@ -57,25 +62,44 @@ def get_tenant_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal
     return TenantPublic.model_validate(tenant)
 
 
-@router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404))
-def set_limits_route(tenant_id: str, body: TenantLimits, request: Request, session: SessionDep,
-                     _admin: AdminPrincipal) -> TenantPublic:
+@router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404, 409))
+def set_limits_route(tenant_id: str, body: TenantUpdate, request: Request, session: SessionDep,
+                     settings: SettingsDep, admin: AdminPrincipal) -> TenantPublic:
     """Sets the tenant's rate limits and batch queue limit: the fields given (null: no limit), the others as they
     were. Every API process applies rate limits within its key cache's few seconds (this one at once); the queue
-    limit applies to batches validated from then on."""
+    limit applies to batches validated from then on. ``disabled: true`` refuses its keys on every API process
+    (403) and cancels its open batches and jobs; ``false`` lets its keys in again."""
     tenant = session.get(Tenant, tenant_id)
     if tenant is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
+    if body.disabled and tenant_id == admin.tenant_id:
+        raise HTTPException(status.HTTP_409_CONFLICT, "this admin key's own tenant cannot be disabled with it")
     changes = {field: getattr(body, field) for field in body.model_fields_set}
     if changes:
         with write_after_read(session):  # an UPDATE by key: no read inside the write
             session.execute(update(Tenant).where(Tenant.id == tenant_id).values(**changes))
             session.commit()
     key_cache(request).clear()
+    if "disabled" in changes:
+        announce_revocation(settings.redis_url)  # every process looks its keys up again
+    if body.disabled:
+        _cancel_open_work(session, settings, tenant_id)
     tenant = session.get(Tenant, tenant_id)
     log.info("tenant %s limits: %s requests, %s tokens per minute, %s batch queue tokens", tenant.id,
              tenant.requests_per_minute, tenant.tokens_per_minute, tenant.batch_queue_tokens)
     return TenantPublic.model_validate(tenant)
+
+
+def _cancel_open_work(session: Session, settings: Settings, tenant_id: str) -> None:
+    """Cancels a disabled tenant's open batches (with their jobs) and then its other open jobs."""
+    batches = session.scalars(select(Batch).where(Batch.tenant_id == tenant_id, Batch.status.in_(
+        ("validating", "in_progress", "cancelling")))).all()
+    for batch in batches:
+        cancel_batch(session, batch, settings.data_dir, settings.redis_url)
+    open_jobs = session.scalars(select(Job.id).where(Job.tenant_id == tenant_id, Job.status.in_(NOT_TERMINAL)))
+    stopped = stop_job_ids(session, list(open_jobs), JobStatus.CANCELLED, "cancelled: its tenant was disabled",
+                           settings.redis_url)
+    log.info("tenant %s disabled: %d batches and %d other jobs cancelled", tenant_id, len(batches), stopped)
 
 
 @router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED,

@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
-                        text, true)
+                        false, text, true)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -61,6 +61,8 @@ class Tenant(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
     # the Batch API's queue limit: prompt tokens of its batches' unfinished jobs (app/batch/queue_limit.py); null: none
     batch_queue_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    # an operator stopped it: its keys are refused (403) and its open work was cancelled
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 

@@ -109,3 +109,36 @@ def test_a_changed_admin_key_variable_revokes_the_earlier_one_and_stores_none_of
     assert client.get("/v1/admin/tenants", headers=Keys.header("hunter2")).status_code == 401
     for key in ("s3cretAdminKey-2026", generated):
         assert client.get("/v1/admin/tenants", headers=Keys.header(key)).status_code == 200
+
+
+def test_a_disabled_tenant_is_refused_and_its_open_work_cancelled(client, keys, settings):
+    """PATCH disabled: true refuses every key of the tenant (403, saying why), cancels its open jobs and batches;
+    other tenants go on, and disabled: false lets the keys in again."""
+    import json
+
+    from app.db.models import Job
+
+    job = client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4, "kind": "batch"},
+                      headers=Keys.header(keys.paid)).json()
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}}) for i in range(2)]
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", "\n".join(lines).encode())}).json()
+    batch = client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "1h"}).json()
+    r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"disabled": True}, headers=Keys.header(keys.admin))
+    assert r.status_code == 200 and r.json()["disabled"] is True, r.text
+    for key in (keys.paid, keys.free):
+        refused = client.get("/v1/jobs", headers=Keys.header(key))
+        assert refused.status_code == 403 and "disabled" in refused.json()["detail"]
+    assert client.get("/v1/jobs", headers=Keys.header(keys.other)).status_code == 200
+    with session_scope(settings.sqlalchemy_url) as s:
+        statuses = {j.id: j.status for j in s.scalars(select(Job).where(Job.tenant_id == keys.tenant_id))}
+    assert statuses[job["id"]] == "cancelled" and set(statuses.values()) == {"cancelled"} and len(statuses) == 3
+    admin_tenant = client.get("/v1/admin/tenants", headers=Keys.header(keys.admin)).json()
+    own = next(t["id"] for t in admin_tenant if t["name"] == "ops")
+    assert client.patch(f"/v1/admin/tenants/{own}", json={"disabled": True},
+                        headers=Keys.header(keys.admin)).status_code == 409  # the admin would lock itself out
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"disabled": False}, headers=Keys.header(keys.admin))
+    assert client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()["status"] in (
+        "cancelling", "cancelled")

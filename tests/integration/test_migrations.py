@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -35,19 +36,25 @@ def test_upgrade_matches_models_and_downgrade_empties(tmp_path):
     engine.dispose()
 
 
+def _old_tenant(session, name: str) -> SimpleNamespace:
+    """A tenant row in an older schema: the columns every revision has (the model's may have more)."""
+    tenant_id = f"ten_{name}"
+    session.execute(text("INSERT INTO tenants (id, name, default_tier, created_at) VALUES (:id, :name, 'paid', "
+                         "CURRENT_TIMESTAMP)"), {"id": tenant_id, "name": name})
+    return SimpleNamespace(id=tenant_id)
+
+
 def test_expired_jobs_of_older_databases_count_as_missed_slos(tmp_path):
     """0023: a job a batch's window expired before it finished was written without ``slo_met``; it missed."""
     from sqlalchemy.orm import Session
 
-    from app.db.models import Job, Tenant
+    from app.db.models import Job
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
     upgrade(url, "0022")
     engine = create_engine(url)
     with Session(engine) as s:
-        tenant = Tenant(name="t")
-        s.add(tenant)
-        s.flush()
+        tenant = _old_tenant(s, "t")
         # the columns 0022 had, not the model's all: later revisions add some
         s.execute(insert(Job), [dict(id=f"job_{st}", tenant_id=tenant.id, tier="paid", model="m", kind="batch",
                                      sampling={}, status=st) for st in ("expired", "cancelled", "succeeded")])
@@ -119,15 +126,13 @@ def test_admin_keys_of_older_databases_show_no_characters_of_an_operators_key(tm
     from sqlalchemy.orm import Session
 
     from app.auth import hash_key
-    from app.db.models import ApiKey, Tenant
+    from app.db.models import ApiKey
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
     upgrade(url, "0028")
     engine = create_engine(url)
     with Session(engine) as s:
-        tenant = Tenant(name="admin")
-        s.add(tenant)
-        s.flush()
+        tenant = _old_tenant(s, "admin")
         s.add_all([ApiKey(id="key_env", tenant_id=tenant.id, key_hash=hash_key("hunter2"), prefix="hunter2",
                           is_admin=True),
                    ApiKey(id="key_gen", tenant_id=tenant.id, key_hash=hash_key("cs-abcdefgh"), prefix="cs-abcdefg",
