@@ -12,14 +12,14 @@ from sqlalchemy.orm import Session
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
-from app.batch.finalize import cancel_batch
 from app.auth import announce_revocation, create_key, create_tenant
+from app.batch.finalize import cancel_batch
 from app.db.session import write_after_read
 from app.db.models import ApiKey, Batch, Job, JobStatus, Tenant
+from app.schemas import KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic, TenantUpdate
 from app.services.cancel import stop_job_ids
 from app.services.transitions import NOT_TERMINAL
 from app.settings import Settings
-from app.schemas import KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic, TenantUpdate
 
 log = logging.getLogger(__name__)
 
