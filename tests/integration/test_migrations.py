@@ -121,7 +121,7 @@ def test_a_committed_revision_is_never_edited():
 
 
 def test_admin_keys_of_older_databases_show_no_characters_of_an_operators_key(tmp_path):
-    """0029: an admin key from COSERVE_ADMIN_KEY kept its first 10 characters as its prefix (all of "hunter2");
+    """0031: an admin key from COSERVE_ADMIN_KEY kept its first 10 characters as its prefix (all of "hunter2");
     it shows a label of its hash now, which marks it as the variable's; a generated key keeps its prefix."""
     from sqlalchemy.orm import Session
 
@@ -129,7 +129,7 @@ def test_admin_keys_of_older_databases_show_no_characters_of_an_operators_key(tm
     from app.db.models import ApiKey
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
-    upgrade(url, "0028")
+    upgrade(url, "0030")
     engine = create_engine(url)
     with Session(engine) as s:
         tenant = _old_tenant(s, "admin")

@@ -5,8 +5,8 @@ short key). Such rows, the admin keys whose prefix is not a generated key's ("cs
 hex digits of the key's hash; the label also marks them as the variable's, so a start with a changed variable
 revokes them.
 
-Revision ID: 0029
-Revises: 0028
+Revision ID: 0031
+Revises: 0030
 Create Date: 2026-11-29 02:00:00
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0029'
-down_revision: str | Sequence[str] | None = '0028'
+revision: str = '0031'
+down_revision: str | Sequence[str] | None = '0030'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,7 +1,7 @@
 """tenant_disabled: an operator may disable a tenant (its keys refused, its open jobs and batches cancelled)
 
-Revision ID: 0030
-Revises: 0029
+Revision ID: 0032
+Revises: 0031
 Create Date: 2026-11-29 02:10:00
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0030'
-down_revision: str | Sequence[str] | None = '0029'
+revision: str = '0032'
+down_revision: str | Sequence[str] | None = '0031'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
