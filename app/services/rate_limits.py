@@ -29,12 +29,16 @@ REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|requests|tokens" -> 
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
 
 # Several requests' charges in one call, each judged after the ones before it. KEYS: per charge its request
-# bucket and its token bucket, then the refusal counts. ARGV: now, window, then per charge: request capacity
+# bucket and its token bucket, then the refusal counts. ARGV: now ("": Redis's time), window, then per charge: request capacity
 # (-1: no limit), requests, token capacity, tokens, the tenant id. Each bucket is a hash {level, at} refilling
 # capacity / window per second up to capacity; a charge takes both costs only when both fit. Answers per
 # charge: 1/0, then per bucket the level after and the seconds until its cost would fit (0: it fits).
 _TAKE = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+if now == nil then  -- Redis's clock: every API host's charges measured on one (hosts' clocks drift apart)
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
 local refusals = KEYS[#KEYS]
 local out = {}
 for c = 0, (#KEYS - 1) / 2 - 1 do
@@ -185,7 +189,7 @@ class RateLimiter:
         limited = [c for c in charges if c.limits.any]
         if not limited or self._script is None:
             return [Decision(True, c.limits) for c in charges]
-        keys, args = [], [now if now is not None else time.time(), WINDOW_S]
+        keys, args = [], [now if now is not None else "", WINDOW_S]
         for c in limited:
             rpm, tpm = c.limits.requests_per_minute, c.limits.tokens_per_minute
             keys += [f"{KEY_PREFIX}{c.tenant_id}:requests", f"{KEY_PREFIX}{c.tenant_id}:tokens"]

@@ -38,6 +38,20 @@ def test_buckets_take_both_costs_or_neither_and_refill_over_the_minute(redis_url
     assert limiter.take("ten_c", Limits(), 10**9, now=t).allowed  # no limits: nothing asked of Redis
 
 
+def test_buckets_refill_by_redis_clock_not_the_api_hosts(redis_url, monkeypatch):
+    """Every API host's charges are measured on Redis's clock: a host whose clock runs an hour ahead found a
+    bucket another host had just drained full again."""
+    import time as clock
+
+    limiter = RateLimiter(redis_url)
+    limits = Limits(tokens_per_minute=100)
+    assert limiter.take("ten_s", limits, 100).allowed  # drained
+    ahead = clock.time() + 3600
+    monkeypatch.setattr(clock, "time", lambda: ahead)  # this host's clock, an hour ahead of the others'
+    refused = limiter.take("ten_s", limits, 50)
+    assert not refused.allowed and refused.tokens_wait_s > 20  # what is left of a minute's refill, not an hour's
+
+
 def test_without_redis_requests_go_through():
     limiter = RateLimiter("redis://127.0.0.1:1/0")  # nothing listens there
     assert limiter.take("ten_a", Limits(1, 1), 10).allowed
