@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, BackgroundTasks, Query
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import false, select
+from sqlalchemy import select
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
@@ -87,11 +87,8 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
 @router.get("", responses=openai_responses(400))
 def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
-    q = select(Batch).where(Batch.tenant_id == principal.tenant_id)
-    if after:  # not one of the tenant's batches: an empty page, as for files
-        ref = pagination.cursor_row(session, Batch, after, principal.tenant_id)
-        q = q.where(false() if ref is None else pagination.after(Batch, ref.created_at, ref.id))
-    rows = list(session.scalars(q.order_by(*pagination.in_order(Batch)).limit(limit + 1)))
+    rows = pagination.rows_after(session, select(Batch).where(Batch.tenant_id == principal.tenant_id), Batch,
+                                 principal.tenant_id, after, limit)
     page = rows[:limit]
     for b in page:
         if b.status in ("in_progress", "cancelling"):

@@ -91,12 +91,8 @@ def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | 
                               or_(FileRow.expires_at.is_(None), FileRow.expires_at > utcnow()))
     if purpose:
         q = q.where(FileRow.purpose == purpose)
-    if after:  # the cursor file may be deleted or expired by now (a loop that deletes as it lists)
-        mark = pagination.cursor_row(session, FileRow, after, principal.tenant_id)
-        if mark is None:
-            return list_page([], None, limit, storage.file_object)
-        q = q.where(pagination.after(FileRow, mark.created_at, mark.id, newest_first))
-    rows = list(session.scalars(q.order_by(*pagination.in_order(FileRow, newest_first)).limit(limit + 1)))
+    # the cursor file may be deleted or expired by now (a loop that deletes as it lists): its row still places it
+    rows = pagination.rows_after(session, q, FileRow, principal.tenant_id, after, limit, newest_first)
     return list_page(rows, None, limit, storage.file_object)
 
 

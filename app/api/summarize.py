@@ -13,7 +13,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import false, select
+from sqlalchemy import select
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
@@ -115,11 +115,8 @@ def _digest(body: SummarizeCreate) -> str:
 def list_runs(session: SessionDep, principal: CurrentPrincipal,
               limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
     """The tenant's runs, newest first; ``after``: the last id of the page before."""
-    q = select(SummarizationRun).where(SummarizationRun.tenant_id == principal.tenant_id)
-    if after:  # not one of the tenant's runs: an empty page, as for batches
-        ref = pagination.cursor_row(session, SummarizationRun, after, principal.tenant_id)
-        q = q.where(false() if ref is None else pagination.after(SummarizationRun, ref.created_at, ref.id))
-    rows = list(session.scalars(q.order_by(*pagination.in_order(SummarizationRun)).limit(limit + 1)))
+    rows = pagination.rows_after(session, select(SummarizationRun).where(
+        SummarizationRun.tenant_id == principal.tenant_id), SummarizationRun, principal.tenant_id, after, limit)
     page = rows[:limit]
     return {"object": "list", "data": [_utc_z(store.progress_of(r).as_dict()) for r in page],
             "has_more": len(rows) > limit, "first_id": page[0].id if page else None,

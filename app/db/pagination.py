@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, or_
+from sqlalchemy import ColumnElement, Select, and_, or_
 from sqlalchemy.orm import Session
 
 
@@ -30,3 +30,15 @@ def cursor_row(session: Session, table: Any, row_id: str, tenant_id: str) -> Any
     listing tells no tenant whether someone else's id exists (or when it was made)."""
     row = session.get(table, row_id)
     return row if row is not None and row.tenant_id == tenant_id else None
+
+
+def rows_after(session: Session, query: Select, table: Any, tenant_id: str, cursor: str | None, limit: int,
+               newest_first: bool = True) -> list[Any]:
+    """``query``'s rows of ``table`` in order after the tenant's row ``cursor`` names (none where it names no row of
+    the tenant's), up to ``limit + 1``: a page and one more, which tells the caller whether more follow."""
+    if cursor:
+        mark = cursor_row(session, table, cursor, tenant_id)
+        if mark is None:
+            return []
+        query = query.where(after(table, mark.created_at, mark.id, newest_first))
+    return list(session.scalars(query.order_by(*in_order(table, newest_first)).limit(limit + 1)))
