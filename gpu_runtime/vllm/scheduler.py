@@ -468,6 +468,8 @@ class CoserveScheduler(AsyncScheduler):
                            model_runner_output: ModelRunnerOutput) -> dict[int, Any]:
         stepped = [(rid, self.requests[rid]) for rid in scheduler_output.num_scheduled_tokens
                    if rid in self.requests]
+        # read before vLLM trims the sampled tokens past max_tokens or a stop, in place
+        accepted = self._accepted_drafts(scheduler_output, model_runner_output) if self.drafts is not None else {}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.rejected:
             self._finish_rejected(outputs)
@@ -479,15 +481,11 @@ class CoserveScheduler(AsyncScheduler):
         self._step_ended = t0
         now = self.clock()
         decodes = []
-        accepted: dict[str, int] = {}
-        spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, vreq in stepped:
             mirror = self.mirrors.get(rid)
             if mirror is None:
                 continue
-            new = sync_outputs(mirror, vreq, now)
-            if rid in spec:
-                accepted[rid] = max(0, new - 1)  # the bonus token is not a draft
+            sync_outputs(mirror, vreq, now)
             status = finished_status(vreq)
             if status is not None:
                 mirror.status, mirror.finish_time = status, now
@@ -501,6 +499,20 @@ class CoserveScheduler(AsyncScheduler):
             self.drafts.observe(accepted, now)
         self.policy_s += time.perf_counter() - t0
         return outputs
+
+    def _accepted_drafts(self, scheduler_output: SchedulerOutput,
+                         model_runner_output: ModelRunnerOutput) -> dict[str, int]:
+        """The draft tokens each request that verified drafts had accepted, as the model runner sampled them (the
+        tokens past the drafts are the bonus): on a request's last step vLLM keeps only what max_tokens or a stop
+        allow, and the drafts it drops were accepted all the same. A request missing here verified nothing."""
+        sampled, index = model_runner_output.sampled_token_ids, model_runner_output.req_id_to_index
+        accepted = {}
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            i = index.get(rid)
+            tokens = sampled[i] if sampled and i is not None and rid in self.requests else []
+            if tokens:  # none: the request ended (aborted) while the step ran
+                accepted[rid] = min(len(drafts), max(0, len(tokens) - self.num_sampled_tokens_per_step))
+        return accepted
 
     def _finish_rejected(self, outputs: dict[int, Any]) -> None:
         """Requests whose QoS was refused end as errors (the log says why)."""

@@ -91,15 +91,18 @@ class DraftLengths:
                 self.kept[m.request_id] = k
 
     def observe(self, accepted: dict[str, int], now: float) -> None:
-        """After vLLM's step: the draft tokens each request had accepted, and the step's time."""
+        """After vLLM's step: the draft tokens each request that verified drafts had accepted, and the step's time.
+        A request kept drafts for but missing from ``accepted`` did not run them (vLLM preempted it): no miss."""
         if not self._decodes:
             return
         latency = time.perf_counter() - self._t0
         result = StepResult(accepted_nodes={rid: list(range(n)) for rid, n in accepted.items() if n > 0},
                             latency_s=latency)
-        self.policy.observe(self._decodes, self._selected, result, 0.0, now)
+        verified = {rid: tree for rid, tree in self._selected.items() if rid in accepted}
+        self.policy.observe(self._decodes, verified, result, 0.0, now)
         for rid, k in self.kept.items():
-            self.acceptance.observe(self.proposed[rid], k, min(accepted.get(rid, 0), k))
+            if rid in accepted:
+                self.acceptance.observe(self.proposed[rid], k, min(accepted[rid], k))
         self._decodes = []
 
     def state(self) -> dict[str, object]:

@@ -317,6 +317,61 @@ def test_draft_tokens_are_trimmed_per_request_to_the_policys_choice(make_schedul
     assert s.drafts.acceptance.conditionals(2, proposed=6)[0] < 0.6  # below the prior: the next chains' path probs
 
 
+def _answer_with(s, out, sampled: dict[str, list[int]]):  # noqa: ANN001 - a CoserveScheduler, its step
+    """The model runner's answer to the step ``out``: ``sampled`` tokens per request (a prompt's chunk: none)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    return s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                       sampled_token_ids=[sampled.get(r, []) for r in ids]))
+
+
+def test_drafts_accepted_on_a_requests_last_step_count_in_full(make_scheduler):
+    """A request 2 tokens short of max_tokens verifies 4 drafts and the model accepts them all (5 tokens with the
+    bonus): vLLM keeps 2, and the policy learns 4 accepted. Counted from the kept tokens, it learnt 1 (a miss at
+    the second position), and the acceptance rates it ranks chains by drifted low on every request's end."""
+    from gpu_runtime.costmodel.profile import conservative_cost_model
+    from gpu_runtime.vllm.speculation import DraftLengths
+
+    s = make_scheduler("qoserve")
+    s.num_spec_tokens = 4
+    s.drafts = DraftLengths("chain-4", conservative_cost_model(), longest_draft=4)
+    seen = {}
+    observe = s.drafts.observe
+    s.drafts.observe = lambda accepted, now: seen.update(accepted) or observe(accepted, now)
+    r = vllm_request(16, max_tokens=3)
+    s.add_request(r)
+    run_step(s)  # the prompt, and its first token
+    r.spec_token_ids = [1, 2, 3, 4]
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {r.request_id: [1, 2, 3, 4]}
+    _answer_with(s, out, {r.request_id: [1, 2, 3, 4, 5]})
+    assert r.is_finished() and len(r.output_token_ids) == 3  # vLLM kept what max_tokens allows
+    assert seen == {r.request_id: 4}
+    assert s.drafts.acceptance.pooled.seen == [1, 1, 1, 1]
+
+
+def test_drafts_a_request_did_not_verify_are_no_miss(make_scheduler):
+    """Both decodes kept 2 drafts, and only one verified them (vLLM preempted the other when its KV ran out):
+    the acceptance rates learn from the one that ran."""
+    from gpu_runtime.costmodel.profile import conservative_cost_model
+    from gpu_runtime.vllm.speculation import DraftLengths
+
+    s = make_scheduler("qoserve")
+    s.num_spec_tokens = 2
+    s.drafts = DraftLengths("chain-2", conservative_cost_model(), longest_draft=2)
+    a, b = vllm_request(16, max_tokens=32), vllm_request(16, max_tokens=32)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    a.spec_token_ids, b.spec_token_ids = [1, 2], [1, 2]
+    s.schedule()
+    assert s.drafts.kept == {a.request_id: 2, b.request_id: 2}
+    s.drafts.observe({a.request_id: 2}, time.time())
+    assert s.drafts.acceptance.pooled.seen == [1, 1]
+    assert s.drafts.acceptance.pooled.rates[0] > 0.7  # a's hit; b counted as a miss pulled it below the prior
+
+
 def test_nightjar_can_choose_no_speculation(make_scheduler):
     from gpu_runtime.costmodel.profile import conservative_cost_model
     from gpu_runtime.vllm.speculation import DraftLengths
