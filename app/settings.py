@@ -151,7 +151,7 @@ class Settings(BaseSettings):
     vllm_spec_tokens: int | None = Field(None, gt=0, le=64, description="vLLM with speculation: draft tokens its "
                                          "drafter proposes per request and step at most (num_speculative_tokens), "
                                          "of which spec_policy verifies a share (None: N for chain-N, else 8; 32 with "
-                                         "suffix)")
+                                         "suffix; 4 with a draft model)")
     vllm_drafter: Literal["ngram", "suffix"] = Field(
         "ngram", description="vLLM with speculation: its drafter, 'ngram' (prompt lookup) or 'suffix' (suffix "
                              "decoding over the prompt and earlier outputs; needs arctic-inference, which "
@@ -182,7 +182,8 @@ class Settings(BaseSettings):
                                           "the worker at start with its name")
     spec_policy: str = Field("none", description="none | chain-N | static-tree | adaserve | adaspec | nightjar")
     draft: str = Field("prompt-lookup", description="drafter when spec_policy is not 'none': 'prompt-lookup' "
-                                                     "(model-free) or a draft checkpoint sharing the tokenizer")
+                                                     "(model-free; on vLLM, vllm_drafter's) or a draft checkpoint "
+                                                     "sharing the tokenizer (on vLLM its draft_model method)")
     cost_profile: str = Field("auto", description="latency profile the scheduler plans with: a `coserve profile` "
                                                    "JSON, a shipped name, 'auto' (on a CPU the shipped profile of one "
                                                    "like it) or 'none'")

@@ -138,6 +138,7 @@ class GpuWorker:
         if factory:
             build = getattr(import_module(factory.split(":")[0]), factory.split(":")[1])
         elif self.backend == "vllm":
+            from gpu_runtime.executor.drafters import draft_checkpoint
             from gpu_runtime.vllm.build import build_vllm_engine
             from gpu_runtime.vllm.cli_args import operator_engine_args
 
@@ -145,7 +146,8 @@ class GpuWorker:
                                      spec_policy=s.spec_policy, cost_profile=s.cost_profile, kv_reserve=s.kv_reserve,
                                      kv_cache_gib=s.vllm_kv_cache_gib, enforce_eager=s.vllm_enforce_eager,
                                      max_model_len=s.vllm_max_model_len, spec_tokens=s.vllm_spec_tokens,
-                                     drafter=s.vllm_drafter, step_log=s.vllm_step_log,
+                                     drafter=s.vllm_drafter, draft_model=draft_checkpoint(s.draft),
+                                     step_log=s.vllm_step_log,
                                      overrides=operator_engine_args(s.vllm_engine_args, s.vllm_args),
                                      lora_modules=s.lora_modules,
                                      runtime_loras=s.max_loras if s.runtime_lora else 0,

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 # pay (on the CPU, AdaSpec with 32 suffix tokens: 2.37x none at batch 1, no loss at 8-32; BENCHMARKS stops 40, 45).
 SPEC_MAX_TOKENS = 8
 SUFFIX_MAX_TOKENS = 32
+# a draft model runs a pass for every token it drafts, whatever share the policy keeps: fewer by default
+DRAFT_MODEL_MAX_TOKENS = 4
 
 
 def draft_tokens(spec_policy: str, requested: int | None = None, drafter: str = "ngram") -> int:
@@ -30,7 +32,8 @@ def draft_tokens(spec_policy: str, requested: int | None = None, drafter: str = 
         if requested < 1:
             raise ValueError(f"draft tokens per step must be >= 1 (got {requested})")
         return requested
-    return chain_length(spec_policy) or (SUFFIX_MAX_TOKENS if drafter == "suffix" else SPEC_MAX_TOKENS)
+    longest = {"suffix": SUFFIX_MAX_TOKENS, "draft_model": DRAFT_MODEL_MAX_TOKENS}.get(drafter, SPEC_MAX_TOKENS)
+    return chain_length(spec_policy) or longest
 
 
 DRAFTERS = ("ngram", "suffix")
@@ -54,6 +57,18 @@ def speculative_config(drafter: str, num_tokens: int, trimmed: bool = False) -> 
         return {"method": "suffix", "num_speculative_tokens": num_tokens,
                 "suffix_decoding_max_tree_depth": max((2 if trimmed else 1) * num_tokens, 24), **room}
     raise ValueError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)}")
+
+
+def draft_model_config(checkpoint: str, num_tokens: int, drafter: str = "ngram") -> dict[str, Any]:
+    """vLLM's ``speculative_config`` drafting with the model ``checkpoint`` (``COSERVE_DRAFT``: a directory, a GGUF
+    or a bundled name, sharing the target's tokenizer), whose ``num_tokens`` draft tokens the policy trims as it does
+    n-gram ones. ``drafter``: the model-free one asked for besides, which cannot run with it."""
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+
+    if drafter != "ngram":
+        raise ValueError(f"COSERVE_DRAFT names a draft model ({checkpoint}) and COSERVE_VLLM_DRAFTER is {drafter!r}: "
+                         "vLLM drafts with one of them; unset COSERVE_DRAFT, or COSERVE_VLLM_DRAFTER")
+    return {"method": "draft_model", "model": str(vllm_checkpoint(checkpoint)), "num_speculative_tokens": num_tokens}
 
 
 # EngineArgs fields the worker sets itself, and the setting that decides each instead
@@ -122,7 +137,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
                 max_model_len: int | None = None, kv_cache_gib: int = 2, enforce_eager: bool | None = None,
                 max_num_seqs: int | None = None, seed: int = 0, dtype: str | None = None,
                 enable_prefix_caching: bool | None = None, spec_tokens: int | None = None,
-                drafter: str = "ngram", lora_modules: dict[str, str] | None = None,
+                drafter: str = "ngram", draft_model: str | None = None, lora_modules: dict[str, str] | None = None,
                 runtime_loras: int = 0, runtime_lora_rank: int = 16, reasoning_parser: str | None = None,
                 served_model_name: str | None = None, overrides: dict[str, Any] | None = None) -> Any:
     """``EngineArgs`` for ``model`` with coserve's scheduler (policy chosen by ``scheduler_policy``); ``overrides``
@@ -130,7 +145,8 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     ``speculative_config`` with another drafter, ...) win over what the other parameters set; ``runtime_loras``:
     LoRA slots for adapters loaded while it runs, up to ``runtime_lora_rank``; ``reasoning_parser``: a grammar
     applies after the thinking (``reasoning_outputs_config``); ``served_model_name``: the model's name in vLLM's
-    metrics (their ``model_name`` label, as ``vllm serve --served-model-name`` sets it; else the checkpoint's path)."""
+    metrics (their ``model_name`` label, as ``vllm serve --served-model-name`` sets it; else the checkpoint's path);
+    ``draft_model``: a draft checkpoint that drafts instead of ``drafter`` (``draft_model_config``)."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform
 
@@ -157,7 +173,10 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         kwargs["max_num_seqs"] = max_num_seqs
     if served_model_name:
         kwargs["served_model_name"] = served_model_name
-    if spec_policy != "none":
+    if spec_policy != "none" and draft_model:
+        tokens = draft_tokens(spec_policy, spec_tokens, "draft_model")
+        kwargs["speculative_config"] = draft_model_config(draft_model, tokens, drafter)
+    elif spec_policy != "none":
         kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens, drafter),
                                                           trimmed=not chain_length(spec_policy))
     # LoRA adapters served beside the model

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="draft tokens vLLM proposes per request and step (default: N for chain-N, else 8; 32 with "
                          "the suffix drafter)")
     ap.add_argument("--drafter", default="ngram", help="vLLM's drafter when speculating: ngram or suffix")
+    ap.add_argument("--draft", default=None, help="a draft checkpoint that drafts instead (as COSERVE_DRAFT)")
     ap.add_argument("--engine-args", type=json.loads, default=None, metavar="JSON",
                     help="more vLLM EngineArgs, as COSERVE_VLLM_ENGINE_ARGS takes them (e.g. a speculative_config)")
     ap.add_argument("--out", default="-", help="where the JSON goes (vLLM logs to stdout: give a file)")
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = build_vllm_engine(args.model, scheduler_policy=args.policy, spec_policy=args.spec, dtype=args.dtype,
                                max_model_len=4096, cost_profile="auto", spec_tokens=args.spec_tokens,
-                               drafter=args.drafter, overrides=args.engine_args)
+                               drafter=args.drafter, draft_model=args.draft, overrides=args.engine_args)
     n = max(args.prompts, *args.batch)
     prompts = (summarization_prompts(args.model, n, chat=not args.raw) if args.workload == "summarization"
                else random_prompts(n, args.input_len))

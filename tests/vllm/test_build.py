@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from gpu_runtime.vllm.build import SPEC_MAX_TOKENS, SUFFIX_MAX_TOKENS, draft_tokens, engine_args, speculative_config
+from gpu_runtime.vllm.build import (DRAFT_MODEL_MAX_TOKENS, SPEC_MAX_TOKENS, SUFFIX_MAX_TOKENS, draft_tokens, engine_args,
+                                    speculative_config)
 
 
 def test_draft_tokens_follow_the_policy_unless_set():
@@ -43,6 +44,38 @@ def test_the_drafter_is_vllms_ngram_or_suffix_decoding():
     assert speculative_config("ngram", 8)["method"] == "ngram"
     with pytest.raises(ValueError, match="ngram, suffix"):
         speculative_config("eagle", 8)
+
+
+def test_a_draft_checkpoint_drafts_with_vllms_draft_model_method():
+    """COSERVE_DRAFT naming a checkpoint makes it vLLM's drafter (it was dropped: vLLM drafted n-grams)."""
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+
+    spec = engine_args("smollm2-135m", spec_policy="adaspec", draft_model="smollm2-135m").speculative_config
+    assert spec == {"method": "draft_model", "model": str(vllm_checkpoint("smollm2-135m")),
+                    "num_speculative_tokens": DRAFT_MODEL_MAX_TOKENS}
+    assert engine_args("smollm2-135m", spec_policy="chain-6", draft_model="smollm2-135m",
+                       spec_tokens=3).speculative_config["num_speculative_tokens"] == 3
+    assert engine_args("smollm2-135m", draft_model="smollm2-135m").speculative_config is None  # no policy: no drafts
+    with pytest.raises(ValueError, match="COSERVE_VLLM_DRAFTER is 'suffix'"):
+        engine_args("smollm2-135m", spec_policy="adaspec", drafter="suffix", draft_model="smollm2-135m")
+
+
+@pytest.mark.parametrize("draft, model", [("prompt-lookup", None), ("prompt-lookup:3", None),
+                                          ("/models/draft", "/models/draft")])
+def test_the_vllm_worker_hands_its_draft_checkpoint_to_the_engine(monkeypatch, tmp_path, tiny_model_dir, draft,
+                                                                   model):
+    import types
+
+    import gpu_runtime.vllm.build
+    from tests.conftest import make_settings
+    from workers.gpu_worker import GpuWorker
+
+    built = {}
+    monkeypatch.setattr(gpu_runtime.vllm.build, "build_vllm_engine", lambda *a, **kw: built.update(kw))
+    settings = make_settings(tmp_path, "sqlite://", "", tiny_model_dir).model_copy(
+        update={"backend": "vllm", "spec_policy": "adaspec", "draft": draft})
+    GpuWorker._build_engine(types.SimpleNamespace(settings=settings, backend="vllm", device="cpu"))
+    assert built["draft_model"] == model
 
 
 def test_any_other_engine_argument_passes_through_and_wins():

@@ -74,6 +74,16 @@ def test_suffix_decoding_drafts_are_lossless(plain_vllm, tmp_path):
     assert spec["acceptance"][0] != PositionAcceptance.prior  # it learnt from the suffix drafts it verified
 
 
+def test_a_draft_model_drafts_losslessly(plain_vllm, tmp_path):
+    """COSERVE_DRAFT's checkpoint drafts on vLLM (its draft_model method) under an adaptive policy: plain decoding's
+    tokens, and the policy learnt from the drafts it verified (the model drafting for itself: nearly all accepted)."""
+    run = offline(tmp_path, "--policy", "qoserve", "--spec", "adaspec", "--draft", "smollm2-135m", "--batch", "1")
+    assert run["1"]["tokens"] == plain_vllm["1"]["tokens"]
+    spec = run["1"]["speculation"]
+    assert spec["policy"] == "adaspec" and len(spec["acceptance"]) == 4
+    assert spec["acceptance"][0] > PositionAcceptance.prior
+
+
 def test_coserve_profile_times_the_vllm_engine(tmp_path):
     """`coserve profile --backend vllm` writes a profile of whole vLLM steps that the scheduler can plan with."""
     from gpu_runtime.costmodel.features import BatchFeatures

@@ -7,9 +7,14 @@ from typing import Any
 from gpu_runtime.executor.drafters.base import Drafter
 
 
+def draft_checkpoint(spec: str) -> str | None:
+    """The draft model ``spec`` (``COSERVE_DRAFT``) names, else None: ``"prompt-lookup"`` drafts without one."""
+    return None if spec.startswith("prompt-lookup") else spec
+
+
 def create_drafter(spec: str, **kwargs: Any) -> Drafter:
     """``"prompt-lookup"`` (optionally ``"prompt-lookup:<max_ngram>"``) or a draft checkpoint (dir / .gguf / bundled name)."""
-    if spec.startswith("prompt-lookup"):
+    if draft_checkpoint(spec) is None:
         from gpu_runtime.executor.drafters.prompt_lookup import PromptLookupDrafter
 
         _, _, n = spec.partition(":")
@@ -19,4 +24,4 @@ def create_drafter(spec: str, **kwargs: Any) -> Drafter:
     return DraftModelRunner.from_pretrained(spec, **kwargs)
 
 
-__all__ = ["Drafter", "create_drafter"]
+__all__ = ["Drafter", "create_drafter", "draft_checkpoint"]
