@@ -64,7 +64,7 @@ class _Executor:
     def __init__(self, scheduler: CoserveScheduler, max_model_len: int) -> None:
         self._scheduler = scheduler
         self.max_model_len = max_model_len
-        self.draft_on_device = False
+        self.draft_on_device = scheduler.num_spec_tokens > 0  # vLLM's drafter, loaded for good (nothing offloads it)
         self.drafter = None
 
     def capacity(self) -> KVCapacity:
@@ -97,8 +97,17 @@ class _SpeculationView:
         self.name, self._scheduler = name, scheduler
 
     def state(self) -> dict[str, Any]:
-        drafts = self._scheduler.drafts
-        return drafts.state() if drafts is not None else {"policy": self.name, "engine": "vllm"}
+        """The policy that chooses the draft lengths: coserve's, else vLLM's own (every draft verified), naming the
+        policy asked for that does not run and why; 'none' where vLLM does not speculate."""
+        scheduler = self._scheduler
+        if scheduler.drafts is not None:
+            return scheduler.drafts.state()
+        if not scheduler.num_spec_tokens:
+            return {"policy": "none", "engine": "vllm"}
+        state = {"policy": "vllm", "engine": "vllm", "draft_tokens": scheduler.num_spec_tokens}
+        if scheduler.spec_not_running is not None:
+            state.update(not_running=self.name, why=scheduler.spec_not_running)
+        return state
 
 
 def admission_error(request: Request, max_model_len: int, speculating: bool) -> str | None:

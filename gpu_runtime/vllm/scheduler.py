@@ -147,6 +147,9 @@ class CoserveScheduler(AsyncScheduler):
         self.whole_seeded = seeds_need_whole_prompts()
         self.policy = None
         self.drafts: DraftLengths | None = None
+        spec = os.environ.get("COSERVE_SPEC_POLICY", "none")
+        # why the speculation policy asked for does not choose the draft lengths (vLLM's own run), else None
+        self.spec_not_running: str | None = None
         if not self.native:
             kv_reserve = os.environ.get("COSERVE_KV_RESERVE", "predicted")
             cost_model = _cost_model(os.environ.get("COSERVE_COST_PROFILE"))
@@ -161,15 +164,20 @@ class CoserveScheduler(AsyncScheduler):
             config = {"max_num_seqs": self.max_num_running_reqs, "kv_reserve": kv_reserve, **extra,
                       **policy_overrides()}
             self.policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv, **config)
-            spec = os.environ.get("COSERVE_SPEC_POLICY", "none")
             if self.num_spec_tokens > 0 and spec != "none":
                 if self.scheduler_config.async_scheduling:
                     # the draft tokens are placeholders when the step is scheduled (the worker fills them in):
-                    # there is nothing to choose from yet, so vLLM's own lengths stay
-                    log.warning("COSERVE_SPEC_POLICY=%s needs synchronous scheduling (the worker's in-process "
-                                "engine); with async scheduling vLLM's own draft lengths are used", spec)
+                    # there is nothing to choose from yet
+                    self.spec_not_running = ("it needs synchronous scheduling, and the engine schedules "
+                                             "asynchronously: build it with async_scheduling off")
                 else:
                     self.drafts = DraftLengths(spec, cost_model, self.num_spec_tokens)
+        elif self.num_spec_tokens > 0 and spec != "none":
+            self.spec_not_running = (f"it runs in coserve's scheduling policies, and {self.policy_name} is vLLM's "
+                                     "own scheduler: choose qoserve or a sarathi policy")
+        if self.spec_not_running is not None:
+            log.warning("COSERVE_SPEC_POLICY=%s does not run: %s. vLLM verifies every draft token its drafter "
+                        "proposes (up to %d)", spec, self.spec_not_running, self.num_spec_tokens)
         log.info("coserve scheduler in vLLM: policy %s, speculation %s", self.policy_name,
                  self.drafts.name if self.drafts else "vLLM's" if self.num_spec_tokens else "none")
 

@@ -27,7 +27,8 @@ def make_scheduler(tiny_model_dir, monkeypatch):
     def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
               profile: str = "none", report_events: bool = True, calibrate: bool = False,
               prefix_caching: bool = False, max_loras: int | None = None,
-              chunked_prefill: bool = True) -> CoserveScheduler:
+              chunked_prefill: bool = True, spec_tokens: int = 0,
+              async_scheduling: bool = False) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
         # no model runs here, so steps take microseconds: calibrating to them only where a test asks
@@ -37,11 +38,14 @@ def make_scheduler(tiny_model_dir, monkeypatch):
         from vllm.config import LoRAConfig
 
         lora = LoRAConfig(max_loras=max_loras, max_lora_rank=8) if max_loras else None  # LoRA slots of a batch
-        config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
-                            cache_config=cache, lora_config=lora,
+        model = ModelConfig(model=str(tiny_model_dir), max_model_len=512)
+        config = VllmConfig(model_config=model, cache_config=cache, lora_config=lora,
+                            speculative_config=_ngram_drafts(model, spec_tokens) if spec_tokens else None,
                             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
                                                              max_model_len=512, is_encoder_decoder=False,
                                                              enable_chunked_prefill=chunked_prefill))
+        # as vLLM sets it for a GPU drafter (its config refuses it with the n-gram one, which stands in for it here)
+        config.scheduler_config.async_scheduling = async_scheduling
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
         kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
         scheduler = CoserveScheduler(vllm_config=config, kv_cache_config=kv,
@@ -50,6 +54,14 @@ def make_scheduler(tiny_model_dir, monkeypatch):
         return scheduler
 
     return build
+
+
+def _ngram_drafts(model, num_tokens: int):  # noqa: ANN001, ANN202 - vLLM's ModelConfig, SpeculativeConfig
+    """vLLM's n-gram drafter proposing ``num_tokens`` per request and step (its speculative_config)."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=num_tokens, prompt_lookup_max=4,
+                             prompt_lookup_min=2, target_model_config=model, target_parallel_config=ParallelConfig())
 
 
 def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,

@@ -388,6 +388,40 @@ def test_nightjar_can_choose_no_speculation(make_scheduler):
     assert out.scheduled_spec_decode_tokens == {} and out.num_scheduled_tokens == {r.request_id: 1}
 
 
+@pytest.mark.parametrize("policy, async_scheduling", [("vllm-fcfs", False), ("vllm-priority", False),
+                                                      ("qoserve", True)])
+def test_a_speculation_policy_that_cannot_run_is_not_reported_as_running(make_scheduler, monkeypatch, caplog,
+                                                                         policy, async_scheduling):
+    """Under vLLM's own scheduler, or with async scheduling (a GPU drafter's default), vLLM's own draft lengths
+    run: the worker's state says so, naming the policy asked for and why, and the start-up log warns. It reported
+    the policy asked for as if it ran."""
+    import logging
+
+    from gpu_runtime.vllm.engine import _Executor, _SpeculationView
+
+    monkeypatch.setenv("COSERVE_SPEC_POLICY", "nightjar")
+    with caplog.at_level(logging.WARNING, logger="gpu_runtime.vllm.scheduler"):
+        s = make_scheduler(policy, spec_tokens=4, async_scheduling=async_scheduling)
+    assert s.drafts is None and "COSERVE_SPEC_POLICY=nightjar does not run" in caplog.text
+    state = _SpeculationView("nightjar", s).state()
+    assert state["policy"] == "vllm" and state["draft_tokens"] == 4
+    assert state["not_running"] == "nightjar" and state["why"] == s.spec_not_running
+    assert _Executor(s, 512).draft_on_device  # vLLM's drafter is loaded
+
+
+def test_the_worker_reports_the_speculation_that_runs_and_its_drafter_alike(make_scheduler, monkeypatch):
+    """Nightjar's own state and the worker's draft_on_device agree (the worker said the draft was off)."""
+    from gpu_runtime.vllm.engine import _Executor, _SpeculationView
+
+    assert _SpeculationView("none", make_scheduler("qoserve")).state() == {"policy": "none", "engine": "vllm"}
+    assert not _Executor(make_scheduler("qoserve"), 512).draft_on_device
+    monkeypatch.setenv("COSERVE_SPEC_POLICY", "nightjar")
+    s = make_scheduler("qoserve", spec_tokens=4)
+    state = _SpeculationView("nightjar", s).state()
+    assert state["policy"] == "nightjar" and "not_running" not in state and s.spec_not_running is None
+    assert state["draft_on_device"] is _Executor(s, 512).draft_on_device is True
+
+
 def test_policy_config_overrides_come_from_coserve_scheduler_config(make_scheduler, monkeypatch):
     monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", '{"relegated_expiry": null, "chunk_floor": 32}')
     sched = make_scheduler()
