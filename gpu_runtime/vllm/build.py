@@ -179,6 +179,7 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     elif spec_policy != "none":
         kwargs["speculative_config"] = speculative_config(drafter, draft_tokens(spec_policy, spec_tokens, drafter),
                                                           trimmed=not chain_length(spec_policy))
+    kwargs.update(synchronous_for_drafts(scheduler_policy, spec_policy, overrides or {}))
     # LoRA adapters served beside the model
     kwargs.update(lora_engine_args(lora_modules or {}, runtime_loras, runtime_lora_rank))
     kwargs.update(reasoning_outputs_config(kwargs["model"], reasoning_parser))
@@ -187,6 +188,19 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
         kwargs["enforce_eager"] = cpu_pipeline_eager(kwargs["enforce_eager"], explicit=enforce_eager is not None
                                                      or "enforce_eager" in (overrides or {}))
     return EngineArgs(**kwargs)
+
+
+def synchronous_for_drafts(scheduler_policy: str, spec_policy: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``async_scheduling`` off where coserve's speculation policy chooses the draft lengths: under async scheduling
+    a step is scheduled before its drafts exist, so vLLM's own lengths would run, and vLLM turns it on by default for
+    a GPU drafter (EAGLE, a draft model). The operator's explicit ``async_scheduling`` stands, with a warning."""
+    if spec_policy == "none" or scheduler_policy in VLLM_NATIVE:
+        return {}
+    if overrides.get("async_scheduling"):
+        log.warning("the vLLM engine arguments turn async_scheduling on: COSERVE_SPEC_POLICY=%s does not run, vLLM "
+                    "verifies every draft token; leave async_scheduling out for the policy to choose", spec_policy)
+        return {}
+    return {"async_scheduling": False}
 
 
 def cpu_pipeline_eager(eager: bool, explicit: bool) -> bool:

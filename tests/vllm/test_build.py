@@ -60,6 +60,22 @@ def test_a_draft_checkpoint_drafts_with_vllms_draft_model_method():
         engine_args("smollm2-135m", spec_policy="adaspec", drafter="suffix", draft_model="smollm2-135m")
 
 
+def test_a_speculation_policy_builds_a_synchronous_engine(caplog):
+    """coserve's policy chooses each step's drafts once they exist: the engine schedules synchronously (vLLM turns
+    async scheduling on for GPU drafters, and the policy then did not run), unless the operator asks otherwise."""
+    import logging
+
+    assert engine_args("smollm2-135m", spec_policy="adaspec", draft_model="smollm2-135m").async_scheduling is False
+    assert engine_args("smollm2-135m", spec_policy="chain-4").async_scheduling is False
+    assert engine_args("smollm2-135m").async_scheduling is None  # vLLM's choice
+    assert engine_args("smollm2-135m", "cpu", "vllm-fcfs", "adaspec").async_scheduling is None  # vLLM's own lengths
+    eagle = {"speculative_config": {"method": "eagle", "model": "/eagle", "num_speculative_tokens": 4}}
+    assert engine_args("smollm2-135m", spec_policy="adaspec", overrides=eagle).async_scheduling is False
+    with caplog.at_level(logging.WARNING, logger="gpu_runtime.vllm.build"):
+        asked = engine_args("smollm2-135m", spec_policy="adaspec", overrides={**eagle, "async_scheduling": True})
+    assert asked.async_scheduling is True and "COSERVE_SPEC_POLICY=adaspec does not run" in caplog.text
+
+
 @pytest.mark.parametrize("draft, model", [("prompt-lookup", None), ("prompt-lookup:3", None),
                                           ("/models/draft", "/models/draft")])
 def test_the_vllm_worker_hands_its_draft_checkpoint_to_the_engine(monkeypatch, tmp_path, tiny_model_dir, draft,
