@@ -172,6 +172,7 @@ class CoserveScheduler(AsyncScheduler):
                                              "asynchronously: build it with async_scheduling off")
                 else:
                     self.drafts = DraftLengths(spec, cost_model, self.num_spec_tokens)
+                    self._pad_no_drafts()
         elif self.num_spec_tokens > 0 and spec != "none":
             self.spec_not_running = (f"it runs in coserve's scheduling policies, and {self.policy_name} is vLLM's "
                                      "own scheduler: choose qoserve or a sarathi policy")
@@ -180,6 +181,14 @@ class CoserveScheduler(AsyncScheduler):
                         "proposes (up to %d)", spec, self.spec_not_running, self.num_spec_tokens)
         log.info("coserve scheduler in vLLM: policy %s, speculation %s", self.policy_name,
                  self.drafts.name if self.drafts else "vLLM's" if self.num_spec_tokens else "none")
+
+    def _pad_no_drafts(self) -> None:
+        """vLLM pads a prompt's first decode (a prompt its prefix cache left one token) with placeholder drafts to
+        a whole draft step, verified at a cost and counted as drafts, also where the policy chose none. It does not
+        under its dynamic speculation (a draft length per batch size): one of vLLM's own length at every size keeps
+        the drafter as it was and pads nothing; the policy chooses each request's drafts."""
+        if self.dynamic_sd_lookup is None:  # else the operator's own per-batch-size lengths stay
+            self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.max_num_running_reqs + 1)
 
     @property
     def step_cap(self) -> int:
@@ -410,7 +419,8 @@ class CoserveScheduler(AsyncScheduler):
         self.running = kept
         # with speculation vLLM pads a new prompt left with one token to compute (the rest in its prefix cache) to a
         # whole draft step, and waits rather than run it unpadded: room for that padding
-        pad = self.num_spec_tokens if self.num_spec_tokens and any(n == 1 for r, n in chunks if r not in by_id) else 0
+        pads = self.num_spec_tokens and self.dynamic_sd_lookup is None  # see _pad_no_drafts
+        pad = self.num_spec_tokens if pads and any(n == 1 for r, n in chunks if r not in by_id) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
 

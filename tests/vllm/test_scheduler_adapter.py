@@ -511,6 +511,25 @@ def test_a_prompt_left_with_one_token_by_the_cache_runs_while_speculating(make_s
     assert out.num_scheduled_tokens.get(again.request_id, 0) >= 1, out.num_scheduled_tokens
 
 
+def test_a_policy_at_no_drafts_verifies_none_on_a_cached_prompts_first_decode(make_scheduler, monkeypatch):
+    """Nightjar chose no speculation; a prompt whose blocks vLLM's prefix cache holds but its last token runs as a
+    decode of 1 token. vLLM had padded it with 4 placeholder drafts, verified at a cost and counted as drafts."""
+    monkeypatch.setenv("COSERVE_SPEC_POLICY", "nightjar")
+    s = make_scheduler("qoserve", prefix_caching=True, spec_tokens=4)
+    s.drafts.policy.bandit.choose = lambda batch, switch_cost=0.0, mixed=False: 0  # the verdict under load
+    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    earlier = vllm_request(33, chat, max_tokens=32, hashed=True)
+    s.add_request(earlier)
+    run_step(s)
+    run_step(s)
+    again = vllm_request(33, chat, max_tokens=32, hashed=True)  # the same prompt: 2 blocks cached, 1 token left
+    s.add_request(again)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {earlier.request_id: 1, again.request_id: 1}
+    assert out.scheduled_spec_decode_tokens == {}
+    assert out.num_spec_tokens_to_schedule == 4  # the drafter still drafts vLLM's length for the policy to trim
+
+
 def behind_one_system_prompt(s) -> list:  # noqa: ANN001 - a CoserveScheduler
     """Three chats added together: a 64-token system prompt, then 8 tokens of their own."""
     chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
