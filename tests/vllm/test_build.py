@@ -6,8 +6,14 @@ import re
 
 import pytest
 
-from gpu_runtime.vllm.build import (DRAFT_MODEL_MAX_TOKENS, SPEC_MAX_TOKENS, SUFFIX_MAX_TOKENS, draft_tokens, engine_args,
-                                    speculative_config)
+from gpu_runtime.vllm.build import (
+    DRAFT_MODEL_MAX_TOKENS,
+    SPEC_MAX_TOKENS,
+    SUFFIX_MAX_TOKENS,
+    draft_tokens,
+    engine_args,
+    speculative_config,
+)
 
 
 def test_draft_tokens_follow_the_policy_unless_set():
