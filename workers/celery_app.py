@@ -14,6 +14,21 @@ from celery import Celery
 log = logging.getLogger(__name__)
 
 RUN_JOB = "coserve.run_job"
+# A job's message priority by its kind (kombu's Redis transport keeps a list per priority of a queue and reads the
+# lowest number first): interactive jobs on the queue's own list, deadline (batch) jobs on its last, so a worker
+# takes a waiting interactive job before any of a batch backlog
+INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 9
+
+
+def message_priority(kind: str) -> int:
+    return BATCH_PRIORITY if kind == "batch" else INTERACTIVE_PRIORITY
+
+
+def queue_lists(queue: str) -> tuple[str, str]:
+    """The Redis lists kombu keeps for ``queue``'s messages: the interactive jobs', then the batch jobs'."""
+    from kombu.transport.redis import Channel
+
+    return queue, f"{queue}{Channel.sep}{BATCH_PRIORITY}"
 
 
 def queue_name(model_name: str) -> str:

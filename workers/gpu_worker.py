@@ -60,7 +60,8 @@ from gpu_runtime.sampling import SamplingParams
 from workers import decode_history
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.celery_app import get_celery, queue_name
+from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, get_celery, message_priority, queue_lists,
+                                queue_name)
 from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
 from workers.inbox import Abort, Add, Inbox, Learn
@@ -71,6 +72,7 @@ from workers.sweeper import reroute, sweep
 log = logging.getLogger(__name__)
 
 WEBHOOK_POLL_S = 1.0  # how often a worker looks for webhook deliveries that are due
+LOOK_S = 0.25  # how often a batch job waiting for engine room looks for an interactive one to give way to
 
 
 class GpuWorker:
@@ -192,7 +194,8 @@ class GpuWorker:
         with session_scope(self.url, immediate=True) as s:
             for job in rest:
                 if leases.release(s, job.lease, f"worker {self.worker_id} shut down"):
-                    send_job(self.settings.redis_url, job.lease.job_id, self.settings.model_name)
+                    send_job(self.settings.redis_url, job.lease.job_id, self.settings.model_name,
+                             message_priority(job.request.qos.qos_class.value))
             row = s.get(WorkerState, self.worker_id)
             if row is not None:
                 s.delete(row)
@@ -214,21 +217,26 @@ class GpuWorker:
                 log.info("%d jobs a worker %s that stopped waited with are to be sent again", dropped, self.worker_id)
 
     # ---------------------------------------------------------------- intake (Celery task)
-    def accept(self, job_id: str) -> None:
-        """Lease ``job_id`` and add it to the engine; waits while the engine is full."""
+    def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY) -> None:
+        """Lease ``job_id`` and add it to the engine; waits while the engine is full. A batch job (its message's
+        ``priority``) waiting for room gives way to an interactive job waiting on this worker's queues: it goes
+        back to its queue, and the worker takes the interactive one, which kombu hands out first."""
         if not self._without_earlier_attempt(job_id):
-            send_job(self.settings.redis_url, job_id, self.settings.model_name)  # for when that attempt has left
+            send_job(self.settings.redis_url, job_id, self.settings.model_name, priority)  # for when that attempt left
             return
-        holding = False
+        holding, look_at = False, 0.0
         while self.active.in_line >= self.settings.max_inflight or self.draining or self.shutting_down:
-            if self.stopping.is_set() or self.shutting_down or self.draining:
-                # hand it back for another worker; a draining worker pauses so the message
-                # does not bounce between it and the broker
+            give_way = False
+            if priority == BATCH_PRIORITY and time.monotonic() >= look_at:
+                give_way, look_at = self._interactive_waiting(), time.monotonic() + LOOK_S
+            if self.stopping.is_set() or self.shutting_down or self.draining or give_way:
+                # hand it back for another worker (or the interactive job); a draining worker pauses so the
+                # message does not bounce between it and the broker
                 if self.draining:
                     time.sleep(1.0)
                 if holding:
                     self._hold(job_id, False)
-                send_job(self.settings.redis_url, job_id, self.settings.model_name)
+                send_job(self.settings.redis_url, job_id, self.settings.model_name, priority)
                 return
             if not holding:
                 # the message is unacked in our hands: if we die now, the sweeper sees our stale
@@ -279,6 +287,16 @@ class GpuWorker:
                 return False
             time.sleep(0.02)
         return True
+
+    def _interactive_waiting(self) -> bool:
+        """Whether an interactive job's message waits on one of the queues this worker reads."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for queue in self.queues:
+                pipe.llen(queue_lists(queue)[0])
+            return any(pipe.execute())
+        except redis.RedisError:
+            return False
 
     def _hold(self, job_id: str, held: bool) -> None:
         """Marks (or unmarks) a still-dispatched job as held by this worker while it waits for room."""
@@ -337,7 +355,7 @@ class GpuWorker:
                                  "outbox_pending": self.outbox.pending}
         if self.settings.routing == "prefix":  # jobs prefix routing sent this worker alone, not taken yet
             try:
-                state["routed_waiting"] = self.redis.llen(worker_queue(self.worker_id))
+                state["routed_waiting"] = sum(self.redis.llen(key) for key in queue_lists(worker_queue(self.worker_id)))
             except redis.RedisError:
                 pass
         if self.engine_thread is not None:

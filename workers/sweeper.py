@@ -23,7 +23,7 @@ from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.streaming import StreamEvent, publish
 from app.services.transitions import ACTIVE, transition, utcnow
-from workers.celery_app import queue_name
+from workers.celery_app import message_priority, queue_lists, queue_name
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,13 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
         log.warning("requeued %d jobs whose lease expired; failed %d on their last attempt",
                     result.requeued, result.failed)
     # queued: never sent (broker was down) or given back; a short grace lets the API send first
-    queued = session.execute(select(Job.id, Job.model).where(
+    queued = session.execute(select(Job.id, Job.model, Job.kind).where(
         Job.status == JobStatus.QUEUED.value, Job.created_at < now - timedelta(seconds=queued_grace_s))
         .order_by(Job.created_at).limit(limit)).all()
     queues = queue_models(session, {j.model for j in queued})  # a runtime LoRA adapter's jobs: its model's queue
     for job in queued:
-        if not dispatch(session, redis_url, job.id, queues[job.model], detail="sent by the sweeper"):
+        if not dispatch(session, redis_url, job.id, queues[job.model], detail="sent by the sweeper",
+                        priority=message_priority(job.kind)):
             break  # the broker is down: try again next sweep
         result.dispatched += 1
     result.rerouted = _reroute_orphaned(session, redis_url, now - timedelta(seconds=holder_stale_s))
@@ -111,19 +112,20 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
             # (app.services.dispatch) for the next sweep
             pipe = client.pipeline(transaction=True)
             pipe.srem(WORKER_QUEUES, queue)
-            pipe.lrange(queue, 0, -1)
-            pipe.delete(queue, f"_kombu.binding.{queue}")
-            _named, waiting, _deleted = pipe.execute()
-            ids.update(m.decode() for raw in waiting for m in _JOB_ID.findall(raw))
+            for key in queue_lists(queue):
+                pipe.lrange(key, 0, -1)
+            pipe.delete(*queue_lists(queue), f"_kombu.binding.{queue}")
+            _named, *waiting, _deleted = pipe.execute()
+            ids.update(m.decode() for raws in waiting for raw in raws for m in _JOB_ID.findall(raw))
     except redis.RedisError as exc:
         log.warning("could not read the workers' own queues (%s); rerouting nothing this time", exc)
         return 0
-    waiting = session.execute(select(Job.id, Job.model).where(
+    waiting = session.execute(select(Job.id, Job.model, Job.kind).where(
         Job.id.in_(ids), Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_(None))).all() if ids else []
     models = queue_models(session, {j.model for j in waiting})
     sent = 0
     for job in waiting:  # a message a dead worker's queue lost here is sent again later as lost (_resend_lost)
-        if not send_job(redis_url, job.id, models[job.model]):
+        if not send_job(redis_url, job.id, models[job.model], message_priority(job.kind)):
             break
         sent += 1
     if queues:
@@ -145,21 +147,22 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
     """
     stale_before = now - timedelta(seconds=holder_stale_s)
     held = session.execute(
-        select(Job.id, Job.model, Job.worker_id).outerjoin(WorkerState, WorkerState.id == Job.worker_id)
+        select(Job.id, Job.model, Job.kind, Job.worker_id).outerjoin(WorkerState, WorkerState.id == Job.worker_id)
         .where(Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_not(None),
                or_(WorkerState.id.is_(None), WorkerState.heartbeat_at < stale_before)).limit(limit)).all()
-    unheld = session.execute(select(Job.id, Job.model).where(
+    unheld = session.execute(select(Job.id, Job.model, Job.kind).where(
         Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_(None),
         Job.dispatched_at < now - timedelta(seconds=resend_after_s)).limit(limit)).all()
-    lost = [(j.id, j.model, f"its holder {j.worker_id} stopped beating") for j in held]
+    lost = [(j, f"its holder {j.worker_id} stopped beating") for j in held]
     if unheld:
         waiting = _queued_ids(redis_url, {j.model for j in unheld} | set(served))
-        lost += [(j.id, j.model, "its message left the queue unprocessed") for j in unheld
+        lost += [(j, "its message left the queue unprocessed") for j in unheld
                  if waiting is not None and j.id not in waiting]
     resent = 0
-    queues = queue_models(session, {model for _id, model, _why in lost})
-    for job_id, model, why in lost:
-        if not send_job(redis_url, job_id, queues[model]):
+    queues = queue_models(session, {j.model for j, _why in lost})
+    for job, why in lost:
+        job_id = job.id
+        if not send_job(redis_url, job_id, queues[job.model], message_priority(job.kind)):
             break
         session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.DISPATCHED.value)
                         .values(dispatched_at=utcnow(), worker_id=None).execution_options(synchronize_session=False))
@@ -174,15 +177,15 @@ def _queued_ids(redis_url: str, models: set[str]) -> set[str] | None:
     try:
         client = redis_client(redis_url)
         ids: set[str] = set()
-        for model in models:
-            queue = queue_name(model)
-            if client.llen(queue) > QUEUE_SCAN_CAP:
+        for key in (key for model in models for key in queue_lists(queue_name(model))):
+            if client.llen(key) > QUEUE_SCAN_CAP:
                 return None
-            for raw in client.lrange(queue, 0, -1):
+            for raw in client.lrange(key, 0, -1):
                 ids.update(m.decode() for m in _JOB_ID.findall(raw))
         for queue in client.smembers(WORKER_QUEUES):  # the workers' own (prefix routing's)
-            for raw in client.lrange(queue, 0, QUEUE_SCAN_CAP):
-                ids.update(m.decode() for m in _JOB_ID.findall(raw))
+            for key in queue_lists(queue.decode() if isinstance(queue, bytes) else queue):
+                for raw in client.lrange(key, 0, QUEUE_SCAN_CAP):
+                    ids.update(m.decode() for m in _JOB_ID.findall(raw))
         return ids
     except redis.RedisError as exc:
         log.warning("could not read the queues (%s); resending nothing unheld this sweep", exc)

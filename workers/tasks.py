@@ -7,7 +7,7 @@ import logging
 from celery import shared_task
 from sqlalchemy.exc import OperationalError
 
-from workers.celery_app import RUN_JOB
+from workers.celery_app import INTERACTIVE_PRIORITY, RUN_JOB
 
 log = logging.getLogger(__name__)
 
@@ -19,4 +19,5 @@ def run_job(self, job_id: str) -> None:
     runtime = getattr(self.app, "coserve_worker", None)
     if runtime is None:
         raise RuntimeError("run_job needs the GPU worker process (`coserve worker`), not a plain celery worker")
-    runtime.accept(job_id)
+    # the message's priority (its job's kind: workers.celery_app.message_priority), kept where it is handed back
+    runtime.accept(job_id, self.request.delivery_info.get("priority") or INTERACTIVE_PRIORITY)

@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING
 from uuid import uuid4
 
 import redis
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.db.models import JobStatus
+from app.db.models import Job, JobStatus
 from app.db.session import session_scope, write_after_read, write_guard
 from app.services import routing
 from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.transitions import transition, utcnow
-from workers.celery_app import RUN_JOB, get_celery, queue_name
+from workers.celery_app import INTERACTIVE_PRIORITY, RUN_JOB, get_celery, message_priority, queue_name
 
 if TYPE_CHECKING:
-    from app.db.models import Job
     from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,12 @@ log = logging.getLogger(__name__)
 SEND_RETRY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2, "interval_max": 0.5}
 
 
-def send_to(redis_url: str, job_id: str, queue: str) -> bool:
-    """Sends ``job_id`` on the queue named ``queue``; False where the broker could not take it."""
+def send_to(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE_PRIORITY) -> bool:
+    """Sends ``job_id`` on the queue named ``queue`` at ``priority`` (``message_priority`` of its kind); False where
+    the broker could not take it."""
     try:
-        get_celery(redis_url).send_task(RUN_JOB, args=[job_id], queue=queue, retry=True, retry_policy=SEND_RETRY)
+        get_celery(redis_url).send_task(RUN_JOB, args=[job_id], queue=queue, retry=True, retry_policy=SEND_RETRY,
+                                        priority=priority)
     except Exception as exc:  # kombu raises OperationalError and socket errors alike
         log.warning("could not send job %s to the broker (%s); it stays queued for the sweeper", job_id, exc)
         return False
@@ -56,9 +58,9 @@ def _look_after(redis_url: str, queues: list[str]) -> None:
         log.warning("could not name the workers' queues %s to the sweepers (%s)", sorted(own), exc)
 
 
-def send_job(redis_url: str, job_id: str, model_name: str) -> bool:
+def send_job(redis_url: str, job_id: str, model_name: str, priority: int = INTERACTIVE_PRIORITY) -> bool:
     """Sends ``job_id`` on its model's queue, which every worker of the model consumes."""
-    return send_to(redis_url, job_id, queue_name(model_name))
+    return send_to(redis_url, job_id, queue_name(model_name), priority)
 
 
 def _queue(app, name: str):
@@ -67,8 +69,8 @@ def _queue(app, name: str):
     return queues[name] if name in queues else queues.select_add(name)
 
 
-def send_jobs(redis_url: str, jobs: list[tuple[str, str]]) -> list[str]:
-    """Sends (job_id, queue name) pairs on one producer; returns the ids sent, in order.
+def send_jobs(redis_url: str, jobs: list[tuple[str, str, int]]) -> list[str]:
+    """Sends (job_id, queue name, priority) on one producer; returns the ids sent, in order.
 
     The fast path buffers the messages in kombu's publish batch (one Redis pipeline, one
     round trip instead of one per job) without kombu's retry wrapper. If it fails, every
@@ -80,24 +82,30 @@ def send_jobs(redis_url: str, jobs: list[tuple[str, str]]) -> list[str]:
     amqp = app.amqp
     try:
         with app.producer_or_acquire() as producer, producer.batch(max_size=len(jobs) + 1):
-            for job_id, queue in jobs:
+            for job_id, queue, priority in jobs:
                 # Celery's message layer directly (what send_task calls once it has routed the
                 # task): the queue is known and results are ignored, and it costs ~40% less
                 # CPU per message than send_task; argsrepr given instead of a saferepr each time
                 message = amqp.create_task_message(uuid4().hex, RUN_JOB, [job_id], {},
                                                    argsrepr=f"['{job_id}']", kwargsrepr="{}")
-                amqp.send_task_message(producer, RUN_JOB, message, queue=_queue(app, queue), retry=False)
-        _look_after(redis_url, [queue for _job_id, queue in jobs])
-        return [job_id for job_id, _queue_name in jobs]
+                amqp.send_task_message(producer, RUN_JOB, message, queue=_queue(app, queue), retry=False,
+                                       priority=priority)
+        _look_after(redis_url, [queue for _job_id, queue, _priority in jobs])
+        return [job_id for job_id, _queue, _priority in jobs]
     except Exception as exc:
         log.info("batched send of %d jobs failed (%s); sending one by one", len(jobs), exc)
     sent: list[str] = []
-    for job_id, queue in jobs:
-        if not send_to(redis_url, job_id, queue):
+    for job_id, queue, priority in jobs:
+        if not send_to(redis_url, job_id, queue, priority):
             break
         sent.append(job_id)
     return sent
 
+
+
+def sending(settings: Settings, job: Job) -> tuple[str, str, int]:
+    """What ``send_jobs`` sends of ``job``: its id, the queue routing picks, its kind's priority."""
+    return job.id, routing.job_queue(settings, job.model, job.route_key), message_priority(job.kind)
 
 
 def send_dispatched(settings: Settings, jobs: list[Job]) -> None:
@@ -105,9 +113,8 @@ def send_dispatched(settings: Settings, jobs: list[Job]) -> None:
     where the workers' sweeper picks them up."""
     if not jobs or not settings.redis_url:
         return
-    todo = [(job.id, routing.job_queue(settings, job.model, job.route_key)) for job in jobs]
-    sent = set(send_jobs(settings.redis_url, todo))
-    unsent = [job_id for job_id, _queue in todo if job_id not in sent]
+    sent = set(send_jobs(settings.redis_url, [sending(settings, job) for job in jobs]))
+    unsent = [job.id for job in jobs if job.id not in sent]
     if not unsent:
         return
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
@@ -117,9 +124,9 @@ def send_dispatched(settings: Settings, jobs: list[Job]) -> None:
 
 
 def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None,
-             queue: str | None = None) -> bool:
+             queue: str | None = None, priority: int | None = None) -> bool:
     """Mark a committed ``queued`` job ``dispatched``, then send it (commits) on ``queue`` (a queue name; None: the
-    model's).
+    model's) at ``priority`` (None: its kind's, read from its row).
 
     Marking first keeps the events in order (a worker may lease the job as soon as the
     message lands); a failed send moves it back to ``queued`` for the sweeper.
@@ -130,7 +137,9 @@ def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, 
         session.commit()
     if not marked:
         return True  # someone else moved it on; nothing to send
-    if send_to(redis_url, job_id, queue or queue_name(model_name)):
+    if priority is None:
+        priority = message_priority(session.scalar(select(Job.kind).where(Job.id == job_id)))
+    if send_to(redis_url, job_id, queue or queue_name(model_name), priority):
         return True
     with write_guard(session):
         transition(session, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,

@@ -29,8 +29,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
-from app.services import routing
-from app.services.dispatch import send_jobs
+from app.services.dispatch import send_jobs, sending
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
 from app.services.transitions import transition, utcnow
 from app.settings import Settings
@@ -197,9 +196,8 @@ class JobWriter:
                     break
                 jobs += more
             try:  # this thread must outlive any one batch: every later job waits on it to be sent
-                todo = [(j.id, routing.job_queue(self.settings, j.model, j.route_key)) for j in jobs]
-                sent = set(send_jobs(self.settings.redis_url, todo))
-                unsent = [job_id for job_id, _queue in todo if job_id not in sent]
+                sent = set(send_jobs(self.settings.redis_url, [sending(self.settings, j) for j in jobs]))
+                unsent = [j.id for j in jobs if j.id not in sent]
             except Exception:
                 log.exception("could not send %d jobs; they go back to the queue for the sweeper", len(jobs))
                 unsent = [j.id for j in jobs]

@@ -37,6 +37,7 @@ from app.settings import Settings
 from app.tool_calls import NAMED_CHOICE, forced_choice_unsupported, is_forced
 from app.wire import find_unstorable, storable
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
+from workers.celery_app import message_priority
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +384,8 @@ def record_job(session: Session, settings: Settings, job: Job, *, endpoint: str 
     if dispatch:
         redis_url = settings.redis_url
         if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model,
-                                              queue=routing.job_queue(settings, job.model, job.route_key)):
+                                              queue=routing.job_queue(settings, job.model, job.route_key),
+                                              priority=message_priority(job.kind)):
             # dispatch() already wrote the row; reflect it in the answer without marking the object
             # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
             set_committed_value(job, "status", JobStatus.DISPATCHED.value)

@@ -10,7 +10,7 @@ from app.auth import Principal
 from app.db.models import Job
 from app.db.session import session_scope
 from app.schemas import JobCreate
-from app.services import job_writer
+from app.services import job_writer, routing
 from app.services.jobs import build_job, rate_charge
 from app.services.rate_limits import Limits
 from tests.conftest import wait_for
@@ -24,7 +24,7 @@ def _job(settings, keys, limits: Limits | None = None) -> tuple[Principal, Job]:
 
 
 def test_a_send_that_fails_puts_its_jobs_back_for_the_sweeper_and_later_jobs_are_sent(settings, keys, monkeypatch):
-    real, calls = job_writer.routing.job_queue, []
+    real, calls = routing.job_queue, []
 
     def job_queue(*args):  # routing reads SQL (live workers, runtime adapters): one read fails
         calls.append(args)
@@ -32,7 +32,7 @@ def test_a_send_that_fails_puts_its_jobs_back_for_the_sweeper_and_later_jobs_are
             raise RuntimeError("could not connect to server")
         return real(*args)
 
-    monkeypatch.setattr(job_writer.routing, "job_queue", job_queue)
+    monkeypatch.setattr(routing, "job_queue", job_queue)
     writer = job_writer.JobWriter(settings)
     try:
         first = writer.write(_job(settings, keys)[1], "test").job.id

@@ -15,17 +15,19 @@ from app.schemas import JobCreate
 from app.services.jobs import submit_job
 from tests.conftest import load_runtime_adapter
 from workers import lease as leases
+from workers.celery_app import queue_lists
 from workers.sweeper import sweep
 
 pytestmark = pytest.mark.integration
 
 
-def _job(settings, keys, dispatch=False) -> str:
+def _job(settings, keys, dispatch=False, **qos) -> str:
     with session_scope(settings.sqlalchemy_url) as s:
         from app.auth import authenticate
 
         principal: Principal = authenticate(s, keys.paid)
-        return submit_job(s, principal, JobCreate(prompt="hi", max_tokens=4), settings, dispatch=dispatch).job.id
+        return submit_job(s, principal, JobCreate(prompt="hi", max_tokens=4, **qos), settings,
+                          dispatch=dispatch).job.id
 
 
 def _terminal_events(url, job_id):
@@ -198,7 +200,8 @@ def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(settings, keys)
 
 def test_jobs_routed_to_a_worker_that_died_go_back_to_the_models_queue(settings, keys):
     """Prefix routing puts a conversation's jobs on one worker's own queue; when that worker stops beating, the
-    sweeper sends what waits there to the model's queue and removes the dead queue (and kombu's binding of it)."""
+    sweeper sends what waits there to the model's queue and removes the dead queue (and kombu's binding of it), a
+    batch job's message from the queue's batch list to the model queue's."""
     from datetime import timedelta
 
     from sqlalchemy import update
@@ -212,8 +215,11 @@ def test_jobs_routed_to_a_worker_that_died_go_back_to_the_models_queue(settings,
     with session_scope(url) as s:
         s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu",
                           state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
-    job_ids = [_job(settings, keys, dispatch=True) for _ in range(2)]  # the same prompt: one key, one worker
-    assert r.llen("coserve.tiny") == 0 and r.llen(worker_queue("w9")) == 2
+    # the same prompt: one key, one worker
+    job_ids = [_job(settings, keys, dispatch=True), _job(settings, keys, dispatch=True, kind="batch",
+                                                          deadline_window_s=3600)]
+    own, model = queue_lists(worker_queue("w9")), queue_lists("coserve.tiny")
+    assert [r.llen(key) for key in (*own, *model)] == [1, 1, 0, 0]
     r.sadd(f"_kombu.binding.{worker_queue('w9')}", "binding")  # as kombu declares a queue's binding
     with session_scope(url) as s:  # its worker is alive: its jobs wait for it, not lost
         result = sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30)
@@ -224,10 +230,10 @@ def test_jobs_routed_to_a_worker_that_died_go_back_to_the_models_queue(settings,
     with session_scope(url) as s:
         result = sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30)
         assert (result.rerouted, result.resent) == (2, 0)
-    assert not r.exists(worker_queue("w9"), f"_kombu.binding.{worker_queue('w9')}")
+    assert not r.exists(*own, f"_kombu.binding.{worker_queue('w9')}")
     assert not r.sismember(WORKER_QUEUES, worker_queue("w9"))  # no one's to look after any more
-    waiting = b"".join(r.lrange("coserve.tiny", 0, -1))
-    assert all(job_id.encode() in waiting for job_id in job_ids) and r.llen("coserve.tiny") == 2
+    assert [job_ids[i].encode() in b"".join(r.lrange(key, 0, -1)) for i, key in enumerate(model)] == [True, True]
+    assert [r.llen(key) for key in model] == [1, 1]
     with session_scope(url) as s:
         assert sweep(s, settings.redis_url, resend_after_s=0, holder_stale_s=30).rerouted == 0  # once
         assert {s.get(Job, j).status for j in job_ids} == {"dispatched"}
