@@ -75,7 +75,6 @@ def transition(
     return False
 
 
-
 @dataclass(frozen=True)
 class Moved:
     """A job that ``transition_many`` moved."""
