@@ -63,8 +63,8 @@ def get_tenant_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal
 
 
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404, 409))
-def set_limits_route(tenant_id: str, body: TenantUpdate, request: Request, session: SessionDep,
-                     settings: SettingsDep, admin: AdminPrincipal) -> TenantPublic:
+def update_tenant_route(tenant_id: str, body: TenantUpdate, request: Request, session: SessionDep,
+                        settings: SettingsDep, admin: AdminPrincipal) -> TenantPublic:
     """Sets the tenant's rate limits and batch queue limit: the fields given (null: no limit), the others as they
     were. Every API process applies rate limits within its key cache's few seconds (this one at once); the queue
     limit applies to batches validated from then on. ``disabled: true`` refuses its keys on every API process
