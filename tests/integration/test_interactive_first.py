@@ -38,7 +38,7 @@ def test_an_interactive_job_is_taken_before_a_batch_backlog(tmp_path, redis_serv
         with TestClient(create_app(settings)) as client:
             batch = [client.post("/v1/jobs", headers=H(keys.paid), json={
                 "prompt": f"Tell me about the sea, part {i}.", "kind": "batch", "deadline_window_s": 3600,
-                "max_tokens": 3000, "ignore_eos": True}).json()["id"] for i in range(BACKLOG)]
+                "max_tokens": 1500, "ignore_eos": True}).json()["id"] for i in range(BACKLOG)]
             # the engine full with two of them, a third held waiting for room, the rest on the queue
             wait_for(lambda: _running(db_url) == 2 and _held(db_url), 60, "a batch backlog")
             on_batch_list = redis.Redis.from_url(redis_server).llen(queue_lists("coserve.tiny")[1])
