@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,6 +188,33 @@ def worker_env(settings, worker_id: str, **extra: str) -> dict[str, str]:
     })
     env.update(extra)
     return env
+
+
+@contextmanager
+def api_and_worker(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = "w1",
+                   **worker_env: str) -> Iterator[tuple]:
+    """A migrated SQLite database in ``tmp``, the shared Redis emptied, one real worker ``worker_id`` (its extra
+    environment: ``worker_env``) and the API in this process; yields (settings, keys, client)."""
+    import redis
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.db.migrate import upgrade
+    from app.main import create_app
+
+    db_url = f"sqlite:///{tmp / 'coserve.db'}"
+    upgrade(db_url)
+    redis.Redis.from_url(redis_url).flushall()
+    settings = make_settings(tmp, db_url, redis_url, model_dir)
+    keys = make_keys(db_url)
+    pool = WorkerPool(settings, tmp)
+    pool.start(worker_id, **worker_env)
+    clear_cache()
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield settings, keys, client
+    finally:
+        pool.stop()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):

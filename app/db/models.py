@@ -375,7 +375,8 @@ class SummarizationRun(Base):
     model: Mapped[str] = mapped_column(String(200))  # its jobs' model: only that model's workers (tokenizer) step it
     api_key_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the key that started it: its jobs'
     tier: Mapped[str] = mapped_column(String(32))
-    status: Mapped[str] = mapped_column(String(16), default="running", index=True)  # running | completed | failed | cancelling | cancelled
+    # running | completed | failed | cancelling | cancelled
+    status: Mapped[str] = mapped_column(String(16), default="running", index=True)
     deadline_at: Mapped[datetime] = mapped_column()
     # the splitter as resolved at creation, so every process cuts the same chunks
     max_summary_tokens: Mapped[int] = mapped_column(Integer)

@@ -29,10 +29,10 @@ REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|requests|tokens" -> 
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
 
 # Several requests' charges in one call, each judged after the ones before it. KEYS: per charge its request
-# bucket and its token bucket, then the refusal counts. ARGV: now ("": Redis's time), window, then per charge: request capacity
-# (-1: no limit), requests, token capacity, tokens, the tenant id. Each bucket is a hash {level, at} refilling
-# capacity / window per second up to capacity; a charge takes both costs only when both fit. Answers per
-# charge: 1/0, then per bucket the level after and the seconds until its cost would fit (0: it fits).
+# bucket and its token bucket, then the refusal counts. ARGV: now ("": Redis's time), window, then per charge:
+# request capacity (-1: no limit), requests, token capacity, tokens, the tenant id. Each bucket is a hash
+# {level, at} refilling capacity / window per second up to capacity; a charge takes both costs only when both fit.
+# Answers per charge: 1/0, then per bucket the level after and the seconds until its cost would fit (0: it fits).
 _TAKE = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 if now == nil then  -- Redis's clock: every API host's charges measured on one (hosts' clocks drift apart)

@@ -5,8 +5,8 @@ one final job. Several: a map job per chunk, then the joined chunk summaries are
 as the next level's text (split again if still too long) until one final job remains.
 All jobs carry the run's deadline as their TTLT deadline, so the scheduler fits them
 around interactive traffic (a later level begun when that deadline had all but passed gets a
-fresh batch window instead: ``driver.later_level_deadline``). ``advance_doc`` is the whole control loop for one document: it
-collects a level whose jobs all ended and submits the next, through a ``JobBackend``.
+fresh batch window instead: ``driver.later_level_deadline``). ``advance_doc`` is the whole control loop for one
+document: it collects a level whose jobs all ended and submits the next, through a ``JobBackend``.
 ``SummarizeRun`` runs it over documents in memory; the service keeps runs in SQL and
 advances them from there (``app.summarize.driver``).
 """

@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 from app.db.models import Job, JobEvent, WorkerState
 from app.db.session import session_scope
 from app.services.streaming import StreamEvent, follow_job, stream_key
-from tests.conftest import Keys, WorkerPool, make_keys, make_settings, wait_for
+from tests.conftest import Keys, api_and_worker, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -31,26 +31,9 @@ class Service:
 def service(tmp_path_factory, redis_server, long_tiny_model_dir):
     """One API + one worker ("w1") shared by this module's tests (a worker start costs ~10 s), on the tiny
     Llama with a long context, so that a job of thousands of tokens runs long enough to cancel."""
-    from fastapi.testclient import TestClient
+    with api_and_worker(tmp_path_factory.mktemp("worker-service"), redis_server, long_tiny_model_dir) as service:
+        yield Service(*service)
 
-    from app.auth import clear_cache
-    from app.db.migrate import upgrade
-    from app.main import create_app
-
-    tmp = tmp_path_factory.mktemp("worker-service")
-    db_url = f"sqlite:///{tmp / 'coserve.db'}"
-    upgrade(db_url)
-    redis.Redis.from_url(redis_server).flushall()
-    settings = make_settings(tmp, db_url, redis_server, long_tiny_model_dir)
-    keys = make_keys(db_url)
-    pool = WorkerPool(settings, tmp)
-    pool.start("w1")
-    clear_cache()
-    try:
-        with TestClient(create_app(settings)) as client:
-            yield Service(settings, keys, client)
-    finally:
-        pool.stop()
 
 H = Keys.header
 LONG = 4000  # tokens: seconds of work for the tiny model, where 480 took under a second and raced a cancel

@@ -290,18 +290,25 @@ def test_sarathi_budget_is_a_token_budget(make_scheduler):
     assert out.num_scheduled_tokens[big.request_id] == 256 - 1  # SarathiConfig.chunk_size minus one decode
 
 
-def test_draft_tokens_are_trimmed_per_request_to_the_policys_choice(make_scheduler):
-    """vLLM proposed 6 draft tokens per decode; chain-2 verifies two of them, and the budget counts them."""
+def _two_decodes_under_chain_2(make_scheduler, proposed: int):
+    """A QoServe scheduler whose drafter proposes ``proposed`` tokens a decode and whose policy keeps two (chain-2),
+    with two requests past their prompts."""
     from gpu_runtime.costmodel.profile import conservative_cost_model
     from gpu_runtime.vllm.speculation import DraftLengths
 
     s = make_scheduler("qoserve")
-    s.num_spec_tokens = 6
-    s.drafts = DraftLengths("chain-2", conservative_cost_model(), longest_draft=6)
+    s.num_spec_tokens = proposed
+    s.drafts = DraftLengths("chain-2", conservative_cost_model(), longest_draft=proposed)
     a, b = vllm_request(16, max_tokens=32), vllm_request(16, max_tokens=32)
     s.add_request(a)
     s.add_request(b)
     run_step(s)  # prompts; now both decode
+    return s, a, b
+
+
+def test_draft_tokens_are_trimmed_per_request_to_the_policys_choice(make_scheduler):
+    """vLLM proposed 6 draft tokens per decode; chain-2 verifies two of them, and the budget counts them."""
+    s, a, b = _two_decodes_under_chain_2(make_scheduler, proposed=6)
     a.spec_token_ids = [1, 2, 3, 4, 5, 6]
     b.spec_token_ids = []  # no n-gram match: nothing to verify
     out, _ = run_step(s)
@@ -354,16 +361,7 @@ def test_drafts_accepted_on_a_requests_last_step_count_in_full(make_scheduler):
 def test_drafts_a_request_did_not_verify_are_no_miss(make_scheduler):
     """Both decodes kept 2 drafts, and only one verified them (vLLM preempted the other when its KV ran out):
     the acceptance rates learn from the one that ran."""
-    from gpu_runtime.costmodel.profile import conservative_cost_model
-    from gpu_runtime.vllm.speculation import DraftLengths
-
-    s = make_scheduler("qoserve")
-    s.num_spec_tokens = 2
-    s.drafts = DraftLengths("chain-2", conservative_cost_model(), longest_draft=2)
-    a, b = vllm_request(16, max_tokens=32), vllm_request(16, max_tokens=32)
-    s.add_request(a)
-    s.add_request(b)
-    run_step(s)
+    s, a, b = _two_decodes_under_chain_2(make_scheduler, proposed=2)
     a.spec_token_ids, b.spec_token_ids = [1, 2], [1, 2]
     s.schedule()
     assert s.drafts.kept == {a.request_id: 2, b.request_id: 2}
