@@ -109,18 +109,25 @@ def sending(settings: Settings, job: Job) -> tuple[str, str, int]:
 
 
 def send_dispatched(settings: Settings, jobs: list[Job]) -> None:
-    """Sends committed ``dispatched`` jobs in one batched send; the ones the broker refused go back to ``queued``,
-    where the workers' sweeper picks them up."""
+    """Sends committed ``dispatched`` jobs in one batched send; the ones not sent (the broker refused them, or
+    routing could not read SQL) go back to ``queued``, where the workers' sweeper picks them up. Raises nothing."""
     if not jobs or not settings.redis_url:
         return
-    sent = set(send_jobs(settings.redis_url, [sending(settings, job) for job in jobs]))
+    try:
+        sent = set(send_jobs(settings.redis_url, [sending(settings, job) for job in jobs]))
+    except Exception:  # routing reads SQL (live workers, runtime adapters)
+        log.exception("could not send %d jobs; they go back to the queue for the sweeper", len(jobs))
+        sent = set()
     unsent = [job.id for job in jobs if job.id not in sent]
     if not unsent:
         return
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-        for job_id in unsent:
-            transition(s, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
-                       detail="broker unavailable; the sweeper will send it")
+    try:
+        with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+            for job_id in unsent:
+                transition(s, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
+                           detail="broker unavailable; the sweeper will send it")
+    except Exception:  # left dispatched: the sweeper's lost-message rule sends them
+        log.exception("could not mark %d unsent jobs queued", len(unsent))
 
 
 def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None,

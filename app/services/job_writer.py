@@ -29,9 +29,9 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
-from app.services.dispatch import send_jobs, sending
+from app.services.dispatch import send_dispatched
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
-from app.services.transitions import transition, utcnow
+from app.services.transitions import utcnow
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,6 @@ class _Pending:
     charge: Charge | None = None
     rate: Decision | None = None
     done: Future = field(default_factory=Future)
-
 
 
 @dataclass(frozen=True)
@@ -86,6 +85,7 @@ class JobRows:
         if self.jobs:
             session.execute(insert(Job.__table__), self.jobs)
             session.execute(insert(JobEvent.__table__), self.events)
+
 
 class JobWriter:
     def __init__(self, settings: Settings, limiter: RateLimiter | None = None) -> None:
@@ -181,7 +181,6 @@ class JobWriter:
 
     # ---- dispatcher thread
     def _send_loop(self) -> None:
-        sessions = get_sessionmaker(self.settings.sqlalchemy_url)
         while True:
             jobs = self._sends.get()
             if jobs is None:
@@ -195,25 +194,4 @@ class JobWriter:
                     self._sends.put(None)
                     break
                 jobs += more
-            try:  # this thread must outlive any one batch: every later job waits on it to be sent
-                sent = set(send_jobs(self.settings.redis_url, [sending(self.settings, j) for j in jobs]))
-                unsent = [j.id for j in jobs if j.id not in sent]
-            except Exception:
-                log.exception("could not send %d jobs; they go back to the queue for the sweeper", len(jobs))
-                unsent = [j.id for j in jobs]
-            if unsent:
-                try:
-                    self._unmark(sessions, unsent)
-                except Exception:  # left dispatched: the sweeper's lost-message rule sends them
-                    log.exception("could not mark %d unsent jobs queued", len(unsent))
-
-    def _unmark(self, sessions, ids: list[str]) -> None:
-        session = sessions()
-        try:
-            with write_guard(session):
-                for job_id in ids:
-                    transition(session, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
-                               detail="broker unavailable; the sweeper will send it")
-                session.commit()
-        finally:
-            session.close()
+            send_dispatched(self.settings, jobs)  # raises nothing: this thread outlives every batch
