@@ -19,7 +19,7 @@ from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.db import pagination
 from app.db.models import SummarizationRun
-from app.openai_schemas import parse_window
+from app.openai_schemas import list_page, parse_window
 from app.schemas import MAX_WINDOW_S
 from app.services.jobs import JobValidationError, resolve_model, resolve_tier
 from app.services.transitions import utcnow
@@ -117,10 +117,7 @@ def list_runs(session: SessionDep, principal: CurrentPrincipal,
     """The tenant's runs, newest first; ``after``: the last id of the page before."""
     rows = pagination.rows_after(session, select(SummarizationRun).where(
         SummarizationRun.tenant_id == principal.tenant_id), SummarizationRun, principal.tenant_id, after, limit)
-    page = rows[:limit]
-    return {"object": "list", "data": [_utc_z(store.progress_of(r).as_dict()) for r in page],
-            "has_more": len(rows) > limit, "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None}
+    return list_page(rows, None, limit, lambda run: _utc_z(store.progress_of(run).as_dict()))
 
 
 def _utc_z(state: dict) -> dict:
