@@ -19,7 +19,8 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
+from sqlalchemy.orm import load_only
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
@@ -46,6 +47,9 @@ templates = Jinja2Templates(directory=str(APP_DIR / "templates"))
 STATIC = APP_DIR / "static"
 OPEN = [s.value for s in JobStatus if not s.terminal]
 JOBS_SHOWN = 500  # rows of the running and relegated jobs' table
+# what the overview's table and overdue_s read of a job
+SHOWN_COLUMNS = (Job.id, Job.model, Job.tier, Job.kind, Job.status, Job.worker_id, Job.relegation_count,
+                 Job.tenant_id, Job.created_at, Job.first_token_at, Job.deadline_at, Job.ttft_ms, Job.tbt_ms)
 
 
 @router.get("/admin", response_class=HTMLResponse, include_in_schema=False)
@@ -146,8 +150,12 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
     queues = [{"tier": tier, "status": st, "count": n} for st, tier, n in session.execute(
         select(Job.status, Job.tier, func.count()).where(Job.status.in_(OPEN)).group_by(Job.status, Job.tier))]
     in_engine = Job.status.in_([JobStatus.RUNNING.value, JobStatus.RELEGATED.value])
-    active = list(session.scalars(select(Job).where(in_engine).order_by(Job.created_at).limit(JOBS_SHOWN)))
-    # the table shows the oldest; how many there are in all, so a cut table says so
+    # the relegated jobs first (what an operator acts on: a cut table must not hide them behind older running
+    # ones), each status oldest first; only the columns shown (a row's prompt and messages stay in SQL)
+    relegated_first = case((Job.status == JobStatus.RELEGATED.value, 0), else_=1)
+    active = list(session.scalars(select(Job).options(load_only(*SHOWN_COLUMNS)).where(in_engine)
+                                  .order_by(relegated_first, Job.created_at).limit(JOBS_SHOWN)))
+    # how many there are in all, so a cut table says so
     total = len(active) if len(active) < JOBS_SHOWN else session.scalar(select(func.count()).where(in_engine))
     relegated_at = _relegated_at(session, [j.id for j in active if j.status == JobStatus.RELEGATED])
     jobs = []

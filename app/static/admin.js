@@ -95,7 +95,9 @@ function renderQueues(queues) {
 function renderJobs(jobs, total) {
   const tbody = $("#jobs tbody");
   tbody.replaceChildren();
-  $("#jobs-shown").textContent = total > jobs.length ? `(the ${jobs.length} oldest of ${total})` : "";
+  // the API sends the relegated jobs first, then the running ones, each oldest first
+  $("#jobs-shown").textContent = total > jobs.length
+    ? `(${jobs.length} of ${total}: the relegated first, then the oldest running)` : "";
   for (const j of jobs) {
     const row = tbody.insertRow();
     row.id = "job-" + j.id;

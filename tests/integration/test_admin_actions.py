@@ -132,3 +132,13 @@ def test_the_overview_says_how_many_jobs_its_table_leaves_out_and_which_workers_
     body = client.get("/admin/api/overview", headers=H(keys.admin)).json()
     assert [j["id"] for j in body["jobs"]] == ids[:2] and body["jobs_total"] == 3  # the oldest, and how many
     assert {w["id"]: w["alive"] for w in body["workers"]} == {"w-live": True, "w-gone": False}
+
+
+def test_a_cut_overview_shows_the_relegated_jobs_before_older_running_ones(client, keys, settings, monkeypatch):
+    """More running jobs than the table shows must not hide a relegated one: it is what the operator acts on."""
+    monkeypatch.setattr(admin, "JOBS_SHOWN", 3)
+    running = [_job(client, keys, settings, status="running") for _ in range(3)]
+    relegated = [_job(client, keys, settings, status="relegated") for _ in range(2)]
+    body = client.get("/admin/api/overview", headers=H(keys.admin)).json()
+    assert [j["id"] for j in body["jobs"]] == [*relegated, running[0]] and body["jobs_total"] == 5
+    assert [j["status"] for j in body["jobs"]] == ["relegated", "relegated", "running"]
