@@ -127,7 +127,8 @@ USAGE_COLUMNS = ("num_model_requests", "input_tokens", "output_tokens", "num_slo
 
 @router.get("/admin/api/tenants", responses=ADMIN)
 def tenants(session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
-    """Every tenant with its limits, the tokens its batches have queued, and its last day's usage (the Usage
+    """Every tenant with its limits, whether it is disabled, the tokens its batches have queued, and its last day's
+    usage (the Usage
     API's sums over the jobs submitted in the 24 hours before now). The dashboard reads it less often than the
     overview: the day's sums read a day of jobs (by ``ix_jobs_created``)."""
     now = utcnow()
@@ -135,7 +136,7 @@ def tenants(session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
     day = completions_usage(session, UsageQuery(end - 86400, end, "1d", 1, group_by=("project_id",)), str)
     usage = {r["project_id"]: r for r in day["data"][0]["results"]}
     queued = queued_by_tenant(session)
-    rows = [{"id": t.id, "name": t.name, "default_tier": t.default_tier,
+    rows = [{"id": t.id, "name": t.name, "default_tier": t.default_tier, "disabled": t.disabled,
              "requests_per_minute": t.requests_per_minute, "tokens_per_minute": t.tokens_per_minute,
              "batch_queue_tokens": t.batch_queue_tokens, "batch_queued_tokens": queued.get(t.id, 0),
              "day": {k: usage.get(t.id, {}).get(k, 0) for k in USAGE_COLUMNS}}

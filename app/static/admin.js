@@ -51,6 +51,7 @@ function cell(row, text, cls) {
 function outcome(body) {
   if (body.delivered === false) return "not delivered: no worker is listening (what SQL holds stands)";
   if (body.cancelled === false) return "not done: the job had already ended";
+  if (body.skipped) return "not done";
   return "done";
 }
 
@@ -207,7 +208,25 @@ function renderTenants(tenants) {
     cell(row, rate.length ? rate.join(", ") : "none");
     cell(row, `${n(t.batch_queued_tokens)} / ${t.batch_queue_tokens ? n(t.batch_queue_tokens) : "no limit"}`,
       "num batch-queue");
+    // a disabled tenant's keys are refused (403); disabling also cancels its open batches and jobs
+    cell(row, t.disabled ? "disabled" : "active", "state");
+    if (t.disabled) row.classList.add("disabled");
+    const what = t.disabled ? `enable ${t.name}` : `disable ${t.name}`;
+    button(row.insertCell(), t.disabled ? "Enable" : "Disable", () => setDisabled(t, !t.disabled),
+      { title: what, id: t.id });
   }
+}
+
+// PATCH /v1/admin/tenants/{id}; disabling stops the tenant's work, so it asks first
+async function setDisabled(t, disabled) {
+  if (disabled && !window.confirm(`Disable ${t.name}? Its keys are refused and its open batches and jobs are ` +
+    "cancelled.")) {
+    return { skipped: true };
+  }
+  const body = await api(`/v1/admin/tenants/${encodeURIComponent(t.id)}`,
+    { method: "PATCH", body: JSON.stringify({ disabled }) });
+  await refreshTenants();
+  return body;
 }
 
 async function refreshTenants() {

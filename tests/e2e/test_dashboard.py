@@ -1,6 +1,6 @@
 """The admin dashboard in a real headless Chromium: an overloaded worker relegates a free-tier
 job, the dashboard shows it, and its Resume button brings it back to running; a running job's
-Cancel button cancels it; the SLO chart has a time axis, speculation state reads as key: value
+Cancel button cancels it; a tenant's Disable and Enable buttons switch it; the SLO chart has a time axis, speculation state reads as key: value
 lines, a job found by its id shows why it was relegated, a worker without a heartbeat reads as lost,
 and nothing the page loads answers 404 (the favicon included)."""
 
@@ -101,6 +101,15 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         expect(acme.locator("td.requests")).to_have_text("3")
         expect(acme.locator("td.batch-queue")).to_have_text("0 / no limit")
         assert "% of" in acme.locator("td.slo").inner_text()
+        # a tenant's state and its Disable button (the admin PATCH; a confirm dialog first), then Enable
+        expect(acme.locator("td.state")).to_have_text("active")
+        globex = page.locator("#tenants tr", has_text="globex")
+        page.once("dialog", lambda dialog: dialog.accept())
+        globex.locator("button[data-action=disable]").click()
+        expect(globex.locator("td.state")).to_have_text("disabled", timeout=10_000)
+        assert httpx.get(f"{base}/v1/models", headers=Keys.header(keys.other)).status_code == 403
+        globex.locator("button[data-action=enable]").click()
+        expect(globex.locator("td.state")).to_have_text("active", timeout=10_000)
         # a time axis: clock labels (HH:MM) under the plot, at least two of them
         ticks = page.locator("#slo-chart text.tick.x").all_text_contents()
         assert len(ticks) >= 2 and all(len(t) == 5 and t[2] == ":" for t in ticks), ticks

@@ -142,3 +142,19 @@ def test_a_cut_overview_shows_the_relegated_jobs_before_older_running_ones(clien
     body = client.get("/admin/api/overview", headers=H(keys.admin)).json()
     assert [j["id"] for j in body["jobs"]] == [*relegated, running[0]] and body["jobs_total"] == 5
     assert [j["status"] for j in body["jobs"]] == ["relegated", "relegated", "running"]
+
+
+def test_the_dashboards_tenants_say_which_are_disabled_and_the_switch_needs_the_admin_key(client, keys, settings):
+    """The tenants table shows a disabled tenant as such; its Enable/Disable button is the admin PATCH."""
+    from app.db.models import Tenant
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        globex = s.query(Tenant.id).filter(Tenant.name == "globex").scalar()
+    patch = f"/v1/admin/tenants/{globex}"
+    assert client.patch(patch, json={"disabled": True}, headers=H(keys.paid)).status_code == 403
+    assert client.patch(patch, json={"disabled": True}, headers=H(keys.admin)).status_code == 200
+    rows = {t["name"]: t for t in client.get("/admin/api/tenants", headers=H(keys.admin)).json()["tenants"]}
+    assert {name: t["disabled"] for name, t in rows.items()} == {"acme": False, "globex": True, "ops": False}
+    assert client.patch(patch, json={"disabled": False}, headers=H(keys.admin)).status_code == 200
+    rows = client.get("/admin/api/tenants", headers=H(keys.admin)).json()["tenants"]
+    assert not any(t["disabled"] for t in rows)
