@@ -1,8 +1,8 @@
 """The admin dashboard in a real headless Chromium: an overloaded worker relegates a free-tier
 job, the dashboard shows it, and its Resume button brings it back to running; a running job's
-Cancel button cancels it; a tenant's Disable and Enable buttons switch it; the SLO chart has a time axis, speculation state reads as key: value
-lines, a job found by its id shows why it was relegated, a worker without a heartbeat reads as lost,
-and nothing the page loads answers 404 (the favicon included)."""
+Cancel button cancels it; a tenant's Disable and Enable buttons switch it; the SLO chart has a time
+axis, speculation state reads as key: value lines, a job found by its id shows why it was relegated, a
+worker without a heartbeat reads as lost, and nothing the page loads answers 404 (the favicon included)."""
 
 from __future__ import annotations
 
