@@ -188,6 +188,23 @@ def _job(session, job_id: str) -> Job:
     return job
 
 
+REQUEST_JOBS_SHOWN = 100  # a request of many prompts or choices has a job each
+
+
+@router.get("/admin/api/jobs", responses=ADMIN)
+def jobs_of_request(session: SessionDep, _admin: AdminPrincipal,
+                    request_id: Annotated[str, Query(min_length=1, max_length=256, description=(
+                        "the X-Request-Id of the request that submitted the jobs"))]) -> dict[str, Any]:
+    """Any tenant's jobs submitted by one request (its ``X-Request-Id``, as a client reports it), oldest first:
+    the dashboard's search takes a request id as well as a job id (by ``ix_jobs_request``)."""
+    rows = session.execute(select(Job.id, Job.tenant_id, Job.status, Job.tier, Job.created_at)
+                           .where(Job.request_id == request_id).order_by(Job.created_at, Job.id)
+                           .limit(REQUEST_JOBS_SHOWN + 1)).all()
+    return {"request_id": request_id, "has_more": len(rows) > REQUEST_JOBS_SHOWN,
+            "data": [{"id": r.id, "tenant_id": r.tenant_id, "status": r.status, "tier": r.tier,
+                      "created_at": utc_z(as_utc(r.created_at))} for r in rows[:REQUEST_JOBS_SHOWN]]}
+
+
 @router.get("/admin/api/jobs/{job_id}", responses={**ADMIN, **responses(404)})
 def job_history(job_id: str, session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
     """Any tenant's job as ``GET /v1/jobs/{id}`` shows it to its tenant, with its tenant and its state transitions

@@ -90,6 +90,7 @@ class Job(Base):
         Index("ix_jobs_model_finished", "model", "finished_at"),  # workers' decode-length history reads
         Index("ix_jobs_finished", "finished_at"),  # the jobs finished lately (the dashboard's SLO chart)
         Index("ix_jobs_tenant_request", "tenant_id", "request_id"),  # a tenant's jobs by the request that sent them
+        Index("ix_jobs_request", "request_id"),  # any tenant's (the admin dashboard's search)
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)

@@ -321,7 +321,14 @@ async function showJob(jobId) {
   box.hidden = false;
   let found;
   try { found = await api(`/admin/api/jobs/${encodeURIComponent(jobId)}`); }
-  catch (e) { box.textContent = e.message; return; }
+  catch (e) {
+    // not a job's id: the X-Request-Id a client reports names the jobs its request submitted
+    const byRequest = await api(`/admin/api/jobs?request_id=${encodeURIComponent(jobId)}`).catch(() => null);
+    if (!byRequest || !byRequest.data.length) { box.textContent = e.message; return; }
+    if (byRequest.data.length > 1) { requestJobs(box, byRequest); return; }
+    try { found = await api(`/admin/api/jobs/${encodeURIComponent(byRequest.data[0].id)}`); }
+    catch (e2) { box.textContent = e2.message; return; }
+  }
   const j = found.job;
   const facts = document.createElement("p");
   lines(facts, [`job: ${j.id}`, `tenant: ${found.tenant_id}`, `status: ${j.status}`, `tier: ${j.tier}`,
@@ -342,6 +349,23 @@ async function showJob(jobId) {
     for (const v of [e.at, e.from || "-", e.to, e.worker_id || "-", e.attempt, e.detail || "-"]) cell(row, v);
   }
   box.append(facts, table);
+}
+
+// a request's jobs (several prompts or choices), each a link to its own history
+function requestJobs(box, found) {
+  const list = document.createElement("ul");
+  list.id = "request-jobs";
+  for (const j of found.data) {
+    const link = document.createElement("a");
+    link.href = "#job=" + encodeURIComponent(j.id);
+    link.textContent = j.id;
+    const item = document.createElement("li");
+    item.append(link, ` tenant: ${j.tenant_id}, status: ${j.status}, tier: ${j.tier}, created: ${j.created_at}`);
+    list.appendChild(item);
+  }
+  const head = document.createElement("p");
+  head.textContent = `request ${found.request_id}: ${found.data.length}${found.has_more ? "+" : ""} jobs`;
+  box.append(head, list);
 }
 
 function jobInAddress() {

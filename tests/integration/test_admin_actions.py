@@ -158,3 +158,21 @@ def test_the_dashboards_tenants_say_which_are_disabled_and_the_switch_needs_the_
     assert client.patch(patch, json={"disabled": False}, headers=H(keys.admin)).status_code == 200
     rows = client.get("/admin/api/tenants", headers=H(keys.admin)).json()["tenants"]
     assert not any(t["disabled"] for t in rows)
+
+
+def test_an_operator_finds_any_tenants_jobs_by_the_request_id_a_client_reports(client, keys, settings):
+    """Clients choose their X-Request-Id, so two tenants may send the same: the admin search lists both; a tenant's
+    key cannot search."""
+    sent = []
+    for key in (keys.paid, keys.other):
+        r = client.post("/v1/jobs", json={"prompt": "hi"}, headers={**H(key), "X-Request-Id": "req-reported-1"})
+        assert r.status_code == 201, r.text
+        sent.append(r.json()["id"])
+    client.post("/v1/jobs", json={"prompt": "hi"}, headers={**H(keys.paid), "X-Request-Id": "req-other"})
+    url = "/admin/api/jobs"
+    assert client.get(url, params={"request_id": "req-reported-1"}, headers=H(keys.paid)).status_code == 403
+    found = client.get(url, params={"request_id": "req-reported-1"}, headers=H(keys.admin)).json()
+    assert [j["id"] for j in found["data"]] == sent and found["has_more"] is False
+    assert found["data"][0]["tenant_id"] == keys.tenant_id and found["data"][1]["tenant_id"] != keys.tenant_id
+    assert client.get(url, params={"request_id": "req-none"}, headers=H(keys.admin)).json()["data"] == []
+    assert client.get(url, headers=H(keys.admin)).status_code == 422  # the request id is what it searches by

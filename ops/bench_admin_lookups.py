@@ -1,0 +1,135 @@
+"""What the admin's reads cost as the jobs table grows (SQLite, the functions the routes call, no HTTP).
+
+A SQLite file migrated by Alembic gets ``--jobs`` jobs of 20 tenants over the past 30 days (bulk SQL inserts, in
+the order they were submitted), each with an X-Request-Id. Then, side by side:
+
+- the dashboard's search by request id (``GET /admin/api/jobs?request_id=``) before ``ix_jobs_request`` (dropped
+  for the "before" column) and with it;
+- the Usage API (``GET /v1/organization/usage/completions``) for an admin and for one tenant, with the index each
+  query plan uses (it has no "before": these are here to show they stay on an index at this size).
+
+    python ops/bench_admin_lookups.py --jobs 200000 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import insert, text
+from sqlalchemy.dialects import sqlite
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.db.migrate import upgrade  # noqa: E402
+from app.db.models import Job, Tenant  # noqa: E402
+from app.db.session import session_scope  # noqa: E402
+from app.services import usage  # noqa: E402
+from app.services.transitions import utcnow  # noqa: E402
+
+TENANTS = 20
+CHUNK = 20_000  # rows an insert
+DAYS = 30
+
+
+def fill(url: str, jobs: int, seed: int = 0) -> None:
+    upgrade(url)
+    rnd = random.Random(seed)
+    now = utcnow()
+    ages = sorted((rnd.uniform(0, DAYS * 86400) for _ in range(jobs)), reverse=True)  # oldest first, as submitted
+    with session_scope(url) as s:
+        s.add_all(Tenant(id=f"t{i}", name=f"tenant {i}", default_tier="paid") for i in range(TENANTS))
+        s.commit()
+        rows = []
+        for i, age in enumerate(ages):
+            rows.append({"id": f"job_{i:08d}", "tenant_id": f"t{rnd.randrange(TENANTS)}", "kind": "interactive",
+                         "tier": rnd.choice(("free", "paid")), "model": "m", "sampling": {}, "status": "succeeded",
+                         "created_at": now - timedelta(seconds=age), "request_id": f"req-{i:08d}",
+                         "api_key_id": f"key{rnd.randrange(2 * TENANTS)}", "prompt_tokens": rnd.randrange(10, 2000),
+                         "completion_tokens": rnd.randrange(1, 500), "slo_met": rnd.random() < 0.9,
+                         "relegation_count": int(rnd.random() < 0.05)})
+            if len(rows) == CHUNK:
+                s.execute(insert(Job), rows)
+                rows = []
+        if rows:
+            s.execute(insert(Job), rows)
+        s.commit()  # no ANALYZE: coserve never runs it, so SQLite plans without statistics as in production
+
+
+def timed(fn, repeat: int) -> float:
+    """Best of ``repeat`` runs, in milliseconds."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return 1000 * best
+
+
+def plan(session, stmt) -> str:
+    sql = str(stmt.compile(dialect=sqlite.dialect(), compile_kwargs={"literal_binds": True}))
+    return "; ".join(row[3] for row in session.execute(text("EXPLAIN QUERY PLAN " + sql)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=200_000)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    url = f"sqlite:///{tempfile.mkdtemp(prefix='coserve-bench-')}/bench.db"
+    t = time.perf_counter()
+    fill(url, args.jobs)
+    console = Console()
+    console.print(f"{args.jobs:,} jobs of {TENANTS} tenants over {DAYS} days filled in {time.perf_counter() - t:.1f} s")
+
+    from app.api.admin import jobs_of_request
+
+    wanted = f"req-{args.jobs // 2:08d}"
+    lookup = Table(title="admin search by request id (GET /admin/api/jobs?request_id=)")
+    for col in ("", "before (no ix_jobs_request)", "after (ix_jobs_request)"):
+        lookup.add_column(col)
+    with session_scope(url) as s:
+        s.execute(text("DROP INDEX ix_jobs_request"))
+        before = timed(lambda: jobs_of_request(s, None, wanted), args.repeat)
+        before_plan = s.execute(text("EXPLAIN QUERY PLAN SELECT id FROM jobs WHERE request_id = :r"),
+                                {"r": wanted}).all()[0][3]
+        s.execute(text("CREATE INDEX ix_jobs_request ON jobs (request_id)"))
+        found = jobs_of_request(s, None, wanted)["data"]
+        assert [j["id"] for j in found] == [f"job_{args.jobs // 2:08d}"], found
+        after = timed(lambda: jobs_of_request(s, None, wanted), args.repeat)
+        after_plan = s.execute(text("EXPLAIN QUERY PLAN SELECT id FROM jobs WHERE request_id = :r"),
+                               {"r": wanted}).all()[0][3]
+    lookup.add_row("ms (best of %d)" % args.repeat, f"{before:.2f}", f"{after:.2f}")
+    lookup.add_row("query plan", before_plan, after_plan)
+    console.print(lookup)
+
+    end = int(utcnow().timestamp()) + 1
+    queries = {"admin, 30 days by day": usage.UsageQuery(end - DAYS * 86400, end, "1d", 31),
+               "one tenant, 30 days by day": usage.UsageQuery(end - DAYS * 86400, end, "1d", 31, tenant_ids=("t3",)),
+               "admin, last day by tenant (dashboard)": usage.UsageQuery(end - 86400, end, "1d", 1,
+                                                                          group_by=("project_id",)),
+               "admin, 7 days by hour, key and model": usage.UsageQuery(end - 7 * 86400, end, "1h", 168,
+                                                                         group_by=("api_key_id", "model"))}
+    table = Table(title="Usage API (completions_usage)")
+    for col in ("query", "ms (best of %d)" % args.repeat, "query plan"):
+        table.add_column(col)
+    with session_scope(url) as s:
+        seen = []
+        real = s.execute
+        s.execute = lambda stmt, *a, **k: seen.append(stmt) or real(stmt, *a, **k)  # the statement it runs
+        for name, q in queries.items():
+            ms = timed(lambda q=q: usage.completions_usage(s, q, str), args.repeat)
+            table.add_row(name, f"{ms:.1f}", plan(s, seen[-1]))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
