@@ -120,6 +120,7 @@ def test_hour_buckets_come_in_pages(client, keys, jobs):
 @pytest.mark.parametrize("params, param", [
     ({"end_time": T0}, "end_time"),
     ({"group_by": ["user_id"]}, "group_by"),
+    ({"user_ids": ["user_1"]}, "user_ids"),  # OpenAI's filter: ignored, it would count every user's usage
     ({"limit": 32}, "limit"),
     ({"bucket_width": "1w"}, "bucket_width"),
     ({"page": "elsewhere"}, "page"),
