@@ -5,10 +5,12 @@ the order they were submitted), each with an X-Request-Id. Then, side by side:
 
 - the dashboard's search by request id (``GET /admin/api/jobs?request_id=``) before ``ix_jobs_request`` (dropped
   for the "before" column) and with it;
+- the dashboard's SLO chart (``slo_series``, read by every overview poll, once a second) over ``--hour-jobs`` jobs
+  finished in the last hour: before, every job's row went to Python to be counted; after, SQL counts them;
 - the Usage API (``GET /v1/organization/usage/completions``) for an admin and for one tenant, with the index each
   query plan uses (it has no "before": these are here to show they stay on an index at this size).
 
-    python ops/bench_admin_lookups.py --jobs 200000 --repeat 5
+    python ops/bench_admin_lookups.py --jobs 200000 --hour-jobs 100000 --repeat 5
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import random
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy import insert, text
+from sqlalchemy import insert, select, text
 from sqlalchemy.dialects import sqlite
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,18 +36,19 @@ from app.db.migrate import upgrade  # noqa: E402
 from app.db.models import Job, Tenant  # noqa: E402
 from app.db.session import session_scope  # noqa: E402
 from app.services import usage  # noqa: E402
-from app.services.transitions import utcnow  # noqa: E402
+from app.services.transitions import as_utc, utcnow  # noqa: E402
 
 TENANTS = 20
 CHUNK = 20_000  # rows an insert
 DAYS = 30
 
 
-def fill(url: str, jobs: int, seed: int = 0) -> None:
+def fill(url: str, jobs: int, hour_jobs: int, seed: int = 0) -> None:
     upgrade(url)
     rnd = random.Random(seed)
     now = utcnow()
-    ages = sorted((rnd.uniform(0, DAYS * 86400) for _ in range(jobs)), reverse=True)  # oldest first, as submitted
+    ages = sorted([*(rnd.uniform(3600, DAYS * 86400) for _ in range(jobs - hour_jobs)),
+                   *(rnd.uniform(1, 3600) for _ in range(hour_jobs))], reverse=True)  # oldest first, as submitted
     with session_scope(url) as s:
         s.add_all(Tenant(id=f"t{i}", name=f"tenant {i}", default_tier="paid") for i in range(TENANTS))
         s.commit()
@@ -53,6 +57,7 @@ def fill(url: str, jobs: int, seed: int = 0) -> None:
             rows.append({"id": f"job_{i:08d}", "tenant_id": f"t{rnd.randrange(TENANTS)}", "kind": "interactive",
                          "tier": rnd.choice(("free", "paid")), "model": "m", "sampling": {}, "status": "succeeded",
                          "created_at": now - timedelta(seconds=age), "request_id": f"req-{i:08d}",
+                         "finished_at": now - timedelta(seconds=age - 1),
                          "api_key_id": f"key{rnd.randrange(2 * TENANTS)}", "prompt_tokens": rnd.randrange(10, 2000),
                          "completion_tokens": rnd.randrange(1, 500), "slo_met": rnd.random() < 0.9,
                          "relegation_count": int(rnd.random() < 0.05)})
@@ -62,6 +67,17 @@ def fill(url: str, jobs: int, seed: int = 0) -> None:
         if rows:
             s.execute(insert(Job), rows)
         s.commit()  # no ANALYZE: coserve never runs it, so SQLite plans without statistics as in production
+
+
+def slo_series_before(session, minutes: int, bucket_s: int = 60) -> list[dict]:
+    """The SLO chart's counts as coserve made them before: every finished job's row counted in Python."""
+    since = utcnow() - timedelta(minutes=minutes)
+    rows = session.execute(select(Job.finished_at, Job.tier, Job.slo_met)
+                           .where(Job.finished_at >= since, Job.slo_met.is_not(None))).all()
+    acc: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+    for finished_at, tier, met in rows:
+        acc[(int(as_utc(finished_at).timestamp()) // bucket_s * bucket_s, tier)][0 if met else 1] += 1
+    return [{"t": t, "tier": tier, "met": m, "violated": v} for (t, tier), (m, v) in sorted(acc.items())]
 
 
 def timed(fn, repeat: int) -> float:
@@ -82,11 +98,12 @@ def plan(session, stmt) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=200_000)
+    ap.add_argument("--hour-jobs", type=int, default=100_000, help="of --jobs, those finished in the last hour")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     url = f"sqlite:///{tempfile.mkdtemp(prefix='coserve-bench-')}/bench.db"
     t = time.perf_counter()
-    fill(url, args.jobs)
+    fill(url, args.jobs, min(args.hour_jobs, args.jobs))
     console = Console()
     console.print(f"{args.jobs:,} jobs of {TENANTS} tenants over {DAYS} days filled in {time.perf_counter() - t:.1f} s")
 
@@ -110,6 +127,24 @@ def main() -> None:
     lookup.add_row("ms (best of %d)" % args.repeat, f"{before:.2f}", f"{after:.2f}")
     lookup.add_row("query plan", before_plan, after_plan)
     console.print(lookup)
+
+    from app.api.admin import slo_series
+
+    finished = min(args.hour_jobs, args.jobs)
+    chart = Table(title=f"the SLO chart's counts over {finished:,} jobs finished in the last hour")
+    for col in ("", "before (rows counted in Python)", "after (counted in SQL)"):
+        chart.add_column(col)
+    with session_scope(url) as s:
+        old, new = slo_series_before(s, 60), slo_series(s, 60)
+        oldest = min(p["t"] for p in old + new)  # the window's first minute loses jobs as the clock moves on
+        # the same counts (SQLite reads a time to the millisecond: a job within half of one of a minute's end may
+        # count in the next minute)
+        total = lambda points: sum(p["met"] + p["violated"] for p in points if p["t"] > oldest)  # noqa: E731
+        assert total(old) == total(new), (total(old), total(new))
+        before = timed(lambda: slo_series_before(s, 60), args.repeat)
+        after = timed(lambda: slo_series(s, 60), args.repeat)
+    chart.add_row("ms (best of %d)" % args.repeat, f"{before:.1f}", f"{after:.1f}")
+    console.print(chart)
 
     end = int(utcnow().timestamp()) + 1
     queries = {"admin, 30 days by day": usage.UsageQuery(end - DAYS * 86400, end, "1d", 31),

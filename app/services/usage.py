@@ -48,7 +48,7 @@ class UsageQuery:
         return max(0, -(-(self.end - self.start) // self.seconds))
 
 
-def _epoch(column: Any, dialect: str) -> Any:
+def epoch(column: Any, dialect: str) -> Any:
     """Unix seconds of a stored UTC timestamp, in the database's own terms."""
     if dialect == "sqlite":
         return cast(func.strftime("%s", column), Integer)
@@ -60,7 +60,7 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     last = min(q.buckets, q.first + q.limit)
     lo, hi = q.start + q.first * q.seconds, min(q.end, q.start + last * q.seconds)
     dialect = session.get_bind().dialect.name
-    bucket = ((_epoch(Job.created_at, dialect) - q.start) // q.seconds).label("bucket")
+    bucket = ((epoch(Job.created_at, dialect) - q.start) // q.seconds).label("bucket")
     columns = {"project_id": Job.tenant_id, "api_key_id": Job.api_key_id, "model": Job.model,
                "batch": Job.batch_id.is_not(None), "service_tier": Job.tier}
     keys = [columns[g].label(g) for g in q.group_by]

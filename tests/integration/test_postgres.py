@@ -234,6 +234,20 @@ def test_usage_buckets_on_postgres(pg_url):
         [("a", 10)], [("a", 20), ("b", 40)], [], [("a", 80)]]
 
 
+def test_slo_chart_counts_on_postgres(pg_url):
+    """The dashboard's SLO chart's grouped SQL (minute from PostgreSQL's epoch) counts what it counts on SQLite."""
+    from app.api.admin import slo_series
+    from app.auth import create_tenant
+    from app.db.migrate import upgrade
+    from app.db.session import session_scope
+    from tests.unit.api.test_admin_overdue import slo_jobs
+
+    upgrade(pg_url)
+    with session_scope(pg_url) as s:
+        _, expected = slo_jobs(s, create_tenant(s, "slo-pg").id)
+        assert slo_series(s, 60) == expected
+
+
 def test_metrics_keep_their_totals_on_postgres(pg_url):
     """/metrics' grouped SQL runs on PostgreSQL (the horizon's flag is one expression in SELECT and GROUP BY), and
     scrapes that read from the totals kept give what the first, which read every job, gave."""

@@ -50,3 +50,40 @@ def test_overview_reports_running_interactive_jobs(client, keys, db_url):
     assert jobs[ids[0]]["overdue_s"] >= 4.0 and jobs[ids[0]]["first_token"] is False
     assert jobs[ids[1]]["overdue_s"] == 0.0
     assert 9.0 <= jobs[ids[2]]["overdue_s"] < 12.0 and jobs[ids[2]]["first_token"] is True
+
+
+def slo_jobs(session, tenant_id: str) -> tuple[int, list[dict]]:
+    """Finished jobs around minute boundaries ten minutes ago, and the SLO chart's points they make."""
+    from datetime import UTC, datetime
+
+    base = (int(utcnow().timestamp()) // 60 - 10) * 60
+    at = lambda s: datetime.fromtimestamp(base + s, UTC)  # noqa: E731
+    ends = [("paid", 0, True), ("paid", 59.9, False), ("paid", 60, True), ("free", 30, True), ("free", 31, None),
+            ("free", -7200, False)]  # judged nothing; finished before the window
+    session.add_all(Job(tenant_id=tenant_id, kind="interactive", tier=tier, model="tiny", status="succeeded",
+                        sampling={}, created_at=at(s - 1), finished_at=at(s), slo_met=met) for tier, s, met in ends)
+    session.commit()
+    return base, [{"t": base, "tier": "free", "met": 1, "violated": 0},
+                  {"t": base, "tier": "paid", "met": 1, "violated": 1},
+                  {"t": base + 60, "tier": "paid", "met": 1, "violated": 0}]
+
+
+def test_slo_chart_points_are_counted_in_sql_by_minute_and_tier(db_url):
+    """The overview (read every second) gets the chart's counts from a grouped query, not an hour of job rows."""
+    from sqlalchemy import event
+
+    from app.api.admin import slo_series
+
+    with session_scope(db_url) as s:
+        s.add(Tenant(id="t1", name="t1", default_tier="paid"))
+        s.flush()
+        _, expected = slo_jobs(s, "t1")
+        statements = []
+        engine = s.get_bind()
+        listen = lambda conn, cursor, sql, *rest: statements.append(sql)  # noqa: E731
+        event.listen(engine, "before_cursor_execute", listen)
+        try:
+            assert slo_series(s, 60) == expected
+        finally:
+            event.remove(engine, "before_cursor_execute", listen)
+    assert statements and all("GROUP BY" in sql for sql in statements if "FROM jobs" in sql), statements
