@@ -26,8 +26,11 @@ async function api(path, options = {}) {
     ...options,
     headers: { "Authorization": "Bearer " + key(), "Content-Type": "application/json", ...(options.headers || {}) },
   });
-  if (r.status === 401 || r.status === 403) { logout("this key is not an admin key"); throw new Error("auth"); }
   const body = await r.json().catch(() => ({}));
+  if (r.status === 401 || r.status === 403) {  // the API's reason: not an admin key, revoked, its tenant disabled
+    logout(errorText(body) || "this key is not an admin key");
+    throw new Error("auth");
+  }
   if (!r.ok) throw new Error(errorText(body) || r.statusText);
   return body;
 }
