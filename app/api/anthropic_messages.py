@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, content_blocks, error_body,
                                    message_body, stop_of, tool_use_block, usage_of)
+from app import request_id
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import anthropic_responses
 from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, json_object,
@@ -27,6 +28,7 @@ from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_bo
 from app.db.models import Job
 from app.openai_schemas import FINAL, OpenAIError, OpenAIRoute, openai_parsed
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
+from app.services.rate_limits import RateLimited, anthropic_rate_headers
 from app.settings import Settings
 from app.wire import json_safe
 
@@ -34,13 +36,32 @@ log = logging.getLogger(__name__)
 
 
 class AnthropicRoute(OpenAIRoute):
-    """A route whose errors come out in Anthropic's shape (``{"type": "error", "error": {...}}``)."""
+    """A route whose errors come out in Anthropic's shape (``{"type": "error", "error": {...}, "request_id"}``), and
+    whose answers carry Anthropic's ``request-id`` header (its SDKs show it as ``_request_id``) and its
+    ``anthropic-ratelimit-*`` headers, not OpenAI's ``x-ratelimit-*``."""
 
     def error(self, exc: OpenAIError) -> Response:
         headers = exc.headers | (FINAL if exc.status_code == 409 else {})  # its SDKs read x-should-retry too
+        if isinstance(limited := exc.__cause__, RateLimited):
+            headers = ({k: v for k, v in headers.items() if not k.startswith("x-ratelimit-")}
+                       | limited.decision.anthropic_headers())
+        rid = request_id.current()  # docs.anthropic.com/en/api/errors: the body names it, as the header does
+        if rid is not None:
+            headers = headers | {"request-id": rid}  # here too for a 500, which the app-wide handler answers
+        body = error_body(exc.status_code, exc.message) | {"request_id": rid}
         # json_safe: a message may quote what the client sent (a lone surrogate cannot be encoded)
-        return JSONResponse(json_safe(error_body(exc.status_code, exc.message)), status_code=exc.status_code,
-                            headers=headers)
+        return JSONResponse(json_safe(body), status_code=exc.status_code, headers=headers)
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def with_request_id(request: Request) -> Response:
+            response = await handler(request)
+            if (rid := request_id.current()) is not None:  # docs.anthropic.com/en/api/errors: on every answer
+                response.headers["request-id"] = rid
+            return response
+
+        return with_request_id
 
 
 router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicRoute)
@@ -146,7 +167,7 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
     submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
                                         None, rate_limiter(request))
     job = submitted.job
-    headers = {"x-coserve-job-id": job.id, **submitted.rate_headers()}
+    headers = {"x-coserve-job-id": job.id, **anthropic_rate_headers(submitted.rate)}
     if chat.stream:
         events = abandoned_on_hangup(settings, [job], _events(settings, job))
         return StreamingResponse(events, media_type="text/event-stream",

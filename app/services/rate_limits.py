@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import redis
 
@@ -145,6 +146,33 @@ class Decision:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
             out["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
         return out
+
+
+    def anthropic_headers(self, now: float | None = None) -> dict[str, str]:
+        """The same state as Anthropic's ``anthropic-ratelimit-*`` headers (docs.anthropic.com/en/api/rate-limits):
+        limit, remaining, and reset as the RFC 3339 time the bucket is full again; ``retry-after`` on a refusal."""
+        now = time.time() if now is None else now
+        out: dict[str, str] = {}
+        for name, cap, left in (("requests", self.limits.requests_per_minute, self.requests_left),
+                                ("tokens", self.limits.tokens_per_minute, self.tokens_left)):
+            if cap is None or left is None:
+                continue
+            full_at = now + (cap - max(0.0, left)) * WINDOW_S / cap
+            out[f"anthropic-ratelimit-{name}-limit"] = str(cap)
+            out[f"anthropic-ratelimit-{name}-remaining"] = str(max(0, int(left)))
+            out[f"anthropic-ratelimit-{name}-reset"] = _rfc3339(math.ceil(full_at))
+        if not self.allowed and not self.too_large:
+            out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
+        return out
+
+
+def _rfc3339(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def anthropic_rate_headers(decision: Decision | None) -> dict[str, str]:
+    """The answer's ``anthropic-ratelimit-*`` headers (none where no limit applied)."""
+    return decision.anthropic_headers() if decision is not None else {}
 
 
 def rate_headers(decision: Decision | None) -> dict[str, str]:

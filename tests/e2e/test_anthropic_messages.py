@@ -4,12 +4,15 @@ the key as ``x-api-key``, and errors in Anthropic's shape."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import anthropic
 import httpx
 import pytest
 
 from app.db.models import Job
 from app.db.session import session_scope
+from tests.conftest import Keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -28,11 +31,27 @@ def _job(settings, msg_id: str) -> Job:
         return job
 
 
-def test_a_message_is_a_chat_job_plain_and_streamed(claude, settings):
+def _limit(live_server, keys, **limits) -> None:
+    """The test tenant's rate limits (admin API)."""
+    r = httpx.patch(f"{live_server}/v1/admin/tenants/{keys.tenant_id}", json=limits, headers=Keys.header(keys.admin))
+    assert r.status_code == 200, r.text
+
+
+def test_a_message_is_a_chat_job_plain_and_streamed(claude, settings, live_server, keys):
     settings.chat_ttft_ms, settings.chat_tbt_ms = 1500.0, 90.0
+    _limit(live_server, keys, requests_per_minute=100, tokens_per_minute=100000)
     ask = dict(model="tiny", max_tokens=7, system="Be brief", messages=[{"role": "user", "content": "Say hi"}],
                extra_body={"ignore_eos": True, "temperature": 0})  # this SDK has no temperature argument
-    message = claude.messages.create(**ask)
+    raw = claude.messages.with_raw_response.create(**ask)
+    message = raw.parse()
+    # Anthropic's headers: request-id (the SDK's _request_id) and anthropic-ratelimit-*, not OpenAI's x-ratelimit-*
+    assert message._request_id and message._request_id == raw.headers["request-id"] == raw.headers["x-request-id"]
+    assert raw.headers["anthropic-ratelimit-requests-limit"] == "100"
+    assert raw.headers["anthropic-ratelimit-requests-remaining"] == "99"
+    assert raw.headers["anthropic-ratelimit-tokens-limit"] == "100000"
+    reset = datetime.fromisoformat(raw.headers["anthropic-ratelimit-requests-reset"])  # RFC 3339, when full again
+    assert reset.tzinfo is not None and reset > datetime.now(UTC) - timedelta(seconds=5)
+    assert not [h for h in raw.headers if h.startswith("x-ratelimit-")]
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
     assert [b.type for b in message.content] == ["text"] and message.content[0].text
@@ -98,6 +117,7 @@ def test_bad_requests_are_answered_in_anthropic_shape(live_server, keys, body, s
     assert resp.status_code == status, resp.text
     assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == kind
     assert says in resp.json()["error"]["message"], resp.json()
+    assert resp.json()["request_id"] == resp.headers["request-id"]  # Anthropic's errors name their request
 
 
 def test_a_missing_or_wrong_key_is_an_authentication_error(live_server):
@@ -106,4 +126,17 @@ def test_a_missing_or_wrong_key_is_an_authentication_error(live_server):
             model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert exc.value.body["error"]["type"] == "authentication_error"
     resp = httpx.post(f"{live_server}/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": []})
-    assert resp.status_code == 401 and resp.json()["type"] == "error"
+    assert resp.status_code == 401 and resp.json()["type"] == "error" and resp.headers["request-id"]
+
+
+def test_a_rate_limit_refusal_is_a_rate_limit_error_with_anthropics_headers(live_server, keys):
+    _limit(live_server, keys, tokens_per_minute=5)  # the request may use more than the minute's tokens
+    client = anthropic.Anthropic(base_url=live_server, api_key=keys.paid, max_retries=0)
+    with pytest.raises(anthropic.RateLimitError) as exc:
+        client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    refused = exc.value.response
+    assert exc.value.body["error"]["type"] == "rate_limit_error" and "request too large" in exc.value.message
+    assert refused.headers["anthropic-ratelimit-tokens-limit"] == "5"
+    assert not [h for h in refused.headers if h.startswith("x-ratelimit-")]
+    # the error names its request, in the body (request_id) and the header (the SDK's request_id)
+    assert exc.value.request_id == refused.headers["request-id"] == exc.value.body["request_id"]

@@ -811,5 +811,6 @@ def test_a_server_error_names_its_request(settings, caplog):
         assert r.status_code == 500 and r.headers["x-request-id"] == "trace-500"
     assert openai.json()["error"]["type"] == "server_error" and "trace-500" in openai.json()["error"]["message"]
     assert anthropic.json()["type"] == "error" and anthropic.json()["error"]["type"] == "api_error"
+    assert anthropic.json()["request_id"] == anthropic.headers["request-id"] == "trace-500"  # as Anthropic's errors
     assert "trace-500" in native.json()["detail"]
     assert any("trace-500" in rec.getMessage() and rec.exc_info for rec in caplog.records)
