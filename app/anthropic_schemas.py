@@ -3,7 +3,8 @@
 A Messages request is a chat request written differently: ``system`` is the first message, a user turn's
 ``tool_result`` blocks are tool messages, an assistant turn's ``tool_use`` blocks are its tool calls, the tools
 carry ``input_schema``, ``stop_sequences`` are chat's ``stop``. ``MessagesRequest.chat_request`` makes that chat
-request, so one set of checks runs (an error names the Messages field); coserve's QoS fields and vLLM's sampling
+request, so one set of checks runs (an error names the Messages field), and a last assistant turn is a
+prefill the answer continues (chat's ``continue_final_message``); coserve's QoS fields and vLLM's sampling
 extensions are taken as chat takes them. ``message_body`` writes a chat answer as a Message, and ``stop_of`` its
 end in Anthropic's terms.
 """
@@ -23,7 +24,8 @@ from app.tool_calls import Answer
 
 ENDPOINT = "/v1/messages"
 # a chat field named in an error -> the Messages field the client wrote
-MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.format"}
+MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.format",
+                  "reasoning_effort": "output_config.effort"}
 # Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
@@ -31,6 +33,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # Anthropic's own request fields that change what is generated and that coserve does not serve
 UNSERVED = ("mcp_servers", "container", "context_management")
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 def message_id(job_id: str) -> str:
@@ -94,8 +97,17 @@ class MessagesRequest(BaseModel):
                                   code="unsupported_value")
         if self.tool_choice is not None and self.tool_choice.type == "tool" and not self.tool_choice.name:
             raise OpenAIError(400, "tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
-        if (self.thinking or {}).get("type") not in (None, "enabled", "disabled", "adaptive"):
+        thinking = self.thinking or {}
+        if thinking.get("type") not in (None, "enabled", "disabled", "adaptive"):
             raise OpenAIError(400, "thinking.type is 'enabled', 'disabled' or 'adaptive'", param="thinking.type")
+        if thinking.get("type") == "enabled":  # docs.anthropic.com/en/api/messages: 1024 <= budget < max_tokens
+            budget = thinking.get("budget_tokens")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
+                raise OpenAIError(400, f"thinking of type 'enabled' needs budget_tokens, an integer of at least "
+                                       f"{MIN_THINKING_BUDGET}", param="thinking.budget_tokens")
+            if "max_tokens" in raw and budget >= self.max_tokens:
+                raise OpenAIError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                       f"({self.max_tokens})", param="thinking.budget_tokens")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: the system prompt first, each turn's blocks as chat writes them."""
@@ -117,6 +129,9 @@ class MessagesRequest(BaseModel):
         names); ``count_only``: for ``count_tokens``, whose body has no ``max_tokens``."""
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
         body["messages"] = self.chat_messages()
+        if _prefilled(body["messages"][-1]):
+            # docs.anthropic.com/en/api/messages: a last assistant turn is a prefill the answer continues
+            body["add_generation_prompt"], body["continue_final_message"] = False, True
         if not count_only:
             body["max_tokens"] = self.max_tokens
         if self.stop_sequences:
@@ -131,6 +146,8 @@ class MessagesRequest(BaseModel):
                                                                     "function": {"name": choice.name}}
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
+        if (effort := (self.output_config or {}).get("effort")) is not None:  # as vLLM: the template's effort
+            body["reasoning_effort"] = effort
         if (self.thinking or {}).get("type") == "disabled":  # as vLLM: the template's reasoning effort "none"
             body["reasoning_effort"] = "none"
         if (fmt := (self.output_config or {}).get("format")) is not None:
@@ -157,6 +174,11 @@ def in_messages_terms(exc: OpenAIError) -> OpenAIError:
         return exc
     return OpenAIError(exc.status_code, exc.message.replace(head, MESSAGES_PARAM[head]), param=MESSAGES_PARAM[head],
                        code=exc.code, type=exc.type, headers=exc.headers)
+
+
+def _prefilled(last: dict[str, Any]) -> bool:
+    """The conversation ends in the assistant's own words (not a tool call): the answer goes on from them."""
+    return last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"].strip())
 
 
 def _text(content: str | list[Block] | list[dict[str, Any]], where: str) -> str:

@@ -97,6 +97,13 @@ def test_tool_turns_and_token_counts(claude, settings):
     counted = claude.messages.count_tokens(model="tiny", messages=turns, tools=[weather])
     assert counted.input_tokens == message.usage.input_tokens
 
+    # a last assistant turn is a prefill: the answer continues it, not a new turn after it
+    prefill = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is"}]
+    continued = claude.messages.create(model="tiny", max_tokens=2, messages=prefill, extra_body={"ignore_eos": True})
+    job = _job(settings, continued.id)
+    assert job.template_options == {"add_generation_prompt": False, "continue_final_message": True}
+    assert claude.messages.count_tokens(model="tiny", messages=prefill).input_tokens == continued.usage.input_tokens
+
 
 @pytest.mark.parametrize(("body", "status", "kind", "says"), [
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error", "max_tokens"),

@@ -1,0 +1,62 @@
+"""A Messages request written as chat (pure translation): a prefilled assistant turn, thinking's checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.anthropic_schemas import MessagesRequest
+from app.openai_schemas import OpenAIError
+
+ASK = {"role": "user", "content": "Weather?"}
+
+
+def chat_of(**fields):
+    raw = {"model": "tiny", "max_tokens": 3000, **fields}
+    body = MessagesRequest.model_validate(raw)
+    body.check(raw)
+    return body.chat_request(raw)
+
+
+@pytest.mark.parametrize("prefill", ["It is", [{"type": "text", "text": "It"}, {"type": "text", "text": "is"}]])
+def test_a_last_assistant_turn_is_continued_not_closed(prefill):
+    chat, spec = chat_of(messages=[ASK, {"role": "assistant", "content": prefill}])
+    assert (spec.add_generation_prompt, spec.continue_final_message) == (False, True)
+    assert chat.messages[-1]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("messages", [
+    [ASK],  # the usual: a new assistant turn
+    [ASK, {"role": "assistant", "content": "  "}],  # nothing to continue
+    [ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}],
+])
+def test_other_conversations_get_a_new_assistant_turn(messages):
+    _, spec = chat_of(messages=messages)
+    assert (spec.add_generation_prompt, spec.continue_final_message) == (True, False)
+
+
+@pytest.mark.parametrize(("thinking", "says"), [
+    ({"type": "enabled"}, "needs budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 512}, "at least 1024"),
+    ({"type": "enabled", "budget_tokens": "2000"}, "an integer"),
+    ({"type": "enabled", "budget_tokens": 3000}, "less than max_tokens (3000)"),
+])
+def test_thinking_with_a_budget_is_checked_as_anthropic_checks_it(thinking, says):
+    with pytest.raises(OpenAIError) as exc:
+        chat_of(messages=[ASK], thinking=thinking)
+    assert exc.value.status_code == 400 and exc.value.param == "thinking.budget_tokens" and says in exc.value.message
+
+
+def test_a_budget_within_max_tokens_and_an_effort_are_taken():
+    chat, _ = chat_of(messages=[ASK], thinking={"type": "enabled", "budget_tokens": 1024})
+    assert chat.reasoning_effort is None  # the model thinks as its template has it
+    chat, _ = chat_of(messages=[ASK], output_config={"effort": "low"})
+    assert chat.reasoning_effort == "low"  # as vLLM: the template's reasoning effort
+    chat, _ = chat_of(messages=[ASK], output_config={"effort": "low"}, thinking={"type": "disabled"})
+    assert chat.reasoning_effort == "none"
+    with pytest.raises(OpenAIError) as exc:
+        chat_of(messages=[ASK], output_config={"effort": "hard"})
+    assert exc.value.param == "output_config.effort" and "output_config.effort" in exc.value.message
+    # count_tokens has no max_tokens to hold the budget under
+    from app.anthropic_schemas import CountTokensRequest
+    raw = {"model": "tiny", "messages": [ASK], "thinking": {"type": "enabled", "budget_tokens": 2048}}
+    CountTokensRequest.model_validate(raw).check(raw)
