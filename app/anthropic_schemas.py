@@ -12,6 +12,7 @@ end in Anthropic's terms.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -128,6 +129,8 @@ class MessagesRequest(BaseModel):
         """The chat request this one is, and its job; ``tiers``: the configured ones (what ``service_tier``
         names); ``count_only``: for ``count_tokens``, whose body has no ``max_tokens``."""
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
+        if body.get("service_tier") == "standard_only":  # Anthropic's: no priority capacity; the key's own tier
+            body["service_tier"] = "default"
         body["messages"] = self.chat_messages()
         if _prefilled(body["messages"][-1]):
             # docs.anthropic.com/en/api/messages: a last assistant turn is a prefill the answer continues
@@ -172,8 +175,10 @@ def in_messages_terms(exc: OpenAIError) -> OpenAIError:
     head = (exc.param or "").partition(".")[0]
     if head not in MESSAGES_PARAM:
         return exc
-    return OpenAIError(exc.status_code, exc.message.replace(head, MESSAGES_PARAM[head]), param=MESSAGES_PARAM[head],
-                       code=exc.code, type=exc.type, headers=exc.headers)
+    # the field's name, not the word in the text ("stop: at most 4 stop sequences")
+    message = re.sub(rf"(?<![\w.]){re.escape(head)}(?![\w]| sequence)", MESSAGES_PARAM[head], exc.message)
+    return OpenAIError(exc.status_code, message, param=MESSAGES_PARAM[head], code=exc.code, type=exc.type,
+                       headers=exc.headers)
 
 
 def _prefilled(last: dict[str, Any]) -> bool:

@@ -60,3 +60,17 @@ def test_a_budget_within_max_tokens_and_an_effort_are_taken():
     from app.anthropic_schemas import CountTokensRequest
     raw = {"model": "tiny", "messages": [ASK], "thinking": {"type": "enabled", "budget_tokens": 2048}}
     CountTokensRequest.model_validate(raw).check(raw)
+
+
+def test_errors_name_the_messages_field_and_keep_their_words():
+    with pytest.raises(OpenAIError) as exc:
+        chat_of(messages=[ASK], stop_sequences=["a", "b", "c", "d", "e"])
+    assert exc.value.param == "stop_sequences"
+    assert exc.value.message == "stop_sequences: at most 4 stop sequences"  # not "stop_sequences sequences"
+
+
+def test_anthropics_service_tiers_are_taken():
+    _, standard = chat_of(messages=[ASK], service_tier="standard_only")
+    _, auto = chat_of(messages=[ASK], service_tier="auto")
+    _, unset = chat_of(messages=[ASK])
+    assert standard.tier == auto.tier == unset.tier  # the key's own tier
