@@ -248,11 +248,16 @@ def stop_of(finish_reason: str | None, stop_reason: str | int | None, calls: boo
     return "end_turn", None
 
 
-def usage_of(prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None) -> dict[str, Any]:
-    """Anthropic's usage: its ``input_tokens`` leave out those read from the prefix cache (counted apart)."""
-    cached = cached_tokens or 0
-    out: dict[str, Any] = {"input_tokens": max(0, int(prompt_tokens or 0) - cached),
+def usage_of(prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None,
+             cache_write_tokens: int | None = None) -> dict[str, Any]:
+    """Anthropic's usage (docs.anthropic.com/en/docs/build-with-claude/prompt-caching: the prompt is input_tokens
+    + cache_read_input_tokens + cache_creation_input_tokens), as vLLM writes it: ``input_tokens`` leave out those
+    read from the prefix cache and those written to it, each counted apart where the engine said."""
+    read, written = cached_tokens or 0, cache_write_tokens or 0
+    out: dict[str, Any] = {"input_tokens": max(0, int(prompt_tokens or 0) - read - written),
                            "output_tokens": int(completion_tokens or 0)}
+    if cache_write_tokens is not None:
+        out["cache_creation_input_tokens"] = int(cache_write_tokens)
     if cached_tokens is not None:
         out["cache_read_input_tokens"] = int(cached_tokens)
     return out

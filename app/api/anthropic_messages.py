@@ -144,7 +144,8 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
                         end = stop_of(item.answer.finish_reason, item.stop_reason, bool(item.answer.tool_calls))
                         yield _sse("message_delta", {
                             "delta": {"stop_reason": end[0], "stop_sequence": end[1]},
-                            "usage": usage_of(item.prompt_tokens, item.completion_tokens, item.cached_tokens)})
+                            "usage": usage_of(item.prompt_tokens, item.completion_tokens, item.cached_tokens,
+                                              item.cache_write_tokens)})
                         yield _sse("message_stop", {})
     except Exception:  # a bug or a database error: say so; the job itself goes on
         log.exception("the Messages stream of job %s failed", job.id)
@@ -177,8 +178,10 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
         return answered
     end, answer = answered
     stop = stop_of(answer.finish_reason, end.data.get("stop_reason"), bool(answer.tool_calls))
-    return JSONResponse(message_body(job.id, job.model, content=content_blocks(answer), stop=stop, usage=usage_of(
-        end.data["prompt_tokens"], end.data["completion_tokens"], end.data.get("cached_tokens"))), headers=headers)
+    usage = usage_of(end.data["prompt_tokens"], end.data["completion_tokens"], end.data.get("cached_tokens"),
+                     end.data.get("cache_write_tokens"))
+    return JSONResponse(message_body(job.id, job.model, content=content_blocks(answer), stop=stop, usage=usage),
+                        headers=headers)
 
 
 @router.post("/messages/count_tokens", responses=anthropic_responses(400, 401, 404),

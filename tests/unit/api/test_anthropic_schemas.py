@@ -74,3 +74,13 @@ def test_anthropics_service_tiers_are_taken():
     _, auto = chat_of(messages=[ASK], service_tier="auto")
     _, unset = chat_of(messages=[ASK])
     assert standard.tier == auto.tier == unset.tier  # the key's own tier
+
+
+def test_usage_counts_the_prompt_apart_as_read_written_and_neither():
+    from app.anthropic_schemas import usage_of
+    # Anthropic's total input is input_tokens + cache_read_input_tokens + cache_creation_input_tokens
+    assert usage_of(100, 7, 64, 32) == {"input_tokens": 4, "output_tokens": 7, "cache_read_input_tokens": 64,
+                                        "cache_creation_input_tokens": 32}
+    assert usage_of(100, 7, 0, 0) == {"input_tokens": 100, "output_tokens": 7, "cache_read_input_tokens": 0,
+                                      "cache_creation_input_tokens": 0}
+    assert usage_of(100, 0, None) == {"input_tokens": 100, "output_tokens": 0}  # what the engine did not say
