@@ -132,7 +132,7 @@ class MessagesRequest(BaseModel):
         if body.get("service_tier") == "standard_only":  # Anthropic's: no priority capacity; the key's own tier
             body["service_tier"] = "default"
         body["messages"] = self.chat_messages()
-        if _prefilled(body["messages"][-1]):
+        if body["messages"] and _prefilled(body["messages"][-1]):
             # docs.anthropic.com/en/api/messages: a last assistant turn is a prefill the answer continues
             body["add_generation_prompt"], body["continue_final_message"] = False, True
         if not count_only:

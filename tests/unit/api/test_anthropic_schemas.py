@@ -24,6 +24,12 @@ def test_a_last_assistant_turn_is_continued_not_closed(prefill):
     assert chat.messages[-1]["role"] == "assistant"
 
 
+def test_a_conversation_of_no_messages_is_a_400_naming_them():
+    with pytest.raises(OpenAIError) as exc:
+        chat_of(messages=[{"role": "user", "content": []}])
+    assert exc.value.status_code == 400 and exc.value.param == "messages"
+
+
 @pytest.mark.parametrize("messages", [
     [ASK],  # the usual: a new assistant turn
     [ASK, {"role": "assistant", "content": "  "}],  # nothing to continue
