@@ -94,12 +94,13 @@ def openai_refusals() -> Iterator[None]:
 
 
 def count_prompt_tokens(settings: Settings, spec) -> int:
-    """The tokens ``spec``'s prompt takes, as its job would count them (a 404 for an unknown model, a 400 where
-    the chat template refuses the messages)."""
+    """The tokens ``spec``'s prompt takes, as its job would count them (a 404 for an unknown model, a 400 for an
+    adapter found but not servable or where the chat template refuses the messages)."""
     try:
         job_service.resolve_model(settings, spec.model)
     except job_service.JobValidationError as exc:
-        raise OpenAIError(404, str(exc), param="model", code=exc.code) from exc
+        raise OpenAIError(404 if exc.code == "model_not_found" else 400, str(exc), param="model",
+                          code=exc.code) from exc
     try:
         return len(job_service.encode_spec(settings.model, spec))
     except ChatTemplateError as exc:

@@ -113,8 +113,9 @@ def resolve_model(settings: Settings, requested: str | None) -> str:
         try:
             if lora_adapters.resolve(settings, model):  # an adapter of the resolver's directory, loaded now
                 return model
-        except lora_adapters.AdapterError as exc:
-            raise JobValidationError(str(exc), param="model", code="model_not_found") from exc
+        except lora_adapters.AdapterError as exc:  # 404: not this model's adapter; 400: found, but not servable
+            raise JobValidationError(str(exc), param="model",
+                                     code="model_not_found" if exc.status == 404 else None) from exc
         raise JobValidationError(f"unknown model {model!r}; this server serves "
                                  f"{', '.join(map(repr, lora_adapters.listed_models(settings)))}", param="model",
                                  code="model_not_found")

@@ -134,7 +134,10 @@ def resolve(settings: Settings, name: str) -> bool:
     """Loads ``<COSERVE_LORA_RESOLVER_DIR>/<name>`` as the runtime adapter ``name`` where a request names an adapter
     not loaded yet (vLLM's filesystem LoRA resolver): True once loaded (by this call or a concurrent one), False
     where the directory has no such adapter; an AdapterError where it has one this server cannot serve, which
-    names the directory as the setting (the request's sender sees it), not by the server's path (logged)."""
+    names the directory as the setting (the request's sender sees it), not by the server's path (logged).
+
+    As vLLM's resolver answers: a directory that is no LoRA adapter of this model is not found (404), one that is
+    but cannot be loaded here (no weights, a rank too high, a config it cannot read) a bad request (400)."""
     root = settings.lora_resolver_dir
     if root is None or not settings.runtime_lora or adapter_name_refusal(name) is not None:
         return False
@@ -145,7 +148,8 @@ def resolve(settings: Settings, name: str) -> bool:
         return _resolve(settings, name, root_dir / name)
     except ValueError as exc:  # an AdapterError, or an adapter_config.json without a rank
         log.warning("LoRA adapter %r of COSERVE_LORA_RESOLVER_DIR not loaded: %s", name, exc)
-        raise AdapterError(str(exc).replace(str(root_dir), "COSERVE_LORA_RESOLVER_DIR")) from None
+        raise AdapterError(str(exc).replace(str(root_dir), "COSERVE_LORA_RESOLVER_DIR"),
+                           status=exc.status if isinstance(exc, AdapterError) else 400) from None
 
 
 def _resolve(settings: Settings, name: str, directory: Path) -> bool:
@@ -158,11 +162,12 @@ def _resolve(settings: Settings, name: str, directory: Path) -> bool:
         raise AdapterError(f"LoRA adapter {name!r} in COSERVE_LORA_RESOLVER_DIR: its adapter_config.json cannot "
                            f"be read ({exc})") from None
     if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterError(f"{name!r} in COSERVE_LORA_RESOLVER_DIR is not a LoRA adapter (peft_type LORA)")
+        raise AdapterError(f"{name!r} in COSERVE_LORA_RESOLVER_DIR is not a LoRA adapter (peft_type LORA)",
+                           status=404)
     base = config.get("base_model_name_or_path")
     if base and not _adapts(settings, str(base)):
         raise AdapterError(f"LoRA adapter {name!r} in COSERVE_LORA_RESOLVER_DIR adapts {base!r}, not this server's "
-                           f"model {settings.model_name!r}")
+                           f"model {settings.model_name!r}", status=404)
     load(settings, name, str(directory), if_absent=True)
     return True
 

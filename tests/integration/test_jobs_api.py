@@ -254,7 +254,7 @@ def test_a_request_naming_an_adapter_of_the_resolver_directory_loads_it(settings
         assert [(m["id"], m["parent"]) for m in listed] == [("tiny", None), ("ada", "tiny")]
         assert submit(client, keys.paid, model="ada", max_tokens=2).status_code == 201  # loaded once, served after
         for name, status, fragment in (("other-base", 404, "adapts 'meta-llama/Llama-3.1-8B', not this server's"),
-                                       ("big", 404, "up to rank 16"), ("missing", 404, "unknown model 'missing'"),
+                                       ("big", 400, "up to rank 16"), ("missing", 404, "unknown model 'missing'"),
                                        ("../outside", 404, "unknown model '../outside'")):
             r = client.post("/v1/completions", headers=H(keys.paid), json={"model": name, "prompt": "x"})
             assert r.status_code == status and fragment in r.json()["error"]["message"], (name, r.text)
@@ -286,7 +286,11 @@ def test_a_resolver_adapter_this_server_cannot_serve_is_refused_without_the_serv
                                ("norank", "COSERVE_LORA_RESOLVER_DIR/norank/adapter_config.json has no rank 'r'")):
             r = client.post("/v1/completions", headers=H(keys.paid), json={"model": name, "prompt": "x"})
             message = r.json()["error"]["message"]
-            assert r.status_code == 404 and fragment in message and str(tmp_path) not in message, (name, r.text)
+            # vLLM's resolver: 404 for an adapter it does not find, 400 for one found that it cannot load
+            assert r.status_code == 400 and fragment in message and str(tmp_path) not in message, (name, r.text)
+            assert r.json()["error"]["param"] == "model"
+        counted = client.post("/v1/responses/input_tokens", headers=H(keys.paid), json={"model": "norank", "input": "x"})
+        assert counted.status_code == 400 and "norank" in counted.json()["error"]["message"], counted.text
     assert str(root / "noweights") in caplog.text
 
 
