@@ -417,6 +417,7 @@ class GpuWorker:
                 with session_scope(self.url) as s:
                     delete_expired_files(s)  # the Files API's expires_after
                     delete_settled(s, timedelta(days=self.settings.webhook_retention_days))  # webhook deliveries
+                    lora_adapters.prune_unloaded(s)  # unloaded adapters whose jobs have all ended
                 restart_stalled_validation(self.settings)  # batches whose API died while validating them
                 advance_open_runs(self.settings, self.worker_id)  # summarization runs, whichever process started them
             except Exception:

@@ -5,7 +5,8 @@ more (``POST /v1/load_lora_adapter``) and removes them (``/v1/unload_lora_adapte
 (``lora_adapters``), so every API process and every worker sees the same set. A runtime adapter's jobs go to its
 model's queue: any worker of the model serves them, loading the adapter on its first request. Unloaded, it stays in
 ``unloaded_lora_adapters``: its jobs still waiting (a request that named it a moment before, a job the sweeper gives
-back) go to that queue too, where a worker fails them saying it was unloaded.
+back) go to that queue too, where a worker fails them saying it was unloaded; once none is left (and a while has
+passed, for a request that named it just before), the sweeper drops that row (``prune_unloaded``).
 
 Each process keeps what it read for ``FRESH_S``; a name it does not know is read again before it is refused, so a
 job may name an adapter the moment its load was answered, whichever API process takes the job.
@@ -17,13 +18,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import Select, delete, select
+from sqlalchemy import Select, and_, delete, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.db.models import LoraAdapter, UnloadedLoraAdapter
+from app.db.models import Job, JobStatus, LoraAdapter, SummarizationRun, UnloadedLoraAdapter
 from app.db.session import read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings, adapter_name_refusal
@@ -32,6 +34,9 @@ from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank
 log = logging.getLogger(__name__)
 
 FRESH_S = 1.0  # how long a process trusts what it read of the table
+# how long an unloaded adapter's row outlives its last waiting job: a request that named the adapter just before
+# the unload may write its job (and route it) later, and an API process trusts its read for FRESH_S
+UNLOADED_KEPT = timedelta(minutes=10)
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's weight files, one of which vLLM loads
 
 
@@ -128,6 +133,17 @@ def queue_models(session: Session, models: set[str]) -> dict[str, str]:
 def unloaded_adapters(model: str) -> Select[tuple[str]]:
     """The names of ``model``'s runtime adapters unloaded (a subquery: the work of theirs still to end)."""
     return select(UnloadedLoraAdapter.name).where(UnloadedLoraAdapter.model == model)
+
+
+def prune_unloaded(session: Session, kept: timedelta = UNLOADED_KEPT) -> int:
+    """Drops the rows of adapters unloaded over ``kept`` ago of which no job is left to end (none waiting or
+    running, no summarization running on it): nothing routes by them any more. Returns how many went."""
+    name = UnloadedLoraAdapter.name
+    open_job = exists().where(Job.model == name, Job.status.not_in([s.value for s in JobStatus if s.terminal]))
+    open_run = exists().where(SummarizationRun.model == name, SummarizationRun.status == "running")
+    return session.execute(delete(UnloadedLoraAdapter).where(
+        and_(UnloadedLoraAdapter.unloaded_at < utcnow() - kept, ~open_job, ~open_run))
+        .execution_options(synchronize_session=False)).rowcount
 
 
 def resolve(settings: Settings, name: str) -> bool:

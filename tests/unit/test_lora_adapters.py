@@ -34,3 +34,36 @@ def test_a_runtime_adapter_named_by_the_settings_since_is_listed_once_and_can_be
         lora_adapters.unload(restarted, "rt-a")  # the configured adapter itself stays
     with pytest.raises(lora_adapters.AdapterError, match="'rt-b' is not loaded"):
         lora_adapters.unload(restarted, "rt-b")
+
+
+def test_an_unloaded_adapters_row_goes_once_its_jobs_have_ended(tmp_path, db_url):
+    """``unloaded_lora_adapters`` routes an unloaded adapter's jobs still to end: the sweeper's prune keeps a row
+    while a job of it waits or a summarization on it runs, and for a while after the unload, then drops it."""
+    from datetime import timedelta
+
+    from sqlalchemy import select, update
+
+    from app.db.models import Job, SummarizationRun, Tenant, UnloadedLoraAdapter
+    from app.db.session import session_scope
+    from app.services.transitions import utcnow
+
+    settings = Settings(data_dir=tmp_path, database_url=db_url, model_name="tiny", runtime_lora=True)
+    for name in ("rt-a", "rt-b", "rt-c"):
+        lora_adapters.load(settings, name, _adapter_dir(tmp_path / name))
+        lora_adapters.unload(settings, name)
+    with session_scope(db_url) as s:
+        s.add(Tenant(id="ten_1", name="t"))
+        s.flush()
+        for job_id, model, status in (("job_a", "rt-a", "succeeded"), ("job_b", "rt-b", "queued")):
+            s.add(Job(id=job_id, tenant_id="ten_1", kind="interactive", tier="paid", model=model, status=status,
+                      prompt="hi", sampling={}))
+        s.add(SummarizationRun(id="sum_c", tenant_id="ten_1", model="rt-c", tier="paid", deadline_at=utcnow(),
+                               max_summary_tokens=8, chunk_tokens=8, overlap_tokens=0))
+        s.flush()
+        assert lora_adapters.prune_unloaded(s) == 0  # unloaded a moment ago: a request may still route by it
+        assert lora_adapters.prune_unloaded(s, kept=timedelta(0)) == 1  # rt-a: its one job has ended
+        assert lora_adapters.queue_models(s, {"rt-b", "rt-c"}) == {"rt-b": "tiny", "rt-c": "tiny"}
+        s.execute(update(Job).values(status="failed"))
+        s.execute(update(SummarizationRun).values(status="failed"))
+        assert lora_adapters.prune_unloaded(s, kept=timedelta(0)) == 2
+        assert s.scalars(select(UnloadedLoraAdapter.name)).all() == []
