@@ -38,7 +38,7 @@ NAMED_CHOICE = '{"type": "function", "name": ...}'  # the Responses API's form o
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
-        "text", "background", "truncation", "reasoning", "user", "top_logprobs")
+        "text", "background", "truncation", "reasoning", "user", "top_logprobs", "max_tool_calls")
 
 
 def response_id(job_id: str) -> str:
@@ -71,6 +71,9 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token, with the above
     truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns go where the context is short
     conversation: Text | dict[str, Any] | None = None  # an id, or {"id": ...}: its items come first, its turn after
+    # OpenAI's Responses API: a cap on calls to built-in tools in one response. Only function tools run here, and
+    # a response ends at its function calls (the client runs them), so there is nothing to cap: kept and echoed
+    max_tool_calls: int | None = Field(None, ge=0)
     # not implemented: accepted only where they ask for nothing
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
@@ -395,7 +398,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"),
         "truncation": kept.get("truncation") or "disabled",
         "usage": None, "metadata": kept.get("metadata") or {}, "user": kept.get("user"),
-        "top_logprobs": kept.get("top_logprobs"), "completed_at": None}
+        "top_logprobs": kept.get("top_logprobs"), "max_tool_calls": kept.get("max_tool_calls"), "completed_at": None}
     if state == "completed":  # (a stream's last event is written before the job's end is stored)
         body["completed_at"] = int(as_utc(job.finished_at).timestamp()) if job.finished_at else int(time.time())
     if answer is not None:

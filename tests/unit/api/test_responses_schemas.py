@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.openai_schemas import OpenAIError
+from app.openai_schemas import OpenAIError, openai_parsed
 from app.responses_schemas import (ResponsesRequest, history_of, input_items, input_messages, job_id_of,
                                    response_body, response_id)
 from app.tool_calls import Answer
@@ -17,7 +17,7 @@ CALL = {"id": "call_ab_0", "type": "function", "function": {"name": "get_weather
 
 
 def chat(body: dict, history: list | None = None):
-    req = ResponsesRequest.model_validate(body)
+    req = openai_parsed(ResponsesRequest, body)  # as the route reads it (a 400 naming the field)
     req.check()
     return req.chat_request(body, history or [])[0]
 
@@ -80,6 +80,7 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "x", "conversation": {"name": "c"}}, "conversation"),
+    ({"input": "x", "max_tool_calls": -1}, "max_tool_calls"),
 ])
 def test_errors_name_the_field_the_client_wrote(body, param):
     with pytest.raises(OpenAIError) as exc:
@@ -123,8 +124,10 @@ def test_a_job_written_as_a_response():
     assert hit["usage"]["input_tokens_details"] == {"cached_tokens": 256, "cache_write_tokens": 0}
     assert hit["usage"]["input_tokens"] == 300 and hit["completed_at"] == 1767225609  # when the job ended
     assert (hit["tool_choice"], hit["user"], hit["top_logprobs"]) == ("auto", None, None)  # OpenAI's defaults
-    kept = response_body(job, {"user": "u1", "top_logprobs": 2}, ("free", "paid"))
-    assert (kept["user"], kept["top_logprobs"]) == ("u1", 2)  # the request's, echoed
+    assert hit["max_tool_calls"] is None
+    asked = ResponsesRequest.model_validate({"input": "x", "user": "u1", "top_logprobs": 2, "max_tool_calls": 3})
+    kept = response_body(job, asked.kept([]), ("free", "paid"))
+    assert (kept["user"], kept["top_logprobs"], kept["max_tool_calls"]) == ("u1", 2, 3)  # the request's, echoed
     called = response_body(job, {}, ("free", "paid"), answer=Answer(None, [CALL], "tool_calls"))
     assert called["status"] == "completed" and called["output"] == [
         {"id": "fc_ab_0", "type": "function_call", "status": "completed", "call_id": "call_ab_0",
