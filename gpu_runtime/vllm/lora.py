@@ -57,7 +57,12 @@ class LoraRegistry:
 
     A runtime adapter gets the next id the first time a request names a version of it (its path and when it was
     loaded): an adapter replaced, from another path or from the same one with new weights there, is a new adapter
-    to vLLM, which loads it from disk and does not serve the old weights."""
+    to vLLM, which loads it from disk and does not serve the old weights.
+
+    An adapter unloaded (or replaced) is not removed from the engine: vLLM's own unload does not either, and its
+    LoRA cache holds at most ``max_cpu_loras`` adapters, evicting the least recently used, which an unloaded one
+    soon is. Removing it at once could pull it from under a request that began before the unload (vLLM would load
+    it from disk again mid-run, from a directory the admin may have deleted)."""
 
     def __init__(self, modules: dict[str, str], runtime: bool) -> None:
         self.fixed = lora_requests(modules)
