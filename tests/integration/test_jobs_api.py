@@ -289,7 +289,8 @@ def test_a_resolver_adapter_this_server_cannot_serve_is_refused_without_the_serv
             # vLLM's resolver: 404 for an adapter it does not find, 400 for one found that it cannot load
             assert r.status_code == 400 and fragment in message and str(tmp_path) not in message, (name, r.text)
             assert r.json()["error"]["param"] == "model"
-        counted = client.post("/v1/responses/input_tokens", headers=H(keys.paid), json={"model": "norank", "input": "x"})
+        counted = client.post("/v1/responses/input_tokens", headers=H(keys.paid),
+                              json={"model": "norank", "input": "x"})
         assert counted.status_code == 400 and "norank" in counted.json()["error"]["message"], counted.text
     assert str(root / "noweights") in caplog.text
 
