@@ -17,7 +17,7 @@ from app.api.errors import openai_responses
 from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, openai_parsed
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import lora_adapters
-from app.services.jobs import JobValidationError, check_token_ids, encode_spec
+from app.services.jobs import JobValidationError, check_token_ids, encode_spec, resolve_model
 from app.services.model_info import ChatTemplateError, get_tokenizer
 from app.services.workers import held_context_length
 from app.settings import Settings
@@ -52,8 +52,16 @@ class DetokenizeRequest(BaseModel):
 
 
 def _check_model(settings: Settings, model: str | None) -> None:
-    if model is not None and not lora_adapters.is_served(settings, model):  # an adapter shares the model's tokenizer
-        raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+    """A model this server serves (an adapter shares the model's tokenizer); an adapter of
+    COSERVE_LORA_RESOLVER_DIR not loaded yet is loaded, as vLLM's tokenize routes resolve it."""
+    if model is None or lora_adapters.is_served(settings, model):
+        return
+    try:
+        resolve_model(settings, model)
+    except JobValidationError as exc:
+        if exc.code != "model_not_found":  # an adapter found that cannot be served here
+            raise OpenAIError(400, str(exc), param="model") from exc
+        raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found") from exc
 
 
 def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
@@ -76,7 +84,7 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
 async def tokenize(body: dict[str, Any], settings: SettingsDep, _principal: CurrentPrincipal) -> dict[str, Any]:
     """Token ids of a prompt or of chat messages, their count and the model's context length."""
     req = openai_parsed(TokenizeRequest, body)
-    _check_model(settings, req.model)
+    await run_in_threadpool(_check_model, settings, req.model)
     ids, context = await run_in_threadpool(lambda: (_tokenize(settings, req), held_context_length(settings)))
     strs = get_tokenizer(settings.model).convert_ids_to_tokens(ids) if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
@@ -86,7 +94,7 @@ async def tokenize(body: dict[str, Any], settings: SettingsDep, _principal: Curr
 async def detokenize(body: dict[str, Any], settings: SettingsDep, _principal: CurrentPrincipal) -> dict[str, Any]:
     """The text of token ids."""
     req = openai_parsed(DetokenizeRequest, body)
-    _check_model(settings, req.model)
+    await run_in_threadpool(_check_model, settings, req.model)
     try:
         check_token_ids(settings.model, req.tokens, "tokens")
     except JobValidationError as exc:

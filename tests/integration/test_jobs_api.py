@@ -230,6 +230,7 @@ def test_a_request_naming_an_adapter_of_the_resolver_directory_loads_it(settings
     from fastapi.testclient import TestClient
 
     from app.main import create_app
+    from app.services import lora_adapters
     from app.settings import Settings
 
     root = tmp_path / "adapters"
@@ -259,9 +260,12 @@ def test_a_request_naming_an_adapter_of_the_resolver_directory_loads_it(settings
             r = client.post("/v1/completions", headers=H(keys.paid), json={"model": name, "prompt": "x"})
             assert r.status_code == status and fragment in r.json()["error"]["message"], (name, r.text)
         assert [m["id"] for m in client.get("/v1/models", headers=H(keys.paid)).json()["data"]] == ["tiny", "ada"]
-        # unloaded, the next request that names it loads it again
+        # unloaded, the next request that names it loads it again (/tokenize too, as vLLM's does)
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "ada"}, headers=H(keys.admin)).is_success
+        assert client.post("/tokenize", json={"model": "ada", "prompt": "x"}, headers=H(keys.paid)).is_success
+        assert "ada" in lora_adapters.loaded(settings, fresh=True)
         assert submit(client, keys.paid, model="ada", max_tokens=2).status_code == 201
+        assert client.post("/tokenize", json={"model": "big", "prompt": "x"}, headers=H(keys.paid)).status_code == 400
     with pytest.raises(ValueError, match="set COSERVE_RUNTIME_LORA=1 too"):
         Settings(lora_resolver_dir=root)
 
