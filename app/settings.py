@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from app.reasoning import ReasoningParser
 from gpu_runtime.devices import DEVICE_PATTERN
 from gpu_runtime.qos import Tier
+from workers.room import default_reserve
 
 WEBHOOK_CLAIM_S = 120.0  # a webhook delivery being sent is not due again for this long (app.services.webhooks)
 
@@ -115,6 +116,11 @@ class Settings(BaseSettings):
                                 "the queue for other workers); relegated jobs do not count. The scheduler can only "
                                 "order, relegate and shed the jobs it holds: a small cap leaves an overload backlog "
                                 "in the queue's FIFO order")
+    interactive_reserve: int | None = Field(
+        None, ge=0, description="of max_inflight, the slots only interactive jobs take: batch jobs join a worker's "
+                                "engine while fewer than max_inflight minus this are in line, so an interactive "
+                                "job that comes while a batch backlog fills them starts at once; unset: an eighth "
+                                "of max_inflight, rounded up (none at a max_inflight of 1); 0: none kept")
     sweep_seconds: float = Field(10.0, gt=0, description="how often the sweeper requeues expired leases")
     routing: Literal["prefix", "queue"] = Field(
         "prefix", description="how jobs reach a model's workers: 'prefix' sends a conversation's turns (and the "
@@ -240,6 +246,11 @@ class Settings(BaseSettings):
         except ValueError:
             return Tier.PAID if tier == self.tiers[-1] else Tier.FREE
 
+    @property
+    def kept_for_interactive(self) -> int:
+        """The slots of ``max_inflight`` kept for interactive jobs (COSERVE_INTERACTIVE_RESERVE, or its default)."""
+        return default_reserve(self.max_inflight) if self.interactive_reserve is None else self.interactive_reserve
+
     def tier_rank(self, tier: str) -> int:
         """A service tier's position, lowest first (-1 for a name no longer configured)."""
         return self.tiers.index(tier) if tier in self.tiers else -1
@@ -250,6 +261,15 @@ class Settings(BaseSettings):
         if self.default_tier not in self.tiers:
             raise ValueError(f"COSERVE_DEFAULT_TIER {self.default_tier!r} is not one of COSERVE_TIERS "
                              f"{list(self.tiers)}; set it to one of them or add it to COSERVE_TIERS")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_has_room(self) -> Settings:
+        # batch jobs join while fewer than max_inflight - reserve are in line (workers.room): they need one slot
+        if self.interactive_reserve is not None and self.interactive_reserve >= self.max_inflight:
+            raise ValueError(f"COSERVE_INTERACTIVE_RESERVE ({self.interactive_reserve}) must be less than "
+                             f"COSERVE_MAX_INFLIGHT ({self.max_inflight}): batch jobs take the slots the reserve "
+                             "leaves, and need at least one")
         return self
 
     @model_validator(mode="after")

@@ -66,6 +66,7 @@ from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
 from workers.inbox import Abort, Add, Inbox, Learn
 from workers.outbox import Outbox, StepRecords
+from workers.room import batch_room, has_room
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
 from workers.sweeper import reroute, sweep
 
@@ -218,14 +219,16 @@ class GpuWorker:
 
     # ---------------------------------------------------------------- intake (Celery task)
     def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY) -> None:
-        """Lease ``job_id`` and add it to the engine; waits while the engine is full. A batch job (its message's
-        ``priority``) waiting for room gives way to an interactive job waiting on this worker's queues: it goes
-        back to its queue, and the worker takes the interactive one, which kombu hands out first."""
+        """Lease ``job_id`` and add it to the engine; waits while the engine has no room for it: an interactive job
+        while ``max_inflight`` jobs are in line, a batch job (its message's ``priority``) while all but the
+        interactive reserve are (``workers.room``). A batch job waiting for room gives way to an interactive job
+        waiting on this worker's queues: it goes back to its queue, and the worker takes the interactive one, which
+        kombu hands out first."""
         if not self._without_earlier_attempt(job_id):
             send_job(self.settings.redis_url, job_id, self.settings.model_name, priority)  # for when that attempt left
             return
         holding, look_at = False, 0.0
-        while self.active.in_line >= self.settings.max_inflight or self.draining or self.shutting_down:
+        while not self._has_room(priority) or self.draining or self.shutting_down:
             give_way = False
             if priority == BATCH_PRIORITY and time.monotonic() >= look_at:
                 give_way, look_at = self._interactive_waiting(), time.monotonic() + LOOK_S
@@ -266,6 +269,12 @@ class GpuWorker:
             self.active.add(ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
                                       return_token_ids=return_ids))
             self.inbox.put(Add(job_id))
+
+    def _has_room(self, priority: int) -> bool:
+        """Whether the engine takes a job of message ``priority`` now: a batch job leaves the interactive reserve
+        free (``workers.room``)."""
+        return has_room(self.active.in_line, priority == BATCH_PRIORITY, self.settings.max_inflight,
+                        self.settings.kept_for_interactive)
 
     def _without_earlier_attempt(self, job_id: str, wait_s: float = 1.0) -> bool:
         """False while an earlier attempt of ``job_id`` is still in this worker although SQL has the job pending again
@@ -352,6 +361,8 @@ class GpuWorker:
                                  "relegated_jobs": self.active.relegated, "device": self.device,
                                  # what prefix routing weighs: the jobs it serves in line, and how many it takes
                                  "in_line": self.active.in_line, "max_inflight": self.settings.max_inflight,
+                                 "batch_room": batch_room(self.settings.max_inflight,
+                                                          self.settings.kept_for_interactive),
                                  "outbox_pending": self.outbox.pending}
         if self.settings.routing == "prefix":  # jobs prefix routing sent this worker alone, not taken yet
             try:

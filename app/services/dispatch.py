@@ -105,7 +105,7 @@ def send_jobs(redis_url: str, jobs: list[tuple[str, str, int]]) -> list[str]:
 
 def sending(settings: Settings, job: Job) -> tuple[str, str, int]:
     """What ``send_jobs`` sends of ``job``: its id, the queue routing picks, its kind's priority."""
-    return job.id, routing.job_queue(settings, job.model, job.route_key), message_priority(job.kind)
+    return job.id, routing.job_queue(settings, job.model, job.route_key, job.kind), message_priority(job.kind)
 
 
 def send_dispatched(settings: Settings, jobs: list[Job]) -> None:

@@ -384,8 +384,8 @@ def record_job(session: Session, settings: Settings, job: Job, *, endpoint: str 
         return _earlier(existing, job)  # a concurrent submission with the same key won the insert
     if dispatch:
         redis_url = settings.redis_url
-        if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model,
-                                              queue=routing.job_queue(settings, job.model, job.route_key),
+        queue = routing.job_queue(settings, job.model, job.route_key, job.kind) if redis_url else None
+        if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model, queue=queue,
                                               priority=message_priority(job.kind)):
             # dispatch() already wrote the row; reflect it in the answer without marking the object
             # dirty, so a later commit on this session cannot overwrite a worker's lease (running)

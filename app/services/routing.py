@@ -100,6 +100,7 @@ class _Worker:
     served: tuple[str, ...]
     held: int  # jobs it served in line at its heartbeat
     capacity: int
+    batch_capacity: int  # the most in line at which it takes a batch job (its cap less its interactive reserve)
     heartbeat_at: datetime
     context: int | None  # the context its engine serves, from its heartbeat (None: not said)
 
@@ -114,14 +115,16 @@ class Router:
         self._read_at = float("-inf")
         self._sent: dict[str, deque[datetime]] = defaultdict(deque)  # worker -> when this process sent it a job
 
-    def queue(self, model: str, key: str | None) -> str:
-        """The queue a job of ``model`` (the model whose workers serve it) with ``key`` goes on."""
+    def queue(self, model: str, key: str | None, batch: bool = False) -> str:
+        """The queue a job of ``model`` (the model whose workers serve it) with ``key`` goes on; a ``batch`` job's
+        worker has room while it holds fewer than its cap less its interactive reserve (``workers.room``)."""
         if key is None:
             return queue_name(model)
         with self._lock:
             workers = [w for w in self._live() if model in w.served]
-            chosen = choose(key, [Candidate(w.id, w.held + self._since(w), w.capacity) for w in workers],
-                            self.slack)
+            candidates = [Candidate(w.id, w.held + self._since(w), w.batch_capacity if batch else w.capacity)
+                          for w in workers]
+            chosen = choose(key, candidates, self.slack)
             if chosen is None:
                 return queue_name(model)
             self._sent[chosen].append(utcnow())
@@ -154,9 +157,12 @@ class Router:
         return self._workers
 
 
-def _load(state: dict[str, Any]) -> tuple[int, int]:
-    """(jobs in line, capacity) from a worker's heartbeat state (an older worker's: its jobs, no cap)."""
-    return int(state.get("in_line", state.get("active_jobs")) or 0), int(state.get("max_inflight") or 2**31)
+def _load(state: dict[str, Any]) -> tuple[int, int, int]:
+    """(jobs in line, capacity, capacity for batch jobs) from a worker's heartbeat state (an older worker's: its
+    jobs, no cap; one without an interactive reserve: its cap for both)."""
+    capacity = int(state.get("max_inflight") or 2**31)
+    return (int(state.get("in_line", state.get("active_jobs")) or 0), capacity,
+            int(state.get("batch_room") or capacity))
 
 
 def advertised_context(state: dict[str, Any] | None) -> int | None:
@@ -175,10 +181,12 @@ def router(url: str, live_s: float, slack: int) -> Router:
         return _routers.setdefault((url, live_s, slack), Router(url, live_s, slack))
 
 
-def job_queue(settings: Settings, model: str, key: str | None) -> str:
-    """The queue a new job for ``model`` (a model, or an adapter of one) with ``route_key`` ``key`` goes on."""
+def job_queue(settings: Settings, model: str, key: str | None, kind: str = "interactive") -> str:
+    """The queue a new job of ``kind`` for ``model`` (a model, or an adapter of one) with ``route_key`` ``key``
+    goes on."""
     base = lora_adapters.queue_model(settings, model)  # a runtime adapter's jobs: any worker of its model
     if settings.routing != "prefix" or key is None:
         return queue_name(base)
     # live: beat within a lease, as the sweeper judges (older, its leases lapse and its own queue is rerouted)
-    return router(settings.sqlalchemy_url, settings.lease_seconds, settings.routing_slack).queue(base, key)
+    return router(settings.sqlalchemy_url, settings.lease_seconds, settings.routing_slack).queue(
+        base, key, batch=kind == "batch")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from app.services.routing import Candidate, choose, route_key
+from app.services.routing import Candidate, _load, choose, route_key
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
@@ -60,3 +60,13 @@ def test_a_busy_or_full_home_worker_gives_the_job_to_the_least_loaded():
     assert choose(key, [Candidate("wa", 9, 9), Candidate("wb", 8, 9)], slack=4) == "wb"  # home is full
     assert choose(key, [Candidate("wa", 9, 9), Candidate("wb", 9, 9)], slack=4) is None  # all full: shared queue
     assert choose(key, [], slack=4) is None
+
+
+def test_a_batch_job_counts_a_worker_full_at_its_cap_less_its_interactive_reserve():
+    assert _load({"in_line": 3, "max_inflight": 4, "batch_room": 3}) == (3, 4, 3)
+    assert _load({"in_line": 3, "max_inflight": 4}) == (3, 4, 4)  # a worker without a reserve: its cap for both
+    key = next(f"{i:x}" for i in range(100) if choose(f"{i:x}", [Candidate("wa", 0, 4), Candidate("wb", 0, 4)],
+                                                       slack=16) == "wa")
+    # wa holds 3 of 4: an interactive job still goes home, a batch job (room for 3) to the other worker
+    assert choose(key, [Candidate("wa", 3, 4), Candidate("wb", 2, 4)], slack=16) == "wa"
+    assert choose(key, [Candidate("wa", 3, 3), Candidate("wb", 2, 3)], slack=16) == "wb"

@@ -38,6 +38,7 @@ BAD_ENV = [  # (environment variable, value, the field the error names)
     ("COSERVE_DEVICE", "cuda:x", "device"),
     ("COSERVE_KV_BLOCKS", "-3", "kv_blocks"),
     ("COSERVE_KV_BLOCKS", "0", "kv_blocks"),
+    ("COSERVE_INTERACTIVE_RESERVE", "-1", "interactive_reserve"),
 ]
 
 
@@ -73,6 +74,16 @@ def test_a_heartbeat_too_slow_for_the_lease_is_refused():
                                               r"COSERVE_LEASE_SECONDS \(3\)"):
         Settings(lease_seconds=3, heartbeat_seconds=5)
     assert Settings(lease_seconds=3, heartbeat_seconds=1.5).heartbeat_seconds == 1.5
+
+
+def test_an_interactive_reserve_that_leaves_batch_jobs_no_slot_is_refused():
+    with pytest.raises(ValidationError, match=r"COSERVE_INTERACTIVE_RESERVE \(4\) must be less than "
+                                              r"COSERVE_MAX_INFLIGHT \(4\)"):
+        Settings(max_inflight=4, interactive_reserve=4)
+    assert Settings(max_inflight=4, interactive_reserve=3).kept_for_interactive == 3
+    assert Settings(max_inflight=4, interactive_reserve=0).kept_for_interactive == 0
+    assert Settings().kept_for_interactive == 128  # an eighth of the default cap (1024)
+    assert Settings(max_inflight=1).kept_for_interactive == 0  # a cap of one: the batch jobs' only slot
 
 
 def test_the_defaults_construct():
