@@ -25,6 +25,7 @@ class ActiveJob:
     logprobs: list[dict] = field(default_factory=list)  # engine thread: its tokens' logprobs, where it asked
     prompt_logprobs: list[dict] | None = None  # engine thread: its prompt's, where it asked (the first report)
     produced: int = 0  # engine thread: characters streamed so far, the next delta's offset
+    tokens: int = 0  # engine thread: token ids streamed so far, the next delta's ``token_offset``
     first_token_recorded: bool = False
     in_engine: bool = False  # engine thread: its add was applied
     finished: bool = False  # engine thread: its last record is in the outbox

@@ -196,6 +196,9 @@ class EngineThread:
             if out.new_logprobs:  # with their index in the attempt's logprobs, as offset places the text
                 data |= {"logprobs": [lp.as_dict() for lp in out.new_logprobs], "logprobs_offset": len(job.logprobs)}
                 job.logprobs.extend(data["logprobs"])
+            if out.new_token_ids:  # their index in the attempt's ids: a follower cuts those a rerun repeats
+                data["token_offset"] = job.tokens
+                job.tokens += len(out.new_token_ids)
             if out.new_text or out.new_token_ids:
                 text = storable(out.new_text)  # the stream says what SQL will hold
                 if job.reasoning is not None:

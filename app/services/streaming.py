@@ -98,6 +98,7 @@ class _Progress:
     sent: list[str] = field(default_factory=list)  # the text yielded, over all attempts
     delivered: int = 0  # its length
     logprobs_delivered: int = 0  # token logprobs yielded (deltas carry them by index in their attempt)
+    tokens_delivered: int = 0  # token ids yielded, over all attempts
     gap: bool = False  # the current attempt's stream lost text: no more deltas; SQL has it at the end
 
     def _sent_text(self) -> str:
@@ -120,8 +121,8 @@ class _Progress:
                         self.job_id, self.logprobs_delivered, first, ev.attempt)
             self.gap = True  # a lost delta of token ids only (no text) leaves this hole alone
             return None
-        if not ev.text:
-            return self._new_logprobs(ev)  # token ids whose text is not complete yet: nothing to place
+        if not ev.text:  # token ids whose text is not complete yet: nothing to place
+            return self._new_logprobs(self._new_tokens(ev))
         start = self.produced if ev.offset is None else ev.offset
         if start > self.produced:
             log.warning("the stream of %s lost characters %d-%d of attempt %d; its text will come from SQL",
@@ -138,12 +139,27 @@ class _Progress:
             if overlap != self._sent_text()[start:start + len(overlap)]:
                 return self.diverged()
         self.produced = max(self.produced, end)
-        if end <= have:
-            return None
+        if end <= have:  # text the client has; ids it lacks (placed by their token_offset) go on alone
+            ev.text = ""
+            placed = ev.data.get("token_offset") is not None
+            return self._new_logprobs(ev) if placed and self._new_tokens(ev).token_ids else None
+        self._new_tokens(ev)
         ev.text = ev.text[max(0, have - start):]
         self.delivered = end
         self.sent.append(ev.text)
         return self._new_logprobs(ev)
+
+    def _new_tokens(self, ev: StreamEvent) -> StreamEvent:
+        """``ev`` with only the token ids not yet yielded: a rerun (a job handed back, or its lease lapsed) generates
+        its ids from the start again, and a publish may repeat; the ids the client has are cut as its text is, by
+        their index in the attempt (``token_offset``; an older publisher's deltas, without it, pass as they are)."""
+        first = ev.data.get("token_offset")
+        if first is None or not ev.token_ids:
+            return ev
+        end = first + len(ev.token_ids)
+        ev.token_ids = ev.token_ids[max(0, self.tokens_delivered - first):]
+        self.tokens_delivered = max(self.tokens_delivered, end)
+        return ev
 
     def _new_logprobs(self, ev: StreamEvent) -> StreamEvent:
         """``ev`` with only the token logprobs not yet yielded (a rerun repeats the ones before)."""

@@ -179,6 +179,23 @@ def test_a_rerun_that_parts_from_the_streamed_text_ends_with_an_error_not_a_spli
     assert evs[-1].type == "error" and evs[-1].data["code"] == "stream_diverged"
 
 
+def ids(text: str, offset: int, token_ids: list[int], token_offset: int, attempt: int) -> StreamEvent:
+    return StreamEvent("delta", attempt, text, token_ids, offset=offset, data={"token_offset": token_offset})
+
+
+def test_a_rerun_after_a_hand_back_repeats_no_token_id_the_stream_already_sent(own_redis):
+    """A job handed back (its worker stopped) or re-leased runs again from its start: the client has text and token
+    ids of attempt 1, and gets attempt 2's from where it was, ids as well as text, once each. Attempt 2 repeats an
+    id whose text is not complete yet (2), a delta partly sent (3 with 4), and a publish (5)."""
+    url = own_redis.url
+    put(url, ids("Hel", 0, [1], 0, 1), ids("", 3, [2], 1, 1), ids("lo", 3, [3], 2, 1),
+        ids("Hel", 0, [1], 0, 2), ids("", 3, [2], 1, 2), ids("lo w", 3, [3, 4], 2, 2),
+        ids("orld", 7, [5], 4, 2), ids("orld", 7, [5], 4, 2), ids("!", 11, [6], 5, 2), end(attempt=2))
+    evs = asyncio.run(asyncio.wait_for(follow(url), 30))
+    assert text_of(evs) == TEXT and evs[-1].type == "end"
+    assert [i for e in evs if e.type == "delta" for i in e.token_ids] == [1, 2, 3, 4, 5, 6]
+
+
 def test_sqls_end_that_parts_from_the_streamed_text_is_an_error_too(own_redis):
     url = own_redis.url
     sql = FakeSql()
