@@ -143,6 +143,11 @@ class Settings(BaseSettings):
                                           "link-local addresses (an internal receiver); false where tenants are "
                                           "not trusted with this network: such URLs are refused and never called")
     max_attempts: int = Field(5, ge=1, description="runs of a job whose worker died before it is failed")
+    summarize_job_retries: int = Field(2, ge=0, description="times a summarization chunk's job that failed (an "
+                                       "engine error, its workers' deaths) or expired is submitted again before its "
+                                       "document fails; a cancelled job or one the engine refused is not")
+    summarize_retry_backoff_s: float = Field(5.0, ge=0, description="the wait before a summarization chunk's first "
+                                             "retry; doubled for each later one")
     engine_error_limit: int = Field(3, ge=1, description="engine steps that raise with no token made between them "
                                     "after which the worker gives its jobs back and exits with status 1, as vLLM's "
                                     "server exits when its engine dies (a broken device fails every step)")

@@ -117,7 +117,7 @@ def list_runs(session: SessionDep, principal: CurrentPrincipal,
     """The tenant's runs, newest first; ``after``: the last id of the page before."""
     rows = pagination.rows_after(session, select(SummarizationRun).where(
         SummarizationRun.tenant_id == principal.tenant_id), SummarizationRun, principal.tenant_id, after, limit)
-    return list_page(rows, None, limit, lambda run: _utc_z(store.progress_of(run).as_dict()))
+    return list_page(rows, None, limit, lambda run: _utc_z(store.progress_of(run, session).as_dict()))
 
 
 def _utc_z(state: dict) -> dict:

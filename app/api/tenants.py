@@ -20,6 +20,7 @@ from app.schemas import KeyCreated, KeyPublic, TenantCreate, TenantLimits, Tenan
 from app.services.cancel import stop_job_ids
 from app.services.transitions import NOT_TERMINAL
 from app.settings import Settings
+from app.summarize import service as summarize_service
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ def update_tenant_route(tenant_id: str, body: TenantUpdate, request: Request, se
 
 
 def _cancel_open_work(session: Session, settings: Settings, tenant_id: str) -> None:
-    """Cancels a disabled tenant's open batches (with their jobs) and then its other open jobs."""
+    """Cancels a disabled tenant's open batches (with their jobs), its summarization runs (with theirs) and then its
+    other open jobs."""
+    runs = summarize_service.cancel_tenant_runs(settings, tenant_id)
     batches = session.scalars(select(Batch).where(Batch.tenant_id == tenant_id, Batch.status.in_(
         ("validating", "in_progress", "cancelling")))).all()
     for batch in batches:
@@ -99,7 +102,8 @@ def _cancel_open_work(session: Session, settings: Settings, tenant_id: str) -> N
     open_jobs = session.scalars(select(Job.id).where(Job.tenant_id == tenant_id, Job.status.in_(NOT_TERMINAL)))
     stopped = stop_job_ids(session, list(open_jobs), JobStatus.CANCELLED, "cancelled: its tenant was disabled",
                            settings.redis_url)
-    log.info("tenant %s disabled: %d batches and %d other jobs cancelled", tenant_id, len(batches), stopped)
+    log.info("tenant %s disabled: %d batches, %d summarization runs and %d other jobs cancelled", tenant_id,
+             len(batches), runs, stopped)
 
 
 @router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED,

@@ -263,7 +263,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     elif not met:
         console.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
     if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
-        console.print(f"[yellow]the run was cancelled; {run['documents_failed']} documents were not summarized"
+        why = f" ({run['reason']})" if run.get("reason") else ""  # an older server names none
+        console.print(f"[yellow]the run was cancelled{why}; {run['documents_failed']} documents were not summarized"
                       "[/yellow]")
     elif run["documents_failed"]:
         console.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {output}[/yellow]")

@@ -396,6 +396,7 @@ class SummarizationRun(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)  # the request's Idempotency-Key
     request_digest: Mapped[str | None] = mapped_column(String(64), default=None)  # its body's: a retry's must match
+    reason: Mapped[str | None] = mapped_column(Text, default=None)  # why it failed as a whole or was cancelled
 
 
 class SummarizationDocument(Base):
@@ -414,3 +415,8 @@ class SummarizationDocument(Base):
     summary: Mapped[str | None] = mapped_column(Text, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     done: Mapped[bool] = mapped_column(Boolean, default=False)  # summary or error: steps skip it
+    # per pending job, the retries its chunk had; jobs submitted again; when the failed ones go again; why they failed
+    attempts: Mapped[list[Any]] = mapped_column(JSON, default=list, server_default="[]")
+    retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    retry_at: Mapped[datetime | None] = mapped_column(default=None)
+    retry_errors: Mapped[list[Any]] = mapped_column(JSON, default=list, server_default="[]")

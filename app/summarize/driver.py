@@ -30,7 +30,7 @@ from enum import StrEnum
 from sqlalchemy import func, or_, select, update
 
 from app.auth import Principal
-from app.db.models import Job, JobStatus, SummarizationDocument, SummarizationRun
+from app.db.models import Job, JobStatus, SummarizationDocument, SummarizationRun, Tenant
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import lora_adapters
@@ -41,7 +41,8 @@ from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from app.summarize import store
-from app.summarize.pipeline import TERMINAL, Advance, DocState, Planner, advance_doc, final_status
+from app.summarize.pipeline import (TERMINAL, Advance, DocState, Planner, advance_doc, final_status,
+                                    open_jobs)
 from app.summarize.split import TokenSplitter
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector
                 deadline_at: datetime | None = None) -> Planner:
     """``deadline_at``: its jobs' (the run's where None)."""
     split = TokenSplitter(get_tokenizer(settings.model), run.chunk_tokens, run.overlap_tokens)
-    return Planner(backend, split, run.max_summary_tokens, deadline_at or as_utc(run.deadline_at))
+    return Planner(backend, split, run.max_summary_tokens, deadline_at or as_utc(run.deadline_at), now=utcnow(),
+                   job_retries=settings.summarize_job_retries, retry_backoff_s=settings.summarize_retry_backoff_s)
 
 
 def later_level_deadline(settings: Settings, run_deadline: datetime) -> datetime:
@@ -114,9 +116,12 @@ def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, 
 class _Look:
     run: SummarizationRun
     ready: list[int] = field(default_factory=list)  # positions of documents with work to do
+    waiting: int = 0  # jobs not ended of the documents not ready
+    tenant_disabled: bool = False
 
 
 def _look(url: str, run_id: str) -> _Look | None:
+    now = utcnow()
     with session_scope(url) as s:
         run = s.get(SummarizationRun, run_id)
         if run is None:
@@ -124,10 +129,17 @@ def _look(url: str, run_id: str) -> _Look | None:
         look = _Look(run)
         if run.status != "running":
             return look
-        docs = s.execute(select(SummarizationDocument.position, SummarizationDocument.pending).where(
+        look.tenant_disabled = bool(s.scalar(select(Tenant.disabled).where(Tenant.id == run.tenant_id)))
+        docs = s.execute(select(SummarizationDocument.position, SummarizationDocument.pending,
+                                SummarizationDocument.retry_at).where(
             SummarizationDocument.run_id == run_id, SummarizationDocument.done.is_(False))).all()
         statuses = store.job_statuses(s, [j for d in docs for j in d.pending])
-        look.ready = [d.position for d in docs if all(statuses.get(j) in TERMINAL for j in d.pending)]
+        for d in docs:
+            if all(statuses.get(j) in TERMINAL for j in d.pending):
+                if d.retry_at is None or as_utc(d.retry_at) <= now:  # not waiting out a retry's backoff
+                    look.ready.append(d.position)
+            else:
+                look.waiting += sum(statuses.get(j) not in TERMINAL for j in d.pending)
         return look
 
 
@@ -162,13 +174,15 @@ def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | Non
     if look is None:
         return Step(Outcome.IDLE, None)
     run = look.run
-    if run.status != "running" or not look.ready:
+    if run.status != "running" or not (look.ready or look.tenant_disabled):
         return Step(Outcome.IDLE, run.status)
     if not _claim(url, run, owner, lease_s if lease_s is not None else settings.lease_seconds):
         return Step(Outcome.BUSY, run.status)
+    if look.tenant_disabled:  # the admin's disable did not end it (it stepped then, or that process died)
+        return _cancel_claimed(settings, run, owner, TENANT_DISABLED)
     committed = False
     try:
-        step = _step(settings, run, look.ready, owner)
+        step = _step(settings, run, look.ready, look.waiting, owner)
         committed = step.outcome == Outcome.STEPPED
         return step
     finally:
@@ -176,7 +190,7 @@ def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | Non
             _release(url, run_id, owner)
 
 
-def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: str) -> Step:
+def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: int, owner: str) -> Step:
     url = settings.sqlalchemy_url
     # the lease is ours and the version unchanged since the look: these rows are current
     with session_scope(url) as s:
@@ -194,9 +208,10 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], owner: st
     newly_failed = sum(d.error is not None for d in docs.values())
     done, failed = run.documents_done + newly_done, run.documents_failed + newly_failed
     status = final_status(done - failed) if done == run.documents else "running"
-    values = {"documents_done": done, "documents_failed": failed, "status": status,
-              "jobs_submitted": run.jobs_submitted + sum(m.submitted for m in moves),
-              "jobs_done": run.jobs_done + sum(m.collected for m in moves)}
+    submitted = run.jobs_submitted + sum(m.submitted for m in moves)
+    # ended: all but those the documents wait for (the others' as the look saw them: a view counts again)
+    values = {"documents_done": done, "documents_failed": failed, "status": status, "jobs_submitted": submitted,
+              "jobs_done": max(run.jobs_done, submitted - waiting - open_jobs(list(docs.values()), results))}
     dispatched = bool(settings.redis_url)
     with session_scope(url) as s, write_guard(s):
         if not _advance_version(s, run, owner, values):
@@ -219,15 +234,14 @@ def _advance_or_fail(run_id: str, position: int, doc: DocState, results: dict, p
                      backend: JobCollector) -> Advance:
     """``advance_doc``, where a failure (a split, a job it cannot build from this document's text) fails this
     document alone, and the jobs it built for it are not sent."""
-    pending, built = list(doc.pending), len(backend.jobs)
+    built = len(backend.jobs)
     try:
         return advance_doc(doc, results, planner)
     except Exception as exc:
         log.exception("summarization %s: document %d failed", run_id, position)
         del backend.jobs[built:]
-        collected = len(pending) if not doc.pending else 0  # its last level had ended: collected before it failed
-        doc.pending, doc.error = [], f"pipeline error: {exc}"
-        return Advance(collected=collected)
+        doc.pending, doc.attempts, doc.retry_at, doc.error = [], [], None, f"pipeline error: {exc}"
+        return Advance()
 
 
 def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool:
@@ -243,22 +257,25 @@ def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool
 
 def _commit_failure(url: str, run: SummarizationRun, owner: str, error: str) -> Step:
     """Fails the run and every document not done yet (their running jobs still finish)."""
-    return _end_run(url, run, owner, "failed", error)
+    return _end_run(url, run, owner, "failed", error, error)
 
 
-def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: str, keep_lease_s: float = 0) -> Step:
-    """Ends the run as ``status`` with every document not done yet failed with ``error``. ``keep_lease_s`` > 0: the
-    documents keep naming the jobs they waited for and ``owner`` keeps the lease that long, to stop those jobs."""
+def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: str, reason: str,
+             keep_lease_s: float = 0) -> Step:
+    """Ends the run as ``status`` for ``reason`` with every document not done yet failed with ``error``.
+    ``keep_lease_s`` > 0: the documents keep naming the jobs they waited for and ``owner`` keeps the lease that
+    long, to stop those jobs."""
     with session_scope(url, immediate=True) as s, write_guard(s):  # reads, then writes
         undone = s.scalar(select(func.count()).select_from(SummarizationDocument).where(
             SummarizationDocument.run_id == run.id, SummarizationDocument.done.is_(False)))
-        values = {"status": status, "documents_done": run.documents, "documents_failed": run.documents_failed + undone}
+        values = {"status": status, "documents_done": run.documents, "documents_failed": run.documents_failed + undone,
+                  "reason": reason}
         if keep_lease_s > 0:
             values |= {"lease_owner": owner, "lease_expires_at": utcnow() + timedelta(seconds=keep_lease_s)}
         if not _advance_version(s, run, owner, values):
             s.rollback()
             return Step(Outcome.LOST, "running")
-        failed = {"error": error, "done": True} | ({} if keep_lease_s > 0 else {"pending": []})
+        failed = {"error": error, "done": True, "retry_at": None} | ({} if keep_lease_s > 0 else {"pending": []})
         s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
                                                       SummarizationDocument.done.is_(False))
                   .values(**failed).execution_options(synchronize_session=False))
@@ -275,9 +292,19 @@ class RunBusy(Exception):
     """Another process kept stepping the run while a cancel waited for it."""
 
 
-def cancel(settings: Settings, run_id: str, owner: str) -> bool:
-    """Ends a running run as ``cancelled``: the documents not done fail with ``cancelled``, the jobs they waited for
-    are cancelled (running ones aborted), the summaries made so far stay. False where the run had ended (or is
+@dataclass(frozen=True)
+class CancelReason:
+    run: str  # the run's ``reason``
+    document: str  # the ``error`` of each document not done
+
+
+BY_REQUEST = CancelReason("cancelled by request", "cancelled with its summarization run")
+TENANT_DISABLED = CancelReason("cancelled: its tenant was disabled by an admin", "cancelled: its tenant was disabled")
+
+
+def cancel(settings: Settings, run_id: str, owner: str, reason: CancelReason = BY_REQUEST) -> bool:
+    """Ends a running run as ``cancelled``: the documents not done fail with ``reason.document``, the jobs they waited
+    for are cancelled (running ones aborted), the summaries made so far stay. False where the run had ended (or is
     unknown)."""
     url = settings.sqlalchemy_url
     for _ in range(CANCEL_TRIES):
@@ -286,18 +313,26 @@ def cancel(settings: Settings, run_id: str, owner: str) -> bool:
         if run is None or run.status != "running":
             return False
         if _claim(url, run, owner, settings.lease_seconds):
-            step = _end_run(url, run, owner, CANCELLING, "cancelled with its summarization run",
-                            keep_lease_s=settings.lease_seconds)
-            if step.outcome == Outcome.STEPPED:
-                try:
-                    _stop_cancelled_jobs(settings, run_id, owner)
-                except Exception:
-                    _release(url, run_id, owner)  # a worker's sweeper stops the rest now, not when the lease expires
-                    raise
+            if _cancel_claimed(settings, run, owner, reason).outcome == Outcome.STEPPED:
                 return True
-            _release(url, run_id, owner)
         time.sleep(0.05)
     raise RunBusy(run_id)
+
+
+def _cancel_claimed(settings: Settings, run: SummarizationRun, owner: str, reason: CancelReason) -> Step:
+    """``cancel`` once ``owner`` holds the run's lease (its version as read); LOST (and the lease given back) where a
+    step committed first."""
+    url = settings.sqlalchemy_url
+    step = _end_run(url, run, owner, CANCELLING, reason.document, reason.run, keep_lease_s=settings.lease_seconds)
+    if step.outcome != Outcome.STEPPED:
+        _release(url, run.id, owner)
+        return step
+    try:
+        stopped = _stop_cancelled_jobs(settings, run.id, owner)
+    except Exception:
+        _release(url, run.id, owner)  # a worker's sweeper stops the rest now, not when the lease expires
+        raise
+    return Step(Outcome.STEPPED, stopped.status)  # cancelled, or cancelling where another holder stops the rest
 
 
 def _stop_cancelled_jobs(settings: Settings, run_id: str, owner: str) -> Step:
@@ -312,7 +347,8 @@ def _stop_cancelled_jobs(settings: Settings, run_id: str, owner: str) -> Step:
     with session_scope(url) as s, write_guard(s):
         ended = s.execute(update(SummarizationRun).where(
             SummarizationRun.id == run_id, SummarizationRun.status == CANCELLING, SummarizationRun.lease_owner == owner)
-            .values(status="cancelled", lease_owner=None, lease_expires_at=None)
+            .values(status="cancelled", lease_owner=None, lease_expires_at=None,
+                    jobs_done=SummarizationRun.jobs_submitted)  # each ended or stopped now
             .execution_options(synchronize_session=False)).rowcount == 1
         if not ended:  # another process took the lease over meanwhile: it ends the run
             s.rollback()

@@ -14,10 +14,10 @@ advances them from there (``app.summarize.driver``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Protocol
+from datetime import datetime, timedelta
+from typing import NamedTuple, Protocol
 
 from app.summarize.documents import Document
 
@@ -29,13 +29,24 @@ SINGLE_PROMPT = "Summarize the following document in a few sentences.\n\n{text}"
 REDUCE_PROMPT = ("These are summaries of consecutive parts of one document. Write one concise summary of the "
                  "whole document.\n\n{text}")
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+INVALID_REQUEST = "invalid_request"  # a job's error_code where the engine refused the request itself (app.errors)
+RETRY_ERRORS_KEPT = 10  # the reasons of a document's retried jobs its results line keeps (the first ones)
+
+
+class JobResult(NamedTuple):
+    """An ended or pending job as a step sees it (``code``: its ``error_code``)."""
+
+    status: str
+    text: str | None = None
+    error: str | None = None
+    code: str | None = None
 
 
 class JobBackend(Protocol):
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str: ...
 
-    def poll(self, job_ids: list[str]) -> dict[str, tuple[str, str | None, str | None]]:
-        """job id -> (status, output_text, error)."""
+    def poll(self, job_ids: list[str]) -> Mapping[str, Sequence]:
+        """job id -> ``JobResult`` (or a plain (status, output_text, error) tuple)."""
         ...
 
 
@@ -50,10 +61,18 @@ class DocState:
     jobs: int = 0
     summary: str | None = None
     error: str | None = None
+    attempts: list[int] = field(default_factory=list)  # per pending job: the retries its chunk had ([]: none yet)
+    retries: int = 0  # jobs of its chunks submitted again after one failed
+    retry_at: datetime | None = None  # its failed jobs are submitted again from then (a backoff)
+    retry_errors: list[str] = field(default_factory=list)  # why the retried jobs failed (the first few)
 
     @property
     def done(self) -> bool:
         return self.summary is not None or self.error is not None
+
+    def due(self, now: datetime) -> bool:
+        """Not waiting out a retry's backoff."""
+        return self.retry_at is None or self.retry_at <= now
 
 
 @dataclass(frozen=True)
@@ -64,64 +83,132 @@ class Planner:
     split: Callable[[str], list[str]]
     max_summary_tokens: int
     deadline_at: datetime
+    now: datetime | None = None  # the step's time (backoffs); None: retries go out at once
+    job_retries: int = 0  # times a failed job of one chunk is submitted again before its document fails
+    retry_backoff_s: float = 0.0  # the wait before a chunk's first retry; doubled for each later one
 
 
 @dataclass(frozen=True)
 class Advance:
     """What one step did to one document."""
 
-    submitted: int = 0  # jobs created for its next level
-    collected: int = 0  # jobs of its last level that ended (succeeded or not)
+    submitted: int = 0  # jobs created: its next level's, or its failed jobs' retries
 
 
-def advance_doc(doc: DocState, results: Mapping[str, tuple[str, str | None, str | None]],
-                planner: Planner) -> Advance:
-    """Collects ``doc``'s level when all its jobs ended and submits the next one.
+def retry_refusal(result: Sequence) -> str | None:
+    """Why a failed job is not worth submitting again (None: it is). A job the engine refused for its own request
+    fails again the same way; a cancelled one was stopped on purpose (its run, its tenant, its owner). A job that
+    failed otherwise (an engine error, every worker it met died: the job layer retried those ``max_attempts``
+    times already) or expired (its deadline passed under load: a retry gets a fresh one) may succeed later."""
+    status, code = result[0], (result[3] if len(result) > 3 else None)
+    if status == "cancelled":
+        return "it was cancelled"
+    if status == "failed" and code == INVALID_REQUEST:
+        return "the engine refused its request"
+    return None
 
-    ``results`` maps job id -> (status, output_text, error); a job missing from it is still
-    pending. A document whose jobs are not all terminal is left as it is, so calling this
-    again with the same results after a crash does the same thing (the caller persists the
-    document and the jobs it submitted together).
+
+def advance_doc(doc: DocState, results: Mapping[str, Sequence], planner: Planner) -> Advance:
+    """Collects ``doc``'s level when all its jobs ended and submits the next one; a level with failed jobs submits
+    those again (``planner.job_retries`` times per chunk, after a doubling backoff) or fails the document.
+
+    ``results`` maps job id -> ``JobResult``; a job missing from it is still pending. A document whose jobs are
+    not all terminal (or whose retry is not due) is left as it is, so calling this again with the same results
+    after a crash does the same thing (the caller persists the document and the jobs it submitted together).
     """
     if doc.done:
         return Advance()
-    collected = 0
     if doc.pending:
         states = [results.get(j, ("queued", None, None)) for j in doc.pending]
-        if not all(s in TERMINAL for s, _t, _e in states):
+        if not all(r[0] in TERMINAL for r in states):
             return Advance()
-        collected = len(states)
-        doc.pending = []
-        bad = [(s, e) for s, _t, e in states if s != "succeeded"]
+        attempts = doc.attempts if len(doc.attempts) == len(doc.pending) else [0] * len(doc.pending)
+        bad = [i for i, r in enumerate(states) if r[0] != "succeeded"]
         if bad:
-            doc.error = f"{len(bad)} job(s) {bad[0][0]}" + (f": {bad[0][1]}" if bad[0][1] else "")
-            return Advance(collected=collected)
-        outputs = [(t or "").strip() for _s, t, _e in states]
+            return Advance(_retry_or_fail(doc, states, attempts, bad, planner))
+        outputs = [(r[1] or "").strip() for r in states]
+        doc.pending, doc.attempts = [], []
         if doc.final:
             doc.summary = outputs[0]
-            return Advance(collected=collected)
+            return Advance()
         doc.text, doc.level = "\n\n".join(outputs), doc.level + 1
-    return Advance(_plan(doc, planner), collected)
+    return Advance(_plan(doc, planner))
+
+
+def _describe(result: Sequence) -> str:
+    return result[0] + (f": {result[2]}" if result[2] else "")
+
+
+def _retry_or_fail(doc: DocState, states: list[Sequence], attempts: list[int], bad: list[int],
+                   planner: Planner) -> int:
+    """A level whose jobs ended with some failed: the failed ones are submitted again (returns how many) when each
+    may be retried and its backoff has passed; else the document fails, naming why and its retries."""
+    for i in bad:
+        refusal = retry_refusal(states[i])
+        if refusal is None and attempts[i] >= planner.job_retries:
+            refusal = f"its chunk had {attempts[i]} retries" if attempts[i] else "retries are off"
+        if refusal is not None:
+            tries = f" after {doc.retries} retried job(s)" if doc.retries else ""
+            doc.error = f"{len(bad)} job(s) {states[i][0]}{tries}; level {doc.level + 1} chunk {i + 1}: " \
+                        f"{_describe(states[i])} (not retried: {refusal})"
+            doc.pending, doc.attempts, doc.retry_at = [], [], None
+            return 0
+    now = planner.now
+    if doc.retry_at is None and planner.retry_backoff_s > 0 and now is not None:
+        wait = planner.retry_backoff_s * 2 ** max(attempts[i] for i in bad)
+        doc.retry_at, doc.attempts = now + timedelta(seconds=wait), attempts
+        return 0
+    if now is not None and not doc.due(now):
+        return 0
+    prompts = _prompts(doc, planner)
+    if len(prompts) != len(doc.pending):  # its text splits otherwise now (another tokenizer): no retry can match
+        doc.error = f"{len(bad)} job(s) {states[bad[0]][0]}: {_describe(states[bad[0]])} (not retried: the level's " \
+                    f"text no longer splits into its {len(doc.pending)} chunk(s))"
+        doc.pending, doc.attempts, doc.retry_at = [], [], None
+        return 0
+    for i in bad:
+        if len(doc.retry_errors) < RETRY_ERRORS_KEPT:
+            doc.retry_errors.append(f"level {doc.level + 1} chunk {i + 1}: {_describe(states[i])}")
+        content, app = prompts[i]
+        doc.pending[i] = _submit(planner, content, app)
+        attempts[i] += 1
+    doc.attempts, doc.retry_at = attempts, None
+    doc.retries += len(bad)
+    doc.jobs += len(bad)
+    return len(bad)
+
+
+def _prompts(doc: DocState, planner: Planner) -> list[tuple[str, str]]:
+    """This level's jobs' prompts and app ids, one per chunk of its text."""
+    chunks = planner.split(doc.text) or [doc.text]
+    if len(chunks) == 1:
+        template = SINGLE_PROMPT if doc.level == 0 else REDUCE_PROMPT
+        return [(template.format(text=chunks[0]), "summarize-final")]
+    return [(MAP_PROMPT.format(text=chunk), "summarize-map") for chunk in chunks]
+
+
+def _submit(planner: Planner, content: str, app: str) -> str:
+    return planner.backend.submit([{"role": "user", "content": content}], planner.max_summary_tokens,
+                                  planner.deadline_at, app)
 
 
 def _plan(doc: DocState, planner: Planner) -> int:
     if doc.level >= MAX_LEVELS:
         doc.error = "the summaries did not shrink below one chunk"
         return 0
-    chunks = planner.split(doc.text) or [doc.text]
+    prompts = _prompts(doc, planner)
     if doc.level == 0:
-        doc.chunks = len(chunks)
-    if len(chunks) == 1:
-        template = SINGLE_PROMPT if doc.level == 0 else REDUCE_PROMPT
-        doc.final, app = True, "summarize-final"
-    else:
-        template, app = MAP_PROMPT, "summarize-map"
-    for chunk in chunks:
-        job_id = planner.backend.submit([{"role": "user", "content": template.format(text=chunk)}],
-                                        planner.max_summary_tokens, planner.deadline_at, app)
-        doc.pending.append(job_id)
-    doc.jobs += len(chunks)
-    return len(chunks)
+        doc.chunks = len(prompts)
+    doc.final = len(prompts) == 1
+    doc.pending = [_submit(planner, content, app) for content, app in prompts]
+    doc.attempts = [0] * len(prompts)
+    doc.jobs += len(prompts)
+    return len(prompts)
+
+
+def open_jobs(docs: list[DocState], results: Mapping[str, Sequence]) -> int:
+    """Jobs the documents wait for that have not ended (one missing from ``results`` has not)."""
+    return sum(1 for d in docs for j in d.pending if results.get(j, ("queued",))[0] not in TERMINAL)
 
 
 def final_status(documents_succeeded: int) -> str:
@@ -150,15 +237,14 @@ class SummarizeRun:
     def docs_done(self) -> int:
         return sum(d.done for d in self.docs)
 
-    def step(self, backend: JobBackend, split: Callable[[str], list[str]]) -> bool:
+    def step(self, backend: JobBackend, split: Callable[[str], list[str]], job_retries: int = 0) -> bool:
         """Submits ready work and collects finished jobs; True when every document is done."""
         pending = [j for d in self.docs for j in d.pending]
         results = backend.poll(pending) if pending else {}
-        planner = Planner(backend, split, self.max_summary_tokens, self.deadline_at)
+        planner = Planner(backend, split, self.max_summary_tokens, self.deadline_at, job_retries=job_retries)
         for doc in self.docs:
-            done = advance_doc(doc, results, planner)
-            self.jobs_submitted += done.submitted
-            self.jobs_done += done.collected
+            self.jobs_submitted += advance_doc(doc, results, planner).submitted
+        self.jobs_done = self.jobs_submitted - open_jobs(self.docs, results)
         if all(d.done for d in self.docs):
             self.status = final_status(sum(d.summary is not None for d in self.docs))
             return True
@@ -185,10 +271,11 @@ class Progress:
     jobs_submitted: int
     jobs_done: int  # ended, succeeded or not
     model: str | None = None  # the model or LoRA adapter its jobs run on (None: a run kept before it was recorded)
+    reason: str | None = None  # why a run failed as a whole or was cancelled
 
     def as_dict(self) -> dict:
         return {"id": self.id, "object": "summarization", "model": self.model, "status": self.status,
-                "deadline_at": self.deadline_at.isoformat(), "documents": self.documents,
+                "reason": self.reason, "deadline_at": self.deadline_at.isoformat(), "documents": self.documents,
                 "documents_done": self.documents_done, "documents_failed": self.documents_failed,
                 "jobs_submitted": self.jobs_submitted, "jobs_done": self.jobs_done}
 
@@ -196,4 +283,4 @@ class Progress:
 def result_line(doc: DocState) -> dict:
     """A finished document as one line of ``GET /v1/summarize/{id}/results``."""
     return {"id": doc.id, "summary": doc.summary, "error": doc.error, "chunks": doc.chunks, "levels": doc.level + 1,
-            "jobs": doc.jobs}
+            "jobs": doc.jobs, "retries": doc.retries, "retry_errors": doc.retry_errors}

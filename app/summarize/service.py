@@ -184,6 +184,21 @@ def cancel(settings: Settings, run_id: str) -> bool:
     return driver.cancel(settings, run_id, f"cancel-{socket.gethostname()}-{os.getpid()}")
 
 
+def cancel_tenant_runs(settings: Settings, tenant_id: str) -> int:
+    """Cancels a disabled tenant's running runs (each naming why); returns how many. A run being stepped meanwhile
+    is left to the next step, which finds its tenant disabled and cancels it alike."""
+    with session_scope(settings.sqlalchemy_url) as s:
+        ids = s.scalars(select(SummarizationRun.id).where(SummarizationRun.tenant_id == tenant_id,
+                                                          SummarizationRun.status == "running")).all()
+    owner, cancelled = f"disable-{socket.gethostname()}-{os.getpid()}", 0
+    for run_id in ids:
+        try:
+            cancelled += driver.cancel(settings, run_id, owner, driver.TENANT_DISABLED)
+        except driver.RunBusy:
+            log.warning("summarization %s stayed busy; its next step cancels it", run_id)
+    return cancelled
+
+
 def view(settings: Settings, run_id: str, with_results: bool = False) -> store.RunView | None:
     """The run from SQL, or from the files of a run an older version wrote."""
     return store.view(settings.sqlalchemy_url, run_id, with_results) or _legacy_view(settings.data_dir, run_id)

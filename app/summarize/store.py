@@ -20,25 +20,29 @@ from sqlalchemy.orm import Session
 from app.db.models import Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope
 from app.services.transitions import as_utc, utcnow
-from app.summarize.pipeline import DocState, Progress, result_line
+from app.summarize.pipeline import TERMINAL, DocState, JobResult, Progress, result_line
 
 log = logging.getLogger(__name__)
 
 IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the bound parameters of one statement
 
 T = TypeVar("T")
-JobResult = tuple[str, str | None, str | None]  # (status, output_text, error), as JobBackend.poll answers
+LIVE = ("running", "cancelling")  # a run whose documents still name jobs that may be going
 
 
 def doc_state(row: SummarizationDocument) -> DocState:
     return DocState(row.doc_id, level=row.level, text=row.text, pending=list(row.pending), final=row.final,
-                    chunks=row.chunks, jobs=row.jobs, summary=row.summary, error=row.error)
+                    chunks=row.chunks, jobs=row.jobs, summary=row.summary, error=row.error,
+                    attempts=list(row.attempts or []), retries=row.retries or 0,
+                    retry_at=as_utc(row.retry_at) if row.retry_at else None, retry_errors=list(row.retry_errors or []))
 
 
 def doc_values(doc: DocState) -> dict:
     """The columns of a document row that a step changes."""
     return {"level": doc.level, "text": doc.text, "pending": list(doc.pending), "final": doc.final,
-            "chunks": doc.chunks, "jobs": doc.jobs, "summary": doc.summary, "error": doc.error, "done": doc.done}
+            "chunks": doc.chunks, "jobs": doc.jobs, "summary": doc.summary, "error": doc.error, "done": doc.done,
+            "attempts": list(doc.attempts), "retries": doc.retries, "retry_at": doc.retry_at,
+            "retry_errors": list(doc.retry_errors)}
 
 
 def new_document(run_id: str, position: int, doc: DocState) -> SummarizationDocument:
@@ -61,9 +65,21 @@ def job_statuses(session: Session, job_ids: list[str]) -> dict[str, str]:
 def job_results(session: Session, job_ids: list[str]) -> dict[str, JobResult]:
     out: dict[str, JobResult] = {}
     for part in in_chunks(job_ids):
-        rows = session.execute(select(Job.id, Job.status, Job.output_text, Job.error).where(Job.id.in_(part)))
-        out.update({r.id: (r.status, r.output_text, r.error) for r in rows})
+        rows = session.execute(select(Job.id, Job.status, Job.output_text, Job.error, Job.error_code)
+                               .where(Job.id.in_(part)))
+        out.update({r.id: JobResult(r.status, r.output_text, r.error, r.error_code) for r in rows})
     return out
+
+
+def open_job_count(session: Session, run: SummarizationRun) -> int:
+    """The jobs a live run's documents wait for that have not ended (0 for a run that ended: it waits for none)."""
+    if run.status not in LIVE:
+        return 0
+    query = select(SummarizationDocument.pending).where(SummarizationDocument.run_id == run.id)
+    if run.status == "running":  # a cancelling run's done documents still name the jobs it stops
+        query = query.where(SummarizationDocument.done.is_(False))
+    ids = [j for pending in session.scalars(query) for j in pending]
+    return sum(1 for status in job_statuses(session, ids).values() if status not in TERMINAL)
 
 
 def add_jobs(session: Session, jobs: Iterable[Job], detail: str, dispatched: bool) -> None:
@@ -90,9 +106,13 @@ class RunView:
     results: bytes | None  # JSONL, one line per document; None while the run is going
 
 
-def progress_of(run: SummarizationRun) -> Progress:
+def progress_of(run: SummarizationRun, session: Session | None = None) -> Progress:
+    """``session``: ``jobs_done`` counts the jobs ended up to now (a step counts those ended when it ran)."""
+    jobs_done = run.jobs_done
+    if session is not None and run.status in LIVE:
+        jobs_done = max(jobs_done, run.jobs_submitted - open_job_count(session, run))
     return Progress(run.id, run.status, as_utc(run.deadline_at), run.documents, run.documents_done,
-                    run.documents_failed, run.jobs_submitted, run.jobs_done, run.model)
+                    run.documents_failed, run.jobs_submitted, jobs_done, run.model, run.reason)
 
 
 def view(url: str, run_id: str, with_results: bool = False) -> RunView | None:
@@ -106,7 +126,7 @@ def view(url: str, run_id: str, with_results: bool = False) -> RunView | None:
                 SummarizationDocument.run_id == run_id, SummarizationDocument.done.is_(True))
                 .order_by(SummarizationDocument.position))
             results = "".join(json.dumps(result_line(doc_state(r))) + "\n" for r in rows).encode()
-        return RunView(run.tenant_id, progress_of(run), results)
+        return RunView(run.tenant_id, progress_of(run, s), results)
 
 
 def documents(session: Session, run_id: str, positions: list[int]) -> dict[int, DocState]:

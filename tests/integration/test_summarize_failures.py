@@ -116,3 +116,23 @@ def test_summaries_too_long_to_shrink_a_level_are_refused_before_any_job(client,
         assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
     ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 96})
     assert ok.status_code == 201, ok.text
+
+
+def test_a_tenant_disabled_by_an_admin_ends_its_runs_as_cancelled_naming_why(client, keys, settings):
+    body = {"documents": [{"id": "done", "text": "The cat sat. It was warm."},
+                          {"id": "open", "text": "The dog ran. It was cold."}], "deadline": "30m"}
+    run_id = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body).json()["id"]
+    theirs = client.post("/v1/summarize", headers=Keys.header(keys.other), json=body).json()["id"]
+    docs = _docs(settings, run_id)
+    _finish(settings, docs["done"].pending, "A cat in the warmth.")
+    wait_for(lambda: _docs(settings, run_id)["done"].done, 30, "the first document's summary")
+    r = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"disabled": True}, headers=Keys.header(keys.admin))
+    assert r.status_code == 200, r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        run = s.get(SummarizationRun, run_id)
+        assert (run.status, run.reason) == ("cancelled", "cancelled: its tenant was disabled by an admin")
+        assert (run.documents_done, run.documents_failed, run.jobs_done) == (2, 1, 2)
+        assert s.get(Job, docs["open"].pending[0]).status == "cancelled"
+        assert s.get(SummarizationRun, theirs).status == "running"  # another tenant's run goes on
+    assert {d.doc_id: (d.summary, d.error) for d in _docs(settings, run_id).values()} == {
+        "done": ("A cat in the warmth.", None), "open": (None, "cancelled: its tenant was disabled")}

@@ -185,11 +185,13 @@ def test_concurrent_drivers_submit_each_job_once(settings, principal):
 
 def test_failed_jobs_fail_their_document_and_a_pipeline_error_fails_the_run(settings, principal, monkeypatch):
     url = settings.sqlalchemy_url
+    settings.summarize_job_retries = 0
     run_id = start(settings, principal, [Document("a", "One short document.")])
     finish_jobs(url, status="failed")
     assert driver.advance(settings, run_id, "p1").status == "failed"  # no document has a summary
     assert run_row(url, run_id).documents_failed == 1
     assert "1 job(s) failed" in service.view(settings, run_id, with_results=True).results.decode()
+    assert "not retried: retries are off" in service.view(settings, run_id, with_results=True).results.decode()
 
     run_id = start(settings, principal)
     finish_jobs(url)
@@ -299,8 +301,91 @@ def test_a_run_on_a_runtime_adapter_unloaded_since_still_ends(settings, principa
                                  model="rt-lora")
     lora_adapters.unload(settings, "rt-lora")
     finish_jobs(url, "failed")  # as a worker does: the adapter was unloaded before they began
+    settings.summarize_retry_backoff_s = 0  # their retries go at once: they cannot be built either
     assert [s.outcome for s in driver.advance_open_runs(settings, "w1")] == [Outcome.STEPPED]
     assert run_row(url, progress.id).status == "failed"
+
+
+def end_jobs(url: str, ids, status: str, error: str | None = None, code: str | None = None) -> None:
+    with session_scope(url, immediate=True) as s, write_guard(s):
+        s.execute(update(Job).where(Job.id.in_(list(ids))).values(
+            status=status, error=error, error_code=code, output_text="Summary." if status == "succeeded" else None,
+            finished_at=utcnow()))
+
+
+def doc_row(url: str, run_id: str, position: int = 0) -> SummarizationDocument:
+    with session_scope(url) as s:
+        return s.get(SummarizationDocument, (run_id, position))
+
+
+def test_a_failed_map_job_is_submitted_again_after_its_backoff_and_its_document_goes_on(settings, principal):
+    url = settings.sqlalchemy_url
+    settings.summarize_retry_backoff_s = 3600.0  # the test moves the backoff's end itself
+    run_id = start(settings, principal, [Document("long", LONG)])
+    first = doc_row(url, run_id).pending
+    assert len(first) > 2
+    end_jobs(url, first[1:], "succeeded")
+    end_jobs(url, first[:1], "failed", "engine error (gave up after 5 attempts)")
+    assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.STEPPED, "running")  # backoff set
+    doc = doc_row(url, run_id)
+    assert doc.pending == first and not doc.done and doc.retry_at is not None
+    assert driver.advance(settings, run_id, "p1").outcome == Outcome.IDLE  # waiting: no step, no write
+    version = run_row(url, run_id).version
+    with session_scope(url) as s:
+        s.execute(update(SummarizationDocument).values(retry_at=utcnow() - timedelta(seconds=1)))
+    step = driver.advance(settings, run_id, "p2")
+    assert step.outcome == Outcome.STEPPED and len(step.submitted) == 1 and run_row(url, run_id).version == version + 1
+    doc = doc_row(url, run_id)
+    assert doc.pending == [step.submitted[0], *first[1:]] and doc.attempts == [1] + [0] * (len(first) - 1)
+    assert (doc.retries, doc.retry_at, doc.jobs) == (1, None, len(first) + 1)
+    assert doc.retry_errors == ["level 1 chunk 1: failed: engine error (gave up after 5 attempts)"]
+    with session_scope(url) as s:  # the same chunk's prompt again
+        jobs = {j.id: j for j in s.scalars(select(Job).where(Job.id.in_([first[0], step.submitted[0]])))}
+    assert jobs[step.submitted[0]].messages == jobs[first[0]].messages
+    end_jobs(url, step.submitted, "succeeded")
+    while finish_jobs(url) or driver.advance(settings, run_id, "p1").outcome == Outcome.STEPPED:
+        pass
+    run = run_row(url, run_id)
+    assert (run.status, run.documents_failed) == ("completed", 0) and run.jobs_submitted == job_count(url)
+    line = json.loads(service.view(settings, run_id, with_results=True).results)
+    assert line["summary"] and line["retries"] == 1 and line["retry_errors"] == doc.retry_errors
+
+
+def test_jobs_done_counts_each_ended_job_while_its_level_goes_on(settings, principal):
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal, [Document("long", LONG)])
+    pending = doc_row(url, run_id).pending
+    assert service.view(settings, run_id).progress.jobs_done == 0
+    end_jobs(url, pending[:2], "succeeded")
+    progress = service.view(settings, run_id).progress
+    assert (progress.jobs_submitted, progress.jobs_done) == (len(pending), 2)  # was 0 until the whole level ended
+    assert driver.advance(settings, run_id, "p1").outcome == Outcome.IDLE
+    end_jobs(url, pending[2:], "succeeded")
+    step = driver.advance(settings, run_id, "p1")
+    run = run_row(url, run_id)
+    assert run.jobs_done == len(pending) and run.jobs_submitted == len(pending) + len(step.submitted)
+
+
+def test_a_disabled_tenants_run_ends_cancelled_naming_why(settings, principal):
+    from app.db.models import Tenant
+
+    url = settings.sqlalchemy_url
+    swept, disabled = start(settings, principal), start(settings, principal, [Document("a", "The cat sat.")])
+    with session_scope(url) as s:
+        s.execute(update(Tenant).where(Tenant.id == principal.tenant_id).values(disabled=True))
+    assert service.cancel_tenant_runs(settings, principal.tenant_id) == 2
+    for run_id in (swept, disabled):
+        progress = service.view(settings, run_id).progress.as_dict()
+        assert (progress["status"], progress["reason"]) == ("cancelled", "cancelled: its tenant was disabled by an "
+                                                                          "admin"), progress
+        assert progress["jobs_done"] == progress["jobs_submitted"]
+    with session_scope(url) as s:
+        assert set(s.scalars(select(Job.status))) == {"cancelled"}
+        assert set(s.scalars(select(SummarizationDocument.error))) == {"cancelled: its tenant was disabled"}
+    # one the disable missed (it was being stepped): the next step finds the tenant disabled and cancels it
+    missed = start(settings, principal)
+    assert driver.advance(settings, missed, "worker") == driver.Step(Outcome.STEPPED, "cancelled")
+    assert run_row(url, missed).reason == "cancelled: its tenant was disabled by an admin"
 
 
 def test_runs_an_older_version_kept_in_files_are_still_read(settings):
@@ -313,7 +398,7 @@ def test_runs_an_older_version_kept_in_files_are_still_read(settings):
     (folder / "sum_old.jsonl").write_text('{"id": "a", "summary": "S."}\n')
     view = service.view(settings, "sum_old", with_results=True)
     kept = {k: v for k, v in state.items() if k != "tenant_id"}
-    assert view.tenant_id == "ten_1" and view.progress.as_dict() == {**kept, "model": None}  # not recorded then
+    assert view.tenant_id == "ten_1" and view.progress.as_dict() == {**kept, "model": None, "reason": None}
     assert view.results == b'{"id": "a", "summary": "S."}\n'
     assert service.view(settings, "sum_nope") is None
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from app.summarize.documents import Document, load_paths, specbench_summarization
-from app.summarize.pipeline import SummarizeRun
+from app.summarize.pipeline import DocState, JobResult, Planner, SummarizeRun, advance_doc
 from app.summarize.split import split_text
 
 
@@ -83,6 +83,87 @@ def test_failed_chunk_fails_only_its_document():
     res = {r["id"]: r for r in run.results()}
     assert res["ok"]["summary"] and res["bad"]["error"].startswith("1 job(s) failed")
     assert run.status == "completed" and run.progress()["documents_failed"] == 1
+
+
+class FlakyBackend:
+    """Each job of a prompt holding a key of ``fails`` ends as that key's result until the key's count runs out."""
+
+    def __init__(self, fails: dict[str, tuple[int, JobResult]]):
+        self.fails = dict(fails)
+        self.jobs: dict[str, JobResult] = {}
+
+    def submit(self, messages, max_tokens, deadline_at, app_id):
+        job_id, prompt = f"j{len(self.jobs)}", messages[0]["content"]
+        result = JobResult("succeeded", f"S{len(self.jobs)}.")
+        for key, (left, failure) in self.fails.items():
+            if key in prompt and left > 0:
+                self.fails[key], result = (left - 1, failure), failure
+        self.jobs[job_id] = result
+        return job_id
+
+    def poll(self, ids):
+        return {j: self.jobs[j] for j in ids}
+
+
+def by_sentence(text: str) -> list[str]:
+    """A document's sentences, one chunk each; the summaries (S1. S2. ...) one chunk."""
+    return [text] if text.startswith("S") else [p.strip() + "." for p in text.split(".") if p.strip()]
+
+
+def _run(backend, docs, job_retries: int) -> dict[str, dict]:
+    run = SummarizeRun.create("r", docs, datetime(2030, 1, 1, tzinfo=UTC), 16)
+    steps = 0
+    while not run.step(backend, by_sentence, job_retries):
+        steps += 1
+        assert steps < 20
+    assert run.jobs_done == run.jobs_submitted == len(backend.jobs)
+    return {r["id"]: r for r in run.results()}
+
+
+def test_a_failed_chunk_job_is_retried_up_to_the_limit_then_fails_its_document_naming_why():
+    engine_error = JobResult("failed", None, "engine error (gave up after 5 attempts)")
+    docs = [Document("flaky", "Part one. FLAKY part two. Part three."), Document("broken", "Fine. BROKEN here.")]
+    res = _run(FlakyBackend({"FLAKY": (2, engine_error), "BROKEN": (9, JobResult("expired", None, "relegated"))}),
+               docs, job_retries=2)
+    flaky, broken = res["flaky"], res["broken"]
+    # two failures, two retries: the third job of the chunk made its summary
+    assert flaky["summary"] and flaky["error"] is None and flaky["retries"] == 2 and flaky["jobs"] == 3 + 2 + 1
+    assert flaky["retry_errors"] == ["level 1 chunk 2: failed: engine error (gave up after 5 attempts)"] * 2
+    assert broken["summary"] is None and broken["retries"] == 2
+    assert broken["error"] == ("1 job(s) expired after 2 retried job(s); level 1 chunk 2: expired: relegated "
+                               "(not retried: its chunk had 2 retries)"), broken["error"]
+
+
+def test_a_cancelled_job_or_one_the_engine_refused_is_not_retried():
+    refused = JobResult("failed", None, "prompt too long", "invalid_request")
+    docs = [Document("refused", "One. REFUSED two."), Document("cancelled", "One. STOPPED two.")]
+    res = _run(FlakyBackend({"REFUSED": (1, refused), "STOPPED": (1, JobResult("cancelled", None, "by hand"))}),
+               docs, job_retries=2)
+    assert res["refused"]["retries"] == 0 and res["refused"]["jobs"] == 2
+    assert res["refused"]["error"].endswith("failed: prompt too long (not retried: the engine refused its request)")
+    assert res["cancelled"]["retries"] == 0 and res["cancelled"]["error"].endswith("(not retried: it was cancelled)")
+    off = _run(FlakyBackend({"FLAKY": (1, JobResult("failed", None, "boom"))}), [Document("d", "A. FLAKY b.")], 0)
+    assert off["d"]["error"] == "1 job(s) failed; level 1 chunk 2: failed: boom (not retried: retries are off)"
+
+
+def test_a_retry_waits_out_a_backoff_that_doubles():
+    backend = FlakyBackend({"FLAKY": (5, JobResult("failed", None, "boom"))})
+    t0 = datetime(2030, 1, 1, tzinfo=UTC)
+    doc = DocState("d", text="A. FLAKY b.")
+
+    def planner(now):
+        return Planner(backend, by_sentence, 16, t0 + timedelta(hours=1), now=now, job_retries=3, retry_backoff_s=10)
+
+    assert advance_doc(doc, {}, planner(t0)).submitted == 2
+    first = list(doc.pending)
+    assert advance_doc(doc, backend.poll(first), planner(t0)).submitted == 0  # failed: its retry waits 10 s
+    assert doc.retry_at == t0 + timedelta(seconds=10) and doc.pending == first and not doc.done
+    assert advance_doc(doc, backend.poll(first), planner(t0 + timedelta(seconds=9))).submitted == 0
+    assert advance_doc(doc, backend.poll(first), planner(t0 + timedelta(seconds=10))).submitted == 1
+    assert doc.pending[0] == first[0] and doc.pending[1] != first[1] and doc.attempts == [0, 1]
+    t1 = t0 + timedelta(seconds=30)
+    advance_doc(doc, backend.poll(doc.pending), planner(t1))  # failed again: 20 s
+    assert doc.retry_at == t1 + timedelta(seconds=20) and doc.retry_at is not None and doc.retries == 1
 
 
 def test_loaders(tmp_path):
