@@ -211,6 +211,17 @@ def open_jobs(docs: list[DocState], results: Mapping[str, Sequence]) -> int:
     return sum(1 for d in docs for j in d.pending if results.get(j, ("queued",))[0] not in TERMINAL)
 
 
+def levels_needed(chunks: int, chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> int:
+    """The levels a document of ``chunks`` level-0 chunks takes where every summary is ``max_summary_tokens`` long
+    (the most it can be): each level's joined summaries (a separator token between two) fill chunks of
+    ``chunk_tokens - overlap_tokens`` new tokens."""
+    levels, new = 1, max(1, chunk_tokens - overlap_tokens)
+    while chunks > 1 and levels <= MAX_LEVELS:
+        chunks = -(-chunks * (max_summary_tokens + 1) // new)
+        levels += 1
+    return levels
+
+
 def final_status(documents_succeeded: int) -> str:
     """A finished run's status: completed when at least one document has a summary."""
     return "completed" if documents_succeeded > 0 else "failed"

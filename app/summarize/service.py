@@ -25,7 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from app.auth import Principal
-from app.db.models import Job, SummarizationRun, new_id
+from app.db.models import SummarizationRun, new_id
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import jobs as job_service
@@ -35,7 +35,7 @@ from app.services.transitions import utcnow
 from app.settings import Settings
 from app.summarize import driver, store
 from app.summarize.documents import Document
-from app.summarize.pipeline import DocState, Progress, advance_doc
+from app.summarize.pipeline import MAX_LEVELS, DocState, Progress, advance_doc, levels_needed
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ class SqlBackend:
 
     def poll(self, job_ids):
         with session_scope(self.settings.sqlalchemy_url) as s:
-            rows = s.execute(select(Job.id, Job.status, Job.output_text, Job.error).where(Job.id.in_(job_ids)))
-            return {r.id: (r.status, r.output_text, r.error) for r in rows}
+            return store.job_results(s, list(job_ids))
 
 
 def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int) -> int:
@@ -74,7 +73,8 @@ def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int)
 def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int) -> None:
     """Refuses summaries that may be longer than half a chunk's new text (``chunk_tokens`` less the overlap): then a
     level's joined summaries need at least twice fewer chunks than its text, so a document's levels end within
-    ``pipeline.MAX_LEVELS`` (longer ones may not shrink, and the document fails after many jobs)."""
+    ``pipeline.MAX_LEVELS`` where it is not too long for them (``check_depth``; longer summaries may not shrink,
+    and the document fails after many jobs)."""
     most = (chunk_tokens - overlap_tokens) // 2
     if max_summary_tokens > most:
         raise job_service.JobValidationError(
@@ -82,6 +82,18 @@ def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: in
             f"tokens a chunk holds ({chunk_tokens} chunk tokens less {overlap_tokens} overlap): the summaries might "
             f"not shrink from level to level; give max_summary_tokens <= {most} or a larger chunk_tokens",
             param="max_summary_tokens")
+
+
+def check_depth(docs: list[DocState], chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> None:
+    """Refuses a document whose level-0 chunks may need more than ``pipeline.MAX_LEVELS`` levels to come down to one
+    summary (it would fail at the last level, after all the jobs of the others)."""
+    for doc in docs:
+        levels = levels_needed(doc.chunks, chunk_tokens, overlap_tokens, max_summary_tokens)
+        if levels > MAX_LEVELS:
+            raise job_service.JobValidationError(
+                f"document {doc.id!r} is {doc.chunks} chunks of {chunk_tokens} tokens: summaries of up to "
+                f"{max_summary_tokens} tokens may take more than {MAX_LEVELS} levels to come down to one; give a "
+                f"smaller max_summary_tokens or a larger chunk_tokens, or split the document", param="documents")
 
 
 def start_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
@@ -104,6 +116,7 @@ def start_run(settings: Settings, principal: Principal, documents: list[Document
     backend = driver.collector_for(settings, run, {})
     planner = driver.planner_for(settings, run, backend)
     run.jobs_submitted = sum(advance_doc(doc, {}, planner).submitted for doc in docs)
+    check_depth(docs, budget, overlap_tokens, max_summary_tokens)
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
         s.add(run)
         s.flush()  # the run before the rows that name it

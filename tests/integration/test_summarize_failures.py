@@ -136,3 +136,20 @@ def test_a_tenant_disabled_by_an_admin_ends_its_runs_as_cancelled_naming_why(cli
         assert s.get(SummarizationRun, theirs).status == "running"  # another tenant's run goes on
     assert {d.doc_id: (d.summary, d.error) for d in _docs(settings, run_id).values()} == {
         "done": ("A cat in the warmth.", None), "open": (None, "cancelled: its tenant was disabled")}
+
+
+def test_a_document_too_long_for_the_levels_is_refused_before_any_job(client, keys, settings):
+    """Summaries of half a chunk halve a level's chunks only: 50 chunks would need 8 levels, and the document failed
+    at the 7th, after all its jobs; now the start says which document and what to change."""
+    text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(250))
+    body = {"documents": [{"id": "short", "text": "The cat sat."}, {"id": "book", "text": text}], "deadline": "30m",
+            "chunk_tokens": 64, "overlap_tokens": 0}
+    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 32})
+    assert r.status_code == 422, r.text
+    error = r.json()["detail"][0]
+    assert error["loc"] == ["body", "documents"] and "document 'book' is" in error["msg"], error
+    assert "more than 6 levels" in error["msg"] and "smaller max_summary_tokens" in error["msg"], error
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
+    ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 8})
+    assert ok.status_code == 201, ok.text

@@ -112,7 +112,7 @@ def test_api_killed_mid_run_the_run_still_completes(api, client, keys, settings,
     h = Keys.header(keys.paid)
     progress = client.get(f"/v1/summarize/{run_id}", headers=h).json()
     assert progress == {"id": run_id, "object": "summarization", "model": run.model, "status": "completed",
-                        "deadline_at": progress["deadline_at"], "documents": 2, "documents_done": 2,
+                        "reason": None, "deadline_at": progress["deadline_at"], "documents": 2, "documents_done": 2,
                         "documents_failed": 0, "jobs_submitted": len(jobs), "jobs_done": len(jobs)}
     assert progress["deadline_at"].endswith("Z")
     r = client.get(f"/v1/summarize/{run_id}/results", headers=h)

@@ -8,7 +8,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from app.summarize.documents import Document, load_paths, specbench_summarization
-from app.summarize.pipeline import DocState, JobResult, Planner, SummarizeRun, advance_doc
+from app.summarize.pipeline import (MAX_LEVELS, DocState, JobResult, Planner, SummarizeRun, advance_doc,
+                                    levels_needed)
 from app.summarize.split import split_text
 
 
@@ -164,6 +165,13 @@ def test_a_retry_waits_out_a_backoff_that_doubles():
     t1 = t0 + timedelta(seconds=30)
     advance_doc(doc, backend.poll(doc.pending), planner(t1))  # failed again: 20 s
     assert doc.retry_at == t1 + timedelta(seconds=20) and doc.retry_at is not None and doc.retries == 1
+
+
+def test_levels_needed_counts_the_levels_of_the_longest_summaries():
+    assert levels_needed(1, 1024, 64, 128) == 1 and levels_needed(2, 1024, 64, 128) == 2
+    assert levels_needed(500, 1024, 64, 128) == 5  # 500 -> 68 -> 10 -> 2 -> 1 (a 2 MB document, default sizes)
+    assert levels_needed(32, 64, 0, 31) == MAX_LEVELS  # halving: 32 -> 16 -> 8 -> 4 -> 2 -> 1
+    assert levels_needed(50, 64, 0, 32) > MAX_LEVELS and levels_needed(10**9, 64, 0, 32) == MAX_LEVELS + 1
 
 
 def test_loaders(tmp_path):
