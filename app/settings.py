@@ -147,7 +147,7 @@ class Settings(BaseSettings):
                                        "engine error, its workers' deaths) or expired is submitted again before its "
                                        "document fails; a cancelled job or one the engine refused is not")
     summarize_retry_backoff_s: float = Field(5.0, ge=0, description="the wait before a summarization chunk's first "
-                                             "retry; doubled for each later one")
+                                             "retry; doubled for each later one, up to an hour")
     engine_error_limit: int = Field(3, ge=1, description="engine steps that raise with no token made between them "
                                     "after which the worker gives its jobs back and exits with status 1, as vLLM's "
                                     "server exits when its engine dies (a broken device fails every step)")

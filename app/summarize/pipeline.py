@@ -30,6 +30,7 @@ REDUCE_PROMPT = ("These are summaries of consecutive parts of one document. Writ
                  "whole document.\n\n{text}")
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 INVALID_REQUEST = "invalid_request"  # a job's error_code where the engine refused the request itself (app.errors)
+RETRY_BACKOFF_CAP_S = 3600.0  # the longest wait before a retry, however many came before
 RETRY_ERRORS_KEPT = 10  # the reasons of a document's retried jobs its results line keeps (the first ones)
 
 
@@ -155,7 +156,7 @@ def _retry_or_fail(doc: DocState, states: list[Sequence], attempts: list[int], b
             return 0
     now = planner.now
     if doc.retry_at is None and planner.retry_backoff_s > 0 and now is not None:
-        wait = planner.retry_backoff_s * 2 ** max(attempts[i] for i in bad)
+        wait = min(RETRY_BACKOFF_CAP_S, planner.retry_backoff_s * 2 ** max(attempts[i] for i in bad))
         doc.retry_at, doc.attempts = now + timedelta(seconds=wait), attempts
         return 0
     if now is not None and not doc.due(now):

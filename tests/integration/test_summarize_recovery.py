@@ -118,7 +118,8 @@ def test_api_killed_mid_run_the_run_still_completes(api, client, keys, settings,
     r = client.get(f"/v1/summarize/{run_id}/results", headers=h)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/jsonl")
     rows = [json.loads(line) for line in r.text.splitlines()]
-    assert [list(row) for row in rows] == [["id", "summary", "error", "chunks", "levels", "jobs"]] * 2
+    assert [list(row) for row in rows] == [["id", "summary", "error", "chunks", "levels", "jobs", "retries",
+                                            "retry_errors"]] * 2
     assert [row["id"] for row in rows] == ["long", "short"]
     assert all(isinstance(row["summary"], str) and row["error"] is None for row in rows)
     assert rows[0]["levels"] >= 2 and rows[1] == {**rows[1], "chunks": 1, "levels": 1, "jobs": 1}
