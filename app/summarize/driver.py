@@ -212,6 +212,8 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: 
     # ended: all but those the documents wait for (the others' as the look saw them: a view counts again)
     values = {"documents_done": done, "documents_failed": failed, "status": status, "jobs_submitted": submitted,
               "jobs_done": max(run.jobs_done, submitted - waiting - open_jobs(list(docs.values()), results))}
+    if status == "failed":
+        values["reason"] = "no document was summarized: each result line's error says why"
     dispatched = bool(settings.redis_url)
     with session_scope(url) as s, write_guard(s):
         if not _advance_version(s, run, owner, values):

@@ -139,8 +139,9 @@ def test_a_tenant_disabled_by_an_admin_ends_its_runs_as_cancelled_naming_why(cli
 
 
 def test_a_document_too_long_for_the_levels_is_refused_before_any_job(client, keys, settings):
-    """Summaries of half a chunk halve a level's chunks only: 50 chunks would need 8 levels, and the document failed
-    at the 7th, after all its jobs; now the start says which document and what to change."""
+    """Summaries of up to half a chunk halve a level's chunks only: 50 chunks may need 8 levels, and the document
+    failed at the 7th, after all its jobs, where they came out that long (the start took it); now the start says
+    which document and what to change."""
     text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(250))
     body = {"documents": [{"id": "short", "text": "The cat sat."}, {"id": "book", "text": text}], "deadline": "30m",
             "chunk_tokens": 64, "overlap_tokens": 0}

@@ -190,6 +190,7 @@ def test_failed_jobs_fail_their_document_and_a_pipeline_error_fails_the_run(sett
     finish_jobs(url, status="failed")
     assert driver.advance(settings, run_id, "p1").status == "failed"  # no document has a summary
     assert run_row(url, run_id).documents_failed == 1
+    assert run_row(url, run_id).reason == "no document was summarized: each result line's error says why"
     assert "1 job(s) failed" in service.view(settings, run_id, with_results=True).results.decode()
     assert "not retried: retries are off" in service.view(settings, run_id, with_results=True).results.decode()
 
@@ -203,6 +204,7 @@ def test_failed_jobs_fail_their_document_and_a_pipeline_error_fails_the_run(sett
     assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.STEPPED, "failed")
     run = run_row(url, run_id)
     assert (run.documents_done, run.documents_failed, run.lease_owner) == (2, 2, None)
+    assert run.reason == "pipeline error: no tokenizer today"
     assert "pipeline error: no tokenizer today" in service.view(settings, run_id, with_results=True).results.decode()
 
 
