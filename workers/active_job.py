@@ -14,6 +14,7 @@ from datetime import datetime
 from app.reasoning import ReasoningTokens
 from gpu_runtime.request import Request
 from workers.lease import Lease
+from workers.resume import Resumed
 
 
 @dataclass
@@ -32,10 +33,25 @@ class ActiveJob:
     relegated: bool = False  # engine thread (``ActiveJobs.set_relegated``): shed under overload, not resumed yet
     reasoning: ReasoningTokens | None = None  # engine thread: counts its thinking tokens (a reasoning parser's job)
     return_token_ids: bool = False  # its end carries the ids it generated (its request keeps them)
+    resumed: Resumed | None = None  # a rerun that goes on from an earlier attempt's tokens (``workers.resume``)
+
+    def __post_init__(self) -> None:
+        if self.resumed is not None:  # those tokens are this attempt's first: its text, ids and logprobs begin with them
+            r = self.resumed
+            self.text, self.produced, self.tokens = [r.text], len(r.text), len(r.token_ids)
+            self.logprobs = list(r.logprobs)
+            if self.reasoning is not None:
+                self.reasoning.feed(r.text, len(r.token_ids))
 
     @property
     def job_id(self) -> str:
         return self.lease.job_id
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every token id this attempt's output holds: those it went on from, then the engine's."""
+        before = list(self.resumed.token_ids) if self.resumed is not None else []
+        return before + list(self.request.output_token_ids)
 
 
 class ActiveJobs:

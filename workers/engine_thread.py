@@ -297,7 +297,7 @@ class EngineThread:
     def _produced(cls, job: ActiveJob, m: Any) -> dict[str, Any] | None:
         """What a job that ends cancelled keeps of its attempt: its output so far, or no output where the engine
         had begun its prompt only (None: the engine never scheduled it, or did not count)."""
-        started = m is not None and (m.num_output_tokens or m.queue_s is not None)
+        started = m is not None and (m.num_output_tokens or m.queue_s is not None or job.resumed is not None)
         return {**cls._output(job, m), **cls._timings(m)} if started else None
 
     @staticmethod
@@ -308,14 +308,18 @@ class EngineThread:
 
     @staticmethod
     def _output(job: ActiveJob, m: Any) -> dict[str, Any]:
-        """The job's columns of what its attempt produced: text, token counts, the logprobs it asked for."""
-        return {"output_text": "".join(job.text), "completion_tokens": m.num_output_tokens,
-                "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
-                "cache_write_tokens": m.num_cache_write_tokens,
-                "reasoning_tokens": job.reasoning.count if job.reasoning is not None else None,
-                "output_token_ids": list(job.request.output_token_ids) if job.return_token_ids else None,
-                "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
-                "prompt_logprobs": job.prompt_logprobs}
+        """The job's columns of what its attempt produced: text, token counts, the logprobs it asked for (a rerun
+        that went on from an earlier attempt's tokens: theirs too, each token counted once, the prompt as billed)."""
+        out = {"output_text": "".join(job.text), "completion_tokens": m.num_output_tokens,
+               "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
+               "cache_write_tokens": m.num_cache_write_tokens,
+               "reasoning_tokens": job.reasoning.count if job.reasoning is not None else None,
+               "output_token_ids": job.output_token_ids if job.return_token_ids else None,
+               "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
+               "prompt_logprobs": job.prompt_logprobs}
+        if job.resumed is not None:
+            out.update(job.resumed.usage(m.num_output_tokens, m.num_cached_tokens, m.num_cache_write_tokens))
+        return out
 
     @classmethod
     def _expiry(cls, job: ActiveJob, out: Any) -> Record:

@@ -49,7 +49,7 @@ from app.services.dispatch import send_job
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
-from app.services.streaming import CANCEL_CHANNEL
+from app.services.streaming import CANCEL_CHANNEL, StreamEvent, stream_key
 from app.services.transitions import PENDING, as_utc, utcnow
 from app.settings import Settings
 from app.summarize.driver import advance_open_runs
@@ -59,6 +59,7 @@ from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 from workers import decode_history
 from workers import lease as leases
+from workers import resume
 from workers.active_job import ActiveJob, ActiveJobs
 from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, get_celery, message_priority, queue_lists,
                                 queue_name)
@@ -66,6 +67,7 @@ from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
 from workers.inbox import Abort, Add, Inbox, Learn
 from workers.outbox import Outbox, StepRecords
+from workers.resume import Resumed
 from workers.room import batch_room, has_room
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
 from workers.sweeper import reroute, sweep
@@ -264,11 +266,44 @@ class GpuWorker:
             created = as_utc(job.created_at)
             parser = (job.sampling or {}).get("reasoning_parser")
             return_ids = bool((job.sampling or {}).get("return_token_ids"))
+        resumed = self._resumed(lease, request) if lease.attempt > 1 else None
+        active = ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
+                           return_token_ids=return_ids, resumed=resumed)
+        if resumed is not None:
+            # the attempt's stream begins with the tokens it goes on from (a follower cuts what its client has)
+            data = {"token_offset": 0} | ({"logprobs": list(resumed.logprobs), "logprobs_offset": 0}
+                                          if resumed.logprobs else {})
+            self.outbox.put(StepRecords(deltas=[(job_id, StreamEvent("delta", lease.attempt, resumed.text,
+                                                                     list(resumed.token_ids), data=data, offset=0))]))
         # registered and queued under one lock: an abort that sees the job is applied after its add
         with self.active.lock:
-            self.active.add(ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
-                                      return_token_ids=return_ids))
+            self.active.add(active)
             self.inbox.put(Add(job_id))
+
+    def _resumed(self, lease: leases.Lease, request: Request) -> Resumed | None:
+        """Where an earlier attempt of the job streamed tokens: ``request`` goes on from them (``workers.resume``;
+        its prompt and sampling are changed here). None: it runs from scratch (nothing usable was streamed, or the
+        stream cannot be read: a rerun from scratch is always correct)."""
+        try:
+            raw = self.redis.xrange(stream_key(lease.job_id))
+            done = resume.streamed((StreamEvent.parse(fields) for _id, fields in raw), lease.attempt)
+            sp = request.sampling
+            tokenizer = getattr(self, "tokenizer", None) or get_tokenizer(self.settings.model)
+            plan = resume.plan(sp, request.prompt_token_ids, done,
+                               lambda ids: tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens))
+        except Exception:  # never fails the job: it runs from scratch
+            log.exception("could not read what the earlier attempts of %s streamed; it runs from scratch", lease.job_id)
+            return None
+        if plan is None:
+            if done is not None:
+                log.info("job %s attempt %d runs from scratch (%s)", lease.job_id, lease.attempt,
+                         resume.refusal(sp) or "what was streamed cannot be gone on from")
+            return None
+        request.prompt_token_ids = plan.prompt(request.prompt_token_ids)
+        request.sampling = plan.sampling(sp)
+        log.info("job %s attempt %d goes on after the %d tokens its earlier attempt streamed", lease.job_id,
+                 lease.attempt, len(plan.token_ids))
+        return plan
 
     def _has_room(self, priority: int) -> bool:
         """Whether the engine takes a job of message ``priority`` now: a batch job leaves the interactive reserve
