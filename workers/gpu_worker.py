@@ -75,6 +75,7 @@ from workers.sweeper import reroute, sweep
 log = logging.getLogger(__name__)
 
 WEBHOOK_POLL_S = 1.0  # how often a worker looks for webhook deliveries that are due
+PUBLISH_WAIT_S = 1.0  # how long a rerun waits for its earlier attempt's stream events to go out of this worker
 LOOK_S = 0.25  # how often a batch job waiting for engine room looks for an interactive one to give way to
 
 
@@ -284,6 +285,13 @@ class GpuWorker:
         """Where an earlier attempt of the job streamed tokens: ``request`` goes on from them (``workers.resume``;
         its prompt and sampling are changed here). None: it runs from scratch (nothing usable was streamed, or the
         stream cannot be read: a rerun from scratch is always correct)."""
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while self.outbox.publishing(lease.job_id):  # an earlier attempt here left; its last deltas go out first
+            if time.monotonic() >= deadline:  # held (Redis away): what a client has is not known
+                log.info("job %s attempt %d runs from scratch: its earlier attempt's stream events wait for Redis",
+                         lease.job_id, lease.attempt)
+                return None
+            time.sleep(0.01)
         try:
             raw = self.redis.xrange(stream_key(lease.job_id))
             done = resume.streamed((StreamEvent.parse(fields) for _id, fields in raw), lease.attempt)

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,6 +75,7 @@ class Outbox:
         self._steps: queue.Queue[StepRecords | None] = queue.Queue()
         self._retry: list[Record] = []
         self._events: deque[tuple[str, StreamEvent]] = deque()
+        self._unpublished: Counter[str] = Counter()  # of those events, how many each job has (read by any thread)
         self._publish_after = 0.0
         self._publish_backoff = 0.0
         self._thread: threading.Thread | None = None
@@ -95,6 +96,10 @@ class Outbox:
         self._steps.put(None)
         if self._thread is not None:
             self._thread.join(timeout + 5)
+
+    def publishing(self, job_id: str) -> bool:
+        """Whether stream events of ``job_id`` wait to be published (any thread may ask)."""
+        return self._unpublished.get(job_id, 0) > 0
 
     @property
     def pending(self) -> int:
@@ -173,12 +178,19 @@ class Outbox:
 
     def _queue_events(self, events: list[tuple[str, StreamEvent]]) -> None:
         self._events.extend(events)
+        self._unpublished.update(job_id for job_id, _ in events)
         overflow = len(self._events) - MAX_WAITING_EVENTS
         if overflow > 0:
             for _ in range(overflow):
-                self._events.popleft()
+                self._published(self._events.popleft()[0])
             log.error("dropped the %d oldest stream events waiting for Redis (readers fill the gap from SQL)",
                       overflow)
+
+    def _published(self, job_id: str) -> None:
+        if (left := self._unpublished[job_id] - 1) > 0:
+            self._unpublished[job_id] = left
+        else:
+            self._unpublished.pop(job_id, None)
 
     def flush_events(self) -> None:
         """Publishes the waiting events in order; on a Redis error they stay, to be sent again."""
@@ -199,7 +211,7 @@ class Outbox:
                     log.warning("streams paused, %d events wait for Redis: %s", len(self._events), exc)
                 return
             for _ in chunk:
-                self._events.popleft()
+                self._published(self._events.popleft()[0])
             if self._publish_backoff:
                 log.warning("Redis is back: streams resumed")
                 self._publish_backoff = 0.0

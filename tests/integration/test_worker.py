@@ -348,3 +348,41 @@ def test_draining_worker_takes_no_new_jobs(service):
     with session_scope(settings.sqlalchemy_url) as s:
         s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=False))
     assert wait_status(client, keys.paid, job_id, {"succeeded"})["worker_id"] == "w1"
+
+
+def test_a_job_run_again_after_its_lease_lapsed_goes_on_from_what_it_streamed(service):
+    """A lease that lapsed mid-job (a late heartbeat; a worker that died is the same to the sweeper): the sweeper sends
+    the job again, the worker stops attempt 1, and attempt 2 goes on from the tokens attempt 1 streamed instead of
+    generating them again; a client following the stream gets the job's text once, with no divergence."""
+    from tests.integration.test_worker_threads import _lapse_and_requeue
+
+    client, key, settings = service.client, service.keys.paid, service.settings
+    tokens = 1200  # a few seconds of work: it runs on well past the lapse
+    job_id = submit(client, key, max_tokens=tokens, prompt="a", temperature=0.0)
+    seen = wait_for(lambda: (n := _streamed(settings, job_id)[1]) >= 8 and n, 60, f"{job_id} to generate")
+    _lapse_and_requeue(settings, job_id)
+    job = wait_status(client, key, job_id, {"succeeded", "failed"}, timeout=120)
+    assert (job["status"], job["attempt"], job["completion_tokens"]) == ("succeeded", 2, tokens), job
+    evs = [StreamEvent.parse(f) for _id, f in redis.Redis.from_url(settings.redis_url).xrange(stream_key(job_id))]
+    first = [e.token_ids for e in evs if e.type == "delta" and e.attempt == 1]
+    produced = [t for ids in first for t in ids]
+    # attempt 2's stream begins with those tokens (at its offset 0) and its engine made only the rest
+    resumed = next(e for e in evs if e.type == "delta" and e.attempt == 2)
+    assert len(produced) >= seen and (resumed.offset, resumed.data["token_offset"]) == (0, 0)
+    assert resumed.token_ids == produced, (len(resumed.token_ids), len(produced))
+    assert evs[-1].data["metrics"]["num_output_tokens"] == tokens - len(produced)
+
+    async def follow():
+        from redis.asyncio import Redis
+
+        r = Redis.from_url(settings.redis_url)
+        try:
+            return [ev async for ev in follow_job(r, job_id, block_ms=200)]
+        finally:
+            await r.aclose()
+
+    followed = asyncio.run(asyncio.wait_for(follow(), 60))
+    kinds = [e.type for e in followed]
+    assert "error" not in kinds and kinds[-1] == "end", followed[-1]  # no stream_diverged
+    assert "".join(e.text for e in followed if e.type == "delta") == job["output_text"]
+    assert sum(len(e.token_ids) for e in followed) == tokens
