@@ -371,6 +371,10 @@ def test_a_job_run_again_after_its_lease_lapsed_goes_on_from_what_it_streamed(se
     assert len(produced) >= seen and (resumed.offset, resumed.data["token_offset"]) == (0, 0)
     assert resumed.token_ids == produced, (len(resumed.token_ids), len(produced))
     assert evs[-1].data["metrics"]["num_output_tokens"] == tokens - len(produced)
+    from app.services.truncation import fed_prompt
+
+    with session_scope(settings.sqlalchemy_url) as s:  # the prompt billed as fed, not with the tokens fed after it
+        assert job["prompt_tokens"] == len(fed_prompt(settings, s.get(Job, job_id))), job
 
     async def follow():
         from redis.asyncio import Redis
