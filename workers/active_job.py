@@ -36,7 +36,7 @@ class ActiveJob:
     resumed: Resumed | None = None  # a rerun that goes on from an earlier attempt's tokens (``workers.resume``)
 
     def __post_init__(self) -> None:
-        if self.resumed is not None:  # those tokens are this attempt's first: its text, ids and logprobs begin with them
+        if self.resumed is not None:  # those tokens are this attempt's first: its text, ids, logprobs begin with them
             r = self.resumed
             self.text, self.produced, self.tokens = [r.text], len(r.text), len(r.token_ids)
             self.logprobs = list(r.logprobs)

@@ -35,7 +35,7 @@ from gpu_runtime.sampling import SamplingParams
 
 @dataclass
 class _Placed:
-    """A sequence rebuilt from pieces that say where they start (a repeated piece overlaps, a lost one leaves a hole)."""
+    """A sequence rebuilt from pieces that say where they start (a repeated one overlaps, a lost one leaves a hole)."""
 
     items: list = field(default_factory=list)
     hole: bool = False
