@@ -1,32 +1,38 @@
 """Admin dashboard: a server-rendered page (Jinja2) whose JS polls the JSON endpoints here.
 
 JSON endpoints need an admin API key. Actions: resume a relegated job, promote (change
-tier), cancel a running or relegated job, drain/undrain a worker. Resume/promote reach the job's worker over Redis
+tier), cancel an open job, cancel a running summarization run, drain/undrain a worker. Resume/promote reach the job's worker over Redis
 pub/sub (``workers/control.py``); drain is the ``workers.draining`` flag its heartbeat reads.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
+import threading
 from collections import defaultdict
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import redis
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
-from sqlalchemy import case, func, select, update
+from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.orm import load_only
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
+from app.api.summarize import RUN_ID
 from app.batch.queue_limit import queued_by_tenant
-from app.db.models import Job, JobEvent, JobStatus, Tenant, WorkerState
+from app.db import pagination
+from app.db.models import Job, JobEvent, JobStatus, SummarizationRun, Tenant, WorkerState
 from app.db.session import write_after_read
+from app.observability.tally import SETTLE
 from app.schemas import JobPublic
 from app.services import jobs as job_service
 from app.services import lora_adapters
@@ -35,6 +41,9 @@ from app.services.notify import redis_client
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 from app.services.usage import UsageQuery, completions_usage, epoch
 from app.services.workers import heartbeat_cutoff
+from app.summarize import driver as summarize_driver
+from app.summarize import service as summarize_service
+from app.summarize import store as summarize_store
 from app.wire import Text, utc_z
 
 log = logging.getLogger(__name__)
@@ -46,7 +55,13 @@ APP_DIR = Path(__file__).resolve().parents[1]
 templates = Jinja2Templates(directory=str(APP_DIR / "templates"))
 STATIC = APP_DIR / "static"
 OPEN = [s.value for s in JobStatus if not s.terminal]
-JOBS_SHOWN = 500  # rows of the running and relegated jobs' table
+JOBS_SHOWN = 500  # rows of the jobs table's page (the default and the most ``limit`` takes)
+# the jobs table's statuses, in the order it lists them: the relegated first (what an operator acts on: a page must
+# not hide them behind older running ones), then running, then those waiting for an engine
+TABLE_STATUSES = (JobStatus.RELEGATED.value, JobStatus.RUNNING.value, JobStatus.DISPATCHED.value,
+                  JobStatus.QUEUED.value)
+TableStatus = Literal["relegated", "running", "dispatched", "queued"]
+IN_ENGINE = [JobStatus.RELEGATED.value, JobStatus.RUNNING.value]  # the table's statuses when none is asked for
 # what the overview's table and overdue_s read of a job
 SHOWN_COLUMNS = (Job.id, Job.model, Job.tier, Job.kind, Job.status, Job.worker_id, Job.relegation_count,
                  Job.tenant_id, Job.created_at, Job.first_token_at, Job.deadline_at, Job.ttft_ms, Job.tbt_ms)
@@ -107,20 +122,88 @@ def _relegated_at(session, job_ids: list[str]) -> dict[str, datetime]:
 
 
 SLO_BUCKET_S = 60
+SLO_FRESH_S = 5.0  # an API process counts the minutes not settled yet at most this often (every dashboard polls 1/s)
+
+Counts = dict[tuple[int, str], list[int]]  # (bucket's start, tier) -> [met, violated]
 
 
-def slo_series(session, minutes: int, bucket_s: int = SLO_BUCKET_S) -> list[dict[str, Any]]:
-    """SLO attainment per time bucket and tier over the last ``minutes`` (finished jobs), counted in SQL: an hour
-    of a busy server's jobs is many rows, and the overview reads this every second."""
-    since = utcnow() - timedelta(minutes=minutes)
+def slo_counts(session, since: datetime, bucket_s: int = SLO_BUCKET_S) -> Counts:
+    """The finished jobs' SLO verdicts since ``since`` per time bucket and tier, counted in SQL (an hour of a busy
+    server's jobs is many rows): by ``ix_jobs_finished``."""
     bucket = (epoch(Job.finished_at, session.get_bind().dialect.name) // bucket_s).label("bucket")
     rows = session.execute(select(bucket, Job.tier, Job.slo_met, func.count())
                            .where(Job.finished_at >= since, Job.slo_met.is_not(None))
                            .group_by(bucket, Job.tier, Job.slo_met)).all()
-    acc: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+    acc: Counts = defaultdict(lambda: [0, 0])
     for index, tier, met, n in rows:
         acc[(int(index) * bucket_s, tier)][0 if met else 1] += n
-    return [{"t": t, "tier": tier, "met": m, "violated": v} for (t, tier), (m, v) in sorted(acc.items())]
+    return acc
+
+
+def _points(acc: Counts, first: int) -> list[dict[str, Any]]:
+    return [{"t": t, "tier": tier, "met": m, "violated": v} for (t, tier), (m, v) in sorted(acc.items()) if t >= first]
+
+
+def _first_bucket(minutes: int, bucket_s: int, now: datetime) -> int:
+    """The window's first bucket: the earliest that lies wholly in the last ``minutes`` (a cut one would count
+    fewer jobs as the clock moves on)."""
+    return -(-(int(now.timestamp()) - minutes * 60) // bucket_s) * bucket_s
+
+
+def slo_series(session, minutes: int, bucket_s: int = SLO_BUCKET_S) -> list[dict[str, Any]]:
+    """SLO attainment per time bucket and tier over the last ``minutes`` (finished jobs), all counted now."""
+    first = _first_bucket(minutes, bucket_s, utcnow())
+    return _points(slo_counts(session, epoch_utc(first), bucket_s), first)
+
+
+def epoch_utc(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
+
+class SloChart:
+    """``slo_series`` as the overview reads it every second: a bucket that ended ``SETTLE`` ago (the jobs finished
+    in it have been written, as the metrics' totals take it) is counted once and kept, per database; the buckets
+    after it are counted again at most every ``SLO_FRESH_S``. So a poll reads a few minutes of jobs, not the hour."""
+
+    def __init__(self, fresh_s: float = SLO_FRESH_S) -> None:
+        self.fresh_s = fresh_s
+        self._lock = threading.Lock()
+        # (database, bucket_s) -> (first bucket kept, first bucket not kept, counts); (..., the recent counts' time,
+        # the bucket they start at, them)
+        self._settled: dict[tuple[str, int], tuple[int, int, Counts]] = {}
+        self._recent: dict[tuple[str, int], tuple[float, int, Counts]] = {}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._settled.clear()
+            self._recent.clear()
+
+    def series(self, session, minutes: int, bucket_s: int = SLO_BUCKET_S) -> list[dict[str, Any]]:
+        bind = session.get_bind()
+        key = (str(getattr(bind, "url", None) or bind.engine.url), bucket_s)
+        now = utcnow()
+        first = _first_bucket(minutes, bucket_s, now)
+        settled = int((now - SETTLE).timestamp()) // bucket_s * bucket_s  # the buckets before it are settled
+        with self._lock:
+            lo, hi, kept = self._settled.get(key, (first, first, {}))
+            recent = self._recent.get(key)
+        if lo > first or hi < first:  # a longer window than kept, or all kept is older than the window
+            lo, hi, kept = first, first, {}
+        if recent is not None and recent[1] == hi and settled <= hi and now.timestamp() - recent[0] < self.fresh_s:
+            return _points({**kept, **recent[2]}, first)
+        counted = slo_counts(session, epoch_utc(hi), bucket_s)  # the buckets not kept
+        if settled > hi:  # keep the buckets settled since, and those of the last day only (the longest window)
+            day = _first_bucket(24 * 60, bucket_s, now)
+            kept = {k: v for k, v in kept.items() if k[0] >= day} | {k: v for k, v in counted.items() if k[0] < settled}
+            lo, hi = max(lo, day), settled
+            counted = {k: v for k, v in counted.items() if k[0] >= settled}
+        with self._lock:
+            self._settled[key] = (lo, hi, kept)
+            self._recent[key] = (now.timestamp(), hi, counted)
+        return _points({**kept, **counted}, first)
+
+
+SLO_CHART = SloChart()  # this API process's
 
 
 USAGE_COLUMNS = ("num_model_requests", "input_tokens", "output_tokens", "num_slo_met", "num_slo_missed",
@@ -146,20 +229,51 @@ def tenants(session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
     return {"now": utc_z(now), "tenants": rows}
 
 
-@router.get("/admin/api/overview", responses=ADMIN)
+def _cursor(rank: int, job: Job) -> str:
+    """An opaque ``after`` naming the table's row after which the next page starts (its place in the order, so the
+    next page starts right even once that job has moved on)."""
+    raw = json.dumps([rank, job.created_at.isoformat(), job.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _after_cursor(after: str) -> tuple[int, datetime, str]:
+    try:
+        rank, created_at, job_id = json.loads(base64.urlsafe_b64decode(after + "=" * (-len(after) % 4)))
+        return int(rank), datetime.fromisoformat(created_at), str(job_id)
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise unprocessable("after is not a cursor of this table: pass the jobs_next of the page before, or leave it "
+                            "out for the first page", "query", "after") from None
+
+
+@router.get("/admin/api/overview", responses={**ADMIN, **responses(422)})
 def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
-             minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60) -> dict[str, Any]:
+             minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60,
+             status_: Annotated[list[TableStatus] | None, Query(alias="status", description=(
+                 "the jobs table's statuses (repeat for several); default: relegated and running"))] = None,
+             after: Annotated[str | None, Query(max_length=400, description=(
+                 "the jobs table's page after this cursor (the jobs_next of the page before)"))] = None,
+             limit: Annotated[int | None, Query(ge=1, le=JOBS_SHOWN, description="the jobs table's rows")] = None
+             ) -> dict[str, Any]:
     now = utcnow()
     queues = [{"tier": tier, "status": st, "count": n} for st, tier, n in session.execute(
         select(Job.status, Job.tier, func.count()).where(Job.status.in_(OPEN)).group_by(Job.status, Job.tier))]
-    in_engine = Job.status.in_([JobStatus.RUNNING.value, JobStatus.RELEGATED.value])
-    # the relegated jobs first (what an operator acts on: a cut table must not hide them behind older running
-    # ones), each status oldest first; only the columns shown (a row's prompt and messages stay in SQL)
-    relegated_first = case((Job.status == JobStatus.RELEGATED.value, 0), else_=1)
-    active = list(session.scalars(select(Job).options(load_only(*SHOWN_COLUMNS)).where(in_engine)
-                                  .order_by(relegated_first, Job.created_at).limit(JOBS_SHOWN)))
+    limit = min(limit or JOBS_SHOWN, JOBS_SHOWN)
+    shown = [st for st in TABLE_STATUSES if st in (status_ or IN_ENGINE)]
+    in_table = Job.status.in_(shown)
+    # in TABLE_STATUSES' order, each status oldest first; only the columns shown (a row's prompt and messages stay
+    # in SQL)
+    rank = case(*((Job.status == st, i) for i, st in enumerate(TABLE_STATUSES)), else_=len(TABLE_STATUSES))
+    query = select(Job).options(load_only(*SHOWN_COLUMNS)).where(in_table)
+    if after:
+        mark_rank, mark_at, mark_id = _after_cursor(after)
+        query = query.where(or_(rank > mark_rank, and_(rank == mark_rank, pagination.after(
+            Job, mark_at, mark_id, newest_first=False))))
+    active = list(session.scalars(query.order_by(rank, *pagination.in_order(Job, newest_first=False))
+                                  .limit(limit + 1)))
+    more, active = len(active) > limit, active[:limit]
     # how many there are in all, so a cut table says so
-    total = len(active) if len(active) < JOBS_SHOWN else session.scalar(select(func.count()).where(in_engine))
+    total = len(active) if not (after or more) else session.scalar(select(func.count()).where(in_table))
+    jobs_next = _cursor(TABLE_STATUSES.index(active[-1].status), active[-1]) if more else None
     relegated_at = _relegated_at(session, [j.id for j in active if j.status == JobStatus.RELEGATED])
     jobs = []
     for j in active:
@@ -179,8 +293,8 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
                 "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {},
                 "alive": as_utc(w.heartbeat_at) >= alive_since}  # a worker that stopped without a word is "lost"
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
-    return {"now": utc_z(now), "queues": queues, "jobs": jobs, "jobs_total": total, "workers": workers,
-            "slo": slo_series(session, minutes), "slo_window_s": minutes * 60, "slo_bucket_s": SLO_BUCKET_S}
+    return {"now": utc_z(now), "queues": queues, "jobs": jobs, "jobs_total": total, "jobs_next": jobs_next,
+            "jobs_status": shown, "workers": workers, "slo": SLO_CHART.series(session, minutes), "slo_window_s": minutes * 60, "slo_bucket_s": SLO_BUCKET_S}
 
 
 def _job(session, job_id: str) -> Job:
@@ -286,3 +400,60 @@ def drain(worker_id: str, body: Drain, session: SessionDep, _admin: AdminPrincip
     if not n:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no worker {worker_id!r}")
     return {"id": worker_id, "draining": body.drain}
+
+
+RUN_STATUSES = ("running", "cancelling", "failed", "completed", "cancelled")
+RunStatus = Literal["running", "cancelling", "failed", "completed", "cancelled"]
+RUNS_SHOWN = 50  # rows of the summarization runs' table (the default and the most ``limit`` takes)
+
+
+def _run_row(run: SummarizationRun, session, tenants: dict[str, str]) -> dict[str, Any]:
+    progress = summarize_store.progress_of(run, session)  # a live run's jobs_done as of now
+    return {**progress.as_dict(), "deadline_at": utc_z(progress.deadline_at), "tenant_id": run.tenant_id,
+            "tenant": tenants.get(run.tenant_id), "tier": run.tier, "created_at": utc_z(as_utc(run.created_at)),
+            "finished_at": utc_z(as_utc(run.finished_at)) if run.finished_at else None}
+
+
+@router.get("/admin/api/summarizations", responses={**ADMIN, **responses(422)})
+def summarizations(session: SessionDep, _admin: AdminPrincipal,
+                   status_: Annotated[list[RunStatus] | None, Query(alias="status", description=(
+                       "only the runs in these statuses (repeat for several); default: all"))] = None,
+                   limit: Annotated[int, Query(ge=1, le=RUNS_SHOWN)] = RUNS_SHOWN,
+                   after: Annotated[str | None, Query(max_length=64, description=(
+                       "the last id of the page before"))] = None) -> dict[str, Any]:
+    """Every tenant's summarization runs (``/v1/summarize``), newest first, with their progress as their tenant
+    polls it and why one failed or was cancelled; ``counts``: how many runs there are in each status."""
+    query = select(SummarizationRun)
+    if status_:
+        query = query.where(SummarizationRun.status.in_(status_))
+    if after:
+        mark = session.get(SummarizationRun, after) if RUN_ID.fullmatch(after) else None
+        if mark is None:
+            raise unprocessable(f"no summarization {after!r}: pass the last id of the page before", "query", "after")
+        query = query.where(pagination.after(SummarizationRun, mark.created_at, mark.id))
+    rows = list(session.scalars(query.order_by(*pagination.in_order(SummarizationRun)).limit(limit + 1)))
+    tenants = dict(session.execute(select(Tenant.id, Tenant.name).where(
+        Tenant.id.in_({r.tenant_id for r in rows}))).all())
+    counts = dict(session.execute(select(SummarizationRun.status, func.count())
+                                  .group_by(SummarizationRun.status)).all())
+    return {"data": [_run_row(r, session, tenants) for r in rows[:limit]], "has_more": len(rows) > limit,
+            "counts": {st: counts.get(st, 0) for st in RUN_STATUSES}}
+
+
+@router.post("/admin/api/summarizations/{run_id}/cancel", responses={**ADMIN, **responses(404, 409)})
+def cancel_summarization(run_id: str, session: SessionDep, settings: SettingsDep,
+                         _admin: AdminPrincipal) -> dict[str, Any]:
+    """Any tenant's running run ends as ``POST /v1/summarize/{id}/cancel`` ends it, its ``reason`` naming the admin:
+    the documents not done fail, their jobs are cancelled, the summaries made so far stay."""
+    if not RUN_ID.fullmatch(run_id) or session.get(SummarizationRun, run_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no summarization {run_id!r}")
+    try:
+        cancelled = summarize_service.cancel(settings, run_id, summarize_driver.BY_ADMIN)
+    except summarize_driver.RunBusy:
+        raise HTTPException(status.HTTP_409_CONFLICT, "the run is being stepped right now; try again") from None
+    session.rollback()  # a new read: the cancel wrote in sessions of its own
+    run = session.get(SummarizationRun, run_id)
+    if not cancelled:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"the run is {run.status}: only a running run can be cancelled")
+    tenants = dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id == run.tenant_id)).all())
+    return {**_run_row(run, session, tenants), "action": "cancel", "cancelled": True}

@@ -302,6 +302,7 @@ class CancelReason:
 
 BY_REQUEST = CancelReason("cancelled by request", "cancelled with its summarization run")
 TENANT_DISABLED = CancelReason("cancelled: its tenant was disabled by an admin", "cancelled: its tenant was disabled")
+BY_ADMIN = CancelReason("cancelled by an admin", "cancelled by an admin with its summarization run")
 
 
 def cancel(settings: Settings, run_id: str, owner: str, reason: CancelReason = BY_REQUEST) -> bool:

@@ -192,9 +192,9 @@ def _drive(settings: Settings, run_id: str, owner: str) -> None:
     log.warning("stopped driving summarization %s here; the workers' sweeper carries it on", run_id)
 
 
-def cancel(settings: Settings, run_id: str) -> bool:
+def cancel(settings: Settings, run_id: str, reason: driver.CancelReason = driver.BY_REQUEST) -> bool:
     """``driver.cancel`` from this process (``driver.RunBusy`` where the run stayed busy)."""
-    return driver.cancel(settings, run_id, f"cancel-{socket.gethostname()}-{os.getpid()}")
+    return driver.cancel(settings, run_id, f"cancel-{socket.gethostname()}-{os.getpid()}", reason)
 
 
 def cancel_tenant_runs(settings: Settings, tenant_id: str) -> int:

@@ -176,3 +176,109 @@ def test_an_operator_finds_any_tenants_jobs_by_the_request_id_a_client_reports(c
     assert found["data"][0]["tenant_id"] == keys.tenant_id and found["data"][1]["tenant_id"] != keys.tenant_id
     assert client.get(url, params={"request_id": "req-none"}, headers=H(keys.admin)).json()["data"] == []
     assert client.get(url, headers=H(keys.admin)).status_code == 422  # the request id is what it searches by
+
+
+def _runs(settings, tenant_id: str, *statuses: str) -> list[str]:
+    """Summarization runs of ``tenant_id``, one a second apart in this order (the last the newest), each with a
+    document; the running ones' model is one no worker serves, so nothing steps them."""
+    from datetime import timedelta
+
+    from app.db.models import SummarizationDocument, SummarizationRun
+    from app.services.transitions import utcnow
+
+    now, ids = utcnow(), []
+    with session_scope(settings.sqlalchemy_url) as s:
+        for i, st in enumerate(statuses):
+            run = SummarizationRun(tenant_id=tenant_id, model="no-worker-model", tier="paid", status=st,
+                                   deadline_at=now + timedelta(hours=1), max_summary_tokens=64, chunk_tokens=256,
+                                   overlap_tokens=0, documents=1, jobs_submitted=2, jobs_done=1,
+                                   created_at=now - timedelta(seconds=len(statuses) - i),
+                                   reason="no document was summarized" if st == "failed" else None)
+            s.add(run)
+            s.flush()
+            s.add(SummarizationDocument(run_id=run.id, position=0, doc_id="d0", text="some text"))
+            ids.append(run.id)
+    return ids
+
+
+def test_an_operator_sees_every_tenants_summarization_runs_newest_first_and_pages_them(client, keys, settings):
+    from app.db.models import Tenant
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        globex = s.query(Tenant.id).filter(Tenant.name == "globex").scalar()
+    older = _runs(settings, keys.tenant_id, "completed", "failed", "cancelling")
+    newer = _runs(settings, globex, "running")
+    url = "/admin/api/summarizations"
+    assert client.get(url, headers=H(keys.paid)).status_code == 403  # a tenant's key sees no other's runs
+    body = client.get(url, headers=H(keys.admin)).json()
+    assert [r["id"] for r in body["data"]] == [*newer, *reversed(older)] and body["has_more"] is False
+    assert body["counts"] == {"running": 1, "cancelling": 1, "failed": 1, "completed": 1, "cancelled": 0}
+    failed = body["data"][2]
+    assert (failed["status"], failed["reason"], failed["tenant"], failed["tenant_id"]) == (
+        "failed", "no document was summarized", "acme", keys.tenant_id)
+    assert (failed["documents"], failed["jobs_submitted"], failed["jobs_done"]) == (1, 2, 1)
+    assert body["data"][0]["tenant"] == "globex" and body["data"][0]["deadline_at"].endswith("Z")
+    live = client.get(url, params=[("status", "running"), ("status", "cancelling")], headers=H(keys.admin)).json()
+    assert [r["id"] for r in live["data"]] == [newer[0], older[2]]
+    page = client.get(url, params={"limit": 2}, headers=H(keys.admin)).json()
+    assert [r["id"] for r in page["data"]] == [newer[0], older[2]] and page["has_more"] is True
+    rest = client.get(url, params={"limit": 2, "after": older[2]}, headers=H(keys.admin)).json()
+    assert [r["id"] for r in rest["data"]] == [older[1], older[0]] and rest["has_more"] is False
+    for bad in ({"status": "done"}, {"limit": 51}, {"after": "sum_none"}, {"after": "a\0b"}):
+        r = client.get(url, params=bad, headers=H(keys.admin))
+        assert r.status_code == 422, (bad, r.text)
+
+
+def test_an_operator_cancels_any_tenants_running_summarization_run(client, keys, settings):
+    from app.db.models import Tenant
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        globex = s.query(Tenant.id).filter(Tenant.name == "globex").scalar()
+    running, done = _runs(settings, globex, "running", "completed")
+    url = f"/admin/api/summarizations/{running}/cancel"
+    assert client.post(url, headers=H(keys.other)).status_code == 403  # not even its own tenant's key here
+    r = client.post(url, headers=H(keys.admin))
+    assert r.status_code == 200, r.text
+    assert (r.json()["status"], r.json()["reason"], r.json()["cancelled"]) == (
+        "cancelled", "cancelled by an admin", True)
+    # the tenant sees it as its own cancel would leave it: the document not done failed, naming why
+    mine = client.get(f"/v1/summarize/{running}", headers=H(keys.other)).json()
+    assert (mine["status"], mine["reason"], mine["documents_failed"]) == ("cancelled", "cancelled by an admin", 1)
+    again = client.post(url, headers=H(keys.admin))
+    assert again.status_code == 409 and "is cancelled" in again.json()["detail"], again.text
+    assert client.post(f"/admin/api/summarizations/{done}/cancel", headers=H(keys.admin)).status_code == 409
+    assert client.post("/admin/api/summarizations/sum_none/cancel", headers=H(keys.admin)).status_code == 404
+
+
+def test_the_jobs_table_filters_by_status_and_pages_by_cursor(client, keys, settings):
+    running = [_job(client, keys, settings, status="running") for _ in range(3)]
+    relegated = [_job(client, keys, settings, status="relegated") for _ in range(2)]
+    queued = [_job(client, keys, settings, status="queued") for _ in range(2)]
+
+    def pages(**params) -> list[list[str]]:
+        """Every page of the table, following jobs_next; each says how many rows all its pages hold."""
+        out, totals, after = [], set(), None
+        while True:
+            r = client.get("/admin/api/overview", params={**params, **({"after": after} if after else {})},
+                           headers=H(keys.admin))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            out.append([j["id"] for j in body["jobs"]])
+            totals.add(body["jobs_total"])
+            if not (after := body["jobs_next"]):
+                assert totals == {sum(map(len, out))}, totals
+                return out
+
+    assert pages(limit=2) == [relegated, running[:2], running[2:]]  # the relegated first, each oldest first
+    assert pages(status="queued") == [queued]
+    assert pages(status=["queued", "relegated"], limit=3) == [[*relegated, queued[0]], queued[1:]]
+    # a row that moves on between pages leaves the next page as it was
+    first = client.get("/admin/api/overview", params={"limit": 3}, headers=H(keys.admin)).json()
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(Job).where(Job.id == running[0]).values(status="succeeded"))
+    nxt = client.get("/admin/api/overview", params={"limit": 3, "after": first["jobs_next"]},
+                     headers=H(keys.admin)).json()
+    assert [j["id"] for j in nxt["jobs"]] == running[1:] and nxt["jobs_total"] == 4
+    for bad in ({"status": "succeeded"}, {"after": "not-a-cursor"}, {"limit": 501}):
+        r = client.get("/admin/api/overview", params=bad, headers=H(keys.admin))
+        assert r.status_code == 422, (bad, r.text)
