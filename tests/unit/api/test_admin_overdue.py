@@ -87,3 +87,42 @@ def test_slo_chart_points_are_counted_in_sql_by_minute_and_tier(db_url):
         finally:
             event.remove(engine, "before_cursor_execute", listen)
     assert statements and all("GROUP BY" in sql for sql in statements if "FROM jobs" in sql), statements
+
+
+def test_slo_chart_counts_a_settled_minute_once_and_the_recent_ones_again(db_url, monkeypatch):
+    """The overview's chart (every dashboard polls it each second) reads only the minutes not settled yet, at most
+    every few seconds: a minute that ended five minutes ago is counted once and kept."""
+    from datetime import UTC, datetime
+
+    from app.api import admin
+
+    chart = admin.SloChart(fresh_s=0)  # counts the recent minutes at each call
+    since = []
+    counts = admin.slo_counts
+    monkeypatch.setattr(admin, "slo_counts", lambda s, at, *a: since.append(at) or counts(s, at, *a))
+    with session_scope(db_url) as s:
+        s.add(Tenant(id="t1", name="t1", default_tier="paid"))
+        s.flush()
+        base, expected = slo_jobs(s, "t1")  # jobs ten minutes ago: settled
+        assert chart.series(s, 60) == admin.slo_series(s, 60) == expected
+        assert chart.series(s, 60) == expected
+        # the second call read from the settled edge (five minutes ago, to the minute) on, not the hour
+        settled = (int(utcnow().timestamp()) - 300) // 60 * 60
+        assert len(since) == 3 and since[2] >= datetime.fromtimestamp(settled - 60, UTC) > since[0], since
+        # a job that finishes now shows at the next poll; one written late into a settled minute does not
+        s.add_all([Job(tenant_id="t1", kind="interactive", tier="paid", model="tiny", status="succeeded", sampling={},
+                       finished_at=at, slo_met=False) for at in (utcnow(), datetime.fromtimestamp(base, UTC))])
+        s.commit()
+        now_bucket = int(utcnow().timestamp()) // 60 * 60
+        points = chart.series(s, 60)
+        assert points[:len(expected)] == expected and points[-1] == {
+            "t": now_bucket, "tier": "paid", "met": 0, "violated": 1}
+        fresh = admin.SloChart().series(s, 60)  # another process counts it afresh
+        assert [p["violated"] for p in fresh if (p["t"], p["tier"]) == (base, "paid")] == [2]
+    still = utcnow()
+    monkeypatch.setattr(admin, "utcnow", lambda: still)  # the clock stands: the next poll is within SLO_FRESH_S
+    with session_scope(db_url) as s:  # a poll reads no job at all then
+        lazy = admin.SloChart()
+        lazy.series(s, 60)
+        calls = len(since)
+        assert lazy.series(s, 60) == fresh and len(since) == calls
