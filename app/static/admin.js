@@ -3,9 +3,15 @@
 const KEY = "coserve.adminKey";
 const POLL_MS = 1000;
 const TENANTS_POLL_MS = 30000; // the tenants' day of usage is a heavier read than the overview
+const RUNS_POLL_MS = 5000;  // a run's progress reads its documents' jobs
 const $ = (sel) => document.querySelector(sel);
 let timer = null;
 let tenantsTimer = null;
+let runsTimer = null;
+// the jobs table's filter and pages: the cursor each page starts after (null: the first) and its first row's number
+let jobsStatus = "";
+let jobsPages = [{ after: null, from: 0 }];
+let jobsNext = null;  // the jobs_next of the page shown
 let refreshing = false;  // one overview read at a time: a slow one is not overtaken by the next
 let pointerDown = false;  // a press on a button the next redraw would replace
 const pending = new Set();  // "action job-or-worker id" of the actions sent and not answered yet
@@ -96,12 +102,25 @@ function renderQueues(queues) {
   }
 }
 
-function renderJobs(jobs, total) {
+function jobsPath() {
+  const q = new URLSearchParams();
+  if (jobsStatus) q.set("status", jobsStatus);
+  const page = jobsPages[jobsPages.length - 1];
+  if (page.after) q.set("after", page.after);
+  return "/admin/api/overview" + (q.size ? "?" + q : "");
+}
+
+function renderJobs(jobs, total, next) {
   const tbody = $("#jobs tbody");
   tbody.replaceChildren();
-  // the API sends the relegated jobs first, then the running ones, each oldest first
+  jobsNext = next;
+  $("#jobs-next").disabled = !next;
+  $("#jobs-first").disabled = jobsPages.length < 2;
+  // the API sends the relegated jobs first, then running, dispatched and queued ones, each oldest first
+  const from = jobsPages[jobsPages.length - 1].from;
   $("#jobs-shown").textContent = total > jobs.length
-    ? `(${jobs.length} of ${total}: the relegated first, then the oldest running)` : "";
+    ? `(${jobs.length ? from + 1 : 0}–${from + jobs.length} of ${total}: the relegated first, then the oldest)`
+    : "";
   for (const j of jobs) {
     const row = tbody.insertRow();
     row.id = "job-" + j.id;
@@ -237,6 +256,51 @@ async function refreshTenants() {
   catch (e) { if (e.message !== "auth") $("#status").textContent = "tenants update failed: " + e.message; }
 }
 
+// every tenant's summarization runs, newest first: progress, why one failed or was cancelled, and a Cancel
+function renderRuns(body) {
+  const tbody = $("#runs tbody");
+  tbody.replaceChildren();
+  const counts = Object.entries(body.counts).map(([st, n]) => `${st}: ${n}`).join(", ");
+  $("#runs-shown").textContent = `(${counts}${body.has_more ? `; the newest ${body.data.length} shown` : ""})`;
+  for (const r of body.data) {
+    const row = tbody.insertRow();
+    row.id = "run-" + r.id;
+    row.className = r.status;
+    cell(row, r.id);
+    cell(row, r.tenant || r.tenant_id, "tenant").title = r.tenant_id;
+    cell(row, r.model || "-");
+    cell(row, r.tier);
+    cell(row, r.status, "status");
+    cell(row, `${r.documents_done} / ${r.documents_failed} / ${r.documents}`, "num documents");
+    cell(row, `${r.jobs_done} / ${r.jobs_submitted}`, "num jobs");
+    cell(row, new Date(r.deadline_at).toLocaleString());
+    cell(row, r.reason || "-", "reason");
+    const td = row.insertCell();
+    if (r.status === "running") {
+      button(td, "Cancel", () => cancelRun(r), { title: `cancel ${r.id}`, id: r.id });
+    }
+  }
+}
+
+// POST /admin/api/summarizations/{id}/cancel: the documents not done fail and their jobs are cancelled, so it asks
+async function cancelRun(r) {
+  if (!window.confirm(`Cancel summarization ${r.id} of ${r.tenant || r.tenant_id}? The documents not summarized ` +
+    "yet fail; the summaries made so far stay.")) {
+    return { skipped: true };
+  }
+  const body = await api(`/admin/api/summarizations/${encodeURIComponent(r.id)}/cancel`, { method: "POST" });
+  await refreshRuns();
+  return body;
+}
+
+async function refreshRuns() {
+  const st = $("#runs-status").value;
+  try {
+    const body = await api("/admin/api/summarizations" + (st ? "?status=" + encodeURIComponent(st) : ""));
+    if (st === $("#runs-status").value && !holding()) renderRuns(body);
+  } catch (e) { if (e.message !== "auth") $("#status").textContent = "runs update failed: " + e.message; }
+}
+
 // SLO attainment (% met) per minute, one polyline per tier, drawn as inline SVG over a time axis that
 // ends now and spans the minutes with points (at least 10, at most the window), labelled in local time.
 function renderSlo(points, nowIso, windowS = 3600, bucketS = 60) {
@@ -302,10 +366,11 @@ async function refresh() {
   if (refreshing || holding()) return;  // the next poll draws it
   refreshing = true;
   try {
-    const o = await api("/admin/api/overview");
-    if (holding()) return;
+    const path = jobsPath();
+    const o = await api(path);
+    if (holding() || path !== jobsPath()) return;  // the filter or page changed meanwhile: the next poll draws it
     renderQueues(o.queues);
-    renderJobs(o.jobs, o.jobs_total);
+    renderJobs(o.jobs, o.jobs_total, o.jobs_next);
     renderWorkers(o.workers);
     renderSlo(o.slo, o.now, o.slo_window_s, o.slo_bucket_s);
     $("#dash").dataset.updated = o.now;
@@ -382,12 +447,15 @@ function show(loggedIn) {
   $("#logout").hidden = !loggedIn;
   clearInterval(timer);
   clearInterval(tenantsTimer);
+  clearInterval(runsTimer);
   if (loggedIn) {
     showJob(jobInAddress());
     refresh();
     timer = setInterval(refresh, POLL_MS);
     refreshTenants();
     tenantsTimer = setInterval(refreshTenants, TENANTS_POLL_MS);
+    refreshRuns();
+    runsTimer = setInterval(refreshRuns, RUNS_POLL_MS);
   }
 }
 
@@ -404,6 +472,18 @@ $("#login-form").addEventListener("submit", (ev) => {
   show(true);
 });
 $("#logout").addEventListener("click", () => logout());
+$("#jobs-status").addEventListener("change", () => {
+  jobsStatus = $("#jobs-status").value;
+  jobsPages = [{ after: null, from: 0 }];
+  refresh();
+});
+$("#jobs-next").addEventListener("click", () => {
+  if (!jobsNext) return;
+  jobsPages.push({ after: jobsNext, from: jobsPages[jobsPages.length - 1].from + $("#jobs tbody").rows.length });
+  refresh();
+});
+$("#jobs-first").addEventListener("click", () => { jobsPages = [{ after: null, from: 0 }]; refresh(); });
+$("#runs-status").addEventListener("change", refreshRuns);
 $("#job-search").addEventListener("submit", (ev) => {
   ev.preventDefault();
   location.hash = "job=" + encodeURIComponent($("#job-id").value.trim());

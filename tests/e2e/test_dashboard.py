@@ -1,6 +1,8 @@
 """The admin dashboard in a real headless Chromium: an overloaded worker relegates a free-tier
 job, the dashboard shows it, and its Resume button brings it back to running; a running job's
-Cancel button cancels it; a tenant's Disable and Enable buttons switch it; the SLO chart has a time
+Cancel button cancels it; the jobs table filters by status and pages; a tenant's summarization runs show
+their progress and why one failed, and a running one's Cancel button cancels it; a tenant's Disable and Enable
+buttons switch it; the SLO chart has a time
 axis, speculation state reads as key: value lines, a job found by its id shows why it was relegated, a
 worker without a heartbeat reads as lost, and nothing the page loads answers 404 (the favicon included)."""
 
@@ -71,7 +73,7 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
 
     from datetime import timedelta
 
-    from app.db.models import WorkerState
+    from app.db.models import SummarizationDocument, SummarizationRun, WorkerState
     from app.db.session import session_scope
     from app.services.transitions import utcnow
 
@@ -79,6 +81,14 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
     with session_scope(settings.sqlalchemy_url) as s:  # a worker that died without a word two hours ago
         s.add(WorkerState(id="w-gone", model=settings.model_name, queue="q", device="cpu",
                           heartbeat_at=utcnow() - timedelta(hours=2)))
+        runs = [SummarizationRun(tenant_id=keys.tenant_id, model="no-worker-model", tier="paid", status=st,
+                                 deadline_at=utcnow() + timedelta(hours=1), max_summary_tokens=64, chunk_tokens=256,
+                                 overlap_tokens=0, documents=1, reason=why) for st, why in (
+            ("failed", "no document was summarized"), ("running", None))]  # no worker serves its model: it waits
+        s.add_all(runs)
+        s.flush()
+        s.add_all(SummarizationDocument(run_id=r.id, position=0, doc_id="d0", text="text") for r in runs)
+        failed_run, running_run = (r.id for r in runs)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -142,6 +152,28 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         # tier buttons are labelled by their target and direction: free -> paid is up, paid -> free down
         expect(row.locator("button[data-action=promote][data-tier=paid]")).to_have_text("\u2191 paid")
         expect(page.locator(f"#job-{hog} button[data-action=demote][data-tier=free]")).to_have_text("\u2193 free")
+        # the jobs table by status, and a page at a time (one row a page here: the overview asked with limit=1)
+        page.select_option("#jobs-status", "running")
+        expect(page.locator("#jobs tbody tr")).to_have_count(1)
+        expect(page.locator(f"#job-{hog}")).to_have_count(1)
+        page.select_option("#jobs-status", "")
+        page.route("**/admin/api/overview*", lambda route: route.continue_(
+            url=route.request.url + ("&" if "?" in route.request.url else "?") + "limit=1"))
+        expect(page.locator("#jobs-shown")).to_contain_text("1\u20131 of 2")
+        expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{late}")  # the relegated first
+        page.click("#jobs-next")
+        expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{hog}")
+        expect(page.locator("#jobs-next")).to_be_disabled()
+        page.click("#jobs-first")
+        expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{late}")
+        page.unroute("**/admin/api/overview*")
+        # the summarization runs: a failed one says why; a running one's Cancel (a confirm dialog first)
+        expect(page.locator(f"#run-{failed_run} td.reason")).to_have_text("no document was summarized")
+        expect(page.locator(f"#run-{running_run} td.documents")).to_have_text("0 / 0 / 1")
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.locator(f"#run-{running_run} button[data-action=cancel]").click()
+        expect(page.locator(f"#run-{running_run} td.status")).to_have_text("cancelled", timeout=10_000)
+        expect(page.locator(f"#run-{running_run} td.reason")).to_have_text("cancelled by an admin")
         # the tracked docs/dashboard.png changes only on purpose
         shot = ROOT / "docs" / "dashboard.png" if os.environ.get("COSERVE_UPDATE_SCREENSHOT") == "1" else (
             tmp_path / "dashboard.png")
