@@ -1,7 +1,8 @@
 """Admin dashboard: a server-rendered page (Jinja2) whose JS polls the JSON endpoints here.
 
 JSON endpoints need an admin API key. Actions: resume a relegated job, promote (change
-tier), cancel an open job, cancel a running summarization run, drain/undrain a worker. Resume/promote reach the job's worker over Redis
+tier), cancel an open job, cancel a running summarization run, drain/undrain a worker.
+Resume/promote reach the job's worker over Redis
 pub/sub (``workers/control.py``); drain is the ``workers.draining`` flag its heartbeat reads.
 """
 
@@ -239,7 +240,9 @@ def _cursor(rank: int, job: Job) -> str:
 def _after_cursor(after: str) -> tuple[int, datetime, str]:
     try:
         rank, created_at, job_id = json.loads(base64.urlsafe_b64decode(after + "=" * (-len(after) % 4)))
-        return int(rank), datetime.fromisoformat(created_at), str(job_id)
+        if rank not in range(len(TABLE_STATUSES)) or not RUN_ID.fullmatch(job_id):  # ids share new_id's shape
+            raise ValueError(after)
+        return rank, datetime.fromisoformat(created_at), job_id
     except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
         raise unprocessable("after is not a cursor of this table: pass the jobs_next of the page before, or leave it "
                             "out for the first page", "query", "after") from None
@@ -294,7 +297,8 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
                 "alive": as_utc(w.heartbeat_at) >= alive_since}  # a worker that stopped without a word is "lost"
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
     return {"now": utc_z(now), "queues": queues, "jobs": jobs, "jobs_total": total, "jobs_next": jobs_next,
-            "jobs_status": shown, "workers": workers, "slo": SLO_CHART.series(session, minutes), "slo_window_s": minutes * 60, "slo_bucket_s": SLO_BUCKET_S}
+            "jobs_status": shown, "workers": workers, "slo": SLO_CHART.series(session, minutes),
+            "slo_window_s": minutes * 60, "slo_bucket_s": SLO_BUCKET_S}
 
 
 def _job(session, job_id: str) -> Job:

@@ -370,6 +370,7 @@ class SummarizationRun(Base):
     __table_args__ = (
         Index("uq_summarization_runs_tenant_idempotency", "tenant_id", "idempotency_key", unique=True),
         Index("ix_summarization_runs_tenant_created", "tenant_id", "created_at"),  # a tenant's runs, newest first
+        Index("ix_summarization_runs_created", "created_at"),  # every tenant's (the admin dashboard)
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("sum"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)

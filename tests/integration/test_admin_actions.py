@@ -279,6 +279,11 @@ def test_the_jobs_table_filters_by_status_and_pages_by_cursor(client, keys, sett
     nxt = client.get("/admin/api/overview", params={"limit": 3, "after": first["jobs_next"]},
                      headers=H(keys.admin)).json()
     assert [j["id"] for j in nxt["jobs"]] == running[1:] and nxt["jobs_total"] == 4
-    for bad in ({"status": "succeeded"}, {"after": "not-a-cursor"}, {"limit": 501}):
+    import base64
+    import json
+
+    forged = [base64.urlsafe_b64encode(json.dumps(c).encode()).decode() for c in (
+        [10**30, "2026-01-01T00:00:00", "job_x"], [0, "2026-01-01T00:00:00", "job\u0000x"], [0, 5, "job_x"])]
+    for bad in ({"status": "succeeded"}, {"after": "not-a-cursor"}, {"limit": 501}, *({"after": c} for c in forged)):
         r = client.get("/admin/api/overview", params=bad, headers=H(keys.admin))
         assert r.status_code == 422, (bad, r.text)
