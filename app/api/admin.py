@@ -248,6 +248,26 @@ def _after_cursor(after: str) -> tuple[int, datetime, str]:
                             "out for the first page", "query", "after") from None
 
 
+def jobs_page(session, shown: list[str], after: tuple[int, datetime, str] | None,
+              limit: int) -> tuple[list[Job], int, str | None]:
+    """The jobs table's page: the jobs in ``shown`` statuses after the cursor, how many there are in all (so a cut
+    table says so), and the cursor of the next page (None on the last)."""
+    in_table = Job.status.in_(shown)
+    # in TABLE_STATUSES' order, each status oldest first; only the columns shown (a row's prompt and messages stay
+    # in SQL)
+    rank = case(*((Job.status == st, i) for i, st in enumerate(TABLE_STATUSES)), else_=len(TABLE_STATUSES))
+    query = select(Job).options(load_only(*SHOWN_COLUMNS)).where(in_table)
+    if after:
+        mark_rank, mark_at, mark_id = after
+        query = query.where(or_(rank > mark_rank, and_(rank == mark_rank, pagination.after(
+            Job, mark_at, mark_id, newest_first=False))))
+    active = list(session.scalars(query.order_by(rank, *pagination.in_order(Job, newest_first=False))
+                                  .limit(limit + 1)))
+    more, active = len(active) > limit, active[:limit]
+    total = len(active) if not (after or more) else session.scalar(select(func.count()).where(in_table))
+    return active, total, _cursor(TABLE_STATUSES.index(active[-1].status), active[-1]) if more else None
+
+
 @router.get("/admin/api/overview", responses={**ADMIN, **responses(422)})
 def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
              minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60,
@@ -262,21 +282,7 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
         select(Job.status, Job.tier, func.count()).where(Job.status.in_(OPEN)).group_by(Job.status, Job.tier))]
     limit = min(limit or JOBS_SHOWN, JOBS_SHOWN)
     shown = [st for st in TABLE_STATUSES if st in (status_ or IN_ENGINE)]
-    in_table = Job.status.in_(shown)
-    # in TABLE_STATUSES' order, each status oldest first; only the columns shown (a row's prompt and messages stay
-    # in SQL)
-    rank = case(*((Job.status == st, i) for i, st in enumerate(TABLE_STATUSES)), else_=len(TABLE_STATUSES))
-    query = select(Job).options(load_only(*SHOWN_COLUMNS)).where(in_table)
-    if after:
-        mark_rank, mark_at, mark_id = _after_cursor(after)
-        query = query.where(or_(rank > mark_rank, and_(rank == mark_rank, pagination.after(
-            Job, mark_at, mark_id, newest_first=False))))
-    active = list(session.scalars(query.order_by(rank, *pagination.in_order(Job, newest_first=False))
-                                  .limit(limit + 1)))
-    more, active = len(active) > limit, active[:limit]
-    # how many there are in all, so a cut table says so
-    total = len(active) if not (after or more) else session.scalar(select(func.count()).where(in_table))
-    jobs_next = _cursor(TABLE_STATUSES.index(active[-1].status), active[-1]) if more else None
+    active, total, jobs_next = jobs_page(session, shown, _after_cursor(after) if after else None, limit)
     relegated_at = _relegated_at(session, [j.id for j in active if j.status == JobStatus.RELEGATED])
     jobs = []
     for j in active:

@@ -236,7 +236,7 @@ def test_usage_buckets_on_postgres(pg_url):
 
 def test_slo_chart_counts_on_postgres(pg_url):
     """The dashboard's SLO chart's grouped SQL (minute from PostgreSQL's epoch) counts what it counts on SQLite."""
-    from app.api.admin import slo_series
+    from app.api.admin import SloChart, slo_series
     from app.auth import create_tenant
     from app.db.migrate import upgrade
     from app.db.session import session_scope
@@ -246,6 +246,35 @@ def test_slo_chart_counts_on_postgres(pg_url):
     with session_scope(pg_url) as s:
         _, expected = slo_jobs(s, create_tenant(s, "slo-pg").id)
         assert slo_series(s, 60) == expected
+        chart = SloChart(fresh_s=0)
+        assert chart.series(s, 60) == expected and chart.series(s, 60) == expected  # the settled minutes kept
+
+
+def test_admin_jobs_table_pages_on_postgres(pg_url):
+    """The dashboard's jobs cursor (a timestamptz written out and read back) starts the next page right."""
+    from datetime import UTC, datetime
+
+    from app.api.admin import _after_cursor, jobs_page
+    from app.auth import create_tenant
+    from app.db.migrate import upgrade
+    from app.db.models import Job
+    from app.db.session import session_scope
+
+    upgrade(pg_url)
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "jobs-pg").id
+        at = datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=UTC)  # the same time to the microsecond: ties by id
+        jobs = [Job(id=f"job_{i}", tenant_id=tenant, kind="interactive", tier="paid", model="m", sampling={},
+                    status=st, created_at=at) for i, st in enumerate(("running", "relegated", "running", "running"))]
+        s.add_all(jobs)
+        s.commit()
+        seen, after = [], None
+        while True:
+            rows, total, after = jobs_page(s, ["relegated", "running"], after and _after_cursor(after), 2)
+            seen.append([j.id for j in rows])
+            if after is None:
+                break
+    assert seen == [["job_1", "job_0"], ["job_2", "job_3"]] and total == 4
 
 
 def test_metrics_keep_their_totals_on_postgres(pg_url):
