@@ -96,11 +96,9 @@ def test_jobs_run_stream_and_report_metrics(service):
     assert "kv_usage" in state and "queues" in state
 
 
-def test_follow_job_yields_deltas_until_the_end(service):
+def _followed(settings, job_id: str) -> list:
+    """Every event of ``job_id``'s stream as a client following it from the start gets them, to its end."""
     from redis.asyncio import Redis
-
-    client, keys, settings = service.client, service.keys, service.settings
-    job_id = submit(client, keys.paid, max_tokens=20)
 
     async def follow():
         r = Redis.from_url(settings.redis_url)
@@ -109,7 +107,13 @@ def test_follow_job_yields_deltas_until_the_end(service):
         finally:
             await r.aclose()
 
-    evs = asyncio.run(asyncio.wait_for(follow(), 60))
+    return asyncio.run(asyncio.wait_for(follow(), 60))
+
+
+def test_follow_job_yields_deltas_until_the_end(service):
+    client, keys, settings = service.client, service.keys, service.settings
+    job_id = submit(client, keys.paid, max_tokens=20)
+    evs = _followed(settings, job_id)
     assert evs[-1].terminal and evs[-1].status == "succeeded"
     text = "".join(e.text for e in evs if e.type == "delta")
     assert text == status_of(client, keys.paid, job_id)["output_text"]
@@ -375,17 +379,7 @@ def test_a_job_run_again_after_its_lease_lapsed_goes_on_from_what_it_streamed(se
 
     with session_scope(settings.sqlalchemy_url) as s:  # the prompt billed as fed, not with the tokens fed after it
         assert job["prompt_tokens"] == len(fed_prompt(settings, s.get(Job, job_id))), job
-
-    async def follow():
-        from redis.asyncio import Redis
-
-        r = Redis.from_url(settings.redis_url)
-        try:
-            return [ev async for ev in follow_job(r, job_id, block_ms=200)]
-        finally:
-            await r.aclose()
-
-    followed = asyncio.run(asyncio.wait_for(follow(), 60))
+    followed = _followed(settings, job_id)
     kinds = [e.type for e in followed]
     assert "error" not in kinds and kinds[-1] == "end", followed[-1]  # no stream_diverged
     assert "".join(e.text for e in followed if e.type == "delta") == job["output_text"]
