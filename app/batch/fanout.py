@@ -12,7 +12,7 @@ import logging
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import update
+from sqlalchemy import delete, select, update
 
 from app.auth import Principal
 from app.batch import lines as batch_lines
@@ -20,7 +20,7 @@ from app.batch import queue_limit
 from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
-from app.db.models import Batch, File, Job
+from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
 from app.services.dispatch import send_dispatched
@@ -32,6 +32,9 @@ from app.services.webhooks import emit
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# rows per transaction while a batch's jobs are written: SQLite's one write lock is held for one chunk at a time
+STAGE_CHUNK = 1000
 
 
 def batch_dir(data_dir: Path, batch_id: str) -> Path:
@@ -54,6 +57,12 @@ def start_batch(settings: Settings, batch_id: str) -> None:
             _fail(s, batch_id, errors=[{"code": "internal_error", "line": None,
                                         "message": "the server failed to validate the input file (its log says "
                                                    "why); no request of this batch ran, so it can be sent again"}])
+    # started, refused, cancelled or failed, the batch has left ``validating``: what is still staged is to be deleted
+    # (this run's rest, or what a run that died or lost the start to this one left)
+    try:
+        _drop_staged(settings.sqlalchemy_url, batch_id)
+    except Exception:  # left staged, they stay invisible and never run
+        log.exception("could not delete batch %s's staged jobs", batch_id)
 
 
 def _fail(session, batch_id: str, **values) -> None:
@@ -97,17 +106,18 @@ def _start(settings: Settings, batch_id: str) -> None:
     path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)
     path.write_text("".join(json.dumps(r) + "\n" for r in invalid))
-    rows = JobRows.of([(job, f"batch {batch_id}") for job in jobs], utcnow() if settings.redis_url else None)
-    with read_then_write(url) as s:  # SQLite's write lock from here: the rows are made before
-        if refused := _over_queue_limit(s, tenant_id, jobs):
+    dispatched_at = utcnow() if settings.redis_url else None
+    rows = JobRows.of([(job, f"batch {batch_id}") for job in jobs], dispatched_at)
+    with session_scope(url) as s:  # a read: a batch over its tenant's queue limit is refused before any row is written
+        refused = _over_queue_limit(s, tenant_id, jobs)
+    if refused:
+        with session_scope(url) as s, write_guard(s):
             _fail(s, batch_id, errors=[refused], total=parsed.total)
-            log.info("batch %s refused: %s", batch_id, refused["message"])
-            return
-        ok = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
-            status="in_progress", in_progress_at=utcnow(), total=parsed.total, failed=len(invalid),
-            completed=0)).rowcount == 1
-        if ok:  # the jobs go in with the batch's start, all or none: a restarted validation starts from nothing
-            rows.insert(s)
+        log.info("batch %s refused: %s", batch_id, refused["message"])
+        return
+    ok = _stage_and_start(url, batch_id, tenant_id, rows, jobs, dispatched_at, parsed.total, len(invalid))
+    if ok is None:
+        return
     if not ok:  # cancelled while validating: this ends it, with its event, unless the cancel's fan-in did
         with session_scope(url) as s, write_guard(s):
             tenant = s.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
@@ -120,6 +130,47 @@ def _start(settings: Settings, batch_id: str) -> None:
     if not jobs:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)
+
+
+def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, jobs: list[Job], dispatched_at,
+                     total: int, invalid: int) -> bool | None:
+    """Writes the batch's jobs ``STAGED`` in short transactions of ``STAGE_CHUNK`` rows (SQLite's write lock is
+    taken and let go between them, so interactive submissions and workers' writes go on), then starts the batch
+    and turns them queued/dispatched in one transaction: all or none of them become runnable. True: started; False:
+    the batch left ``validating`` meanwhile (cancelled, or started by another run); None: refused (failed)."""
+    for chunk in rows.chunks(STAGE_CHUNK):
+        with read_then_write(url) as s:
+            if s.scalar(select(Batch.status).where(Batch.id == batch_id)) != "validating":
+                return False  # cancelled while staging: the rest is not written
+            chunk.insert(s, status=STAGED)
+    status = JobStatus.DISPATCHED.value if dispatched_at is not None else JobStatus.QUEUED.value
+    with read_then_write(url) as s:  # one short transaction: no row is written here, only statuses change
+        if refused := _over_queue_limit(s, tenant_id, jobs):  # again, in the transaction that starts the batch
+            _fail(s, batch_id, errors=[refused], total=total)
+            log.info("batch %s refused: %s", batch_id, refused["message"])
+            return None
+        ok = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+            status="in_progress", in_progress_at=utcnow(), total=total, failed=invalid, completed=0)).rowcount == 1
+        if ok:
+            ids = [job.id for job in jobs]
+            moved = sum(s.execute(update(Job).where(Job.id.in_(ids[i:i + STAGE_CHUNK]), Job.status == STAGED)
+                                  .values(status=status)).rowcount for i in range(0, len(ids), STAGE_CHUNK))
+            if moved != len(ids):  # rolled back with the batch's start: start_batch fails the batch
+                raise RuntimeError(f"{len(ids) - moved} of batch {batch_id}'s {len(ids)} staged jobs went missing")
+    return ok
+
+
+def _drop_staged(url: str, batch_id: str) -> None:
+    """Deletes the batch's ``STAGED`` jobs (and their events), ``STAGE_CHUNK`` at a time. Call it once the batch has
+    left ``validating``: no run can start it then, so whatever is still staged is never to run."""
+    while True:
+        with read_then_write(url) as s:
+            ids = list(s.scalars(select(Job.id).where(Job.batch_id == batch_id, Job.status == STAGED)
+                                 .limit(STAGE_CHUNK)))
+            if not ids:
+                return
+            s.execute(delete(JobEvent).where(JobEvent.job_id.in_(ids)))
+            s.execute(delete(Job).where(Job.id.in_(ids), Job.status == STAGED))
 
 
 def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.ValidLine, batch_id: str, endpoint: str,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -80,10 +81,21 @@ class JobRows:
             rows.append(row)
         return cls(rows, events)
 
-    def insert(self, session: Session) -> None:
-        """Adds the rows to the session's transaction (the caller commits)."""
+    def chunks(self, size: int) -> Iterator[JobRows]:
+        """The rows ``size`` jobs at a time, each job with its events."""
+        events: dict[str, list[dict[str, Any]]] = {}
+        for event in self.events:
+            events.setdefault(event["job_id"], []).append(event)
+        for i in range(0, len(self.jobs), size):
+            part = self.jobs[i:i + size]
+            yield JobRows(part, [e for row in part for e in events[row["id"]]])
+
+    def insert(self, session: Session, status: str | None = None) -> None:
+        """Adds the rows to the session's transaction (the caller commits); with ``status``, the jobs go in with it
+        instead of their own (their events stay theirs)."""
         if self.jobs:
-            session.execute(insert(Job.__table__), self.jobs)
+            jobs = self.jobs if status is None else [{**row, "status": status} for row in self.jobs]
+            session.execute(insert(Job.__table__), jobs)
             session.execute(insert(JobEvent.__table__), self.events)
 
 

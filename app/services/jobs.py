@@ -22,7 +22,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from app import request_id
 from app.auth import Principal
 from app.db import pagination
-from app.db.models import Job, JobEvent, JobKind, JobStatus, new_id
+from app.db.models import STAGED, Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
 from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
@@ -431,7 +431,7 @@ def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, ki
     """Newest first; keyset pagination by (created_at, id), or plain offset.
 
     Filters combine with AND; ``created_after``/``created_before`` are exclusive bounds."""
-    q = select(Job).where(Job.tenant_id == tenant_id)
+    q = select(Job).where(Job.tenant_id == tenant_id, Job.status != STAGED)  # a fanning-out batch's: not yet
     if status:
         q = q.where(Job.status == status)
     if kind:

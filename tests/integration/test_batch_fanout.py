@@ -1,0 +1,133 @@
+"""A batch's jobs are written in short transactions (staged) and become runnable all at once when the batch starts:
+SQLite's write lock is let go between chunks, so interactive submissions go on during a large fan-out, and a
+failure midway leaves no job of the batch."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+
+import pytest
+import redis
+from sqlalchemy import func, select, text
+
+from app.batch import fanout
+from app.db.models import STAGED, Batch, Job, JobEvent
+from app.db.session import session_scope
+from app.services.job_writer import JobRows
+from tests.conftest import Keys
+from workers.celery_app import queue_lists, queue_name
+from workers.sweeper import _JOB_ID
+
+pytestmark = pytest.mark.integration
+
+
+def _create(client, keys, lines: int) -> dict:
+    body = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}}) for i in range(lines))
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", body.encode())}).json()
+    return client.post("/v1/batches", headers=Keys.header(keys.paid), json={  # fans out before it answers
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+
+
+def _messages(settings) -> Counter:
+    """How many messages on the model's queues name each job."""
+    r = redis.Redis.from_url(settings.redis_url)
+    return Counter(i.decode() for key in queue_lists(queue_name("tiny")) for raw in r.lrange(key, 0, -1)
+                   for i in set(_JOB_ID.findall(raw)))
+
+
+def _jobs(settings, batch_id: str) -> list[tuple[str, str]]:
+    with session_scope(settings.sqlalchemy_url) as s:
+        return [tuple(r) for r in s.execute(select(Job.id, Job.status).where(Job.batch_id == batch_id))]
+
+
+def test_every_job_is_dispatched_once_when_written_in_chunks(client, keys, settings, monkeypatch):
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    batch = _create(client, keys, 5)
+    assert batch["status"] == "validating"
+    jobs = _jobs(settings, batch["id"])
+    assert len(jobs) == 5 and {status for _, status in jobs} == {"dispatched"}
+    assert _messages(settings) == Counter({job_id: 1 for job_id, _ in jobs})
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Batch, batch["id"]).status == "in_progress"
+        events = s.execute(select(JobEvent.job_id, JobEvent.from_status, JobEvent.to_status)
+                           .where(JobEvent.job_id.in_([j for j, _ in jobs]))).all()
+    assert Counter((f, t) for _, f, t in events) == {(None, "queued"): 5, ("queued", "dispatched"): 5}
+
+
+def test_a_failure_midway_leaves_no_job_of_the_batch(client, keys, settings, monkeypatch):
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    with session_scope(settings.sqlalchemy_url) as s:  # the database refuses the third chunk's first row
+        s.execute(text("CREATE TRIGGER refuse_c4 BEFORE INSERT ON jobs WHEN NEW.custom_id = 'c4' "
+                       "BEGIN SELECT RAISE(ABORT, 'disk I/O error'); END"))
+    batch = _create(client, keys, 6)
+    got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
+    assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "internal_error"
+    assert "can be sent again" in got["errors"]["data"][0]["message"]
+    assert _jobs(settings, batch["id"]) == []  # the two chunks written before it are gone too
+    with session_scope(settings.sqlalchemy_url) as s:
+        events = select(func.count()).select_from(JobEvent).where(JobEvent.detail == f"batch {batch['id']}")
+        assert s.scalar(events) == 0
+    assert _messages(settings) == Counter()
+
+
+def _between_chunks(monkeypatch, action) -> None:
+    """Runs ``action()`` on another thread (as another request would) once the fan-out has written its first chunk
+    of 2 jobs and before it writes the next, and waits for it."""
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    real_chunks = JobRows.chunks
+
+    def chunks(self, size):
+        for i, chunk in enumerate(real_chunks(self, size)):
+            if i == 1:
+                t = threading.Thread(target=action)
+                t.start()
+                t.join(60)
+            yield chunk
+
+    monkeypatch.setattr(JobRows, "chunks", chunks)
+
+
+def _only_batch(settings) -> tuple[str, int]:
+    """The batch's id, and how many jobs are staged."""
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.scalar(select(Batch.id)), s.scalar(select(func.count()).select_from(Job).where(Job.status == STAGED))
+
+
+def test_an_interactive_submission_goes_through_while_a_batch_fans_out(client, keys, settings, monkeypatch):
+    seen: dict = {}
+
+    def submit():
+        seen["batch_id"], seen["staged"] = _only_batch(settings)
+        seen["submit"] = client.post("/v1/jobs", headers=Keys.header(keys.paid), json={"prompt": "Hi", "max_tokens": 2})
+        seen["listed"] = client.get("/v1/jobs", headers=Keys.header(keys.paid)).json()["data"]
+        seen["batch"] = client.get(f"/v1/batches/{seen['batch_id']}", headers=Keys.header(keys.paid)).json()["status"]
+        seen["messages"] = _messages(settings)
+
+    _between_chunks(monkeypatch, submit)
+    batch = _create(client, keys, 5)
+    assert seen["staged"] == 2
+    assert seen["submit"].status_code == 201, seen["submit"].text
+    interactive = seen["submit"].json()["id"]
+    assert [j["id"] for j in seen["listed"]] == [interactive]  # the staged jobs are not listed
+    jobs = {job_id for job_id, _ in _jobs(settings, batch["id"])}
+    assert seen["batch"] == "validating" and not jobs & set(seen["messages"])  # nor sent
+    assert len(jobs) == 5 and {i: n for i, n in _messages(settings).items() if i in jobs} == dict.fromkeys(jobs, 1)
+
+
+def test_a_batch_cancelled_while_it_fans_out_ends_cancelled_without_jobs(client, keys, settings, monkeypatch):
+    seen: dict = {}
+
+    def cancel():
+        batch_id, _ = _only_batch(settings)
+        seen["cancel"] = client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
+
+    _between_chunks(monkeypatch, cancel)
+    batch = _create(client, keys, 5)
+    assert seen["cancel"].json()["status"] == "cancelling"  # its staged jobs are not the batch's yet: no fan-in
+    got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
+    assert got["status"] == "cancelled" and got["output_file_id"] is None and got["error_file_id"] is None
+    assert _jobs(settings, batch["id"]) == [] and _messages(settings) == Counter()
