@@ -34,9 +34,9 @@ class JobKind(StrEnum):
 
 
 INVALID_REQUEST = "invalid_request"  # Job.error_code: the engine refused the request's parameters
-# Job.status of a batch's job written while its batch fans out (app/batch/fanout.py), before the batch starts: no
-# JobStatus on purpose, so that nothing dispatches, runs, cancels, counts or lists it; the fan-out turns its own
-# into queued/dispatched when the batch starts, or deletes them
+# Job.status of a batch's job written while its batch fans out (app/batch/fanout.py), before the batch starts, is
+# this prefix and the fan-out run's own mark: no JobStatus on purpose, so that nothing dispatches, runs, cancels,
+# counts or lists it; the run turns its own into queued/dispatched when the batch starts, or they are deleted
 STAGED = "staged"
 
 

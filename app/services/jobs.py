@@ -431,7 +431,7 @@ def list_jobs(session: Session, tenant_id: str, *, status: str | None = None, ki
     """Newest first; keyset pagination by (created_at, id), or plain offset.
 
     Filters combine with AND; ``created_after``/``created_before`` are exclusive bounds."""
-    q = select(Job).where(Job.tenant_id == tenant_id, Job.status != STAGED)  # a fanning-out batch's: not yet
+    q = select(Job).where(Job.tenant_id == tenant_id, ~Job.status.startswith(STAGED))  # a fan-out's: not yet
     if status:
         q = q.where(Job.status == status)
     if kind:

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import redis
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
 
 from app.batch import fanout
 from app.db.models import STAGED, Batch, Job, JobEvent
@@ -94,7 +94,8 @@ def _between_chunks(monkeypatch, action) -> None:
 def _only_batch(settings) -> tuple[str, int]:
     """The batch's id, and how many jobs are staged."""
     with session_scope(settings.sqlalchemy_url) as s:
-        return s.scalar(select(Batch.id)), s.scalar(select(func.count()).select_from(Job).where(Job.status == STAGED))
+        staged = select(func.count()).select_from(Job).where(Job.status.startswith(STAGED))
+        return s.scalar(select(Batch.id)), s.scalar(staged)
 
 
 def test_an_interactive_submission_goes_through_while_a_batch_fans_out(client, keys, settings, monkeypatch):
@@ -131,3 +132,16 @@ def test_a_batch_cancelled_while_it_fans_out_ends_cancelled_without_jobs(client,
     got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
     assert got["status"] == "cancelled" and got["output_file_id"] is None and got["error_file_id"] is None
     assert _jobs(settings, batch["id"]) == [] and _messages(settings) == Counter()
+
+
+def test_a_restarted_fan_out_starts_only_its_own_jobs_and_drops_a_dead_runs(client, keys, settings):
+    batch = _create(client, keys, 3)  # run 1 fans out; then, as if it had died before the start, it is undone
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(Job).where(Job.batch_id == batch["id"]).values(status=f"{STAGED}-deadbeef"))
+        s.execute(update(Batch).where(Batch.id == batch["id"]).values(status="validating"))
+    dead = {job_id for job_id, _ in _jobs(settings, batch["id"])}
+    redis.Redis.from_url(settings.redis_url).flushall()
+    fanout.start_batch(settings, batch["id"])  # what restart_stalled_validation runs
+    jobs = _jobs(settings, batch["id"])
+    assert len(jobs) == 3 and {status for _, status in jobs} == {"dispatched"} and not dead & {j for j, _ in jobs}
+    assert _messages(settings) == Counter({job_id: 1 for job_id, _ in jobs})

@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect, select, text, update
+from sqlalchemy import create_engine, func, inspect, select, text, update
 
 from tests.conftest import ROOT, free_port
 
@@ -483,3 +483,38 @@ def test_writes_that_race_a_deletion_on_postgres(pg_url, tmp_path, redis_url, ti
             load = lambda: client.post("/v1/load_lora_adapter", headers=admin,  # noqa: E731
                                        json={"lora_name": f"rt{i}", "lora_path": str(adapter)})
             assert sorted(race(load, load, load)) == [200, 400, 400]
+
+
+def test_batch_fan_out_in_chunks_on_postgres(pg_url, tmp_path, redis_url, tiny_model_dir, monkeypatch):
+    """A batch's jobs written staged in chunks start together (each once), and a failure midway leaves none."""
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.batch import fanout
+    from app.db.migrate import upgrade
+    from app.db.models import Job
+    from app.db.session import session_scope
+    from app.main import create_app
+    from tests.conftest import make_keys, make_settings
+    from tests.integration.test_batch_fanout import _create, _jobs, _messages
+
+    upgrade(pg_url)
+    keys = make_keys(pg_url)
+    settings = make_settings(tmp_path, pg_url, redis_url, tiny_model_dir)
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    clear_cache()
+    with TestClient(create_app(settings)) as client:
+        started = _create(client, keys, 5)
+        jobs = _jobs(settings, started["id"])
+        assert len(jobs) == 5 and {status for _, status in jobs} == {"dispatched"}
+        assert sorted(_messages(settings).elements()) == sorted(job_id for job_id, _ in jobs)
+        with session_scope(pg_url) as s:  # the database refuses the third chunk's first row
+            s.execute(text("CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                           "IF NEW.custom_id = 'c4' THEN RAISE EXCEPTION 'disk I/O error'; END IF; RETURN NEW; END $$"))
+            s.execute(text("CREATE TRIGGER refuse_c4 BEFORE INSERT ON jobs FOR EACH ROW EXECUTE FUNCTION refuse()"))
+        failed = _create(client, keys, 6)
+        got = client.get(f"/v1/batches/{failed['id']}", headers={"Authorization": f"Bearer {keys.paid}"}).json()
+        assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "internal_error"
+        assert _jobs(settings, failed["id"]) == []
+        with session_scope(pg_url) as s:
+            assert s.scalar(select(func.count()).select_from(Job)) == 5
