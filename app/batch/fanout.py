@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 # rows per transaction while a batch's jobs are written: SQLite's one write lock is held for one chunk at a time
 STAGE_CHUNK = 1000
+STAGE_PAUSE_S = 0.2
 
 
 def batch_dir(data_dir: Path, batch_id: str) -> Path:
@@ -142,10 +144,14 @@ def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, job
     or started by another run); None: refused (failed)."""
     mine = f"{STAGED}-{secrets.token_hex(4)}"  # this run's rows: one that died or runs beside it has its own
     for chunk in rows.chunks(STAGE_CHUNK):
+        took = time.monotonic()
         with read_then_write(url) as s:
             if s.scalar(select(Batch.status).where(Batch.id == batch_id)) != "validating":
                 return False  # cancelled while staging: the rest is not written
             chunk.insert(s, status=mine)
+        # as long again with the lock let go (at most STAGE_PAUSE_S): a writer in SQLite's busy wait (a worker's,
+        # which polls every 100 ms) gets its turn instead of finding the next chunk's transaction there again
+        time.sleep(min(time.monotonic() - took, STAGE_PAUSE_S))
     status = JobStatus.DISPATCHED.value if dispatched_at is not None else JobStatus.QUEUED.value
     with read_then_write(url) as s:  # one short transaction: no row is written here, only statuses change
         if refused := _over_queue_limit(s, tenant_id, jobs):  # again, in the transaction that starts the batch
