@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from app.batch.objects import job_error_line, output_line
 from app.batch.storage import new_file
-from app.db.models import Batch, Job, JobStatus
+from app.db.models import STAGED, Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
 from app.services.cancel import stop_job_ids
 from app.services.webhooks import emit
@@ -69,12 +69,17 @@ def _number(condition: Any) -> Any:
     return func.sum(case((condition, 1), else_=0))
 
 
+def _of_batch(batch_id: str) -> tuple:
+    """SQL: the batch's jobs, less those staged by a fan-out (not its jobs until it starts: app/batch/fanout.py)."""
+    return Job.batch_id == batch_id, ~Job.status.startswith(STAGED)
+
+
 def _counts(session: Session, batch_id: str) -> Counts:
     single = Job.choice_index.is_(None)  # a line's only job: its lines are counted by status, in a handful of groups
     lines = (select(single.label("single"), _number(Job.status.not_in(TERMINAL_JOB)).label("open"),
                     _number(Job.status == JobStatus.SUCCEEDED.value).label("ok"), func.count().label("jobs"),
                     _number(Job.status == JobStatus.EXPIRED.value).label("expired"))
-             .where(Job.batch_id == batch_id).group_by(single, case((single, Job.status), else_=Job.custom_id))
+             .where(*_of_batch(batch_id)).group_by(single, case((single, Job.status), else_=Job.custom_id))
              .subquery())
     c = lines.c
     done = c.open == 0  # a group of single lines counts its jobs (each a request), a line of choices counts once
@@ -138,7 +143,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         session.commit()
     if not won:
         return False
-    jobs = session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.created_at, Job.id))
+    jobs = session.scalars(select(Job).where(*_of_batch(batch_id)).order_by(Job.created_at, Job.id))
     out_lines, err_lines = [], list(invalid)
     for line in requests(jobs):  # a request of several choices answers whole, or with its first failed choice
         failed_job = next((j for j in line if j.status != JobStatus.SUCCEEDED), None)

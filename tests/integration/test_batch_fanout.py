@@ -128,10 +128,19 @@ def test_a_batch_cancelled_while_it_fans_out_ends_cancelled_without_jobs(client,
 
     _between_chunks(monkeypatch, cancel)
     batch = _create(client, keys, 5)
-    assert seen["cancel"].json()["status"] == "cancelling"  # its staged jobs are not the batch's yet: no fan-in
+    assert seen["cancel"].json()["status"] == "cancelled"  # its staged jobs are not the batch's: nothing to wait for
     got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
     assert got["status"] == "cancelled" and got["output_file_id"] is None and got["error_file_id"] is None
     assert _jobs(settings, batch["id"]) == [] and _messages(settings) == Counter()
+
+
+def test_a_batch_whose_fan_out_died_midway_can_be_cancelled(client, keys, settings):
+    batch = _create(client, keys, 3)  # as if its run had died after writing its jobs staged
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(Job).where(Job.batch_id == batch["id"]).values(status=f"{STAGED}-deadbeef"))
+        s.execute(update(Batch).where(Batch.id == batch["id"]).values(status="validating"))
+    got = client.post(f"/v1/batches/{batch['id']}/cancel", headers=Keys.header(keys.paid)).json()
+    assert got["status"] == "cancelled" and got["output_file_id"] is None and got["error_file_id"] is None
 
 
 def test_a_restarted_fan_out_starts_only_its_own_jobs_and_drops_a_dead_runs(client, keys, settings):
