@@ -130,7 +130,7 @@ def main() -> None:
     lookup.add_row("query plan", before_plan, after_plan)
     console.print(lookup)
 
-    from app.api.admin import SloChart, slo_series
+    from app.observability.slo_chart import SloChart, slo_series
 
     finished = min(args.hour_jobs, args.jobs)
     chart = Table(title=f"the SLO chart's counts over {finished:,} jobs finished in the last hour, per poll")

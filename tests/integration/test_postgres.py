@@ -236,7 +236,7 @@ def test_usage_buckets_on_postgres(pg_url):
 
 def test_slo_chart_counts_on_postgres(pg_url):
     """The dashboard's SLO chart's grouped SQL (minute from PostgreSQL's epoch) counts what it counts on SQLite."""
-    from app.api.admin import SloChart, slo_series
+    from app.observability.slo_chart import SloChart, slo_series
     from app.auth import create_tenant
     from app.db.migrate import upgrade
     from app.db.session import session_scope

@@ -72,7 +72,7 @@ def test_slo_chart_points_are_counted_in_sql_by_minute_and_tier(db_url):
     """The overview (read every second) gets the chart's counts from a grouped query, not an hour of job rows."""
     from sqlalchemy import event
 
-    from app.api.admin import slo_series
+    from app.observability.slo_chart import slo_series
 
     with session_scope(db_url) as s:
         s.add(Tenant(id="t1", name="t1", default_tier="paid"))
@@ -94,17 +94,17 @@ def test_slo_chart_counts_a_settled_minute_once_and_the_recent_ones_again(db_url
     every few seconds: a minute that ended five minutes ago is counted once and kept."""
     from datetime import UTC, datetime
 
-    from app.api import admin
+    from app.observability import slo_chart
 
-    chart = admin.SloChart(fresh_s=0)  # counts the recent minutes at each call
+    chart = slo_chart.SloChart(fresh_s=0)  # counts the recent minutes at each call
     since = []
-    counts = admin.slo_counts
-    monkeypatch.setattr(admin, "slo_counts", lambda s, at, *a: since.append(at) or counts(s, at, *a))
+    counts = slo_chart.slo_counts
+    monkeypatch.setattr(slo_chart, "slo_counts", lambda s, at, *a: since.append(at) or counts(s, at, *a))
     with session_scope(db_url) as s:
         s.add(Tenant(id="t1", name="t1", default_tier="paid"))
         s.flush()
         base, expected = slo_jobs(s, "t1")  # jobs ten minutes ago: settled
-        assert chart.series(s, 60) == admin.slo_series(s, 60) == expected
+        assert chart.series(s, 60) == slo_chart.slo_series(s, 60) == expected
         assert chart.series(s, 60) == expected
         # the second call read from the settled edge (five minutes ago, to the minute) on, not the hour
         settled = (int(utcnow().timestamp()) - 300) // 60 * 60
@@ -117,12 +117,12 @@ def test_slo_chart_counts_a_settled_minute_once_and_the_recent_ones_again(db_url
         points = chart.series(s, 60)
         assert points[:len(expected)] == expected and points[-1] == {
             "t": now_bucket, "tier": "paid", "met": 0, "violated": 1}
-        fresh = admin.SloChart().series(s, 60)  # another process counts it afresh
+        fresh = slo_chart.SloChart().series(s, 60)  # another process counts it afresh
         assert [p["violated"] for p in fresh if (p["t"], p["tier"]) == (base, "paid")] == [2]
     still = utcnow()
-    monkeypatch.setattr(admin, "utcnow", lambda: still)  # the clock stands: the next poll is within SLO_FRESH_S
+    monkeypatch.setattr(slo_chart, "utcnow", lambda: still)  # the clock stands: the next poll is within SLO_FRESH_S
     with session_scope(db_url) as s:  # a poll reads no job at all then
-        lazy = admin.SloChart()
+        lazy = slo_chart.SloChart()
         lazy.series(s, 60)
         calls = len(since)
         assert lazy.series(s, 60) == fresh and len(since) == calls
