@@ -191,16 +191,13 @@ def worker_env(settings, worker_id: str, **extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def api_and_worker(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = "w1",
-                   **worker_env: str) -> Iterator[tuple]:
-    """A migrated SQLite database in ``tmp``, the shared Redis emptied, one real worker ``worker_id`` (its extra
-    environment: ``worker_env``) and the API in this process; yields (settings, keys, client)."""
+def worker_stack(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = "w1",
+                 **worker_env: str) -> Iterator[tuple]:
+    """A migrated SQLite database in ``tmp``, the Redis at ``redis_url`` emptied, the API keys and one real worker
+    ``worker_id`` (its extra environment: ``worker_env``); yields (settings, keys) and stops the worker after."""
     import redis
-    from fastapi.testclient import TestClient
 
-    from app.auth import clear_cache
     from app.db.migrate import upgrade
-    from app.main import create_app
 
     db_url = f"sqlite:///{tmp / 'coserve.db'}"
     upgrade(db_url)
@@ -208,13 +205,26 @@ def api_and_worker(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = 
     settings = make_settings(tmp, db_url, redis_url, model_dir)
     keys = make_keys(db_url)
     pool = WorkerPool(settings, tmp)
-    pool.start(worker_id, **worker_env)
-    clear_cache()
     try:
-        with TestClient(create_app(settings)) as client:
-            yield settings, keys, client
+        pool.start(worker_id, **worker_env)
+        yield settings, keys
     finally:
         pool.stop()
+
+
+@contextmanager
+def api_and_worker(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = "w1",
+                   **worker_env: str) -> Iterator[tuple]:
+    """``worker_stack`` (on the shared Redis) and the API in this process; yields (settings, keys, client)."""
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.main import create_app
+
+    with worker_stack(tmp, redis_url, model_dir, worker_id, **worker_env) as (settings, keys):
+        clear_cache()
+        with TestClient(create_app(settings)) as client:
+            yield settings, keys, client
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
