@@ -12,14 +12,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
 @pytest.fixture
-def oai(live_server, keys, start_worker) -> openai.OpenAI:
-    start_worker("w1")
-    return openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=120)
+def oai(stack) -> openai.OpenAI:
+    """The paid key's client of the module's shared stack (its plain worker ``w1``)."""
+    return stack.openai()
 
 
-def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
+def test_chat_and_completions_non_streaming(oai, stack, monkeypatch):
     # per-endpoint QoS defaults (the app reads this settings object per request)
-    settings.chat_ttft_ms, settings.chat_tbt_ms, settings.completions_tbt_ms = 1500.0, 90.0, 400.0
+    for name, value in {"chat_ttft_ms": 1500.0, "chat_tbt_ms": 90.0, "completions_tbt_ms": 400.0}.items():
+        monkeypatch.setattr(stack.settings, name, value)
     models = oai.models.list()
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].max_model_len == 512  # as vLLM's says it
 
@@ -46,8 +47,8 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert comp.object == "text_completion" and comp.choices[0].text and comp.usage.completion_tokens == 5
 
     def targets(oai_id):
-        job = httpx.get(f"{live_server}/v1/jobs/{oai_id.split('-', 1)[1]}",
-                        headers={"Authorization": f"Bearer {keys.paid}"}).json()
+        job = httpx.get(f"{stack.url}/v1/jobs/{oai_id.split('-', 1)[1]}",
+                        headers={"Authorization": f"Bearer {stack.keys.paid}"}).json()
         return job["ttft_ms"], job["tbt_ms"]
 
     assert targets(chat.id) == (1500.0, 90.0)
@@ -58,7 +59,7 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     flex = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=2,
                                        service_tier="flex", extra_body={"ignore_eos": True})
     assert flex.service_tier == "flex" and httpx.get(
-        f"{live_server}/v1/jobs/{flex.id.split('-', 1)[1]}", headers={"Authorization": f"Bearer {keys.paid}"}
+        f"{stack.url}/v1/jobs/{flex.id.split('-', 1)[1]}", headers={"Authorization": f"Bearer {stack.keys.paid}"}
     ).json()["tier"] == "free"
 
     # greedy is deterministic: the same request twice gives the same text
@@ -76,8 +77,8 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert stopped.choices[0].message.content == full[:full.index(stop)]
     assert stopped.choices[0].model_extra["stop_reason"] == stop  # vLLM's: which stop ended it
     assert chat.choices[0].model_extra["stop_reason"] is None  # max_tokens ended it
-    job = httpx.get(f"{live_server}/v1/jobs/{stopped.id.removeprefix('chatcmpl-')}",
-                    headers={"Authorization": f"Bearer {keys.paid}"}).json()
+    job = httpx.get(f"{stack.url}/v1/jobs/{stopped.id.removeprefix('chatcmpl-')}",
+                    headers={"Authorization": f"Bearer {stack.keys.paid}"}).json()
     assert job["stop_reason"] == stop  # the job keeps it
     last = [c for c in oai.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=7, temperature=0,
@@ -96,10 +97,10 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     # a prompt as token ids (OpenAI's array of tokens) runs those tokens: the text prompt's answer
     from app.services.model_info import encode_input, get_tokenizer
 
-    ids = encode_input(settings.model, "Once upon a time", None)
+    ids = encode_input(stack.settings.model, "Once upon a time", None)
     by_ids = oai.completions.create(model="tiny", prompt=ids, max_tokens=5, seed=3, echo=True,
                                     extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})
-    assert by_ids.choices[0].text == get_tokenizer(settings.model).decode(ids) + comp.choices[0].text
+    assert by_ids.choices[0].text == get_tokenizer(stack.settings.model).decode(ids) + comp.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model="tiny", prompt=[ids[0], 10**9], max_tokens=2)
@@ -111,7 +112,7 @@ def test_chat_and_completions_non_streaming(oai, settings, live_server, keys):
     assert top1.choices[0].message.content == full
 
 
-def test_n_choices_each_a_job(oai, live_server, keys):
+def test_n_choices_each_a_job(oai):
     """n choices come from n jobs: sampled with seeds seed, seed + 1, ...; streamed interleaved by choice index."""
     kw = dict(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=6, temperature=1.0,
               seed=7, extra_body={"ignore_eos": True})
@@ -170,18 +171,18 @@ def test_streaming_matches_non_streaming(oai):
     assert comp_chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_return_token_ids_gives_the_prompts_and_the_answers_ids(oai, live_server, keys):
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(oai, stack):
     # vLLM's return_token_ids (RL rollouts): the ids the worker fed and generated, no tokenizing the text again
     messages = [{"role": "user", "content": "Count to ten"}]
     kw = dict(model="tiny", messages=messages, max_tokens=9, temperature=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
     full = oai.chat.completions.create(**kw)
-    fed = httpx.post(live_server + "/tokenize", headers={"Authorization": f"Bearer {keys.paid}"},
+    fed = httpx.post(stack.url + "/tokenize", headers={"Authorization": f"Bearer {stack.keys.paid}"},
                      json={"model": "tiny", "messages": messages}).json()["tokens"]
     ids = full.choices[0].model_extra["token_ids"]
     assert full.model_extra["prompt_token_ids"] == fed and len(fed) == full.usage.prompt_tokens
     assert len(ids) == full.usage.completion_tokens == 9
-    said = httpx.post(live_server + "/detokenize", headers={"Authorization": f"Bearer {keys.paid}"},
+    said = httpx.post(stack.url + "/detokenize", headers={"Authorization": f"Bearer {stack.keys.paid}"},
                       json={"model": "tiny", "tokens": ids}).json()["prompt"]
     assert said == full.choices[0].message.content
     chunks = list(oai.chat.completions.create(stream=True, **kw))
@@ -212,9 +213,9 @@ def test_chat_echo_starts_the_answer_with_the_assistants_last_message(oai):
                                            extra_body={"ignore_eos": True}).choices[0].message.content)
 
 
-def test_errors_have_openai_shape(live_server, keys):
+def test_errors_have_openai_shape(stack):
     # every error here is caught before a job is submitted: no worker needed
-    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=30)
+    oai = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.keys.paid, max_retries=0, timeout=30)
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=17)
     assert exc.value.body["param"] == "n" and "between 1 and 16" in exc.value.body["message"]
@@ -276,10 +277,10 @@ def test_errors_have_openai_shape(live_server, keys):
                                     tool_choice="required")
     assert exc.value.body["param"] == "tool_choice" and "send tool_choice 'none' (this server has no parser" in (
         exc.value.body["message"])
-    bad = openai.OpenAI(base_url=live_server + "/v1", api_key="cs-wrong", max_retries=0)
+    bad = openai.OpenAI(base_url=stack.url + "/v1", api_key="cs-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    r = httpx.post(live_server + "/v1/chat/completions", headers={"Authorization": f"Bearer {keys.paid}"},
+    r = httpx.post(stack.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {stack.keys.paid}"},
                    json={"model": "tiny", "messages": []})
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert r.json()["error"]["param"] == "messages"
@@ -306,10 +307,10 @@ def test_client_disconnect_cancels_the_job(live_server, keys, start_worker):
     assert job["completion_tokens"] is None or job["completion_tokens"] < 400
 
 
-def test_what_the_engine_refuses_is_the_clients_to_fix_not_a_server_error(oai, settings, live_server, keys):
+def test_what_the_engine_refuses_is_the_clients_to_fix_not_a_server_error(oai, stack, monkeypatch):
     """A worker's engine may refuse what the API let through (here the API believes vLLM serves, and this worker's own
     engine refuses the penalty): the job fails as an invalid request, and the OpenAI routes answer 400, as vLLM does."""
-    settings.backend = "vllm"
+    monkeypatch.setattr(stack.settings, "backend", "vllm")
     kw = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, frequency_penalty=0.5)
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(**kw)
@@ -318,10 +319,10 @@ def test_what_the_engine_refuses_is_the_clients_to_fix_not_a_server_error(oai, s
     with pytest.raises(openai.APIError) as exc:  # streaming: the 200 has gone out; the error comes as an event
         list(oai.chat.completions.create(stream=True, **kw))
     assert "COSERVE_BACKEND=vllm" in str(exc.value)
-    job_id = httpx.post(f"{live_server}/v1/jobs", headers={"Authorization": f"Bearer {keys.paid}"},
+    job_id = httpx.post(f"{stack.url}/v1/jobs", headers={"Authorization": f"Bearer {stack.keys.paid}"},
                         json={"prompt": "x", "max_tokens": 4, "repetition_penalty": 1.2}).json()["id"]
-    job = wait_for(lambda: (j := httpx.get(f"{live_server}/v1/jobs/{job_id}", headers={
-        "Authorization": f"Bearer {keys.paid}"}).json())["status"] == "failed" and j, 60, "the job to fail")
+    job = wait_for(lambda: (j := httpx.get(f"{stack.url}/v1/jobs/{job_id}", headers={
+        "Authorization": f"Bearer {stack.keys.paid}"}).json())["status"] == "failed" and j, 60, "the job to fail")
     assert job["error_code"] == "invalid_request" and "repetition_penalty" in job["error"]
 
 
@@ -379,20 +380,20 @@ def test_the_sdk_does_not_retry_a_completion_whose_job_was_cancelled(live_server
     assert [j["id"] for j in httpx.get(live_server + "/v1/jobs", headers=auth).json()["data"]] == [job_id]
 
 
-def test_sagemaker_invocations_route_by_body_and_a_completion_makes_16_tokens_by_default(oai, live_server, keys):
-    headers = {"Authorization": f"Bearer {keys.paid}"}
-    chat = httpx.post(f"{live_server}/invocations", headers=headers, timeout=120, json={
+def test_sagemaker_invocations_route_by_body_and_a_completion_makes_16_tokens_by_default(oai, stack):
+    headers = {"Authorization": f"Bearer {stack.keys.paid}"}
+    chat = httpx.post(f"{stack.url}/invocations", headers=headers, timeout=120, json={
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True})
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
     # vLLM's and OpenAI's legacy default without max_tokens (256 here before)
-    comp = httpx.post(f"{live_server}/invocations", headers=headers, timeout=120,
+    comp = httpx.post(f"{stack.url}/invocations", headers=headers, timeout=120,
                       json={"model": "tiny", "prompt": "Once", "ignore_eos": True})
     assert comp.json()["object"] == "text_completion" and comp.json()["usage"]["completion_tokens"] == 16, comp.text
-    both = httpx.post(f"{live_server}/invocations", headers=headers, json={"model": "tiny", "prompt": "x",
-                                                                          "messages": []})
+    both = httpx.post(f"{stack.url}/invocations", headers=headers, json={"model": "tiny", "prompt": "x",
+                                                                        "messages": []})
     assert both.status_code == 400 and "give messages" in both.json()["error"]["message"]
-    assert httpx.post(f"{live_server}/invocations", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(f"{stack.url}/invocations", json={"prompt": "x"}).status_code == 401
     # vLLM's batched chat is not served: said so, not answered as a stored completion's metadata update
-    batch = httpx.post(f"{live_server}/v1/chat/completions/batch", headers=headers,
+    batch = httpx.post(f"{stack.url}/v1/chat/completions/batch", headers=headers,
                        json={"model": "tiny", "messages": [[{"role": "user", "content": "a"}]]})
     assert batch.status_code == 404 and "Batch API" in batch.json()["error"]["message"], batch.text
