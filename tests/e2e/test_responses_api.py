@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
 @pytest.fixture
-def oai(live_server, keys, start_worker) -> openai.OpenAI:
-    start_worker("w1")
-    return openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=120)
+def oai(stack) -> openai.OpenAI:
+    """The paid key's client of the module's shared stack (its plain worker ``w1``)."""
+    return stack.openai()
 
 
 def _job(live_server: str, key: str, resp_id: str) -> dict:
@@ -36,7 +36,7 @@ def _messages(settings, resp_id: str) -> list[dict]:
         return s.get(Job, "job_" + resp_id.removeprefix("resp_")).messages
 
 
-def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys, settings):
+def test_a_response_is_a_chat_job_retrieved_and_continued(oai, stack):
     first = oai.responses.create(model="tiny", input="Say hi", instructions="Be brief", max_output_tokens=6,
                                  temperature=0, metadata={"run": "a"}, extra_body={"ignore_eos": True, "tier": "free"})
     assert first.object == "response" and first.id.startswith("resp_")
@@ -44,8 +44,8 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys
     assert first.output_text and first.output[0].type == "message" and first.output[0].role == "assistant"
     assert first.usage.output_tokens == 6 and first.usage.total_tokens == first.usage.input_tokens + 6
     assert first.instructions == "Be brief" and first.metadata == {"run": "a"} and first.service_tier == "flex"
-    job = _job(live_server, keys.paid, first.id)
-    assert _messages(settings, first.id) == [{"role": "system", "content": "Be brief"},
+    job = _job(stack.url, stack.keys.paid, first.id)
+    assert _messages(stack.settings, first.id) == [{"role": "system", "content": "Be brief"},
                                              {"role": "user", "content": "Say hi"}]
     assert job["tier"] == "free" and job["ttft_ms"] and job["tbt_ms"]
 
@@ -54,7 +54,8 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys
     # the usage holds every field the API's types require (cache_write_tokens was missing): strict validation passes
     from openai.types.responses import Response
 
-    raw = httpx.get(f"{live_server}/v1/responses/{first.id}", headers={"Authorization": f"Bearer {keys.paid}"}).json()
+    raw = httpx.get(f"{stack.url}/v1/responses/{first.id}",
+                    headers={"Authorization": f"Bearer {stack.keys.paid}"}).json()
     assert Response.model_validate(raw, strict=True).usage.input_tokens_details.cache_write_tokens == 0  # no cache
 
     # the next turn: the first's input and answer, not its instructions, then the new input; its input tokens
@@ -68,7 +69,7 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys
                                   extra_body={"ignore_eos": True})
     assert second.usage.input_tokens == counted.input_tokens
     assert second.previous_response_id == first.id and second.instructions is None
-    assert _messages(settings, second.id) == [
+    assert _messages(stack.settings, second.id) == [
         {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "Again"}]
 
@@ -78,7 +79,7 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, live_server, keys
     assert [i.content[0].text for i in oai.responses.input_items.list(first.id, order="asc").data] == ["Say hi"]
 
     # another tenant sees none of it; deleted, it can be neither retrieved nor continued
-    other = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.other, max_retries=0)
+    other = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.keys.other, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(first.id)
     assert oai.responses.delete(first.id) is None
@@ -156,7 +157,7 @@ def test_a_cancelled_stream_ends_with_the_output_so_far(live_server, keys, start
     assert last["usage"]["output_tokens"] >= 3 and last["usage"]["input_tokens"] > 0
 
 
-def test_truncation_auto_drops_the_oldest_turns_that_outgrow_the_context(oai, settings):
+def test_truncation_auto_drops_the_oldest_turns_that_outgrow_the_context(oai, stack):
     words = " ".join(f"word{i}" for i in range(40))
     turns = [m for i in range(4) for m in ({"role": "user", "content": f"question {i}: {words}"},
                                            {"role": "assistant", "content": words})]
@@ -167,7 +168,7 @@ def test_truncation_auto_drops_the_oldest_turns_that_outgrow_the_context(oai, se
     assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "input"
     fitted = oai.responses.create(**body, truncation="auto")
     assert fitted.truncation == "auto" and fitted.usage.input_tokens + 64 <= 512
-    read = _messages(settings, fitted.id)[1:]  # the prompt, after the instructions
+    read = _messages(stack.settings, fitted.id)[1:]  # the prompt, after the instructions
     assert 1 < len(read) < len(turns) + 1 and read[-1]["content"] == "And now?"
     assert read[0]["content"] != turns[0]["content"]  # the oldest went first
     # the response's input is what was sent, the turns the engine did not read too
@@ -247,8 +248,8 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     ({"input": []}, "input", "must not be empty"),
     ({}, "input", "input"),
 ])
-def test_bad_requests_name_the_responses_field(live_server, keys, body, param, says):
-    resp = httpx.post(f"{live_server}/v1/responses", headers={"Authorization": f"Bearer {keys.paid}"},
+def test_bad_requests_name_the_responses_field(body, param, says, stack):
+    resp = httpx.post(f"{stack.url}/v1/responses", headers={"Authorization": f"Bearer {stack.keys.paid}"},
                       json={"model": "tiny", **body})
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
