@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
 @pytest.fixture
-def oai(live_server, keys, start_worker) -> openai.OpenAI:
-    start_worker("w1")
-    return openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=120)
+def oai(stack) -> openai.OpenAI:
+    """The paid key's client of the module's shared stack (its plain worker ``w1``)."""
+    return stack.openai()
 
 
 def _messages(settings, resp_id: str) -> list[dict]:
@@ -31,7 +31,7 @@ def _texts(oai, conv_id: str) -> list[tuple[str, str]]:
     return [(i.role, i.content[0].text) if i.type == "message" else (i.type, i.id) for i in items]
 
 
-def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_server, keys):
+def test_responses_read_a_conversation_and_add_their_turns(oai, stack):
     conv = oai.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada"}],
                                     metadata={"topic": "names"})
     assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
@@ -40,9 +40,9 @@ def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_s
     first = oai.responses.create(model="tiny", conversation=conv.id, input="What is my name?", instructions="Be brief",
                                  max_output_tokens=4, extra_body={"ignore_eos": True})
     assert first.conversation.id == conv.id
-    assert _messages(settings, first.id) == [{"role": "user", "content": "My name is Ada"},
-                                             {"role": "system", "content": "Be brief"},
-                                             {"role": "user", "content": "What is my name?"}]
+    assert _messages(stack.settings, first.id) == [{"role": "user", "content": "My name is Ada"},
+                                                   {"role": "system", "content": "Be brief"},
+                                                   {"role": "user", "content": "What is my name?"}]
     # the turn (input, then output; not the instructions) follows the conversation's own item
     assert _texts(oai, conv.id) == [("user", "My name is Ada"), ("user", "What is my name?"),
                                     ("assistant", first.output_text)]
@@ -53,7 +53,7 @@ def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_s
     assert oai.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id).content[0].text == "Hi"
     second = oai.responses.create(model="tiny", conversation={"id": conv.id}, input="Again", max_output_tokens=2,
                                   extra_body={"ignore_eos": True})
-    assert _messages(settings, second.id) == [
+    assert _messages(stack.settings, second.id) == [
         {"role": "user", "content": "My name is Ada"}, {"role": "user", "content": "What is my name?"},
         {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Hi"},
         {"role": "user", "content": "Again"}]
@@ -65,7 +65,7 @@ def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_s
     assert oai.conversations.items.delete(items[2].id, conversation_id=conv.id).id == conv.id
     assert [t for t, _ in _texts(oai, conv.id)] == ["user", "user", "user", "assistant"]
     third = oai.responses.create(model="tiny", conversation=conv.id, input="Last", max_output_tokens=1)
-    assert [m["content"] for m in _messages(settings, third.id)][:2] == ["What is my name?", "Hi"]
+    assert [m["content"] for m in _messages(stack.settings, third.id)][:2] == ["What is my name?", "Hi"]
     with pytest.raises(openai.NotFoundError):
         oai.conversations.items.retrieve(items[0].id, conversation_id=conv.id)
 
@@ -73,7 +73,7 @@ def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_s
     assert oai.conversations.update(conv.id, metadata=None).metadata == {}  # null clears it (a 400 before)
 
     # another tenant sees none of it, and cannot continue it
-    other = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.other, max_retries=0)
+    other = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.keys.other, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         other.conversations.retrieve(conv.id)
     with pytest.raises(openai.NotFoundError):
@@ -101,22 +101,22 @@ def test_responses_read_a_conversation_and_add_their_turns(oai, settings, live_s
     ("/v1/responses", {"model": "tiny", "input": "x", "conversation": "conv_x", "previous_response_id": "resp_y"},
      "conversation", "not both"),
 ])
-def test_bad_conversation_requests_name_the_field(live_server, keys, path, body, param, says):
-    resp = httpx.post(live_server + path, headers={"Authorization": f"Bearer {keys.paid}"}, json=body)
+def test_bad_conversation_requests_name_the_field(path, body, param, says, stack):
+    resp = httpx.post(stack.url + path, headers={"Authorization": f"Bearer {stack.keys.paid}"}, json=body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and says in error["message"], error
 
 
-def test_items_that_are_only_reasoning_add_nothing_and_say_so(live_server, keys):
-    h = {"Authorization": f"Bearer {keys.paid}"}
-    conv = httpx.post(live_server + "/v1/conversations", headers=h, json={"items": [
+def test_items_that_are_only_reasoning_add_nothing_and_say_so(stack):
+    h = {"Authorization": f"Bearer {stack.keys.paid}"}
+    conv = httpx.post(stack.url + "/v1/conversations", headers=h, json={"items": [
         {"type": "reasoning", "summary": []}]}).json()
-    added = httpx.post(f"{live_server}/v1/conversations/{conv['id']}/items", headers=h,
+    added = httpx.post(f"{stack.url}/v1/conversations/{conv['id']}/items", headers=h,
                        json={"items": [{"type": "reasoning", "summary": []}]})
     assert added.status_code == 200, added.text  # a 500 before
     assert added.json() == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
-    assert httpx.get(f"{live_server}/v1/conversations/{conv['id']}/items", headers=h).json()["data"] == []
+    assert httpx.get(f"{stack.url}/v1/conversations/{conv['id']}/items", headers=h).json()["data"] == []
 
 
 def test_one_response_at_a_time_runs_on_a_conversation(live_server, keys, start_worker):
@@ -138,25 +138,25 @@ def test_one_response_at_a_time_runs_on_a_conversation(live_server, keys, start_
                                     ("user", "turn B"), ("assistant", second.output_text)]
 
 
-def test_truncation_auto_keeps_the_whole_input_in_the_conversation(oai, settings):
+def test_truncation_auto_keeps_the_whole_input_in_the_conversation(oai, stack):
     conv = oai.conversations.create()
     words = " ".join(f"word{i}" for i in range(100))
     sent = [f"message number {i}: {words}" for i in range(3)]  # over the context of 512
     fitted = oai.responses.create(model="tiny", conversation=conv.id, input=[{"role": "user", "content": t}
                                                                              for t in sent],
                                   max_output_tokens=4, truncation="auto")
-    read = [m["content"] for m in _messages(settings, fitted.id)]
+    read = [m["content"] for m in _messages(stack.settings, fitted.id)]
     assert 0 < len(read) < len(sent) and read == sent[-len(read):]  # the engine read the newest
     # the response's input and the conversation's turn are what was sent (its first message was lost before)
     assert [i.content[0].text for i in oai.responses.input_items.list(fitted.id, order="asc").data] == sent
     assert _texts(oai, conv.id) == [*(("user", t) for t in sent), ("assistant", fitted.output_text)]
 
 
-def test_a_response_without_input_answers_the_conversation(oai, settings):
+def test_a_response_without_input_answers_the_conversation(oai, stack):
     conv = oai.conversations.create()
     oai.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Hi"}])
     answer = oai.responses.create(model="tiny", conversation=conv.id, max_output_tokens=2)  # a 400 before
-    assert _messages(settings, answer.id) == [{"role": "user", "content": "Hi"}]
+    assert _messages(stack.settings, answer.id) == [{"role": "user", "content": "Hi"}]
     assert oai.responses.input_items.list(answer.id).data == []
     assert _texts(oai, conv.id) == [("user", "Hi"), ("assistant", answer.output_text)]
 

@@ -46,7 +46,7 @@ def test_a_response_is_a_chat_job_retrieved_and_continued(oai, stack):
     assert first.instructions == "Be brief" and first.metadata == {"run": "a"} and first.service_tier == "flex"
     job = _job(stack.url, stack.keys.paid, first.id)
     assert _messages(stack.settings, first.id) == [{"role": "system", "content": "Be brief"},
-                                             {"role": "user", "content": "Say hi"}]
+                                                   {"role": "user", "content": "Say hi"}]
     assert job["tier"] == "free" and job["ttft_ms"] and job["tbt_ms"]
 
     again = oai.responses.retrieve(first.id)
