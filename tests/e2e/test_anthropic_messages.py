@@ -4,23 +4,26 @@ the key as ``x-api-key``, and errors in Anthropic's shape."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
 import anthropic
 import httpx
 import pytest
+import redis
 
 from app.db.models import Job
 from app.db.session import session_scope
+from app.services import rate_limits
 from tests.conftest import Keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
 @pytest.fixture
-def claude(live_server, keys, start_worker) -> anthropic.Anthropic:
-    start_worker("w1")  # the SDK sends the key as x-api-key
-    return anthropic.Anthropic(base_url=live_server, api_key=keys.paid, max_retries=0, timeout=120)
+def claude(stack) -> anthropic.Anthropic:
+    """The paid key's client of the module's shared stack (its plain worker ``w1``)."""
+    return anthropic.Anthropic(base_url=stack.url, api_key=stack.keys.paid, max_retries=0, timeout=120)  # x-api-key
 
 
 def _job(settings, msg_id: str) -> Job:
@@ -37,9 +40,21 @@ def _limit(live_server, keys, **limits) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_a_message_is_a_chat_job_plain_and_streamed(claude, settings, live_server, keys):
-    settings.chat_ttft_ms, settings.chat_tbt_ms = 1500.0, 90.0
-    _limit(live_server, keys, requests_per_minute=100, tokens_per_minute=100000)
+@pytest.fixture
+def shared_limits(stack) -> Iterator[Callable[..., None]]:
+    """Sets the shared stack's test tenant's rate limits for one test; after it, the tenant has none again and its
+    buckets are gone (the module's other tests run unlimited, and a later limit starts full)."""
+    yield lambda **limits: _limit(stack.url, stack.keys, **limits)
+    _limit(stack.url, stack.keys, requests_per_minute=None, tokens_per_minute=None)
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    if buckets := client.keys(f"{rate_limits.KEY_PREFIX}{stack.keys.tenant_id}:*"):
+        client.delete(*buckets)
+
+
+def test_a_message_is_a_chat_job_plain_and_streamed(claude, stack, shared_limits, monkeypatch):
+    monkeypatch.setattr(stack.settings, "chat_ttft_ms", 1500.0)
+    monkeypatch.setattr(stack.settings, "chat_tbt_ms", 90.0)
+    shared_limits(requests_per_minute=100, tokens_per_minute=100000)
     ask = dict(model="tiny", max_tokens=7, system="Be brief", messages=[{"role": "user", "content": "Say hi"}],
                extra_body={"ignore_eos": True, "temperature": 0})  # this SDK has no temperature argument
     raw = claude.messages.with_raw_response.create(**ask)
@@ -56,7 +71,7 @@ def test_a_message_is_a_chat_job_plain_and_streamed(claude, settings, live_serve
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
     assert [b.type for b in message.content] == ["text"] and message.content[0].text
     assert message.usage.output_tokens == 7 and message.usage.input_tokens > 3
-    job = _job(settings, message.id)
+    job = _job(stack.settings, message.id)
     assert job.endpoint == "/v1/messages" and (job.ttft_ms, job.tbt_ms) == (1500.0, 90.0)
     assert job.messages[0] == {"role": "system", "content": "Be brief"}
 
@@ -76,7 +91,7 @@ def test_a_message_is_a_chat_job_plain_and_streamed(claude, settings, live_serve
     assert "".join(b.text for b in stopped.content) == full[:full.index(stop)]  # no block where no text
 
 
-def test_tool_turns_and_token_counts(claude, settings):
+def test_tool_turns_and_token_counts(claude, stack):
     # a conversation holding a tool call and its result runs as chat's assistant call and tool message
     weather = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}
     turns = [{"role": "user", "content": "Weather?"},
@@ -88,7 +103,7 @@ def test_tool_turns_and_token_counts(claude, settings):
     message = claude.messages.create(model="tiny", max_tokens=3, messages=turns, tools=[weather],
                                      tool_choice={"type": "none"}, extra_body={"ignore_eos": True})
     assert message.content[0].type == "text" and message.stop_reason == "max_tokens"
-    ran = _job(settings, message.id).messages
+    ran = _job(stack.settings, message.id).messages
     assert [m["role"] for m in ran] == ["user", "assistant", "tool", "user"]
     assert ran[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert ran[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}
@@ -100,7 +115,7 @@ def test_tool_turns_and_token_counts(claude, settings):
     # a last assistant turn is a prefill: the answer continues it, not a new turn after it
     prefill = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is"}]
     continued = claude.messages.create(model="tiny", max_tokens=2, messages=prefill, extra_body={"ignore_eos": True})
-    job = _job(settings, continued.id)
+    job = _job(stack.settings, continued.id)
     assert job.template_options == {"add_generation_prompt": False, "continue_final_message": True}
     assert claude.messages.count_tokens(model="tiny", messages=prefill).input_tokens == continued.usage.input_tokens
 
@@ -118,8 +133,8 @@ def test_tool_turns_and_token_counts(claude, settings):
     ({"max_tokens": 100000, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
      "maximum context length"),
 ])
-def test_bad_requests_are_answered_in_anthropic_shape(live_server, keys, body, status, kind, says):
-    resp = httpx.post(f"{live_server}/v1/messages", headers={"x-api-key": keys.paid},
+def test_bad_requests_are_answered_in_anthropic_shape(body, status, kind, says, stack):
+    resp = httpx.post(f"{stack.url}/v1/messages", headers={"x-api-key": stack.keys.paid},
                       json={"model": "tiny", **body})
     assert resp.status_code == status, resp.text
     assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == kind
@@ -127,12 +142,12 @@ def test_bad_requests_are_answered_in_anthropic_shape(live_server, keys, body, s
     assert resp.json()["request_id"] == resp.headers["request-id"]  # Anthropic's errors name their request
 
 
-def test_a_missing_or_wrong_key_is_an_authentication_error(live_server):
+def test_a_missing_or_wrong_key_is_an_authentication_error(stack):
     with pytest.raises(anthropic.AuthenticationError) as exc:
-        anthropic.Anthropic(base_url=live_server, api_key="sk-wrong", max_retries=0).messages.create(
+        anthropic.Anthropic(base_url=stack.url, api_key="sk-wrong", max_retries=0).messages.create(
             model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert exc.value.body["error"]["type"] == "authentication_error"
-    resp = httpx.post(f"{live_server}/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": []})
+    resp = httpx.post(f"{stack.url}/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": []})
     assert resp.status_code == 401 and resp.json()["type"] == "error" and resp.headers["request-id"]
 
 
