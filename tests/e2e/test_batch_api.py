@@ -23,8 +23,9 @@ def line(cid, content="Hi", url="/v1/chat/completions", **body):
 
 
 @pytest.fixture
-def oai(live_server, keys) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
+def oai(stack) -> openai.OpenAI:
+    """The paid key's client of the module's shared stack (its plain worker ``w1``)."""
+    return stack.openai(timeout=60)
 
 
 def upload(oai, lines):
@@ -40,8 +41,7 @@ def jsonl(oai, file_id):
     return [json.loads(t) for t in oai.files.content(file_id).text.splitlines()]
 
 
-def test_batch_round_trip_with_bad_lines(oai, start_worker, settings):
-    start_worker("w1")
+def test_batch_round_trip_with_bad_lines(oai, stack):
     lines = [line("a", "Hello"), "{not json", line("b", "Tell me a joke", max_tokens=6),
              line("c", url="/v1/embeddings"), json.dumps({"method": "POST", "url": "/v1/chat/completions",
                                                           "body": {"messages": []}}),
@@ -89,9 +89,9 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker, settings):
     for file_id in (done.output_file_id, done.error_file_id):
         made = oai.files.retrieve(file_id)
         assert made.expires_at == made.created_at + 7200 and made.purpose == "batch_output"
-    with session_scope(settings.sqlalchemy_url) as s:
+    with session_scope(stack.settings.sqlalchemy_url) as s:
         path = Path(s.get(File, done.error_file_id).path)
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):  # a write first: SQLite's lock is taken at once
+    with session_scope(stack.settings.sqlalchemy_url) as s, write_guard(s):  # a write first: SQLite locks at once
         s.execute(update(File).where(File.id == done.error_file_id).values(expires_at=utcnow()))
         s.commit()
     wait_for(lambda: not path.exists(), 15, "the worker's sweeper to delete the expired error file")
@@ -100,9 +100,7 @@ def test_batch_round_trip_with_bad_lines(oai, start_worker, settings):
     assert len(jsonl(oai, done.output_file_id)) == 4
 
 
-def test_a_batch_of_responses(oai, start_worker):
-    start_worker("w1")
-
+def test_a_batch_of_responses(oai):
     def response_line(cid, **body):
         return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/responses", "body": {
             "model": "tiny", "input": "Hi", "max_output_tokens": 3, "ignore_eos": True, **body}})
@@ -147,8 +145,7 @@ def test_bad_window_and_unknown_file(oai):
         oai.batches.create(input_file_id="file_missing", endpoint="/v1/chat/completions", completion_window="2h")
 
 
-def test_cancel_mid_batch_keeps_partial_output(oai, start_worker):
-    start_worker("w1")
+def test_cancel_mid_batch_keeps_partial_output(oai):
     lines = [line("quick", max_tokens=2)] + [line(f"long{i}", f"Story {i}", max_tokens=420) for i in range(8)]
     batch = oai.batches.create(input_file_id=upload(oai, lines).id, endpoint="/v1/chat/completions",
                                completion_window="2h")
@@ -167,9 +164,10 @@ def test_cancel_mid_batch_keeps_partial_output(oai, start_worker):
         oai.batches.cancel(batch.id)
 
 
-def test_window_ends_before_the_batch_finishes(oai, start_worker):
+def test_window_ends_before_the_batch_finishes(live_server, keys, start_worker):
     # each engine step slowed to 0.1 s: the long lines (400 tokens each) cannot finish in 6 s
     start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.1")
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
     lines = [line("quick", max_tokens=2)] + [line(f"long{i}", f"Story {i}", max_tokens=400) for i in range(3)]
     batch = oai.batches.create(input_file_id=upload(oai, lines).id, endpoint="/v1/chat/completions",
                                completion_window="6s")
