@@ -27,9 +27,11 @@ ENDPOINT = "/v1/messages"
 # a chat field named in an error -> the Messages field the client wrote
 MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.format",
                   "reasoning_effort": "output_config.effort"}
-# Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows)
+# Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows). coserve's 503
+# (no worker for the model, the store or broker away) is Anthropic's overloaded_error in kind: come back shortly
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+               404: "not_found_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 # Anthropic's tool_choice types as chat's
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # Anthropic's own request fields that change what is generated and that coserve does not serve

@@ -90,3 +90,12 @@ def test_usage_counts_the_prompt_apart_as_read_written_and_neither():
     assert usage_of(100, 7, 0, 0) == {"input_tokens": 100, "output_tokens": 7, "cache_read_input_tokens": 0,
                                       "cache_creation_input_tokens": 0}
     assert usage_of(100, 0, None) == {"input_tokens": 100, "output_tokens": 0}  # what the engine did not say
+
+
+@pytest.mark.parametrize("status, kind", [(409, "conflict_error"), (503, "overloaded_error"), (504, "timeout_error"),
+                                          (500, "api_error"), (422, "invalid_request_error")])
+def test_an_error_is_typed_as_anthropic_types_its_status(status, kind):
+    # Anthropic's errors: 409 conflict_error, 504 timeout_error, 529 overloaded_error (coserve answers 503 for it)
+    from app.anthropic_schemas import error_body
+
+    assert error_body(status, "why") == {"type": "error", "error": {"type": kind, "message": "why"}}
