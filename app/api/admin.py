@@ -29,7 +29,7 @@ from app.api.errors import CheckedRoute, responses, unprocessable
 from app.api.summarize import RUN_ID
 from app.batch.queue_limit import queued_by_tenant
 from app.db import pagination
-from app.db.models import Job, JobEvent, JobStatus, SummarizationRun, Tenant, WorkerState
+from app.db.models import STAGED, Job, JobEvent, JobStatus, SummarizationRun, Tenant, WorkerState
 from app.db.session import write_after_read
 from app.observability.slo_chart import SLO_BUCKET_S, SLO_CHART
 from app.schemas import JobPublic
@@ -239,7 +239,8 @@ def jobs_of_request(session: SessionDep, _admin: AdminPrincipal,
     """Any tenant's jobs submitted by one request (its ``X-Request-Id``, as a client reports it), oldest first:
     the dashboard's search takes a request id as well as a job id (by ``ix_jobs_request``)."""
     rows = session.execute(select(Job.id, Job.tenant_id, Job.status, Job.tier, Job.created_at)
-                           .where(Job.request_id == request_id).order_by(Job.created_at, Job.id)
+                           .where(Job.request_id == request_id, ~Job.status.startswith(STAGED))  # not a fan-out's staged
+                           .order_by(Job.created_at, Job.id)
                            .limit(REQUEST_JOBS_SHOWN + 1)).all()
     return {"request_id": request_id, "has_more": len(rows) > REQUEST_JOBS_SHOWN,
             "data": [{"id": r.id, "tenant_id": r.tenant_id, "status": r.status, "tier": r.tier,

@@ -23,12 +23,13 @@ from workers.sweeper import _JOB_ID
 pytestmark = pytest.mark.integration
 
 
-def _create(client, keys, lines: int) -> dict:
+def _create(client, keys, lines: int, request_id: str | None = None) -> dict:
     body = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
                                  "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}}) for i in range(lines))
     f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
                     files={"file": ("in.jsonl", body.encode())}).json()
-    return client.post("/v1/batches", headers=Keys.header(keys.paid), json={  # fans out before it answers
+    headers = Keys.header(keys.paid) | ({"X-Request-Id": request_id} if request_id else {})
+    return client.post("/v1/batches", headers=headers, json={  # fans out before it answers
         "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
 
 
@@ -107,9 +108,14 @@ def test_an_interactive_submission_goes_through_while_a_batch_fans_out(client, k
         seen["listed"] = client.get("/v1/jobs", headers=Keys.header(keys.paid)).json()["data"]
         seen["batch"] = client.get(f"/v1/batches/{seen['batch_id']}", headers=Keys.header(keys.paid)).json()["status"]
         seen["messages"] = _messages(settings)
+        seen["admin"] = client.get("/admin/api/jobs", params={"request_id": "fan-out-1"},
+                                   headers=Keys.header(keys.admin)).json()["data"]
 
     _between_chunks(monkeypatch, submit)
-    batch = _create(client, keys, 5)
+    batch = _create(client, keys, 5, request_id="fan-out-1")
+    assert seen["admin"] == []  # an operator's search by the request's id does not show them staged either
+    found = client.get("/admin/api/jobs", params={"request_id": "fan-out-1"}, headers=Keys.header(keys.admin))
+    assert len(found.json()["data"]) == 5  # once started it does
     assert seen["staged"] == 2
     assert seen["submit"].status_code == 201, seen["submit"].text
     interactive = seen["submit"].json()["id"]
