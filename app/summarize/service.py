@@ -84,6 +84,16 @@ def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: in
             param="max_summary_tokens")
 
 
+def check_jobs(jobs: int, most: int, chunk_tokens: int) -> None:
+    """Refuses a run whose first level makes more than ``most`` jobs (``COSERVE_SUMMARIZE_MAX_JOBS``): they are
+    written with the run in one transaction, which holds SQLite's one write lock while they go in."""
+    if jobs > most:
+        raise job_service.JobValidationError(
+            f"the documents make {jobs} chunks of {chunk_tokens} tokens, a job each, and a run takes at most {most} "
+            f"(COSERVE_SUMMARIZE_MAX_JOBS): give a larger chunk_tokens, or send the documents in several runs",
+            param="documents")
+
+
 def check_depth(docs: list[DocState], chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> None:
     """Refuses a document whose level-0 chunks may need more than ``pipeline.MAX_LEVELS`` levels to come down to one
     summary (it would fail at the last level, after all the jobs of the others)."""
@@ -116,6 +126,7 @@ def start_run(settings: Settings, principal: Principal, documents: list[Document
     backend = driver.collector_for(settings, run, {})
     planner = driver.planner_for(settings, run, backend)
     run.jobs_submitted = sum(advance_doc(doc, {}, planner).submitted for doc in docs)
+    check_jobs(run.jobs_submitted, settings.summarize_max_jobs, budget)
     check_depth(docs, budget, overlap_tokens, max_summary_tokens)
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
         s.add(run)

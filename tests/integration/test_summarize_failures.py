@@ -154,3 +154,21 @@ def test_a_document_too_long_for_the_levels_is_refused_before_any_job(client, ke
         assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
     ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 8})
     assert ok.status_code == 201, ok.text
+
+
+def test_a_run_of_more_jobs_than_summarize_max_jobs_is_refused_before_any(client, keys, settings, monkeypatch):
+    """The first level's jobs go in with the run in one transaction: past COSERVE_SUMMARIZE_MAX_JOBS the start says how
+    many the documents make and what to change, and writes nothing."""
+    monkeypatch.setattr(settings, "summarize_max_jobs", 3)
+    text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(30))
+    body = {"documents": [{"id": "a", "text": text}, {"id": "b", "text": "The cat sat."}], "deadline": "30m",
+            "chunk_tokens": 64, "overlap_tokens": 0, "max_summary_tokens": 8}
+    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body)
+    assert r.status_code == 422, r.text
+    error = r.json()["detail"][0]
+    assert error["loc"] == ["body", "documents"] and "a run takes at most 3" in error["msg"], error
+    assert "larger chunk_tokens" in error["msg"], error
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
+    monkeypatch.setattr(settings, "summarize_max_jobs", 10_000)
+    assert client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body).status_code == 201
