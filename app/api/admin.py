@@ -239,7 +239,8 @@ def jobs_of_request(session: SessionDep, _admin: AdminPrincipal,
     """Any tenant's jobs submitted by one request (its ``X-Request-Id``, as a client reports it), oldest first:
     the dashboard's search takes a request id as well as a job id (by ``ix_jobs_request``)."""
     rows = session.execute(select(Job.id, Job.tenant_id, Job.status, Job.tier, Job.created_at)
-                           .where(Job.request_id == request_id, ~Job.status.startswith(STAGED))  # not a fan-out's staged
+                           # a fan-out's staged jobs are not its batch's yet
+                           .where(Job.request_id == request_id, ~Job.status.startswith(STAGED))
                            .order_by(Job.created_at, Job.id)
                            .limit(REQUEST_JOBS_SHOWN + 1)).all()
     return {"request_id": request_id, "has_more": len(rows) > REQUEST_JOBS_SHOWN,
