@@ -14,7 +14,7 @@ advances them from there (``app.summarize.driver``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple, Protocol
@@ -43,11 +43,14 @@ class JobResult(NamedTuple):
     code: str | None = None
 
 
+PENDING = JobResult("queued")  # a job a poll did not answer for
+
+
 class JobBackend(Protocol):
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str: ...
 
-    def poll(self, job_ids: list[str]) -> Mapping[str, Sequence]:
-        """job id -> ``JobResult`` (or a plain (status, output_text, error) tuple)."""
+    def poll(self, job_ids: list[str]) -> Mapping[str, JobResult]:
+        """job id -> ``JobResult``."""
         ...
 
 
@@ -96,20 +99,19 @@ class Advance:
     submitted: int = 0  # jobs created: its next level's, or its failed jobs' retries
 
 
-def retry_refusal(result: Sequence) -> str | None:
+def retry_refusal(result: JobResult) -> str | None:
     """Why a failed job is not worth submitting again (None: it is). A job the engine refused for its own request
     fails again the same way; a cancelled one was stopped on purpose (its run, its tenant, its owner). A job that
     failed otherwise (an engine error, every worker it met died: the job layer retried those ``max_attempts``
     times already) or expired (its deadline passed under load: a retry gets a fresh one) may succeed later."""
-    status, code = result[0], (result[3] if len(result) > 3 else None)
-    if status == "cancelled":
+    if result.status == "cancelled":
         return "it was cancelled"
-    if status == "failed" and code == INVALID_REQUEST:
+    if result.status == "failed" and result.code == INVALID_REQUEST:
         return "the engine refused its request"
     return None
 
 
-def advance_doc(doc: DocState, results: Mapping[str, Sequence], planner: Planner) -> Advance:
+def advance_doc(doc: DocState, results: Mapping[str, JobResult], planner: Planner) -> Advance:
     """Collects ``doc``'s level when all its jobs ended and submits the next one; a level with failed jobs submits
     those again (``planner.job_retries`` times per chunk, after a doubling backoff) or fails the document.
 
@@ -120,14 +122,14 @@ def advance_doc(doc: DocState, results: Mapping[str, Sequence], planner: Planner
     if doc.done:
         return Advance()
     if doc.pending:
-        states = [results.get(j, ("queued", None, None)) for j in doc.pending]
-        if not all(r[0] in TERMINAL for r in states):
+        states = [results.get(j, PENDING) for j in doc.pending]
+        if not all(r.status in TERMINAL for r in states):
             return Advance()
         attempts = doc.attempts if len(doc.attempts) == len(doc.pending) else [0] * len(doc.pending)
-        bad = [i for i, r in enumerate(states) if r[0] != "succeeded"]
+        bad = [i for i, r in enumerate(states) if r.status != "succeeded"]
         if bad:
             return Advance(_retry_or_fail(doc, states, attempts, bad, planner))
-        outputs = [(r[1] or "").strip() for r in states]
+        outputs = [(r.text or "").strip() for r in states]
         doc.pending, doc.attempts = [], []
         if doc.final:
             doc.summary = outputs[0]
@@ -136,11 +138,11 @@ def advance_doc(doc: DocState, results: Mapping[str, Sequence], planner: Planner
     return Advance(_plan(doc, planner))
 
 
-def _describe(result: Sequence) -> str:
-    return result[0] + (f": {result[2]}" if result[2] else "")
+def _describe(result: JobResult) -> str:
+    return result.status + (f": {result.error}" if result.error else "")
 
 
-def _retry_or_fail(doc: DocState, states: list[Sequence], attempts: list[int], bad: list[int],
+def _retry_or_fail(doc: DocState, states: list[JobResult], attempts: list[int], bad: list[int],
                    planner: Planner) -> int:
     """A level whose jobs ended with some failed: the failed ones are submitted again (returns how many) when each
     may be retried and its backoff has passed; else the document fails, naming why and its retries."""
@@ -150,7 +152,7 @@ def _retry_or_fail(doc: DocState, states: list[Sequence], attempts: list[int], b
             refusal = f"its chunk had {attempts[i]} retries" if attempts[i] else "retries are off"
         if refusal is not None:
             tries = f" after {doc.retries} retried job(s)" if doc.retries else ""
-            doc.error = f"{len(bad)} job(s) {states[i][0]}{tries}; level {doc.level + 1} chunk {i + 1}: " \
+            doc.error = f"{len(bad)} job(s) {states[i].status}{tries}; level {doc.level + 1} chunk {i + 1}: " \
                         f"{_describe(states[i])} (not retried: {refusal})"
             doc.pending, doc.attempts, doc.retry_at = [], [], None
             return 0
@@ -163,8 +165,9 @@ def _retry_or_fail(doc: DocState, states: list[Sequence], attempts: list[int], b
         return 0
     prompts = _prompts(doc, planner)
     if len(prompts) != len(doc.pending):  # its text splits otherwise now (another tokenizer): no retry can match
-        doc.error = f"{len(bad)} job(s) {states[bad[0]][0]}: {_describe(states[bad[0]])} (not retried: the level's " \
-                    f"text no longer splits into its {len(doc.pending)} chunk(s))"
+        first = states[bad[0]]
+        doc.error = f"{len(bad)} job(s) {first.status}: {_describe(first)} (not retried: the level's text no " \
+                    f"longer splits into its {len(doc.pending)} chunk(s))"
         doc.pending, doc.attempts, doc.retry_at = [], [], None
         return 0
     for i in bad:
@@ -207,9 +210,9 @@ def _plan(doc: DocState, planner: Planner) -> int:
     return len(prompts)
 
 
-def open_jobs(docs: list[DocState], results: Mapping[str, Sequence]) -> int:
+def open_jobs(docs: list[DocState], results: Mapping[str, JobResult]) -> int:
     """Jobs the documents wait for that have not ended (one missing from ``results`` has not)."""
-    return sum(1 for d in docs for j in d.pending if results.get(j, ("queued",))[0] not in TERMINAL)
+    return sum(1 for d in docs for j in d.pending if results.get(j, PENDING).status not in TERMINAL)
 
 
 def levels_needed(chunks: int, chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> int:

@@ -51,7 +51,7 @@ class FakeBackend:
         return job_id
 
     def poll(self, ids):
-        return {j: (self.jobs[j][0], self.jobs[j][1], None) for j in ids}
+        return {j: JobResult(*self.jobs[j]) for j in ids}
 
 
 def test_map_reduce_levels():
