@@ -334,6 +334,10 @@ RunStatus = Literal["running", "cancelling", "failed", "completed", "cancelled"]
 RUNS_SHOWN = 50  # rows of the summarization runs' table (the default and the most ``limit`` takes)
 
 
+def _tenant_names(session, tenant_ids: set[str]) -> dict[str, str]:
+    return dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(tenant_ids))).all())
+
+
 def _run_row(run: SummarizationRun, session, tenants: dict[str, str]) -> dict[str, Any]:
     progress = summarize_store.progress_of(run, session)  # a live run's jobs_done as of now
     return {**progress.as_dict(), "deadline_at": utc_z(progress.deadline_at), "tenant_id": run.tenant_id,
@@ -353,14 +357,13 @@ def summarizations(session: SessionDep, _admin: AdminPrincipal,
     query = select(SummarizationRun)
     if status_:
         query = query.where(SummarizationRun.status.in_(status_))
+    mark = None
     if after:
         mark = session.get(SummarizationRun, after) if RUN_ID.fullmatch(after) else None
         if mark is None:
             raise unprocessable(f"no summarization {after!r}: pass the last id of the page before", "query", "after")
-        query = query.where(pagination.after(SummarizationRun, mark.created_at, mark.id))
-    rows = list(session.scalars(query.order_by(*pagination.in_order(SummarizationRun)).limit(limit + 1)))
-    tenants = dict(session.execute(select(Tenant.id, Tenant.name).where(
-        Tenant.id.in_({r.tenant_id for r in rows}))).all())
+    rows = pagination.page_after(session, query, SummarizationRun, mark, limit)
+    tenants = _tenant_names(session, {r.tenant_id for r in rows})
     counts = dict(session.execute(select(SummarizationRun.status, func.count())
                                   .group_by(SummarizationRun.status)).all())
     return {"data": [_run_row(r, session, tenants) for r in rows[:limit]], "has_more": len(rows) > limit,
@@ -382,5 +385,4 @@ def cancel_summarization(run_id: str, session: SessionDep, settings: SettingsDep
     run = session.get(SummarizationRun, run_id)
     if not cancelled:
         raise HTTPException(status.HTTP_409_CONFLICT, f"the run is {run.status}: only a running run can be cancelled")
-    tenants = dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id == run.tenant_id)).all())
-    return {**_run_row(run, session, tenants), "action": "cancel", "cancelled": True}
+    return {**_run_row(run, session, _tenant_names(session, {run.tenant_id})), "action": "cancel", "cancelled": True}

@@ -36,9 +36,16 @@ def rows_after(session: Session, query: Select, table: Any, tenant_id: str, curs
                newest_first: bool = True) -> list[Any]:
     """``query``'s rows of ``table`` in order after the tenant's row ``cursor`` names (none where it names no row of
     the tenant's), up to ``limit + 1``: a page and one more, which tells the caller whether more follow."""
-    if cursor:
-        mark = cursor_row(session, table, cursor, tenant_id)
-        if mark is None:
-            return []
+    mark = cursor_row(session, table, cursor, tenant_id) if cursor else None
+    if cursor and mark is None:
+        return []
+    return page_after(session, query, table, mark, limit, newest_first)
+
+
+def page_after(session: Session, query: Select, table: Any, mark: Any | None, limit: int,
+               newest_first: bool = True) -> list[Any]:
+    """``query``'s rows of ``table`` in order after the row ``mark`` (from the first where None), up to
+    ``limit + 1``."""
+    if mark is not None:
         query = query.where(after(table, mark.created_at, mark.id, newest_first))
     return list(session.scalars(query.order_by(*in_order(table, newest_first)).limit(limit + 1)))
