@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -132,35 +133,34 @@ class Decision:
         return (f"rate limit reached for requests per minute: limit {rpm}; try again in "
                 f"{_duration(self.retry_after_s)}")
 
+    def _buckets(self) -> Iterator[tuple[str, int, int, float]]:
+        """Per limit that applies: its name, capacity, what is left of it and the seconds until it is full again."""
+        for name, cap, left in (("requests", self.limits.requests_per_minute, self.requests_left),
+                                ("tokens", self.limits.tokens_per_minute, self.tokens_left)):
+            if cap is not None and left is not None:
+                yield name, cap, max(0, int(left)), (cap - max(0.0, left)) * WINDOW_S / cap
+
     def headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for the limits that apply (and ``retry-after`` on a refusal)."""
         out: dict[str, str] = {}
-        for name, cap, left in (("requests", self.limits.requests_per_minute, self.requests_left),
-                                ("tokens", self.limits.tokens_per_minute, self.tokens_left)):
-            if cap is None or left is None:
-                continue
+        for name, cap, left, until_full in self._buckets():
             out[f"x-ratelimit-limit-{name}"] = str(cap)
-            out[f"x-ratelimit-remaining-{name}"] = str(max(0, int(left)))
-            out[f"x-ratelimit-reset-{name}"] = _duration((cap - max(0.0, left)) * WINDOW_S / cap)  # until full
+            out[f"x-ratelimit-remaining-{name}"] = str(left)
+            out[f"x-ratelimit-reset-{name}"] = _duration(until_full)
         if not self.allowed and not self.too_large:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
             out["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
         return out
-
 
     def anthropic_headers(self, now: float | None = None) -> dict[str, str]:
         """The same state as Anthropic's ``anthropic-ratelimit-*`` headers (docs.anthropic.com/en/api/rate-limits):
         limit, remaining, and reset as the RFC 3339 time the bucket is full again; ``retry-after`` on a refusal."""
         now = time.time() if now is None else now
         out: dict[str, str] = {}
-        for name, cap, left in (("requests", self.limits.requests_per_minute, self.requests_left),
-                                ("tokens", self.limits.tokens_per_minute, self.tokens_left)):
-            if cap is None or left is None:
-                continue
-            full_at = now + (cap - max(0.0, left)) * WINDOW_S / cap
+        for name, cap, left, until_full in self._buckets():
             out[f"anthropic-ratelimit-{name}-limit"] = str(cap)
-            out[f"anthropic-ratelimit-{name}-remaining"] = str(max(0, int(left)))
-            out[f"anthropic-ratelimit-{name}-reset"] = _rfc3339(math.ceil(full_at))
+            out[f"anthropic-ratelimit-{name}-remaining"] = str(left)
+            out[f"anthropic-ratelimit-{name}-reset"] = _rfc3339(math.ceil(now + until_full))
         if not self.allowed and not self.too_large:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
         return out
