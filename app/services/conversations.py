@@ -57,7 +57,9 @@ def take_turn(session: Session, conv: Conversation, job_id: str) -> list[dict[st
     """The conversation as chat messages for response ``job_id``, whose turn it adds at once (shown once the response
     has completed): with ``conv``'s row locked (``find(lock=True)``) no other response reads the same turns. A 400
     ``conversation_locked`` while an earlier response on it has not ended, as OpenAI answers."""
-    if any(_unended(session, entry) for entry in entries(session, conv)):
+    listed = entries(session, conv)
+    jobs = turn_jobs(session, listed)
+    if any(_unended(entry, jobs) for entry in listed):
         raise OpenAIError(400, f"another response is currently operating on conversation {conv.id!r}; try again once "
                                "it has ended", param="conversation", code="conversation_locked")
     messages = history(session, conv)
@@ -65,11 +67,11 @@ def take_turn(session: Session, conv: Conversation, job_id: str) -> list[dict[st
     return messages
 
 
-def _unended(session: Session, entry: ConversationEntry) -> bool:
+def _unended(entry: ConversationEntry, jobs: dict[str, Job]) -> bool:
     """Whether the entry is the turn of a response still queued or running, or one whose job is being submitted."""
     if entry.job_id is None:
         return False
-    job = session.get(Job, entry.job_id)
+    job = jobs.get(entry.job_id)
     if job is None:  # taken, its job not yet written (or never: the API stopped in between)
         return as_utc(entry.created_at) > utcnow() - timedelta(seconds=SUBMIT_S)
     return not JobStatus(job.status).terminal
@@ -87,6 +89,12 @@ def entries(session: Session, conv: Conversation) -> list[ConversationEntry]:
                                 .order_by(ConversationEntry.id)))
 
 
+def turn_jobs(session: Session, listed: list[ConversationEntry]) -> dict[str, Job]:
+    """The jobs of the entries' turns, by id, read in one query (not one a turn)."""
+    ids = [entry.job_id for entry in listed if entry.job_id is not None]
+    return {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(ids)))} if ids else {}
+
+
 def turn_items(job: Job | None) -> list[dict[str, Any]]:
     """A response's input and output items, once it has completed."""
     if job is None or job.status != JobStatus.SUCCEEDED:
@@ -97,11 +105,13 @@ def turn_items(job: Job | None) -> list[dict[str, Any]]:
 def items_of(session: Session, conv: Conversation) -> list[tuple[ConversationEntry, dict[str, Any]]]:
     """The conversation's items in order, each with the entry it comes from."""
     out = []
-    for entry in entries(session, conv):
+    listed = entries(session, conv)
+    jobs = turn_jobs(session, listed)
+    for entry in listed:
         if entry.item is not None:
             out.append((entry, entry.item))
         else:
-            out += [(entry, item) for item in turn_items(session.get(Job, entry.job_id))
+            out += [(entry, item) for item in turn_items(jobs.get(entry.job_id))
                     if item["id"] not in (entry.deleted or ())]
     return out
 

@@ -1,0 +1,51 @@
+"""A conversation's items are read with a fixed number of queries, however many responses it holds."""
+
+from __future__ import annotations
+
+from sqlalchemy import event
+
+from app.db.models import Conversation, ConversationEntry, Job, Tenant
+from app.db.session import session_scope
+from app.services import conversations
+
+
+def _conversation(session, turns: int) -> Conversation:
+    session.add(Tenant(id="t1", name="t1", default_tier="paid"))
+    session.flush()
+    conv = Conversation(id="conv_1", tenant_id="t1")
+    session.add(conv)
+    session.flush()
+    for i in range(turns):
+        job = Job(tenant_id="t1", kind="interactive", tier="paid", model="tiny", status="succeeded", sampling={},
+                  messages=[{"role": "user", "content": f"question {i}"}], response={}, output_text=f"answer {i}",
+                  finish_reason="stop")
+        session.add(job)
+        session.flush()
+        session.add(ConversationEntry(conversation_id=conv.id, job_id=job.id))
+    session.add(ConversationEntry(conversation_id=conv.id, item={"id": "msg_own", "type": "message",
+                                                                 "role": "user", "content": [{"type": "input_text",
+                                                                                              "text": "own"}]}))
+    session.commit()
+    return conv
+
+
+def test_items_and_a_new_turn_read_the_turns_jobs_in_one_query(db_url):
+    with session_scope(db_url) as s:
+        conv = _conversation(s, turns=12)
+        s.expire_all()  # nothing cached: every job is read from SQL
+        statements: list[str] = []
+        engine = s.get_bind()
+        listen = lambda conn, cursor, sql, *rest: statements.append(sql)  # noqa: E731
+        event.listen(engine, "before_cursor_execute", listen)
+        try:
+            items = conversations.items_of(s, conv)
+            s.expire_all()
+            messages = conversations.take_turn(s, conv, "job_new")
+        finally:
+            event.remove(engine, "before_cursor_execute", listen)
+    texts = [item["content"][0]["text"] for _, item in items]
+    assert texts[:4] == ["question 0", "answer 0", "question 1", "answer 1"] and texts[-1] == "own"
+    assert len(messages) == 25 and messages[-1] == {"role": "user", "content": "own"}
+    job_reads = [sql for sql in statements if "FROM jobs" in sql]
+    # items_of: one read of the jobs; take_turn: one for the lock check, one for the history it reads
+    assert len(job_reads) <= 3, job_reads
