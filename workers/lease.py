@@ -71,7 +71,8 @@ def renew(session: Session, worker_id: str, leases: Iterable[Lease], lease_s: fl
 
 def finish(session: Session, lease: Lease, to: JobStatus, values: dict[str, Any], detail: str | None = None) -> bool:
     """The one terminal transition of this attempt (commits); False for a stale attempt."""
-    values = {"finished_at": utcnow(), "lease_expires_at": None, **values}
+    now = utcnow()
+    values = {"finished_at": now, "settled_at": now, "lease_expires_at": None, **values}
     ok = transition(session, lease.job_id, ACTIVE, to, worker_id=lease.worker_id, attempt=lease.attempt,
                     detail=detail, values=values)
     session.commit()
@@ -88,12 +89,15 @@ def keep_cancelled(session: Session, lease: Lease, values: dict[str, Any] | None
     # cancelled while it waits there was not cancelled while this attempt ran it
     ours = (Job.id == lease.job_id, Job.attempt == lease.attempt, Job.worker_id == lease.worker_id,
             Job.status == JobStatus.CANCELLED.value)
-    if not values:
-        return session.scalar(select(func.count()).select_from(Job).where(*ours)) == 1
-    done = session.execute(update(Job).where(*ours).values(**values)
+    # its end settles with this write (None: nothing to write, settled all the same), once: /metrics may keep the
+    # totals of a settled end, so what a late second write would change is refused
+    done = session.execute(update(Job).where(*ours, Job.settled_at.is_(None)).values(**(values or {}),
+                                                                                      settled_at=utcnow())
                            .execution_options(synchronize_session=False)).rowcount
     session.commit()
-    return bool(done)
+    if done or values:
+        return bool(done)
+    return session.scalar(select(func.count()).select_from(Job).where(*ours)) == 1
 
 
 def release(session: Session, lease: Lease, detail: str) -> bool:

@@ -57,7 +57,7 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
             if transition(session, job.id, JobStatus(job.status), JobStatus.FAILED, attempt=job.attempt,
                           where=[Job.lease_expires_at < now], detail=error,
                           values={"worker_id": None, "lease_expires_at": None, "error": error,
-                                  "finished_at": now}):
+                                  "finished_at": now, "settled_at": now}):
                 result.failed += 1
                 ended.append((job.id, StreamEvent("end", job.attempt, status="failed", data={"error": error})))
             continue

@@ -93,6 +93,7 @@ class Job(Base):
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
         Index("ix_jobs_model_finished", "model", "finished_at"),  # workers' decode-length history reads
         Index("ix_jobs_finished", "finished_at"),  # the jobs finished lately (the dashboard's SLO chart)
+        Index("ix_jobs_settled", "model", "settled_at", "finished_at"),  # /metrics: ends settled since its totals
         Index("ix_jobs_tenant_request", "tenant_id", "request_id"),  # a tenant's jobs by the request that sent them
         Index("ix_jobs_request", "request_id"),  # any tenant's (the admin dashboard's search)
     )
@@ -139,6 +140,9 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     first_token_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    # when the end stopped changing: at finished_at, or where the API cancelled a job an engine held, once its
+    # worker wrote what it produced (None until then); /metrics keeps the totals of the jobs settled before a horizon
+    settled_at: Mapped[datetime | None] = mapped_column(default=None)
     # output
     output_text: Mapped[str | None] = mapped_column(Text, default=None)
     finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)

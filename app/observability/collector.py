@@ -264,8 +264,11 @@ def histogram_query(value, edges: Sequence[float], *where):
 
 def success_query(*where):
     """Succeeded jobs (those ``where`` holds) per finish reason."""
+    # the status in an expression the status index cannot serve: SQLite, without statistics, would take it (every
+    # succeeded job) over the settled range of ix_jobs_settled (app.observability.tally)
+    succeeded = func.coalesce(Job.status, literal_column("''")) == JobStatus.SUCCEEDED.value
     return (select(FINISH_REASON, func.count())
-            .where(Job.finished_at.is_not(None), Job.status == JobStatus.SUCCEEDED.value, *where)
+            .where(Job.finished_at.is_not(None), succeeded, *where)
             .group_by(FINISH_REASON).order_by(FINISH_REASON))
 
 

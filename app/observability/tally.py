@@ -6,9 +6,14 @@ finished before a horizon are summed once and kept (``metric_totals``, one row p
 every API process and kept across restarts), and each scrape adds those finished since the horizon. Summing all of
 them at every scrape took 37-48 s at 300,000 jobs (docs/BENCHMARKS.md), past Prometheus's scrape timeout.
 
-``SETTLE`` is how long a job's end may take to settle: a worker stamps ``finished_at`` at the attempt that writes
-the end, and a job cancelled while running gets its token counts from its worker shortly after the API stamped it.
-A job whose end is written later than that behind its ``finished_at`` is not counted."""
+A job's end is kept by when it settled (``settled_at``: when its values stopped changing), not by ``finished_at``:
+a job the API cancelled while an engine held it gets its token counts from its worker later, however late, and
+settles then (workers/lease.py keep_cancelled); until then it is read afresh at every scrape, so it is counted once,
+with its values as they stand. ``SETTLE`` is the margin a settled end's commit may take behind its ``settled_at``.
+
+A deployment's first scrape starts the totals (at its horizon) rather than summing every job ever ended: it reads an
+index range, as every later scrape does. The counters count the jobs ended since, as vLLM's count the requests since
+its start; Prometheus reads a counter's rate, and the Usage API sums any range of jobs."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import Select, update
+from sqlalchemy import Select, false, func, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -67,16 +72,20 @@ def totals(session: Session, start: Kept, queries: Mapping[str, Summed]) -> tupl
     """Each query's totals per group over all finished jobs, and what to keep from here: ``start``'s totals plus
     the jobs finished since its horizon, those finished before the new horizon kept apart."""
     horizon = utcnow() - SETTLE
-    settled = Job.finished_at < horizon
+    # the first scrape starts the totals at the horizon: the jobs settled before are not read (the module's doc)
+    since = start.horizon if start.horizon is not None else horizon
+    settled = func.coalesce(Job.settled_at < horizon, false())
     after = Kept(horizon)
     out: dict[str, Groups] = {}
+    # two ranges of one index (ix_jobs_settled: model, settled_at, finished_at), a query each (SQLite scans the table
+    # for their OR): the ends settled since the horizon kept, and those ended (each query's finished_at term) but not
+    # settled yet, read at each scrape until they settle
+    ranges = (Job.settled_at >= since, Job.settled_at.is_(None))
     for name, summed in queries.items():
-        query = summed.query.add_columns(settled).group_by(settled)
-        if start.horizon is not None:
-            query = query.where(Job.finished_at >= start.horizon)
         after.groups[name], recent = dict(start.groups.get(name, {})), {}
-        for *row, is_settled in session.execute(query):
-            add(after.groups[name] if is_settled else recent, tuple(row[:summed.keys]), row[summed.keys:])
+        for where in ranges:
+            for *row, is_settled in session.execute(summed.query.add_columns(settled).group_by(settled).where(where)):
+                add(after.groups[name] if is_settled else recent, tuple(row[:summed.keys]), row[summed.keys:])
         out[name] = dict(after.groups[name])
         for key, values in recent.items():
             add(out[name], key, values)

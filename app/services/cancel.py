@@ -11,7 +11,7 @@ from app.db.models import Job, JobStatus
 from app.db.session import write_after_read
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel, announce_cancels, await_kept
-from app.services.transitions import ACTIVE, NOT_TERMINAL, transition_many, utcnow
+from app.services.transitions import ACTIVE, NOT_TERMINAL, cancel_stamps, transition_many, utcnow
 from app.settings import Settings
 
 STOP_CHUNK = 500  # jobs a transaction: SQLite caps one statement's parameters, and others may write in between
@@ -40,7 +40,7 @@ def stop_job_ids(session: Session, ids: list[str], to: JobStatus, detail: str, r
 
 
 def _stop_chunk(session: Session, ids: list[str], to: JobStatus, detail: str, redis_url: str | None) -> int:
-    values = {"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": to.value}
+    values = {**cancel_stamps(utcnow()), "lease_expires_at": None, "finish_reason": to.value}
     if to == JobStatus.EXPIRED:
         values["slo_met"] = False  # its deadline passed
     # End the read transaction the caller's last read (or the previous chunk's announce) opened: a deferred

@@ -30,7 +30,7 @@ from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
-from app.services.transitions import NOT_TERMINAL, transition, utcnow
+from app.services.transitions import NOT_TERMINAL, cancel_stamps, transition, utcnow
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
@@ -466,7 +466,7 @@ def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the us
     with write_after_read(session):
         for status in NOT_TERMINAL:  # one guarded write per state, so that the one that matched is known
             if transition(session, job.id, status, JobStatus.CANCELLED, detail=detail,
-                          values={"finished_at": utcnow(), "lease_expires_at": None, "finish_reason": "cancelled"}):
+                          values={**cancel_stamps(utcnow()), "lease_expires_at": None, "finish_reason": "cancelled"}):
                 cancelled_from = status
                 break
         session.commit()

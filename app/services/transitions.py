@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert, update
+from sqlalchemy import case, insert, type_coerce, update
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus
@@ -26,6 +26,14 @@ NOT_TERMINAL = PENDING + ACTIVE
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def cancel_stamps(now: datetime) -> dict[str, Any]:
+    """An API stop's end timestamps (a cancel, an expiry): ``finished_at``, and ``settled_at`` but for a job an
+    engine holds, whose worker writes what it produced later and settles it then (workers/lease.py keep_cancelled).
+    SQL that reads the status the update finds (a SET clause sees the row as it was)."""
+    held = Job.status.in_([s.value for s in ACTIVE])
+    return {"finished_at": now, "settled_at": case((held, None), else_=type_coerce(now, Job.settled_at.type))}
 
 
 def as_utc(dt: datetime | None) -> datetime | None:

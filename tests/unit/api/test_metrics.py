@@ -5,14 +5,16 @@ from __future__ import annotations
 from datetime import timedelta
 
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from app.db.models import Job, MetricTotals, Tenant, WorkerState
+from app.db.models import Job, JobStatus, MetricTotals, Tenant, WorkerState
 from app.db.session import session_scope
 from app.observability.collector import TTFT_BUCKETS, SqlCollector, histogram_query, seconds_between, success_query
 from app.observability.tally import SETTLE
+from app.services.jobs import cancel_job
 from app.services.transitions import as_utc, utcnow
+from workers.lease import Lease, keep_cancelled
 
 
 def _job(tenant, status, tier, **kw):
@@ -104,43 +106,81 @@ def test_buckets_are_cumulative_across_edges(db_url):
 
 
 def _ended(db_url, *jobs: tuple[timedelta, int]) -> None:
-    """Succeeded jobs, each (how long ago it finished, its prompt tokens)."""
+    """Succeeded jobs, each (how long ago it finished and settled, its prompt tokens)."""
     now = utcnow()
     with session_scope(db_url) as s:
         tenant = s.query(Tenant).first() or Tenant(name="t")
         s.add(tenant)
         s.flush()
-        s.add_all([_job(tenant.id, "succeeded", "paid", finished_at=now - ago, ttft_s=0.03, prompt_tokens=tokens,
-                        completion_tokens=1) for ago, tokens in jobs])
+        s.add_all([_job(tenant.id, "succeeded", "paid", finished_at=now - ago, settled_at=now - ago, ttft_s=0.03,
+                        prompt_tokens=tokens, completion_tokens=1) for ago, tokens in jobs])
 
 
-def test_the_settled_totals_are_kept_and_each_settled_job_read_once(db_url):
-    """The jobs finished before the horizon are summed once and kept in the database: a later scrape, by any API
-    process, reads only those finished since, and adds the recent ones afresh each time (never twice)."""
+def _scrape_sql(db_url, models=("tiny",)) -> tuple[float, float, float]:
+    """Prompt tokens, TTFT count and cancelled jobs, as the SQL collector counts them."""
+    samples = _samples(SqlCollector(db_url, "tiny", tiers=("paid",), models=models).collect())
+    ttft = samples.get(("coserve:time_to_first_token_seconds_count",
+                        (("kind", "interactive"), ("model_name", "tiny"), ("tier", "paid"))), 0)
+    cancelled = samples.get(("coserve:request_outcome_total", (("model_name", "tiny"), ("status", "cancelled"))), 0)
+    return samples[("coserve:prompt_tokens_total", (("model_name", "tiny"),))], ttft, cancelled
+
+
+def _as_if_last_scraped(db_url, ago: timedelta) -> None:
+    """The kept totals' horizon moved back (as if no scrape came for a while), every settled end with it."""
+    with session_scope(db_url) as s:  # in Python: SQLite keeps datetimes as text
+        for row in s.scalars(select(MetricTotals)):
+            row.horizon = as_utc(row.horizon) - ago
+        for job in s.scalars(select(Job).where(Job.settled_at.is_not(None))):
+            job.settled_at = as_utc(job.settled_at) - ago
+
+
+def test_the_first_scrape_starts_the_totals_and_each_settled_end_is_kept_once(db_url):
+    """A deployment's first scrape reads the jobs settled since its horizon (an index range), not every job ended
+    before; later scrapes keep each settled end once and read the recent ones afresh."""
     _ended(db_url, (timedelta(hours=1), 10), (timedelta(0), 5))
-
-    def scrape(models=("tiny",)):
-        samples = _samples(SqlCollector(db_url, "tiny", tiers=("paid",), models=models).collect())
-        ttft = samples[("coserve:time_to_first_token_seconds_count",
-                        (("kind", "interactive"), ("model_name", "tiny"), ("tier", "paid")))]
-        return samples[("coserve:prompt_tokens_total", (("model_name", "tiny"),))], ttft
-
-    assert scrape() == (15, 2)
+    assert _scrape_sql(db_url) == (5, 1, 0)  # the end of an hour ago is before the totals began
     with session_scope(db_url) as s:
         (row,) = s.query(MetricTotals).all()
         assert utcnow() - as_utc(row.horizon) >= SETTLE
-    # an end written an hour behind its stamp lies in the span kept: it is not read; a new end counts
-    _ended(db_url, (timedelta(hours=2), 100), (timedelta(0), 1000))
-    assert scrape() == (1015, 3)
+    _ended(db_url, (timedelta(0), 1000))
+    assert _scrape_sql(db_url) == (1005, 2, 0)
+    assert _scrape_sql(db_url) == (1005, 2, 0)  # the recent jobs once, scrape after scrape
+    _as_if_last_scraped(db_url, timedelta(hours=1))
+    assert _scrape_sql(db_url) == (1005, 2, 0)  # kept now
+    assert _scrape_sql(db_url) == (1005, 2, 0)
+    # other counted models (an adapter loaded) keep their own totals, which start at their first scrape
+    assert _scrape_sql(db_url, ("tiny", "tiny-lora")) == (0, 0, 0)
+
+
+def test_an_end_its_worker_writes_late_is_counted_once(db_url):
+    """A job the API cancelled while a worker ran it settles when the worker writes what it produced, however late
+    behind the cancel's finished_at: counted as it stands until then, and its tokens once after."""
+    _ended(db_url, (timedelta(0), 5))
+    assert _scrape_sql(db_url) == (5, 1, 0)
     with session_scope(db_url) as s:
-        kept = s.scalars(select(MetricTotals.horizon)).one()
-    assert scrape() == (1015, 3)  # the recent jobs once, scrape after scrape
-    with session_scope(db_url) as s:
-        assert s.scalars(select(MetricTotals.horizon)).one() > kept  # each scrape moves the horizon on
-    assert scrape(("tiny", "tiny-lora")) == (1115, 4)  # other counted models keep their own totals: all read
-    with session_scope(db_url) as s:
-        s.query(MetricTotals).delete()
-    assert scrape() == (1115, 4)  # none kept: all read
+        tenant_id = s.scalars(select(Tenant.id)).first()
+        held = _job(tenant_id, "running", "paid", worker_id="w1", attempt=1, prompt_tokens=100)
+        s.add(held)
+        s.flush()
+        assert cancel_job(s, held) == JobStatus.RUNNING
+        assert held.settled_at is None
+        s.execute(update(Job).where(Job.id == held.id).values(finished_at=utcnow() - timedelta(hours=2)))
+        s.commit()
+        job_id = held.id
+    assert _scrape_sql(db_url) == (5, 1, 1)  # cancelled; no tokens yet
+    _as_if_last_scraped(db_url, timedelta(hours=1))
+    assert _scrape_sql(db_url) == (5, 1, 1)  # not settled: read afresh, never kept
+    assert _scrape_sql(db_url) == (5, 1, 1)
+    lease = Lease(job_id, 1, "w1")
+    with session_scope(db_url) as s:  # the worker writes two hours after the cancel
+        assert keep_cancelled(s, lease, {"completion_tokens": 3, "ttft_s": 0.5})
+    assert _scrape_sql(db_url) == (105, 2, 1)
+    _as_if_last_scraped(db_url, timedelta(hours=1))
+    assert _scrape_sql(db_url) == (105, 2, 1)  # kept once
+    assert _scrape_sql(db_url) == (105, 2, 1)
+    with session_scope(db_url) as s:  # a second write would change a kept end: refused
+        assert not keep_cancelled(s, lease, {"completion_tokens": 30})
+    assert _scrape_sql(db_url) == (105, 2, 1)
 
 
 def test_every_configured_tier_has_gauges(db_url):
