@@ -1,8 +1,8 @@
 """What a ``/metrics`` scrape costs the API as the jobs table grows (SQLite; the SQL collector alone, no HTTP).
 
 A SQLite file gets ``--jobs`` ended jobs spread over the past week (and a few live ones), then each row scrapes
-``--scrapes`` times: "first scrape" deletes the kept totals before each scrape (a deployment's first scrape: before stop 56 it read every finished job; the kept
-totals deleted before each scrape), "kept totals" reads from the totals the scrape before kept, as the API does.
+``--scrapes`` times: "first scrape" deletes the kept totals before each scrape (a deployment's first scrape; before
+stop 56 it read every finished job), "kept totals" reads from the totals the scrape before kept, as the API does.
 
     python ops/bench_metrics.py --jobs 300000 --scrapes 4
 """
