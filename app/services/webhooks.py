@@ -36,7 +36,7 @@ from sqlalchemy import Select, delete, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-from app.db.models import WebhookDelivery, WebhookEndpoint, new_id, utcnow
+from app.db.models import Tenant, WebhookDelivery, WebhookEndpoint, new_id, utcnow
 from app.db.session import write_after_read, write_guard
 from app.services.transitions import as_utc
 from app.settings import WEBHOOK_CLAIM_S
@@ -292,9 +292,13 @@ def due_query(limit: int) -> Select:
     one endpoint; read from the index of pending deliveries (``ix_webhook_deliveries_pending``)."""
     rank = func.row_number().over(partition_by=WebhookDelivery.endpoint_id,
                                   order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id))
+    # a disabled tenant's deliveries are held, not sent nor dropped: they go out if an operator enables it again
+    # (the cancels its disabling made among them), as a paused endpoint keeps its messages
+    disabled = select(WebhookEndpoint.id).join(Tenant, Tenant.id == WebhookEndpoint.tenant_id).where(Tenant.disabled)
     due = select(WebhookDelivery.id, WebhookDelivery.endpoint_id, WebhookDelivery.next_attempt_at,
                  rank.label("rank")).where(WebhookDelivery.delivered_at.is_(None), WebhookDelivery.failed_at.is_(None),
-                                           WebhookDelivery.next_attempt_at <= utcnow()).subquery()
+                                           WebhookDelivery.next_attempt_at <= utcnow(),
+                                           WebhookDelivery.endpoint_id.not_in(disabled)).subquery()
     return (select(due.c.id, due.c.endpoint_id, due.c.next_attempt_at).where(due.c.rank <= PER_ENDPOINT)
             .order_by(due.c.next_attempt_at, due.c.id).limit(limit))
 

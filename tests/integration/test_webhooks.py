@@ -147,6 +147,21 @@ def test_an_event_is_retried_until_answered_and_given_up_after_its_attempts(oai,
     assert json.loads(webhook_receiver.received[-1][0])["type"] == "batch.completed"
 
 
+def test_a_disabled_tenants_deliveries_are_held_until_it_is_enabled(oai, db_url, keys, webhook_receiver):
+    oai.webhooks.create(event_types=["batch.cancelled"], name="held", url=webhook_receiver.url)
+    with session_scope(db_url) as s:
+        assert emit(s, keys.tenant_id, "batch.cancelled", "batch_held") == 1
+        s.execute(update(Tenant).where(Tenant.id == keys.tenant_id).values(disabled=True))
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=5, timeout_s=5.0) == 0
+        row = s.scalars(select(WebhookDelivery)).one()
+        assert (row.attempts, row.delivered_at, row.failed_at) == (0, None, None)  # held: not tried, not dropped
+        s.execute(update(Tenant).where(Tenant.id == keys.tenant_id).values(disabled=False))
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=5, timeout_s=5.0) == 1
+    assert [json.loads(b)["data"]["id"] for b, _ in webhook_receiver.received] == ["batch_held"]
+
+
 def test_a_background_responses_end_is_an_event_and_other_jobs_ends_are_not(oai, db_url, keys):
     """The transition that ends a job writes the event: cancelled, failed, expired, completed, or incomplete (its
     max_output_tokens reached), for background Responses API jobs only."""
