@@ -21,7 +21,7 @@ from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_job
 from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import Answer
+from app.tool_calls import Answer, read_answer
 
 ENDPOINT = "/v1/messages"
 # a chat field named in an error -> the Messages field the client wrote
@@ -126,10 +126,11 @@ class MessagesRequest(BaseModel):
                 out.append(_assistant_turn(message.content, i))
         return out
 
-    def chat_request(self, raw: dict[str, Any], tiers: tuple[str, ...] = DEFAULT_TIERS,
-                     count_only: bool = False) -> tuple[ChatCompletionRequest, JobCreate]:
+    def chat_request(self, raw: dict[str, Any], tiers: tuple[str, ...] = DEFAULT_TIERS, count_only: bool = False,
+                     batch_window_s: float | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
         """The chat request this one is, and its job; ``tiers``: the configured ones (what ``service_tier``
-        names); ``count_only``: for ``count_tokens``, whose body has no ``max_tokens``."""
+        names); ``count_only``: for ``count_tokens``, whose body has no ``max_tokens``; ``batch_window_s``: a
+        message batch's window (the job is a batch job then)."""
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
         if body.get("service_tier") == "standard_only":  # Anthropic's: no priority capacity; the key's own tier
             body["service_tier"] = "default"
@@ -163,7 +164,7 @@ class MessagesRequest(BaseModel):
                                        "json_schema": {"name": "output", "schema": fmt.get("schema")}}
         if isinstance(user := (self.metadata or {}).get("user_id"), str):
             body.setdefault("user", user)
-        return chat_job(body, tiers, in_messages_terms)
+        return chat_job(body, tiers, in_messages_terms, batch_window_s)
 
 
 class CountTokensRequest(MessagesRequest):
@@ -286,6 +287,23 @@ def tool_use_block(call: dict[str, Any], arguments: str | None) -> dict[str, Any
         given = {}
     return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
             "input": given if isinstance(given, dict) else {}}
+
+
+def message_of(job_id: str, model: str, answer: Answer, stop_reason: str | int | None, prompt_tokens: int | None,
+               completion_tokens: int | None, cached_tokens: int | None,
+               cache_write_tokens: int | None) -> dict[str, Any]:
+    """A finished chat job's answer as a Message: what ``POST /v1/messages`` answers, and a message batch's
+    succeeded result (one converter for both)."""
+    stop = stop_of(answer.finish_reason, stop_reason, bool(answer.tool_calls))
+    usage = usage_of(prompt_tokens, completion_tokens, cached_tokens, cache_write_tokens)
+    return message_body(job_id, model, content=content_blocks(answer), stop=stop, usage=usage)
+
+
+def stored_message(job: Any) -> dict[str, Any]:
+    """A succeeded job's Message from what the job stored (a message batch's output line)."""
+    answer = read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
+    return message_of(job.id, job.model, answer, job.stop_reason, job.prompt_tokens, job.completion_tokens,
+                      job.cached_tokens, job.cache_write_tokens)
 
 
 def message_body(job_id: str, model: str, *, content: list[dict[str, Any]], stop: tuple[str | None, str | None],

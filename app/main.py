@@ -9,9 +9,9 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora, metrics,
-                     models, openai_compat, prefix_cache, responses, stored_completions, summarize, tenants, tokenize,
-                     usage, webhooks)
+from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora,
+                     message_batches, metrics, models, openai_compat, prefix_cache, responses, stored_completions,
+                     summarize, tenants, tokenize, usage, webhooks)
 from app.auth import KeyCache, announce_revocation
 from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem, upgrade
@@ -146,9 +146,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
-    for module in (health, jobs, openai_compat, responses, anthropic_messages, conversations, models, tokenize, lora,
-                   files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions,
-                   prefix_cache):
+    for module in (health, jobs, openai_compat, responses, anthropic_messages, message_batches, conversations, models,
+                   tokenize, lora, files, batches, summarize, admin, tenants, usage, webhooks, metrics,
+                   stored_completions, prefix_cache):
         api.include_router(module.router)
     api.include_router(openai_compat.sagemaker)
     api.include_router(webhooks.event_types_router)

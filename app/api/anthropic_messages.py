@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, content_blocks, error_body,
-                                   message_body, stop_of, tool_use_block, usage_of)
+from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, error_body, message_body,
+                                   message_of, stop_of, tool_use_block, usage_of)
 from app import request_id
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import anthropic_responses
@@ -177,11 +177,10 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
     if isinstance(answered, Response):
         return answered
     end, answer = answered
-    stop = stop_of(answer.finish_reason, end.data.get("stop_reason"), bool(answer.tool_calls))
-    usage = usage_of(end.data["prompt_tokens"], end.data["completion_tokens"], end.data.get("cached_tokens"),
-                     end.data.get("cache_write_tokens"))
-    return JSONResponse(message_body(job.id, job.model, content=content_blocks(answer), stop=stop, usage=usage),
-                        headers=headers)
+    message = message_of(job.id, job.model, answer, end.data.get("stop_reason"), end.data["prompt_tokens"],
+                         end.data["completion_tokens"], end.data.get("cached_tokens"),
+                         end.data.get("cache_write_tokens"))
+    return JSONResponse(message, headers=headers)
 
 
 @router.post("/messages/count_tokens", responses=anthropic_responses(400, 401, 404),

@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
+from app.anthropic_schemas import ENDPOINT as MESSAGES
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.batch import storage
@@ -49,7 +50,8 @@ class BatchCreate(BaseModel):
 
 def _own(session, principal, batch_id: str) -> Batch:
     row = session.get(Batch, batch_id, populate_existing=True)
-    if row is None or row.tenant_id != principal.tenant_id:
+    # a message batch (Anthropic's, /v1/messages/batches) is no Batch object of this API
+    if row is None or row.tenant_id != principal.tenant_id or row.endpoint == MESSAGES:
         raise OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
     return row
 
@@ -87,7 +89,8 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
 @router.get("", responses=openai_responses(400))
 def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
-    rows = pagination.rows_after(session, select(Batch).where(Batch.tenant_id == principal.tenant_id), Batch,
+    rows = pagination.rows_after(session, select(Batch).where(Batch.tenant_id == principal.tenant_id,
+                                                                 Batch.endpoint != MESSAGES), Batch,
                                  principal.tenant_id, after, limit)
     page = rows[:limit]
     for b in page:

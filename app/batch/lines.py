@@ -1,5 +1,7 @@
 """Validation of a Batch API input file (OpenAI JSONL: ``custom_id``, ``method``, ``url``, ``body``).
 
+A message batch (Anthropic's, ``app/api/message_batches.py``) is kept as such a file of ``/v1/messages`` lines.
+
 Line-level problems (bad JSON, wrong url, invalid body) reject that line only: it goes to
 the error file with its line number and reason. Duplicate ``custom_id`` values fail the
 whole file (OpenAI semantics). A line of ``n`` choices, or of several prompts (completions),
@@ -16,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.anthropic_schemas import ENDPOINT as MESSAGES, MessagesRequest
 from app.db.models import Job
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, choice_specs,
                                  validation_message)
@@ -27,7 +30,7 @@ from app.wire import find_unstorable, unstorable_message
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-             "/v1/responses": ResponsesRequest}
+             "/v1/responses": ResponsesRequest, MESSAGES: MessagesRequest}
 MAX_LINES = 50_000
 CUSTOM_ID_CHARS: int = Job.__table__.c.custom_id.type.length  # what its job's column holds
 
@@ -98,6 +101,8 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
         return InvalidLine(line_no, cid, f"line {line_no}: stream is not supported in batches", "invalid_body")
     response = None
     try:
+        if endpoint == MESSAGES:
+            return ValidLine(line_no, cid, message_specs(body, window_s, tiers))
         req = ENDPOINTS[endpoint].model_validate(body)
         req.check()
         if endpoint == "/v1/responses":
@@ -106,8 +111,7 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
                                        "the whole input")
             response = req.kept([])
             req, spec = req.chat_request(body, [], tiers, batch_window_s=window_s)  # its QoS checked below
-        if req.deadline is not None or req.ttft_ms or req.tbt_ms:
-            raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
+        _no_qos(req)
         n = getattr(req, "n", None) or 1  # a Responses line answers one output
         if endpoint == "/v1/chat/completions":
             specs = choice_specs(req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers), n)
@@ -122,6 +126,21 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
     except OpenAIError as exc:
         return InvalidLine(line_no, cid, f"line {line_no}: invalid body: {exc.message}", "invalid_body")
     return ValidLine(line_no, cid, specs, n, response)
+
+
+def _no_qos(chat: ChatCompletionRequest | CompletionRequest) -> None:
+    if chat.deadline is not None or chat.ttft_ms or chat.tbt_ms:
+        raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
+
+
+def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> list[JobCreate]:
+    """A Messages request (a message batch's ``params``) as its batch job, with ``POST /v1/messages``'s checks;
+    raises pydantic's ValidationError or an OpenAIError naming the Messages field."""
+    message = MessagesRequest.model_validate(body)
+    message.check(body)
+    chat, spec = message.chat_request(body, tiers, batch_window_s=window_s)
+    _no_qos(chat)
+    return [spec]
 
 
 def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ParsedFile:

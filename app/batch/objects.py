@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
+from app.anthropic_schemas import ENDPOINT as MESSAGES, stored_message
 from app.db.models import Batch, Job
 from app.openai_schemas import merge_choices, stored_chat_answer, text_completion, with_token_ids
 from app.responses_schemas import response_body
@@ -66,6 +67,8 @@ def _body(job: Job) -> dict[str, Any]:
     """A succeeded job's answer, as its endpoint gives it online."""
     chat = job.endpoint == "/v1/chat/completions"
     text, reason = job.output_text or "", job.finish_reason or "stop"
+    if job.endpoint == MESSAGES:  # a message batch's: the Message POST /v1/messages answers
+        return stored_message(job)
     if job.endpoint == "/v1/responses":
         from app.settings import get_settings  # the tiers service_tier names (the process's settings)
 

@@ -1,0 +1,198 @@
+"""Anthropic's Message Batches API (``/v1/messages/batches``: create, retrieve, list, cancel, delete, results), run
+by the OpenAI Batch API's machinery (``app.batch``): the requests become batch-tier jobs due when the batch's
+24 hours end, and their Messages are what ``POST /v1/messages`` answers. Errors come in Anthropic's shape with its
+``request-id`` header (``AnthropicRoute``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, BackgroundTasks, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from app.anthropic_schemas import ENDPOINT
+from app.api.anthropic_messages import AnthropicRoute
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.errors import anthropic_responses
+from app.batch import message_batches as mb
+from app.batch import storage
+from app.batch.fanout import expires_at_for, start_batch
+from app.batch.finalize import cancel_batch, maybe_finalize
+from app.batch.lines import MAX_LINES, InvalidLine, parse_line
+from app.db import pagination
+from app.db.models import Batch, new_id
+from app.db.session import write_after_read
+from app.openai_schemas import OpenAIError, parse_window
+from app.services.jobs import resolve_tier
+from app.services.transitions import utcnow
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/messages/batches", tags=["anthropic"], route_class=AnthropicRoute,
+                   responses=anthropic_responses(401))
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # docs.anthropic.com/en/api/creating-message-batches: 1 to 64 letters, digits, '-' and '_'
+    custom_id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="names the request's result")
+    params: dict[str, Any] = Field(description="a Messages request, as POST /v1/messages takes it (no stream)")
+
+
+class MessageBatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: list[BatchRequest] = Field(min_length=1, max_length=MAX_LINES)
+
+
+def _own(session, principal, batch_id: str) -> Batch:
+    row = session.get(Batch, batch_id, populate_existing=True)
+    if row is None or row.tenant_id != principal.tenant_id or row.endpoint != ENDPOINT:
+        raise OpenAIError(404, f"No such message batch: {batch_id}", param="message_batch_id")
+    return row
+
+
+def _results_url(request: Request, batch_id: str) -> str:
+    return str(request.url_for("message_batch_results", message_batch_id=batch_id))
+
+
+def _object(request: Request, session, batch: Batch) -> dict[str, Any]:
+    return mb.message_batch(batch, mb.request_counts(session, batch), _results_url(request, batch.id))
+
+
+def _checked(requests: list[BatchRequest], tiers: tuple[str, ...]) -> None:
+    """Every request as POST /v1/messages checks it (the fan-out's own check, ``parse_line``): a 400 naming the
+    first bad one by index and custom_id; a custom_id used twice is a 400 too."""
+    seen: dict[str, int] = {}
+    for i, item in enumerate(requests):
+        if item.custom_id in seen:
+            raise OpenAIError(400, f"requests.{i}: custom_id {item.custom_id!r} is also requests."
+                                   f"{seen[item.custom_id]}'s; each request needs a unique custom_id",
+                              param=f"requests.{i}.custom_id")
+        seen[item.custom_id] = i
+        line = mb.input_lines([(item.custom_id, item.params)]).decode()
+        parsed = parse_line(i, line, ENDPOINT, parse_window(mb.WINDOW), tiers)
+        if isinstance(parsed, InvalidLine):  # its message names the line (i): here the request does
+            why = parsed.message.removeprefix(f"line {i}: ").removeprefix("invalid body: ")
+            raise OpenAIError(400, f"requests.{i} (custom_id {item.custom_id!r}): params: {why}",
+                              param=f"requests.{i}.params")
+
+
+@router.post("", responses=anthropic_responses(400, 413))
+def create_message_batch(body: MessageBatchCreate, request: Request, session: SessionDep,
+                         principal: CurrentPrincipal, settings: SettingsDep,
+                         background: BackgroundTasks) -> dict[str, Any]:
+    """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours."""
+    _checked(body.requests, settings.tiers)
+    batch_id, now = new_id(mb.ID_PREFIX), utcnow()
+    src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl", "batch",
+                           mb.input_lines((r.custom_id, r.params) for r in body.requests))
+    batch = Batch(id=batch_id, tenant_id=principal.tenant_id, api_key_id=principal.key_id, endpoint=ENDPOINT,
+                  input_file_id=src.id, completion_window=mb.WINDOW, status="validating",
+                  tier=resolve_tier(settings, principal, None), total=len(body.requests), created_at=now,
+                  expires_at=expires_at_for(now, mb.WINDOW))
+    with write_after_read(session):
+        session.add(src)
+        session.flush()  # the file's row before the batch's, which names it
+        session.add(batch)
+        session.commit()
+    background.add_task(start_batch, settings, batch.id)
+    return _object(request, session, batch)
+
+
+@router.get("", responses=anthropic_responses(400))
+def list_message_batches(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
+                         limit: Annotated[int, Query(ge=1, le=1000)] = 20, before_id: str | None = None,
+                         after_id: str | None = None) -> dict[str, Any]:
+    """The tenant's message batches, newest first; ``after_id`` pages on to older ones, ``before_id`` back."""
+    if before_id and after_id:
+        raise OpenAIError(400, "give before_id or after_id, not both", param="before_id")
+    query = select(Batch).where(Batch.tenant_id == principal.tenant_id, Batch.endpoint == ENDPOINT)
+    if before_id:  # the rows newer than the cursor, nearest first, then shown newest first
+        mark = pagination.cursor_row(session, Batch, before_id, principal.tenant_id)
+        rows = pagination.page_after(session, query, Batch, mark, limit, newest_first=False) if mark else []
+        page = rows[:limit][::-1]
+    else:
+        rows = pagination.rows_after(session, query, Batch, principal.tenant_id, after_id, limit)
+        page = rows[:limit]
+    for b in page:
+        if b.status in ("in_progress", "cancelling"):
+            maybe_finalize(session, b.id, settings.data_dir, settings.redis_url)
+            session.refresh(b)
+    return {"data": [_object(request, session, b) for b in page], "has_more": len(rows) > limit,
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+
+
+@router.get("/{message_batch_id}", responses=anthropic_responses(404))
+async def get_message_batch(message_batch_id: str, request: Request, session: SessionDep,
+                            principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
+        batch = _own(session, principal, message_batch_id)
+        if batch.status in ("in_progress", "cancelling"):
+            maybe_finalize(session, batch.id, settings.data_dir, settings.redis_url)
+            session.refresh(batch)
+        return _object(request, session, batch)
+
+    return await run_in_threadpool(read)
+
+
+@router.post("/{message_batch_id}/cancel", responses=anthropic_responses(404, 409))
+def cancel_message_batch(message_batch_id: str, request: Request, session: SessionDep, principal: CurrentPrincipal,
+                         settings: SettingsDep) -> dict[str, Any]:
+    """Requests not yet done are canceled; the batch is ``canceling`` until its running ones stop, then ended."""
+    batch = _own(session, principal, message_batch_id)
+    if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_batch(
+            session, batch, settings.data_dir, settings.redis_url):
+        raise OpenAIError(409, f"the message batch has ended ({batch.status}); there is nothing to cancel",
+                          param="message_batch_id")
+    return _object(request, session, batch)
+
+
+@router.delete("/{message_batch_id}", responses=anthropic_responses(404, 409))
+def delete_message_batch(message_batch_id: str, session: SessionDep, principal: CurrentPrincipal,
+                         settings: SettingsDep) -> dict[str, Any]:
+    """An ended batch, its results and its files; its jobs stay (usage counts them)."""
+    batch = _own(session, principal, message_batch_id)
+    if mb.processing_status(batch) != "ended":
+        raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; cancel it and delete it once "
+                               "it has ended", param="message_batch_id")
+    for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id):
+        if file_id and (row := storage.get_file(session, principal.tenant_id, file_id)) is not None:
+            storage.delete_file(session, row)
+    with write_after_read(session):
+        session.delete(batch)
+        session.commit()
+    shutil.rmtree(Path(settings.data_dir) / "batches" / message_batch_id, ignore_errors=True)
+    return {"id": message_batch_id, "type": "message_batch_deleted"}
+
+
+@router.get("/{message_batch_id}/results", name="message_batch_results", responses={
+    200: {"content": {"application/x-jsonl": {}}, "description": "a result per request, one JSON object a line"},
+    **anthropic_responses(404, 409)})
+def message_batch_results(message_batch_id: str, session: SessionDep, principal: CurrentPrincipal) -> Response:
+    """Each request's result (``succeeded`` with its Message, ``errored``, ``canceled``, ``expired``) once the batch
+    has ended, in the order of its requests."""
+    batch = _own(session, principal, message_batch_id)
+    if mb.processing_status(batch) != "ended":
+        raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; its results come once its "
+                               "processing_status is 'ended'", param="message_batch_id")
+
+    def content(file_id: str | None) -> bytes | None:
+        if file_id is None:
+            return None
+        row = storage.get_file(session, principal.tenant_id, file_id)
+        if row is None:
+            raise OpenAIError(404, f"the message batch's file {file_id} was deleted; its results are gone",
+                              param="message_batch_id")
+        return storage.read_content(row)
+
+    lines = mb.results(content(batch.input_file_id) or b"", content(batch.output_file_id),
+                       content(batch.error_file_id), batch.errors)
+    return Response("".join(json.dumps(r) + "\n" for r in lines), media_type="application/x-jsonl")

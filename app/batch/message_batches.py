@@ -1,0 +1,107 @@
+"""Anthropic's Message Batches in coserve's batch terms, and back.
+
+A message batch is a ``Batch`` of endpoint ``/v1/messages``: its requests are kept as an input file of OpenAI
+batch lines (``custom_id``, ``url``, ``body``: the request's ``params``), so the one fan-out, the batch-tier jobs
+with the window's deadline, cancel and finalize run it. What the client sees is Anthropic's: the
+``message_batch`` object (``message_batch``) and each request's result (``results``), read from the output and
+error files finalize wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.anthropic_schemas import ENDPOINT, error_body
+from app.db.models import Batch, Job, JobStatus
+from app.services.transitions import as_utc
+
+ID_PREFIX = "msgbatch"
+WINDOW = "24h"  # docs.anthropic.com/en/docs/build-with-claude/batch-processing: a batch expires after 24 hours
+ENDED = ("completed", "failed", "expired", "cancelled")
+# an error-file code -> the result type of a request that did not succeed (any other code: errored)
+RESULT_OF_CODE = {"batch_cancelled": "canceled", "batch_expired": "expired"}
+
+
+def input_lines(requests: Iterable[tuple[str, dict[str, Any]]]) -> bytes:
+    """The batch's requests (custom_id, params) as the input file the fan-out reads."""
+    return "".join(json.dumps({"custom_id": cid, "method": "POST", "url": ENDPOINT, "body": params}) + "\n"
+                   for cid, params in requests).encode()
+
+
+def processing_status(b: Batch) -> str:
+    """Anthropic's ``processing_status`` of a batch's status: a finalizing batch is still in progress (its results
+    are being written), or canceling when a cancel started it."""
+    if b.status in ENDED:
+        return "ended"
+    return "canceling" if b.cancelling_at is not None else "in_progress"
+
+
+def ended_at(b: Batch):  # noqa: ANN201 - a datetime or None
+    return b.completed_at or b.cancelled_at or b.expired_at or b.failed_at
+
+
+def request_counts(session: Session, b: Batch) -> dict[str, int]:
+    """Anthropic's counts: every request processing until the batch ends, then each by its result (their sum is
+    always the batch's requests)."""
+    counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+    if processing_status(b) != "ended":
+        return counts | {"processing": b.total}
+    stopped = dict(session.execute(select(Job.status, func.count()).where(
+        Job.batch_id == b.id, Job.status.in_((JobStatus.CANCELLED.value, JobStatus.EXPIRED.value)))
+        .group_by(Job.status)).all())
+    counts |= {"succeeded": b.completed, "canceled": stopped.get(JobStatus.CANCELLED.value, 0),
+               "expired": stopped.get(JobStatus.EXPIRED.value, 0)}
+    counts["errored"] = max(0, b.total - counts["succeeded"] - counts["canceled"] - counts["expired"])
+    return counts
+
+
+def rfc3339(dt) -> str | None:  # noqa: ANN001 - a datetime or None
+    return as_utc(dt).isoformat().replace("+00:00", "Z") if dt is not None else None
+
+
+def message_batch(b: Batch, counts: dict[str, int], results_url: str) -> dict[str, Any]:
+    """The ``message_batch`` object; ``results_url`` is shown once the batch has ended."""
+    status = processing_status(b)
+    return {"id": b.id, "type": "message_batch", "processing_status": status, "request_counts": counts,
+            "ended_at": rfc3339(ended_at(b)), "created_at": rfc3339(b.created_at), "expires_at": rfc3339(b.expires_at),
+            "cancel_initiated_at": rfc3339(b.cancelling_at), "archived_at": None,
+            "results_url": results_url if status == "ended" else None}
+
+
+def result_of_output(line: dict[str, Any]) -> dict[str, Any]:
+    """An output-file line (a succeeded request: its body is the Message) as a result."""
+    return {"custom_id": line["custom_id"], "result": {"type": "succeeded", "message": line["response"]["body"]}}
+
+
+def result_of_error(line: dict[str, Any]) -> dict[str, Any]:
+    """An error-file line as a result: canceled or expired with its batch, else errored (a request the fan-out
+    refused is the client's to fix, 400's type; one whose job failed is the server's, 500's)."""
+    error = line["error"]
+    kind = RESULT_OF_CODE.get(error.get("code"))
+    if kind is not None:
+        return {"custom_id": line["custom_id"], "result": {"type": kind}}
+    status = 400 if "line" in error else 500
+    return {"custom_id": line["custom_id"], "result": {"type": "errored", "error": error_body(status,
+                                                                                             error["message"])}}
+
+
+def results(inputs: bytes, outputs: bytes | None, errors: bytes | None,
+            batch_errors: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
+    """Each request's result, in the order of the requests: from the output and error files, or, for a batch that
+    failed before any request ran (no files), each request errored with the batch's errors."""
+    by_id: dict[str, dict[str, Any]] = {}
+    for content, convert in ((outputs, result_of_output), (errors, result_of_error)):
+        for text in (content or b"").decode().splitlines():
+            if text.strip():
+                result = convert(json.loads(text))
+                by_id[result["custom_id"]] = result
+    why = "; ".join(e.get("message", "") for e in batch_errors or ()) or "the batch failed before this request ran"
+    for text in inputs.decode().splitlines():
+        if text.strip():
+            cid = json.loads(text)["custom_id"]
+            yield by_id.get(cid) or {"custom_id": cid, "result": {"type": "errored", "error": error_body(400, why)}}
