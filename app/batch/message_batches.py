@@ -101,7 +101,9 @@ def results(inputs: bytes, outputs: bytes | None, errors: bytes | None,
                 result = convert(json.loads(text))
                 by_id[result["custom_id"]] = result
     why = "; ".join(e.get("message", "") for e in batch_errors or ()) or "the batch failed before this request ran"
+    # refused (the queue limit) is the client's to change; the server's own failure is 500's type
+    status = 500 if any(e.get("code") == "internal_error" for e in batch_errors or ()) else 400
     for text in inputs.decode().splitlines():
         if text.strip():
             cid = json.loads(text)["custom_id"]
-            yield by_id.get(cid) or {"custom_id": cid, "result": {"type": "errored", "error": error_body(400, why)}}
+            yield by_id.get(cid) or {"custom_id": cid, "result": {"type": "errored", "error": error_body(status, why)}}

@@ -86,6 +86,9 @@ def test_message_batch_round_trip(claude, stack):
     oai = httpx.get(f"{stack.url}/v1/batches/{batch.id}", headers={"Authorization": f"Bearer {stack.keys.paid}"})
     assert oai.status_code == 404  # no OpenAI Batch object
 
+    anonymous = httpx.get(f"{stack.url}/v1/messages/batches/{batch.id}")
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+    assert anonymous.headers["request-id"] == anonymous.json()["request_id"]
     stranger = anthropic.Anthropic(base_url=stack.url, api_key=stack.keys.other, max_retries=0, timeout=30)
     for call in (lambda: stranger.messages.batches.retrieve(batch.id),
                  lambda: stranger.messages.batches.cancel(batch.id),
