@@ -121,6 +121,9 @@ def _resources(base: str, session: requests.Session, model: str) -> dict[str, st
         "file_id": file_id,
         "batch_id": ok(session.post(f"{base}/v1/batches", json={"input_file_id": file_id,
                                                                "endpoint": "/v1/chat/completions"}))["id"],
+        "message_batch_id": ok(session.post(f"{base}/v1/messages/batches", json={"requests": [
+            {"custom_id": "a", "params": {"model": model, "max_tokens": 2,
+                                          "messages": line["body"]["messages"]}}]}))["id"],
         "run_id": ok(session.post(f"{base}/v1/summarize", json={"documents": [{"id": "d", "text": "x y z"}]}))["id"],
         "tenant_id": tenant["tenant_id"], "key_id": tenant["key_id"],  # not the caller's key: revoking it is fine
         "worker_id": "stand-in", "model_id": model,
