@@ -10,6 +10,8 @@ import anthropic
 import httpx
 import pytest
 
+from app.db.models import Job
+from app.db.session import session_scope
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -103,6 +105,9 @@ def test_message_batch_round_trip(claude, stack):
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.batches.retrieve(batch.id)
     assert missing.value.body["error"]["type"] == "not_found_error"
+    assert batch.id not in [x.id for x in claude.messages.batches.list().data]
+    with session_scope(stack.settings.sqlalchemy_url) as s:  # its jobs stay batch jobs (usage counts them so)
+        assert s.get(Job, "job_" + b.id.removeprefix("msg_")).batch_id == batch.id
 
 
 def test_cancel_a_message_batch(claude, stack):
