@@ -34,8 +34,16 @@ class QoSSpec:
     tbt_s: float | None = None  # interactive: time-between-tokens target
     ttlt_s: float | None = None  # batch: time-to-last-token target, relative to arrival
     tbt_anchor: TbtAnchor = TbtAnchor.ARRIVAL  # interactive: where the TBT deadlines of tokens 2.. start
+    # A rerun that goes on from an earlier attempt's streamed tokens (workers/resume.py): how many output tokens the
+    # client already has, and when the first of them went out (seconds after arrival). Its engine request's prompt
+    # ends with those tokens, so its own outputs are the answer's tokens delivered+1...; the policy judges it on the
+    # pace of what is left (eq. 2 counted over the whole answer), not on a TTFT it settled long ago.
+    delivered: int = 0
+    first_token_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.delivered < 0 or (self.first_token_s is not None and self.first_token_s < 0):
+            raise ValueError("delivered and first_token_s must be >= 0")
         if self.qos_class is QoSClass.INTERACTIVE and (self.ttft_s is None or self.tbt_s is None):
             raise ValueError("interactive QoS needs ttft_s and tbt_s")
         if self.qos_class is QoSClass.BATCH and self.ttlt_s is None:

@@ -104,12 +104,28 @@ class Request:
         return self.token_times[0] if self.token_times else None
 
     @property
+    def first_token_out(self) -> bool:
+        """The client has the answer's first token: from this attempt, or from an earlier one this rerun goes on from
+        (``qos.delivered``). Its TTFT is settled; what is left is judged on pace (eq. 2/3)."""
+        return bool(self.output_token_ids) or self.qos.delivered > 0
+
+    @property
+    def answer_tokens(self) -> int:
+        """Output tokens of the whole answer so far: earlier attempts' (``qos.delivered``) and this attempt's."""
+        return self.qos.delivered + len(self.output_token_ids)
+
+    @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def next_token_deadline(self) -> float:
-        """Deadline of the next output token (eq. 1/2 for interactive, eq. 3 for batch)."""
-        return token_deadline(self.arrival_time, self.qos, self.num_output_tokens + 1, self.first_token_time)
+        """Deadline of the next output token (eq. 1/2 for interactive, eq. 3 for batch), counted over the whole
+        answer: a rerun's tokens follow the ``qos.delivered`` ones, its stream began at their first."""
+        q = self.qos
+        first = self.first_token_time
+        if q.delivered and q.first_token_s is not None:
+            first = self.arrival_time + q.first_token_s
+        return token_deadline(self.arrival_time, q, q.delivered + self.num_output_tokens + 1, first)
 
     def completion_deadline(self) -> float | None:
         return completion_deadline(self.arrival_time, self.qos)

@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from importlib import import_module
 from typing import Any
@@ -265,9 +266,13 @@ class GpuWorker:
                 self.outbox.put(StepRecords(deltas=[(job_id, end)]))
                 return
             created = as_utc(job.created_at)
+            first_out = as_utc(job.first_token_at) if job.first_token_at is not None else None
             parser = (job.sampling or {}).get("reasoning_parser")
             return_ids = bool((job.sampling or {}).get("return_token_ids"))
         resumed = self._resumed(lease, request) if lease.attempt > 1 else None
+        if resumed is not None:  # the policy judges it on the pace of what is left, not on its settled TTFT
+            request.qos = replace(request.qos, delivered=len(resumed.token_ids),
+                                  first_token_s=None if first_out is None else (first_out - created).total_seconds())
         active = ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
                            return_token_ids=return_ids, resumed=resumed)
         if resumed is not None:

@@ -160,7 +160,8 @@ class BaseScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         # Every class gets the prediction: batch deadlines read it (eq. 5), KV admission reserves it.
         if request.predicted_output_len is None:
-            request.predicted_output_len = self.history.predict(request.app_id, request.sampling.max_tokens)
+            request.predicted_output_len = self.history.predict_rest(request.app_id, request.qos.delivered,
+                                                                     request.sampling.max_tokens)
         self._push_waiting(request)
 
     def _reserved_output(self, req: Request) -> int:
@@ -272,8 +273,9 @@ class BaseScheduler(Scheduler):
             if req.predicted_output_len is not None and req.num_output_tokens >= req.predicted_output_len:
                 # Outlived its predicted length: re-estimate what is left (its slack and priority read it) and,
                 # when admission reserved the prediction, reserve up to the new one (new prompts wait for it).
-                req.predicted_output_len = self.history.predict_beyond(req.app_id, req.num_output_tokens,
-                                                                       req.sampling.max_tokens)
+                d = req.qos.delivered  # a rerun's answer began with an earlier attempt's tokens
+                req.predicted_output_len = self.history.predict_beyond(req.app_id, req.answer_tokens,
+                                                                       d + req.sampling.max_tokens) - d
                 if self._reserve_predicted:
                     self._reserve_again(req)
 
@@ -354,7 +356,7 @@ class BaseScheduler(Scheduler):
         self.relegated.remove(req.request_id)
         self.started.discard(req.request_id)
         if req.status is not RequestStatus.FINISHED_ABORTED:
-            self.history.record(req.app_id, req.num_output_tokens)
+            self.history.record(req.app_id, req.answer_tokens)  # the whole answer's length, a rerun's too
 
     # ---- helpers for policies ----
     def _admit_room(self) -> int:

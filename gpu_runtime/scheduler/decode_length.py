@@ -67,6 +67,13 @@ class DecodeLengthHistory:
         s = self.stats.get(app_id or "")
         return s.mean if s is not None and s.n >= self.min_samples else None
 
+    def predict_rest(self, app_id: str | None, delivered: int, max_tokens: int) -> int:
+        """Predicted outputs of an attempt that goes on after ``delivered`` tokens of the answer (a rerun), at most
+        ``max_tokens`` (what is left of the job's): the prediction for an answer that long, less those tokens."""
+        if not delivered:
+            return self.predict(app_id, max_tokens)
+        return self.predict_beyond(app_id, delivered, delivered + max_tokens) - delivered
+
     def predict(self, app_id: str | None, max_tokens: int) -> int:
         """Mean + 2 std of the app's finished decode lengths, capped at ``max_tokens``."""
         s = self.stats.get(app_id or "")

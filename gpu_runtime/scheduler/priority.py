@@ -17,10 +17,11 @@ log = logging.getLogger(__name__)
 
 def first_deadline(req: Request) -> float:
     """The deadline that orders the prefill queue: D_first (eq. 1) or D_total (eq. 3). An interactive
-    request recomputing its KV after a preemption has streamed tokens already: its next token's (eq. 2)."""
+    request that has streamed tokens already (recomputing its KV after a preemption, or a rerun going on from an
+    earlier attempt's tokens): its next token's (eq. 2)."""
     q = req.qos
     if q.qos_class is QoSClass.INTERACTIVE:
-        if req.output_token_ids:
+        if req.first_token_out:
             return req.next_token_deadline()
         return req.arrival_time + q.ttft_s  # type: ignore[operator]
     return req.arrival_time + q.ttlt_s  # type: ignore[operator]

@@ -75,8 +75,8 @@ def predicted_finish(req: Request, now: float, est: WorkEstimate) -> float:
 
 def is_violated(req: Request, now: float) -> bool:
     """The deadline ordering this job (TTFT or TTLT) has already passed."""
-    if req.qos.qos_class is QoSClass.INTERACTIVE and req.token_times:
-        return False  # first token already out: TTFT is settled
+    if req.qos.qos_class is QoSClass.INTERACTIVE and (req.token_times or req.qos.delivered):
+        return False  # first token already out (this attempt's or an earlier one's): TTFT is settled
     return now > first_deadline(req)
 
 
@@ -120,5 +120,5 @@ def expires_at(req: Request, factor: float, min_grace_s: float = 0.0) -> float:
 
 def may_expire(req: Request) -> bool:
     """Only shed work expires: a relegated prompt with no output yet. A job that already streamed tokens
-    (relegated while recomputing its KV) is mid-answer and finishes."""
-    return not req.output_token_ids
+    (relegated while recomputing its KV, or a rerun going on from an earlier attempt's) is mid-answer and finishes."""
+    return not req.first_token_out

@@ -11,7 +11,10 @@ object into ``extra_args``). Keys, all optional:
   (default ``COSERVE_DEFAULT_BATCH_WINDOW_S``, else 24 h);
 * ``tier``: ``free`` / ``paid`` or an alias (``low``, ``premium``, ...; default paid);
 * ``app_id``: key of the decode-length history (output-length prediction);
-* ``tbt_anchor``: ``arrival`` (QoServe eq. 2) or ``first-token`` (stream pace).
+* ``tbt_anchor``: ``arrival`` (QoServe eq. 2) or ``first-token`` (stream pace);
+* ``tokens_delivered``, ``first_token_s``: a rerun whose prompt ends with the output tokens an earlier attempt already
+  streamed: how many, and when the first went out (seconds after arrival). The policy then judges it on the pace of
+  what is left instead of on its first token (``QoSSpec.delivered``).
 
 Anything else in ``extra_args`` is left alone (other plugins may read it).
 """
@@ -26,7 +29,8 @@ from typing import Any
 
 from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, resolve_tier
 
-KEYS = ("qos_class", "ttft_ms", "tbt_ms", "deadline_s", "tier", "app_id", "tbt_anchor")
+KEYS = ("qos_class", "ttft_ms", "tbt_ms", "deadline_s", "tier", "app_id", "tbt_anchor", "tokens_delivered",
+        "first_token_s")
 
 
 class QoSArgsError(ValueError):
@@ -57,6 +61,19 @@ def _positive(args: Mapping[str, Any], key: str, default: float, scale: float) -
     return float(value) * scale
 
 
+def _resumed_from(args: Mapping[str, Any]) -> tuple[int, float | None]:
+    """``tokens_delivered`` and ``first_token_s``: where a rerun's answer stands (0, None: a fresh request)."""
+    n = args.get("tokens_delivered", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise QoSArgsError(f"extra_args.tokens_delivered must be an integer >= 0, got {n!r}")
+    first = args.get("first_token_s")
+    if first is not None:
+        if isinstance(first, bool) or not isinstance(first, (int, float)) or not math.isfinite(first) or first < 0:
+            raise QoSArgsError(f"extra_args.first_token_s must be a finite number >= 0, got {first!r}")
+        first = float(first)
+    return n, first
+
+
 def parse_qos(extra_args: Mapping[str, Any] | None) -> RequestQoS:
     """The request's QoS from ``extra_args`` (defaults where a key is absent); ``QoSArgsError`` if invalid."""
     args = extra_args or {}
@@ -77,12 +94,13 @@ def parse_qos(extra_args: Mapping[str, Any] | None) -> RequestQoS:
     app_id = args.get("app_id")
     if app_id is not None and not isinstance(app_id, str):
         raise QoSArgsError("extra_args.app_id must be a string")
+    delivered, first = _resumed_from(args)
     if qos_class is QoSClass.BATCH:
         for key in ("ttft_ms", "tbt_ms", "tbt_anchor"):
             if args.get(key) is not None:
                 raise QoSArgsError(f"extra_args.{key} applies to interactive requests; a batch job takes deadline_s")
         ttlt = _positive(args, "deadline_s", _env_float("COSERVE_DEFAULT_BATCH_WINDOW_S", 24 * 3600.0), 1.0)
-        return RequestQoS(QoSSpec(QoSClass.BATCH, tier, ttlt_s=ttlt), app_id)
+        return RequestQoS(QoSSpec(QoSClass.BATCH, tier, ttlt_s=ttlt, delivered=delivered, first_token_s=first), app_id)
     if args.get("deadline_s") is not None:
         raise QoSArgsError("extra_args.deadline_s applies to batch requests (set qos_class: 'batch')")
     anchor = args.get("tbt_anchor", os.environ.get("COSERVE_TBT_ANCHOR", TbtAnchor.ARRIVAL.value))
@@ -92,7 +110,8 @@ def parse_qos(extra_args: Mapping[str, Any] | None) -> RequestQoS:
         raise QoSArgsError(f"extra_args.tbt_anchor must be 'arrival' or 'first-token', got {anchor!r}") from None
     ttft = _positive(args, "ttft_ms", _env_float("COSERVE_DEFAULT_TTFT_MS", 2000.0), 1e-3)
     tbt = _positive(args, "tbt_ms", _env_float("COSERVE_DEFAULT_TBT_MS", 200.0), 1e-3)
-    return RequestQoS(QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=ttft, tbt_s=tbt, tbt_anchor=tbt_anchor), app_id)
+    return RequestQoS(QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=ttft, tbt_s=tbt, tbt_anchor=tbt_anchor,
+                              delivered=delivered, first_token_s=first), app_id)
 
 
 def to_extra_args(qos: QoSSpec, app_id: str | None = None) -> dict[str, Any]:
@@ -105,4 +124,8 @@ def to_extra_args(qos: QoSSpec, app_id: str | None = None) -> dict[str, Any]:
                     tbt_anchor=qos.tbt_anchor.value)
     if app_id is not None:
         args["app_id"] = app_id
+    if qos.delivered:
+        args["tokens_delivered"] = qos.delivered
+    if qos.first_token_s is not None:
+        args["first_token_s"] = qos.first_token_s
     return args

@@ -46,3 +46,15 @@ def test_bad_values_say_what_to_fix(args, fragment):
 def test_round_trip(qos):
     back = parse_qos(to_extra_args(qos, "app"))
     assert back.qos == qos and back.app_id == "app"
+
+
+def test_a_reruns_delivered_tokens_travel_and_come_back():
+    q = QoSSpec(QoSClass.INTERACTIVE, Tier.FREE, ttft_s=2.0, tbt_s=0.2, delivered=40, first_token_s=0.5)
+    args = to_extra_args(q, "chat")
+    assert (args["tokens_delivered"], args["first_token_s"]) == (40, 0.5)
+    assert parse_qos(args).qos == q
+    assert "tokens_delivered" not in to_extra_args(QoSSpec(QoSClass.BATCH, ttlt_s=60.0))
+    with pytest.raises(QoSArgsError, match="tokens_delivered must be an integer >= 0"):
+        parse_qos({"tokens_delivered": -1})
+    with pytest.raises(QoSArgsError, match="first_token_s must be a finite number >= 0"):
+        parse_qos({"tokens_delivered": 3, "first_token_s": "soon"})

@@ -170,6 +170,23 @@ def test_free_job_past_its_deadline_is_relegated_then_resumed(make_scheduler):
     assert late_free.request_id in out.num_scheduled_tokens
 
 
+def test_a_rerun_on_pace_is_not_relegated_though_its_ttft_is_long_past(make_scheduler):
+    """A rerun going on from 100 tokens its earlier attempt streamed (the first 50 ms after arrival): its TTFT deadline
+    passed 5 s ago, but token 101 is due 5 s from now (eq. 2 over the whole answer), so it runs; a fresh job as late
+    is relegated."""
+    s = make_scheduler("qoserve", max_batched=512)
+    now = time.time()
+    late = {"tier": "free", "ttft_ms": 100, "tbt_ms": 100}
+    fresh = vllm_request(64, late, arrival=now - 5)
+    rerun = vllm_request(164, late | {"tokens_delivered": 100, "first_token_s": 0.05}, arrival=now - 5)
+    s.add_request(fresh)
+    s.add_request(rerun)
+    out, _ = run_step(s)
+    assert rerun.request_id in out.num_scheduled_tokens
+    assert (fresh.request_id, "relegated") in s.events
+    assert (rerun.request_id, "relegated") not in s.events
+
+
 def test_a_lone_batch_job_on_the_cpu_profile_is_not_relegated(make_scheduler):
     """vLLM's step cap (4,096 tokens) and the shipped CPU profile: 440 tokens due in a minute decode in ~13 s on an
     idle engine. Priced beside a saturating chunk (0.22 s a token: 97 s), the job was relegated on arrival."""
