@@ -492,3 +492,37 @@ def test_a_retried_relegation_lands_before_the_resumption_after_it(settings, key
     assert _status(settings.sqlalchemy_url, job.job_id) == "running"
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.get(Job, job.job_id).relegation_count == 1
+
+
+def test_a_rerun_that_goes_on_from_streamed_tokens_is_judged_on_pace_not_on_its_past_ttft(settings, keys):
+    """Attempt 2 of a free job whose 1 ms TTFT passed long ago goes on from attempt 1's streamed tokens: its QoS says
+    how many the client has and when the first went out, and the engine's policy runs it instead of relegating it as a
+    fresh job that missed its TTFT."""
+    url = settings.sqlalchemy_url
+    worker = GpuWorker(settings)
+    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine_thread = worker.attach(engine)
+    with session_scope(url) as s:
+        job_id = submit_job(s, authenticate(s, keys.free), JobCreate(prompt="hello there", max_tokens=40, ttft_ms=1,
+                                                                       tbt_ms=600_000), settings, dispatch=False).job.id
+    worker.accept(job_id)
+    for _ in range(8):  # attempt 1 streams a few tokens
+        worker.outbox.apply(engine_thread.iterate())
+    first = worker.active.get(job_id)
+    assert first.request.num_output_tokens > 0
+    _lapse_and_requeue(settings, job_id)
+    worker.accept(job_id)  # attempt 1 is aborted first
+    worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()  # its stream events go out to Redis (the outbox thread's work)
+    worker.accept(job_id)
+    second = worker.active.get(job_id)
+    assert second.lease.attempt == 2 and second.resumed is not None
+    delivered = len(second.resumed.token_ids)
+    assert second.request.qos.delivered == delivered and second.request.qos.first_token_s is not None
+    worker.outbox.apply(engine_thread.iterate())
+    assert second.request.relegation_count == 0 and second.request.status is not RequestStatus.RELEGATED
+    for _ in range(80):
+        worker.outbox.apply(engine_thread.iterate())
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt, job.completion_tokens) == ("succeeded", 2, 40)
