@@ -46,9 +46,9 @@ from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
-from app.services.dispatch import send_job
+from app.services.dispatch import send_back, send_job
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
-from app.services.routing import WORKER_QUEUES, worker_queue
+from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent, stream_key
 from app.services.transitions import PENDING, as_utc, utcnow
@@ -222,14 +222,26 @@ class GpuWorker:
                 log.info("%d jobs a worker %s that stopped waited with are to be sent again", dropped, self.worker_id)
 
     # ---------------------------------------------------------------- intake (Celery task)
-    def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY) -> None:
-        """Lease ``job_id`` and add it to the engine; waits while the engine has no room for it: an interactive job
-        while ``max_inflight`` jobs are in line, a batch job (its message's ``priority``) while all but the
-        interactive reserve are (``workers.room``). A batch job waiting for room gives way to an interactive job
-        waiting on this worker's queues: it goes back to its queue, and the worker takes the interactive one, which
-        kombu hands out first."""
+    def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY, queue: str | None = None) -> None:
+        """Lease ``job_id`` (its message came on ``queue``) and add it to the engine; while the engine has no room for
+        it (``workers.room``: an interactive job while ``max_inflight`` jobs are in line, a batch job while all but the
+        interactive reserve are), its message is not kept here:
+
+        * an interactive job's goes back to the head of the model's queue at once, and the worker takes no message
+          until it has room again: a worker of the model with room takes it meanwhile (held here, it waited for this
+          engine however many others had room), or this one takes it back as soon as it has room;
+        * a batch job waits here for batch room, and gives way to an interactive job waiting on this worker's queues:
+          it goes back to the head of its list (its place among the batch jobs), and the worker takes the
+          interactive one, which kombu hands out first.
+        """
+        back_to = self._queue_back(queue)
         if not self._without_earlier_attempt(job_id):
-            send_job(self.settings.redis_url, job_id, self.settings.model_name, priority)  # for when that attempt left
+            send_back(self.settings.redis_url, job_id, back_to, priority)  # for when that attempt left
+            return
+        if priority != BATCH_PRIORITY and not self._has_room(priority) and not self.stopping.is_set():
+            send_back(self.settings.redis_url, job_id, back_to, priority)
+            while not (self._has_room(priority) or self.stopping.is_set() or self.shutting_down):
+                time.sleep(0.02)  # no message in hand: the consumer fetches the next once there is room
             return
         holding, look_at = False, 0.0
         while not self._has_room(priority) or self.draining or self.shutting_down:
@@ -243,7 +255,7 @@ class GpuWorker:
                     time.sleep(1.0)
                 if holding:
                     self._hold(job_id, False)
-                send_job(self.settings.redis_url, job_id, self.settings.model_name, priority)
+                send_back(self.settings.redis_url, job_id, back_to, priority)
                 return
             if not holding:
                 # the message is unacked in our hands: if we die now, the sweeper sees our stale
@@ -317,6 +329,13 @@ class GpuWorker:
         log.info("job %s attempt %d goes on after the %d tokens its earlier attempt streamed", lease.job_id,
                  lease.attempt, len(plan.token_ids))
         return plan
+
+    def _queue_back(self, queue: str | None) -> str:
+        """Where a message that came on ``queue`` goes back: that queue when the model's workers share it, the model's
+        queue when it was this worker's own (prefix routing chose this worker; another may take it now)."""
+        if queue and queue in self.queues and not queue.startswith(WORKER_QUEUE_PREFIX):
+            return queue
+        return self.queue
 
     def _has_room(self, priority: int) -> bool:
         """Whether the engine takes a job of message ``priority`` now: a batch job leaves the interactive reserve

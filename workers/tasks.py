@@ -20,4 +20,5 @@ def run_job(self, job_id: str) -> None:
     if runtime is None:
         raise RuntimeError("run_job needs the GPU worker process (`coserve worker`), not a plain celery worker")
     # the message's priority (its job's kind: workers.celery_app.message_priority), kept where it is handed back
-    runtime.accept(job_id, self.request.delivery_info.get("priority") or INTERACTIVE_PRIORITY)
+    info = self.request.delivery_info or {}
+    runtime.accept(job_id, info.get("priority") or INTERACTIVE_PRIORITY, info.get("routing_key"))

@@ -21,7 +21,15 @@ from app.services import routing
 from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.transitions import transition, utcnow
-from workers.celery_app import INTERACTIVE_PRIORITY, RUN_JOB, get_celery, message_priority, queue_name
+from workers.celery_app import (
+    BATCH_PRIORITY,
+    INTERACTIVE_PRIORITY,
+    RUN_JOB,
+    get_celery,
+    message_priority,
+    queue_lists,
+    queue_name,
+)
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -32,12 +40,13 @@ log = logging.getLogger(__name__)
 SEND_RETRY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2, "interval_max": 0.5}
 
 
-def send_to(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE_PRIORITY) -> bool:
+def send_to(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE_PRIORITY,
+            task_id: str | None = None) -> bool:
     """Sends ``job_id`` on the queue named ``queue`` at ``priority`` (``message_priority`` of its kind); False where
     the broker could not take it."""
     try:
         get_celery(redis_url).send_task(RUN_JOB, args=[job_id], queue=queue, retry=True, retry_policy=SEND_RETRY,
-                                        priority=priority)
+                                        priority=priority, task_id=task_id)
     except Exception as exc:  # kombu raises OperationalError and socket errors alike
         log.warning("could not send job %s to the broker (%s); it stays queued for the sweeper", job_id, exc)
         return False
@@ -61,6 +70,41 @@ def _look_after(redis_url: str, queues: list[str]) -> None:
 def send_job(redis_url: str, job_id: str, model_name: str, priority: int = INTERACTIVE_PRIORITY) -> bool:
     """Sends ``job_id`` on its model's queue, which every worker of the model consumes."""
     return send_to(redis_url, job_id, queue_name(model_name), priority)
+
+
+# Moves the message whose text holds ARGV[1] (its task id) from the newest end of list KEYS[1], where kombu pushed it,
+# to the end consumers pop from next; looks at the ARGV[2] newest messages only (a message pushed just now is there)
+_TO_HEAD = """
+for i = 0, tonumber(ARGV[2]) - 1 do
+  local m = redis.call('LINDEX', KEYS[1], i)
+  if not m then return 0 end
+  if string.find(m, ARGV[1], 1, true) then
+    redis.call('LREM', KEYS[1], 1, m)
+    redis.call('RPUSH', KEYS[1], m)
+    return 1
+  end
+end
+return 0
+"""
+HEAD_LOOKUP = 16  # messages pushed onto the list after ours before it is moved: beyond this many it stays at the tail
+
+
+def send_back(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE_PRIORITY) -> bool:
+    """Hands a taken job's message back to ``queue`` where it was: at the head of its priority's list (the next
+    message a consumer takes), not behind the messages that came after it. kombu's Redis transport pushes a message
+    at the tail (LPUSH, consumers BRPOP) and so does Celery's requeue (``Reject(requeue=True)``: LPUSH too), so the
+    message is sent as usual and then moved to the head in one Lua script. False where the broker could not take it;
+    True (at the tail) where only the move failed."""
+    task_id = uuid4().hex
+    if not send_to(redis_url, job_id, queue, priority, task_id=task_id):
+        return False
+    interactive, batch = queue_lists(queue)
+    try:
+        redis_client(redis_url).eval(_TO_HEAD, 1, batch if priority == BATCH_PRIORITY else interactive, task_id,
+                                     HEAD_LOOKUP)
+    except redis.RedisError as exc:  # sent: it only waits behind the newer messages
+        log.warning("job %s went back to the tail of %s (%s)", job_id, queue, exc)
+    return True
 
 
 def _queue(app, name: str):

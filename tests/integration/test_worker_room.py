@@ -1,0 +1,58 @@
+"""A job whose worker has no engine room for it does not keep its message in hand or lose its place: the real
+worker's intake against real Redis and SQL (its messages as kombu's Redis transport holds them)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from app.services.dispatch import send_job
+from app.services.notify import redis_client
+from tests.conftest import wait_for
+from tests.integration.test_worker_threads import _leased_jobs
+from workers.celery_app import BATCH_PRIORITY, INTERACTIVE_PRIORITY, queue_lists
+from workers.gpu_worker import GpuWorker
+
+pytestmark = pytest.mark.integration
+
+
+def _next_taken(settings, queue: str, batch: bool) -> list[str]:
+    """The job ids on ``queue``'s interactive or batch list, in the order consumers take them (BRPOP: right first)."""
+    raw = redis_client(settings.redis_url).lrange(queue_lists(queue)[1 if batch else 0], 0, -1)
+    return [json.loads(m)["headers"]["argsrepr"].strip("[]'") for m in reversed(raw)]
+
+
+def _worker(settings, keys, max_inflight: int, in_line: int) -> GpuWorker:
+    worker = GpuWorker(settings.model_copy(update={"max_inflight": max_inflight, "interactive_reserve": 1}))
+    _leased_jobs(settings, keys, worker, in_line)  # the engine's slots, taken
+    return worker
+
+
+def test_a_batch_job_that_gives_way_keeps_its_place_among_the_batch_jobs(settings, keys):
+    """b1 was at the head of the batch list when the worker took it; with batch room gone and an interactive job
+    waiting, it goes back and is still the next batch job taken (before b2 and b3, which came after it)."""
+    worker = _worker(settings, keys, max_inflight=2, in_line=1)  # batch room 1: full; the interactive slot is free
+    for job_id in ("b2", "b3"):
+        send_job(settings.redis_url, job_id, settings.model_name, BATCH_PRIORITY)
+    send_job(settings.redis_url, "i1", settings.model_name, INTERACTIVE_PRIORITY)
+    worker.accept("b1", BATCH_PRIORITY)
+    assert _next_taken(settings, worker.queue, batch=True) == ["b1", "b2", "b3"]
+    assert _next_taken(settings, worker.queue, batch=False) == ["i1"]
+
+
+def test_an_interactive_job_on_a_full_worker_goes_back_to_the_head_of_the_shared_queue(settings, keys):
+    """The worker's engine is full: the interactive message it took goes back at once, ahead of i2 that came after it,
+    for any worker of the model with room; this worker takes no other message until it has room again."""
+    worker = _worker(settings, keys, max_inflight=1, in_line=1)
+    send_job(settings.redis_url, "i2", settings.model_name, INTERACTIVE_PRIORITY)
+    intake = threading.Thread(target=worker.accept, args=("i1", INTERACTIVE_PRIORITY), daemon=True)
+    intake.start()
+    wait_for(lambda: _next_taken(settings, worker.queue, batch=False) == ["i1", "i2"], 10, "i1 to go back")
+    assert intake.is_alive()  # no room yet: the consumer is held, with no message in hand
+    for job in worker.active.snapshot():
+        worker.active.pop(job.job_id)
+    intake.join(10)
+    assert not intake.is_alive()
+    assert _next_taken(settings, worker.queue, batch=False) == ["i1", "i2"]  # nothing was leased on the way
