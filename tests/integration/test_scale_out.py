@@ -105,3 +105,26 @@ def test_prefix_routing_keeps_a_conversation_on_its_worker_and_survives_a_dead_o
                   .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
     assert _ran_on(settings, [job_id])[0] in ("wa", "wb")  # a sweeper gave it back to the model's queue
     assert not r.exists(worker_queue("wz"))
+
+
+def test_an_interactive_job_taken_by_a_full_worker_runs_on_a_worker_with_room(client, keys, settings, start_worker):
+    """wa's one slot runs a long job when it takes an interactive job's message: the message goes back to the model's
+    queue instead of waiting in wa's hands for that slot, and wb, started afterwards with room, runs the job."""
+    start_worker("wa", COSERVE_MAX_INFLIGHT="1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build",
+                 COSERVE_STEP_DELAY_S="0.5")
+    h = Keys.header(keys.paid)
+    long_id = client.post("/v1/jobs", headers=h, json={"prompt": "Long", "max_tokens": 400, "ignore_eos": True}).json()
+    long_id = long_id["id"]
+
+    def status(job_id: str) -> tuple[str, str | None]:
+        with session_scope(settings.sqlalchemy_url) as s:
+            row = s.get(Job, job_id, populate_existing=True)
+            return row.status, row.worker_id
+    wait_for(lambda: status(long_id) == ("running", "wa"), 60, "the long job to run on wa")
+    job_id = client.post("/v1/jobs", headers=h, json={"prompt": "Hi", "max_tokens": 4}).json()["id"]
+    # wa took the interactive message (kombu keeps a taken message unacked until the task returns)
+    wait_for(lambda: redis.Redis.from_url(settings.redis_url).hlen("unacked") == 1, 30, "wa to take the message")
+    start_worker("wb", COSERVE_MAX_INFLIGHT="1")
+    wait_for(lambda: status(job_id)[0] == "succeeded", 90, "the interactive job to succeed")
+    assert status(job_id) == ("succeeded", "wb")
+    assert status(long_id)[0] == "running"  # wa's slot never opened: the job did not wait for it
