@@ -68,7 +68,7 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
         tier = resolve_tier(settings, principal, body.tier)
     except JobValidationError as exc:
         raise OpenAIError(400, str(exc), param="tier") from exc
-    src = storage.get_file(session, principal.tenant_id, body.input_file_id)
+    src = storage.tenant_file(session, principal.tenant_id, body.input_file_id)
     if src is None:
         raise OpenAIError(404, f"No such File object: {body.input_file_id}", param="input_file_id")
     if src.purpose != "batch":

@@ -48,7 +48,7 @@ def clean_filename(name: str | None) -> str:
 
 
 def _own(session, principal, file_id: str) -> FileRow:
-    row = storage.get_file(session, principal.tenant_id, file_id)
+    row = storage.tenant_file(session, principal.tenant_id, file_id)
     if row is None:
         raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
     return row
@@ -88,6 +88,7 @@ def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | 
                ) -> dict:
     newest_first = order == "desc"
     q = select(FileRow).where(FileRow.tenant_id == principal.tenant_id, FileRow.deleted.is_(False),
+                              FileRow.purpose.not_in(storage.NOT_IN_FILES_API),
                               or_(FileRow.expires_at.is_(None), FileRow.expires_at > utcnow()))
     if purpose:
         q = q.where(FileRow.purpose == purpose)

@@ -92,7 +92,8 @@ def create_message_batch(body: MessageBatchCreate, request: Request, session: Se
     """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours."""
     _checked(body.requests, settings.tiers)
     batch_id, now = new_id(mb.ID_PREFIX), utcnow()
-    src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl", "batch",
+    src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl",
+                           storage.MESSAGE_BATCH_INPUT,
                            mb.input_lines((r.custom_id, r.params) for r in body.requests))
     batch = Batch(id=batch_id, tenant_id=principal.tenant_id, api_key_id=principal.key_id, endpoint=ENDPOINT,
                   input_file_id=src.id, completion_window=mb.WINDOW, status="validating",

@@ -22,7 +22,8 @@ from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.batch.objects import job_error_line, output_line
-from app.batch.storage import new_file
+from app.anthropic_schemas import ENDPOINT as MESSAGES
+from app.batch.storage import MESSAGE_BATCH_RESULTS, new_file
 from app.db.models import STAGED, Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
 from app.services.cancel import stop_job_ids
@@ -152,7 +153,8 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         else:
             err_lines.append(json.dumps(job_error_line(failed_job)))
     lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
-    files = {key: new_file(data_dir, batch.tenant_id, f"{batch_id}_{name}.jsonl", "batch_output",
+    purpose = MESSAGE_BATCH_RESULTS if batch.endpoint == MESSAGES else "batch_output"
+    files = {key: new_file(data_dir, batch.tenant_id, f"{batch_id}_{name}.jsonl", purpose,
                            ("\n".join(lines) + "\n").encode(), lives)
              for key, name, lines in (("output_file_id", "output", out_lines), ("error_file_id", "error", err_lines))
              if lines}

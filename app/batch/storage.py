@@ -22,6 +22,11 @@ from app.services.transitions import as_utc
 log = logging.getLogger(__name__)
 
 UPLOAD_PURPOSES = ("batch", "user_data")
+# a message batch's requests and results (Anthropic's Message Batches API has no files): the batch's alone, so the
+# Files API neither shows nor deletes them (a tenant who deleted one there would lose the batch's results)
+MESSAGE_BATCH_INPUT = "message_batch"
+MESSAGE_BATCH_RESULTS = "message_batch_results"
+NOT_IN_FILES_API = (MESSAGE_BATCH_INPUT, MESSAGE_BATCH_RESULTS)
 
 
 class ExpiresAfter(BaseModel):
@@ -77,6 +82,13 @@ def get_file(session: Session, tenant_id: str | None, file_id: str) -> File | No
     if row is None or row.deleted or expired(row) or (tenant_id is not None and row.tenant_id != tenant_id):
         return None
     return row
+
+
+def tenant_file(session: Session, tenant_id: str, file_id: str) -> File | None:
+    """The tenant's file as the Files API (and an OpenAI batch's ``input_file_id``) sees it: a message batch's
+    files are none of it."""
+    row = get_file(session, tenant_id, file_id)
+    return None if row is None or row.purpose in NOT_IN_FILES_API else row
 
 
 def delete_file(session: Session, row: File) -> None:

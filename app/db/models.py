@@ -204,7 +204,8 @@ class JobEvent(Base):
 
 
 class File(Base):
-    """An uploaded or generated file (OpenAI Files API; purpose batch / batch_output)."""
+    """An uploaded or generated file (OpenAI Files API; purpose batch / batch_output), or a message batch's requests
+    and results (purpose message_batch / message_batch_results: not in the Files API)."""
 
     __tablename__ = "files"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file"))

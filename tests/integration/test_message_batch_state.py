@@ -1,0 +1,56 @@
+"""A message batch (Anthropic's, ``/v1/messages/batches``) against the real app, Redis and SQL, with no worker: it is
+cancelled to end. What it keeps of the OpenAI batch machinery under it stays its own: its files are not the Files
+API's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.db.models import Batch
+from app.db.session import session_scope
+from tests.conftest import Keys
+
+pytestmark = pytest.mark.integration
+
+
+def ended_message_batch(client, keys) -> dict:
+    """A message batch of two requests, cancelled before any ran (its results: canceled)."""
+    headers = {"x-api-key": keys.paid}
+    made = client.post("/v1/messages/batches", headers=headers, json={"requests": [
+        {"custom_id": f"r{i}", "params": {"model": "tiny", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": "Hi"}]}} for i in range(2)]})
+    assert made.status_code == 200, made.text
+    done = client.post(f"/v1/messages/batches/{made.json()['id']}/cancel", headers=headers).json()
+    assert done["processing_status"] == "ended", done
+    return done
+
+
+def files_of(settings, batch_id: str) -> list[str]:
+    with session_scope(settings.sqlalchemy_url) as s:
+        b = s.get(Batch, batch_id)
+        return [f for f in (b.input_file_id, b.output_file_id, b.error_file_id) if f]
+
+
+def test_a_message_batchs_files_are_not_the_files_apis(client, keys, settings):
+    batch = ended_message_batch(client, keys)
+    own = files_of(settings, batch["id"])
+    assert len(own) == 2  # its requests, and the error file of its canceled ones
+    oai = Keys.header(keys.paid)
+    upload = client.post("/v1/files", headers=oai, data={"purpose": "batch"},
+                         files={"file": ("in.jsonl", b'{"custom_id": "a"}\n')}).json()
+    listed = [f["id"] for f in client.get("/v1/files", headers=oai, params={"limit": 100}).json()["data"]]
+    assert listed == [upload["id"]]  # an OpenAI upload is listed; the message batch's files are not
+    for purpose in ("batch", "batch_output", "message_batch", "message_batch_results"):
+        assert upload["id"] not in own and not set(own) & {f["id"] for f in client.get(
+            "/v1/files", headers=oai, params={"purpose": purpose}).json()["data"]}
+    for file_id in own:
+        for method, path in (("GET", ""), ("GET", "/content"), ("DELETE", "")):
+            answer = client.request(method, f"/v1/files/{file_id}{path}", headers=oai)
+            assert answer.status_code == 404 and answer.json()["error"]["code"] == "file_not_found", answer.text
+    reuse = client.post("/v1/batches", headers=oai, json={"input_file_id": own[0], "endpoint": "/v1/completions"})
+    assert reuse.status_code == 404  # nor an OpenAI batch's input
+    results = client.get(f"/v1/messages/batches/{batch['id']}/results", headers={"x-api-key": keys.paid})
+    assert results.status_code == 200, results.text  # the DELETEs above took nothing from the batch
+    assert [json.loads(line)["result"]["type"] for line in results.text.splitlines()] == ["canceled", "canceled"]
