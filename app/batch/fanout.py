@@ -19,6 +19,7 @@ from sqlalchemy import delete, select, update
 from app.auth import Principal
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
+from app.batch.events import batch_ended
 from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
@@ -30,7 +31,6 @@ from app.services.job_writer import JobRows
 from app.services.jobs import JobValidationError, build_job
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
-from app.services.webhooks import emit
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ def start_batch(settings: Settings, batch_id: str) -> None:
 
 def _fail(session, batch_id: str, **values) -> None:
     """validating -> failed, and the batch.failed event with it (the caller commits)."""
-    tenant_id = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
-        status="failed", failed_at=utcnow(), **values).returning(Batch.tenant_id))
-    if tenant_id is not None:
-        emit(session, tenant_id, "batch.failed", batch_id)
+    row = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+        status="failed", failed_at=utcnow(), **values).returning(Batch.tenant_id, Batch.endpoint)).first()
+    if row is not None:
+        batch_ended(session, row.tenant_id, row.endpoint, "failed", batch_id)
 
 
 def _start(settings: Settings, batch_id: str) -> None:
@@ -123,10 +123,11 @@ def _start(settings: Settings, batch_id: str) -> None:
         return
     if not ok:  # cancelled while validating: this ends it, with its event, unless the cancel's fan-in did
         with session_scope(url) as s, write_guard(s):
-            tenant = s.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
-                status="cancelled", cancelled_at=utcnow(), total=parsed.total).returning(Batch.tenant_id))
-            if tenant is not None:
-                emit(s, tenant, "batch.cancelled", batch_id)
+            row = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
+                status="cancelled", cancelled_at=utcnow(), total=parsed.total).returning(
+                Batch.tenant_id, Batch.endpoint)).first()
+            if row is not None:
+                batch_ended(s, row.tenant_id, row.endpoint, "cancelled", batch_id)
         return
     log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
     send_dispatched(settings, jobs)

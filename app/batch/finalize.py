@@ -21,13 +21,13 @@ from typing import Any
 from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.batch.objects import job_error_line, output_line
 from app.anthropic_schemas import ENDPOINT as MESSAGES
+from app.batch.events import batch_ended
+from app.batch.objects import job_error_line, output_line
 from app.batch.storage import MESSAGE_BATCH_RESULTS, new_file
 from app.db.models import STAGED, Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
 from app.services.cancel import stop_job_ids
-from app.services.webhooks import emit
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,8 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
             Batch.id == batch_id, Batch.status == "finalizing", Batch.finalizing_at == mine).values(**values)).rowcount
         if still_mine:
             session.add_all(files.values())
-            emit(session, batch.tenant_id, f"batch.{values['status']}", batch_id)  # with the status, or not at all
+            # with the status, or not at all
+            batch_ended(session, batch.tenant_id, batch.endpoint, values["status"], batch_id)
         session.commit()
     if not still_mine:
         for row in files.values():

@@ -1,15 +1,17 @@
 """A message batch (Anthropic's, ``/v1/messages/batches``) against the real app, Redis and SQL, with no worker: it is
 cancelled to end. What it keeps of the OpenAI batch machinery under it stays its own: its files are not the Files
-API's."""
+API's, and its end is no OpenAI webhook event."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from sqlalchemy import select
 
-from app.db.models import Batch
+from app.db.models import Batch, WebhookDelivery, WebhookEndpoint
 from app.db.session import session_scope
+from app.services.webhooks import EVENT_TYPES, new_secret
 from tests.conftest import Keys
 
 pytestmark = pytest.mark.integration
@@ -54,3 +56,21 @@ def test_a_message_batchs_files_are_not_the_files_apis(client, keys, settings):
     results = client.get(f"/v1/messages/batches/{batch['id']}/results", headers={"x-api-key": keys.paid})
     assert results.status_code == 200, results.text  # the DELETEs above took nothing from the batch
     assert [json.loads(line)["result"]["type"] for line in results.text.splitlines()] == ["canceled", "canceled"]
+
+
+def test_a_message_batchs_end_is_no_openai_webhook_event(client, keys, settings):
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(WebhookEndpoint(id="we_batches", tenant_id=keys.tenant_id, name="n", url="https://example.com/hook",
+                              event_types=list(EVENT_TYPES), secret=new_secret()))
+        s.commit()
+    ended_message_batch(client, keys)
+    oai = Keys.header(keys.paid)
+    upload = client.post("/v1/files", headers=oai, data={"purpose": "batch"}, files={"file": ("in.jsonl", json.dumps(
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}}).encode())}).json()
+    batch = client.post("/v1/batches", headers=oai, json={"input_file_id": upload["id"],
+                                                          "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert client.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=oai).json()["status"] == "cancelled"
+    with session_scope(settings.sqlalchemy_url) as s:  # the OpenAI batch's end is its event; the message batch's none
+        events = [json.loads(d.body) for d in s.scalars(select(WebhookDelivery))]
+    assert [(e["type"], e["data"]["id"]) for e in events] == [("batch.cancelled", batch.json()["id"])]
