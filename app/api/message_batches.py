@@ -54,7 +54,7 @@ class MessageBatchCreate(BaseModel):
 
 def _own(session, principal, batch_id: str) -> Batch:
     row = session.get(Batch, batch_id, populate_existing=True)
-    if row is None or row.tenant_id != principal.tenant_id or row.endpoint != ENDPOINT or row.status == mb.DELETED:
+    if row is None or row.tenant_id != principal.tenant_id or row.endpoint != ENDPOINT or row.deleted_at is not None:
         raise OpenAIError(404, f"No such message batch: {batch_id}", param="message_batch_id")
     return row
 
@@ -116,7 +116,7 @@ def list_message_batches(request: Request, session: SessionDep, principal: Curre
     if before_id and after_id:
         raise OpenAIError(400, "give before_id or after_id, not both", param="before_id")
     query = select(Batch).where(Batch.tenant_id == principal.tenant_id, Batch.endpoint == ENDPOINT,
-                                Batch.status != mb.DELETED)
+                                Batch.deleted_at.is_(None))
     if before_id:  # the rows newer than the cursor, nearest first, then shown newest first
         mark = pagination.cursor_row(session, Batch, before_id, principal.tenant_id)
         rows = pagination.page_after(session, query, Batch, mark, limit, newest_first=False) if mark else []
@@ -160,8 +160,9 @@ def cancel_message_batch(message_batch_id: str, request: Request, session: Sessi
 @router.delete("/{message_batch_id}", responses=anthropic_responses(404, 409))
 def delete_message_batch(message_batch_id: str, session: SessionDep, principal: CurrentPrincipal,
                          settings: SettingsDep) -> dict[str, Any]:
-    """An ended batch, its results and its files. Its row stays, marked deleted, so its jobs stay its own: usage
-    counts them as batch jobs (a row deleted would leave them no batch: ``jobs.batch_id`` is set null)."""
+    """An ended batch, its results and its files. Its row stays, with ``deleted_at`` and the status it ended with,
+    so its jobs stay its own: usage counts them as batch jobs (a row deleted would leave them no batch:
+    ``jobs.batch_id`` is set null), and operators still see how it ended."""
     batch = _own(session, principal, message_batch_id)
     if mb.processing_status(batch) != "ended":
         raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; cancel it and delete it once "
@@ -170,7 +171,7 @@ def delete_message_batch(message_batch_id: str, session: SessionDep, principal: 
         if file_id and (row := storage.get_file(session, principal.tenant_id, file_id)) is not None:
             storage.delete_file(session, row)
     with write_after_read(session):
-        batch.status = mb.DELETED
+        batch.deleted_at = utcnow()
         session.commit()
     shutil.rmtree(Path(settings.data_dir) / "batches" / message_batch_id, ignore_errors=True)
     return {"id": message_batch_id, "type": "message_batch_deleted"}

@@ -23,7 +23,6 @@ from app.services.transitions import as_utc
 ID_PREFIX = "msgbatch"
 WINDOW = "24h"  # docs.anthropic.com/en/docs/build-with-claude/batch-processing: a batch expires after 24 hours
 ENDED = ("completed", "failed", "expired", "cancelled")
-DELETED = "deleted"  # a message batch deleted (its files are gone; the API shows it no more)
 # an error-file code -> the result type of a request that did not succeed (any other code: errored)
 RESULT_OF_CODE = {"batch_cancelled": "canceled", "batch_expired": "expired"}
 

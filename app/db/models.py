@@ -249,6 +249,9 @@ class Batch(Base):
     errors: Mapped[list[Any] | None] = mapped_column(JSON, default=None)  # validation errors of the whole file
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, default=None)  # its output/error files'
     api_key_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the key that created it: its jobs'
+    # a message batch deleted (DELETE /v1/messages/batches/{id}): its API shows it no more, its files are gone; its
+    # status stays how it ended, and its jobs stay its own
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class WebhookEndpoint(Base):

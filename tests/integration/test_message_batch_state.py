@@ -74,3 +74,17 @@ def test_a_message_batchs_end_is_no_openai_webhook_event(client, keys, settings)
     with session_scope(settings.sqlalchemy_url) as s:  # the OpenAI batch's end is its event; the message batch's none
         events = [json.loads(d.body) for d in s.scalars(select(WebhookDelivery))]
     assert [(e["type"], e["data"]["id"]) for e in events] == [("batch.cancelled", batch.json()["id"])]
+
+
+def test_a_deleted_message_batch_keeps_how_it_ended(client, keys, settings):
+    batch = ended_message_batch(client, keys)
+    headers = {"x-api-key": keys.paid}
+    assert client.delete(f"/v1/messages/batches/{batch['id']}", headers=headers).json()["type"] == \
+        "message_batch_deleted"
+    assert client.get(f"/v1/messages/batches/{batch['id']}", headers=headers).status_code == 404
+    assert batch["id"] not in [b["id"] for b in client.get("/v1/messages/batches", headers=headers).json()["data"]]
+    assert client.delete(f"/v1/messages/batches/{batch['id']}", headers=headers).status_code == 404
+    with session_scope(settings.sqlalchemy_url) as s:  # operators (and usage) still see how and when it ended
+        row = s.get(Batch, batch["id"])
+        assert row.status == "cancelled" and row.cancelled_at is not None
+        assert row.deleted_at is not None and row.cancelled_at <= row.deleted_at

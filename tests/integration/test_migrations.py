@@ -66,6 +66,36 @@ def test_expired_jobs_of_older_databases_count_as_missed_slos(tmp_path):
     engine.dispose()
 
 
+def test_message_batches_deleted_by_older_coserve_get_back_how_they_ended(tmp_path):
+    """0038: DELETE /v1/messages/batches/{id} wrote 'deleted' over the status; the time each end left says it."""
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url, "0037")
+    engine = create_engine(url)
+    ended = {"msgbatch_done": "completed_at", "msgbatch_stopped": "cancelled_at", "msgbatch_refused": "failed_at"}
+    with engine.begin() as conn:
+        tenant = _old_tenant(conn, "t")
+        conn.execute(text("INSERT INTO files (id, tenant_id, filename, purpose, bytes, path, created_at, deleted) "
+                          "VALUES ('file_in', :t, 'in', 'batch', 1, '/x', CURRENT_TIMESTAMP, 1)"), {"t": tenant.id})
+        for batch_id, column in [*ended.items(), ("batch_kept", "completed_at")]:
+            conn.execute(text(
+                "INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, status, tier, total, "
+                f"completed, failed, created_at, {column}) VALUES (:id, :t, '/v1/messages', 'file_in', '24h', :st, "
+                "'paid', 1, 0, 0, '2026-11-01 00:00:00', '2026-11-02 00:00:00')"),
+                {"id": batch_id, "t": tenant.id, "st": "completed" if batch_id == "batch_kept" else "deleted"})
+    upgrade(url)
+    with engine.connect() as conn:
+        rows = {r.id: (r.status, r.deleted_at) for r in conn.execute(text("SELECT id, status, deleted_at FROM "
+                                                                           "batches"))}
+    ended_at = "2026-11-02 00:00:00"  # as written (raw SQL): the deleted_at not kept is the end's time
+    assert rows == {"msgbatch_done": ("completed", ended_at), "msgbatch_stopped": ("cancelled", ended_at),
+                    "msgbatch_refused": ("failed", ended_at), "batch_kept": ("completed", None)}
+    downgrade(url, "0037")  # the older coserve's way again
+    with engine.connect() as conn:
+        assert dict(conn.execute(text("SELECT id, status FROM batches")).all()) == {
+            **dict.fromkeys(ended, "deleted"), "batch_kept": "completed"}
+    engine.dispose()
+
+
 def as_first_written(url: str) -> None:
     """Migrates ``url`` to 0023 and takes out what revisions 0002, 0007, 0016, 0017 and 0022 gained after they were
     first written: a database an earlier coserve built (Alembic does not run a revision twice)."""
