@@ -26,7 +26,7 @@ from app.tool_calls import Answer, read_answer
 ENDPOINT = "/v1/messages"
 # a chat field named in an error -> the Messages field the client wrote
 MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.format",
-                  "reasoning_effort": "output_config.effort"}
+                  "reasoning_effort": "output_config.effort", "thinking_token_budget": "thinking.budget_tokens"}
 # Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows). coserve's 503
 # (no worker for the model, the store or broker away) is Anthropic's overloaded_error in kind: come back shortly
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -37,6 +37,8 @@ TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # Anthropic's own request fields that change what is generated and that coserve does not serve
 UNSERVED = ("mcp_servers", "container", "context_management")
 MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
+# a tool_result with is_error: chat's tool message has no such field (vLLM drops it), so its text says it failed
+TOOL_ERROR_PREFIX = "Error: "
 
 
 def message_id(job_id: str) -> str:
@@ -156,6 +158,8 @@ class MessagesRequest(BaseModel):
             body["reasoning_effort"] = effort
         if (self.thinking or {}).get("type") == "disabled":  # as vLLM: the template's reasoning effort "none"
             body["reasoning_effort"] = "none"
+        if (self.thinking or {}).get("type") == "enabled" and not count_only:  # as vLLM: its thinking budget
+            body["thinking_token_budget"] = self.thinking["budget_tokens"]  # type: ignore[index]
         if (fmt := (self.output_config or {}).get("format")) is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
                 raise OpenAIError(400, "output_config.format is {\"type\": \"json_schema\", \"schema\": {...}}",
@@ -204,15 +208,17 @@ def _text(content: str | list[Block] | list[dict[str, Any]], where: str) -> str:
 
 
 def _user_turn(blocks: list[Block], i: int) -> list[dict[str, Any]]:
-    """A user turn: its tool results as tool messages (first, answering the calls before), then its text."""
+    """A user turn: its tool results as tool messages (first, answering the calls before; one that failed,
+    ``is_error``, starts with ``TOOL_ERROR_PREFIX``), then its text."""
     out, texts = [], []
     for j, block in enumerate(blocks):
         where = f"messages.{i}.content.{j}"
         if block.type == "tool_result":
             if not block.tool_use_id:
                 raise OpenAIError(400, f"{where}: a tool_result needs tool_use_id", param=f"{where}.tool_use_id")
+            text = _text(block.content or "", f"{where}.content")
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                        "content": _text(block.content or "", f"{where}.content")})
+                        "content": TOOL_ERROR_PREFIX + text if block.is_error else text})
         elif block.type == "text" and block.text is not None:
             texts.append(block.text)
         else:

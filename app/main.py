@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 # the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
                    "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/v1/webhook_event_types",
-                   "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations",
-                   "/v1/messages")
+                   "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations")
+ANTHROPIC_PREFIXES = ("/v1/messages",)  # Anthropic's SDKs read its error shape there
 
 
 def schema_check(url: str) -> str | None:
@@ -152,7 +152,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         api.include_router(module.router)
     api.include_router(openai_compat.sagemaker)
     api.include_router(webhooks.event_types_router)
-    errors.install(api, openai_prefixes=OPENAI_PREFIXES)
+    errors.install(api, openai_prefixes=OPENAI_PREFIXES, anthropic_prefixes=ANTHROPIC_PREFIXES)
     _document_openai_errors(api)
     return api
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, blamed, loc_param, validation_errors
@@ -114,6 +114,10 @@ class OpenAIRoute(CheckedRoute):
         """The answer to a refusal (a subclass writes it in another API's shape)."""
         return exc.response()
 
+    def error_to(self, request: Request, exc: OpenAIError) -> Response:
+        """The answer to ``request``'s refusal (a subclass answering two APIs' clients picks the shape by it)."""
+        return self.error(exc)
+
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
 
@@ -121,13 +125,13 @@ class OpenAIRoute(CheckedRoute):
             try:
                 return await handler(request)
             except OpenAIError as exc:
-                return self.error(exc)
+                return self.error_to(request, exc)
             except RequestValidationError as exc:
                 message, param = validation_message(validation_errors(exc))
-                return self.error(OpenAIError(400, message, param=param, code="invalid_value"))
+                return self.error_to(request, OpenAIError(400, message, param=param, code="invalid_value"))
             except HTTPException as exc:  # Starlette's: FastAPI raises it too (a body it cannot read)
-                return self.error(OpenAIError(exc.status_code, str(exc.detail), type=None,
-                                              headers=dict(exc.headers or {})))
+                return self.error_to(request, OpenAIError(exc.status_code, str(exc.detail), type=None,
+                                                          headers=dict(exc.headers or {})))
 
         return wrapped
 
@@ -205,6 +209,8 @@ class SamplingFields(BaseModel):
     cache_salt: Text | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
+    # vLLM's: at most this many thinking tokens, then the reasoning parser's end of thinking is forced (-1: no limit)
+    thinking_token_budget: StrictInt | None = Field(None, ge=-1)
     # chat: true/false (top_logprobs says how many alternatives); completions: the number of alternatives
     logprobs: bool | int | None = None
     # structured output: OpenAI's response_format, or vLLM's structured_outputs (one constraint, JobCreate's form)
@@ -352,7 +358,9 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                         "min_tokens", "stop_token_ids", "include_stop_str_in_output", "return_token_ids",
                                         "truncate_prompt_tokens", "cache_salt",
-                                        "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None})
+                                        "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None},
+                      **({} if self.thinking_token_budget in (None, -1)
+                         else {"thinking_token_budget": self.thinking_token_budget}))
         window, at = batch_window_s, deadline_at
         if self.deadline is not None and window is None and at is None:
             window, at = _deadline(self.deadline)

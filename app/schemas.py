@@ -182,6 +182,9 @@ class JobCreate(BaseModel):
         "the same for each prompt token (vLLM backend)"))
     echo: bool = Field(False, description=("OpenAI completions' echo: that route's answer starts with the prompt "
                                            "(the job resource keeps prompt and output apart)"))
+    thinking_token_budget: int | None = Field(None, ge=0, le=1_000_000, description=(
+        "vLLM's: a reasoning model thinks at most this many tokens, then its end of thinking is forced (vLLM "
+        "backend with COSERVE_REASONING_PARSER)"))
     include_reasoning: bool = Field(True, description=(
         "vLLM's: where the server reads a reasoning model's thinking (COSERVE_REASONING_PARSER), false leaves it "
         "out of the chat answer (it is still not content)"))
@@ -314,7 +317,8 @@ class JobCreate(BaseModel):
                 "truncate_prompt_tokens": self.truncate_prompt_tokens, "cache_salt": self.cache_salt,
                 "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo,
-                **({} if self.include_reasoning else {"include_reasoning": False})}
+                **({} if self.include_reasoning else {"include_reasoning": False}),
+                **({} if self.thinking_token_budget is None else {"thinking_token_budget": self.thinking_token_budget})}
 
 
 class SloMiss(BaseModel):

@@ -29,6 +29,8 @@ LOGIT_BIAS_WITH_SPECULATION = ("logit_bias cannot be combined with vLLM's specul
 LOGPROBS_UNSUPPORTED = ("token log-probabilities need the vLLM backend (COSERVE_BACKEND=vllm): the own torch "
                         "engine does not report them; leave logprobs unset")
 # the error's param names the field, in the terms of the route that was asked (chat's or the Responses API's)
+THINKING_BUDGET_UNSUPPORTED = ("a thinking budget needs the vLLM backend (COSERVE_BACKEND=vllm) with a reasoning "
+                               "parser: the own torch engine does not cut a model's thinking short; leave it unset")
 STRUCTURED_UNSUPPORTED = ("structured outputs need the vLLM backend (COSERVE_BACKEND=vllm): the own torch engine does "
                           "not constrain its output; leave the output format unset")
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -85,6 +87,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     allowed_token_ids: tuple[int, ...] = ()  # only these may be generated (vLLM; empty: any)
     bad_words: tuple[str, ...] = ()  # never generated (vLLM)
+    thinking_token_budget: int | None = None  # thinking tokens before vLLM forces its end (vLLM's reasoning_config)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -142,6 +145,8 @@ class SamplingParams:
         for name in ("allowed_token_ids", "bad_words"):
             if getattr(self, name):
                 return name, VOCABULARY_UNSUPPORTED
+        if self.thinking_token_budget is not None:
+            return "thinking_token_budget", THINKING_BUDGET_UNSUPPORTED
         return None
 
     def speculation_refusal(self) -> tuple[str, str] | None:
@@ -173,4 +178,5 @@ class SamplingParams:
                    skip_special_tokens=not (sp.get("tool_parser") or sp.get("reasoning_parser")),
                    include_stop_str_in_output=bool(sp.get("include_stop_str_in_output", False)),
                    allowed_token_ids=tuple(sp.get("allowed_token_ids") or ()),
-                   bad_words=tuple(sp.get("bad_words") or ()))
+                   bad_words=tuple(sp.get("bad_words") or ()),
+                   thinking_token_budget=sp.get("thinking_token_budget"))

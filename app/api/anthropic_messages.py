@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, error_body, message_body,
-                                   message_of, stop_of, tool_use_block, usage_of)
+from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, error_body, in_messages_terms,
+                                   message_body, message_of, stop_of, tool_use_block, usage_of)
 from app import request_id
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import anthropic_responses
@@ -165,8 +165,13 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
     writer = getattr(request.app.state, "job_writer", None)
-    submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
-                                        None, rate_limiter(request))
+    try:
+        submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
+                                            None, rate_limiter(request))
+    except OpenAIError as exc:  # named as the Messages field (thinking.budget_tokens); a 429 keeps its cause
+        if (named := in_messages_terms(exc)) is exc:
+            raise
+        raise named from exc.__cause__
     job = submitted.job
     headers = {"x-coserve-job-id": job.id, **anthropic_rate_headers(submitted.rate)}
     if chat.stream:

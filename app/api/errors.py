@@ -133,7 +133,16 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
                             status_code=405, headers={"Allow": allow})
     if exc.status_code == 422 and isinstance(exc.detail, str):  # one shape for every 422
         return await request_validation_handler(request, unprocessable(exc.detail))
-    if exc.status_code == 404 and "endpoint" not in request.scope and _openai_path(request):
+    if exc.status_code == 404 and "endpoint" not in request.scope and _under(request, "anthropic_prefixes"):
+        # e.g. Anthropic's Message Batches (/v1/messages/batches), which coserve does not serve: its SDKs read
+        # Anthropic's shape, as the operations under this prefix document for their 404
+        from app.anthropic_schemas import error_body  # it builds on this module
+
+        rid = request_id.current()
+        body = error_body(404, f"Invalid URL ({request.method} {request.url.path}): coserve serves POST "
+                               "/v1/messages and POST /v1/messages/count_tokens") | {"request_id": rid}
+        return JSONResponse(json_safe(body), status_code=404, headers={"request-id": rid} if rid else None)
+    if exc.status_code == 404 and "endpoint" not in request.scope and _under(request, "openai_prefixes"):
         # no route matched (e.g. a model id with a newline): OpenAI's clients read OpenAI's shape,
         # as the operations under this prefix document for their 404
         body = {"message": f"Invalid URL ({request.method} {request.url.path})", "type": "invalid_request_error",
@@ -158,14 +167,17 @@ async def server_error_handler(request: Request, exc: Exception) -> Response:
     return answer
 
 
-def _openai_path(request: Request) -> bool:
-    prefixes = getattr(request.app.state, "openai_prefixes", ())
-    return any(request.url.path == p or request.url.path.startswith(p + "/") for p in prefixes)
+def _under(request: Request, prefixes: str) -> bool:
+    """Whether the request's path lies under one of the app's ``prefixes`` (``install``'s argument of that name)."""
+    return any(request.url.path == p or request.url.path.startswith(p + "/")
+               for p in getattr(request.app.state, prefixes, ()))
 
 
-def install(app: FastAPI, openai_prefixes: Sequence[str] = ()) -> None:
-    """The handlers above; ``openai_prefixes``: paths whose unmatched URLs answer in OpenAI's shape."""
+def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixes: Sequence[str] = ()) -> None:
+    """The handlers above; ``openai_prefixes``, ``anthropic_prefixes``: paths whose unmatched URLs answer in
+    OpenAI's or Anthropic's shape."""
     app.state.openai_prefixes = tuple(openai_prefixes)
+    app.state.anthropic_prefixes = tuple(anthropic_prefixes)
     app.add_exception_handler(RequestValidationError, request_validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, server_error_handler)

@@ -1,13 +1,17 @@
 """``GET /v1/models``: the model this deployment serves and its LoRA adapters, those configured and those loaded
-since (OpenAI list shape)."""
+since: in OpenAI's list shape, and in Anthropic's to Anthropic's SDKs (``client.models.list()`` and ``retrieve()``
+send an ``anthropic-version`` header), its errors too."""
 
 from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
 
+from app.api.anthropic_messages import AnthropicRoute
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute
@@ -17,7 +21,23 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=OpenAIRoute, responses=openai_responses(401))
+
+
+def anthropic_client(request: Request) -> bool:
+    """Whether Anthropic's SDK sent ``request``: it sends ``anthropic-version`` on every request, and its key as
+    ``x-api-key`` (OpenAI's as a bearer ``Authorization``)."""
+    headers = request.headers
+    return "anthropic-version" in headers or ("x-api-key" in headers and "authorization" not in headers)
+
+
+class ModelsRoute(OpenAIRoute):
+    """Errors in Anthropic's shape to Anthropic's SDKs, else in OpenAI's."""
+
+    def error_to(self, request: Request, exc: OpenAIError) -> Response:
+        return AnthropicRoute.error(self, exc) if anthropic_client(request) else self.error(exc)  # type: ignore
+
+
+router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=ModelsRoute, responses=openai_responses(401))
 
 _STARTED = int(datetime.now(UTC).timestamp())
 
@@ -31,13 +51,45 @@ def _model(settings: Settings, name: str) -> dict:
             "max_model_len": held_context_length(settings)}
 
 
+def _anthropic_model(settings: Settings, name: str) -> dict:
+    """Anthropic's model object (docs.anthropic.com/en/api/models): its name is its display name."""
+    return {"type": "model", "id": name, "display_name": name,
+            "created_at": datetime.fromtimestamp(_STARTED, UTC).isoformat().replace("+00:00", "Z"),
+            "max_input_tokens": held_context_length(settings)}
+
+
+def _anthropic_page(names: tuple[str, ...], after_id: str | None, before_id: str | None, limit: int) -> tuple[str, ...]:
+    """The names of Anthropic's page: those after ``after_id`` or before ``before_id`` (ids it does not know are
+    a 400), at most ``limit``, nearest the cursor."""
+    for cursor, param in ((after_id, "after_id"), (before_id, "before_id")):
+        if cursor is not None and cursor not in names:
+            raise OpenAIError(400, f"{param} {cursor!r} is not a model this server lists", param=param)
+    if after_id is not None:
+        return names[names.index(after_id) + 1:][:limit]
+    if before_id is not None:
+        return names[:names.index(before_id)][-limit:]
+    return names[:limit]
+
+
 @router.get("")
-def list_models(settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
-    return {"object": "list", "data": [_model(settings, name) for name in lora_adapters.listed_models(settings)]}
+def list_models(request: Request, settings: SettingsDep, _principal: CurrentPrincipal,
+                after_id: Annotated[str | None, Query(description="Anthropic's: the page after this model")] = None,
+                before_id: Annotated[str | None, Query(description="Anthropic's: the page before this model")] = None,
+                limit: Annotated[int, Query(ge=1, le=1000, description="Anthropic's: models per page")] = 20) -> dict:
+    """OpenAI's list; to Anthropic's SDKs, Anthropic's page (``after_id``, ``before_id``, ``limit``: theirs)."""
+    names = lora_adapters.listed_models(settings)
+    if not anthropic_client(request):
+        return {"object": "list", "data": [_model(settings, name) for name in names]}
+    if after_id is not None and before_id is not None:
+        raise OpenAIError(400, "give after_id or before_id, not both", param="before_id")
+    page = _anthropic_page(names, after_id, before_id, limit)
+    more = bool(page) and (page[0] != names[0] if before_id is not None else page[-1] != names[-1])
+    return {"data": [_anthropic_model(settings, name) for name in page], "has_more": more,
+            "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
 
 
 @router.get("/{model_id:path}", responses=openai_responses(404))
-def get_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
+def get_model(request: Request, model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
     if not lora_adapters.is_served(settings, model_id):
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-    return _model(settings, model_id)
+    return (_anthropic_model if anthropic_client(request) else _model)(settings, model_id)

@@ -148,6 +148,11 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         if refused[0] == "structured_outputs" and is_forced(sampling["tool_choice"]):
             refused = ("tool_choice", forced_choice_unsupported(settings.tool_call_parser is not None))
         raise JobValidationError(refused[1], param=refused[0], code="unsupported_value")
+    if sampling.get("thinking_token_budget") is not None and settings.reasoning_parser is None:
+        # as vLLM refuses it without --reasoning-parser: nothing would tell where the thinking ends
+        raise JobValidationError("thinking_token_budget needs a reasoning parser, which says where a model's thinking "
+                                 "ends (COSERVE_REASONING_PARSER, vLLM's --reasoning-parser); this server has none: "
+                                 "leave it unset", param="thinking_token_budget", code="unsupported_value")
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding); marked

@@ -110,20 +110,25 @@ def checked_overrides(overrides: dict[str, Any], spec_policy: str = "none") -> d
 
 
 def reasoning_outputs_config(checkpoint: str, reasoning_parser: str | None) -> dict[str, Any]:
-    """The ``structured_outputs_config`` under which vLLM applies a request's grammar after the model's thinking
-    (as ``vllm serve --reasoning-parser`` does), where the tokenizer has the ``<think>`` and ``</think>`` tokens
-    that vLLM's parser looks for; else nothing, with a warning: the grammar then covers the whole answer."""
+    """What ``vllm serve --reasoning-parser`` sets, where the tokenizer has the ``<think>`` and ``</think>`` tokens
+    that vLLM's parser looks for: the ``structured_outputs_config`` under which vLLM applies a request's grammar after
+    the model's thinking, and the ``reasoning_config`` under which it keeps a request's ``thinking_token_budget``
+    (forcing the end of thinking once the budget is spent). Else nothing, with a warning: the grammar then covers
+    the whole answer, and vLLM refuses a thinking budget (a 400)."""
     if reasoning_parser is None:
         return {}
     from transformers import AutoTokenizer
+    from vllm.config import ReasoningConfig
 
     from app.reasoning import CLOSE, OPEN
 
     vocab = AutoTokenizer.from_pretrained(checkpoint).get_vocab()
     if OPEN in vocab and CLOSE in vocab:
-        return {"structured_outputs_config": {"reasoning_parser": reasoning_parser}}
+        return {"structured_outputs_config": {"reasoning_parser": reasoning_parser},
+                "reasoning_config": ReasoningConfig(reasoning_parser=reasoning_parser)}
     log.warning("reasoning parser %s: the tokenizer of %s has no %s and %s tokens, so a structured output's grammar "
-                "covers the model's thinking too", reasoning_parser, checkpoint, OPEN, CLOSE)
+                "covers the model's thinking too and a thinking budget is refused", reasoning_parser, checkpoint,
+                OPEN, CLOSE)
     return {}
 
 
@@ -144,8 +149,9 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     (any other engine argument: ``tensor_parallel_size``, ``gpu_memory_utilization``, ``quantization``, a
     ``speculative_config`` with another drafter, ...) win over what the other parameters set; ``runtime_loras``:
     LoRA slots for adapters loaded while it runs, up to ``runtime_lora_rank``; ``reasoning_parser``: a grammar
-    applies after the thinking (``reasoning_outputs_config``); ``served_model_name``: the model's name in vLLM's
-    metrics (their ``model_name`` label, as ``vllm serve --served-model-name`` sets it; else the checkpoint's path);
+    applies after the thinking and a thinking budget is kept (``reasoning_outputs_config``); ``served_model_name``:
+    the model's name in vLLM's metrics (their ``model_name`` label, as ``vllm serve --served-model-name`` sets it;
+    else the checkpoint's path);
     ``draft_model``: a draft checkpoint that drafts instead of ``drafter`` (``draft_model_config``)."""
     from vllm import EngineArgs
     from vllm.platforms import current_platform

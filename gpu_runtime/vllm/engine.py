@@ -300,6 +300,7 @@ class VLLMEngine:
                               include_stop_str_in_output=sp.include_stop_str_in_output,
                               allowed_token_ids=list(sp.allowed_token_ids) or None,
                               bad_words=list(sp.bad_words) or None,
+                              thinking_token_budget=sp.thinking_token_budget,
                               output_kind=RequestOutputKind.DELTA,
                               extra_args=to_extra_args(req.qos, req.app_id))
 

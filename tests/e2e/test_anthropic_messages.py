@@ -162,3 +162,53 @@ def test_a_rate_limit_refusal_is_a_rate_limit_error_with_anthropics_headers(live
     assert not [h for h in refused.headers if h.startswith("x-ratelimit-")]
     # the error names its request, in the body (request_id) and the header (the SDK's request_id)
     assert exc.value.request_id == refused.headers["request-id"] == exc.value.body["request_id"]
+
+
+def test_the_anthropic_sdk_lists_and_retrieves_models_in_anthropics_shape(claude, stack):
+    name = stack.settings.model_name
+    page = claude.models.list()
+    assert [m.id for m in page.data] == [name] and page.has_more is False
+    assert (page.data[0].type, page.data[0].display_name, page.first_id, page.last_id) == ("model", name, name, name)
+    assert page.data[0].created_at.tzinfo is not None  # an RFC 3339 time the SDK parses
+    model = claude.models.retrieve(name)
+    assert (model.type, model.id) == ("model", name)
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        claude.models.retrieve("nope")
+    assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "not_found_error"
+    # a page past the last model is empty; OpenAI's clients still read OpenAI's list
+    raw = httpx.get(f"{stack.url}/v1/models", params={"after_id": name},
+                    headers={"x-api-key": stack.keys.paid, "anthropic-version": "2023-06-01"}).json()
+    assert raw == {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    listed = stack.openai().models.list()
+    assert listed.data[0].object == "model" and listed.data[0].id == name
+
+
+def test_an_unknown_path_under_messages_answers_in_anthropics_shape(claude, stack):
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        claude.messages.batches.list()  # Anthropic's Message Batches, which coserve does not serve
+    body = exc.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error", body
+    assert "/v1/messages/batches" in body["error"]["message"] and body["request_id"]
+
+
+def test_a_tool_result_that_is_an_error_says_so_to_the_model(claude, stack):
+    turns = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                "input": {"city": "Oslo"}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                                           "content": "city not found"}]}]
+    message = claude.messages.create(model="tiny", max_tokens=1, messages=turns, extra_body={"ignore_eos": True})
+    ran = _job(stack.settings, message.id).messages
+    assert ran[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: city not found"}
+    fine = [*turns[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "content": "city not found"}]}]
+    assert claude.messages.count_tokens(model="tiny", messages=turns).input_tokens > \
+        claude.messages.count_tokens(model="tiny", messages=fine).input_tokens
+
+
+def test_a_thinking_budget_the_own_engine_cannot_keep_is_refused(claude):
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        claude.messages.create(model="tiny", max_tokens=2048, messages=[{"role": "user", "content": "x"}],
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert exc.value.body["error"]["type"] == "invalid_request_error"
+    assert "own torch engine" in exc.value.body["error"]["message"], exc.value.body

@@ -196,6 +196,10 @@ def test_a_reasoning_parser_applies_the_grammar_after_the_thinking(tmp_path, cap
     thinking = _thinking_checkpoint(tmp_path / "thinking", {"<repo_name>": "<think>", "<reponame>": "</think>"})
     args = engine_args(str(thinking), reasoning_parser="deepseek_r1")
     assert args.structured_outputs_config == {"reasoning_parser": "deepseek_r1"}
+    # and a request's thinking_token_budget is kept: vLLM forces the parser's end of thinking once it is spent
+    assert args.reasoning_config.reasoning_parser == "deepseek_r1"
+    config = args.create_engine_config()
+    assert config.reasoning_config.enabled and config.reasoning_config.reasoning_end_token_ids
     # no parser set: vLLM's default, the grammar covers it all
     assert engine_args(str(thinking)).structured_outputs_config.reasoning_parser == ""
     mine = {"reasoning_parser": "qwen3", "enable_in_reasoning": True}
@@ -203,5 +207,6 @@ def test_a_reasoning_parser_applies_the_grammar_after_the_thinking(tmp_path, cap
                        overrides={"structured_outputs_config": mine}).structured_outputs_config == mine
     # a tokenizer without the tags (the default model's): vLLM's parser could not start, so it is left off, said
     with caplog.at_level("WARNING", logger="gpu_runtime.vllm.build"):
-        assert engine_args("smollm2-135m", reasoning_parser="qwen3").structured_outputs_config.reasoning_parser == ""
+        plain = engine_args("smollm2-135m", reasoning_parser="qwen3")
+    assert plain.structured_outputs_config.reasoning_parser == "" and plain.reasoning_config is None
     assert "has no <think> and </think> tokens" in caplog.text

@@ -53,8 +53,10 @@ def test_thinking_with_a_budget_is_checked_as_anthropic_checks_it(thinking, says
 
 
 def test_a_budget_within_max_tokens_and_an_effort_are_taken():
-    chat, _ = chat_of(messages=[ASK], thinking={"type": "enabled", "budget_tokens": 1024})
+    chat, spec = chat_of(messages=[ASK], thinking={"type": "enabled", "budget_tokens": 1024})
     assert chat.reasoning_effort is None  # the model thinks as its template has it
+    assert spec.sampling(16)["thinking_token_budget"] == 1024  # as vLLM: kept by its reasoning_config
+    assert "thinking_token_budget" not in chat_of(messages=[ASK])[1].sampling(16)
     chat, _ = chat_of(messages=[ASK], output_config={"effort": "low"})
     assert chat.reasoning_effort == "low"  # as vLLM: the template's reasoning effort
     chat, _ = chat_of(messages=[ASK], output_config={"effort": "low"}, thinking={"type": "disabled"})
