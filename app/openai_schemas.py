@@ -352,7 +352,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
-                      logprobs=self.logprob_count(), logit_bias=self.logit_bias or None, **self.echo_fields(),
+                      logprobs=self.logprob_count(), logit_bias=self.logit_bias or None,
                       **self.reasoning_fields(),
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -361,6 +361,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                                         "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None},
                       **({} if self.thinking_token_budget in (None, -1)
                          else {"thinking_token_budget": self.thinking_token_budget}))
+        common |= self.echo_fields()  # completions' echo may set max_tokens (the prompt alone: one token, as vLLM)
         window, at = batch_window_s, deadline_at
         if self.deadline is not None and window is None and at is None:
             window, at = _deadline(self.deadline)
@@ -544,6 +545,7 @@ class CompletionRequest(_Base):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     # echo: the answer repeats the prompt (with logprobs, the prompt's too); not implemented: best-of-n, insertion
     echo: bool | None = None
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (vLLM's)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
@@ -560,10 +562,19 @@ class CompletionRequest(_Base):
                               param="logprobs")
         return self.logprobs
 
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens 0 generates nothing: it is for echo: true (the answer is the prompt "
+                                   "alone, with its logprobs where logprobs is set, as vLLM answers it); give "
+                                   "max_tokens of at least 1", param="max_tokens")
+
     def echo_fields(self) -> dict[str, Any]:
         if not self.echo:
             return {}
-        return {"echo": True, "prompt_logprobs": self.logprob_count()}
+        # vLLM's echo with max_tokens 0: one token is generated (the prompt's logprobs come with it), none answered
+        alone = {"echo_only": True, "max_tokens": 1} if self.max_tokens == 0 else {}
+        return {"echo": True, "prompt_logprobs": self.logprob_count(), **alone}
 
     def prompt_inputs(self) -> list[dict[str, Any]]:
         """``job_spec``'s prompt argument for each prompt: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
@@ -692,6 +703,11 @@ def with_token_ids(body: dict[str, Any], chat: bool, prompt_ids: list[int], outp
     return body
 
 
+def echoes_alone(sampling: dict[str, Any] | None) -> bool:
+    """Whether a completion's answer is its prompt alone (echo with max_tokens 0, as vLLM answers it)."""
+    return bool((sampling or {}).get("echo_only"))
+
+
 def chat_echo(messages: list[dict[str, Any]] | None, sampling: dict[str, Any] | None) -> str:
     """What a chat answer starts with: the last message, where the job echoes it (vLLM's chat ``echo``)."""
     return messages[-1]["content"] if messages and (sampling or {}).get("echo") else ""
@@ -726,9 +742,12 @@ def text_completion(cid: str, model: str, created: int, text: str, finish_reason
                     prompt_tokens: int | None, completion_tokens: int | None,
                     extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
                     echo: tuple[str, list[dict[str, Any]] | None] | None = None,
-                    cached_tokens: int | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
+                    cached_tokens: int | None = None, stop_reason: str | int | None = None,
+                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """``echo``: the prompt and its logprobs, which the text and the logprobs then start with; ``stop_reason``:
-    vLLM's, the stop string or token id that ended it."""
+    vLLM's, the stop string or token id that ended it; ``sampling``: the job's (``echo_only``: the prompt alone)."""
+    if echoes_alone(sampling):  # vLLM's echo with max_tokens 0: the token generated is not answered
+        text, logprobs = "", None if logprobs is None else []
     if echo is not None:
         prompt, prompt_logprobs = echo
         text = prompt + text

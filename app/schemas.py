@@ -182,6 +182,9 @@ class JobCreate(BaseModel):
         "the same for each prompt token (vLLM backend)"))
     echo: bool = Field(False, description=("OpenAI completions' echo: that route's answer starts with the prompt "
                                            "(the job resource keeps prompt and output apart)"))
+    echo_only: bool = Field(False, description=(
+        "completions' echo with max_tokens 0 (vLLM's): that route's answer is the prompt alone, the token generated "
+        "with its logprobs left out"))
     thinking_token_budget: int | None = Field(None, ge=0, le=1_000_000, description=(
         "vLLM's: a reasoning model thinks at most this many tokens, then its end of thinking is forced (vLLM "
         "backend with COSERVE_REASONING_PARSER)"))
@@ -247,6 +250,8 @@ class JobCreate(BaseModel):
         if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
             raise ValueError("give exactly one of 'prompt' or 'messages'" + (
                 " or 'prompt_token_ids'" if self.prompt_token_ids is not None else ""))
+        if self.echo_only and not self.echo:
+            raise ValueError("echo_only answers the prompt alone: give echo true with it")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens keeps the last k tokens of the prompt (k >= 1), or -1: as many "
                              "as fit; 0 would leave no prompt")
@@ -318,6 +323,7 @@ class JobCreate(BaseModel):
                 "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "echo": self.echo,
                 **({} if self.include_reasoning else {"include_reasoning": False}),
+                **({"echo_only": True} if self.echo_only else {}),
                 **({} if self.thinking_token_budget is None else {"thinking_token_budget": self.thinking_token_budget})}
 
 

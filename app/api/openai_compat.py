@@ -27,9 +27,9 @@ from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, StreamOptions,
-                                chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, merge_choices,
-                                known_sum, now_s, openai_param, openai_parsed, service_tier, text_completion,
-                                usage, with_token_ids)
+                                chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, echoes_alone,
+                                merge_choices, known_sum, now_s, openai_param, openai_parsed, service_tier,
+                                text_completion, usage, with_token_ids)
 from app.services import jobs as job_service
 from app.services import stored_completions
 from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
@@ -202,6 +202,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
     # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
+    alone = [echoes_alone(job.sampling) for job in jobs]  # echo with max_tokens 0: the prompt, no generated text
     # vLLM's return_token_ids: the prompt's ids in a choice's first chunk, the generated ones as they come
     prompt_ids = await _prompt_ids(settings, jobs)
     prompt_said = [False] * len(jobs)
@@ -251,7 +252,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         asked = (jobs[i].sampling or {}).get("prompt_logprobs") is not None
                         yield _sse(chunk(i, prompt, None, 0, logprobs=(item.prompt_logprobs or []) if asked else None))
                         echo[i], echoed[i] = False, len(prompt)
-                    case Piece(choice=i):
+                    case Piece(choice=i) if not alone[i]:
                         yield _sse(chunk(i, item.content, None, item.generated, logprobs=item.logprobs,
                                          tool_calls=item.calls, offset=item.offset, reasoning=item.reasoning,
                                          token_ids=item.token_ids))
@@ -320,7 +321,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
-                                          **echo, cached_tokens=cached, stop_reason=end.data.get("stop_reason")))
+                                          **echo, cached_tokens=cached, stop_reason=end.data.get("stop_reason"),
+                                          sampling=job.sampling))
     for i, ids in enumerate(await _prompt_ids(settings, jobs)):
         if ids is not None:  # vLLM's return_token_ids
             with_token_ids(bodies[i], chat, ids, ends[i].data.get("output_token_ids"))

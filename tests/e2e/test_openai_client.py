@@ -397,3 +397,27 @@ def test_sagemaker_invocations_route_by_body_and_a_completion_makes_16_tokens_by
     batch = httpx.post(f"{stack.url}/v1/chat/completions/batch", headers=headers,
                        json={"model": "tiny", "messages": [[{"role": "user", "content": "a"}]]})
     assert batch.status_code == 404 and "Batch API" in batch.json()["error"]["message"], batch.text
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone_as_vllm(oai):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=0, echo=True)
+    alone = oai.completions.create(**kw)
+    assert alone.choices[0].text == "Once upon a time" and alone.choices[0].finish_reason == "length"
+    assert alone.usage.completion_tokens == 1  # as vLLM's: one token is generated (for the prompt's logprobs)
+    chunks = [c.choices[0].text for c in oai.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(chunks) == "Once upon a time"
+    with pytest.raises(openai.BadRequestError) as exc:  # without echo it would answer nothing
+        oai.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert exc.value.body["param"] == "max_tokens" and "echo" in exc.value.body["message"]
+
+
+def test_a_thinking_budget_is_refused_where_it_cannot_be_kept(oai, stack, monkeypatch):
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as exc:  # the own engine cannot force the end of the thinking
+        oai.chat.completions.create(**ask, extra_body={"thinking_token_budget": 8})
+    assert exc.value.body["param"] == "thinking_token_budget" and "own torch engine" in exc.value.body["message"]
+    assert oai.chat.completions.create(**ask, extra_body={"thinking_token_budget": -1}).choices  # -1: no limit
+    monkeypatch.setattr(stack.settings, "backend", "vllm")  # vLLM keeps it, given a parser for where thinking ends
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"thinking_token_budget": 8})
+    assert "COSERVE_REASONING_PARSER" in exc.value.body["message"], exc.value.body

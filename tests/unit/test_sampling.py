@@ -156,6 +156,25 @@ def test_a_speculating_vllm_engine_refuses_what_its_sampler_would_drop():
     assert "context of 10" in admission_error(min_p, 10, speculating=False)
 
 
+def test_vllm_cpu_refuses_a_clients_seed_it_could_not_keep_instead_of_dropping_it():
+    from gpu_runtime.vllm.engine import seed_refusal
+
+    qos = QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=1.0, tbt_s=0.1)
+
+    def job(prompt: int, max_tokens: int = 16, temperature: float = 1.0, drawn: bool = False) -> Request:
+        return Request("r", [1] * prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=3,
+                                                         seed_drawn=drawn), qos, 0.0)
+
+    assert seed_refusal(job(496), whole_seeded=True, native=False, step=512) is None  # 496 + 16: one step
+    said = seed_refusal(job(497), whole_seeded=True, native=False, step=512)
+    assert "prompt (497 tokens) and max_tokens (16) pass a step's 512 tokens" in said and "seed unset" in said
+    assert "vLLM's own scheduling policy" in seed_refusal(job(10), whole_seeded=True, native=True, step=512)
+    # greedy (no generator), a seed the server drew (it goes unapplied), or a GPU (it can rewind): all run
+    assert seed_refusal(job(497, temperature=0.0), whole_seeded=True, native=True, step=512) is None
+    assert seed_refusal(job(497, drawn=True), whole_seeded=True, native=True, step=512) is None
+    assert seed_refusal(job(497), whole_seeded=False, native=True, step=512) is None
+
+
 def test_min_tokens_and_stop_token_ids_round_trip_and_are_checked():
     from app.schemas import JobCreate
 

@@ -69,6 +69,14 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     assert choice["logprobs"]["text_offset"] == [0, 3, 6, 9]
     plain = text_completion("cmpl-1", "m", 0, "Hello", "length", 2, 2, echo=("Say hi", None))["choices"][0]
     assert plain["text"] == "Say hiHello" and plain["logprobs"] is None
+    # vLLM's echo with max_tokens 0: the prompt and its logprobs alone, the one token generated left out
+    alone = text_completion("cmpl-1", "m", 0, "Hel", "length", 2, 1, logprobs=ENTRIES[:1], echo=("Say hi", prompt),
+                            sampling={"echo": True, "echo_only": True})["choices"][0]
+    assert alone["text"] == "Say hi" and alone["logprobs"]["tokens"] == ["Say", " hi"]
+    spec = CompletionRequest.model_validate({"prompt": "Say hi", "max_tokens": 0, "echo": True, "logprobs": 1}).job_spec(
+        prompt="Say hi")
+    assert spec.sampling(16)["max_tokens"] == 1 and spec.sampling(16)["echo_only"] is True
+    assert spec.sampling(16)["prompt_logprobs"] == 1
 
 
 def test_a_lost_delta_of_logprobs_is_a_gap_the_end_fills_from_sql():
