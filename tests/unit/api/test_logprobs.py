@@ -73,8 +73,8 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     alone = text_completion("cmpl-1", "m", 0, "Hel", "length", 2, 1, logprobs=ENTRIES[:1], echo=("Say hi", prompt),
                             sampling={"echo": True, "echo_only": True})["choices"][0]
     assert alone["text"] == "Say hi" and alone["logprobs"]["tokens"] == ["Say", " hi"]
-    spec = CompletionRequest.model_validate({"prompt": "Say hi", "max_tokens": 0, "echo": True, "logprobs": 1}).job_spec(
-        prompt="Say hi")
+    asked = {"prompt": "Say hi", "max_tokens": 0, "echo": True, "logprobs": 1}
+    spec = CompletionRequest.model_validate(asked).job_spec(prompt="Say hi")
     assert spec.sampling(16)["max_tokens"] == 1 and spec.sampling(16)["echo_only"] is True
     assert spec.sampling(16)["prompt_logprobs"] == 1
 
