@@ -71,7 +71,7 @@ def _anthropic_page(names: tuple[str, ...], after_id: str | None, before_id: str
     return names[:limit]
 
 
-@router.get("")
+@router.get("", responses=openai_responses(400))
 def list_models(request: Request, settings: SettingsDep, _principal: CurrentPrincipal,
                 after_id: Annotated[str | None, Query(description="Anthropic's: the page after this model")] = None,
                 before_id: Annotated[str | None, Query(description="Anthropic's: the page before this model")] = None,
