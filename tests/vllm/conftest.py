@@ -145,3 +145,27 @@ def lora_adapters(tmp_path_factory) -> dict[str, str]:
     checkpoint, root = vllm_checkpoint("smollm2-135m"), tmp_path_factory.mktemp("lora")
     return {"zero-lora": str(write_lora_adapter(checkpoint, root / "zero", 0.0)),
             "tilted-lora": str(write_lora_adapter(checkpoint, root / "tilted", 0.5, rank=16))}
+
+
+def thinking_checkpoint(out, rename: dict[str, str]):
+    """The default model's checkpoint with two unused special tokens renamed (``rename``), as a reasoning model's
+    tokenizer has ``<think>`` and ``</think>``; the weights are the same file."""
+    import json
+    import shutil
+
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+
+    out.mkdir()
+    for f in vllm_checkpoint("smollm2-135m").iterdir():
+        (out / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, out / f.name)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    for added in tokenizer["added_tokens"]:
+        added["content"] = rename.get(added["content"], added["content"])
+    tokenizer["model"]["vocab"] = {rename.get(k, k): v for k, v in tokenizer["model"]["vocab"].items()}
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    for added in config.get("added_tokens_decoder", {}).values():
+        added["content"] = rename.get(added["content"], added["content"])
+    config["additional_special_tokens"] = [rename.get(t, t) for t in config.get("additional_special_tokens", [])]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

@@ -15,6 +15,8 @@ from gpu_runtime.vllm.build import (
     speculative_config,
 )
 
+from tests.vllm.conftest import thinking_checkpoint
+
 
 def test_draft_tokens_follow_the_policy_unless_set():
     assert draft_tokens("chain-16") == 16  # a static chain verifies all N: vLLM must draft N
@@ -167,33 +169,9 @@ def test_lora_adapters_turn_lora_on_with_a_slot_and_rank_for_each(tmp_path):
         lora_engine_args({"e": adapter("e", {"r": 1024})})
 
 
-def _thinking_checkpoint(out, rename: dict[str, str]):
-    """The default model's checkpoint with two unused special tokens renamed (``rename``), as a reasoning model's
-    tokenizer has ``<think>`` and ``</think>``; the weights are the same file."""
-    import json
-    import shutil
-
-    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
-
-    out.mkdir()
-    for f in vllm_checkpoint("smollm2-135m").iterdir():
-        (out / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, out / f.name)
-    tokenizer = json.loads((out / "tokenizer.json").read_text())
-    for added in tokenizer["added_tokens"]:
-        added["content"] = rename.get(added["content"], added["content"])
-    tokenizer["model"]["vocab"] = {rename.get(k, k): v for k, v in tokenizer["model"]["vocab"].items()}
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    for added in config.get("added_tokens_decoder", {}).values():
-        added["content"] = rename.get(added["content"], added["content"])
-    config["additional_special_tokens"] = [rename.get(t, t) for t in config.get("additional_special_tokens", [])]
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return out
-
-
 def test_a_reasoning_parser_applies_the_grammar_after_the_thinking(tmp_path, caplog):
     # vllm serve --reasoning-parser: a structured output's grammar starts once the model closed its thought
-    thinking = _thinking_checkpoint(tmp_path / "thinking", {"<repo_name>": "<think>", "<reponame>": "</think>"})
+    thinking = thinking_checkpoint(tmp_path / "thinking", {"<repo_name>": "<think>", "<reponame>": "</think>"})
     args = engine_args(str(thinking), reasoning_parser="deepseek_r1")
     assert args.structured_outputs_config == {"reasoning_parser": "deepseek_r1"}
     # and a request's thinking_token_budget is kept: vLLM forces the parser's end of thinking once it is spent
