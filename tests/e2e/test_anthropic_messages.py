@@ -206,9 +206,14 @@ def test_a_tool_result_that_is_an_error_says_so_to_the_model(claude, stack):
         claude.messages.count_tokens(model="tiny", messages=fine).input_tokens
 
 
-def test_a_thinking_budget_the_own_engine_cannot_keep_is_refused(claude):
+def test_a_thinking_budget_the_server_cannot_keep_is_refused(claude, stack, monkeypatch):
+    ask = dict(model="tiny", max_tokens=2048, messages=[{"role": "user", "content": "x"}],
+               thinking={"type": "enabled", "budget_tokens": 1024})
     with pytest.raises(anthropic.BadRequestError) as exc:
-        claude.messages.create(model="tiny", max_tokens=2048, messages=[{"role": "user", "content": "x"}],
-                               thinking={"type": "enabled", "budget_tokens": 1024})
+        claude.messages.create(**ask)
     assert exc.value.body["error"]["type"] == "invalid_request_error"
     assert "own torch engine" in exc.value.body["error"]["message"], exc.value.body
+    monkeypatch.setattr(stack.settings, "backend", "vllm")  # vLLM keeps it, given a parser for where thinking ends
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        claude.messages.create(**ask)
+    assert exc.value.body["error"]["message"].startswith("thinking.budget_tokens needs a reasoning parser")
