@@ -185,10 +185,10 @@ def test_the_anthropic_sdk_lists_and_retrieves_models_in_anthropics_shape(claude
 
 def test_an_unknown_path_under_messages_answers_in_anthropics_shape(claude, stack):
     with pytest.raises(anthropic.NotFoundError) as exc:
-        claude.messages.batches.list()  # Anthropic's Message Batches, which coserve does not serve
+        claude.get("/v1/messages/no-such-route", cast_to=object)
     body = exc.value.body
     assert body["type"] == "error" and body["error"]["type"] == "not_found_error", body
-    assert "/v1/messages/batches" in body["error"]["message"] and body["request_id"]
+    assert "/v1/messages/no-such-route" in body["error"]["message"] and body["request_id"]
 
 
 def test_a_tool_result_that_is_an_error_says_so_to_the_model(claude, stack):
