@@ -307,12 +307,15 @@ BY_ADMIN = CancelReason("cancelled by an admin", "cancelled by an admin with its
 
 def cancel(settings: Settings, run_id: str, owner: str, reason: CancelReason = BY_REQUEST) -> bool:
     """Ends a running run as ``cancelled``: the documents not done fail with ``reason.document``, the jobs they waited
-    for are cancelled (running ones aborted), the summaries made so far stay. False where the run had ended (or is
-    unknown)."""
+    for are cancelled (running ones aborted), the summaries made so far stay. A run left ``cancelling`` (its cancel
+    died partway) is finished (``_finish_cancel``; its ``reason`` stays the first cancel's). False where the run had
+    ended (or is unknown)."""
     url = settings.sqlalchemy_url
     for _ in range(CANCEL_TRIES):
         with session_scope(url) as s:
             run = s.get(SummarizationRun, run_id)
+        if run is not None and run.status == CANCELLING:  # a cancel that died partway: this one finishes it
+            return _finish_cancel(settings, run, owner)
         if run is None or run.status != "running":
             return False
         if _claim(url, run, owner, settings.lease_seconds):
@@ -320,6 +323,27 @@ def cancel(settings: Settings, run_id: str, owner: str, reason: CancelReason = B
                 return True
         time.sleep(0.05)
     raise RunBusy(run_id)
+
+
+def _finish_cancel(settings: Settings, run: SummarizationRun, owner: str) -> bool:
+    """Stops the jobs of a run left ``cancelling`` and ends it ``cancelled``, taking its lease over whoever holds it:
+    stopping them again is harmless (a stopped job stays as it is), and a holder killed mid-cancel would keep the
+    run ``cancelling`` until its lease expired. False where the run moved on meanwhile (another process ended it)."""
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s, write_guard(s):
+        taken = s.execute(update(SummarizationRun).where(
+            SummarizationRun.id == run.id, SummarizationRun.status == CANCELLING,
+            SummarizationRun.version == run.version)
+            .values(lease_owner=owner, lease_expires_at=utcnow() + timedelta(seconds=settings.lease_seconds))
+            .execution_options(synchronize_session=False)).rowcount == 1
+    if not taken:
+        return False
+    try:
+        _stop_cancelled_jobs(settings, run.id, owner)
+    except Exception:
+        _release(url, run.id, owner)
+        raise
+    return True
 
 
 def _cancel_claimed(settings: Settings, run: SummarizationRun, owner: str, reason: CancelReason) -> Step:

@@ -250,6 +250,29 @@ def test_an_operator_cancels_any_tenants_running_summarization_run(client, keys,
     assert client.post("/admin/api/summarizations/sum_none/cancel", headers=H(keys.admin)).status_code == 404
 
 
+def test_an_operator_finishes_a_run_whose_cancelling_process_died_holding_its_lease(client, keys, settings):
+    from datetime import timedelta
+
+    from app.db.models import SummarizationDocument, SummarizationRun
+    from app.services.transitions import utcnow
+
+    (run_id,) = _runs(settings, keys.tenant_id, "cancelling")
+    job_id = _job(client, keys, settings, status="queued")
+    with session_scope(settings.sqlalchemy_url) as s:  # its cancel failed the document, then the process was killed
+        s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run_id).values(
+            pending=[job_id], done=True, error="cancelled with its summarization run"))
+        s.execute(update(SummarizationRun).where(SummarizationRun.id == run_id).values(
+            reason="cancelled by request", lease_owner="api-dead", lease_expires_at=utcnow() + timedelta(hours=1)))
+    r = client.post(f"/admin/api/summarizations/{run_id}/cancel", headers=H(keys.admin))
+    assert r.status_code == 200, r.text
+    assert (r.json()["status"], r.json()["reason"]) == ("cancelled", "cancelled by request")
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job_id).status == "cancelled"
+        assert s.get(SummarizationRun, run_id).lease_owner is None
+    mine = client.post(f"/v1/summarize/{run_id}/cancel", headers=H(keys.paid))  # ended now: a repeat is a 409
+    assert mine.status_code == 409 and "already ended (cancelled)" in mine.json()["detail"], mine.text
+
+
 def test_the_jobs_table_filters_by_status_and_pages_by_cursor(client, keys, settings):
     running = [_job(client, keys, settings, status="running") for _ in range(3)]
     relegated = [_job(client, keys, settings, status="relegated") for _ in range(2)]
