@@ -329,8 +329,8 @@ def drain(worker_id: str, body: Drain, session: SessionDep, _admin: AdminPrincip
     return {"id": worker_id, "draining": body.drain}
 
 
-RUN_STATUSES = ("running", "cancelling", "failed", "completed", "cancelled")
-RunStatus = Literal["running", "cancelling", "failed", "completed", "cancelled"]
+RUN_STATUSES = ("validating", "running", "cancelling", "failed", "completed", "cancelled")
+RunStatus = Literal["validating", "running", "cancelling", "failed", "completed", "cancelled"]
 RUNS_SHOWN = 50  # rows of the summarization runs' table (the default and the most ``limit`` takes)
 
 

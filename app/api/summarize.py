@@ -60,8 +60,9 @@ class SummarizeCreate(BaseModel):
                         **responses(409, 413)})
 async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: SettingsDep, response: Response,
                 idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict:
-    """Starts a run; a retry with the same Idempotency-Key (and body) answers the run the first request started,
-    one with a different body is a 409."""
+    """Starts a run: answers at once with the run ``validating`` (its documents are split off the request, by its
+    first step, which ends it ``failed`` naming why where the split shows it cannot run); a retry with the same
+    Idempotency-Key (and body) answers the run the first request started, one with a different body is a 409."""
     ids = [d.id for d in body.documents]
     if len(set(ids)) != len(ids):
         raise unprocessable("document ids must be unique", "body", "documents")
@@ -84,7 +85,7 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
                             "body", "deadline")
     docs = [Document(d.id, d.text) for d in body.documents]
     idempotency = service.Idempotency(idempotency_key, _digest(body)) if idempotency_key else None
-    start_run = partial(service.start_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
+    start_run = partial(service.create_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
                         max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
                         overlap_tokens=body.overlap_tokens, tier=tier, model=model, idempotency=idempotency)
     try:
@@ -162,6 +163,6 @@ def cancel_run(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) 
                        **responses(404, 409)})
 def results(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> Response:
     run = _own(settings, principal, run_id, with_results=True)
-    if run.progress.status == "running" or run.results is None:
+    if run.progress.status in store.OPEN or run.results is None:
         raise HTTPException(status.HTTP_409_CONFLICT, "the run is still going; poll until its status is completed")
     return Response(run.results, media_type="application/jsonl")

@@ -319,7 +319,7 @@ def _follow_run(api: Api, run: dict[str, Any], deadline_at: datetime) -> dict[st
             run = api.call("GET", f"/v1/summarize/{run['id']}", patient=True).json()
             bar.update(task, completed=run["documents_done"], jobs=f"{run['jobs_done']}/{run['jobs_submitted']}",
                        left=_left((deadline_at - datetime.now(UTC)).total_seconds()))
-            if run["status"] != "running":
+            if run["status"] not in ("validating", "running"):
                 return run
             time.sleep(1.0)
 

@@ -276,7 +276,7 @@ function renderRuns(body) {
     cell(row, new Date(r.deadline_at).toLocaleString());
     cell(row, r.reason || "-", "reason");
     const td = row.insertCell();
-    if (r.status === "running") {
+    if (["validating", "running", "cancelling"].includes(r.status)) {  // a cancelling one: its cancel died
       button(td, "Cancel", () => cancelRun(r), { title: `cancel ${r.id}`, id: r.id });
     }
   }

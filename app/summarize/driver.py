@@ -14,6 +14,10 @@ the run, for latency; every worker's sweeper, so a run finishes whatever process
    A step whose lease was taken over meanwhile matches nothing and commits nothing;
 5. the new jobs are sent to the workers.
 
+A run's first step (it is ``validating``: written by the request, its documents not split) splits every document
+and checks what needs the split (``limits``: the levels end, the first level is at most
+``COSERVE_SUMMARIZE_MAX_JOBS`` jobs); a run they refuse ends ``failed`` with no job written.
+
 A process killed anywhere leaves either the old version (its lease expires, another
 process redoes the step) or the new one with its jobs in SQL (sent now, or by the
 workers' sweeper). Jobs are never submitted twice.
@@ -36,11 +40,12 @@ from app.schemas import JobCreate
 from app.services import lora_adapters
 from app.services.cancel import stop_job_ids
 from app.services.dispatch import send_dispatched
-from app.services.jobs import build_job
+from app.services.jobs import JobValidationError, build_job
 from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from app.summarize import store
+from app.summarize.limits import check_depth, check_jobs
 from app.summarize.pipeline import (TERMINAL, Advance, DocState, Planner, advance_doc, final_status,
                                     open_jobs)
 from app.summarize.split import TokenSplitter
@@ -86,6 +91,7 @@ class JobCollector:
         return {j: self.results[j] for j in job_ids if j in self.results}
 
 
+VALIDATING_LEASE_S = 600.0  # a first step's lease: splitting 10,000 documents takes a minute; a dead one's run waits
 LATE_LEVEL_S = 60.0  # a level's jobs with less of the run's deadline left than this get a fresh window
 
 
@@ -127,7 +133,7 @@ def _look(url: str, run_id: str) -> _Look | None:
         if run is None:
             return None
         look = _Look(run)
-        if run.status != "running":
+        if run.status not in store.OPEN:
             return look
         look.tenant_disabled = bool(s.scalar(select(Tenant.disabled).where(Tenant.id == run.tenant_id)))
         docs = s.execute(select(SummarizationDocument.position, SummarizationDocument.pending,
@@ -174,9 +180,12 @@ def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | Non
     if look is None:
         return Step(Outcome.IDLE, None)
     run = look.run
-    if run.status != "running" or not (look.ready or look.tenant_disabled):
+    if run.status not in store.OPEN or not (look.ready or look.tenant_disabled):
         return Step(Outcome.IDLE, run.status)
-    if not _claim(url, run, owner, lease_s if lease_s is not None else settings.lease_seconds):
+    lease_s = lease_s if lease_s is not None else settings.lease_seconds
+    if run.status == store.VALIDATING:  # the first step splits every document: it may take a while
+        lease_s = max(lease_s, VALIDATING_LEASE_S)
+    if not _claim(url, run, owner, lease_s):
         return Step(Outcome.BUSY, run.status)
     if look.tenant_disabled:  # the admin's disable did not end it (it stepped then, or that process died)
         return _cancel_claimed(settings, run, owner, TENANT_DISABLED)
@@ -204,6 +213,12 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: 
         return _commit_failure(url, run, owner, f"pipeline error: {exc}")
     moves = [_advance_or_fail(run.id, position, doc, results, planner, backend)
              for position, doc in docs.items()]
+    if run.status == store.VALIDATING:
+        try:
+            check_first_level(settings, run, list(docs.values()), len(backend.jobs))
+        except JobValidationError as exc:  # the request could not tell: the run fails before any job is written
+            log.info("summarization %s refused at its first step: %s", run.id, exc)
+            return _commit_failure(url, run, owner, str(exc))
     newly_done = sum(d.done for d in docs.values())
     newly_failed = sum(d.error is not None for d in docs.values())
     done, failed = run.documents_done + newly_done, run.documents_failed + newly_failed
@@ -230,6 +245,12 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: 
         log.info("summarization %s %s: %d/%d documents, %d jobs", run.id, status, done - failed, run.documents,
                  values["jobs_submitted"])
     return Step(Outcome.STEPPED, status, tuple(j.id for j in backend.jobs))
+
+
+def check_first_level(settings: Settings, run: SummarizationRun, docs: list[DocState], jobs: int) -> None:
+    """The checks a run's first level needs its documents split for (``limits``); JobValidationError says why."""
+    check_jobs(jobs, settings.summarize_max_jobs, run.chunk_tokens)
+    check_depth(docs, run.chunk_tokens, run.overlap_tokens, run.max_summary_tokens)
 
 
 def _advance_or_fail(run_id: str, position: int, doc: DocState, results: dict, planner: Planner,
@@ -316,7 +337,7 @@ def cancel(settings: Settings, run_id: str, owner: str, reason: CancelReason = B
             run = s.get(SummarizationRun, run_id)
         if run is not None and run.status == CANCELLING:  # a cancel that died partway: this one finishes it
             return _finish_cancel(settings, run, owner)
-        if run is None or run.status != "running":
+        if run is None or run.status not in store.OPEN:
             return False
         if _claim(url, run, owner, settings.lease_seconds):
             if _cancel_claimed(settings, run, owner, reason).outcome == Outcome.STEPPED:
@@ -411,7 +432,7 @@ def advance_open_runs(settings: Settings, owner: str, limit: int = 100) -> list[
     now = utcnow()
     with session_scope(settings.sqlalchemy_url) as s:
         ids = s.scalars(select(SummarizationRun.id).where(
-            SummarizationRun.status == "running",
+            SummarizationRun.status.in_(store.OPEN),
             or_(SummarizationRun.model.in_(lora_adapters.served_models(settings)),
                 SummarizationRun.model.in_(lora_adapters.unloaded_adapters(settings.model_name))),
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))

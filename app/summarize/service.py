@@ -1,9 +1,10 @@
 """Server-side summarization runs: created here, kept in SQL, advanced by any process.
 
-``start_run`` builds the first level's jobs and writes the run, its documents and those
-jobs in one transaction (errors surface in the request; nothing half-made is left);
-``drive_in_thread`` then advances it from the API process (``driver.advance``) for
-latency. Every worker's sweeper advances running runs too (``driver.advance_open_runs``),
+``create_run`` answers the request at once: it writes the run (``validating``) and its
+documents after the checks that need no tokenizer; ``drive_in_thread`` then advances it
+from the API process (``driver.advance``) for latency, off the request: the first step
+splits the documents and writes the first level's jobs in one transaction, or ends the run
+``failed`` naming why (nothing half-made is left). Every worker's sweeper advances running runs too (``driver.advance_open_runs``),
 under the same lease, so a run finishes when this process dies. Runs written by older
 versions as ``data_dir/summaries/<id>.json`` are still read.
 """
@@ -29,13 +30,14 @@ from app.db.models import SummarizationRun, new_id
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import jobs as job_service
-from app.services.dispatch import send_dispatched
 from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
 from app.summarize import driver, store
+from app.summarize.limits import check_shrinks
 from app.summarize.documents import Document
-from app.summarize.pipeline import MAX_LEVELS, DocState, Progress, advance_doc, levels_needed
+from app.summarize.pipeline import DocState, Progress
+from app.summarize.store import OPEN, VALIDATING
 
 log = logging.getLogger(__name__)
 
@@ -70,71 +72,40 @@ def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int)
     return min(chunk_tokens, room)
 
 
-def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int) -> None:
-    """Refuses summaries that may be longer than half a chunk's new text (``chunk_tokens`` less the overlap): then a
-    level's joined summaries need at least twice fewer chunks than its text, so a document's levels end within
-    ``pipeline.MAX_LEVELS`` where it is not too long for them (``check_depth``; longer summaries may not shrink,
-    and the document fails after many jobs)."""
-    most = (chunk_tokens - overlap_tokens) // 2
-    if max_summary_tokens > most:
-        raise job_service.JobValidationError(
-            f"max_summary_tokens={max_summary_tokens} is more than half of the {chunk_tokens - overlap_tokens} new "
-            f"tokens a chunk holds ({chunk_tokens} chunk tokens less {overlap_tokens} overlap): the summaries might "
-            f"not shrink from level to level; give max_summary_tokens <= {most} or a larger chunk_tokens",
-            param="max_summary_tokens")
-
-
-def check_jobs(jobs: int, most: int, chunk_tokens: int) -> None:
-    """Refuses a run whose first level makes more than ``most`` jobs (``COSERVE_SUMMARIZE_MAX_JOBS``): they are
-    written with the run in one transaction, which holds SQLite's one write lock while they go in."""
-    if jobs > most:
-        raise job_service.JobValidationError(
-            f"the documents make {jobs} chunks of {chunk_tokens} tokens, a job each, and a run takes at most {most} "
-            f"(COSERVE_SUMMARIZE_MAX_JOBS): give a larger chunk_tokens, or send the documents in several runs",
-            param="documents")
-
-
-def check_depth(docs: list[DocState], chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> None:
-    """Refuses a document whose level-0 chunks may need more than ``pipeline.MAX_LEVELS`` levels to come down to one
-    summary (it would fail at the last level, after all the jobs of the others)."""
-    for doc in docs:
-        levels = levels_needed(doc.chunks, chunk_tokens, overlap_tokens, max_summary_tokens)
-        if levels > MAX_LEVELS:
-            raise job_service.JobValidationError(
-                f"document {doc.id!r} is {doc.chunks} chunks of {chunk_tokens} tokens: summaries of up to "
-                f"{max_summary_tokens} tokens may take more than {MAX_LEVELS} levels to come down to one; give a "
-                f"smaller max_summary_tokens or a larger chunk_tokens, or split the document", param="documents")
-
-
-def start_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
-              max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str,
-              model: str | None = None, idempotency: Idempotency | None = None) -> Progress:
-    """``model``: the server's model (None) or one of its LoRA adapters, which every job of the run names;
-    ``idempotency``: the run is kept under the request's Idempotency-Key (the insert fails where the tenant has a
-    run under that key already: ``start_idempotent_run`` answers that one)."""
+def create_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
+               max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str,
+               model: str | None = None, idempotency: Idempotency | None = None) -> Progress:
+    """Writes the run as ``validating`` with its documents, unsplit, after the checks that need no tokenizer (what
+    the request answers); its first step (``driver``) splits them, checks the levels and the job count
+    (``limits``) and writes the first level's jobs, or ends the run ``failed`` naming why. ``model``: the server's
+    model (None) or one of its LoRA adapters, which every job of the run names; ``idempotency``: the run is kept
+    under the request's Idempotency-Key (the insert fails where the tenant has a run under that key already:
+    ``start_idempotent_run`` answers that one)."""
     budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
     overlap_tokens = min(overlap_tokens, budget // 4)
     check_shrinks(max_summary_tokens, budget, overlap_tokens)
     run = SummarizationRun(
         idempotency_key=idempotency.key if idempotency else None,
         request_digest=idempotency.digest if idempotency else None,
-        id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None, model=model or settings.model_name,
-        tier=tier, status="running", deadline_at=deadline_at, max_summary_tokens=max_summary_tokens,
-        chunk_tokens=budget, overlap_tokens=overlap_tokens, documents=len(documents),
-        documents_done=0, documents_failed=0, jobs_submitted=0, jobs_done=0, version=0, created_at=utcnow())
-    docs = [DocState(d.id, text=d.text) for d in documents]
-    backend = driver.collector_for(settings, run, {})
-    planner = driver.planner_for(settings, run, backend)
-    run.jobs_submitted = sum(advance_doc(doc, {}, planner).submitted for doc in docs)
-    check_jobs(run.jobs_submitted, settings.summarize_max_jobs, budget)
-    check_depth(docs, budget, overlap_tokens, max_summary_tokens)
+        id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None,
+        model=model or settings.model_name, tier=tier, status=VALIDATING, deadline_at=deadline_at,
+        max_summary_tokens=max_summary_tokens, chunk_tokens=budget, overlap_tokens=overlap_tokens,
+        documents=len(documents), documents_done=0, documents_failed=0, jobs_submitted=0, jobs_done=0, version=0,
+        created_at=utcnow())
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
         s.add(run)
         s.flush()  # the run before the rows that name it
-        s.add_all(store.new_document(run.id, i, doc) for i, doc in enumerate(docs))
-        store.add_jobs(s, backend.jobs, f"summarization {run.id}", dispatched=bool(settings.redis_url))
-    send_dispatched(settings, backend.jobs)
+        s.add_all(store.new_document(run.id, i, DocState(d.id, text=d.text)) for i, d in enumerate(documents))
     return store.progress_of(run)
+
+
+def start_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime,
+              **options) -> Progress:
+    """``create_run`` and its first step here, at once (scripts, tests): the run is ``running`` with its first
+    level's jobs written, or ``failed``."""
+    progress = create_run(settings, principal, documents, deadline_at, **options)
+    driver.advance(settings, progress.id, f"start-{socket.gethostname()}-{os.getpid()}")
+    return view(settings, progress.id).progress
 
 
 @dataclass(frozen=True)
@@ -198,7 +169,7 @@ def _drive(settings: Settings, run_id: str, owner: str) -> None:
             log.warning("could not advance summarization %s (%d in a row)", run_id, errors, exc_info=True)
             continue
         errors = 0
-        if step.status != "running":
+        if step.status not in OPEN:
             return
     log.warning("stopped driving summarization %s here; the workers' sweeper carries it on", run_id)
 
@@ -213,7 +184,7 @@ def cancel_tenant_runs(settings: Settings, tenant_id: str) -> int:
     is left to the next step, which finds its tenant disabled and cancels it alike."""
     with session_scope(settings.sqlalchemy_url) as s:
         ids = s.scalars(select(SummarizationRun.id).where(SummarizationRun.tenant_id == tenant_id,
-                                                          SummarizationRun.status == "running")).all()
+                                                          SummarizationRun.status.in_(OPEN))).all()
     owner, cancelled = f"disable-{socket.gethostname()}-{os.getpid()}", 0
     for run_id in ids:
         try:

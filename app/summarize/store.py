@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the bound parameters of one statement
 
 T = TypeVar("T")
-LIVE = ("running", "cancelling")  # a run whose documents still name jobs that may be going
+VALIDATING = "validating"  # written, its documents not split yet: its first step writes its first level's jobs
+OPEN = (VALIDATING, "running")  # a run that goes on (steps take it)
+LIVE = (*OPEN, "cancelling")  # a run whose documents still name jobs that may be going
 
 
 def doc_state(row: SummarizationDocument) -> DocState:
@@ -121,7 +123,7 @@ def view(url: str, run_id: str, with_results: bool = False) -> RunView | None:
         if run is None:
             return None
         results = None
-        if with_results and run.status != "running":
+        if with_results and run.status not in OPEN:
             rows = s.scalars(select(SummarizationDocument).where(
                 SummarizationDocument.run_id == run_id, SummarizationDocument.done.is_(True))
                 .order_by(SummarizationDocument.position))

@@ -212,7 +212,8 @@ def test_an_operator_sees_every_tenants_summarization_runs_newest_first_and_page
     assert client.get(url, headers=H(keys.paid)).status_code == 403  # a tenant's key sees no other's runs
     body = client.get(url, headers=H(keys.admin)).json()
     assert [r["id"] for r in body["data"]] == [*newer, *reversed(older)] and body["has_more"] is False
-    assert body["counts"] == {"running": 1, "cancelling": 1, "failed": 1, "completed": 1, "cancelled": 0}
+    assert body["counts"] == {"validating": 0, "running": 1, "cancelling": 1, "failed": 1, "completed": 1,
+                              "cancelled": 0}
     failed = body["data"][2]
     assert (failed["status"], failed["reason"], failed["tenant"], failed["tenant_id"]) == (
         "failed", "no document was summarized", "acme", keys.tenant_id)

@@ -23,19 +23,34 @@ def _docs(settings, run_id: str) -> dict[str, SummarizationDocument]:
         return {d.doc_id: d for d in rows}
 
 
+def _jobs(settings) -> list[str]:
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.scalars(select(Job.id)).all()
+
+
 def _finish(settings, job_ids: list[str], text: str) -> None:
     with session_scope(settings.sqlalchemy_url) as s:
         s.execute(update(Job).where(Job.id.in_(job_ids)).values(status="succeeded", output_text=text,
                                                                completion_tokens=3))
 
 
+def _started(client, key: str, body: dict, status: str = "running") -> str:
+    """Starts a run: the request answers it ``validating``; its first step (the app's driver thread) splits it."""
+    r = client.post("/v1/summarize", headers=Keys.header(key), json=body)
+    assert r.status_code == 201 and r.json()["status"] == "validating" and r.json()["jobs_submitted"] == 0, r.text
+    run_id = r.json()["id"]
+    wait_for(lambda: client.get(f"/v1/summarize/{run_id}", headers=Keys.header(key)).json()["status"] != "validating",
+             30, "the run's first step")
+    run = client.get(f"/v1/summarize/{run_id}", headers=Keys.header(key)).json()
+    assert run["status"] == status, run
+    return run_id
+
+
 def test_a_document_whose_next_level_cannot_be_built_fails_alone(client, keys, settings):
     body = {"documents": [{"id": "long", "text": specbench_summarization(limit=1)[0].text},
                           {"id": "short", "text": "The cat sat. It was warm."}],
             "deadline": "30m", "max_summary_tokens": 12, "chunk_tokens": 160, "overlap_tokens": 16}
-    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body)
-    assert r.status_code == 201, r.text
-    run_id = r.json()["id"]
+    run_id = _started(client, keys.paid, body)
     docs = _docs(settings, run_id)
     assert len(docs["long"].pending) > 1 and len(docs["short"].pending) == 1
     _finish(settings, docs["long"].pending, "a\x00b")  # a summary its reduce level cannot take (a NUL)
@@ -55,7 +70,7 @@ def test_a_document_whose_next_level_cannot_be_built_fails_alone(client, keys, s
 def test_a_run_cancelled_keeps_its_summaries_and_cancels_the_jobs_it_waited_for(client, keys, settings):
     body = {"documents": [{"id": "done", "text": "The cat sat. It was warm."},
                           {"id": "open", "text": "The dog ran. It was cold."}], "deadline": "30m"}
-    run_id = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body).json()["id"]
+    run_id = _started(client, keys.paid, body)
     docs = _docs(settings, run_id)
     _finish(settings, docs["done"].pending, "A cat in the warmth.")
     wait_for(lambda: _docs(settings, run_id)["done"].done, 30, "the first document's summary")
@@ -87,7 +102,8 @@ def test_a_retry_with_the_same_idempotency_key_answers_the_run_it_started(client
     with session_scope(settings.sqlalchemy_url) as s:
         runs = s.scalars(select(SummarizationRun.id)).all()
         jobs = s.scalars(select(Job.id)).all()
-    assert len(runs) == 2 and len(jobs) == 2  # the retry made no run and no job
+    wait_for(lambda: len(_jobs(settings)) == 2, 30, "the runs' first steps")
+    assert len(runs) == 2  # the retry made no run (and no job)
 
 
 def test_a_tenants_runs_are_listed_newest_first_page_by_page(client, keys):
@@ -96,7 +112,7 @@ def test_a_tenants_runs_are_listed_newest_first_page_by_page(client, keys):
     theirs = client.post("/v1/summarize", headers=Keys.header(keys.other), json=body).json()["id"]
     page = client.get("/v1/summarize", params={"limit": 2}, headers=Keys.header(keys.paid)).json()
     assert [r["id"] for r in page["data"]] == mine[::-1][:2] and page["has_more"], page
-    assert page["data"][0]["status"] == "running" and page["data"][0]["deadline_at"].endswith("Z")
+    assert page["data"][0]["status"] in ("validating", "running") and page["data"][0]["deadline_at"].endswith("Z")
     rest = client.get("/v1/summarize", params={"limit": 2, "after": page["last_id"]},
                       headers=Keys.header(keys.paid)).json()
     assert [r["id"] for r in rest["data"]] == mine[:1] and not rest["has_more"]
@@ -121,8 +137,7 @@ def test_summaries_too_long_to_shrink_a_level_are_refused_before_any_job(client,
 def test_a_tenant_disabled_by_an_admin_ends_its_runs_as_cancelled_naming_why(client, keys, settings):
     body = {"documents": [{"id": "done", "text": "The cat sat. It was warm."},
                           {"id": "open", "text": "The dog ran. It was cold."}], "deadline": "30m"}
-    run_id = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body).json()["id"]
-    theirs = client.post("/v1/summarize", headers=Keys.header(keys.other), json=body).json()["id"]
+    run_id, theirs = _started(client, keys.paid, body), _started(client, keys.other, body)
     docs = _docs(settings, run_id)
     _finish(settings, docs["done"].pending, "A cat in the warmth.")
     wait_for(lambda: _docs(settings, run_id)["done"].done, 30, "the first document's summary")
@@ -138,37 +153,34 @@ def test_a_tenant_disabled_by_an_admin_ends_its_runs_as_cancelled_naming_why(cli
         "done": ("A cat in the warmth.", None), "open": (None, "cancelled: its tenant was disabled")}
 
 
-def test_a_document_too_long_for_the_levels_is_refused_before_any_job(client, keys, settings):
+def test_a_document_too_long_for_the_levels_fails_the_run_at_its_first_step_before_any_job(client, keys, settings):
     """Summaries of up to half a chunk halve a level's chunks only: 50 chunks may need 8 levels, and the document
-    failed at the 7th, after all its jobs, where they came out that long (the start took it); now the start says
-    which document and what to change."""
+    failed at the 7th, after all its jobs, where they came out that long; the split is off the request, so the run's
+    first step fails it, saying which document and what to change."""
     text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(250))
     body = {"documents": [{"id": "short", "text": "The cat sat."}, {"id": "book", "text": text}], "deadline": "30m",
             "chunk_tokens": 64, "overlap_tokens": 0}
-    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 32})
-    assert r.status_code == 422, r.text
-    error = r.json()["detail"][0]
-    assert error["loc"] == ["body", "documents"] and "document 'book' is" in error["msg"], error
-    assert "more than 6 levels" in error["msg"] and "smaller max_summary_tokens" in error["msg"], error
-    with session_scope(settings.sqlalchemy_url) as s:
-        assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
-    ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 8})
-    assert ok.status_code == 201, ok.text
+    run_id = _started(client, keys.paid, body | {"max_summary_tokens": 32}, status="failed")
+    run = client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json()
+    assert "document 'book' is" in run["reason"] and "more than 6 levels" in run["reason"], run
+    assert "smaller max_summary_tokens" in run["reason"] and run["documents_failed"] == 2, run
+    lines = client.get(f"/v1/summarize/{run_id}/results", headers=Keys.header(keys.paid)).text.splitlines()
+    assert [json.loads(line)["error"] for line in lines] == [run["reason"]] * 2
+    assert _jobs(settings) == []
+    _started(client, keys.paid, body | {"max_summary_tokens": 8})
 
 
-def test_a_run_of_more_jobs_than_summarize_max_jobs_is_refused_before_any(client, keys, settings, monkeypatch):
-    """The first level's jobs go in with the run in one transaction: past COSERVE_SUMMARIZE_MAX_JOBS the start says how
-    many the documents make and what to change, and writes nothing."""
+def test_a_run_of_more_jobs_than_summarize_max_jobs_fails_at_its_first_step_before_any(client, keys, settings,
+                                                                                      monkeypatch):
+    """The first level's jobs go in in one transaction: past COSERVE_SUMMARIZE_MAX_JOBS the run fails saying how
+    many the documents make and what to change, and no job is written."""
     monkeypatch.setattr(settings, "summarize_max_jobs", 3)
     text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(30))
     body = {"documents": [{"id": "a", "text": text}, {"id": "b", "text": "The cat sat."}], "deadline": "30m",
             "chunk_tokens": 64, "overlap_tokens": 0, "max_summary_tokens": 8}
-    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body)
-    assert r.status_code == 422, r.text
-    error = r.json()["detail"][0]
-    assert error["loc"] == ["body", "documents"] and "a run takes at most 3" in error["msg"], error
-    assert "larger chunk_tokens" in error["msg"], error
-    with session_scope(settings.sqlalchemy_url) as s:
-        assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
+    run_id = _started(client, keys.paid, body, status="failed")
+    reason = client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json()["reason"]
+    assert "a run takes at most 3" in reason and "larger chunk_tokens" in reason, reason
+    assert _jobs(settings) == []
     monkeypatch.setattr(settings, "summarize_max_jobs", 10_000)
-    assert client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body).status_code == 201
+    _started(client, keys.paid, body)

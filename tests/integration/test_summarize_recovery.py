@@ -79,7 +79,14 @@ def test_api_killed_mid_run_the_run_still_completes(api, client, keys, settings,
     r = httpx.post(f"{api.url}/v1/summarize", headers=Keys.header(keys.paid), json=body, timeout=60)
     assert r.status_code == 201, r.text
     run_id = r.json()["id"]
-    assert r.json()["status"] == "running" and r.json()["jobs_submitted"] >= 4  # 3+ map jobs and "short"
+    assert (r.json()["status"], r.json()["jobs_submitted"]) == ("validating", 0)  # answered before the split
+
+    def first_level():
+        with session_scope(url) as s:
+            run = s.get(SummarizationRun, run_id, populate_existing=True)
+            return run.status != "validating" and run
+    split = wait_for(first_level, 60, "the run's first step (the API's driver thread)")
+    assert split.status == "running" and split.jobs_submitted >= 4  # 3+ map jobs and "short"
 
     def some_jobs_done():
         with session_scope(url) as s:

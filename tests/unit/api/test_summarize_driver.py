@@ -92,7 +92,7 @@ def test_start_writes_the_run_its_documents_and_first_level_together(settings, p
     url = settings.sqlalchemy_url
     run_id = start(settings, principal)
     run = run_row(url, run_id)
-    assert (run.status, run.documents, run.version, run.lease_owner) == ("running", 2, 0, None)
+    assert (run.status, run.documents, run.version, run.lease_owner) == ("running", 2, 1, None)  # its first step
     with session_scope(url) as s:
         docs = s.scalars(select(SummarizationDocument).order_by(SummarizationDocument.position)).all()
         jobs = s.scalars(select(Job)).all()
@@ -105,7 +105,35 @@ def test_start_writes_the_run_its_documents_and_first_level_together(settings, p
     assert {j.app_id for j in jobs} == {"summarize-map", "summarize-final"}
     # nothing ended yet: a step has nothing to do and writes nothing
     assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.IDLE, "running")
-    assert run_row(url, run_id).version == 0
+    assert run_row(url, run_id).version == 1  # its first step's
+
+
+def test_the_start_writes_the_run_validating_and_its_first_step_splits_it_or_fails_it_whole(settings, principal):
+    """The request writes the run and its documents, unsplit (no tokenizer, no job); the split and the checks that
+    need it happen in the run's first step, which writes the first level's jobs, or none and fails the run."""
+    url, deadline = settings.sqlalchemy_url, utcnow() + timedelta(hours=1)
+    docs = [Document("long", LONG), Document("short", "The cat sat on the mat. It was warm.")]
+    options = {"max_summary_tokens": 12, "chunk_tokens": 120, "overlap_tokens": 8, "tier": "paid"}
+    progress = service.create_run(settings, principal, docs, deadline, **options)
+    assert (progress.status, progress.jobs_submitted) == ("validating", 0)
+    with session_scope(url) as s:
+        rows = s.scalars(select(SummarizationDocument).order_by(SummarizationDocument.position)).all()
+        assert [(r.doc_id, r.text, r.pending, r.chunks, r.done) for r in rows] == [
+            ("long", LONG, [], 0, False), ("short", docs[1].text, [], 0, False)]
+    assert job_count(url) == 0
+    step = driver.advance(settings, progress.id, "api")
+    assert (step.outcome, step.status) == (Outcome.STEPPED, "running") and job_count(url) == len(step.submitted) > 2
+    assert run_row(url, progress.id).jobs_submitted == len(step.submitted)
+
+    settings.summarize_max_jobs = 2
+    big = service.create_run(settings, principal, docs, deadline, **options).id
+    assert driver.advance(settings, big, "api") == driver.Step(Outcome.STEPPED, "failed")
+    run = run_row(url, big)
+    assert "a run takes at most 2" in run.reason and (run.documents_done, run.documents_failed) == (2, 2)
+    assert job_count(url) == len(step.submitted)  # none of the refused run's
+    with session_scope(url) as s:
+        errors = s.scalars(select(SummarizationDocument.error).where(SummarizationDocument.run_id == big)).all()
+    assert errors == [run.reason] * 2
 
 
 def test_a_step_happens_once_however_often_it_is_asked(settings, principal):
@@ -121,7 +149,7 @@ def test_a_step_happens_once_however_often_it_is_asked(settings, principal):
         assert driver.advance(settings, run_id, owner).outcome == Outcome.IDLE
     assert job_count(url) == after
     run = run_row(url, run_id)
-    assert run.version == 1 and run.lease_owner is None and run.documents_done == 1  # "short" is summarized
+    assert run.version == 2 and run.lease_owner is None and run.documents_done == 1  # "short" is summarized
     while finish_jobs(url):
         driver.advance(settings, run_id, "p2")
     run = run_row(url, run_id)
@@ -165,7 +193,7 @@ def test_a_step_whose_lease_was_taken_over_commits_nothing(settings, principal, 
     assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.LOST, "running")
     monkeypatch.setattr(driver, "planner_for", real)
     assert job_count(url) == before  # the jobs it built were never written
-    assert run_row(url, run_id).version == 0
+    assert run_row(url, run_id).version == 1  # its first step's
     step = driver.advance(settings, run_id, "p2")  # the lease of "other" has expired: p2 redoes the step
     assert step.outcome == Outcome.STEPPED and job_count(url) == before + len(step.submitted)
 
@@ -258,7 +286,7 @@ def test_the_sweeper_steps_only_its_models_runs(settings, principal):
     assert driver.advance_open_runs(other, "w-other") == []
     steps = driver.advance_open_runs(settings, "w1")
     assert [s.outcome for s in steps] == [Outcome.STEPPED]
-    assert run_row(url, run_id).version == 1
+    assert run_row(url, run_id).version == 2
 
 
 def test_the_sweeper_reaches_a_newer_run_while_more_older_ones_wait_than_one_sweep_takes(settings, principal):
@@ -385,7 +413,8 @@ def test_a_disabled_tenants_run_ends_cancelled_naming_why(settings, principal):
         assert set(s.scalars(select(Job.status))) == {"cancelled"}
         assert set(s.scalars(select(SummarizationDocument.error))) == {"cancelled: its tenant was disabled"}
     # one the disable missed (it was being stepped): the next step finds the tenant disabled and cancels it
-    missed = start(settings, principal)
+    missed = service.create_run(settings, principal, [Document("a", "The cat sat.")], utcnow() + timedelta(hours=1),
+                                max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
     assert driver.advance(settings, missed, "worker") == driver.Step(Outcome.STEPPED, "cancelled")
     assert run_row(url, missed).reason == "cancelled: its tenant was disabled by an admin"
 

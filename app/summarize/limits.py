@@ -1,0 +1,49 @@
+"""What a summarization run's settings and documents must allow: summaries that shrink, levels that end, a first
+level small enough to write in one transaction. ``check_shrinks`` answers in the request (it needs no tokenizer);
+the others need the documents split, which the run's first step does (``driver``): a run they refuse ends
+``failed`` with their message as its reason, before any job is written."""
+
+from __future__ import annotations
+
+import logging
+
+from app.services import jobs as job_service
+from app.summarize.pipeline import MAX_LEVELS, DocState, levels_needed
+
+log = logging.getLogger(__name__)
+
+
+def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int) -> None:
+    """Refuses summaries that may be longer than half a chunk's new text (``chunk_tokens`` less the overlap): then a
+    level's joined summaries need at least twice fewer chunks than its text, so a document's levels end within
+    ``pipeline.MAX_LEVELS`` where it is not too long for them (``check_depth``; longer summaries may not shrink,
+    and the document fails after many jobs)."""
+    most = (chunk_tokens - overlap_tokens) // 2
+    if max_summary_tokens > most:
+        raise job_service.JobValidationError(
+            f"max_summary_tokens={max_summary_tokens} is more than half of the {chunk_tokens - overlap_tokens} new "
+            f"tokens a chunk holds ({chunk_tokens} chunk tokens less {overlap_tokens} overlap): the summaries might "
+            f"not shrink from level to level; give max_summary_tokens <= {most} or a larger chunk_tokens",
+            param="max_summary_tokens")
+
+
+def check_jobs(jobs: int, most: int, chunk_tokens: int) -> None:
+    """Refuses a run whose first level makes more than ``most`` jobs (``COSERVE_SUMMARIZE_MAX_JOBS``): they are
+    written with the run in one transaction, which holds SQLite's one write lock while they go in."""
+    if jobs > most:
+        raise job_service.JobValidationError(
+            f"the documents make {jobs} chunks of {chunk_tokens} tokens, a job each, and a run takes at most {most} "
+            f"(COSERVE_SUMMARIZE_MAX_JOBS): give a larger chunk_tokens, or send the documents in several runs",
+            param="documents")
+
+
+def check_depth(docs: list[DocState], chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> None:
+    """Refuses a document whose level-0 chunks may need more than ``pipeline.MAX_LEVELS`` levels to come down to one
+    summary (it would fail at the last level, after all the jobs of the others)."""
+    for doc in docs:
+        levels = levels_needed(doc.chunks, chunk_tokens, overlap_tokens, max_summary_tokens)
+        if levels > MAX_LEVELS:
+            raise job_service.JobValidationError(
+                f"document {doc.id!r} is {doc.chunks} chunks of {chunk_tokens} tokens: summaries of up to "
+                f"{max_summary_tokens} tokens may take more than {MAX_LEVELS} levels to come down to one; give a "
+                f"smaller max_summary_tokens or a larger chunk_tokens, or split the document", param="documents")

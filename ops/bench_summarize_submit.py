@@ -1,0 +1,149 @@
+"""How long ``POST /v1/summarize`` keeps its client for a large body, and what a driver's look at the run reads.
+
+For each body size it migrates a fresh SQLite database, starts the real app (TestClient, no broker: the jobs stay
+queued), and posts ``--docs`` documents of made-up sentences totalling about that many megabytes. It prints:
+
+* ``submit s``: the request's wall time (what the client waits for, and holds an API worker);
+* ``first level s``: from the request until the run's first level of jobs is in SQL (the run ``running``);
+* ``jobs``: that level's jobs;
+* ``look``: one look of the driver at the run while none of its jobs has ended (``driver.advance``): the SQL
+  statements it runs and the job ids it binds (reads the status of), from this thread only.
+
+With ``--baseline DIR`` (a checkout of other code, e.g. ``git worktree add /tmp/main main``) it measures that code
+too and prints both side by side.
+
+    python ops/bench_summarize_submit.py --mb 1,8 --baseline /tmp/main
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _body(megabytes: float, docs: int) -> dict:
+    per_doc = int(megabytes * 1_000_000 / docs)
+    documents = []
+    for d in range(docs):
+        words, i = [], 0
+        while sum(len(w) + 1 for w in words) < per_doc:
+            words.append(f"Document {d} states fact {i} about its topic, which matters for the summary.")
+            i += 1
+        documents.append({"id": f"d{d}", "text": " ".join(words)})
+    return {"documents": documents, "deadline": "2h", "max_summary_tokens": 32, "overlap_tokens": 16}
+
+
+def _count_look(settings, run_id: str) -> dict:
+    """One look (``driver.advance``) with nothing ended: the statements and job ids it sends, this thread's only."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    from app.summarize import driver
+
+    me, seen = threading.get_ident(), {"statements": 0, "job_ids": 0}
+
+    def count(conn, cursor, statement, parameters, context, executemany):  # noqa: ARG001 - SQLAlchemy's signature
+        if threading.get_ident() != me:
+            return
+        seen["statements"] += 1
+        values = parameters.values() if isinstance(parameters, dict) else parameters or ()
+        seen["job_ids"] += sum(1 for v in values if isinstance(v, str) and v.startswith("job_"))
+
+    event.listen(Engine, "before_cursor_execute", count)
+    try:
+        outcome = driver.advance(settings, run_id, "bench-look").outcome
+    finally:
+        event.remove(Engine, "before_cursor_execute", count)
+    return {"outcome": str(outcome), **seen}
+
+
+def measure(megabytes: float, docs: int) -> dict:
+    """One run with the code on ``sys.path``; returns the figures."""
+    sys.path.insert(0, os.environ.get("COSERVE_CODE", str(ROOT)))
+    from fastapi.testclient import TestClient
+    from sqlalchemy import func, select
+
+    from app.auth import clear_cache
+    from app.db.migrate import upgrade
+    from app.db.models import Job, SummarizationRun
+    from app.db.session import session_scope
+    from app.main import create_app
+    from tests.conftest import _tiny_llama, make_keys, make_settings
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-summarize-"))
+    db_url = f"sqlite:///{tmp / 'coserve.db'}"
+    upgrade(db_url)
+    keys = make_keys(db_url)
+    settings = make_settings(tmp, db_url, None, _tiny_llama(tmp / "model", 2048))
+    auth = {"Authorization": f"Bearer {keys.paid}"}
+    body = _body(megabytes, docs)
+    size = len(json.dumps(body))
+    clear_cache()
+    with TestClient(create_app(settings)) as client:
+        t0 = time.perf_counter()
+        r = client.post("/v1/summarize", headers=auth, json=body)
+        submit_s = time.perf_counter() - t0
+        if r.status_code not in (200, 201):
+            raise SystemExit(f"HTTP {r.status_code}: {r.text[:300]}")
+        run_id, answered = r.json()["id"], r.json()["status"]
+        while True:  # the first level is in when the run left "validating" (at once where the request split it)
+            with session_scope(db_url) as s:
+                status = s.get(SummarizationRun, run_id).status
+            if status != "validating":
+                break
+            time.sleep(0.05)
+        first_level_s = time.perf_counter() - t0
+        with session_scope(db_url) as s:
+            jobs = s.scalar(select(func.count()).select_from(Job))
+        look = _count_look(settings, run_id)
+    return {"mb": size / 1e6, "submit_s": submit_s, "answered": answered, "first_level_s": first_level_s,
+            "status": status, "jobs": jobs, "look": look}
+
+
+def _row(label: str, fig: dict) -> str:
+    look = fig["look"]
+    return " | ".join([f"{label:<9}", f"{fig['mb']:5.1f}", f"{fig['submit_s']:8.2f}", f"{fig['answered']:<10}",
+                       f"{fig['first_level_s']:13.2f}", f"{fig['status']:<8}", f"{fig['jobs']:>6}",
+                       f"{look['statements']:>10}", f"{look['job_ids']:>12}"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", default="8", help="comma-separated body sizes in megabytes")
+    ap.add_argument("--docs", type=int, default=400, help="documents the body holds")
+    ap.add_argument("--baseline", help="a checkout of other code to measure too (e.g. before a change)")
+    ap.add_argument("--one", type=float, help=argparse.SUPPRESS)  # a child run: print one run's JSON
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(measure(args.one, args.docs)))
+        return
+    runs = [("baseline", args.baseline)] if args.baseline else []
+    runs.append(("this", str(ROOT)))
+    header = ("code      |    MB | submit s | answered   | first level s | status   |   jobs | look stmts"
+              " | look job ids")
+    rows = []
+    for mb in (float(x) for x in args.mb.split(",")):
+        for label, code in runs:  # each run in its own process, importing that checkout's code
+            env = dict(os.environ, PYTHONPATH=code, COSERVE_CODE=code)
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(mb),
+                                   "--docs", str(args.docs)], env=env, capture_output=True, text=True, cwd=code)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{label} run of {mb} MB failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            rows.append(_row(label, json.loads(line[len("RESULT "):])))
+            print(rows[-1], flush=True)
+    print("\n" + header)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
