@@ -122,12 +122,30 @@ def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, 
 class _Look:
     run: SummarizationRun
     ready: list[int] = field(default_factory=list)  # positions of documents with work to do
-    waiting: int = 0  # jobs not ended of the documents not ready
+    waiting: int = 0  # jobs of the documents not ready not seen ended (the others' need not be read: an upper bound)
     tenant_disabled: bool = False
 
 
-def _look(url: str, run_id: str) -> _Look | None:
-    now = utcnow()
+@dataclass
+class LookMemo:
+    """What a driver keeps between its looks at one run: a run's documents change only with its version, and an
+    ended job stays ended, so a look reads the documents again only after a step and never re-reads an ended job."""
+
+    version: int | None = None  # the run's version ``docs`` were read at
+    docs: list = field(default_factory=list)  # its documents not done: (position, pending, retry_at) rows
+    ended: set[str] = field(default_factory=set)  # jobs of those documents seen ended
+
+
+def _ended(s, job_ids: list[str]) -> set[str]:
+    return {j for j, status in store.job_statuses(s, job_ids).items() if status in TERMINAL}
+
+
+def _look(url: str, run_id: str, memo: LookMemo | None = None) -> _Look | None:
+    """The run and its documents that have work to do. A document is ready once every job it waits for ended, so
+    a look reads one job per document, the first not seen ended, and the others of a document only once that one
+    ended (a level's jobs end about together): a run of many chunks waiting reads one status per document, not
+    one per job."""
+    now, memo = utcnow(), memo if memo is not None else LookMemo()
     with session_scope(url) as s:
         run = s.get(SummarizationRun, run_id)
         if run is None:
@@ -136,16 +154,22 @@ def _look(url: str, run_id: str) -> _Look | None:
         if run.status not in store.OPEN:
             return look
         look.tenant_disabled = bool(s.scalar(select(Tenant.disabled).where(Tenant.id == run.tenant_id)))
-        docs = s.execute(select(SummarizationDocument.position, SummarizationDocument.pending,
-                                SummarizationDocument.retry_at).where(
-            SummarizationDocument.run_id == run_id, SummarizationDocument.done.is_(False))).all()
-        statuses = store.job_statuses(s, [j for d in docs for j in d.pending])
-        for d in docs:
-            if all(statuses.get(j) in TERMINAL for j in d.pending):
-                if d.retry_at is None or as_utc(d.retry_at) <= now:  # not waiting out a retry's backoff
-                    look.ready.append(d.position)
-            else:
-                look.waiting += sum(statuses.get(j) not in TERMINAL for j in d.pending)
+        if memo.version != run.version:  # a step or a cancel since the last look: read the documents again
+            memo.docs = s.execute(select(SummarizationDocument.position, SummarizationDocument.pending,
+                                         SummarizationDocument.retry_at).where(
+                SummarizationDocument.run_id == run_id, SummarizationDocument.done.is_(False))).all()
+            memo.version = run.version
+            memo.ended &= {j for d in memo.docs for j in d.pending}
+        first = {d.position: next((j for j in d.pending if j not in memo.ended), None) for d in memo.docs}
+        memo.ended |= _ended(s, [j for j in first.values() if j is not None])
+        memo.ended |= _ended(s, [j for d in memo.docs if first[d.position] in memo.ended
+                                 for j in d.pending if j not in memo.ended])
+        for d in memo.docs:
+            still = sum(j not in memo.ended for j in d.pending)
+            if still:
+                look.waiting += still
+            elif d.retry_at is None or as_utc(d.retry_at) <= now:  # not waiting out a retry's backoff
+                look.ready.append(d.position)
         return look
 
 
@@ -173,10 +197,12 @@ def _release(url: str, run_id: str, owner: str) -> None:
         log.warning("could not release the lease of summarization %s; it expires on its own", run_id, exc_info=True)
 
 
-def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | None = None) -> Step:
-    """One step of ``run_id`` if it has one to take and nobody else is taking it."""
+def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | None = None,
+            memo: LookMemo | None = None) -> Step:
+    """One step of ``run_id`` if it has one to take and nobody else is taking it; ``memo``: what this caller's
+    earlier looks at the run read (a driver that looks again and again passes its own)."""
     url = settings.sqlalchemy_url
-    look = _look(url, run_id)
+    look = _look(url, run_id, memo)
     if look is None:
         return Step(Outcome.IDLE, None)
     run = look.run

@@ -159,11 +159,11 @@ def drive_in_thread(settings: Settings, run_id: str) -> threading.Thread:
 
 
 def _drive(settings: Settings, run_id: str, owner: str) -> None:
-    errors = 0
+    errors, memo = 0, driver.LookMemo()
     while errors < MAX_DRIVE_ERRORS:
         time.sleep(POLL_S)
         try:
-            step = driver.advance(settings, run_id, owner)
+            step = driver.advance(settings, run_id, owner, memo=memo)
         except Exception:
             errors += 1
             log.warning("could not advance summarization %s (%d in a row)", run_id, errors, exc_info=True)

@@ -396,6 +396,58 @@ def test_jobs_done_counts_each_ended_job_while_its_level_goes_on(settings, princ
     assert run.jobs_done == len(pending) and run.jobs_submitted == len(pending) + len(step.submitted)
 
 
+class JobReads:
+    """The job ids this thread's SQL statements bind while it is open (each a job whose row a statement reads)."""
+
+    def __enter__(self) -> list[str]:
+        from sqlalchemy import event
+        from sqlalchemy.engine import Engine
+
+        self.ids: list[str] = []
+        me = threading.get_ident()
+
+        def count(conn, cursor, statement, parameters, context, executemany):
+            if threading.get_ident() == me and "FROM jobs" in statement:
+                values = parameters.values() if isinstance(parameters, dict) else parameters or ()
+                self.ids += [v for v in values if isinstance(v, str) and v.startswith("job_")]
+
+        self.listener, self.engine_cls = count, Engine
+        event.listen(Engine, "before_cursor_execute", count)
+        return self.ids
+
+    def __exit__(self, *exc) -> None:
+        from sqlalchemy import event
+
+        event.remove(self.engine_cls, "before_cursor_execute", self.listener)
+
+
+def test_a_look_reads_one_job_of_a_waiting_document_and_no_job_twice_once_ended(settings, principal):
+    """A document is ready once all its jobs ended: while its first one runs, the others need not be read (a look
+    read every pending job's status, each time)."""
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal, [Document("long", LONG), Document("short", "The cat sat. It was warm.")])
+    long, short = doc_row(url, run_id, 0).pending, doc_row(url, run_id, 1).pending
+    assert len(long) >= 3
+    with JobReads() as read:
+        assert driver.advance(settings, run_id, "p1").outcome == Outcome.IDLE
+    assert sorted(read) == sorted([long[0], *short])
+    memo = driver.LookMemo()  # a driver that keeps looking (the API's thread) remembers what it read
+    end_jobs(url, long[:2], "succeeded")
+    with JobReads() as read:
+        assert driver.advance(settings, run_id, "p1", memo=memo).outcome == Outcome.IDLE
+    assert sorted(read) == sorted([long[0], *short, *long[1:]])  # its first ended: the rest of it once
+    with JobReads() as read:
+        assert driver.advance(settings, run_id, "p1", memo=memo).outcome == Outcome.IDLE
+    assert sorted(read) == sorted([long[2], *short])  # the first it has not seen ended, each
+    end_jobs(url, [*long[2:], *short], "succeeded")
+    step = driver.advance(settings, run_id, "p1", memo=memo)
+    assert step.outcome == Outcome.STEPPED and step.submitted
+    assert run_row(url, run_id).documents_done == 1  # "short"; "long" goes on to its next level
+    with JobReads() as read:  # a new version: the documents are read again, and the new level's first job
+        assert driver.advance(settings, run_id, "p1", memo=memo).outcome == Outcome.IDLE
+    assert read == [doc_row(url, run_id, 0).pending[0]]
+
+
 def test_a_disabled_tenants_run_ends_cancelled_naming_why(settings, principal):
     from app.db.models import Tenant
 
