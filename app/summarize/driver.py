@@ -186,6 +186,17 @@ def _claim(url: str, run: SummarizationRun, owner: str, lease_s: float) -> bool:
     return claimed
 
 
+def _take_over(url: str, run: SummarizationRun, owner: str, lease_s: float) -> bool:
+    """Takes the run's lease whoever holds it, while the run is still as read (status, version): the holder's
+    next write, guarded by its lease, matches nothing."""
+    with session_scope(url) as s, write_guard(s):
+        return s.execute(update(SummarizationRun).where(
+            SummarizationRun.id == run.id, SummarizationRun.status == run.status,
+            SummarizationRun.version == run.version)
+            .values(lease_owner=owner, lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+            .execution_options(synchronize_session=False)).rowcount == 1
+
+
 def _release(url: str, run_id: str, owner: str) -> None:
     """Gives the lease back early (the step failed before committing); best effort: it expires anyway."""
     try:
@@ -365,7 +376,11 @@ def cancel(settings: Settings, run_id: str, owner: str, reason: CancelReason = B
             return _finish_cancel(settings, run, owner)
         if run is None or run.status not in store.OPEN:
             return False
-        if _claim(url, run, owner, settings.lease_seconds):
+        # a first step holds a validating run's lease while it splits (a minute for large runs); it has written
+        # no job yet, so the cancel takes the lease over and the step, finding it gone, commits nothing
+        claimed = (_take_over(url, run, owner, settings.lease_seconds) if run.status == store.VALIDATING
+                   else _claim(url, run, owner, settings.lease_seconds))
+        if claimed:
             if _cancel_claimed(settings, run, owner, reason).outcome == Outcome.STEPPED:
                 return True
         time.sleep(0.05)
@@ -377,13 +392,7 @@ def _finish_cancel(settings: Settings, run: SummarizationRun, owner: str) -> boo
     stopping them again is harmless (a stopped job stays as it is), and a holder killed mid-cancel would keep the
     run ``cancelling`` until its lease expired. False where the run moved on meanwhile (another process ended it)."""
     url = settings.sqlalchemy_url
-    with session_scope(url) as s, write_guard(s):
-        taken = s.execute(update(SummarizationRun).where(
-            SummarizationRun.id == run.id, SummarizationRun.status == CANCELLING,
-            SummarizationRun.version == run.version)
-            .values(lease_owner=owner, lease_expires_at=utcnow() + timedelta(seconds=settings.lease_seconds))
-            .execution_options(synchronize_session=False)).rowcount == 1
-    if not taken:
+    if not _take_over(url, run, owner, settings.lease_seconds):
         return False
     try:
         _stop_cancelled_jobs(settings, run.id, owner)

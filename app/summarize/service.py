@@ -4,8 +4,9 @@
 documents after the checks that need no tokenizer; ``drive_in_thread`` then advances it
 from the API process (``driver.advance``) for latency, off the request: the first step
 splits the documents and writes the first level's jobs in one transaction, or ends the run
-``failed`` naming why (nothing half-made is left). Every worker's sweeper advances running runs too (``driver.advance_open_runs``),
-under the same lease, so a run finishes when this process dies. Runs written by older
+``failed`` naming why (nothing half-made is left). Every worker's sweeper advances open runs
+too (``driver.advance_open_runs``), under the same lease, so a run finishes when this process
+dies. Runs written by older
 versions as ``data_dir/summaries/<id>.json`` are still read.
 """
 

@@ -136,6 +136,21 @@ def test_the_start_writes_the_run_validating_and_its_first_step_splits_it_or_fai
     assert errors == [run.reason] * 2
 
 
+def test_a_cancel_while_the_first_step_splits_ends_the_run_and_that_step_writes_nothing(settings, principal):
+    url = settings.sqlalchemy_url
+    run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
+                                max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
+    look = driver._look(url, run_id)
+    assert driver._claim(url, look.run, "splitter", lease_s=600)  # the first step is splitting (a large run)
+    assert service.cancel(settings, run_id)  # not a RunBusy while the split goes on
+    run = run_row(url, run_id)
+    assert (run.status, run.reason, run.documents_failed, run.lease_owner) == (
+        "cancelled", "cancelled by request", 1, None)
+    step = driver._step(settings, look.run, look.ready, look.waiting, "splitter")  # the split ends
+    assert step.outcome == Outcome.LOST and job_count(url) == 0
+    assert run_row(url, run_id).status == "cancelled"
+
+
 def test_a_step_happens_once_however_often_it_is_asked(settings, principal):
     url = settings.sqlalchemy_url
     run_id = start(settings, principal)
