@@ -46,7 +46,7 @@ from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
-from app.services.dispatch import send_back, send_job
+from app.services.dispatch import send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
@@ -197,10 +197,11 @@ class GpuWorker:
         self.outbox.close()  # what finished is written before the rest is given back
         rest = self.active.take_all()
         with session_scope(self.url, immediate=True) as s:
-            for job in rest:
-                if leases.release(s, job.lease, f"worker {self.worker_id} shut down"):
-                    send_job(self.settings.redis_url, job.lease.job_id, self.settings.model_name,
-                             message_priority(job.request.qos.qos_class.value))
+            # they were running, so they came before every message waiting: to the head, the oldest taken first
+            back = [(job.lease.job_id, self.queue, message_priority(job.request.qos.qos_class.value))
+                    for job in sorted(rest, key=lambda j: j.request.arrival_time)
+                    if leases.release(s, job.lease, f"worker {self.worker_id} shut down")]
+            send_back_all(self.settings.redis_url, back)
             row = s.get(WorkerState, self.worker_id)
             if row is not None:
                 s.delete(row)

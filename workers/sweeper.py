@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus, WorkerState
 from app.services.lora_adapters import queue_models
-from app.services.dispatch import dispatch, send_job
+from app.services.dispatch import dispatch, send_back_all
 from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.streaming import StreamEvent, publish
@@ -121,13 +121,11 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
         log.warning("could not read the workers' own queues (%s); rerouting nothing this time", exc)
         return 0
     waiting = session.execute(select(Job.id, Job.model, Job.kind).where(
-        Job.id.in_(ids), Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_(None))).all() if ids else []
-    models = queue_models(session, {j.model for j in waiting})
-    sent = 0
-    for job in waiting:  # a message a dead worker's queue lost here is sent again later as lost (_resend_lost)
-        if not send_job(redis_url, job.id, models[job.model], message_priority(job.kind)):
-            break
-        sent += 1
+        Job.id.in_(ids), Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_(None))
+        .order_by(Job.created_at, Job.id)).all() if ids else []
+    # they waited in line since before the model's newer messages came: to the head, the oldest taken first (a
+    # message a dead worker's queue lost here is sent again later as lost: _resend_lost)
+    sent = len(send_back_all(redis_url, _back_to(session, waiting)))
     if queues:
         log.info("removed the own queues of %d workers that are gone; sent their %d waiting jobs to the models' "
                  "queues", len(queues), sent)
@@ -147,28 +145,33 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
     """
     stale_before = now - timedelta(seconds=holder_stale_s)
     held = session.execute(
-        select(Job.id, Job.model, Job.kind, Job.worker_id).outerjoin(WorkerState, WorkerState.id == Job.worker_id)
+        select(Job.id, Job.model, Job.kind, Job.created_at, Job.worker_id)
+        .outerjoin(WorkerState, WorkerState.id == Job.worker_id)
         .where(Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_not(None),
                or_(WorkerState.id.is_(None), WorkerState.heartbeat_at < stale_before)).limit(limit)).all()
-    unheld = session.execute(select(Job.id, Job.model, Job.kind).where(
+    unheld = session.execute(select(Job.id, Job.model, Job.kind, Job.created_at).where(
         Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_(None),
         Job.dispatched_at < now - timedelta(seconds=resend_after_s)).limit(limit)).all()
-    lost = [(j, f"its holder {j.worker_id} stopped beating") for j in held]
+    lost = {j.id: (j, f"its holder {j.worker_id} stopped beating") for j in held}
     if unheld:
         waiting = _queued_ids(redis_url, {j.model for j in unheld} | set(served))
-        lost += [(j, "its message left the queue unprocessed") for j in unheld
-                 if waiting is not None and j.id not in waiting]
-    resent = 0
-    queues = queue_models(session, {j.model for j, _why in lost})
-    for job, why in lost:
-        job_id = job.id
-        if not send_job(redis_url, job_id, queues[job.model], message_priority(job.kind)):
-            break
+        lost |= {j.id: (j, "its message left the queue unprocessed") for j in unheld
+                 if waiting is not None and j.id not in waiting}
+    # a lost message had its place in line (a holder took it from the head): back to the head, oldest taken first
+    jobs = sorted((j for j, _why in lost.values()), key=lambda j: (j.created_at, j.id))
+    resent = send_back_all(redis_url, _back_to(session, jobs))
+    for job_id in resent:
         session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.DISPATCHED.value)
                         .values(dispatched_at=utcnow(), worker_id=None).execution_options(synchronize_session=False))
-        log.info("resent job %s: %s", job_id, why)
-        resent += 1
-    return resent
+        log.info("resent job %s: %s", job_id, lost[job_id][1])
+    return len(resent)
+
+
+def _back_to(session: Session, jobs) -> list[tuple[str, str, int]]:
+    """What ``send_back_all`` hands back of ``jobs`` (rows with id, model, kind): each to its model's queue (a
+    runtime LoRA adapter's to its base model's), at its kind's priority."""
+    models = queue_models(session, {j.model for j in jobs})
+    return [(j.id, queue_name(models[j.model]), message_priority(j.kind)) for j in jobs]
 
 
 def _queued_ids(redis_url: str, models: set[str]) -> set[str] | None:

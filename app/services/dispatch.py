@@ -107,6 +107,19 @@ def send_back(redis_url: str, job_id: str, queue: str, priority: int = INTERACTI
     return True
 
 
+def send_back_all(redis_url: str, jobs: list[tuple[str, str, int]]) -> list[str]:
+    """Hands the messages of ``jobs`` (job id, queue name, priority), given oldest first, back to the heads of their
+    lists (``send_back``) in that order: the newest goes first, so the oldest ends up the next taken, and all of them
+    before the messages that came after them. Returns the ids sent; stops at the first the broker refuses (the older
+    ones left go to the head later, still before the newer)."""
+    sent: list[str] = []
+    for job_id, queue, priority in reversed(jobs):
+        if not send_back(redis_url, job_id, queue, priority):
+            break
+        sent.append(job_id)
+    return sent
+
+
 def _queue(app, name: str):
     """The kombu Queue ``name`` from Celery's queue map (added on first use, as send_task does)."""
     queues = app.amqp.queues

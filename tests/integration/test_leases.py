@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from app.auth import Principal
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import session_scope
 from app.schemas import JobCreate
+from app.services.dispatch import send_job
 from app.services.jobs import submit_job
 from tests.conftest import load_runtime_adapter
 from workers import lease as leases
@@ -295,3 +297,50 @@ def test_a_job_of_an_unloaded_runtime_adapter_goes_back_to_its_models_queue(sett
     lora_adapters.load(settings, "rt-lora", str(adapter))  # loaded again, then unloaded again
     lora_adapters.unload(settings, "rt-lora")
     assert routing.job_queue(settings, "rt-lora", None) == "coserve.tiny"
+
+
+def _next_taken(r, queue: str) -> list[str]:
+    """The job ids on ``queue``'s interactive list, in the order consumers take them (kombu: BRPOP, right first)."""
+    return [json.loads(m)["headers"]["argsrepr"].strip("[]'") for m in reversed(r.lrange(queue, 0, -1))]
+
+
+def test_a_resent_job_goes_back_to_the_head_of_its_list_oldest_first(settings, keys):
+    """A holder took two messages from the head and died: their jobs go back ahead of a message sent since."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.db.models import WorkerState
+    from app.services.transitions import utcnow
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    older, newer = _job(settings, keys, dispatch=True), _job(settings, keys, dispatch=True)
+    r.delete("coserve.tiny")  # the worker took both messages
+    send_job(settings.redis_url, "later", "tiny")
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w1", model="tiny", queue="coserve.tiny", device="cpu",
+                          heartbeat_at=utcnow() - timedelta(seconds=60)))
+        s.execute(update(Job).where(Job.id.in_([older, newer])).values(worker_id="w1"))
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30).resent == 2
+    assert _next_taken(r, "coserve.tiny") == [older, newer, "later"]
+
+
+def test_jobs_rerouted_from_a_dead_workers_queue_keep_their_place_before_later_ones(settings, keys):
+    """What waited on a dead worker's own queue had waited since before a message sent to the model's queue after
+    it: rerouted, it goes to the head, in the order it arrived."""
+    from app.db.models import WorkerState
+    from app.services.routing import WORKER_QUEUES, worker_queue
+    from workers.sweeper import reroute
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    r.sadd(WORKER_QUEUES, worker_queue("w9"))
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu",
+                          state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
+    older, newer = _job(settings, keys, dispatch=True), _job(settings, keys, dispatch=True)  # one prompt: w9's
+    assert r.llen(worker_queue("w9")) == 2
+    send_job(settings.redis_url, "later", "tiny")
+    with session_scope(url) as s:
+        assert reroute(s, settings.redis_url, [worker_queue("w9")]) == 2
+    assert _next_taken(r, "coserve.tiny") == [older, newer, "later"]

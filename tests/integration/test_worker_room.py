@@ -56,3 +56,14 @@ def test_an_interactive_job_on_a_full_worker_goes_back_to_the_head_of_the_shared
     intake.join(10)
     assert not intake.is_alive()
     assert _next_taken(settings, worker.queue, batch=False) == ["i1", "i2"]  # nothing was leased on the way
+
+
+def test_jobs_a_stopping_worker_gives_back_go_to_the_head_of_the_queue_oldest_first(settings, keys):
+    """The jobs a worker ran when it stopped came before every message still waiting: they go back to the head of
+    the model's queue, the one that arrived first taken first, ahead of i9 that was sent while they ran."""
+    worker = GpuWorker(settings)
+    newer, older = _leased_jobs(settings, keys, worker, 2)
+    older.request.arrival_time, newer.request.arrival_time = 1.0, 2.0
+    send_job(settings.redis_url, "i9", settings.model_name, INTERACTIVE_PRIORITY)
+    worker.stop(grace_s=0)
+    assert _next_taken(settings, worker.queue, batch=False) == [older.job_id, newer.job_id, "i9"]
