@@ -56,12 +56,26 @@ class RequestMetrics:
         return out
 
 
+def answer_token_times(req: Request) -> list[tuple[int, float]]:
+    """(n, t) pairs: output token n (1-based) of the answer reached the client at clock time t. A rerun that went on
+    from ``qos.delivered`` tokens of an earlier attempt is one answer: those tokens first (the first at
+    ``qos.first_token_s``, the rest at ``delivered_times``; only the first where their times are not known), then its
+    own as tokens delivered+1, ..."""
+    q, d = req.qos, req.qos.delivered
+    pairs = list(enumerate(req.delivered_times, 1)) if len(req.delivered_times) == d else []
+    if d and q.first_token_s is not None:  # the first token's time as the job's row holds it (first_token_at)
+        pairs[:1] = [(1, req.arrival_time + q.first_token_s)]
+    return pairs + [(d + i, t) for i, t in enumerate(req.token_times, 1)]
+
+
 def request_metrics(req: Request) -> RequestMetrics:
-    times = req.token_times
-    ttft = times[0] - req.arrival_time if times else None
-    gaps = np.diff(times) if len(times) > 1 else np.array([])
-    ttlt = (req.finish_time - req.arrival_time) if req.finish_time is not None and times else None
-    tpot = float((times[-1] - times[0]) / (len(times) - 1)) if len(times) > 1 else None
+    """The answer's metrics as its client saw them: a rerun's TTFT is its earlier attempt's first token, its TBT
+    counts the gaps over the whole stream (``answer_token_times``). ``num_output_tokens``: this attempt's."""
+    pairs = answer_token_times(req)
+    ttft = pairs[0][1] - req.arrival_time if pairs and pairs[0][0] == 1 else None
+    gaps = np.array([t2 - t1 for (n1, t1), (n2, t2) in zip(pairs, pairs[1:]) if n2 == n1 + 1])
+    ttlt = (req.finish_time - req.arrival_time) if req.finish_time is not None and pairs else None
+    tpot = float((pairs[-1][1] - pairs[0][1]) / (pairs[-1][0] - pairs[0][0])) if len(pairs) > 1 else None
     miss = first_missed_deadline(req) if req.status.finished else None
     return RequestMetrics(
         ttft_s=ttft,
@@ -69,7 +83,7 @@ def request_metrics(req: Request) -> RequestMetrics:
         tbt_p99_s=float(np.percentile(gaps, 99)) if gaps.size else None,
         ttlt_s=ttlt,
         mean_tpot_s=tpot,
-        num_output_tokens=len(times),
+        num_output_tokens=len(req.token_times),
         slo_met=miss is None if req.status.finished else None,
         slo_miss=miss,
         queue_s=None if req.scheduled_time is None else req.scheduled_time - req.arrival_time,
@@ -86,19 +100,21 @@ def slo_met(req: Request) -> bool:
 def first_missed_deadline(req: Request) -> DeadlineMiss | None:
     """The first deadline ``req`` missed (None: its SLO is met). Token n of an interactive request is due
     at D_n = D_1 + (n-1) TBT, D_1 as ``token_deadline`` anchors it; a batch request's last token at
-    arrival + TTLT. A request that produced no token missed its first deadline."""
-    times, arrival = req.token_times, req.arrival_time
-    if not times:
+    arrival + TTLT. A request that produced no token missed its first deadline. A rerun's tokens count over the
+    whole answer (``answer_token_times``)."""
+    pairs, arrival = answer_token_times(req), req.arrival_time
+    if not pairs:
         return DeadlineMiss(1, first_token_deadline(arrival, req.qos) - arrival, None)
     if req.qos.qos_class is QoSClass.INTERACTIVE:
-        first_due = token_deadline(arrival, req.qos, 1, times[0])  # D_n = D_1 + (n-1) TBT
+        first_due = token_deadline(arrival, req.qos, 1, pairs[0][1] if pairs[0][0] == 1 else None)  # D_n = D_1 + ...
         tbt = req.qos.tbt_s
-        for i, t in enumerate(times):
-            due = first_due + i * tbt  # type: ignore[operator]
+        for n, t in pairs:
+            due = first_due + (n - 1) * tbt  # type: ignore[operator]
             if t > due + 1e-9:
-                return DeadlineMiss(i + 1, due - arrival, t - arrival)
+                return DeadlineMiss(n, due - arrival, t - arrival)
         return None
     due = arrival + req.qos.ttlt_s  # type: ignore[operator]
-    if times[-1] > due + 1e-9:
-        return DeadlineMiss(len(times), due - arrival, times[-1] - arrival)
+    n, last = pairs[-1]
+    if last > due + 1e-9:
+        return DeadlineMiss(n, due - arrival, last - arrival)
     return None

@@ -43,6 +43,9 @@ class Request:
     num_computed_tokens: int = 0  # prompt (and later output) tokens already in the KV cache
     output_token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # clock time each output token was produced
+    # A rerun going on from an earlier attempt's streamed tokens (``qos.delivered``): when the client got each of
+    # them (clock time), for the answer's metrics; empty where not known. The policy never reads it.
+    delivered_times: list[float] = field(default_factory=list)
     relegation_count: int = 0
     was_preempted: bool = False  # prefill was preempted at least once (selective preemption)
     # Output tokens recomputed as part of the prefill after the request's KV was released under memory

@@ -286,6 +286,8 @@ class GpuWorker:
         if resumed is not None:  # the policy judges it on the pace of what is left, not on its settled TTFT
             request.qos = replace(request.qos, delivered=len(resumed.token_ids),
                                   first_token_s=None if first_out is None else (first_out - created).total_seconds())
+            shift = self.engine.executor.now() - time.time()  # the stream's times on the engine clock (metrics)
+            request.delivered_times = [t + shift for t in resumed.token_times]
         active = ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
                            return_token_ids=return_ids, resumed=resumed)
         if resumed is not None:
@@ -312,7 +314,7 @@ class GpuWorker:
             time.sleep(0.01)
         try:
             raw = self.redis.xrange(stream_key(lease.job_id))
-            done = resume.streamed((StreamEvent.parse(fields) for _id, fields in raw), lease.attempt)
+            done = resume.streamed((StreamEvent.parse(fields, entry_id) for entry_id, fields in raw), lease.attempt)
             sp = request.sampling
             tokenizer = getattr(self, "tokenizer", None) or get_tokenizer(self.settings.model)
             plan = resume.plan(sp, request.prompt_token_ids, done,

@@ -54,10 +54,12 @@ class _Attempt:
     text: _Placed = field(default_factory=_Placed)
     ids: _Placed = field(default_factory=_Placed)
     logprobs: _Placed = field(default_factory=_Placed)
+    times: _Placed = field(default_factory=_Placed)  # when each token id went out (None: not known)
 
     def feed(self, ev: StreamEvent) -> None:
         self.text.place(ev.offset, list(ev.text))
         self.ids.place(ev.data.get("token_offset"), list(ev.token_ids))
+        self.times.place(ev.data.get("token_offset"), [ev.at] * len(ev.token_ids))
         if entries := ev.data.get("logprobs"):
             self.logprobs.place(ev.data.get("logprobs_offset"), list(entries))
 
@@ -69,6 +71,22 @@ class Streamed:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[dict, ...] = ()
+    token_times: tuple[float, ...] = ()  # when a client got each of them (epoch seconds); () where not known
+
+
+def _first_sent(attempts: dict[int, _Attempt], chosen: _Attempt) -> tuple[float, ...]:
+    """When a client of the stream got each of ``chosen``'s tokens: the earliest of the attempts that streamed it (one
+    that went on from an earlier attempt streams those tokens again at its start, and a follower skips them); ()
+    where one's time is not known."""
+    ids = chosen.ids.items
+    out: list[float | None] = list(chosen.times.items[:len(ids)])
+    for a in attempts.values():
+        for i, (token, at) in enumerate(zip(a.ids.items, a.times.items, strict=False)):
+            if i >= len(ids) or token != ids[i]:
+                break  # it went its own way from here (a rerun from scratch)
+            if at is not None and out[i] is not None:
+                out[i] = min(out[i], at)
+    return () if len(out) < len(ids) or None in out else tuple(out)  # type: ignore[return-value]
 
 
 def streamed(events: Iterable[StreamEvent], before: int) -> Streamed | None:
@@ -86,7 +104,7 @@ def streamed(events: Iterable[StreamEvent], before: int) -> Streamed | None:
     if chosen.text.hole or chosen.ids.hole or not chosen.ids.items:
         return None
     logprobs = () if chosen.logprobs.hole else tuple(chosen.logprobs.items)
-    return Streamed("".join(chosen.text.items), tuple(chosen.ids.items), logprobs)
+    return Streamed("".join(chosen.text.items), tuple(chosen.ids.items), logprobs, _first_sent(attempts, chosen))
 
 
 def refusal(sampling: SamplingParams) -> str | None:
@@ -110,6 +128,7 @@ class Resumed:
     text: str
     logprobs: tuple[dict, ...]
     prompt_len: int
+    token_times: tuple[float, ...] = ()  # when the client got them (epoch seconds; ``Streamed``); () where not known
 
     def sampling(self, sp: SamplingParams) -> SamplingParams:
         """The engine request's sampling: what is left of ``max_tokens`` and ``min_tokens``."""
@@ -147,4 +166,4 @@ def plan(sampling: SamplingParams, prompt_ids: list[int], done: Streamed | None,
     if any(stop in text for stop in sampling.stop):  # it would have ended there
         return None
     return Resumed(tuple(done.token_ids), text, tuple(done.logprobs) if sampling.logprobs is not None else (),
-                   len(prompt_ids))
+                   len(prompt_ids), done.token_times)

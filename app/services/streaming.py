@@ -54,6 +54,7 @@ class StreamEvent:
     data: dict[str, Any] = field(default_factory=dict)  # usage and metrics on "end"
     # on "delta": characters of this attempt's text before this one (None: a publisher that did not say)
     offset: int | None = None
+    at: float | None = None  # read back: when Redis took it (its entry id's milliseconds, epoch seconds); not sent
 
     @property
     def terminal(self) -> bool:
@@ -68,13 +69,17 @@ class StreamEvent:
         return out
 
     @classmethod
-    def parse(cls, raw: dict) -> StreamEvent:
+    def parse(cls, raw: dict, entry_id: bytes | str | None = None) -> StreamEvent:
+        """The event in a stream entry's fields; ``entry_id`` (``<ms>-<seq>``) tells when Redis took it (``at``)."""
+        at = None
+        if entry_id is not None:
+            at = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0]) / 1e3
         f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
              for k, v in raw.items()}
         return cls(type=f.get("type", "delta"), attempt=int(f.get("attempt", 0)), text=f.get("text", ""),
                    token_ids=json.loads(f.get("token_ids") or "[]"), status=f.get("status") or None,
                    finish_reason=f.get("finish_reason") or None, data=json.loads(f.get("data") or "{}"),
-                   offset=int(f["offset"]) if f.get("offset") else None)
+                   offset=int(f["offset"]) if f.get("offset") else None, at=at)
 
 
 def publish(pipe: Any, job_id: str, event: StreamEvent) -> None:

@@ -526,3 +526,40 @@ def test_a_rerun_that_goes_on_from_streamed_tokens_is_judged_on_pace_not_on_its_
     with session_scope(url) as s:
         job = s.get(Job, job_id)
         assert (job.status, job.attempt, job.completion_tokens) == ("succeeded", 2, 40)
+
+
+def test_a_reruns_metrics_are_the_answers_as_its_client_saw_them(settings, keys):
+    """Attempt 2 goes on from attempt 1's streamed tokens: it learns when the client got each of them (the stream's
+    entry times), and its finished job keeps attempt 1's first token as the answer's (TTFT, ``first_token_at``)."""
+    url = settings.sqlalchemy_url
+    worker = GpuWorker(settings)
+    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine_thread = worker.attach(engine)
+    with session_scope(url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=40,
+                                                                       ttft_ms=600_000, tbt_ms=600_000),
+                            settings, dispatch=False).job.id
+    worker.accept(job_id)
+    for _ in range(8):  # attempt 1 streams a few tokens
+        worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        first_at, created = job.first_token_at, job.created_at
+    assert first_at is not None
+    _lapse_and_requeue(settings, job_id)
+    worker.accept(job_id)  # attempt 1 is aborted first
+    worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    worker.accept(job_id)
+    second = worker.active.get(job_id)
+    assert second.lease.attempt == 2 and second.resumed is not None
+    assert len(second.request.delivered_times) == second.request.qos.delivered > 0
+    for _ in range(80):
+        worker.outbox.apply(engine_thread.iterate())
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt, job.completion_tokens) == ("succeeded", 2, 40)
+        assert abs((job.first_token_at - first_at).total_seconds()) < 1e-3  # not the rerun's own first token
+        assert job.ttft_s == pytest.approx((first_at - created).total_seconds(), abs=1e-3)
+        assert job.slo_met is True

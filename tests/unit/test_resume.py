@@ -76,3 +76,17 @@ def test_what_depends_on_where_the_prompt_ends_runs_from_scratch():
     # token logprobs go on from the streamed ones, where the stream has them for every produced token
     assert plan(SamplingParams(max_tokens=10, logprobs=1), [9], done, decode).logprobs == done.logprobs
     assert plan(SamplingParams(max_tokens=10, logprobs=1), [9], Streamed("The sea", (1, 2)), decode) is None
+
+
+def test_the_client_got_each_token_when_the_first_attempt_that_streamed_it_went_out():
+    """Attempt 2 went on from attempt 1's two tokens and streamed them again at its start: a client had them since
+    attempt 1 (the stream entries' times), the third since attempt 2."""
+    def at(ev: StreamEvent, t: float) -> StreamEvent:
+        ev.at = t
+        return ev
+
+    events = [at(delta(1, "The", [1], 0, 0), 10.0), at(delta(1, " sea", [2], 3, 1), 11.0),
+              at(delta(2, "The sea", [1, 2], 0, 0), 20.0), at(delta(2, " is", [3], 7, 2), 21.0)]
+    assert streamed(events, before=3).token_times == (10.0, 11.0, 21.0)
+    assert streamed(events[:3] + [delta(2, " is", [3], 7, 2)], before=3).token_times == ()  # one time unknown
+    assert StreamEvent.parse(StreamEvent("delta", 1, "x").fields(), b"1700000000123-4").at == 1700000000.123
