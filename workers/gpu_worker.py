@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 
 WEBHOOK_POLL_S = 1.0  # how often a worker looks for webhook deliveries that are due
 PUBLISH_WAIT_S = 1.0  # how long a rerun waits for its earlier attempt's stream events to go out of this worker
-LOOK_S = 0.25  # how often a batch job waiting for engine room looks for an interactive one to give way to
+LOOK_S = 0.25  # how often a worker waiting for batch room looks for an interactive job its reserve can take
 
 
 class GpuWorker:
@@ -226,44 +226,29 @@ class GpuWorker:
     def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY, queue: str | None = None) -> None:
         """Lease ``job_id`` (its message came on ``queue``) and add it to the engine; while the engine has no room for
         it (``workers.room``: an interactive job while ``max_inflight`` jobs are in line, a batch job while all but the
-        interactive reserve are), its message is not kept here:
-
-        * an interactive job's goes back to the head of the model's queue at once, and the worker takes no message
-          until it has room again: a worker of the model with room takes it meanwhile (held here, it waited for this
-          engine however many others had room), or this one takes it back as soon as it has room;
-        * a batch job waits here for batch room, and gives way to an interactive job waiting on this worker's queues:
-          it goes back to the head of its list (its place among the batch jobs), and the worker takes the
-          interactive one, which kombu hands out first.
+        interactive reserve are), its message is not kept here: it goes back to the head of its list on the model's
+        queue at once (its place kept), and the worker takes no message until it has room again (``_await_room``).
+        A worker of the model with room takes it meanwhile (held here, it waited for this engine however many others
+        had room), or this one takes it back as soon as it has room. A full worker hands back at most the one message
+        it took, so a message bounces once per full worker, not between them. A batch job's wait ends early where an
+        interactive job waits on this worker's queues and its reserve has room: the worker takes the interactive one,
+        which kombu hands out first.
         """
         back_to = self._queue_back(queue)
         if not self._without_earlier_attempt(job_id):
             send_back(self.settings.redis_url, job_id, back_to, priority)  # for when that attempt left
             return
-        if priority != BATCH_PRIORITY and not self._has_room(priority) and not self.stopping.is_set():
+        if not self._has_room(priority) and not (self.stopping.is_set() or self.shutting_down or self.draining):
             send_back(self.settings.redis_url, job_id, back_to, priority)
-            while not (self._has_room(priority) or self.stopping.is_set() or self.shutting_down):
-                time.sleep(0.02)  # no message in hand: the consumer fetches the next once there is room
+            self._await_room(priority)
             return
-        holding, look_at = False, 0.0
-        while not self._has_room(priority) or self.draining or self.shutting_down:
-            give_way = False
-            if priority == BATCH_PRIORITY and time.monotonic() >= look_at:
-                give_way, look_at = self._interactive_waiting(), time.monotonic() + LOOK_S
-            if self.stopping.is_set() or self.shutting_down or self.draining or give_way:
-                # hand it back for another worker (or the interactive job); a draining worker pauses so the
-                # message does not bounce between it and the broker
-                if self.draining:
-                    time.sleep(1.0)
-                if holding:
-                    self._hold(job_id, False)
-                send_back(self.settings.redis_url, job_id, back_to, priority)
-                return
-            if not holding:
-                # the message is unacked in our hands: if we die now, the sweeper sees our stale
-                # heartbeat on the row and resends the job instead of waiting for redelivery
-                self._hold(job_id, True)
-                holding = True
-            time.sleep(0.02)
+        if self.shutting_down or self.draining or not self._has_room(priority):
+            # hand it back for another worker; a draining worker pauses so the message does not bounce between it
+            # and the broker
+            if self.draining:
+                time.sleep(1.0)
+            send_back(self.settings.redis_url, job_id, back_to, priority)
+            return
         with session_scope(self.url, immediate=True) as s:
             lease = leases.acquire(s, job_id, self.worker_id, self.settings.lease_seconds)
             if lease is None:
@@ -367,6 +352,18 @@ class GpuWorker:
             time.sleep(0.02)
         return True
 
+    def _await_room(self, priority: int) -> None:
+        """Waits, with no message in hand, until the engine has room for a job of message ``priority`` (the consumer
+        fetches the next message then); a batch job's wait also ends where an interactive job waits on this worker's
+        queues and the interactive reserve has room for it (looked at every ``LOOK_S``)."""
+        look_at = time.monotonic() + LOOK_S
+        while not (self._has_room(priority) or self.stopping.is_set() or self.shutting_down):
+            if priority == BATCH_PRIORITY and time.monotonic() >= look_at:
+                if self._has_room(INTERACTIVE_PRIORITY) and self._interactive_waiting():
+                    return
+                look_at = time.monotonic() + LOOK_S
+            time.sleep(0.02)
+
     def _interactive_waiting(self) -> bool:
         """Whether an interactive job's message waits on one of the queues this worker reads."""
         try:
@@ -376,16 +373,6 @@ class GpuWorker:
             return any(pipe.execute())
         except redis.RedisError:
             return False
-
-    def _hold(self, job_id: str, held: bool) -> None:
-        """Marks (or unmarks) a still-dispatched job as held by this worker while it waits for room."""
-        try:
-            with session_scope(self.url, immediate=True) as s:
-                s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.DISPATCHED.value)
-                          .values(worker_id=self.worker_id if held else None)
-                          .execution_options(synchronize_session=False))
-        except Exception:  # best effort: without the mark the sweeper's age rule still recovers it
-            log.exception("could not record the holder of job %s", job_id)
 
     def _request(self, job: Job, session: Session) -> Request:
         ids = fed_prompt(self.settings, job)

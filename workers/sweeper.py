@@ -137,9 +137,10 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
     """Sends again the dispatched jobs whose message is lost, not merely old ones (a batch backlog
     keeps jobs dispatched for hours, and a copy per sweep would flood the queue):
 
-    * held: a worker took the message and waits for engine room (``worker_id`` on the dispatched
-      row); lost when that worker's heartbeat is stale (killed: the message sits unacked in Redis
-      until the visibility timeout);
+    * held: a worker marked the dispatched row (``worker_id``) as it waited for engine room with the message in
+      hand, as workers did before they handed such a message back at once (a mark an older worker left in a rolling
+      upgrade); lost when that worker's heartbeat is stale (killed: the message sits unacked in Redis until the
+      visibility timeout);
     * unheld, dispatched for ``resend_after_s``, and not in the model's queue (e.g. a worker died
       between taking the message and marking it, or Redis lost it).
     """

@@ -40,10 +40,12 @@ def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, 
 
     victims = wait_for(mid_generation, 60, "a job to be mid-generation")
 
-    def held_by_w1():  # the 5th message: taken by w1, unacked while it waits for engine room
+    def waiting_on_the_queue():  # w1's engine is full: the 5th message it took went back to the queue's head
         with session_scope(url) as s:
-            return s.scalars(select(Job.id).where(Job.status == "dispatched", Job.worker_id == "w1")).all()
-    held = wait_for(held_by_w1, 30, "w1 to mark the job it holds while its engine is full")
+            running = s.scalar(select(func.count()).select_from(Job).where(Job.status == "running"))
+            waiting = s.scalars(select(Job.id).where(Job.status == "dispatched", Job.worker_id.is_(None))).all()
+        return running == 4 and rds.llen("coserve.tiny") == len(waiting) == N_JOBS - 4 and waiting
+    held = wait_for(waiting_on_the_queue, 30, "w1 to run four jobs and hand the rest back")
     os.killpg(w1.pid, signal.SIGKILL)  # the worker and anything it started, no chance to clean up
     w1.wait(10)
     with session_scope(url) as s:
@@ -56,9 +58,9 @@ def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, 
     def taken_by_w2():
         with session_scope(url) as s:
             return all(s.get(Job, j).worker_id == "w2" for j in held)
-    # resent as soon as w1's heartbeat is stale (a lease), not after Redis's hour-long visibility
+    # on the queue, not in w1's hands: taken as soon as w2 starts, not after Redis's hour-long visibility
     # timeout or the sweeper's age rule (a minute): TTFT targets are seconds
-    wait_for(taken_by_w2, 120, "w2 to get the job w1 held")
+    wait_for(taken_by_w2, 120, "w2 to get the jobs w1 had no room for")
     assert time.monotonic() - restarted < 30
 
     def all_done():

@@ -67,3 +67,19 @@ def test_jobs_a_stopping_worker_gives_back_go_to_the_head_of_the_queue_oldest_fi
     send_job(settings.redis_url, "i9", settings.model_name, INTERACTIVE_PRIORITY)
     worker.stop(grace_s=0)
     assert _next_taken(settings, worker.queue, batch=False) == [older.job_id, newer.job_id, "i9"]
+
+
+def test_a_batch_job_on_a_worker_with_no_batch_room_goes_back_to_the_head_of_the_batch_list(settings, keys):
+    """The worker's batch room is full (not its interactive reserve): the batch message it took goes back at once,
+    ahead of b2 that came after it, for any worker of the model with batch room; this worker takes no message until
+    it has room, or until an interactive job its reserve can take waits (then it goes to take that one)."""
+    worker = _worker(settings, keys, max_inflight=2, in_line=1)
+    send_job(settings.redis_url, "b2", settings.model_name, BATCH_PRIORITY)
+    intake = threading.Thread(target=worker.accept, args=("b1", BATCH_PRIORITY), daemon=True)
+    intake.start()
+    wait_for(lambda: _next_taken(settings, worker.queue, batch=True) == ["b1", "b2"], 10, "b1 to go back")
+    assert intake.is_alive()  # no batch room yet: the consumer is held, with no message in hand
+    send_job(settings.redis_url, "i1", settings.model_name, INTERACTIVE_PRIORITY)
+    intake.join(10)
+    assert not intake.is_alive()
+    assert _next_taken(settings, worker.queue, batch=True) == ["b1", "b2"]  # nothing was leased on the way
