@@ -31,7 +31,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from app.db.models import INVALID_REQUEST, Job, JobStatus
-from app.services.dispatch import dispatch
+from app.services.dispatch import dispatch, send_back
 from app.services.streaming import USAGE, StreamEvent
 from app.services.transitions import as_utc, transition, utcnow
 from app.settings import Settings
@@ -382,8 +382,9 @@ class EngineThread:
         url, model = self.settings.redis_url, self.settings.model_name
 
         def write(s: Session) -> None:  # marked dispatched, then sent; a failed send leaves it for the sweeper
-            for job_id in job_ids:
-                dispatch(s, url, job_id, model, detail="requeued after an engine error")
+            # they ran, so they came before every message waiting: to the head, the first admitted taken first
+            for job_id in reversed(job_ids):
+                dispatch(s, url, job_id, model, detail="requeued after an engine error", send=send_back)
         return [Record(f"the resend of {len(job_ids)} jobs", write)]
 
     def _reconcile_if_due(self) -> list[Record]:

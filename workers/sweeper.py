@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus, WorkerState
 from app.services.lora_adapters import queue_models
-from app.services.dispatch import dispatch, send_back_all
+from app.services.dispatch import dispatch, send_back, send_back_all, send_to
 from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.streaming import StreamEvent, publish
@@ -71,13 +71,17 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
         log.warning("requeued %d jobs whose lease expired; failed %d on their last attempt",
                     result.requeued, result.failed)
     # queued: never sent (broker was down) or given back; a short grace lets the API send first
-    queued = session.execute(select(Job.id, Job.model, Job.kind).where(
+    queued = session.execute(select(Job.id, Job.model, Job.kind, Job.attempt).where(
         Job.status == JobStatus.QUEUED.value, Job.created_at < now - timedelta(seconds=queued_grace_s))
         .order_by(Job.created_at).limit(limit)).all()
     queues = queue_models(session, {j.model for j in queued})  # a runtime LoRA adapter's jobs: its model's queue
-    for job in queued:
+    # A job given back (it ran: its lease expired) goes to the head, the oldest ending first; one never sent (the
+    # broker was down) to the tail, in order: a bulk of them goes out over several sweeps, and at the head each
+    # sweep's share would go before the earlier ones still waiting
+    order = [(j, send_back) for j in reversed(queued) if j.attempt] + [(j, send_to) for j in queued if not j.attempt]
+    for job, send in order:
         if not dispatch(session, redis_url, job.id, queues[job.model], detail="sent by the sweeper",
-                        priority=message_priority(job.kind)):
+                        priority=message_priority(job.kind), send=send):
             break  # the broker is down: try again next sweep
         result.dispatched += 1
     result.rerouted = _reroute_orphaned(session, redis_url, now - timedelta(seconds=holder_stale_s))

@@ -8,6 +8,7 @@ never lost.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from uuid import uuid4
 
@@ -188,9 +189,11 @@ def send_dispatched(settings: Settings, jobs: list[Job]) -> None:
 
 
 def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None,
-             queue: str | None = None, priority: int | None = None) -> bool:
+             queue: str | None = None, priority: int | None = None,
+             send: Callable[[str, str, str, int], bool] = send_to) -> bool:
     """Mark a committed ``queued`` job ``dispatched``, then send it (commits) on ``queue`` (a queue name; None: the
-    model's) at ``priority`` (None: its kind's, read from its row).
+    model's) at ``priority`` (None: its kind's, read from its row), with ``send``: ``send_to`` (behind the messages
+    waiting) or ``send_back`` (a job given back: ahead of them, its place kept).
 
     Marking first keeps the events in order (a worker may lease the job as soon as the
     message lands); a failed send moves it back to ``queued`` for the sweeper.
@@ -203,7 +206,7 @@ def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, 
         return True  # someone else moved it on; nothing to send
     if priority is None:
         priority = message_priority(session.scalar(select(Job.kind).where(Job.id == job_id)))
-    if send_to(redis_url, job_id, queue or queue_name(model_name), priority):
+    if send(redis_url, job_id, queue or queue_name(model_name), priority):
         return True
     with write_guard(session):
         transition(session, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,

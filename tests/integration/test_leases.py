@@ -344,3 +344,24 @@ def test_jobs_rerouted_from_a_dead_workers_queue_keep_their_place_before_later_o
     with session_scope(url) as s:
         assert reroute(s, settings.redis_url, [worker_queue("w9")]) == 2
     assert _next_taken(r, "coserve.tiny") == [older, newer, "later"]
+
+
+def test_the_sweeper_sends_a_job_whose_lease_expired_to_the_head_and_one_never_sent_to_the_tail(settings, keys):
+    """A job that ran (its worker died) came before every message waiting; one the broker refused at submission is
+    sent in its turn, behind them (a bulk of them goes out over several sweeps, each in order)."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.services.transitions import utcnow
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    ran, unsent = _job(settings, keys), _job(settings, keys)
+    with session_scope(url) as s:
+        assert leases.acquire(s, ran, "w1", lease_s=30) is not None
+        s.execute(update(Job).where(Job.id == ran).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    send_job(settings.redis_url, "later", "tiny")
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, queued_grace_s=0)
+    assert (result.requeued, result.dispatched) == (1, 2)
+    assert _next_taken(r, "coserve.tiny") == [ran, "later", unsent]

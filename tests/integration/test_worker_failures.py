@@ -91,6 +91,23 @@ def test_engine_error_requeues_jobs_and_fails_only_the_exhausted(settings, keys)
     assert details[-2:] == [f"engine error on {worker.worker_id}; requeued", "requeued after an engine error"]
 
 
+def test_jobs_requeued_after_an_engine_error_go_to_the_head_first_admitted_first(settings, keys):
+    """The jobs an engine error gave back ran before every message waiting: their resend puts them at the head of
+    the model's queue, in the order the engine took them, ahead of a message sent while they ran."""
+    from app.services.dispatch import send_job
+    from tests.integration.test_worker_room import _next_taken
+
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Engine(lambda: 0))
+    with session_scope(settings.sqlalchemy_url) as s:
+        principal = authenticate(s, keys.paid)
+        first, second = (submit_job(s, principal, JobCreate(prompt=p, max_tokens=4), settings, dispatch=False).job.id
+                         for p in ("first", "second"))  # queued, as an engine error's give-back leaves them
+    send_job(settings.redis_url, "later", settings.model_name)
+    worker.outbox.apply(StepRecords(records=engine_thread._resend([first, second])))
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [first, second, "later"]
+
+
 def test_a_worker_on_the_own_engine_does_not_start_with_lora_adapters(settings):
     """The own engine serves no adapters: a worker set to serve some on it stops at start, saying why, rather
     than answer their requests with the model alone."""
