@@ -33,7 +33,6 @@ from typing import Any
 import redis
 from celery.signals import worker_shutting_down
 from celery.utils.nodenames import host_format
-from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from app.batch.storage import delete_expired_files
