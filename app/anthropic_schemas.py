@@ -26,7 +26,8 @@ from app.tool_calls import Answer, read_answer
 ENDPOINT = "/v1/messages"
 # a chat field named in an error -> the Messages field the client wrote
 MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.format",
-                  "reasoning_effort": "output_config.effort", "thinking_token_budget": "thinking.budget_tokens"}
+                  "reasoning_effort": "output_config.effort", "thinking_token_budget": "thinking.budget_tokens",
+                  "user": "metadata.user_id"}
 # Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows). coserve's 503
 # (no worker for the model, the store or broker away) is Anthropic's overloaded_error in kind: come back shortly
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

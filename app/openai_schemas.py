@@ -218,7 +218,8 @@ class SamplingFields(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: Text | None = None
+    user: Text | None = Field(None, max_length=256)  # the end user, as safety_identifier (OpenAI's older name)
+    safety_identifier: Text | None = Field(None, max_length=256)  # OpenAI's: the end user (the Usage API's user_id)
     prompt_cache_key: Text | None = Field(None, max_length=1024)  # OpenAI's: routes alike requests to one cache
 
     @field_validator("stop")
@@ -348,6 +349,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         common = dict(model=self.model, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                       tier=self.job_tier(tiers), app_id=self.app_id, prompt_cache_key=self.prompt_cache_key,
+                      user=self.safety_identifier or self.user,
                       max_tokens=self.max_completion_tokens or self.max_tokens,
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,

@@ -26,6 +26,7 @@ from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 # what a Responses request takes as chat does (coserve's QoS, vLLM's sampling extensions, OpenAI's own)
 SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "user", "stream",
+                 "safety_identifier",
                  "service_tier", "parallel_tool_calls", "ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "tier",
                  "app_id", "ignore_eos", "chat_template_kwargs", "structured_outputs", "include_reasoning",
                  "prompt_cache_key", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
@@ -38,7 +39,8 @@ NAMED_CHOICE = '{"type": "function", "name": ...}'  # the Responses API's form o
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
-        "text", "background", "truncation", "reasoning", "user", "top_logprobs", "max_tool_calls")
+        "text", "background", "truncation", "reasoning", "user", "top_logprobs", "max_tool_calls",
+        "safety_identifier")
 
 
 def response_id(job_id: str) -> str:
@@ -64,6 +66,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     metadata: Metadata | None = None
     user: Text | None = None  # (chat reads it too)
+    safety_identifier: Text | None = None  # (chat reads it too: the job's end user)
     store: bool = True
     background: bool | None = None  # answered at once (queued); GET polls it, POST .../cancel stops it
     stream: bool | None = None  # (chat reads it too)
@@ -398,6 +401,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"),
         "truncation": kept.get("truncation") or "disabled",
         "usage": None, "metadata": kept.get("metadata") or {}, "user": kept.get("user"),
+        "safety_identifier": kept.get("safety_identifier"),
         "top_logprobs": kept.get("top_logprobs"), "max_tool_calls": kept.get("max_tool_calls"), "completed_at": None}
     if state == "completed":  # (a stream's last event is written before the job's end is stored)
         body["completed_at"] = int(as_utc(job.finished_at).timestamp()) if job.finished_at else int(time.time())

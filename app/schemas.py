@@ -131,6 +131,9 @@ class JobCreate(BaseModel):
     prompt_cache_key: Text | None = Field(None, max_length=1024, description=(
         "OpenAI's: requests that give the same key go to the same worker, whose prefix cache holds what they "
         "share (prefix routing; without it a chat's opening messages are the key)"))
+    user: Text | None = Field(None, max_length=256, description=(
+        "the client's end user (OpenAI's safety_identifier or user, Anthropic's metadata.user_id): the Usage API "
+        "groups and filters by it (user_id)"))
     # QoS: interactive jobs have TTFT/TBT targets, batch jobs a deadline
     ttft_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-to-first-token target")
     tbt_ms: float | None = Field(None, gt=0, le=MAX_TARGET_MS, description="time-between-tokens target")

@@ -34,8 +34,9 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
                 bucket_width: Literal["1m", "1h", "1d"] = "1d",
                 project_ids: Annotated[list[str] | None, Query(description="tenant ids (an admin key's choice)")]
                 = None,
-                user_ids: Annotated[list[str] | None, Query(description="OpenAI's; jobs record no user, so "
-                                                                        "refused (400) rather than ignored")]
+                user_ids: Annotated[list[str] | None, Query(description="the requests' end users (their "
+                                                                        "safety_identifier, user or Anthropic "
+                                                                        "metadata.user_id)")]
                 = None,
                 api_key_ids: Annotated[list[str] | None, Query(description="keys that submitted the jobs")]
                 = None,
@@ -47,9 +48,6 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
     end = int(time.time()) + 1 if end_time is None else end_time  # exclusive: the jobs of this very second count
     if end <= start_time:
         raise OpenAIError(400, f"end_time ({end}) must come after start_time ({start_time})", param="end_time")
-    if user_ids:  # OpenAI's filter by the users of an organization: ignoring it would report everyone's usage
-        raise OpenAIError(400, "jobs record no user id, so usage cannot be filtered by user; leave user_ids out "
-                          "(api_key_ids filters by the key that submitted them)", param="user_ids")
     default, most = BUCKETS_PER_PAGE[bucket_width]
     if limit is not None and limit > most:
         raise OpenAIError(400, f"limit is at most {most} buckets of {bucket_width}", param="limit")
@@ -70,7 +68,8 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
                               param="project_ids", code="forbidden")
         tenants = (principal.tenant_id,)
     query = UsageQuery(start_time, end, bucket_width, limit or default, first, groups, tenants,
-                       tuple(api_key_ids) if api_key_ids else None, tuple(models) if models else None, batch)
+                       tuple(user_ids) if user_ids else None, tuple(api_key_ids) if api_key_ids else None,
+                       tuple(models) if models else None, batch)
     if page is not None and first >= query.buckets:  # no next_page names it: the range has no bucket there
         raise OpenAIError(400, f"page {page!r} is past the range's {query.buckets} buckets", param="page")
     return completions_usage(session, query, lambda tier: service_tier(tier, settings.tiers))

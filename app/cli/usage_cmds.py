@@ -13,7 +13,8 @@ from app.cli.output import kept, list_table, other, print_json, print_table, whe
 
 console = Console()
 
-GROUPS = ("project_id", "api_key_id", "model", "batch", "service_tier")  # app/services/usage.py's (not imported: SQL)
+# app/services/usage.py's (not imported: SQL)
+GROUPS = ("project_id", "user_id", "api_key_id", "model", "batch", "service_tier")
 NUMBERS = ("num_model_requests", "input_tokens", "input_cached_tokens", "output_tokens", "num_slo_met",
            "num_slo_missed", "num_relegated")
 HEADERS = ("requests", "input", "cached", "output", "SLO met", "missed", "relegated")

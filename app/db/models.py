@@ -96,6 +96,7 @@ class Job(Base):
         Index("ix_jobs_settled", "model", "settled_at", "finished_at"),  # /metrics: ends settled since its totals
         Index("ix_jobs_tenant_request", "tenant_id", "request_id"),  # a tenant's jobs by the request that sent them
         Index("ix_jobs_request", "request_id"),  # any tenant's (the admin dashboard's search)
+        Index("ix_jobs_user_created", "user_id", "created_at"),  # the Usage API's user_ids filter, by time
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -105,6 +106,8 @@ class Job(Base):
     # choice), by which the line's answer joins them; None for a line's only job
     choice_index: Mapped[int | None] = mapped_column(Integer, default=None)
     api_key_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the key that submitted it (usage by key)
+    # the client's end user: OpenAI's safety_identifier (or its older user), Anthropic's metadata.user_id (usage)
+    user_id: Mapped[str | None] = mapped_column(String(256), default=None)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
     # the submitting request's X-Request-Id (given by the client, or made by the API: app.request_id)
     request_id: Mapped[str | None] = mapped_column(String(256), default=None)

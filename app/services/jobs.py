@@ -182,7 +182,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
               app_id=spec.app_id, prompt=prompt, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
               endpoint=endpoint, stream=spec.stream,
               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
-              api_key_id=principal.key_id or None, request_id=request_id.current(),
+              api_key_id=principal.key_id or None, user_id=spec.user, request_id=request_id.current(),
               status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0, counts_request=True,
               counts_prompt=True,
               messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,

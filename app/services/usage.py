@@ -3,8 +3,10 @@
 Counts the jobs an engine ran (those with an output token count: a job's prompt tokens are counted at submission, so
 a job cancelled or refused before it ran has them too; one cancelled while it ran counts what it produced before the
 cancel, or its prompt with no output where the engine had begun only that), by when they were submitted: input,
-cached input and output tokens and requests, grouped by tenant (OpenAI's project), API key, model, batch or service
-tier; coserve adds how many met their SLO, missed it and were relegated, counted by job (each choice of a request).
+cached input and output tokens and requests, grouped by tenant (OpenAI's project), end user (the request's
+``safety_identifier`` / ``user``, Anthropic's ``metadata.user_id``; null for a job without one), API key, model, batch
+or service tier; coserve adds how many met their SLO, missed it and were relegated, counted by job (each choice of a
+request).
 Summed in SQL, so a month of jobs costs one grouped query.
 """
 
@@ -22,7 +24,7 @@ from app.db.models import Job
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 BUCKETS_PER_PAGE = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # OpenAI's default and largest page
-GROUPS = ("project_id", "api_key_id", "model", "batch", "service_tier")  # what a job records (no user id)
+GROUPS = ("project_id", "user_id", "api_key_id", "model", "batch", "service_tier")  # what a job records
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class UsageQuery:
     first: int = 0  # index of this page's first bucket
     group_by: tuple[str, ...] = ()
     tenant_ids: tuple[str, ...] | None = None  # None: every tenant
+    user_ids: tuple[str, ...] | None = None  # the requests' end users
     api_key_ids: tuple[str, ...] | None = None
     models: tuple[str, ...] | None = None
     batch: bool | None = None  # only Batch API jobs (True) or none of them (False)
@@ -61,7 +64,7 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     lo, hi = q.start + q.first * q.seconds, min(q.end, q.start + last * q.seconds)
     dialect = session.get_bind().dialect.name
     bucket = ((epoch(Job.created_at, dialect) - q.start) // q.seconds).label("bucket")
-    columns = {"project_id": Job.tenant_id, "api_key_id": Job.api_key_id, "model": Job.model,
+    columns = {"project_id": Job.tenant_id, "user_id": Job.user_id, "api_key_id": Job.api_key_id, "model": Job.model,
                "batch": Job.batch_id.is_not(None), "service_tier": Job.tier}
     keys = [columns[g].label(g) for g in q.group_by]
     # a request of n choices or several prompts: one request, each prompt's tokens once (OpenAI's usage); a job that
@@ -77,6 +80,8 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     stmt = stmt.where(or_(ran, Job.slo_met.is_not(None)), Job.created_at >= _at(lo), Job.created_at < _at(hi))
     if q.tenant_ids is not None:
         stmt = stmt.where(Job.tenant_id.in_(q.tenant_ids))
+    if q.user_ids is not None:
+        stmt = stmt.where(Job.user_id.in_(q.user_ids))
     if q.api_key_ids is not None:
         stmt = stmt.where(Job.api_key_id.in_(q.api_key_ids))
     if q.models is not None:

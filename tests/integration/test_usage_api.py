@@ -37,7 +37,7 @@ def jobs(db_url, keys):
         common = {"kind": "interactive", "sampling": {}, "status": "succeeded"}
         s.add_all([
             Job(tenant_id=acme, tier="paid", model="tiny", created_at=at(3600), prompt_tokens=100,
-                completion_tokens=10, cached_tokens=64, slo_met=True, **common),
+                completion_tokens=10, cached_tokens=64, slo_met=True, user_id="user_ada", **common),
             Job(tenant_id=acme, tier="free", model="tiny", created_at=at(7200), prompt_tokens=50,
                 completion_tokens=5, cached_tokens=0, slo_met=False, relegation_count=1, batch_id="batch_1",
                 **common),
@@ -90,6 +90,43 @@ def test_grouped_and_filtered(client, keys, jobs):
     assert [[x["input_tokens"] for x in b["results"]] for b in r.json()["data"]] == [[], [30], []]
 
 
+def test_grouped_and_filtered_by_user(client, keys, jobs):
+    """OpenAI's group_by=user_id and user_ids: the requests' end users, null for the jobs that named none."""
+    r = get(client, keys.admin, group_by=["user_id"])
+    assert r.status_code == 200, r.text
+    assert [sorted(((x["user_id"] or ""), x["input_tokens"]) for x in b["results"]) for b in r.json()["data"]] == [
+        [("", 50), ("user_ada", 100)], [("", 30)], []]
+    r = get(client, keys.admin, user_ids=["user_ada", "user_nobody"])
+    assert r.status_code == 200, r.text
+    assert [[(x["user_id"], x["input_tokens"]) for x in b["results"]] for b in r.json()["data"]] == [
+        [(None, 100)], [], []]  # filtered, not grouped: user_id stays null, as OpenAI's
+    r = get(client, keys.other, user_ids=["user_ada"])  # globex's key: acme's user is not its usage
+    assert [b["results"] for b in r.json()["data"]] == [[], [], []]
+
+
+def test_a_request_records_its_end_user(client, keys, settings):
+    """The end user a request names (Responses' safety_identifier or user, chat's user, Anthropic's
+    metadata.user_id) is its job's, and the Usage API groups by it once the job ran."""
+    H = {"Authorization": f"Bearer {keys.paid}"}
+    body = {"model": settings.model_name, "input": "hi", "background": True, "max_output_tokens": 2}
+    for extra in ({"safety_identifier": "user_sid", "user": "user_old"}, {"user": "user_old"}, {}):
+        r = client.post("/v1/responses", json={**body, **extra}, headers=H)
+        assert r.status_code == 200, r.text
+        assert r.json()["safety_identifier"] == extra.get("safety_identifier")
+    r = client.post("/v1/responses", json={**body, "safety_identifier": "u" * 257}, headers=H)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "safety_identifier", r.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        ran = s.scalars(select(Job)).all()
+        assert sorted(j.user_id or "" for j in ran) == ["", "user_old", "user_sid"]
+        for j in ran:
+            j.prompt_tokens, j.completion_tokens = 7, 2
+        start = int(min(j.created_at for j in ran).timestamp())
+    r = client.get(URL, params={"start_time": start, "group_by": "user_id"}, headers=H)
+    assert r.status_code == 200, r.text
+    assert sorted((x["user_id"] or "", x["num_model_requests"]) for b in r.json()["data"] for x in b["results"]) == [
+        ("", 1), ("user_old", 1), ("user_sid", 1)]
+
+
 def test_a_tenant_key_sees_its_own_usage_only(client, keys, jobs):
     acme, globex = jobs
     r = get(client, keys.paid, group_by=["project_id"])
@@ -119,8 +156,7 @@ def test_hour_buckets_come_in_pages(client, keys, jobs):
 
 @pytest.mark.parametrize("params, param", [
     ({"end_time": T0}, "end_time"),
-    ({"group_by": ["user_id"]}, "group_by"),
-    ({"user_ids": ["user_1"]}, "user_ids"),  # OpenAI's filter: ignored, it would count every user's usage
+    ({"group_by": ["user"]}, "group_by"),
     ({"limit": 32}, "limit"),
     ({"bucket_width": "1w"}, "bucket_width"),
     ({"page": "elsewhere"}, "page"),

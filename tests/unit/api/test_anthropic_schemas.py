@@ -84,6 +84,19 @@ def test_anthropics_service_tiers_are_taken():
     assert standard.tier == auto.tier == unset.tier  # the key's own tier
 
 
+def test_the_end_user_is_the_jobs_as_on_chat():
+    """Anthropic's metadata.user_id, OpenAI chat's safety_identifier (else user): the job's end user (Usage API)."""
+    from app.openai_schemas import ChatCompletionRequest
+    _, spec = chat_of(messages=[ASK], metadata={"user_id": "user_ada"})
+    assert spec.user == "user_ada"
+    with pytest.raises(OpenAIError) as exc:
+        chat_of(messages=[ASK], metadata={"user_id": "u" * 257})
+    assert exc.value.param == "metadata.user_id"
+    for body, user in (({"user": "old"}, "old"), ({"user": "old", "safety_identifier": "sid"}, "sid"), ({}, None)):
+        chat = ChatCompletionRequest.model_validate({"model": "tiny", "messages": [ASK], **body})
+        assert chat.job_spec(messages=chat.chat_messages()).user == user
+
+
 def test_usage_counts_the_prompt_apart_as_read_written_and_neither():
     from app.anthropic_schemas import usage_of
     # Anthropic's total input is input_tokens + cache_read_input_tokens + cache_creation_input_tokens
