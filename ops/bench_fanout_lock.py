@@ -12,7 +12,13 @@ It prints each probe's latency (p50/p99/max) and failures during the fan-out. Wi
 other code, e.g. the commit before a change) it runs the same measurement with that code too and prints both side
 by side.
 
+``--mode cancel`` fans the batch out first (unprobed) and probes while the batch is cancelled instead
+(``POST /v1/batches/{id}/cancel``: every job stopped, then its fan-in); ``--mode expire`` while the sweeper's fan-in
+(``workers.batch_tasks.finalize_open_batches``) expires a batch whose completion window has ended. The "fan-out s"
+column is then that operation's seconds.
+
     python ops/bench_fanout_lock.py --lines 10000,50000 --baseline /tmp/old-checkout
+    python ops/bench_fanout_lock.py --lines 50000 --mode cancel
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,11 +63,11 @@ def _probe(name: str, stop: threading.Event, interval: float, once, out: dict) -
                  **_percentiles(lat)}
 
 
-def measure(lines: int, interval: float) -> dict:
+def measure(lines: int, interval: float, mode: str = "fanout") -> dict:
     """One run with the code on ``sys.path``; returns the figures."""
     sys.path.insert(0, os.environ.get("COSERVE_CODE", str(ROOT)))
     from fastapi.testclient import TestClient
-    from sqlalchemy import func, select, text
+    from sqlalchemy import func, select, text, update
 
     from app.auth import clear_cache
     from app.db.migrate import upgrade
@@ -96,24 +103,48 @@ def measure(lines: int, interval: float) -> dict:
                     s.execute(text("UPDATE jobs SET lease_expires_at = CURRENT_TIMESTAMP WHERE id = :id"),
                               {"id": probe_job})
 
+            def create_batch():
+                return client.post("/v1/batches", headers=auth, json={"input_file_id": file_id,
+                                                                     "endpoint": "/v1/completions",
+                                                                     "completion_window": "24h"})
+
+            if mode != "fanout":  # the batch's jobs are there (unprobed) before the measured operation
+                r = create_batch()
+                batch_id = r.json()["id"]
+                if mode == "expire":
+                    with session_scope(db_url) as s:
+                        s.execute(update(Batch).where(Batch.id == batch_id).values(
+                            expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+
+            def operation():
+                if mode == "cancel":
+                    return client.post(f"/v1/batches/{batch_id}/cancel", headers=auth)
+                if mode == "expire":
+                    from workers.batch_tasks import finalize_open_batches
+
+                    finalize_open_batches(db_url, settings.data_dir, redis_url)
+                    return r
+                return create_batch()
+
             stop, out = threading.Event(), {}
             probes = [threading.Thread(target=_probe, args=(n, stop, interval, f, out))
                       for n, f in (("submit", submit), ("worker", worker_write))]
             t0 = time.perf_counter()
             for p in probes:
                 p.start()
-            r = client.post("/v1/batches", headers=auth, json={"input_file_id": file_id,
-                                                               "endpoint": "/v1/completions",
-                                                               "completion_window": "24h"})
-            fanout_s = time.perf_counter() - t0  # the background fan-out ends before TestClient answers
+            r = operation()
+            fanout_s = time.perf_counter() - t0  # a background fan-out ends before TestClient answers
             stop.set()
             for p in probes:
                 p.join()
         with session_scope(db_url) as s:
             batch = s.get(Batch, r.json()["id"])
             jobs = s.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch.id))
+            ended = s.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch.id,
+                                                                         Job.status.in_(("cancelled", "expired"))))
             status = batch.status
-        return {"lines": lines, "fanout_s": fanout_s, "batch": status, "jobs": jobs, **out}
+        return {"lines": lines, "mode": mode, "fanout_s": fanout_s, "batch": status, "jobs": jobs, "ended": ended,
+                **out}
     finally:
         terminate_group([redis_proc])
 
@@ -122,7 +153,8 @@ def _row(label: str, fig: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{v * 1000:8.0f}"
 
-    cells = [f"{label:<9}", f"{fig['fanout_s']:7.1f}", f"{fig['batch']:<11}", f"{fig['jobs']:>6}"]
+    cells = [f"{label:<9}", f"{fig['fanout_s']:7.1f}", f"{fig['batch']:<11}", f"{fig['jobs']:>6}",
+             f"{fig['ended']:>6}"]
     for probe in ("submit", "worker"):
         p = fig[probe]
         cells += [f"{p['n']:>4}", ms(p["p50"]), ms(p["p99"]), ms(p["max"]), f"{p['failed']:>4}"]
@@ -133,22 +165,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", default="10000", help="comma-separated line counts")
     ap.add_argument("--interval", type=float, default=0.1, help="seconds between a probe's writes")
+    ap.add_argument("--mode", choices=("fanout", "cancel", "expire"), default="fanout",
+                    help="what is probed: the batch's fan-out, its cancel, or its expiry by the sweeper")
     ap.add_argument("--baseline", help="a checkout of other code to measure too (e.g. before a change)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child run: print one run's JSON
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one, args.interval)))
+        print("RESULT " + json.dumps(measure(args.one, args.interval, args.mode)))
         return
     runs = [("baseline", args.baseline)] if args.baseline else []
     runs.append(("this", str(ROOT)))
-    header = ("code      | fan-out s | batch       |   jobs | submit n/p50 ms/p99/max/failed"
+    header = ("code      | fan-out s | batch       |   jobs |  ended | submit n/p50 ms/p99/max/failed"
               " | worker n/p50 ms/p99/max/failed")
     rows = []
     for n in (int(x) for x in args.lines.split(",")):
         for label, code in runs:  # each run in its own process, importing that checkout's code
             env = dict(os.environ, PYTHONPATH=code, COSERVE_CODE=code)
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(n),
-                                   "--interval", str(args.interval)], env=env, capture_output=True, text=True,
+                                   "--interval", str(args.interval), "--mode", args.mode], env=env,
+                                  capture_output=True, text=True,
                                   cwd=code)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:

@@ -124,6 +124,11 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     if counts.pending and window_over:
         stop_jobs(session, batch_id, JobStatus.EXPIRED, "the batch's completion window ended", redis_url)
         counts = _counts(session, batch_id)
+    elif counts.pending and batch.status == "cancelling":
+        # a cancel stops the jobs a chunk a transaction (stop_job_ids): one that died partway left the rest runnable,
+        # and the sweeper's call here stops them (a live cancel's remaining chunks find them ended: guarded updates)
+        stop_jobs(session, batch_id, JobStatus.CANCELLED, "cancelled with its batch", redis_url)
+        counts = _counts(session, batch_id)
     # judged from the jobs, not from whether this call stopped them: a concurrent caller (the
     # worker's sweeper, another poll) may have expired them between our two reads
     expired = window_over and counts.expired_jobs > 0

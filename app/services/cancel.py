@@ -5,6 +5,8 @@ many at once (a batch's, a summarization run's) in bulk, without waiting for the
 
 from __future__ import annotations
 
+import time
+
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus
@@ -15,6 +17,10 @@ from app.services.transitions import ACTIVE, NOT_TERMINAL, cancel_stamps, transi
 from app.settings import Settings
 
 STOP_CHUNK = 500  # jobs a transaction: SQLite caps one statement's parameters, and others may write in between
+# after a chunk, SQLite's write lock is let go as long as the chunk held it (at most this): a writer in SQLite's busy
+# wait (a worker's, which polls in steps of up to 100 ms) or queued on write_guard's lock (a submission; Python's lock
+# is not fair) gets its turn, instead of finding the next chunk's transaction there again (as the batch fan-out)
+STOP_PAUSE_S = 0.2
 
 
 def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
@@ -35,19 +41,34 @@ def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
 def stop_job_ids(session: Session, ids: list[str], to: JobStatus, detail: str, redis_url: str | None) -> int:
     """Moves each of these jobs that has not ended to ``to`` (cancelled/expired), ``STOP_CHUNK`` jobs a transaction;
     the workers running any are told to abort them."""
-    return sum(_stop_chunk(session, ids[i:i + STOP_CHUNK], to, detail, redis_url)
-               for i in range(0, len(ids), STOP_CHUNK))
+    pause = session.get_bind().dialect.name == "sqlite"  # PostgreSQL locks rows: nobody waits on the others
+    stopped, held = 0, 0.0
+    for i in range(0, len(ids), STOP_CHUNK):
+        if i and pause:
+            let_others_write(held)
+        moved, held = _stop_chunk(session, ids[i:i + STOP_CHUNK], to, detail, redis_url)
+        stopped += moved
+    return stopped
 
 
-def _stop_chunk(session: Session, ids: list[str], to: JobStatus, detail: str, redis_url: str | None) -> int:
+def let_others_write(held_s: float) -> None:
+    """Between two chunks: SQLite's write lock let go as long as the last chunk held it, at most STOP_PAUSE_S."""
+    time.sleep(min(held_s, STOP_PAUSE_S))
+
+
+def _stop_chunk(session: Session, ids: list[str], to: JobStatus, detail: str,
+                redis_url: str | None) -> tuple[int, float]:
+    """The jobs stopped, and the seconds their transaction held the write lock."""
     values = {**cancel_stamps(utcnow()), "lease_expires_at": None, "finish_reason": to.value}
     if to == JobStatus.EXPIRED:
         values["slo_met"] = False  # its deadline passed
     # End the read transaction the caller's last read (or the previous chunk's announce) opened: a deferred
     # transaction that read and then writes fails at once ("database is locked") if a worker committed in between.
     with write_after_read(session):
+        took = time.monotonic()
         moved = transition_many(session, Job.id.in_(ids), NOT_TERMINAL, to, detail=detail, values=values)
         session.commit()
+        held = time.monotonic() - took
     # a job not yet running needs no word: a worker's lease of it finds it ended, and its stream's readers ask SQL
     announce_cancels(redis_url, [(m.job_id, m.attempt) for m in moved if m.left in ACTIVE], to.value)
-    return len(moved)
+    return len(moved), held

@@ -39,10 +39,18 @@ def test_stopping_a_batchs_jobs_survives_a_worker_committing_between_them(db_url
         with sqlite3.connect(path, timeout=15) as worker:
             worker.execute("UPDATE jobs SET completion_tokens = ? WHERE id = ?", (len(announced), other_id))
 
+    pauses = []
+
+    def let_others_write(held_s):  # the lock let go between chunks, as long as the chunk before held it
+        assert 0 < held_s and len(pauses) == len(announced) - 1  # after a chunk's commit and its announce
+        pauses.append(held_s)
+
     monkeypatch.setattr(cancelling, "announce_cancels", announce_then_a_worker_writes)
+    monkeypatch.setattr(cancelling, "let_others_write", let_others_write)
     monkeypatch.setattr(cancelling, "STOP_CHUNK", 1)  # a transaction per job
     with session_scope(db_url) as s:
         assert finalize.stop_jobs(s, batch_id, JobStatus.CANCELLED, "cancelled with its batch", "redis://unused") == 3
+    assert len(pauses) == 2  # between the three chunks, not after the last
     with session_scope(db_url) as s:
         assert sorted(s.get(Job, j.id).status for j in jobs) == ["cancelled"] * 3
         assert s.get(Job, other_id).completion_tokens == 3

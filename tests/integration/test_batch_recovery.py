@@ -78,6 +78,38 @@ def test_a_batch_left_finalizing_by_a_dead_writer_is_finalized_by_the_sweeper(cl
     assert _output_files(settings, batch_id) == [batch["error_file_id"]]
 
 
+def test_a_batch_cancel_that_died_partway_is_finished_by_the_sweeper(client, keys, settings, monkeypatch):
+    """A batch's cancel stops its jobs a chunk a transaction; one whose process died after the first chunk leaves the
+    batch cancelling with runnable jobs, which the sweeper's fan-in cancels before it finalizes the batch."""
+    from app.services import cancel as cancelling
+
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}}) for i in range(3)]
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", "\n".join(lines).encode())}).json()
+    batch_id = client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "1h"}).json()["id"]
+
+    def dies(*_args):  # the process dies once its first chunk committed
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(cancelling, "STOP_CHUNK", 1)
+    monkeypatch.setattr(cancelling, "announce_cancels", dies)
+    with session_scope(settings.sqlalchemy_url) as s, pytest.raises(SystemExit):
+        finalize.cancel_batch(s, s.get(Batch, batch_id), settings.data_dir, None)
+    monkeypatch.undo()
+
+    def statuses() -> list[str]:
+        with session_scope(settings.sqlalchemy_url) as s:
+            return sorted(s.scalars(select(Job.status).where(Job.batch_id == batch_id)))
+
+    assert statuses() == ["cancelled", "dispatched", "dispatched"]  # two still runnable
+    assert finalize_open_batches(settings.sqlalchemy_url, settings.data_dir, None) == [batch_id]
+    assert statuses() == ["cancelled"] * 3
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+
+
 def test_a_writer_whose_finalizing_was_taken_over_writes_nothing(client, keys, settings, monkeypatch):
     real_new_file = finalize.new_file
     taken_over: list[list[str]] = []
