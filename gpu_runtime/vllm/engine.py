@@ -303,6 +303,9 @@ class VLLMEngine:
                 raise ValueError(f"LoRA adapter {req.lora_name!r} could not be loaded from {req.lora_path}: "
                                  f"{exc}") from exc
             log.info("loaded LoRA adapter %r (id %d) from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+            # a new adapter may have evicted another from vLLM's LoRA cache: forget those no held request uses
+            self.loras.prune(self.llm.list_loras(),
+                             ((r.lora_name, r.lora_path, r.lora_version) for r in self.requests.values()))
         return lora
 
     def _sampling(self, req: Request) -> Any:

@@ -7,6 +7,7 @@ loads an adapter when a request first asks for it and batches requests of differ
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,9 @@ class LoraRegistry:
     An adapter unloaded (or replaced) is not removed from the engine: vLLM's own unload does not either, and its
     LoRA cache holds at most ``max_cpu_loras`` adapters, evicting the least recently used, which an unloaded one
     soon is. Removing it at once could pull it from under a request that began before the unload (vLLM would load
-    it from disk again mid-run, from a directory the admin may have deleted)."""
+    it from disk again mid-run, from a directory the admin may have deleted). Once vLLM's cache has let it go and
+    no request uses it, ``prune`` drops its entry: ``loaded`` stays as small as that cache, not one entry for every
+    version ever served."""
 
     def __init__(self, modules: dict[str, str], runtime: bool) -> None:
         self.fixed = lora_requests(modules)
@@ -92,6 +95,14 @@ class LoraRegistry:
         self.loaded[key] = LoRARequest(name, self._next_id, key[1])
         self._next_id += 1
         return self.loaded[key], True
+
+    def prune(self, cached: set[int], live: Iterable[tuple[str | None, str | None, float]]) -> None:
+        """Drops the runtime adapters that vLLM's LoRA cache no longer holds (``cached``: its adapter ids, as
+        ``LLMEngine.list_loras`` lists them) and that none of the ``live`` requests (name, path, version) uses. A
+        request that names a dropped one again gets a new id, and vLLM loads it from disk, as it would have for the
+        old id, which its cache had evicted."""
+        used = {(name, path or "", version) for name, path, version in live if name is not None}
+        self.loaded = {key: lora for key, lora in self.loaded.items() if lora.lora_int_id in cached or key in used}
 
     def forget(self, name: str, path: str | None, version: float = 0.0) -> None:
         """Drops an adapter whose load failed, so a later request tries again."""

@@ -1,0 +1,32 @@
+"""The vLLM engine's LoRA registry: runtime adapters get ids per version, and the entries of those vLLM's LoRA cache
+has evicted (an unloaded or replaced version) are dropped, so the registry stays as small as that cache."""
+
+from __future__ import annotations
+
+from gpu_runtime.vllm.lora import LoraRegistry
+
+
+def test_versions_vllm_no_longer_holds_are_dropped_unless_a_request_uses_them():
+    registry = LoraRegistry({}, runtime=True)
+    ids = {}
+    for version in range(1, 101):  # an adapter reloaded 100 times (new weights each time)
+        lora, new = registry.request("ada", "/adapters/ada", float(version))
+        assert new
+        ids[version] = lora.lora_int_id
+    assert registry.request("ada", "/adapters/ada", 100.0) == (registry.loaded[("ada", "/adapters/ada", 100.0)],
+                                                               False)
+    # vLLM's cache (max_cpu_loras 2) holds the last two; a request still running holds version 7
+    registry.prune({ids[99], ids[100]}, [("ada", "/adapters/ada", 7.0), (None, None, 0.0)])
+    assert sorted(registry.loaded) == [("ada", "/adapters/ada", v) for v in (7.0, 99.0, 100.0)]
+    assert registry.request("ada", "/adapters/ada", 7.0) == (registry.loaded[("ada", "/adapters/ada", 7.0)], False)
+    registry.prune({ids[100]}, [])  # that request ended, and vLLM evicted 99
+    assert list(registry.loaded) == [("ada", "/adapters/ada", 100.0)]
+    again, new = registry.request("ada", "/adapters/ada", 99.0)  # named again: a new id, loaded from disk again
+    assert new and again.lora_int_id not in ids.values()
+
+
+def test_the_adapters_the_engine_started_with_are_kept():
+    registry = LoraRegistry({"fixed": "/adapters/fixed"}, runtime=True)
+    registry.prune(set(), [])
+    lora, new = registry.request("fixed", None)
+    assert not new and lora.lora_int_id == 1
