@@ -484,6 +484,14 @@ class KeyPublic(BaseModel):
     created_at: UtcDatetime
 
 
+class KeyCreate(BaseModel):
+    """A new key of a tenant (``POST /v1/admin/tenants/{id}/keys``): its tier and whether it is an admin key."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field would make a key of the tenant's tier unasked
+    tier: Text | None = Field(None, description="the key's tier; unset: the tenant's default tier")
+    admin: bool = Field(False, description="an admin key (the dashboard's actions and every tenant's usage)")
+
+
 class KeyCreated(BaseModel):
     tenant_id: str
     key_id: str

@@ -4,8 +4,9 @@ revoke."""
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Request, status
+from fastapi import APIRouter, HTTPException, Query, Request, status
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -16,7 +17,7 @@ from app.auth import announce_revocation, create_key, create_tenant
 from app.batch.finalize import cancel_batch
 from app.db.session import write_after_read
 from app.db.models import ApiKey, Batch, Job, JobStatus, Tenant
-from app.schemas import KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic, TenantUpdate
+from app.schemas import KeyCreate, KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic, TenantUpdate
 from app.services.cancel import stop_job_ids
 from app.services.transitions import NOT_TERMINAL
 from app.settings import Settings
@@ -109,12 +110,23 @@ def _cancel_open_work(session: Session, settings: Settings, tenant_id: str) -> N
 @router.post("/tenants/{tenant_id}/keys", response_model=KeyCreated, status_code=status.HTTP_201_CREATED,
              responses=responses(404))
 def create_key_route(tenant_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
-                     tier: str | None = None, admin: bool = False) -> KeyCreated:
+                     body: KeyCreate | None = None,
+                     tier: Annotated[str | None, Query(deprecated=True, description="the body's tier")] = None,
+                     admin: Annotated[bool, Query(deprecated=True, description="the body's admin")] = False,
+                     ) -> KeyCreated:
+    """A key of the tenant, of the body's ``tier`` (unset: the tenant's default tier), an admin key where ``admin``
+    is true. The query parameters of the same names, read before the body was, still work where no body is sent."""
     tenant = session.scalar(select(Tenant).where(Tenant.id == tenant_id))
     if tenant is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
+    where = "query"
+    if body is not None:
+        if tier is not None or admin:
+            raise unprocessable("give tier and admin in the JSON body, not also as query parameters", "query",
+                                "tier" if tier is not None else "admin")
+        tier, admin, where = body.tier, body.admin, "body"
     if tier is not None and tier not in settings.tiers:
-        raise unprocessable(f"unknown tier {tier!r}; choose one of {list(settings.tiers)}", "query", "tier")
+        raise unprocessable(f"unknown tier {tier!r}; choose one of {list(settings.tiers)}", where, "tier")
     with write_after_read(session):
         key, plaintext = create_key(session, tenant, tier=tier, is_admin=admin)
         session.commit()

@@ -76,6 +76,31 @@ def test_admin_routes(client, keys):
     assert client.post("/v1/admin/tenants", json={"name": "initech"}, headers=H(keys.admin)).status_code == 409
 
 
+def test_a_tenants_new_key_takes_its_tier_and_admin_from_the_json_body(client, keys):
+    """The body an admin sends, as for creating a tenant: a key asked for as free is a free key, never the
+    tenant's default (paid) tier because the field went unread; a misspelt field or an unknown tier is a 422."""
+    tenant = client.post("/v1/admin/tenants", json={"name": "umbrella"}, headers=H(keys.admin)).json()
+    url = f"/v1/admin/tenants/{tenant['tenant_id']}/keys"
+    r = client.post(url, json={"tier": "free"}, headers=H(keys.admin))
+    assert r.status_code == 201 and r.json()["tier"] == "free" and r.json()["is_admin"] is False, r.text
+    job = submit(client, r.json()["api_key"])
+    assert job.status_code == 201 and job.json()["tier"] == "free"
+    r = client.post(url, json={"admin": True}, headers=H(keys.admin))
+    assert r.status_code == 201 and r.json()["is_admin"] is True and r.json()["tier"] == "paid", r.text
+    r = client.post(url, json={"tier": "gold"}, headers=H(keys.admin))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "tier"], r.text
+    assert "choose one of ['free', 'paid']" in r.text
+    r = client.post(url, json={"teir": "free"}, headers=H(keys.admin))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "teir"], r.text
+    r = client.post(url, params={"tier": "paid"}, json={"tier": "free"}, headers=H(keys.admin))
+    assert r.status_code == 422 and "JSON body" in r.text, r.text
+    assert client.post(url, params={"tier": "free"}, headers=H(keys.admin)).json()["tier"] == "free"  # as before
+    assert client.post(url, headers=H(keys.admin)).json()["tier"] == "paid"  # no body: the tenant's tier
+    listed = client.get(url, headers=H(keys.admin)).json()
+    assert [(k["tier"], k["is_admin"]) for k in listed] == [(None, False), ("free", False), (None, True),
+                                                            ("free", False), (None, False)]
+
+
 def test_keys_stored_as_hashes(client, keys, settings):
     from app.db.models import ApiKey
 
