@@ -33,6 +33,8 @@ def register(cli: typer.Typer) -> None:
         """Tokens and requests the engines ran, and how many met their SLO, per time bucket (the Usage API)."""
         from app.cli.service_cmds import _client_config, _request, admin_key
 
+        if bucket not in PAGE:  # checked here: the API's 400 would also name the page size this command derives
+            raise typer.BadParameter(f"{bucket!r}: choose {', '.join(PAGE)}", param_hint="--bucket")
         url, key = _client_config(url, admin_key() if admin and key is None else key)
         params: dict[str, Any] = {"start_time": int(time.time() - days * 86400), "bucket_width": bucket,
                                   "group_by": by or [], "limit": PAGE.get(bucket)}

@@ -39,4 +39,6 @@ def test_usage_shows_each_tenants_tokens_and_slos(live_server, keys, settings):
     total = next(line for line in res.output.splitlines() if line.strip().startswith("total")).split()
     assert total == ["total", "2", "200", "0", "14", "1", "1", "0"], res.output  # acme's own: not globex's
     res = run.invoke(cli, ["usage", "--url", live_server, "--key", keys.paid, "--bucket", "1w"])
-    assert res.exit_code == 1 and "bucket_width" in res.output, res.output
+    # a usage error that names the option given and its choices, not the page size the command sends with it
+    assert res.exit_code == 2 and "--bucket" in res.output and "choose 1m, 1h, 1d" in res.output, res.output
+    assert "limit" not in res.output, res.output
