@@ -452,7 +452,8 @@ class TenantUpdate(TenantLimits):
 
 class TenantCreate(TenantLimits):
     name: Text = Field(min_length=1, max_length=200)
-    default_tier: Text = "paid"
+    default_tier: Text | None = Field(None, description="the tier of its keys that name none; unset: "
+                                                        "COSERVE_DEFAULT_TIER")
     admin: bool = Field(False, description="the first key is an admin key")
 
 

@@ -33,11 +33,12 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=CheckedRoute,
              responses=responses(409, 413))
 def create_tenant_route(body: TenantCreate, session: SessionDep, settings: SettingsDep,
                         _admin: AdminPrincipal) -> KeyCreated:
-    if body.default_tier not in settings.tiers:
-        raise unprocessable(f"unknown tier {body.default_tier!r}; choose one of {list(settings.tiers)}",
+    default_tier = settings.default_tier if body.default_tier is None else body.default_tier
+    if default_tier not in settings.tiers:
+        raise unprocessable(f"unknown tier {default_tier!r}; choose one of {list(settings.tiers)}",
                             "body", "default_tier")
     try:
-        tenant = create_tenant(session, body.name, body.default_tier)
+        tenant = create_tenant(session, body.name, default_tier)
         for field in TenantLimits.model_fields:
             setattr(tenant, field, getattr(body, field))
         key, plaintext = create_key(session, tenant, is_admin=body.admin)

@@ -101,6 +101,23 @@ def test_a_tenants_new_key_takes_its_tier_and_admin_from_the_json_body(client, k
                                                             ("free", False), (None, False)]
 
 
+def test_a_tenant_created_without_a_tier_gets_coserve_default_tier(settings, keys):
+    """COSERVE_DEFAULT_TIER is the tier of a tenant that names none, through the admin API as through `coserve up`
+    and `coserve keys create`: a deployment that sells free access by default does not hand out paid keys."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    settings.default_tier = "free"
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/v1/admin/tenants", json={"name": "hooli"}, headers=H(keys.admin))
+        assert r.status_code == 201 and r.json()["tier"] == "free", r.text
+        job = submit(client, r.json()["api_key"])
+        assert job.status_code == 201 and job.json()["tier"] == "free", job.text
+        r = client.post("/v1/admin/tenants", json={"name": "pied-piper", "default_tier": "paid"}, headers=H(keys.admin))
+        assert r.status_code == 201 and r.json()["tier"] == "paid", r.text
+
+
 def test_keys_stored_as_hashes(client, keys, settings):
     from app.db.models import ApiKey
 
