@@ -281,6 +281,16 @@ def _show_job(job: dict[str, Any], as_json: bool) -> None:
         console.print(job["output_text"], markup=False)
 
 
+def _from_settings(field: str) -> str:
+    """Where an option's value comes from when it is not given: its setting's variable, else the setting's default
+    (read from app/settings.py, so the help cannot drift from it)."""
+    from app.settings import Settings
+
+    default = Settings.model_fields[field].default
+    shown = f"./{default}" if isinstance(default, Path) and not default.is_absolute() else default
+    return f"default: COSERVE_{field.upper()}, else {shown}"
+
+
 def http_url(host: str, port: int) -> str:
     """The API's URL for ``host`` (an IPv6 address in brackets; all interfaces: this machine's loopback)."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
@@ -309,11 +319,13 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         ctx: typer.Context,
         demo: Annotated[bool, typer.Option("--demo", help="submit a demo job once ready and print its text")] = False,
         exit_after_demo: Annotated[bool, typer.Option("--exit-after-demo", help="stop after the demo")] = False,
-        host: Annotated[str | None, typer.Option(help="API host")] = None,
-        port: Annotated[int | None, typer.Option(help="API port")] = None,
-        data_dir: Annotated[Path | None, typer.Option(help="SQLite, Redis data, logs, credentials")] = None,
-        model: Annotated[str | None, typer.Option(help="'smollm2-135m' or a checkpoint directory")] = None,
-        device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
+        host: Annotated[str | None, typer.Option(help=f"API host ({_from_settings('host')})")] = None,
+        port: Annotated[int | None, typer.Option(help=f"API port ({_from_settings('port')})")] = None,
+        data_dir: Annotated[Path | None, typer.Option(
+            help=f"SQLite, Redis data, logs, credentials ({_from_settings('data_dir')})")] = None,
+        model: Annotated[str | None, typer.Option(
+            help=f"'smollm2-135m' or a checkpoint directory ({_from_settings('model')})")] = None,
+        device: Annotated[str | None, typer.Option(help=f"auto | cpu | cuda ({_from_settings('device')})")] = None,
         api_workers: Annotated[int | None, typer.Option(
             help="uvicorn worker processes (default: 2 with 2+ CPUs; one process tops out near 700 submissions/s)"
         )] = None,
@@ -419,9 +431,11 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     @cli.command(context_settings=VLLM_OPTIONS)
     def worker(
         ctx: typer.Context,
-        model: Annotated[str | None, typer.Option(help="'smollm2-135m' or a checkpoint directory")] = None,
-        device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
-        worker_id: Annotated[str | None, typer.Option(help="default: host-pid")] = None,
+        model: Annotated[str | None, typer.Option(
+            help=f"'smollm2-135m' or a checkpoint directory ({_from_settings('model')})")] = None,
+        device: Annotated[str | None, typer.Option(
+            help=f"auto | cpu | cuda | cuda:N ({_from_settings('device')})")] = None,
+        worker_id: Annotated[str | None, typer.Option(help="default: COSERVE_WORKER_ID, else host-pid")] = None,
     ) -> None:
         """Run one long-lived GPU worker (needs REDIS_URL and the database URL). Options after these go to its vLLM
         engine, as `vllm serve` takes them (e.g. --tensor-parallel-size 2 --gpu-memory-utilization 0.85)."""

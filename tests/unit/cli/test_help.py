@@ -29,3 +29,17 @@ def test_a_docstring_paragraph_wraps_as_one():
     assert "coserve batch create or coserve summarize talk to it (credentials from coserve up" in out, out
     limits = runner.invoke(cli, ["keys", "limits", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}).output
     assert "API processes apply a rate limit's change within seconds" in limits, limits
+
+
+def test_up_and_worker_say_what_their_options_default_to():
+    """`coserve up --help` named no host, port or data directory, so a user had to read the code to learn that it
+    serves 127.0.0.1:8000 from ./data (or what COSERVE_* says)."""
+    runner = CliRunner()
+    env = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+    up = " ".join(runner.invoke(cli, ["up", "--help"], env=env).output.split())
+    for shown in ("default: COSERVE_HOST, else 127.0.0.1", "default: COSERVE_PORT, else 8000",
+                  "default: COSERVE_DATA_DIR, else ./data", "default: COSERVE_MODEL, else smollm2-135m",
+                  "default: COSERVE_DEVICE, else auto"):
+        assert shown in up, up
+    worker = " ".join(runner.invoke(cli, ["worker", "--help"], env=env).output.split())
+    assert "default: COSERVE_MODEL, else smollm2-135m" in worker and "COSERVE_WORKER_ID, else host-pid" in worker
