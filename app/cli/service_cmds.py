@@ -96,7 +96,7 @@ def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
     url = url or creds.get("url") or "http://127.0.0.1:8000"
     key = key or creds.get("api_key")
     if not key:
-        raise typer.BadParameter("no API key: pass --key, set COSERVE_API_KEY, or run `coserve up` first")
+        raise typer.BadParameter(f"no API key: pass --key, set COSERVE_API_KEY, or {_where_up_saves_keys()}")
     return url.rstrip("/"), key
 
 
@@ -104,8 +104,18 @@ def admin_key() -> str:
     """The admin key ``coserve up`` saved in its credentials (``COSERVE_ADMIN_KEY`` first)."""
     key = os.environ.get("COSERVE_ADMIN_KEY") or _saved_credentials().get("admin_key")
     if not key:
-        raise typer.BadParameter("no admin key: pass --key, set COSERVE_ADMIN_KEY, or run `coserve up` first")
+        raise typer.BadParameter(f"no admin key: pass --key, set COSERVE_ADMIN_KEY, or {_where_up_saves_keys()}")
     return key
+
+
+def _where_up_saves_keys() -> str:
+    """The end of a "no key" message: where the keys `coserve up` saved were looked for, which is where a command
+    run outside that directory looked in vain."""
+    from app.credentials import credentials_path
+
+    path = credentials_path(_settings().data_dir).resolve()
+    return (f"run this where `coserve up` ran (no {path}; COSERVE_DATA_DIR names its data directory), or run "
+            "`coserve up` first")
 
 
 def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str, Any]:

@@ -134,3 +134,15 @@ def test_keys_limits_refuses_a_limit_over_what_the_api_and_sql_hold(tmp_path):
     assert res.exit_code == 2 and "2147483647" in res.output, res.output
     res = CliRunner().invoke(cli, ["keys", "limits", "--tenant", "a", "--tokens-per-minute", str(2**31 - 1)], env=env)
     assert res.exit_code == 0 and "2147483647 tokens per minute" in res.output, res.output
+
+
+def test_a_client_command_outside_the_servers_directory_says_where_it_looked_for_the_keys(tmp_path, monkeypatch):
+    """`coserve jobs` run away from `coserve up`'s directory said only "run `coserve up` first", which the user had
+    done: it names the file it looked for and COSERVE_DATA_DIR."""
+    monkeypatch.chdir(tmp_path)
+    for args in (["jobs"], ["usage", "--admin"]):
+        res = CliRunner().invoke(cli, args, env={"COLUMNS": "300", "COSERVE_API_KEY": None, "COSERVE_ADMIN_KEY": None,
+                                                 "COSERVE_DATA_DIR": None})
+        out = " ".join(res.output.replace("│", " ").split())
+        assert res.exit_code == 2 and f"no {tmp_path.resolve() / 'data' / 'credentials.json'}" in out, res.output
+        assert "COSERVE_DATA_DIR names its data directory" in out, res.output
