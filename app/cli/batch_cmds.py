@@ -147,6 +147,9 @@ def list_(limit: Annotated[int, typer.Option(min=1, max=100, help="how many batc
     if as_json:
         print_json(page)
         return
+    if not page["data"]:  # not a table of headers alone
+        console.print("no batches")
+        return
     print_table(console, _batch_table(page["data"]))
 
 

@@ -525,6 +525,9 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         if as_json:
             print_json(page)
             return
+        if not page["data"]:  # not a table of headers alone
+            console.print(" ".join(w for w in ("no", status_, kind, "jobs") if w))
+            return
         print_table(console, _jobs_table(page["data"]))
 
     @keys_app.command("create")

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from rich.console import Console
 from typer.testing import CliRunner
@@ -44,16 +44,17 @@ def _api() -> FastAPI:
     api = FastAPI()
 
     @api.get("/v1/jobs")
-    def jobs() -> dict[str, Any]:
-        return {"object": "list", "data": [_job(1), _job(2)], "next_cursor": None}
+    def jobs(status: str | None = None) -> dict[str, Any]:
+        return {"object": "list", "data": [] if status == "running" else [_job(1), _job(2)], "next_cursor": None}
 
     @api.post("/v1/jobs")
     def submit(body: JobCreate) -> dict[str, Any]:
         return _job(1)
 
     @api.get("/v1/batches")
-    def batches(limit: int = 20) -> dict[str, Any]:
-        return {"object": "list", "data": [_batch()], "has_more": False}
+    def batches(request: Request, limit: int = 20) -> dict[str, Any]:
+        none = request.headers.get("authorization") == "Bearer no-batches"  # a tenant that made none
+        return {"object": "list", "data": [] if none else [_batch()], "has_more": False}
 
     return api
 
@@ -68,6 +69,7 @@ def api(monkeypatch) -> TestClient:
 
     def init(self: batch_cmds.Api, url: str | None, key: str | None) -> None:
         self.url, self.http = url, client
+        client.headers["Authorization"] = f"Bearer {key}"  # as Api sends it
 
     monkeypatch.setattr(service_cmds.httpx, "request", request)
     monkeypatch.setattr(batch_cmds.Api, "__init__", init)
@@ -108,6 +110,14 @@ def test_batch_list_at_80_columns_and_as_json(api):
     res = CliRunner().invoke(cli, ["batch", "list", "--json", *AUTH], env=NARROW)
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["data"][0]["id"] == BATCH_ID
+
+
+def test_an_empty_list_says_so_instead_of_printing_bare_headers(api):
+    res = CliRunner().invoke(cli, ["jobs", "--status", "running", "--kind", "batch", *AUTH], env=NARROW)
+    assert res.exit_code == 0 and res.output.strip() == "no running batch jobs", res.output
+    res = CliRunner().invoke(cli, ["batch", "list", "--url", "http://coserve.test", "--key", "no-batches"],
+                             env=NARROW)
+    assert res.exit_code == 0 and res.output.strip() == "no batches", res.output
 
 
 def test_jobs_json_is_the_api_page(api):
