@@ -150,7 +150,7 @@ def _job_table(job: dict[str, Any]) -> Table:
             ("tokens (prompt / completion)", f"{job.get('prompt_tokens')} / {job.get('completion_tokens')}"),
             ("TTFT / TTLT (s)", f"{_fmt(m.get('ttft_s'))} / {_fmt(m.get('ttlt_s'))}"),
             ("TBT p50 / p99 (ms)", f"{_fmt(m.get('tbt_p50_s'), 1e3)} / {_fmt(m.get('tbt_p99_s'), 1e3)}"),
-            ("SLO met", str(m.get("slo_met")))]
+            ("SLO met", _slo_met(job, m.get("slo_met")))]
     why = slo_explanation(job)
     if why:
         rows.append(("first missed deadline", why))
@@ -160,6 +160,15 @@ def _job_table(job: dict[str, Any]) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _slo_met(job: dict[str, Any], met: bool | None) -> str:
+    """"SLO met" as the job has it, or why it has none (a table cell read "None")."""
+    if met is not None:
+        return str(met)
+    if job["status"] not in TERMINAL:
+        return f"not yet ({job['status']})"
+    return f"not judged ({job['status']})"  # only a job that produced its answer is judged
 
 
 def slo_explanation(job: dict[str, Any]) -> str | None:

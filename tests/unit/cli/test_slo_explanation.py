@@ -153,3 +153,18 @@ def test_coserve_status_prints_the_first_missed_deadline(monkeypatch):
     assert "first missed deadline" in res.output
     assert "token 3 was due 0.700 s after arrival (TTFT 500 ms + 2 x TBT 100 ms) and came at 0.750 s: 50.0 ms late" in (
         " ".join(res.output.split()))
+
+
+def test_coserve_status_says_why_a_job_has_no_slo_verdict(monkeypatch):
+    """A cancelled or running job's "SLO met" read "None"; it says the job is not judged, or not yet."""
+    req = _finished(interactive("r", ttft=0.5, tbt=0.1, max_tokens=4), [0.4, 0.6, 0.75, 1.2])
+    for status, shown in (("cancelled", "not judged (cancelled)"), ("running", "not yet (running)")):
+        job = _job(req, output_text="hi", relegation_count=0)
+        job["status"], job["metrics"]["slo_met"], job["metrics"]["slo_miss"] = status, None, None
+
+        def request(method: str, url: str, job=job, **kw: Any) -> httpx.Response:
+            return httpx.Response(200, json=job, request=httpx.Request(method, url))
+
+        monkeypatch.setattr(service_cmds.httpx, "request", request)
+        res = CliRunner().invoke(cli, ["status", JOB_ID, "--url", "http://coserve.test", "--key", "k"])
+        assert res.exit_code == 0 and shown in res.output and "None" not in res.output, res.output
