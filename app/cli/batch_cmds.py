@@ -118,6 +118,9 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         warn_without_workers(api.url)
         b = _follow(api, b["id"])
         print_table(console, _batch_table([b]))
+        if failed := b["request_counts"]["failed"]:  # the table's count alone does not say where the reasons are
+            console.print(f"[yellow]{failed} of {b['request_counts']['total']} requests failed[/yellow]: `coserve "
+                          f"batch results {b['id']} --errors FILE` saves why")
         if b["status"] != "completed":  # failed, expired or cancelled: a script goes no further
             raise typer.Exit(1)
 

@@ -115,6 +115,8 @@ def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     r = run.invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "-w", "2h", "--wait", *auth])
     assert r.exit_code == 0, r.output
     batch_id = r.output.split("batch ")[1].split()[0]
+    # the line that failed is not only a count in the table: the command says where its reason is
+    assert f"1 of 4 requests failed: `coserve batch results {batch_id} --errors FILE` saves why" in _flat(r.output)
     b = httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
     assert b["status"] == "completed" and b["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
     r = run.invoke(cli, ["batch", "list", *auth])
