@@ -310,6 +310,13 @@ def _from_settings(field: str) -> str:
     return f"default: COSERVE_{field.upper()}, else {shown}"
 
 
+def not_ready(api_url: str, checks: Any) -> str:
+    """What `coserve up` saw of its API when it gave up waiting: what ``/readyz`` said, or that it never answered."""
+    if checks is None:
+        return f"the API never answered {api_url}/readyz (still starting, or stopped: its log says which)"
+    return f"/readyz said: {checks}"
+
+
 def http_url(host: str, port: int) -> str:
     """The API's URL for ``host`` (an IPv6 address in brackets; all interfaces: this machine's loopback)."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
@@ -419,8 +426,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     console.print(f"[red]{', '.join(dead)} exited during start-up; see {data / 'logs'}[/red]")
                     raise typer.Exit(1)
                 if time.monotonic() - t0 > start_timeout:
-                    console.print(f"[red]not ready after {start_timeout:.0f}s[/red]; /readyz said: "
-                                  f"{escape(str(checks))}; see {data / 'logs'}")
+                    console.print(f"[red]not ready after {start_timeout:.0f}s[/red]; "
+                                  f"{escape(not_ready(api_url, checks))}; see {data / 'logs'}")
                     raise typer.Exit(1)
                 try:
                     r = httpx.get(api_url + "/readyz", timeout=2)

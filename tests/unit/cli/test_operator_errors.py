@@ -51,6 +51,16 @@ def test_up_refuses_a_data_directory_another_up_serves_from_before_starting_anyt
     hold_data_dir(tmp_path, "http://127.0.0.1:8001").close()  # free again once the first stopped
 
 
+def test_up_that_gives_up_says_what_readyz_said_or_that_the_api_never_answered():
+    from app.cli.service_cmds import not_ready
+
+    # it printed "/readyz said: None" where the API had not answered at all
+    assert not_ready("http://127.0.0.1:8000", None) == ("the API never answered http://127.0.0.1:8000/readyz (still "
+                                                        "starting, or stopped: its log says which)")
+    assert not_ready("http://127.0.0.1:8000", {"workers": "error: no live worker"}) == (
+        "/readyz said: {'workers': 'error: no live worker'}")
+
+
 def test_the_api_url_brackets_an_ipv6_host_and_reaches_all_interfaces_through_loopback():
     assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("::", 8000) == "http://[::1]:8000"
     assert http_url("0.0.0.0", 8000) == "http://127.0.0.1:8000" and http_url("api.local", 80) == "http://api.local:80"
