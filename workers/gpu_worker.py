@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 from app.batch.storage import delete_expired_files
 from app.services.webhooks import delete_settled, deliver_due
 from app.db.migrate import upgrade
-from app.embedded import redis_silent
+from app.embedded import recorded_redis_url, redis_silent
 from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.observability import engine_metrics
@@ -522,10 +522,20 @@ def _wait_for_redis(url: str, wait_s: float = 30.0) -> None:
         raise SystemExit(f"Redis at REDIS_URL does not answer ({silent}); start it or fix the URL")
 
 
+def no_redis_url(settings: Settings) -> str:
+    """Why a worker without REDIS_URL does not start, and the URL to give it where `coserve up` serves from its data
+    directory (a second worker beside it, the usual reason to run one there)."""
+    recorded = recorded_redis_url(settings.data_dir)
+    if recorded is None:
+        return "REDIS_URL is not set; start Redis (or use `coserve up`) and export REDIS_URL"
+    return (f"REDIS_URL is not set; `coserve up` recorded its Redis at {recorded} in {settings.data_dir.resolve()}: "
+            f"to serve beside it, REDIS_URL={recorded} coserve worker")
+
+
 def run_worker(settings: Settings) -> None:
     """``coserve worker``: migrate, load the model, consume the model's queue until stopped."""
     if not settings.redis_url:
-        raise SystemExit("REDIS_URL is not set; start Redis (or use `coserve up`) and export REDIS_URL")
+        raise SystemExit(no_redis_url(settings))
     _wait_for_redis(settings.redis_url)  # before the model loads: minutes lost to a typo in the URL otherwise
     # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a CPU shared with the API
     # and Redis, spinning threads stalled every parallel region (bench_spec_engine with one core busy:

@@ -61,6 +61,19 @@ def test_up_that_gives_up_says_what_readyz_said_or_that_the_api_never_answered()
         "/readyz said: {'workers': 'error: no live worker'}")
 
 
+def test_a_worker_without_redis_url_names_the_redis_coserve_up_recorded_in_its_data_directory(tmp_path):
+    """A second worker beside `coserve up` (`coserve worker` in its directory) was told only to export REDIS_URL,
+    whose value `coserve up` had chosen itself and recorded."""
+    from app.embedded import record_redis_url
+
+    env = {"COSERVE_DATA_DIR": str(tmp_path), "REDIS_URL": None, "COLUMNS": "300"}
+    res = CliRunner().invoke(cli, ["worker"], env=env)
+    assert res.exit_code == 1 and "REDIS_URL is not set; start Redis" in str(res.exception), res.exception
+    record_redis_url(tmp_path, "redis://127.0.0.1:6390/0")
+    res = CliRunner().invoke(cli, ["worker"], env=env)
+    assert res.exit_code == 1 and "REDIS_URL=redis://127.0.0.1:6390/0 coserve worker" in str(res.exception), res
+
+
 def test_the_api_url_brackets_an_ipv6_host_and_reaches_all_interfaces_through_loopback():
     assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("::", 8000) == "http://[::1]:8000"
     assert http_url("0.0.0.0", 8000) == "http://127.0.0.1:8000" and http_url("api.local", 80) == "http://api.local:80"
