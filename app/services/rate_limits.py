@@ -150,7 +150,12 @@ class Decision:
         if not self.allowed and not self.too_large:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
             out["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
-        return out
+        return out | self._final()
+
+    def _final(self) -> dict[str, str]:
+        """A request too large for the minute's tokens fails the same way however long the client waits: the header
+        the OpenAI and Anthropic SDKs read before retrying a 429 tells them not to."""
+        return {"x-should-retry": "false"} if not self.allowed and self.too_large else {}
 
     def anthropic_headers(self, now: float | None = None) -> dict[str, str]:
         """The same state as Anthropic's ``anthropic-ratelimit-*`` headers (docs.anthropic.com/en/api/rate-limits):
@@ -163,7 +168,7 @@ class Decision:
             out[f"anthropic-ratelimit-{name}-reset"] = _rfc3339(math.ceil(now + until_full))
         if not self.allowed and not self.too_large:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
-        return out
+        return out | self._final()
 
 
 def _rfc3339(epoch_s: float) -> str:

@@ -159,6 +159,7 @@ def test_a_rate_limit_refusal_is_a_rate_limit_error_with_anthropics_headers(live
     refused = exc.value.response
     assert exc.value.body["error"]["type"] == "rate_limit_error" and "request too large" in exc.value.message
     assert refused.headers["anthropic-ratelimit-tokens-limit"] == "5"
+    assert refused.headers["x-should-retry"] == "false"  # too large for any minute: its SDK does not retry it
     assert not [h for h in refused.headers if h.startswith("x-ratelimit-")]
     # the error names its request, in the body (request_id) and the header (the SDK's request_id)
     assert exc.value.request_id == refused.headers["request-id"] == exc.value.body["request_id"]

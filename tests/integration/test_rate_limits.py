@@ -104,6 +104,16 @@ def test_the_api_answers_429_over_a_tenants_limits(client, keys):
                                              "background": True}, headers=H(keys.paid))
     assert big.status_code == 429 and "request too large" in big.json()["error"]["message"]
     assert big.json()["error"]["type"] == "tokens" and "retry-after" not in big.headers
+    # waiting never makes it fit: the official client, which retries a 429 twice by default, sends it once
+    sent = []
+    client.event_hooks["request"].append(sent.append)
+    try:
+        with pytest.raises(openai.RateLimitError, match="request too large"):
+            openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=keys.paid, http_client=client).responses.create(
+                model="tiny", input="hi", max_output_tokens=100, background=True)
+    finally:
+        client.event_hooks["request"].remove(sent.append)
+    assert len(sent) == 1 and big.headers["x-should-retry"] == "false"
     fits = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 16,
                                               "background": True}, headers=H(keys.paid))
     assert fits.status_code == 200, fits.text
