@@ -485,10 +485,13 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     @cli.command()
     def submit(
         prompt: Annotated[str, typer.Argument(help="the user message (or raw prompt with --raw)")],
-        tbt_ms: Annotated[float | None, typer.Option(help="interactive: time-between-tokens target")] = None,
-        ttft_ms: Annotated[float | None, typer.Option(help="interactive: time-to-first-token target")] = None,
+        tbt_ms: Annotated[float | None, typer.Option(help="interactive: time-between-tokens target (default: the "
+                                                          "API's COSERVE_DEFAULT_TBT_MS)")] = None,
+        ttft_ms: Annotated[float | None, typer.Option(help="interactive: time-to-first-token target (default: the "
+                                                           "API's COSERVE_DEFAULT_TTFT_MS)")] = None,
         batch: Annotated[bool, typer.Option("--batch", help="a batch job with a deadline")] = False,
-        deadline_s: Annotated[float | None, typer.Option(help="batch: seconds from now")] = None,
+        deadline_s: Annotated[float | None, typer.Option(help="batch: seconds from now (default: the API's "
+                                                              "COSERVE_DEFAULT_BATCH_WINDOW_S)")] = None,
         max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate (default: the API's)")] = None,
         tier: Tier = None,
         raw: Annotated[bool, typer.Option("--raw", help="send as a raw prompt (no chat template)")] = False,

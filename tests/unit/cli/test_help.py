@@ -43,3 +43,12 @@ def test_up_and_worker_say_what_their_options_default_to():
         assert shown in up, up
     worker = " ".join(runner.invoke(cli, ["worker", "--help"], env=env).output.split())
     assert "default: COSERVE_MODEL, else smollm2-135m" in worker and "COSERVE_WORKER_ID, else host-pid" in worker
+
+
+def test_submit_says_where_the_targets_it_leaves_out_come_from():
+    """`coserve submit --batch` without --deadline-s, or an interactive job without --ttft-ms / --tbt-ms, runs with
+    the API's defaults; the help named none of them."""
+    out = CliRunner().invoke(cli, ["submit", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}).output
+    flat = " ".join(out.split())
+    for setting in ("COSERVE_DEFAULT_TBT_MS", "COSERVE_DEFAULT_TTFT_MS", "COSERVE_DEFAULT_BATCH_WINDOW_S"):
+        assert f"(default: the API's {setting})" in flat, out
