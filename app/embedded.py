@@ -140,10 +140,12 @@ class Supervisor:
 
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.logs: dict[str, tuple[Path, int]] = {}  # a child's log and its size when the child started
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")
+        self.logs[name] = (log_path, out.tell())
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((name, proc))
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
@@ -154,6 +156,17 @@ class Supervisor:
 
     def dead(self) -> list[str]:
         return [name for name, p in self.procs if p.poll() is not None]
+
+    def last_words(self, name: str) -> str | None:
+        """The last line the child ``name`` wrote to its log in this run (where a Python process that died says why:
+        its exception), or None where it wrote none or has no log."""
+        if name not in self.logs:
+            return None
+        path, start = self.logs[name]
+        with open(path, "rb") as f:
+            f.seek(max(start, path.stat().st_size - 64 * 1024))  # a traceback's end, not the whole log
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+        return lines[-1] if lines else None
 
     def stop_one(self, name: str) -> None:
         """Stops the child ``name`` and forgets it (the others go on)."""

@@ -310,6 +310,13 @@ def _from_settings(field: str) -> str:
     return f"default: COSERVE_{field.upper()}, else {shown}"
 
 
+def _why(sup: Any, dead: list[str]) -> str:
+    """What the processes that died last wrote (a worker's bad --model, an engine argument vLLM refused), so the
+    reason is on the screen and not only in the logs."""
+    said = [f"{name}: {words}" for name in dead if (words := sup.last_words(name))]
+    return escape("".join(f"\n  {line}" for line in said))
+
+
 def not_ready(api_url: str, checks: Any) -> str:
     """What `coserve up` saw of its API when it gave up waiting: what ``/readyz`` said, or that it never answered."""
     if checks is None:
@@ -423,7 +430,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 if stop["now"]:
                     return
                 if dead := sup.dead():
-                    console.print(f"[red]{', '.join(dead)} exited during start-up; see {data / 'logs'}[/red]")
+                    console.print(f"[red]{', '.join(dead)} exited during start-up[/red]{_why(sup, dead)}; see "
+                                  f"{data / 'logs'}")
                     raise typer.Exit(1)
                 if time.monotonic() - t0 > start_timeout:
                     console.print(f"[red]not ready after {start_timeout:.0f}s[/red]; "
@@ -455,7 +463,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             console.print("serving; Ctrl-C stops everything")
             while not stop["now"]:
                 if dead := sup.dead():
-                    console.print(f"[red]{', '.join(dead)} exited; stopping; see {data / 'logs'}[/red]")
+                    console.print(f"[red]{', '.join(dead)} exited[/red]{_why(sup, dead)}; stopping; see "
+                                  f"{data / 'logs'}")
                     raise typer.Exit(1)
                 time.sleep(0.5)
         finally:

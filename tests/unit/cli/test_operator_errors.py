@@ -190,3 +190,25 @@ def test_a_client_command_outside_the_servers_directory_says_where_it_looked_for
         out = " ".join(res.output.replace("│", " ").split())
         assert res.exit_code == 2 and f"no {tmp_path.resolve() / 'data' / 'credentials.json'}" in out, res.output
         assert "COSERVE_DATA_DIR names its data directory" in out, res.output
+
+
+def test_a_child_that_dies_at_start_up_leaves_its_last_words_for_coserve_up_to_show(tmp_path):
+    """`coserve up --model /nowhere` said only "worker exited during start-up; see data/logs": the reason (the
+    exception a real child process printed last) is what it shows now, from this run's part of the log alone."""
+    import sys
+
+    from app.embedded import Supervisor
+
+    log = tmp_path / "worker.log"
+    log.write_text("FileNotFoundError: an earlier run's end\n")
+    sup = Supervisor()
+    dies = ("import sys; print('loading ...'); sys.exit(\"FileNotFoundError: model '/nowhere' is neither a bundled "
+            "name nor a checkpoint directory\")")
+    proc = sup.spawn("worker", [sys.executable, "-c", dies], {"PYTHONUNBUFFERED": "1"}, log)
+    proc.wait(60)
+    assert sup.dead() == ["worker"]
+    assert sup.last_words("worker") == ("FileNotFoundError: model '/nowhere' is neither a bundled name nor a "
+                                        "checkpoint directory")
+    quiet = sup.spawn("api", [sys.executable, "-c", "pass"], {}, tmp_path / "api.log")
+    quiet.wait(60)
+    assert sup.last_words("api") is None and sup.last_words("redis") is None
