@@ -582,18 +582,25 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         from app.db.session import session_scope
 
         settings = _settings()
+        asked_default = default_tier
         default_tier = default_tier or settings.default_tier
         for t in (tier, default_tier):
             if t is not None and t not in settings.tiers:
                 raise typer.BadParameter(f"unknown tier {t!r}; choose one of {list(settings.tiers)}")
         with session_scope(_database(settings, new_ok=True), immediate=True) as s:
-            row = s.scalar(select(Tenant).where(Tenant.name == tenant)) or create_tenant(s, tenant, default_tier)
+            row = s.scalar(select(Tenant).where(Tenant.name == tenant))
+            if row is not None and asked_default not in (None, row.default_tier):
+                # it would have made a key of the tenant's own tier without a word
+                raise typer.BadParameter(f"tenant {tenant!r} exists, with default tier {row.default_tier!r}; "
+                                         f"--default-tier is a new tenant's: give --tier {asked_default} for this key",
+                                         param_hint="--default-tier")
+            row = row or create_tenant(s, tenant, default_tier)
             key_row, plaintext = create_key(s, row, tier=tier, is_admin=admin)
-            tenant_id, key_id = row.id, key_row.id
+            tenant_id, key_id, key_tier = row.id, key_row.id, tier or row.default_tier
         # escaped: rich would take "[admin]" (or brackets in a tenant's name) for markup and drop it;
         # soft_wrap: one line however narrow the console, so the ids copy whole
-        console.print(escape(f"tenant {tenant} ({tenant_id}), key {key_id}{' [admin]' if admin else ''}:"),
-                      soft_wrap=True)
+        console.print(escape(f"tenant {tenant} ({tenant_id}), key {key_id} (tier {key_tier})"
+                             f"{' [admin]' if admin else ''}:"), soft_wrap=True)
         print(plaintext)
 
     @keys_app.command("limits")

@@ -122,6 +122,23 @@ def test_keys_create_gives_a_new_tenant_the_configured_default_tier(db_url):
     assert [r["effective_tier"] for r in json.loads(res.output)] == ["bronze"]
 
 
+def test_keys_create_names_the_keys_tier_and_refuses_a_default_tier_an_existing_tenant_does_not_have(db_url):
+    """`keys create --tenant acme --default-tier free` for a paid acme made a paid key and said nothing of its tier."""
+    env = {"COSERVE_DATABASE_URL": db_url}
+    res = CliRunner().invoke(cli, ["keys", "create", "--tenant", "acme"], env=env)
+    assert res.exit_code == 0 and "(tier paid):" in res.output, res.output
+    res = CliRunner().invoke(cli, ["keys", "create", "--tenant", "acme", "--default-tier", "free"],
+                             env={**env, "COLUMNS": "300"})
+    out = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "tenant 'acme' exists, with default tier 'paid'" in out, res.output
+    assert "give --tier free for this key" in out, res.output
+    res = CliRunner().invoke(cli, ["keys", "create", "--tenant", "acme", "--default-tier", "paid", "--tier", "free"],
+                             env=env)  # what it has: no conflict
+    assert res.exit_code == 0 and "(tier free):" in res.output, res.output
+    res = CliRunner().invoke(cli, ["keys", "list", "--json"], env=env)
+    assert [r["effective_tier"] for r in json.loads(res.output)] == ["paid", "free"]
+
+
 def test_a_worker_whose_redis_does_not_answer_stops_with_the_reason_before_loading_a_model():
     from workers.gpu_worker import _wait_for_redis
 
