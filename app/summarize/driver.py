@@ -18,6 +18,11 @@ A run's first step (it is ``validating``: written by the request, its documents 
 and checks what needs the split (``limits``: the levels end, the first level is at most
 ``COSERVE_SUMMARIZE_MAX_JOBS`` jobs); a run they refuse ends ``failed`` with no job written.
 
+A step renews its lease while it goes on (``LeaseKeeper``: every third of the lease, between documents and between
+the sentences a split measures), so a first step that splits for a minute holds a lease of ``lease_seconds``, and a
+run whose splitter died is taken over once that lapses. A renewal that finds the lease taken over stops the step,
+which writes nothing.
+
 A process killed anywhere leaves either the old version (its lease expires, another
 process redoes the step) or the new one with its jobs in SQL (sent now, or by the
 workers' sweeper). Jobs are never submitted twice.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -91,14 +97,13 @@ class JobCollector:
         return {j: self.results[j] for j in job_ids if j in self.results}
 
 
-VALIDATING_LEASE_S = 600.0  # a first step's lease: splitting 10,000 documents takes a minute; a dead one's run waits
 LATE_LEVEL_S = 60.0  # a level's jobs with less of the run's deadline left than this get a fresh window
 
 
 def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector,
-                deadline_at: datetime | None = None) -> Planner:
-    """``deadline_at``: its jobs' (the run's where None)."""
-    split = TokenSplitter(get_tokenizer(settings.model), run.chunk_tokens, run.overlap_tokens)
+                deadline_at: datetime | None = None, tick: Callable[[], None] | None = None) -> Planner:
+    """``deadline_at``: its jobs' (the run's where None); ``tick``: called as the split goes on (``TokenSplitter``)."""
+    split = TokenSplitter(get_tokenizer(settings.model), run.chunk_tokens, run.overlap_tokens, tick)
     return Planner(backend, split, run.max_summary_tokens, deadline_at or as_utc(run.deadline_at), now=utcnow(),
                    job_retries=settings.summarize_job_retries, retry_backoff_s=settings.summarize_retry_backoff_s)
 
@@ -208,6 +213,36 @@ def _release(url: str, run_id: str, owner: str) -> None:
         log.warning("could not release the lease of summarization %s; it expires on its own", run_id, exc_info=True)
 
 
+class LeaseLost(Exception):
+    """A step's lease was taken over (a cancel, or a process that found it lapsed) while the step went on."""
+
+
+class LeaseKeeper:
+    """Renews a step's lease while the step goes on: called often (between documents, between the sentences a split
+    measures), it extends the lease by ``lease_s`` once a third of it has passed since the last renewal, guarded by
+    (owner, version) as the step's commit is; ``LeaseLost`` where that matches nothing, so the step stops early
+    and writes nothing."""
+
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self, url: str, run: SummarizationRun, owner: str, lease_s: float):
+        self.url, self.run, self.owner, self.lease_s = url, run, owner, lease_s
+        self.renew_at = self.clock() + lease_s / 3
+
+    def __call__(self) -> None:
+        if self.clock() < self.renew_at:
+            return
+        with session_scope(self.url) as s, write_guard(s):
+            kept = s.execute(update(SummarizationRun).where(
+                SummarizationRun.id == self.run.id, SummarizationRun.lease_owner == self.owner,
+                SummarizationRun.version == self.run.version)
+                .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_s))
+                .execution_options(synchronize_session=False)).rowcount == 1
+        if not kept:
+            raise LeaseLost(self.run.id)
+        self.renew_at = self.clock() + self.lease_s / 3
+
+
 def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | None = None,
             memo: LookMemo | None = None) -> Step:
     """One step of ``run_id`` if it has one to take and nobody else is taking it; ``memo``: what this caller's
@@ -219,16 +254,14 @@ def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | Non
     run = look.run
     if run.status not in store.OPEN or not (look.ready or look.tenant_disabled):
         return Step(Outcome.IDLE, run.status)
-    lease_s = lease_s if lease_s is not None else settings.lease_seconds
-    if run.status == store.VALIDATING:  # the first step splits every document: it may take a while
-        lease_s = max(lease_s, VALIDATING_LEASE_S)
+    lease_s = lease_s if lease_s is not None else settings.lease_seconds  # renewed while the step goes on
     if not _claim(url, run, owner, lease_s):
         return Step(Outcome.BUSY, run.status)
     if look.tenant_disabled:  # the admin's disable did not end it (it stepped then, or that process died)
         return _cancel_claimed(settings, run, owner, TENANT_DISABLED)
     committed = False
     try:
-        step = _step(settings, run, look.ready, look.waiting, owner)
+        step = _step(settings, run, look.ready, look.waiting, owner, lease_s)
         committed = step.outcome == Outcome.STEPPED
         return step
     finally:
@@ -236,7 +269,21 @@ def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | Non
             _release(url, run_id, owner)
 
 
-def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: int, owner: str) -> Step:
+def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: int, owner: str,
+          lease_s: float | None = None) -> Step:
+    """The step once ``owner`` holds the run's lease (``lease_s`` long: ``lease_seconds`` where None), renewing it as
+    it goes; LOST, nothing written, where it was taken over meanwhile."""
+    url = settings.sqlalchemy_url
+    keep = LeaseKeeper(url, run, owner, lease_s if lease_s is not None else settings.lease_seconds)
+    try:
+        return _keep_stepping(settings, run, ready, waiting, owner, keep)
+    except LeaseLost:
+        log.info("summarization %s: lease lost mid-step; stopped, nothing written", run.id)
+        return Step(Outcome.LOST, "running")
+
+
+def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], waiting: int, owner: str,
+                   keep: LeaseKeeper) -> Step:
     url = settings.sqlalchemy_url
     # the lease is ours and the version unchanged since the look: these rows are current
     with session_scope(url) as s:
@@ -244,12 +291,14 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: 
         results = store.job_results(s, [j for d in docs.values() for j in d.pending])
     backend = collector_for(settings, run, results)
     try:
-        planner = planner_for(settings, run, backend, later_level_deadline(settings, as_utc(run.deadline_at)))
+        planner = planner_for(settings, run, backend, later_level_deadline(settings, as_utc(run.deadline_at)), keep)
     except Exception as exc:  # the pipeline itself failed (its model, its prompts): so does the run
         log.exception("summarization run %s failed", run.id)
         return _commit_failure(url, run, owner, f"pipeline error: {exc}")
-    moves = [_advance_or_fail(run.id, position, doc, results, planner, backend)
-             for position, doc in docs.items()]
+    moves = []
+    for position, doc in docs.items():
+        keep()
+        moves.append(_advance_or_fail(run.id, position, doc, results, planner, backend))
     if run.status == store.VALIDATING:
         try:
             check_first_level(settings, run, list(docs.values()), len(backend.jobs))
@@ -297,6 +346,8 @@ def _advance_or_fail(run_id: str, position: int, doc: DocState, results: dict, p
     built = len(backend.jobs)
     try:
         return advance_doc(doc, results, planner)
+    except LeaseLost:
+        raise
     except Exception as exc:
         log.exception("summarization %s: document %d failed", run_id, position)
         del backend.jobs[built:]

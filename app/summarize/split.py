@@ -56,12 +56,15 @@ def split_text(text: str, count: Callable[[str], int], max_tokens: int, overlap:
 
 
 class TokenSplitter:
-    """``split_text`` measured with a Hugging Face tokenizer."""
+    """``split_text`` measured with a Hugging Face tokenizer. ``tick``, where given, is called before each text is
+    measured (a long split renews its step's lease there, and stops by raising)."""
 
-    def __init__(self, tokenizer, max_tokens: int, overlap: int) -> None:
+    def __init__(self, tokenizer, max_tokens: int, overlap: int, tick: Callable[[], None] | None = None) -> None:
         self.tok, self.max_tokens, self.overlap = tokenizer, max_tokens, overlap
+        self.tick = tick or (lambda: None)
 
     def count(self, text: str) -> int:
+        self.tick()
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def hard_split(self, text: str, size: int) -> list[str]:

@@ -14,7 +14,7 @@ from sqlalchemy import func, select, update
 from app.auth import Principal, create_tenant
 from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
-from app.services.transitions import utcnow
+from app.services.transitions import as_utc, utcnow
 from app.summarize import driver, service
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
@@ -149,6 +149,37 @@ def test_a_cancel_while_the_first_step_splits_ends_the_run_and_that_step_writes_
     step = driver._step(settings, look.run, look.ready, look.waiting, "splitter")  # the split ends
     assert step.outcome == Outcome.LOST and job_count(url) == 0
     assert run_row(url, run_id).status == "cancelled"
+
+
+def test_the_first_step_holds_a_short_lease_renewed_as_it_splits_and_stops_once_it_is_taken_over(settings, principal,
+                                                                                                   monkeypatch):
+    """The first step held a 600 s lease while it split, so a run whose splitter died stayed validating ten minutes:
+    it holds lease_seconds, renewed as the split goes on, and the renewal that finds the lease taken over stops the
+    split at once, writing nothing."""
+    from app.summarize.split import TokenSplitter
+
+    url = settings.sqlalchemy_url
+    run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
+                                max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
+    clock = [0.0]
+    monkeypatch.setattr(driver.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
+    expiries, real_count = [], TokenSplitter.count
+
+    def count(self, text):  # each text measured takes a third of the lease
+        expiries.append(as_utc(run_row(url, run_id).lease_expires_at))
+        clock[0] += settings.lease_seconds / 3
+        if len(expiries) == 5:  # the step seems dead: a cancel or a sweeper takes its lease over
+            assert driver._take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
+        return real_count(self, text)
+
+    monkeypatch.setattr(TokenSplitter, "count", count)
+    claimed_at = utcnow()
+    assert driver.advance(settings, run_id, "splitter") == driver.Step(Outcome.LOST, "running")
+    assert expiries[0] <= claimed_at + timedelta(seconds=settings.lease_seconds + 5)  # not 600 s
+    assert expiries[0] < expiries[1] < expiries[2] < expiries[3]  # renewed as the split went on
+    assert len(expiries) == 5  # it stopped at the renewal after the take-over: not the 60 sentences
+    run = run_row(url, run_id)
+    assert (run.status, run.version, run.lease_owner, job_count(url)) == ("validating", 0, "other", 0)
 
 
 def test_a_step_happens_once_however_often_it_is_asked(settings, principal):
