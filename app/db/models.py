@@ -97,6 +97,8 @@ class Job(Base):
         Index("ix_jobs_tenant_request", "tenant_id", "request_id"),  # a tenant's jobs by the request that sent them
         Index("ix_jobs_request", "request_id"),  # any tenant's (the admin dashboard's search)
         Index("ix_jobs_user_created", "user_id", "created_at"),  # the Usage API's user_ids filter, by time
+        # a summarization run's jobs not ended, counted (each poll of the run's progress)
+        Index("ix_jobs_summarization_run_status", "summarization_run_id", "status"),
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -115,6 +117,7 @@ class Job(Base):
     tier: Mapped[str] = mapped_column(String(32))
     model: Mapped[str] = mapped_column(String(200))
     app_id: Mapped[str | None] = mapped_column(String(200), default=None)  # decode-length history key
+    summarization_run_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the run that submitted it
     # QoS
     ttft_ms: Mapped[float | None] = mapped_column(Float, default=None)
     tbt_ms: Mapped[float | None] = mapped_column(Float, default=None)

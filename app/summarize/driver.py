@@ -80,9 +80,10 @@ class JobCollector:
     and answers polls from results read before the step."""
 
     def __init__(self, settings: Settings, principal: Principal, tier: str, results: dict[str, store.JobResult],
-                 model: str | None = None):
+                 model: str | None = None, run_id: str | None = None):
         self.settings, self.principal, self.tier, self.results = settings, principal, tier, results
         self.model = model  # the run's: the server's model or a LoRA adapter
+        self.run_id = run_id  # each job names it (a poll counts the run's jobs not ended by it)
         self.jobs: list[Job] = []
 
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str:
@@ -90,6 +91,7 @@ class JobCollector:
                          temperature=0.0, app_id=app_id, tier=self.tier, model=self.model)
         # overdue_ok: a retried step may build a level whose deadline passed meanwhile
         job = build_job(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True)
+        job.summarization_run_id = self.run_id
         self.jobs.append(job)
         return job.id
 
@@ -120,7 +122,7 @@ def later_level_deadline(settings: Settings, run_deadline: datetime) -> datetime
 
 def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, store.JobResult]) -> JobCollector:
     principal = Principal(key_id=run.api_key_id or "", tenant_id=run.tenant_id, tier=run.tier, is_admin=False)
-    return JobCollector(settings, principal, run.tier, results, run.model)
+    return JobCollector(settings, principal, run.tier, results, run.model, run.id)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
@@ -73,15 +73,17 @@ def job_results(session: Session, job_ids: list[str]) -> dict[str, JobResult]:
     return out
 
 
+OPEN_JOB = tuple(s.value for s in JobStatus if s.value not in TERMINAL)
+
+
 def open_job_count(session: Session, run: SummarizationRun) -> int:
-    """The jobs a live run's documents wait for that have not ended (0 for a run that ended: it waits for none)."""
+    """The jobs a live run submitted that have not ended, which are the ones its documents wait for (0 for a run that
+    ended: it waits for none). One count on ``ix_jobs_summarization_run_status``, whatever the run's size: each poll
+    of a run's progress runs it."""
     if run.status not in LIVE:
         return 0
-    query = select(SummarizationDocument.pending).where(SummarizationDocument.run_id == run.id)
-    if run.status == "running":  # a cancelling run's done documents still name the jobs it stops
-        query = query.where(SummarizationDocument.done.is_(False))
-    ids = [j for pending in session.scalars(query) for j in pending]
-    return sum(1 for status in job_statuses(session, ids).values() if status not in TERMINAL)
+    return session.scalar(select(func.count()).select_from(Job).where(
+        Job.summarization_run_id == run.id, Job.status.in_(OPEN_JOB))) or 0
 
 
 def add_jobs(session: Session, jobs: Iterable[Job], detail: str, dispatched: bool) -> None:

@@ -15,7 +15,7 @@ from app.auth import Principal, create_tenant
 from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
 from app.services.transitions import as_utc, utcnow
-from app.summarize import driver, service
+from app.summarize import driver, service, store
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
 from tests.conftest import load_runtime_adapter, make_settings
@@ -492,6 +492,63 @@ def test_a_look_reads_one_job_of_a_waiting_document_and_no_job_twice_once_ended(
     with JobReads() as read:  # a new version: the documents are read again, and the new level's first job
         assert driver.advance(settings, run_id, "p1", memo=memo).outcome == Outcome.IDLE
     assert read == [doc_row(url, run_id, 0).pending[0]]
+
+
+class Statements:
+    """This thread's SQL statements while it is open, and the job ids they bind."""
+
+    def __enter__(self):
+        from sqlalchemy import event
+        from sqlalchemy.engine import Engine
+
+        self.sql, self.params, self.job_ids, me = [], [], [], threading.get_ident()
+
+        def count(conn, cursor, statement, parameters, context, executemany):
+            if threading.get_ident() == me:
+                self.sql.append(statement)
+                self.params.append(parameters)
+                values = parameters.values() if isinstance(parameters, dict) else parameters or ()
+                self.job_ids += [v for v in values if isinstance(v, str) and v.startswith("job_")]
+
+        self.listener, self.engine_cls = count, Engine
+        event.listen(Engine, "before_cursor_execute", count)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from sqlalchemy import event
+
+        event.remove(self.engine_cls, "before_cursor_execute", self.listener)
+
+
+def test_a_poll_counts_the_runs_open_jobs_in_one_statement_whatever_its_size(settings, principal):
+    """A poll (GET /v1/summarize/{id}, the runs listing) read the status of every job the run's documents waited
+    for, in IN lists of 500: one count on the jobs' run index now, right as the jobs end and once the run ended."""
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal, [Document(f"d{i}", LONG) for i in range(4)])
+    pending = [j for p in range(4) for j in doc_row(url, run_id, p).pending]
+    assert len(pending) >= 12
+    end_jobs(url, pending[:5], "succeeded")
+    end_jobs(url, pending[5:6], "cancelled")  # not retried: its document fails
+    with Statements() as polled:
+        progress = service.view(settings, run_id).progress
+    assert (progress.status, progress.jobs_submitted, progress.jobs_done) == ("running", len(pending), 6)
+    selects = [(q, p) for q, p in zip(polled.sql, polled.params) if q != "BEGIN"]
+    assert polled.job_ids == [] and len(selects) == 2  # the run, then one count of its jobs, on their index:
+    with session_scope(url) as s:
+        plan = s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + selects[1][0], selects[1][1]).all()
+    assert "ix_jobs_summarization_run_status" in str(plan)
+    with session_scope(url) as s, Statements() as listed:  # the runs listing: a count per run on the page
+        run = s.get(SummarizationRun, run_id)
+        assert store.progress_of(run, s).jobs_done == 6
+    assert listed.job_ids == [] and sum("FROM jobs" in q for q in listed.sql) == 1
+    while finish_jobs(url):
+        driver.advance(settings, run_id, "p1")
+    with Statements() as polled:
+        progress = service.view(settings, run_id).progress
+    run = run_row(url, run_id)
+    assert (progress.status, progress.jobs_done, run.documents_failed) == (run.status, run.jobs_submitted, 1)
+    assert run.status not in store.OPEN
+    assert not any("FROM jobs" in q for q in polled.sql)  # an ended run counts none
 
 
 def test_a_disabled_tenants_run_ends_cancelled_naming_why(settings, principal):
