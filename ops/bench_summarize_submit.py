@@ -8,6 +8,9 @@ queued), and posts ``--docs`` documents of made-up sentences totalling about tha
 * ``jobs``: that level's jobs;
 * ``look``: one look of the driver at the run while none of its jobs has ended (``driver.advance``): the SQL
   statements it runs and the job ids it binds (reads the status of), from this thread only.
+* ``small ms idle`` / ``small ms split``: the median, 90th percentile and worst latency of a small submission (a batch job of one
+  short message, ``POST /v1/jobs``) sent one after another with no run splitting, then while the large run's first
+  step splits (the API's other requests share the process with that split).
 
 With ``--baseline DIR`` (a checkout of other code, e.g. ``git worktree add /tmp/main main``) it measures that code
 too and prints both side by side.
@@ -66,15 +69,34 @@ def _count_look(settings, run_id: str) -> dict:
     return {"outcome": str(outcome), **seen}
 
 
+# a small batch job (POST /v1/jobs): it starts no thread of its own, so the probes add no load as they go on
+SMALL = {"kind": "batch", "messages": [{"role": "user", "content": "A short note. It says little."}],
+         "max_tokens": 8, "deadline_window_s": 7200}
+IDLE_PROBES = 50
+
+
+def _small(client, auth: dict) -> float:
+    """One small submission's latency in milliseconds."""
+    t0 = time.perf_counter()
+    r = client.post("/v1/jobs", headers=auth, json=SMALL)
+    if r.status_code not in (200, 201):
+        raise SystemExit(f"small submission: HTTP {r.status_code}: {r.text[:300]}")
+    return (time.perf_counter() - t0) * 1000
+
+
+def _spread(ms: list[float]) -> dict:
+    ms = sorted(ms)
+    at = (lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]) if ms else (lambda q: 0.0)
+    return {"n": len(ms), "median": at(0.5), "p90": at(0.9), "max": at(1.0)}
+
+
 def measure(megabytes: float, docs: int) -> dict:
     """One run with the code on ``sys.path``; returns the figures."""
     sys.path.insert(0, os.environ.get("COSERVE_CODE", str(ROOT)))
     from fastapi.testclient import TestClient
-    from sqlalchemy import func, select
-
     from app.auth import clear_cache
     from app.db.migrate import upgrade
-    from app.db.models import Job, SummarizationRun
+    from app.db.models import SummarizationRun
     from app.db.session import session_scope
     from app.main import create_app
     from tests.conftest import _tiny_llama, make_keys, make_settings
@@ -89,31 +111,36 @@ def measure(megabytes: float, docs: int) -> dict:
     size = len(json.dumps(body))
     clear_cache()
     with TestClient(create_app(settings)) as client:
+        idle = [_small(client, auth) for _ in range(IDLE_PROBES)]
         t0 = time.perf_counter()
         r = client.post("/v1/summarize", headers=auth, json=body)
         submit_s = time.perf_counter() - t0
         if r.status_code not in (200, 201):
             raise SystemExit(f"HTTP {r.status_code}: {r.text[:300]}")
         run_id, answered = r.json()["id"], r.json()["status"]
+        busy = []  # small submissions while the first step splits
         while True:  # the first level is in when the run left "validating" (at once where the request split it)
             with session_scope(db_url) as s:
                 status = s.get(SummarizationRun, run_id).status
             if status != "validating":
                 break
+            busy.append(_small(client, auth))
             time.sleep(0.05)
         first_level_s = time.perf_counter() - t0
         with session_scope(db_url) as s:
-            jobs = s.scalar(select(func.count()).select_from(Job))
+            jobs = s.get(SummarizationRun, run_id).jobs_submitted  # its first level's (the small runs' apart)
         look = _count_look(settings, run_id)
     return {"mb": size / 1e6, "submit_s": submit_s, "answered": answered, "first_level_s": first_level_s,
-            "status": status, "jobs": jobs, "look": look}
+            "status": status, "jobs": jobs, "look": look, "idle": _spread(idle), "split": _spread(busy)}
 
 
 def _row(label: str, fig: dict) -> str:
     look = fig["look"]
     return " | ".join([f"{label:<9}", f"{fig['mb']:5.1f}", f"{fig['submit_s']:8.2f}", f"{fig['answered']:<10}",
                        f"{fig['first_level_s']:13.2f}", f"{fig['status']:<8}", f"{fig['jobs']:>6}",
-                       f"{look['statements']:>10}", f"{look['job_ids']:>12}"])
+                       f"{look['statements']:>10}", f"{look['job_ids']:>12}",
+                       "{median:4.0f} / {p90:4.0f} / {max:5.0f}".format(**fig["idle"]),
+                       "{median:4.0f} / {p90:4.0f} / {max:5.0f} ({n})".format(**fig["split"])])
 
 
 def main() -> None:
@@ -129,7 +156,7 @@ def main() -> None:
     runs = [("baseline", args.baseline)] if args.baseline else []
     runs.append(("this", str(ROOT)))
     header = ("code      |    MB | submit s | answered   | first level s | status   |   jobs | look stmts"
-              " | look job ids")
+              " | look job ids | small ms idle (median / p90 / max) | small ms split (median / p90 / max, n)")
     rows = []
     for mb in (float(x) for x in args.mb.split(",")):
         for label, code in runs:  # each run in its own process, importing that checkout's code
