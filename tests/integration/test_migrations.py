@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from types import SimpleNamespace
@@ -93,6 +94,35 @@ def test_message_batches_deleted_by_older_coserve_get_back_how_they_ended(tmp_pa
     with engine.connect() as conn:
         assert dict(conn.execute(text("SELECT id, status FROM batches")).all()) == {
             **dict.fromkeys(ended, "deleted"), "batch_kept": "completed"}
+    engine.dispose()
+
+
+def test_jobs_of_summarization_runs_going_on_at_the_upgrade_name_their_run(tmp_path):
+    """0042: a poll counts a run's open jobs by jobs.summarization_run_id; a run going on at the upgrade (its
+    documents name its jobs) gets it on them, so its progress stays right; other jobs name no run."""
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url, "0038")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        tenant = _old_tenant(conn, "t")
+        for job_id in ("job_a", "job_b", "job_c", "job_other"):
+            conn.execute(text("INSERT INTO jobs (id, tenant_id, kind, tier, model, sampling, endpoint, stream, status, "
+                              "created_at, relegation_count, attempt) VALUES (:id, :t, 'batch', 'paid', 'm', '{}', "
+                              "'/v1/summarize', 0, 'queued', CURRENT_TIMESTAMP, 0, 0)"), {"id": job_id, "t": tenant.id})
+        for run_id, status, pending in [("sum_live", "running", ["job_a", "job_b"]), ("sum_over", "failed", ["job_c"])]:
+            conn.execute(text(
+                "INSERT INTO summarization_runs (id, tenant_id, model, tier, status, deadline_at, max_summary_tokens, "
+                "chunk_tokens, overlap_tokens, documents, documents_done, documents_failed, jobs_submitted, jobs_done, "
+                "version, created_at) VALUES (:id, :t, 'm', 'paid', :st, CURRENT_TIMESTAMP, 32, 512, 16, 1, 0, 0, "
+                ":n, 0, 1, CURRENT_TIMESTAMP)"), {"id": run_id, "t": tenant.id, "st": status, "n": len(pending)})
+            conn.execute(text(
+                "INSERT INTO summarization_documents (run_id, position, doc_id, level, text, pending, final, chunks, "
+                "jobs, done) VALUES (:id, 0, 'd', 0, 'x', :pending, 0, 2, 2, 0)"),
+                {"id": run_id, "pending": json.dumps(pending)})
+    upgrade(url)
+    with engine.connect() as conn:
+        named = dict(conn.execute(text("SELECT id, summarization_run_id FROM jobs")).all())
+    assert named == {"job_a": "sum_live", "job_b": "sum_live", "job_c": None, "job_other": None}
     engine.dispose()
 
 
