@@ -18,10 +18,10 @@ A run's first step (it is ``validating``: written by the request, its documents 
 and checks what needs the split (``limits``: the levels end, the first level is at most
 ``COSERVE_SUMMARIZE_MAX_JOBS`` jobs); a run they refuse ends ``failed`` with no job written.
 
-A step renews its lease while it goes on (``LeaseKeeper``: every third of the lease, between documents and between
-the sentences a split measures), so a first step that splits for a minute holds a lease of ``lease_seconds``, and a
-run whose splitter died is taken over once that lapses. A renewal that finds the lease taken over stops the step,
-which writes nothing.
+A step renews its lease while it goes on (``LeaseKeeper``: every third of the lease, between documents, the
+sentences a split measures and the jobs it builds), so a first step that splits for a minute holds a lease of
+``lease_seconds``, and a run whose splitter died is taken over once that lapses. A renewal that finds the lease
+taken over stops the step, which writes nothing.
 
 A process killed anywhere leaves either the old version (its lease expires, another
 process redoes the step) or the new one with its jobs in SQL (sent now, or by the
@@ -84,9 +84,11 @@ class JobCollector:
         self.settings, self.principal, self.tier, self.results = settings, principal, tier, results
         self.model = model  # the run's: the server's model or a LoRA adapter
         self.run_id = run_id  # each job names it (a poll counts the run's jobs not ended by it)
+        self.tick: Callable[[], None] = lambda: None  # called before each job is built (the step's LeaseKeeper)
         self.jobs: list[Job] = []
 
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str:
+        self.tick()
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
                          temperature=0.0, app_id=app_id, tier=self.tier, model=self.model)
         # overdue_ok: a retried step may build a level whose deadline passed meanwhile
@@ -292,6 +294,7 @@ def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], 
         docs = store.documents(s, run.id, ready)
         results = store.job_results(s, [j for d in docs.values() for j in d.pending])
     backend = collector_for(settings, run, results)
+    backend.tick = keep  # a document of thousands of chunks builds a job each (its prompt templated, counted)
     try:
         planner = planner_for(settings, run, backend, later_level_deadline(settings, as_utc(run.deadline_at)), keep)
     except Exception as exc:  # the pipeline itself failed (its model, its prompts): so does the run

@@ -182,6 +182,28 @@ def test_the_first_step_holds_a_short_lease_renewed_as_it_splits_and_stops_once_
     assert (run.status, run.version, run.lease_owner, job_count(url)) == ("validating", 0, "other", 0)
 
 
+def test_a_step_renews_its_lease_between_the_jobs_it_builds_and_stops_once_it_is_taken_over(settings, principal,
+                                                                                              monkeypatch):
+    """A document of thousands of chunks builds a job each (its prompt templated and counted) after its split: the
+    lease is renewed there too, and the step stops at the renewal after a take-over, not after the last job."""
+    url = settings.sqlalchemy_url
+    run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
+                                max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
+    clock, built, real_build = [0.0], [], driver.build_job
+    monkeypatch.setattr(driver.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
+
+    def build_job(*args, **kwargs):  # each job built takes a third of the lease
+        built.append(1)
+        clock[0] += settings.lease_seconds / 3
+        if len(built) == 2:
+            assert driver._take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "build_job", build_job)
+    assert driver.advance(settings, run_id, "splitter") == driver.Step(Outcome.LOST, "running")
+    assert len(built) == 2 and job_count(url) == 0  # LONG makes more than 3 chunks: it stopped at the third
+
+
 def test_a_step_happens_once_however_often_it_is_asked(settings, principal):
     url = settings.sqlalchemy_url
     run_id = start(settings, principal)
