@@ -8,6 +8,7 @@ queued), and posts ``--docs`` documents of made-up sentences totalling about tha
 * ``jobs``: that level's jobs;
 * ``look``: one look of the driver at the run while none of its jobs has ended (``driver.advance``): the SQL
   statements it runs and the job ids it binds (reads the status of), from this thread only.
+* ``poll``: one poll of the run's progress (``GET /v1/summarize/{id}`` reads it), counted the same way;
 * ``small ms idle`` / ``small ms split``: the median, 90th percentile and worst latency of a small submission (a batch job of one
   short message, ``POST /v1/jobs``) sent one after another with no run splitting, then while the large run's first
   step splits (the API's other requests share the process with that split).
@@ -45,8 +46,9 @@ def _body(megabytes: float, docs: int) -> dict:
     return {"documents": documents, "deadline": "2h", "max_summary_tokens": 32, "overlap_tokens": 16}
 
 
-def _count_look(settings, run_id: str) -> dict:
-    """One look (``driver.advance``) with nothing ended: the statements and job ids it sends, this thread's only."""
+def _count_look(settings, run_id: str, poll: bool = False) -> dict:
+    """One look (``driver.advance``) with nothing ended, or with ``poll`` one poll of the run's progress (what
+    ``GET /v1/summarize/{id}`` reads: ``service.view``): the statements and job ids it sends, this thread's only."""
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
@@ -63,7 +65,12 @@ def _count_look(settings, run_id: str) -> dict:
 
     event.listen(Engine, "before_cursor_execute", count)
     try:
-        outcome = driver.advance(settings, run_id, "bench-look").outcome
+        if poll:
+            from app.summarize import service
+
+            outcome = service.view(settings, run_id).progress.status
+        else:
+            outcome = driver.advance(settings, run_id, "bench-look").outcome
     finally:
         event.remove(Engine, "before_cursor_execute", count)
     return {"outcome": str(outcome), **seen}
@@ -129,9 +136,9 @@ def measure(megabytes: float, docs: int) -> dict:
         first_level_s = time.perf_counter() - t0
         with session_scope(db_url) as s:
             jobs = s.get(SummarizationRun, run_id).jobs_submitted  # its first level's (the small runs' apart)
-        look = _count_look(settings, run_id)
+        look, poll = _count_look(settings, run_id), _count_look(settings, run_id, poll=True)
     return {"mb": size / 1e6, "submit_s": submit_s, "answered": answered, "first_level_s": first_level_s,
-            "status": status, "jobs": jobs, "look": look, "idle": _spread(idle), "split": _spread(busy)}
+            "status": status, "jobs": jobs, "look": look, "poll": poll, "idle": _spread(idle), "split": _spread(busy)}
 
 
 def _row(label: str, fig: dict) -> str:
@@ -139,6 +146,7 @@ def _row(label: str, fig: dict) -> str:
     return " | ".join([f"{label:<9}", f"{fig['mb']:5.1f}", f"{fig['submit_s']:8.2f}", f"{fig['answered']:<10}",
                        f"{fig['first_level_s']:13.2f}", f"{fig['status']:<8}", f"{fig['jobs']:>6}",
                        f"{look['statements']:>10}", f"{look['job_ids']:>12}",
+                       f"{fig['poll']['statements']:>10}", f"{fig['poll']['job_ids']:>12}",
                        "{median:4.0f} / {p90:4.0f} / {max:5.0f}".format(**fig["idle"]),
                        "{median:4.0f} / {p90:4.0f} / {max:5.0f} ({n})".format(**fig["split"])])
 
@@ -156,7 +164,8 @@ def main() -> None:
     runs = [("baseline", args.baseline)] if args.baseline else []
     runs.append(("this", str(ROOT)))
     header = ("code      |    MB | submit s | answered   | first level s | status   |   jobs | look stmts"
-              " | look job ids | small ms idle (median / p90 / max) | small ms split (median / p90 / max, n)")
+              " | look job ids | poll stmts | poll job ids | small ms idle (median / p90 / max)"
+              " | small ms split (median / p90 / max, n)")
     rows = []
     for mb in (float(x) for x in args.mb.split(",")):
         for label, code in runs:  # each run in its own process, importing that checkout's code
