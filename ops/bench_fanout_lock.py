@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+import side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,24 +172,15 @@ def main() -> None:
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child run: print one run's JSON
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one, args.interval, args.mode)))
+        side_by_side.report(measure(args.one, args.interval, args.mode))
         return
-    runs = [("baseline", args.baseline)] if args.baseline else []
-    runs.append(("this", str(ROOT)))
     header = ("code      | fan-out s | batch       |   jobs |  ended | submit n/p50 ms/p99/max/failed"
               " | worker n/p50 ms/p99/max/failed")
     rows = []
     for n in (int(x) for x in args.lines.split(",")):
-        for label, code in runs:  # each run in its own process, importing that checkout's code
-            env = dict(os.environ, PYTHONPATH=code, COSERVE_CODE=code)
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(n),
-                                   "--interval", str(args.interval), "--mode", args.mode], env=env,
-                                  capture_output=True, text=True,
-                                  cwd=code)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{label} run of {n} lines failed:\n{proc.stderr[-3000:]}")
-            fig = json.loads(line[len("RESULT "):])
+        for label, code in side_by_side.checkouts(ROOT, args.baseline):
+            fig = side_by_side.measure_in(__file__, code, ["--one", str(n), "--interval", str(args.interval),
+                                                           "--mode", args.mode], f"{label} run of {n} lines")
             rows.append(f"{n:>6} " + _row(label, fig))
             print(rows[-1], flush=True)
             for probe in ("submit", "worker"):

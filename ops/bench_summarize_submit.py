@@ -9,9 +9,9 @@ queued), and posts ``--docs`` documents of made-up sentences totalling about tha
 * ``look``: one look of the driver at the run while none of its jobs has ended (``driver.advance``): the SQL
   statements it runs and the job ids it binds (reads the status of), from this thread only.
 * ``poll``: one poll of the run's progress (``GET /v1/summarize/{id}`` reads it), counted the same way;
-* ``small ms idle`` / ``small ms split``: the median, 90th percentile and worst latency of a small submission (a batch job of one
-  short message, ``POST /v1/jobs``) sent one after another with no run splitting, then while the large run's first
-  step splits (the API's other requests share the process with that split).
+* ``small ms idle`` / ``small ms split``: the median, 90th percentile and worst latency of a small submission (a
+  batch job of one short message, ``POST /v1/jobs``) sent one after another with no run splitting, then while the
+  large run's first step splits (the API's other requests share the process with that split).
 
 With ``--baseline DIR`` (a checkout of other code, e.g. ``git worktree add /tmp/main main``) it measures that code
 too and prints both side by side.
@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+import side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,23 +160,17 @@ def main() -> None:
     ap.add_argument("--one", type=float, help=argparse.SUPPRESS)  # a child run: print one run's JSON
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one, args.docs)))
+        side_by_side.report(measure(args.one, args.docs))
         return
-    runs = [("baseline", args.baseline)] if args.baseline else []
-    runs.append(("this", str(ROOT)))
     header = ("code      |    MB | submit s | answered   | first level s | status   |   jobs | look stmts"
               " | look job ids | poll stmts | poll job ids | small ms idle (median / p90 / max)"
               " | small ms split (median / p90 / max, n)")
     rows = []
     for mb in (float(x) for x in args.mb.split(",")):
-        for label, code in runs:  # each run in its own process, importing that checkout's code
-            env = dict(os.environ, PYTHONPATH=code, COSERVE_CODE=code)
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(mb),
-                                   "--docs", str(args.docs)], env=env, capture_output=True, text=True, cwd=code)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{label} run of {mb} MB failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-            rows.append(_row(label, json.loads(line[len("RESULT "):])))
+        for label, code in side_by_side.checkouts(ROOT, args.baseline):
+            figures = side_by_side.measure_in(__file__, code, ["--one", str(mb), "--docs", str(args.docs)],
+                                              f"{label} run of {mb} MB")
+            rows.append(_row(label, figures))
             print(rows[-1], flush=True)
     print("\n" + header)
     print("\n".join(rows))
