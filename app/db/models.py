@@ -102,7 +102,8 @@ class Job(Base):
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
-    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True, default=None)
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="SET NULL"), index=True,
+                                                 default=None)
     custom_id: Mapped[str | None] = mapped_column(String(200), default=None)  # Batch API line id
     # a Batch API line of several choices (n, or several prompts): this job's choice in OpenAI's order (prompt x n +
     # choice), by which the line's answer joins them; None for a line's only job
