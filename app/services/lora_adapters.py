@@ -29,6 +29,7 @@ from app.db.models import Job, JobStatus, LoraAdapter, SummarizationRun, Unloade
 from app.db.session import read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings, adapter_name_refusal
+from app.summarize.store import OPEN as OPEN_RUNS
 from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank
 
 log = logging.getLogger(__name__)
@@ -137,10 +138,11 @@ def unloaded_adapters(model: str) -> Select[tuple[str]]:
 
 def prune_unloaded(session: Session, kept: timedelta = UNLOADED_KEPT) -> int:
     """Drops the rows of adapters unloaded over ``kept`` ago of which no job is left to end (none waiting or
-    running, no summarization running on it): nothing routes by them any more. Returns how many went."""
+    running, no summarization validating or running on it): nothing routes by them any more. Returns how many went."""
     name = UnloadedLoraAdapter.name
     open_job = exists().where(Job.model == name, Job.status.not_in([s.value for s in JobStatus if s.terminal]))
-    open_run = exists().where(SummarizationRun.model == name, SummarizationRun.status == "running")
+    # a run validating writes its first level's jobs at its first step: it has none yet that keep the row
+    open_run = exists().where(SummarizationRun.model == name, SummarizationRun.status.in_(OPEN_RUNS))
     return session.execute(delete(UnloadedLoraAdapter).where(
         and_(UnloadedLoraAdapter.unloaded_at < utcnow() - kept, ~open_job, ~open_run))
         .execution_options(synchronize_session=False)).rowcount

@@ -67,3 +67,28 @@ def test_an_unloaded_adapters_row_goes_once_its_jobs_have_ended(tmp_path, db_url
         s.execute(update(SummarizationRun).values(status="failed"))
         assert lora_adapters.prune_unloaded(s, kept=timedelta(0)) == 2
         assert s.scalars(select(UnloadedLoraAdapter.name)).all() == []
+
+
+def test_an_unloaded_adapters_row_stays_while_a_summarization_on_it_validates(tmp_path, db_url):
+    """A run answered ``validating`` writes its first level's jobs at its first step: until then it has no job that
+    keeps the adapter's row, and a prune would leave those jobs routed to a queue no worker reads."""
+    from datetime import timedelta
+
+    from sqlalchemy import select
+
+    from app.db.models import SummarizationRun, Tenant, UnloadedLoraAdapter
+    from app.db.session import session_scope
+    from app.services.transitions import utcnow
+
+    settings = Settings(data_dir=tmp_path, database_url=db_url, model_name="tiny", runtime_lora=True)
+    lora_adapters.load(settings, "rt-v", _adapter_dir(tmp_path / "rt-v"))
+    lora_adapters.unload(settings, "rt-v")
+    with session_scope(db_url) as s:
+        s.add(Tenant(id="ten_1", name="t"))
+        s.flush()
+        s.add(SummarizationRun(id="sum_v", tenant_id="ten_1", model="rt-v", tier="paid", deadline_at=utcnow(),
+                               max_summary_tokens=8, chunk_tokens=8, overlap_tokens=0, status="validating"))
+        s.flush()
+        assert lora_adapters.prune_unloaded(s, kept=timedelta(0)) == 0
+        assert lora_adapters.queue_models(s, {"rt-v"}) == {"rt-v": "tiny"}
+        assert s.scalars(select(UnloadedLoraAdapter.name)).all() == ["rt-v"]
