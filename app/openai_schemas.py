@@ -570,6 +570,9 @@ class CompletionRequest(_Base):
             raise OpenAIError(400, "max_tokens 0 generates nothing: it is for echo: true (the answer is the prompt "
                                    "alone, with its logprobs where logprobs is set, as vLLM answers it); give "
                                    "max_tokens of at least 1", param="max_tokens")
+        if self.max_tokens == 0 and self.min_tokens:  # the job's max_tokens 1 would name a number the client never sent
+            raise OpenAIError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens (0: with echo, the prompt "
+                                   "alone, nothing generated); leave min_tokens unset", param="min_tokens")
 
     def echo_fields(self) -> dict[str, Any]:
         if not self.echo:

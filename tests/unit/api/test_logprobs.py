@@ -121,3 +121,16 @@ def test_usage_says_the_reasoning_tokens_where_a_parser_counted_them():
               for c, r in ((9, 6), (4, 3))]
     merged = merge_choices(bodies, n=2)["usage"]
     assert merged["completion_tokens"] == 13 and merged["completion_tokens_details"] == {"reasoning_tokens": 9}
+
+
+def test_echo_with_max_tokens_0_refuses_min_tokens_naming_what_the_client_sent():
+    """The job's max_tokens is 1 (vLLM generates one token it does not answer): a min_tokens refusal names the 0 the
+    client sent and the field to change, not that 1."""
+    import pytest
+
+    from app.openai_schemas import OpenAIError
+
+    req = CompletionRequest.model_validate({"prompt": "Say hi", "max_tokens": 0, "echo": True, "min_tokens": 3})
+    with pytest.raises(OpenAIError) as refused:
+        req.check()
+    assert refused.value.param == "min_tokens" and "max_tokens (0" in refused.value.message
