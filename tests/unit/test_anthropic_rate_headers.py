@@ -24,5 +24,6 @@ def test_a_refusal_says_retry_after_unless_waiting_cannot_help():
     huge = Decision(False, Limits(tokens_per_minute=5), tokens_left=5.0, tokens_asked=9)
     assert huge.anthropic_headers(now=NOW) == {
         "anthropic-ratelimit-tokens-limit": "5", "anthropic-ratelimit-tokens-remaining": "5",
-        "anthropic-ratelimit-tokens-reset": "2027-01-15T08:00:00Z"}
+        "anthropic-ratelimit-tokens-reset": "2027-01-15T08:00:00Z",
+        "x-should-retry": "false"}  # no retry-after, and the SDKs' retries told not to try again
     assert Decision(True, Limits()).anthropic_headers(now=NOW) == {}
