@@ -42,9 +42,11 @@ def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, 
 
     def waiting_on_the_queue():  # w1's engine is full: the 5th message it took went back to the queue's head
         with session_scope(url) as s:
-            running = s.scalar(select(func.count()).select_from(Job).where(Job.status == "running"))
+            # relegated (a loaded box misses the TTFT) is still in w1's engine
+            running = s.scalar(select(func.count()).select_from(Job).where(Job.status.in_(["running", "relegated"])))
             waiting = s.scalars(select(Job.id).where(Job.status == "dispatched", Job.worker_id.is_(None))).all()
-        return running == 4 and rds.llen("coserve.tiny") == len(waiting) == N_JOBS - 4 and waiting
+        # (fewer than N_JOBS - 4 wait where one of the four ended first and w1 took the next)
+        return running == 4 and rds.llen("coserve.tiny") == len(waiting) and waiting
     held = wait_for(waiting_on_the_queue, 30, "w1 to run four jobs and hand the rest back")
     os.killpg(w1.pid, signal.SIGKILL)  # the worker and anything it started, no chance to clean up
     w1.wait(10)
