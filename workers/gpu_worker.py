@@ -237,16 +237,13 @@ class GpuWorker:
         if not self._without_earlier_attempt(job_id):
             send_back(self.settings.redis_url, job_id, back_to, priority)  # for when that attempt left
             return
-        if not self._has_room(priority) and not (self.stopping.is_set() or self.shutting_down or self.draining):
-            send_back(self.settings.redis_url, job_id, back_to, priority)
-            self._await_room(priority)
-            return
+        leaving = self.stopping.is_set() or self.shutting_down or self.draining
         if self.shutting_down or self.draining or not self._has_room(priority):
-            # hand it back for another worker; a draining worker pauses so the message does not bounce between it
-            # and the broker
-            if self.draining:
+            if self.draining:  # a pause, so that the message does not bounce between this worker and the broker
                 time.sleep(1.0)
-            send_back(self.settings.redis_url, job_id, back_to, priority)
+            send_back(self.settings.redis_url, job_id, back_to, priority)  # for another worker, or this one later
+            if not leaving:
+                self._await_room(priority)
             return
         with session_scope(self.url, immediate=True) as s:
             lease = leases.acquire(s, job_id, self.worker_id, self.settings.lease_seconds)
