@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from contextlib import asynccontextmanager
 
@@ -74,6 +75,11 @@ async def lifespan(api: FastAPI):
         except Exception as exc:
             log.warning("could not register COSERVE_ADMIN_KEY: %s", exc)
     api.state.job_writer = JobWriter(settings, api.state.rate_limiter)
+    # what start-up made (modules, routes, schemas, the tokenizer: ~600k objects) is never garbage: left in the
+    # collector's oldest generation, each full collection walked it and stalled every request for ~0.4 s
+    # (ops/bench_submit.py's p99); frozen, a collection walks what requests make (vLLM's server does the same)
+    gc.collect()
+    gc.freeze()
     try:
         yield
     finally:
