@@ -84,6 +84,7 @@ async def lifespan(api: FastAPI):
         yield
     finally:
         api.state.job_writer.close()
+        gc.unfreeze()  # what a stopped app (a test's, say) leaves in cycles can be collected again
 
 
 class BodyLimit:
