@@ -18,7 +18,7 @@ A run's first step (it is ``validating``: written by the request, its documents 
 and checks what needs the split (``limits``: the levels end, the first level is at most
 ``COSERVE_SUMMARIZE_MAX_JOBS`` jobs); a run they refuse ends ``failed`` with no job written.
 
-A step renews its lease while it goes on (``LeaseKeeper``: every third of the lease, between documents, the
+A step renews its lease while it goes on (``lease.LeaseKeeper``: every third of the lease, between documents, the
 sentences a split measures and the jobs it builds), so a first step that splits for a minute holds a lease of
 ``lease_seconds``, and a run whose splitter died is taken over once that lapses. A renewal that finds the lease
 taken over stops the step, which writes nothing.
@@ -50,7 +50,7 @@ from app.services.jobs import JobValidationError, build_job
 from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
-from app.summarize import store
+from app.summarize import lease, store
 from app.summarize.limits import check_depth, check_jobs
 from app.summarize.pipeline import (TERMINAL, Advance, DocState, Planner, advance_doc, final_status,
                                     open_jobs)
@@ -84,7 +84,7 @@ class JobCollector:
         self.settings, self.principal, self.tier, self.results = settings, principal, tier, results
         self.model = model  # the run's: the server's model or a LoRA adapter
         self.run_id = run_id  # each job names it (a poll counts the run's jobs not ended by it)
-        self.tick: Callable[[], None] = lambda: None  # called before each job is built (the step's LeaseKeeper)
+        self.tick: Callable[[], None] = lambda: None  # called before each job is built (the step's lease.LeaseKeeper)
         self.jobs: list[Job] = []
 
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str:
@@ -182,71 +182,6 @@ def _look(url: str, run_id: str, memo: LookMemo | None = None) -> _Look | None:
         return look
 
 
-def _claim(url: str, run: SummarizationRun, owner: str, lease_s: float) -> bool:
-    """Takes the run's lease while it is free or expired and the run is still as read (status, version)."""
-    now = utcnow()
-    with session_scope(url) as s, write_guard(s):
-        claimed = s.execute(update(SummarizationRun).where(
-            SummarizationRun.id == run.id, SummarizationRun.status == run.status,
-            SummarizationRun.version == run.version,
-            or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now))
-            .values(lease_owner=owner, lease_expires_at=now + timedelta(seconds=lease_s))
-            .execution_options(synchronize_session=False)).rowcount == 1
-    return claimed
-
-
-def _take_over(url: str, run: SummarizationRun, owner: str, lease_s: float) -> bool:
-    """Takes the run's lease whoever holds it, while the run is still as read (status, version): the holder's
-    next write, guarded by its lease, matches nothing."""
-    with session_scope(url) as s, write_guard(s):
-        return s.execute(update(SummarizationRun).where(
-            SummarizationRun.id == run.id, SummarizationRun.status == run.status,
-            SummarizationRun.version == run.version)
-            .values(lease_owner=owner, lease_expires_at=utcnow() + timedelta(seconds=lease_s))
-            .execution_options(synchronize_session=False)).rowcount == 1
-
-
-def _release(url: str, run_id: str, owner: str) -> None:
-    """Gives the lease back early (the step failed before committing); best effort: it expires anyway."""
-    try:
-        with session_scope(url) as s, write_guard(s):
-            s.execute(update(SummarizationRun).where(SummarizationRun.id == run_id,
-                                                     SummarizationRun.lease_owner == owner)
-                      .values(lease_owner=None, lease_expires_at=None).execution_options(synchronize_session=False))
-    except Exception:
-        log.warning("could not release the lease of summarization %s; it expires on its own", run_id, exc_info=True)
-
-
-class LeaseLost(Exception):
-    """A step's lease was taken over (a cancel, or a process that found it lapsed) while the step went on."""
-
-
-class LeaseKeeper:
-    """Renews a step's lease while the step goes on: called often (between documents, between the sentences a split
-    measures), it extends the lease by ``lease_s`` once a third of it has passed since the last renewal, guarded by
-    (owner, version) as the step's commit is; ``LeaseLost`` where that matches nothing, so the step stops early
-    and writes nothing."""
-
-    clock = staticmethod(time.monotonic)
-
-    def __init__(self, url: str, run: SummarizationRun, owner: str, lease_s: float):
-        self.url, self.run, self.owner, self.lease_s = url, run, owner, lease_s
-        self.renew_at = self.clock() + lease_s / 3
-
-    def __call__(self) -> None:
-        if self.clock() < self.renew_at:
-            return
-        with session_scope(self.url) as s, write_guard(s):
-            kept = s.execute(update(SummarizationRun).where(
-                SummarizationRun.id == self.run.id, SummarizationRun.lease_owner == self.owner,
-                SummarizationRun.version == self.run.version)
-                .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_s))
-                .execution_options(synchronize_session=False)).rowcount == 1
-        if not kept:
-            raise LeaseLost(self.run.id)
-        self.renew_at = self.clock() + self.lease_s / 3
-
-
 def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | None = None,
             memo: LookMemo | None = None) -> Step:
     """One step of ``run_id`` if it has one to take and nobody else is taking it; ``memo``: what this caller's
@@ -259,7 +194,7 @@ def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | Non
     if run.status not in store.OPEN or not (look.ready or look.tenant_disabled):
         return Step(Outcome.IDLE, run.status)
     lease_s = lease_s if lease_s is not None else settings.lease_seconds  # renewed while the step goes on
-    if not _claim(url, run, owner, lease_s):
+    if not lease.claim(url, run, owner, lease_s):
         return Step(Outcome.BUSY, run.status)
     if look.tenant_disabled:  # the admin's disable did not end it (it stepped then, or that process died)
         return _cancel_claimed(settings, run, owner, TENANT_DISABLED)
@@ -270,7 +205,7 @@ def advance(settings: Settings, run_id: str, owner: str, *, lease_s: float | Non
         return step
     finally:
         if not committed:
-            _release(url, run_id, owner)
+            lease.release(url, run_id, owner)
 
 
 def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: int, owner: str,
@@ -278,16 +213,16 @@ def _step(settings: Settings, run: SummarizationRun, ready: list[int], waiting: 
     """The step once ``owner`` holds the run's lease (``lease_s`` long: ``lease_seconds`` where None), renewing it as
     it goes; LOST, nothing written, where it was taken over meanwhile."""
     url = settings.sqlalchemy_url
-    keep = LeaseKeeper(url, run, owner, lease_s if lease_s is not None else settings.lease_seconds)
+    keep = lease.LeaseKeeper(url, run, owner, lease_s if lease_s is not None else settings.lease_seconds)
     try:
         return _keep_stepping(settings, run, ready, waiting, owner, keep)
-    except LeaseLost:
+    except lease.LeaseLost:
         log.info("summarization %s: lease lost mid-step; stopped, nothing written", run.id)
         return Step(Outcome.LOST, "running")
 
 
 def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], waiting: int, owner: str,
-                   keep: LeaseKeeper) -> Step:
+                   keep: lease.LeaseKeeper) -> Step:
     url = settings.sqlalchemy_url
     # the lease is ours and the version unchanged since the look: these rows are current
     with session_scope(url) as s:
@@ -351,7 +286,7 @@ def _advance_or_fail(run_id: str, position: int, doc: DocState, results: dict, p
     built = len(backend.jobs)
     try:
         return advance_doc(doc, results, planner)
-    except LeaseLost:
+    except lease.LeaseLost:
         raise
     except Exception as exc:
         log.exception("summarization %s: document %d failed", run_id, position)
@@ -434,8 +369,8 @@ def cancel(settings: Settings, run_id: str, owner: str, reason: CancelReason = B
             return False
         # a first step holds a validating run's lease while it splits (a minute for large runs); it has written
         # no job yet, so the cancel takes the lease over and the step, finding it gone, commits nothing
-        claimed = (_take_over(url, run, owner, settings.lease_seconds) if run.status == store.VALIDATING
-                   else _claim(url, run, owner, settings.lease_seconds))
+        claimed = (lease.take_over(url, run, owner, settings.lease_seconds) if run.status == store.VALIDATING
+                   else lease.claim(url, run, owner, settings.lease_seconds))
         if claimed:
             if _cancel_claimed(settings, run, owner, reason).outcome == Outcome.STEPPED:
                 return True
@@ -448,12 +383,12 @@ def _finish_cancel(settings: Settings, run: SummarizationRun, owner: str) -> boo
     stopping them again is harmless (a stopped job stays as it is), and a holder killed mid-cancel would keep the
     run ``cancelling`` until its lease expired. False where the run moved on meanwhile (another process ended it)."""
     url = settings.sqlalchemy_url
-    if not _take_over(url, run, owner, settings.lease_seconds):
+    if not lease.take_over(url, run, owner, settings.lease_seconds):
         return False
     try:
         _stop_cancelled_jobs(settings, run.id, owner)
     except Exception:
-        _release(url, run.id, owner)
+        lease.release(url, run.id, owner)
         raise
     return True
 
@@ -464,12 +399,12 @@ def _cancel_claimed(settings: Settings, run: SummarizationRun, owner: str, reaso
     url = settings.sqlalchemy_url
     step = _end_run(url, run, owner, CANCELLING, reason.document, reason.run, keep_lease_s=settings.lease_seconds)
     if step.outcome != Outcome.STEPPED:
-        _release(url, run.id, owner)
+        lease.release(url, run.id, owner)
         return step
     try:
         stopped = _stop_cancelled_jobs(settings, run.id, owner)
     except Exception:
-        _release(url, run.id, owner)  # a worker's sweeper stops the rest now, not when the lease expires
+        lease.release(url, run.id, owner)  # a worker's sweeper stops the rest now, not when the lease expires
         raise
     return Step(Outcome.STEPPED, stopped.status)  # cancelled, or cancelling where another holder stops the rest
 
@@ -508,7 +443,7 @@ def finish_cancels(settings: Settings, owner: str, limit: int = 100) -> list[Ste
     steps = []
     for run in runs:
         try:
-            if _claim(url, run, owner, settings.lease_seconds):
+            if lease.claim(url, run, owner, settings.lease_seconds):
                 steps.append(_stop_cancelled_jobs(settings, run.id, owner))
         except Exception:
             log.exception("could not stop the jobs of cancelled summarization %s", run.id)

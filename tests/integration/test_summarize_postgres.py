@@ -12,7 +12,7 @@ from app.auth import Principal, create_tenant
 from app.db.models import Job, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope
 from app.services.transitions import utcnow
-from app.summarize import driver, service
+from app.summarize import driver, lease, service
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
 from tests.conftest import make_settings
@@ -35,7 +35,7 @@ def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir):  # noqa: F811
     finish_jobs(pg_url)
     with session_scope(pg_url) as s:
         run = s.get(SummarizationRun, run_id)
-    assert driver._claim(pg_url, run, "dead-api", lease_s=60)
+    assert lease.claim(pg_url, run, "dead-api", lease_s=60)
     assert driver.advance(settings, run_id, "w1").outcome == Outcome.BUSY
     with session_scope(pg_url) as s:
         s.execute(update(SummarizationRun).values(lease_expires_at=utcnow() - timedelta(seconds=1)))

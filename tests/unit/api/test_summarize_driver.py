@@ -15,7 +15,7 @@ from app.auth import Principal, create_tenant
 from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
 from app.services.transitions import as_utc, utcnow
-from app.summarize import driver, service, store
+from app.summarize import driver, lease, service, store
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
 from tests.conftest import load_runtime_adapter, make_settings
@@ -141,7 +141,7 @@ def test_a_cancel_while_the_first_step_splits_ends_the_run_and_that_step_writes_
     run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
     look = driver._look(url, run_id)
-    assert driver._claim(url, look.run, "splitter", lease_s=600)  # the first step is splitting (a large run)
+    assert lease.claim(url, look.run, "splitter", lease_s=600)  # the first step is splitting (a large run)
     assert service.cancel(settings, run_id)  # not a RunBusy while the split goes on
     run = run_row(url, run_id)
     assert (run.status, run.reason, run.documents_failed, run.lease_owner) == (
@@ -162,14 +162,14 @@ def test_the_first_step_holds_a_short_lease_renewed_as_it_splits_and_stops_once_
     run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
     clock = [0.0]
-    monkeypatch.setattr(driver.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
+    monkeypatch.setattr(lease.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
     expiries, real_count = [], TokenSplitter.count
 
     def count(self, text):  # each text measured takes a third of the lease
         expiries.append(as_utc(run_row(url, run_id).lease_expires_at))
         clock[0] += settings.lease_seconds / 3
         if len(expiries) == 5:  # the step seems dead: a cancel or a sweeper takes its lease over
-            assert driver._take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
+            assert lease.take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
         return real_count(self, text)
 
     monkeypatch.setattr(TokenSplitter, "count", count)
@@ -190,13 +190,13 @@ def test_a_step_renews_its_lease_between_the_jobs_it_builds_and_stops_once_it_is
     run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
     clock, built, real_build = [0.0], [], driver.build_job
-    monkeypatch.setattr(driver.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
+    monkeypatch.setattr(lease.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
 
     def build_job(*args, **kwargs):  # each job built takes a third of the lease
         built.append(1)
         clock[0] += settings.lease_seconds / 3
         if len(built) == 2:
-            assert driver._take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
+            assert lease.take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
         return real_build(*args, **kwargs)
 
     monkeypatch.setattr(driver, "build_job", build_job)
@@ -234,7 +234,7 @@ def test_a_held_lease_keeps_others_out_until_it_expires(settings, principal):
     run_id = start(settings, principal)
     finish_jobs(url)
     run = run_row(url, run_id)
-    assert driver._claim(url, run, "dead-api", lease_s=0.3)  # a process claimed the step, then was killed
+    assert lease.claim(url, run, "dead-api", lease_s=0.3)  # a process claimed the step, then was killed
     assert driver.advance(settings, run_id, "worker").outcome == Outcome.BUSY
     assert driver.advance_open_runs(settings, "worker") == []  # the sweeper does not even look
     with session_scope(url) as s:  # its lease runs out
