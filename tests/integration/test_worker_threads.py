@@ -415,7 +415,9 @@ def _lapse_and_requeue(settings, job_id: str) -> None:
     from app.services.transitions import utcnow
     from workers.sweeper import sweep
 
-    with session_scope(settings.sqlalchemy_url) as s:
+    # SQLite's write lock from each transaction's start, as the workers' sweeper takes it: a read that turns into a
+    # write fails at once ("database is locked") where the running worker committed in between
+    with session_scope(settings.sqlalchemy_url, immediate=True) as s:
         s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
         s.commit()
         sweep(s, settings.redis_url, queued_grace_s=0)
