@@ -24,7 +24,10 @@ MAX_TOKENS = 80
 
 def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, start_worker):
     url = settings.sqlalchemy_url
-    w1 = start_worker("w1", COSERVE_MAX_INFLIGHT="4")
+    # w1's steps are slowed (0.1 s each) so that its four jobs are still running when the test looks, however
+    # loaded the box is: unslowed, they all ended before a loaded test process looked
+    w1 = start_worker("w1", COSERVE_MAX_INFLIGHT="4", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build",
+                      COSERVE_STEP_DELAY_S="0.1")
     ids = []
     for i in range(N_JOBS):
         r = client.post("/v1/jobs", headers=H(keys.paid),
