@@ -41,7 +41,7 @@ def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, 
             running = s.scalars(select(Job.id).where(Job.status == "running")).all()
         return [j for j in running if rds.xlen(stream_key(j)) >= 3]
 
-    victims = wait_for(mid_generation, 60, "a job to be mid-generation")
+    wait_for(mid_generation, 60, "a job to be mid-generation")
 
     def waiting_on_the_queue():  # w1's engine is full: the 5th message it took went back to the queue's head
         with session_scope(url) as s:
@@ -51,6 +51,9 @@ def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, 
         # (fewer than N_JOBS - 4 wait where one of the four ended first and w1 took the next)
         return running == 4 and rds.llen("coserve.tiny") == len(waiting) and waiting
     held = wait_for(waiting_on_the_queue, 30, "w1 to run four jobs and hand the rest back")
+    # the jobs mid-generation as w1 dies (looked at just before: one seen earlier may have ended while the test
+    # waited on a loaded box, and w1 took the next)
+    victims = wait_for(mid_generation, 60, "a job to be mid-generation")
     os.killpg(w1.pid, signal.SIGKILL)  # the worker and anything it started, no chance to clean up
     w1.wait(10)
     with session_scope(url) as s:
