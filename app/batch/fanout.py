@@ -24,7 +24,7 @@ from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
-from app.db.session import read_then_write, session_scope, write_after_read, write_guard
+from app.db.session import let_others_write, read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
 from app.services.dispatch import send_dispatched
 from app.services.job_writer import JobRows
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 # rows per transaction while a batch's jobs are written: SQLite's one write lock is held for one chunk at a time
 STAGE_CHUNK = 1000
-STAGE_PAUSE_S = 0.2
 
 
 def batch_dir(data_dir: Path, batch_id: str) -> Path:
@@ -150,9 +149,7 @@ def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, job
             if s.scalar(select(Batch.status).where(Batch.id == batch_id)) != "validating":
                 return False  # cancelled while staging: the rest is not written
             chunk.insert(s, status=mine)
-        # as long again with the lock let go (at most STAGE_PAUSE_S): a writer in SQLite's busy wait (a worker's,
-        # which polls every 100 ms) gets its turn instead of finding the next chunk's transaction there again
-        time.sleep(min(time.monotonic() - took, STAGE_PAUSE_S))
+        let_others_write(time.monotonic() - took)
     status = JobStatus.DISPATCHED.value if dispatched_at is not None else JobStatus.QUEUED.value
     with read_then_write(url) as s:  # one short transaction: no row is written here, only statuses change
         if refused := _over_queue_limit(s, tenant_id, jobs):  # again, in the transaction that starts the batch

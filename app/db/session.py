@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -143,6 +144,18 @@ def session_scope(url: str, immediate: bool = False) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+# after a chunk of a long write (a batch's fan-out, stopping its jobs), SQLite's write lock is let go as long as the
+# chunk held it (at most this): a writer in SQLite's busy wait (a worker's, which polls in steps of up to 100 ms) or
+# queued on write_guard's lock (a submission; Python's lock is not fair) gets its turn, instead of finding the next
+# chunk's transaction there again
+WRITE_PAUSE_S = 0.2
+
+
+def let_others_write(held_s: float) -> None:
+    """Between two chunks of a long write: the write lock let go as long as the last chunk held it."""
+    time.sleep(min(held_s, WRITE_PAUSE_S))
 
 
 @contextmanager

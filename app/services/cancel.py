@@ -10,19 +10,13 @@ import time
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus
-from app.db.session import write_after_read
+from app.db.session import let_others_write, write_after_read
 from app.services import jobs as job_service
 from app.services.notify import announce_cancel, announce_cancels, await_kept
 from app.services.transitions import ACTIVE, NOT_TERMINAL, cancel_stamps, transition_many, utcnow
 from app.settings import Settings
 
 STOP_CHUNK = 500  # jobs a transaction: SQLite caps one statement's parameters, and others may write in between
-# after a chunk, SQLite's write lock is let go as long as the chunk held it (at most this): a writer in SQLite's busy
-# wait (a worker's, which polls in steps of up to 100 ms) or queued on write_guard's lock (a submission; Python's lock
-# is not fair) gets its turn, instead of finding the next chunk's transaction there again (as the batch fan-out)
-STOP_PAUSE_S = 0.2
-
-
 def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
     """Cancels the job if it has not ended (False where it had); ``job`` is refreshed with what its worker kept,
     or as the cancel left it where the worker did not answer within ``settings.cancel_wait_s``."""
@@ -49,11 +43,6 @@ def stop_job_ids(session: Session, ids: list[str], to: JobStatus, detail: str, r
         moved, held = _stop_chunk(session, ids[i:i + STOP_CHUNK], to, detail, redis_url)
         stopped += moved
     return stopped
-
-
-def let_others_write(held_s: float) -> None:
-    """Between two chunks: SQLite's write lock let go as long as the last chunk held it, at most STOP_PAUSE_S."""
-    time.sleep(min(held_s, STOP_PAUSE_S))
 
 
 def _stop_chunk(session: Session, ids: list[str], to: JobStatus, detail: str,
