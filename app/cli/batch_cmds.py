@@ -99,14 +99,44 @@ def _follow(api: Api, batch_id: str) -> dict[str, Any]:
             time.sleep(1.0)
 
 
-@batch_app.command("create")
+# `batch create --wait` and `batch status --follow` exit with these once the batch has ended (2: no answer from the
+# API, or a usage error; an API error is 1 too)
+ALL_SUCCEEDED, NOT_COMPLETED, SOME_FAILED = 0, 1, 3
+EXIT_CODES_HELP = ("Exit status once the batch ended: 0 every request succeeded; 1 the batch failed, expired or was "
+                   "cancelled, or not one of its requests succeeded; 3 it completed with some requests failed (the "
+                   "output file holds the others); 2 the API could not be reached.")
+
+
+def exit_code(batch: dict[str, Any]) -> int:
+    """What an ended batch tells a script: a batch that completed with every request failed has nothing to use."""
+    counts = batch["request_counts"]
+    if batch["status"] != "completed" or counts["completed"] == 0 < counts["total"]:
+        return NOT_COMPLETED
+    return SOME_FAILED if counts["failed"] else ALL_SUCCEEDED
+
+
+def _end(batch: dict[str, Any]) -> None:
+    """Says where the failed requests' reasons are (the table's count alone does not), then exits as
+    ``exit_code`` says: a script's ``coserve batch create --wait && next`` goes no further unless all succeeded."""
+    counts = batch["request_counts"]
+    if counts["failed"]:
+        console.print(f"[yellow]{counts['failed']} of {counts['total']} requests failed[/yellow]: `coserve batch "
+                      f"results {batch['id']} --errors FILE` saves why")
+    if code := exit_code(batch):
+        raise typer.Exit(code)
+
+
+@batch_app.command("create", epilog=EXIT_CODES_HELP)
 def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL of requests")],
            endpoint: Annotated[str, typer.Option(help="/v1/chat/completions, /v1/completions or /v1/responses")] =
            "/v1/chat/completions",
            window: Annotated[str, typer.Option("--window", "-w", help="completion window: 30m, 2h, 24h, 7d")] = "24h",
-           wait: Annotated[bool, typer.Option(help="follow it with a progress bar until it ends")] = False,
+           wait: Annotated[bool, typer.Option(help="follow it with a progress bar until it ends; exit status below")] =
+           False,
            tier: Tier = None, url: Url = None, key: Key = None) -> None:
-    """Upload PATH and start a batch whose requests must finish within --window."""
+    """Upload PATH and start a batch whose requests must finish within --window.
+
+    With --wait it exits non-zero unless every request succeeded (the exit status is below)."""
     api = Api(url, key)
     f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "batch"}).json()
     b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
@@ -118,16 +148,13 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         warn_without_workers(api.url)
         b = _follow(api, b["id"])
         print_table(console, _batch_table([b]))
-        if failed := b["request_counts"]["failed"]:  # the table's count alone does not say where the reasons are
-            console.print(f"[yellow]{failed} of {b['request_counts']['total']} requests failed[/yellow]: `coserve "
-                          f"batch results {b['id']} --errors FILE` saves why")
-        if b["status"] != "completed":  # failed, expired or cancelled: a script goes no further
-            raise typer.Exit(1)
+        _end(b)
 
 
-@batch_app.command("status")
+@batch_app.command("status", epilog="With --follow: " + EXIT_CODES_HELP)
 def status(batch_id: BatchId,
-           follow: Annotated[bool, typer.Option("--follow", "-f", help="poll with a progress bar until it ends")] =
+           follow: Annotated[bool, typer.Option("--follow", "-f", help="poll with a progress bar until it ends; exit "
+                                                                    "status below")] =
            False,
            url: Url = None, key: Key = None) -> None:
     """Show a batch (request counts, status, files)."""
@@ -139,6 +166,8 @@ def status(batch_id: BatchId,
             console.print(f"{name}: {b[name]}")
     for err in (b.get("errors") or {}).get("data", []):
         console.print(f"[red]{err.get('code')}[/red]: {escape(str(err.get('message')))}")
+    if follow:  # a script follows a batch as `batch create --wait` does, and learns how it ended the same way
+        _end(b)
 
 
 @batch_app.command("list")

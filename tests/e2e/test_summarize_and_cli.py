@@ -82,7 +82,8 @@ def test_cancel_cli_stops_a_job_and_says_when_one_had_ended(live_server, keys):
 
 def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_server, keys, tmp_path):
     """A script's `coserve submit --wait && next` stops at a job that ended otherwise (no worker here: the job waits
-    until another client cancels it); `batch create --wait` likewise at a batch that failed."""
+    until another client cancels it); `batch create --wait` likewise at a batch that failed, or that completed with
+    every request failed."""
     import threading
 
     auth = ["--url", live_server, "--key", keys.paid]
@@ -102,6 +103,18 @@ def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_serv
                                          "body": {"model": "tiny", "prompt": "x", "max_tokens": 1}}) for _ in range(2)))
     r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "--wait", *auth])
     assert r.exit_code == 1 and "failed" in r.output, r.output
+    # a batch that completed with every request failed (here every line is bad) has nothing to use: it exited 0
+    src.write_text("{oops\n" + json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+                                           "body": {"model": "tiny", "prompt": "x"}}) + "\n")
+    r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "--wait", *auth])
+    batch_id = r.output.split("batch ")[1].split()[0]
+    assert r.exit_code == 1 and "2 of 2 requests failed" in _flat(r.output), r.output
+    b = httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=h).json()
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    r = CliRunner().invoke(cli, ["batch", "status", batch_id, "--follow", *auth])  # following it ends the same way
+    assert r.exit_code == 1, r.output
+    r = CliRunner().invoke(cli, ["batch", "status", batch_id, *auth])  # a look is no wait: it says, and exits 0
+    assert r.exit_code == 0, r.output
 
 
 def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
@@ -113,7 +126,7 @@ def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     run = CliRunner()
     auth = ["--url", live_server, "--key", keys.paid]
     r = run.invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "-w", "2h", "--wait", *auth])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output  # completed, some requests failed: a script tells it from all succeeded (0)
     batch_id = r.output.split("batch ")[1].split()[0]
     # the line that failed is not only a count in the table: the command says where its reason is
     assert f"1 of 4 requests failed: `coserve batch results {batch_id} --errors FILE` saves why" in _flat(r.output)

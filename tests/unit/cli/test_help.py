@@ -52,3 +52,12 @@ def test_submit_says_where_the_targets_it_leaves_out_come_from():
     flat = " ".join(out.split())
     for setting in ("COSERVE_DEFAULT_TBT_MS", "COSERVE_DEFAULT_TTFT_MS", "COSERVE_DEFAULT_BATCH_WINDOW_S"):
         assert f"(default: the API's {setting})" in flat, out
+
+
+def test_the_waiting_batch_commands_name_their_exit_statuses():
+    """A script using `batch create --wait` (or `batch status --follow`) must know what each exit status means."""
+    env = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+    for command in (["batch", "create", "--help"], ["batch", "status", "--help"]):
+        out = " ".join(CliRunner().invoke(cli, command, env=env).output.split())
+        assert "0 every request succeeded; 1 the batch failed, expired or was cancelled, or not one of its requests " \
+               "succeeded; 3 it completed with some requests failed" in out, out
