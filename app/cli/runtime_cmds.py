@@ -53,13 +53,13 @@ def simulate(
                                                    "simulation")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated scheduler names")] = "qoserve,sarathi-fcfs,sarathi-edf",
     requests: Annotated[int, typer.Option(help="requests sampled from the trace per run", min=1)] = 300,
-    free_share: Annotated[float, typer.Option(help="share of free-tier jobs")] = 0.0,
+    free_share: Annotated[float, typer.Option(help="share of free-tier jobs", min=0.0, max=1.0)] = 0.0,
     arrivals: Annotated[str, typer.Option(help="poisson | trace (the trace's timestamps rescaled to each QPS) | "
                                                "bursty (alternates QPS/2.5 and QPS every --period s)")] = "poisson",
     period: Annotated[float, typer.Option(help="bursty: seconds per rate (x SLO scale)")] = 900.0,
     max_tokens: Annotated[int, typer.Option(help="max_tokens every request asks for (it stops at the trace's "
-                                                 "output length)")] = 4096,
-    kv_blocks: Annotated[int, typer.Option(help="KV blocks of the simulated replica")] = 30000,
+                                                 "output length)", min=1)] = 4096,
+    kv_blocks: Annotated[int, typer.Option(help="KV blocks of the simulated replica", min=1)] = 30000,
     seed: Annotated[int, typer.Option(help="seed of the sampled requests and arrivals")] = 0,
     out: Annotated[Path | None, typer.Option(help="directory for results.json and violations.png")] = None,
 ) -> None:
@@ -82,8 +82,17 @@ def simulate(
     from gpu_runtime.sim.runner import policies as known
     from gpu_runtime.sim.workload import paper_tiers
 
+    # every option is checked before the profile's cost model is fitted (seconds): a typo is a usage error at once
     if arrivals not in ARRIVALS:
         raise typer.BadParameter(f"--arrivals {arrivals!r}: choose from {', '.join(ARRIVALS)}")
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        raise typer.BadParameter("--policies: name at least one scheduler")
+    if unknown := [n for n in names if n not in known()]:
+        raise typer.BadParameter(f"--policies: no scheduler {', '.join(unknown)}; choose from {', '.join(known())}")
+    if trace not in TRACES and not Path(trace).is_file():
+        raise typer.BadParameter(f"--trace {trace!r}: give conv, code or the path of a CSV trace")
+    rates = _qps_list(qps, sweep)
     path = resolve_profile(profile)
     if not path.exists():
         raise typer.BadParameter(f"--profile {profile!r}: no such file or shipped profile")
@@ -97,13 +106,6 @@ def simulate(
                   f"(paper: 12.5 ms on Llama3-8B/A100); arrivals {arrivals}")
     exp = Experiment(trace=trace, num_requests=requests, seed=seed, kv_blocks=kv_blocks, max_tokens=max_tokens,
                      arrivals=arrivals)
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    if not names:
-        raise typer.BadParameter("--policies: name at least one scheduler")
-    if unknown := [n for n in names if n not in known()]:
-        raise typer.BadParameter(f"--policies: no scheduler {', '.join(unknown)}; choose from {', '.join(known())}")
-    if trace not in TRACES and not Path(trace).is_file():
-        raise typer.BadParameter(f"--trace {trace!r}: give conv, code or the path of a CSV trace")
     tiers = paper_tiers(scale, free_share)
 
     def bursty_at(q: float) -> tuple[float, float, float, float] | None:
@@ -124,7 +126,6 @@ def simulate(
         return sustained_violation_rate(summarize(reqs).violation_rate,
                                         [(r.arrival_time, r.finish_time) for r in reqs])
 
-    rates = _qps_list(qps, sweep)
     if rates is None:
         rates = _default_sweep(names[0], exp, cm, sustained, console)
     table = Table(title=f"{trace}: violations (SLOs x {scale:.2f}, {arrivals} arrivals)")

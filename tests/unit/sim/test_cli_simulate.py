@@ -45,3 +45,24 @@ def test_simulate_rejects_an_unknown_arrival_process():
     res = CliRunner().invoke(cli, ["simulate", "--profile", "synthetic-a100-llama3-8b", "--qps", "1",
                                    "--arrivals", "uniform", "--requests", "5"])
     assert res.exit_code != 0
+
+
+def test_simulate_refuses_bad_options_before_it_fits_the_profile(monkeypatch):
+    """`simulate --policies bogus` fitted the profile's cost model (seconds) before it refused the name: every option
+    is a usage error (exit 2, naming it) before any work."""
+    from gpu_runtime.costmodel import profile
+
+    def fitted(path):
+        raise AssertionError(f"the cost model of {path} was fitted before the options were checked")
+
+    monkeypatch.setattr(profile, "scheduling_cost_model", fitted)
+    for args, says in ((["--policies", "qoserve,bogus"], "no scheduler bogus"),
+                       (["--policies", " , "], "name at least one scheduler"),
+                       (["--trace", "nowhere.csv"], "--trace 'nowhere.csv'"),
+                       (["--sweep", "3,1,1"], "LAST >= FIRST"),
+                       (["--arrivals", "uniform"], "choose from poisson"),
+                       (["--free-share", "1.5"], "--free-share"),
+                       (["--profile", "no-such-profile", "--policies", "bogus"], "no scheduler bogus")):
+        res = CliRunner().invoke(cli, ["simulate", "--qps", "1", *args], env={"COLUMNS": "200"})
+        out = " ".join(res.output.replace("\u2502", " ").split())
+        assert res.exit_code == 2 and says in out, (args, res.output)
