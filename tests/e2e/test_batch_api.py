@@ -100,6 +100,35 @@ def test_batch_round_trip_with_bad_lines(oai, stack):
     assert len(jsonl(oai, done.output_file_id)) == 4
 
 
+def test_create_answers_validating_before_the_input_file_is_validated(oai, monkeypatch):
+    """The create request does not wait for the input file's validation (seconds at 50,000 lines: OpenAI answers
+    ``validating`` and validates after it): the answer comes while validation has not ended, and the batch then goes
+    on to ``in_progress`` with its bad line kept for the error file."""
+    import threading
+
+    from app.batch import lines as batch_lines
+
+    parse_file, may_end, ended = batch_lines.parse_file, threading.Event(), threading.Event()
+
+    def held_parse(*args, **kwargs):
+        may_end.wait(30)  # released as soon as the create answered (a create that waited for it goes on at 30 s)
+        try:
+            return parse_file(*args, **kwargs)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(batch_lines, "parse_file", held_parse)
+    f = upload(oai, [line("ok", max_tokens=1), "{oops"])
+    try:
+        b = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        answered_before_validation_ended = not ended.is_set()
+    finally:
+        may_end.set()
+    assert b.status == "validating" and answered_before_validation_ended
+    b = wait_batch(oai, b.id, {"in_progress", "completed", "failed"})
+    assert b.status != "failed" and ended.is_set() and b.request_counts.total == 2, b
+
+
 def test_a_batch_of_responses(oai):
     def response_line(cid, **body):
         return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/responses", "body": {
