@@ -81,6 +81,15 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class Metadata(BaseModel):
+    """docs.anthropic.com/en/api/messages: ``metadata.user_id``, a string naming the end user, or null; it is
+    chat's ``user``, whose checks (at most 256 characters) it gets."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    user_id: str | None = None
+
+
 class MessagesRequest(BaseModel):
     """The Messages-only fields; the rest of the body is read as chat reads it (``chat_request``)."""
 
@@ -94,7 +103,7 @@ class MessagesRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
 
     def check(self, raw: dict[str, Any]) -> None:
         for name in UNSERVED:
@@ -167,8 +176,8 @@ class MessagesRequest(BaseModel):
                                   param="output_config.format")
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": fmt.get("schema")}}
-        if isinstance(user := (self.metadata or {}).get("user_id"), str):
-            body.setdefault("user", user)
+        if self.metadata is not None and self.metadata.user_id is not None:
+            body.setdefault("user", self.metadata.user_id)
         return chat_job(body, tiers, in_messages_terms, batch_window_s)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.anthropic_schemas import MessagesRequest
-from app.openai_schemas import OpenAIError
+from app.openai_schemas import OpenAIError, openai_parsed
 
 ASK = {"role": "user", "content": "Weather?"}
 
@@ -114,3 +114,16 @@ def test_an_error_is_typed_as_anthropic_types_its_status(status, kind):
     from app.anthropic_schemas import error_body
 
     assert error_body(status, "why") == {"type": "error", "error": {"type": kind, "message": "why"}}
+
+
+@pytest.mark.parametrize("user_id", [42, ["u"], {"id": "u"}, True])
+def test_a_user_id_that_is_no_string_is_a_400_naming_it_not_dropped(user_id):
+    with pytest.raises(OpenAIError) as exc:
+        openai_parsed(MessagesRequest, {"max_tokens": 3, "messages": [ASK], "metadata": {"user_id": user_id}})
+    assert (exc.value.status_code, exc.value.param) == (400, "metadata.user_id")
+    assert "valid string" in exc.value.message
+
+
+def test_a_null_user_id_names_no_end_user():
+    _, spec = chat_of(messages=[ASK], metadata={"user_id": None})
+    assert spec.user is None
