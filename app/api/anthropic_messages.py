@@ -22,7 +22,7 @@ from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest
                                    message_body, message_of, stop_of, tool_use_block, usage_of)
 from app import request_id
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
-from app.api.errors import anthropic_responses
+from app.api.errors import anthropic_error, anthropic_responses
 from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, json_object,
                                    submit_openai_job)
 from app.db.models import Job
@@ -30,7 +30,6 @@ from app.openai_schemas import FINAL, OpenAIError, OpenAIRoute, openai_parsed
 from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
 from app.services.rate_limits import RateLimited, anthropic_rate_headers
 from app.settings import Settings
-from app.wire import json_safe
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +44,8 @@ class AnthropicRoute(OpenAIRoute):
         if isinstance(limited := exc.__cause__, RateLimited):
             headers = ({k: v for k, v in headers.items() if not k.startswith("x-ratelimit-")}
                        | limited.decision.anthropic_headers())
-        rid = request_id.current()  # docs.anthropic.com/en/api/errors: the body names it, as the header does
-        if rid is not None:
-            headers = headers | {"request-id": rid}  # here too for a 500, which the app-wide handler answers
-        body = error_body(exc.status_code, exc.message) | {"request_id": rid}
-        # json_safe: a message may quote what the client sent (a lone surrogate cannot be encoded)
-        return JSONResponse(json_safe(body), status_code=exc.status_code, headers=headers)
+        # the request's id in the body and the header: here too for a 500, which the app-wide handler answers
+        return anthropic_error(exc.status_code, exc.message, headers)
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()

@@ -82,9 +82,9 @@ class AnthropicErrorBody(BaseModel):
 
 
 def anthropic_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` of an Anthropic-compatible route answering ``codes``."""
-    return {c: {"model": HTTPError if c == 413 else AnthropicErrorBody, "description": _WHY.get(c, "error")}
-            for c in codes}
+    """``responses=`` of an Anthropic-compatible route answering ``codes`` (413 too: the body limit answers it in
+    Anthropic's shape under its prefix)."""
+    return {c: {"model": AnthropicErrorBody, "description": _WHY.get(c, "error")} for c in codes}
 
 
 def unprocessable(message: str, *loc: str | int) -> RequestValidationError:
@@ -125,23 +125,16 @@ def allowed_methods(request: Request) -> list[str]:
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 405 and request.method == "OPTIONS":  # the methods this resource answers (RFC 9110 9.3.7)
+        return Response(status_code=204, headers={"Allow": ", ".join(allowed_methods(request))})
+    if _under(request, "anthropic_prefixes"):  # no route took it (a path or method not served): its SDKs read
+        return _anthropic_framework_error(request, exc)  # Anthropic's shape, as the routes there answer
     if exc.status_code == 405:
         allow = ", ".join(allowed_methods(request))
-        if request.method == "OPTIONS":  # the methods this resource answers (RFC 9110 9.3.7)
-            return Response(status_code=204, headers={"Allow": allow})
         return JSONResponse({"detail": f"{request.method} is not allowed here; use one of {allow}"},
                             status_code=405, headers={"Allow": allow})
     if exc.status_code == 422 and isinstance(exc.detail, str):  # one shape for every 422
         return await request_validation_handler(request, unprocessable(exc.detail))
-    if exc.status_code == 404 and "endpoint" not in request.scope and _under(request, "anthropic_prefixes"):
-        # e.g. Anthropic's Message Batches (/v1/messages/batches), which coserve does not serve: its SDKs read
-        # Anthropic's shape, as the operations under this prefix document for their 404
-        from app.anthropic_schemas import error_body  # it builds on this module
-
-        rid = request_id.current()
-        body = error_body(404, f"Invalid URL ({request.method} {request.url.path}): coserve serves POST "
-                               "/v1/messages and POST /v1/messages/count_tokens") | {"request_id": rid}
-        return JSONResponse(json_safe(body), status_code=404, headers={"request-id": rid} if rid else None)
     if exc.status_code == 404 and "endpoint" not in request.scope and _under(request, "openai_prefixes"):
         # no route matched (e.g. a model id with a newline): OpenAI's clients read OpenAI's shape,
         # as the operations under this prefix document for their 404
@@ -149,6 +142,31 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
                 "param": None, "code": None}
         return JSONResponse(json_safe({"error": body}), status_code=404)
     return await http_exception_handler(request, exc)
+
+
+def _anthropic_framework_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """An error no Anthropic route answered (Starlette's 404 for a path, 405 for a method) in Anthropic's shape."""
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(allowed_methods(request))
+        message = f"{request.method} is not allowed here; use one of {headers['Allow']}"
+    elif exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    else:
+        message = str(exc.detail)
+    return anthropic_error(exc.status_code, message, headers)
+
+
+def anthropic_error(status_code: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An answer in Anthropic's error shape outside its routes (``AnthropicRoute.error`` within them): the
+    request's id in the body and the ``request-id`` header (docs.anthropic.com/en/api/errors)."""
+    from app.anthropic_schemas import error_body  # it builds on this module
+
+    rid = request_id.current()
+    body = error_body(status_code, message) | {"request_id": rid}
+    # json_safe: a path may hold what no JSON encoder writes (a lone surrogate)
+    return JSONResponse(json_safe(body), status_code=status_code,
+                        headers=(headers or {}) | ({"request-id": rid} if rid else {}))
 
 
 async def server_error_handler(request: Request, exc: Exception) -> Response:

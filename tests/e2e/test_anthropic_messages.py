@@ -192,6 +192,27 @@ def test_an_unknown_path_under_messages_answers_in_anthropics_shape(claude, stac
     assert "/v1/messages/no-such-route" in body["error"]["message"] and body["request_id"]
 
 
+@pytest.mark.parametrize(("method", "path", "allowed"), [("GET", "/v1/messages", "POST"),
+                                                       ("PUT", "/v1/messages/batches", "GET, OPTIONS, POST"),
+                                                       ("POST", "/v1/messages/batches/msgbatch_1", "DELETE, GET")])
+def test_a_wrong_method_under_messages_answers_in_anthropics_shape(method, path, allowed, stack):
+    resp = httpx.request(method, stack.url + path, headers={"x-api-key": stack.keys.paid})
+    assert resp.status_code == 405 and allowed in resp.headers["allow"], resp.headers
+    body = resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert f"{method} is not allowed here" in body["error"]["message"]
+    assert body["request_id"] == resp.headers["request-id"]
+
+
+def test_a_body_over_the_limit_under_messages_is_anthropics_request_too_large(claude, stack):
+    with pytest.raises(anthropic.APIStatusError) as exc:
+        claude.messages.create(model="tiny", max_tokens=1,
+                               messages=[{"role": "user", "content": "x" * stack.settings.max_body_bytes}])
+    assert exc.value.status_code == 413 and exc.value.body["type"] == "error", exc.value.body
+    assert exc.value.body["error"]["type"] == "request_too_large" and "bytes" in exc.value.body["error"]["message"]
+    assert exc.value.request_id == exc.value.body["request_id"]
+
+
 def test_a_tool_result_that_is_an_error_says_so_to_the_model(claude, stack):
     turns = [{"role": "user", "content": "Weather?"},
              {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
