@@ -18,21 +18,24 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from app.anthropic_schemas import ENDPOINT
+from app.anthropic_schemas import ENDPOINT, in_messages_terms
 from app.api.anthropic_messages import AnthropicRoute
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import anthropic_responses
+from app.api.openai_compat import openai_refusals
+from app.auth import Principal
 from app.batch import message_batches as mb
 from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import cancel_batch, maybe_finalize
-from app.batch.lines import MAX_LINES, InvalidLine, parse_line
+from app.batch.lines import MAX_LINES, InvalidLine, ValidLine, parse_line
 from app.db import pagination
 from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, parse_window
-from app.services.jobs import resolve_tier
+from app.services.jobs import build_job, resolve_tier
 from app.services.transitions import utcnow
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +70,10 @@ def _object(request: Request, session, batch: Batch) -> dict[str, Any]:
     return mb.message_batch(batch, mb.request_counts(session, batch), _results_url(request, batch.id))
 
 
-def _checked(requests: list[BatchRequest], tiers: tuple[str, ...]) -> None:
-    """Every request as POST /v1/messages checks it (the fan-out's own check, ``parse_line``): a 400 naming the
-    first bad one by index and custom_id; a custom_id used twice is a 400 too."""
+def _checked(requests: list[BatchRequest], settings: Settings, principal: Principal) -> None:
+    """Every request as POST /v1/messages checks it (the fan-out's own checks: ``parse_line``, then ``build_job``
+    short of counting the prompt's tokens: an unknown model, a thinking budget the model cannot keep): a 400
+    naming the first bad one by index and custom_id; a custom_id used twice is a 400 too."""
     seen: dict[str, int] = {}
     for i, item in enumerate(requests):
         if item.custom_id in seen:
@@ -78,11 +82,26 @@ def _checked(requests: list[BatchRequest], tiers: tuple[str, ...]) -> None:
                               param=f"requests.{i}.custom_id")
         seen[item.custom_id] = i
         line = mb.input_lines([(item.custom_id, item.params)]).decode()
-        parsed = parse_line(i, line, ENDPOINT, parse_window(mb.WINDOW), tiers)
+        parsed = parse_line(i, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers)
         if isinstance(parsed, InvalidLine):  # its message names the line (i): here the request does
             why = parsed.message.removeprefix(f"line {i}: ").removeprefix("invalid body: ")
+        else:
+            why = _refusal(settings, principal, parsed)
+        if why is not None:
             raise OpenAIError(400, f"requests.{i} (custom_id {item.custom_id!r}): params: {why}",
                               param=f"requests.{i}.params")
+
+
+def _refusal(settings: Settings, principal: Principal, line: ValidLine) -> str | None:
+    """Why the fan-out would refuse the request's job, in the Messages request's terms; None where it would not.
+    Its prompt's tokens are counted by the fan-out alone (tokenizing every request would hold the answer)."""
+    try:
+        with openai_refusals():
+            for spec in line.specs:
+                build_job(settings, principal, spec, endpoint=ENDPOINT, count_tokens=False)
+    except OpenAIError as exc:
+        return in_messages_terms(exc).message
+    return None
 
 
 @router.post("", responses=anthropic_responses(400, 413))
@@ -90,7 +109,7 @@ def create_message_batch(body: MessageBatchCreate, request: Request, session: Se
                          principal: CurrentPrincipal, settings: SettingsDep,
                          background: BackgroundTasks) -> dict[str, Any]:
     """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours."""
-    _checked(body.requests, settings.tiers)
+    _checked(body.requests, settings, principal)
     batch_id, now = new_id(mb.ID_PREFIX), utcnow()
     src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl",
                            storage.MESSAGE_BATCH_INPUT,

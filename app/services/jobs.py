@@ -28,7 +28,8 @@ from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
-from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer
+from app.reasoning import CLOSE, OPEN
+from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, has_think_tokens
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, cancel_stamps, transition, utcnow
 from app.services.truncation import fed_prompt
@@ -153,6 +154,11 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         raise JobValidationError("thinking_token_budget needs a reasoning parser, which says where a model's thinking "
                                  "ends (COSERVE_REASONING_PARSER, vLLM's --reasoning-parser); this server has none: "
                                  "leave it unset", param="thinking_token_budget", code="unsupported_value")
+    if sampling.get("thinking_token_budget") is not None and not thinking_budget_kept(settings):
+        raise JobValidationError(f"thinking_token_budget needs a model whose tokenizer has {OPEN} and {CLOSE} "
+                                 "tokens, which the reasoning parser ends the thinking with once the budget is spent; "
+                                 f"{settings.model_name}'s has not: leave it unset", param="thinking_token_budget",
+                                 code="unsupported_value")
     if sampling["temperature"] > 0 and sampling["seed"] is None:
         # a seed of our own: a rerun after a worker crash samples the same text again, so a
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding); marked
@@ -238,6 +244,17 @@ def engine_refusal(settings: Settings, sampling: dict) -> tuple[str, str] | None
         return None  # vLLM without speculation applies every parameter (the common case: no parsing)
     params = SamplingParams.from_job(sampling, settings.default_max_tokens)
     return params.own_engine_refusal() if settings.backend == "torch" else params.speculation_refusal()
+
+
+def thinking_budget_kept(settings: Settings) -> bool:
+    """Whether the server's vLLM engine keeps a thinking budget, given a reasoning parser: where the model's
+    tokenizer has the think tokens the parser ends the thinking with, or where the operator's engine arguments set
+    their own ``reasoning_config`` (they win over coserve's, as in the worker)."""
+    from gpu_runtime.vllm.cli_args import operator_engine_args  # vLLM itself only where flags are set
+
+    if "reasoning_config" in operator_engine_args(settings.vllm_engine_args, settings.vllm_args):
+        return True
+    return has_think_tokens(settings.model)
 
 
 BIG_PROMPT_CHARS = 4096  # above this, callers on an event loop tokenize in a worker thread

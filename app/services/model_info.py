@@ -91,6 +91,18 @@ def _load_tokenizer(model: str) -> Any:
 
 
 @lru_cache(maxsize=8)
+def has_think_tokens(model: str) -> bool:
+    """Whether the model's tokenizer has ``<think>`` and ``</think>`` as tokens, which vLLM's reasoning parser needs
+    to end the thinking once a ``thinking_token_budget`` is spent: without them a vLLM worker runs with no
+    ``reasoning_config`` (``gpu_runtime.vllm.build.reasoning_outputs_config``) and refuses the budget. The API's
+    tokenizer is the one it counts prompts with (loaded once), so asking costs one vocabulary lookup per model."""
+    from app.reasoning import CLOSE, OPEN
+
+    vocab = get_tokenizer(model).get_vocab()
+    return OPEN in vocab and CLOSE in vocab
+
+
+@lru_cache(maxsize=8)
 def max_model_len(model: str) -> int:
     """Context length (prompt + output tokens) from the model config."""
     with _load_lock:

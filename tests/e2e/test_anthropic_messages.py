@@ -239,3 +239,8 @@ def test_a_thinking_budget_the_server_cannot_keep_is_refused(claude, stack, monk
     with pytest.raises(anthropic.BadRequestError) as exc:
         claude.messages.create(**ask)
     assert exc.value.body["error"]["message"].startswith("thinking.budget_tokens needs a reasoning parser")
+    monkeypatch.setattr(stack.settings, "reasoning_parser", "qwen3")  # and a tokenizer with think tokens to end it
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        claude.messages.create(**ask)
+    assert exc.value.body["error"]["message"].startswith(
+        "thinking.budget_tokens needs a model whose tokenizer has <think> and </think>"), exc.value.body

@@ -128,3 +128,27 @@ def test_cancel_a_message_batch(claude, stack):
     with pytest.raises(anthropic.ConflictError):
         claude.messages.batches.cancel(batch.id)
     assert claude.messages.batches.delete(batch.id).type == "message_batch_deleted"
+
+
+def test_what_the_fan_out_would_refuse_is_refused_at_create(claude, stack, monkeypatch):
+    """An unknown model, a metadata.user_id that is no string, a thinking budget the server cannot keep: a 400 at
+    create naming the request (index and custom_id), as /v1/messages refuses them at once, not an errored result."""
+    before = [b.id for b in claude.messages.batches.list(limit=1000).data]
+    thinks = {"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+
+    def refused(bad: dict) -> str:
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            claude.messages.batches.create(requests=[{"custom_id": "fine", "params": params("Hi")},
+                                                     {"custom_id": "bad-1", "params": bad}])
+        assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "invalid_request_error"
+        message = exc.value.body["error"]["message"]
+        assert message.startswith("requests.1 (custom_id 'bad-1'): params: "), message
+        return message
+
+    assert "unknown model 'nope'" in refused(params("Hi", model="nope"))
+    assert "metadata.user_id" in refused(params("Hi", metadata={"user_id": 7}))
+    assert "own torch engine" in refused(params("Hi", **thinks))  # this stack's workers run the own engine
+    monkeypatch.setattr(stack.settings, "backend", "vllm")
+    monkeypatch.setattr(stack.settings, "reasoning_parser", "qwen3")
+    assert "thinking.budget_tokens needs a model whose tokenizer has <think>" in refused(params("Hi", **thinks))
+    assert [b.id for b in claude.messages.batches.list(limit=1000).data] == before  # none was created
