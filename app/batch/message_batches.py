@@ -65,7 +65,9 @@ def rfc3339(dt) -> str | None:  # noqa: ANN001 - a datetime or None
 
 
 def message_batch(b: Batch, counts: dict[str, int], results_url: str) -> dict[str, Any]:
-    """The ``message_batch`` object; ``results_url`` is shown once the batch has ended."""
+    """The ``message_batch`` object; ``results_url`` is shown once the batch has ended. ``archived_at`` (when its
+    results stopped being available while the batch is still shown) is always null: a message batch's files never
+    expire, and DELETE, which removes them, makes the batch a 404 too."""
     status = processing_status(b)
     return {"id": b.id, "type": "message_batch", "processing_status": status, "request_counts": counts,
             "ended_at": rfc3339(ended_at(b)), "created_at": rfc3339(b.created_at), "expires_at": rfc3339(b.expires_at),
