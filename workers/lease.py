@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus
-from app.services.transitions import ACTIVE, PENDING, transition, utcnow
+from app.services.transitions import ACTIVE, PENDING, STOPPED, transition, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,11 @@ def renew(session: Session, worker_id: str, leases: Iterable[Lease], lease_s: fl
     if not leases:
         return set()
     ids = [lease.job_id for lease in leases]
+    # a job the API stopped while this worker ran it stays leased until the worker writes what it produced
+    # (keep_cancelled): its lease expires only where the worker is gone, and the sweeper then settles it
+    unwritten = and_(Job.status.in_([s.value for s in STOPPED]), Job.settled_at.is_(None))
     session.execute(update(Job).where(Job.id.in_(ids), Job.worker_id == worker_id,
-                                      Job.status.in_([s.value for s in ACTIVE]))
+                                      or_(Job.status.in_([s.value for s in ACTIVE]), unwritten))
                     .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
                     .execution_options(synchronize_session=False))
     held = session.execute(select(Job.id, Job.attempt).where(
@@ -91,13 +94,27 @@ def keep_cancelled(session: Session, lease: Lease, values: dict[str, Any] | None
             Job.status == JobStatus.CANCELLED.value)
     # its end settles with this write (None: nothing to write, settled all the same), once: /metrics may keep the
     # totals of a settled end, so what a late second write would change is refused
-    done = session.execute(update(Job).where(*ours, Job.settled_at.is_(None)).values(**(values or {}),
-                                                                                      settled_at=utcnow())
+    done = session.execute(update(Job).where(*ours, Job.settled_at.is_(None))
+                           .values(**(values or {}), settled_at=utcnow(), lease_expires_at=None)
                            .execution_options(synchronize_session=False)).rowcount
     session.commit()
     if done or values:
         return bool(done)
     return session.scalar(select(func.count()).select_from(Job).where(*ours)) == 1
+
+
+def settle_lapsed(session: Session, now, limit: int) -> int:
+    """Settles the ends the API stopped (cancelled, expired) while a worker held them whose lease expired before that
+    worker wrote what it produced (keep_cancelled): it died, and they would otherwise be read afresh at every
+    ``/metrics`` scrape. Their values stay as they stand. Returns how many."""
+    lapsed = list(session.scalars(select(Job.id).where(  # ix_jobs_status_lease: a short range
+        Job.status.in_([s.value for s in STOPPED]), Job.lease_expires_at < now, Job.settled_at.is_(None))
+        .limit(limit)))
+    if not lapsed:
+        return 0
+    return session.execute(update(Job).where(Job.id.in_(lapsed), Job.lease_expires_at < now, Job.settled_at.is_(None))
+                           .values(settled_at=utcnow(), lease_expires_at=None)
+                           .execution_options(synchronize_session=False)).rowcount
 
 
 def release(session: Session, lease: Lease, detail: str) -> bool:

@@ -1,5 +1,5 @@
-"""The sweeper: requeues jobs whose lease expired, (re)sends jobs nobody took, and gives the jobs routed to a worker
-that died back to their model's queue.
+"""The sweeper: requeues jobs whose lease expired, (re)sends jobs nobody took, gives the jobs routed to a worker
+that died back to their model's queue, and settles the stopped jobs whose worker died before writing them.
 
 It runs as a thread in every GPU worker (every ``sweep_seconds``); all its changes are
 guarded updates, so several workers sweeping at once is safe.
@@ -23,6 +23,7 @@ from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.streaming import StreamEvent, publish
 from app.services.transitions import ACTIVE, transition, utcnow
+from workers import lease as leases
 from workers.celery_app import message_priority, queue_lists, queue_name
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class SweepResult:
     dispatched: int = 0  # queued jobs sent
     resent: int = 0  # dispatched, never leased, message lost (its holder died or it left the queue): sent again
     rerouted: int = 0  # waiting on the own queue of a worker that is gone: sent to the model's queue
+    settled: int = 0  # stopped by the API while a worker held them, whose lease expired before it wrote them
 
 
 def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, resend_after_s: float = 300.0,
@@ -65,8 +67,11 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
                       where=[Job.lease_expires_at < now], values={"worker_id": None, "lease_expires_at": None},
                       detail=f"lease of {job.worker_id} expired"):
             result.requeued += 1
+    result.settled = leases.settle_lapsed(session, now, limit)
     session.commit()
     _end_streams(redis_url, ended)  # stream readers (SSE) of the jobs failed here stop waiting
+    if result.settled:
+        log.info("settled %d stopped jobs whose worker died before writing what it produced", result.settled)
     if result.requeued or result.failed:
         log.warning("requeued %d jobs whose lease expired; failed %d on their last attempt",
                     result.requeued, result.failed)

@@ -48,7 +48,7 @@ def stop_job_ids(session: Session, ids: list[str], to: JobStatus, detail: str, r
 def _stop_chunk(session: Session, ids: list[str], to: JobStatus, detail: str,
                 redis_url: str | None) -> tuple[int, float]:
     """The jobs stopped, and the seconds their transaction held the write lock."""
-    values = {**cancel_stamps(utcnow()), "lease_expires_at": None, "finish_reason": to.value}
+    values = {**cancel_stamps(utcnow()), "finish_reason": to.value}
     if to == JobStatus.EXPIRED:
         values["slo_met"] = False  # its deadline passed
     # End the read transaction the caller's last read (or the previous chunk's announce) opened: a deferred

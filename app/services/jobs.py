@@ -488,7 +488,7 @@ def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the us
     with write_after_read(session):
         for status in NOT_TERMINAL:  # one guarded write per state, so that the one that matched is known
             if transition(session, job.id, status, JobStatus.CANCELLED, detail=detail,
-                          values={**cancel_stamps(utcnow()), "lease_expires_at": None, "finish_reason": "cancelled"}):
+                          values={**cancel_stamps(utcnow()), "finish_reason": "cancelled"}):
                 cancelled_from = status
                 break
         session.commit()

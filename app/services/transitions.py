@@ -28,12 +28,18 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+STOPPED = (JobStatus.CANCELLED, JobStatus.EXPIRED)  # the ends an API stop writes (cancel_stamps)
+
+
 def cancel_stamps(now: datetime) -> dict[str, Any]:
     """An API stop's end timestamps (a cancel, an expiry): ``finished_at``, and ``settled_at`` but for a job an
     engine holds, whose worker writes what it produced later and settles it then (workers/lease.py keep_cancelled).
-    SQL that reads the status the update finds (a SET clause sees the row as it was)."""
+    Such a job keeps its lease until then (its worker renews it): where the worker dies first, the lease expires and
+    the sweeper settles the end as it stands. SQL that reads the status the update finds (a SET clause sees the row
+    as it was)."""
     held = Job.status.in_([s.value for s in ACTIVE])
-    return {"finished_at": now, "settled_at": case((held, None), else_=type_coerce(now, Job.settled_at.type))}
+    return {"finished_at": now, "settled_at": case((held, None), else_=type_coerce(now, Job.settled_at.type)),
+            "lease_expires_at": case((held, Job.lease_expires_at), else_=None)}
 
 
 def as_utc(dt: datetime | None) -> datetime | None:

@@ -177,6 +177,56 @@ def test_guarded_transition_refuses_a_terminal_job(settings, keys):
         assert leases.acquire(s, job_id, "w1", 5) is None  # a cancelled job is never leased
 
 
+def test_a_job_cancelled_while_held_settles_when_its_worker_dies_before_writing_it(settings, keys):
+    """The API cancels a running job; its worker writes what it produced later and settles the end then. A worker
+    alive keeps the job's lease (renews it) until that write; one that died lets it expire, and the sweeper settles
+    the end as it stands, once (a late write of the dead attempt is refused)."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.services.jobs import cancel_job
+    from app.services.transitions import as_utc, utcnow
+
+    url = settings.sqlalchemy_url
+    job_id = _job(settings, keys)
+    with session_scope(url) as s:
+        lease = leases.acquire(s, job_id, "w1", lease_s=30)
+        assert cancel_job(s, s.get(Job, job_id)) == JobStatus.RUNNING
+        job = s.get(Job, job_id)
+        assert job.settled_at is None and job.lease_expires_at is not None  # held: w1 writes it
+        before = as_utc(job.lease_expires_at)
+    with session_scope(url) as s:  # w1 beats: it keeps the lease, and is told the job is not its to run
+        assert leases.renew(s, "w1", [lease], 60) == set()
+        assert as_utc(s.get(Job, job_id).lease_expires_at) > before
+        assert sweep(s, settings.redis_url, queued_grace_s=0).settled == 0
+        assert s.get(Job, job_id).settled_at is None
+    with session_scope(url) as s:  # w1 died: nothing renews the lease
+        s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, queued_grace_s=0).settled == 1
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.lease_expires_at) == ("cancelled", None) and job.settled_at is not None
+        assert sweep(s, settings.redis_url, queued_grace_s=0).settled == 0  # once
+        assert not leases.keep_cancelled(s, lease, {"completion_tokens": 3})  # settled: a late write is refused
+        assert s.get(Job, job_id).completion_tokens is None
+
+
+def test_a_job_cancelled_while_held_is_settled_by_its_workers_write(settings, keys):
+    """The usual end: the worker writes what it produced, which settles the end and ends its lease."""
+    from app.services.jobs import cancel_job
+
+    url = settings.sqlalchemy_url
+    job_id = _job(settings, keys)
+    with session_scope(url) as s:
+        lease = leases.acquire(s, job_id, "w1", lease_s=30)
+        assert cancel_job(s, s.get(Job, job_id)) == JobStatus.RUNNING
+        assert leases.keep_cancelled(s, lease, {"completion_tokens": 3})
+        job = s.get(Job, job_id)
+        assert (job.completion_tokens, job.lease_expires_at) == (3, None) and job.settled_at is not None
+
+
 def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(settings, keys):
     url = settings.sqlalchemy_url
     job_id = _job(settings, keys)
