@@ -350,12 +350,13 @@ class UnloadedLoraAdapter(Base):
 
 class MetricTotals(Base):
     """The finished jobs' series ``/metrics`` has summed, of the jobs that ended before ``horizon``: later scrapes
-    add only the jobs ended since (app.observability.tally). One row per set of counted models."""
+    add only the jobs ended since (app.observability.tally). One row per deployment (its model name)."""
 
     __tablename__ = "metric_totals"
     scope: Mapped[str] = mapped_column(String(40), primary_key=True)
     horizon: Mapped[datetime]
-    totals: Mapped[dict[str, Any]] = mapped_column(JSON)  # query name -> [[group key, sums], ...]
+    # query name -> [[group key, sums], ...], and tally.MODELS -> the models counted in them
+    totals: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 class Conversation(Base):

@@ -133,15 +133,13 @@ class SqlCollector(Collector):
                              .where(Job.status.in_([st.value for st in NOT_TERMINAL]))
                              .group_by(Job.status, Job.tier, Job.model)).all()
             by_state = [(status, tier, n) for status, tier, model, n in live if model in self.models]
-            scope = tally.scope_of(self.models)
+            scope = tally.scope_of(self.model_name)
             start = tally.kept(s, scope)
-            totals, after = tally.totals(s, start, self._summed(s))
+            models = tally.counted(start, self.models)  # those counted before too: no counter goes back
+            totals, after = tally.totals(s, start, self._summed(s, models), models)
             tables = Tables(by_state, list(s.scalars(workers.order_by(WorkerState.id))), totals)
         tally.keep(self.url, scope, start, after)
         return tables
-
-    def _served(self):
-        return Job.model.in_(self.models)
 
     def collect(self) -> Iterator:
         tables = self.tables
@@ -197,13 +195,13 @@ class SqlCollector(Collector):
         yield preempt
         yield routed
 
-    def _summed(self, s: Session) -> dict[str, Summed]:
-        """The additive reads of finished jobs, by name: each histogram's and each counter's."""
+    def _summed(self, s: Session, models: Sequence[str]) -> dict[str, Summed]:
+        """The additive reads of ``models``' finished jobs, by name: each histogram's and each counter's."""
         # the engine's queue time (submission to the first prompt chunk); rows written before workers recorded it
         # fall back to submission to the worker's lease
         queue_s = func.coalesce(Job.queue_s, seconds_between(s.get_bind().dialect.name, Job.created_at,
                                                              Job.started_at))
-        served, finished = self._served(), Job.finished_at.is_not(None)
+        served, finished = Job.model.in_(models), Job.finished_at.is_not(None)
         values = {"coserve:time_to_first_token_seconds": Job.ttft_s,
                   "coserve:time_per_output_token_seconds": Job.tbt_p50_s,
                   "coserve:e2e_request_latency_seconds": Job.ttlt_s, "coserve:request_queue_time_seconds": queue_s}

@@ -2,7 +2,7 @@
 
 Every series ``/metrics`` derives from finished jobs is a sum per group (a count, a sum of seconds or tokens, a
 bucket's count), and a finished job's values do not change once its end has settled. So the totals of the jobs that
-finished before a horizon are summed once and kept (``metric_totals``, one row per set of counted models, shared by
+finished before a horizon are summed once and kept (``metric_totals``, one row per deployment (model name), shared by
 every API process and kept across restarts), and each scrape adds those finished since the horizon. Summing all of
 them at every scrape took 37-48 s at 300,000 jobs (docs/BENCHMARKS.md), past Prometheus's scrape timeout.
 
@@ -13,7 +13,11 @@ with its values as they stand. ``SETTLE`` is the margin a settled end's commit m
 
 A deployment's first scrape starts the totals (at its horizon) rather than summing every job ever ended: it reads an
 index range, as every later scrape does. The counters count the jobs ended since, as vLLM's count the requests since
-its start; Prometheus reads a counter's rate, and the Usage API sums any range of jobs."""
+its start; Prometheus reads a counter's rate, and the Usage API sums any range of jobs.
+
+The totals are the deployment's (one row per model name: its series' label), over every model it has counted: the
+model and its adapters, a runtime adapter's jobs from the scrape that first counted it (``Kept.models``). A model is
+never dropped from them (an adapter unloaded), so no counter goes back when the set of served models changes."""
 
 from __future__ import annotations
 
@@ -53,11 +57,21 @@ class Kept:
 
     horizon: datetime | None = None
     groups: dict[str, Groups] = field(default_factory=dict)
+    models: tuple[str, ...] = ()  # the jobs' models counted in them (none in a row kept before they were named)
 
 
-def scope_of(models: Sequence[str]) -> str:
-    """The row of the totals of ``models``' jobs (another set of counted models keeps its own)."""
-    return hashlib.sha256(json.dumps(sorted(models)).encode()).hexdigest()[:40]
+MODELS = "counted_models"  # the key of Kept.models in a row's totals (the others are query names)
+
+
+def scope_of(model_name: str) -> str:
+    """The row of the totals of the deployment of ``model_name`` (its series' label), whichever models it counts.
+    The hash of a one-name list: the row a deployment without adapters kept before adapters joined its totals."""
+    return hashlib.sha256(json.dumps([model_name]).encode()).hexdigest()[:40]
+
+
+def counted(start: Kept, models: Sequence[str]) -> tuple[str, ...]:
+    """The models a scrape counts: ``models`` (those served now) and every one counted before."""
+    return tuple(sorted(set(start.models) | set(models)))
 
 
 def kept(session: Session, scope: str) -> Kept:
@@ -65,17 +79,19 @@ def kept(session: Session, scope: str) -> Kept:
     if row is None:
         return Kept()
     return Kept(row.horizon, {name: {tuple(key): tuple(values) for key, values in groups}
-                              for name, groups in row.totals.items()})
+                              for name, groups in row.totals.items() if name != MODELS},
+                tuple(row.totals.get(MODELS, ())))
 
 
-def totals(session: Session, start: Kept, queries: Mapping[str, Summed]) -> tuple[dict[str, Groups], Kept]:
-    """Each query's totals per group over all finished jobs, and what to keep from here: ``start``'s totals plus
-    the jobs finished since its horizon, those finished before the new horizon kept apart."""
+def totals(session: Session, start: Kept, queries: Mapping[str, Summed],
+           models: Sequence[str] = ()) -> tuple[dict[str, Groups], Kept]:
+    """Each query's totals per group over all finished jobs (of ``models``: ``counted``), and what to keep from here:
+    ``start``'s totals plus the jobs finished since its horizon, those finished before the new horizon kept apart."""
     horizon = utcnow() - SETTLE
     # the first scrape starts the totals at the horizon: the jobs settled before are not read (the module's doc)
     since = start.horizon if start.horizon is not None else horizon
     settled = func.coalesce(Job.settled_at < horizon, false())
-    after = Kept(horizon)
+    after = Kept(horizon, models=tuple(models))
     out: dict[str, Groups] = {}
     # two ranges of one index (ix_jobs_settled: model, settled_at, finished_at), a query each (SQLite scans the table
     # for their OR): the ends settled since the horizon kept, and those ended (each query's finished_at term) but not
@@ -96,7 +112,7 @@ def keep(url: str, scope: str, start: Kept, after: Kept) -> bool:
     """Writes ``after`` where the row still holds ``start`` (another process may have moved it on: its totals are as
     good). False where it was not written; a scrape answers all the same."""
     totals_json = {name: [[list(key), list(values)] for key, values in groups.items()]
-                   for name, groups in after.groups.items()}
+                   for name, groups in after.groups.items()} | {MODELS: list(after.models)}
     try:
         with session_scope(url) as s:
             if start.horizon is None:

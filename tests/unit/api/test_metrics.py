@@ -148,8 +148,8 @@ def test_the_first_scrape_starts_the_totals_and_each_settled_end_is_kept_once(db
     _as_if_last_scraped(db_url, timedelta(hours=1))
     assert _scrape_sql(db_url) == (1005, 2, 0)  # kept now
     assert _scrape_sql(db_url) == (1005, 2, 0)
-    # other counted models (an adapter loaded) keep their own totals, which start at their first scrape
-    assert _scrape_sql(db_url, ("tiny", "tiny-lora")) == (0, 0, 0)
+    # the deployment's totals go on where another model joins them (an adapter loaded): its jobs from here on
+    assert _scrape_sql(db_url, ("tiny", "tiny-lora")) == (1005, 2, 0)
 
 
 def test_an_end_its_worker_writes_late_is_counted_once(db_url):
@@ -181,6 +181,40 @@ def test_an_end_its_worker_writes_late_is_counted_once(db_url):
     with session_scope(db_url) as s:  # a second write would change a kept end: refused
         assert not keep_cancelled(s, lease, {"completion_tokens": 30})
     assert _scrape_sql(db_url) == (105, 2, 1)
+
+
+def _scrape_http(client) -> dict[tuple, float]:
+    """The counters /metrics answers, by (name, labels)."""
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(r.text) if fam.type == "counter" for smp in fam.samples}
+
+
+def test_counters_never_go_back_when_an_adapter_is_loaded_or_unloaded(client, settings, db_url, tmp_path):
+    """Prometheus counters count on for a label set: loading a runtime adapter (another set of counted models)
+    neither restarts the model's counters nor, unloaded again, takes its jobs back out of them."""
+    from tests.conftest import load_runtime_adapter
+
+    from app.services import lora_adapters
+
+    _ended(db_url, (timedelta(0), 5), (timedelta(0), 7))
+    first = _scrape_http(client)
+    _as_if_last_scraped(db_url, timedelta(hours=1))  # the ends are kept in the totals now
+    assert _scrape_http(client) == first
+    load_runtime_adapter(settings, tmp_path)
+    with session_scope(db_url) as s:  # an adapter's job ends (counted under the model, as vLLM counts it)
+        tenant_id = s.scalars(select(Tenant.id)).first()
+        s.add(_job(tenant_id, "succeeded", "paid", model="rt-lora", finished_at=utcnow(), settled_at=utcnow(),
+                   ttft_s=0.03, prompt_tokens=100, completion_tokens=1))
+    loaded = _scrape_http(client)
+    lora_adapters.unload(settings, "rt-lora")
+    unloaded = _scrape_http(client)
+    tokens = (("coserve:prompt_tokens_total", (("model_name", "tiny"),)))
+    assert (first[tokens], loaded[tokens], unloaded[tokens]) == (12, 112, 112)
+    for key, value in first.items():
+        if key[0].startswith(("coserve:", "vllm:")):  # the SQL counters (the HTTP series count the scrapes)
+            assert loaded.get(key, 0) >= value and unloaded.get(key, 0) >= loaded.get(key, 0), key
 
 
 def test_every_configured_tier_has_gauges(db_url):
