@@ -415,3 +415,24 @@ def test_the_sweeper_sends_a_job_whose_lease_expired_to_the_head_and_one_never_s
         result = sweep(s, settings.redis_url, queued_grace_s=0)
     assert (result.requeued, result.dispatched) == (1, 2)
     assert _next_taken(r, "coserve.tiny") == [ran, "later", unsent]
+
+
+def test_a_job_given_back_goes_to_the_head_however_many_messages_landed_before_the_move(settings, keys,
+                                                                                         monkeypatch):
+    """``send_back`` sends the message (kombu pushes it at the tail) and then moves it to the head: where other
+    senders pushed many messages in between (a burst of submissions), it still ends up the next taken."""
+    from app.services import dispatch
+
+    r, sent = redis.Redis.from_url(settings.redis_url), dispatch.send_to
+    send_job(settings.redis_url, "waiting", "tiny")
+    burst = [f"burst{i}" for i in range(100)]
+
+    def send_then_a_burst(redis_url, job_id, queue, priority, task_id=None):  # others send between the two steps
+        ok = sent(redis_url, job_id, queue, priority, task_id=task_id)
+        for other in burst:
+            sent(redis_url, other, queue, priority)
+        return ok
+
+    monkeypatch.setattr(dispatch, "send_to", send_then_a_burst)
+    assert dispatch.send_back(settings.redis_url, "given-back", "coserve.tiny")
+    assert _next_taken(r, "coserve.tiny") == ["given-back", "waiting", *burst]
