@@ -95,6 +95,7 @@ class GpuWorker:
         self.inbox = Inbox()
         self.stopping = threading.Event()
         self.draining = False
+        self.consumer_name: str | None = None  # the Celery worker's node name, once it consumes (run_worker)
         self.shutting_down = False  # Celery began a warm shutdown
         self.engine: Any = None
         self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
@@ -239,7 +240,7 @@ class GpuWorker:
             return
         leaving = self.stopping.is_set() or self.shutting_down or self.draining
         if self.shutting_down or self.draining or not self._has_room(priority):
-            if self.draining:  # a pause, so that the message does not bounce between this worker and the broker
+            if self.draining:  # its consumer stops (_consume); where the word was lost, a pause between bounces
                 time.sleep(1.0)
             send_back(self.settings.redis_url, job_id, back_to, priority)  # for another worker, or this one later
             if not leaving:
@@ -450,12 +451,30 @@ class GpuWorker:
         if draining != self.draining:
             self.draining = draining
             log.info("worker %s %s", self.worker_id, "draining: taking no new jobs" if draining else "serving again")
+            self._consume(not draining)
         if self.peers is not None:
             self.peers.models = lora_adapters.served_models(self.settings)  # adapters loaded (or unloaded) since
             with session_scope(self.url) as s:
                 lengths = self.peers.read(s)
             if lengths:
                 self.inbox.put(Learn(tuple(lengths)))
+
+    def _consume(self, on: bool) -> None:
+        """Starts or stops consuming this worker's queues (Celery's add_consumer/cancel_consumer, which its consumer
+        applies in its own loop): a draining worker leaves the messages in the broker for the other workers, instead
+        of taking each and handing it back (``accept``: at most the one in hand when the drain began)."""
+        if self.consumer_name is None:
+            return
+        control = get_celery(self.settings.redis_url).control
+        try:
+            for queue in self.queues:
+                if on:
+                    control.add_consumer(queue, destination=[self.consumer_name], reply=False)
+                else:
+                    control.cancel_consumer(queue, destination=[self.consumer_name], reply=False)
+        except Exception as exc:  # kombu's errors and socket errors alike: accept still hands messages back
+            log.warning("worker %s could not %s consuming its queues: %s", self.worker_id,
+                        "resume" if on else "stop", exc)
 
     def abort(self, job_id: str) -> None:
         with self.active.lock:  # after the job's Add (the intake queues it under this lock)
@@ -548,8 +567,8 @@ def run_worker(settings: Settings) -> None:
     def _on_shutdown(**_kw):
         runtime.shutting_down = True  # short: a task waiting for engine room gives its job back
     # host_format: %h is the machine's name, as `celery worker -n` expands it (Celery's Worker does not)
-    worker = app.Worker(pool="solo", concurrency=1, queues=runtime.queues,
-                        hostname=host_format(f"{runtime.worker_id}@%h"),
+    runtime.consumer_name = host_format(f"{runtime.worker_id}@%h")
+    worker = app.Worker(pool="solo", concurrency=1, queues=runtime.queues, hostname=runtime.consumer_name,
                         loglevel=os.environ.get("COSERVE_LOG_LEVEL", "WARNING"), without_heartbeat=True,
                         without_mingle=True, without_gossip=True, quiet=True)
     try:

@@ -340,14 +340,34 @@ def test_job_accepted_while_broker_down_is_dispatched_by_the_sweeper(service, mo
     assert job["attempt"] == 1
 
 
+def _consumed_queues(settings) -> list[str] | None:
+    """The queues the worker's Celery consumer reads, as it answers Celery's inspect (None: no answer)."""
+    from workers.celery_app import get_celery
+
+    answer = get_celery(settings.redis_url).control.inspect(timeout=1.0).active_queues() or {}
+    return next(([q["name"] for q in queues] for name, queues in answer.items() if name.startswith("w1@")), None)
+
+
+def _message_ids(settings) -> list[str]:
+    """The task ids of the messages waiting on the model's interactive list."""
+    import json
+
+    raw = redis.Redis.from_url(settings.redis_url).lrange("coserve.tiny", 0, -1)
+    return [json.loads(m)["headers"]["id"] for m in raw]
+
+
 def test_draining_worker_takes_no_new_jobs(service):
+    """A draining worker stops consuming (rather than taking each message and handing it back, about once a
+    second): a job's message waits in the broker, untouched, and the worker reads its queues again once undrained."""
     client, keys, settings = service.client, service.keys, service.settings
     with session_scope(settings.sqlalchemy_url) as s:
         s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=True))
-    time.sleep(3 * settings.heartbeat_seconds)  # the worker notices at its next heartbeat
+    wait_for(lambda: _consumed_queues(settings) == [], 20, "the draining worker to stop consuming")
     job_id = submit(client, keys.paid, max_tokens=4)
+    sent = _message_ids(settings)
     time.sleep(2)
-    assert status_of(client, keys.paid, job_id)["status"] in ("queued", "dispatched")
+    assert status_of(client, keys.paid, job_id)["status"] == "dispatched"
+    assert len(sent) == 1 and _message_ids(settings) == sent  # never taken and handed back (a new message)
     assert client.get("/readyz").status_code == 503  # a draining worker does not make the service ready
     with session_scope(settings.sqlalchemy_url) as s:
         s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=False))
