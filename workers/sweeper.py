@@ -22,9 +22,9 @@ from app.services.dispatch import dispatch, send_back, send_back_all, send_to
 from app.services.notify import redis_client
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.streaming import StreamEvent, publish
-from app.services.transitions import ACTIVE, transition, utcnow
+from app.services.transitions import ACTIVE, as_utc, transition, utcnow
 from workers import lease as leases
-from workers.celery_app import message_priority, queue_lists, queue_name
+from workers.celery_app import BATCH_PRIORITY, message_priority, queue_lists, queue_name
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +129,54 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     except redis.RedisError as exc:
         log.warning("could not read the workers' own queues (%s); rerouting nothing this time", exc)
         return 0
-    waiting = session.execute(select(Job.id, Job.model, Job.kind).where(
+    waiting = session.execute(select(Job.id, Job.model, Job.kind, Job.created_at).where(
         Job.id.in_(ids), Job.status == JobStatus.DISPATCHED.value, Job.worker_id.is_(None))
         .order_by(Job.created_at, Job.id)).all() if ids else []
-    # they waited in line since before the model's newer messages came: to the head, the oldest taken first (a
-    # message a dead worker's queue lost here is sent again later as lost: _resend_lost)
-    sent = len(send_back_all(redis_url, _back_to(session, waiting)))
+    # the interactive ones waited in line since before the model's newer messages came: to the head, the oldest taken
+    # first; the batch ones in their turn by age among the model's (a message a dead worker's queue lost here is
+    # sent again later as lost: _resend_lost)
+    batch = [j for j in waiting if message_priority(j.kind) == BATCH_PRIORITY]
+    sent = len(send_back_all(redis_url, _back_to(session, [j for j in waiting if j not in batch])))
+    sent += len(_back_in_turn(session, redis_url, batch))
     if queues:
         log.info("removed the own queues of %d workers that are gone; sent their %d waiting jobs to the models' "
                  "queues", len(queues), sent)
+    return sent
+
+
+def _back_in_turn(session: Session, redis_url: str, jobs) -> list[str]:
+    """Sends batch ``jobs`` (rows with id, model, kind, created_at; oldest first) to their model queue's batch list in
+    their turn by age: ahead of the jobs waiting there submitted after them, behind those submitted before (those
+    wait for their own deadlines, and a dead worker's backlog at the head would make them wait behind all of it).
+    Returns the ids sent; a list too long to read gets them at its head (a backlog's order is not read)."""
+    sent: list[str] = []
+    by_queue: dict[str, list] = {}
+    for job, (_id, queue, _priority) in zip(jobs, _back_to(session, jobs)):
+        by_queue.setdefault(queue, []).append(job)
+    for queue, group in by_queue.items():
+        try:
+            key = queue_lists(queue)[1]
+            client = redis_client(redis_url)
+            raws = client.lrange(key, 0, -1) if client.llen(key) <= QUEUE_SCAN_CAP else None
+        except redis.RedisError as exc:  # not sent: resent later as lost (_resend_lost)
+            log.warning("could not read %s (%s); its rerouted batch jobs are sent later", queue, exc)
+            continue
+        if raws is None:
+            sent += send_back_all(redis_url, [(j.id, queue, BATCH_PRIORITY) for j in group])
+            continue
+        # the waiting messages in the order consumers take them (kombu: BRPOP, the right end first), with their jobs
+        line = [(raw, found[0].decode()) for raw in reversed(raws) if (found := _JOB_ID.findall(raw))]
+        submitted = {i: (as_utc(at), i) for i, at in session.execute(
+            select(Job.id, Job.created_at).where(Job.id.in_({i for _raw, i in line})))}
+        for job in group:
+            turn = (as_utc(job.created_at), job.id)
+            # the first waiting message of a job submitted after this one: it goes just ahead of it, else at the tail
+            later = next((raw for raw, i in line if i in submitted and submitted[i] > turn), None)
+            ok = (send_back(redis_url, job.id, queue, BATCH_PRIORITY, before=later) if later is not None
+                  else send_to(redis_url, job.id, queue, BATCH_PRIORITY))
+            if not ok:
+                break  # the broker is down: the rest are resent later as lost
+            sent.append(job.id)
     return sent
 
 

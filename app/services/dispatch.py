@@ -74,9 +74,11 @@ def send_job(redis_url: str, job_id: str, model_name: str, priority: int = INTER
 
 
 # Moves the message whose text holds ARGV[1] (its task id) from near the newest end of list KEYS[1], where kombu pushed
-# it, to the end consumers pop from next. Reads from the newest end, ARGV[2] messages at a time, until it finds it: a
-# read as long as the messages pushed after it, however many (its end: it is not there, a consumer took it)
-_TO_HEAD = """
+# it, to just before message ARGV[3] in the order consumers take them (LINSERT AFTER: consumers pop the right end), or
+# to the end they pop next where ARGV[3] is empty or was taken meanwhile. Reads from the newest end, ARGV[2] messages at
+# a time, until it finds it: a read as long as the messages pushed after it, however many (its end: it is not there,
+# a consumer took it)
+_MOVE = """
 local step = tonumber(ARGV[2])
 local first = 0
 while true do
@@ -85,38 +87,42 @@ while true do
   for _, m in ipairs(chunk) do
     if string.find(m, ARGV[1], 1, true) then
       redis.call('LREM', KEYS[1], 1, m)
-      redis.call('RPUSH', KEYS[1], m)
+      if ARGV[3] == '' or redis.call('LINSERT', KEYS[1], 'AFTER', ARGV[3], m) < 0 then
+        redis.call('RPUSH', KEYS[1], m)
+      end
       return 1
     end
   end
   first = first + step
 end
 """
-HEAD_SCAN_STEP = 64  # messages the move reads at a time
+MOVE_SCAN_STEP = 64  # messages the move reads at a time
 
 
-def send_back(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE_PRIORITY) -> bool:
+def send_back(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE_PRIORITY,
+              before: bytes | None = None) -> bool:
     """Hands a taken job's message back to ``queue`` where it was: at the head of its priority's list (the next
-    message a consumer takes), not behind the messages that came after it. kombu's Redis transport pushes a message
-    at the tail (LPUSH, consumers BRPOP) and so does Celery's requeue (``Reject(requeue=True)``: LPUSH too), so the
-    message is sent as usual and then moved to the head (``to_head``). False where the broker could not take it;
-    True (at the tail) where only the move failed."""
+    message a consumer takes), not behind the messages that came after it; or, given ``before`` (a message waiting
+    there), just ahead of that one. kombu's Redis transport pushes a message at the tail (LPUSH, consumers BRPOP)
+    and so does Celery's requeue (``Reject(requeue=True)``: LPUSH too), so the message is sent as usual and then
+    moved (``move``). False where the broker could not take it; True (at the tail) where only the move failed."""
     task_id = uuid4().hex
     if not send_to(redis_url, job_id, queue, priority, task_id=task_id):
         return False
     try:
-        to_head(redis_url, queue, priority, task_id)
+        move(redis_url, queue, priority, task_id, before)
     except redis.RedisError as exc:  # sent: it only waits behind the newer messages
         log.warning("job %s went back to the tail of %s (%s)", job_id, queue, exc)
     return True
 
 
-def to_head(redis_url: str, queue: str, priority: int, task_id: str) -> bool:
-    """Moves the message of ``task_id`` on ``queue``'s list of ``priority`` to its head, in one Lua script (however
-    many messages were pushed after it meanwhile); False where it is not there (a consumer took it)."""
+def move(redis_url: str, queue: str, priority: int, task_id: str, before: bytes | None = None) -> bool:
+    """Moves the message of ``task_id`` on ``queue``'s list of ``priority`` to its head, or just ahead of message
+    ``before`` where that still waits, in one Lua script (however many messages were pushed after it meanwhile);
+    False where it is not there (a consumer took it)."""
     interactive, batch = queue_lists(queue)
-    return bool(redis_client(redis_url).eval(_TO_HEAD, 1, batch if priority == BATCH_PRIORITY else interactive,
-                                             task_id, HEAD_SCAN_STEP))
+    return bool(redis_client(redis_url).eval(_MOVE, 1, batch if priority == BATCH_PRIORITY else interactive,
+                                             task_id, MOVE_SCAN_STEP, before or b""))
 
 
 def send_back_all(redis_url: str, jobs: list[tuple[str, str, int]]) -> list[str]:

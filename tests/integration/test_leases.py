@@ -436,3 +436,37 @@ def test_a_job_given_back_goes_to_the_head_however_many_messages_landed_before_t
     monkeypatch.setattr(dispatch, "send_to", send_then_a_burst)
     assert dispatch.send_back(settings.redis_url, "given-back", "coserve.tiny")
     assert _next_taken(r, "coserve.tiny") == ["given-back", "waiting", *burst]
+
+
+def test_batch_jobs_rerouted_from_a_dead_workers_queue_go_in_their_turn_by_age(settings, keys):
+    """A batch job waiting on a dead worker's own queue goes to the model's batch list behind the batch jobs
+    submitted before it and ahead of those submitted after it, not ahead of them all."""
+    from app.db.models import WorkerState
+    from app.services.routing import WORKER_QUEUES, worker_queue
+    from workers.celery_app import BATCH_PRIORITY
+    from workers.sweeper import reroute
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    batch_list = queue_lists("coserve.tiny")[1]
+    r.sadd(WORKER_QUEUES, worker_queue("w9"))
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu",
+                          state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
+
+    def batch_job(on_model_queue: bool) -> str:
+        job_id = _job(settings, keys, dispatch=not on_model_queue, kind="batch", deadline_window_s=3600)
+        if on_model_queue:
+            send_job(settings.redis_url, job_id, "tiny", BATCH_PRIORITY)
+        return job_id
+
+    older = batch_job(True)
+    rerouted = [batch_job(False), batch_job(False)]  # prefix routing put these on w9's own queue
+    newer = batch_job(True)
+    assert r.llen(queue_lists(worker_queue("w9"))[1]) == 2
+    with session_scope(url) as s:
+        assert reroute(s, settings.redis_url, [worker_queue("w9")]) == 2
+    assert _next_taken(r, batch_list) == [older, *rerouted, newer]
+    last = batch_job(False)  # none waits that came after it: the tail
+    with session_scope(url) as s:
+        assert reroute(s, settings.redis_url, [worker_queue("w9")]) == 1
+    assert _next_taken(r, batch_list) == [older, *rerouted, newer, last]
