@@ -250,6 +250,16 @@ def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(settings, keys)
     assert end.type == "end" and end.status == "failed" and "gave up" in end.data["error"]
 
 
+def _beat_ahead():
+    """A fake worker's heartbeat a minute ahead: routing counts it alive however slowly a loaded box runs the test
+    (a heartbeat of now lapsed after the 3 s lease once, and the jobs went to the model's queue, not its own)."""
+    from datetime import timedelta
+
+    from app.services.transitions import utcnow
+
+    return utcnow() + timedelta(seconds=60)
+
+
 def test_jobs_routed_to_a_worker_that_died_go_back_to_the_models_queue(settings, keys):
     """Prefix routing puts a conversation's jobs on one worker's own queue; when that worker stops beating, the
     sweeper sends what waits there to the model's queue and removes the dead queue (and kombu's binding of it), a
@@ -265,7 +275,7 @@ def test_jobs_routed_to_a_worker_that_died_go_back_to_the_models_queue(settings,
     url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
     r.sadd(WORKER_QUEUES, worker_queue("w9"))  # as the worker does when it starts
     with session_scope(url) as s:
-        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu",
+        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu", heartbeat_at=_beat_ahead(),
                           state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
     # the same prompt: one key, one worker
     job_ids = [_job(settings, keys, dispatch=True), _job(settings, keys, dispatch=True, kind="batch",
@@ -386,7 +396,7 @@ def test_jobs_rerouted_from_a_dead_workers_queue_keep_their_place_before_later_o
     url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
     r.sadd(WORKER_QUEUES, worker_queue("w9"))
     with session_scope(url) as s:
-        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu",
+        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu", heartbeat_at=_beat_ahead(),
                           state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
     older, newer = _job(settings, keys, dispatch=True), _job(settings, keys, dispatch=True)  # one prompt: w9's
     assert r.llen(worker_queue("w9")) == 2
@@ -450,7 +460,7 @@ def test_batch_jobs_rerouted_from_a_dead_workers_queue_go_in_their_turn_by_age(s
     batch_list = queue_lists("coserve.tiny")[1]
     r.sadd(WORKER_QUEUES, worker_queue("w9"))
     with session_scope(url) as s:
-        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu",
+        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu", heartbeat_at=_beat_ahead(),
                           state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
 
     def batch_job(on_model_queue: bool) -> str:
