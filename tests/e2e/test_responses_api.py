@@ -246,6 +246,9 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "includes only"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "vLLM"),  # the own engine has none
     ({"input": []}, "input", "must not be empty"),
+    # vLLM's thinking budget, taken as chat takes it: the own engine cannot cut the thinking short
+    ({"input": "x", "reasoning": {"effort": "low"}, "thinking_token_budget": 8}, "thinking_token_budget",
+     "own torch engine"),
     ({}, "input", "input"),
 ])
 def test_bad_requests_name_the_responses_field(body, param, says, stack):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.openai_schemas import OpenAIError, openai_parsed
+from app.openai_schemas import OpenAIError, chat_job, openai_parsed
 from app.responses_schemas import (ResponsesRequest, history_of, input_items, input_messages, job_id_of,
                                    response_body, response_id)
 from app.tool_calls import Answer
@@ -161,3 +161,18 @@ def test_vllms_request_fields_reach_the_job_or_are_refused_by_name_as_on_chat():
         with pytest.raises(OpenAIError) as exc:
             ResponsesRequest.model_validate(raw).chat_request(raw, [])
         assert exc.value.param == field and exc.value.status_code == 400
+
+
+def test_the_reasoning_effort_and_thinking_budget_reach_the_job_as_on_chat():
+    raw = {"model": "m", "input": "hi", "reasoning": {"effort": "low"}, "thinking_token_budget": 64}
+    _chat, spec = ResponsesRequest.model_validate(raw).chat_request(raw, [])
+    chat_raw = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low",
+                "thinking_token_budget": 64}
+    _chat, chat_spec = chat_job(chat_raw, ("free", "paid"), lambda exc: exc)
+    assert spec.thinking_token_budget == chat_spec.thinking_token_budget == 64
+    assert spec.chat_template_kwargs == chat_spec.chat_template_kwargs == {"reasoning_effort": "low",
+                                                                           "enable_thinking": True}
+    raw = {"model": "m", "input": "hi", "thinking_token_budget": -2}  # checked as chat's, named as the client wrote it
+    with pytest.raises(OpenAIError) as exc:
+        ResponsesRequest.model_validate(raw).chat_request(raw, [])
+    assert exc.value.param == "thinking_token_budget" and exc.value.status_code == 400
