@@ -109,7 +109,10 @@ class ResponsesRequest(BaseModel):
         """What the job keeps of the request; ``input_from``: where its input starts among the job's messages
         (after the continued conversation and the instructions)."""
         conversation = {"conversation": {"id": self.conversation_id}} if self.conversation is not None else {}
-        return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation,
+        own = input_messages(self.input) if self.input is not None else []
+        # the job's messages join an item's text parts (what the model reads): its input as given is kept beside
+        parted = {"own_input": own} if any(isinstance(m.get("content"), list) for m in own) else {}
+        return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation, **parted,
                 "input_from": len(history) + (self.instructions is not None)}
 
     def chat_request(self, raw: dict[str, Any], history: list[dict[str, Any]],
@@ -160,8 +163,9 @@ def in_responses_terms(exc: OpenAIError) -> OpenAIError:
                        headers=exc.headers)
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message item's content as text: a string, or its input_text/output_text parts, a line each."""
+def _content_of(content: Any, where: str) -> str | list[dict[str, str]]:
+    """A message item's content as chat's: a string, or its input_text/output_text parts as chat's text parts (each
+    kept apart, so that the item reads back as it was given; chat joins them for the model, as vLLM does)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -173,7 +177,7 @@ def _text_of(content: Any, where: str) -> str:
             raise OpenAIError(400, f"{where}.content.{j}: only input_text and output_text parts with a text are "
                                    f"supported (not {kind!r})", param=f"{where}.content.{j}")
         texts.append(part["text"])
-    return "\n".join(texts)  # as chat's text parts (vLLM's join)
+    return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -193,7 +197,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise OpenAIError(400, f"{where}.role must be user, system, developer or assistant",
                                   param=f"{where}.role")
-            out.append({"role": item["role"], "content": _text_of(item.get("content"), where)})
+            out.append({"role": item["role"], "content": _content_of(item.get("content"), where)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise OpenAIError(400, f"{where}: a function_call has call_id, name and arguments (strings)",
@@ -285,9 +289,10 @@ def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, A
                         "call_id": m.get("tool_call_id"), "output": m["content"]})
             continue
         if m["content"] or not m.get("tool_calls"):
+            kind = "output_text" if m["role"] == "assistant" else "input_text"
+            texts = [p["text"] for p in m["content"]] if isinstance(m["content"], list) else [m["content"]]
             out.append({"id": f"msg_{hexid}_{i}", "type": "message", "status": "completed", "role": m["role"],
-                        "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text",
-                                     "text": m["content"]}]})
+                        "content": [{"type": kind, "text": text} for text in texts]})
         for k, call in enumerate(m.get("tool_calls") or ()):
             out.append({"id": f"fc_{hexid}_{i}_{k}", "type": "function_call", "status": "completed",
                         "call_id": call["id"], "name": call["function"]["name"],

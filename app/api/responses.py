@@ -80,12 +80,13 @@ def _prior_turns(session, principal: Principal, body: ResponsesRequest) -> list[
     return []
 
 
-def _take_turn(settings: Settings, principal: Principal, conv_id: str, job_id: str) -> list[dict[str, Any]]:
+def _take_turn(settings: Settings, principal: Principal, conv_id: str, job_id: str,
+               store: bool) -> list[dict[str, Any]]:
     """The conversation's messages, read as response ``job_id`` takes its turn, in one transaction with the
     conversation's row locked: a second response on it meanwhile is refused (``conversations.take_turn``)."""
     with read_then_write(settings.sqlalchemy_url) as s:
         conv = conversations.find(s, principal.tenant_id, conv_id, param="conversation", lock=True)
-        return conversations.take_turn(s, conv, job_id)
+        return conversations.take_turn(s, conv, job_id, store)
 
 
 def _give_back_turn(settings: Settings, conv_id: str, job_id: str) -> None:
@@ -97,7 +98,8 @@ async def _turns_before(session, principal: Principal, settings: Settings, body:
                         job_id: str) -> list[dict[str, Any]]:
     """``_prior_turns`` of a response to be submitted as job ``job_id``: on a conversation, its turn taken."""
     if body.conversation_id is not None:
-        return await run_in_threadpool(_take_turn, settings, principal, body.conversation_id, job_id)
+        return await run_in_threadpool(_take_turn, settings, principal, body.conversation_id, job_id,
+                                       body.store)
     return await run_in_threadpool(_prior_turns, session, principal, body)
 
 

@@ -53,17 +53,20 @@ def add_items(session: Session, conv: Conversation, items: list[dict[str, Any]])
     session.add_all([ConversationEntry(conversation_id=conv.id, item=item) for item in items])
 
 
-def take_turn(session: Session, conv: Conversation, job_id: str) -> list[dict[str, Any]]:
+def take_turn(session: Session, conv: Conversation, job_id: str, store: bool = True) -> list[dict[str, Any]]:
     """The conversation as chat messages for response ``job_id``, whose turn it adds at once (shown once the response
     has completed): with ``conv``'s row locked (``find(lock=True)``) no other response reads the same turns. A 400
-    ``conversation_locked`` while an earlier response on it has not ended, as OpenAI answers."""
+    ``conversation_locked`` while an earlier response on it has not ended, as OpenAI answers. A response not stored
+    (``store`` false) reads the conversation and adds nothing to it: its items are kept nowhere, as OpenAI keeps
+    them."""
     listed = entries(session, conv)
     jobs = turn_jobs(session, listed)
     if any(_unended(entry, jobs) for entry in listed):
         raise OpenAIError(400, f"another response is currently operating on conversation {conv.id!r}; try again once "
                                "it has ended", param="conversation", code="conversation_locked")
     messages = history(session, conv)
-    session.add(ConversationEntry(conversation_id=conv.id, job_id=job_id))
+    if store:
+        session.add(ConversationEntry(conversation_id=conv.id, job_id=job_id))
     return messages
 
 

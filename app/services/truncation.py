@@ -83,7 +83,7 @@ def fit_response(settings: Settings, spec: JobCreate, kept: dict[str, Any]) -> J
     own = [m.stored() for m in (spec.messages or ())[kept["input_from"]:]]
     fitted, kept["input_from"] = fit_context(settings, spec, kept["input_from"])
     if len(fitted.messages or ()) - kept["input_from"] < len(own):
-        kept["own_input"] = own
+        kept.setdefault("own_input", own)  # (already there where it keeps an item's text parts apart)
     return fitted
 
 

@@ -170,3 +170,29 @@ def test_an_output_whose_call_was_deleted_names_the_conversation(oai):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.responses.create(model="tiny", conversation=conv.id, input="x", max_output_tokens=1)
     assert exc.value.body["param"] == "conversation" and "'call_1'" in exc.value.body["message"]
+
+
+def test_an_items_text_parts_stay_apart(oai, stack):
+    parts = [{"type": "input_text", "text": "Weather"}, {"type": "input_text", "text": "today?"}]
+    conv = oai.conversations.create(items=[{"type": "message", "role": "user", "content": parts}])
+    added = oai.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": parts}])
+    assert [p.text for p in added.data[0].content] == ["Weather", "today?"]
+    answer = oai.responses.create(model="tiny", conversation=conv.id, max_output_tokens=1,
+                                  input=[{"type": "message", "role": "user", "content": parts}])
+    # the model reads each item's parts joined (as vLLM joins text parts); the items keep them apart
+    assert [m["content"] for m in _messages(stack.settings, answer.id)] == ["Weather\ntoday?"] * 3
+    items = oai.conversations.items.list(conv.id, order="asc").data
+    assert [[p.text for p in i.content] for i in items[:3]] == [["Weather", "today?"]] * 3
+    assert [p.text for p in oai.responses.input_items.list(answer.id).data[0].content] == ["Weather", "today?"]
+
+
+def test_a_response_not_stored_reads_the_conversation_and_adds_no_turn(oai, stack):
+    conv = oai.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada"}])
+    unstored = oai.responses.create(model="tiny", conversation=conv.id, input="Name?", max_output_tokens=1,
+                                    store=False)
+    assert unstored.store is False and [m["content"] for m in _messages(stack.settings, unstored.id)] == [
+        "My name is Ada", "Name?"]
+    # OpenAI keeps a response with store false nowhere: neither retrievable nor in the conversation
+    assert _texts(oai, conv.id) == [("user", "My name is Ada")]
+    stored = oai.responses.create(model="tiny", conversation=conv.id, input="Again", max_output_tokens=1)
+    assert [m["content"] for m in _messages(stack.settings, stored.id)] == ["My name is Ada", "Again"]

@@ -30,7 +30,8 @@ def test_input_items_become_chat_messages_and_parallel_calls_one_turn():
              {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
     assert input_messages(items) == [
-        {"role": "developer", "content": "Terse."}, {"role": "user", "content": "Weather\ntoday?"},
+        {"role": "developer", "content": "Terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "today?"}]},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
@@ -41,8 +42,10 @@ def test_input_items_become_chat_messages_and_parallel_calls_one_turn():
     assert [(i["type"], i.get("role"), i.get("call_id")) for i in back] == [
         ("message", "developer", None), ("message", "user", None), ("function_call", None, "c1"),
         ("function_call", None, "c2"), ("function_call_output", None, "c1")]
-    assert len({i["id"] for i in back}) == len(back) and back[1]["content"][0] == {"type": "input_text",
-                                                                                   "text": "Weather\ntoday?"}
+    assert len({i["id"] for i in back}) == len(back) and back[1]["content"] == [  # its parts kept apart
+        {"type": "input_text", "text": "Weather"}, {"type": "input_text", "text": "today?"}]
+    # the model reads them joined, as chat joins text parts (vLLM's join)
+    assert chat({"input": items}).chat_messages()[1].content == "Weather\ntoday?"
 
 
 def test_a_call_output_answers_a_call_made_before_it():
