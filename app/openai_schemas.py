@@ -245,8 +245,8 @@ UNSUPPORTED_HINTS = {
                 "and deadline)",
     "vllm_xargs": " (give coserve's QoS fields ttft_ms, tbt_ms, deadline and tier in the body itself)",
     "chat_template": " (the server applies its own, COSERVE_CHAT_TEMPLATE; chat_template_kwargs reach it)",
-    "prompt_logprobs": " (a completion with echo=true and logprobs=k answers the prompt's token logprobs in OpenAI's "
-                       "form)",
+    "prompt_logprobs": " (/v1/completions takes it, and a completion with echo=true and logprobs=k answers the "
+                       "prompt's token logprobs in OpenAI's form too)",
     "truncation_side": " (truncate_prompt_tokens keeps the prompt's last tokens)",
     "logprob_token_ids": " (logprobs / top_logprobs report the most likely tokens)"}
 
@@ -550,9 +550,13 @@ class CompletionRequest(_Base):
     max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (vLLM's)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # vLLM's: each prompt token's logprob with this many alternatives, answered in vLLM's form (token ids and ranks)
+    # as the choice's prompt_logprobs; echo with logprobs asks for them too, as vLLM's does
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # type: ignore[assignment]
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_Base.unsupported, "best_of": (None, 1), "suffix": (None, "")}
+        **{k: v for k, v in _Base.unsupported.items() if k != "prompt_logprobs"}, "best_of": (None, 1),
+        "suffix": (None, "")}
 
 
     def logprob_count(self) -> int | None:
@@ -573,13 +577,20 @@ class CompletionRequest(_Base):
         if self.max_tokens == 0 and self.min_tokens:  # the job's max_tokens 1 would name a number the client never sent
             raise OpenAIError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens (0: with echo, the prompt "
                                    "alone, nothing generated); leave min_tokens unset", param="min_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise OpenAIError(400, "prompt_logprobs are not streamed (as vLLM refuses them with stream); leave stream "
+                                   "unset, or stream echo: true with logprobs (the prompt's come first)",
+                              param="prompt_logprobs")
 
     def echo_fields(self) -> dict[str, Any]:
+        """The prompt's side of the answer: its echo, and its logprobs where asked (``prompt_logprobs``, or echo
+        with logprobs, as vLLM takes them)."""
+        asked = {} if self.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs}
         if not self.echo:
-            return {}
+            return asked
         # vLLM's echo with max_tokens 0: one token is generated (the prompt's logprobs come with it), none answered
         alone = {"echo_only": True, "max_tokens": 1} if self.max_tokens == 0 else {}
-        return {"echo": True, "prompt_logprobs": self.logprob_count(), **alone}
+        return {"echo": True, "prompt_logprobs": self.logprob_count(), **asked, **alone}
 
     def prompt_inputs(self) -> list[dict[str, Any]]:
         """``job_spec``'s prompt argument for each prompt: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
@@ -667,6 +678,24 @@ def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -
             "text_offset": offsets}
 
 
+def vllm_prompt_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """A job's stored prompt logprobs in vLLM's form (its completion choice's ``prompt_logprobs``): per prompt token,
+    None for the first (nothing precedes it), else the token's id -> its logprob, rank and text, then each
+    alternative's likewise (rank: its place). None where the engine did not say the token ids."""
+    if not entries or any(e.get("id") is None for e in entries):
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        step = {str(e["id"]): {"logprob": e["logprob"], "rank": e.get("rank"), "decoded_token": e["token"]}}
+        for rank, (token_id, (text, logprob)) in enumerate(zip(e.get("top_ids") or (), e["top"], strict=False), 1):
+            step.setdefault(str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text})
+        out.append(step)
+    return out
+
+
 def _with_chosen(entry: dict[str, Any]) -> dict[str, float]:
     """A legacy completion's ``top_logprobs`` entry: the ``logprobs`` likeliest tokens and the chosen one, whatever
     its rank (OpenAI's legacy API, vLLM: up to ``logprobs`` + 1 tokens)."""
@@ -748,9 +777,11 @@ def text_completion(cid: str, model: str, created: int, text: str, finish_reason
                     extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
                     echo: tuple[str, list[dict[str, Any]] | None] | None = None,
                     cached_tokens: int | None = None, stop_reason: str | int | None = None,
-                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+                    sampling: dict[str, Any] | None = None,
+                    prompt_logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``echo``: the prompt and its logprobs, which the text and the logprobs then start with; ``stop_reason``:
-    vLLM's, the stop string or token id that ended it; ``sampling``: the job's (``echo_only``: the prompt alone)."""
+    vLLM's, the stop string or token id that ended it; ``sampling``: the job's (``echo_only``: the prompt alone;
+    ``prompt_logprobs``: the job asked for the prompt's logprobs, which ``prompt_logprobs`` are)."""
     if echoes_alone(sampling):  # vLLM's echo with max_tokens 0: the token generated is not answered
         text, logprobs = "", None if logprobs is None else []
     if echo is not None:
@@ -762,6 +793,8 @@ def text_completion(cid: str, model: str, created: int, text: str, finish_reason
             "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
                          "finish_reason": finish_reason, "stop_reason": stop_reason}],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+    if (sampling or {}).get("prompt_logprobs") is not None:  # as vLLM's choice carries them
+        body["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs)
     if extra:
         body.update(extra)
     return body

@@ -322,7 +322,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
                                           **echo, cached_tokens=cached, stop_reason=end.data.get("stop_reason"),
-                                          sampling=job.sampling))
+                                          sampling=job.sampling, prompt_logprobs=end.data.get("prompt_logprobs")))
     for i, ids in enumerate(await _prompt_ids(settings, jobs)):
         if ids is not None:  # vLLM's return_token_ids
             with_token_ids(bodies[i], chat, ids, ends[i].data.get("output_token_ids"))

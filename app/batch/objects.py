@@ -84,7 +84,8 @@ def _body(job: Job) -> dict[str, Any]:
         echo = {"echo": (job.prompt or "", job.prompt_logprobs)} if (job.sampling or {}).get("echo") else {}
         body = text_completion("cmpl-" + job.id, job.model, ts(job.finished_at) or 0, text, reason,
                                job.prompt_tokens, job.completion_tokens, logprobs=job.output_logprobs, **echo,
-                               cached_tokens=job.cached_tokens, stop_reason=job.stop_reason, sampling=job.sampling)
+                               cached_tokens=job.cached_tokens, stop_reason=job.stop_reason, sampling=job.sampling,
+                               prompt_logprobs=job.prompt_logprobs)
     if (job.sampling or {}).get("return_token_ids") and job.endpoint != "/v1/responses":  # vLLM's, as online
         from app.settings import get_settings
 

@@ -389,8 +389,9 @@ class VLLMEngine:
         if not steps or req.sampling.prompt_logprobs is None:
             return None
         first = self.llm.get_tokenizer().decode([req.prompt_token_ids[0]])
-        return [TokenLogprob(first, None)] + token_logprobs(req.prompt_token_ids[1:], steps[1:],
-                                                                 req.sampling.prompt_logprobs)
+        ids = req.prompt_token_ids
+        return [TokenLogprob(first, None, token_id=ids[0])] + token_logprobs(ids[1:], steps[1:],
+                                                                             req.sampling.prompt_logprobs)
 
     def _finish(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)
@@ -406,9 +407,11 @@ def token_logprobs(token_ids: list[int], steps: Any, top: int) -> list[TokenLogp
     out = []
     for token_id, step in zip(token_ids, steps or (), strict=False):
         chosen = step[token_id]
-        ranked = sorted((lp for lp in step.values() if lp.rank is not None and lp.rank <= top), key=lambda lp: lp.rank)
+        ranked = sorted(((i, lp) for i, lp in step.items() if lp.rank is not None and lp.rank <= top),
+                        key=lambda item: item[1].rank)
         out.append(TokenLogprob(_text(chosen), _floored(chosen.logprob),
-                                tuple((_text(lp), _floored(lp.logprob)) for lp in ranked)))
+                                tuple((_text(lp), _floored(lp.logprob)) for _, lp in ranked),
+                                token_id=token_id, rank=chosen.rank, top_ids=tuple(i for i, _ in ranked)))
     return out
 
 

@@ -245,6 +245,16 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                                     "The capital of France is", None), max_tokens=1, temperature=0, logprobs=1,
                                     echo=True, extra_body={"ignore_eos": True})
     assert by_ids.choices[0].text == scored.choices[0].text
+    # vLLM's own prompt_logprobs beside them, per choice: per prompt token, its id -> its logprob (the first null)
+    ids = encode_input("smollm2-135m", "The capital of France is", None)
+    for choice in (scored.choices[0], oai.completions.create(
+            model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=1, temperature=0,
+            extra_body={"prompt_logprobs": 1}).choices[0]):  # asked for alone, as vLLM takes it
+        steps = choice.model_extra["prompt_logprobs"]
+        assert len(steps) == len(ids) and steps[0] is None, steps
+        assert [s[str(i)]["logprob"] for i, s in zip(ids[1:], steps[1:], strict=True)] == pytest.approx(
+            lps.token_logprobs[1:len(ids)], abs=1e-3)
+        assert all(s[str(i)]["rank"] >= 1 and len(s) <= 2 for i, s in zip(ids[1:], steps[1:], strict=True))
     streamed = list(oai.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
                                            max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True,
                                            extra_body={"ignore_eos": True}))

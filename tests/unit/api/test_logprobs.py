@@ -25,8 +25,8 @@ def test_vllm_positions_become_the_chosen_token_and_its_ranked_alternatives():
     steps = [{7: lp(-1.5, 3, " b"), 4: lp(-0.2, 1, " a"), 9: lp(-0.9, 2, " c")},
              {4: lp(float("-inf"), 1, " a")}]
     got = token_logprobs([7, 4], steps, 2)
-    assert got[0] == TokenLogprob(" b", -1.5, ((" a", -0.2), (" c", -0.9)))
-    assert got[1] == TokenLogprob(" a", FLOOR, ((" a", FLOOR),))
+    assert got[0] == TokenLogprob(" b", -1.5, ((" a", -0.2), (" c", -0.9)), token_id=7, rank=3, top_ids=(4, 9))
+    assert got[1] == TokenLogprob(" a", FLOOR, ((" a", FLOOR),), token_id=4, rank=1, top_ids=(4,))
     assert TokenLogprob.of(got[0].as_dict()) == got[0]
 
 
@@ -77,6 +77,33 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     spec = CompletionRequest.model_validate(asked).job_spec(prompt="Say hi")
     assert spec.sampling(16)["max_tokens"] == 1 and spec.sampling(16)["echo_only"] is True
     assert spec.sampling(16)["prompt_logprobs"] == 1
+
+
+def test_a_completion_choice_carries_vllms_prompt_logprobs_where_the_job_asked():
+    from gpu_runtime.vllm.engine import token_logprobs
+
+    # the prompt [5, 7]: its first token unscored, the second (rank 3) with its 2 likeliest alternatives
+    prompt = [TokenLogprob("Say", None, token_id=5).as_dict(),
+              *(t.as_dict() for t in token_logprobs([7], [{7: lp(-1.5, 3, " b"), 4: lp(-0.2, 1, " a"),
+                                                          9: lp(-0.9, 2, " c")}], 2))]
+    vllm_form = [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": " b"},
+                        "4": {"logprob": -0.2, "rank": 1, "decoded_token": " a"},
+                        "9": {"logprob": -0.9, "rank": 2, "decoded_token": " c"}}]
+    for asked in ({"prompt": "Say b", "echo": True, "logprobs": 2}, {"prompt": "Say b", "prompt_logprobs": 2},
+                  {"prompt": "Say b", "echo": True, "prompt_logprobs": 2}):
+        sampling = CompletionRequest.model_validate(asked).job_spec(prompt="Say b").sampling(16)
+        assert sampling["prompt_logprobs"] == 2, asked
+        echo = ("Say b", prompt) if asked.get("echo") else None
+        choice = text_completion("cmpl-1", "m", 0, "!", "length", 2, 1, logprobs=ENTRIES[:1], echo=echo,
+                                 sampling=sampling, prompt_logprobs=prompt)["choices"][0]
+        assert choice["prompt_logprobs"] == vllm_form, asked
+    unasked = CompletionRequest.model_validate({"prompt": "Say b", "logprobs": 2}).job_spec(prompt="Say b")
+    assert "prompt_logprobs" not in text_completion("cmpl-1", "m", 0, "!", "length", 2, 1, logprobs=ENTRIES[:1],
+                                                    sampling=unasked.sampling(16))["choices"][0]
+    # a job stored before the engine said token ids: no ids to key them by
+    assert text_completion("cmpl-1", "m", 0, "!", "length", 2, 1, prompt_logprobs=[{"token": "S", "logprob": None,
+                                                                                     "top": []}],
+                           sampling={"prompt_logprobs": 0})["choices"][0]["prompt_logprobs"] is None
 
 
 def test_a_lost_delta_of_logprobs_is_a_gap_the_end_fills_from_sql():
