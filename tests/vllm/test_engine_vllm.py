@@ -123,14 +123,19 @@ def test_vllms_gauges_empty_once_a_cancel_leaves_the_engine_idle():
     assert idle == {"vllm:num_requests_running": 0, "vllm:kv_cache_usage_perc": 0}, idle
 
 
-def test_a_thinking_budget_ends_the_thinking_when_spent(tmp_path):
+@pytest.mark.parametrize("spec", ["none", "adaspec"])
+def test_a_thinking_budget_ends_the_thinking_when_spent(spec, tmp_path):
     """vLLM's thinking_token_budget, kept under the reasoning_config a worker with a reasoning parser sets: once the
     model thought that many tokens, vLLM forces the parser's end of thinking (``</think>``); without it the model
-    thinks on."""
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.thinking_budget", str(tmp_path)], capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    thinks on. Speculating too (n-gram drafts): vLLM's rejection sampler keeps the budget over the draft tokens
+    (``ThinkingBudgetStateHolder`` counts them), so the combination is served, not refused."""
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.thinking_budget", str(tmp_path), spec],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     run = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"close"')))
     close = run["close"]
     assert run["budget"][3:3 + len(close)] == close and close[0] not in run["budget"][:3], run
-    assert close[0] not in run["free"] and len(run["free"]) == 8, run
+    assert close[0] not in run["free"] and len(run["free"]) == 16, run
+    if spec != "none":  # drafts were verified: the policy learnt their acceptance from them
+        assert run["speculation"]["policy"] == spec, run
+        assert run["speculation"]["acceptance"][0] != PositionAcceptance.prior, run
