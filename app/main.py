@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 
 from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora,
                      message_batches, metrics, models, openai_compat, prefix_cache, responses, stored_completions,
@@ -90,12 +89,11 @@ async def lifespan(api: FastAPI):
 class BodyLimit:
     """Answers 413 for a body over the limit: by Content-Length up front; a body without one
     (chunked) is read here, counting bytes, and handed on whole. File uploads have their own,
-    larger limit. Under ``anthropic_prefixes`` the 413 is in Anthropic's shape (``request_too_large``)."""
+    larger limit. The 413 is in the shape of the API whose prefix the path lies under (``errors.unrouted_error``:
+    Anthropic's ``request_too_large``, OpenAI's ``error``, else ``{"detail"}``)."""
 
-    def __init__(self, app, limit: int, upload_limit: int, upload_prefix: str = "/v1/files",
-                 anthropic_prefixes: tuple[str, ...] = ()) -> None:
+    def __init__(self, app, limit: int, upload_limit: int, upload_prefix: str = "/v1/files") -> None:
         self.app, self.limit, self.upload_limit, self.upload_prefix = app, limit, upload_limit, upload_prefix
-        self.anthropic_prefixes = anthropic_prefixes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -138,12 +136,8 @@ class BodyLimit:
 
     async def _reject(self, scope, receive, send, limit: int, hint: str):
         message = f"request body over {limit} bytes; {hint}"
-        path = scope["path"]
-        if any(path == p or path.startswith(p + "/") for p in self.anthropic_prefixes):
-            body = errors.anthropic_error(413, message)
-        else:
-            body = JSONResponse({"detail": message}, status_code=413)
-        return await body(scope, receive, send)
+        answer = errors.unrouted_error(scope["app"], scope["path"], 413, message)  # the app's prefixes
+        return await answer(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -156,8 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     use_chat_template(settings.model, settings.chat_template)  # before any request renders chat messages
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
-    api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes,
-                       anthropic_prefixes=ANTHROPIC_PREFIXES)
+    api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
     for module in (health, jobs, openai_compat, responses, anthropic_messages, message_batches, conversations, models,

@@ -58,15 +58,14 @@ _WHY = {400: "invalid request", 401: "missing, invalid or revoked API key", 403:
 
 
 def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` of a native route answering ``codes`` (413 is always ``{"detail"}``: the
-    body limit answers it before any route runs)."""
+    """``responses=`` of a native route answering ``codes``."""
     return {c: {"model": HTTPError, "description": _WHY.get(c, "error")} for c in codes if c != 422}
 
 
 def openai_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` of an OpenAI-compatible route answering ``codes``."""
-    return {c: {"model": HTTPError if c == 413 else OpenAIErrorBody, "description": _WHY.get(c, "error")}
-            for c in codes}
+    """``responses=`` of an OpenAI-compatible route answering ``codes`` (413 too: the body limit answers it in
+    OpenAI's shape under its prefixes)."""
+    return {c: {"model": OpenAIErrorBody, "description": _WHY.get(c, "error")} for c in codes}
 
 
 class AnthropicErrorObject(BaseModel):
@@ -127,34 +126,40 @@ def allowed_methods(request: Request) -> list[str]:
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
     if exc.status_code == 405 and request.method == "OPTIONS":  # the methods this resource answers (RFC 9110 9.3.7)
         return Response(status_code=204, headers={"Allow": ", ".join(allowed_methods(request))})
-    if _under(request, "anthropic_prefixes"):  # no route took it (a path or method not served): its SDKs read
-        return _anthropic_framework_error(request, exc)  # Anthropic's shape, as the routes there answer
-    if exc.status_code == 405:
-        allow = ", ".join(allowed_methods(request))
-        return JSONResponse({"detail": f"{request.method} is not allowed here; use one of {allow}"},
-                            status_code=405, headers={"Allow": allow})
+    api = _api_at(request.app, request.url.path)
+    # no route took it (a method or, under a compatible API's prefix, a path not served): the SDKs there read their
+    # API's shape, as its routes answer (Anthropic's routes leave nothing else here; OpenAI's answer their own 404s)
+    unrouted = exc.status_code == 405 or (exc.status_code == 404 and "endpoint" not in request.scope and api)
+    if unrouted or api == "anthropic":
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+            message = f"{request.method} is not allowed here; use one of {headers['Allow']}"
+        elif exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = str(exc.detail)
+        return unrouted_error(request.app, request.url.path, exc.status_code, message, headers)
     if exc.status_code == 422 and isinstance(exc.detail, str):  # one shape for every 422
         return await request_validation_handler(request, unprocessable(exc.detail))
-    if exc.status_code == 404 and "endpoint" not in request.scope and _under(request, "openai_prefixes"):
-        # no route matched (e.g. a model id with a newline): OpenAI's clients read OpenAI's shape,
-        # as the operations under this prefix document for their 404
-        body = {"message": f"Invalid URL ({request.method} {request.url.path})", "type": "invalid_request_error",
-                "param": None, "code": None}
-        return JSONResponse(json_safe({"error": body}), status_code=404)
     return await http_exception_handler(request, exc)
 
 
-def _anthropic_framework_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """An error no Anthropic route answered (Starlette's 404 for a path, 405 for a method) in Anthropic's shape."""
-    headers = dict(exc.headers or {})
-    if exc.status_code == 405:
-        headers["Allow"] = ", ".join(allowed_methods(request))
-        message = f"{request.method} is not allowed here; use one of {headers['Allow']}"
-    elif exc.status_code == 404:
-        message = f"Invalid URL ({request.method} {request.url.path})"
-    else:
-        message = str(exc.detail)
-    return anthropic_error(exc.status_code, message, headers)
+def unrouted_error(app: Any, path: str, status_code: int, message: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error no route answered (Starlette's 404 for a path, 405 for a method, the body limit's 413) in the shape
+    of the API whose prefix ``path`` lies under (``install``'s prefixes): Anthropic's, OpenAI's, else the native
+    ``{"detail"}``."""
+    api = _api_at(app, path)
+    if api == "anthropic":
+        return anthropic_error(status_code, message, headers)
+    if api == "openai":
+        from app.openai_schemas import error_response  # it builds on this module
+
+        answer = error_response(status_code, message, type="invalid_request_error")
+        answer.headers.update(headers or {})
+        return answer
+    return JSONResponse({"detail": message}, status_code=status_code, headers=headers)
 
 
 def anthropic_error(status_code: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -185,10 +190,12 @@ async def server_error_handler(request: Request, exc: Exception) -> Response:
     return answer
 
 
-def _under(request: Request, prefixes: str) -> bool:
-    """Whether the request's path lies under one of the app's ``prefixes`` (``install``'s argument of that name)."""
-    return any(request.url.path == p or request.url.path.startswith(p + "/")
-               for p in getattr(request.app.state, prefixes, ()))
+def _api_at(app: Any, path: str) -> Literal["anthropic", "openai"] | None:
+    """The compatible API whose prefix ``path`` lies under (``install``'s arguments), or None on a native path."""
+    for api in ("anthropic", "openai"):
+        if any(path == p or path.startswith(p + "/") for p in getattr(app.state, f"{api}_prefixes", ())):
+            return api  # type: ignore[return-value]
+    return None
 
 
 def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixes: Sequence[str] = ()) -> None:

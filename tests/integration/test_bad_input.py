@@ -284,7 +284,41 @@ def test_options_and_405_list_every_method_of_the_resource(client, keys):
     r = client.options(f"/v1/files/{f['id']}", headers=H(keys.paid))
     assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"GET", "DELETE", "OPTIONS"}
     r = client.patch(f"/v1/files/{f['id']}", headers=H(keys.paid))
-    assert r.status_code == 405 and "DELETE" in r.headers["allow"] and "DELETE" in r.json()["detail"]
+    assert r.status_code == 405 and "DELETE" in r.headers["allow"] and "DELETE" in r.json()["error"]["message"]
+
+
+def openai_error(r) -> dict:
+    """The ``error`` of an answer in OpenAI's shape (and nothing else: no FastAPI ``detail``)."""
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, r.text
+    assert body["error"]["type"] == "invalid_request_error", r.text
+    return body["error"]
+
+
+@pytest.mark.parametrize("method, path, allowed", [("GET", "/v1/completions", {"POST"}),
+                                                   ("PUT", "/v1/batches", {"GET", "POST"}),
+                                                   ("PATCH", "/v1/models/tiny", {"GET"})])
+def test_a_wrong_method_under_the_openai_prefix_answers_in_openais_shape(client, keys, method, path, allowed):
+    r = client.request(method, path, headers=H(keys.paid))
+    assert r.status_code == 405 and allowed <= set(r.headers["allow"].split(", ")), r.headers
+    assert f"{method} is not allowed here" in openai_error(r)["message"]
+
+
+def test_framework_errors_under_the_openai_prefix_answer_in_openais_shape(client, keys, settings):
+    r = client.get("/v1/chat/completions/no/such/route", headers=H(keys.paid))
+    assert r.status_code == 404 and "Invalid URL (GET /v1/chat/completions/no/such/route)" in openai_error(r)["message"]
+    big = b"x" * (settings.max_body_bytes + 1)
+    r = client.post("/v1/completions", content=big, headers={**H(keys.paid), "Content-Type": "application/json"})
+    assert r.status_code == 413 and f"over {settings.max_body_bytes} bytes" in openai_error(r)["message"]
+    assert len(r.headers["x-request-id"]) == 32
+
+
+def test_framework_errors_on_native_routes_keep_their_detail_shape(client, keys, settings):
+    r = client.put("/v1/jobs", headers=H(keys.paid))
+    assert r.status_code == 405 and "POST" in r.headers["allow"] and "PUT is not allowed" in r.json()["detail"]
+    assert client.get("/v1/no-such-route", headers=H(keys.paid)).json() == {"detail": "Not Found"}
+    r = client.post("/v1/jobs", content=b"x" * (settings.max_body_bytes + 1), headers=H(keys.paid))
+    assert r.status_code == 413 and "bytes" in r.json()["detail"]
 
 
 def test_the_openapi_document_lists_what_each_operation_answers(client):
