@@ -126,6 +126,39 @@ def test_jobs_of_summarization_runs_going_on_at_the_upgrade_name_their_run(tmp_p
     engine.dispose()
 
 
+def test_jobs_stopped_under_a_worker_that_an_older_coserve_left_unsettled_settle_at_the_upgrade(tmp_path):
+    """0044: a job the API stopped while a worker held it, left with neither ``settled_at`` nor a lease (the worker
+    died before its write), settles at the upgrade's time, so /metrics stops re-reading it and counts it on; a
+    stopped job a worker holds now (its lease kept) and every other job are left as they are."""
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url, "0042")
+    engine = create_engine(url)
+    past = "2026-11-01 00:00:00.000000"
+    rows = {  # id: (status, finished_at, settled_at, lease_expires_at)
+        "job_cancelled": ("cancelled", past, None, None), "job_expired": ("expired", None, None, None),
+        "job_held": ("cancelled", past, None, "2099-01-01 00:00:00.000000"),
+        "job_settled": ("cancelled", past, past, None), "job_running": ("running", None, None, None),
+        "job_failed": ("failed", past, None, None)}
+    with engine.begin() as conn:
+        tenant = _old_tenant(conn, "t")
+        for job_id, (status, finished, settled, lease) in rows.items():
+            conn.execute(text("INSERT INTO jobs (id, tenant_id, kind, tier, model, sampling, endpoint, stream, status, "
+                              "created_at, relegation_count, attempt, finished_at, settled_at, lease_expires_at) "
+                              "VALUES (:id, :t, 'batch', 'paid', 'm', '{}', '/v1/jobs', 0, :st, CURRENT_TIMESTAMP, 0, "
+                              "0, :fin, :settled, :lease)"),
+                         {"id": job_id, "t": tenant.id, "st": status, "fin": finished, "settled": settled,
+                          "lease": lease})
+        before = conn.scalar(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"))
+    upgrade(url)
+    with engine.connect() as conn:
+        settled = dict(conn.execute(text("SELECT id, settled_at FROM jobs")).all())
+    assert {job_id for job_id, at in settled.items() if at is None} == {"job_held", "job_running", "job_failed"}
+    assert settled["job_settled"] == past
+    for job_id in ("job_cancelled", "job_expired"):  # at the upgrade: after the totals' horizon, so counted on
+        assert settled[job_id] >= before, settled
+    engine.dispose()
+
+
 def as_first_written(url: str) -> None:
     """Migrates ``url`` to 0023 and takes out what revisions 0002, 0007, 0016, 0017 and 0022 gained after they were
     first written: a database an earlier coserve built (Alembic does not run a revision twice)."""
