@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -33,6 +34,8 @@ def _qps_list(qps: float | None, sweep: str | None) -> list[float] | None:
             a, b, step = (float(x) for x in sweep.replace(":", ",").split(","))
         except ValueError as exc:
             raise typer.BadParameter(f"--sweep {sweep!r}: give FIRST,LAST,STEP, e.g. 0.5,4,0.5") from exc
+        if not all(math.isfinite(x) for x in (a, b, step)) or a <= 0:
+            raise typer.BadParameter(f"--sweep {sweep!r}: rates are queries per second: FIRST must be > 0, all finite")
         if step <= 0 or b < a:
             raise typer.BadParameter(f"--sweep {sweep!r}: STEP must be > 0 and LAST >= FIRST")
         out, x = [], a
@@ -40,6 +43,8 @@ def _qps_list(qps: float | None, sweep: str | None) -> list[float] | None:
             out.append(round(x, 6))
             x += step
         return out
+    if qps is not None and not (math.isfinite(qps) and qps > 0):  # no arrivals at all, or every one at once
+        raise typer.BadParameter(f"--qps {qps}: give a rate > 0 (queries per second)")
     return None if qps is None else [qps]
 
 

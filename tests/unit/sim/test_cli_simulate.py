@@ -60,6 +60,10 @@ def test_simulate_refuses_bad_options_before_it_fits_the_profile(monkeypatch):
                        (["--policies", " , "], "name at least one scheduler"),
                        (["--trace", "nowhere.csv"], "--trace 'nowhere.csv'"),
                        (["--sweep", "3,1,1"], "LAST >= FIRST"),
+                       (["--qps", "0"], "--qps 0.0: give a rate > 0"),  # the last --qps counts
+                       (["--qps", "-2"], "--qps -2.0: give a rate > 0"),
+                       (["--sweep", "0,2,1"], "FIRST must be > 0"),
+                       (["--sweep", "-1,2,1"], "FIRST must be > 0"),
                        (["--arrivals", "uniform"], "choose from poisson"),
                        (["--free-share", "1.5"], "--free-share"),
                        (["--profile", "no-such-profile", "--policies", "bogus"], "no scheduler bogus")):
