@@ -439,6 +439,10 @@ class GpuWorker:
             row.heartbeat_at = utcnow()
             row.state = self._state()
             draining = bool(row.draining)
+            retire = self.backend == "vllm" and self.settings.runtime_lora
+            loras = lora_adapters.versions(s, self.settings.model_name) if retire else None
+        if loras is not None:  # the runtime adapters unloaded or replaced since leave vLLM once no job uses them
+            self.engine.retire_loras(loras)
         if self.backend == "vllm":  # vLLM's own metrics, for the API's /metrics
             try:
                 engine_metrics.publish(self.redis, self.worker_id, 3 * self.settings.heartbeat_seconds + 5)

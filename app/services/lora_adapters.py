@@ -204,6 +204,13 @@ def adapter_source(session: Session, name: str) -> tuple[str, float] | None:
     return (row.path, as_utc(row.loaded_at).timestamp()) if row is not None else None
 
 
+def versions(session: Session, model: str) -> dict[str, tuple[str, float]]:
+    """Each runtime adapter of ``model`` loaded now: name -> its path and version, as ``adapter_source`` gives them
+    (an engine removes the others it loaded: ``VLLMEngine.retire_loras``)."""
+    rows = session.scalars(select(LoraAdapter).where(LoraAdapter.model == model))
+    return {row.name: (row.path, as_utc(row.loaded_at).timestamp()) for row in rows}
+
+
 def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]:
     """The adapter directory, absolute, and its rank; an AdapterError saying what to fix where it cannot serve."""
     try:

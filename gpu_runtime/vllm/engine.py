@@ -56,6 +56,7 @@ class _Inbox:
     aborts: deque[str] = field(default_factory=deque)
     resumes: deque[str] = field(default_factory=deque)
     promotions: deque[tuple[str, Tier]] = field(default_factory=deque)
+    loaded_loras: dict[str, tuple[str, float]] | None = None  # the runtime adapters loaded now (retire_loras)
 
 
 class _Executor:
@@ -207,6 +208,12 @@ class VLLMEngine:
         with self._lock:
             self._inbox.promotions.append((request_id, tier))
 
+    def retire_loras(self, loaded: dict[str, tuple[str, float]]) -> None:
+        """The runtime adapters loaded now (name -> (path, version), as SQL holds them): the engine thread removes
+        the others it loaded (unloaded or replaced since) from vLLM once no request it holds uses them."""
+        with self._lock:
+            self._inbox.loaded_loras = dict(loaded)
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: forgets every cached prefix block (between steps, from the engine thread); False where running
         requests hold blocks, unless ``reset_running_requests`` preempts them first."""
@@ -281,6 +288,11 @@ class VLLMEngine:
             self.llm.abort_request([rid])
             req.status, req.finish_time = RequestStatus.FINISHED_ABORTED, time.time()
             outputs.append(self._finish(req))
+        if box.loaded_loras is not None:
+            live = ((r.lora_name, r.lora_path, r.lora_version) for r in self.requests.values())
+            for lora in self.loras.retired(box.loaded_loras, live):  # out of vLLM's LoRA cache, its slot freed
+                self.llm.remove_lora(lora.lora_int_id)
+                log.info("removed LoRA adapter %r (id %d): unloaded or replaced", lora.lora_name, lora.lora_int_id)
         for rid, tier in box.promotions:
             internal = self.external.get(rid)
             if internal is not None:

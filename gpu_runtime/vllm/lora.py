@@ -60,12 +60,12 @@ class LoraRegistry:
     loaded): an adapter replaced, from another path or from the same one with new weights there, is a new adapter
     to vLLM, which loads it from disk and does not serve the old weights.
 
-    An adapter unloaded (or replaced) is not removed from the engine: vLLM's own unload does not either, and its
-    LoRA cache holds at most ``max_cpu_loras`` adapters, evicting the least recently used, which an unloaded one
-    soon is. Removing it at once could pull it from under a request that began before the unload (vLLM would load
-    it from disk again mid-run, from a directory the admin may have deleted). Once vLLM's cache has let it go and
-    no request uses it, ``prune`` drops its entry: ``loaded`` stays as small as that cache, not one entry for every
-    version ever served."""
+    An adapter unloaded (or replaced) leaves the engine once no request uses it (``retired``, which the engine hands
+    to vLLM's ``remove_lora``; vLLM's own unload leaves it in its LoRA cache, where it held a slot until evicted as
+    the least recently used): removing it at once could pull it from under a request that began before the unload
+    (vLLM would load it from disk again mid-run, from a directory the admin may have deleted). Once vLLM's cache
+    has let an adapter go (evicted) and no request uses it, ``prune`` drops its entry: ``loaded`` stays as small as
+    that cache, not one entry for every version ever served."""
 
     def __init__(self, modules: dict[str, str], runtime: bool) -> None:
         self.fixed = lora_requests(modules)
@@ -103,6 +103,15 @@ class LoraRegistry:
         old id, which its cache had evicted."""
         used = {(name, path or "", version) for name, path, version in live if name is not None}
         self.loaded = {key: lora for key, lora in self.loaded.items() if lora.lora_int_id in cached or key in used}
+
+    def retired(self, current: dict[str, tuple[str, float]],
+                live: Iterable[tuple[str | None, str | None, float]]) -> list[Any]:
+        """The runtime adapters unloaded or replaced since the engine loaded them (``current``: each runtime adapter
+        loaded now, name -> (path, version) as SQL holds them) that none of the ``live`` requests uses, dropped here:
+        the engine removes them from vLLM (``remove_lora``)."""
+        used = {(name, path or "", version) for name, path, version in live if name is not None}
+        gone = [key for key in self.loaded if current.get(key[0]) != (key[1], key[2]) and key not in used]
+        return [self.loaded.pop(key) for key in gone]
 
     def forget(self, name: str, path: str | None, version: float = 0.0) -> None:
         """Drops an adapter whose load failed, so a later request tries again."""

@@ -92,3 +92,22 @@ def test_an_unloaded_adapters_row_stays_while_a_summarization_on_it_validates(tm
         assert lora_adapters.prune_unloaded(s, kept=timedelta(0)) == 0
         assert lora_adapters.queue_models(s, {"rt-v"}) == {"rt-v": "tiny"}
         assert s.scalars(select(UnloadedLoraAdapter.name)).all() == ["rt-v"]
+
+
+def test_the_versions_a_worker_retires_by_are_those_its_jobs_load(tmp_path, db_url):
+    """``versions``: each runtime adapter of the model loaded now, with the path and version a job of it loads
+    (``adapter_source``); a reload is a new version, an unloaded adapter is gone, another model's is left out."""
+    from app.db.session import session_scope
+
+    settings = Settings(data_dir=tmp_path, database_url=db_url, model_name="tiny", runtime_lora=True)
+    for name in ("rt-a", "rt-b"):
+        lora_adapters.load(settings, name, _adapter_dir(tmp_path / name))
+    with session_scope(db_url) as s:
+        first = lora_adapters.versions(s, "tiny")
+        assert first == {name: lora_adapters.adapter_source(s, name) for name in ("rt-a", "rt-b")}
+        assert lora_adapters.versions(s, "other") == {}
+    lora_adapters.load(settings, "rt-a", str(tmp_path / "rt-a"), load_inplace=True)
+    lora_adapters.unload(settings, "rt-b")
+    with session_scope(db_url) as s:
+        now = lora_adapters.versions(s, "tiny")
+    assert set(now) == {"rt-a"} and now["rt-a"][0] == first["rt-a"][0] and now["rt-a"][1] > first["rt-a"][1]

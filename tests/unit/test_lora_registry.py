@@ -30,3 +30,19 @@ def test_the_adapters_the_engine_started_with_are_kept():
     registry.prune(set(), [])
     lora, new = registry.request("fixed", None)
     assert not new and lora.lora_int_id == 1
+
+
+def test_versions_unloaded_or_replaced_are_retired_once_no_request_uses_them():
+    registry = LoraRegistry({"fixed": "/adapters/fixed"}, runtime=True)
+    v1, _ = registry.request("ada", "/adapters/ada", 1.0)
+    v2, _ = registry.request("ada", "/adapters/ada", 2.0)  # loaded again in place
+    other, _ = registry.request("bob", "/adapters/bob", 1.0)
+    loaded = {"ada": ("/adapters/ada", 2.0), "bob": ("/adapters/bob", 1.0)}
+    # a request still running on version 1 keeps it; the current versions and the fixed adapter stay
+    assert registry.retired(loaded, [("ada", "/adapters/ada", 1.0)]) == []
+    assert registry.retired(loaded, [(None, None, 0.0)]) == [v1]
+    assert registry.retired({"ada": ("/adapters/ada", 2.0)}, []) == [other]  # bob unloaded
+    assert registry.retired({"ada": ("/adapters/elsewhere", 2.0)}, []) == [v2]  # loaded from another path
+    assert registry.loaded == {} and registry.request("fixed", None) == (registry.fixed["fixed"], False)
+    again, new = registry.request("ada", "/adapters/ada", 1.0)  # named again: a new id, loaded from disk again
+    assert new and again.lora_int_id not in {v1.lora_int_id, v2.lora_int_id, other.lora_int_id}

@@ -123,6 +123,18 @@ def test_vllms_gauges_empty_once_a_cancel_leaves_the_engine_idle():
     assert idle == {"vllm:num_requests_running": 0, "vllm:kv_cache_usage_perc": 0}, idle
 
 
+def test_a_runtime_adapter_replaced_or_unloaded_leaves_vllms_engine(lora_adapters):
+    """vLLM's unload left a runtime adapter in its LoRA cache, holding a slot until evicted: coserve's engine removes
+    a replaced version, then the unloaded adapter, from vLLM (remove_lora) once no request uses them."""
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.retired_lora", lora_adapters["tilted-lora"]],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ids = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"served"')))
+    first, second = ids["both"]
+    assert ids["served"] == [first], ids
+    assert ids["replaced"] == [second] and ids["unloaded"] == [], ids
+
+
 @pytest.mark.parametrize("spec", ["none", "adaspec"])
 def test_a_thinking_budget_ends_the_thinking_when_spent(spec, tmp_path):
     """vLLM's thinking_token_budget, kept under the reasoning_config a worker with a reasoning parser sets: once the
