@@ -11,7 +11,10 @@ the run, for latency; every worker's sweeper, so a run finishes whatever process
    levels' jobs;
 4. one transaction: the run row moves to version + 1 and drops the lease, guarded by
    (lease owner, version); the new jobs and the changed documents are written with it.
-   A step whose lease was taken over meanwhile matches nothing and commits nothing;
+   A step whose lease was taken over meanwhile matches nothing and commits nothing. A step of
+   many jobs (a large run's first) writes them ``staged`` first, ``store.STAGE_CHUNK`` a
+   transaction while it holds the lease, so other writers get SQLite's lock between chunks;
+   the commit makes them runnable, and deletes staged rows a dead or lost step left;
 5. the new jobs are sent to the workers.
 
 A run's first step (it is ``validating``: written by the request, its documents not split) splits every document
@@ -46,6 +49,7 @@ from app.schemas import JobCreate
 from app.services import lora_adapters
 from app.services.cancel import stop_job_ids
 from app.services.dispatch import send_dispatched
+from app.services.job_writer import JobRows
 from app.services.jobs import JobValidationError, build_job
 from app.services.model_info import get_tokenizer
 from app.services.transitions import as_utc, utcnow
@@ -255,13 +259,15 @@ def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], 
               "jobs_done": max(run.jobs_done, submitted - waiting - open_jobs(list(docs.values()), results))}
     if status == "failed":
         values["reason"] = "no document was summarized: each result line's error says why"
-    dispatched = bool(settings.redis_url)
+    dispatched_at = utcnow() if settings.redis_url else None
+    rows = JobRows.of([(job, f"summarization {run.id}") for job in backend.jobs], dispatched_at)
+    staged = store.stage_jobs(url, run, owner, rows, keep)  # all but the last chunk, a chunk at a time
     with session_scope(url) as s, write_guard(s):
         if not _advance_version(s, run, owner, values):
             s.rollback()
             log.info("summarization %s: lease lost mid-step; %d built jobs dropped", run.id, len(backend.jobs))
             return Step(Outcome.LOST, "running")
-        store.add_jobs(s, backend.jobs, f"summarization {run.id}", dispatched)
+        store.start_staged(s, run.id, staged, JobStatus.DISPATCHED.value if dispatched_at else JobStatus.QUEUED.value)
         for position, doc in docs.items():
             s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
                                                           SummarizationDocument.position == position)
@@ -326,6 +332,7 @@ def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: st
         if not _advance_version(s, run, owner, values):
             s.rollback()
             return Step(Outcome.LOST, "running")
+        store.drop_staged(s, run.id)  # a first step that died (or was taken over) midway wrote them
         failed = {"error": error, "done": True, "retry_at": None} | ({} if keep_lease_s > 0 else {"pending": []})
         s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
                                                       SummarizationDocument.done.is_(False))

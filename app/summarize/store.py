@@ -2,29 +2,41 @@
 
 A run is one ``summarization_runs`` row (counters, status, version, lease) and one
 ``summarization_documents`` row per document (its level's text and job ids). The jobs a
-step submits are inserted in the same transaction as the documents that name them, so a
-process that dies mid-step leaves either both or neither.
+step submits become runnable in the same transaction as the documents that name them, so a
+process that dies mid-step leaves either both or neither: a step of many jobs first writes
+them ``staged`` (a status no worker, sweeper or listing takes) in short transactions
+(``stage_jobs``), SQLite's write lock let go between them, and its commit turns them queued
+or dispatched; staged rows a dead or lost step left are deleted by the next commit or end.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from sqlalchemy import func, select
+import secrets
+import time
+
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from app.db.models import Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
-from app.db.session import session_scope
+from app.db.models import STAGED, Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
+from app.db.session import let_others_write, read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
+from app.summarize.lease import LeaseLost
 from app.summarize.pipeline import TERMINAL, DocState, JobResult, Progress, result_line
+
+if TYPE_CHECKING:
+    from app.services.job_writer import JobRows
 
 log = logging.getLogger(__name__)
 
 IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the bound parameters of one statement
+# jobs per transaction while a step writes many (2,400 jobs of an 8 MB run held SQLite's one write lock 1-2 s in one)
+STAGE_CHUNK = 500
 
 T = TypeVar("T")
 VALIDATING = "validating"  # written, its documents not split yet: its first step writes its first level's jobs
@@ -86,19 +98,60 @@ def open_job_count(session: Session, run: SummarizationRun) -> int:
         Job.summarization_run_id == run.id, Job.status.in_(OPEN_JOB))) or 0
 
 
-def add_jobs(session: Session, jobs: Iterable[Job], detail: str, dispatched: bool) -> None:
-    """Adds built jobs and their events to the caller's transaction; ``dispatched`` writes them
-    as sent already (the caller sends them right after the commit, as the API's job writer does:
-    a message lost in between is resent by the workers' sweeper)."""
-    now = utcnow()
-    for job in jobs:
-        session.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value,
-                             at=job.created_at, attempt=0, detail=detail))
-        if dispatched:
-            job.status, job.dispatched_at = JobStatus.DISPATCHED.value, now
-            session.add(JobEvent(job_id=job.id, from_status=JobStatus.QUEUED.value,
-                                 to_status=JobStatus.DISPATCHED.value, at=now, attempt=0))
-        session.add(job)
+@dataclass(frozen=True)
+class Staged:
+    """The jobs a step wrote staged (``mark``: their status, this step's own), and the rest it writes at its
+    commit (``last``: at most ``STAGE_CHUNK``; None: no job)."""
+
+    mark: str
+    count: int
+    last: JobRows | None
+
+
+def stage_jobs(url: str, run: SummarizationRun, owner: str, rows: JobRows, tick: Callable[[], None]) -> Staged:
+    """Writes all but the last ``STAGE_CHUNK`` of ``rows`` staged, a chunk a transaction, each only while ``owner``
+    still holds the run's lease at the version read (else ``LeaseLost``), SQLite's write lock let go between
+    chunks for as long as the chunk held it; ``tick`` before each (the step's ``lease.LeaseKeeper``)."""
+    mark = f"{STAGED}-{secrets.token_hex(4)}"  # this step's rows: one that died or runs beside it has its own
+    parts = list(rows.chunks(STAGE_CHUNK)) or [None]
+    pause = url.startswith("sqlite")  # PostgreSQL locks rows: nobody waits on the others
+    for part in parts[:-1]:
+        tick()
+        took = time.monotonic()
+        with read_then_write(url) as s:
+            if s.scalar(select(func.count()).select_from(SummarizationRun).where(
+                    SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner,
+                    SummarizationRun.version == run.version)) != 1:
+                raise LeaseLost(run.id)
+            part.insert(s, status=mark)
+        if pause:
+            let_others_write(time.monotonic() - took)
+    return Staged(mark, sum(len(p.jobs) for p in parts[:-1]), parts[-1])
+
+
+def start_staged(session: Session, run_id: str, staged: Staged, status: str) -> None:
+    """In the step's commit: its staged jobs become ``status`` (queued or dispatched), the last chunk goes in, and
+    the staged rows of any other step of the run (one that died or lost its lease midway: none of them can commit
+    now) are deleted."""
+    if staged.count:
+        moved = session.execute(update(Job).where(Job.summarization_run_id == run_id, Job.status == staged.mark)
+                                .values(status=status).execution_options(synchronize_session=False)).rowcount
+        if moved != staged.count:  # rolled back with the step: it is taken again
+            raise RuntimeError(f"{staged.count - moved} of summarization {run_id}'s staged jobs went missing")
+    if staged.last is not None:
+        staged.last.insert(session)
+    drop_staged(session, run_id)
+
+
+def drop_staged(session: Session, run_id: str) -> None:
+    """Deletes the run's staged jobs and their events (one statement each over ``ix_jobs_summarization_run_status``;
+    none in the common case)."""
+    orphans = select(Job.id).where(Job.summarization_run_id == run_id, Job.status.startswith(STAGED))
+    if session.scalar(select(func.count()).select_from(orphans.subquery())):
+        session.execute(delete(JobEvent).where(JobEvent.job_id.in_(orphans)).execution_options(
+            synchronize_session=False))
+        session.execute(delete(Job).where(Job.summarization_run_id == run_id, Job.status.startswith(STAGED))
+                        .execution_options(synchronize_session=False))
 
 
 @dataclass(frozen=True)

@@ -623,3 +623,95 @@ def test_a_sentence_cut_by_tokens_keeps_every_character_whole(settings):
     assert len(chunks) > 5 and all(split.count(c) <= 100 for c in chunks)
     assert all(c in text and "\ufffd" not in c for c in chunks)
     assert text.startswith(chunks[0]) and text.endswith(chunks[-1])
+
+
+def statuses(url: str) -> dict[str, int]:
+    with session_scope(url) as s:
+        return dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+
+
+def test_a_step_of_many_jobs_writes_them_in_chunks_others_writing_in_between_and_starts_them_at_once(
+        settings, principal, monkeypatch):
+    """The first step wrote all its jobs and their events in one transaction (2,400 jobs of an 8 MB run held
+    SQLite's write lock 1-2 s): it stages them a chunk a transaction, lets go of the lock between chunks, and its
+    commit makes them all runnable together."""
+    url = settings.sqlalchemy_url
+    monkeypatch.setattr(store, "STAGE_CHUNK", 2)
+    run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
+                                max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
+    seen = []
+
+    def let_others_write(held_s):  # between two chunks another writer commits, and nothing staged is runnable yet
+        with session_scope(url, immediate=True) as s, write_guard(s):
+            s.execute(update(SummarizationRun).where(SummarizationRun.id != run_id).values(reason="x"))
+        seen.append(statuses(url))
+
+    monkeypatch.setattr(store, "let_others_write", let_others_write)
+    step = driver.advance(settings, run_id, "api")
+    assert (step.outcome, step.status) == (Outcome.STEPPED, "running") and len(step.submitted) > 4
+    assert len(seen) == (len(step.submitted) - 1) // 2  # every chunk but the last (written with the commit)
+    assert all(set(s) == {next(iter(s))} and next(iter(s)).startswith("staged-") for s in seen), seen
+    assert [sum(s.values()) for s in seen] == [2 * (i + 1) for i in range(len(seen))]
+    assert statuses(url) == {"queued": len(step.submitted)}
+    with session_scope(url) as s:
+        assert s.scalar(select(func.count()).select_from(JobEvent)) == len(step.submitted)
+    assert run_row(url, run_id).jobs_submitted == len(step.submitted)
+
+
+class Killed(BaseException):
+    """The process died (not an error the step handles)."""
+
+
+def test_a_first_step_that_dies_midway_through_its_chunks_is_redone_whole_by_the_next_holder(settings, principal,
+                                                                                             monkeypatch, redis_url):
+    """A step that dies after writing some chunks leaves them staged (no worker or sweeper takes them), the run as
+    it was; the process that takes the lease over once it lapses writes the level again and deletes them, so each
+    chunk has one job; a cancel of a run left so deletes them too."""
+    from workers.sweeper import sweep
+
+    url = settings.sqlalchemy_url
+    monkeypatch.setattr(store, "STAGE_CHUNK", 2)
+    real_pause = store.let_others_write
+
+    calls = []
+
+    def die_after_two_chunks(held_s):  # each run's step dies after its second chunk
+        calls.append(held_s)
+        if len(calls) % 2 == 0:
+            raise Killed
+        real_pause(held_s)
+
+    monkeypatch.setattr(store, "let_others_write", die_after_two_chunks)
+    docs = [Document("long", LONG), Document("other", LONG.replace("Fact", "Claim"))]
+    options = {"max_summary_tokens": 12, "chunk_tokens": 120, "overlap_tokens": 8, "tier": "paid"}
+    runs = [service.create_run(settings, principal, docs, utcnow() + timedelta(hours=1), **options).id
+            for _ in range(2)]
+    for run_id in runs:
+        with pytest.raises(Killed):
+            driver.advance(settings, run_id, "dead-api")
+        with session_scope(url) as s:  # its lease lapses (a killed process gives nothing back)
+            s.execute(update(SummarizationRun).where(SummarizationRun.id == run_id)
+                      .values(lease_owner="dead-api", lease_expires_at=utcnow() - timedelta(seconds=1)))
+        run = run_row(url, run_id)
+        assert (run.status, run.version, run.jobs_submitted) == ("validating", 0, 0)
+    left = statuses(url)
+    assert sum(left.values()) == 8 and all(s.startswith("staged-") for s in left), left  # two chunks each
+    with session_scope(url) as s:
+        assert sweep(s, redis_url, queued_grace_s=0).dispatched == 0  # nothing staged is sent to a worker
+    monkeypatch.setattr(store, "let_others_write", real_pause)
+
+    step = driver.advance(settings, runs[0], "worker")  # the sweeper's take-over
+    assert (step.outcome, step.status) == (Outcome.STEPPED, "running")
+    with session_scope(url) as s:
+        named = [j for p in s.scalars(select(SummarizationDocument.pending).where(
+            SummarizationDocument.run_id == runs[0])) for j in p]
+        mine = s.scalars(select(Job.id).where(Job.summarization_run_id == runs[0])).all()
+        events = s.scalar(select(func.count()).select_from(JobEvent).where(JobEvent.job_id.in_(mine)))
+    assert sorted(mine) == sorted(named) == sorted(step.submitted) and events == len(mine)
+    assert run_row(url, runs[0]).jobs_submitted == len(mine)
+    now = statuses(url)
+    assert now.pop("queued") == len(mine) and sum(now.values()) == 4  # the other run's are still staged
+
+    assert service.cancel(settings, runs[1])  # cancelled while validating: its dead step's rows go too
+    assert run_row(url, runs[1]).status == "cancelled"
+    assert statuses(url) == {"queued": len(mine)}
