@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+COUNT_BATCH = 512  # sentences a tokenizer call measures (a lease renewal may come between two)
 SENTENCE = re.compile(r"(?<=[.!?])\s+|\n{2,}")
 
 
@@ -17,21 +18,28 @@ def sentences(text: str) -> list[str]:
 
 
 def split_text(text: str, count: Callable[[str], int], max_tokens: int, overlap: int = 0,
-               hard_split: Callable[[str, int], list[str]] | None = None) -> list[str]:
-    """Greedy packing of sentences into chunks of <= ``max_tokens`` (as measured by ``count``).
+               hard_split: Callable[[str, int], list[str]] | None = None,
+               count_many: Callable[[list[str]], list[int]] | None = None) -> list[str]:
+    """Greedy packing of sentences into chunks of <= ``max_tokens`` (as measured by ``count``, or
+    ``count_many`` for all the sentences at once: a tokenizer's batch call).
 
     A sentence longer than a chunk is cut by ``hard_split`` (token windows). Each new chunk
     starts with the previous chunk's last sentences, up to ``overlap`` tokens.
     """
     if max_tokens <= 0 or overlap < 0 or overlap >= max_tokens:
         raise ValueError("need 0 <= overlap < max_tokens")
-    if count(text) <= max_tokens:
+    count_many = count_many or (lambda texts: [count(t) for t in texts])
+    parts = sentences(text)
+    counts = count_many(parts)
+    # the whole text is measured only where its sentences say it may fit (a text measures about as its sentences
+    # do; a factor of two to spare): measuring a long document whole cost as much as measuring all its sentences
+    if sum(counts) + len(parts) - 1 <= 2 * max_tokens and count(text) <= max_tokens:
         return [text.strip()] if text.strip() else []
     units: list[tuple[str, int]] = []
-    for s in sentences(text):
-        n = count(s)
+    for s, n in zip(parts, counts):
         if n > max_tokens and hard_split is not None:
-            units += [(piece, count(piece)) for piece in hard_split(s, max_tokens - overlap)]
+            pieces = hard_split(s, max_tokens - overlap)
+            units += zip(pieces, count_many(pieces))
         else:
             units.append((s, n))
     chunks: list[str] = []
@@ -67,6 +75,16 @@ class TokenSplitter:
         self.tick()
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
+    def count_many(self, texts: list[str]) -> list[int]:
+        """``count`` of each text, ``COUNT_BATCH`` texts a call of the tokenizer (a fast tokenizer encodes a batch
+        on all cores, and the Python call is paid once a batch, not once a sentence)."""
+        counts: list[int] = []
+        for i in range(0, len(texts), COUNT_BATCH):
+            self.tick()
+            ids = self.tok(texts[i:i + COUNT_BATCH], add_special_tokens=False)["input_ids"]
+            counts += map(len, ids)
+        return counts
+
     def hard_split(self, text: str, size: int) -> list[str]:
         """Windows of ``size`` tokens, cut in the text where a window's first token starts: a character that spans
         two byte-level tokens (CJK, emoji) stays whole, where decoding each window alone would garble it."""
@@ -76,4 +94,4 @@ class TokenSplitter:
         return [piece for a, b in zip(cuts, cuts[1:]) if (piece := text[a:b].strip())]
 
     def __call__(self, text: str) -> list[str]:
-        return split_text(text, self.count, self.max_tokens, self.overlap, self.hard_split)
+        return split_text(text, self.count, self.max_tokens, self.overlap, self.hard_split, self.count_many)

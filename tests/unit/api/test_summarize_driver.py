@@ -156,6 +156,7 @@ def test_the_first_step_holds_a_short_lease_renewed_as_it_splits_and_stops_once_
     """The first step held a 600 s lease while it split, so a run whose splitter died stayed validating ten minutes:
     it holds lease_seconds, renewed as the split goes on, and the renewal that finds the lease taken over stops the
     split at once, writing nothing."""
+    from app.summarize import split
     from app.summarize.split import TokenSplitter
 
     url = settings.sqlalchemy_url
@@ -163,16 +164,19 @@ def test_the_first_step_holds_a_short_lease_renewed_as_it_splits_and_stops_once_
                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
     clock = [0.0]
     monkeypatch.setattr(lease.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
-    expiries, real_count = [], TokenSplitter.count
+    monkeypatch.setattr(split, "COUNT_BATCH", 1)  # a tokenizer call a sentence
+    expiries, real_init = [], TokenSplitter.__init__
 
-    def count(self, text):  # each text measured takes a third of the lease
-        expiries.append(as_utc(run_row(url, run_id).lease_expires_at))
-        clock[0] += settings.lease_seconds / 3
-        if len(expiries) == 5:  # the step seems dead: a cancel or a sweeper takes its lease over
-            assert lease.take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
-        return real_count(self, text)
+    def measuring(tokenizer):
+        def measure(*args, **kwargs):  # each tokenizer call takes a third of the lease
+            expiries.append(as_utc(run_row(url, run_id).lease_expires_at))
+            clock[0] += settings.lease_seconds / 3
+            if len(expiries) == 5:  # the step seems dead: a cancel or a sweeper takes its lease over
+                assert lease.take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
+            return tokenizer(*args, **kwargs)
+        return measure
 
-    monkeypatch.setattr(TokenSplitter, "count", count)
+    monkeypatch.setattr(TokenSplitter, "__init__", lambda self, tok, *a, **kw: real_init(self, measuring(tok), *a, **kw))
     claimed_at = utcnow()
     assert driver.advance(settings, run_id, "splitter") == driver.Step(Outcome.LOST, "running")
     assert expiries[0] <= claimed_at + timedelta(seconds=settings.lease_seconds + 5)  # not 600 s

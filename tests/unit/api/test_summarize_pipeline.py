@@ -212,3 +212,32 @@ def test_a_folder_leaves_out_hidden_files_and_the_runs_own_output_and_names_a_ba
     (tmp_path / "blank.txt").write_bytes(b"\xff\xfe not text")
     with pytest.raises(ValueError, match=r"blank\.txt: not UTF-8 text"):
         load_paths([tmp_path / "blank.txt"])
+
+
+class CountingTokenizer:
+    """A Hugging Face tokenizer that counts its calls and the texts each measured."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.calls = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.calls.append(1 if isinstance(text, str) else len(text))
+        return self.tok(text, **kwargs)
+
+
+def test_the_token_splitter_measures_sentences_in_batches_and_a_long_text_once(tiny_model_dir):
+    """The split called the tokenizer once a sentence, and first measured the whole document (as costly as all its
+    sentences): it measures them a batch a call, and the whole text only where it may fit one chunk; the chunks are
+    the ones sentence-at-a-time measuring makes."""
+    from app.services.model_info import get_tokenizer
+    from app.summarize.split import TokenSplitter
+
+    tok = CountingTokenizer(get_tokenizer(str(tiny_model_dir)))
+    text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(1200))
+    splitter = TokenSplitter(tok, 120, 8)
+    chunks = splitter(text)
+    assert len(tok.calls) <= 5 and sum(tok.calls) == 1200, tok.calls  # 1,200 sentences in 3 calls, not 1,201
+    one_by_one = split_text(text, splitter.count, 120, 8, splitter.hard_split)
+    assert chunks == one_by_one and len(chunks) > 100
+    short = "The cat sat on the mat. It was warm."
+    assert splitter(short) == [short]
