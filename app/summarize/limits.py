@@ -1,7 +1,7 @@
 """What a summarization run's settings and documents must allow: summaries that shrink, levels that end, a first
-level small enough to write in one transaction. ``check_shrinks`` answers in the request (it needs no tokenizer);
-the others need the documents split, which the run's first step does (``driver``): a run they refuse ends
-``failed`` with their message as its reason, before any job is written."""
+level small enough to write in one transaction. ``check_shrinks`` and ``check_least_jobs`` answer in the request (they
+need no tokenizer); the others need the documents split, which the run's first step does (``driver``): a run they
+refuse ends ``failed`` with their message as its reason, before any job is written."""
 
 from __future__ import annotations
 
@@ -35,6 +35,24 @@ def check_jobs(jobs: int, most: int, chunk_tokens: int) -> None:
             f"the documents make {jobs} chunks of {chunk_tokens} tokens, a job each, and a run takes at most {most} "
             f"(COSERVE_SUMMARIZE_MAX_JOBS): give a larger chunk_tokens, or send the documents in several runs",
             param="documents")
+
+
+def least_jobs(texts: list[str], chunk_tokens: int) -> int:
+    """The fewest first-level jobs the documents can make, with no tokenizer: a document makes at least one chunk, and
+    holds at least a token per word (whitespace-separated: the tokenizers of the model families coserve serves split
+    text at whitespace before they merge), which its chunks of at most ``chunk_tokens`` tokens all cover."""
+    return sum(max(1, -(-len(text.split()) // chunk_tokens)) for text in texts)
+
+
+def check_least_jobs(texts: list[str], most: int, chunk_tokens: int) -> None:
+    """Refuses in the request a run that makes more than ``most`` jobs whatever the tokenizer's counts
+    (``least_jobs``); the first step still checks the exact count (``check_jobs``)."""
+    least = least_jobs(texts, chunk_tokens)
+    if least > most:
+        raise job_service.JobValidationError(
+            f"the documents hold {least} or more chunks of {chunk_tokens} tokens (a job each; a document's words are "
+            f"a token each at least), and a run takes at most {most} (COSERVE_SUMMARIZE_MAX_JOBS): give a larger "
+            f"chunk_tokens, or send the documents in several runs", param="documents")
 
 
 def check_depth(docs: list[DocState], chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> None:

@@ -35,7 +35,7 @@ from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
 from app.summarize import driver, store
-from app.summarize.limits import check_shrinks
+from app.summarize.limits import check_least_jobs, check_shrinks
 from app.summarize.documents import Document
 from app.summarize.pipeline import DocState, Progress
 from app.summarize.store import OPEN, VALIDATING
@@ -85,6 +85,7 @@ def create_run(settings: Settings, principal: Principal, documents: list[Documen
     budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
     overlap_tokens = min(overlap_tokens, budget // 4)
     check_shrinks(max_summary_tokens, budget, overlap_tokens)
+    check_least_jobs([d.text for d in documents], settings.summarize_max_jobs, budget)
     run = SummarizationRun(
         idempotency_key=idempotency.key if idempotency else None,
         request_digest=idempotency.digest if idempotency else None,

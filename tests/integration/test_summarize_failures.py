@@ -172,14 +172,33 @@ def test_a_document_too_long_for_the_levels_fails_the_run_at_its_first_step_befo
 def test_a_run_of_more_jobs_than_summarize_max_jobs_fails_at_its_first_step_before_any(client, keys, settings,
                                                                                       monkeypatch):
     """The first level's jobs go in in one transaction: past COSERVE_SUMMARIZE_MAX_JOBS the run fails saying how
-    many the documents make and what to change, and no job is written."""
-    monkeypatch.setattr(settings, "summarize_max_jobs", 3)
+    many the documents make and what to change, and no job is written (9 jobs, where the request's bound, from their
+    words, is 6)."""
+    monkeypatch.setattr(settings, "summarize_max_jobs", 6)
     text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(30))
     body = {"documents": [{"id": "a", "text": text}, {"id": "b", "text": "The cat sat."}], "deadline": "30m",
             "chunk_tokens": 64, "overlap_tokens": 0, "max_summary_tokens": 8}
     run_id = _started(client, keys.paid, body, status="failed")
     reason = client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json()["reason"]
-    assert "a run takes at most 3" in reason and "larger chunk_tokens" in reason, reason
+    assert "make 9 chunks" in reason and "a run takes at most 6" in reason and "larger chunk_tokens" in reason, reason
     assert _jobs(settings) == []
     monkeypatch.setattr(settings, "summarize_max_jobs", 10_000)
     _started(client, keys.paid, body)
+
+
+def test_a_run_whose_words_alone_make_more_jobs_than_summarize_max_jobs_is_refused_in_the_request(client, keys,
+                                                                                                 settings, monkeypatch):
+    """The max-jobs refusal came only from the run's first step, as a failed run a poll found later: where the
+    documents' words alone (a token each at least) make too many chunks, the request is refused at once, naming the
+    bound and what to change, and no run is written."""
+    monkeypatch.setattr(settings, "summarize_max_jobs", 5)
+    text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(30))  # 300 words
+    body = {"documents": [{"id": "a", "text": text}, {"id": "b", "text": "The cat sat."}], "deadline": "30m",
+            "chunk_tokens": 64, "overlap_tokens": 0, "max_summary_tokens": 8}
+    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body)
+    assert r.status_code == 422, r.text
+    message = json.dumps(r.json())
+    assert "6 or more chunks of 64 tokens" in message and "at most 5" in message and "larger chunk_tokens" in message
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalars(select(SummarizationRun)).all() == []
+    assert _jobs(settings) == []
