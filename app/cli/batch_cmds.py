@@ -293,9 +293,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     met = spare_s >= 0
     if not run_id:  # a run followed again began before this command: its wall time is not this command's
         console.print(f"wall time {elapsed:.1f}s vs deadline {(deadline_at - started_at).total_seconds():.0f}s "
-                      f"({deadline}): " + (f"[green]before the deadline[/green] ({spare_s:.1f}s to spare)" if met
-                                           else f"[red]AFTER the deadline[/red] (late by {-spare_s:.1f}s)"))
-    elif not met:
+                      f"({deadline}): {run_ending(run, spare_s)}")
+    elif not met and run["status"] == "completed":
         console.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
     if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
         why = f" ({run['reason']})" if run.get("reason") else ""  # an older server names none
@@ -305,6 +304,19 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
         console.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {output}[/yellow]")
     if run["documents_failed"] or not met:
         raise typer.Exit(1)
+
+
+def run_ending(run: dict[str, Any], spare_s: float) -> str:
+    """How a followed run ended, as its last line says it: cancelled, failed, after or before its deadline (a run
+    cancelled or failed within its deadline had been said to end "before the deadline")."""
+    why = f" ({run['reason']})" if run.get("reason") else ""  # an older server names none
+    if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
+        return f"[yellow]cancelled[/yellow]{why}"
+    if run["status"] == "failed":
+        return f"[red]failed[/red]{why}"
+    if spare_s < 0:
+        return f"[red]AFTER the deadline[/red] (late by {-spare_s:.1f}s)"
+    return f"[green]before the deadline[/green] ({spare_s:.1f}s to spare)"
 
 
 def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int | None, output: Path,

@@ -183,3 +183,33 @@ def test_a_summarize_run_is_named_followed_again_and_cancelled_from_the_cli(live
     r = httpx.post(f"{live_server}/v1/summarize", headers=Keys.header(keys.paid),
                    json={"documents": [{"id": "a", "text": " \n\t "}]})
     assert r.status_code == 422 and "only whitespace" in r.text
+
+
+def test_summarize_cli_says_a_run_cancelled_before_its_deadline_was_cancelled(live_server, keys, settings, tmp_path):
+    """A run cancelled while the CLI followed it was said to have ended "before the deadline"; no worker runs its
+    jobs here, and another client cancels it once it runs."""
+    import threading
+
+    from tests.conftest import wait_for
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat. It was warm.")
+    auth = Keys.header(keys.paid)
+
+    def cancel_once_running() -> None:
+        def running_id():
+            runs = httpx.get(f"{live_server}/v1/summarize", headers=auth).json()["data"]
+            return runs and runs[0]["status"] == "running" and runs[0]["id"]
+
+        run_id = wait_for(running_id, 60, "the run to start")
+        assert httpx.post(f"{live_server}/v1/summarize/{run_id}/cancel", headers=auth).status_code == 200
+
+    canceller = threading.Thread(target=cancel_once_running)
+    canceller.start()
+    result = CliRunner().invoke(cli, ["summarize", str(doc), "--deadline", "30m", "-o", str(tmp_path / "out.jsonl"),
+                                      "--url", live_server, "--key", keys.paid])
+    canceller.join(60)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "vs deadline 1800s (30m): cancelled (cancelled by request)" in said, result.output
+    assert "before the deadline" not in said and "the run was cancelled" in said, result.output

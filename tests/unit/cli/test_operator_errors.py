@@ -229,3 +229,16 @@ def test_a_child_that_dies_at_start_up_leaves_its_last_words_for_coserve_up_to_s
     quiet = sup.spawn("api", [sys.executable, "-c", "pass"], {}, tmp_path / "api.log")
     quiet.wait(60)
     assert sup.last_words("api") is None and sup.last_words("redis") is None
+
+
+def test_a_followed_run_is_said_to_end_as_it_did():
+    """`coserve summarize` said "before the deadline" of any run that ended in time, a cancelled or failed one too."""
+    from app.cli.batch_cmds import run_ending
+
+    ended = {"status": "completed", "reason": None}
+    assert "before the deadline" in run_ending(ended, 3.0) and "AFTER the deadline" in run_ending(ended, -2.0)
+    cancelled = run_ending({"status": "cancelled", "reason": "cancelled by request"}, 3.0)
+    assert "cancelled" in cancelled and "by request" in cancelled and "deadline" not in cancelled
+    failed = run_ending({"status": "failed", "reason": "no document was summarized"}, 3.0)
+    assert "failed" in failed and "no document" in failed and "deadline" not in failed
+    assert "cancelled" in run_ending({"status": "cancelling"}, -1.0)
