@@ -281,8 +281,8 @@ class Progress:
     status: str  # running | completed | failed
     deadline_at: datetime
     documents: int
-    documents_done: int  # with a summary or an error
-    documents_failed: int
+    documents_done: int  # ended: with a summary or an error
+    documents_failed: int  # of those, the ones with an error (done - failed: summarized)
     jobs_submitted: int
     jobs_done: int  # ended, succeeded or not
     model: str | None = None  # the model or LoRA adapter its jobs run on (None: a run kept before it was recorded)

@@ -719,3 +719,22 @@ def test_a_first_step_that_dies_midway_through_its_chunks_is_redone_whole_by_the
     assert service.cancel(settings, runs[1])  # cancelled while validating: its dead step's rows go too
     assert run_row(url, runs[1]).status == "cancelled"
     assert statuses(url) == {"queued": len(mine)}
+
+
+def test_a_failed_documents_jobs_are_not_counted_open_while_the_others_go_on(settings, principal):
+    """``open_job_count`` (what a poll's ``jobs_done`` is counted from) counts the jobs the documents still wait for:
+    a document fails only once every job of its level ended, so none of a failed document's jobs is among them."""
+    url = settings.sqlalchemy_url
+    settings.summarize_job_retries = 0
+    run_id = start(settings, principal, [Document("long", LONG), Document("bad", "A short one. It fails.")])
+    long_jobs, bad_jobs = doc_row(url, run_id, 0).pending, doc_row(url, run_id, 1).pending
+    end_jobs(url, bad_jobs, "failed", error="engine error")
+    end_jobs(url, long_jobs[:1], "succeeded")
+    assert driver.advance(settings, run_id, "p1").outcome == Outcome.STEPPED
+    assert doc_row(url, run_id, 1).error is not None and doc_row(url, run_id, 0).error is None
+    with session_scope(url) as s:
+        run = s.get(SummarizationRun, run_id)
+        assert store.open_job_count(s, run) == len(long_jobs) - 1
+    progress = service.view(settings, run_id).progress
+    assert (progress.documents_done, progress.documents_failed) == (1, 1)
+    assert progress.jobs_done == progress.jobs_submitted - (len(long_jobs) - 1) == 2
