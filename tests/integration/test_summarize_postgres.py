@@ -12,7 +12,7 @@ from app.auth import Principal, create_tenant
 from app.db.models import Job, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope
 from app.services.transitions import utcnow
-from app.summarize import driver, lease, service
+from app.summarize import driver, lease, service, store
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
 from tests.conftest import make_settings
@@ -22,9 +22,10 @@ from tests.integration.test_postgres import pytestmark as postgres_marks
 
 pytestmark = postgres_marks
 
-def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir):  # noqa: F811
+def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
     from app.db.migrate import upgrade
 
+    monkeypatch.setattr(store, "STAGE_CHUNK", 2)  # the first level's jobs staged a few at a time (a status of 15)
     upgrade(pg_url)
     settings = make_settings(tmp_path, pg_url, None, tiny_model_dir)
     with session_scope(pg_url) as s:

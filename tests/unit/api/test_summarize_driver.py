@@ -125,8 +125,8 @@ def test_the_start_writes_the_run_validating_and_its_first_step_splits_it_or_fai
     assert (step.outcome, step.status) == (Outcome.STEPPED, "running") and job_count(url) == len(step.submitted) > 2
     assert run_row(url, progress.id).jobs_submitted == len(step.submitted)
 
-    settings.summarize_max_jobs = 2
     big = service.create_run(settings, principal, docs, deadline, **options).id
+    settings.summarize_max_jobs = 2  # the first step's exact count (the request's bound from words let it by)
     assert driver.advance(settings, big, "api") == driver.Step(Outcome.STEPPED, "failed")
     run = run_row(url, big)
     assert "a run takes at most 2" in run.reason and (run.documents_done, run.documents_failed) == (2, 2)
