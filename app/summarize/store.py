@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
-
 import secrets
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import STAGED, Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
 from app.db.session import let_others_write, read_then_write, session_scope
-from app.services.transitions import as_utc, utcnow
+from app.services.transitions import as_utc
 from app.summarize.lease import LeaseLost
 from app.summarize.pipeline import TERMINAL, DocState, JobResult, Progress, result_line
 
