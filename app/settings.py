@@ -149,8 +149,9 @@ class Settings(BaseSettings):
     summarize_retry_backoff_s: float = Field(5.0, ge=0, description="the wait before a summarization chunk's first "
                                              "retry; doubled for each later one, up to an hour")
     summarize_max_jobs: int = Field(10_000, ge=1, description="the most jobs a summarization run's first level may "
-                                    "make (a chunk of a document each); a run that needs more ends failed at its first "
-                                    "step before any is written (they go in in one transaction)")
+                                    "make (a chunk of a document each); a run whose documents' words alone make more "
+                                    "is refused in the request, one that needs more ends failed at its first step "
+                                    "before any is written (a step builds them all in memory)")
     engine_error_limit: int = Field(3, ge=1, description="engine steps that raise with no token made between them "
                                     "after which the worker gives its jobs back and exits with status 1, as vLLM's "
                                     "server exits when its engine dies (a broken device fails every step)")

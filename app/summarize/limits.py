@@ -1,7 +1,7 @@
 """What a summarization run's settings and documents must allow: summaries that shrink, levels that end, a first
-level small enough to write in one transaction. ``check_shrinks`` and ``check_least_jobs`` answer in the request (they
-need no tokenizer); the others need the documents split, which the run's first step does (``driver``): a run they
-refuse ends ``failed`` with their message as its reason, before any job is written."""
+level of at most ``COSERVE_SUMMARIZE_MAX_JOBS`` jobs. ``check_shrinks`` and ``check_least_jobs`` answer in the
+request (they need no tokenizer); the others need the documents split, which the run's first step does
+(``driver``): a run they refuse ends ``failed`` with their message as its reason, before any job is written."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: in
 
 def check_jobs(jobs: int, most: int, chunk_tokens: int) -> None:
     """Refuses a run whose first level makes more than ``most`` jobs (``COSERVE_SUMMARIZE_MAX_JOBS``): they are
-    written with the run in one transaction, which holds SQLite's one write lock while they go in."""
+    built in memory by one step and become runnable together in its commit."""
     if jobs > most:
         raise job_service.JobValidationError(
             f"the documents make {jobs} chunks of {chunk_tokens} tokens, a job each, and a run takes at most {most} "

@@ -3,7 +3,7 @@
 ``create_run`` answers the request at once: it writes the run (``validating``) and its
 documents after the checks that need no tokenizer; ``drive_in_thread`` then advances it
 from the API process (``driver.advance``) for latency, off the request: the first step
-splits the documents and writes the first level's jobs in one transaction, or ends the run
+splits the documents and writes the first level's jobs (runnable from one commit), or ends the run
 ``failed`` naming why (nothing half-made is left). Every worker's sweeper advances open runs
 too (``driver.advance_open_runs``), under the same lease, so a run finishes when this process
 dies. Runs written by older
