@@ -258,7 +258,10 @@ class UnsupportedFields(BaseModel):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def check_unsupported(self) -> None:
+        given = self.model_fields_set  # a field the request left out holds its default, None: never refused
         for name, defaults in self.unsupported.items():
+            if name not in given:
+                continue
             value = getattr(self, name)
             if not _is_default(value, defaults):
                 hint = UNSUPPORTED_HINTS.get(name, "")

@@ -76,6 +76,13 @@ Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64), After
 SecondsOrWindow = Annotated[float | str, BeforeValidator(finite_or_text)]
 
 
+def may_hold_unstorable(json_text: str) -> bool:
+    """Whether JSON decoded from ``json_text`` may hold a lone surrogate or NUL: one is in the text itself, or a
+    ``\\u`` escape (JSON's only way to write a character the text does not hold) may make one. False: no need to
+    walk the decoded value with ``find_unstorable``."""
+    return "\\u" in json_text or _unstorable(json_text) is not None
+
+
 def find_unstorable(value: Any, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], str] | None:
     """The location and character of the first lone surrogate or NUL in decoded JSON (keys too), or None."""
     if isinstance(value, str):

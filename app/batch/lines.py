@@ -25,7 +25,7 @@ from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAI
 from app.responses_schemas import ResponsesRequest
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
-from app.wire import find_unstorable, unstorable_message
+from app.wire import find_unstorable, may_hold_unstorable, unstorable_message
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
         return InvalidLine(line_no, None, f"line {line_no}: must be a JSON object", "invalid_json")
     # a lone surrogate ("\ud800") decodes but can be neither tokenized nor stored, and PostgreSQL stores no NUL: this
     # line fails here, before its job joins the batch's one insert (where it would fail them all)
-    if (found := find_unstorable(obj)) is not None:
+    if may_hold_unstorable(text) and (found := find_unstorable(obj)) is not None:  # most lines: one C-level scan
         where, char = found
         custom_id = obj.get("custom_id")
         clean_id = custom_id if isinstance(custom_id, str) and where[:1] != ("custom_id",) else None

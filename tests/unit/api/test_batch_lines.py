@@ -207,3 +207,22 @@ def test_a_byte_order_mark_is_not_part_of_the_first_line():
     content = b"\xef\xbb\xbf" + (chat("first") + "\n" + chat("second") + "\n").encode()
     parsed = parse_file(content, "/v1/chat/completions", 3600)
     assert [v.custom_id for v in parsed.valid] == ["first", "second"] and parsed.invalid == []
+
+
+@pytest.mark.parametrize("text,may", [('{"p": "plain"}', False), ('{"p": "caf\u00e9 \u2028"}', False),
+                                      ('{"p": "\\u00e9"}', True), ('{"p\\u0000": 1}', True),
+                                      ('{"p": "a\\\\u0000"}', True),  # an escaped backslash: a walk, found nothing
+                                      ('{"p": "\ud800"}', True), ('{"p": "\x00"}', True)])
+def test_only_a_line_that_may_hold_an_unstorable_character_is_walked(text, may):
+    from app.wire import find_unstorable, may_hold_unstorable
+
+    assert may_hold_unstorable(text) is may
+    if not may:  # the walk it saves would have found nothing
+        assert find_unstorable(json.loads(text)) is None
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_an_unsupported_field_left_out_holds_a_value_it_accepts(model):
+    """check_unsupported looks only at the fields a request set: one left out must be at a default it accepts."""
+    for name, defaults in model.unsupported.items():
+        assert model.model_fields[name].default in defaults, name
