@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert
+from sqlalchemy import insert, inspect
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobEvent, JobStatus
@@ -70,7 +70,10 @@ class JobRows:
         """``jobs``: each with its first event's detail."""
         rows, events = [], []
         for job, detail in jobs:
-            row = {k: getattr(job, k) for k in JOB_COLUMNS}
+            # what the job holds, read from its instance state (a column never set: None, as the attribute reads);
+            # the attributes' own reads cost several times as much, 61 columns a job
+            held = inspect(job).dict
+            row = {k: held.get(k) for k in JOB_COLUMNS}
             events.append({"job_id": job.id, "from_status": None, "to_status": JobStatus.QUEUED.value,
                            "at": job.created_at, "attempt": 0, "detail": detail, "worker_id": None})
             if dispatched_at is not None:

@@ -62,3 +62,24 @@ def _status(settings, job_id: str) -> str | None:
     with session_scope(settings.sqlalchemy_url) as s:
         job = s.get(Job, job_id)
         return job.status if job is not None else None
+
+
+def test_job_rows_hold_what_each_jobs_attributes_read(settings, keys):
+    """JobRows reads a job's instance state instead of its 61 attributes: the same values, set or not."""
+    principal = Principal("k", keys.tenant_id, "paid", False, Limits())
+    specs = [JobCreate(prompt="hi", max_tokens=2),
+             JobCreate(kind="batch", deadline_window_s=60, prompt="hi", seed=3, stop=["x"], user="u", app_id="a"),
+             JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=3, tool_choice="none",
+                       tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                       chat_template_kwargs={"enable_thinking": False}, ttft_ms=500)]
+    jobs = [build_job(settings, principal, spec, response={"instructions": "be brief"} if i else None)
+            for i, spec in enumerate(specs)]
+    now = jobs[0].created_at
+    for dispatched_at in (None, now):
+        rows = job_writer.JobRows.of([(job, "test") for job in jobs], dispatched_at)
+        for job, row in zip(jobs, rows.jobs, strict=True):
+            read = {k: getattr(job, k) for k in job_writer.JOB_COLUMNS}
+            if dispatched_at is not None:
+                read |= {"status": "dispatched", "dispatched_at": now}
+            assert row == read
+            assert any(v is None for v in row.values()) and row["sampling"] and row["prompt_tokens"]
