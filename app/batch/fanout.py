@@ -24,7 +24,7 @@ from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
-from app.db.session import let_others_write, read_then_write, session_scope, write_after_read, write_guard
+from app.db.session import get_engine, let_others_write, read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
 from app.services.dispatch import send_dispatched
 from app.services.job_writer import JobRows
@@ -143,7 +143,9 @@ def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, job
     all or none of them become runnable. True: started; False: the batch left ``validating`` meanwhile (cancelled,
     or started by another run); None: refused (failed)."""
     mine = f"{STAGED}-{secrets.token_hex(4)}"  # this run's rows: one that died or runs beside it has its own
+    dialect = get_engine(url).dialect
     for chunk in rows.chunks(STAGE_CHUNK):
+        chunk = chunk.bind(dialect)  # JSON and datetimes made SQLite's text before the lock, not under it
         took = time.monotonic()
         with read_then_write(url) as s:
             if s.scalar(select(Batch.status).where(Batch.id == batch_id)) != "validating":

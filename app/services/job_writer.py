@@ -19,14 +19,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, inspect
+from sqlalchemy import Dialect, Table, insert, inspect
+from sqlalchemy import column as sa_column
+from sqlalchemy import table as sa_table
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.expression import TableClause
 
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import get_sessionmaker, write_guard
@@ -56,6 +59,24 @@ class _Pending:
     done: Future = field(default_factory=Future)
 
 
+def _processors(table: Table, dialect: Dialect) -> list[tuple[str, Callable[[Any], Any]]]:
+    """(column, bind processor) of each of ``table``'s columns that ``dialect`` processes (JSON, datetimes, ...)."""
+    return [(c.key, proc) for c in table.columns
+            if (proc := c.type.dialect_impl(dialect).bind_processor(dialect)) is not None]
+
+
+def _bound_rows(rows: list[dict[str, Any]], processors) -> list[dict[str, Any]]:
+    for row in rows:
+        for key, proc in processors:
+            row[key] = proc(row[key])
+    return rows
+
+
+def _untyped(table: Table) -> TableClause:
+    """``table`` with columns of no type: an insert into it sends the values as they are (already processed)."""
+    return sa_table(table.name, *(sa_column(c.key) for c in table.columns))
+
+
 @dataclass(frozen=True)
 class JobRows:
     """Built jobs as the rows of one Core executemany per table (no ORM unit of work), made before the caller takes
@@ -64,6 +85,7 @@ class JobRows:
 
     jobs: list[dict[str, Any]]
     events: list[dict[str, Any]]
+    bound: bool = False  # each column's bind processing done already (``bind``)
 
     @classmethod
     def of(cls, jobs: list[tuple[Job, str]], dispatched_at: datetime | None) -> JobRows:
@@ -91,15 +113,26 @@ class JobRows:
             events.setdefault(event["job_id"], []).append(event)
         for i in range(0, len(self.jobs), size):
             part = self.jobs[i:i + size]
-            yield JobRows(part, [e for row in part for e in events[row["id"]]])
+            yield JobRows(part, [e for row in part for e in events[row["id"]]], self.bound)
+
+    def bind(self, dialect: Dialect) -> JobRows:
+        """The rows as SQLite's driver takes them (JSON serialized, datetimes as text: each column type's own bind
+        processor), so that a caller does this CPU work before it takes the write lock, not while holding it. Other
+        databases bind at the insert (PostgreSQL's JSON parameters are cast in the statement)."""
+        if self.bound or dialect.name != "sqlite":
+            return self
+        return JobRows(_bound_rows([dict(r) for r in self.jobs], _processors(Job.__table__, dialect)),
+                       _bound_rows([dict(e) for e in self.events], _processors(JobEvent.__table__, dialect)), True)
 
     def insert(self, session: Session, status: str | None = None) -> None:
         """Adds the rows to the session's transaction (the caller commits); with ``status``, the jobs go in with it
         instead of their own (their events stay theirs)."""
         if self.jobs:
             jobs = self.jobs if status is None else [{**row, "status": status} for row in self.jobs]
-            session.execute(insert(Job.__table__), jobs)
-            session.execute(insert(JobEvent.__table__), self.events)
+            job_table, event_table = ((_untyped(Job.__table__), _untyped(JobEvent.__table__)) if self.bound
+                                      else (Job.__table__, JobEvent.__table__))
+            session.execute(insert(job_table), jobs)
+            session.execute(insert(event_table), self.events)
 
 
 class JobWriter:

@@ -83,3 +83,35 @@ def test_job_rows_hold_what_each_jobs_attributes_read(settings, keys):
                 read |= {"status": "dispatched", "dispatched_at": now}
             assert row == read
             assert any(v is None for v in row.values()) and row["sampling"] and row["prompt_tokens"]
+
+
+def test_rows_bound_before_the_lock_are_stored_as_the_insert_would_bind_them(settings, keys):
+    """A batch's chunks are bound (JSON serialized, datetimes as text) before SQLite's write lock: the database holds
+    the very same values as when the insert binds them."""
+    from sqlalchemy import text
+
+    from app.db.session import get_engine
+
+    principal = Principal("k", keys.tenant_id, "paid", False, Limits())
+    jobs = [build_job(settings, principal, JobCreate(prompt="hi", max_tokens=2, stop=["x"], seed=5)),
+            build_job(settings, principal, JobCreate(messages=[{"role": "user", "content": "h\u00e9"}], max_tokens=2),
+                      response={"instructions": "be brief"}),
+            build_job(settings, principal, JobCreate(kind="batch", deadline_window_s=60, prompt="hi"))]
+    rows = job_writer.JobRows.of([(job, "test") for job in jobs], jobs[0].created_at)
+    twin = job_writer.JobRows([{**r, "id": r["id"] + "-b"} for r in rows.jobs],
+                              [{**e, "job_id": e["job_id"] + "-b"} for e in rows.events])
+    bound = twin.bind(get_engine(settings.sqlalchemy_url).dialect)
+    assert bound.bound and twin.jobs[0]["sampling"] == rows.jobs[0]["sampling"]  # the original rows stay as they were
+    with session_scope(settings.sqlalchemy_url) as s:
+        rows.insert(s, status="staged-x")
+        bound.insert(s, status="staged-x")
+    with session_scope(settings.sqlalchemy_url) as s:
+        for job in jobs:
+            stored = [s.execute(text("SELECT * FROM jobs WHERE id = :i"), {"i": i}).mappings().one()
+                      for i in (job.id, job.id + "-b")]
+            assert {**stored[1], "id": job.id} == dict(stored[0])
+            assert stored[0]["sampling"] and stored[0]["created_at"]
+            events = [[dict(e, id=None, job_id=None) for e in s.execute(
+                text("SELECT * FROM job_events WHERE job_id = :i ORDER BY id"), {"i": i}).mappings()]
+                for i in (job.id, job.id + "-b")]
+            assert events[0] == events[1] and len(events[0]) == 2
