@@ -18,12 +18,12 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
 from app.api.errors import CheckedRoute, blamed, loc_param, validation_errors
@@ -233,6 +233,23 @@ class SamplingFields(BaseModel):
         return v
 
 
+def alternatives_range(value: int) -> str:
+    """Why ``value`` alternatives per token are refused: vLLM takes -1 (the whole vocabulary) and any number up to
+    its max_logprobs, 20 unless raised, which coserve's engine keeps; so -1 is over it there too."""
+    whole = f" (-1, the whole vocabulary, is more than the {MAX_TOP_LOGPROBS} vLLM's max_logprobs allows)"
+    return (f"the number of alternatives per token is 0-{MAX_TOP_LOGPROBS}; got {value}"
+            + (whole if value == -1 else ""))
+
+
+def _in_range(value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(alternatives_range(value))
+    return value
+
+
+Alternatives = Annotated[int | None, AfterValidator(_in_range)]  # alternatives per token: top_logprobs' kind
+
+
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     # ``x == False`` is True for 0 too, so compare with ``is`` for booleans
     return any(value is d if isinstance(d, bool) or d is None else (value == d and not isinstance(value, bool))
@@ -245,8 +262,6 @@ UNSUPPORTED_HINTS = {
                 "and deadline)",
     "vllm_xargs": " (give coserve's QoS fields ttft_ms, tbt_ms, deadline and tier in the body itself)",
     "chat_template": " (the server applies its own, COSERVE_CHAT_TEMPLATE; chat_template_kwargs reach it)",
-    "prompt_logprobs": " (/v1/completions takes it, and a completion with echo=true and logprobs=k answers the "
-                       "prompt's token logprobs in OpenAI's form too)",
     "truncation_side": " (truncate_prompt_tokens keeps the prompt's last tokens)",
     "logprob_token_ids": " (logprobs / top_logprobs report the most likely tokens)"}
 
@@ -282,7 +297,6 @@ class VllmUnsupported(BaseModel):
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None  # coserve's QoS fields are the request's own (ttft_ms, tbt_ms, deadline, tier)
-    prompt_logprobs: Any = None  # vLLM's own form (token ids and ranks), which coserve does not keep
     truncation_side: Any = None
     logprob_token_ids: Any = None
 
@@ -290,12 +304,16 @@ class VllmUnsupported(BaseModel):
         "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
         "chat_template": (None,), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
         "return_tokens_as_token_ids": (None, False),
-        "logits_processors": (None, []), "vllm_xargs": (None, {}), "prompt_logprobs": (None,),
+        "logits_processors": (None, []), "vllm_xargs": (None, {}),
         "truncation_side": (None, "left"), "logprob_token_ids": (None, [])}
 
 
 class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    # vLLM's: each prompt token's logprob with this many alternatives, answered in vLLM's form (token ids and
+    # ranks): a completion's choice carries them, a chat answer at its top
+    prompt_logprobs: Alternatives = None
 
     def check(self) -> None:
         self.check_unsupported()
@@ -303,6 +321,9 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
             raise OpenAIError(400, f"n must be between 1 and {MAX_CHOICES}", param="n")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if self.prompt_logprobs and self.stream:  # vLLM's protocol takes 0 with stream (a chunk carries none)
+            raise OpenAIError(400, "prompt_logprobs above 0 are not available with stream: true (as vLLM's); leave "
+                                   "stream unset, or prompt_logprobs 0 or unset", param="prompt_logprobs")
 
     def echo_fields(self) -> dict[str, Any]:
         """The job fields of OpenAI completions' echo (none elsewhere)."""
@@ -357,7 +378,8 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                       temperature=self.temperature if self.temperature is not None else 1.0,
                       top_p=self.top_p if self.top_p is not None else 1.0, stop=stops, seed=self.seed,
                       ignore_eos=self.ignore_eos, stream=bool(self.stream), structured_outputs=self.output_constraint(),
-                      logprobs=self.logprob_count(), logit_bias=self.logit_bias or None,
+                      logprobs=self.logprob_count(), prompt_logprobs=self.prompt_logprobs,
+                      logit_bias=self.logit_bias or None,
                       **self.reasoning_fields(),
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -442,7 +464,7 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "
 
 class ChatCompletionRequest(_Base):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Alternatives = None
     # tool calling: JobCreate checks the tools and a forced choice ("auto" is answered here)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
@@ -553,22 +575,20 @@ class CompletionRequest(_Base):
     max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (vLLM's)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
-    # vLLM's: each prompt token's logprob with this many alternatives, answered in vLLM's form (token ids and ranks)
-    # as the choice's prompt_logprobs; echo with logprobs asks for them too, as vLLM's does
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # type: ignore[assignment]
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **{k: v for k, v in _Base.unsupported.items() if k != "prompt_logprobs"}, "best_of": (None, 1),
-        "suffix": (None, "")}
+        **_Base.unsupported, "best_of": (None, 1), "suffix": (None, "")}
 
 
     def logprob_count(self) -> int | None:
         """``logprobs``: the alternatives per token to report (None: no logprobs)."""
         if self.logprobs is None or self.logprobs is False:
             return None
-        if self.logprobs is True or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+        if self.logprobs is True:
             raise OpenAIError(400, f"logprobs is the number of alternatives per token, 0-{MAX_TOP_LOGPROBS}",
                               param="logprobs")
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise OpenAIError(400, f"logprobs: {alternatives_range(self.logprobs)}", param="logprobs")
         return self.logprobs
 
     def check(self) -> None:
@@ -580,20 +600,16 @@ class CompletionRequest(_Base):
         if self.max_tokens == 0 and self.min_tokens:  # the job's max_tokens 1 would name a number the client never sent
             raise OpenAIError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens (0: with echo, the prompt "
                                    "alone, nothing generated); leave min_tokens unset", param="min_tokens")
-        if self.prompt_logprobs is not None and self.stream:
-            raise OpenAIError(400, "prompt_logprobs are not streamed (as vLLM refuses them with stream); leave stream "
-                                   "unset, or stream echo: true with logprobs (the prompt's come first)",
-                              param="prompt_logprobs")
 
     def echo_fields(self) -> dict[str, Any]:
-        """The prompt's side of the answer: its echo, and its logprobs where asked (``prompt_logprobs``, or echo
-        with logprobs, as vLLM takes them)."""
-        asked = {} if self.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs}
+        """The prompt's side of the answer: its echo, whose logprobs echo with logprobs asks for where
+        ``prompt_logprobs`` does not (as vLLM takes them)."""
         if not self.echo:
-            return asked
+            return {}
         # vLLM's echo with max_tokens 0: one token is generated (the prompt's logprobs come with it), none answered
         alone = {"echo_only": True, "max_tokens": 1} if self.max_tokens == 0 else {}
-        return {"echo": True, "prompt_logprobs": self.logprob_count(), **asked, **alone}
+        asked = self.logprob_count() if self.prompt_logprobs is None else self.prompt_logprobs
+        return {"echo": True, "prompt_logprobs": asked, **alone}
 
     def prompt_inputs(self) -> list[dict[str, Any]]:
         """``job_spec``'s prompt argument for each prompt: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
@@ -699,6 +715,14 @@ def vllm_prompt_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str,
     return out
 
 
+def prompt_logprobs_field(sampling: dict[str, Any] | None, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """vLLM's ``prompt_logprobs`` field (a completion's choice's, a chat answer's top level) where the job asked for
+    the prompt's logprobs (``sampling``: the job's), of its stored ``entries``; nothing where it did not."""
+    if (sampling or {}).get("prompt_logprobs") is None:
+        return {}
+    return {"prompt_logprobs": vllm_prompt_logprobs(entries)}
+
+
 def _with_chosen(entry: dict[str, Any]) -> dict[str, float]:
     """A legacy completion's ``top_logprobs`` entry: the ``logprobs`` likeliest tokens and the chosen one, whatever
     its rank (OpenAI's legacy API, vLLM: up to ``logprobs`` + 1 tokens)."""
@@ -754,15 +778,18 @@ def chat_answer(cid: str, model: str, created: int, job_id: str, sampling: dict[
                 engine_reason: str | None, prompt_tokens: int | None, completion_tokens: int | None,
                 extra: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None,
                 echo: str = "", cached_tokens: int | None = None,
-                reasoning_tokens: int | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
+                reasoning_tokens: int | None = None, stop_reason: str | int | None = None,
+                prompt_logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A chat job's answer as OpenAI's body: its text read as content and tool calls (``read_answer``), its
-    content after ``echo`` (``chat_echo``)."""
+    content after ``echo`` (``chat_echo``); where the job asked for them, the prompt's logprobs at the top, as
+    vLLM's chat answer carries them."""
     answer = read_answer(job_id, sampling, text, engine_reason)
     content = echo + answer.content if echo and answer.content is not None else answer.content
-    return chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
+    body = chat_completion(cid, model, created, content, answer.finish_reason, prompt_tokens,
                            completion_tokens, extra, logprobs, tool_calls=answer.tool_calls,
                            cached_tokens=cached_tokens, reasoning=answer.reasoning, reasoning_tokens=reasoning_tokens,
                            stop_reason=stop_reason)
+    return body | prompt_logprobs_field(sampling, prompt_logprobs)
 
 
 def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -772,7 +799,8 @@ def stored_chat_answer(job: Any, cid: str, created: int, extra: dict[str, Any] |
                        job.finish_reason or "stop", job.prompt_tokens, job.completion_tokens, extra,
                        logprobs=job.output_logprobs,
                        echo=chat_echo(job.messages, job.sampling), cached_tokens=job.cached_tokens,
-                       reasoning_tokens=job.reasoning_tokens, stop_reason=job.stop_reason)
+                       reasoning_tokens=job.reasoning_tokens, stop_reason=job.stop_reason,
+                       prompt_logprobs=job.prompt_logprobs)
 
 
 def text_completion(cid: str, model: str, created: int, text: str, finish_reason: str | None,
@@ -796,8 +824,7 @@ def text_completion(cid: str, model: str, created: int, text: str, finish_reason
             "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
                          "finish_reason": finish_reason, "stop_reason": stop_reason}],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-    if (sampling or {}).get("prompt_logprobs") is not None:  # as vLLM's choice carries them
-        body["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs)
+    body["choices"][0].update(prompt_logprobs_field(sampling, prompt_logprobs))  # as vLLM's choice carries them
     if extra:
         body.update(extra)
     return body

@@ -129,6 +129,9 @@ class ResponsesRequest(BaseModel):
         if raw.get("return_token_ids"):
             raise OpenAIError(400, "return_token_ids is chat's and completions' (vLLM's): a Response carries no token "
                                    "ids; leave it unset", param="return_token_ids", code="unsupported_value")
+        if raw.get("prompt_logprobs") is not None:  # chat takes it (vLLM's): asked here, it would go unanswered
+            raise OpenAIError(400, "prompt_logprobs is chat's and completions' (vLLM's): a Response carries no "
+                                   "prompt logprobs; leave it unset", param="prompt_logprobs", code="unsupported_value")
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
         body["messages"] = messages
         if self.max_output_tokens is not None:

@@ -249,7 +249,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                 match item:
                     case Begun(choice=i) if echo[i]:  # the prompt of an echoing choice, once, before its text
                         prompt = jobs[i].prompt or ""
-                        asked = (jobs[i].sampling or {}).get("prompt_logprobs") is not None
+                        # the logprobs of the text, where asked (prompt_logprobs 0 alone asks for none: vLLM's)
+                        asked = (jobs[i].sampling or {}).get("logprobs") is not None
                         yield _sse(chunk(i, prompt, None, 0, logprobs=(item.prompt_logprobs or []) if asked else None))
                         echo[i], echoed[i] = False, len(prompt)
                     case Piece(choice=i) if not alone[i]:
@@ -317,7 +318,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
             bodies.append(chat_answer(*head, job.id, job.sampling, end.data["output_text"], end.finish_reason,
                                       *counts, echo=chat_echo(job.messages, job.sampling), cached_tokens=cached,
                                       reasoning_tokens=end.data.get("reasoning_tokens"),
-                                      stop_reason=end.data.get("stop_reason")))
+                                      stop_reason=end.data.get("stop_reason"),
+                                      prompt_logprobs=end.data.get("prompt_logprobs")))
         else:
             echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 import openai
 import pytest
@@ -247,6 +249,16 @@ def test_errors_have_openai_shape(stack):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                     response_format={"type": "json_object"})
     assert exc.value.body["code"] == "unsupported_value" and "COSERVE_BACKEND=vllm" in exc.value.body["message"]
+    # vLLM's prompt_logprobs, on chat as on completions: the own engine gives no logprobs; -1 (the whole vocabulary)
+    # is over the 20 alternatives vLLM's max_logprobs allows; streamed, only 0 (as vLLM's protocol)
+    for create in (partial(oai.chat.completions.create, messages=[{"role": "user", "content": "x"}]),
+                   partial(oai.completions.create, prompt="x")):
+        for extra, kw, said in (({"prompt_logprobs": 1}, {}, "COSERVE_BACKEND=vllm"),
+                                ({"prompt_logprobs": -1}, {}, "0-20; got -1 (-1, the whole vocabulary"),
+                                ({"prompt_logprobs": 1}, {"stream": True}, "stream: true")):
+            with pytest.raises(openai.BadRequestError) as exc:
+                create(model="tiny", extra_body=extra, **kw)
+            assert exc.value.body["param"] == "prompt_logprobs" and said in exc.value.body["message"], exc.value.body
     for kw in ({"best_of": 3}, {"suffix": "end"}, {"logprobs": 2}, {"logit_bias": {"50256": -100}}):
         with pytest.raises(openai.BadRequestError) as exc:
             oai.completions.create(model="tiny", prompt="x", **kw)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from app.openai_schemas import (CompletionRequest, chat_completion, chat_logprobs, completion_logprobs, merge_choices,
+import pytest
+
+from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_answer, chat_completion,
+                                chat_job, chat_logprobs, completion_logprobs, merge_choices, openai_parsed,
                                 text_completion, usage)
 from app.services.streaming import StreamEvent, _Progress
 from gpu_runtime.logprobs import FLOOR, TokenLogprob
@@ -79,16 +82,21 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     assert spec.sampling(16)["prompt_logprobs"] == 1
 
 
-def test_a_completion_choice_carries_vllms_prompt_logprobs_where_the_job_asked():
+def prompt_and_vllm_form() -> tuple[list[dict], list[dict | None]]:
+    """A job's stored prompt logprobs (prompt [5, 7]: its first token unscored, the second (rank 3) with its 2
+    likeliest alternatives), and vLLM's form of them."""
     from gpu_runtime.vllm.engine import token_logprobs
 
-    # the prompt [5, 7]: its first token unscored, the second (rank 3) with its 2 likeliest alternatives
     prompt = [TokenLogprob("Say", None, token_id=5).as_dict(),
               *(t.as_dict() for t in token_logprobs([7], [{7: lp(-1.5, 3, " b"), 4: lp(-0.2, 1, " a"),
                                                           9: lp(-0.9, 2, " c")}], 2))]
-    vllm_form = [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": " b"},
-                        "4": {"logprob": -0.2, "rank": 1, "decoded_token": " a"},
-                        "9": {"logprob": -0.9, "rank": 2, "decoded_token": " c"}}]
+    return prompt, [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": " b"},
+                           "4": {"logprob": -0.2, "rank": 1, "decoded_token": " a"},
+                           "9": {"logprob": -0.9, "rank": 2, "decoded_token": " c"}}]
+
+
+def test_a_completion_choice_carries_vllms_prompt_logprobs_where_the_job_asked():
+    prompt, vllm_form = prompt_and_vllm_form()
     for asked in ({"prompt": "Say b", "echo": True, "logprobs": 2}, {"prompt": "Say b", "prompt_logprobs": 2},
                   {"prompt": "Say b", "echo": True, "prompt_logprobs": 2}):
         sampling = CompletionRequest.model_validate(asked).job_spec(prompt="Say b").sampling(16)
@@ -104,6 +112,57 @@ def test_a_completion_choice_carries_vllms_prompt_logprobs_where_the_job_asked()
     assert text_completion("cmpl-1", "m", 0, "!", "length", 2, 1, prompt_logprobs=[{"token": "S", "logprob": None,
                                                                                      "top": []}],
                            sampling={"prompt_logprobs": 0})["choices"][0]["prompt_logprobs"] is None
+
+
+def test_a_chat_answer_carries_vllms_prompt_logprobs_at_its_top_where_the_job_asked_as_a_batch_line_too():
+    from app.batch.objects import output_line
+    from app.db.models import Job
+
+    prompt, vllm_form = prompt_and_vllm_form()
+    messages = [{"role": "user", "content": "Say b"}]
+    _chat, spec = chat_job({"model": "m", "messages": messages, "prompt_logprobs": 2}, ("free", "paid"), lambda e: e)
+    sampling = spec.sampling(16)
+    assert sampling["prompt_logprobs"] == 2 and sampling["logprobs"] is None  # the output's were not asked for
+    body = chat_answer("chatcmpl-1", "m", 0, "job_1", sampling, "b", "stop", 2, 1, prompt_logprobs=prompt)
+    assert body["prompt_logprobs"] == vllm_form and "prompt_logprobs" not in body["choices"][0]  # vLLM's place
+    assert body["choices"][0]["logprobs"] is None
+    job = Job(id="job_c", endpoint="/v1/chat/completions", model="m", messages=messages, output_text="b",
+              finish_reason="stop", sampling=sampling, prompt_tokens=2, completion_tokens=1, custom_id="r1",
+              prompt_logprobs=prompt)
+    assert output_line([job])["response"]["body"]["prompt_logprobs"] == vllm_form
+    job.sampling = chat_job({"model": "m", "messages": messages}, ("free", "paid"), lambda e: e)[1].sampling(16)
+    assert "prompt_logprobs" not in output_line([job])["response"]["body"]  # not asked: not answered
+
+
+@pytest.mark.parametrize("request_type, body", [(CompletionRequest, {"prompt": "x"}),
+                                                (ChatCompletionRequest, {"messages": [{"role": "user",
+                                                                                       "content": "x"}]})])
+def test_prompt_logprobs_stream_only_at_0_as_vllm_takes_them(request_type, body):
+    streamed = openai_parsed(request_type, {**body, "stream": True, "prompt_logprobs": 0})
+    streamed.check()
+    spec = streamed.job_spec(prompt="x") if request_type is CompletionRequest else streamed.job_spec(
+        messages=streamed.chat_messages())
+    assert spec.sampling(16)["prompt_logprobs"] == 0
+    for asked in (1, 20):
+        with pytest.raises(OpenAIError) as exc:
+            openai_parsed(request_type, {**body, "stream": True, "prompt_logprobs": asked}).check()
+        assert exc.value.param == "prompt_logprobs" and "stream" in exc.value.message
+        openai_parsed(request_type, {**body, "prompt_logprobs": asked}).check()  # unstreamed: answered
+
+
+@pytest.mark.parametrize("request_type, body, field", [
+    (CompletionRequest, {"prompt": "x"}, "prompt_logprobs"), (CompletionRequest, {"prompt": "x"}, "logprobs"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, "prompt_logprobs"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "top_logprobs")])
+def test_the_whole_vocabulary_of_alternatives_is_a_400_that_says_the_range(request_type, body, field):
+    for value, whole in ((-1, True), (21, False), (-2, False)):
+        with pytest.raises(OpenAIError) as exc:
+            req = openai_parsed(request_type, {**body, field: value})
+            req.check()
+            req.logprob_count()
+        assert exc.value.status_code == 400 and exc.value.param == field, value
+        assert f"{field}: the number of alternatives per token is 0-20" in exc.value.message, exc.value.message
+        assert ("-1, the whole vocabulary" in exc.value.message) == whole, exc.value.message
 
 
 def test_a_lost_delta_of_logprobs_is_a_gap_the_end_fills_from_sql():

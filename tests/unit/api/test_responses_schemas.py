@@ -159,7 +159,8 @@ def test_vllms_request_fields_reach_the_job_or_are_refused_by_name_as_on_chat():
     _chat, spec = ResponsesRequest.model_validate(raw).chat_request(raw, [])
     assert (spec.cache_salt, spec.truncate_prompt_tokens, spec.bad_words, spec.include_stop_str_in_output,
             spec.prompt_cache_key) == ("a", 5, ["no"], True, "user-1")
-    for field, value in (("priority", 2), ("use_beam_search", True), ("return_token_ids", True)):
+    for field, value in (("priority", 2), ("use_beam_search", True), ("return_token_ids", True),
+                         ("prompt_logprobs", 0)):
         raw = {"model": "m", "input": "hi", field: value}
         with pytest.raises(OpenAIError) as exc:
             ResponsesRequest.model_validate(raw).chat_request(raw, [])
