@@ -255,6 +255,21 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
         assert [s[str(i)]["logprob"] for i, s in zip(ids[1:], steps[1:], strict=True)] == pytest.approx(
             lps.token_logprobs[1:len(ids)], abs=1e-3)
         assert all(s[str(i)]["rank"] >= 1 and len(s) <= 2 for i, s in zip(ids[1:], steps[1:], strict=True))
+    # chat takes vLLM's prompt_logprobs too, answered at the top level as vLLM's chat (the templated prompt's tokens)
+    chat_scored = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=1,
+                                              temperature=0, extra_body={"prompt_logprobs": 2})
+    steps = chat_scored.model_extra["prompt_logprobs"]
+    assert len(steps) == chat_scored.usage.prompt_tokens and steps[0] is None, steps
+    assert all(1 <= len(s) <= 3 and all(v["rank"] >= 1 and v["logprob"] <= 0 for v in s.values()) for s in steps[1:])
+    assert chat_scored.choices[0].logprobs is None and "prompt_logprobs" not in chat_scored.choices[0].model_extra
+    # streamed, only prompt_logprobs 0 (vLLM's protocol) and no chunk carries them; an echo's first chunk has the
+    # prompt's logprobs only where logprobs asks for them
+    for chunk in oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=2,
+                                             stream=True, extra_body={"prompt_logprobs": 0}):
+        assert "prompt_logprobs" not in (chunk.model_extra or {}) and all(c.logprobs is None for c in chunk.choices)
+    echoed = list(oai.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                         max_tokens=1, echo=True, stream=True, extra_body={"prompt_logprobs": 0}))
+    assert echoed[0].choices[0].text == "The capital of France is" and echoed[0].choices[0].logprobs is None
     streamed = list(oai.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
                                            max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True,
                                            extra_body={"ignore_eos": True}))
