@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,17 +50,12 @@ def measure(lines: int, bad_every: int) -> dict:
     from sqlalchemy import func, select
 
     from app.batch import lines as batch_lines
-    from app.db.migrate import upgrade
     from app.db.models import Job
     from app.db.session import session_scope
-    from tests.conftest import _tiny_llama, make_keys, make_settings
     from tests.e2e.conftest import serving
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-batch-create-"))
-    db_url = f"sqlite:///{tmp / 'coserve.db'}"
-    upgrade(db_url)
-    keys = make_keys(db_url)
-    settings = make_settings(tmp, db_url, None, _tiny_llama(tmp / "model", 512))
+    _, settings, keys = side_by_side.fresh_stack("bench-batch-create-", 512)
+    db_url = settings.sqlalchemy_url
     content = _content(lines, bad_every)
     t0 = time.perf_counter()
     batch_lines.parse_file(content, "/v1/completions", 86400.0, settings.tiers)

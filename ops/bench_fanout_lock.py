@@ -71,20 +71,15 @@ def measure(lines: int, interval: float, mode: str = "fanout") -> dict:
     from sqlalchemy import func, select, text, update
 
     from app.auth import clear_cache
-    from app.db.migrate import upgrade
     from app.db.models import Batch, Job
     from app.db.session import session_scope
     from app.embedded import start_redis, terminate_group
     from app.main import create_app
-    from tests.conftest import _tiny_llama, make_keys, make_settings
-
     tmp = Path(tempfile.mkdtemp(prefix="bench-fanout-"))
     redis_proc, redis_url = start_redis(tmp / "redis")
     try:
-        db_url = f"sqlite:///{tmp / 'coserve.db'}"
-        upgrade(db_url)
-        keys = make_keys(db_url)
-        settings = make_settings(tmp, db_url, redis_url, _tiny_llama(tmp / "model", 512))
+        _, settings, keys = side_by_side.fresh_stack("bench-fanout-", 512, redis_url)
+        db_url = settings.sqlalchemy_url
         auth = {"Authorization": f"Bearer {keys.paid}"}
         body = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
                                      "body": {"model": "tiny", "prompt": f"Say {i}", "max_tokens": 4}})

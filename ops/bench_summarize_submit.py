@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -103,17 +102,12 @@ def measure(megabytes: float, docs: int) -> dict:
     sys.path.insert(0, os.environ.get("COSERVE_CODE", str(ROOT)))
     from fastapi.testclient import TestClient
     from app.auth import clear_cache
-    from app.db.migrate import upgrade
     from app.db.models import SummarizationRun
     from app.db.session import session_scope
     from app.main import create_app
-    from tests.conftest import _tiny_llama, make_keys, make_settings
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-summarize-"))
-    db_url = f"sqlite:///{tmp / 'coserve.db'}"
-    upgrade(db_url)
-    keys = make_keys(db_url)
-    settings = make_settings(tmp, db_url, None, _tiny_llama(tmp / "model", 2048))
+    _, settings, keys = side_by_side.fresh_stack("bench-summarize-", 2048)
+    db_url = settings.sqlalchemy_url
     auth = {"Authorization": f"Bearer {keys.paid}"}
     body = _body(megabytes, docs)
     size = len(json.dumps(body))

@@ -34,3 +34,19 @@ def measure_in(script: str, code: str, args: list[str], what: str) -> dict[str, 
     if line is None:
         sys.exit(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return json.loads(line[len(RESULT):])
+
+
+def fresh_stack(prefix: str, context: int, redis_url: str | None = None) -> tuple[Path, Any, Any]:
+    """A temporary directory with a migrated SQLite store, its API keys and the settings of a tiny model of
+    ``context`` tokens, all from the code the child put first on ``sys.path`` (its checkout's): (dir, settings,
+    keys)."""
+    import tempfile
+
+    from app.db.migrate import upgrade
+    from tests.conftest import _tiny_llama, make_keys, make_settings
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    db_url = f"sqlite:///{tmp / 'coserve.db'}"
+    upgrade(db_url)
+    keys = make_keys(db_url)
+    return tmp, make_settings(tmp, db_url, redis_url, _tiny_llama(tmp / "model", context)), keys
