@@ -24,11 +24,11 @@ from app.auth import Principal
 from app.db import pagination
 from app.db.models import STAGED, Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
+from app.reasoning import CLOSE, OPEN
 from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
-from app.reasoning import CLOSE, OPEN
 from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, has_think_tokens
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, cancel_stamps, transition, utcnow
@@ -201,7 +201,8 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
         job.tbt_anchor = spec.tbt_anchor or settings.tbt_anchor
     else:
-        deadline = spec.deadline_at or now + timedelta(seconds=spec.deadline_window_s or settings.default_batch_window_s)
+        window_s = spec.deadline_window_s or settings.default_batch_window_s
+        deadline = spec.deadline_at or now + timedelta(seconds=window_s)
         if deadline <= now and not overdue_ok:
             raise JobValidationError(f"deadline_at {deadline.isoformat()} is in the past; give a future time",
                                      param="deadline_at")
