@@ -69,7 +69,8 @@ LINES = [
     _line("good-3", {**GOOD, "prompt": ["one", "two"]}),
 ]
 
-# what main's validation wrote for LINES (before its validation was made cheaper): keep it byte for byte
+# what the validation writes for LINES, pinned before it was made cheaper: a change here is a refusal's message
+# changed on purpose (logprobs' range message since vLLM's prompt_logprobs joined it), never by a speed-up
 EXPECTED = Path(__file__).with_name("batch_error_file.expected.jsonl")
 
 
