@@ -134,10 +134,12 @@ def default_max_tokens(settings: Settings, endpoint: str) -> int:
 def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
               batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
               count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None,
-              job_id: str | None = None) -> Job:
+              job_id: str | None = None, prompt_tokens: int | None = None) -> Job:
     """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``response``: an OpenAI
     request's own fields the answer keeps (Responses: ``app.responses_schemas.KEPT``; a stored chat completion's:
-    ``app.services.stored_completions``); ``job_id``: the job's id where the caller chose it (a new one else)."""
+    ``app.services.stored_completions``); ``job_id``: the job's id where the caller chose it (a new one else);
+    ``prompt_tokens``: its prompt's token count where the caller counted it already (``model_info.count_inputs``,
+    many prompts a tokenizer call): the context checks use it, and the prompt is not tokenized again."""
     model = resolve_model(settings, spec.model)
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(default_max_tokens(settings, endpoint))
@@ -220,8 +222,9 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
             raise JobValidationError(  # OpenAI's and vLLM's words, which clients match to tell an over-long prompt
                 f"This model's maximum context length is {limit} tokens. However, the prompt's {chars} characters "
                 "cannot fit in it; shorten the prompt", **blame)
-        try:
-            n = len(fed_prompt(settings, job, limit))  # what the worker will feed
+        try:  # what the worker will feed (a count given holds where nothing cuts the prompt)
+            n = (prompt_tokens if prompt_tokens is not None and truncate is None
+                 else len(fed_prompt(settings, job, limit)))
         except ChatTemplateError as exc:
             raise JobValidationError(str(exc), param="messages") from exc
         if spec.max_tokens is None and max(1, sampling["min_tokens"]) <= limit - n < sampling["max_tokens"]:

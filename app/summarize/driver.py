@@ -51,14 +51,14 @@ from app.services.cancel import stop_job_ids
 from app.services.dispatch import send_dispatched
 from app.services.job_writer import JobRows
 from app.services.jobs import JobValidationError, build_job
-from app.services.model_info import get_tokenizer
+from app.services.model_info import count_inputs, get_tokenizer
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from app.summarize import lease, store
 from app.summarize.limits import check_depth, check_jobs
 from app.summarize.pipeline import (TERMINAL, Advance, DocState, Planner, advance_doc, final_status,
                                     open_jobs)
-from app.summarize.split import TokenSplitter
+from app.summarize.split import COUNT_BATCH, TokenSplitter
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +91,14 @@ class JobCollector:
         self.tick: Callable[[], None] = lambda: None  # called before each job is built (the step's lease.LeaseKeeper)
         self.jobs: list[Job] = []
 
-    def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str:
+    def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str,
+               prompt_tokens: int | None = None) -> str:
         self.tick()
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
                          temperature=0.0, app_id=app_id, tier=self.tier, model=self.model)
         # overdue_ok: a retried step may build a level whose deadline passed meanwhile
-        job = build_job(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True)
+        job = build_job(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True,
+                        prompt_tokens=prompt_tokens)
         job.summarization_run_id = self.run_id
         self.jobs.append(job)
         return job.id
@@ -113,7 +115,21 @@ def planner_for(settings: Settings, run: SummarizationRun, backend: JobCollector
     """``deadline_at``: its jobs' (the run's where None); ``tick``: called as the split goes on (``TokenSplitter``)."""
     split = TokenSplitter(get_tokenizer(settings.model), run.chunk_tokens, run.overlap_tokens, tick)
     return Planner(backend, split, run.max_summary_tokens, deadline_at or as_utc(run.deadline_at), now=utcnow(),
-                   job_retries=settings.summarize_job_retries, retry_backoff_s=settings.summarize_retry_backoff_s)
+                   job_retries=settings.summarize_job_retries, retry_backoff_s=settings.summarize_retry_backoff_s,
+                   count=prompt_counter(settings, tick or (lambda: None)))
+
+
+def prompt_counter(settings: Settings, tick: Callable[[], None]) -> Callable[[list[list[dict]]], list[int]]:
+    """A level's prompts' token counts, ``COUNT_BATCH`` a tokenizer call (``tick`` before each): what ``build_job``
+    would count for each (the worker's chat template), without tokenizing each job's prompt alone."""
+    def count(conversations: list[list[dict]]) -> list[int]:
+        counts: list[int] = []
+        for i in range(0, len(conversations), COUNT_BATCH):
+            tick()
+            counts += count_inputs(settings.model, conversations[i:i + COUNT_BATCH])
+        return counts
+
+    return count
 
 
 def later_level_deadline(settings: Settings, run_deadline: datetime) -> datetime:

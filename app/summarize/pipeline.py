@@ -47,7 +47,11 @@ PENDING = JobResult("queued")  # a job a poll did not answer for
 
 
 class JobBackend(Protocol):
-    def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str) -> str: ...
+    def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str,
+               prompt_tokens: int | None = None) -> str:
+        """A job of ``messages``; ``prompt_tokens``: their token count as the worker feeds them, where the planner
+        counted it (``Planner.count``; None: the backend counts)."""
+        ...
 
     def poll(self, job_ids: list[str]) -> Mapping[str, JobResult]:
         """job id -> ``JobResult``."""
@@ -90,6 +94,9 @@ class Planner:
     now: datetime | None = None  # the step's time (backoffs); None: retries go out at once
     job_retries: int = 0  # times a failed job of one chunk is submitted again before its document fails
     retry_backoff_s: float = 0.0  # the wait before a chunk's first retry; doubled for each later one
+    # the token count of each job's messages as its worker feeds them, a level's jobs in one call (None: the
+    # backend counts each job's alone)
+    count: Callable[[list[list[dict[str, str]]]], list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,11 +177,10 @@ def _retry_or_fail(doc: DocState, states: list[JobResult], attempts: list[int], 
                     f"longer splits into its {len(doc.pending)} chunk(s))"
         doc.pending, doc.attempts, doc.retry_at = [], [], None
         return 0
-    for i in bad:
+    for i, job_id in zip(bad, _submit(planner, [prompts[i] for i in bad])):
         if len(doc.retry_errors) < RETRY_ERRORS_KEPT:
             doc.retry_errors.append(f"level {doc.level + 1} chunk {i + 1}: {_describe(states[i])}")
-        content, app = prompts[i]
-        doc.pending[i] = _submit(planner, content, app)
+        doc.pending[i] = job_id
         attempts[i] += 1
     doc.attempts, doc.retry_at = attempts, None
     doc.retries += len(bad)
@@ -191,9 +197,12 @@ def _prompts(doc: DocState, planner: Planner) -> list[tuple[str, str]]:
     return [(MAP_PROMPT.format(text=chunk), "summarize-map") for chunk in chunks]
 
 
-def _submit(planner: Planner, content: str, app: str) -> str:
-    return planner.backend.submit([{"role": "user", "content": content}], planner.max_summary_tokens,
-                                  planner.deadline_at, app)
+def _submit(planner: Planner, prompts: list[tuple[str, str]]) -> list[str]:
+    """A job per (prompt, app id), their token counts measured together where the planner can."""
+    conversations = [[{"role": "user", "content": content}] for content, _app in prompts]
+    counts = planner.count(conversations) if planner.count is not None else [None] * len(prompts)
+    return [planner.backend.submit(messages, planner.max_summary_tokens, planner.deadline_at, app, prompt_tokens=n)
+            for messages, (_content, app), n in zip(conversations, prompts, counts)]
 
 
 def _plan(doc: DocState, planner: Planner) -> int:
@@ -204,7 +213,7 @@ def _plan(doc: DocState, planner: Planner) -> int:
     if doc.level == 0:
         doc.chunks = len(prompts)
     doc.final = len(prompts) == 1
-    doc.pending = [_submit(planner, content, app) for content, app in prompts]
+    doc.pending = _submit(planner, prompts)
     doc.attempts = [0] * len(prompts)
     doc.jobs += len(prompts)
     return len(prompts)

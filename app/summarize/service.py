@@ -54,7 +54,8 @@ class SqlBackend:
     def __init__(self, settings: Settings, principal: Principal, tier: str | None) -> None:
         self.settings, self.principal, self.tier = settings, principal, tier
 
-    def submit(self, messages, max_tokens: int, deadline_at: datetime, app_id: str) -> str:
+    def submit(self, messages, max_tokens: int, deadline_at: datetime, app_id: str,
+               prompt_tokens: int | None = None) -> str:  # submit_job counts the prompt itself
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
                          temperature=0.0, app_id=app_id, tier=self.tier)
         with session_scope(self.settings.sqlalchemy_url) as s:

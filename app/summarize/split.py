@@ -7,6 +7,8 @@ import logging
 import re
 from collections.abc import Callable
 
+from app.services.model_info import token_counts
+
 log = logging.getLogger(__name__)
 
 COUNT_BATCH = 512  # sentences a tokenizer call measures (a lease renewal may come between two)
@@ -73,16 +75,16 @@ class TokenSplitter:
 
     def count(self, text: str) -> int:
         self.tick()
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+        return token_counts(self.tok, [text])[0]
 
     def count_many(self, texts: list[str]) -> list[int]:
         """``count`` of each text, ``COUNT_BATCH`` texts a call of the tokenizer (a fast tokenizer encodes a batch
-        on all cores, and the Python call is paid once a batch, not once a sentence)."""
+        on all cores, and the Python call is paid once a batch, not once a sentence;
+        ``token_counts``: no offsets)."""
         counts: list[int] = []
         for i in range(0, len(texts), COUNT_BATCH):
             self.tick()
-            ids = self.tok(texts[i:i + COUNT_BATCH], add_special_tokens=False)["input_ids"]
-            counts += map(len, ids)
+            counts += token_counts(self.tok, texts[i:i + COUNT_BATCH])
         return counts
 
     def hard_split(self, text: str, size: int) -> list[str]:

@@ -738,3 +738,40 @@ def test_a_failed_documents_jobs_are_not_counted_open_while_the_others_go_on(set
     progress = service.view(settings, run_id).progress
     assert (progress.documents_done, progress.documents_failed) == (1, 1)
     assert progress.jobs_done == progress.jobs_submitted - (len(long_jobs) - 1) == 2
+
+
+def job_prompts(url: str, ids) -> list[tuple[list, int]]:
+    with session_scope(url) as s:
+        return [(j.messages, j.prompt_tokens) for j in s.scalars(select(Job).where(Job.id.in_(list(ids))))]
+
+
+def test_a_levels_prompts_are_counted_together_each_as_build_job_counts_it_alone(settings, principal, monkeypatch):
+    """build_job tokenized each job's prompt alone through the chat template (2,400 tokenizer calls for an 8 MB
+    run's first level, over half its first step): a level's prompts are counted in one call now, and each job row's
+    ``prompt_tokens`` is what counting its prompt alone gives."""
+    from app.services import jobs as job_service
+    from app.services.model_info import encode_input
+
+    url, alone = settings.sqlalchemy_url, []
+    real_fed = job_service.fed_prompt
+    monkeypatch.setattr(job_service, "fed_prompt", lambda *a, **kw: alone.append(1) or real_fed(*a, **kw))
+    odd = " ".join(f"Fait {i}: 猫は温かい 🐈 — \"quoted\"  spaced\ttab ok." for i in range(40))
+    run_id = start(settings, principal, [Document("long", LONG), Document("odd", odd), Document("short", "Hi.")])
+    first = [j for p in range(3) for j in doc_row(url, run_id, p).pending]
+    assert len(first) > 6 and alone == []
+    finish_jobs(url)
+    later = driver.advance(settings, run_id, "p1").submitted  # the reduce level's prompts: summaries joined
+    assert later and alone == []
+    for messages, prompt_tokens in job_prompts(url, first + list(later)):
+        assert prompt_tokens == len(encode_input(settings.model, None, messages))
+
+
+def test_token_counts_are_the_tokenizers_own_counts(settings):
+    from app.services.model_info import count_inputs, encode_input, get_tokenizer, token_counts
+
+    tok = get_tokenizer(settings.model)
+    texts = ["", " leading space", "trailing  ", "猫は温かい 🐈", "a\n\nb", "<|im_end|> special"]
+    assert token_counts(tok, texts) == [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    conversations = [[{"role": "user", "content": t}] for t in texts]
+    assert count_inputs(settings.model, conversations) == [len(encode_input(settings.model, None, c))
+                                                           for c in conversations]

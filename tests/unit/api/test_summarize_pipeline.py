@@ -42,7 +42,7 @@ class FakeBackend:
         self.prompts: list[str] = []
         self.fail_on = fail_on
 
-    def submit(self, messages, max_tokens, deadline_at, app_id):
+    def submit(self, messages, max_tokens, deadline_at, app_id, prompt_tokens=None):
         job_id = f"j{len(self.jobs)}"
         prompt = messages[0]["content"]
         self.prompts.append(prompt)
@@ -93,7 +93,7 @@ class FlakyBackend:
         self.fails = dict(fails)
         self.jobs: dict[str, JobResult] = {}
 
-    def submit(self, messages, max_tokens, deadline_at, app_id):
+    def submit(self, messages, max_tokens, deadline_at, app_id, prompt_tokens=None):
         job_id, prompt = f"j{len(self.jobs)}", messages[0]["content"]
         result = JobResult("succeeded", f"S{len(self.jobs)}.")
         for key, (left, failure) in self.fails.items():
