@@ -342,7 +342,7 @@ def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: st
         undone = s.scalar(select(func.count()).select_from(SummarizationDocument).where(
             SummarizationDocument.run_id == run.id, SummarizationDocument.done.is_(False)))
         values = {"status": status, "documents_done": run.documents, "documents_failed": run.documents_failed + undone,
-                  "reason": reason}
+                  "reason": reason, "jobs_done": run.jobs_submitted - store.open_job_count(s, run)}  # ended by now
         if keep_lease_s > 0:
             values |= {"lease_owner": owner, "lease_expires_at": utcnow() + timedelta(seconds=keep_lease_s)}
         if not _advance_version(s, run, owner, values):

@@ -40,7 +40,6 @@ STAGE_CHUNK = 500
 T = TypeVar("T")
 VALIDATING = "validating"  # written, its documents not split yet: its first step writes its first level's jobs
 OPEN = (VALIDATING, "running")  # a run that goes on (steps take it)
-LIVE = (*OPEN, "cancelling")  # a run whose documents still name jobs that may be going
 
 
 def doc_state(row: SummarizationDocument) -> DocState:
@@ -88,11 +87,9 @@ OPEN_JOB = tuple(s.value for s in JobStatus if s.value not in TERMINAL)
 
 
 def open_job_count(session: Session, run: SummarizationRun) -> int:
-    """The jobs a live run submitted that have not ended, which are the ones its documents wait for (0 for a run that
-    ended: it waits for none). One count on ``ix_jobs_summarization_run_status``, whatever the run's size: each poll
-    of a run's progress runs it."""
-    if run.status not in LIVE:
-        return 0
+    """The jobs a run submitted that have not ended: while it is live, the ones its documents wait for; once it
+    failed as a whole, the ones it left running (a cancelled run stopped its own). One count on
+    ``ix_jobs_summarization_run_status``, whatever the run's size: each poll of a run's progress runs it."""
     return session.scalar(select(func.count()).select_from(Job).where(
         Job.summarization_run_id == run.id, Job.status.in_(OPEN_JOB))) or 0
 
@@ -163,9 +160,11 @@ class RunView:
 
 
 def progress_of(run: SummarizationRun, session: Session | None = None) -> Progress:
-    """``session``: ``jobs_done`` counts the jobs ended up to now (a step counts those ended when it ran)."""
+    """``session``: ``jobs_done`` counts the jobs ended up to now (a step counts those ended when it ran), a run's
+    that ended too: one failed as a whole leaves its running jobs to finish, and a user sees them end. A run whose
+    count reached ``jobs_submitted`` is not counted again (an ended one's, in the common case)."""
     jobs_done = run.jobs_done
-    if session is not None and run.status in LIVE:
+    if session is not None and jobs_done < run.jobs_submitted:
         jobs_done = max(jobs_done, run.jobs_submitted - open_job_count(session, run))
     return Progress(run.id, run.status, as_utc(run.deadline_at), run.documents, run.documents_done,
                     run.documents_failed, run.jobs_submitted, jobs_done, run.model, run.reason)

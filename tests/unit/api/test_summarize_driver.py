@@ -775,3 +775,24 @@ def test_token_counts_are_the_tokenizers_own_counts(settings):
     conversations = [[{"role": "user", "content": t}] for t in texts]
     assert count_inputs(settings.model, conversations) == [len(encode_input(settings.model, None, c))
                                                            for c in conversations]
+
+
+def test_a_run_failed_at_a_later_level_counts_the_jobs_that_end_after_it_ended(settings, principal, monkeypatch):
+    """A run failed as a whole (a pipeline error) leaves its running jobs to finish: its ``jobs_done`` stayed what
+    its last step had counted, below ``jobs_submitted`` forever; it counts them as they end, as a running run's."""
+    url = settings.sqlalchemy_url
+    run_id = start(settings, principal, [Document("long", LONG), Document("other", LONG)])
+    done_first, still = doc_row(url, run_id, 0).pending, doc_row(url, run_id, 1).pending
+    end_jobs(url, done_first, "succeeded")
+    monkeypatch.setattr(driver, "planner_for", lambda *_a, **_kw: (_ for _ in ()).throw(ValueError("no tokenizer")))
+    assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.STEPPED, "failed")
+    progress = service.view(settings, run_id).progress
+    assert (progress.status, progress.jobs_submitted) == ("failed", len(done_first) + len(still))
+    assert progress.jobs_done == len(done_first)  # was 0: what the first step had counted
+    end_jobs(url, still[:1], "succeeded")
+    assert service.view(settings, run_id).progress.jobs_done == len(done_first) + 1
+    end_jobs(url, still[1:], "failed", error="engine error")
+    progress = service.view(settings, run_id).progress
+    assert progress.jobs_done == progress.jobs_submitted
+    with session_scope(url) as s:  # the runs listing and the admin dashboard count alike
+        assert store.progress_of(s.get(SummarizationRun, run_id), s).jobs_done == progress.jobs_submitted
