@@ -180,10 +180,11 @@ def test_an_operator_finds_any_tenants_jobs_by_the_request_id_a_client_reports(c
 
 def _runs(settings, tenant_id: str, *statuses: str) -> list[str]:
     """Summarization runs of ``tenant_id``, one a second apart in this order (the last the newest), each with a
-    document; the running ones' model is one no worker serves, so nothing steps them."""
+    document and, but a completed one, one of its two jobs not ended; the running ones' model is one no worker
+    serves, so nothing steps them."""
     from datetime import timedelta
 
-    from app.db.models import SummarizationDocument, SummarizationRun
+    from app.db.models import Job, SummarizationDocument, SummarizationRun, new_id
     from app.services.transitions import utcnow
 
     now, ids = utcnow(), []
@@ -197,6 +198,9 @@ def _runs(settings, tenant_id: str, *statuses: str) -> list[str]:
             s.add(run)
             s.flush()
             s.add(SummarizationDocument(run_id=run.id, position=0, doc_id="d0", text="some text"))
+            if st != "completed":  # a failed run's running jobs go on (a poll counts them as they end)
+                s.add(Job(id=new_id("job"), tenant_id=tenant_id, kind="batch", tier="paid", model=run.model,
+                          sampling={}, status="queued", created_at=now, summarization_run_id=run.id))
             ids.append(run.id)
     return ids
 
