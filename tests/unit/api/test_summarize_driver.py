@@ -796,3 +796,17 @@ def test_a_run_failed_at_a_later_level_counts_the_jobs_that_end_after_it_ended(s
     assert progress.jobs_done == progress.jobs_submitted
     with session_scope(url) as s:  # the runs listing and the admin dashboard count alike
         assert store.progress_of(s.get(SummarizationRun, run_id), s).jobs_done == progress.jobs_submitted
+
+
+def test_token_counts_of_a_tokenizer_that_truncates_by_itself_are_whole(settings):
+    """A tokenizer file may set truncation, which ``tok(texts)`` turns off: the fast path, which calls the Rust
+    tokenizer directly, is not taken then, so no count is cut."""
+    import copy
+
+    from app.services.model_info import get_tokenizer, token_counts
+
+    tok = copy.deepcopy(get_tokenizer(settings.model))
+    text = "Fact number one is about the topic of the document. " * 4
+    whole = token_counts(tok, [text])
+    tok.backend_tokenizer.enable_truncation(max_length=3)
+    assert whole[0] > 3 and token_counts(tok, [text]) == whole
