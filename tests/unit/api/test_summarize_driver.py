@@ -176,7 +176,8 @@ def test_the_first_step_holds_a_short_lease_renewed_as_it_splits_and_stops_once_
             return tokenizer(*args, **kwargs)
         return measure
 
-    monkeypatch.setattr(TokenSplitter, "__init__", lambda self, tok, *a, **kw: real_init(self, measuring(tok), *a, **kw))
+    monkeypatch.setattr(TokenSplitter, "__init__",
+                        lambda self, tok, *a, **kw: real_init(self, measuring(tok), *a, **kw))
     claimed_at = utcnow()
     assert driver.advance(settings, run_id, "splitter") == driver.Step(Outcome.LOST, "running")
     assert expiries[0] <= claimed_at + timedelta(seconds=settings.lease_seconds + 5)  # not 600 s
