@@ -184,6 +184,19 @@ class ChatTemplateError(ValueError):
     message): the request's to change."""
 
 
+def _template_errors() -> tuple[type[BaseException], ...]:
+    """What a chat template raises on messages it cannot render (ValueError too: a final message to continue that
+    the template does not write)."""
+    import jinja2
+
+    return (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError, ValueError)
+
+
+def _plain_chat(messages: list[dict[str, Any]]) -> str:
+    """Chat messages as one prompt, for a tokenizer with no chat template."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
 def token_counts(tok: Any, texts: list[str], add_special_tokens: bool = False) -> list[int]:
     """Each text's token count, all in one call: the Rust tokenizer's batch encoding without offsets (a third of
     ``tok(texts)``'s cost, the same ids) where it has no truncation or padding of its own that ``tok`` would turn
@@ -198,8 +211,6 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
     """``len(encode_input(model, None, messages))`` of each conversation (no tools, the template's default
     options) from one tokenizer call: the chat template renders each, as ``apply_chat_template`` does, and the
     rendered texts are counted together (raises ``ChatTemplateError``)."""
-    import jinja2
-
     tok = get_tokenizer(model)
     if not conversations:
         return []
@@ -207,21 +218,17 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
         try:
             rendered = tok.apply_chat_template([template_messages(m) for m in conversations], tokenize=False,
                                                add_generation_prompt=True)
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError,
-                ValueError) as exc:
+        except _template_errors() as exc:
             raise ChatTemplateError(f"the model's chat template cannot render these messages: "
                                     f"{type(exc).__name__}: {exc}") from exc
         return token_counts(tok, list(rendered))  # the template wrote the special tokens (as apply_chat_template)
-    return token_counts(tok, ["\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-                              for messages in conversations], add_special_tokens=True)
+    return token_counts(tok, [_plain_chat(messages) for messages in conversations], add_special_tokens=True)
 
 
 def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None,
                  tools: list[dict[str, Any]] | None = None, options: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template,
     with a job's ``template_options`` (raises ``ChatTemplateError`` where the template cannot render them)."""
-    import jinja2
-
     tok = get_tokenizer(model)
     options = options or {}
     if messages is not None:
@@ -232,14 +239,13 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs") or {})
-            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError,
-                    ValueError) as exc:  # ValueError: a final message to continue that the template does not write
+            except _template_errors() as exc:
                 raise ChatTemplateError(f"the model's chat template cannot render these messages and tools: "
                                         f"{type(exc).__name__}: {exc}") from exc
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)
-        prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        prompt = _plain_chat(messages)
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:  # the Rust tokenizer directly: same ids, half the cost on the submit path
         return backend.encode(prompt or "", add_special_tokens=True).ids
