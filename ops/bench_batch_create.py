@@ -112,14 +112,9 @@ def main() -> None:
         return
     header = (" lines code      | answered    | create ms | validated s | poll p50 | poll max | parse s | ended      "
               " |   jobs | invalid")
-    rows = []
-    for n in (int(x) for x in args.lines.split(",")):
-        for _ in range(args.repeat):
-            for label, code in side_by_side.checkouts(ROOT, args.baseline):
-                fig = side_by_side.measure_in(__file__, code, ["--one", str(n), "--bad-every", str(args.bad_every)],
-                                              f"{label} run of {n} lines")
-                rows.append(_row(label, fig))
-                print(rows[-1], flush=True)
+    runs = [(["--one", str(n), "--bad-every", str(args.bad_every)], f"{n} lines")
+            for n in (int(x) for x in args.lines.split(",")) for _ in range(args.repeat)]
+    rows = side_by_side.measured_rows(__file__, ROOT, args.baseline, runs, _row)
     print("\n" + header)
     print("\n".join(rows))
 

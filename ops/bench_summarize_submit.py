@@ -159,13 +159,8 @@ def main() -> None:
     header = ("code      |    MB | submit s | answered   | first level s | status   |   jobs | look stmts"
               " | look job ids | poll stmts | poll job ids | small ms idle (median / p90 / max)"
               " | small ms split (median / p90 / max, n)")
-    rows = []
-    for mb in (float(x) for x in args.mb.split(",")):
-        for label, code in side_by_side.checkouts(ROOT, args.baseline):
-            figures = side_by_side.measure_in(__file__, code, ["--one", str(mb), "--docs", str(args.docs)],
-                                              f"{label} run of {mb} MB")
-            rows.append(_row(label, figures))
-            print(rows[-1], flush=True)
+    runs = [(["--one", str(mb), "--docs", str(args.docs)], f"{mb} MB") for mb in (float(x) for x in args.mb.split(","))]
+    rows = side_by_side.measured_rows(__file__, ROOT, args.baseline, runs, _row)
     print("\n" + header)
     print("\n".join(rows))
 

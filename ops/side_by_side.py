@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 RESULT = "RESULT "
@@ -50,3 +51,15 @@ def fresh_stack(prefix: str, context: int, redis_url: str | None = None) -> tupl
     upgrade(db_url)
     keys = make_keys(db_url)
     return tmp, make_settings(tmp, db_url, redis_url, _tiny_llama(tmp / "model", context)), keys
+
+
+def measured_rows(script: str, root: Path, baseline: str | None, runs: list[tuple[list[str], str]],
+                  row: Callable[[str, dict[str, Any]], str]) -> list[str]:
+    """Each run (the child's arguments, what it measures) on each checkout, the baseline first, as a table row
+    (``row(label, figures)``), each printed as it comes."""
+    rows = []
+    for args, what in runs:
+        for label, code in checkouts(root, baseline):
+            rows.append(row(label, measure_in(script, code, args, f"{label} run of {what}")))
+            print(rows[-1], flush=True)
+    return rows
