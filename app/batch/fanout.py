@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,10 +22,10 @@ from app.batch.finalize import maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
-from app.db.session import get_engine, let_others_write, read_then_write, session_scope, write_after_read, write_guard
+from app.db.session import read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
 from app.services.dispatch import send_dispatched
-from app.services.job_writer import JobRows
+from app.services.job_writer import JobRows, stage_mark, write_staged
 from app.services.jobs import JobValidationError, build_job
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
@@ -142,16 +140,10 @@ def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, job
     workers' writes go on), then starts the batch and turns this run's rows queued/dispatched in one transaction:
     all or none of them become runnable. True: started; False: the batch left ``validating`` meanwhile (cancelled,
     or started by another run); None: refused (failed)."""
-    mine = f"{STAGED}-{secrets.token_hex(4)}"  # this run's rows: one that died or runs beside it has its own
-    dialect = get_engine(url).dialect
-    for chunk in rows.chunks(STAGE_CHUNK):
-        chunk = chunk.bind(dialect)  # JSON and datetimes made SQLite's text before the lock, not under it
-        took = time.monotonic()
-        with read_then_write(url) as s:
-            if s.scalar(select(Batch.status).where(Batch.id == batch_id)) != "validating":
-                return False  # cancelled while staging: the rest is not written
-            chunk.insert(s, status=mine)
-        let_others_write(time.monotonic() - took)
+    mine = stage_mark()
+    if not write_staged(url, rows.chunks(STAGE_CHUNK), mine,
+                        lambda s: s.scalar(select(Batch.status).where(Batch.id == batch_id)) == "validating"):
+        return False  # cancelled while staging: the rest is not written
     status = JobStatus.DISPATCHED.value if dispatched_at is not None else JobStatus.QUEUED.value
     with read_then_write(url) as s:  # one short transaction: no row is written here, only statuses change
         if refused := _over_queue_limit(s, tenant_id, jobs):  # again, in the transaction that starts the batch

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -31,8 +33,8 @@ from sqlalchemy import table as sa_table
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import TableClause
 
-from app.db.models import Job, JobEvent, JobStatus
-from app.db.session import get_sessionmaker, write_guard
+from app.db.models import STAGED, Job, JobEvent, JobStatus
+from app.db.session import get_engine, get_sessionmaker, let_others_write, read_then_write, write_guard
 from app.services.dispatch import send_dispatched
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
 from app.services.transitions import utcnow
@@ -133,6 +135,31 @@ class JobRows:
                                       else (Job.__table__, JobEvent.__table__))
             session.execute(insert(job_table), jobs)
             session.execute(insert(event_table), self.events)
+
+
+def stage_mark() -> str:
+    """The status of one writer's staged rows (``write_staged``): another that died or runs beside it has its own."""
+    return f"{STAGED}-{secrets.token_hex(4)}"
+
+
+def write_staged(url: str, parts: Iterable[JobRows], mark: str, still_ours: Callable[[Session], bool],
+                 tick: Callable[[], None] = lambda: None) -> bool:
+    """Writes each part's jobs with status ``mark`` (``stage_mark``: not runnable until the caller's commit turns
+    them), a short transaction each, while ``still_ours`` holds in it (False: stopped there, the rest unwritten).
+    ``tick`` before each part. On SQLite each part is bound before the write lock (``JobRows.bind``), and the lock
+    is let go after it as long as it held it, so other writers get their turn; PostgreSQL locks rows."""
+    dialect = get_engine(url).dialect
+    for part in parts:
+        tick()
+        part = part.bind(dialect)
+        took = time.monotonic()
+        with read_then_write(url) as s:
+            if not still_ours(s):
+                return False
+            part.insert(s, status=mark)
+        if dialect.name == "sqlite":
+            let_others_write(time.monotonic() - took)
+    return True
 
 
 class JobWriter:

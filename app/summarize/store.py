@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -23,7 +21,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import STAGED, Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
-from app.db.session import let_others_write, read_then_write, session_scope
+from app.db.session import session_scope
 from app.services.transitions import as_utc
 from app.summarize.lease import LeaseLost
 from app.summarize.pipeline import TERMINAL, DocState, JobResult, Progress, result_line
@@ -108,20 +106,18 @@ def stage_jobs(url: str, run: SummarizationRun, owner: str, rows: JobRows, tick:
     """Writes all but the last ``STAGE_CHUNK`` of ``rows`` staged, a chunk a transaction, each only while ``owner``
     still holds the run's lease at the version read (else ``LeaseLost``), SQLite's write lock let go between
     chunks for as long as the chunk held it; ``tick`` before each (the step's ``lease.LeaseKeeper``)."""
-    mark = f"{STAGED}-{secrets.token_hex(4)}"  # this step's rows: one that died or runs beside it has its own
+    from app.services.job_writer import stage_mark, write_staged
+
+    mark = stage_mark()
     parts = list(rows.chunks(STAGE_CHUNK)) or [None]
-    pause = url.startswith("sqlite")  # PostgreSQL locks rows: nobody waits on the others
-    for part in parts[:-1]:
-        tick()
-        took = time.monotonic()
-        with read_then_write(url) as s:
-            if s.scalar(select(func.count()).select_from(SummarizationRun).where(
-                    SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner,
-                    SummarizationRun.version == run.version)) != 1:
-                raise LeaseLost(run.id)
-            part.insert(s, status=mark)
-        if pause:
-            let_others_write(time.monotonic() - took)
+
+    def holds_lease(s: Session) -> bool:
+        return s.scalar(select(func.count()).select_from(SummarizationRun).where(
+            SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner,
+            SummarizationRun.version == run.version)) == 1
+
+    if not write_staged(url, parts[:-1], mark, holds_lease, tick):
+        raise LeaseLost(run.id)
     return Staged(mark, sum(len(p.jobs) for p in parts[:-1]), parts[-1])
 
 

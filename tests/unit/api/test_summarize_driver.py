@@ -14,6 +14,7 @@ from sqlalchemy import func, select, update
 from app.auth import Principal, create_tenant
 from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope, write_guard
+from app.services import job_writer
 from app.services.transitions import as_utc, utcnow
 from app.summarize import driver, lease, service, store
 from app.summarize.documents import Document
@@ -651,7 +652,7 @@ def test_a_step_of_many_jobs_writes_them_in_chunks_others_writing_in_between_and
             s.execute(update(SummarizationRun).where(SummarizationRun.id != run_id).values(reason="x"))
         seen.append(statuses(url))
 
-    monkeypatch.setattr(store, "let_others_write", let_others_write)
+    monkeypatch.setattr(job_writer, "let_others_write", let_others_write)
     step = driver.advance(settings, run_id, "api")
     assert (step.outcome, step.status) == (Outcome.STEPPED, "running") and len(step.submitted) > 4
     assert len(seen) == (len(step.submitted) - 1) // 2  # every chunk but the last (written with the commit)
@@ -676,7 +677,7 @@ def test_a_first_step_that_dies_midway_through_its_chunks_is_redone_whole_by_the
 
     url = settings.sqlalchemy_url
     monkeypatch.setattr(store, "STAGE_CHUNK", 2)
-    real_pause = store.let_others_write
+    real_pause = job_writer.let_others_write
 
     calls = []
 
@@ -686,7 +687,7 @@ def test_a_first_step_that_dies_midway_through_its_chunks_is_redone_whole_by_the
             raise Killed
         real_pause(held_s)
 
-    monkeypatch.setattr(store, "let_others_write", die_after_two_chunks)
+    monkeypatch.setattr(job_writer, "let_others_write", die_after_two_chunks)
     docs = [Document("long", LONG), Document("other", LONG.replace("Fact", "Claim"))]
     options = {"max_summary_tokens": 12, "chunk_tokens": 120, "overlap_tokens": 8, "tier": "paid"}
     runs = [service.create_run(settings, principal, docs, utcnow() + timedelta(hours=1), **options).id
@@ -703,7 +704,7 @@ def test_a_first_step_that_dies_midway_through_its_chunks_is_redone_whole_by_the
     assert sum(left.values()) == 8 and all(s.startswith("staged-") for s in left), left  # two chunks each
     with session_scope(url) as s:
         assert sweep(s, redis_url, queued_grace_s=0).dispatched == 0  # nothing staged is sent to a worker
-    monkeypatch.setattr(store, "let_others_write", real_pause)
+    monkeypatch.setattr(job_writer, "let_others_write", real_pause)
 
     step = driver.advance(settings, runs[0], "worker")  # the sweeper's take-over
     assert (step.outcome, step.status) == (Outcome.STEPPED, "running")
