@@ -15,10 +15,17 @@ sees them come.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 ReasoningParser = Literal["deepseek_r1", "qwen3"]
 OPEN, CLOSE = "<think>", "</think>"
+
+
+def has_think_tokens(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` has ``OPEN`` and ``CLOSE`` as tokens: vLLM's reasoning parser needs them to apply a
+    grammar after the thinking and to end the thinking once a ``thinking_token_budget`` is spent."""
+    vocab = tokenizer.get_vocab()
+    return OPEN in vocab and CLOSE in vocab
 STARTS_IN_THOUGHT = {"deepseek_r1": True, "qwen3": False}
 
 

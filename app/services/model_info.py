@@ -96,10 +96,9 @@ def has_think_tokens(model: str) -> bool:
     to end the thinking once a ``thinking_token_budget`` is spent: without them a vLLM worker runs with no
     ``reasoning_config`` (``gpu_runtime.vllm.build.reasoning_outputs_config``) and refuses the budget. The API's
     tokenizer is the one it counts prompts with (loaded once), so asking costs one vocabulary lookup per model."""
-    from app.reasoning import CLOSE, OPEN
+    from app import reasoning
 
-    vocab = get_tokenizer(model).get_vocab()
-    return OPEN in vocab and CLOSE in vocab
+    return reasoning.has_think_tokens(get_tokenizer(model))
 
 
 @lru_cache(maxsize=8)

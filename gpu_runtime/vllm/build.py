@@ -120,10 +120,9 @@ def reasoning_outputs_config(checkpoint: str, reasoning_parser: str | None) -> d
     from transformers import AutoTokenizer
     from vllm.config import ReasoningConfig
 
-    from app.reasoning import CLOSE, OPEN
+    from app.reasoning import CLOSE, OPEN, has_think_tokens
 
-    vocab = AutoTokenizer.from_pretrained(checkpoint).get_vocab()
-    if OPEN in vocab and CLOSE in vocab:
+    if has_think_tokens(AutoTokenizer.from_pretrained(checkpoint)):
         return {"structured_outputs_config": {"reasoning_parser": reasoning_parser},
                 "reasoning_config": ReasoningConfig(reasoning_parser=reasoning_parser)}
     log.warning("reasoning parser %s: the tokenizer of %s has no %s and %s tokens, so a structured output's grammar "
