@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -289,8 +290,7 @@ class VLLMEngine:
             req.status, req.finish_time = RequestStatus.FINISHED_ABORTED, time.time()
             outputs.append(self._finish(req))
         if box.loaded_loras is not None:
-            live = ((r.lora_name, r.lora_path, r.lora_version) for r in self.requests.values())
-            for lora in self.loras.retired(box.loaded_loras, live):  # out of vLLM's LoRA cache, its slot freed
+            for lora in self.loras.retired(box.loaded_loras, self._live_loras()):  # out of vLLM's LoRA cache, its slot freed
                 self.llm.remove_lora(lora.lora_int_id)
                 log.info("removed LoRA adapter %r (id %d): unloaded or replaced", lora.lora_name, lora.lora_int_id)
         for rid, tier in box.promotions:
@@ -316,9 +316,12 @@ class VLLMEngine:
                                  f"{exc}") from exc
             log.info("loaded LoRA adapter %r (id %d) from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
             # a new adapter may have evicted another from vLLM's LoRA cache: forget those no held request uses
-            self.loras.prune(self.llm.list_loras(),
-                             ((r.lora_name, r.lora_path, r.lora_version) for r in self.requests.values()))
+            self.loras.prune(self.llm.list_loras(), self._live_loras())
         return lora
+
+    def _live_loras(self) -> Iterator[tuple[str | None, str | None, float]]:
+        """The adapter (name, path, version) of each request the engine holds (``LoraRegistry``'s ``live``)."""
+        return ((r.lora_name, r.lora_path, r.lora_version) for r in self.requests.values())
 
     def _sampling(self, req: Request) -> Any:
         from vllm import SamplingParams

@@ -101,7 +101,7 @@ class LoraRegistry:
         ``LLMEngine.list_loras`` lists them) and that none of the ``live`` requests (name, path, version) uses. A
         request that names a dropped one again gets a new id, and vLLM loads it from disk, as it would have for the
         old id, which its cache had evicted."""
-        used = {(name, path or "", version) for name, path, version in live if name is not None}
+        used = _in_use(live)
         self.loaded = {key: lora for key, lora in self.loaded.items() if lora.lora_int_id in cached or key in used}
 
     def retired(self, current: dict[str, tuple[str, float]],
@@ -109,10 +109,15 @@ class LoraRegistry:
         """The runtime adapters unloaded or replaced since the engine loaded them (``current``: each runtime adapter
         loaded now, name -> (path, version) as SQL holds them) that none of the ``live`` requests uses, dropped here:
         the engine removes them from vLLM (``remove_lora``)."""
-        used = {(name, path or "", version) for name, path, version in live if name is not None}
+        used = _in_use(live)
         gone = [key for key in self.loaded if current.get(key[0]) != (key[1], key[2]) and key not in used]
         return [self.loaded.pop(key) for key in gone]
 
     def forget(self, name: str, path: str | None, version: float = 0.0) -> None:
         """Drops an adapter whose load failed, so a later request tries again."""
         self.loaded.pop((name, path or "", version), None)
+
+
+def _in_use(live: Iterable[tuple[str | None, str | None, float]]) -> set[tuple[str, str, float]]:
+    """The ``loaded`` keys of the adapters the ``live`` requests (name, path, version) use."""
+    return {(name, path or "", version) for name, path, version in live if name is not None}
