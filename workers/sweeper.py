@@ -135,9 +135,9 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     # the interactive ones waited in line since before the model's newer messages came: to the head, the oldest taken
     # first; the batch ones in their turn by age among the model's (a message a dead worker's queue lost here is
     # sent again later as lost: _resend_lost)
-    batch = [j for j in waiting if message_priority(j.kind) == BATCH_PRIORITY]
-    sent = len(send_back_all(redis_url, _back_to(session, [j for j in waiting if j not in batch])))
-    sent += len(_back_in_turn(session, redis_url, batch))
+    interactive = [j for j in waiting if message_priority(j.kind) != BATCH_PRIORITY]
+    sent = len(send_back_all(redis_url, _back_to(session, interactive)))
+    sent += len(_back_in_turn(session, redis_url, [j for j in waiting if message_priority(j.kind) == BATCH_PRIORITY]))
     if queues:
         log.info("removed the own queues of %d workers that are gone; sent their %d waiting jobs to the models' "
                  "queues", len(queues), sent)
