@@ -322,8 +322,7 @@ def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool
     write of the step)."""
     if values.get("status", "running") != "running":
         values = {**values, "finished_at": utcnow()}
-    return s.execute(update(SummarizationRun).where(
-        SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner, SummarizationRun.version == run.version)
+    return s.execute(update(SummarizationRun).where(*lease.held(run, owner))
         .values({"version": run.version + 1, "lease_owner": None, "lease_expires_at": None} | values)
         .execution_options(synchronize_session=False)).rowcount == 1
 

@@ -9,13 +9,19 @@ import logging
 import time
 from datetime import timedelta
 
-from sqlalchemy import or_, update
+from sqlalchemy import ColumnElement, or_, update
 
 from app.db.models import SummarizationRun
 from app.db.session import session_scope, write_guard
 from app.services.transitions import utcnow
 
 log = logging.getLogger(__name__)
+
+
+def held(run: SummarizationRun, owner: str) -> tuple[ColumnElement[bool], ...]:
+    """The guard of a step's writes: ``owner`` still holds the run's lease at the version it read."""
+    return (SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner,
+            SummarizationRun.version == run.version)
 
 
 def claim(url: str, run: SummarizationRun, owner: str, lease_s: float) -> bool:
@@ -73,11 +79,9 @@ class LeaseKeeper:
         if self.clock() < self.renew_at:
             return
         with session_scope(self.url) as s, write_guard(s):
-            kept = s.execute(update(SummarizationRun).where(
-                SummarizationRun.id == self.run.id, SummarizationRun.lease_owner == self.owner,
-                SummarizationRun.version == self.run.version)
-                .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_s))
-                .execution_options(synchronize_session=False)).rowcount == 1
+            kept = s.execute(update(SummarizationRun).where(*held(self.run, self.owner))
+                             .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_s))
+                             .execution_options(synchronize_session=False)).rowcount == 1
         if not kept:
             raise LeaseLost(self.run.id)
         self.renew_at = self.clock() + self.lease_s / 3

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from app.db.models import STAGED, Job, JobEvent, JobStatus, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope
 from app.services.transitions import as_utc
-from app.summarize.lease import LeaseLost
+from app.summarize.lease import LeaseLost, held
 from app.summarize.pipeline import TERMINAL, DocState, JobResult, Progress, result_line
 
 if TYPE_CHECKING:
@@ -112,9 +112,7 @@ def stage_jobs(url: str, run: SummarizationRun, owner: str, rows: JobRows, tick:
     parts = list(rows.chunks(STAGE_CHUNK)) or [None]
 
     def holds_lease(s: Session) -> bool:
-        return s.scalar(select(func.count()).select_from(SummarizationRun).where(
-            SummarizationRun.id == run.id, SummarizationRun.lease_owner == owner,
-            SummarizationRun.version == run.version)) == 1
+        return s.scalar(select(func.count()).select_from(SummarizationRun).where(*held(run, owner))) == 1
 
     if not write_staged(url, parts[:-1], mark, holds_lease, tick):
         raise LeaseLost(run.id)
