@@ -31,6 +31,15 @@ def queue_lists(queue: str) -> tuple[str, str]:
     return queue, f"{queue}{Channel.sep}{BATCH_PRIORITY}"
 
 
+def cold_shutdown() -> bool:
+    """Whether this process's Celery worker began a cold shutdown (SIGQUIT, or a second Ctrl+C): it cancels the task
+    running on the solo pool by raising in it (``kill_job``'s NotImplementedError), and it flags this before the
+    exception reaches the task."""
+    from celery.worker import state
+
+    return state.should_terminate not in (None, False)
+
+
 def queue_name(model_name: str) -> str:
     return f"coserve.{model_name}"
 

@@ -33,6 +33,7 @@ from typing import Any
 import redis
 from celery.signals import worker_shutting_down
 from celery.utils.nodenames import host_format
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.batch.storage import delete_expired_files
@@ -45,12 +46,12 @@ from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
-from app.services.dispatch import send_back, send_back_all
+from app.services.dispatch import dispatch, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent, stream_key
-from app.services.transitions import PENDING, as_utc, utcnow
+from app.services.transitions import ACTIVE, PENDING, as_utc, transition, utcnow
 from app.settings import Settings
 from app.summarize.driver import advance_open_runs
 from gpu_runtime.factory import build_engine, resolve_device
@@ -61,8 +62,8 @@ from workers import decode_history
 from workers import lease as leases
 from workers import resume
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, get_celery, message_priority, queue_lists,
-                                queue_name)
+from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutdown, get_celery, message_priority,
+                                queue_lists, queue_name)
 from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
 from workers.inbox import Abort, Add, Inbox, Learn
@@ -75,6 +76,8 @@ from workers.sweeper import reroute, sweep
 log = logging.getLogger(__name__)
 
 WEBHOOK_POLL_S = 1.0  # how often a worker looks for webhook deliveries that are due
+STOP_GRACE_S = 10.0  # how long a warm shutdown lets running jobs finish before it gives them back
+DRAIN_PAUSE_S = 1.0  # how long a draining worker waits after handing a message back (``_drain_pause``)
 PUBLISH_WAIT_S = 1.0  # how long a rerun waits for its earlier attempt's stream events to go out of this worker
 LOOK_S = 0.25  # how often a worker waiting for batch room looks for an interactive job its reserve can take
 
@@ -184,7 +187,7 @@ class GpuWorker:
         log.critical("worker %s stops: %s", self.worker_id, reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Lets running jobs finish for ``grace_s``, then gives the rest back to the queue."""
         deadline = time.monotonic() + (grace_s if self.broken is None else 0.0)  # a broken engine finishes nothing
         while len(self.active) and time.monotonic() < deadline:
@@ -201,7 +204,10 @@ class GpuWorker:
             back = [(job.lease.job_id, self.queue, message_priority(job.request.qos.qos_class.value))
                     for job in sorted(rest, key=lambda j: j.request.arrival_time)
                     if leases.release(s, job.lease, f"worker {self.worker_id} shut down")]
-            send_back_all(self.settings.redis_url, back)
+            for job_id in send_back_all(self.settings.redis_url, back):  # waiting in the broker again: dispatched,
+                # as the sweeper marks what it sends (left queued, each sweep would send it once more)
+                transition(s, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail="given back at shutdown",
+                           values={"dispatched_at": utcnow()})
             row = s.get(WorkerState, self.worker_id)
             if row is not None:
                 s.delete(row)
@@ -232,34 +238,51 @@ class GpuWorker:
         had room), or this one takes it back as soon as it has room. A full worker hands back at most the one message
         it took, so a message bounces once per full worker, not between them. A batch job's wait ends early where an
         interactive job waits on this worker's queues and its reserve has room: the worker takes the interactive one,
-        which kombu hands out first.
+        which kombu hands out first. A draining worker hands the message back at once (``_drain_pause``).
+
+        A cold shutdown cancels this task by raising in it, and its message is acked all the same: the job it held,
+        not yet in the engine, goes back to the head of its queue then (``_give_back_interrupted``), not lost until
+        the sweeper misses it.
         """
         back_to = self._queue_back(queue)
+        try:
+            wait = self._take(job_id, priority, back_to)
+        except BaseException:
+            if cold_shutdown():
+                self._give_back_interrupted(job_id, back_to, priority)
+            raise
+        if wait == "room":
+            self._await_room(priority)
+        elif wait == "drain":
+            self._drain_pause()
+
+    def _take(self, job_id: str, priority: int, back_to: str) -> str | None:
+        """``accept``'s intake: the job leased into the engine, or its message handed back. What to wait for then,
+        with no message in hand: "room" (the engine was full), "drain" (this worker drains), or None."""
         if not self._without_earlier_attempt(job_id):
             send_back(self.settings.redis_url, job_id, back_to, priority)  # for when that attempt left
-            return
-        leaving = self.stopping.is_set() or self.shutting_down or self.draining
+            return None
         if self.shutting_down or self.draining or not self._has_room(priority):
-            if self.draining:  # its consumer stops (_consume); where the word was lost, a pause between bounces
-                time.sleep(1.0)
             send_back(self.settings.redis_url, job_id, back_to, priority)  # for another worker, or this one later
-            if not leaving:
-                self._await_room(priority)
-            return
+            if self.stopping.is_set() or self.shutting_down:
+                return None
+            return "drain" if self.draining else "room"
         with session_scope(self.url, immediate=True) as s:
             lease = leases.acquire(s, job_id, self.worker_id, self.settings.lease_seconds)
             if lease is None:
                 log.info("job %s is not pending any more; message dropped", job_id)
-                return
+                return None
             job = s.get(Job, job_id)
             try:
                 request = self._request(job, s)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
+                if cold_shutdown():  # Celery cancelled this task (not the job's fault): accept gives the job back
+                    raise
                 log.warning("job %s failed at admission: %s", job_id, exc)
                 values, end = failed_attempt(lease, str(exc), refusal_code(exc))
                 leases.finish(s, lease, JobStatus.FAILED, values, detail="rejected by the engine")
                 self.outbox.put(StepRecords(deltas=[(job_id, end)]))
-                return
+                return None
             created = as_utc(job.created_at)
             first_out = as_utc(job.first_token_at) if job.first_token_at is not None else None
             parser = (job.sampling or {}).get("reasoning_parser")
@@ -282,6 +305,35 @@ class GpuWorker:
         with self.active.lock:
             self.active.add(active)
             self.inbox.put(Add(job_id))
+        return None
+
+    def _drain_pause(self) -> None:
+        """After a draining worker handed a message back: its consumer stops (``_consume``), which Celery applies
+        once this task returns; where the word was lost, this pause, with no message in hand, spaces the bounces
+        and lets the other workers take it meanwhile."""
+        self.stopping.wait(DRAIN_PAUSE_S)
+
+    def _give_back_interrupted(self, job_id: str, back_to: str, priority: int) -> None:
+        """The job of an ``accept`` that a cold shutdown interrupted back to the head of ``back_to``: still pending
+        (its message is acked with the task's failure), or leased here but not yet in the engine (``stop`` gives
+        back what is). One handed back already waits there: sent again, only one copy can lease it."""
+        if job_id in self.active:
+            return
+        try:
+            with session_scope(self.url, immediate=True) as s:
+                row = s.execute(select(Job.status, Job.attempt, Job.worker_id).where(Job.id == job_id)).first()
+                status = JobStatus(row.status) if row is not None else None
+                if status in ACTIVE and row.worker_id == self.worker_id:
+                    lease = leases.Lease(job_id, row.attempt, self.worker_id)
+                    status = JobStatus.QUEUED if leases.release(s, lease, f"worker {self.worker_id} shut down "
+                                                                           "before it ran") else None
+                if status is JobStatus.QUEUED:
+                    dispatch(s, self.settings.redis_url, job_id, self.settings.model_name, queue=back_to,
+                             priority=priority, detail="given back at shutdown", send=send_back)
+                elif status is JobStatus.DISPATCHED:
+                    send_back(self.settings.redis_url, job_id, back_to, priority)
+        except Exception:  # the sweeper finds it: its lease lapses, or its message is missed from the queue
+            log.exception("job %s could not be given back at shutdown", job_id)
 
     def _resumed(self, lease: leases.Lease, request: Request) -> Resumed | None:
         """Where an earlier attempt of the job streamed tokens: ``request`` goes on from them (``workers.resume``;
@@ -578,7 +630,8 @@ def run_worker(settings: Settings) -> None:
     try:
         worker.start()
     finally:
-        runtime.stop()
+        # a warm shutdown (SIGTERM) lets running jobs finish for a grace; a cold one (SIGQUIT) gives them back at once
+        runtime.stop(0.0 if cold_shutdown() else STOP_GRACE_S)
     if runtime.broken is not None:
         raise SystemExit(f"worker {runtime.worker_id}: the engine is broken ({runtime.broken}); its jobs were "
                          "given back to the queue")
