@@ -59,11 +59,14 @@ def renew(session: Session, worker_id: str, leases: Iterable[Lease], lease_s: fl
         return set()
     ids = [lease.job_id for lease in leases]
     # a job the API stopped while this worker ran it stays leased until the worker writes what it produced
-    # (keep_cancelled): its lease expires only where the worker is gone, and the sweeper then settles it
-    unwritten = and_(Job.status.in_([s.value for s in STOPPED]), Job.settled_at.is_(None))
+    # (keep_cancelled), for one lease after the stop: its lease expires where the worker is gone, or where its engine
+    # never finishes the abort (it would stay unsettled as long as the worker beats), and the sweeper settles it
+    now = utcnow()
+    unwritten = and_(Job.status.in_([s.value for s in STOPPED]), Job.settled_at.is_(None),
+                     Job.finished_at > now - timedelta(seconds=lease_s))
     session.execute(update(Job).where(Job.id.in_(ids), Job.worker_id == worker_id,
                                       or_(Job.status.in_([s.value for s in ACTIVE]), unwritten))
-                    .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+                    .values(lease_expires_at=now + timedelta(seconds=lease_s))
                     .execution_options(synchronize_session=False))
     held = session.execute(select(Job.id, Job.attempt).where(
         Job.id.in_(ids), Job.worker_id == worker_id, Job.status.in_([s.value for s in ACTIVE]))).all()

@@ -213,6 +213,35 @@ def test_a_job_cancelled_while_held_settles_when_its_worker_dies_before_writing_
         assert s.get(Job, job_id).completion_tokens is None
 
 
+def test_a_live_worker_keeps_a_stopped_job_unsettled_for_one_lease_at_most(settings, keys):
+    """A worker whose engine never finishes the abort of a cancelled job beats on: it renews the job's lease for one
+    lease after the cancel, then lets it expire, and the sweeper settles the end as it stands."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.services.jobs import cancel_job
+    from app.services.transitions import as_utc, utcnow
+
+    url = settings.sqlalchemy_url
+    job_id = _job(settings, keys)
+    with session_scope(url) as s:
+        lease = leases.acquire(s, job_id, "w1", lease_s=30)
+        assert cancel_job(s, s.get(Job, job_id)) == JobStatus.RUNNING
+    with session_scope(url) as s:  # the cancel was a lease (30 s) and more ago; the abort still has not come back
+        s.execute(update(Job).where(Job.id == job_id).values(finished_at=utcnow() - timedelta(seconds=31)))
+        before = as_utc(s.get(Job, job_id).lease_expires_at)
+    with session_scope(url) as s:
+        assert leases.renew(s, "w1", [lease], 30) == set()
+        assert as_utc(s.get(Job, job_id).lease_expires_at) == before  # not renewed: it lapses
+    with session_scope(url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    with session_scope(url) as s:
+        assert sweep(s, settings.redis_url, queued_grace_s=0).settled == 1
+    with session_scope(url) as s:
+        assert s.get(Job, job_id).settled_at is not None
+
+
 def test_a_job_cancelled_while_held_is_settled_by_its_workers_write(settings, keys):
     """The usual end: the worker writes what it produced, which settles the end and ends its lease."""
     from app.services.jobs import cancel_job
