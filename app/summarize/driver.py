@@ -254,7 +254,7 @@ def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], 
         planner = planner_for(settings, run, backend, later_level_deadline(settings, as_utc(run.deadline_at)), keep)
     except Exception as exc:  # the pipeline itself failed (its model, its prompts): so does the run
         log.exception("summarization run %s failed", run.id)
-        return _commit_failure(url, run, owner, f"pipeline error: {exc}")
+        return _commit_failure(settings, run, owner, f"pipeline error: {exc}")
     moves = []
     for position, doc in docs.items():
         keep()
@@ -264,7 +264,7 @@ def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], 
             check_first_level(settings, run, list(docs.values()), len(backend.jobs))
         except JobValidationError as exc:  # the request could not tell: the run fails before any job is written
             log.info("summarization %s refused at its first step: %s", run.id, exc)
-            return _commit_failure(url, run, owner, str(exc))
+            return _commit_failure(settings, run, owner, str(exc))
     newly_done = sum(d.done for d in docs.values())
     newly_failed = sum(d.error is not None for d in docs.values())
     done, failed = run.documents_done + newly_done, run.documents_failed + newly_failed
@@ -327,9 +327,20 @@ def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool
         .execution_options(synchronize_session=False)).rowcount == 1
 
 
-def _commit_failure(url: str, run: SummarizationRun, owner: str, error: str) -> Step:
-    """Fails the run and every document not done yet (their running jobs still finish)."""
-    return _end_run(url, run, owner, "failed", error, error)
+def _commit_failure(settings: Settings, run: SummarizationRun, owner: str, error: str) -> Step:
+    """Fails the run and every document not done yet, and stops the jobs those waited for (as a cancel does: a failed
+    run's jobs would run to their end on the GPU for nobody), its lease held meanwhile. A process that dies before
+    they are all stopped leaves a failed run whose ``jobs_done`` is short of ``jobs_submitted``: a worker's sweeper
+    stops the rest (``finish_cancels``)."""
+    url = settings.sqlalchemy_url
+    step = _end_run(url, run, owner, FAILED.during, error, error, keep_lease_s=settings.lease_seconds)
+    if step.outcome != Outcome.STEPPED:
+        return step  # ``advance`` gives the lease back
+    try:
+        return _stop_pending_jobs(settings, run.id, owner, FAILED)
+    except Exception:
+        lease.release(url, run.id, owner)  # a worker's sweeper stops them now, not when the lease expires
+        raise
 
 
 def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: str, reason: str,
@@ -359,6 +370,24 @@ CANCEL_TRIES = 40  # a step holds the run's lease for milliseconds: a cancel wai
 # cancelled, and the jobs its documents waited for not all stopped yet: its documents still name them, and whoever
 # holds its lease stops them (the cancel itself, or a worker's sweeper where the cancel died partway)
 CANCELLING = "cancelling"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a run that ends stops the jobs its documents still wait for: its status while it stops them (its lease
+    held, its documents naming them), its status once they are stopped, and the ``error`` each stopped job gets."""
+
+    during: str
+    after: str
+    job_detail: str  # formatted with the run's id
+
+    def detail(self, run_id: str) -> str:
+        return self.job_detail.format(run_id=run_id)
+
+
+CANCELLED = Ending(CANCELLING, "cancelled", "cancelled with summarization {run_id}")
+FAILED = Ending("failed", "failed", "cancelled: summarization {run_id} failed, so its result is not needed")
+ENDINGS = {e.during: e for e in (CANCELLED, FAILED)}
 
 
 class RunBusy(Exception):
@@ -408,7 +437,7 @@ def _finish_cancel(settings: Settings, run: SummarizationRun, owner: str) -> boo
     if not lease.take_over(url, run, owner, settings.lease_seconds):
         return False
     try:
-        _stop_cancelled_jobs(settings, run.id, owner)
+        _stop_pending_jobs(settings, run.id, owner, CANCELLED)
     except Exception:
         lease.release(url, run.id, owner)
         raise
@@ -424,49 +453,55 @@ def _cancel_claimed(settings: Settings, run: SummarizationRun, owner: str, reaso
         lease.release(url, run.id, owner)
         return step
     try:
-        stopped = _stop_cancelled_jobs(settings, run.id, owner)
+        stopped = _stop_pending_jobs(settings, run.id, owner, CANCELLED)
     except Exception:
         lease.release(url, run.id, owner)  # a worker's sweeper stops the rest now, not when the lease expires
         raise
     return Step(Outcome.STEPPED, stopped.status)  # cancelled, or cancelling where another holder stops the rest
 
 
-def _stop_cancelled_jobs(settings: Settings, run_id: str, owner: str) -> Step:
-    """Stops the jobs a ``cancelling`` run's documents still name, then the run is ``cancelled`` and they name none;
-    ``owner`` holds its lease (a process that dies here leaves it ``cancelling``: the next holder stops them again,
-    the ones already stopped staying as they are)."""
+def _stop_pending_jobs(settings: Settings, run_id: str, owner: str, ending: Ending) -> Step:
+    """Stops the jobs the documents of a run ``ending.during`` still name and any other job of the run not ended,
+    then the run is ``ending.after`` and they name none; ``owner`` holds its lease (a process that dies here leaves
+    it so: the next holder stops them again, the ones already stopped staying as they are)."""
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
         pending = s.scalars(select(SummarizationDocument.pending).where(SummarizationDocument.run_id == run_id)).all()
-        stop_job_ids(s, [j for ids in pending for j in ids], JobStatus.CANCELLED,
-                     f"cancelled with summarization {run_id}", settings.redis_url)
+        still_open = s.scalars(select(Job.id).where(Job.summarization_run_id == run_id,
+                                                    Job.status.in_(store.OPEN_JOB))).all()
+        stop_job_ids(s, list(dict.fromkeys([j for ids in pending for j in ids] + still_open)), JobStatus.CANCELLED,
+                     ending.detail(run_id), settings.redis_url)
     with session_scope(url) as s, write_guard(s):
         ended = s.execute(update(SummarizationRun).where(
-            SummarizationRun.id == run_id, SummarizationRun.status == CANCELLING, SummarizationRun.lease_owner == owner)
-            .values(status="cancelled", lease_owner=None, lease_expires_at=None,
+            SummarizationRun.id == run_id, SummarizationRun.status == ending.during,
+            SummarizationRun.lease_owner == owner)
+            .values(status=ending.after, lease_owner=None, lease_expires_at=None,
                     jobs_done=SummarizationRun.jobs_submitted)  # each ended or stopped now
             .execution_options(synchronize_session=False)).rowcount == 1
         if not ended:  # another process took the lease over meanwhile: it ends the run
             s.rollback()
-            return Step(Outcome.LOST, CANCELLING)
+            return Step(Outcome.LOST, ending.during)
         s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run_id)
                   .values(pending=[]).execution_options(synchronize_session=False))
-    return Step(Outcome.STEPPED, "cancelled")
+    return Step(Outcome.STEPPED, ending.after)
 
 
 def finish_cancels(settings: Settings, owner: str, limit: int = 100) -> list[Step]:
-    """Stops the jobs of runs left ``cancelling`` by a cancel that died partway (the workers' sweeper calls this
-    through ``advance_open_runs``; any model's worker can: stopping a job needs no tokenizer)."""
+    """Stops the jobs of runs left ``cancelling`` by a cancel that died partway, and of failed runs whose
+    ``jobs_done`` is short of ``jobs_submitted`` (``_commit_failure`` died before it stopped their jobs, or they
+    failed before failing stopped them) (the workers' sweeper calls this through ``advance_open_runs``; any model's
+    worker can: stopping a job needs no tokenizer)."""
     url, now = settings.sqlalchemy_url, utcnow()
     with session_scope(url) as s:
         runs = s.scalars(select(SummarizationRun).where(
-            SummarizationRun.status == CANCELLING,
+            or_(SummarizationRun.status == CANCELLING, (SummarizationRun.status == FAILED.during)
+                & (SummarizationRun.jobs_done < SummarizationRun.jobs_submitted)),
             or_(SummarizationRun.lease_owner.is_(None), SummarizationRun.lease_expires_at < now)).limit(limit)).all()
     steps = []
     for run in runs:
         try:
             if lease.claim(url, run, owner, settings.lease_seconds):
-                steps.append(_stop_cancelled_jobs(settings, run.id, owner))
+                steps.append(_stop_pending_jobs(settings, run.id, owner, ENDINGS[run.status]))
         except Exception:
             log.exception("could not stop the jobs of cancelled summarization %s", run.id)
     return steps

@@ -86,7 +86,7 @@ OPEN_JOB = tuple(s.value for s in JobStatus if s.value not in TERMINAL)
 
 def open_job_count(session: Session, run: SummarizationRun) -> int:
     """The jobs a run submitted that have not ended: while it is live, the ones its documents wait for; once it
-    failed as a whole, the ones it left running (a cancelled run stopped its own). One count on
+    failed as a whole or was cancelled, the ones not stopped yet (``driver._stop_pending_jobs``). One count on
     ``ix_jobs_summarization_run_status``, whatever the run's size: each poll of a run's progress runs it."""
     return session.scalar(select(func.count()).select_from(Job).where(
         Job.summarization_run_id == run.id, Job.status.in_(OPEN_JOB))) or 0
@@ -155,7 +155,7 @@ class RunView:
 
 def progress_of(run: SummarizationRun, session: Session | None = None) -> Progress:
     """``session``: ``jobs_done`` counts the jobs ended up to now (a step counts those ended when it ran), a run's
-    that ended too: one failed as a whole leaves its running jobs to finish, and a user sees them end. A run whose
+    that ended too: one that ended as a whole stops its jobs after it ends, and a user sees them end. A run whose
     count reached ``jobs_submitted`` is not counted again (an ended one's, in the common case)."""
     jobs_done = run.jobs_done
     if session is not None and jobs_done < run.jobs_submitted:

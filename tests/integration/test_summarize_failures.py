@@ -8,8 +8,9 @@ import json
 import pytest
 from sqlalchemy import select, update
 
-from app.db.models import Job, SummarizationDocument, SummarizationRun
+from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope
+from app.summarize import driver
 from app.summarize.documents import specbench_summarization
 from tests.conftest import Keys, wait_for
 
@@ -202,3 +203,70 @@ def test_a_run_whose_words_alone_make_more_jobs_than_summarize_max_jobs_is_refus
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.scalars(select(SummarizationRun)).all() == []
     assert _jobs(settings) == []
+
+
+def _fail_the_pipeline(monkeypatch) -> None:
+    """The run's next step cannot build its planner (its model's tokenizer fails to load): the run fails as a whole."""
+    def broken(_model):
+        raise OSError("the tokenizer files are gone")
+
+    monkeypatch.setattr(driver, "get_tokenizer", broken)
+
+
+def _run_failing_with_a_job_open(client, keys, settings, monkeypatch) -> tuple[str, str]:
+    """A run of two documents whose first document's job ends, and whose step then fails the run; the run's id and
+    the job the second document waited for."""
+    body = {"documents": [{"id": "done", "text": "The cat sat. It was warm."},
+                          {"id": "open", "text": "The dog ran. It was cold."}], "deadline": "30m"}
+    run_id = _started(client, keys.paid, body)
+    docs = _docs(settings, run_id)
+    _fail_the_pipeline(monkeypatch)
+    _finish(settings, docs["done"].pending, "A cat in the warmth.")
+    wait_for(lambda: client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json()["status"]
+             == "failed", 30, "the run to fail")
+    return run_id, docs["open"].pending[0]
+
+
+def test_a_run_that_fails_as_a_whole_cancels_the_jobs_its_documents_waited_for(client, keys, settings, monkeypatch):
+    """A run that failed as a whole left the jobs it had submitted running to their end on the GPU, for nobody: they
+    are cancelled as a cancelled run's are, naming the failed run, and its jobs_done reaches jobs_submitted."""
+    run_id, open_job = _run_failing_with_a_job_open(client, keys, settings, monkeypatch)
+    run = wait_for(lambda: (r := client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json())
+                   ["jobs_done"] == r["jobs_submitted"] and r, 30, "the run's jobs to end")
+    assert (run["jobs_submitted"], run["jobs_done"]) == (2, 2), run
+    assert run["reason"] == "pipeline error: the tokenizer files are gone", run
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, open_job).status == "cancelled"
+        detail = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == open_job,
+                                                         JobEvent.to_status == "cancelled"))
+        assert f"summarization {run_id} failed" in detail.one()  # the job's events say why it was cancelled
+        row = s.get(SummarizationRun, run_id)
+        assert (row.status, row.lease_owner, row.jobs_done) == ("failed", None, 2)
+    assert all(d.pending == [] for d in _docs(settings, run_id).values())
+
+
+def test_the_sweeper_stops_the_jobs_of_a_run_whose_failure_died_before_stopping_them(client, keys, settings,
+                                                                                    monkeypatch):
+    """A process that fails a run and dies before stopping its jobs leaves it failed with jobs_done short of
+    jobs_submitted: a worker's sweeper (``finish_cancels``) stops them."""
+    def dies(*_args, **_kwargs):
+        raise ConnectionError("the process died here")
+
+    monkeypatch.setattr(driver, "stop_job_ids", dies)
+    run_id, open_job = _run_failing_with_a_job_open(client, keys, settings, monkeypatch)
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, open_job).status in ("queued", "dispatched")
+    monkeypatch.undo()
+    wait_for(lambda: _lease_free(settings, run_id), 30, "the failed step to give its lease back")
+    steps = driver.finish_cancels(settings, "a-workers-sweeper")
+    assert [(st.outcome, st.status) for st in steps] == [(driver.Outcome.STEPPED, "failed")]
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, open_job).status == "cancelled"
+        run = s.get(SummarizationRun, run_id)
+        assert (run.status, run.jobs_done, run.jobs_submitted) == ("failed", 2, 2)
+    assert driver.finish_cancels(settings, "a-workers-sweeper") == []  # once stopped, the run is not taken again
+
+
+def _lease_free(settings, run_id: str) -> bool:
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.get(SummarizationRun, run_id).lease_owner is None

@@ -779,9 +779,11 @@ def test_token_counts_are_the_tokenizers_own_counts(settings):
                                                            for c in conversations]
 
 
-def test_a_run_failed_at_a_later_level_counts_the_jobs_that_end_after_it_ended(settings, principal, monkeypatch):
-    """A run failed as a whole (a pipeline error) leaves its running jobs to finish: its ``jobs_done`` stayed what
-    its last step had counted, below ``jobs_submitted`` forever; it counts them as they end, as a running run's."""
+def test_a_run_failed_at_a_later_level_stops_the_jobs_it_left_and_counts_them_done(settings, principal,
+                                                                                     monkeypatch):
+    """A run failed as a whole (a pipeline error) left its running jobs to finish on the GPU for nobody, its
+    ``jobs_done`` short of ``jobs_submitted`` until they did: they are cancelled as the run fails, and its
+    ``jobs_done`` is ``jobs_submitted`` at once; the jobs that had ended keep their results."""
     url = settings.sqlalchemy_url
     run_id = start(settings, principal, [Document("long", LONG), Document("other", LONG)])
     done_first, still = doc_row(url, run_id, 0).pending, doc_row(url, run_id, 1).pending
@@ -790,14 +792,13 @@ def test_a_run_failed_at_a_later_level_counts_the_jobs_that_end_after_it_ended(s
     assert driver.advance(settings, run_id, "p1") == driver.Step(Outcome.STEPPED, "failed")
     progress = service.view(settings, run_id).progress
     assert (progress.status, progress.jobs_submitted) == ("failed", len(done_first) + len(still))
-    assert progress.jobs_done == len(done_first)  # was 0: what the first step had counted
-    end_jobs(url, still[:1], "succeeded")
-    assert service.view(settings, run_id).progress.jobs_done == len(done_first) + 1
-    end_jobs(url, still[1:], "failed", error="engine error")
-    progress = service.view(settings, run_id).progress
     assert progress.jobs_done == progress.jobs_submitted
     with session_scope(url) as s:  # the runs listing and the admin dashboard count alike
         assert store.progress_of(s.get(SummarizationRun, run_id), s).jobs_done == progress.jobs_submitted
+        assert {s.get(Job, j).status for j in still} == {"cancelled"}
+        assert {s.get(Job, j).status for j in done_first} == {"succeeded"}
+        assert s.get(SummarizationRun, run_id).lease_owner is None
+    assert driver.finish_cancels(settings, "sweeper") == []  # nothing left for a worker's sweeper to stop
 
 
 def test_token_counts_of_a_tokenizer_that_truncates_by_itself_are_whole(settings):
