@@ -40,7 +40,8 @@ def check_jobs(jobs: int, most: int, chunk_tokens: int) -> None:
 def least_jobs(texts: list[str], chunk_tokens: int) -> int:
     """The fewest first-level jobs the documents can make, with no tokenizer: a document makes at least one chunk, and
     holds at least a token per word (whitespace-separated: the tokenizers of the model families coserve serves split
-    text at whitespace before they merge), which its chunks of at most ``chunk_tokens`` tokens all cover."""
+    text at whitespace before they merge; a token may hold a run of whitespace, " \n", but never two words), which
+    its chunks of at most ``chunk_tokens`` tokens all cover."""
     return sum(max(1, -(-len(text.split()) // chunk_tokens)) for text in texts)
 
 
