@@ -334,7 +334,7 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
                endpoint: str = "/v1/jobs", dispatch: bool = True, writer: JobWriter | None = None,
                overdue_ok: bool = False, response: dict[str, Any] | None = None,
                limiter: RateLimiter | None = None, charge: tuple[bool, bool] = (True, True),
-               job_id: str | None = None) -> Submitted:
+               job_id: str | None = None, prompt_tokens: int | None = None) -> Submitted:
     """Writes the job row, commits, then sends it to the workers (unless ``dispatch=False``).
 
     With a ``writer`` (the API's group-commit writer) the row is committed together with
@@ -344,13 +344,14 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     reduce) must still run when earlier stages overran; the scheduler then treats it as late.
     ``limiter``: the tenant's rate limits apply (API requests; raises ``RateLimited`` over them), ``charge`` saying
     whether this job is its request's first and its prompt's first choice (``rate_charge``); the writer charges
-    its batch in one call. A repeated idempotent request is not charged.
+    its batch in one call. A repeated idempotent request is not charged. ``prompt_tokens``: the prompt's count where
+    the caller measured it (``build_job``).
     """
     existing = _by_idempotency_key(session, principal.tenant_id, idempotency_key) if idempotency_key else None
     # a retry whose deadline has passed since the first try still answers that job
     job = build_job(settings, principal, spec, idempotency_key=idempotency_key, batch_id=batch_id,
                     custom_id=custom_id, endpoint=endpoint, overdue_ok=overdue_ok or existing is not None,
-                    response=response, job_id=job_id)
+                    response=response, job_id=job_id, prompt_tokens=prompt_tokens)
     job.counts_request, job.counts_prompt = charge  # usage counts a request and a prompt once, as the limits do
     if existing is not None:
         return _earlier(existing, job)

@@ -261,11 +261,14 @@ class SummarizeRun:
     def docs_done(self) -> int:
         return sum(d.done for d in self.docs)
 
-    def step(self, backend: JobBackend, split: Callable[[str], list[str]], job_retries: int = 0) -> bool:
-        """Submits ready work and collects finished jobs; True when every document is done."""
+    def step(self, backend: JobBackend, split: Callable[[str], list[str]], job_retries: int = 0,
+             count: Callable[[list[list[dict[str, str]]]], list[int]] | None = None) -> bool:
+        """Submits ready work and collects finished jobs; True when every document is done. ``count``:
+        ``Planner.count`` (a ``service.SqlBackend``'s own)."""
         pending = [j for d in self.docs for j in d.pending]
         results = backend.poll(pending) if pending else {}
-        planner = Planner(backend, split, self.max_summary_tokens, self.deadline_at, job_retries=job_retries)
+        planner = Planner(backend, split, self.max_summary_tokens, self.deadline_at, job_retries=job_retries,
+                          count=count)
         for doc in self.docs:
             self.jobs_submitted += advance_doc(doc, results, planner).submitted
         self.jobs_done = self.jobs_submitted - open_jobs(self.docs, results)

@@ -49,18 +49,23 @@ MAX_DRIVE_ERRORS = 20  # in a row: this process stops driving the run; the worke
 
 class SqlBackend:
     """A ``JobBackend`` that submits each job at once with ``submit_job`` (scripts, tests); runs
-    of the service build their jobs inside a step's transaction instead (``driver.JobCollector``)."""
+    of the service build their jobs inside a step's transaction instead (``driver.JobCollector``). Its prompts are
+    counted as the service's are: ``count`` (``driver.prompt_counter``) measures a level's together, and a job
+    submitted without its count is measured the same way."""
 
     def __init__(self, settings: Settings, principal: Principal, tier: str | None) -> None:
         self.settings, self.principal, self.tier = settings, principal, tier
+        self.count = driver.prompt_counter(settings, lambda: None)  # ``SummarizeRun.step(count=...)``
 
     def submit(self, messages, max_tokens: int, deadline_at: datetime, app_id: str,
-               prompt_tokens: int | None = None) -> str:  # submit_job counts the prompt itself
+               prompt_tokens: int | None = None) -> str:
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
                          temperature=0.0, app_id=app_id, tier=self.tier)
+        if prompt_tokens is None:
+            prompt_tokens = self.count([messages])[0]
         with session_scope(self.settings.sqlalchemy_url) as s:
             return job_service.submit_job(s, self.principal, spec, self.settings, endpoint="/v1/summarize",
-                                          overdue_ok=True).job.id
+                                          overdue_ok=True, prompt_tokens=prompt_tokens).job.id
 
     def poll(self, job_ids):
         with session_scope(self.settings.sqlalchemy_url) as s:

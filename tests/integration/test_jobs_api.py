@@ -782,6 +782,44 @@ def test_a_pipeline_stage_past_its_deadline_is_still_accepted(settings, keys):
         assert job.status in ("queued", "dispatched") and job.kind == "batch"
 
 
+def test_a_pipeline_on_sql_counts_a_levels_prompts_in_one_call_as_the_service_does(settings, keys, monkeypatch):
+    """``SqlBackend`` (scripts, tests) counted each job's prompt alone (``build_job``'s own path) where the service
+    counts a level's together (``driver.prompt_counter``): it counts as the service does now, to the same counts."""
+    from app.auth import Principal
+    from app.services import jobs as job_service
+    from app.summarize import driver
+    from app.summarize.documents import Document
+    from app.summarize.pipeline import SummarizeRun
+    from app.services.model_info import get_tokenizer
+    from app.summarize.service import SqlBackend
+    from app.summarize.split import TokenSplitter
+
+    calls = {"level": 0, "alone": 0}
+    level_counts, fed_prompt = driver.count_inputs, job_service.fed_prompt
+
+    def counting_a_level(model, conversations):
+        calls["level"] += 1
+        return level_counts(model, conversations)
+
+    def counting_alone(*args, **kwargs):
+        calls["alone"] += 1
+        return fed_prompt(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "count_inputs", counting_a_level)
+    monkeypatch.setattr(job_service, "fed_prompt", counting_alone)
+    backend = SqlBackend(settings, Principal(key_id="", tenant_id=keys.tenant_id, tier="paid", is_admin=False), None)
+    text = " ".join(f"Fact number {i} is about the topic of the document." for i in range(20))
+    run = SummarizeRun.create("sum_sql", [Document("d", text)], datetime.now(UTC) + timedelta(hours=1), 8)
+    split = TokenSplitter(get_tokenizer(settings.model), 64, 0)
+    run.step(backend, split, count=backend.count)
+    assert run.jobs_submitted > 1 and calls == {"level": 1, "alone": 0}  # one call for the level's prompts
+    monkeypatch.undo()
+    with session_scope(settings.sqlalchemy_url) as s:
+        jobs = s.scalars(select(Job).where(Job.app_id == "summarize-map")).all()
+        assert len(jobs) == run.jobs_submitted
+        assert [j.prompt_tokens for j in jobs] == [len(fed_prompt(settings, j)) for j in jobs]  # as alone
+
+
 def test_the_stream_of_a_cancelled_job_whose_events_expired_gives_the_text_it_kept(client, keys, settings):
     from sqlalchemy import update
 
