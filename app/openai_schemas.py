@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
+from app import structural_tag
 from app.api.errors import CheckedRoute, blamed, loc_param, validation_errors
 from app.schemas import (MAX_SEED, MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, MIN_SEED, TEMPLATE_DEFAULTS, ChatMessage,
                          JobCreate, StructuredOutputs)
@@ -342,7 +343,8 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
         return {}
 
     def output_constraint(self) -> StructuredOutputs | None:
-        """The constraint of ``response_format`` (text, json_object or json_schema) or ``structured_outputs``."""
+        """The constraint of ``response_format`` (text, json_object, json_schema or vLLM's structural_tag) or
+        ``structured_outputs``."""
         fmt = self.response_format
         kind = (fmt or {}).get("type", "text")
         if kind == "text":
@@ -362,8 +364,16 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                 message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
                 raise OpenAIError(400, f"response_format json_schema.schema: {message}",
                                   param="response_format") from exc
-        raise OpenAIError(400, f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
-                               "'json_schema'", param="response_format", code="unsupported_value")
+        if kind == "structural_tag":
+            try:
+                return StructuredOutputs(structural_tag=structural_tag.of_response_format(fmt))
+            except ValidationError as exc:  # the tag's shape is right, xgrammar cannot compile it
+                message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise OpenAIError(400, f"response_format {message}", param="response_format") from None
+            except ValueError as exc:  # its shape is wrong
+                raise OpenAIError(400, f"response_format {exc}", param="response_format") from None
+        raise OpenAIError(400, f"response_format type {kind!r} is not supported; use 'text', 'json_object', "
+                               "'json_schema' or 'structural_tag'", param="response_format", code="unsupported_value")
 
     def job_spec(self, *, prompt: str | None = None, messages: list[ChatMessage] | None = None,
                  batch_window_s: float | None = None, deadline_at: datetime | None = None,

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from app import structural_tag
 from app.bounds import MAX_RATE
 from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
 from app.wire import FieldProblem, Text, UtcDatetime
@@ -85,12 +86,14 @@ class StructuredOutputs(BaseModel):
     choice: list[Text] | None = Field(None, min_length=1, description="the text is one of these strings")
     grammar: Text | None = Field(None, min_length=1, description="a grammar (EBNF as xgrammar reads it, or Lark)")
     json_object: Literal[True] | None = Field(None, description="any JSON object")
+    structural_tag: Text | None = Field(None, description=(
+        "vLLM's structural tag as JSON text: free text until a trigger, then tagged parts under their constraints"))
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutputs:
         given = list(self.fields())
         if len(given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar or json_object"
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object or structural_tag"
                              + (f" (got {', '.join(given)})" if given else ""))
         schema = self.json_schema
         if isinstance(schema, str):
@@ -104,6 +107,8 @@ class StructuredOutputs(BaseModel):
             raise ValueError("json holds a number that is not finite (NaN or Infinity); JSON schemas cannot")
         if self.regex is not None and "\x00" in self.regex:
             raise ValueError("regex must not contain a NUL character")
+        if self.structural_tag is not None:
+            structural_tag.check(self.structural_tag)
         return self
 
     def fields(self) -> dict[str, Any]:
@@ -195,7 +200,8 @@ class JobCreate(BaseModel):
         "vLLM's: where the server reads a reasoning model's thinking (COSERVE_REASONING_PARSER), false leaves it "
         "out of the chat answer (it is still not content)"))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
-        "constrain the text to a JSON schema, a regex, a list of choices or a grammar (vLLM backend)"))
+        "constrain the text to a JSON schema, a regex, a list of choices, a grammar or a structural tag (vLLM "
+        "backend)"))
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS, description=(
         "functions the model may call, given to the model's chat template (chat messages only)"))
     tool_choice: ToolChoice | None = Field(None, description=(

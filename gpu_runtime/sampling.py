@@ -33,16 +33,17 @@ THINKING_BUDGET_UNSUPPORTED = ("a thinking budget needs the vLLM backend (COSERV
                                "parser: the own torch engine does not cut a model's thinking short; leave it unset")
 STRUCTURED_UNSUPPORTED = ("structured outputs need the vLLM backend (COSERVE_BACKEND=vllm): the own torch engine does "
                           "not constrain its output; leave the output format unset")
-CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
 class OutputConstraint:
     """Structured output: the text must match a JSON schema (``json``), any JSON object (``json_object``), a regular
-    expression, one of a list of strings (``choice``) or a grammar (vLLM's ``StructuredOutputsParams``, one field)."""
+    expression, one of a list of strings (``choice``), a grammar or a structural tag (vLLM's
+    ``StructuredOutputsParams``, one field)."""
 
     kind: str  # one of CONSTRAINT_KINDS
-    spec: str  # the schema or the choices as JSON text, the regex or the grammar ("" for json_object)
+    spec: str  # the schema, the choices or the structural tag as JSON text, the regex or the grammar ("" for json_object)
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:

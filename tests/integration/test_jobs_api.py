@@ -439,6 +439,29 @@ def test_a_schema_json_cannot_carry_is_a_4xx_not_a_500(client, keys, settings):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
 
 
+def test_a_structural_tag_xgrammar_cannot_compile_is_a_4xx_saying_why(client, keys, settings):
+    settings.backend = "vllm"  # structured outputs pass the engine check; the tag itself must not
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    bad = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<a"], "tags": [
+        {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
+    r = client.post("/v1/chat/completions", json={**chat, "response_format": bad}, headers=H(keys.paid))
+    assert r.status_code == 400 and "does not match any trigger" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "response_format": {
+        "type": "structural_tag", "structures": []}}, headers=H(keys.paid))
+    assert r.status_code == 400 and "triggers: Field required" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"structural_tag": "{"}},
+                    headers=H(keys.paid))
+    assert r.status_code == 422 and "structural_tag is not valid JSON" in r.text, r.text
+    good = {**bad, "format": {**bad["format"], "triggers": ["<b"]}}
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"structural_tag": json.dumps(good)}},
+                    headers=H(keys.paid))
+    assert r.status_code == 201 and r.json()["sampling"]["structured_outputs"] == {
+        "structural_tag": json.dumps(good)}, r.text
+    settings.backend = "torch"  # the own engine constrains nothing: refused, saying so
+    r = client.post("/v1/chat/completions", json={**chat, "response_format": good}, headers=H(keys.paid))
+    assert r.status_code == 400 and "vLLM backend" in r.json()["error"]["message"], r.text
+
+
 def test_idempotency_key_returns_same_job(client, keys):
     h = {**H(keys.paid), "Idempotency-Key": "abc-1"}
     a = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)

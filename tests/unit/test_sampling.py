@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from app.services.jobs import engine_refusal
 from app.settings import Settings
@@ -86,6 +88,8 @@ SAMPLING = dataclasses.asdict(SamplingParams())
     ("vllm", "nightjar", {"min_p": 0.2}, "min_p"),  # vLLM refuses min_p with speculative decoding
     ("vllm", "nightjar", {"frequency_penalty": 1.0}, None),
     ("torch", "none", {"structured_outputs": {"json_object": True}}, "structured_outputs"),
+    ("torch", "none", {"structured_outputs": {"structural_tag": '{"format": {}}'}}, "structured_outputs"),
+    ("vllm", "none", {"structured_outputs": {"structural_tag": '{"format": {}}'}}, None),
     ("vllm", "adaspec", {"structured_outputs": {"regex": "[0-9]+"}}, None),
     ("torch", "none", {"logit_bias": {"5": 3.0}}, "logit_bias"),
     ("vllm", "none", {"logit_bias": {"5": -100.0}}, None),
@@ -105,7 +109,9 @@ def test_the_api_refuses_what_the_servers_engine_cannot_apply(backend, spec, sam
 
 @pytest.mark.parametrize("fields", [{"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
                                     {"choice": ["yes", "no"]}, {"regex": "[a-z]{3}"}, {"json_object": True},
-                                    {"grammar": 'root ::= "a" | "b"'}])
+                                    {"grammar": 'root ::= "a" | "b"'},
+                                    {"structural_tag": '{"type": "structural_tag", "format": {"type": "const_string", '
+                                                       '"value": "a"}}'}])
 def test_an_output_constraint_keeps_vllms_field_form(fields):
     assert OutputConstraint.of(fields).fields() == fields
 
@@ -134,9 +140,40 @@ def test_openai_response_format_becomes_the_jobs_constraint():
         assert exc.value.status_code == 400 and exc.value.param == "response_format"
 
 
-def test_a_schema_with_a_number_json_cannot_carry_is_refused():
-    from pydantic import ValidationError
+WEATHER_TAG = {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+    {"begin": "<function=get_weather>", "end": "</function>",
+     "content": {"type": "json_schema", "json_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}
 
+
+def test_a_structural_tag_becomes_the_jobs_constraint_as_vllm_passes_it_on():
+    from app.openai_schemas import ChatCompletionRequest, OpenAIError
+
+    def constraint(**body):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+        req.check()
+        return req.job_spec(messages=req.chat_messages()).sampling(8)["structured_outputs"]
+
+    tag = {"type": "structural_tag", "format": WEATHER_TAG}
+    assert json.loads(constraint(response_format=tag)["structural_tag"]) == tag
+    legacy = {"type": "structural_tag", "triggers": ["<f"],
+              "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]}
+    assert json.loads(constraint(response_format=legacy)["structural_tag"]) == legacy
+    assert constraint(structured_outputs={"structural_tag": json.dumps(tag)}) == {"structural_tag": json.dumps(tag)}
+    for fmt, why in (({"type": "structural_tag"}, "format: Field required"),
+                     ({"type": "structural_tag", "triggers": ["<f"]}, "structures: Field required"),
+                     ({"type": "structural_tag", "format": {"type": "nope"}}, "Format type not recognized: nope"),
+                     ({**legacy, "triggers": ["<g"]}, "does not match any trigger")):
+        with pytest.raises(OpenAIError) as exc:
+            constraint(response_format=fmt)
+        assert exc.value.status_code == 400 and exc.value.param == "response_format" and why in exc.value.message
+    for text, why in (("", "empty"), ("{", "not valid JSON"), ("[1]", "JSON object"),
+                      ('{"format": {"type": "nope"}}', "Format type not recognized"),
+                      ('{"structures": [{"begin": "<f>"}], "triggers": []}', "legacy form needs structures")):
+        with pytest.raises(ValidationError, match=why):
+            constraint(structured_outputs={"structural_tag": text})
+
+
+def test_a_schema_with_a_number_json_cannot_carry_is_refused():
     from app.schemas import JobCreate
 
     for schema in ({"maximum": float("inf")}, '{"minimum": NaN}', {"anyOf": [{"const": [1.0, float("nan")]}]}):

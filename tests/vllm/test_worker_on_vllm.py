@@ -6,6 +6,7 @@ client streams from it, a batch job and a relegated free job finish, and SQL hol
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import uuid
@@ -289,6 +290,21 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8, temperature=0,
                                       extra_body={"structured_outputs": {"choice": ["Lyon", "Nice"]}})
     assert out.choices[0].message.content in ("Lyon", "Nice")
+    # vLLM's structural tag: once its trigger comes (at once, at_least_one), the call's JSON under its schema
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+            "additionalProperties": False}
+    tag = {"type": "triggered_tags", "triggers": ["<function="], "at_least_one": True, "stop_after_first": True,
+           "tags": [{"begin": "<function=get_weather>", "content": {"type": "json_schema", "json_schema": city},
+                     "end": "</function>"}]}
+    out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=48, temperature=0,
+                                      response_format={"type": "structural_tag", "format": tag})
+    called = re.fullmatch(r"<function=get_weather>(.*)</function>", out.choices[0].message.content, re.DOTALL)
+    assert called and json.loads(called[1])["city"] in ("Paris", "Rome"), out.choices[0].message.content
+    out = oai.completions.create(model="smollm2-135m-instruct", prompt="The weather in Paris", max_tokens=48,
+                                 temperature=0, extra_body={"structured_outputs": {"structural_tag": json.dumps(
+                                     {"type": "structural_tag", "format": tag})}})
+    called = re.fullmatch(r"<function=get_weather>(.*)</function>", out.choices[0].text, re.DOTALL)
+    assert called and json.loads(called[1])["city"] in ("Paris", "Rome"), out.choices[0].text
     # tool calling: a forced choice generates the calls' JSON under its schema, answered as tool_calls
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],

@@ -1,0 +1,97 @@
+"""vLLM's structural tags: free text until a trigger, then a tagged part under its own constraint (a JSON schema,
+a regex, ...). Accepted as vLLM's OpenAI server takes them, as ``response_format: {"type": "structural_tag", ...}``
+(xgrammar's ``format`` form, or the legacy ``structures``/``triggers`` form) or as ``structured_outputs``'s
+``structural_tag`` (the same JSON as text), and checked at the API the way vLLM checks them before its engine sees
+them (xgrammar compiles the tag), so that a bad one is the client's 400, not a failed job."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# vLLM's sampling_params: a JSON schema nests at most 64 levels, a structural tag 16 more for its wrappers
+MAX_TAG_NESTING = 64 + 16
+
+
+class LegacyTag(BaseModel):
+    """One structure of the legacy form: after ``begin``, JSON under ``schema``, then ``end``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    begin: str
+    tag_schema: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
+class LegacyTagFormat(BaseModel):
+    """The legacy response_format: ``structures`` and the ``triggers`` that start them."""
+
+    type: Literal["structural_tag"]
+    structures: list[LegacyTag]
+    triggers: list[str]
+
+
+class TagFormat(BaseModel):
+    """The response_format of xgrammar's structural tag: its ``format`` (triggered_tags, tag, sequence, ...)."""
+
+    type: Literal["structural_tag"]
+    format: Any
+
+
+def _nesting(value: Any) -> int:
+    """How deep objects and arrays nest in a JSON value (iteratively: a hostile one may nest thousands deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check(text: str) -> None:
+    """Raise ValueError saying what to fix where xgrammar cannot compile the structural tag ``text`` (vLLM's
+    validate_xgrammar_grammar: the legacy form where it has ``structures``, else xgrammar's own)."""
+    if not text:
+        raise ValueError("structural_tag is empty; give the structural tag as JSON text")
+    try:
+        tag = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
+    if not isinstance(tag, dict):
+        raise ValueError("structural_tag must be a JSON object")
+    if _nesting(tag) > MAX_TAG_NESTING:
+        raise ValueError(f"structural_tag nests objects and arrays deeper than {MAX_TAG_NESTING} levels")
+    try:
+        import xgrammar as xgr
+    except ImportError:  # an API without vLLM's grammar library: the vLLM worker compiles it (a bad one is a 400)
+        return
+    try:
+        if "structures" in tag:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            xgr.Grammar.from_structural_tag(items, tag["triggers"])
+        else:
+            xgr.Grammar.from_structural_tag(text)
+    except (KeyError, TypeError) as exc:
+        raise ValueError("structural_tag's legacy form needs structures (each with begin, schema and end) and "
+                         f"triggers; {exc!s} is missing or malformed") from None
+    except Exception as exc:  # xgrammar's InvalidStructuralTagError and its compile errors
+        raise ValueError(f"structural_tag is invalid: {exc}") from None
+
+
+def of_response_format(fmt: dict[str, Any]) -> str:
+    """The structural tag, as JSON text, of a ``{"type": "structural_tag", ...}`` response_format (what vLLM passes
+    on; ``check`` compiles it); ValueError says what to fix in its shape."""
+    kind = LegacyTagFormat if "structures" in fmt or "triggers" in fmt else TagFormat
+    try:
+        parsed = kind.model_validate(fmt)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'response_format'}: {e['msg']}"
+                             for e in exc.errors())
+        raise ValueError(f"a structural_tag response_format takes format (xgrammar's structural tag) or the "
+                         f"legacy structures and triggers: {problems}") from None
+    return json.dumps(parsed.model_dump(by_alias=True))
