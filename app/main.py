@@ -89,8 +89,8 @@ async def lifespan(api: FastAPI):
 class BodyLimit:
     """Answers 413 for a body over the limit: by Content-Length up front; a body without one
     (chunked) is read here, counting bytes, and handed on whole. File uploads have their own,
-    larger limit. The 413 is in the shape of the API whose prefix the path lies under (``errors.unrouted_error``:
-    Anthropic's ``request_too_large``, OpenAI's ``error``, else ``{"detail"}``)."""
+    larger limit. The 413 is in the shape of the API whose prefix the path lies under, or Anthropic's for its SDKs
+    (``errors.unrouted_error``: Anthropic's ``request_too_large``, OpenAI's ``error``, else ``{"detail"}``)."""
 
     def __init__(self, app, limit: int, upload_limit: int, upload_prefix: str = "/v1/files") -> None:
         self.app, self.limit, self.upload_limit, self.upload_prefix = app, limit, upload_limit, upload_prefix
@@ -136,7 +136,7 @@ class BodyLimit:
 
     async def _reject(self, scope, receive, send, limit: int, hint: str):
         message = f"request body over {limit} bytes; {hint}"
-        answer = errors.unrouted_error(scope["app"], scope["path"], 413, message)  # the app's prefixes
+        answer = errors.unrouted_error(scope, 413, message)  # the app's prefixes, the client's headers
         return await answer(scope, receive, send)
 
 

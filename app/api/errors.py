@@ -23,6 +23,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Scope
 
 from app import request_id
 from app.wire import find_unstorable, json_safe, unstorable_message
@@ -139,18 +140,20 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
             message = f"Invalid URL ({request.method} {request.url.path})"
         else:
             message = str(exc.detail)
-        return unrouted_error(request.app, request.url.path, exc.status_code, message, headers)
+        return unrouted_error(request.scope, exc.status_code, message, headers)
     if exc.status_code == 422 and isinstance(exc.detail, str):  # one shape for every 422
         return await request_validation_handler(request, unprocessable(exc.detail))
     return await http_exception_handler(request, exc)
 
 
-def unrouted_error(app: Any, path: str, status_code: int, message: str,
+def unrouted_error(scope: Scope, status_code: int, message: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error no route answered (Starlette's 404 for a path, 405 for a method, the body limit's 413) in the shape
-    of the API whose prefix ``path`` lies under (``install``'s prefixes): Anthropic's, OpenAI's, else the native
-    ``{"detail"}``."""
-    api = _api_at(app, path)
+    """An error no route answered (Starlette's 404 for a path, 405 for a method, the body limit's 413) for the
+    request of ``scope``: in Anthropic's shape where it carries ``anthropic-version`` (Anthropic's SDKs send it on
+    every request, to paths it shares with OpenAI's too, e.g. /v1/models), else in the shape of the API whose prefix
+    its path lies under (``install``'s prefixes): Anthropic's, OpenAI's, else the native ``{"detail"}``."""
+    anthropic_sdk = any(name == b"anthropic-version" for name, _ in scope.get("headers", ()))
+    api = "anthropic" if anthropic_sdk else _api_at(scope["app"], scope["path"])
     if api == "anthropic":
         return anthropic_error(status_code, message, headers)
     if api == "openai":

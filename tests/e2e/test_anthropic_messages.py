@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import anthropic
 import httpx
+import openai
 import pytest
 import redis
 
@@ -202,6 +203,17 @@ def test_a_wrong_method_under_messages_answers_in_anthropics_shape(method, path,
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
     assert f"{method} is not allowed here" in body["error"]["message"]
     assert body["request_id"] == resp.headers["request-id"]
+
+
+def test_a_wrong_method_on_a_path_shared_with_openai_answers_anthropics_sdk_in_its_shape(claude, stack):
+    with pytest.raises(anthropic.APIStatusError) as exc:
+        claude.post("/v1/models", cast_to=object)  # the SDK sends anthropic-version
+    body = exc.value.body
+    assert exc.value.status_code == 405 and body["type"] == "error", body
+    assert body["error"]["type"] == "invalid_request_error" and "POST is not allowed" in body["error"]["message"]
+    with pytest.raises(openai.APIStatusError) as exc:
+        stack.openai().post("/models", cast_to=object)
+    assert exc.value.status_code == 405 and "POST is not allowed" in exc.value.body["message"], exc.value.body
 
 
 def test_a_body_over_the_limit_under_messages_is_anthropics_request_too_large(claude, stack):

@@ -313,6 +313,22 @@ def test_framework_errors_under_the_openai_prefix_answer_in_openais_shape(client
     assert len(r.headers["x-request-id"]) == 32
 
 
+def test_framework_errors_answer_anthropics_sdk_in_its_shape_on_paths_shared_with_openai(client, keys, settings):
+    claude = {**H(keys.paid), "anthropic-version": "2023-06-01"}  # what Anthropic's SDKs send on every request
+    big = b"x" * (settings.max_body_bytes + 1)
+    asks = [("PATCH", "/v1/models/tiny", None, 405, "invalid_request_error"),
+            ("GET", "/v1/models/tiny/no/such/route", None, 404, "not_found_error"),
+            ("POST", "/v1/completions", big, 413, "request_too_large")]
+    for method, path, body, status, kind in asks:
+        r = client.request(method, path, content=body, headers={**claude, "Content-Type": "application/json"})
+        got = r.json()
+        assert r.status_code == status and got["type"] == "error" and got["error"]["type"] == kind, r.text
+        assert got["request_id"] == r.headers["request-id"], r.headers
+        # without the header, OpenAI's clients read OpenAI's shape there
+        r = client.request(method, path, content=body, headers={**H(keys.paid), "Content-Type": "application/json"})
+        assert r.status_code == status and openai_error(r)["message"], r.text
+
+
 def test_framework_errors_on_native_routes_keep_their_detail_shape(client, keys, settings):
     r = client.put("/v1/jobs", headers=H(keys.paid))
     assert r.status_code == 405 and "POST" in r.headers["allow"] and "PUT is not allowed" in r.json()["detail"]
