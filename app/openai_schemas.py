@@ -18,18 +18,18 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 
 from app import structural_tag
 from app.api.errors import CheckedRoute, blamed, loc_param, validation_errors
-from app.schemas import (MAX_SEED, MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, MIN_SEED, TEMPLATE_DEFAULTS, ChatMessage,
-                         JobCreate, StructuredOutputs)
+from app.schemas import (MAX_SEED, MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, MIN_SEED, TEMPLATE_DEFAULTS, Alternatives,
+                         ChatMessage, JobCreate, StructuredOutputs, alternatives_range)
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import MAX_TOOLS, read_answer
 from app.wire import Metadata, Text, json_safe
@@ -232,23 +232,6 @@ class SamplingFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return v
-
-
-def alternatives_range(value: int) -> str:
-    """Why ``value`` alternatives per token are refused: vLLM takes -1 (the whole vocabulary) and any number up to
-    its max_logprobs, 20 unless raised, which coserve's engine keeps; so -1 is over it there too."""
-    whole = f" (-1, the whole vocabulary, is more than the {MAX_TOP_LOGPROBS} vLLM's max_logprobs allows)"
-    return (f"the number of alternatives per token is 0-{MAX_TOP_LOGPROBS}; got {value}"
-            + (whole if value == -1 else ""))
-
-
-def _in_range(value: int | None) -> int | None:
-    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise ValueError(alternatives_range(value))
-    return value
-
-
-Alternatives = Annotated[int | None, AfterValidator(_in_range)]  # alternatives per token: top_logprobs' kind
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:

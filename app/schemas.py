@@ -8,7 +8,7 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app import structural_tag
 from app.bounds import MAX_RATE
@@ -73,6 +73,23 @@ def _all_finite(value: Any) -> bool:
     if isinstance(value, list):
         return all(_all_finite(v) for v in value)
     return True
+
+
+def alternatives_range(value: int) -> str:
+    """Why ``value`` alternatives per token are refused: vLLM takes -1 (the whole vocabulary) and any number up to
+    its max_logprobs, 20 unless raised, which coserve's engine keeps; so -1 is over it there too."""
+    whole = f" (-1, the whole vocabulary, is more than the {MAX_TOP_LOGPROBS} vLLM's max_logprobs allows)"
+    return (f"the number of alternatives per token is 0-{MAX_TOP_LOGPROBS}; got {value}"
+            + (whole if value == -1 else ""))
+
+
+def _in_range(value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(alternatives_range(value))
+    return value
+
+
+Alternatives = Annotated[int | None, AfterValidator(_in_range)]  # alternatives per token: top_logprobs' kind
 
 
 class StructuredOutputs(BaseModel):
@@ -184,10 +201,11 @@ class JobCreate(BaseModel):
     logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIASES, description=(
         "token id -> a bias in [-100, 100] added to its logit before sampling (-100: never, 100: always; vLLM "
         "backend, without speculation)"))
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+    # the range in the message, as the OpenAI routes say it; the schema documents it too
+    logprobs: Alternatives = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS}, description=(
         "report each output token's log-probability and this many most likely alternatives (vLLM backend)"))
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
-        "the same for each prompt token (vLLM backend)"))
+    prompt_logprobs: Alternatives = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+                                          description="the same for each prompt token (vLLM backend)")
     echo: bool = Field(False, description=("OpenAI completions' echo: that route's answer starts with the prompt "
                                            "(the job resource keeps prompt and output apart)"))
     echo_only: bool = Field(False, description=(

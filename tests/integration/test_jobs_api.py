@@ -462,6 +462,15 @@ def test_a_structural_tag_xgrammar_cannot_compile_is_a_4xx_saying_why(client, ke
     assert r.status_code == 400 and "vLLM backend" in r.json()["error"]["message"], r.text
 
 
+def test_a_native_job_asking_alternatives_out_of_range_hears_the_range_and_why(client, keys):
+    for field in ("logprobs", "prompt_logprobs"):
+        for asked, said in ((-1, "0-20; got -1 (-1, the whole vocabulary, is more than the 20 vLLM's max_logprobs"),
+                            (21, "0-20; got 21")):
+            r = client.post("/v1/jobs", json={"prompt": "x", field: asked}, headers=H(keys.paid))
+            assert r.status_code == 422 and said in r.text, r.text
+            assert r.json()["detail"][0]["loc"] == ["body", field], r.text
+
+
 def test_idempotency_key_returns_same_job(client, keys):
     h = {**H(keys.paid), "Idempotency-Key": "abc-1"}
     a = client.post("/v1/jobs", json={"prompt": "hi"}, headers=h)
