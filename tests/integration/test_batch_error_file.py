@@ -70,7 +70,8 @@ LINES = [
 ]
 
 # what the validation writes for LINES, pinned before it was made cheaper: a change here is a refusal's message
-# changed on purpose (logprobs' range message since vLLM's prompt_logprobs joined it), never by a speed-up
+# changed on purpose (logprobs' range message since vLLM's prompt_logprobs joined it; response_format's types since
+# vLLM's structural_tag joined them), never by a speed-up
 EXPECTED = Path(__file__).with_name("batch_error_file.expected.jsonl")
 
 
