@@ -709,10 +709,11 @@ def vllm_prompt_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str,
 
 
 def prompt_logprobs_field(sampling: dict[str, Any] | None, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """vLLM's ``prompt_logprobs`` field (a completion's choice's, a chat answer's top level) where the job asked for
-    the prompt's logprobs (``sampling``: the job's), of its stored ``entries``; nothing where it did not."""
+    """vLLM's ``prompt_logprobs`` field (a completion's choice's, a chat answer's top level): of its stored
+    ``entries`` where the job asked for the prompt's logprobs (``sampling``: the job's), else null, as vLLM's
+    answers always carry it (its response classes serialize every field)."""
     if (sampling or {}).get("prompt_logprobs") is None:
-        return {}
+        return {"prompt_logprobs": None}
     return {"prompt_logprobs": vllm_prompt_logprobs(entries)}
 
 

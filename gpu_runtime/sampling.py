@@ -43,7 +43,7 @@ class OutputConstraint:
     ``StructuredOutputsParams``, one field)."""
 
     kind: str  # one of CONSTRAINT_KINDS
-    spec: str  # the schema, the choices or the structural tag as JSON text, the regex or the grammar ("" for json_object)
+    spec: str  # the schema, choices or structural tag as JSON text, the regex or the grammar ("" for json_object)
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:

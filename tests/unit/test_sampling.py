@@ -142,7 +142,8 @@ def test_openai_response_format_becomes_the_jobs_constraint():
 
 WEATHER_TAG = {"type": "triggered_tags", "triggers": ["<function="], "tags": [
     {"begin": "<function=get_weather>", "end": "</function>",
-     "content": {"type": "json_schema", "json_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}
+     "content": {"type": "json_schema",
+                 "json_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}
 
 
 def test_a_structural_tag_becomes_the_jobs_constraint_as_vllm_passes_it_on():

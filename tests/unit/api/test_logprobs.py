@@ -106,8 +106,9 @@ def test_a_completion_choice_carries_vllms_prompt_logprobs_where_the_job_asked()
                                  sampling=sampling, prompt_logprobs=prompt)["choices"][0]
         assert choice["prompt_logprobs"] == vllm_form, asked
     unasked = CompletionRequest.model_validate({"prompt": "Say b", "logprobs": 2}).job_spec(prompt="Say b")
-    assert "prompt_logprobs" not in text_completion("cmpl-1", "m", 0, "!", "length", 2, 1, logprobs=ENTRIES[:1],
-                                                    sampling=unasked.sampling(16))["choices"][0]
+    choice = text_completion("cmpl-1", "m", 0, "!", "length", 2, 1, logprobs=ENTRIES[:1],
+                             sampling=unasked.sampling(16))["choices"][0]
+    assert "prompt_logprobs" in choice and choice["prompt_logprobs"] is None  # not asked: null, as vLLM answers
     # a job stored before the engine said token ids: no ids to key them by
     assert text_completion("cmpl-1", "m", 0, "!", "length", 2, 1, prompt_logprobs=[{"token": "S", "logprob": None,
                                                                                      "top": []}],
@@ -131,7 +132,8 @@ def test_a_chat_answer_carries_vllms_prompt_logprobs_at_its_top_where_the_job_as
               prompt_logprobs=prompt)
     assert output_line([job])["response"]["body"]["prompt_logprobs"] == vllm_form
     job.sampling = chat_job({"model": "m", "messages": messages}, ("free", "paid"), lambda e: e)[1].sampling(16)
-    assert "prompt_logprobs" not in output_line([job])["response"]["body"]  # not asked: not answered
+    body = output_line([job])["response"]["body"]
+    assert "prompt_logprobs" in body and body["prompt_logprobs"] is None  # not asked: null, as vLLM answers
 
 
 @pytest.mark.parametrize("request_type, body", [(CompletionRequest, {"prompt": "x"}),
