@@ -46,6 +46,7 @@ from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
+from app.services.lora_adapters import queue_models
 from app.services.dispatch import dispatch, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
@@ -62,7 +63,7 @@ from workers import decode_history
 from workers import lease as leases
 from workers import resume
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutdown, get_celery, message_priority,
+from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutdown, get_celery,
                                 queue_lists, queue_name)
 from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
@@ -71,7 +72,7 @@ from workers.outbox import Outbox, StepRecords
 from workers.resume import Resumed
 from workers.room import batch_room, has_room
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
-from workers.sweeper import reroute, sweep
+from workers.sweeper import back_to_queues, reroute, sweep
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +199,15 @@ class GpuWorker:
             if t.name == "coserve-engine":
                 t.join(5)
         self.outbox.close()  # what finished is written before the rest is given back
-        rest = self.active.take_all()
+        rest = sorted(self.active.take_all(), key=lambda j: j.request.arrival_time)
         with session_scope(self.url, immediate=True) as s:
-            # they were running, so they came before every message waiting: to the head, the oldest taken first
-            back = [(job.lease.job_id, self.queue, message_priority(job.request.qos.qos_class.value))
-                    for job in sorted(rest, key=lambda j: j.request.arrival_time)
-                    if leases.release(s, job.lease, f"worker {self.worker_id} shut down")]
+            released = [job.lease.job_id for job in rest
+                        if leases.release(s, job.lease, f"worker {self.worker_id} shut down")]
+            rows = {r.id: r for r in s.execute(select(Job.id, Job.model, Job.kind).where(Job.id.in_(released)))}
+            # they were running, so they came before every message waiting: to the head, the oldest taken first; each
+            # to the queue dispatch sends its jobs to (a configured adapter's own: not every worker of the model
+            # serves it), on its kind's list
+            back = back_to_queues(s, [rows[job_id] for job_id in released if job_id in rows])
             for job_id in send_back_all(self.settings.redis_url, back):  # waiting in the broker again: dispatched,
                 # as the sweeper marks what it sends (left queued, each sweep would send it once more)
                 transition(s, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail="given back at shutdown",
@@ -246,6 +250,8 @@ class GpuWorker:
         """
         back_to = self._queue_back(queue)
         try:
+            if back_to != queue:  # it came on this worker's own queue: to the shared one its model's jobs go on
+                back_to = self._model_queue(job_id)
             wait = self._take(job_id, priority, back_to)
         except BaseException:
             if cold_shutdown():
@@ -372,6 +378,20 @@ class GpuWorker:
         queue when it was this worker's own (prefix routing chose this worker; another may take it now)."""
         if queue and queue in self.queues and not queue.startswith(WORKER_QUEUE_PREFIX):
             return queue
+        return self.queue
+
+    def _model_queue(self, job_id: str) -> str:
+        """The shared queue dispatch sends the model of ``job_id`` to (``lora_adapters.queue_model``): a configured
+        adapter's own, which a worker without that adapter never reads; the model's where SQL cannot say."""
+        try:
+            with session_scope(self.url) as s:
+                model = s.scalar(select(Job.model).where(Job.id == job_id))
+                if model is not None:
+                    return queue_name(queue_models(s, {model})[model])
+        except Exception:  # SQL away: the model's queue, which this worker (serving the job's model) reads too
+            if cold_shutdown():  # Celery cancelled this task: accept gives the job back
+                raise
+            log.warning("could not read the model of job %s; its message goes back to %s", job_id, self.queue)
         return self.queue
 
     def _has_room(self, priority: int) -> bool:

@@ -46,7 +46,8 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
           holder_stale_s: float = 30.0, max_attempts: int = 5, limit: int = 500,
           served: tuple[str, ...] = ()) -> SweepResult:
     """``served``: the models (a model and its LoRA adapters) whose queues the sweeping worker consumes; a job
-    given back to any of them counts as queued (a worker gives a job back to its model's queue)."""
+    given back to any of them counts as queued (a worker of an older coserve gave an adapter's job back to its
+    model's queue)."""
     result = SweepResult()
     now = utcnow()
     expired = session.execute(select(Job.id, Job.status, Job.attempt, Job.worker_id).where(
@@ -136,7 +137,7 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     # first; the batch ones in their turn by age among the model's (a message a dead worker's queue lost here is
     # sent again later as lost: _resend_lost)
     interactive = [j for j in waiting if message_priority(j.kind) != BATCH_PRIORITY]
-    sent = len(send_back_all(redis_url, _back_to(session, interactive)))
+    sent = len(send_back_all(redis_url, back_to_queues(session, interactive)))
     sent += len(_back_in_turn(session, redis_url, [j for j in waiting if message_priority(j.kind) == BATCH_PRIORITY]))
     if queues:
         log.info("removed the own queues of %d workers that are gone; sent their %d waiting jobs to the models' "
@@ -151,7 +152,7 @@ def _back_in_turn(session: Session, redis_url: str, jobs) -> list[str]:
     Returns the ids sent; a list too long to read gets them at its head (a backlog's order is not read)."""
     sent: list[str] = []
     by_queue: dict[str, list] = {}
-    for job, (_id, queue, _priority) in zip(jobs, _back_to(session, jobs)):
+    for job, (_id, queue, _priority) in zip(jobs, back_to_queues(session, jobs)):
         by_queue.setdefault(queue, []).append(job)
     for queue, group in by_queue.items():
         try:
@@ -208,7 +209,7 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
                  if waiting is not None and j.id not in waiting}
     # a lost message had its place in line (a holder took it from the head): back to the head, oldest taken first
     jobs = sorted((j for j, _why in lost.values()), key=lambda j: (j.created_at, j.id))
-    resent = send_back_all(redis_url, _back_to(session, jobs))
+    resent = send_back_all(redis_url, back_to_queues(session, jobs))
     for job_id in resent:
         session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.DISPATCHED.value)
                         .values(dispatched_at=utcnow(), worker_id=None).execution_options(synchronize_session=False))
@@ -216,9 +217,10 @@ def _resend_lost(session: Session, redis_url: str, now, resend_after_s: float, h
     return len(resent)
 
 
-def _back_to(session: Session, jobs) -> list[tuple[str, str, int]]:
+def back_to_queues(session: Session, jobs) -> list[tuple[str, str, int]]:
     """What ``send_back_all`` hands back of ``jobs`` (rows with id, model, kind): each to its model's queue (a
-    runtime LoRA adapter's to its base model's), at its kind's priority."""
+    configured LoRA adapter's to its own, a runtime adapter's to its base model's), at its kind's priority: the rule
+    dispatch sends by (``lora_adapters.queue_model``), for every job handed back (sweeps, a stopping worker)."""
     models = queue_models(session, {j.model for j in jobs})
     return [(j.id, queue_name(models[j.model]), message_priority(j.kind)) for j in jobs]
 

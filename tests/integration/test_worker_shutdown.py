@@ -124,3 +124,54 @@ def test_a_draining_worker_hands_the_message_it_holds_back_before_it_pauses(sett
         intake.join(5)
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.get(Job, job_id).status == "dispatched"  # never leased here
+
+
+def _leased(settings, keys, worker, kind: str, model: str | None = None):
+    """A job of ``kind`` for ``model`` the worker runs (leased in SQL, in its active jobs)."""
+    from gpu_runtime.qos import QoSClass, QoSSpec, Tier
+    from gpu_runtime.request import Request
+    from gpu_runtime.sampling import SamplingParams
+    from workers import lease as leases
+    from workers.active_job import ActiveJob
+
+    body = {"kind": kind, "model": model or settings.model_name} | ({"deadline_window_s": 600} if kind == "batch"
+                                                                     else {})
+    job_id = _submit(settings, keys, max_tokens=4, **body)
+    qos = (QoSSpec(QoSClass.BATCH, Tier.PAID, ttlt_s=600.0) if kind == "batch"
+           else QoSSpec(QoSClass.INTERACTIVE, Tier.PAID, ttft_s=60.0, tbt_s=10.0))
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30),
+                        Request(job_id, [1] * 8, SamplingParams(max_tokens=4), qos, 0.0), s.get(Job, job_id).created_at)
+    worker.active.add(job)
+    return job_id
+
+
+def test_a_stopping_worker_gives_each_job_back_to_the_queue_dispatch_sent_it_to(settings, keys):
+    """A configured LoRA adapter's job goes back to the adapter's own queue, not to the model's, which a worker of the
+    model without that adapter (another deployment, or one a rolling change has not reached) reads and would fail it
+    on; a batch job goes back to its queue's batch list, an interactive one to the interactive list."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    worker = GpuWorker(settings)
+    adapted = _leased(settings, keys, worker, "interactive", "sql-lora")
+    batch = _leased(settings, keys, worker, "batch")
+    plain = _leased(settings, keys, worker, "interactive")
+    worker.stop(grace_s=0)
+    assert _next_taken(settings, "coserve.sql-lora", batch=False) == [adapted]
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [plain]
+    assert _next_taken(settings, "coserve.tiny", batch=True) == [batch]
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert {s.get(Job, j).status for j in (adapted, batch, plain)} == {"dispatched"}
+
+
+def test_an_adapters_job_from_the_workers_own_queue_goes_back_to_the_adapters_queue(settings, keys):
+    """Prefix routing sent an adapter's job to this worker's own queue; with no room for it here it goes back to the
+    shared queue of the adapter, which every worker serving the adapter reads (not the model's)."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    settings.routing = "prefix"
+    worker = GpuWorker(settings.model_copy(update={"max_inflight": 1}))
+    _leased(settings, keys, worker, "interactive")  # the engine's one slot, taken
+    job_id = _submit(settings, keys, max_tokens=4, model="sql-lora")
+    worker.stopping.set()  # no wait for room after the hand-back (as at a shutdown)
+    worker.accept(job_id, queue=f"coserve.worker.{worker.worker_id}")
+    assert _next_taken(settings, "coserve.sql-lora", batch=False) == [job_id]
+    assert _next_taken(settings, "coserve.tiny", batch=False) == []
