@@ -122,6 +122,10 @@ class Settings(BaseSettings):
                                 "job that comes while a batch backlog fills them starts at once; unset: an eighth "
                                 "of max_inflight, rounded up (none at a max_inflight of 1); 0: none kept")
     sweep_seconds: float = Field(10.0, gt=0, description="how often the sweeper requeues expired leases")
+    stop_grace_seconds: float = Field(
+        10.0, ge=0, description="how long a worker's warm shutdown (SIGTERM) lets its running jobs finish before it "
+                                "hands the rest back to the queue (Celery's worker_soft_shutdown_timeout); keep it "
+                                "under the supervisor's stop timeout. A cold shutdown (SIGQUIT) hands them back at once")
     routing: Literal["prefix", "queue"] = Field(
         "prefix", description="how jobs reach a model's workers: 'prefix' sends a conversation's turns (and the "
                               "requests of one prompt_cache_key) to the worker whose prefix cache holds them, "

@@ -77,7 +77,6 @@ from workers.sweeper import back_to_queues, reroute, sweep
 log = logging.getLogger(__name__)
 
 WEBHOOK_POLL_S = 1.0  # how often a worker looks for webhook deliveries that are due
-STOP_GRACE_S = 10.0  # how long a warm shutdown lets running jobs finish before it gives them back
 DRAIN_PAUSE_S = 1.0  # how long a draining worker waits after handing a message back (``_drain_pause``)
 PUBLISH_WAIT_S = 1.0  # how long a rerun waits for its earlier attempt's stream events to go out of this worker
 LOOK_S = 0.25  # how often a worker waiting for batch room looks for an interactive job its reserve can take
@@ -188,8 +187,10 @@ class GpuWorker:
         log.critical("worker %s stops: %s", self.worker_id, reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Lets running jobs finish for ``grace_s``, then gives the rest back to the queue."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Lets running jobs finish for ``grace_s`` (None: ``COSERVE_STOP_GRACE_SECONDS``), then gives the rest back
+        to the queue."""
+        grace_s = self.settings.stop_grace_seconds if grace_s is None else grace_s
         deadline = time.monotonic() + (grace_s if self.broken is None else 0.0)  # a broken engine finishes nothing
         while len(self.active) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -651,7 +652,7 @@ def run_worker(settings: Settings) -> None:
         worker.start()
     finally:
         # a warm shutdown (SIGTERM) lets running jobs finish for a grace; a cold one (SIGQUIT) gives them back at once
-        runtime.stop(0.0 if cold_shutdown() else STOP_GRACE_S)
+        runtime.stop(0.0 if cold_shutdown() else settings.stop_grace_seconds)
     if runtime.broken is not None:
         raise SystemExit(f"worker {runtime.worker_id}: the engine is broken ({runtime.broken}); its jobs were "
                          "given back to the queue")

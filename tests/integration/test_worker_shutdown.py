@@ -64,6 +64,22 @@ def test_a_cold_shutdown_gives_the_running_job_back_at_once(settings, keys, star
     assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # one message: no sweep sends it twice
 
 
+def test_a_warm_shutdown_lets_running_jobs_finish_for_the_configured_grace(settings, keys, start_worker):
+    """COSERVE_STOP_GRACE_SECONDS is the grace SIGTERM gives running jobs: 0 hands the running job back at once, where
+    the 10 s default would have let it finish (400 steps of 10 ms)."""
+    worker = start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.01",
+                          COSERVE_STOP_GRACE_SECONDS="0")
+    job_id = _submit(settings, keys, dispatch=True, max_tokens=400, ignore_eos=True)
+    r = redis.Redis.from_url(settings.redis_url)
+    wait_for(lambda: r.xlen(stream_key(job_id)) >= 4, 60, "the job to stream")
+    worker.send_signal(signal.SIGTERM)
+    worker.wait(60)
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt, job.worker_id, job.completion_tokens) == ("dispatched", 1, None, None)
+    assert _details(settings, job_id)[-2:] == ["worker w1 shut down", "given back at shutdown"]
+
+
 @pytest.mark.parametrize("where", ["before the lease", "after the lease"])
 def test_a_job_whose_intake_a_cold_shutdown_interrupts_goes_back_to_the_head(settings, keys, monkeypatch, where):
     """Celery's cold shutdown cancels the task running on the solo pool by raising in it, wherever it is, and acks its
