@@ -125,7 +125,8 @@ class Settings(BaseSettings):
     stop_grace_seconds: float = Field(
         10.0, ge=0, description="how long a worker's warm shutdown (SIGTERM) lets its running jobs finish before it "
                                 "hands the rest back to the queue (Celery's worker_soft_shutdown_timeout); keep it "
-                                "under the supervisor's stop timeout. A cold shutdown (SIGQUIT) hands them back at once")
+                                "under the supervisor's stop timeout. A cold shutdown (SIGQUIT) hands them back at "
+                                "once")
     routing: Literal["prefix", "queue"] = Field(
         "prefix", description="how jobs reach a model's workers: 'prefix' sends a conversation's turns (and the "
                               "requests of one prompt_cache_key) to the worker whose prefix cache holds them, "
