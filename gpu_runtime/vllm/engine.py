@@ -262,6 +262,9 @@ class VLLMEngine:
         outputs = []
         for req in box.new:
             try:
+                # its job read the adapter before a reload that replaced it: the version loaded now (its own may be
+                # out of vLLM already, from a directory since deleted), under that version's cache salt
+                req.lora_path, req.lora_version = self.loras.source(req.lora_name, req.lora_path, req.lora_version)
                 prompt = {"prompt_token_ids": req.prompt_token_ids}
                 if (salt := cache_salt(req)) is not None:  # vLLM's cache_salt: blocks are shared within its scope
                     prompt["cache_salt"] = salt

@@ -71,6 +71,7 @@ class LoraRegistry:
         self.fixed = lora_requests(modules)
         self.runtime = runtime
         self.loaded: dict[tuple[str, str, float], Any] = {}  # (name, path, version) -> LoRARequest
+        self.current: dict[str, tuple[str, float]] = {}  # runtime adapter -> (path, version) loaded now (``retired``)
         self._next_id = len(self.fixed) + 1
 
     def refusal(self, name: str | None, path: str | None) -> str | None:
@@ -80,6 +81,14 @@ class LoraRegistry:
         if path is not None:
             return f"LoRA adapter {name!r} was loaded at runtime, but this engine serves none (COSERVE_RUNTIME_LORA)"
         return f"LoRA adapter {name!r} is not served here (adapters: {', '.join(self.fixed) or 'none'})"
+
+    def source(self, name: str | None, path: str | None, version: float = 0.0) -> tuple[str | None, float]:
+        """Where a request for runtime adapter ``name`` (``path`` and ``version`` as its job read them) loads it from:
+        the version loaded now where a newer one replaced its own since it was read (its own may be removed from
+        vLLM already, ``retired``, and its directory gone), else its own. A version newer than the last one
+        ``retired`` heard of is kept: that one is stale, not the request."""
+        now = self.current.get(name) if name is not None and path is not None else None
+        return now if now is not None and now[1] > version else (path, version)
 
     def request(self, name: str | None, path: str | None, version: float = 0.0) -> tuple[Any, bool]:
         """vLLM's ``LoRARequest`` for the adapter, and whether it is new to the engine (load it first)."""
@@ -109,6 +118,7 @@ class LoraRegistry:
         """The runtime adapters unloaded or replaced since the engine loaded them (``current``: each runtime adapter
         loaded now, name -> (path, version) as SQL holds them) that none of the ``live`` requests uses, dropped here:
         the engine removes them from vLLM (``remove_lora``)."""
+        self.current = dict(current)
         used = _in_use(live)
         gone = [key for key in self.loaded if current.get(key[0]) != (key[1], key[2]) and key not in used]
         return [self.loaded.pop(key) for key in gone]

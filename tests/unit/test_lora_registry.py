@@ -46,3 +46,16 @@ def test_versions_unloaded_or_replaced_are_retired_once_no_request_uses_them():
     assert registry.loaded == {} and registry.request("fixed", None) == (registry.fixed["fixed"], False)
     again, new = registry.request("ada", "/adapters/ada", 1.0)  # named again: a new id, loaded from disk again
     assert new and again.lora_int_id not in {v1.lora_int_id, v2.lora_int_id, other.lora_int_id}
+
+
+def test_a_request_that_read_a_version_replaced_since_loads_the_current_one():
+    """A job read version 1 of ``ada`` just before a reload replaced it (from another directory); the engine retired
+    version 1 (removed from vLLM) before the job's request came: the request runs on version 2, not on version 1 loaded
+    again from a directory the admin may have deleted."""
+    registry = LoraRegistry({}, runtime=True)
+    v1, _ = registry.request("ada", "/adapters/ada-1", 1.0)
+    assert registry.retired({"ada": ("/adapters/ada-2", 2.0)}, []) == [v1]
+    assert registry.source("ada", "/adapters/ada-1", 1.0) == ("/adapters/ada-2", 2.0)
+    assert registry.source("ada", "/adapters/ada-3", 3.0) == ("/adapters/ada-3", 3.0)  # newer than the engine heard
+    assert registry.source("bob", "/adapters/bob", 1.0) == ("/adapters/bob", 1.0)  # nothing said of it yet
+    assert registry.source("fixed", None) == (None, 0.0)  # one the engine started with

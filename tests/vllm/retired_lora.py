@@ -1,5 +1,6 @@
 """A runtime LoRA adapter on the real vLLM engine, replaced and then unloaded: prints the adapter ids vLLM's engine
-lists (``list_loras``) after each, as JSON.
+lists (``list_loras``) after each, as JSON; then a request whose job read a version just before a reload from
+another directory, which the engine removed and the admin deleted before the request came (``late``: how it ended).
 
 Run as ``python -m tests.vllm.retired_lora ADAPTER_DIR`` (vLLM's in-process engine core is process-wide: a process of
 its own).
@@ -8,7 +9,9 @@ its own).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 
 from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
@@ -21,12 +24,15 @@ def main(path: str) -> None:
     engine = build_vllm_engine("smollm2-135m", max_model_len=512, cost_profile=None, dtype="float32",
                                runtime_loras=2)
 
-    def run(rid: str, version: float) -> None:
+    def run(rid: str, version: float, where: str = path) -> str:
         engine.add_request(Request(rid, random_prompts(1, 16)[0], SamplingParams(max_tokens=2, ignore_eos=True),
                                    OFFLINE_QOS["interactive"][0], arrival_time=engine.executor.now(),
-                                   lora_name="ada", lora_path=path, lora_version=version))
+                                   lora_name="ada", lora_path=where, lora_version=version))
+        ends = []
         while engine.has_work:
-            engine.step()
+            ends += [f"{out.status.value}: {out.error}" for out in engine.step() if out.request_id == rid
+                     and out.status.finished]
+        return ends[-1]
 
     def retire(loaded: dict[str, tuple[str, float]]) -> list[int]:
         engine.retire_loras(loaded)
@@ -37,8 +43,13 @@ def main(path: str) -> None:
     served = sorted(engine.llm.list_loras())
     run("second", 2.0)  # loaded again (new weights): version 2
     both = sorted(engine.llm.list_loras())
-    print(json.dumps({"served": served, "both": both, "replaced": retire({"ada": (path, 2.0)}),
-                      "unloaded": retire({})}))
+    replaced, unloaded = retire({"ada": (path, 2.0)}), retire({})
+    old = shutil.copytree(path, f"{tempfile.mkdtemp()}/ada-3")
+    run("third", 3.0, old)
+    retire({"ada": (path, 4.0)})  # loaded again from ``path``: version 3 leaves vLLM
+    shutil.rmtree(old)
+    late = run("late", 3.0, old)  # its job read version 3 before that reload
+    print(json.dumps({"served": served, "both": both, "replaced": replaced, "unloaded": unloaded, "late": late}))
 
 
 if __name__ == "__main__":
