@@ -96,8 +96,8 @@ def test_sweeper_leaves_a_backlog_in_the_queue_alone(settings, keys):
 
 
 def test_an_adapters_job_given_back_to_the_models_queue_is_not_sent_twice(settings, keys):
-    """A LoRA adapter's job travels on its own queue; a worker gives jobs back to its model's queue, which every
-    worker of the model consumes too: the sweeper looks in the queues of every model it serves."""
+    """A LoRA adapter's job travels on its own queue; a worker of an older coserve gave jobs back to its model's
+    queue, which every worker of the model consumes too: the sweeper looks in the queues of every model it serves."""
     settings.lora_modules = {"sql-lora": "/adapters/sql"}
     with session_scope(settings.sqlalchemy_url) as s:
         from app.auth import authenticate
