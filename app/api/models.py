@@ -5,12 +5,14 @@ send an ``anthropic-version`` header), its errors too."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
+from app import request_id
 from app.api.anthropic_messages import AnthropicRoute
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
@@ -35,6 +37,18 @@ class ModelsRoute(OpenAIRoute):
 
     def error_to(self, request: Request, exc: OpenAIError) -> Response:
         return AnthropicRoute.error(self, exc) if anthropic_client(request) else self.error(exc)  # type: ignore
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def with_request_id(request: Request) -> Response:
+            response = await handler(request)
+            # Anthropic's SDK reads its answers' id (``_request_id``) from ``request-id``, not ``x-request-id``
+            if anthropic_client(request) and (rid := request_id.current()) is not None:
+                response.headers["request-id"] = rid
+            return response
+
+        return with_request_id
 
 
 router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=ModelsRoute, responses=openai_responses(401))
@@ -93,3 +107,4 @@ def get_model(request: Request, model_id: str, settings: SettingsDep, _principal
     if not lora_adapters.is_served(settings, model_id):
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
     return (_anthropic_model if anthropic_client(request) else _model)(settings, model_id)
+

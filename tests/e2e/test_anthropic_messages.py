@@ -174,6 +174,10 @@ def test_the_anthropic_sdk_lists_and_retrieves_models_in_anthropics_shape(claude
     assert page.data[0].created_at.tzinfo is not None  # an RFC 3339 time the SDK parses
     model = claude.models.retrieve(name)
     assert (model.type, model.id) == ("model", name)
+    # the SDK reads an answer's id from Anthropic's request-id header, on these routes as on /v1/messages
+    for raw in (claude.models.with_raw_response.list(), claude.models.with_raw_response.retrieve(name)):
+        assert raw.headers["request-id"] == raw.headers["x-request-id"] == raw.parse()._request_id
+    assert "request-id" not in stack.openai().models.with_raw_response.list().headers  # OpenAI's: x-request-id
     with pytest.raises(anthropic.NotFoundError) as exc:
         claude.models.retrieve("nope")
     assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "not_found_error"
