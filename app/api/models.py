@@ -108,3 +108,13 @@ def get_model(request: Request, model_id: str, settings: SettingsDep, _principal
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
     return (_anthropic_model if anthropic_client(request) else _model)(settings, model_id)
 
+
+@router.delete("/{model_id:path}", responses=openai_responses(403, 404))
+def delete_model(model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
+    """OpenAI's ``client.models.delete`` deletes a fine-tuned model; coserve fine-tunes none, so there is no model
+    of the caller's to delete: a model it serves is refused as OpenAI refuses a model the caller does not own."""
+    if not lora_adapters.is_served(settings, model_id):
+        raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+    raise OpenAIError(403, f"The model '{model_id}' is served by this deployment and cannot be deleted through the "
+                      "API (an admin unloads a LoRA adapter loaded at runtime with POST /v1/unload_lora_adapter)",
+                      type="permission_error", param="model", code="model_not_deletable")

@@ -371,6 +371,15 @@ async def count_input_tokens(request: Request, session: SessionDep, principal: C
     return {"object": "response.input_tokens", "input_tokens": count}
 
 
+@router.post("/responses/compact", responses=openai_responses(401, 404))
+async def compact_response(_principal: CurrentPrincipal) -> None:
+    """OpenAI's ``client.responses.compact`` is not offered: a 404 as for a path not served (without this route the
+    path would be read as a response id, a 405 no SDK types), saying what does the job here."""
+    raise OpenAIError(404, "Invalid URL (POST /v1/responses/compact): compacting a conversation is not offered here; "
+                      "truncation: \"auto\" drops its oldest turns where it outgrows the context",
+                      code="unsupported_endpoint")
+
+
 def _input_tokens(settings: Settings, spec, input_from: int, truncation: str | None) -> int:
     if truncation == "auto":
         spec, _ = fit_context(settings, spec, input_from)

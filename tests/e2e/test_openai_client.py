@@ -173,6 +173,20 @@ def test_streaming_matches_non_streaming(oai):
     assert comp_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_sdk_methods_for_what_coserve_does_not_offer_raise_the_sdks_typed_errors(oai):
+    # without their own routes these were 405s, which the SDK raises as a bare APIStatusError
+    with pytest.raises(openai.NotFoundError) as compact:
+        oai.responses.compact(model="tiny", input="Hi")
+    assert compact.value.body["code"] == "unsupported_endpoint" and "truncation" in compact.value.body["message"]
+    with pytest.raises(openai.PermissionDeniedError) as served:
+        oai.models.delete("tiny")
+    assert served.value.body["type"] == "permission_error" and served.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        oai.models.delete("nope")
+    assert unknown.value.body["code"] == "model_not_found"
+    assert [m.id for m in oai.models.list()] == ["tiny"]
+
+
 def test_return_token_ids_gives_the_prompts_and_the_answers_ids(oai, stack):
     # vLLM's return_token_ids (RL rollouts): the ids the worker fed and generated, no tokenizing the text again
     messages = [{"role": "user", "content": "Count to ten"}]
