@@ -173,6 +173,19 @@ def test_streaming_matches_non_streaming(oai):
     assert comp_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_the_sdks_chat_stream_helper_ends_with_the_whole_completion(oai):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Count to ten"}], max_tokens=9, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = oai.chat.completions.create(**kw).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # the SDK's final completion refuses finish_reason "length"
+    with oai.chat.completions.stream(**kw, stop=[stop], stream_options={"include_usage": True}) as stream:
+        deltas = "".join(event.delta for event in stream if event.type == "content.delta")
+        final = stream.get_final_completion()
+    assert final.id.startswith("chatcmpl-job_") and final.choices[0].finish_reason == "stop"
+    assert final.choices[0].message.content == deltas == full[:full.index(stop)]
+    assert final.usage.completion_tokens >= 1 and final.usage.prompt_tokens > 3
+
+
 def test_sdk_methods_for_what_coserve_does_not_offer_raise_the_sdks_typed_errors(oai):
     # without their own routes these were 405s, which the SDK raises as a bare APIStatusError
     with pytest.raises(openai.NotFoundError) as compact:

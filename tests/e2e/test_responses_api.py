@@ -111,6 +111,19 @@ def test_a_streamed_response_sends_the_text_as_typed_events(oai):
     assert oai.responses.retrieve(final.id).output_text == text
 
 
+def test_the_sdks_stream_helper_accumulates_the_typed_events(oai):
+    # the helper's state follows each item and part by its index and id, and refuses events it cannot place
+    with oai.responses.stream(model="tiny", input="Hi", max_output_tokens=6, extra_body={"ignore_eos": True}) as stream:
+        events = list(stream)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    last = events[-1]  # cut by max_output_tokens: incomplete (get_final_response waits for response.completed)
+    assert events[0].type == "response.created" and last.type == "response.incomplete"
+    assert deltas[-1].snapshot == "".join(e.delta for e in deltas) == last.response.output_text
+    assert oai.responses.retrieve(last.response.id).output_text == deltas[-1].snapshot
+    with oai.responses.stream(response_id=last.response.id) as again:  # a stored response's events, replayed
+        assert [e.type for e in again] == [e.type for e in events]
+
+
 def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys, start_worker):
     start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.05")
     oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
