@@ -83,6 +83,9 @@ def test_a_message_is_a_chat_job_plain_and_streamed(claude, stack, shared_limits
     assert kinds[0] == "message_start" and kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert final.content[0].text == message.content[0].text and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == 7 and final.usage.input_tokens == message.usage.input_tokens
+    with claude.messages.stream(**ask) as stream:  # the SDK's text helpers: the deltas, then the whole text
+        assert "".join(stream.text_stream) == stream.get_final_text() == message.content[0].text
+        assert stream.request_id and stream.response.headers["request-id"] == stream.request_id
 
     # a stop sequence from the answer ends it there: stop_reason "stop_sequence", naming it
     full = message.content[0].text

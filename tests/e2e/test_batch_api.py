@@ -214,3 +214,19 @@ def test_window_ends_before_the_batch_finishes(live_server, keys, start_worker):
     assert sorted(errs) == ["long0", "long1", "long2"]
     assert {e["error"]["code"] for e in errs.values()} == {"batch_expired"}
     assert all(e["response"] is None for e in errs.values())
+
+
+def test_the_sdk_pages_through_files_and_batches(oai):
+    # iterating a list follows the pages by their last id (after=...), as the SDK's cursor pages do
+    older, newer = upload(oai, [line("a")]), upload(oai, [line("b")])
+    newest_first = [f.id for f in oai.files.list(limit=1)]
+    assert newest_first[:2] == [newer.id, older.id] and len(set(newest_first)) == len(newest_first)
+    assert [f.id for f in oai.files.list(limit=1, order="asc")] == newest_first[::-1]
+    assert [f.id for f in oai.files.list(limit=1, after=newer.id)] == newest_first[1:]
+    batches = [oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+               for f in (older, newer)]
+    listed = [b.id for b in oai.batches.list(limit=1)]
+    assert listed[:2] == [batches[1].id, batches[0].id] and len(set(listed)) == len(listed)
+    assert [b.id for b in oai.batches.list(limit=1, after=batches[1].id)] == listed[1:]
+    for batch in batches:
+        wait_batch(oai, batch.id, {"completed"})

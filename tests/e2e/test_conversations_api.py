@@ -196,3 +196,17 @@ def test_a_response_not_stored_reads_the_conversation_and_adds_no_turn(oai, stac
     assert _texts(oai, conv.id) == [("user", "My name is Ada")]
     stored = oai.responses.create(model="tiny", conversation=conv.id, input="Again", max_output_tokens=1)
     assert [m["content"] for m in _messages(stack.settings, stored.id)] == ["My name is Ada", "Again"]
+
+
+def test_the_sdk_pages_through_a_conversations_items_and_a_responses_input(oai):
+    sent = ["one", "two", "three"]
+    conv = oai.conversations.create(items=[{"role": "user", "content": text} for text in sent])
+    texts = [i.content[0].text for i in oai.conversations.items.list(conv.id, limit=1, order="asc")]
+    assert texts == sent  # iterating follows the pages by their last id (after=...)
+    newest = oai.conversations.items.list(conv.id, limit=1)
+    assert newest.has_more and newest.first_id == newest.last_id == newest.data[0].id
+    assert [i.content[0].text for i in oai.conversations.items.list(conv.id, limit=1)] == sent[::-1]
+    answer = oai.responses.create(model="tiny", max_output_tokens=1,
+                                  input=[{"role": "user", "content": text} for text in sent])
+    assert [i.content[0].text for i in oai.responses.input_items.list(answer.id, limit=1, order="asc")] == sent
+    assert [i.content[0].text for i in oai.responses.input_items.list(answer.id, limit=2)] == sent[::-1]

@@ -85,6 +85,10 @@ def test_message_batch_round_trip(claude, stack):
     assert [x.id for x in older.data] == [first.id] and not older.has_more
     back = claude.messages.batches.list(limit=1, before_id=first.id)
     assert [x.id for x in back.data] == [batch.id] and not back.has_more
+    # iterating follows the pages: after_id the last of each (older), before_id the first of each (newer)
+    assert [x.id for x in claude.messages.batches.list(limit=1)] == [batch.id, first.id]
+    assert [x.id for x in claude.messages.batches.list(limit=1, after_id=batch.id)] == [first.id]
+    assert [x.id for x in claude.messages.batches.list(limit=1, before_id=first.id)] == [batch.id]
     oai = httpx.get(f"{stack.url}/v1/batches/{batch.id}", headers={"Authorization": f"Bearer {stack.keys.paid}"})
     assert oai.status_code == 404  # no OpenAI Batch object
 
