@@ -249,28 +249,28 @@ class GpuWorker:
         not yet in the engine, goes back to the head of its queue then (``_give_back_interrupted``), not lost until
         the sweeper misses it.
         """
-        back_to = self._queue_back(queue)
         try:
-            if back_to != queue:  # it came on this worker's own queue: to the shared one its model's jobs go on
-                back_to = self._model_queue(job_id)
-            wait = self._take(job_id, priority, back_to)
+            wait = self._take(job_id, priority, queue)
         except BaseException:
             if cold_shutdown():
-                self._give_back_interrupted(job_id, back_to, priority)
+                self._give_back_interrupted(job_id, self._queue_back(job_id, queue), priority)
             raise
         if wait == "room":
             self._await_room(priority)
         elif wait == "drain":
             self._drain_pause()
 
-    def _take(self, job_id: str, priority: int, back_to: str) -> str | None:
-        """``accept``'s intake: the job leased into the engine, or its message handed back. What to wait for then,
-        with no message in hand: "room" (the engine was full), "drain" (this worker drains), or None."""
+    def _take(self, job_id: str, priority: int, queue: str | None) -> str | None:
+        """``accept``'s intake: the job leased into the engine, or its message (it came on ``queue``) handed back.
+        What to wait for then, with no message in hand: "room" (the engine was full), "drain" (this worker drains),
+        or None."""
         if not self._without_earlier_attempt(job_id):
-            send_back(self.settings.redis_url, job_id, back_to, priority)  # for when that attempt left
+            # for when that attempt left
+            send_back(self.settings.redis_url, job_id, self._queue_back(job_id, queue), priority)
             return None
         if self.shutting_down or self.draining or not self._has_room(priority):
-            send_back(self.settings.redis_url, job_id, back_to, priority)  # for another worker, or this one later
+            # for another worker, or this one later
+            send_back(self.settings.redis_url, job_id, self._queue_back(job_id, queue), priority)
             if self.stopping.is_set() or self.shutting_down:
                 return None
             return "drain" if self.draining else "room"
@@ -374,12 +374,13 @@ class GpuWorker:
                  lease.attempt, len(plan.token_ids))
         return plan
 
-    def _queue_back(self, queue: str | None) -> str:
-        """Where a message that came on ``queue`` goes back: that queue when the model's workers share it, the model's
-        queue when it was this worker's own (prefix routing chose this worker; another may take it now)."""
+    def _queue_back(self, job_id: str, queue: str | None) -> str:
+        """Where the message of ``job_id`` that came on ``queue`` goes back: that queue when the model's workers share
+        it, the shared one its model's jobs go on (``_model_queue``) when it was this worker's own (prefix routing
+        chose this worker; another may take it now). Read only for a message handed back."""
         if queue and queue in self.queues and not queue.startswith(WORKER_QUEUE_PREFIX):
             return queue
-        return self.queue
+        return self._model_queue(job_id)
 
     def _model_queue(self, job_id: str) -> str:
         """The shared queue dispatch sends the model of ``job_id`` to (``lora_adapters.queue_model``): a configured
