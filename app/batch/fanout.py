@@ -24,9 +24,9 @@ from app.batch.storage import read_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
-from app.services.dispatch import send_dispatched
+from app.services.dispatch import Sendable, send_dispatched
 from app.services.job_writer import JobRows, stage_mark, write_staged
-from app.services.jobs import JobValidationError, build_job
+from app.services.jobs import JobValidationError, job_values
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
 from app.settings import Settings
@@ -127,13 +127,13 @@ def _start(settings: Settings, batch_id: str) -> None:
                 batch_ended(s, row.tenant_id, row.endpoint, "cancelled", batch_id)
         return
     log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
-    send_dispatched(settings, jobs)
+    send_dispatched(settings, [Sendable.of(job) for job in jobs])
     if not jobs:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)
 
 
-def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, jobs: list[Job], dispatched_at,
+def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, jobs: list[dict], dispatched_at,
                      total: int, invalid: int) -> bool | None:
     """Writes the batch's jobs staged (status ``STAGED``-<this run's mark>) in short transactions of
     ``STAGE_CHUNK`` rows (SQLite's write lock is taken and let go between them, so interactive submissions and
@@ -174,18 +174,19 @@ def _drop_staged(url: str, batch_id: str) -> None:
 
 
 def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.ValidLine, batch_id: str, endpoint: str,
-               expires_at) -> list[Job]:
-    """A valid line's jobs, due when the batch's window ends. Those of a line of several choices are numbered in
-    OpenAI's order (``choice_index``), and usage counts the line's request and each prompt once, as online."""
+               expires_at) -> list[dict]:
+    """A valid line's jobs (their column values: no ORM object a row), due when the batch's window ends. Those of
+    a line of several choices are numbered in OpenAI's order (``choice_index``), and usage counts the line's request
+    and each prompt once, as online."""
     jobs = []
     for i, spec in enumerate(line.specs):
         spec = spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
         if (line.response or {}).get("truncation") == "auto":  # a Responses line: its oldest turns go if too long
             spec = fit_response(settings, spec, line.response)
-        job = build_job(settings, principal, spec, batch_id=batch_id, custom_id=line.custom_id, endpoint=endpoint,
-                        response=line.response)
+        job = job_values(settings, principal, spec, batch_id=batch_id, custom_id=line.custom_id, endpoint=endpoint,
+                         response=line.response)
         if len(line.specs) > 1:
-            job.choice_index, job.counts_request, job.counts_prompt = i, i == 0, i % line.n == 0
+            job.update(choice_index=i, counts_request=i == 0, counts_prompt=i % line.n == 0)
         jobs.append(job)
     return jobs
 
@@ -194,7 +195,7 @@ def _over_queue_limit(session, tenant_id: str, jobs: list) -> dict | None:
     """The queue limit's error for the first model whose jobs would not fit (app/batch/queue_limit.py)."""
     tokens: dict[str, int] = {}
     for job in jobs:
-        tokens[job.model] = tokens.get(job.model, 0) + (job.prompt_tokens or 0)
+        tokens[job["model"]] = tokens.get(job["model"], 0) + (job.get("prompt_tokens") or 0)
     return next(filter(None, (queue_limit.refusal(session, tenant_id, m, n) for m, n in tokens.items())), None)
 
 

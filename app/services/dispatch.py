@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 from uuid import uuid4
 
 import redis
@@ -178,12 +178,26 @@ def send_jobs(redis_url: str, jobs: list[tuple[str, str, int]]) -> list[str]:
 
 
 
-def sending(settings: Settings, job: Job) -> tuple[str, str, int]:
+class Sendable(NamedTuple):
+    """What a send reads of a job (``sending``), for a caller holding its column values rather than a ``Job`` (the
+    batch fan-out's rows)."""
+
+    id: str
+    model: str
+    route_key: str | None
+    kind: str
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> Sendable:
+        return cls(values["id"], values["model"], values["route_key"], values["kind"])
+
+
+def sending(settings: Settings, job: Job | Sendable) -> tuple[str, str, int]:
     """What ``send_jobs`` sends of ``job``: its id, the queue routing picks, its kind's priority."""
     return job.id, routing.job_queue(settings, job.model, job.route_key, job.kind), message_priority(job.kind)
 
 
-def send_dispatched(settings: Settings, jobs: list[Job]) -> None:
+def send_dispatched(settings: Settings, jobs: list[Job] | list[Sendable]) -> None:
     """Sends committed ``dispatched`` jobs in one batched send; the ones not sent (the broker refused them, or
     routing could not read SQL) go back to ``queued``, where the workers' sweeper picks them up. Raises nothing."""
     if not jobs or not settings.redis_url:

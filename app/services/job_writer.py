@@ -90,19 +90,19 @@ class JobRows:
     bound: bool = False  # each column's bind processing done already (``bind``)
 
     @classmethod
-    def of(cls, jobs: list[tuple[Job, str]], dispatched_at: datetime | None) -> JobRows:
-        """``jobs``: each with its first event's detail."""
+    def of(cls, jobs: list[tuple[Job | dict[str, Any], str]], dispatched_at: datetime | None) -> JobRows:
+        """``jobs``: each a ``Job`` or its column values (``jobs.job_values``), with its first event's detail."""
         rows, events = [], []
         for job, detail in jobs:
-            # what the job holds, read from its instance state (a column never set: None, as the attribute reads);
-            # the attributes' own reads cost several times as much, 61 columns a job
-            held = inspect(job).dict
+            # what the job holds: its values, or those of its instance state (a column never set: None, as the
+            # attribute reads); the attributes' own reads cost several times as much, 61 columns a job
+            held = job if isinstance(job, dict) else inspect(job).dict
             row = {k: held.get(k) for k in JOB_COLUMNS}
-            events.append({"job_id": job.id, "from_status": None, "to_status": JobStatus.QUEUED.value,
-                           "at": job.created_at, "attempt": 0, "detail": detail, "worker_id": None})
+            events.append({"job_id": row["id"], "from_status": None, "to_status": JobStatus.QUEUED.value,
+                           "at": row["created_at"], "attempt": 0, "detail": detail, "worker_id": None})
             if dispatched_at is not None:
                 row.update(status=JobStatus.DISPATCHED.value, dispatched_at=dispatched_at)
-                events.append({"job_id": job.id, "from_status": JobStatus.QUEUED.value,
+                events.append({"job_id": row["id"], "from_status": JobStatus.QUEUED.value,
                                "to_status": JobStatus.DISPATCHED.value, "at": dispatched_at, "attempt": 0,
                                "detail": None, "worker_id": None})
             rows.append(row)

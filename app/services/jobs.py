@@ -13,6 +13,7 @@ from typing import Any
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
+from types import SimpleNamespace
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -131,15 +132,23 @@ def default_max_tokens(settings: Settings, endpoint: str) -> int:
     return COMPLETIONS_MAX_TOKENS if endpoint == "/v1/completions" else settings.default_max_tokens
 
 
-def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
-              batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
-              count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None,
-              job_id: str | None = None, prompt_tokens: int | None = None) -> Job:
-    """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``response``: an OpenAI
-    request's own fields the answer keeps (Responses: ``app.responses_schemas.KEPT``; a stored chat completion's:
-    ``app.services.stored_completions``); ``job_id``: the job's id where the caller chose it (a new one else);
-    ``prompt_tokens``: its prompt's token count where the caller counted it already (``model_info.count_inputs``,
-    many prompts a tokenizer call): the context checks use it, and the prompt is not tokenized again."""
+def build_job(settings: Settings, principal: Principal, spec: JobCreate, **options: Any) -> Job:
+    """Validates ``spec`` and returns an unsaved ``Job`` (raises ``JobValidationError``); ``options``: those of
+    ``job_values``."""
+    return Job(**job_values(settings, principal, spec, **options))
+
+
+def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
+               batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
+               count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None,
+               job_id: str | None = None, prompt_tokens: int | None = None) -> dict[str, Any]:
+    """Validates ``spec`` and returns its job's column values, what ``Job(**values)`` holds (raises
+    ``JobValidationError``): a caller writing many rows at once (the batch fan-out) inserts them as they are, with no
+    ORM object built and read back a row at a time. ``response``: an OpenAI request's own fields the answer keeps
+    (Responses: ``app.responses_schemas.KEPT``; a stored chat completion's: ``app.services.stored_completions``);
+    ``job_id``: the job's id where the caller chose it (a new one else); ``prompt_tokens``: its prompt's token count
+    where the caller counted it already (``model_info.count_inputs``, many prompts a tokenizer call): the context
+    checks use it, and the prompt is not tokenized again."""
     model = resolve_model(settings, spec.model)
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(default_max_tokens(settings, endpoint))
@@ -186,22 +195,22 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
     prompt = (spec.prompt if spec.prompt_token_ids is None
               else storable(token_prompt_text(settings.model, spec.prompt_token_ids)))  # ids may decode to a NUL
     now = utcnow()
-    job = Job(id=job_id or new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
-              app_id=spec.app_id, prompt=prompt, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
-              endpoint=endpoint, stream=spec.stream,
-              idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
-              api_key_id=principal.key_id or None, user_id=spec.user, request_id=request_id.current(),
-              status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0, counts_request=True,
-              counts_prompt=True,
-              messages=[m.stored() for m in spec.messages] if spec.messages is not None else None,
-              tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
-              template_options=spec.template_options(), response=response)
-    job.route_key = routing.route_key(principal.tenant_id, model, prompt_cache_key=spec.prompt_cache_key,
-                                      messages=job.messages, prompt=prompt, prompt_token_ids=spec.prompt_token_ids)
+    messages = [m.stored() for m in spec.messages] if spec.messages is not None else None
+    job = dict(id=job_id or new_id("job"), tenant_id=principal.tenant_id, kind=spec.kind, tier=tier, model=model,
+               app_id=spec.app_id, prompt=prompt, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
+               endpoint=endpoint, stream=spec.stream,
+               idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
+               api_key_id=principal.key_id or None, user_id=spec.user, request_id=request_id.current(),
+               status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0, counts_request=True,
+               counts_prompt=True, messages=messages,
+               tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
+               template_options=spec.template_options(), response=response,
+               route_key=routing.route_key(principal.tenant_id, model, prompt_cache_key=spec.prompt_cache_key,
+                                           messages=messages, prompt=prompt, prompt_token_ids=spec.prompt_token_ids))
     if spec.kind == JobKind.INTERACTIVE:
-        job.ttft_ms = spec.ttft_ms or settings.default_ttft_ms
-        job.tbt_ms = spec.tbt_ms or settings.default_tbt_ms
-        job.tbt_anchor = spec.tbt_anchor or settings.tbt_anchor
+        job["ttft_ms"] = spec.ttft_ms or settings.default_ttft_ms
+        job["tbt_ms"] = spec.tbt_ms or settings.default_tbt_ms
+        job["tbt_anchor"] = spec.tbt_anchor or settings.tbt_anchor
     else:
         window_s = spec.deadline_window_s or settings.default_batch_window_s
         deadline = spec.deadline_at or now + timedelta(seconds=window_s)
@@ -211,7 +220,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
         if deadline - now > timedelta(seconds=MAX_WINDOW_S):
             raise JobValidationError(f"deadline_at {deadline.isoformat()} is more than {MAX_WINDOW_S / 86400:.0f} "
                                      "days away; give a nearer deadline", param="deadline_at")
-        job.deadline_at = deadline
+        job["deadline_at"] = deadline
     if count_tokens:
         limit = held_context_length(settings)
         chars = input_chars(spec)
@@ -224,7 +233,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 "cannot fit in it; shorten the prompt", **blame)
         try:  # what the worker will feed (a count given holds where nothing cuts the prompt)
             n = (prompt_tokens if prompt_tokens is not None and truncate is None
-                 else len(fed_prompt(settings, job, limit)))
+                 else len(fed_prompt(settings, SimpleNamespace(**job), limit)))
         except ChatTemplateError as exc:
             raise JobValidationError(str(exc), param="messages") from exc
         if spec.max_tokens is None and max(1, sampling["min_tokens"]) <= limit - n < sampling["max_tokens"]:
@@ -234,7 +243,7 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, *, idem
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{n + sampling['max_tokens']} tokens ({n} in the prompt, {sampling['max_tokens']} for the "
                 "completion); shorten the prompt or lower max_tokens", **blame)
-        job.prompt_tokens = n
+        job["prompt_tokens"] = n
     return job
 
 
