@@ -33,7 +33,7 @@ from app.db import pagination
 from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, parse_window
-from app.services.jobs import build_job, resolve_tier
+from app.services.jobs import job_values, resolve_tier
 from app.services.transitions import utcnow
 from app.settings import Settings
 
@@ -71,7 +71,7 @@ def _object(request: Request, session, batch: Batch) -> dict[str, Any]:
 
 
 def _checked(requests: list[BatchRequest], settings: Settings, principal: Principal) -> None:
-    """Every request as POST /v1/messages checks it (the fan-out's own checks: ``parse_line``, then ``build_job``
+    """Every request as POST /v1/messages checks it (the fan-out's own checks: ``parse_line``, then ``job_values``
     short of counting the prompt's tokens: an unknown model, a thinking budget the model cannot keep): a 400
     naming the first bad one by index and custom_id; a custom_id used twice is a 400 too."""
     seen: dict[str, int] = {}
@@ -98,7 +98,7 @@ def _refusal(settings: Settings, principal: Principal, line: ValidLine) -> str |
     try:
         with openai_refusals():
             for spec in line.specs:
-                build_job(settings, principal, spec, endpoint=ENDPOINT, count_tokens=False)
+                job_values(settings, principal, spec, endpoint=ENDPOINT, count_tokens=False)
     except OpenAIError as exc:
         return in_messages_terms(exc).message
     return None

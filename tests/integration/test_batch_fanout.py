@@ -160,3 +160,20 @@ def test_a_restarted_fan_out_starts_only_its_own_jobs_and_drops_a_dead_runs(clie
     jobs = _jobs(settings, batch["id"])
     assert len(jobs) == 3 and {status for _, status in jobs} == {"dispatched"} and not dead & {j for j, _ in jobs}
     assert _messages(settings) == Counter({job_id: 1 for job_id, _ in jobs})
+
+
+def test_a_fan_out_writes_its_rows_without_building_an_orm_job_for_each(client, keys, settings):
+    from sqlalchemy import event
+
+    built = []
+    listener = lambda target, args, kwargs: built.append(target)  # noqa: E731 - an ORM Job constructed
+    event.listen(Job, "init", listener)
+    try:
+        batch = _create(client, keys, 12)
+    finally:
+        event.remove(Job, "init", listener)
+    jobs = _jobs(settings, batch["id"])
+    assert len(jobs) == 12 and {status for _, status in jobs} == {"dispatched"}
+    assert built == []  # its rows are the jobs' column values (jobs.job_values), inserted as they are
+    assert _messages(settings) == Counter({job_id: 1 for job_id, _ in jobs})
+
