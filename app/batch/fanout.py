@@ -15,6 +15,7 @@ from pathlib import Path
 from sqlalchemy import delete, select, update
 
 from app.auth import Principal
+from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
@@ -50,7 +51,8 @@ def invalid_path(data_dir: Path, batch_id: str) -> Path:
 def start_batch(settings: Settings, batch_id: str) -> None:
     """Validates the batch's input file and creates + dispatches its jobs (a background task)."""
     try:
-        _start(settings, batch_id)
+        with full_collections_paused():  # its lines, specs and rows live until written (app/gc_pause.py)
+            _start(settings, batch_id)
     except Exception:
         log.exception("batch %s failed during validation", batch_id)  # the cause stays in the log: it may name
         with session_scope(settings.sqlalchemy_url) as s, write_guard(s):  # paths, SQL and other lines' text

@@ -177,3 +177,20 @@ def test_a_fan_out_writes_its_rows_without_building_an_orm_job_for_each(client, 
     assert built == []  # its rows are the jobs' column values (jobs.job_values), inserted as they are
     assert _messages(settings) == Counter({job_id: 1 for job_id, _ in jobs})
 
+
+def test_a_fan_out_holds_off_full_collections_while_it_runs_and_gives_them_back(client, keys, settings):
+    import gc
+
+    from app.gc_pause import NEVER
+
+    seen = []
+    record = lambda phase, info: phase == "start" and seen.append(gc.get_threshold()[2])  # noqa: E731
+    before = gc.get_threshold()
+    gc.callbacks.append(record)
+    try:
+        batch = _create(client, keys, 40)
+    finally:
+        gc.callbacks.remove(record)
+    assert len(_jobs(settings, batch["id"])) == 40
+    assert NEVER in seen  # young collections ran during the fan-out, with the oldest generation's held off
+    assert gc.get_threshold() == before
