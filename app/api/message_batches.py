@@ -28,7 +28,7 @@ from app.batch import message_batches as mb
 from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import cancel_batch, maybe_finalize
-from app.batch.lines import MAX_LINES, InvalidLine, ValidLine, parse_line
+from app.batch.lines import MAX_LINES, InvalidLine, ParsedFile, ValidLine, parse_line
 from app.db import pagination
 from app.db.models import Batch, new_id
 from app.db.session import write_after_read
@@ -70,11 +70,13 @@ def _object(request: Request, session, batch: Batch) -> dict[str, Any]:
     return mb.message_batch(batch, mb.request_counts(session, batch), _results_url(request, batch.id))
 
 
-def _checked(requests: list[BatchRequest], settings: Settings, principal: Principal) -> None:
+def _checked(requests: list[BatchRequest], settings: Settings, principal: Principal) -> ParsedFile:
     """Every request as POST /v1/messages checks it (the fan-out's own checks: ``parse_line``, then ``job_values``
     short of counting the prompt's tokens: an unknown model, a thinking budget the model cannot keep): a 400
-    naming the first bad one by index and custom_id; a custom_id used twice is a 400 too."""
+    naming the first bad one by index and custom_id; a custom_id used twice is a 400 too. Returns the input file's
+    lines as ``parse_file`` reads them (line i + 1 is request i), for the fan-out not to parse them again."""
     seen: dict[str, int] = {}
+    out = ParsedFile()
     for i, item in enumerate(requests):
         if item.custom_id in seen:
             raise OpenAIError(400, f"requests.{i}: custom_id {item.custom_id!r} is also requests."
@@ -82,14 +84,16 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
                               param=f"requests.{i}.custom_id")
         seen[item.custom_id] = i
         line = mb.input_lines([(item.custom_id, item.params)]).decode()
-        parsed = parse_line(i, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers)
-        if isinstance(parsed, InvalidLine):  # its message names the line (i): here the request does
-            why = parsed.message.removeprefix(f"line {i}: ").removeprefix("invalid body: ")
+        parsed = parse_line(i + 1, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers)  # its line in the file
+        if isinstance(parsed, InvalidLine):  # its message names the line: here the request does
+            why = parsed.message.removeprefix(f"line {i + 1}: ").removeprefix("invalid body: ")
         else:
             why = _refusal(settings, principal, parsed)
         if why is not None:
             raise OpenAIError(400, f"requests.{i} (custom_id {item.custom_id!r}): params: {why}",
                               param=f"requests.{i}.params")
+        out.valid.append(parsed)
+    return out
 
 
 def _refusal(settings: Settings, principal: Principal, line: ValidLine) -> str | None:
@@ -109,7 +113,7 @@ def create_message_batch(body: MessageBatchCreate, request: Request, session: Se
                          principal: CurrentPrincipal, settings: SettingsDep,
                          background: BackgroundTasks) -> dict[str, Any]:
     """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours."""
-    _checked(body.requests, settings, principal)
+    parsed = _checked(body.requests, settings, principal)
     batch_id, now = new_id(mb.ID_PREFIX), utcnow()
     src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl",
                            storage.MESSAGE_BATCH_INPUT,
@@ -123,7 +127,7 @@ def create_message_batch(body: MessageBatchCreate, request: Request, session: Se
         session.flush()  # the file's row before the batch's, which names it
         session.add(batch)
         session.commit()
-    background.add_task(start_batch, settings, batch.id)
+    background.add_task(start_batch, settings, batch.id, parsed)  # its lines as checked: not parsed again
     return _object(request, session, batch)
 
 

@@ -48,11 +48,13 @@ def invalid_path(data_dir: Path, batch_id: str) -> Path:
     return Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
 
 
-def start_batch(settings: Settings, batch_id: str) -> None:
-    """Validates the batch's input file and creates + dispatches its jobs (a background task)."""
+def start_batch(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None = None) -> None:
+    """Validates the batch's input file and creates + dispatches its jobs (a background task). ``parsed``: the
+    file's lines as ``batch_lines.parse_file`` reads them, where the caller has them already (a message batch's
+    create checked each request so): the file is not read and parsed again."""
     try:
         with full_collections_paused():  # its lines, specs and rows live until written (app/gc_pause.py)
-            _start(settings, batch_id)
+            _start(settings, batch_id, parsed)
     except Exception:
         log.exception("batch %s failed during validation", batch_id)  # the cause stays in the log: it may name
         with session_scope(settings.sqlalchemy_url) as s, write_guard(s):  # paths, SQL and other lines' text
@@ -75,12 +77,12 @@ def _fail(session, batch_id: str, **values) -> None:
         batch_ended(session, row.tenant_id, row.endpoint, "failed", batch_id)
 
 
-def _start(settings: Settings, batch_id: str) -> None:
+def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None) -> None:
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
         batch = s.get(Batch, batch_id)
         try:
-            content = read_content(s.get(File, batch.input_file_id))
+            content = read_content(s.get(File, batch.input_file_id)) if parsed is None else None
         except FileNotFoundError:  # deleted before it was read
             with write_after_read(s):
                 _fail(s, batch_id, errors=[{"code": "invalid_file", "line": None, "param": "input_file_id",
@@ -89,8 +91,8 @@ def _start(settings: Settings, batch_id: str) -> None:
             return
         endpoint, tier, tenant_id, key_id = batch.endpoint, batch.tier, batch.tenant_id, batch.api_key_id
         expires_at = as_utc(batch.expires_at)
-    window_s = parse_window(batch.completion_window)
-    parsed = batch_lines.parse_file(content, endpoint, window_s, settings.tiers)
+    if parsed is None:
+        parsed = batch_lines.parse_file(content, endpoint, parse_window(batch.completion_window), settings.tiers)
     if parsed.file_errors:
         with session_scope(url) as s, write_guard(s):
             _fail(s, batch_id, errors=parsed.file_errors, total=parsed.total)

@@ -88,3 +88,38 @@ def test_a_deleted_message_batch_keeps_how_it_ended(client, keys, settings):
         row = s.get(Batch, batch["id"])
         assert row.status == "cancelled" and row.cancelled_at is not None
         assert row.deleted_at is not None and row.cancelled_at <= row.deleted_at
+
+
+def test_a_message_batchs_requests_are_parsed_once_and_what_the_fan_out_refuses_names_its_line(client, keys,
+                                                                                               monkeypatch):
+    """Create checks every request (``parse_line``) and hands the lines to the fan-out, which does not parse the
+    file again; a request only the fan-out refuses (its prompt's tokens are counted there) is errored with the
+    line it has in the batch's input file, as when the fan-out read that file."""
+    from app.api import message_batches as api
+    from app.batch import lines
+
+    parsed = []
+
+    def counted(line_no, *args, **kwargs):
+        parsed.append(line_no)
+        return real(line_no, *args, **kwargs)
+
+    real = lines.parse_line
+    monkeypatch.setattr(lines, "parse_line", counted)
+    monkeypatch.setattr(api, "parse_line", counted)
+    headers = {"x-api-key": keys.paid}
+    made = client.post("/v1/messages/batches", headers=headers, json={"requests": [
+        {"custom_id": "short", "params": {"model": "tiny", "max_tokens": 2,
+                                          "messages": [{"role": "user", "content": "Hi"}]}},
+        {"custom_id": "long", "params": {"model": "tiny", "max_tokens": 2,
+                                         "messages": [{"role": "user", "content": "Hi " * 20_000}]}}]})
+    assert made.status_code == 200, made.text
+    assert parsed == [1, 2]  # at create only: the fan-out (done before the answer here) took those lines
+    done = client.post(f"/v1/messages/batches/{made.json()['id']}/cancel", headers=headers).json()
+    assert done["processing_status"] == "ended", done
+    results = [json.loads(line) for line in client.get(f"/v1/messages/batches/{made.json()['id']}/results",
+                                                       headers=headers).text.splitlines()]
+    assert [r["result"]["type"] for r in results] == ["canceled", "errored"]
+    error = results[1]["result"]["error"]
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"].startswith("line 2: This model's maximum context length is"), error
