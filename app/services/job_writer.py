@@ -68,9 +68,12 @@ def _processors(table: Table, dialect: Dialect) -> list[tuple[str, Callable[[Any
 
 
 def _bound_rows(rows: list[dict[str, Any]], processors) -> list[dict[str, Any]]:
+    # a column's None binds the same every time (a JSON column's: the text 'null'): bound once, not a row at a time
+    nones = [(key, proc, proc(None)) for key, proc in processors]
     for row in rows:
-        for key, proc in processors:
-            row[key] = proc(row[key])
+        for key, proc, none in nones:
+            value = row[key]
+            row[key] = none if value is None else proc(value)
     return rows
 
 

@@ -115,3 +115,33 @@ def test_rows_bound_before_the_lock_are_stored_as_the_insert_would_bind_them(set
                 text("SELECT * FROM job_events WHERE job_id = :i ORDER BY id"), {"i": i}).mappings()]
                 for i in (job.id, job.id + "-b")]
             assert events[0] == events[1] and len(events[0]) == 2
+
+
+def test_job_rows_of_a_jobs_values_are_those_of_its_orm_job(settings, keys):
+    """The batch fan-out hands JobRows each job's column values (jobs.job_values), not a Job: the same rows."""
+    from app.services.jobs import job_values
+
+    principal = Principal("k", keys.tenant_id, "paid", False, Limits())
+    specs = [JobCreate(prompt="hi", max_tokens=2, seed=1),
+             JobCreate(kind="batch", deadline_window_s=60, prompt="hi", seed=3, stop=["x"], user="u", app_id="a"),
+             JobCreate(messages=[{"role": "user", "content": "hi"}], max_tokens=3, tool_choice="none", seed=2,
+                       tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                       chat_template_kwargs={"enable_thinking": False}, ttft_ms=500)]
+    values = [job_values(settings, principal, spec, batch_id="b", custom_id=f"c{i}") for i, spec in enumerate(specs)]
+    now = values[0]["created_at"]
+    for dispatched_at in (None, now):
+        of_values = job_writer.JobRows.of([(v, "test") for v in values], dispatched_at)
+        of_jobs = job_writer.JobRows.of([(Job(**v), "test") for v in values], dispatched_at)
+        assert of_values == of_jobs and len(of_values.events) == (3 if dispatched_at is None else 6)
+
+
+def test_a_columns_none_is_bound_once_not_a_row_at_a_time():
+    calls = []
+
+    def proc(value):
+        calls.append(value)
+        return "null" if value is None else f"<{value}>"
+
+    rows = job_writer._bound_rows([{"a": None}, {"a": 1}, {"a": None}, {"a": None}], [("a", proc)])
+    assert rows == [{"a": "null"}, {"a": "<1>"}, {"a": "null"}, {"a": "null"}]
+    assert calls == [None, 1]  # a None's binding once; each other value its own
