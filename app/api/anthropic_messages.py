@@ -48,15 +48,21 @@ class AnthropicRoute(OpenAIRoute):
         return anthropic_error(exc.status_code, exc.message, headers)
 
     def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
+        return with_request_id_header(super().get_route_handler())
 
-        async def with_request_id(request: Request) -> Response:
-            response = await handler(request)
-            if (rid := request_id.current()) is not None:  # docs.anthropic.com/en/api/errors: on every answer
-                response.headers["request-id"] = rid
-            return response
 
-        return with_request_id
+def with_request_id_header(handler: Callable, to: Callable[[Request], bool] = lambda _request: True) -> Callable:
+    """``handler`` whose answers to the requests ``to`` picks carry Anthropic's ``request-id`` header, the request's
+    id (docs.anthropic.com/en/api/errors: on every answer; its SDKs read ``_request_id`` there, not from
+    ``x-request-id``)."""
+
+    async def with_request_id(request: Request) -> Response:
+        response = await handler(request)
+        if to(request) and (rid := request_id.current()) is not None:
+            response.headers["request-id"] = rid
+        return response
+
+    return with_request_id
 
 
 router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicRoute)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
@@ -21,6 +21,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
@@ -146,14 +147,20 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     return await http_exception_handler(request, exc)
 
 
+def anthropic_sdk(headers: Mapping[str, str]) -> bool:
+    """Whether Anthropic's SDK sent the request of ``headers``: it sends ``anthropic-version`` on every request, and
+    its key as ``x-api-key`` (OpenAI's as a bearer ``Authorization``)."""
+    return "anthropic-version" in headers or ("x-api-key" in headers and "authorization" not in headers)
+
+
 def unrouted_error(scope: Scope, status_code: int, message: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """An error no route answered (Starlette's 404 for a path, 405 for a method, the body limit's 413) for the
-    request of ``scope``: in Anthropic's shape where it carries ``anthropic-version`` (Anthropic's SDKs send it on
-    every request, to paths it shares with OpenAI's too, e.g. /v1/models), else in the shape of the API whose prefix
-    its path lies under (``install``'s prefixes): Anthropic's, OpenAI's, else the native ``{"detail"}``."""
-    anthropic_sdk = any(name == b"anthropic-version" for name, _ in scope.get("headers", ()))
-    api = "anthropic" if anthropic_sdk else _api_at(scope["app"], scope["path"])
+    request of ``scope``: in Anthropic's shape where Anthropic's SDK sent it (``anthropic_sdk``: it sends
+    ``anthropic-version`` to paths it shares with OpenAI's too, e.g. /v1/models), else in the shape of the API
+    whose prefix its path lies under (``install``'s prefixes): Anthropic's, OpenAI's, else the native
+    ``{"detail"}``."""
+    api = "anthropic" if anthropic_sdk(Headers(scope=scope)) else _api_at(scope["app"], scope["path"])
     if api == "anthropic":
         return anthropic_error(status_code, message, headers)
     if api == "openai":

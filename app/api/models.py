@@ -12,10 +12,9 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app import request_id
-from app.api.anthropic_messages import AnthropicRoute
+from app.api.anthropic_messages import AnthropicRoute, with_request_id_header
 from app.api.deps import CurrentPrincipal, SettingsDep
-from app.api.errors import openai_responses
+from app.api.errors import anthropic_sdk, openai_responses
 from app.openai_schemas import OpenAIError, OpenAIRoute
 from app.services import lora_adapters
 from app.services.workers import held_context_length
@@ -26,10 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def anthropic_client(request: Request) -> bool:
-    """Whether Anthropic's SDK sent ``request``: it sends ``anthropic-version`` on every request, and its key as
-    ``x-api-key`` (OpenAI's as a bearer ``Authorization``)."""
-    headers = request.headers
-    return "anthropic-version" in headers or ("x-api-key" in headers and "authorization" not in headers)
+    """Whether Anthropic's SDK sent ``request`` (``errors.anthropic_sdk``)."""
+    return anthropic_sdk(request.headers)
 
 
 class ModelsRoute(OpenAIRoute):
@@ -39,16 +36,7 @@ class ModelsRoute(OpenAIRoute):
         return AnthropicRoute.error(self, exc) if anthropic_client(request) else self.error(exc)  # type: ignore
 
     def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def with_request_id(request: Request) -> Response:
-            response = await handler(request)
-            # Anthropic's SDK reads its answers' id (``_request_id``) from ``request-id``, not ``x-request-id``
-            if anthropic_client(request) and (rid := request_id.current()) is not None:
-                response.headers["request-id"] = rid
-            return response
-
-        return with_request_id
+        return with_request_id_header(super().get_route_handler(), anthropic_client)
 
 
 router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=ModelsRoute, responses=openai_responses(401))

@@ -48,36 +48,34 @@ def _details(settings, job_id) -> list[str | None]:
         return list(s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
 
 
-def test_a_cold_shutdown_gives_the_running_job_back_at_once(settings, keys, start_worker):
-    """SIGQUIT (Celery's cold shutdown: "terminate all running tasks") hands the running job back to the head of the
-    queue, dispatched for the next worker, instead of letting it run on for the warm shutdown's grace."""
-    worker = start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.01")
-    job_id = _submit(settings, keys, dispatch=True, max_tokens=400, ignore_eos=True)  # 400 steps of 10 ms at least
+def _given_back_mid_stream(settings, keys, start_worker, signum: int, **env: str) -> str:
+    """A 400-token job (400 steps of 10 ms at least) on a real worker sent ``signum`` as the job streams, checked
+    handed back: dispatched for the next worker, with nothing written of its first attempt. Returns its id."""
+    worker = start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.01",
+                          **env)
+    job_id = _submit(settings, keys, dispatch=True, max_tokens=400, ignore_eos=True)
     r = redis.Redis.from_url(settings.redis_url)
     wait_for(lambda: r.xlen(stream_key(job_id)) >= 4, 60, "the job to stream")
-    worker.send_signal(signal.SIGQUIT)
+    worker.send_signal(signum)
     worker.wait(60)
     with session_scope(settings.sqlalchemy_url) as s:
         job = s.get(Job, job_id)
         assert (job.status, job.attempt, job.worker_id, job.completion_tokens) == ("dispatched", 1, None, None)
     assert _details(settings, job_id)[-2:] == ["worker w1 shut down", "given back at shutdown"]
+    return job_id
+
+
+def test_a_cold_shutdown_gives_the_running_job_back_at_once(settings, keys, start_worker):
+    """SIGQUIT (Celery's cold shutdown: "terminate all running tasks") hands the running job back to the head of the
+    queue, dispatched for the next worker, instead of letting it run on for the warm shutdown's grace."""
+    job_id = _given_back_mid_stream(settings, keys, start_worker, signal.SIGQUIT)
     assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # one message: no sweep sends it twice
 
 
 def test_a_warm_shutdown_lets_running_jobs_finish_for_the_configured_grace(settings, keys, start_worker):
     """COSERVE_STOP_GRACE_SECONDS is the grace SIGTERM gives running jobs: 0 hands the running job back at once, where
     the 10 s default would have let it finish (400 steps of 10 ms)."""
-    worker = start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.01",
-                          COSERVE_STOP_GRACE_SECONDS="0")
-    job_id = _submit(settings, keys, dispatch=True, max_tokens=400, ignore_eos=True)
-    r = redis.Redis.from_url(settings.redis_url)
-    wait_for(lambda: r.xlen(stream_key(job_id)) >= 4, 60, "the job to stream")
-    worker.send_signal(signal.SIGTERM)
-    worker.wait(60)
-    with session_scope(settings.sqlalchemy_url) as s:
-        job = s.get(Job, job_id)
-        assert (job.status, job.attempt, job.worker_id, job.completion_tokens) == ("dispatched", 1, None, None)
-    assert _details(settings, job_id)[-2:] == ["worker w1 shut down", "given back at shutdown"]
+    _given_back_mid_stream(settings, keys, start_worker, signal.SIGTERM, COSERVE_STOP_GRACE_SECONDS="0")
 
 
 @pytest.mark.parametrize("where", ["before the lease", "after the lease"])
