@@ -10,10 +10,12 @@ import re
 import shutil
 import time
 import uuid
+from typing import Literal
 
 import anthropic
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.conftest import Keys, wait_for
@@ -27,6 +29,24 @@ MODEL = {"COSERVE_MODEL": "smollm2-135m", "COSERVE_MODEL_NAME": "smollm2-135m-in
          # JSON object or as `vllm serve`'s flags (what `coserve up --num-gpu-blocks-override 300` passes), which win
          "COSERVE_VLLM_ENGINE_ARGS": '{"num_gpu_blocks_override": 200}',
          "COSERVE_VLLM_ARGS": "--num-gpu-blocks-override 300"}
+
+
+class Home(pydantic.BaseModel):
+    """What the SDKs' parse helpers are given: a nested model (the schema's $defs) beside an optional field."""
+
+    city: Literal["Paris", "Rome", "Oslo"]
+    country: Literal["France", "Italy", "Norway"]
+
+
+class Resident(pydantic.BaseModel):
+    name: str
+    age: int
+    nickname: str | None
+    home: Home
+
+
+class Weather(pydantic.BaseModel):
+    city: Literal["Paris", "Rome"]
 
 
 @pytest.fixture
@@ -305,6 +325,56 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
                                      {"type": "structural_tag", "format": tag})}})
     called = re.fullmatch(r"<function=get_weather>(.*)</function>", out.choices[0].text, re.DOTALL)
     assert called and json.loads(called[1])["city"] in ("Paris", "Rome"), out.choices[0].text
+    # the SDKs' structured-output helpers, given a pydantic model: the openai SDK sends it as a strict schema
+    # (additionalProperties false, $defs, anyOf with null), the Anthropic SDK as output_config.format; each parses
+    # the answer into the model, plain and streamed
+    invent = [{"role": "user", "content": "Invent a person and their home. Reply in JSON."}]
+    chat_parsed = oai.chat.completions.parse(model="smollm2-135m-instruct", messages=invent, max_tokens=96,
+                                             temperature=0, response_format=Resident).choices[0]
+    resident = chat_parsed.message.parsed
+    assert isinstance(resident, Resident) and isinstance(resident.home, Home), chat_parsed
+    assert chat_parsed.finish_reason == "stop" and chat_parsed.message.refusal is None
+    assert Resident.model_validate_json(chat_parsed.message.content) == resident
+    with oai.chat.completions.stream(model="smollm2-135m-instruct", messages=invent, max_tokens=96, temperature=0,
+                                     response_format=Resident) as stream:
+        assert stream.get_final_completion().choices[0].message.parsed == resident  # greedy: the same answer
+    with pytest.raises(openai.LengthFinishReasonError):  # cut short, the JSON is not whole: the SDK says why
+        oai.chat.completions.parse(model="smollm2-135m-instruct", messages=invent, max_tokens=4, temperature=0,
+                                   response_format=Resident)
+    where = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tool_parsed = oai.chat.completions.parse(model="smollm2-135m-instruct", messages=where, max_tokens=64,
+                                             temperature=0, tools=[openai.pydantic_function_tool(Weather)],
+                                             tool_choice="required").choices[0]
+    assert tool_parsed.finish_reason == "tool_calls", tool_parsed
+    assert isinstance(tool_parsed.message.tool_calls[0].function.parsed_arguments, Weather), tool_parsed
+    resp_parsed = oai.responses.parse(model="smollm2-135m-instruct", input=invent[0]["content"],
+                                      max_output_tokens=96, temperature=0, text_format=Resident)
+    assert resp_parsed.status == "completed" and resp_parsed.output_parsed == resident, resp_parsed
+    assert resp_parsed.text.format.strict and resp_parsed.output_text == chat_parsed.message.content
+    with oai.responses.stream(model="smollm2-135m-instruct", input=invent[0]["content"], max_output_tokens=96,
+                              temperature=0, text_format=Resident) as stream:
+        assert stream.get_final_response().output_parsed == resident
+    cut = oai.responses.create(model="smollm2-135m-instruct", input=invent[0]["content"], max_output_tokens=4,
+                               temperature=0, text={"format": {"type": "json_schema", "name": "resident",
+                                                               "schema": Resident.model_json_schema()}})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens", cut
+    tool_item, = oai.responses.parse(model="smollm2-135m-instruct", input=where[0]["content"],
+                                     max_output_tokens=48, temperature=0, tools=[openai.pydantic_function_tool(
+                                         Weather)], tool_choice={"type": "function", "name": "Weather"}).output
+    assert isinstance(tool_item.parsed_arguments, Weather), tool_item
+    claude = anthropic.Anthropic(base_url=base, api_key=keys.paid, max_retries=0, timeout=240)
+    msg_parsed = claude.messages.parse(model="smollm2-135m-instruct", max_tokens=96, messages=invent,
+                                       output_format=Resident, extra_body={"temperature": 0})
+    assert msg_parsed.stop_reason == "end_turn" and msg_parsed.parsed_output == resident, msg_parsed
+    with claude.messages.stream(model="smollm2-135m-instruct", max_tokens=96, messages=invent,
+                                output_format=Resident, extra_body={"temperature": 0}) as stream:
+        assert stream.get_final_message().parsed_output == resident
+    beta = claude.beta.messages.parse(model="smollm2-135m-instruct", max_tokens=96, messages=invent,
+                                      output_format=Resident, extra_body={"temperature": 0})  # ?beta=true
+    assert beta.parsed_output == resident, beta
+    short = claude.messages.create(model="smollm2-135m-instruct", max_tokens=4, messages=invent, output_config={
+        "format": {"type": "json_schema", "schema": Resident.model_json_schema()}})
+    assert short.stop_reason == "max_tokens", short
     # tool calling: a forced choice generates the calls' JSON under its schema, answered as tool_calls
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
@@ -374,7 +444,6 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert read.input_tokens_details.cache_write_tokens < wrote.input_tokens_details.cache_write_tokens
     # Anthropic's Messages API: the same forced call as a tool_use block, plain and streamed (its input as JSON
     # deltas); a prompt read from the prefix cache is counted apart from input_tokens, as Anthropic counts it
-    claude = anthropic.Anthropic(base_url=base, api_key=keys.paid, max_retries=0, timeout=240)
     msg_kw = dict(model="smollm2-135m-instruct", max_tokens=64, messages=ask, extra_body={"temperature": 0},
                   tools=[{"name": "get_weather", "input_schema": weather["function"]["parameters"]},
                          {"name": "get_time", "input_schema": {"type": "object"}}],
