@@ -138,7 +138,11 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     if counts.pending:
         if (completed, failed) != (batch.completed, batch.failed):
             with write_guard(session):
-                session.execute(update(Batch).where(Batch.id == batch_id).values(completed=completed, failed=failed))
+                # counts read before another caller's newer ones, or its fan-in, are not written over them: a
+                # request's end is final, so an open batch's counts only grow
+                session.execute(update(Batch).where(
+                    Batch.id == batch_id, Batch.status.in_(OPEN), Batch.completed <= completed,
+                    Batch.failed <= failed).values(completed=completed, failed=failed))
                 session.commit()
         return False
     mine = utcnow()  # this caller's finalizing, as the batch row holds it

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 from sqlalchemy import select
 
+from app.batch import finalize
 from app.batch.finalize import maybe_finalize
 from app.batch.storage import read_content, save_file
 from app.db.models import Batch, File, Job, Tenant, new_id
@@ -68,3 +69,27 @@ def test_all_done_before_the_window_is_completed(db_url, tmp_path):
         pending = _batch(s, tmp_path, ["succeeded", "queued"], expires_in_s=3600)
         assert not maybe_finalize(s, pending, tmp_path, "")
         assert s.get(Batch, pending, populate_existing=True).status == "in_progress"
+
+
+def test_counts_read_before_another_callers_fan_in_do_not_overwrite_it(db_url, tmp_path, monkeypatch):
+    """Two callers: this one reads a request still running; before it writes that progress, the request ends and
+    another caller fans the batch in. The batch keeps the other's final counts (it showed 2 of 3 completed)."""
+    real = finalize._counts
+    with session_scope(db_url) as s:
+        batch_id = _batch(s, tmp_path, ["succeeded", "succeeded", "running"], expires_in_s=3600)
+
+    def stale_then_fan_in(session, bid):
+        counts = real(session, bid)  # what this caller read: one request still running
+        monkeypatch.setattr(finalize, "_counts", real)
+        with session_scope(db_url) as other:  # meanwhile the request ends and another caller fans the batch in
+            job = other.scalars(select(Job).where(Job.batch_id == bid, Job.status == "running")).one()
+            job.status, job.finished_at, job.finish_reason = "succeeded", utcnow(), "length"
+            other.commit()
+            assert maybe_finalize(other, bid, tmp_path, "")
+        return counts
+
+    monkeypatch.setattr(finalize, "_counts", stale_then_fan_in)
+    with session_scope(db_url) as s:
+        assert not maybe_finalize(s, batch_id, tmp_path, "")
+        b = s.get(Batch, batch_id, populate_existing=True)
+        assert (b.status, b.completed, b.failed) == ("completed", 3, 0)
