@@ -328,11 +328,11 @@ def _deliver_one(session: Session, delivery_id: str, when: datetime, policy: Pol
             WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == when,
             WebhookDelivery.delivered_at.is_(None)).values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S))
             .returning(WebhookDelivery.endpoint_id, WebhookDelivery.attempts, WebhookDelivery.body,
-                       WebhookDelivery.type)).first()
+                       WebhookDelivery.type, WebhookDelivery.next_attempt_at)).first()
         session.commit()
     if claimed is None:
         return None  # another worker took it, or the endpoint was deleted (its deliveries with it)
-    endpoint_id, tried, body, kind = claimed
+    endpoint_id, tried, body, kind, claim = claimed
     endpoint = session.get(WebhookEndpoint, endpoint_id)
     if endpoint is None:
         return None
@@ -350,8 +350,13 @@ def _deliver_one(session: Session, delivery_id: str, when: datetime, policy: Pol
     else:
         values["next_attempt_at"] = utcnow() + timedelta(seconds=policy.wait(attempts, sent.retry_after))
     with write_after_read(session):
-        session.execute(update(WebhookDelivery).where(WebhookDelivery.id == delivery_id).values(**values))
+        # recorded while the claim is still this sender's: one that stalled past it (another worker claimed, sent and
+        # recorded the delivery meanwhile) writes neither its attempts nor its answer over the newer ones
+        kept = session.execute(update(WebhookDelivery).where(
+            WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == claim).values(**values)).rowcount
         session.commit()
+    if not kept:
+        log.info("webhook %s: its claim lapsed while it was sent; another sender's attempt stands", delivery_id)
     return sent
 
 

@@ -481,3 +481,33 @@ def test_settled_deliveries_go_after_the_retention_and_the_due_query_reads_pendi
         plan = s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + str(query),
                                               tuple(str(query.params[k]) for k in query.positiontup)).all()
     assert "ix_webhook_deliveries_pending" in " ".join(str(step) for step in plan), plan
+
+
+def test_a_sender_whose_claim_lapsed_does_not_write_over_the_next_senders_delivery(oai, db_url, keys,
+                                                                                   webhook_receiver, monkeypatch):
+    """A sender stalls past its claim: another worker claims the delivery, sends it and records it delivered; the
+    first one's late answer (a 500, its last attempt) is not recorded over it (the delivery showed delivered and
+    given up, with the 500)."""
+    from app.services import webhooks
+
+    oai.webhooks.create(event_types=["batch.completed"], name="late", url=webhook_receiver.url)
+    webhook_receiver.statuses.extend([200, 500])  # the second sender's answer, then the stalled one's
+    real = webhooks.send
+    send = {"retry_s": 30.0, "max_attempts": 1, "timeout_s": 5.0}
+
+    def stalled_past_its_claim(*args, **kwargs):
+        monkeypatch.setattr(webhooks, "send", real)
+        with session_scope(db_url) as other:  # meanwhile its claim lapses and another worker delivers it
+            other.execute(update(WebhookDelivery).values(next_attempt_at=utcnow() - timedelta(seconds=1)))
+            other.commit()
+            assert deliver_due(other, **send) == 1
+        return real(*args, **kwargs)
+
+    with session_scope(db_url) as s:
+        emit(s, keys.tenant_id, "batch.completed", "batch_late")
+        s.commit()
+        monkeypatch.setattr(webhooks, "send", stalled_past_its_claim)
+        deliver_due(s, **send)
+        row = s.scalars(select(WebhookDelivery)).one()
+        assert (row.attempts, row.last_status, row.failed_at) == (1, 200, None) and row.delivered_at is not None
+    assert len(webhook_receiver.received) == 2
