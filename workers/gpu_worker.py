@@ -506,6 +506,8 @@ class GpuWorker:
         with session_scope(self.url, immediate=True) as s:
             held = leases.renew(s, self.worker_id, [j.lease for j in jobs], self.settings.lease_seconds)
             row = s.get(WorkerState, self.worker_id)
+            if row is None and self.stopping.is_set():  # read here, in the beat's transaction: a stop that deleted
+                return  # the row since this beat began set it before, and a stopped worker's row stays deleted
             if row is None:  # deleted by an operator or a DB reset: come back
                 row = WorkerState(id=self.worker_id, model=self.settings.model_name, queue=self.queue,
                                   device=self.device)

@@ -189,3 +189,24 @@ def test_an_adapters_job_from_the_workers_own_queue_goes_back_to_the_adapters_qu
     worker.accept(job_id, queue=f"coserve.worker.{worker.worker_id}")
     assert _next_taken(settings, "coserve.sql-lora", batch=False) == [job_id]
     assert _next_taken(settings, "coserve.tiny", batch=False) == []
+
+
+def test_a_heartbeat_that_ran_into_the_stop_does_not_bring_the_stopped_workers_row_back(settings, keys, monkeypatch):
+    """The heartbeat thread looks at the worker's jobs; before it writes its beat, the worker stops and deletes its
+    row. The beat does not write the row again (the stopped worker looked live, and was routed to, until it went
+    stale)."""
+    from app.db.models import WorkerState
+
+    worker = GpuWorker(settings)
+    worker.heartbeat()  # registered, as a running worker is
+    real = worker.active.snapshot
+
+    def stop_meanwhile():
+        jobs = real()  # what this beat read
+        worker.stop(grace_s=0)
+        return jobs
+
+    monkeypatch.setattr(worker.active, "snapshot", stop_meanwhile)
+    worker.heartbeat()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(WorkerState, worker.worker_id) is None
