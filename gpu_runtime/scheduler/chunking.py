@@ -49,12 +49,13 @@ def decode_slack(req: Request, now: float, lost_below_s: float = 0.0) -> float:
 
 
 def min_slack(decodes: Iterable[Request], now: float, lost_below_s: float = 0.0) -> float:
-    """min over decodes of ``decode_slack`` (inlined for on-time interactive ones: this runs every iteration)."""
+    """min over decodes of ``decode_slack`` (inlined for on-time interactive ones: this runs every iteration). A rerun
+    (``qos.delivered``) counts its tokens over the whole answer (``Request.next_token_deadline``): not inlined."""
     best = math.inf
     interactive, first_token = QoSClass.INTERACTIVE, TbtAnchor.FIRST_TOKEN
     for r in decodes:
         q = r.qos
-        if q.qos_class is interactive and not r.relegation_count:
+        if q.qos_class is interactive and not r.relegation_count and not q.delivered:
             tbt = q.tbt_s
             times = r.token_times
             start = r.arrival_time + q.ttft_s  # type: ignore[operator]
