@@ -139,6 +139,16 @@ def test_budget_is_monotone_in_slack(t1, t2, outputs, tbt):
         assert c_early >= c_late
 
 
+@PROPS
+@given(st.integers(1, 256), st.one_of(st.none(), st.integers(1, 8192)), st.floats(1.05, 2.0))
+@example(17, 2176, 1.25)  # the floor rounded down to 16: a chunk below the configured smallest budget
+def test_search_space_is_sorted_from_floor_to_top(floor, ceiling, growth):
+    # QoServe 3.2: a discrete space from a small floor up to the saturation chunk (Sarathi's deadline scheduler)
+    space = build_search_space(COST, floor, ceiling, growth)
+    assert space == sorted(set(space)) and space[0] >= 1
+    assert space[0] >= floor and space[-1] == max(ceiling or space[-1], floor)
+
+
 # ---- hybrid priority (eq. 4/5) ----
 
 @PROPS
