@@ -75,13 +75,13 @@ def min_slack(decodes: Iterable[Request], now: float, lost_below_s: float = 0.0)
 
 def build_search_space(cost_model: CostModel, floor: int = 16, ceiling: int | None = None,
                        growth: float = 1.25, saturation_fraction: float = 0.95, max_tokens: int = 8192) -> list[int]:
-    """Geometric grid (multiples of 16) from ``floor`` to the throughput-saturation chunk; never below ``floor``
-    (a floor off the grid, e.g. 17, is its own first size rather than rounding down to 16)."""
+    """Geometric grid (multiples of 16) from ``floor`` to the throughput-saturation chunk (or ``ceiling``), never
+    outside them: a floor off the grid (17) is its own first size, and rounding never passes the top (201 -> 208)."""
     top = ceiling if ceiling is not None else saturation_tokens(cost_model, max_tokens, saturation_fraction, floor)
     top = max(top, floor)
     space, s = [], float(floor)
     while s < top:
-        space.append(max(floor, int(round(s / 16) * 16)))
+        space.append(min(top, max(floor, int(round(s / 16) * 16))))
         s *= growth
     space.append(top)
     return sorted(set(space))

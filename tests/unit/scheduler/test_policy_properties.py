@@ -142,6 +142,7 @@ def test_budget_is_monotone_in_slack(t1, t2, outputs, tbt):
 @PROPS
 @given(st.integers(1, 256), st.one_of(st.none(), st.integers(1, 8192)), st.floats(1.05, 2.0))
 @example(17, 2176, 1.25)  # the floor rounded down to 16: a chunk below the configured smallest budget
+@example(100, 201, 2.005)  # 200.5 rounded up to 208: a chunk above the ceiling
 def test_search_space_is_sorted_from_floor_to_top(floor, ceiling, growth):
     # QoServe 3.2: a discrete space from a small floor up to the saturation chunk (Sarathi's deadline scheduler)
     space = build_search_space(COST, floor, ceiling, growth)
