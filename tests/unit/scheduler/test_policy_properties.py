@@ -18,7 +18,7 @@ from gpu_runtime.qos import QoSClass, QoSSpec, TbtAnchor, Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 from gpu_runtime.scheduler.chunking import ChunkBudget, build_search_space, decode_slack, min_slack
-from gpu_runtime.scheduler.priority import first_deadline, hybrid_priority
+from gpu_runtime.scheduler.priority import LoadAdaptiveAlpha, first_deadline, hybrid_priority
 from gpu_runtime.scheduler.registry import create_scheduler
 from gpu_runtime.scheduler.relegation import (
     PaidRelegation,
@@ -175,6 +175,20 @@ def test_priority_grows_with_remaining_work(req, alpha, more):
     before = hybrid_priority(req, alpha)
     req.prompt_token_ids = req.prompt_token_ids + [1] * more
     assert hybrid_priority(req, alpha) >= before
+
+
+@PROPS
+@given(st.lists(st.floats(0.0, 3.0), max_size=30))
+def test_alpha_switches_only_across_the_hysteresis_band(loads):
+    # QoServe 3.6: alpha ~1 ms/token at low load, the SRPF-like high value under overload, without flapping
+    alpha = LoadAdaptiveAlpha()
+    for load in loads:
+        before = alpha.overloaded
+        changed = alpha.update(load)
+        assert changed == (alpha.overloaded != before)
+        if changed:
+            assert load > alpha.overload_at if alpha.overloaded else load < alpha.underload_at
+        assert alpha.alpha_s == (alpha.high_ms if alpha.overloaded else alpha.low_ms) / 1000.0
 
 
 # ---- eager relegation (Alg. 1 lines 12-15) ----
