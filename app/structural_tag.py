@@ -7,6 +7,7 @@ them (xgrammar compiles the tag), so that a bad one is the client's 400, not a f
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -66,21 +67,41 @@ def check(text: str) -> None:
     if _nesting(tag) > MAX_TAG_NESTING:
         raise ValueError(f"structural_tag nests objects and arrays deeper than {MAX_TAG_NESTING} levels")
     try:
-        import xgrammar as xgr
-    except ImportError:  # an API without vLLM's grammar library: the vLLM worker compiles it (a bad one is a 400)
-        return
-    try:
-        if "structures" in tag:
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in tag["structures"]]
-            xgr.Grammar.from_structural_tag(items, tag["triggers"])
-        else:
-            xgr.Grammar.from_structural_tag(text)
+        _compile(tag, text)
     except (KeyError, TypeError) as exc:
         raise ValueError("structural_tag's legacy form needs structures (each with begin, schema and end) and "
                          f"triggers; {exc!s} is missing or malformed") from None
     except Exception as exc:  # xgrammar's InvalidStructuralTagError and its compile errors
         raise ValueError(f"structural_tag is invalid: {exc}") from None
+
+
+def _compile(tag: dict[str, Any], text: str) -> None:
+    """xgrammar compiles the structural tag (``tag`` is ``text`` read); nothing where xgrammar is not installed."""
+    try:
+        import xgrammar as xgr
+    except ImportError:  # an API without vLLM's grammar library: the vLLM worker compiles it (a bad one is a 400)
+        return
+    if "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        xgr.Grammar.from_structural_tag(items, tag["triggers"])
+    else:
+        xgr.Grammar.from_structural_tag(text)
+
+
+def _import_xgrammar() -> None:
+    try:
+        import xgrammar  # noqa: F401 - imported for its cost only
+    except Exception:  # not installed, or broken: ``check`` says so to the request that needs it
+        pass
+
+
+def warm_up() -> threading.Thread:
+    """Imports xgrammar (about 3 s) in a thread of its own, so that the first request carrying a structural tag
+    does not pay for it (``check`` runs where pydantic validates a body, on the event loop for some routes)."""
+    thread = threading.Thread(target=_import_xgrammar, name="xgrammar-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def of_response_format(fmt: dict[str, Any]) -> str:

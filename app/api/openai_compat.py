@@ -61,10 +61,16 @@ async def json_object(request: Request) -> dict[str, Any]:
     return raw
 
 
-async def read_body(request: Request, model: type) -> Any:
-    body = openai_parsed(model, await json_object(request))
+def checked_body(model: type, raw: dict[str, Any]) -> Any:
+    body = openai_parsed(model, raw)
     body.check()
     return body
+
+
+async def read_body(request: Request, model: type) -> Any:
+    """The body read as ``model`` and checked, in a thread: validating it may compile a grammar (a structural
+    tag's: xgrammar's first import takes seconds), which on the event loop would stall every other request."""
+    return await run_in_threadpool(checked_body, model, await json_object(request))
 
 
 def submit_openai_job(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
@@ -283,11 +289,17 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                                      type="server_error", code="stream_interrupted"))
 
 
+def _job_specs(body: ChatCompletionRequest | CompletionRequest, chat: bool, tiers: tuple[str, ...]) -> list:
+    """The request's job, or a completion's job per prompt."""
+    if chat:
+        return [body.job_spec(messages=body.chat_messages(), tiers=tiers)]
+    return [body.job_spec(**prompt, tiers=tiers) for prompt in body.prompt_inputs()]
+
+
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
     body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    specs = ([body.job_spec(messages=body.chat_messages(), tiers=settings.tiers)] if chat
-             else [body.job_spec(**prompt, tiers=settings.tiers) for prompt in body.prompt_inputs()])
+    specs = await run_in_threadpool(_job_specs, body, chat, settings.tiers)  # response_format's grammar compiles
     if specs[0].kind == "interactive":  # this endpoint's QoS defaults for the targets the request left out
         ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
         specs = [spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})

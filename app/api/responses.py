@@ -337,7 +337,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
 async def _submit(request: Request, session, principal: Principal, settings: Settings, body: ResponsesRequest,
                   history: list[dict[str, Any]], job_id: str):
     """The response's chat request, what its job keeps of it, and the job submitted as ``job_id``."""
-    chat, spec = body.chat_request(await request.json(), history, settings.tiers)
+    # in a thread: the chat request's response_format may compile a grammar (read_body's reason)
+    chat, spec = await run_in_threadpool(body.chat_request, await request.json(), history, settings.tiers)
     if spec.kind == "interactive":
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})

@@ -6,6 +6,7 @@ import importlib.metadata
 import io
 import json
 import logging
+import threading
 import time
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -460,6 +461,52 @@ def test_a_structural_tag_xgrammar_cannot_compile_is_a_4xx_saying_why(client, ke
     settings.backend = "torch"  # the own engine constrains nothing: refused, saying so
     r = client.post("/v1/chat/completions", json={**chat, "response_format": good}, headers=H(keys.paid))
     assert r.status_code == 400 and "vLLM backend" in r.json()["error"]["message"], r.text
+
+
+def test_another_request_is_answered_while_a_structural_tag_compiles(client, keys, settings, monkeypatch):
+    """xgrammar's first import takes seconds: a chat request's structural tag compiles off the event loop, so the
+    API answers other requests meanwhile (here the compile is held until the other request is answered)."""
+    from app import structural_tag
+
+    settings.backend = "vllm"
+    compiling, answered, compiled = threading.Event(), threading.Event(), threading.Event()
+
+    def held(tag, text):
+        compiling.set()
+        answered.wait(20)  # on the event loop this would hold the other request until it gives up
+        compiled.set()
+        raise ValueError("held compile done")
+
+    monkeypatch.setattr(structural_tag, "_compile", held)
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
+        {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
+    tagged = []
+    chat = threading.Thread(target=lambda: tagged.append(client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": tag},
+        headers=H(keys.paid))))
+    chat.start()
+    assert compiling.wait(60), "the structural tag never reached its compile"
+    r = client.get("/v1/models", headers=H(keys.paid))
+    held_meanwhile = not compiled.is_set()
+    answered.set()
+    chat.join()
+    assert r.status_code == 200 and held_meanwhile, "the other request waited for the structural tag's compile"
+    assert tagged[0].status_code == 400 and "held compile done" in tagged[0].json()["error"]["message"], tagged[0].text
+
+
+def test_an_api_on_vllm_imports_xgrammar_at_start_up_not_at_a_request(settings, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from app import structural_tag
+    from app.main import create_app
+
+    warmed = []
+    monkeypatch.setattr(structural_tag, "warm_up", lambda: warmed.append(True))
+    with TestClient(create_app(settings)):
+        assert warmed == []  # the own torch engine constrains nothing: no structural tag is ever compiled
+    settings.backend = "vllm"
+    with TestClient(create_app(settings)):
+        assert warmed == [True]
 
 
 def test_a_native_job_asking_alternatives_out_of_range_hears_the_range_and_why(client, keys):
