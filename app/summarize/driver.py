@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
+from typing import Any
 
 from sqlalchemy import func, or_, select, update
 
@@ -48,9 +49,9 @@ from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import lora_adapters
 from app.services.cancel import stop_job_ids
-from app.services.dispatch import send_dispatched
+from app.services.dispatch import Sendable, send_dispatched
 from app.services.job_writer import JobRows
-from app.services.jobs import JobValidationError, build_job
+from app.services.jobs import JobValidationError, job_values
 from app.services.model_info import count_inputs, get_tokenizer
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
@@ -81,7 +82,8 @@ class Step:
 
 class JobCollector:
     """A ``JobBackend`` that builds jobs without writing them (the step's transaction does)
-    and answers polls from results read before the step."""
+    and answers polls from results read before the step. A job is its column values (``jobs.job_values``), inserted
+    as they are: no ORM ``Job`` per job, as the batch fan-out's."""
 
     def __init__(self, settings: Settings, principal: Principal, tier: str, results: dict[str, store.JobResult],
                  model: str | None = None, run_id: str | None = None):
@@ -89,7 +91,7 @@ class JobCollector:
         self.model = model  # the run's: the server's model or a LoRA adapter
         self.run_id = run_id  # each job names it (a poll counts the run's jobs not ended by it)
         self.tick: Callable[[], None] = lambda: None  # called before each job is built (the step's lease.LeaseKeeper)
-        self.jobs: list[Job] = []
+        self.jobs: list[dict[str, Any]] = []  # each job's column values
 
     def submit(self, messages: list[dict[str, str]], max_tokens: int, deadline_at: datetime, app_id: str,
                prompt_tokens: int | None = None) -> str:
@@ -97,11 +99,11 @@ class JobCollector:
         spec = JobCreate(kind="batch", messages=messages, max_tokens=max_tokens, deadline_at=deadline_at,
                          temperature=0.0, app_id=app_id, tier=self.tier, model=self.model)
         # overdue_ok: a retried step may build a level whose deadline passed meanwhile
-        job = build_job(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True,
-                        prompt_tokens=prompt_tokens)
-        job.summarization_run_id = self.run_id
+        job = job_values(self.settings, self.principal, spec, endpoint=ENDPOINT, overdue_ok=True,
+                         prompt_tokens=prompt_tokens)
+        job["summarization_run_id"] = self.run_id
         self.jobs.append(job)
-        return job.id
+        return job["id"]
 
     def poll(self, job_ids: list[str]) -> dict[str, store.JobResult]:
         return {j: self.results[j] for j in job_ids if j in self.results}
@@ -288,11 +290,11 @@ def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], 
             s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
                                                           SummarizationDocument.position == position)
                       .values(**store.doc_values(doc)).execution_options(synchronize_session=False))
-    send_dispatched(settings, backend.jobs)
+    send_dispatched(settings, [Sendable.of(job) for job in backend.jobs])
     if status != "running":
         log.info("summarization %s %s: %d/%d documents, %d jobs", run.id, status, done - failed, run.documents,
                  values["jobs_submitted"])
-    return Step(Outcome.STEPPED, status, tuple(j.id for j in backend.jobs))
+    return Step(Outcome.STEPPED, status, tuple(j["id"] for j in backend.jobs))
 
 
 def check_first_level(settings: Settings, run: SummarizationRun, docs: list[DocState], jobs: int) -> None:

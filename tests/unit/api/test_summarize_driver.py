@@ -9,7 +9,7 @@ import threading
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 
 from app.auth import Principal, create_tenant
 from app.db.models import Job, JobEvent, SummarizationDocument, SummarizationRun
@@ -195,17 +195,17 @@ def test_a_step_renews_its_lease_between_the_jobs_it_builds_and_stops_once_it_is
     url = settings.sqlalchemy_url
     run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
-    clock, built, real_build = [0.0], [], driver.build_job
+    clock, built, real_values = [0.0], [], driver.job_values
     monkeypatch.setattr(lease.LeaseKeeper, "clock", staticmethod(lambda: clock[0]))
 
-    def build_job(*args, **kwargs):  # each job built takes a third of the lease
+    def job_values(*args, **kwargs):  # each job built takes a third of the lease
         built.append(1)
         clock[0] += settings.lease_seconds / 3
         if len(built) == 2:
             assert lease.take_over(url, run_row(url, run_id), "other", settings.lease_seconds)
-        return real_build(*args, **kwargs)
+        return real_values(*args, **kwargs)
 
-    monkeypatch.setattr(driver, "build_job", build_job)
+    monkeypatch.setattr(driver, "job_values", job_values)
     assert driver.advance(settings, run_id, "splitter") == driver.Step(Outcome.LOST, "running")
     assert len(built) == 2 and job_count(url) == 0  # LONG makes more than 3 chunks: it stopped at the third
 
@@ -813,3 +813,63 @@ def test_token_counts_of_a_tokenizer_that_truncates_by_itself_are_whole(settings
     whole = token_counts(tok, [text])
     tok.backend_tokenizer.enable_truncation(max_length=3)
     assert whole[0] > 3 and token_counts(tok, [text]) == whole
+
+
+def written_rows(url: str) -> tuple[list[dict], list[dict]]:
+    """Every job row and job event row, as the database holds them (events without their own serial id)."""
+    with session_scope(url) as s:
+        jobs = [dict(r) for r in s.execute(select(Job.__table__).order_by(Job.id)).mappings()]
+        events = [{k: v for k, v in r.items() if k != "id"} for r in s.execute(
+            select(JobEvent.__table__).order_by(JobEvent.job_id, JobEvent.id)).mappings()]
+    return jobs, events
+
+
+def test_a_step_builds_no_orm_job_for_each_of_its_jobs(settings, principal):
+    from sqlalchemy import event
+
+    built = []
+    listener = lambda target, args, kwargs: built.append(target)  # noqa: E731 - an ORM Job constructed
+    run_id = service.create_run(settings, principal, [Document("long", LONG)], utcnow() + timedelta(hours=1),
+                                max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
+    event.listen(Job, "init", listener)
+    try:
+        step = driver.advance(settings, run_id, "api")
+    finally:
+        event.remove(Job, "init", listener)
+    assert step.outcome == Outcome.STEPPED and statuses(settings.sqlalchemy_url) == {"queued": len(step.submitted)}
+    assert len(step.submitted) > 2 and built == []  # its rows are the jobs' column values (jobs.job_values)
+
+
+def test_a_steps_jobs_are_written_as_the_orm_jobs_build_job_made_of_them_were(settings, principal, monkeypatch):
+    """A step's rows are those the ``Job`` that ``build_job`` made of the same request wrote (job and events)."""
+    from app.services import jobs as job_service
+
+    at = utcnow()
+    monkeypatch.setattr(job_service, "utcnow", lambda: at)  # the jobs' created_at: the same for both builds
+    calls, real_values = [], job_service.job_values
+
+    def recorded(*a, **kw):
+        calls.append((a, kw))
+        return real_values(*a, **kw)
+
+    monkeypatch.setattr(driver, "job_values", recorded, raising=False)
+    monkeypatch.setattr(job_service, "job_values", recorded)  # where build_job reads it
+    run_id = service.create_run(settings, principal, [Document("long", LONG), Document("short", "Hi there.")],
+                                utcnow() + timedelta(hours=1), max_summary_tokens=12, chunk_tokens=120,
+                                overlap_tokens=8, tier="paid").id
+    step = driver.advance(settings, run_id, "api")
+    assert step.outcome == Outcome.STEPPED and len(step.submitted) == len(calls) > 2
+    new_rows = written_rows(settings.sqlalchemy_url)
+    monkeypatch.setattr(job_service, "job_values", real_values)
+    # the same requests built as ORM Jobs (build_job) with their run, written in their place as the step wrote them
+    old_jobs = []
+    for (a, kw), job_id in zip(calls, step.submitted, strict=True):
+        job = job_service.build_job(*a, **kw, job_id=job_id)
+        job.summarization_run_id = run_id
+        old_jobs.append((job, f"summarization {run_id}"))
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.execute(delete(JobEvent))
+        s.execute(delete(Job))
+        job_writer.JobRows.of(old_jobs, None).insert(s)
+    assert written_rows(settings.sqlalchemy_url) == new_rows
+    assert len(new_rows[1]) == len(new_rows[0]) and {j["summarization_run_id"] for j in new_rows[0]} == {run_id}
