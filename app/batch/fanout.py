@@ -30,6 +30,7 @@ from app.services.job_writer import JobRows, stage_mark, write_staged
 from app.services.jobs import JobValidationError, job_values
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
+from app.services.workers import held_context_length
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,11 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
     invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message) for i in parsed.invalid]
     jobs = []
+    # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)
+    context = held_context_length(settings)
     for v in parsed.valid:
         try:
-            jobs += _line_jobs(settings, principal, v, batch_id, endpoint, expires_at)
+            jobs += _line_jobs(settings, principal, v, batch_id, endpoint, expires_at, context)
         except JobValidationError as exc:
             invalid.append(invalid_line(v.line_no, v.custom_id, "invalid_body", f"line {v.line_no}: {exc}"))
     invalid.sort(key=lambda r: r["error"]["line"])
@@ -178,7 +181,7 @@ def _drop_staged(url: str, batch_id: str) -> None:
 
 
 def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.ValidLine, batch_id: str, endpoint: str,
-               expires_at) -> list[dict]:
+               expires_at, context: int) -> list[dict]:
     """A valid line's jobs (their column values: no ORM object a row), due when the batch's window ends. Those of
     a line of several choices are numbered in OpenAI's order (``choice_index``), and usage counts the line's request
     and each prompt once, as online."""
@@ -188,7 +191,7 @@ def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.Valid
         if (line.response or {}).get("truncation") == "auto":  # a Responses line: its oldest turns go if too long
             spec = fit_response(settings, spec, line.response)
         job = job_values(settings, principal, spec, batch_id=batch_id, custom_id=line.custom_id, endpoint=endpoint,
-                         response=line.response)
+                         response=line.response, context=context)
         if len(line.specs) > 1:
             job.update(choice_index=i, counts_request=i == 0, counts_prompt=i % line.n == 0)
         jobs.append(job)

@@ -141,14 +141,16 @@ def build_job(settings: Settings, principal: Principal, spec: JobCreate, **optio
 def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, idempotency_key: str | None = None,
                batch_id: str | None = None, custom_id: str | None = None, endpoint: str = "/v1/jobs",
                count_tokens: bool = True, overdue_ok: bool = False, response: dict[str, Any] | None = None,
-               job_id: str | None = None, prompt_tokens: int | None = None) -> dict[str, Any]:
+               job_id: str | None = None, prompt_tokens: int | None = None,
+               context: int | None = None) -> dict[str, Any]:
     """Validates ``spec`` and returns its job's column values, what ``Job(**values)`` holds (raises
     ``JobValidationError``): a caller writing many rows at once (the batch fan-out) inserts them as they are, with no
     ORM object built and read back a row at a time. ``response``: an OpenAI request's own fields the answer keeps
     (Responses: ``app.responses_schemas.KEPT``; a stored chat completion's: ``app.services.stored_completions``);
     ``job_id``: the job's id where the caller chose it (a new one else); ``prompt_tokens``: its prompt's token count
     where the caller counted it already (``model_info.count_inputs``, many prompts a tokenizer call): the context
-    checks use it, and the prompt is not tokenized again."""
+    checks use it, and the prompt is not tokenized again; ``context``: the context it is held to where the caller read
+    it (``workers.held_context_length``) once for many jobs (a batch's fan-out), else it is read here."""
     model = resolve_model(settings, spec.model)
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(default_max_tokens(settings, endpoint))
@@ -222,7 +224,7 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
                                      "days away; give a nearer deadline", param="deadline_at")
         job["deadline_at"] = deadline
     if count_tokens:
-        limit = held_context_length(settings)
+        limit = held_context_length(settings) if context is None else context
         chars = input_chars(spec)
         # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
         blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}

@@ -178,6 +178,21 @@ def test_a_fan_out_writes_its_rows_without_building_an_orm_job_for_each(client, 
     assert _messages(settings) == Counter({job_id: 1 for job_id, _ in jobs})
 
 
+def test_a_fan_out_reads_the_held_context_once_not_once_a_line(client, keys, settings, monkeypatch):
+    """The context a batch's jobs are held to (the workers as this process last read them) is read at the fan-out's
+    start and holds every line."""
+    from app.batch import fanout
+    from app.services import jobs as job_service
+    from app.services.workers import held_context_length
+
+    reads = []
+    counted = lambda s: reads.append(1) or held_context_length(s)  # noqa: E731
+    monkeypatch.setattr(fanout, "held_context_length", counted, raising=False)
+    monkeypatch.setattr(job_service, "held_context_length", counted)
+    batch = _create(client, keys, 12)
+    assert len(_jobs(settings, batch["id"])) == 12 and len(reads) == 1
+
+
 def test_a_fan_out_holds_off_full_collections_while_it_runs_and_gives_them_back(client, keys, settings):
     import gc
 
