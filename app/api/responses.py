@@ -363,7 +363,7 @@ async def count_input_tokens(request: Request, session: SessionDep, principal: C
     dropped the oldest turns, where asked)."""
     body = await read_body(request, InputTokensRequest)
     history = await run_in_threadpool(_prior_turns, session, principal, body)
-    _, spec = body.chat_request(await request.json(), history, settings.tiers)
+    _, spec = await run_in_threadpool(body.chat_request, await request.json(), history, settings.tiers)  # _submit's
     try:
         count = await run_in_threadpool(_input_tokens, settings, spec, body.kept(history)["input_from"],
                                         body.truncation)

@@ -463,9 +463,17 @@ def test_a_structural_tag_xgrammar_cannot_compile_is_a_4xx_saying_why(client, ke
     assert r.status_code == 400 and "vLLM backend" in r.json()["error"]["message"], r.text
 
 
-def test_another_request_is_answered_while_a_structural_tag_compiles(client, keys, settings, monkeypatch):
-    """xgrammar's first import takes seconds: a chat request's structural tag compiles off the event loop, so the
-    API answers other requests meanwhile (here the compile is held until the other request is answered)."""
+_TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
+    {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": _TAG}),
+    ("/v1/responses", {"model": "tiny", "input": "x", "text": {"format": _TAG}})])
+def test_another_request_is_answered_while_a_structural_tag_compiles(client, keys, settings, monkeypatch, path, body):
+    """xgrammar's first import takes seconds: a request's structural tag compiles off the event loop, so the API
+    answers other requests meanwhile (here the compile is held until the other request is answered)."""
     from app import structural_tag
 
     settings.backend = "vllm"
@@ -478,12 +486,8 @@ def test_another_request_is_answered_while_a_structural_tag_compiles(client, key
         raise ValueError("held compile done")
 
     monkeypatch.setattr(structural_tag, "_compile", held)
-    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
-        {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
     tagged = []
-    chat = threading.Thread(target=lambda: tagged.append(client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": tag},
-        headers=H(keys.paid))))
+    chat = threading.Thread(target=lambda: tagged.append(client.post(path, json=body, headers=H(keys.paid))))
     chat.start()
     assert compiling.wait(60), "the structural tag never reached its compile"
     r = client.get("/v1/models", headers=H(keys.paid))
