@@ -338,11 +338,7 @@ def _commit_failure(settings: Settings, run: SummarizationRun, owner: str, error
     step = _end_run(url, run, owner, FAILED.during, error, error, keep_lease_s=settings.lease_seconds)
     if step.outcome != Outcome.STEPPED:
         return step  # ``advance`` gives the lease back
-    try:
-        return _stop_pending_jobs(settings, run.id, owner, FAILED)
-    except Exception:
-        lease.release(url, run.id, owner)  # a worker's sweeper stops them now, not when the lease expires
-        raise
+    return _stop_or_release(settings, run.id, owner, FAILED)
 
 
 def _end_run(url: str, run: SummarizationRun, owner: str, status: str, error: str, reason: str,
@@ -438,11 +434,7 @@ def _finish_cancel(settings: Settings, run: SummarizationRun, owner: str) -> boo
     url = settings.sqlalchemy_url
     if not lease.take_over(url, run, owner, settings.lease_seconds):
         return False
-    try:
-        _stop_pending_jobs(settings, run.id, owner, CANCELLED)
-    except Exception:
-        lease.release(url, run.id, owner)
-        raise
+    _stop_or_release(settings, run.id, owner, CANCELLED)
     return True
 
 
@@ -454,12 +446,18 @@ def _cancel_claimed(settings: Settings, run: SummarizationRun, owner: str, reaso
     if step.outcome != Outcome.STEPPED:
         lease.release(url, run.id, owner)
         return step
-    try:
-        stopped = _stop_pending_jobs(settings, run.id, owner, CANCELLED)
-    except Exception:
-        lease.release(url, run.id, owner)  # a worker's sweeper stops the rest now, not when the lease expires
-        raise
+    stopped = _stop_or_release(settings, run.id, owner, CANCELLED)
     return Step(Outcome.STEPPED, stopped.status)  # cancelled, or cancelling where another holder stops the rest
+
+
+def _stop_or_release(settings: Settings, run_id: str, owner: str, ending: Ending) -> Step:
+    """``_stop_pending_jobs``, the run's lease given back where it fails: a worker's sweeper stops the rest now, not
+    when the lease expires."""
+    try:
+        return _stop_pending_jobs(settings, run_id, owner, ending)
+    except Exception:
+        lease.release(settings.sqlalchemy_url, run_id, owner)
+        raise
 
 
 def _stop_pending_jobs(settings: Settings, run_id: str, owner: str, ending: Ending) -> Step:
