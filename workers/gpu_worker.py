@@ -46,7 +46,6 @@ from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
-from app.services.lora_adapters import queue_models
 from app.services.dispatch import dispatch, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
@@ -383,13 +382,13 @@ class GpuWorker:
         return self._model_queue(job_id)
 
     def _model_queue(self, job_id: str) -> str:
-        """The shared queue dispatch sends the model of ``job_id`` to (``lora_adapters.queue_model``): a configured
+        """The shared queue dispatch sends the model of ``job_id`` to (``sweeper.back_to_queues``): a configured
         adapter's own, which a worker without that adapter never reads; the model's where SQL cannot say."""
         try:
             with session_scope(self.url) as s:
-                model = s.scalar(select(Job.model).where(Job.id == job_id))
-                if model is not None:
-                    return queue_name(queue_models(s, {model})[model])
+                row = s.execute(select(Job.id, Job.model, Job.kind).where(Job.id == job_id)).first()
+                if row is not None:
+                    return back_to_queues(s, [row])[0][1]
         except Exception:  # SQL away: the model's queue, which this worker (serving the job's model) reads too
             if cold_shutdown():  # Celery cancelled this task: accept gives the job back
                 raise
