@@ -293,7 +293,8 @@ class VLLMEngine:
             req.status, req.finish_time = RequestStatus.FINISHED_ABORTED, time.time()
             outputs.append(self._finish(req))
         if box.loaded_loras is not None:
-            for lora in self.loras.retired(box.loaded_loras, self._live_loras()):  # out of vLLM's LoRA cache, its slot freed
+            # out of vLLM's LoRA cache, its slot freed
+            for lora in self.loras.retired(box.loaded_loras, self._live_loras()):
                 self.llm.remove_lora(lora.lora_int_id)
                 log.info("removed LoRA adapter %r (id %d): unloaded or replaced", lora.lora_name, lora.lora_int_id)
         for rid, tier in box.promotions:
