@@ -98,7 +98,9 @@ class Engine:
         if total > self.executor.max_model_len:
             raise ValueError(
                 f"prompt ({request.prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) "
-                f"exceeds the model's context of {self.executor.max_model_len} tokens")
+                f"exceeds the {self.executor.max_model_len} tokens this engine serves (its max_model_len: the "
+                "model's context, or what its KV cache holds where that is less): shorten the prompt or lower "
+                "max_tokens")
         if refused := request.sampling.own_engine_refusal():
             raise ValueError(refused[1])
         with self._lock:

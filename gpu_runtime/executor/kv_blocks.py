@@ -13,6 +13,21 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 
+def context_that_fits(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """The longest context (prompt + output tokens) one request can have: ``max_model_len``, or what the whole KV
+    cache holds where that is less, so that a request admitted can always finish (vLLM refuses to start where its
+    max_model_len does not fit the KV cache, ``check_enough_kv_cache_memory``; the own engine fits it instead)."""
+    return min(max_model_len, num_blocks * block_size)
+
+
+def capped_context_note(wanted: int, num_blocks: int, block_size: int) -> str:
+    """Why the context is shorter than ``wanted``: the figures, and what to change."""
+    return (f"max_model_len {wanted} does not fit the KV cache ({num_blocks} blocks of {block_size} tokens = "
+            f"{num_blocks * block_size} tokens): serving requests of up to {num_blocks * block_size} tokens "
+            "(prompt + max_tokens); give the engine more KV blocks (COSERVE_KV_BLOCKS on a CPU, free device memory "
+            "on a GPU) to serve longer ones")
+
+
 @dataclass(frozen=True)
 class Allocation:
     """What one ``allocate`` call handed out."""

@@ -33,7 +33,7 @@ from gpu_runtime.executor.base import (
     PrefillChunk,
     StepResult,
 )
-from gpu_runtime.executor.kv_blocks import BlockManager
+from gpu_runtime.executor.kv_blocks import BlockManager, context_that_fits
 from gpu_runtime.executor.prefix_cache import PrefixCache, block_hashes, salt_root
 from gpu_runtime.sampling import SamplingParams
 
@@ -56,7 +56,8 @@ class SimExecutor:
                  prefix_caching: bool = False) -> None:
         self.cost_model = cost_model
         self.blocks = BlockManager(kv_blocks, block_size)
-        self.max_model_len = max_model_len
+        # a request longer than the whole cache could never finish: refused at admission, never left waiting
+        self.max_model_len = context_that_fits(max_model_len, kv_blocks, block_size)
         self.eos_token_id: int | None = None
         self.acceptance = acceptance
         self.draft_cost_s = draft_cost_s  # seconds per draft pass (one per tree level): a draft model

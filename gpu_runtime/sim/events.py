@@ -32,7 +32,10 @@ class ArrivalEvent(Event):
         stop = getattr(self.request, "stop_after", None)  # trace length: the simulated model's EOS
         if stop is not None and hasattr(rep.executor, "stop_after"):
             rep.executor.stop_after[self.request.request_id] = stop
-        rep.engine.add_request(self.request)
+        try:
+            rep.engine.add_request(self.request)
+        except ValueError as exc:  # e.g. longer than the replica's KV cache holds: refused, as vLLM refuses it
+            return self._refuse(sim, str(exc))
         if rep.idle:
             rep.idle = False
             rep.executor.advance_to(self.time)
@@ -40,6 +43,17 @@ class ArrivalEvent(Event):
             # the arrivals up to then must reach the scheduler before it (the heap puts them first), or each
             # would get a step of its own, one request at a time.
             return [StepEvent(rep.executor.now(), 0, rep)]
+        return []
+
+    def _refuse(self, sim, error: str) -> list[Event]:  # noqa: ANN001
+        """The request ends unserved (an SLO violation, as one left unfinished) and holds nothing."""
+        from gpu_runtime.engine import RequestOutput
+        from gpu_runtime.request import RequestStatus
+
+        log.warning("request %s refused at arrival: %s", self.request.request_id, error)
+        self.request.status = RequestStatus.FINISHED_ABORTED
+        sim.finished.append(RequestOutput(self.request.request_id, status=self.request.status, event="rejected",
+                                          error=error))
         return []
 
 

@@ -23,7 +23,7 @@ import torch
 from gpu_runtime.executor.base import (
     BatchPlan, DraftEntry, DraftResult, KeepDrafting, KVCapacity, StepResult,
 )
-from gpu_runtime.executor.kv_blocks import BlockManager
+from gpu_runtime.executor.kv_blocks import BlockManager, capped_context_note, context_that_fits
 from gpu_runtime.executor.torch.batch import Segment, build_forward_batch, request_slots, tree_mask
 from gpu_runtime.executor.torch.model import PagedDecoder
 from gpu_runtime.executor.torch.sampler import (
@@ -119,7 +119,10 @@ class TorchExecutor:
         self.model.resize_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, block_size)
         cfg_len = getattr(hf_model.config, "max_position_embeddings", None) or 4096
-        self.max_model_len = min(max_model_len or cfg_len, cfg_len, num_blocks * block_size)
+        wanted = min(max_model_len or cfg_len, cfg_len)
+        self.max_model_len = context_that_fits(wanted, num_blocks, block_size)
+        if self.max_model_len < wanted:
+            log.warning("TorchExecutor: %s", capped_context_note(wanted, num_blocks, block_size))
         self.eos_token_id = self._eos_id()
         self._requests: dict[str, _RequestState] = {}
         self.last_logits: torch.Tensor | None = None
