@@ -134,6 +134,14 @@ class GpuWorker:
             t.start()
             self.threads.append(t)
 
+    def served_context(self) -> int:
+        """The context (prompt + output tokens) this worker serves: the model's as the settings say, or less where
+        its engine holds less (the own engine fits it to its KV cache, vLLM to its max_model_len); read once the
+        engine is built (a constant of it)."""
+        own = context_length(self.settings)
+        engine_len = getattr(getattr(self.engine, "executor", None), "max_model_len", None)
+        return min(own, engine_len) if isinstance(engine_len, int) and engine_len > 0 else own
+
     def attach(self, engine: Any) -> EngineThread:
         """The engine this worker serves with, and the thread that alone will call it."""
         self.engine = engine
@@ -483,7 +491,7 @@ class GpuWorker:
     def _state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"pid": os.getpid(), "served": list(self.settings.served_models),
                                  "runtime_lora": self.settings.runtime_lora,
-                                 "context_length": context_length(self.settings),  # for the API's readiness
+                                 "context_length": self.served_context(),  # the API holds jobs to it
                                  "active_jobs": len(self.active),
                                  "relegated_jobs": self.active.relegated, "device": self.device,
                                  # what prefix routing weighs: the jobs it serves in line, and how many it takes

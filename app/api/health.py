@@ -98,8 +98,11 @@ def _context_warning(session: Session, settings: Settings) -> str | None:
         return None
     if served is None or served >= own:
         return None
+    fix = (f"set COSERVE_VLLM_MAX_MODEL_LEN={served} on the API to match" if settings.backend != "torch" else
+           "the own engine fits its context to its KV cache: give the worker more COSERVE_KV_BLOCKS, or more device "
+           "memory, to serve the model's")
     return (f"warning: a live worker serves a context of {served} tokens, this API's engine settings say {own}; "
-            f"jobs are held to {served} (set COSERVE_VLLM_MAX_MODEL_LEN={served} on the API to match)")
+            f"jobs are held to {served} ({fix})")
 
 
 _PROBE = {200: {"description": "ready (empty body)", "content": None},

@@ -805,8 +805,12 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
         r = c.get("/readyz")
         assert r.status_code == 200 and r.json()["checks"]["context_length"] == (
             "warning: a live worker serves a context of 256 tokens, this API's engine settings say 512; jobs are "
-            "held to 256 (set COSERVE_VLLM_MAX_MODEL_LEN=256 on the API to match)")
-        s.backend, s.vllm_max_model_len = "vllm", 256  # the API told so: no warning
+            "held to 256 (the own engine fits its context to its KV cache: give the worker more COSERVE_KV_BLOCKS, "
+            "or more device memory, to serve the model's)")
+        s.backend = "vllm"  # a vLLM worker serving less: its engine's max_model_len, which the API can be told
+        assert "(set COSERVE_VLLM_MAX_MODEL_LEN=256 on the API to match)" in c.get("/readyz").json()["checks"][
+            "context_length"]
+        s.vllm_max_model_len = 256  # the API told so: no warning
         assert "context_length" not in c.get("/readyz").json()["checks"]
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": _adapter_dir(tmp_path / "rt")},
                    headers=H(keys.admin))
