@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from sqlalchemy.orm import Session
 from fastapi.concurrency import run_in_threadpool
 
 from app.auth import _MISS, KeyCache, Principal, lookup
-from app.db.session import get_sessionmaker
+from app.db.session import DATABASE_UNAVAILABLE, get_sessionmaker
 from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
 
@@ -70,17 +71,21 @@ def rate_limiter(request: Request) -> RateLimiter:
     return _per_app(request, "rate_limiter", RateLimiter)
 
 
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The API key a request sends: ``Authorization: Bearer`` or (Anthropic's SDKs) ``x-api-key``."""
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return x_api_key.strip() if x_api_key else None
+
+
 async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None,
                         x_api_key: Annotated[str | None, Header()] = None) -> Principal:
     # async with a cache: the hot submit path needs no worker thread or DB session for auth, only the
     # revocation token's GET (app.auth); settings read here rather than as a sub-dependency (each one
     # costs FastAPI's resolver)
     settings = await settings_dep(request)
-    if authorization and authorization.lower().startswith("bearer "):
-        key = authorization[7:].strip()
-    elif x_api_key:  # Anthropic's SDKs send their key so
-        key = x_api_key.strip()
-    else:
+    key = presented_key(authorization, x_api_key)
+    if key is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
     cache = key_cache(request)
@@ -108,3 +113,20 @@ async def require_admin(principal: CurrentPrincipal) -> Principal:
 
 
 AdminPrincipal = Annotated[Principal, Depends(require_admin)]
+
+
+async def require_metrics_reader(request: Request, authorization: Annotated[str | None, Header()] = None,
+                                 x_api_key: Annotated[str | None, Header()] = None) -> None:
+    """``GET /metrics`` needs an admin key: its series carry tenants' ids (the 429s per tenant). Where the database
+    cannot be reached to look the key up, ``COSERVE_ADMIN_KEY`` (compared in constant time) still reads it, so the
+    scrape can report the database down."""
+    try:
+        await require_admin(await get_principal(request, authorization, x_api_key))
+    except DATABASE_UNAVAILABLE:
+        admin_key, key = (await settings_dep(request)).admin_key, presented_key(authorization, x_api_key)
+        if not (admin_key and key and hmac.compare_digest(key.encode(), admin_key.encode())):
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the database cannot be reached to check this "
+                                "key; only COSERVE_ADMIN_KEY reads /metrics until it is back") from None
+
+
+MetricsReader = Depends(require_metrics_reader)

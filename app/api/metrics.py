@@ -1,6 +1,7 @@
 """``GET /metrics``: Prometheus text format, derived from SQL at scrape time (the finished jobs' totals kept between
 scrapes: app.observability.tally), with vLLM's own engine series
-from the workers that run it (see app.observability).
+from the workers that run it (see app.observability). A scrape needs the admin key (the rate limits' series name
+tenants): ``app.api.deps.require_metrics_reader``.
 
 Where the database cannot be reached the scrape still answers, with ``coserve:database_up`` 0 and the series kept in
 Redis (the engines', the rate limits'), as an exporter reports the system it watches being down."""
@@ -13,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from app.api.deps import SettingsDep
+from app.api.deps import MetricsReader, SettingsDep
 from app.db.session import DATABASE_UNAVAILABLE
 from app.observability.collector import SqlCollector
 from app.observability.engine_metrics import EngineMetricsCollector
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", include_in_schema=False, dependencies=[MetricsReader])
 def metrics(request: Request, settings: SettingsDep) -> Response:
     registry = CollectorRegistry(auto_describe=False)
     sql = SqlCollector(settings.sqlalchemy_url, settings.model_name, tiers=settings.tiers,

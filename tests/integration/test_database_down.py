@@ -18,6 +18,7 @@ from app.observability.engine_metrics import engine_metrics_key
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
+ADMIN_KEY = "cs-the-deployments-admin-key"  # COSERVE_ADMIN_KEY: reads /metrics while no key can be looked up
 
 
 def _postgres_url(port: int) -> str:
@@ -35,6 +36,7 @@ def _app(settings):
 @pytest.fixture
 def refused_db_client(settings) -> Iterator[TestClient]:
     settings.database_url = _postgres_url(free_port())  # nothing listens there
+    settings.admin_key = ADMIN_KEY
     with TestClient(_app(settings)) as c:
         yield c
 
@@ -48,7 +50,9 @@ def test_metrics_serve_the_redis_series_and_say_the_database_is_down(refused_db_
     engine = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
                "samples": [["vllm:num_requests_running", {"model_name": "tiny"}, 2.0]]}]
     redis.Redis.from_url(settings.redis_url).set(engine_metrics_key("w1"), json.dumps(engine), ex=60)
-    r = refused_db_client.get("/metrics")
+    other = refused_db_client.get("/metrics", headers={"Authorization": "Bearer cs-some-other-key"})
+    assert other.status_code == 503 and "COSERVE_ADMIN_KEY" in other.json()["detail"], other.text
+    r = refused_db_client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert r.status_code == 200, r.text
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     assert families["coserve:database_up"].samples[0].value == 0

@@ -88,7 +88,7 @@ def test_the_api_answers_429_over_a_tenants_limits(client, keys):
     assert chat.json()["error"]["type"] == "requests" and "retry-after" in chat.headers
     assert client.post("/v1/jobs", json=job, headers=H(keys.other)).status_code == 201  # other tenants go on
     assert (f'coserve:rate_limited_requests_total{{limit="requests",tenant_id="{keys.tenant_id}"}} 2.0'
-            in client.get("/metrics").text)  # the operator sees the refusals (two so far)
+            in client.get("/metrics", headers=H(keys.admin)).text)  # the operator sees the refusals (two so far)
     import openai  # the official client raises its RateLimitError (and would wait retry-after before a retry)
 
     oai = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=keys.paid, http_client=client, max_retries=0)

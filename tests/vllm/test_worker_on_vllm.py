@@ -615,7 +615,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     from prometheus_client.parser import text_string_to_metric_families
 
     def engine_families() -> dict:
-        text = httpx.get(f"{base}/metrics").text
+        text = httpx.get(f"{base}/metrics", headers=Keys.header(keys.admin)).text
         return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
     fams = wait_for(lambda: (f := engine_families()).get("vllm:generation_tokens") and f, 30,
                     "vLLM's engine metrics in /metrics")
@@ -623,7 +623,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert generated and generated[0].value >= batch["completion_tokens"], generated
     assert generated[0].labels["model_name"] == settings.model_name  # the served name, as coserve's own metrics
     assert "vllm:kv_cache_usage_perc" in fams and "vllm:time_to_first_token_seconds" in fams
-    text = httpx.get(f"{base}/metrics").text
+    text = httpx.get(f"{base}/metrics", headers=Keys.header(keys.admin)).text
     assert text.count("# TYPE vllm:num_requests_running ") == 1  # vLLM's own, not also coserve's alias
     assert "coserve:num_requests_running" in text
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app.auth import create_key, create_tenant
 from app.db.models import Job, JobStatus, MetricTotals, Tenant, WorkerState
 from app.db.session import session_scope
 from app.observability.collector import TTFT_BUCKETS, SqlCollector, histogram_query, seconds_between, success_query
@@ -15,6 +17,15 @@ from app.observability.tally import SETTLE
 from app.services.jobs import cancel_job
 from app.services.transitions import as_utc, utcnow
 from workers.lease import Lease, keep_cancelled
+
+
+@pytest.fixture
+def client(client, db_url):
+    """The app's client, scraping with an admin key (``GET /metrics`` needs one)."""
+    with session_scope(db_url) as s:
+        key = create_key(s, create_tenant(s, "scraper"), is_admin=True)[1]
+    client.headers["Authorization"] = f"Bearer {key}"
+    return client
 
 
 def _job(tenant, status, tier, **kw):
