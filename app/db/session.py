@@ -53,7 +53,22 @@ def _sqlite_begin(conn) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+class HiddenRows(logging.Filter):
+    """SQLAlchemy's DEBUG lines name a result row's columns, not its values (webhook secrets, prompts, answers), as
+    ``hide_parameters`` keeps a statement's values out of its INFO lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Row %r":
+            record.args = ("[row values hidden]",)
+        return True
+
+
+logging.getLogger("sqlalchemy.engine.Engine").addFilter(HiddenRows())
+
+
 def make_engine(url: str, **kwargs) -> Engine:
+    # a statement's values (webhook secrets, prompts) stay out of SQLAlchemy's log lines and error messages
+    kwargs.setdefault("hide_parameters", True)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False,
                                                   "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
