@@ -119,6 +119,27 @@ def target(url: str, private_targets: bool) -> Target | str:
     return Target.pinned(url, resolved[0])
 
 
+def logged_url(url: str) -> str:
+    """An endpoint's URL as log lines show it: without the credentials or query a tenant may have put in it (a token
+    its receiver checks); the tenant sees it whole in its own endpoint object."""
+    try:
+        return str(httpx.URL(url).copy_with(username=None, password=None, query=None, fragment=None))
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return "(a URL that does not parse)"
+
+
+class LoggedUrls(logging.Filter):
+    """httpx's INFO line about each request it sent names the URL: an endpoint's as ``logged_url`` shows it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(a, httpx.URL) for a in record.args):
+            record.args = tuple(logged_url(str(a)) if isinstance(a, httpx.URL) else a for a in record.args)
+        return True
+
+
+logging.getLogger("httpx").addFilter(LoggedUrls())
+
+
 def new_secret() -> str:
     return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
@@ -345,8 +366,9 @@ def _deliver_one(session: Session, delivery_id: str, when: datetime, policy: Pol
         values["delivered_at"] = utcnow()
     elif attempts >= policy.max_attempts:
         values["failed_at"] = utcnow()
-        log.warning("gave up webhook %s (%s) to %s after %d attempts: %s", delivery_id, kind, endpoint.url,
-                    attempts, sent.error or sent.status)
+        shown = logged_url(endpoint.url)
+        log.warning("gave up webhook %s (%s) to endpoint %s at %s after %d attempts: %s", delivery_id, kind,
+                    endpoint.id, shown, attempts, str(sent.error or sent.status).replace(endpoint.url, shown))
     else:
         values["next_attempt_at"] = utcnow() + timedelta(seconds=policy.wait(attempts, sent.retry_after))
     with write_after_read(session):

@@ -511,3 +511,19 @@ def test_a_sender_whose_claim_lapsed_does_not_write_over_the_next_senders_delive
         row = s.scalars(select(WebhookDelivery)).one()
         assert (row.attempts, row.last_status, row.failed_at) == (1, 200, None) and row.delivered_at is not None
     assert len(webhook_receiver.received) == 2
+
+
+def test_a_deliverys_log_lines_show_no_credentials_of_its_url(oai, db_url, keys, caplog, webhook_receiver):
+    """A tenant's URL may carry a token its receiver checks (user:password@, ?token=): the log lines of a delivery
+    (httpx's about the request it sent, the one that gives a delivery up) show the URL without them."""
+    made = oai.webhooks.create(event_types=["batch.completed"], name="t",
+                               url="http://hook-user:pw-s3cret@127.0.0.1:9/hook?token=tok-s3cret")
+    oai.webhooks.create(event_types=["batch.completed"], name="ok", url=webhook_receiver.url + "?token=tok-s3cret")
+    with session_scope(db_url) as s, caplog.at_level("DEBUG"):
+        assert emit(s, keys.tenant_id, "batch.completed", "batch_abc") == 2
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=1, timeout_s=5.0) == 1  # nothing listens at the first
+    assert "HTTP Request: POST " + webhook_receiver.url in caplog.text
+    given_up = [r.getMessage() for r in caplog.records if "gave up webhook" in r.getMessage()]
+    assert given_up and made.id in given_up[0] and "http://127.0.0.1:9/hook" in given_up[0], given_up
+    assert "s3cret" not in caplog.text
