@@ -66,8 +66,10 @@ def _results_url(request: Request, batch_id: str) -> str:
     return str(request.url_for("message_batch_results", message_batch_id=batch_id))
 
 
-def _object(request: Request, session, batch: Batch) -> dict[str, Any]:
-    return mb.message_batch(batch, mb.request_counts(session, batch), _results_url(request, batch.id))
+def _object(request: Request, session, batch: Batch, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """``counts``: the batch's ``request_counts`` where the caller has them (a page's, counted at once)."""
+    counts = mb.request_counts(session, batch) if counts is None else counts
+    return mb.message_batch(batch, counts, _results_url(request, batch.id))
 
 
 def _checked(requests: list[BatchRequest], settings: Settings, principal: Principal) -> ParsedFile:
@@ -151,7 +153,8 @@ def list_message_batches(request: Request, session: SessionDep, principal: Curre
         if b.status in ("in_progress", "cancelling"):
             maybe_finalize(session, b.id, settings.data_dir, settings.redis_url)
             session.refresh(b)
-    return {"data": [_object(request, session, b) for b in page], "has_more": len(rows) > limit,
+    counts = mb.page_request_counts(session, page)
+    return {"data": [_object(request, session, b, counts[b.id]) for b in page], "has_more": len(rows) > limit,
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 

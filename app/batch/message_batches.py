@@ -48,12 +48,26 @@ def ended_at(b: Batch):  # noqa: ANN201 - a datetime or None
 def request_counts(session: Session, b: Batch) -> dict[str, int]:
     """Anthropic's counts: every request processing until the batch ends, then each by its result (their sum is
     always the batch's requests)."""
+    return page_request_counts(session, [b])[b.id]
+
+
+def page_request_counts(session: Session, batches: list[Batch]) -> dict[str, dict[str, int]]:
+    """``request_counts`` of each batch of a page, by id: the ended ones' stopped jobs counted in one grouped query
+    (not one a batch)."""
+    ended = [b.id for b in batches if processing_status(b) == "ended"]
+    stopped: dict[str, dict[str, int]] = {}
+    if ended:
+        for batch_id, status, n in session.execute(select(Job.batch_id, Job.status, func.count()).where(
+                Job.batch_id.in_(ended), Job.status.in_((JobStatus.CANCELLED.value, JobStatus.EXPIRED.value)))
+                .group_by(Job.batch_id, Job.status)):
+            stopped.setdefault(batch_id, {})[status] = n
+    return {b.id: _counts(b, stopped.get(b.id, {})) for b in batches}
+
+
+def _counts(b: Batch, stopped: dict[str, int]) -> dict[str, int]:
     counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
     if processing_status(b) != "ended":
         return counts | {"processing": b.total}
-    stopped = dict(session.execute(select(Job.status, func.count()).where(
-        Job.batch_id == b.id, Job.status.in_((JobStatus.CANCELLED.value, JobStatus.EXPIRED.value)))
-        .group_by(Job.status)).all())
     counts |= {"succeeded": b.completed, "canceled": stopped.get(JobStatus.CANCELLED.value, 0),
                "expired": stopped.get(JobStatus.EXPIRED.value, 0)}
     counts["errored"] = max(0, b.total - counts["succeeded"] - counts["canceled"] - counts["expired"])

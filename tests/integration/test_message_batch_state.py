@@ -123,3 +123,37 @@ def test_a_message_batchs_requests_are_parsed_once_and_what_the_fan_out_refuses_
     error = results[1]["result"]["error"]
     assert error["error"]["type"] == "invalid_request_error"
     assert error["error"]["message"].startswith("line 2: This model's maximum context length is"), error
+
+
+def _statements(client, path: str, headers: dict) -> tuple[dict, int]:
+    """``GET path``'s answer, and how many SQL statements the app ran for it."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    seen = []
+
+    def on_execute(_conn, _cursor, statement, *_args) -> None:
+        seen.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", on_execute)
+    try:
+        answer = client.get(path, headers=headers)
+    finally:
+        event.remove(Engine, "before_cursor_execute", on_execute)
+    assert answer.status_code == 200, answer.text
+    return answer.json(), len(seen)
+
+
+def test_a_page_of_ended_message_batches_counts_their_requests_in_one_query(client, keys):
+    """The list counts the ended batches' canceled and expired requests for the whole page at once: a longer page
+    runs no more statements (it ran one a batch)."""
+    headers = {"x-api-key": keys.paid}
+    ended_message_batch(client, keys)
+    one, one_statements = _statements(client, "/v1/messages/batches", headers)
+    for _ in range(3):
+        ended_message_batch(client, keys)
+    four, four_statements = _statements(client, "/v1/messages/batches", headers)
+    assert [b["request_counts"]["canceled"] for b in one["data"]] == [2]
+    assert [b["request_counts"] for b in four["data"]] == [
+        {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 2, "expired": 0}] * 4
+    assert four_statements == one_statements, (one_statements, four_statements)
