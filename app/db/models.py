@@ -91,6 +91,8 @@ class Job(Base):
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         Index("ix_jobs_created", "created_at"),  # every tenant's usage by time (admin: Usage API, dashboard)
         Index("ix_jobs_status_lease", "status", "lease_expires_at"),
+        # a status's jobs oldest first (the sweeper's queued ones, a page at a time); and a status alone
+        Index("ix_jobs_status_created", "status", "created_at"),
         Index("ix_jobs_model_finished", "model", "finished_at"),  # workers' decode-length history reads
         Index("ix_jobs_finished", "finished_at"),  # the jobs finished lately (the dashboard's SLO chart)
         Index("ix_jobs_settled", "model", "settled_at", "finished_at"),  # /metrics: ends settled since its totals
@@ -141,7 +143,7 @@ class Job(Base):
     counts_request: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     counts_prompt: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     # state
-    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED, index=True)
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)  # ix_jobs_status_created
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -238,7 +240,8 @@ class Batch(Base):
     output_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
     error_file_id: Mapped[str | None] = mapped_column(String(40), default=None)
     completion_window: Mapped[str] = mapped_column(String(16))
-    status: Mapped[str] = mapped_column(String(16), default="validating")
+    # indexed: each sweep looks for the open batches (to finalize) and those left validating among every batch
+    status: Mapped[str] = mapped_column(String(16), default="validating", index=True)
     tier: Mapped[str] = mapped_column(String(32))
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
     total: Mapped[int] = mapped_column(Integer, default=0)

@@ -209,6 +209,63 @@ def test_lease_sql_on_postgres(pg_url, tmp_path, redis_url):
     assert sorted(ends) == sorted([a, b])
 
 
+
+def _plans(url: str, run) -> list[tuple[str, str]]:
+    """Each SELECT that ``run(session)`` sends, and its plan as PostgreSQL would take it with sequential scans
+    off (EXPLAIN, not run): the indexes it can use on a table too small to need them."""
+    from sqlalchemy import event
+
+    from app.db.session import get_engine, session_scope
+
+    seen: list[tuple[str, object]] = []
+
+    def on_execute(_conn, _cursor, statement, parameters, _context, executemany) -> None:
+        if not executemany and statement.lstrip().upper().startswith("SELECT"):
+            seen.append((statement, parameters))
+
+    engine = get_engine(url)
+    event.listen(engine, "before_cursor_execute", on_execute)
+    try:
+        with session_scope(url) as s:
+            run(s)
+    finally:
+        event.remove(engine, "before_cursor_execute", on_execute)
+    raw = engine.raw_connection()
+    try:
+        cur = raw.cursor()
+        cur.execute("SET enable_seqscan = off")
+        plans = []
+        for statement, parameters in seen:
+            cur.execute("EXPLAIN " + statement, parameters)
+            plans.append((statement, "\n".join(row[0] for row in cur.fetchall())))
+        raw.rollback()
+        return plans
+    finally:
+        raw.close()
+
+
+def test_the_sweeps_scans_take_the_status_indexes_on_postgres(pg_url, tmp_path, redis_url):
+    """The sweeper's queued jobs oldest first are a range of ix_jobs_status_created (before migration 0045 the
+    planner walked ix_jobs_created through every ended job); the finalizer's open batches and the batches left
+    validating are found by ix_batches_status."""
+    from app.batch.finalize import stalled_or_open
+    from app.db.migrate import upgrade
+    from app.db.models import Batch
+    from app.settings import Settings
+    from workers.batch_tasks import restart_stalled_validation
+    from workers.sweeper import sweep
+
+    upgrade(pg_url)
+    settings = Settings(data_dir=tmp_path, database_url=pg_url, REDIS_URL=redis_url)
+    queued = [plan for sql, plan in _plans(pg_url, lambda s: sweep(s, redis_url))
+              if "ORDER BY jobs.created_at" in sql and "jobs.status =" in sql]
+    assert len(queued) == 1 and "ix_jobs_status_created" in queued[0], queued
+    open_batches = _plans(pg_url, lambda s: s.scalars(select(Batch.id).where(stalled_or_open())).all())
+    validating = _plans(pg_url, lambda s: restart_stalled_validation(settings))
+    assert [plan for _sql, plan in open_batches + validating if "ix_batches_status" in plan] == [
+        plan for _sql, plan in open_batches + validating] and len(open_batches + validating) == 2, (
+        open_batches, validating)
+
 def test_usage_buckets_on_postgres(pg_url):
     """The Usage API's grouped SQL (bucket index from PostgreSQL's epoch) gives what it gives on SQLite."""
     from datetime import UTC, datetime
