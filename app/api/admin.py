@@ -338,8 +338,8 @@ def _tenant_names(session, tenant_ids: set[str]) -> dict[str, str]:
     return dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(tenant_ids))).all())
 
 
-def _run_row(run: SummarizationRun, session, tenants: dict[str, str]) -> dict[str, Any]:
-    progress = summarize_store.progress_of(run, session)  # a live run's jobs_done as of now
+def _run_row(run: SummarizationRun, progress: summarize_store.Progress, tenants: dict[str, str]) -> dict[str, Any]:
+    """``progress``: the run's (``summarize_store.page_progress``: a live run's jobs_done as of now)."""
     return {**progress.as_dict(), "deadline_at": utc_z(progress.deadline_at), "tenant_id": run.tenant_id,
             "tenant": tenants.get(run.tenant_id), "tier": run.tier, "created_at": utc_z(as_utc(run.created_at)),
             "finished_at": utc_z(as_utc(run.finished_at)) if run.finished_at else None}
@@ -366,7 +366,8 @@ def summarizations(session: SessionDep, _admin: AdminPrincipal,
     tenants = _tenant_names(session, {r.tenant_id for r in rows})
     counts = dict(session.execute(select(SummarizationRun.status, func.count())
                                   .group_by(SummarizationRun.status)).all())
-    return {"data": [_run_row(r, session, tenants) for r in rows[:limit]], "has_more": len(rows) > limit,
+    progress = summarize_store.page_progress(session, rows[:limit])
+    return {"data": [_run_row(r, progress[r.id], tenants) for r in rows[:limit]], "has_more": len(rows) > limit,
             "counts": {st: counts.get(st, 0) for st in RUN_STATUSES}}
 
 
@@ -385,4 +386,5 @@ def cancel_summarization(run_id: str, session: SessionDep, settings: SettingsDep
     run = session.get(SummarizationRun, run_id)
     if not cancelled:
         raise HTTPException(status.HTTP_409_CONFLICT, f"the run is {run.status}: only a running run can be cancelled")
-    return {**_run_row(run, session, _tenant_names(session, {run.tenant_id})), "action": "cancel", "cancelled": True}
+    return {**_run_row(run, summarize_store.progress_of(run, session), _tenant_names(session, {run.tenant_id})),
+            "action": "cancel", "cancelled": True}

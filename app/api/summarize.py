@@ -118,7 +118,8 @@ def list_runs(session: SessionDep, principal: CurrentPrincipal,
     """The tenant's runs, newest first; ``after``: the last id of the page before."""
     rows = pagination.rows_after(session, select(SummarizationRun).where(
         SummarizationRun.tenant_id == principal.tenant_id), SummarizationRun, principal.tenant_id, after, limit)
-    return list_page(rows, None, limit, lambda run: _utc_z(store.progress_of(run, session).as_dict()))
+    progress = store.page_progress(session, rows[:limit])
+    return list_page(rows, None, limit, lambda run: _utc_z(progress[run.id].as_dict()))
 
 
 def _utc_z(state: dict) -> dict:

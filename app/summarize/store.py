@@ -153,15 +153,27 @@ class RunView:
     results: bytes | None  # JSONL, one line per document; None while the run is going
 
 
-def progress_of(run: SummarizationRun, session: Session | None = None) -> Progress:
+def progress_of(run: SummarizationRun, session: Session | None = None, open_jobs: int | None = None) -> Progress:
     """``session``: ``jobs_done`` counts the jobs ended up to now (a step counts those ended when it ran), a run's
     that ended too: one that ended as a whole stops its jobs after it ends, and a user sees them end. A run whose
-    count reached ``jobs_submitted`` is not counted again (an ended one's, in the common case)."""
+    count reached ``jobs_submitted`` is not counted again (an ended one's, in the common case). ``open_jobs``: the
+    run's ``open_job_count`` where the caller counted it (a page's, by ``page_progress``)."""
     jobs_done = run.jobs_done
-    if session is not None and jobs_done < run.jobs_submitted:
-        jobs_done = max(jobs_done, run.jobs_submitted - open_job_count(session, run))
+    if jobs_done < run.jobs_submitted and (open_jobs is not None or session is not None):
+        open_jobs = open_job_count(session, run) if open_jobs is None else open_jobs
+        jobs_done = max(jobs_done, run.jobs_submitted - open_jobs)
     return Progress(run.id, run.status, as_utc(run.deadline_at), run.documents, run.documents_done,
                     run.documents_failed, run.jobs_submitted, jobs_done, run.model, run.reason)
+
+
+def page_progress(session: Session, runs: list[SummarizationRun]) -> dict[str, Progress]:
+    """``progress_of`` each run of a listed page, by id: the open jobs of the runs still counting counted in one
+    grouped query on ``ix_jobs_summarization_run_status`` (not one a run)."""
+    counting = [run.id for run in runs if run.jobs_done < run.jobs_submitted]
+    open_jobs = dict(session.execute(select(Job.summarization_run_id, func.count()).where(
+        Job.summarization_run_id.in_(counting), Job.status.in_(OPEN_JOB)).group_by(Job.summarization_run_id)).all()
+                     ) if counting else {}
+    return {run.id: progress_of(run, open_jobs=open_jobs.get(run.id, 0)) for run in runs}
 
 
 def view(url: str, run_id: str, with_results: bool = False) -> RunView | None:

@@ -873,3 +873,22 @@ def test_a_steps_jobs_are_written_as_the_orm_jobs_build_job_made_of_them_were(se
         job_writer.JobRows.of(old_jobs, None).insert(s)
     assert written_rows(settings.sqlalchemy_url) == new_rows
     assert len(new_rows[1]) == len(new_rows[0]) and {j["summarization_run_id"] for j in new_rows[0]} == {run_id}
+
+
+def test_a_page_of_runs_counts_their_open_jobs_in_one_statement(settings, principal):
+    """The tenant's runs listing (GET /v1/summarize) and the dashboard's count every live run's open jobs in one
+    grouped statement for the page (they ran one a run), with each run's jobs_done as its own poll says."""
+    from app.api.admin import summarizations
+    from app.api.summarize import list_runs
+
+    url = settings.sqlalchemy_url
+    runs = [start(settings, principal, [Document(f"d{i}", LONG)]) for i in range(3)]
+    for done, run_id in enumerate(runs):  # 0, 1 and 2 of each run's jobs ended
+        end_jobs(url, doc_row(url, run_id, 0).pending[:done], "succeeded")
+    polled = {run_id: service.view(settings, run_id).progress.jobs_done for run_id in runs}
+    assert sorted(polled.values()) == [0, 1, 2]
+    for listing in (lambda s: list_runs(s, principal, limit=20), lambda s: summarizations(s, None, limit=20)):
+        with session_scope(url) as s, Statements() as listed:
+            page = listing(s)
+        assert {r["id"]: r["jobs_done"] for r in page["data"]} == polled
+        assert sum("FROM jobs" in q for q in listed.sql) == 1, listed.sql
