@@ -132,6 +132,9 @@ class ResponsesRequest(BaseModel):
         if raw.get("prompt_logprobs") is not None:  # chat takes it (vLLM's): asked here, it would go unanswered
             raise OpenAIError(400, "prompt_logprobs is chat's and completions' (vLLM's): a Response carries no "
                                    "prompt logprobs; leave it unset", param="prompt_logprobs", code="unsupported_value")
+        if (self.text or {}).get("format") is not None and raw.get("structured_outputs") is not None:
+            # vLLM's ResponsesRequest.extract_structured_outputs refuses the pair, a text format too
+            raise OpenAIError(400, "give text.format or structured_outputs, not both", param="structured_outputs")
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
         body["messages"] = messages
         if self.max_output_tokens is not None:

@@ -84,6 +84,10 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "x", "conversation": {"name": "c"}}, "conversation"),
     ({"input": "x", "max_tool_calls": -1}, "max_tool_calls"),
+    # vLLM refuses structured_outputs beside any text.format, a plain text one too
+    ({"input": "x", "text": {"format": {"type": "text"}}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a+"}},
+     "structured_outputs"),
 ])
 def test_errors_name_the_field_the_client_wrote(body, param):
     with pytest.raises(OpenAIError) as exc:
