@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # vLLM's sampling_params: a JSON schema nests at most 64 levels, a structural tag 16 more for its wrappers
 MAX_TAG_NESTING = 64 + 16
+# the outcomes of tags a request checked beforehand (``outcomes``, off the event loop): tag -> check's message or None
+_known: ContextVar[dict[str, str | None] | None] = ContextVar("structural_tag_known", default=None)
 
 
 class LegacyTag(BaseModel):
@@ -55,7 +60,12 @@ def _nesting(value: Any) -> int:
 
 def check(text: str) -> None:
     """Raise ValueError saying what to fix where xgrammar cannot compile the structural tag ``text`` (vLLM's
-    validate_xgrammar_grammar: the legacy form where it has ``structures``, else xgrammar's own)."""
+    validate_xgrammar_grammar: the legacy form where it has ``structures``, else xgrammar's own). A tag checked
+    beforehand in this context (``known``) answers as it did, without compiling again."""
+    if (known := _known.get()) is not None and text in known:
+        if (message := known[text]) is not None:
+            raise ValueError(message)
+        return
     if not text:
         raise ValueError("structural_tag is empty; give the structural tag as JSON text")
     try:
@@ -116,3 +126,34 @@ def of_response_format(fmt: dict[str, Any]) -> str:
         raise ValueError(f"a structural_tag response_format takes format (xgrammar's structural tag) or the "
                          f"legacy structures and triggers: {problems}") from None
     return json.dumps(parsed.model_dump(by_alias=True))
+
+
+def carried(raw: Any) -> list[str]:
+    """The structural tags ``check`` would compile for a native body ``raw`` (vLLM's ``structured_outputs`` form,
+    JSON text)."""
+    outputs = raw.get("structured_outputs") if isinstance(raw, dict) else None
+    tag = outputs.get("structural_tag") if isinstance(outputs, dict) else None
+    return [tag] if isinstance(tag, str) else []
+
+
+def outcomes(tags: list[str]) -> dict[str, str | None]:
+    """``check``'s answer for each tag: its ValueError's message, or None where it compiles (seconds at xgrammar's
+    first import: called in a thread)."""
+    answers: dict[str, str | None] = {}
+    for tag in tags:
+        try:
+            check(tag)
+            answers[tag] = None
+        except ValueError as exc:
+            answers[tag] = str(exc)
+    return answers
+
+
+@contextmanager
+def known(answers: dict[str, str | None]) -> Iterator[None]:
+    """Within it, ``check`` answers these tags from ``answers`` (``outcomes``) instead of compiling them."""
+    token = _known.set(answers)
+    try:
+        yield
+    finally:
+        _known.reset(token)

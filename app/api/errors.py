@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.exception_handlers import http_exception_handler
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from app import request_id
+from app import request_id, structural_tag
 from app.wire import find_unstorable, json_safe, unstorable_message
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,8 @@ def _json_body(request: Request) -> bool:
 class CheckedRoute(APIRoute):
     """Refuses, with a 422 naming the field, a NUL character in the path or the query, and a JSON body holding a lone
     surrogate or a NUL anywhere (in a field no model checks too: metadata, tools, a dict key). The body is parsed
-    once: Starlette caches it for the route's own parsing."""
+    once: Starlette caches it for the route's own parsing. A structural tag in the body compiles off the event loop
+    (``app.structural_tag.known``)."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
@@ -255,6 +257,11 @@ class CheckedRoute(APIRoute):
                     where, char = found
                     raise RequestValidationError([{"type": "string_unicode", "loc": ("body", *where),
                                                    "msg": unstorable_message(char), "input": None}])
+                if tags := structural_tag.carried(body):
+                    # FastAPI validates the body on the event loop: its tags compile here in a thread (seconds at
+                    # xgrammar's first import) and validation reads their outcomes; a body with none hops nowhere
+                    with structural_tag.known(await run_in_threadpool(structural_tag.outcomes, tags)):
+                        return await handler(request)
             return await handler(request)
 
         return checked
