@@ -33,6 +33,12 @@ OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "
                    "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/v1/webhook_event_types",
                    "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations")
 ANTHROPIC_PREFIXES = ("/v1/messages",)  # Anthropic's SDKs read its error shape there
+# the paths Anthropic's SDK calls (anthropic 2.14's resources, beta included): where it sent a request, an error no
+# route answered is in its shape (errors.error_api), on those coserve shares with OpenAI's too
+ANTHROPIC_SDK_PREFIXES = ("/v1/messages", "/v1/models", "/v1/files", "/v1/skills", "/v1/organizations",
+                          "/v1/user_profiles", "/v1/agents", "/v1/sessions", "/v1/environments", "/v1/memory_stores",
+                          "/v1/vaults", "/v1/deployments", "/v1/deployment_runs", "/v1/dreams", "/v1/tunnels",
+                          "/v1/compliance")
 
 
 def schema_check(url: str) -> str | None:
@@ -92,8 +98,9 @@ async def lifespan(api: FastAPI):
 class BodyLimit:
     """Answers 413 for a body over the limit: by Content-Length up front; a body without one
     (chunked) is read here, counting bytes, and handed on whole. File uploads have their own,
-    larger limit. The 413 is in the shape of the API whose prefix the path lies under, or Anthropic's for its SDKs
-    (``errors.unrouted_error``: Anthropic's ``request_too_large``, OpenAI's ``error``, else ``{"detail"}``)."""
+    larger limit. The 413 is in the shape of the API whose prefix the path lies under, or Anthropic's for its SDK on
+    a path it calls (``errors.unrouted_error``: Anthropic's ``request_too_large``, OpenAI's ``error``, else
+    ``{"detail"}``)."""
 
     def __init__(self, app, limit: int, upload_limit: int, upload_prefix: str = "/v1/files") -> None:
         self.app, self.limit, self.upload_limit, self.upload_prefix = app, limit, upload_limit, upload_prefix
@@ -162,7 +169,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         api.include_router(module.router)
     api.include_router(openai_compat.sagemaker)
     api.include_router(webhooks.event_types_router)
-    errors.install(api, openai_prefixes=OPENAI_PREFIXES, anthropic_prefixes=ANTHROPIC_PREFIXES)
+    errors.install(api, openai_prefixes=OPENAI_PREFIXES, anthropic_prefixes=ANTHROPIC_PREFIXES,
+                   anthropic_sdk_prefixes=ANTHROPIC_SDK_PREFIXES)
     _document_openai_errors(api)
     return api
 

@@ -130,9 +130,10 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     if exc.status_code == 405 and request.method == "OPTIONS":  # the methods this resource answers (RFC 9110 9.3.7)
         return Response(status_code=204, headers={"Allow": ", ".join(allowed_methods(request))})
     api = _api_at(request.app, request.url.path)
-    # no route took it (a method or, under a compatible API's prefix, a path not served): the SDKs there read their
+    # no route took it (a method or, where a compatible API's SDK calls, a path not served): the SDKs there read their
     # API's shape, as its routes answer (Anthropic's routes leave nothing else here; OpenAI's answer their own 404s)
-    unrouted = exc.status_code == 405 or (exc.status_code == 404 and "endpoint" not in request.scope and api)
+    unrouted = exc.status_code == 405 or (exc.status_code == 404 and "endpoint" not in request.scope
+                                          and error_api(request.scope) is not None)
     if unrouted or api == "anthropic":
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
@@ -154,14 +155,23 @@ def anthropic_sdk(headers: Mapping[str, str]) -> bool:
     return "anthropic-version" in headers or ("x-api-key" in headers and "authorization" not in headers)
 
 
+def error_api(scope: Scope) -> Literal["anthropic", "openai"] | None:
+    """The API in whose shape an error no route answered goes to the request of ``scope``: Anthropic's where
+    Anthropic's SDK sent it (``anthropic_sdk``: it sends ``anthropic-version`` to paths it shares with OpenAI's too,
+    e.g. /v1/models) to a path that SDK calls (``install``'s ``anthropic_sdk_prefixes``), else that of the API whose
+    prefix the path lies under (``install``'s prefixes), else None: coserve's own paths answer ``{"detail"}`` to
+    every client."""
+    app, path = scope["app"], scope["path"]
+    if _under(path, getattr(app.state, "anthropic_sdk_prefixes", ())) and anthropic_sdk(Headers(scope=scope)):
+        return "anthropic"
+    return _api_at(app, path)
+
+
 def unrouted_error(scope: Scope, status_code: int, message: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """An error no route answered (Starlette's 404 for a path, 405 for a method, the body limit's 413) for the
-    request of ``scope``: in Anthropic's shape where Anthropic's SDK sent it (``anthropic_sdk``: it sends
-    ``anthropic-version`` to paths it shares with OpenAI's too, e.g. /v1/models), else in the shape of the API
-    whose prefix its path lies under (``install``'s prefixes): Anthropic's, OpenAI's, else the native
-    ``{"detail"}``."""
-    api = "anthropic" if anthropic_sdk(Headers(scope=scope)) else _api_at(scope["app"], scope["path"])
+    request of ``scope``, in the shape ``error_api`` says: Anthropic's, OpenAI's, else the native ``{"detail"}``."""
+    api = error_api(scope)
     if api == "anthropic":
         return anthropic_error(status_code, message, headers)
     if api == "openai":
@@ -204,16 +214,23 @@ async def server_error_handler(request: Request, exc: Exception) -> Response:
 def _api_at(app: Any, path: str) -> Literal["anthropic", "openai"] | None:
     """The compatible API whose prefix ``path`` lies under (``install``'s arguments), or None on a native path."""
     for api in ("anthropic", "openai"):
-        if any(path == p or path.startswith(p + "/") for p in getattr(app.state, f"{api}_prefixes", ())):
+        if _under(path, getattr(app.state, f"{api}_prefixes", ())):
             return api  # type: ignore[return-value]
     return None
 
 
-def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixes: Sequence[str] = ()) -> None:
+def _under(path: str, prefixes: Sequence[str]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixes: Sequence[str] = (),
+            anthropic_sdk_prefixes: Sequence[str] = ()) -> None:
     """The handlers above; ``openai_prefixes``, ``anthropic_prefixes``: paths whose unmatched URLs answer in
-    OpenAI's or Anthropic's shape."""
+    OpenAI's or Anthropic's shape; ``anthropic_sdk_prefixes``: the paths Anthropic's SDK calls, where its requests
+    are answered in Anthropic's shape (``error_api``)."""
     app.state.openai_prefixes = tuple(openai_prefixes)
     app.state.anthropic_prefixes = tuple(anthropic_prefixes)
+    app.state.anthropic_sdk_prefixes = tuple(anthropic_sdk_prefixes)
     app.add_exception_handler(RequestValidationError, request_validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, server_error_handler)

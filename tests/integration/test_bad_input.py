@@ -318,7 +318,7 @@ def test_framework_errors_answer_anthropics_sdk_in_its_shape_on_paths_shared_wit
     big = b"x" * (settings.max_body_bytes + 1)
     asks = [("PATCH", "/v1/models/tiny", None, 405, "invalid_request_error"),
             ("GET", "/v1/models/tiny/no/such/route", None, 404, "not_found_error"),
-            ("POST", "/v1/completions", big, 413, "request_too_large")]
+            ("POST", "/v1/models", big, 413, "request_too_large")]
     for method, path, body, status, kind in asks:
         r = client.request(method, path, content=body, headers={**claude, "Content-Type": "application/json"})
         got = r.json()
@@ -327,6 +327,21 @@ def test_framework_errors_answer_anthropics_sdk_in_its_shape_on_paths_shared_wit
         # without the header, OpenAI's clients read OpenAI's shape there
         r = client.request(method, path, content=body, headers={**H(keys.paid), "Content-Type": "application/json"})
         assert r.status_code == status and openai_error(r)["message"], r.text
+
+
+def test_anthropics_shape_answers_anthropics_sdk_only_on_paths_it_calls(client, keys, settings):
+    """Anthropic's SDK sends anthropic-version to every path it calls: there (its beta's /v1/skills too, which
+    coserve does not serve) an error no route answered is in its shape; elsewhere the path's own API decides."""
+    claude = {**H(keys.paid), "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
+    r = client.get("/v1/skills", headers=claude)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    big = b"x" * (settings.max_body_bytes + 1)
+    for method, path, body, status in [("PUT", "/v1/jobs", None, 405), ("GET", "/v1/no-such-route", None, 404),
+                                       ("POST", "/v1/jobs", big, 413)]:  # coserve's own paths: its own shape
+        r = client.request(method, path, content=body, headers=claude)
+        assert r.status_code == status and set(r.json()) == {"detail"}, r.text
+    r = client.post("/v1/completions", content=big, headers=claude)  # OpenAI's alone: OpenAI's shape
+    assert r.status_code == 413 and openai_error(r)["message"], r.text
 
 
 def test_framework_errors_on_native_routes_keep_their_detail_shape(client, keys, settings):
