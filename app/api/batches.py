@@ -89,9 +89,12 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
 @router.get("", responses=openai_responses(400))
 def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
-    rows = pagination.rows_after(session, select(Batch).where(Batch.tenant_id == principal.tenant_id,
-                                                                 Batch.endpoint != MESSAGES), Batch,
-                                 principal.tenant_id, after, limit)
+    try:
+        rows = pagination.rows_after(session, select(Batch).where(Batch.tenant_id == principal.tenant_id,
+                                                                     Batch.endpoint != MESSAGES), Batch,
+                                     principal.tenant_id, after, limit)
+    except pagination.UnknownCursor as exc:
+        raise OpenAIError(400, exc.says("after", "batches"), param="after") from None
     page = rows[:limit]
     for b in page:
         if b.status in ("in_progress", "cancelling"):

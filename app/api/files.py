@@ -93,7 +93,10 @@ def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | 
     if purpose:
         q = q.where(FileRow.purpose == purpose)
     # the cursor file may be deleted or expired by now (a loop that deletes as it lists): its row still places it
-    rows = pagination.rows_after(session, q, FileRow, principal.tenant_id, after, limit, newest_first)
+    try:
+        rows = pagination.rows_after(session, q, FileRow, principal.tenant_id, after, limit, newest_first)
+    except pagination.UnknownCursor as exc:
+        raise OpenAIError(400, exc.says("after", "files"), param="after") from None
     return list_page(rows, None, limit, storage.file_object)
 
 

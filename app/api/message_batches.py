@@ -142,13 +142,17 @@ def list_message_batches(request: Request, session: SessionDep, principal: Curre
         raise OpenAIError(400, "give before_id or after_id, not both", param="before_id")
     query = select(Batch).where(Batch.tenant_id == principal.tenant_id, Batch.endpoint == ENDPOINT,
                                 Batch.deleted_at.is_(None))
-    if before_id:  # the rows newer than the cursor, nearest first, then shown newest first
-        mark = pagination.cursor_row(session, Batch, before_id, principal.tenant_id)
-        rows = pagination.page_after(session, query, Batch, mark, limit, newest_first=False) if mark else []
-        page = rows[:limit][::-1]
-    else:
-        rows = pagination.rows_after(session, query, Batch, principal.tenant_id, after_id, limit)
-        page = rows[:limit]
+    try:
+        if before_id:  # the rows newer than the cursor, nearest first, then shown newest first
+            rows = pagination.rows_after(session, query, Batch, principal.tenant_id, before_id, limit,
+                                         newest_first=False)
+            page = rows[:limit][::-1]
+        else:
+            rows = pagination.rows_after(session, query, Batch, principal.tenant_id, after_id, limit)
+            page = rows[:limit]
+    except pagination.UnknownCursor as exc:
+        param = "before_id" if before_id else "after_id"
+        raise OpenAIError(400, exc.says(param, "message batches"), param=param) from None
     for b in page:
         if b.status in ("in_progress", "cancelling"):
             maybe_finalize(session, b.id, settings.data_dir, settings.redis_url)

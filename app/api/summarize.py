@@ -116,8 +116,11 @@ def _digest(body: SummarizeCreate) -> str:
 def list_runs(session: SessionDep, principal: CurrentPrincipal,
               limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
     """The tenant's runs, newest first; ``after``: the last id of the page before."""
-    rows = pagination.rows_after(session, select(SummarizationRun).where(
-        SummarizationRun.tenant_id == principal.tenant_id), SummarizationRun, principal.tenant_id, after, limit)
+    try:
+        rows = pagination.rows_after(session, select(SummarizationRun).where(
+            SummarizationRun.tenant_id == principal.tenant_id), SummarizationRun, principal.tenant_id, after, limit)
+    except pagination.UnknownCursor as exc:
+        raise unprocessable(exc.says("after", "summarization runs"), "query", "after") from None
     progress = store.page_progress(session, rows[:limit])
     return list_page(rows, None, limit, lambda run: _utc_z(progress[run.id].as_dict()))
 

@@ -1,7 +1,8 @@
 """Keyset pagination of the listed tables: rows in (created_at, id) order, and the rows after a cursor row.
 
 A cursor names a row by its creation time and id, so a page starts after it even once that row is gone from the
-list (deleted, expired, another status), and rows created meanwhile neither shift nor repeat a page.
+list (deleted, expired, another status), and rows created meanwhile neither shift nor repeat a page. A cursor that
+names no row of the tenant's is the client's mistake (``UnknownCursor``: a 400 naming it), not an empty page.
 """
 
 from __future__ import annotations
@@ -11,6 +12,14 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Select, and_, or_
 from sqlalchemy.orm import Session
+
+
+class UnknownCursor(LookupError):
+    """A cursor naming no row of the tenant's: an id it never had, or another tenant's alike."""
+
+    def says(self, param: str, listed: str) -> str:
+        """The 400's message for the query parameter ``param`` of a list of ``listed``."""
+        return f"{param} {self.args[0]!r} is none of your {listed}; page on from an id a listing gave you"
 
 
 def in_order(table: Any, newest_first: bool = True) -> tuple[Any, Any]:
@@ -35,10 +44,11 @@ def cursor_row(session: Session, table: Any, row_id: str, tenant_id: str) -> Any
 def rows_after(session: Session, query: Select, table: Any, tenant_id: str, cursor: str | None, limit: int,
                newest_first: bool = True) -> list[Any]:
     """``query``'s rows of ``table`` in order after the tenant's row ``cursor`` names (none where it names no row of
-    the tenant's), up to ``limit + 1``: a page and one more, which tells the caller whether more follow."""
+    the tenant's: ``UnknownCursor``), up to ``limit + 1``: a page and one more, which tells the caller whether more
+    follow."""
     mark = cursor_row(session, table, cursor, tenant_id) if cursor else None
     if cursor and mark is None:
-        return []
+        raise UnknownCursor(cursor)
     return page_after(session, query, table, mark, limit, newest_first)
 
 

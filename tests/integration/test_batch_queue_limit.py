@@ -80,12 +80,27 @@ def test_the_queue_limit_is_refused_when_out_of_range(client, keys):
     assert r.status_code == 403, r.text
 
 
-def test_another_tenants_batch_as_a_list_cursor_reads_as_an_unknown_id(oai, keys):
-    """The listing's ``after`` tells a tenant nothing of another's batch: neither that it exists (a page after it) nor
-    when it was made (which of the tenant's own batches come after it)."""
+def test_an_unknown_list_cursor_is_a_400_naming_it_and_another_tenants_reads_as_unknown(oai, keys, client):
+    """A cursor naming nothing of the tenant's is a client's mistake: a 400 naming the parameter (an empty page would
+    end an SDK's iteration as if the list were done), the same for another tenant's id, so the listing tells a
+    tenant nothing of another's batch."""
     theirs = submit(oai)
     other = openai.OpenAI(base_url=oai.base_url, api_key=keys.other, http_client=oai._client, max_retries=0)
     own = submit(other)
     assert [b.id for b in other.batches.list()] == [own.id]
-    assert other.batches.list(after=theirs.id).data == other.batches.list(after="batch_unknown").data == []
+    answers = []
+    for cursor in (theirs.id, "batch_unknown"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            other.batches.list(after=cursor)
+        assert exc.value.body["param"] == "after" and cursor in exc.value.body["message"], exc.value.body
+        answers.append(exc.value.body["message"].replace(cursor, "<id>"))
+    assert answers[0] == answers[1]  # another tenant's id reads as one never made
+    with pytest.raises(openai.BadRequestError) as exc:
+        other.files.list(after=theirs.input_file_id)
+    assert exc.value.body["param"] == "after", exc.value.body
+    claude = {"x-api-key": keys.other, "anthropic-version": "2023-06-01"}
+    for param in ("after_id", "before_id"):
+        r = client.get("/v1/messages/batches", params={param: "msgbatch_unknown"}, headers=claude)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert param in r.json()["error"]["message"], r.text
     assert [b.id for b in oai.batches.list(after=submit(oai).id)] == [theirs.id]  # a tenant's own cursor pages

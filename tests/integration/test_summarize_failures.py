@@ -117,8 +117,10 @@ def test_a_tenants_runs_are_listed_newest_first_page_by_page(client, keys):
                       headers=Keys.header(keys.paid)).json()
     assert [r["id"] for r in rest["data"]] == mine[:1] and not rest["has_more"]
     assert [r["id"] for r in client.get("/v1/summarize", headers=Keys.header(keys.other)).json()["data"]] == [theirs]
-    # another tenant's run as a cursor tells nothing about it
-    assert client.get("/v1/summarize", params={"after": theirs}, headers=Keys.header(keys.paid)).json()["data"] == []
+    # another tenant's run as a cursor tells nothing about it: a 422 as for an id never made
+    for cursor in (theirs, "run_unknown"):
+        r = client.get("/v1/summarize", params={"after": cursor}, headers=Keys.header(keys.paid))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "after"], r.text
 
 
 def test_summaries_too_long_to_shrink_a_level_are_refused_before_any_job(client, keys, settings):
