@@ -34,6 +34,7 @@ from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, parse_window
 from app.services.jobs import job_values, resolve_tier
+from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
 
@@ -79,6 +80,7 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
     lines as ``parse_file`` reads them (line i + 1 is request i), for the fan-out not to parse them again."""
     seen: dict[str, int] = {}
     out = ParsedFile()
+    context = held_context_length(settings)  # read once for every request
     for i, item in enumerate(requests):
         if item.custom_id in seen:
             raise OpenAIError(400, f"requests.{i}: custom_id {item.custom_id!r} is also requests."
@@ -90,7 +92,7 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
         if isinstance(parsed, InvalidLine):  # its message names the line: here the request does
             why = parsed.message.removeprefix(f"line {i + 1}: ").removeprefix("invalid body: ")
         else:
-            why = _refusal(settings, principal, parsed)
+            why = _refusal(settings, principal, parsed, context)
         if why is not None:
             raise OpenAIError(400, f"requests.{i} (custom_id {item.custom_id!r}): params: {why}",
                               param=f"requests.{i}.params")
@@ -98,13 +100,14 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
     return out
 
 
-def _refusal(settings: Settings, principal: Principal, line: ValidLine) -> str | None:
+def _refusal(settings: Settings, principal: Principal, line: ValidLine, context: int) -> str | None:
     """Why the fan-out would refuse the request's job, in the Messages request's terms; None where it would not.
-    Its prompt's tokens are counted by the fan-out alone (tokenizing every request would hold the answer)."""
+    Its prompt's tokens are counted by the fan-out alone (tokenizing every request would hold the answer); a prompt
+    of more characters than the context's tokens can hold is refused here."""
     try:
         with openai_refusals():
             for spec in line.specs:
-                job_values(settings, principal, spec, endpoint=ENDPOINT, count_tokens=False)
+                job_values(settings, principal, spec, endpoint=ENDPOINT, count_tokens=False, context=context)
     except OpenAIError as exc:
         return in_messages_terms(exc).message
     return None

@@ -150,7 +150,8 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
     ``job_id``: the job's id where the caller chose it (a new one else); ``prompt_tokens``: its prompt's token count
     where the caller counted it already (``model_info.count_inputs``, many prompts a tokenizer call): the context
     checks use it, and the prompt is not tokenized again; ``context``: the context it is held to where the caller read
-    it (``workers.held_context_length``) once for many jobs (a batch's fan-out), else it is read here."""
+    it (``workers.held_context_length``) once for many jobs (a batch's fan-out), else it is read here;
+    ``count_tokens`` False: the prompt is held only to the context's bound on characters (no tokenizer call)."""
     model = resolve_model(settings, spec.model)
     tier = resolve_tier(settings, principal, spec.tier)
     sampling = spec.sampling(default_max_tokens(settings, endpoint))
@@ -223,16 +224,17 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
             raise JobValidationError(f"deadline_at {deadline.isoformat()} is more than {MAX_WINDOW_S / 86400:.0f} "
                                      "days away; give a nearer deadline", param="deadline_at")
         job["deadline_at"] = deadline
+    # the context's bound on characters needs no tokenizer call: checked where the prompt is not counted too
+    limit = held_context_length(settings) if context is None else context
+    chars = input_chars(spec)
+    # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
+    blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}
+    truncate = sampling.get("truncate_prompt_tokens")
+    if truncate is None and chars > limit * max_chars_per_token(settings.model):
+        raise JobValidationError(  # OpenAI's and vLLM's words, which clients match to tell an over-long prompt
+            f"This model's maximum context length is {limit} tokens. However, the prompt's {chars} characters "
+            "cannot fit in it; shorten the prompt", **blame)
     if count_tokens:
-        limit = held_context_length(settings) if context is None else context
-        chars = input_chars(spec)
-        # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
-        blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}
-        truncate = sampling.get("truncate_prompt_tokens")
-        if truncate is None and chars > limit * max_chars_per_token(settings.model):  # no tokenizer needed
-            raise JobValidationError(  # OpenAI's and vLLM's words, which clients match to tell an over-long prompt
-                f"This model's maximum context length is {limit} tokens. However, the prompt's {chars} characters "
-                "cannot fit in it; shorten the prompt", **blame)
         try:  # what the worker will feed (a count given holds where nothing cuts the prompt)
             n = (prompt_tokens if prompt_tokens is not None and truncate is None
                  else len(fed_prompt(settings, SimpleNamespace(**job), limit)))

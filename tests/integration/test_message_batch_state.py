@@ -112,7 +112,9 @@ def test_a_message_batchs_requests_are_parsed_once_and_what_the_fan_out_refuses_
         {"custom_id": "short", "params": {"model": "tiny", "max_tokens": 2,
                                           "messages": [{"role": "user", "content": "Hi"}]}},
         {"custom_id": "long", "params": {"model": "tiny", "max_tokens": 2,
-                                         "messages": [{"role": "user", "content": "Hi " * 20_000}]}}]})
+                                         # over the 512-token context in tokens, not in characters (create
+                                         # refuses more characters than its tokens can hold: 8 at least each)
+                                         "messages": [{"role": "user", "content": "Hi " * 1_000}]}}]})
     assert made.status_code == 200, made.text
     assert parsed == [1, 2]  # at create only: the fan-out (done before the answer here) took those lines
     done = client.post(f"/v1/messages/batches/{made.json()['id']}/cancel", headers=headers).json()
@@ -157,3 +159,22 @@ def test_a_page_of_ended_message_batches_counts_their_requests_in_one_query(clie
     assert [b["request_counts"] for b in four["data"]] == [
         {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 2, "expired": 0}] * 4
     assert four_statements == one_statements, (one_statements, four_statements)
+
+
+def test_a_request_whose_prompt_cannot_fit_the_context_is_refused_at_create_naming_it(client, keys, settings):
+    """The bound the API knows without tokenizing (more characters than the context's tokens can hold) is checked
+    when the batch is made, as POST /v1/messages checks it, not found only at the fan-out."""
+    from app.services.jobs import max_chars_per_token
+    from app.services.workers import held_context_length
+
+    too_long = "x" * (held_context_length(settings) * max_chars_per_token(settings.model) + 1)
+    ok = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = client.post("/v1/messages/batches", headers={"x-api-key": keys.paid}, json={"requests": [
+        {"custom_id": "fits", "params": ok},
+        {"custom_id": "long", "params": {**ok, "messages": [{"role": "user", "content": too_long}]}}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "requests.1 (custom_id 'long')" in error["message"], error
+    assert "maximum context length" in error["message"], error
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalars(select(Batch)).all() == []  # no batch was made
