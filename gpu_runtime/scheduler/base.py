@@ -327,6 +327,13 @@ class BaseScheduler(Scheduler):
             req.status = RequestStatus.WAITING
         self._requeue(req)
 
+    def note_not_started(self, req: Request) -> None:
+        """The engine did not start a prompt this pass planned a first chunk of (its step ran out of tokens, KV
+        or slots first): it holds no KV, so it neither reserves a footprint nor takes an admission slot."""
+        if req.request_id in self.started:
+            self._release(req.request_id)
+            self.started.discard(req.request_id)
+
     def note_cached_prefix(self, req: Request, tokens: int) -> None:
         """The engine's prefix cache holds the first ``tokens`` of a prompt it has not (re)started (computed for
         another request since, or for this one before a preemption): they count as computed, and its place in its

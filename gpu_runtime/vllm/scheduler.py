@@ -308,8 +308,10 @@ class CoserveScheduler(AsyncScheduler):
             self._restore(held, stashed)
         for p in plan.prefills:  # vLLM advanced the chunks it scheduled (prefix-cache hits included)
             vreq = self.requests.get(p.request.request_id)
-            if vreq is not None:
-                sync_progress(p.request, vreq)
+            if vreq is not None and not sync_progress(p.request, vreq):
+                # a new prompt vLLM did not start (the step's tokens, KV or a slot ran out before it): no KV held,
+                # so the policy must not keep its footprint and admission slot (it would wait behind them for ever)
+                self.policy.note_not_started(p.request)
         self.policy.update_from_output(PolicyOutput(prefills=plan.prefills), now)
         for rid in out.preempted_req_ids:  # vLLM's own recompute preemption (KV ran out)
             mirror = self.mirrors.get(rid)

@@ -1,0 +1,255 @@
+"""Property-based tests of coserve's policies inside vLLM's v1 scheduler (``CoserveScheduler``), no model.
+
+Hypothesis draws a scheduler (a small KV pool, so vLLM's and the policy's preemption happen) and a sequence of events:
+requests of random tiers, QoS, prompt and output lengths and arrivals; steps answered with fake tokens after the
+clock moved; aborts; an operator's resume and promote. After every step the invariants vLLM and QoServe promise are
+checked (each property cites its rule: QoServe in /work/shared/ALGORITHMS.md, or vLLM's scheduler's own promise).
+Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searches harder locally.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, given, note, settings
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+
+from tests.vllm.conftest import answer_step, vllm_request
+
+PROPS = settings(max_examples=int(os.environ.get("PROPS_EXAMPLES", "12")), derandomize=True, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                        HealthCheck.function_scoped_fixture],
+                 phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
+T0 = 1_000.0  # the fake clock's start: arrivals and deadlines are seconds around it (deterministic runs)
+DRAIN_STEPS = 400
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: int
+    max_tokens: int
+    extra_args: dict
+    ago_s: float  # arrived this long before it was added
+
+
+@dataclass(frozen=True)
+class Engine:
+    blocks: int
+    max_batched: int
+    max_seqs: int
+
+
+jobs = st.builds(
+    Job, st.integers(1, 200), st.integers(1, 40),
+    st.one_of(
+        st.fixed_dictionaries({"ttft_ms": st.sampled_from([50, 500, 2_000, 20_000]),
+                               "tbt_ms": st.sampled_from([20, 100, 500]),
+                               "tier": st.sampled_from(["free", "paid"]),
+                               "tbt_anchor": st.sampled_from(["arrival", "first-token"])}),
+        st.fixed_dictionaries({"qos_class": st.just("batch"), "deadline_s": st.sampled_from([1, 30, 600]),
+                               "tier": st.sampled_from(["free", "paid"])})),
+    st.sampled_from([0.0, 0.0, 0.5, 3.0]))
+# one block of a 16-block pool is vLLM's null block: 15 x 16 = 240 tokens hold the longest job alone (200 + 40)
+engines = st.builds(Engine, st.sampled_from([16, 16, 24, 40]), st.sampled_from([32, 64, 128, 512]), st.integers(2, 8))
+events = st.lists(st.one_of(
+    st.tuples(st.just("add"), jobs),
+    st.tuples(st.just("add"), jobs),
+    st.tuples(st.just("step"), st.sampled_from([0.0, 0.02, 0.2, 2.0])),
+    st.tuples(st.just("step"), st.sampled_from([0.0, 0.02])),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("resume"), st.integers(0, 30)),
+    st.tuples(st.just("promote"), st.integers(0, 30))), min_size=1, max_size=40)
+
+
+@dataclass
+class Drive:
+    """A ``CoserveScheduler`` driven by events, every step checked; ``trace`` is what each step scheduled."""
+
+    s: object
+    policy: str
+    clock: list = field(default_factory=lambda: [T0])
+    ids: list = field(default_factory=list)  # every request added, in order
+    finished: set = field(default_factory=set)  # reported finished to a client, or aborted by the test
+    trace: list = field(default_factory=list)
+    plans: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.s.clock = lambda: self.clock[0]
+        if self.s.policy is not None:  # the plan the policy made for each step, to compare with what vLLM ran
+            schedule = self.s.policy.schedule
+
+            def recorded(now):  # noqa: ANN001, ANN202
+                plan = schedule(now)
+                self.plans.append(plan)
+                return plan
+
+            self.s.policy.schedule = recorded
+
+    def apply(self, event: tuple) -> None:
+        kind, arg = event
+        if kind == "add":
+            rid = f"q{len(self.ids)}"
+            self.ids.append(rid)
+            self.s.add_request(vllm_request(arg.prompt, dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
+                                            max_tokens=arg.max_tokens, request_id=rid))
+        elif kind == "step":
+            self.clock[0] += arg
+            self.step()
+        elif self.ids:
+            rid = self.ids[arg % len(self.ids)]
+            if kind == "abort":
+                from vllm.v1.request import RequestStatus
+
+                if rid in self.s.requests:
+                    self.s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    self.finished.add(rid)
+            elif kind == "resume":
+                self.s.resume(rid)
+            elif self.s.policy is not None:
+                from gpu_runtime.qos import Tier
+
+                self.s.promote(rid, Tier.PAID)
+
+    def step(self) -> None:
+        s = self.s
+        pool = s.kv_cache_manager.block_pool
+        decoding = {rid for rid in (s.policy.running if s.policy is not None else ())}
+        free_before = pool.get_num_free_blocks()
+        before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens) for rid, r in s.requests.items()}
+        self.plans.clear()
+        out = s.schedule()
+        sched = dict(out.num_scheduled_tokens)
+        # vLLM's promise: a step runs at most max_num_batched_tokens tokens of at most max_num_seqs requests
+        assert out.total_num_scheduled_tokens == sum(sched.values()) <= s.step_cap
+        assert len(sched) <= s.max_num_running_reqs
+        assert s.max_num_scheduled_tokens == s.step_cap  # the step's budget is restored after vLLM scheduled
+        for rid, n in sched.items():
+            done, total, prompt = before[rid] if rid in before else (0, 0, 0)
+            # vLLM's promise: a request gets 1.. the tokens it has left (its prompt's rest, or one decode token)
+            assert rid in before and 1 <= n <= total - done, (rid, n, before.get(rid))
+        if self.plans:
+            plan = self.plans[-1]
+            chosen = {r.request_id for r in plan.decodes} | {p.request.request_id for p in plan.prefills}
+            # QoServe 3.4 / Alg. 1: vLLM runs only the policy's batch; a relegated job runs only where the policy
+            # gave it spare budget (it is then in the plan's prefills), never on vLLM's own initiative
+            assert set(sched) <= chosen, (set(sched) - chosen, sched)
+            # QoServe 3.2: every decode the policy runs gets its token (vLLM's KV preemption aside)
+            for r in plan.decodes:
+                assert r.request_id in sched or r.request_id in out.preempted_req_ids, (r.request_id, sched)
+            # QoServe 3.2: decodes are never starved by prefill: each admitted decode runs when the KV holds one
+            # more block for each of them
+            if free_before >= len(decoding):
+                assert decoding <= {r.request_id for r in plan.decodes}, (decoding, plan.decodes)
+        for what, happened in (("vLLM preempted", out.preempted_req_ids), ("relegated", self.plans and
+                                                                               self.plans[-1].relegated),
+                               ("expired", self.plans and self.plans[-1].expired),
+                               ("policy preempted", s.policy is not None and s.kv.released)):
+            if happened and currently_in_test_context():
+                event(what)  # what the search reached (--hypothesis-show-statistics)
+        outputs = answer_step(s, out)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    # no request is finished twice
+                    assert o.request_id not in self.finished, o.request_id
+                    self.finished.add(o.request_id)
+        self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
+        self.check_books()
+
+    def check_books(self) -> None:
+        s = self.s
+        pool = s.kv_cache_manager.block_pool
+        # vLLM's promise: blocks in use never exceed the pool (one block is the null block, never handed out)
+        assert 0 <= pool.get_num_free_blocks() <= pool.num_gpu_blocks - 1
+        waiting = [r.request_id for r in s.waiting]
+        running = [r.request_id for r in s.running]
+        for rid in self.ids:
+            # no request is lost or duplicated: an unfinished one sits once in vLLM's waiting or running queue
+            if rid in self.finished:
+                assert rid not in s.requests and rid not in waiting and rid not in running, rid
+                assert rid not in s.mirrors, rid
+            else:
+                assert rid in s.requests, rid
+                assert waiting.count(rid) + running.count(rid) == 1, (rid, waiting, running)
+                if s.policy is not None:
+                    p = s.policy
+                    # QoServe 3.1: the policy holds each job in exactly one queue (prefill, decode, relegated)
+                    where = [p.waiting.get(rid) is not None, rid in p.running, p.relegated.get(rid) is not None]
+                    assert sum(where) == 1, (rid, where)
+
+    def drain(self) -> None:
+        """Steps until every request finished, resuming relegated ones (an operator's resume): each fits the KV
+        alone, so each finishes."""
+        for _ in range(DRAIN_STEPS):
+            if not self.s.requests:
+                break
+            if self.s.policy is not None:
+                for r in list(self.s.policy.relegated):
+                    self.s.resume(r.request_id)
+            self.clock[0] += 0.02
+            self.step()
+        # liveness: every request finished once the events stopped; all KV blocks are free again
+        assert not self.s.requests, {rid: (r.status, r.num_computed_tokens, r.num_tokens)
+                                     for rid, r in self.s.requests.items()}
+        assert set(self.ids) == self.finished
+        pool = self.s.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
+    s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs)
+    d = Drive(s, policy)
+    for ev in evs:
+        d.apply(ev)
+    d.drain()
+    return d
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@PROPS
+@given(engine=engines, evs=events)
+def test_every_step_keeps_vllms_caps_the_policys_batch_and_the_books(make_scheduler, policy, engine, evs):
+    # Alg. 1 as a whole inside vLLM: the invariants hold every step, every job finishes, the same events give the
+    # same steps (determinism)
+    note(f"{policy} {engine} {evs}")
+    first = _drive(make_scheduler, policy, engine, evs)
+    assert first.trace == _drive(make_scheduler, policy, engine, evs).trace
+
+
+@PROPS
+@given(engine=engines, evs=events)
+def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs):
+    # the baseline (policy vllm-fcfs) is vLLM's own v1 scheduler: the same tokens each step on the same events
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    note(f"{engine} {evs}")
+    ours = _drive(make_scheduler, "vllm-fcfs", engine, evs)
+    s = make_scheduler("vllm-fcfs", max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs)
+    plain = Scheduler(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
+                      structured_output_manager=StructuredOutputManager(s.vllm_config), block_size=16)
+    plain.policy, plain.mirrors, plain.step_cap = None, {}, s.step_cap
+    plain.resume = plain.promote = lambda *a: None
+    theirs = Drive(plain, "vllm")
+    for ev in evs:
+        theirs.apply(ev)
+    theirs.drain()
+    assert ours.trace == theirs.trace
+
+
+# ---- counterexamples the search found, pinned ----
+
+def test_a_planned_prompt_vllm_did_not_start_keeps_no_kv_reservation(make_scheduler):
+    """Sarathi's chunk (256) passes vLLM's step (32 tokens): the policy planned the urgent 32-token prompt and the
+    batch job's 1-token prompt, vLLM ran the first only. The policy kept the batch job as started (its footprint
+    reserved, an admission slot taken) though vLLM held no KV for it, and the next urgent prompt's footprint no
+    longer fit beside that phantom reservation: nothing ran again (each job fits the cache alone, so each must end)."""
+    batch = Job(1, 32, {"qos_class": "batch", "deadline_s": 1, "tier": "free"}, 0.0)
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    evs = [("add", batch), ("add", Job(32, 1, urgent, 0.0)), ("step", 0.0), ("add", Job(121, 40, urgent, 0.0))]
+    d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=32, max_seqs=2), evs)
+    assert d.finished == {"q0", "q1", "q2"}
+
