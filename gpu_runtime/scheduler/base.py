@@ -378,6 +378,25 @@ class BaseScheduler(Scheduler):
             assert req is not None
             n = self._take_chunk(req, left, kv, out)
             if n == 0:  # KV or admission exhausted
+                left = self._continue_started(req, left, kv, out)
+                self._push_waiting(req)
+                break
+            left -= n
+        return left
+
+    def _continue_started(self, blocked: Request, left: int, kv: KVBudget, out: SchedulerOutput) -> int:
+        """Where ``blocked``, a prompt not started, cannot be admitted, the started prompts behind it in the queue
+        continue (by priority) with the budget ``left``: their reservations are what it waits for, so holding them
+        back would stall both for ever (vLLM, too, runs the requests it started before any new one)."""
+        if blocked.request_id in self.started:
+            return left
+        started = sorted((r for rid in self.started if (r := self.waiting.get(rid)) is not None), key=self.waiting.key)
+        for req in started:
+            if left <= 0:
+                break
+            self._remove_waiting(req.request_id)
+            n = self._take_chunk(req, left, kv, out)
+            if n == 0:
                 self._push_waiting(req)
                 break
             left -= n

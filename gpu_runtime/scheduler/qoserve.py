@@ -236,7 +236,8 @@ class QoServeScheduler(BaseScheduler):
             n = self._take_chunk(req, left, kv, out)
             if n == 0:
                 skipped.append(req)
-                break  # KV or admission exhausted: later jobs need KV too
+                left = self._continue_started(req, left, kv, out)
+                break  # KV or admission exhausted: later new jobs need KV too
             left -= n
         for req in skipped:
             self._push_waiting(req)

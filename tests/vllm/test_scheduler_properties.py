@@ -253,3 +253,13 @@ def test_a_planned_prompt_vllm_did_not_start_keeps_no_kv_reservation(make_schedu
     d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=32, max_seqs=2), evs)
     assert d.finished == {"q0", "q1", "q2"}
 
+
+def test_a_started_prompt_continues_while_the_prompt_ahead_of_it_cannot_be_admitted(make_scheduler):
+    """QoServe took 32 of the lax prompt's 33 tokens, then relegated the urgent prompt (its 50 ms TTFT was lost);
+    resumed, the urgent prompt heads the queue, but its footprint does not fit beside the started prompt's
+    reservation. The pass stopped at it, so the started prompt never got its last token and freed nothing: both
+    waited for ever. The started prompt continues instead, as vLLM runs started requests first."""
+    lax = Job(33, 32, {"ttft_ms": 20_000, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}, 0.0)
+    urgent = Job(89, 40, {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}, 0.0)
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2), [("add", lax), ("add", urgent)])
+    assert d.finished == {"q0", "q1"}
