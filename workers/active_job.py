@@ -3,6 +3,8 @@
 Who writes what: the Celery intake adds a job; the engine thread alone fills in what the
 engine produced (text, offsets, ``in_engine``, ``finished``, ``relegated``); the outbox's I/O
 thread removes a job once its last write is durable. The heartbeat reads the leases to renew them.
+The engine thread also sets aside (``abandon``) a job whose abort its engine never confirmed: it no
+longer counts against the worker's room, but its id stays held until the engine lets it go.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class ActiveJob:
     tokens: int = 0  # engine thread: token ids streamed so far, the next delta's ``token_offset``
     first_token_recorded: bool = False
     in_engine: bool = False  # engine thread: its add was applied
+    abort_sent_at: float | None = None  # engine thread: when its abort went to the engine (``time.monotonic``)
     finished: bool = False  # engine thread: its last record is in the outbox
     relegated: bool = False  # engine thread (``ActiveJobs.set_relegated``): shed under overload, not resumed yet
     reasoning: ReasoningTokens | None = None  # engine thread: counts its thinking tokens (a reasoning parser's job)
@@ -61,6 +64,8 @@ class ActiveJobs:
         self.lock = threading.RLock()
         self._jobs: dict[str, ActiveJob] = {}
         self._relegated = 0  # how many of them are relegated
+        # aborted, the engine never confirmed it (``abandon``): not served, but the engine may still hold its id
+        self._abandoned: dict[str, ActiveJob] = {}
 
     def add(self, job: ActiveJob) -> None:
         with self.lock:
@@ -78,6 +83,23 @@ class ActiveJobs:
             if job is not None and job.relegated:
                 self._relegated -= 1
             return job
+
+    def abandon(self, job: ActiveJob) -> None:
+        """Stops counting ``job``, whose abort the engine never confirmed, while keeping its id held (``in``): a
+        rerun of the job is not added beside a request of the same id that the engine may still hold."""
+        with self.lock:
+            if self._jobs.get(job.job_id) is job:
+                self.pop(job.job_id)
+                self._abandoned[job.job_id] = job
+
+    def forget(self, job_id: str) -> ActiveJob | None:
+        """Lets go of an abandoned job's id: its engine finished the request at last, or no longer holds it."""
+        with self.lock:
+            return self._abandoned.pop(job_id, None)
+
+    def abandoned_ids(self) -> list[str]:
+        with self.lock:
+            return list(self._abandoned)
 
     def take_all(self) -> list[ActiveJob]:
         with self.lock:
@@ -104,7 +126,7 @@ class ActiveJobs:
             return list(self._jobs.values())
 
     def __contains__(self, job_id: object) -> bool:
-        return job_id in self._jobs
+        return job_id in self._jobs or job_id in self._abandoned
 
     def __len__(self) -> int:
         return len(self._jobs)

@@ -8,7 +8,10 @@ the API cancelled had produced (its text and token counts stay on it). It never 
 itself. It also keeps the worker honest:
 
 * reconcile: every ``reconcile_s`` a job the worker holds that the engine no longer knows
-  (lost without an output) is given back to the queue instead of being renewed forever;
+  (lost without an output) is given back to the queue instead of being renewed forever, and a
+  job whose abort the engine has not confirmed for a lease is set aside (``abandon``): an abort
+  frees a request's room in vLLM, so the worker stops counting it, and what the engine says of
+  it later writes nothing;
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
 * a step that raises gives every job back to the queue (the last allowed attempt fails), and
@@ -163,6 +166,8 @@ class EngineThread:
             elif isinstance(cmd, Abort):
                 if job is not None and job.in_engine and not job.finished:
                     self.engine.abort(cmd.job_id)
+                    if job.abort_sent_at is None:  # the first abort starts the wait for the engine's word
+                        job.abort_sent_at = time.monotonic()
             elif isinstance(cmd, Resume):
                 self.engine.resume(cmd.job_id)
             elif isinstance(cmd, Promote):
@@ -183,6 +188,8 @@ class EngineThread:
         first_tokens: list[ActiveJob] = []
         for out in outputs:
             job = self.active.get(out.request_id)
+            if job is None and out.finished:  # an abandoned job's request ended at last: its id is free again
+                self.active.forget(out.request_id)
             if job is None or job.finished:
                 continue
             attempt = job.lease.attempt
@@ -418,15 +425,38 @@ class EngineThread:
         self.state = state
 
     def reconcile(self) -> list[Record]:
-        """Jobs the worker holds that the engine no longer knows go back to the queue."""
+        """Jobs the worker holds that the engine no longer knows go back to the queue; those whose abort it has
+        not confirmed for a lease are abandoned."""
+        records = self._abandon_unconfirmed_aborts()
         live = getattr(self.engine, "requests", None)
         if not isinstance(live, dict):
-            return []
-        records = []
+            return records
+        for job_id in self.active.abandoned_ids():
+            if job_id not in live:
+                self.active.forget(job_id)
         for job in self.active.snapshot():
             if job.in_engine and not job.finished and job.job_id not in live:
                 log.warning("job %s is held by this worker but not in its engine; giving it back", job.job_id)
                 job.finished = True
                 records.append(self._give_back(job, f"lost by the engine of {self.worker_id}; requeued"))
                 records += self._resend([job.job_id])
+        return records
+
+    def _abandon_unconfirmed_aborts(self) -> list[Record]:
+        """Sets aside each job whose abort the engine has not confirmed (no finished output) for ``lease_seconds``,
+        the bound the heartbeat renews a stopped job's lease for (``leases.renew``): its slot comes back, and where
+        the API cancelled it, it settles now with nothing more written (what the engine ran is not known)."""
+        bound = time.monotonic() - self.settings.lease_seconds
+        records = []
+        for job in self.active.snapshot():
+            if job.finished or job.abort_sent_at is None or job.abort_sent_at > bound:
+                continue
+            log.warning("the engine of %s never confirmed the abort of job %s (%.0f s); it no longer counts against "
+                        "the worker's room", self.worker_id, job.job_id, time.monotonic() - job.abort_sent_at)
+            job.finished = True
+            self.active.abandon(job)
+            lease = job.lease
+            records.append(Record(f"the abandoned abort of {lease.job_id}",
+                                  lambda s, lease=lease: leases.keep_cancelled(s, lease, None),
+                                  self._kept(lease, None), for_job=lease.job_id))
         return records

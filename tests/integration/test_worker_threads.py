@@ -31,6 +31,7 @@ from tests.unit.scheduler.helpers import COST
 from workers import control, outbox as outbox_module
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
+from workers.celery_app import INTERACTIVE_PRIORITY
 from workers.engine_thread import relegation_detail
 from workers.gpu_worker import GpuWorker
 from workers.inbox import Abort, Add
@@ -565,3 +566,45 @@ def test_a_reruns_metrics_are_the_answers_as_its_client_saw_them(settings, keys)
         assert abs((job.first_token_at - first_at).total_seconds()) < 1e-3  # not the rerun's own first token
         assert job.ttft_s == pytest.approx((first_at - created).total_seconds(), abs=1e-3)
         assert job.slo_met is True
+
+
+def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(settings, keys):
+    """vLLM frees an aborted request's resources; an engine that never confirms an abort (no finished output) held
+    the job's slot for good, and a worker that met a few such aborts took no more work. One lease after the abort
+    went to the engine the worker stops counting the job (its lease is no longer renewed; a cancelled job settles
+    with nothing written, as a lapsed lease's does), and what that engine says of it later writes nothing."""
+    from app.services.jobs import cancel_job
+
+    settings = settings.model_copy(update={"max_inflight": 1})
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Recorder())  # its abort only records the call: the engine never confirms it
+    (job,) = _leased_jobs(settings, keys, worker, 1)
+    worker.inbox.put(Add(job.job_id))
+    worker.outbox.apply(engine_thread.iterate())
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        cancel_job(s, s.get(Job, job.job_id))
+    worker.abort(job.job_id)
+    worker.outbox.apply(engine_thread.iterate())
+    assert worker.engine.calls[-1] == ("abort", job.job_id) and not worker._has_room(INTERACTIVE_PRIORITY)
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    assert job.job_id in worker.active.snapshot_ids()  # within its lease: the engine may still confirm it
+    job.abort_sent_at -= settings.lease_seconds  # a lease later (the clock moved on, not slept on)
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    assert worker.active.snapshot_ids() == [] and worker.active.in_line == 0 and worker._has_room(INTERACTIVE_PRIORITY)
+    assert job.job_id in worker.active  # its id stays held while the engine may hold it: no rerun joins it here
+    with session_scope(url) as s:
+        row = s.get(Job, job.job_id)
+        assert (row.status, row.settled_at is not None, row.lease_expires_at) == ("cancelled", True, None)
+        settled = row.settled_at
+    # the engine speaks of it at last: nothing is written on the settled job, and its id is free again
+    engine_thread.engine = _OneStep([_ended(job, RequestStatus.FINISHED_ABORTED, 2, "late")])
+    worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    assert job.job_id not in worker.active
+    with session_scope(url) as s:
+        row = s.get(Job, job.job_id)
+        assert (row.output_text, row.completion_tokens, row.settled_at) == (None, None, settled)
+    events = [StreamEvent.parse(raw).type for _id, raw in redis.Redis.from_url(settings.redis_url)
+              .xrange(stream_key(job.job_id))]
+    assert events.count("kept") == 1 and "delta" not in events
