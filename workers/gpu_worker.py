@@ -29,6 +29,7 @@ from dataclasses import replace
 from datetime import timedelta
 from importlib import import_module
 from typing import Any
+from uuid import uuid4
 
 import redis
 from celery.signals import worker_shutting_down
@@ -46,7 +47,7 @@ from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
-from app.services.dispatch import dispatch, send_back, send_back_all
+from app.services.dispatch import dispatch, move, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
@@ -105,6 +106,7 @@ class GpuWorker:
         self.engine_thread: EngineThread | None = None
         self.threads: list[threading.Thread] = []
         self.peers: decode_history.PeerLengths | None = None  # what the model's other workers finish
+        self.handing_back: tuple[str, str] | None = None  # (job id, task id) of the message accept hands back now
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -256,6 +258,7 @@ class GpuWorker:
         not yet in the engine, goes back to the head of its queue then (``_give_back_interrupted``), not lost until
         the sweeper misses it.
         """
+        self.handing_back = None
         try:
             wait = self._take(job_id, priority, queue)
         except BaseException:
@@ -272,12 +275,11 @@ class GpuWorker:
         What to wait for then, with no message in hand: "room" (the engine was full), "drain" (this worker drains),
         or None."""
         if not self._without_earlier_attempt(job_id):
-            # for when that attempt left
-            send_back(self.settings.redis_url, job_id, self._queue_back(job_id, queue), priority)
+            self._hand_back(job_id, self._queue_back(job_id, queue), priority)  # for when that attempt left
             return None
         if self.shutting_down or self.draining or not self._has_room(priority):
             # for another worker, or this one later
-            send_back(self.settings.redis_url, job_id, self._queue_back(job_id, queue), priority)
+            self._hand_back(job_id, self._queue_back(job_id, queue), priority)
             if self.stopping.is_set() or self.shutting_down:
                 return None
             return "drain" if self.draining else "room"
@@ -321,6 +323,21 @@ class GpuWorker:
             self.inbox.put(Add(job_id))
         return None
 
+    def _hand_back(self, job_id: str, back_to: str, priority: int) -> None:
+        """``send_back`` of the message in hand, its task id known meanwhile (``handing_back``): a cold shutdown that
+        interrupts it is finished by ``_give_back_interrupted`` with no second message."""
+        self.handing_back = (job_id, uuid4().hex)
+        send_back(self.settings.redis_url, job_id, back_to, priority, task_id=self.handing_back[1])
+
+    def _send_back_once(self, job_id: str, back_to: str, priority: int) -> None:
+        """The dispatched job's message back to the head of ``back_to``, once: where a hand-back of it was under way
+        when the task was interrupted, the message it pushed is moved there (a second could not lease the job, but
+        it cost a worker a take); sent where it is not in the list (not pushed, or a consumer has it)."""
+        url, handing = self.settings.redis_url, self.handing_back
+        task_id = handing[1] if handing is not None and handing[0] == job_id else None
+        if task_id is None or not move(url, back_to, priority, task_id):
+            send_back(url, job_id, back_to, priority, task_id=task_id)
+
     def _drain_pause(self) -> None:
         """After a draining worker handed a message back: its consumer stops (``_consume``), which Celery applies
         once this task returns; where the word was lost, this pause, with no message in hand, spaces the bounces
@@ -330,7 +347,8 @@ class GpuWorker:
     def _give_back_interrupted(self, job_id: str, back_to: str, priority: int) -> None:
         """The job of an ``accept`` that a cold shutdown interrupted back to the head of ``back_to``: still pending
         (its message is acked with the task's failure), or leased here but not yet in the engine (``stop`` gives
-        back what is). One handed back already waits there: sent again, only one copy can lease it."""
+        back what is). A hand-back of its message that the shutdown interrupted is finished, not sent twice
+        (``_send_back_once``)."""
         if job_id in self.active:
             return
         try:
@@ -345,7 +363,7 @@ class GpuWorker:
                     dispatch(s, self.settings.redis_url, job_id, self.settings.model_name, queue=back_to,
                              priority=priority, detail="given back at shutdown", send=send_back)
                 elif status is JobStatus.DISPATCHED:
-                    send_back(self.settings.redis_url, job_id, back_to, priority)
+                    self._send_back_once(job_id, back_to, priority)
         except Exception:  # the sweeper finds it: its lease lapses, or its message is missed from the queue
             log.exception("job %s could not be given back at shutdown", job_id)
 

@@ -100,13 +100,15 @@ MOVE_SCAN_STEP = 64  # messages the move reads at a time
 
 
 def send_back(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE_PRIORITY,
-              before: bytes | None = None) -> bool:
+              before: bytes | None = None, task_id: str | None = None) -> bool:
     """Hands a taken job's message back to ``queue`` where it was: at the head of its priority's list (the next
     message a consumer takes), not behind the messages that came after it; or, given ``before`` (a message waiting
     there), just ahead of that one. kombu's Redis transport pushes a message at the tail (LPUSH, consumers BRPOP)
     and so does Celery's requeue (``Reject(requeue=True)``: LPUSH too), so the message is sent as usual and then
-    moved (``move``). False where the broker could not take it; True (at the tail) where only the move failed."""
-    task_id = uuid4().hex
+    moved (``move``). False where the broker could not take it; True (at the tail) where only the move failed.
+    ``task_id``: the message's (None: a new one), known to a caller that may have to finish an interrupted
+    hand-back (``move`` it, if it was pushed) instead of sending a second message."""
+    task_id = task_id or uuid4().hex
     if not send_to(redis_url, job_id, queue, priority, task_id=task_id):
         return False
     try:

@@ -15,6 +15,7 @@ from app.auth import authenticate
 from app.db.models import Job, JobEvent, JobStatus
 from app.db.session import session_scope
 from app.schemas import JobCreate
+from app.services import dispatch
 from app.services.dispatch import send_job
 from app.services.jobs import submit_job
 from app.services.streaming import stream_key
@@ -103,6 +104,34 @@ def test_a_job_whose_intake_a_cold_shutdown_interrupts_goes_back_to_the_head(set
         assert (job.status, job.worker_id, job.lease_expires_at, job.error) == ("dispatched", None, None, None)
     assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id, "later"]
     assert len(worker.active) == 0
+
+
+@pytest.mark.parametrize("where", ["after the push", "after the move"])
+def test_a_hand_back_a_cold_shutdown_interrupts_leaves_one_message_at_the_head(settings, keys, monkeypatch, where):
+    """A draining worker hands the message it took back (send_back: a push at the tail, then a move to the head);
+    a cold shutdown that raises in the task between the two, or once the move is done, left a second message there
+    (accept's give-back sent one more): the hand-back is finished instead, one message, at the head."""
+    worker = GpuWorker(settings)
+    worker.draining = True
+    job_id = _taken(settings, keys)
+    send_job(settings.redis_url, "later", settings.model_name)
+    real_move = dispatch.move
+
+    def cancelled(*args, **kwargs):  # Celery's SIGQUIT lands in the hand-back, once
+        if where == "after the move" or celery_state.should_terminate:
+            moved = real_move(*args, **kwargs)
+            if celery_state.should_terminate:
+                return moved
+        celery_state.should_terminate = 1
+        raise NotImplementedError(KILL_JOB)
+
+    monkeypatch.setattr(celery_state, "should_terminate", None)
+    monkeypatch.setattr(dispatch, "move", cancelled)
+    with pytest.raises(NotImplementedError):
+        worker.accept(job_id)
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job_id).status == "dispatched"
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id, "later"]
 
 
 def test_a_bad_request_still_fails_at_admission_outside_a_cold_shutdown(settings, keys, monkeypatch):
