@@ -260,8 +260,15 @@ class VLLMEngine:
         with self._lock:
             box, self._inbox = self._inbox, _Inbox()
         outputs = []
+        if box.loaded_loras is not None:  # first: the requests new to the engine are judged on the latest word
+            # out of vLLM's LoRA cache, its slot freed
+            for lora in self.loras.retired(box.loaded_loras, self._live_loras()):
+                self.llm.remove_lora(lora.lora_int_id)
+                log.info("removed LoRA adapter %r (id %d): unloaded or replaced", lora.lora_name, lora.lora_int_id)
         for req in box.new:
             try:
+                if (refused := self.loras.unloaded_refusal(req.lora_name, req.lora_path, req.lora_version)):
+                    raise ValueError(refused)  # vLLM's server: a 404 for an adapter unloaded; not loaded from disk
                 # its job read the adapter before a reload that replaced it: the version loaded now (its own may be
                 # out of vLLM already, from a directory since deleted), under that version's cache salt
                 req.lora_path, req.lora_version = self.loras.source(req.lora_name, req.lora_path, req.lora_version)
@@ -292,11 +299,6 @@ class VLLMEngine:
             self.llm.abort_request([rid])
             req.status, req.finish_time = RequestStatus.FINISHED_ABORTED, time.time()
             outputs.append(self._finish(req))
-        if box.loaded_loras is not None:
-            # out of vLLM's LoRA cache, its slot freed
-            for lora in self.loras.retired(box.loaded_loras, self._live_loras()):
-                self.llm.remove_lora(lora.lora_int_id)
-                log.info("removed LoRA adapter %r (id %d): unloaded or replaced", lora.lora_name, lora.lora_int_id)
         for rid, tier in box.promotions:
             internal = self.external.get(rid)
             if internal is not None:

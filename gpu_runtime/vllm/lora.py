@@ -72,6 +72,7 @@ class LoraRegistry:
         self.runtime = runtime
         self.loaded: dict[tuple[str, str, float], Any] = {}  # (name, path, version) -> LoRARequest
         self.current: dict[str, tuple[str, float]] = {}  # runtime adapter -> (path, version) loaded now (``retired``)
+        self.unloaded: dict[str, float] = {}  # runtime adapter unloaded -> the last version heard of (``retired``)
         self._next_id = len(self.fixed) + 1
 
     def refusal(self, name: str | None, path: str | None) -> str | None:
@@ -89,6 +90,16 @@ class LoraRegistry:
         ``retired`` heard of is kept: that one is stale, not the request."""
         now = self.current.get(name) if name is not None and path is not None else None
         return now if now is not None and now[1] > version else (path, version)
+
+    def unloaded_refusal(self, name: str | None, path: str | None, version: float = 0.0) -> str | None:
+        """Why a request for runtime adapter ``name`` (``path`` and ``version`` as its job read them) may not run: the
+        adapter was unloaded since that version, as ``retired`` heard. vLLM's server answers a request naming an
+        adapter its /v1/unload_lora_adapter removed with a 404; run anyway, it was loaded again from disk. A version
+        newer than the last one heard of was loaded again since: that one runs."""
+        if name is None or path is None or name not in self.unloaded or version > self.unloaded[name]:
+            return None
+        return (f"LoRA adapter {name!r} was unloaded before the engine took this job; load it again "
+                "(POST /v1/load_lora_adapter) and resubmit")
 
     def request(self, name: str | None, path: str | None, version: float = 0.0) -> tuple[Any, bool]:
         """vLLM's ``LoRARequest`` for the adapter, and whether it is new to the engine (load it first)."""
@@ -117,7 +128,13 @@ class LoraRegistry:
                 live: Iterable[tuple[str | None, str | None, float]]) -> list[Any]:
         """The runtime adapters unloaded or replaced since the engine loaded them (``current``: each runtime adapter
         loaded now, name -> (path, version) as SQL holds them) that none of the ``live`` requests uses, dropped here:
-        the engine removes them from vLLM (``remove_lora``)."""
+        the engine removes them from vLLM (``remove_lora``). Those no longer loaded at all are ``unloaded``."""
+        heard = [*self.current.items(), *((key[0], key[1:]) for key in self.loaded)]
+        for name, (_path, version) in heard:
+            if name not in current:
+                self.unloaded[name] = max(version, self.unloaded.get(name, version))
+        for name in current:  # loaded again
+            self.unloaded.pop(name, None)
         self.current = dict(current)
         used = _in_use(live)
         gone = [key for key in self.loaded if current.get(key[0]) != (key[1], key[2]) and key not in used]

@@ -59,3 +59,23 @@ def test_a_request_that_read_a_version_replaced_since_loads_the_current_one():
     assert registry.source("ada", "/adapters/ada-3", 3.0) == ("/adapters/ada-3", 3.0)  # newer than the engine heard
     assert registry.source("bob", "/adapters/bob", 1.0) == ("/adapters/bob", 1.0)  # nothing said of it yet
     assert registry.source("fixed", None) == (None, 0.0)  # one the engine started with
+
+
+def test_a_request_for_an_adapter_unloaded_since_its_job_read_it_is_refused():
+    """vLLM's server answers a request naming an adapter its /v1/unload_lora_adapter removed with a 404; a job that
+    read runtime adapter ``ada`` before its unload reached the engine is refused with the reason, where the engine
+    loaded it from disk again (and failed only where the directory was gone). A reload the engine heard of, or a
+    version newer than the last it heard of (loaded again after the word), runs."""
+    registry = LoraRegistry({"fixed": "/adapters/fixed"}, runtime=True)
+    registry.retired({"ada": ("/adapters/ada", 1.0)}, [])
+    registry.request("bob", "/adapters/bob", 1.0)  # loaded by a request before the engine heard of it
+    assert registry.unloaded_refusal("ada", "/adapters/ada", 1.0) is None
+    registry.retired({}, [])  # both unloaded
+    for name in ("ada", "bob"):
+        refused = registry.unloaded_refusal(name, f"/adapters/{name}", 1.0)
+        assert refused is not None and f"{name!r} was unloaded" in refused and "load_lora_adapter" in refused
+    assert registry.unloaded_refusal("ada", "/adapters/ada", 2.0) is None  # loaded again since the word
+    assert registry.unloaded_refusal("fixed", None) is None and registry.unloaded_refusal(None, None) is None
+    registry.retired({"ada": ("/adapters/ada", 3.0)}, [])  # ada loaded again: its jobs run
+    assert registry.unloaded_refusal("ada", "/adapters/ada", 1.0) is None
+    assert registry.unloaded_refusal("bob", "/adapters/bob", 1.0) is not None

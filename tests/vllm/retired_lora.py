@@ -1,6 +1,7 @@
 """A runtime LoRA adapter on the real vLLM engine, replaced and then unloaded: prints the adapter ids vLLM's engine
 lists (``list_loras``) after each, as JSON; then a request whose job read a version just before a reload from
-another directory, which the engine removed and the admin deleted before the request came (``late``: how it ended).
+another directory, which the engine removed and the admin deleted before the request came (``late``: how it ended),
+and one whose job read the adapter before an unload the engine heard of before the request came (``gone``).
 
 Run as ``python -m tests.vllm.retired_lora ADAPTER_DIR`` (vLLM's in-process engine core is process-wide: a process of
 its own).
@@ -49,7 +50,10 @@ def main(path: str) -> None:
     retire({"ada": (path, 4.0)})  # loaded again from ``path``: version 3 leaves vLLM
     shutil.rmtree(old)
     late = run("late", 3.0, old)  # its job read version 3 before that reload
-    print(json.dumps({"served": served, "both": both, "replaced": replaced, "unloaded": unloaded, "late": late}))
+    retire({})  # unloaded, its directory kept
+    gone = run("gone", 4.0)  # its job read version 4 before that unload
+    print(json.dumps({"served": served, "both": both, "replaced": replaced, "unloaded": unloaded, "late": late,
+                      "gone": gone}))
 
 
 if __name__ == "__main__":

@@ -135,6 +135,8 @@ def test_a_runtime_adapter_replaced_or_unloaded_leaves_vllms_engine(lora_adapter
     assert ids["replaced"] == [second] and ids["unloaded"] == [], ids
     # a request for a version replaced (and removed from vLLM) since its job read it runs on the version loaded now
     assert ids["late"].startswith("finished_length"), ids
+    # one for a version unloaded since (its directory kept) is refused, as vLLM's server answers an unloaded adapter
+    assert ids["gone"].startswith("finished_aborted: LoRA adapter 'ada' was unloaded before the engine"), ids
 
 
 @pytest.mark.parametrize("spec", ["none", "adaspec"])
