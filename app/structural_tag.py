@@ -129,11 +129,20 @@ def of_response_format(fmt: dict[str, Any]) -> str:
 
 
 def carried(raw: Any) -> list[str]:
-    """The structural tags ``check`` would compile for a native body ``raw`` (vLLM's ``structured_outputs`` form,
-    JSON text)."""
-    outputs = raw.get("structured_outputs") if isinstance(raw, dict) else None
-    tag = outputs.get("structural_tag") if isinstance(outputs, dict) else None
-    return [tag] if isinstance(tag, str) else []
+    """The structural tags, as JSON text, that ``check`` would compile for a request body ``raw``: vLLM's
+    ``structured_outputs.structural_tag``, and a ``structural_tag`` response_format (chat, completions) or text.format
+    (Responses), as ``of_response_format`` reads it (one whose shape is wrong compiles nothing: left out)."""
+    if not isinstance(raw, dict):
+        return []
+    outputs, text = raw.get("structured_outputs"), raw.get("text")
+    tags = [tag] if isinstance(outputs, dict) and isinstance(tag := outputs.get("structural_tag"), str) else []
+    for fmt in (raw.get("response_format"), text.get("format") if isinstance(text, dict) else None):
+        if isinstance(fmt, dict) and fmt.get("type") == "structural_tag":
+            try:
+                tags.append(of_response_format(fmt))
+            except ValueError:
+                pass
+    return tags
 
 
 def outcomes(tags: list[str]) -> dict[str, str | None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import aclosing, contextmanager
 from typing import Any, TypeVar
 
@@ -67,30 +67,10 @@ def checked_body(model: type, raw: dict[str, Any]) -> Any:
     return body
 
 
-def compiles_grammar(raw: Any) -> bool:
-    """Whether checking the request ``raw`` compiles a grammar: a structural tag's (``app.structural_tag``: seconds at
-    xgrammar's first import, milliseconds after) in ``response_format``, Responses' ``text.format`` or
-    ``structured_outputs``."""
-    if not isinstance(raw, dict):
-        return False
-    text = raw.get("text")
-    formats = (raw.get("response_format"), text.get("format") if isinstance(text, dict) else None)
-    outputs = raw.get("structured_outputs")
-    return (any(isinstance(f, dict) and f.get("type") == "structural_tag" for f in formats)
-            or isinstance(outputs, dict) and outputs.get("structural_tag") is not None)
-
-
-async def checking(raw: Any, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``, a step that checks the request ``raw``: in a thread where it compiles a grammar
-    (``compiles_grammar``), which on the event loop would stall every other request; else in place (microseconds,
-    less than a thread hop's ~0.1 ms)."""
-    return await run_in_threadpool(fn, *args) if compiles_grammar(raw) else fn(*args)
-
-
 async def read_body(request: Request, model: type) -> Any:
-    """The body read as ``model`` and checked (off the event loop where that compiles a grammar: ``checking``)."""
-    raw = await json_object(request)
-    return await checking(raw, checked_body, model, raw)
+    """The body read as ``model`` and checked (a structural tag it carries compiled beforehand, off the event loop:
+    ``errors.CheckedRoute``)."""
+    return checked_body(model, await json_object(request))
 
 
 def submit_openai_job(session, principal: Principal, settings: Settings, spec, endpoint: str, writer=None,
@@ -318,9 +298,9 @@ def _job_specs(body: ChatCompletionRequest | CompletionRequest, chat: bool, tier
 
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
     raw = await json_object(request)
-    body = await checking(raw, checked_body, ChatCompletionRequest if chat else CompletionRequest, raw)
+    body = checked_body(ChatCompletionRequest if chat else CompletionRequest, raw)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    specs = await checking(raw, _job_specs, body, chat, settings.tiers)  # response_format's grammar compiles here
+    specs = _job_specs(body, chat, settings.tiers)
     if specs[0].kind == "interactive":  # this endpoint's QoS defaults for the targets the request left out
         ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
         specs = [spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})

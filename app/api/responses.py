@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
-from app.api.openai_compat import (answer_of, checking, count_prompt_tokens, documented_body, job_error, read_body,
+from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, read_body,
                                    submit_openai_job)
 from app.auth import Principal
 from app.db.models import Job, JobStatus, new_id
@@ -337,8 +337,7 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
 async def _submit(request: Request, session, principal: Principal, settings: Settings, body: ResponsesRequest,
                   history: list[dict[str, Any]], job_id: str):
     """The response's chat request, what its job keeps of it, and the job submitted as ``job_id``."""
-    raw = await request.json()  # the chat request's response_format may compile a grammar (``checking``)
-    chat, spec = await checking(raw, body.chat_request, raw, history, settings.tiers)
+    chat, spec = body.chat_request(await request.json(), history, settings.tiers)
     if spec.kind == "interactive":
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
@@ -363,8 +362,7 @@ async def count_input_tokens(request: Request, session: SessionDep, principal: C
     dropped the oldest turns, where asked)."""
     body = await read_body(request, InputTokensRequest)
     history = await run_in_threadpool(_prior_turns, session, principal, body)
-    raw = await request.json()
-    _, spec = await checking(raw, body.chat_request, raw, history, settings.tiers)  # as _submit's
+    _, spec = body.chat_request(await request.json(), history, settings.tiers)  # as _submit's
     try:
         count = await run_in_threadpool(_input_tokens, settings, spec, body.kept(history)["input_from"],
                                         body.truncation)
