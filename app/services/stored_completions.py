@@ -48,12 +48,23 @@ def _chat_job(session: Session, tenant_id: str, cid: str, lock: bool = False) ->
     return job if job is not None and job.endpoint == ENDPOINT else None
 
 
+def _choices_of(session: Session, jobs: list[Job]) -> dict[str, list[Job]]:
+    """Each of ``jobs`` whose every choice succeeded, by id: its choices' jobs, in order. The other choices of all of
+    them are read in one query (a page's, not one a completion)."""
+    wanted = {job.id: (job.response or {}).get("choices") or [job.id] for job in jobs}
+    other_ids = {i for ids in wanted.values() for i in ids[1:]}
+    others = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(other_ids)))} if other_ids else {}
+    kept = {}
+    for job in jobs:
+        choices = [job, *(others.get(i) for i in wanted[job.id][1:])]
+        if all(j is not None and j.status == JobStatus.SUCCEEDED for j in choices):
+            kept[job.id] = choices
+    return kept
+
+
 def _choices(session: Session, job: Job) -> list[Job] | None:
     """Every choice's job, in order, where all of them succeeded (else None)."""
-    ids = (job.response or {}).get("choices") or [job.id]
-    others = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(ids[1:])))} if len(ids) > 1 else {}
-    jobs = [job, *(others.get(i) for i in ids[1:])]
-    return jobs if all(j is not None and j.status == JobStatus.SUCCEEDED for j in jobs) else None
+    return _choices_of(session, [job]).get(job.id)
 
 
 def find(session: Session, tenant_id: str, cid: str, lock: bool = False) -> Job:
@@ -107,10 +118,12 @@ def page(session: Session, tenant_id: str, tiers: tuple[str, ...], *, limit: int
     while len(data) <= limit:
         query_after = query if mark is None else query.where(pagination.after(Job, mark.created_at, mark.id, desc))
         rows = session.scalars(query_after.limit(SCAN_ROWS)).all()
-        for job in rows:
-            kept = (job.response or {}).get("metadata") or {}
-            if all(kept.get(k) == v for k, v in (metadata or {}).items()) and (jobs := _choices(session, job)):
-                data.append(completion_body(jobs, tiers))
+        tagged = [job for job in rows if all(((job.response or {}).get("metadata") or {}).get(k) == v
+                                             for k, v in (metadata or {}).items())]
+        kept = _choices_of(session, tagged)
+        for job in tagged:
+            if job.id in kept:
+                data.append(completion_body(kept[job.id], tiers))
                 if len(data) > limit:
                     break
         if len(rows) < SCAN_ROWS:

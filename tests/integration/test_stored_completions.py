@@ -103,3 +103,38 @@ def test_what_is_not_kept_says_so(client, keys, jobs):
     for params in ({"limit": 0}, {"limit": 101}, {"order": "sideways"}):
         r = client.get("/v1/chat/completions", headers=auth, params=params)
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(params)), r.text
+
+
+def _listed_with_statements(client, auth: dict, **params) -> tuple[list[dict], list[str]]:
+    """``GET /v1/chat/completions``'s completions, and the SQL statements the app ran for them."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    seen: list[str] = []
+
+    def on_execute(_conn, _cursor, statement, *_args) -> None:
+        seen.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", on_execute)
+    try:
+        r = client.get("/v1/chat/completions", headers=auth, params=params)
+    finally:
+        event.remove(Engine, "before_cursor_execute", on_execute)
+    assert r.status_code == 200, r.text
+    return r.json()["data"], seen
+
+
+def test_a_page_of_completions_of_several_choices_reads_their_choices_in_one_query(client, db_url, keys):
+    """The list read each completion's other choices with a query of its own (N+1); now one query a page, with
+    each completion's choices in order and a completion whose other choice failed still left out."""
+    auth = {"Authorization": f"Bearer {keys.paid}"}
+    with session_scope(db_url) as s:
+        for n in range(6):  # completions 10, 20, ..., 60: three choices each, the last one's third choice failed
+            ids = [f"job_{10 * (n + 1) + c:04d}" for c in range(3)]
+            s.add(_job(keys.tenant_id, 10 * (n + 1), response={"store": True, "metadata": {}, "choices": ids}))
+            s.add_all([_job(keys.tenant_id, 10 * (n + 1) + c, status="failed" if n == 5 and c == 2 else "succeeded")
+                       for c in (1, 2)])
+    listed, statements = _listed_with_statements(client, auth)
+    assert [c["id"] for c in listed] == [f"chatcmpl-job_{10 * n:04d}" for n in range(1, 6)]
+    assert [[ch["message"]["content"] for ch in c["choices"]] for c in listed][0] == ["a10", "a11", "a12"]
+    assert sum("FROM jobs" in q for q in statements) == 2, statements  # the page's rows, then their choices
