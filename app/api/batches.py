@@ -1,7 +1,8 @@
 """OpenAI Batch API: create (validation + fan-out in the background), get, list, cancel.
 
 Reading a batch also runs the fan-in (``maybe_finalize``), so a batch whose last job just
-ended is finalized by whoever looks first: the worker's hook, a poll, or a cancel.
+ended is finalized by whoever looks first: the worker's sweeper, a poll, or a cancel. The list counts its page's
+open batches in one query and finalizes only those whose jobs all ended (``fan_in_page``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
-from app.batch.finalize import cancel_batch, maybe_finalize
+from app.batch.finalize import Counts, cancel_batch, fan_in_page, maybe_finalize
 from app.batch.lines import ENDPOINTS
 from app.batch.objects import batch_object, batch_usage
 from app.db import pagination
@@ -86,6 +87,14 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
     return batch_object(batch)
 
 
+def _shown(batch: Batch, counts: Counts | None) -> tuple[int, int] | None:
+    """An open batch's (completed, failed) requests as counted now: its invalid lines fail too (``total`` counts
+    every line, each valid one has jobs)."""
+    if counts is None or batch.total is None:
+        return None
+    return counts.completed, batch.total - counts.pending - counts.completed
+
+
 @router.get("", responses=openai_responses(400))
 def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
@@ -96,12 +105,10 @@ def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: Set
     except pagination.UnknownCursor as exc:
         raise OpenAIError(400, exc.says("after", "batches"), param="after") from None
     page = rows[:limit]
-    for b in page:
-        if b.status in ("in_progress", "cancelling"):
-            maybe_finalize(session, b.id, settings.data_dir, settings.redis_url)
-            session.refresh(b)
+    counts = fan_in_page(session, page, settings.data_dir, settings.redis_url)
     usage = batch_usage(session, (b.id for b in page))
-    return {"object": "list", "data": [batch_object(b, usage.get(b.id)) for b in page], "has_more": len(rows) > limit,
+    data = [batch_object(b, usage.get(b.id), _shown(b, counts.get(b.id))) for b in page]
+    return {"object": "list", "data": data, "has_more": len(rows) > limit,
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 

@@ -27,7 +27,7 @@ from app.auth import Principal
 from app.batch import message_batches as mb
 from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
-from app.batch.finalize import cancel_batch, maybe_finalize
+from app.batch.finalize import cancel_batch, fan_in_page, maybe_finalize
 from app.batch.lines import MAX_LINES, InvalidLine, ParsedFile, ValidLine, parse_line
 from app.db import pagination
 from app.db.models import Batch, new_id
@@ -156,10 +156,7 @@ def list_message_batches(request: Request, session: SessionDep, principal: Curre
     except pagination.UnknownCursor as exc:
         param = "before_id" if before_id else "after_id"
         raise OpenAIError(400, exc.says(param, "message batches"), param=param) from None
-    for b in page:
-        if b.status in ("in_progress", "cancelling"):
-            maybe_finalize(session, b.id, settings.data_dir, settings.redis_url)
-            session.refresh(b)
+    fan_in_page(session, page, settings.data_dir, settings.redis_url)
     counts = mb.page_request_counts(session, page)
     return {"data": [_object(request, session, b, counts[b.id]) for b in page], "has_more": len(rows) > limit,
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}

@@ -75,21 +75,35 @@ def _of_batch(batch_id: str) -> tuple:
     return Job.batch_id == batch_id, ~Job.status.startswith(STAGED)
 
 
-def _counts(session: Session, batch_id: str) -> Counts:
+def counts_of(session: Session, batch_ids: Iterable[str]) -> dict[str, Counts]:
+    """Each batch's ``Counts``, one grouped query for them all (a page's); a batch without jobs is left out."""
     single = Job.choice_index.is_(None)  # a line's only job: its lines are counted by status, in a handful of groups
-    lines = (select(single.label("single"), _number(Job.status.not_in(TERMINAL_JOB)).label("open"),
+    lines = (select(Job.batch_id, single.label("single"), _number(Job.status.not_in(TERMINAL_JOB)).label("open"),
                     _number(Job.status == JobStatus.SUCCEEDED.value).label("ok"), func.count().label("jobs"),
                     _number(Job.status == JobStatus.EXPIRED.value).label("expired"))
-             .where(*_of_batch(batch_id)).group_by(single, case((single, Job.status), else_=Job.custom_id))
+             .where(Job.batch_id.in_(list(batch_ids)), ~Job.status.startswith(STAGED))
+             .group_by(Job.batch_id, single, case((single, Job.status), else_=Job.custom_id))
              .subquery())
     c = lines.c
     done = c.open == 0  # a group of single lines counts its jobs (each a request), a line of choices counts once
-    row = session.execute(select(
+    rows = session.execute(select(
+        c.batch_id,
         func.sum(case((c.single, c.open), else_=case((c.open > 0, 1), else_=0))),
         func.sum(case((c.single, c.ok), else_=case((done & (c.ok == c.jobs), 1), else_=0))),
         func.sum(case((c.single, c.jobs - c.open - c.ok), else_=case((done & (c.ok < c.jobs), 1), else_=0))),
-        func.sum(c.expired))).one()
-    return Counts(*(int(n or 0) for n in row))
+        func.sum(c.expired)).group_by(c.batch_id))
+    return {batch_id: Counts(*(int(n or 0) for n in sums)) for batch_id, *sums in rows}
+
+
+def _counts(session: Session, batch_id: str) -> Counts:
+    return counts_of(session, [batch_id]).get(batch_id, Counts())
+
+
+def fan_in_due(batch: Batch, counts: Counts) -> bool:
+    """Whether ``maybe_finalize`` has more to do for an open batch than refresh its counts: its jobs all ended, its
+    window ended, or it is cancelling (jobs a cancel that died left runnable)."""
+    window_over = batch.expires_at is not None and as_utc(batch.expires_at) <= utcnow()
+    return not counts.pending or window_over or batch.status == "cancelling"
 
 
 def requests(jobs: Iterable[Job]) -> list[list[Job]]:
@@ -192,6 +206,20 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         return False
     log.info("batch %s %s: %d completed, %d failed", batch_id, values["status"], completed, failed)
     return True
+
+
+def fan_in_page(session: Session, batches: list[Batch], data_dir: Path, redis_url: str | None) -> dict[str, Counts]:
+    """A listed page's fan-in: its open batches' requests counted in one grouped query, and ``maybe_finalize`` run
+    (each batch ``refresh``-ed) only for those it has more to do for (``fan_in_due``), so a page of running batches
+    is read, not written one by one; the sweeper's ``finalize_open_batches`` writes their counts. Returns the counts
+    of the batches still open, by id."""
+    open_ = [b for b in batches if b.status in OPEN]
+    counts = counts_of(session, [b.id for b in open_]) if open_ else {}
+    for b in open_:
+        if fan_in_due(b, counts.get(b.id, Counts())):
+            maybe_finalize(session, b.id, data_dir, redis_url)
+            session.refresh(b)
+    return {b.id: counts.get(b.id, Counts()) for b in open_ if b.status in OPEN}
 
 
 def cancel_batch(session: Session, batch: Batch, data_dir: Path, redis_url: str | None) -> bool:

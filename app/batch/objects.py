@@ -40,8 +40,12 @@ def _usage(inputs: int = 0, cached: int = 0, outputs: int = 0, reasoning: int = 
             "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inputs + outputs}
 
 
-def batch_object(b: Batch, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The Batch object; ``usage`` from ``batch_usage`` (none: nothing finished yet)."""
+def batch_object(b: Batch, usage: dict[str, Any] | None = None,
+                 counts: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The Batch object; ``usage`` from ``batch_usage`` (none: nothing finished yet); ``counts``: an open batch's
+    requests (completed, failed) as counted now, where newer than its row's."""
+    completed, failed = (b.completed, b.failed) if counts is None else (
+        max(counts[0], b.completed or 0), max(counts[1], b.failed or 0))  # a request's end is final: counts only grow
     errors = {"object": "list", "data": b.errors} if b.errors else None
     return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors,
             "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
@@ -50,7 +54,7 @@ def batch_object(b: Batch, usage: dict[str, Any] | None = None) -> dict[str, Any
             "finalizing_at": ts(b.finalizing_at), "completed_at": ts(b.completed_at), "failed_at": ts(b.failed_at),
             "expired_at": ts(b.expired_at), "cancelling_at": ts(b.cancelling_at),
             "cancelled_at": ts(b.cancelled_at),
-            "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
+            "request_counts": {"total": b.total, "completed": completed, "failed": failed},
             "usage": usage or _usage(), "metadata": b.metadata_, "coserve": {"tier": b.tier}}
 
 
