@@ -21,7 +21,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
-from sqlalchemy import and_, case, func, or_, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import load_only
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
@@ -163,23 +163,32 @@ def _after_cursor(after: str) -> tuple[int, datetime, str]:
                             "out for the first page", "query", "after") from None
 
 
-def jobs_page(session, shown: list[str], after: tuple[int, datetime, str] | None,
-              limit: int) -> tuple[list[Job], int, str | None]:
+def jobs_page(session, shown: list[str], after: tuple[int, datetime, str] | None, limit: int,
+              open_counts: dict[str, int] | None = None) -> tuple[list[Job], int, str | None]:
     """The jobs table's page: the jobs in ``shown`` statuses after the cursor, how many there are in all (so a cut
-    table says so), and the cursor of the next page (None on the last)."""
-    in_table = Job.status.in_(shown)
-    # in TABLE_STATUSES' order, each status oldest first; only the columns shown (a row's prompt and messages stay
-    # in SQL)
-    rank = case(*((Job.status == st, i) for i, st in enumerate(TABLE_STATUSES)), else_=len(TABLE_STATUSES))
-    query = select(Job).options(load_only(*SHOWN_COLUMNS)).where(in_table)
-    if after:
-        mark_rank, mark_at, mark_id = after
-        query = query.where(or_(rank > mark_rank, and_(rank == mark_rank, pagination.after(
-            Job, mark_at, mark_id, newest_first=False))))
-    active = list(session.scalars(query.order_by(rank, *pagination.in_order(Job, newest_first=False))
-                                  .limit(limit + 1)))
+    table says so; summed from ``open_counts``, the open jobs by status, where given), and the cursor of the next page
+    (None on the last). In TABLE_STATUSES' order, each status oldest first: one query a status, each reading its page
+    on ``ix_jobs_status_created`` (one sorted by a rank of the status read every job shown), only the columns shown (a
+    row's prompt and messages stay in SQL)."""
+    start = after[0] if after else 0
+    active: list[Job] = []
+    for rank, st in enumerate(TABLE_STATUSES):
+        if st not in shown or rank < start:
+            continue
+        if len(active) > limit:
+            break
+        query = select(Job).options(load_only(*SHOWN_COLUMNS)).where(Job.status == st)
+        if after and rank == start:
+            query = query.where(pagination.after(Job, after[1], after[2], newest_first=False))
+        active += session.scalars(query.order_by(*pagination.in_order(Job, newest_first=False))
+                                  .limit(limit + 1 - len(active)))
     more, active = len(active) > limit, active[:limit]
-    total = len(active) if not (after or more) else session.scalar(select(func.count()).where(in_table))
+    if not (after or more):
+        total = len(active)
+    elif open_counts is not None:
+        total = sum(open_counts.get(st, 0) for st in shown)
+    else:
+        total = session.scalar(select(func.count()).where(Job.status.in_(shown)))
     return active, total, _cursor(TABLE_STATUSES.index(active[-1].status), active[-1]) if more else None
 
 
@@ -197,7 +206,10 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
         select(Job.status, Job.tier, func.count()).where(Job.status.in_(OPEN)).group_by(Job.status, Job.tier))]
     limit = min(limit or JOBS_SHOWN, JOBS_SHOWN)
     shown = [st for st in TABLE_STATUSES if st in (status_ or IN_ENGINE)]
-    active, total, jobs_next = jobs_page(session, shown, _after_cursor(after) if after else None, limit)
+    by_status: dict[str, int] = {}
+    for q in queues:
+        by_status[q["status"]] = by_status.get(q["status"], 0) + q["count"]
+    active, total, jobs_next = jobs_page(session, shown, _after_cursor(after) if after else None, limit, by_status)
     relegated_at = _relegated_at(session, [j.id for j in active if j.status == JobStatus.RELEGATED])
     jobs = []
     for j in active:

@@ -315,3 +315,34 @@ def test_the_jobs_table_filters_by_status_and_pages_by_cursor(client, keys, sett
     for bad in ({"status": "succeeded"}, {"after": "not-a-cursor"}, {"limit": 501}, *({"after": c} for c in forged)):
         r = client.get("/admin/api/overview", params=bad, headers=H(keys.admin))
         assert r.status_code == 422, (bad, r.text)
+
+
+def test_the_jobs_table_reads_a_page_a_status_on_the_status_index(client, keys, settings):
+    """A poll of the overview read its table as one query sorted by a CASE rank of the status, which sorts every job
+    shown to return a page; now one query a status, each on ``ix_jobs_status_created`` in its own order (no sort
+    of the status's jobs), and the page's total comes from the grouped queue counts (no count of its own)."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    running = [_job(client, keys, settings, status="running") for _ in range(3)]
+    relegated = [_job(client, keys, settings, status="relegated") for _ in range(2)]
+    seen: list[tuple[str, object]] = []
+
+    def on_execute(_conn, _cursor, statement, parameters, *_args) -> None:
+        seen.append((statement, parameters))
+
+    event.listen(Engine, "before_cursor_execute", on_execute)
+    try:
+        body = client.get("/admin/api/overview", params={"limit": 3}, headers=H(keys.admin)).json()
+    finally:
+        event.remove(Engine, "before_cursor_execute", on_execute)
+    assert [j["id"] for j in body["jobs"]] == [*relegated, running[0]] and body["jobs_total"] == 5
+    on_jobs = [(q, p) for q, p in seen if "FROM jobs" in q and "job_events" not in q and "slo_met" not in q]
+    counts = [q for q, _ in on_jobs if "count(" in q.lower()]
+    pages = [(q, p) for q, p in on_jobs if "count(" not in q.lower()]
+    assert len(counts) == 1 and "GROUP BY jobs.status, jobs.tier" in counts[0], counts  # the queues' counts only
+    assert len(pages) == 2 and not any("CASE" in q for q, _ in pages), pages  # relegated, then running
+    with session_scope(settings.sqlalchemy_url) as s:
+        for q, p in pages:
+            plan = " ".join(str(r) for r in s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + q, p).all())
+            assert "ix_jobs_status_created" in plan and "TEMP B-TREE FOR ORDER BY" not in plan, plan
