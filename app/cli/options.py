@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from typing import Annotated, Any
 
@@ -13,6 +14,14 @@ AsJson = Annotated[bool, typer.Option("--json", help="print the API's JSON inste
 Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. free or paid (at most your key's; "
                                                          "default: the key's tier)")]
 JobId = Annotated[str, typer.Argument(help="job id (job_...)")]
+
+
+def finite(value: float | None) -> float | None:
+    """A float option's callback: click's FloatRange lets "nan" through its bounds and takes "inf", which the JSON
+    sent to the API cannot hold and no duration or rate means; a usage error instead of a traceback later."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value}: give a finite number")
+    return value
 
 
 # vLLM's engine options follow a command's own, as `vllm serve` takes them (worker, up, profile)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from app.cli.options import VLLM_OPTIONS, vllm_flags
+from app.cli.options import VLLM_OPTIONS, finite, vllm_flags
 from app.cli.output import print_table
 
 if TYPE_CHECKING:
@@ -48,6 +48,24 @@ def _qps_list(qps: float | None, sweep: str | None) -> list[float] | None:
     return None if qps is None else [qps]
 
 
+def _check_trace(trace: str) -> None:
+    """A usage error where ``trace`` (a CSV path) cannot be simulated: missing, without the Azure columns
+    (TIMESTAMP, ContextTokens, GeneratedTokens) or without rows."""
+    from gpu_runtime.sim.workload import load_trace
+
+    if not Path(trace).is_file():
+        raise typer.BadParameter(f"--trace {trace!r}: give conv, code or the path of a CSV trace")
+    try:
+        rows = load_trace("custom", trace)
+    except KeyError as exc:
+        raise typer.BadParameter(f"--trace {trace!r}: no column {exc}; a trace's CSV has TIMESTAMP, ContextTokens "
+                                 "and GeneratedTokens") from None
+    except ValueError as exc:  # a timestamp or count that does not parse, a file that is not text
+        raise typer.BadParameter(f"--trace {trace!r}: {exc}") from None
+    if not rows:
+        raise typer.BadParameter(f"--trace {trace!r}: no rows to sample requests from")
+
+
 def simulate(
     profile: Annotated[str, typer.Option(help="profile JSON path or shipped name (cpu-smollm2-135m, "
                                                "synthetic-a100-llama3-8b)")] = "cpu-smollm2-135m",
@@ -58,10 +76,12 @@ def simulate(
                                                    "simulation")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated scheduler names")] = "qoserve,sarathi-fcfs,sarathi-edf",
     requests: Annotated[int, typer.Option(help="requests sampled from the trace per run", min=1)] = 300,
-    free_share: Annotated[float, typer.Option(help="share of free-tier jobs", min=0.0, max=1.0)] = 0.0,
+    free_share: Annotated[float, typer.Option(help="share of free-tier jobs", min=0.0, max=1.0,
+                                                   callback=finite)] = 0.0,
     arrivals: Annotated[str, typer.Option(help="poisson | trace (the trace's timestamps rescaled to each QPS) | "
                                                "bursty (alternates QPS/2.5 and QPS every --period s)")] = "poisson",
-    period: Annotated[float, typer.Option(help="bursty: seconds per rate (x SLO scale)")] = 900.0,
+    period: Annotated[float, typer.Option(help="bursty: seconds per rate (x SLO scale)",
+                                                callback=finite)] = 900.0,
     max_tokens: Annotated[int, typer.Option(help="max_tokens every request asks for (it stops at the trace's "
                                                  "output length)", min=1)] = 4096,
     kv_blocks: Annotated[int, typer.Option(help="KV blocks of the simulated replica", min=1)] = 30000,
@@ -95,16 +115,24 @@ def simulate(
         raise typer.BadParameter("--policies: name at least one scheduler")
     if unknown := [n for n in names if n not in known()]:
         raise typer.BadParameter(f"--policies: no scheduler {', '.join(unknown)}; choose from {', '.join(known())}")
-    if trace not in TRACES and not Path(trace).is_file():
-        raise typer.BadParameter(f"--trace {trace!r}: give conv, code or the path of a CSV trace")
+    if trace not in TRACES:
+        _check_trace(trace)
+    if period <= 0:
+        raise typer.BadParameter(f"--period {period:g}: give the seconds each rate lasts, > 0")
+    if out is not None and out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"--out {out}: a file; give a directory (results.json and violations.png go in it)")
     rates = _qps_list(qps, sweep)
     path = resolve_profile(profile)
     if not path.exists():
         raise typer.BadParameter(f"--profile {profile!r}: no such file or shipped profile")
-    cm = scheduling_cost_model(path)
-    scale = slo_scale(cm)
-    report = fit_report(path)
-    measured = "SYNTHETIC" if Profile.load(path).synthetic else "measured"
+    try:  # a file that is not a profile (not JSON, no samples) is the operator's to fix
+        cm = scheduling_cost_model(path)
+        scale = slo_scale(cm)
+        report = fit_report(path)
+        measured = "SYNTHETIC" if Profile.load(path).synthetic else "measured"
+    except (ValueError, KeyError, TypeError) as exc:
+        raise typer.BadParameter(f"--profile {profile!r} is not a latency profile (`coserve profile` writes one): "
+                                 f"{type(exc).__name__}: {exc}") from None
     console = Console()
     console.print(f"profile {profile} ({measured}): cost model {SCHEDULING_MODEL}, {report.summary()}")
     console.print(f"batch-1 decode step {scale * 12.5:.1f} ms -> every SLO x {scale:.2f} "
@@ -230,8 +258,8 @@ def profile(
     out: Annotated[Path, typer.Option(help="where to write the JSON profile")] = Path("profile.json"),
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks of the profiled executor (default: what the "
-                                                       "grid needs)")] = None,
-    repeats: Annotated[int, typer.Option(help="timed passes per batch shape")] = 2,
+                                                       "grid needs)", min=1)] = None,
+    repeats: Annotated[int, typer.Option(help="timed passes per batch shape", min=1)] = 2,
     grid: Annotated[str, typer.Option(help="full | small (few shapes, for slow CPUs); vllm also: smoke (3 shapes, "
                                            "a check that profiling works)")] = "full",
     backend: Annotated[str, typer.Option(help="the engine to profile: vllm (what the worker serves on where "
@@ -245,6 +273,8 @@ def profile(
 
     The scheduler plans with a cost model fitted on it: point COSERVE_COST_PROFILE at the file. Options after these
     go to the profiled vLLM engine, as `coserve worker` takes them (e.g. --max-num-seqs 64 --block-size 32)."""
+    if out.is_dir() or not out.parent.is_dir():  # found before the grid is timed (minutes), not at the end
+        raise typer.BadParameter(f"{out}: give a file name in a folder that exists", param_hint="--out")
     if from_steps:
         if ctx.args:
             raise typer.BadParameter(f"{' '.join(ctx.args)!r}: --from-steps fits on logged steps; it builds no engine "
@@ -259,7 +289,12 @@ def profile(
     from gpu_runtime.factory import resolve_device
 
     console = Console()
-    dev = resolve_device(device)
+    try:
+        dev = resolve_device(device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
+    if backend not in ("auto", "vllm", "torch"):
+        raise typer.BadParameter(f"{backend!r}: choose auto, vllm or torch", param_hint="--backend")
     if backend == "auto":
         from gpu_runtime.vllm.build import vllm_available
 
@@ -273,6 +308,8 @@ def profile(
         return
     from gpu_runtime.executor.torch import TorchExecutor
 
+    if grid not in ("full", "small"):  # smoke is the vLLM profiler's alone
+        raise typer.BadParameter(f"{grid!r}: the torch engine's grids are full and small", param_hint="--grid")
     shapes = ProfileGrid(repeats=repeats) if grid == "full" else ProfileGrid(
         chunks=(0, 32, 128, 384), starts=(0, 256), decodes=(0, 1, 8, 24), contexts=(128,), repeats=repeats)
     kv_blocks = kv_blocks or int(1.1 * shapes.kv_blocks_needed(16)) + 8

@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.bounds import MAX_RATE
-from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, vllm_flags
+from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite, vllm_flags
 from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
 
 log = logging.getLogger(__name__)
@@ -364,7 +364,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         )] = None,
         start_timeout: Annotated[float, typer.Option(
             help="seconds to wait for the API and the worker to be ready (the model's first load included)",
-            min=1)] = 1800.0,
+            min=1, callback=finite)] = 1800.0,
     ) -> None:
         """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker. Options after
         these go to the worker's vLLM engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
@@ -495,12 +495,12 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     def submit(
         prompt: Annotated[str, typer.Argument(help="the user message (or raw prompt with --raw)")],
         tbt_ms: Annotated[float | None, typer.Option(help="interactive: time-between-tokens target (default: the "
-                                                          "API's COSERVE_DEFAULT_TBT_MS)")] = None,
+                                                          "API's COSERVE_DEFAULT_TBT_MS)", callback=finite)] = None,
         ttft_ms: Annotated[float | None, typer.Option(help="interactive: time-to-first-token target (default: the "
-                                                           "API's COSERVE_DEFAULT_TTFT_MS)")] = None,
+                                                           "API's COSERVE_DEFAULT_TTFT_MS)", callback=finite)] = None,
         batch: Annotated[bool, typer.Option("--batch", help="a batch job with a deadline")] = False,
-        deadline_s: Annotated[float | None, typer.Option(help="batch: seconds from now (default: the API's "
-                                                              "COSERVE_DEFAULT_BATCH_WINDOW_S)")] = None,
+        deadline_s: Annotated[float | None, typer.Option(
+            help="batch: seconds from now (default: the API's COSERVE_DEFAULT_BATCH_WINDOW_S)", callback=finite)] = None,
         max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate (default: the API's)")] = None,
         tier: Tier = None,
         raw: Annotated[bool, typer.Option("--raw", help="send as a raw prompt (no chat template)")] = False,

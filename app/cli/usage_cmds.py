@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from app.cli.options import Key, Url
+from app.cli.options import Key, Url, finite
 from app.cli.output import kept, list_table, other, print_json, print_table, when
 
 console = Console()
@@ -23,7 +23,7 @@ PAGE = {"1m": 1440, "1h": 168, "1d": 31}  # the most buckets a page holds: fewer
 
 def register(cli: typer.Typer) -> None:
     @cli.command()
-    def usage(days: Annotated[float, typer.Option(min=0, help="how far back from now")] = 1.0,
+    def usage(days: Annotated[float, typer.Option(min=0, callback=finite, help="how far back from now")] = 1.0,
               bucket: Annotated[str, typer.Option(help="1m, 1h or 1d")] = "1h",
               by: Annotated[list[str] | None, typer.Option(help=f"group by (repeat): {', '.join(GROUPS)}")] = None,
               admin: Annotated[bool, typer.Option("--admin", help="every tenant's, with the admin key `coserve up` "

@@ -1,0 +1,52 @@
+"""Values an operator can type that no command can use (nan, inf, a file that is not a trace or a profile, an
+unknown device) are usage errors (exit 2) naming the option, found before any work or request, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli
+
+NOWHERE = ["--url", "http://127.0.0.1:9", "--key", "cs-test"]  # never reached: the value is refused first
+
+
+def _refused(args: list[str], *words: str) -> str:
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "cannot reach" not in res.output, res.output
+    flat = " ".join(res.output.replace("│", " ").split())  # rich's error panel wraps the message
+    for w in words:
+        assert w in flat, res.output
+    return flat
+
+
+@pytest.mark.parametrize("args", [["submit", "hi", "--tbt-ms", "nan"], ["submit", "hi", "--ttft-ms", "inf"],
+                                  ["submit", "hi", "--batch", "--deadline-s", "inf"], ["usage", "--days", "inf"]],
+                         ids=["tbt-nan", "ttft-inf", "deadline-inf", "days-inf"])
+def test_a_number_that_is_not_finite_is_refused_before_the_request(args):
+    _refused([*args, *NOWHERE], "give a finite number")
+
+
+def test_simulate_refuses_a_trace_or_profile_it_cannot_read_and_a_bad_period_or_out(tmp_path):
+    empty, columns = tmp_path / "empty.csv", tmp_path / "columns.csv"
+    empty.write_text("")
+    columns.write_text("a,b\n1,2\n")
+    _refused(["simulate", "--trace", str(empty), "--qps", "1"], "no rows")
+    _refused(["simulate", "--trace", str(columns), "--qps", "1"], "no column 'TIMESTAMP'")
+    not_json = tmp_path / "p.json"
+    not_json.write_text("not json")
+    _refused(["simulate", "--profile", str(not_json), "--qps", "1"], "is not a latency profile")
+    _refused(["simulate", "--period", "nan", "--qps", "1"], "finite")
+    _refused(["simulate", "--period", "-5", "--arrivals", "bursty", "--qps", "1"], "--period -5")
+    _refused(["simulate", "--out", str(not_json), "--qps", "1"], "give a directory")
+
+
+def test_profile_refuses_a_bad_device_backend_grid_or_out_before_loading_a_model(tmp_path):
+    _refused(["profile", "--device", "tpu", "--out", str(tmp_path / "p.json")], "--device", "unknown device 'tpu'")
+    _refused(["profile", "--backend", "onnx", "--device", "cpu", "--out", str(tmp_path / "p.json")],
+             "--backend", "choose auto, vllm or torch")
+    _refused(["profile", "--backend", "torch", "--grid", "huge", "--device", "cpu", "--out", str(tmp_path / "p.json")],
+             "--grid", "full and small")
+    _refused(["profile", "--repeats", "0"], "--repeats")
+    _refused(["profile", "--out", str(tmp_path / "no" / "p.json")], "--out", "a folder that exists")
