@@ -500,7 +500,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                                                            "API's COSERVE_DEFAULT_TTFT_MS)", callback=finite)] = None,
         batch: Annotated[bool, typer.Option("--batch", help="a batch job with a deadline")] = False,
         deadline_s: Annotated[float | None, typer.Option(
-            help="batch: seconds from now (default: the API's COSERVE_DEFAULT_BATCH_WINDOW_S)", callback=finite)] = None,
+            help="batch: seconds from now (default: the API's COSERVE_DEFAULT_BATCH_WINDOW_S)",
+            callback=finite)] = None,
         max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate (default: the API's)")] = None,
         tier: Tier = None,
         raw: Annotated[bool, typer.Option("--raw", help="send as a raw prompt (no chat template)")] = False,
