@@ -21,7 +21,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from app.cli.options import AsJson, Key, Tier, Url
-from app.cli.output import date, error_message, kept, list_table, other, print_json, print_table, when
+from app.cli.output import (
+    date,
+    error_message,
+    errors,
+    kept,
+    list_table,
+    other,
+    print_json,
+    print_table,
+    stopped_waiting,
+    when,
+)
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -57,12 +68,12 @@ class Api:
                 break
             except httpx.HTTPError as exc:
                 if time.monotonic() + pause > give_up:
-                    console.print(self._failure(method, path, exc, kw.get("timeout", TIMEOUT_S)))
+                    errors.print(self._failure(method, path, exc, kw.get("timeout", TIMEOUT_S)))
                     raise typer.Exit(2) from exc
                 time.sleep(pause)
                 pause = min(pause * 2, 15.0)
         if r.status_code >= 400:
-            console.print(f"[red]{r.status_code}[/red] {error_message(r)}")
+            errors.print(f"[red]{r.status_code}[/red] {error_message(r)}")
             raise typer.Exit(1)
         return r
 
@@ -71,7 +82,7 @@ class Api:
         if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
             return (f"[red]{method} {path} got no answer from {self.url} within {timeout_s:g}s[/red]: the server "
                     "may still be doing it; look before you ask again")
-        return f"[red]cannot reach {self.url}: {exc}[/red] (is `coserve up` running?)"
+        return f"[red]cannot reach {escape(self.url)}: {escape(str(exc))}[/red] (is `coserve up` running?)"
 
 
 def _batch_table(batches: list[dict[str, Any]]) -> Table:
@@ -85,7 +96,21 @@ def _batch_table(batches: list[dict[str, Any]]) -> Table:
     return t
 
 
-def _follow(api: Api, batch_id: str) -> dict[str, Any]:
+def _follow(api: Api, batch_id: str, warn: bool = False) -> dict[str, Any]:
+    """Polls the batch with a progress bar until it ends; Ctrl-C stops the polling, not the batch. ``warn``: say
+    first where no worker serves the model (a batch just created would wait)."""
+    from app.cli.service_cmds import warn_without_workers
+
+    try:
+        if warn:
+            warn_without_workers(api.url)
+        return _poll(api, batch_id)
+    except KeyboardInterrupt:
+        raise stopped_waiting(f"batch {batch_id}", f"coserve batch status {batch_id} --follow",
+                              f"coserve batch cancel {batch_id}") from None
+
+
+def _poll(api: Api, batch_id: str) -> dict[str, Any]:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar:
         task = bar.add_task(batch_id, total=None)
@@ -143,10 +168,7 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
                                                "completion_window": window, "tier": tier}).json()
     console.print(f"batch [bold]{b['id']}[/bold] created from {path} ({f['bytes']} bytes), window {window}")
     if wait:
-        from app.cli.service_cmds import warn_without_workers
-
-        warn_without_workers(api.url)
-        b = _follow(api, b["id"])
+        b = _follow(api, b["id"], warn=True)
         print_table(console, _batch_table([b]))
         _end(b)
 

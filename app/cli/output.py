@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
+import typer
 from rich import box
 from rich.console import Console, JustifyMethod, RenderableType
 from rich.markup import escape
@@ -25,6 +26,19 @@ from rich.measure import Measurement
 from rich.table import Column, Table
 
 DATE_WIDTH = len("2025-01-31")  # a date column may wrap to its time below, never narrower
+INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT), as a shell reports it
+
+# what went wrong goes to stderr, on one line however narrow (a script reads stdout, a person reads both); its
+# fresh file lookup follows a redirected sys.stderr (pytest's, CliRunner's)
+errors = Console(stderr=True, soft_wrap=True)
+
+
+def stopped_waiting(what: str, show: str, stop: str) -> typer.Exit:
+    """Ctrl-C while a command waits on the server: only the wait stops. Says so, and how to look again or stop the
+    work, on stderr; the caller raises the returned exit (status ``INTERRUPTED``)."""
+    errors.print(f"\nstopped waiting; {escape(what)} goes on on the server: `{escape(show)}` shows it, "
+                 f"`{escape(stop)}` stops it")
+    return typer.Exit(INTERRUPTED)
 
 
 def list_table(*columns: Column) -> Table:

@@ -213,3 +213,62 @@ def test_summarize_cli_says_a_run_cancelled_before_its_deadline_was_cancelled(li
     assert result.exit_code == 1, result.output
     assert "vs deadline 1800s (30m): cancelled (cancelled by request)" in said, result.output
     assert "before the deadline" not in said and "the run was cancelled" in said, result.output
+
+
+def _interrupted(args: list[str], tmp_path) -> tuple[int, str]:
+    """Runs ``coserve ARGS`` (``python -m app.cli``, a process of its own as in a terminal) until it says it waits (the
+    no-worker warning, printed once the wait began), then presses Ctrl-C (SIGINT); its exit status and all it said."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("COSERVE_")}
+    env.update(COSERVE_DATA_DIR=str(tmp_path), PYTHONPATH=str(ROOT), COLUMNS="250")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    said = []
+    try:
+        for line in proc.stdout:
+            said.append(line)
+            if line.startswith("warning:"):
+                proc.send_signal(signal.SIGINT)
+                break
+        said.append(proc.stdout.read())
+        return proc.wait(30), "".join(said)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+
+
+def test_ctrl_c_while_waiting_stops_the_wait_and_says_how_to_find_the_work_again(live_server, keys, tmp_path):
+    """No worker here: the job and the batch wait in the queue until Ctrl-C. The command stops with 130 and a line
+    naming the work and the commands that show and cancel it; the work itself goes on."""
+    auth = ["--url", live_server, "--key", keys.paid]
+    h = Keys.header(keys.paid)
+    code, said = _interrupted(["submit", "Hello", "--max-tokens", "4", "--wait", *auth], tmp_path)
+    job_id = said.split("submitted ")[1].split()[0]
+    assert code == 130 and "Traceback" not in said and "Aborted" not in said, said
+    assert f"job {job_id} goes on on the server: `coserve status {job_id}` shows it, `coserve cancel {job_id}`" \
+        in said, said
+    assert httpx.get(f"{live_server}/v1/jobs/{job_id}", headers=h).json()["status"] in ("queued", "dispatched")
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}}) + "\n")
+    code, said = _interrupted(["batch", "create", str(src), "--wait", *auth], tmp_path)
+    batch_id = said.split("batch ")[1].split()[0]
+    assert code == 130 and "Traceback" not in said and "Aborted" not in said, said
+    assert f"`coserve batch status {batch_id} --follow` shows it, `coserve batch cancel {batch_id}` stops it" in said
+    assert httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=h).json()["status"] not in ("cancelled",
+                                                                                                   "cancelling")
+
+
+def test_an_api_error_goes_to_stderr_and_leaves_stdout_to_the_json(live_server, keys):
+    auth = ["--url", live_server, "--key", keys.paid]
+    for args in (["status", "job_nope", "--json"], ["cancel", "job_nope", "--json"], ["batch", "status", "batch_nope"]):
+        r = CliRunner().invoke(cli, [*args, *auth])
+        assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("404 "), (args, r.stdout, r.stderr)
+    r = CliRunner().invoke(cli, ["jobs", "--kind", "bogus", "--json", *auth])
+    assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("422 kind: "), (r.stdout, r.stderr)

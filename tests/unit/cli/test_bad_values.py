@@ -50,3 +50,15 @@ def test_profile_refuses_a_bad_device_backend_grid_or_out_before_loading_a_model
              "--grid", "full and small")
     _refused(["profile", "--repeats", "0"], "--repeats")
     _refused(["profile", "--out", str(tmp_path / "no" / "p.json")], "--out", "a folder that exists")
+
+
+@pytest.mark.parametrize("args", [["jobs", "--json"], ["batch", "list", "--json"], ["usage", "--json"]],
+                         ids=["jobs", "batch-list", "usage"])
+def test_a_failure_is_one_line_on_stderr_and_leaves_stdout_to_the_json(args):
+    """`coserve jobs --json | jq` gets no message to parse; the message is one line however long (80 columns here)."""
+    res = CliRunner().invoke(cli, [*args, *NOWHERE], env={"COLUMNS": "80"})
+    assert res.exit_code == 2 and res.stdout == "", (res.stdout, res.stderr)
+    assert res.stderr.startswith("cannot reach http://127.0.0.1:9: ") and res.stderr.endswith("running?)\n"), \
+        res.stderr
+    assert res.stderr.count("\n") == 1 and len(res.stderr) > 80, res.stderr
+
