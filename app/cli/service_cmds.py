@@ -371,8 +371,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             help=f"'smollm2-135m' or a checkpoint directory ({_from_settings('model')})")] = None,
         device: Annotated[str | None, typer.Option(help=f"auto | cpu | cuda ({_from_settings('device')})")] = None,
         api_workers: Annotated[int | None, typer.Option(
-            help="uvicorn worker processes (default: 2 with 2+ CPUs; one process tops out near 700 submissions/s)"
-        )] = None,
+            help="uvicorn worker processes (default: 2 with 2+ CPUs; one process tops out near 700 submissions/s)",
+            min=1)] = None,
         start_timeout: Annotated[float, typer.Option(
             help="seconds to wait for the API and the worker to be ready (the model's first load included)",
             min=1, callback=finite)] = 1800.0,
@@ -597,6 +597,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         from app.db.models import Tenant
         from app.db.session import session_scope
 
+        if not tenant.strip():  # a tenant nobody can name again in `keys list --tenant` or `keys limits`
+            raise typer.BadParameter("give the tenant a name", param_hint="--tenant")
         settings = _settings()
         asked_default = default_tier
         default_tier = default_tier or settings.default_tier

@@ -36,7 +36,11 @@ def register(cli: typer.Typer) -> None:
         if bucket not in PAGE:  # checked here: the API's 400 would also name the page size this command derives
             raise typer.BadParameter(f"{bucket!r}: choose {', '.join(PAGE)}", param_hint="--bucket")
         url, key = _client_config(url, admin_key() if admin and key is None else key)
-        params: dict[str, Any] = {"start_time": int(time.time() - days * 86400), "bucket_width": bucket,
+        start = int(time.time() - days * 86400)
+        if start < 0:  # the API's 400 would name its start_time, which the operator did not give
+            raise typer.BadParameter(f"{days:g} days back is before 1970; give at most {int(time.time() // 86400)}",
+                                     param_hint="--days")
+        params: dict[str, Any] = {"start_time": start, "bucket_width": bucket,
                                   "group_by": by or [], "limit": PAGE.get(bucket)}
         buckets: list[dict[str, Any]] = []
         while True:

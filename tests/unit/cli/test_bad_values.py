@@ -62,3 +62,18 @@ def test_a_failure_is_one_line_on_stderr_and_leaves_stdout_to_the_json(args):
         res.stderr
     assert res.stderr.count("\n") == 1 and len(res.stderr) > 80, res.stderr
 
+
+def test_keys_create_refuses_a_tenant_without_a_name_and_up_a_count_of_api_processes_under_one(tmp_path):
+    """A blank tenant was created, and a key for it printed; `up --api-workers 0` started an API that never came."""
+    env = {"COSERVE_DATA_DIR": str(tmp_path)}
+    for blank in ("", "  "):
+        res = CliRunner().invoke(cli, ["keys", "create", "--tenant", blank], env=env)
+        assert res.exit_code == 2 and "give the tenant a name" in res.output and "cs-" not in res.output, res.output
+    assert not (tmp_path / "coserve.db").exists()  # refused before the database is made
+    _refused(["up", "--api-workers", "0", "--data-dir", str(tmp_path)], "--api-workers")
+    assert not (tmp_path / "credentials.json").exists()
+
+
+def test_usage_refuses_days_that_reach_before_1970_naming_its_own_option():
+    flat = _refused(["usage", "--days", "100000", *NOWHERE], "--days", "100000 days back is before 1970")
+    assert "start_time" not in flat
