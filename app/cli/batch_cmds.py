@@ -162,6 +162,17 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
     """Upload PATH and start a batch whose requests must finish within --window.
 
     With --wait it exits non-zero unless every request succeeded (the exit status is below)."""
+    from typing import get_args
+
+    from app.openai_schemas import EndpointKind, parse_window
+
+    # checked before the upload: a batch the API then refuses would leave the uploaded file behind
+    if endpoint not in get_args(EndpointKind):
+        raise typer.BadParameter(f"{endpoint!r}: choose {', '.join(get_args(EndpointKind))}", param_hint="--endpoint")
+    try:
+        parse_window(window)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--window") from None
     api = Api(url, key)
     f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "batch"}).json()
     b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,

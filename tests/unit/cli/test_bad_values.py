@@ -77,3 +77,12 @@ def test_keys_create_refuses_a_tenant_without_a_name_and_up_a_count_of_api_proce
 def test_usage_refuses_days_that_reach_before_1970_naming_its_own_option():
     flat = _refused(["usage", "--days", "100000", *NOWHERE], "--days", "100000 days back is before 1970")
     assert "start_time" not in flat
+
+
+def test_batch_create_refuses_a_bad_window_or_endpoint_before_uploading_the_file(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("{}\n")
+    _refused(["batch", "create", str(src), "--window", "3x", *NOWHERE], "--window", "invalid window '3x'")
+    _refused(["batch", "create", str(src), "--window", "999d", *NOWHERE], "--window", "longer than")
+    _refused(["batch", "create", str(src), "--endpoint", "/v1/embeddings", *NOWHERE], "--endpoint",
+             "choose /v1/chat/completions")
