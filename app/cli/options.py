@@ -8,7 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-Url = Annotated[str | None, typer.Option("--url", help="API base URL (default: COSERVE_URL, else `coserve up`'s)")]
+Url = Annotated[str | None, typer.Option("--url", help="API base URL, with or without /v1 (default: COSERVE_URL, else "
+                                                              "`coserve up`'s)")]
 Key = Annotated[str | None, typer.Option("--key", help="API key (default: COSERVE_API_KEY, else `coserve up`'s)")]
 AsJson = Annotated[bool, typer.Option("--json", help="print the API's JSON instead of a table")]
 Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. free or paid (at most your key's; "

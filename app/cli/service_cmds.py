@@ -108,7 +108,8 @@ def _client_config(url: str | None, key: str | None) -> tuple[str, str]:
     key = key or creds.get("api_key")
     if not key:
         raise typer.BadParameter(f"no API key: pass --key, set COSERVE_API_KEY, or {_where_up_saves_keys()}")
-    return url.rstrip("/"), key
+    # an OpenAI client's base URL ends in /v1; the commands' paths begin with it (/v1/jobs): one, not /v1/v1/jobs
+    return url.rstrip("/").removesuffix("/v1"), key
 
 
 def admin_key() -> str:

@@ -86,3 +86,11 @@ def test_batch_create_refuses_a_bad_window_or_endpoint_before_uploading_the_file
     _refused(["batch", "create", str(src), "--window", "999d", *NOWHERE], "--window", "longer than")
     _refused(["batch", "create", str(src), "--endpoint", "/v1/embeddings", *NOWHERE], "--endpoint",
              "choose /v1/chat/completions")
+
+
+def test_an_openai_style_base_url_ending_in_v1_reaches_the_same_api():
+    """COSERVE_URL copied from an OpenAI client's base_url (http://host:8000/v1) got 404 Not Found on /v1/v1/jobs."""
+    from app.cli.service_cmds import _client_config
+
+    for url in ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/"):
+        assert _client_config(url, "cs-test") == ("http://127.0.0.1:8000", "cs-test")
