@@ -24,12 +24,12 @@ from app.cli.options import AsJson, Key, Tier, Url
 from app.cli.output import (
     date,
     error_message,
-    errors,
     kept,
     list_table,
     other,
     print_json,
     print_table,
+    stderr,
     stopped_waiting,
     when,
 )
@@ -68,12 +68,12 @@ class Api:
                 break
             except httpx.HTTPError as exc:
                 if time.monotonic() + pause > give_up:
-                    errors.print(self._failure(method, path, exc, kw.get("timeout", TIMEOUT_S)))
+                    stderr.print(self._failure(method, path, exc, kw.get("timeout", TIMEOUT_S)))
                     raise typer.Exit(2) from exc
                 time.sleep(pause)
                 pause = min(pause * 2, 15.0)
         if r.status_code >= 400:
-            errors.print(f"[red]{r.status_code}[/red] {error_message(r)}")
+            stderr.print(f"[red]{r.status_code}[/red] {error_message(r)}")
             raise typer.Exit(1)
         return r
 
@@ -269,7 +269,8 @@ def results(batch_id: BatchId,
         text = api.call("GET", f"/v1/files/{b['error_file_id']}/content").text
         if errors:
             _save(errors, text)
-        console.print(f"[yellow]{len(text.splitlines())} failed requests[/yellow]"
+        # stderr: `batch results ID > out.jsonl` keeps its file JSONL
+        stderr.print(f"[yellow]{len(text.splitlines())} failed requests[/yellow]"
                       + (f" -> {errors}" if errors else " (use --errors FILE to save them)"))
 
 

@@ -30,13 +30,13 @@ INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT),
 
 # what went wrong goes to stderr, on one line however narrow (a script reads stdout, a person reads both); its
 # fresh file lookup follows a redirected sys.stderr (pytest's, CliRunner's)
-errors = Console(stderr=True, soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
 
 
 def stopped_waiting(what: str, show: str, stop: str) -> typer.Exit:
     """Ctrl-C while a command waits on the server: only the wait stops. Says so, and how to look again or stop the
     work, on stderr; the caller raises the returned exit (status ``INTERRUPTED``)."""
-    errors.print(f"\nstopped waiting; {escape(what)} goes on on the server: `{escape(show)}` shows it, "
+    stderr.print(f"\nstopped waiting; {escape(what)} goes on on the server: `{escape(show)}` shows it, "
                  f"`{escape(stop)}` stops it")
     return typer.Exit(INTERRUPTED)
 

@@ -26,12 +26,12 @@ from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite,
 from app.cli.output import (
     date,
     error_message,
-    errors,
     kept,
     list_table,
     other,
     print_json,
     print_table,
+    stderr,
     stopped_waiting,
     when,
 )
@@ -73,7 +73,7 @@ def _database(settings: Any, new_ok: bool = False) -> str:
         where = (f"no database at {path.resolve()}: run this where `coserve up` ran (its ./data), or set "
                  "COSERVE_DATA_DIR or COSERVE_DATABASE_URL")
         if not new_ok:
-            errors.print(f"[red]{escape(where)}[/red]")
+            stderr.print(f"[red]{escape(where)}[/red]")
             raise typer.Exit(1)
         console.print(escape(f"(a new database at {path.resolve()}; a server started elsewhere does not see it)"))
     upgrade(settings.sqlalchemy_url)
@@ -134,10 +134,10 @@ def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str,
     try:
         r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        errors.print(f"[red]cannot reach {escape(url)}: {escape(str(exc))}[/red] (is `coserve up` running?)")
+        stderr.print(f"[red]cannot reach {escape(url)}: {escape(str(exc))}[/red] (is `coserve up` running?)")
         raise typer.Exit(2) from exc
     if r.status_code >= 400:
-        errors.print(f"[red]{r.status_code}[/red] {error_message(r)}")
+        stderr.print(f"[red]{r.status_code}[/red] {error_message(r)}")
         raise typer.Exit(1)
     return r.json()
 
@@ -150,7 +150,7 @@ def warn_without_workers(url: str) -> None:
     except (httpx.HTTPError, ValueError, AttributeError):
         return  # an older server, or one that cannot say: the request itself will tell
     if workers.startswith("error"):
-        errors.print(f"[yellow]warning: {escape(workers.removeprefix('error: '))}: the jobs wait in the queue until "
+        stderr.print(f"[yellow]warning: {escape(workers.removeprefix('error: '))}: the jobs wait in the queue until "
                       "a worker serves the model (`coserve worker`, or `coserve up`)[/yellow]")
 
 
@@ -642,7 +642,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         with session_scope(_database(_settings()), immediate=True) as s:
             row = s.scalar(select(Tenant).where(Tenant.name == tenant))
             if row is None:
-                errors.print(f"[red]no tenant {escape(repr(tenant))}[/red]")
+                stderr.print(f"[red]no tenant {escape(repr(tenant))}[/red]")
                 raise typer.Exit(1)
             if requests_per_minute is not None:
                 row.requests_per_minute = requests_per_minute or None
@@ -673,7 +673,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             rows = [{**KeyPublic.model_validate(k).model_dump(mode="json"), "tenant": t.name,
                      "effective_tier": k.tier or t.default_tier} for k, t in s.execute(query)]
         if tenant is not None and not rows:
-            errors.print(f"[red]no keys for tenant {escape(repr(tenant))}[/red]")
+            stderr.print(f"[red]no keys for tenant {escape(repr(tenant))}[/red]")
             raise typer.Exit(1)
         if as_json:
             print_json(rows)
@@ -692,7 +692,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         with session_scope(_database(settings := _settings()), immediate=True) as s:
             row = s.get(ApiKey, key_id)
             if row is None:
-                errors.print(f"[red]no API key {escape(repr(key_id))}[/red]")
+                stderr.print(f"[red]no API key {escape(repr(key_id))}[/red]")
                 raise typer.Exit(1)
             already, row.revoked = row.revoked, True
         # the API processes check Redis's revocation token on every request: change it (also for a key

@@ -111,6 +111,9 @@ def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_serv
     assert r.exit_code == 1 and "2 of 2 requests failed" in _flat(r.output), r.output
     b = httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=h).json()
     assert b["status"] == "completed" and b["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    r = CliRunner().invoke(cli, ["batch", "results", batch_id, *auth])  # `> out.jsonl`: stdout holds JSONL only
+    assert r.exit_code == 0 and "2 failed requests" in r.stderr, (r.stdout, r.stderr)
+    assert all(json.loads(line) for line in r.stdout.splitlines()), r.stdout
     r = CliRunner().invoke(cli, ["batch", "status", batch_id, "--follow", *auth])  # following it ends the same way
     assert r.exit_code == 1, r.output
     r = CliRunner().invoke(cli, ["batch", "status", batch_id, *auth])  # a look is no wait: it says, and exits 0
