@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app.cli.options import AsJson, Key, Tier, Url
+from app.cli.options import AsJson, Key, Tier, Url, in_path
 from app.cli.output import (
     date,
     error_message,
@@ -40,7 +40,7 @@ console = Console()
 batch_app = typer.Typer(help="OpenAI-compatible Batch API: submit a JSONL of requests with a completion window.",
                         no_args_is_help=True)
 
-BatchId = Annotated[str, typer.Argument(help="batch id (batch_...)")]
+BatchId = Annotated[str, typer.Argument(help="batch id (batch_...)", callback=in_path)]
 BATCH_DONE = {"completed", "failed", "expired", "cancelled"}
 
 
@@ -286,9 +286,11 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
               model: Annotated[str | None, typer.Option(help="the server's model (default) or one of its LoRA "
                                                              "adapters")] = None,
               run_id: Annotated[str | None, typer.Option("--run", help="follow a run started before (its id, "
-                                                                       "sum_...) and save its results")] = None,
+                                                                       "sum_...) and save its results",
+                                                         callback=in_path)] = None,
               cancel_id: Annotated[str | None, typer.Option(
-                  "--cancel", help="cancel a run (its id): the documents not done fail, its summaries stay")] = None,
+                  "--cancel", help="cancel a run (its id): the documents not done fail, its summaries stay",
+                  callback=in_path)] = None,
               tier: Tier = None, url: Url = None, key: Key = None) -> None:
     """Summarize long documents map-reduce as deadline batch jobs; writes one JSON line per document.
 

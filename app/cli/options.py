@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import shlex
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 
@@ -14,7 +15,15 @@ Key = Annotated[str | None, typer.Option("--key", help="API key (default: COSERV
 AsJson = Annotated[bool, typer.Option("--json", help="print the API's JSON instead of a table")]
 Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. free or paid (at most your key's; "
                                                          "default: the key's tier)")]
-JobId = Annotated[str, typer.Argument(help="job id (job_...)")]
+
+
+def in_path(value: str | None) -> str | None:
+    """An id argument's callback: the id as one URL path segment, so "../batches" or "x?limit=1" is asked for as
+    the id it is (the API's 404 names it) and does not reach another route whose answer the command misreads."""
+    return None if value is None else quote(value, safe="")
+
+
+JobId = Annotated[str, typer.Argument(help="job id (job_...)", callback=in_path)]
 
 
 def finite(value: float | None) -> float | None:

@@ -275,3 +275,9 @@ def test_an_api_error_goes_to_stderr_and_leaves_stdout_to_the_json(live_server, 
         assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("404 "), (args, r.stdout, r.stderr)
     r = CliRunner().invoke(cli, ["jobs", "--kind", "bogus", "--json", *auth])
     assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("422 kind: "), (r.stdout, r.stderr)
+    # an id is one path segment: "../batches" asked for the batch list and read it as a job (KeyError: 'id')
+    for args in (["status", "../batches"], ["cancel", "../batches"], ["batch", "status", "../jobs"],
+                 ["summarize", "--run", "../jobs"], ["status", "job_x?limit=1"]):
+        r = CliRunner().invoke(cli, [*args, *auth])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (args, r.exception, r.output)
+        assert r.stderr.startswith("404 ") and r.stdout == "", (args, r.stdout, r.stderr)
