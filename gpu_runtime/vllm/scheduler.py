@@ -163,6 +163,8 @@ class CoserveScheduler(AsyncScheduler):
                 extra["chunk_ceiling"] = self.max_num_scheduled_tokens
             config = {"max_num_seqs": self.max_num_running_reqs, "kv_reserve": kv_reserve, **extra,
                       **policy_overrides()}
+            if "chunk_size" in config_fields(self.policy_name):
+                config["chunk_size"] = self._sarathi_chunk(config.get("chunk_size"))
             self.policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv, **config)
             if self.num_spec_tokens > 0 and spec != "none":
                 if self.scheduler_config.async_scheduling:
@@ -181,6 +183,19 @@ class CoserveScheduler(AsyncScheduler):
                         "proposes (up to %d)", spec, self.spec_not_running, self.num_spec_tokens)
         log.info("coserve scheduler in vLLM: policy %s, speculation %s", self.policy_name,
                  self.drafts.name if self.drafts else "vLLM's" if self.num_spec_tokens else "none")
+
+    def _sarathi_chunk(self, asked: int | None) -> int:
+        """Sarathi-Serve's token budget per step, at most vLLM's step cap: a plan past it would be cut by vLLM to
+        whatever came first (the budget counts decodes and chunks alike, as the step cap does)."""
+        from gpu_runtime.scheduler.config import SarathiConfig
+
+        size = SarathiConfig.chunk_size if asked is None else asked
+        if isinstance(size, int) and size > self.max_num_scheduled_tokens:
+            if asked is not None:
+                log.warning("Sarathi chunk_size %d passes vLLM's max_num_batched_tokens: %d per step", size,
+                            self.max_num_scheduled_tokens)
+            size = self.max_num_scheduled_tokens
+        return size
 
     def _pad_no_drafts(self) -> None:
         """vLLM pads a prompt's first decode (a prompt its prefix cache left one token) with placeholder drafts to

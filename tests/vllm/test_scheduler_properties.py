@@ -134,6 +134,9 @@ class Drive:
         if self.plans:
             plan = self.plans[-1]
             chosen = {r.request_id for r in plan.decodes} | {p.request.request_id for p in plan.prefills}
+            # Sarathi-Serve's token budget / QoServe's chunk C: the policy plans a step vLLM can run whole (its
+            # decodes and chunks within max_num_batched_tokens), else vLLM cuts whatever the plan put last
+            assert len(plan.decodes) + sum(p.num_tokens for p in plan.prefills) <= s.step_cap, plan
             # QoServe 3.4 / Alg. 1: vLLM runs only the policy's batch; a relegated job runs only where the policy
             # gave it spare budget (it is then in the plan's prefills), never on vLLM's own initiative
             assert set(sched) <= chosen, (set(sched) - chosen, sched)
@@ -265,3 +268,17 @@ def test_a_started_prompt_continues_while_the_prompt_ahead_of_it_cannot_be_admit
     evs = [("add", lax), ("add", urgent)]
     d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2), evs)
     assert d.finished == {"q0", "q1"}
+
+
+@pytest.mark.parametrize("asked", [None, 1_000, 16])
+def test_sarathis_token_budget_is_at_most_vllms_step(make_scheduler, monkeypatch, asked):
+    """Sarathi's chunk (256 by default, or the operator's) planned 33 tokens of a prompt into vLLM's 32-token step;
+    vLLM cut it: the plan and the step differed. The budget is now capped at the step (an operator's smaller one
+    stays)."""
+    if asked is not None:
+        monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", f'{{"chunk_size": {asked}}}')
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=32, max_seqs=2),
+               [("add", Job(33, 1, urgent, 0.0)), ("step", 0.0)])
+    assert d.s.policy.config.chunk_size == min(asked or 256, 32)
+    assert d.trace[0][1] == (("q0", min(asked or 256, 32)),)
