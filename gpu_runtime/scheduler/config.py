@@ -48,6 +48,7 @@ class QoServeConfig(SchedulerConfig):
     safety: float = 1.2  # predicted batch time x safety must fit the minimum decode slack
     chunk_floor: int = 16  # smallest prefill budget in the search space
     chunk_ceiling: int | None = None  # None: where the cost model's prefill throughput saturates
+    step_tokens: int | None = None  # most tokens a step runs, decodes included (vLLM's step cap); None: no cap
     saturation_fraction: float = 0.95  # share of peak prefill throughput that defines saturation
     kv_short_fraction: float = 0.1  # below this free-KV share only the lower half of the space is searched
     relegation: bool = True  # eager relegation (QoServe 3.4)

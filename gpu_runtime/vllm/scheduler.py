@@ -161,6 +161,8 @@ class CoserveScheduler(AsyncScheduler):
                 # QoServe's largest chunk is vLLM's step cap (max_num_batched_tokens), not the cost model's
                 # 95%-of-peak point: with no decode to protect, a step as large as vLLM's own costs nobody
                 extra["chunk_ceiling"] = self.max_num_scheduled_tokens
+            if "step_tokens" in config_fields(self.policy_name):  # ... and the decodes' tokens count against it
+                extra["step_tokens"] = self.max_num_scheduled_tokens
             config = {"max_num_seqs": self.max_num_running_reqs, "kv_reserve": kv_reserve, **extra,
                       **policy_overrides()}
             if "chunk_size" in config_fields(self.policy_name):

@@ -282,3 +282,13 @@ def test_sarathis_token_budget_is_at_most_vllms_step(make_scheduler, monkeypatch
                [("add", Job(33, 1, urgent, 0.0)), ("step", 0.0)])
     assert d.s.policy.config.chunk_size == min(asked or 256, 32)
     assert d.trace[0][1] == (("q0", min(asked or 256, 32)),)
+
+
+def test_qoserves_chunk_and_decodes_fit_vllms_step(make_scheduler):
+    """QoServe's chunk ceiling is vLLM's 32-token step, and with a decode running the policy still planned a 32-token
+    chunk: 33 tokens, of which vLLM cut the chunk's last. The decodes take their tokens of the step first."""
+    batch = Job(1, 2, {"qos_class": "batch", "deadline_s": 1, "tier": "free"}, 0.0)
+    urgent = Job(63, 1, {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}, 0.0)
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2),
+               [("add", batch), ("add", urgent)])
+    assert d.finished == {"q0", "q1"}
