@@ -64,6 +64,25 @@ events = st.lists(st.one_of(
     st.tuples(st.just("resume"), st.integers(0, 30)),
     st.tuples(st.just("promote"), st.integers(0, 30))), min_size=1, max_size=40)
 
+LAX = {"ttft_ms": 20_000, "tbt_ms": 500, "tier": "free", "tbt_anchor": "first-token", "app_id": "chat"}
+
+
+@st.composite
+def kv_pressure(draw) -> list:  # noqa: ANN001
+    """Three one-token answers of an app teach the policy that the app answers short (its decode-length
+    prediction, QoServe 3.6), then long prompts of that app run to 20-40 tokens in a small pool: the footprints the
+    policy reserved no longer hold them, so it preempts (recompute), or vLLM does when its blocks run out."""
+    evs = []
+    for prompt in draw(st.lists(st.integers(1, 16), min_size=3, max_size=3)):
+        evs += [("add", Job(prompt, 1, LAX, 0.0)), ("step", 0.0)]
+    tiers = st.sampled_from([LAX, {**LAX, "tier": "paid"}, {**LAX, "ttft_ms": 500, "tbt_ms": 100},
+                             {"qos_class": "batch", "deadline_s": 600, "tier": "free", "app_id": "chat"}])
+    for job in draw(st.lists(st.builds(Job, st.integers(40, 160), st.integers(20, 40), tiers, st.just(0.0)),
+                             min_size=2, max_size=5)):
+        evs.append(("add", job))
+        evs += [("step", 0.02)] * draw(st.integers(0, 3))
+    return evs
+
 
 @dataclass
 class Drive:
@@ -76,6 +95,10 @@ class Drive:
     finished: set = field(default_factory=set)  # reported finished to a client, or aborted by the test
     trace: list = field(default_factory=list)
     plans: list = field(default_factory=list)
+    max_tokens: dict = field(default_factory=dict)  # request id -> its max_tokens
+    streamed: dict = field(default_factory=dict)  # request id -> output tokens its client got
+    ended: dict = field(default_factory=dict)  # request id -> its finish reason
+    preempted: set = field(default_factory=set)  # KV released once at least (vLLM's or the policy's preemption)
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
@@ -94,6 +117,7 @@ class Drive:
         if kind == "add":
             rid = f"q{len(self.ids)}"
             self.ids.append(rid)
+            self.max_tokens[rid] = arg.max_tokens
             self.s.add_request(vllm_request(arg.prompt, dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
                                             max_tokens=arg.max_tokens, request_id=rid))
         elif kind == "step":
@@ -154,12 +178,15 @@ class Drive:
             if happened and currently_in_test_context():
                 event(what)  # what the search reached (--hypothesis-show-statistics)
         outputs = answer_step(s, out)
+        self.preempted |= set(out.preempted_req_ids) | set(s.kv.released if s.policy is not None else ())
         for eco in outputs.values():
             for o in eco.outputs:
+                self.streamed[o.request_id] = self.streamed.get(o.request_id, 0) + len(o.new_token_ids)
                 if o.finish_reason is not None:
                     # no request is finished twice
                     assert o.request_id not in self.finished, o.request_id
                     self.finished.add(o.request_id)
+                    self.ended[o.request_id] = o.finish_reason
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
         self.check_books()
 
@@ -199,6 +226,13 @@ class Drive:
         assert not self.s.requests, {rid: (r.status, r.num_computed_tokens, r.num_tokens)
                                      for rid, r in self.s.requests.items()}
         assert set(self.ids) == self.finished
+        from vllm.v1.engine import FinishReason
+
+        for rid, why in self.ended.items():
+            # a request that ran to max_tokens streamed each token once, however often it was preempted and
+            # recomputed (vLLM's recompute preemption keeps the tokens already sent; QoServe 3.4: only the KV goes)
+            if why == FinishReason.LENGTH:
+                assert self.streamed.get(rid, 0) == self.max_tokens[rid], (rid, self.streamed.get(rid))
         pool = self.s.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
@@ -221,6 +255,30 @@ def test_every_step_keeps_vllms_caps_the_policys_batch_and_the_books(make_schedu
     note(f"{policy} {engine} {evs}")
     first = _drive(make_scheduler, policy, engine, evs)
     assert first.trace == _drive(make_scheduler, policy, engine, evs).trace
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@PROPS
+@given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8)),
+       evs=kv_pressure())
+def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_scheduler, policy, engine, evs):
+    # QoServe 3.4 / vLLM's recompute preemption: a preempted request is requeued, not lost; it resumes, streams
+    # each of its tokens once and ends; every block is free again (the invariants of every step hold meanwhile)
+    note(f"{policy} {engine} {evs}")
+    d = _drive(make_scheduler, policy, engine, evs)
+    assert d.preempted <= d.finished
+
+
+def test_kv_pressure_reaches_the_policys_and_vllms_preemption(make_scheduler):
+    """The pressure strategy's ground, pinned: the policy reserved a one-token answer for each long prompt (its
+    app's history), so both run; their 40-token outputs outgrow the pool (2 x 8 blocks of 15), and one is preempted,
+    then recomputed and finished."""
+    short = [("add", Job(4, 1, LAX, 0.0)), ("step", 0.0)] * 3
+    evs = short + [("add", Job(80, 40, LAX, 0.0)), ("step", 0.0), ("add", Job(80, 40, LAX, 0.0)), ("step", 0.0)]
+    for policy in ("qoserve", "sarathi-edf"):
+        d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=512, max_seqs=4), evs)
+        assert {"q3", "q4"} & d.preempted, policy
+        assert d.finished == set(d.ids) and d.streamed["q3"] == d.streamed["q4"] == 40
 
 
 @PROPS
