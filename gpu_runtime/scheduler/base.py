@@ -107,6 +107,9 @@ class BaseScheduler(Scheduler):
         self.relegated: RequestQueue = self._make_queue()  # run only with spare budget
         self.running: dict[str, Request] = {}  # decoding, insertion order
         self.started: set[str] = set()  # prefills with KV already allocated (mid-prompt)
+        # tokens of the next step the decodes' draft tokens take (the engine's drafter proposed them): a budget
+        # that counts the step's tokens (Sarathi's chunk_size, QoServe's step_tokens) leaves them
+        self.step_drafts = 0
         self.history = DecodeLengthHistory()
         self.free_waiting = 0  # free-tier jobs in ``waiting`` (relegation rule)
         self.waiting_prefill_tokens = 0  # prompt tokens left in ``waiting`` (load signal), kept O(1)

@@ -212,8 +212,9 @@ class QoServeScheduler(BaseScheduler):
         choice = self.chunking.choose(out.decodes, now, kv.unreserved_fraction,
                                       head.num_computed_tokens if head is not None else 0, queued)
         out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
-        if self.config.step_tokens is not None:  # the engine's step cap: the decodes take their tokens of it first
-            out.prefill_budget = min(choice.budget, max(0, self.config.step_tokens - len(out.decodes)))
+        if self.config.step_tokens is not None:  # the engine's step cap: the decodes (and drafts) take theirs first
+            room = self.config.step_tokens - len(out.decodes) - self.step_drafts
+            out.prefill_budget = min(choice.budget, max(0, room))
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
         decodes, ctx = len(out.decodes), choice.context_tokens

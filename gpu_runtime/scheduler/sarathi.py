@@ -35,6 +35,6 @@ class SarathiScheduler(BaseScheduler):
 
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
         # Sarathi-Serve's chunk size is a token budget: each decode takes one token of it first, and the
-        # prefill chunks get what is left (so a batch of chunk_size decodes admits no prefill).
-        out.prefill_budget = max(0, self.config.chunk_size - len(out.decodes))
+        # prefill chunks get what is left (so a batch of chunk_size decodes admits no prefill); drafts count too.
+        out.prefill_budget = max(0, self.config.chunk_size - len(out.decodes) - self.step_drafts)
         self._take_in_order(out.prefill_budget, kv, out)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from tests.vllm.conftest import answer_step, vllm_request
+from tests.vllm.conftest import vllm_request
 
 # no explain phase: it reruns a failing example hundreds of times (minutes here) to say what it already shows
 PROPS = settings(max_examples=int(os.environ.get("PROPS_EXAMPLES", "10")), derandomize=True, deadline=None,
@@ -34,6 +34,7 @@ class Job:
     max_tokens: int
     extra_args: dict
     ago_s: float  # arrived this long before it was added
+    shared: int = 0  # tokens of a system prompt every such job starts with (before its own ``prompt`` tokens)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class Engine:
     blocks: int
     max_batched: int
     max_seqs: int
+    prefix_caching: bool = False  # vLLM's enable_prefix_caching (jobs' shared prompt prefixes hit)
+    spec_tokens: int = 0  # vLLM's draft tokens per decode (proposed every step, some accepted)
 
 
 jobs = st.builds(
@@ -118,8 +121,11 @@ class Drive:
             rid = f"q{len(self.ids)}"
             self.ids.append(rid)
             self.max_tokens[rid] = arg.max_tokens
-            self.s.add_request(vllm_request(arg.prompt, dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
-                                            max_tokens=arg.max_tokens, request_id=rid))
+            own = 10_000 * len(self.ids)  # a job's own tokens differ from every other job's
+            prompt = list(range(10, 10 + arg.shared)) + list(range(own, own + arg.prompt))
+            self.s.add_request(vllm_request(len(prompt), dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
+                                            max_tokens=arg.max_tokens, request_id=rid, prompt=prompt,
+                                            hashed=self.s.kv_cache_manager.enable_caching))
         elif kind == "step":
             self.clock[0] += arg
             self.step()
@@ -145,8 +151,12 @@ class Drive:
         free_before = pool.get_num_free_blocks()
         before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens) for rid, r in s.requests.items()}
         self.plans.clear()
+        for r in s.running:  # the drafter proposed drafts for each decode (an n-gram match, say)
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                r.spec_token_ids = [7] * s.num_spec_tokens
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
+        drafts = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
         # vLLM's promise: a step runs at most max_num_batched_tokens tokens of at most max_num_seqs requests
         assert out.total_num_scheduled_tokens == sum(sched.values()) <= s.step_cap
         assert len(sched) <= s.max_num_running_reqs
@@ -154,13 +164,20 @@ class Drive:
         for rid, n in sched.items():
             done, total, prompt = before[rid] if rid in before else (0, 0, 0)
             # vLLM's promise: a request gets 1.. the tokens it has left (its prompt's rest, or one decode token)
-            assert rid in before and 1 <= n <= total - done, (rid, n, before.get(rid))
+            # (a decode's n counts the drafts it verifies: its token and each draft)
+            assert rid in before and 1 <= n <= total - done + drafts.get(rid, 0), (rid, n, before.get(rid))
+            # no double counting of a prefix-cache hit: the hit and the tokens scheduled after it are at most the
+            # request's tokens (its drafts aside)
+            r = s.requests[rid]
+            assert r.num_computed_tokens <= r.num_tokens + drafts.get(rid, 0), (rid, r.num_computed_tokens)
         if self.plans:
             plan = self.plans[-1]
             chosen = {r.request_id for r in plan.decodes} | {p.request.request_id for p in plan.prefills}
             # Sarathi-Serve's token budget / QoServe's chunk C: the policy plans a step vLLM can run whole (its
-            # decodes and chunks within max_num_batched_tokens), else vLLM cuts whatever the plan put last
-            assert len(plan.decodes) + sum(p.num_tokens for p in plan.prefills) <= s.step_cap, plan
+            # decodes and chunks within max_num_batched_tokens), else vLLM cuts whatever the plan put last; a
+            # decode's drafts are tokens of the step too
+            planned = len(plan.decodes) + sum(p.num_tokens for p in plan.prefills)
+            assert planned + sum(drafts.values()) <= s.step_cap, (planned, drafts, plan)
             # QoServe 3.4 / Alg. 1: vLLM runs only the policy's batch; a relegated job runs only where the policy
             # gave it spare budget (it is then in the plan's prefills), never on vLLM's own initiative
             assert set(sched) <= chosen, (set(sched) - chosen, sched)
@@ -177,7 +194,7 @@ class Drive:
                                ("policy preempted", s.policy is not None and s.kv.released)):
             if happened and currently_in_test_context():
                 event(what)  # what the search reached (--hypothesis-show-statistics)
-        outputs = answer_step(s, out)
+        outputs = self.answer(out, drafts)
         self.preempted |= set(out.preempted_req_ids) | set(s.kv.released if s.policy is not None else ())
         for eco in outputs.values():
             for o in eco.outputs:
@@ -189,6 +206,21 @@ class Drive:
                     self.ended[o.request_id] = o.finish_reason
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
         self.check_books()
+
+    def answer(self, out, drafts: dict) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
+        """The model runner's answer: a token for each request past its prompt, after the first of its drafts
+        it accepted (how many varies by step and request, deterministically)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            r = self.s.requests[rid]
+            past = r.num_computed_tokens >= r.num_tokens
+            accepted = (len(self.trace) + len(rid)) % (drafts.get(rid, 0) + 1)
+            sampled.append([7] * (1 + accepted) if past else [])
+        return self.s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={
+            rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
 
     def check_books(self) -> None:
         s = self.s
@@ -238,7 +270,8 @@ class Drive:
 
 
 def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
-    s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs)
+    s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
+                       prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens)
     d = Drive(s, policy)
     for ev in evs:
         d.apply(ev)
@@ -255,6 +288,26 @@ def test_every_step_keeps_vllms_caps_the_policys_batch_and_the_books(make_schedu
     note(f"{policy} {engine} {evs}")
     first = _drive(make_scheduler, policy, engine, evs)
     assert first.trace == _drive(make_scheduler, policy, engine, evs).trace
+
+
+# a system prompt of 0-4 blocks shared by the jobs that have one, their own prompt after it (at most 240 tokens with
+# the output: each fits the 16-block pool alone)
+shared_jobs = st.builds(Job, st.integers(1, 136), st.integers(1, 40), jobs.map(lambda j: j.extra_args),
+                        st.sampled_from([0.0, 0.5]), st.sampled_from([0, 32, 48, 64]))
+cached_events = st.lists(st.one_of(st.tuples(st.just("add"), shared_jobs), st.tuples(st.just("add"), shared_jobs),
+                                   st.tuples(st.just("step"), st.sampled_from([0.0, 0.02, 0.2])),
+                                   st.tuples(st.just("abort"), st.integers(0, 30))), min_size=1, max_size=30)
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@PROPS
+@given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
+                        st.booleans(), st.sampled_from([0, 2, 4])), evs=cached_events)
+def test_prefix_cache_hits_and_drafts_keep_the_step_and_the_books(make_scheduler, policy, engine, evs):
+    # every step's invariants (above) with vLLM's prefix cache over shared system prompts and its draft tokens
+    # verified by each decode (some accepted): the step's budget counts the drafts, a hit is not computed twice
+    note(f"{policy} {engine} {evs}")
+    _drive(make_scheduler, policy, engine, evs)
 
 
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
@@ -350,3 +403,13 @@ def test_qoserves_chunk_and_decodes_fit_vllms_step(make_scheduler):
     d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2),
                [("add", batch), ("add", urgent)])
     assert d.finished == {"q0", "q1"}
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_the_decodes_drafts_count_against_the_step(make_scheduler, policy):
+    """A decode verifying vLLM's 2 draft tokens beside a 65-token prompt in a 32-token step: the policy gave the
+    prompt 31 tokens (the step less one per decode), vLLM ran the decode's 3 and cut the chunk to 29. The budget
+    now leaves the drafts their tokens."""
+    evs = [("add", Job(1, 8, LAX, 0.0)), ("step", 0.0), ("add", Job(1, 1, LAX, 0.0, shared=64)), ("step", 0.0)]
+    d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=2), evs)
+    assert d.trace[1][1] == (("q0", 3), ("q1", 29))  # the plan, as vLLM ran it (Drive.step compares them)
