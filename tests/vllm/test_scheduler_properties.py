@@ -151,6 +151,7 @@ class Drive:
         free_before = pool.get_num_free_blocks()
         before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens) for rid, r in s.requests.items()}
         self.plans.clear()
+        relegated = {r.request_id for r in s.policy.relegated} if s.policy is not None else set()
         for r in s.running:  # the drafter proposed drafts for each decode (an n-gram match, say)
             if r.num_computed_tokens >= r.num_prompt_tokens:
                 r.spec_token_ids = [7] * s.num_spec_tokens
@@ -181,6 +182,7 @@ class Drive:
             # QoServe 3.4 / Alg. 1: vLLM runs only the policy's batch; a relegated job runs only where the policy
             # gave it spare budget (it is then in the plan's prefills), never on vLLM's own initiative
             assert set(sched) <= chosen, (set(sched) - chosen, sched)
+            self.check_order(plan, before, relegated)
             # QoServe 3.2: every decode the policy runs gets its token (vLLM's KV preemption aside)
             for r in plan.decodes:
                 assert r.request_id in sched or r.request_id in out.preempted_req_ids, (r.request_id, sched)
@@ -206,6 +208,39 @@ class Drive:
                     self.ended[o.request_id] = o.finish_reason
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
         self.check_books()
+
+    def check_order(self, plan, before: dict, relegated: set) -> None:  # noqa: ANN001 - the policy's plan
+        """Of two new prompts of free interactive jobs, waiting (not relegated), the one with the strictly earlier
+        deadline, no more prompt left and no larger KV footprint goes first: it is never left waiting while the
+        other starts. QoServe Alg. 1 lines 10-23 with eq. 4 (a >= 0: the earlier deadline and no more work has the
+        lower priority value), Sarathi-EDF by deadline alone. The paths out of that order are outside the pair:
+        selective preemption and the continuing of started prompts run started ones, the paid guard paid ones, and
+        eager relegation and overload yielding move a job to the relegated queue (excluded); and what fits the
+        policy's KV admission and slots for the larger fits them for the smaller."""
+        from gpu_runtime.qos import QoSClass, Tier
+        from gpu_runtime.scheduler.base import footprint_blocks
+        from gpu_runtime.scheduler.priority import first_deadline
+
+        p = self.s.policy
+
+        def new(m) -> bool:  # noqa: ANN001
+            return (before.get(m.request_id, (1,))[0] == 0 and not m.output_token_ids
+                    and m.qos.qos_class is QoSClass.INTERACTIVE and m.qos.tier is Tier.FREE)
+
+        def size(m) -> tuple:  # noqa: ANN001
+            done, total, _ = before[m.request_id]  # as it stood when the policy chose (a planned one advanced since)
+            return total - done, footprint_blocks(m, p._reserved_output(m), 16)
+
+        started = [q.request for q in plan.prefills if new(q.request) and q.request.request_id not in relegated]
+        planned = {q.request.request_id for q in plan.prefills}
+        waiting = [m for m in p.waiting if new(m) and m.request_id not in planned]
+        if started and waiting and currently_in_test_context():
+            event("order compared")
+        for b in started:
+            for a in waiting:
+                sa, sb = size(a), size(b)
+                assert not (first_deadline(a) < first_deadline(b) and sa[0] <= sb[0] and sa[1] <= sb[1]), (
+                    a.request_id, first_deadline(a), sa, "waits while", b.request_id, first_deadline(b), sb)
 
     def answer(self, out, drafts: dict) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
         """The model runner's answer: a token for each request past its prompt, after the first of its drafts
@@ -413,3 +448,13 @@ def test_the_decodes_drafts_count_against_the_step(make_scheduler, policy):
     evs = [("add", Job(1, 8, LAX, 0.0)), ("step", 0.0), ("add", Job(1, 1, LAX, 0.0, shared=64)), ("step", 0.0)]
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=2), evs)
     assert d.trace[1][1] == (("q0", 3), ("q1", 29))  # the plan, as vLLM ran it (Drive.step compares them)
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_of_two_prompts_only_one_fits_the_earlier_deadline_starts(make_scheduler, policy):
+    """QoServe eq. 4 / Sarathi-EDF: the KV holds one of two equal prompts (9 blocks of 15 each); the one that came
+    second with the earlier deadline starts, the other waits (Drive.check_order checks every step)."""
+    lax, tight = {**LAX, "app_id": None}, {**LAX, "app_id": None, "ttft_ms": 2_000}
+    d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=512, max_seqs=4),
+               [("add", Job(100, 40, lax, 0.0)), ("add", Job(100, 40, tight, 0.0)), ("step", 0.0)])
+    assert d.trace[0][1] == (("q1", 100),)
