@@ -152,8 +152,9 @@ class Drive:
         before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens) for rid, r in s.requests.items()}
         self.plans.clear()
         relegated = {r.request_id for r in s.policy.relegated} if s.policy is not None else set()
-        for r in s.running:  # the drafter proposed drafts for each decode (an n-gram match, say)
-            if r.num_computed_tokens >= r.num_prompt_tokens:
+        for r in s.running:  # the drafter proposed drafts for each decode (an n-gram match, say): a request whose
+            # last step sampled a token, not one recomputing its prompt and outputs after a preemption
+            if r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1):
                 r.spec_token_ids = [7] * s.num_spec_tokens
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
@@ -190,10 +191,12 @@ class Drive:
             # more block for each of them
             if free_before >= len(decoding):
                 assert decoding <= {r.request_id for r in plan.decodes}, (decoding, plan.decodes)
-        for what, happened in (("vLLM preempted", out.preempted_req_ids), ("relegated", self.plans and
-                                                                               self.plans[-1].relegated),
-                               ("expired", self.plans and self.plans[-1].expired),
-                               ("policy preempted", s.policy is not None and s.kv.released)):
+        policy_released = set(s.kv.released) if s.policy is not None else set()
+        plan = self.plans[-1] if self.plans else None
+        for what, happened in (("vLLM preempted", set(out.preempted_req_ids) - policy_released),
+                               ("relegated", plan is not None and plan.relegated),
+                               ("expired", plan is not None and plan.expired),
+                               ("policy preempted", policy_released)):
             if happened and currently_in_test_context():
                 event(what)  # what the search reached (--hypothesis-show-statistics)
         outputs = self.answer(out, drafts)
@@ -347,8 +350,8 @@ def test_prefix_cache_hits_and_drafts_keep_the_step_and_the_books(make_scheduler
 
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
 @PROPS
-@given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8)),
-       evs=kv_pressure())
+@given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
+                        st.just(False), st.sampled_from([0, 0, 4])), evs=kv_pressure())
 def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_scheduler, policy, engine, evs):
     # QoServe 3.4 / vLLM's recompute preemption: a preempted request is requeued, not lost; it resumes, streams
     # each of its tokens once and ends; every block is free again (the invariants of every step hold meanwhile)
