@@ -4,6 +4,8 @@ Hypothesis draws a scheduler (a small KV pool, so vLLM's and the policy's preemp
 requests of random tiers, QoS, prompt and output lengths and arrivals; steps answered with fake tokens after the
 clock moved; aborts; an operator's resume and promote. After every step the invariants vLLM and QoServe promise are
 checked (each property cites its rule: QoServe in /work/shared/ALGORITHMS.md, or vLLM's scheduler's own promise).
+Dedicated strategies reach what random events rarely do: KV pressure (the policy's and vLLM's recompute
+preemption), vLLM's prefix cache over shared system prompts, and draft tokens verified by each decode.
 Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searches harder locally.
 """
 
