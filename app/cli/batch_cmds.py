@@ -6,6 +6,7 @@ or the credentials ``coserve up`` wrote).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -15,13 +16,14 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from app.cli.options import AsJson, Key, Tier, Url, in_path
 from app.cli.output import (
+    INTERRUPTED,
+    Console,
     date,
     error_message,
     kept,
@@ -151,6 +153,37 @@ def _end(batch: dict[str, Any]) -> None:
         raise typer.Exit(code)
 
 
+FIRST_LINE_BYTES = 1 << 20  # the most of a file read to check its first request before the upload
+
+
+def _looks_like_jsonl(path: Path) -> None:
+    """A usage error where the file's first request is not a JSON object on its own line (a CSV, a JSON array, not
+    text), checked before the upload as the API parses it (UTF-8, blank lines skipped); the rest is the API's to
+    check, so a large file is read once, by the upload. A first line longer than ``FIRST_LINE_BYTES`` is left to it."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(iter(lambda: f.readline(FIRST_LINE_BYTES), b""), start=1):
+            if not raw.endswith(b"\n") and len(raw) == FIRST_LINE_BYTES:
+                return
+            try:
+                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise typer.BadParameter(f"{path}: line {line_no} is not UTF-8 text; give a JSONL file of requests",
+                                         param_hint="PATH") from None
+            if not text.strip():
+                continue
+            try:
+                request = json.loads(text)
+            except json.JSONDecodeError as exc:
+                request, why = None, f"not JSON ({exc.msg})"
+            else:
+                why = "not a JSON object"
+            if not isinstance(request, dict):
+                raise typer.BadParameter(f"{path}: line {line_no} is {why}; a batch file is JSONL, one request "
+                                         "object per line", param_hint="PATH")
+            return
+    raise typer.BadParameter(f"{path}: the file has no requests", param_hint="PATH")
+
+
 @batch_app.command("create", epilog=EXIT_CODES_HELP)
 def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL of requests")],
            endpoint: Annotated[str, typer.Option(help="/v1/chat/completions, /v1/completions or /v1/responses")] =
@@ -173,6 +206,7 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         parse_window(window)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--window") from None
+    _looks_like_jsonl(path)
     api = Api(url, key)
     f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "batch"}).json()
     b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
@@ -316,10 +350,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     try:
         run = _follow_run(api, run, deadline_at)
     except KeyboardInterrupt:
-        console.print(f"\nstopped following; summarization {run['id']} goes on on the server: `coserve summarize "
-                      f"--run {run['id']} -o {output}` saves its results when it ends, `coserve summarize --cancel "
-                      f"{run['id']}` stops it")
-        raise typer.Exit(130) from None
+        raise stopped_waiting(f"summarization {run['id']}", f"coserve summarize --run {run['id']} -o {output}",
+                              f"coserve summarize --cancel {run['id']}") from None
     # judged when the run ended (its last poll), not after the results download
     finished_at, elapsed = datetime.now(UTC), time.monotonic() - t0
     _save(output, api.call("GET", f"/v1/summarize/{run['id']}/results", patient=True).text)
@@ -361,8 +393,14 @@ def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int |
     from app.cli.service_cmds import warn_without_workers
     from app.summarize.documents import load_paths, specbench_summarization
 
+    from app.openai_schemas import parse_window
+
     if specbench and paths:
         raise typer.BadParameter("--specbench summarizes SpecBench's prompts: give no PATHS with it")
+    try:  # checked before the documents are read and sent, as the API checks it
+        parse_window(options["deadline"])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--deadline") from None
     try:
         docs = specbench_summarization() if specbench else load_paths(list(paths or []), skip=[output])
     except FileNotFoundError as exc:
@@ -372,9 +410,15 @@ def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int |
     docs = docs[:limit] if limit else docs
     if not docs:
         raise typer.BadParameter("no documents: give files/folders/JSONL or --specbench")
-    warn_without_workers(api.url)
-    run = api.call("POST", "/v1/summarize", json={
-        "documents": [{"id": d.id, "text": d.text} for d in docs], **options}, timeout=LONG_TIMEOUT_S).json()
+    try:
+        warn_without_workers(api.url)
+        run = api.call("POST", "/v1/summarize", json={
+            "documents": [{"id": d.id, "text": d.text} for d in docs], **options}, timeout=LONG_TIMEOUT_S).json()
+    except KeyboardInterrupt:  # the server may have started the run before it could answer with its id
+        stderr.print(f"\nstopped waiting for the run's start; the server may start it anyway: GET {api.url}"
+                     "/v1/summarize lists your runs, newest first, `coserve summarize --run ID` follows one and "
+                     "`coserve summarize --cancel ID` stops it")
+        raise typer.Exit(INTERRUPTED) from None
     console.print(f"summarization [bold]{run['id']}[/bold]: {len(docs)} documents (`coserve summarize --run "
                   f"{run['id']}` follows it again, `--cancel {run['id']}` stops it)")
     return run

@@ -12,21 +12,48 @@ wraps the lines) rather than cropped.
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import signal
+import sys
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import typer
+import rich.console
 from rich import box
-from rich.console import Console, JustifyMethod, RenderableType
+from rich.console import JustifyMethod, RenderableType
 from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Column, Table
 
 DATE_WIDTH = len("2025-01-31")  # a date column may wrap to its time below, never narrower
 INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT), as a shell reports it
+# the exit status of a command whose stdout reader went away (`coserve jobs --json | head -1`): 128 + SIGPIPE, what a
+# shell reports of a Unix tool that signal stopped (`seq 100000 | head -1`)
+PIPE_CLOSED = 128 + signal.SIGPIPE
+
+
+def stdout_closed() -> typer.Exit:
+    """The reader of stdout went away: the command stops quietly (no traceback, no "Exception ignored" when Python
+    flushes stdout at exit: it flushes into /dev/null) with ``PIPE_CLOSED``; the caller raises the returned exit."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # stdout is no file descriptor (a test runner's buffer): nothing is flushed into a pipe at exit
+    return typer.Exit(PIPE_CLOSED)
+
+
+class Console(rich.console.Console):
+    """Rich's console, stopping as every command does when its reader goes away (rich's own exits 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise stdout_closed()
+
 
 # what went wrong goes to stderr, on one line however narrow (a script reads stdout, a person reads both); its
 # fresh file lookup follows a redirected sys.stderr (pytest's, CliRunner's)

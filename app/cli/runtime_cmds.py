@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from app.cli.options import VLLM_OPTIONS, finite, vllm_flags
-from app.cli.output import print_table
+from app.cli.output import Console, print_table
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from rich.console import Console
     from rich.table import Table
 
     from gpu_runtime.costmodel.base import CostModel
@@ -25,6 +24,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CAPACITY_TARGET = 0.01  # the violation rate the default sweep centers on (QoServe's goodput definition)
+# what a run can finish: the simulator takes about 3 ms and 30 KB per request on one CPU core (3000 requests of conv,
+# 10 s and 160 MB here), so 100000 requests are some 5 minutes and 3 GB per policy and rate; a sweep of 100 rates
+# is a table of 100 rows per policy (the default sweep runs 8)
+MAX_REQUESTS = 100_000
+MAX_SWEEP_RATES = 100
 
 
 def _qps_list(qps: float | None, sweep: str | None) -> list[float] | None:
@@ -38,6 +42,9 @@ def _qps_list(qps: float | None, sweep: str | None) -> list[float] | None:
             raise typer.BadParameter(f"--sweep {sweep!r}: rates are queries per second: FIRST must be > 0, all finite")
         if step <= 0 or b < a:
             raise typer.BadParameter(f"--sweep {sweep!r}: STEP must be > 0 and LAST >= FIRST")
+        if (count := math.floor((b - a) / step + 1e-9) + 1) > MAX_SWEEP_RATES:  # counted before a list is built
+            raise typer.BadParameter(f"--sweep {sweep!r}: {count} rates; give at most {MAX_SWEEP_RATES} (a larger "
+                                     "STEP or a narrower range)")
         out, x = [], a
         while x <= b + 1e-9:
             out.append(round(x, 6))
@@ -75,7 +82,8 @@ def simulate(
                                                    "from 1/4 to 2x the first policy's capacity, found by "
                                                    "simulation")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated scheduler names")] = "qoserve,sarathi-fcfs,sarathi-edf",
-    requests: Annotated[int, typer.Option(help="requests sampled from the trace per run", min=1)] = 300,
+    requests: Annotated[int, typer.Option(help="requests sampled from the trace per run",
+                                                  min=1, max=MAX_REQUESTS)] = 300,
     free_share: Annotated[float, typer.Option(help="share of free-tier jobs", min=0.0, max=1.0,
                                                    callback=finite)] = 0.0,
     arrivals: Annotated[str, typer.Option(help="poisson | trace (the trace's timestamps rescaled to each QPS) | "
@@ -91,7 +99,6 @@ def simulate(
     """Simulate scheduling policies on a trace with QoServe's three tiers (SLOs scaled to the profile)."""
     import json
 
-    from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
@@ -281,7 +288,6 @@ def profile(
                                      "to give vLLM options to")
         _profile_from_steps(from_steps, out)
         return
-    from rich.console import Console
 
     from gpu_runtime.costmodel.machine import this_machine
     from gpu_runtime.costmodel.profile import annotate_profile
@@ -356,7 +362,6 @@ def _profile_vllm(console, model: str, out: Path, device: str, repeats: int, gri
 
 def _profile_from_steps(logs: list[Path], out: Path) -> None:
     """A profile of the steps a worker ran in place (``gpu_runtime.vllm.step_log``)."""
-    from rich.console import Console
 
     from gpu_runtime.costmodel.profile import annotate_profile
     from gpu_runtime.vllm.step_log import profile_from_steps

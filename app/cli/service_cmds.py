@@ -17,13 +17,13 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from app.bounds import MAX_RATE
 from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite, vllm_flags
 from app.cli.output import (
+    Console,
     date,
     error_message,
     kept,
@@ -546,7 +546,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 console.print(job.get("output_text") or "", markup=False)
             print_table(console, _job_table(job))
             if job["status"] != "succeeded":  # a script's `coserve submit --wait && ...` goes no further
-                console.print(f"[red]job {job['id']} {job['status']}[/red]"
+                stderr.print(f"[red]job {job['id']} {job['status']}[/red]"
                               + ("" if job["status"] in TERMINAL else " after an hour's wait"))
                 raise typer.Exit(1)
 

@@ -6,10 +6,9 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
 from app.cli.options import Key, Url, finite
-from app.cli.output import kept, list_table, other, print_json, print_table, when
+from app.cli.output import Console, kept, list_table, other, print_json, print_table, when
 
 console = Console()
 
