@@ -94,3 +94,38 @@ def test_an_openai_style_base_url_ending_in_v1_reaches_the_same_api():
 
     for url in ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/"):
         assert _client_config(url, "cs-test") == ("http://127.0.0.1:8000", "cs-test")
+
+
+def test_simulate_refuses_a_sweep_or_request_count_no_run_could_finish(tmp_path):
+    """`--sweep 0.001,1000,0.001` built a million rates before anything else was checked; --requests had no bound.
+    The profile is missing too: the old code went on to refuse it, without a word of the bound."""
+    missing = str(tmp_path / "none.json")
+    _refused(["simulate", "--sweep", "0.001,1000,0.001", "--profile", missing], "1000000 rates", "at most 100")
+    _refused(["simulate", "--requests", "100001", "--profile", missing], "--requests", "less than or equal to 100000")
+    res = CliRunner().invoke(cli, ["simulate", "--sweep", "1,100,1", "--requests", "100000", "--profile", missing])
+    assert res.exit_code == 2 and "no such file or shipped profile" in res.output, res.output  # the bounds are in
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (b"custom_id,prompt\na,hi\n", "line 1 is not JSON"), (b'[{"custom_id": "a"}]\n', "line 1 is not a JSON object"),
+    (b"\n \n", "the file has no requests"), (b"\xff\xfe{}\n", "line 1 is not UTF-8 text"),
+    (b'\n{"custom_id": "a"\n', "line 2 is not JSON")], ids=["csv", "array", "blank", "utf16", "cut"])
+def test_batch_create_refuses_a_file_that_is_not_jsonl_before_uploading_it(tmp_path, content, says):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(content)
+    _refused(["batch", "create", str(src), *NOWHERE], "PATH", says)
+
+
+def test_batch_create_leaves_the_lines_after_the_first_request_to_the_api(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"custom_id": "a"}\n{oops\n')  # a BOM, as the API reads one; line 2 is the API's
+    res = CliRunner().invoke(cli, ["batch", "create", str(src), *NOWHERE])
+    assert res.exit_code == 2 and res.stderr.startswith("cannot reach http://127.0.0.1:9"), res.output
+
+
+def test_summarize_refuses_a_bad_deadline_before_starting_a_run(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat.")
+    out = str(tmp_path / "out.jsonl")
+    for bogus in ("bogus", "3600", "0m", "999d"):
+        _refused(["summarize", str(doc), "--deadline", bogus, "-o", out, *NOWHERE], "--deadline")
