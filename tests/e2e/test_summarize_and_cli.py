@@ -97,15 +97,16 @@ def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_serv
     timer.start()
     r = CliRunner().invoke(cli, ["submit", "Hello", "--max-tokens", "4", "--wait", *auth])
     timer.join()
-    assert r.exit_code == 1 and "cancelled" in r.output, r.output
+    assert r.exit_code == 1 and f"job {r.stdout.split('submitted ')[1].split()[0]} cancelled" in r.stderr, r.output
     src = tmp_path / "twice.jsonl"  # the same custom_id twice fails the whole batch
     src.write_text("\n".join(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                                          "body": {"model": "tiny", "prompt": "x", "max_tokens": 1}}) for _ in range(2)))
     r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "--wait", *auth])
     assert r.exit_code == 1 and "failed" in r.output, r.output
     # a batch that completed with every request failed (here every line is bad) has nothing to use: it exited 0
-    src.write_text("{oops\n" + json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
-                                           "body": {"model": "tiny", "prompt": "x"}}) + "\n")
+    # (a first line that is not JSON is refused before the upload: the bad JSON comes second)
+    src.write_text(json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": "tiny", "prompt": "x"}}) + "\n{oops\n")
     r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "--wait", *auth])
     batch_id = r.output.split("batch ")[1].split()[0]
     assert r.exit_code == 1 and "2 of 2 requests failed" in _flat(r.output), r.output
@@ -221,6 +222,12 @@ def test_summarize_cli_says_a_run_cancelled_before_its_deadline_was_cancelled(li
 def _interrupted(args: list[str], tmp_path) -> tuple[int, str]:
     """Runs ``coserve ARGS`` (``python -m app.cli``, a process of its own as in a terminal) until it says it waits (the
     no-worker warning, printed once the wait began), then presses Ctrl-C (SIGINT); its exit status and all it said."""
+    code, out, err = _interrupted_apart(args, tmp_path)
+    return code, out + err
+
+
+def _interrupted_apart(args: list[str], tmp_path) -> tuple[int, str, str]:
+    """``_interrupted`` with stdout and stderr apart: the exit status, what went to stdout and to stderr."""
     import os
     import signal
     import subprocess
@@ -231,19 +238,18 @@ def _interrupted(args: list[str], tmp_path) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("COSERVE_")}
     env.update(COSERVE_DATA_DIR=str(tmp_path), PYTHONPATH=str(ROOT), COLUMNS="250")
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=env, cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     said = []
     try:
-        for line in proc.stdout:
+        for line in proc.stderr:  # the warning goes to stderr
             said.append(line)
             if line.startswith("warning:"):
                 proc.send_signal(signal.SIGINT)
                 break
-        said.append(proc.stdout.read())
-        return proc.wait(30), "".join(said)
+        out, err = proc.communicate(timeout=30)
+        return proc.returncode, out, "".join(said) + err
     finally:
         proc.kill()
-        proc.stdout.close()
 
 
 def test_ctrl_c_while_waiting_stops_the_wait_and_says_how_to_find_the_work_again(live_server, keys, tmp_path):
@@ -266,6 +272,28 @@ def test_ctrl_c_while_waiting_stops_the_wait_and_says_how_to_find_the_work_again
     assert f"`coserve batch status {batch_id} --follow` shows it, `coserve batch cancel {batch_id}` stops it" in said
     assert httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=h).json()["status"] not in ("cancelled",
                                                                                                    "cancelling")
+
+
+def test_ctrl_c_while_summarize_starts_or_follows_its_run_exits_130_saying_how_to_find_it(live_server, keys,
+                                                                                           tmp_path):
+    """Ctrl-C pressed as summarize begins to wait (no worker here): during its start (a POST of many documents, where
+    it lands here) it exited 130 without a word of the run the server may start anyway; during its wait, its message
+    went to stdout. Either way now: 130, and on stderr how to find the run again and cancel it."""
+    h = Keys.header(keys.paid)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": f"d{i}", "text": "The cat sat on the mat. " * 40}) + "\n"
+                            for i in range(2000)))
+    try:
+        code, out, err = _interrupted_apart(["summarize", str(docs), "-o", str(tmp_path / "out.jsonl"), "--url",
+                                             live_server, "--key", keys.paid], tmp_path)
+        said = _flat(err)
+        assert code == 130 and "Traceback" not in out + err and "Aborted" not in out + err, (out, err)
+        assert "stopped waiting" not in out and "coserve summarize --cancel " in said, (out, err)
+        assert "coserve summarize --run " in said, (out, err)
+    finally:  # the run it may have started has no worker: stop it, its jobs would wait for the next test's
+        for run in httpx.get(f"{live_server}/v1/summarize", headers=h).json()["data"]:
+            if run["status"] in ("validating", "running"):
+                httpx.post(f"{live_server}/v1/summarize/{run['id']}/cancel", headers=h, timeout=600)
 
 
 def test_an_api_error_goes_to_stderr_and_leaves_stdout_to_the_json(live_server, keys):
