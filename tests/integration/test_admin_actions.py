@@ -10,6 +10,7 @@ from app.api import admin
 from app.db.models import Job
 from app.db.session import session_scope
 from tests.conftest import Keys
+from tests.sql_statements import statements
 
 H = Keys.header
 
@@ -321,21 +322,10 @@ def test_the_jobs_table_reads_a_page_a_status_on_the_status_index(client, keys, 
     """A poll of the overview read its table as one query sorted by a CASE rank of the status, which sorts every job
     shown to return a page; now one query a status, each on ``ix_jobs_status_created`` in its own order (no sort
     of the status's jobs), and the page's total comes from the grouped queue counts (no count of its own)."""
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
     running = [_job(client, keys, settings, status="running") for _ in range(3)]
     relegated = [_job(client, keys, settings, status="relegated") for _ in range(2)]
-    seen: list[tuple[str, object]] = []
-
-    def on_execute(_conn, _cursor, statement, parameters, *_args) -> None:
-        seen.append((statement, parameters))
-
-    event.listen(Engine, "before_cursor_execute", on_execute)
-    try:
+    with statements(with_parameters=True) as seen:
         body = client.get("/admin/api/overview", params={"limit": 3}, headers=H(keys.admin)).json()
-    finally:
-        event.remove(Engine, "before_cursor_execute", on_execute)
     assert [j["id"] for j in body["jobs"]] == [*relegated, running[0]] and body["jobs_total"] == 5
     on_jobs = [(q, p) for q, p in seen if "FROM jobs" in q and "job_events" not in q and "slo_met" not in q]
     counts = [q for q, _ in on_jobs if "count(" in q.lower()]

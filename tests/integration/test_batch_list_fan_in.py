@@ -5,16 +5,15 @@ all ended shows completed, with its output file, on the list that first sees it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
-from sqlalchemy import Engine, event, update
+from sqlalchemy import update
 
 from app.db.models import Job
 from app.db.session import session_scope, write_guard
 from app.services.transitions import utcnow
 from tests.conftest import Keys
+from tests.sql_statements import statements
 
 pytestmark = pytest.mark.integration
 
@@ -38,26 +37,12 @@ def _succeed(settings, batch_id: str, lines: list[str]) -> None:
         s.commit()
 
 
-@contextmanager
-def _statements() -> Iterator[list[str]]:
-    seen: list[str] = []
-
-    def on_execute(_conn, _cursor, statement, *_args) -> None:
-        seen.append(statement)
-
-    event.listen(Engine, "before_cursor_execute", on_execute)
-    try:
-        yield seen
-    finally:
-        event.remove(Engine, "before_cursor_execute", on_execute)
-
-
 def test_a_page_of_running_batches_is_counted_in_one_query_and_a_done_one_shows_completed(client, keys, settings):
     auth = Keys.header(keys.paid)
     batch_ids = [_batch(client, keys, 2) for _ in range(3)]
     for batch_id in batch_ids:
         _succeed(settings, batch_id, ["c0"])
-    with _statements() as listed:
+    with statements() as listed:
         page = client.get("/v1/batches", headers=auth).json()["data"]
     assert {b["id"]: (b["status"], b["request_counts"]) for b in page} == {
         batch_id: ("in_progress", {"total": 2, "completed": 1, "failed": 0}) for batch_id in batch_ids}

@@ -13,6 +13,7 @@ from app.db.models import Batch, WebhookDelivery, WebhookEndpoint
 from app.db.session import session_scope
 from app.services.webhooks import EVENT_TYPES, new_secret
 from tests.conftest import Keys
+from tests.sql_statements import statements
 
 pytestmark = pytest.mark.integration
 
@@ -129,19 +130,8 @@ def test_a_message_batchs_requests_are_parsed_once_and_what_the_fan_out_refuses_
 
 def _statements(client, path: str, headers: dict) -> tuple[dict, int]:
     """``GET path``'s answer, and how many SQL statements the app ran for it."""
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
-    seen = []
-
-    def on_execute(_conn, _cursor, statement, *_args) -> None:
-        seen.append(statement)
-
-    event.listen(Engine, "before_cursor_execute", on_execute)
-    try:
+    with statements() as seen:
         answer = client.get(path, headers=headers)
-    finally:
-        event.remove(Engine, "before_cursor_execute", on_execute)
     assert answer.status_code == 200, answer.text
     return answer.json(), len(seen)
 

@@ -11,6 +11,7 @@ import pytest
 from app.db.models import Job
 from app.db.session import session_scope
 from app.services import stored_completions
+from tests.sql_statements import statements
 
 pytestmark = pytest.mark.integration
 
@@ -107,19 +108,8 @@ def test_what_is_not_kept_says_so(client, keys, jobs):
 
 def _listed_with_statements(client, auth: dict, **params) -> tuple[list[dict], list[str]]:
     """``GET /v1/chat/completions``'s completions, and the SQL statements the app ran for them."""
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
-    seen: list[str] = []
-
-    def on_execute(_conn, _cursor, statement, *_args) -> None:
-        seen.append(statement)
-
-    event.listen(Engine, "before_cursor_execute", on_execute)
-    try:
+    with statements() as seen:
         r = client.get("/v1/chat/completions", headers=auth, params=params)
-    finally:
-        event.remove(Engine, "before_cursor_execute", on_execute)
     assert r.status_code == 200, r.text
     return r.json()["data"], seen
 
