@@ -47,7 +47,10 @@ class VLLMKVView:
             # and the hit's blocks too, which leave the free pool with it unless a running request holds them
             mirror = self.scheduler.mirrors.get(request_id)
             return -(-((mirror.num_cached_tokens if mirror is not None else 0) + n) // bs)
-        return max(0, -(-(have + n) // bs) - -(-have // bs))
+        # the blocks vLLM holds for it already: those of its computed tokens, and any it allocated ahead of them (the
+        # slots of its draft tokens, vLLM's lookahead), which the next tokens fill before a new block is needed
+        held = len(self.scheduler.kv_cache_manager.coordinator.get_blocks(request_id)[0])
+        return max(0, -(-(have + n) // bs) - max(held, -(-have // bs)))
 
     @property
     def prefix_caching(self) -> bool:

@@ -421,6 +421,17 @@ def test_a_started_prompt_continues_while_the_prompt_ahead_of_it_cannot_be_admit
     assert d.finished == {"q0", "q1"}
 
 
+def test_a_decode_whose_next_tokens_fit_the_blocks_it_holds_runs_with_no_block_free(make_scheduler):
+    """vLLM allocates a decode's draft slots ahead of its tokens: the 200-token prompt with 26 tokens to give held
+    all 15 blocks of the pool at its last token. The policy counted a request's blocks from its computed tokens,
+    so it saw that token needing a 16th block, none free, and planned nothing for ever (found in CI)."""
+    short = {"qos_class": "batch", "deadline_s": 1, "tier": "free"}
+    evs = [("add", Job(1, 1, {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}, 0.0)),
+           ("add", Job(1, 1, short, 0.0)), ("add", Job(1, 1, short, 0.0)), ("add", Job(136, 26, short, 0.0, 64))]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=2), evs)
+    assert d.finished == {"q0", "q1", "q2", "q3"}
+
+
 @pytest.mark.parametrize("asked", [None, 1_000, 16])
 def test_sarathis_token_budget_is_at_most_vllms_step(make_scheduler, monkeypatch, asked):
     """Sarathi's chunk (256 by default, or the operator's) planned 33 tokens of a prompt into vLLM's 32-token step;
