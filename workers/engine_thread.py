@@ -15,7 +15,8 @@ itself. It also keeps the worker honest:
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
 * a step that raises gives every job back to the queue (the last allowed attempt fails), and
-  those jobs are sent again only after the next step took their aborts;
+  those jobs are sent again only after the next step; each one the engine held is set aside
+  (``abandon``) until the engine confirms its abort, so a rerun that comes back here waits for it;
 * an engine whose steps raise ``engine_error_limit`` times with no token made between them is
   broken (a lost device fails every step): the thread stops stepping, sends what it gave back
   at once, and calls ``on_broken``, so the worker stops instead of failing every job it takes.
@@ -365,8 +366,9 @@ class EngineThread:
             if job.finished:
                 continue
             job.finished = True
-            if job.in_engine:
-                self.engine.abort(job.job_id)
+            if job.in_engine:  # its id stays held until the engine confirms the abort or drops the request: a
+                self.engine.abort(job.job_id)  # rerun added here meanwhile would share the id with the aborted one
+                self.active.abandon(job)
             if job.lease.attempt >= self.settings.max_attempts:
                 records.append(self._failure(job, f"{error} (gave up after {job.lease.attempt} attempts)",
                                              "engine error"))

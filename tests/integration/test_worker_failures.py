@@ -169,3 +169,54 @@ def test_only_failures_with_no_token_between_them_break_the_engine(settings, scr
             worker.active.add(ActiveJob(leases.Lease("held", attempt, worker.worker_id), None, None, in_engine=True))
         engine_thread.iterate()
     assert (engine_thread.broken is not None) is broken
+
+
+def test_a_job_an_engine_error_gave_back_is_not_rerun_here_before_the_engine_took_its_abort(settings, keys):
+    """A failed step gives its jobs back and aborts them in the engine, which takes the aborts at its next step. The
+    job's id stays set aside until then: a rerun that comes back to this worker sooner is not added beside the
+    aborted request of the same id (whose pending abort would hit the rerun, or whose output would be the rerun's)."""
+    from gpu_runtime.engine import Engine
+    from gpu_runtime.executor.sim import SimExecutor
+    from gpu_runtime.request import RequestStatus
+    from gpu_runtime.scheduler.registry import create_scheduler
+    from tests.unit.scheduler.helpers import COST
+
+    url = settings.sqlalchemy_url
+    worker = GpuWorker(settings)
+    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine_thread = worker.attach(engine)
+    with session_scope(url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=12),
+                            settings, dispatch=False).job.id
+    worker.accept(job_id)
+    for _ in range(4):  # attempt 1 runs
+        worker.outbox.apply(engine_thread.iterate())
+    first = worker.active.get(job_id)
+    assert first.request.num_output_tokens > 0
+    real_step = engine.executor.step
+
+    def lost_once(plan):
+        engine.executor.step = real_step
+        raise RuntimeError("device hiccup")
+
+    engine.executor.step = lost_once
+    worker.outbox.apply(engine_thread.iterate())  # the step raises: attempt 1 is given back, its abort is pending
+    assert len(worker.active) == 0 and job_id in worker.active and _job_status(url, job_id) == "queued"
+    worker.accept(job_id)  # its message comes back here before the engine took the abort
+    assert worker.active.get(job_id) is None and first.request.status is not RequestStatus.FINISHED_ABORTED
+    worker.outbox.apply(engine_thread.iterate())  # the engine takes the abort: the id is free again
+    assert first.request.status is RequestStatus.FINISHED_ABORTED and job_id not in worker.active
+    worker.accept(job_id)
+    second = worker.active.get(job_id)
+    assert second is not None and second.lease.attempt == 2
+    for _ in range(60):
+        worker.outbox.apply(engine_thread.iterate())
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt, job.completion_tokens) == ("succeeded", 2, 12)
+    assert not engine.has_work
+
+
+def _job_status(url: str, job_id: str) -> str:
+    with session_scope(url) as s:
+        return s.get(Job, job_id).status
