@@ -101,6 +101,11 @@ class ActiveJobs:
         with self.lock:
             return list(self._abandoned)
 
+    @property
+    def set_aside(self) -> int:
+        """How many jobs are set aside (``abandon``): not served, their ids held until the engine lets them go."""
+        return len(self._abandoned)
+
     def take_all(self) -> list[ActiveJob]:
         with self.lock:
             jobs, self._jobs, self._relegated = list(self._jobs.values()), {}, 0

@@ -180,9 +180,14 @@ class SqlCollector(Collector):
                                       labels=["worker"])
         routed = GaugeMetricFamily("coserve:worker_routed_jobs_waiting", "Jobs prefix routing sent the worker that "
                                    "wait on its own queue (at its last heartbeat).", labels=["worker"])
+        set_aside = GaugeMetricFamily("coserve:worker_set_aside_jobs", "Jobs the worker set aside: their abort its "
+                                      "engine has not confirmed, their ids held (at its last heartbeat).",
+                                      labels=["worker"])
         now = utcnow()
         for w in workers:
             state = w.state or {}
+            if state.get("set_aside_jobs") is not None:
+                set_aside.add_metric([w.id], float(state["set_aside_jobs"]))
             if state.get("routed_waiting") is not None:
                 routed.add_metric([w.id], float(state["routed_waiting"]))
             if state.get("kv_usage") is not None:
@@ -194,6 +199,7 @@ class SqlCollector(Collector):
         yield up
         yield preempt
         yield routed
+        yield set_aside
 
     def _summed(self, s: Session, models: Sequence[str]) -> dict[str, Summed]:
         """The additive reads of ``models``' finished jobs, by name: each histogram's and each counter's."""

@@ -127,6 +127,7 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         expect(page.locator("#worker-w1 td.speculation span.kv").first).to_have_text("policy: none")
         expect(page.locator("#worker-w1 td.models")).to_have_text(settings.model_name)  # with adapters: them too
         expect(page.locator("#worker-w1 td.routed")).to_have_text("0")  # nothing waits on its own queue
+        expect(page.locator("#worker-w1 td.set-aside")).to_have_text("0")  # no abort left unconfirmed
         assert "{" not in page.locator("#worker-w1 td.speculation").inner_text()
         assert page.evaluate("keyValues({policy: 'adaspec', scale: 1.04213, confidence: [0.9, 0.712], "
                              "drafter: {on: true, k: 4}, last: null})") == [

@@ -813,6 +813,13 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
             "context_length"]
         s.vllm_max_model_len = 256  # the API told so: no warning
         assert "context_length" not in c.get("/readyz").json()["checks"]
+        # a worker whose engine never confirmed some aborts: ready, with a warning that counts them
+        assert "set_aside" not in c.get("/readyz").json()["checks"]
+        with session_scope(settings.sqlalchemy_url) as db:
+            db.get(WorkerState, "w1").state = {"served": [s.model_name, "tilted"], "runtime_lora": True,
+                                               "set_aside_jobs": 2}
+        r = c.get("/readyz")
+        assert r.status_code == 200 and r.json()["checks"]["set_aside"].startswith("warning: w1 set aside 2 jobs")
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": _adapter_dir(tmp_path / "rt")},
                    headers=H(keys.admin))
         assert r.status_code == 200, r.text

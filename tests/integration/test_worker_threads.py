@@ -593,6 +593,8 @@ def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(se
     worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
     assert worker.active.snapshot_ids() == [] and worker.active.in_line == 0 and worker._has_room(INTERACTIVE_PRIORITY)
     assert job.job_id in worker.active  # its id stays held while the engine may hold it: no rerun joins it here
+    worker.heartbeat()  # the worker's row counts it (the dashboard, /readyz, /metrics), not only its log
+    assert _worker_row_state(settings, worker)["set_aside_jobs"] == 1
     with session_scope(url) as s:
         row = s.get(Job, job.job_id)
         assert (row.status, row.settled_at is not None, row.lease_expires_at) == ("cancelled", True, None)
@@ -602,9 +604,18 @@ def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(se
     worker.outbox.apply(engine_thread.iterate())
     worker.outbox.flush_events()
     assert job.job_id not in worker.active
+    worker.heartbeat()
+    assert _worker_row_state(settings, worker)["set_aside_jobs"] == 0
     with session_scope(url) as s:
         row = s.get(Job, job.job_id)
         assert (row.output_text, row.completion_tokens, row.settled_at) == (None, None, settled)
     events = [StreamEvent.parse(raw).type for _id, raw in redis.Redis.from_url(settings.redis_url)
               .xrange(stream_key(job.job_id))]
     assert events.count("kept") == 1 and "delta" not in events
+
+
+def _worker_row_state(settings, worker: GpuWorker) -> dict:
+    from app.db.models import WorkerState
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        return dict(s.get(WorkerState, worker.worker_id).state)
