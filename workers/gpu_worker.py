@@ -34,7 +34,7 @@ from uuid import uuid4
 import redis
 from celery.signals import worker_shutting_down
 from celery.utils.nodenames import host_format
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.batch.storage import delete_expired_files
@@ -243,7 +243,7 @@ class GpuWorker:
                 log.info("%d jobs a worker %s that stopped waited with are to be sent again", dropped, self.worker_id)
 
     # ---------------------------------------------------------------- intake (Celery task)
-    def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY, queue: str | None = None) -> None:
+    def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY, queue: str | None = None) -> str | None:
         """Lease ``job_id`` (its message came on ``queue``) and add it to the engine; while the engine has no room for
         it (``workers.room``: an interactive job while ``max_inflight`` jobs are in line, a batch job while all but the
         interactive reserve are), its message is not kept here: it goes back to the head of its list on the model's
@@ -257,6 +257,9 @@ class GpuWorker:
         A cold shutdown cancels this task by raising in it, and its message is acked all the same: the job it held,
         not yet in the engine, goes back to the head of its queue then (``_give_back_interrupted``), not lost until
         the sweeper misses it.
+
+        Returns the queue to send the message to again later (Celery's retry, ``workers.tasks``) where the job is
+        pending again while this worker still holds its id set aside (an abort its engine never confirmed); else None.
         """
         self.handing_back = None
         try:
@@ -269,11 +272,18 @@ class GpuWorker:
             self._await_room(priority)
         elif wait == "drain":
             self._drain_pause()
+        elif wait == "set aside":
+            return self._queue_back(job_id, queue)
+        return None
 
     def _take(self, job_id: str, priority: int, queue: str | None) -> str | None:
         """``accept``'s intake: the job leased into the engine, or its message (it came on ``queue``) handed back.
         What to wait for then, with no message in hand: "room" (the engine was full), "drain" (this worker drains),
-        or None."""
+        "set aside" (its id is held here: its message is sent again later), or None."""
+        if (held := self._held_set_aside(job_id)) is not None:
+            # dispatched: its message is sent again later; queued: whoever requeued it sends it (the sweeper, an
+            # engine error's resend), so this message is dropped
+            return "set aside" if held is JobStatus.DISPATCHED else None
         if not self._without_earlier_attempt(job_id):
             self._hand_back(job_id, self._queue_back(job_id, queue), priority)  # for when that attempt left
             return None
@@ -426,6 +436,24 @@ class GpuWorker:
         free (``workers.room``)."""
         return has_room(self.active.in_line, priority == BATCH_PRIORITY, self.settings.max_inflight,
                         self.settings.kept_for_interactive)
+
+    def _held_set_aside(self, job_id: str) -> JobStatus | None:
+        """The status of ``job_id`` where it is pending again while this worker holds its id set aside
+        (``ActiveJobs.abandon``: its abort was sent, the engine has not let the request go), else None. No wait here
+        ends that, nor does another abort: a dispatched job's message is sent again after a backoff (``workers.tasks``),
+        for whichever worker takes it then. It is marked dispatched now, as that send is one: the sweeper resends a
+        dispatched job missing from the queues only once its dispatch is old, and the retried message is held by a
+        consumer until its countdown ends."""
+        if job_id not in self.active or self.active.get(job_id) is not None:
+            return None
+        with session_scope(self.url, immediate=True) as s:
+            if s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.DISPATCHED.value)
+                         .values(dispatched_at=utcnow()).execution_options(synchronize_session=False)).rowcount:
+                log.info("job %s came back to this worker while its engine still holds its aborted request; sent "
+                         "again later", job_id)
+                return JobStatus.DISPATCHED
+            queued = s.scalar(select(Job.status).where(Job.id == job_id)) == JobStatus.QUEUED.value
+        return JobStatus.QUEUED if queued else None
 
     def _without_earlier_attempt(self, job_id: str, wait_s: float = 1.0) -> bool:
         """False while an earlier attempt of ``job_id`` is still in this worker although SQL has the job pending again

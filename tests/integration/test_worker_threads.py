@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -619,3 +620,71 @@ def _worker_row_state(settings, worker: GpuWorker) -> dict:
 
     with session_scope(settings.sqlalchemy_url) as s:
         return dict(s.get(WorkerState, worker.worker_id).state)
+
+
+def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_celery(settings, keys, monkeypatch):
+    """A job whose lease lapsed while its engine never confirmed the abort keeps its id set aside on this worker. Its
+    resent message coming back here is neither waited on (no abort frees the id) nor handed back to the head of the
+    queue, where this worker took it again at once, over and over: Celery's retry sends it again after a backoff, on
+    the model's queue, for whichever worker takes it then; once the engine let the id go, the job runs here."""
+    import json
+
+    from celery.exceptions import Retry
+
+    from workers.celery_app import RUN_JOB, get_celery
+    from workers.tasks import SET_ASIDE_BACKOFF_MAX_S
+
+    url = settings.sqlalchemy_url
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Recorder())  # its abort only records the call: the engine never confirms it
+    (job,) = _leased_jobs(settings, keys, worker, 1)
+    worker.inbox.put(Add(job.job_id))
+    worker.outbox.apply(engine_thread.iterate())
+    _lapse_and_requeue(settings, job.job_id)  # the sweeper requeued it and sent its message again
+    worker.abort(job.job_id)  # the heartbeat found it is no longer ours
+    worker.outbox.apply(engine_thread.iterate())
+    job.abort_sent_at -= settings.lease_seconds  # a lease later (the clock moved on, not slept on)
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    assert worker.active.abandoned_ids() == [job.job_id]
+    r = redis.Redis.from_url(settings.redis_url)
+    waiting = r.llen("coserve.tiny")
+    with session_scope(url) as s:
+        dispatched_at = s.get(Job, job.job_id).dispatched_at
+
+    app = get_celery(settings.redis_url)
+    app.loader.import_default_modules()
+    monkeypatch.setattr(app, "coserve_worker", worker, raising=False)
+    run_job = app.tasks[RUN_JOB]
+
+    def delivered(retries: int):  # the task as the worker's consumer runs its message (the retry sends to Redis)
+        run_job.push_request(id=f"task-{retries}", args=[job.job_id], kwargs={}, retries=retries, is_eager=False,
+                             called_directly=False, delivery_info={"priority": INTERACTIVE_PRIORITY, "exchange": "",
+                                                                   "routing_key": "coserve.tiny"})
+        try:
+            return run_job.run(job.job_id)
+        finally:
+            run_job.pop_request()
+
+    with pytest.raises(Retry) as retry:
+        delivered(0)
+    assert retry.value.when == 1  # Celery's backoff: 1 s, then 2, 4, ...
+    sent = [json.loads(raw) for raw in r.lrange("coserve.tiny", 0, -1)]
+    assert len(sent) == waiting + 1  # Celery's retry, not a hand-back to the head for this worker to take again
+    assert (sent[0]["headers"]["id"], sent[0]["headers"]["retries"]) == ("task-0", 1)
+    assert sent[0]["headers"]["eta"] is not None  # held by the consumer that takes it until its countdown ends
+    with session_scope(url) as s:
+        row = s.get(Job, job.job_id)
+        assert (row.status, row.attempt, row.worker_id) == ("dispatched", 1, None)
+        assert row.dispatched_at > dispatched_at  # the retry is a send: the sweeper does not resend a copy meanwhile
+    with pytest.raises(Retry) as retry:
+        delivered(6)
+    assert retry.value.when == SET_ASIDE_BACKOFF_MAX_S
+    assert delivered(run_job.max_retries) is None  # the last one: left to the sweeper's resend
+    assert r.llen("coserve.tiny") == waiting + 2
+    assert worker.engine.calls.count(("add", job.job_id)) == 1  # never added beside the request the engine holds
+
+    del worker.engine.requests[job.job_id]  # the engine let the request go at last
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    worker.engine.executor = SimpleNamespace(now=time.monotonic)  # the clock a job's arrival is set on
+    assert delivered(2) is None
+    assert worker.active.get(job.job_id).lease.attempt == 2
