@@ -134,6 +134,56 @@ def test_a_hand_back_a_cold_shutdown_interrupts_leaves_one_message_at_the_head(s
     assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id, "later"]
 
 
+def test_a_second_message_left_by_a_hand_back_a_cold_shutdown_interrupted_runs_nothing_twice(settings, keys,
+                                                                                              monkeypatch):
+    """Another worker takes the message a draining worker pushed back before the cold shutdown that interrupts the
+    hand-back's move: the give-back finds it gone from the list and sends a second one. Only one lease is had: the
+    taker runs the job once, and the second message, wherever it lands (the taker, a third worker, after the job
+    ended), is acked and dropped, neither running the job again nor failing it."""
+    from gpu_runtime.engine import Engine
+    from gpu_runtime.executor.sim import SimExecutor
+    from gpu_runtime.scheduler.registry import create_scheduler
+    from tests.unit.scheduler.helpers import COST
+
+    draining, taker, third = (GpuWorker(settings.model_copy(update={"worker_id": w})) for w in ("wa", "wb", "wc"))
+    draining.draining = True
+    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine_thread = taker.attach(engine)
+    job_id = _submit(settings, keys, max_tokens=4)
+    with session_scope(settings.sqlalchemy_url) as s:  # dispatched, its message in the draining worker's hand
+        assert transition(s, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED)
+    r = redis.Redis.from_url(settings.redis_url)
+    real_move = dispatch.move
+
+    def taken_then_cancelled(*args, **kwargs):  # the taker's consumer takes the pushed message, then SIGQUIT lands
+        if celery_state.should_terminate:
+            return real_move(*args, **kwargs)
+        pushed = [m for m in r.lrange("coserve.tiny", 0, -1) if draining.handing_back[1].encode() in m]
+        assert len(pushed) == 1 and r.lrem("coserve.tiny", 1, pushed[0]) == 1
+        celery_state.should_terminate = 1
+        raise NotImplementedError(KILL_JOB)
+
+    monkeypatch.setattr(celery_state, "should_terminate", None)
+    monkeypatch.setattr(dispatch, "move", taken_then_cancelled)
+    with pytest.raises(NotImplementedError):
+        draining.accept(job_id)
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # the second message
+    monkeypatch.setattr(celery_state, "should_terminate", None)
+    taker.accept(job_id)  # the message it took: leased and run here
+    assert taker.active.get(job_id).lease.attempt == 1
+    taker.accept(job_id)  # the second message, taken by the same worker while the job runs there
+    third.accept(job_id)  # or by another
+    assert len(third.active) == 0 and len(taker.active) == 1
+    for _ in range(40):
+        taker.outbox.apply(engine_thread.iterate())
+    third.accept(job_id)  # or once the job ended
+    assert len(third.active) == 0 and len(taker.active) == 0
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt, job.worker_id, job.error) == ("succeeded", 1, "wb", None)
+    assert _details(settings, job_id).count("leased") == 1 and not engine.has_work
+
+
 def test_a_bad_request_still_fails_at_admission_outside_a_cold_shutdown(settings, keys, monkeypatch):
     worker = GpuWorker(settings)
     job_id = _submit(settings, keys)
