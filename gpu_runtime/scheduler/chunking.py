@@ -106,12 +106,15 @@ class ChunkBudget:
         self.kv_short_fraction = kv_short_fraction  # free-KV share below which the space is halved
 
     def choose(self, decodes: list[Request], now: float, kv_free_fraction: float = 1.0,
-               prefill_start: int = 0, queued_tokens: int | None = None) -> BudgetChoice:
+               prefill_start: int = 0, queued_tokens: int | None = None, step_room: int | None = None
+               ) -> BudgetChoice:
         """Alg. 1 lines 5-7. ``prefill_start``: tokens already computed of the prompt the chunk goes to
         (its attention covers them: a continued long prompt costs more than a fresh one). ``queued_tokens``: the
         prompt tokens waiting for a chunk. The pass predicted runs no more of them than wait: a 47-token prompt
         alone is a 47-token pass, not one of the budget (with vLLM's 4096-token step cap on the CPU, 6.7 s
-        predicted against 63 ms, which relegated every interactive job that met an idle engine)."""
+        predicted against 63 ms, which relegated every interactive job that met an idle engine). ``step_room``:
+        the prompt tokens the engine's step cap leaves beside the decodes (None: no cap); the budget is cut to it,
+        and the pass predicted is the one cut."""
         n_dec = len(decodes)
         ctx = sum(r.num_computed_tokens for r in decodes)
         space = self.space
@@ -125,6 +128,8 @@ class ChunkBudget:
             return predict(BatchFeatures(c, n_dec, start + c, ctx, 0, n_dec + 1, c * (start + c / 2)))
 
         def chosen(c: int, slack: float) -> BudgetChoice:
+            if step_room is not None:
+                c = min(c, max(0, step_room))
             return BudgetChoice(c, time_at(c if queued_tokens is None else min(c, queued_tokens)), slack, ctx)
 
         # A batch decode that cannot keep its pace even beside the smallest chunk is lost: cutting every chunk

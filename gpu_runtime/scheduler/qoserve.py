@@ -209,12 +209,12 @@ class QoServeScheduler(BaseScheduler):
         # counted past the largest chunk by the pace chunk: enough to tell whether the prompts other than a
         # batch job's own fill the pace chunk (_estimate_for)
         queued = self._queued_prefill(self._top_chunk + self._pace_chunk)
+        # the engine's step cap: the decodes (and their drafts) take theirs first, the chunk is cut to the rest
+        cap = self.config.step_tokens
+        room = None if cap is None else cap - len(out.decodes) - self.step_drafts
         choice = self.chunking.choose(out.decodes, now, kv.unreserved_fraction,
-                                      head.num_computed_tokens if head is not None else 0, queued)
+                                      head.num_computed_tokens if head is not None else 0, queued, room)
         out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
-        if self.config.step_tokens is not None:  # the engine's step cap: the decodes (and drafts) take theirs first
-            room = self.config.step_tokens - len(out.decodes) - self.step_drafts
-            out.prefill_budget = min(choice.budget, max(0, room))
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
         decodes, ctx = len(out.decodes), choice.context_tokens

@@ -348,3 +348,15 @@ def test_a_batch_job_is_paced_beside_the_prompts_queued_other_than_its_own():
     assert relegated() == []
     assert relegated(200) == []  # beside 200 prompt tokens: 30 ms a token, 15 s
     assert relegated(3000) == ["job"]  # under a backlog the saturating chunk's pace holds
+
+
+def test_a_chunk_cut_by_the_step_cap_is_predicted_as_cut():
+    """A decode with 10 s of slack lets the chunk take the 4000 tokens queued (0.41 s predicted); the engine's step
+    cap of 100 tokens leaves it 99 beside the decode. The pass predicted is that one: 100 tokens, 20 ms on COST."""
+    s = create_scheduler("qoserve", cost_model=COST, chunk_floor=16, chunk_ceiling=4096, step_tokens=100)
+    d = decoding(interactive("d", ttft=1.0, tbt=10.0), outputs=1, times=[0.9])
+    s.running[d.request_id] = d
+    s.add_request(batch("big", prompt=4000, ttlt=1000.0))
+    out = s.schedule(now=1.0)
+    assert out.prefill_budget == 99 and out.prefills[0].num_tokens == 99
+    assert abs(out.predicted_latency_s - (0.010 + 1e-4 * 100)) < 1e-9, out.predicted_latency_s
