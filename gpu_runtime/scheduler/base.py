@@ -107,8 +107,11 @@ class BaseScheduler(Scheduler):
         self.relegated: RequestQueue = self._make_queue()  # run only with spare budget
         self.running: dict[str, Request] = {}  # decoding, insertion order
         self.started: set[str] = set()  # prefills with KV already allocated (mid-prompt)
-        # tokens of the next step the decodes' draft tokens take (the engine's drafter proposed them): a budget
-        # that counts the step's tokens (Sarathi's chunk_size, QoServe's step_tokens) leaves them
+        # draft tokens each running decode verifies in the next step (the engine's drafter proposed them; set by the
+        # engine before each schedule, missing: none): a decode takes 1 + its drafts of the step's tokens and KV
+        self.decode_drafts: dict[str, int] = {}
+        # the planned decodes' drafts (set by schedule): a budget that counts the step's tokens (Sarathi's
+        # chunk_size, QoServe's step_tokens) leaves them
         self.step_drafts = 0
         self.history = DecodeLengthHistory()
         self.free_waiting = 0  # free-tier jobs in ``waiting`` (relegation rule)
@@ -234,15 +237,18 @@ class BaseScheduler(Scheduler):
         self._new_admits = 0
         self._pass_blocks.clear()
         kv = KVBudget(self.executor, self.config.kv_watermark, self._footprint, self._reserved_output)
-        if self.executor is not None and kv.free - kv.outstanding < len(self.running):
+        drafts = self.decode_drafts
+        if self.executor is not None and kv.free - kv.outstanding < self._decode_blocks_bound(kv.block_size):
             self._make_room_for_decodes(kv, out)
-        if kv.free - kv.outstanding >= len(self.running) or self.executor is None:
+        if self.executor is None or kv.free - kv.outstanding >= self._decode_blocks_bound(kv.block_size):
             out.decodes = list(self.running.values())  # footprints reserved: every decode fits
-        else:
-            out.decodes = [r for r in self.running.values() if kv.take(r, 1, admit=False) == 1]
+        else:  # each with its drafts: vLLM allocates their slots too, and preempts where they do not fit
+            out.decodes = [r for r in self.running.values()
+                           if kv.take(r, n := 1 + drafts.get(r.request_id, 0), admit=False) == n]
         if len(out.decodes) < len(self.running):
             log.debug("KV exhausted: %d of %d decodes wait a step", len(self.running) - len(out.decodes),
                         len(self.running))
+        self.step_drafts = sum(drafts.get(r.request_id, 0) for r in out.decodes) if drafts else 0
         self._fill(out, now, kv)
         for p in out.prefills:
             if p.request.request_id not in self.started:
@@ -289,11 +295,19 @@ class BaseScheduler(Scheduler):
             self._footprint += fp - held
             self._holders[req.request_id] = fp
 
+    def _decode_blocks_bound(self, block_size: int) -> int:
+        """The most KV blocks the running decodes' next step can take: one each (its token and drafts within one
+        block past what it holds), more for a decode whose drafts pass a whole block."""
+        if not self.decode_drafts:
+            return len(self.running)
+        return len(self.running) + sum(-(-(1 + k) // block_size) - 1 for k in self.decode_drafts.values())
+
     def _make_room_for_decodes(self, kv: KVBudget, out: SchedulerOutput) -> None:
         """Recompute preemption (vLLM's default): when the free blocks cannot hold every running decode's next
-        token, release the KV of paused prefills, then of the least urgent decodes, until they can. Their
-        prefill is recomputed later (prompt + outputs); tokens already streamed stay."""
-        need = sum(kv.need(r, 1) for r in self.running.values())
+        token and its drafts, release the KV of paused prefills, then of the least urgent decodes, until they can.
+        Their prefill is recomputed later (prompt + outputs); tokens already streamed stay."""
+        drafts = self.decode_drafts
+        need = sum(kv.need(r, 1 + drafts.get(r.request_id, 0)) for r in self.running.values())
         if need <= kv.free:
             return
         paused = [r for rid in self.started if (r := self.waiting.get(rid) or self.relegated.get(rid)) is not None]
@@ -302,7 +316,7 @@ class BaseScheduler(Scheduler):
             if need <= kv.free or (req.request_id in self.running and len(self.running) == 1):
                 break
             if req.request_id in self.running:
-                need -= kv.need(req, 1)
+                need -= kv.need(req, 1 + drafts.get(req.request_id, 0))
             self._release_kv(req)
             out.recomputed.append(req)
             kv.refresh(self.executor.capacity().free_blocks, self._footprint)  # type: ignore[union-attr]

@@ -306,7 +306,7 @@ class CoserveScheduler(AsyncScheduler):
         # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
         slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if self.lora_config else None
         aside = self.policy.set_aside(self._without_lora_slot(slots)) if slots is not None else []
-        self.policy.step_drafts = self._proposed_drafts()
+        self.policy.decode_drafts = self._decode_drafts()
         try:
             plan = self.policy.schedule(now)
         finally:
@@ -361,12 +361,13 @@ class CoserveScheduler(AsyncScheduler):
             if hit != mirror.num_computed_tokens:
                 self.policy.note_cached_prefix(mirror, hit)  # type: ignore[union-attr]
 
-    def _proposed_drafts(self) -> int:
-        """Draft tokens vLLM's drafter proposed for the policy's decodes, which each verifies in the step (as many
-        as the speculation policy keeps, at most): the policy's budget leaves them their tokens of the step."""
+    def _decode_drafts(self) -> dict[str, int]:
+        """Draft tokens each of the policy's decodes verifies in the step (as many as the speculation policy keeps of
+        what vLLM's drafter proposed, at most): the policy leaves them their tokens of the step and their KV slots."""
         if not self.num_spec_tokens:
-            return 0
-        return sum(len(r.spec_token_ids) for r in self.running if r.request_id in self.policy.running)
+            return {}
+        running = self.policy.running  # type: ignore[union-attr]
+        return {r.request_id: n for r in self.running if (n := len(r.spec_token_ids)) and r.request_id in running}
 
     def _measure_step(self, now: float) -> None:
         """The step scheduled last cost from its schedule() until this one, if the engine went straight on
