@@ -34,6 +34,11 @@ class SpeculationPolicy(ABC):
         ``chains_only``: the drafter proposes one chain per request (vLLM), no beam of several."""
         return {}
 
+    def most_kept(self, proposed: int) -> int:
+        """The most of a request's ``proposed`` draft tokens (one chain) this policy verifies in any pass: known
+        before the pass is planned, so the step's token budget can leave the drafts no more than that."""
+        return proposed
+
     def bind(self, executor: Executor) -> None:
         """Called once by the engine; policies may read the executor's profile/capacity."""
         self.executor = executor
@@ -70,6 +75,9 @@ class NoSpeculation(SpeculationPolicy):
     """Plain autoregressive decoding."""
 
     name = "none"
+
+    def most_kept(self, proposed: int) -> int:
+        return 0
 
     def draft_plan(self, decodes, now):
         return []

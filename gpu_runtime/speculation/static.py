@@ -25,6 +25,9 @@ class StaticChain(SpeculationPolicy):
         self.length = length
         self.name = f"chain-{length}"
 
+    def most_kept(self, proposed: int) -> int:
+        return min(self.length, proposed)  # the chain's first ``length`` tokens, whatever the pass
+
     def draft_plan(self, decodes, now):
         return [DraftEntry(r.request_id, self.length, 1) for r in decodes]
 

@@ -362,12 +362,15 @@ class CoserveScheduler(AsyncScheduler):
                 self.policy.note_cached_prefix(mirror, hit)  # type: ignore[union-attr]
 
     def _decode_drafts(self) -> dict[str, int]:
-        """Draft tokens each of the policy's decodes verifies in the step (as many as the speculation policy keeps of
-        what vLLM's drafter proposed, at most): the policy leaves them their tokens of the step and their KV slots."""
+        """Draft tokens each of the policy's decodes verifies in the step: what vLLM's drafter proposed for it, cut
+        to the most the speculation policy keeps of it where that is known before the step is planned (a static
+        chain's length). The policy leaves them their tokens of the step and their KV slots."""
         if not self.num_spec_tokens:
             return {}
+        kept = self.drafts.policy.most_kept if self.drafts is not None else None
         running = self.policy.running  # type: ignore[union-attr]
-        return {r.request_id: n for r in self.running if (n := len(r.spec_token_ids)) and r.request_id in running}
+        return {r.request_id: kept(n) if kept is not None else n for r in self.running
+                if (n := len(r.spec_token_ids)) and r.request_id in running}
 
     def _measure_step(self, now: float) -> None:
         """The step scheduled last cost from its schedule() until this one, if the engine went straight on

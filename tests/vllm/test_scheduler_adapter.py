@@ -376,6 +376,28 @@ def test_a_decodes_drafts_count_in_its_kv_room_so_the_policy_chooses_whom_to_pre
     assert out.num_scheduled_tokens == {paid.request_id: 5} and paid in s.running
 
 
+def test_a_static_chains_share_of_the_drafts_leaves_the_rest_of_the_step_to_prompts(make_scheduler):
+    """vLLM proposed 6 drafts for the decode and chain-2 verifies 2 of them, which is known before the step is
+    planned: the 64-token step runs the decode, its 2 drafts and 61 prompt tokens (57 when the budget left the 6
+    proposed their tokens, 4 of them unused)."""
+    from gpu_runtime.costmodel.profile import conservative_cost_model
+    from gpu_runtime.vllm.speculation import DraftLengths
+
+    s = make_scheduler("qoserve", max_batched=64)
+    s.num_spec_tokens = 6
+    s.drafts = DraftLengths("chain-2", conservative_cost_model(), longest_draft=6)
+    chat = {"ttft_ms": 60_000, "tbt_ms": 10_000}
+    d = vllm_request(16, chat, max_tokens=32)
+    s.add_request(d)
+    run_step(s)
+    prompt = vllm_request(400, chat)
+    s.add_request(prompt)
+    d.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {d.request_id: 3, prompt.request_id: 61}
+    assert out.total_num_scheduled_tokens == 64
+
+
 def test_drafts_accepted_on_a_requests_last_step_count_in_full(make_scheduler):
     """A request 2 tokens short of max_tokens verifies 4 drafts and the model accepts them all (5 tokens with the
     bonus): vLLM keeps 2, and the policy learns 4 accepted. Counted from the kept tokens, it learnt 1 (a miss at
