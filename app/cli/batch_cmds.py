@@ -313,7 +313,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
               deadline: Annotated[str, typer.Option("--deadline", "-d", help="finish within: 30m, 2h, 1d")] = "2h",
               output: Annotated[Path, typer.Option("--output", "-o", help="results JSONL")] = Path("summaries.jsonl"),
               specbench: Annotated[bool, typer.Option(help="summarize SpecBench's 80 summarization prompts")] = False,
-              limit: Annotated[int | None, typer.Option(min=1, help="only the first N documents")] = None,
+              limit: Annotated[int | None, typer.Option(min=1, help="only the first N documents (with --list: "
+                                                                    "the runs a page shows)")] = None,
               max_summary_tokens: Annotated[int, typer.Option(help="tokens per summary")] = 128,
               chunk_tokens: Annotated[int, typer.Option(help="largest chunk of text per job")] = 1024,
               overlap_tokens: Annotated[int, typer.Option(help="tokens shared by neighbouring chunks")] = 64,
@@ -325,12 +326,29 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
               cancel_id: Annotated[str | None, typer.Option(
                   "--cancel", help="cancel a run (its id): the documents not done fail, its summaries stay",
                   callback=in_path)] = None,
+              list_runs: Annotated[bool, typer.Option("--list", help="list your runs, newest first (--limit of "
+                                                                     "them, at most 100; 20 unless given)")] = False,
+              after: Annotated[str | None, typer.Option(help="with --list: the page after this run id (the last one "
+                                                            "the page before showed)")] = None,
+              as_json: Annotated[bool, typer.Option("--json", help="with --list: print the API's JSON instead of a "
+                                                                   "table")] = False,
               tier: Tier = None, url: Url = None, key: Key = None) -> None:
     """Summarize long documents map-reduce as deadline batch jobs; writes one JSON line per document.
 
-    The run goes on on the server if this command stops: `--run ID` follows it again and saves its results.
-    Exits 1 if a document failed or the run ended after the deadline.
+    The run goes on on the server if this command stops: `--run ID` follows it again and saves its results, and
+    `--list` shows your runs (ids, status, progress). Exits 1 if a document failed or the run ended after the deadline.
     """
+    if list_runs or after is not None or as_json:
+        if not list_runs:
+            raise typer.BadParameter("--after and --json go with --list", param_hint="--list")
+        if paths or specbench or run_id or cancel_id:
+            raise typer.BadParameter("--list shows your runs: give no documents, --specbench, --run or --cancel "
+                                     "with it", param_hint="--list")
+        if limit is not None and limit > LIST_MAX:
+            raise typer.BadParameter(f"{limit}: a page holds at most {LIST_MAX} runs; --after pages on",
+                                     param_hint="--limit")
+        _list_runs(Api(url, key), limit or LIST_DEFAULT, after, as_json)
+        return
     api = Api(url, key)
     if cancel_id:
         run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel", timeout=LONG_TIMEOUT_S).json()
@@ -374,6 +392,31 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
         raise typer.Exit(1)
 
 
+LIST_DEFAULT, LIST_MAX = 20, 100  # GET /v1/summarize's default and largest page
+
+
+def _list_runs(api: Api, limit: int, after: str | None, as_json: bool) -> None:
+    """One page of the tenant's runs, newest first, as ``GET /v1/summarize`` answers it (a table, or its JSON)."""
+    page = api.call("GET", "/v1/summarize",
+                    params={k: v for k, v in {"limit": limit, "after": after}.items() if v}).json()
+    if as_json:
+        print_json(page)
+        return
+    runs = page["data"]
+    if not runs:  # not a table of headers alone
+        console.print("no summarization runs" + (f" after {escape(after)}" if after else ""))
+        return
+    table = list_table(kept("run", (r["id"] for r in runs)), kept("status", (r["status"] for r in runs)),
+                       other("documents done / failed / total", justify="right"),
+                       other("jobs done / submitted", justify="right"), date("deadline"), other("model"))
+    for r in runs:
+        table.add_row(r["id"], r["status"], f"{r['documents_done']} / {r['documents_failed']} / {r['documents']}",
+                      f"{r['jobs_done']} / {r['jobs_submitted']}", when(r["deadline_at"]), escape(r["model"] or "-"))
+    print_table(console, table)
+    if page["has_more"]:
+        console.print(f"more: `coserve summarize --list --after {page['last_id']}`")
+
+
 def run_ending(run: dict[str, Any], spare_s: float) -> str:
     """How a followed run ended, as its last line says it: cancelled, failed, after or before its deadline (a run
     cancelled or failed within its deadline had been said to end "before the deadline")."""
@@ -415,8 +458,8 @@ def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int |
         run = api.call("POST", "/v1/summarize", json={
             "documents": [{"id": d.id, "text": d.text} for d in docs], **options}, timeout=LONG_TIMEOUT_S).json()
     except KeyboardInterrupt:  # the server may have started the run before it could answer with its id
-        stderr.print(f"\nstopped waiting for the run's start; the server may start it anyway: GET {api.url}"
-                     "/v1/summarize lists your runs, newest first, `coserve summarize --run ID` follows one and "
+        stderr.print("\nstopped waiting for the run's start; the server may start it anyway: `coserve summarize "
+                     "--list` lists your runs, newest first, `coserve summarize --run ID` follows one and "
                      "`coserve summarize --cancel ID` stops it")
         raise typer.Exit(INTERRUPTED) from None
     console.print(f"summarization [bold]{run['id']}[/bold]: {len(docs)} documents (`coserve summarize --run "

@@ -309,3 +309,38 @@ def test_an_api_error_goes_to_stderr_and_leaves_stdout_to_the_json(live_server, 
         r = CliRunner().invoke(cli, [*args, *auth])
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (args, r.exception, r.output)
         assert r.stderr.startswith("404 ") and r.stdout == "", (args, r.stdout, r.stderr)
+
+
+def test_summarize_list_pages_the_runs_newest_first_as_a_table_or_json(live_server, keys, tmp_path):
+    """A user who stopped following a run (Ctrl-C during its start: no id printed yet) finds it with
+    `coserve summarize --list`, paged as GET /v1/summarize is; --json is the API's page and nothing else."""
+    h = Keys.header(keys.paid)
+    auth = ["--url", live_server, "--key", keys.paid]
+    started = [httpx.post(f"{live_server}/v1/summarize", headers=h,
+                          json={"documents": [{"id": f"d{i}", "text": "The cat sat on the mat."}]}).json()["id"]
+               for i in range(3)]
+    try:
+        newest_first = [r["id"] for r in httpx.get(f"{live_server}/v1/summarize", headers=h).json()["data"]]
+        assert set(newest_first) == set(started)
+        r = CliRunner().invoke(cli, ["summarize", "--list", "--limit", "2", "--json", *auth])
+        assert r.exit_code == 0 and r.stderr == "", r.output
+        page = json.loads(r.stdout)  # stdout is the JSON alone
+        assert [run["id"] for run in page["data"]] == newest_first[:2] and page["has_more"] is True
+        r = CliRunner().invoke(cli, ["summarize", "--list", "--after", page["last_id"], "--json", *auth])
+        assert r.exit_code == 0 and [run["id"] for run in json.loads(r.stdout)["data"]] == newest_first[2:]
+        r = CliRunner().invoke(cli, ["summarize", "--list", "--limit", "2", *auth], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert all(run_id in r.stdout for run_id in newest_first[:2]) and newest_first[2] not in r.stdout
+        assert f"coserve summarize --list --after {newest_first[1]}" in _flat(r.stdout), r.stdout
+        r = CliRunner().invoke(cli, ["summarize", "--list", "--after", newest_first[2], *auth])
+        assert r.exit_code == 0 and "no summarization runs after" in r.stdout, r.output
+        # a cursor naming none of the tenant's runs is the API's 422, on stderr
+        r = CliRunner().invoke(cli, ["summarize", "--list", "--after", "sum_nope", "--json", *auth])
+        assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("422 "), (r.stdout, r.stderr)
+        for bad in (["--list", "--limit", "101"], ["--json"], ["--list", "--run", newest_first[0]],
+                    ["--list", str(tmp_path)]):
+            r = CliRunner().invoke(cli, ["summarize", *bad, *auth])
+            assert r.exit_code == 2 and r.stdout == "", (bad, r.output)
+    finally:  # no worker runs their jobs: stop them, they would wait for the next test's
+        for run_id in started:
+            httpx.post(f"{live_server}/v1/summarize/{run_id}/cancel", headers=h, timeout=600)
