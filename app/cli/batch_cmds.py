@@ -146,9 +146,9 @@ def _end(batch: dict[str, Any]) -> None:
     """Says where the failed requests' reasons are (the table's count alone does not), then exits as
     ``exit_code`` says: a script's ``coserve batch create --wait && next`` goes no further unless all succeeded."""
     counts = batch["request_counts"]
-    if counts["failed"]:
-        console.print(f"[yellow]{counts['failed']} of {counts['total']} requests failed[/yellow]: `coserve batch "
-                      f"results {batch['id']} --errors FILE` saves why")
+    if counts["failed"]:  # what went wrong goes to stderr, as every failure does: stdout is the batch's table
+        stderr.print(f"[yellow]{counts['failed']} of {counts['total']} requests failed[/yellow]: `coserve batch "
+                     f"results {batch['id']} --errors FILE` saves why")
     if code := exit_code(batch):
         raise typer.Exit(code)
 
@@ -289,8 +289,9 @@ def results(batch_id: BatchId,
     """Download a finished batch's output (and error) file; prints the output when no --output."""
     api = Api(url, key)
     b = api.call("GET", f"/v1/batches/{batch_id}").json()
-    if b["status"] not in BATCH_DONE:
-        console.print(f"batch {batch_id} is {b['status']}; results come when it ends (`coserve batch status -f`)")
+    if b["status"] not in BATCH_DONE:  # stderr: `batch results ID > out.jsonl` would have held this line
+        stderr.print(f"batch {batch_id} is {b['status']}; results come when it ends (`coserve batch status "
+                     f"{batch_id} -f`)")
         raise typer.Exit(1)
     if b.get("output_file_id"):
         text = api.call("GET", f"/v1/files/{b['output_file_id']}/content").text
@@ -381,13 +382,15 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
         console.print(f"wall time {elapsed:.1f}s vs deadline {(deadline_at - started_at).total_seconds():.0f}s "
                       f"({deadline}): {run_ending(run, spare_s)}")
     elif not met and run["status"] == "completed":
-        console.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
+        stderr.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
+    # what went wrong goes to stderr, as every failure does (stdout says what was saved where)
     if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
         why = f" ({run['reason']})" if run.get("reason") else ""  # an older server names none
-        console.print(f"[yellow]the run was cancelled{why}; {run['documents_failed']} documents were not summarized"
-                      "[/yellow]")
+        stderr.print(f"[yellow]the run was cancelled{escape(why)}; {run['documents_failed']} documents were not "
+                     "summarized[/yellow]")
     elif run["documents_failed"]:
-        console.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {output}[/yellow]")
+        stderr.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {escape(str(output))}"
+                     "[/yellow]")
     if run["documents_failed"] or not met:
         raise typer.Exit(1)
 
@@ -420,7 +423,7 @@ def _list_runs(api: Api, limit: int, after: str | None, as_json: bool) -> None:
 def run_ending(run: dict[str, Any], spare_s: float) -> str:
     """How a followed run ended, as its last line says it: cancelled, failed, after or before its deadline (a run
     cancelled or failed within its deadline had been said to end "before the deadline")."""
-    why = f" ({run['reason']})" if run.get("reason") else ""  # an older server names none
+    why = f" ({escape(run['reason'])})" if run.get("reason") else ""  # an older server names none
     if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
         return f"[yellow]cancelled[/yellow]{why}"
     if run["status"] == "failed":

@@ -109,7 +109,9 @@ def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_serv
                                "body": {"model": "tiny", "prompt": "x"}}) + "\n{oops\n")
     r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", "--wait", *auth])
     batch_id = r.output.split("batch ")[1].split()[0]
-    assert r.exit_code == 1 and "2 of 2 requests failed" in _flat(r.output), r.output
+    # what went wrong goes to stderr: stdout holds the batch's table alone
+    assert r.exit_code == 1 and "2 of 2 requests failed" in _flat(r.stderr), (r.stdout, r.stderr)
+    assert "requests failed" not in r.stdout, r.stdout
     b = httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=h).json()
     assert b["status"] == "completed" and b["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
     r = CliRunner().invoke(cli, ["batch", "results", batch_id, *auth])  # `> out.jsonl`: stdout holds JSONL only
@@ -133,7 +135,8 @@ def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     assert r.exit_code == 3, r.output  # completed, some requests failed: a script tells it from all succeeded (0)
     batch_id = r.output.split("batch ")[1].split()[0]
     # the line that failed is not only a count in the table: the command says where its reason is
-    assert f"1 of 4 requests failed: `coserve batch results {batch_id} --errors FILE` saves why" in _flat(r.output)
+    assert f"1 of 4 requests failed: `coserve batch results {batch_id} --errors FILE` saves why" in _flat(r.stderr)
+    assert "requests failed" not in r.stdout, r.stdout
     b = httpx.get(f"{live_server}/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
     assert b["status"] == "completed" and b["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
     r = run.invoke(cli, ["batch", "list", *auth])
@@ -175,7 +178,8 @@ def test_a_summarize_run_is_named_followed_again_and_cancelled_from_the_cli(live
     r = CliRunner().invoke(cli, ["summarize", "--cancel", run_id, *auth])
     assert r.exit_code == 0 and f"summarization {run_id}: cancelled" in _flat(r.output), r.output
     r = CliRunner().invoke(cli, ["summarize", "--run", run_id, "-o", str(out), *auth])
-    assert r.exit_code == 1 and "the run was cancelled" in _flat(r.output), r.output
+    assert r.exit_code == 1 and "the run was cancelled" in _flat(r.stderr), (r.stdout, r.stderr)
+    assert "the run was cancelled" not in r.stdout, r.stdout
     assert json.loads(out.read_text())["error"] == "cancelled with its summarization run"
     # refused before any run starts: an output that cannot be written, SpecBench beside paths, a limit of 0
     for bad, says in ((["-o", str(tmp_path / "no" / "out.jsonl")], "does not exist"),
@@ -216,7 +220,7 @@ def test_summarize_cli_says_a_run_cancelled_before_its_deadline_was_cancelled(li
     said = " ".join(result.output.split())
     assert result.exit_code == 1, result.output
     assert "vs deadline 1800s (30m): cancelled (cancelled by request)" in said, result.output
-    assert "before the deadline" not in said and "the run was cancelled" in said, result.output
+    assert "before the deadline" not in said and "the run was cancelled" in _flat(result.stderr), result.output
 
 
 def _interrupted(args: list[str], tmp_path) -> tuple[int, str]:
@@ -344,3 +348,32 @@ def test_summarize_list_pages_the_runs_newest_first_as_a_table_or_json(live_serv
     finally:  # no worker runs their jobs: stop them, they would wait for the next test's
         for run_id in started:
             httpx.post(f"{live_server}/v1/summarize/{run_id}/cancel", headers=h, timeout=600)
+
+
+def test_json_output_is_the_json_alone_and_an_open_batch_s_results_say_so_on_stderr(live_server, keys, tmp_path):
+    """Every --json command's stdout is one JSON document a script parses (`coserve jobs --json | jq`), nothing
+    else; and `batch results ID > out.jsonl` of a batch still running said so on stdout, into the file."""
+    h = Keys.header(keys.paid)
+    auth = ["--url", live_server, "--key", keys.paid]
+    job_id = httpx.post(f"{live_server}/v1/jobs", headers=h,
+                        json={"prompt": "[bold]Hi[/bold]", "max_tokens": 4}).json()["id"]
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": "x", "max_tokens": 1}}) + "\n")
+    r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", *auth])
+    batch_id = r.stdout.split("batch ")[1].split()[0]
+    try:  # no worker here: the batch and the job wait
+        r = CliRunner().invoke(cli, ["batch", "results", batch_id, *auth])
+        assert r.exit_code == 1 and r.stdout == "" and "results come when it ends" in r.stderr, (r.stdout, r.stderr)
+        for args, shows in ((["jobs"], lambda d: job_id in {j["id"] for j in d["data"]}),
+                            (["batch", "list"], lambda d: d["data"][0]["id"] == batch_id),
+                            (["status", job_id], lambda d: d["id"] == job_id),
+                            (["cancel", job_id], lambda d: d["status"] == "cancelled"),
+                            (["cancel", job_id], lambda d: d["status"] == "cancelled"),  # one that had ended
+                            (["summarize", "--list"], lambda d: d["object"] == "list"),
+                            (["usage"], lambda d: isinstance(d, list))):
+            r = CliRunner().invoke(cli, [*args, "--json", *auth], env={"COLUMNS": "40"})
+            assert r.exit_code == 0 and r.stderr == "", (args, r.output)
+            assert shows(json.loads(r.stdout)), (args, r.stdout)
+    finally:
+        httpx.post(f"{live_server}/v1/batches/{batch_id}/cancel", headers=h)
