@@ -129,3 +129,24 @@ def test_summarize_refuses_a_bad_deadline_before_starting_a_run(tmp_path):
     out = str(tmp_path / "out.jsonl")
     for bogus in ("bogus", "3600", "0m", "999d"):
         _refused(["summarize", str(doc), "--deadline", bogus, "-o", out, *NOWHERE], "--deadline")
+
+
+@pytest.mark.parametrize("blanks", [b"\n" * 3, b"\r\n" * 3, b" \t\n" * 3, b"\x0c\x0b\n" * 3,
+                                    "\u2028\u3000\x85\n".encode() * 3, b"\xef\xbb\xbf\n\n\n"],
+                         ids=["lf", "crlf", "spaces", "ff-vt", "unicode", "bom"])
+def test_batch_create_skips_the_blank_lines_the_api_skips_and_numbers_lines_as_it_does(tmp_path, blanks):
+    """The CLI's first-request check reads through leading blank lines: only those the API's parser skips too (any
+    whitespace str.strip() takes, a line cut at "\\n" alone), and a bad first request is named by the line number the
+    API's error file would give it."""
+    from app.batch.lines import parse_file
+
+    src = tmp_path / "in.jsonl"
+    good = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+    src.write_bytes(blanks + good)
+    parsed = parse_file(src.read_bytes(), "/v1/completions", 3600)
+    assert [line.line_no for line in parsed.valid] == [4] and not parsed.invalid  # the API skips them
+    res = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", *NOWHERE])
+    assert res.exit_code == 2 and res.stderr.startswith("cannot reach http://127.0.0.1:9"), res.output
+    src.write_bytes(blanks + b"a,b\n")
+    assert [line.line_no for line in parse_file(src.read_bytes(), "/v1/completions", 3600).invalid] == [4]
+    _refused(["batch", "create", str(src), *NOWHERE], "line 4 is not JSON")
