@@ -239,17 +239,23 @@ def status(batch_id: BatchId,
 
 @batch_app.command("list")
 def list_(limit: Annotated[int, typer.Option(min=1, max=100, help="how many batches to show")] = 20,
+          after: Annotated[str | None, typer.Option(help="the page after this batch id (the last one the page "
+                                                        "before showed)")] = None,
           as_json: AsJson = False,
           url: Url = None, key: Key = None) -> None:
     """List your batches, newest first."""
-    page = Api(url, key).call("GET", "/v1/batches", params={"limit": limit}).json()
+    page = Api(url, key).call("GET", "/v1/batches", params={"limit": limit, **({"after": after} if after else {})}
+                              ).json()
     if as_json:
         print_json(page)
         return
     if not page["data"]:  # not a table of headers alone
-        console.print("no batches")
+        console.print("no batches" + (f" after {escape(after)}" if after else ""))
         return
     print_table(console, _batch_table(page["data"]))
+    if page["has_more"]:
+        limit_arg = f"--limit {limit} " if limit != 20 else ""
+        console.print(f"more: `coserve batch list {limit_arg}--after {page['last_id']}`")
 
 
 @batch_app.command("cancel")
@@ -417,7 +423,8 @@ def _list_runs(api: Api, limit: int, after: str | None, as_json: bool) -> None:
                       f"{r['jobs_done']} / {r['jobs_submitted']}", when(r["deadline_at"]), escape(r["model"] or "-"))
     print_table(console, table)
     if page["has_more"]:
-        console.print(f"more: `coserve summarize --list --after {page['last_id']}`")
+        limit_arg = f"--limit {limit} " if limit != LIST_DEFAULT else ""
+        console.print(f"more: `coserve summarize --list {limit_arg}--after {page['last_id']}`")
 
 
 def run_ending(run: dict[str, Any], spare_s: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -312,6 +313,16 @@ def _show_job(job: dict[str, Any], as_json: bool) -> None:
         console.print(job["output_text"], markup=False)
 
 
+JOBS_PAGE = 20  # the jobs a `coserve jobs` page shows unless --limit says
+
+
+def _next_page(status: str | None, kind: str | None, limit: int, cursor: str) -> str:
+    """The `coserve jobs` call that shows the page after this one: the same filters and page size, and its cursor."""
+    args = [*(["--status", status] if status else []), *(["--kind", kind] if kind else []),
+            *(["--limit", str(limit)] if limit != JOBS_PAGE else []), "--cursor", cursor]
+    return shlex.join(["coserve", "jobs", *args])
+
+
 def _from_settings(field: str) -> str:
     """Where an option's value comes from when it is not given: its setting's variable, else the setting's default
     (read from app/settings.py, so the help cannot drift from it)."""
@@ -570,11 +581,14 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                                                           "dispatched, running, relegated, succeeded, failed, "
                                                           "cancelled or expired")] = None,
              kind: Annotated[str | None, typer.Option(help="only interactive or batch jobs")] = None,
-             limit: Annotated[int, typer.Option(min=1, max=100, help="how many jobs to show")] = 20,
+             limit: Annotated[int, typer.Option(min=1, max=100, help="how many jobs to show")] = JOBS_PAGE,
+             cursor: Annotated[str | None, typer.Option(help="the next page: the cursor the page before ended with "
+                                                             "(its next_cursor)")] = None,
              url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
         """List your jobs, newest first."""
         url, key = _client_config(url, key)
-        params = {k: v for k, v in {"status": status_, "kind": kind, "limit": limit}.items() if v is not None}
+        params = {k: v for k, v in {"status": status_, "kind": kind, "limit": limit, "cursor": cursor}.items()
+                  if v is not None}
         page = _request("GET", url, key, "/v1/jobs", params=params)
         if as_json:
             print_json(page)
@@ -583,6 +597,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             console.print(" ".join(w for w in ("no", status_, kind, "jobs") if w))
             return
         print_table(console, _jobs_table(page["data"]))
+        if page.get("next_cursor"):  # the same filters, the next page
+            console.print(escape(f"more: `{_next_page(status_, kind, limit, page['next_cursor'])}`"), soft_wrap=True)
 
     @keys_app.command("create")
     def keys_create(tenant: Annotated[str, typer.Option(help="tenant name (created if missing)")],

@@ -335,7 +335,7 @@ def test_summarize_list_pages_the_runs_newest_first_as_a_table_or_json(live_serv
         r = CliRunner().invoke(cli, ["summarize", "--list", "--limit", "2", *auth], env={"COLUMNS": "200"})
         assert r.exit_code == 0, r.output
         assert all(run_id in r.stdout for run_id in newest_first[:2]) and newest_first[2] not in r.stdout
-        assert f"coserve summarize --list --after {newest_first[1]}" in _flat(r.stdout), r.stdout
+        assert f"coserve summarize --list --limit 2 --after {newest_first[1]}" in _flat(r.stdout), r.stdout
         r = CliRunner().invoke(cli, ["summarize", "--list", "--after", newest_first[2], *auth])
         assert r.exit_code == 0 and "no summarization runs after" in r.stdout, r.output
         # a cursor naming none of the tenant's runs is the API's 422, on stderr
@@ -377,3 +377,40 @@ def test_json_output_is_the_json_alone_and_an_open_batch_s_results_say_so_on_std
             assert shows(json.loads(r.stdout)), (args, r.stdout)
     finally:
         httpx.post(f"{live_server}/v1/batches/{batch_id}/cancel", headers=h)
+
+
+def test_jobs_and_batch_list_page_on_as_the_api_does(live_server, keys, tmp_path):
+    """`coserve jobs` and `coserve batch list` showed the first page alone (at most 100): the jobs or batches after it
+    could not be listed. The table ends with the command that shows the next page, and --json gives the cursor."""
+    h = Keys.header(keys.paid)
+    auth = ["--url", live_server, "--key", keys.paid]
+    jobs = [httpx.post(f"{live_server}/v1/jobs", headers=h, json={"prompt": f"Hi {i}", "max_tokens": 1}).json()["id"]
+            for i in range(3)]
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": "x", "max_tokens": 1}}) + "\n")
+    batches = []
+    for _ in range(2):
+        file_id = httpx.post(f"{live_server}/v1/files", headers=h, files={"file": ("one.jsonl", src.read_bytes())},
+                             data={"purpose": "batch"}).json()["id"]
+        batches.append(httpx.post(f"{live_server}/v1/batches", headers=h, json={
+            "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}).json()["id"])
+    try:  # no worker here: they wait
+        r = CliRunner().invoke(cli, ["jobs", "--kind", "interactive", "--limit", "2", *auth], env={"COLUMNS": "200"})
+        assert r.exit_code == 0 and jobs[2] in r.stdout and jobs[0] not in r.stdout, r.output
+        more = _flat(r.stdout).split("more: `", 1)[1].split("`", 1)[0].split()  # the same filters, the next page
+        assert more[:7] == ["coserve", "jobs", "--kind", "interactive", "--limit", "2", "--cursor"], more
+        r = CliRunner().invoke(cli, [*more[1:], "--json", *auth])
+        assert r.exit_code == 0 and [j["id"] for j in json.loads(r.stdout)["data"]] == [jobs[0]], r.output
+        r = CliRunner().invoke(cli, ["batch", "list", "--limit", "1", *auth], env={"COLUMNS": "200"})
+        assert r.exit_code == 0 and batches[1] in r.stdout and batches[0] not in r.stdout, r.output
+        assert f"more: `coserve batch list --limit 1 --after {batches[1]}`" in _flat(r.stdout), r.stdout
+        r = CliRunner().invoke(cli, ["batch", "list", "--limit", "1", "--after", batches[1], "--json", *auth])
+        assert r.exit_code == 0 and [b["id"] for b in json.loads(r.stdout)["data"]] == [batches[0]], r.output
+        r = CliRunner().invoke(cli, ["batch", "list", "--after", "batch_nope", "--json", *auth])
+        assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("400 "), (r.stdout, r.stderr)
+    finally:
+        for batch_id in batches:
+            httpx.post(f"{live_server}/v1/batches/{batch_id}/cancel", headers=h)
+        for job_id in jobs:
+            httpx.post(f"{live_server}/v1/jobs/{job_id}/cancel", headers=h)
