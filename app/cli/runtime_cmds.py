@@ -11,6 +11,7 @@ import typer
 
 from app.cli.options import VLLM_OPTIONS, finite, vllm_flags
 from app.cli.output import Console, print_table
+from app.cli.service_cmds import _from_settings, _settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -261,9 +262,11 @@ def _plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
 
 def profile(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option(help="bundled model name or checkpoint directory")] = "smollm2-135m",
+    model: Annotated[str | None, typer.Option(
+        help=f"bundled model name or checkpoint directory ({_from_settings('model')}, as the worker's)")] = None,
     out: Annotated[Path, typer.Option(help="where to write the JSON profile")] = Path("profile.json"),
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    device: Annotated[str | None, typer.Option(
+        help=f"auto | cpu | cuda | cuda:N ({_from_settings('device')}, as the worker's)")] = None,
     kv_blocks: Annotated[int | None, typer.Option(help="KV blocks of the profiled executor (default: what the "
                                                        "grid needs)", min=1)] = None,
     repeats: Annotated[int, typer.Option(help="timed passes per batch shape", min=1)] = 2,
@@ -295,8 +298,11 @@ def profile(
     from gpu_runtime.factory import resolve_device
 
     console = Console()
+    # the worker's model and device unless given: a profile of another model would mislead the worker's scheduler
+    settings = _settings(model=model)  # the environment as it is now (not the API's cached settings)
+    model = settings.model
     try:
-        dev = resolve_device(device)
+        dev = resolve_device(device or settings.device)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
     if backend not in ("auto", "vllm", "torch"):
@@ -305,9 +311,6 @@ def profile(
         from gpu_runtime.vllm.build import vllm_available
 
         backend = "vllm" if vllm_available() else "torch"
-    from app.settings import Settings
-
-    settings = Settings()  # the environment as it is now (the API's cached settings are not this command's)
     vllm_args = vllm_flags(ctx, settings, backend)[0]
     if backend == "vllm":
         _profile_vllm(console, model, out, dev, repeats, grid, settings.model_copy(update={"vllm_args": vllm_args}))

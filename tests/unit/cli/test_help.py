@@ -61,3 +61,23 @@ def test_the_waiting_batch_commands_name_their_exit_statuses():
         out = " ".join(CliRunner().invoke(cli, command, env=env).output.split())
         assert "0 every request succeeded; 1 the batch failed, expired or was cancelled, or not one of its requests " \
                "succeeded; 3 it completed with some requests failed" in out, out
+
+
+def test_profile_profiles_the_model_and_device_the_worker_serves_unless_told(tmp_path, monkeypatch):
+    """`coserve profile` defaulted to smollm2-135m on auto whatever COSERVE_MODEL said, while `coserve worker` serves
+    COSERVE_MODEL: the profile the README says to point COSERVE_COST_PROFILE at was of another model."""
+    from app.cli import runtime_cmds
+
+    seen = {}
+    monkeypatch.setattr(runtime_cmds, "_profile_vllm",  # the engine build and the timing (minutes) left out
+                        lambda _console, model, _out, device, *_rest: seen.update(model=model, device=device))
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    env = {"COSERVE_MODEL": str(model_dir), "COSERVE_DEVICE": "cpu", "COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+    out = str(tmp_path / "p.json")
+    res = CliRunner().invoke(cli, ["profile", "--backend", "vllm", "--out", out], env=env)
+    assert res.exit_code == 0 and seen == {"model": str(model_dir), "device": "cpu"}, (res.output, seen)
+    res = CliRunner().invoke(cli, ["profile", "--backend", "vllm", "--out", out, "--model", "smollm2-135m"], env=env)
+    assert res.exit_code == 0 and seen["model"] == "smollm2-135m", res.output  # the option wins over the setting
+    shown = " ".join(CliRunner().invoke(cli, ["profile", "--help"], env=env).output.split())
+    assert "default: COSERVE_MODEL, else smollm2-135m" in shown and "default: COSERVE_DEVICE, else auto" in shown
