@@ -15,5 +15,8 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &
 fi
 # Two test processes (pytest-xdist), a test file each at a time: most of a test's time is spent waiting on the
 # worker, engine and HTTP processes it starts, so two halve the wall time even on two cores (four gain nothing
-# more there). COSERVE_TEST_PROCESSES=0 runs it in this process; a later -n in the arguments wins.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${COSERVE_TEST_PROCESSES:-2}" --dist loadfile "$@"
+# more there). The heaviest files go first (tests/file_order.py), in that order rather than xdist's (most tests first),
+# so neither process is left with a long file while the other idles. COSERVE_TEST_PROCESSES=0 runs it in this
+# process; a later -n in the arguments wins.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${COSERVE_TEST_PROCESSES:-2}" --dist loadfile \
+  --no-loadscope-reorder "$@"

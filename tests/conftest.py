@@ -34,6 +34,12 @@ def ops_script(name: str):  # noqa: ANN201 - the module
         sys.path.remove(ops)
 
 
+def pytest_collection_modifyitems(items) -> None:  # noqa: ANN001 - pytest's items
+    from tests.file_order import heaviest_files_first
+
+    heaviest_files_first(items)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
