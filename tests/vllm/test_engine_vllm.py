@@ -48,11 +48,14 @@ def test_pipeline_parallel_stages_give_plain_vllms_greedy_tokens(plain_vllm, tmp
     """Two pipeline stages (two worker processes, vLLM's batch queue: two batches in flight, no async scheduling)
     under QoServe give plain vLLM's tokens. Before, coserve's scheduler ran a request in flight again before its
     token was in, and the CPU's eager default never allocated the second stage's input buffer."""
-    # the stages trace once with Dynamo and run eagerly: the warm-up that allocates a later stage's input buffer runs
-    # (as any compiled mode runs it) without Inductor's code generation (most of the start-up: 109 s of the test in
-    # CI), as vLLM's own CPU CI runs (its VLLM_CPU_CI_ENV, which would skip the warm-up too). enforce_eager, which
-    # coserve's default would keep, still overrides this mode: NONE, no warm-up, the failure this test guards.
-    compiled = {"pipeline_parallel_size": 2, "compilation_config": {"mode": 2, "backend": "eager"}}
+    # the stages trace once with Dynamo and run eagerly, as vLLM's own CPU CI runs them: the warm-up that allocates a
+    # later stage's input buffer runs as under any compiled mode, without Inductor's code generation (engine start-up
+    # 90 s -> 23 s on the shared 2-core box). enforce_eager, which coserve's CPU default would keep, still overrides
+    # the mode (NONE: no warm-up), the failure this test guards.
+    from vllm.config import CompilationMode
+
+    compiled = {"pipeline_parallel_size": 2,
+                "compilation_config": {"mode": int(CompilationMode.DYNAMO_TRACE_ONCE), "backend": "eager"}}
     run = offline(tmp_path, "--policy", "qoserve", "--batch", "3", "--qos", "mixed",
                   "--engine-args", json.dumps(compiled),
                   env={"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"})  # vLLM-CPU: a core per stage
