@@ -188,7 +188,11 @@ class CountTokensRequest(MessagesRequest):
 
 
 def in_messages_terms(exc: OpenAIError) -> OpenAIError:
-    """The error with the chat field it names written as the Messages field."""
+    """The error with the chat field it names written as the Messages field, and an over-long request in Anthropic's
+    words (``ContextOverflow``: ``prompt is too long: N tokens > M maximum``)."""
+    if (overflow := getattr(exc.__cause__, "overflow", None)) is not None:
+        return OpenAIError(exc.status_code, overflow.anthropic_message(), param=exc.param, code=exc.code,
+                           type=exc.type, headers=exc.headers)
     head = (exc.param or "").partition(".")[0]
     if head not in MESSAGES_PARAM:
         return exc

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sqlalchemy import delete, select, update
 
+from app.anthropic_schemas import ENDPOINT as MESSAGES
 from app.auth import Principal
 from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
@@ -107,8 +108,9 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     for v in parsed.valid:
         try:
             jobs += _line_jobs(settings, principal, v, batch_id, endpoint, expires_at, context)
-        except JobValidationError as exc:
-            invalid.append(invalid_line(v.line_no, v.custom_id, "invalid_body", f"line {v.line_no}: {exc}"))
+        except JobValidationError as exc:  # an over-long message batch request in Anthropic's words, as its create
+            why = exc.overflow.anthropic_message() if exc.overflow and endpoint == MESSAGES else str(exc)
+            invalid.append(invalid_line(v.line_no, v.custom_id, "invalid_body", f"line {v.line_no}: {why}"))
     invalid.sort(key=lambda r: r["error"]["line"])
     path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)

@@ -22,6 +22,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from app import request_id
 from app.auth import Principal
+from app.context_overflow import ContextOverflow
 from app.db import pagination
 from app.db.models import STAGED, Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
@@ -50,9 +51,16 @@ class JobValidationError(ValueError):
     ``param`` is the request field to blame and ``code`` an OpenAI-style error code, so each
     API can answer in its own shape without reading the message."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 overflow: ContextOverflow | None = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+        self.overflow = overflow  # an over-long request's facts, for an API that words them its own way
+
+    @classmethod
+    def over_context(cls, overflow: ContextOverflow, param: str) -> JobValidationError:
+        """OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut."""
+        return cls(overflow.openai_message(), param=param, code="context_length_exceeded", overflow=overflow)
 
 
 class IdempotencyConflict(ValueError):
@@ -227,13 +235,17 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
     # the context's bound on characters needs no tokenizer call: checked where the prompt is not counted too
     limit = held_context_length(settings) if context is None else context
     chars = input_chars(spec)
-    # OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut
-    blame = {"param": "messages" if spec.messages is not None else "prompt", "code": "context_length_exceeded"}
+    blame = "messages" if spec.messages is not None else "prompt"
     truncate = sampling.get("truncate_prompt_tokens")
-    if truncate is None and chars > limit * max_chars_per_token(settings.model):
-        raise JobValidationError(  # OpenAI's and vLLM's words, which clients match to tell an over-long prompt
-            f"This model's maximum context length is {limit} tokens. However, the prompt's {chars} characters "
-            "cannot fit in it; shorten the prompt", **blame)
+    per_token = max_chars_per_token(settings.model)
+    if truncate is None and chars > limit * per_token:  # OpenAI's and vLLM's words (app/context_overflow.py)
+        raise JobValidationError.over_context(ContextOverflow(-(-chars // per_token), 0, limit, False, chars), blame)
+    if not count_tokens and spec.max_tokens is not None:
+        # a prompt takes a token at least, and no fewer than its characters over the longest token's: a max_tokens
+        # that leaves it no room is refused here, as the fan-out that counts the prompt would refuse it
+        least = max(1, -(-chars // per_token)) if truncate is None else 1
+        if least + sampling["max_tokens"] > limit:
+            raise JobValidationError.over_context(ContextOverflow(least, sampling["max_tokens"], limit, False), blame)
     if count_tokens:
         try:  # what the worker will feed (a count given holds where nothing cuts the prompt)
             n = (prompt_tokens if prompt_tokens is not None and truncate is None
@@ -243,10 +255,7 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
         if spec.max_tokens is None and max(1, sampling["min_tokens"]) <= limit - n < sampling["max_tokens"]:
             sampling["max_tokens"] = limit - n  # unset (vLLM, OpenAI): what the context leaves, up to the default
         if n + sampling["max_tokens"] > limit:
-            raise JobValidationError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + sampling['max_tokens']} tokens ({n} in the prompt, {sampling['max_tokens']} for the "
-                "completion); shorten the prompt or lower max_tokens", **blame)
+            raise JobValidationError.over_context(ContextOverflow(n, sampling["max_tokens"], limit), blame)
         job["prompt_tokens"] = n
     return job
 

@@ -135,7 +135,7 @@ def test_tool_turns_and_token_counts(claude, stack):
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "not_found_error",
      "nope"),
     ({"max_tokens": 100000, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
-     "maximum context length"),
+     "input length and `max_tokens` exceed context limit"),
 ])
 def test_bad_requests_are_answered_in_anthropic_shape(body, status, kind, says, stack):
     resp = httpx.post(f"{stack.url}/v1/messages", headers={"x-api-key": stack.keys.paid},

@@ -4,6 +4,7 @@ that says what to fix, nothing is committed, and every answer matches the OpenAP
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime, timezone
 from urllib.parse import unquote
@@ -119,6 +120,23 @@ def test_over_the_context_is_400_context_length_exceeded(client, keys, settings,
     r = client.post(path, json=body, headers=H(keys.paid))  # the tiny model's context is 512 tokens
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == param
+    assert jobs_in_sql(settings) == 0
+
+
+@pytest.mark.parametrize("content, max_tokens, says", [
+    ("hi " * 600, 1, r"prompt is too long: \d+ tokens > 512 maximum"),
+    ("hi", 600, r"input length and `max_tokens` exceed context limit: \d+ \+ 600 > 512, decrease input length or "
+                r"`max_tokens` and try again"),
+], ids=["prompt", "prompt_and_max_tokens"])
+def test_over_the_context_messages_answer_in_anthropics_words(client, keys, settings, content, max_tokens, says):
+    """Anthropic's API refuses an over-long request with a 400 invalid_request_error in its own words, which its
+    clients match (not OpenAI's "maximum context length")."""
+    r = client.post("/v1/messages", headers={"x-api-key": keys.paid, "anthropic-version": "2023-06-01"},
+                    json={"model": "tiny", "max_tokens": max_tokens,
+                          "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and re.fullmatch(says, error["message"]), error
     assert jobs_in_sql(settings) == 0
 
 

@@ -166,6 +166,39 @@ def test_a_request_whose_prompt_cannot_fit_the_context_is_refused_at_create_nami
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and "requests.1 (custom_id 'long')" in error["message"], error
-    assert "maximum context length" in error["message"], error
+    # in Anthropic's words, as its API refuses an over-long prompt
+    assert f"prompt is too long: at least {held_context_length(settings) + 1} tokens > " in error["message"], error
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.scalars(select(Batch)).all() == []  # no batch was made
+
+
+@pytest.mark.parametrize("max_tokens", [512, 600])  # the tiny model's context is 512 tokens
+def test_a_request_whose_max_tokens_leaves_its_prompt_no_room_is_refused_at_create(client, keys, settings,
+                                                                                   max_tokens):
+    """A prompt takes a token at least: a max_tokens of the whole context cannot fit beside it, which needs no
+    tokenizer to tell (it was found only at the fan-out, an errored result of a batch accepted)."""
+    ok = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = client.post("/v1/messages/batches", headers={"x-api-key": keys.paid}, json={"requests": [
+        {"custom_id": "fits", "params": ok}, {"custom_id": "big", "params": {**ok, "max_tokens": max_tokens}}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "requests.1 (custom_id 'big')" in error["message"], error
+    assert (f"input length and `max_tokens` exceed context limit: at least 1 + {max_tokens} > 512"
+            in error["message"]), error
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalars(select(Batch)).all() == []
+
+
+def test_a_request_over_the_context_in_tokens_alone_errors_in_anthropics_words(client, keys, settings):
+    """A prompt within the bound on characters but over the context in tokens is found when the fan-out counts it:
+    its result is errored, in Anthropic's words too."""
+    long = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi " * 600}]}
+    made = client.post("/v1/messages/batches", headers={"x-api-key": keys.paid},
+                       json={"requests": [{"custom_id": "long", "params": long}]})
+    assert made.status_code == 200, made.text
+    results = client.get(f"/v1/messages/batches/{made.json()['id']}/results", headers={"x-api-key": keys.paid})
+    assert results.status_code == 200, results.text  # its one request refused, the batch ended at its fan-out
+    result = json.loads(results.text)["result"]
+    assert result["type"] == "errored" and result["error"]["error"]["type"] == "invalid_request_error", result
+    message = result["error"]["error"]["message"]
+    assert "prompt is too long: " in message and " tokens > 512 maximum" in message, message
