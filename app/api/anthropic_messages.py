@@ -22,7 +22,7 @@ from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest
                                    message_body, message_of, stop_of, tool_use_block, usage_of)
 from app import request_id
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
-from app.api.errors import anthropic_error, anthropic_responses
+from app.api.errors import anthropic_error, anthropic_responses, anthropic_sdk
 from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, json_object,
                                    submit_openai_job)
 from app.db.models import Job
@@ -49,6 +49,19 @@ class AnthropicRoute(OpenAIRoute):
 
     def get_route_handler(self) -> Callable:
         return with_request_id_header(super().get_route_handler())
+
+
+class SharedPathRoute(OpenAIRoute):
+    """A route of a path both APIs' SDKs call (``/v1/models``, ``/v1/files``): its errors in Anthropic's shape, and
+    its answers with Anthropic's ``request-id`` header, to Anthropic's SDK (``errors.anthropic_sdk``: its
+    ``anthropic-version`` header), else in OpenAI's shape, as the framework's errors on those paths
+    (``errors.error_api``)."""
+
+    def error_to(self, request: Request, exc: OpenAIError) -> Response:
+        return AnthropicRoute.error(self, exc) if anthropic_sdk(request.headers) else self.error(exc)  # type: ignore
+
+    def get_route_handler(self) -> Callable:
+        return with_request_id_header(super().get_route_handler(), lambda request: anthropic_sdk(request.headers))
 
 
 def with_request_id_header(handler: Callable, to: Callable[[Request], bool] = lambda _request: True) -> Callable:

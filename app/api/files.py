@@ -1,4 +1,5 @@
-"""OpenAI Files API (``purpose=batch``): upload (multipart, with ``expires_after``), list, get, content, delete."""
+"""OpenAI Files API (``purpose=batch``): upload (multipart, with ``expires_after``), list, get, content, delete; its
+errors in Anthropic's shape to Anthropic's SDK, whose beta files API calls these paths (``SharedPathRoute``)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,18 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from sqlalchemy import or_, select
 
+from app.api.anthropic_messages import SharedPathRoute
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.batch import storage
 from app.db import pagination
 from app.db.models import File as FileRow
 from app.db.models import utcnow
-from app.openai_schemas import OpenAIError, OpenAIRoute, list_page
+from app.openai_schemas import OpenAIError, list_page
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/files", tags=["files"], route_class=OpenAIRoute, responses=openai_responses(401))
+router = APIRouter(prefix="/v1/files", tags=["files"], route_class=SharedPathRoute, responses=openai_responses(401))
 
 # a Literal, so the OpenAPI document lists the purposes and a wrong one is a 400 naming them
 UploadPurpose = Literal[storage.UPLOAD_PURPOSES]  # type: ignore[valid-type]

@@ -5,41 +5,22 @@ send an ``anthropic-version`` header), its errors too."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
 
-from app.api.anthropic_messages import AnthropicRoute, with_request_id_header
+from app.api.anthropic_messages import SharedPathRoute
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import anthropic_sdk, openai_responses
-from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.openai_schemas import OpenAIError
 from app.services import lora_adapters
 from app.services.workers import held_context_length
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-
-
-def anthropic_client(request: Request) -> bool:
-    """Whether Anthropic's SDK sent ``request`` (``errors.anthropic_sdk``)."""
-    return anthropic_sdk(request.headers)
-
-
-class ModelsRoute(OpenAIRoute):
-    """Errors in Anthropic's shape to Anthropic's SDKs, else in OpenAI's."""
-
-    def error_to(self, request: Request, exc: OpenAIError) -> Response:
-        return AnthropicRoute.error(self, exc) if anthropic_client(request) else self.error(exc)  # type: ignore
-
-    def get_route_handler(self) -> Callable:
-        return with_request_id_header(super().get_route_handler(), anthropic_client)
-
-
-router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=ModelsRoute, responses=openai_responses(401))
+router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=SharedPathRoute, responses=openai_responses(401))
 
 _STARTED = int(datetime.now(UTC).timestamp())
 
@@ -80,7 +61,7 @@ def list_models(request: Request, settings: SettingsDep, _principal: CurrentPrin
                 limit: Annotated[int, Query(ge=1, le=1000, description="Anthropic's: models per page")] = 20) -> dict:
     """OpenAI's list; to Anthropic's SDKs, Anthropic's page (``after_id``, ``before_id``, ``limit``: theirs)."""
     names = lora_adapters.listed_models(settings)
-    if not anthropic_client(request):
+    if not anthropic_sdk(request.headers):
         return {"object": "list", "data": [_model(settings, name) for name in names]}
     if after_id is not None and before_id is not None:
         raise OpenAIError(400, "give after_id or before_id, not both", param="before_id")
@@ -94,7 +75,7 @@ def list_models(request: Request, settings: SettingsDep, _principal: CurrentPrin
 def get_model(request: Request, model_id: str, settings: SettingsDep, _principal: CurrentPrincipal) -> dict:
     if not lora_adapters.is_served(settings, model_id):
         raise OpenAIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-    return (_anthropic_model if anthropic_client(request) else _model)(settings, model_id)
+    return (_anthropic_model if anthropic_sdk(request.headers) else _model)(settings, model_id)
 
 
 @router.delete("/{model_id:path}", responses=openai_responses(403, 404))

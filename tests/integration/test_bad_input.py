@@ -9,6 +9,7 @@ import time
 from datetime import datetime, timezone
 from urllib.parse import unquote
 
+import anthropic
 import openai
 import pytest
 from sqlalchemy import func, select
@@ -360,6 +361,26 @@ def test_anthropics_shape_answers_anthropics_sdk_only_on_paths_it_calls(client, 
         assert r.status_code == status and set(r.json()) == {"detail"}, r.text
     r = client.post("/v1/completions", content=big, headers=claude)  # OpenAI's alone: OpenAI's shape
     assert r.status_code == 413 and openai_error(r)["message"], r.text
+
+
+def test_files_routes_answer_anthropics_sdk_in_its_shape(client, keys):
+    """Anthropic's SDK calls /v1/files (its beta files API): the routes' own refusals there come in its shape, with
+    its request-id header, as the framework's do; OpenAI's client still reads OpenAI's."""
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key=keys.paid, http_client=client, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        claude.beta.files.retrieve_metadata("file_nope")
+    assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "not_found_error", exc.value.body
+    assert "file_nope" in exc.value.body["error"]["message"] and exc.value.request_id, exc.value.body
+    with pytest.raises(anthropic.NotFoundError):
+        claude.beta.files.delete("file_nope")
+    with pytest.raises(anthropic.BadRequestError) as exc:  # it sends no purpose: the field to add is named
+        claude.beta.files.upload(file=("notes.txt", b"hello", "text/plain"))
+    assert exc.value.body["error"]["type"] == "invalid_request_error", exc.value.body
+    assert "purpose" in exc.value.body["error"]["message"], exc.value.body
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key=keys.paid, http_client=client, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as oexc:
+        oai.files.retrieve("file_nope")
+    assert oexc.value.code == "file_not_found", oexc.value.body
 
 
 def test_framework_errors_on_native_routes_keep_their_detail_shape(client, keys, settings):
