@@ -238,11 +238,11 @@ def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixe
 
 # ---------------------------------------------------------------- routes
 def _json_body(request: Request) -> bool:
-    ctype = request.headers.get("content-type")
-    if ctype is None:  # FastAPI parses a body without a content type as JSON too
-        return True
-    ctype = ctype.split(";", 1)[0].strip().lower()
-    return ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))
+    """Whether a route may read the body as JSON: every body but a multipart one (an upload's form). The routes that
+    read ``request.json()`` themselves (chat, completions, Responses, Messages) parse a body of any content type, as
+    Starlette does (``curl -d`` sends one as a form's), and FastAPI parses one without a content type as JSON too."""
+    ctype = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    return not ctype.startswith("multipart/")
 
 
 class CheckedRoute(APIRoute):

@@ -475,6 +475,32 @@ _TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers
 def test_another_request_is_answered_while_a_structural_tag_compiles(client, keys, settings, monkeypatch, path, body):
     """xgrammar's first import takes seconds: a request's structural tag compiles off the event loop, so the API
     answers other requests meanwhile (here the compile is held until the other request is answered)."""
+    _answered_while_compiling(client, keys, settings, monkeypatch, path, {"json": body})
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded"])  # the latter: curl -d's
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": _TAG}),
+    ("/v1/responses", {"model": "tiny", "input": "x", "text": {"format": _TAG}})])
+def test_a_structural_tag_in_a_body_sent_as_another_content_type_compiles_off_the_event_loop(
+        client, keys, settings, monkeypatch, path, body, ctype):
+    """The OpenAI routes read their body as JSON whatever its content type says (FastAPI parses no model there),
+    so its structural tag is checked, off the event loop, all the same."""
+    _answered_while_compiling(client, keys, settings, monkeypatch, path,
+                              {"content": json.dumps(body), "headers": {"Content-Type": ctype}})
+
+
+def test_a_native_body_sent_as_another_content_type_is_a_422(client, keys, settings):
+    """FastAPI parses a native route's body model from JSON only: a text/plain body is refused whole (a 422 on the
+    body), so nothing in it reaches the route's validation on the event loop there."""
+    settings.backend = "vllm"
+    body = {"prompt": "x", "structured_outputs": {"structural_tag": json.dumps(_TAG)}}
+    r = client.post("/v1/jobs", content=json.dumps(body), headers={**H(keys.paid), "Content-Type": "text/plain"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"], r.text
+
+
+def _answered_while_compiling(client, keys, settings, monkeypatch, path: str, sent: dict) -> None:
     from app import structural_tag
 
     settings.backend = "vllm"
@@ -487,8 +513,9 @@ def test_another_request_is_answered_while_a_structural_tag_compiles(client, key
         raise ValueError("held compile done")
 
     monkeypatch.setattr(structural_tag, "_compile", held)
+    headers = {**H(keys.paid), **sent.get("headers", {})}
     tagged = []
-    chat = threading.Thread(target=lambda: tagged.append(client.post(path, json=body, headers=H(keys.paid))))
+    chat = threading.Thread(target=lambda: tagged.append(client.post(path, **{**sent, "headers": headers})))
     chat.start()
     assert compiling.wait(60), "the structural tag never reached its compile"
     r = client.get("/v1/models", headers=H(keys.paid))
