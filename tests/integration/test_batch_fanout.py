@@ -209,3 +209,21 @@ def test_a_fan_out_holds_off_full_collections_while_it_runs_and_gives_them_back(
     assert len(_jobs(settings, batch["id"])) == 40
     assert NEVER in seen  # young collections ran during the fan-out, with the oldest generation's held off
     assert gc.get_threshold() == before
+
+
+def test_a_line_whose_max_tokens_reaches_the_context_fails_at_validation_with_no_job(client, keys, settings):
+    """OpenAI's batch checks its lines while it validates, before any job exists: a max_tokens of the whole context
+    (512 tokens in tests), which no prompt fits beside, is the line's own error, and the other lines run."""
+    lines = [{"custom_id": "fits", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}},
+             {"custom_id": "whole", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 512}}]
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", "\n".join(map(json.dumps, lines)).encode())}).json()
+    batch = client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+    assert len(_jobs(settings, batch["id"])) == 1  # the line that fits
+    path = fanout.invalid_path(settings.data_dir, batch["id"])  # its invalid lines, the error file's start
+    refused = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["custom_id"] for r in refused] == ["whole"] and refused[0]["error"]["code"] == "invalid_body", refused
+    assert "maximum context length is 512 tokens" in refused[0]["error"]["message"], refused
