@@ -106,7 +106,10 @@ class BaseScheduler(Scheduler):
         self.waiting: RequestQueue = self._make_queue()  # prompts not fully computed
         self.relegated: RequestQueue = self._make_queue()  # run only with spare budget
         self.running: dict[str, Request] = {}  # decoding, insertion order
-        self.started: set[str] = set()  # prefills with KV already allocated (mid-prompt)
+        # prefills with KV already allocated (mid-prompt), in the order they started: a dict, not a set, so that
+        # whatever walks them (pauses, releases, continuations) meets them in the same order in every process (a set
+        # of strings iterates in the order of the process's string hashes, PYTHONHASHSEED)
+        self.started: dict[str, None] = {}
         # draft tokens each running decode verifies in the next step (the engine's drafter proposed them; set by the
         # engine before each schedule, missing: none): a decode takes 1 + its drafts of the step's tokens and KV
         self.decode_drafts: dict[str, int] = {}
@@ -179,7 +182,7 @@ class BaseScheduler(Scheduler):
     def abort_request(self, request_id: str) -> Request | None:
         self._on_leave(request_id)
         self._release(request_id)
-        self.started.discard(request_id)
+        self.started.pop(request_id, None)
         req = self._remove_waiting(request_id) or self.relegated.remove(request_id) or \
             self.running.pop(request_id, None)
         return req
@@ -254,7 +257,7 @@ class BaseScheduler(Scheduler):
             if p.request.request_id not in self.started:
                 if p.request.scheduled_time is None:
                     p.request.scheduled_time = now
-                self.started.add(p.request.request_id)
+                self.started[p.request.request_id] = None
                 fp = kv.footprint(p.request) if self.executor is not None else 0
                 self._footprint += fp
                 self._holders[p.request.request_id] = fp
@@ -266,7 +269,7 @@ class BaseScheduler(Scheduler):
             if req.status.finished:
                 self._forget(req)
             elif not req.in_prefill:
-                self.started.discard(req.request_id)
+                self.started.pop(req.request_id, None)
                 if req.status is RequestStatus.RELEGATED:  # served with spare budget: back in normal service
                     self._resumed.append(req)
                 req.status = RequestStatus.DECODING
@@ -338,7 +341,7 @@ class BaseScheduler(Scheduler):
         preemption, as vLLM's does): it goes back to the prefill queue to recompute prompt + outputs."""
         rid = req.request_id
         self._release(rid)
-        self.started.discard(rid)
+        self.started.pop(rid, None)
         req.release_kv()
         if self.running.pop(rid, None) is not None:
             req.status = RequestStatus.WAITING
@@ -349,7 +352,7 @@ class BaseScheduler(Scheduler):
         or slots first): it holds no KV, so it neither reserves a footprint nor takes an admission slot."""
         if req.request_id in self.started:
             self._release(req.request_id)
-            self.started.discard(req.request_id)
+            self.started.pop(req.request_id, None)
 
     def note_cached_prefix(self, req: Request, tokens: int) -> None:
         """The engine's prefix cache holds the first ``tokens`` of a prompt it has not (re)started (computed for
@@ -378,7 +381,7 @@ class BaseScheduler(Scheduler):
         self.running.pop(req.request_id, None)
         self._remove_waiting(req.request_id)
         self.relegated.remove(req.request_id)
-        self.started.discard(req.request_id)
+        self.started.pop(req.request_id, None)
         if req.status is not RequestStatus.FINISHED_ABORTED:
             self.history.record(req.app_id, req.answer_tokens)  # the whole answer's length, a rerun's too
 
@@ -407,8 +410,7 @@ class BaseScheduler(Scheduler):
         back would stall both for ever (vLLM, too, runs the requests it started before any new one)."""
         if blocked.request_id in self.started:
             return left
-        started = sorted((r for rid in self.started if (r := self.waiting.get(rid)) is not None), key=self.waiting.key)
-        for req in started:
+        for req in self.waiting.in_order(self.started):
             if left <= 0:
                 break
             self._remove_waiting(req.request_id)

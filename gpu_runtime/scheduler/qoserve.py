@@ -177,7 +177,7 @@ class QoServeScheduler(BaseScheduler):
             if req is None or not may_expire(req):
                 continue  # resumed, finished or streaming since: not shed work any more
             self.relegated.remove(rid)
-            self.started.discard(rid)
+            self.started.pop(rid, None)
             self._release(rid)
             self._on_leave(rid)
             req.status = RequestStatus.FINISHED_EXPIRED

@@ -11,7 +11,7 @@ import heapq
 import itertools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeAlias
 
 from gpu_runtime.request import Request
@@ -85,6 +85,12 @@ class RequestQueue(ABC):
 
     def ordered(self) -> list[Request]:
         return [e[2] for e in sorted(self._entries.values())]
+
+    def in_order(self, request_ids: Iterable[str]) -> list[Request]:
+        """The members among ``request_ids`` in the order ``pop`` would give them: by key, equal keys by when they
+        were pushed (never by the order ``request_ids`` iterates in)."""
+        entries = [self._entries[rid] for rid in request_ids if rid in self._entries]
+        return [e[2] for e in sorted(entries)]
 
 
 class FCFSQueue(RequestQueue):

@@ -69,8 +69,7 @@ class VLLMV1Scheduler(BaseScheduler):
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
         left = out.prefill_budget = max(0, self.config.max_num_batched_tokens - len(out.decodes))
         # vLLM's running list holds the prompts it already started: they continue before any waiting one
-        started = [r for rid in self.started if (r := self.waiting.get(rid)) is not None]
-        for req in sorted(started, key=self.waiting.key):
+        for req in self.waiting.in_order(self.started):
             if left <= 0:
                 return
             self._remove_waiting(req.request_id)
