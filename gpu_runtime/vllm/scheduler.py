@@ -301,6 +301,10 @@ class CoserveScheduler(AsyncScheduler):
             rid = self._resumes.popleft()
             if not self.policy.resume(rid):
                 log.info("resume %s: not relegated (any more)", rid)
+        # requests vLLM preempted since the last step (reset_prefix_cache of the running ones) decode no more: the
+        # policy requeues them before it plans, else it plans each as a decode and as a prompt to recompute
+        between = set(self.reset_preempted_req_ids)
+        self._note_preempted(between)
         self._sync_mirrors()
         self.kv.released.clear()
         # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
@@ -331,11 +335,7 @@ class CoserveScheduler(AsyncScheduler):
                 # so the policy must not keep its footprint and admission slot (it would wait behind them for ever)
                 self.policy.note_not_started(p.request)
         self.policy.update_from_output(PolicyOutput(prefills=plan.prefills), now)
-        for rid in out.preempted_req_ids:  # vLLM's own recompute preemption (KV ran out)
-            mirror = self.mirrors.get(rid)
-            if mirror is not None and rid not in self.kv.released:
-                self.policy.note_kv_released(mirror)
-                self._event(rid, "recomputed")
+        self._note_preempted(out.preempted_req_ids - between if out.preempted_req_ids else None)
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
         self.last_step = (prefill, len(plan.decodes), plan.prefill_budget)
@@ -344,6 +344,20 @@ class CoserveScheduler(AsyncScheduler):
         if self.calibration is not None and out.total_num_scheduled_tokens:
             self._step_began = t0
         return out
+
+    def _note_preempted(self, preempted: set[str] | None) -> None:
+        """vLLM's own recompute preemption (KV ran out, or a reset of the prefix cache of running requests): each
+        request it preempted goes back to the policy's prefill queue, in the order the requests came to the engine.
+        vLLM reports a set, which iterates in the order of the process's string hashes, and the order of the requeues
+        breaks the queue's ties (which of two equal requests is recomputed first): a set's order would schedule the
+        same load differently in another process."""
+        if not preempted:
+            return
+        for rid in [rid for rid in self.requests if rid in preempted]:
+            mirror = self.mirrors.get(rid)
+            if mirror is not None and rid not in self.kv.released:
+                self.policy.note_kv_released(mirror)  # type: ignore[union-attr]
+                self._event(rid, "recomputed")
 
     def _sync_mirrors(self) -> None:
         """The policy sees vLLM's progress; a prompt vLLM has yet to (re)start is planned for, ordered and judged by

@@ -704,3 +704,40 @@ def test_a_request_in_flight_runs_again_only_with_async_scheduling(make_schedule
     if not async_scheduling:
         assert s.schedule().num_scheduled_tokens == {r.request_id: 1}  # its token is in: it decodes
     assert r.num_output_placeholders == (1 if async_scheduling else 0)
+
+
+def test_requests_vllm_preempts_between_steps_are_recomputed_in_the_order_they_came(make_scheduler):
+    """vLLM's reset of the prefix cache preempts every running request between two steps. The policy learned it only
+    after it had planned the next step: it planned each as a decode (of a request that held no KV) and as a prompt to
+    recompute, and its step budget lost the decodes' tokens. It also requeued them in the order of the set vLLM
+    reports them in, which follows the process's string hashes (PYTHONHASHSEED): the order of the requeues breaks the
+    ties of its queue, so of two equal requests, which one was recomputed first changed from process to process. Now
+    they are requeued before the plan, in the order they came to the engine (here two ids whose set iterates the
+    other way)."""
+    names = (f"p{i}" for i in range(1_000))
+    # vLLM preempts from the end of its running list: the second request's id goes into the set first
+    first, second = next((a, b) for a, b in zip(names, names) if list(_set_of(b, a)) == [b, a])
+    s = make_scheduler("qoserve", max_batched=32)
+    now = time.time()
+    reqs = [vllm_request(16, {"ttft_ms": 20_000, "tbt_ms": 1000}, arrival=now, max_tokens=20, request_id=rid)
+            for rid in (first, second)]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(3):  # both prompts, then two tokens each
+        run_step(s)
+    schedule, plans = s.policy.schedule, []
+    s.policy.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
+    s.reset_prefix_cache(reset_running_requests=True)  # vLLM preempts every running request (recompute)
+    out, _ = run_step(s)
+    assert list(out.preempted_req_ids) == [second, first]  # the set's order
+    assert not plans[-1].decodes  # nothing decodes: neither holds KV
+    # the first to come is recomputed first, the second gets the rest of the step: all of it (no decode takes any)
+    assert [p.request.request_id for p in plans[-1].prefills] == [first, second]
+    assert list(out.num_scheduled_tokens) == [first, second] and out.total_num_scheduled_tokens == 32
+
+
+def _set_of(*ids: str) -> set[str]:
+    made = set()
+    for rid in ids:  # as vLLM adds them (reset_preempted_req_ids)
+        made.add(rid)
+    return made
