@@ -18,12 +18,22 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request as VLLMRequest
 
 
+class Mirror(Request):
+    """A vLLM request as the policy sees it."""
+
+    def release_kv(self) -> None:
+        """vLLM recomputes the prompt and every output (its last token samples the next one): the whole is the prefill
+        the policy plans, where the own engine's recompute leaves the last output to the next decode."""
+        super().release_kv()
+        self.recomputed_outputs = self.num_output_tokens
+
+
 def make_mirror(vreq: VLLMRequest) -> Request:
     """A mirror for a new vLLM request; raises ``QoSArgsError`` when its ``extra_args`` QoS is invalid."""
     sp = vreq.sampling_params
     q = parse_qos(sp.extra_args if sp is not None else None)
     prompt = vreq.prompt_token_ids if vreq.prompt_token_ids is not None else [0] * vreq.num_prompt_tokens
-    return Request(vreq.request_id, prompt, SamplingParams(max_tokens=max(1, vreq.max_tokens)), q.qos,
+    return Mirror(vreq.request_id, prompt, SamplingParams(max_tokens=max(1, vreq.max_tokens)), q.qos,
                    arrival_time=vreq.arrival_time, app_id=q.app_id)
 
 

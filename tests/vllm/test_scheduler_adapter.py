@@ -741,3 +741,25 @@ def _set_of(*ids: str) -> set[str]:
     for rid in ids:  # as vLLM adds them (reset_preempted_req_ids)
         made.add(rid)
     return made
+
+
+def test_a_recompute_is_planned_for_what_vllm_computes(make_scheduler):
+    """vLLM recomputes a preempted request's prompt and every output it made, and its last token samples the next
+    one. The policy planned the outputs but the last (its own engine feeds that one by the next decode): the
+    recompute's chunk was a token short of vLLM's, which took it from the chunk after it."""
+    s = make_scheduler("qoserve", max_batched=32)
+    victim = vllm_request(16, {"ttft_ms": 2000, "tbt_ms": 1000}, max_tokens=20)
+    s.add_request(victim)
+    for _ in range(3):  # its prompt (its first token), then two tokens
+        run_step(s)
+    mirror = s.mirrors[victim.request_id]
+    assert mirror.num_output_tokens == 3
+    s.kv.release_kv(victim.request_id)  # what the policy's recompute preemption does
+    s.policy.note_kv_released(mirror)
+    s.add_request(vllm_request(64, {"ttft_ms": 30_000, "tbt_ms": 1000}, max_tokens=2))
+    schedule, plans = s.policy.schedule, []
+    s.policy.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
+    out, _ = run_step(s)
+    planned = {p.request.request_id: p.num_tokens for p in plans[-1].prefills}
+    assert planned[victim.request_id] == 19 and planned == out.num_scheduled_tokens, (planned, out.num_scheduled_tokens)
+    assert mirror.num_output_tokens == 4  # the recompute's last token sampled the next
