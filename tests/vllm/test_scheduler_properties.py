@@ -186,10 +186,11 @@ class Drive:
             # gave it spare budget (it is then in the plan's prefills), never on vLLM's own initiative
             assert set(sched) <= chosen, (set(sched) - chosen, sched)
             # a chunk vLLM runs is at most the policy's (a recompute's too: the prompt and every output), else vLLM
-            # took the tokens from a chunk planned after it (prompts that must run whole, seeded ones on the CPU,
-            # are not drawn here)
+            # took the tokens from a chunk planned after it; the draft slots vLLM pads a prompt's last token with
+            # aside (prompts that must run whole, seeded ones on the CPU, are not drawn here)
             for q in plan.prefills:
-                assert sched.get(q.request.request_id, 0) <= q.num_tokens, (q.request.request_id, q.num_tokens, sched)
+                rid = q.request.request_id
+                assert sched.get(rid, 0) <= q.num_tokens + drafts.get(rid, 0), (rid, q.num_tokens, sched, drafts)
             self.check_order(plan, before, relegated)
             # QoServe 3.2: every decode the policy runs gets its token (vLLM's KV preemption aside)
             for r in plan.decodes:
