@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.api.job_stream import END_ID, StreamPosition, sse_events
+from app.bounds import JOBS_PAGE_MAX
 from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
 from app.schemas import JobCreate, JobList, JobPublic
@@ -88,7 +89,7 @@ def list_jobs(session: SessionDep, principal: CurrentPrincipal, settings: Settin
                   "the X-Request-Id of the request that submitted the jobs"))] = None,
               created_after: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
               created_before: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
-              limit: Annotated[int, Query(ge=1, le=500)] = 20, cursor: str | None = None,
+              limit: Annotated[int, Query(ge=1, le=JOBS_PAGE_MAX)] = 20, cursor: str | None = None,
               offset: Annotated[int | None, Query(ge=0, le=MAX_OFFSET)] = None) -> JobList:
     if tier is not None and tier not in settings.tiers:  # tiers are configurable, so checked here
         raise unprocessable(f"unknown tier {tier!r}; choose one of {list(settings.tiers)}", "query", "tier")

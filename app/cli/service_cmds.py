@@ -21,7 +21,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from app.bounds import MAX_RATE
+from app.bounds import JOBS_PAGE_MAX, MAX_RATE
 from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite, vllm_flags
 from app.cli.output import (
     Console,
@@ -581,7 +581,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                                                           "dispatched, running, relegated, succeeded, failed, "
                                                           "cancelled or expired")] = None,
              kind: Annotated[str | None, typer.Option(help="only interactive or batch jobs")] = None,
-             limit: Annotated[int, typer.Option(min=1, max=100, help="how many jobs to show")] = JOBS_PAGE,
+             limit: Annotated[int, typer.Option(min=1, max=JOBS_PAGE_MAX,
+                                                help="how many jobs a page shows")] = JOBS_PAGE,
              cursor: Annotated[str | None, typer.Option(help="the next page: the cursor the page before ended with "
                                                              "(its next_cursor)")] = None,
              url: Url = None, key: Key = None, as_json: AsJson = False) -> None:

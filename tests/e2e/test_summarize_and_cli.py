@@ -414,3 +414,13 @@ def test_jobs_and_batch_list_page_on_as_the_api_does(live_server, keys, tmp_path
             httpx.post(f"{live_server}/v1/batches/{batch_id}/cancel", headers=h)
         for job_id in jobs:
             httpx.post(f"{live_server}/v1/jobs/{job_id}/cancel", headers=h)
+
+
+def test_jobs_limit_is_the_apis_bound(live_server, keys):
+    """`coserve jobs --limit` stopped at 100 while GET /v1/jobs pages up to 500: a page the API serves was a usage
+    error. Beyond the API's bound it is still refused before the request."""
+    auth = ["--url", live_server, "--key", keys.paid]
+    r = CliRunner().invoke(cli, ["jobs", "--limit", "500", "--json", *auth])
+    assert r.exit_code == 0 and json.loads(r.stdout)["data"] == [], r.output
+    r = CliRunner().invoke(cli, ["jobs", "--limit", "501", "--json", *auth])
+    assert r.exit_code == 2 and r.stdout == "" and "less than or equal to 500" in r.stderr, r.output
