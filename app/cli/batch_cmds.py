@@ -98,23 +98,24 @@ def _batch_table(batches: list[dict[str, Any]]) -> Table:
     return t
 
 
-def _follow(api: Api, batch_id: str, warn: bool = False) -> dict[str, Any]:
+def _follow(api: Api, batch_id: str, warn: bool = False, bar: Console = console) -> dict[str, Any]:
     """Polls the batch with a progress bar until it ends; Ctrl-C stops the polling, not the batch. ``warn``: say
-    first where no worker serves the model (a batch just created would wait)."""
+    first where no worker serves the model (a batch just created would wait). ``bar``: where the bar is drawn (stderr
+    when stdout is the batch's JSON)."""
     from app.cli.service_cmds import warn_without_workers
 
     try:
         if warn:
             warn_without_workers(api.url)
-        return _poll(api, batch_id)
+        return _poll(api, batch_id, bar)
     except KeyboardInterrupt:
         raise stopped_waiting(f"batch {batch_id}", f"coserve batch status {batch_id} --follow",
                               f"coserve batch cancel {batch_id}") from None
 
 
-def _poll(api: Api, batch_id: str) -> dict[str, Any]:
+def _poll(api: Api, batch_id: str, shown: Console) -> dict[str, Any]:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:
+                  console=shown) as bar:
         task = bar.add_task(batch_id, total=None)
         while True:
             b = api.call("GET", f"/v1/batches/{batch_id}", patient=True).json()
@@ -129,6 +130,9 @@ def _poll(api: Api, batch_id: str) -> dict[str, Any]:
 # `batch create --wait` and `batch status --follow` exit with these once the batch has ended (2: no answer from the
 # API, or a usage error; an API error is 1 too)
 ALL_SUCCEEDED, NOT_COMPLETED, SOME_FAILED = 0, 1, 3
+# --json of a command that waits (`batch create --wait`, `batch status --follow`, `submit --wait`) prints the object
+# once, as it ended, like `gh run view --json` or `openai api batches retrieve`: stdout stays one JSON document
+# (`| jq .output_file_id`) and the exit status says how it ended; the progress bar and notes go to stderr
 EXIT_CODES_HELP = ("Exit status once the batch ended: 0 every request succeeded; 1 the batch failed, expired or was "
                    "cancelled, or not one of its requests succeeded; 3 it completed with some requests failed (the "
                    "output file holds the others); 2 the API could not be reached.")
@@ -191,6 +195,8 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
            window: Annotated[str, typer.Option("--window", "-w", help="completion window: 30m, 2h, 24h, 7d")] = "24h",
            wait: Annotated[bool, typer.Option(help="follow it with a progress bar until it ends; exit status below")] =
            False,
+           as_json: Annotated[bool, typer.Option("--json", help="print the batch the API created (with --wait: as it "
+                                                                "ended) as JSON, alone on stdout")] = False,
            tier: Tier = None, url: Url = None, key: Key = None) -> None:
     """Upload PATH and start a batch whose requests must finish within --window.
 
@@ -211,10 +217,17 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
     f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "batch"}).json()
     b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
                                                "completion_window": window, "tier": tier}).json()
-    console.print(f"batch [bold]{b['id']}[/bold] created from {path} ({f['bytes']} bytes), window {window}")
+    if as_json and not wait:
+        print_json(b)
+        return
+    said = stderr if as_json else console  # the id, while the wait goes on
+    said.print(f"batch [bold]{b['id']}[/bold] created from {path} ({f['bytes']} bytes), window {window}")
     if wait:
-        b = _follow(api, b["id"], warn=True)
-        print_table(console, _batch_table([b]))
+        b = _follow(api, b["id"], warn=True, bar=said)
+        if as_json:
+            print_json(b)
+        else:
+            print_table(console, _batch_table([b]))
         _end(b)
 
 
@@ -223,18 +236,31 @@ def status(batch_id: BatchId,
            follow: Annotated[bool, typer.Option("--follow", "-f", help="poll with a progress bar until it ends; exit "
                                                                     "status below")] =
            False,
+           as_json: Annotated[bool, typer.Option("--json", help="print the batch (with --follow: once, as it ended) "
+                                                                "as the API's JSON, alone on stdout")] = False,
            url: Url = None, key: Key = None) -> None:
     """Show a batch (request counts, status, files)."""
     api = Api(url, key)
-    b = _follow(api, batch_id) if follow else api.call("GET", f"/v1/batches/{batch_id}").json()
+    if follow:
+        b = _follow(api, batch_id, bar=stderr if as_json else console)
+    else:
+        b = api.call("GET", f"/v1/batches/{batch_id}").json()
+    if as_json:
+        print_json(b)
+    else:
+        _show_batch(b)
+    if follow:  # a script follows a batch as `batch create --wait` does, and learns how it ended the same way
+        _end(b)
+
+
+def _show_batch(b: dict[str, Any]) -> None:
+    """A batch as a table, with its files and errors below."""
     print_table(console, _batch_table([b]))
     for name in ("output_file_id", "error_file_id"):
         if b.get(name):
             console.print(f"{name}: {b[name]}")
     for err in (b.get("errors") or {}).get("data", []):
         console.print(f"[red]{err.get('code')}[/red]: {escape(str(err.get('message')))}")
-    if follow:  # a script follows a batch as `batch create --wait` does, and learns how it ended the same way
-        _end(b)
 
 
 @batch_app.command("list")
@@ -259,9 +285,15 @@ def list_(limit: Annotated[int, typer.Option(min=1, max=100, help="how many batc
 
 
 @batch_app.command("cancel")
-def cancel(batch_id: BatchId, url: Url = None, key: Key = None) -> None:
+def cancel(batch_id: BatchId,
+           as_json: Annotated[bool, typer.Option("--json", help="print the batch the API answered (cancelling or "
+                                                                "cancelled) as JSON, alone on stdout")] = False,
+           url: Url = None, key: Key = None) -> None:
     """Cancel a batch: pending requests are dropped, running ones aborted; finished ones are kept."""
     b = Api(url, key).call("POST", f"/v1/batches/{batch_id}/cancel").json()
+    if as_json:
+        print_json(b)
+        return
     console.print(f"batch {batch_id}: {b['status']}")
 
 

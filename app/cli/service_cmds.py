@@ -530,6 +530,9 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         raw: Annotated[bool, typer.Option("--raw", help="send as a raw prompt (no chat template)")] = False,
         wait: Annotated[bool, typer.Option("--wait", help="wait for the result and print it")] = False,
         url: Url = None, key: Key = None,
+        as_json: Annotated[bool, typer.Option("--json", help="print the job as submitted (with --wait: as it ended, "
+                                                             "its text in output_text) as the API's JSON, alone on "
+                                                             "stdout")] = False,
     ) -> None:
         """Submit a job to a running coserve."""
         if batch and (tbt_ms is not None or ttft_ms is not None):
@@ -544,18 +547,25 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         else:
             body.update(tbt_ms=tbt_ms, ttft_ms=ttft_ms)
         job = _request("POST", url, key, "/v1/jobs", json={k: v for k, v in body.items() if v is not None})
-        console.print(f"submitted [bold]{job['id']}[/bold] ({job['status']})")
+        if as_json and not wait:
+            print_json(job)
+            return
+        # with --json: the id on stderr while the wait goes on, and the job once, as it ended (as batch create does)
+        (stderr if as_json else console).print(f"submitted [bold]{job['id']}[/bold] ({job['status']})")
         if wait:
             try:
                 warn_without_workers(url)
-                streamed = _stream_text(url, key, job["id"], 3600)
+                streamed = not as_json and _stream_text(url, key, job["id"], 3600)
                 job = _wait(url, key, job["id"], 3600)
             except KeyboardInterrupt:
                 raise stopped_waiting(f"job {job['id']}", f"coserve status {job['id']}",
                                       f"coserve cancel {job['id']}") from None
-            if not streamed:
-                console.print(job.get("output_text") or "", markup=False)
-            print_table(console, _job_table(job))
+            if as_json:
+                print_json(job)
+            else:
+                if not streamed:
+                    console.print(job.get("output_text") or "", markup=False)
+                print_table(console, _job_table(job))
             if job["status"] != "succeeded":  # a script's `coserve submit --wait && ...` goes no further
                 stderr.print(f"[red]job {job['id']} {job['status']}[/red]"
                               + ("" if job["status"] in TERMINAL else " after an hour's wait"))

@@ -416,6 +416,59 @@ def test_jobs_and_batch_list_page_on_as_the_api_does(live_server, keys, tmp_path
             httpx.post(f"{live_server}/v1/jobs/{job_id}/cancel", headers=h)
 
 
+def test_the_commands_that_start_follow_or_cancel_work_print_its_json_alone(live_server, keys, tmp_path):
+    """`batch create|status|cancel` and `submit` had no --json: a script parsed their tables and lines. Their stdout
+    is now the API's object alone; with --wait / --follow once, as it ended, with the exit status of a wait and the
+    notes (the id while waiting, the failure) on stderr. No worker here: what is not refused waits until cancelled."""
+    import threading
+
+    h = Keys.header(keys.paid)
+    auth = ["--url", live_server, "--key", keys.paid]
+
+    def run(*args: str):
+        return CliRunner().invoke(cli, [*args, "--json", *auth], env={"COLUMNS": "40"})
+
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": "x", "max_tokens": 1}}) + "\n")
+    r = run("batch", "create", str(src), "--endpoint", "/v1/completions")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    created = json.loads(r.stdout)
+    try:
+        assert created["object"] == "batch" and created["endpoint"] == "/v1/completions", created
+        r = run("batch", "status", created["id"])
+        assert r.exit_code == 0 and r.stderr == "" and json.loads(r.stdout)["id"] == created["id"], r.output
+    finally:
+        r = run("batch", "cancel", created["id"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["status"] in ("cancelling", "cancelled"), r.output
+    twice = tmp_path / "twice.jsonl"  # the same custom_id twice fails the whole batch: it ends without a worker
+    twice.write_text("\n".join(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                           "body": {"prompt": "x", "max_tokens": 1}}) for _ in range(2)))
+    r = run("batch", "create", str(twice), "--endpoint", "/v1/completions", "--wait")
+    ended = json.loads(r.stdout)
+    assert r.exit_code == 1 and ended["status"] == "failed" and ended["errors"]["data"], r.output
+    assert f"batch {ended['id']} created" in _flat(r.stderr), r.stderr
+    r = run("batch", "status", ended["id"], "--follow")
+    assert r.exit_code == 1 and json.loads(r.stdout) == ended, r.output
+    r = run("submit", "Hello", "--max-tokens", "4")
+    submitted = json.loads(r.stdout)
+    assert r.exit_code == 0 and r.stderr == "" and submitted["id"].startswith("job_"), r.output
+    httpx.post(f"{live_server}/v1/jobs/{submitted['id']}/cancel", headers=h)
+
+    def cancel_what_waits() -> None:
+        for status in ("queued", "dispatched"):
+            for job in httpx.get(f"{live_server}/v1/jobs", headers=h, params={"status": status}).json()["data"]:
+                httpx.post(f"{live_server}/v1/jobs/{job['id']}/cancel", headers=h)
+
+    timer = threading.Timer(2.0, cancel_what_waits)
+    timer.start()
+    r = run("submit", "Hello", "--max-tokens", "4", "--wait")
+    timer.join()
+    job = json.loads(r.stdout)  # the text it would have streamed is in output_text, not before the JSON
+    assert r.exit_code == 1 and job["status"] == "cancelled", r.output
+    assert f"submitted {job['id']}" in r.stderr and f"job {job['id']} cancelled" in r.stderr, r.stderr
+
+
 def test_jobs_limit_is_the_apis_bound(live_server, keys):
     """`coserve jobs --limit` stopped at 100 while GET /v1/jobs pages up to 500: a page the API serves was a usage
     error. Beyond the API's bound it is still refused before the request."""

@@ -81,3 +81,16 @@ def test_profile_profiles_the_model_and_device_the_worker_serves_unless_told(tmp
     assert res.exit_code == 0 and seen["model"] == "smollm2-135m", res.output  # the option wins over the setting
     shown = " ".join(CliRunner().invoke(cli, ["profile", "--help"], env=env).output.split())
     assert "default: COSERVE_MODEL, else smollm2-135m" in shown and "default: COSERVE_DEVICE, else auto" in shown
+
+
+def test_every_command_that_shows_a_resource_says_what_its_json_prints():
+    """`batch create|status|cancel` and `submit` had no --json; each --json help says what it prints (and that the
+    waiting commands print the object as it ended)."""
+    env = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+    for command, says in ((["batch", "create"], "print the batch the API created (with --wait: as it ended) as JSON"),
+                          (["batch", "status"], "print the batch (with --follow: once, as it ended) as the API's JSON"),
+                          (["batch", "cancel"], "print the batch the API answered (cancelling or cancelled) as JSON"),
+                          (["submit"], "print the job as submitted (with --wait: as it ended, its text in output_text)"),
+                          (["jobs"], "print the API's JSON instead of a table")):
+        out = " ".join(CliRunner().invoke(cli, [*command, "--help"], env=env).output.split())
+        assert says in out, (command, out)
