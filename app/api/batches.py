@@ -18,6 +18,7 @@ from sqlalchemy import select
 from app.anthropic_schemas import ENDPOINT as MESSAGES
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
+from app.bounds import BATCHES_PAGE_MAX
 from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import Counts, cancel_batch, fan_in_page, maybe_finalize
@@ -97,7 +98,8 @@ def _shown(batch: Batch, counts: Counts | None) -> tuple[int, int] | None:
 
 @router.get("", responses=openai_responses(400))
 def list_batches(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-                 limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
+                 limit: Annotated[int, Query(ge=1, le=BATCHES_PAGE_MAX)] = 20, after: str | None = None
+                 ) -> dict[str, Any]:
     try:
         rows = pagination.rows_after(session, select(Batch).where(Batch.tenant_id == principal.tenant_id,
                                                                      Batch.endpoint != MESSAGES), Batch,

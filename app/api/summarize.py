@@ -17,6 +17,7 @@ from sqlalchemy import select
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
+from app.bounds import RUNS_PAGE_MAX
 from app.db import pagination
 from app.db.models import SummarizationRun
 from app.openai_schemas import list_page, parse_window
@@ -114,7 +115,8 @@ def _digest(body: SummarizeCreate) -> str:
 
 @router.get("", responses=responses(422))
 def list_runs(session: SessionDep, principal: CurrentPrincipal,
-              limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> dict[str, Any]:
+              limit: Annotated[int, Query(ge=1, le=RUNS_PAGE_MAX)] = 20, after: str | None = None
+              ) -> dict[str, Any]:
     """The tenant's runs, newest first; ``after``: the last id of the page before."""
     try:
         rows = pagination.rows_after(session, select(SummarizationRun).where(

@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.bounds import BATCHES_PAGE_MAX, RUNS_PAGE_MAX
 from app.cli.options import AsJson, Key, Tier, Url, in_path
 from app.cli.output import (
     INTERRUPTED,
@@ -264,7 +265,7 @@ def _show_batch(b: dict[str, Any]) -> None:
 
 
 @batch_app.command("list")
-def list_(limit: Annotated[int, typer.Option(min=1, max=100, help="how many batches to show")] = 20,
+def list_(limit: Annotated[int, typer.Option(min=1, max=BATCHES_PAGE_MAX, help="how many batches to show")] = 20,
           after: Annotated[str | None, typer.Option(help="the page after this batch id (the last one the page "
                                                         "before showed)")] = None,
           as_json: AsJson = False,
@@ -383,8 +384,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
         if paths or specbench or run_id or cancel_id:
             raise typer.BadParameter("--list shows your runs: give no documents, --specbench, --run or --cancel "
                                      "with it", param_hint="--list")
-        if limit is not None and limit > LIST_MAX:
-            raise typer.BadParameter(f"{limit}: a page holds at most {LIST_MAX} runs; --after pages on",
+        if limit is not None and limit > RUNS_PAGE_MAX:
+            raise typer.BadParameter(f"{limit}: a page holds at most {RUNS_PAGE_MAX} runs; --after pages on",
                                      param_hint="--limit")
         _list_runs(Api(url, key), limit or LIST_DEFAULT, after, as_json)
         return
@@ -433,7 +434,7 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
         raise typer.Exit(1)
 
 
-LIST_DEFAULT, LIST_MAX = 20, 100  # GET /v1/summarize's default and largest page
+LIST_DEFAULT = 20  # GET /v1/summarize's default page
 
 
 def _list_runs(api: Api, limit: int, after: str | None, as_json: bool) -> None:
