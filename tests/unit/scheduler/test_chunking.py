@@ -141,3 +141,42 @@ def test_the_pass_predicted_runs_no_more_prompt_than_is_queued():
     idle = budget.choose([r], now=1.0, queued_tokens=0)
     assert idle.budget == 256 and math.isclose(idle.predicted_s, 0.010 + 1e-4)
     assert math.isclose(budget.choose([r], now=1.0).predicted_s, 0.010 + 1e-4 * 257)  # unknown queue: the budget
+
+
+def test_draft_tokens_lengthen_the_predicted_pass_and_shrink_the_chunk_when_the_slack_binds():
+    """Under speculation each decode verifies 1 + k tokens: the pass is priced with the k as the profile prices
+    verified tokens (tree_tokens), not as one token a decode."""
+    budget = ChunkBudget(COST, [64, 128, 256, 512, 1024], safety=1.2)
+    decodes = [decoding(interactive(f"d{i}", ttft=1.0, tbt=0.05), outputs=1, times=[0.9]) for i in range(8)]
+    plain = budget.choose(decodes, now=1.0)
+    # slack 0.05 s: 0.010 + 1e-4 * (256 + 8) = 36.4 ms, x1.2 = 43.7 ms fits; 512 does not
+    assert plain.budget == 256 and plain.drafts_s == 0.0
+    drafted = budget.choose(decodes, now=1.0, draft_tokens=8 * 8)  # 8 drafts each
+    # 0.010 + 1e-4 * (256 + 8 + 64) = 42.8 ms, x1.2 = 51.4 ms > 50 ms: the next size down
+    assert drafted.budget == 128
+    assert math.isclose(drafted.predicted_s, 0.010 + 1e-4 * (128 + 8 + 64))
+    assert math.isclose(drafted.drafts_s, 1e-4 * 64)  # the drafts' share of the pass, the speculation's time
+    # the same chunk with drafts is a longer pass
+    assert budget.choose(decodes, now=0.9, draft_tokens=64).predicted_s > budget.choose(decodes, now=0.9).predicted_s
+    # with slack to spare the drafts do not move the chunk
+    assert budget.choose(decodes, now=0.5, draft_tokens=64).budget == budget.choose(decodes, now=0.5).budget == 1024
+
+
+def test_qoserve_prices_the_decodes_drafts_in_its_chunk_and_leaves_them_the_spare_time():
+    from gpu_runtime.scheduler.registry import create_scheduler
+
+    def scheduler(drafts: int):
+        s = create_scheduler("qoserve", cost_model=COST, chunk_floor=64, chunk_ceiling=1024, relegation=False)
+        for i in range(8):
+            d = decoding(interactive(f"d{i}", ttft=1.0, tbt=0.05), outputs=1, times=[0.9])
+            s.running[d.request_id] = d
+        s.add_request(interactive("p", arrival=1.0, prompt=2000, ttft=5.0))
+        s.decode_drafts = {f"d{i}": drafts for i in range(8)}  # what the engine's drafter proposed
+        return s.schedule(1.0)
+
+    plain, drafted = scheduler(0), scheduler(8)
+    # slack 50 ms / 1.2: 10 ms + 0.1 ms x (304 + 8) fits it; with 64 drafts 240 is the largest size that does
+    assert (plain.prefill_budget, drafted.prefill_budget) == (304, 240)
+    assert sum(p.num_tokens for p in drafted.prefills) < sum(p.num_tokens for p in plain.prefills)
+    # the speculation policy may spend on the drafts what the pass before them leaves of its time budget
+    assert drafted.pass_spare_s >= 1e-4 * 64 - 1e-12
