@@ -3,7 +3,7 @@
 ``VLLMScheduler`` is vLLM v0's default: no chunking; waiting prompts run whole, in prefill-only
 iterations that pause the decodes (prefill-prioritizing), FCFS. ``VLLMV1Scheduler`` is the v1
 scheduler the vLLM backend runs untouched (``vllm-fcfs`` / ``vllm-priority`` there): one token
-budget per step, running requests first (each decode one token, a started prompt its next chunk),
+budget per step, running requests first (each decode one token and its drafts, a started prompt its next chunk),
 then waiting prompts chunked into what is left, FCFS or by vLLM's priority; the simulator replays
 engine runs of vLLM's own policies with it."""
 
@@ -67,7 +67,8 @@ class VLLMV1Scheduler(BaseScheduler):
         return PriorityQueue(lambda r: (vllm_priority(r), r.arrival_time))  # type: ignore[arg-type,return-value]
 
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
-        left = out.prefill_budget = max(0, self.config.max_num_batched_tokens - len(out.decodes))
+        # vLLM gives each decode 1 + its draft tokens of the step's budget (its scheduler counts the spec tokens)
+        left = out.prefill_budget = max(0, self.config.max_num_batched_tokens - len(out.decodes) - self.step_drafts)
         # vLLM's running list holds the prompts it already started: they continue before any waiting one
         for req in self.waiting.in_order(self.started):
             if left <= 0:

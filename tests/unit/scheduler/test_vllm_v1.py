@@ -64,3 +64,17 @@ def test_a_started_prompt_continues_before_a_higher_priority_arrival():
 def test_unknown_order_is_an_error():
     with pytest.raises(ValueError, match="unknown vLLM scheduling order"):
         create_scheduler("vllm-v1-fcfs", cost_model=COST, order="edf")
+
+
+def test_each_decode_takes_its_draft_tokens_of_the_step_budget_too():
+    # vLLM's scheduler budgets a decode's 1 + num spec tokens; the prompts get what is left
+    s = create_scheduler("vllm-v1-fcfs", cost_model=COST, max_num_batched_tokens=100)
+    for i in range(3):
+        d = decoding(interactive(f"d{i}", prompt=10), outputs=1, times=[0.1])
+        s.running[d.request_id] = d
+    s.decode_drafts = {"d0": 4, "d1": 2}  # d2 drafted nothing
+    s.add_request(interactive("p", arrival=0.0, prompt=200))
+    out = s.schedule(1.0)
+    assert len(out.decodes) == 3 and s.step_drafts == 6
+    assert out.prefill_budget == 100 - 3 - 6
+    assert _ids(out) == [("p", 91)]
