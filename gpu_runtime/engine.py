@@ -87,6 +87,9 @@ class Engine:
         # a dict: probed in admission order, the same in every process (a set's order follows string hashes)
         self._unstarted: dict[str, None] = {}
         self._prefix_caching = bool(getattr(executor, "prefix_caching", False))
+        # tree tokens each decode verified in the last pass: the scheduler budgets them as its next pass's drafts
+        # (vLLM's drafter proposes before the step is scheduled; this engine drafts after, so the last pass tells)
+        self._verified: dict[str, int] = {}
 
     # ---- thread-safe entry points ----
     def add_request(self, request: Request) -> None:
@@ -136,6 +139,9 @@ class Engine:
         if self._prefix_caching:
             self._note_cached_prefixes()
         now = self.executor.now()
+        if hasattr(self.scheduler, "decode_drafts"):
+            running = self.scheduler.running  # type: ignore[attr-defined]
+            self.scheduler.decode_drafts = {rid: k for rid, k in self._verified.items() if rid in running}
         sched = self.scheduler.schedule(now)
         outputs += self._events(sched)
         if self._prefix_caching:
@@ -148,6 +154,7 @@ class Engine:
             return outputs
 
         plan, selected, draft_latency = self._build_plan(sched, now)
+        self._verified = {d.request_id: len(d.tree) for d in plan.decodes if d.tree is not None}
         result = self.executor.step(plan)
         now = self.executor.now()
         outputs += self._commit(sched, result, now)
