@@ -121,8 +121,8 @@ def print_goals(rows, versus: str = "", label: str = "") -> bool:
 
 
 # vLLM-Spec(n) and SpecInfer as systems: vLLM V1's scheduling on this A100 profile (FCFS, decodes
-# first, chunked prefill with the API server's 2048-token budget, which the decodes take first; vLLM
-# also counts their speculative tokens in it, which the scheduler here does not see).
+# first, chunked prefill with the API server's 2048-token budget, which the decodes and, as in vLLM, their
+# speculative tokens take first: the engine hands the scheduler what each decode verified in the last pass).
 VLLM = "vllm:"
 VLLM_SCHEDULER = ("sarathi-fcfs", {"chunk_size": 2048})
 
