@@ -15,15 +15,21 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime.speculation.draft_acceptance import PositionAcceptance
+from tests.vllm.engine_process import run_module
 
 pytestmark = [pytest.mark.model, pytest.mark.integration]
 
 
-def offline(tmp: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+def offline(tmp: Path, *args: str, env: dict[str, str] | None = None, forked: bool = True) -> dict:
+    """A run of ``gpu_runtime.vllm.offline`` without its untimed warm-up (nothing here is timed); ``forked``: in a
+    process forked with vLLM imported (``engine_process``), else a fresh interpreter."""
     out = tmp / "run.json"
-    proc = subprocess.run([sys.executable, "-m", "gpu_runtime.vllm.offline", "--dtype", "float32", "--prompts", "3",
-                           "--max-tokens", "40", "--out", str(out), *args], capture_output=True, text=True, timeout=600,
-                          env=None if env is None else {**os.environ, **env})
+    argv = ["--dtype", "float32", "--prompts", "3", "--max-tokens", "40", "--warmup", "0", "--out", str(out), *args]
+    if forked:
+        proc = run_module("gpu_runtime.vllm.offline", *argv, env=env)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "gpu_runtime.vllm.offline", *argv], capture_output=True,
+                              text=True, timeout=600, env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -58,7 +64,8 @@ def test_pipeline_parallel_stages_give_plain_vllms_greedy_tokens(plain_vllm, tmp
                 "compilation_config": {"mode": int(CompilationMode.DYNAMO_TRACE_ONCE), "backend": "eager"}}
     run = offline(tmp_path, "--policy", "qoserve", "--batch", "3", "--qos", "mixed",
                   "--engine-args", json.dumps(compiled),
-                  env={"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"})  # vLLM-CPU: a core per stage
+                  env={"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"},  # vLLM-CPU: a core per stage
+                  forked=False)  # its stages are processes of vLLM's own: started from a fresh interpreter
     assert run["3"]["tokens"] == plain_vllm["3"]["tokens"]
     assert run["3"]["output_tokens"] == 3 * 40
 
@@ -121,8 +128,7 @@ def test_vllms_gauges_empty_once_a_cancel_leaves_the_engine_idle():
     """A request aborted while it decodes, the last one: vLLM's stat logger records the emptied scheduler (no request
     running, no KV block held). Before, the engine stopped stepping once nothing was left, so vLLM never recorded
     after the abort and /metrics showed the cancelled request running for good."""
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.aborted_request"], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).resolve().parents[2])
+    proc = run_module("tests.vllm.aborted_request")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # vLLM logs to stdout too: the answer is its one JSON line
     gauges = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"running"')))
@@ -134,8 +140,7 @@ def test_vllms_gauges_empty_once_a_cancel_leaves_the_engine_idle():
 def test_a_runtime_adapter_replaced_or_unloaded_leaves_vllms_engine(lora_adapters):
     """vLLM's unload left a runtime adapter in its LoRA cache, holding a slot until evicted: coserve's engine removes
     a replaced version, then the unloaded adapter, from vLLM (remove_lora) once no request uses them."""
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.retired_lora", lora_adapters["tilted-lora"]],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    proc = run_module("tests.vllm.retired_lora", lora_adapters["tilted-lora"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     ids = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"served"')))
     first, second = ids["both"]
@@ -153,8 +158,7 @@ def test_a_thinking_budget_ends_the_thinking_when_spent(spec, tmp_path):
     model thought that many tokens, vLLM forces the parser's end of thinking (``</think>``); without it the model
     thinks on. Speculating too (n-gram drafts): vLLM's rejection sampler keeps the budget over the draft tokens
     (``ThinkingBudgetStateHolder`` counts them), so the combination is served, not refused."""
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.thinking_budget", str(tmp_path), spec],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    proc = run_module("tests.vllm.thinking_budget", str(tmp_path), spec)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     run = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"close"')))
     close = run["close"]
