@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # what every engine run imports before it builds its engine (vLLM's engine, model runner and CPU worker)
-PRELOAD = ["torch", "vllm", "vllm.v1.engine.llm_engine", "vllm.v1.worker.cpu_worker", "vllm.model_executor.models.llama",
-           "gpu_runtime.vllm.build", "gpu_runtime.vllm.engine", "gpu_runtime.vllm.scheduler",
+PRELOAD = ["torch", "vllm", "vllm.v1.engine.llm_engine", "vllm.v1.worker.cpu_worker",
+           "vllm.model_executor.models.llama", "gpu_runtime.vllm.build", "gpu_runtime.vllm.engine",
+           "gpu_runtime.vllm.scheduler",
            "gpu_runtime.vllm.offline", "app.services.model_info"]
 
 
