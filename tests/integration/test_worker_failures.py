@@ -175,15 +175,12 @@ def test_a_job_an_engine_error_gave_back_is_not_rerun_here_before_the_engine_too
     """A failed step gives its jobs back and aborts them in the engine, which takes the aborts at its next step. The
     job's id stays set aside until then: a rerun that comes back to this worker sooner is not added beside the
     aborted request of the same id (whose pending abort would hit the rerun, or whose output would be the rerun's)."""
-    from gpu_runtime.engine import Engine
-    from gpu_runtime.executor.sim import SimExecutor
     from gpu_runtime.request import RequestStatus
-    from gpu_runtime.scheduler.registry import create_scheduler
-    from tests.unit.scheduler.helpers import COST
+    from tests.integration.test_worker_threads import sim_engine
 
     url = settings.sqlalchemy_url
     worker = GpuWorker(settings)
-    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine = sim_engine()
     engine_thread = worker.attach(engine)
     with session_scope(url) as s:
         job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=12),

@@ -140,14 +140,11 @@ def test_a_second_message_left_by_a_hand_back_a_cold_shutdown_interrupted_runs_n
     hand-back's move: the give-back finds it gone from the list and sends a second one. Only one lease is had: the
     taker runs the job once, and the second message, wherever it lands (the taker, a third worker, after the job
     ended), is acked and dropped, neither running the job again nor failing it."""
-    from gpu_runtime.engine import Engine
-    from gpu_runtime.executor.sim import SimExecutor
-    from gpu_runtime.scheduler.registry import create_scheduler
-    from tests.unit.scheduler.helpers import COST
+    from tests.integration.test_worker_threads import sim_engine
 
     draining, taker, third = (GpuWorker(settings.model_copy(update={"worker_id": w})) for w in ("wa", "wb", "wc"))
     draining.draining = True
-    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine = sim_engine()
     engine_thread = taker.attach(engine)
     job_id = _submit(settings, keys, max_tokens=4)
     with session_scope(settings.sqlalchemy_url) as s:  # dispatched, its message in the draining worker's hand

@@ -41,6 +41,11 @@ from workers.outbox import Outbox, StepRecords
 pytestmark = pytest.mark.integration
 
 
+def sim_engine() -> Engine:
+    """An engine on the simulated executor under QoServe, for a worker the test drives step by step."""
+    return Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+
+
 def _request(job_id: str, tier: Tier = Tier.PAID, max_tokens: int = 4) -> Request:
     return Request(job_id, [1] * 8, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    QoSSpec(QoSClass.INTERACTIVE, tier, ttft_s=60.0, tbt_s=10.0), 0.0)
@@ -430,7 +435,7 @@ def test_a_job_that_comes_back_to_the_worker_still_running_it_runs_once_in_its_e
     so the engine never runs two and the result is the new attempt's alone."""
     url = settings.sqlalchemy_url
     worker = GpuWorker(settings)
-    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine = sim_engine()
     engine_thread = worker.attach(engine)
     with session_scope(url) as s:
         job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=12),
@@ -504,7 +509,7 @@ def test_a_rerun_that_goes_on_from_streamed_tokens_is_judged_on_pace_not_on_its_
     fresh job that missed its TTFT."""
     url = settings.sqlalchemy_url
     worker = GpuWorker(settings)
-    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine = sim_engine()
     engine_thread = worker.attach(engine)
     with session_scope(url) as s:
         job_id = submit_job(s, authenticate(s, keys.free), JobCreate(prompt="hello there", max_tokens=40, ttft_ms=1,
@@ -537,7 +542,7 @@ def test_a_reruns_metrics_are_the_answers_as_its_client_saw_them(settings, keys)
     entry times), and its finished job keeps attempt 1's first token as the answer's (TTFT, ``first_token_at``)."""
     url = settings.sqlalchemy_url
     worker = GpuWorker(settings)
-    engine = Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+    engine = sim_engine()
     engine_thread = worker.attach(engine)
     with session_scope(url) as s:
         job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=40,
