@@ -366,8 +366,9 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
               cancel_id: Annotated[str | None, typer.Option(
                   "--cancel", help="cancel a run (its id): the documents not done fail, its summaries stay",
                   callback=in_path)] = None,
-              list_runs: Annotated[bool, typer.Option("--list", help="list your runs, newest first (--limit of "
-                                                                     f"them, at most {RUNS_PAGE_MAX}; 20 unless given)")] = False,
+              list_runs: Annotated[bool, typer.Option(
+                  "--list", help=f"list your runs, newest first (--limit of them, at most {RUNS_PAGE_MAX}; 20 unless "
+                                 "given)")] = False,
               after: Annotated[str | None, typer.Option(help="with --list: the page after this run id (the last one "
                                                             "the page before showed)")] = None,
               as_json: Annotated[bool, typer.Option("--json", help="with --list: print the API's JSON instead of a "

@@ -90,7 +90,8 @@ def test_every_command_that_shows_a_resource_says_what_its_json_prints():
     for command, says in ((["batch", "create"], "print the batch the API created (with --wait: as it ended) as JSON"),
                           (["batch", "status"], "print the batch (with --follow: once, as it ended) as the API's JSON"),
                           (["batch", "cancel"], "print the batch the API answered (cancelling or cancelled) as JSON"),
-                          (["submit"], "print the job as submitted (with --wait: as it ended, its text in output_text)"),
+                          (["submit"],
+                           "print the job as submitted (with --wait: as it ended, its text in output_text)"),
                           (["jobs"], "print the API's JSON instead of a table")):
         out = " ".join(CliRunner().invoke(cli, [*command, "--help"], env=env).output.split())
         assert says in out, (command, out)
