@@ -93,7 +93,6 @@ class BudgetChoice:
     predicted_s: float  # predicted batch time at that budget (of the prompt tokens queued, where fewer)
     min_slack_s: float  # tightest decode slack (inf without decodes)
     context_tokens: int = 0  # KV tokens of the decodes the choice was made for (their attention's work)
-    drafts_s: float = 0.0  # of ``predicted_s``, what the decodes' draft tokens add (the speculation policy's share)
 
 
 class ChunkBudget:
@@ -107,17 +106,15 @@ class ChunkBudget:
         self.kv_short_fraction = kv_short_fraction  # free-KV share below which the space is halved
 
     def choose(self, decodes: list[Request], now: float, kv_free_fraction: float = 1.0,
-               prefill_start: int = 0, queued_tokens: int | None = None, step_room: int | None = None,
-               draft_tokens: int = 0) -> BudgetChoice:
+               prefill_start: int = 0, queued_tokens: int | None = None, step_room: int | None = None
+               ) -> BudgetChoice:
         """Alg. 1 lines 5-7. ``prefill_start``: tokens already computed of the prompt the chunk goes to
         (its attention covers them: a continued long prompt costs more than a fresh one). ``queued_tokens``: the
         prompt tokens waiting for a chunk. The pass predicted runs no more of them than wait: a 47-token prompt
         alone is a 47-token pass, not one of the budget (with vLLM's 4096-token step cap on the CPU, 6.7 s
         predicted against 63 ms, which relegated every interactive job that met an idle engine). ``step_room``:
         the prompt tokens the engine's step cap leaves beside the decodes (None: no cap); the budget is cut to it,
-        and the pass predicted is the one cut. ``draft_tokens``: the draft tokens the decodes verify beside their own
-        (``BaseScheduler.step_drafts``), priced as the profile prices verified tokens (``tree_tokens``): each
-        decode is 1 + its drafts of the pass, so drafts make the pass longer and the chunk that fits smaller."""
+        and the pass predicted is the one cut."""
         n_dec = len(decodes)
         ctx = sum(r.num_computed_tokens for r in decodes)
         space = self.space
@@ -125,17 +122,15 @@ class ChunkBudget:
             space = space[:max(1, (len(space) + 1) // 2)]
         predict, start = self.cost_model.predict, prefill_start
 
-        def time_at(c: int, drafts: int = draft_tokens) -> float:
+        def time_at(c: int) -> float:
             if not c:  # the decodes alone
-                return predict(BatchFeatures(0, n_dec, 0, ctx, drafts, n_dec, 0.0))
-            return predict(BatchFeatures(c, n_dec, start + c, ctx, drafts, n_dec + 1, c * (start + c / 2)))
+                return predict(BatchFeatures(0, n_dec, 0, ctx, 0, n_dec, 0.0))
+            return predict(BatchFeatures(c, n_dec, start + c, ctx, 0, n_dec + 1, c * (start + c / 2)))
 
         def chosen(c: int, slack: float) -> BudgetChoice:
             if step_room is not None:
                 c = min(c, max(0, step_room))
-            run = c if queued_tokens is None else min(c, queued_tokens)
-            t = time_at(run)
-            return BudgetChoice(c, t, slack, ctx, t - time_at(run, 0) if draft_tokens else 0.0)
+            return BudgetChoice(c, time_at(c if queued_tokens is None else min(c, queued_tokens)), slack, ctx)
 
         # A batch decode that cannot keep its pace even beside the smallest chunk is lost: cutting every chunk
         # to the floor for it would only collapse prefill throughput (and cascade under overload).

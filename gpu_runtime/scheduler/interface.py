@@ -31,9 +31,7 @@ class SchedulerOutput:
     # status finished_expired; the engine frees their KV and reports them finished
     expired: list[Request] = field(default_factory=list)
     prefill_budget: int = 0  # the chunk budget C chosen for this iteration (tokens)
-    # cost-model prediction of the batch time before speculation: without the draft tokens the decodes verify
-    # (the chunk was sized with them; speculation may spend what is left of the pass time budget on them)
-    predicted_latency_s: float | None = None
+    predicted_latency_s: float | None = None  # cost-model prediction of the batch time
     # Time the pass may take before the tightest decode misses its next deadline (slack / safety), when
     # the scheduler sized the chunk by one; speculation may add tree tokens into what is left of it.
     pass_time_budget_s: float | None = None

@@ -212,12 +212,9 @@ class QoServeScheduler(BaseScheduler):
         # the engine's step cap: the decodes (and their drafts) take theirs first, the chunk is cut to the rest
         cap = self.config.step_tokens
         room = None if cap is None else cap - len(out.decodes) - self.step_drafts
-        # the decodes' drafts lengthen the pass (priced as verified tokens): the chunk that fits their slack shrinks
         choice = self.chunking.choose(out.decodes, now, kv.unreserved_fraction,
-                                      head.num_computed_tokens if head is not None else 0, queued, room,
-                                      self.step_drafts)
-        # the pass before its drafts: pass_spare_s is then the time the speculation policy may give them
-        out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s - choice.drafts_s
+                                      head.num_computed_tokens if head is not None else 0, queued, room)
+        out.prefill_budget, out.predicted_latency_s = choice.budget, choice.predicted_s
         if math.isfinite(choice.min_slack_s):
             out.pass_time_budget_s = choice.min_slack_s / self.chunking.safety
         decodes, ctx = len(out.decodes), choice.context_tokens
