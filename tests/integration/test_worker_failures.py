@@ -176,16 +176,10 @@ def test_a_job_an_engine_error_gave_back_is_not_rerun_here_before_the_engine_too
     job's id stays set aside until then: a rerun that comes back to this worker sooner is not added beside the
     aborted request of the same id (whose pending abort would hit the rerun, or whose output would be the rerun's)."""
     from gpu_runtime.request import RequestStatus
-    from tests.integration.test_worker_threads import sim_engine
+    from tests.integration.test_worker_threads import leased_on_sim_engine
 
     url = settings.sqlalchemy_url
-    worker = GpuWorker(settings)
-    engine = sim_engine()
-    engine_thread = worker.attach(engine)
-    with session_scope(url) as s:
-        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=12),
-                            settings, dispatch=False).job.id
-    worker.accept(job_id)
+    worker, engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
     for _ in range(4):  # attempt 1 runs
         worker.outbox.apply(engine_thread.iterate())
     first = worker.active.get(job_id)

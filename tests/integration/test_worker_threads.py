@@ -33,7 +33,7 @@ from workers import control, outbox as outbox_module
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
 from workers.celery_app import INTERACTIVE_PRIORITY
-from workers.engine_thread import relegation_detail
+from workers.engine_thread import EngineThread, relegation_detail
 from workers.gpu_worker import GpuWorker
 from workers.inbox import Abort, Add
 from workers.outbox import Outbox, StepRecords
@@ -44,6 +44,18 @@ pytestmark = pytest.mark.integration
 def sim_engine() -> Engine:
     """An engine on the simulated executor under QoServe, for a worker the test drives step by step."""
     return Engine(SimExecutor(COST, kv_blocks=256, block_size=16), create_scheduler("qoserve", cost_model=COST))
+
+
+def leased_on_sim_engine(settings, keys) -> tuple[GpuWorker, Engine, EngineThread, str]:
+    """A worker on ``sim_engine()`` and a paid job (12 tokens) it has leased into that engine, not yet stepped."""
+    worker = GpuWorker(settings)
+    engine = sim_engine()
+    engine_thread = worker.attach(engine)
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=12),
+                            settings, dispatch=False).job.id
+    worker.accept(job_id)
+    return worker, engine, engine_thread, job_id
 
 
 def _request(job_id: str, tier: Tier = Tier.PAID, max_tokens: int = 4) -> Request:
@@ -434,13 +446,7 @@ def test_a_job_that_comes_back_to_the_worker_still_running_it_runs_once_in_its_e
     """The engine knows a job's attempts by the job's id: the earlier attempt is aborted before the next is added,
     so the engine never runs two and the result is the new attempt's alone."""
     url = settings.sqlalchemy_url
-    worker = GpuWorker(settings)
-    engine = sim_engine()
-    engine_thread = worker.attach(engine)
-    with session_scope(url) as s:
-        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=12),
-                            settings, dispatch=False).job.id
-    worker.accept(job_id)
+    worker, engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
     for _ in range(5):  # attempt 1 runs: its prompt and a few tokens
         worker.outbox.apply(engine_thread.iterate())
     first = worker.active.get(job_id)
