@@ -159,10 +159,11 @@ class Router:
 
 def _load(state: dict[str, Any]) -> tuple[int, int, int]:
     """(jobs in line, capacity, capacity for batch jobs) from a worker's heartbeat state (an older worker's: its
-    jobs, no cap; one without an interactive reserve: its cap for both)."""
+    jobs, no cap; one without an interactive reserve: its cap for both). The jobs routed to it and not taken yet are
+    in line too: it takes them before any from the shared queue, so a worker they fill is full."""
     capacity = int(state.get("max_inflight") or 2**31)
-    return (int(state.get("in_line", state.get("active_jobs")) or 0), capacity,
-            int(state.get("batch_room") or capacity))
+    in_line = int(state.get("in_line", state.get("active_jobs")) or 0) + int(state.get("routed_waiting") or 0)
+    return in_line, capacity, int(state.get("batch_room") or capacity)
 
 
 def advertised_context(state: dict[str, Any] | None) -> int | None:

@@ -70,3 +70,10 @@ def test_a_batch_job_counts_a_worker_full_at_its_cap_less_its_interactive_reserv
     # wa holds 3 of 4: an interactive job still goes home, a batch job (room for 3) to the other worker
     assert choose(key, [Candidate("wa", 3, 4), Candidate("wb", 2, 4)], slack=16) == "wa"
     assert choose(key, [Candidate("wa", 3, 3), Candidate("wb", 2, 3)], slack=16) == "wb"
+
+
+def test_jobs_routed_to_a_worker_and_not_taken_yet_count_as_in_line():
+    # its engine holds 2 of 4 and its own queue 2 more: full, so a 5th job goes to the shared queue, not behind them
+    held, capacity, _ = _load({"in_line": 2, "routed_waiting": 2, "max_inflight": 4})
+    assert (held, capacity) == (4, 4)
+    assert choose("00", [Candidate("wa", held, capacity)], slack=16) is None
