@@ -4,6 +4,7 @@ and a cancel judges the job's state by its own write."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import update
 
 from app.api import admin
@@ -11,6 +12,8 @@ from app.db.models import Job
 from app.db.session import session_scope
 from tests.conftest import Keys
 from tests.sql_statements import statements
+
+pytestmark = pytest.mark.integration
 
 H = Keys.header
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from app.auth import create_tenant
 from app.db.session import session_scope
 from tests.conftest import Keys
+
+pytestmark = pytest.mark.integration
 
 H = Keys.header
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 from app.batch import finalize
 from app.services import cancel as cancelling
 from app.db.models import Batch, File, Job, JobStatus, Tenant
 from app.db.session import session_scope
+
+pytestmark = pytest.mark.integration
 
 
 def test_stopping_a_batchs_jobs_survives_a_worker_committing_between_them(db_url, monkeypatch):

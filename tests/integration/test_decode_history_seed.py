@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+
 from app.db.models import Job, Tenant
 from app.db.session import session_scope
 from app.services.transitions import utcnow
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from workers.decode_history import PeerLengths, finished_lengths, history_key, seed
+
+pytestmark = pytest.mark.integration
 
 
 def _tenant(db_url: str, name: str) -> str:

@@ -8,9 +8,12 @@ import sys
 import textwrap
 import time
 
+import pytest
 from sqlalchemy import text
 
 from app.db.session import get_sessionmaker, write_guard
+
+pytestmark = pytest.mark.integration
 
 HOLDER = textwrap.dedent("""
     import sys, time
