@@ -39,18 +39,27 @@ class VLLMKVView:
         return KVCapacity(pool.num_gpu_blocks - 1, pool.get_num_free_blocks(), self.block_size)
 
     def blocks_needed(self, request_id: str, n: int) -> int:
+        """Blocks vLLM allocates for the request's next ``n`` tokens (``allocate_slots``): also the slots of its
+        lookahead, the KV a draft model or EAGLE drafter writes past them (``num_lookahead_tokens``, 0 for the
+        model-free drafters), which vLLM takes for every prompt chunk and decode and preempts for where none is
+        left. Past max_model_len it allocates nothing."""
         req = self.scheduler.requests.get(request_id)
         have = req.num_computed_tokens if req is not None else 0
-        bs = self.block_size
+        bs, ahead = self.block_size, self.scheduler.num_lookahead_tokens
         if req is not None and not have:
             # a prompt not (re)started: the n tokens after its prefix-cache hit (which the policy counts computed),
             # and the hit's blocks too, which leave the free pool with it unless a running request holds them
             mirror = self.scheduler.mirrors.get(request_id)
-            return -(-((mirror.num_cached_tokens if mirror is not None else 0) + n) // bs)
+            hit = mirror.num_cached_tokens if mirror is not None else 0
+            return -(-self._slots(hit + n + ahead) // bs)
         # the blocks vLLM holds for it already: those of its computed tokens, and any it allocated ahead of them (the
-        # slots of its draft tokens, vLLM's lookahead), which the next tokens fill before a new block is needed
+        # slots of its draft tokens and lookahead), which the next tokens fill before a new block is needed
         held = len(self.scheduler.kv_cache_manager.coordinator.get_blocks(request_id)[0])
-        return max(0, -(-(have + n) // bs) - max(held, -(-have // bs)))
+        return max(0, -(-self._slots(have + n + ahead) // bs) - max(held, -(-have // bs)))
+
+    def _slots(self, tokens: int) -> int:
+        """The KV slots vLLM gives a request that reaches ``tokens`` (none past the model's context)."""
+        return min(tokens, self.scheduler.max_model_len)
 
     @property
     def prefix_caching(self) -> bool:

@@ -27,7 +27,7 @@ def make_scheduler(tiny_model_dir, monkeypatch):
     def build(policy: str = "qoserve", max_batched: int = 512, blocks: int = 400, max_seqs: int = 16,
               profile: str = "none", report_events: bool = True, calibrate: bool = False,
               prefix_caching: bool = False, max_loras: int | None = None,
-              chunked_prefill: bool = True, spec_tokens: int = 0,
+              chunked_prefill: bool = True, spec_tokens: int = 0, drafter: str = "ngram",
               async_scheduling: bool = False) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
@@ -40,7 +40,7 @@ def make_scheduler(tiny_model_dir, monkeypatch):
         lora = LoRAConfig(max_loras=max_loras, max_lora_rank=8) if max_loras else None  # LoRA slots of a batch
         model = ModelConfig(model=str(tiny_model_dir), max_model_len=512)
         config = VllmConfig(model_config=model, cache_config=cache, lora_config=lora,
-                            speculative_config=_ngram_drafts(model, spec_tokens) if spec_tokens else None,
+                            speculative_config=_drafts(model, drafter, spec_tokens) if spec_tokens else None,
                             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
                                                              max_model_len=512, is_encoder_decoder=False,
                                                              enable_chunked_prefill=chunked_prefill))
@@ -56,12 +56,17 @@ def make_scheduler(tiny_model_dir, monkeypatch):
     return build
 
 
-def _ngram_drafts(model, num_tokens: int):  # noqa: ANN001, ANN202 - vLLM's ModelConfig, SpeculativeConfig
-    """vLLM's n-gram drafter proposing ``num_tokens`` per request and step (its speculative_config)."""
+def _drafts(model, drafter: str, num_tokens: int):  # noqa: ANN001, ANN202 - vLLM's ModelConfig, SpeculativeConfig
+    """vLLM's speculative_config: its ``drafter`` proposing ``num_tokens`` per request and step. ``ngram``: prompt
+    lookup (no KV of its own); ``draft_model``: the target model drafting for itself, which makes vLLM allocate
+    ``num_tokens`` lookahead KV slots per request as every draft-model and EAGLE drafter does."""
     from vllm.config import ParallelConfig, SpeculativeConfig
 
-    return SpeculativeConfig(method="ngram", num_speculative_tokens=num_tokens, prompt_lookup_max=4,
-                             prompt_lookup_min=2, target_model_config=model, target_parallel_config=ParallelConfig())
+    common = {"num_speculative_tokens": num_tokens, "target_model_config": model,
+              "target_parallel_config": ParallelConfig()}
+    if drafter == "draft_model":
+        return SpeculativeConfig(method="draft_model", model=model.model, **common)
+    return SpeculativeConfig(method="ngram", prompt_lookup_max=4, prompt_lookup_min=2, **common)
 
 
 def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,

@@ -376,6 +376,52 @@ def test_a_decodes_drafts_count_in_its_kv_room_so_the_policy_chooses_whom_to_pre
     assert out.num_scheduled_tokens == {paid.request_id: 5} and paid in s.running
 
 
+def test_a_drafters_lookahead_slots_count_in_the_kv_room_so_the_policy_chooses_whom_to_preempt(make_scheduler):
+    """A draft-model drafter (EAGLE's too) writes KV past the tokens a step verifies: vLLM allocates 4 lookahead slots
+    per request beside each prompt chunk and decode. Two decodes verifying 4 drafts outgrow the KV their short
+    predicted lengths reserved; on the step where their tokens and lookahead pass a block and only one block is free,
+    the policy that counted the tokens alone found them room in the blocks they hold: vLLM did not, and preempted
+    its last running request, the paid chat. Counting the lookahead, the policy releases the free job first."""
+    s = make_scheduler("qoserve", max_batched=64, blocks=6, spec_tokens=4, drafter="draft_model")  # 5 blocks of 16
+    assert s.num_lookahead_tokens == 4
+    for _ in range(3):
+        s.policy.history.record("short", 1)
+    free = vllm_request(14, {"ttft_ms": 2_000, "tbt_ms": 1000, "tier": "free", "app_id": "short"}, max_tokens=40)
+    paid = vllm_request(14, {"ttft_ms": 30_000, "tbt_ms": 1000, "app_id": "short"}, max_tokens=40)
+    s.add_request(free)
+    s.add_request(paid)
+    run_step(s)  # both prompts (2 blocks each with the lookahead): the free job's, due first, runs first
+    assert [r.request_id for r in s.running] == [free.request_id, paid.request_id]
+    for _ in range(40):
+        for r in s.running:
+            r.spec_token_ids = [1, 2, 3, 4]  # run_step's model accepts none of them
+        out, _ = run_step(s)
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == {free.request_id}
+    assert s.kv.released == [free.request_id]  # the policy's choice, not vLLM's
+    assert out.num_scheduled_tokens == {paid.request_id: 5} and paid in s.running
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+def test_the_kv_view_counts_the_blocks_vllm_allocates_with_its_lookahead(make_scheduler, drafter):
+    """What the policy is told a prompt's first chunk and a decode take is what vLLM's allocate_slots takes: with a
+    draft-model drafter the 4 lookahead slots too (a 14-token prompt: 2 blocks, not 1); with the n-gram drafter
+    none."""
+    s = make_scheduler("qoserve", max_batched=64, blocks=40, spec_tokens=4, drafter=drafter)
+    held = lambda r: len(s.kv_cache_manager.coordinator.get_blocks(r.request_id)[0])  # noqa: E731
+    prompt = vllm_request(14, max_tokens=40)
+    s.add_request(prompt)
+    planned = s.kv.blocks_needed(prompt.request_id, 14)
+    run_step(s)
+    assert planned == held(prompt) == (2 if drafter == "draft_model" else 1)
+    for _ in range(20):  # decodes of a token and 4 drafts, none accepted: each adds a token
+        prompt.spec_token_ids = [1, 2, 3, 4]
+        before, planned = held(prompt), s.kv.blocks_needed(prompt.request_id, 5)
+        run_step(s)
+        assert held(prompt) - before == planned, prompt.num_computed_tokens
+
+
 def test_a_static_chains_share_of_the_drafts_leaves_the_rest_of_the_step_to_prompts(make_scheduler):
     """vLLM proposed 6 drafts for the decode and chain-2 verifies 2 of them, which is known before the step is
     planned: the 64-token step runs the decode, its 2 drafts and 61 prompt tokens (57 when the budget left the 6
