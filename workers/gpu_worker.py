@@ -104,6 +104,7 @@ class GpuWorker:
         self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
         self.outbox = Outbox(self.url, self.redis, self.active)
         self.engine_thread: EngineThread | None = None
+        self.gave_up: str | None = None  # why the worker gave up on an engine that still steps (``give_up_engine``)
         self.threads: list[threading.Thread] = []
         self.peers: decode_history.PeerLengths | None = None  # what the model's other workers finish
         self.handing_back: tuple[str, str] | None = None  # (job id, task id) of the message accept hands back now
@@ -186,7 +187,12 @@ class GpuWorker:
 
     @property
     def broken(self) -> str | None:
-        """Why the engine was given up on (its steps kept raising), else None."""
+        """Why the engine was given up on (its steps kept raising, or it kept an aborted request: ``give_up_engine``),
+        else None."""
+        return self._steps_broken or self.gave_up
+
+    @property
+    def _steps_broken(self) -> str | None:
         return self.engine_thread.broken if self.engine_thread is not None else None
 
     def _engine_broken(self, reason: str) -> None:
@@ -200,7 +206,8 @@ class GpuWorker:
         """Lets running jobs finish for ``grace_s`` (None: ``COSERVE_STOP_GRACE_SECONDS``), then gives the rest back
         to the queue."""
         grace_s = self.settings.stop_grace_seconds if grace_s is None else grace_s
-        deadline = time.monotonic() + (grace_s if self.broken is None else 0.0)  # a broken engine finishes nothing
+        # an engine whose steps raise finishes nothing; one given up on for a request it kept still runs the rest
+        deadline = time.monotonic() + (grace_s if self._steps_broken is None else 0.0)
         while len(self.active) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.stopping.set()
@@ -332,6 +339,18 @@ class GpuWorker:
             self.active.add(active)
             self.inbox.put(Add(job_id))
         return None
+
+    def give_up_engine(self, job_id: str, back_to: str, priority: int, retries: int) -> None:
+        """The message of ``job_id``, whose id this worker holds set aside, came back here for all its ``retries``
+        (``workers.tasks``): no other worker took it, and the engine kept its aborted request all that while, so it
+        would keep it for good (only a fresh engine lets it go), and the job would run nowhere. The worker stops as
+        one whose engine broke (exit status 1: its supervisor starts it afresh), its running jobs finishing within
+        the stop grace, and the job's message goes back to the head of ``back_to`` for another worker or this one
+        restarted."""
+        self.gave_up = (f"its engine kept the aborted request of job {job_id} while the job came back here "
+                        f"{retries + 1} times")
+        self._engine_broken(self.gave_up)  # first: the consumer stops taking messages, this one's among them
+        self._hand_back(job_id, back_to, priority)
 
     def _hand_back(self, job_id: str, back_to: str, priority: int) -> None:
         """``send_back`` of the message in hand, its task id known meanwhile (``handing_back``): a cold shutdown that

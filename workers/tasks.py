@@ -24,14 +24,14 @@ def run_job(self, job_id: str) -> None:
         raise RuntimeError("run_job needs the GPU worker process (`coserve worker`), not a plain celery worker")
     # the message's priority (its job's kind: workers.celery_app.message_priority), kept where it is handed back
     info = self.request.delivery_info or {}
-    back_to = runtime.accept(job_id, info.get("priority") or INTERACTIVE_PRIORITY, info.get("routing_key"))
+    priority = info.get("priority") or INTERACTIVE_PRIORITY
+    back_to = runtime.accept(job_id, priority, info.get("routing_key"))
     if back_to is None:
         return
     # its id is held here until the engine lets its aborted request go: sent again after a backoff, on the queue the
     # model's workers share (any of them may run it then), not taken back here at once over and over
-    if self.request.retries >= self.max_retries:  # the sweeper resends it once its dispatch is old
-        log.warning("job %s: its id stayed set aside on this worker for %d retries; left to the sweeper", job_id,
-                    self.request.retries)
+    if self.request.retries >= self.max_retries:  # no other worker took it meanwhile, and the engine kept the id:
+        runtime.give_up_engine(job_id, back_to, priority, self.request.retries)  # a fresh engine lets it go
         return
     countdown = get_exponential_backoff_interval(factor=1, retries=self.request.retries,
                                                  maximum=SET_ASIDE_BACKOFF_MAX_S)

@@ -633,19 +633,12 @@ def _worker_row_state(settings, worker: GpuWorker) -> dict:
         return dict(s.get(WorkerState, worker.worker_id).state)
 
 
-def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_celery(settings, keys, monkeypatch):
-    """A job whose lease lapsed while its engine never confirmed the abort keeps its id set aside on this worker. Its
-    resent message coming back here is neither waited on (no abort frees the id) nor handed back to the head of the
-    queue, where this worker took it again at once, over and over: Celery's retry sends it again after a backoff, on
-    the model's queue, for whichever worker takes it then; once the engine let the id go, the job runs here."""
-    import json
-
-    from celery.exceptions import Retry
-
+def _set_aside_with_its_message(settings, keys, monkeypatch):
+    """A worker whose engine never confirms the abort of a job whose lease lapsed while it ran there (its id set aside
+    there), that job requeued and sent again by the sweeper, and ``delivered(retries)``: that worker's consumer runs
+    a message of the job that Celery retried ``retries`` times (a retry sends its message to Redis)."""
     from workers.celery_app import RUN_JOB, get_celery
-    from workers.tasks import SET_ASIDE_BACKOFF_MAX_S
 
-    url = settings.sqlalchemy_url
     worker = GpuWorker(settings)
     engine_thread = worker.attach(_Recorder())  # its abort only records the call: the engine never confirms it
     (job,) = _leased_jobs(settings, keys, worker, 1)
@@ -657,17 +650,13 @@ def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_cel
     job.abort_sent_at -= settings.lease_seconds  # a lease later (the clock moved on, not slept on)
     worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
     assert worker.active.abandoned_ids() == [job.job_id]
-    r = redis.Redis.from_url(settings.redis_url)
-    waiting = r.llen("coserve.tiny")
-    with session_scope(url) as s:
-        dispatched_at = s.get(Job, job.job_id).dispatched_at
 
     app = get_celery(settings.redis_url)
     app.loader.import_default_modules()
     monkeypatch.setattr(app, "coserve_worker", worker, raising=False)
     run_job = app.tasks[RUN_JOB]
 
-    def delivered(retries: int):  # the task as the worker's consumer runs its message (the retry sends to Redis)
+    def delivered(retries: int):
         run_job.push_request(id=f"task-{retries}", args=[job.job_id], kwargs={}, retries=retries, is_eager=False,
                              called_directly=False, delivery_info={"priority": INTERACTIVE_PRIORITY, "exchange": "",
                                                                    "routing_key": "coserve.tiny"})
@@ -675,6 +664,26 @@ def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_cel
             return run_job.run(job.job_id)
         finally:
             run_job.pop_request()
+    return worker, engine_thread, job, delivered
+
+
+def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_celery(settings, keys, monkeypatch):
+    """A job whose lease lapsed while its engine never confirmed the abort keeps its id set aside on this worker. Its
+    resent message coming back here is neither waited on (no abort frees the id) nor handed back to the head of the
+    queue, where this worker took it again at once, over and over: Celery's retry sends it again after a backoff, on
+    the model's queue, for whichever worker takes it then; once the engine let the id go, the job runs here."""
+    import json
+
+    from celery.exceptions import Retry
+
+    from workers.tasks import SET_ASIDE_BACKOFF_MAX_S
+
+    url = settings.sqlalchemy_url
+    worker, engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
+    r = redis.Redis.from_url(settings.redis_url)
+    waiting = r.llen("coserve.tiny")
+    with session_scope(url) as s:
+        dispatched_at = s.get(Job, job.job_id).dispatched_at
 
     with pytest.raises(Retry) as retry:
         delivered(0)
@@ -690,7 +699,6 @@ def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_cel
     with pytest.raises(Retry) as retry:
         delivered(6)
     assert retry.value.when == SET_ASIDE_BACKOFF_MAX_S
-    assert delivered(run_job.max_retries) is None  # the last one: left to the sweeper's resend
     assert r.llen("coserve.tiny") == waiting + 2
     assert worker.engine.calls.count(("add", job.job_id)) == 1  # never added beside the request the engine holds
 
@@ -699,3 +707,71 @@ def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_cel
     worker.engine.executor = SimpleNamespace(now=time.monotonic)  # the clock a job's arrival is set on
     assert delivered(2) is None
     assert worker.active.get(job.job_id).lease.attempt == 2
+
+
+def test_a_job_whose_id_the_engine_keeps_through_every_retry_stops_the_worker_for_a_fresh_engine(settings, keys,
+                                                                                                   monkeypatch):
+    """Past Celery's retries the job was left to the sweeper, whose resend came back to the same worker, whose engine
+    still held the id: the cycle went on for good and the job ran nowhere (one worker: never). An engine that keeps
+    an aborted request that long is given up on as a broken one is: the worker stops (SIGTERM to itself: Celery's
+    warm shutdown, then exit status 1 for its supervisor to start a fresh engine), and the job's message goes back
+    to the head of the model's queue, for another worker or this one restarted."""
+    import json
+    import os
+    import signal
+
+    from workers.celery_app import RUN_JOB, get_celery
+
+    worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: signals.append((pid, sig)))
+    r = redis.Redis.from_url(settings.redis_url)
+    before = {json.loads(raw)["headers"]["id"] for raw in r.lrange("coserve.tiny", 0, -1)}
+    max_retries = get_celery(settings.redis_url).tasks[RUN_JOB].max_retries
+
+    assert delivered(max_retries) is None  # the last retry came back to this worker too: its engine still holds the id
+    assert signals == [(os.getpid(), signal.SIGTERM)] and worker.shutting_down
+    assert worker.broken == (f"its engine kept the aborted request of job {job.job_id} while the job came back here "
+                             f"{max_retries + 1} times")  # run_worker exits with it (status 1)
+    head = json.loads(r.lindex("coserve.tiny", -1))  # consumers take from the right end (BRPOP)
+    assert head["headers"]["id"] not in before and job.job_id in head["headers"]["argsrepr"]
+    assert (head["headers"]["eta"], head["headers"]["retries"]) == (None, 0)  # for whoever takes it next, at once
+    assert r.llen("coserve.tiny") == len(before) + 1
+    with session_scope(settings.sqlalchemy_url) as s:
+        row = s.get(Job, job.job_id)
+        assert (row.status, row.attempt, row.worker_id) == ("dispatched", 1, None)
+    assert worker.engine.calls.count(("add", job.job_id)) == 1  # never added beside the request the engine holds
+
+
+def test_a_retried_message_whose_holder_died_in_its_countdown_is_resent_once_its_dispatch_is_old(settings, keys,
+                                                                                                  monkeypatch):
+    """A set-aside job's retried message is held by the consumer that took it until its countdown ends, out of the
+    queue (kombu keeps it unacked for an hour). Where that worker dies meanwhile, the sweeper resends the job as a
+    lost message once its dispatch (renewed by the retry) is old, as for any message lost in a worker."""
+    from datetime import timedelta
+
+    from celery.exceptions import Retry
+    from sqlalchemy import update
+
+    from app.services.transitions import utcnow
+    from workers.sweeper import sweep
+
+    url = settings.sqlalchemy_url
+    _worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
+    r = redis.Redis.from_url(settings.redis_url)
+    assert job.job_id.encode() in r.rpop("coserve.tiny")  # the consumer took the sweeper's resend (delivered here)
+    with pytest.raises(Retry):
+        delivered(0)
+    assert job.job_id.encode() in r.rpop("coserve.tiny")  # a consumer took the retried message; it died in the wait
+    assert r.llen("coserve.tiny") == 0
+    with session_scope(url, immediate=True) as s:
+        assert sweep(s, settings.redis_url, resend_after_s=30).resent == 0  # dispatched by the retry just now
+        s.execute(update(Job).where(Job.id == job.job_id).values(dispatched_at=utcnow() - timedelta(seconds=31)))
+        s.commit()
+        assert sweep(s, settings.redis_url, resend_after_s=30).resent == 1
+        assert sweep(s, settings.redis_url, resend_after_s=30).resent == 0  # once: its dispatch is new again
+    (raw,) = r.lrange("coserve.tiny", 0, -1)
+    assert job.job_id.encode() in raw
+    with session_scope(url) as s:
+        row = s.get(Job, job.job_id)
+        assert (row.status, row.worker_id) == ("dispatched", None)
