@@ -196,8 +196,9 @@ class GpuWorker:
         return self.engine_thread.broken if self.engine_thread is not None else None
 
     def _engine_broken(self, reason: str) -> None:
-        """The engine thread gave up on the engine: Celery's warm shutdown stops the intake, ``stop`` gives back
-        what came in meanwhile, and ``run_worker`` exits with status 1 (a supervisor starts a fresh process)."""
+        """The engine was given up on (by the engine thread, or ``give_up_engine``): Celery's warm shutdown stops the
+        intake, ``stop`` gives back what came in meanwhile, and ``run_worker`` exits with status 1 (a supervisor
+        starts a fresh process)."""
         self.shutting_down = True
         log.critical("worker %s stops: %s", self.worker_id, reason)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -347,7 +348,7 @@ class GpuWorker:
         one whose engine broke (exit status 1: its supervisor starts it afresh), its running jobs finishing within
         the stop grace, and the job's message goes back to the head of ``back_to`` for another worker or this one
         restarted."""
-        self.gave_up = (f"its engine kept the aborted request of job {job_id} while the job came back here "
+        self.gave_up = (f"the engine kept the aborted request of job {job_id} while the job came back here "
                         f"{retries + 1} times")
         self._engine_broken(self.gave_up)  # first: the consumer stops taking messages, this one's among them
         self._hand_back(job_id, back_to, priority)

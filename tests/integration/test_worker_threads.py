@@ -731,7 +731,7 @@ def test_a_job_whose_id_the_engine_keeps_through_every_retry_stops_the_worker_fo
 
     assert delivered(max_retries) is None  # the last retry came back to this worker too: its engine still holds the id
     assert signals == [(os.getpid(), signal.SIGTERM)] and worker.shutting_down
-    assert worker.broken == (f"its engine kept the aborted request of job {job.job_id} while the job came back here "
+    assert worker.broken == (f"the engine kept the aborted request of job {job.job_id} while the job came back here "
                              f"{max_retries + 1} times")  # run_worker exits with it (status 1)
     head = json.loads(r.lindex("coserve.tiny", -1))  # consumers take from the right end (BRPOP)
     assert head["headers"]["id"] not in before and job.job_id in head["headers"]["argsrepr"]
