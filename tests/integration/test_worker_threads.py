@@ -775,3 +775,25 @@ def test_a_retried_message_whose_holder_died_in_its_countdown_is_resent_once_its
     with session_scope(url) as s:
         row = s.get(Job, job.job_id)
         assert (row.status, row.worker_id) == ("dispatched", None)
+
+
+def test_a_worker_that_gives_up_on_an_engine_that_kept_a_request_lets_its_running_jobs_finish(settings, keys,
+                                                                                               monkeypatch):
+    """Unlike an engine whose steps raise, one given up on for an aborted request it kept still runs the others: the
+    stopping worker's grace lets them finish there, rather than hand them back to run again elsewhere."""
+    monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: None)  # the SIGTERM that stops the consumer
+    worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    worker.give_up_engine(f"job_{'0' * 24}", "coserve.tiny", INTERACTIVE_PRIORITY, 10)  # another job's message
+    worker.outbox.start()
+    loop = threading.Thread(target=engine_thread.run, name="coserve-engine", daemon=True)
+    real_sleep = time.sleep
+
+    def waiting_for_jobs(seconds: float) -> None:  # the engine steps only once the stop waits for its jobs
+        if threading.current_thread() is threading.main_thread() and loop not in worker.threads:
+            worker.threads.append(loop)  # the stop joins it
+            loop.start()
+        real_sleep(seconds)
+
+    monkeypatch.setattr("workers.gpu_worker.time.sleep", waiting_for_jobs)
+    worker.stop(grace_s=60)  # returns once its jobs have left (a simulated engine's steps take no time)
+    assert worker.broken is not None and _status(settings.sqlalchemy_url, job_id) == "succeeded"
