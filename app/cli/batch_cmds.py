@@ -255,13 +255,14 @@ def status(batch_id: BatchId,
 
 
 def _show_batch(b: dict[str, Any]) -> None:
-    """A batch as a table, with its files and errors below."""
+    """A batch as a table with its files below; why it failed (its ``errors``) goes to stderr, as every failure does
+    (stdout holds the batch alone)."""
     print_table(console, _batch_table([b]))
     for name in ("output_file_id", "error_file_id"):
         if b.get(name):
             console.print(f"{name}: {b[name]}")
     for err in (b.get("errors") or {}).get("data", []):
-        console.print(f"[red]{err.get('code')}[/red]: {escape(str(err.get('message')))}")
+        stderr.print(f"[red]{escape(str(err.get('code')))}[/red]: {escape(str(err.get('message')))}")
 
 
 @batch_app.command("list")

@@ -144,7 +144,8 @@ def _squeeze(console: Console, table: Table, natural: int) -> bool:
 
 
 def print_json(data: Any) -> None:
-    """Plain JSON on stdout (no markup, no wrapping), for ``--json``."""
+    """Plain JSON on stdout, for every ``--json``: one document, no markup, no wrapping and no colour on a terminal
+    either (rich's ``print_json`` colours it there, which ``jq`` cannot read)."""
     print(json.dumps(data, indent=2, default=str))
 
 

@@ -306,7 +306,7 @@ def _stream_text(url: str, key: str, job_id: str, timeout: float) -> bool:
 def _show_job(job: dict[str, Any], as_json: bool) -> None:
     """A job as the API answered it: its JSON, or the table and its output text."""
     if as_json:
-        console.print_json(json.dumps(job))
+        print_json(job)
         return
     print_table(console, _job_table(job))
     if job.get("output_text"):

@@ -51,10 +51,19 @@ def _api() -> FastAPI:
     def submit(body: JobCreate) -> dict[str, Any]:
         return _job(1)
 
+    @api.get("/v1/jobs/{job_id}")
+    def job(job_id: str) -> dict[str, Any]:
+        return _job(1) | {"id": job_id, "output_text": "[bold]rivers[/bold]"}
+
     @api.get("/v1/batches")
     def batches(request: Request, limit: int = 20) -> dict[str, Any]:
         none = request.headers.get("authorization") == "Bearer no-batches"  # a tenant that made none
         return {"object": "list", "data": [] if none else [_batch()], "has_more": False}
+
+    @api.get("/v1/batches/{batch_id}")
+    def batch(batch_id: str) -> dict[str, Any]:
+        return _batch() | {"id": batch_id, "status": "failed", "errors": {"object": "list", "data": [
+            {"code": "duplicate_custom_id", "message": "custom_id 'a' is given twice", "line": 2}]}}
 
     return api
 
@@ -124,6 +133,29 @@ def test_jobs_json_is_the_api_page(api):
     res = CliRunner().invoke(cli, ["jobs", "--json", *AUTH], env=NARROW)
     assert res.exit_code == 0, res.output
     assert json.loads(res.output) == api.get("/v1/jobs").json()
+
+
+def test_a_failed_batch_shows_why_on_stderr_and_its_table_alone_on_stdout(api):
+    """`coserve batch status` printed a failed batch's errors on stdout, after its table: errors go to stderr."""
+    res = CliRunner().invoke(cli, ["batch", "status", BATCH_ID, *AUTH], env=NARROW)
+    assert res.exit_code == 0 and BATCH_ID in res.stdout and "failed" in res.stdout, res.output
+    assert "duplicate_custom_id" not in res.stdout and "given twice" not in res.stdout, res.stdout
+    assert "duplicate_custom_id: custom_id 'a' is given twice" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("args", [["status", JOB_ID], ["batch", "status", BATCH_ID], ["jobs"], ["batch", "list"]],
+                         ids=["status", "batch-status", "jobs", "batch-list"])
+def test_json_on_a_terminal_is_plain_json_as_off_one(api, monkeypatch, args):
+    """`status --json` (and `cancel --json`) coloured their JSON on a terminal with rich's print_json, which `jq`
+    cannot read, while the other commands printed it plain: every --json prints it alike, on a terminal or not."""
+    off_terminal = CliRunner().invoke(cli, [*args, "--json", *AUTH], env=NARROW)
+    assert off_terminal.exit_code == 0, (args, off_terminal.output)
+    on_terminal = Console(force_terminal=True, color_system="truecolor", width=40)  # its file: stdout at each print
+    for module in (service_cmds, batch_cmds):
+        monkeypatch.setattr(module, "console", on_terminal)
+    res = CliRunner().invoke(cli, [*args, "--json", *AUTH], env=NARROW)
+    assert res.exit_code == 0 and "\x1b[" not in res.stdout, (args, res.stdout)
+    assert res.stdout == off_terminal.stdout and json.loads(res.stdout)["object"] in ("job", "batch", "list")
 
 
 def test_a_422_prints_its_messages_not_pydantic_dicts(api):
