@@ -372,17 +372,19 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
                                  "given)")] = False,
               after: Annotated[str | None, typer.Option(help="with --list: the page after this run id (the last one "
                                                             "the page before showed)")] = None,
-              as_json: Annotated[bool, typer.Option("--json", help="with --list: print the API's JSON instead of a "
-                                                                   "table")] = False,
+              as_json: Annotated[bool, typer.Option("--json", help="print the run as the API answered it, alone on "
+                                                                   "stdout: as it ended (the results still go to "
+                                                                   "--output), as --cancel left it, or --list's page "
+                                                                   "instead of a table")] = False,
               tier: Tier = None, url: Url = None, key: Key = None) -> None:
     """Summarize long documents map-reduce as deadline batch jobs; writes one JSON line per document.
 
     The run goes on on the server if this command stops: `--run ID` follows it again and saves its results, and
     `--list` shows your runs (ids, status, progress). Exits 1 if a document failed or the run ended after the deadline.
     """
-    if list_runs or after is not None or as_json:
+    if list_runs or after is not None:
         if not list_runs:
-            raise typer.BadParameter("--after and --json go with --list", param_hint="--list")
+            raise typer.BadParameter("--after goes with --list", param_hint="--list")
         if paths or specbench or run_id or cancel_id:
             raise typer.BadParameter("--list shows your runs: give no documents, --specbench, --run or --cancel "
                                      "with it", param_hint="--list")
@@ -392,8 +394,13 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
         _list_runs(Api(url, key), limit or LIST_DEFAULT, after, as_json)
         return
     api = Api(url, key)
+    # with --json stdout holds the run alone: the id, the progress bar and what was saved where go to stderr
+    said = stderr if as_json else console
     if cancel_id:
         run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel", timeout=LONG_TIMEOUT_S).json()
+        if as_json:
+            print_json(run)
+            return
         console.print(f"summarization {cancel_id}: {run['status']} ({run['documents_done'] - run['documents_failed']}"
                       f"/{run['documents']} documents summarized; `coserve summarize --run {cancel_id}` saves them)")
         return
@@ -405,23 +412,23 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     else:
         run = _start_run(api, paths, specbench, limit, output, {
             "deadline": deadline, "max_summary_tokens": max_summary_tokens, "chunk_tokens": chunk_tokens,
-            "overlap_tokens": overlap_tokens, "tier": tier, "model": model})
+            "overlap_tokens": overlap_tokens, "tier": tier, "model": model}, said)
     t0, started_at, deadline_at = time.monotonic(), datetime.now(UTC), datetime.fromisoformat(run["deadline_at"])
     try:
-        run = _follow_run(api, run, deadline_at)
+        run = _follow_run(api, run, deadline_at, said)
     except KeyboardInterrupt:
         raise stopped_waiting(f"summarization {run['id']}", f"coserve summarize --run {run['id']} -o {output}",
                               f"coserve summarize --cancel {run['id']}") from None
     # judged when the run ended (its last poll), not after the results download
     finished_at, elapsed = datetime.now(UTC), time.monotonic() - t0
     _save(output, api.call("GET", f"/v1/summarize/{run['id']}/results", patient=True).text)
-    console.print(f"{run['documents_done'] - run['documents_failed']}/{run['documents']} documents summarized "
-                  f"({run['jobs_done']} jobs) -> {output}")
+    said.print(f"{run['documents_done'] - run['documents_failed']}/{run['documents']} documents summarized "
+               f"({run['jobs_done']} jobs) -> {output}")
     spare_s = (deadline_at - finished_at).total_seconds()
     met = spare_s >= 0
     if not run_id:  # a run followed again began before this command: its wall time is not this command's
-        console.print(f"wall time {elapsed:.1f}s vs deadline {(deadline_at - started_at).total_seconds():.0f}s "
-                      f"({deadline}): {run_ending(run, spare_s)}")
+        said.print(f"wall time {elapsed:.1f}s vs deadline {(deadline_at - started_at).total_seconds():.0f}s "
+                   f"({deadline}): {run_ending(run, spare_s)}")
     elif not met and run["status"] == "completed":
         stderr.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
     # what went wrong goes to stderr, as every failure does (stdout says what was saved where)
@@ -432,6 +439,8 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     elif run["documents_failed"]:
         stderr.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {escape(str(output))}"
                      "[/yellow]")
+    if as_json:  # once, as it ended (as `batch create --wait --json`); the exit status says how
+        print_json(run)
     if run["documents_failed"] or not met:
         raise typer.Exit(1)
 
@@ -476,8 +485,8 @@ def run_ending(run: dict[str, Any], spare_s: float) -> str:
 
 
 def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int | None, output: Path,
-               options: dict[str, Any]) -> dict[str, Any]:
-    """Reads the documents, starts the run and says its id (to follow it again, or cancel it)."""
+               options: dict[str, Any], said: Console = console) -> dict[str, Any]:
+    """Reads the documents, starts the run and says its id (to follow it again, or cancel it) on ``said``."""
     from app.cli.service_cmds import warn_without_workers
     from app.summarize.documents import load_paths, specbench_summarization
 
@@ -507,8 +516,8 @@ def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int |
                      "--list` lists your runs, newest first, `coserve summarize --run ID` follows one and "
                      "`coserve summarize --cancel ID` stops it")
         raise typer.Exit(INTERRUPTED) from None
-    console.print(f"summarization [bold]{run['id']}[/bold]: {len(docs)} documents (`coserve summarize --run "
-                  f"{run['id']}` follows it again, `--cancel {run['id']}` stops it)")
+    said.print(f"summarization [bold]{run['id']}[/bold]: {len(docs)} documents (`coserve summarize --run "
+               f"{run['id']}` follows it again, `--cancel {run['id']}` stops it)")
     return run
 
 
@@ -524,11 +533,11 @@ def _left(seconds: float) -> str:
     return f"in {s // 60}m{s % 60:02d}s"
 
 
-def _follow_run(api: Api, run: dict[str, Any], deadline_at: datetime) -> dict[str, Any]:
-    """Polls the run with a progress bar until it ends."""
+def _follow_run(api: Api, run: dict[str, Any], deadline_at: datetime, shown: Console = console) -> dict[str, Any]:
+    """Polls the run with a progress bar (drawn on ``shown``) until it ends."""
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("jobs {task.fields[jobs]}"), TimeElapsedColumn(),
-                  TextColumn("deadline {task.fields[left]}"), console=console) as bar:
+                  TextColumn("deadline {task.fields[left]}"), console=shown) as bar:
         task = bar.add_task("documents", total=run["documents"], jobs="0/0", left="-")
         while True:
             run = api.call("GET", f"/v1/summarize/{run['id']}", patient=True).json()

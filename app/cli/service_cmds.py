@@ -76,7 +76,8 @@ def _database(settings: Any, new_ok: bool = False) -> str:
         if not new_ok:
             stderr.print(f"[red]{escape(where)}[/red]")
             raise typer.Exit(1)
-        console.print(escape(f"(a new database at {path.resolve()}; a server started elsewhere does not see it)"))
+        # a note, on stderr: `keys create --json`'s stdout is the key alone
+        stderr.print(escape(f"(a new database at {path.resolve()}; a server started elsewhere does not see it)"))
     upgrade(settings.sqlalchemy_url)
     return settings.sqlalchemy_url
 
@@ -617,13 +618,18 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     admin: Annotated[bool, typer.Option("--admin", help="an admin key (the dashboard's actions "
                                                                         "and every tenant's usage)")] = False,
                     default_tier: Annotated[str | None, typer.Option(
-                        help="tier of a new tenant; default: COSERVE_DEFAULT_TIER")] = None) -> None:
+                        help="tier of a new tenant; default: COSERVE_DEFAULT_TIER")] = None,
+                    as_json: Annotated[bool, typer.Option("--json", help="print the new key as the admin API answers "
+                                                                         "it (api_key, key_id, tenant_id, tier, "
+                                                                         "is_admin) as JSON, alone on stdout")] = False
+                    ) -> None:
         """Create an API key (printed once; only its hash is stored)."""
         from sqlalchemy import select
 
         from app.auth import create_key, create_tenant
         from app.db.models import Tenant
         from app.db.session import session_scope
+        from app.schemas import KeyCreated
 
         if not tenant.strip():  # a tenant nobody can name again in `keys list --tenant` or `keys limits`
             raise typer.BadParameter("give the tenant a name", param_hint="--tenant")
@@ -643,6 +649,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             row = row or create_tenant(s, tenant, default_tier)
             key_row, plaintext = create_key(s, row, tier=tier, is_admin=admin)
             tenant_id, key_id, key_tier = row.id, key_row.id, tier or row.default_tier
+        if as_json:  # what POST /v1/admin/tenants (or .../keys) answers
+            print_json(KeyCreated(tenant_id=tenant_id, key_id=key_id, api_key=plaintext, tier=key_tier,
+                                  is_admin=admin).model_dump(mode="json"))
+            return
         # escaped: rich would take "[admin]" (or brackets in a tenant's name) for markup and drop it;
         # soft_wrap: one line however narrow the console, so the ids copy whole
         console.print(escape(f"tenant {tenant} ({tenant_id}), key {key_id} (tier {key_tier})"
@@ -657,7 +667,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                         min=0, max=MAX_RATE, help="its tokens per minute (prompt + max_tokens); 0: no limit")] = None,
                     batch_queue_tokens: Annotated[int | None, typer.Option(
                         min=0, max=MAX_RATE,
-                        help="prompt tokens its batches may have queued at once; 0: no limit")] = None
+                        help="prompt tokens its batches may have queued at once; 0: no limit")] = None,
+                    as_json: Annotated[bool, typer.Option("--json", help="print the tenant as the admin API answers "
+                                                                         "it (its limits: null for none) as JSON, "
+                                                                         "alone on stdout")] = False
                     ) -> None:
         """Show or set a tenant's rate limits and batch queue limit (every key of it shares them; API processes
         apply a rate limit's change within seconds). Without a limit given, shows them."""
@@ -665,6 +678,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
 
         from app.db.models import Tenant
         from app.db.session import session_scope
+        from app.schemas import TenantPublic
 
         with session_scope(_database(_settings()), immediate=True) as s:
             row = s.scalar(select(Tenant).where(Tenant.name == tenant))
@@ -678,6 +692,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             if batch_queue_tokens is not None:
                 row.batch_queue_tokens = batch_queue_tokens or None
             rpm, tpm, queue = row.requests_per_minute, row.tokens_per_minute, row.batch_queue_tokens
+            shown = TenantPublic.model_validate(row).model_dump(mode="json")  # as GET/PATCH /v1/admin/tenants/{id}
+        if as_json:
+            print_json(shown)
+            return
         console.print(escape(f"tenant {tenant}: {rpm or 'no limit of'} requests per minute, "
                              f"{tpm or 'no limit of'} tokens per minute, "
                              f"{queue or 'no limit of'} tokens queued in batches"), soft_wrap=True)

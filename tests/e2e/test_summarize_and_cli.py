@@ -350,11 +350,16 @@ def test_summarize_list_pages_the_runs_newest_first_as_a_table_or_json(live_serv
             httpx.post(f"{live_server}/v1/summarize/{run_id}/cancel", headers=h, timeout=600)
 
 
-def test_json_output_is_the_json_alone_and_an_open_batch_s_results_say_so_on_stderr(live_server, keys, tmp_path):
+def test_json_output_is_the_json_alone_and_an_open_batch_s_results_say_so_on_stderr(live_server, keys, settings,
+                                                                                    tmp_path):
     """Every --json command's stdout is one JSON document a script parses (`coserve jobs --json | jq`), nothing
-    else; and `batch results ID > out.jsonl` of a batch still running said so on stdout, into the file."""
+    else; and `batch results ID > out.jsonl` of a batch still running said so on stdout, into the file.
+    `summarize --cancel`, `keys create` and `keys limits` had no --json: a script parsed their sentences."""
     h = Keys.header(keys.paid)
     auth = ["--url", live_server, "--key", keys.paid]
+    run_id = httpx.post(f"{live_server}/v1/summarize", headers=h,
+                        json={"documents": [{"id": "d", "text": "The cat sat on the mat."}]}).json()["id"]
+    database = {"COSERVE_DATABASE_URL": settings.sqlalchemy_url, "COSERVE_DATA_DIR": str(settings.data_dir)}
     job_id = httpx.post(f"{live_server}/v1/jobs", headers=h,
                         json={"prompt": "[bold]Hi[/bold]", "max_tokens": 4}).json()["id"]
     src = tmp_path / "one.jsonl"
@@ -375,8 +380,26 @@ def test_json_output_is_the_json_alone_and_an_open_batch_s_results_say_so_on_std
             r = CliRunner().invoke(cli, [*args, "--json", *auth], env={"COLUMNS": "40"})
             assert r.exit_code == 0 and r.stderr == "", (args, r.output)
             assert shows(json.loads(r.stdout)), (args, r.stdout)
+        r = CliRunner().invoke(cli, ["summarize", "--cancel", run_id, "--json", *auth], env={"COLUMNS": "40"})
+        cancelled = json.loads(r.stdout)  # the run as the cancel left it, where a sentence said its status
+        assert r.exit_code == 0 and r.stderr == "", r.output
+        assert cancelled["id"] == run_id and cancelled["status"] in ("cancelling", "cancelled"), cancelled
+        # the admin commands work on the database (no --url): the objects the admin API answers
+        r = CliRunner().invoke(cli, ["keys", "create", "--tenant", "[scripts]", "--json"],
+                               env={"COLUMNS": "40", **database})
+        created = json.loads(r.stdout)
+        assert r.exit_code == 0 and r.stderr == "", r.output
+        assert set(created) == {"tenant_id", "key_id", "api_key", "tier", "is_admin"}, created
+        assert httpx.get(f"{live_server}/v1/jobs", headers=Keys.header(created["api_key"])).status_code == 200
+        r = CliRunner().invoke(cli, ["keys", "limits", "--tenant", "[scripts]", "--requests-per-minute", "60",
+                                     "--json"], env={"COLUMNS": "40", **database})
+        limits = json.loads(r.stdout)
+        assert r.exit_code == 0 and r.stderr == "", r.output
+        tenant = httpx.get(f"{live_server}/v1/admin/tenants/{created['tenant_id']}", headers=Keys.header(keys.admin))
+        assert limits == tenant.json() and limits["requests_per_minute"] == 60, (limits, tenant.text)
     finally:
         httpx.post(f"{live_server}/v1/batches/{batch_id}/cancel", headers=h)
+        httpx.post(f"{live_server}/v1/summarize/{run_id}/cancel", headers=h, timeout=600)
 
 
 def test_jobs_and_batch_list_page_on_as_the_api_does(live_server, keys, tmp_path):
@@ -467,6 +490,34 @@ def test_the_commands_that_start_follow_or_cancel_work_print_its_json_alone(live
     job = json.loads(r.stdout)  # the text it would have streamed is in output_text, not before the JSON
     assert r.exit_code == 1 and job["status"] == "cancelled", r.output
     assert f"submitted {job['id']}" in r.stderr and f"job {job['id']} cancelled" in r.stderr, r.stderr
+
+    # a summarization run started and followed: the run once, as it ended (cancelled by another client here);
+    # its id, the progress bar and what was saved where on stderr, the results in --output as without --json
+    returned = threading.Event()  # a command that started no run (and so waits for none) stops the canceller
+
+    def cancel_the_run() -> None:
+        while not returned.wait(0.2):
+            runs = httpx.get(f"{live_server}/v1/summarize", headers=h).json()["data"]
+            if runs and runs[0]["status"] in ("validating", "running"):
+                httpx.post(f"{live_server}/v1/summarize/{runs[0]['id']}/cancel", headers=h, timeout=600)
+                return
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat. It was warm.")
+    out = tmp_path / "summaries.jsonl"
+    canceller = threading.Thread(target=cancel_the_run, daemon=True)
+    canceller.start()
+    r = run("summarize", str(doc), "-o", str(out))
+    returned.set()
+    canceller.join()
+    ended = json.loads(r.stdout)
+    assert r.exit_code == 1 and ended["status"] in ("cancelling", "cancelled"), r.output
+    said = _flat(r.stderr)
+    assert f"summarization {ended['id']}: 1 documents" in said and f"-> {out}" in said, r.stderr
+    assert json.loads(out.read_text())["id"] == "doc"
+    r = run("summarize", "--run", ended["id"], "-o", str(out))  # followed again: it has ended, the same object
+    again = json.loads(r.stdout)
+    assert r.exit_code == 1 and again["id"] == ended["id"] and again["status"] in ("cancelling", "cancelled"), r.output
 
 
 def test_jobs_limit_is_the_apis_bound(live_server, keys):

@@ -92,6 +92,9 @@ def test_every_command_that_shows_a_resource_says_what_its_json_prints():
                           (["batch", "cancel"], "print the batch the API answered (cancelling or cancelled) as JSON"),
                           (["submit"],
                            "print the job as submitted (with --wait: as it ended, its text in output_text)"),
-                          (["jobs"], "print the API's JSON instead of a table")):
+                          (["jobs"], "print the API's JSON instead of a table"),
+                          (["summarize"], "print the run as the API answered it, alone on stdout: as it ended"),
+                          (["keys", "create"], "print the new key as the admin API answers it"),
+                          (["keys", "limits"], "print the tenant as the admin API answers it")):
         out = " ".join(CliRunner().invoke(cli, [*command, "--help"], env=env).output.split())
         assert says in out, (command, out)
