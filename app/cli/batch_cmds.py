@@ -228,7 +228,7 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         if as_json:
             print_json(b)
         else:
-            print_table(console, _batch_table([b]))
+            _show_batch(b)  # as `batch status` shows it: its files, and why it failed on stderr
         _end(b)
 
 

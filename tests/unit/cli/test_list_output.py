@@ -60,6 +60,14 @@ def _api() -> FastAPI:
         none = request.headers.get("authorization") == "Bearer no-batches"  # a tenant that made none
         return {"object": "list", "data": [] if none else [_batch()], "has_more": False}
 
+    @api.post("/v1/files")
+    def upload() -> dict[str, Any]:
+        return {"id": "file-in", "object": "file", "bytes": 52, "purpose": "batch"}
+
+    @api.post("/v1/batches")
+    def create() -> dict[str, Any]:
+        return _batch()
+
     @api.get("/v1/batches/{batch_id}")
     def batch(batch_id: str) -> dict[str, Any]:
         return _batch() | {"id": batch_id, "status": "failed", "errors": {"object": "list", "data": [
@@ -140,6 +148,15 @@ def test_a_failed_batch_shows_why_on_stderr_and_its_table_alone_on_stdout(api):
     res = CliRunner().invoke(cli, ["batch", "status", BATCH_ID, *AUTH], env=NARROW)
     assert res.exit_code == 0 and BATCH_ID in res.stdout and "failed" in res.stdout, res.output
     assert "duplicate_custom_id" not in res.stdout and "given twice" not in res.stdout, res.stdout
+    assert "duplicate_custom_id: custom_id 'a' is given twice" in res.stderr, res.stderr
+
+
+def test_batch_create_wait_shows_the_ended_batch_as_batch_status_does(api, tmp_path):
+    """`batch create --wait` printed the ended batch's table alone: not its files, nor why it failed."""
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n')
+    res = CliRunner().invoke(cli, ["batch", "create", str(requests), "--wait", *AUTH], env=NARROW)
+    assert res.exit_code == batch_cmds.NOT_COMPLETED and BATCH_ID in res.stdout, res.output
     assert "duplicate_custom_id: custom_id 'a' is given twice" in res.stderr, res.stderr
 
 
