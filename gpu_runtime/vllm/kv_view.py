@@ -30,8 +30,12 @@ class VLLMKVView:
         self.block_size = scheduler.block_size
         self.released: list[str] = []  # preempted on the policy's request, this schedule() call
         manager = scheduler.kv_cache_manager
-        # one KV cache group hashed by whole blocks: a hit grows exactly when the block after it is cached
-        self._probe_groups = [0] if isinstance(manager.coordinator, UnitaryKVCacheCoordinator) else None
+        # one KV cache group hashed by whole blocks, the hit not cut a block short for EAGLE: a hit grows exactly when
+        # the block after it is cached, and shrinks when its last block was evicted (vLLM frees a request's blocks
+        # last to first, and a block's prefix is freed no earlier: eviction takes a cached prefix from its end)
+        unitary = isinstance(manager.coordinator, UnitaryKVCacheCoordinator)
+        exact = unitary and not manager.coordinator.eagle_group_ids and not manager.coordinator.enable_partial_hash_hits
+        self._probe_groups = [0] if exact else None
 
     def capacity(self) -> KVCapacity:
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -85,14 +89,20 @@ class VLLMKVView:
 
     def cached_prefix_since(self, request: VLLMRequest, before: int) -> int:
         """A waiting prompt's hit now, given the hit ``before``: looked up again only when the block after it was
-        cached since (another request computed the same prefix), which costs one probe per waiting prompt and
-        step. A hit that eviction shrank is not looked for: vLLM finds it when it starts the request."""
+        cached since (another request computed the same prefix) or the hit's last block was evicted since (vLLM
+        would find it shorter and compute more than the policy planned), which costs at most two probes per waiting
+        prompt and step (a full lookup where probes cannot tell: several KV cache groups, EAGLE's cut)."""
+        if self._probe_groups is None:
+            return self.cached_prefix(request)
         bs, hashes = self.block_size, request.block_hashes
-        after = before // bs
+        pool = self.scheduler.kv_cache_manager.block_pool
+        last = before // bs - 1
+        if last >= 0 and pool.get_cached_block(hashes[last], self._probe_groups) is None:
+            return self.cached_prefix(request)  # shrank
+        after = last + 1
         if (after + 1) * bs > request.num_tokens - 1 or after >= len(hashes):
             return before  # no whole block after the hit that the cache could hold
-        pool = self.scheduler.kv_cache_manager.block_pool
-        if self._probe_groups is not None and pool.get_cached_block(hashes[after], self._probe_groups) is None:
+        if pool.get_cached_block(hashes[after], self._probe_groups) is None:
             return before
         return self.cached_prefix(request)
 

@@ -603,6 +603,29 @@ def test_a_prompt_found_in_the_prefix_cache_is_planned_for_what_is_left(make_sch
     assert out.num_scheduled_tokens == {again.request_id: 8, other.request_id: 56}, out.num_scheduled_tokens
 
 
+def test_a_prompt_whose_cached_prefix_was_evicted_is_planned_for_what_vllm_finds(make_scheduler):
+    """The policy counted 32 of a 33-token prompt cached (an earlier request's two blocks); before it started, the
+    second block left the cache (vLLM evicts a freed request's blocks last first). vLLM finds 16 and computes 17;
+    the policy, looking only for a hit that grew, planned 1, and the step's budget (its 1 and the next prompt's 20)
+    gave the next prompt 4 of its 20 tokens. It plans the 17 now, and both run whole."""
+    s = make_scheduler("qoserve", max_batched=64, prefix_caching=True)
+    chat = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    earlier = vllm_request(33, chat, max_tokens=1, hashed=True)
+    s.add_request(earlier)
+    run_step(s)
+    assert earlier.request_id not in s.requests  # done; its two blocks stay in the cache
+    again = vllm_request(33, chat, max_tokens=1, hashed=True)
+    s.add_request(again)
+    mirror = s.mirrors[again.request_id]
+    assert mirror.num_computed_tokens == 32
+    pool = s.kv_cache_manager.block_pool
+    pool.evict_blocks({pool.get_cached_block(again.block_hashes[1], [0])[0].block_id})
+    other = vllm_request(20, chat, max_tokens=1, first_token=5000, hashed=True)
+    s.add_request(other)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {again.request_id: 17, other.request_id: 20}, out.num_scheduled_tokens
+
+
 def test_a_prompt_left_with_one_token_by_the_cache_runs_while_speculating(make_scheduler):
     """With speculation vLLM pads a new prompt whose cache hit leaves it one token to a whole draft step, and
     waits rather than run it unpadded; the step's budget has room for that (it had none: the prompt never ran)."""

@@ -187,9 +187,9 @@ class Drive:
             assert set(sched) <= chosen, (set(sched) - chosen, sched)
             # a chunk vLLM runs is at most the policy's (a recompute's too: the prompt and every output), else vLLM
             # took the tokens from a chunk planned after it; the draft slots vLLM pads a prompt's last token with
-            # aside (prompts that must run whole, seeded ones on the CPU, are not drawn here). Not yet with the prefix
-            # cache: a hit vLLM finds shorter than the policy counted (eviction) runs more than the plan
-            for q in plan.prefills if not s.kv_cache_manager.enable_caching else ():
+            # aside (prompts that must run whole, seeded ones on the CPU, are not drawn here); with the prefix cache
+            # too, where the policy plans a new prompt with the hit vLLM finds (eviction shrinks one)
+            for q in plan.prefills:
                 rid = q.request.request_id
                 assert sched.get(rid, 0) <= q.num_tokens + drafts.get(rid, 0), (rid, q.num_tokens, sched, drafts)
             self.check_order(plan, before, relegated)
@@ -481,3 +481,19 @@ def test_of_two_prompts_only_one_fits_the_earlier_deadline_starts(make_scheduler
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=512, max_seqs=4),
                [("add", Job(100, 40, lax, 0.0)), ("add", Job(100, 40, tight, 0.0)), ("step", 0.0)])
     assert d.trace[0][1] == (("q1", 100),)
+
+
+def test_a_prompt_whose_prefix_cache_hit_was_evicted_runs_what_the_policy_planned(make_scheduler):
+    """Found with the chunk check on under the prefix cache: q3 (a 48-token system prompt and 1 token) counted a
+    48-token hit; the 106-token batch job's blocks evicted the hit's last block (vLLM frees a request's blocks last
+    first), and the policy kept the hit it had counted (only a growing hit was looked for). It planned q3's last
+    token and q7's one; vLLM found 32 cached and ran 2 tokens of q3, taking q7's (Drive.step compares the plan with
+    the step)."""
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    batch = {"qos_class": "batch", "deadline_s": 1, "tier": "free"}
+    evs = [("add", Job(1, 1, urgent, 0.0)), ("add", Job(1, 1, urgent, 0.0)), ("add", Job(1, 1, urgent, 0.0)),
+           ("add", Job(1, 1, {**urgent, "ttft_ms": 2000}, 0.0, 48)), ("add", Job(9, 40, urgent, 0.0)),
+           ("add", Job(1, 1, batch, 0.0, 64)), ("add", Job(106, 40, batch, 0.5)),
+           ("add", Job(1, 1, {**urgent, "ttft_ms": 20_000}, 0.0))]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, prefix_caching=True), evs)
+    assert d.finished == set(d.ids)
