@@ -462,12 +462,25 @@ class CoserveScheduler(AsyncScheduler):
                 visible.add_request(r)
         self.waiting = visible
         self.running = kept
-        # with speculation vLLM pads a new prompt left with one token to compute (the rest in its prefix cache) to a
-        # whole draft step, and waits rather than run it unpadded: room for that padding
-        pads = self.num_spec_tokens and self.dynamic_sd_lookup is None  # see _pad_no_drafts
-        pad = self.num_spec_tokens if pads and any(n == 1 for r, n in chunks if r not in by_id) else 0
+        pad = self.num_spec_tokens if self._pads_a_draft_step(chunks, by_id, bool(decodes)) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
+
+    def _pads_a_draft_step(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest],
+                           decodes: bool) -> bool:
+        """Whether vLLM pads a new prompt of ``chunks`` to a whole draft step (and waits rather than run it
+        unpadded), which the step's budget must leave room for: with speculation (not its dynamic lengths, see
+        ``_pad_no_drafts``), a new prompt with one token left to compute (the rest in its prefix cache, or a
+        1-token prompt beside running requests), where no started prompt runs a chunk in the step. Room where vLLM
+        pads nothing went to the chunks vLLM runs, past the plan (a 2-token prompt planned 1 token ran both)."""
+        if not self.num_spec_tokens or self.dynamic_sd_lookup is not None or any(r in running for r, _ in chunks):
+            return False
+        for rid, n in chunks:
+            vreq, mirror = self.requests.get(rid), self.mirrors.get(rid)
+            if n == 1 and vreq is not None and mirror is not None and vreq.num_tokens - mirror.num_computed_tokens == 1:
+                if mirror.num_computed_tokens or decodes:
+                    return True
+        return False
 
     def _as_whole(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest],
                   room: int) -> list[tuple[str, int]]:

@@ -497,3 +497,15 @@ def test_a_prompt_whose_prefix_cache_hit_was_evicted_runs_what_the_policy_planne
            ("add", Job(1, 1, {**urgent, "ttft_ms": 20_000}, 0.0))]
     d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, prefix_caching=True), evs)
     assert d.finished == set(d.ids)
+
+
+def test_a_prompt_planned_one_token_that_vllm_pads_nothing_leaves_the_step_no_room(make_scheduler):
+    """With 2 draft tokens the policy planned 1 of a 2-token prompt's tokens (the step's last) beside a decode and a
+    prompt: the step kept room for vLLM to pad a prompt with one token left to a whole draft step, but this one had
+    two left, so vLLM padded nothing and ran both of its tokens in that room (found with the prefix cache on)."""
+    evs = [('add', Job(2, 1, {'qos_class': 'batch', 'deadline_s': 1, 'tier': 'free'}, 0.0)),
+           ('add', Job(15, 1, {'ttft_ms': 50, 'tbt_ms': 20, 'tier': 'free', 'tbt_anchor': 'arrival'}, 0.0)),
+           ('add', Job(32, 2, {'ttft_ms': 50, 'tbt_ms': 20, 'tier': 'paid', 'tbt_anchor': 'arrival'}, 0.0))]
+    _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=3, prefix_caching=True,
+                                             spec_tokens=2), evs)
+
