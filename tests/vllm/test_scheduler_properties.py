@@ -179,9 +179,11 @@ class Drive:
             chosen = {r.request_id for r in plan.decodes} | {p.request.request_id for p in plan.prefills}
             # Sarathi-Serve's token budget / QoServe's chunk C: the policy plans a step vLLM can run whole (its
             # decodes and chunks within max_num_batched_tokens), else vLLM cuts whatever the plan put last; a
-            # decode's drafts are tokens of the step too
+            # decode's drafts are tokens of the step too (not the draft slots vLLM pads a prompt's last token with:
+            # that prompt runs at most its chunk and them, checked below, and the step at most its cap, above)
             planned = len(plan.decodes) + sum(p.num_tokens for p in plan.prefills)
-            assert planned + sum(drafts.values()) <= s.step_cap, (planned, drafts, plan)
+            decode_drafts = sum(drafts.get(r.request_id, 0) for r in plan.decodes)
+            assert planned + decode_drafts <= s.step_cap, (planned, drafts, plan)
             # QoServe 3.4 / Alg. 1: vLLM runs only the policy's batch; a relegated job runs only where the policy
             # gave it spare budget (it is then in the plan's prefills), never on vLLM's own initiative
             assert set(sched) <= chosen, (set(sched) - chosen, sched)
@@ -509,3 +511,13 @@ def test_a_prompt_planned_one_token_that_vllm_pads_nothing_leaves_the_step_no_ro
     _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=3, prefix_caching=True,
                                              spec_tokens=2), evs)
 
+
+def test_a_prompt_that_finds_its_prefix_cached_in_the_step_it_runs_is_padded_within_its_chunk(make_scheduler):
+    """Both prompts planned whole in one step (94 + 33 of 128 tokens); vLLM cached the first one's blocks as it
+    allocated them, so the second found 32 of its tokens cached and ran its last one padded with 2 draft slots (3 of
+    its planned 33). The check counted those slots on top of the whole plan (127 + 2 past the 128-token step) as
+    if they were a decode's drafts; they came out of the prompt's own chunk."""
+    evs = [('add', Job(46, 1, {'ttft_ms': 50, 'tbt_ms': 20, 'tier': 'free', 'tbt_anchor': 'arrival'}, 0.0, 48)),
+           ('add', Job(1, 1, {'ttft_ms': 50, 'tbt_ms': 20, 'tier': 'free', 'tbt_anchor': 'arrival'}, 0.0, 32))]
+    _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=128, max_seqs=2, prefix_caching=True,
+                                                 spec_tokens=2), evs)
