@@ -38,11 +38,13 @@ def make_scheduler(tiny_model_dir, monkeypatch):
         from vllm.config import LoRAConfig
 
         lora = LoRAConfig(max_loras=max_loras, max_lora_rank=8) if max_loras else None  # LoRA slots of a batch
-        model = ModelConfig(model=str(tiny_model_dir), max_model_len=512)
+        # vLLM's engine refuses a KV pool that cannot hold one request of max_model_len tokens (its null block aside)
+        context = min(512, (blocks - 1) * 16)
+        model = ModelConfig(model=str(tiny_model_dir), max_model_len=context)
         config = VllmConfig(model_config=model, cache_config=cache, lora_config=lora,
                             speculative_config=_drafts(model, drafter, spec_tokens) if spec_tokens else None,
                             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
-                                                             max_model_len=512, is_encoder_decoder=False,
+                                                             max_model_len=context, is_encoder_decoder=False,
                                                              enable_chunked_prefill=chunked_prefill))
         # as vLLM sets it for a GPU drafter (its config refuses it with the n-gram one, which stands in for it here)
         config.scheduler_config.async_scheduling = async_scheduling

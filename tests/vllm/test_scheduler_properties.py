@@ -441,6 +441,16 @@ def test_a_decode_whose_next_tokens_fit_the_blocks_it_holds_runs_with_no_block_f
     assert d.finished == {"q0", "q1", "q2", "q3"}
 
 
+def test_a_lone_decode_whose_drafts_pass_the_pool_gets_them_cut_at_the_context(make_scheduler):
+    """The 200-token prompt with 40 tokens to give fills the 240-token pool at its last token. With a context longer
+    than the pool its 2 drafts needed a 16th block none could free (the policy never preempts its last decode), so
+    it waited for ever; vLLM's engine refuses such a pool at start, and within the context it cuts the drafts."""
+    batch = {"qos_class": "batch", "deadline_s": 1, "tier": "free"}
+    evs = [("add", Job(1, 1, batch, 0.0)), ("add", Job(136, 40, batch, 0.0, 64))]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=2), evs)
+    assert d.s.max_model_len == 240 and d.finished == {"q0", "q1"}
+
+
 @pytest.mark.parametrize("asked", [None, 1_000, 16])
 def test_sarathis_token_budget_is_at_most_vllms_step(make_scheduler, monkeypatch, asked):
     """Sarathi's chunk (256 by default, or the operator's) planned 33 tokens of a prompt into vLLM's 32-token step;
