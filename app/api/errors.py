@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.params import Form
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -237,19 +238,33 @@ def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixe
 
 
 # ---------------------------------------------------------------- routes
-def _json_body(request: Request) -> bool:
-    """Whether a route may read the body as JSON: every body but a multipart one (an upload's form). The routes that
-    read ``request.json()`` themselves (chat, completions, Responses, Messages) parse a body of any content type, as
-    Starlette does (``curl -d`` sends one as a form's), and FastAPI parses one without a content type as JSON too."""
-    ctype = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-    return not ctype.startswith("multipart/")
+def _media_type(request: Request) -> str:
+    """The request's media type, lower-cased, without parameters ("" when it has no Content-Type)."""
+    return (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+
+
+def _is_json(media_type: str) -> bool:
+    """Whether FastAPI parses a body of ``media_type`` as JSON: ``application/json`` and ``application/*+json``."""
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
+def unsupported_media_type(media_type: str) -> StarletteHTTPException:
+    """The 415 for a JSON route's body sent as another media type (vLLM's OpenAI server refuses it too:
+    ``validate_json_request``): ``curl -d`` sends a form's, and FastAPI reads no body without a Content-Type."""
+    sent = f"it was sent as {media_type!r}" if media_type else "it was sent without a Content-Type"
+    return StarletteHTTPException(415, f"the body must be JSON sent with 'Content-Type: application/json'; {sent}")
 
 
 class CheckedRoute(APIRoute):
-    """Refuses, with a 422 naming the field, a NUL character in the path or the query, and a JSON body holding a lone
-    surrogate or a NUL anywhere (in a field no model checks too: metadata, tools, a dict key). The body is parsed
-    once: Starlette caches it for the route's own parsing. A structural tag in the body compiles off the event loop
-    (``app.structural_tag.known``)."""
+    """Refuses, with a 415, a body but a form's (an upload's) sent without a JSON Content-Type; with a 422 naming the
+    field, a NUL character in the path or the query, and a JSON body holding a lone surrogate or a NUL anywhere (in
+    a field no model checks too: metadata, tools, a dict key). The body is parsed once: Starlette caches it for the
+    route's own parsing. A structural tag in the body compiles off the event loop (``app.structural_tag.known``)."""
+
+    @property
+    def _takes_form(self) -> bool:
+        """Whether the route reads a form (an upload's multipart body), not JSON."""
+        return self.body_field is not None and isinstance(self.body_field.field_info, Form)
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
@@ -260,7 +275,10 @@ class CheckedRoute(APIRoute):
                     if (found := find_unstorable(value)) is not None:  # an id no column holds (a NUL)
                         raise RequestValidationError([{"type": "string_unicode", "loc": (where, name),
                                                        "msg": unstorable_message(found[1]), "input": None}])
-            if request.method in ("POST", "PUT", "PATCH") and _json_body(request):
+            if request.method in ("POST", "PUT", "PATCH") and not self._takes_form and await request.body():
+                # a body-less POST (a cancel) needs no Content-Type
+                if not _is_json(media_type := _media_type(request)):
+                    raise unsupported_media_type(media_type)
                 try:
                     body = await request.json()
                 except json.JSONDecodeError:

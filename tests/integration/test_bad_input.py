@@ -485,3 +485,33 @@ def test_a_prompt_of_token_ids_that_decode_to_a_nul_is_kept_with_the_replacement
     with session_scope(settings.sqlalchemy_url) as s:
         job = s.get(Job, r.json()["id"])
         assert "\x00" not in job.prompt and job.prompt.count("\ufffd") == 2 and job.prompt_token_ids == [190, 5, 190]
+
+
+@pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain", None])  # the first: curl -d's
+def test_a_json_body_sent_as_another_content_type_is_a_415_in_each_apis_shape(client, keys, settings, ctype):
+    """As vLLM's OpenAI server does (its ``validate_json_request``), a JSON route refuses a body that is not sent as
+    JSON, saying which header to send, and stores nothing (the job's body is valid as JSON; the chats' max_tokens
+    would be a 400 there, so a route that read them answers at once with no worker)."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    headers = {**H(keys.paid), **({"Content-Type": ctype} if ctype else {})}
+    for path, body, error_of in [
+            ("/v1/chat/completions", chat, lambda r: openai_error(r)["message"]),
+            ("/v1/jobs", {"prompt": "hi", "max_tokens": 2}, lambda r: r.json()["detail"]),
+            ("/v1/messages", chat, lambda r: r.json()["error"]["message"])]:  # Anthropic's shape
+        r = client.post(path, content=json.dumps(body), headers=headers)
+        assert r.status_code == 415 and "Content-Type: application/json" in error_of(r), (path, r.text)
+        assert ("without a Content-Type" if ctype is None else repr(ctype)) in error_of(r), r.text
+    assert jobs_in_sql(settings) == 0
+
+
+def test_json_with_parameters_uploads_and_body_less_posts_need_no_other_content_type(client, keys):
+    """What keeps working: a JSON media type with parameters, a multipart upload, and a POST without a body."""
+    r = client.post("/v1/jobs", content=json.dumps({"prompt": "hi", "max_tokens": 2}),
+                    headers={**H(keys.paid), "Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 201, r.text
+    assert client.post(f"/v1/jobs/{r.json()['id']}/cancel", headers=H(keys.paid)).status_code == 200
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}
+    f = client.post("/v1/files", headers=H(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", json.dumps(line).encode())})
+    assert f.status_code == 200, f.text
