@@ -96,14 +96,17 @@ def result_of_output(line: dict[str, Any]) -> dict[str, Any]:
 
 def result_of_error(line: dict[str, Any]) -> dict[str, Any]:
     """An error-file line as a result: canceled or expired with its batch, else errored (a request the fan-out
-    refused is the client's to fix, 400's type; one whose job failed is the server's, 500's)."""
+    refused is the client's to fix, 400's type; one whose job failed is the server's, 500's). A refusal's message
+    loses the error file's ``line N: ``: a result names its request by ``custom_id``, as Anthropic's do."""
     error = line["error"]
     kind = RESULT_OF_CODE.get(error.get("code"))
     if kind is not None:
         return {"custom_id": line["custom_id"], "result": {"type": kind}}
-    status = 400 if "line" in error else 500
-    return {"custom_id": line["custom_id"], "result": {"type": "errored", "error": error_body(status,
-                                                                                             error["message"])}}
+    if "line" in error:  # the fan-out refused it
+        failed = error_body(400, error["message"].removeprefix(f"line {error['line']}: "))
+    else:
+        failed = error_body(500, error["message"])
+    return {"custom_id": line["custom_id"], "result": {"type": "errored", "error": failed}}
 
 
 def results(inputs: bytes, outputs: bytes | None, errors: bytes | None,

@@ -92,11 +92,11 @@ def test_a_deleted_message_batch_keeps_how_it_ended(client, keys, settings):
         assert row.deleted_at is not None and row.cancelled_at <= row.deleted_at
 
 
-def test_a_message_batchs_requests_are_parsed_once_and_what_the_fan_out_refuses_names_its_line(client, keys,
-                                                                                               monkeypatch):
+def test_a_message_batchs_requests_are_parsed_once_and_what_the_fan_out_refuses_is_errored_in_anthropics_words(
+        client, keys, monkeypatch):
     """Create checks every request (``parse_line``) and hands the lines to the fan-out, which does not parse the
     file again; a request only the fan-out refuses (its prompt's tokens are counted there) is errored with the
-    line it has in the batch's input file, as when the fan-out read that file."""
+    custom_id (the fan-out took the request from its line in the batch's input file)."""
     from app.api import message_batches as api
     from app.batch import lines
 
@@ -126,8 +126,9 @@ def test_a_message_batchs_requests_are_parsed_once_and_what_the_fan_out_refuses_
     assert [r["result"]["type"] for r in results] == ["canceled", "errored"]
     error = results[1]["result"]["error"]
     assert error["error"]["type"] == "invalid_request_error"
-    # in Anthropic's words, as POST /v1/messages refuses an over-long prompt
-    assert re.fullmatch(r"line 2: prompt is too long: \d+ tokens > 512 maximum", error["error"]["message"]), error
+    # in Anthropic's words, as POST /v1/messages refuses an over-long prompt: the result's custom_id names the
+    # request, so the message has no "line 2: " (the OpenAI batch error file's way to name it)
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 512 maximum", error["error"]["message"]), error
 
 
 def _job_counts(client, path: str, headers: dict) -> tuple[dict, int]:

@@ -97,7 +97,7 @@ def test_error_lines_are_canceled_expired_or_errored_results_in_request_order():
     broke, bad = results[3]["result"]["error"], results[4]["result"]["error"]
     assert broke["type"] == "error" and broke["error"]["type"] == "api_error" and "engine died" in \
         broke["error"]["message"]
-    assert bad["error"] == {"type": "invalid_request_error", "message": "line 5: prompt too long"}
+    assert bad["error"] == {"type": "invalid_request_error", "message": "prompt too long"}  # custom_id names it
 
 
 def test_a_batch_that_failed_before_running_errs_every_request_with_why():
