@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
+from fastapi.routing import APIRoute
 
 from app import structural_tag
 from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora,
@@ -177,22 +178,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _document_openai_errors(api: FastAPI) -> None:
     """OpenAI-compatible routes answer a validation error with a 400 in OpenAI's shape, never
-    FastAPI's 422: take the 422 FastAPI documents for every route with parameters out of theirs."""
+    FastAPI's 422: take the 422 FastAPI documents for every route with parameters out of theirs.
+    Every operation whose body is JSON lists the 415 a body sent as another media type gets
+    (``errors.CheckedRoute``)."""
     plain = api.openapi
 
     def openapi() -> dict:
         if api.openapi_schema is None:
             schema = plain()
-            openai_paths = {(r.path_format, m.lower()) for r in api.routes if isinstance(r, OpenAIRoute)
-                            for m in r.methods}
+            openai_paths = _operations(api, OpenAIRoute)
+            checked_paths = _operations(api, errors.CheckedRoute)
             for path, ops in schema.get("paths", {}).items():
                 for method, op in ops.items():
                     if (path, method) in openai_paths:
                         op.get("responses", {}).pop("422", None)
+                    if (path, method) in checked_paths and "application/json" in op.get("requestBody", {}).get(
+                            "content", {}):
+                        op.setdefault("responses", {}).setdefault("415", {
+                            "description": "The body was not sent as JSON: send it with "
+                                           "'Content-Type: application/json'"})
             api.openapi_schema = schema
         return api.openapi_schema
 
     api.openapi = openapi  # type: ignore[method-assign]
+
+
+def _operations(api: FastAPI, route_class: type[APIRoute]) -> set[tuple[str, str]]:
+    """(path, method) of each operation the routes of ``route_class`` serve, as the OpenAPI document keys them."""
+    return {(r.path_format, m.lower()) for r in api.routes if isinstance(r, route_class) for m in r.methods}
 
 
 def app_factory() -> FastAPI:

@@ -400,6 +400,10 @@ def test_the_openapi_document_lists_what_each_operation_answers(client):
     assert "messages" in ops["POST", "/v1/chat/completions"]["requestBody"]["content"]["application/json"][
         "schema"]["properties"]
     assert {"401", "403", "409", "413", "422"} <= set(ops["POST", "/v1/admin/tenants"]["responses"])
+    # a body not sent as JSON is a 415 wherever the body is JSON (not an upload's form)
+    assert all("415" in ops[op]["responses"] for op in [("POST", "/v1/chat/completions"), ("POST", "/v1/jobs"),
+                                                         ("POST", "/v1/messages"), ("POST", "/v1/admin/tenants")])
+    assert "415" not in ops["POST", "/v1/files"]["responses"]
     assert "503" in ops["GET", "/readyz"]["responses"]
     # OpenAPI asks each operation's id to be unique (client generators name their methods after them)
     ids = [op["operationId"] for op in ops.values()]
