@@ -87,9 +87,11 @@ def test_jobs_run_stream_and_report_metrics(service):
         assert m["slo_met"] in (True, False)
         assert events_of(settings.sqlalchemy_url, job_id) == [
             (None, "queued"), ("queued", "dispatched"), ("dispatched", "running"), ("running", "succeeded")]
-        # the Redis stream holds the same text as SQL, then one terminal event
-        raw = redis.Redis.from_url(settings.redis_url).xrange(stream_key(job_id))
-        evs = [StreamEvent.parse(f) for _id, f in raw]
+        # the Redis stream holds the same text as SQL, then one terminal event (published once the result's write
+        # committed: a reader that saw the job end in SQL may come before the last step's events)
+        rds = redis.Redis.from_url(settings.redis_url)
+        evs = wait_for(lambda: (got := [StreamEvent.parse(f) for _id, f in rds.xrange(stream_key(job_id))])
+                       and got[-1].type == "end" and got, 10, "the stream's end")
         assert "".join(e.text for e in evs if e.type == "delta") == job["output_text"]
         assert [e.type for e in evs].count("end") == 1 and evs[-1].status == "succeeded"
     state = wait_for(lambda: (st := _worker_state(settings)).get("active_jobs") == 0 and st, 10, "a fresh heartbeat")
