@@ -261,13 +261,10 @@ class CheckedRoute(APIRoute):
     a field no model checks too: metadata, tools, a dict key). The body is parsed once: Starlette caches it for the
     route's own parsing. A structural tag in the body compiles off the event loop (``app.structural_tag.known``)."""
 
-    @property
-    def _takes_form(self) -> bool:
-        """Whether the route reads a form (an upload's multipart body), not JSON."""
-        return self.body_field is not None and isinstance(self.body_field.field_info, Form)
-
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
+        # whether the route reads a form (an upload's multipart body), not JSON: known once the route is built
+        takes_form = self.body_field is not None and isinstance(self.body_field.field_info, Form)
 
         async def checked(request: Request) -> Response:
             for where, params in (("path", request.path_params.items()), ("query", request.query_params.multi_items())):
@@ -275,7 +272,7 @@ class CheckedRoute(APIRoute):
                     if (found := find_unstorable(value)) is not None:  # an id no column holds (a NUL)
                         raise RequestValidationError([{"type": "string_unicode", "loc": (where, name),
                                                        "msg": unstorable_message(found[1]), "input": None}])
-            if request.method in ("POST", "PUT", "PATCH") and not self._takes_form and await request.body():
+            if request.method in ("POST", "PUT", "PATCH") and not takes_form and await request.body():
                 # a body-less POST (a cancel) needs no Content-Type
                 if not _is_json(media_type := _media_type(request)):
                     raise unsupported_media_type(media_type)
