@@ -172,11 +172,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(webhooks.event_types_router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES, anthropic_prefixes=ANTHROPIC_PREFIXES,
                    anthropic_sdk_prefixes=ANTHROPIC_SDK_PREFIXES)
-    _document_openai_errors(api)
+    _document_errors(api)
     return api
 
 
-def _document_openai_errors(api: FastAPI) -> None:
+def _document_errors(api: FastAPI) -> None:
     """OpenAI-compatible routes answer a validation error with a 400 in OpenAI's shape, never
     FastAPI's 422: take the 422 FastAPI documents for every route with parameters out of theirs.
     Every operation whose body is JSON lists the 415 a body sent as another media type gets
