@@ -477,9 +477,10 @@ class CoserveScheduler(AsyncScheduler):
             return False
         for rid, n in chunks:
             vreq, mirror = self.requests.get(rid), self.mirrors.get(rid)
-            if n == 1 and vreq is not None and mirror is not None and vreq.num_tokens - mirror.num_computed_tokens == 1:
-                if mirror.num_computed_tokens or decodes:
-                    return True
+            if n != 1 or vreq is None or mirror is None:
+                continue
+            if vreq.num_tokens - mirror.num_computed_tokens == 1 and (mirror.num_computed_tokens or decodes):
+                return True
         return False
 
     def _as_whole(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest],
