@@ -588,7 +588,7 @@ class GpuWorker:
                                   device=self.device)
                 s.add(row)
             row.heartbeat_at = utcnow()
-            row.state = self._state()
+            row.state = state = self._state()
             draining = bool(row.draining)
             retire = self.backend == "vllm" and self.settings.runtime_lora
             loras = lora_adapters.versions(s, self.settings.model_name) if retire else None
@@ -607,6 +607,9 @@ class GpuWorker:
             self.draining = draining
             log.info("worker %s %s", self.worker_id, "draining: taking no new jobs" if draining else "serving again")
             self._consume(not draining)
+        if self.draining and state.get("routed_waiting"):  # routed here by a view from before the drain: to the others
+            with session_scope(self.url, immediate=True) as s:
+                reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
         if self.peers is not None:
             self.peers.models = lora_adapters.served_models(self.settings)  # adapters loaded (or unloaded) since
             with session_scope(self.url) as s:
@@ -617,7 +620,8 @@ class GpuWorker:
     def _consume(self, on: bool) -> None:
         """Starts or stops consuming this worker's queues (Celery's add_consumer/cancel_consumer, which its consumer
         applies in its own loop): a draining worker leaves the messages in the broker for the other workers, instead
-        of taking each and handing it back (``accept``: at most the one in hand when the drain began)."""
+        of taking each and handing it back (``accept``: at most the one in hand when the drain began); those routed
+        to it alone go to its model's queue at each heartbeat (``heartbeat``)."""
         if self.consumer_name is None:
             return
         control = get_celery(self.settings.redis_url).control

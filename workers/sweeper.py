@@ -112,7 +112,7 @@ def _reroute_orphaned(session: Session, redis_url: str, stale_before) -> int:
 
 def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     """Sends the jobs waiting on workers' own ``queues`` to their model's queue and removes those queues (a worker
-    that stopped, or died); returns how many were sent."""
+    that stopped, died or drains); returns how many were sent."""
     ids: set[str] = set()
     try:
         client = redis_client(redis_url)
@@ -140,8 +140,8 @@ def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
     sent = len(send_back_all(redis_url, back_to_queues(session, interactive)))
     sent += len(_back_in_turn(session, redis_url, [j for j in waiting if message_priority(j.kind) == BATCH_PRIORITY]))
     if queues:
-        log.info("removed the own queues of %d workers that are gone; sent their %d waiting jobs to the models' "
-                 "queues", len(queues), sent)
+        log.info("removed the own queues of %d workers that are gone or draining; sent their %d waiting jobs to the "
+                 "models' queues", len(queues), sent)
     return sent
 
 

@@ -358,21 +358,33 @@ def _message_ids(settings) -> list[str]:
     return [json.loads(m)["headers"]["id"] for m in raw]
 
 
-def test_draining_worker_takes_no_new_jobs(service):
+def test_draining_worker_takes_no_new_jobs(service, monkeypatch):
     """A draining worker stops consuming (rather than taking each message and handing it back, about once a
-    second): a job's message waits in the broker, untouched, and the worker reads its queues again once undrained."""
+    second): a job's message waits in the broker, untouched, and the worker reads its queues again once undrained.
+    A job that prefix routing sent to the worker's own queue by a view from before the drain goes to the model's
+    queue, for the other workers (it waited there until the worker served again)."""
+    from app.services import routing
+
     client, keys, settings = service.client, service.keys, service.settings
+    monkeypatch.setattr(routing, "REFRESH_S", 0.0)
+    first = submit(client, keys.paid, max_tokens=1)  # the API reads the workers afresh
+    monkeypatch.setattr(routing, "REFRESH_S", 3600.0)  # and keeps that view
+    assert wait_status(client, keys.paid, first, {"succeeded"})["worker_id"] == "w1"
+    own = redis.Redis.from_url(settings.redis_url)
     with session_scope(settings.sqlalchemy_url) as s:
         s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=True))
-    wait_for(lambda: _consumed_queues(settings) == [], 20, "the draining worker to stop consuming")
-    job_id = submit(client, keys.paid, max_tokens=4)
-    sent = _message_ids(settings)
-    time.sleep(2)
-    assert status_of(client, keys.paid, job_id)["status"] == "dispatched"
-    assert len(sent) == 1 and _message_ids(settings) == sent  # never taken and handed back (a new message)
-    assert client.get("/readyz").status_code == 503  # a draining worker does not make the service ready
-    with session_scope(settings.sqlalchemy_url) as s:
-        s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=False))
+    try:
+        wait_for(lambda: _consumed_queues(settings) == [], 20, "the draining worker to stop consuming")
+        job_id = submit(client, keys.paid, max_tokens=4)  # routed to w1, which the API still sees serving
+        sent = wait_for(lambda: _message_ids(settings), 10, "the job's message on the model's queue")
+        assert own.llen(routing.worker_queue("w1")) == 0
+        time.sleep(2)
+        assert status_of(client, keys.paid, job_id)["status"] == "dispatched"
+        assert len(sent) == 1 and _message_ids(settings) == sent  # never taken and handed back (a new message)
+        assert client.get("/readyz").status_code == 503  # a draining worker does not make the service ready
+    finally:
+        with session_scope(settings.sqlalchemy_url) as s:
+            s.execute(update(WorkerState).where(WorkerState.id == "w1").values(draining=False))
     assert wait_status(client, keys.paid, job_id, {"succeeded"})["worker_id"] == "w1"
 
 
