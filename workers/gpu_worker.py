@@ -341,15 +341,15 @@ class GpuWorker:
             self.inbox.put(Add(job_id))
         return None
 
-    def give_up_engine(self, job_id: str, back_to: str, priority: int, retries: int) -> None:
-        """The message of ``job_id``, whose id this worker holds set aside, came back here for all its ``retries``
-        (``workers.tasks``): no other worker took it, and the engine kept its aborted request all that while, so it
-        would keep it for good (only a fresh engine lets it go), and the job would run nowhere. The worker stops as
-        one whose engine broke (exit status 1: its supervisor starts it afresh), its running jobs finishing within
-        the stop grace, and the job's message goes back to the head of ``back_to`` for another worker or this one
-        restarted."""
+    def give_up_engine(self, job_id: str, back_to: str, priority: int, rounds: int) -> None:
+        """The message of ``job_id``, whose id this worker holds set aside, came back here for all its ``rounds`` of
+        set-aside retries (``workers.tasks.SET_ASIDE_ROUNDS``): no other worker took it, and the engine kept its
+        aborted request all that while, so it would keep it for good (only a fresh engine lets it go), and the job
+        would run nowhere. The worker stops as one whose engine broke (exit status 1: its supervisor starts it
+        afresh), its running jobs finishing within the stop grace, and the job's message goes back to the head of
+        ``back_to`` for another worker or this one restarted."""
         self.gave_up = (f"the engine kept the aborted request of job {job_id} while the job came back here "
-                        f"{retries + 1} times")
+                        f"{rounds + 1} times")
         self._engine_broken(self.gave_up)  # first: the consumer stops taking messages, this one's among them
         self._hand_back(job_id, back_to, priority)
 

@@ -635,8 +635,10 @@ def _worker_row_state(settings, worker: GpuWorker) -> dict:
 
 def _set_aside_with_its_message(settings, keys, monkeypatch):
     """A worker whose engine never confirms the abort of a job whose lease lapsed while it ran there (its id set aside
-    there), that job requeued and sent again by the sweeper, and ``delivered(retries)``: that worker's consumer runs
-    a message of the job that Celery retried ``retries`` times (a retry sends its message to Redis)."""
+    there), that job requeued and sent again by the sweeper, and ``delivered(rounds, retries=0)``: that worker's
+    consumer runs a message of the job sent again ``rounds`` times for its set-aside id (None: a message with no
+    count, as sent before the count was kept) and by Celery's autoretry ``retries`` times for database errors (a
+    retry sends its message to Redis)."""
     from workers.celery_app import RUN_JOB, get_celery
 
     worker = GpuWorker(settings)
@@ -656,12 +658,13 @@ def _set_aside_with_its_message(settings, keys, monkeypatch):
     monkeypatch.setattr(app, "coserve_worker", worker, raising=False)
     run_job = app.tasks[RUN_JOB]
 
-    def delivered(retries: int):
-        run_job.push_request(id=f"task-{retries}", args=[job.job_id], kwargs={}, retries=retries, is_eager=False,
+    def delivered(rounds: int | None, retries: int = 0):
+        kwargs = {} if rounds is None else {"set_aside_rounds": rounds}
+        run_job.push_request(id=f"task-{rounds}", args=[job.job_id], kwargs=kwargs, retries=retries, is_eager=False,
                              called_directly=False, delivery_info={"priority": INTERACTIVE_PRIORITY, "exchange": "",
                                                                    "routing_key": "coserve.tiny"})
         try:
-            return run_job.run(job.job_id)
+            return run_job.run(job.job_id, **kwargs)
         finally:
             run_job.pop_request()
     return worker, engine_thread, job, delivered
@@ -690,7 +693,8 @@ def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_cel
     assert retry.value.when == 1  # Celery's backoff: 1 s, then 2, 4, ...
     sent = [json.loads(raw) for raw in r.lrange("coserve.tiny", 0, -1)]
     assert len(sent) == waiting + 1  # Celery's retry, not a hand-back to the head for this worker to take again
-    assert (sent[0]["headers"]["id"], sent[0]["headers"]["retries"]) == ("task-0", 1)
+    assert (sent[0]["headers"]["id"], sent[0]["headers"]["retries"]) == ("task-0", 0)  # the database errors' count
+    assert _message_kwargs(sent[0]) == {"set_aside_rounds": 1}  # its own count, carried by the message
     assert sent[0]["headers"]["eta"] is not None  # held by the consumer that takes it until its countdown ends
     with session_scope(url) as s:
         row = s.get(Job, job.job_id)
@@ -709,6 +713,48 @@ def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_cel
     assert worker.active.get(job.job_id).lease.attempt == 2
 
 
+def _message_kwargs(message: dict) -> dict:
+    """The task keyword arguments in a message as kombu's Redis transport keeps it (protocol 2's body: args, kwargs,
+    embed; base64 JSON)."""
+    import base64
+    import json
+
+    _args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+    return kwargs
+
+
+def test_a_set_aside_job_whose_message_spent_retries_on_database_errors_gets_all_its_own_rounds(settings, keys,
+                                                                                               monkeypatch):
+    """Celery's ``retries`` also counts the autoretries of database errors (SQLite's "database is locked"): a
+    message that spent them all there reached the give-up at once and stopped a worker whose engine only held the id
+    a little while. The set-aside rounds are counted in the message apart from them: such a message is sent again
+    for its rounds, its database-error count kept, as is one sent before the rounds were counted (no count: none)."""
+    import json
+
+    from celery.exceptions import Retry
+
+    from workers.celery_app import RUN_JOB, get_celery
+
+    worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: signals.append((pid, sig)))
+    r = redis.Redis.from_url(settings.redis_url)
+    max_retries = get_celery(settings.redis_url).tasks[RUN_JOB].max_retries
+
+    with pytest.raises(Retry) as retry:
+        delivered(3, retries=max_retries)
+    assert retry.value.when == 8  # the rounds' backoff, not the database errors'
+    sent = json.loads(r.lindex("coserve.tiny", 0))  # the newest message (LPUSH)
+    assert (sent["headers"]["id"], sent["headers"]["retries"]) == ("task-3", max_retries)
+    assert _message_kwargs(sent) == {"set_aside_rounds": 4}
+    with pytest.raises(Retry) as retry:
+        delivered(None, retries=max_retries)
+    assert retry.value.when == 1
+    assert _message_kwargs(json.loads(r.lindex("coserve.tiny", 0))) == {"set_aside_rounds": 1}
+    assert signals == [] and worker.broken is None and not worker.shutting_down
+    assert worker.engine.calls.count(("add", job.job_id)) == 1  # never added beside the request the engine holds
+
+
 def test_a_job_whose_id_the_engine_keeps_through_every_retry_stops_the_worker_for_a_fresh_engine(settings, keys,
                                                                                                    monkeypatch):
     """Past Celery's retries the job was left to the sweeper, whose resend came back to the same worker, whose engine
@@ -720,19 +766,18 @@ def test_a_job_whose_id_the_engine_keeps_through_every_retry_stops_the_worker_fo
     import os
     import signal
 
-    from workers.celery_app import RUN_JOB, get_celery
+    from workers.tasks import SET_ASIDE_ROUNDS
 
     worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
     signals: list[tuple[int, int]] = []
     monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: signals.append((pid, sig)))
     r = redis.Redis.from_url(settings.redis_url)
     before = {json.loads(raw)["headers"]["id"] for raw in r.lrange("coserve.tiny", 0, -1)}
-    max_retries = get_celery(settings.redis_url).tasks[RUN_JOB].max_retries
 
-    assert delivered(max_retries) is None  # the last retry came back to this worker too: its engine still holds the id
+    assert delivered(SET_ASIDE_ROUNDS) is None  # the last round came back to this worker too: its engine kept the id
     assert signals == [(os.getpid(), signal.SIGTERM)] and worker.shutting_down
     assert worker.broken == (f"the engine kept the aborted request of job {job.job_id} while the job came back here "
-                             f"{max_retries + 1} times")  # run_worker exits with it (status 1)
+                             f"{SET_ASIDE_ROUNDS + 1} times")  # run_worker exits with it (status 1)
     head = json.loads(r.lindex("coserve.tiny", -1))  # consumers take from the right end (BRPOP)
     assert head["headers"]["id"] not in before and job.job_id in head["headers"]["argsrepr"]
     assert (head["headers"]["eta"], head["headers"]["retries"]) == (None, 0)  # for whoever takes it next, at once
