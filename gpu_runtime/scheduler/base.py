@@ -38,9 +38,10 @@ class KVBudget:
     cache still runs out."""
 
     def __init__(self, executor: Executor | None, watermark: float, footprint_blocks: int,
-                 output_reserve: Callable[[Request], int]) -> None:
+                 output_reserve: Callable[[Request], int], slots: Callable[[int], int] | None = None) -> None:
         self.executor = executor
         self.output_reserve = output_reserve
+        self.slots = slots  # the executor's KV slots of a request's life (``footprint_blocks``)
         if executor is None:
             self.free, self.total, self.reserve, self.outstanding, self.block_size = 1 << 60, 1 << 60, 0, 0, 1
             return
@@ -84,13 +85,19 @@ class KVBudget:
         return n
 
     def footprint(self, req: Request) -> int:
-        return footprint_blocks(req, self.output_reserve(req), self.block_size)
+        return footprint_blocks(req, self.output_reserve(req), self.block_size, self.slots)
 
 
-def footprint_blocks(req: Request, reserved_output: int, block_size: int) -> int:
+def footprint_blocks(req: Request, reserved_output: int, block_size: int,
+                     slots: Callable[[int], int] | None = None) -> int:
     """Blocks for the prompt + the reserved output, at least what it holds (+1 block of slack for a partial
-    first block)."""
-    return -(-(req.prompt_len + max(reserved_output, req.num_output_tokens + 1)) // block_size) + 1
+    first block). ``slots``: the most KV slots the executor allocates over the life of a request of that many
+    tokens, where it knows them exactly (vLLM: a draft step and the drafter's lookahead past the last decode's
+    token, capped at the context, ``VLLMKVView.footprint_slots``): its blocks, no slack."""
+    tokens = req.prompt_len + max(reserved_output, req.num_output_tokens + 1)
+    if slots is None:
+        return -(-tokens // block_size) + 1
+    return -(-slots(tokens) // block_size)
 
 
 class BaseScheduler(Scheduler):
@@ -124,6 +131,8 @@ class BaseScheduler(Scheduler):
         self._new_admits = 0  # prompts started in the batch being formed
         self._footprint = 0  # KV blocks reserved by every request holding KV (admission control)
         self._holders: dict[str, int] = {}  # request -> its blocks counted in ``_footprint``
+        # the executor's KV slots over a request's life where they pass its tokens (vLLM's drafts and lookahead)
+        self._footprint_slots: Callable[[int], int] | None = getattr(executor, "footprint_slots", None)
         if config.kv_reserve not in ("predicted", "max_tokens"):
             raise ValueError(f"kv_reserve must be 'predicted' or 'max_tokens', not {config.kv_reserve!r}")
         self._reserve_predicted = config.kv_reserve == "predicted"
@@ -239,7 +248,8 @@ class BaseScheduler(Scheduler):
         out.resumed, self._resumed = self._resumed, []
         self._new_admits = 0
         self._pass_blocks.clear()
-        kv = KVBudget(self.executor, self.config.kv_watermark, self._footprint, self._reserved_output)
+        kv = KVBudget(self.executor, self.config.kv_watermark, self._footprint, self._reserved_output,
+                      self._footprint_slots)
         drafts = self.decode_drafts
         if self.executor is not None and kv.free - kv.outstanding < self._decode_blocks_bound(kv.block_size):
             self._make_room_for_decodes(kv, out)
@@ -294,7 +304,8 @@ class BaseScheduler(Scheduler):
     def _reserve_again(self, req: Request) -> None:
         held = self._holders.get(req.request_id)
         if held is not None and self.executor is not None:
-            fp = footprint_blocks(req, self._reserved_output(req), self.executor.capacity().block_size)
+            fp = footprint_blocks(req, self._reserved_output(req), self.executor.capacity().block_size,
+                                  self._footprint_slots)
             self._footprint += fp - held
             self._holders[req.request_id] = fp
 

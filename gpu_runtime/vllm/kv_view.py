@@ -44,26 +44,35 @@ class VLLMKVView:
 
     def blocks_needed(self, request_id: str, n: int) -> int:
         """Blocks vLLM allocates for the request's next ``n`` tokens (``allocate_slots``): also the slots of its
-        lookahead, the KV a draft model or EAGLE drafter writes past them (``num_lookahead_tokens``, 0 for the
-        model-free drafters), which vLLM takes for every prompt chunk and decode and preempts for where none is
-        left. Past max_model_len it allocates nothing."""
+        lookahead (``_slots``), which vLLM takes for every prompt chunk and decode and preempts for where none is
+        left."""
         req = self.scheduler.requests.get(request_id)
         have = req.num_computed_tokens if req is not None else 0
-        bs, ahead = self.block_size, self.scheduler.num_lookahead_tokens
+        bs = self.block_size
         if req is not None and not have:
             # a prompt not (re)started: the n tokens after its prefix-cache hit (which the policy counts computed),
             # and the hit's blocks too, which leave the free pool with it unless a running request holds them
             mirror = self.scheduler.mirrors.get(request_id)
             hit = mirror.num_cached_tokens if mirror is not None else 0
-            return -(-self._slots(hit + n + ahead) // bs)
+            return -(-self._slots(hit + n) // bs)
         # the blocks vLLM holds for it already: those of its computed tokens, and any it allocated ahead of them (the
         # slots of its draft tokens and lookahead), which the next tokens fill before a new block is needed
         held = len(self.scheduler.kv_cache_manager.coordinator.get_blocks(request_id)[0])
-        return max(0, -(-self._slots(have + n + ahead) // bs) - max(held, -(-have // bs)))
+        return max(0, -(-self._slots(have + n) // bs) - max(held, -(-have // bs)))
+
+    def footprint_slots(self, tokens: int) -> int:
+        """The most KV slots vLLM allocates a request of ``tokens`` (prompt + output) over its life: its last
+        decode computes the output's last token but one, with a whole draft step (``num_spec_tokens``: any
+        drafter's, the n-gram and suffix ones' too; a prompt's 1-token first step is padded to one) and the
+        lookahead (``_slots``). A prompt chunk or a recompute reaches no further. KV admission reserves it
+        (``footprint_blocks``)."""
+        return self._slots(tokens - 1 + self.scheduler.num_spec_tokens)
 
     def _slots(self, tokens: int) -> int:
-        """The KV slots vLLM gives a request that reaches ``tokens`` (none past the model's context)."""
-        return min(tokens, self.scheduler.max_model_len)
+        """The KV slots vLLM gives a request whose scheduled tokens reach ``tokens`` (``allocate_slots``'
+        num_tokens_need_slot): also its lookahead, the KV a draft model or EAGLE drafter writes past them
+        (``num_lookahead_tokens``, 0 for the model-free drafters); none past the model's context."""
+        return min(tokens + self.scheduler.num_lookahead_tokens, self.scheduler.max_model_len)
 
     @property
     def prefix_caching(self) -> bool:

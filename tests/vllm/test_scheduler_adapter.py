@@ -399,6 +399,57 @@ def test_the_kv_view_counts_the_blocks_vllm_allocates_with_its_lookahead(make_sc
         assert held(prompt) - before == planned, prompt.num_computed_tokens
 
 
+def _run_with_every_draft(s, steps: int = 200) -> tuple[set, int]:
+    """Steps until nothing is left, every decode verifying vLLM's whole draft step (the model accepts none of it):
+    the requests preempted on the way, and the most KV blocks one request held."""
+    held = lambda r: len(s.kv_cache_manager.coordinator.get_blocks(r.request_id)[0])  # noqa: E731
+    preempted, peak = set(), 0
+    for _ in range(steps):
+        if not s.requests:
+            break
+        for r in s.running:
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                r.spec_token_ids = list(range(1, 1 + s.num_spec_tokens))
+        out, _ = run_step(s)
+        preempted |= out.preempted_req_ids | set(s.kv.released)
+        peak = max([peak] + [held(r) for r in s.running])
+    return preempted, peak
+
+
+@pytest.mark.parametrize(("drafter", "blocks"), [("draft_model", 7), ("ngram", 6), ("none", 4)])
+def test_a_jobs_footprint_is_every_block_vllm_gives_it_with_drafts_and_lookahead(make_scheduler, monkeypatch,
+                                                                                 drafter, blocks):
+    """vLLM allocates, on a request's last decode, the slots of its prompt, its output but the last token, the 20
+    drafts it verifies and (a draft-model or EAGLE drafter) 20 lookahead slots: 14 + 49 + 20 + 20 tokens, 7 blocks
+    (6 with the n-gram drafter, 4 without drafts). Admission reserves exactly those; it reserved prompt +
+    max_tokens + a block of slack (64 tokens: 5 blocks), which held neither drafter's."""
+    monkeypatch.setenv("COSERVE_KV_RESERVE", "max_tokens")
+    spec = {"spec_tokens": 20, "drafter": drafter} if drafter != "none" else {}
+    s = make_scheduler("qoserve", max_batched=64, blocks=40, **spec)
+    job = vllm_request(14, max_tokens=50)
+    s.add_request(job)
+    run_step(s)
+    reserved = s.policy._holders[job.request_id]
+    preempted, peak = _run_with_every_draft(s)
+    assert not preempted and job.request_id not in s.requests  # it finished
+    assert peak == reserved == blocks
+
+
+def test_the_footprint_admits_no_more_jobs_than_vllm_holds_with_drafts_and_lookahead(make_scheduler, monkeypatch):
+    """max_tokens reserve never preempts: two 14-token jobs of max_tokens 50 each reach 7 blocks in vLLM with 20
+    drafts and 20 lookahead slots per decode; 11 blocks hold one. Reserving 5 blocks each, the policy admitted both,
+    and vLLM (or the policy on its behalf) preempted one of them on the way; reserving what vLLM allocates, the
+    second waits for the first to finish and nobody is preempted."""
+    monkeypatch.setenv("COSERVE_KV_RESERVE", "max_tokens")
+    s = make_scheduler("qoserve", max_batched=64, blocks=12, spec_tokens=20, drafter="draft_model")
+    jobs = [vllm_request(14, {"ttft_ms": 60_000, "tbt_ms": 10_000}, max_tokens=50) for _ in range(2)]
+    for job in jobs:
+        s.add_request(job)
+    preempted, _ = _run_with_every_draft(s)
+    assert not preempted
+    assert not s.requests  # both finished
+
+
 def test_a_static_chains_share_of_the_drafts_leaves_the_rest_of_the_step_to_prompts(make_scheduler):
     """vLLM proposed 6 drafts for the decode and chain-2 verifies 2 of them, which is known before the step is
     planned: the 64-token step runs the decode, its 2 drafts and 61 prompt tokens (57 when the budget left the 6

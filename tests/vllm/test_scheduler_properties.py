@@ -243,7 +243,7 @@ class Drive:
 
         def size(m) -> tuple:  # noqa: ANN001
             done, total, _ = before[m.request_id]  # as it stood when the policy chose (a planned one advanced since)
-            return total - done, footprint_blocks(m, p._reserved_output(m), 16)
+            return total - done, footprint_blocks(m, p._reserved_output(m), 16, p._footprint_slots)
 
         started = [q.request for q in plan.prefills if new(q.request) and q.request.request_id not in relegated]
         planned = {q.request.request_id for q in plan.prefills}
