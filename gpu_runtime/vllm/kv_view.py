@@ -64,9 +64,12 @@ class VLLMKVView:
         """The most KV slots vLLM allocates a request of ``tokens`` (prompt + output) over its life: its last
         decode computes the output's last token but one, with a whole draft step (``num_spec_tokens``: any
         drafter's, the n-gram and suffix ones' too; a prompt's 1-token first step is padded to one) and the
-        lookahead (``_slots``). A prompt chunk or a recompute reaches no further. KV admission reserves it
-        (``footprint_blocks``)."""
-        return self._slots(tokens - 1 + self.scheduler.num_spec_tokens)
+        lookahead (``_slots``). A prompt chunk or a recompute reaches no further. Scheduling asynchronously, vLLM
+        schedules a decode while the step before is in flight, its drafts counted computed as if all accepted, and
+        stops only once that step surely reached max_tokens: the last decode may start a draft step further. KV
+        admission reserves it (``footprint_blocks``)."""
+        steps = 2 if self.scheduler.scheduler_config.async_scheduling else 1
+        return self._slots(tokens - 1 + steps * self.scheduler.num_spec_tokens)
 
     def _slots(self, tokens: int) -> int:
         """The KV slots vLLM gives a request whose scheduled tokens reach ``tokens`` (``allocate_slots``'

@@ -399,38 +399,56 @@ def test_the_kv_view_counts_the_blocks_vllm_allocates_with_its_lookahead(make_sc
         assert held(prompt) - before == planned, prompt.num_computed_tokens
 
 
-def _run_with_every_draft(s, steps: int = 200) -> tuple[set, int]:
+def _run_with_every_draft(s, in_flight=None, steps: int = 200) -> tuple[set, int]:  # noqa: ANN001
     """Steps until nothing is left, every decode verifying vLLM's whole draft step (the model accepts none of it):
-    the requests preempted on the way, and the most KV blocks one request held."""
+    the requests preempted on the way, and the most KV blocks one request held. Scheduling asynchronously, each
+    step is scheduled before the one ``in_flight`` is answered (vLLM's placeholders stand for its token and
+    drafts)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
     held = lambda r: len(s.kv_cache_manager.coordinator.get_blocks(r.request_id)[0])  # noqa: E731
+    pipelined = s.scheduler_config.async_scheduling
     preempted, peak = set(), 0
     for _ in range(steps):
         if not s.requests:
             break
-        for r in s.running:
-            if r.num_computed_tokens >= r.num_prompt_tokens:
-                r.spec_token_ids = list(range(1, 1 + s.num_spec_tokens))
-        out, _ = run_step(s)
+        if not pipelined:
+            for r in s.running:
+                if r.num_computed_tokens >= r.num_prompt_tokens:
+                    r.spec_token_ids = list(range(1, 1 + s.num_spec_tokens))
+        out = s.schedule()
         preempted |= out.preempted_req_ids | set(s.kv.released)
         peak = max([peak] + [held(r) for r in s.running])
+        if not pipelined:
+            answer_step(s, out)
+            continue
+        if in_flight is not None:  # its prompts' last chunks and decodes each sampled a token
+            ids = [r for r in in_flight.num_scheduled_tokens if r in s.requests]
+            s.update_from_output(in_flight, ModelRunnerOutput(req_ids=ids, req_id_to_index={
+                r: i for i, r in enumerate(ids)}, sampled_token_ids=[[7] for _ in ids]))
+        in_flight = out
     return preempted, peak
 
 
-@pytest.mark.parametrize(("drafter", "blocks"), [("draft_model", 7), ("ngram", 6), ("none", 4)])
+@pytest.mark.parametrize(("drafter", "pipelined", "blocks"), [("draft_model", False, 7), ("ngram", False, 6),
+                                                             ("none", False, 4), ("draft_model", True, 8)])
 def test_a_jobs_footprint_is_every_block_vllm_gives_it_with_drafts_and_lookahead(make_scheduler, monkeypatch,
-                                                                                 drafter, blocks):
+                                                                                 drafter, pipelined, blocks):
     """vLLM allocates, on a request's last decode, the slots of its prompt, its output but the last token, the 20
     drafts it verifies and (a draft-model or EAGLE drafter) 20 lookahead slots: 14 + 49 + 20 + 20 tokens, 7 blocks
-    (6 with the n-gram drafter, 4 without drafts). Admission reserves exactly those; it reserved prompt +
-    max_tokens + a block of slack (64 tokens: 5 blocks), which held neither drafter's."""
+    (6 with the n-gram drafter, 4 without drafts); scheduling asynchronously, the 20 drafts of the step in flight
+    too (8 blocks). Admission reserves exactly those; it reserved prompt + max_tokens + a block of slack (64
+    tokens: 5 blocks), which held no drafter's."""
     monkeypatch.setenv("COSERVE_KV_RESERVE", "max_tokens")
     spec = {"spec_tokens": 20, "drafter": drafter} if drafter != "none" else {}
-    s = make_scheduler("qoserve", max_batched=64, blocks=40, **spec)
+    s = make_scheduler("qoserve", max_batched=64, blocks=40, async_scheduling=pipelined, **spec)
     job = vllm_request(14, max_tokens=50)
     s.add_request(job)
-    run_step(s)
+    out = s.schedule()  # the prompt: admitted, its footprint reserved
     reserved = s.policy._holders[job.request_id]
-    preempted, peak = _run_with_every_draft(s)
+    if not pipelined:
+        answer_step(s, out)
+    preempted, peak = _run_with_every_draft(s, out if pipelined else None)
     assert not preempted and job.request_id not in s.requests  # it finished
     assert peak == reserved == blocks
 
