@@ -607,7 +607,7 @@ class GpuWorker:
             self.draining = draining
             log.info("worker %s %s", self.worker_id, "draining: taking no new jobs" if draining else "serving again")
             self._consume(not draining)
-        if self.draining and state.get("routed_waiting"):  # routed here by a view from before the drain: to the others
+        if state.get("routed_waiting") and self._passes_routed_on():
             with session_scope(self.url, immediate=True) as s:
                 reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
         if self.peers is not None:
@@ -616,6 +616,14 @@ class GpuWorker:
                 lengths = self.peers.read(s)
             if lengths:
                 self.inbox.put(Learn(tuple(lengths)))
+
+    def _passes_routed_on(self) -> bool:
+        """Whether the jobs prefix routing sent this worker alone go to its model's queue, for the others, at this
+        beat: an API routes by a view of the workers up to ``routing.REFRESH_S`` old, so it sends them here after the
+        worker stopped taking them: it drains, it stops (a warm shutdown's grace, an engine given up on: its consumer
+        is gone, but it beats and looks live until ``stop``), or it is full (it takes none until a job of its own
+        ends, while another worker has room)."""
+        return self.draining or self.shutting_down or not self._has_room(INTERACTIVE_PRIORITY)
 
     def _consume(self, on: bool) -> None:
         """Starts or stops consuming this worker's queues (Celery's add_consumer/cancel_consumer, which its consumer

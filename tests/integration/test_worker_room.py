@@ -83,3 +83,40 @@ def test_a_batch_job_on_a_worker_with_no_batch_room_goes_back_to_the_head_of_the
     intake.join(10)
     assert not intake.is_alive()
     assert _next_taken(settings, worker.queue, batch=True) == ["b1", "b2"]  # nothing was leased on the way
+
+
+def _routed_here(settings, keys, worker: GpuWorker) -> str:
+    """A job prefix routing sent to ``worker``'s own queue (dispatched there, as an API whose view of the workers is
+    up to ``routing.REFRESH_S`` old still sends it after the worker filled)."""
+    from app.auth import authenticate
+    from app.db.session import session_scope
+    from app.schemas import JobCreate
+    from app.services.dispatch import dispatch
+    from app.services.jobs import submit_job
+    from app.services.routing import worker_queue
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="r", max_tokens=4), settings,
+                            dispatch=False).job.id
+        assert dispatch(s, settings.redis_url, job_id, settings.model_name, queue=worker_queue(worker.worker_id))
+    return job_id
+
+
+def test_a_job_routed_to_a_full_workers_own_queue_goes_to_the_shared_queue_at_its_next_beat(settings, keys):
+    """The worker is full (it takes nothing until a job of its own ends): a job routed to it alone by a view from
+    before it filled goes to the head of the model's queue at its heartbeat, for a worker with room, instead of
+    waiting here; with room again, the worker keeps what is routed to it."""
+    from app.services.routing import worker_queue
+
+    settings.routing = "prefix"
+    worker = _worker(settings, keys, max_inflight=1, in_line=1)
+    own = worker_queue(worker.worker_id)
+    routed = _routed_here(settings, keys, worker)
+    worker.heartbeat()
+    assert _next_taken(settings, own, batch=False) == []
+    assert _next_taken(settings, worker.queue, batch=False) == [routed]
+    for job in worker.active.snapshot():
+        worker.active.pop(job.job_id)
+    kept = _routed_here(settings, keys, worker)
+    worker.heartbeat()
+    assert _next_taken(settings, own, batch=False) == [kept]

@@ -286,3 +286,19 @@ def test_a_heartbeat_that_ran_into_the_stop_does_not_bring_the_stopped_workers_r
     worker.heartbeat()
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.get(WorkerState, worker.worker_id) is None
+
+
+def test_a_job_routed_to_a_stopping_worker_goes_to_the_shared_queue_at_its_next_beat(settings, keys):
+    """A warm shutdown stopped the worker's consumer; it beats until its running jobs finish (the stop grace), so an
+    API still routes to it: what waits on its own queue goes to the model's queue at each beat, not after the grace
+    (``stop``)."""
+    from tests.integration.test_worker_room import _routed_here
+
+    settings.routing = "prefix"
+    worker = GpuWorker(settings)
+    worker.heartbeat()  # registered, as a running worker is
+    routed = _routed_here(settings, keys, worker)
+    worker.shutting_down = True  # Celery's warm shutdown began (or the engine was given up on)
+    worker.heartbeat()
+    assert _next_taken(settings, f"coserve.worker.{worker.worker_id}", batch=False) == []
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [routed]
