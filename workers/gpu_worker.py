@@ -621,9 +621,10 @@ class GpuWorker:
         """Whether the jobs prefix routing sent this worker alone go to its model's queue, for the others, at this
         beat: an API routes by a view of the workers up to ``routing.REFRESH_S`` old, so it sends them here after the
         worker stopped taking them: it drains, it stops (a warm shutdown's grace, an engine given up on: its consumer
-        is gone, but it beats and looks live until ``stop``), or it is full (it takes none until a job of its own
-        ends, while another worker has room)."""
-        return self.draining or self.shutting_down or not self._has_room(INTERACTIVE_PRIORITY)
+        is gone, but it beats and looks live until ``stop``), or it has no batch room (the batch jobs there wait until
+        a job of its own ends, while another worker has room; an interactive one waits there only until its consumer
+        takes it, as this worker reads the model's queue too)."""
+        return self.draining or self.shutting_down or not self._has_room(BATCH_PRIORITY)
 
     def _consume(self, on: bool) -> None:
         """Starts or stops consuming this worker's queues (Celery's add_consumer/cancel_consumer, which its consumer

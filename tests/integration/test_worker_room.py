@@ -85,7 +85,7 @@ def test_a_batch_job_on_a_worker_with_no_batch_room_goes_back_to_the_head_of_the
     assert _next_taken(settings, worker.queue, batch=True) == ["b1", "b2"]  # nothing was leased on the way
 
 
-def _routed_here(settings, keys, worker: GpuWorker) -> str:
+def _routed_here(settings, keys, worker: GpuWorker, kind: str = "interactive") -> str:
     """A job prefix routing sent to ``worker``'s own queue (dispatched there, as an API whose view of the workers is
     up to ``routing.REFRESH_S`` old still sends it after the worker filled)."""
     from app.auth import authenticate
@@ -96,7 +96,8 @@ def _routed_here(settings, keys, worker: GpuWorker) -> str:
     from app.services.routing import worker_queue
 
     with session_scope(settings.sqlalchemy_url) as s:
-        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="r", max_tokens=4), settings,
+        body = {"kind": kind} | ({"deadline_window_s": 3600} if kind == "batch" else {})
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="r", max_tokens=4, **body), settings,
                             dispatch=False).job.id
         assert dispatch(s, settings.redis_url, job_id, settings.model_name, queue=worker_queue(worker.worker_id))
     return job_id
@@ -120,3 +121,17 @@ def test_a_job_routed_to_a_full_workers_own_queue_goes_to_the_shared_queue_at_it
     kept = _routed_here(settings, keys, worker)
     worker.heartbeat()
     assert _next_taken(settings, own, batch=False) == [kept]
+
+
+def test_a_batch_job_routed_to_a_worker_with_no_batch_room_goes_to_the_models_batch_list_at_its_next_beat(settings,
+                                                                                                          keys):
+    """The worker's batch room is full, its interactive reserve free: a batch job routed to it alone by a view from
+    before goes to the model's batch list at its heartbeat (it would wait here until a job of the worker's ended)."""
+    from app.services.routing import worker_queue
+
+    settings.routing = "prefix"
+    worker = _worker(settings, keys, max_inflight=2, in_line=1)  # batch room 1: full
+    routed = _routed_here(settings, keys, worker, kind="batch")
+    worker.heartbeat()
+    assert _next_taken(settings, worker_queue(worker.worker_id), batch=True) == []
+    assert _next_taken(settings, worker.queue, batch=True) == [routed]
