@@ -3,7 +3,6 @@ conversation's turns to one of them."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -12,9 +11,11 @@ from sqlalchemy import select, update
 
 from app.db.models import Job, WorkerState
 from app.db.session import session_scope
-from app.services.routing import REFRESH_S, WORKER_QUEUES, worker_queue
+from app.services import routing
+from app.services.routing import WORKER_QUEUES, worker_queue
 from app.services.transitions import utcnow
 from tests.conftest import Keys, wait_for
+from tests.integration.test_leases import _beat_ahead
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +62,7 @@ def _ran_on(settings, ids: list[str]) -> list[str]:
 
 
 def test_prefix_routing_keeps_a_conversation_on_its_worker_and_survives_a_dead_one(client, keys, settings,
-                                                                                   start_worker):
+                                                                                   start_worker, monkeypatch):
     # the worker whose prefix cache holds the conversation gets its next turn; conversations spread
     start_worker("wa")
     start_worker("wb")
@@ -88,13 +89,13 @@ def test_prefix_routing_keeps_a_conversation_on_its_worker_and_survives_a_dead_o
 
     # a worker that beat a moment ago and then died: what was routed to it runs on another once it is stale
     r = redis.Redis.from_url(settings.redis_url)
-    with session_scope(settings.sqlalchemy_url) as s:
-        s.add(WorkerState(id="wz", model="tiny", queue="coserve.tiny", device="cpu",
+    with session_scope(settings.sqlalchemy_url) as s:  # its beat a minute ahead: live however slow the box (lease 3 s)
+        s.add(WorkerState(id="wz", model="tiny", queue="coserve.tiny", device="cpu", heartbeat_at=_beat_ahead(),
                           state={"served": ["tiny"], "in_line": 0, "max_inflight": 1024}))
     # registered, then its queue named, as a worker starting does (the other way round, a sweep in between took the
     # queue for a dead worker's and dropped it, and the job routed there waited 30 s to be sent again as lost)
     r.sadd(WORKER_QUEUES, worker_queue("wz"))
-    time.sleep(REFRESH_S + 0.1)  # the API's view of the workers is at most this old
+    monkeypatch.setattr(routing, "REFRESH_S", 0.0)  # the API reads the workers afresh, wz among them
     [messages] = _opening(keys.tenant_id, "wz", ["wa", "wb"], 1)
     job_id = client.post("/v1/jobs", headers=Keys.header(keys.paid),
                          json={"messages": messages, "max_tokens": 4}).json()["id"]
