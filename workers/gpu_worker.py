@@ -301,6 +301,9 @@ class GpuWorker:
             if self.stopping.is_set() or self.shutting_down:
                 return None
             return "drain" if self.draining else "room"
+        if queue == worker_queue(self.worker_id) and (shared := self._served_elsewhere(job_id)) is not None:
+            self._hand_back(job_id, shared, priority)  # for a worker that serves its model, not failed here
+            return None
         with session_scope(self.url, immediate=True) as s:
             lease = leases.acquire(s, job_id, self.worker_id, self.settings.lease_seconds)
             if lease is None:
@@ -450,6 +453,17 @@ class GpuWorker:
                 raise
             log.warning("could not read the model of job %s; its message goes back to %s", job_id, self.queue)
         return self.queue
+
+    def _served_elsewhere(self, job_id: str) -> str | None:
+        """The shared queue of ``job_id``, which came on this worker's own queue, where this worker does not serve its
+        model (its predecessor under this id did: an API's view of the workers is up to ``routing.REFRESH_S`` old,
+        and a dead one's row looks live for a lease); None where it does (or the job is gone)."""
+        with session_scope(self.url) as s:
+            model = s.scalar(select(Job.model).where(Job.id == job_id))
+            if model is None or model in self.settings.served_models:
+                return None
+            shared = queue_name(lora_adapters.queue_models(s, {model})[model])  # a runtime adapter's: its model's
+        return None if shared in self.queues else shared
 
     def _has_room(self, priority: int) -> bool:
         """Whether the engine takes a job of message ``priority`` now: a batch job leaves the interactive reserve

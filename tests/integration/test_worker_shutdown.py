@@ -302,3 +302,23 @@ def test_a_job_routed_to_a_stopping_worker_goes_to_the_shared_queue_at_its_next_
     worker.heartbeat()
     assert _next_taken(settings, f"coserve.worker.{worker.worker_id}", batch=False) == []
     assert _next_taken(settings, "coserve.tiny", batch=False) == [routed]
+
+
+def test_a_job_routed_to_a_predecessor_that_served_its_adapter_goes_to_the_adapters_queue(settings, keys):
+    """An API routed a configured adapter's job to w1's own queue by a view of the w1 that served the adapter; w1 was
+    restarted under its id without it. The job goes to the adapter's queue for a worker that serves it, instead of
+    failing here as an adapter unloaded."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    settings.routing = "prefix"
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="a", max_tokens=4, model="sql-lora"),
+                            settings, dispatch=False).job.id
+        assert dispatch.dispatch(s, settings.redis_url, job_id, "sql-lora", queue="coserve.worker.w1")
+    redis.Redis.from_url(settings.redis_url).delete("coserve.worker.w1")  # its message taken by the consumer
+    worker = GpuWorker(settings.model_copy(update={"lora_modules": {}, "worker_id": "w1"}))  # restarted without it
+    worker.accept(job_id, queue="coserve.worker.w1")
+    assert _next_taken(settings, "coserve.sql-lora", batch=False) == [job_id]
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert (s.get(Job, job_id).status, s.get(Job, job_id).attempt) == ("dispatched", 0)  # never leased here
+    assert _next_taken(settings, "coserve.worker.w1", batch=False) == []
+    assert _next_taken(settings, "coserve.tiny", batch=False) == []  # not the model's: its workers lack the adapter
