@@ -97,6 +97,21 @@ def kv_pressure(draw) -> list:  # noqa: ANN001
     return evs
 
 
+@st.composite
+def lora_pressure(draw) -> list:  # noqa: ANN001
+    """Prompts of three adapters, most longer than a step, arriving while others run on an engine with one or two
+    LoRA slots: vLLM starts a prompt only while the running requests leave its adapter a slot, and a started prompt
+    the policy sets aside for a step still holds its slot (the adapter's _within_lora_slots, _without_lora_slot)."""
+    tiers = st.sampled_from([LAX, {**LAX, "tier": "paid"}, {**LAX, "ttft_ms": 500, "tbt_ms": 100},
+                             {"qos_class": "batch", "deadline_s": 600, "tier": "free"}])
+    evs = []
+    for job in draw(st.lists(st.builds(Job, st.integers(1, 200), st.integers(1, 40), tiers, st.just(0.0), st.just(0),
+                                       st.sampled_from([None, 1, 2, 3, 3]), seeds), min_size=2, max_size=6)):
+        evs.append(("add", job))
+        evs += [("step", 0.02)] * draw(st.integers(0, 2))
+    return evs
+
+
 @dataclass
 class Drive:
     """A ``CoserveScheduler`` driven by events, every step checked; ``trace`` is what each step scheduled."""
@@ -165,6 +180,10 @@ class Drive:
         before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens) for rid, r in s.requests.items()}
         self.plans.clear()
         relegated = {r.request_id for r in s.policy.relegated} if s.policy is not None else set()
+        # vLLM starts no prompt whose adapter finds no LoRA slot: the running requests hold max_loras others
+        slots = {r.lora_request.lora_int_id for r in s.running if r.lora_request} if s.lora_config else set()
+        no_slot = {r.request_id for r in s.waiting if r.lora_request and r.lora_request.lora_int_id not in slots
+                   and len(slots) >= s.lora_config.max_loras}
         for r in s.running:  # the drafter proposed drafts for each decode (an n-gram match, say): a request whose
             # last step sampled a token, not one recomputing its prompt and outputs after a preemption
             if r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1):
@@ -222,7 +241,7 @@ class Drive:
                 whole = before[rid][1] - before[rid][0] if s.whole_seeded and seeded else 0
                 assert sched.get(rid, 0) <= max(q.num_tokens, whole) + drafts.get(rid, 0), (
                     rid, q.num_tokens, sched, drafts)
-            self.check_order(plan, before, relegated)
+            self.check_order(plan, before, relegated, no_slot)
             # QoServe 3.2: every decode the policy runs gets its token (vLLM's KV preemption aside)
             for r in plan.decodes:
                 assert r.request_id in sched or r.request_id in out.preempted_req_ids, (r.request_id, sched)
@@ -251,14 +270,15 @@ class Drive:
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
         self.check_books()
 
-    def check_order(self, plan, before: dict, relegated: set) -> None:  # noqa: ANN001 - the policy's plan
+    def check_order(self, plan, before: dict, relegated: set, no_slot: set) -> None:  # noqa: ANN001 - a plan
         """Of two new prompts of free interactive jobs, waiting (not relegated), the one with the strictly earlier
         deadline, no more prompt left and no larger KV footprint goes first: it is never left waiting while the
         other starts. QoServe Alg. 1 lines 10-23 with eq. 4 (a >= 0: the earlier deadline and no more work has the
         lower priority value), Sarathi-EDF by deadline alone. The paths out of that order are outside the pair:
         selective preemption and the continuing of started prompts run started ones, the paid guard paid ones, and
-        eager relegation and overload yielding move a job to the relegated queue (excluded); and what fits the
-        policy's KV admission and slots for the larger fits them for the smaller."""
+        eager relegation and overload yielding move a job to the relegated queue (excluded), and a prompt whose LoRA
+        adapter finds no slot cannot start (``no_slot``: excluded); and what fits the policy's KV admission and slots for the
+        larger fits them for the smaller."""
         from gpu_runtime.qos import QoSClass, Tier
         from gpu_runtime.scheduler.base import footprint_blocks
         from gpu_runtime.scheduler.priority import first_deadline
@@ -275,7 +295,7 @@ class Drive:
 
         started = [q.request for q in plan.prefills if new(q.request) and q.request.request_id not in relegated]
         planned = {q.request.request_id for q in plan.prefills}
-        waiting = [m for m in p.waiting if new(m) and m.request_id not in planned]
+        waiting = [m for m in p.waiting if new(m) and m.request_id not in planned | no_slot]
         if started and waiting and currently_in_test_context():
             event("order compared")
         for b in started:
@@ -399,6 +419,17 @@ def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_sched
     note(f"{policy} {engine} {evs}")
     d = _drive(make_scheduler, policy, engine, evs)
     assert d.preempted <= d.finished
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@PROPS
+@given(engine=st.builds(Engine, st.sampled_from([24, 40]), st.sampled_from([32, 64]), st.integers(2, 8),
+                        st.just(False), st.sampled_from([0, 2]), st.sampled_from([1, 2])), evs=lora_pressure())
+def test_prompts_of_more_adapters_than_lora_slots_all_run_within_the_slots(make_scheduler, policy, engine, evs):
+    # vLLM's LoRA slots: the running requests never hold more adapters than max_loras, the policy's plan is what
+    # vLLM runs though a prompt of an adapter with no slot cannot start, and every job finishes
+    note(f"{policy} {engine} {evs}")
+    _drive(make_scheduler, policy, engine, evs)
 
 
 def test_kv_pressure_reaches_the_policys_and_vllms_preemption(make_scheduler):
@@ -562,3 +593,15 @@ def test_a_prompt_that_finds_its_prefix_cached_in_the_step_it_runs_is_padded_wit
            ('add', Job(1, 1, {'ttft_ms': 50, 'tbt_ms': 20, 'tier': 'free', 'tbt_anchor': 'arrival'}, 0.0, 32))]
     _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=128, max_seqs=2, prefix_caching=True,
                                                  spec_tokens=2), evs)
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_a_prompt_whose_adapter_finds_no_lora_slot_waits_while_a_later_one_without_an_adapter_starts(
+        make_scheduler, policy):
+    """Found once the search drew LoRA jobs: one slot, held by q0's adapter while it decodes; q1 (another adapter,
+    the earlier deadline) cannot start, so q2 (no adapter) starts beside q0 and q1 runs once q0 freed the slot.
+    vLLM would skip q1 whatever the policy planned; the order check leaves such a prompt out of its pairs."""
+    evs = [("add", Job(1, 2, LAX, 0.0, lora=2)), ("add", Job(1, 1, LAX, 0.0, lora=1)), ("step", 0.02),
+           ("add", Job(1, 1, LAX, 0.0))]
+    d = _drive(make_scheduler, policy, Engine(blocks=24, max_batched=32, max_seqs=2, max_loras=1), evs)
+    assert [step[1] for step in d.trace] == [(("q0", 1),), (("q0", 1), ("q2", 1)), (("q1", 1),)]
