@@ -277,8 +277,8 @@ class Drive:
         lower priority value), Sarathi-EDF by deadline alone. The paths out of that order are outside the pair:
         selective preemption and the continuing of started prompts run started ones, the paid guard paid ones, and
         eager relegation and overload yielding move a job to the relegated queue (excluded), and a prompt whose LoRA
-        adapter finds no slot cannot start (``no_slot``: excluded); and what fits the policy's KV admission and slots for the
-        larger fits them for the smaller."""
+        adapter finds no slot cannot start (``no_slot``: excluded); and what fits the policy's KV admission and slots
+        for the larger fits them for the smaller."""
         from gpu_runtime.qos import QoSClass, Tier
         from gpu_runtime.scheduler.base import footprint_blocks
         from gpu_runtime.scheduler.priority import first_deadline
