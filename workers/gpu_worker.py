@@ -99,7 +99,8 @@ class GpuWorker:
         self.stopping = threading.Event()
         self.draining = False
         self.consumer_name: str | None = None  # the Celery worker's node name, once it consumes (run_worker)
-        self.shutting_down = False  # Celery began a warm shutdown
+        self.shutting_down = False  # Celery began a warm shutdown, or the engine was given up on (``begin_shutdown``)
+        self.beat_now = threading.Event()  # wakes the heartbeat thread for a beat out of turn
         self.engine: Any = None
         self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
         self.outbox = Outbox(self.url, self.redis, self.active)
@@ -199,9 +200,17 @@ class GpuWorker:
         """The engine was given up on (by the engine thread, or ``give_up_engine``): Celery's warm shutdown stops the
         intake, ``stop`` gives back what came in meanwhile, and ``run_worker`` exits with status 1 (a supervisor
         starts a fresh process)."""
-        self.shutting_down = True
+        self.begin_shutdown()
         log.critical("worker %s stops: %s", self.worker_id, reason)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def begin_shutdown(self) -> None:
+        """Celery's warm shutdown began (SIGTERM), or the engine was given up on: the consumer takes no more messages,
+        and a heartbeat at once (not at the next period) says ``stopping`` in the worker's state, so the APIs leave
+        it out (prefix routing, readiness) through the grace, while it still beats until ``stop``. Short: Celery
+        calls it from its signal handler."""
+        self.shutting_down = True
+        self.beat_now.set()
 
     def stop(self, grace_s: float | None = None) -> None:
         """Lets running jobs finish for ``grace_s`` (None: ``COSERVE_STOP_GRACE_SECONDS``), then gives the rest back
@@ -212,6 +221,7 @@ class GpuWorker:
         while len(self.active) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.stopping.set()
+        self.beat_now.set()  # the heartbeat thread ends now, not at its next period
         self.inbox.wake()
         for t in self.threads:
             if t.name == "coserve-engine":
@@ -580,7 +590,9 @@ class GpuWorker:
                                  "in_line": self.active.in_line, "max_inflight": self.settings.max_inflight,
                                  "batch_room": batch_room(self.settings.max_inflight,
                                                           self.settings.kept_for_interactive),
-                                 "outbox_pending": self.outbox.pending}
+                                 "outbox_pending": self.outbox.pending,
+                                 # a warm shutdown's grace: it takes no job, though it beats until it stops
+                                 "stopping": self.shutting_down}
         if self.settings.routing == "prefix":  # jobs prefix routing sent this worker alone, not taken yet
             try:
                 state["routed_waiting"] = sum(self.redis.llen(key) for key in queue_lists(worker_queue(self.worker_id)))
@@ -664,7 +676,11 @@ class GpuWorker:
                 self.inbox.put(Abort(job_id))
 
     def _heartbeat_loop(self) -> None:
-        while not self.stopping.wait(self.settings.heartbeat_seconds):
+        while True:
+            self.beat_now.wait(self.settings.heartbeat_seconds)  # a period, or less where something woke it
+            self.beat_now.clear()
+            if self.stopping.is_set():
+                return
             try:
                 self.heartbeat()
             except Exception:
@@ -747,7 +763,7 @@ def run_worker(settings: Settings) -> None:
 
     @worker_shutting_down.connect(weak=False)
     def _on_shutdown(**_kw):
-        runtime.shutting_down = True  # short: a task waiting for engine room gives its job back
+        runtime.begin_shutdown()  # a task waiting for engine room gives its job back; the APIs route here no more
     # host_format: %h is the machine's name, as `celery worker -n` expands it (Celery's Worker does not)
     runtime.consumer_name = host_format(f"{runtime.worker_id}@%h")
     worker = app.Worker(pool="solo", concurrency=1, queues=runtime.queues, hostname=runtime.consumer_name,

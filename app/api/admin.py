@@ -34,7 +34,7 @@ from app.db.session import write_after_read
 from app.observability.slo_chart import SLO_BUCKET_S, SLO_CHART
 from app.schemas import JobPublic
 from app.services import jobs as job_service
-from app.services import lora_adapters
+from app.services import lora_adapters, routing
 from app.services.cancel import cancel as cancel_job
 from app.services.notify import redis_client
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
@@ -224,6 +224,7 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
     alive_since = heartbeat_cutoff(settings, now)
     loaded = lora_adapters.loaded(settings)  # a worker that loads adapters at runtime serves its model's
     workers = [{"id": w.id, "model": w.model, "device": w.device, "draining": w.draining,
+                "stopping": routing.stopping(w.state),  # a warm shutdown's grace: it takes no job
                 "served": [*w.served, *(name for name, a in loaded.items() if a.model == w.model and
                                         (w.state or {}).get("runtime_lora"))],
                 "heartbeat_age_s": round((now - as_utc(w.heartbeat_at)).total_seconds(), 2), "state": w.state or {},

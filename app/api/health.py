@@ -65,9 +65,11 @@ def _readiness(session: Session, settings: Settings) -> tuple[bool, dict[str, st
 def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
     """A live worker serves the API's model, and one serves each of its adapters; a job for a model no worker
     consumes would wait in its queue for good."""
-    live = live_workers(session, settings)
+    live = live_workers(session, settings)  # a draining or stopping one takes no job: not ready on it alone
     if not live:
-        return {"workers": "error: no live worker"}
+        leaving = len(live_workers(session, settings, leaving=True))
+        return {"workers": "error: no live worker" + (f" taking jobs ({leaving} draining or stopping)" if leaving
+                                                      else "")}
     served = {m for w in live for m in w.served}
     if settings.model_name not in served:
         return {"workers": f"error: {len(live)} live, none serving {settings.model_name!r} "

@@ -10,10 +10,11 @@ own keys. That worker gets the job on its own queue unless it holds more than ``
 worker, which then gets it. A job without a key, or with no live worker in sight, goes on the model's shared queue,
 as every job did before.
 
-A process reads the live workers (heartbeat, jobs held) from SQL at most once per ``REFRESH_S`` and adds the jobs it
-sent each worker since that worker's heartbeat. The sweeper gives a queue whose worker died back to the model's
-queue (``workers.sweeper``); a send to a worker's queue names it to the sweepers again (``app.services.dispatch``), so
-a job routed by a view older than the sweeper's is not left on a queue no one looks after.
+A process reads the live workers that take jobs (heartbeat, jobs held; neither draining nor stopping) from SQL at
+most once per ``REFRESH_S`` and adds the jobs it sent each worker since that worker's heartbeat. The sweeper gives a
+queue whose worker died back to the model's queue (``workers.sweeper``); a send to a worker's queue names it to the
+sweepers again (``app.services.dispatch``), so a job routed by a view older than the sweeper's is not left on a
+queue no one looks after.
 """
 
 from __future__ import annotations
@@ -150,11 +151,22 @@ class Router:
             with session_scope(self.url) as s:
                 rows = s.execute(select(WorkerState).where(WorkerState.heartbeat_at >= since,
                                                            WorkerState.draining.is_(False))).scalars().all()
-                self._workers = [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at),
-                                         advertised_context(r.state)) for r in rows]
+                self._workers = routable(rows)
             for gone in set(self._sent) - {w.id for w in self._workers}:
                 del self._sent[gone]
         return self._workers
+
+
+def stopping(state: dict[str, Any] | None) -> bool:
+    """Whether a worker's heartbeat state says it stops (a warm shutdown's grace, an engine given up on): its consumer
+    takes nothing more, though it beats, and looks live, until its running jobs end."""
+    return bool((state or {}).get("stopping"))
+
+
+def routable(rows: list[WorkerState]) -> list[_Worker]:
+    """The workers among ``rows`` (live, not draining) a job may be routed to: those not stopping."""
+    return [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at), advertised_context(r.state))
+            for r in rows if not stopping(r.state)]
 
 
 def _load(state: dict[str, Any]) -> tuple[int, int, int]:

@@ -33,12 +33,14 @@ def heartbeat_cutoff(settings: Settings, now: datetime | None = None) -> datetim
     return (now or utcnow()) - timedelta(seconds=LIVE_HEARTBEATS * settings.heartbeat_seconds + 1)
 
 
-def live_workers(session: Session, settings: Settings, *, draining: bool = False) -> list[WorkerState]:
-    """Workers whose heartbeat came within three periods (those draining too, where ``draining``)."""
+def live_workers(session: Session, settings: Settings, *, leaving: bool = False) -> list[WorkerState]:
+    """Workers whose heartbeat came within three periods that take jobs; those draining or stopping (a warm
+    shutdown's grace: ``routing.stopping``) too, where ``leaving``."""
     query = select(WorkerState).where(WorkerState.heartbeat_at >= heartbeat_cutoff(settings))
-    if not draining:
-        query = query.where(WorkerState.draining.is_(False))
-    return list(session.scalars(query.order_by(WorkerState.id)))
+    if leaving:
+        return list(session.scalars(query.order_by(WorkerState.id)))
+    query = query.where(WorkerState.draining.is_(False))
+    return [w for w in session.scalars(query.order_by(WorkerState.id)) if not routing.stopping(w.state)]
 
 
 def served_context(session: Session, settings: Settings) -> int | None:
@@ -65,10 +67,11 @@ def held_context_length(settings: Settings) -> int:
 
 def reset_prefix_caches(session: Session, settings: Settings, *, reset_running_requests: bool = False,
                         timeout_s: float = RESET_TIMEOUT_S) -> dict[str, dict[str, Any]]:
-    """Asks every live worker of the model (draining ones too: their caches serve their last jobs) to forget its
-    cached prefix blocks, as vLLM's ``POST /reset_prefix_cache``; each worker's answer, by worker id (``reset``
-    false with no ``error``: running requests held blocks; a worker that did not answer in ``timeout_s`` says so)."""
-    workers = [w.id for w in live_workers(session, settings, draining=True) if settings.model_name in w.served]
+    """Asks every live worker of the model (draining or stopping ones too: their caches serve their last jobs) to
+    forget its cached prefix blocks, as vLLM's ``POST /reset_prefix_cache``; each worker's answer, by worker id
+    (``reset`` false with no ``error``: running requests held blocks; a worker that did not answer in ``timeout_s``
+    says so)."""
+    workers = [w.id for w in live_workers(session, settings, leaving=True) if settings.model_name in w.served]
     client = redis_client(settings.redis_url)
     reply_to = f"coserve:control:reply:{uuid.uuid4().hex}"
     message = json.dumps({"action": "reset_prefix_cache", "reply_to": reply_to,

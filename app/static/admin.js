@@ -203,7 +203,9 @@ function renderWorkers(workers) {
     if (s.speculation) lines(spec, keyValues(s.speculation));
     cell(row, s.draft_on_device == null ? "-" : (s.draft_on_device ? "on" : "off"));
     // a worker that stopped without a word keeps its row: its heartbeat says it is gone
-    cell(row, !w.alive ? "lost (no heartbeat)" : w.draining ? "draining" : "serving", w.alive ? "" : "lost");
+    // a stopping one (a warm shutdown's grace) runs its last jobs and takes no new one, as a draining one
+    const status = w.stopping ? "stopping" : w.draining ? "draining" : "serving";
+    cell(row, !w.alive ? "lost (no heartbeat)" : status, w.alive ? "" : "lost");
     const td = row.insertCell();
     button(td, w.draining ? "Undrain" : "Drain", () => api(`/admin/api/workers/${encodeURIComponent(w.id)}/drain`,
       { method: "POST", body: JSON.stringify({ drain: !w.draining }) }), { id: w.id });

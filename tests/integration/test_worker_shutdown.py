@@ -12,7 +12,7 @@ from celery.worker import state as celery_state
 from sqlalchemy import select
 
 from app.auth import authenticate
-from app.db.models import Job, JobEvent, JobStatus
+from app.db.models import Job, JobEvent, JobStatus, WorkerState
 from app.db.session import session_scope
 from app.schemas import JobCreate
 from app.services import dispatch
@@ -271,7 +271,6 @@ def test_a_heartbeat_that_ran_into_the_stop_does_not_bring_the_stopped_workers_r
     """The heartbeat thread looks at the worker's jobs; before it writes its beat, the worker stops and deletes its
     row. The beat does not write the row again (the stopped worker looked live, and was routed to, until it went
     stale)."""
-    from app.db.models import WorkerState
 
     worker = GpuWorker(settings)
     worker.heartbeat()  # registered, as a running worker is
@@ -322,3 +321,41 @@ def test_a_job_routed_to_a_predecessor_that_served_its_adapter_goes_to_the_adapt
         assert (s.get(Job, job_id).status, s.get(Job, job_id).attempt) == ("dispatched", 0)  # never leased here
     assert _next_taken(settings, "coserve.worker.w1", batch=False) == []
     assert _next_taken(settings, "coserve.tiny", batch=False) == []  # not the model's: its workers lack the adapter
+
+
+
+def test_a_stopping_worker_says_so_at_once_and_the_api_routes_to_it_no_more(settings, keys, client):
+    """A warm shutdown began (Celery's signal handler calls ``begin_shutdown``, as an engine given up on does): the
+    worker beats at once, not at its next period, with ``stopping`` in its state, so a fresh view of the workers
+    routes its key to the model's queue, /readyz says no worker takes jobs, and the dashboard shows it stopping,
+    though it is live (it beats until its grace ends)."""
+    from app.services.routing import Router, route_key, worker_queue
+
+    settings.routing = "prefix"
+    settings.heartbeat_seconds = 30.0  # the worker beats only when woken; the API counts it live for 91 s
+    worker = GpuWorker(settings)
+    worker.heartbeat()  # registered, as a running worker is
+    key = route_key(keys.tenant_id, settings.model_name, prompt="hello")
+
+    def routed_to() -> str:  # a view of the workers read now (a process's router trusts one for a second)
+        return Router(settings.sqlalchemy_url, 60.0, settings.routing_slack).queue(settings.model_name, key)
+
+    def says_stopping() -> bool:
+        with session_scope(settings.sqlalchemy_url) as s:
+            return bool(s.get(WorkerState, worker.worker_id).state.get("stopping"))
+
+    assert routed_to() == worker_queue(worker.worker_id) and not says_stopping()
+    assert client.get("/readyz").status_code == 200
+    beats = threading.Thread(target=worker._heartbeat_loop, daemon=True)
+    beats.start()
+    worker.begin_shutdown()
+    wait_for(says_stopping, 10, "the beat the shutdown woke")
+    assert routed_to() == f"coserve.{settings.model_name}"
+    ready = client.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["checks"]["workers"] == "error: no live worker taking jobs (1 draining or stopping)"
+    shown = client.get("/admin/api/overview", headers=keys.header(keys.admin)).json()["workers"]
+    assert [(w["id"], w["alive"], w["stopping"]) for w in shown] == [(worker.worker_id, True, True)]
+    worker.stop(grace_s=0)
+    beats.join(10)
+    assert not beats.is_alive()  # the stop woke it to end

@@ -4,8 +4,10 @@ to."""
 from __future__ import annotations
 
 from collections import Counter
+from datetime import UTC, datetime
 
-from app.services.routing import Candidate, _load, choose, route_key
+from app.db.models import WorkerState
+from app.services.routing import Candidate, _load, choose, routable, route_key
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
@@ -77,3 +79,13 @@ def test_jobs_routed_to_a_worker_and_not_taken_yet_count_as_in_line():
     held, capacity, _ = _load({"in_line": 2, "routed_waiting": 2, "max_inflight": 4})
     assert (held, capacity) == (4, 4)
     assert choose("00", [Candidate("wa", held, capacity)], slack=16) is None
+
+
+def test_a_stopping_worker_is_routed_nothing_though_it_still_beats():
+    """A worker in its warm shutdown's grace beats, and looks live, until its last jobs end: its state says it stops,
+    and the router leaves it out, as it does a draining one."""
+    now = datetime.now(UTC)
+    rows = [WorkerState(id=w, model="m", queue="q", device="cpu", draining=False, heartbeat_at=now,
+                        state={"served": ["m"], "in_line": 0, "max_inflight": 4, **state})
+            for w, state in (("wa", {}), ("wb", {"stopping": True}), ("wc", {"stopping": False}))]
+    assert [w.id for w in routable(rows)] == ["wa", "wc"]
