@@ -878,3 +878,30 @@ def test_a_recompute_is_planned_for_what_vllm_computes(make_scheduler):
     planned = {p.request.request_id: p.num_tokens for p in plans[-1].prefills}
     assert planned[victim.request_id] == 19 and planned == out.num_scheduled_tokens, (planned, out.num_scheduled_tokens)
     assert mirror.num_output_tokens == 4  # the recompute's last token sampled the next
+
+
+def test_new_prompts_of_two_adapters_take_no_more_lora_slots_than_a_set_aside_prompt_leaves(make_scheduler):
+    """A started prompt of one adapter holds a LoRA slot of two; the policy puts two urgent prompts of two other
+    adapters ahead of it, and it sits the step out, hidden from vLLM, which sees no slot taken and would start both
+    (three adapters running: vLLM's assertion on the LoRAs of the running requests it schedules fails on the next
+    step). Only one of them starts beside the set-aside prompt; the other waits, and every step's running requests
+    hold at most two adapters. ``_without_lora_slot`` does not cover it: a slot was free when the step was planned."""
+    s = make_scheduler("qoserve", max_batched=32, max_loras=2)
+    now = time.time()
+    started = vllm_request(256, BATCH_FAR, arrival=now - 1, lora=1)
+    s.add_request(started)
+    out, _ = run_step(s)
+    assert 0 < out.num_scheduled_tokens[started.request_id] < 256  # a first chunk: running, prompt unfinished
+    urgent = [vllm_request(16, {"ttft_ms": 200, "tbt_ms": 50}, arrival=now, lora=lora, max_tokens=2)
+              for lora in (2, 3)]
+    for r in urgent:
+        s.add_request(r)
+    steps = []
+    for _ in range(40):
+        out, _ = run_step(s)
+        running = {r.lora_request.lora_int_id for r in s.running if r.lora_request}
+        steps.append(dict(out.num_scheduled_tokens))
+        assert len(running) <= 2, [sorted(st.items()) for st in steps]
+        if started.is_finished() and all(r.is_finished() for r in urgent):
+            break
+    assert started.is_finished() and all(r.is_finished() for r in urgent), steps
