@@ -75,6 +75,16 @@ class DraftEntry:
     width: int  # beam width w (top-w children kept per step)
 
 
+def tree_depth_limit(context: int, outputs: int, max_tokens: int, max_model_len: int) -> int:
+    """Deepest token tree worth verifying for a request whose ``context`` tokens (prompt and outputs, the pending
+    one included, at position ``context - 1``) hold ``outputs`` output tokens. A depth-d tree yields at most d + 1
+    tokens (accepted path + bonus), so deeper than the remaining max_tokens - 1 only burns compute on tokens that are
+    cut; and its nodes sit at positions up to the pending one's + d, which must stay inside the model's context with
+    room for the bonus token. It bounds a decode's KV too: a chain of drafts never takes a slot past prompt +
+    max_tokens - 1, which the KV footprint of admission holds (``footprint_blocks``)."""
+    return max(0, min(max_tokens - outputs - 1, max_model_len - context - 1))
+
+
 # Asked by a drafter after each drafted depth d with every request's best path probability so far:
 # whether to draft depth d + 1 (AdaSpec Alg. 1 on the real confidences); None: draft to each entry's depth.
 KeepDrafting = Callable[[int, dict[str, float]], bool]

@@ -32,6 +32,7 @@ from gpu_runtime.executor.base import (
     KVCapacity,
     PrefillChunk,
     StepResult,
+    tree_depth_limit,
 )
 from gpu_runtime.executor.kv_blocks import BlockManager, context_that_fits
 from gpu_runtime.executor.prefix_cache import PrefixCache, block_hashes, salt_root
@@ -79,6 +80,8 @@ class SimExecutor:
         self._held: dict[str, list[int]] = {}  # request -> names of the full blocks its KV has, in order
         self._tail: dict[str, list[int]] = {}  # request -> tokens of its KV after its last full block
         self._roots: dict[str, int] = {}  # request -> what its first block's name is chained to (its cache salt)
+        self._max_tokens: dict[str, int] = {}  # request -> its max_tokens (``add_request``)
+        self._prompt_lens: dict[str, int] = {}  # request -> its prompt's length, once its last chunk ran
 
     # ---- clock ----
     def now(self) -> float:
@@ -97,6 +100,7 @@ class SimExecutor:
     def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None,
                     cache_salt: str | None = None) -> None:
         self.categories[request_id] = category
+        self._max_tokens[request_id] = sampling.max_tokens
         if cache_salt is not None:  # vLLM's cache_salt: only prompts with the same salt share blocks
             self._roots[request_id] = salt_root(cache_salt)
 
@@ -107,6 +111,8 @@ class SimExecutor:
         self._roots.pop(request_id, None)
         self.categories.pop(request_id, None)
         self._draft_synced.pop(request_id, None)
+        self._max_tokens.pop(request_id, None)
+        self._prompt_lens.pop(request_id, None)
 
     def release_kv(self, request_id: str) -> None:
         self.blocks.free(request_id)
@@ -207,6 +213,7 @@ class SimExecutor:
                 self._cache_tokens(c.request_id, c.token_ids)
             if c.sample:
                 result.tokens[c.request_id] = [SIM_TOKEN]
+                self._prompt_lens.setdefault(c.request_id, c.start + len(c.token_ids))  # a recompute samples none
         tables, bs = self.blocks.tables, self.blocks.block_size
         for d in plan.decodes:
             tree = d.tree
@@ -246,6 +253,7 @@ class SimExecutor:
         depth = lag_max = lagging = 0
         cpu_s = 0.0
         tables = self.blocks.tables
+        entries = [e for e in map(self._within_depth_limit, entries) if e.depth > 0]
         for e in entries:
             out.trees[e.request_id] = self.acceptance.draft_tree(self.categories.get(e.request_id), e.depth, e.width,
                                                                  self.rng)
@@ -264,6 +272,17 @@ class SimExecutor:
                          + (self.draft_switch_cost(lag_max, lagging) if lagging else 0.0))
         self.clock += out.latency_s
         return out
+
+    def _within_depth_limit(self, entry: DraftEntry) -> DraftEntry:
+        """The entry no deeper than the request's tree may be (``tree_depth_limit``, as the own engine's executor
+        cuts it): a decode near its max_tokens verifies a shorter tree, and its drafts' KV stays inside the
+        prompt + max_tokens admission reserves. A request the engine did not add (no max_tokens) is not cut."""
+        max_tokens, prompt_len = self._max_tokens.get(entry.request_id), self._prompt_lens.get(entry.request_id)
+        if max_tokens is None or prompt_len is None:
+            return entry
+        context = self.blocks.num_tokens(entry.request_id) + 1  # its KV, and the pending token
+        limit = tree_depth_limit(context, context - prompt_len, max_tokens, self.max_model_len)
+        return DraftEntry(entry.request_id, min(entry.depth, limit), entry.width) if entry.depth > limit else entry
 
     def draft_switch_cost(self, l_max: int, batch: int) -> float:
         """c_prefill(L_max, B): a draft prefill of ``l_max`` tokens for ``batch`` requests, the

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu_runtime.executor.base import (
-    BatchPlan, DraftEntry, DraftResult, KeepDrafting, KVCapacity, StepResult,
+    BatchPlan, DraftEntry, DraftResult, KeepDrafting, KVCapacity, StepResult, tree_depth_limit,
 )
 from gpu_runtime.executor.kv_blocks import BlockManager, capped_context_note, context_that_fits
 from gpu_runtime.executor.torch.batch import Segment, build_forward_batch, request_slots, tree_mask
@@ -345,19 +345,12 @@ class TorchExecutor:
         return DraftResult(trees=trees, latency_s=time.perf_counter() - start)
 
     def max_tree_depth(self, request_id: str) -> int:
-        """Deepest tree worth verifying for a request now.
-
-        A depth-d tree yields at most d + 1 tokens (accepted path + bonus), so deeper than the
-        remaining max_tokens - 1 only burns compute on tokens that are cut; and its nodes sit
-        at positions up to pending + d, which must stay inside the model's context (RoPE
-        tables, max_position_embeddings) with room for the bonus token."""
+        """Deepest tree worth verifying for a request now (``tree_depth_limit``); 0 before its prompt ran."""
         state = self._requests.get(request_id)
         if state is None or state.prompt_len is None:
             return 0
         n = len(state.token_ids)  # the pending token sits at position n - 1
-        by_tokens = state.sampling.max_tokens - (n - state.prompt_len) - 1
-        by_context = self.max_model_len - n - 1
-        return max(0, min(by_tokens, by_context))
+        return tree_depth_limit(n, n - state.prompt_len, state.sampling.max_tokens, self.max_model_len)
 
     @property
     def has_draft(self) -> bool:
