@@ -20,6 +20,7 @@ from gpu_runtime.metrics import RequestMetrics, request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
+from gpu_runtime.speculation.selection import SelectionInput, select_trees
 
 if TYPE_CHECKING:
     from gpu_runtime.detokenizer import Detokenizer
@@ -141,7 +142,9 @@ class Engine:
         now = self.executor.now()
         if hasattr(self.scheduler, "decode_drafts"):
             running = self.scheduler.running  # type: ignore[attr-defined]
-            self.scheduler.decode_drafts = {rid: k for rid, k in self._verified.items() if rid in running}
+            # no more than the tree the next pass may verify (``_tree_room``)
+            self.scheduler.decode_drafts = {rid: min(k, self._tree_room(running[rid])) for rid, k in
+                                            self._verified.items() if rid in running}
         sched = self.scheduler.schedule(now)
         outputs += self._events(sched)
         if self._prefix_caching:
@@ -264,18 +267,45 @@ class Engine:
                 drafted = self.executor.draft(entries, self.speculation.keep_drafting)
                 draft_latency = drafted.latency_s
                 selected = self.speculation.select(sched.decodes, drafted.trees, self.executor.now())
-                selected = self._fit_trees_to_kv(selected, prefills, len(decodes))
+                selected = self._fit_trees_to_kv(self._trees_in_footprints(selected, sched.decodes), prefills,
+                                                 len(decodes))
                 for d in decodes:
                     tree = selected.get(d.request_id)
                     d.tree = tree if tree is not None and len(tree) else None
         return BatchPlan(prefills, decodes), selected, draft_latency
 
+    def _tree_room(self, req: Request) -> int:
+        """Nodes a decode of ``req`` may verify in its next pass: the slots past its pending token up to the most
+        the executor gives it over its life (``footprint_slots`` of prompt + max_tokens), which KV admission
+        reserves. A tree past them would take KV that no footprint holds, and the scheduler would release (and
+        recompute) a job to make room for it even where admission reserved max_tokens."""
+        slots = getattr(self.executor, "footprint_slots", None)
+        if slots is None:
+            return 1 << 30
+        return max(0, slots(req.prompt_len + req.sampling.max_tokens) - req.num_computed_tokens - 1)
+
+    def _trees_in_footprints(self, selected: dict, decodes: list[Request]) -> dict:
+        """Each decode's tree cut to its ``_tree_room``: its most probable nodes that fit (AdaServe's throughput
+        selection on that tree alone), none where no slot is left."""
+        kept = dict(selected)
+        for req in decodes:
+            tree, room = kept.get(req.request_id), self._tree_room(req)
+            if tree is None or len(tree) <= room:
+                continue
+            cut = select_trees([SelectionInput(req.request_id, 0.0, max(tree.depths()))], {req.request_id: tree},
+                               room + 1).trees  # the budget counts the root (the pending token) too
+            if req.request_id in cut:
+                kept[req.request_id] = cut[req.request_id]
+            else:
+                del kept[req.request_id]
+        return kept
+
     def _fit_trees_to_kv(self, selected: dict, prefills: list[PrefillChunk], num_decodes: int) -> dict:
         """Drops the largest token trees until their slots fit the free KV blocks.
 
-        Admission reserves a request's prompt and output, not the transient slots of its
-        tree, so under memory pressure a selected tree may not fit: it is decoded without
-        speculation this step rather than failing the batch."""
+        Admission reserves a request's trees only up to its footprint (``_tree_room``), and a predicted
+        reserve less than max_tokens, so under memory pressure a selected tree may not fit: it is decoded
+        without speculation this step rather than failing the batch."""
         cap = self.executor.capacity()
         bs = cap.block_size
         spare = cap.free_blocks - num_decodes - sum(-(-len(p.token_ids) // bs) + 1 for p in prefills)

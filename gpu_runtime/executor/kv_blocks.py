@@ -28,6 +28,14 @@ def capped_context_note(wanted: int, num_blocks: int, block_size: int) -> str:
             "on a GPU) to serve longer ones")
 
 
+def lifetime_slots(tokens: int, block_size: int) -> int:
+    """The most KV slots the own engine's executors (torch and simulated) give a request of ``tokens`` (prompt +
+    max_tokens) at once over its life: its tokens in whole blocks, and one block more for the draft tree a decode
+    verifies (its nodes' slots are taken for the pass; the engine cuts a tree that would pass the block,
+    ``Engine._trees_in_footprints``). KV admission reserves it (the executors' ``footprint_slots``)."""
+    return (-(-tokens // block_size) + 1) * block_size
+
+
 @dataclass(frozen=True)
 class Allocation:
     """What one ``allocate`` call handed out."""

@@ -34,7 +34,7 @@ from gpu_runtime.executor.base import (
     StepResult,
     tree_depth_limit,
 )
-from gpu_runtime.executor.kv_blocks import BlockManager, context_that_fits
+from gpu_runtime.executor.kv_blocks import BlockManager, context_that_fits, lifetime_slots
 from gpu_runtime.executor.prefix_cache import PrefixCache, block_hashes, salt_root
 from gpu_runtime.sampling import SamplingParams
 
@@ -96,6 +96,11 @@ class SimExecutor:
 
     def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
         return self.blocks.blocks_needed(request_id, num_new_tokens)
+
+    def footprint_slots(self, tokens: int) -> int:
+        """The most KV slots a request of ``tokens`` holds over its life (``lifetime_slots``): admission reserves
+        them."""
+        return lifetime_slots(tokens, self.blocks.block_size)
 
     def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None,
                     cache_salt: str | None = None) -> None:

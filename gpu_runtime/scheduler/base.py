@@ -93,7 +93,8 @@ def footprint_blocks(req: Request, reserved_output: int, block_size: int,
     """Blocks for the prompt + the reserved output, at least what it holds (+1 block of slack for a partial
     first block). ``slots``: the most KV slots the executor allocates over the life of a request of that many
     tokens, where it knows them exactly (vLLM: a draft step and the drafter's lookahead past the last decode's
-    token, capped at the context, ``VLLMKVView.footprint_slots``): its blocks, no slack."""
+    token, capped at the context, ``VLLMKVView.footprint_slots``; the own engine and the simulator: its tokens and a
+    block for a draft tree, ``lifetime_slots``): its blocks, no slack."""
     tokens = req.prompt_len + max(reserved_output, req.num_output_tokens + 1)
     if slots is None:
         return -(-tokens // block_size) + 1
