@@ -118,6 +118,32 @@ class VLLMKVView:
             return before
         return self.cached_prefix(request)
 
+    def keep_hits(self, prompts: list[VLLMRequest]) -> None:
+        """The prefix-cache hits of the new prompts the step starts leave the free queue's evicting end for the step.
+
+        vLLM allocates for the running requests and for earlier prompts before it looks a later prompt's hit up,
+        taking blocks from the free queue's least recently used end and evicting the prefixes they cached: a hit
+        planned whole could be found shorter at its prompt's turn, and the prompt ran more than its chunk (taking the
+        tokens of a chunk after it). Each prompt takes its hit's blocks out of the queue at its turn anyway, so they
+        go to the most recently used end now (its last block nearest the evicting end, as vLLM frees a request's
+        blocks), first prompt's furthest: the policy counted them among the blocks the step takes, so the step's
+        allocations evict other free blocks first. One lookup per prompt started (what vLLM's own lookup costs)."""
+        manager = self.scheduler.kv_cache_manager
+        if not manager.enable_caching:
+            return
+        queue = manager.block_pool.free_block_queue
+        for request in reversed(prompts):
+            if request.num_computed_tokens or not request.block_hashes:
+                continue
+            if not manager.prefix_cache_lookup_enabled(request):
+                continue
+            groups, _, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+            for blocks in groups:
+                for block in reversed(blocks):
+                    if block.ref_cnt == 0 and not block.is_null:  # free (in the queue), not held by a request
+                        queue.remove(block)
+                        queue.append(block)
+
     def release_kv(self, request_id: str) -> None:
         """vLLM recompute preemption of a running request, chosen by the policy (least urgent first)."""
         req = self.scheduler.requests.get(request_id)

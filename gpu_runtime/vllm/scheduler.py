@@ -322,6 +322,7 @@ class CoserveScheduler(AsyncScheduler):
             self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
                              plan, now)
         held, stashed = self._arrange(plan, slots)
+        self.kv.keep_hits(list(self.waiting))  # the new prompts, in the policy's order
         t_vllm = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)

@@ -672,6 +672,43 @@ def test_a_prompt_whose_cached_prefix_was_evicted_is_planned_for_what_vllm_finds
     assert out.num_scheduled_tokens == {again.request_id: 17, other.request_id: 20}, out.num_scheduled_tokens
 
 
+def test_a_prompts_cached_prefix_outlives_the_allocations_vllm_makes_before_it_in_the_step(make_scheduler):
+    """The policy counted 32 of a 33-token prompt cached (an earlier request's blocks, the oldest free ones: a job
+    ran and freed its blocks since). In the step, vLLM allocates for the prompt planned before it first (FCFS), and
+    took the three blocks at the free queue's head, evicting the hit's second block: vLLM found 16 cached, computed 17
+    where the policy planned 1, and took them from the prompt planned after it. The hit's blocks now leave the
+    free queue's head for the step (the prompt takes them at its turn anyway), and every chunk runs as planned."""
+    s = make_scheduler("sarathi-fcfs", max_batched=256, blocks=16, prefix_caching=True)
+    lax = {"ttft_ms": 30_000, "tbt_ms": 1000}
+    earlier = vllm_request(48, lax, max_tokens=1, hashed=True)
+    s.add_request(earlier)
+    run_step(s)  # its 3 blocks are cached; freed last first, its third block is evicted first
+    job = vllm_request(190, lax, max_tokens=1, first_token=1000, hashed=True)
+    s.add_request(job)
+    run_step(s)  # the 12 other blocks: freed after the earlier request's, they are newer in vLLM's LRU order
+    assert earlier.request_id not in s.requests and job.request_id not in s.requests
+    # the free queue's head: the job's last block (part full, cached by no one), then the earlier request's blocks
+    pool = s.kv_cache_manager.block_pool
+    head = pool.free_block_queue.get_all_free_blocks()[:4]
+    assert head[0].block_hash is None and head[1:] == [pool.get_cached_block(h, [0])[0]
+                                                       for h in reversed(earlier.block_hashes)]
+    now = time.time()  # in order of arrival: the first prompt's three blocks are allocated before the hit's turn
+    first = vllm_request(40, lax, now - 2, max_tokens=1, first_token=3000, hashed=True)
+    again = vllm_request(33, lax, now - 1, max_tokens=1, hashed=True)  # the earlier prompt's first 33 tokens
+    after = vllm_request(40, lax, now, max_tokens=1, first_token=5000, hashed=True)
+    for r in (first, again, after):
+        s.add_request(r)
+    assert s.mirrors[again.request_id].num_computed_tokens == 32
+    plans = []
+    plan_step = s.policy.schedule
+    s.policy.schedule = lambda now: plans.append(plan_step(now)) or plans[-1]
+    out, _ = run_step(s)
+    planned = {p.request.request_id: p.num_tokens for p in plans[0].prefills}
+    assert list(planned) == [first.request_id, again.request_id, after.request_id]
+    assert out.num_scheduled_tokens == planned == {first.request_id: 40, again.request_id: 1, after.request_id: 40}
+    assert all(pool.get_cached_block(h, [0]) is not None for h in again.block_hashes)  # the hit outlived the step
+
+
 def test_a_prompt_left_with_one_token_by_the_cache_runs_while_speculating(make_scheduler):
     """With speculation vLLM pads a new prompt whose cache hit leaves it one token to a whole draft step, and
     waits rather than run it unpadded; the step's budget has room for that (it had none: the prompt never ran)."""
