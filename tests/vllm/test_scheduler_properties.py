@@ -234,7 +234,8 @@ class Drive:
             # a chunk vLLM runs is at most the policy's (a recompute's too: the prompt and every output), else vLLM
             # took the tokens from a chunk planned after it; the draft slots vLLM pads a prompt's last token with
             # aside, and a seeded prompt on the CPU, which runs its whole rest or waits (checked above); with the
-            # prefix cache too, where the policy plans a new prompt with the hit vLLM finds (eviction shrinks one)
+            # prefix cache too, where the policy plans a new prompt with the hit vLLM finds (eviction shrinks one), and
+            # the allocations vLLM makes before its turn in the step leave that hit cached (``keep_hits``)
             for q in plan.prefills:
                 rid = q.request.request_id
                 seeded = s.requests[rid].sampling_params.sampling_type is SamplingType.RANDOM_SEED
@@ -605,3 +606,17 @@ def test_a_prompt_whose_adapter_finds_no_lora_slot_waits_while_a_later_one_witho
            ("add", Job(1, 1, LAX, 0.0))]
     d = _drive(make_scheduler, policy, Engine(blocks=24, max_batched=32, max_seqs=2, max_loras=1), evs)
     assert [step[1] for step in d.trace] == [(("q0", 1),), (("q0", 1), ("q2", 1)), (("q1", 1),)]
+
+
+def test_a_prompts_cached_prefix_outlives_the_allocations_before_its_turn(make_scheduler):
+    """Not reached by the search (PROPS_EXAMPLES=150 passed without the fix), so pinned here: q3's 32-token hit (the
+    system prompt q0 ran) holds the oldest free blocks after q1 ran and freed its own. FCFS plans q3 (1 token) after
+    q2's 40-token prompt; vLLM allocated q2's three blocks first, from the free queue's head, which evicted the hit's
+    second block: vLLM found 16 cached and ran 17 tokens of q3, taking 16 of q4's (Drive.step compares the plan with
+    the step)."""
+    evs = [("add", Job(1, 1, LAX, 0.0, 47)), ("step", 0.0), ("add", Job(190, 1, LAX, 0.0)), ("step", 0.0),
+           ("add", Job(40, 1, LAX, 2.0)), ("add", Job(1, 1, LAX, 1.0, 32)), ("add", Job(40, 1, LAX, 0.0)),
+           ("step", 0.0)]
+    d = _drive(make_scheduler, "sarathi-fcfs", Engine(blocks=16, max_batched=256, max_seqs=4, prefix_caching=True),
+               evs)
+    assert d.trace[2][1] == (("q2", 40), ("q3", 1), ("q4", 40))
