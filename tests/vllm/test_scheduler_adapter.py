@@ -811,17 +811,24 @@ def test_prompts_planned_in_one_step_share_the_prefix_the_first_of_them_caches(m
         out.num_scheduled_tokens
 
 
+def _a_started_prompt_of_adapter_1(s):
+    """A far batch job's 256-token prompt of LoRA adapter 1, its first chunk run (running, prompt unfinished): the
+    time it was added after, and the request."""
+    now = time.time()
+    started = vllm_request(256, BATCH_FAR, arrival=now - 1, lora=1)
+    s.add_request(started)
+    out, _ = run_step(s)
+    assert 0 < out.num_scheduled_tokens[started.request_id] < 256
+    return now, started
+
+
 def test_the_running_requests_never_hold_more_adapters_than_the_lora_slots(make_scheduler):
     """vLLM admits a prompt of another adapter only while the step's running requests leave a LoRA slot, and
     asserts that they never hold more. A started prompt the policy sets aside for a step is still running: a prompt
     of a second adapter admitted beside it would break that on the next step (one slot here). It waits instead,
     out of the policy's sight, so the steps go to what can run."""
     s = make_scheduler("qoserve", max_batched=32, max_loras=1)
-    now = time.time()
-    started = vllm_request(256, BATCH_FAR, arrival=now - 1, lora=1)
-    s.add_request(started)
-    out, _ = run_step(s)
-    assert 0 < out.num_scheduled_tokens[started.request_id] < 256  # a first chunk: running, prompt unfinished
+    now, started = _a_started_prompt_of_adapter_1(s)
     urgent = vllm_request(32, {"ttft_ms": 200, "tbt_ms": 50}, arrival=now, lora=2, max_tokens=2)
     s.add_request(urgent)
     steps = []
@@ -924,11 +931,7 @@ def test_new_prompts_of_two_adapters_take_no_more_lora_slots_than_a_set_aside_pr
     step). Only one of them starts beside the set-aside prompt; the other waits, and every step's running requests
     hold at most two adapters. ``_without_lora_slot`` does not cover it: a slot was free when the step was planned."""
     s = make_scheduler("qoserve", max_batched=32, max_loras=2)
-    now = time.time()
-    started = vllm_request(256, BATCH_FAR, arrival=now - 1, lora=1)
-    s.add_request(started)
-    out, _ = run_step(s)
-    assert 0 < out.num_scheduled_tokens[started.request_id] < 256  # a first chunk: running, prompt unfinished
+    now, started = _a_started_prompt_of_adapter_1(s)
     urgent = [vllm_request(16, {"ttft_ms": 200, "tbt_ms": 50}, arrival=now, lora=lora, max_tokens=2)
               for lora in (2, 3)]
     for r in urgent:
