@@ -25,6 +25,7 @@ from app.request_id import LogRequestId, RequestId
 from app.services.job_writer import JobWriter
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.rate_limits import RateLimiter
+from app.summarize.service import RunDrivers
 from app.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ async def lifespan(api: FastAPI):
         except Exception as exc:
             log.warning("could not register COSERVE_ADMIN_KEY: %s", exc)
     api.state.job_writer = JobWriter(settings, api.state.rate_limiter)
+    api.state.run_drivers = RunDrivers()  # a restarted app's new runs get drivers again
     # what start-up made (modules, routes, schemas, the tokenizer: ~600k objects) is never garbage: left in the
     # collector's oldest generation, each full collection walked it and stalled every request for ~0.4 s
     # (ops/bench_submit.py's p99); frozen, a collection walks what requests make (vLLM's server does the same)
@@ -92,6 +94,7 @@ async def lifespan(api: FastAPI):
     try:
         yield
     finally:
+        api.state.run_drivers.close()  # a step in progress ends first
         api.state.job_writer.close()
         gc.unfreeze()  # what a stopped app (a test's, say) leaves in cycles can be collected again
 
@@ -161,6 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     use_chat_template(settings.model, settings.chat_template)  # before any request renders chat messages
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
+    api.state.run_drivers = RunDrivers()  # the lifespan's replaces it; this one serves an app run without it
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, status
+from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -59,8 +59,8 @@ class SummarizeCreate(BaseModel):
 @router.post("", status_code=status.HTTP_201_CREATED,
              responses={200: {"description": "the run an earlier request with this Idempotency-Key started"},
                         **responses(409, 413)})
-async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: SettingsDep, response: Response,
-                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict:
+async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: SettingsDep, request: Request,
+                response: Response, idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict:
     """Starts a run: answers at once with the run ``validating`` (its documents are split off the request, by its
     first step, which ends it ``failed`` naming why where the split shows it cannot run); a retry with the same
     Idempotency-Key (and body) answers the run the first request started, one with a different body is a 409."""
@@ -102,7 +102,7 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
     except ValueError as exc:
         raise unprocessable(str(exc)) from exc
     if created:
-        service.drive_in_thread(settings, progress.id)
+        request.app.state.run_drivers.drive(settings, progress.id)
     else:
         response.status_code = status.HTTP_200_OK
     return _utc_z(progress.as_dict())

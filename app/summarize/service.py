@@ -1,7 +1,7 @@
 """Server-side summarization runs: created here, kept in SQL, advanced by any process.
 
 ``create_run`` answers the request at once: it writes the run (``validating``) and its
-documents after the checks that need no tokenizer; ``drive_in_thread`` then advances it
+documents after the checks that need no tokenizer; ``RunDrivers.drive`` then advances it
 from the API process (``driver.advance``) for latency, off the request: the first step
 splits the documents and writes the first level's jobs (runnable from one commit), or ends the run
 ``failed`` naming why (nothing half-made is left). Every worker's sweeper advances open runs
@@ -156,20 +156,48 @@ def _run_by_key(settings: Settings, tenant_id: str, idempotency: Idempotency) ->
         return store.progress_of(run)
 
 
-def drive_in_thread(settings: Settings, run_id: str) -> threading.Thread:
-    """Advances the run from a thread of this process until it ends, for latency (the workers'
-    sweeper advances it too, every ``sweep_seconds``, and alone once this process is gone)."""
-    owner = f"api-{socket.gethostname()}-{os.getpid()}"
-    thread = threading.Thread(target=_drive, args=(settings, run_id, owner), name=f"summarize-{run_id}",
-                              daemon=True)
-    thread.start()
-    return thread
+class RunDrivers:
+    """The threads an API process advances the runs it started from, for latency (the workers' sweeper advances
+    every open run too, every ``sweep_seconds``, and alone once this process is gone). ``close`` stops them with the
+    app: a thread ends after the step it is in, so no step of a stopped app writes or sends afterwards."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def drive(self, settings: Settings, run_id: str) -> threading.Thread:
+        owner = f"api-{socket.gethostname()}-{os.getpid()}"
+        thread = threading.Thread(target=self._drive, args=(settings, run_id, owner), name=f"summarize-{run_id}",
+                                  daemon=True)
+        with self._lock:
+            if self._stop.is_set():  # a request that raced the app's shutdown: the sweeper carries its run
+                return thread
+            self._threads.add(thread)
+        thread.start()
+        return thread
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stop.set()
+            threads = list(self._threads)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _drive(self, settings: Settings, run_id: str, owner: str) -> None:
+        try:
+            _drive(settings, run_id, owner, self._stop)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
 
 
-def _drive(settings: Settings, run_id: str, owner: str) -> None:
+def _drive(settings: Settings, run_id: str, owner: str, stop: threading.Event) -> None:
     errors, memo = 0, driver.LookMemo()
     while errors < MAX_DRIVE_ERRORS:
-        time.sleep(POLL_S)
+        if stop.wait(POLL_S):
+            return
         try:
             step = driver.advance(settings, run_id, owner, memo=memo)
         except Exception:

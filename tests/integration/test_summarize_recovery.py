@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import sys
 from collections.abc import Iterator
 
@@ -131,3 +132,21 @@ def test_api_killed_mid_run_the_run_still_completes(api, client, keys, settings,
     assert all(isinstance(row["summary"], str) and row["error"] is None for row in rows)
     assert rows[0]["levels"] >= 2 and rows[1] == {**rows[1], "chunks": 1, "levels": 1, "jobs": 1}
     assert client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.other)).status_code == 404
+
+
+def test_a_stopped_app_drives_its_runs_no_further(settings, keys):
+    """The app's lifespan ends (a server's shutdown, a test's client): the threads that drove its runs stop after
+    the step they are in, so a stopped app writes and sends nothing more; its run stays open for the sweeper."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.summarize.store import OPEN
+
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json={"documents": [{"id": "a", "text": "x"}]})
+        assert r.status_code == 201, r.text
+        name = f"summarize-{r.json()['id']}"
+        assert [t for t in threading.enumerate() if t.name == name]
+    assert not [t for t in threading.enumerate() if t.name == name]
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(SummarizationRun, r.json()["id"]).status in OPEN
