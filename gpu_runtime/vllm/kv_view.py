@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from gpu_runtime.executor.base import KVCapacity
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from vllm.v1.core.sched.scheduler import Scheduler as VLLMScheduler
     from vllm.v1.request import Request as VLLMRequest
 
@@ -21,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class VLLMKVView:
-    """Read-mostly view of a vLLM scheduler's KV cache (only ``release_kv`` changes it)."""
+    """Read-mostly view of a vLLM scheduler's KV cache (``release_kv`` frees a request's blocks, ``keep_hits``
+    reorders the free queue; nothing else changes it)."""
 
     def __init__(self, scheduler: VLLMScheduler) -> None:
         from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
@@ -93,11 +96,16 @@ class VLLMKVView:
     def cached_prefix(self, request: VLLMRequest) -> int:
         """Tokens of a new request's prompt that vLLM's prefix cache holds now: what its first schedule would find
         (whole blocks, never the last token, which is computed again for its logits; 0 with caching off)."""
+        return self._cache_hit(request)[1]
+
+    def _cache_hit(self, request: VLLMRequest) -> tuple[Sequence[list], int]:
+        """vLLM's lookup of a new request's prompt in its prefix cache: the hit's blocks by KV cache group, and its
+        tokens (none where the request does not look its prefix up)."""
         manager = self.scheduler.kv_cache_manager
         if not manager.prefix_cache_lookup_enabled(request) or not request.block_hashes:
-            return 0
-        _, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
-        return hit
+            return (), 0
+        groups, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        return groups, hit
 
     def cached_prefix_since(self, request: VLLMRequest, before: int) -> int:
         """A waiting prompt's hit now, given the hit ``before``: looked up again only when the block after it was
@@ -128,17 +136,13 @@ class VLLMKVView:
         go to the most recently used end now (its last block nearest the evicting end, as vLLM frees a request's
         blocks), first prompt's furthest: the policy counted them among the blocks the step takes, so the step's
         allocations evict other free blocks first. One lookup per prompt started (what vLLM's own lookup costs)."""
-        manager = self.scheduler.kv_cache_manager
-        if not manager.enable_caching:
+        if not self.prefix_caching:
             return
-        queue = manager.block_pool.free_block_queue
+        queue = self.scheduler.kv_cache_manager.block_pool.free_block_queue
         for request in reversed(prompts):
-            if request.num_computed_tokens or not request.block_hashes:
+            if request.num_computed_tokens:
                 continue
-            if not manager.prefix_cache_lookup_enabled(request):
-                continue
-            groups, _, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
-            for blocks in groups:
+            for blocks in self._cache_hit(request)[0]:
                 for block in reversed(blocks):
                     if block.ref_cnt == 0 and not block.is_null:  # free (in the queue), not held by a request
                         queue.remove(block)

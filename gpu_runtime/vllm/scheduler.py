@@ -322,7 +322,6 @@ class CoserveScheduler(AsyncScheduler):
             self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
                              plan, now)
         held, stashed = self._arrange(plan, slots)
-        self.kv.keep_hits(list(self.waiting))  # the new prompts, in the policy's order
         t_vllm = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)
@@ -429,7 +428,8 @@ class CoserveScheduler(AsyncScheduler):
                     log.info("request %s %s", r.request_id, event)
 
     def _arrange(self, plan: PolicyOutput, slots: set[int] | None = None) -> tuple[Any, list[VLLMRequest]]:
-        """Shows vLLM only this step's batch; returns the full waiting queue and the running requests set aside."""
+        """Shows vLLM only this step's batch, the new prompts' prefix-cache hits kept for it (``keep_hits``);
+        returns the full waiting queue and the running requests set aside."""
         decode_ids = {r.request_id for r in plan.decodes}
         chunks = [(p.request.request_id, p.num_tokens) for p in plan.prefills]
         by_id = {r.request_id: r for r in self.running}
@@ -463,6 +463,7 @@ class CoserveScheduler(AsyncScheduler):
                 visible.add_request(r)
         self.waiting = visible
         self.running = kept
+        self.kv.keep_hits(new)  # the new prompts' hits, in the policy's order, outlive the step's allocations
         pad = self.num_spec_tokens if self._pads_a_draft_step(chunks, by_id, bool(decodes)) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
