@@ -467,12 +467,8 @@ class GpuWorker:
     def _served_elsewhere(self, job_id: str) -> str | None:
         """The shared queue of ``job_id``, which came on this worker's own queue, where this worker does not serve its
         model (its predecessor under this id did: an API's view of the workers is up to ``routing.REFRESH_S`` old,
-        and a dead one's row looks live for a lease); None where it does (or the job is gone)."""
-        with session_scope(self.url) as s:
-            model = s.scalar(select(Job.model).where(Job.id == job_id))
-            if model is None or model in self.settings.served_models:
-                return None
-            shared = queue_name(lora_adapters.queue_models(s, {model})[model])  # a runtime adapter's: its model's
+        and a dead one's row looks live for a lease); None where it does (or the job is gone: ``_model_queue``)."""
+        shared = self._model_queue(job_id)
         return None if shared in self.queues else shared
 
     def _has_room(self, priority: int) -> bool:
