@@ -88,6 +88,8 @@ class Engine:
         # a dict: probed in admission order, the same in every process (a set's order follows string hashes)
         self._unstarted: dict[str, None] = {}
         self._prefix_caching = bool(getattr(executor, "prefix_caching", False))
+        # the most KV slots the executor gives a request over its life, which admission reserves (``_tree_room``)
+        self._footprint_slots = getattr(executor, "footprint_slots", None)
         # tree tokens each decode verified in the last pass: the scheduler budgets them as its next pass's drafts
         # (vLLM's drafter proposes before the step is scheduled; this engine drafts after, so the last pass tells)
         self._verified: dict[str, int] = {}
@@ -279,10 +281,9 @@ class Engine:
         the executor gives it over its life (``footprint_slots`` of prompt + max_tokens), which KV admission
         reserves. A tree past them would take KV that no footprint holds, and the scheduler would release (and
         recompute) a job to make room for it even where admission reserved max_tokens."""
-        slots = getattr(self.executor, "footprint_slots", None)
-        if slots is None:
+        if self._footprint_slots is None:
             return 1 << 30
-        return max(0, slots(req.prompt_len + req.sampling.max_tokens) - req.num_computed_tokens - 1)
+        return max(0, self._footprint_slots(req.prompt_len + req.sampling.max_tokens) - req.num_computed_tokens - 1)
 
     def _trees_in_footprints(self, selected: dict, decodes: list[Request]) -> dict:
         """Each decode's tree cut to its ``_tree_room``: its most probable nodes that fit (AdaServe's throughput
