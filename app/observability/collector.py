@@ -25,6 +25,7 @@ from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import DATABASE_UNAVAILABLE, session_scope
 from app.observability import tally
 from app.observability.tally import Groups, Summed
+from app.services import routing
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 
 log = logging.getLogger(__name__)
@@ -173,8 +174,9 @@ class SqlCollector(Collector):
             yield fam
         kv = GaugeMetricFamily("coserve:kv_cache_usage_perc", "KV-cache usage per worker (1 = full).",
                                labels=["worker"])
-        up = GaugeMetricFamily("coserve:worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",
-                               labels=["worker", "draining"])
+        up = GaugeMetricFamily("coserve:worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat "
+                               "(draining: an operator's drain; stopping: a warm shutdown's grace).",
+                               labels=["worker", "draining", "stopping"])
         preempt = CounterMetricFamily("coserve:num_preemptions", "Requests whose KV the worker's engine released "
                                       "under memory pressure, to recompute later (since the worker started).",
                                       labels=["worker"])
@@ -194,7 +196,8 @@ class SqlCollector(Collector):
                 kv.add_metric([w.id], float(state["kv_usage"]))
             if state.get("kv_recomputes") is not None:
                 preempt.add_metric([w.id], float(state["kv_recomputes"]))
-            up.add_metric([w.id, str(bool(w.draining)).lower()], (now - as_utc(w.heartbeat_at)).total_seconds())
+            up.add_metric([w.id, str(bool(w.draining)).lower(), str(routing.stopping(w.state)).lower()],
+                          (now - as_utc(w.heartbeat_at)).total_seconds())
         yield kv
         yield up
         yield preempt

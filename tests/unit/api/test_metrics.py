@@ -328,3 +328,17 @@ def test_http_requests_are_counted_per_route_template(client, keys):
     handlers = {dict(labels)["handler"]: value for (name, labels), value in _scrape(client).items()
                 if name == "http_requests_total"}
     assert handlers == {"/v1/jobs/{job_id}": 3, "none": 3}, handlers  # the probe is not traffic
+
+
+def test_a_workers_heartbeat_age_says_whether_it_drains_or_stops(client, db_url):
+    """A worker in a warm shutdown's grace takes no job, as a draining one: the heartbeat series says which of the
+    two each worker is in, so an alert on live workers taking jobs can leave both out."""
+    with session_scope(db_url) as s:
+        s.add_all([WorkerState(id="serving", model="tiny", queue="q", device="cpu", heartbeat_at=utcnow(), state={}),
+                   WorkerState(id="drained", model="tiny", queue="q", device="cpu", heartbeat_at=utcnow(),
+                               draining=True, state={}),
+                   WorkerState(id="leaving", model="tiny", queue="q", device="cpu", heartbeat_at=utcnow(),
+                               state={"stopping": True})])
+    ages = {dict(labels)["worker"]: (dict(labels)["draining"], dict(labels)["stopping"])
+            for (name, labels) in _scrape(client) if name == "coserve:worker_heartbeat_age_seconds"}
+    assert ages == {"serving": ("false", "false"), "drained": ("true", "false"), "leaving": ("false", "true")}
