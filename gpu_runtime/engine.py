@@ -254,10 +254,12 @@ class Engine:
         for p in sched.prefills:
             req, start = p.request, p.request.num_computed_tokens
             # The last chunk of a prompt samples the first token; a recompute after released KV samples
-            # nothing (its last output is fed by the next decode step).
+            # nothing (its last output is fed by the next decode step, and the executor's drafts follow it).
+            last = start + p.num_tokens >= req.prefill_target
             prefills.append(PrefillChunk(req.request_id, start, req.prefill_token_ids(start, p.num_tokens),
-                                         sample=start + p.num_tokens >= req.prefill_target
-                                         and not req.num_output_tokens))
+                                         sample=last and not req.num_output_tokens,
+                                         pending_token_id=req.last_token_id if last and req.num_output_tokens
+                                         else None))
         decodes = [DecodeEntry(r.request_id, r.num_computed_tokens, r.last_token_id) for r in sched.decodes]
         selected: dict = {}
         draft_latency = 0.0

@@ -20,6 +20,9 @@ class PrefillChunk:
     start: int  # prompt position of token_ids[0] (= prompt tokens already cached)
     token_ids: list[int]  # the chunk's prompt tokens
     sample: bool  # this chunk finishes the prompt: sample the first output token
+    # the chunk ends a recompute's prefill (prompt + outputs but the last): that last output, the pending token the
+    # next decode feeds, so that the executor's view of the request's tokens (what drafts follow) ends with it
+    pending_token_id: int | None = None
 
 
 @dataclass

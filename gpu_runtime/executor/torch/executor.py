@@ -239,6 +239,8 @@ class TorchExecutor:
         segments: list[Segment] = []
         for chunk in plan.prefills:
             segments.append(self._prefill_segment(chunk.request_id, chunk.start, chunk.token_ids, chunk.sample))
+            if chunk.pending_token_id is not None:  # a recompute done: drafts (and depth limits) follow its last output
+                self._requests[chunk.request_id].token_ids.append(chunk.pending_token_id)
         for d in plan.decodes:
             segments.append(self._decode_segment(d.request_id, d.position, d.token_id, d.tree))
         fb, first_rows = build_forward_batch(segments, self.device, self.attention_layout)
