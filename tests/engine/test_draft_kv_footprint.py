@@ -1,7 +1,8 @@
 """A speculating job's KV on the own engine (tiny torch model) and on the simulator stays within the footprint KV
 admission reserves (prompt + max_tokens in blocks, and one block more): a decode's draft tree takes slots only for its
 pass and is cut to that block near the job's end, a chain stops at max_tokens on both executors, and with
-``kv_reserve=max_tokens`` no job is released to make room for another's tree."""
+``kv_reserve=max_tokens`` no job is released to make room for another's tree. A draft model's pool, which mirrors
+the target's blocks, holds what it can of a draft call's beams and cuts the rest instead of failing the step."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import pytest
 from gpu_runtime.costmodel.profile import default_cost_model
 from gpu_runtime.engine import Engine
 from gpu_runtime.executor.base import BatchPlan, DraftEntry, PrefillChunk
+from gpu_runtime.executor.drafters.model_runner import DraftModelRunner
 from gpu_runtime.executor.sim import SimExecutor
 from gpu_runtime.executor.torch import TorchExecutor
 from gpu_runtime.request import RequestStatus
 from gpu_runtime.scheduler.base import footprint_blocks
 from gpu_runtime.scheduler.registry import create_scheduler
 from gpu_runtime.sim.acceptance import GeometricAcceptance
-from tests.engine.conftest import make_request
+from tests.engine.conftest import make_request, tiny_llama
 from tests.engine.spec_helpers import NoisyTreeDrafter, VerifyAll
 
 BLOCK = 2  # small blocks: a tree of 24 nodes passes the footprint's block of slack by 11 blocks
@@ -87,3 +89,44 @@ def test_the_simulator_cuts_a_tree_to_the_depth_the_own_engine_does(tiny_model):
         tree = ex.draft([DraftEntry(req.request_id, 6, 2)]).trees[req.request_id]
         depths[name] = max(tree.depths())
     assert depths == {"sim": 2, "own": 2}
+
+
+def _greedy_with_draft_model(blocks: int, width: int) -> tuple[dict[str, list[int]], DraftModelRunner, VerifyAll]:
+    runner = DraftModelRunner(tiny_llama(seed=1, layers=1), block_size=BLOCK)  # its pool: the target's block count
+    ex = TorchExecutor.from_model(tiny_llama(), kv_blocks=blocks, block_size=BLOCK, drafter=runner)
+    sched = create_scheduler("sarathi-fcfs", default_cost_model(), ex, kv_watermark=0.0, kv_reserve="max_tokens")
+    policy = VerifyAll(depth=6, width=width)
+    engine = Engine(ex, sched, policy)
+    rng = random.Random(1)
+    reqs = [make_request([rng.randrange(3, 97) for _ in range(PROMPT)], max_tokens=MAX_TOKENS) for _ in range(4)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.run_until_idle(max_steps=2000)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert ex.capacity().free_blocks == blocks and runner.blocks.num_free == blocks
+    return {r.request_id: r.output_token_ids for r in reqs}, runner, policy
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_a_draft_model_whose_pool_cannot_hold_every_beam_drafts_shallower_trees_instead_of_failing_the_step(width):
+    """The draft model's KV pool mirrors the target's blocks, which admission counts, but a draft call also takes
+    ``width`` scratch slots per depth for every request at once: with the target's pool full of admitted jobs those
+    do not fit. The requests it cannot hold draft shallower trees or none (counted), and the outputs stay those of
+    the run with room to spare."""
+    ample, roomy, _ = _greedy_with_draft_model(200, width)
+    tight, runner, policy = _greedy_with_draft_model(2 * FOOTPRINT, width)
+    assert roomy.num_pool_short == 0
+    assert runner.num_pool_short > 0 and policy.steps > 0
+    assert list(tight.values()) == list(ample.values())
+
+
+def test_the_draft_pool_reserves_every_drafted_request_s_beams_before_the_first_depth_runs():
+    """Two requests each fit the draft pool alone, not together: the second drafts a shallower tree."""
+    runner = DraftModelRunner(tiny_llama(seed=1, layers=1), num_blocks=7, block_size=4)
+    ex = TorchExecutor.from_model(tiny_llama(), kv_blocks=32, block_size=4, drafter=runner)
+    for rid in ("a", "b"):
+        ex.add_request(rid, make_request([5]).sampling)
+        ex.step(BatchPlan(prefills=[PrefillChunk(rid, 0, list(range(10, 18)), True)]))
+    trees = ex.draft([DraftEntry("a", 4, 2), DraftEntry("b", 4, 2)]).trees  # 9 tokens + 6 scratch: 4 blocks each
+    assert (max(trees["a"].depths()), max(trees["b"].depths())) == (4, 2)  # b: 9 + 2 scratch in the 3 blocks left
+    assert runner.num_pool_short == 1 and runner.blocks.num_free == 7 - 2 * 3

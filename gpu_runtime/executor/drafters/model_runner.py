@@ -4,7 +4,9 @@ Each draft call catches the draft's cache up on the request's tokens (prompt, ou
 and the pending token), then grows a candidate tree by beam search: the top-w children
 of the root, then at every further depth the top-w of all w*V expansions ranked by
 cumulative path probability (AdaServe section 4: f(v) = product of the draft's
-conditionals along the path). Tree nodes go to scratch slots that are dropped after.
+conditionals along the path). Tree nodes go to scratch slots that are dropped after; a call reserves every
+request's catch-up and scratch before its first depth runs, and a request the pool cannot hold drafts a shallower
+tree, or none (``num_pool_short``), never failing the step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class DraftModelRunner(Drafter):
         self.decoder: PagedDecoder | None = None
         self.blocks: BlockManager | None = None
         self._offloaded: dict[str, torch.Tensor] | None = None
+        # requests whose tree the draft KV pool could not hold (drafted shallower, or not at all): the pool mirrors
+        # the target's block count, which KV admission counts, but not the beams' scratch slots of a draft call
+        self.num_pool_short = 0
 
     @classmethod
     def from_pretrained(cls, spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -90,13 +95,22 @@ class DraftModelRunner(Drafter):
         history: dict[str, int] = {}
         segments: list[Segment] = []
         live: list[DraftEntry] = []
+        for e in entries:  # the draft cache keeps only what the request still holds (no scratch, no cut outputs)
+            self.blocks.truncate(e.request_id, min(self.blocks.num_tokens(e.request_id),
+                                                   len(self.executor.token_ids(e.request_id)) - 1))
+        # blocks not yet promised: every live request's catch-up and beam scratch is reserved before any depth runs
+        unpromised = self.blocks.num_free
+        short: list[str] = []
         for e in entries:  # 1) catch up on every token not yet in the draft cache (the pending one at least)
             tokens = self.executor.token_ids(e.request_id)
-            cached = min(self.blocks.num_tokens(e.request_id), len(tokens) - 1)
-            self.blocks.truncate(e.request_id, cached)
-            need = len(tokens) - cached + e.width * (e.depth - 1)  # catch-up plus scratch for the beams
-            if self.blocks.blocks_needed(e.request_id, need) > self.blocks.num_free:
+            cached = self.blocks.num_tokens(e.request_id)
+            depth = self._depth_that_fits(e, len(tokens) - cached, unpromised)
+            if depth < e.depth:
+                short.append(e.request_id)
+            if not depth:
                 continue  # draft pool full: this request decodes without a tree this step
+            e = DraftEntry(e.request_id, depth, e.width)
+            unpromised -= self.blocks.blocks_needed(e.request_id, len(tokens) - cached + e.width * (depth - 1))
             self.blocks.allocate(e.request_id, len(tokens) - cached)
             slots = request_slots(self.blocks, e.request_id, len(tokens), _CPU)
             segments.append(Segment(tokens[cached:], torch.arange(cached, len(tokens)), slots[cached:], slots,
@@ -104,6 +118,10 @@ class DraftModelRunner(Drafter):
             history[e.request_id] = len(tokens)
             trees[e.request_id] = TokenTree()
             live.append(e)
+        if short:
+            self.num_pool_short += len(short)
+            log.info("draft KV pool short (%d of %d blocks free): %d of %d trees drafted shallower or not at all",
+                     self.blocks.num_free, self.blocks.total_blocks, len(short), len(entries))
         if not live:
             return trees
         logits = self._run(segments)
@@ -139,6 +157,15 @@ class DraftModelRunner(Drafter):
         for rid, n in history.items():
             self.blocks.truncate(rid, n)  # drop the scratch slots of the beams
         return trees
+
+    def _depth_that_fits(self, entry: DraftEntry, catch_up: int, free_blocks: int) -> int:
+        """Deepest tree, up to ``entry.depth``, whose catch-up and beam scratch (``width`` slots per depth past the
+        first) fit ``free_blocks`` draft blocks; 0 where not even the catch-up fits."""
+        assert self.blocks is not None
+        depth = entry.depth
+        while depth and self.blocks.blocks_needed(entry.request_id, catch_up + entry.width * (depth - 1)) > free_blocks:
+            depth -= 1
+        return depth
 
     @staticmethod
     def _add(tree: TokenTree, tokens: list[int], parents: list[int], path_probs: list[float]) -> list[int]:
