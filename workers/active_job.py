@@ -3,8 +3,13 @@
 Who writes what: the Celery intake adds a job; the engine thread alone fills in what the
 engine produced (text, offsets, ``in_engine``, ``finished``, ``relegated``); the outbox's I/O
 thread removes a job once its last write is durable. The heartbeat reads the leases to renew them.
-The engine thread also sets aside (``abandon``) a job whose abort its engine never confirmed: it no
-longer counts against the worker's room, but its id stays held until the engine lets it go.
+The engine knows each attempt by its own request id (``Lease.request_id``: the job's id and the attempt), and its
+outputs are mapped back through it (``serving``). The engine thread sets aside (``abandon``) an attempt whose abort
+the engine has not confirmed: one never confirmed for a lease, one given back after an engine error, an earlier one
+that a rerun of the job replaces here. It no longer counts against the worker's room nor holds the job: a rerun is
+added beside it at once, and its late outputs, naming an attempt no longer served, write nothing. Its request id
+stays listed (``abandoned_ids``) until the engine lets it go, so that an engine that keeps aborted requests is
+noticed (``workers.engine_thread``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ class ActiveJob:
         return self.lease.job_id
 
     @property
+    def request_id(self) -> str:
+        """The engine's id of this attempt's request (``Lease.request_id`` where the worker made the request)."""
+        return self.request.request_id
+
+    @property
     def output_token_ids(self) -> list[int]:
         """Every token id this attempt's output holds: those it went on from, then the engine's."""
         before = list(self.resumed.token_ids) if self.resumed is not None else []
@@ -58,21 +68,30 @@ class ActiveJob:
 
 
 class ActiveJobs:
-    """A lock-guarded map job id -> ActiveJob; ``lock`` also orders intake against aborts."""
+    """A lock-guarded map job id -> the ActiveJob of the attempt this worker serves; ``lock`` also orders intake
+    against aborts."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._jobs: dict[str, ActiveJob] = {}
+        self._requests: dict[str, ActiveJob] = {}  # the same jobs by their engine request id (``serving``)
         self._relegated = 0  # how many of them are relegated
-        # aborted, the engine never confirmed it (``abandon``): not served, but the engine may still hold its id
+        # engine request id -> an attempt set aside (``abandon``): not served, but the engine may still hold it
         self._abandoned: dict[str, ActiveJob] = {}
 
     def add(self, job: ActiveJob) -> None:
         with self.lock:
             self._jobs[job.job_id] = job
+            if job.request is not None:
+                self._requests[job.request_id] = job
 
     def get(self, job_id: str) -> ActiveJob | None:
         return self._jobs.get(job_id)
+
+    def serving(self, request_id: str) -> ActiveJob | None:
+        """The attempt the engine's ``request_id`` names, while this worker serves it (None: an attempt set aside or
+        gone; what the engine says of it is not this worker's to write)."""
+        return self._requests.get(request_id)
 
     def pop(self, job_id: str, attempt: int | None = None) -> ActiveJob | None:
         """Removes the job (where ``attempt`` is given: only while it is that attempt of the job)."""
@@ -80,35 +99,44 @@ class ActiveJobs:
             if attempt is not None and (held := self._jobs.get(job_id)) is not None and held.lease.attempt != attempt:
                 return None
             job = self._jobs.pop(job_id, None)
+            if job is not None and job.request is not None and self._requests.get(job.request_id) is job:
+                del self._requests[job.request_id]
             if job is not None and job.relegated:
                 self._relegated -= 1
             return job
 
     def abandon(self, job: ActiveJob) -> None:
-        """Stops counting ``job``, whose abort the engine never confirmed, while keeping its id held (``in``): a
-        rerun of the job is not added beside a request of the same id that the engine may still hold."""
+        """Stops serving ``job``, an attempt whose abort the engine has not confirmed: it no longer counts nor holds
+        its job (a rerun is added beside it), while its request id stays listed until the engine lets it go."""
         with self.lock:
             if self._jobs.get(job.job_id) is job:
                 self.pop(job.job_id)
-                self._abandoned[job.job_id] = job
+            self._abandoned[job.request_id] = job
 
-    def forget(self, job_id: str) -> ActiveJob | None:
-        """Lets go of an abandoned job's id: its engine finished the request at last, or no longer holds it."""
+    def forget(self, request_id: str) -> ActiveJob | None:
+        """Lets go of an abandoned attempt: its engine finished the request at last, or no longer holds it."""
         with self.lock:
-            return self._abandoned.pop(job_id, None)
+            return self._abandoned.pop(request_id, None)
+
+    def abandoned(self) -> list[ActiveJob]:
+        """The attempts set aside, whose request the engine may still hold."""
+        with self.lock:
+            return list(self._abandoned.values())
 
     def abandoned_ids(self) -> list[str]:
+        """Their engine request ids."""
         with self.lock:
             return list(self._abandoned)
 
     @property
     def set_aside(self) -> int:
-        """How many jobs are set aside (``abandon``): not served, their ids held until the engine lets them go."""
+        """How many attempts are set aside (``abandon``): not served, the engine may still hold their requests."""
         return len(self._abandoned)
 
     def take_all(self) -> list[ActiveJob]:
         with self.lock:
             jobs, self._jobs, self._relegated = list(self._jobs.values()), {}, 0
+            self._requests = {}
         return jobs
 
     def set_relegated(self, job: ActiveJob, relegated: bool) -> None:
@@ -131,7 +159,7 @@ class ActiveJobs:
             return list(self._jobs.values())
 
     def __contains__(self, job_id: object) -> bool:
-        return job_id in self._jobs or job_id in self._abandoned
+        return job_id in self._jobs
 
     def __len__(self) -> int:
         return len(self._jobs)

@@ -7,16 +7,20 @@ first-token times, relegations and resumptions, completions and rejections, and 
 the API cancelled had produced (its text and token counts stay on it). It never does I/O
 itself. It also keeps the worker honest:
 
+* the engine knows each attempt of a job by its own request id (``Lease.request_id``), and what
+  it says of an attempt this worker no longer serves (set aside, or replaced by a rerun) writes
+  nothing;
 * reconcile: every ``reconcile_s`` a job the worker holds that the engine no longer knows
   (lost without an output) is given back to the queue instead of being renewed forever, and a
   job whose abort the engine has not confirmed for a lease is set aside (``abandon``): an abort
-  frees a request's room in vLLM, so the worker stops counting it, and what the engine says of
-  it later writes nothing;
+  frees a request's room in vLLM, so the worker stops counting it. An engine that still holds an
+  aborted request ``KEPT_ABORT_LEASES`` leases after its abort leaks its slots: the worker gives it
+  up (``on_kept_abort``) and stops, its running jobs finishing within the stop grace;
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
 * a step that raises gives every job back to the queue (the last allowed attempt fails), and
   those jobs are sent again only after the next step; each one the engine held is set aside
-  (``abandon``) until the engine confirms its abort, so a rerun that comes back here waits for it;
+  (``abandon``): a rerun that comes back here is added beside its aborted request;
 * an engine whose steps raise ``engine_error_limit`` times with no token made between them is
   broken (a lost device fails every step): the thread stops stepping, sends what it gave back
   at once, and calls ``on_broken``, so the worker stops instead of failing every job it takes.
@@ -43,13 +47,14 @@ from app.wire import storable
 from gpu_runtime.request import RequestStatus
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.inbox import Abort, Add, Command, Inbox, Learn, Promote, ResetPrefixCache, Resume
+from workers.inbox import Abort, Add, Command, Inbox, Learn, Promote, ResetPrefixCache, Resume, Supersede
 from workers.outbox import Outbox, Record, StepRecords
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # no work at all: wait this long for the inbox
 IDLE_BACKOFF_S = (0.001, 0.05)  # work admitted but nothing schedulable: first and longest sleep
+KEPT_ABORT_LEASES = 5  # an aborted request the engine still holds this many leases after its abort: a leak
 
 
 def refusal_code(exc: BaseException) -> str | None:
@@ -84,7 +89,8 @@ def relegation_detail(job: ActiveJob) -> str:
 class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
                  worker_id: str, stopping: threading.Event, reconcile_s: float | None = None,
-                 on_broken: Callable[[str], None] | None = None) -> None:
+                 on_broken: Callable[[str], None] | None = None,
+                 on_kept_abort: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.active = active
         self.inbox = inbox
@@ -97,6 +103,8 @@ class EngineThread:
         self.failed_steps = 0  # steps that raised since the engine last made a token
         self.broken: str | None = None  # why the engine was given up on; the loop then ends
         self.on_broken = on_broken
+        self.on_kept_abort = on_kept_abort  # told once, why, where the engine keeps aborted requests (a leak)
+        self.kept_abort: str | None = None
         self._next_reconcile = time.monotonic() + self.reconcile_s
         self._idle_sleep = 0.0
         self.state: dict[str, Any] = {}  # the engine's facts for the heartbeat, refreshed by this thread
@@ -166,13 +174,16 @@ class EngineThread:
                     records.append(self._failure(job, str(exc), "rejected by the engine", refusal_code(exc)))
             elif isinstance(cmd, Abort):
                 if job is not None and job.in_engine and not job.finished:
-                    self.engine.abort(cmd.job_id)
-                    if job.abort_sent_at is None:  # the first abort starts the wait for the engine's word
-                        job.abort_sent_at = time.monotonic()
+                    self._send_abort(job)
+            elif isinstance(cmd, Supersede):
+                if job is not None and job.lease.attempt == cmd.attempt:
+                    self._set_aside(job)
             elif isinstance(cmd, Resume):
-                self.engine.resume(cmd.job_id)
+                if job is not None and job.in_engine:
+                    self.engine.resume(job.request_id)
             elif isinstance(cmd, Promote):
-                self.engine.promote(cmd.job_id, cmd.tier)
+                if job is not None and job.in_engine:
+                    self.engine.promote(job.request_id, cmd.tier)
             elif isinstance(cmd, Learn):
                 for key, n in cmd.lengths:
                     self.engine.scheduler.history.record(key, n)
@@ -183,13 +194,30 @@ class EngineThread:
                     cmd.done.set_exception(exc)
         return records
 
+    def _send_abort(self, job: ActiveJob) -> None:
+        self.engine.abort(job.request_id)
+        if job.abort_sent_at is None:  # the first abort starts the wait for the engine's word
+            job.abort_sent_at = time.monotonic()
+
+    def _set_aside(self, job: ActiveJob) -> None:
+        """A rerun of the job replaces this attempt here (its lease was lost): aborted where the engine holds it, and
+        set aside; whatever the engine says of it from now on names an attempt not served, and writes nothing. Its
+        stream events so far are in the outbox already (this thread made them), for the rerun to go on from."""
+        if job.finished or not job.in_engine:  # the engine is done with it, or never had it: it only leaves
+            job.finished = True
+            self.active.pop(job.job_id, job.lease.attempt)
+            return
+        self._send_abort(job)
+        job.finished = True
+        self.active.abandon(job)
+
     # ---------------------------------------------------------------- outputs -> records
     def _records(self, outputs: list[Any]) -> StepRecords:
         step = StepRecords()
         first_tokens: list[ActiveJob] = []
         for out in outputs:
-            job = self.active.get(out.request_id)
-            if job is None and out.finished:  # an abandoned job's request ended at last: its id is free again
+            job = self.active.serving(out.request_id)  # the attempt it names, while it is served here
+            if job is None and out.finished:  # a set-aside attempt's request ended at last
                 self.active.forget(out.request_id)
             if job is None or job.finished:
                 continue
@@ -366,8 +394,8 @@ class EngineThread:
             if job.finished:
                 continue
             job.finished = True
-            if job.in_engine:  # its id stays held until the engine confirms the abort or drops the request: a
-                self.engine.abort(job.job_id)  # rerun added here meanwhile would share the id with the aborted one
+            if job.in_engine:  # set aside: a rerun added here meanwhile goes beside it, under its own request id
+                self._send_abort(job)
                 self.active.abandon(job)
             if job.lease.attempt >= self.settings.max_attempts:
                 records.append(self._failure(job, f"{error} (gave up after {job.lease.attempt} attempts)",
@@ -428,16 +456,17 @@ class EngineThread:
 
     def reconcile(self) -> list[Record]:
         """Jobs the worker holds that the engine no longer knows go back to the queue; those whose abort it has
-        not confirmed for a lease are abandoned."""
+        not confirmed for a lease are abandoned; an engine that keeps aborted requests is given up on."""
         records = self._abandon_unconfirmed_aborts()
         live = getattr(self.engine, "requests", None)
         if not isinstance(live, dict):
             return records
-        for job_id in self.active.abandoned_ids():
-            if job_id not in live:
-                self.active.forget(job_id)
+        for request_id in self.active.abandoned_ids():
+            if request_id not in live:
+                self.active.forget(request_id)
+        self._notice_kept_aborts()
         for job in self.active.snapshot():
-            if job.in_engine and not job.finished and job.job_id not in live:
+            if job.in_engine and not job.finished and job.request_id not in live:
                 log.warning("job %s is held by this worker but not in its engine; giving it back", job.job_id)
                 job.finished = True
                 records.append(self._give_back(job, f"lost by the engine of {self.worker_id}; requeued"))
@@ -462,3 +491,21 @@ class EngineThread:
                                   lambda s, lease=lease: leases.keep_cancelled(s, lease, None),
                                   self._kept(lease, None), for_job=lease.job_id))
         return records
+
+    def _notice_kept_aborts(self) -> None:
+        """Set-aside attempts no longer wait for the engine to let their requests go (a rerun goes beside them), so
+        nothing else would notice an engine that keeps them: each holds KV blocks and a slot for good. One the engine
+        still holds ``KEPT_ABORT_LEASES`` leases after its abort is such a leak: the worker is told (``on_kept_abort``,
+        once), and gives the engine up (it stops; a fresh engine lets them go)."""
+        if self.kept_abort is not None:
+            return
+        bound = time.monotonic() - KEPT_ABORT_LEASES * self.settings.lease_seconds
+        kept = [job for job in self.active.abandoned() if job.abort_sent_at is not None and job.abort_sent_at <= bound]
+        if not kept:
+            return
+        self.kept_abort = (f"the engine kept the aborted request of job {kept[0].job_id} (attempt "
+                           f"{kept[0].lease.attempt}) {KEPT_ABORT_LEASES} leases after its abort"
+                           + (f", and {len(kept) - 1} more" if len(kept) > 1 else ""))
+        log.critical("worker %s: %s", self.worker_id, self.kept_abort)
+        if self.on_kept_abort is not None:
+            self.on_kept_abort(self.kept_abort)

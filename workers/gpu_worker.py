@@ -67,7 +67,7 @@ from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutd
                                 queue_lists, queue_name)
 from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
-from workers.inbox import Abort, Add, Inbox, Learn
+from workers.inbox import Abort, Add, Inbox, Learn, Supersede
 from workers.outbox import Outbox, StepRecords
 from workers.resume import Resumed
 from workers.room import batch_room, has_room
@@ -150,7 +150,8 @@ class GpuWorker:
         """The engine this worker serves with, and the thread that alone will call it."""
         self.engine = engine
         self.engine_thread = EngineThread(engine, self.active, self.inbox, self.outbox, self.settings,
-                                          self.worker_id, self.stopping, on_broken=self._engine_broken)
+                                          self.worker_id, self.stopping, on_broken=self._engine_broken,
+                                          on_kept_abort=self.give_up_engine)
         return self.engine_thread
 
     def _build_engine(self) -> Any:
@@ -261,7 +262,7 @@ class GpuWorker:
                 log.info("%d jobs a worker %s that stopped waited with are to be sent again", dropped, self.worker_id)
 
     # ---------------------------------------------------------------- intake (Celery task)
-    def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY, queue: str | None = None) -> str | None:
+    def accept(self, job_id: str, priority: int = INTERACTIVE_PRIORITY, queue: str | None = None) -> None:
         """Lease ``job_id`` (its message came on ``queue``) and add it to the engine; while the engine has no room for
         it (``workers.room``: an interactive job while ``max_inflight`` jobs are in line, a batch job while all but the
         interactive reserve are), its message is not kept here: it goes back to the head of its list on the model's
@@ -276,8 +277,8 @@ class GpuWorker:
         not yet in the engine, goes back to the head of its queue then (``_give_back_interrupted``), not lost until
         the sweeper misses it.
 
-        Returns the queue to send the message to again later (Celery's retry, ``workers.tasks``) where the job is
-        pending again while this worker still holds its id set aside (an abort its engine never confirmed); else None.
+        A rerun of a job whose earlier attempt this worker still serves, or holds set aside (an abort its engine has
+        not confirmed), is added beside that attempt: the engine knows each attempt by its own request id.
         """
         self.handing_back = None
         try:
@@ -290,18 +291,11 @@ class GpuWorker:
             self._await_room(priority)
         elif wait == "drain":
             self._drain_pause()
-        elif wait == "set aside":
-            return self._queue_back(job_id, queue)
-        return None
 
     def _take(self, job_id: str, priority: int, queue: str | None) -> str | None:
         """``accept``'s intake: the job leased into the engine, or its message (it came on ``queue``) handed back.
         What to wait for then, with no message in hand: "room" (the engine was full), "drain" (this worker drains),
-        "set aside" (its id is held here: its message is sent again later), or None."""
-        if (held := self._held_set_aside(job_id)) is not None:
-            # dispatched: its message is sent again later; queued: whoever requeued it sends it (the sweeper, an
-            # engine error's resend), so this message is dropped
-            return "set aside" if held is JobStatus.DISPATCHED else None
+        or None."""
         if not self._without_earlier_attempt(job_id):
             self._hand_back(job_id, self._queue_back(job_id, queue), priority)  # for when that attempt left
             return None
@@ -321,7 +315,7 @@ class GpuWorker:
                 return None
             job = s.get(Job, job_id)
             try:
-                request = self._request(job, s)
+                request = self._request(job, s, lease)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
                 if cold_shutdown():  # Celery cancelled this task (not the job's fault): accept gives the job back
                     raise
@@ -354,17 +348,13 @@ class GpuWorker:
             self.inbox.put(Add(job_id))
         return None
 
-    def give_up_engine(self, job_id: str, back_to: str, priority: int, rounds: int) -> None:
-        """The message of ``job_id``, whose id this worker holds set aside, came back here for all its ``rounds`` of
-        set-aside retries (``workers.tasks.SET_ASIDE_ROUNDS``): no other worker took it, and the engine kept its
-        aborted request all that while, so it would keep it for good (only a fresh engine lets it go), and the job
-        would run nowhere. The worker stops as one whose engine broke (exit status 1: its supervisor starts it
-        afresh), its running jobs finishing within the stop grace, and the job's message goes back to the head of
-        ``back_to`` for another worker or this one restarted."""
-        self.gave_up = (f"the engine kept the aborted request of job {job_id} while the job came back here "
-                        f"{rounds + 1} times")
-        self._engine_broken(self.gave_up)  # first: the consumer stops taking messages, this one's among them
-        self._hand_back(job_id, back_to, priority)
+    def give_up_engine(self, reason: str) -> None:
+        """The engine keeps aborted requests (``EngineThread``: one still held ``KEPT_ABORT_LEASES`` leases after its
+        abort): their KV blocks and slots leak, and only a fresh engine lets them go. The worker stops as one whose
+        engine broke (exit status 1: its supervisor starts it afresh), its running jobs finishing within the stop
+        grace."""
+        self.gave_up = reason
+        self._engine_broken(reason)
 
     def _hand_back(self, job_id: str, back_to: str, priority: int) -> None:
         """``send_back`` of the message in hand, its task id known meanwhile (``handing_back``): a cold shutdown that
@@ -477,40 +467,24 @@ class GpuWorker:
         return has_room(self.active.in_line, priority == BATCH_PRIORITY, self.settings.max_inflight,
                         self.settings.kept_for_interactive)
 
-    def _held_set_aside(self, job_id: str) -> JobStatus | None:
-        """The status of ``job_id`` where it is pending again while this worker holds its id set aside
-        (``ActiveJobs.abandon``: its abort was sent, the engine has not let the request go), else None. No wait here
-        ends that, nor does another abort: a dispatched job's message is sent again after a backoff (``workers.tasks``),
-        for whichever worker takes it then. It is marked dispatched now, as that send is one: the sweeper resends a
-        dispatched job missing from the queues only once its dispatch is old, and the retried message is held by a
-        consumer until its countdown ends."""
-        if job_id not in self.active or self.active.get(job_id) is not None:
-            return None
-        with session_scope(self.url, immediate=True) as s:
-            if s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.DISPATCHED.value)
-                         .values(dispatched_at=utcnow()).execution_options(synchronize_session=False)).rowcount:
-                log.info("job %s came back to this worker while its engine still holds its aborted request; sent "
-                         "again later", job_id)
-                return JobStatus.DISPATCHED
-            queued = s.scalar(select(Job.status).where(Job.id == job_id)) == JobStatus.QUEUED.value
-        return JobStatus.QUEUED if queued else None
-
     def _without_earlier_attempt(self, job_id: str, wait_s: float = 1.0) -> bool:
-        """False while an earlier attempt of ``job_id`` is still in this worker although SQL has the job pending again
-        (its lease lapsed while it ran here, and the sweeper's resend came back here). The engine knows both attempts
-        by the job's id, so the earlier one is aborted first, and the new one waits (at most ``wait_s`` here) until
-        it has left."""
-        if job_id not in self.active:
+        """False while an earlier attempt of ``job_id`` is still served by this worker although SQL has the job pending
+        again (its lease lapsed while it ran here, and the sweeper's resend came back here). The engine thread sets
+        that attempt aside (``Supersede``: aborted, not waited for: the new attempt goes beside it under its own
+        request id); this waits, at most ``wait_s``, only until it has, so that the earlier attempt's last stream
+        events are in the outbox before the new one reads what was streamed (``_resumed``)."""
+        earlier = self.active.get(job_id)
+        if earlier is None:
             return True
         with session_scope(self.url) as s:
             row = s.get(Job, job_id, populate_existing=True)
             if row is None or JobStatus(row.status) not in PENDING:
                 return True  # a second message for the attempt running here: the lease says so at once
-        log.warning("job %s came back to this worker while its earlier attempt still runs here; aborting that one",
-                    job_id)
-        self.abort(job_id)
+        log.warning("job %s came back to this worker while its attempt %d still runs here; setting that one aside",
+                    job_id, earlier.lease.attempt)
+        self.inbox.put(Supersede(job_id, earlier.lease.attempt))
         deadline = time.monotonic() + wait_s
-        while job_id in self.active:
+        while self.active.get(job_id) is earlier:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
@@ -538,7 +512,7 @@ class GpuWorker:
         except redis.RedisError:
             return False
 
-    def _request(self, job: Job, session: Session) -> Request:
+    def _request(self, job: Job, session: Session, lease: leases.Lease) -> Request:
         ids = fed_prompt(self.settings, job)
         sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
         tier = self.settings.engine_tier(job.tier)
@@ -559,7 +533,7 @@ class GpuWorker:
                 raise ValueError(f"LoRA adapter {adapter!r} was unloaded before this job began; load it again "
                                  "(POST /v1/load_lora_adapter) and resubmit")
             path, version = source
-        return Request(job.id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
+        return Request(lease.request_id, ids, sampling, qos, arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
                        lora_name=adapter, lora_path=path, lora_version=version,
                        cache_salt=self._cache_salt(job))

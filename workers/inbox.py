@@ -1,5 +1,5 @@
-"""What other threads ask of the engine thread, in one FIFO: add, abort, resume, promote, learn, reset the prefix
-cache.
+"""What other threads ask of the engine thread, in one FIFO: add, abort, supersede, resume, promote, learn, reset
+the prefix cache.
 
 The engine thread is the only caller of the engine. The Celery intake, the cancel
 listener, the heartbeat and the operator's control listener put commands here; the
@@ -29,6 +29,15 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Supersede:
+    """A rerun of the job is leased here while its attempt ``attempt`` is still served: that attempt is aborted and set
+    aside (``ActiveJobs.abandon``) at once, not waited for, and the rerun is added beside it (its own request id)."""
+
+    job_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Resume:
     job_id: str
 
@@ -54,7 +63,7 @@ class ResetPrefixCache:
     reset_running_requests: bool = False
 
 
-Command = Add | Abort | Resume | Promote | Learn | ResetPrefixCache
+Command = Add | Abort | Supersede | Resume | Promote | Learn | ResetPrefixCache
 
 
 class Inbox:

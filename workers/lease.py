@@ -28,6 +28,18 @@ class Lease:
     attempt: int
     worker_id: str
 
+    @property
+    def request_id(self) -> str:
+        """The engine's id of this attempt's request: two attempts of a job never share one in an engine, so a rerun
+        is added beside an earlier attempt whose abort the engine has not taken yet, and that attempt's late outputs
+        name it (``ActiveJobs.serving``); the users see the job's id alone (API, streams, SQL)."""
+        return engine_request_id(self.job_id, self.attempt)
+
+
+def engine_request_id(job_id: str, attempt: int) -> str:
+    """``job_…:attempt``: a job id holds no ``:``, and vLLM and the own engine take any string as a request id."""
+    return f"{job_id}:{attempt}"
+
 
 def acquire(session: Session, job_id: str, worker_id: str, lease_s: float) -> Lease | None:
     """Leases a pending job for ``worker_id`` (commits); None if it is not pending any more."""

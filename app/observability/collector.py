@@ -182,8 +182,8 @@ class SqlCollector(Collector):
                                       labels=["worker"])
         routed = GaugeMetricFamily("coserve:worker_routed_jobs_waiting", "Jobs prefix routing sent the worker that "
                                    "wait on its own queue (at its last heartbeat).", labels=["worker"])
-        set_aside = GaugeMetricFamily("coserve:worker_set_aside_jobs", "Jobs the worker set aside: their abort its "
-                                      "engine has not confirmed, their ids held (at its last heartbeat).",
+        set_aside = GaugeMetricFamily("coserve:worker_set_aside_jobs", "Job attempts the worker set aside: their "
+                                      "abort its engine has not confirmed (at its last heartbeat).",
                                       labels=["worker"])
         now = utcnow()
         for w in workers:

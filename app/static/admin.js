@@ -194,7 +194,7 @@ function renderWorkers(workers) {
     cell(row, s.kv_usage == null ? "-" : (100 * s.kv_usage).toFixed(1) + "%", "num");
     cell(row, s.queues ? Object.entries(s.queues).map(([k, v]) => `${k}=${v}`).join(" ") : "-");
     cell(row, s.routed_waiting == null ? "-" : String(s.routed_waiting), "num routed");  // its own queue (routing)
-    // jobs whose abort the engine never confirmed: their ids held, not served (the worker's log names them)
+    // job attempts whose abort the engine never confirmed: not served (the worker's log names them)
     cell(row, s.set_aside_jobs == null ? "-" : String(s.set_aside_jobs), "num set-aside");
     // the profile's step costs x what this engine's steps measured (vLLM backend, COSERVE_COST_CALIBRATION)
     const cal = s.cost_calibration;

@@ -162,7 +162,7 @@ class VLLMEngine:
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
         self.speculation = _SpeculationView(spec_policy, self.core_scheduler)
         self.priority_policy = llm.vllm_config.scheduler_config.policy == "priority"
-        self.requests: dict[str, Request] = {}  # external (job) id -> coserve request, for metrics
+        self.requests: dict[str, Request] = {}  # external id (a job attempt's) -> coserve request, for metrics
         self.internal: dict[str, str] = {}  # vLLM's internal request id -> external id
         self.external: dict[str, str] = {}  # and back
         self.last_stats = StepStats()

@@ -253,10 +253,13 @@ def test_relegated_jobs_leave_room_under_the_in_flight_cap(settings, keys):
 
 
 def test_a_promotion_reaches_the_scheduler_through_the_inbox_and_keeps_its_tier_counts(settings):
+    """The operator names the job; the engine thread promotes the request of the attempt it serves (its own id)."""
     worker = GpuWorker(settings)
     engine = Engine(SimExecutor(COST, kv_blocks=64, block_size=16), create_scheduler("qoserve", cost_model=COST))
     engine_thread = worker.attach(engine)
-    free = _request("free-job", Tier.FREE)
+    lease = leases.Lease("free-job", 1, worker.worker_id)
+    free = _request(lease.request_id, Tier.FREE)
+    worker.active.add(ActiveJob(lease, free, None, in_engine=True))
     engine.add_request(free)
     engine.step()  # admitted and waiting or running
     control.handle(worker.inbox, {"action": "promote", "job_id": "free-job", "tier": "paid"})
