@@ -57,8 +57,9 @@ class ActiveJob:
 
     @property
     def request_id(self) -> str:
-        """The engine's id of this attempt's request (``Lease.request_id`` where the worker made the request)."""
-        return self.request.request_id
+        """The engine's id of this attempt's request (``Lease.request_id``, as the worker names the requests it
+        makes; the lease's where there is no request)."""
+        return self.request.request_id if self.request is not None else self.lease.request_id
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -82,8 +83,7 @@ class ActiveJobs:
     def add(self, job: ActiveJob) -> None:
         with self.lock:
             self._jobs[job.job_id] = job
-            if job.request is not None:
-                self._requests[job.request_id] = job
+            self._requests[job.request_id] = job
 
     def get(self, job_id: str) -> ActiveJob | None:
         return self._jobs.get(job_id)
@@ -99,7 +99,7 @@ class ActiveJobs:
             if attempt is not None and (held := self._jobs.get(job_id)) is not None and held.lease.attempt != attempt:
                 return None
             job = self._jobs.pop(job_id, None)
-            if job is not None and job.request is not None and self._requests.get(job.request_id) is job:
+            if job is not None and self._requests.get(job.request_id) is job:
                 del self._requests[job.request_id]
             if job is not None and job.relegated:
                 self._relegated -= 1

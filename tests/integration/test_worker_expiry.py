@@ -25,7 +25,7 @@ def test_a_relegated_job_that_expires_is_recorded_as_expired(settings, keys):
     (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
     req = job.request
     req.status = RequestStatus.RELEGATED
-    relegated = RequestOutput(job.job_id, status=req.status, event="relegated")
+    relegated = RequestOutput(job.request_id, status=req.status, event="relegated")
     engine_thread = worker.attach(_OneStep([relegated]))
     worker.outbox.apply(engine_thread.iterate())
     url = settings.sqlalchemy_url
@@ -33,7 +33,7 @@ def test_a_relegated_job_that_expires_is_recorded_as_expired(settings, keys):
         assert s.scalar(select(Job.status).where(Job.id == job.job_id)) == "relegated"
 
     req.status, req.finish_time = RequestStatus.FINISHED_EXPIRED, 100.0  # as the engine finishes it
-    expired = RequestOutput(job.job_id, status=req.status, event="expired", metrics=request_metrics(req))
+    expired = RequestOutput(job.request_id, status=req.status, event="expired", metrics=request_metrics(req))
     engine_thread = worker.attach(_OneStep([expired]))
     worker.outbox.apply(engine_thread.iterate())
     with session_scope(url) as s:
@@ -56,11 +56,11 @@ def test_a_job_relegated_after_its_first_tokens_keeps_them_when_it_expires(setti
     req = job.request
     req.scheduled_time, req.token_times = req.arrival_time + 0.1, [req.arrival_time + 0.2, req.arrival_time + 0.3]
     req.status = RequestStatus.RELEGATED
-    began = RequestOutput(job.job_id, new_token_ids=[5, 6], new_text="Hello there", status=req.status,
+    began = RequestOutput(job.request_id, new_token_ids=[5, 6], new_text="Hello there", status=req.status,
                           event="relegated")
     worker.outbox.apply(worker.attach(_OneStep([began])).iterate())
     req.status, req.finish_time = RequestStatus.FINISHED_EXPIRED, req.arrival_time + 100.0
-    expired = RequestOutput(job.job_id, status=req.status, event="expired", metrics=request_metrics(req))
+    expired = RequestOutput(job.request_id, status=req.status, event="expired", metrics=request_metrics(req))
     worker.outbox.apply(worker.attach(_OneStep([expired])).iterate())
     with session_scope(settings.sqlalchemy_url) as s:
         row = s.execute(select(Job.status, Job.output_text, Job.completion_tokens, Job.prompt_tokens, Job.ttft_s,

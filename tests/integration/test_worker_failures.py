@@ -55,14 +55,14 @@ def test_engine_error_requeues_jobs_and_fails_only_the_exhausted(settings, keys)
     with session_scope(url) as s:
         s.execute(Job.__table__.update().where(Job.id == last).values(attempt=1))  # it ran once before
     with session_scope(url) as s:
-        for job_id in (fresh, last):
-            lease = leases.acquire(s, job_id, worker.worker_id, 30)
-            worker.active.add(ActiveJob(lease, None, None, in_engine=True))
+        requests = [leases.acquire(s, job_id, worker.worker_id, 30) for job_id in (fresh, last)]
+    for lease in requests:
+        worker.active.add(ActiveJob(lease, None, None, in_engine=True))
 
     worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
     worker.outbox.flush_events()
 
-    assert len(worker.active) == 0 and sorted(worker.engine.aborted) == sorted([fresh, last])
+    assert len(worker.active) == 0 and sorted(worker.engine.aborted) == sorted(lease.request_id for lease in requests)
     with session_scope(url) as s:
         a, b = s.get(Job, fresh), s.get(Job, last)
         assert (a.status, a.attempt, a.worker_id, a.lease_expires_at) == ("queued", 1, None, None)
@@ -144,6 +144,7 @@ class _Flaky:
 
     def __init__(self, script: list[str]) -> None:
         self.script = script
+        self.held = "held:1"  # the request id of the attempt it runs
 
     def abort(self, request_id: str) -> None:
         pass
@@ -153,7 +154,7 @@ class _Flaky:
         if what == "raise":
             raise RuntimeError("device lost")
         made = what == "token"
-        return [SimpleNamespace(request_id="held", new_token_ids=[7] if made else [], new_text="x" if made else "",
+        return [SimpleNamespace(request_id=self.held, new_token_ids=[7] if made else [], new_text="x" if made else "",
                                 prompt_logprobs=None, new_logprobs=None, event=None, finished=False)]
 
 
@@ -166,15 +167,18 @@ def test_only_failures_with_no_token_between_them_break_the_engine(settings, scr
     engine_thread = worker.attach(_Flaky(list(script)))
     for attempt in range(1, len(script) + 1):  # each step's job: a new attempt where a failure gave the last back
         if (held := worker.active.get("held")) is None or held.finished:
-            worker.active.add(ActiveJob(leases.Lease("held", attempt, worker.worker_id), None, None, in_engine=True))
+            worker.active.add(ActiveJob(lease := leases.Lease("held", attempt, worker.worker_id), None, None,
+                                        in_engine=True))
+            worker.engine.held = lease.request_id
         engine_thread.iterate()
     assert (engine_thread.broken is not None) is broken
 
 
-def test_a_job_an_engine_error_gave_back_is_not_rerun_here_before_the_engine_took_its_abort(settings, keys):
-    """A failed step gives its jobs back and aborts them in the engine, which takes the aborts at its next step. The
-    job's id stays set aside until then: a rerun that comes back to this worker sooner is not added beside the
-    aborted request of the same id (whose pending abort would hit the rerun, or whose output would be the rerun's)."""
+def test_a_job_an_engine_error_gave_back_is_rerun_here_beside_the_abort_the_engine_has_not_taken(settings, keys):
+    """A failed step gives its jobs back and aborts them in the engine, which takes the aborts at its next step. A
+    rerun that comes back to this worker sooner is added beside the aborted request at once: the engine knows each
+    attempt by its own request id, so the pending abort hits attempt 1 alone, and attempt 1's last word (aborted) is
+    not the rerun's; the rerun runs to the end."""
     from gpu_runtime.request import RequestStatus
     from tests.integration.test_worker_threads import leased_on_sim_engine
 
@@ -192,14 +196,15 @@ def test_a_job_an_engine_error_gave_back_is_not_rerun_here_before_the_engine_too
 
     engine.executor.step = lost_once
     worker.outbox.apply(engine_thread.iterate())  # the step raises: attempt 1 is given back, its abort is pending
-    assert len(worker.active) == 0 and job_id in worker.active and _job_status(url, job_id) == "queued"
+    assert len(worker.active) == 0 and worker.active.abandoned_ids() == [first.request.request_id]
+    assert _job_status(url, job_id) == "queued"
     worker.accept(job_id)  # its message comes back here before the engine took the abort
-    assert worker.active.get(job_id) is None and first.request.status is not RequestStatus.FINISHED_ABORTED
-    worker.outbox.apply(engine_thread.iterate())  # the engine takes the abort: the id is free again
-    assert first.request.status is RequestStatus.FINISHED_ABORTED and job_id not in worker.active
-    worker.accept(job_id)
     second = worker.active.get(job_id)
     assert second is not None and second.lease.attempt == 2
+    assert first.request.status is not RequestStatus.FINISHED_ABORTED  # its abort still pending
+    worker.outbox.apply(engine_thread.iterate())  # the engine takes the abort: attempt 1's alone
+    assert first.request.status is RequestStatus.FINISHED_ABORTED and worker.active.abandoned_ids() == []
+    assert worker.active.get(job_id) is second and second.request.status is not RequestStatus.FINISHED_ABORTED
     for _ in range(60):
         worker.outbox.apply(engine_thread.iterate())
     with session_scope(url) as s:

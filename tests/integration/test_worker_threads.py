@@ -72,8 +72,9 @@ def _leased_jobs(settings, keys, worker, n: int, in_engine: bool = False) -> lis
     jobs = []
     with session_scope(url) as s:
         for job_id in ids:
-            job = ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30), _request(job_id), s.get(Job, job_id)
-                            .created_at, in_engine=in_engine)
+            lease = leases.acquire(s, job_id, worker.worker_id, 30)
+            # its request named after the attempt, as the worker names it
+            job = ActiveJob(lease, _request(lease.request_id), s.get(Job, job_id).created_at, in_engine=in_engine)
             worker.active.add(job)
             jobs.append(job)
     return jobs
@@ -85,7 +86,7 @@ def _finished(job: ActiveJob) -> RequestOutput:
     req.status = RequestStatus.FINISHED_LENGTH
     from gpu_runtime.metrics import request_metrics
 
-    return RequestOutput(job.job_id, [6], "", RequestStatus.FINISHED_LENGTH, metrics=request_metrics(req))
+    return RequestOutput(job.request_id, [6], "", RequestStatus.FINISHED_LENGTH, metrics=request_metrics(req))
 
 
 class _OneStep:
@@ -168,18 +169,18 @@ def test_an_abort_that_arrives_before_the_engine_took_the_add_still_stops_the_jo
     worker.inbox.put(Add(job.job_id))  # the intake's add, not yet applied by the engine thread
     worker.abort(job.job_id)  # the cancel listener, in between
     engine_thread.iterate()
-    assert worker.engine.calls == [("add", job.job_id), ("abort", job.job_id)]
+    assert worker.engine.calls == [("add", job.request_id), ("abort", job.request_id)]
     # an abort for a job the engine never got is not applied to a later run of the same id
     worker.inbox.put(Abort("job_unknown"))
     engine_thread.iterate()
-    assert worker.engine.calls[-1] == ("abort", job.job_id)
+    assert worker.engine.calls[-1] == ("abort", job.request_id)
 
 
 def test_reconcile_gives_back_a_job_the_engine_lost(settings, keys):
     worker = GpuWorker(settings)
     engine_thread = worker.attach(_Recorder())
     kept, lost = _leased_jobs(settings, keys, worker, 2, in_engine=True)
-    worker.engine.requests[kept.job_id] = kept.request  # the engine knows only one of them
+    worker.engine.requests[kept.request_id] = kept.request  # the engine knows only one of them
     worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
     assert worker.active.snapshot_ids() == [kept.job_id]
     url = settings.sqlalchemy_url
@@ -226,7 +227,8 @@ def test_relegated_jobs_leave_room_under_the_in_flight_cap(settings, keys):
     resumed job counts again."""
     worker = GpuWorker(settings.model_copy(update={"max_inflight": 2}))
     a, b = _leased_jobs(settings, keys, worker, 2, in_engine=True)
-    stand_in = _OneStep([RequestOutput(j.job_id, status=RequestStatus.RELEGATED, event="relegated") for j in (a, b)])
+    stand_in = _OneStep([RequestOutput(j.request_id, status=RequestStatus.RELEGATED, event="relegated")
+                         for j in (a, b)])
     stand_in.executor = SimExecutor(COST, kv_blocks=64, block_size=16)  # the intake reads the engine's clock
     stand_in.add_request = lambda request: None
     engine_thread = worker.attach(stand_in)
@@ -245,7 +247,7 @@ def test_relegated_jobs_leave_room_under_the_in_flight_cap(settings, keys):
     intake.join(10)
     assert not intake.is_alive() and new in worker.active  # taken at once: two held, none in line
 
-    stand_in.outputs = [RequestOutput(a.job_id, status=RequestStatus.WAITING, event="resumed")]
+    stand_in.outputs = [RequestOutput(a.request_id, status=RequestStatus.WAITING, event="resumed")]
     worker.outbox.apply(engine_thread.iterate())
     assert (worker.active.in_line, worker.active.relegated) == (2, 1)
     worker.active.pop(b.job_id)  # b leaves (finished or expired): the count follows
@@ -341,7 +343,7 @@ def _ended(job: ActiveJob, status: RequestStatus, tokens: int, text: str = "", c
     req.output_token_ids, req.token_times = [5] * tokens, [0.1 * (i + 1) for i in range(tokens)]
     req.status, req.finish_time = status, 1.0
     new = [5] if status is not RequestStatus.FINISHED_ABORTED else []
-    return RequestOutput(job.job_id, new, text, status, metrics=request_metrics(req) if counted else None)
+    return RequestOutput(job.request_id, new, text, status, metrics=request_metrics(req) if counted else None)
 
 
 def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, keys):
@@ -364,7 +366,7 @@ def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, 
         leases.release(s, requeued.lease, "lease lost")  # back in the queue, at the same attempt
         for job in jobs:
             cancel_job(s, s.get(Job, job.job_id))
-    stand_in = _OneStep([RequestOutput(j.job_id, [5, 5], "Hello", RequestStatus.DECODING) for j in jobs
+    stand_in = _OneStep([RequestOutput(j.request_id, [5, 5], "Hello", RequestStatus.DECODING) for j in jobs
                          if j not in (silent, prefilled)])
     engine_thread = worker.attach(stand_in)
     worker.outbox.apply(engine_thread.iterate())  # tokens streamed before the worker heard of the cancel
@@ -415,7 +417,7 @@ def test_a_nul_the_model_generates_is_streamed_and_stored_as_the_replacement_cha
     U+FFFD, so the job's result is written on every database."""
     worker = GpuWorker(settings)
     (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
-    stand_in = _OneStep([RequestOutput(job.job_id, [5], "a\x00", RequestStatus.DECODING)])
+    stand_in = _OneStep([RequestOutput(job.request_id, [5], "a\x00", RequestStatus.DECODING)])
     engine_thread = worker.attach(stand_in)
     worker.outbox.apply(engine_thread.iterate())
     stand_in.outputs = [_ended(job, RequestStatus.FINISHED_LENGTH, 2, "\x00b")]
@@ -446,8 +448,8 @@ def _lapse_and_requeue(settings, job_id: str) -> None:
 
 
 def test_a_job_that_comes_back_to_the_worker_still_running_it_runs_once_in_its_engine(settings, keys):
-    """The engine knows a job's attempts by the job's id: the earlier attempt is aborted before the next is added,
-    so the engine never runs two and the result is the new attempt's alone."""
+    """The earlier attempt still running here is aborted and set aside before the next is added (the engine knows
+    each by its own request id), and the result is the new attempt's alone."""
     url = settings.sqlalchemy_url
     worker, engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
     for _ in range(5):  # attempt 1 runs: its prompt and a few tokens
@@ -470,6 +472,59 @@ def test_a_job_that_comes_back_to_the_worker_still_running_it_runs_once_in_its_e
     assert not engine.has_work
 
 
+def test_a_rerun_runs_and_finishes_beside_the_aborted_request_its_engine_still_holds(settings, keys):
+    """The engine is told to abort attempt 1 (its lease lapsed) and never lets the request go: its scheduler drops it,
+    the engine holds it unfinished. The rerun that comes back here is added beside it under its own request id and
+    runs to the end, the job's result its own; when the engine at last reports attempt 1 aborted, that late word
+    writes nothing, on the job or its stream. (Under one request id per job, the rerun waited for attempt 1 to leave,
+    which it never did.)"""
+    url = settings.sqlalchemy_url
+    worker, engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    kept: list[str] = []
+
+    def keep(request_id: str) -> None:  # the engine thread's abort: no more scheduled, never confirmed
+        engine.scheduler.abort_request(request_id)
+        kept.append(request_id)
+
+    engine.abort = keep
+    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens
+        worker.outbox.apply(engine_thread.iterate())
+    first = worker.active.get(job_id)
+    assert first.lease.attempt == 1 and first.request.num_output_tokens > 0
+    _lapse_and_requeue(settings, job_id)
+    worker.abort(job_id)  # the heartbeat found the lease lost
+    worker.outbox.apply(engine_thread.iterate())
+    assert kept == [first.request.request_id] and worker.active.get(job_id) is first  # unconfirmed
+    worker.accept(job_id)  # the resend comes back here; no engine thread runs to set attempt 1 aside: handed back
+    worker.outbox.apply(engine_thread.iterate())  # the engine thread sets attempt 1 aside
+    worker.outbox.flush_events()
+    worker.accept(job_id)  # the message again
+    second = worker.active.get(job_id)
+    assert second is not None and second.lease.attempt == 2 and second.request.request_id != first.request.request_id
+    for _ in range(80):
+        worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    held = engine.requests.get(first.request.request_id)
+    assert held is first.request and not held.status.finished  # the engine still holds attempt 1
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt) == ("succeeded", 2)
+        result = (job.output_text, job.completion_tokens, job.settled_at)
+    assert result[1] == len(second.output_token_ids)
+    stream = redis.Redis.from_url(settings.redis_url)
+    events = [StreamEvent.parse(raw) for _id, raw in stream.xrange(stream_key(job_id))]
+
+    Engine.abort(engine, first.request.request_id)  # the engine's word on attempt 1 comes at last, in a step (its only
+    worker.outbox.apply(engine_thread._records(engine.step()))  # work: the loop, seeing none, would not step)
+    worker.outbox.flush_events()
+    assert first.request.request_id not in engine.requests and worker.active.abandoned_ids() == []
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt, job.output_text, job.completion_tokens, job.settled_at) == \
+            ("succeeded", 2) + result
+    assert [StreamEvent.parse(raw) for _id, raw in stream.xrange(stream_key(job_id))] == events
+
+
 def test_an_earlier_attempts_last_record_leaves_a_newer_attempt_of_the_job_in_place(settings, keys):
     worker = GpuWorker(settings)
     (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
@@ -489,7 +544,7 @@ def test_a_retried_relegation_lands_before_the_resumption_after_it(settings, key
 
     worker = GpuWorker(settings)
     (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
-    stand_in = _OneStep([RequestOutput(job.job_id, status=RequestStatus.RELEGATED, event="relegated")])
+    stand_in = _OneStep([RequestOutput(job.request_id, status=RequestStatus.RELEGATED, event="relegated")])
     engine_thread = worker.attach(stand_in)
     real, failed = engine_thread_module.transition, []
 
@@ -501,7 +556,7 @@ def test_a_retried_relegation_lands_before_the_resumption_after_it(settings, key
 
     monkeypatch.setattr(engine_thread_module, "transition", transition)
     worker.outbox.apply(engine_thread.iterate())
-    stand_in.outputs = [RequestOutput(job.job_id, status=RequestStatus.WAITING, event="resumed")]
+    stand_in.outputs = [RequestOutput(job.request_id, status=RequestStatus.WAITING, event="resumed")]
     worker.outbox.apply(engine_thread.iterate())
     for record in worker.outbox._retry:
         record.not_before = 0.0
@@ -601,13 +656,13 @@ def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(se
         cancel_job(s, s.get(Job, job.job_id))
     worker.abort(job.job_id)
     worker.outbox.apply(engine_thread.iterate())
-    assert worker.engine.calls[-1] == ("abort", job.job_id) and not worker._has_room(INTERACTIVE_PRIORITY)
+    assert worker.engine.calls[-1] == ("abort", job.request_id) and not worker._has_room(INTERACTIVE_PRIORITY)
     worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
     assert job.job_id in worker.active.snapshot_ids()  # within its lease: the engine may still confirm it
     job.abort_sent_at -= settings.lease_seconds  # a lease later (the clock moved on, not slept on)
     worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
     assert worker.active.snapshot_ids() == [] and worker.active.in_line == 0 and worker._has_room(INTERACTIVE_PRIORITY)
-    assert job.job_id in worker.active  # its id stays held while the engine may hold it: no rerun joins it here
+    assert worker.active.abandoned_ids() == [job.request_id]  # listed while the engine may hold it (a leak bound)
     worker.heartbeat()  # the worker's row counts it (the dashboard, /readyz, /metrics), not only its log
     assert _worker_row_state(settings, worker)["set_aside_jobs"] == 1
     with session_scope(url) as s:
@@ -618,7 +673,7 @@ def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(se
     engine_thread.engine = _OneStep([_ended(job, RequestStatus.FINISHED_ABORTED, 2, "late")])
     worker.outbox.apply(engine_thread.iterate())
     worker.outbox.flush_events()
-    assert job.job_id not in worker.active
+    assert worker.active.abandoned_ids() == []
     worker.heartbeat()
     assert _worker_row_state(settings, worker)["set_aside_jobs"] == 0
     with session_scope(url) as s:
@@ -637,11 +692,9 @@ def _worker_row_state(settings, worker: GpuWorker) -> dict:
 
 
 def _set_aside_with_its_message(settings, keys, monkeypatch):
-    """A worker whose engine never confirms the abort of a job whose lease lapsed while it ran there (its id set aside
-    there), that job requeued and sent again by the sweeper, and ``delivered(rounds, retries=0)``: that worker's
-    consumer runs a message of the job sent again ``rounds`` times for its set-aside id (None: a message with no
-    count, as sent before the count was kept) and by Celery's autoretry ``retries`` times for database errors (a
-    retry sends its message to Redis)."""
+    """A worker whose engine never confirms the abort of a job whose lease lapsed while it ran there (its attempt set
+    aside there), that job requeued and sent again by the sweeper, and ``delivered(**kwargs)``: that worker's consumer
+    runs a message of the job (``kwargs``: the task's keyword arguments in the message)."""
     from workers.celery_app import RUN_JOB, get_celery
 
     worker = GpuWorker(settings)
@@ -654,16 +707,16 @@ def _set_aside_with_its_message(settings, keys, monkeypatch):
     worker.outbox.apply(engine_thread.iterate())
     job.abort_sent_at -= settings.lease_seconds  # a lease later (the clock moved on, not slept on)
     worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
-    assert worker.active.abandoned_ids() == [job.job_id]
+    assert worker.active.abandoned_ids() == [job.request_id] and job.job_id not in worker.active
+    worker.engine.executor = SimpleNamespace(now=time.monotonic)  # the clock a job's arrival is set on
 
     app = get_celery(settings.redis_url)
     app.loader.import_default_modules()
     monkeypatch.setattr(app, "coserve_worker", worker, raising=False)
     run_job = app.tasks[RUN_JOB]
 
-    def delivered(rounds: int | None, retries: int = 0):
-        kwargs = {} if rounds is None else {"set_aside_rounds": rounds}
-        run_job.push_request(id=f"task-{rounds}", args=[job.job_id], kwargs=kwargs, retries=retries, is_eager=False,
+    def delivered(**kwargs):
+        run_job.push_request(id="task-1", args=[job.job_id], kwargs=kwargs, retries=0, is_eager=False,
                              called_directly=False, delivery_info={"priority": INTERACTIVE_PRIORITY, "exchange": "",
                                                                    "routing_key": "coserve.tiny"})
         try:
@@ -673,156 +726,60 @@ def _set_aside_with_its_message(settings, keys, monkeypatch):
     return worker, engine_thread, job, delivered
 
 
-def test_a_job_that_comes_back_while_its_id_is_set_aside_is_retried_later_by_celery(settings, keys, monkeypatch):
-    """A job whose lease lapsed while its engine never confirmed the abort keeps its id set aside on this worker. Its
-    resent message coming back here is neither waited on (no abort frees the id) nor handed back to the head of the
-    queue, where this worker took it again at once, over and over: Celery's retry sends it again after a backoff, on
-    the model's queue, for whichever worker takes it then; once the engine let the id go, the job runs here."""
-    import json
-
-    from celery.exceptions import Retry
-
-    from workers.tasks import SET_ASIDE_BACKOFF_MAX_S
-
-    url = settings.sqlalchemy_url
-    worker, engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
+def test_a_job_that_comes_back_while_its_earlier_attempt_is_set_aside_runs_at_once(settings, keys, monkeypatch):
+    """A job whose lease lapsed while its engine never confirmed the abort has its attempt set aside on this worker.
+    The engine knows each attempt by its own request id, so the resent message coming back here is neither waited on
+    nor sent again later: the rerun is added beside the aborted request at once. A message that an older worker sent
+    again with its set-aside count still runs."""
+    worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
     r = redis.Redis.from_url(settings.redis_url)
     waiting = r.llen("coserve.tiny")
-    with session_scope(url) as s:
-        dispatched_at = s.get(Job, job.job_id).dispatched_at
-
-    with pytest.raises(Retry) as retry:
-        delivered(0)
-    assert retry.value.when == 1  # Celery's backoff: 1 s, then 2, 4, ...
-    sent = [json.loads(raw) for raw in r.lrange("coserve.tiny", 0, -1)]
-    assert len(sent) == waiting + 1  # Celery's retry, not a hand-back to the head for this worker to take again
-    assert (sent[0]["headers"]["id"], sent[0]["headers"]["retries"]) == ("task-0", 0)  # the database errors' count
-    assert _message_kwargs(sent[0]) == {"set_aside_rounds": 1}  # its own count, carried by the message
-    assert sent[0]["headers"]["eta"] is not None  # held by the consumer that takes it until its countdown ends
-    with session_scope(url) as s:
+    assert delivered(set_aside_rounds=3) is None
+    worker.outbox.apply(_engine_thread.iterate())  # the engine thread adds it
+    second = worker.active.get(job.job_id)
+    assert second.lease.attempt == 2 and second.request_id == f"{job.job_id}:2" != job.request_id
+    assert worker.engine.calls == [("add", job.request_id), ("abort", job.request_id), ("add", second.request_id)]
+    assert worker.active.abandoned_ids() == [job.request_id]  # attempt 1 stays listed beside it
+    assert r.llen("coserve.tiny") == waiting  # no message sent again, no hand-back
+    with session_scope(settings.sqlalchemy_url) as s:
         row = s.get(Job, job.job_id)
-        assert (row.status, row.attempt, row.worker_id) == ("dispatched", 1, None)
-        assert row.dispatched_at > dispatched_at  # the retry is a send: the sweeper does not resend a copy meanwhile
-    with pytest.raises(Retry) as retry:
-        delivered(6)
-    assert retry.value.when == SET_ASIDE_BACKOFF_MAX_S
-    assert r.llen("coserve.tiny") == waiting + 2
-    assert worker.engine.calls.count(("add", job.job_id)) == 1  # never added beside the request the engine holds
-
-    del worker.engine.requests[job.job_id]  # the engine let the request go at last
-    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
-    worker.engine.executor = SimpleNamespace(now=time.monotonic)  # the clock a job's arrival is set on
-    assert delivered(2) is None
-    assert worker.active.get(job.job_id).lease.attempt == 2
+        assert (row.status, row.attempt, row.worker_id) == ("running", 2, worker.worker_id)
 
 
-def _message_kwargs(message: dict) -> dict:
-    """The task keyword arguments in a message as kombu's Redis transport keeps it (protocol 2's body: args, kwargs,
-    embed; base64 JSON)."""
-    import base64
-    import json
-
-    _args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
-    return kwargs
-
-
-def test_a_set_aside_job_whose_message_spent_retries_on_database_errors_gets_all_its_own_rounds(settings, keys,
-                                                                                               monkeypatch):
-    """Celery's ``retries`` also counts the autoretries of database errors (SQLite's "database is locked"): a
-    message that spent them all there reached the give-up at once and stopped a worker whose engine only held the id
-    a little while. The set-aside rounds are counted in the message apart from them: such a message is sent again
-    for its rounds, its database-error count kept, as is one sent before the rounds were counted (no count: none)."""
-    import json
-
-    from celery.exceptions import Retry
-
-    from workers.celery_app import RUN_JOB, get_celery
-
-    worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
-    signals: list[tuple[int, int]] = []
-    monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: signals.append((pid, sig)))
-    r = redis.Redis.from_url(settings.redis_url)
-    max_retries = get_celery(settings.redis_url).tasks[RUN_JOB].max_retries
-
-    with pytest.raises(Retry) as retry:
-        delivered(3, retries=max_retries)
-    assert retry.value.when == 8  # the rounds' backoff, not the database errors'
-    sent = json.loads(r.lindex("coserve.tiny", 0))  # the newest message (LPUSH)
-    assert (sent["headers"]["id"], sent["headers"]["retries"]) == ("task-3", max_retries)
-    assert _message_kwargs(sent) == {"set_aside_rounds": 4}
-    with pytest.raises(Retry) as retry:
-        delivered(None, retries=max_retries)
-    assert retry.value.when == 1
-    assert _message_kwargs(json.loads(r.lindex("coserve.tiny", 0))) == {"set_aside_rounds": 1}
-    assert signals == [] and worker.broken is None and not worker.shutting_down
-    assert worker.engine.calls.count(("add", job.job_id)) == 1  # never added beside the request the engine holds
-
-
-def test_a_job_whose_id_the_engine_keeps_through_every_retry_stops_the_worker_for_a_fresh_engine(settings, keys,
+def test_an_engine_that_keeps_an_aborted_request_for_leases_stops_the_worker_for_a_fresh_engine(settings, keys,
                                                                                                    monkeypatch):
-    """Past Celery's retries the job was left to the sweeper, whose resend came back to the same worker, whose engine
-    still held the id: the cycle went on for good and the job ran nowhere (one worker: never). An engine that keeps
-    an aborted request that long is given up on as a broken one is: the worker stops (SIGTERM to itself: Celery's
-    warm shutdown, then exit status 1 for its supervisor to start a fresh engine), and the job's message goes back
-    to the head of the model's queue, for another worker or this one restarted."""
-    import json
+    """A set-aside attempt no longer holds its job back, so nothing else notices an engine that keeps aborted requests
+    (their KV blocks and slots leak for good). One still held ``KEPT_ABORT_LEASES`` leases after its abort gives the
+    engine up as a broken one is: the worker stops (SIGTERM to itself: Celery's warm shutdown, then exit status 1
+    for its supervisor to start a fresh engine), once; an engine that let the request go in time is kept."""
     import os
     import signal
 
-    from workers.tasks import SET_ASIDE_ROUNDS
+    from workers.engine_thread import KEPT_ABORT_LEASES
 
-    worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
+    worker, engine_thread, job, _delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
     signals: list[tuple[int, int]] = []
     monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: signals.append((pid, sig)))
-    r = redis.Redis.from_url(settings.redis_url)
-    before = {json.loads(raw)["headers"]["id"] for raw in r.lrange("coserve.tiny", 0, -1)}
-
-    assert delivered(SET_ASIDE_ROUNDS) is None  # the last round came back to this worker too: its engine kept the id
+    job.abort_sent_at -= (KEPT_ABORT_LEASES - 1.5) * settings.lease_seconds  # short of the bound
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    assert signals == [] and worker.broken is None and not worker.shutting_down
+    job.abort_sent_at -= settings.lease_seconds  # past it (the clock moved on, not slept on)
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
     assert signals == [(os.getpid(), signal.SIGTERM)] and worker.shutting_down
-    assert worker.broken == (f"the engine kept the aborted request of job {job.job_id} while the job came back here "
-                             f"{SET_ASIDE_ROUNDS + 1} times")  # run_worker exits with it (status 1)
-    head = json.loads(r.lindex("coserve.tiny", -1))  # consumers take from the right end (BRPOP)
-    assert head["headers"]["id"] not in before and job.job_id in head["headers"]["argsrepr"]
-    assert (head["headers"]["eta"], head["headers"]["retries"]) == (None, 0)  # for whoever takes it next, at once
-    assert r.llen("coserve.tiny") == len(before) + 1
-    with session_scope(settings.sqlalchemy_url) as s:
-        row = s.get(Job, job.job_id)
-        assert (row.status, row.attempt, row.worker_id) == ("dispatched", 1, None)
-    assert worker.engine.calls.count(("add", job.job_id)) == 1  # never added beside the request the engine holds
+    assert worker.broken == (f"the engine kept the aborted request of job {job.job_id} (attempt 1) "
+                             f"{KEPT_ABORT_LEASES} leases after its abort")  # run_worker exits with it (status 1)
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    assert len(signals) == 1
 
 
-def test_a_retried_message_whose_holder_died_in_its_countdown_is_resent_once_its_dispatch_is_old(settings, keys,
-                                                                                                  monkeypatch):
-    """A set-aside job's retried message is held by the consumer that took it until its countdown ends, out of the
-    queue (kombu keeps it unacked for an hour). Where that worker dies meanwhile, the sweeper resends the job as a
-    lost message once its dispatch (renewed by the retry) is old, as for any message lost in a worker."""
-    from datetime import timedelta
-
-    from celery.exceptions import Retry
-    from sqlalchemy import update
-
-    from app.services.transitions import utcnow
-    from workers.sweeper import sweep
-
-    url = settings.sqlalchemy_url
-    _worker, _engine_thread, job, delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
-    r = redis.Redis.from_url(settings.redis_url)
-    assert job.job_id.encode() in r.rpop("coserve.tiny")  # the consumer took the sweeper's resend (delivered here)
-    with pytest.raises(Retry):
-        delivered(0)
-    assert job.job_id.encode() in r.rpop("coserve.tiny")  # a consumer took the retried message; it died in the wait
-    assert r.llen("coserve.tiny") == 0
-    with session_scope(url, immediate=True) as s:
-        assert sweep(s, settings.redis_url, resend_after_s=30).resent == 0  # dispatched by the retry just now
-        s.execute(update(Job).where(Job.id == job.job_id).values(dispatched_at=utcnow() - timedelta(seconds=31)))
-        s.commit()
-        assert sweep(s, settings.redis_url, resend_after_s=30).resent == 1
-        assert sweep(s, settings.redis_url, resend_after_s=30).resent == 0  # once: its dispatch is new again
-    (raw,) = r.lrange("coserve.tiny", 0, -1)
-    assert job.job_id.encode() in raw
-    with session_scope(url) as s:
-        row = s.get(Job, job.job_id)
-        assert (row.status, row.worker_id) == ("dispatched", None)
+def test_an_engine_that_let_a_set_aside_request_go_is_not_given_up_on(settings, keys, monkeypatch):
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: signals.append((pid, sig)))
+    worker, engine_thread, job, _delivered = _set_aside_with_its_message(settings, keys, monkeypatch)
+    del worker.engine.requests[job.request_id]  # the engine let it go, without a word
+    job.abort_sent_at -= 10 * settings.lease_seconds
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    assert worker.active.abandoned_ids() == [] and signals == [] and worker.broken is None
 
 
 def test_a_worker_that_gives_up_on_an_engine_that_kept_a_request_lets_its_running_jobs_finish(settings, keys,
@@ -831,7 +788,7 @@ def test_a_worker_that_gives_up_on_an_engine_that_kept_a_request_lets_its_runnin
     stopping worker's grace lets them finish there, rather than hand them back to run again elsewhere."""
     monkeypatch.setattr("workers.gpu_worker.os.kill", lambda pid, sig: None)  # the SIGTERM that stops the consumer
     worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
-    worker.give_up_engine(f"job_{'0' * 24}", "coserve.tiny", INTERACTIVE_PRIORITY, 10)  # another job's message
+    worker.give_up_engine(f"the engine kept the aborted request of job {'0' * 24}")  # another job's
     worker.outbox.start()
     loop = threading.Thread(target=engine_thread.run, name="coserve-engine", daemon=True)
     real_sleep = time.sleep
