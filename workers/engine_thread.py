@@ -125,8 +125,8 @@ class EngineThread:
             if not step:
                 self.inbox.wait(IDLE_WAIT_S)
             return step
-        # jobs given back after an engine error are sent again only once a step has taken their aborts:
-        # sent earlier, one could come back here and its abort hit the new run
+        # jobs given back after an engine error are sent again only once a step has taken their aborts (a rerun
+        # that came back here sooner would go beside the aborted request, under its own request id, all the same)
         requeued, self.requeued = self.requeued, []
         try:
             outputs = self.engine.step()
@@ -173,7 +173,8 @@ class EngineThread:
                     job.finished = True
                     records.append(self._failure(job, str(exc), "rejected by the engine", refusal_code(exc)))
             elif isinstance(cmd, Abort):
-                if job is not None and job.in_engine and not job.finished:
+                if (job is not None and job.in_engine and not job.finished
+                        and cmd.attempt in (None, job.lease.attempt)):
                     self._send_abort(job)
             elif isinstance(cmd, Supersede):
                 if job is not None and job.lease.attempt == cmd.attempt:

@@ -601,7 +601,7 @@ class GpuWorker:
         for job in jobs:  # cancelled by the API, or our lease was lost: stop generating it
             if job.lease.job_id not in held and not job.finished:
                 log.info("job %s is no longer ours (cancelled or lease lost); aborting", job.lease.job_id)
-                self.abort(job.lease.job_id)
+                self.abort(job.lease.job_id, job.lease.attempt)
         if draining != self.draining:
             self.draining = draining
             log.info("worker %s %s", self.worker_id, "draining: taking no new jobs" if draining else "serving again")
@@ -643,10 +643,11 @@ class GpuWorker:
             log.warning("worker %s could not %s consuming its queues: %s", self.worker_id,
                         "resume" if on else "stop", exc)
 
-    def abort(self, job_id: str) -> None:
+    def abort(self, job_id: str, attempt: int | None = None) -> None:
+        """Stops the job's attempt here (``attempt``: only that one; None: whichever this worker serves)."""
         with self.active.lock:  # after the job's Add (the intake queues it under this lock)
             if job_id in self.active:
-                self.inbox.put(Abort(job_id))
+                self.inbox.put(Abort(job_id, attempt))
 
     def _heartbeat_loop(self) -> None:
         while True:

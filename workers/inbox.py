@@ -26,6 +26,7 @@ class Add:
 @dataclass(frozen=True)
 class Abort:
     job_id: str
+    attempt: int | None = None  # that attempt only (a lease lost: a rerun leased here since goes on); None: any
 
 
 @dataclass(frozen=True)

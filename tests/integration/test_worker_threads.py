@@ -176,6 +176,23 @@ def test_an_abort_that_arrives_before_the_engine_took_the_add_still_stops_the_jo
     assert worker.engine.calls[-1] == ("abort", job.request_id)
 
 
+def test_the_heartbeats_abort_of_a_lost_attempt_leaves_the_rerun_leased_here_since(settings, keys):
+    """The heartbeat found attempt 1's lease lost and asks for its abort; attempt 2 of the job was leased here before
+    the engine thread took it: the abort names attempt 1, and attempt 2 runs on (a cancel names no attempt)."""
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Recorder())
+    (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
+    worker.abort(job.job_id, job.lease.attempt)  # the heartbeat's
+    rerun = ActiveJob(leases.Lease(job.job_id, 2, worker.worker_id), _request(f"{job.job_id}:2"), job.created_at,
+                      in_engine=True)
+    worker.active.add(rerun)
+    engine_thread.iterate()
+    assert worker.engine.calls == [] and worker.active.get(job.job_id) is rerun and rerun.abort_sent_at is None
+    worker.abort(job.job_id)  # the API's cancel: whichever attempt runs here
+    engine_thread.iterate()
+    assert worker.engine.calls == [("abort", rerun.request_id)]
+
+
 def test_reconcile_gives_back_a_job_the_engine_lost(settings, keys):
     worker = GpuWorker(settings)
     engine_thread = worker.attach(_Recorder())

@@ -138,6 +138,18 @@ def test_vllms_gauges_empty_once_a_cancel_leaves_the_engine_idle():
     assert idle == {"vllm:num_requests_running": 0, "vllm:kv_cache_usage_perc": 0}, idle
 
 
+def test_two_attempts_of_a_job_are_two_requests_to_vllm():
+    """The worker names a request after its job's attempt (``job_…:attempt``): vLLM takes attempt 2 beside attempt 1's
+    pending abort, and says what became of each under its own id (attempt 1 aborted, attempt 2 run to its end)."""
+    proc = run_module("tests.vllm.two_attempts")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"said"')))
+    job = f"job_{'a' * 24}"
+    assert said["said"][f"{job}:1"]["status"] == "finished_aborted", said
+    assert said["said"][f"{job}:2"] == {"tokens": 20, "status": "finished_length"}, said
+    assert said["held"] == [], said
+
+
 def test_a_runtime_adapter_replaced_or_unloaded_leaves_vllms_engine(lora_adapters):
     """vLLM's unload left a runtime adapter in its LoRA cache, holding a slot until evicted: coserve's engine removes
     a replaced version, then the unloaded adapter, from vLLM (remove_lora) once no request uses them."""
