@@ -34,7 +34,7 @@ from uuid import uuid4
 import redis
 from celery.signals import worker_shutting_down
 from celery.utils.nodenames import host_format
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.batch.storage import delete_expired_files
@@ -297,7 +297,7 @@ class GpuWorker:
         What to wait for then, with no message in hand: "room" (the engine was full), "drain" (this worker drains),
         or None."""
         if not self._without_earlier_attempt(job_id):
-            self._hand_back(job_id, self._queue_back(job_id, queue), priority)  # for when that attempt left
+            self._hand_back(job_id, self._queue_back(job_id, queue), priority)  # for when it is set aside
             return None
         if self.shutting_down or self.draining or not self._has_room(priority):
             # for another worker, or this one later
