@@ -309,7 +309,8 @@ class CoserveScheduler(AsyncScheduler):
         self.kv.released.clear()
         # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
         slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if self.lora_config else None
-        aside = self.policy.set_aside(self._without_lora_slot(slots)) if slots is not None else []
+        unstartable = self._compiling_grammar() + (self._without_lora_slot(slots) if slots is not None else [])
+        aside = self.policy.set_aside(unstartable) if unstartable else []
         self.policy.decode_drafts = self._decode_drafts()
         try:
             plan = self.policy.schedule(now)
@@ -534,6 +535,15 @@ class CoserveScheduler(AsyncScheduler):
             return []
         return [r.request_id for r in self.waiting if r.lora_request is not None
                 and r.lora_request.lora_int_id not in held and r.request_id in self.mirrors]
+
+    def _compiling_grammar(self) -> list[str]:
+        """The prompts whose structured output's grammar is still compiling (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+        its future not done): vLLM skips them, whatever the plan. Set aside from the policy for the step, it plans
+        what can run instead: a chunk planned for one took the step's tokens from the prompts after it (an idle step
+        where it was the only one planned, and a later prompt's partial chunk grew into the tokens it left).
+        A grammar that failed to compile counts as done: vLLM finishes its request as an error once it is planned."""
+        return [r.request_id for r in self.waiting if r.status == VStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                and r.structured_output_request.grammar is None and r.request_id in self.mirrors]
 
     def _restore(self, held: Any, stashed: list[VLLMRequest]) -> None:
         left = list(self.waiting)  # prompts vLLM did not take, and requests it preempted

