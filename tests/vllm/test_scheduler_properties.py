@@ -21,7 +21,12 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from tests.vllm.conftest import vllm_request
+# first: it skips the module without vLLM
+from tests.vllm.conftest import StubGrammar, compiling_grammar, vllm_request  # noqa: I001
+from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
+
+GRAMMAR = StructuredOutputsParams(regex="[0-9]+")
+
 
 # no explain phase: it reruns a failing example hundreds of times (minutes here) to say what it already shows
 PROPS = settings(max_examples=int(os.environ.get("PROPS_EXAMPLES", "10")), derandomize=True, deadline=None,
@@ -41,6 +46,7 @@ class Job:
     shared: int = 0  # tokens of a system prompt every such job starts with (before its own ``prompt`` tokens)
     lora: int | None = None  # the id of the LoRA adapter it runs with (on an engine with LoRA slots)
     seed: int | None = None  # its sampling seed
+    grammar: int | None = None  # structured output: the steps its grammar takes to compile (None: unstructured)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,9 @@ class Drive:
     streamed: dict = field(default_factory=dict)  # request id -> output tokens its client got
     ended: dict = field(default_factory=dict)  # request id -> its finish reason
     preempted: set = field(default_factory=set)  # KV released once at least (vLLM's or the policy's preemption)
+    compiling: dict = field(default_factory=dict)  # request id -> [its grammar's future, steps until it compiled]
+    ready: dict = field(default_factory=dict)  # request id -> the step its grammar was ready for
+    began: dict = field(default_factory=dict)  # request id -> the first step that scheduled it
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
@@ -148,10 +157,14 @@ class Drive:
             self.max_tokens[rid] = arg.max_tokens
             own = 10_000 * len(self.ids)  # a job's own tokens differ from every other job's
             prompt = list(range(10, 10 + arg.shared)) + list(range(own, own + arg.prompt))
-            self.s.add_request(vllm_request(len(prompt), dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
-                                            max_tokens=arg.max_tokens, request_id=rid, prompt=prompt,
-                                            hashed=self.s.kv_cache_manager.enable_caching, seed=arg.seed,
-                                            lora=arg.lora if self.s.lora_config else None))
+            request = vllm_request(len(prompt), dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
+                                   max_tokens=arg.max_tokens, request_id=rid, prompt=prompt,
+                                   hashed=self.s.kv_cache_manager.enable_caching, seed=arg.seed,
+                                   lora=arg.lora if self.s.lora_config else None,
+                                   structured=None if arg.grammar is None else GRAMMAR)
+            if arg.grammar is not None:
+                self.compile(request, arg.grammar)
+            self.s.add_request(request)
         elif kind == "step":
             self.clock[0] += arg
             self.step()
@@ -170,10 +183,38 @@ class Drive:
 
                 self.s.promote(rid, Tier.PAID)
 
+    def compile(self, request, steps: int) -> None:  # noqa: ANN001 - vLLM's Request
+        """The request's grammar compiles ``steps`` steps after it came (``compiling_grammar``)."""
+        self.compiling[request.request_id] = [compiling_grammar(self.s, request), steps]
+
+    def compile_grammars(self) -> None:
+        """The grammars whose compile time has passed are ready for this step (vLLM reads the future's result)."""
+        for rid, pending in list(self.compiling.items()):
+            future, steps = pending
+            if steps > 0:
+                pending[1] -= 1
+                continue
+            del self.compiling[rid]
+            future.set_result(StubGrammar())
+            self.ready[rid] = len(self.trace)
+
+    def propose_drafts(self) -> None:
+        """The drafter proposed drafts for each decode (an n-gram match, say): a request whose last step sampled
+        a token, not one recomputing its prompt and outputs after a preemption. vLLM keeps what the grammar of a
+        structured request allows (``update_draft_token_ids``: the prefix ``validate_tokens`` accepts)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        s = self.s
+        ids = [r.request_id for r in s.running if r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1)]
+        if ids and s.num_spec_tokens:
+            s.update_draft_token_ids(DraftTokenIds(ids, [[7] * s.num_spec_tokens for _ in ids]))
+
     def step(self) -> None:
         from vllm.sampling_params import SamplingType
 
         s = self.s
+        self.compile_grammars()
+        waiting_for_grammar = self.waiting_for_grammar()
         pool = s.kv_cache_manager.block_pool
         decoding = {rid for rid in (s.policy.running if s.policy is not None else ())}
         free_before = pool.get_num_free_blocks()
@@ -184,10 +225,7 @@ class Drive:
         slots = {r.lora_request.lora_int_id for r in s.running if r.lora_request} if s.lora_config else set()
         no_slot = {r.request_id for r in s.waiting if r.lora_request and r.lora_request.lora_int_id not in slots
                    and len(slots) >= s.lora_config.max_loras}
-        for r in s.running:  # the drafter proposed drafts for each decode (an n-gram match, say): a request whose
-            # last step sampled a token, not one recomputing its prompt and outputs after a preemption
-            if r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1):
-                r.spec_token_ids = [7] * s.num_spec_tokens
+        self.propose_drafts()
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
         drafts = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
@@ -242,7 +280,7 @@ class Drive:
                 whole = before[rid][1] - before[rid][0] if s.whole_seeded and seeded else 0
                 assert sched.get(rid, 0) <= max(q.num_tokens, whole) + drafts.get(rid, 0), (
                     rid, q.num_tokens, sched, drafts)
-            self.check_order(plan, before, relegated, no_slot)
+            self.check_order(plan, before, relegated, no_slot | waiting_for_grammar)
             # QoServe 3.2: every decode the policy runs gets its token (vLLM's KV preemption aside)
             for r in plan.decodes:
                 assert r.request_id in sched or r.request_id in out.preempted_req_ids, (r.request_id, sched)
@@ -258,6 +296,7 @@ class Drive:
                                ("policy preempted", policy_released)):
             if happened and currently_in_test_context():
                 event(what)  # what the search reached (--hypothesis-show-statistics)
+        self.check_grammars(out, waiting_for_grammar)
         outputs = self.answer(out, drafts)
         self.preempted |= set(out.preempted_req_ids) | set(s.kv.released if s.policy is not None else ())
         for eco in outputs.values():
@@ -271,6 +310,55 @@ class Drive:
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
         self.check_books()
 
+    def waiting_for_grammar(self) -> set:
+        """The structured requests vLLM skips this step: their grammar has not compiled (vLLM's
+        ``_handle_blocked_waiting_request``)."""
+        from vllm.v1.request import RequestStatus
+
+        return {rid for rid, r in self.s.requests.items()
+                if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                and r.structured_output_request.grammar is None}
+
+    def check_grammars(self, out, compiling: set) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
+        """Structured output as vLLM runs it: a request whose grammar compiles waits, and the step's others run."""
+        s, sched = self.s, out.num_scheduled_tokens
+        plan = self.plans[-1] if self.plans else None
+        for rid in compiling:
+            # vLLM's promise: a request whose grammar is compiling is not scheduled, not running and holds no KV
+            assert rid not in sched, (rid, sched)
+            r = s.requests.get(rid)
+            if r is None:  # the policy expired it
+                continue
+            assert r not in s.running and r.num_computed_tokens == 0, (rid, r.status, r.num_computed_tokens)
+            assert not any(s.kv_cache_manager.get_block_ids(rid)), rid
+            if plan is not None:
+                # ... and coserve neither counts it a decode nor plans a chunk of it: vLLM would skip the chunk,
+                # and the step's tokens and KV admission it took would be lost to the prompts that can run
+                assert rid not in s.policy.running, rid
+                assert rid not in {p.request.request_id for p in plan.prefills}, (rid, plan.prefills)
+            if currently_in_test_context():
+                event("a prompt waited for its grammar")
+        for rid in sched:
+            self.began.setdefault(rid, len(self.trace))
+        if plan is not None and not sched:
+            # liveness: a step runs something while a prompt whose grammar compiled waits for it (not relegated)
+            idle = [rid for rid in self.ready if rid not in self.began and s.policy.waiting.get(rid) is not None]
+            assert not idle, (idle, plan)
+        # vLLM's bitmask covers the scheduled structured requests past their prompt: a row for each draft and one
+        # for the bonus token; each draft a structured request verifies is one its grammar accepts
+        grammar = s.get_grammar_bitmask(out)
+        structured = [rid for rid in sched if s.requests[rid].use_structured_output
+                      and not s.requests[rid].is_prefill_chunk]
+        assert (grammar.structured_output_request_ids if grammar else []) == structured, (grammar, structured)
+        spec = out.scheduled_spec_decode_tokens
+        if structured:
+            assert len(grammar.grammar_bitmask) == sum(1 + len(spec.get(rid, ())) for rid in structured)
+        for rid in structured:
+            drafts = [t for t in spec.get(rid, ()) if t != -1]
+            assert s.requests[rid].structured_output_request.grammar.validate_tokens(drafts) == drafts, (rid, drafts)
+            if drafts and currently_in_test_context():
+                event("a structured request verified drafts")
+
     def check_order(self, plan, before: dict, relegated: set, no_slot: set) -> None:  # noqa: ANN001 - a plan
         """Of two new prompts of free interactive jobs, waiting (not relegated), the one with the strictly earlier
         deadline, no more prompt left and no larger KV footprint goes first: it is never left waiting while the
@@ -278,8 +366,8 @@ class Drive:
         lower priority value), Sarathi-EDF by deadline alone. The paths out of that order are outside the pair:
         selective preemption and the continuing of started prompts run started ones, the paid guard paid ones, and
         eager relegation and overload yielding move a job to the relegated queue (excluded), and a prompt whose LoRA
-        adapter finds no slot cannot start (``no_slot``: excluded); and what fits the policy's KV admission and slots
-        for the larger fits them for the smaller."""
+        adapter finds no slot or whose grammar is compiling cannot start (``no_slot``: excluded); and what fits the
+        policy's KV admission and slots for the larger fits them for the smaller."""
         from gpu_runtime.qos import QoSClass, Tier
         from gpu_runtime.scheduler.base import footprint_blocks
         from gpu_runtime.scheduler.priority import first_deadline
@@ -467,6 +555,29 @@ def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs)
     assert ours.trace == theirs.trace
 
 
+# structured output: a share of the jobs waits a few steps for its grammar (a regex) to compile
+structured_jobs = st.builds(Job, st.integers(1, 200), st.integers(1, 40), jobs.map(lambda j: j.extra_args),
+                            st.sampled_from([0.0, 0.5]), st.just(0), st.just(None), st.just(None),
+                            st.sampled_from([None, 0, 1, 3, 8]))
+structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs),
+                                       st.tuples(st.just("add"), structured_jobs),
+                                       st.tuples(st.just("step"), st.sampled_from([0.0, 0.02, 0.2])),
+                                       st.tuples(st.just("abort"), st.integers(0, 30))), min_size=1, max_size=30)
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@PROPS
+@given(engine=st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
+                        st.booleans(), st.sampled_from([0, 2, 4])), evs=structured_events)
+def test_structured_requests_wait_for_their_grammar_while_the_step_runs_the_others(make_scheduler, policy, engine,
+                                                                                   evs):
+    # vLLM's structured output: a request waits (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) until its grammar compiled,
+    # unplanned, unscheduled and with no KV, then starts; its drafts are those its grammar accepts; every step's
+    # invariants hold meanwhile and every job finishes
+    note(f"{policy} {engine} {evs}")
+    _drive(make_scheduler, policy, engine, evs)
+
+
 # ---- counterexamples the search found, pinned ----
 
 def test_a_planned_prompt_vllm_did_not_start_keeps_no_kv_reservation(make_scheduler):
@@ -620,3 +731,13 @@ def test_a_prompts_cached_prefix_outlives_the_allocations_before_its_turn(make_s
     d = _drive(make_scheduler, "sarathi-fcfs", Engine(blocks=16, max_batched=256, max_seqs=4, prefix_caching=True),
                evs)
     assert d.trace[2][1] == (("q2", 40), ("q3", 1), ("q4", 40))
+
+
+def test_a_later_prompts_chunk_does_not_grow_into_a_compiling_prompts_tokens(make_scheduler):
+    """Found once the search drew structured jobs: Sarathi's 256-token budget planned q0 (119 tokens, its grammar
+    compiling) and 137 of q1's 138; vLLM skipped q0 and gave q1 the tokens q0 left, 138: more than the policy's
+    chunk (Drive.step compares the plan with the step). q0 is set aside while its grammar compiles now."""
+    batch = {"qos_class": "batch", "deadline_s": 1, "tier": "free"}
+    evs = [("add", Job(119, 1, batch, 0.0, grammar=1)), ("add", Job(138, 1, batch, 0.0))]
+    d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=24, max_batched=512, max_seqs=2), evs)
+    assert d.trace[0][1] == (("q1", 138),) and d.began["q0"] == 1 and d.ready["q0"] == 1
