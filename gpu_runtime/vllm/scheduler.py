@@ -537,13 +537,21 @@ class CoserveScheduler(AsyncScheduler):
                 and r.lora_request.lora_int_id not in held and r.request_id in self.mirrors]
 
     def _compiling_grammar(self) -> list[str]:
-        """The prompts whose structured output's grammar is still compiling (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
-        its future not done): vLLM skips them, whatever the plan. Set aside from the policy for the step, it plans
-        what can run instead: a chunk planned for one took the step's tokens from the prompts after it (an idle step
-        where it was the only one planned, and a later prompt's partial chunk grew into the tokens it left).
-        A grammar that failed to compile counts as done: vLLM finishes its request as an error once it is planned."""
-        return [r.request_id for r in self.waiting if r.status == VStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-                and r.structured_output_request.grammar is None and r.request_id in self.mirrors]
+        """The prompts whose structured output's grammar is not compiled (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR):
+        vLLM skips them, whatever the plan. Set aside from the policy for the step, it plans what can run instead: a
+        chunk planned for one took the step's tokens from the prompts after it (an idle step where it was the only
+        one planned, and a later prompt's partial chunk grew into the tokens it left). One whose grammar failed to
+        compile goes where vLLM puts it on meeting it in its queue: to the errors its update_from_output finishes."""
+        aside = []
+        for r in self.waiting:
+            if r.status != VStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR or r.request_id not in self.mirrors:
+                continue
+            grammar = r.structured_output_request.grammar
+            if grammar is None or isinstance(grammar, Exception):
+                aside.append(r.request_id)
+                if grammar is not None:
+                    self.grammar_compile_error_reqs.add(r.request_id)
+        return aside
 
     def _restore(self, held: Any, stashed: list[VLLMRequest]) -> None:
         left = list(self.waiting)  # prompts vLLM did not take, and requests it preempted

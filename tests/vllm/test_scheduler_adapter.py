@@ -977,3 +977,28 @@ def test_a_prompt_whose_grammar_is_compiling_leaves_the_step_to_the_prompts_that
     assert dict(out.num_scheduled_tokens) == {structured.request_id: 32}
     ended = [o.request_id for eco in outputs.values() for o in eco.outputs if o.finish_reason]
     assert ended == [structured.request_id]
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_a_prompt_whose_grammar_failed_ends_as_an_error_while_the_step_runs_the_others(make_scheduler, policy):
+    """vLLM finishes a request whose grammar failed to compile as an error once it meets it in its waiting queue,
+    and runs nothing of it. The policy planned it (the earlier deadline) for the whole 32-token step: the step ran
+    nothing, and the lax prompt waited a step. Now it ends as an error in the step the lax prompt runs in."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.engine import FinishReason
+
+    from tests.vllm.conftest import compiling_grammar
+
+    s = make_scheduler(policy, max_batched=32, blocks=16, max_seqs=2)
+    now = time.time()
+    structured = vllm_request(32, {"ttft_ms": 2_000, "tbt_ms": 100}, arrival=now - 0.01, max_tokens=1,
+                              structured=StructuredOutputsParams(regex="[0-9]+"))
+    lax = vllm_request(16, {"ttft_ms": 20_000, "tbt_ms": 500}, arrival=now, max_tokens=1)
+    compiling_grammar(s, structured).set_exception(ValueError("the grammar does not compile"))
+    s.add_request(structured)
+    s.add_request(lax)
+    out, outputs = run_step(s)
+    assert dict(out.num_scheduled_tokens) == {lax.request_id: 16}
+    ended = {o.request_id: o.finish_reason for eco in outputs.values() for o in eco.outputs if o.finish_reason}
+    assert ended == {lax.request_id: FinishReason.LENGTH, structured.request_id: FinishReason.ERROR}
+    assert not s.requests and structured.request_id not in s.mirrors

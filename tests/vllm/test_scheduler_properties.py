@@ -47,6 +47,7 @@ class Job:
     lora: int | None = None  # the id of the LoRA adapter it runs with (on an engine with LoRA slots)
     seed: int | None = None  # its sampling seed
     grammar: int | None = None  # structured output: the steps its grammar takes to compile (None: unstructured)
+    bad_grammar: bool = False  # its grammar fails to compile (vLLM finishes the request as an error)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Drive:
     compiling: dict = field(default_factory=dict)  # request id -> [its grammar's future, steps until it compiled]
     ready: dict = field(default_factory=dict)  # request id -> the step its grammar was ready for
     began: dict = field(default_factory=dict)  # request id -> the first step that scheduled it
+    failed: set = field(default_factory=set)  # structured requests whose grammar failed to compile
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
@@ -163,7 +165,7 @@ class Drive:
                                    lora=arg.lora if self.s.lora_config else None,
                                    structured=None if arg.grammar is None else GRAMMAR)
             if arg.grammar is not None:
-                self.compile(request, arg.grammar)
+                self.compile(request, arg.grammar, arg.bad_grammar)
             self.s.add_request(request)
         elif kind == "step":
             self.clock[0] += arg
@@ -183,20 +185,24 @@ class Drive:
 
                 self.s.promote(rid, Tier.PAID)
 
-    def compile(self, request, steps: int) -> None:  # noqa: ANN001 - vLLM's Request
-        """The request's grammar compiles ``steps`` steps after it came (``compiling_grammar``)."""
-        self.compiling[request.request_id] = [compiling_grammar(self.s, request), steps]
+    def compile(self, request, steps: int, bad: bool) -> None:  # noqa: ANN001 - vLLM's Request
+        """The request's grammar compiles ``steps`` steps after it came (``compiling_grammar``), or fails then."""
+        self.compiling[request.request_id] = [compiling_grammar(self.s, request), steps, bad]
 
     def compile_grammars(self) -> None:
         """The grammars whose compile time has passed are ready for this step (vLLM reads the future's result)."""
         for rid, pending in list(self.compiling.items()):
-            future, steps = pending
+            future, steps, bad = pending
             if steps > 0:
                 pending[1] -= 1
                 continue
             del self.compiling[rid]
-            future.set_result(StubGrammar())
-            self.ready[rid] = len(self.trace)
+            if bad:  # as a backend's compile_grammar raises on a grammar it cannot compile
+                future.set_exception(ValueError(f"{rid}: the grammar does not compile"))
+                self.failed.add(rid)
+            else:
+                future.set_result(StubGrammar())
+                self.ready[rid] = len(self.trace)
 
     def propose_drafts(self) -> None:
         """The drafter proposed drafts for each decode (an n-gram match, say): a request whose last step sampled
@@ -451,6 +457,14 @@ class Drive:
             # recomputed (vLLM's recompute preemption keeps the tokens already sent; QoServe 3.4: only the KV goes)
             if why == FinishReason.LENGTH:
                 assert self.streamed.get(rid, 0) == self.max_tokens[rid], (rid, self.streamed.get(rid))
+        for rid in self.failed:
+            # vLLM's promise: a request whose grammar failed to compile ends as an error (or the policy's expiry),
+            # having run nothing
+            assert self.ended.get(rid, FinishReason.ERROR) in (FinishReason.ERROR, FinishReason.ABORT), (
+                rid, self.ended[rid])
+            assert rid not in self.began, rid
+            if self.ended.get(rid) == FinishReason.ERROR and currently_in_test_context():
+                event("a grammar failed")
         pool = self.s.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
@@ -558,7 +572,7 @@ def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs)
 # structured output: a share of the jobs waits a few steps for its grammar (a regex) to compile
 structured_jobs = st.builds(Job, st.integers(1, 200), st.integers(1, 40), jobs.map(lambda j: j.extra_args),
                             st.sampled_from([0.0, 0.5]), st.just(0), st.just(None), st.just(None),
-                            st.sampled_from([None, 0, 1, 3, 8]))
+                            st.sampled_from([None, 0, 1, 3, 8]), st.sampled_from([False, False, False, True]))
 structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs),
                                        st.tuples(st.just("add"), structured_jobs),
                                        st.tuples(st.just("step"), st.sampled_from([0.0, 0.02, 0.2])),
