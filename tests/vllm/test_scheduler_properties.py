@@ -7,7 +7,9 @@ checked (each property cites its rule: QoServe in /work/shared/ALGORITHMS.md, or
 Dedicated strategies reach what random events rarely do: KV pressure (the policy's and vLLM's recompute
 preemption), vLLM's prefix cache over shared system prompts, and draft tokens verified by each decode. A share of
 the jobs run with one of three LoRA adapters on engines with fewer LoRA slots (vLLM's max_loras), and a share sample
-with a seed (on the CPU a seeded prompt runs whole: vLLM-CPU cannot rewind its generator after a part of it).
+with a seed (on the CPU a seeded prompt runs whole: vLLM-CPU cannot rewind its generator after a part of it). Structured
+jobs wait some steps for their grammar to compile (or fail to), as vLLM's scheduler reads the compile's future; the
+drafts of a structured request are those its grammar accepts (vLLM's update_draft_token_ids).
 Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searches harder locally.
 """
 
@@ -97,8 +99,10 @@ def kv_pressure(draw) -> list:  # noqa: ANN001
         evs += [("add", Job(prompt, 1, LAX, 0.0)), ("step", 0.0)]
     tiers = st.sampled_from([LAX, {**LAX, "tier": "paid"}, {**LAX, "ttft_ms": 500, "tbt_ms": 100},
                              {"qos_class": "batch", "deadline_s": 600, "tier": "free", "app_id": "chat"}])
-    for job in draw(st.lists(st.builds(Job, st.integers(40, 160), st.integers(20, 40), tiers, st.just(0.0)),
-                             min_size=2, max_size=5)):
+    # a share of them structured (a grammar compiled by the time they come, or a step later): preempted and
+    # recomputed, a structured request keeps its grammar's state (vLLM's)
+    for job in draw(st.lists(st.builds(Job, st.integers(40, 160), st.integers(20, 40), tiers, st.just(0.0),
+                                       grammar=st.sampled_from([None, None, 0, 1])), min_size=2, max_size=5)):
         evs.append(("add", job))
         evs += [("step", 0.02)] * draw(st.integers(0, 3))
     return evs
