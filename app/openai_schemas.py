@@ -247,7 +247,13 @@ UNSUPPORTED_HINTS = {
     "vllm_xargs": " (give coserve's QoS fields ttft_ms, tbt_ms, deadline and tier in the body itself)",
     "chat_template": " (the server applies its own, COSERVE_CHAT_TEMPLATE; chat_template_kwargs reach it)",
     "truncation_side": " (truncate_prompt_tokens keeps the prompt's last tokens)",
-    "logprob_token_ids": " (logprobs / top_logprobs report the most likely tokens)"}
+    "logprob_token_ids": " (logprobs / top_logprobs report the most likely tokens)",
+    "add_special_tokens": " (a chat prompt has the special tokens its chat template writes, a completion's prompt the "
+                          "tokenizer's, as vLLM's defaults)",
+    "documents": " (put the documents' text in the messages)",
+    "modalities": " (this server answers in text only)",
+    "audio": " (this server answers in text only)",
+    "web_search_options": " (this server does not search the web)"}
 
 
 class UnsupportedFields(BaseModel):
@@ -283,13 +289,18 @@ class VllmUnsupported(BaseModel):
     vllm_xargs: Any = None  # coserve's QoS fields are the request's own (ttft_ms, tbt_ms, deadline, tier)
     truncation_side: Any = None
     logprob_token_ids: Any = None
+    # each changes the answer where vLLM applies it: answering without it would pass for having applied it
+    add_special_tokens: Any = None  # each endpoint's own default (``unsupported``): chat's False, completions' True
+    repetition_detection: Any = None
+    watermarking: Any = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
         "chat_template": (None,), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
         "return_tokens_as_token_ids": (None, False),
         "logits_processors": (None, []), "vllm_xargs": (None, {}),
-        "truncation_side": (None, "left"), "logprob_token_ids": (None, [])}
+        "truncation_side": (None, "left"), "logprob_token_ids": (None, []), "repetition_detection": (None,),
+        "watermarking": (None, False)}
 
 
 class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
@@ -473,12 +484,20 @@ class ChatCompletionRequest(_Base):
     # OpenAI's stored chat completions: the answer is kept, to list and retrieve (app.services.stored_completions)
     store: bool | None = None
     metadata: Metadata | None = None
-    # not implemented: the deprecated functions API (tools replaced it)
+    # not implemented: the deprecated functions API (tools replaced it), OpenAI's audio and web search, vLLM's
+    # documents (the chat template's RAG input) and prompt_text (the rendered prompt in the answer)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    documents: Any = None
+    return_prompt_text: Any = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_Base.unsupported, "functions": (None, []), "function_call": (None, "none")}
+        **_Base.unsupported, "functions": (None, []), "function_call": (None, "none"),
+        "add_special_tokens": (None, False), "modalities": (None, ["text"]), "audio": (None,),
+        "web_search_options": (None,), "documents": (None, []), "return_prompt_text": (None, False)}
 
     def tool_fields(self) -> dict[str, Any]:
         choice = self.tool_choice
@@ -568,9 +587,11 @@ class CompletionRequest(_Base):
     max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (vLLM's)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    prompt_embeds: Any = None  # vLLM's prompt given as embeddings
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_Base.unsupported, "best_of": (None, 1), "suffix": (None, "")}
+        **_Base.unsupported, "best_of": (None, 1), "suffix": (None, ""), "add_special_tokens": (None, True),
+        "prompt_embeds": (None, [])}
 
 
     def logprob_count(self) -> int | None:

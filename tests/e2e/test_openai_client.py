@@ -460,3 +460,25 @@ def test_a_thinking_budget_is_refused_where_it_cannot_be_kept(oai, stack, monkey
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"thinking_token_budget": 8})
     assert "COSERVE_REASONING_PARSER" in exc.value.body["message"], exc.value.body
+
+
+@pytest.mark.parametrize("endpoint, field", [
+    # OpenAI's: an audio answer, a web search
+    ("chat", {"modalities": ["text", "audio"]}), ("chat", {"audio": {"voice": "alloy", "format": "wav"}}),
+    ("chat", {"web_search_options": {}}),
+    # vLLM's: the chat template's documents, the prompt's special tokens, the rendered prompt in the answer,
+    # repetition detection, watermarking, a prompt given as embeddings
+    ("chat", {"documents": [{"title": "a", "text": "the answer is 42"}]}), ("chat", {"add_special_tokens": True}),
+    ("chat", {"return_prompt_text": True}),
+    ("chat", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
+    ("completions", {"add_special_tokens": False}), ("completions", {"watermarking": True}),
+    ("completions", {"prompt_embeds": "AAAA"})])
+def test_a_field_that_would_change_the_answer_is_refused_by_name_not_ignored(oai, endpoint, field):
+    create = (partial(oai.chat.completions.create, messages=[{"role": "user", "content": "x"}]) if endpoint == "chat"
+              else partial(oai.completions.create, prompt="x"))
+    with pytest.raises(openai.BadRequestError) as exc:
+        create(model="tiny", max_tokens=1, extra_body=field)
+    assert exc.value.body["param"] == next(iter(field)) and exc.value.body["code"] == "unsupported_value"
+    # what a client sends for it by default (each endpoint's own, as vLLM's) is taken
+    default = {"modalities": ["text"], "add_special_tokens": endpoint != "chat"}.get(next(iter(field)))
+    assert create(model="tiny", max_tokens=1, extra_body={next(iter(field)): default}).choices
