@@ -85,17 +85,31 @@ def error_response(status_code: int, message: str, *, type: str | None = None, p
                         status_code=status_code, headers=FINAL if status_code == 409 else None)
 
 
+# the names pydantic gives a union's plain members in an error's location
+_MEMBER_TYPES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _written(part: Any) -> bool:
+    """Whether an error location's part is one the client wrote (a field, an index), not pydantic's name for a
+    union's member (``str``, ``list[int]``, ``function-after[check_text(), str]``) or for a dict's key (``[key]``)."""
+    return not isinstance(part, str) or (part not in _MEMBER_TYPES and "[" not in part)
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """One message for pydantic's errors, and the field to blame (the first one's)."""
+    """One message for pydantic's errors, and the field to blame: the first one's, or where a union's member that
+    took the value further failed in it (``stop.0`` of a list ``stop`` holding a number, not ``stop``)."""
     parts, param = [], None
     for e in map(blamed, errors):
         if e.get("type") == "json_invalid":  # FastAPI's loc is ("body", <character offset>): no field
             parts.append(e["msg"] if e.get("loc") == ["body"] else
                          f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}")
             continue
-        where = loc_param(e.get("loc", ()))
-        param = param or where
-        parts.append(f"{where or 'body'}: {str(e.get('msg')).removeprefix('Value error, ')}")
+        where = loc_param([p for p in e.get("loc", ()) if _written(p)])
+        if param is None or (where or "").startswith(param + "."):
+            param = where
+        part = f"{where or 'body'}: {str(e.get('msg')).removeprefix('Value error, ')}"
+        if part not in parts:  # a union's members may each fail the same way
+            parts.append(part)
     return "; ".join(parts), param
 
 

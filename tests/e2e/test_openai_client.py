@@ -482,3 +482,16 @@ def test_a_field_that_would_change_the_answer_is_refused_by_name_not_ignored(oai
     # what a client sends for it by default (each endpoint's own, as vLLM's) is taken
     default = {"modalities": ["text"], "add_special_tokens": endpoint != "chat"}.get(next(iter(field)))
     assert create(model="tiny", max_tokens=1, extra_body={next(iter(field)): default}).choices
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("chat", {"stop": [1]}, "stop.0"), ("chat", {"stop": 5}, "stop"), ("chat", {"tool_choice": 5}, "tool_choice"),
+    ("chat", {"logit_bias": {"abc": 5}}, "logit_bias.abc"), ("chat", {"logprobs": "yes"}, "logprobs"),
+    ("completions", {"prompt": None}, "prompt"), ("completions", {"prompt": ["a", 1]}, "prompt.1")])
+def test_a_refusal_names_the_field_as_the_client_wrote_it_not_pydantics_union_members(stack, endpoint, body, param):
+    base = ({"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"})
+    r = httpx.post(f"{stack.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                   headers={"Authorization": f"Bearer {stack.keys.paid}"}, json={"model": "tiny", **base, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "[" not in error["message"] and ".str:" not in error["message"], error
