@@ -477,6 +477,8 @@ def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
     return None, at
 
 
+# the content parts read as text, as vLLM's chat reads them (the Responses API's names too): type -> its text's key
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's values
 
 
@@ -556,13 +558,16 @@ class ChatCompletionRequest(_Base):
             if isinstance(content, list):  # content parts: only text is supported
                 texts = []
                 for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        raise OpenAIError(400, "only text content parts are supported",
-                                          param=f"messages.{i}.content")
-                    text = part.get("text", "")
+                    key = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+                    if key is None:
+                        raise OpenAIError(400, "only text content parts are supported (type "
+                                               f"{', '.join(map(repr, TEXT_PARTS))})", param=f"messages.{i}.content")
+                    text = part.get(key)
+                    if text is None:  # vLLM leaves out a part without its text
+                        continue
                     if not isinstance(text, str):
-                        raise OpenAIError(400, f"messages.{i}.content.{j}.text must be a string",
-                                          param=f"messages.{i}.content.{j}.text")
+                        raise OpenAIError(400, f"messages.{i}.content.{j}.{key} must be a string",
+                                          param=f"messages.{i}.content.{j}.{key}")
                     texts.append(text)
                 content = "\n".join(texts)  # as vLLM joins a string-format template's text parts
             if content is None:

@@ -495,3 +495,23 @@ def test_a_refusal_names_the_field_as_the_client_wrote_it_not_pydantics_union_me
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and "[" not in error["message"] and ".str:" not in error["message"], error
+
+
+def test_content_parts_are_read_as_vllm_reads_them(oai):
+    # the Responses API's part names and an assistant's refusal are text, as vLLM's chat reads them, and a part
+    # without its text is left out (it made an empty line); the same conversation written as strings is the same
+    # prompt (the same greedy answer, the same prompt tokens)
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "Say"}, {"type": "text"},
+                                          {"type": "text", "text": "hi"}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+             {"role": "user", "content": [{"type": "output_text", "text": "Please"}]}]
+    plain = [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": "No."},
+             {"role": "user", "content": "Please"}]
+    ask = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    got, want = (oai.chat.completions.create(messages=m, **ask) for m in (parts, plain))
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "http://x"}}]}], **ask)
+    assert exc.value.body["param"] == "messages.0.content" and "'input_text'" in exc.value.body["message"]
