@@ -205,6 +205,9 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
     cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
     created, model = now_s(), jobs[0].model
     obj = "chat.completion.chunk" if chat else "text_completion"
+    # what every chunk says besides its choice, as the non-stream answer says it (OpenAI's chunks have both)
+    head = {"id": cid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "service_tier": service_tier(jobs[0].tier, settings.tiers)}
     # completions' echo: the prompt goes first, with its logprobs where asked (they come with the first token)
     echo = [bool((job.sampling or {}).get("echo")) and not chat for job in jobs]
     echoed = [0] * len(jobs)  # characters of the prompt sent, per choice (text_offset counts them)
@@ -231,7 +234,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                       "logprobs": completion_logprobs(logprobs, echoed[i] + offset), "finish_reason": finish}
         if finish is not None:  # vLLM's, on the chunk that ends the choice
             choice["stop_reason"] = stop_reason
-        out = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        out = {**head, "choices": [choice]}
         if prompt_ids[i] is not None:
             choice["token_ids"] = token_ids or []
             if not prompt_said[i]:  # chat's first chunk carries them (top level); a completion's, in its choice
@@ -279,7 +282,7 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         completion_tokens += item.completion_tokens
                         finished += 1
         if include_usage and finished == len(jobs):
-            yield _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+            yield _sse({**head, "choices": [],
                         "usage": usage(sum(prompt_tokens[::n]), completion_tokens, known_sum(cached[::n]),
                                        known_sum(reasoning))})
         yield _sse("[DONE]")

@@ -515,3 +515,15 @@ def test_content_parts_are_read_as_vllm_reads_them(oai):
         oai.chat.completions.create(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
             "url": "http://x"}}]}], **ask)
     assert exc.value.body["param"] == "messages.0.content" and "'input_text'" in exc.value.body["message"]
+
+
+def test_every_chunk_says_the_tier_and_fingerprint_the_plain_answer_says(oai):
+    ask = dict(model="tiny", max_tokens=2, service_tier="flex", extra_body={"ignore_eos": True})
+    plain = oai.chat.completions.create(messages=[{"role": "user", "content": "x"}], **ask)
+    chunks = list(oai.chat.completions.create(messages=[{"role": "user", "content": "x"}], stream=True,
+                                              stream_options={"include_usage": True}, **ask))
+    assert plain.service_tier == "flex" and all(c.service_tier == "flex" for c in chunks), chunks
+    assert all("system_fingerprint" in c.model_fields_set for c in chunks)  # null, as the plain answer's
+    texts = list(oai.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True,
+                                        extra_body={"ignore_eos": True, "service_tier": "flex"}))
+    assert all(c.model_extra["service_tier"] == "flex" and "system_fingerprint" in c.model_fields_set for c in texts)
