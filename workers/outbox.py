@@ -75,7 +75,9 @@ class Outbox:
         self._steps: queue.Queue[StepRecords | None] = queue.Queue()
         self._retry: list[Record] = []
         self._events: deque[tuple[str, StreamEvent]] = deque()
-        self._unpublished: Counter[str] = Counter()  # of those events, how many each job has (read by any thread)
+        # stream events put and not yet published, by job: those of a step still queued too (``publishing``)
+        self._unpublished: Counter[str] = Counter()
+        self._counting = threading.Lock()  # the engine and intake threads count in, the I/O thread counts out
         self._publish_after = 0.0
         self._publish_backoff = 0.0
         self._thread: threading.Thread | None = None
@@ -83,6 +85,7 @@ class Outbox:
     # ---- the engine thread's side
     def put(self, step: StepRecords) -> None:
         if step:
+            self._count(step.deltas)  # waiting from now: a rerun reads the stream once they are out (``publishing``)
             self._steps.put(step)
 
     # ---- life cycle
@@ -98,8 +101,10 @@ class Outbox:
             self._thread.join(timeout + 5)
 
     def publishing(self, job_id: str) -> bool:
-        """Whether stream events of ``job_id`` wait to be published (any thread may ask)."""
-        return self._unpublished.get(job_id, 0) > 0
+        """Whether stream events of ``job_id`` wait to be published (any thread may ask): those of a step put and
+        not yet taken by the I/O thread among them."""
+        with self._counting:
+            return self._unpublished.get(job_id, 0) > 0
 
     @property
     def pending(self) -> int:
@@ -119,7 +124,7 @@ class Outbox:
                 if step is None:
                     closing_at = time.monotonic()
             if step:
-                self.apply(step)
+                self._apply(step, counted=True)
             self.retry_due()
             self.flush_events()
             if closing_at is not None and self._steps.empty():
@@ -131,7 +136,11 @@ class Outbox:
                     return
 
     def apply(self, step: StepRecords) -> None:
-        self._queue_events(step.deltas)
+        """Writes a step not ``put`` (the I/O thread's work, done by its caller)."""
+        self._apply(step, counted=False)
+
+    def _apply(self, step: StepRecords, counted: bool) -> None:
+        self._queue_events(step.deltas, counted)
         for record in step.records:
             self._try(record)
 
@@ -176,9 +185,14 @@ class Outbox:
         if record.leaving is not None:  # that attempt only: the job may be here again under a newer one
             self.active.pop(record.leaving.job_id, record.leaving.attempt)
 
-    def _queue_events(self, events: list[tuple[str, StreamEvent]]) -> None:
+    def _count(self, events: list[tuple[str, StreamEvent]]) -> None:
+        with self._counting:
+            self._unpublished.update(job_id for job_id, _ in events)
+
+    def _queue_events(self, events: list[tuple[str, StreamEvent]], counted: bool = False) -> None:
         self._events.extend(events)
-        self._unpublished.update(job_id for job_id, _ in events)
+        if not counted:
+            self._count(events)
         overflow = len(self._events) - MAX_WAITING_EVENTS
         if overflow > 0:
             for _ in range(overflow):
@@ -187,10 +201,11 @@ class Outbox:
                       overflow)
 
     def _published(self, job_id: str) -> None:
-        if (left := self._unpublished[job_id] - 1) > 0:
-            self._unpublished[job_id] = left
-        else:
-            self._unpublished.pop(job_id, None)
+        with self._counting:
+            if (left := self._unpublished[job_id] - 1) > 0:
+                self._unpublished[job_id] = left
+            else:
+                self._unpublished.pop(job_id, None)
 
     def flush_events(self) -> None:
         """Publishes the waiting events in order; on a Redis error they stay, to be sent again."""

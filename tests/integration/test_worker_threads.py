@@ -655,6 +655,42 @@ def test_a_reruns_metrics_are_the_answers_as_its_client_saw_them(settings, keys)
         assert job.slo_met is True
 
 
+def test_a_rerun_that_supersedes_its_attempt_here_goes_on_from_the_deltas_still_in_the_outbox(settings, keys,
+                                                                                                monkeypatch):
+    """The engine thread sets attempt 1 aside (``Supersede``) right after a step whose deltas it put in the outbox, the
+    I/O thread not having taken that step yet: the rerun waits for them to be published before it reads the stream,
+    and goes on from every token attempt 1 streamed (it read the stream at once and went on from fewer, so its
+    sampled tokens could part from what the client had been sent)."""
+    worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens, published
+        worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    first = worker.active.get(job_id)
+    assert first.lease.attempt == 1 and first.tokens > 0
+    streamed = first.tokens
+    last = engine_thread.iterate()  # one more step, put as the engine thread puts it: the I/O thread has not taken it
+    assert any(j == job_id for j, _ in last.deltas) and first.tokens > streamed
+    worker.outbox.put(last)
+    _lapse_and_requeue(settings, job_id)
+    real_sleep, turns = time.sleep, []
+
+    def other_threads(seconds: float) -> None:  # while the intake waits: the engine thread's turn, then the outbox's
+        if worker.active.get(job_id) is first:
+            worker.outbox.put(engine_thread.iterate())  # takes the Supersede
+            turns.append("engine")
+        elif "outbox" not in turns:
+            worker.outbox.start()  # its I/O thread takes the step and publishes it
+            turns.append("outbox")
+        real_sleep(seconds)
+
+    monkeypatch.setattr("workers.gpu_worker.time.sleep", other_threads)
+    worker.accept(job_id)  # the resend comes back here while attempt 1 still runs
+    second = worker.active.get(job_id)
+    assert second is not first and second.lease.attempt == 2 and turns[0] == "engine"
+    worker.outbox.close()
+    assert second.resumed is not None and len(second.resumed.token_ids) == first.tokens
+
+
 def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(settings, keys):
     """vLLM frees an aborted request's resources; an engine that never confirms an abort (no finished output) held
     the job's slot for good, and a worker that met a few such aborts took no more work. One lease after the abort
