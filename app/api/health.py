@@ -86,8 +86,9 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
         checks["context_length"] = warning
     if set_aside := {w.id: n for w in live if (n := (w.state or {}).get("set_aside_jobs"))}:
         checks["set_aside"] = ("warning: " + ", ".join(f"{w} set aside {n}" for w, n in sorted(set_aside.items()))
-                               + " jobs whose abort the engine never confirmed (their ids stay held until it lets "
-                               "them go; the worker's log names them)")
+                               + " job attempts whose abort the engine has not confirmed (a rerun of their job runs "
+                               "beside them; a worker whose engine still holds one five leases after its abort stops, "
+                               "for a fresh engine; the worker's log names them)")
     if settings.lora_resolver_dir is not None and not settings.lora_resolver_dir.expanduser().is_dir():
         checks["lora_resolver_dir"] = (f"warning: COSERVE_LORA_RESOLVER_DIR {str(settings.lora_resolver_dir)!r} is "
                                        "not a directory this API can read; requests that name its adapters fail")
