@@ -134,7 +134,9 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.scheduler.num_unfinished > 0
+        """Requests to add or to abort, or admitted and unfinished: an abort of a request its scheduler no longer
+        holds (a step that raised midway) is work too, the step that takes it lets the request go."""
+        return bool(self._inbox) or bool(self._aborts) or self.scheduler.num_unfinished > 0
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:

@@ -222,7 +222,8 @@ class VLLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._inbox.new) or self.llm.has_unfinished_requests()
+        """As the own engine's: an abort waiting is work (its step lets the request go, or steps once for nothing)."""
+        return bool(self._inbox.new) or bool(self._inbox.aborts) or self.llm.has_unfinished_requests()
 
     # ---- the loop (engine thread only) ----
     def step(self) -> list[RequestOutput]:

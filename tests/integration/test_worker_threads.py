@@ -531,8 +531,8 @@ def test_a_rerun_runs_and_finishes_beside_the_aborted_request_its_engine_still_h
     stream = redis.Redis.from_url(settings.redis_url)
     events = [StreamEvent.parse(raw) for _id, raw in stream.xrange(stream_key(job_id))]
 
-    Engine.abort(engine, first.request.request_id)  # the engine's word on attempt 1 comes at last, in a step (its only
-    worker.outbox.apply(engine_thread._records(engine.step()))  # work: the loop, seeing none, would not step)
+    Engine.abort(engine, first.request.request_id)  # the engine's word on attempt 1 comes at last, in a step (the
+    worker.outbox.apply(engine_thread.iterate())  # abort waiting is the engine's only work)
     worker.outbox.flush_events()
     assert first.request.request_id not in engine.requests and worker.active.abandoned_ids() == []
     with session_scope(url) as s:
@@ -689,6 +689,30 @@ def test_a_rerun_that_supersedes_its_attempt_here_goes_on_from_the_deltas_still_
     assert second is not first and second.lease.attempt == 2 and turns[0] == "engine"
     worker.outbox.close()
     assert second.resumed is not None and len(second.resumed.token_ids) == first.tokens
+
+
+def test_an_abort_of_a_request_its_scheduler_no_longer_holds_is_taken_by_a_step(settings, keys):
+    """A step that raised midway can leave a request the engine holds and its scheduler no longer does. The engine
+    thread steps only while the engine has work: an abort waiting counts as such, so the step that takes it lets the
+    request go (its KV, the job's slot) and the cancelled job settles. (Counted out, the abort waited for other work
+    and the request stayed held: an attempt set aside meanwhile would be read as kept, the engine given up on.)"""
+    from app.services.jobs import cancel_job
+
+    worker, engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    for _ in range(3):
+        worker.outbox.apply(engine_thread.iterate())
+    job = worker.active.get(job_id)
+    assert job.request.num_output_tokens > 0 and not job.finished
+    engine.scheduler.abort_request(job.request_id)  # what the failed step left: held, not scheduled
+    assert not engine.has_work
+    with session_scope(settings.sqlalchemy_url) as s:
+        cancel_job(s, s.get(Job, job_id))
+    worker.abort(job_id)
+    for _ in range(2):
+        worker.outbox.apply(engine_thread.iterate())
+    assert job.request_id not in engine.requests and job.request.status is RequestStatus.FINISHED_ABORTED
+    assert job.finished and job_id not in worker.active and not engine.has_work
+    assert _status(settings.sqlalchemy_url, job_id) == "cancelled"
 
 
 def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(settings, keys):
