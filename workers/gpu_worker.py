@@ -556,7 +556,7 @@ class GpuWorker:
                                  "context_length": self.served_context(),  # the API holds jobs to it
                                  "active_jobs": len(self.active),
                                  "relegated_jobs": self.active.relegated, "device": self.device,
-                                 # aborted, the engine never confirmed it (or not yet, after an engine error)
+                                 # attempts aborted whose abort the engine has not confirmed (a rerun runs beside)
                                  "set_aside_jobs": self.active.set_aside,
                                  # what prefix routing weighs: the jobs it serves in line, and how many it takes
                                  "in_line": self.active.in_line, "max_inflight": self.settings.max_inflight,
