@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -16,6 +17,7 @@ from app.observability.collector import TTFT_BUCKETS, SqlCollector, histogram_qu
 from app.observability.tally import SETTLE
 from app.services.jobs import cancel_job
 from app.services.transitions import as_utc, utcnow
+from tests.conftest import ROOT
 from workers.lease import Lease, keep_cancelled
 
 
@@ -342,3 +344,23 @@ def test_a_workers_heartbeat_age_says_whether_it_drains_or_stops(client, db_url)
     ages = {dict(labels)["worker"]: (dict(labels)["draining"], dict(labels)["stopping"])
             for (name, labels) in _scrape(client) if name == "coserve:worker_heartbeat_age_seconds"}
     assert ages == {"serving": ("false", "false"), "drained": ("true", "false"), "leaving": ("false", "true")}
+
+
+def _readme_metric_names() -> set[str]:
+    """The series README.md lists for ``/metrics`` (coserve's, the vLLM names it exports too, the HTTP ones)."""
+    readme = ROOT.joinpath("README.md").read_text()
+    # a counter's family is named without its samples' ``_total``, as the exposition parser reads it
+    return {n.removesuffix("_total") for n in re.findall(r"`((?:coserve|vllm):[a-z0-9_]+|http_[a-z0-9_]+)`", readme)}
+
+
+def test_the_readme_lists_what_metrics_exports_and_nothing_else(client, db_url):
+    """Every series README.md names is one a scrape exports, and every ``coserve:`` family a scrape exports is named
+    there (as itself, or as the vLLM name it is also exported under), so the list cannot drift from the collector."""
+    _seed(db_url)
+    client.get("/v1/models")  # an HTTP series to export
+    exported = {fam.name for fam in text_string_to_metric_families(client.get("/metrics").text)}
+    named = _readme_metric_names()
+    assert sorted(named - exported) == [], "README.md names series /metrics does not export"
+    undocumented = sorted(n for n in exported if n.startswith("coserve:")
+                          and n not in named and n.replace("coserve:", "vllm:", 1) not in named)
+    assert undocumented == [], "/metrics exports series README.md does not name"
