@@ -7,9 +7,12 @@ Tasks carry only job ids; SQL is the source of truth. The API sends tasks by nam
 from __future__ import annotations
 
 import logging
+import os
 from functools import lru_cache
 
 from celery import Celery
+
+from app.observability.logs import log_level
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +68,14 @@ def get_celery(redis_url: str) -> Celery:
         },
     )
     return app
+
+
+def consumer(app: Celery, queues: list[str], hostname: str):
+    """The solo-pool Celery worker a GPU worker consumes its queues with. Celery sets the root logger's level to the
+    worker's, so it is ``COSERVE_LOG_LEVEL``'s (INFO by default), the level ``configure_logging`` gave the worker's
+    own lines; Celery's own (a line for every task received and done) stay at warnings unless that variable is set."""
+    worker = app.Worker(pool="solo", concurrency=1, queues=queues, hostname=hostname, loglevel=log_level(),
+                        without_heartbeat=True, without_mingle=True, without_gossip=True, quiet=True)
+    if "COSERVE_LOG_LEVEL" not in os.environ:
+        logging.getLogger("celery").setLevel(logging.WARNING)
+    return worker

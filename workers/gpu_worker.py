@@ -63,7 +63,7 @@ from workers import decode_history
 from workers import lease as leases
 from workers import resume
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutdown, get_celery,
+from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutdown, consumer, get_celery,
                                 queue_lists, queue_name)
 from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
@@ -739,9 +739,7 @@ def run_worker(settings: Settings) -> None:
         runtime.begin_shutdown()  # a task waiting for engine room gives its job back; the APIs route here no more
     # host_format: %h is the machine's name, as `celery worker -n` expands it (Celery's Worker does not)
     runtime.consumer_name = host_format(f"{runtime.worker_id}@%h")
-    worker = app.Worker(pool="solo", concurrency=1, queues=runtime.queues, hostname=runtime.consumer_name,
-                        loglevel=os.environ.get("COSERVE_LOG_LEVEL", "WARNING"), without_heartbeat=True,
-                        without_mingle=True, without_gossip=True, quiet=True)
+    worker = consumer(app, runtime.queues, runtime.consumer_name)
     try:
         worker.start()
     finally:

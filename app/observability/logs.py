@@ -11,6 +11,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
 API_LOG_FORMAT = LOG_FORMAT.replace("%(message)s", "[request %(request_id)s] %(message)s")
 
 
+def log_level() -> str:
+    """``COSERVE_LOG_LEVEL``, INFO where it is unset."""
+    return os.environ.get("COSERVE_LOG_LEVEL", "INFO")
+
+
 def configure_logging(log_format: str = LOG_FORMAT, *filters: logging.Filter) -> None:
     """Logs to stderr at ``COSERVE_LOG_LEVEL``, each line passed through ``filters`` (which give what the format
     names beyond a record's own fields); a no-op where the process configured logging already (a test runner, an
@@ -18,7 +23,7 @@ def configure_logging(log_format: str = LOG_FORMAT, *filters: logging.Filter) ->
     root = logging.getLogger()
     if root.handlers:
         return
-    logging.basicConfig(level=os.environ.get("COSERVE_LOG_LEVEL", "INFO"), format=log_format)
+    logging.basicConfig(level=log_level(), format=log_format)
     for handler in root.handlers:
         for f in filters:
             handler.addFilter(f)
