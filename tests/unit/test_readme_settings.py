@@ -1,5 +1,6 @@
-"""README.md names every setting app/settings.py reads, and every COSERVE_ variable it names is one that is read, so
-a deployment's operator finds each knob in the README and no documented knob is silently ignored."""
+"""README.md names every setting app/settings.py reads and every COSERVE_ variable the code reads from the environment
+outside it, and every COSERVE_ variable README.md or an operator's doc (ops/compose/*.md) names is one that is read,
+so a deployment's operator finds each knob in the README and no documented knob is silently ignored."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import re
 from app.settings import Settings
 from tests.conftest import ROOT
 
-# read outside the settings object: the log level (app/observability/logs.py) and the test runner's processes
-# (scripts/test.sh); `COSERVE_VLLM_*` is the README's name for the vLLM settings as a group
-READ_ELSEWHERE = {"COSERVE_LOG_LEVEL", "COSERVE_TEST_PROCESSES", "COSERVE_VLLM_"}
+# `COSERVE_VLLM_*` is the README's name for the vLLM settings as a group
+GROUPS = {"COSERVE_VLLM_"}
+# read from the environment but no operator's knob: the benchmarks' hook that swaps a worker's engine stack
+INTERNAL = {"COSERVE_ENGINE_FACTORY"}
+# a variable read outside the settings object: os.environ / getenv in Python, ${NAME in a shell script
+ENV_READ = re.compile(r"""(?:environ(?:\.get)?[(\[]|getenv\()["'](COSERVE_[A-Z0-9_]+)|\$\{(COSERVE_[A-Z0-9_]+)""")
+OPERATOR_DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.joinpath("ops/compose").glob("*.md")))
 
 
 def _variable(name: str) -> str:
@@ -18,14 +23,31 @@ def _variable(name: str) -> str:
     return alias if isinstance(alias, str) else f"COSERVE_{name.upper()}"
 
 
+def _settings() -> set[str]:
+    return {_variable(n) for n in Settings.model_fields}
+
+
+def _read_elsewhere() -> set[str]:
+    """The COSERVE_ variables the service, the workers, the runtime and the scripts read from the environment."""
+    files = [p for d in ("app", "workers", "gpu_runtime", "scripts") for p in ROOT.joinpath(d).rglob("*")
+             if p.suffix in (".py", ".sh")]
+    return {a or b for p in files for a, b in ENV_READ.findall(p.read_text())} - _settings()
+
+
 def test_every_setting_is_in_the_readme():
     readme = ROOT.joinpath("README.md").read_text()
-    missing = [_variable(n) for n in Settings.model_fields if not re.search(rf"\b{_variable(n)}\b", readme)]
+    missing = [v for v in sorted(_settings()) if not re.search(rf"\b{v}\b", readme)]
     assert missing == [], f"README.md does not name these settings (app/settings.py): {missing}"
 
 
-def test_every_coserve_variable_the_readme_names_is_read():
+def test_every_variable_read_outside_the_settings_is_in_the_readme():
     readme = ROOT.joinpath("README.md").read_text()
-    read = {_variable(n) for n in Settings.model_fields} | READ_ELSEWHERE
-    unread = sorted(set(re.findall(r"\bCOSERVE_[A-Z0-9_]+", readme)) - read)
-    assert unread == [], f"README.md names variables nothing reads: {unread}"
+    missing = [v for v in sorted(_read_elsewhere() - INTERNAL) if not re.search(rf"\b{v}\b", readme)]
+    assert missing == [], f"README.md does not name these variables the code reads: {missing}"
+
+
+def test_every_coserve_variable_the_docs_name_is_read():
+    read = _settings() | _read_elsewhere() | GROUPS
+    for doc in OPERATOR_DOCS:
+        unread = sorted(set(re.findall(r"\bCOSERVE_[A-Z0-9_]+", ROOT.joinpath(doc).read_text())) - read)
+        assert unread == [], f"{doc} names variables nothing reads: {unread}"
