@@ -51,3 +51,20 @@ def test_every_coserve_variable_the_docs_name_is_read():
     for doc in OPERATOR_DOCS:
         unread = sorted(set(re.findall(r"\bCOSERVE_[A-Z0-9_]+", ROOT.joinpath(doc).read_text())) - read)
         assert unread == [], f"{doc} names variables nothing reads: {unread}"
+
+
+# "`COSERVE_LEASE_SECONDS` (30: ...", "`COSERVE_MAX_LORAS` (default 4)", "`COSERVE_STREAM_OUTAGE_S` (default 60 s)"
+STATED_DEFAULT = re.compile(r"`(COSERVE_[A-Z0-9_]+)`,? \((?:default )?([0-9][0-9,.]*)(?: s)?[:),;]")
+
+
+def test_the_defaults_the_docs_state_are_the_settings_defaults():
+    defaults = {_variable(n): f.default for n, f in Settings.model_fields.items()}
+    checked = 0
+    for doc in OPERATOR_DOCS:
+        text = " ".join(ROOT.joinpath(doc).read_text().split())  # a statement may wrap
+        stated = [(name, value) for name, value in STATED_DEFAULT.findall(text) if name in defaults]
+        wrong = [(name, value, defaults[name]) for name, value in stated
+                 if float(value.replace(",", "")) != defaults[name]]
+        assert wrong == [], f"{doc} states defaults the settings do not have: {wrong}"
+        checked += len(stated)
+    assert checked >= 10  # the pattern still finds the statements (19 when it was written)
