@@ -399,10 +399,13 @@ class VLLMEngine:
         req.finish_time, req.stop_reason = now, comp.stop_reason if comp is not None else None
         req.num_cached_tokens = res.num_cached_tokens or 0  # vLLM's count from its prefill (kept after recomputes)
         req.num_cache_write_tokens = res.num_cache_creation_tokens or 0
+        internal = self.external.get(req.request_id)
         out = self._finish(req)
         out.new_token_ids, out.new_text, out.new_logprobs, out.prompt_logprobs = new_ids, text, logprobs, prompt
-        if reason == "error":  # vLLM refused it (e.g. its QoS): the job fails, it was not cancelled
+        if reason == "error":  # vLLM ended it as an error: the job fails, it was not cancelled
             out.event = "rejected"
+            # over its own parameters (its QoS, its grammar): the client's to fix, said in vLLM's words
+            out.error = self.core_scheduler.errors.pop(internal, None) if internal is not None else None
         return out
 
     def _prompt_logprobs(self, req: Request, steps: Any) -> list[TokenLogprob] | None:

@@ -122,6 +122,9 @@ class CoserveScheduler(AsyncScheduler):
         self.clock = time.time  # vLLM stamps arrival_time with time.time()
         self.mirrors: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}  # request id -> why its QoS was refused (finished as an error)
+        # request id -> why vLLM ended it as an error over its own parameters (the client's to fix): its QoS refused,
+        # its structured output's grammar failed to compile; the engine reads it with the request's end
+        self.errors: dict[str, str] = {}
         # (request id, started|relegated|resumed|preempted|recomputed|expired), read by the worker's engine each step;
         # kept only when one reads them (a plain `vllm serve` does not)
         self.events: deque[tuple[str, str]] = deque()
@@ -567,6 +570,8 @@ class CoserveScheduler(AsyncScheduler):
                    if rid in self.requests]
         # read before vLLM trims the sampled tokens past max_tokens or a stop, in place
         accepted = self._accepted_drafts(scheduler_output, model_runner_output) if self.drafts is not None else {}
+        for rid in self.grammar_compile_error_reqs:  # vLLM's update_from_output ends them as errors
+            self.errors[rid] = _grammar_error(self.requests.get(rid))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.rejected:
             self._finish_rejected(outputs)
@@ -613,8 +618,9 @@ class CoserveScheduler(AsyncScheduler):
 
     def _finish_rejected(self, outputs: dict[int, Any]) -> None:
         """Requests whose QoS was refused end as errors (the log says why)."""
-        ids, self.rejected = list(self.rejected), {}
-        _tell_finished(outputs, super().finish_requests(ids, VStatus.FINISHED_ERROR))
+        rejected, self.rejected = self.rejected, {}
+        self.errors.update(rejected)
+        _tell_finished(outputs, super().finish_requests(list(rejected), VStatus.FINISHED_ERROR))
 
     def _report_expired(self, outputs: dict[int, Any]) -> None:
         """The requests ``_expire`` finished reach their clients as finished (vLLM's "abort")."""
@@ -632,3 +638,11 @@ def _tell_finished(outputs: dict[int, Any], requests: list[VLLMRequest]) -> None
         outputs.setdefault(req.client_index, EngineCoreOutputs())
         outputs[req.client_index].outputs.append(EngineCoreOutput(
             request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))
+
+
+def _grammar_error(request: VLLMRequest | None) -> str:
+    """Why a request's structured output cannot be followed: its grammar's compile error (vLLM keeps the exception
+    where the grammar would be)."""
+    grammar = request.structured_output_request.grammar if request and request.structured_output_request else None
+    detail = f": {grammar}" if isinstance(grammar, Exception) and str(grammar) else ""
+    return f"the structured output's grammar (schema, regex, choice or grammar) did not compile{detail}"

@@ -1002,3 +1002,59 @@ def test_a_prompt_whose_grammar_failed_ends_as_an_error_while_the_step_runs_the_
     ended = {o.request_id: o.finish_reason for eco in outputs.values() for o in eco.outputs if o.finish_reason}
     assert ended == {lax.request_id: FinishReason.LENGTH, structured.request_id: FinishReason.ERROR}
     assert not s.requests and structured.request_id not in s.mirrors
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "vllm-fcfs"])
+def test_a_grammar_that_failed_to_compile_is_the_requests_error_in_its_words(make_scheduler, policy):
+    """vLLM ends a request whose grammar failed to compile as an error and says no more (its server answers a 500);
+    the grammar is the client's to fix, so the scheduler keeps the compile error for the engine, which fails the job
+    as a bad request with it. Under vLLM's own policy too (it meets the failed grammar in its queue)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from tests.vllm.conftest import compiling_grammar
+
+    s = make_scheduler(policy, max_batched=32, blocks=16, max_seqs=2)
+    structured = vllm_request(8, {"ttft_ms": 2_000, "tbt_ms": 100}, max_tokens=1,
+                              structured=StructuredOutputsParams(regex="[0-9]+"))
+    compiling_grammar(s, structured).set_exception(ValueError("unbalanced parenthesis at 3"))
+    s.add_request(structured)
+    run_step(s)
+    assert not s.requests
+    assert s.errors == {structured.request_id: "the structured output's grammar (schema, regex, choice or grammar) "
+                                               "did not compile: unbalanced parenthesis at 3"}
+
+
+def test_a_refused_qos_is_the_requests_error_in_its_words(make_scheduler):
+    """A request whose QoS fields coserve's scheduler refuses ends as an error: the reason is kept for the engine
+    (the job fails as a bad request naming it), not only logged."""
+    s = make_scheduler("qoserve")
+    bad = vllm_request(8, {"ttft_ms": -5})
+    s.add_request(bad)
+    run_step(s)
+    assert not s.requests and bad.request_id in s.errors and "ttft" in s.errors[bad.request_id]
+
+
+def test_a_request_vllm_ended_as_an_error_reaches_the_worker_with_the_schedulers_reason():
+    """The engine's side of the two tests above: vLLM's output for a request it ended as an error ("error") becomes
+    the request's rejection carrying the reason the scheduler kept (the worker fails the job as a bad request, a 400,
+    with it: ``workers.engine_thread``); before, it carried none, and the job failed as the server's fault (a 500)."""
+    from types import SimpleNamespace
+
+    from gpu_runtime.qos import QoSClass, QoSSpec
+    from gpu_runtime.request import Request
+    from gpu_runtime.sampling import SamplingParams
+    from gpu_runtime.vllm.engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    req = Request("job_a:1", [1, 2, 3], SamplingParams(max_tokens=4), QoSSpec(QoSClass.BATCH, ttlt_s=60.0),
+                  arrival_time=0.0)
+    engine.requests, engine.external, engine.internal = {req.request_id: req}, {req.request_id: "job_a:1-x"}, {}
+    engine.internal["job_a:1-x"] = req.request_id
+    engine.core_scheduler = SimpleNamespace(errors={"job_a:1-x": "the grammar did not compile: bad regex"})
+    res = SimpleNamespace(request_id=req.request_id, finished=True, prompt_logprobs=None, num_cached_tokens=0,
+                          num_cache_creation_tokens=0,
+                          outputs=[SimpleNamespace(token_ids=[], text="", logprobs=None, finish_reason="error",
+                                                   stop_reason=None)])
+    out = engine._output(res, now=1.0)
+    assert (out.event, out.error) == ("rejected", "the grammar did not compile: bad regex")
+    assert not engine.core_scheduler.errors and not engine.requests
