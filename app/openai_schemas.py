@@ -4,10 +4,10 @@ The request models accept what the official ``openai`` client sends (``service_t
 tier) plus coserve's QoS extension fields (``ttft_ms``, ``tbt_ms``, ``deadline``, ``tier``) and vLLM's
 sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``cache_salt``,
-``structured_outputs``), and turn into a ``JobCreate``. OpenAI fields coserve does not implement (best_of, suffix,
-functions) and vLLM's (``VllmUnsupported``) are declared, so a request that sets one to anything but its default gets
-a 400 with ``code="unsupported_value"`` instead of an answer that silently ignored it; fields unknown to both are
-ignored.
+``structured_outputs``, ``add_special_tokens``), and turn into a ``JobCreate``. OpenAI fields coserve does not
+implement (best_of, suffix, functions) and vLLM's (``VllmUnsupported``) are declared, so a request that sets one to
+anything but its default gets a 400 with ``code="unsupported_value"`` instead of an answer that silently ignored
+it; fields unknown to both are ignored.
 """
 
 from __future__ import annotations
@@ -262,8 +262,6 @@ UNSUPPORTED_HINTS = {
     "chat_template": " (the server applies its own, COSERVE_CHAT_TEMPLATE; chat_template_kwargs reach it)",
     "truncation_side": " (truncate_prompt_tokens keeps the prompt's last tokens)",
     "logprob_token_ids": " (logprobs / top_logprobs report the most likely tokens)",
-    "add_special_tokens": " (a chat prompt has the special tokens its chat template writes, a completion's prompt the "
-                          "tokenizer's, as vLLM's defaults)",
     "documents": " (put the documents' text in the messages)",
     "modalities": " (this server answers in text only)",
     "audio": " (this server answers in text only)",
@@ -304,7 +302,6 @@ class VllmUnsupported(BaseModel):
     truncation_side: Any = None
     logprob_token_ids: Any = None
     # each changes the answer where vLLM applies it: answering without it would pass for having applied it
-    add_special_tokens: Any = None  # each endpoint's own default (``unsupported``): chat's False, completions' True
     repetition_detection: Any = None
     watermarking: Any = None
 
@@ -323,6 +320,9 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
     # vLLM's: each prompt token's logprob with this many alternatives, answered in vLLM's form (token ids and
     # ranks): a completion's choice carries them, a chat answer at its top
     prompt_logprobs: Alternatives = None
+    # vLLM's: the tokenizer's special tokens (e.g. BOS) added to the prompt text, on top of what a chat template
+    # writes (None: each endpoint's default, chat's False, completions' True; token ids are fed as they are)
+    add_special_tokens: bool | None = None
 
     def check(self) -> None:
         self.check_unsupported()
@@ -402,7 +402,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                         "min_tokens", "stop_token_ids", "include_stop_str_in_output", "return_token_ids",
-                                        "truncate_prompt_tokens", "cache_salt",
+                                        "truncate_prompt_tokens", "cache_salt", "add_special_tokens",
                                         "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None},
                       **({} if self.thinking_token_budget in (None, -1)
                          else {"thinking_token_budget": self.thinking_token_budget}))
@@ -512,7 +512,7 @@ class ChatCompletionRequest(_Base):
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_Base.unsupported, "functions": (None, []), "function_call": (None, "none"),
-        "add_special_tokens": (None, False), "modalities": (None, ["text"]), "audio": (None,),
+        "modalities": (None, ["text"]), "audio": (None,),
         "web_search_options": (None,), "documents": (None, []), "return_prompt_text": (None, False)}
 
     def tool_fields(self) -> dict[str, Any]:
@@ -609,8 +609,7 @@ class CompletionRequest(_Base):
     prompt_embeds: Any = None  # vLLM's prompt given as embeddings
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_Base.unsupported, "best_of": (None, 1), "suffix": (None, ""), "add_special_tokens": (None, True),
-        "prompt_embeds": (None, [])}
+        **_Base.unsupported, "best_of": (None, 1), "suffix": (None, ""), "prompt_embeds": (None, [])}
 
 
     def logprob_count(self) -> int | None:

@@ -236,6 +236,10 @@ class JobCreate(BaseModel):
         "false; chat messages only)"))
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS, description=(
         "more variables for the chat template (e.g. {'enable_thinking': false} for Qwen3; chat messages only)"))
+    add_special_tokens: bool | None = Field(None, description=(
+        "vLLM's: add the tokenizer's special tokens (e.g. BOS) to the prompt text, on top of those a chat template "
+        "writes (unset: a prompt's true, chat messages' false, as vLLM's completions and chat; prompt_token_ids are "
+        "fed as given)"))
     ignore_eos: bool = False
     stream: bool = Field(False, description="follow the tokens at GET /v1/jobs/{id}/stream (server-sent events)")
 
@@ -325,8 +329,13 @@ class JobCreate(BaseModel):
             forced_schema(self.tools or [], choice)  # raises where the tools' definitions clash
 
     def template_options(self) -> dict[str, Any] | None:
-        """The chat template's options that differ from the defaults (None where none do)."""
-        return {k: v for k in TEMPLATE_DEFAULTS if not _is_default(k, v := getattr(self, k))} or None
+        """How the input is tokenized: the chat template's options that differ from the defaults, and
+        ``add_special_tokens`` where the request gave it (None where there is nothing of either: a request that
+        gives neither keeps the row it always had)."""
+        options = {k: v for k in TEMPLATE_DEFAULTS if not _is_default(k, v := getattr(self, k))}
+        if self.add_special_tokens is not None:
+            options["add_special_tokens"] = self.add_special_tokens
+        return options or None
 
     def output_constraint(self) -> dict[str, Any] | None:
         """The constraint the text is generated under, in vLLM's field form: the structured outputs asked for,

@@ -89,6 +89,22 @@ def long_tiny_model_dir(tmp_path_factory) -> Path:
     return _tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), context=4096)
 
 
+@pytest.fixture(scope="session")
+def bos_tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama (context 512) with a tokenizer that puts its BOS token before a text it is asked to add
+    special tokens to, as Llama's do (the default model's adds none), for ``add_special_tokens``."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    path = _tiny_llama(tmp_path_factory.mktemp("tiny-llama-bos"), context=512)
+    tok = AutoTokenizer.from_pretrained(path)
+    bos = tok.bos_token
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                              special_tokens=[(bos, tok.bos_token_id)])
+    tok.save_pretrained(path)
+    return path
+
+
 def _tiny_llama(path: Path, context: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -37,7 +37,9 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[dict[str, Any]] | None = Field(None, min_length=1)
     tools: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = Field(True, description="a prompt: the tokenizer's special tokens (e.g. BOS) too")
+    add_special_tokens: bool | None = Field(None, description=(
+        "the tokenizer's special tokens (e.g. BOS) too, as a completion or chat request takes it (unset: a prompt's "
+        "true, messages' false)"))
     add_generation_prompt: bool | None = Field(None, description="messages: as a chat request takes it")
     continue_final_message: bool | None = Field(None, description="messages: as a chat request takes it")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as a chat request takes it")
@@ -72,8 +74,9 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
             if getattr(req, name) is not None:
                 raise OpenAIError(400, f"{name} is for the chat template: send messages, not a prompt", param=name)
         tok = get_tokenizer(settings.model)
-        return list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-    chat = openai_parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", *TEMPLATE_DEFAULTS}))
+        return list(tok(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"])
+    chat = openai_parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", "add_special_tokens",
+                                                                        *TEMPLATE_DEFAULTS}))
     try:  # the messages, tools and template options as a chat job keeps them: the same checks, the same input
         return encode_spec(settings.model, chat.job_spec(messages=chat.chat_messages()))
     except ChatTemplateError as exc:

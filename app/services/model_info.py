@@ -230,22 +230,30 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
     with a job's ``template_options`` (raises ``ChatTemplateError`` where the template cannot render them)."""
     tok = get_tokenizer(model)
     options = options or {}
+    special = options.get("add_special_tokens")  # vLLM's flag; None: the input's default
     if messages is not None:
         if getattr(tok, "chat_template", None):
-            try:
+            try:  # special tokens asked for: vLLM renders the template to text and tokenizes that with them
                 ids = tok.apply_chat_template(
-                    template_messages(messages), tools=tools, tokenize=True,
+                    template_messages(messages), tools=tools, tokenize=not special,
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs") or {})
             except _template_errors() as exc:
                 raise ChatTemplateError(f"the model's chat template cannot render these messages and tools: "
                                         f"{type(exc).__name__}: {exc}") from exc
+            if special:
+                return _encode(tok, ids, True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)
         prompt = _plain_chat(messages)
+    return _encode(tok, prompt or "", True if special is None else special)
+
+
+def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tok(text, add_special_tokens=...)``'s ids."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:  # the Rust tokenizer directly: same ids, half the cost on the submit path
-        return backend.encode(prompt or "", add_special_tokens=True).ids
-    return list(tok(prompt or "", add_special_tokens=True)["input_ids"])
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])

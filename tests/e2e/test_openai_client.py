@@ -466,12 +466,11 @@ def test_a_thinking_budget_is_refused_where_it_cannot_be_kept(oai, stack, monkey
     # OpenAI's: an audio answer, a web search
     ("chat", {"modalities": ["text", "audio"]}), ("chat", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("chat", {"web_search_options": {}}),
-    # vLLM's: the chat template's documents, the prompt's special tokens, the rendered prompt in the answer,
-    # repetition detection, watermarking, a prompt given as embeddings
-    ("chat", {"documents": [{"title": "a", "text": "the answer is 42"}]}), ("chat", {"add_special_tokens": True}),
-    ("chat", {"return_prompt_text": True}),
+    # vLLM's: the chat template's documents, the rendered prompt in the answer, repetition detection,
+    # watermarking, a prompt given as embeddings
+    ("chat", {"documents": [{"title": "a", "text": "the answer is 42"}]}), ("chat", {"return_prompt_text": True}),
     ("chat", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
-    ("completions", {"add_special_tokens": False}), ("completions", {"watermarking": True}),
+    ("completions", {"watermarking": True}),
     ("completions", {"prompt_embeds": "AAAA"})])
 def test_a_field_that_would_change_the_answer_is_refused_by_name_not_ignored(oai, endpoint, field):
     create = (partial(oai.chat.completions.create, messages=[{"role": "user", "content": "x"}]) if endpoint == "chat"
@@ -479,8 +478,8 @@ def test_a_field_that_would_change_the_answer_is_refused_by_name_not_ignored(oai
     with pytest.raises(openai.BadRequestError) as exc:
         create(model="tiny", max_tokens=1, extra_body=field)
     assert exc.value.body["param"] == next(iter(field)) and exc.value.body["code"] == "unsupported_value"
-    # what a client sends for it by default (each endpoint's own, as vLLM's) is taken
-    default = {"modalities": ["text"], "add_special_tokens": endpoint != "chat"}.get(next(iter(field)))
+    # what a client sends for it by default is taken
+    default = {"modalities": ["text"]}.get(next(iter(field)))
     assert create(model="tiny", max_tokens=1, extra_body={next(iter(field)): default}).choices
 
 

@@ -22,3 +22,34 @@ def test_fast_prompt_ids_equal_the_transformers_call(tiny_model_dir):
     tok = get_tokenizer(str(tiny_model_dir))
     for prompt in _prompts():
         assert encode_input(str(tiny_model_dir), prompt, None) == list(tok(prompt, add_special_tokens=True)["input_ids"])
+
+
+def test_add_special_tokens_tokenizes_the_input_as_vllm_does(bos_tiny_model_dir):
+    # a completion's text: tok(prompt, add_special_tokens=flag), True unless the job says false; chat: the template
+    # rendered to text, tokenized with the flag (False unless the job says true: the BOS then comes on top)
+    model = str(bos_tiny_model_dir)
+    tok = get_tokenizer(model)
+    bare = list(tok("Hello world", add_special_tokens=False)["input_ids"])
+    assert encode_input(model, "Hello world", None) == [tok.bos_token_id, *bare]
+    assert encode_input(model, "Hello world", None, options={"add_special_tokens": False}) == bare
+    assert encode_input(model, "Hello world", None, options={"add_special_tokens": True}) == [tok.bos_token_id, *bare]
+    chat = [{"role": "user", "content": "Hello world"}]
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    templated = list(tok(rendered, add_special_tokens=False)["input_ids"])
+    assert encode_input(model, None, chat) == encode_input(model, None, chat, options={"add_special_tokens": False})
+    assert encode_input(model, None, chat) == templated
+    assert encode_input(model, None, chat, options={"add_special_tokens": True}) == [tok.bos_token_id, *templated]
+    opened = encode_input(model, None, chat, options={"add_generation_prompt": False, "add_special_tokens": True})
+    assert opened[0] == tok.bos_token_id and opened[1:] == encode_input(model, None, chat,
+                                                                        options={"add_generation_prompt": False})
+
+
+def test_a_job_keeps_add_special_tokens_only_where_the_request_gave_it():
+    from app.schemas import ChatMessage, JobCreate
+
+    chat = [ChatMessage(role="user", content="hi")]
+    assert JobCreate(prompt="x").template_options() is None  # the row it always had
+    assert JobCreate(messages=chat).template_options() is None
+    assert JobCreate(prompt="x", add_special_tokens=False).template_options() == {"add_special_tokens": False}
+    assert JobCreate(messages=chat, add_special_tokens=True, add_generation_prompt=False).template_options() == {
+        "add_generation_prompt": False, "add_special_tokens": True}
