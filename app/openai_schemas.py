@@ -478,7 +478,8 @@ def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
 
 
 # the content parts read as text, as vLLM's chat reads them (the Responses API's names too): type -> its text's key
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}  # vLLM's own part (its text under "thinking"), read as text too
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's values
 
 

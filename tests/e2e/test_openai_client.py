@@ -497,14 +497,15 @@ def test_a_refusal_names_the_field_as_the_client_wrote_it_not_pydantics_union_me
 
 
 def test_content_parts_are_read_as_vllm_reads_them(oai):
-    # the Responses API's part names and an assistant's refusal are text, as vLLM's chat reads them, and a part
-    # without its text is left out (it made an empty line); the same conversation written as strings is the same
-    # prompt (the same greedy answer, the same prompt tokens)
+    # the Responses API's part names, an assistant's refusal and vLLM's thinking part are text, as vLLM's chat reads
+    # them, and a part without its text is left out (it made an empty line); the same conversation written as
+    # strings is the same prompt (the same greedy answer, the same prompt tokens)
     parts = [{"role": "user", "content": [{"type": "input_text", "text": "Say"}, {"type": "text"},
                                           {"type": "text", "text": "hi"}]},
-             {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "Rude."}, {"type": "thinking"},
+                                               {"type": "refusal", "refusal": "No."}]},
              {"role": "user", "content": [{"type": "output_text", "text": "Please"}]}]
-    plain = [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": "No."},
+    plain = [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": "Rude.\nNo."},
              {"role": "user", "content": "Please"}]
     ask = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     got, want = (oai.chat.completions.create(messages=m, **ask) for m in (parts, plain))
