@@ -313,9 +313,9 @@ class GpuWorker:
             if lease is None:
                 log.info("job %s is not pending any more; message dropped", job_id)
                 return None
-            job = s.get(Job, job_id)
+            job = s.get(Job, job_id, populate_existing=True)  # as leased: its attempt names its request
             try:
-                request = self._request(job, s, lease)
+                request = self._request(job, s)
             except Exception as exc:  # bad input the API could not catch: fail this attempt only
                 if cold_shutdown():  # Celery cancelled this task (not the job's fault): accept gives the job back
                     raise
@@ -512,8 +512,9 @@ class GpuWorker:
         except redis.RedisError:
             return False
 
-    def _request(self, job: Job, session: Session, lease: leases.Lease) -> Request:
-        """The engine request of the job's attempt ``lease`` holds, named after that attempt (``Lease.request_id``)."""
+    def _request(self, job: Job, session: Session) -> Request:
+        """The engine request of the job's attempt that was just leased (``leases.acquire`` moved ``job.attempt`` on
+        to it), named after that attempt (``Lease.request_id``)."""
         ids = fed_prompt(self.settings, job)
         sampling = SamplingParams.from_job(job.sampling or {}, self.settings.default_max_tokens)
         tier = self.settings.engine_tier(job.tier)
@@ -534,7 +535,7 @@ class GpuWorker:
                 raise ValueError(f"LoRA adapter {adapter!r} was unloaded before this job began; load it again "
                                  "(POST /v1/load_lora_adapter) and resubmit")
             path, version = source
-        return Request(lease.request_id, ids, sampling, qos,
+        return Request(leases.engine_request_id(job.id, job.attempt), ids, sampling, qos,
                        arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
                        lora_name=adapter, lora_path=path, lora_version=version,
