@@ -18,7 +18,7 @@ from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, 
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import lora_adapters
 from app.services.jobs import JobValidationError, check_token_ids, encode_spec, resolve_model
-from app.services.model_info import ChatTemplateError, get_tokenizer
+from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer
 from app.services.workers import held_context_length
 from app.settings import Settings
 from app.wire import Text
@@ -73,8 +73,8 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
         for name in TEMPLATE_DEFAULTS:
             if getattr(req, name) is not None:
                 raise OpenAIError(400, f"{name} is for the chat template: send messages, not a prompt", param=name)
-        tok = get_tokenizer(settings.model)
-        return list(tok(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"])
+        # as a completion's prompt is fed (the flag unset: true)
+        return encode_input(settings.model, req.prompt, None, options={"add_special_tokens": req.add_special_tokens})
     chat = openai_parsed(ChatCompletionRequest, req.model_dump(include={"messages", "tools", "add_special_tokens",
                                                                         *TEMPLATE_DEFAULTS}))
     try:  # the messages, tools and template options as a chat job keeps them: the same checks, the same input
