@@ -30,6 +30,7 @@ SQLITE_BUSY_TIMEOUT_MS = 15_000
 # a server that stops answering fails a request (and a probe: /readyz) in seconds, not after the kernel's TCP timeout
 CONNECT_TIMEOUT_S = 5
 POOL_TIMEOUT_S = 10  # the longest a request waits for a pooled connection while all are in use
+SERVER_POOL = (10, 20)  # a database server's pool per process: kept connections, more while busy (SCALE-OUT.md)
 # what a database that cannot be reached raises: refused, timed out, or no pooled connection came free in time
 DATABASE_UNAVAILABLE = (OperationalError, PoolTimeout)
 
@@ -78,7 +79,8 @@ def make_engine(url: str, **kwargs) -> Engine:
         event.listen(engine, "connect", lambda c, _r: setattr(c, "isolation_level", None))
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_timeout=POOL_TIMEOUT_S,
+    return create_engine(url, pool_pre_ping=True, pool_size=SERVER_POOL[0], max_overflow=SERVER_POOL[1],
+                         pool_timeout=POOL_TIMEOUT_S,
                          connect_args=server_connect_args(url), **kwargs)
 
 
