@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from gpu_runtime.executor.base import KVCapacity
+
 log = logging.getLogger(__name__)
 
 
@@ -163,3 +165,21 @@ class BlockManager:
         # reversed: the next allocation pops them back in ascending order, so a request's
         # table tends to stay one contiguous run (the forward reads such keys as a view)
         self._free.extend(reversed(blocks))
+
+
+class PagedKV:
+    """The executor protocol's KV queries over a ``BlockManager`` in ``self.blocks`` (the simulator's and the own
+    engine's executors share them)."""
+
+    blocks: BlockManager
+
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(self.blocks.total_blocks, self.blocks.num_free, self.blocks.block_size)
+
+    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        return self.blocks.blocks_needed(request_id, num_new_tokens)
+
+    def footprint_slots(self, tokens: int) -> int:
+        """The most KV slots a request of ``tokens`` holds over its life (``lifetime_slots``): admission reserves
+        them."""
+        return lifetime_slots(tokens, self.blocks.block_size)

@@ -29,12 +29,11 @@ from gpu_runtime.executor.base import (
     DraftEntry,
     DraftResult,
     KeepDrafting,
-    KVCapacity,
     PrefillChunk,
     StepResult,
     tree_depth_limit,
 )
-from gpu_runtime.executor.kv_blocks import BlockManager, context_that_fits, lifetime_slots
+from gpu_runtime.executor.kv_blocks import BlockManager, PagedKV, context_that_fits
 from gpu_runtime.executor.prefix_cache import PrefixCache, block_hashes, salt_root
 from gpu_runtime.sampling import SamplingParams
 
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 SIM_TOKEN = 7  # placeholder id of every generated token
 
 
-class SimExecutor:
+class SimExecutor(PagedKV):
     def __init__(self, cost_model: CostModel, kv_blocks: int = 1 << 20, block_size: int = 16,
                  max_model_len: int = 1 << 20, acceptance: AcceptanceModel | None = None,
                  draft_cost_s: float = 0.0, noise: float = 0.0, seed: int = 0, draft_blocks: int = 0,
@@ -91,17 +90,6 @@ class SimExecutor:
         self.clock = max(self.clock, t)
 
     # ---- KV ----
-    def capacity(self) -> KVCapacity:
-        return KVCapacity(self.blocks.total_blocks, self.blocks.num_free, self.blocks.block_size)
-
-    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
-        return self.blocks.blocks_needed(request_id, num_new_tokens)
-
-    def footprint_slots(self, tokens: int) -> int:
-        """The most KV slots a request of ``tokens`` holds over its life (``lifetime_slots``): admission reserves
-        them."""
-        return lifetime_slots(tokens, self.blocks.block_size)
-
     def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None,
                     cache_salt: str | None = None) -> None:
         self.categories[request_id] = category

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu_runtime.executor.base import (
-    BatchPlan, DraftEntry, DraftResult, KeepDrafting, KVCapacity, StepResult, tree_depth_limit,
+    BatchPlan, DraftEntry, DraftResult, KeepDrafting, StepResult, tree_depth_limit,
 )
-from gpu_runtime.executor.kv_blocks import BlockManager, capped_context_note, context_that_fits, lifetime_slots
+from gpu_runtime.executor.kv_blocks import BlockManager, PagedKV, capped_context_note, context_that_fits
 from gpu_runtime.executor.torch.batch import Segment, build_forward_batch, request_slots, tree_mask
 from gpu_runtime.executor.torch.model import PagedDecoder
 from gpu_runtime.executor.torch.sampler import (
@@ -98,7 +98,7 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-class TorchExecutor:
+class TorchExecutor(PagedKV):
     """Executor protocol over our paged-KV forward pass (see ``base.Executor``)."""
 
     def __init__(self, hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -199,17 +199,6 @@ class TorchExecutor:
     # ---- protocol: bookkeeping ----
     def now(self) -> float:
         return time.monotonic()
-
-    def capacity(self) -> KVCapacity:
-        return KVCapacity(self.blocks.total_blocks, self.blocks.num_free, self.blocks.block_size)
-
-    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
-        return self.blocks.blocks_needed(request_id, num_new_tokens)
-
-    def footprint_slots(self, tokens: int) -> int:
-        """The most KV slots a request of ``tokens`` holds over its life (``lifetime_slots``): admission reserves
-        them."""
-        return lifetime_slots(tokens, self.blocks.block_size)
 
     def add_request(self, request_id: str, sampling: SamplingParams, category: str | None = None,
                     cache_salt: str | None = None) -> None:  # no prefix cache here: the salt scopes nothing
