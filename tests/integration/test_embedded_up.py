@@ -1,4 +1,5 @@
-"""`coserve up` brings up Redis + API + worker; the CLI talks to it; Ctrl-C stops all of it."""
+"""`coserve up` brings up Redis + API + worker; the CLI talks to it; a worker killed comes back; Ctrl-C stops all
+of it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def _cli(args, env, timeout=120):
                           timeout=timeout, cwd=ROOT)
 
 
+def _workers(data) -> list[tuple[str, str, int]]:
+    """Each worker's id, start and pid (its heartbeat's state), from the workers table."""
+    with sqlite3.connect(data / "coserve.db") as db:
+        rows = db.execute("SELECT id, started_at, state FROM workers").fetchall()
+    return [(worker_id, started, json.loads(state)["pid"]) for worker_id, started, state in rows]
+
+
 def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
     port = free_port()
     data = tmp_path / "data"
@@ -40,13 +48,16 @@ def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
                           start_new_session=True)  # a shell job: its own process group, as in a terminal
     lines: list[str] = []
     try:
-        def serving():
-            line = up.stdout.readline()
-            if not line and up.poll() is not None:
-                raise AssertionError("coserve up exited:\n" + "".join(lines))
-            lines.append(line)
-            return "serving; Ctrl-C" in line
-        wait_for(serving, 180, "coserve up to serve", interval=0)
+        def says(text: str, since: int = 0):
+            """A predicate: `coserve up` printed ``text`` (rich wraps it on a pipe) after its first ``since`` lines."""
+            def read():
+                line = up.stdout.readline()
+                if not line and up.poll() is not None:
+                    raise AssertionError("coserve up exited:\n" + "".join(lines))
+                lines.append(line)
+                return text in " ".join("".join(lines[since:]).split())
+            return read
+        wait_for(says("serving; Ctrl-C"), 180, "coserve up to serve", interval=0)
         out = "".join(lines)
         assert "ready in" in out and "API key" in out and "(succeeded)" in out
 
@@ -68,9 +79,22 @@ def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
         assert text and text.strip() in sub.stdout
         jobs = _cli(["jobs"], env)
         assert jobs.returncode == 0 and job_id in jobs.stdout
+
+        # the worker killed (as by the OOM killer): `coserve up` starts a new one, the API serving on (it stopped all)
+        (worker_id, started, pid), = _workers(data)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(says("worker exited (killed by signal 9); started a new one", len(lines)), 60,
+                 "coserve up to start the worker again", interval=0)  # raises where `coserve up` exited
+        assert httpx.get(f"{creds['url']}/healthz").status_code == 200
+        wait_for(lambda: _workers(data)[0][1] != started, 120, "the new worker to register")
+        assert [(row[0], row[2] != pid) for row in _workers(data)] == [(worker_id, True)]  # the same worker id
+        again = _cli(["submit", "Hello again", "--tbt-ms", "200", "--max-tokens", "6", "--wait", "--json"], env)
+        assert again.returncode == 0 and json.loads(again.stdout)["status"] == "succeeded", again.stdout + again.stderr
+        assert json.loads(again.stdout)["worker_id"] == worker_id
         redis_port = int(next(line for line in lines if "redis-server (embedded)" in line).split(":")[-1].split("/")[0])
     finally:
-        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        if up.poll() is None:  # (it stopped itself where it gave up)
+            os.killpg(up.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
         try:
             up.wait(60)
         except subprocess.TimeoutExpired:
