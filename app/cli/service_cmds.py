@@ -350,9 +350,10 @@ def worker_restarted(ended: ChildExit, limit: RestartLimit) -> str:
     """What `coserve up` says of a worker it started again (``ended``: its ``ChildExit``): how it ended, why (its last
     words), and how many of its restarts are used."""
     how = f"killed by signal {-ended.status}" if ended.status < 0 else f"status {ended.status}"
+    # a killed process wrote nothing as it died: its last line says nothing of why it went
+    why = _said([(ended.name, ended.last_words)]) if ended.status > 0 else ""
     return (f"[yellow]{ended.name} exited ({how}); started a new one with the same worker id, restart "
-            f"{limit.taken} of {limit.restarts} allowed in {limit.window_s:g}s[/yellow]"
-            f"{_said([(ended.name, ended.last_words)])}")
+            f"{limit.taken} of {limit.restarts} allowed in {limit.window_s:g}s[/yellow]{why}")
 
 
 def not_ready(api_url: str, checks: Any) -> str:
