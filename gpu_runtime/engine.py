@@ -208,11 +208,12 @@ class Engine:
             if self._prefix_caching:
                 self._unstarted[req.request_id] = None
         for rid in aborts:
-            req = self.scheduler.abort_request(rid)
-            if req is None:
-                req = self.requests.get(rid)
-                if req is None or req.status.finished:
-                    continue
+            self.scheduler.abort_request(rid)
+            # whatever the engine still holds goes, whatever its status: a step that raised between setting a
+            # request finished and ``_finish`` left it held (its KV, its slot), and nothing else lets it go
+            req = self.requests.get(rid)
+            if req is None:  # never admitted, or finished and reported already: nothing held, nothing to report
+                continue
             req.status = RequestStatus.FINISHED_ABORTED
             req.finish_time = self.executor.now()
             outputs.append(self._finish(req))
