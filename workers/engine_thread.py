@@ -86,6 +86,32 @@ def relegation_detail(job: ActiveJob) -> str:
     return f"engine relegated it ({tier} tier): its {target:g} s {name} deadline {when}"
 
 
+def engine_state(engine: Any) -> dict[str, Any]:
+    """A snapshot of the engine for the worker's row (KV, queues, speculation, last step), its counters since the
+    worker started among them: the API's ``/metrics`` exports them per worker."""
+    state: dict[str, Any] = {}
+    try:
+        cap = engine.executor.capacity()
+        state.update(kv_total_blocks=cap.total_blocks, kv_free_blocks=cap.free_blocks,
+                     kv_usage=round(cap.usage, 4), kv_recomputes=engine.num_recomputes)
+        state["queues"] = engine.scheduler.queue_depths()
+        calibration = getattr(engine.scheduler, "calibration_state", None)  # the vLLM backend's
+        if calibration is not None:
+            state["cost_calibration"] = calibration()
+        state["speculation"] = engine.speculation.state()
+        state["draft_on_device"] = bool(engine.executor.draft_on_device)
+        drafter = getattr(engine.executor, "drafter", None)
+        state["drafter"] = type(drafter).__name__ if drafter is not None else None
+        if (pool_short := getattr(drafter, "num_pool_short", None)) is not None:  # a draft model's own KV pool
+            state["draft_pool_short"] = pool_short  # requests it drafted shallower trees for, or none
+        stats = engine.last_stats
+        state["last_step"] = {"latency_s": stats.step_latency_s, "decodes": stats.num_decodes,
+                              "prefill_tokens": stats.num_prefill_tokens}
+    except Exception as exc:  # the dashboard gets less detail, the heartbeat still beats
+        state["state_error"] = str(exc)
+    return state
+
+
 class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
                  worker_id: str, stopping: threading.Event, reconcile_s: float | None = None,
@@ -435,25 +461,7 @@ class EngineThread:
 
     def refresh_state(self) -> None:
         """A snapshot of the engine for the worker's row (KV, queues, speculation, last step)."""
-        engine, state = self.engine, {}
-        try:
-            cap = engine.executor.capacity()
-            state.update(kv_total_blocks=cap.total_blocks, kv_free_blocks=cap.free_blocks,
-                         kv_usage=round(cap.usage, 4), kv_recomputes=engine.num_recomputes)
-            state["queues"] = engine.scheduler.queue_depths()
-            calibration = getattr(engine.scheduler, "calibration_state", None)  # the vLLM backend's
-            if calibration is not None:
-                state["cost_calibration"] = calibration()
-            state["speculation"] = engine.speculation.state()
-            state["draft_on_device"] = bool(engine.executor.draft_on_device)
-            drafter = getattr(engine.executor, "drafter", None)
-            state["drafter"] = type(drafter).__name__ if drafter is not None else None
-            stats = engine.last_stats
-            state["last_step"] = {"latency_s": stats.step_latency_s, "decodes": stats.num_decodes,
-                                  "prefill_tokens": stats.num_prefill_tokens}
-        except Exception as exc:  # the dashboard gets less detail, the heartbeat still beats
-            state["state_error"] = str(exc)
-        self.state = state
+        self.state = engine_state(self.engine)
 
     def reconcile(self) -> list[Record]:
         """Jobs the worker holds that the engine no longer knows go back to the queue; those whose abort it has

@@ -180,6 +180,9 @@ class SqlCollector(Collector):
         preempt = CounterMetricFamily("coserve:num_preemptions", "Requests whose KV the worker's engine released "
                                       "under memory pressure, to recompute later (since the worker started).",
                                       labels=["worker"])
+        pool_short = CounterMetricFamily("coserve:spec_decode_num_draft_pool_short", "Requests the worker's draft "
+                                         "model drafted a shallower token tree for, or none, because its KV pool "
+                                         "was short (since the worker started).", labels=["worker"])
         routed = GaugeMetricFamily("coserve:worker_routed_jobs_waiting", "Jobs prefix routing sent the worker that "
                                    "wait on its own queue (at its last heartbeat).", labels=["worker"])
         set_aside = GaugeMetricFamily("coserve:worker_set_aside_jobs", "Job attempts the worker set aside: their "
@@ -196,11 +199,14 @@ class SqlCollector(Collector):
                 kv.add_metric([w.id], float(state["kv_usage"]))
             if state.get("kv_recomputes") is not None:
                 preempt.add_metric([w.id], float(state["kv_recomputes"]))
+            if state.get("draft_pool_short") is not None:
+                pool_short.add_metric([w.id], float(state["draft_pool_short"]))
             up.add_metric([w.id, str(bool(w.draining)).lower(), str(routing.stopping(w.state)).lower()],
                           (now - as_utc(w.heartbeat_at)).total_seconds())
         yield kv
         yield up
         yield preempt
+        yield pool_short
         yield routed
         yield set_aside
 

@@ -22,6 +22,7 @@ from gpu_runtime.scheduler.registry import create_scheduler
 from gpu_runtime.sim.acceptance import GeometricAcceptance
 from tests.engine.conftest import make_request, tiny_llama
 from tests.engine.spec_helpers import NoisyTreeDrafter, VerifyAll
+from workers.engine_thread import engine_state
 
 BLOCK = 2  # small blocks: a tree of 24 nodes passes the footprint's block of slack by 11 blocks
 PROMPT, MAX_TOKENS = 4, 14  # 18 tokens: a footprint of 9 + 1 blocks
@@ -97,6 +98,7 @@ def _greedy_with_draft_model(blocks: int, width: int) -> tuple[dict[str, list[in
     sched = create_scheduler("sarathi-fcfs", default_cost_model(), ex, kv_watermark=0.0, kv_reserve="max_tokens")
     policy = VerifyAll(depth=6, width=width)
     engine = Engine(ex, sched, policy)
+    assert engine_state(engine)["draft_pool_short"] == 0
     rng = random.Random(1)
     reqs = [make_request([rng.randrange(3, 97) for _ in range(PROMPT)], max_tokens=MAX_TOKENS) for _ in range(4)]
     for r in reqs:
@@ -104,6 +106,8 @@ def _greedy_with_draft_model(blocks: int, width: int) -> tuple[dict[str, list[in
     engine.run_until_idle(max_steps=2000)
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
     assert ex.capacity().free_blocks == blocks and runner.blocks.num_free == blocks
+    # the worker's heartbeat carries the count (coserve:spec_decode_num_draft_pool_short, per worker)
+    assert engine_state(engine)["draft_pool_short"] == runner.num_pool_short
     return {r.request_id: r.output_token_ids for r in reqs}, runner, policy
 
 

@@ -57,7 +57,8 @@ def _seed(db_url) -> None:
                    _job(t.id, "cancelled", "paid", finished_at=now, finish_reason="cancelled", prompt_tokens=6)])
         s.add(WorkerState(id="w9", model="tiny", queue="q", device="cpu", state={"kv_usage": 0.25, "kv_recomputes": 3,
                                                                                    "routed_waiting": 4,
-                                                                                   "set_aside_jobs": 1}))
+                                                                                   "set_aside_jobs": 1,
+                                                                                   "draft_pool_short": 5}))
 
 
 def test_metrics_endpoint_reflects_sql(client, db_url):
@@ -77,6 +78,7 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
     assert get("coserve:num_requests_relegated", model_name="tiny", tier="free") == 1
     assert get("coserve:kv_cache_usage_perc", worker="w9") == 0.25
     assert get("coserve:num_preemptions_total", worker="w9") == 3
+    assert get("coserve:spec_decode_num_draft_pool_short_total", worker="w9") == 5
     assert get("coserve:worker_routed_jobs_waiting", worker="w9") == 4
     assert get("coserve:worker_set_aside_jobs", worker="w9") == 1
     assert get("coserve:time_to_first_token_seconds_bucket", model_name="tiny", tier="paid", kind="interactive",
