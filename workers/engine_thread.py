@@ -18,12 +18,12 @@ itself. It also keeps the worker honest:
   up (``on_kept_abort``) and stops, its running jobs finishing within the stop grace;
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
-* a step that raises gives every job back to the queue (the last allowed attempt fails), and
-  those jobs are sent again only after the next step; each one the engine held is set aside
-  (``abandon``): a rerun that comes back here is added beside its aborted request;
+* a step that raises gives every job back to the queue (the last allowed attempt fails) and
+  sends those jobs again at once; each one the engine held is set aside (``abandon``): a rerun
+  that comes back here is added beside its aborted request, under its own request id;
 * an engine whose steps raise ``engine_error_limit`` times with no token made between them is
-  broken (a lost device fails every step): the thread stops stepping, sends what it gave back
-  at once, and calls ``on_broken``, so the worker stops instead of failing every job it takes.
+  broken (a lost device fails every step): the thread stops stepping and calls ``on_broken``,
+  so the worker stops instead of failing every job it takes.
 """
 
 from __future__ import annotations
@@ -125,7 +125,6 @@ class EngineThread:
         self.worker_id = worker_id
         self.stopping = stopping
         self.reconcile_s = reconcile_s if reconcile_s is not None else settings.heartbeat_seconds
-        self.requeued: list[str] = []  # given back after an engine error, to send after the next step
         self.failed_steps = 0  # steps that raised since the engine last made a token
         self.broken: str | None = None  # why the engine was given up on; the loop then ends
         self.on_broken = on_broken
@@ -146,31 +145,26 @@ class EngineThread:
     def iterate(self) -> StepRecords:
         """One turn: commands, maybe a step, the records they produced (sleeps when there is nothing to do)."""
         step = StepRecords(records=self._apply(self.inbox.drain()))
-        if not self.engine.has_work and not self.requeued:
+        if not self.engine.has_work:
             step.records += self._reconcile_if_due()
             if not step:
                 self.inbox.wait(IDLE_WAIT_S)
             return step
-        # jobs given back after an engine error are sent again only once a step has taken their aborts (a rerun
-        # that came back here sooner would go beside the aborted request, under its own request id, all the same)
-        requeued, self.requeued = self.requeued, []
         try:
             outputs = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed; giving its jobs back to the queue")
-            step.records += self._resend(requeued) + self.fail_all(f"engine error: {exc}")
+            step.records += self.fail_all(f"engine error: {exc}")
             self.failed_steps += 1
-            if self.failed_steps >= self.settings.engine_error_limit:  # no step will take the aborts: send now
+            if self.failed_steps >= self.settings.engine_error_limit:
                 self.broken = f"{self.failed_steps} engine steps failed with no token made between them ({exc})"
                 log.critical("the engine of %s is broken: %s", self.worker_id, self.broken)
-                step.records += self._resend(self.requeued)
-                self.requeued = []
             return step
         produced = self._records(outputs)
         if produced.deltas:  # tokens made: whatever failed before, the engine works
             self.failed_steps = 0
         step.deltas += produced.deltas
-        step.records += produced.records + self._resend(requeued) + self._reconcile_if_due()
+        step.records += produced.records + self._reconcile_if_due()
         self._pace(bool(outputs))
         return step
 
@@ -413,10 +407,11 @@ class EngineThread:
 
     # ---------------------------------------------------------------- giving jobs back
     def fail_all(self, error: str) -> list[Record]:
-        """A step raised: every job in the engine goes back to the queue (another attempt, maybe on another
-        worker); a job on its last allowed attempt fails instead, so a request that breaks every engine it
-        meets cannot circulate forever."""
-        records = []
+        """A step raised: every job in the engine goes back to the queue and is sent again at once (another
+        attempt, maybe on another worker; one back here runs beside its aborted request, under its own request id);
+        a job on its last allowed attempt fails instead, so a request that breaks every engine it meets cannot
+        circulate forever."""
+        records, requeued = [], []
         for job in self.active.snapshot():
             if job.finished:
                 continue
@@ -429,10 +424,10 @@ class EngineThread:
                                              "engine error"))
             else:
                 records.append(self._give_back(job, f"engine error on {self.worker_id}; requeued"))
-                self.requeued.append(job.job_id)  # sent after the next step took the aborts
+                requeued.append(job.job_id)
         if records:
-            log.warning("engine error: gave back %d jobs (%d to requeue)", len(records), len(self.requeued))
-        return records
+            log.warning("engine error: gave back %d jobs (%d to requeue)", len(records), len(requeued))
+        return records + self._resend(requeued)  # after their give-backs: each is queued when it is sent
 
     @staticmethod
     def _give_back(job: ActiveJob, detail: str) -> Record:
