@@ -88,9 +88,9 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
     if set_aside := {w.id: n for w in live if (n := (w.state or {}).get("set_aside_jobs"))}:
         checks["set_aside"] = ("warning: " + ", ".join(f"{w} set aside {n}" for w, n in sorted(set_aside.items()))
                                + " job attempts whose abort the engine has not confirmed (a rerun of their job runs "
-                               f"beside them; a worker whose engine still holds one {KEPT_ABORT_LEASES} leases "
-                               f"({KEPT_ABORT_LEASES * settings.lease_seconds:g} s) after its abort stops, for a fresh "
-                               "engine; the worker's log names them)")
+                               "beside them; a worker stops, for a fresh engine, once its engine still holds one "
+                               f"{KEPT_ABORT_LEASES} leases ({KEPT_ABORT_LEASES * settings.lease_seconds:g} s) after "
+                               "its abort; the worker's log names them)")
     if settings.lora_resolver_dir is not None and not settings.lora_resolver_dir.expanduser().is_dir():
         checks["lora_resolver_dir"] = (f"warning: COSERVE_LORA_RESOLVER_DIR {str(settings.lora_resolver_dir)!r} is "
                                        "not a directory this API can read; requests that name its adapters fail")

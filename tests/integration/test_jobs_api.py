@@ -852,7 +852,7 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
         assert r.status_code == 200 and r.json()["checks"]["set_aside"].startswith(
             "warning: w1 set aside 2 job attempts whose abort the engine has not confirmed (a rerun of their job runs "
             "beside them")  # no id is held: each attempt has its own request id in the engine
-        assert (f"one {KEPT_ABORT_LEASES} leases ({KEPT_ABORT_LEASES * s.lease_seconds:g} s) after its abort stops"
+        assert (f"holds one {KEPT_ABORT_LEASES} leases ({KEPT_ABORT_LEASES * s.lease_seconds:g} s) after its abort;"
                 in r.json()["checks"]["set_aside"])  # the bound the engine thread gives an engine up at
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": _adapter_dir(tmp_path / "rt")},
                    headers=H(keys.admin))
