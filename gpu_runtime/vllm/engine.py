@@ -294,8 +294,10 @@ class VLLMEngine:
             self.internal[internal] = req.request_id
             self.external[req.request_id] = internal
         for rid in box.aborts:
+            # whatever the engine still holds goes, whatever its status (as the own engine's abort): one finished
+            # and reported is held no more
             req = self.requests.get(rid)
-            if req is None or req.status.finished:
+            if req is None:
                 continue
             self.llm.abort_request([rid])
             req.status, req.finish_time = RequestStatus.FINISHED_ABORTED, time.time()

@@ -10,7 +10,7 @@ import json
 
 from prometheus_client import REGISTRY
 
-from gpu_runtime.request import Request
+from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 from gpu_runtime.vllm.build import build_vllm_engine
 from gpu_runtime.vllm.offline import OFFLINE_QOS, random_prompts
@@ -35,7 +35,21 @@ def main() -> None:
     engine.step()  # takes the abort, as the worker's engine thread does with a cancel
     while engine.has_work:
         engine.step()
-    print(json.dumps({"running": running, "idle": gauges()}))
+    idle = gauges()
+    # a request whose status says finished while the engine still holds it (a fault between the two): its abort
+    # lets it go in vLLM and here, and reports it once
+    held = Request("held", random_prompts(1, 16)[0], SamplingParams(max_tokens=200, ignore_eos=True),
+                   OFFLINE_QOS["interactive"][0], arrival_time=engine.executor.now())
+    engine.add_request(held)
+    while not held.output_token_ids:
+        engine.step()
+    held.status = RequestStatus.FINISHED_STOPPED
+    engine.abort("held")
+    reported = [out.status.value for out in engine.step() if out.request_id == "held" and out.finished]
+    while engine.has_work:
+        reported += [out.status.value for out in engine.step() if out.request_id == "held" and out.finished]
+    print(json.dumps({"running": running, "idle": idle, "held": {"reported": reported,
+                                                                  "still_held": "held" in engine.requests}}))
 
 
 if __name__ == "__main__":
