@@ -225,9 +225,11 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
 
 
 def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None,
-                 tools: list[dict[str, Any]] | None = None, options: dict[str, Any] | None = None) -> list[int]:
+                 tools: list[dict[str, Any]] | None = None, options: dict[str, Any] | None = None,
+                 keep: int | None = None) -> list[int]:
     """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template,
-    with a job's ``template_options`` (raises ``ChatTemplateError`` where the template cannot render them)."""
+    with a job's ``template_options`` (raises ``ChatTemplateError`` where the template cannot render them); ``keep``:
+    at most that many, cut as vLLM's ``truncate_prompt_tokens`` cuts a text (``_encode``)."""
     tok = get_tokenizer(model)
     options = options or {}
     special = options.get("add_special_tokens")  # vLLM's flag; None: the input's default
@@ -243,17 +245,30 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
                 raise ChatTemplateError(f"the model's chat template cannot render these messages and tools: "
                                         f"{type(exc).__name__}: {exc}") from exc
             if special:
-                return _encode(tok, ids, True)
+                return _encode(tok, ids, True, keep)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            return list(ids)
+            return list(ids)[-keep:] if keep else list(ids)  # the template's text, no special tokens added
         prompt = _plain_chat(messages)
-    return _encode(tok, prompt or "", True if special is None else special)
+    return _encode(tok, prompt or "", True if special is None else special, keep)
 
 
-def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
-    """``tok(text, add_special_tokens=...)``'s ids."""
+def _encode(tok: Any, text: str, add_special_tokens: bool, keep: int | None = None) -> list[int]:
+    """``tok(text, add_special_tokens=...)``'s ids; ``keep``: cut as vLLM cuts it, inside the tokenizer call
+    (``truncation_side="left"``, ``max_length=keep``): the text loses its first tokens and the special tokens are
+    added after, so a BOS stays (a prompt of k tokens: the BOS and the text's last k-1)."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:  # the Rust tokenizer directly: same ids, half the cost on the submit path
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
-    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+        if keep is None:
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # as the Rust tokenizer truncates (its own truncation left unset: the tokenizer is shared across threads)
+        encoding = backend.encode(text, add_special_tokens=False)
+        added = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        encoding.truncate(max(0, keep - added), direction="left")
+        return backend.post_process(encoding, None, add_special_tokens).ids
+    if keep is None:
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])  # as transformers' own truncation
+    room = max(0, keep - (tok.num_special_tokens_to_add() if add_special_tokens else 0))
+    ids = ids[len(ids) - room:] if room < len(ids) else ids
+    return list(tok.build_inputs_with_special_tokens(ids)) if add_special_tokens else ids

@@ -1,6 +1,6 @@
 """The Responses API's ``truncation: "auto"``: a conversation too long for the model's context loses its oldest
 turns until the prompt and the answer's ``max_output_tokens`` fit. And vLLM's ``truncate_prompt_tokens``, which keeps
-a prompt's last tokens (``kept_prompt``).
+a prompt's last tokens (``fed_prompt``).
 
 System messages (the instructions, and system or developer input) stay; a tool result whose call was dropped
 goes with it (a template cannot render a result without its call); the newest message always stays, so a
@@ -19,25 +19,29 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def kept_prompt(ids: list[int], truncate: int | None, context: int, max_tokens: int) -> list[int]:
-    """The prompt ``ids`` as the engine takes it under ``truncate_prompt_tokens``: its last ``truncate`` tokens (-1:
-    as many as fit beside ``max_tokens`` in a ``context``-token model; None: all of it)."""
+def kept_count(truncate: int | None, context: int, max_tokens: int) -> int | None:
+    """How many tokens a prompt keeps under ``truncate_prompt_tokens``: ``truncate`` (-1: as many as fit beside
+    ``max_tokens`` in a ``context``-token model; None: no cut), one at least."""
     if truncate is None:
-        return ids
-    keep = context - max_tokens if truncate == -1 else truncate
-    return ids[-max(1, keep):]
+        return None
+    return max(1, context - max_tokens if truncate == -1 else truncate)
 
 
 def fed_prompt(settings: Settings, job: Any, context: int | None = None) -> list[int]:
     """A job's prompt as its worker feeds the engine: the token ids of its prompt, or of its messages and tools
     through the chat template, cut to ``truncate_prompt_tokens`` within ``context`` tokens: the API passes the
-    context it holds jobs to, the worker none (its engine settings'). Raises ``ChatTemplateError``."""
-    ids = job.prompt_token_ids or encode_input(settings.model, job.prompt, job.messages, job.tools,
-                                               job.template_options)
+    context it holds jobs to, the worker none (its engine settings'). Raises ``ChatTemplateError``.
+
+    As vLLM: token ids keep their last k; a text is cut inside its tokenization, so the special tokens the tokenizer
+    adds (a completion prompt's BOS) stay and the text gives up the room they take (``encode_input``)."""
     sampling = job.sampling or {}
-    return kept_prompt(list(ids), sampling.get("truncate_prompt_tokens"),
-                       context_length(settings) if context is None else context,
-                       int(sampling.get("max_tokens", settings.default_max_tokens)))
+    truncate = sampling.get("truncate_prompt_tokens")
+    keep = None if truncate is None else kept_count(
+        truncate, context_length(settings) if context is None else context,
+        int(sampling.get("max_tokens", settings.default_max_tokens)))
+    if job.prompt_token_ids:
+        return list(job.prompt_token_ids)[-keep:] if keep else list(job.prompt_token_ids)
+    return encode_input(settings.model, job.prompt, job.messages, job.tools, job.template_options, keep=keep)
 
 
 def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[JobCreate, int]:

@@ -74,3 +74,17 @@ def test_the_context_check_counts_the_special_tokens_the_worker_would_feed(oai, 
     with pytest.raises(openai.BadRequestError) as exc:  # with its BOS, one token too many
         oai.completions.create(prompt=prompt, **{**GREEDY, "max_tokens": room})
     assert str(n + 1) in exc.value.body["message"], exc.value.body
+
+
+def test_truncate_prompt_tokens_keeps_the_bos_and_the_prompts_last_tokens(oai, stack):
+    # vLLM cuts a text inside the tokenizer call: the BOS it adds stays and the text gives up its first tokens
+    prompt, k = "Name a city in the north of France, then one in the south", 5
+    bare = _tokens(stack, prompt=prompt, add_special_tokens=False)
+    bos = _tokens(stack, prompt=prompt)[0]
+    answer = oai.completions.create(prompt=prompt, **{**GREEDY, "extra_body": {
+        **GREEDY["extra_body"], "truncate_prompt_tokens": k, "return_token_ids": True}})
+    assert answer.choices[0].prompt_token_ids == [bos, *bare[-(k - 1):]] and answer.usage.prompt_tokens == k
+    # what the worker fed: the same greedy text as those ids given as the prompt, not as the text's last k tokens
+    assert answer.choices[0].text == _greedy(oai, [bos, *bare[-(k - 1):]])[0] != _greedy(oai, bare[-k:])[0]
+    without = _greedy(oai, prompt, truncate_prompt_tokens=k, add_special_tokens=False)
+    assert without == (_greedy(oai, bare[-k:])[0], k)  # no BOS asked for: the text's last k
