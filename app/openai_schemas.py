@@ -265,7 +265,11 @@ UNSUPPORTED_HINTS = {
     "documents": " (put the documents' text in the messages)",
     "modalities": " (this server answers in text only)",
     "audio": " (this server answers in text only)",
-    "web_search_options": " (this server does not search the web)"}
+    "web_search_options": " (this server does not search the web)",
+    "request_id": " (the answer's id is its job's here; send your id as the X-Request-Id header: the answer's "
+                  "x-request-id echoes it, the jobs keep it, GET /v1/jobs?request_id= finds them and the API's log "
+                  "lines name it)",
+    "verbosity": " (ask for the length you want in the messages, or cap it with max_completion_tokens)"}
 
 
 class UnsupportedFields(BaseModel):
@@ -304,6 +308,9 @@ class VllmUnsupported(BaseModel):
     # each changes the answer where vLLM applies it: answering without it would pass for having applied it
     repetition_detection: Any = None
     watermarking: Any = None
+    # names vLLM's answer (chatcmpl-<request_id>); coserve's answer ids are its jobs' (stored completions, GET
+    # /v1/jobs/{id}): the X-Request-Id header is the id a request keeps here
+    request_id: Any = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
@@ -311,7 +318,7 @@ class VllmUnsupported(BaseModel):
         "return_tokens_as_token_ids": (None, False),
         "logits_processors": (None, []), "vllm_xargs": (None, {}),
         "truncation_side": (None, "left"), "logprob_token_ids": (None, []), "repetition_detection": (None,),
-        "watermarking": (None, False)}
+        "watermarking": (None, False), "request_id": (None,)}
 
 
 class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
@@ -323,9 +330,21 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
     # vLLM's: the tokenizer's special tokens (e.g. BOS) added to the prompt text, on top of what a chat template
     # writes (None: each endpoint's default, chat's False, completions' True; token ids are fed as they are)
     add_special_tokens: bool | None = None
+    # vLLM's: a stream's tokens batched a chunk per this many; coserve streams each piece as the engine makes it
+    # (1, and any value unstreamed, where vLLM ignores it, change nothing)
+    stream_interval: int | None = Field(None, ge=1)
+    # vLLM's, taken and not applied: neither changes the text or the answer's shape. session_id labels vLLM's
+    # KV-cache events (coserve publishes none); return_token_offsets is answered on vLLM's /render routes only
+    session_id: str | None = None
+    return_token_offsets: bool | None = None
 
     def check(self) -> None:
         self.check_unsupported()
+        if self.stream and (self.stream_interval or 1) > 1:
+            raise OpenAIError(400, f"stream_interval={self.stream_interval} is not supported by this server: it "
+                                   "streams each piece of text as the engine makes it; leave stream_interval unset "
+                                   "(or 1), or join the chunks on the client", param="stream_interval",
+                              code="unsupported_value")
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise OpenAIError(400, f"n must be between 1 and {MAX_CHOICES}", param="n")
         if self.stream_options is not None and not self.stream:
@@ -510,11 +529,15 @@ class ChatCompletionRequest(_Base):
     web_search_options: Any = None
     documents: Any = None
     return_prompt_text: Any = None
+    verbosity: Any = None  # OpenAI's: how long the answer is (medium, the default, is taken)
+    # OpenAI's predicted output, taken and not applied: a latency hint, the text is the model's all the same
+    prediction: dict[str, Any] | None = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_Base.unsupported, "functions": (None, []), "function_call": (None, "none"),
         "modalities": (None, ["text"]), "audio": (None,),
-        "web_search_options": (None,), "documents": (None, []), "return_prompt_text": (None, False)}
+        "web_search_options": (None,), "documents": (None, []), "return_prompt_text": (None, False),
+        "verbosity": (None, "medium")}
 
     def tool_fields(self) -> dict[str, Any]:
         choice = self.tool_choice

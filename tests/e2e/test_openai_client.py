@@ -471,7 +471,9 @@ def test_a_thinking_budget_is_refused_where_it_cannot_be_kept(oai, stack, monkey
     ("chat", {"documents": [{"title": "a", "text": "the answer is 42"}]}), ("chat", {"return_prompt_text": True}),
     ("chat", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
     ("completions", {"watermarking": True}),
-    ("completions", {"prompt_embeds": "AAAA"})])
+    ("completions", {"prompt_embeds": "AAAA"}),
+    # vLLM's request_id names the answer (chatcmpl-<request_id>), where coserve's id is its job's; OpenAI's verbosity
+    ("chat", {"request_id": "trace-7"}), ("completions", {"request_id": "trace-7"}), ("chat", {"verbosity": "low"})])
 def test_a_field_that_would_change_the_answer_is_refused_by_name_not_ignored(oai, endpoint, field):
     create = (partial(oai.chat.completions.create, messages=[{"role": "user", "content": "x"}]) if endpoint == "chat"
               else partial(oai.completions.create, prompt="x"))
@@ -527,3 +529,29 @@ def test_every_chunk_says_the_tier_and_fingerprint_the_plain_answer_says(oai):
     texts = list(oai.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True,
                                         extra_body={"ignore_eos": True, "service_tier": "flex"}))
     assert all(c.model_extra["service_tier"] == "flex" and "system_fingerprint" in c.model_fields_set for c in texts)
+
+
+def test_stream_interval_above_one_is_refused_on_a_stream_and_taken_elsewhere(oai):
+    # vLLM's stream_interval batches a stream's tokens into fewer chunks; coserve streams each piece as it comes
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(**ask, stream=True, extra_body={"stream_interval": 4})
+    assert exc.value.body["param"] == "stream_interval" and exc.value.body["code"] == "unsupported_value"
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True, extra_body={"stream_interval": 4})
+    assert exc.value.body["param"] == "stream_interval", exc.value.body
+    assert list(oai.chat.completions.create(**ask, stream=True, extra_body={"stream_interval": 1}))
+    assert oai.chat.completions.create(**ask, extra_body={"stream_interval": 4}).choices  # vLLM: ignored unstreamed
+
+
+def test_fields_that_change_nothing_coserve_answers_are_taken(oai):
+    # vLLM's session_id (labels its KV-cache events), return_token_offsets (answered on its /render routes only) and
+    # OpenAI's prediction (a latency hint): the answer is the one without them
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0)
+    plain = oai.chat.completions.create(**ask).choices[0].message.content
+    given = oai.chat.completions.create(**ask, prediction={"type": "content", "content": "Paris"},
+                                        extra_body={"session_id": "conv-1", "return_token_offsets": True})
+    assert given.choices[0].message.content == plain
+    with pytest.raises(openai.BadRequestError) as exc:  # declared: a value of the wrong type is named
+        oai.chat.completions.create(**ask, extra_body={"session_id": ["conv-1"]})
+    assert exc.value.body["param"] == "session_id", exc.value.body
