@@ -340,6 +340,11 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
 
     def check(self) -> None:
         self.check_unsupported()
+        if self.truncation_side == "left" and self.truncate_prompt_tokens is not None:  # (alone it cuts nothing)
+            raise OpenAIError(400, "truncation_side='left' is not supported with truncate_prompt_tokens: vLLM then "
+                                   "cuts after tokenizing, the BOS the tokenizer adds gone; leave truncation_side "
+                                   "unset (the prompt keeps its last tokens and that BOS)", param="truncation_side",
+                              code="unsupported_value")
         if self.stream and (self.stream_interval or 1) > 1:
             raise OpenAIError(400, f"stream_interval={self.stream_interval} is not supported by this server: it "
                                    "streams each piece of text as the engine makes it; leave stream_interval unset "
