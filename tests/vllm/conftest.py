@@ -105,9 +105,14 @@ def vllm_request(prompt_len: int, extra_args: dict | None = None, arrival: float
                    lora_request=adapter)
 
 
+GRAMMAR_ROW = 0x5A5A  # every word of a bitmask row the stub grammar filled (vLLM leaves a free row at -1)
+THINK_END = 5  # the token that ends a stub reasoning model's thinking (its ``</think>``)
+
+
 class StubGrammar(StructuredOutputGrammar):
     """A compiled grammar as vLLM's scheduler uses it: it accepts every sampled token (the model sampled under its
-    bitmask) and, of the drafts proposed after them, a prefix of 0-2 tokens that varies with the tokens accepted."""
+    bitmask) and, of the drafts proposed after them, a prefix of 0-2 tokens that varies with the tokens accepted.
+    The bitmask rows it fills hold ``GRAMMAR_ROW``, told apart from the rows vLLM leaves free."""
 
     def __init__(self) -> None:
         self.accepted = 0
@@ -123,7 +128,7 @@ class StubGrammar(StructuredOutputGrammar):
         self.accepted -= num_tokens
 
     def fill_bitmask(self, bitmask, batch_index: int) -> None:  # noqa: ANN001 - a torch tensor
-        bitmask[batch_index].fill_(-1)
+        bitmask[batch_index].fill_(GRAMMAR_ROW)
 
     def is_terminated(self) -> bool:
         return False
@@ -140,6 +145,27 @@ class _BitmaskBackend:
         import torch
 
         return torch.full((rows, 4), -1, dtype=torch.int32)
+
+
+class StubReasoner:
+    """A reasoning parser as vLLM's structured output manager reads it (the end of thinking, the way its
+    ``BaseThinkingReasoningParser`` finds it): thinking ends at ``THINK_END``, and a prompt that holds it (a chat
+    template with thinking off) has none. vLLM applies a request's grammar only to the tokens after it."""
+
+    def __init__(self, tokenizer=None, **kwargs) -> None:  # noqa: ANN001, ANN003 - vLLM's tokenizer, parser kwargs
+        self.tokenizer = tokenizer
+
+    def is_reasoning_end(self, input_ids) -> bool:  # noqa: ANN001 - a sequence of token ids
+        return THINK_END in input_ids
+
+    def is_reasoning_end_streaming(self, input_ids, delta_ids) -> bool:  # noqa: ANN001 - sequences of token ids
+        return THINK_END in delta_ids
+
+
+def with_reasoning_parser(scheduler) -> None:  # noqa: ANN001 - vLLM's scheduler
+    """The scheduler's structured output manager reads thinking as an engine with a reasoning parser does
+    (``COSERVE_REASONING_PARSER``: vLLM's ``structured_outputs_config.reasoning_parser``), with ``StubReasoner``."""
+    scheduler.structured_output_manager.reasoner_cls = StubReasoner
 
 
 def compiling_grammar(scheduler, request):  # noqa: ANN001, ANN201 - vLLM's scheduler, Request; a Future

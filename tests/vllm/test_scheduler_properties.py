@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 # first: it skips the module without vLLM
-from tests.vllm.conftest import StubGrammar, compiling_grammar, vllm_request  # noqa: I001
+from tests.vllm.conftest import (GRAMMAR_ROW, THINK_END, StubGrammar, compiling_grammar,  # noqa: I001
+                                 vllm_request, with_reasoning_parser)
 from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
 
 GRAMMAR = StructuredOutputsParams(regex="[0-9]+")
@@ -50,6 +51,9 @@ class Job:
     seed: int | None = None  # its sampling seed
     grammar: int | None = None  # structured output: the steps its grammar takes to compile (None: unstructured)
     bad_grammar: bool = False  # its grammar fails to compile (vLLM finishes the request as an error)
+    # on an engine with a reasoning parser, the output token that ends its thinking (None: thinking off, its prompt
+    # holds the end); its grammar applies to the tokens after it
+    think: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Engine:
     prefix_caching: bool = False  # vLLM's enable_prefix_caching (jobs' shared prompt prefixes hit)
     spec_tokens: int = 0  # vLLM's draft tokens per decode (proposed every step, some accepted)
     max_loras: int | None = None  # vLLM's LoRA slots of a batch (None: LoRA off), fewer than the adapters drawn
+    reasoning: bool = False  # a reasoning parser (COSERVE_REASONING_PARSER): structured requests think first
 
 
 adapters = st.sampled_from([None, None, 1, 2, 3])  # three LoRA adapters (vLLM's ids count from 1); engines have <3
@@ -142,6 +147,9 @@ class Drive:
     ready: dict = field(default_factory=dict)  # request id -> the step its grammar was ready for
     began: dict = field(default_factory=dict)  # request id -> the first step that scheduled it
     failed: set = field(default_factory=set)  # structured requests whose grammar failed to compile
+    # structured request id -> the output index of the token that ends its thinking (-1: its grammar applies from its
+    # first output token: no reasoning parser, or thinking off)
+    thinking: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
@@ -163,6 +171,11 @@ class Drive:
             self.max_tokens[rid] = arg.max_tokens
             own = 10_000 * len(self.ids)  # a job's own tokens differ from every other job's
             prompt = list(range(10, 10 + arg.shared)) + list(range(own, own + arg.prompt))
+            if arg.grammar is not None:
+                reasoning = self.s.structured_output_manager.reasoner_cls is not None
+                self.thinking[rid] = arg.think if reasoning and arg.think is not None else -1
+                if reasoning and arg.think is None:  # thinking off: the chat template closed it in the prompt
+                    prompt[-1] = THINK_END
             request = vllm_request(len(prompt), dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
                                    max_tokens=arg.max_tokens, request_id=rid, prompt=prompt,
                                    hashed=self.s.kv_cache_manager.enable_caching, seed=arg.seed,
@@ -208,16 +221,44 @@ class Drive:
                 future.set_result(StubGrammar())
                 self.ready[rid] = len(self.trace)
 
+    def token(self, rid: str, index: int) -> int:
+        """The model's output token ``index`` of request ``rid``: 7, or the end of its thinking where it ends."""
+        return THINK_END if index == self.thinking.get(rid, -1) >= 0 else 7
+
+    def next_tokens(self, rid: str, n: int) -> list[int]:
+        """The ``n`` tokens the model samples next for ``rid`` (what a good drafter proposes)."""
+        done = len(self.s.requests[rid].output_token_ids)
+        return [self.token(rid, done + i) for i in range(n)]
+
+    def thinking_drafts(self, rid: str, drafts: int) -> int:
+        """How many of ``drafts`` draft tokens proposed after ``rid``'s outputs are its thinking (its end included):
+        vLLM checks none of them against the grammar."""
+        return max(0, min(drafts, self.thinking.get(rid, -1) - len(self.s.requests[rid].output_token_ids) + 1))
+
     def propose_drafts(self) -> None:
         """The drafter proposed drafts for each decode (an n-gram match, say): a request whose last step sampled
         a token, not one recomputing its prompt and outputs after a preemption. vLLM keeps what the grammar of a
-        structured request allows (``update_draft_token_ids``: the prefix ``validate_tokens`` accepts)."""
+        structured request allows (``update_draft_token_ids``: the prefix ``validate_tokens`` accepts), the drafts
+        of its thinking aside."""
         from vllm.v1.outputs import DraftTokenIds
 
         s = self.s
         ids = [r.request_id for r in s.running if r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1)]
-        if ids and s.num_spec_tokens:
-            s.update_draft_token_ids(DraftTokenIds(ids, [[7] * s.num_spec_tokens for _ in ids]))
+        if not ids or not s.num_spec_tokens:
+            return
+        proposed = [self.next_tokens(rid, s.num_spec_tokens) for rid in ids]
+        s.update_draft_token_ids(DraftTokenIds(ids, [list(p) for p in proposed]))
+        for rid, tokens in zip(ids, proposed):
+            r = s.requests[rid]
+            if not r.use_structured_output or not isinstance(r.structured_output_request.grammar, StubGrammar):
+                continue
+            thought = self.thinking_drafts(rid, len(tokens))
+            # vLLM's structured output with a reasoning parser: drafts of a request still thinking are not checked
+            # against its grammar (kept whole), those after its thinking ended are cut where the grammar refuses one
+            kept = tokens[:thought] + r.structured_output_request.grammar.validate_tokens(tokens[thought:])
+            assert list(r.spec_token_ids) == kept, (rid, tokens, r.spec_token_ids, self.thinking[rid])
+            if thought and currently_in_test_context():
+                event("a thinking request's drafts were kept")
 
     def step(self) -> None:
         from vllm.sampling_params import SamplingType
@@ -318,6 +359,7 @@ class Drive:
                     self.finished.add(o.request_id)
                     self.ended[o.request_id] = o.finish_reason
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
+        self.check_grammar_state()
         self.check_books()
 
     def waiting_for_grammar(self) -> set:
@@ -354,20 +396,43 @@ class Drive:
             # liveness: a step runs something while a prompt whose grammar compiled waits for it (not relegated)
             idle = [rid for rid in self.ready if rid not in self.began and s.policy.waiting.get(rid) is not None]
             assert not idle, (idle, plan)
-        # vLLM's bitmask covers the scheduled structured requests past their prompt: a row for each draft and one
-        # for the bonus token; each draft a structured request verifies is one its grammar accepts
+        self.check_bitmask(out)
+
+    def check_bitmask(self, out) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
+        """vLLM's bitmask covers the scheduled structured requests past their prompt: a row for each draft and one
+        for the bonus token, the grammar's where the token it samples comes after the request's thinking (a free
+        row while it thinks, with a reasoning parser), and each draft past the thinking is one its grammar accepts."""
+        s, spec = self.s, out.scheduled_spec_decode_tokens
         grammar = s.get_grammar_bitmask(out)
-        structured = [rid for rid in sched if s.requests[rid].use_structured_output
+        structured = [rid for rid in out.num_scheduled_tokens if s.requests[rid].use_structured_output
                       and not s.requests[rid].is_prefill_chunk]
         assert (grammar.structured_output_request_ids if grammar else []) == structured, (grammar, structured)
-        spec = out.scheduled_spec_decode_tokens
-        if structured:
-            assert len(grammar.grammar_bitmask) == sum(1 + len(spec.get(rid, ())) for rid in structured)
+        row = 0
         for rid in structured:
-            drafts = [t for t in spec.get(rid, ()) if t != -1]
-            assert s.requests[rid].structured_output_request.grammar.validate_tokens(drafts) == drafts, (rid, drafts)
+            drafts, done = list(spec.get(rid, ())), len(s.requests[rid].output_token_ids)
+            for i in range(len(drafts) + 1):
+                # the token sampled at row i is output done + i: masked once the thinking ended before it (vLLM
+                # frees the rows after a draft the grammar refused, padded -1: the worker drops them)
+                masked = done + i > self.thinking[rid] and -1 not in drafts[:i]
+                assert (grammar.grammar_bitmask[row] == (GRAMMAR_ROW if masked else -1)).all(), (
+                    rid, i, done, drafts, self.thinking[rid], grammar.grammar_bitmask[row])
+                if not masked and -1 not in drafts[:i] and currently_in_test_context():
+                    event("a thinking request sampled unmasked")
+                row += 1
+            drafts = [t for t in drafts if t != -1]
+            past = drafts[self.thinking_drafts(rid, len(drafts)):]
+            assert s.requests[rid].structured_output_request.grammar.validate_tokens(past) == past, (rid, drafts)
             if drafts and currently_in_test_context():
                 event("a structured request verified drafts")
+        assert row == (len(grammar.grammar_bitmask) if grammar else 0)
+
+    def check_grammar_state(self) -> None:
+        """vLLM advances a structured request's grammar by the tokens it output after its thinking, none before."""
+        for rid, r in self.s.requests.items():
+            grammar = r.structured_output_request.grammar if r.use_structured_output else None
+            if isinstance(grammar, StubGrammar):
+                past = len(r.output_token_ids) - self.thinking[rid] - 1
+                assert grammar.accepted == max(0, past), (rid, grammar.accepted, r.output_token_ids)
 
     def check_order(self, plan, before: dict, relegated: set, no_slot: set) -> None:  # noqa: ANN001 - a plan
         """Of two new prompts of free interactive jobs, waiting (not relegated), the one with the strictly earlier
@@ -414,7 +479,7 @@ class Drive:
             r = self.s.requests[rid]
             past = r.num_computed_tokens >= r.num_tokens
             accepted = (len(self.trace) + len(rid)) % (drafts.get(rid, 0) + 1)
-            sampled.append([7] * (1 + accepted) if past else [])
+            sampled.append(self.next_tokens(rid, 1 + accepted) if past else [])
         return self.s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={
             rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
 
@@ -477,6 +542,8 @@ def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
     s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
                        prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens,
                        max_loras=engine.max_loras)
+    if engine.reasoning:
+        with_reasoning_parser(s)
     d = Drive(s, policy)
     for ev in evs:
         d.apply(ev)
@@ -573,10 +640,12 @@ def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs)
     assert ours.trace == theirs.trace
 
 
-# structured output: a share of the jobs waits a few steps for its grammar (a regex) to compile
+# structured output: a share of the jobs waits a few steps for its grammar (a regex) to compile; on an engine with
+# a reasoning parser a job thinks first, its thinking ending at a drawn output token (or past its max_tokens)
 structured_jobs = st.builds(Job, st.integers(1, 200), st.integers(1, 40), jobs.map(lambda j: j.extra_args),
                             st.sampled_from([0.0, 0.5]), st.just(0), st.just(None), st.just(None),
-                            st.sampled_from([None, 0, 1, 3, 8]), st.sampled_from([False, False, False, True]))
+                            st.sampled_from([None, 0, 1, 3, 8]), st.sampled_from([False, False, False, True]),
+                            st.sampled_from([None, 0, 1, 2, 5, 12, 60]))
 structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs),
                                        st.tuples(st.just("add"), structured_jobs),
                                        st.tuples(st.just("step"), st.sampled_from([0.0, 0.02, 0.2])),
@@ -586,12 +655,14 @@ structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
-                        st.booleans(), st.sampled_from([0, 2, 4])), evs=structured_events)
+                        st.booleans(), st.sampled_from([0, 2, 4]), st.just(None), st.booleans()),
+       evs=structured_events)
 def test_structured_requests_wait_for_their_grammar_while_the_step_runs_the_others(make_scheduler, policy, engine,
                                                                                    evs):
     # vLLM's structured output: a request waits (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) until its grammar compiled,
-    # unplanned, unscheduled and with no KV, then starts; its drafts are those its grammar accepts; every step's
-    # invariants hold meanwhile and every job finishes
+    # unplanned, unscheduled and with no KV, then starts; its drafts are those its grammar accepts; with a reasoning
+    # parser its grammar masks and checks only what follows its thinking; every step's invariants hold meanwhile and
+    # every job finishes
     note(f"{policy} {engine} {evs}")
     _drive(make_scheduler, policy, engine, evs)
 
