@@ -319,6 +319,9 @@ class CoserveScheduler(AsyncScheduler):
             plan = self.policy.schedule(now)
         finally:
             self.policy.put_back(aside)
+        # a decode whose step in flight ends it runs no more (async scheduling): vLLM skips it, so it is not one of
+        # the step's decodes, and its token is not the step's (a chunk after it would grow into it)
+        plan.decodes = [m for m in plan.decodes if not self._ends_in_flight(self.requests.get(m.request_id))]
         self._report(plan)
         if plan.expired:
             self._expire(plan)
@@ -447,17 +450,19 @@ class CoserveScheduler(AsyncScheduler):
         if slots is not None:
             chunks = self._within_lora_slots(chunks, by_id, set(slots))
         chosen = {rid for rid, _ in chunks}
-        decodes, stashed = [], []
+        decodes, ending, stashed = [], [], []
         for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
             if r.request_id in decode_ids or r.request_id not in self.mirrors:
                 decodes.append(r)
+            elif self._ends_in_flight(r):  # vLLM skips it; it stays running, with no token of the step
+                ending.append(r)
             elif r.request_id not in chosen:
                 stashed.append(r)
         decode_tokens = sum(max(0, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens)
                             for r in decodes)
         if self.whole_prompts or self.whole_seeded:
             chunks = self._as_whole(chunks, by_id, self._max_tokens - decode_tokens - self.num_spec_tokens)
-        kept = decodes + [by_id[rid] for rid, _ in chunks if rid in by_id]
+        kept = decodes + ending + [by_id[rid] for rid, _ in chunks if rid in by_id]
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
         visible = create_request_queue(SchedulingPolicy.FCFS)
@@ -471,6 +476,14 @@ class CoserveScheduler(AsyncScheduler):
         pad = self.num_spec_tokens if self._pads_a_draft_step(chunks, by_id, bool(decodes)) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
+
+    @staticmethod
+    def _ends_in_flight(request: VLLMRequest | None) -> bool:
+        """Whether vLLM schedules no further step of ``request`` (async scheduling): its step in flight brings it
+        to max_tokens even if every draft it verifies is rejected (vLLM's test in its ``schedule``)."""
+        return (request is not None and request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens)
 
     def _pads_a_draft_step(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest],
                            decodes: bool) -> bool:

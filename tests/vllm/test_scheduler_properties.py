@@ -65,6 +65,7 @@ class Engine:
     spec_tokens: int = 0  # vLLM's draft tokens per decode (proposed every step, some accepted)
     max_loras: int | None = None  # vLLM's LoRA slots of a batch (None: LoRA off), fewer than the adapters drawn
     reasoning: bool = False  # a reasoning parser (COSERVE_REASONING_PARSER): structured requests think first
+    async_scheduling: bool = False  # vLLM's async scheduling: a step is scheduled before the last one's answer
 
 
 adapters = st.sampled_from([None, None, 1, 2, 3])  # three LoRA adapters (vLLM's ids count from 1); engines have <3
@@ -150,6 +151,9 @@ class Drive:
     # structured request id -> the output index of the token that ends its thinking (-1: its grammar applies from its
     # first output token: no reasoning parser, or thinking off)
     thinking: dict = field(default_factory=dict)
+    # async scheduling: the step in flight (its output, draft counts, the requests that sample), answered once the
+    # next one is scheduled
+    in_flight: tuple | None = None
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
@@ -249,16 +253,20 @@ class Drive:
         proposed = [self.next_tokens(rid, s.num_spec_tokens) for rid in ids]
         s.update_draft_token_ids(DraftTokenIds(ids, [list(p) for p in proposed]))
         for rid, tokens in zip(ids, proposed):
-            r = s.requests[rid]
-            if not r.use_structured_output or not isinstance(r.structured_output_request.grammar, StubGrammar):
-                continue
-            thought = self.thinking_drafts(rid, len(tokens))
-            # vLLM's structured output with a reasoning parser: drafts of a request still thinking are not checked
-            # against its grammar (kept whole), those after its thinking ended are cut where the grammar refuses one
-            kept = tokens[:thought] + r.structured_output_request.grammar.validate_tokens(tokens[thought:])
-            assert list(r.spec_token_ids) == kept, (rid, tokens, r.spec_token_ids, self.thinking[rid])
-            if thought and currently_in_test_context():
-                event("a thinking request's drafts were kept")
+            self.check_drafts(rid, tokens, list(s.requests[rid].spec_token_ids))
+
+    def check_drafts(self, rid: str, proposed: list[int], kept: list[int]) -> None:
+        """vLLM's structured output with a reasoning parser: the drafts of a request still thinking are not checked
+        against its grammar (kept whole), those after its thinking ended are cut where the grammar refuses one
+        (``kept``: -1 pads the cut drafts of a step already scheduled)."""
+        r = self.s.requests[rid]
+        if not r.use_structured_output or not isinstance(r.structured_output_request.grammar, StubGrammar):
+            return
+        thought = self.thinking_drafts(rid, len(proposed))
+        valid = proposed[:thought] + r.structured_output_request.grammar.validate_tokens(proposed[thought:])
+        assert [t for t in kept if t != -1] == valid, (rid, proposed, kept, self.thinking[rid])
+        if thought and currently_in_test_context():
+            event("a thinking request's drafts were kept")
 
     def step(self) -> None:
         from vllm.sampling_params import SamplingType
@@ -267,16 +275,24 @@ class Drive:
         self.compile_grammars()
         waiting_for_grammar = self.waiting_for_grammar()
         pool = s.kv_cache_manager.block_pool
-        decoding = {rid for rid in (s.policy.running if s.policy is not None else ())}
+        # a decode whose step in flight gives its last token (async scheduling, every draft rejected or not) has
+        # no further step: vLLM schedules none
+        ending = {r.request_id for r in s.running if r.num_output_placeholders
+                  and len(r.output_token_ids) + 1 >= r.max_tokens}
+        decoding = {rid for rid in (s.policy.running if s.policy is not None else ())} - ending
         free_before = pool.get_num_free_blocks()
-        before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens) for rid, r in s.requests.items()}
+        # a request's tokens count the placeholders of its step in flight (async scheduling)
+        before = {rid: (r.num_computed_tokens, r.num_tokens + r.num_output_placeholders, r.num_prompt_tokens)
+                  for rid, r in s.requests.items()}
         self.plans.clear()
         relegated = {r.request_id for r in s.policy.relegated} if s.policy is not None else set()
         # vLLM starts no prompt whose adapter finds no LoRA slot: the running requests hold max_loras others
         slots = {r.lora_request.lora_int_id for r in s.running if r.lora_request} if s.lora_config else set()
         no_slot = {r.request_id for r in s.waiting if r.lora_request and r.lora_request.lora_int_id not in slots
                    and len(slots) >= s.lora_config.max_loras}
-        self.propose_drafts()
+        pipelined = s.scheduler_config.async_scheduling
+        if not pipelined:  # else the worker drafts, and vLLM schedules placeholders for the drafts
+            self.propose_drafts()
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
         drafts = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
@@ -292,7 +308,7 @@ class Drive:
             # no double counting of a prefix-cache hit: the hit and the tokens scheduled after it are at most the
             # request's tokens (its drafts aside)
             r = s.requests[rid]
-            assert r.num_computed_tokens <= r.num_tokens + drafts.get(rid, 0), (rid, r.num_computed_tokens)
+            assert r.num_computed_tokens <= before[rid][1] + drafts.get(rid, 0), (rid, r.num_computed_tokens)
             # on the CPU a seeded request's prompt (and the outputs a preemption made it recompute) runs whole, never
             # a part: vLLM-CPU cannot rewind its generator (the step would fail, and every request in it)
             if getattr(s, "whole_seeded", False) and r.sampling_params.sampling_type is SamplingType.RANDOM_SEED:
@@ -348,7 +364,13 @@ class Drive:
             if happened and currently_in_test_context():
                 event(what)  # what the search reached (--hypothesis-show-statistics)
         self.check_grammars(out, waiting_for_grammar)
-        outputs = self.answer(out, drafts)
+        # the requests that sample a token in the step: past their prompt once it is scheduled
+        samples = {rid for rid in sched if s.requests[rid].num_computed_tokens >= s.requests[rid].num_tokens}
+        if pipelined:
+            outputs = self.pipeline(out, drafts, samples)
+        else:
+            self.check_bitmask(out)
+            outputs = self.answer(out, drafts, samples)
         self.preempted |= set(out.preempted_req_ids) | set(s.kv.released if s.policy is not None else ())
         for eco in outputs.values():
             for o in eco.outputs:
@@ -363,13 +385,13 @@ class Drive:
         self.check_books()
 
     def waiting_for_grammar(self) -> set:
-        """The structured requests vLLM skips this step: their grammar has not compiled (vLLM's
-        ``_handle_blocked_waiting_request``)."""
+        """The structured requests vLLM skips this step: their grammar has not compiled, or failed to (vLLM's
+        ``_handle_blocked_waiting_request``; it ends those as errors)."""
         from vllm.v1.request import RequestStatus
 
         return {rid for rid, r in self.s.requests.items()
                 if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-                and r.structured_output_request.grammar is None}
+                and not isinstance(r.structured_output_request.grammar, StubGrammar)}
 
     def check_grammars(self, out, compiling: set) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
         """Structured output as vLLM runs it: a request whose grammar compiles waits, and the step's others run."""
@@ -392,11 +414,35 @@ class Drive:
                 event("a prompt waited for its grammar")
         for rid in sched:
             self.began.setdefault(rid, len(self.trace))
-        if plan is not None and not sched:
-            # liveness: a step runs something while a prompt whose grammar compiled waits for it (not relegated)
+        if plan is not None and not sched and not (self.in_flight and self.in_flight[0].num_scheduled_tokens):
+            # liveness: a step runs something while a prompt whose grammar compiled waits for it (not relegated),
+            # unless a step is in flight (async scheduling: its requests may hold every seat until it is answered)
             idle = [rid for rid in self.ready if rid not in self.began and s.policy.waiting.get(rid) is not None]
             assert not idle, (idle, plan)
-        self.check_bitmask(out)
+
+    def pipeline(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
+        """Async scheduling as vLLM's engine core runs it (``step_with_batch_queue``): the step just scheduled goes
+        out, the one in flight is answered; a step with a structured request whose last token is not in yet
+        (``pending_structured_output_tokens``) gets its bitmask after that answer, its drafts (the worker's, as
+        placeholders until then) checked against the grammar first (``update_draft_token_ids_in_output``)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        deferred = out.pending_structured_output_tokens
+        if not deferred:
+            self.check_bitmask(out)
+        outputs = self.answer(*self.in_flight) if self.in_flight is not None else {}
+        self.in_flight = (out, drafts, samples)
+        if deferred:
+            ids = [rid for rid in out.scheduled_spec_decode_tokens if rid in self.s.requests]
+            proposed = [self.next_tokens(rid, len(out.scheduled_spec_decode_tokens[rid])) for rid in ids]
+            if ids:
+                self.s.update_draft_token_ids_in_output(DraftTokenIds(ids, [list(p) for p in proposed]), out)
+            for rid, tokens in zip(ids, proposed):
+                self.check_drafts(rid, tokens, list(out.scheduled_spec_decode_tokens[rid]))
+            self.check_bitmask(out)
+            if currently_in_test_context():
+                event("a structured step waited for the step in flight")
+        return outputs
 
     def check_bitmask(self, out) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
         """vLLM's bitmask covers the scheduled structured requests past their prompt: a row for each draft and one
@@ -404,8 +450,8 @@ class Drive:
         row while it thinks, with a reasoning parser), and each draft past the thinking is one its grammar accepts."""
         s, spec = self.s, out.scheduled_spec_decode_tokens
         grammar = s.get_grammar_bitmask(out)
-        structured = [rid for rid in out.num_scheduled_tokens if s.requests[rid].use_structured_output
-                      and not s.requests[rid].is_prefill_chunk]
+        structured = [rid for rid in out.num_scheduled_tokens if rid in s.requests  # (not ended by the answer)
+                      and s.requests[rid].use_structured_output and not s.requests[rid].is_prefill_chunk]
         assert (grammar.structured_output_request_ids if grammar else []) == structured, (grammar, structured)
         row = 0
         for rid in structured:
@@ -468,18 +514,17 @@ class Drive:
                 assert not (first_deadline(a) < first_deadline(b) and sa[0] <= sb[0] and sa[1] <= sb[1]), (
                     a.request_id, first_deadline(a), sa, "waits while", b.request_id, first_deadline(b), sb)
 
-    def answer(self, out, drafts: dict) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
-        """The model runner's answer: a token for each request past its prompt, after the first of its drafts
-        it accepted (how many varies by step and request, deterministically)."""
+    def answer(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
+        """The model runner's answer: a token for each request that ``samples`` (past its prompt), after the first
+        of its drafts it accepted (how many varies by step and request, deterministically)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
-            r = self.s.requests[rid]
-            past = r.num_computed_tokens >= r.num_tokens
             accepted = (len(self.trace) + len(rid)) % (drafts.get(rid, 0) + 1)
-            sampled.append(self.next_tokens(rid, 1 + accepted) if past else [])
+            live = rid in samples and rid in self.s.requests  # not aborted while the step ran
+            sampled.append(self.next_tokens(rid, 1 + accepted) if live else [])
         return self.s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={
             rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
 
@@ -541,7 +586,7 @@ class Drive:
 def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
     s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
                        prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens,
-                       max_loras=engine.max_loras)
+                       max_loras=engine.max_loras, async_scheduling=engine.async_scheduling)
     if engine.reasoning:
         with_reasoning_parser(s)
     d = Drive(s, policy)
@@ -655,7 +700,7 @@ structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
-                        st.booleans(), st.sampled_from([0, 2, 4]), st.just(None), st.booleans()),
+                        st.booleans(), st.sampled_from([0, 2, 4]), st.just(None), st.booleans(), st.booleans()),
        evs=structured_events)
 def test_structured_requests_wait_for_their_grammar_while_the_step_runs_the_others(make_scheduler, policy, engine,
                                                                                    evs):
@@ -830,3 +875,15 @@ def test_a_later_prompts_chunk_does_not_grow_into_a_compiling_prompts_tokens(mak
     evs = [("add", Job(119, 1, batch, 0.0, grammar=1)), ("add", Job(138, 1, batch, 0.0))]
     d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=24, max_batched=512, max_seqs=2), evs)
     assert d.trace[0][1] == (("q1", 138),) and d.began["q0"] == 1 and d.ready["q0"] == 1
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_a_decode_whose_step_in_flight_ends_it_takes_no_tokens_of_the_next_step(make_scheduler, policy):
+    """Found once the search drew async scheduling: q0's one token was in flight when the next step was scheduled,
+    and vLLM schedules no further step of a request its step in flight ends (max_tokens). The policy planned it as
+    a decode and the step's budget counted its token, which vLLM gave the 48-token prompt's chunk instead: 17
+    tokens where the policy planned 16 (Drive.step compares the plan with the step)."""
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    evs = [("add", Job(1, 1, urgent, 0.0)), ("add", Job(48, 1, urgent, 0.0))]
+    d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, async_scheduling=True), evs)
+    assert d.finished == {"q0", "q1"}
