@@ -9,7 +9,9 @@ preemption), vLLM's prefix cache over shared system prompts, and draft tokens ve
 the jobs run with one of three LoRA adapters on engines with fewer LoRA slots (vLLM's max_loras), and a share sample
 with a seed (on the CPU a seeded prompt runs whole: vLLM-CPU cannot rewind its generator after a part of it). Structured
 jobs wait some steps for their grammar to compile (or fail to), as vLLM's scheduler reads the compile's future; the
-drafts of a structured request are those its grammar accepts (vLLM's update_draft_token_ids).
+drafts of a structured request are those its grammar accepts (vLLM's update_draft_token_ids). On an engine with a
+reasoning parser a structured job thinks first: its grammar masks, checks drafts and advances only after the thinking
+ends. A share of those engines schedule asynchronously (a step scheduled before the last one is answered).
 Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searches harder locally.
 """
 
@@ -261,6 +263,9 @@ class Drive:
         (``kept``: -1 pads the cut drafts of a step already scheduled)."""
         r = self.s.requests[rid]
         if not r.use_structured_output or not isinstance(r.structured_output_request.grammar, StubGrammar):
+            return
+        if r.is_prefill_chunk:  # its last step ran a chunk short of its last token (a recompute's): vLLM drops them
+            assert not kept, (rid, kept)
             return
         thought = self.thinking_drafts(rid, len(proposed))
         valid = proposed[:thought] + r.structured_output_request.grammar.validate_tokens(proposed[thought:])
