@@ -416,19 +416,23 @@ class BaseScheduler(Scheduler):
             left -= n
         return left
 
-    def _continue_started(self, blocked: Request, left: int, kv: KVBudget, out: SchedulerOutput) -> int:
+    def _continue_started(self, blocked: Request, left: int, kv: KVBudget, out: SchedulerOutput,
+                          relegated: bool = False) -> int:
         """Where ``blocked``, a prompt not started, cannot be admitted, the started prompts behind it in the queue
-        continue (by priority) with the budget ``left``: their reservations are what it waits for, so holding them
-        back would stall both for ever (vLLM, too, runs the requests it started before any new one)."""
+        (the waiting one, or the relegated one that spare budget walks) continue (by priority) with the budget
+        ``left``: their reservations are what it waits for, so holding them back would stall both for ever (vLLM,
+        too, runs the requests it started before any new one)."""
         if blocked.request_id in self.started:
             return left
-        for req in self.waiting.in_order(self.started):
+        queue = self.relegated if relegated else self.waiting
+        take, put = (queue.remove, queue.push) if relegated else (self._remove_waiting, self._push_waiting)
+        for req in queue.in_order(self.started):
             if left <= 0:
                 break
-            self._remove_waiting(req.request_id)
+            take(req.request_id)
             n = self._take_chunk(req, left, kv, out)
             if n == 0:
-                self._push_waiting(req)
+                put(req)
                 break
             left -= n
         return left

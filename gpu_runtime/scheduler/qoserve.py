@@ -251,6 +251,7 @@ class QoServeScheduler(BaseScheduler):
             n = self._take_chunk(req, left, kv, out)
             if n == 0:
                 self.relegated.push(req)
+                left = self._continue_started(req, left, kv, out, relegated=True)
                 break
             left -= n
         self._mark_preempted(out)

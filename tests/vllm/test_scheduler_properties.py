@@ -892,3 +892,18 @@ def test_a_decode_whose_step_in_flight_ends_it_takes_no_tokens_of_the_next_step(
     evs = [("add", Job(1, 1, urgent, 0.0)), ("add", Job(48, 1, urgent, 0.0))]
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, async_scheduling=True), evs)
     assert d.finished == {"q0", "q1"}
+
+
+def test_a_started_prompt_relegated_behind_a_job_it_blocks_runs_on(make_scheduler):
+    """Found once the search drew thinking and async engines (sync here): QoServe relegated q3, a started prompt one
+    token from its end holding 10 of the 15 blocks, behind q2 (paid, so first in the relegated queue), whose
+    footprint did not fit beside q3's. The spare budget stopped at q2, and q4 could not be admitted either: nothing
+    ran again (without an operator's resume, never). The started prompts behind the relegated head continue, as
+    they do behind a waiting prompt that cannot be admitted (Drive.step's liveness check)."""
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    evs = [("add", Job(1, 1, urgent, 0.0)), ("add", Job(39, 7, urgent, 0.0)),
+           ("add", Job(42, 40, {**urgent, "tier": "paid"}, 0.0, grammar=8)),
+           ("add", Job(121, 25, {**urgent, "ttft_ms": 500, "tbt_ms": 100}, 0.0, grammar=1)),
+           ("add", Job(42, 40, {"qos_class": "batch", "deadline_s": 30, "tier": "paid"}, 0.0, grammar=1))]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2), evs)
+    assert d.finished == set(d.ids)
