@@ -62,14 +62,17 @@ def make_scheduler(tiny_model_dir, monkeypatch):
 
 def _drafts(model, drafter: str, num_tokens: int):  # noqa: ANN001, ANN202 - vLLM's ModelConfig, SpeculativeConfig
     """vLLM's speculative_config: its ``drafter`` proposing ``num_tokens`` per request and step. ``ngram``: prompt
-    lookup (no KV of its own); ``draft_model``: the target model drafting for itself, which makes vLLM allocate
-    ``num_tokens`` lookahead KV slots per request as every draft-model and EAGLE drafter does."""
+    lookup (no KV of its own); ``suffix``: suffix decoding (arctic-inference's trees, no KV of its own either; drafts
+    of any length up to ``num_tokens``); ``draft_model``: the target model drafting for itself, which makes vLLM
+    allocate ``num_tokens`` lookahead KV slots per request as every draft-model and EAGLE drafter does."""
     from vllm.config import ParallelConfig, SpeculativeConfig
 
     common = {"num_speculative_tokens": num_tokens, "target_model_config": model,
               "target_parallel_config": ParallelConfig()}
     if drafter == "draft_model":
         return SpeculativeConfig(method="draft_model", model=model.model, **common)
+    if drafter == "suffix":
+        return SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=max(24, 2 * num_tokens), **common)
     return SpeculativeConfig(method="ngram", prompt_lookup_max=4, prompt_lookup_min=2, **common)
 
 

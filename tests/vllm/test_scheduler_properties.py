@@ -717,6 +717,156 @@ def test_structured_requests_wait_for_their_grammar_while_the_step_runs_the_othe
     _drive(make_scheduler, policy, engine, evs)
 
 
+# ---- coserve's speculation policy trimming vLLM's drafts (COSERVE_SPEC_POLICY) ----
+
+SPEC_POLICIES = ["chain-1", "chain-2", "chain-3", "static-tree", "adaserve", "adaspec", "nightjar"]
+STATIC_SHAPES = {"chain-1", "chain-2", "chain-3", "static-tree"}  # the drafts they keep are known before the plan
+
+
+@dataclass
+class TrimmedDrive(Drive):
+    """A ``Drive`` whose scheduler runs a coserve speculation policy over vLLM's drafts (``DraftLengths.trim``).
+    The drafter proposes what ``drafter`` would: n-gram and draft-model drafts of ``num_speculative_tokens`` (or
+    none), suffix drafts of any length up to it. Each step also checks what a trimmed draft must keep consistent:
+    the drafts kept are a prefix of the proposal, the step runs each decode's token and its kept drafts (no more, no
+    fewer), vLLM's budget counts no trimmed draft, the KV allocated covers no trimmed draft, and the rejection
+    sampler's bookkeeping leaves each decode one token ahead of its KV."""
+
+    drafter: str = "ngram"
+    proposed: dict = field(default_factory=dict)  # request id -> the drafts the policy chose from this step
+    arranged: dict = field(default_factory=dict)  # request id -> its drafts as vLLM is shown the step (trimmed)
+    budget: list = field(default_factory=list)  # vLLM's token budget of each step (max_num_scheduled_tokens)
+    blocks: dict = field(default_factory=dict)  # request id -> blocks it held before the step
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        s = self.s
+        assert s.drafts is not None, s.spec_not_running  # the policy runs (synchronous scheduling)
+        keep_hits, restore = s.kv.keep_hits, s._restore
+
+        def arranged(prompts):  # noqa: ANN001, ANN202 - the step as _arrange shows it to vLLM, drafts trimmed
+            self.arranged = {r.request_id: list(r.spec_token_ids) for r in s.running}
+            return keep_hits(prompts)
+
+        def restored(held, stashed):  # noqa: ANN001, ANN202 - vLLM scheduled under the budget _arrange set
+            self.budget.append(s.max_num_scheduled_tokens)
+            return restore(held, stashed)
+
+        s.kv.keep_hits, s._restore = arranged, restored
+
+    def draft_length(self, rid: str) -> int:
+        """How many drafts the drafter proposes for ``rid`` this step: n-gram and draft-model ones all or (no match)
+        none, suffix ones any length."""
+        k, turn = self.s.num_spec_tokens, len(self.trace) * 7 + int(rid[1:])
+        return turn % (k + 1) if self.drafter == "suffix" else (0 if turn % 5 == 0 else k)
+
+    def propose_drafts(self) -> None:
+        from vllm.v1.outputs import DraftTokenIds
+
+        super().propose_drafts()
+        s = self.s
+        ids = [r.request_id for r in s.running if r.spec_token_ids]
+        if ids:  # the drafter's own length (vLLM's grammar check keeps a prefix of a prefix)
+            s.update_draft_token_ids(DraftTokenIds(ids, [list(s.requests[rid].spec_token_ids[:self.draft_length(rid)])
+                                                         for rid in ids]))
+        self.proposed = {r.request_id: list(r.spec_token_ids) for r in s.running if r.spec_token_ids}
+        self.blocks = {r.request_id: len(s.kv_cache_manager.get_block_ids(r.request_id)[0]) for r in s.running}
+
+    def answer(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
+        self.check_trim(out)
+        before = {rid: len(self.s.requests[rid].output_token_ids) for rid in out.num_scheduled_tokens}
+        outputs = super().answer(out, drafts, samples)
+        self.check_rejections(out, before)
+        return outputs
+
+    def check_trim(self, out) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
+        s, kept = self.s, self.s.drafts.kept
+        sched, spec = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens
+        plan = self.plans[-1] if self.plans else None
+        decodes = [m.request_id for m in plan.decodes] if plan is not None else []
+        for rid in decodes:
+            if rid not in self.arranged:
+                continue
+            # the policy keeps a prefix of the drafts proposed, and vLLM is shown only those (num_tokens_with_spec)
+            assert self.arranged[rid] == self.proposed.get(rid, [])[:kept.get(rid, 0)], (
+                rid, self.arranged[rid], self.proposed.get(rid), kept.get(rid))
+            # the chunk rule sized the step with the drafts the policy may keep (``most_kept``): never fewer than it
+            # kept, and for a static shape (a chain's, the static tree's depth) none it trims
+            counted = s.policy.decode_drafts.get(rid, 0)
+            assert counted >= len(self.arranged[rid]), (rid, counted, self.arranged[rid])
+            assert counted == len(self.arranged[rid]) or s.drafts.name not in STATIC_SHAPES, (
+                rid, s.drafts.name, counted, self.arranged[rid], self.proposed.get(rid))
+            if rid not in sched:
+                continue
+            # the step runs the decode's token and each draft it kept: 1 + its kept drafts
+            assert list(spec.get(rid, [])) == self.arranged[rid], (rid, spec.get(rid), self.arranged[rid])
+            assert sched[rid] == 1 + len(self.arranged[rid]), (rid, sched[rid], self.arranged[rid])
+            r = s.requests[rid]
+            assert r.spec_token_ids == [] and r.num_tokens_with_spec == r.num_tokens, rid  # vLLM took them
+            # KV: the blocks cover the decode's tokens and its kept drafts (and a drafter's lookahead), not one
+            # block more for a draft the policy trimmed
+            need = -(-min(r.num_computed_tokens + s.num_lookahead_tokens, s.max_model_len) // 16)
+            held = len(s.kv_cache_manager.get_block_ids(rid)[0])
+            assert held == max(self.blocks.get(rid, 0), need), (rid, held, self.blocks.get(rid), need)
+            if currently_in_test_context() and self.proposed.get(rid):
+                trimmed = len(self.proposed[rid]) > len(self.arranged[rid])
+                event(f"{s.drafts.name}: " + ("kept none" if not self.arranged[rid] else "trimmed" if trimmed
+                                               else "kept all"))
+        if plan is not None and self.budget:
+            # vLLM's budget: the decodes' tokens and kept drafts, and the chunks (what vLLM pads a new prompt's
+            # last token with aside): no draft the policy trimmed is counted, so no chunk grows into it
+            decode_tokens = sum(1 + len(self.arranged[rid]) for rid in decodes if rid in self.arranged)
+            chunks = sum(n for rid, n in sched.items() if rid not in decodes)
+            pad = s.num_spec_tokens
+            assert self.budget[-1] <= decode_tokens + max(chunks, sum(p.num_tokens for p in plan.prefills)) + pad, (
+                self.budget[-1], decode_tokens, chunks, plan)
+
+    def check_rejections(self, out, before: dict) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
+        """vLLM's rejection bookkeeping over the kept drafts: a decode that ran k drafts gained 1..k+1 tokens, and
+        its computed tokens are its tokens less the one just sampled (the rejected drafts rolled back)."""
+        s = self.s
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            r = s.requests.get(rid)
+            if r is None or r.is_finished():
+                continue
+            gained = len(r.output_token_ids) - before[rid]
+            assert 1 <= gained <= 1 + len(drafts), (rid, gained, drafts)
+            assert r.num_computed_tokens == r.num_tokens - 1, (rid, r.num_computed_tokens, r.num_tokens)
+
+
+def _drive_trimmed(make_scheduler, monkeypatch, spec: str, drafter: str, policy: str, engine: Engine,
+                   evs: list) -> TrimmedDrive:
+    monkeypatch.setenv("COSERVE_SPEC_POLICY", spec)
+    s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
+                       prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens, drafter=drafter,
+                       max_loras=engine.max_loras)
+    if engine.reasoning:
+        with_reasoning_parser(s)
+    d = TrimmedDrive(s, policy, drafter=drafter)
+    for ev in evs:
+        d.apply(ev)
+    d.drain()
+    return d
+
+
+speculating_engines = st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]),
+                                st.integers(2, 8), st.booleans(), st.sampled_from([1, 2, 4, 8, 12]), st.just(None),
+                                st.booleans())
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@PROPS
+@given(spec=st.sampled_from(SPEC_POLICIES), drafter=st.sampled_from(["ngram", "suffix", "draft_model"]),
+       engine=speculating_engines, evs=st.one_of(structured_events, kv_pressure()))
+def test_a_speculation_policys_trimmed_drafts_keep_the_step_the_kv_and_the_grammar(make_scheduler, monkeypatch,
+                                                                                  policy, spec, drafter, engine, evs):
+    # COSERVE_SPEC_POLICY inside vLLM: each decode verifies the prefix of vLLM's drafts its policy keeps; the step
+    # runs 1 + those per decode, vLLM's budget, its KV and a structured request's grammar count no trimmed draft,
+    # every step's invariants (Drive.step) hold and every job finishes
+    note(f"{policy} {spec} {drafter} {engine} {evs}")
+    _drive_trimmed(make_scheduler, monkeypatch, spec, drafter, policy, engine, evs)
+
+
 # ---- counterexamples the search found, pinned ----
 
 def test_a_planned_prompt_vllm_did_not_start_keeps_no_kv_reservation(make_scheduler):
