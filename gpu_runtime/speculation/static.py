@@ -55,6 +55,9 @@ class StaticTree(SpeculationPolicy):
     def __init__(self, num_nodes: int = 23, depth: int = 8, width: int = 3) -> None:
         self.num_nodes, self.depth, self.width = num_nodes, depth, width
 
+    def most_kept(self, proposed: int) -> int:
+        return min(self.depth, proposed)  # a chain (vLLM's drafts) no deeper than the tree: its first ``depth``
+
     def draft_plan(self, decodes, now):
         return [DraftEntry(r.request_id, self.depth, self.width) for r in decodes]
 

@@ -1057,3 +1057,15 @@ def test_a_started_prompt_relegated_behind_a_job_it_blocks_runs_on(make_schedule
            ("add", Job(42, 40, {"qos_class": "batch", "deadline_s": 30, "tier": "paid"}, 0.0, grammar=1))]
     d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2), evs)
     assert d.finished == set(d.ids)
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_the_static_trees_decodes_count_no_draft_past_its_depth_against_the_step(make_scheduler, monkeypatch, policy):
+    """Found once the search drew coserve's speculation policies: under static-tree a decode verifies at most the
+    tree's depth (8) of vLLM's 12 drafts, but the plan counted all 12 against the 32-token step: the prompt beside it
+    got 19 tokens where 23 fit (with suffix decoding's 32 drafts a step of 16 decodes ran no prompt at all). The
+    step now counts the drafts the tree keeps (TrimmedDrive checks every step)."""
+    evs = [("add", Job(1, 8, LAX, 0.0)), ("step", 0.0), ("add", Job(1, 1, LAX, 0.0, shared=64)), ("step", 0.0)]
+    d = _drive_trimmed(make_scheduler, monkeypatch, "static-tree", "ngram", policy,
+                       Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=12), evs)
+    assert d.trace[1][1] == (("q0", 9), ("q1", 23))
