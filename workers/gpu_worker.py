@@ -49,6 +49,7 @@ from app.reasoning import ReasoningTokens
 from app.services import lora_adapters
 from app.services.dispatch import dispatch, move, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
+from app.services import routing
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent, stream_key
@@ -109,6 +110,8 @@ class GpuWorker:
         self.threads: list[threading.Thread] = []
         self.peers: decode_history.PeerLengths | None = None  # what the model's other workers finish
         self.handing_back: tuple[str, str] | None = None  # (job id, task id) of the message accept hands back now
+        # when SQL first showed the APIs that this worker takes no jobs (its beat said stopping, or its row went)
+        self.unroutable_at: float | None = None
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -246,7 +249,31 @@ class GpuWorker:
                 s.delete(row)
             if self.settings.routing == "prefix":  # what was routed to this worker and not taken yet
                 reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
+        self._said_unroutable()
+        if self.settings.routing == "prefix":
+            self._reroute_late_routed()
         log.info("worker %s stopped (%d jobs given back)", self.worker_id, len(rest))
+
+    def _said_unroutable(self) -> None:
+        """Notes when SQL first showed the APIs that this worker takes no jobs (just committed: a beat that says
+        ``stopping``, or ``stop``'s deletion of its row)."""
+        if self.unroutable_at is None:
+            self.unroutable_at = time.monotonic()
+
+    def _reroute_late_routed(self) -> None:
+        """``stop``'s last pass of the jobs routed to this worker alone to its model's queue. An API routes by a view of
+        the workers up to ``routing.REFRESH_S`` old, so one read before this worker said it stops sends jobs here until
+        then: a worker that stops at once (no job running, a cold shutdown) would leave them on a queue nobody reads
+        until another worker's next sweep (``sweep_seconds``), or, with no other, until one starts. It waits for those
+        views to go stale (no wait after a grace that long) and passes on what came meanwhile; a send later still (an
+        API slower between its view and its send) is the sweepers' (``_reroute_orphaned``)."""
+        stale_at = (self.unroutable_at or time.monotonic()) + routing.REFRESH_S
+        time.sleep(max(0.0, stale_at - time.monotonic()))
+        try:
+            with session_scope(self.url) as s:
+                reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
+        except Exception:  # the sweepers pass them on: the queue is named to them at each send
+            log.exception("worker %s could not pass on the jobs routed to it as it stopped", self.worker_id)
 
     def _register(self) -> None:
         with session_scope(self.url, immediate=True) as s:
@@ -591,6 +618,8 @@ class GpuWorker:
             draining = bool(row.draining)
             retire = self.backend == "vllm" and self.settings.runtime_lora
             loras = lora_adapters.versions(s, self.settings.model_name) if retire else None
+        if state["stopping"]:  # committed: the APIs' views read from now on leave this worker out
+            self._said_unroutable()
         if loras is not None:  # the runtime adapters unloaded or replaced since leave vLLM once no job uses them
             self.engine.retire_loras(loras)
         if self.backend == "vllm":  # vLLM's own metrics, for the API's /metrics

@@ -303,6 +303,34 @@ def test_a_job_routed_to_a_stopping_worker_goes_to_the_shared_queue_at_its_next_
     assert _next_taken(settings, "coserve.tiny", batch=False) == [routed]
 
 
+def test_a_job_routed_to_a_worker_after_it_stopped_goes_to_the_shared_queue_before_it_exits(settings, keys,
+                                                                                            monkeypatch):
+    """A worker that stops with no job running stops at once, and an API whose view of the workers was read before
+    (it trusts one for ``routing.REFRESH_S``) still sends a job to its own queue after its last reroute. The stop
+    passes such a job to the model's queue once those views are stale, instead of leaving it on a queue nobody reads
+    until another worker's next sweep (``sweep_seconds``), or, with no other worker, until one starts."""
+    from app.services import routing
+    from tests.integration.test_worker_room import _routed_here
+
+    monkeypatch.setattr(routing, "REFRESH_S", 3.0)  # room for the late send on a busy box
+    settings.routing = "prefix"
+    worker = GpuWorker(settings)
+    worker.heartbeat()  # registered, as a running worker is
+
+    def row_gone() -> bool:
+        with session_scope(settings.sqlalchemy_url) as s:
+            return s.get(WorkerState, worker.worker_id) is None
+
+    stop = threading.Thread(target=worker.stop, kwargs={"grace_s": 0}, daemon=True)
+    stop.start()
+    wait_for(row_gone, 10, "the stop to delete the worker's row (its own queue rerouted in that transaction)")
+    routed = _routed_here(settings, keys, worker)  # by an API's view read before the stop
+    stop.join(10)
+    assert not stop.is_alive()
+    assert _next_taken(settings, f"coserve.worker.{worker.worker_id}", batch=False) == []
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [routed]
+
+
 def test_a_job_routed_to_a_predecessor_that_served_its_adapter_goes_to_the_adapters_queue(settings, keys):
     """An API routed a configured adapter's job to w1's own queue by a view of the w1 that served the adapter; w1 was
     restarted under its id without it. The job goes to the adapter's queue for a worker that serves it, instead of
