@@ -9,7 +9,7 @@ import threading
 import pytest
 import redis
 from celery.worker import state as celery_state
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from app.auth import authenticate
 from app.db.models import Job, JobEvent, JobStatus, WorkerState
@@ -214,6 +214,51 @@ def test_a_draining_worker_hands_the_message_it_holds_back_before_it_pauses(sett
         intake.join(5)
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.get(Job, job_id).status == "dispatched"  # never leased here
+
+
+def _consumed_queues(settings, worker_id: str) -> list[str] | None:
+    """The queues a worker's Celery consumer reads, as it answers Celery's inspect (None: no answer)."""
+    from workers.celery_app import get_celery
+
+    answer = get_celery(settings.redis_url).control.inspect(timeout=1.0).active_queues() or {}
+    return next(([q["name"] for q in queues] for name, queues in answer.items() if name.startswith(f"{worker_id}@")),
+                None)
+
+
+def test_a_drain_leaves_no_message_held_by_the_consumer(settings, keys, start_worker):
+    """Messages keep coming while a real worker's drain begins: the worker takes each until its beat reads the drain,
+    then hands back the one it holds (``accept``) and its consumer stops (``cancel_consumer``), which kombu applies
+    after the read under way; a message its last BRPOP took after that has no consumer and kombu requeues it. Celery
+    fetches nothing ahead (solo pool, prefetch 1: the one message in hand is the task's), so none is left unacked in
+    Redis until the visibility timeout: each job ran on the worker or its message waits on the model's queue."""
+    worker_id = "w1"
+    start_worker(worker_id)
+    jobs = [_taken(settings, keys) for _ in range(40)]
+
+    def send_all() -> None:  # one every 20 ms, the worker's drain beginning meanwhile
+        for job_id in jobs:
+            send_job(settings.redis_url, job_id, settings.model_name)
+            threading.Event().wait(0.02)
+
+    sending = threading.Thread(target=send_all, daemon=True)
+    sending.start()
+    threading.Event().wait(0.2)  # the worker takes the first ones
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.execute(update(WorkerState).where(WorkerState.id == worker_id).values(draining=True))
+    sending.join(30)
+    wait_for(lambda: _consumed_queues(settings, worker_id) == [], 20, "the draining worker to stop consuming")
+
+    def settled() -> dict[str, str] | None:
+        with session_scope(settings.sqlalchemy_url) as s:
+            status = dict(s.execute(select(Job.id, Job.status).where(Job.id.in_(jobs))).all())
+        return status if not {"running", "relegated"} & set(status.values()) else None
+
+    status = wait_for(settled, 30, "the jobs taken before the drain to end")
+    r = redis.Redis.from_url(settings.redis_url)
+    assert r.hlen("unacked") == 0  # kombu's messages delivered and not acked: none held
+    waiting = _next_taken(settings, "coserve.tiny", batch=False)
+    assert sorted(waiting) == sorted(j for j, st in status.items() if st == "dispatched")  # one message each
+    assert {st for st in status.values()} <= {"succeeded", "dispatched"}
 
 
 def _leased(settings, keys, worker, kind: str, model: str | None = None):
