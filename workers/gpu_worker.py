@@ -46,10 +46,9 @@ from app.db.session import session_scope
 from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
-from app.services import lora_adapters
+from app.services import lora_adapters, routing
 from app.services.dispatch import dispatch, move, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
-from app.services import routing
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent, stream_key
