@@ -197,21 +197,26 @@ class BaseScheduler(Scheduler):
             self.running.pop(request_id, None)
         return req
 
-    def set_aside(self, request_ids: list[str]) -> list[tuple[Request, bool]]:
-        """Takes prompts the engine cannot start now out of the waiting and relegated queues, for one ``schedule``
-        (the vLLM adapter: an adapter with no LoRA slot); returns what ``put_back`` restores."""
+    def set_aside(self, request_ids: list[str]) -> list[tuple[Request, str]]:
+        """Takes requests the engine cannot run now out of the policy's queues, for one ``schedule`` (the vLLM
+        adapter: a prompt whose adapter finds no LoRA slot, a decode whose step in flight ends it): a prompt is not
+        planned, a decode neither planned nor made KV room for; returns what ``put_back`` restores."""
         aside = []
         for rid in request_ids:
             if (req := self._remove_waiting(rid)) is not None:
-                aside.append((req, False))
+                aside.append((req, "waiting"))
             elif (req := self.relegated.remove(rid)) is not None:
-                aside.append((req, True))
+                aside.append((req, "relegated"))
+            elif (req := self.running.pop(rid, None)) is not None:
+                aside.append((req, "running"))
         return aside
 
-    def put_back(self, aside: list[tuple[Request, bool]]) -> None:
-        for req, relegated in aside:
-            if relegated:
+    def put_back(self, aside: list[tuple[Request, str]]) -> None:
+        for req, queue in aside:
+            if queue == "relegated":
                 self.relegated.push(req)
+            elif queue == "running":  # (after the others: it ends as the step in flight is answered)
+                self.running[req.request_id] = req
             else:
                 self._push_waiting(req)
 

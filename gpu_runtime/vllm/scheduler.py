@@ -312,16 +312,17 @@ class CoserveScheduler(AsyncScheduler):
         self.kv.released.clear()
         # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
         slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if self.lora_config else None
-        unstartable = self._compiling_grammar() + (self._without_lora_slot(slots) if slots is not None else [])
-        aside = self.policy.set_aside(unstartable) if unstartable else []
+        # a decode whose step in flight ends it runs no more (async scheduling): vLLM skips it, so the policy neither
+        # plans it (its token would not be the step's: a chunk after it would grow into it) nor makes KV room for its
+        # next token (it would preempt a decode that runs on, for one that never runs again)
+        unrunnable = self._compiling_grammar() + (self._without_lora_slot(slots) if slots is not None else []) + [
+            r.request_id for r in self.running if self._ends_in_flight(r) and r.request_id in self.mirrors]
+        aside = self.policy.set_aside(unrunnable) if unrunnable else []
         self.policy.decode_drafts = self._decode_drafts()
         try:
             plan = self.policy.schedule(now)
         finally:
             self.policy.put_back(aside)
-        # a decode whose step in flight ends it runs no more (async scheduling): vLLM skips it, so it is not one of
-        # the step's decodes, and its token is not the step's (a chunk after it would grow into it)
-        plan.decodes = [m for m in plan.decodes if not self._ends_in_flight(self.requests.get(m.request_id))]
         self._report(plan)
         if plan.expired:
             self._expire(plan)

@@ -11,7 +11,9 @@ with a seed (on the CPU a seeded prompt runs whole: vLLM-CPU cannot rewind its g
 jobs wait some steps for their grammar to compile (or fail to), as vLLM's scheduler reads the compile's future; the
 drafts of a structured request are those its grammar accepts (vLLM's update_draft_token_ids). On an engine with a
 reasoning parser a structured job thinks first: its grammar masks, checks drafts and advances only after the thinking
-ends. A share of those engines schedule asynchronously (a step scheduled before the last one is answered).
+ends. In every property test a share of the engines schedule asynchronously (vLLM's async_scheduling: a step is
+scheduled before the last one is answered, ``Drive.pipeline``), and vllm-fcfs is compared with vLLM's AsyncScheduler
+there.
 Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searches harder locally.
 """
 
@@ -84,7 +86,7 @@ jobs = st.builds(
     st.sampled_from([0.0, 0.0, 0.5, 3.0]), st.just(0), adapters, seeds)
 # one block of a 16-block pool is vLLM's null block: 15 x 16 = 240 tokens hold the longest job alone (200 + 40)
 engines = st.builds(Engine, st.sampled_from([16, 16, 24, 40]), st.sampled_from([32, 64, 128, 512]), st.integers(2, 8),
-                    max_loras=st.sampled_from([None, 1, 2]))
+                    max_loras=st.sampled_from([None, 1, 2]), async_scheduling=st.booleans())
 events = st.lists(st.one_of(
     st.tuples(st.just("add"), jobs),
     st.tuples(st.just("add"), jobs),
@@ -625,7 +627,8 @@ cached_events = st.lists(st.one_of(st.tuples(st.just("add"), shared_jobs), st.tu
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
-                        st.booleans(), st.sampled_from([0, 2, 4]), st.sampled_from([None, 1, 2])), evs=cached_events)
+                        st.booleans(), st.sampled_from([0, 2, 4]), st.sampled_from([None, 1, 2]),
+                        async_scheduling=st.booleans()), evs=cached_events)
 def test_prefix_cache_hits_and_drafts_keep_the_step_and_the_books(make_scheduler, policy, engine, evs):
     # every step's invariants (above) with vLLM's prefix cache over shared system prompts and its draft tokens
     # verified by each decode (some accepted): the step's budget counts the drafts, a hit is not computed twice
@@ -636,7 +639,7 @@ def test_prefix_cache_hits_and_drafts_keep_the_step_and_the_books(make_scheduler
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
-                        st.just(False), st.sampled_from([0, 0, 4])), evs=kv_pressure())
+                        st.just(False), st.sampled_from([0, 0, 4]), async_scheduling=st.booleans()), evs=kv_pressure())
 def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_scheduler, policy, engine, evs):
     # QoServe 3.4 / vLLM's recompute preemption: a preempted request is requeued, not lost; it resumes, streams
     # each of its tokens once and ends; every block is free again (the invariants of every step hold meanwhile)
@@ -648,7 +651,8 @@ def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_sched
 @pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([24, 40]), st.sampled_from([32, 64]), st.integers(2, 8),
-                        st.just(False), st.sampled_from([0, 2]), st.sampled_from([1, 2])), evs=lora_pressure())
+                        st.just(False), st.sampled_from([0, 2]), st.sampled_from([1, 2]),
+                        async_scheduling=st.booleans()), evs=lora_pressure())
 def test_prompts_of_more_adapters_than_lora_slots_all_run_within_the_slots(make_scheduler, policy, engine, evs):
     # vLLM's LoRA slots: the running requests never hold more adapters than max_loras, the policy's plan is what
     # vLLM runs though a prompt of an adapter with no slot cannot start, and every job finishes
@@ -671,15 +675,16 @@ def test_kv_pressure_reaches_the_policys_and_vllms_preemption(make_scheduler):
 @PROPS
 @given(engine=engines, evs=events)
 def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs):
-    # the baseline (policy vllm-fcfs) is vLLM's own v1 scheduler: the same tokens each step on the same events
-    from vllm.v1.core.sched.scheduler import Scheduler
+    # the baseline (policy vllm-fcfs) is vLLM's own v1 scheduler: the same tokens each step on the same events (the
+    # one vLLM picks: its AsyncScheduler where the engine schedules asynchronously, SchedulerConfig.get_scheduler_cls)
     from vllm.v1.structured_output import StructuredOutputManager
 
     note(f"{engine} {evs}")
     ours = _drive(make_scheduler, "vllm-fcfs", engine, evs)
     s = make_scheduler("vllm-fcfs", max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
-                       max_loras=engine.max_loras)
-    plain = Scheduler(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
+                       max_loras=engine.max_loras, async_scheduling=engine.async_scheduling)
+    vllms_own = s.scheduler_config.get_scheduler_cls()
+    plain = vllms_own(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
                       structured_output_manager=StructuredOutputManager(s.vllm_config), block_size=16)
     plain.policy, plain.mirrors, plain.step_cap = None, {}, s.step_cap
     plain.resume = plain.promote = lambda *a: None
@@ -1069,3 +1074,18 @@ def test_the_static_trees_decodes_count_no_draft_past_its_depth_against_the_step
     d = _drive_trimmed(make_scheduler, monkeypatch, "static-tree", "ngram", policy,
                        Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=12), evs)
     assert d.trace[1][1] == (("q0", 9), ("q1", 23))
+
+
+def test_the_decodes_a_step_in_flight_ends_leave_the_live_decode_its_kv(make_scheduler):
+    """Found once the KV-pressure search drew async scheduling: q5 and q7 each had their last token in flight (vLLM
+    schedules neither again) and q6 decoded on, its next token within the blocks it held, one block free. The policy
+    still counted q5's and q7's next tokens: the free block held neither, so it preempted q6, the one decode that
+    ran on, to make room for two that never run again, and planned its recompute in the same step (Drive.step: every
+    decode the policy holds runs while the KV holds a block for each)."""
+    urgent = {**LAX, "ttft_ms": 500, "tbt_ms": 100}
+    evs = [("add", Job(1, 1, LAX, 0.0)), ("step", 0.0)] * 3 + [
+        ("add", Job(40, 20, LAX, 0.0)), ("add", Job(40, 20, LAX, 0.0)), ("add", Job(121, 24, urgent, 0.0)),
+        ("add", Job(65, 25, urgent, 0.0)), ("step", 0.02), ("add", Job(92, 21, urgent, 0.0))]
+    d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=24, max_batched=32, max_seqs=3, async_scheduling=True),
+               evs)
+    assert not d.preempted and d.finished == set(d.ids)
