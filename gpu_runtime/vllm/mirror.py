@@ -27,6 +27,13 @@ class Mirror(Request):
         super().release_kv()
         self.recomputed_outputs = self.num_output_tokens
 
+    def recompute_late_outputs(self) -> bool:
+        """Outputs that reached it after its KV was released (its step was in flight at the preemption: vLLM's async
+        scheduling delivers them) are recomputed too; whether any came."""
+        late = self.num_output_tokens > self.recomputed_outputs
+        self.recomputed_outputs = self.num_output_tokens
+        return late
+
 
 def make_mirror(vreq: VLLMRequest) -> Request:
     """A mirror for a new vLLM request; raises ``QoSArgsError`` when its ``extra_args`` QoS is invalid."""

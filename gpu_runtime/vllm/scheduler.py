@@ -606,6 +606,10 @@ class CoserveScheduler(AsyncScheduler):
             if status is not None:
                 mirror.status, mirror.finish_time = status, now
                 self.mirrors.pop(rid, None)
+            elif vreq.status == VStatus.PREEMPTED and mirror.recompute_late_outputs():
+                # its prefill grew by them: planned short, vLLM would run the chunk past the plan (into the
+                # tokens of the chunks after it); it takes its place in its queue by what is left
+                self.policy.note_cached_prefix(mirror, mirror.num_computed_tokens)
             if mirror.output_token_ids:
                 decodes.append(mirror)
         # Finished requests leave every queue (their lengths feed the decode-length history); the others

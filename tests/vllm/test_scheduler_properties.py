@@ -1089,3 +1089,17 @@ def test_the_decodes_a_step_in_flight_ends_leave_the_live_decode_its_kv(make_sch
     d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=24, max_batched=32, max_seqs=3, async_scheduling=True),
                evs)
     assert not d.preempted and d.finished == set(d.ids)
+
+
+def test_a_decode_preempted_with_its_step_in_flight_recomputes_the_token_that_step_brings(make_scheduler):
+    """Found once the KV-pressure search drew async scheduling: the policy preempted q3 (57 of its tokens computed,
+    the 58th in flight) to make room for the other decodes. vLLM delivers the token in flight after the preemption,
+    and recomputes it with the prompt and the other outputs: 59 tokens. The mirror counted the outputs at the
+    preemption only, so the policy planned 26 of the 27 left and vLLM ran 27, taking one of q4's (Drive.step
+    compares the plan with the step)."""
+    urgent = {**LAX, "ttft_ms": 500, "tbt_ms": 100}
+    evs = [("add", Job(1, 1, LAX, 0.0)), ("step", 0.0)] * 3 + [("add", Job(40, 20, LAX, 0.0))] * 3 + [
+        ("add", Job(58, 24, urgent, 0.0)), ("step", 0.02), ("add", Job(60, 22, urgent, 0.0))]
+    d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=32, max_seqs=3, async_scheduling=True),
+               evs)
+    assert "q3" in d.preempted and d.finished == set(d.ids) and d.streamed["q3"] == 20
