@@ -324,8 +324,10 @@ class Drive:
                     event("seeded prompt ran whole")
         if s.lora_config is not None:
             # vLLM's promise (it asserts it as the next step begins): the running requests, those the policy set
-            # aside for the step too, hold at most max_loras adapters
-            held = {r.lora_request.lora_int_id for r in s.running if r.lora_request is not None}
+            # aside for the step too, hold at most max_loras adapters; not one whose step in flight ends it (async
+            # scheduling): vLLM schedules it no more, and counts only the adapters of the requests it schedules
+            held = {r.lora_request.lora_int_id for r in s.running if r.lora_request is not None
+                    and r.request_id not in ending}
             assert len(held) <= s.lora_config.max_loras, (held, sched)
             if len(held) == s.lora_config.max_loras and currently_in_test_context() and any(
                     r.lora_request is not None and r.lora_request.lora_int_id not in held for r in s.waiting):
@@ -1103,3 +1105,14 @@ def test_a_decode_preempted_with_its_step_in_flight_recomputes_the_token_that_st
     d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=32, max_seqs=3, async_scheduling=True),
                evs)
     assert "q3" in d.preempted and d.finished == set(d.ids) and d.streamed["q3"] == 20
+
+
+def test_a_request_whose_step_in_flight_ends_it_holds_no_lora_slot_of_the_next_step(make_scheduler):
+    """Found once the vllm-fcfs comparison drew async scheduling (the check was wrong, not coserve): one LoRA slot,
+    q0's one token in flight; vLLM schedules q0 no more, counts the adapters of the requests it schedules only, and
+    starts q1 with the other adapter while q0 is still running. Drive.step's LoRA check now leaves q0 out."""
+    batch = {"qos_class": "batch", "deadline_s": 1, "tier": "free"}
+    evs = [("add", Job(1, 1, batch, 0.0, lora=1)), ("add", Job(1, 1, batch, 0.0, lora=2))]
+    d = _drive(make_scheduler, "vllm-fcfs", Engine(blocks=16, max_batched=32, max_seqs=2, max_loras=1,
+                                                   async_scheduling=True), evs)
+    assert [step[1] for step in d.trace[:2]] == [(("q0", 1),), (("q1", 1),)]
