@@ -251,7 +251,10 @@ class QoServeScheduler(BaseScheduler):
             n = self._take_chunk(req, left, kv, out)
             if n == 0:
                 self.relegated.push(req)
-                left = self._continue_started(req, left, kv, out, relegated=True)
+                # a pass that runs nothing would stall for good: only the started prompts behind the head can free
+                # the KV it waits for (else relegated paid work keeps going first, free_yields_relegated_paid)
+                if out.is_empty:
+                    left = self._continue_started(req, left, kv, out, relegated=True)
                 break
             left -= n
         self._mark_preempted(out)

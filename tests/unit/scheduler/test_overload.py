@@ -234,3 +234,35 @@ def test_the_batch_pace_is_set_beside_a_saturating_chunk_not_a_larger_ceiling():
     assert s.chunking.space[-1] == 8192
     saturated = COST.predict(BatchFeatures(sat, 0, sat, 0, 0, 1, sat * sat / 2))
     assert math.isclose(s._batch_pace(0, 0, beside=8192), saturated)
+
+
+def test_started_free_work_behind_blocked_relegated_paid_work_runs_only_where_the_pass_would_run_nothing():
+    # "d" decodes and "f", a free prompt started and then relegated, holds the second of two sequence slots, so
+    # "p", paid and relegated (hopeless) at the head of the relegated queue, cannot be admitted. While the pass runs
+    # something ("d"), "f" waits behind "p" (relegated paid work first). (Where it would run nothing, "f" continues:
+    # only it could free what "p" waits for; tests/vllm/test_scheduler_properties.py pins that stall.)
+    ex = SimExecutor(COST, kv_blocks=1024, block_size=16)
+    s = create_scheduler("qoserve", cost_model=COST, executor=ex, max_num_seqs=2, **SMALL)
+    d = interactive("d", prompt=50, ttft=10.0, tbt=1.0, max_tokens=50)
+    f = interactive("f", prompt=300, ttft=10.0, tbt=1.0, tier=Tier.FREE)
+    for r in (d, f):
+        ex.add_request(r.request_id, r.sampling)
+        s.add_request(r)
+    first = s.schedule(0.0)
+    assert [p.request.request_id for p in first.prefills] == ["d", "f"]
+    for c in first.prefills:  # what the engine's pass did: "d"'s whole prompt and its first token, part of "f"'s
+        c.request.num_computed_tokens += c.num_tokens
+    d.output_token_ids, d.token_times = [7], [0.02]
+    s.update_from_output(first, 0.02)
+    assert d.status is RequestStatus.DECODING and "f" in s.started
+    s._remove_waiting("f")  # relegated mid-prompt (as free work yielding to paid work would be)
+    f.status = RequestStatus.RELEGATED
+    s.relegated.push(f)
+    p = interactive("p", arrival=0.02, prompt=100, ttft=0.001)
+    ex.add_request(p.request_id, p.sampling)
+    s.add_request(p)
+    out = s.schedule(0.02)
+    assert "p" in [r.request_id for r in out.relegated] and [r.request_id for r in out.decodes] == ["d"]
+    assert "f" not in [c.request.request_id for c in out.prefills]
+    s.abort_request("d")  # its slot frees: "p" is admitted before "f" goes on
+    assert [c.request.request_id for c in s.schedule(0.04).prefills][0] == "p"
