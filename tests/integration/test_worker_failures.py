@@ -17,7 +17,6 @@ from app.schemas import JobCreate
 from app.services.jobs import submit_job
 from app.services.streaming import StreamEvent, stream_key
 from workers import lease as leases
-from tests.conftest import wait_for
 from workers.active_job import ActiveJob
 from workers.gpu_worker import GpuWorker
 from workers.outbox import StepRecords
