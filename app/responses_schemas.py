@@ -34,7 +34,8 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "f
                  *VllmUnsupported.unsupported)  # vLLM's fields coserve refuses, refused here as on chat
 # a chat field named in an error -> the Responses field the client wrote
 RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
-                   "structured_outputs": "text.format", "logprobs": "include", "reasoning_effort": "reasoning.effort"}
+                   "structured_outputs": "text.format", "logprobs": "include", "reasoning_effort": "reasoning.effort",
+                   "verbosity": "text.verbosity"}
 NAMED_CHOICE = '{"type": "function", "name": ...}'  # the Responses API's form of a named tool_choice
 # what the stored job keeps of the request, to write it back in the Response and to continue the conversation
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -145,6 +146,8 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if (fmt := (self.text or {}).get("format")) is not None:
             body["response_format"] = chat_response_format(fmt)
+        if (verbosity := (self.text or {}).get("verbosity")) is not None:
+            body["verbosity"] = verbosity  # checked as chat's (text.verbosity in the error)
         if (effort := (self.reasoning or {}).get("effort")) is not None:
             body["reasoning_effort"] = effort  # checked as chat's (reasoning.effort in the error)
         if LOGPROBS_INCLUDE in (self.include or ()):

@@ -88,6 +88,7 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
     ({"input": "x", "text": {"format": {"type": "text"}}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"input": "x", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a+"}},
      "structured_outputs"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),  # the answer's length: refused, as on chat
 ])
 def test_errors_name_the_field_the_client_wrote(body, param):
     with pytest.raises(OpenAIError) as exc:
@@ -184,3 +185,8 @@ def test_the_reasoning_effort_and_thinking_budget_reach_the_job_as_on_chat():
     with pytest.raises(OpenAIError) as exc:
         ResponsesRequest.model_validate(raw).chat_request(raw, [])
     assert exc.value.param == "thinking_token_budget" and exc.value.status_code == 400
+
+
+def test_the_default_verbosity_is_taken():
+    req = chat({"input": "x", "text": {"verbosity": "medium"}})  # OpenAI's default: the answer as it comes
+    assert req.verbosity == "medium" and req.messages == [{"role": "user", "content": "x"}]
