@@ -268,7 +268,11 @@ class BaseScheduler(Scheduler):
             log.debug("KV exhausted: %d of %d decodes wait a step", len(self.running) - len(out.decodes),
                         len(self.running))
         self.step_drafts = sum(drafts.get(r.request_id, 0) for r in out.decodes) if drafts else 0
-        self._fill(out, now, kv)
+        aside = self.set_aside(self._not_restartable(out.recomputed)) if out.recomputed else []
+        try:
+            self._fill(out, now, kv)
+        finally:
+            self.put_back(aside)
         for p in out.prefills:
             if p.request.request_id not in self.started:
                 if p.request.scheduled_time is None:
@@ -352,6 +356,15 @@ class BaseScheduler(Scheduler):
         assert self.executor is not None
         self.executor.release_kv(req.request_id)
         self.note_kv_released(req)
+
+    def _not_restartable(self, released: list[Request]) -> list[str]:
+        """The requests this pass released that the executor cannot recompute in the same step (vLLM under async
+        scheduling: one whose step was in flight, until that step's output is in): planned, their chunk would be
+        skipped, its tokens lost to the step or run by a chunk planned after it."""
+        restartable = getattr(self.executor, "restartable", None)
+        if restartable is None:
+            return []
+        return [r.request_id for r in released if not restartable(r.request_id)]
 
     def note_kv_released(self, req: Request) -> None:
         """Bookkeeping after ``req``'s KV was freed (by this scheduler's choice or by the engine's own

@@ -148,6 +148,12 @@ class VLLMKVView:
                         queue.remove(block)
                         queue.append(block)
 
+    def restartable(self, request_id: str) -> bool:
+        """Whether vLLM would restart the request (preempted) in the step being planned: not while output of a step
+        in flight is still to come (async scheduling; vLLM delivers it first, ``num_stale_output_tokens``)."""
+        req = self.scheduler.requests.get(request_id)
+        return req is None or not req.num_stale_output_tokens or req.drop_stale_output
+
     def release_kv(self, request_id: str) -> None:
         """vLLM recompute preemption of a running request, chosen by the policy (least urgent first)."""
         req = self.scheduler.requests.get(request_id)

@@ -357,6 +357,11 @@ class Drive:
                 assert sched.get(rid, 0) <= max(q.num_tokens, whole) + drafts.get(rid, 0), (
                     rid, q.num_tokens, sched, drafts)
             self.check_order(plan, before, relegated, no_slot | waiting_for_grammar)
+            # vLLM restarts no request whose output is still in flight (async scheduling: the policy preempted it
+            # with its step in flight, in this pass): coserve plans no chunk of it, which vLLM would skip (the
+            # step's tokens lost, or given to a chunk planned after it)
+            stale = [q.request.request_id for q in plan.prefills if self.stale(q.request.request_id)]
+            assert not stale, (stale, plan.prefills)
             # QoServe 3.2: every decode the policy runs gets its token (vLLM's KV preemption aside)
             for r in plan.decodes:
                 assert r.request_id in sched or r.request_id in out.preempted_req_ids, (r.request_id, sched)
@@ -392,6 +397,12 @@ class Drive:
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
         self.check_grammar_state()
         self.check_books()
+
+    def stale(self, rid: str) -> bool:
+        """Whether vLLM skips ``rid`` in its waiting queue for output still in flight (preempted with its step in
+        flight: vLLM delivers that output before the request restarts)."""
+        r = self.s.requests.get(rid)
+        return r is not None and r.num_stale_output_tokens > 0 and not r.drop_stale_output
 
     def waiting_for_grammar(self) -> set:
         """The structured requests vLLM skips this step: their grammar has not compiled, or failed to (vLLM's
@@ -1116,3 +1127,16 @@ def test_a_request_whose_step_in_flight_ends_it_holds_no_lora_slot_of_the_next_s
     d = _drive(make_scheduler, "vllm-fcfs", Engine(blocks=16, max_batched=32, max_seqs=2, max_loras=1,
                                                    async_scheduling=True), evs)
     assert [step[1] for step in d.trace[:2]] == [(("q0", 1),), (("q1", 1),)]
+
+
+def test_a_decode_preempted_with_its_step_in_flight_is_not_planned_in_the_same_step(make_scheduler):
+    """Found by searching the KV-pressure events under async scheduling for the state (not a failing check): q4's
+    144-token prompt ran, its first token in flight; the next pass the policy preempted it (KV for the decodes) and
+    planned its whole recompute in the same pass, which its released blocks held again. vLLM restarts no request
+    whose output is in flight (``num_stale_output_tokens``): it skipped the chunk, and the step lost it (the tokens
+    would have gone to a chunk planned after it). The policy now leaves it for the next step (Drive.step: no chunk
+    of a request with output in flight is planned); it recomputes then, the token in flight delivered (145)."""
+    evs = [("add", Job(1, 1, LAX, 0.0)), ("step", 0.0)] * 3 + [("add", Job(40, 20, LAX, 0.0)), ("step", 0.02),
+           ("add", Job(144, 20, LAX, 0.0)), ("add", Job(160, 20, LAX, 0.0))]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=24, max_batched=512, max_seqs=3, async_scheduling=True), evs)
+    assert "q4" in d.preempted and d.finished == set(d.ids) and d.streamed["q4"] == 20
