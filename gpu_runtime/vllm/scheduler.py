@@ -310,8 +310,10 @@ class CoserveScheduler(AsyncScheduler):
         self._note_preempted(between)
         self._sync_mirrors()
         self.kv.released.clear()
-        # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
-        slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if self.lora_config else None
+        # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside; one
+        # whose step in flight ends it holds none of this step's (vLLM counts the adapters of what it schedules)
+        slots = {r.lora_request.lora_int_id for r in self.running
+                 if r.lora_request and not self._ends_in_flight(r)} if self.lora_config else None
         # a decode whose step in flight ends it runs no more (async scheduling): vLLM skips it, so the policy neither
         # plans it (its token would not be the step's: a chunk after it would grow into it) nor makes KV room for its
         # next token (it would preempt a decode that runs on, for one that never runs again)

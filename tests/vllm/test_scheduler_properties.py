@@ -1140,3 +1140,15 @@ def test_a_decode_preempted_with_its_step_in_flight_is_not_planned_in_the_same_s
            ("add", Job(144, 20, LAX, 0.0)), ("add", Job(160, 20, LAX, 0.0))]
     d = _drive(make_scheduler, "qoserve", Engine(blocks=24, max_batched=512, max_seqs=3, async_scheduling=True), evs)
     assert "q4" in d.preempted and d.finished == set(d.ids) and d.streamed["q4"] == 20
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+def test_a_prompt_takes_the_lora_slot_of_a_request_whose_step_in_flight_ends_it(make_scheduler, policy):
+    """As vLLM counts it (the test above): q0's last token is in flight, so it holds no LoRA slot of the next step,
+    and q1 with the other adapter starts then. The adapter counted q0's adapter among the slots held and set q1 aside
+    for a step more."""
+    batch = {"qos_class": "batch", "deadline_s": 1, "tier": "free"}
+    evs = [("add", Job(1, 1, batch, 0.0, lora=1)), ("add", Job(1, 1, batch, 0.0, lora=2))]
+    d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, max_loras=1,
+                                              async_scheduling=True), evs)
+    assert [step[1] for step in d.trace[:2]] == [(("q0", 1),), (("q1", 1),)]
