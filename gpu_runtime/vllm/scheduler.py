@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -310,15 +311,17 @@ class CoserveScheduler(AsyncScheduler):
         self._note_preempted(between)
         self._sync_mirrors()
         self.kv.released.clear()
-        # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside; one
-        # whose step in flight ends it holds none of this step's (vLLM counts the adapters of what it schedules)
+        # the decodes whose step in flight ends them (async scheduling only): vLLM schedules them no more, so the
+        # policy neither plans them (a chunk after one would grow into its token) nor makes KV room for their next
+        # token (it would preempt a decode that runs on), and they hold no LoRA slot of this step (vLLM counts the
+        # adapters of what it schedules); in running order, one walk a step
+        ending = dict.fromkeys(r.request_id for r in self.running if self._ends_in_flight(r)) \
+            if self.scheduler_config.async_scheduling else {}
+        # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
         slots = {r.lora_request.lora_int_id for r in self.running
-                 if r.lora_request and not self._ends_in_flight(r)} if self.lora_config else None
-        # a decode whose step in flight ends it runs no more (async scheduling): vLLM skips it, so the policy neither
-        # plans it (its token would not be the step's: a chunk after it would grow into it) nor makes KV room for its
-        # next token (it would preempt a decode that runs on, for one that never runs again)
-        unrunnable = self._compiling_grammar() + (self._without_lora_slot(slots) if slots is not None else []) + [
-            r.request_id for r in self.running if self._ends_in_flight(r) and r.request_id in self.mirrors]
+                 if r.lora_request and r.request_id not in ending} if self.lora_config else None
+        unrunnable = [*self._compiling_grammar(), *(self._without_lora_slot(slots) if slots is not None else []),
+                      *ending]
         aside = self.policy.set_aside(unrunnable) if unrunnable else []
         self.policy.decode_drafts = self._decode_drafts()
         try:
@@ -331,7 +334,7 @@ class CoserveScheduler(AsyncScheduler):
         if self.drafts is not None:  # each decode verifies the policy's share of vLLM's draft tokens
             self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
                              plan, now)
-        held, stashed = self._arrange(plan, slots)
+        held, stashed = self._arrange(plan, slots, ending)
         t_vllm = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)
@@ -437,7 +440,8 @@ class CoserveScheduler(AsyncScheduler):
                 if event != "preempted":
                     log.info("request %s %s", r.request_id, event)
 
-    def _arrange(self, plan: PolicyOutput, slots: set[int] | None = None) -> tuple[Any, list[VLLMRequest]]:
+    def _arrange(self, plan: PolicyOutput, slots: set[int] | None = None,
+                 ending: Container[str] = ()) -> tuple[Any, list[VLLMRequest]]:
         """Shows vLLM only this step's batch, the new prompts' prefix-cache hits kept for it (``keep_hits``);
         returns the full waiting queue and the running requests set aside."""
         decode_ids = {r.request_id for r in plan.decodes}
@@ -457,7 +461,7 @@ class CoserveScheduler(AsyncScheduler):
         for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
             if r.request_id in decode_ids or r.request_id not in self.mirrors:
                 decodes.append(r)
-            elif self._ends_in_flight(r):  # vLLM skips it; it stays running, with no token of the step
+            elif r.request_id in ending:  # vLLM skips it; it stays running, with no token of the step
                 ending.append(r)
             elif r.request_id not in chosen:
                 stashed.append(r)
