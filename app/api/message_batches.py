@@ -228,5 +228,5 @@ def message_batch_results(message_batch_id: str, session: SessionDep, principal:
         return storage.read_content(row)
 
     lines = mb.results(content(batch.input_file_id) or b"", content(batch.output_file_id),
-                       content(batch.error_file_id), batch.errors)
+                       content(batch.error_file_id), batch.errors, cancelled=batch.status == "cancelled")
     return Response("".join(json.dumps(r) + "\n" for r in lines), media_type="application/x-jsonl")

@@ -70,6 +70,9 @@ def _counts(b: Batch, stopped: dict[str, int]) -> dict[str, int]:
         return counts | {"processing": b.total}
     counts |= {"succeeded": b.completed, "canceled": stopped.get(JobStatus.CANCELLED.value, 0),
                "expired": stopped.get(JobStatus.EXPIRED.value, 0)}
+    # requests the batch ended without (no job, no error-file line): cancelled before its fan-out, or failed
+    unanswered = max(0, b.total - b.completed - b.failed)
+    counts["canceled"] += unanswered if b.status == "cancelled" else 0
     counts["errored"] = max(0, b.total - counts["succeeded"] - counts["canceled"] - counts["expired"])
     return counts
 
@@ -110,9 +113,10 @@ def result_of_error(line: dict[str, Any]) -> dict[str, Any]:
 
 
 def results(inputs: bytes, outputs: bytes | None, errors: bytes | None,
-            batch_errors: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
-    """Each request's result, in the order of the requests: from the output and error files, or, for a batch that
-    failed before any request ran (no files), each request errored with the batch's errors."""
+            batch_errors: list[dict[str, Any]] | None, cancelled: bool = False) -> Iterator[dict[str, Any]]:
+    """Each request's result, in the order of the requests: from the output and error files, or, for a request the
+    batch ended without (no line in them), canceled where a cancel ended it before its fan-out ran, else errored
+    with the batch's errors (it failed before any request ran)."""
     by_id: dict[str, dict[str, Any]] = {}
     for content, convert in ((outputs, result_of_output), (errors, result_of_error)):
         for text in (content or b"").decode().splitlines():
@@ -125,4 +129,5 @@ def results(inputs: bytes, outputs: bytes | None, errors: bytes | None,
     for text in inputs.decode().splitlines():
         if text.strip():
             cid = json.loads(text)["custom_id"]
-            yield by_id.get(cid) or {"custom_id": cid, "result": {"type": "errored", "error": error_body(status, why)}}
+            yield by_id.get(cid) or {"custom_id": cid, "result": {"type": "canceled"} if cancelled else {
+                "type": "errored", "error": error_body(status, why)}}

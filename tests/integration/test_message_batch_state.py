@@ -190,3 +190,30 @@ def test_a_request_whose_max_tokens_leaves_its_prompt_no_room_is_refused_at_crea
             in error["message"]), error
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.scalars(select(Batch)).all() == []
+
+
+def test_a_message_batch_cancelled_before_its_fan_out_ran_has_its_requests_canceled(client, keys, settings,
+                                                                                     monkeypatch):
+    """A cancel that comes while the batch is still validating (its fan-out, a background task, has not written its
+    jobs: seconds for a large batch) ends it with no request run: each is ``canceled``, in its counts and results,
+    as Anthropic answers a cancel, not ``errored`` as if the batch had failed; the fan-out that runs after the
+    cancel runs nothing and changes none of it."""
+    from app.api import message_batches as api
+    from app.batch.fanout import start_batch
+
+    held = []
+    monkeypatch.setattr(api, "start_batch", lambda *args: held.append(args))  # the fan-out, held until after
+    headers = {"x-api-key": keys.paid}
+    made = client.post("/v1/messages/batches", headers=headers, json={"requests": [
+        {"custom_id": f"r{i}", "params": {"model": "tiny", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": "Hi"}]}} for i in range(2)]})
+    assert made.status_code == 200 and made.json()["processing_status"] == "in_progress", made.text
+    batch_id = made.json()["id"]
+    cancelled = client.post(f"/v1/messages/batches/{batch_id}/cancel", headers=headers).json()
+    start_batch(*held.pop())  # the fan-out, after the cancel
+    seen = client.get(f"/v1/messages/batches/{batch_id}", headers=headers).json()
+    canceled = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 2, "expired": 0}
+    for batch in (cancelled, seen):
+        assert batch["processing_status"] == "ended" and batch["request_counts"] == canceled, batch
+    results = client.get(f"/v1/messages/batches/{batch_id}/results", headers=headers).text.splitlines()
+    assert [json.loads(line)["result"] for line in results] == [{"type": "canceled"}] * 2
