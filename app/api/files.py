@@ -85,7 +85,7 @@ async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings
 
 @router.get("", responses=openai_responses(400))
 def list_files(session: SessionDep, principal: CurrentPrincipal, purpose: str | None = None,
-               limit: Annotated[int, Query(ge=1, le=10_000)] = 100, after: str | None = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000, after: str | None = None,
                order: Annotated[Literal["asc", "desc"], Query(description="by creation: desc newest first")] = "desc",
                ) -> dict:
     newest_first = order == "desc"

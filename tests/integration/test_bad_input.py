@@ -479,6 +479,15 @@ def test_listing_files_while_deleting_them_reaches_every_file_in_either_order(cl
         assert seen == (ids if order == "asc" else ids[::-1]), order
 
 
+def test_listing_files_without_a_limit_gives_as_many_as_openai_does(client, keys):
+    """OpenAI's ``GET /v1/files`` gives up to 10,000 files when no ``limit`` is sent: code that reads ``.data`` of
+    ``client.files.list()`` (no paging) must see a tenant's 101st file."""
+    ids = [client.post("/v1/files", headers=H(keys.paid), data={"purpose": "batch"},
+                       files={"file": (f"{i}.jsonl", b"{}\n")}).json()["id"] for i in range(101)]
+    page = client.get("/v1/files", headers=H(keys.paid), params={"order": "asc"}).json()
+    assert [d["id"] for d in page["data"]] == ids and not page["has_more"]
+
+
 def test_a_prompt_of_token_ids_that_decode_to_a_nul_is_kept_with_the_replacement_character(client, keys, settings):
     from app.services.model_info import get_tokenizer
 
