@@ -256,7 +256,9 @@ class Supervisor:
 
 def _kill_leftovers(group: int, wait_s: float = 10.0) -> None:
     """SIGKILLs what is left of the process group ``group`` (its leader is gone and reaped: the group id is not reused
-    while a member lives) and waits up to ``wait_s`` for them to go."""
+    while a member lives) and waits up to ``wait_s`` for them to go. A zombie counts as gone: it holds no memory nor
+    device, and where PID 1 does not reap (a container whose init is an application) it stays in the group, taking
+    the signals, until the container ends."""
     import signal
 
     deadline = time.monotonic() + wait_s
@@ -265,5 +267,24 @@ def _kill_leftovers(group: int, wait_s: float = 10.0) -> None:
             os.killpg(group, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             return
+        if not _live_members(group):
+            return
         time.sleep(0.05)
     log.warning("processes of group %d outlived SIGKILL for %.0fs", group, wait_s)
+
+
+def _live_members(group: int) -> bool:
+    """Whether a process of the group ``group`` is not yet a zombie, as /proc tells (True where there is no /proc to
+    tell: the caller waits on the signal alone)."""
+    proc = Path("/proc")
+    if not proc.joinpath("self", "stat").exists():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, the fields after it do not
+            state, _ppid, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):  # it ended while we looked
+            continue
+        if int(pgrp) == group and state not in ("Z", "X"):
+            return True
+    return False

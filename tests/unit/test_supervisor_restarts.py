@@ -3,10 +3,16 @@ of times, and leaves the other children's exits to its caller (Redis or the API 
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import signal
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
-from app.embedded import ChildExit, RestartLimit, Supervisor
+from app.embedded import ChildExit, RestartLimit, Supervisor, _kill_leftovers
 from tests.conftest import wait_for
 
 # a worker that gives its engine up: says who it is and why, and exits with status 1, as a real process
@@ -56,8 +62,6 @@ def test_only_a_child_spawned_with_a_limit_is_started_again(tmp_path: Path):
 def test_a_killed_worker_comes_back_in_its_place_and_is_stopped_with_the_rest(tmp_path: Path):
     """A worker SIGKILLed (the kernel's OOM killer) is started again, and ``stop`` stops the new one, in start order's
     reverse (the API's place before it is kept)."""
-    import signal
-
     sup = Supervisor()
     sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
     sup.spawn("api", sleeps, {}, tmp_path / "api.log")
@@ -80,3 +84,63 @@ def test_the_restart_limit_counts_restarts_within_its_window():
     assert limit.take(60.0) and limit.taken == 2  # the one at 0 s left the window; the refused one never counted
     assert not limit.take(65.0)
     assert not RestartLimit(restarts=0).take(0.0)  # 0: never restart
+
+
+# a worker whose engine core outlives it: it forks a child (that exits at once, or lives on) and exits without waiting
+# for it; the child stays in the worker's process group, a zombie once it exits, until whoever inherits it reaps it
+LEAVES_A_CHILD = "import os, time\npid = os.fork()\nif pid == 0:\n    {child}\n    os._exit(0)\nprint(pid, flush=True)"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (Z: a zombie)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+@contextmanager
+def _pid_1_that_does_not_reap():
+    """This process stands for a container's PID 1 that does not reap: the orphans of its children come to it (a
+    child subreaper), and it leaves them zombies. Yields the pids of the orphans to reap at the end."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    orphans: list[int] = []
+    try:
+        yield orphans
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for pid in orphans:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def _dead_leader_of(child: str, orphans: list[int]) -> int:
+    """Runs a group leader that forks ``child`` (Python code) and exits; returns the group, the child's pid noted."""
+    leader = subprocess.Popen([sys.executable, "-c", LEAVES_A_CHILD.format(child=child)], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    orphans.append(int(leader.stdout.readline()))
+    assert leader.wait(60) == 0
+    return leader.pid
+
+
+def test_a_zombie_left_in_a_dead_workers_group_does_not_hold_up_its_restart(caplog):
+    """Where PID 1 does not reap (a container whose init is an application), the child a worker left behind stays a
+    zombie in the worker's process group, and a zombie takes signals: SIGKILL to the group went on 'succeeding', so
+    the restart waited the full 10 s for nothing and warned that processes outlived SIGKILL. A zombie is gone."""
+    with _pid_1_that_does_not_reap() as orphans:
+        group = _dead_leader_of("pass", orphans)
+        wait_for(lambda: _state(orphans[0]) == "Z", 60, "the worker's child to be a zombie")
+        with caplog.at_level(logging.WARNING, logger="app.embedded"):
+            _kill_leftovers(group)
+        assert [r.getMessage() for r in caplog.records] == []
+        assert _state(orphans[0]) == "Z"  # it was there all along, a zombie
+
+
+def test_a_live_process_left_in_a_dead_workers_group_is_killed_before_the_restart(caplog):
+    """The engine core a worker left running holds the device the new worker needs: it is killed, not taken for
+    gone."""
+    with _pid_1_that_does_not_reap() as orphans:
+        group = _dead_leader_of("time.sleep(120)", orphans)
+        assert _state(orphans[0]) != "Z"
+        with caplog.at_level(logging.WARNING, logger="app.embedded"):
+            _kill_leftovers(group)
+        assert _state(orphans[0]) == "Z" and [r.getMessage() for r in caplog.records] == []
