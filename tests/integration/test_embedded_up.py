@@ -83,7 +83,7 @@ def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
         # the worker killed (as by the OOM killer): `coserve up` starts a new one, the API serving on (it stopped all)
         (worker_id, started, pid), = _workers(data)
         os.kill(pid, signal.SIGKILL)
-        wait_for(says("worker exited (killed by signal 9); started a new one", len(lines)), 60,
+        wait_for(says("worker exited (killed by signal 9); starting a new one", len(lines)), 60,
                  "coserve up to start the worker again", interval=0)  # raises where `coserve up` exited
         assert httpx.get(f"{creds['url']}/healthz").status_code == 200
         wait_for(lambda: _workers(data)[0][1] != started, 120, "the new worker to register")

@@ -12,12 +12,15 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.embedded import ChildExit, RestartLimit, Supervisor, _kill_leftovers
+from app.embedded import ChildExit, RestartDelay, RestartLimit, Supervisor, _kill_leftovers
 from tests.conftest import wait_for
 
 # a worker that gives its engine up: says who it is and why, and exits with status 1, as a real process
 GIVES_UP = ("import os, sys; print('worker', os.environ['COSERVE_WORKER_ID'], 'pid', os.getpid()); "
             "sys.exit('worker w1 stops: the engine still holds an aborted request')")
+
+
+AT_ONCE = RestartDelay(first_s=0)  # no wait before a restart: the tests of what a restart is
 
 
 def _exited(sup: Supervisor, name: str) -> list[ChildExit]:
@@ -30,16 +33,16 @@ def test_a_worker_that_exits_is_started_again_alike_until_its_limit(tmp_path: Pa
     sup = Supervisor()
     log = tmp_path / "logs" / "worker.log"
     first = sup.spawn("worker", [sys.executable, "-c", GIVES_UP], {"COSERVE_WORKER_ID": "w1", "PYTHONUNBUFFERED": "1"},
-                      log, restart=RestartLimit(restarts=2, window_s=600))
+                      log, restart=RestartLimit(restarts=2, window_s=600, delay=AT_ONCE))
     pids = [first.pid]
     for _ in range(2):
         assert _exited(sup, "worker") == [ChildExit("worker", 1, "worker w1 stops: the engine still holds an aborted "
-                                                                 "request", restarted=True)]
+                                                                 "request", restart_in_s=0.0)]
         (_name, proc), = sup.procs
         assert proc.pid not in pids and proc.poll() in (None, 1)
         pids.append(proc.pid)
     assert _exited(sup, "worker") == [ChildExit("worker", 1, "worker w1 stops: the engine still holds an aborted "
-                                                             "request", restarted=False)]
+                                                             "request", restart_in_s=None)]
     # every run had the first one's arguments and environment (its worker id), and wrote on the same log
     runs = [line for line in log.read_text().splitlines() if line.startswith("worker w1 pid")]
     assert runs == [f"worker w1 pid {pid}" for pid in pids]
@@ -53,7 +56,7 @@ def test_only_a_child_spawned_with_a_limit_is_started_again(tmp_path: Path):
     serving = sup.spawn("worker", [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "worker.log",
                         restart=RestartLimit())
     try:
-        assert _exited(sup, "api") == [ChildExit("api", 1, "address already in use", restarted=False)]
+        assert _exited(sup, "api") == [ChildExit("api", 1, "address already in use", restart_in_s=None)]
         assert serving.poll() is None and [name for name, _p in sup.procs] == ["api", "worker"]
     finally:
         sup.stop()
@@ -65,9 +68,9 @@ def test_a_killed_worker_comes_back_in_its_place_and_is_stopped_with_the_rest(tm
     sup = Supervisor()
     sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
     sup.spawn("api", sleeps, {}, tmp_path / "api.log")
-    killed = sup.spawn("worker", sleeps, {}, tmp_path / "worker.log", restart=RestartLimit(restarts=1))
+    killed = sup.spawn("worker", sleeps, {}, tmp_path / "worker.log", restart=RestartLimit(restarts=1, delay=AT_ONCE))
     killed.send_signal(signal.SIGKILL)
-    assert _exited(sup, "worker") == [ChildExit("worker", -signal.SIGKILL, None, restarted=True)]
+    assert _exited(sup, "worker") == [ChildExit("worker", -signal.SIGKILL, None, restart_in_s=0.0)]
     names = [name for name, _p in sup.procs]
     new = dict(sup.procs)["worker"]
     assert names == ["api", "worker"] and new.pid != killed.pid and new.poll() is None
@@ -84,6 +87,57 @@ def test_the_restart_limit_counts_restarts_within_its_window():
     assert limit.take(60.0) and limit.taken == 2  # the one at 0 s left the window; the refused one never counted
     assert not limit.take(65.0)
     assert not RestartLimit(restarts=0).take(0.0)  # 0: never restart
+
+
+EXITS_AT_ONCE = [sys.executable, "-c", "pass"]  # a worker that cannot start (a bad model path, a device held)
+
+
+def test_by_default_a_worker_that_exits_is_not_started_again_at_once(tmp_path: Path):
+    """A worker that crashed at once (a bad model path, a GPU a leftover process holds) was started again in the same
+    pass, and spent its five restarts in seconds: it now waits ``RestartDelay.first_s`` (1 s) first."""
+    sup = Supervisor()
+    first = sup.spawn("worker", EXITS_AT_ONCE, {}, tmp_path / "worker.log", restart=RestartLimit())
+    ended, = _exited(sup, "worker")
+    assert dict(sup.procs)["worker"] is first  # not yet started again
+    assert ended.restart_in_s == RestartDelay.first_s == 1.0 and ended.restarted
+
+
+def test_each_restart_waits_twice_the_last_up_to_a_cap_and_a_long_run_starts_over(tmp_path: Path):
+    """As systemd's RestartSec / RestartSteps / RestartMaxDelaySec and Kubernetes' CrashLoopBackOff: 1, 2, then the
+    cap (3 here), and a run of ``steady_s`` or more (no crash loop) waits the first delay again. The supervisor's
+    clock is given: a restart starts on the first ``tend`` at or past its time, not before."""
+    clock = [100.0]
+    sup = Supervisor(clock=lambda: clock[0])
+    limit = RestartLimit(restarts=10, delay=RestartDelay(first_s=1, max_s=3, steady_s=60))
+    sup.spawn("worker", EXITS_AT_ONCE, {}, tmp_path / "worker.log", restart=limit)
+    waits = []
+    for ran_s in (0, 0, 0, 0, 60):
+        clock[0] += ran_s  # how long the run lasted, by the supervisor's clock
+        ended, = _exited(sup, "worker")
+        waits.append(ended.restart_in_s)
+        dead = dict(sup.procs)["worker"]
+        clock[0] += ended.restart_in_s - 0.01
+        assert sup.tend() == [] and dict(sup.procs)["worker"] is dead  # not due yet, nor its exit told again
+        clock[0] += 0.01
+        assert sup.tend() == [] and dict(sup.procs)["worker"] is not dead  # due: a new one
+    assert waits == [1, 2, 3, 3, 1]
+    sup.stop()
+
+
+def test_while_a_restart_waits_the_other_children_are_watched_and_stop_stops_all(tmp_path: Path):
+    """The wait is no sleep in the supervisor's loop: the API's exit is seen during it (`coserve up` stops
+    everything), and ``stop`` does not start the waiting worker."""
+    clock = [0.0]
+    sup = Supervisor(clock=lambda: clock[0])
+    api = sup.spawn("api", [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "api.log")
+    sup.spawn("worker", EXITS_AT_ONCE, {}, tmp_path / "worker.log", restart=RestartLimit())
+    assert _exited(sup, "worker")[0].restart_in_s == 1.0
+    api.kill()
+    assert _exited(sup, "api") == [ChildExit("api", -signal.SIGKILL, None, restart_in_s=None)]
+    sup.stop()
+    clock[0] += 3600
+    sup.tend()
+    assert [(name, p.poll() is not None) for name, p in sup.procs] == [("api", True), ("worker", True)]
 
 
 # a worker whose engine core outlives it: it forks a child (that exits at once, or lives on) and exits without waiting
