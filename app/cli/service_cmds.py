@@ -420,10 +420,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             callback=finite)] = RestartDelay.max_s,
     ) -> None:
         """Run everything on this machine: Redis (embedded unless REDIS_URL), API, one GPU/CPU worker. A worker that
-        exits once serving (an engine given up on, an out-of-memory kill) is started again with the same worker id,
-        after a growing delay (--worker-restart-delay), within --worker-restarts; Redis or the API exiting stops
-        everything. Options after these go to the worker's vLLM engine, as `vllm serve` takes them (e.g.
-        --max-num-seqs 64)."""
+        exits once serving (an engine given up on, an out-of-memory kill) is started again with the same worker id
+        (COSERVE_WORKER_ID, else host-<pid of coserve up>), after a growing delay (--worker-restart-delay), within
+        --worker-restarts; Redis or the API exiting stops everything. Options after these go to the worker's vLLM
+        engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
         from app.credentials import CredentialsError, credentials_path, ensure_credentials
         from app.db.migrate import upgrade
         from app.embedded import DataDirInUse, Supervisor, hold_data_dir, record_redis_url, start_redis

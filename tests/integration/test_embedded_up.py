@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import stat
 import subprocess
@@ -82,6 +83,7 @@ def test_up_submit_status_jobs_then_ctrl_c(tmp_path, tiny_model_dir):
 
         # the worker killed (as by the OOM killer): `coserve up` starts a new one, the API serving on (it stopped all)
         (worker_id, started, pid), = _workers(data)
+        assert worker_id == f"{socket.gethostname()}-{up.pid}"  # README: `host-<pid of coserve up>`
         os.kill(pid, signal.SIGKILL)
         wait_for(says("worker exited (killed by signal 9); starting a new one", len(lines)), 60,
                  "coserve up to start the worker again", interval=0)  # raises where `coserve up` exited

@@ -68,3 +68,12 @@ def test_the_defaults_the_docs_state_are_the_settings_defaults():
         assert wrong == [], f"{doc} states defaults the settings do not have: {wrong}"
         checked += len(stated)
     assert checked >= 10  # the pattern still finds the statements (19 when it was written)
+
+
+def test_the_readme_names_the_worker_id_coserve_up_gives_its_worker():
+    """README said a worker's id is `host-pid`, and so it is for `coserve worker`; the worker `coserve up` starts is
+    `host-<pid of coserve up>` (unless COSERVE_WORKER_ID), so that each one it starts again takes up its
+    predecessor's queue (tests/integration/test_embedded_up.py checks the id itself)."""
+    text = " ".join(ROOT.joinpath("README.md").read_text().split())  # a statement may wrap
+    stated = text[text.index("`COSERVE_WORKER_ID` (") :].split("),", 1)[0]
+    assert "`host-pid` by default" in stated and "`coserve up` starts is `host-<pid of coserve up>`" in stated
