@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -309,6 +311,11 @@ class Settings(BaseSettings):
             raise ValueError("COSERVE_LORA_RESOLVER_DIR loads adapters at runtime: set COSERVE_RUNTIME_LORA=1 too "
                              "(on the API and the workers)")
         return self
+
+    @property
+    def worker_name(self) -> str:
+        """This process's worker id: ``worker_id`` where set, else host-pid."""
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -85,7 +84,7 @@ LOOK_S = 0.25  # how often a worker waiting for batch room looks for an interact
 class GpuWorker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.worker_id = settings.worker_name
         self.url = settings.sqlalchemy_url
         self.queue = queue_name(settings.model_name)
         # a LoRA adapter's jobs come on its own queue (routed by the job's model); this worker serves them all

@@ -472,7 +472,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                        COSERVE_DEVICE=settings.device, PYTHONUNBUFFERED="1")
             api_env, worker_env = _split_env(env, vllm_args, engine_flags)
             # one id for every process of the worker: a restarted one takes up its predecessor's own queue and marks
-            worker_env["COSERVE_WORKER_ID"] = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+            worker_env["COSERVE_WORKER_ID"] = settings.worker_name
             restarts = RestartLimit(worker_restarts, worker_restart_window,
                                     RestartDelay(worker_restart_delay, worker_restart_max_delay))
             sup.spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "app.main:app_factory", "--host",
