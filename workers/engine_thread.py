@@ -199,6 +199,7 @@ class EngineThread:
             elif isinstance(cmd, Supersede):
                 if job is not None and job.lease.attempt == cmd.attempt:
                     self._set_aside(job)
+                records.append(self._hand_back_rerun(cmd))
             elif isinstance(cmd, Resume):
                 if job is not None and job.in_engine:
                     self.engine.resume(job.request_id)
@@ -231,6 +232,18 @@ class EngineThread:
         self._send_abort(job)
         job.finished = True
         self.active.abandon(job)
+
+    def _hand_back_rerun(self, cmd: Supersede) -> Record:
+        """The message of the rerun that superseded an attempt here, which the intake gave over (``Supersede``), back
+        to the head of its queue once that attempt is set aside: a take reads the stream after the attempt's last
+        events (``GpuWorker._resumed``). A send the broker refuses is retried as a failed write is; one given up on is
+        the sweeper's to send again (a dispatched job whose message is lost)."""
+        url = self.settings.redis_url
+
+        def write(_s: Session) -> None:
+            if not send_back(url, cmd.job_id, cmd.queue, cmd.priority):
+                raise RuntimeError(f"the broker did not take the message of job {cmd.job_id} back")
+        return Record(f"the message of {cmd.job_id} back to {cmd.queue}", write, for_job=cmd.job_id)
 
     # ---------------------------------------------------------------- outputs -> records
     def _records(self, outputs: list[Any]) -> StepRecords:

@@ -302,8 +302,10 @@ class GpuWorker:
         not yet in the engine, goes back to the head of its queue then (``_give_back_interrupted``), not lost until
         the sweeper misses it.
 
-        A rerun of a job whose earlier attempt this worker still serves, or holds set aside (an abort its engine has
-        not confirmed), is added beside that attempt: the engine knows each attempt by its own request id.
+        A rerun of a job whose earlier attempt this worker holds set aside (an abort its engine has not confirmed) is
+        added beside that attempt: the engine knows each attempt by its own request id. One whose earlier attempt it
+        still serves is given over to the engine thread (``Supersede``), which sets that attempt aside and hands the
+        message back after its last stream events; the intake takes the next message meanwhile.
         """
         self.handing_back = None
         try:
@@ -321,8 +323,11 @@ class GpuWorker:
         """``accept``'s intake: the job leased into the engine, or its message (it came on ``queue``) handed back.
         What to wait for then, with no message in hand: "room" (the engine was full), "drain" (this worker drains),
         or None."""
-        if not self._without_earlier_attempt(job_id):
-            self._hand_back(job_id, self._queue_back(job_id, queue), priority)  # for when it is set aside
+        if (earlier := self._earlier_attempt(job_id)) is not None:  # set aside by the engine thread, which then hands
+            # the message back (``Supersede``): not waited for here, the messages behind it taken meanwhile
+            log.warning("job %s came back to this worker while its attempt %d still runs here; setting that one aside",
+                        job_id, earlier)
+            self.inbox.put(Supersede(job_id, earlier, self._queue_back(job_id, queue), priority))
             return None
         if self.shutting_down or self.draining or not self._has_room(priority):
             # for another worker, or this one later
@@ -492,28 +497,18 @@ class GpuWorker:
         return has_room(self.active.in_line, priority == BATCH_PRIORITY, self.settings.max_inflight,
                         self.settings.kept_for_interactive)
 
-    def _without_earlier_attempt(self, job_id: str, wait_s: float = 1.0) -> bool:
-        """False while an earlier attempt of ``job_id`` is still served by this worker although SQL has the job pending
-        again (its lease lapsed while it ran here, and the sweeper's resend came back here). The engine thread sets
-        that attempt aside (``Supersede``: aborted, not waited for: the new attempt goes beside it under its own
-        request id); this waits, at most ``wait_s``, only until it has, so that the earlier attempt's last stream
-        events are in the outbox before the new one reads what was streamed (``_resumed``)."""
+    def _earlier_attempt(self, job_id: str) -> int | None:
+        """The attempt of ``job_id`` this worker still serves although SQL has the job pending again (its lease lapsed
+        while it ran here, and the sweeper's resend came back here); None where it serves none, or where the job is
+        not pending (a second message for the attempt running here: the lease says so at once)."""
         earlier = self.active.get(job_id)
         if earlier is None:
-            return True
+            return None
         with session_scope(self.url) as s:
             row = s.get(Job, job_id, populate_existing=True)
             if row is None or JobStatus(row.status) not in PENDING:
-                return True  # a second message for the attempt running here: the lease says so at once
-        log.warning("job %s came back to this worker while its attempt %d still runs here; setting that one aside",
-                    job_id, earlier.lease.attempt)
-        self.inbox.put(Supersede(job_id, earlier.lease.attempt))
-        deadline = time.monotonic() + wait_s
-        while self.active.get(job_id) is earlier:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
+                return None
+        return earlier.lease.attempt
 
     def _await_room(self, priority: int) -> None:
         """Waits, with no message in hand, until the engine has room for a job of message ``priority`` (the consumer

@@ -489,6 +489,30 @@ def test_a_job_that_comes_back_to_the_worker_still_running_it_runs_once_in_its_e
     assert not engine.has_work
 
 
+def test_a_job_that_comes_back_while_its_attempt_still_runs_here_leaves_the_intake_free(settings, keys):
+    """The resend of a job whose lease lapsed while it ran here comes back to this worker. The intake (the Celery
+    consumer, which takes one message at a time) puts the set-aside of attempt 1 in the inbox and returns at once: it
+    waits neither for the engine thread nor hands the message back while attempt 1 is still served (a take of it
+    then waited again). The engine thread, setting attempt 1 aside, hands the message back through its outbox, after
+    attempt 1's last stream events; the next take runs attempt 2. (The intake waited up to a second for the engine
+    thread, every message behind it with it, and then handed the message back all the same.)"""
+    worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens
+        worker.outbox.apply(engine_thread.iterate())
+    first = worker.active.get(job_id)
+    _lapse_and_requeue(settings, job_id)
+    r = redis.Redis.from_url(settings.redis_url)
+    waiting = r.llen("coserve.tiny")
+    worker.accept(job_id)  # the resend comes back here; no engine thread runs meanwhile
+    assert worker.active.get(job_id) is first and r.llen("coserve.tiny") == waiting  # in no one's hand yet
+    worker.outbox.apply(engine_thread.iterate())  # the engine thread sets attempt 1 aside, then hands it back
+    assert worker.active.get(job_id) is None and r.llen("coserve.tiny") == waiting + 1
+    assert job_id.encode() in r.lindex("coserve.tiny", -1)  # at the head: the next message a consumer takes
+    worker.accept(job_id)  # the message again
+    second = worker.active.get(job_id)
+    assert second is not None and second.lease.attempt == 2
+
+
 def test_a_rerun_runs_and_finishes_beside_the_aborted_request_its_engine_still_holds(settings, keys):
     """The engine is told to abort attempt 1 (its lease lapsed) and never lets the request go: its scheduler drops it,
     the engine holds it unfinished. The rerun that comes back here is added beside it under its own request id and
@@ -512,7 +536,7 @@ def test_a_rerun_runs_and_finishes_beside_the_aborted_request_its_engine_still_h
     worker.abort(job_id)  # the heartbeat found the lease lost
     worker.outbox.apply(engine_thread.iterate())
     assert kept == [first.request.request_id] and worker.active.get(job_id) is first  # unconfirmed
-    worker.accept(job_id)  # the resend comes back here; no engine thread runs to set attempt 1 aside: handed back
+    worker.accept(job_id)  # the resend comes back here; given over to the engine thread, which sets attempt 1 aside
     worker.outbox.apply(engine_thread.iterate())  # the engine thread sets attempt 1 aside
     worker.outbox.flush_events()
     worker.accept(job_id)  # the message again
@@ -672,21 +696,21 @@ def test_a_rerun_that_supersedes_its_attempt_here_goes_on_from_the_deltas_still_
     assert any(j == job_id for j, _ in last.deltas) and first.tokens > streamed
     worker.outbox.put(last)
     _lapse_and_requeue(settings, job_id)
+    worker.accept(job_id)  # the resend comes back here while attempt 1 still runs: given over to the engine thread
+    worker.outbox.put(engine_thread.iterate())  # takes the Supersede: attempt 1 set aside, its message to go back
+    assert worker.active.get(job_id) is None
     real_sleep, turns = time.sleep, []
 
-    def other_threads(seconds: float) -> None:  # while the intake waits: the engine thread's turn, then the outbox's
-        if worker.active.get(job_id) is first:
-            worker.outbox.put(engine_thread.iterate())  # takes the Supersede
-            turns.append("engine")
-        elif "outbox" not in turns:
+    def outbox_thread(seconds: float) -> None:  # while the intake waits for attempt 1's deltas: the I/O thread's turn
+        if not turns:
             worker.outbox.start()  # its I/O thread takes the step and publishes it
             turns.append("outbox")
         real_sleep(seconds)
 
-    monkeypatch.setattr("workers.gpu_worker.time.sleep", other_threads)
-    worker.accept(job_id)  # the resend comes back here while attempt 1 still runs
+    monkeypatch.setattr("workers.gpu_worker.time.sleep", outbox_thread)
+    worker.accept(job_id)  # the message again, taken before the I/O thread got to attempt 1's last step
     second = worker.active.get(job_id)
-    assert second is not first and second.lease.attempt == 2 and turns[0] == "engine"
+    assert second is not first and second.lease.attempt == 2 and turns == ["outbox"]
     worker.outbox.close()
     assert second.resumed is not None and len(second.resumed.token_ids) == first.tokens
 
