@@ -245,10 +245,13 @@ class GpuWorker:
             row = s.get(WorkerState, self.worker_id)
             if row is not None:
                 s.delete(row)
+            # views read before the worker said it stops may still route here, unless they are stale by now: then
+            # this pass is the last (``_reroute_late_routed``)
+            late_routed = self._views_route_here()
             if self.settings.routing == "prefix":  # what was routed to this worker and not taken yet
                 reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
         self._said_unroutable()
-        if self.settings.routing == "prefix":
+        if self.settings.routing == "prefix" and late_routed:
             self._reroute_late_routed()
         log.info("worker %s stopped (%d jobs given back)", self.worker_id, len(rest))
 
@@ -258,15 +261,24 @@ class GpuWorker:
         if self.unroutable_at is None:
             self.unroutable_at = time.monotonic()
 
+    def _views_stale_at(self) -> float:
+        """When the APIs' views of the workers read before SQL showed that this worker takes no jobs are stale (counted
+        from now where it has not shown that yet: ``stop``'s deletion of its row shows it)."""
+        return (self.unroutable_at or time.monotonic()) + routing.REFRESH_S
+
+    def _views_route_here(self) -> bool:
+        """Whether an API may still route a job to this worker by a view it read before it said it stops."""
+        return time.monotonic() < self._views_stale_at()
+
     def _reroute_late_routed(self) -> None:
         """``stop``'s last pass of the jobs routed to this worker alone to its model's queue. An API routes by a view of
         the workers up to ``routing.REFRESH_S`` old, so one read before this worker said it stops sends jobs here until
         then: a worker that stops at once (no job running, a cold shutdown) would leave them on a queue nobody reads
         until another worker's next sweep (``sweep_seconds``), or, with no other, until one starts. It waits for those
-        views to go stale (no wait after a grace that long) and passes on what came meanwhile; a send later still (an
-        API slower between its view and its send) is the sweepers' (``_reroute_orphaned``)."""
-        stale_at = (self.unroutable_at or time.monotonic()) + routing.REFRESH_S
-        time.sleep(max(0.0, stale_at - time.monotonic()))
+        views to go stale and passes on what came meanwhile; a send later still (an
+        API slower between its view and its send) is the sweepers' (``_reroute_orphaned``). ``stop`` skips it where
+        the views were stale before its first pass (a grace that long)."""
+        time.sleep(max(0.0, self._views_stale_at() - time.monotonic()))
         try:
             with session_scope(self.url) as s:
                 reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])

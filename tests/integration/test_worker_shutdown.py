@@ -376,6 +376,32 @@ def test_a_job_routed_to_a_worker_after_it_stopped_goes_to_the_shared_queue_befo
     assert _next_taken(settings, "coserve.tiny", batch=False) == [routed]
 
 
+def test_a_worker_whose_stopping_beat_went_stale_passes_its_own_queue_on_once(settings, keys, monkeypatch):
+    """A warm shutdown whose grace outlasted the APIs' views of the workers (its beat said ``stopping`` longer than
+    ``routing.REFRESH_S`` ago): no API routes here any more, so the stop passes what waits on its own queue to the
+    model's queue once, in the transaction that deletes its row, with no second pass after it (that pass, for the jobs
+    views read before the beat still send, found nothing more to do)."""
+    from app.services import routing
+    from tests.integration.test_worker_room import _routed_here
+
+    settings.routing = "prefix"
+    worker = GpuWorker(settings)
+    worker.shutting_down = True  # Celery's warm shutdown began: the beat says so
+    worker.heartbeat()
+    worker.unroutable_at -= routing.REFRESH_S + 1.0  # the grace went on past the views read before that beat
+    routed = _routed_here(settings, keys, worker)  # sent by a view of then, before the grace ended
+    real_reroute, passes = gpu_worker.reroute, []
+
+    def reroute(session, redis_url, queues):  # the real pass, counted
+        passes.append(queues)
+        return real_reroute(session, redis_url, queues)
+
+    monkeypatch.setattr(gpu_worker, "reroute", reroute)
+    worker.stop(grace_s=0)
+    assert passes == [[f"coserve.worker.{worker.worker_id}"]]
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [routed]
+
+
 def test_a_job_routed_to_a_predecessor_that_served_its_adapter_goes_to_the_adapters_queue(settings, keys):
     """An API routed a configured adapter's job to w1's own queue by a view of the w1 that served the adapter; w1 was
     restarted under its id without it. The job goes to the adapter's queue for a worker that serves it, instead of
