@@ -229,6 +229,7 @@ class GpuWorker:
             if t.name == "coserve-engine":
                 t.join(5)
         self.outbox.close()  # what finished is written before the rest is given back
+        self._hand_back_superseding()
         rest = sorted(self.active.take_all(), key=lambda j: j.request.arrival_time)
         with session_scope(self.url, immediate=True) as s:
             released = [job.lease.job_id for job in rest
@@ -254,6 +255,17 @@ class GpuWorker:
         if self.settings.routing == "prefix" and late_routed:
             self._reroute_late_routed()
         log.info("worker %s stopped (%d jobs given back)", self.worker_id, len(rest))
+
+    def _hand_back_superseding(self) -> None:
+        """The messages of reruns the intake gave over to the engine thread (``Supersede``) that it did not get to
+        before it ended, back to the head of their queues: their jobs are pending, and the earlier attempts' leases
+        release nothing (else the sweeper's resend of a lost message would find them, ``max(30, 5 x lease)`` s later).
+        Only once the engine thread has ended: while it runs the inbox is its own."""
+        if any(t.name == "coserve-engine" and t.is_alive() for t in self.threads):
+            return
+        for cmd in self.inbox.drain():
+            if isinstance(cmd, Supersede):
+                send_back(self.settings.redis_url, cmd.job_id, cmd.queue, cmd.priority)
 
     def _said_unroutable(self) -> None:
         """Notes when SQL first showed the APIs that this worker takes no jobs (just committed: a beat that says

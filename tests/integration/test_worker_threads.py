@@ -513,6 +513,21 @@ def test_a_job_that_comes_back_while_its_attempt_still_runs_here_leaves_the_inta
     assert second is not None and second.lease.attempt == 2
 
 
+def test_a_rerun_given_over_to_an_engine_thread_that_ended_first_goes_back_to_its_queue_at_stop(settings, keys):
+    """The intake gives the message of a rerun over to the engine thread (``Supersede``); the worker stops before the
+    engine thread applied it. The message goes back to the head of its queue at stop, not lost until the sweeper's
+    resend of a lost message (the earlier attempt's lease releases nothing: the job is pending again)."""
+    worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    for _ in range(5):
+        worker.outbox.apply(engine_thread.iterate())
+    _lapse_and_requeue(settings, job_id)
+    r = redis.Redis.from_url(settings.redis_url)
+    waiting = r.llen("coserve.tiny")
+    worker.accept(job_id)  # given over to the engine thread, which never runs again
+    worker.stop(grace_s=0)
+    assert r.llen("coserve.tiny") == waiting + 1 and job_id.encode() in r.lindex("coserve.tiny", -1)
+
+
 def test_a_rerun_runs_and_finishes_beside_the_aborted_request_its_engine_still_holds(settings, keys):
     """The engine is told to abort attempt 1 (its lease lapsed) and never lets the request go: its scheduler drops it,
     the engine holds it unfinished. The rerun that comes back here is added beside it under its own request id and
