@@ -269,6 +269,13 @@ UNSUPPORTED_HINTS = {
     "request_id": " (the answer's id is its job's here; send your id as the X-Request-Id header: the answer's "
                   "x-request-id echoes it, the jobs keep it, GET /v1/jobs?request_id= finds them and the API's log "
                   "lines name it)",
+    "kv_transfer_params": " (this server has no KV connector: it prefills and decodes each request itself; send "
+                          "the request whole, without a prefill leg)",
+    "ec_transfer_params": " (this server has no encoder-cache connector: it takes text only)",
+    "mm_processor_kwargs": " (this server takes text only, and vLLM refuses it unless started with "
+                           "--trust-request-mm-kwargs)",
+    "media_io_kwargs": " (this server takes text only, and vLLM refuses it unless started with "
+                       "--trust-request-mm-kwargs)",
     "verbosity": " (ask for the length you want in the messages, or cap it with max_completion_tokens)"}
 
 
@@ -311,6 +318,14 @@ class VllmUnsupported(BaseModel):
     # names vLLM's answer (chatcmpl-<request_id>); coserve's answer ids are its jobs' (stored completions, GET
     # /v1/jobs/{id}): the X-Request-Id header is the id a request keeps here
     request_id: Any = None
+    # disaggregated prefill (vLLM's KV connector) and encoder-cache transfer (its EC connector): coserve's workers
+    # have neither, and a prefill leg answered without them hands its decode leg nothing to continue from
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    # the multimodal processor's and media loader's options: vLLM refuses them unless started with
+    # --trust-request-mm-kwargs; coserve takes text only
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
@@ -318,7 +333,8 @@ class VllmUnsupported(BaseModel):
         "return_tokens_as_token_ids": (None, False),
         "logits_processors": (None, []), "vllm_xargs": (None, {}),
         "truncation_side": (None, "left"), "logprob_token_ids": (None, []), "repetition_detection": (None,),
-        "watermarking": (None, False), "request_id": (None,)}
+        "watermarking": (None, False), "request_id": (None,), "kv_transfer_params": (None, {}),
+        "ec_transfer_params": (None, {}), "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {})}
 
 
 class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):

@@ -136,6 +136,12 @@ def test_tool_turns_and_token_counts(claude, stack):
      "nope"),
     ({"max_tokens": 100000, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
      "input length and `max_tokens` exceed context limit"),
+    # vLLM's fields, taken as chat takes them: request_id names vLLM's answer, where coserve's id is its job's
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "request_id": "trace-7"}, 400,
+     "invalid_request_error", "X-Request-Id"),
+    # a disaggregated prefill leg (vLLM's Messages request takes it): coserve has no KV connector
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {
+        "do_remote_decode": True}}, 400, "invalid_request_error", "kv_transfer_params"),
 ])
 def test_bad_requests_are_answered_in_anthropic_shape(body, status, kind, says, stack):
     resp = httpx.post(f"{stack.url}/v1/messages", headers={"x-api-key": stack.keys.paid},

@@ -475,7 +475,12 @@ def test_a_thinking_budget_is_refused_where_it_cannot_be_kept(oai, stack, monkey
     # vLLM's request_id names the answer (chatcmpl-<request_id>), where coserve's id is its job's; OpenAI's verbosity
     ("chat", {"request_id": "trace-7"}), ("completions", {"request_id": "trace-7"}), ("chat", {"verbosity": "low"}),
     # vLLM cuts to truncation_side "left" after tokenizing, the BOS the tokenizer added gone; unset, the BOS stays
-    ("completions", {"truncation_side": "left", "truncate_prompt_tokens": 3})])
+    ("completions", {"truncation_side": "left", "truncate_prompt_tokens": 3}),
+    # vLLM's disaggregated prefill and encoder-cache transfer: coserve's workers have neither connector
+    ("chat", {"kv_transfer_params": {"do_remote_decode": True}}), ("completions", {"kv_transfer_params": {
+        "do_remote_prefill": True, "remote_engine_id": "e1"}}), ("chat", {"ec_transfer_params": {"do_remote": True}}),
+    # vLLM's multimodal options (refused unless it runs with --trust-request-mm-kwargs): coserve takes text only
+    ("chat", {"mm_processor_kwargs": {"num_crops": 4}}), ("completions", {"media_io_kwargs": {"image": {"x": 1}}})])
 def test_a_field_that_would_change_the_answer_is_refused_by_name_not_ignored(oai, endpoint, field):
     create = (partial(oai.chat.completions.create, messages=[{"role": "user", "content": "x"}]) if endpoint == "chat"
               else partial(oai.completions.create, prompt="x"))

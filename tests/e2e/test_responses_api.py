@@ -263,6 +263,11 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     ({"input": "x", "reasoning": {"effort": "low"}, "thinking_token_budget": 8}, "thinking_token_budget",
      "own torch engine"),
     ({}, "input", "input"),
+    # vLLM's request_id names its Response (its id, verbatim), where coserve's id is its job's, which GET finds
+    ({"input": "x", "request_id": "trace-7"}, "request_id", "X-Request-Id"),
+    # disaggregated prefill and multimodal options (vLLM's Responses request takes them): text only, no connector
+    ({"input": "x", "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params", "KV connector"),
+    ({"input": "x", "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs", "text only"),
 ])
 def test_bad_requests_name_the_responses_field(body, param, says, stack):
     resp = httpx.post(f"{stack.url}/v1/responses", headers={"Authorization": f"Bearer {stack.keys.paid}"},
