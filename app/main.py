@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
                    "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/v1/webhook_event_types",
                    "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations")
+# vLLM's routes for a pooling or speech-to-text model (vLLM registers them for such a model only): what they are for
+POOLING, SPEECH = "pooling model (embeddings, classification, scoring: vLLM's --runner pooling)", "speech-to-text model"
+UNSERVED_ROUTES = {**dict.fromkeys(("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score",
+                                    "/rerank", "/v1/rerank", "/v2/rerank"), POOLING),
+                   **dict.fromkeys(("/v1/audio/transcriptions", "/v1/audio/translations"), SPEECH)}
 ANTHROPIC_PREFIXES = ("/v1/messages",)  # Anthropic's SDKs read its error shape there
 # the paths Anthropic's SDK calls (anthropic 2.14's resources, beta included): where it sent a request, an error no
 # route answered is in its shape (errors.error_api), on those coserve shares with OpenAI's too
@@ -175,7 +180,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(openai_compat.sagemaker)
     api.include_router(webhooks.event_types_router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES, anthropic_prefixes=ANTHROPIC_PREFIXES,
-                   anthropic_sdk_prefixes=ANTHROPIC_SDK_PREFIXES)
+                   anthropic_sdk_prefixes=ANTHROPIC_SDK_PREFIXES, unserved_routes=UNSERVED_ROUTES)
     _document_errors(api)
     return api
 

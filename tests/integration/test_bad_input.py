@@ -332,6 +332,23 @@ def test_framework_errors_under_the_openai_prefix_answer_in_openais_shape(client
     assert len(r.headers["x-request-id"]) == 32
 
 
+@pytest.mark.parametrize("path, says", [
+    ("/v1/embeddings", "pooling model"), ("/v2/embed", "pooling model"), ("/pooling", "pooling model"),
+    ("/classify", "pooling model"), ("/score", "pooling model"), ("/v1/score", "pooling model"),
+    ("/rerank", "pooling model"), ("/v1/rerank", "pooling model"), ("/v2/rerank", "pooling model"),
+    ("/v1/audio/transcriptions", "speech-to-text model"), ("/v1/audio/translations", "speech-to-text model")])
+def test_a_route_vllm_serves_only_for_another_kind_of_model_says_so(client, keys, path, says):
+    # vLLM registers these for a pooling or speech model only; a generative model's server answers a bare 404
+    r = client.post(path, json={"model": "tiny", "input": "x"}, headers=H(keys.paid))
+    error = openai_error(r)
+    assert r.status_code == 404 and error["code"] == "unsupported_endpoint", r.text
+    assert error["message"].startswith(f"POST {path} is not served here") and says in error["message"], error
+    with pytest.raises(openai.NotFoundError) as exc:  # the SDK's own call, as a user makes it
+        openai.OpenAI(base_url="http://testserver/v1", api_key=keys.paid, http_client=client,
+                      max_retries=0).embeddings.create(model="tiny", input="x")
+    assert "pooling model" in exc.value.body["message"], exc.value.body
+
+
 def test_framework_errors_answer_anthropics_sdk_in_its_shape_on_paths_shared_with_openai(client, keys, settings):
     claude = {**H(keys.paid), "anthropic-version": "2023-06-01"}  # what Anthropic's SDKs send on every request
     big = b"x" * (settings.max_body_bytes + 1)
