@@ -6,7 +6,7 @@ text, with the tokenizer and chat template the worker uses. The answers have vLL
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
-from app.openai_schemas import ChatCompletionRequest, OpenAIError, OpenAIRoute, openai_parsed
+from app.openai_schemas import (ChatCompletionRequest, OpenAIError, OpenAIRoute, UnsupportedFields, VllmUnsupported,
+                                openai_parsed)
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import lora_adapters
 from app.services.jobs import JobValidationError, check_token_ids, encode_spec, resolve_model
@@ -28,10 +29,17 @@ router = APIRouter(tags=["openai"], route_class=OpenAIRoute, responses=openai_re
 MAX_DETOKENIZE = 1_000_000  # token ids in one request (a body of this size is already megabytes)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(UnsupportedFields):
     """A prompt, or chat messages (with the tools offered) through the model's chat template."""
 
     model_config = ConfigDict(extra="ignore")
+    # vLLM's, refused as chat refuses them (vLLM's own unless started trusting them): the count would be of another
+    # template's prompt, or of media this server does not take
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        k: VllmUnsupported.unsupported[k] for k in ("chat_template", "mm_processor_kwargs", "media_io_kwargs")}
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
 
     model: Text | None = None
     prompt: Text | None = None
@@ -67,6 +75,7 @@ def _check_model(settings: Settings, model: str | None) -> None:
 
 
 def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
+    req.check_unsupported()
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:

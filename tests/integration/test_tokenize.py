@@ -62,6 +62,10 @@ def test_template_options_shape_the_chat_prompt_as_a_job_runs_it(client, keys):
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    # vLLM's, refused as on chat (vLLM's too, unless started trusting them): they would change the count unapplied
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ("/tokenize", {"messages": CHAT, "mm_processor_kwargs": {"num_crops": 4}}, 400, "mm_processor_kwargs"),
+    ("/tokenize", {"prompt": "x", "media_io_kwargs": {"image": {"x": 1}}}, 400, "media_io_kwargs"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
