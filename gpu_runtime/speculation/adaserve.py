@@ -145,6 +145,27 @@ class AdaServe(SpeculationPolicy):
                                cfg.budget_tolerance)
         return num_requests * (1 + cfg.warmup_tokens_per_request)
 
+    def most_kept(self, decodes: int) -> int | None:
+        """The fallback beam's depth after an iteration with a requirement unmet (the rate fallback verifies any part
+        of it), else eq. 8's depth and the tokens B leaves beyond the roots, over every batch of up to ``decodes``
+        where B is known before the pass (fixed by hand, or the warm-up's per request); D_max where B depends on the
+        pass's prompt tokens (the latency curve's knee) or its contexts (the fitted step cost)."""
+        cfg = self.config
+        if self._behind and cfg.rate_fallback:
+            return max(cfg.d_max, cfg.fallback_depth)
+        fitted = self.step_cost.fitted and self.step_cost.gamma > 0
+        if cfg.budget is None and (self.latency_curve is not None or fitted):
+            return cfg.d_max
+        # ``budget_shares_prefill`` only lowers B, and a smaller B never verifies more
+        return max((self._most_verified(n, self.budget(n)) for n in range(1, max(1, decodes) + 1)), default=0)
+
+    def _most_verified(self, num_requests: int, budget: int) -> int:
+        """The most tree tokens one of ``num_requests`` requests verifies under B = ``budget``: its beam's depth, and
+        B less every request's root (none at all when B leaves nothing beyond the roots)."""
+        if budget <= num_requests:
+            return 0
+        return min(self.shape(num_requests, budget)[0], budget - num_requests)
+
     def shape(self, num_requests: int, budget: int) -> tuple[int, int]:
         cfg = self.config
         n = max(1, num_requests)

@@ -169,8 +169,9 @@ class AdaSpec(SpeculationPolicy):
         cfg = self.config
         self._free_draft = False
         self._step_plan = None
-        if self._steps <= cfg.warmup_steps or not (self.target_cost.fitted and self.draft_cost.fitted):
-            self._length = 1 + (self._steps - 1) % cfg.max_length  # spread N_b so the fit is identifiable
+        warmup = self._warmup_length(self._steps)
+        if warmup is not None:
+            self._length = warmup
         else:
             context, n = sum(r.num_computed_tokens for r in decodes), len(decodes)
             if self.draft_cost.predict(context, n) <= cfg.free_draft_ratio * self.target_cost.predict(context, n):
@@ -189,6 +190,19 @@ class AdaSpec(SpeculationPolicy):
         if self._length == 0:
             return []
         return [DraftEntry(r.request_id, self._length, 1) for r in decodes]
+
+    def most_kept(self, decodes: int) -> int | None:
+        """A warm-up step's length, else ``max_length`` (Alg. 1 and 2 choose on the drafted chains' confidences)."""
+        warmup = self._warmup_length(self._steps + 1)
+        return self.config.max_length if warmup is None else warmup
+
+    def _warmup_length(self, step: int) -> int | None:
+        """The chain length of planned step ``step`` (counted from 1) while the time models are still fitted, lengths
+        1..max_length in turn so that the fit is identifiable; None past the warm-up."""
+        cfg = self.config
+        if step <= cfg.warmup_steps or not (self.target_cost.fitted and self.draft_cost.fitted):
+            return 1 + (step - 1) % cfg.max_length
+        return None
 
     def keep_drafting(self, depth: int, path_probs: dict[str, float]) -> bool:
         """Alg. 1 (predict-execute-correct) after ``depth`` drafted steps: one more while the estimated

@@ -34,10 +34,12 @@ class SpeculationPolicy(ABC):
         ``chains_only``: the drafter proposes one chain per request (vLLM), no beam of several."""
         return {}
 
-    def most_kept(self, proposed: int) -> int:
-        """The most of a request's ``proposed`` draft tokens (one chain) this policy verifies in any pass: known
-        before the pass is planned, so the step's token budget can leave the drafts no more than that."""
-        return proposed
+    def most_kept(self, decodes: int) -> int | None:
+        """The most draft tokens (one chain) any request verifies in the pass about to be planned, which carries at
+        most ``decodes`` decodes: read from the policy's state before the pass is planned (the policy chooses after
+        it), so the step's token budget leaves each decode's drafts no more than that. Never below what the policy
+        then keeps; None: as many as the drafter proposed."""
+        return None
 
     def bind(self, executor: Executor) -> None:
         """Called once by the engine; policies may read the executor's profile/capacity."""
@@ -76,7 +78,7 @@ class NoSpeculation(SpeculationPolicy):
 
     name = "none"
 
-    def most_kept(self, proposed: int) -> int:
+    def most_kept(self, decodes: int) -> int | None:
         return 0
 
     def draft_plan(self, decodes, now):

@@ -290,10 +290,8 @@ class GammaBandit:
     def choose(self, batch_size: int, switch_cost_s: float = 0.0, mixed: bool = False) -> int:
         """Gamma for a pass of ``batch_size`` decodes; ``mixed``: the pass also carries prompt chunks."""
         st = self.state_for(batch_size, mixed)
-        cap = self.arm_cap(batch_size, mixed)
+        cap = self.longest_arm(batch_size, mixed)
         need = self.samples_needed(batch_size)
-        if self.config.unimodal:
-            cap = min(cap, self.leader_neighbour(st, cap, noisy=need > 1))
         untried = [g for g in range(cap + 1) if len(st.rewards[g]) < need]
         budget = self.config.regret_budget
         # untried (at small batch sizes, under-sampled) arms first, gamma 0 always, the others while affordable
@@ -305,6 +303,28 @@ class GammaBandit:
             arms = self.explorable(st, cap, batch_size)
             return arms[self.rng.randrange(len(arms))]
         return self.exploit(st, switch_cost_s, cap, batch_size)
+
+    def longest_arm(self, batch_size: int, mixed: bool = False) -> int:
+        """The largest gamma ``choose`` may play for such a pass (untried arms, exploration and exploitation all stay
+        within it): the cap smaller buckets set and, with ``unimodal``, one above the highest arm that may lead. Reads
+        the statistics only (no draw, no new bucket)."""
+        cap = self.arm_cap(batch_size, mixed)
+        if not self.config.unimodal:
+            return cap
+        st = self._states(mixed).get(self.bucket(batch_size))
+        if st is None:
+            return 0  # a bucket with no reward plays gamma 0 first
+        return min(cap, self.leader_neighbour(st, cap, noisy=self.samples_needed(batch_size) > 1))
+
+    def most_played(self, batch_sizes: int) -> int:
+        """The largest gamma ``choose`` may play for a pass of at most ``batch_sizes`` decodes, with or without prompt
+        chunks. Per bucket, its smallest batch size bounds the others (it needs the most rewards of an arm, so the
+        climb's noise rule is widest there)."""
+        most, size = 0, 1
+        while size <= batch_sizes and most < self.config.max_gamma:
+            most = max(most, self.longest_arm(size), self.longest_arm(size, mixed=True))
+            size = self.bucket(size) + 1
+        return most
 
     def samples_needed(self, batch_size: int) -> int:
         """Rewards an arm gets before exploitation and the unimodal climb weigh its mean: enough to cover
@@ -464,6 +484,12 @@ class Nightjar(SpeculationPolicy):
         for r in decodes:
             self._last_drafted[r.request_id] = r.num_output_tokens
         return [DraftEntry(r.request_id, self.gamma, 1) for r in decodes]
+
+    def most_kept(self, decodes: int) -> int | None:
+        """The longest arm the bandit may play at a batch size up to ``decodes`` (none with the draft offloaded)."""
+        if getattr(self, "executor", None) is not None and not self.executor.draft_on_device:
+            return 0
+        return self.bandit.most_played(decodes)
 
     def select(self, decodes, candidates, now):
         chains = {rid: t.subtree(list(range(min(len(t), self.gamma)))) for rid, t in candidates.items()

@@ -25,8 +25,8 @@ class StaticChain(SpeculationPolicy):
         self.length = length
         self.name = f"chain-{length}"
 
-    def most_kept(self, proposed: int) -> int:
-        return min(self.length, proposed)  # the chain's first ``length`` tokens, whatever the pass
+    def most_kept(self, decodes: int) -> int | None:
+        return self.length  # the chain's first ``length`` tokens, whatever the pass
 
     def draft_plan(self, decodes, now):
         return [DraftEntry(r.request_id, self.length, 1) for r in decodes]
@@ -55,8 +55,8 @@ class StaticTree(SpeculationPolicy):
     def __init__(self, num_nodes: int = 23, depth: int = 8, width: int = 3) -> None:
         self.num_nodes, self.depth, self.width = num_nodes, depth, width
 
-    def most_kept(self, proposed: int) -> int:
-        return min(self.depth, proposed)  # a chain (vLLM's drafts) no deeper than the tree: its first ``depth``
+    def most_kept(self, decodes: int) -> int | None:
+        return self.depth  # a chain (vLLM's drafts) no deeper than the tree: its first ``depth``
 
     def draft_plan(self, decodes, now):
         return [DraftEntry(r.request_id, self.depth, self.width) for r in decodes]

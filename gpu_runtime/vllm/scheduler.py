@@ -390,13 +390,15 @@ class CoserveScheduler(AsyncScheduler):
 
     def _decode_drafts(self) -> dict[str, int]:
         """Draft tokens each of the policy's decodes verifies in the step: what vLLM's drafter proposed for it, cut
-        to the most the speculation policy keeps of it where that is known before the step is planned (a static
-        chain's length). The policy leaves them their tokens of the step and their KV slots."""
+        to the most the speculation policy keeps of it as known before the step is planned (a static chain's length,
+        Nightjar's longest arm that can be played, ...). The policy leaves them their tokens of the step and their KV
+        slots."""
         if not self.num_spec_tokens:
             return {}
-        kept = self.drafts.policy.most_kept if self.drafts is not None else None
         running = self.policy.running  # type: ignore[union-attr]
-        return {r.request_id: kept(n) if kept is not None else n for r in self.running
+        # the plan's decodes are among the policy's running requests: at most that many
+        most = self.drafts.policy.most_kept(len(running)) if self.drafts is not None else None
+        return {r.request_id: n if most is None else min(n, most) for r in self.running
                 if (n := len(r.spec_token_ids)) and r.request_id in running}
 
     def _measure_step(self, now: float) -> None:

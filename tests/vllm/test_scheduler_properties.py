@@ -755,12 +755,17 @@ class TrimmedDrive(Drive):
     arranged: dict = field(default_factory=dict)  # request id -> its drafts as vLLM is shown the step (trimmed)
     budget: list = field(default_factory=list)  # vLLM's token budget of each step (max_num_scheduled_tokens)
     blocks: dict = field(default_factory=dict)  # request id -> blocks it held before the step
+    most: int | None = None  # the most drafts a decode keeps, as the policy told the plan of the step
 
     def __post_init__(self) -> None:
         super().__post_init__()
         s = self.s
         assert s.drafts is not None, s.spec_not_running  # the policy runs (synchronous scheduling)
-        keep_hits, restore = s.kv.keep_hits, s._restore
+        keep_hits, restore, most_kept = s.kv.keep_hits, s._restore, s.drafts.policy.most_kept
+
+        def told(decodes):  # noqa: ANN001, ANN202 - what the policy told the plan of the step
+            self.most = most_kept(decodes)
+            return self.most
 
         def arranged(prompts):  # noqa: ANN001, ANN202 - the step as _arrange shows it to vLLM, drafts trimmed
             self.arranged = {r.request_id: list(r.spec_token_ids) for r in s.running}
@@ -770,7 +775,7 @@ class TrimmedDrive(Drive):
             self.budget.append(s.max_num_scheduled_tokens)
             return restore(held, stashed)
 
-        s.kv.keep_hits, s._restore = arranged, restored
+        s.kv.keep_hits, s._restore, s.drafts.policy.most_kept = arranged, restored, told
 
     def draft_length(self, rid: str) -> int:
         """How many drafts the drafter proposes for ``rid`` this step: n-gram and draft-model ones all or (no match)
@@ -808,10 +813,13 @@ class TrimmedDrive(Drive):
             # the policy keeps a prefix of the drafts proposed, and vLLM is shown only those (num_tokens_with_spec)
             assert self.arranged[rid] == self.proposed.get(rid, [])[:kept.get(rid, 0)], (
                 rid, self.arranged[rid], self.proposed.get(rid), kept.get(rid))
-            # the chunk rule sized the step with the drafts the policy may keep (``most_kept``): never fewer than it
-            # kept, and for a static shape (a chain's, the static tree's depth) none it trims
-            counted = s.policy.decode_drafts.get(rid, 0)
-            assert counted >= len(self.arranged[rid]), (rid, counted, self.arranged[rid])
+            # the chunk rule sized the step with the drafts the policy may keep (``most_kept``): the proposal cut to
+            # that bound, never fewer than it kept, and for a static shape (a chain's, the static tree's depth) none
+            # it trims
+            counted, proposed = s.policy.decode_drafts.get(rid, 0), len(self.proposed.get(rid, []))
+            assert counted == (proposed if self.most is None else min(proposed, self.most)), (
+                rid, counted, proposed, self.most)
+            assert counted >= len(self.arranged[rid]), (rid, s.drafts.name, counted, self.arranged[rid])
             assert counted == len(self.arranged[rid]) or s.drafts.name not in STATIC_SHAPES, (
                 rid, s.drafts.name, counted, self.arranged[rid], self.proposed.get(rid))
             if rid not in sched:
@@ -853,7 +861,8 @@ class TrimmedDrive(Drive):
 
 
 def _drive_trimmed(make_scheduler, monkeypatch, spec: str, drafter: str, policy: str, engine: Engine,
-                   evs: list) -> TrimmedDrive:
+                   evs: list, **spec_config) -> TrimmedDrive:
+    """``spec_config``: fields of the speculation policy's config set by hand (vLLM's adapter takes the defaults)."""
     monkeypatch.setenv("COSERVE_SPEC_POLICY", spec)
     s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
                        prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens, drafter=drafter,
@@ -861,6 +870,8 @@ def _drive_trimmed(make_scheduler, monkeypatch, spec: str, drafter: str, policy:
     if engine.reasoning:
         with_reasoning_parser(s)
     d = TrimmedDrive(s, policy, drafter=drafter)
+    for name, value in spec_config.items():
+        setattr(s.drafts.policy.config, name, value)
     for ev in evs:
         d.apply(ev)
     d.drain()
@@ -1087,6 +1098,24 @@ def test_the_static_trees_decodes_count_no_draft_past_its_depth_against_the_step
     d = _drive_trimmed(make_scheduler, monkeypatch, "static-tree", "ngram", policy,
                        Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=12), evs)
     assert d.trace[1][1] == (("q0", 9), ("q1", 23))
+
+
+# a decode with vLLM's 12 drafts (its first step that has some) beside a 65-token prompt in a 32-token step
+ADAPTIVE_STEP = [("add", Job(1, 8, LAX, 0.0)), ("step", 0.0), ("add", Job(1, 1, LAX, 0.0, shared=64)), ("step", 0.0)]
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@pytest.mark.parametrize(("spec", "kept"), [("nightjar", 0), ("adaspec", 1), ("adaserve", 3)])
+def test_an_adaptive_policys_decodes_count_no_draft_past_what_it_can_keep_against_the_step(
+        make_scheduler, monkeypatch, policy, spec, kept):
+    """The adaptive policies choose their lengths after the plan, and the plan counted every draft vLLM proposed (12)
+    against the 32-token step: the prompt beside the decode got 19 tokens where more fit. Known before the plan:
+    Nightjar's bandit plays gamma 0 first in a bucket with no reward (its longest playable arm), AdaSpec's first
+    warm-up step drafts 1 token, and AdaServe with B fixed at 4 verifies at most B less the decode's root."""
+    d = _drive_trimmed(make_scheduler, monkeypatch, spec, "ngram", policy,
+                       Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=12), ADAPTIVE_STEP,
+                       **({"budget": 4} if spec == "adaserve" else {}))
+    assert d.trace[1][1] == (("q0", 1 + kept), ("q1", 31 - kept))
 
 
 def test_the_decodes_a_step_in_flight_ends_leave_the_live_decode_its_kv(make_scheduler):

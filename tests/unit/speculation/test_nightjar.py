@@ -294,3 +294,24 @@ def test_a_pass_without_drafts_that_carries_prompt_chunks_is_a_mixed_pass():
     pol.prefill_tokens_in_pass = 0
     pol.observe(reqs, {}, StepResult(accepted_nodes={}, latency_s=0.05), 0.0, 0.0)
     assert pol.bandit.state_for(4).plays == [1, 0]
+
+
+def test_the_longest_arm_told_before_a_pass_bounds_every_arm_played_and_changes_no_choice():
+    """The vLLM adapter sizes a step with ``most_played`` before the bandit chooses (for a pass of any batch size up
+    to the running decodes, with prompt chunks or not): never below the arm then played, and asking draws nothing, so
+    the choices are those of a bandit never asked."""
+    asked, alone, rng = GammaBandit(NightjarConfig(max_gamma=5)), GammaBandit(NightjarConfig(max_gamma=5)), \
+        random.Random(3)
+    means = [10.0, 13.0, 14.0, 12.0, 9.0, 8.0]
+    bounds = []
+    for _ in range(400):
+        batch, mixed = rng.choice([1, 2, 3, 6, 12]), rng.random() < 0.3
+        most = asked.most_played(12)
+        g = asked.choose(batch, mixed=mixed)
+        assert g <= most, (g, most, batch, mixed)
+        assert g == alone.choose(batch, mixed=mixed)
+        bounds.append(most)
+        reward = means[g] + rng.gauss(0, 1.0)
+        asked.update(batch, g, reward, mixed=mixed)
+        alone.update(batch, g, reward, mixed=mixed)
+    assert bounds[0] == 0 and min(bounds[100:]) < 5  # a fresh bandit plays gamma 0 first; the climb stops short

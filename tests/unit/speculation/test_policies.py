@@ -515,3 +515,30 @@ def test_adaspec_tpot_constraint_allows_a_longer_step_to_a_request_ahead_of_its_
     assert _tightest_tpot([ahead, on_time], 1.24) == pytest.approx(0.05)  # the tightest of the batch
     # a batch job keeps the rate its deadline needs: 59 tokens left (max_tokens 64) in 8.76 s
     assert _tightest_tpot([make_request("job", ttlt=10.0)], 1.24) == pytest.approx(8.76 / 59)
+
+
+def test_adaspecs_most_kept_is_each_warm_up_steps_length_and_max_length_past_it():
+    """What the vLLM adapter counts of a decode's drafts before the step is planned: during the warm-up exactly the
+    length AdaSpec then drafts (1..max_length in turn), past it max_length (Alg. 1 and 2 choose on the drafts)."""
+    policy = AdaSpec(AdaSpecConfig(max_length=3, warmup_steps=5),
+                     target_cost=LinearStepCost(gamma=1e-3, delta=1e-2), draft_cost=LinearStepCost(gamma=1e-4))
+    decodes = [make_request("a"), make_request("b")]
+    told, drafted = [], []
+    for _ in range(7):
+        told.append(policy.most_kept(len(decodes)))
+        drafted.append(max((e.depth for e in policy.draft_plan(decodes, now=1.0)), default=0))
+    assert told[:5] == drafted[:5] == [1, 2, 3, 1, 2]
+    assert told[5:] == [3, 3] and all(d <= 3 for d in drafted[5:])
+
+
+@pytest.mark.parametrize(("budget", "most"), [(4, 3), (2, 1), (1, 0), (None, 4)])
+def test_adaserves_most_kept_is_what_b_and_eq_8_leave_one_request(budget, most):
+    """B fixed by hand: B less the request's root (none at B = 1, the root alone); no latency curve yet: the warm-up's
+    B per request, eq. 8's depth of it (4). A lone request with a likely 8-token chain keeps exactly that many."""
+    policy = AdaServe(AdaServeConfig(d_max=8, budget=budget))
+    assert policy.most_kept(3) == most
+    decodes = [make_request("a")]
+    depth = max((e.depth for e in policy.draft_plan(decodes, now=1.0)), default=0)
+    chain = TokenTree.chain(list(range(100, 100 + depth)), [0.99] * depth) if depth else None
+    kept = policy.select(decodes, {"a": chain} if chain else {}, now=1.0)
+    assert len(kept.get("a", ())) == most
