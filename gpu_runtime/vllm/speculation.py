@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.executor.base import StepResult
@@ -49,8 +50,12 @@ class _DraftExecutor:
 class DraftLengths:
     """Trims vLLM's per-request draft tokens to what a coserve speculation policy keeps, and feeds it back."""
 
-    def __init__(self, name: str, cost_model: Any, longest_draft: int) -> None:
+    def __init__(self, name: str, cost_model: Any, longest_draft: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.name = name
+        # seconds, read when a step is planned and when its output is in: the step's time the policies learn from
+        # (a test gives one that steps on its own, so that a run chooses as every other run of it does)
+        self.clock = clock
         # the policy's lengths go up to what vLLM drafts (num_speculative_tokens), no further
         self.policy = create_policy(name, executor=_DraftExecutor(cost_model), longest_draft=longest_draft,
                                     chains_only=True)
@@ -64,7 +69,7 @@ class DraftLengths:
 
     def trim(self, decodes: list[tuple[Request, VLLMRequest]], plan: PolicyOutput, now: float) -> None:
         """Before vLLM schedules the step: keep the policy's share of each decode's draft tokens."""
-        self.kept, self._t0 = {}, time.perf_counter()
+        self.kept, self._t0 = {}, self.clock()
         drafted = [(m, v) for m, v in decodes if v.spec_token_ids]
         self.proposed = {m.request_id: len(v.spec_token_ids) for m, v in drafted}
         self._decodes = [m for m, _ in decodes]
@@ -95,7 +100,7 @@ class DraftLengths:
         A request kept drafts for but missing from ``accepted`` did not run them (vLLM preempted it): no miss."""
         if not self._decodes:
             return
-        latency = time.perf_counter() - self._t0
+        latency = self.clock() - self._t0
         result = StepResult(accepted_nodes={rid: list(range(n)) for rid, n in accepted.items() if n > 0},
                             latency_s=latency)
         verified = {rid: tree for rid, tree in self._selected.items() if rid in accepted}

@@ -20,6 +20,7 @@ Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searche
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -737,6 +738,7 @@ def test_structured_requests_wait_for_their_grammar_while_the_step_runs_the_othe
 
 # ---- coserve's speculation policy trimming vLLM's drafts (COSERVE_SPEC_POLICY) ----
 
+STEP_S = (0.004, 0.0005)  # the fake model's step: seconds a step, and a scheduled token, on the step timer
 SPEC_POLICIES = ["chain-1", "chain-2", "chain-3", "static-tree", "adaserve", "adaspec", "nightjar"]
 STATIC_SHAPES = {"chain-1", "chain-2", "chain-3", "static-tree"}  # the drafts they keep are known before the plan
 
@@ -755,12 +757,17 @@ class TrimmedDrive(Drive):
     arranged: dict = field(default_factory=dict)  # request id -> its drafts as vLLM is shown the step (trimmed)
     budget: list = field(default_factory=list)  # vLLM's token budget of each step (max_num_scheduled_tokens)
     blocks: dict = field(default_factory=dict)  # request id -> blocks it held before the step
+    # the step timer the policies learn step times from: it moves only as the fake model's steps take time
+    # (``STEP_S``), so a run makes the choices every run of it makes
+    device: list = field(default_factory=lambda: [0.0])
     most: int | None = None  # the most drafts a decode keeps, as the policy told the plan of the step
+    choices: list = field(default_factory=list)  # each step's drafts kept, by request
 
     def __post_init__(self) -> None:
         super().__post_init__()
         s = self.s
         assert s.drafts is not None, s.spec_not_running  # the policy runs (synchronous scheduling)
+        s.drafts.clock = lambda: self.device[0]
         keep_hits, restore, most_kept = s.kv.keep_hits, s._restore, s.drafts.policy.most_kept
 
         def told(decodes):  # noqa: ANN001, ANN202 - what the policy told the plan of the step
@@ -797,6 +804,8 @@ class TrimmedDrive(Drive):
 
     def answer(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
         self.check_trim(out)
+        self.choices.append(tuple(sorted(self.s.drafts.kept.items())))
+        self.device[0] += STEP_S[0] + STEP_S[1] * out.total_num_scheduled_tokens
         before = {rid: len(self.s.requests[rid].output_token_ids) for rid in out.num_scheduled_tokens}
         outputs = super().answer(out, drafts, samples)
         self.check_rejections(out, before)
@@ -893,7 +902,10 @@ def test_a_speculation_policys_trimmed_drafts_keep_the_step_the_kv_and_the_gramm
     # runs 1 + those per decode, vLLM's budget, its KV and a structured request's grammar count no trimmed draft,
     # every step's invariants (Drive.step) hold and every job finishes
     note(f"{policy} {spec} {drafter} {engine} {evs}")
-    _drive_trimmed(make_scheduler, monkeypatch, spec, drafter, policy, engine, evs)
+    first = _drive_trimmed(make_scheduler, monkeypatch, spec, drafter, policy, engine, evs)
+    if spec not in STATIC_SHAPES:  # an adaptive policy learns from the steps' times: the same ones, the same choices
+        again = _drive_trimmed(make_scheduler, monkeypatch, spec, drafter, policy, engine, evs)
+        assert (first.choices, first.trace) == (again.choices, again.trace)
 
 
 # ---- counterexamples the search found, pinned ----
@@ -1116,6 +1128,30 @@ def test_an_adaptive_policys_decodes_count_no_draft_past_what_it_can_keep_agains
                        Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=12), ADAPTIVE_STEP,
                        **({"budget": 4} if spec == "adaserve" else {}))
     assert d.trace[1][1] == (("q0", 1 + kept), ("q1", 31 - kept))
+
+
+@pytest.mark.parametrize("spec", ["adaspec", "nightjar"])
+def test_an_adaptive_policy_chooses_the_same_drafts_however_fast_the_machine_runs(make_scheduler, monkeypatch, spec):
+    """The adaptive policies learn from each step's time, which the vLLM adapter read from time.perf_counter: the
+    same events on a machine whose other processes took the core now and then made other choices (AdaSpec's and
+    Nightjar's differed here), so a failing example of the search did not replay. The step's
+    time now comes from the adapter's clock, which the drive moves with the fake model's steps alone (the search
+    runs each adaptive example twice and compares, AdaServe's too)."""
+    evs = [("add", Job(8, 40, LAX, 0.0)), ("add", Job(24, 40, LAX, 0.0)), ("add", Job(3, 40, LAX, 0.0)),
+           *[("step", 0.02)] * 30]
+    runs = []
+    for pace in (0.0, 1.0):  # how unevenly the machine runs the Python between two reads of the wall clock
+        wall, jitter = [0.0], random.Random(7)
+
+        def read(wall=wall, jitter=jitter, pace=pace) -> float:  # noqa: ANN001
+            wall[0] += 1e-5 + pace * jitter.expovariate(100.0)  # another process takes the core now and then
+            return wall[0]
+
+        monkeypatch.setattr("time.perf_counter", read)
+        d = _drive_trimmed(make_scheduler, monkeypatch, spec, "suffix", "qoserve",
+                           Engine(blocks=40, max_batched=64, max_seqs=4, spec_tokens=8), evs)
+        runs.append((d.choices, d.trace))
+    assert runs[0] == runs[1]
 
 
 def test_the_decodes_a_step_in_flight_ends_leave_the_live_decode_its_kv(make_scheduler):
