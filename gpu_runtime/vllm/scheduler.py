@@ -311,12 +311,13 @@ class CoserveScheduler(AsyncScheduler):
         self._note_preempted(between)
         self._sync_mirrors()
         self.kv.released.clear()
-        # the decodes whose step in flight ends them (async scheduling only): vLLM schedules them no more, so the
-        # policy neither plans them (a chunk after one would grow into its token) nor makes KV room for their next
-        # token (it would preempt a decode that runs on), and they hold no LoRA slot of this step (vLLM counts the
-        # adapters of what it schedules); in running order, one walk a step
-        ending = dict.fromkeys(r.request_id for r in self.running if self._ends_in_flight(r)) \
-            if self.scheduler_config.async_scheduling else {}
+        # the requests vLLM schedules nothing of in this step for the step in flight: under async scheduling a decode
+        # that step ends, under pipeline parallelism one whose token is still in flight (several batches are);
+        # the policy neither plans them (a chunk after one would grow into its token) nor makes KV room for their
+        # next token (it would preempt a decode that runs on), and they hold no LoRA slot of this step (vLLM counts
+        # the adapters of what it schedules); in running order, one walk a step
+        ending = dict.fromkeys(r.request_id for r in self.running if self._idle_in_flight(r)) \
+            if self.vllm_config.max_concurrent_batches > 1 else {}
         # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
         slots = {r.lora_request.lora_int_id for r in self.running
                  if r.lora_request and r.request_id not in ending} if self.lora_config else None
@@ -459,19 +460,19 @@ class CoserveScheduler(AsyncScheduler):
         if slots is not None:
             chunks = self._within_lora_slots(chunks, by_id, set(slots))
         chosen = {rid for rid, _ in chunks}
-        decodes, ending, stashed = [], [], []
+        decodes, idle, stashed = [], [], []
         for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
             if r.request_id in decode_ids or r.request_id not in self.mirrors:
                 decodes.append(r)
-            elif r.request_id in ending:  # vLLM skips it; it stays running, with no token of the step
-                ending.append(r)
+            elif r.request_id in ending:  # vLLM skips it; it stays running, in its place, with no token of the step
+                idle.append(r)
             elif r.request_id not in chosen:
                 stashed.append(r)
         decode_tokens = sum(max(0, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens)
                             for r in decodes)
         if self.whole_prompts or self.whole_seeded:
             chunks = self._as_whole(chunks, by_id, self._max_tokens - decode_tokens - self.num_spec_tokens)
-        kept = decodes + ending + [by_id[rid] for rid, _ in chunks if rid in by_id]
+        kept = decodes + idle + [by_id[rid] for rid, _ in chunks if rid in by_id]
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
         visible = create_request_queue(SchedulingPolicy.FCFS)
@@ -486,13 +487,15 @@ class CoserveScheduler(AsyncScheduler):
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
 
-    @staticmethod
-    def _ends_in_flight(request: VLLMRequest | None) -> bool:
-        """Whether vLLM schedules no further step of ``request`` (async scheduling): its step in flight brings it
-        to max_tokens even if every draft it verifies is rejected (vLLM's test in its ``schedule``)."""
-        return (request is not None and request.num_output_placeholders > 0
-                and request.num_computed_tokens + 2 - request.num_output_placeholders
-                >= request.num_prompt_tokens + request.max_tokens)
+    def _idle_in_flight(self, request: VLLMRequest) -> bool:
+        """Whether vLLM schedules nothing of running ``request`` in this step for a step in flight (its test in
+        ``schedule``): under async scheduling, that step brings it to max_tokens even if every draft it verifies is
+        rejected; without (pipeline stages), its tokens are all computed and the one it samples is not in yet."""
+        if self.scheduler_config.async_scheduling:
+            return (request.num_output_placeholders > 0
+                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens)
+        return request.num_tokens_with_spec <= request.num_computed_tokens
 
     def _pads_a_draft_step(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest],
                            decodes: bool) -> bool:

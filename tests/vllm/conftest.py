@@ -30,20 +30,22 @@ def make_scheduler(tiny_model_dir, monkeypatch):
               profile: str = "none", report_events: bool = True, calibrate: bool = False,
               prefix_caching: bool = False, max_loras: int | None = None,
               chunked_prefill: bool = True, spec_tokens: int = 0, drafter: str = "ngram",
-              async_scheduling: bool = False) -> CoserveScheduler:
+              async_scheduling: bool = False, stages: int = 1) -> CoserveScheduler:
         monkeypatch.setenv("COSERVE_SCHEDULER_POLICY", policy)
         monkeypatch.setenv("COSERVE_COST_PROFILE", profile)
         # no model runs here, so steps take microseconds: calibrating to them only where a test asks
         monkeypatch.setenv("COSERVE_COST_CALIBRATION", "on" if calibrate else "off")
         cache = CacheConfig(block_size=16, enable_prefix_caching=prefix_caching)
         cache.num_gpu_blocks = blocks
-        from vllm.config import LoRAConfig
+        from vllm.config import LoRAConfig, ParallelConfig
 
         lora = LoRAConfig(max_loras=max_loras, max_lora_rank=8) if max_loras else None  # LoRA slots of a batch
         # vLLM's engine refuses a KV pool that cannot hold one request of max_model_len tokens (its null block aside)
         context = min(512, (blocks - 1) * 16)
         model = ModelConfig(model=str(tiny_model_dir), max_model_len=context)
+        # ``stages``: pipeline parallelism (vLLM's engine core keeps that many batches in flight)
         config = VllmConfig(model_config=model, cache_config=cache, lora_config=lora,
+                            parallel_config=ParallelConfig(pipeline_parallel_size=stages),
                             speculative_config=_drafts(model, drafter, spec_tokens) if spec_tokens else None,
                             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
                                                              max_model_len=context, is_encoder_decoder=False,
@@ -165,10 +167,12 @@ class StubReasoner:
         return THINK_END in delta_ids
 
 
-def with_reasoning_parser(scheduler) -> None:  # noqa: ANN001 - vLLM's scheduler
+def with_reasoning_parser(scheduler, in_thinking: bool = False) -> None:  # noqa: ANN001 - vLLM's scheduler
     """The scheduler's structured output manager reads thinking as an engine with a reasoning parser does
-    (``COSERVE_REASONING_PARSER``: vLLM's ``structured_outputs_config.reasoning_parser``), with ``StubReasoner``."""
+    (``COSERVE_REASONING_PARSER``: vLLM's ``structured_outputs_config.reasoning_parser``), with ``StubReasoner``;
+    ``in_thinking``: vLLM's ``structured_outputs_config.enable_in_reasoning`` (the grammar masks the thinking too)."""
     scheduler.structured_output_manager.reasoner_cls = StubReasoner
+    scheduler.structured_output_manager.enable_in_reasoning = in_thinking
 
 
 def compiling_grammar(scheduler, request):  # noqa: ANN001, ANN201 - vLLM's scheduler, Request; a Future

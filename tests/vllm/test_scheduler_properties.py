@@ -41,6 +41,8 @@ PROPS = settings(max_examples=int(os.environ.get("PROPS_EXAMPLES", "10")), deran
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                         HealthCheck.function_scoped_fixture],
                  phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
+# coserve's policies (gpu_runtime/scheduler/registry.py) as the vLLM backend runs them
+POLICIES = ["qoserve", "sarathi-fcfs", "sarathi-edf", "sarathi-srpf"]
 T0 = 1_000.0  # the fake clock's start: arrivals and deadlines are seconds around it (deterministic runs)
 DRAIN_STEPS = 400
 
@@ -71,6 +73,9 @@ class Engine:
     max_loras: int | None = None  # vLLM's LoRA slots of a batch (None: LoRA off), fewer than the adapters drawn
     reasoning: bool = False  # a reasoning parser (COSERVE_REASONING_PARSER): structured requests think first
     async_scheduling: bool = False  # vLLM's async scheduling: a step is scheduled before the last one's answer
+    # vLLM's structured_outputs_config.enable_in_reasoning: the grammar masks the thinking too (a reasoning parser)
+    grammar_in_thinking: bool = False
+    stages: int = 1  # pipeline parallelism: vLLM's engine core keeps this many batches in flight (synchronous)
 
 
 adapters = st.sampled_from([None, None, 1, 2, 3])  # three LoRA adapters (vLLM's ids count from 1); engines have <3
@@ -86,8 +91,11 @@ jobs = st.builds(
                                "tier": st.sampled_from(["free", "paid"])})),
     st.sampled_from([0.0, 0.0, 0.5, 3.0]), st.just(0), adapters, seeds)
 # one block of a 16-block pool is vLLM's null block: 15 x 16 = 240 tokens hold the longest job alone (200 + 40)
+# an engine schedules synchronously, asynchronously or with 2-3 pipeline stages (vLLM runs no async scheduling with
+# them on its V1 model runner): one, two or three batches in flight
 engines = st.builds(Engine, st.sampled_from([16, 16, 24, 40]), st.sampled_from([32, 64, 128, 512]), st.integers(2, 8),
-                    max_loras=st.sampled_from([None, 1, 2]), async_scheduling=st.booleans())
+                    max_loras=st.sampled_from([None, 1, 2]), async_scheduling=st.booleans(),
+                    stages=st.sampled_from([1, 1, 2, 3])).filter(lambda e: e.stages == 1 or not e.async_scheduling)
 events = st.lists(st.one_of(
     st.tuples(st.just("add"), jobs),
     st.tuples(st.just("add"), jobs),
@@ -156,9 +164,9 @@ class Drive:
     # structured request id -> the output index of the token that ends its thinking (-1: its grammar applies from its
     # first output token: no reasoning parser, or thinking off)
     thinking: dict = field(default_factory=dict)
-    # async scheduling: the step in flight (its output, draft counts, the requests that sample), answered once the
-    # next one is scheduled
-    in_flight: tuple | None = None
+    # async scheduling or pipeline stages (vLLM's batch queue): the steps in flight, oldest first (each its output,
+    # draft counts, the requests that sample), the oldest answered once the queue is full
+    in_flight: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
@@ -181,7 +189,8 @@ class Drive:
             own = 10_000 * len(self.ids)  # a job's own tokens differ from every other job's
             prompt = list(range(10, 10 + arg.shared)) + list(range(own, own + arg.prompt))
             if arg.grammar is not None:
-                reasoning = self.s.structured_output_manager.reasoner_cls is not None
+                manager = self.s.structured_output_manager
+                reasoning = manager.reasoner_cls is not None and not manager.enable_in_reasoning
                 self.thinking[rid] = arg.think if reasoning and arg.think is not None else -1
                 if reasoning and arg.think is None:  # thinking off: the chat template closed it in the prompt
                     prompt[-1] = THINK_END
@@ -284,9 +293,10 @@ class Drive:
         waiting_for_grammar = self.waiting_for_grammar()
         pool = s.kv_cache_manager.block_pool
         # a decode whose step in flight gives its last token (async scheduling, every draft rejected or not) has
-        # no further step: vLLM schedules none
+        # no further step, and one whose token is in flight (pipeline stages) none in this one: vLLM schedules none
         ending = {r.request_id for r in s.running if r.num_output_placeholders
-                  and len(r.output_token_ids) + 1 >= r.max_tokens}
+                  and len(r.output_token_ids) + 1 >= r.max_tokens
+                  or not s.scheduler_config.async_scheduling and r.num_computed_tokens >= r.num_tokens}
         decoding = {rid for rid in (s.policy.running if s.policy is not None else ())} - ending
         free_before = pool.get_num_free_blocks()
         # a request's tokens count the placeholders of its step in flight (async scheduling)
@@ -298,8 +308,8 @@ class Drive:
         slots = {r.lora_request.lora_int_id for r in s.running if r.lora_request} if s.lora_config else set()
         no_slot = {r.request_id for r in s.waiting if r.lora_request and r.lora_request.lora_int_id not in slots
                    and len(slots) >= s.lora_config.max_loras}
-        pipelined = s.scheduler_config.async_scheduling
-        if not pipelined:  # else the worker drafts, and vLLM schedules placeholders for the drafts
+        pipelined = s.vllm_config.max_concurrent_batches > 1
+        if not s.scheduler_config.async_scheduling:  # else the worker drafts, and vLLM schedules placeholders for the drafts
             self.propose_drafts()
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
@@ -435,15 +445,15 @@ class Drive:
                 event("a prompt waited for its grammar")
         for rid in sched:
             self.began.setdefault(rid, len(self.trace))
-        if plan is not None and not sched and not (self.in_flight and self.in_flight[0].num_scheduled_tokens):
+        if plan is not None and not sched and not any(step[0].num_scheduled_tokens for step in self.in_flight):
             # liveness: a step runs something while a prompt whose grammar compiled waits for it (not relegated),
             # unless a step is in flight (async scheduling: its requests may hold every seat until it is answered)
             idle = [rid for rid in self.ready if rid not in self.began and s.policy.waiting.get(rid) is not None]
             assert not idle, (idle, plan)
 
     def pipeline(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
-        """Async scheduling as vLLM's engine core runs it (``step_with_batch_queue``): the step just scheduled goes
-        out, the one in flight is answered; a step with a structured request whose last token is not in yet
+        """Async scheduling or pipeline stages as vLLM's engine core runs them (``step_with_batch_queue``): the step
+        just scheduled goes out, and the oldest in flight is answered once ``max_concurrent_batches`` are; a step with a structured request whose last token is not in yet
         (``pending_structured_output_tokens``) gets its bitmask after that answer, its drafts (the worker's, as
         placeholders until then) checked against the grammar first (``update_draft_token_ids_in_output``)."""
         from vllm.v1.outputs import DraftTokenIds
@@ -451,8 +461,9 @@ class Drive:
         deferred = out.pending_structured_output_tokens
         if not deferred:
             self.check_bitmask(out)
-        outputs = self.answer(*self.in_flight) if self.in_flight is not None else {}
-        self.in_flight = (out, drafts, samples)
+        self.in_flight.append((out, drafts, samples))
+        full = len(self.in_flight) >= self.s.vllm_config.max_concurrent_batches
+        outputs = self.answer(*self.in_flight.pop(0)) if full or not self.s.has_requests() else {}
         if deferred:
             ids = [rid for rid in out.scheduled_spec_decode_tokens if rid in self.s.requests]
             proposed = [self.next_tokens(rid, len(out.scheduled_spec_decode_tokens[rid])) for rid in ids]
@@ -502,10 +513,11 @@ class Drive:
                 assert grammar.accepted == max(0, past), (rid, grammar.accepted, r.output_token_ids)
 
     def check_order(self, plan, before: dict, relegated: set, no_slot: set) -> None:  # noqa: ANN001 - a plan
-        """Of two new prompts of free interactive jobs, waiting (not relegated), the one with the strictly earlier
-        deadline, no more prompt left and no larger KV footprint goes first: it is never left waiting while the
-        other starts. QoServe Alg. 1 lines 10-23 with eq. 4 (a >= 0: the earlier deadline and no more work has the
-        lower priority value), Sarathi-EDF by deadline alone. The paths out of that order are outside the pair:
+        """Of two new prompts of free interactive jobs, waiting (not relegated), the one strictly first in the
+        policy's order with no more prompt left and no larger KV footprint goes first: it is never left waiting while
+        the other starts. QoServe Alg. 1 lines 10-23 with eq. 4 (a >= 0: the earlier deadline and no more work has
+        the lower priority value), Sarathi-EDF by deadline alone, Sarathi-FCFS by arrival, Sarathi-SRPF by the prompt
+        left. The paths out of that order are outside the pair:
         selective preemption and the continuing of started prompts run started ones, the paid guard paid ones, and
         eager relegation and overload yielding move a job to the relegated queue (excluded), and a prompt whose LoRA
         adapter finds no slot or whose grammar is compiling cannot start (``no_slot``: excluded); and what fits the
@@ -524,6 +536,8 @@ class Drive:
             done, total, _ = before[m.request_id]  # as it stood when the policy chose (a planned one advanced since)
             return total - done, footprint_blocks(m, p._reserved_output(m), 16, p._footprint_slots)
 
+        first = {"sarathi-fcfs": lambda m: m.arrival_time, "sarathi-srpf": lambda m: size(m)[0]}.get(
+            self.policy, first_deadline)
         started = [q.request for q in plan.prefills if new(q.request) and q.request.request_id not in relegated]
         planned = {q.request.request_id for q in plan.prefills}
         waiting = [m for m in p.waiting if new(m) and m.request_id not in planned | no_slot]
@@ -532,8 +546,8 @@ class Drive:
         for b in started:
             for a in waiting:
                 sa, sb = size(a), size(b)
-                assert not (first_deadline(a) < first_deadline(b) and sa[0] <= sb[0] and sa[1] <= sb[1]), (
-                    a.request_id, first_deadline(a), sa, "waits while", b.request_id, first_deadline(b), sb)
+                assert not (first(a) < first(b) and sa[0] <= sb[0] and sa[1] <= sb[1]), (
+                    a.request_id, first(a), sa, "waits while", b.request_id, first(b), sb)
 
     def answer(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
         """The model runner's answer: a token for each request that ``samples`` (past its prompt), after the first
@@ -607,9 +621,9 @@ class Drive:
 def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
     s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
                        prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens,
-                       max_loras=engine.max_loras, async_scheduling=engine.async_scheduling)
+                       max_loras=engine.max_loras, async_scheduling=engine.async_scheduling, stages=engine.stages)
     if engine.reasoning:
-        with_reasoning_parser(s)
+        with_reasoning_parser(s, engine.grammar_in_thinking)
     d = Drive(s, policy)
     for ev in evs:
         d.apply(ev)
@@ -617,7 +631,7 @@ def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
     return d
 
 
-@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPS
 @given(engine=engines, evs=events)
 def test_every_step_keeps_vllms_caps_the_policys_batch_and_the_books(make_scheduler, policy, engine, evs):
@@ -638,7 +652,7 @@ cached_events = st.lists(st.one_of(st.tuples(st.just("add"), shared_jobs), st.tu
                                    st.tuples(st.just("abort"), st.integers(0, 30))), min_size=1, max_size=30)
 
 
-@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
                         st.booleans(), st.sampled_from([0, 2, 4]), st.sampled_from([None, 1, 2]),
@@ -650,7 +664,7 @@ def test_prefix_cache_hits_and_drafts_keep_the_step_and_the_books(make_scheduler
     _drive(make_scheduler, policy, engine, evs)
 
 
-@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
                         st.just(False), st.sampled_from([0, 0, 4]), async_scheduling=st.booleans()), evs=kv_pressure())
@@ -662,7 +676,7 @@ def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_sched
     assert d.preempted <= d.finished
 
 
-@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([24, 40]), st.sampled_from([32, 64]), st.integers(2, 8),
                         st.just(False), st.sampled_from([0, 2]), st.sampled_from([1, 2]),
@@ -721,10 +735,11 @@ structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs
                                        st.tuples(st.just("abort"), st.integers(0, 30))), min_size=1, max_size=30)
 
 
-@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
-                        st.booleans(), st.sampled_from([0, 2, 4]), st.just(None), st.booleans(), st.booleans()),
+                        st.booleans(), st.sampled_from([0, 2, 4]), st.just(None), st.booleans(), st.booleans(),
+                        st.booleans()),
        evs=structured_events)
 def test_structured_requests_wait_for_their_grammar_while_the_step_runs_the_others(make_scheduler, policy, engine,
                                                                                    evs):
@@ -892,7 +907,7 @@ speculating_engines = st.builds(Engine, st.sampled_from([16, 24, 40]), st.sample
                                 st.booleans())
 
 
-@pytest.mark.parametrize("policy", ["qoserve", "sarathi-edf"])
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPS
 @given(spec=st.sampled_from(SPEC_POLICIES), drafter=st.sampled_from(["ngram", "suffix", "draft_model"]),
        engine=speculating_engines, evs=st.one_of(structured_events, kv_pressure()))
@@ -1217,3 +1232,17 @@ def test_a_prompt_takes_the_lora_slot_of_a_request_whose_step_in_flight_ends_it(
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, max_loras=1,
                                               async_scheduling=True), evs)
     assert [step[1] for step in d.trace[:2]] == [(("q0", 1),), (("q1", 1),)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_decode_whose_token_is_in_flight_in_another_pipeline_stage_is_not_planned(make_scheduler, policy):
+    """Found once the search drew pipeline parallelism (two batches in flight, synchronous scheduling, as
+    ``--pipeline-parallel-size 2`` runs): q0's prompt ran and its first token was still in flight when the next batch
+    was scheduled; vLLM schedules nothing of a request whose tokens are all computed. The policy planned q0 as a
+    decode (only async scheduling's steps in flight were looked at), which vLLM skipped: the step lost its token
+    (q1 got 31 of the 32, QoServe's plan 16) and the policy counted a decode that did not run (Drive.step: every
+    decode planned runs). q1 now gets the whole step."""
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    evs = [("add", Job(1, 2, urgent, 0.0)), ("step", 0.0), ("add", Job(48, 1, urgent, 0.0))]
+    d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, stages=2), evs)
+    assert d.trace[1][1] == (("q1", 32),) and d.finished == {"q0", "q1"}
