@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, Phase, event, given, note, settings
+from hypothesis import HealthCheck, Phase, event, given, note, settings, target
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
@@ -128,6 +128,24 @@ def kv_pressure(draw) -> list:  # noqa: ANN001
 
 
 @st.composite
+def mass_preemption(draw) -> list:  # noqa: ANN001
+    """As ``kv_pressure``, but 4-7 prompts of about one length come together and decode side by side, each block
+    filling in the same step: at a block's end each needs one more, and the blocks one preempted request frees do
+    not hold the rest, so the policy (or vLLM) preempts two or more in one pass; under async scheduling with their
+    outputs still in flight (``Mirror.recompute_late_outputs``, ``stale``)."""
+    evs = []
+    for prompt in draw(st.lists(st.integers(1, 16), min_size=3, max_size=3)):
+        evs += [("add", Job(prompt, 1, LAX, 0.0)), ("step", 0.0)]
+    tiers = st.sampled_from([LAX, {**LAX, "tier": "paid"}, {**LAX, "ttft_ms": 500, "tbt_ms": 100}])
+    length = draw(st.integers(8, 40))
+    for job in draw(st.lists(st.builds(Job, st.integers(length, length + 2), st.integers(30, 40), tiers,
+                                       st.just(0.0)), min_size=4, max_size=7)):
+        evs.append(("add", job))
+    evs += [("step", 0.02)] * draw(st.integers(0, 3))
+    return evs
+
+
+@st.composite
 def lora_pressure(draw) -> list:  # noqa: ANN001
     """Prompts of three adapters, most longer than a step, arriving while others run on an engine with one or two
     LoRA slots: vLLM starts a prompt only while the running requests leave its adapter a slot, and a started prompt
@@ -167,6 +185,7 @@ class Drive:
     # async scheduling or pipeline stages (vLLM's batch queue): the steps in flight, oldest first (each its output,
     # draft counts, the requests that sample), the oldest answered once the queue is full
     in_flight: list = field(default_factory=list)
+    most_preempted: int = 0  # the most requests one step preempted (vLLM and the policy together)
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
@@ -396,7 +415,11 @@ class Drive:
         else:
             self.check_bitmask(out)
             outputs = self.answer(out, drafts, samples)
-        self.preempted |= set(out.preempted_req_ids) | set(s.kv.released if s.policy is not None else ())
+        preempted = set(out.preempted_req_ids) | set(s.kv.released if s.policy is not None else ())
+        self.preempted |= preempted
+        self.most_preempted = max(self.most_preempted, len(preempted))
+        if len(preempted) > 1 and currently_in_test_context():
+            event("two or more preempted in one step" + (" with a step in flight" if pipelined else ""))
         for eco in outputs.values():
             for o in eco.outputs:
                 self.streamed[o.request_id] = self.streamed.get(o.request_id, 0) + len(o.new_token_ids)
@@ -678,6 +701,19 @@ def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_sched
 
 @pytest.mark.parametrize("policy", POLICIES)
 @PROPS
+@given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([128, 512]), st.integers(7, 8),
+                        async_scheduling=st.sampled_from([True, True, False])), evs=mass_preemption())
+def test_two_requests_preempted_in_one_pass_resume_and_finish_whole(make_scheduler, policy, engine, evs):
+    # QoServe 3.4 / vLLM's recompute preemption, several at once: each preempted request (its output in flight or
+    # not) is requeued once, recomputes what it had (the late outputs too), streams each token once and ends
+    note(f"{policy} {engine} {evs}")
+    d = _drive(make_scheduler, policy, engine, evs)
+    target(float(d.most_preempted), label="preempted in one step")  # the search heads for more at once
+    assert d.preempted <= d.finished
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@PROPS
 @given(engine=st.builds(Engine, st.sampled_from([24, 40]), st.sampled_from([32, 64]), st.integers(2, 8),
                         st.just(False), st.sampled_from([0, 2]), st.sampled_from([1, 2]),
                         async_scheduling=st.booleans()), evs=lora_pressure())
@@ -710,7 +746,7 @@ def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs)
     note(f"{engine} {evs}")
     ours = _drive(make_scheduler, "vllm-fcfs", engine, evs)
     s = make_scheduler("vllm-fcfs", max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
-                       max_loras=engine.max_loras, async_scheduling=engine.async_scheduling)
+                       max_loras=engine.max_loras, async_scheduling=engine.async_scheduling, stages=engine.stages)
     vllms_own = s.scheduler_config.get_scheduler_cls()
     plain = vllms_own(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
                       structured_output_manager=StructuredOutputManager(s.vllm_config), block_size=16)
@@ -1246,3 +1282,4 @@ def test_a_decode_whose_token_is_in_flight_in_another_pipeline_stage_is_not_plan
     evs = [("add", Job(1, 2, urgent, 0.0)), ("step", 0.0), ("add", Job(48, 1, urgent, 0.0))]
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, stages=2), evs)
     assert d.trace[1][1] == (("q1", 32),) and d.finished == {"q0", "q1"}
+
