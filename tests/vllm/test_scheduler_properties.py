@@ -328,7 +328,8 @@ class Drive:
         no_slot = {r.request_id for r in s.waiting if r.lora_request and r.lora_request.lora_int_id not in slots
                    and len(slots) >= s.lora_config.max_loras}
         pipelined = s.vllm_config.max_concurrent_batches > 1
-        if not s.scheduler_config.async_scheduling:  # else the worker drafts, and vLLM schedules placeholders for the drafts
+        # else the worker drafts, and vLLM schedules placeholders for the drafts
+        if not s.scheduler_config.async_scheduling:
             self.propose_drafts()
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
@@ -476,9 +477,10 @@ class Drive:
 
     def pipeline(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
         """Async scheduling or pipeline stages as vLLM's engine core runs them (``step_with_batch_queue``): the step
-        just scheduled goes out, and the oldest in flight is answered once ``max_concurrent_batches`` are; a step with a structured request whose last token is not in yet
-        (``pending_structured_output_tokens``) gets its bitmask after that answer, its drafts (the worker's, as
-        placeholders until then) checked against the grammar first (``update_draft_token_ids_in_output``)."""
+        just scheduled goes out, and the oldest in flight is answered once ``max_concurrent_batches`` are; a step
+        with a structured request whose last token is not in yet (``pending_structured_output_tokens``) gets its
+        bitmask after that answer, its drafts (the worker's, as placeholders until then) checked against the grammar
+        first (``update_draft_token_ids_in_output``)."""
         from vllm.v1.outputs import DraftTokenIds
 
         deferred = out.pending_structured_output_tokens
