@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +39,7 @@ from gpu_runtime.sampling import PENALTY_LIMIT
 log = logging.getLogger(__name__)
 
 MAX_CHOICES = 16  # n: choices per request, each generated as a job of its own
+MAX_PROMPTS = MAX_CHOICES * 4  # jobs of one request with several prompts (completions' prompts x n, batched chat's)
 WINDOW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 WINDOW_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -628,6 +629,62 @@ class ChatCompletionRequest(_Base):
         return out
 
 
+# what batched chat does not take (a field -> the values that leave it unused, and why / what to do instead). vLLM
+# refuses n above 1 and a tool_choice but "none"; it takes stream and tools and answers without them (whole, no tool
+# offered to the template): a 400 here, not an answer that passes for having applied them
+BATCH_CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "stream": ((None, False), "its answer comes whole, as vLLM's; leave stream unset, or stream each conversation on "
+                              "/v1/chat/completions"),
+    "tools": ((None, []), "vLLM's offers the model none; leave tools unset, or send each conversation to "
+                          "/v1/chat/completions"),
+    "tool_choice": ((None, "none"), "as vLLM's, it takes 'none' alone; leave tool_choice unset"),
+    "n": ((None, 1), "as vLLM's, each conversation gets one choice; set n to 1, or send each conversation to "
+                     "/v1/chat/completions with n"),
+    "store": ((None, False), "a stored completion is one conversation's; send each to /v1/chat/completions"),
+}
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's batched chat (``POST /v1/chat/completions/batch``): chat's fields, ``messages`` a list of
+    conversations, each run on its own as a chat request of the other fields and answered as one choice. As vLLM's,
+    it takes no stream, tools, beam search or ``n`` above 1 (``BATCH_CHAT_REFUSED``)."""
+
+    messages: list[Annotated[list[dict[str, Any]], Field(min_length=1)]] = Field(  # type: ignore[assignment]
+        min_length=1, max_length=MAX_PROMPTS)
+
+    def check(self) -> None:
+        super().check()
+        for name, (unused, instead) in BATCH_CHAT_REFUSED.items():
+            if not _is_default(value := getattr(self, name), unused):
+                given = "" if isinstance(value, list | dict) else f"={value!r}"  # a list of tools says nothing more
+                raise OpenAIError(400, f"{name}{given} is not supported by batched chat: {instead}", param=name,
+                                  code="unsupported_value")
+
+    def conversation_specs(self, tiers: tuple[str, ...]) -> list[JobCreate]:
+        """Each conversation's job, as chat makes it; a refusal names its conversation (``messages.<i>``)."""
+        fields = dict(self)  # validated: each conversation's request is these with its own messages
+        specs = []
+        for i, messages in enumerate(self.messages):
+            chat = ChatCompletionRequest.model_construct(self.model_fields_set, **{**fields, "messages": messages})
+            try:
+                specs.append(chat.job_spec(messages=chat.chat_messages(), tiers=tiers))
+            except OpenAIError as exc:
+                raise in_conversation(exc, i) from exc
+        return specs
+
+
+def in_conversation(exc: OpenAIError, i: int) -> OpenAIError:
+    """A conversation's refusal in batched chat's terms: its messages under ``messages.<i>``; other fields are the
+    request's own."""
+    param = exc.param or ""
+    if param != "messages" and not param.startswith("messages."):
+        return exc
+    where = f"messages.{i}"
+    message, param = re.sub(r"\bmessages\.(?=\d)", where + ".", exc.message), where + param.removeprefix("messages")
+    return OpenAIError(exc.status_code, message if where in message else f"{param}: {message}", type=exc.type,
+                       param=param, code=exc.code, headers=exc.headers)
+
+
 def chat_job(body: dict[str, Any], tiers: tuple[str, ...], in_terms: Callable[[OpenAIError], OpenAIError],
              batch_window_s: float | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
     """``body`` (another API's request written as chat: Responses, Messages) as a chat request and its job, with
@@ -693,8 +750,8 @@ class CompletionRequest(_Base):
         prompt = self.prompt
         several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = prompt if several else [prompt]
-        if len(prompts) * (self.n or 1) > MAX_CHOICES * 4:
-            raise OpenAIError(400, f"at most {MAX_CHOICES * 4} completions per request (prompts x n)", param="prompt")
+        if len(prompts) * (self.n or 1) > MAX_PROMPTS:
+            raise OpenAIError(400, f"at most {MAX_PROMPTS} completions per request (prompts x n)", param="prompt")
         out = []
         for one in prompts:
             if isinstance(one, list):

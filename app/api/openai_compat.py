@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import aclosing, contextmanager
 from typing import Any, TypeVar
 
@@ -26,10 +26,10 @@ from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
-from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, OpenAIRoute, StreamOptions,
-                                chat_answer, chat_echo, chat_logprobs, choice_specs, completion_logprobs, echoes_alone,
-                                merge_choices, known_sum, now_s, openai_param, openai_parsed, service_tier,
-                                text_completion, usage, with_token_ids)
+from app.openai_schemas import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, OpenAIError,
+                                OpenAIRoute, StreamOptions, chat_answer, chat_echo, chat_logprobs, choice_specs,
+                                completion_logprobs, echoes_alone, in_conversation, merge_choices, known_sum, now_s,
+                                openai_param, openai_parsed, service_tier, text_completion, usage, with_token_ids)
 from app.services import jobs as job_service
 from app.services import stored_completions
 from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
@@ -49,6 +49,7 @@ router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 sagemaker = APIRouter(tags=["openai"], route_class=OpenAIRoute)  # SageMaker's inference route, as vLLM serves it
 
 T = TypeVar("T")
+CHAT = "/v1/chat/completions"  # the endpoint of chat's jobs, batched chat's too (its QoS defaults, its answer's shape)
 
 
 async def json_object(request: Request) -> dict[str, Any]:
@@ -173,18 +174,28 @@ def _sse_error(err: OpenAIError) -> bytes:
 
 def _submit_choices(session, principal: Principal, settings: Settings, specs: list, endpoint: str,
                     writer=None, limiter: RateLimiter | None = None, n: int = 1,
-                    metadata: dict[str, str] | None = None, store: bool = False) -> tuple[list[Job], dict[str, str]]:
+                    metadata: dict[str, str] | None = None, store: bool = False,
+                    blame: Callable[[OpenAIError, int], OpenAIError] | None = None
+                    ) -> tuple[list[Job], dict[str, str]]:
     """The jobs of a request's choices (``n`` per prompt), and the rate-limit headers of the answer; if one cannot
-    be submitted, those already are stop. The rate limits take the whole request at once before any job is
-    written (``charge_request``): the request once, each prompt's tokens once, as OpenAI's do, and every choice's
-    ``max_tokens``. ``store``: the answer is kept as a stored chat completion, with ``metadata``."""
+    be submitted, those already are stop. Every job is built (validated) before any is written, and the rate limits
+    take the whole request at once before then (``charge_request``): the request once, each prompt's tokens once, as
+    OpenAI's do, and every choice's ``max_tokens``. ``store``: the answer is kept as a stored chat completion, with
+    ``metadata``; ``blame``: job i's refusal in the request's terms (batched chat names its conversation)."""
     ids, kept = stored_completions.kept_fields(metadata, len(specs)) if store else ([None] * len(specs), None)
+    built = []
+    for i, spec in enumerate(specs):
+        try:
+            with openai_refusals():
+                built.append(job_service.build_job(settings, principal, spec, endpoint=endpoint,
+                                                   response=kept if i == 0 else None, job_id=ids[i]))
+        except OpenAIError as exc:
+            if blame is None:
+                raise
+            raise blame(exc, i) from exc
+    for i, job in enumerate(built):  # usage counts a request and a prompt once, as the limits do
+        job.counts_request, job.counts_prompt = i == 0, i % n == 0
     with openai_refusals():
-        built = [job_service.build_job(settings, principal, spec, endpoint=endpoint,
-                                       response=kept if i == 0 else None, job_id=ids[i])
-                 for i, spec in enumerate(specs)]
-        for i, job in enumerate(built):  # usage counts a request and a prompt once, as the limits do
-            job.counts_request, job.counts_prompt = i == 0, i % n == 0
         rate = job_service.charge_request(limiter, principal, built)
     jobs: list[Job] = []
     try:
@@ -299,15 +310,20 @@ def _job_specs(body: ChatCompletionRequest | CompletionRequest, chat: bool, tier
     return [body.job_spec(**prompt, tiers=tiers) for prompt in body.prompt_inputs()]
 
 
+def _with_qos_defaults(settings: Settings, endpoint: str, specs: list) -> list:
+    """The specs with ``endpoint``'s QoS defaults for the targets the request left out (interactive work only)."""
+    if specs[0].kind != "interactive":
+        return specs
+    ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
+    return [spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
+            for spec in specs]
+
+
 async def _complete(request: Request, session, principal: Principal, settings: Settings, chat: bool):
     raw = await json_object(request)
     body = checked_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    specs = _job_specs(body, chat, settings.tiers)
-    if specs[0].kind == "interactive":  # this endpoint's QoS defaults for the targets the request left out
-        ttft_ms, tbt_ms = settings.interactive_defaults(endpoint)
-        specs = [spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
-                 for spec in specs]
+    endpoint = CHAT if chat else "/v1/completions"
+    specs = _with_qos_defaults(settings, endpoint, _job_specs(body, chat, settings.tiers))
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
     n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
     jobs, limit_headers = await run_in_threadpool(
@@ -319,6 +335,13 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)
         return StreamingResponse(abandoned_on_hangup(settings, jobs, chunks), media_type="text/event-stream",
                                  headers=headers)
+    return await _answer(request, settings, jobs, chat, bool(specs[0].echo), n, headers)
+
+
+async def _answer(request: Request, settings: Settings, jobs: list[Job], chat: bool, echo: bool, n: int,
+                  headers: dict[str, str]) -> Response:
+    """The non-stream answer: the jobs' choices merged (``n`` per prompt) once all have ended (``ends_of``'s error
+    or 499 else); ``echo``: a completion's answer starts with its prompt."""
     ends = await ends_of(request, settings, jobs)
     if isinstance(ends, Response):
         return ends
@@ -337,9 +360,9 @@ async def _complete(request: Request, session, principal: Principal, settings: S
                                       stop_reason=end.data.get("stop_reason"),
                                       prompt_logprobs=end.data.get("prompt_logprobs")))
         else:
-            echo = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if specs[0].echo else {}
+            echoed = {"echo": (job.prompt or "", end.data.get("prompt_logprobs"))} if echo else {}
             bodies.append(text_completion(*head, end.data["output_text"], end.finish_reason or "stop", *counts,
-                                          **echo, cached_tokens=cached, stop_reason=end.data.get("stop_reason"),
+                                          **echoed, cached_tokens=cached, stop_reason=end.data.get("stop_reason"),
                                           sampling=job.sampling, prompt_logprobs=end.data.get("prompt_logprobs")))
     for i, ids in enumerate(await _prompt_ids(settings, jobs)):
         if ids is not None:  # vLLM's return_token_ids
@@ -396,13 +419,26 @@ async def completions(request: Request, session: SessionDep, principal: CurrentP
     return await _complete(request, session, principal, settings, chat=False)
 
 
-@router.post("/chat/completions/batch", responses=openai_responses(404), include_in_schema=False)
-def chat_completions_batch() -> None:
-    """vLLM's batched chat (``messages`` as a list of conversations); without this route the stored-completion
-    update (``POST /v1/chat/completions/{id}``) took the request and answered with its own fields' errors."""
-    raise OpenAIError(404, "POST /v1/chat/completions/batch (vLLM's batched chat) is not served here: send a chat "
-                           "completion per conversation, or a file of them to the Batch API (/v1/batches)",
-                      code="unknown_url")
+# batched chat answers whole (no stream): 409/500/504 as chat's, where a conversation's job did not finish
+_BATCH_ANSWERS = {200: {"description": "a chat completion, one choice per conversation in their order"},
+                  **openai_responses(400, 401, 404, 409, 413, 429, 500, 504)}
+
+
+@router.post("/chat/completions/batch", responses=_BATCH_ANSWERS,
+             openapi_extra=documented_body(BatchChatCompletionRequest))
+async def chat_completions_batch(request: Request, session: SessionDep, principal: CurrentPrincipal,
+                                 settings: SettingsDep):
+    """vLLM's batched chat: ``messages`` a list of conversations, each a chat job of its own (the request's other
+    fields, tenant, tier and QoS), submitted together as chat's ``n`` choices are; the answer is one chat completion
+    with a choice per conversation, indexed in their order, its usage their sum."""
+    body = checked_body(BatchChatCompletionRequest, await json_object(request))
+    specs = _with_qos_defaults(settings, CHAT, body.conversation_specs(settings.tiers))
+    writer = getattr(request.app.state, "job_writer", None)
+    jobs, limit_headers = await run_in_threadpool(
+        _submit_choices, session, principal, settings, specs, CHAT, writer, rate_limiter(request),
+        blame=in_conversation)
+    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **limit_headers}
+    return await _answer(request, settings, jobs, True, False, 1, headers)
 
 
 @sagemaker.post("/invocations", responses=_ANSWERS)

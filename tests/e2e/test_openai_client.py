@@ -432,10 +432,59 @@ def test_sagemaker_invocations_route_by_body_and_a_completion_makes_16_tokens_by
                                                                         "messages": []})
     assert both.status_code == 400 and "give messages" in both.json()["error"]["message"]
     assert httpx.post(f"{stack.url}/invocations", json={"prompt": "x"}).status_code == 401
-    # vLLM's batched chat is not served: said so, not answered as a stored completion's metadata update
-    batch = httpx.post(f"{stack.url}/v1/chat/completions/batch", headers=headers,
-                       json={"model": "tiny", "messages": [[{"role": "user", "content": "a"}]]})
-    assert batch.status_code == 404 and "Batch API" in batch.json()["error"]["message"], batch.text
+
+
+CONVERSATIONS = [[{"role": "user", "content": "Say hi"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three"}]]
+
+
+def _batched_chat(stack, body: dict) -> httpx.Response:
+    return httpx.post(f"{stack.url}/v1/chat/completions/batch", headers={"Authorization": f"Bearer {stack.keys.paid}"},
+                      json={"model": "tiny", **body}, timeout=120)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}])
+def test_batched_chat_answers_each_conversation_as_the_chat_route_does(oai, stack, sampling):
+    # vLLM's POST /v1/chat/completions/batch: one choice per conversation, in order, each the text the chat route
+    # gives that conversation alone; the usage sums the conversations' (each prompt counted)
+    ask = dict(max_tokens=6, **sampling)
+    alone = [oai.chat.completions.create(model="tiny", messages=m, extra_body={"ignore_eos": True}, **ask)
+             for m in CONVERSATIONS]
+    r = _batched_chat(stack, {"messages": CONVERSATIONS, "ignore_eos": True, "ttft_ms": 4000, "tier": "free", **ask})
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-job_")
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in batch["choices"]] == [a.choices[0].message.content for a in alone]
+    assert batch["usage"]["prompt_tokens"] == sum(a.usage.prompt_tokens for a in alone)
+    assert batch["usage"]["completion_tokens"] == 12 and batch["service_tier"] == "flex"
+    # each conversation a chat job of its own, with the request's tenant, tier and QoS
+    auth = {"Authorization": f"Bearer {stack.keys.paid}"}
+    jobs = [httpx.get(f"{stack.url}/v1/jobs/{i}", headers=auth).json() for i in batch["coserve"]["job_ids"]]
+    assert r.headers["x-coserve-job-id"] == ",".join(batch["coserve"]["job_ids"])
+    assert [(j["tier"], j["ttft_ms"], j["kind"]) for j in jobs] == [("free", 4000, "interactive")] * 2
+
+
+@pytest.mark.parametrize("body, param", [
+    # not taken, as vLLM's: a stream, tools, more than one choice per conversation, beam search
+    ({"stream": True}, "stream"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"n": 2}, "n"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"store": True}, "store"),  # a stored completion is one conversation's
+    ({"messages": []}, "messages"), ({"messages": [CONVERSATIONS[0], []]}, "messages.1"),
+    # a bad conversation is named by its index, its message by its own
+    ({"messages": [CONVERSATIONS[0], [{"role": "robot", "content": "x"}]]}, "messages.1.0.role"),
+    ({"messages": [CONVERSATIONS[0], [{"role": "user", "content": "word " * 2000}]]}, "messages.1")])
+def test_batched_chat_refuses_by_field_and_stores_nothing(stack, body, param):
+    auth = {"Authorization": f"Bearer {stack.keys.paid}"}
+    def job_ids() -> list[str]:
+        return [j["id"] for j in httpx.get(f"{stack.url}/v1/jobs", headers=auth, params={"limit": 100}).json()["data"]]
+
+    before = job_ids()
+    r = _batched_chat(stack, {"messages": CONVERSATIONS, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert param.split(".")[0] in r.json()["error"]["message"], r.json()
+    assert job_ids() == before
 
 
 def test_echo_with_max_tokens_0_answers_the_prompt_alone_as_vllm(oai):
