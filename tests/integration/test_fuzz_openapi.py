@@ -250,6 +250,12 @@ BODIES = {
         {**ODD_SAMPLING, "deadline": st.one_of(ODD_NUMBER, ODD_TEXT), "n": ODD_NUMBER, "user": ODD_TEXT,
          "max_completion_tokens": ODD_NUMBER, "presence_penalty": ODD_NUMBER, "stream": ODD_VALUE,
          "stream_options": ODD_VALUE, "logit_bias": st.dictionaries(ODD_TEXT, ODD_NUMBER, max_size=2)}),
+    ("POST", "/v1/chat/completions/batch"): odd(
+        st.fixed_dictionaries({"model": st.just("tiny"), "messages": st.lists(MESSAGES, min_size=1, max_size=3),
+                               "max_tokens": st.integers(1, 4)}),
+        {**ODD_SAMPLING, "messages": st.lists(st.one_of(st.lists(ODD_MESSAGE, max_size=2), ODD_VALUE), max_size=3),
+         "n": ODD_NUMBER, "stream": ODD_VALUE, "tools": ODD_VALUE, "store": ODD_VALUE,
+         "deadline": st.one_of(ODD_NUMBER, ODD_TEXT)}),
     ("POST", "/v1/completions"): odd(
         st.fixed_dictionaries({"model": st.just("tiny"), "prompt": st.one_of(TEXT, st.lists(TEXT, min_size=1,
                                                                                            max_size=1)),
