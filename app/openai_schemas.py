@@ -646,8 +646,8 @@ BATCH_CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 class BatchChatCompletionRequest(ChatCompletionRequest):
     """vLLM's batched chat (``POST /v1/chat/completions/batch``): chat's fields, ``messages`` a list of
-    conversations, each run on its own as a chat request of the other fields and answered as one choice. As vLLM's,
-    it takes no stream, tools, beam search or ``n`` above 1 (``BATCH_CHAT_REFUSED``)."""
+    conversations, each run on its own as a chat request of the other fields and answered as one choice. It takes no
+    stream, tools, beam search, ``n`` above 1 or ``store`` (``BATCH_CHAT_REFUSED``)."""
 
     messages: list[Annotated[list[dict[str, Any]], Field(min_length=1)]] = Field(  # type: ignore[assignment]
         min_length=1, max_length=MAX_PROMPTS)
