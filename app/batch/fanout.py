@@ -160,7 +160,8 @@ def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, job
             log.info("batch %s refused: %s", batch_id, refused["message"])
             return None
         ok = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
-            status="in_progress", in_progress_at=utcnow(), total=total, failed=invalid, completed=0)).rowcount == 1
+            status="in_progress", in_progress_at=utcnow(), total=total, failed=invalid, completed=0,
+            model=one_model(jobs))).rowcount == 1
         if ok:  # one statement over the batch_id index (a statement per chunk of ids takes several times as long)
             moved = s.execute(update(Job).where(Job.batch_id == batch_id, Job.status == mine).values(
                 status=status)).rowcount
@@ -198,6 +199,14 @@ def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.Valid
             job.update(choice_index=i, counts_request=i == 0, counts_prompt=i % line.n == 0)
         jobs.append(job)
     return jobs
+
+
+def one_model(jobs: list[dict]) -> str | None:
+    """The model every one of a batch's jobs runs on (its Batch object's ``model``), as the fan-out resolved each
+    line's; None where they name several (no one model processes the batch: OpenAI's batches have one) or there are
+    none."""
+    models = {job["model"] for job in jobs}
+    return models.pop() if len(models) == 1 else None
 
 
 def _over_queue_limit(session, tenant_id: str, jobs: list) -> dict | None:

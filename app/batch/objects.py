@@ -47,7 +47,7 @@ def batch_object(b: Batch, usage: dict[str, Any] | None = None,
     completed, failed = (b.completed, b.failed) if counts is None else (
         max(counts[0], b.completed or 0), max(counts[1], b.failed or 0))  # a request's end is final: counts only grow
     errors = {"object": "list", "data": b.errors} if b.errors else None
-    return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors,
+    return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "model": b.model, "errors": errors,
             "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
             "output_file_id": b.output_file_id, "error_file_id": b.error_file_id, "created_at": ts(b.created_at),
             "in_progress_at": ts(b.in_progress_at), "expires_at": ts(b.expires_at),

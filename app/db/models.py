@@ -262,6 +262,9 @@ class Batch(Base):
     # a message batch deleted (DELETE /v1/messages/batches/{id}): its API shows it no more, its files are gone; its
     # status stays how it ended, and its jobs stay its own
     deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+    # the model its lines' jobs run on, as the fan-out resolved it (OpenAI's Batch.model); None where they name
+    # several (no one model processes the batch) or none yet (validating, failed before its fan-out, no valid line)
+    model: Mapped[str | None] = mapped_column(String(200), default=None)
 
 
 class WebhookEndpoint(Base):

@@ -159,6 +159,39 @@ def test_jobs_stopped_under_a_worker_that_an_older_coserve_left_unsettled_settle
     engine.dispose()
 
 
+def test_batches_of_older_databases_name_the_one_model_their_jobs_run_on(tmp_path):
+    """0046: a batch fanned out before ``batches.model`` gets its jobs' model where they all share one; one whose
+    jobs name several, or that has none (only a fan-out's staged jobs, or no job), names none."""
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url, "0045")
+    engine = create_engine(url)
+    jobs = {"batch_one": ["m", "m"], "batch_several": ["m", "lora"], "batch_none": [], "batch_staged": ["m"]}
+    with engine.begin() as conn:
+        tenant = _old_tenant(conn, "t")
+        conn.execute(text("INSERT INTO files (id, tenant_id, filename, purpose, bytes, path, created_at, deleted) "
+                          "VALUES ('file_in', :t, 'in', 'batch', 1, '/x', CURRENT_TIMESTAMP, 0)"), {"t": tenant.id})
+        for batch_id, models in jobs.items():
+            conn.execute(text(
+                "INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, status, tier, total, "
+                "completed, failed, created_at) VALUES (:id, :t, '/v1/completions', 'file_in', '24h', 'in_progress', "
+                "'paid', 2, 0, 0, CURRENT_TIMESTAMP)"), {"id": batch_id, "t": tenant.id})
+            status = "staged-run1" if batch_id == "batch_staged" else "queued"
+            for i, model in enumerate(models):
+                conn.execute(text(
+                    "INSERT INTO jobs (id, tenant_id, kind, tier, model, sampling, endpoint, stream, status, "
+                    "created_at, relegation_count, attempt, batch_id) VALUES (:id, :t, 'batch', 'paid', :m, '{}', "
+                    "'/v1/completions', 0, :st, CURRENT_TIMESTAMP, 0, 0, :b)"),
+                    {"id": f"job_{batch_id}_{i}", "t": tenant.id, "m": model, "st": status, "b": batch_id})
+    upgrade(url)
+    with engine.connect() as conn:
+        named = dict(conn.execute(text("SELECT id, model FROM batches")).all())
+    assert named == {"batch_one": "m", "batch_several": None, "batch_none": None, "batch_staged": None}
+    downgrade(url, "0045")
+    with engine.connect() as conn:
+        assert "model" not in {c["name"] for c in inspect(conn).get_columns("batches")}
+    engine.dispose()
+
+
 def as_first_written(url: str) -> None:
     """Migrates ``url`` to 0023 and takes out what revisions 0002, 0007, 0016, 0017 and 0022 gained after they were
     first written: a database an earlier coserve built (Alembic does not run a revision twice)."""
