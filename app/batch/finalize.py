@@ -174,7 +174,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         if failed_job is None:
             out_lines.append(json.dumps(output_line(line)))
         else:
-            err_lines.append(json.dumps(job_error_line(failed_job)))
+            err_lines.append(json.dumps(job_error_line(failed_job, batch.expires_at)))
     lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
     purpose = MESSAGE_BATCH_RESULTS if batch.endpoint == MESSAGES else "batch_output"
     files = {key: new_file(data_dir, batch.tenant_id, f"{batch_id}_{name}.jsonl", purpose,

@@ -13,6 +13,7 @@ from app.anthropic_schemas import ENDPOINT as MESSAGES, stored_message
 from app.db.models import Batch, Job
 from app.openai_schemas import merge_choices, stored_chat_answer, text_completion, with_token_ids
 from app.responses_schemas import response_body
+from app.services.transitions import as_utc
 from app.services.truncation import fed_prompt
 from app.tool_calls import read_answer
 
@@ -97,14 +98,38 @@ def _body(job: Job) -> dict[str, Any]:
     return body
 
 
-def job_error_line(job: Job) -> dict[str, Any]:
-    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(
-        job.status, job.error_code or "request_failed")
-    message = {"cancelled": "the request was cancelled with its batch",
-               "expired": "the batch's completion window ended before this request finished"}.get(
-        job.status, f"generation failed: {job.error or 'unknown error'}")
+WINDOW_ENDED = "the batch's completion window ended before this request finished"
+
+
+def job_error_line(job: Job, window_end: datetime | None = None) -> dict[str, Any]:
+    """The error-file line of a request whose job did not succeed; ``window_end``: the batch's ``expires_at``."""
+    code, message = _job_error(job, window_end)
     return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id, "response": None,
             "error": {"code": code, "message": message}}
+
+
+def _job_error(job: Job, window_end: datetime | None) -> tuple[str, str]:
+    if job.status == "cancelled":
+        return "batch_cancelled", "the request was cancelled with its batch"
+    if job.status == "expired" and job.error is None:  # the batch's window stopped it (finalize.stop_jobs)
+        return "batch_expired", WINDOW_ENDED
+    if job.status == "expired":  # the scheduler gave up on it (workers/engine_thread.py _expiry writes its error)
+        return _given_up(job, window_end)
+    return job.error_code or "request_failed", f"generation failed: {job.error or 'unknown error'}"
+
+
+def _given_up(job: Job, window_end: datetime | None) -> tuple[str, str]:
+    """A job the scheduler relegated under overload and then gave up on: ``batch_expired`` only where the batch's
+    window had ended when it did (OpenAI expires a request only so); before that, the server's failure, as OpenAI
+    types an overloaded server's answer (``server_error``), which the request may be sent again for."""
+    tokens = job.completion_tokens
+    how = f"after {tokens} of its tokens" if tokens else "before its first token"
+    in_window = (window_end is not None and job.finished_at is not None
+                 and as_utc(job.finished_at) < as_utc(window_end))
+    if not in_window:
+        return "batch_expired", f"{WINDOW_ENDED}: the server had relegated it under overload and gave up on it {how}"
+    return "server_error", (f"the server relegated this request under overload and gave up on it {how}, while the "
+                            "batch's completion window was still open; it can be sent again")
 
 
 def invalid_line(line_no: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:

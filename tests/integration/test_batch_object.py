@@ -1,16 +1,26 @@
 """The Batch object and error lines as OpenAI's client reads them (the real app, Redis and SQLite; no worker: the
-jobs' ends are written as a worker would): the batch names the model its lines ran on."""
+jobs' ends are written as a worker would): the batch names the model its lines ran on, a job the scheduler gave up
+on says so rather than blame the batch's window."""
 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
 from openai.types import Batch as OpenAIBatch
+from sqlalchemy import update
 
+from app.batch.finalize import maybe_finalize
+from app.db.models import Batch, Job
+from app.db.session import session_scope, write_guard
+from app.services.transitions import as_utc, utcnow
 from tests.conftest import Keys, load_runtime_adapter
 
 pytestmark = pytest.mark.integration
+
+# what the worker writes on a job the scheduler relegated under overload and then gave up on (engine_thread._expiry)
+GIVEN_UP = "relegated under overload and expired before its first token (its deadline had long passed)"
 
 
 def _batch(client, keys, models: list[str], window: str = "24h") -> str:
@@ -29,6 +39,11 @@ def _read(client, keys, batch_id: str) -> OpenAIBatch:
     return OpenAIBatch.model_validate(client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json())
 
 
+def _error_lines(client, keys, batch: OpenAIBatch) -> list[dict]:
+    text = client.get(f"/v1/files/{batch.error_file_id}/content", headers=Keys.header(keys.paid)).text
+    return [json.loads(line)["error"] for line in text.splitlines()]
+
+
 def test_a_batch_names_the_model_its_lines_ran_on(client, keys, settings, tmp_path):
     """One model for all its lines: that model; lines of several models: none (OpenAI's ``model`` is the one model
     that processed the batch); not fanned out yet: none."""
@@ -37,3 +52,26 @@ def test_a_batch_names_the_model_its_lines_ran_on(client, keys, settings, tmp_pa
     assert {b: _read(client, keys, b).model for b in (one, several)} == {one: "tiny", several: None}
     page = client.get("/v1/batches", headers=Keys.header(keys.paid)).json()["data"]
     assert {b["id"]: OpenAIBatch.model_validate(b).model for b in page} == {one: "tiny", several: None}
+
+
+@pytest.mark.parametrize("window_ended", [False, True], ids=["window_open", "window_ended"])
+def test_a_job_the_scheduler_gave_up_on_says_so_in_the_error_file(client, keys, settings, window_ended):
+    """Expired by the policy (relegated under overload, then given up), not by the batch's window: its error line
+    says what happened, and its code is ``batch_expired`` only where the window had ended when it expired."""
+    batch_id = _batch(client, keys, ["tiny"], window="1h")
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        now = utcnow()
+        if window_ended:  # the window ended 2 s ago; the scheduler gave up on the job a second after that
+            s.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now - timedelta(seconds=2)))
+        s.execute(update(Job).where(Job.batch_id == batch_id).values(
+            status="expired", error=GIVEN_UP, slo_met=False, finished_at=now - timedelta(seconds=1),
+            settled_at=now - timedelta(seconds=1)))
+        s.commit()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert maybe_finalize(s, batch_id, settings.data_dir, None)
+    batch = _read(client, keys, batch_id)
+    (error,) = _error_lines(client, keys, batch)
+    assert "completion window ended" not in error["message"] or window_ended, error
+    assert "relegated" in error["message"] and "overload" in error["message"], error
+    assert (error["code"] == "batch_expired") == window_ended, error
+    assert batch.status == ("expired" if window_ended else "completed")
