@@ -130,8 +130,9 @@ async def get_batch(batch_id: str, session: SessionDep, principal: CurrentPrinci
 @router.post("/{batch_id}/cancel", responses=openai_responses(404, 409))
 def cancel(batch_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     batch = _own(session, principal, batch_id)
-    # an ended batch, or one that ended on its own between this read and the cancel's update: 409 (README)
+    # an ended batch, or one that ended on its own before the cancel's update (its window too): 409 (README)
     if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_batch(
             session, batch, settings.data_dir, settings.redis_url):
-        raise OpenAIError(409, f"Cannot cancel a batch with status {batch.status!r}", param="batch_id")
+        why = ": its completion window ended before the cancel" if batch.status == "expired" else ""
+        raise OpenAIError(409, f"Cannot cancel a batch with status {batch.status!r}{why}", param="batch_id")
     return batch_object(batch, batch_usage(session, [batch_id]).get(batch_id))

@@ -224,14 +224,22 @@ def fan_in_page(session: Session, batches: list[Batch], data_dir: Path, redis_ur
 
 def cancel_batch(session: Session, batch: Batch, data_dir: Path, redis_url: str | None) -> bool:
     """validating|in_progress -> cancelling; pending jobs cancelled, running ones aborted; then fan-in. False where
-    the batch was ending or had ended on its own before the cancel's update (it then changes nothing). ``batch`` is
-    refreshed either way."""
+    the batch was ending or had ended on its own before the cancel's update (it then changes nothing): a batch whose
+    completion window ended before the cancel came is expired by it, as a poll would have (OpenAI cancels a batch in
+    progress; one past its window is expired). ``batch`` is refreshed either way."""
+    now = utcnow()
+    window_open = or_(Batch.expires_at.is_(None), Batch.expires_at > now)
     with write_after_read(session):
         took = session.execute(update(Batch).where(
-            Batch.id == batch.id, Batch.status.in_(("validating", "in_progress"))).values(
-            status="cancelling", cancelling_at=utcnow())).rowcount == 1
+            Batch.id == batch.id, or_(Batch.status == "validating", and_(Batch.status == "in_progress", window_open)))
+            .values(status="cancelling", cancelling_at=now)
+            .execution_options(synchronize_session=False)).rowcount == 1  # refreshed below (SQLite's naive times)
         session.commit()
     session.refresh(batch)
+    if not took and batch.status == "in_progress":  # its window ended before the cancel, unseen until now
+        maybe_finalize(session, batch.id, data_dir, redis_url)
+        session.refresh(batch)
+        return False
     if not took and batch.status != "cancelling":  # cancelling already: this is a repeat that helps it on
         return False
     stop_jobs(session, batch.id, JobStatus.CANCELLED, "cancelled with its batch", redis_url)

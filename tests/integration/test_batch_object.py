@@ -1,10 +1,12 @@
 """The Batch object and error lines as OpenAI's client reads them (the real app, Redis and SQLite; no worker: the
 jobs' ends are written as a worker would): the batch names the model its lines ran on, a job the scheduler gave up
-on says so rather than blame the batch's window."""
+on says so rather than blame the batch's window, and a cancel that comes after the window ended finds the batch
+expired."""
 
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -75,3 +77,19 @@ def test_a_job_the_scheduler_gave_up_on_says_so_in_the_error_file(client, keys, 
     assert "relegated" in error["message"] and "overload" in error["message"], error
     assert (error["code"] == "batch_expired") == window_ended, error
     assert batch.status == ("expired" if window_ended else "completed")
+
+
+def test_a_cancel_after_the_window_ended_finds_the_batch_expired(client, keys, settings):
+    """Nobody polled the batch before its window ended: a cancel then is a 409 that says it expired, and the batch
+    is expired with its unfinished lines ``batch_expired``, as the window made it, not cancelled."""
+    batch_id = _batch(client, keys, ["tiny", "tiny"], window="1s")
+    with session_scope(settings.sqlalchemy_url) as s:
+        left = (as_utc(s.get(Batch, batch_id).expires_at) - utcnow()).total_seconds()
+    time.sleep(max(0.0, left) + 0.2)  # the window ends with no worker and no poll
+    answer = client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
+    assert answer.status_code == 409, answer.text
+    assert "expired" in answer.json()["error"]["message"]
+    batch = _read(client, keys, batch_id)
+    assert (batch.status, batch.cancelling_at, batch.cancelled_at) == ("expired", None, None)
+    assert batch.expired_at is not None
+    assert [e["code"] for e in _error_lines(client, keys, batch)] == ["batch_expired", "batch_expired"]
