@@ -55,6 +55,14 @@ def send_to(redis_url: str, job_id: str, queue: str, priority: int = INTERACTIVE
     return True
 
 
+def send_routed(settings: Settings, model: str) -> Callable[[str, str, str, int], bool]:
+    """``send_to`` for a job of ``model`` that ``routing.job_queue`` routed: the queue checked as it sends
+    (``routing.at_send``: the worker it names may have stopped since the view it was picked by)."""
+    def send(redis_url: str, job_id: str, queue: str, priority: int) -> bool:
+        return send_to(redis_url, job_id, routing.at_send(settings, model, queue), priority)
+    return send
+
+
 def _look_after(redis_url: str, queues: list[str]) -> None:
     """Names the workers' own queues among ``queues`` to the sweepers, after a send to them. A process routes by a
     view of the workers up to ``REFRESH_S`` old, so its send may land on the queue of a worker that a sweeper has

@@ -435,7 +435,8 @@ def record_job(session: Session, settings: Settings, job: Job, *, endpoint: str 
         redis_url = settings.redis_url
         queue = routing.job_queue(settings, job.model, job.route_key, job.kind) if redis_url else None
         if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model, queue=queue,
-                                              priority=message_priority(job.kind)):
+                                              priority=message_priority(job.kind),
+                                              send=dispatching.send_routed(settings, job.model)):
             # dispatch() already wrote the row; reflect it in the answer without marking the object
             # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
             set_committed_value(job, "status", JobStatus.DISPATCHED.value)

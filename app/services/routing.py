@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import defaultdict, deque
@@ -36,6 +37,8 @@ from app.services import lora_adapters
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings
 from workers.celery_app import queue_name
+
+log = logging.getLogger(__name__)
 
 REFRESH_S = 1.0  # how long a process trusts what it read of the workers
 PROMPT_CHARS = 1024  # a raw prompt's key: its opening (about 256 tokens)
@@ -131,6 +134,15 @@ class Router:
             self._sent[chosen].append(utcnow())
             return worker_queue(chosen)
 
+    def confirmed(self, model: str, queue: str) -> str:
+        """``queue`` (this router's pick for a job of ``model``) at the job's send: a worker's own queue while the
+        view, re-read where older than ``REFRESH_S``, still shows that worker routable; else ``model``'s queue."""
+        worker_id = queue.removeprefix(WORKER_QUEUE_PREFIX)
+        with self._lock:
+            if any(w.id == worker_id and model in w.served for w in self._live()):
+                return queue
+        return queue_name(model)
+
     def served_context(self, model: str) -> int | None:
         """The least context a live worker of ``model`` serves (None: none says)."""
         with self._lock:
@@ -192,6 +204,22 @@ def router(url: str, live_s: float, slack: int) -> Router:
     """The process's router for the database at ``url``."""
     with _routers_lock:
         return _routers.setdefault((url, live_s, slack), Router(url, live_s, slack))
+
+
+def at_send(settings: Settings, model: str, queue: str) -> str:
+    """The queue a job of ``model`` that ``job_queue`` sent to ``queue`` goes on at its send. A stopping worker passes
+    on what its own queue got until the views read before it stopped are stale (``REFRESH_S``); a send later than that
+    after its view (an API slow in between: a slow commit) would land on that queue after it, to wait for another
+    worker's sweep or, with none, for a start. So a worker's own queue stands only while the worker is routable by a
+    view that fresh (re-read if older); else the job goes on its model's queue."""
+    if not queue.startswith(WORKER_QUEUE_PREFIX):
+        return queue
+    base = lora_adapters.queue_model(settings, model)
+    try:
+        return router(settings.sqlalchemy_url, settings.lease_seconds, settings.routing_slack).confirmed(base, queue)
+    except Exception:  # SQL unreadable: the pick stands (the send names the queue to the sweepers)
+        log.warning("could not re-read the workers before a send to %s; sending it there", queue, exc_info=True)
+        return queue
 
 
 def job_queue(settings: Settings, model: str, key: str | None, kind: str = "interactive") -> str:

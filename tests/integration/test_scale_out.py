@@ -129,3 +129,58 @@ def test_an_interactive_job_taken_by_a_full_worker_runs_on_a_worker_with_room(cl
     wait_for(lambda: status(job_id)[0] == "succeeded", 90, "the interactive job to succeed")
     assert status(job_id) == ("succeeded", "wb")
     assert status(long_id)[0] == "running"  # wa's slot never opened: the job did not wait for it
+
+
+def test_a_job_sent_longer_than_a_views_trust_after_it_goes_to_the_shared_queue_if_its_worker_stopped(
+        settings, keys, start_worker, monkeypatch):
+    """An API routed a job to w1 by a view read while w1 ran, and was slow before its send (a slow commit): w1 stopped
+    meanwhile and passed its own queue on. The send re-reads a view older than ``routing.REFRESH_S`` and puts the job
+    on the model's queue, instead of on w1's, where it waited for another worker's sweep or, with none, for a start.
+    The views' clock is the test's: nothing waits on the wall clock."""
+    import signal
+    from types import SimpleNamespace
+
+    from app.auth import authenticate
+    from app.schemas import JobCreate
+    from app.services import jobs
+    from app.services.jobs import submit_job
+    from tests.integration.test_worker_room import _next_taken
+
+    now = [0.0]
+    monkeypatch.setattr(routing, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    def submitted() -> str:
+        with session_scope(settings.sqlalchemy_url) as s:
+            return submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="r", max_tokens=4), settings).job.id
+
+    w1 = start_worker("w1")
+    assert _ran_on(settings, [submitted()]) == ["w1"]  # routed by the API's view, read while w1 runs
+    w1.send_signal(signal.SIGTERM)
+    assert w1.wait(60) == 0
+    real_dispatch = jobs.dispatching.dispatch
+
+    def slow_dispatch(*args, **kwargs):  # the job routed by that view, its commit slower than the view's trust
+        now[0] += 2 * routing.REFRESH_S
+        return real_dispatch(*args, **kwargs)
+
+    monkeypatch.setattr(jobs.dispatching, "dispatch", slow_dispatch)
+    job_id = submitted()
+    assert _next_taken(settings, worker_queue("w1"), batch=False) == []
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]
+
+
+def test_a_worker_restarted_with_queue_routing_runs_what_waits_on_its_own_queue(settings, keys, start_worker):
+    """w1's previous life routed by prefix, and a job routed to it waits on its own queue; w1 starts again under its id
+    with ``COSERVE_ROUTING=queue``, reading the model's queue only. It passes its own queue on at start, and runs the
+    job, instead of leaving it where nobody reads it (its sweeper counted the message as waiting: never resent)."""
+    from app.auth import authenticate
+    from app.schemas import JobCreate
+    from app.services.dispatch import dispatch
+    from app.services.jobs import submit_job
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="r", max_tokens=4), settings,
+                            dispatch=False).job.id
+        assert dispatch(s, settings.redis_url, job_id, settings.model_name, queue=worker_queue("w1"))
+    start_worker("w1", COSERVE_ROUTING="queue")
+    assert _ran_on(settings, [job_id]) == ["w1"]
+    assert not redis.Redis.from_url(settings.redis_url).exists(worker_queue("w1"))
