@@ -128,6 +128,8 @@ class GpuWorker:
         self._register()
         if self.settings.routing == "prefix":  # the sweepers look after this worker's own queue once it is gone
             self.redis.sadd(WORKER_QUEUES, worker_queue(self.worker_id))
+        else:
+            self._pass_on_own_queue()
         # operator actions from the dashboard (resume, promote) arrive over Redis pub/sub, into the inbox
         self.threads.append(start_control_listener(self.inbox, self.worker_id, self.settings.redis_url,
                                                    self.stopping))
@@ -138,6 +140,13 @@ class GpuWorker:
             t = threading.Thread(target=fn, name=f"coserve-{name}", daemon=True)
             t.start()
             self.threads.append(t)
+
+    def _pass_on_own_queue(self) -> None:
+        """A worker that reads no own queue (``COSERVE_ROUTING=queue``) passes on to its model's queue what an earlier
+        life under its id, routed by prefix, left there: nobody else would (the sweepers reroute the own queue of a
+        worker gone, and this one beats), and their lost-message rule counts a message waiting there as queued."""
+        with session_scope(self.url, immediate=True) as s:
+            reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
 
     def served_context(self) -> int:
         """The context (prompt + output tokens) this worker serves: the model's as the settings say, or less where
@@ -609,7 +618,9 @@ class GpuWorker:
                                                           self.settings.kept_for_interactive),
                                  "outbox_pending": self.outbox.pending,
                                  # a warm shutdown's grace: it takes no job, though it beats until it stops
-                                 "stopping": self.shutting_down}
+                                 "stopping": self.shutting_down,
+                                 # whether prefix routing may send it jobs: it reads its own queue
+                                 "own_queue": self.settings.routing == "prefix"}
         if self.settings.routing == "prefix":  # jobs prefix routing sent this worker alone, not taken yet
             try:
                 state["routed_waiting"] = sum(self.redis.llen(key) for key in queue_lists(worker_queue(self.worker_id)))

@@ -10,8 +10,9 @@ own keys. That worker gets the job on its own queue unless it holds more than ``
 worker, which then gets it. A job without a key, or with no live worker in sight, goes on the model's shared queue,
 as every job did before.
 
-A process reads the live workers that take jobs (heartbeat, jobs held; neither draining nor stopping) from SQL at
-most once per ``REFRESH_S`` and adds the jobs it sent each worker since that worker's heartbeat. The sweeper gives a
+A process reads the live workers that take jobs (heartbeat, jobs held; neither draining nor stopping, and reading
+their own queue) from SQL at most once per ``REFRESH_S`` and adds the jobs it sent each worker since that worker's
+heartbeat; a send to a worker's queue checks that worker against a view that fresh (``at_send``). The sweeper gives a
 queue whose worker died back to the model's queue (``workers.sweeper``); a send to a worker's queue names it to the
 sweepers again (``app.services.dispatch``), so a job routed by a view older than the sweeper's is not left on a
 queue no one looks after.
@@ -175,10 +176,17 @@ def stopping(state: dict[str, Any] | None) -> bool:
     return bool((state or {}).get("stopping"))
 
 
+def reads_own_queue(state: dict[str, Any] | None) -> bool:
+    """Whether a worker's heartbeat state says it reads its own queue (it routes by prefix too; one started with
+    ``COSERVE_ROUTING=queue`` reads its model's only). An older worker does not say: it did, where routed to."""
+    return bool((state or {}).get("own_queue", True))
+
+
 def routable(rows: list[WorkerState]) -> list[_Worker]:
-    """The workers among ``rows`` (live, not draining) a job may be routed to: those not stopping."""
+    """The workers among ``rows`` (live, not draining) a job may be routed to: those not stopping that read their own
+    queue."""
     return [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at), advertised_context(r.state))
-            for r in rows if not stopping(r.state)]
+            for r in rows if not stopping(r.state) and reads_own_queue(r.state)]
 
 
 def _load(state: dict[str, Any]) -> tuple[int, int, int]:

@@ -171,7 +171,8 @@ def test_a_job_sent_longer_than_a_views_trust_after_it_goes_to_the_shared_queue_
 def test_a_worker_restarted_with_queue_routing_runs_what_waits_on_its_own_queue(settings, keys, start_worker):
     """w1's previous life routed by prefix, and a job routed to it waits on its own queue; w1 starts again under its id
     with ``COSERVE_ROUTING=queue``, reading the model's queue only. It passes its own queue on at start, and runs the
-    job, instead of leaving it where nobody reads it (its sweeper counted the message as waiting: never resent)."""
+    job, instead of leaving it where nobody reads it (its sweeper counted the message as waiting: never resent); an API
+    that routes by prefix sends it nothing more there."""
     from app.auth import authenticate
     from app.schemas import JobCreate
     from app.services.dispatch import dispatch
@@ -184,3 +185,5 @@ def test_a_worker_restarted_with_queue_routing_runs_what_waits_on_its_own_queue(
     start_worker("w1", COSERVE_ROUTING="queue")
     assert _ran_on(settings, [job_id]) == ["w1"]
     assert not redis.Redis.from_url(settings.redis_url).exists(worker_queue("w1"))
+    # an API that routes by prefix sends it nothing more on the queue it does not read
+    assert routing.job_queue(settings, "tiny", "k1") == "coserve.tiny"

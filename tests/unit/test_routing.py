@@ -89,3 +89,14 @@ def test_a_stopping_worker_is_routed_nothing_though_it_still_beats():
                         state={"served": ["m"], "in_line": 0, "max_inflight": 4, **state})
             for w, state in (("wa", {}), ("wb", {"stopping": True}), ("wc", {"stopping": False}))]
     assert [w.id for w in routable(rows)] == ["wa", "wc"]
+
+
+def test_a_worker_that_reads_no_own_queue_is_routed_nothing():
+    """A worker started with ``COSERVE_ROUTING=queue`` reads only its model's queue, and its state says so: an API that
+    routes by prefix leaves it out, instead of sending it jobs on a queue it never reads. A worker that does not say
+    (an older one) reads its own queue, as every prefix-routed worker did."""
+    now = datetime.now(UTC)
+    rows = [WorkerState(id=w, model="m", queue="q", device="cpu", draining=False, heartbeat_at=now,
+                        state={"served": ["m"], "in_line": 0, "max_inflight": 4, **state})
+            for w, state in (("wa", {}), ("wb", {"own_queue": False}), ("wc", {"own_queue": True}))]
+    assert [w.id for w in routable(rows)] == ["wa", "wc"]
