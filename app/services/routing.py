@@ -222,8 +222,8 @@ def at_send(settings: Settings, model: str, queue: str) -> str:
     view that fresh (re-read if older); else the job goes on its model's queue."""
     if not queue.startswith(WORKER_QUEUE_PREFIX):
         return queue
-    base = lora_adapters.queue_model(settings, model)
     try:
+        base = lora_adapters.queue_model(settings, model)
         return router(settings.sqlalchemy_url, settings.lease_seconds, settings.routing_slack).confirmed(base, queue)
     except Exception:  # SQL unreadable: the pick stands (the send names the queue to the sweepers)
         log.warning("could not re-read the workers before a send to %s; sending it there", queue, exc_info=True)

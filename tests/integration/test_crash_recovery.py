@@ -10,8 +10,11 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
+from app.auth import authenticate
 from app.db.models import Job, JobEvent
 from app.db.session import session_scope
+from app.schemas import JobCreate
+from app.services.jobs import submit_job
 from app.services.streaming import stream_key
 from tests.conftest import Keys, wait_for
 
@@ -94,3 +97,50 @@ def test_sigkill_mid_generation_every_job_succeeds_once(client, keys, settings, 
         assert jobs[job_id].worker_id == "w2" and jobs[job_id].attempt == 2
     for job_id in held:  # never leased by w1: its first run
         assert jobs[job_id].worker_id == "w2" and jobs[job_id].attempt == 1
+
+
+def test_a_message_redelivered_after_its_job_was_resent_and_ran_runs_nothing_twice(settings, keys, start_worker):
+    """A consumer SIGKILLed with a job's message in hand (before any lease) leaves it unacked in Redis, which restores
+    it only after the visibility timeout (an hour). The sweeper sends the job again once its message is lost
+    (``_resend_lost``) and a worker runs it; the old message, restored an hour later, is acked and dropped by the
+    lease in SQL: the job is not run a second time."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.services.transitions import utcnow
+    from workers.celery_app import get_celery
+
+    rds = redis.Redis.from_url(settings.redis_url)
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="r", max_tokens=4), settings).job.id
+    take_and_die = ("import os, sys; from workers.celery_app import get_celery; "
+                    "conn = get_celery(sys.argv[1]).connection(); "
+                    "assert conn.default_channel.basic_get('coserve.tiny', no_ack=False) is not None; "
+                    "os.kill(os.getpid(), 9)")
+    consumer = subprocess.run([sys.executable, "-c", take_and_die, settings.redis_url], check=False)
+    assert consumer.returncode == -signal.SIGKILL
+    assert (rds.llen("coserve.tiny"), rds.hlen("unacked")) == (0, 1)  # in a dead consumer's hands
+    with session_scope(settings.sqlalchemy_url) as s:  # the sweeper's resend age past (max(30, 5 x lease) s)
+        s.execute(update(Job).where(Job.id == job_id).values(dispatched_at=utcnow() - timedelta(seconds=60)))
+    start_worker("w1")
+
+    def status() -> tuple[str, int]:
+        with session_scope(settings.sqlalchemy_url) as s:
+            job = s.get(Job, job_id, populate_existing=True)
+            return job.status, job.attempt
+    wait_for(lambda: status() == ("succeeded", 1), 60, "the job, sent again by the sweeper, to succeed")
+    # an hour on: the old message is past the visibility timeout, and Redis hands it out again
+    [tag] = rds.hkeys("unacked")
+    rds.zadd("unacked_index", {tag: time.time() - 2 * 3600})
+    with get_celery(settings.redis_url).connection() as conn:
+        conn.default_channel.qos.restore_visible(num=10, interval=1)
+    wait_for(lambda: rds.llen("coserve.tiny") == 0 and rds.hlen("unacked") == 0, 30,
+             "w1 to take the restored message and ack it")
+    assert status() == ("succeeded", 1)
+    with session_scope(settings.sqlalchemy_url) as s:
+        leased = s.scalar(select(func.count()).select_from(JobEvent).where(JobEvent.job_id == job_id,
+                                                                           JobEvent.detail == "leased"))
+    assert leased == 1  # one lease: the restored message was dropped, not run
