@@ -145,6 +145,8 @@ class GpuWorker:
         """A worker that reads no own queue (``COSERVE_ROUTING=queue``) passes on to its model's queue what an earlier
         life under its id, routed by prefix, left there: nobody else would (the sweepers reroute the own queue of a
         worker gone, and this one beats), and their lost-message rule counts a message waiting there as queued."""
+        if not any(self.redis.llen(key) for key in queue_lists(worker_queue(self.worker_id))):
+            return  # nothing left there (a worker that never routed by prefix)
         with session_scope(self.url, immediate=True) as s:
             reroute(s, self.settings.redis_url, [worker_queue(self.worker_id)])
 
