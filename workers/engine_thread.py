@@ -1,7 +1,8 @@
 """The engine thread: the only caller of the engine and the only writer of what it produced.
 
 Each iteration it applies the inbox's commands in order (add, abort, resume, promote,
-learned lengths), runs one engine step, and turns the step's outputs into outbox records:
+learned lengths, prefix cache resets, the runtime adapters to retire by), runs one engine
+step, and turns the step's outputs into outbox records:
 token deltas (each with its character offset, so a reader can tell a gap from a pause),
 first-token times, relegations and resumptions, completions and rejections, and what a job
 the API cancelled had produced (its text and token counts stay on it). It never does I/O
@@ -47,7 +48,8 @@ from app.wire import storable
 from gpu_runtime.request import RequestStatus
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.inbox import Abort, Add, Command, Inbox, Learn, Promote, ResetPrefixCache, Resume, Supersede
+from workers.inbox import (Abort, Add, Command, Inbox, JobCommand, Learn, Promote, ResetPrefixCache, Resume,
+                           RetireLoras, Supersede)
 from workers.outbox import Outbox, Record, StepRecords
 
 log = logging.getLogger(__name__)
@@ -181,7 +183,7 @@ class EngineThread:
     def _apply(self, commands: list[Command]) -> list[Record]:
         records: list[Record] = []
         for cmd in commands:
-            job = self.active.get(cmd.job_id) if not isinstance(cmd, Learn | ResetPrefixCache) else None
+            job = self.active.get(cmd.job_id) if isinstance(cmd, JobCommand) else None
             if isinstance(cmd, Add):
                 if job is None or job.finished:
                     continue
@@ -214,6 +216,11 @@ class EngineThread:
                     cmd.done.set_result(self.engine.reset_prefix_cache(cmd.reset_running_requests))
                 except Exception as exc:  # noqa: BLE001 - the operator hears why; the engine goes on
                     cmd.done.set_exception(exc)
+            elif isinstance(cmd, RetireLoras):
+                try:
+                    self.engine.retire_loras(cmd.loaded)
+                except Exception:  # the adapters stay loaded until the next beat's word; the engine goes on
+                    log.exception("the engine could not take the runtime adapters to retire by")
         return records
 
     def _send_abort(self, job: ActiveJob) -> None:

@@ -66,7 +66,7 @@ from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutd
                                 queue_lists, queue_name)
 from workers.control import start_control_listener
 from workers.engine_thread import EngineThread, failed_attempt, refusal_code
-from workers.inbox import Abort, Add, Inbox, Learn, Supersede
+from workers.inbox import Abort, Add, Inbox, Learn, RetireLoras, Supersede
 from workers.outbox import Outbox, StepRecords
 from workers.resume import Resumed
 from workers.room import batch_room, has_room
@@ -651,7 +651,7 @@ class GpuWorker:
         if state["stopping"]:  # committed: the APIs' views read from now on leave this worker out
             self._said_unroutable()
         if loras is not None:  # the runtime adapters unloaded or replaced since leave vLLM once no job uses them
-            self.engine.retire_loras(loras)
+            self.inbox.put(RetireLoras(loras))  # the engine thread's to tell the engine (its only caller)
         if self.backend == "vllm":  # vLLM's own metrics, for the API's /metrics
             try:
                 engine_metrics.publish(self.redis, self.worker_id, 3 * self.settings.heartbeat_seconds + 5)

@@ -1,5 +1,5 @@
 """What other threads ask of the engine thread, in one FIFO: add, abort, supersede, resume, promote, learn, reset
-the prefix cache.
+the prefix cache, retire runtime LoRA adapters.
 
 The engine thread is the only caller of the engine. The Celery intake, the cancel
 listener, the heartbeat and the operator's control listener put commands here; the
@@ -69,7 +69,16 @@ class ResetPrefixCache:
     reset_running_requests: bool = False
 
 
-Command = Add | Abort | Supersede | Resume | Promote | Learn | ResetPrefixCache
+@dataclass(frozen=True)
+class RetireLoras:
+    """The runtime LoRA adapters loaded now (name -> (path, version), read by the heartbeat from SQL): the engine
+    removes the others it loaded (unloaded or replaced since) once no request it holds uses them."""
+
+    loaded: dict[str, tuple[str, float]]
+
+
+Command = Add | Abort | Supersede | Resume | Promote | Learn | ResetPrefixCache | RetireLoras
+JobCommand = Add | Abort | Supersede | Resume | Promote  # those that name a job (the others are the engine's)
 
 
 class Inbox:
