@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from app.db.models import Job, JobEvent, WorkerState
 from app.db.session import session_scope
@@ -62,6 +62,26 @@ def events_of(url, job_id):
             select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
 
 
+RELEGATION = {("running", "relegated"), ("relegated", "running")}  # the engine shed the job a while, then resumed it
+
+
+def leases_of(url, job_id) -> int:
+    """How many times a worker leased the job (its ``leased`` events): on a loaded machine the engine may relegate
+    and resume it, so its transitions to running can outnumber its leases."""
+    with session_scope(url) as s:
+        return s.scalar(select(func.count()).select_from(JobEvent).where(JobEvent.job_id == job_id,
+                                                                        JobEvent.detail == "leased"))
+
+
+def assert_ran_once(url, job_id, events):
+    """``events`` (``events_of``) end with one lease after a dispatch, then the engine's run to success: relegated and
+    resumed meanwhile, maybe."""
+    lease = events.index(("dispatched", "running"))
+    assert events[lease - 1] == ("queued", "dispatched"), events
+    assert set(events[lease + 1:-1]) <= RELEGATION and events[-1][1] == "succeeded", events
+    assert leases_of(url, job_id) == 1, events
+
+
 def test_the_worker_answers_celery_control_under_its_node_name(service):
     """The worker's Celery node is ``<worker id>@<host>``, as `celery worker -n w1@%h` names it (it was ``w1@%h``)."""
     from workers.celery_app import get_celery
@@ -85,8 +105,9 @@ def test_jobs_run_stream_and_report_metrics(service):
         assert m["ttft_s"] > 0 and m["ttlt_s"] >= m["ttft_s"] and m["tbt_p99_s"] >= m["tbt_p50_s"] > 0
         assert 0 <= m["queue_s"] <= m["ttft_s"]
         assert m["slo_met"] in (True, False)
-        assert events_of(settings.sqlalchemy_url, job_id) == [
-            (None, "queued"), ("queued", "dispatched"), ("dispatched", "running"), ("running", "succeeded")]
+        events = events_of(settings.sqlalchemy_url, job_id)
+        assert events[:3] == [(None, "queued"), ("queued", "dispatched"), ("dispatched", "running")], events
+        assert_ran_once(settings.sqlalchemy_url, job_id, events)
         # the Redis stream holds the same text as SQL, then one terminal event (published once the result's write
         # committed: a reader that saw the job end in SQL may come before the last step's events)
         rds = redis.Redis.from_url(settings.redis_url)
@@ -338,7 +359,7 @@ def test_job_accepted_while_broker_down_is_dispatched_by_the_sweeper(service, mo
     job = wait_status(client, keys.paid, job_id, {"succeeded"})
     events = events_of(settings.sqlalchemy_url, job_id)
     assert events[:3] == [(None, "queued"), ("queued", "dispatched"), ("dispatched", "queued")]
-    assert events[-3:] == [("queued", "dispatched"), ("dispatched", "running"), ("running", "succeeded")]
+    assert_ran_once(settings.sqlalchemy_url, job_id, events)
     assert job["attempt"] == 1
 
 
