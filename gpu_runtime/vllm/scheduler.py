@@ -460,19 +460,22 @@ class CoserveScheduler(AsyncScheduler):
         if slots is not None:
             chunks = self._within_lora_slots(chunks, by_id, set(slots))
         chosen = {rid for rid, _ in chunks}
-        decodes, idle, stashed = [], [], []
-        for r in self.running:  # one pass: decodes stay, started prefills the policy did not choose step aside
+        # one pass: decodes stay, and the requests vLLM skips for their step in flight (no token of the step), each
+        # in its place (vLLM preempts from the end of running); started prefills the policy did not choose step aside
+        decodes, staying, stashed = [], [], []
+        for r in self.running:
             if r.request_id in decode_ids or r.request_id not in self.mirrors:
                 decodes.append(r)
-            elif r.request_id in ending:  # vLLM skips it; it stays running, in its place, with no token of the step
-                idle.append(r)
+                staying.append(r)
+            elif r.request_id in ending:
+                staying.append(r)
             elif r.request_id not in chosen:
                 stashed.append(r)
         decode_tokens = sum(max(0, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens)
                             for r in decodes)
         if self.whole_prompts or self.whole_seeded:
             chunks = self._as_whole(chunks, by_id, self._max_tokens - decode_tokens - self.num_spec_tokens)
-        kept = decodes + idle + [by_id[rid] for rid, _ in chunks if rid in by_id]
+        kept = staying + [by_id[rid] for rid, _ in chunks if rid in by_id]
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
         visible = create_request_queue(SchedulingPolicy.FCFS)

@@ -331,6 +331,7 @@ class Drive:
         # else the worker drafts, and vLLM schedules placeholders for the drafts
         if not s.scheduler_config.async_scheduling:
             self.propose_drafts()
+        running = [r.request_id for r in s.running]
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
         drafts = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
@@ -388,6 +389,7 @@ class Drive:
                 assert sched.get(rid, 0) <= max(q.num_tokens, whole) + drafts.get(rid, 0), (
                     rid, q.num_tokens, sched, drafts)
             self.check_order(plan, before, relegated, no_slot | waiting_for_grammar)
+            self.check_running_order(running, {r.request_id for r in plan.decodes} | ending)
             # vLLM restarts no request whose output is still in flight (async scheduling: the policy preempted it
             # with its step in flight, in this pass): coserve plans no chunk of it, which vLLM would skip (the
             # step's tokens lost, or given to a chunk planned after it)
@@ -573,6 +575,19 @@ class Drive:
                 sa, sb = size(a), size(b)
                 assert not (first(a) < first(b) and sa[0] <= sb[0] and sa[1] <= sb[1]), (
                     a.request_id, first(a), sa, "waits while", b.request_id, first(b), sb)
+
+    def check_running_order(self, before: list, stay: set) -> None:
+        """vLLM's running order: a request that stays running keeps its place in ``running`` (``before``: the order
+        as the step began), and the prompts the step started come after it; vLLM preempts from the end of ``running``
+        (the request that started last), so a request moved behind others is preempted before them. Those that stay
+        are the policy's decodes and the requests vLLM skips for their step in flight (``stay``); a started prompt
+        the policy did not choose steps aside for the step (put back last)."""
+        after = [r.request_id for r in self.s.running]
+        kept = [rid for rid in before if rid in stay and rid in after]
+        placed = [rid for rid in after if rid in kept]
+        assert placed == kept, ("running order", before, after)
+        started = [i for i, rid in enumerate(after) if rid not in before]
+        assert not started or not kept or after.index(kept[-1]) < started[0], ("started before", before, after)
 
     def answer(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
         """The model runner's answer: a token for each request that ``samples`` (past its prompt), after the first
@@ -1285,3 +1300,15 @@ def test_a_decode_whose_token_is_in_flight_in_another_pipeline_stage_is_not_plan
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, stages=2), evs)
     assert d.trace[1][1] == (("q1", 32),) and d.finished == {"q0", "q1"}
 
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_request_vllm_skips_for_its_step_in_flight_keeps_its_place_in_running(make_scheduler, policy):
+    """q0's one token is in flight (async scheduling), so vLLM schedules it no more, while q1 decodes and q2's prompt
+    starts. The adapter moved q0 behind the decodes (and, as 7146b5b shadowed ``_arrange``'s ``ending``, behind the
+    prompt the step started): vLLM preempts from the end of ``running``, so a request moved back is preempted
+    before those that started after it (Drive.check_running_order checks every step)."""
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    evs = [("add", Job(1, 1, urgent, 0.0)), ("add", Job(1, 5, urgent, 0.0)), ("step", 0.0),
+           ("add", Job(8, 1, urgent, 0.0)), ("step", 0.0)]
+    d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=4, async_scheduling=True), evs)
+    assert d.trace[1][1] == (("q1", 1), ("q2", 8)) and d.finished == {"q0", "q1", "q2"}
