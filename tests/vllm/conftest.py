@@ -167,11 +167,46 @@ class StubReasoner:
         return THINK_END in delta_ids
 
 
-def with_reasoning_parser(scheduler, in_thinking: bool = False) -> None:  # noqa: ANN001 - vLLM's scheduler
+TOOL_CALL = 6  # a parser engine's tool-call start: it ends the thinking too, and is content (the grammar's)
+
+
+class StubParserEngine:
+    """A vLLM parser engine as its reasoning adapter reads it for structured output: thinking ends at
+    ``THINK_END`` or, implicitly, at a tool call's start (``TOOL_CALL``, itself content: vLLM's grammar starts at it,
+    ``ConstraintBounds(end.offset, end.offset + 1)``)."""
+
+    reasoning_end_token_ids = frozenset({THINK_END, TOOL_CALL})
+    reasoning_start_str, reasoning_end_str = "<think>", "</think>"
+
+    def __init__(self, tokenizer=None, **kwargs) -> None:  # noqa: ANN001, ANN003 - vLLM's tokenizer, parser kwargs
+        self.tokenizer = tokenizer
+
+    def is_reasoning_end(self, input_ids: list[int]) -> bool:
+        return bool(self.reasoning_end_token_ids.intersection(input_ids))
+
+    def find_reasoning_end(self, token_ids):  # noqa: ANN001, ANN201 - token ids; vLLM's ReasoningEnd
+        """vLLM's ``ParserEngine.find_reasoning_end``: the first end token and whether it is content."""
+        from vllm.parser.engine.parser_engine import ReasoningEnd
+
+        ends = [i for i, t in enumerate(token_ids) if t in self.reasoning_end_token_ids]
+        return ReasoningEnd(ends[0], token_ids[ends[0]] != THINK_END) if ends else ReasoningEnd(len(token_ids), False)
+
+
+def _engine_reasoner():  # noqa: ANN202 - a ParserEngineReasoningAdapter subclass
+    """vLLM's reasoning adapter over ``StubParserEngine`` (the class the structured output manager checks for)."""
+    from vllm.parser.engine.adapters import ParserEngineReasoningAdapter
+
+    return type("StubEngineReasoner", (ParserEngineReasoningAdapter,), {"_parser_engine_cls": StubParserEngine})
+
+
+def with_reasoning_parser(scheduler, in_thinking: bool = False,  # noqa: ANN001 - vLLM's scheduler
+                          parser_engine: bool = False) -> None:
     """The scheduler's structured output manager reads thinking as an engine with a reasoning parser does
     (``COSERVE_REASONING_PARSER``: vLLM's ``structured_outputs_config.reasoning_parser``), with ``StubReasoner``;
-    ``in_thinking``: vLLM's ``structured_outputs_config.enable_in_reasoning`` (the grammar masks the thinking too)."""
-    scheduler.structured_output_manager.reasoner_cls = StubReasoner
+    ``in_thinking``: vLLM's ``structured_outputs_config.enable_in_reasoning`` (the grammar masks the thinking too);
+    ``parser_engine``: the parser is a parser engine's adapter (``StubParserEngine``: a tool call ends the thinking
+    implicitly)."""
+    scheduler.structured_output_manager.reasoner_cls = _engine_reasoner() if parser_engine else StubReasoner
     scheduler.structured_output_manager.enable_in_reasoning = in_thinking
 
 

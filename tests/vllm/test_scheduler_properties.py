@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 # first: it skips the module without vLLM
-from tests.vllm.conftest import (GRAMMAR_ROW, THINK_END, StubGrammar, compiling_grammar,  # noqa: I001
-                                 vllm_request, with_reasoning_parser)
+from tests.vllm.conftest import (GRAMMAR_ROW, THINK_END, TOOL_CALL, StubGrammar,  # noqa: I001
+                                 compiling_grammar, vllm_request, with_reasoning_parser)
 from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
 
 GRAMMAR = StructuredOutputsParams(regex="[0-9]+")
@@ -61,6 +61,9 @@ class Job:
     # on an engine with a reasoning parser, the output token that ends its thinking (None: thinking off, its prompt
     # holds the end); its grammar applies to the tokens after it
     think: int | None = None
+    # its thinking ends at a tool call's start (content, so its grammar applies from that token on) where the
+    # engine's reasoning parser is a parser engine, else at the end of thinking
+    tool_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class Engine:
     # vLLM's structured_outputs_config.enable_in_reasoning: the grammar masks the thinking too (a reasoning parser)
     grammar_in_thinking: bool = False
     stages: int = 1  # pipeline parallelism: vLLM's engine core keeps this many batches in flight (synchronous)
+    # the reasoning parser is a parser engine (vLLM's ParserEngineReasoningAdapter): a tool call ends the thinking
+    parser_engine: bool = False
 
 
 adapters = st.sampled_from([None, None, 1, 2, 3])  # three LoRA adapters (vLLM's ids count from 1); engines have <3
@@ -182,6 +187,7 @@ class Drive:
     # structured request id -> the output index of the token that ends its thinking (-1: its grammar applies from its
     # first output token: no reasoning parser, or thinking off)
     thinking: dict = field(default_factory=dict)
+    implicit: set = field(default_factory=set)  # structured requests whose thinking a tool call ends (a content token)
     # async scheduling or pipeline stages (vLLM's batch queue): the steps in flight, oldest first (each its output,
     # draft counts, the requests that sample), the oldest answered once the queue is full
     in_flight: list = field(default_factory=list)
@@ -211,6 +217,8 @@ class Drive:
                 manager = self.s.structured_output_manager
                 reasoning = manager.reasoner_cls is not None and not manager.enable_in_reasoning
                 self.thinking[rid] = arg.think if reasoning and arg.think is not None else -1
+                if self.thinking[rid] >= 0 and arg.tool_call and self.parser_engine():
+                    self.implicit.add(rid)
                 if reasoning and arg.think is None:  # thinking off: the chat template closed it in the prompt
                     prompt[-1] = THINK_END
             request = vllm_request(len(prompt), dict(arg.extra_args), arrival=self.clock[0] - arg.ago_s,
@@ -258,9 +266,24 @@ class Drive:
                 future.set_result(StubGrammar())
                 self.ready[rid] = len(self.trace)
 
+    def parser_engine(self) -> bool:
+        """Whether the reasoning parser is a parser engine's (vLLM's ``ParserEngineReasoningAdapter``)."""
+        from vllm.parser.engine.adapters import ParserEngineReasoningAdapter
+
+        reasoner = self.s.structured_output_manager.reasoner_cls
+        return reasoner is not None and issubclass(reasoner, ParserEngineReasoningAdapter)
+
     def token(self, rid: str, index: int) -> int:
-        """The model's output token ``index`` of request ``rid``: 7, or the end of its thinking where it ends."""
-        return THINK_END if index == self.thinking.get(rid, -1) >= 0 else 7
+        """The model's output token ``index`` of request ``rid``: 7, or the end of its thinking where it ends (a
+        tool call's start where that ends it)."""
+        if index != self.thinking.get(rid, -1) or index < 0:
+            return 7
+        return TOOL_CALL if rid in self.implicit else THINK_END
+
+    def grammar_start(self, rid: str) -> int:
+        """The output index of ``rid``'s first token its grammar takes: the one after its thinking's end, or that end
+        itself where it is content (a tool call's start: vLLM's ``ConstraintBounds(end.offset, end.offset + 1)``)."""
+        return self.thinking[rid] + (rid not in self.implicit)
 
     def next_tokens(self, rid: str, n: int) -> list[int]:
         """The ``n`` tokens the model samples next for ``rid`` (what a good drafter proposes)."""
@@ -268,9 +291,11 @@ class Drive:
         return [self.token(rid, done + i) for i in range(n)]
 
     def thinking_drafts(self, rid: str, drafts: int) -> int:
-        """How many of ``drafts`` draft tokens proposed after ``rid``'s outputs are its thinking (its end included):
-        vLLM checks none of them against the grammar."""
-        return max(0, min(drafts, self.thinking.get(rid, -1) - len(self.s.requests[rid].output_token_ids) + 1))
+        """How many of ``drafts`` draft tokens proposed after ``rid``'s outputs are its thinking (its end included,
+        unless it is content): vLLM checks none of them against the grammar."""
+        if rid not in self.thinking:
+            return 0
+        return max(0, min(drafts, self.grammar_start(rid) - len(self.s.requests[rid].output_token_ids)))
 
     def propose_drafts(self) -> None:
         """The drafter proposed drafts for each decode (an n-gram match, say): a request whose last step sampled
@@ -536,8 +561,10 @@ class Drive:
         for rid, r in self.s.requests.items():
             grammar = r.structured_output_request.grammar if r.use_structured_output else None
             if isinstance(grammar, StubGrammar):
-                past = len(r.output_token_ids) - self.thinking[rid] - 1
+                past = len(r.output_token_ids) - self.grammar_start(rid)
                 assert grammar.accepted == max(0, past), (rid, grammar.accepted, r.output_token_ids)
+                if rid in self.implicit and past > 0 and currently_in_test_context():
+                    event("a tool call ended the thinking (its grammar took it)")
 
     def check_order(self, plan, before: dict, relegated: set, no_slot: set) -> None:  # noqa: ANN001 - a plan
         """Of two new prompts of free interactive jobs, waiting (not relegated), the one strictly first in the
@@ -663,7 +690,7 @@ def _drive(make_scheduler, policy: str, engine: Engine, evs: list) -> Drive:
                        prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens,
                        max_loras=engine.max_loras, async_scheduling=engine.async_scheduling, stages=engine.stages)
     if engine.reasoning:
-        with_reasoning_parser(s, engine.grammar_in_thinking)
+        with_reasoning_parser(s, engine.grammar_in_thinking, engine.parser_engine)
     d = Drive(s, policy)
     for ev in evs:
         d.apply(ev)
@@ -777,11 +804,12 @@ def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs)
 
 
 # structured output: a share of the jobs waits a few steps for its grammar (a regex) to compile; on an engine with
-# a reasoning parser a job thinks first, its thinking ending at a drawn output token (or past its max_tokens)
+# a reasoning parser a job thinks first, its thinking ending at a drawn output token (or past its max_tokens): the
+# end of thinking, or where the parser is a parser engine a tool call's start (an implicit end: content)
 structured_jobs = st.builds(Job, st.integers(1, 200), st.integers(1, 40), jobs.map(lambda j: j.extra_args),
                             st.sampled_from([0.0, 0.5]), st.just(0), st.just(None), st.just(None),
                             st.sampled_from([None, 0, 1, 3, 8]), st.sampled_from([False, False, False, True]),
-                            st.sampled_from([None, 0, 1, 2, 5, 12, 60]))
+                            st.sampled_from([None, 0, 1, 2, 5, 12, 60]), st.booleans())
 structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs),
                                        st.tuples(st.just("add"), structured_jobs),
                                        st.tuples(st.just("step"), st.sampled_from([0.0, 0.02, 0.2])),
@@ -792,7 +820,7 @@ structured_events = st.lists(st.one_of(st.tuples(st.just("add"), structured_jobs
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
                         st.booleans(), st.sampled_from([0, 2, 4]), st.just(None), st.booleans(), st.booleans(),
-                        st.booleans()),
+                        st.booleans(), parser_engine=st.booleans()),
        evs=structured_events)
 def test_structured_requests_wait_for_their_grammar_while_the_step_runs_the_others(make_scheduler, policy, engine,
                                                                                    evs):
@@ -945,7 +973,7 @@ def _drive_trimmed(make_scheduler, monkeypatch, spec: str, drafter: str, policy:
                        prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens, drafter=drafter,
                        max_loras=engine.max_loras)
     if engine.reasoning:
-        with_reasoning_parser(s)
+        with_reasoning_parser(s, parser_engine=engine.parser_engine)
     d = TrimmedDrive(s, policy, drafter=drafter)
     for name, value in spec_config.items():
         setattr(s.drafts.policy.config, name, value)
@@ -957,7 +985,7 @@ def _drive_trimmed(make_scheduler, monkeypatch, spec: str, drafter: str, policy:
 
 speculating_engines = st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]),
                                 st.integers(2, 8), st.booleans(), st.sampled_from([1, 2, 4, 8, 12]), st.just(None),
-                                st.booleans())
+                                st.booleans(), parser_engine=st.booleans())
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -1312,3 +1340,15 @@ def test_a_request_vllm_skips_for_its_step_in_flight_keeps_its_place_in_running(
            ("add", Job(8, 1, urgent, 0.0)), ("step", 0.0)]
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=4, async_scheduling=True), evs)
     assert d.trace[1][1] == (("q1", 1), ("q2", 8)) and d.finished == {"q0", "q1", "q2"}
+
+
+@pytest.mark.parametrize("spec_tokens", [0, 2])
+def test_a_tool_call_that_ends_the_thinking_is_the_grammars_first_token(make_scheduler, spec_tokens):
+    """A parser engine's reasoning adapter (vLLM's ParserEngineReasoningAdapter) ends the thinking implicitly at a
+    tool call's start, which is content: vLLM's grammar takes that token itself (ConstraintBounds(end.offset,
+    end.offset + 1)) and checks the drafts from it on, not from the token after it as for the end of thinking.
+    q0 thinks for 3 tokens, then calls a tool (Drive.check_grammar_state, check_drafts and check_bitmask)."""
+    evs = [("add", Job(4, 12, LAX, 0.0, grammar=0, think=3, tool_call=True)), ("step", 0.0)]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, spec_tokens=spec_tokens,
+                                                 reasoning=True, parser_engine=True), evs)
+    assert d.implicit == {"q0"} and d.finished == {"q0"} and d.streamed["q0"] == 12
