@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT as MESSAGES
 from app.batch.events import batch_ended
-from app.batch.objects import job_error_line, output_line
+from app.batch.objects import job_error_line, outran_window, output_line
 from app.batch.storage import MESSAGE_BATCH_RESULTS, new_file
 from app.db.models import STAGED, Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
@@ -62,7 +62,6 @@ class Counts:
     pending: int = 0
     completed: int = 0
     failed: int = 0
-    expired_jobs: int = 0
 
 
 def _number(condition: Any) -> Any:
@@ -79,8 +78,7 @@ def counts_of(session: Session, batch_ids: Iterable[str]) -> dict[str, Counts]:
     """Each batch's ``Counts``, one grouped query for them all (a page's); a batch without jobs is left out."""
     single = Job.choice_index.is_(None)  # a line's only job: its lines are counted by status, in a handful of groups
     lines = (select(Job.batch_id, single.label("single"), _number(Job.status.not_in(TERMINAL_JOB)).label("open"),
-                    _number(Job.status == JobStatus.SUCCEEDED.value).label("ok"), func.count().label("jobs"),
-                    _number(Job.status == JobStatus.EXPIRED.value).label("expired"))
+                    _number(Job.status == JobStatus.SUCCEEDED.value).label("ok"), func.count().label("jobs"))
              .where(Job.batch_id.in_(list(batch_ids)), ~Job.status.startswith(STAGED))
              .group_by(Job.batch_id, single, case((single, Job.status), else_=Job.custom_id))
              .subquery())
@@ -90,8 +88,8 @@ def counts_of(session: Session, batch_ids: Iterable[str]) -> dict[str, Counts]:
         c.batch_id,
         func.sum(case((c.single, c.open), else_=case((c.open > 0, 1), else_=0))),
         func.sum(case((c.single, c.ok), else_=case((done & (c.ok == c.jobs), 1), else_=0))),
-        func.sum(case((c.single, c.jobs - c.open - c.ok), else_=case((done & (c.ok < c.jobs), 1), else_=0))),
-        func.sum(c.expired)).group_by(c.batch_id))
+        func.sum(case((c.single, c.jobs - c.open - c.ok), else_=case((done & (c.ok < c.jobs), 1), else_=0))))
+        .group_by(c.batch_id))
     return {batch_id: Counts(*(int(n or 0) for n in sums)) for batch_id, *sums in rows}
 
 
@@ -143,9 +141,6 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         # and the sweeper's call here stops them (a live cancel's remaining chunks find them ended: guarded updates)
         stop_jobs(session, batch_id, JobStatus.CANCELLED, "cancelled with its batch", redis_url)
         counts = _counts(session, batch_id)
-    # judged from the jobs, not from whether this call stopped them: a concurrent caller (the
-    # worker's sweeper, another poll) may have expired them between our two reads
-    expired = window_over and counts.expired_jobs > 0
     invalid = _invalid_lines(data_dir, batch_id)
     completed, failed = counts.completed, len(invalid) + counts.failed
     session.commit()
@@ -167,7 +162,11 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         session.commit()
     if not won:
         return False
-    jobs = session.scalars(select(Job).where(*_of_batch(batch_id)).order_by(Job.created_at, Job.id))
+    jobs = list(session.scalars(select(Job).where(*_of_batch(batch_id)).order_by(Job.created_at, Job.id)))
+    # expired where the window stopped a job, judged from the jobs, not from whether this call stopped them (a
+    # concurrent caller, the worker's sweeper or another poll, may have expired them between our reads), and as
+    # their error lines say: a job the scheduler gave up on inside the window is the server's failure, not the window's
+    expired = window_over and any(outran_window(job, batch.expires_at) for job in jobs)
     out_lines, err_lines = [], list(invalid)
     for line in requests(jobs):  # a request of several choices answers whole, or with its first failed choice
         failed_job = next((j for j in line if j.status != JobStatus.SUCCEEDED), None)

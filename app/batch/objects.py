@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import and_, case, false, func, select
 from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT as MESSAGES, stored_message
@@ -118,18 +118,43 @@ def _job_error(job: Job, window_end: datetime | None) -> tuple[str, str]:
     return job.error_code or "request_failed", f"generation failed: {job.error or 'unknown error'}"
 
 
+def stopped_code(status: str, given_up_in_window: bool) -> str:
+    """The error-file code of a job a cancel or an expiry stopped (``status``: cancelled or expired): one the
+    scheduler gave up on while its batch's window was still open (``given_up_in_window``) is the server's failure
+    (``server_error``), any other expiry the window's (``batch_expired``). Finalize's batch status and a message
+    batch's counts read the codes from here too, so they say what the error file says."""
+    if status == "cancelled":
+        return "batch_cancelled"
+    return "server_error" if given_up_in_window else "batch_expired"
+
+
+def given_up_in_window(job: Job, window_end: datetime | None) -> bool:
+    """Whether the scheduler gave up on ``job`` (expired with the worker's error; the window's stop sets none) before
+    the batch's window ended (``window_end``: its ``expires_at``). SQL's twin: ``GIVEN_UP_IN_WINDOW``."""
+    return (job.error is not None and window_end is not None and job.finished_at is not None
+            and as_utc(job.finished_at) < as_utc(window_end))
+
+
+# ``given_up_in_window`` of an expired job joined to its batch, as SQL (NULL where a time is missing: not in window)
+GIVEN_UP_IN_WINDOW = func.coalesce(and_(Job.error.is_not(None), Job.finished_at < Batch.expires_at), false())
+
+
 def _given_up(job: Job, window_end: datetime | None) -> tuple[str, str]:
     """A job the scheduler relegated under overload and then gave up on: ``batch_expired`` only where the batch's
     window had ended when it did (OpenAI expires a request only so); before that, the server's failure, as OpenAI
     types an overloaded server's answer (``server_error``), which the request may be sent again for."""
     tokens = job.completion_tokens
     how = f"after {tokens} of its tokens" if tokens else "before its first token"
-    in_window = (window_end is not None and job.finished_at is not None
-                 and as_utc(job.finished_at) < as_utc(window_end))
-    if not in_window:
-        return "batch_expired", f"{WINDOW_ENDED}: the server had relegated it under overload and gave up on it {how}"
-    return "server_error", (f"the server relegated this request under overload and gave up on it {how}, while the "
-                            "batch's completion window was still open; it can be sent again")
+    code = stopped_code(job.status, given_up_in_window(job, window_end))
+    if code == "batch_expired":
+        return code, f"{WINDOW_ENDED}: the server had relegated it under overload and gave up on it {how}"
+    return code, (f"the server relegated this request under overload and gave up on it {how}, while the "
+                  "batch's completion window was still open; it can be sent again")
+
+
+def outran_window(job: Job, window_end: datetime | None) -> bool:
+    """Whether ``job``'s error line says the batch's window ended before it finished (``batch_expired``)."""
+    return job.status == "expired" and stopped_code(job.status, given_up_in_window(job, window_end)) == "batch_expired"
 
 
 def invalid_line(line_no: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:

@@ -93,3 +93,23 @@ def test_a_cancel_after_the_window_ended_finds_the_batch_expired(client, keys, s
     assert (batch.status, batch.cancelling_at, batch.cancelled_at) == ("expired", None, None)
     assert batch.expired_at is not None
     assert [e["code"] for e in _error_lines(client, keys, batch)] == ["batch_expired", "batch_expired"]
+
+
+def test_a_batch_whose_jobs_all_ended_in_its_window_is_completed_though_finalized_after_it(client, keys, settings):
+    """A job the scheduler gave up on while the window was open (its line: ``server_error``), the batch finalized
+    only once the window had ended (no poll, no sweep before): the window stopped nothing, so the batch is
+    ``completed``, as its error file says, not ``expired``."""
+    batch_id = _batch(client, keys, ["tiny"], window="1h")
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        now = utcnow()  # the scheduler gave up on the job 2 s ago; the window ended a second after that
+        s.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now - timedelta(seconds=1)))
+        s.execute(update(Job).where(Job.batch_id == batch_id).values(
+            status="expired", error=GIVEN_UP, slo_met=False, finished_at=now - timedelta(seconds=2),
+            settled_at=now - timedelta(seconds=2)))
+        s.commit()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert maybe_finalize(s, batch_id, settings.data_dir, None)
+    batch = _read(client, keys, batch_id)
+    (error,) = _error_lines(client, keys, batch)
+    assert error["code"] == "server_error", error
+    assert batch.status == "completed", batch

@@ -453,7 +453,7 @@ def test_batch_queue_limit_and_usage_on_postgres(pg_url):
             s.add(Job(tenant_id=tenant_id, batch_id="batch_q", kind="batch", tier="paid", model="m", sampling={},
                       status=status, custom_id="two", choice_index=i, counts_request=i == 0, counts_prompt=i == 0))
     with session_scope(pg_url) as s:
-        assert finalize._counts(s, "batch_q") == finalize.Counts(pending=3, completed=1, failed=0, expired_jobs=0)
+        assert finalize._counts(s, "batch_q") == finalize.Counts(pending=3, completed=1, failed=0)
 
 
 def test_writes_that_race_a_deletion_on_postgres(pg_url, tmp_path, redis_url, tiny_model_dir):
