@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT, error_body
+from app.batch.objects import GIVEN_UP_IN_WINDOW, stopped_code
 from app.db.models import Batch, Job, JobStatus
 from app.services.transitions import as_utc
 
@@ -53,23 +54,32 @@ def request_counts(session: Session, b: Batch) -> dict[str, int]:
 
 def page_request_counts(session: Session, batches: list[Batch]) -> dict[str, dict[str, int]]:
     """``request_counts`` of each batch of a page, by id: the ended ones' stopped jobs counted in one grouped query
-    (not one a batch)."""
+    (not one a batch), each by the result its error line gives it (``stopped_result``)."""
     ended = [b.id for b in batches if processing_status(b) == "ended"]
     stopped: dict[str, dict[str, int]] = {}
     if ended:
-        for batch_id, status, n in session.execute(select(Job.batch_id, Job.status, func.count()).where(
-                Job.batch_id.in_(ended), Job.status.in_((JobStatus.CANCELLED.value, JobStatus.EXPIRED.value)))
-                .group_by(Job.batch_id, Job.status)):
-            stopped.setdefault(batch_id, {})[status] = n
+        for batch_id, status, in_window, n in session.execute(
+                select(Job.batch_id, Job.status, GIVEN_UP_IN_WINDOW, func.count()).join(Batch, Batch.id == Job.batch_id)
+                .where(Job.batch_id.in_(ended), Job.status.in_((JobStatus.CANCELLED.value, JobStatus.EXPIRED.value)))
+                .group_by(Job.batch_id, Job.status, GIVEN_UP_IN_WINDOW)):
+            kinds = stopped.setdefault(batch_id, {})
+            kind = stopped_result(status, bool(in_window))
+            kinds[kind] = kinds.get(kind, 0) + n
     return {b.id: _counts(b, stopped.get(b.id, {})) for b in batches}
 
 
+def stopped_result(status: str, given_up_in_window: bool) -> str:
+    """The result type of a request whose job a cancel or an expiry stopped: its error line's code's
+    (``result_of_error``), so the counts say what the results say."""
+    return RESULT_OF_CODE.get(stopped_code(status, given_up_in_window), "errored")
+
+
 def _counts(b: Batch, stopped: dict[str, int]) -> dict[str, int]:
+    """``stopped``: the ended batch's stopped requests by result type (canceled, expired; errored: counted below)."""
     counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
     if processing_status(b) != "ended":
         return counts | {"processing": b.total}
-    counts |= {"succeeded": b.completed, "canceled": stopped.get(JobStatus.CANCELLED.value, 0),
-               "expired": stopped.get(JobStatus.EXPIRED.value, 0)}
+    counts |= {"succeeded": b.completed, "canceled": stopped.get("canceled", 0), "expired": stopped.get("expired", 0)}
     # requests the batch ended without (no job, no error-file line): cancelled before its fan-out, or failed
     unanswered = max(0, b.total - b.completed - b.failed)
     counts["canceled"] += unanswered if b.status == "cancelled" else 0

@@ -217,3 +217,47 @@ def test_a_message_batch_cancelled_before_its_fan_out_ran_has_its_requests_cance
         assert batch["processing_status"] == "ended" and batch["request_counts"] == canceled, batch
     results = client.get(f"/v1/messages/batches/{batch_id}/results", headers=headers).text.splitlines()
     assert [json.loads(line)["result"] for line in results] == [{"type": "canceled"}] * 2
+
+
+def test_a_message_batchs_counts_are_the_tally_of_its_results(client, keys, settings):
+    """Its jobs ended as the worker and the window write them (succeeded; given up on by the scheduler while the
+    window was open: errored; given up on after it ended, and stopped by the window: expired): each request is
+    counted as its result says."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.batch.finalize import maybe_finalize
+    from app.db.models import Job
+    from app.db.session import write_guard
+    from app.services.transitions import utcnow
+
+    headers = {"x-api-key": keys.paid}
+    made = client.post("/v1/messages/batches", headers=headers, json={"requests": [
+        {"custom_id": f"r{i}", "params": {"model": "tiny", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": "Hi"}]}} for i in range(4)]})
+    assert made.status_code == 200, made.text
+    batch_id = made.json()["id"]
+    given_up = "relegated under overload and expired before its first token (its deadline had long passed)"
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        now, second = utcnow(), timedelta(seconds=1)
+        s.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now - 2 * second))
+        ends = {"r0": {"status": "succeeded", "output_text": "Hello", "finish_reason": "stop", "prompt_tokens": 3,
+                       "completion_tokens": 1, "finished_at": now - 3 * second},
+                "r1": {"status": "expired", "error": given_up, "finished_at": now - 3 * second},  # window open
+                "r2": {"status": "expired", "error": given_up, "finished_at": now - second},  # window ended
+                "r3": {"status": "expired", "error": None, "finished_at": now - second}}  # the window's stop
+        for custom_id, end in ends.items():
+            s.execute(update(Job).where(Job.batch_id == batch_id, Job.custom_id == custom_id).values(
+                slo_met=end["status"] == "succeeded", settled_at=end["finished_at"], **end))
+        s.commit()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert maybe_finalize(s, batch_id, settings.data_dir, None)
+    batch = client.get(f"/v1/messages/batches/{batch_id}", headers=headers).json()
+    results = client.get(f"/v1/messages/batches/{batch_id}/results", headers=headers).text.splitlines()
+    kinds = [json.loads(line)["result"]["type"] for line in results]
+    assert kinds == ["succeeded", "errored", "expired", "expired"], results
+    tally = {kind: kinds.count(kind) for kind in ("succeeded", "errored", "canceled", "expired")}
+    assert batch["request_counts"] == {"processing": 0, **tally}, (batch["request_counts"], kinds)
+    listed = client.get("/v1/messages/batches", headers=headers).json()["data"]
+    assert [b["request_counts"] for b in listed] == [batch["request_counts"]]
