@@ -346,6 +346,41 @@ def test_client_disconnect_cancels_the_job(live_server, keys, start_worker):
     assert job["completion_tokens"] is None or job["completion_tokens"] < 400
 
 
+def _jobs_of(settings, tenant_id: str) -> list[tuple[str, str, int | None]]:
+    """The tenant's jobs (id, status, completion tokens), as SQL has them."""
+    from sqlalchemy import select
+
+    from app.db.models import Job
+    from app.db.session import session_scope
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        return [tuple(row) for row in s.execute(select(Job.id, Job.status, Job.completion_tokens).where(
+            Job.tenant_id == tenant_id).order_by(Job.created_at, Job.id))]
+
+
+def test_client_disconnect_stops_every_conversation_of_a_batched_chat(live_server, keys, settings, start_worker):
+    """vLLM's POST /v1/chat/completions/batch answers whole, once every conversation's job ended: a client that hangs
+    up meanwhile stops them all, as chat's does (they would run their 400 tokens to the end for no one)."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.1")
+    body = json.dumps({"model": "tiny", "max_tokens": 400, "ignore_eos": True, "messages": [
+        [{"role": "user", "content": f"Tell me story number {i}"}] for i in range(2)]}).encode()
+    url = urlsplit(live_server)
+    head = (f"POST /v1/chat/completions/batch HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {keys.paid}"
+            f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as conn:  # the client: it hangs up below
+        conn.sendall(head + body)
+        wait_for(lambda: (jobs := _jobs_of(settings, keys.tenant_id)) and len(jobs) == 2 and any(
+            status == "running" for _, status, _ in jobs), 60, "the conversations' jobs to run")
+    jobs = wait_for(lambda: (jobs := _jobs_of(settings, keys.tenant_id)) and all(
+        status == "cancelled" for _, status, _ in jobs) and jobs, 30, "the abandoned jobs to be cancelled",
+        interval=0.2)
+    assert all(tokens is None or tokens < 400 for _, _, tokens in jobs), jobs
+
+
 def test_what_the_engine_refuses_is_the_clients_to_fix_not_a_server_error(oai, stack, monkeypatch):
     """A worker's engine may refuse what the API let through (here the API believes vLLM serves, and this worker's own
     engine refuses the penalty): the job fails as an invalid request, and the OpenAI routes answer 400, as vLLM does."""
