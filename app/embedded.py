@@ -318,17 +318,13 @@ def _kill_leftovers(group: int, wait_s: float = 10.0) -> None:
 
 
 def _live_members(group: int) -> bool:
-    """Whether a process of the group ``group`` is not yet a zombie, as /proc tells (True where there is no /proc to
-    tell: the caller waits on the signal alone)."""
-    proc = Path("/proc")
-    if not proc.joinpath("self", "stat").exists():
-        return True
-    for stat in proc.glob("[0-9]*/stat"):
+    """Whether a process of the group ``group`` is not yet a zombie (psutil reads each process's state)."""
+    import psutil
+
+    for proc in psutil.process_iter():
         try:
-            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, the fields after it do not
-            state, _ppid, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
-        except (OSError, ValueError):  # it ended while we looked
+            if os.getpgid(proc.pid) == group and proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return True
+        except (psutil.Error, OSError):  # it ended while we looked
             continue
-        if int(pgrp) == group and state not in ("Z", "X"):
-            return True
     return False
