@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING
 
 from gpu_runtime.qos import Tier
@@ -118,6 +118,7 @@ class BaseScheduler(Scheduler):
         # whatever walks them (pauses, releases, continuations) meets them in the same order in every process (a set
         # of strings iterates in the order of the process's string hashes, PYTHONHASHSEED)
         self.started: dict[str, None] = {}
+        self._seats_aside = 0  # seats of running requests set aside for the schedule that keep them (set_aside)
         # draft tokens each running decode verifies in the next step (the engine's drafter proposed them; set by the
         # engine before each schedule, missing: none): a decode takes 1 + its drafts of the step's tokens and KV
         self.decode_drafts: dict[str, int] = {}
@@ -197,10 +198,12 @@ class BaseScheduler(Scheduler):
             self.running.pop(request_id, None)
         return req
 
-    def set_aside(self, request_ids: list[str]) -> list[tuple[Request, str]]:
+    def set_aside(self, request_ids: list[str], holding: Container[str] = ()) -> list[tuple[Request, str]]:
         """Takes requests the engine cannot run now out of the policy's queues, for one ``schedule`` (the vLLM
-        adapter: a prompt whose adapter finds no LoRA slot, a decode whose step in flight ends it): a prompt is not
-        planned, a decode neither planned nor made KV room for; returns what ``put_back`` restores."""
+        adapter: a prompt whose adapter finds no LoRA slot, a decode with its token in flight): a prompt is not
+        planned, a decode neither planned nor made KV room for; returns what ``put_back`` restores. The running
+        requests in ``holding`` keep their seat (max_num_seqs): they run again once their token is in, beside the
+        prompts started now."""
         aside = []
         for rid in request_ids:
             if (req := self._remove_waiting(rid)) is not None:
@@ -209,9 +212,11 @@ class BaseScheduler(Scheduler):
                 aside.append((req, "relegated"))
             elif (req := self.running.pop(rid, None)) is not None:
                 aside.append((req, "running"))
+                self._seats_aside += rid in holding
         return aside
 
     def put_back(self, aside: list[tuple[Request, str]]) -> None:
+        self._seats_aside = 0
         for req, queue in aside:
             if queue == "relegated":
                 self.relegated.push(req)
@@ -418,7 +423,7 @@ class BaseScheduler(Scheduler):
     # ---- helpers for policies ----
     def _admit_room(self) -> int:
         """How many more requests may start holding KV (max_num_seqs)."""
-        return self.config.max_num_seqs - len(self.running) - len(self.started)
+        return self.config.max_num_seqs - len(self.running) - len(self.started) - self._seats_aside
 
     def _take_in_order(self, left: int, kv: KVBudget, out: SchedulerOutput) -> int:
         """Chunks of waiting prompts in queue order until ``left`` tokens are spent or KV or admission runs out;

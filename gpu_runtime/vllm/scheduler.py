@@ -132,6 +132,8 @@ class CoserveScheduler(AsyncScheduler):
         self.report_events = False
         self.expired: list[VLLMRequest] = []  # finished by the policy's expiry, reported by update_from_output
         self._resumes: deque[str] = deque()
+        # request id -> the drafts of its token in another pipeline stage's batch, hidden from vLLM for the step
+        self._drafts_in_flight: dict[str, list[int]] = {}
         self._max_tokens = self.max_num_scheduled_tokens  # vLLM's step cap (max_num_batched_tokens)
         self.last_step = (0, 0, 0)  # prefill tokens, decodes, prefill budget of the last schedule()
         self.last_scheduled_tokens = 0  # every token the last schedule() gave the model (0: nothing to run)
@@ -314,16 +316,20 @@ class CoserveScheduler(AsyncScheduler):
         # the requests vLLM schedules nothing of in this step for the step in flight: under async scheduling a decode
         # that step ends, under pipeline parallelism one whose token is still in flight (several batches are);
         # the policy neither plans them (a chunk after one would grow into its token) nor makes KV room for their
-        # next token (it would preempt a decode that runs on), and they hold no LoRA slot of this step (vLLM counts
-        # the adapters of what it schedules); in running order, one walk a step
-        ending = dict.fromkeys(r.request_id for r in self.running if self._idle_in_flight(r)) \
-            if self.vllm_config.max_concurrent_batches > 1 else {}
+        # next token (it would preempt a decode that runs on); in running order, one walk a step
+        idle = [r for r in self.running if self._idle_in_flight(r)] if self.vllm_config.max_concurrent_batches > 1 \
+            else []
+        ending = dict.fromkeys(r.request_id for r in idle)
+        # those whose token in flight is not their last (pipeline stages) run again next step, beside the prompts
+        # started now: they keep their seat and their LoRA slot. vLLM counts the adapters of the requests it
+        # schedules in a step and asserts there are at most max_loras; those a step in flight ends hold none
+        returning = {r.request_id for r in idle if not self._ends_in_flight(r)}
         # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
-        slots = {r.lora_request.lora_int_id for r in self.running
-                 if r.lora_request and r.request_id not in ending} if self.lora_config else None
+        slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request
+                 and (r.request_id not in ending or r.request_id in returning)} if self.lora_config else None
         unrunnable = [*self._compiling_grammar(), *(self._without_lora_slot(slots) if slots is not None else []),
                       *ending]
-        aside = self.policy.set_aside(unrunnable) if unrunnable else []
+        aside = self.policy.set_aside(unrunnable, returning) if unrunnable else []
         self.policy.decode_drafts = self._decode_drafts()
         try:
             plan = self.policy.schedule(now)
@@ -486,19 +492,40 @@ class CoserveScheduler(AsyncScheduler):
         self.waiting = visible
         self.running = kept
         self.kv.keep_hits(new)  # the new prompts' hits, in the policy's order, outlive the step's allocations
+        self._hide_drafts_in_flight(ending)
         pad = self.num_spec_tokens if self._pads_a_draft_step(chunks, by_id, bool(decodes)) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
 
     def _idle_in_flight(self, request: VLLMRequest) -> bool:
-        """Whether vLLM schedules nothing of running ``request`` in this step for a step in flight (its test in
-        ``schedule``): under async scheduling, that step brings it to max_tokens even if every draft it verifies is
-        rejected; without (pipeline stages), its tokens are all computed and the one it samples is not in yet."""
+        """Whether running ``request`` may run nothing in this step for a step in flight: under async scheduling,
+        that step brings it to max_tokens even if every draft it verifies is rejected (vLLM's test in ``schedule``);
+        without (pipeline stages), its tokens are all computed and the one it samples is not in yet, whatever drafts
+        it has (``_hide_drafts_in_flight``)."""
         if self.scheduler_config.async_scheduling:
             return (request.num_output_placeholders > 0
                     and request.num_computed_tokens + 2 - request.num_output_placeholders
                     >= request.num_prompt_tokens + request.max_tokens)
-        return request.num_tokens_with_spec <= request.num_computed_tokens
+        return request.num_tokens <= request.num_computed_tokens
+
+    def _ends_in_flight(self, request: VLLMRequest) -> bool:
+        """Whether a step in flight brings idle ``request`` (``_idle_in_flight``) its last token: vLLM schedules it
+        no more. Under async scheduling every idle request; under pipeline stages one whose token in flight is its
+        max_tokens-th (else it comes back once that token is in)."""
+        return self.scheduler_config.async_scheduling or len(request.output_token_ids) + 1 >= request.max_tokens
+
+    def _hide_drafts_in_flight(self, ending: Container[str]) -> None:
+        """Takes the drafts of the requests whose token is in another pipeline stage's batch out of vLLM's sight for
+        the step (``_restore`` gives them back). vLLM's engine core hands the scheduler the drafts of the batch it
+        just ran (``post_step``) before that batch's sampled tokens are in, and its scheduler would then run those
+        drafts alone in the place of the token it does not have yet (vLLM issue 52071): they are verified in the
+        step after the token is in, as the drafts that follow it."""
+        if self.scheduler_config.async_scheduling:  # the drafts are the worker's placeholders: vLLM's own test holds
+            return
+        for r in self.running:
+            if r.request_id in ending and r.spec_token_ids:
+                self._drafts_in_flight[r.request_id] = r.spec_token_ids
+                r.spec_token_ids = []
 
     def _pads_a_draft_step(self, chunks: list[tuple[str, int]], running: dict[str, VLLMRequest],
                            decodes: bool) -> bool:
@@ -591,6 +618,11 @@ class CoserveScheduler(AsyncScheduler):
             held.add_request(r)
         self.running.extend(r for r in stashed if r.status == VStatus.RUNNING)
         self.max_num_scheduled_tokens = self._max_tokens
+        drafts, self._drafts_in_flight = self._drafts_in_flight, {}
+        for rid, tokens in drafts.items():
+            r = self.requests.get(rid)
+            if r is not None and r.status == VStatus.RUNNING and not r.spec_token_ids:
+                r.spec_token_ids = tokens
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, Any]:

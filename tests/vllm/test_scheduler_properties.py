@@ -83,6 +83,16 @@ class Engine:
     parser_engine: bool = False
 
 
+# pipeline parallelism's stages (vLLM's engine core keeps that many batches in flight); vLLM 0.32 combines them with
+# LoRA and speculative decoding, not with async scheduling on its V1 model runner (it turns that off)
+stages = st.sampled_from([1, 1, 2, 3])
+
+
+def v1_runs(engine: Engine) -> bool:
+    """Whether vLLM's V1 model runner runs the engine: no async scheduling under pipeline stages."""
+    return engine.stages == 1 or not engine.async_scheduling
+
+
 adapters = st.sampled_from([None, None, 1, 2, 3])  # three LoRA adapters (vLLM's ids count from 1); engines have <3
 seeds = st.sampled_from([None, None, None, 7])
 jobs = st.builds(
@@ -100,7 +110,7 @@ jobs = st.builds(
 # them on its V1 model runner): one, two or three batches in flight
 engines = st.builds(Engine, st.sampled_from([16, 16, 24, 40]), st.sampled_from([32, 64, 128, 512]), st.integers(2, 8),
                     max_loras=st.sampled_from([None, 1, 2]), async_scheduling=st.booleans(),
-                    stages=st.sampled_from([1, 1, 2, 3])).filter(lambda e: e.stages == 1 or not e.async_scheduling)
+                    stages=stages).filter(v1_runs)
 events = st.lists(st.one_of(
     st.tuples(st.just("add"), jobs),
     st.tuples(st.just("add"), jobs),
@@ -299,7 +309,9 @@ class Drive:
 
     def propose_drafts(self) -> None:
         """The drafter proposed drafts for each decode (an n-gram match, say): a request whose last step sampled
-        a token, not one recomputing its prompt and outputs after a preemption. vLLM keeps what the grammar of a
+        a token, not one recomputing its prompt and outputs after a preemption; under pipeline stages one whose token
+        is still in another stage's batch too (vLLM's engine core takes the drafts of the batch it just ran, in
+        ``post_step``, before that batch's answer is in). vLLM keeps what the grammar of a
         structured request allows (``update_draft_token_ids``: the prefix ``validate_tokens`` accepts), the drafts
         of its thinking aside."""
         from vllm.v1.outputs import DraftTokenIds
@@ -381,10 +393,11 @@ class Drive:
                     event("seeded prompt ran whole")
         if s.lora_config is not None:
             # vLLM's promise (it asserts it as the next step begins): the running requests, those the policy set
-            # aside for the step too, hold at most max_loras adapters; not one whose step in flight ends it (async
-            # scheduling): vLLM schedules it no more, and counts only the adapters of the requests it schedules
+            # aside for the step too, hold at most max_loras adapters; not one whose step in flight ends it: vLLM
+            # schedules it no more, and counts only the adapters of the requests it schedules. One whose token is in
+            # another pipeline stage's batch holds its adapter: it is scheduled again once the token is in
             held = {r.lora_request.lora_int_id for r in s.running if r.lora_request is not None
-                    and r.request_id not in ending}
+                    and not (r.request_id in ending and len(r.output_token_ids) + 1 >= r.max_tokens)}
             assert len(held) <= s.lora_config.max_loras, (held, sched)
             if len(held) == s.lora_config.max_loras and currently_in_test_context() and any(
                     r.lora_request is not None and r.lora_request.lora_int_id not in held for r in s.waiting):
@@ -438,6 +451,7 @@ class Drive:
         self.check_grammars(out, waiting_for_grammar)
         # the requests that sample a token in the step: past their prompt once it is scheduled
         samples = {rid for rid in sched if s.requests[rid].num_computed_tokens >= s.requests[rid].num_tokens}
+        self.check_scheduled(out)
         if pipelined:
             outputs = self.pipeline(out, drafts, samples)
         else:
@@ -459,6 +473,10 @@ class Drive:
         self.trace.append((self.clock[0], tuple(sorted(sched.items())), tuple(sorted(out.preempted_req_ids))))
         self.check_grammar_state()
         self.check_books()
+
+    def check_scheduled(self, out) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
+        """Checks of the step just scheduled against the plan it came from (with steps in flight, the step answered
+        next is an older one): none here."""
 
     def stale(self, rid: str) -> bool:
         """Whether vLLM skips ``rid`` in its waiting queue for output still in flight (preempted with its step in
@@ -734,7 +752,8 @@ def test_prefix_cache_hits_and_drafts_keep_the_step_and_the_books(make_scheduler
 @pytest.mark.parametrize("policy", POLICIES)
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([32, 64, 512]), st.integers(2, 8),
-                        st.just(False), st.sampled_from([0, 0, 4]), async_scheduling=st.booleans()), evs=kv_pressure())
+                        st.just(False), st.sampled_from([0, 0, 4]), async_scheduling=st.booleans(),
+                        stages=stages).filter(v1_runs), evs=kv_pressure())
 def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_scheduler, policy, engine, evs):
     # QoServe 3.4 / vLLM's recompute preemption: a preempted request is requeued, not lost; it resumes, streams
     # each of its tokens once and ends; every block is free again (the invariants of every step hold meanwhile)
@@ -760,7 +779,7 @@ def test_two_requests_preempted_in_one_pass_resume_and_finish_whole(make_schedul
 @PROPS
 @given(engine=st.builds(Engine, st.sampled_from([24, 40]), st.sampled_from([32, 64]), st.integers(2, 8),
                         st.just(False), st.sampled_from([0, 2]), st.sampled_from([1, 2]),
-                        async_scheduling=st.booleans()), evs=lora_pressure())
+                        async_scheduling=st.booleans(), stages=stages).filter(v1_runs), evs=lora_pressure())
 def test_prompts_of_more_adapters_than_lora_slots_all_run_within_the_slots(make_scheduler, policy, engine, evs):
     # vLLM's LoRA slots: the running requests never hold more adapters than max_loras, the policy's plan is what
     # vLLM runs though a prompt of an adapter with no slot cannot start, and every job finishes
@@ -898,11 +917,15 @@ class TrimmedDrive(Drive):
         self.proposed = {r.request_id: list(r.spec_token_ids) for r in s.running if r.spec_token_ids}
         self.blocks = {r.request_id: len(s.kv_cache_manager.get_block_ids(r.request_id)[0]) for r in s.running}
 
-    def answer(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
+    def check_scheduled(self, out) -> None:  # noqa: ANN001 - vLLM's SchedulerOutput
         self.check_trim(out)
         self.choices.append(tuple(sorted(self.s.drafts.kept.items())))
+
+    def answer(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
         self.device[0] += STEP_S[0] + STEP_S[1] * out.total_num_scheduled_tokens
-        before = {rid: len(self.s.requests[rid].output_token_ids) for rid in out.num_scheduled_tokens}
+        # (not one aborted while its step was in flight)
+        before = {rid: len(self.s.requests[rid].output_token_ids) for rid in out.num_scheduled_tokens
+                  if rid in self.s.requests}
         outputs = super().answer(out, drafts, samples)
         self.check_rejections(out, before)
         return outputs
@@ -971,7 +994,7 @@ def _drive_trimmed(make_scheduler, monkeypatch, spec: str, drafter: str, policy:
     monkeypatch.setenv("COSERVE_SPEC_POLICY", spec)
     s = make_scheduler(policy, max_batched=engine.max_batched, blocks=engine.blocks, max_seqs=engine.max_seqs,
                        prefix_caching=engine.prefix_caching, spec_tokens=engine.spec_tokens, drafter=drafter,
-                       max_loras=engine.max_loras)
+                       max_loras=engine.max_loras, stages=engine.stages)
     if engine.reasoning:
         with_reasoning_parser(s, parser_engine=engine.parser_engine)
     d = TrimmedDrive(s, policy, drafter=drafter)
@@ -985,7 +1008,7 @@ def _drive_trimmed(make_scheduler, monkeypatch, spec: str, drafter: str, policy:
 
 speculating_engines = st.builds(Engine, st.sampled_from([16, 24, 40]), st.sampled_from([32, 64, 512]),
                                 st.integers(2, 8), st.booleans(), st.sampled_from([1, 2, 4, 8, 12]), st.just(None),
-                                st.booleans(), parser_engine=st.booleans())
+                                st.booleans(), parser_engine=st.booleans(), stages=stages)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -1327,6 +1350,55 @@ def test_a_decode_whose_token_is_in_flight_in_another_pipeline_stage_is_not_plan
     evs = [("add", Job(1, 2, urgent, 0.0)), ("step", 0.0), ("add", Job(48, 1, urgent, 0.0))]
     d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, stages=2), evs)
     assert d.trace[1][1] == (("q1", 32),) and d.finished == {"q0", "q1"}
+
+
+@pytest.mark.parametrize("policy", ["qoserve", "sarathi-srpf"])
+def test_a_request_whose_token_is_in_another_pipeline_stage_keeps_its_lora_slot(make_scheduler, policy):
+    """Found once the LoRA strategy drew pipeline stages: one LoRA slot, q0 (adapter 2) decoding, its token in the
+    other stage's batch. The adapter counted no slot for q0 (as for a request whose step in flight ends it) and
+    started q1's prompt with adapter 1 (Drive.step's LoRA check: two adapters held); once q0's token was in, q0's
+    decode and q1's last chunk were planned together, and vLLM's scheduler failed its own assertion
+    (``len(scheduled_loras) <= max_loras``), the engine with it. q1 now starts once q0 has ended."""
+    evs = [("add", Job(1, 3, LAX, 0.0, lora=2)), ("step", 0.02), ("add", Job(33, 1, LAX, 0.0, lora=1))]
+    d = _drive(make_scheduler, policy, Engine(blocks=24, max_batched=32, max_seqs=2, max_loras=1, stages=2), evs)
+    began = {rid: next(i for i, step in enumerate(d.trace) if rid in dict(step[1])) for rid in ("q0", "q1")}
+    last = max(i for i, step in enumerate(d.trace) if "q0" in dict(step[1]))
+    assert began["q1"] > last and d.finished == {"q0", "q1"}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_decode_whose_token_is_in_another_pipeline_stage_keeps_its_seat(make_scheduler, policy):
+    """Found once the speculation strategy drew pipeline stages: two seats (max_num_seqs), q0's first token in the
+    other stage's batch, q1's prompt half done. The policy set q0 aside for the step and gave its seat to q2's
+    prompt, which vLLM started (it saw q1 stepped aside); once q0's token was in, three requests ran and vLLM's
+    scheduler failed its own assertion (``len(self.running) <= self.max_num_running_reqs``). q0 keeps its seat now
+    (``set_aside``'s ``holding``): q1 finishes its prompt and q2 waits for a seat."""
+    evs = [("add", Job(1, 2, LAX, 0.0)), ("add", Job(63, 1, LAX, 0.0)), ("add", Job(1, 1, LAX, 0.0))]
+    d = _drive(make_scheduler, policy, Engine(blocks=16, max_batched=32, max_seqs=2, stages=2), evs)
+    assert "q2" not in dict(d.trace[1][1]) and d.finished == {"q0", "q1", "q2"}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_drafts_taken_while_the_token_is_in_another_pipeline_stage_run_after_it(make_scheduler, monkeypatch,
+                                                                               policy):
+    """Found once the speculation strategy drew pipeline stages: vLLM's engine core hands the scheduler the drafts
+    of the batch it just ran (``post_step``) while that batch's tokens are still in flight. q0's prompt ran, its first
+    token in flight, its draft in: the adapter planned q0 as a decode with its draft, and vLLM ran the draft alone
+    in the place of the token it did not have (1 token scheduled, not 1 + 1: vLLM issue 52071). q0 now waits for
+    its token and verifies the draft after it in the next step."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    monkeypatch.setenv("COSERVE_SPEC_POLICY", "chain-1")
+    s = make_scheduler(policy, max_batched=32, blocks=16, max_seqs=2, spec_tokens=1, stages=2)
+    d = Drive(s, policy)
+    d.apply(("add", Job(1, 3, LAX, 0.0)))
+    first = s.schedule()
+    s.update_draft_token_ids(DraftTokenIds(["q0"], [[7]]))  # post_step: the draft after q0's token in flight
+    assert "q0" not in s.schedule().num_scheduled_tokens
+    assert s.requests["q0"].spec_token_ids == [7]  # kept for the step after its token
+    d.answer(first, {}, {"q0"})
+    third = s.schedule()
+    assert third.num_scheduled_tokens["q0"] == 2 and third.scheduled_spec_decode_tokens["q0"] == [7]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
