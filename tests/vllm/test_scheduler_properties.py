@@ -13,7 +13,8 @@ drafts of a structured request are those its grammar accepts (vLLM's update_draf
 reasoning parser a structured job thinks first: its grammar masks, checks drafts and advances only after the thinking
 ends. In every property test a share of the engines schedule asynchronously (vLLM's async_scheduling: a step is
 scheduled before the last one is answered, ``Drive.pipeline``), and vllm-fcfs is compared with vLLM's AsyncScheduler
-there.
+there; the main, KV-pressure, LoRA and speculation tests draw 2-3 pipeline stages too (that many batches in flight,
+synchronous, as vLLM's batch queue keeps them; its engine core hands over a batch's drafts before its tokens).
 Settings are deterministic (derandomize) and untimed; PROPS_EXAMPLES=300 searches harder locally.
 """
 
