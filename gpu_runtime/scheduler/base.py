@@ -211,17 +211,18 @@ class BaseScheduler(Scheduler):
             elif (req := self.relegated.remove(rid)) is not None:
                 aside.append((req, "relegated"))
             elif (req := self.running.pop(rid, None)) is not None:
-                aside.append((req, "running"))
-                self._seats_aside += rid in holding
+                seated = rid in holding
+                aside.append((req, "seated" if seated else "running"))
+                self._seats_aside += seated
         return aside
 
     def put_back(self, aside: list[tuple[Request, str]]) -> None:
-        self._seats_aside = 0
         for req, queue in aside:
             if queue == "relegated":
                 self.relegated.push(req)
-            elif queue == "running":  # (after the others: it ends as the step in flight is answered)
+            elif queue in ("running", "seated"):  # (after the others: its token comes with the step in flight)
                 self.running[req.request_id] = req
+                self._seats_aside -= queue == "seated"
             else:
                 self._push_waiting(req)
 
