@@ -202,8 +202,8 @@ class BaseScheduler(Scheduler):
         """Takes requests the engine cannot run now out of the policy's queues, for one ``schedule`` (the vLLM
         adapter: a prompt whose adapter finds no LoRA slot, a decode with its token in flight): a prompt is not
         planned, a decode neither planned nor made KV room for; returns what ``put_back`` restores. The running
-        requests in ``holding`` keep their seat (max_num_seqs): they run again once their token is in, beside the
-        prompts started now."""
+        requests in ``holding`` keep their seat (max_num_seqs): the engine counts them among its running requests
+        until their token in flight is in."""
         aside = []
         for rid in request_ids:
             if (req := self._remove_waiting(rid)) is not None:

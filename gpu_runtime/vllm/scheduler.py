@@ -319,17 +319,19 @@ class CoserveScheduler(AsyncScheduler):
         # next token (it would preempt a decode that runs on); in running order, one walk a step
         idle = [r for r in self.running if self._idle_in_flight(r)] if self.vllm_config.max_concurrent_batches > 1 \
             else []
+        # each keeps its seat (max_num_seqs): vLLM counts it among its running requests until its token is in, and
+        # asserts they are at most max_num_seqs as each step is scheduled (with three stages that is after the next)
         ending = dict.fromkeys(r.request_id for r in idle)
         # those whose token in flight is not their last (pipeline stages) run again next step, beside the prompts
-        # started now: they keep their seat and their LoRA slot. vLLM counts the adapters of the requests it
-        # schedules in a step and asserts there are at most max_loras; those a step in flight ends hold none
+        # started now: they keep their LoRA slot too. vLLM counts the adapters of the requests it schedules in a
+        # step and asserts there are at most max_loras; those a step in flight ends hold none
         returning = {r.request_id for r in idle if not self._ends_in_flight(r)}
         # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
         slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request
                  and (r.request_id not in ending or r.request_id in returning)} if self.lora_config else None
         unrunnable = [*self._compiling_grammar(), *(self._without_lora_slot(slots) if slots is not None else []),
                       *ending]
-        aside = self.policy.set_aside(unrunnable, returning) if unrunnable else []
+        aside = self.policy.set_aside(unrunnable, ending) if unrunnable else []
         self.policy.decode_drafts = self._decode_drafts()
         try:
             plan = self.policy.schedule(now)

@@ -1379,6 +1379,19 @@ def test_a_decode_whose_token_is_in_another_pipeline_stage_keeps_its_seat(make_s
     assert "q2" not in dict(d.trace[1][1]) and d.finished == {"q0", "q1", "q2"}
 
 
+def test_a_request_whose_last_token_is_in_flight_keeps_its_seat_until_it_is_in(make_scheduler):
+    """Found by a longer search of the main property test (three stages): q0's last token is in flight, q2's
+    prompt (paid) runs in chunks, stepped aside for a step. The policy gave q0's seat to q1's prompt, which vLLM
+    started (it saw one running request); with three batches in flight q0's token was still out at the next step,
+    and vLLM's scheduler failed its own assertion (``len(self.running) <= self.max_num_running_reqs``). q0 keeps
+    its seat until its token is in."""
+    urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
+    evs = [("add", Job(1, 1, urgent, 0.0)), ("add", Job(1, 24, urgent, 0.0)),
+           ("add", Job(122, 1, {**urgent, "tier": "paid"}, 0.0))]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, stages=3), evs)
+    assert d.trace[2][1] == (("q2", 32),) and d.finished == {"q0", "q1", "q2"}
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_drafts_taken_while_the_token_is_in_another_pipeline_stage_run_after_it(make_scheduler, monkeypatch,
                                                                                policy):
