@@ -522,8 +522,8 @@ class CoserveScheduler(AsyncScheduler):
         just ran (``post_step``) before that batch's sampled tokens are in, and its scheduler would then run those
         drafts alone in the place of the token it does not have yet (vLLM issue 52071): they are verified in the
         step after the token is in, as the drafts that follow it."""
-        if self.scheduler_config.async_scheduling:  # the drafts are the worker's placeholders: vLLM's own test holds
-            return
+        if not ending or self.scheduler_config.async_scheduling:  # async: the drafts are the worker's placeholders,
+            return  # vLLM's own test holds
         for r in self.running:
             if r.request_id in ending and r.spec_token_ids:
                 self._drafts_in_flight[r.request_id] = r.spec_token_ids
