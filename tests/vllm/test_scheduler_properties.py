@@ -45,7 +45,7 @@ PROPS = settings(max_examples=int(os.environ.get("PROPS_EXAMPLES", "10")), deran
 # coserve's policies (gpu_runtime/scheduler/registry.py) as the vLLM backend runs them
 POLICIES = ["qoserve", "sarathi-fcfs", "sarathi-edf", "sarathi-srpf"]
 T0 = 1_000.0  # the fake clock's start: arrivals and deadlines are seconds around it (deterministic runs)
-DRAIN_STEPS = 400
+STALL_STEPS = 400  # drain steps with no token streamed and no request ended: a request is stuck
 
 
 @dataclass(frozen=True)
@@ -670,17 +670,25 @@ class Drive:
                     where = [p.waiting.get(rid) is not None, rid in p.running, p.relegated.get(rid) is not None]
                     assert sum(where) == 1, (rid, where)
 
+    def progress(self) -> tuple[int, int]:
+        """The tokens streamed to clients and the requests ended so far: each grows while the engine is live."""
+        return sum(self.streamed.values()), len(self.finished)
+
     def drain(self) -> None:
         """Steps until every request finished, resuming relegated ones (an operator's resume): each fits the KV
-        alone, so each finishes."""
-        for _ in range(DRAIN_STEPS):
-            if not self.s.requests:
-                break
+        alone, so each finishes. It stops short where STALL_STEPS steps streamed no token and ended no request (a
+        request stuck); a load's length is not: with three pipeline stages a lone decode gets a token every third
+        step (vLLM schedules nothing of a request whose token is in flight), and jobs admitted one at a time (KV)
+        run hundreds of steps."""
+        stalled = 0
+        while self.s.requests and stalled < STALL_STEPS:
+            before = self.progress()
             if self.s.policy is not None:
                 for r in list(self.s.policy.relegated):
                     self.s.resume(r.request_id)
             self.clock[0] += 0.02
             self.step()
+            stalled = 0 if self.progress() != before else stalled + 1
         # liveness: every request finished once the events stopped; all KV blocks are free again
         assert not self.s.requests, {rid: (r.status, r.num_computed_tokens, r.num_tokens)
                                      for rid, r in self.s.requests.items()}
@@ -1390,6 +1398,20 @@ def test_a_request_whose_last_token_is_in_flight_keeps_its_seat_until_it_is_in(m
            ("add", Job(122, 1, {**urgent, "tier": "paid"}, 0.0))]
     d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, stages=3), evs)
     assert d.trace[2][1] == (("q2", 32),) and d.finished == {"q0", "q1", "q2"}
+
+
+def test_requests_that_run_one_at_a_time_under_three_pipeline_stages_all_finish(make_scheduler):
+    """Found by a longer search of the main property test (three stages, two seats, a 15-block pool): each prompt
+    reserves 8 blocks for its prompt and max_tokens (QoServe's KV admission), so they run one at a time, and a lone
+    decode gets a token every third step: vLLM's synchronous scheduler schedules nothing of a request whose token is
+    in another stage's batch (``num_new_tokens == 0``, "PP>1 ... not finished yet"), and its engine core queues the
+    empty steps too (``step_with_batch_queue``). Every request was live, but the drain gave up after a fixed 400
+    steps with the last one's tokens still coming; it drains while a token comes or a request ends."""
+    evs = [("add", Job(87, 40, LAX, 0.0)) for _ in range(4)]
+    d = _drive(make_scheduler, "qoserve", Engine(blocks=16, max_batched=32, max_seqs=2, stages=3), evs)
+    steps = [i for i, (_, sched, _) in enumerate(d.trace) if "q3" in dict(sched)]
+    assert {b - a for a, b in zip(steps[-39:], steps[-38:])} == {3}  # its decodes, one in each stage's turn
+    assert d.finished == set(d.ids) and all(d.streamed[rid] == 40 for rid in d.ids)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
