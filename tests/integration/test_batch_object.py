@@ -56,22 +56,32 @@ def test_a_batch_names_the_model_its_lines_ran_on(client, keys, settings, tmp_pa
     assert {b["id"]: OpenAIBatch.model_validate(b).model for b in page} == {one: "tiny", several: None}
 
 
+def _given_up_and_finalized(client, keys, settings, batch_id: str, finished_ago_s: float,
+                            window_ended_ago_s: float | None):
+    """The batch's jobs expired by the scheduler (the worker's error) ``finished_ago_s`` ago, its window ended
+    ``window_ended_ago_s`` ago (None: still open), then finalized: the batch as the client reads it."""
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        now = utcnow()
+        if window_ended_ago_s is not None:
+            s.execute(update(Batch).where(Batch.id == batch_id).values(
+                expires_at=now - timedelta(seconds=window_ended_ago_s)))
+        s.execute(update(Job).where(Job.batch_id == batch_id).values(
+            status="expired", error=GIVEN_UP, slo_met=False, finished_at=now - timedelta(seconds=finished_ago_s),
+            settled_at=now - timedelta(seconds=finished_ago_s)))
+        s.commit()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert maybe_finalize(s, batch_id, settings.data_dir, None)
+    return _read(client, keys, batch_id)
+
+
 @pytest.mark.parametrize("window_ended", [False, True], ids=["window_open", "window_ended"])
 def test_a_job_the_scheduler_gave_up_on_says_so_in_the_error_file(client, keys, settings, window_ended):
     """Expired by the policy (relegated under overload, then given up), not by the batch's window: its error line
     says what happened, and its code is ``batch_expired`` only where the window had ended when it expired."""
     batch_id = _batch(client, keys, ["tiny"], window="1h")
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-        now = utcnow()
-        if window_ended:  # the window ended 2 s ago; the scheduler gave up on the job a second after that
-            s.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now - timedelta(seconds=2)))
-        s.execute(update(Job).where(Job.batch_id == batch_id).values(
-            status="expired", error=GIVEN_UP, slo_met=False, finished_at=now - timedelta(seconds=1),
-            settled_at=now - timedelta(seconds=1)))
-        s.commit()
-    with session_scope(settings.sqlalchemy_url) as s:
-        assert maybe_finalize(s, batch_id, settings.data_dir, None)
-    batch = _read(client, keys, batch_id)
+    # the window ended 2 s ago; the scheduler gave up on the job a second after that
+    batch = _given_up_and_finalized(client, keys, settings, batch_id, finished_ago_s=1,
+                                    window_ended_ago_s=2 if window_ended else None)
     (error,) = _error_lines(client, keys, batch)
     assert "completion window ended" not in error["message"] or window_ended, error
     assert "relegated" in error["message"] and "overload" in error["message"], error
@@ -100,16 +110,8 @@ def test_a_batch_whose_jobs_all_ended_in_its_window_is_completed_though_finalize
     only once the window had ended (no poll, no sweep before): the window stopped nothing, so the batch is
     ``completed``, as its error file says, not ``expired``."""
     batch_id = _batch(client, keys, ["tiny"], window="1h")
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-        now = utcnow()  # the scheduler gave up on the job 2 s ago; the window ended a second after that
-        s.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now - timedelta(seconds=1)))
-        s.execute(update(Job).where(Job.batch_id == batch_id).values(
-            status="expired", error=GIVEN_UP, slo_met=False, finished_at=now - timedelta(seconds=2),
-            settled_at=now - timedelta(seconds=2)))
-        s.commit()
-    with session_scope(settings.sqlalchemy_url) as s:
-        assert maybe_finalize(s, batch_id, settings.data_dir, None)
-    batch = _read(client, keys, batch_id)
+    # the scheduler gave up on the job 2 s ago; the window ended a second after that
+    batch = _given_up_and_finalized(client, keys, settings, batch_id, finished_ago_s=2, window_ended_ago_s=1)
     (error,) = _error_lines(client, keys, batch)
     assert error["code"] == "server_error", error
     assert batch.status == "completed", batch
