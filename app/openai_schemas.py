@@ -285,6 +285,8 @@ class UnsupportedFields(BaseModel):
 
     # field -> values that mean "not used" (what clients send when they do not set it); each endpoint's own
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    refused_by: ClassVar[str] = "this server"  # who does not support them, as the 400 says
+    hints: ClassVar[dict[str, str]] = {}  # the endpoint's own hints, before the shared ones (UNSUPPORTED_HINTS)
 
     def check_unsupported(self) -> None:
         given = self.model_fields_set  # a field the request left out holds its default, None: never refused
@@ -293,9 +295,9 @@ class UnsupportedFields(BaseModel):
                 continue
             value = getattr(self, name)
             if not _is_default(value, defaults):
-                hint = UNSUPPORTED_HINTS.get(name, "")
-                raise OpenAIError(400, f"{name}={value!r} is not supported by this server; leave {name} unset{hint}",
-                                  param=name, code="unsupported_value")
+                hint = self.hints.get(name) or UNSUPPORTED_HINTS.get(name, "")
+                raise OpenAIError(400, f"{name}={value!r} is not supported by {self.refused_by}; leave {name} unset"
+                                       f"{hint}", param=name, code="unsupported_value")
 
 
 class VllmUnsupported(BaseModel):
@@ -629,36 +631,27 @@ class ChatCompletionRequest(_Base):
         return out
 
 
-# what batched chat does not take (a field -> the values that leave it unused, and why / what to do instead). vLLM
-# refuses n above 1 and a tool_choice but "none"; it takes stream and tools and answers without them (whole, no tool
-# offered to the template): a 400 here, not an answer that passes for having applied them
-BATCH_CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "stream": ((None, False), "its answer comes whole, as vLLM's; leave stream unset, or stream each conversation on "
-                              "/v1/chat/completions"),
-    "tools": ((None, []), "vLLM's offers the model none; leave tools unset, or send each conversation to "
-                          "/v1/chat/completions"),
-    "tool_choice": ((None, "none"), "as vLLM's, it takes 'none' alone; leave tool_choice unset"),
-    "n": ((None, 1), "as vLLM's, each conversation gets one choice; set n to 1, or send each conversation to "
-                     "/v1/chat/completions with n"),
-    "store": ((None, False), "a stored completion is one conversation's; send each to /v1/chat/completions"),
-}
-
-
 class BatchChatCompletionRequest(ChatCompletionRequest):
     """vLLM's batched chat (``POST /v1/chat/completions/batch``): chat's fields, ``messages`` a list of
     conversations, each run on its own as a chat request of the other fields and answered as one choice. It takes no
-    stream, tools, beam search, ``n`` above 1 or ``store`` (``BATCH_CHAT_REFUSED``)."""
+    stream, tools, beam search, ``n`` above 1 or ``store``."""
 
     messages: list[Annotated[list[dict[str, Any]], Field(min_length=1)]] = Field(  # type: ignore[assignment]
         min_length=1, max_length=MAX_PROMPTS)
 
-    def check(self) -> None:
-        super().check()
-        for name, (unused, instead) in BATCH_CHAT_REFUSED.items():
-            if not _is_default(value := getattr(self, name), unused):
-                given = "" if isinstance(value, list | dict) else f"={value!r}"  # a list of tools says nothing more
-                raise OpenAIError(400, f"{name}{given} is not supported by batched chat: {instead}", param=name,
-                                  code="unsupported_value")
+    # vLLM refuses n above 1 and a tool_choice but "none"; it takes stream and tools and answers without them (whole,
+    # no tool offered to the template): a 400 here, not an answer that passes for having applied them
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **ChatCompletionRequest.unsupported, "stream": (None, False), "tools": (None, []),
+        "tool_choice": (None, "none"), "n": (None, 1), "store": (None, False)}
+    refused_by: ClassVar[str] = "batched chat"
+    hints: ClassVar[dict[str, str]] = {
+        "stream": " (its answer comes whole, as vLLM's; or stream each conversation on /v1/chat/completions)",
+        "tools": " (vLLM's offers the model none; or send each conversation to /v1/chat/completions)",
+        "tool_choice": " (as vLLM's, it takes 'none' alone)",
+        "n": " (as vLLM's, each conversation gets one choice; or send each conversation to /v1/chat/completions "
+             "with n)",
+        "store": " (a stored completion is one conversation's; send each to /v1/chat/completions)"}
 
     def conversation_specs(self, tiers: tuple[str, ...]) -> list[JobCreate]:
         """Each conversation's job, as chat makes it; a refusal names its conversation (``messages.<i>``)."""
