@@ -321,17 +321,19 @@ class CoserveScheduler(AsyncScheduler):
             else []
         # each keeps its seat (max_num_seqs): vLLM counts it among its running requests until its token is in, and
         # asserts they are at most max_num_seqs as each step is scheduled (with three stages that is after the next)
-        ending = dict.fromkeys(r.request_id for r in idle)
-        # those whose token in flight is not their last (pipeline stages) run again next step, beside the prompts
-        # started now: they keep their LoRA slot too. vLLM counts the adapters of the requests it schedules in a
-        # step and asserts there are at most max_loras; those a step in flight ends hold none
-        returning = {r.request_id for r in idle if not self._ends_in_flight(r)}
-        # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside
-        slots = {r.lora_request.lora_int_id for r in self.running if r.lora_request
-                 and (r.request_id not in ending or r.request_id in returning)} if self.lora_config else None
+        idle_ids = dict.fromkeys(r.request_id for r in idle)
+        # the LoRA slots the running requests hold (None: LoRA off): what a new prompt's adapter must fit beside.
+        # vLLM counts the adapters of the requests it schedules in a step and asserts there are at most max_loras:
+        # an idle request a step in flight ends holds none; one whose token in flight is not its last (pipeline
+        # stages) runs again next step, beside the prompts started now, and keeps its slot
+        slots = None
+        if self.lora_config:
+            released = {r.request_id for r in idle if self._ends_in_flight(r)}
+            slots = {r.lora_request.lora_int_id for r in self.running
+                     if r.lora_request and r.request_id not in released}
         unrunnable = [*self._compiling_grammar(), *(self._without_lora_slot(slots) if slots is not None else []),
-                      *ending]
-        aside = self.policy.set_aside(unrunnable, ending) if unrunnable else []
+                      *idle_ids]
+        aside = self.policy.set_aside(unrunnable, idle_ids) if unrunnable else []
         self.policy.decode_drafts = self._decode_drafts()
         try:
             plan = self.policy.schedule(now)
@@ -343,7 +345,8 @@ class CoserveScheduler(AsyncScheduler):
         if self.drafts is not None:  # each decode verifies the policy's share of vLLM's draft tokens
             self.drafts.trim([(m, self.requests[m.request_id]) for m in plan.decodes if m.request_id in self.requests],
                              plan, now)
-        held, stashed = self._arrange(plan, slots, ending)
+        held, stashed = self._arrange(plan, slots, idle_ids)
+        self._hide_drafts_in_flight(idle)
         t_vllm = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)
@@ -452,7 +455,7 @@ class CoserveScheduler(AsyncScheduler):
                     log.info("request %s %s", r.request_id, event)
 
     def _arrange(self, plan: PolicyOutput, slots: set[int] | None = None,
-                 ending: Container[str] = ()) -> tuple[Any, list[VLLMRequest]]:
+                 idle: Container[str] = ()) -> tuple[Any, list[VLLMRequest]]:
         """Shows vLLM only this step's batch, the new prompts' prefix-cache hits kept for it (``keep_hits``);
         returns the full waiting queue and the running requests set aside."""
         decode_ids = {r.request_id for r in plan.decodes}
@@ -475,7 +478,7 @@ class CoserveScheduler(AsyncScheduler):
             if r.request_id in decode_ids or r.request_id not in self.mirrors:
                 decodes.append(r)
                 staying.append(r)
-            elif r.request_id in ending:
+            elif r.request_id in idle:
                 staying.append(r)
             elif r.request_id not in chosen:
                 stashed.append(r)
@@ -494,7 +497,6 @@ class CoserveScheduler(AsyncScheduler):
         self.waiting = visible
         self.running = kept
         self.kv.keep_hits(new)  # the new prompts' hits, in the policy's order, outlive the step's allocations
-        self._hide_drafts_in_flight(ending)
         pad = self.num_spec_tokens if self._pads_a_draft_step(chunks, by_id, bool(decodes)) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
@@ -516,16 +518,16 @@ class CoserveScheduler(AsyncScheduler):
         max_tokens-th (else it comes back once that token is in)."""
         return self.scheduler_config.async_scheduling or len(request.output_token_ids) + 1 >= request.max_tokens
 
-    def _hide_drafts_in_flight(self, ending: Container[str]) -> None:
+    def _hide_drafts_in_flight(self, idle: list[VLLMRequest]) -> None:
         """Takes the drafts of the requests whose token is in another pipeline stage's batch out of vLLM's sight for
         the step (``_restore`` gives them back). vLLM's engine core hands the scheduler the drafts of the batch it
         just ran (``post_step``) before that batch's sampled tokens are in, and its scheduler would then run those
         drafts alone in the place of the token it does not have yet (vLLM issue 52071): they are verified in the
         step after the token is in, as the drafts that follow it."""
-        if not ending or self.scheduler_config.async_scheduling:  # async: the drafts are the worker's placeholders,
-            return  # vLLM's own test holds
-        for r in self.running:
-            if r.request_id in ending and r.spec_token_ids:
+        if self.scheduler_config.async_scheduling:  # the drafts are the worker's placeholders: vLLM's own test holds
+            return
+        for r in idle:  # (they stay running: ``_arrange`` keeps them in their place)
+            if r.spec_token_ids:
                 self._drafts_in_flight[r.request_id] = r.spec_token_ids
                 r.spec_token_ids = []
 
