@@ -61,3 +61,15 @@ def test_the_dashboards_shell_carries_no_tenants_data(client, keys, settings):
     # key in the address (the access log, the browser's history)
     form = re.search(r"<form id=\"login-form\"[^>]*>", page.text).group(0)
     assert 'method="post"' in form, form
+
+
+def test_every_status_the_dashboards_jobs_filter_offers_is_one_the_overview_takes(client, keys):
+    """Each option of the jobs table's status filter is a query the overview answers (a 422 left the table as it
+    was, under an 'update failed')."""
+    page = client.get("/admin").text
+    select = re.search(r'<select id="jobs-status">(.*?)</select>', page, re.S).group(1)
+    offered = re.findall(r'<option value="(\w*)">', select)
+    assert {"", "relegated", "running", "queued", "dispatched"} <= set(offered), offered
+    for status in offered:
+        r = client.get("/admin/api/overview", params={"status": status} if status else {}, headers=H(keys.admin))
+        assert r.status_code == 200, (status, r.text)
