@@ -21,7 +21,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 from pydantic import BaseModel
-from sqlalchemy import func, select, update
+from sqlalchemy import Row, func, insert, select, update
 from sqlalchemy.orm import load_only
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
@@ -116,7 +116,9 @@ def _relegated_at(session, job_ids: list[str]) -> dict[str, datetime]:
         return {}
     return {job_id: at for job_id, at in session.execute(
         select(JobEvent.job_id, func.max(JobEvent.at))
-        .where(JobEvent.job_id.in_(job_ids), JobEvent.to_status == JobStatus.RELEGATED.value)
+        # an event that left the job where it was (an operator's move to another tier) is no relegation
+        .where(JobEvent.job_id.in_(job_ids), JobEvent.to_status == JobStatus.RELEGATED.value,
+               JobEvent.from_status != JobEvent.to_status)
         .group_by(JobEvent.job_id))}
 
 
@@ -272,16 +274,18 @@ def job_history(job_id: str, session: SessionDep, _admin: AdminPrincipal) -> dic
                         "attempt": e.attempt, "detail": e.detail} for e in events]}
 
 
-def _control(settings, job: Job, message: dict[str, Any]) -> bool:
-    if not settings.redis_url or not job.worker_id:
+def _control(settings, worker_id: str | None, message: dict[str, Any]) -> bool:
+    """Tells ``worker_id`` (the worker holding the job) the operator's action on ``message``'s job."""
+    if not settings.redis_url or not worker_id:
         return False
     from workers.control import control_channel
 
     try:
-        receivers = redis_client(settings.redis_url).publish(control_channel(job.worker_id), json.dumps(message))
+        receivers = redis_client(settings.redis_url).publish(control_channel(worker_id), json.dumps(message))
     except redis.RedisError as exc:  # what SQL holds stands (a promote's tier); "delivered" false says the worker
         # was not told
-        log.warning("could not tell worker %s to %s job %s: %s", job.worker_id, message["action"], job.id, exc)
+        log.warning("could not tell worker %s to %s job %s: %s", worker_id, message["action"], message["job_id"],
+                    exc)
         return False
     return receivers > 0
 
@@ -291,12 +295,27 @@ def resume(job_id: str, session: SessionDep, settings: SettingsDep, _admin: Admi
     job = _job(session, job_id)
     if job.status != JobStatus.RELEGATED:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}, not relegated")
-    delivered = _control(settings, job, {"action": "resume", "job_id": job_id})
+    delivered = _control(settings, job.worker_id, {"action": "resume", "job_id": job_id})
     return {"id": job_id, "action": "resume", "delivered": delivered}
 
 
 class Promote(BaseModel):
     tier: Text
+
+
+def _move_tier(session, job_id: str, was: str, tier: str) -> Row | None:
+    """Moves the job to ``tier`` if it has not ended, with an event of it (its state stays: the event's from and to
+    are that state); the job's status and worker as the write found them, None where it had ended. The caller
+    commits."""
+    open_ = [s.value for s in NOT_TERMINAL]
+    moved = session.execute(update(Job).where(Job.id == job_id, Job.status.in_(open_)).values(tier=tier)
+                            .returning(Job.status, Job.worker_id, Job.attempt)
+                            .execution_options(synchronize_session=False)).first()
+    if moved is not None:
+        session.execute(insert(JobEvent).values(job_id=job_id, from_status=moved.status, to_status=moved.status,
+                                                at=utcnow(), attempt=moved.attempt,
+                                                detail=f"moved from tier {was} to {tier} by an admin"))
+    return moved
 
 
 @router.post("/admin/api/jobs/{job_id}/promote", responses={**ADMIN, **responses(404, 409, 413)})
@@ -305,18 +324,17 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
     if body.tier not in settings.tiers:
         raise unprocessable(f"tier must be one of {list(settings.tiers)}", "body", "tier")
     job = _job(session, job_id)
-    raised = settings.tier_rank(body.tier) > settings.tier_rank(job.tier)
+    was = job.tier
+    raised = settings.tier_rank(body.tier) > settings.tier_rank(was)
     with write_after_read(session):  # never a job that ended, even between the read and this write
-        open_ = [s.value for s in NOT_TERMINAL]
-        promoted = session.execute(update(Job).where(Job.id == job_id, Job.status.in_(open_))
-                                   .values(tier=body.tier)).rowcount
+        moved = _move_tier(session, job_id, was, body.tier)
         session.commit()
-    if not promoted:
+    if moved is None:
         session.refresh(job)
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
     # the engine knows free and paid; a job moved up that was relegated comes back, one moved down stays where it is
-    delivered = _control(settings, job, {"action": "promote", "job_id": job_id,
-                                         "tier": settings.engine_tier(body.tier).value, "resume": raised})
+    delivered = _control(settings, job.worker_id, {"action": "promote", "job_id": job_id,
+                                                     "tier": settings.engine_tier(body.tier).value, "resume": raised})
     return {"id": job_id, "action": "promote", "tier": body.tier, "delivered": delivered}
 
 

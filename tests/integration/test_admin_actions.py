@@ -339,3 +339,31 @@ def test_the_jobs_table_reads_a_page_a_status_on_the_status_index(client, keys, 
         for q, p in pages:
             plan = " ".join(str(r) for r in s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + q, p).all())
             assert "ix_jobs_status_created" in plan and "TEMP B-TREE FOR ORDER BY" not in plan, plan
+
+
+def test_a_promote_is_in_the_jobs_history_and_leaves_its_overdue_as_it_was(client, keys, settings):
+    """An operator's move of a job to another tier is one of its events (who moved it, from which tier to which);
+    the event is no relegation: the job's overdue, counted from its last relegation, stays."""
+    from datetime import timedelta
+
+    from app.db.models import JobEvent
+    from app.services.transitions import utcnow
+
+    now = utcnow()
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w1", first_token_at=now - timedelta(hours=1),
+                  tbt_ms=100)
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(JobEvent(job_id=job_id, from_status="running", to_status="relegated", at=now - timedelta(minutes=10),
+                       worker_id="w1", attempt=1, detail="relegated"))
+
+    def overdue() -> float:
+        return client.get("/admin/api/overview", headers=H(keys.admin)).json()["jobs"][0]["overdue_s"]
+
+    assert overdue() > 500  # ten minutes since its relegation, its next token due 100 ms after it
+    r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "free"}, headers=H(keys.admin))
+    assert r.status_code == 200, r.text
+    events = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()["events"]
+    assert (events[-1]["from"], events[-1]["to"], events[-1]["detail"]) == (
+        "relegated", "relegated", "moved from tier paid to free by an admin")
+    assert overdue() > 500
+
