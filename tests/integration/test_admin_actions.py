@@ -367,3 +367,19 @@ def test_a_promote_is_in_the_jobs_history_and_leaves_its_overdue_as_it_was(clien
         "relegated", "relegated", "moved from tier paid to free by an admin")
     assert overdue() > 500
 
+
+def test_a_promote_tells_the_worker_that_leased_the_job_after_it_was_read(client, keys, settings, monkeypatch):
+    """A dispatched job a worker leases between the promote's read and its write runs on that worker at the tier
+    the lease read: the worker the write finds is the one told, not the none of the read."""
+    job_id = _job(client, keys, settings, status="dispatched")
+    read = admin._job
+
+    def then_a_worker_leases_it(session, job_id: str) -> Job:
+        job = read(session, job_id)
+        with session_scope(settings.sqlalchemy_url) as s:
+            s.execute(update(Job).where(Job.id == job_id).values(status="running", worker_id="w-listening"))
+        return job
+
+    monkeypatch.setattr(admin, "_job", then_a_worker_leases_it)
+    assert [(m["job_id"], m["tier"]) for m in _promote_messages(client, keys, settings, job_id, "free")] == [
+        (job_id, "free")]
