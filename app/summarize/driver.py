@@ -144,6 +144,14 @@ def later_level_deadline(settings: Settings, run_deadline: datetime) -> datetime
     return now + timedelta(seconds=settings.default_batch_window_s)
 
 
+def step_deadline(settings: Settings, run: SummarizationRun) -> datetime:
+    """The deadline of the jobs a step of ``run`` builds: the first level's (a ``validating`` run's first step) is the
+    run's as the user gave it, however short; a later level's is ``later_level_deadline``."""
+    if run.status == store.VALIDATING:
+        return as_utc(run.deadline_at)
+    return later_level_deadline(settings, as_utc(run.deadline_at))
+
+
 def collector_for(settings: Settings, run: SummarizationRun, results: dict[str, store.JobResult]) -> JobCollector:
     principal = Principal(key_id=run.api_key_id or "", tenant_id=run.tenant_id, tier=run.tier, is_admin=False)
     return JobCollector(settings, principal, run.tier, results, run.model, run.id)
@@ -253,7 +261,7 @@ def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], 
     backend = collector_for(settings, run, results)
     backend.tick = keep  # a document of thousands of chunks builds a job each (its prompt templated, counted)
     try:
-        planner = planner_for(settings, run, backend, later_level_deadline(settings, as_utc(run.deadline_at)), keep)
+        planner = planner_for(settings, run, backend, step_deadline(settings, run), keep)
     except Exception as exc:  # the pipeline itself failed (its model, its prompts): so does the run
         log.exception("summarization run %s failed", run.id)
         return _commit_failure(settings, run, owner, f"pipeline error: {exc}")

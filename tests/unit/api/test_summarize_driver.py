@@ -352,6 +352,17 @@ def test_a_later_level_past_the_runs_deadline_gets_a_fresh_window_not_an_expired
     assert all(abs((d - fresh.replace(tzinfo=None)).total_seconds()) < 120 for d in later), (later, fresh)
 
 
+def test_a_run_started_under_a_minute_from_its_deadline_gives_its_first_level_that_deadline(settings, principal):
+    # a deadline of 30 s is the user's to give: the fresh window is for levels begun after the run overran it
+    progress = service.start_run(settings, principal, [Document("short", "The cat sat on the mat. It was warm.")],
+                                 utcnow() + timedelta(seconds=30), max_summary_tokens=12, chunk_tokens=120,
+                                 overlap_tokens=8, tier="paid")
+    assert progress.status == "running" and progress.jobs_submitted == 1
+    with session_scope(settings.sqlalchemy_url) as s:
+        deadline = s.get(SummarizationRun, progress.id).deadline_at
+        assert s.scalars(select(Job.deadline_at)).all() == [deadline]
+
+
 def test_the_sweeper_steps_only_its_models_runs(settings, principal):
     url = settings.sqlalchemy_url
     run_id = start(settings, principal)
