@@ -43,6 +43,7 @@ from app.summarize.store import OPEN, VALIDATING
 log = logging.getLogger(__name__)
 
 PROMPT_OVERHEAD_TOKENS = 64  # instruction + chat template around a chunk
+MIN_CHUNK_TOKENS = 32  # the least text a chunk holds
 POLL_S = 0.5
 MAX_DRIVE_ERRORS = 20  # in a row: this process stops driving the run; the workers' sweeper goes on
 
@@ -72,11 +73,37 @@ class SqlBackend:
             return store.job_results(s, list(job_ids))
 
 
-def chunk_budget(settings: Settings, chunk_tokens: int, max_summary_tokens: int) -> int:
-    room = held_context_length(settings) - max_summary_tokens - PROMPT_OVERHEAD_TOKENS
-    if room < 32:
-        raise ValueError(f"max_summary_tokens={max_summary_tokens} leaves no room for text in the model's context")
-    return min(chunk_tokens, room)
+def chunk_room(context: int, max_summary_tokens: int) -> int:
+    """The tokens of a chunk's text that fit in the model's ``context`` beside a summary and the prompt around it."""
+    return context - max_summary_tokens - PROMPT_OVERHEAD_TOKENS
+
+
+def run_chunks(context: int, chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> tuple[int, int]:
+    """A run's chunk and overlap tokens: the ones asked for, the chunk cut to ``chunk_room`` and the overlap to a
+    quarter of the chunk."""
+    budget = min(chunk_tokens, chunk_room(context, max_summary_tokens))
+    return budget, min(overlap_tokens, budget // 4)
+
+
+def summaries_fit(context: int, chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> bool:
+    budget, overlap = run_chunks(context, chunk_tokens, overlap_tokens, max_summary_tokens)
+    return budget >= MIN_CHUNK_TOKENS and max_summary_tokens <= (budget - overlap) // 2
+
+
+def check_context(context: int, chunk_tokens: int, overlap_tokens: int, max_summary_tokens: int) -> None:
+    """Refuses summaries too long for the model's context to leave a chunk of ``chunk_tokens`` room to shrink, naming
+    the longest that fits: a larger chunk_tokens cannot help (``limits.check_shrinks`` judges the others)."""
+    room = chunk_room(context, max_summary_tokens)
+    if room >= chunk_tokens or summaries_fit(context, chunk_tokens, overlap_tokens, max_summary_tokens):
+        return
+    longest = next((m for m in range(max_summary_tokens - 1, 0, -1)
+                    if summaries_fit(context, chunk_tokens, overlap_tokens, m)), 0)
+    fix = f"give max_summary_tokens <= {longest}" if longest else "this model's context is too small to summarize in"
+    raise job_service.JobValidationError(
+        f"max_summary_tokens={max_summary_tokens} leaves {max(room, 0)} tokens of the model's {context}-token context "
+        f"for a chunk's text (less {PROMPT_OVERHEAD_TOKENS} for the prompt), not chunk_tokens={chunk_tokens}, and a "
+        f"summary may take at most half of a chunk's new text to shrink from level to level: {fix}",
+        param="max_summary_tokens")
 
 
 def create_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
@@ -88,8 +115,9 @@ def create_run(settings: Settings, principal: Principal, documents: list[Documen
     model (None) or one of its LoRA adapters, which every job of the run names; ``idempotency``: the run is kept
     under the request's Idempotency-Key (the insert fails where the tenant has a run under that key already:
     ``start_idempotent_run`` answers that one)."""
-    budget = chunk_budget(settings, chunk_tokens, max_summary_tokens)
-    overlap_tokens = min(overlap_tokens, budget // 4)
+    context = held_context_length(settings)
+    check_context(context, chunk_tokens, overlap_tokens, max_summary_tokens)
+    budget, overlap_tokens = run_chunks(context, chunk_tokens, overlap_tokens, max_summary_tokens)
     check_shrinks(max_summary_tokens, budget, overlap_tokens)
     check_least_jobs([d.text for d in documents], settings.summarize_max_jobs, budget)
     run = SummarizationRun(

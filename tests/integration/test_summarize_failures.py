@@ -4,6 +4,7 @@ migrated SQLite, real Redis; the jobs' results written in SQL as a worker writes
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from sqlalchemy import select, update
@@ -133,6 +134,25 @@ def test_summaries_too_long_to_shrink_a_level_are_refused_before_any_job(client,
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.scalars(select(Job.id)).all() == [] and s.scalars(select(SummarizationRun.id)).all() == []
     ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 96})
+    assert ok.status_code == 201, ok.text
+
+
+def test_summaries_too_long_for_the_models_context_are_refused_naming_the_summary_length_that_fits(client, keys,
+                                                                                                  settings):
+    # the tiny model holds 512 tokens: a chunk of 4000 would not fit beside a 300-token summary and its prompt, so
+    # no larger chunk_tokens can help (the refusal said so, with a chunk size and an overlap the request never named)
+    body = {"documents": [{"id": "a", "text": "The cat sat. It was warm."}], "deadline": "30m",
+            "chunk_tokens": 4000, "overlap_tokens": 1000}
+    for too_long in (300, 480):
+        r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": too_long})
+        assert r.status_code == 422, r.text
+        error = r.json()["detail"][0]
+        assert error["loc"] == ["body", "max_summary_tokens"] and "512-token context" in error["msg"], error
+        assert "larger chunk_tokens" not in error["msg"], error
+        fits = int(re.search(r"max_summary_tokens <= (\d+)", error["msg"]).group(1))
+    refused = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": fits + 1})
+    assert refused.status_code == 422, refused.text
+    ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": fits})
     assert ok.status_code == 201, ok.text
 
 
