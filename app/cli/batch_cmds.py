@@ -393,6 +393,9 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
                                      param_hint="--limit")
         _list_runs(Api(url, key), limit or LIST_DEFAULT, after, as_json)
         return
+    if cancel_id and (paths or specbench or run_id):
+        raise typer.BadParameter("--cancel stops a run: give no documents, --specbench or --run with it",
+                                 param_hint="--cancel")
     api = Api(url, key)
     # with --json stdout holds the run alone: the id, the progress bar and what was saved where go to stderr
     said = stderr if as_json else console

@@ -131,6 +131,15 @@ def test_summarize_refuses_a_bad_deadline_before_starting_a_run(tmp_path):
         _refused(["summarize", str(doc), "--deadline", bogus, "-o", out, *NOWHERE], "--deadline")
 
 
+def test_summarize_cancel_refuses_documents_or_a_run_to_follow_instead_of_ignoring_them(tmp_path):
+    # `--cancel ID docs/` stopped the run and left the documents unsent, saying nothing of them
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat.")
+    _refused(["summarize", "--cancel", "sum_x", str(doc), *NOWHERE], "--cancel", "give no documents")
+    _refused(["summarize", "--cancel", "sum_x", "--specbench", *NOWHERE], "--cancel")
+    _refused(["summarize", "--cancel", "sum_x", "--run", "sum_y", *NOWHERE], "--cancel")
+
+
 @pytest.mark.parametrize("blanks", [b"\n" * 3, b"\r\n" * 3, b" \t\n" * 3, b"\x0c\x0b\n" * 3,
                                     "\u2028\u3000\x85\n".encode() * 3, b"\xef\xbb\xbf\n\n\n"],
                          ids=["lf", "crlf", "spaces", "ff-vt", "unicode", "bom"])
