@@ -242,15 +242,17 @@ class EngineThread:
 
     def _hand_back_rerun(self, cmd: Supersede) -> Record:
         """The message of the rerun that superseded an attempt here, which the intake gave over (``Supersede``), back
-        to the head of its queue once that attempt is set aside: a take reads the stream after the attempt's last
-        events (``GpuWorker._resumed``). A send the broker refuses is retried as a failed write is; one given up on is
-        the sweeper's to send again (a dispatched job whose message is lost)."""
+        to the head of its queue once that attempt is set aside and its last stream events are published
+        (``Record.after_events``): a take, here or on another worker, goes on from all of them
+        (``GpuWorker._resumed``). A send the broker refuses is retried as a failed write is; one given up on (or held
+        at stop while Redis is away) is the sweeper's to send again (a dispatched job whose message is lost)."""
         url = self.settings.redis_url
 
         def write(_s: Session) -> None:
             if not send_back(url, cmd.job_id, cmd.queue, cmd.priority):
                 raise RuntimeError(f"the broker did not take the message of job {cmd.job_id} back")
-        return Record(f"the message of {cmd.job_id} back to {cmd.queue}", write, for_job=cmd.job_id)
+        return Record(f"the message of {cmd.job_id} back to {cmd.queue}", write, for_job=cmd.job_id,
+                      after_events=True)
 
     # ---------------------------------------------------------------- outputs -> records
     def _records(self, outputs: list[Any]) -> StepRecords:

@@ -11,7 +11,9 @@ writes the engine's results:
 * publishes stream events in the order they were produced and never drops them while Redis
   is away: they wait, in order, and go out when it is back (a client's stream pauses);
 * publishes a record's events only after its write committed (a reader that sees ``end`` finds
-  the job terminal in SQL).
+  the job terminal in SQL);
+* holds a record made to follow the stream (``Record.after_events``: a rerun's message handed
+  back) until the events queued before it are published: whoever takes the message reads them.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ class Record:
     events: list[tuple[str, StreamEvent]] = field(default_factory=list)
     leaving: Lease | None = None  # an attempt that leaves the worker once this record is done (or given up)
     for_job: str | None = None  # the one job it writes for, where no attempt leaves with it
+    # written only once the stream events queued before it are published (held meanwhile, however long Redis is
+    # away): a rerun's message goes back after its earlier attempt's last deltas, which its take goes on from
+    after_events: bool = False
     tries: int = 0
     not_before: float = 0.0
+    events_before: int | None = None  # held: the outbox's count of events sent once those queued before it are
 
     @property
     def job_id(self) -> str | None:
@@ -74,7 +80,9 @@ class Outbox:
         self.active = active
         self._steps: queue.Queue[StepRecords | None] = queue.Queue()
         self._retry: list[Record] = []
+        self._held: list[Record] = []  # records that wait for the events queued before them (``after_events``)
         self._events: deque[tuple[str, StreamEvent]] = deque()
+        self._sent = 0  # events taken off the queue (published, or dropped past ``MAX_WAITING_EVENTS``) since start
         # stream events put and not yet published, by job: those of a step still queued too (``publishing``)
         self._unpublished: Counter[str] = Counter()
         self._counting = threading.Lock()  # the engine and intake threads count in, the I/O thread counts out
@@ -108,8 +116,8 @@ class Outbox:
 
     @property
     def pending(self) -> int:
-        """Steps, retries and events not written yet (tests, the heartbeat's state)."""
-        return self._steps.qsize() + len(self._retry) + len(self._events)
+        """Steps, retries, held records and events not written yet (tests, the heartbeat's state)."""
+        return self._steps.qsize() + len(self._retry) + len(self._held) + len(self._events)
 
     # ---- the I/O thread
     def run(self, close_timeout: float = 15.0) -> None:
@@ -128,11 +136,11 @@ class Outbox:
             self.retry_due()
             self.flush_events()
             if closing_at is not None and self._steps.empty():
-                done = not (self._retry or self._events)
+                done = not (self._retry or self._held or self._events)
                 if done or time.monotonic() - closing_at > close_timeout:
                     if not done:
                         log.error("outbox closed with %d writes and %d stream events unwritten",
-                                  len(self._retry), len(self._events))
+                                  len(self._retry) + len(self._held), len(self._events))
                     return
 
     def apply(self, step: StepRecords) -> None:
@@ -159,6 +167,8 @@ class Outbox:
             record.not_before = max(r.not_before for r in self._retry if r.job_id == record.job_id)
             self._retry.append(record)
             return
+        if self._holds(record):
+            return
         ok: bool | list[tuple[str, StreamEvent]] | None = True
         if record.write is not None:
             try:
@@ -181,6 +191,25 @@ class Outbox:
             self._queue_events(record.events)
         self._leave(record)
 
+    def _holds(self, record: Record) -> bool:
+        """Whether ``record`` waits (held) for the stream events queued before it (``Record.after_events``)."""
+        if not record.after_events:
+            return False
+        if record.events_before is None:  # its turn came: the events of the steps before it are all queued by now
+            record.events_before = self._sent + len(self._events)
+        if self._sent >= record.events_before:
+            return False
+        self._held.append(record)
+        return True
+
+    def _release_held(self) -> None:
+        """Writes the held records whose events before them are published."""
+        due = [r for r in self._held if self._sent >= r.events_before]
+        if due:
+            self._held = [r for r in self._held if self._sent < r.events_before]
+            for record in due:
+                self._try(record)
+
     def _leave(self, record: Record) -> None:
         if record.leaving is not None:  # that attempt only: the job may be here again under a newer one
             self.active.pop(record.leaving.job_id, record.leaving.attempt)
@@ -201,6 +230,7 @@ class Outbox:
                       overflow)
 
     def _published(self, job_id: str) -> None:
+        self._sent += 1
         with self._counting:
             if (left := self._unpublished[job_id] - 1) > 0:
                 self._unpublished[job_id] = left
@@ -208,9 +238,16 @@ class Outbox:
                 self._unpublished.pop(job_id, None)
 
     def flush_events(self) -> None:
-        """Publishes the waiting events in order; on a Redis error they stay, to be sent again."""
+        """Publishes the waiting events in order; on a Redis error they stay, to be sent again. The records held for
+        the events published then are written (``Record.after_events``)."""
         if not self._events or time.monotonic() < self._publish_after:
             return
+        try:
+            self._publish_waiting()
+        finally:
+            self._release_held()
+
+    def _publish_waiting(self) -> None:
         while self._events:
             chunk = [self._events[i] for i in range(min(PUBLISH_CHUNK, len(self._events)))]
             try:

@@ -27,9 +27,9 @@ from gpu_runtime.qos import QoSClass, QoSSpec, Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.sampling import SamplingParams
 from gpu_runtime.scheduler.registry import create_scheduler
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.unit.scheduler.helpers import COST
-from workers import control, outbox as outbox_module
+from workers import control, engine_thread as engine_thread_module, outbox as outbox_module
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
 from workers.celery_app import INTERACTIVE_PRIORITY
@@ -505,12 +505,54 @@ def test_a_job_that_comes_back_while_its_attempt_still_runs_here_leaves_the_inta
     waiting = r.llen("coserve.tiny")
     worker.accept(job_id)  # the resend comes back here; no engine thread runs meanwhile
     assert worker.active.get(job_id) is first and r.llen("coserve.tiny") == waiting  # in no one's hand yet
-    worker.outbox.apply(engine_thread.iterate())  # the engine thread sets attempt 1 aside, then hands it back
-    assert worker.active.get(job_id) is None and r.llen("coserve.tiny") == waiting + 1
+    worker.outbox.apply(engine_thread.iterate())  # the engine thread sets attempt 1 aside; its message waits for
+    assert worker.active.get(job_id) is None and r.llen("coserve.tiny") == waiting  # attempt 1's deltas in Redis
+    worker.outbox.flush_events()  # they are published: the message goes back
+    assert r.llen("coserve.tiny") == waiting + 1
     assert job_id.encode() in r.lindex("coserve.tiny", -1)  # at the head: the next message a consumer takes
     worker.accept(job_id)  # the message again
     second = worker.active.get(job_id)
     assert second is not None and second.lease.attempt == 2
+
+
+def test_a_superseded_attempts_last_deltas_are_in_redis_before_the_reruns_message_is_back_on_its_queue(
+        settings, keys, monkeypatch):
+    """The engine thread sets attempt 1 aside (``Supersede``) while attempt 1's last deltas wait in the outbox (Redis
+    refused the outbox's publish). The rerun's message goes back to its queue only once they are in Redis, so any
+    worker of the model that takes it goes on from every token attempt 1 streamed. (The I/O thread sent it back as it
+    took the set-aside, before those deltas: a worker that took it went on from fewer tokens than attempt 1 made.)"""
+    worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens, published
+        worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    reachable, worker.outbox.redis = worker.outbox.redis, redis.Redis(port=free_port())  # Redis away to the outbox
+    worker.outbox.put(engine_thread.iterate())  # attempt 1's last deltas
+    first = worker.active.get(job_id)
+    r = redis.Redis.from_url(settings.redis_url)
+    streamed_at_send: list[int] = []  # attempt 1's tokens in the job's stream in Redis as the message goes back
+
+    def send_back(url, sent_job_id, queue, priority, **kw):
+        events = [StreamEvent.parse(raw) for _id, raw in r.xrange(stream_key(sent_job_id))]
+        streamed_at_send.append(sum(len(e.token_ids) for e in events if e.type == "delta" and e.attempt == 1))
+        return real_send_back(url, sent_job_id, queue, priority, **kw)
+
+    real_send_back = engine_thread_module.send_back
+    monkeypatch.setattr(engine_thread_module, "send_back", send_back)
+    _lapse_and_requeue(settings, job_id)
+    waiting = r.llen("coserve.tiny")
+    worker.accept(job_id)  # the resend comes back here: given over to the engine thread
+    worker.outbox.start()
+    loop = threading.Thread(target=engine_thread.run, name="coserve-engine", daemon=True)
+    loop.start()
+    try:  # the I/O thread took attempt 1's last step (its deltas wait) and the set-aside after it
+        wait_for(lambda: worker.active.get(job_id) is None and worker.outbox._steps.empty(), 10, "the set-aside")
+        worker.outbox.redis = reachable  # Redis is back
+        wait_for(lambda: r.llen("coserve.tiny") == waiting + 1, 10, "the rerun's message back on its queue")
+    finally:
+        worker.stopping.set()
+        loop.join(5)
+        worker.outbox.close()
+    assert streamed_at_send == [first.tokens]
 
 
 def test_a_rerun_given_over_to_an_engine_thread_that_ended_first_goes_back_to_its_queue_at_stop(settings, keys):
