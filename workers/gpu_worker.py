@@ -340,7 +340,8 @@ class GpuWorker:
         A rerun of a job whose earlier attempt this worker holds set aside (an abort its engine has not confirmed) is
         added beside that attempt: the engine knows each attempt by its own request id. One whose earlier attempt it
         still serves is given over to the engine thread (``Supersede``), which sets that attempt aside and hands the
-        message back after its last stream events; the intake takes the next message meanwhile.
+        message back once its last stream events are in Redis (whoever takes it goes on from them); the intake takes
+        the next message meanwhile.
         """
         self.handing_back = None
         try:

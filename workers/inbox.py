@@ -33,9 +33,9 @@ class Abort:
 class Supersede:
     """A rerun of the job came here while its attempt ``attempt`` is still served: that attempt is aborted and set
     aside (``ActiveJobs.abandon``), not waited for, and the rerun's message goes back to the head of ``queue``'s list
-    of ``priority`` through the outbox, after the attempt's last stream events; its next take adds the rerun beside
-    the aborted request (its own request id). The intake hands it over here instead of waiting for the engine thread:
-    the consumer takes one message at a time."""
+    of ``priority`` through the outbox, once the attempt's last stream events are published; its next take adds the
+    rerun beside the aborted request (its own request id). The intake hands it over here instead of waiting for the
+    engine thread: the consumer takes one message at a time."""
 
     job_id: str
     attempt: int
