@@ -2,8 +2,8 @@
 
 JSON endpoints need an admin API key. Actions: resume a relegated job, promote (change
 tier), cancel an open job, cancel a running summarization run, drain/undrain a worker.
-Resume/promote reach the job's worker over Redis
-pub/sub (``workers/control.py``); drain is the ``workers.draining`` flag its heartbeat reads.
+Resume/promote reach the job's worker over Redis pub/sub (``workers/control.py``) and are events of the job (from
+and to its state: its worker moves it); drain is the ``workers.draining`` flag its heartbeat reads.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from app.services import jobs as job_service
 from app.services import lora_adapters, routing
 from app.services.cancel import cancel as cancel_job
 from app.services.notify import redis_client
-from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
+from app.services.transitions import ACTIVE, as_utc, utcnow
 from app.services.usage import UsageQuery, completions_usage
 from app.services.workers import heartbeat_cutoff
 from app.summarize import driver as summarize_driver
@@ -290,13 +290,57 @@ def _control(settings, worker_id: str | None, message: dict[str, Any]) -> bool:
     return receivers > 0
 
 
+def _tell_holder(settings, written: Row, message: dict[str, Any]) -> dict[str, Any]:
+    """An action's answer of who heard it: ``worker_id``, the worker holding the job as the action's write found it,
+    and ``delivered``, whether it heard the message; null where no worker holds the job (queued or dispatched: the
+    worker that leases it reads what SQL holds then), so there was nothing to tell."""
+    if written.status not in ACTIVE:
+        return {"delivered": None, "worker_id": None}
+    return {"delivered": _control(settings, written.worker_id, message), "worker_id": written.worker_id}
+
+
+def _not_staged(job: Job) -> Job:
+    """The job, refused (409) where it is staged: a batch's fan-out (or a summarization run's first step) wrote it
+    and has not started it, so it has neither started nor ended, and no action of an operator takes it (it
+    becomes queued when its batch starts, or is deleted)."""
+    if not job.status.startswith(STAGED):
+        return job
+    owner = (f"its batch {job.batch_id}" if job.batch_id else
+             f"its summarization run {job.summarization_run_id}" if job.summarization_run_id else "its batch")
+    raise HTTPException(status.HTTP_409_CONFLICT,
+                        f"job {job.id} has not started yet: {owner} is still writing its jobs, and this one becomes "
+                        f"queued when that starts (or is dropped if it never does); act on it then, or on {owner}")
+
+
+def _mark_by_admin(session, job_id: str, where: tuple[Any, ...], values: dict[str, Any], detail: str) -> Row | None:
+    """Writes ``values`` on the job where ``where`` holds, with an event of it that leaves its state where it was
+    (from and to: its state as the write found it; its worker moves it, if at all); the job's status and worker as
+    the write found them, None where ``where`` did not hold. The caller commits."""
+    written = session.execute(update(Job).where(Job.id == job_id, *where).values(**values)
+                              .returning(Job.status, Job.worker_id, Job.attempt)
+                              .execution_options(synchronize_session=False)).first()
+    if written is not None:
+        session.execute(insert(JobEvent).values(job_id=job_id, from_status=written.status, to_status=written.status,
+                                                at=utcnow(), attempt=written.attempt, detail=detail))
+    return written
+
+
 @router.post("/admin/api/jobs/{job_id}/resume", responses={**ADMIN, **responses(404, 409)})
 def resume(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
-    job = _job(session, job_id)
-    if job.status != JobStatus.RELEGATED:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}, not relegated")
-    delivered = _control(settings, job.worker_id, {"action": "resume", "job_id": job_id})
-    return {"id": job_id, "action": "resume", "delivered": delivered}
+    """Asks the worker holding a relegated job to resume it; the job's events say the operator did (the job stays
+    relegated until its engine takes it back: "engine resumed it")."""
+    job = _not_staged(_job(session, job_id))
+    relegated = JobStatus.RELEGATED.value
+    if job.status == relegated:
+        with write_after_read(session):  # only a job still relegated, even if its engine resumed it since the read
+            written = _mark_by_admin(session, job_id, (Job.status == relegated,), {"status": relegated},
+                                     "resumed by an admin")
+            session.commit()
+        if written is not None:
+            return {"id": job_id, "action": "resume",
+                    **_tell_holder(settings, written, {"action": "resume", "job_id": job_id})}
+        session.refresh(job)
+    raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}, not relegated")
 
 
 class Promote(BaseModel):
@@ -304,18 +348,11 @@ class Promote(BaseModel):
 
 
 def _move_tier(session, job_id: str, was: str, tier: str) -> Row | None:
-    """Moves the job to ``tier`` if it has not ended, with an event of it (its state stays: the event's from and to
-    are that state); the job's status and worker as the write found them, None where it had ended. The caller
-    commits."""
-    open_ = [s.value for s in NOT_TERMINAL]
-    moved = session.execute(update(Job).where(Job.id == job_id, Job.status.in_(open_)).values(tier=tier)
-                            .returning(Job.status, Job.worker_id, Job.attempt)
-                            .execution_options(synchronize_session=False)).first()
-    if moved is not None:
-        session.execute(insert(JobEvent).values(job_id=job_id, from_status=moved.status, to_status=moved.status,
-                                                at=utcnow(), attempt=moved.attempt,
-                                                detail=f"moved from tier {was} to {tier} by an admin"))
-    return moved
+    """Moves the job from tier ``was`` to ``tier`` if it has not ended and is still at ``was`` (another operator's
+    promote may have moved it since ``was`` was read), with an event of it; None where it had ended or moved. The
+    caller commits."""
+    return _mark_by_admin(session, job_id, (Job.status.in_(OPEN), Job.tier == was), {"tier": tier},
+                          f"moved from tier {was} to {tier} by an admin")
 
 
 @router.post("/admin/api/jobs/{job_id}/promote", responses={**ADMIN, **responses(404, 409, 413)})
@@ -323,25 +360,29 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
             _admin: AdminPrincipal) -> dict[str, Any]:
     if body.tier not in settings.tiers:
         raise unprocessable(f"tier must be one of {list(settings.tiers)}", "body", "tier")
-    job = _job(session, job_id)
+    job = _not_staged(_job(session, job_id))
     was = job.tier
     raised = settings.tier_rank(body.tier) > settings.tier_rank(was)
-    with write_after_read(session):  # never a job that ended, even between the read and this write
+    with write_after_read(session):  # never a job that ended or moved, even between the read and this write
         moved = _move_tier(session, job_id, was, body.tier)
         session.commit()
     if moved is None:
         session.refresh(job)
+        if job.status in OPEN:
+            raise HTTPException(status.HTTP_409_CONFLICT,
+                                f"job {job_id} is at tier {job.tier} now, not {was}: another operator moved it "
+                                f"meanwhile; promote it again from {job.tier} if it is still to go to {body.tier}")
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
     # the engine knows free and paid; a job moved up that was relegated comes back, one moved down stays where it is;
     # told to the worker the write found (one that leased the job after the read runs it at the tier its lease read)
-    delivered = _control(settings, moved.worker_id, {"action": "promote", "job_id": job_id,
-                                                     "tier": settings.engine_tier(body.tier).value, "resume": raised})
-    return {"id": job_id, "action": "promote", "tier": body.tier, "delivered": delivered}
+    told = _tell_holder(settings, moved, {"action": "promote", "job_id": job_id,
+                                          "tier": settings.engine_tier(body.tier).value, "resume": raised})
+    return {"id": job_id, "action": "promote", "tier": body.tier, **told}
 
 
-@router.post("/admin/api/jobs/{job_id}/cancel", responses={**ADMIN, **responses(404)})
+@router.post("/admin/api/jobs/{job_id}/cancel", responses={**ADMIN, **responses(404, 409)})
 def cancel(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
-    job = _job(session, job_id)
+    job = _not_staged(_job(session, job_id))
     ok = cancel_job(session, settings, job, "cancelled by an admin")
     return {"id": job_id, "action": "cancel", "cancelled": ok}
 

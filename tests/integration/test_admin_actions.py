@@ -383,3 +383,111 @@ def test_a_promote_tells_the_worker_that_leased_the_job_after_it_was_read(client
     monkeypatch.setattr(admin, "_job", then_a_worker_leases_it)
     assert [(m["job_id"], m["tier"]) for m in _promote_messages(client, keys, settings, job_id, "free")] == [
         (job_id, "free")]
+
+
+def test_a_promote_of_a_job_no_worker_holds_says_there_was_no_one_to_tell(client, keys, settings):
+    """A queued or dispatched job (one waiting in a worker for engine room too) takes its tier when a worker leases
+    it: the promote took full effect, and ``delivered`` null says no worker was there to hear it (false is kept for a
+    worker that holds the job and did not hear)."""
+    for values in ({"status": "queued"}, {"status": "dispatched"}, {"status": "dispatched", "worker_id": "w-room"}):
+        job_id = _job(client, keys, settings, **values)
+        r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "free"}, headers=H(keys.admin))
+        assert r.status_code == 200 and r.json()["delivered"] is None, (values, r.text)
+        assert r.json()["worker_id"] is None, r.text
+        with session_scope(settings.sqlalchemy_url) as s:
+            assert s.get(Job, job_id).tier == "free"
+    held = _job(client, keys, settings, status="running", worker_id="w-deaf")  # no one listens on its channel
+    r = client.post(f"/admin/api/jobs/{held}/promote", json={"tier": "free"}, headers=H(keys.admin))
+    assert (r.json()["delivered"], r.json()["worker_id"]) == (False, "w-deaf"), r.text
+
+
+def test_a_staged_job_is_refused_as_not_started_yet_not_as_ended(client, keys, settings):
+    """A job its batch's fan-out wrote ``staged`` (the batch not started) has not ended: it is no job of the
+    batch's yet, and becomes queued when the batch starts. Each action says so, and changes nothing."""
+    job_id = _job(client, keys, settings, status="staged-0a1b2c3d")
+    for action, body in (("promote", {"tier": "free"}), ("resume", None), ("cancel", None)):
+        r = client.post(f"/admin/api/jobs/{job_id}/{action}", json=body, headers=H(keys.admin))
+        assert r.status_code == 409, (action, r.text)
+        detail = r.json()["detail"]
+        assert "not started yet" in detail and "ended" not in detail and "0a1b2c3d" not in detail, (action, detail)
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.status, job.tier) == ("staged-0a1b2c3d", "paid")
+
+
+def _relegated_ten_minutes_ago(client, keys, settings) -> str:
+    """A relegated job of worker w1 whose next token was due ten minutes ago (its relegation's event then)."""
+    from datetime import timedelta
+
+    from app.db.models import JobEvent
+    from app.services.transitions import utcnow
+
+    now = utcnow()
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w1", first_token_at=now - timedelta(hours=1),
+                  tbt_ms=100)
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(JobEvent(job_id=job_id, from_status="running", to_status="relegated", at=now - timedelta(minutes=10),
+                       worker_id="w1", attempt=1, detail="relegated"))
+    return job_id
+
+
+def test_an_admin_resume_is_in_the_jobs_history_and_leaves_its_overdue_as_it_was(client, keys, settings):
+    """The operator's resume is one of the job's events whether or not its worker heard it (the worker's own
+    "engine resumed it" follows where it did); the job stays relegated until its worker moves it, and the event is
+    no relegation: its overdue stays."""
+    job_id = _relegated_ten_minutes_ago(client, keys, settings)
+
+    def overdue() -> float:
+        return client.get("/admin/api/overview", headers=H(keys.admin)).json()["jobs"][0]["overdue_s"]
+
+    assert overdue() > 500
+    r = client.post(f"/admin/api/jobs/{job_id}/resume", headers=H(keys.admin))
+    assert r.status_code == 200 and r.json()["delivered"] is False, r.text  # w1 does not listen here
+    found = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()
+    assert found["job"]["status"] == "relegated"
+    assert [(e["from"], e["to"], e["detail"]) for e in found["events"]][-1] == (
+        "relegated", "relegated", "resumed by an admin")
+    assert overdue() > 500
+
+
+def test_a_resume_of_a_job_that_left_relegated_meanwhile_is_a_409_and_records_nothing(client, keys, settings,
+                                                                                      monkeypatch):
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w1")
+    read = admin._job
+
+    def then_its_engine_resumes_it(session, job_id: str) -> Job:
+        job = read(session, job_id)
+        with session_scope(settings.sqlalchemy_url) as s:
+            s.execute(update(Job).where(Job.id == job_id).values(status="running"))
+        return job
+
+    monkeypatch.setattr(admin, "_job", then_its_engine_resumes_it)
+    r = client.post(f"/admin/api/jobs/{job_id}/resume", headers=H(keys.admin))
+    assert r.status_code == 409 and "is running, not relegated" in r.json()["detail"], r.text
+    monkeypatch.undo()
+    events = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()["events"]
+    assert not [e for e in events if e["detail"] == "resumed by an admin"], events
+
+
+def test_of_two_operators_promoting_one_job_at_once_the_one_that_writes_second_gets_a_409(client, keys, settings,
+                                                                                        monkeypatch):
+    """Each promote writes only where the job is still at the tier it read (and its event says from which): the
+    second of two at once finds the first's tier, changes nothing, and its 409 names that tier."""
+    monkeypatch.setattr(settings, "tiers", ("bronze", "silver", "gold"))
+    job_id = _job(client, keys, settings, status="running", worker_id="w1", tier="silver")
+    read = admin._job
+
+    def then_another_operator_promotes_it(session, job_id: str) -> Job:
+        job = read(session, job_id)
+        with session_scope(settings.sqlalchemy_url) as s:
+            admin._move_tier(s, job_id, job.tier, "gold")
+        return job
+
+    monkeypatch.setattr(admin, "_job", then_another_operator_promotes_it)
+    r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "bronze"}, headers=H(keys.admin))
+    assert r.status_code == 409 and "is at tier gold now" in r.json()["detail"], r.text
+    monkeypatch.setattr(admin, "_job", read)
+    found = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job_id).tier == "gold"
+    assert [e["detail"] for e in found["events"]][-1] == "moved from tier silver to gold by an admin"
