@@ -56,9 +56,15 @@ function cell(row, text, cls) {
   return td;
 }
 
-// what an action's answer says happened: the API answers 200 also when no worker heard it or the job had ended
+// what an action's answer says happened: the API answers 200 also when no worker heard it or the job had ended;
+// delivered null: no worker holds the job (queued, dispatched), so nobody was to hear it and SQL's word is all
 function outcome(body) {
-  if (body.delivered === false) return "not delivered: no worker is listening (what SQL holds stands)";
+  if (body.delivered === null) return "done (no worker holds the job yet: the one that leases it reads it from SQL)";
+  if (body.delivered === false) {
+    const who = body.worker_id ? `worker ${body.worker_id} holds the job and did not hear it`
+      : "no worker is listening";
+    return `not delivered: ${who} (what SQL holds stands)`;
+  }
   if (body.cancelled === false) return "not done: the job had already ended";
   if (body.skipped) return "not done";
   return "done";

@@ -208,3 +208,37 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         expect(page.locator("#status")).to_have_text(f"cancel {hog}: done")
         assert missing == [], missing  # the favicon too
         browser.close()
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install -y chromium)")
+def test_the_dashboard_tells_a_job_no_worker_holds_from_a_worker_that_did_not_hear(live_server, keys, settings):
+    """A tier button on a queued job (no worker holds it: the one that leases it reads the tier) says it is done;
+    on a running job whose worker does not listen, that this worker did not hear it. Both stand in SQL."""
+    from playwright.sync_api import expect, sync_playwright
+    from sqlalchemy import update
+
+    from app.db.models import Job
+    from app.db.session import session_scope
+
+    waiting, held = (submit(live_server, keys.paid, prompt="Hi", max_tokens=2) for _ in range(2))
+    with session_scope(settings.sqlalchemy_url) as s:  # no worker runs here: the states are set as workers set them
+        s.execute(update(Job).where(Job.id == waiting).values(status="queued", worker_id=None))
+        s.execute(update(Job).where(Job.id == held).values(status="running", worker_id="w-deaf"))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page()
+        page.goto(f"{live_server}/admin")
+        page.fill("#admin-key", keys.admin)
+        page.click("#login-form button[type=submit]")
+        page.select_option("#jobs-status", "queued")
+        page.locator(f"#job-{waiting} button[data-action=demote][data-tier=free]").click()
+        expect(page.locator("#status")).to_have_text(
+            f"demote {waiting} to free: done (no worker holds the job yet: the one that leases it reads it from SQL)")
+        page.select_option("#jobs-status", "running")
+        page.locator(f"#job-{held} button[data-action=demote][data-tier=free]").click()
+        expect(page.locator("#status")).to_have_text(
+            f"demote {held} to free: not delivered: worker w-deaf holds the job and did not hear it "
+            "(what SQL holds stands)")
+        browser.close()
+    for job_id in (waiting, held):
+        assert httpx.get(f"{live_server}/v1/jobs/{job_id}", headers=Keys.header(keys.paid)).json()["tier"] == "free"
