@@ -116,7 +116,7 @@ def _relegated_at(session, job_ids: list[str]) -> dict[str, datetime]:
         return {}
     return {job_id: at for job_id, at in session.execute(
         select(JobEvent.job_id, func.max(JobEvent.at))
-        # an event that left the job where it was (an operator's move to another tier) is no relegation
+        # an event that left the job where it was (an operator's move to another tier, or resume) is no relegation
         .where(JobEvent.job_id.in_(job_ids), JobEvent.to_status == JobStatus.RELEGATED.value,
                JobEvent.from_status != JobEvent.to_status)
         .group_by(JobEvent.job_id))}
