@@ -17,7 +17,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import Job, JobStatus
-from app.services.transitions import ACTIVE, PENDING, STOPPED, transition, utcnow
+from app.services.transitions import ACTIVE, PENDING, RESPONSE_ROW, STOPPED, announce_settled, transition, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,12 @@ def keep_cancelled(session: Session, lease: Lease, values: dict[str, Any] | None
             Job.status == JobStatus.CANCELLED.value)
     # its end settles with this write (None: nothing to write, settled all the same), once: /metrics may keep the
     # totals of a settled end, so what a late second write would change is refused
-    done = session.execute(update(Job).where(*ours, Job.settled_at.is_(None))
-                           .values(**(values or {}), settled_at=utcnow(), lease_expires_at=None)
-                           .execution_options(synchronize_session=False)).rowcount
+    settled = session.execute(update(Job).where(*ours, Job.settled_at.is_(None))
+                              .values(**(values or {}), settled_at=utcnow(), lease_expires_at=None)
+                              .returning(*RESPONSE_ROW).execution_options(synchronize_session=False)).first()
+    done = settled is not None
+    if done:  # a background response's cancel is announced now that what it shows is written
+        announce_settled(session, lease.job_id, JobStatus.CANCELLED.value, *settled)
     session.commit()
     if done or values:
         return bool(done)
@@ -121,15 +124,21 @@ def keep_cancelled(session: Session, lease: Lease, values: dict[str, Any] | None
 def settle_lapsed(session: Session, now, limit: int) -> int:
     """Settles the ends the API stopped (cancelled, expired) while a worker held them whose lease expired before that
     worker wrote what it produced (keep_cancelled): it died, and they would otherwise be read afresh at every
-    ``/metrics`` scrape. Their values stay as they stand. Returns how many."""
+    ``/metrics`` scrape. Their values stay as they stand; a background response's cancel is announced now. Returns
+    how many (the caller commits)."""
     lapsed = list(session.scalars(select(Job.id).where(  # ix_jobs_status_lease: a short range
         Job.status.in_([s.value for s in STOPPED]), Job.lease_expires_at < now, Job.settled_at.is_(None))
         .limit(limit)))
     if not lapsed:
         return 0
-    return session.execute(update(Job).where(Job.id.in_(lapsed), Job.lease_expires_at < now, Job.settled_at.is_(None))
-                           .values(settled_at=utcnow(), lease_expires_at=None)
-                           .execution_options(synchronize_session=False)).rowcount
+    settled = session.execute(update(Job).where(Job.id.in_(lapsed), Job.lease_expires_at < now,
+                                                Job.settled_at.is_(None))
+                              .values(settled_at=utcnow(), lease_expires_at=None)
+                              .returning(Job.id, Job.status, *RESPONSE_ROW)
+                              .execution_options(synchronize_session=False)).all()
+    for job_id, status, *row in settled:
+        announce_settled(session, job_id, status, *row)
+    return len(settled)
 
 
 def release(session: Session, lease: Lease, detail: str) -> bool:

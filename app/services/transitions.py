@@ -69,7 +69,7 @@ def transition(
     expected = (expected,) if isinstance(expected, JobStatus) else tuple(expected)
     values = dict(values or {})
     # the row as it ends, where a background response's webhook may report the end (the job's id otherwise)
-    returned = (Job.tenant_id, Job.endpoint, Job.response, Job.finish_reason) if to in RESPONSE_EVENTS else (Job.id,)
+    returned = RESPONSE_ROW if to in RESPONSE_EVENTS else (Job.id,)
     for prev in expected:  # one statement per expected state, so the event knows where it came from
         stmt = update(Job).where(Job.id == job_id, Job.status == prev.value, *where)
         if attempt is not None:
@@ -103,7 +103,7 @@ def transition_many(session: Session, which: Any, expected: Iterable[JobStatus],
     """``transition`` for every job that ``which`` (a SQL condition) selects: one guarded UPDATE per expected state,
     their job_events rows in one insert, and a background response's webhook event for each. The caller commits."""
     values = dict(values or {})
-    returned = (Job.tenant_id, Job.endpoint, Job.response, Job.finish_reason) if to in RESPONSE_EVENTS else ()
+    returned = RESPONSE_ROW if to in RESPONSE_EVENTS else ()
     event_attempt = values.get("attempt")
     moved: list[Moved] = []
     for prev in expected:  # a statement per expected state, as transition's, so each event knows where it came from
@@ -126,13 +126,30 @@ RESPONSE_EVENTS = {JobStatus.SUCCEEDED: "response.completed", JobStatus.FAILED: 
                    JobStatus.EXPIRED: "response.failed", JobStatus.CANCELLED: "response.cancelled"}
 
 
+# what a response's event is written from: the row as the write that ends (or settles) its job returns it
+RESPONSE_ROW = (Job.tenant_id, Job.endpoint, Job.response, Job.finish_reason, Job.settled_at)
+
+
 def _announce_response(session: Session, job_id: str, to: JobStatus, tenant_id: str, endpoint: str,
-                       response: dict[str, Any] | None, finish_reason: str | None) -> None:
-    """The ``response.*`` webhook event of a background Responses API job that just ended (in this transaction)."""
+                       response: dict[str, Any] | None, finish_reason: str | None, settled_at: Any) -> None:
+    """The ``response.*`` webhook event of a background Responses API job that just ended (in this transaction).
+    A cancel of a job an engine holds leaves it unsettled: its worker writes the output so far and the usage that
+    the response shows after the cancel, and the event waits for that write (``announce_settled``), lest the
+    receiver that fetches the response at the event see neither."""
     if endpoint != "/v1/responses" or not (response or {}).get("background"):
+        return
+    if to is JobStatus.CANCELLED and settled_at is None:
         return
     from app.responses_schemas import response_id
     from app.services.webhooks import emit
 
     kind = "response.incomplete" if to is JobStatus.SUCCEEDED and finish_reason == "length" else RESPONSE_EVENTS[to]
     emit(session, tenant_id, kind, response_id(job_id))
+
+
+def announce_settled(session: Session, job_id: str, status: str, *row: Any) -> None:
+    """The event a cancelled job's end held back until it settled (its worker wrote what it produced, or its lease
+    lapsed; ``row``: ``RESPONSE_ROW`` as the settling write returns it), in that write's transaction. An expired
+    job's was sent as it expired: its worker writes nothing to it."""
+    if JobStatus(status) is JobStatus.CANCELLED:
+        _announce_response(session, job_id, JobStatus.CANCELLED, *row)

@@ -183,8 +183,9 @@ def test_a_background_responses_end_is_an_event_and_other_jobs_ends_are_not(oai,
             s.add(Job(id=f"job_{i:024d}", tenant_id=keys.tenant_id, kind="interactive", tier="paid", model="tiny",
                       sampling={}, status="running", **kind))
         s.commit()
-        for i, (_, to, reason, _) in enumerate(cases):
-            assert transition(s, f"job_{i:024d}", JobStatus.RUNNING, to, values={"finish_reason": reason})
+        for i, (_, to, reason, _) in enumerate(cases):  # ends that settle as they are written (a worker's)
+            assert transition(s, f"job_{i:024d}", JobStatus.RUNNING, to,
+                              values={"finish_reason": reason, "settled_at": utcnow()})
             assert not transition(s, f"job_{i:024d}", JobStatus.RUNNING, to)  # ended once: one event
         s.commit()
         sent = {json.loads(d.body)["data"]["id"]: d.type for d in s.scalars(select(WebhookDelivery))}
@@ -527,3 +528,42 @@ def test_a_deliverys_log_lines_show_no_credentials_of_its_url(oai, db_url, keys,
     given_up = [r.getMessage() for r in caplog.records if "gave up webhook" in r.getMessage()]
     assert given_up and made.id in given_up[0] and "http://127.0.0.1:9/hook" in given_up[0], given_up
     assert "s3cret" not in caplog.text
+
+
+def test_a_cancelled_responses_event_is_sent_once_what_its_worker_produced_can_be_read(oai, db_url, keys,
+                                                                                      webhook_receiver):
+    """A background response cancelled while a worker ran it shows its output so far and its usage once that worker
+    writes them, after the cancel: its ``response.cancelled`` goes out then (or once the sweeper settles an end whose
+    worker died), so the receiver that fetches the response at the event sees what it will keep. It went out with the
+    cancel, and the fetch showed a response with no output and no usage, for good as far as the event said."""
+    from app.db.models import Job, JobStatus
+    from app.responses_schemas import job_id_of
+    from app.services.cancel import stop_job_ids
+    from workers import lease as leases
+
+    oai.webhooks.create(event_types=["response.cancelled"], name="r", url=webhook_receiver.url)
+    made = [oai.responses.create(model="tiny", input="hi", background=True) for _ in range(2)]
+    seen: dict[str, object] = {}
+
+    def deliver(s) -> None:  # the receiver fetches each response it hears of, as a handler does
+        deliver_due(s, retry_s=30.0, max_attempts=5, timeout_s=5.0)
+        for body, _ in webhook_receiver.received:
+            resp_id = json.loads(body)["data"]["id"]
+            seen.setdefault(resp_id, oai.responses.retrieve(resp_id).usage)
+
+    with session_scope(db_url) as s:
+        jobs = {r.id: job_id_of(r.id) for r in made}
+        held = {r: leases.acquire(s, job, "w1", lease_s=30) for r, job in jobs.items()}
+        assert stop_job_ids(s, list(jobs.values()), JobStatus.CANCELLED, "cancelled by the client", None) == 2
+        deliver(s)
+        first, second = made
+        assert leases.keep_cancelled(s, held[first.id], {"output_text": "so", "prompt_tokens": 1,
+                                                         "completion_tokens": 1})
+        deliver(s)
+        s.execute(update(Job).where(Job.id == jobs[second.id]).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+        s.commit()
+        assert leases.settle_lapsed(s, utcnow(), 10) == 1  # its worker died: the end settles as it stands
+        s.commit()
+        deliver(s)
+    assert seen[first.id] is not None and seen[first.id].output_tokens == 1, seen  # its usage, at its event
+    assert list(seen) == [first.id, second.id] and len(webhook_receiver.received) == 2
