@@ -92,7 +92,8 @@ def public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 @dataclass(frozen=True)
 class Target:
     """Where one delivery's POST goes: the URL as given, or, pinned, the URL with the address vetted in place of
-    its host, the host kept for the ``Host`` header and TLS (SNI and the certificate's name)."""
+    its host, the host kept for the ``Host`` header and TLS (SNI and the certificate's name), as httpx names it
+    unpinned: a name with non-ASCII letters in its IDNA (``xn--``) form, the one a header can carry."""
 
     url: str
     host_header: str | None = None
@@ -102,9 +103,11 @@ class Target:
     def pinned(url: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Target:
         parts = urlsplit(url)
         at = f"[{address}]" if address.version == 6 else str(address)
-        userinfo, _, host = parts.netloc.rpartition("@")
+        userinfo, _, _ = parts.netloc.rpartition("@")
         netloc = (f"{userinfo}@" if userinfo else "") + (at if parts.port is None else f"{at}:{parts.port}")
-        return Target(parts._replace(netloc=netloc).geturl(), host, parts.hostname)
+        named = httpx.URL(url)
+        return Target(parts._replace(netloc=netloc).geturl(), named.netloc.decode("ascii"),
+                      named.raw_host.decode("ascii"))
 
 
 def target(url: str, private_targets: bool) -> Target | str:

@@ -261,6 +261,29 @@ def test_with_private_targets_off_a_delivery_goes_to_the_address_that_was_checke
     assert json.loads(body)["data"]["id"] == "batch_rebind" and headers["host"] == f"hooks.rebind.test:{port}"
 
 
+def test_with_private_targets_off_an_endpoint_with_an_international_name_is_delivered_to(keys, db_url,
+                                                                                        webhook_receiver, monkeypatch):
+    """A host name with non-ASCII letters (IDNA): the pinned POST names it as DNS and TLS do (its xn-- form) in its
+    Host header. Its Unicode form there was no header httpx could send: every attempt failed, then it was given up
+    on. Loopback stands in for a public address, as above."""
+    import ipaddress
+    import socket
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **kw: real(
+        "127.0.0.1" if host in ("bücher.test", "xn--bcher-kva.test") else host, *a, **kw))
+    monkeypatch.setattr(ipaddress.IPv4Address, "is_global", property(lambda self: True))
+    port = webhook_receiver.url.split(":")[2].split("/")[0]
+    with session_scope(db_url) as s:
+        add_endpoint(s, keys.tenant_id, f"http://Bücher.test:{port}/hook")
+        emit(s, keys.tenant_id, "batch.completed", "batch_idna")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=False) == 1, \
+            s.scalars(select(WebhookDelivery.last_error)).all()
+    ((body, headers),) = webhook_receiver.received
+    assert json.loads(body)["data"]["id"] == "batch_idna" and headers["host"] == f"xn--bcher-kva.test:{port}"
+
+
 def test_a_pinned_target_keeps_the_host_for_tls_and_the_host_header():
     import ipaddress
 
