@@ -283,7 +283,10 @@ class Policy:
     def wait(self, attempts: int, asked: float | None) -> float:
         """Seconds before the next attempt: the doubling backoff, or longer where the endpoint asked, up to the
         maximum."""
-        return min(MAX_RETRY_S, max(self.retry_s * 2 ** (attempts - 1), asked or 0.0))
+        # the exponent held inside a float's: 2 ** 1024 overflows it (webhook_max_attempts has no ceiling), and the
+        # doubling is at the hour long before
+        doubled = self.retry_s * 2.0 ** min(attempts - 1, 1023)
+        return min(MAX_RETRY_S, max(doubled, asked or 0.0))
 
 
 def deliver_due(session: Session, *, retry_s: float, max_attempts: int, timeout_s: float, limit: int = 50,

@@ -340,6 +340,15 @@ def test_the_event_types_are_listed_as_the_official_client_reads_them(oai):
     assert oai.webhooks.event_types.list().data == list(EVENT_TYPES)
 
 
+def test_the_wait_before_an_attempt_stays_at_the_hour_however_many_came_before():
+    """``webhook_max_attempts`` has no ceiling: past its 1025th attempt the doubling overflowed a float, the
+    attempt went unrecorded, and the delivery was sent again at every claim's end (for ever) instead of hourly."""
+    from app.services.webhooks import MAX_RETRY_S, Policy
+
+    policy = Policy(retry_s=5.0, max_attempts=5000, timeout_s=10.0)
+    assert [policy.wait(n, None) for n in (1, 2, 11, 1025, 4999)] == [5.0, 10.0, MAX_RETRY_S, MAX_RETRY_S, MAX_RETRY_S]
+
+
 def test_the_timeout_is_kept_well_inside_the_claim_of_a_delivery_being_sent():
     from pydantic import ValidationError
 
