@@ -85,7 +85,7 @@ class Tables:
     """What one scrape read from the database."""
 
     by_state: list  # (status, tier, jobs) of the model's jobs not yet ended
-    workers: list[WorkerState]  # the live ones
+    workers: list[WorkerState]  # the live ones of the deployment's model
     totals: dict[str, Groups]  # the finished jobs' sums (SqlCollector._summed)
 
 
@@ -116,7 +116,7 @@ class SqlCollector(Collector):
             return None
 
     def live_workers(self) -> list[str] | None:
-        """The live workers' ids; None where the database could not be reached."""
+        """The deployment's live workers' ids; None where the database could not be reached."""
         tables = self.tables
         return None if tables is None else [w.id for w in tables.workers]
 
@@ -138,7 +138,9 @@ class SqlCollector(Collector):
             start = tally.kept(s, scope)
             models = tally.counted(start, self.models)  # those counted before too: no counter goes back
             totals, after = tally.totals(s, start, self._summed(s, models), models)
-            tables = Tables(by_state, list(s.scalars(workers.order_by(WorkerState.id))), totals)
+            # the deployment's own workers: another model's deployment on the same database exports its own
+            own = [w for w in s.scalars(workers.order_by(WorkerState.id)) if self.model_name in w.served]
+            tables = Tables(by_state, own, totals)
         tally.keep(self.url, scope, start, after)
         return tables
 
@@ -172,37 +174,39 @@ class SqlCollector(Collector):
             for tier in tiers:
                 fam.add_metric([self.model_name, tier], acc.get((kind, tier), 0.0))
             yield fam
+        # model_name as on vLLM's series (its dashboards select by it), then the worker
+        per_worker = ["model_name", "worker"]
         kv = GaugeMetricFamily("coserve:kv_cache_usage_perc", "KV-cache usage per worker (1 = full).",
-                               labels=["worker"])
+                               labels=per_worker)
         up = GaugeMetricFamily("coserve:worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat "
                                "(draining: an operator's drain; stopping: a warm shutdown's grace).",
-                               labels=["worker", "draining", "stopping"])
+                               labels=[*per_worker, "draining", "stopping"])
         preempt = CounterMetricFamily("coserve:num_preemptions", "Requests whose KV the worker's engine released "
                                       "under memory pressure, to recompute later (since the worker started).",
-                                      labels=["worker"])
+                                      labels=per_worker)
         pool_short = CounterMetricFamily("coserve:spec_decode_num_draft_pool_short", "Requests the worker's draft "
                                          "model drafted a shallower token tree for, or none, because its KV pool "
-                                         "was short (since the worker started).", labels=["worker"])
+                                         "was short (since the worker started).", labels=per_worker)
         routed = GaugeMetricFamily("coserve:worker_routed_jobs_waiting", "Jobs prefix routing sent the worker that "
-                                   "wait on its own queue (at its last heartbeat).", labels=["worker"])
+                                   "wait on its own queue (at its last heartbeat).", labels=per_worker)
         set_aside = GaugeMetricFamily("coserve:worker_set_aside_jobs", "Job attempts the worker set aside: their "
                                       "abort its engine has not confirmed (at its last heartbeat).",
-                                      labels=["worker"])
+                                      labels=per_worker)
         now = utcnow()
         for w in workers:
             state = w.state or {}
             if state.get("set_aside_jobs") is not None:
-                set_aside.add_metric([w.id], float(state["set_aside_jobs"]))
+                set_aside.add_metric([self.model_name, w.id], float(state["set_aside_jobs"]))
             if state.get("routed_waiting") is not None:
-                routed.add_metric([w.id], float(state["routed_waiting"]))
+                routed.add_metric([self.model_name, w.id], float(state["routed_waiting"]))
             if state.get("kv_usage") is not None:
-                kv.add_metric([w.id], float(state["kv_usage"]))
+                kv.add_metric([self.model_name, w.id], float(state["kv_usage"]))
             if state.get("kv_recomputes") is not None:
-                preempt.add_metric([w.id], float(state["kv_recomputes"]))
+                preempt.add_metric([self.model_name, w.id], float(state["kv_recomputes"]))
             if state.get("draft_pool_short") is not None:
-                pool_short.add_metric([w.id], float(state["draft_pool_short"]))
-            up.add_metric([w.id, str(bool(w.draining)).lower(), str(routing.stopping(w.state)).lower()],
-                          (now - as_utc(w.heartbeat_at)).total_seconds())
+                pool_short.add_metric([self.model_name, w.id], float(state["draft_pool_short"]))
+            up.add_metric([self.model_name, w.id, str(bool(w.draining)).lower(),
+                           str(routing.stopping(w.state)).lower()], (now - as_utc(w.heartbeat_at)).total_seconds())
         yield kv
         yield up
         yield preempt

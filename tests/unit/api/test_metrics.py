@@ -76,11 +76,11 @@ def test_metrics_endpoint_reflects_sql(client, db_url):
     assert get("coserve:num_requests_running", model_name="tiny", tier="paid") == 2
     assert get("coserve:num_requests_waiting", model_name="tiny", tier="free") == 1
     assert get("coserve:num_requests_relegated", model_name="tiny", tier="free") == 1
-    assert get("coserve:kv_cache_usage_perc", worker="w9") == 0.25
-    assert get("coserve:num_preemptions_total", worker="w9") == 3
-    assert get("coserve:spec_decode_num_draft_pool_short_total", worker="w9") == 5
-    assert get("coserve:worker_routed_jobs_waiting", worker="w9") == 4
-    assert get("coserve:worker_set_aside_jobs", worker="w9") == 1
+    assert get("coserve:kv_cache_usage_perc", model_name="tiny", worker="w9") == 0.25
+    assert get("coserve:num_preemptions_total", model_name="tiny", worker="w9") == 3
+    assert get("coserve:spec_decode_num_draft_pool_short_total", model_name="tiny", worker="w9") == 5
+    assert get("coserve:worker_routed_jobs_waiting", model_name="tiny", worker="w9") == 4
+    assert get("coserve:worker_set_aside_jobs", model_name="tiny", worker="w9") == 1
     assert get("coserve:time_to_first_token_seconds_bucket", model_name="tiny", tier="paid", kind="interactive",
                le="0.04") == 1
     assert get("coserve:time_to_first_token_seconds_bucket", model_name="tiny", tier="free", kind="interactive",
@@ -366,3 +366,18 @@ def test_the_readme_lists_what_metrics_exports_and_nothing_else(client, db_url):
     undocumented = sorted(n for n in exported if n.startswith("coserve:")
                           and n not in named and n.replace("coserve:", "vllm:", 1) not in named)
     assert undocumented == [], "/metrics exports series README.md does not name"
+
+
+def test_the_workers_series_are_the_deployments_own_and_name_its_model(client, db_url):
+    """Two models' deployments on one database: a scrape exports its own workers' KV usage and preemptions, labelled
+    ``model_name`` as vLLM's (a vLLM dashboard selects ``vllm:kv_cache_usage_perc{model_name="$model_name"}``). They
+    had no ``model_name``, so such a panel was empty, and every deployment exported the other's workers too."""
+    with session_scope(db_url) as s:
+        s.add_all([WorkerState(id=w, model=model, queue=model, device="cpu", heartbeat_at=utcnow(),
+                               state={"kv_usage": 0.5, "kv_recomputes": 2})
+                   for w, model in (("tiny-w", "tiny"), ("other-w", "other"))])
+    scraped = _scrape(client)
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "coserve:worker_heartbeat_age_seconds"):
+        assert [dict(labels) for n, labels in scraped if n == name] == [
+            {"model_name": "tiny", "worker": "tiny-w", **({"draining": "false", "stopping": "false"}
+                                                          if "heartbeat" in name else {})}], name
