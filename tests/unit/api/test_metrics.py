@@ -334,6 +334,18 @@ def test_http_requests_are_counted_per_route_template(client, keys):
     assert handlers == {"/v1/jobs/{job_id}": 3, "none": 3}, handlers  # the probe is not traffic
 
 
+def test_a_request_method_no_route_knows_counts_under_one_method_label(client):
+    """The method label took whatever a client sent: with no key, each made-up method (``FOO1``, ``FOO2``...) added
+    series to http_requests_total and http_request_duration_seconds for good. One outside HTTP's methods counts as
+    ``other``, so the series stay bounded."""
+    for n in range(3):
+        client.request(f"FOO{n}", "/v1/models")
+    client.request("PATCH", "/v1/models")
+    methods = {dict(labels)["method"]: value for (name, labels), value in _scrape(client).items()
+               if name in ("http_requests_total", "http_request_duration_seconds_count")}
+    assert methods == {"other": 3, "PATCH": 1}, methods
+
+
 def test_a_workers_heartbeat_age_says_whether_it_drains_or_stops(client, db_url):
     """A worker in a warm shutdown's grace takes no job, as a draining one: the heartbeat series says which of the
     two each worker is in, so an alert on live workers taking jobs can leave both out."""
