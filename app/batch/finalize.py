@@ -182,10 +182,12 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
              if lines}
     values: dict = {key: row.id for key, row in files.items()}
     now = utcnow()
+    # finalizing was this caller's lock on the files; a batch that ends cancelled or expired never went through
+    # OpenAI's finalizing (in_progress -> finalizing -> completed), whose finalizing_at it then leaves null
     if cancelled:
-        values.update(status="cancelled", cancelled_at=now)
+        values.update(status="cancelled", cancelled_at=now, finalizing_at=None)
     elif expired:
-        values.update(status="expired", expired_at=now)
+        values.update(status="expired", expired_at=now, finalizing_at=None)
     else:
         values.update(status="completed", completed_at=now)
     # the files and the final status in one transaction: a finalize that dies before it leaves the batch

@@ -101,17 +101,14 @@ def test_a_cancel_after_the_window_ended_finds_the_batch_expired(client, keys, s
     assert "expired" in answer.json()["error"]["message"]
     batch = _read(client, keys, batch_id)
     assert (batch.status, batch.cancelling_at, batch.cancelled_at) == ("expired", None, None)
-    assert batch.expired_at is not None
+    assert batch.expired_at is not None and batch.finalizing_at is None  # it never went through finalizing
     assert [e["code"] for e in _error_lines(client, keys, batch)] == ["batch_expired", "batch_expired"]
 
 
-def test_a_batch_whose_jobs_all_ended_in_its_window_is_completed_though_finalized_after_it(client, keys, settings):
-    """A job the scheduler gave up on while the window was open (its line: ``server_error``), the batch finalized
-    only once the window had ended (no poll, no sweep before): the window stopped nothing, so the batch is
-    ``completed``, as its error file says, not ``expired``."""
-    batch_id = _batch(client, keys, ["tiny"], window="1h")
-    # the scheduler gave up on the job 2 s ago; the window ended a second after that
-    batch = _given_up_and_finalized(client, keys, settings, batch_id, finished_ago_s=2, window_ended_ago_s=1)
-    (error,) = _error_lines(client, keys, batch)
-    assert error["code"] == "server_error", error
-    assert batch.status == "completed", batch
+def test_only_a_batch_that_completed_shows_when_it_started_finalizing(client, keys):
+    """OpenAI's ``finalizing_at`` is the start of finalizing (in_progress -> finalizing -> completed): a cancelled
+    batch never went through it and leaves it null, as an expired one does."""
+    auth = Keys.header(keys.paid)
+    cancelled = client.post(f"/v1/batches/{_batch(client, keys, ['tiny'])}/cancel", headers=auth).json()
+    assert (cancelled["status"], cancelled["finalizing_at"]) == ("cancelled", None), cancelled
+
