@@ -101,7 +101,7 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
         log.info("batch %s failed validation: %s", batch_id, parsed.file_errors)
         return
     principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
-    invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message) for i in parsed.invalid]
+    invalid_lines = list(parsed.invalid)
     jobs = []
     # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)
     context = held_context_length(settings)
@@ -110,8 +110,10 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
             jobs += _line_jobs(settings, principal, v, batch_id, endpoint, expires_at, context)
         except JobValidationError as exc:  # an over-long message batch request in Anthropic's words, as its create
             why = exc.overflow.anthropic_message() if exc.overflow and endpoint == MESSAGES else str(exc)
-            invalid.append(invalid_line(v.line_no, v.custom_id, "invalid_body", f"line {v.line_no}: {why}"))
-    invalid.sort(key=lambda r: r["error"]["line"])
+            invalid_lines.append(batch_lines.InvalidLine(v.line_no, v.custom_id, f"line {v.line_no}: {why}",
+                                                         "invalid_body"))
+    invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message)
+               for i in sorted(invalid_lines, key=lambda i: i.line_no)]
     path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)
     path.write_text("".join(json.dumps(r) + "\n" for r in invalid))

@@ -10,6 +10,7 @@ error files finalize wrote.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT, error_body
-from app.batch.objects import GIVEN_UP_IN_WINDOW, stopped_code
+from app.batch.objects import GIVEN_UP_IN_WINDOW, REFUSED_LINE, stopped_code
 from app.db.models import Batch, Job, JobStatus
 from app.services.transitions import as_utc
 
@@ -26,6 +27,7 @@ WINDOW = "24h"  # docs.anthropic.com/en/docs/build-with-claude/batch-processing:
 ENDED = ("completed", "failed", "expired", "cancelled")
 # an error-file code -> the result type of a request that did not succeed (any other code: errored)
 RESULT_OF_CODE = {"batch_cancelled": "canceled", "batch_expired": "expired"}
+LINE_PREFIX = re.compile(r"^line \d+: ")  # a refusal's message names its input line; a result names its custom_id
 
 
 def input_lines(requests: Iterable[tuple[str, dict[str, Any]]]) -> bytes:
@@ -115,8 +117,8 @@ def result_of_error(line: dict[str, Any]) -> dict[str, Any]:
     kind = RESULT_OF_CODE.get(error.get("code"))
     if kind is not None:
         return {"custom_id": line["custom_id"], "result": {"type": kind}}
-    if "line" in error:  # the fan-out refused it
-        failed = error_body(400, error["message"].removeprefix(f"line {error['line']}: "))
+    if line["id"].startswith(REFUSED_LINE):  # the fan-out refused it
+        failed = error_body(400, LINE_PREFIX.sub("", error["message"], count=1))
     else:
         failed = error_body(500, error["message"])
     return {"custom_id": line["custom_id"], "result": {"type": "errored", "error": failed}}

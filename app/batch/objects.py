@@ -157,6 +157,13 @@ def outran_window(job: Job, window_end: datetime | None) -> bool:
     return job.status == "expired" and stopped_code(job.status, given_up_in_window(job, window_end)) == "batch_expired"
 
 
+REFUSED_LINE = "batch_req_line_"  # an error-file line's id prefix where the validation refused its input line
+
+
 def invalid_line(line_no: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
-    return {"id": f"batch_req_line_{line_no}", "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message, "line": line_no}}
+    """The error-file line of an input line the validation refused. Its shape is every error line's, as OpenAI's and
+    vLLM's batch output lines are: ``custom_id`` a string (vLLM's ``BatchRequestOutput`` requires one; "" where the
+    line had none readable, which no valid line has) and ``error`` only ``code`` and ``message``. The line number is
+    in its ``id`` and message: ``line`` belongs to the batch's own ``errors.data[]`` (OpenAI's ``BatchError``)."""
+    return {"id": f"{REFUSED_LINE}{line_no}", "custom_id": custom_id or "", "response": None,
+            "error": {"code": code, "message": message}}

@@ -75,7 +75,7 @@ def test_batch_round_trip_with_bad_lines(oai, stack):
     assert done.usage.output_tokens == 26 and done.usage.total_tokens == done.usage.input_tokens + 26
     assert done.usage.input_tokens_details.cached_tokens == 0
 
-    errors = {e["error"]["line"]: e for e in jsonl(oai, done.error_file_id)}
+    errors = {int(e["id"].removeprefix("batch_req_line_")): e for e in jsonl(oai, done.error_file_id)}
     assert sorted(errors) == [2, 4, 5, 6]
     assert errors[2]["error"]["code"] == "invalid_json" and "line 2" in errors[2]["error"]["message"]
     assert errors[4]["custom_id"] == "c" and "/v1/embeddings" in errors[4]["error"]["message"]

@@ -145,7 +145,7 @@ def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     r = run.invoke(cli, ["batch", "results", batch_id, "-o", str(out), "--errors", str(err), *auth])
     assert r.exit_code == 0, r.output
     assert sorted(json.loads(t)["custom_id"] for t in out.read_text().splitlines()) == ["r0", "r1", "r2"]
-    assert json.loads(err.read_text())["error"]["line"] == 4
+    assert json.loads(err.read_text())["id"] == "batch_req_line_4"
     r = run.invoke(cli, ["batch", "cancel", batch_id, *auth])
     assert r.exit_code == 1 and "409" in r.output
 

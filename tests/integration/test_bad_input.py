@@ -255,7 +255,7 @@ def test_a_batch_line_with_a_lone_surrogate_fails_that_line_only(client, keys, s
     from app.batch.fanout import invalid_path
 
     errors = [json.loads(t) for t in invalid_path(settings.data_dir, batch_id).read_text().splitlines()]
-    assert [(e["custom_id"], e["error"]["line"]) for e in errors] == [("bad", 2), (None, 3)]
+    assert [(e["custom_id"], e["id"]) for e in errors] == [("bad", "batch_req_line_2"), ("", "batch_req_line_3")]
     assert all(SURROGATE in e["error"]["message"] for e in errors)
     assert "body.messages.0.content" in errors[0]["error"]["message"]
 

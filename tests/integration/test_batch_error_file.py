@@ -71,7 +71,8 @@ LINES = [
 
 # what the validation writes for LINES, pinned before it was made cheaper: a change here is a refusal's message
 # changed on purpose (logprobs' range message since vLLM's prompt_logprobs joined it; response_format's types since
-# vLLM's structural_tag joined them), never by a speed-up
+# vLLM's structural_tag joined them; every line's custom_id a string and its error code and message alone, as
+# OpenAI's and vLLM's error lines are, since the line number moved to the id and message only), never by a speed-up
 EXPECTED = Path(__file__).with_name("batch_error_file.expected.jsonl")
 
 

@@ -112,3 +112,36 @@ def test_only_a_batch_that_completed_shows_when_it_started_finalizing(client, ke
     cancelled = client.post(f"/v1/batches/{_batch(client, keys, ['tiny'])}/cancel", headers=auth).json()
     assert (cancelled["status"], cancelled["finalizing_at"]) == ("cancelled", None), cancelled
 
+
+def test_every_error_line_has_a_custom_id_string_and_an_error_of_code_and_message(client, keys):
+    """Refused lines (one unreadable, one without a custom_id, one with a bad body) and a cancelled one read as
+    OpenAI's and vLLM's error lines (vLLM's ``BatchRequestOutput.custom_id`` is a ``str``): each ``custom_id`` a
+    string, each ``error`` its ``code`` and ``message``; the line number is in the ``id`` (a ``line`` is the
+    batch's own ``errors.data[]``)."""
+    good = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    text = "\n".join(["{not json", json.dumps({"method": "POST", "url": "/v1/completions", "body": good}),
+                      json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {}}),
+                      json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": good})])
+    auth = Keys.header(keys.paid)
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"],
+                                                              "endpoint": "/v1/completions"}).json()["id"]
+    batch = OpenAIBatch.model_validate(client.post(f"/v1/batches/{batch_id}/cancel", headers=auth).json())
+    lines = [json.loads(t) for t in
+             client.get(f"/v1/files/{batch.error_file_id}/content", headers=auth).text.splitlines()]
+    assert [(e["id"], e["custom_id"]) for e in lines] == [
+        ("batch_req_line_1", ""), ("batch_req_line_2", ""), ("batch_req_line_3", "bad"),
+        (lines[3]["id"], "ok")], lines
+    assert all(set(e["error"]) == {"code", "message"} for e in lines), lines
+
+
+def test_a_batch_whose_jobs_all_ended_in_its_window_is_completed_though_finalized_after_it(client, keys, settings):
+    """A job the scheduler gave up on while the window was open (its line: ``server_error``), the batch finalized
+    only once the window had ended (no poll, no sweep before): the window stopped nothing, so the batch is
+    ``completed``, as its error file says, not ``expired``."""
+    batch_id = _batch(client, keys, ["tiny"], window="1h")
+    # the scheduler gave up on the job 2 s ago; the window ended a second after that
+    batch = _given_up_and_finalized(client, keys, settings, batch_id, finished_ago_s=2, window_ended_ago_s=1)
+    (error,) = _error_lines(client, keys, batch)
+    assert error["code"] == "server_error", error
+    assert batch.status == "completed", batch

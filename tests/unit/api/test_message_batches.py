@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from app.anthropic_schemas import message_of, stop_of
 from app.batch import message_batches as mb
 from app.batch.lines import InvalidLine, ValidLine, parse_file
-from app.batch.objects import job_error_line, output_line
+from app.batch.objects import invalid_line, job_error_line, output_line
 from app.db.models import Batch, Job
 from app.tool_calls import read_answer
 
@@ -88,7 +88,7 @@ def test_error_lines_are_canceled_expired_or_errored_results_in_request_order():
         job_error_line(job(custom_id="gone", status="cancelled")),
         job_error_line(job(custom_id="late", status="expired")),
         job_error_line(job(custom_id="broke", status="failed", error="engine died")),
-        {"custom_id": "bad", "error": {"code": "invalid_body", "message": "line 5: prompt too long", "line": 5}},
+        invalid_line(5, "bad", "invalid_body", "line 5: prompt too long"),
     )).encode()
     results = list(mb.results(inputs, outputs, errors, None))
     assert [r["custom_id"] for r in results] == ["ok", "gone", "late", "broke", "bad", "lost"]
