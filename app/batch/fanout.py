@@ -20,7 +20,7 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import maybe_finalize
+from app.batch.finalize import line_numbers_path, maybe_finalize
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
@@ -117,6 +117,8 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)
     path.write_text("".join(json.dumps(r) + "\n" for r in invalid))
+    numbers = {v.custom_id: v.line_no for v in parsed.valid}  # the error file lists its lines in input order
+    line_numbers_path(settings.data_dir, batch_id).write_text(json.dumps(numbers))
     dispatched_at = utcnow() if settings.redis_url else None
     rows = JobRows.of([(job, f"batch {batch_id}") for job in jobs], dispatched_at)
     with session_scope(url) as s:  # a read: a batch over its tenant's queue limit is refused before any row is written

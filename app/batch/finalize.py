@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT as MESSAGES
 from app.batch.events import batch_ended
-from app.batch.objects import job_error_line, outran_window, output_line
+from app.batch.objects import REFUSED_LINE, job_error_line, outran_window, output_line
 from app.batch.storage import MESSAGE_BATCH_RESULTS, new_file
 from app.db.models import STAGED, Batch, Job, JobStatus
 from app.db.session import write_after_read, write_guard
@@ -52,6 +53,24 @@ def stalled_or_open():  # noqa: ANN201 - a SQL condition
 def _invalid_lines(data_dir: Path, batch_id: str) -> list[str]:
     path = Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
     return path.read_text().splitlines() if path.exists() else []
+
+
+def line_numbers_path(data_dir: Path, batch_id: str) -> Path:
+    """Where the fan-out keeps its valid lines' numbers by custom_id (``{"a": 1, ...}``), for the files' order."""
+    return Path(data_dir) / "batches" / batch_id / "lines.json"
+
+
+def _input_order(data_dir: Path, batch_id: str) -> Callable[[str | None], float]:
+    """The input line number of a valid line's custom_id (after every line where unknown: a batch fanned out before
+    the numbers were kept)."""
+    path = line_numbers_path(data_dir, batch_id)
+    numbers = json.loads(path.read_text()) if path.exists() else {}
+    return lambda custom_id: numbers.get(custom_id, math.inf)
+
+
+def _refused_line_number(text: str) -> int:
+    """An invalid.jsonl line's input line number, from its id (``batch_req_line_N``)."""
+    return int(json.loads(text)["id"].removeprefix(REFUSED_LINE))
 
 
 @dataclass(frozen=True)
@@ -167,13 +186,16 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     # concurrent caller, the worker's sweeper or another poll, may have expired them between our reads), and as
     # their error lines say: a job the scheduler gave up on inside the window is the server's failure, not the window's
     expired = window_over and any(outran_window(job, batch.expires_at) for job in jobs)
-    out_lines, err_lines = [], list(invalid)
+    line_number = _input_order(data_dir, batch_id)
+    out_lines, failed_lines = [], [(_refused_line_number(text), text) for text in invalid]
     for line in requests(jobs):  # a request of several choices answers whole, or with its first failed choice
         failed_job = next((j for j in line if j.status != JobStatus.SUCCEEDED), None)
         if failed_job is None:
             out_lines.append(json.dumps(output_line(line)))
         else:
-            err_lines.append(json.dumps(job_error_line(failed_job, batch.expires_at)))
+            failed_lines.append((line_number(failed_job.custom_id),
+                                 json.dumps(job_error_line(failed_job, batch.expires_at))))
+    err_lines = [text for _, text in sorted(failed_lines, key=lambda pair: pair[0])]  # input order, as read beside it
     lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
     purpose = MESSAGE_BATCH_RESULTS if batch.endpoint == MESSAGES else "batch_output"
     files = {key: new_file(data_dir, batch.tenant_id, f"{batch_id}_{name}.jsonl", purpose,

@@ -145,3 +145,21 @@ def test_a_batch_whose_jobs_all_ended_in_its_window_is_completed_though_finalize
     (error,) = _error_lines(client, keys, batch)
     assert error["code"] == "server_error", error
     assert batch.status == "completed", batch
+
+
+def test_the_error_file_lists_its_lines_in_input_order(client, keys):
+    """Refused lines and lines whose request failed (here cancelled) interleaved in the input: the error file
+    lists them in input order, as a user reading it beside the input expects (clients match by custom_id)."""
+    good = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    text = "\n".join([json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": good}),
+                      "{not json",
+                      json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": good}),
+                      json.dumps({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": good})])
+    auth = Keys.header(keys.paid)
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"],
+                                                              "endpoint": "/v1/completions"}).json()["id"]
+    batch = OpenAIBatch.model_validate(client.post(f"/v1/batches/{batch_id}/cancel", headers=auth).json())
+    lines = [json.loads(t) for t in
+             client.get(f"/v1/files/{batch.error_file_id}/content", headers=auth).text.splitlines()]
+    assert [e["custom_id"] for e in lines] == ["a", "", "b", "c"], lines
