@@ -20,7 +20,7 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import line_numbers_path, maybe_finalize
+from app.batch.finalize import line_numbers_path, maybe_finalize, result_file
 from app.batch.objects import invalid_line
 from app.batch.storage import read_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
@@ -131,19 +131,34 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     ok = _stage_and_start(url, batch_id, tenant_id, rows, jobs, dispatched_at, parsed.total, len(invalid))
     if ok is None:
         return
-    if not ok:  # cancelled while validating: this ends it, with its event, unless the cancel's fan-in did
-        with session_scope(url) as s, write_guard(s):
-            row = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
-                status="cancelled", cancelled_at=utcnow(), total=parsed.total).returning(
-                Batch.tenant_id, Batch.endpoint)).first()
-            if row is not None:
-                batch_ended(s, row.tenant_id, row.endpoint, "cancelled", batch_id)
+    if not ok:
+        _end_cancelled(settings, batch_id, parsed.total, [json.dumps(r) for r in invalid])
         return
     log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
     send_dispatched(settings, [Sendable.of(job) for job in jobs])
     if not jobs:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)
+
+
+def _end_cancelled(settings: Settings, batch_id: str, total: int, refused: list[str]) -> None:
+    """A batch cancelled while validating ran no request: this ends it cancelled, with its event, unless the cancel's
+    fan-in did (maybe before its lines were read: it then knew none of them), and either way it counts its lines
+    (``total``, its ``refused`` ones failed) and gives those in its error file, where that fan-in wrote none."""
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        batch = s.get(Batch, batch_id)
+        stopped = (Batch.id == batch_id, Batch.status.in_(("cancelling", "cancelled")))  # not started meanwhile
+        s.execute(update(Batch).where(*stopped).values(total=total, failed=len(refused)))
+        if refused and batch.error_file_id is None:
+            error_file = result_file(settings.data_dir, batch, "error", refused)
+            if s.execute(update(Batch).where(*stopped, Batch.error_file_id.is_(None)).values(
+                    error_file_id=error_file.id)).rowcount:
+                s.add(error_file)
+            else:  # a fan-in that read them gave them meanwhile
+                Path(error_file.path).unlink(missing_ok=True)
+        if s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
+                status="cancelled", cancelled_at=utcnow())).rowcount:
+            batch_ended(s, batch.tenant_id, batch.endpoint, "cancelled", batch_id)
 
 
 def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, jobs: list[dict], dispatched_at,

@@ -26,7 +26,7 @@ from app.anthropic_schemas import ENDPOINT as MESSAGES
 from app.batch.events import batch_ended
 from app.batch.objects import REFUSED_LINE, job_error_line, outran_window, output_line
 from app.batch.storage import MESSAGE_BATCH_RESULTS, new_file
-from app.db.models import STAGED, Batch, Job, JobStatus
+from app.db.models import STAGED, Batch, File, Job, JobStatus
 from app.db.session import write_after_read, write_guard
 from app.services.cancel import stop_job_ids
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
@@ -138,6 +138,14 @@ def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis
     return stop_job_ids(session, ids, to, detail, redis_url)
 
 
+def result_file(data_dir: Path, batch: Batch, name: str, lines: list[str]) -> File:
+    """The batch's ``output`` or ``error`` file of ``lines`` (its content written; its row the caller's to add)."""
+    lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
+    purpose = MESSAGE_BATCH_RESULTS if batch.endpoint == MESSAGES else "batch_output"
+    return new_file(data_dir, batch.tenant_id, f"{batch.id}_{name}.jsonl", purpose, ("\n".join(lines) + "\n").encode(),
+                    lives)
+
+
 def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None,
                    redis_url: str | None = None) -> bool:
     """True if this call finalized the batch (wrote its files and set its final status)."""
@@ -196,10 +204,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
             failed_lines.append((line_number(failed_job.custom_id),
                                  json.dumps(job_error_line(failed_job, batch.expires_at))))
     err_lines = [text for _, text in sorted(failed_lines, key=lambda pair: pair[0])]  # input order, as read beside it
-    lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
-    purpose = MESSAGE_BATCH_RESULTS if batch.endpoint == MESSAGES else "batch_output"
-    files = {key: new_file(data_dir, batch.tenant_id, f"{batch_id}_{name}.jsonl", purpose,
-                           ("\n".join(lines) + "\n").encode(), lives)
+    files = {key: result_file(data_dir, batch, name, lines)
              for key, name, lines in (("output_file_id", "output", out_lines), ("error_file_id", "error", err_lines))
              if lines}
     values: dict = {key: row.id for key, row in files.items()}

@@ -163,3 +163,27 @@ def test_a_batch_cancelled_while_validating_ends_with_its_event_when_validation_
         assert s.get(Batch, batch_id).status == "cancelled"
         assert not finalize.maybe_finalize(s, batch_id, settings.data_dir, None)  # the cancel's fan-in, late
         assert [d.type for d in s.scalars(select(WebhookDelivery))] == ["batch.cancelled"]  # once
+
+
+@pytest.mark.parametrize("ended_by", ["validation", "the_cancel"])
+def test_a_batch_cancelled_while_validating_counts_its_lines_and_keeps_its_refused_ones(client, keys, settings,
+                                                                                        ended_by):
+    """Cancelled before its fan-out started its jobs (the validation ends it, or the cancel's fan-in did first, before
+    its lines were read): no request ran, and the batch says how many lines its file had (``total``, not 0) and
+    gives the refused one in its error file, counted failed (as many as the error file's lines)."""
+    good = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    text = "\n".join([json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": good}),
+                      "{not json"]) + "\n"
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", text.encode())}).json()
+    batch_id, now = new_id("batch"), utcnow()
+    ended = {"status": "cancelled", "cancelled_at": now} if ended_by == "the_cancel" else {"status": "cancelling"}
+    with session_scope(settings.sqlalchemy_url) as s:  # the cancel committed (and, the_cancel: its fan-in ended it)
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=f["id"],
+                    completion_window="1h", tier="paid", cancelling_at=now, **ended))
+    start_batch(settings, batch_id)
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": 2, "completed": 0, "failed": 1})
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    assert [json.loads(t)["id"] for t in errors.splitlines()] == ["batch_req_line_2"], errors
+    assert batch["output_file_id"] is None
