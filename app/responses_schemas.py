@@ -289,6 +289,14 @@ def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Ans
     return [*messages, turn]
 
 
+def text_part(role: str, text: str) -> dict[str, Any]:
+    """A message item's text part: an assistant's is output text, with the (empty) annotations the SDK's
+    ``ResponseOutputText`` requires; the others' are input text."""
+    if role == "assistant":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}
+
+
 def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages as the Responses API's input items (``input_messages`` read back), each with an id."""
     hexid, out = job_id.removeprefix("job_"), []
@@ -298,10 +306,9 @@ def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, A
                         "call_id": m.get("tool_call_id"), "output": m["content"]})
             continue
         if m["content"] or not m.get("tool_calls"):
-            kind = "output_text" if m["role"] == "assistant" else "input_text"
             texts = [p["text"] for p in m["content"]] if isinstance(m["content"], list) else [m["content"]]
             out.append({"id": f"msg_{hexid}_{i}", "type": "message", "status": "completed", "role": m["role"],
-                        "content": [{"type": kind, "text": text} for text in texts]})
+                        "content": [text_part(m["role"], text) for text in texts]})
         for k, call in enumerate(m.get("tool_calls") or ()):
             out.append({"id": f"fc_{hexid}_{i}_{k}", "type": "function_call", "status": "completed",
                         "call_id": call["id"], "name": call["function"]["name"],

@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Conversation, ConversationEntry, Job, JobStatus, utcnow
 from app.openai_schemas import OpenAIError
-from app.responses_schemas import input_items, input_messages, output_items, own_input_items, stored_answer
+from app.responses_schemas import (input_items, input_messages, output_items, own_input_items, stored_answer,
+                                   text_part)
 from app.wire import as_utc
 
 MAX_ITEMS = 20  # items one request may add (OpenAI's limit)
@@ -112,11 +113,19 @@ def items_of(session: Session, conv: Conversation) -> list[tuple[ConversationEnt
     jobs = turn_jobs(session, listed)
     for entry in listed:
         if entry.item is not None:
-            out.append((entry, entry.item))
+            out.append((entry, _as_listed(entry.item)))
         else:
             out += [(entry, item) for item in turn_items(jobs.get(entry.job_id))
                     if item["id"] not in (entry.deleted or ())]
     return out
+
+
+def _as_listed(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored item as the SDK types it: an item stored before its assistant text parts had their annotations
+    gets them (``text_part``)."""
+    if item.get("type") != "message":
+        return item
+    return {**item, "content": [text_part(item["role"], part["text"]) for part in item["content"]]}
 
 
 def history(session: Session, conv: Conversation) -> list[dict[str, Any]]:

@@ -210,3 +210,21 @@ def test_the_sdk_pages_through_a_conversations_items_and_a_responses_input(oai):
                                   input=[{"role": "user", "content": text} for text in sent])
     assert [i.content[0].text for i in oai.responses.input_items.list(answer.id, limit=1, order="asc")] == sent
     assert [i.content[0].text for i in oai.responses.input_items.list(answer.id, limit=2)] == sent[::-1]
+
+
+def test_assistant_items_are_output_messages_as_the_sdk_types_them(oai, stack):
+    # an assistant message given as an item (a conversation's, a response's input) reads back as an output message:
+    # its output_text parts have the annotations the SDK's ResponseOutputText requires (they had none)
+    from openai.types.conversations import ConversationItemList
+    from openai.types.responses.response_item_list import ResponseItemList
+
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Again"}]}]
+    conv = oai.conversations.create(items=turns)
+    answer = oai.responses.create(model="tiny", max_output_tokens=1, input=[*turns, {"role": "user", "content": "?"}])
+    h = {"Authorization": f"Bearer {stack.keys.paid}"}
+    for listing, model in ((f"/v1/conversations/{conv.id}/items", ConversationItemList),
+                           (f"/v1/responses/{answer.id}/input_items", ResponseItemList)):
+        page = httpx.get(stack.url + listing, headers=h, params={"order": "asc"}).json()
+        assert [p.get("annotations") for i in page["data"] if i["role"] == "assistant" for p in i["content"]] == [[], []]
+        assert model.model_validate(page, strict=True).data[1].content[0].text == "Hello"
