@@ -20,8 +20,9 @@ itself. It also keeps the worker honest:
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
 * a step that raises gives every job back to the queue (the last allowed attempt fails) and
-  sends those jobs again at once; each one the engine held is set aside (``abandon``): a rerun
-  that comes back here is added beside its aborted request, under its own request id;
+  sends those jobs again at once (their messages once their stream events are published); each
+  one the engine held is set aside (``abandon``): a rerun that comes back here is added beside
+  its aborted request, under its own request id;
 * an engine whose steps raise ``engine_error_limit`` times with no token made between them is
   broken (a lost device fails every step): the thread stops stepping and calls ``on_broken``,
   so the worker stops instead of failing every job it takes.
@@ -40,7 +41,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from app.db.models import INVALID_REQUEST, Job, JobStatus
-from app.services.dispatch import dispatch, send_back
+from app.services.dispatch import kind_priority, mark_dispatched, send_back, send_back_all
 from app.services.streaming import USAGE, StreamEvent
 from app.services.transitions import as_utc, transition, utcnow
 from app.settings import Settings
@@ -48,6 +49,7 @@ from app.wire import storable
 from gpu_runtime.request import RequestStatus
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
+from workers.celery_app import queue_name
 from workers.inbox import (Abort, Add, Command, Inbox, JobCommand, Learn, Promote, ResetPrefixCache, Resume,
                            RetireLoras, Supersede)
 from workers.outbox import Outbox, Record, StepRecords
@@ -458,15 +460,31 @@ class EngineThread:
                       leaving=lease)
 
     def _resend(self, job_ids: list[str]) -> list[Record]:
+        """The jobs given back (``job_ids``, first admitted first) sent again at once: marked dispatched as soon as
+        their give-backs are written (the sweeper sends only queued jobs, so none sends them meanwhile), and their
+        messages sent once the stream events queued before are published (``Record.after_events``): a take, here or
+        on another worker of the model, goes on from every token their attempts streamed (``GpuWorker._resumed``).
+        A send the broker refuses is retried as a failed write is; one given up on (or held at stop while Redis is
+        away) is the sweeper's to send again (a dispatched job whose message is lost)."""
         if not job_ids:
             return []
-        url, model = self.settings.redis_url, self.settings.model_name
+        url, queue = self.settings.redis_url, queue_name(self.settings.model_name)
+        unsent: list[tuple[str, str, int]] = []  # marked dispatched, message not sent yet; first admitted first
 
-        def write(s: Session) -> None:  # marked dispatched, then sent; a failed send leaves it for the sweeper
+        def mark(s: Session) -> None:  # each commits: a retry after a partial mark finds those marked moved on
+            for job_id in job_ids:
+                priority = kind_priority(s, job_id)
+                if mark_dispatched(s, job_id, detail="requeued after an engine error"):
+                    unsent.append((job_id, queue, priority))
+
+        def send(_s: Session) -> None:
             # they ran, so they came before every message waiting: to the head, the first admitted taken first
-            for job_id in reversed(job_ids):
-                dispatch(s, url, job_id, model, detail="requeued after an engine error", send=send_back)
-        return [Record(f"the resend of {len(job_ids)} jobs", write)]
+            sent = set(send_back_all(url, unsent))
+            unsent[:] = [job for job in unsent if job[0] not in sent]  # older ones, to the head before these later
+            if unsent:
+                raise RuntimeError(f"the broker did not take the messages of {len(unsent)} jobs")
+        return [Record(f"the resend of {len(job_ids)} jobs", mark,
+                       then=Record(f"the messages of {len(job_ids)} jobs", send, after_events=True))]
 
     def _reconcile_if_due(self) -> list[Record]:
         now = time.monotonic()

@@ -13,7 +13,9 @@ writes the engine's results:
 * publishes a record's events only after its write committed (a reader that sees ``end`` finds
   the job terminal in SQL);
 * holds a record made to follow the stream (``Record.after_events``: a rerun's message handed
-  back) until the events queued before it are published: whoever takes the message reads them.
+  back, a job's message sent again after an engine error) until the events queued before it are
+  published: whoever takes the message reads them. A SQL write that must not wait goes first, the
+  held send as its ``Record.then``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Record:
     # written only once the stream events queued before it are published (held meanwhile, however long Redis is
     # away): a rerun's message goes back after its earlier attempt's last deltas, which its take goes on from
     after_events: bool = False
+    # tried once this one is written (not where it is given up or its lease is not ours): what must wait for the
+    # stream (``after_events``: a message sent) after a write that must not (the job marked dispatched in SQL)
+    then: Record | None = None
     tries: int = 0
     not_before: float = 0.0
     events_before: int | None = None  # held: the outbox's count of events sent once those queued before it are
@@ -190,6 +195,8 @@ class Outbox:
         elif ok is not False:
             self._queue_events(record.events)
         self._leave(record)
+        if record.then is not None and ok is not False:
+            self._try(record.then)
 
     def _holds(self, record: Record) -> bool:
         """Whether ``record`` waits (held) for the stream events queued before it (``Record.after_events``)."""

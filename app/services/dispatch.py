@@ -229,6 +229,22 @@ def send_dispatched(settings: Settings, jobs: list[Job] | list[Sendable]) -> Non
         log.exception("could not mark %d unsent jobs queued", len(unsent))
 
 
+def mark_dispatched(session: Session, job_id: str, detail: str | None = None) -> bool:
+    """Marks a committed ``queued`` job ``dispatched`` (commits), before its message is sent: a worker may lease it
+    as soon as the message lands, and the sweeper sends only ``queued`` jobs (and lost messages). False where someone
+    else moved it on: nothing to send."""
+    with write_after_read(session):
+        marked = transition(session, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail=detail,
+                            values={"dispatched_at": utcnow()})
+        session.commit()
+    return marked
+
+
+def kind_priority(session: Session, job_id: str) -> int:
+    """The message priority of ``job_id``'s kind (``message_priority``), read from its row."""
+    return message_priority(session.scalar(select(Job.kind).where(Job.id == job_id)))
+
+
 def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, detail: str | None = None,
              queue: str | None = None, priority: int | None = None,
              send: Callable[[str, str, str, int], bool] = send_to) -> bool:
@@ -239,14 +255,10 @@ def dispatch(session: Session, redis_url: str, job_id: str, model_name: str, *, 
     Marking first keeps the events in order (a worker may lease the job as soon as the
     message lands); a failed send moves it back to ``queued`` for the sweeper.
     """
-    with write_after_read(session):
-        marked = transition(session, job_id, JobStatus.QUEUED, JobStatus.DISPATCHED, detail=detail,
-                            values={"dispatched_at": utcnow()})
-        session.commit()
-    if not marked:
+    if not mark_dispatched(session, job_id, detail):
         return True  # someone else moved it on; nothing to send
     if priority is None:
-        priority = message_priority(session.scalar(select(Job.kind).where(Job.id == job_id)))
+        priority = kind_priority(session, job_id)
     if send(redis_url, job_id, queue or queue_name(model_name), priority):
         return True
     with write_guard(session):

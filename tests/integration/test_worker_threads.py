@@ -19,6 +19,7 @@ from app.db.models import Job, JobEvent
 from app.db.session import session_scope
 from app.embedded import start_redis
 from app.schemas import JobCreate
+from app.services import dispatch as dispatch_module
 from app.services.jobs import submit_job
 from app.services.streaming import StreamEvent, stream_key
 from gpu_runtime.engine import Engine, RequestOutput
@@ -553,6 +554,58 @@ def test_a_superseded_attempts_last_deltas_are_in_redis_before_the_reruns_messag
         loop.join(5)
         worker.outbox.close()
     assert streamed_at_send == [first.tokens]
+
+
+def test_a_job_an_engine_error_gave_back_is_sent_again_once_its_last_deltas_are_in_redis(settings, keys, monkeypatch):
+    """An engine step raises while attempt 1's last deltas wait in the outbox (Redis refused the outbox's publish).
+    The job is given back and marked dispatched at once (a sweep meanwhile does not send it: it was not left queued),
+    and its message goes to the head of its queue only once those deltas are in Redis, so any worker of the model
+    that takes it goes on from every token attempt 1 streamed. (The I/O thread sent it as it took the engine's error,
+    before those deltas: a worker that took it went on from fewer tokens than attempt 1 made.)"""
+    from workers.sweeper import sweep
+
+    worker, engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens, published
+        worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    reachable, worker.outbox.redis = worker.outbox.redis, redis.Redis(port=free_port())  # Redis away to the outbox
+    worker.outbox.put(engine_thread.iterate())  # attempt 1's last deltas
+    first = worker.active.get(job_id)
+    r = redis.Redis.from_url(settings.redis_url)
+    streamed_at_send: list[int] = []  # attempt 1's tokens in the job's stream in Redis as its message is sent
+
+    def send_to(url, sent_job_id, queue, priority, **kw):
+        events = [StreamEvent.parse(raw) for _id, raw in r.xrange(stream_key(sent_job_id))]
+        streamed_at_send.append(sum(len(e.token_ids) for e in events if e.type == "delta" and e.attempt == 1))
+        return real_send_to(url, sent_job_id, queue, priority, **kw)
+
+    real_send_to = dispatch_module.send_to
+    monkeypatch.setattr(dispatch_module, "send_to", send_to)
+    real_step = engine.step
+
+    def fails_once() -> list[RequestOutput]:
+        engine.step = real_step
+        raise RuntimeError("device lost")
+
+    engine.step = fails_once
+    waiting = r.llen("coserve.tiny")
+    worker.outbox.start()
+    loop = threading.Thread(target=engine_thread.run, name="coserve-engine", daemon=True)
+    loop.start()
+    try:  # the I/O thread took attempt 1's last step (its deltas wait), the give-back and the resend after it
+        wait_for(lambda: _status(settings.sqlalchemy_url, job_id) == "dispatched" and worker.outbox._steps.empty(),
+                 10, "the job given back and marked dispatched")
+        with session_scope(settings.sqlalchemy_url, immediate=True) as s:  # a sweeper meanwhile leaves it be
+            assert sweep(s, settings.redis_url, queued_grace_s=0).dispatched == 0
+        assert r.llen("coserve.tiny") == waiting and streamed_at_send == []
+        worker.outbox.redis = reachable  # Redis is back
+        wait_for(lambda: r.llen("coserve.tiny") == waiting + 1, 10, "the job's message back on its queue")
+    finally:
+        worker.stopping.set()
+        loop.join(5)
+        worker.outbox.close()
+    assert streamed_at_send == [first.tokens] and job_id.encode() in r.lindex("coserve.tiny", -1)
+    assert _status(settings.sqlalchemy_url, job_id) == "dispatched"
 
 
 def test_a_rerun_given_over_to_an_engine_thread_that_ended_first_goes_back_to_its_queue_at_stop(settings, keys):
