@@ -206,6 +206,28 @@ def test_reconcile_gives_back_a_job_the_engine_lost(settings, keys):
     assert redis.Redis.from_url(settings.redis_url).llen("coserve.tiny") == 1  # sent to a worker again
 
 
+def test_the_message_of_a_job_the_engine_lost_is_sent_once_its_retried_mark_is_written(settings, keys, monkeypatch):
+    """The resend's mark (queued -> dispatched) fails once (a busy database) and is retried; its message, the send
+    that follows it (``Record.then``), goes only once the mark is written: sent before, the job would be marked
+    after its message was taken (or, sent with nothing marked yet, never sent at all)."""
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Recorder())
+    (lost,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)  # the engine knows none of them
+    real_mark = engine_thread_module.mark_dispatched
+
+    def locked_once(*args, **kwargs) -> bool:
+        monkeypatch.setattr(engine_thread_module, "mark_dispatched", real_mark)
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(engine_thread_module, "mark_dispatched", locked_once)
+    r = redis.Redis.from_url(settings.redis_url)
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    url = settings.sqlalchemy_url
+    assert _status(url, lost.job_id) == "queued" and r.llen("coserve.tiny") == 0  # given back; the mark waits
+    wait_for(lambda: worker.outbox.retry_due() or not worker.outbox.pending, 10, "the mark retried")
+    assert _status(url, lost.job_id) == "dispatched" and r.llen("coserve.tiny") == 1
+
+
 class _Stuck:
     """Work admitted that the scheduler cannot place (e.g. all KV held): every step runs nothing."""
 
