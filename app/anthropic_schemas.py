@@ -287,7 +287,8 @@ def usage_of(prompt_tokens: int | None, completion_tokens: int | None, cached_to
 
 
 def content_blocks(answer: Answer) -> list[dict[str, Any]]:
-    """The answer's thinking, text and tool calls as content blocks, in that order."""
+    """The answer's thinking, text and tool calls as content blocks, in that order; an answer of none of them is one
+    empty text block, as vLLM answers it (clients read ``content[0]``; a stream opens no block for it)."""
     blocks: list[dict[str, Any]] = []
     if answer.reasoning:
         blocks.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
@@ -295,7 +296,7 @@ def content_blocks(answer: Answer) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": answer.content})
     for call in answer.tool_calls or ():
         blocks.append(tool_use_block(call, call["function"]["arguments"]))
-    return blocks
+    return blocks or [{"type": "text", "text": ""}]
 
 
 def tool_use_block(call: dict[str, Any], arguments: str | None) -> dict[str, Any]:

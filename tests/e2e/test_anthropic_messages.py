@@ -92,7 +92,13 @@ def test_a_message_is_a_chat_job_plain_and_streamed(claude, stack, shared_limits
     stop = full[len(full) // 2:len(full) // 2 + 3]
     stopped = claude.messages.create(**ask, stop_sequences=[stop, "\u2603never"])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
-    assert "".join(b.text for b in stopped.content) == full[:full.index(stop)]  # no block where no text
+    assert "".join(b.text for b in stopped.content) == full[:full.index(stop)]
+    # one the answer begins with leaves no text: one empty text block, as vLLM answers it (content[0] is there)
+    at_once = claude.messages.create(**ask, stop_sequences=[full[:3]])
+    assert (at_once.stop_reason, at_once.stop_sequence) == ("stop_sequence", full[:3])
+    assert [(b.type, b.text) for b in at_once.content] == [("text", "")] and at_once.content[0].text == ""
+    with claude.messages.stream(**ask, stop_sequences=[full[:3]]) as stream:  # streamed, vLLM opens no block
+        assert [e.type for e in stream] == ["message_start", "message_delta", "message_stop"]
 
 
 def test_tool_turns_and_token_counts(claude, stack):

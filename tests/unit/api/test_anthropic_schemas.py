@@ -127,3 +127,17 @@ def test_a_user_id_that_is_no_string_is_a_400_naming_it_not_dropped(user_id):
 def test_a_null_user_id_names_no_end_user():
     _, spec = chat_of(messages=[ASK], metadata={"user_id": None})
     assert spec.user is None
+
+
+def test_an_answer_of_no_text_is_one_empty_text_block_as_vllm_answers_it():
+    # vLLM's Messages API (messages_full_converter): an empty completion is a single empty text block, not [], so a
+    # client's message.content[0].text reads "" (a stop sequence the answer began with, a prefill nothing followed)
+    from app.anthropic_schemas import message_of
+    from app.tool_calls import Answer
+
+    empty = message_of("job_1", "tiny", Answer("", None, "stop"), "\n\n", 9, 1, None, None)
+    assert empty["content"] == [{"type": "text", "text": ""}]
+    assert (empty["stop_reason"], empty["stop_sequence"]) == ("stop_sequence", "\n\n")
+    said = message_of("job_2", "tiny", Answer("Hi", None, "stop"), None, 9, 1, None, None)
+    assert said["content"] == [{"type": "text", "text": "Hi"}]
+
