@@ -259,16 +259,29 @@ def _assistant_turn(blocks: list[Block], i: int) -> dict[str, Any]:
     return {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
 
 
-def stop_of(finish_reason: str | None, stop_reason: str | int | None, calls: bool) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a chat answer's end (vLLM's mapping): max_tokens wins,
-    then a tool call, then the stop string that matched, else the end of the turn."""
+def stop_of(finish_reason: str | None, stop_reason: str | int | None,
+            calls: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a chat answer's end (vLLM's ``_to_anthropic_stop_reason``):
+    max_tokens wins, then whole tool calls, then the stop string that matched (one that cut a call short: that call
+    must not run), then a call, else the end of the turn."""
     if finish_reason == "length":
         return "max_tokens", None
-    if calls or finish_reason == "tool_calls":
+    if calls and _whole(calls[-1]):  # only the last call can be cut short
         return "tool_use", None
     if isinstance(stop_reason, str):
         return "stop_sequence", stop_reason
+    if calls or finish_reason == "tool_calls":
+        return "tool_use", None
     return "end_turn", None
+
+
+def _whole(call: dict[str, Any]) -> bool:
+    """The call's arguments are whole: they parse as JSON (vLLM's test of a call a stop string may have cut)."""
+    try:
+        json.loads(call["function"].get("arguments") or "")
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def usage_of(prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None,
@@ -315,7 +328,7 @@ def message_of(job_id: str, model: str, answer: Answer, stop_reason: str | int |
                cache_write_tokens: int | None) -> dict[str, Any]:
     """A finished chat job's answer as a Message: what ``POST /v1/messages`` answers, and a message batch's
     succeeded result (one converter for both)."""
-    stop = stop_of(answer.finish_reason, stop_reason, bool(answer.tool_calls))
+    stop = stop_of(answer.finish_reason, stop_reason, answer.tool_calls)
     usage = usage_of(prompt_tokens, completion_tokens, cached_tokens, cache_write_tokens)
     return message_body(job_id, model, content=content_blocks(answer), stop=stop, usage=usage)
 

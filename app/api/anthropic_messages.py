@@ -155,7 +155,7 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
                     case Finished():
                         for out in stop():
                             yield out
-                        end = stop_of(item.answer.finish_reason, item.stop_reason, bool(item.answer.tool_calls))
+                        end = stop_of(item.answer.finish_reason, item.stop_reason, item.answer.tool_calls)
                         yield _sse("message_delta", {
                             "delta": {"stop_reason": end[0], "stop_sequence": end[1]},
                             "usage": usage_of(item.prompt_tokens, item.completion_tokens, item.cached_tokens,

@@ -141,3 +141,22 @@ def test_an_answer_of_no_text_is_one_empty_text_block_as_vllm_answers_it():
     said = message_of("job_2", "tiny", Answer("Hi", None, "stop"), None, 9, 1, None, None)
     assert said["content"] == [{"type": "text", "text": "Hi"}]
 
+
+def _call(arguments: str) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+@pytest.mark.parametrize(("arguments", "stop"), [
+    ('{"city": "Pa', ("stop_sequence", "ris")),  # a stop string cut the call short: it must not run
+    ('{"city": "Paris"}', ("tool_use", None)),  # a whole call wins over the stop string after it
+])
+def test_a_tool_call_a_stop_sequence_cut_short_ends_in_the_stop_sequence_as_vllm_says(arguments, stop):
+    # vLLM's _to_anthropic_stop_reason: "A matched stop string wins unless the tool calls are complete"
+    from app.anthropic_schemas import message_of, stop_of
+    from app.tool_calls import Answer
+
+    assert stop_of("stop", "ris", [_call(arguments)]) == stop
+    message = message_of("job_1", "tiny", Answer(None, [_call(arguments)], "stop"), "ris", 9, 5, None, None)
+    assert (message["stop_reason"], message["stop_sequence"]) == stop
+    assert stop_of("stop", None, [_call(arguments)]) == ("tool_use", None)  # no stop string: the model's call
+    assert stop_of("length", "ris", [_call(arguments)]) == ("max_tokens", None)  # max_tokens always wins

@@ -78,7 +78,7 @@ def test_a_succeeded_line_is_the_message_post_v1_messages_answers():
     assert message["id"] == "msg_abc" and message["type"] == "message" and message["stop_reason"] == "max_tokens"
     assert message["content"] == [{"type": "text", "text": "Hi"}]
     assert message["usage"] == {"input_tokens": 5, "output_tokens": 5, "cache_read_input_tokens": 4}
-    assert stop_of("stop", "END", False) == ("stop_sequence", "END")
+    assert stop_of("stop", "END", None) == ("stop_sequence", "END")
 
 
 def test_error_lines_are_canceled_expired_or_errored_results_in_request_order():
