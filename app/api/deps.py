@@ -78,6 +78,16 @@ def presented_key(authorization: str | None, x_api_key: str | None) -> str | Non
     return x_api_key.strip() if x_api_key else None
 
 
+def _missing_key(authorization: str | None) -> str:
+    """What a request that presents no key is told: both headers a key is taken from (Anthropic's SDKs send
+    ``x-api-key``), and where it sent an ``Authorization`` of another form, that only ``Bearer`` is read (its value is
+    not echoed: it may be the key itself, sent without the scheme)."""
+    if authorization:
+        return ("missing API key: the Authorization header is read only as 'Bearer <key>'; "
+                "send it so, or send the key as 'x-api-key: <key>'")
+    return "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+
+
 async def get_principal(request: Request, authorization: Annotated[str | None, Header()] = None,
                         x_api_key: Annotated[str | None, Header()] = None) -> Principal:
     # async with a cache: the hot submit path needs no worker thread or DB session for auth, only the
@@ -86,7 +96,7 @@ async def get_principal(request: Request, authorization: Annotated[str | None, H
     settings = await settings_dep(request)
     key = presented_key(authorization, x_api_key)
     if key is None:
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key: send 'Authorization: Bearer <key>'",
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, _missing_key(authorization),
                             headers={"WWW-Authenticate": "Bearer"})
     cache = key_cache(request)
     stamp = cache.stamp()  # one GET of the revocation token, before the lookup it vouches for

@@ -545,3 +545,14 @@ def test_json_with_parameters_uploads_and_body_less_posts_need_no_other_content_
     f = client.post("/v1/files", headers=H(keys.paid), data={"purpose": "batch"},
                     files={"file": ("in.jsonl", json.dumps(line).encode())})
     assert f.status_code == 200, f.text
+
+
+@pytest.mark.parametrize(("headers", "says"), [
+    ({}, "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"),
+    ({"Authorization": "Basic dXNlcjpwYXNz"}, "read only as 'Bearer <key>'"),
+    ({"Authorization": "sk-no-scheme"}, "read only as 'Bearer <key>'"),
+])
+def test_a_request_without_a_key_is_told_both_headers_a_key_is_read_from(client, headers, says):
+    r = client.get("/v1/models", headers=headers)
+    assert r.status_code == 401 and says in r.json()["error"]["message"], r.text
+    assert "sk-no-scheme" not in r.text and "dXNlcjpwYXNz" not in r.text  # a key sent without its scheme stays unsaid
