@@ -37,11 +37,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import INVALID_REQUEST, Job, JobStatus
-from app.services.dispatch import kind_priority, mark_dispatched, send_back, send_back_all
+from app.services.dispatch import mark_dispatched, send_back, send_back_all
 from app.services.streaming import USAGE, StreamEvent
 from app.services.transitions import as_utc, transition, utcnow
 from app.settings import Settings
@@ -49,10 +49,10 @@ from app.wire import storable
 from gpu_runtime.request import RequestStatus
 from workers import lease as leases
 from workers.active_job import ActiveJob, ActiveJobs
-from workers.celery_app import queue_name
 from workers.inbox import (Abort, Add, Command, Inbox, JobCommand, Learn, Promote, ResetPrefixCache, Resume,
                            RetireLoras, Supersede)
 from workers.outbox import Outbox, Record, StepRecords
+from workers.sweeper import back_to_queues
 
 log = logging.getLogger(__name__)
 
@@ -468,12 +468,14 @@ class EngineThread:
         away) is the sweeper's to send again (a dispatched job whose message is lost)."""
         if not job_ids:
             return []
-        url, queue = self.settings.redis_url, queue_name(self.settings.model_name)
+        url = self.settings.redis_url
         unsent: list[tuple[str, str, int]] = []  # marked dispatched, message not sent yet; first admitted first
 
         def mark(s: Session) -> None:  # each commits: a retry after a partial mark finds those marked moved on
-            for job_id in job_ids:
-                priority = kind_priority(s, job_id)
+            # each on the queue dispatch sends its model to: a configured adapter's own, which a worker of the
+            # model without that adapter does not read (on the model's it would fail the job)
+            rows = {row.id: row for row in s.execute(select(Job.id, Job.model, Job.kind).where(Job.id.in_(job_ids)))}
+            for job_id, queue, priority in back_to_queues(s, [rows[job_id] for job_id in job_ids if job_id in rows]):
                 if mark_dispatched(s, job_id, detail="requeued after an engine error"):
                     unsent.append((job_id, queue, priority))
 

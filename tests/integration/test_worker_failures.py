@@ -94,6 +94,28 @@ def test_jobs_requeued_after_an_engine_error_go_to_the_head_first_admitted_first
     assert _next_taken(settings, "coserve.tiny", batch=False) == [first, second, "later"]
 
 
+def test_a_configured_adapters_job_requeued_after_an_engine_error_goes_to_the_adapters_queue(settings, keys):
+    """A job of a configured LoRA adapter (``COSERVE_LORA_MODULES``) an engine error gave back goes to the adapter's
+    own queue, as dispatch and the sweeper send it (``back_to_queues``): on the model's queue a worker of the model
+    without that adapter took it, and failed it as an adapter "unloaded before this job began"."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Engine(lambda: 0))
+    with session_scope(settings.sqlalchemy_url) as s:
+        principal = authenticate(s, keys.paid)
+        adapted, plain = (submit_job(s, principal, JobCreate(prompt="hi", max_tokens=4, model=model), settings,
+                                     dispatch=False).job.id for model in ("sql-lora", "tiny"))
+    with session_scope(settings.sqlalchemy_url) as s:
+        for lease in [leases.acquire(s, job_id, worker.worker_id, 30) for job_id in (adapted, plain)]:
+            worker.active.add(ActiveJob(lease, None, None, in_engine=True))
+
+    worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
+
+    r = redis.Redis.from_url(settings.redis_url)
+    assert [adapted.encode() in m for m in r.lrange("coserve.sql-lora", 0, -1)] == [True]
+    assert [plain.encode() in m for m in r.lrange("coserve.tiny", 0, -1)] == [True]
+
+
 def test_a_worker_on_the_own_engine_does_not_start_with_lora_adapters(settings):
     """The own engine serves no adapters: a worker set to serve some on it stops at start, saying why, rather
     than answer their requests with the model alone."""
