@@ -258,11 +258,12 @@ def _load_row(settings: Settings, name: str, directory: str, rank: int, load_inp
         row = session.get(LoraAdapter, name, with_for_update=True)
         if row is not None and if_absent and row.model == settings.model_name:
             return
+        if row is not None and row.model != settings.model_name:  # neither unload nor load_inplace here reaches it
+            raise AdapterError(f"LoRA adapter {name!r} adapts model {row.model!r}, not this server's; choose another "
+                               "name")
         if row is not None and not load_inplace:
             raise AdapterError(f"LoRA adapter {name!r} is already loaded; unload it first, or set load_inplace to "
                                "replace it")
-        if row is not None and row.model != settings.model_name:
-            raise AdapterError(f"LoRA adapter {name!r} adapts model {row.model!r}, not this server's")
         if row is None:
             session.add(LoraAdapter(name=name, model=settings.model_name, path=directory, rank=rank))
         else:  # the workers load it anew for the jobs that begin from now on

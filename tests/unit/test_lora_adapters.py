@@ -111,3 +111,18 @@ def test_the_versions_a_worker_retires_by_are_those_its_jobs_load(tmp_path, db_u
     with session_scope(db_url) as s:
         now = lora_adapters.versions(s, "tiny")
     assert set(now) == {"rt-a"} and now["rt-a"][0] == first["rt-a"][0] and now["rt-a"][1] > first["rt-a"][1]
+
+
+def test_a_name_another_models_adapter_holds_is_refused_saying_so(tmp_path, db_url):
+    """Deployments of two models on one database: a name the other model's runtime adapter holds is refused saying
+    whose it is, not that it is "already loaded; unload it first" (an unload here finds nothing of that name)."""
+    other = Settings(data_dir=tmp_path, database_url=db_url, model_name="other", runtime_lora=True)
+    lora_adapters.load(other, "shared-name", _adapter_dir(tmp_path / "a"))
+    settings = other.model_copy(update={"model_name": "tiny"})
+    for inplace in (False, True):
+        with pytest.raises(lora_adapters.AdapterError, match="'shared-name' adapts model 'other'") as refused:
+            lora_adapters.load(settings, "shared-name", _adapter_dir(tmp_path / f"b{inplace}"), load_inplace=inplace)
+        assert "choose another name" in str(refused.value)
+    with pytest.raises(lora_adapters.AdapterError, match="'shared-name' is not loaded"):
+        lora_adapters.unload(settings, "shared-name")
+    assert lora_adapters.loaded(other, fresh=True)["shared-name"].model == "other"
