@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 ABANDONED = "client disconnected before the answer was complete"
 ANOTHER_FAILED = "another choice of the request failed"
+BUFFERED_EVENTS = 64  # a request's events read from its choices' streams ahead of its client
 
 
 @dataclass
@@ -95,17 +96,20 @@ async def merged_events(settings: Settings, jobs: list[Job]) -> AsyncIterator[tu
             async for ev in events:
                 yield 0, ev
         return
-    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
+    # bounded: a reader waits while its client is slow rather than the API holding every choice's text for it
+    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue(BUFFERED_EVENTS)
 
     async def pump(i: int, job: Job) -> None:
+        """Job i's events, then None (or the exception that ended its reading); cancelled once the request's
+        reading ends, so it puts nothing more then (a full queue would hold it)."""
         try:
             async with aclosing(job_events(settings, job.id)) as events:
                 async for ev in events:
-                    queue.put_nowait((i, ev))
+                    await queue.put((i, ev))
         except Exception as exc:  # noqa: BLE001 - handed to the reader, which fails the stream with it
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, None))
+            await queue.put((i, exc))
+            return
+        await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:
