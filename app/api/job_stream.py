@@ -14,7 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from app.services.job_follow import job_events, rest_from_sql
+from app.services.job_follow import job_events, rest_from_sql, rest_ids_from_sql
 from app.services.streaming import StreamEvent
 from app.settings import Settings
 
@@ -93,7 +93,8 @@ async def sse_events(settings: Settings, job_id: str, resume: StreamPosition | N
                 elif ev.type == "end":
                     if ev.data.get("from_sql"):  # what SQL kept (a cancelled job keeps its text too)
                         rest, rest_logprobs = rest_from_sql(ev, sent.chars, sent.logprobs)
-                        if (rest or rest_logprobs) and (out := delta(rest, [], rest_logprobs)):
+                        rest_ids = rest_ids_from_sql(ev, sent.tokens)
+                        if (rest or rest_ids or rest_logprobs) and (out := delta(rest, rest_ids, rest_logprobs)):
                             yield out
                     yield sse("end", _end_data(job_id, ev), END_ID)
                     return

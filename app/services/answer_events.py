@@ -19,7 +19,8 @@ import anyio
 import anyio.to_thread
 
 from app.db.models import Job, JobStatus
-from app.services.job_follow import cancel_abandoned, job_events, rest_from_sql, wait_for_end
+from app.services.job_follow import (cancel_abandoned, job_events, rest_from_sql, rest_ids_from_sql,
+                                     wait_for_end)
 from app.services.streaming import StreamEvent
 from app.settings import Settings
 from app.tool_calls import Answer, AnswerStream
@@ -172,7 +173,7 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                     yield Failed(i, ev.status or JobStatus.FAILED, ev.data.get("error"), ev.data.get("code"))
                     return
                 if ev.data.get("from_sql"):  # ended through SQL: what the stream missed
-                    ids_pending[i] += (ev.data.get("output_token_ids") or [])[ids_seen[i]:]
+                    ids_pending[i] += rest_ids_from_sql(ev, ids_seen[i])
                     rest, rest_logprobs = rest_from_sql(ev, delivered[i], logprobs_given[i])
                     if given := piece(i, *answers[i].feed(rest), rest_logprobs or None, rest):
                         yield given

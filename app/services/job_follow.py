@@ -52,6 +52,12 @@ def rest_from_sql(end: StreamEvent, delivered: int, logprobs_sent: int) -> tuple
     return (end.data.get("output_text") or "")[delivered:], None if logprobs is None else logprobs[logprobs_sent:]
 
 
+def rest_ids_from_sql(end: StreamEvent, ids_sent: int) -> list[int]:
+    """The generated token ids after the first ``ids_sent`` of a job SQL reports ended, where it kept them (the job
+    asked for ``return_token_ids``); [] where it did not."""
+    return (end.data.get("output_token_ids") or [])[ids_sent:]
+
+
 async def job_events(settings: Settings, job_id: str) -> AsyncIterator[StreamEvent]:
     """The job's events until its ``end`` (or an ``error``: the stream stayed unreadable).
 

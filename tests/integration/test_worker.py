@@ -278,6 +278,24 @@ def test_native_stream_resumes_after_the_last_event_id(service):
     assert other.status_code == 404
 
 
+def test_native_stream_read_after_its_redis_stream_expired_still_has_the_token_ids(service):
+    """Once a job's Redis stream is gone (its TTL after the end, or a Redis that restarted empty), the stream is
+    SQL's text as one delta: it came without the token ids SQL keeps, so a client read the text but no ids, and a
+    reconnect with a live delta's id got the rest of the text without the rest of the ids."""
+    client, keys = service.client, service.keys
+    job_id = submit(client, keys.paid, max_tokens=8, stream=True, return_token_ids=True)
+    ids: list = []
+    live = [d for name, d in _sse(client, keys.paid, job_id, ids=ids) if name == "delta"]
+    job = status_of(client, keys.paid, job_id)
+    assert [t for d in live for t in d["token_ids"]] == job["output_token_ids"] and len(job["output_token_ids"]) == 8
+    redis.Redis.from_url(service.settings.redis_url).delete(stream_key(job_id))  # as its TTL deletes it
+    replay = [d for name, d in _sse(client, keys.paid, job_id) if name == "delta"]
+    assert "".join(d["text"] for d in replay) == job["output_text"]
+    assert [t for d in replay for t in d["token_ids"]] == job["output_token_ids"]
+    rest = [d for name, d in _sse(client, keys.paid, job_id, last_event_id=ids[0]) if name == "delta"]
+    assert [t for d in rest for t in d["token_ids"]] == job["output_token_ids"][len(live[0]["token_ids"]):]
+
+
 def test_native_stream_of_a_cancelled_job_ends(service):
     client, keys = service.client, service.keys
     job_id = submit(client, keys.paid, max_tokens=LONG, prompt="a")
