@@ -39,7 +39,7 @@ class StreamPosition:
     def parse(cls, last_event_id: str) -> StreamPosition:
         """The position a ``delta``'s id names; ValueError for anything else."""
         parts = last_event_id.split(".")
-        if len(parts) != 3 or not all(p.isdigit() and len(p) <= 12 for p in parts):
+        if len(parts) != 3 or not all(p.isascii() and p.isdigit() and len(p) <= 12 for p in parts):
             raise ValueError(f"Last-Event-ID {last_event_id[:40]!r} is not the id of an event of this stream "
                              "(three numbers, e.g. '12.3.0'); leave it out to read from the start")
         return cls(*map(int, parts))

@@ -61,7 +61,7 @@ def test_a_resume_sends_what_follows_its_position(monkeypatch, resume, first):
     assert text == "Hello world!"[min(int(resume.split(".")[0]), 12):]
 
 
-@pytest.mark.parametrize("bad", ["7", "a.b.c", "1.2", "-1.0.0", "1.2.3.4", "1" * 13 + ".0.0", ""])
+@pytest.mark.parametrize("bad", ["7", "a.b.c", "1.2", "-1.0.0", "1.2.3.4", "1" * 13 + ".0.0", "", "\u00b2.0.0"])
 def test_an_id_this_stream_never_sent_is_refused_with_what_to_do(bad):
     with pytest.raises(ValueError, match="leave it out"):
         StreamPosition.parse(bad)
