@@ -130,14 +130,19 @@ class SqlCollector(Collector):
         with session_scope(self.url) as s:
             # by status alone, the models picked here: the planner then takes the status index (SQLite, without
             # statistics, took the model's, a pass over every job the model ever had)
-            live = s.execute(select(Job.status, Job.tier, Job.model, func.count())
+            live = s.execute(select(Job.status, Job.tier, Job.model, func.count(), func.sum(Job.relegation_count))
                              .where(Job.status.in_([st.value for st in NOT_TERMINAL]))
                              .group_by(Job.status, Job.tier, Job.model)).all()
-            by_state = [(status, tier, n) for status, tier, model, n in live if model in self.models]
+            by_state = [(status, tier, n) for status, tier, model, n, _relegations in live if model in self.models]
             scope = tally.scope_of(self.model_name)
             start = tally.kept(s, scope)
             models = tally.counted(start, self.models)  # those counted before too: no counter goes back
             totals, after = tally.totals(s, start, self._summed(s, models), models)
+            # the relegations counter: the ended jobs' (kept) and those of the jobs not ended yet, read afresh; a
+            # job's count only grows, and moves from the one to the other as it ends, so the sum never goes back
+            for _status, tier, model, _n, relegations in live:
+                if model in models:
+                    tally.add(totals["relegations"], (tier,), (relegations,))
             # the deployment's own workers: another model's deployment on the same database exports its own
             own = [w for w in s.scalars(workers.order_by(WorkerState.id)) if self.model_name in w.served]
             tables = Tables(by_state, own, totals)
@@ -230,6 +235,8 @@ class SqlCollector(Collector):
                 "slo": Summed(select(Job.tier, Job.kind, Job.slo_met, func.count())
                               .where(finished, served, Job.slo_met.is_not(None))
                               .group_by(Job.tier, Job.kind, Job.slo_met), keys=3),
+                "relegations": Summed(select(Job.tier, func.sum(Job.relegation_count)).where(finished, served)
+                                      .group_by(Job.tier), keys=1),
                 "success": Summed(success_query(served), keys=1),
                 "tokens": Summed(tokens_query(served), keys=0),
                 "outcome": Summed(select(Job.status, func.count()).where(finished, served).group_by(Job.status),
@@ -257,6 +264,11 @@ class SqlCollector(Collector):
                                      labels=["model_name"])
         gen = CounterMetricFamily("coserve:generation_tokens", "Generated tokens of those jobs (a cancelled one's "
                                   "before the cancel).", labels=["model_name"])
+        relegations = CounterMetricFamily("coserve:num_relegations", "Relegations by the scheduler (QoServe eager "
+                                          "relegation; a job relegated twice counts twice), by tier.",
+                                          labels=["model_name", "tier"])
+        for tier in sorted(set(self.tiers) | {t for (t,) in totals["relegations"]}):
+            relegations.add_metric([self.model_name, tier], totals["relegations"].get((tier,), (0.0,))[0])
         for (tier, kind, met), (n,) in sorted(totals["slo"].items()):
             slo.add_metric([self.model_name, tier, kind, "met" if met else "violated"], n)
         for (reason,), (n,) in sorted(totals["success"].items()):
@@ -267,7 +279,7 @@ class SqlCollector(Collector):
         prompt.add_metric([self.model_name], p)
         cached.add_metric([self.model_name], c)
         gen.add_metric([self.model_name], g)
-        yield from (slo, success, outcome, prompt, cached, gen)
+        yield from (relegations, slo, success, outcome, prompt, cached, gen)
 
 
 def histogram_query(value, edges: Sequence[float], *where):

@@ -393,3 +393,34 @@ def test_the_workers_series_are_the_deployments_own_and_name_its_model(client, d
         assert [dict(labels) for n, labels in scraped if n == name] == [
             {"model_name": "tiny", "worker": "tiny-w", **({"draining": "false", "stopping": "false"}
                                                           if "heartbeat" in name else {})}], name
+
+
+def _relegations(db_url) -> dict[str, float]:
+    samples = _samples(SqlCollector(db_url, "tiny", tiers=("free", "paid")).collect())
+    return {dict(labels)["tier"]: v for (name, labels), v in samples.items() if name == "coserve:num_relegations_total"}
+
+
+def test_relegations_are_a_counter_by_tier_that_never_goes_back(db_url):
+    """``coserve:num_requests_relegated`` says how many jobs are relegated now: no rate to graph or alert on. The
+    relegations counter sums every relegation (of the jobs not ended and of those ended since the totals began) and
+    goes on as a relegated job ends and its end is kept in the totals."""
+    with session_scope(db_url) as s:
+        t = Tenant(name="r")
+        s.add(t)
+        s.flush()
+        s.add_all([_job(t.id, "relegated", "free", relegation_count=2), _job(t.id, "running", "free",
+                                                                              relegation_count=1),
+                   _job(t.id, "succeeded", "free", relegation_count=1, finished_at=utcnow()),
+                   _job(t.id, "running", "free", relegation_count=5, model="other")])  # another deployment's
+    assert _relegations(db_url) == {"free": 4, "paid": 0}
+    with session_scope(db_url) as s:  # the relegated job ends (expired), the running one is relegated again
+        s.execute(update(Job).where(Job.status == "relegated").values(status="expired", finished_at=utcnow()))
+        s.execute(update(Job).where(Job.status == "running", Job.model == "tiny")
+                  .values(status="relegated", relegation_count=Job.relegation_count + 1))
+    assert _relegations(db_url) == {"free": 5, "paid": 0}
+    with session_scope(db_url) as s:
+        s.execute(update(Job).where(Job.finished_at.is_not(None)).values(settled_at=utcnow()))
+    _as_if_last_scraped(db_url, timedelta(hours=1))  # the ended jobs' relegations are kept in the totals now
+    assert _relegations(db_url) == {"free": 5, "paid": 0}
+    assert _relegations(db_url) == {"free": 5, "paid": 0}
+
