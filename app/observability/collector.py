@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import case, func, literal_column, select
 from sqlalchemy.orm import Session
 
-from app.db.models import Job, JobStatus, WorkerState
+from app.db.models import INVALID_REQUEST, Job, JobStatus, WorkerState
 from app.db.session import DATABASE_UNAVAILABLE, session_scope
 from app.observability import tally
 from app.observability.tally import Groups, Summed
@@ -47,11 +47,21 @@ HISTOGRAMS = (
      "finished job (one cancelled after that too).", E2E_BUCKETS),
 )
 WAITING = (JobStatus.QUEUED.value, JobStatus.DISPATCHED.value)
-# a job that succeeded without a recorded reason stopped on EOS/stop; one expression object
-# (a literal, not a bind parameter) so SELECT, GROUP BY and ORDER BY render identically:
-# with server-side binding (PostgreSQL) three separate "stop" parameters are three different
-# expressions and GROUP BY rejects the SELECT list
-FINISH_REASON = func.coalesce(Job.finish_reason, literal_column("'stop'")).label("finish_reason")
+
+
+def _literal(text: str):
+    return literal_column(f"'{text}'")
+
+
+# a finished job's vLLM finished_reason (vllm.v1.engine.FinishReason: stop, length, abort, error, repetition):
+# a succeeded one's own (one without a recorded reason stopped on EOS/stop), abort for a cancelled or expired one
+# (vLLM ends a request its scheduler gives up on as an abort), error for a failed one. One expression object of
+# literals, not bind parameters, so SELECT, GROUP BY and ORDER BY render identically: with server-side binding
+# (PostgreSQL) three separate "stop" parameters are three different expressions and GROUP BY rejects the SELECT list
+FINISH_REASON = case((Job.status == _literal(JobStatus.SUCCEEDED.value), func.coalesce(Job.finish_reason,
+                                                                                        _literal("stop"))),
+                     (Job.status == _literal(JobStatus.FAILED.value), _literal("error")),
+                     else_=_literal("abort")).label("finish_reason")
 
 
 # coserve's metrics that mean what vLLM's of the same name mean are also exported under vLLM's name, so a
@@ -253,7 +263,8 @@ class SqlCollector(Collector):
     def _counters(self, totals: dict[str, Groups]) -> Iterator:
         slo = CounterMetricFamily("coserve:slo_attainment", "Finished jobs that met or violated their SLO, by tier.",
                                   labels=["model_name", "tier", "kind", "outcome"])
-        success = CounterMetricFamily("coserve:request_success", "Finished jobs by finish reason.",
+        success = CounterMetricFamily("coserve:request_success", "Finished jobs by vLLM's finished_reason: stop, "
+                                      "length (succeeded), abort (cancelled or expired), error (failed).",
                                       labels=["model_name", "finished_reason"])
         outcome = CounterMetricFamily("coserve:request_outcome", "Terminal jobs by status.",
                                       labels=["model_name", "status"])
@@ -292,12 +303,13 @@ def histogram_query(value, edges: Sequence[float], *where):
 
 
 def success_query(*where):
-    """Succeeded jobs (those ``where`` holds) per finish reason."""
-    # the status in an expression the status index cannot serve: SQLite, without statistics, would take it (every
-    # succeeded job) over the settled range of ix_jobs_settled (app.observability.tally)
-    succeeded = func.coalesce(Job.status, literal_column("''")) == JobStatus.SUCCEEDED.value
+    """Finished jobs (those ``where`` holds) per vLLM finished_reason (``FINISH_REASON``), as vLLM's request_success
+    counts every finished request; not one the engine refused for its parameters (vLLM refuses such a request before
+    its engine, with a 400, and counts nothing)."""
+    # the error code in an expression: a NULL one is no refusal
+    not_refused = func.coalesce(Job.error_code, literal_column("''")) != INVALID_REQUEST
     return (select(FINISH_REASON, func.count())
-            .where(Job.finished_at.is_not(None), succeeded, *where)
+            .where(Job.finished_at.is_not(None), not_refused, *where)
             .group_by(FINISH_REASON).order_by(FINISH_REASON))
 
 

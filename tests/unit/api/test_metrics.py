@@ -246,8 +246,10 @@ def test_statements_compile_for_postgresql():
     # and durations use EXTRACT(epoch FROM ...) on PostgreSQL
     dialect = postgresql.dialect()
     sql = str(success_query().compile(dialect=dialect))
-    assert sql.count("coalesce(jobs.finish_reason, 'stop')") == 2 and "%(" in sql  # status stays a parameter
-    assert "GROUP BY coalesce(jobs.finish_reason, 'stop') ORDER BY finish_reason" in sql
+    reason = ("CASE WHEN (jobs.status = 'succeeded') THEN coalesce(jobs.finish_reason, 'stop') WHEN (jobs.status = "
+              "'failed') THEN 'error' ELSE 'abort' END")
+    assert sql.count(reason) == 2 and "%(" in sql  # the refused jobs' error code stays a parameter
+    assert f"GROUP BY {reason} ORDER BY finish_reason" in sql
     queue_s = seconds_between("postgresql", Job.created_at, Job.started_at)
     sql = str(histogram_query(queue_s, (0.5, 1.0)).compile(dialect=dialect))
     assert "EXTRACT(epoch FROM jobs.started_at - jobs.created_at)" in sql
@@ -423,4 +425,20 @@ def test_relegations_are_a_counter_by_tier_that_never_goes_back(db_url):
     _as_if_last_scraped(db_url, timedelta(hours=1))  # the ended jobs' relegations are kept in the totals now
     assert _relegations(db_url) == {"free": 5, "paid": 0}
     assert _relegations(db_url) == {"free": 5, "paid": 0}
+
+
+def test_request_success_counts_every_finished_job_by_vllms_finished_reason(db_url):
+    """vLLM's ``request_success`` counts every finished request by its finished_reason (stop, length, abort,
+    error...), not the succeeded ones alone: a cancelled or expired job is vLLM's ``abort`` (its engine ends one
+    coserve's scheduler gives up on as an abort), a failed one ``error``; one the engine refused for its parameters
+    is not counted (vLLM refuses such a request before its engine, with a 400). Each job once."""
+    _seed(db_url)  # succeeded: length, stop; cancelled: two; expired: one
+    with session_scope(db_url) as s:
+        tenant_id = s.scalars(select(Tenant.id)).first()
+        s.add_all([_job(tenant_id, "failed", "paid", finished_at=utcnow(), error="engine error"),
+                   _job(tenant_id, "failed", "paid", finished_at=utcnow(), error="bad", error_code="invalid_request")])
+    samples = _samples(SqlCollector(db_url, "tiny", tiers=("free", "paid")).collect())
+    reasons = {dict(labels)["finished_reason"]: v for (name, labels), v in samples.items()
+               if name == "vllm:request_success_total"}
+    assert reasons == {"stop": 1, "length": 1, "abort": 3, "error": 1}
 
