@@ -42,6 +42,8 @@ HISTOGRAMS = (
     ("coserve:time_to_first_token_seconds", "Time to first token, per finished job (one cancelled after its first "
      "token too).", TTFT_BUCKETS),
     ("coserve:time_per_output_token_seconds", "Median time between output tokens, per finished job.", TPOT_BUCKETS),
+    ("coserve:request_time_per_output_token_seconds", "Mean time per output token after the first (first token to "
+     "last, over the tokens after the first; 0 for one token), per finished job.", TPOT_BUCKETS),
     ("coserve:e2e_request_latency_seconds", "Submission to last token, per finished job.", E2E_BUCKETS),
     ("coserve:request_queue_time_seconds", "Submission to the engine running the first chunk of the prompt, per "
      "finished job (one cancelled after that too).", E2E_BUCKETS),
@@ -66,12 +68,14 @@ FINISH_REASON = case((Job.status == _literal(JobStatus.SUCCEEDED.value), func.co
 
 # coserve's metrics that mean what vLLM's of the same name mean are also exported under vLLM's name, so a
 # dashboard built for vLLM reads them (coserve's carry extra tier/kind labels). Not aliased:
-# time_per_output_token (coserve's is each job's median gap, vLLM's each gap) and coserve's own
-# relegation, SLO and heartbeat series, which vLLM has no name for.
+# time_per_output_token (each job's median gap: not vLLM's request_time_per_output_token, each request's mean,
+# exported as request_time_per_output_token; nor its inter_token_latency, each gap, which the jobs' rows do not keep)
+# and coserve's own relegation, SLO and heartbeat series, which vLLM has no name for.
 VLLM_ALIASES = {f"coserve:{n}": f"vllm:{n}" for n in (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
     "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-    "request_success", "prompt_tokens", "prompt_tokens_cached", "generation_tokens")}
+    "request_time_per_output_token_seconds", "request_success", "prompt_tokens", "prompt_tokens_cached",
+    "generation_tokens")}
 
 
 def vllm_alias(family: Metric) -> Metric:
@@ -238,6 +242,7 @@ class SqlCollector(Collector):
         served, finished = Job.model.in_(models), Job.finished_at.is_not(None)
         values = {"coserve:time_to_first_token_seconds": Job.ttft_s,
                   "coserve:time_per_output_token_seconds": Job.tbt_p50_s,
+                  "coserve:request_time_per_output_token_seconds": mean_time_per_output_token(),
                   "coserve:e2e_request_latency_seconds": Job.ttlt_s, "coserve:request_queue_time_seconds": queue_s}
         histograms = {name: Summed(histogram_query(values[name], edges, served), keys=2)
                       for name, _doc, edges in HISTOGRAMS}
@@ -300,6 +305,14 @@ def histogram_query(value, edges: Sequence[float], *where):
                    *(func.sum(case((value <= e, 1), else_=0)) for e in edges))
             .where(Job.finished_at.is_not(None), value.is_not(None), *where)
             .group_by(Job.tier, Job.kind).order_by(Job.tier, Job.kind))
+
+
+def mean_time_per_output_token():
+    """SQL for a job's mean time per output token as vLLM's request_time_per_output_token observes it: first token to
+    last (its TTLT less its TTFT, both from its submission) over the tokens after the first, 0 for one token; NULL
+    where either time is missing (0 times the span keeps a NULL span NULL)."""
+    span = Job.ttlt_s - Job.ttft_s
+    return case((Job.completion_tokens > 1, span / (Job.completion_tokens - 1)), else_=span * 0)
 
 
 def success_query(*where):

@@ -442,3 +442,23 @@ def test_request_success_counts_every_finished_job_by_vllms_finished_reason(db_u
                if name == "vllm:request_success_total"}
     assert reasons == {"stop": 1, "length": 1, "abort": 3, "error": 1}
 
+
+def test_the_per_job_mean_time_per_output_token_is_vllms_request_time_per_output_token(db_url):
+    """vLLM's ``request_time_per_output_token_seconds`` observes each finished request's mean gap (its first token
+    to its last, over its tokens after the first; 0 for a one-token answer). coserve's per-job median
+    (``coserve:time_per_output_token_seconds``) is neither that nor vLLM's per-gap ``inter_token_latency``: the mean
+    is exported under vLLM's name, from each job's first and last token times."""
+    with session_scope(db_url) as s:
+        t = Tenant(name="tpot")
+        s.add(t)
+        s.flush()
+        s.add_all([_job(t.id, "succeeded", "paid", finished_at=utcnow(), ttft_s=0.5, ttlt_s=2.5, completion_tokens=5,
+                        tbt_p50_s=0.1),
+                   _job(t.id, "succeeded", "paid", finished_at=utcnow(), ttft_s=0.3, ttlt_s=0.3, completion_tokens=1)])
+    samples = _samples(SqlCollector(db_url, "tiny", tiers=("paid",)).collect())
+    labels = (("kind", "interactive"), ("model_name", "tiny"), ("tier", "paid"))
+    for name in ("coserve:request_time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds"):
+        assert (samples[(name + "_count", labels)], samples[(name + "_sum", labels)]) == (2, 0.5), name
+        assert samples[(name + "_bucket", (("kind", "interactive"), ("le", "0.5"), ("model_name", "tiny"),
+                                            ("tier", "paid")))] == 2, name
+    assert samples[("coserve:time_per_output_token_seconds_sum", labels)] == 0.1  # the median, as before
