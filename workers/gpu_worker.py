@@ -655,7 +655,8 @@ class GpuWorker:
             self.inbox.put(RetireLoras(loras))  # the engine thread's to tell the engine (its only caller)
         if self.backend == "vllm":  # vLLM's own metrics, for the API's /metrics
             try:
-                engine_metrics.publish(self.redis, self.worker_id, 3 * self.settings.heartbeat_seconds + 5)
+                engine_metrics.publish(self.redis, self.worker_id, 3 * self.settings.heartbeat_seconds + 5,
+                                       model_name=self.settings.model_name)
             except redis.RedisError as exc:
                 log.debug("engine metrics not published: %s", exc)
         for job in jobs:  # cancelled by the API, or our lease was lost: stop generating it

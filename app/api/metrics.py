@@ -38,7 +38,8 @@ def metrics(request: Request, settings: SettingsDep) -> Response:
                        vllm_aliases=settings.engine_backend != "vllm")
     registry.register(sql)
     if settings.redis_url:  # vLLM's own series from the live workers on the vLLM backend
-        registry.register(EngineMetricsCollector(settings.redis_url, sql.live_workers()))
+        registry.register(EngineMetricsCollector(settings.redis_url, sql.live_workers(),
+                                                 model_name=settings.model_name))
         registry.register(RateLimitCollector(settings.redis_url))
     registry.register(request.app.state.http_metrics)  # the app's HTTP series (app.observability.http_metrics)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -3,10 +3,10 @@
 A worker on the vLLM backend runs vLLM's Prometheus stat logger in its process (the
 ``vllm:`` series a ``vllm serve`` exports: scheduler state, KV usage, token counters, latency
 histograms, speculative decoding). Its heartbeat stores a snapshot of those series in Redis
-(``coserve:engine-metrics:<worker_id>``, expiring if the worker stops beating); the API merges
-every live worker's snapshot into one family per name, each sample labelled with its
-``worker_id``. Where vLLM exports a name itself, coserve's SQL-derived alias of that name
-(``collector.VLLM_ALIASES``) is left out, so each name appears once.
+(``coserve:engine-metrics:<worker_id>``, expiring if the worker stops beating), with the worker's model: the API
+merges its deployment's live workers' snapshots (where the database cannot say which are live, those of its model
+still in Redis) into one family per name, each sample labelled with its ``worker_id``. Where vLLM exports a name
+itself, coserve's SQL-derived alias of that name (``collector.VLLM_ALIASES``) is left out, so each name appears once.
 """
 
 from __future__ import annotations
@@ -40,12 +40,23 @@ def snapshot(registry: CollectorRegistry = REGISTRY, prefix: str = ENGINE_PREFIX
     return out
 
 
-def publish(client, worker_id: str, ttl_s: float, registry: CollectorRegistry = REGISTRY) -> int:
-    """Stores this process's engine series for the API; returns how many families (0: none to send)."""
+def publish(client, worker_id: str, ttl_s: float, registry: CollectorRegistry = REGISTRY, *,
+            model_name: str) -> int:
+    """Stores this process's engine series for the API, with the worker's model (``model_name``: its deployment's);
+    returns how many families (0: none to send)."""
     families = snapshot(registry)
     if families:
-        client.set(engine_metrics_key(worker_id), json.dumps(families), ex=max(1, int(ttl_s)))
+        blob = {"model_name": model_name, "families": families}
+        client.set(engine_metrics_key(worker_id), json.dumps(blob), ex=max(1, int(ttl_s)))
     return len(families)
+
+
+def read_snapshot(blob: bytes) -> tuple[str | None, list[dict]]:
+    """A stored snapshot's model and families (model None: one a worker stored before snapshots named it)."""
+    data = json.loads(blob)
+    if isinstance(data, list):
+        return None, data
+    return data["model_name"], data["families"]
 
 
 def merge(snapshots: dict[str, list[dict]]) -> list[Metric]:
@@ -68,10 +79,11 @@ def merge(snapshots: dict[str, list[dict]]) -> list[Metric]:
 class EngineMetricsCollector(Collector):
     """The live workers' engine series, read from Redis at scrape time."""
 
-    def __init__(self, redis_url: str, worker_ids: list[str] | None) -> None:
-        """``worker_ids``: the live workers (None where the database cannot say: every snapshot still in Redis, each
-        expiring once its worker stops beating)."""
-        self.redis_url, self.worker_ids = redis_url, worker_ids
+    def __init__(self, redis_url: str, worker_ids: list[str] | None, *, model_name: str) -> None:
+        """``worker_ids``: the deployment's live workers (None where the database cannot say: every snapshot of
+        ``model_name``'s workers still in Redis, each expiring once its worker stops beating; another deployment's on
+        the same Redis are its own)."""
+        self.redis_url, self.worker_ids, self.model_name = redis_url, worker_ids, model_name
         self._families: list[Metric] | None = None
 
     def families(self) -> list[Metric]:
@@ -95,11 +107,16 @@ class EngineMetricsCollector(Collector):
             return {}
         out = {}
         for worker_id, blob in zip(workers, raw):
-            if blob:
-                try:
-                    out[worker_id] = json.loads(blob)
-                except ValueError:
-                    log.warning("unreadable engine metrics from %s", worker_id)
+            if not blob:
+                continue
+            try:
+                model, families = read_snapshot(blob)
+            except (ValueError, KeyError, TypeError):
+                log.warning("unreadable engine metrics from %s", worker_id)
+                continue
+            # a snapshot that names no model is kept where the database named its worker the deployment's
+            if model == self.model_name or (model is None and self.worker_ids is not None):
+                out[worker_id] = families
         return out
 
     def collect(self) -> Iterator[Metric]:

@@ -49,7 +49,9 @@ def test_load_is_a_503_saying_the_database_cannot_be_reached(refused_db_client):
 def test_metrics_serve_the_redis_series_and_say_the_database_is_down(refused_db_client, settings):
     engine = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
                "samples": [["vllm:num_requests_running", {"model_name": "tiny"}, 2.0]]}]
-    redis.Redis.from_url(settings.redis_url).set(engine_metrics_key("w1"), json.dumps(engine), ex=60)
+    client = redis.Redis.from_url(settings.redis_url)
+    for worker_id, model in (("w1", settings.model_name), ("other-w", "other")):  # other: another deployment's
+        client.set(engine_metrics_key(worker_id), json.dumps({"model_name": model, "families": engine}), ex=60)
     other = refused_db_client.get("/metrics", headers={"Authorization": "Bearer cs-some-other-key"})
     assert other.status_code == 503 and "COSERVE_ADMIN_KEY" in other.json()["detail"], other.text
     r = refused_db_client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})

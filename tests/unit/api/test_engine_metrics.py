@@ -39,3 +39,20 @@ def test_a_type_clash_skips_that_workers_family():
     (family,) = merge({"w1": a, "w2": b})
     assert family.type == "gauge" and [s.labels["worker_id"] for s in family.samples] == ["w1"]
 
+
+
+def test_without_the_database_a_scrape_reads_its_own_models_workers_alone(redis_url):
+    """While the database cannot say which workers are live, the collector reads every snapshot still in Redis: it
+    exported another deployment's workers under this one's scrape. Each snapshot names its worker's model, and a
+    scrape keeps its own model's."""
+    import redis
+
+    from app.observability.engine_metrics import EngineMetricsCollector, publish
+
+    client = redis.Redis.from_url(redis_url)
+    for worker_id, model in (("tiny-w", "tiny"), ("other-w", "other")):
+        assert publish(client, worker_id, 60, _worker_registry(1, 1), model_name=model) == 2
+    for workers in (None, ["tiny-w"]):  # the database down; up, its live workers
+        collector = EngineMetricsCollector(redis_url, workers, model_name="tiny")
+        seen = {s.labels["worker_id"] for family in collector.collect() for s in family.samples}
+        assert seen == {"tiny-w"}, workers
