@@ -1,7 +1,8 @@
 """Operator actions reaching a worker: Redis pub/sub on ``coserve:control:<worker_id>``.
 
 Messages are JSON ``{"action": "resume", "job_id": ...}`` or ``{"action": "promote", "job_id": ..., "tier": "free" |
-"paid", "resume": bool}`` (the engine's tier of the job's new service tier; ``resume``: it moved up) sent by
+"paid", "resume": bool, "attempt": int}`` (the engine's tier of the job's new service tier; ``resume``: it moved up;
+``attempt``: the one the admin's write found, which a promote that comes before its add waits for) sent by
 the admin API (``app/api/admin.py``), or ``{"action": "reset_prefix_cache", "reply_to": ...}``
 (``POST /reset_prefix_cache``): the worker pushes ``{"worker": ..., "reset": ...}`` on the
 ``reply_to`` list once its engine thread reset the cache. Drain needs no message: the worker's heartbeat
@@ -60,7 +61,9 @@ def handle(inbox: Any, message: dict[str, Any], reply: Callable[[str, dict[str, 
             tier = Tier(message.get("tier", "paid"))
         except ValueError:
             return False
-        inbox.promote(job_id, tier)  # applied by the engine thread, which owns the request
+        attempt = message.get("attempt")
+        # applied by the engine thread, which owns the request
+        inbox.promote(job_id, tier, attempt if isinstance(attempt, int) else None)
         if message.get("resume"):  # a job moved up that was relegated comes back too
             inbox.resume(job_id)
         return True

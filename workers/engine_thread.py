@@ -17,6 +17,9 @@ itself. It also keeps the worker honest:
   frees a request's room in vLLM, so the worker stops counting it. An engine that still holds an
   aborted request ``KEPT_ABORT_LEASES`` leases after its abort leaks its slots: the worker gives it
   up (``on_kept_abort``) and stops, its running jobs finishing within the stop grace;
+* an operator's promote that comes before its job's add (written just after the lease read the tier, while the
+  intake had not added the job) is kept and applied on the add, so the attempt runs at the tier SQL holds; one whose
+  attempt is not added within a lease is dropped;
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
 * a step that raises gives every job back to the queue (the last allowed attempt fails) and
@@ -34,6 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -136,6 +140,8 @@ class EngineThread:
         self.kept_abort: str | None = None
         self._next_reconcile = time.monotonic() + self.reconcile_s
         self._idle_sleep = 0.0
+        # job id -> a promote that came before the job's add, and when (``time.monotonic``): applied on the add
+        self._promotes_before_add: dict[str, tuple[Promote, float]] = {}
         self.state: dict[str, Any] = {}  # the engine's facts for the heartbeat, refreshed by this thread
         self.refresh_state()
 
@@ -189,6 +195,7 @@ class EngineThread:
             if isinstance(cmd, Add):
                 if job is None or job.finished:
                     continue
+                self._apply_promote_before_add(job)
                 try:
                     self.engine.add_request(job.request)
                     job.in_engine = True
@@ -210,6 +217,8 @@ class EngineThread:
             elif isinstance(cmd, Promote):
                 if job is not None and job.in_engine:
                     self.engine.promote(job.request_id, cmd.tier)
+                else:  # written after the lease, before the intake's add: kept for it
+                    self._promotes_before_add[cmd.job_id] = (cmd, time.monotonic())
             elif isinstance(cmd, Learn):
                 for key, n in cmd.lengths:
                     self.engine.scheduler.history.record(key, n)
@@ -224,6 +233,21 @@ class EngineThread:
                 except Exception:  # the adapters stay loaded until the next beat's word; the engine goes on
                     log.exception("the engine could not take the runtime adapters to retire by")
         return records
+
+    def _apply_promote_before_add(self, job: ActiveJob) -> None:
+        """The tier of a promote that came before the job's add (the admin wrote it after the lease read the tier,
+        and the intake had not registered or added the job yet), on its request: the attempt runs at the tier SQL
+        holds. One for another attempt is dropped: a later attempt's lease read the tier after that promote."""
+        kept = self._promotes_before_add.pop(job.job_id, None)
+        if kept is not None and kept[0].attempt in (None, job.lease.attempt):
+            job.request.qos = replace(job.request.qos, tier=kept[0].tier)
+
+    def _forget_promotes_before_add(self) -> None:
+        """Drops the promotes kept a lease ago or more: an attempt leased here is added within its lease or has lost
+        it (the heartbeat renews only the jobs the intake registered), so theirs never comes."""
+        bound = time.monotonic() - self.settings.lease_seconds
+        self._promotes_before_add = {job_id: kept for job_id, kept in self._promotes_before_add.items()
+                                     if kept[1] > bound}
 
     def _send_abort(self, job: ActiveJob) -> None:
         self.engine.abort(job.request_id)
@@ -503,6 +527,7 @@ class EngineThread:
     def reconcile(self) -> list[Record]:
         """Jobs the worker holds that the engine no longer knows go back to the queue; those whose abort it has
         not confirmed for a lease are abandoned; an engine that keeps aborted requests is given up on."""
+        self._forget_promotes_before_add()
         records = self._abandon_unconfirmed_aborts()
         live = getattr(self.engine, "requests", None)
         if not isinstance(live, dict):

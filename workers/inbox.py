@@ -52,6 +52,7 @@ class Resume:
 class Promote:
     job_id: str
     tier: Tier
+    attempt: int | None = None  # the attempt the admin's write found holding the job (None: whichever)
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,8 @@ class Inbox:
     def resume(self, job_id: str) -> None:
         self.put(Resume(job_id))
 
-    def promote(self, job_id: str, tier: Tier) -> None:
-        self.put(Promote(job_id, tier))
+    def promote(self, job_id: str, tier: Tier, attempt: int | None = None) -> None:
+        self.put(Promote(job_id, tier, attempt))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> Future:
         """Whether the engine forgot its cached prefix blocks, once the engine thread got to it."""

@@ -375,7 +375,7 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
     # the engine knows free and paid; a job moved up that was relegated comes back, one moved down stays where it is;
     # told to the worker the write found (one that leased the job after the read runs it at the tier its lease read)
-    told = _tell_holder(settings, moved, {"action": "promote", "job_id": job_id,
+    told = _tell_holder(settings, moved, {"action": "promote", "job_id": job_id, "attempt": moved.attempt,
                                           "tier": settings.engine_tier(body.tier).value, "resume": raised})
     return {"id": job_id, "action": "promote", "tier": body.tier, **told}
 

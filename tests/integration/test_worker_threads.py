@@ -314,13 +314,77 @@ def test_a_promotion_reaches_the_scheduler_through_the_inbox_and_keeps_its_tier_
     assert engine.scheduler.free_waiting == 0 and engine.scheduler.num_unfinished == 0
 
 
+def _listening(settings, worker: GpuWorker, stop: threading.Event) -> None:
+    """The worker's own control listener (``workers.control``) on its inbox, subscribed before this returns."""
+    control.start_control_listener(worker.inbox, worker.worker_id, settings.redis_url, stop)
+    r = redis.Redis.from_url(settings.redis_url)
+    wait_for(lambda: dict(r.pubsub_numsub(control.control_channel(worker.worker_id)))
+             .get(control.control_channel(worker.worker_id).encode()), 5, "the control listener's subscription")
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["before_the_job_is_registered", "before_its_add"])
+def test_a_promote_written_as_the_intake_adds_the_job_takes_effect_on_that_attempt(client, keys, settings,
+                                                                                   registered):
+    """An admin promote written just after the worker's lease committed, before its engine thread had the job's add,
+    is delivered (the worker holds the job in SQL) and comes to the engine thread before the add (the intake had not
+    registered the job yet, or had and its add is behind the promote in the inbox): the request is added at the new
+    tier, not at the one its lease read (the engine thread dropped it, and the attempt ran at the old tier while SQL
+    and the admin's answer said the new one)."""
+    worker = GpuWorker(settings)
+    engine = sim_engine()
+    engine_thread = worker.attach(engine)
+    stop = threading.Event()
+    _listening(settings, worker, stop)
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hello there", max_tokens=4),
+                            settings, dispatch=False).job.id
+    register, answers = worker.active.add, []
+
+    def promoted_as_added(job: ActiveJob) -> None:  # the intake, between its lease's commit and its add
+        if registered:
+            register(job)
+        answers.append(client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "free"},
+                                   headers={"Authorization": f"Bearer {keys.admin}"}).json())
+        wait_for(lambda: len(worker.inbox), 5, "the promote in the worker's inbox")
+        if not registered:
+            worker.outbox.apply(engine_thread.iterate())  # the engine thread takes it before the job is there
+            register(job)
+
+    worker.active.add = promoted_as_added
+    try:
+        worker.accept(job_id)
+    finally:
+        stop.set()
+    assert answers[0]["delivered"] is True and answers[0]["worker_id"] == worker.worker_id, answers
+    worker.outbox.apply(engine_thread.iterate())  # the add, and a step of the engine
+    job = worker.active.get(job_id)
+    assert job.in_engine and job.request.qos.tier is Tier.FREE
+
+
+def test_a_promote_kept_for_an_attempt_never_added_is_not_applied_to_a_later_one(settings, keys):
+    """A promote that came before its job's add names the attempt the admin's write found: a later attempt of the
+    job, whose lease read the tier after that promote (and maybe after others since), keeps the tier its lease read."""
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Recorder())
+    (job,) = _leased_jobs(settings, keys, worker, 1)  # attempt 1, registered, its add not queued yet
+    worker.active.pop(job.job_id)  # it leaves before its add (its lease lost meanwhile)
+    control.handle(worker.inbox, {"action": "promote", "job_id": job.job_id, "tier": "free", "attempt": 1})
+    engine_thread.iterate()
+    rerun = ActiveJob(leases.Lease(job.job_id, 2, worker.worker_id), _request(f"{job.job_id}:2"), job.created_at)
+    with worker.active.lock:
+        worker.active.add(rerun)
+        worker.inbox.put(Add(job.job_id))
+    engine_thread.iterate()
+    assert worker.engine.calls == [("add", rerun.request_id)] and rerun.request.qos.tier is Tier.PAID
+
+
 class _Heard:
     """An inbox that records what the control handler hands it."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def promote(self, job_id: str, tier: Tier) -> None:
+    def promote(self, job_id: str, tier: Tier, attempt: int | None = None) -> None:
         self.calls.append(("promote", job_id, tier))
 
     def resume(self, job_id: str) -> None:
