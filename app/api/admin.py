@@ -290,10 +290,11 @@ def _control(settings, worker_id: str | None, message: dict[str, Any]) -> bool:
     return receivers > 0
 
 
-def _tell_holder(settings, written: Row, message: dict[str, Any]) -> dict[str, Any]:
-    """An action's answer of who heard it: ``worker_id``, the worker holding the job as the action's write found it,
-    and ``delivered``, whether it heard the message; null where no worker holds the job (queued or dispatched: the
-    worker that leases it reads what SQL holds then), so there was nothing to tell."""
+def _tell_holder(settings, written: Row | Job, message: dict[str, Any]) -> dict[str, Any]:
+    """An action's answer of who heard it: ``worker_id``, the worker holding the job as the action's write (or, where
+    it wrote nothing, its read) found it, and ``delivered``, whether it heard the message; null where no worker holds
+    the job (queued or dispatched: the worker that leases it reads what SQL holds then), so there was nothing to
+    tell."""
     if written.status not in ACTIVE:
         return {"delivered": None, "worker_id": None}
     return {"delivered": _control(settings, written.worker_id, message), "worker_id": written.worker_id}
@@ -355,6 +356,14 @@ def _move_tier(session, job_id: str, was: str, tier: str) -> Row | None:
                           f"moved from tier {was} to {tier} by an admin")
 
 
+def _promote_message(settings, job_id: str, attempt: int, tier: str, raised: bool) -> dict[str, Any]:
+    """The control message of a promote to ``tier`` (``workers/control.py``): the engine knows free and paid; a job
+    moved up (``raised``) that was relegated comes back, one moved down stays where it is. ``attempt``, the one the
+    write found, lets a worker that has not added it yet apply the tier when it does."""
+    return {"action": "promote", "job_id": job_id, "attempt": attempt, "tier": settings.engine_tier(tier).value,
+            "resume": raised}
+
+
 @router.post("/admin/api/jobs/{job_id}/promote", responses={**ADMIN, **responses(404, 409, 413)})
 def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsDep,
             _admin: AdminPrincipal) -> dict[str, Any]:
@@ -362,6 +371,11 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
         raise unprocessable(f"tier must be one of {list(settings.tiers)}", "body", "tier")
     job = _not_staged(_job(session, job_id))
     was = job.tier
+    if body.tier == was and job.status in OPEN:  # nothing to move nor to record; its worker hears the tier again
+        return {"id": job_id, "action": "promote", "tier": body.tier, "moved": False,
+                "detail": f"job {job_id} is at tier {was} already: nothing moved (its worker, if one holds it, is "
+                          "told that tier again)",
+                **_tell_holder(settings, job, _promote_message(settings, job_id, job.attempt, was, raised=False))}
     raised = settings.tier_rank(body.tier) > settings.tier_rank(was)
     with write_after_read(session):  # never a job that ended or moved, even between the read and this write
         moved = _move_tier(session, job_id, was, body.tier)
@@ -373,11 +387,9 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
                                 f"job {job_id} is at tier {job.tier} now, not {was}: another operator moved it "
                                 f"meanwhile; promote it again from {job.tier} if it is still to go to {body.tier}")
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status})")
-    # the engine knows free and paid; a job moved up that was relegated comes back, one moved down stays where it is;
     # told to the worker the write found (one that leased the job after the read runs it at the tier its lease read)
-    told = _tell_holder(settings, moved, {"action": "promote", "job_id": job_id, "attempt": moved.attempt,
-                                          "tier": settings.engine_tier(body.tier).value, "resume": raised})
-    return {"id": job_id, "action": "promote", "tier": body.tier, **told}
+    told = _tell_holder(settings, moved, _promote_message(settings, job_id, moved.attempt, body.tier, raised))
+    return {"id": job_id, "action": "promote", "tier": body.tier, "moved": True, **told}
 
 
 @router.post("/admin/api/jobs/{job_id}/cancel", responses={**ADMIN, **responses(404, 409)})

@@ -491,3 +491,22 @@ def test_of_two_operators_promoting_one_job_at_once_the_one_that_writes_second_g
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.get(Job, job_id).tier == "gold"
     assert [e["detail"] for e in found["events"]][-1] == "moved from tier silver to gold by an admin"
+
+
+def test_a_promote_to_the_tier_the_job_has_changes_nothing_and_says_so(client, keys, settings):
+    """A promote to the job's own tier is a 200 that says nothing moved, with no event ("moved from tier paid to
+    paid" was recorded); its worker is told the tier again, so a retry of a promote it did not hear still reaches it.
+    A job that ended is a 409 whatever the tier."""
+    job_id = _job(client, keys, settings, status="running", worker_id="w-listening", attempt=1)
+    r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "paid"}, headers=H(keys.admin))
+    assert r.status_code == 200, r.text
+    events = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()["events"]
+    assert not [e for e in events if "moved from tier" in (e["detail"] or "")], events
+    assert r.json()["moved"] is False and f"job {job_id} is at tier paid already" in r.json()["detail"], r.text
+    assert [(m["tier"], m["attempt"], m["resume"]) for m in _promote_messages(client, keys, settings, job_id,
+                                                                               "paid")] == [("paid", 1, False)]
+    r = client.post(f"/admin/api/jobs/{job_id}/promote", json={"tier": "free"}, headers=H(keys.admin))
+    assert r.status_code == 200 and r.json()["moved"] is True, r.text
+    ended = _job(client, keys, settings, status="succeeded")
+    r = client.post(f"/admin/api/jobs/{ended}/promote", json={"tier": "paid"}, headers=H(keys.admin))
+    assert r.status_code == 409 and "already ended (succeeded)" in r.json()["detail"], r.text
