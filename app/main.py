@@ -13,7 +13,7 @@ from fastapi.routing import APIRoute
 from app import structural_tag
 from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora,
                      message_batches, metrics, models, openai_compat, prefix_cache, responses, stored_completions,
-                     summarize, tenants, tokenize, usage, webhooks)
+                     summarize, tenants, tokenize, unserved, usage, webhooks)
 from app.auth import KeyCache, announce_revocation
 from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem, upgrade
@@ -33,12 +33,8 @@ log = logging.getLogger(__name__)
 # the OpenAI-compatible resources: an unknown URL under one is answered in OpenAI's error shape
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/v1/models",
                    "/v1/files", "/v1/batches", "/v1/organization", "/v1/webhook_endpoints", "/v1/webhook_event_types",
-                   "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/invocations")
-# vLLM's routes for a pooling or speech-to-text model (vLLM registers them for such a model only): what they are for
-POOLING, SPEECH = "pooling model (embeddings, classification, scoring: vLLM's --runner pooling)", "speech-to-text model"
-UNSERVED_ROUTES = {**dict.fromkeys(("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score",
-                                    "/rerank", "/v1/rerank", "/v2/rerank"), POOLING),
-                   **dict.fromkeys(("/v1/audio/transcriptions", "/v1/audio/translations"), SPEECH)}
+                   "/tokenize", "/detokenize", "/tokenizer_info", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                   "/invocations")
 ANTHROPIC_PREFIXES = ("/v1/messages",)  # Anthropic's SDKs read its error shape there
 # the paths Anthropic's SDK calls (anthropic 2.14's resources, beta included): where it sent a request, an error no
 # route answered is in its shape (errors.error_api), on those coserve shares with OpenAI's too
@@ -173,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
+    api.router.routes.extend(unserved.routes())  # first: /v1/chat/completions/render is no stored completion's id
     for module in (health, jobs, openai_compat, responses, anthropic_messages, message_batches, conversations, models,
                    tokenize, lora, files, batches, summarize, admin, tenants, usage, webhooks, metrics,
                    stored_completions, prefix_cache):
@@ -180,7 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(openai_compat.sagemaker)
     api.include_router(webhooks.event_types_router)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES, anthropic_prefixes=ANTHROPIC_PREFIXES,
-                   anthropic_sdk_prefixes=ANTHROPIC_SDK_PREFIXES, unserved_routes=UNSERVED_ROUTES)
+                   anthropic_sdk_prefixes=ANTHROPIC_SDK_PREFIXES)
     _document_errors(api)
     return api
 

@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     runtime_lora: bool = Field(False, description="let an admin load and unload LoRA adapters while coserve runs "
                                                   "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter), as vLLM's "
                                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING; set alike on the API and workers")
+    enable_tokenizer_info_endpoint: bool = Field(
+        False, description="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as "
+                           "`vllm serve --enable-tokenizer-info-endpoint`; off, it answers a 404 saying how to turn "
+                           "it on")
     max_loras: int = Field(4, ge=1, le=64, description="with runtime_lora: the adapters loaded at runtime one batch "
                                                        "may mix, beside one slot for each of lora_modules")
     max_lora_rank: int = Field(16, ge=1, le=512, description="with runtime_lora: the largest rank of an adapter "

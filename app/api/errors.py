@@ -133,9 +133,6 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     api = _api_at(request.app, request.url.path)
     # no route took it (a method or, where a compatible API's SDK calls, a path not served): the SDKs there read their
     # API's shape, as its routes answer (Anthropic's routes leave nothing else here; OpenAI's answer their own 404s)
-    if exc.status_code in (404, 405) and "endpoint" not in request.scope and (
-            answer := unserved_route(request)) is not None:
-        return answer
     unrouted = exc.status_code == 405 or (exc.status_code == 404 and "endpoint" not in request.scope
                                           and error_api(request.scope) is not None)
     if unrouted or api == "anthropic":
@@ -151,20 +148,6 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     if exc.status_code == 422 and isinstance(exc.detail, str):  # one shape for every 422
         return await request_validation_handler(request, unprocessable(exc.detail))
     return await http_exception_handler(request, exc)
-
-
-def unserved_route(request: Request) -> JSONResponse | None:
-    """The answer to a route vLLM's server has for another kind of model only (``install``'s ``unserved_routes``):
-    what it is for, in OpenAI's shape, where vLLM, serving a generative model, answers a bare 404; else None."""
-    model_kind = getattr(request.app.state, "unserved_routes", {}).get(request.url.path.rstrip("/"))
-    if model_kind is None:
-        return None
-    from app.openai_schemas import error_response  # it builds on this module
-
-    return error_response(404, f"{request.method} {request.url.path} is not served here: this server runs a "
-                               f"generative model (chat, completions, Responses, Messages); vLLM serves this route "
-                               f"for a {model_kind} only, so send it to a server that runs one",
-                          type="invalid_request_error", code="unsupported_endpoint")
 
 
 def anthropic_sdk(headers: Mapping[str, str]) -> bool:
@@ -242,12 +225,10 @@ def _under(path: str, prefixes: Sequence[str]) -> bool:
 
 
 def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixes: Sequence[str] = (),
-            anthropic_sdk_prefixes: Sequence[str] = (), unserved_routes: Mapping[str, str] | None = None) -> None:
+            anthropic_sdk_prefixes: Sequence[str] = ()) -> None:
     """The handlers above; ``openai_prefixes``, ``anthropic_prefixes``: paths whose unmatched URLs answer in
     OpenAI's or Anthropic's shape; ``anthropic_sdk_prefixes``: the paths Anthropic's SDK calls, where its requests
-    are answered in Anthropic's shape (``error_api``); ``unserved_routes``: path -> the kind of model vLLM serves it
-    for (``unserved_route``)."""
-    app.state.unserved_routes = dict(unserved_routes or {})
+    are answered in Anthropic's shape (``error_api``)."""
     app.state.openai_prefixes = tuple(openai_prefixes)
     app.state.anthropic_prefixes = tuple(anthropic_prefixes)
     app.state.anthropic_sdk_prefixes = tuple(anthropic_sdk_prefixes)

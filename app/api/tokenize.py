@@ -1,7 +1,10 @@
-"""``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer, as vLLM's server offers it.
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``: the served model's tokenizer, as vLLM's
+server offers it.
 
 Clients count a prompt's tokens before they send it (or fit it to the context), and turn token ids back into
-text, with the tokenizer and chat template the worker uses. The answers have vLLM's shapes.
+text, with the tokenizer and chat template the worker uses; a client that renders prompts itself reads the
+tokenizer's configuration and chat template (vLLM's, and here too, only where the operator turned it on). The
+answers have vLLM's shapes.
 """
 
 from __future__ import annotations
@@ -112,3 +115,41 @@ async def detokenize(body: dict[str, Any], settings: SettingsDep, _principal: Cu
     except JobValidationError as exc:
         raise OpenAIError(400, str(exc), param="tokens") from exc
     return {"prompt": await run_in_threadpool(get_tokenizer(settings.model).decode, req.tokens)}
+
+
+# a tokenizer's settings that name files of the server's, not the tokenizer's behaviour (vLLM's drops the first two)
+SERVER_PATHS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+
+
+def tokenizer_info(tok: Any) -> dict[str, Any]:
+    """vLLM's answer: the tokenizer's configuration (its ``tokenizer_config.json``, special tokens as their text), its
+    class, and the chat template chat messages are rendered with."""
+    config = {k: _json_value(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if k not in SERVER_PATHS}
+    config["tokenizer_class"] = type(tok).__name__
+    if template := getattr(tok, "chat_template", None):
+        config["chat_template"] = template
+    return config
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON writes it: a special token (transformers' ``AddedToken``) as its text, anything else that
+    JSON has no value for as its text too."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+
+@router.get("/tokenizer_info", responses=openai_responses(401, 404))
+async def get_tokenizer_info(settings: SettingsDep, _principal: CurrentPrincipal) -> dict[str, Any]:
+    """The tokenizer's configuration and chat template, where COSERVE_ENABLE_TOKENIZER_INFO_ENDPOINT is set (vLLM's
+    --enable-tokenizer-info-endpoint); else a 404 ``unsupported_endpoint`` saying so."""
+    if not settings.enable_tokenizer_info_endpoint:
+        raise OpenAIError(404, "GET /tokenizer_info is off on this server: it shows the tokenizer's configuration "
+                               "and chat template where the operator sets COSERVE_ENABLE_TOKENIZER_INFO_ENDPOINT=true "
+                               "(vLLM's --enable-tokenizer-info-endpoint); POST /tokenize renders chat messages "
+                               "with that template meanwhile", code="unsupported_endpoint")
+    return await run_in_threadpool(lambda: tokenizer_info(get_tokenizer(settings.model)))

@@ -12,10 +12,12 @@ from urllib.parse import unquote
 import anthropic
 import openai
 import pytest
+from starlette.testclient import WebSocketDenialResponse
 from sqlalchemy import func, select
 
 from app.db.models import Batch, Job
 from app.db.session import session_scope
+from app.services.model_info import get_tokenizer
 from tests.conftest import Keys, wait_for
 
 pytestmark = pytest.mark.integration
@@ -349,6 +351,54 @@ def test_a_route_vllm_serves_only_for_another_kind_of_model_says_so(client, keys
     assert "pooling model" in exc.value.body["message"], exc.value.body
 
 
+@pytest.mark.parametrize("method, path, says", [
+    # vLLM's behind a flag, its dev mode or another API: each says what coserve offers instead
+    ("POST", "/v1/chat/completions/render", "POST /tokenize"), ("POST", "/v1/chat/completions/derender", "/detokenize"),
+    ("POST", "/v1/completions/render", "--enable-scale-out"), ("POST", "/v1/responses/render", "POST /tokenize"),
+    ("POST", "/inference/v1/generate", "/v1/completions"), ("POST", "/inference/v1/abort_requests", "/cancel"),
+    ("POST", "/generative_scoring", "logprobs"), ("POST", "/v1/systemone", "response_format"),
+    ("POST", "/cohere/v2/chat", "POST /v1/chat/completions"),
+    ("POST", "/pause", "/admin/api/workers/{worker_id}/drain"),
+    ("POST", "/resume", '{"drain": false}'), ("GET", "/is_paused", "GET /admin/api/overview"),
+    ("POST", "/sleep", "do not sleep"), ("POST", "/wake_up", "VLLM_SERVER_DEV_MODE"),
+    ("GET", "/is_sleeping", "drain"), ("POST", "/abort_requests", "POST /v1/jobs/{job_id}/cancel"),
+    ("POST", "/update_weights", "POST /v1/load_lora_adapter"), ("GET", "/server_info", "GET /version"),
+    ("POST", "/scale_elastic_ep", "draining"), ("GET", "/fault_tolerance/status", "supervisor"),
+    ("POST", "/start_profile", "profiler"), ("GET", "/kv_event_sources", "KV cache events"),
+    ("DELETE", "/adapters/a1", "/v1/unload_lora_adapter")])
+def test_a_vllm_route_coserve_does_not_serve_says_what_to_use_instead(client, keys, method, path, says):
+    # before, each answered a bare {"detail": "Not Found"} (render/derender: a stored completion's 400, read as its id)
+    r = client.request(method, path, json={"model": "tiny", "prompt": "x"}, headers=H(keys.paid))
+    error = openai_error(r)
+    assert r.status_code == 404 and error["code"] == "unsupported_endpoint", r.text
+    assert error["message"].startswith(f"{method} {path} is not served here: ") and says in error["message"], error
+
+
+def test_unserved_routes_answer_anthropics_sdk_and_a_websocket_by_name(client, keys):
+    claude = {**H(keys.paid), "anthropic-version": "2023-06-01"}
+    r = client.post("/v1/messages/render", json={}, headers=claude)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    assert "POST /tokenize" in r.json()["error"]["message"], r.text
+    # vLLM's realtime transcription, a websocket: refused before the handshake with the same answer (it closed bare)
+    with pytest.raises(WebSocketDenialResponse) as refused:
+        with client.websocket_connect("/v1/realtime", headers=H(keys.paid)):
+            pass
+    assert refused.value.status_code == 404 and "speech-to-text model" in refused.value.json()["error"]["message"]
+
+
+def test_tokenizer_info_is_served_where_the_operator_turns_it_on(client, keys, settings):
+    r = client.get("/tokenizer_info", headers=H(keys.paid))  # off by default, as vLLM's: it says how to turn it on
+    assert r.status_code == 404 and openai_error(r)["code"] == "unsupported_endpoint", r.text
+    assert "COSERVE_ENABLE_TOKENIZER_INFO_ENDPOINT=true" in r.json()["error"]["message"], r.text
+    settings.enable_tokenizer_info_endpoint = True
+    r = client.get("/tokenizer_info", headers=H(keys.paid))
+    info, tok = r.json(), get_tokenizer(settings.model)
+    assert r.status_code == 200 and info["tokenizer_class"] == type(tok).__name__, r.text
+    assert info["chat_template"] == tok.chat_template and info["eos_token"] == tok.eos_token, info
+    assert "name_or_path" not in info, info  # a path on the server
+    assert client.get("/tokenizer_info").status_code == 401
+
+
 def test_framework_errors_answer_anthropics_sdk_in_its_shape_on_paths_shared_with_openai(client, keys, settings):
     claude = {**H(keys.paid), "anthropic-version": "2023-06-01"}  # what Anthropic's SDKs send on every request
     big = b"x" * (settings.max_body_bytes + 1)
@@ -506,8 +556,6 @@ def test_listing_files_without_a_limit_gives_as_many_as_openai_does(client, keys
 
 
 def test_a_prompt_of_token_ids_that_decode_to_a_nul_is_kept_with_the_replacement_character(client, keys, settings):
-    from app.services.model_info import get_tokenizer
-
     nul = get_tokenizer(settings.model).decode([190])
     assert nul == "\x00"  # a byte token of the default model's tokenizer
     r = client.post("/v1/jobs", json={"prompt_token_ids": [190, 5, 190]}, headers=H(keys.paid))
