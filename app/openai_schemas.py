@@ -596,7 +596,9 @@ class ChatCompletionRequest(_Base):
             return None
         return self.top_logprobs or 0
 
-    def chat_messages(self) -> list[ChatMessage]:
+    def chat_messages(self, at: str = "messages") -> list[ChatMessage]:
+        """The messages as chat jobs take them; a refusal names the field within them, ``at`` where they are in the
+        request (batched chat's ``messages.<i>``)."""
         out = []
         for i, m in enumerate(self.messages):
             role = m.get("role")
@@ -609,13 +611,13 @@ class ChatCompletionRequest(_Base):
                     key = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
                     if key is None:
                         raise OpenAIError(400, "only text content parts are supported (type "
-                                               f"{', '.join(map(repr, TEXT_PARTS))})", param=f"messages.{i}.content")
+                                               f"{', '.join(map(repr, TEXT_PARTS))})", param=f"{at}.{i}.content")
                     text = part.get(key)
                     if text is None:  # vLLM leaves out a part without its text
                         continue
                     if not isinstance(text, str):
-                        raise OpenAIError(400, f"messages.{i}.content.{j}.{key} must be a string",
-                                          param=f"messages.{i}.content.{j}.{key}")
+                        raise OpenAIError(400, f"{at}.{i}.content.{j}.{key} must be a string",
+                                          param=f"{at}.{i}.content.{j}.{key}")
                     texts.append(text)
                 content = "\n".join(texts)  # as vLLM joins a string-format template's text parts
             if content is None:
@@ -626,7 +628,7 @@ class ChatCompletionRequest(_Base):
             except ValidationError as exc:
                 # name the field that failed (the role, the content or both), not always the role
                 message, param = validation_message(
-                    [{**e, "loc": ("messages", i, *e["loc"])} for e in exc.errors()])
+                    [{**e, "loc": (at, i, *e["loc"])} for e in exc.errors()])
                 raise OpenAIError(400, message, param=param) from exc
         return out
 
@@ -654,28 +656,28 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
         "store": " (a stored completion is one conversation's; send each to /v1/chat/completions)"}
 
     def conversation_specs(self, tiers: tuple[str, ...]) -> list[JobCreate]:
-        """Each conversation's job, as chat makes it; a refusal names its conversation (``messages.<i>``)."""
+        """Each conversation's job, as chat makes it; a refusal names its conversation (``messages.<i>``): within
+        its messages where raised, of them all by ``in_conversation``."""
         fields = dict(self)  # validated: each conversation's request is these with its own messages
         specs = []
         for i, messages in enumerate(self.messages):
             chat = ChatCompletionRequest.model_construct(self.model_fields_set, **{**fields, "messages": messages})
             try:
-                specs.append(chat.job_spec(messages=chat.chat_messages(), tiers=tiers))
+                specs.append(chat.job_spec(messages=chat.chat_messages(at=f"messages.{i}"), tiers=tiers))
             except OpenAIError as exc:
                 raise in_conversation(exc, i) from exc
         return specs
 
 
 def in_conversation(exc: OpenAIError, i: int) -> OpenAIError:
-    """A conversation's refusal in batched chat's terms: its messages under ``messages.<i>``; other fields are the
-    request's own."""
-    param = exc.param or ""
-    if param != "messages" and not param.startswith("messages."):
+    """A conversation's refusal of its messages as a whole (its chat template's, its length's) in batched chat's
+    terms: of ``messages.<i>``. One within them names its place already (``chat_messages``' ``at``); other fields
+    are the request's own."""
+    if exc.param != "messages":
         return exc
     where = f"messages.{i}"
-    message, param = re.sub(r"\bmessages\.(?=\d)", where + ".", exc.message), where + param.removeprefix("messages")
-    return OpenAIError(exc.status_code, message if where in message else f"{param}: {message}", type=exc.type,
-                       param=param, code=exc.code, headers=exc.headers)
+    return OpenAIError(exc.status_code, f"{where}: {exc.message}", type=exc.type, param=where, code=exc.code,
+                       headers=exc.headers)
 
 
 def chat_job(body: dict[str, Any], tiers: tuple[str, ...], in_terms: Callable[[OpenAIError], OpenAIError],

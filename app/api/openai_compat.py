@@ -50,6 +50,7 @@ sagemaker = APIRouter(tags=["openai"], route_class=OpenAIRoute)  # SageMaker's i
 
 T = TypeVar("T")
 CHAT = "/v1/chat/completions"  # the endpoint of chat's jobs, batched chat's too (its QoS defaults, its answer's shape)
+BATCHED_CHAT = CHAT + "/batch"  # the route batched chat's jobs come in by (their events name it)
 
 
 async def json_object(request: Request) -> dict[str, Any]:
@@ -175,13 +176,14 @@ def _sse_error(err: OpenAIError) -> bytes:
 def _submit_choices(session, principal: Principal, settings: Settings, specs: list, endpoint: str,
                     writer=None, limiter: RateLimiter | None = None, n: int = 1,
                     metadata: dict[str, str] | None = None, store: bool = False,
-                    blame: Callable[[OpenAIError, int], OpenAIError] | None = None
+                    blame: Callable[[OpenAIError, int], OpenAIError] | None = None, via: str | None = None
                     ) -> tuple[list[Job], dict[str, str]]:
     """The jobs of a request's choices (``n`` per prompt), and the rate-limit headers of the answer; if one cannot
     be submitted, those already are stop. Every job is built (validated) before any is written, and the rate limits
     take the whole request at once before then (``charge_request``): the request once, each prompt's tokens once, as
     OpenAI's do, and every choice's ``max_tokens``. ``store``: the answer is kept as a stored chat completion, with
-    ``metadata``; ``blame``: job i's refusal in the request's terms (batched chat names its conversation)."""
+    ``metadata``; ``blame``: job i's refusal in the request's terms (batched chat names its conversation); ``via``:
+    the route the request came in by, where not ``endpoint`` (batched chat's)."""
     ids, kept = stored_completions.kept_fields(metadata, len(specs)) if store else ([None] * len(specs), None)
     built = []
     for i, spec in enumerate(specs):
@@ -200,7 +202,7 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
     jobs: list[Job] = []
     try:
         for job in built:
-            jobs.append(job_service.record_job(session, settings, job, endpoint=endpoint, writer=writer).job)
+            jobs.append(job_service.record_job(session, settings, job, via=via or endpoint, writer=writer).job)
     except Exception:
         for job in jobs:
             cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
@@ -436,7 +438,7 @@ async def chat_completions_batch(request: Request, session: SessionDep, principa
     writer = getattr(request.app.state, "job_writer", None)
     jobs, limit_headers = await run_in_threadpool(
         _submit_choices, session, principal, settings, specs, CHAT, writer, rate_limiter(request),
-        blame=in_conversation)
+        blame=in_conversation, via=BATCHED_CHAT)
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **limit_headers}
     return await _answer(request, settings, jobs, True, False, 1, headers)
 

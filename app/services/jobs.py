@@ -378,7 +378,7 @@ def submit_job(session: Session, principal: Principal, spec: JobCreate, settings
     if existing is not None:
         return _earlier(existing, job)
     cost = rate_charge(principal, job, request=charge[0], prompt=charge[1]) if limiter is not None else None
-    return record_job(session, settings, job, endpoint=endpoint, dispatch=dispatch, writer=writer, cost=cost,
+    return record_job(session, settings, job, via=endpoint, dispatch=dispatch, writer=writer, cost=cost,
                       limiter=limiter)
 
 
@@ -398,14 +398,15 @@ def charge_request(limiter: RateLimiter | None, principal: Principal, jobs: list
     return decision
 
 
-def record_job(session: Session, settings: Settings, job: Job, *, endpoint: str = "/v1/jobs", dispatch: bool = True,
+def record_job(session: Session, settings: Settings, job: Job, *, via: str = "/v1/jobs", dispatch: bool = True,
                writer: JobWriter | None = None, cost: Charge | None = None,
                limiter: RateLimiter | None = None) -> Submitted:
-    """Writes a built job's row and sends it to the workers, as ``submit_job`` says; ``cost`` taken by ``limiter``
-    (raises ``RateLimited``) once the row is in, so a concurrent retry with the same Idempotency-Key, which finds
-    the row there, is never charged nor refused."""
+    """Writes a built job's row and sends it to the workers, as ``submit_job`` says; ``via``: the route the request
+    came in by, which its first event names (batched chat's: its jobs' endpoint is chat's). ``cost`` taken by
+    ``limiter`` (raises ``RateLimited``) once the row is in, so a concurrent retry with the same Idempotency-Key,
+    which finds the row there, is never charged nor refused."""
     if writer is not None and not job.idempotency_key and dispatch:
-        written = writer.write(job, f"submitted via {endpoint}", cost)
+        written = writer.write(job, f"submitted via {via}", cost)
         return Submitted(written.job, created=True, rate=written.rate)
     rate = None
     # end the read snapshot (auth, idempotency lookup): the insert starts a write transaction
@@ -414,7 +415,7 @@ def record_job(session: Session, settings: Settings, job: Job, *, endpoint: str 
         with write_guard(session):
             session.add(job)
             session.add(JobEvent(job_id=job.id, from_status=None, to_status=JobStatus.QUEUED.value,
-                                 at=job.created_at, attempt=0, detail=f"submitted via {endpoint}"))
+                                 at=job.created_at, attempt=0, detail=f"submitted via {via}"))
             session.flush()  # a concurrent insert of the same Idempotency-Key fails here (or waits for it)
             if cost is not None:
                 rate = limiter.take_many([cost])[0]

@@ -498,6 +498,11 @@ def test_batched_chat_answers_each_conversation_as_the_chat_route_does(oai, stac
     jobs = [httpx.get(f"{stack.url}/v1/jobs/{i}", headers=auth).json() for i in batch["coserve"]["job_ids"]]
     assert r.headers["x-coserve-job-id"] == ",".join(batch["coserve"]["job_ids"])
     assert [(j["tier"], j["ttft_ms"], j["kind"]) for j in jobs] == [("free", 4000, "interactive")] * 2
+    # each job's history names the route its request came in by (an operator reading it asks where it came from)
+    admin = {"Authorization": f"Bearer {stack.keys.admin}"}
+    firsts = [httpx.get(f"{stack.url}/admin/api/jobs/{i}", headers=admin).json()["events"][0]["detail"]
+              for i in batch["coserve"]["job_ids"]]
+    assert firsts == ["submitted via /v1/chat/completions/batch"] * 2, firsts
 
 
 @pytest.mark.parametrize("body, param", [
