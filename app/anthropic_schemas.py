@@ -22,6 +22,7 @@ from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import Answer, read_answer
+from app.wire import Text
 
 ENDPOINT = "/v1/messages"
 # a chat field named in an error -> the Messages field the client wrote
@@ -95,6 +96,8 @@ class MessagesRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+    # required, as vLLM's AnthropicMessagesRequest and Anthropic have it (OpenAI's chat may leave it out: the default)
+    model: Text = Field(min_length=1, description="the model to answer (GET /v1/models lists them)")
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: str | list[Block] | None = None

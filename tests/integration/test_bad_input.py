@@ -143,6 +143,20 @@ def test_over_the_context_messages_answer_in_anthropics_words(client, keys, sett
     assert jobs_in_sql(settings) == 0
 
 
+@pytest.mark.parametrize("model", [{}, {"model": None}], ids=["missing", "null"])
+def test_a_message_without_a_model_is_anthropics_400_naming_it(client, keys, settings, model):
+    """vLLM's AnthropicMessagesRequest (and Anthropic) take no Messages request without its model, where OpenAI's
+    chat runs one with the default model (vLLM's ChatCompletionRequest)."""
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = client.post(path, headers={"x-api-key": keys.paid, "anthropic-version": "2023-06-01"},
+                        json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **model})
+        assert r.status_code == 400 and r.json()["type"] == "error", (path, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith("model: "), (path, error)
+        assert r.json()["request_id"] == r.headers["request-id"]
+    assert jobs_in_sql(settings) == 0
+
+
 def test_without_max_tokens_a_prompt_that_fits_gets_what_the_context_leaves(client, keys, settings):
     """vLLM's and OpenAI's unset max_tokens: the default (16 in tests) where it fits, else the rest of the context."""
     def submit(n: int, **extra):

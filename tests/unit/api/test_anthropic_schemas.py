@@ -119,7 +119,8 @@ def test_an_error_is_typed_as_anthropic_types_its_status(status, kind):
 @pytest.mark.parametrize("user_id", [42, ["u"], {"id": "u"}, True])
 def test_a_user_id_that_is_no_string_is_a_400_naming_it_not_dropped(user_id):
     with pytest.raises(OpenAIError) as exc:
-        openai_parsed(MessagesRequest, {"max_tokens": 3, "messages": [ASK], "metadata": {"user_id": user_id}})
+        openai_parsed(MessagesRequest, {"model": "tiny", "max_tokens": 3, "messages": [ASK],
+                                        "metadata": {"user_id": user_id}})
     assert (exc.value.status_code, exc.value.param) == (400, "metadata.user_id")
     assert "valid string" in exc.value.message
 
@@ -160,3 +161,19 @@ def test_a_tool_call_a_stop_sequence_cut_short_ends_in_the_stop_sequence_as_vllm
     assert (message["stop_reason"], message["stop_sequence"]) == stop
     assert stop_of("stop", None, [_call(arguments)]) == ("tool_use", None)  # no stop string: the model's call
     assert stop_of("length", "ris", [_call(arguments)]) == ("max_tokens", None)  # max_tokens always wins
+
+
+@pytest.mark.parametrize("model", [{}, {"model": None}, {"model": ""}], ids=["missing", "null", "empty"])
+def test_a_request_without_a_model_is_a_400_naming_it_as_vllms_request_type_answers_it(model):
+    # vLLM's AnthropicMessagesRequest and AnthropicCountTokensRequest: model: str, "Model is required"; Anthropic's
+    # API too. Not served with the default model, as OpenAI's chat is (vLLM's ChatCompletionRequest: model optional)
+    from app.anthropic_schemas import CountTokensRequest
+    from app.openai_schemas import ChatCompletionRequest
+
+    for kind in (MessagesRequest, CountTokensRequest):
+        with pytest.raises(OpenAIError) as exc:
+            openai_parsed(kind, {"max_tokens": 3, "messages": [ASK], **model})
+        assert (exc.value.status_code, exc.value.param) == (400, "model")
+        assert exc.value.message.startswith("model: ")
+    assert ChatCompletionRequest.model_validate({"messages": [ASK], **model}).model in (None, "")
+

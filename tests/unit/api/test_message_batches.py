@@ -109,3 +109,10 @@ def test_a_batch_that_failed_before_running_errs_every_request_with_why():
                                                       "message": "over the queue limit"}
     crashed = list(mb.results(inputs, None, None, [{"code": "internal_error", "message": "see the log"}]))
     assert crashed[0]["result"]["error"]["error"]["type"] == "api_error"
+
+
+def test_a_request_without_a_model_is_refused_naming_it():
+    # as POST /v1/messages (vLLM's AnthropicMessagesRequest: model is required), not run with the default model
+    (bad,) = parse_file(mb.input_lines([("a", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})]),
+                        "/v1/messages", 86400).invalid
+    assert bad.message == "line 1: invalid body: model: Field required"
