@@ -41,6 +41,8 @@ UNSERVED = ("mcp_servers", "container", "context_management")
 MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 # a tool_result with is_error: chat's tool message has no such field (vLLM drops it), so its text says it failed
 TOOL_ERROR_PREFIX = "Error: "
+# a system text block Claude Code sends, naming its version and a hash of the request; vLLM drops it
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def message_id(job_id: str) -> str:
@@ -127,11 +129,19 @@ class MessagesRequest(BaseModel):
                 raise OpenAIError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                        f"({self.max_tokens})", param="thinking.budget_tokens")
 
+    def system_prompt(self) -> str:
+        """The system prompt as vLLM's ``_convert_system_message`` writes it: its text blocks joined with nothing
+        between them, less Claude Code's billing header (a per-request hash that would defeat the prefix cache)."""
+        if not isinstance(self.system, list):
+            return self.system or ""
+        _text(self.system, "system")  # only text blocks (an image there is refused by name)
+        return "".join(b.text for b in self.system if b.text and not b.text.startswith(BILLING_HEADER))
+
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: the system prompt first, each turn's blocks as chat writes them."""
         out: list[dict[str, Any]] = []
-        if self.system:
-            out.append({"role": "system", "content": _text(self.system, "system")})
+        if system := self.system_prompt():
+            out.append({"role": "system", "content": system})
         for i, message in enumerate(self.messages):
             if isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
@@ -211,7 +221,7 @@ def _prefilled(last: dict[str, Any]) -> bool:
 
 
 def _text(content: str | list[Block] | list[dict[str, Any]], where: str) -> str:
-    """The text of a string or of text blocks (a tool's answer, the system prompt)."""
+    """The text of a string or of text blocks (a tool's answer), joined by a newline as vLLM joins a tool's."""
     if isinstance(content, str):
         return content
     texts = []

@@ -177,3 +177,25 @@ def test_a_request_without_a_model_is_a_400_naming_it_as_vllms_request_type_answ
         assert exc.value.message.startswith("model: ")
     assert ChatCompletionRequest.model_validate({"messages": [ASK], **model}).model in (None, "")
 
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli; cch=0f3e2;"
+
+
+def test_system_blocks_are_joined_as_vllm_joins_them_and_claude_codes_billing_header_is_dropped():
+    # vLLM's _convert_system_message: the text blocks joined with "", a billing header (a per-request hash that
+    # defeats the prefix cache) left out, and no system message where no text is left
+    def system(blocks):
+        chat, _ = chat_of(messages=[ASK], system=blocks)
+        return [m["content"] for m in chat.messages if m["role"] == "system"]
+
+    text = [{"type": "text", "text": "You are terse. "}, {"type": "text", "text": BILLING},
+            {"type": "text", "text": "Answer in French."}]
+    assert system(text) == ["You are terse. Answer in French."]
+    assert system([{"type": "text", "text": BILLING}]) == [] == system([{"type": "text", "text": ""}])
+    assert system("Be brief") == ["Be brief"]
+    # a tool's answer of text blocks stays joined by a newline, as vLLM's _convert_user_tool_result joins it
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "text", "text": "b"}]}
+    chat, _ = chat_of(messages=[{"role": "user", "content": [result]}])
+    assert chat.messages[0]["content"] == "a\nb"
+
