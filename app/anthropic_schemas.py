@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -312,12 +313,20 @@ def usage_of(prompt_tokens: int | None, completion_tokens: int | None, cached_to
     return out
 
 
-def content_blocks(answer: Answer) -> list[dict[str, Any]]:
-    """The answer's thinking, text and tool calls as content blocks, in that order; an answer of none of them is one
-    empty text block, as vLLM answers it (clients read ``content[0]``; a stream opens no block for it)."""
+def thinking_signature(job_id: str, index: int) -> str:
+    """The signature of the job's thinking block at ``index``: opaque, as vLLM's (a random ``uuid4().hex``, which
+    nothing checks when a client sends the block back), but the job's own, so a stored message (a batch's result)
+    reads the same each time and a stream's is the plain answer's."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{message_id(job_id)}/{index}").hex
+
+
+def content_blocks(job_id: str, answer: Answer) -> list[dict[str, Any]]:
+    """The answer's thinking (signed, as vLLM signs it), text and tool calls as content blocks, in that order; an
+    answer of none of them is one empty text block, as vLLM answers it (clients read ``content[0]``; a stream opens
+    no block for it)."""
     blocks: list[dict[str, Any]] = []
     if answer.reasoning:
-        blocks.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": answer.reasoning, "signature": thinking_signature(job_id, 0)})
     if answer.content:
         blocks.append({"type": "text", "text": answer.content})
     for call in answer.tool_calls or ():
@@ -343,7 +352,7 @@ def message_of(job_id: str, model: str, answer: Answer, stop_reason: str | int |
     succeeded result (one converter for both)."""
     stop = stop_of(answer.finish_reason, stop_reason, answer.tool_calls)
     usage = usage_of(prompt_tokens, completion_tokens, cached_tokens, cache_write_tokens)
-    return message_body(job_id, model, content=content_blocks(answer), stop=stop, usage=usage)
+    return message_body(job_id, model, content=content_blocks(job_id, answer), stop=stop, usage=usage)
 
 
 def stored_message(job: Any) -> dict[str, Any]:

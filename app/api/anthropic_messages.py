@@ -19,7 +19,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest, error_body, in_messages_terms,
-                                   message_body, message_of, stop_of, tool_use_block, usage_of)
+                                   message_body, message_of, stop_of, thinking_signature, tool_use_block,
+                                   usage_of)
 from app import request_id
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import anthropic_error, anthropic_responses, anthropic_sdk
@@ -112,11 +113,17 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
         return out + [_sse("content_block_start", {"index": open_block, "content_block": block})]
 
     def stop() -> list[bytes]:
+        """The open block's stop; a thinking block's signature first, as vLLM's stream sends it (a client keeps it
+        to send the block back)."""
         nonlocal open_block
         if open_block is None:
             return []
         at, open_block = open_block, None
-        return [_sse("content_block_stop", {"index": at})]
+        out = [_sse("content_block_stop", {"index": at})]
+        if blocks[at] == "thinking":
+            signature = {"type": "signature_delta", "signature": thinking_signature(job.id, at)}
+            out.insert(0, _sse("content_block_delta", {"index": at, "delta": signature}))
+        return out
 
     def add(kind: str, delta: dict[str, Any]) -> list[bytes]:
         out = [] if open_block is not None and blocks[open_block] == kind else start(kind, {

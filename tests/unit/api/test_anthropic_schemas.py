@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from app.anthropic_schemas import MessagesRequest
@@ -199,3 +201,18 @@ def test_system_blocks_are_joined_as_vllm_joins_them_and_claude_codes_billing_he
     chat, _ = chat_of(messages=[{"role": "user", "content": [result]}])
     assert chat.messages[0]["content"] == "a\nb"
 
+
+def test_a_thinking_block_is_signed_as_vllm_signs_it_the_same_each_time_it_is_read():
+    # vLLM's messages_full_converter gives a thinking block a signature (uuid4().hex), which clients keep and send
+    # back with the block; coserve's is the job's own, so a stored message reads the same every time
+    from app.anthropic_schemas import message_of
+    from app.tool_calls import Answer
+
+    def thinking(job_id):
+        message = message_of(job_id, "tiny", Answer("Hi", None, "stop", reasoning="Hmm."), None, 9, 3, None, None)
+        return message["content"][0]
+
+    block = thinking("job_1")
+    assert block["type"] == "thinking" and block["thinking"] == "Hmm."
+    assert re.fullmatch(r"[0-9a-f]{32}", block["signature"]), block
+    assert thinking("job_1") == block and thinking("job_2")["signature"] != block["signature"]

@@ -1,0 +1,50 @@
+"""A Messages stream's events of a job's answer events (pure logic: the job's events are given, not read from
+Redis), read as the ``anthropic`` SDK's stream accumulator reads them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from anthropic.lib.streaming._messages import accumulate_event
+
+from app.anthropic_schemas import message_of
+from app.api import anthropic_messages
+from app.db.models import Job
+from app.services.answer_events import Finished, Piece
+from app.tool_calls import Answer
+
+ANSWER = Answer("Hi", None, "stop", reasoning="Hmm.")
+
+
+def _events(monkeypatch, items) -> list[dict]:
+    async def answer_events(_settings, _jobs):
+        for item in items:
+            yield item
+
+    async def read() -> list[bytes]:
+        return [chunk async for chunk in anthropic_messages._events(None, job)]
+
+    monkeypatch.setattr(anthropic_messages, "answer_events", answer_events)
+    job = Job(id="job_1", model="tiny", prompt_tokens=9)
+    return [json.loads(chunk.decode().split("data: ", 1)[1]) for chunk in asyncio.run(read())]
+
+
+def test_a_thinking_block_is_signed_before_it_stops_as_vllm_streams_it(monkeypatch):
+    # vLLM's message_stream_converter: a signature_delta closes each thinking block (before its content_block_stop)
+    # and the SDK's accumulator keeps it on the block, which a client sends back with the next turn
+    events = _events(monkeypatch, [Piece(0, "", "Hmm.", None, None, 0, 1), Piece(0, "Hi", "", None, None, 0, 2),
+                                   Finished(0, ANSWER, 9, 2)])
+    blocks = [(e["type"], e.get("index"), (e.get("delta") or {}).get("type")) for e in events
+              if e["type"].startswith("content_block")]
+    assert blocks == [("content_block_start", 0, None), ("content_block_delta", 0, "thinking_delta"),
+                      ("content_block_delta", 0, "signature_delta"), ("content_block_stop", 0, None),
+                      ("content_block_start", 1, None), ("content_block_delta", 1, "text_delta"),
+                      ("content_block_stop", 1, None)]
+    snapshot = None
+    for event in events:
+        if event["type"] != "ping":
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs={})
+    plain = message_of("job_1", "tiny", ANSWER, None, 9, 2, None, None)["content"][0]
+    assert snapshot.content[0].type == "thinking" and snapshot.content[0].thinking == "Hmm."
+    assert snapshot.content[0].signature == plain["signature"] != ""  # the plain answer's, the same job's
