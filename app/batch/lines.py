@@ -128,6 +128,11 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
     return ValidLine(line_no, cid, specs, n, response)
 
 
+# an interactive job's targets and a deadline job's time: a message batch's requests take none (its window is
+# Anthropic's 24 hours, which no field names)
+MESSAGE_BATCH_QOS = ("ttft_ms", "tbt_ms", "tbt_anchor", "deadline")
+
+
 def _no_qos(chat: ChatCompletionRequest | CompletionRequest) -> None:
     if chat.deadline is not None or chat.ttft_ms or chat.tbt_ms:
         raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
@@ -138,8 +143,11 @@ def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] 
     raises pydantic's ValidationError or an OpenAIError naming the Messages field."""
     message = MessagesRequest.model_validate(body)
     message.check(body)
-    chat, spec = message.chat_request(body, tiers, batch_window_s=window_s)
-    _no_qos(chat)
+    if given := [name for name in MESSAGE_BATCH_QOS if body.get(name) is not None]:  # before the job is built
+        raise OpenAIError(400, f"{given[0]}: a message batch's requests run as batch jobs due when the batch's 24 "
+                               f"hours end, and take no {', '.join(MESSAGE_BATCH_QOS[:-1])} or "
+                               f"{MESSAGE_BATCH_QOS[-1]}; leave it out", param=given[0])
+    _, spec = message.chat_request(body, tiers, batch_window_s=window_s)
     return [spec]
 
 

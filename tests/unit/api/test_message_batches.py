@@ -111,6 +111,18 @@ def test_a_batch_that_failed_before_running_errs_every_request_with_why():
     assert crashed[0]["result"]["error"]["error"]["type"] == "api_error"
 
 
+def test_a_request_with_interactive_qos_fields_is_told_what_a_message_batch_request_takes():
+    # a message batch runs its requests as batch jobs due when its 24 hours end: no ttft_ms, tbt_ms, tbt_anchor or
+    # deadline (not "give either deadline or ttft_ms/...", which reads as if a deadline were taken)
+    lines = [(f, params(**{f: v})) for f, v in (("ttft_ms", 50), ("tbt_ms", 20), ("tbt_anchor", "arrival"),
+                                                ("deadline", 3600))]
+    why = {line.custom_id: line.message for line in parse_file(mb.input_lines(lines), "/v1/messages", 86400).invalid}
+    for field, _ in lines:
+        assert why[field] == (f"line {[f for f, _ in lines].index(field) + 1}: invalid body: {field}: a message "
+                              "batch's requests run as batch jobs due when the batch's 24 hours end, and take no "
+                              "ttft_ms, tbt_ms, tbt_anchor or deadline; leave it out"), why[field]
+
+
 def test_a_request_without_a_model_is_refused_naming_it():
     # as POST /v1/messages (vLLM's AnthropicMessagesRequest: model is required), not run with the default model
     (bad,) = parse_file(mb.input_lines([("a", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})]),
