@@ -187,6 +187,9 @@ class Drive:
     finished: set = field(default_factory=set)  # reported finished to a client, or aborted by the test
     trace: list = field(default_factory=list)
     plans: list = field(default_factory=list)
+    # request id -> the prompt left of each prompt the policy held waiting as it planned the step: less the
+    # prefix-cache hit the adapter told it (``note_cached_prefix``), which vLLM counts computed only once it schedules
+    prompt_left: dict = field(default_factory=dict)
     max_tokens: dict = field(default_factory=dict)  # request id -> its max_tokens
     streamed: dict = field(default_factory=dict)  # request id -> output tokens its client got
     ended: dict = field(default_factory=dict)  # request id -> its finish reason
@@ -210,6 +213,7 @@ class Drive:
             schedule = self.s.policy.schedule
 
             def recorded(now):  # noqa: ANN001, ANN202
+                self.prompt_left = {m.request_id: m.prefill_remaining for m in self.s.policy.waiting}
                 plan = schedule(now)
                 self.plans.append(plan)
                 return plan
@@ -606,8 +610,10 @@ class Drive:
                     and m.qos.qos_class is QoSClass.INTERACTIVE and m.qos.tier is Tier.FREE)
 
         def size(m) -> tuple:  # noqa: ANN001
-            done, total, _ = before[m.request_id]  # as it stood when the policy chose (a planned one advanced since)
-            return total - done, footprint_blocks(m, p._reserved_output(m), 16, p._footprint_slots)
+            # the prompt left as it stood when the policy chose (a planned one advanced since), its cached prefix
+            # aside: the work the policy orders by (SRPF, eq. 4's prefill term)
+            left = self.prompt_left[m.request_id]
+            return left, footprint_blocks(m, p._reserved_output(m), 16, p._footprint_slots)
 
         first = {"sarathi-fcfs": lambda m: m.arrival_time, "sarathi-srpf": lambda m: size(m)[0]}.get(
             self.policy, first_deadline)
@@ -1189,6 +1195,18 @@ def test_a_prompts_cached_prefix_outlives_the_allocations_before_its_turn(make_s
     d = _drive(make_scheduler, "sarathi-fcfs", Engine(blocks=16, max_batched=256, max_seqs=4, prefix_caching=True),
                evs)
     assert d.trace[2][1] == (("q2", 40), ("q3", 1), ("q4", 40))
+
+
+def test_srpf_starts_the_prompt_whose_cached_prefix_leaves_it_the_least_to_compute(make_scheduler):
+    """Sarathi-SRPF orders prompts by the prompt left less the prefix-cache hit the adapter told it: q2's 64-token
+    system prompt is cached (q0 ran it), so 10 of its 74 tokens are left against q1's 30, and q2 takes the one seat
+    q0 leaves. The order check compared the prompts whole (74 against 30) and called that an inversion (vLLM counts a
+    hit computed only once it schedules the prompt): it compares the prompt left the policy planned with now."""
+    evs = [("add", Job(1, 40, LAX, 0.0, 64)), ("step", 0.0), ("step", 0.0),
+           ("add", Job(30, 1, LAX, 0.0)), ("add", Job(10, 1, LAX, 0.0, 64)), ("step", 0.0)]
+    d = _drive(make_scheduler, "sarathi-srpf", Engine(blocks=24, max_batched=128, max_seqs=2, prefix_caching=True),
+               evs)
+    assert d.trace[2][1] == (("q0", 1), ("q2", 10))
 
 
 def test_a_later_prompts_chunk_does_not_grow_into_a_compiling_prompts_tokens(make_scheduler):
