@@ -381,8 +381,11 @@ class Drive:
         assert out.total_num_scheduled_tokens == sum(sched.values()) <= s.step_cap
         assert len(sched) <= s.max_num_running_reqs
         assert s.max_num_scheduled_tokens == s.step_cap  # the step's budget is restored after vLLM scheduled
+        # the requests whose KV the policy released in this pass: one it restarts in the same step recomputes all
+        released = set(s.kv.released) if s.policy is not None else set()
         for rid, n in sched.items():
             done, total, prompt = before[rid] if rid in before else (0, 0, 0)
+            done = 0 if rid in released else done
             # vLLM's promise: a request gets 1.. the tokens it has left (its prompt's rest, or one decode token)
             # (a decode's n counts the drafts it verifies: its token and each draft)
             assert rid in before and 1 <= n <= total - done + drafts.get(rid, 0), (rid, n, before.get(rid))
@@ -1219,6 +1222,17 @@ def test_srpf_starts_the_prompt_whose_cached_prefix_leaves_it_the_least_to_compu
     d = _drive(make_scheduler, "sarathi-srpf", Engine(blocks=24, max_batched=128, max_seqs=2, prefix_caching=True),
                evs)
     assert d.trace[2][1] == (("q0", 1), ("q2", 10))
+
+
+def test_a_decode_the_policy_preempts_and_restarts_in_one_pass_recomputes_all_its_tokens(make_scheduler):
+    """Found by PROPS_EXAMPLES=150 (the mass preemption): five decodes fill the pool and four of them need a block
+    more; SRPF released q3 and q4 and, in the same pass, restarted q3 (the shortest prompt left: its 48 tokens) in
+    the blocks freed beyond what the decodes need. The step check measured q3's tokens left from before the
+    release (1 of 48) and called the recompute too long; a request the policy released in the pass has all left."""
+    evs = [("add", Job(1, 1, LAX, 0.0)), ("step", 0.0)] * 3 + [
+        ("add", Job(prompt, 30, LAX, 0.0)) for prompt in (33, 34, 34, 35, 35)]
+    d = _drive(make_scheduler, "sarathi-srpf", Engine(blocks=16, max_batched=128, max_seqs=7), evs)
+    assert any(("q3", 48) in step[1] for step in d.trace) and {"q3", "q4"} <= d.preempted
 
 
 def test_a_later_prompts_chunk_does_not_grow_into_a_compiling_prompts_tokens(make_scheduler):
