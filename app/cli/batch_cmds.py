@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from app.bounds import BATCHES_PAGE_MAX, RUNS_PAGE_MAX
-from app.cli.options import AsJson, Key, Tier, Url, in_path
+from app.cli.options import AsJson, Key, Tier, Url, given_beside, in_path
 from app.cli.output import (
     INTERRUPTED,
     Console,
@@ -349,7 +349,8 @@ def results(batch_id: BatchId,
                       + (f" -> {errors}" if errors else " (use --errors FILE to save them)"))
 
 
-def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, folders of them, or JSONL of "
+def summarize(ctx: typer.Context,
+              paths: Annotated[list[Path], typer.Argument(help="txt/md files, folders of them, or JSONL of "
                                                                 '{"id","text"}')] = None,
               deadline: Annotated[str, typer.Option("--deadline", "-d", help="finish within: 30m, 2h, 1d")] = "2h",
               output: Annotated[Path, typer.Option("--output", "-o", help="results JSONL")] = Path("summaries.jsonl"),
@@ -385,17 +386,16 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
     if list_runs or after is not None:
         if not list_runs:
             raise typer.BadParameter("--after goes with --list", param_hint="--list")
-        if paths or specbench or run_id or cancel_id:
-            raise typer.BadParameter("--list shows your runs: give no documents, --specbench, --run or --cancel "
-                                     "with it", param_hint="--list")
+        _only(ctx, "--list", "shows your runs", {"list_runs", "limit", "after"})
         if limit is not None and limit > RUNS_PAGE_MAX:
             raise typer.BadParameter(f"{limit}: a page holds at most {RUNS_PAGE_MAX} runs; --after pages on",
                                      param_hint="--limit")
         _list_runs(Api(url, key), limit or LIST_DEFAULT, after, as_json)
         return
-    if cancel_id and (paths or specbench or run_id):
-        raise typer.BadParameter("--cancel stops a run: give no documents, --specbench or --run with it",
-                                 param_hint="--cancel")
+    if cancel_id:
+        _only(ctx, "--cancel", "stops a run", {"cancel_id"})
+    elif run_id:
+        _only(ctx, "--run", "follows a run started before and saves its results", {"run_id", "output"})
     api = Api(url, key)
     # with --json stdout holds the run alone: the id, the progress bar and what was saved where go to stderr
     said = stderr if as_json else console
@@ -409,8 +409,6 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
         return
     _writable(output)
     if run_id:
-        if paths or specbench:
-            raise typer.BadParameter("--run follows a run started before: give no documents with it")
         run = api.call("GET", f"/v1/summarize/{run_id}").json()
     else:
         run = _start_run(api, paths, specbench, limit, output, {
@@ -449,6 +447,15 @@ def summarize(paths: Annotated[list[Path], typer.Argument(help="txt/md files, fo
 
 
 LIST_DEFAULT = 20  # GET /v1/summarize's default page
+
+
+def _only(ctx: typer.Context, mode: str, does: str, applying: set[str]) -> None:
+    """A usage error naming what the operator gave beside ``mode`` (`--cancel ID`, `--run ID`, `--list`) that it
+    would not use: a run cut to --limit documents, a --deadline moved, results saved to -o, as the operator thinks."""
+    if extra := given_beside(ctx, applying | {"as_json", "url", "key"}):
+        named = ", ".join("documents" if p.param_type_name == "argument" else max(p.opts, key=len) for p in extra)
+        verb = "does" if len(extra) == 1 else "do"
+        raise typer.BadParameter(f"{mode} {does}: give no {named} with it ({verb} not apply)", param_hint=mode)
 
 
 def _list_runs(api: Api, limit: int, after: str | None, as_json: bool) -> None:

@@ -34,6 +34,17 @@ def finite(value: float | None) -> float | None:
     return value
 
 
+NOT_GIVEN = {"DEFAULT", "DEFAULT_MAP"}  # the names of click's ParameterSource for a value the operator did not give
+
+
+def given_beside(ctx: typer.Context, applying: set[str]) -> list[Any]:
+    """The command's parameters (click's) the operator gave, on the command line or in the environment, other than
+    ``applying`` (their names): what a mode of the command (`--cancel ID`, `--list`) would otherwise ignore without a
+    word. The source is compared by name: Typer runs on its own copy of click, whose enum is not ``click``'s."""
+    return [p for p in ctx.command.params if p.name not in applying
+            and (source := ctx.get_parameter_source(p.name)) is not None and source.name not in NOT_GIVEN]
+
+
 # vLLM's engine options follow a command's own, as `vllm serve` takes them (worker, up, profile)
 VLLM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
 

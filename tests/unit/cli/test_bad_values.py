@@ -140,6 +140,31 @@ def test_summarize_cancel_refuses_documents_or_a_run_to_follow_instead_of_ignori
     _refused(["summarize", "--cancel", "sum_x", "--run", "sum_y", *NOWHERE], "--cancel")
 
 
+@pytest.mark.parametrize(("mode", "extra", "named"), [
+    (["--cancel", "sum_x"], ["--limit", "3"], "--limit"), (["--cancel", "sum_x"], ["-o", "{tmp}/o.jsonl"], "--output"),
+    (["--cancel", "sum_x"], ["--deadline", "9h", "--model", "m"], "--deadline, --model"),
+    (["--run", "sum_x"], ["--limit", "1"], "--limit"), (["--run", "sum_x"], ["--max-summary-tokens", "9"],
+                                                       "--max-summary-tokens"),
+    (["--run", "sum_x"], ["--deadline", "5m", "--tier", "free"], "--deadline, --tier"),
+    (["--list"], ["--deadline", "5m"], "--deadline"), (["--list"], ["-o", "{tmp}/o.jsonl"], "--output"),
+    (["--list"], ["--chunk-tokens", "99"], "--chunk-tokens")],
+    ids=["cancel-limit", "cancel-output", "cancel-deadline-model", "run-limit", "run-summary-tokens",
+         "run-deadline-tier", "list-deadline", "list-output", "list-chunk-tokens"])
+def test_summarize_refuses_options_that_do_not_apply_to_cancel_run_or_list(tmp_path, mode, extra, named):
+    """`--cancel ID --limit 3`, `--run ID --deadline 5m` or `--list -o FILE` ran as if the option had not been given,
+    without a word: the operator believed the run cut to 3 documents, its deadline moved, its results saved there."""
+    _refused(["summarize", *mode, *(a.format(tmp=tmp_path) for a in extra), *NOWHERE], mode[0], named,
+             "not apply")
+
+
+@pytest.mark.parametrize("args", [["--cancel", "sum_x", "--json"], ["--run", "sum_x", "-o", "{tmp}/o.jsonl", "--json"],
+                                  ["--list", "--limit", "5", "--after", "sum_a", "--json"]],
+                         ids=["cancel", "run", "list"])
+def test_summarize_cancel_run_and_list_take_their_own_options(tmp_path, args):
+    res = CliRunner().invoke(cli, ["summarize", *(a.format(tmp=tmp_path) for a in args), *NOWHERE])
+    assert res.exit_code == 2 and res.stderr.startswith("cannot reach http://127.0.0.1:9"), res.output  # it asked
+
+
 @pytest.mark.parametrize("blanks", [b"\n" * 3, b"\r\n" * 3, b" \t\n" * 3, b"\x0c\x0b\n" * 3,
                                     "\u2028\u3000\x85\n".encode() * 3, b"\xef\xbb\xbf\n\n\n"],
                          ids=["lf", "crlf", "spaces", "ff-vt", "unicode", "bom"])
