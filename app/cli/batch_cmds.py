@@ -23,8 +23,8 @@ from rich.table import Table
 from app.bounds import BATCHES_PAGE_MAX, RUNS_PAGE_MAX
 from app.cli.options import AsJson, Key, Tier, Url, given_beside, in_path
 from app.cli.output import (
-    INTERRUPTED,
     Console,
+    asking,
     date,
     error_message,
     kept,
@@ -215,9 +215,11 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         raise typer.BadParameter(str(exc), param_hint="--window") from None
     _looks_like_jsonl(path)
     api = Api(url, key)
-    f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "batch"}).json()
-    b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
-                                               "completion_window": window, "tier": tier}).json()
+    with asking("the server may make the batch", "`coserve batch list` shows your batches, newest first"):
+        f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())},
+                     data={"purpose": "batch"}).json()
+        b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
+                                                   "completion_window": window, "tier": tier}).json()
     if as_json and not wait:
         print_json(b)
         return
@@ -292,7 +294,8 @@ def cancel(batch_id: BatchId,
                                                                 "cancelled) as JSON, alone on stdout")] = False,
            url: Url = None, key: Key = None) -> None:
     """Cancel a batch: pending requests are dropped, running ones aborted; finished ones are kept."""
-    b = Api(url, key).call("POST", f"/v1/batches/{batch_id}/cancel").json()
+    with asking(f"the server may cancel batch {batch_id}", f"`coserve batch status {batch_id}` shows it"):
+        b = Api(url, key).call("POST", f"/v1/batches/{batch_id}/cancel").json()
     if as_json:
         print_json(b)
         return
@@ -400,7 +403,8 @@ def summarize(ctx: typer.Context,
     # with --json stdout holds the run alone: the id, the progress bar and what was saved where go to stderr
     said = stderr if as_json else console
     if cancel_id:
-        run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel", timeout=LONG_TIMEOUT_S).json()
+        with asking(f"the server may cancel run {cancel_id}", "`coserve summarize --list` shows its status"):
+            run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel", timeout=LONG_TIMEOUT_S).json()
         if as_json:
             print_json(run)
             return
@@ -517,15 +521,11 @@ def _start_run(api: Api, paths: list[Path] | None, specbench: bool, limit: int |
     docs = docs[:limit] if limit else docs
     if not docs:
         raise typer.BadParameter("no documents: give files/folders/JSONL or --specbench")
-    try:
+    with asking("the server may start the run", "`coserve summarize --list` lists your runs, newest first, "
+                "`coserve summarize --run ID` follows one and `coserve summarize --cancel ID` stops it"):
         warn_without_workers(api.url)
         run = api.call("POST", "/v1/summarize", json={
             "documents": [{"id": d.id, "text": d.text} for d in docs], **options}, timeout=LONG_TIMEOUT_S).json()
-    except KeyboardInterrupt:  # the server may have started the run before it could answer with its id
-        stderr.print("\nstopped waiting for the run's start; the server may start it anyway: `coserve summarize "
-                     "--list` lists your runs, newest first, `coserve summarize --run ID` follows one and "
-                     "`coserve summarize --cancel ID` stops it")
-        raise typer.Exit(INTERRUPTED) from None
     said.print(f"summarization [bold]{run['id']}[/bold]: {len(docs)} documents (`coserve summarize --run "
                f"{run['id']}` follows it again, `--cancel {run['id']}` stops it)")
     return run

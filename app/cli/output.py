@@ -17,7 +17,8 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -66,6 +67,18 @@ def stopped_waiting(what: str, show: str, stop: str) -> typer.Exit:
     stderr.print(f"\nstopped waiting; {escape(what)} goes on on the server: `{escape(show)}` shows it, "
                  f"`{escape(stop)}` stops it")
     return typer.Exit(INTERRUPTED)
+
+
+@contextmanager
+def asking(may_happen: str, look: str) -> Iterator[None]:
+    """Ctrl-C while a command waits for the answer to a request that makes or stops work (an upload, a start, a
+    cancel): the server may do it anyway. Says so (``may_happen``) and how to look (``look``) on stderr, and exits
+    ``INTERRUPTED``: a bare 130 left the operator not knowing whether the work was made or stopped."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        stderr.print(f"\nstopped waiting for the server's answer; {escape(may_happen)} anyway: {escape(look)}")
+        raise typer.Exit(INTERRUPTED) from None
 
 
 def list_table(*columns: Column) -> Table:

@@ -25,6 +25,7 @@ from app.bounds import JOBS_PAGE_MAX, MAX_RATE
 from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite, vllm_flags
 from app.cli.output import (
     Console,
+    asking,
     date,
     error_message,
     kept,
@@ -590,7 +591,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             body["deadline_window_s"] = deadline_s
         else:
             body.update(tbt_ms=tbt_ms, ttft_ms=ttft_ms)
-        job = _request("POST", url, key, "/v1/jobs", json={k: v for k, v in body.items() if v is not None})
+        with asking("the server may queue the job", "`coserve jobs` shows your jobs, newest first"):
+            job = _request("POST", url, key, "/v1/jobs", json={k: v for k, v in body.items() if v is not None})
         if as_json and not wait:
             print_json(job)
             return
@@ -625,7 +627,8 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     def cancel(job_id: JobId, url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
         """Cancel a job that has not ended; a running one keeps what it produced (shown)."""
         url, key = _client_config(url, key)
-        job = _request("POST", url, key, f"/v1/jobs/{job_id}/cancel")
+        with asking(f"the server may cancel job {job_id}", f"`coserve status {job_id}` shows it"):
+            job = _request("POST", url, key, f"/v1/jobs/{job_id}/cancel")
         if job["status"] != "cancelled" and not as_json:
             console.print(f"{job_id} had already ended ({job['status']}): nothing to cancel")
         _show_job(job, as_json)

@@ -5,6 +5,7 @@ database is read; no server runs)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -242,3 +243,46 @@ def test_a_followed_run_is_said_to_end_as_it_did():
     failed = run_ending({"status": "failed", "reason": "no document was summarized"}, 3.0)
     assert "failed" in failed and "no document" in failed and "deadline" not in failed
     assert "cancelled" in run_ending({"status": "cancelling"}, -1.0)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["summarize", "--cancel", "sum_x"], "the server may cancel run sum_x anyway: `coserve summarize --list` shows"),
+    (["batch", "create", "{tmp}/in.jsonl"], "the server may make the batch anyway: `coserve batch list` shows"),
+    (["batch", "cancel", "batch_x"], "may cancel batch batch_x anyway: `coserve batch status batch_x` shows"),
+    (["submit", "hi"], "the server may queue the job anyway: `coserve jobs` shows"),
+    (["cancel", "job_x"], "the server may cancel job job_x anyway: `coserve status job_x` shows")],
+    ids=["summarize-cancel", "batch-create", "batch-cancel", "submit", "cancel"])
+def test_ctrl_c_while_a_request_that_makes_or_stops_work_waits_says_it_may_be_done_anyway(tmp_path, args, says):
+    """Ctrl-C while the server had not answered a cancel (`summarize --cancel` waits minutes by design), an upload or
+    a start: the command exited 130 without a word, the operator left not knowing whether the run goes on being
+    cancelled or the batch or job was made. The server here has the request and does not answer yet."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+                                       '"body": {"messages": [{"role": "user", "content": "x"}]}}\n')
+    with socket.socket() as silent:  # accepts the connection and reads the request, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *(a.format(tmp=tmp_path) for a in args),
+                                 "--url", url, "--key", "k"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "300",
+                                                             "COSERVE_DATA_DIR": str(tmp_path)},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            silent.settimeout(60)
+            conn, _ = silent.accept()
+            with conn:
+                conn.settimeout(60)
+                assert conn.recv(65536).startswith(b"POST "), "the command sent no request"
+                proc.send_signal(signal.SIGINT)
+                out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    said = " ".join(err.split())
+    assert proc.returncode == 130 and out == "" and "Traceback" not in err, (out, err)
+    assert says in said, err
