@@ -25,6 +25,7 @@ from app.cli.options import AsJson, Key, Tier, Url, given_beside, in_path
 from app.cli.output import (
     Console,
     asking,
+    bar_on,
     date,
     error_message,
     kept,
@@ -116,7 +117,7 @@ def _follow(api: Api, batch_id: str, warn: bool = False, bar: Console = console)
 
 def _poll(api: Api, batch_id: str, shown: Console) -> dict[str, Any]:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=shown) as bar:
+                  console=bar_on(shown)) as bar:
         task = bar.add_task(batch_id, total=None)
         while True:
             b = api.call("GET", f"/v1/batches/{batch_id}", patient=True).json()
@@ -547,7 +548,7 @@ def _follow_run(api: Api, run: dict[str, Any], deadline_at: datetime, shown: Con
     """Polls the run with a progress bar (drawn on ``shown``) until it ends."""
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("jobs {task.fields[jobs]}"), TimeElapsedColumn(),
-                  TextColumn("deadline {task.fields[left]}"), console=shown) as bar:
+                  TextColumn("deadline {task.fields[left]}"), console=bar_on(shown)) as bar:
         task = bar.add_task("documents", total=run["documents"], jobs="0/0", left="-")
         while True:
             run = api.call("GET", f"/v1/summarize/{run['id']}", patient=True).json()

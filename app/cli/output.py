@@ -61,6 +61,13 @@ class Console(rich.console.Console):
 stderr = Console(stderr=True, soft_wrap=True)
 
 
+def bar_on(console: Console) -> Console:
+    """Where a progress bar meant for ``console`` is drawn: there on a terminal, else on stderr. Off a terminal rich
+    prints a bar's last frame once it stops, which in stdout's file or pipe is a line of bar characters among the
+    output (`batch create --wait > out.txt`); on stderr it is what a person watching still sees."""
+    return console if console.is_terminal else stderr
+
+
 def stopped_waiting(what: str, show: str, stop: str) -> typer.Exit:
     """Ctrl-C while a command waits on the server: only the wait stops. Says so, and how to look again or stop the
     work, on stderr; the caller raises the returned exit (status ``INTERRUPTED``)."""

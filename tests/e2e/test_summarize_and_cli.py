@@ -123,6 +123,23 @@ def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_serv
     assert r.exit_code == 0, r.output
 
 
+def test_a_followed_batchs_progress_bar_stays_off_stdout_that_is_not_a_terminal(live_server, keys, tmp_path):
+    """Off a terminal rich prints a bar's last frame once it stops: `batch create --wait > out.txt` (or `batch status
+    -f | ...`) held a line of bar characters above the batch's table. The bar goes to stderr there (every line of a
+    bad request fails at validation here: the batch ends with no worker)."""
+    auth = ["--url", live_server, "--key", keys.paid]
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": "tiny", "prompt": "x"}}) + "\n")
+    created = CliRunner().invoke(cli, ["batch", "create", str(src), "--wait", *auth])
+    batch_id = created.stdout.split("batch ")[1].split()[0]
+    followed = CliRunner().invoke(cli, ["batch", "status", batch_id, "--follow", *auth])
+    for r in (created, followed):
+        assert r.exit_code == 1 and f"{batch_id}  completed" in r.stdout, r.output  # its table, on stdout
+        assert "━" not in r.stdout and f"{batch_id} [completed]" not in r.stdout, r.stdout
+        assert f"{batch_id} [completed]" in r.stderr, r.stderr  # the bar's last frame
+
+
 def test_batch_cli_round_trip(live_server, keys, start_worker, tmp_path):
     start_worker("w1")
     src = tmp_path / "in.jsonl"
