@@ -166,7 +166,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.state.run_drivers = RunDrivers()  # the lifespan's replaces it; this one serves an app run without it
-    api.add_middleware(BodyLimit, limit=settings.max_body_bytes, upload_limit=settings.max_file_bytes)
+    # an upload's body is its file and the multipart envelope around it: the route holds the file to max_file_bytes
+    api.add_middleware(BodyLimit, limit=settings.max_body_bytes,
+                       upload_limit=settings.max_file_bytes + files.UPLOAD_ENVELOPE_BYTES)
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
     api.router.routes.extend(unserved.routes())  # first: /v1/chat/completions/render is no stored completion's id

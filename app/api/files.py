@@ -31,6 +31,9 @@ router = APIRouter(prefix="/v1/files", tags=["files"], route_class=SharedPathRou
 # a Literal, so the OpenAPI document lists the purposes and a wrong one is a 400 naming them
 UploadPurpose = Literal[storage.UPLOAD_PURPOSES]  # type: ignore[valid-type]
 MAX_FILENAME_CHARS = 255  # the column holds 500; no file system takes a longer name
+# room for the multipart envelope around an upload (boundaries, the parts' headers, purpose and expires_after): the
+# body limit of /v1/files is the largest file plus this, and the file itself is held to the largest file
+UPLOAD_ENVELOPE_BYTES = 64 * 1024
 _UNQUOTABLE = re.compile(r'[^\x20-\x7e]|["\\]')  # what a quoted-string filename cannot carry as is
 
 
@@ -78,6 +81,9 @@ async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings
     content = await file.read()
     if not content:
         raise OpenAIError(400, "the file is empty", param="file")
+    if len(content) > settings.max_file_bytes:
+        raise OpenAIError(413, f"the file is {len(content)} bytes, over the largest upload of "
+                               f"{settings.max_file_bytes} bytes; upload a smaller file or split it", param="file")
     row = await run_in_threadpool(storage.save_file, session, settings.data_dir, principal.tenant_id,
                                   clean_filename(file.filename), purpose, content, lives)
     return storage.file_object(row)

@@ -618,3 +618,23 @@ def test_a_request_without_a_key_is_told_both_headers_a_key_is_read_from(client,
     r = client.get("/v1/models", headers=headers)
     assert r.status_code == 401 and says in r.json()["error"]["message"], r.text
     assert "sk-no-scheme" not in r.text and "dXNlcjpwYXNz" not in r.text  # a key sent without its scheme stays unsaid
+
+
+def test_a_file_of_the_upload_limit_is_taken_with_expires_after_and_one_byte_more_is_a_413_naming_it(settings, keys):
+    """``COSERVE_MAX_FILE_BYTES`` is the largest file: the multipart envelope the client wraps it in (boundaries,
+    the part's headers, ``purpose`` and ``expires_after``) does not count against it."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    small = settings.model_copy(update={"max_file_bytes": 20_000})
+    with TestClient(create_app(small)) as client:
+        oai = openai.OpenAI(base_url="http://testserver/v1", api_key=keys.paid, http_client=client, max_retries=0)
+        whole = oai.files.create(file=("in.jsonl", b"x" * 20_000), purpose="user_data",
+                                 expires_after={"anchor": "created_at", "seconds": 3600})
+        assert whole.bytes == 20_000 and oai.files.content(whole.id).content == b"x" * 20_000
+        with pytest.raises(openai.APIStatusError) as exc:
+            oai.files.create(file=("in.jsonl", b"x" * 20_001), purpose="user_data")
+        assert exc.value.status_code == 413 and exc.value.body["param"] == "file", exc.value.body
+        assert "20001 bytes" in exc.value.body["message"] and "20000" in exc.value.body["message"], exc.value.body
+        assert [f.id for f in oai.files.list().data] == [whole.id]
