@@ -96,6 +96,12 @@ def unprocessable(message: str, *loc: str | int) -> RequestValidationError:
 
 
 # ---------------------------------------------------------------- handlers
+# FastAPI's words where an upload's field came as text (a multipart part without a filename, a URL-encoded form)
+_TEXT_FOR_UPLOAD = "Expected UploadFile"
+_SEND_A_FILE_PART = ("send the file as a multipart/form-data part with a filename (curl: -F file=@input.jsonl); "
+                    "it came as a text field")
+
+
 def validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
     """The errors of ``exc`` as strict JSON: the NaN or lone surrogate that failed validation
     is echoed as text (JSONResponse refuses both), and a JSON syntax error says where and what."""
@@ -108,6 +114,8 @@ def validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
             pos = e["loc"][-1]
             e = {**e, "loc": ["body"], "msg": f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}"
                                              f" at character {pos}", "input": None}
+        if e.get("type") == "value_error" and _TEXT_FOR_UPLOAD in str(e.get("msg")):
+            e = {**e, "msg": _SEND_A_FILE_PART, "input": None}  # not the Python class it expected, nor the text
         out.append(json_safe(e))
     return out
 

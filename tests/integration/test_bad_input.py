@@ -638,3 +638,23 @@ def test_a_file_of_the_upload_limit_is_taken_with_expires_after_and_one_byte_mor
         assert exc.value.status_code == 413 and exc.value.body["param"] == "file", exc.value.body
         assert "20001 bytes" in exc.value.body["message"] and "20000" in exc.value.body["message"], exc.value.body
         assert [f.id for f in oai.files.list().data] == [whole.id]
+
+
+@pytest.mark.parametrize("how", ["sdk_without_a_filename", "form_field", "curl_d"])
+def test_a_file_sent_as_a_text_field_is_a_400_that_says_to_send_a_file_part(client, keys, how):
+    """A part with no filename (the SDK given an empty name, ``-F 'file=<in.jsonl'``) or a URL-encoded form
+    (``curl -d``) carries the file as text: the 400 says how to send it, not which Python class it expected."""
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key=keys.paid, http_client=client, max_retries=0)
+    line = b'{"custom_id": "a"}\n'
+    if how == "sdk_without_a_filename":
+        with pytest.raises(openai.BadRequestError) as exc:
+            oai.files.create(file=("", line), purpose="batch")
+        error = exc.value.body
+    elif how == "form_field":
+        error = client.post("/v1/files", headers=H(keys.paid), files={"purpose": (None, "batch"),
+                                                                      "file": (None, line)}).json()["error"]
+    else:
+        error = client.post("/v1/files", headers=H(keys.paid), data={"purpose": "batch", "file": line}).json()["error"]
+    assert error["param"] == "file" and "UploadFile" not in error["message"], error
+    assert "filename" in error["message"] and "-F file=@" in error["message"], error
+    assert oai.files.list().data == []
