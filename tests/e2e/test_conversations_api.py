@@ -226,5 +226,6 @@ def test_assistant_items_are_output_messages_as_the_sdk_types_them(oai, stack):
     for listing, model in ((f"/v1/conversations/{conv.id}/items", ConversationItemList),
                            (f"/v1/responses/{answer.id}/input_items", ResponseItemList)):
         page = httpx.get(stack.url + listing, headers=h, params={"order": "asc"}).json()
-        assert [p.get("annotations") for i in page["data"] if i["role"] == "assistant" for p in i["content"]] == [[], []]
+        parts = [p for i in page["data"] if i["role"] == "assistant" for p in i["content"]]
+        assert [p.get("annotations") for p in parts] == [[], []]
         assert model.model_validate(page, strict=True).data[1].content[0].text == "Hello"

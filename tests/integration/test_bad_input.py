@@ -539,7 +539,8 @@ def test_a_batchs_metadata_and_window_are_held_to_what_openai_and_the_store_take
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.scalar(select(func.count()).select_from(Batch)) == 0
-    r = client.post("/v1/batches", headers=H(keys.paid), json={**base, "metadata": {f"k{i}": "v" * 512 for i in range(16)}})
+    metadata = {f"k{i}": "v" * 512 for i in range(16)}
+    r = client.post("/v1/batches", headers=H(keys.paid), json={**base, "metadata": metadata})
     assert r.status_code == 200 and len(r.json()["metadata"]) == 16
 
 
