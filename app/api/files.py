@@ -3,6 +3,7 @@ errors in Anthropic's shape to Anthropic's SDK, whose beta files API calls these
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from datetime import timedelta
@@ -71,12 +72,35 @@ def lifetime(anchor: str | None, seconds: str | None, purpose: str, batch_days: 
                                f"(30 days): {exc.errors()[0]['msg']}", param="expires_after") from None
 
 
+def _one_field(raw: str, anchor: str | None, seconds: str | None) -> tuple[str | None, str | None]:
+    """``expires_after`` sent as one form field holding its JSON object: its anchor and seconds (a curl user's form;
+    it was ignored, and the purpose's default applied, without a word)."""
+    if anchor is not None or seconds is not None:
+        raise OpenAIError(400, "give expires_after either as one JSON field or as expires_after[anchor] and "
+                               "expires_after[seconds], not both", param="expires_after")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not set(value) <= {"anchor", "seconds"}:
+        raise OpenAIError(400, "expires_after as one field is a JSON object with anchor 'created_at' and seconds, "
+                               "e.g. {\"anchor\": \"created_at\", \"seconds\": 3600}", param="expires_after")
+    return (None if (a := value.get("anchor")) is None else str(a),
+            None if (n := value.get("seconds")) is None else str(n))
+
+
 @router.post("", responses=openai_responses(400, 413))
 async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
                       file: Annotated[UploadFile, File()],
                       purpose: Annotated[UploadPurpose, Form()],
                       expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
-                      expires_seconds: Annotated[str | None, Form(alias="expires_after[seconds]")] = None) -> dict:
+                      expires_seconds: Annotated[str | None, Form(alias="expires_after[seconds]")] = None,
+                      expires_after: Annotated[str | None, Form(description=(
+                          "the object as one JSON field (`-F 'expires_after={\"anchor\": \"created_at\", "
+                          "\"seconds\": 3600}'`), instead of the two bracketed fields the official client sends"
+                      ))] = None) -> dict:
+    if expires_after is not None:
+        expires_anchor, expires_seconds = _one_field(expires_after, expires_anchor, expires_seconds)
     lives = lifetime(expires_anchor, expires_seconds, purpose, settings.batch_file_expiry_days)
     content = await file.read()
     if not content:

@@ -49,6 +49,21 @@ def test_an_upload_lives_as_long_as_its_expires_after_says(oai, db_url):
         assert exc.value.body["param"] == "expires_after" and "3600" in exc.value.body["message"], exc.value.body
 
 
+def test_expires_after_sent_as_one_json_field_sets_the_expiry_or_is_a_400_saying_how(client, keys):
+    """A curl user's ``-F 'expires_after={...}'`` (one field, not the client's two bracketed ones) was ignored: the
+    purpose's default applied without a word."""
+    def upload(**fields):
+        return client.post("/v1/files", headers={"Authorization": f"Bearer {keys.paid}"},
+                           files={"file": ("in.jsonl", LINE)}, data={"purpose": "batch", **fields})
+    r = upload(expires_after='{"anchor": "created_at", "seconds": 7200}')
+    assert r.status_code == 200 and r.json()["expires_at"] == r.json()["created_at"] + 7200, r.text
+    for fields in ({"expires_after": "7200"}, {"expires_after": '{"anchor": "created_at", "days": 1}'},
+                   {"expires_after": '{"anchor": "created_at", "seconds": 60}'},
+                   {"expires_after": '{"anchor": "created_at", "seconds": 7200}', "expires_after[seconds]": "7200"}):
+        r = upload(**fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "expires_after", (fields, r.text)
+
+
 def test_an_expired_file_is_gone_from_the_api_and_the_sweep_deletes_it(oai, db_url):
     gone = oai.files.create(file=("in.jsonl", LINE), purpose="batch")
     kept = oai.files.create(file=("notes.jsonl", LINE), purpose="user_data")
