@@ -33,7 +33,9 @@ WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in
 # Several requests' charges in one call, each judged after the ones before it. KEYS: per charge its request
 # bucket and its token bucket, then the refusal counts. ARGV: now ("": Redis's time), window, then per charge:
 # request capacity (-1: no limit), requests, token capacity, tokens, the tenant id. Each bucket is a hash
-# {level, at} refilling capacity / window per second up to capacity; a charge takes both costs only when both fit.
+# {used, at}: what the tenant took, draining capacity / window per second; its level is capacity - used. Kept as
+# used, not as level, so a limit an operator changes mid-minute counts what the tenant took against the new one
+# (raised: the rest of it at once; lowered: at most a minute's wait). A charge takes both costs only when both fit.
 # Answers per charge: 1/0, then per bucket the level after and the seconds until its cost would fit (0: it fits).
 _TAKE = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -50,10 +52,10 @@ for c = 0, (#KEYS - 1) / 2 - 1 do
   local levels, waits, ok = {-1, -1}, {0, 0}, true
   for i = 1, 2 do
     if caps[i] >= 0 then
-      local state = redis.call('HMGET', KEYS[2 * c + i], 'level', 'at')
-      local level, at = tonumber(state[1]), tonumber(state[2])
-      if level == nil then level, at = caps[i], now end
-      levels[i] = math.min(caps[i], level + math.max(0, now - at) * caps[i] / window)
+      local state = redis.call('HMGET', KEYS[2 * c + i], 'used', 'at')
+      local used, at = tonumber(state[1]), tonumber(state[2])
+      if used == nil then used, at = 0, now end
+      levels[i] = caps[i] - math.max(0, math.min(caps[i], used) - math.max(0, now - at) * caps[i] / window)
       if costs[i] > levels[i] then
         ok = false
         waits[i] = (costs[i] - levels[i]) * window / caps[i]
@@ -64,7 +66,7 @@ for c = 0, (#KEYS - 1) / 2 - 1 do
     for i = 1, 2 do
       if caps[i] >= 0 then
         levels[i] = levels[i] - costs[i]
-        redis.call('HSET', KEYS[2 * c + i], 'level', tostring(levels[i]), 'at', tostring(now))
+        redis.call('HSET', KEYS[2 * c + i], 'used', tostring(caps[i] - levels[i]), 'at', tostring(now))
         redis.call('EXPIRE', KEYS[2 * c + i], math.ceil(window * 2))
       end
     end

@@ -52,6 +52,23 @@ def test_buckets_refill_by_redis_clock_not_the_api_hosts(redis_url, monkeypatch)
     assert not refused.allowed and refused.tokens_wait_s > 20  # what is left of a minute's refill, not an hour's
 
 
+def test_a_limit_changed_mid_minute_counts_what_the_tenant_used_against_the_new_one(redis_url):
+    """The buckets kept what was left, not what was used: a tenant that spent its 5 requests and whose operator
+    raised the limit to 100 was refused (remaining 0 of 100) though it had used 5 of them; one that spent 115
+    tokens and whose limit was lowered to 20 had 20 more at once (remaining 20, reset 0ms)."""
+    limiter = RateLimiter(redis_url)
+    t = 1000.0
+    for _ in range(5):
+        assert limiter.take("ten_r", Limits(requests_per_minute=5), 0, now=t).allowed
+    raised = limiter.take("ten_r", Limits(requests_per_minute=100), 0, now=t)
+    assert raised.allowed and raised.requests_left == pytest.approx(94)  # 5 and this one used of 100
+    assert limiter.take("ten_l", Limits(tokens_per_minute=1000), 115, now=t).allowed
+    lowered = limiter.take("ten_l", Limits(tokens_per_minute=20), 1, now=t)
+    assert not lowered.allowed and lowered.tokens_left == 0  # the minute's 115 used up the new 20
+    assert lowered.headers()["x-ratelimit-reset-tokens"] == "1m0s"  # and no more than a minute to wait
+    assert limiter.take("ten_l", Limits(tokens_per_minute=20), 20, now=t + 60).allowed
+
+
 def test_without_redis_requests_go_through():
     limiter = RateLimiter("redis://127.0.0.1:1/0")  # nothing listens there
     assert limiter.take("ten_a", Limits(1, 1), 10).allowed
