@@ -46,6 +46,9 @@ def completions(session: SessionDep, principal: CurrentPrincipal, settings: Sett
                 limit: Annotated[int | None, Query(ge=1, description="buckets a page")] = None,
                 page: Annotated[str | None, Query(description="next_page of the page before")] = None) -> dict:
     end = int(time.time()) + 1 if end_time is None else end_time  # exclusive: the jobs of this very second count
+    if end <= start_time and end_time is None:  # the client sent no end_time: its start_time is what to fix
+        raise OpenAIError(400, f"start_time ({start_time}) is in the future, after the default end_time (now, "
+                          f"{end}); give an earlier start_time, or an end_time after it", param="start_time")
     if end <= start_time:
         raise OpenAIError(400, f"end_time ({end}) must come after start_time ({start_time})", param="end_time")
     default, most = BUCKETS_PER_PAGE[bucket_width]

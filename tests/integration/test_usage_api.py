@@ -179,6 +179,16 @@ def test_times_and_pages_out_of_range_are_400s(client, keys, params, param):
     assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), r.text
 
 
+def test_a_start_time_in_the_future_without_end_time_is_blamed_not_the_end_time_never_sent(client, keys):
+    """The 400 said 'end_time (now) must come after start_time' with param end_time, a parameter the client never
+    sent: it now names start_time and says that the default end_time is now."""
+    future = int(datetime.now(UTC).timestamp()) + DAY
+    r = client.get(URL, params={"start_time": future}, headers={"Authorization": f"Bearer {keys.admin}"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "start_time", r.text
+    assert "in the future" in error["message"] and "end_time" in error["message"], r.text
+
+
 def test_usage_by_the_key_that_submitted_the_jobs(client, keys, db_url):
     """Jobs submitted over HTTP record their key; only the ones an engine finished count (the worker's write is
     done here in SQL)."""
