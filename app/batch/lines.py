@@ -105,13 +105,13 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
             return ValidLine(line_no, cid, message_specs(body, window_s, tiers))
         req = ENDPOINTS[endpoint].model_validate(body)
         req.check()
+        refuse_qos(body, "a batch's requests", "the batch's completion_window ends")  # before its job is built
         if endpoint == "/v1/responses":
             if req.previous_response_id is not None or req.conversation is not None:
                 raise OpenAIError(400, "previous_response_id and conversation are not supported in batches; give "
                                        "the whole input")
             response = req.kept([])
-            req, spec = req.chat_request(body, [], tiers, batch_window_s=window_s)  # its QoS checked below
-        _no_qos(req)
+            req, spec = req.chat_request(body, [], tiers, batch_window_s=window_s)
         n = getattr(req, "n", None) or 1  # a Responses line answers one output
         if endpoint == "/v1/chat/completions":
             specs = choice_specs(req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers), n)
@@ -128,14 +128,19 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
     return ValidLine(line_no, cid, specs, n, response)
 
 
-# an interactive job's targets and a deadline job's time: a message batch's requests take none (its window is
-# Anthropic's 24 hours, which no field names)
-MESSAGE_BATCH_QOS = ("ttft_ms", "tbt_ms", "tbt_anchor", "deadline")
+# an interactive job's targets, a deadline job's time, and the job's own deadline and kind (JobCreate's names, as
+# POST /v1/jobs takes them; a request would ignore them): a batch's requests take none, their jobs are batch jobs due
+# when the batch's window ends (an OpenAI batch's completion_window, a message batch's 24 hours)
+BATCH_QOS = ("ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "deadline_at", "deadline_window_s", "kind")
 
 
-def _no_qos(chat: ChatCompletionRequest | CompletionRequest) -> None:
-    if chat.deadline is not None or chat.ttft_ms or chat.tbt_ms:
-        raise OpenAIError(400, "QoS fields are set by the batch's completion_window")
+def refuse_qos(body: dict[str, Any], requests: str, due: str) -> None:
+    """A 400 naming the first QoS field ``body`` (a batch's request) gives, saying what ``requests`` take: they run
+    as batch jobs due when ``due``. Checked before a job is built: the batch's window would make it a deadline job,
+    and a target beside that deadline would read 'give either deadline or ttft_ms/...', as if a deadline were taken."""
+    if given := [name for name in BATCH_QOS if body.get(name) is not None]:
+        raise OpenAIError(400, f"{given[0]}: {requests} run as batch jobs due when {due}, and take no "
+                               f"{', '.join(BATCH_QOS[:-1])} or {BATCH_QOS[-1]}; leave it out", param=given[0])
 
 
 def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> list[JobCreate]:
@@ -143,10 +148,7 @@ def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] 
     raises pydantic's ValidationError or an OpenAIError naming the Messages field."""
     message = MessagesRequest.model_validate(body)
     message.check(body)
-    if given := [name for name in MESSAGE_BATCH_QOS if body.get(name) is not None]:  # before the job is built
-        raise OpenAIError(400, f"{given[0]}: a message batch's requests run as batch jobs due when the batch's 24 "
-                               f"hours end, and take no {', '.join(MESSAGE_BATCH_QOS[:-1])} or "
-                               f"{MESSAGE_BATCH_QOS[-1]}; leave it out", param=given[0])
+    refuse_qos(body, "a message batch's requests", "the batch's 24 hours end")
     _, spec = message.chat_request(body, tiers, batch_window_s=window_s)
     return [spec]
 

@@ -67,12 +67,15 @@ LINES = [
     _line("vocab", {**GOOD, "stop_token_ids": [999999]}),
     _line("echo-min", {**GOOD, "max_tokens": 0, "echo": True, "min_tokens": 1}),
     _line("good-3", {**GOOD, "prompt": ["one", "two"]}),
+    _line("anchor", {**GOOD, "tbt_anchor": "first-token"}),
+    _line("job-window", {**GOOD, "deadline_window_s": 60}),
 ]
 
 # what the validation writes for LINES, pinned before it was made cheaper: a change here is a refusal's message
 # changed on purpose (logprobs' range message since vLLM's prompt_logprobs joined it; response_format's types since
 # vLLM's structural_tag joined them; every line's custom_id a string and its error code and message alone, as
-# OpenAI's and vLLM's error lines are, since the line number moved to the id and message only), never by a speed-up
+# OpenAI's and vLLM's error lines are, since the line number moved to the id and message only; a QoS field's
+# refusal names it, since each line kind's does alike), never by a speed-up
 EXPECTED = Path(__file__).with_name("batch_error_file.expected.jsonl")
 
 

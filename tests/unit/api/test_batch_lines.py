@@ -53,6 +53,29 @@ def test_invalid_lines_are_reported_with_line_and_reason():
     assert all(i.message.startswith(f"line {n}:") for n, i in by_line.items())
 
 
+# a body of each OpenAI line kind, and each field that would make its job another than a batch job due when the
+# batch's window ends: an interactive job's targets, a deadline of its own, the job's own deadline and kind (POST
+# /v1/jobs' names, which a line's request would otherwise ignore)
+LINE_BODIES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+               "/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}
+QOS_VALUES = {"ttft_ms": 50, "tbt_ms": 20, "tbt_anchor": "first-token", "deadline": "1h",
+              "deadline_at": "2030-01-01T00:00:00Z", "deadline_window_s": 60, "kind": "interactive"}
+
+
+@pytest.mark.parametrize("endpoint", LINE_BODIES)
+@pytest.mark.parametrize("field", QOS_VALUES)
+def test_a_line_with_a_qos_field_is_told_what_a_batch_line_takes(endpoint, field):
+    # not "give either deadline or ttft_ms/tbt_ms/tbt_anchor" (a Responses line, or tbt_anchor alone: it reads as if
+    # a deadline were taken), nor a silently ignored field: one refusal that names it
+    text = json.dumps({"custom_id": "a", "method": "POST", "url": endpoint,
+                       "body": {**LINE_BODIES[endpoint], field: QOS_VALUES[field]}})
+    (bad,) = parse_file(text.encode(), endpoint, 86400).invalid
+    assert bad.message == (f"line 1: invalid body: {field}: a batch's requests run as batch jobs due when the "
+                           "batch's completion_window ends, and take no ttft_ms, tbt_ms, tbt_anchor, deadline, "
+                           "deadline_at, deadline_window_s or kind; leave it out"), bad.message
+    assert bad.code == "invalid_body"
+
+
 def test_duplicates_and_empty_files_fail_the_whole_file():
     parsed = parse_file("\n".join([chat("a"), chat("a"), chat("b"), chat("a")]).encode(), "/v1/chat/completions", 60)
     assert [e["code"] for e in parsed.file_errors] == ["duplicate_custom_id"]

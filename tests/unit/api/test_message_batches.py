@@ -112,15 +112,18 @@ def test_a_batch_that_failed_before_running_errs_every_request_with_why():
 
 
 def test_a_request_with_interactive_qos_fields_is_told_what_a_message_batch_request_takes():
-    # a message batch runs its requests as batch jobs due when its 24 hours end: no ttft_ms, tbt_ms, tbt_anchor or
-    # deadline (not "give either deadline or ttft_ms/...", which reads as if a deadline were taken)
+    # a message batch runs its requests as batch jobs due when its 24 hours end: no ttft_ms, tbt_ms, tbt_anchor,
+    # deadline, nor the job's own deadline_at, deadline_window_s or kind (not "give either deadline or ttft_ms/...",
+    # which reads as if a deadline were taken, nor a field silently ignored)
     lines = [(f, params(**{f: v})) for f, v in (("ttft_ms", 50), ("tbt_ms", 20), ("tbt_anchor", "arrival"),
-                                                ("deadline", 3600))]
+                                                ("deadline", 3600), ("deadline_at", "2030-01-01T00:00:00Z"),
+                                                ("deadline_window_s", 60), ("kind", "interactive"))]
     why = {line.custom_id: line.message for line in parse_file(mb.input_lines(lines), "/v1/messages", 86400).invalid}
     for field, _ in lines:
-        assert why[field] == (f"line {[f for f, _ in lines].index(field) + 1}: invalid body: {field}: a message "
-                              "batch's requests run as batch jobs due when the batch's 24 hours end, and take no "
-                              "ttft_ms, tbt_ms, tbt_anchor or deadline; leave it out"), why[field]
+        assert why.get(field) == (f"line {[f for f, _ in lines].index(field) + 1}: invalid body: {field}: a message "
+                                  "batch's requests run as batch jobs due when the batch's 24 hours end, and take no "
+                                  "ttft_ms, tbt_ms, tbt_anchor, deadline, deadline_at, deadline_window_s or kind; "
+                                  "leave it out"), why.get(field)
 
 
 def test_a_request_without_a_model_is_refused_naming_it():
