@@ -110,16 +110,17 @@ class Target:
                       named.raw_host.decode("ascii"))
 
 
-def target(url: str, private_targets: bool) -> Target | str:
-    """The delivery's target, or why it is not sent. With private targets off the host is resolved once and the
-    POST goes to the address that was checked: a name that resolves elsewhere a moment later (DNS rebinding)
-    cannot lead it to an internal address."""
+def targets(url: str, private_targets: bool) -> list[Target] | str:
+    """The delivery's targets, to try in turn, or why it is not sent. With private targets off the host is resolved
+    once and the POST goes to an address that was checked (each of them is), the next where one does not take the
+    connection: a name that resolves elsewhere a moment later (DNS rebinding) cannot lead it to an internal
+    address. Unpinned, the URL is the one target (httpx tries each of its host's addresses itself)."""
     if private_targets:
-        return Target(url)
+        return [Target(url)]
     resolved = _resolve(url)
     if isinstance(resolved, str):
         return f"not sent: {url} resolves to {resolved}, a private address"
-    return Target.pinned(url, resolved[0])
+    return [Target.pinned(url, address) for address in dict.fromkeys(resolved)]  # each once (one per socket type)
 
 
 def logged_url(url: str) -> str:
@@ -206,15 +207,13 @@ async def _attempt(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeou
                    private_targets: bool) -> Sent:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with _client(timeout_s, pinned=not private_targets) as client:
         try:
             async with asyncio.timeout_at(deadline):  # the lookup, connecting, the request and the answer's head
-                to = await loop.run_in_executor(None, target, endpoint.url, private_targets)
-                if isinstance(to, str):
-                    return Sent(None, to)
-                answer = await client.send(client.build_request(
-                    "POST", to.url, content=body.encode(), headers=_signed_headers(endpoint, webhook_id, body, to),
-                    extensions={"sni_hostname": to.sni_hostname} if to.sni_hostname else None), stream=True)
+                tos = await loop.run_in_executor(None, targets, endpoint.url, private_targets)
+                if isinstance(tos, str):
+                    return Sent(None, tos)
+                answer = await _first_answer(client, tos, endpoint, webhook_id, body, deadline)
         except TimeoutError:
             return Sent(None, f"TimeoutError: no answer within {timeout_s:g} s")
         except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:  # a URL it cannot send to fails the attempt
@@ -223,6 +222,39 @@ async def _attempt(endpoint: WebhookEndpoint, webhook_id: str, body: str, timeou
             return await _answered(answer, deadline)
         finally:
             await answer.aclose()
+
+
+def _client(timeout_s: float, pinned: bool) -> httpx.AsyncClient:
+    """The attempt's client. Unpinned, it goes through the proxy the environment names (``HTTPS_PROXY``,
+    ``HTTP_PROXY``, ``ALL_PROXY``, ``NO_PROXY``), as the operator's other outbound HTTP does. Pinned, never through a
+    proxy: the proxy would resolve the name again itself (or connect where its own network leads), past the check;
+    a transport of its own keeps httpx from reading the environment's proxies, not its ``SSL_CERT_FILE``."""
+    return httpx.AsyncClient(timeout=timeout_s, transport=httpx.AsyncHTTPTransport() if pinned else None)
+
+
+async def _first_answer(client: httpx.AsyncClient, tos: list[Target], endpoint: WebhookEndpoint, webhook_id: str,
+                        body: str, deadline: float) -> httpx.Response:
+    """The answer (its head) from the first of ``tos`` that takes the connection. Each may connect for its share of
+    the time left, so one that drops the connection attempt silently leaves the others time; one that refuses or
+    does not connect in its share is passed for the next, and the last one's error is the attempt's. Nothing is
+    sent twice: once connected, the answer, or its error, is the attempt's."""
+    loop = asyncio.get_running_loop()
+    for i, to in enumerate(tos[:-1]):
+        connect_s = max(0.0, deadline - loop.time()) / (len(tos) - i)
+        try:
+            return await client.send(_post(client, to, endpoint, webhook_id, body, connect_s), stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            continue  # refused, unreachable, or silent for its share: the next address
+    return await client.send(_post(client, tos[-1], endpoint, webhook_id, body), stream=True)
+
+
+def _post(client: httpx.AsyncClient, to: Target, endpoint: WebhookEndpoint, webhook_id: str, body: str,
+          connect_s: float | None = None) -> httpx.Request:
+    """The signed POST to ``to``; ``connect_s``: how long it may take to connect (the client's timeout otherwise)."""
+    timeout = client.timeout if connect_s is None else httpx.Timeout(client.timeout.read, connect=connect_s)
+    return client.build_request("POST", to.url, content=body.encode(),
+                                headers=_signed_headers(endpoint, webhook_id, body, to), timeout=timeout,
+                                extensions={"sni_hostname": to.sni_hostname} if to.sni_hostname else None)
 
 
 def _signed_headers(endpoint: WebhookEndpoint, webhook_id: str, body: str, to: Target) -> dict[str, str]:

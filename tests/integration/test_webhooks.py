@@ -599,3 +599,55 @@ def test_a_cancelled_responses_event_is_sent_once_what_its_worker_produced_can_b
         deliver(s)
     assert seen[first.id] is not None and seen[first.id].output_tokens == 1, seen  # its usage, at its event
     assert list(seen) == [first.id, second.id] and len(webhook_receiver.received) == 2
+
+
+@pytest.mark.parametrize("private_targets, through_proxy", [(False, False), (True, True)])
+def test_a_pinned_delivery_never_goes_through_the_proxy_the_environment_names(keys, db_url, webhook_receiver,
+                                                                              monkeypatch, private_targets,
+                                                                              through_proxy):
+    """With private targets off the POST goes to the address that was checked, never to a proxy named by the
+    environment (it would connect where it resolves the name itself, past the check); allowed, it goes through that
+    proxy as the operator's other outbound HTTP does. Loopback stands in for a public address, as above."""
+    import ipaddress
+
+    proxied = []
+
+    def proxy(handler):
+        proxied.append(1)
+        handler.request.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+    monkeypatch.setattr(ipaddress.IPv4Address, "is_global", property(lambda self: True))
+    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with scripted_endpoint(proxy) as proxy_url, session_scope(db_url) as s:
+        for name in ("http_proxy", "all_proxy"):
+            monkeypatch.setenv(name, proxy_url.removesuffix("/hook"))
+        add_endpoint(s, keys.tenant_id, webhook_receiver.url)
+        emit(s, keys.tenant_id, "batch.completed", "batch_proxy")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=private_targets) == 1
+    assert (len(proxied), len(webhook_receiver.received)) == ((1, 0) if through_proxy else (0, 1))
+
+
+def test_with_private_targets_off_a_delivery_goes_to_the_next_checked_address_where_one_is_down(keys, db_url,
+                                                                                              webhook_receiver,
+                                                                                              monkeypatch):
+    """A name with two addresses, the first refusing connections: the attempt goes on to the second (checked as
+    well) and is delivered; only the first was tried before, and every attempt failed. Loopback stands in for public
+    addresses, 127.0.0.2 (where the receiver does not listen) for one that is down."""
+    import ipaddress
+    import socket
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **kw: real("127.0.0.2", *a, **kw) + real(
+        "127.0.0.1", *a, **kw) if host == "hooks.two.test" else real(host, *a, **kw))
+    monkeypatch.setattr(ipaddress.IPv4Address, "is_global", property(lambda self: True))
+    port = webhook_receiver.url.split(":")[2].split("/")[0]
+    with session_scope(db_url) as s:
+        add_endpoint(s, keys.tenant_id, f"http://hooks.two.test:{port}/hook")
+        emit(s, keys.tenant_id, "batch.completed", "batch_two")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=False) == 1, \
+            s.scalars(select(WebhookDelivery.last_error)).all()
+    ((body, headers),) = webhook_receiver.received
+    assert json.loads(body)["data"]["id"] == "batch_two" and headers["host"] == f"hooks.two.test:{port}"
