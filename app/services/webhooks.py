@@ -351,15 +351,18 @@ def due_query(limit: int) -> Select:
     one endpoint; read from the index of pending deliveries (``ix_webhook_deliveries_pending``)."""
     rank = func.row_number().over(partition_by=WebhookDelivery.endpoint_id,
                                   order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id))
-    # a disabled tenant's deliveries are held, not sent nor dropped: they go out if an operator enables it again
-    # (the cancels its disabling made among them), as a paused endpoint keeps its messages
-    disabled = select(WebhookEndpoint.id).join(Tenant, Tenant.id == WebhookEndpoint.tenant_id).where(Tenant.disabled)
     due = select(WebhookDelivery.id, WebhookDelivery.endpoint_id, WebhookDelivery.next_attempt_at,
                  rank.label("rank")).where(WebhookDelivery.delivered_at.is_(None), WebhookDelivery.failed_at.is_(None),
                                            WebhookDelivery.next_attempt_at <= utcnow(),
-                                           WebhookDelivery.endpoint_id.not_in(disabled)).subquery()
+                                           WebhookDelivery.endpoint_id.not_in(held_endpoints())).subquery()
     return (select(due.c.id, due.c.endpoint_id, due.c.next_attempt_at).where(due.c.rank <= PER_ENDPOINT)
             .order_by(due.c.next_attempt_at, due.c.id).limit(limit))
+
+
+def held_endpoints() -> Select:
+    """The endpoints whose deliveries are held: a disabled tenant's, not sent nor dropped: they go out if an operator
+    enables it again (the cancels its disabling made among them), as a paused endpoint keeps its messages."""
+    return select(WebhookEndpoint.id).join(Tenant, Tenant.id == WebhookEndpoint.tenant_id).where(Tenant.disabled)
 
 
 def _deliver_lane(bind: Engine | Connection, policy: Policy, starts_until: float,
@@ -381,24 +384,32 @@ def _deliver_lane(bind: Engine | Connection, policy: Policy, starts_until: float
 
 
 def _deliver_one(session: Session, delivery_id: str, when: datetime, policy: Policy) -> Sent | None:
-    """Claims, sends and records one delivery; None where another worker took it or its endpoint is gone."""
+    """Claims, sends and records one delivery; None where another worker took it, its endpoint is gone or held (its
+    tenant disabled since the pass read it), or no longer subscribes to its event type (then it is closed unsent)."""
     with write_guard(session):
         claimed = session.execute(update(WebhookDelivery).where(
             WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == when,
-            WebhookDelivery.delivered_at.is_(None)).values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S))
+            WebhookDelivery.delivered_at.is_(None), WebhookDelivery.endpoint_id.not_in(held_endpoints()))
+            .values(next_attempt_at=utcnow() + timedelta(seconds=CLAIM_S))
             .returning(WebhookDelivery.endpoint_id, WebhookDelivery.attempts, WebhookDelivery.body,
                        WebhookDelivery.type, WebhookDelivery.next_attempt_at)).first()
         session.commit()
     if claimed is None:
-        return None  # another worker took it, or the endpoint was deleted (its deliveries with it)
+        return None  # another worker took it, the endpoint was deleted (its deliveries with it), or it is held
     endpoint_id, tried, body, kind, claim = claimed
     endpoint = session.get(WebhookEndpoint, endpoint_id)
     if endpoint is None:
         return None
-    attempts = tried + 1
     session.expunge(endpoint)
     session.commit()  # no transaction held while the endpoint answers
+    if kind not in endpoint.event_types:
+        # the tenant dropped the type after the event: what it no longer wants is not sent, queued or not (Svix
+        # stops a removed or disabled endpoint's attempts too); closed, to show why, until the retention deletes it
+        _record(session, delivery_id, claim, {"failed_at": utcnow(), "last_error": f"not sent: the endpoint no "
+                                                                                  f"longer subscribes to {kind}"})
+        return None
     sent = send(endpoint, delivery_id, body, policy.timeout_s, policy.private_targets)
+    attempts = tried + 1
     values: dict = {"attempts": attempts, "last_status": sent.status, "last_error": sent.error}
     if sent.ok:
         values["delivered_at"] = utcnow()
@@ -409,15 +420,20 @@ def _deliver_one(session: Session, delivery_id: str, when: datetime, policy: Pol
                     endpoint.id, shown, attempts, str(sent.error or sent.status).replace(endpoint.url, shown))
     else:
         values["next_attempt_at"] = utcnow() + timedelta(seconds=policy.wait(attempts, sent.retry_after))
+    _record(session, delivery_id, claim, values)
+    return sent
+
+
+def _record(session: Session, delivery_id: str, claim: datetime, values: dict) -> None:
+    """Writes what came of a claimed delivery, while the claim is still this sender's: one that stalled past it
+    (another worker claimed, sent and recorded the delivery meanwhile) writes neither its attempts nor its answer over
+    the newer ones."""
     with write_after_read(session):
-        # recorded while the claim is still this sender's: one that stalled past it (another worker claimed, sent and
-        # recorded the delivery meanwhile) writes neither its attempts nor its answer over the newer ones
         kept = session.execute(update(WebhookDelivery).where(
             WebhookDelivery.id == delivery_id, WebhookDelivery.next_attempt_at == claim).values(**values)).rowcount
         session.commit()
     if not kept:
         log.info("webhook %s: its claim lapsed while it was sent; another sender's attempt stands", delivery_id)
-    return sent
 
 
 def delete_settled(session: Session, kept_for: timedelta, limit: int = 5000) -> int:

@@ -651,3 +651,39 @@ def test_with_private_targets_off_a_delivery_goes_to_the_next_checked_address_wh
             s.scalars(select(WebhookDelivery.last_error)).all()
     ((body, headers),) = webhook_receiver.received
     assert json.loads(body)["data"]["id"] == "batch_two" and headers["host"] == f"hooks.two.test:{port}"
+
+
+def test_a_queued_event_the_endpoint_no_longer_subscribes_to_is_closed_unsent(oai, db_url, keys, webhook_receiver):
+    made = oai.webhooks.create(event_types=["batch.completed", "batch.failed"], name="d", url=webhook_receiver.url)
+    with session_scope(db_url) as s:
+        emit(s, keys.tenant_id, "batch.completed", "batch_dropped")
+        emit(s, keys.tenant_id, "batch.failed", "batch_kept")
+        s.commit()
+        oai.webhooks.update(made.id, event_types=["batch.failed"])
+        assert deliver_due(s, retry_s=30.0, max_attempts=5, timeout_s=5.0) == 1
+        dropped = s.scalars(select(WebhookDelivery).where(WebhookDelivery.type == "batch.completed")).one()
+        assert (dropped.attempts, dropped.delivered_at) == (0, None) and dropped.failed_at is not None
+        assert "no longer subscribes to batch.completed" in dropped.last_error
+    assert [json.loads(b)["data"]["id"] for b, _ in webhook_receiver.received] == ["batch_kept"]
+
+
+def test_a_tenant_disabled_after_a_pass_read_its_deliveries_gets_none_of_them(oai, db_url, keys, webhook_receiver):
+    """The pass reads the due deliveries, then sends them one endpoint after another for up to a timeout: a tenant
+    disabled in between had them sent all the same."""
+    from app.services.webhooks import Policy, _deliver_lane, _due_by_endpoint
+
+    oai.webhooks.create(event_types=["batch.cancelled"], name="held", url=webhook_receiver.url)
+    with session_scope(db_url) as s:
+        emit(s, keys.tenant_id, "batch.cancelled", "batch_raced")
+        s.commit()
+        (lane,) = _due_by_endpoint(s, 50)
+        s.execute(update(Tenant).where(Tenant.id == keys.tenant_id).values(disabled=True))
+        s.commit()
+        policy = Policy(retry_s=30.0, max_attempts=5, timeout_s=5.0)
+        assert _deliver_lane(s.get_bind(), policy, time.monotonic() + 5.0, lane) == 0
+        row = s.scalars(select(WebhookDelivery)).one()
+        assert (row.attempts, row.delivered_at, row.failed_at) == (0, None, None)  # held, as the pass would have
+        s.execute(update(Tenant).where(Tenant.id == keys.tenant_id).values(disabled=False))
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=5, timeout_s=5.0) == 1
+    assert [json.loads(b)["data"]["id"] for b, _ in webhook_receiver.received] == ["batch_raced"]
