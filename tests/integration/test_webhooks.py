@@ -19,6 +19,7 @@ from sqlalchemy import select, update
 
 from app.db.models import Tenant, WebhookDelivery, WebhookEndpoint, utcnow
 from app.db.session import session_scope
+from app.services.transitions import as_utc
 from app.services.webhooks import CLAIM_S, EVENT_TYPES, deliver_due, emit, new_secret
 
 pytestmark = pytest.mark.integration
@@ -687,3 +688,18 @@ def test_a_tenant_disabled_after_a_pass_read_its_deliveries_gets_none_of_them(oa
         s.commit()
         assert deliver_due(s, retry_s=30.0, max_attempts=5, timeout_s=5.0) == 1
     assert [json.loads(b)["data"]["id"] for b, _ in webhook_receiver.received] == ["batch_raced"]
+
+
+def test_a_redirect_is_not_followed_and_counts_as_a_failure(keys, db_url, webhook_receiver):
+    """A 3xx is no 2xx: the Location is not followed (the endpoint's URL is what the tenant gave and was checked),
+    and the delivery is retried as after any other failure, as the README says."""
+    with scripted_endpoint(answered("307 Temporary Redirect", f"location: {webhook_receiver.url}\r\n")) as url, \
+            session_scope(db_url) as s:
+        add_endpoint(s, keys.tenant_id, url)
+        emit(s, keys.tenant_id, "batch.completed", "batch_moved")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0) == 0
+        row = s.scalars(select(WebhookDelivery)).one()
+        assert (row.attempts, row.last_status, row.delivered_at, row.failed_at) == (1, 307, None, None)
+        assert as_utc(row.next_attempt_at) > utcnow()  # retried later
+    assert webhook_receiver.received == []
