@@ -30,7 +30,7 @@ from app.db.session import read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings, adapter_name_refusal
 from app.summarize.store import OPEN as OPEN_RUNS
-from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank
+from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank, is_lora
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def _resolve(settings: Settings, name: str, directory: Path) -> bool:
     except (OSError, ValueError) as exc:
         raise AdapterError(f"LoRA adapter {name!r} in COSERVE_LORA_RESOLVER_DIR: its adapter_config.json cannot "
                            f"be read ({exc})") from None
-    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+    if not is_lora(config):
         raise AdapterError(f"{name!r} in COSERVE_LORA_RESOLVER_DIR is not a LoRA adapter (peft_type LORA)",
                            status=404)
     base = config.get("base_model_name_or_path")

@@ -15,15 +15,28 @@ from typing import Any
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def is_lora(config: Any) -> bool:
+    """Whether an ``adapter_config.json`` (read) is a LoRA adapter's, the only PEFT kind vLLM loads: its
+    ``peft_type`` is LORA, or it gives none."""
+    return isinstance(config, dict) and str(config.get("peft_type", "LORA")).upper() == "LORA"
+
+
 def adapter_rank(name: str, path: str | Path) -> int:
-    """The rank ``r`` of the adapter at ``path``; a ValueError naming the adapter where it is not one."""
+    """The rank ``r`` of the adapter at ``path``; a ValueError naming the adapter where it is not a LoRA one."""
     config = Path(path) / "adapter_config.json"
     try:
-        rank = json.loads(config.read_text())["r"]
+        read = json.loads(config.read_text())
     except FileNotFoundError:
         raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path} (a PEFT adapter directory)") \
             from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter {name!r}: {config} cannot be read ({exc})") from None
+    if isinstance(read, dict) and not is_lora(read):  # vLLM would take its weights for LoRA's and fail each request
+        raise ValueError(f"LoRA adapter {name!r}: {config} has peft_type {read['peft_type']!r}; vLLM serves LoRA "
+                         "adapters only (peft_type 'LORA')")
+    try:
+        rank = read["r"]
+    except (KeyError, TypeError) as exc:
         raise ValueError(f"LoRA adapter {name!r}: {config} has no rank 'r' ({exc})") from None
     if not isinstance(rank, int) or not 1 <= rank <= LORA_RANKS[-1]:
         raise ValueError(f"LoRA adapter {name!r}: rank {rank!r} is not one vLLM serves (1-{LORA_RANKS[-1]})")

@@ -266,6 +266,27 @@ def test_an_admin_loads_a_lora_adapter_at_runtime_and_its_jobs_go_to_the_models_
         assert r.status_code == 422 and "unknown model 'rt-lora'" in r.text, r.text
 
 
+def test_an_adapter_that_is_not_lora_is_refused_at_load_naming_its_peft_type(settings, keys, tmp_path):
+    """vLLM serves LoRA adapters only: /v1/load_lora_adapter refuses a PEFT adapter of another kind (its
+    adapter_config.json's peft_type) with a 400 that names it, rather than accept it and fail each of its jobs."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    settings.runtime_lora = True
+    with TestClient(create_app(settings)) as client:
+        for peft_type, config in (("IA3", {"peft_type": "IA3", "r": 8}),
+                                  ("PREFIX_TUNING", {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 20})):
+            path = _adapter_dir(tmp_path / peft_type)
+            (tmp_path / peft_type / "adapter_config.json").write_text(json.dumps(config))
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": "not-lora", "lora_path": path},
+                            headers=H(keys.admin))
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert f"peft_type {peft_type!r}" in error["message"] and error["param"] == "lora_path", r.text
+        assert [m["id"] for m in client.get("/v1/models", headers=H(keys.paid)).json()["data"]] == ["tiny"]
+
+
 def test_a_request_naming_an_adapter_of_the_resolver_directory_loads_it(settings, keys, tmp_path):
     """vLLM's filesystem LoRA resolver: an adapter not loaded yet, found as <COSERVE_LORA_RESOLVER_DIR>/<name>, is
     loaded by the first request that names it (then listed, its jobs on the model's queue); a directory it cannot

@@ -183,6 +183,8 @@ def test_lora_adapters_turn_lora_on_with_a_slot_and_rank_for_each(tmp_path):
         lora_engine_args({"d": adapter("d", {"peft_type": "LORA"})})
     with pytest.raises(ValueError, match="rank 1024 is not one vLLM serves"):
         lora_engine_args({"e": adapter("e", {"r": 1024})})
+    with pytest.raises(ValueError, match="LoRA adapter 'f': .* has peft_type 'IA3'; vLLM serves LoRA adapters only"):
+        lora_engine_args({"f": adapter("f", {"peft_type": "IA3", "r": 8})})
 
 
 def test_a_reasoning_parser_applies_the_grammar_after_the_thinking(tmp_path, caplog):
