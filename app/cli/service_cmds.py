@@ -86,11 +86,14 @@ def _database(settings: Any, new_ok: bool = False) -> str:
 
 def _split_env(env: dict[str, str], vllm_args: str, engine_flags: dict[str, Any]) -> tuple[dict[str, str], ...]:
     """The API's and the worker's environments under `coserve up`: the worker takes the vLLM flags; the API only
-    the context length they set (it holds jobs to it without reading vLLM's flags, or importing vLLM)."""
+    the context length and the LoRA rank they set (it holds jobs and adapter loads to them without reading vLLM's
+    flags, or importing vLLM)."""
     api_env = dict(env, COSERVE_VLLM_ARGS="")
     context = engine_flags.get("max_model_len")
     if isinstance(context, int) and context > 0:
         api_env["COSERVE_VLLM_MAX_MODEL_LEN"] = str(context)
+    if isinstance(rank := engine_flags.get("max_lora_rank"), int):  # the engine's (runtime_rank_limit)
+        api_env["COSERVE_MAX_LORA_RANK"] = str(rank)
     return api_env, dict(env, COSERVE_VLLM_ARGS=vllm_args)
 
 

@@ -30,7 +30,7 @@ from app.db.session import read_then_write, session_scope
 from app.services.transitions import as_utc, utcnow
 from app.settings import Settings, adapter_name_refusal
 from app.summarize.store import OPEN as OPEN_RUNS
-from gpu_runtime.vllm.lora import LORA_RANKS, adapter_rank, is_lora
+from gpu_runtime.vllm.lora import adapter_rank, is_lora, runtime_rank_limit
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +225,22 @@ def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]
             raise AdapterError(f"LoRA adapter {name!r}: no {' or '.join(WEIGHTS)} in {path}")
     except (OSError, RuntimeError) as exc:  # a name too long, a file it may not read, an unknown ~user
         raise AdapterError(f"lora_path {path!r} cannot be read here: {exc}") from None
-    limit = next(r for r in LORA_RANKS if r >= settings.max_lora_rank)
+    limit, source = runtime_rank(settings)
     if rank > limit:
         raise AdapterError(f"LoRA adapter {name!r} has rank {rank}; this server serves runtime adapters up to rank "
-                           f"{limit} (COSERVE_MAX_LORA_RANK, set alike on the API and the workers)")
+                           f"{limit} ({source}, set alike on the API and the workers)")
     return str(directory.resolve()), rank
+
+
+def runtime_rank(settings: Settings) -> tuple[int, str]:
+    """The largest rank of a runtime adapter the workers' vLLM engines serve (``runtime_rank_limit``: their
+    max_lora_rank, as the engine arguments are built), and the setting that makes it so."""
+    from gpu_runtime.vllm.cli_args import operator_engine_args  # vLLM itself only where flags are set
+
+    overrides = operator_engine_args(settings.vllm_engine_args, settings.vllm_args)
+    source = ("max_lora_rank of the vLLM engine arguments (COSERVE_VLLM_ENGINE_ARGS, COSERVE_VLLM_ARGS)"
+              if "max_lora_rank" in overrides else "COSERVE_MAX_LORA_RANK")
+    return runtime_rank_limit(settings.max_lora_rank, overrides), source
 
 
 def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False, if_absent: bool = False) -> None:

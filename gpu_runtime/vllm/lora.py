@@ -43,6 +43,20 @@ def adapter_rank(name: str, path: str | Path) -> int:
     return rank
 
 
+def lora_rank_for(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM allows that holds adapters of ``rank``."""
+    return next(r for r in LORA_RANKS if r >= rank)
+
+
+def runtime_rank_limit(runtime_rank: int, overrides: dict[str, Any]) -> int:
+    """The largest rank of an adapter loaded at runtime that the engine serves: the ``max_lora_rank`` of the
+    operator's engine arguments (``overrides``, ``cli_args.operator_engine_args``) where they set it, as they win
+    in ``build.engine_args``, else ``runtime_rank`` (COSERVE_MAX_LORA_RANK) as ``lora_engine_args`` rounds it up.
+    The API holds loads to it, so no adapter it accepts fails in the engine for its rank."""
+    rank = overrides.get("max_lora_rank")
+    return rank if isinstance(rank, int) else lora_rank_for(runtime_rank)
+
+
 def lora_engine_args(modules: dict[str, str], runtime_slots: int = 0, runtime_rank: int = 16) -> dict[str, Any]:
     """Engine arguments that serve ``modules`` (name -> directory): LoRA on, slots for every adapter in one batch
     (so the policy's batches never wait on vLLM's max_loras), the smallest rank vLLM allows that holds them.
@@ -53,7 +67,7 @@ def lora_engine_args(modules: dict[str, str], runtime_slots: int = 0, runtime_ra
         return {}
     ranks = [adapter_rank(name, path) for name, path in modules.items()] + ([runtime_rank] if runtime_slots else [])
     slots = len(modules) + runtime_slots
-    return {"enable_lora": True, "max_lora_rank": next(r for r in LORA_RANKS if r >= max(ranks)),
+    return {"enable_lora": True, "max_lora_rank": lora_rank_for(max(ranks)),
             "max_loras": slots, "max_cpu_loras": slots}
 
 

@@ -287,6 +287,27 @@ def test_an_adapter_that_is_not_lora_is_refused_at_load_naming_its_peft_type(set
         assert [m["id"] for m in client.get("/v1/models", headers=H(keys.paid)).json()["data"]] == ["tiny"]
 
 
+def test_the_rank_a_load_is_held_to_is_the_one_the_engine_arguments_give_vllm(settings, keys, tmp_path):
+    """The operator's engine arguments win over COSERVE_MAX_LORA_RANK in the engine (vLLM's max_lora_rank): the
+    API holds runtime adapters to that rank, so one the engine would fail job by job is refused at load."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    rank_16, rank_32 = _adapter_dir(tmp_path / "r16", rank=16), _adapter_dir(tmp_path / "r32", rank=32)
+    settings.runtime_lora, settings.vllm_engine_args = True, {"max_lora_rank": 8}
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "r16", "lora_path": rank_16},
+                        headers=H(keys.admin))
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "has rank 16; this server serves runtime adapters up to rank 8" in message and "max_lora_rank" in message
+        settings.vllm_engine_args = {"max_lora_rank": 32}  # more than COSERVE_MAX_LORA_RANK: the engine's wins
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "r32", "lora_path": rank_32},
+                        headers=H(keys.admin))
+        assert r.status_code == 200, r.text
+
+
 def test_a_request_naming_an_adapter_of_the_resolver_directory_loads_it(settings, keys, tmp_path):
     """vLLM's filesystem LoRA resolver: an adapter not loaded yet, found as <COSERVE_LORA_RESOLVER_DIR>/<name>, is
     loaded by the first request that names it (then listed, its jobs on the model's queue); a directory it cannot

@@ -187,6 +187,17 @@ def test_lora_adapters_turn_lora_on_with_a_slot_and_rank_for_each(tmp_path):
         lora_engine_args({"f": adapter("f", {"peft_type": "IA3", "r": 8})})
 
 
+@pytest.mark.parametrize(("setting", "overrides", "served"), [(16, {}, 16), (12, {}, 16), (16, {"max_lora_rank": 8}, 8),
+                                                              (16, {"max_lora_rank": 64}, 64)])
+def test_the_runtime_rank_the_api_holds_loads_to_is_the_engines(setting, overrides, served):
+    """``runtime_rank_limit`` (what the API holds runtime adapters to) is the max_lora_rank the engine gets:
+    COSERVE_MAX_LORA_RANK rounded up to a rank vLLM allows, or the operator's engine arguments' where they set it."""
+    from gpu_runtime.vllm.lora import runtime_rank_limit
+
+    args = engine_args("smollm2-135m", runtime_loras=2, runtime_lora_rank=setting, overrides=overrides)
+    assert args.max_lora_rank == runtime_rank_limit(setting, overrides) == served
+
+
 def test_a_reasoning_parser_applies_the_grammar_after_the_thinking(tmp_path, caplog):
     # vllm serve --reasoning-parser: a structured output's grammar starts once the model closed its thought
     thinking = thinking_checkpoint(tmp_path / "thinking", {"<repo_name>": "<think>", "<reponame>": "</think>"})

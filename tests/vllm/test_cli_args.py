@@ -99,6 +99,20 @@ def test_the_flags_context_length_holds_jobs_on_the_api_and_the_worker(tmp_path,
     assert _split_env({}, "--max-num-seqs 8", {"max_num_seqs": 8})[0] == {"COSERVE_VLLM_ARGS": ""}
 
 
+def test_the_flags_lora_rank_holds_adapter_loads_on_the_api():
+    """`coserve up --max-lora-rank 8`: the engine serves runtime adapters up to rank 8, and the API, which does not
+    read the flags, is told that rank (COSERVE_MAX_LORA_RANK): a rank-16 adapter is refused at load."""
+    from app.cli.service_cmds import _split_env
+    from app.settings import Settings
+    from gpu_runtime.vllm.lora import runtime_rank_limit
+
+    flags = "--max-lora-rank 8"
+    api, worker = _split_env({}, flags, engine_cli_args(flags))
+    assert api == {"COSERVE_VLLM_ARGS": "", "COSERVE_MAX_LORA_RANK": "8"} and worker == {"COSERVE_VLLM_ARGS": flags}
+    assert Settings(max_lora_rank=int(api["COSERVE_MAX_LORA_RANK"])).max_lora_rank == 8
+    assert runtime_rank_limit(8, {}) == runtime_rank_limit(16, engine_cli_args(flags)) == 8
+
+
 def test_up_reads_the_flags_of_the_environment_too(monkeypatch):
     """`COSERVE_VLLM_ARGS=--max-model-len 100 coserve up`: its API holds jobs to 100 tokens as with the flag given."""
     import click
