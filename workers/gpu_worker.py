@@ -586,16 +586,27 @@ class GpuWorker:
         adapter = job.model if job.model != self.settings.model_name else None
         path, version = None, 0.0
         if adapter is not None and adapter not in self.settings.lora_modules:  # loaded at runtime: from SQL
-            source = lora_adapters.adapter_source(session, adapter)
-            if source is None:
-                raise ValueError(f"LoRA adapter {adapter!r} was unloaded before this job began; load it again "
-                                 "(POST /v1/load_lora_adapter) and resubmit")
-            path, version = source
+            path, version = self._runtime_adapter_source(adapter, session)
         return Request(leases.engine_request_id(job.id, job.attempt), ids, sampling, qos,
                        arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
                        lora_name=adapter, lora_path=path, lora_version=version,
                        cache_salt=self._cache_salt(job))
+
+    def _runtime_adapter_source(self, adapter: str, session: Session) -> tuple[str, float]:
+        """Where this worker loads the runtime adapter a job names, and its version (``adapter_source``); a
+        ValueError saying why it cannot: unloaded since the job came, or never one this worker serves (a configured
+        adapter of another worker, reached here by a queue the job should not have taken)."""
+        source = lora_adapters.adapter_source(session, adapter)
+        if source is not None:
+            return source
+        if lora_adapters.was_unloaded(session, adapter):
+            raise ValueError(f"LoRA adapter {adapter!r} was unloaded before this job began; load it again "
+                             "(POST /v1/load_lora_adapter) and resubmit")
+        served = ", ".join(map(repr, self.settings.lora_modules)) or "none"
+        raise ValueError(f"LoRA adapter {adapter!r} is not served by this worker (its COSERVE_LORA_MODULES: "
+                         f"{served}); give it to the workers that take its jobs, or resubmit when one that serves "
+                         "it runs")
 
     def _cache_salt(self, job: Job) -> str | None:
         """The job's prefix-cache scope: its tenant's (COSERVE_PREFIX_CACHE_SCOPE=tenant), narrowed by the

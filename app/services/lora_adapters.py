@@ -204,6 +204,11 @@ def adapter_source(session: Session, name: str) -> tuple[str, float] | None:
     return (row.path, as_utc(row.loaded_at).timestamp()) if row is not None else None
 
 
+def was_unloaded(session: Session, name: str) -> bool:
+    """Whether ``name`` is a runtime adapter unloaded since (its row kept while its jobs end: ``prune_unloaded``)."""
+    return session.get(UnloadedLoraAdapter, name) is not None
+
+
 def versions(session: Session, model: str) -> dict[str, tuple[str, float]]:
     """Each runtime adapter of ``model`` loaded now: name -> its path and version, as ``adapter_source`` gives them
     (an engine removes the others it loaded: ``VLLMEngine.retire_loras``)."""

@@ -42,7 +42,6 @@ def test_requests_carry_each_jobs_tbt_anchor_targets_and_history_key(settings, k
 def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_unloaded(settings, keys, tmp_path):
     """A LoRA adapter loaded at runtime reaches the engine as its name and the directory SQL holds for it; a job
     whose adapter was unloaded before it began is refused with what to do."""
-    from app.db.models import LoraAdapter
     from app.services import lora_adapters
 
     settings.runtime_lora = True
@@ -65,10 +64,26 @@ def test_a_job_of_a_runtime_adapter_carries_its_directory_until_the_adapter_is_u
     with session_scope(url) as s:
         again = worker._request(s.get(Job, job_id), s)
         assert again.lora_path == req.lora_path and again.lora_version > req.lora_version
-        s.delete(s.get(LoraAdapter, "rt-lora"))
-        s.commit()
+    lora_adapters.unload(settings, "rt-lora")
+    with session_scope(url) as s:
         with pytest.raises(ValueError, match="'rt-lora' was unloaded before this job began; load it again"):
             worker._request(s.get(Job, job_id), s)
+
+
+def test_a_job_of_an_adapter_this_worker_does_not_serve_is_refused_saying_so(settings, keys):
+    """A configured adapter (COSERVE_LORA_MODULES) another worker has, or a worker with none (the own engine), is
+    not served here: its job fails saying so, not that the adapter "was unloaded" (it never was)."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}  # the API's
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", model="sql-lora"), settings,
+                            dispatch=False).job.id
+    for served in ({"other-lora": "/adapters/other"}, {}):
+        worker = GpuWorker(settings.model_copy(update={"lora_modules": served}))
+        worker.engine = SimpleNamespace(executor=SimpleNamespace(now=lambda: 100.0))
+        with session_scope(settings.sqlalchemy_url) as s, pytest.raises(ValueError) as refused:
+            worker._request(s.get(Job, job_id), s)
+        assert "unloaded" not in str(refused.value)
+        assert str(refused.value).startswith("LoRA adapter 'sql-lora' is not served by this worker"), refused.value
 
 
 def test_a_completion_without_max_tokens_makes_16_tokens_or_what_the_context_leaves(settings, keys):
