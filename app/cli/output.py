@@ -49,7 +49,18 @@ def stdout_closed() -> typer.Exit:
 
 
 class Console(rich.console.Console):
-    """Rich's console, stopping as every command does when its reader goes away (rich's own exits 1)."""
+    """Rich's console, stopping as every command does when its reader goes away (rich's own exits 1), and leaving
+    its lines whole off a terminal: rich wraps them at 80 columns in a pipe or a file, which broke a line a script
+    greps or a log keeps ("created from PATH (498" with "bytes)" below). A terminal still wraps at its width. Tables
+    are laid out as before (``print_table``: off a terminal, at their natural width)."""
+
+    @property  # read at each print: a console made at import writes to whatever stdout is then (a test's, a pipe)
+    def soft_wrap(self) -> bool:
+        return self._soft_wrap or not self.is_terminal
+
+    @soft_wrap.setter
+    def soft_wrap(self, value: bool) -> None:  # rich's __init__ sets its soft_wrap argument
+        self._soft_wrap = value
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
