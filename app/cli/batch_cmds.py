@@ -27,7 +27,7 @@ from app.cli.output import (
     asking,
     bar_on,
     date,
-    error_message,
+    error_line,
     kept,
     list_table,
     other,
@@ -62,9 +62,11 @@ class Api:
         self.url, key = _client_config(url, key)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S)
 
-    def call(self, method: str, path: str, patient: bool = False, **kw: Any) -> httpx.Response:
+    def call(self, method: str, path: str, patient: bool = False, looked_up: tuple[str, str] | None = None,
+             **kw: Any) -> httpx.Response:
         """``patient``: a read that is retried, with growing pauses, while the API cannot be reached for up to
-        ``PATIENCE_S`` (a long run's poll outlives an API restart). ``timeout`` (s) in ``kw``: httpx's."""
+        ``PATIENCE_S`` (a long run's poll outlives an API restart). ``looked_up``: what the path names by id, for
+        a 404's line (``error_line``). ``timeout`` (s) in ``kw``: httpx's."""
         give_up, pause = time.monotonic() + (PATIENCE_S if patient else 0.0), 1.0
         while True:
             try:
@@ -77,7 +79,7 @@ class Api:
                 time.sleep(pause)
                 pause = min(pause * 2, 15.0)
         if r.status_code >= 400:
-            stderr.print(f"[red]{r.status_code}[/red] {error_message(r)}")
+            stderr.print(error_line(r, looked_up))
             raise typer.Exit(1)
         return r
 
@@ -120,7 +122,7 @@ def _poll(api: Api, batch_id: str, shown: Console) -> dict[str, Any]:
                   console=bar_on(shown)) as bar:
         task = bar.add_task(batch_id, total=None)
         while True:
-            b = api.call("GET", f"/v1/batches/{batch_id}", patient=True).json()
+            b = api.call("GET", f"/v1/batches/{batch_id}", patient=True, looked_up=("batch", batch_id)).json()
             c = b["request_counts"]
             bar.update(task, total=c["total"] or None, completed=c["completed"] + c["failed"],
                        description=f"{batch_id} {escape('[' + b['status'] + ']')}")
@@ -248,7 +250,7 @@ def status(batch_id: BatchId,
     if follow:
         b = _follow(api, batch_id, bar=stderr if as_json else console)
     else:
-        b = api.call("GET", f"/v1/batches/{batch_id}").json()
+        b = api.call("GET", f"/v1/batches/{batch_id}", looked_up=("batch", batch_id)).json()
     if as_json:
         print_json(b)
     else:
@@ -296,7 +298,7 @@ def cancel(batch_id: BatchId,
            url: Url = None, key: Key = None) -> None:
     """Cancel a batch: pending requests are dropped, running ones aborted; finished ones are kept."""
     with asking(f"the server may cancel batch {batch_id}", f"`coserve batch status {batch_id}` shows it"):
-        b = Api(url, key).call("POST", f"/v1/batches/{batch_id}/cancel").json()
+        b = Api(url, key).call("POST", f"/v1/batches/{batch_id}/cancel", looked_up=("batch", batch_id)).json()
     if as_json:
         print_json(b)
         return
@@ -332,7 +334,7 @@ def results(batch_id: BatchId,
             url: Url = None, key: Key = None) -> None:
     """Download a finished batch's output (and error) file; prints the output when no --output."""
     api = Api(url, key)
-    b = api.call("GET", f"/v1/batches/{batch_id}").json()
+    b = api.call("GET", f"/v1/batches/{batch_id}", looked_up=("batch", batch_id)).json()
     if b["status"] not in BATCH_DONE:  # stderr: `batch results ID > out.jsonl` would have held this line
         stderr.print(f"batch {batch_id} is {b['status']}; results come when it ends (`coserve batch status "
                      f"{batch_id} -f`)")
@@ -405,7 +407,8 @@ def summarize(ctx: typer.Context,
     said = stderr if as_json else console
     if cancel_id:
         with asking(f"the server may cancel run {cancel_id}", "`coserve summarize --list` shows its status"):
-            run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel", timeout=LONG_TIMEOUT_S).json()
+            run = api.call("POST", f"/v1/summarize/{cancel_id}/cancel", timeout=LONG_TIMEOUT_S,
+                           looked_up=("summarization run", cancel_id)).json()
         if as_json:
             print_json(run)
             return
@@ -414,7 +417,7 @@ def summarize(ctx: typer.Context,
         return
     _writable(output)
     if run_id:
-        run = api.call("GET", f"/v1/summarize/{run_id}").json()
+        run = api.call("GET", f"/v1/summarize/{run_id}", looked_up=("summarization run", run_id)).json()
     else:
         run = _start_run(api, paths, specbench, limit, output, {
             "deadline": deadline, "max_summary_tokens": max_summary_tokens, "chunk_tokens": chunk_tokens,

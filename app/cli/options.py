@@ -19,8 +19,11 @@ Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. f
 
 def in_path(value: str | None) -> str | None:
     """An id argument's callback: the id as one URL path segment, so "../batches" or "x?limit=1" is asked for as
-    the id it is (the API's 404 names it) and does not reach another route whose answer the command misreads."""
-    return None if value is None else quote(value, safe="")
+    the id it is (a 404 names it: ``error_line``) and does not reach another route whose answer the command misreads.
+    "." and ".." too: httpx drops such a segment from the URL ("." asked for the job list), not its escaped form."""
+    if value is None:
+        return None
+    return quote(value, safe="") if value.strip(".") else value.replace(".", "%2E")
 
 
 JobId = Annotated[str, typer.Argument(help="job id (job_...)", callback=in_path)]

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import typer
@@ -178,6 +179,16 @@ def print_json(data: Any) -> None:
     """Plain JSON on stdout, for every ``--json``: one document, no markup, no wrapping and no colour on a terminal
     either (rich's ``print_json`` colours it there, which ``jq`` cannot read)."""
     print(json.dumps(data, indent=2, default=str))
+
+
+def error_line(resp: httpx.Response, looked_up: tuple[str, str] | None = None) -> str:
+    """An error response as stderr shows it: its status and message. ``looked_up``: what the request asked for by id
+    (what it is, the id as the URL holds it: ``in_path``'s). No id holds a "/", and the server reads one there as the
+    path's (``in_path``'s %2F decoded), so such an id meets no route and was answered a bare "404 Not Found" (or
+    "Invalid URL"): its 404 says there is no such one, by the id the operator gave."""
+    if resp.status_code == 404 and looked_up is not None and "/" in (given := unquote(looked_up[1])):
+        return f"[red]404[/red] {escape(f'no {looked_up[0]} {given!r}')}"
+    return f"[red]{resp.status_code}[/red] {error_message(resp)}"
 
 
 def error_message(resp: httpx.Response) -> str:

@@ -27,7 +27,7 @@ from app.cli.output import (
     Console,
     asking,
     date,
-    error_message,
+    error_line,
     kept,
     list_table,
     other,
@@ -137,16 +137,35 @@ def _where_up_saves_keys() -> str:
             "`coserve up` first")
 
 
-def _request(method: str, url: str, key: str, path: str, **kw: Any) -> dict[str, Any]:
+def _answer(method: str, url: str, key: str, path: str, **kw: Any) -> httpx.Response:
+    """The API's answer, whatever its status; an API that cannot be reached stops the command (exit 2)."""
     try:
-        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
+        return httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         stderr.print(f"[red]cannot reach {escape(url)}: {escape(str(exc))}[/red] (is `coserve up` running?)")
         raise typer.Exit(2) from exc
+
+
+def _request(method: str, url: str, key: str, path: str, looked_up: tuple[str, str] | None = None,
+             **kw: Any) -> dict[str, Any]:
+    """The API's JSON answer; an error answer stops the command (exit 1) with its line (``error_line``'s, which
+    ``looked_up`` is for) on stderr."""
+    r = _answer(method, url, key, path, **kw)
     if r.status_code >= 400:
-        stderr.print(f"[red]{r.status_code}[/red] {error_message(r)}")
+        stderr.print(error_line(r, looked_up))
         raise typer.Exit(1)
     return r.json()
+
+
+def is_admin_key(url: str, key: str) -> bool:
+    """Whether ``key`` is an admin key: an admin route answers it (403: a tenant's key)."""
+    r = _answer("GET", url, key, "/v1/admin/tenants")
+    if r.status_code == 403:
+        return False
+    if r.status_code >= 400:  # an unknown or revoked key (401): what any request with it would say
+        stderr.print(error_line(r))
+        raise typer.Exit(1)
+    return True
 
 
 def warn_without_workers(url: str) -> None:
@@ -624,16 +643,22 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     def status(job_id: JobId, url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
         """Show one job."""
         url, key = _client_config(url, key)
-        _show_job(_request("GET", url, key, f"/v1/jobs/{job_id}"), as_json)
+        _show_job(_request("GET", url, key, f"/v1/jobs/{job_id}", ("job", job_id)), as_json)
 
     @cli.command()
     def cancel(job_id: JobId, url: Url = None, key: Key = None, as_json: AsJson = False) -> None:
         """Cancel a job that has not ended; a running one keeps what it produced (shown)."""
         url, key = _client_config(url, key)
-        with asking(f"the server may cancel job {job_id}", f"`coserve status {job_id}` shows it"):
-            job = _request("POST", url, key, f"/v1/jobs/{job_id}/cancel")
-        if job["status"] != "cancelled" and not as_json:
-            console.print(f"{job_id} had already ended ({job['status']}): nothing to cancel")
+        # looked at first: the cancel's answer is the same job, cancelled, whether this cancel or an earlier one
+        # stopped it, and a job cancelled before showed as if this one had
+        job = _request("GET", url, key, f"/v1/jobs/{job_id}", ("job", job_id))
+        ended = job["status"] in TERMINAL
+        if not ended:
+            with asking(f"the server may cancel job {job_id}", f"`coserve status {job_id}` shows it"):
+                job = _request("POST", url, key, f"/v1/jobs/{job_id}/cancel", ("job", job_id))
+            ended = job["status"] != "cancelled"  # it ended otherwise in between
+        if ended and not as_json:
+            console.print(f"{job['id']} had already ended ({job['status']}): nothing to cancel")
         _show_job(job, as_json)
 
     @cli.command()

@@ -26,19 +26,25 @@ def register(cli: typer.Typer) -> None:
               bucket: Annotated[str, typer.Option(help="1m, 1h or 1d")] = "1h",
               by: Annotated[list[str] | None, typer.Option(help=f"group by (repeat): {', '.join(GROUPS)}")] = None,
               admin: Annotated[bool, typer.Option("--admin", help="every tenant's, with the admin key `coserve up` "
-                                                                  "saved (else your key's tenant only)")] = False,
+                                                                  "saved, or the --key given, which must be an admin "
+                                                                  "key (else your key's tenant only)")] = False,
               as_json: Annotated[bool, typer.Option("--json", help="every bucket as JSON")] = False,
               url: Url = None, key: Key = None) -> None:
         """Tokens and requests the engines ran, and how many met their SLO, per time bucket (the Usage API)."""
-        from app.cli.service_cmds import _client_config, _request, admin_key
+        from app.cli.service_cmds import _client_config, _request, admin_key, is_admin_key
 
         if bucket not in PAGE:  # checked here: the API's 400 would also name the page size this command derives
             raise typer.BadParameter(f"{bucket!r}: choose {', '.join(PAGE)}", param_hint="--bucket")
-        url, key = _client_config(url, admin_key() if admin and key is None else key)
+        given = key is not None
+        url, key = _client_config(url, admin_key() if admin and not given else key)
         start = int(time.time() - days * 86400)
         if start < 0:  # the API's 400 would name its start_time, which the operator did not give
             raise typer.BadParameter(f"{days:g} days back is before 1970; give at most {int(time.time() // 86400)}",
                                      param_hint="--days")
+        if admin and given and not is_admin_key(url, key):  # its answer would be its own tenant's usage alone
+            raise typer.BadParameter("the key given is not an admin key: give an admin key with --key, leave --key "
+                                     "out for the admin key `coserve up` saved, or drop --admin for this key's "
+                                     "tenant's usage", param_hint="--admin")
         params: dict[str, Any] = {"start_time": start, "bucket_width": bucket,
                                   "group_by": by or [], "limit": PAGE.get(bucket)}
         buckets: list[dict[str, Any]] = []

@@ -76,6 +76,9 @@ def test_cancel_cli_stops_a_job_and_says_when_one_had_ended(live_server, keys):
     assert httpx.get(f"{live_server}/v1/jobs/{job_id}", headers=Keys.header(keys.paid)).json()["status"] == "cancelled"
     r = CliRunner().invoke(cli, ["cancel", job_id, "--json", *auth])
     assert r.exit_code == 0 and json.loads(r.output)["status"] == "cancelled"
+    # a job already cancelled showed again as if this cancel had stopped it
+    r = CliRunner().invoke(cli, ["cancel", job_id, *auth])
+    assert r.exit_code == 0 and f"{job_id} had already ended (cancelled): nothing to cancel" in r.stdout, r.output
     r = CliRunner().invoke(cli, ["cancel", "job_nope", *auth])
     assert r.exit_code != 0 and "404" in r.output
 
@@ -330,6 +333,53 @@ def test_an_api_error_goes_to_stderr_and_leaves_stdout_to_the_json(live_server, 
         r = CliRunner().invoke(cli, [*args, *auth])
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (args, r.exception, r.output)
         assert r.stderr.startswith("404 ") and r.stdout == "", (args, r.stdout, r.stderr)
+    # the 404 names the id looked for: one with a "/" (which the server reads as a path's) answered "404 Not Found",
+    # and "." or ".." left the URL altogether ("." asked for the job list and read it as a job)
+    for args, named in ((["status", "../jobs"], "no job '../jobs'"), (["cancel", "a/b"], "no job 'a/b'"),
+                        (["status", "."], "no job '.'"), (["status", ".."], "no job '..'"),
+                        (["batch", "status", "../jobs"], "no batch '../jobs'"),
+                        (["batch", "results", ".."], "No such Batch object: .."),
+                        (["summarize", "--run", "../jobs"], "no summarization run '../jobs'"),
+                        (["summarize", "--cancel", "a/b"], "no summarization run 'a/b'")):
+        r = CliRunner().invoke(cli, [*args, *auth])
+        assert r.exit_code == 1 and r.stdout == "" and r.stderr == f"404 {named}\n", (args, r.stdout, r.stderr)
+
+
+def test_lines_written_to_a_pipe_or_file_are_not_wrapped(live_server, keys, tmp_path, monkeypatch):
+    """Off a terminal rich wrapped stdout at 80 columns: `batch create`'s "created from PATH (N bytes)" and
+    summarize's start line broke mid-sentence, so a script's grep for the line, or a log that kept it, lost it."""
+    from app.cli import batch_cmds
+
+    auth = ["--url", live_server, "--key", keys.paid]
+    folder = tmp_path / "a folder whose name makes the line longer than eighty columns"
+    folder.mkdir()
+    src = folder / "requests.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": "x", "max_tokens": 1}}) + "\n")
+    r = CliRunner().invoke(cli, ["batch", "create", str(src), "--endpoint", "/v1/completions", *auth])
+    assert r.exit_code == 0, r.output
+    batch_id = r.stdout.split()[1]
+    try:
+        line = f"batch {batch_id} created from {src} ({src.stat().st_size} bytes), window 24h"
+        assert line in r.stdout.splitlines(), r.stdout
+    finally:
+        httpx.post(f"{live_server}/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt  # the start line is out: no need to follow the run (no worker here)
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat. It was warm.")
+    with monkeypatch.context() as m:
+        m.setattr(batch_cmds, "_follow_run", interrupted)
+        r = CliRunner().invoke(cli, ["summarize", str(doc), "-o", str(tmp_path / "out.jsonl"), *auth])
+    run_id = r.stdout.split("summarization ", 1)[1].split(":", 1)[0]
+    try:
+        line = (f"summarization {run_id}: 1 documents (`coserve summarize --run {run_id}` follows it again, "
+                f"`--cancel {run_id}` stops it)")
+        assert r.exit_code == 130 and line in r.stdout.splitlines(), r.output
+    finally:
+        httpx.post(f"{live_server}/v1/summarize/{run_id}/cancel", headers=Keys.header(keys.paid))
 
 
 def test_summarize_list_pages_the_runs_newest_first_as_a_table_or_json(live_server, keys, tmp_path):

@@ -42,3 +42,24 @@ def test_usage_shows_each_tenants_tokens_and_slos(live_server, keys, settings):
     # a usage error that names the option given and its choices, not the page size the command sends with it
     assert res.exit_code == 2 and "--bucket" in res.output and "choose 1m, 1h, 1d" in res.output, res.output
     assert "limit" not in res.output, res.output
+
+
+def test_usage_admin_with_a_key_uses_that_key_and_refuses_one_that_is_not_an_admin_key(live_server, keys, settings):
+    """`usage --admin --key K` ignored --admin: a tenant's key showed its own tenant's usage under --admin's promise of
+    every tenant's. An admin key given with --key shows every tenant's; a tenant's key is refused, naming the fix."""
+    with session_scope(settings.sqlalchemy_url) as s:
+        globex = s.scalars(select(Tenant.id).where(Tenant.name == "globex")).one()
+        common = {"kind": "interactive", "tier": "paid", "model": "tiny", "sampling": {}, "status": "succeeded",
+                  "created_at": utcnow() - timedelta(hours=1), "completion_tokens": 7, "prompt_tokens": 10}
+        s.add_all([Job(tenant_id=keys.tenant_id, **common), Job(tenant_id=globex, **common)])
+        s.commit()
+    run = CliRunner()
+    res = run.invoke(cli, ["usage", "--admin", "--url", live_server, "--key", keys.paid, "--json"])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    said = " ".join(res.stderr.replace("\u2502", " ").split())
+    assert "--admin" in said and "the key given is not an admin key" in said, res.stderr
+    res = run.invoke(cli, ["usage", "--admin", "--url", live_server, "--key", keys.admin, "--by", "project_id",
+                           "--json"])
+    assert res.exit_code == 0, res.output
+    assert sorted(r["project_id"] for b in json.loads(res.stdout) for r in b["results"]) == \
+        sorted([keys.tenant_id, globex])
