@@ -602,6 +602,27 @@ def test_a_job_that_comes_back_while_its_attempt_still_runs_here_leaves_the_inta
     assert second is not None and second.lease.attempt == 2
 
 
+def _last_deltas_held(worker, engine_thread, job_id: str):
+    """Attempt 1 runs (its prompt and a few tokens, published), then Redis goes away to the outbox and attempt 1's
+    last deltas wait there. The outbox's Redis to put back once it is reachable again, and attempt 1."""
+    for _ in range(5):
+        worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    reachable, worker.outbox.redis = worker.outbox.redis, redis.Redis(port=free_port())
+    worker.outbox.put(engine_thread.iterate())
+    return reachable, worker.active.get(job_id)
+
+
+def _counting_streamed(r, send, streamed: list[int]):
+    """``send`` (a message's send to its queue) that first notes how many of attempt 1's tokens the job's stream in
+    Redis holds as the message goes."""
+    def counted(url, sent_job_id, queue, priority, **kw):
+        events = [StreamEvent.parse(raw) for _id, raw in r.xrange(stream_key(sent_job_id))]
+        streamed.append(sum(len(e.token_ids) for e in events if e.type == "delta" and e.attempt == 1))
+        return send(url, sent_job_id, queue, priority, **kw)
+    return counted
+
+
 def test_a_superseded_attempts_last_deltas_are_in_redis_before_the_reruns_message_is_back_on_its_queue(
         settings, keys, monkeypatch):
     """The engine thread sets attempt 1 aside (``Supersede``) while attempt 1's last deltas wait in the outbox (Redis
@@ -609,22 +630,11 @@ def test_a_superseded_attempts_last_deltas_are_in_redis_before_the_reruns_messag
     worker of the model that takes it goes on from every token attempt 1 streamed. (The I/O thread sent it back as it
     took the set-aside, before those deltas: a worker that took it went on from fewer tokens than attempt 1 made.)"""
     worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
-    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens, published
-        worker.outbox.apply(engine_thread.iterate())
-    worker.outbox.flush_events()
-    reachable, worker.outbox.redis = worker.outbox.redis, redis.Redis(port=free_port())  # Redis away to the outbox
-    worker.outbox.put(engine_thread.iterate())  # attempt 1's last deltas
-    first = worker.active.get(job_id)
+    reachable, first = _last_deltas_held(worker, engine_thread, job_id)
     r = redis.Redis.from_url(settings.redis_url)
     streamed_at_send: list[int] = []  # attempt 1's tokens in the job's stream in Redis as the message goes back
-
-    def send_back(url, sent_job_id, queue, priority, **kw):
-        events = [StreamEvent.parse(raw) for _id, raw in r.xrange(stream_key(sent_job_id))]
-        streamed_at_send.append(sum(len(e.token_ids) for e in events if e.type == "delta" and e.attempt == 1))
-        return real_send_back(url, sent_job_id, queue, priority, **kw)
-
-    real_send_back = engine_thread_module.send_back
-    monkeypatch.setattr(engine_thread_module, "send_back", send_back)
+    monkeypatch.setattr(engine_thread_module, "send_back",
+                        _counting_streamed(r, engine_thread_module.send_back, streamed_at_send))
     _lapse_and_requeue(settings, job_id)
     waiting = r.llen("coserve.tiny")
     worker.accept(job_id)  # the resend comes back here: given over to the engine thread
@@ -651,22 +661,10 @@ def test_a_job_an_engine_error_gave_back_is_sent_again_once_its_last_deltas_are_
     from workers.sweeper import sweep
 
     worker, engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
-    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens, published
-        worker.outbox.apply(engine_thread.iterate())
-    worker.outbox.flush_events()
-    reachable, worker.outbox.redis = worker.outbox.redis, redis.Redis(port=free_port())  # Redis away to the outbox
-    worker.outbox.put(engine_thread.iterate())  # attempt 1's last deltas
-    first = worker.active.get(job_id)
+    reachable, first = _last_deltas_held(worker, engine_thread, job_id)
     r = redis.Redis.from_url(settings.redis_url)
     streamed_at_send: list[int] = []  # attempt 1's tokens in the job's stream in Redis as its message is sent
-
-    def send_to(url, sent_job_id, queue, priority, **kw):
-        events = [StreamEvent.parse(raw) for _id, raw in r.xrange(stream_key(sent_job_id))]
-        streamed_at_send.append(sum(len(e.token_ids) for e in events if e.type == "delta" and e.attempt == 1))
-        return real_send_to(url, sent_job_id, queue, priority, **kw)
-
-    real_send_to = dispatch_module.send_to
-    monkeypatch.setattr(dispatch_module, "send_to", send_to)
+    monkeypatch.setattr(dispatch_module, "send_to", _counting_streamed(r, dispatch_module.send_to, streamed_at_send))
     real_step = engine.step
 
     def fails_once() -> list[RequestOutput]:
