@@ -195,8 +195,9 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
             if blame is None:
                 raise
             raise blame(exc, i) from exc
-    for i, job in enumerate(built):  # usage counts a request and a prompt once, as the limits do
-        job.counts_request, job.counts_prompt = i == 0, i % n == 0
+    for job, links in zip(built, job_service.choice_links([job.id for job in built], n), strict=True):
+        for column, value in links.items():  # usage counts a request and a prompt once, as the limits do
+            setattr(job, column, value)
     with openai_refusals():
         rate = job_service.charge_request(limiter, principal, built)
     jobs: list[Job] = []

@@ -28,7 +28,7 @@ from app.db.session import read_then_write, session_scope, write_after_read, wri
 from app.openai_schemas import parse_window
 from app.services.dispatch import Sendable, send_dispatched
 from app.services.job_writer import JobRows, stage_mark, write_staged
-from app.services.jobs import JobValidationError, job_values
+from app.services.jobs import JobValidationError, choice_links, job_values
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
 from app.services.workers import held_context_length
@@ -207,16 +207,17 @@ def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.Valid
     """A valid line's jobs (their column values: no ORM object a row), due when the batch's window ends. Those of
     a line of several choices are numbered in OpenAI's order (``choice_index``), and usage counts the line's request
     and each prompt once, as online."""
-    jobs = []
-    for i, spec in enumerate(line.specs):
+    jobs: list[dict] = []
+    for spec in line.specs:
         spec = spec.model_copy(update={"deadline_window_s": None, "deadline_at": expires_at})
         if (line.response or {}).get("truncation") == "auto":  # a Responses line: its oldest turns go if too long
             spec = fit_response(settings, spec, line.response)
         job = job_values(settings, principal, spec, batch_id=batch_id, custom_id=line.custom_id, endpoint=endpoint,
                          response=line.response, context=context)
-        if len(line.specs) > 1:
-            job.update(choice_index=i, counts_request=i == 0, counts_prompt=i % line.n == 0)
         jobs.append(job)
+    if len(jobs) > 1:
+        for i, (job, links) in enumerate(zip(jobs, choice_links([job["id"] for job in jobs], line.n), strict=True)):
+            job.update(choice_index=i, **links)
     return jobs
 
 

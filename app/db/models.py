@@ -101,6 +101,11 @@ class Job(Base):
         Index("ix_jobs_user_created", "user_id", "created_at"),  # the Usage API's user_ids filter, by time
         # a summarization run's jobs not ended, counted (each poll of the run's progress)
         Index("ix_jobs_summarization_run_status", "summarization_run_id", "status"),
+        # a request's or a prompt's other jobs that ran (the Usage API); only the jobs that name one are indexed
+        Index("ix_jobs_request_job", "request_job_id", sqlite_where=text("request_job_id IS NOT NULL"),
+              postgresql_where=text("request_job_id IS NOT NULL")),
+        Index("ix_jobs_prompt_job", "prompt_job_id", sqlite_where=text("prompt_job_id IS NOT NULL"),
+              postgresql_where=text("prompt_job_id IS NOT NULL")),
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -142,6 +147,11 @@ class Job(Base):
     # request's first job) and its prompt tokens (the prompt's first choice)
     counts_request: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     counts_prompt: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    # on a request's other jobs: its first job, and (a later choice of a prompt) the prompt's first choice, which
+    # count the request and the prompt whenever any of their jobs ran (app/services/usage.py); None on a request's
+    # only job, on the first ones themselves, and on jobs written before the link (they count where they ran)
+    request_job_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    prompt_job_id: Mapped[str | None] = mapped_column(String(40), default=None)
     # state
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)  # ix_jobs_status_created
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

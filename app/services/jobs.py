@@ -333,6 +333,15 @@ def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | Non
     return session.scalars(select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)).first()
 
 
+def choice_links(ids: list[str], n: int) -> list[dict[str, Any]]:
+    """What usage counts of each job of one request (``ids`` in order, ``n`` choices per prompt), as OpenAI bills
+    it: the request on its first job and each prompt's tokens on the prompt's first choice (as the rate limits
+    charge them), those firsts named by the other jobs, so the request and a prompt count whenever any of theirs
+    ran (app/services/usage.py), once."""
+    return [{"counts_request": i == 0, "counts_prompt": i % n == 0, "request_job_id": ids[0] if i else None,
+             "prompt_job_id": ids[i - i % n] if i % n else None} for i in range(len(ids))]
+
+
 def rate_charge(principal: Principal, job: Job, *, request: bool = True, prompt: bool = True) -> Charge | None:
     """What the job takes from its tenant's buckets (None: the tenant has no limits): ``request``, one request (a
     request's first job); ``prompt``, its prompt tokens (a prompt's first choice), with its ``max_tokens`` in any

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, and_, case, cast, func, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import BigInteger, Integer, and_, case, cast, exists, func, or_, select
+from sqlalchemy.orm import Session, aliased
 
 from app.db.models import Job
 
@@ -67,17 +67,23 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     columns = {"project_id": Job.tenant_id, "user_id": Job.user_id, "api_key_id": Job.api_key_id, "model": Job.model,
                "batch": Job.batch_id.is_not(None), "service_tier": Job.tier}
     keys = [columns[g].label(g) for g in q.group_by]
-    # a request of n choices or several prompts: one request, each prompt's tokens once (OpenAI's usage); a job that
-    # ended before it ran (expired in the queue) is no request, but it missed its SLO
+    # a request of n choices or several prompts: one request, each prompt's tokens once (OpenAI's usage), whichever
+    # of their jobs ran; a job that ended before it ran (expired in the queue) is no request, but it missed its SLO
     ran = Job.completion_tokens.is_not(None)
-    stmt = select(bucket, *keys, func.sum(case((and_(ran, Job.counts_prompt), Job.prompt_tokens), else_=0)),
-                  func.sum(case((and_(ran, Job.counts_prompt), func.coalesce(Job.cached_tokens, 0)), else_=0)),
+    prompt_ran, request_ran = _any_ran(Job.prompt_job_id), _any_ran(Job.request_job_id)
+    # CASE tries its branches in order: a job's other choices are looked up only where it did not run itself
+    own, choices = and_(ran, Job.counts_prompt), and_(Job.counts_prompt, prompt_ran)
+    stmt = select(bucket, *keys, func.sum(case((own, Job.prompt_tokens), (choices, Job.prompt_tokens), else_=0)),
+                  func.sum(case((own, func.coalesce(Job.cached_tokens, 0)), (choices, _choices_cached()), else_=0)),
                   func.coalesce(func.sum(Job.completion_tokens), 0),
-                  func.sum(case((and_(ran, Job.counts_request), 1), else_=0)),
+                  func.sum(case((and_(ran, Job.counts_request), 1), (and_(Job.counts_request, request_ran), 1),
+                                else_=0)),
                   func.sum(case((Job.slo_met.is_(True), 1), else_=0)),
                   func.sum(case((Job.slo_met.is_(False), 1), else_=0)),
                   func.sum(case((Job.relegation_count > 0, 1), else_=0)))
-    stmt = stmt.where(or_(ran, Job.slo_met.is_not(None)), Job.created_at >= _at(lo), Job.created_at < _at(hi))
+    billed = or_(ran, Job.slo_met.is_not(None), and_(Job.counts_prompt, prompt_ran),
+                 and_(Job.counts_request, request_ran))
+    stmt = stmt.where(billed, Job.created_at >= _at(lo), Job.created_at < _at(hi))
     if q.tenant_ids is not None:
         stmt = stmt.where(Job.tenant_id.in_(q.tenant_ids))
     if q.user_ids is not None:
@@ -99,6 +105,22 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
              "results": results.get(i, [])} for i in range(q.first, last)]
     more = last < q.buckets
     return {"object": "page", "data": data, "has_more": more, "next_page": f"page_{last}" if more else None}
+
+
+def _any_ran(link: Any) -> Any:
+    """Whether any of the jobs that name this one by ``link`` (``Job.request_job_id``: its request's other jobs;
+    ``Job.prompt_job_id``: its prompt's other choices) ran. Jobs written before the links name none: their first
+    job counts where it ran, as it did."""
+    other = aliased(Job)
+    return exists(select(1).where(getattr(other, link.key) == Job.id, other.completion_tokens.is_not(None)))
+
+
+def _choices_cached() -> Any:
+    """The cached tokens of a prompt whose first choice did not run: those of one of its other choices that ran
+    (the most, where several did)."""
+    other = aliased(Job)
+    return func.coalesce(select(func.max(other.cached_tokens)).where(
+        other.prompt_job_id == Job.id, other.completion_tokens.is_not(None)).scalar_subquery(), 0)
 
 
 def _result(sums: Any) -> dict[str, Any]:

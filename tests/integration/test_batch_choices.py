@@ -60,3 +60,30 @@ def test_a_line_of_several_choices_answers_whole_or_fails_whole(client, keys, se
     (error,) = [json.loads(t) for t in client.get(f"/v1/files/{batch['error_file_id']}/content", headers=auth)
                 .text.splitlines()]
     assert error["custom_id"] == "many" and error["error"]["message"] == "generation failed: engine error"
+
+
+def test_a_lines_request_and_prompt_count_in_usage_where_only_a_later_choice_ran(client, keys, settings):
+    """A line of n=2 whose first choice expired before it ran and whose second ran: the Usage API counts the line's
+    request and its prompt once (the fan-out links a line's jobs to its first), not 0 requests and 0 input tokens
+    beside the second choice's output."""
+    from datetime import UTC, datetime
+
+    auth = Keys.header(keys.paid)
+    line = {"custom_id": "whole", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "s", "n": 2, "max_tokens": 2}}
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", json.dumps(line))}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                              "completion_window": "1h"}).json()["id"]
+    with session_scope(settings.sqlalchemy_url) as s:
+        (first, prompt_tokens), (second, _) = s.execute(select(Job.id, Job.prompt_tokens)
+                                                        .where(Job.batch_id == batch_id).order_by(Job.choice_index))
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.execute(update(Job).where(Job.id == first).values(status="expired", slo_met=False))
+        s.commit()
+    _end(settings, [second], "succeeded")
+    now = int(datetime.now(UTC).timestamp())
+    r = client.get("/v1/organization/usage/completions", headers=auth,
+                   params={"start_time": now - 3600, "end_time": now + 60})
+    (result,) = [x for b in r.json()["data"] for x in b["results"]]
+    assert (result["num_model_requests"], result["input_tokens"], result["output_tokens"]) == (1, prompt_tokens, 1)

@@ -192,6 +192,39 @@ def test_batches_of_older_databases_name_the_one_model_their_jobs_run_on(tmp_pat
     engine.dispose()
 
 
+def test_jobs_of_older_databases_keep_the_first_jobs_usage_rule(tmp_path):
+    """0047: jobs written before a request's jobs were linked name no request or prompt job, so usage counts them
+    as it did (the request and prompt on the first job, where it ran: no backfill); downgrade takes the links out."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy.orm import Session
+
+    from app.services.usage import UsageQuery, completions_usage
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url, "0046")
+    engine = create_engine(url)
+    t0 = int(datetime(2026, 11, 1, tzinfo=UTC).timestamp())
+    with engine.begin() as conn:
+        tenant = _old_tenant(conn, "t")
+        for i, (status, out) in enumerate((("cancelled", None), ("succeeded", 4))):  # n=2, its first never ran
+            conn.execute(text(
+                "INSERT INTO jobs (id, tenant_id, kind, tier, model, sampling, endpoint, stream, status, created_at, "
+                "relegation_count, attempt, prompt_tokens, completion_tokens, counts_request, counts_prompt) VALUES "
+                "(:id, :t, 'interactive', 'paid', 'm', '{}', '/v1/completions', 0, :st, :at, 0, 0, 7, :out, :first, "
+                ":first)"), {"id": f"job_{i}", "t": tenant.id, "st": status, "out": out, "first": i == 0,
+                             "at": datetime.fromtimestamp(t0 + 5, UTC).replace(tzinfo=None)})
+    upgrade(url)
+    with Session(engine) as s:
+        page = completions_usage(s, UsageQuery(t0, t0 + 60, "1m", 1, tenant_ids=(tenant.id,)), str)
+    (result,) = page["data"][0]["results"]
+    assert (result["num_model_requests"], result["input_tokens"], result["output_tokens"]) == (0, 0, 4)
+    downgrade(url, "0046")
+    with engine.connect() as conn:
+        assert not {"request_job_id", "prompt_job_id"} & {c["name"] for c in inspect(conn).get_columns("jobs")}
+    engine.dispose()
+
+
 def as_first_written(url: str) -> None:
     """Migrates ``url`` to 0023 and takes out what revisions 0002, 0007, 0016, 0017 and 0022 gained after they were
     first written: a database an earlier coserve built (Alembic does not run a revision twice)."""

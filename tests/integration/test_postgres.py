@@ -291,6 +291,36 @@ def test_usage_buckets_on_postgres(pg_url):
         [("a", 10)], [("a", 20), ("b", 40)], [], [("a", 80)]]
 
 
+def test_usage_counts_a_request_whose_first_choice_never_ran_on_postgres(pg_url):
+    """The Usage API's lookup of a request's other jobs (correlated on PostgreSQL as on SQLite): n=2, its first
+    choice cancelled before it ran, the other run, counts the request and its prompt once, with the cached tokens of
+    the choice run."""
+    from datetime import UTC, datetime
+
+    from app.auth import create_tenant
+    from app.db.migrate import upgrade
+    from app.db.models import Job
+    from app.db.session import session_scope
+    from app.services.jobs import choice_links
+    from app.services.usage import UsageQuery, completions_usage
+
+    upgrade(pg_url)
+    t0 = int(datetime(2026, 11, 1, tzinfo=UTC).timestamp())
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "usage-links-pg")
+        common = {"tenant_id": tenant.id, "kind": "interactive", "tier": "paid", "model": "a", "sampling": {},
+                  "created_at": datetime.fromtimestamp(t0 + 5, UTC), "prompt_tokens": 30}
+        first, second = choice_links(["job_first_choice", "job_second_choice"], 2)
+        s.add_all([Job(**common, **first, id="job_first_choice", status="cancelled"),
+                   Job(**common, **second, id="job_second_choice", status="succeeded", completion_tokens=4,
+                       cached_tokens=16)])
+        s.commit()
+        page = completions_usage(s, UsageQuery(t0, t0 + 60, "1m", 1, tenant_ids=(tenant.id,)), str)
+    (result,) = page["data"][0]["results"]
+    assert (result["num_model_requests"], result["input_tokens"], result["input_cached_tokens"],
+            result["output_tokens"]) == (1, 30, 16, 4)
+
+
 def test_slo_chart_counts_on_postgres(pg_url):
     """The dashboard's SLO chart's grouped SQL (minute from PostgreSQL's epoch) counts what it counts on SQLite."""
     from app.observability.slo_chart import SloChart, slo_series

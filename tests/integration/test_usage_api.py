@@ -278,3 +278,81 @@ def test_a_request_of_n_choices_and_two_prompts_counts_once_with_each_prompt_onc
     (result,) = [x for b in r.json()["data"] for x in b["results"]]
     assert (result["num_model_requests"], result["input_tokens"], result["output_tokens"]) == (
         1, prompt_tokens[0] + prompt_tokens[3], 24)
+
+
+def _choices_of(db_url, keys, settings, prompts: list[str], n: int) -> list[str]:
+    """The jobs of one request of ``n`` choices of each prompt, as the completions route submits them."""
+    from app.api.openai_compat import _submit_choices
+    from app.auth import authenticate
+    from app.schemas import JobCreate
+
+    specs = [JobCreate(prompt=p, max_tokens=4) for p in prompts for _ in range(n)]
+    with session_scope(db_url) as s:
+        jobs, _ = _submit_choices(s, authenticate(s, keys.paid), settings, specs, "/v1/completions", n=n)
+        return [j.id for j in jobs]
+
+
+def _ran(db_url, job_id: str, cached: int = 0) -> int:
+    """A worker's write of a choice it ran (4 tokens out); the job's prompt tokens."""
+    from sqlalchemy import update
+
+    with session_scope(db_url) as s:
+        s.execute(update(Job).where(Job.id == job_id).values(completion_tokens=4, cached_tokens=cached,
+                                                            status="succeeded"))
+        return s.get(Job, job_id).prompt_tokens
+
+
+def _one_result(client, keys) -> dict:
+    now = int(datetime.now(UTC).timestamp())
+    r = client.get(URL, params={"start_time": now - 3600, "end_time": now + 60}, headers=keys.header(keys.paid))
+    (result,) = [x for b in r.json()["data"] for x in b["results"]]
+    return result
+
+
+def _cancel(client, keys, db_url, job_id: str) -> None:
+    r = client.post(f"/v1/jobs/{job_id}/cancel", headers=keys.header(keys.paid))
+    assert r.status_code == 200, r.text
+
+
+def _expire(client, keys, db_url, job_id: str) -> None:
+    from sqlalchemy import update
+
+    with session_scope(db_url) as s:  # the sweeper's end of a job whose deadline passed in the queue
+        s.execute(update(Job).where(Job.id == job_id).values(status="expired", slo_met=False))
+
+
+@pytest.mark.parametrize("end_first", [_cancel, _expire], ids=["cancelled", "expired"])
+def test_a_request_whose_first_choice_never_ran_still_counts_its_prompt_and_request_once(client, keys, db_url,
+                                                                                         settings, end_first):
+    """n=2, the first choice cancelled by the tenant (POST /v1/jobs/{id}/cancel) or expired in the queue before it
+    ran, the second run: the request and its prompt count once, as OpenAI bills them (not 0 requests and 0 input
+    tokens with the second choice's output: a prompt never paid for), its cached tokens those of the choice run."""
+    first, second = _choices_of(db_url, keys, settings, ["hello there"], n=2)
+    end_first(client, keys, db_url, first)
+    prompt_tokens = _ran(db_url, second, cached=2)
+    result = _one_result(client, keys)
+    assert (result["num_model_requests"], result["input_tokens"], result["input_cached_tokens"],
+            result["output_tokens"]) == (1, prompt_tokens, 2, 4)
+
+
+def test_each_prompt_counts_once_where_any_of_its_choices_ran(client, keys, db_url, settings):
+    """Two prompts of n=2: the first prompt's choices both run (its prompt once), the second's first choice
+    cancelled and its other run (its prompt still once); one request; a prompt none of whose choices ran is not
+    counted (old rows, with no link between a request's jobs, keep the first job's rule)."""
+    a1, a2, b1, b2 = _choices_of(db_url, keys, settings, ["hello there", "and a longer one again"], n=2)
+    _cancel(client, keys, db_url, b1)
+    a_tokens = _ran(db_url, a1) and _ran(db_url, a2)
+    b_tokens = _ran(db_url, b2)
+    result = _one_result(client, keys)
+    assert (result["num_model_requests"], result["input_tokens"], result["output_tokens"]) == (
+        1, a_tokens + b_tokens, 12)
+
+
+def test_a_request_counts_once_where_only_a_later_prompt_ran(client, keys, db_url, settings):
+    """Two prompts: the first prompt's only choice cancelled before it ran, the second's run: one request, the
+    second prompt's tokens (the first prompt's, never run, are not counted)."""
+    a, b = _choices_of(db_url, keys, settings, ["hello there", "and a longer one again"], n=1)
+    _cancel(client, keys, db_url, a)
+    b_tokens = _ran(db_url, b)
+    result = _one_result(client, keys)
+    assert (result["num_model_requests"], result["input_tokens"], result["output_tokens"]) == (1, b_tokens, 4)
