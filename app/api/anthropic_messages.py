@@ -126,8 +126,9 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
         return out
 
     def add(kind: str, delta: dict[str, Any]) -> list[bytes]:
+        # a thinking block opens without a signature, as vLLM's does: its one comes in the delta before its stop
         out = [] if open_block is not None and blocks[open_block] == kind else start(kind, {
-            "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+            "thinking": {"type": "thinking", "thinking": ""},
             "text": {"type": "text", "text": ""}}[kind])
         return out + [_sse("content_block_delta", {"index": open_block, "delta": delta})]
 

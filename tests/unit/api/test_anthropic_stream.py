@@ -48,3 +48,11 @@ def test_a_thinking_block_is_signed_before_it_stops_as_vllm_streams_it(monkeypat
     plain = message_of("job_1", "tiny", ANSWER, None, 9, 2, None, None)["content"][0]
     assert snapshot.content[0].type == "thinking" and snapshot.content[0].thinking == "Hmm."
     assert snapshot.content[0].signature == plain["signature"] != ""  # the plain answer's, the same job's
+
+
+def test_a_thinking_blocks_start_carries_no_signature_as_vllm_streams_it(monkeypatch):
+    # vLLM's message_stream_converter opens a thinking block as {"type": "thinking", "thinking": ""} (dumped with
+    # exclude_unset): its signature comes once, in the signature_delta before the block stops
+    events = _events(monkeypatch, [Piece(0, "", "Hmm.", None, None, 0, 1), Finished(0, ANSWER, 9, 1)])
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert starts == [{"type": "thinking", "thinking": ""}]
