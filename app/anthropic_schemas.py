@@ -256,12 +256,16 @@ def _user_turn(blocks: list[Block], i: int) -> list[dict[str, Any]]:
 
 
 def _assistant_turn(blocks: list[Block], i: int) -> dict[str, Any]:
-    """An assistant turn: its text, its tool calls; its thinking is left out (as chat templates leave it)."""
-    texts, calls = [], []
+    """An assistant turn: its text, its tool calls, and its thinking as the message's ``reasoning`` (vLLM's
+    ``_convert_block``: its thinking blocks joined with nothing, a redacted one left out), which the chat template
+    renders or leaves out."""
+    texts, calls, thoughts = [], [], []
     for j, block in enumerate(blocks):
         where = f"messages.{i}.content.{j}"
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
+        elif block.type == "thinking":
+            thoughts += [block.thinking] if block.thinking is not None else []
         elif block.type == "tool_use":
             if not block.id or not block.name:
                 raise OpenAIError(400, f"{where}: a tool_use needs its id and name", param=f"{where}.id")
@@ -270,7 +274,8 @@ def _assistant_turn(blocks: list[Block], i: int) -> dict[str, Any]:
         elif block.type not in ("thinking", "redacted_thinking"):
             raise OpenAIError(400, f"{where}: an assistant turn holds text, tool_use and thinking blocks (a "
                                    f"{block.type!r} block is not supported)", param=f"{where}.type")
-    return {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
+    return {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {}),
+            **({"reasoning": "".join(thoughts)} if thoughts else {})}
 
 
 def stop_of(finish_reason: str | None, stop_reason: str | int | None,

@@ -624,7 +624,9 @@ class ChatCompletionRequest(_Base):
                 content = ""
             try:
                 out.append(ChatMessage(role=role, content=content, tool_calls=m.get("tool_calls"),
-                                       tool_call_id=m.get("tool_call_id"), name=m.get("name")))
+                                       tool_call_id=m.get("tool_call_id"), name=m.get("name"),
+                                       # as vLLM's chat parser: an assistant's alone, others' dropped
+                                       reasoning=m.get("reasoning") if role == "assistant" else None))
             except ValidationError as exc:
                 # name the field that failed (the role, the content or both), not always the role
                 message, param = validation_message(

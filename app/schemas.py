@@ -45,6 +45,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls (its history)")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
     name: Text | None = None
+    reasoning: Text | None = Field(None, description=(
+        "an assistant message's thinking, given back (vLLM's interleaved thinking): its chat template reads it as "
+        "reasoning and reasoning_content; a template that does not render it leaves it out"))
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -52,6 +55,8 @@ class ChatMessage(BaseModel):
             raise ValueError("only an assistant message has tool_calls")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("only a tool message has a tool_call_id")
+        if self.reasoning is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has reasoning")
         return self
 
     def stored(self) -> dict[str, Any]:

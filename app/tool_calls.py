@@ -324,12 +324,15 @@ class AnswerStream:
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
-    them with ``tojson``)."""
+    them with ``tojson``), and an assistant's thinking as ``reasoning_content`` too, as vLLM's chat parser gives it
+    (the older name, which Qwen3's template reads)."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
             m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _object(
                 c["function"]["arguments"])}} for c in m["tool_calls"]]}
+        if m.get("reasoning") is not None:
+            m = {**m, "reasoning_content": m["reasoning"]}
         out.append(m)
     return out
 

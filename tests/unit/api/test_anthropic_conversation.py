@@ -1,0 +1,81 @@
+"""The prompt a Messages request's conversation becomes, held to what vLLM 0.32 makes of the same request: its own
+converter (``AnthropicServingMessages.to_chat_completion_request``, a classmethod that needs no server) and its own
+chat-message parser, rendered through the same chat template with the bundled model's tokenizer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from app.anthropic_schemas import MessagesRequest
+from app.services.model_info import encode_input, get_tokenizer, use_chat_template
+
+MODEL = "smollm2-135m"
+# the bundled model's own template: renders any role anywhere, and no reasoning
+BUNDLED = "bundled"
+# as Qwen3's: a system message only first (else raise_exception), an assistant turn's reasoning_content as <think>
+QWEN_LIKE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and not loop.first %}{{ raise_exception('System message must be first') }}"
+    "{%- endif %}"
+    "{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.role == 'assistant' and message.reasoning_content is string %}"
+    "{{ '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+ASK = {"role": "user", "content": "Weather?"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tok = get_tokenizer(MODEL)
+    yield tok
+    use_chat_template(MODEL, None)
+
+
+def template_of(tok: Any, name: str) -> str:
+    return tok.chat_template if name == BUNDLED else QWEN_LIKE
+
+
+def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:
+    """The token ids vLLM's /v1/messages renders ``raw`` to with ``template``."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.renderers.chat_utils import parse_chat_messages
+
+    merge = AnthropicServingMessages._detect_merge_inline_system(template)
+    chat = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(raw),
+                                                               merge_inline_system=merge)
+    text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False,
+                                enable_prompt_embeds=False)
+    conversation, _, _ = parse_chat_messages(chat.messages, text_only, "string")
+    # vLLM's HfRenderer: the template rendered to text, which is tokenized without special tokens added
+    text = tok.apply_chat_template(conversation, chat_template=template, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:
+    """The token ids coserve's job of ``raw`` renders to with ``template`` in use (COSERVE_CHAT_TEMPLATE)."""
+    use_chat_template(MODEL, template)
+    body = MessagesRequest.model_validate(raw)
+    body.check(raw)
+    _, spec = body.chat_request(raw)
+    return encode_input(MODEL, None, [m.stored() for m in spec.messages], None, spec.template_options())
+
+
+@pytest.mark.parametrize("template", [BUNDLED, "qwen-like"])
+def test_an_assistant_turns_thinking_reaches_the_template_as_vllm_gives_it(tok, template):
+    # vLLM's _convert_block: a thinking block is the assistant message's reasoning (several joined with nothing,
+    # a redacted one left out), which its chat parser gives the template as reasoning and reasoning_content
+    raw = {"model": "tiny", "max_tokens": 64, "messages": [ASK, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Look it up.", "signature": "s1"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "thinking", "thinking": " Sunny, says the tool.", "signature": "s2"},
+        {"type": "text", "text": "Sunny."}]}, {"role": "user", "content": "Tomorrow?"}]}
+    ids = coserve_prompt(raw, template_of(tok, template))
+    assert ids == vllm_prompt(tok, raw, template_of(tok, template))
+    if template != BUNDLED:  # a template that renders it has it
+        assert "<think>\nLook it up. Sunny, says the tool.\n</think>" in tok.decode(ids)
