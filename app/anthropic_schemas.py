@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_job
 from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
+from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import Answer, read_answer
 from app.wire import Text
@@ -67,7 +68,7 @@ class Block(BaseModel):
 
 
 class Message(BaseModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: within the conversation (Claude Code's reminders)
     content: str | list[Block]
 
 
@@ -135,16 +136,26 @@ class MessagesRequest(BaseModel):
         between them, less Claude Code's billing header (a per-request hash that would defeat the prefix cache)."""
         if not isinstance(self.system, list):
             return self.system or ""
-        _text(self.system, "system")  # only text blocks (an image there is refused by name)
-        return "".join(b.text for b in self.system if b.text and not b.text.startswith(BILLING_HEADER))
+        return _system_text(self.system, "system")
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """The conversation as chat messages: the system prompt first, each turn's blocks as chat writes them."""
+    def system_first(self, model: str) -> bool:
+        """Whether this conversation's system messages go into the leading system prompt: it holds some, and
+        ``model``'s chat template takes a system message only first (``merges_inline_system``)."""
+        return any(m.role == "system" for m in self.messages) and merges_inline_system(model)
+
+    def chat_messages(self, system_first: bool = False) -> list[dict[str, Any]]:
+        """The conversation as chat messages, as vLLM's ``_convert_messages`` writes it: the system prompt first,
+        each turn's blocks as chat writes them, a system message within the conversation where it is, or, with
+        ``system_first``, after the request's ``system`` in the system prompt (one with no text left out)."""
+        inline = {i: _system_text(m.content, f"messages.{i}.content") for i, m in enumerate(self.messages)
+                  if m.role == "system"}
         out: list[dict[str, Any]] = []
-        if system := self.system_prompt():
+        if system := self.system_prompt() + ("".join(inline.values()) if system_first else ""):
             out.append({"role": "system", "content": system})
         for i, message in enumerate(self.messages):
-            if isinstance(message.content, str):
+            if message.role == "system":
+                out += [{"role": "system", "content": inline[i]}] if inline[i] and not system_first else []
+            elif isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
             elif message.role == "user":
                 out += _user_turn(message.content, i)
@@ -153,14 +164,16 @@ class MessagesRequest(BaseModel):
         return out
 
     def chat_request(self, raw: dict[str, Any], tiers: tuple[str, ...] = DEFAULT_TIERS, count_only: bool = False,
-                     batch_window_s: float | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
+                     batch_window_s: float | None = None,
+                     model: str | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
         """The chat request this one is, and its job; ``tiers``: the configured ones (what ``service_tier``
         names); ``count_only``: for ``count_tokens``, whose body has no ``max_tokens``; ``batch_window_s``: a
-        message batch's window (the job is a batch job then)."""
+        message batch's window (the job is a batch job then); ``model``: the served model (settings.model), whose
+        chat template says where system messages within the conversation go (none: where they are)."""
         body: dict[str, Any] = {k: raw[k] for k in SHARED_FIELDS if k in raw}
         if body.get("service_tier") == "standard_only":  # Anthropic's: no priority capacity; the key's own tier
             body["service_tier"] = "default"
-        body["messages"] = self.chat_messages()
+        body["messages"] = self.chat_messages(system_first=model is not None and self.system_first(model))
         if body["messages"] and _prefilled(body["messages"][-1]):
             # docs.anthropic.com/en/api/messages: a last assistant turn is a prefill the answer continues
             body["add_generation_prompt"], body["continue_final_message"] = False, True
@@ -233,6 +246,15 @@ def _text(content: str | list[Block] | list[dict[str, Any]], where: str) -> str:
                               param=f"{where}.{j}.type")
         texts.append(text)
     return "\n".join(texts)
+
+
+def _system_text(content: str | list[Block], where: str) -> str:
+    """A system prompt's or message's text as vLLM's ``_extract_system_text`` takes it: a string, or its text blocks
+    joined with nothing between them (another block is refused by name), less Claude Code's billing header."""
+    if isinstance(content, str):
+        return "" if content.startswith(BILLING_HEADER) else content
+    _text(content, where)  # only text blocks
+    return "".join(b.text for b in content if b.text and not b.text.startswith(BILLING_HEADER))
 
 
 def _user_turn(blocks: list[Block], i: int) -> list[dict[str, Any]]:

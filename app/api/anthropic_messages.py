@@ -182,7 +182,7 @@ _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Messag
 async def create_message(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep):
     """Anthropic's Messages API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat."""
     body, raw = await _read(request, MessagesRequest)
-    chat, spec = body.chat_request(raw, settings.tiers)
+    chat, spec = body.chat_request(raw, settings.tiers, model=settings.model)
     if spec.kind == "interactive":
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
@@ -216,5 +216,5 @@ async def count_tokens(request: Request, settings: SettingsDep, principal: Curre
     """The tokens a Messages request's system prompt, messages and tools take through the model's chat template,
     as its job would count them."""
     body, raw = await _read(request, CountTokensRequest)
-    _, spec = body.chat_request(raw, settings.tiers, count_only=True)
+    _, spec = body.chat_request(raw, settings.tiers, count_only=True, model=settings.model)
     return {"input_tokens": await run_in_threadpool(count_prompt_tokens, settings, spec)}

@@ -88,7 +88,8 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
                               param=f"requests.{i}.custom_id")
         seen[item.custom_id] = i
         line = mb.input_lines([(item.custom_id, item.params)]).decode()
-        parsed = parse_line(i + 1, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers)  # its line in the file
+        parsed = parse_line(i + 1, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers,  # its line in the file
+                            settings.model)
         if isinstance(parsed, InvalidLine):  # its message names the line: here the request does
             why = parsed.message.removeprefix(f"line {i + 1}: ").removeprefix("invalid body: ")
         else:

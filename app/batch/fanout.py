@@ -94,7 +94,8 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
         endpoint, tier, tenant_id, key_id = batch.endpoint, batch.tier, batch.tenant_id, batch.api_key_id
         expires_at = as_utc(batch.expires_at)
     if parsed is None:
-        parsed = batch_lines.parse_file(content, endpoint, parse_window(batch.completion_window), settings.tiers)
+        parsed = batch_lines.parse_file(content, endpoint, parse_window(batch.completion_window), settings.tiers,
+                                        settings.model)
     if parsed.file_errors:
         with session_scope(url) as s, write_guard(s):
             _fail(s, batch_id, errors=parsed.file_errors, total=parsed.total)

@@ -63,8 +63,8 @@ class ParsedFile:
         return len(self.valid) + len(self.invalid)
 
 
-def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
-               tiers: tuple[str, ...] = DEFAULT_TIERS) -> ValidLine | InvalidLine:
+def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
+               model: str | None = None) -> ValidLine | InvalidLine:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -102,7 +102,7 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float,
     response = None
     try:
         if endpoint == MESSAGES:
-            return ValidLine(line_no, cid, message_specs(body, window_s, tiers))
+            return ValidLine(line_no, cid, message_specs(body, window_s, tiers, model))
         req = ENDPOINTS[endpoint].model_validate(body)
         req.check()
         refuse_qos(body, "a batch's requests", "the batch's completion_window ends")  # before its job is built
@@ -143,17 +143,20 @@ def refuse_qos(body: dict[str, Any], requests: str, due: str) -> None:
                                f"{', '.join(BATCH_QOS[:-1])} or {BATCH_QOS[-1]}; leave it out", param=given[0])
 
 
-def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> list[JobCreate]:
-    """A Messages request (a message batch's ``params``) as its batch job, with ``POST /v1/messages``'s checks;
+def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
+                  model: str | None = None) -> list[JobCreate]:
+    """A Messages request (a message batch's ``params``) as its batch job, with ``POST /v1/messages``'s checks
+    (``model``: the served one, whose chat template says where system messages within the conversation go);
     raises pydantic's ValidationError or an OpenAIError naming the Messages field."""
     message = MessagesRequest.model_validate(body)
     message.check(body)
     refuse_qos(body, "a message batch's requests", "the batch's 24 hours end")
-    _, spec = message.chat_request(body, tiers, batch_window_s=window_s)
+    _, spec = message.chat_request(body, tiers, batch_window_s=window_s, model=model)
     return [spec]
 
 
-def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS) -> ParsedFile:
+def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
+               model: str | None = None) -> ParsedFile:
     out = ParsedFile()
     try:
         text = content.decode("utf-8-sig")  # a byte-order mark (Notepad's, PowerShell's) is not part of line 1
@@ -172,7 +175,7 @@ def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str,
                                 "message": f"{len(lines)} requests; a batch takes at most {MAX_LINES}"})
         return out
     for line_no, t in lines:
-        parsed = parse_line(line_no, t, endpoint, window_s, tiers)
+        parsed = parse_line(line_no, t, endpoint, window_s, tiers, model)
         (out.valid if isinstance(parsed, ValidLine) else out.invalid).append(parsed)
         if parsed.custom_id:
             seen[parsed.custom_id].append(line_no)

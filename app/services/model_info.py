@@ -178,6 +178,36 @@ def _template_file(template: str) -> str | None:
         return None
 
 
+def merges_inline_system(model: str) -> bool:
+    """Whether a Messages request's system messages within the conversation (Claude Code's per-turn reminders) go
+    into the leading system prompt: where the chat template in use (COSERVE_CHAT_TEMPLATE's or the model's own, each
+    of a tokenizer's named ones) takes a system message only first, as vLLM's ``_should_merge_inline_system``
+    decides it."""
+    template = getattr(get_tokenizer(model), "chat_template", None)
+    return any(map(system_first, template.values() if isinstance(template, dict) else (template,)))
+
+
+@lru_cache(maxsize=8)
+def system_first(template: str | None) -> bool:
+    """Whether ``template`` refuses a system message after the first (Qwen's ``loop.first`` guard): it raises on
+    system, user, system, user, rendered as vLLM's ``_detect_merge_inline_system`` renders it; no template: True,
+    as vLLM has it."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    if not template:
+        return True
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.from_string(template).render(messages=[{"role": role, "content": "t"} for role in
+                                                   ("system", "user", "system", "user")], add_generation_prompt=False)
+    except jinja2.TemplateError:
+        return True
+    return False
+
+
 class ChatTemplateError(ValueError):
     """The model's chat template refused the messages or tools (e.g. a template that takes one tool call per
     message): the request's to change."""

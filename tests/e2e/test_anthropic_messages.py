@@ -275,3 +275,20 @@ def test_a_thinking_budget_the_server_cannot_keep_is_refused(claude, stack, monk
         claude.messages.create(**ask)
     assert exc.value.body["error"]["message"].startswith(
         "thinking.budget_tokens needs a model whose tokenizer has <think> and </think>"), exc.value.body
+
+
+def test_a_conversation_with_system_reminders_and_thinking_given_back_runs_as_vllm_takes_it(claude, stack):
+    # Claude Code's per-turn reminders (system messages in the conversation) and an assistant turn's thinking, sent
+    # back: vLLM takes both; the model's template takes a system message anywhere, so each stays where it is
+    turns = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                                               {"type": "text", "text": "Sunny."}]},
+             {"role": "system", "content": "Reminder: be brief."}, {"role": "user", "content": "Tomorrow?"}]
+    message = claude.messages.create(model="tiny", max_tokens=1, system="You are terse.", messages=turns,
+                                     extra_body={"ignore_eos": True})
+    ran = _job(stack.settings, message.id).messages
+    assert [m["role"] for m in ran] == ["system", "user", "assistant", "system", "user"]
+    assert ran[2] == {"role": "assistant", "content": "Sunny.", "reasoning": "Look it up."}
+    assert ran[3] == {"role": "system", "content": "Reminder: be brief."}
+    counted = claude.messages.count_tokens(model="tiny", system="You are terse.", messages=turns)
+    assert counted.input_tokens == message.usage.input_tokens

@@ -15,6 +15,7 @@ from app.services.model_info import encode_input, get_tokenizer, use_chat_templa
 MODEL = "smollm2-135m"
 # the bundled model's own template: renders any role anywhere, and no reasoning
 BUNDLED = "bundled"
+QWEN = "qwen-like"
 # as Qwen3's: a system message only first (else raise_exception), an assistant turn's reasoning_content as <think>
 QWEN_LIKE = (
     "{%- for message in messages %}"
@@ -31,13 +32,14 @@ ASK = {"role": "user", "content": "Weather?"}
 
 @pytest.fixture(scope="module")
 def tok():
-    tok = get_tokenizer(MODEL)
-    yield tok
+    use_chat_template(MODEL, None)  # the model's own in use (where another test left one)
+    yield get_tokenizer(MODEL)
     use_chat_template(MODEL, None)
 
 
-def template_of(tok: Any, name: str) -> str:
-    return tok.chat_template if name == BUNDLED else QWEN_LIKE
+@pytest.fixture(scope="module")
+def templates(tok) -> dict[str, str]:
+    return {BUNDLED: tok.chat_template, QWEN: QWEN_LIKE}
 
 
 def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:
@@ -62,12 +64,12 @@ def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:
     use_chat_template(MODEL, template)
     body = MessagesRequest.model_validate(raw)
     body.check(raw)
-    _, spec = body.chat_request(raw)
+    _, spec = body.chat_request(raw, model=MODEL)
     return encode_input(MODEL, None, [m.stored() for m in spec.messages], None, spec.template_options())
 
 
-@pytest.mark.parametrize("template", [BUNDLED, "qwen-like"])
-def test_an_assistant_turns_thinking_reaches_the_template_as_vllm_gives_it(tok, template):
+@pytest.mark.parametrize("template", [BUNDLED, QWEN])
+def test_an_assistant_turns_thinking_reaches_the_template_as_vllm_gives_it(tok, templates, template):
     # vLLM's _convert_block: a thinking block is the assistant message's reasoning (several joined with nothing,
     # a redacted one left out), which its chat parser gives the template as reasoning and reasoning_content
     raw = {"model": "tiny", "max_tokens": 64, "messages": [ASK, {"role": "assistant", "content": [
@@ -75,7 +77,44 @@ def test_an_assistant_turns_thinking_reaches_the_template_as_vllm_gives_it(tok, 
         {"type": "redacted_thinking", "data": "opaque"},
         {"type": "thinking", "thinking": " Sunny, says the tool.", "signature": "s2"},
         {"type": "text", "text": "Sunny."}]}, {"role": "user", "content": "Tomorrow?"}]}
-    ids = coserve_prompt(raw, template_of(tok, template))
-    assert ids == vllm_prompt(tok, raw, template_of(tok, template))
+    ids = coserve_prompt(raw, templates[template])
+    assert ids == vllm_prompt(tok, raw, templates[template])
     if template != BUNDLED:  # a template that renders it has it
         assert "<think>\nLook it up. Sunny, says the tool.\n</think>" in tok.decode(ids)
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli; cch=0f3e2;"
+
+
+@pytest.mark.parametrize("template", [BUNDLED, QWEN])
+def test_system_messages_in_the_conversation_are_taken_where_vllm_takes_them(tok, templates, template):
+    # Claude Code's per-turn reminders: vLLM keeps each in place where the template takes a system message anywhere,
+    # and merges them into the leading system prompt where it does not (_detect_merge_inline_system), the billing
+    # header dropped either way
+    reminder = {"role": "system", "content": [{"type": "text", "text": BILLING},
+                                              {"type": "text", "text": "Reminder: be brief. "},
+                                              {"type": "text", "text": "Cite sources."}]}
+    raw = {"model": "tiny", "max_tokens": 64, "system": "You are terse. ", "messages": [
+        ASK, {"role": "assistant", "content": "Sunny."}, reminder, {"role": "system", "content": "Use metric."},
+        {"role": "user", "content": "Tomorrow?"}]}
+    ids = coserve_prompt(raw, templates[template])
+    assert ids == vllm_prompt(tok, raw, templates[template])
+    rendered = tok.decode(ids)
+    assert "Reminder: be brief. Cite sources." in rendered and "billing" not in rendered
+    if template == BUNDLED:  # in place, as sent
+        assert rendered.index("Sunny.") < rendered.index("Reminder") < rendered.index("Tomorrow?")
+    else:
+        assert rendered.startswith("<|im_start|>system\nYou are terse. Reminder: be brief. Cite sources.Use metric.")
+
+
+def test_a_system_message_without_text_is_left_out_and_one_of_other_blocks_is_a_400_naming_it():
+    only_header = {"role": "system", "content": [{"type": "text", "text": BILLING}]}
+    body = MessagesRequest.model_validate({"model": "tiny", "max_tokens": 8, "messages": [ASK, only_header]})
+    assert [m["role"] for m in body.chat_messages()] == ["user"]
+    from app.openai_schemas import OpenAIError
+
+    image = {"role": "system", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}
+    body = MessagesRequest.model_validate({"model": "tiny", "max_tokens": 8, "messages": [ASK, image]})
+    with pytest.raises(OpenAIError) as exc:
+        body.chat_messages()
+    assert exc.value.status_code == 400 and exc.value.param == "messages.1.content.0.type"
