@@ -42,18 +42,23 @@ def templates(tok) -> dict[str, str]:
     return {BUNDLED: tok.chat_template, QWEN: QWEN_LIKE}
 
 
+def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as vLLM's chat parser gives them to the template (a text-only model, string content)."""
+    from vllm.renderers.chat_utils import parse_chat_messages
+
+    text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False)
+    return parse_chat_messages(messages, text_only, "string")[0]
+
+
 def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:
     """The token ids vLLM's /v1/messages renders ``raw`` to with ``template``."""
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
-    from vllm.renderers.chat_utils import parse_chat_messages
 
     merge = AnthropicServingMessages._detect_merge_inline_system(template)
     chat = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(raw),
                                                                merge_inline_system=merge)
-    text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False,
-                                enable_prompt_embeds=False)
-    conversation, _, _ = parse_chat_messages(chat.messages, text_only, "string")
+    conversation = vllm_conversation(chat.messages)
     # vLLM's HfRenderer: the template rendered to text, which is tokenized without special tokens added
     text = tok.apply_chat_template(conversation, chat_template=template, add_generation_prompt=True, tokenize=False)
     return tok(text, add_special_tokens=False)["input_ids"]
@@ -81,6 +86,19 @@ def test_an_assistant_turns_thinking_reaches_the_template_as_vllm_gives_it(tok, 
     assert ids == vllm_prompt(tok, raw, templates[template])
     if template != BUNDLED:  # a template that renders it has it
         assert "<think>\nLook it up. Sunny, says the tool.\n</think>" in tok.decode(ids)
+
+
+def test_a_chat_assistant_messages_reasoning_reaches_the_template_as_vllms_chat_gives_it():
+    # vLLM's _parse_chat_message_content: an assistant message's reasoning, as reasoning and reasoning_content; a
+    # user message's is dropped
+    from app.openai_schemas import ChatCompletionRequest
+    from app.tool_calls import template_messages
+
+    messages = [{"role": "user", "content": "Weather?", "reasoning": "not mine"},
+                {"role": "assistant", "content": "Sunny.", "reasoning": "Look it up."},
+                {"role": "user", "content": "Tomorrow?"}]
+    chat = ChatCompletionRequest.model_validate({"model": "tiny", "messages": messages})
+    assert template_messages([m.stored() for m in chat.chat_messages()]) == vllm_conversation(messages)
 
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli; cch=0f3e2;"
