@@ -344,17 +344,7 @@ def test_the_jobs_table_reads_a_page_a_status_on_the_status_index(client, keys, 
 def test_a_promote_is_in_the_jobs_history_and_leaves_its_overdue_as_it_was(client, keys, settings):
     """An operator's move of a job to another tier is one of its events (who moved it, from which tier to which);
     the event is no relegation: the job's overdue, counted from its last relegation, stays."""
-    from datetime import timedelta
-
-    from app.db.models import JobEvent
-    from app.services.transitions import utcnow
-
-    now = utcnow()
-    job_id = _job(client, keys, settings, status="relegated", worker_id="w1", first_token_at=now - timedelta(hours=1),
-                  tbt_ms=100)
-    with session_scope(settings.sqlalchemy_url) as s:
-        s.add(JobEvent(job_id=job_id, from_status="running", to_status="relegated", at=now - timedelta(minutes=10),
-                       worker_id="w1", attempt=1, detail="relegated"))
+    job_id = _relegated_ten_minutes_ago(client, keys, settings)
 
     def overdue() -> float:
         return client.get("/admin/api/overview", headers=H(keys.admin)).json()["jobs"][0]["overdue_s"]

@@ -113,6 +113,17 @@ def test_only_a_batch_that_completed_shows_when_it_started_finalizing(client, ke
     assert (cancelled["status"], cancelled["finalizing_at"]) == ("cancelled", None), cancelled
 
 
+def _error_file_of_a_cancelled_batch(client, keys, text: str) -> list[dict]:
+    """The error file's lines of a completions batch of input ``text``, cancelled at once (no worker runs it)."""
+    auth = Keys.header(keys.paid)
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"],
+                                                              "endpoint": "/v1/completions"}).json()["id"]
+    batch = OpenAIBatch.model_validate(client.post(f"/v1/batches/{batch_id}/cancel", headers=auth).json())
+    return [json.loads(t) for t in
+            client.get(f"/v1/files/{batch.error_file_id}/content", headers=auth).text.splitlines()]
+
+
 def test_every_error_line_has_a_custom_id_string_and_an_error_of_code_and_message(client, keys):
     """Refused lines (one unreadable, one without a custom_id, one with a bad body) and a cancelled one read as
     OpenAI's and vLLM's error lines (vLLM's ``BatchRequestOutput.custom_id`` is a ``str``): each ``custom_id`` a
@@ -122,13 +133,7 @@ def test_every_error_line_has_a_custom_id_string_and_an_error_of_code_and_messag
     text = "\n".join(["{not json", json.dumps({"method": "POST", "url": "/v1/completions", "body": good}),
                       json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {}}),
                       json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": good})])
-    auth = Keys.header(keys.paid)
-    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
-    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"],
-                                                              "endpoint": "/v1/completions"}).json()["id"]
-    batch = OpenAIBatch.model_validate(client.post(f"/v1/batches/{batch_id}/cancel", headers=auth).json())
-    lines = [json.loads(t) for t in
-             client.get(f"/v1/files/{batch.error_file_id}/content", headers=auth).text.splitlines()]
+    lines = _error_file_of_a_cancelled_batch(client, keys, text)
     assert [(e["id"], e["custom_id"]) for e in lines] == [
         ("batch_req_line_1", ""), ("batch_req_line_2", ""), ("batch_req_line_3", "bad"),
         (lines[3]["id"], "ok")], lines
@@ -155,11 +160,5 @@ def test_the_error_file_lists_its_lines_in_input_order(client, keys):
                       "{not json",
                       json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": good}),
                       json.dumps({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": good})])
-    auth = Keys.header(keys.paid)
-    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
-    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"],
-                                                              "endpoint": "/v1/completions"}).json()["id"]
-    batch = OpenAIBatch.model_validate(client.post(f"/v1/batches/{batch_id}/cancel", headers=auth).json())
-    lines = [json.loads(t) for t in
-             client.get(f"/v1/files/{batch.error_file_id}/content", headers=auth).text.splitlines()]
+    lines = _error_file_of_a_cancelled_batch(client, keys, text)
     assert [e["custom_id"] for e in lines] == ["a", "", "b", "c"], lines

@@ -262,27 +262,39 @@ def test_with_private_targets_off_a_delivery_goes_to_the_address_that_was_checke
     assert json.loads(body)["data"]["id"] == "batch_rebind" and headers["host"] == f"hooks.rebind.test:{port}"
 
 
+def _pinned_delivery(keys, db_url, receiver, monkeypatch, host: str, resolve) -> tuple[str, dict]:
+    """One event delivered with private targets off to ``http://{host}:<the receiver's port>/hook``, names resolved
+    by ``resolve`` (loopback standing in for public addresses): the port, and the headers the receiver got."""
+    import ipaddress
+    import socket
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(ipaddress.IPv4Address, "is_global", property(lambda self: True))
+    port = receiver.url.split(":")[2].split("/")[0]
+    with session_scope(db_url) as s:
+        add_endpoint(s, keys.tenant_id, f"http://{host}:{port}/hook")
+        emit(s, keys.tenant_id, "batch.completed", "batch_pinned")
+        s.commit()
+        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=False) == 1, \
+            s.scalars(select(WebhookDelivery.last_error)).all()
+    ((body, headers),) = receiver.received
+    assert json.loads(body)["data"]["id"] == "batch_pinned"
+    return port, headers
+
+
 def test_with_private_targets_off_an_endpoint_with_an_international_name_is_delivered_to(keys, db_url,
                                                                                         webhook_receiver, monkeypatch):
     """A host name with non-ASCII letters (IDNA): the pinned POST names it as DNS and TLS do (its xn-- form) in its
     Host header. Its Unicode form there was no header httpx could send: every attempt failed, then it was given up
     on. Loopback stands in for a public address, as above."""
-    import ipaddress
     import socket
 
     real = socket.getaddrinfo
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **kw: real(
-        "127.0.0.1" if host in ("bücher.test", "xn--bcher-kva.test") else host, *a, **kw))
-    monkeypatch.setattr(ipaddress.IPv4Address, "is_global", property(lambda self: True))
-    port = webhook_receiver.url.split(":")[2].split("/")[0]
-    with session_scope(db_url) as s:
-        add_endpoint(s, keys.tenant_id, f"http://Bücher.test:{port}/hook")
-        emit(s, keys.tenant_id, "batch.completed", "batch_idna")
-        s.commit()
-        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=False) == 1, \
-            s.scalars(select(WebhookDelivery.last_error)).all()
-    ((body, headers),) = webhook_receiver.received
-    assert json.loads(body)["data"]["id"] == "batch_idna" and headers["host"] == f"xn--bcher-kva.test:{port}"
+
+    def resolve(host, *a, **kw):
+        return real("127.0.0.1" if host in ("bücher.test", "xn--bcher-kva.test") else host, *a, **kw)
+    port, headers = _pinned_delivery(keys, db_url, webhook_receiver, monkeypatch, "Bücher.test", resolve)
+    assert headers["host"] == f"xn--bcher-kva.test:{port}"
 
 
 def test_a_pinned_target_keeps_the_host_for_tls_and_the_host_header():
@@ -636,22 +648,16 @@ def test_with_private_targets_off_a_delivery_goes_to_the_next_checked_address_wh
     """A name with two addresses, the first refusing connections: the attempt goes on to the second (checked as
     well) and is delivered; only the first was tried before, and every attempt failed. Loopback stands in for public
     addresses, 127.0.0.2 (where the receiver does not listen) for one that is down."""
-    import ipaddress
     import socket
 
     real = socket.getaddrinfo
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **kw: real("127.0.0.2", *a, **kw) + real(
-        "127.0.0.1", *a, **kw) if host == "hooks.two.test" else real(host, *a, **kw))
-    monkeypatch.setattr(ipaddress.IPv4Address, "is_global", property(lambda self: True))
-    port = webhook_receiver.url.split(":")[2].split("/")[0]
-    with session_scope(db_url) as s:
-        add_endpoint(s, keys.tenant_id, f"http://hooks.two.test:{port}/hook")
-        emit(s, keys.tenant_id, "batch.completed", "batch_two")
-        s.commit()
-        assert deliver_due(s, retry_s=30.0, max_attempts=3, timeout_s=5.0, private_targets=False) == 1, \
-            s.scalars(select(WebhookDelivery.last_error)).all()
-    ((body, headers),) = webhook_receiver.received
-    assert json.loads(body)["data"]["id"] == "batch_two" and headers["host"] == f"hooks.two.test:{port}"
+
+    def resolve(host, *a, **kw):  # the first address down, the second the receiver's
+        if host != "hooks.two.test":
+            return real(host, *a, **kw)
+        return real("127.0.0.2", *a, **kw) + real("127.0.0.1", *a, **kw)
+    port, headers = _pinned_delivery(keys, db_url, webhook_receiver, monkeypatch, "hooks.two.test", resolve)
+    assert headers["host"] == f"hooks.two.test:{port}"
 
 
 def test_a_queued_event_the_endpoint_no_longer_subscribes_to_is_closed_unsent(oai, db_url, keys, webhook_receiver):
