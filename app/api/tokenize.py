@@ -54,7 +54,8 @@ class TokenizeRequest(UnsupportedFields):
     add_generation_prompt: bool | None = Field(None, description="messages: as a chat request takes it")
     continue_final_message: bool | None = Field(None, description="messages: as a chat request takes it")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as a chat request takes it")
-    return_token_strs: bool = Field(False, description="also each token's text")
+    # vLLM's is ``bool | None``: null, as a client writes a field it leaves unset, is false
+    return_token_strs: bool | None = Field(False, description="also each token's text")
 
 
 class DetokenizeRequest(BaseModel):

@@ -53,6 +53,16 @@ def test_template_options_shape_the_chat_prompt_as_a_job_runs_it(client, keys):
     assert kwargs == full
 
 
+def test_return_token_strs_null_is_left_unset_as_vllm_takes_it(client, keys):
+    """vLLM's field is ``bool | None``: a client that sends null (an SDK writing its unset fields) gets the ids
+    alone."""
+    for body in ({"prompt": "Hello world"}, {"messages": CHAT}):
+        r = client.post("/tokenize", json={**body, "return_token_strs": None}, headers=H(keys.paid))
+        assert r.status_code == 200, r.text
+        plain = client.post("/tokenize", json=body, headers=H(keys.paid)).json()
+        assert r.json() == plain and plain["token_strs"] is None
+
+
 @pytest.mark.parametrize("path,body,status,param", [
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, 400, "add_generation_prompt"),
