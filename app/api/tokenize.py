@@ -83,8 +83,8 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:
-        for name in TEMPLATE_DEFAULTS:
-            if getattr(req, name) is not None:
+        for name in (*TEMPLATE_DEFAULTS, "tools"):  # vLLM's drops them: the count would pass for holding them
+            if getattr(req, name) not in (None, []):
                 raise OpenAIError(400, f"{name} is for the chat template: send messages, not a prompt", param=name)
         # as a completion's prompt is fed (the flag unset: true)
         return encode_input(settings.model, req.prompt, None, options={"add_special_tokens": req.add_special_tokens})

@@ -66,6 +66,7 @@ def test_return_token_strs_null_is_left_unset_as_vllm_takes_it(client, keys):
 @pytest.mark.parametrize("path,body,status,param", [
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "x", "tools": TOOLS}, 400, "tools"),  # a prompt's count holds no tools
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": 1}}, 400, "chat_template_kwargs"),
     ("/tokenize", {"prompt": "x", "messages": CHAT}, 400, "prompt"),
