@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import and_, case, false, func, select
+from sqlalchemy import and_, false, func, or_, select
 from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT as MESSAGES, stored_message
@@ -15,6 +15,7 @@ from app.openai_schemas import merge_choices, stored_chat_answer, text_completio
 from app.responses_schemas import response_body
 from app.services.transitions import as_utc
 from app.services.truncation import fed_prompt
+from app.services.usage import prompt_usage
 from app.tool_calls import read_answer
 
 
@@ -26,12 +27,13 @@ def ts(dt: datetime | None) -> int | None:
 
 def batch_usage(session: Session, batch_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Each batch's ``usage``: the tokens of its jobs an engine ran (finished, or cancelled with the batch after
-    producing tokens: those count too), one grouped query for a page."""
-    prompt = Job.counts_prompt  # a line of several choices counts each prompt once
-    rows = session.execute(select(Job.batch_id, func.sum(case((prompt, Job.prompt_tokens), else_=0)),
-                                  func.sum(case((prompt, Job.cached_tokens), else_=0)),
+    producing tokens: those count too), a line's prompts billed as the Usage API bills them (``prompt_usage``: each
+    once, where any of its choices ran), one grouped query for a page."""
+    prompt = prompt_usage()
+    rows = session.execute(select(Job.batch_id, prompt.input_tokens, prompt.cached_tokens,
                                   func.sum(Job.completion_tokens), func.sum(Job.reasoning_tokens))
-                           .where(Job.batch_id.in_(list(batch_ids)), Job.completion_tokens.is_not(None))
+                           .where(Job.batch_id.in_(list(batch_ids)),
+                                  or_(Job.completion_tokens.is_not(None), prompt.ran_elsewhere))
                            .group_by(Job.batch_id))
     return {batch_id: _usage(*(int(n or 0) for n in sums)) for batch_id, *sums in rows}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import BigInteger, Integer, and_, case, cast, exists, func, or_, select
 from sqlalchemy.orm import Session, aliased
@@ -69,20 +69,15 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
     keys = [columns[g].label(g) for g in q.group_by]
     # a request of n choices or several prompts: one request, each prompt's tokens once (OpenAI's usage), whichever
     # of their jobs ran; a job that ended before it ran (expired in the queue) is no request, but it missed its SLO
-    ran = Job.completion_tokens.is_not(None)
-    prompt_ran, request_ran = _any_ran(Job.prompt_job_id), _any_ran(Job.request_job_id)
-    # CASE tries its branches in order: a job's other choices are looked up only where it did not run itself
-    own, choices = and_(ran, Job.counts_prompt), and_(Job.counts_prompt, prompt_ran)
-    stmt = select(bucket, *keys, func.sum(case((own, Job.prompt_tokens), (choices, Job.prompt_tokens), else_=0)),
-                  func.sum(case((own, func.coalesce(Job.cached_tokens, 0)), (choices, _choices_cached()), else_=0)),
+    ran, request_ran, prompt = Job.completion_tokens.is_not(None), _any_ran(Job.request_job_id), prompt_usage()
+    stmt = select(bucket, *keys, prompt.input_tokens, prompt.cached_tokens,
                   func.coalesce(func.sum(Job.completion_tokens), 0),
                   func.sum(case((and_(ran, Job.counts_request), 1), (and_(Job.counts_request, request_ran), 1),
                                 else_=0)),
                   func.sum(case((Job.slo_met.is_(True), 1), else_=0)),
                   func.sum(case((Job.slo_met.is_(False), 1), else_=0)),
                   func.sum(case((Job.relegation_count > 0, 1), else_=0)))
-    billed = or_(ran, Job.slo_met.is_not(None), and_(Job.counts_prompt, prompt_ran),
-                 and_(Job.counts_request, request_ran))
+    billed = or_(ran, Job.slo_met.is_not(None), prompt.ran_elsewhere, and_(Job.counts_request, request_ran))
     stmt = stmt.where(billed, Job.created_at >= _at(lo), Job.created_at < _at(hi))
     if q.tenant_ids is not None:
         stmt = stmt.where(Job.tenant_id.in_(q.tenant_ids))
@@ -105,6 +100,25 @@ def completions_usage(session: Session, q: UsageQuery, service_tier: Any) -> dic
              "results": results.get(i, [])} for i in range(q.first, last)]
     more = last < q.buckets
     return {"object": "page", "data": data, "has_more": more, "next_page": f"page_{last}" if more else None}
+
+
+class PromptUsage(NamedTuple):
+    """A prompt's tokens as billed, once, on its first choice's row, where any of its choices ran."""
+
+    ran_elsewhere: Any  # the row bills a prompt its own job did not run: another choice of it did (select it too)
+    input_tokens: Any  # the sum of the selected rows' prompts' input tokens
+    cached_tokens: Any  # the sum of their cached tokens: the first choice's where it ran, else another's that did
+
+
+def prompt_usage() -> PromptUsage:
+    """The rule the Usage API and a Batch object's ``usage`` both bill prompts by (a request of n choices or several
+    prompts: each prompt's tokens once, whichever of its choices ran)."""
+    # CASE tries its branches in order: a job's other choices are looked up only where it did not run itself
+    own = and_(Job.completion_tokens.is_not(None), Job.counts_prompt)
+    choices = and_(Job.counts_prompt, _any_ran(Job.prompt_job_id))
+    return PromptUsage(choices, func.sum(case((own, Job.prompt_tokens), (choices, Job.prompt_tokens), else_=0)),
+                       func.sum(case((own, func.coalesce(Job.cached_tokens, 0)), (choices, _choices_cached()),
+                                     else_=0)))
 
 
 def _any_ran(link: Any) -> Any:

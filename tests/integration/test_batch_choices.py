@@ -87,3 +87,26 @@ def test_a_lines_request_and_prompt_count_in_usage_where_only_a_later_choice_ran
                    params={"start_time": now - 3600, "end_time": now + 60})
     (result,) = [x for b in r.json()["data"] for x in b["results"]]
     assert (result["num_model_requests"], result["input_tokens"], result["output_tokens"]) == (1, prompt_tokens, 1)
+
+
+def test_a_lines_prompt_counts_in_the_batch_usage_where_only_a_later_choice_ran(client, keys, settings):
+    """The Batch object's ``usage`` counts a line's prompt as the Usage API does: a line of n=2 whose first choice
+    expired before it ran and whose second ran counts the prompt's input tokens once, and the cached tokens of the
+    choice that ran, not 0 input tokens beside the second choice's output."""
+    auth = Keys.header(keys.paid)
+    line = {"custom_id": "whole", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "s", "n": 2, "max_tokens": 2}}
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", json.dumps(line))}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                              "completion_window": "1h"}).json()["id"]
+    with session_scope(settings.sqlalchemy_url) as s:
+        (first, prompt_tokens), (second, _) = s.execute(select(Job.id, Job.prompt_tokens)
+                                                        .where(Job.batch_id == batch_id).order_by(Job.choice_index))
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.execute(update(Job).where(Job.id == first).values(status="expired", slo_met=False))
+        s.commit()
+    _end(settings, [second], "succeeded", cached_tokens=2)
+    usage = client.get(f"/v1/batches/{batch_id}", headers=auth).json()["usage"]
+    assert (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"], usage["output_tokens"],
+            usage["total_tokens"]) == (prompt_tokens, 2, 1, prompt_tokens + 1)

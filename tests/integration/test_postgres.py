@@ -321,6 +321,37 @@ def test_usage_counts_a_request_whose_first_choice_never_ran_on_postgres(pg_url)
             result["output_tokens"]) == (1, 30, 16, 4)
 
 
+def test_batch_usage_counts_a_lines_prompt_whose_first_choice_never_ran_on_postgres(pg_url):
+    """A Batch object's ``usage`` bills a line's prompt by the Usage API's lookup (correlated on PostgreSQL as on
+    SQLite): n=2, its first choice expired before it ran, the other run, counts the prompt once, with the cached
+    tokens of the choice run."""
+    from app.auth import create_tenant
+    from app.batch.objects import batch_usage
+    from app.db.migrate import upgrade
+    from app.db.models import Batch, File, Job
+    from app.db.session import session_scope
+    from app.services.jobs import choice_links
+
+    upgrade(pg_url)
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "batch-usage-links-pg")
+        s.add(File(id="file_l", tenant_id=tenant.id, filename="in.jsonl", purpose="batch", bytes=1, path="/x"))
+        s.flush()
+        s.add(Batch(id="batch_l", tenant_id=tenant.id, endpoint="/v1/completions", input_file_id="file_l",
+                    completion_window="24h", status="in_progress", tier="paid"))
+        s.flush()
+        common = {"tenant_id": tenant.id, "batch_id": "batch_l", "kind": "batch", "tier": "paid", "model": "m",
+                  "sampling": {}, "prompt_tokens": 30, "custom_id": "line"}
+        first, second = choice_links(["job_first_line_choice", "job_second_line_choice"], 2)
+        s.add_all([Job(**common, **first, id="job_first_line_choice", status="expired", choice_index=0),
+                   Job(**common, **second, id="job_second_line_choice", status="succeeded", choice_index=1,
+                       completion_tokens=4, cached_tokens=16)])
+        s.commit()
+        usage = batch_usage(s, ["batch_l"])["batch_l"]
+    assert (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"], usage["output_tokens"]) == (
+        30, 16, 4)
+
+
 def test_slo_chart_counts_on_postgres(pg_url):
     """The dashboard's SLO chart's grouped SQL (minute from PostgreSQL's epoch) counts what it counts on SQLite."""
     from app.observability.slo_chart import SloChart, slo_series
