@@ -17,7 +17,7 @@ import string
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from app.reasoning import ReasoningStream, split_reasoning
 from app.tool_call_scan import CallScanner, raw_arguments
@@ -46,6 +46,14 @@ class FunctionSpec(BaseModel):
     name: str = Field(pattern=NAME_PATTERN, description="the function's name (letters, digits, _ and -; 1-64)")
     description: Text | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    # kept for the chat template, which vLLM gives them to where set
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The function as vLLM's ``FunctionDefinition`` dumps it for the chat template: description and
+        parameters even where null, strict and defer_loading only where set."""
+        return self.model_dump(exclude={k for k in ("strict", "defer_loading") if getattr(self, k) is None})
 
 
 class ToolSpec(BaseModel):
@@ -53,6 +61,25 @@ class ToolSpec(BaseModel):
 
     type: Literal["function"] = "function"
     function: FunctionSpec
+    defer_loading: bool | None = None
+
+    @model_validator(mode="after")
+    def _function_defers_loading(self) -> ToolSpec:
+        """The tool's defer_loading is its function's where that sets none (vLLM's ``ChatCompletionToolsParam``)."""
+        if self.defer_loading is not None and self.function.defer_loading is None:
+            self.function.defer_loading = self.defer_loading
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as vLLM's chat serving gives it to the chat template (``tool.model_dump()``): the request's
+        fields kept, nulls included, and no others."""
+        tool = {"type": self.type, "function": self.function.template_dict()}
+        return tool if self.defer_loading is None else {**tool, "defer_loading": self.defer_loading}
+
+
+def template_tools(tools: list[ToolSpec] | None) -> list[dict[str, Any]] | None:
+    """A job's tools as the chat template gets them (None: none offered)."""
+    return None if tools is None else [tool.template_dict() for tool in tools]
 
 
 class FunctionName(BaseModel):

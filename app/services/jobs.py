@@ -37,7 +37,7 @@ from app.services.transitions import NOT_TERMINAL, cancel_stamps, transition, ut
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
-from app.tool_calls import NAMED_CHOICE, forced_choice_unsupported, is_forced
+from app.tool_calls import NAMED_CHOICE, forced_choice_unsupported, is_forced, template_tools
 from app.wire import find_unstorable, storable
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
 from workers.celery_app import message_priority
@@ -214,7 +214,7 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
                api_key_id=principal.key_id or None, user_id=spec.user, request_id=request_id.current(),
                status=JobStatus.QUEUED.value, created_at=now, attempt=0, relegation_count=0, counts_request=True,
                counts_prompt=True, messages=messages,
-               tools=[t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
+               tools=template_tools(spec.tools),
                template_options=spec.template_options(), response=response,
                route_key=routing.route_key(principal.tenant_id, model, prompt_cache_key=spec.prompt_cache_key,
                                            messages=messages, prompt=prompt, prompt_token_ids=spec.prompt_token_ids))
@@ -306,7 +306,7 @@ def encode_spec(model: str, spec: JobCreate) -> list[int]:
     if spec.prompt_token_ids is not None:
         return list(spec.prompt_token_ids)
     return encode_input(model, spec.prompt, [m.stored() for m in spec.messages] if spec.messages is not None else None,
-                        [t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None,
+                        template_tools(spec.tools),
                         spec.template_options())
 
 

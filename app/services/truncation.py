@@ -15,6 +15,7 @@ from app.schemas import JobCreate
 from app.services.model_info import ChatTemplateError, context_length, encode_input
 from app.services.workers import held_context_length
 from app.settings import Settings
+from app.tool_calls import template_tools
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[J
     starts among those kept (``input_from`` was its place among all of them)."""
     limit = held_context_length(settings) - spec.sampling(settings.default_max_tokens)["max_tokens"]
     messages = list(spec.messages or ())
-    tools = [t.model_dump(exclude_none=True) for t in spec.tools] if spec.tools is not None else None
+    tools = template_tools(spec.tools)
 
     def fits(kept: list[int]) -> bool:
         try:
