@@ -31,7 +31,8 @@ from app.schemas import MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
-from app.services.model_info import ChatTemplateError, encode_input, get_tokenizer, has_think_tokens
+from app.services.model_info import (ChatTemplateError, encode_input, get_tokenizer, has_think_tokens,
+                                     token_id_bounds)
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, cancel_stamps, transition, utcnow
 from app.services.truncation import fed_prompt
@@ -286,11 +287,15 @@ def thinking_budget_kept(settings: Settings) -> bool:
 BIG_PROMPT_CHARS = 4096  # above this, callers on an event loop tokenize in a worker thread
 
 
+PROMPT_ID_PARAMS = ("prompt", "tokens")  # ids of a text: the rest index the logits (vLLM bounds them so)
+
+
 def check_token_ids(model: str, ids: list[int], param: str) -> None:
-    """Raises ``JobValidationError`` for an id the model's tokenizer lacks."""
-    vocab = len(get_tokenizer(model))
-    if bad := [i for i in ids if not 0 <= i < vocab][:3]:
-        raise JobValidationError(f"{param} token ids must be in [0, {vocab}) for this model's tokenizer; got {bad}",
+    """Raises ``JobValidationError`` for an id the model lacks, as vLLM bounds ``param``'s (``token_id_bounds``)."""
+    prompt_bound, vocab = token_id_bounds(model)
+    bound = prompt_bound if param in PROMPT_ID_PARAMS else vocab
+    if bad := [i for i in ids if not 0 <= i < bound][:3]:
+        raise JobValidationError(f"{param} token ids must be in [0, {bound}) for this model; got {bad}",
                                  param=param)
 
 

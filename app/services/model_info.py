@@ -123,6 +123,23 @@ def context_length(settings: Any) -> int:
     return min(n, cap) if isinstance(cap, int) and cap > 0 else n  # vLLM's -1 fits the context to memory
 
 
+@lru_cache(maxsize=8)
+def token_id_bounds(model: str) -> tuple[int, int]:
+    """(prompt, sampling): one past the largest token id a prompt may hold, as vLLM's ``validate_token_ids``
+    bounds it (``max(tokenizer.max_token_id, vocab_size - 1)``: a model whose embedding is padded past its
+    tokenizer, as Qwen's, takes ids the tokenizer lacks), and the model's vocab_size, which bounds the ids of
+    stop_token_ids, allowed_token_ids and logit_bias (they index its logits); no vocab_size in its config: the
+    tokenizer's size."""
+    from transformers import AutoConfig
+
+    tok = get_tokenizer(model)
+    source = resolve_model(model)
+    cfg = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    vocab = getattr(cfg.get_text_config(), "vocab_size", None) or len(tok)
+    max_token_id = max(max(tok.get_vocab().values()), getattr(tok, "vocab_size", 0) - 1)  # vLLM's max_token_id
+    return max(max_token_id, vocab - 1) + 1, vocab
+
+
 def _max_model_len(model: str) -> int:
     from transformers import AutoConfig
 
