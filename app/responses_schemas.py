@@ -110,9 +110,11 @@ class ResponsesRequest(BaseModel):
         """What the job keeps of the request; ``input_from``: where its input starts among the job's messages
         (after the continued conversation and the instructions)."""
         conversation = {"conversation": {"id": self.conversation_id}} if self.conversation is not None else {}
-        own = input_messages(self.input) if self.input is not None else []
-        # the job's messages join an item's text parts (what the model reads): its input as given is kept beside
-        parted = {"own_input": own} if any(isinstance(m.get("content"), list) for m in own) else {}
+        own = listed_messages(self.input) if self.input is not None else []
+        # the job's messages are what the model reads (an item's text parts joined, an assistant's turn one
+        # message): its input as given is kept beside where it reads back otherwise
+        read = input_messages(self.input) if self.input is not None else []
+        parted = {"own_input": own} if own != read or any(isinstance(m.get("content"), list) for m in own) else {}
         return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation, **parted,
                 "input_from": len(history) + (self.instructions is not None)}
 
@@ -189,44 +191,101 @@ def _content_of(content: Any, where: str) -> str | list[dict[str, str]]:
     return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input as chat messages: messages as they are, a run of function calls as one assistant message with
-    its tool calls, a call's output as a tool message."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+def _reasoning_of(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's thinking as vLLM reads it: its first content part's text, else its first summary's (a
+    model's own summary), else nothing; encrypted content it cannot read is refused."""
+    if item.get("encrypted_content") is not None:
+        raise OpenAIError(400, f"{where}: encrypted reasoning content is not supported by this server; give the "
+                               "reasoning as content parts (reasoning_text)", param=f"{where}.encrypted_content",
+                          code="unsupported_value")
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == kind
+                                                  and isinstance(p.get("text"), str) for p in parts):
+            raise OpenAIError(400, f"{where}.{key} must be a list of {kind} parts with a text", param=f"{where}.{key}")
+        if parts:
+            return parts[0]["text"]
+    return ""
+
+
+def _item_message(item: Any, where: str) -> dict[str, Any]:
+    """One input item as a chat message: an assistant's call, reasoning or message with ``content`` None where the
+    item gives none (what a later item of the same turn may fill, as vLLM fills it)."""
+    if not isinstance(item, dict):
+        raise OpenAIError(400, f"{where} must be an object", param=where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        if item.get("role") not in ("user", "system", "developer", "assistant"):
+            raise OpenAIError(400, f"{where}.role must be user, system, developer or assistant", param=f"{where}.role")
+        return {"role": item["role"], "content": _content_of(item.get("content"), where)}
+    if kind == "function_call":
+        if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            raise OpenAIError(400, f"{where}: a function_call has call_id, name and arguments (strings)", param=where)
+        return {"role": "assistant", "content": None, "tool_calls": [chat_call(item)]}
+    if kind == "reasoning":  # a reasoning model's earlier thinking, given back
+        return {"role": "assistant", "content": None, "reasoning": _reasoning_of(item, where)}
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+            raise OpenAIError(400, f"{where}: a function_call_output has call_id and output (strings)", param=where)
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+    raise OpenAIError(400, f"{where}.type {kind!r} is not supported; use message, function_call, "
+                           "function_call_output or reasoning", param=f"{where}.type", code="unsupported_value")
+
+
+def _add_calls(turn: dict[str, Any], m: dict[str, Any]) -> bool:
+    turn["tool_calls"] = [*(turn.get("tool_calls") or ()), *m["tool_calls"]]
+    return True
+
+
+def _join_turn(turn: dict[str, Any], m: dict[str, Any]) -> bool:
+    """Whether ``m`` joins the assistant ``turn`` before it, as vLLM's ``construct_chat_messages_with_tool_call``
+    joins them (``turn`` updated): a call always, reasoning where it has none, text where it has none."""
+    if turn["role"] != "assistant" or m["role"] != "assistant":
+        return False
+    if m.get("tool_calls"):
+        return _add_calls(turn, m)
+    field = "reasoning" if "reasoning" in m else "content"
+    if turn.get(field) is not None:
+        return False
+    turn[field] = m[field]
+    return True
+
+
+def _join_listed(turn: dict[str, Any], m: dict[str, Any]) -> bool:
+    """Whether ``m`` joins ``turn`` in the input items read back (``input_items``): parallel calls are one turn."""
+    return (turn["role"] == "assistant" and bool(turn.get("tool_calls")) and not turn["content"]
+            and bool(m.get("tool_calls")) and _add_calls(turn, m))
+
+
+def _turns(messages: list[dict[str, Any]], join: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if not (out and join(out[-1], m)):
+            out.append(dict(m))
+    return [{**m, "content": m["content"] if m["content"] is not None else ""} for m in out]
+
+
+def _item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not items:
         raise OpenAIError(400, "input must not be empty", param="input")
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        where = f"input.{i}"
-        if not isinstance(item, dict):
-            raise OpenAIError(400, f"{where} must be an object", param=where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            if item.get("role") not in ("user", "system", "developer", "assistant"):
-                raise OpenAIError(400, f"{where}.role must be user, system, developer or assistant",
-                                  param=f"{where}.role")
-            out.append({"role": item["role"], "content": _content_of(item.get("content"), where)})
-        elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise OpenAIError(400, f"{where}: a function_call has call_id, name and arguments (strings)",
-                                  param=where)
-            call = chat_call(item)
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
-                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "reasoning":  # a reasoning model's earlier thinking, given back: its turn is the answer
-            continue
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
-                raise OpenAIError(400, f"{where}: a function_call_output has call_id and output (strings)",
-                                  param=where)
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-        else:
-            raise OpenAIError(400, f"{where}.type {kind!r} is not supported; use message, function_call or "
-                                   "function_call_output", param=f"{where}.type", code="unsupported_value")
-    return out
+    return [_item_message(item, f"input.{i}") for i, item in enumerate(items)]
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as the chat messages the model reads, as vLLM 0.32 builds them: an assistant's turn (its reasoning,
+    message and function calls, in the orders a client sends them back) as one assistant message with its reasoning,
+    content and tool calls; a call's output as a tool message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    return _turns(_item_messages(items), _join_turn)
+
+
+def listed_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as chat messages that read back (``input_items``) as the items given: each message, call and
+    output in its order (parallel calls one turn); reasoning items are not listed."""
+    if isinstance(items, str):
+        return input_messages(items)
+    return _turns([m for m in _item_messages(items) if "reasoning" not in m], _join_listed)
 
 
 def _check_call_outputs(messages: list[dict[str, Any]], own_from: int, continued: str) -> None:

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Conversation, ConversationEntry, Job, JobStatus, utcnow
 from app.openai_schemas import OpenAIError
-from app.responses_schemas import (input_items, input_messages, output_items, own_input_items, stored_answer,
-                                   text_part)
+from app.responses_schemas import (input_items, input_messages, listed_messages, output_items, own_input_items,
+                                   stored_answer, text_part)
 from app.wire import as_utc
 
 MAX_ITEMS = 20  # items one request may add (OpenAI's limit)
@@ -42,7 +42,7 @@ def find(session: Session, tenant_id: str, conv_id: str, param: str | None = Non
 def new_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Items a client adds, checked as a response's input is and written as stored items with ids of their own."""
     try:
-        messages = input_messages(items)
+        messages = listed_messages(items)
     except OpenAIError as exc:  # it names the field as ``input...``: here it is ``items...`` (not input_text)
         param = "items" + (exc.param or "input").removeprefix("input")
         raise OpenAIError(400, exc.message.replace(exc.param or "input", param, 1), param=param,

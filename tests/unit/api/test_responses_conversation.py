@@ -1,0 +1,125 @@
+"""The prompt a Responses request's input items become, held to what vLLM 0.32 makes of the same request: its own
+request model and converter (``ResponsesRequest``, ``construct_input_messages``: no server) and its own chat-message
+parser, rendered through the same chat template with the bundled model's tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.openai_schemas import OpenAIError, openai_parsed
+from app.responses_schemas import ResponsesRequest, input_items
+from app.services.jobs import encode_spec
+from app.services.model_info import use_chat_template
+from tests.unit.api.test_anthropic_conversation import BUNDLED, MODEL, tok, vllm_conversation  # noqa: F401
+
+# as Qwen3's: an assistant turn's reasoning_content as <think>, its tool calls after its content, tool results
+QWEN_TOOLS = "qwen-tools"
+QWEN_TOOLS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.role == 'assistant' and message.reasoning_content is string %}"
+    "{{ '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{ '<tool_call>' + call.function.name + ' ' + (call.function.arguments | tojson) + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- if message.role == 'tool' %}{{ ' (for ' + message.tool_call_id + ')' }}{%- endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+ASK = {"role": "user", "content": "Weather in Rome and Paris?"}
+THOUGHT = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text",
+                                                                          "text": "Look both up."}]}
+SAID = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+        "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]}
+ROME = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Rome"}'}
+PARIS = {"type": "function_call", "id": "fc_2", "call_id": "c2", "name": "get_weather",
+         "arguments": '{"city":"Paris"}'}
+ROME_OUT = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+PARIS_OUT = {"type": "function_call_output", "call_id": "c2", "output": "rain"}
+THOUGHT_2 = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Mixed."}]}
+ANSWER = {"type": "message", "role": "assistant", "content": "Rome sunny, Paris rain."}
+
+# the orders a client sends a tool turn back in (a reasoning model's output items, then the call outputs)
+TURNS = {
+    "reasoning-call-output": [ASK, THOUGHT, ROME, ROME_OUT],
+    "reasoning-message-calls-outputs": [ASK, THOUGHT, SAID, ROME, PARIS, ROME_OUT, PARIS_OUT],
+    "message-calls-outputs": [ASK, SAID, ROME, PARIS, ROME_OUT, PARIS_OUT],
+    "calls-outputs-reasoning-answer": [ASK, THOUGHT, ROME, PARIS, ROME_OUT, PARIS_OUT, THOUGHT_2, ANSWER,
+                                       {"role": "user", "content": "And tomorrow?"}],
+    "call-then-message": [ASK, ROME, SAID, ROME_OUT],
+    "message-then-reasoning": [ASK, SAID, THOUGHT, ROME, ROME_OUT],
+    "summary-only-reasoning": [ASK, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Brief."}]},
+                               ROME, ROME_OUT],
+}
+
+
+@pytest.fixture(scope="module")
+def templates(tok) -> dict[str, str]:  # noqa: F811
+    return {BUNDLED: tok.chat_template, QWEN_TOOLS: QWEN_TOOLS_TEMPLATE}
+
+
+def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:  # noqa: F811
+    """The token ids vLLM's /v1/responses renders ``raw`` to with ``template`` (its OnlineRenderer's steps)."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VllmResponsesRequest
+    from vllm.entrypoints.openai.responses.utils import construct_input_messages, construct_tool_dicts
+
+    request = VllmResponsesRequest.model_validate(raw)
+    messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
+    tools = construct_tool_dicts(request.tools, request.tool_choice)
+    text = tok.apply_chat_template(vllm_conversation(messages), tools=tools, chat_template=template,
+                                   add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def coserve_request(raw: dict[str, Any]) -> Any:
+    body = openai_parsed(ResponsesRequest, raw)  # as the route reads it
+    body.check()
+    return body
+
+
+def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:
+    """The token ids coserve's job of ``raw`` renders to with ``template`` in use (COSERVE_CHAT_TEMPLATE)."""
+    use_chat_template(MODEL, template)
+    _, spec = coserve_request(raw).chat_request(raw, [])
+    return encode_spec(MODEL, spec)  # as its worker feeds it
+
+
+@pytest.mark.parametrize("template", [BUNDLED, QWEN_TOOLS])
+@pytest.mark.parametrize("turn", list(TURNS))
+def test_a_tool_turns_items_become_the_chat_messages_vllm_makes_of_them(tok, templates, turn, template):  # noqa: F811
+    # vLLM's construct_chat_messages_with_tool_call: a reasoning item is the assistant message's reasoning, an
+    # assistant message fills a message that has no content yet, and a function call joins the assistant message
+    # before it (content or not)
+    raw = {"model": "tiny", "input": TURNS[turn], "tools": TOOLS, "instructions": "Be brief."}
+    ids = coserve_prompt(raw, templates[template])
+    assert ids == vllm_prompt(tok, raw, templates[template])
+    if template == QWEN_TOOLS and any(item.get("type") == "reasoning" for item in TURNS[turn]):
+        assert "<think>\n" in tok.decode(ids)  # the thinking reaches the template
+
+
+def test_a_tool_turn_lists_back_as_the_items_sent_less_the_reasoning():
+    # the input items a response lists back are as before: one for each message, call and output, in the order
+    # sent; reasoning items are not listed
+    raw = {"model": "tiny", "input": TURNS["calls-outputs-reasoning-answer"]}
+    body = coserve_request(raw)
+    chat, spec = body.chat_request(raw, [])
+    kept = body.kept([])
+    own = kept.get("own_input") or [m.stored() for m in spec.messages][kept["input_from"]:]
+    listed = input_items("job_ab", own)
+    assert [(i["type"], i.get("role"), i.get("call_id")) for i in listed] == [
+        ("message", "user", None), ("function_call", None, "c1"), ("function_call", None, "c2"),
+        ("function_call_output", None, "c1"), ("function_call_output", None, "c2"), ("message", "assistant", None),
+        ("message", "user", None)]
+    assert [i["id"] for i in listed] == ["msg_ab_0", "fc_ab_1_0", "fc_ab_1_1", "fco_ab_2", "fco_ab_3", "msg_ab_4",
+                                         "msg_ab_5"]
+
+
+def test_a_reasoning_item_with_encrypted_content_is_a_400_as_vllm_refuses_it():
+    raw = {"model": "tiny", "input": [ASK, {**THOUGHT, "encrypted_content": "opaque"}, ROME, ROME_OUT]}
+    with pytest.raises(OpenAIError) as exc:
+        coserve_request(raw).chat_request(raw, [])
+    assert exc.value.status_code == 400 and exc.value.param == "input.1.encrypted_content"
