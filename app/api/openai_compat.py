@@ -32,8 +32,8 @@ from app.openai_schemas import (BatchChatCompletionRequest, ChatCompletionReques
                                 openai_param, openai_parsed, service_tier, text_completion, usage, with_token_ids)
 from app.services import jobs as job_service
 from app.services import stored_completions
-from app.services.answer_events import (ANOTHER_FAILED, Begun, Failed, Finished, Interrupted, Piece, abandon,
-                                        abandoned_on_hangup, answer_events)
+from app.services.answer_events import (ANOTHER_FAILED, HELD, Begun, Failed, Finished, Held, Interrupted, Piece,
+                                        abandon, abandoned_on_hangup, answer_events)
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
 from app.services.model_info import ChatTemplateError
@@ -139,8 +139,9 @@ def job_error(status: str | None, error: str | None, code: str | None = None) ->
         return OpenAIError(400, error or "the engine refused the request", code=INVALID_REQUEST)
     if status == JobStatus.CANCELLED:
         return OpenAIError(409, "the request was cancelled", type="cancelled", code="cancelled")
-    if status == JobStatus.EXPIRED:
-        return OpenAIError(504, "the request's deadline passed before it finished", type="timeout",
+    if status == JobStatus.EXPIRED:  # why, where the worker said (set aside under overload, then given up on)
+        why = f": {error}" if error else ""
+        return OpenAIError(504, f"the request's deadline passed before it finished{why}", type="timeout",
                            code="deadline_exceeded")
     return OpenAIError(500, f"generation failed: {error or 'unknown error'}", type="server_error")
 
@@ -280,6 +281,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         yield _sse(chunk(i, item.content, None, item.generated, logprobs=item.logprobs,
                                          tool_calls=item.calls, offset=item.offset, reasoning=item.reasoning,
                                          token_ids=item.token_ids))
+                    case Held(choice=i):  # said in a comment (OpenAI's clients skip them): no silent stall
+                        yield f": choice {i} {item.status}: {HELD[item.status]}\n\n".encode()
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _sse_error(OpenAIError(503, item.message, type="server_error", code="stream_interrupted"))
                         return  # no [DONE]: the answer is incomplete

@@ -80,13 +80,26 @@ class Failed:
 
 
 @dataclass
+class Held:
+    """Choice ``choice``'s job was relegated under overload (set aside until there is spare capacity, or until it
+    expires), or resumed after it: ``status``. The job goes on either way."""
+
+    choice: int
+    status: str  # relegated | resumed
+
+
+# what a client is told of a held job's status
+HELD = {"relegated": "set aside under overload, waiting for spare capacity", "resumed": "running again"}
+
+
+@dataclass
 class Interrupted:
     """The stream could not be read on; the jobs go on (the items stop here)."""
 
     message: str
 
 
-AnswerItem = Begun | Piece | Finished | Failed | Interrupted
+AnswerItem = Begun | Piece | Finished | Failed | Held | Interrupted
 
 
 async def merged_events(settings: Settings, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamEvent]]:
@@ -165,6 +178,8 @@ async def answer_events(settings: Settings, jobs: list[Job], chat: bool = True) 
                 generated[i] += len(ev.token_ids)
                 if given := piece(i, *answers[i].feed(ev.text), ev.data.get("logprobs") or None, ev.text):
                     yield given
+            elif ev.type == "status" and ev.status in HELD:
+                yield Held(i, ev.status)
             elif ev.type == "error":
                 yield Interrupted(ev.data.get("error") or "the stream was interrupted")
                 return
