@@ -78,6 +78,15 @@ class Tool(BaseModel):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The tool in chat's form, as vLLM's ``_convert_tools`` writes it: description, strict and defer_loading
+        as given (chat's ``ToolSpec`` dumps them for the template)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.input_schema, "strict": self.strict,
+                                                 "defer_loading": self.defer_loading}}
 
 
 class ToolChoice(BaseModel):
@@ -182,10 +191,7 @@ class MessagesRequest(BaseModel):
         if self.stop_sequences:
             body["stop"] = self.stop_sequences
         if self.tools:
-            body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                               **({"description": t.description}
-                                                                  if t.description else {})}}
-                             for t in self.tools]
+            body["tools"] = [t.chat_tool() for t in self.tools]
         if (choice := self.tool_choice) is not None:
             body["tool_choice"] = TOOL_CHOICES.get(choice.type) or {"type": "function",
                                                                     "function": {"name": choice.name}}

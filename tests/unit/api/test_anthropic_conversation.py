@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from app.anthropic_schemas import MessagesRequest
-from app.services.model_info import encode_input, get_tokenizer, use_chat_template
+from app.services.jobs import encode_spec
+from app.services.model_info import get_tokenizer, use_chat_template
 
 MODEL = "smollm2-135m"
 # the bundled model's own template: renders any role anywhere, and no reasoning
@@ -59,8 +60,10 @@ def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:
     chat = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(raw),
                                                                merge_inline_system=merge)
     conversation = vllm_conversation(chat.messages)
+    tools = None if chat.tools is None else [tool.model_dump() for tool in chat.tools]  # as its chat serving
     # vLLM's HfRenderer: the template rendered to text, which is tokenized without special tokens added
-    text = tok.apply_chat_template(conversation, chat_template=template, add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(conversation, tools=tools, chat_template=template, add_generation_prompt=True,
+                                   tokenize=False)
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -70,7 +73,7 @@ def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:
     body = MessagesRequest.model_validate(raw)
     body.check(raw)
     _, spec = body.chat_request(raw, model=MODEL)
-    return encode_input(MODEL, None, [m.stored() for m in spec.messages], None, spec.template_options())
+    return encode_spec(MODEL, spec)  # as its worker feeds it
 
 
 @pytest.mark.parametrize("template", [BUNDLED, QWEN])
@@ -99,6 +102,20 @@ def test_a_chat_assistant_messages_reasoning_reaches_the_template_as_vllms_chat_
                 {"role": "user", "content": "Tomorrow?"}]
     chat = ChatCompletionRequest.model_validate({"model": "tiny", "messages": messages})
     assert template_messages([m.stored() for m in chat.chat_messages()]) == vllm_conversation(messages)
+
+
+@pytest.mark.parametrize("tool", [
+    {"name": "weather", "description": "", "input_schema": {"type": "object"}},
+    {"name": "weather", "input_schema": {"type": "object"}, "strict": True},
+    {"name": "weather", "description": "Today's", "input_schema": {"type": "object"}, "defer_loading": False},
+], ids=["empty-description", "strict", "defer-loading"])
+def test_the_tools_reach_the_template_as_vllm_converts_them(tok, tool):
+    # vLLM's _convert_tools: description, strict and defer_loading as given; a template that writes the tools as
+    # JSON counts every one of them
+    from tests.unit.api.test_chat_template_inputs import TOOLS_AS_JSON
+
+    raw = {"model": "tiny", "max_tokens": 64, "messages": [ASK], "tools": [tool]}
+    assert coserve_prompt(raw, TOOLS_AS_JSON) == vllm_prompt(tok, raw, TOOLS_AS_JSON)
 
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli; cch=0f3e2;"
