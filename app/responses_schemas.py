@@ -19,7 +19,7 @@ from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsuppor
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
-from app.tool_calls import Answer, read_answer
+from app.tool_calls import Answer, FunctionSpec, read_answer
 from app.wire import Metadata, Text, as_utc
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
@@ -308,12 +308,14 @@ def _check_call_outputs(messages: list[dict[str, Any]], own_from: int, continued
 
 
 def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
-    """A Responses function tool (flat) in chat's form."""
+    """A Responses function tool (flat) in chat's form: its function's fields, as vLLM's
+    ``convert_tool_responses_to_completions_format`` gives them to ``FunctionDefinition`` (chat's ``ToolSpec``
+    dumps them for the template)."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
         raise OpenAIError(400, f"tools.{i}: only function tools are supported (not {kind!r})", param=f"tools.{i}",
                           code="unsupported_value")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    function = {k: tool[k] for k in FunctionSpec.model_fields if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
 

@@ -101,6 +101,20 @@ def test_a_tool_turns_items_become_the_chat_messages_vllm_makes_of_them(tok, tem
         assert "<think>\n" in tok.decode(ids)  # the thinking reaches the template
 
 
+@pytest.mark.parametrize("tool", [
+    {"type": "function", "name": "get_weather", "defer_loading": True},
+    {"type": "function", "name": "get_weather", "description": "", "parameters": {"type": "object"}, "strict": False,
+     "defer_loading": False},
+], ids=["defer-loading", "all-fields"])
+def test_the_tools_reach_the_template_as_vllm_converts_them(tok, tool):  # noqa: F811
+    # vLLM's convert_tool_responses_to_completions_format: the flat tool's fields go to FunctionDefinition, which
+    # keeps defer_loading (and strict) where given; a template that writes the tools as JSON counts every one
+    from tests.unit.api.test_chat_template_inputs import TOOLS_AS_JSON
+
+    raw = {"model": "tiny", "input": [ASK], "tools": [tool]}
+    assert coserve_prompt(raw, TOOLS_AS_JSON) == vllm_prompt(tok, raw, TOOLS_AS_JSON)
+
+
 def test_a_tool_turn_lists_back_as_the_items_sent_less_the_reasoning():
     # the input items a response lists back are as before: one for each message, call and output, in the order
     # sent; reasoning items are not listed
