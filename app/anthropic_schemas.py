@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.openai_schemas import ChatCompletionRequest, OpenAIError, chat_job
 from app.responses_schemas import SHARED_FIELDS
@@ -80,6 +80,12 @@ class Tool(BaseModel):
     input_schema: dict[str, Any]
     strict: bool | None = None
     defer_loading: bool | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _an_object_where_untyped(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """A schema without a type is an object's, its type added last (vLLM's ``AnthropicTool``)."""
+        return schema if "type" in schema else {**schema, "type": "object"}
 
     def chat_tool(self) -> dict[str, Any]:
         """The tool in chat's form, as vLLM's ``_convert_tools`` writes it: description, strict and defer_loading

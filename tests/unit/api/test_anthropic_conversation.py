@@ -108,9 +108,11 @@ def test_a_chat_assistant_messages_reasoning_reaches_the_template_as_vllms_chat_
     {"name": "weather", "description": "", "input_schema": {"type": "object"}},
     {"name": "weather", "input_schema": {"type": "object"}, "strict": True},
     {"name": "weather", "description": "Today's", "input_schema": {"type": "object"}, "defer_loading": False},
-], ids=["empty-description", "strict", "defer-loading"])
+    {"name": "weather", "input_schema": {"properties": {"city": {"type": "string"}}}},
+], ids=["empty-description", "strict", "defer-loading", "schema-without-type"])
 def test_the_tools_reach_the_template_as_vllm_converts_them(tok, tool):
-    # vLLM's _convert_tools: description, strict and defer_loading as given; a template that writes the tools as
+    # vLLM's _convert_tools: description, strict and defer_loading as given, an input_schema without a type an
+    # object's (AnthropicTool's validator); a template that writes the tools as
     # JSON counts every one of them
     from tests.unit.api.test_chat_template_inputs import TOOLS_AS_JSON
 
