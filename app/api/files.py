@@ -53,10 +53,14 @@ def clean_filename(name: str | None) -> str:
     return name[:MAX_FILENAME_CHARS] or "upload.jsonl"
 
 
+def _no_such_file(file_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
+
+
 def _own(session, principal, file_id: str) -> FileRow:
     row = storage.tenant_file(session, principal.tenant_id, file_id)
     if row is None:
-        raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
+        raise _no_such_file(file_id)
     return row
 
 
@@ -145,13 +149,13 @@ def file_content(file_id: str, session: SessionDep, principal: CurrentPrincipal)
     try:
         content = storage.read_content(row)
     except FileNotFoundError:  # deleted since it was read (it expired, or a DELETE raced this request)
-        raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="file_not_found") from None
+        raise _no_such_file(file_id) from None
     return Response(content, media_type="application/jsonl",
                     headers={"Content-Disposition": content_disposition(row.filename)})
 
 
 @router.delete("/{file_id}", responses=openai_responses(404))
 def delete_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> dict:
-    row = _own(session, principal, file_id)
-    storage.delete_file(session, row)
+    if not storage.delete_file(session, _own(session, principal, file_id)):  # another DELETE came first
+        raise _no_such_file(file_id)
     return {"id": file_id, "object": "file", "deleted": True}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import exists, select
+from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import Batch, File, new_id, utcnow
@@ -91,11 +91,15 @@ def tenant_file(session: Session, tenant_id: str, file_id: str) -> File | None:
     return None if row is None or row.purpose in NOT_IN_FILES_API else row
 
 
-def delete_file(session: Session, row: File) -> None:
+def delete_file(session: Session, row: File) -> bool:
+    """Removes the content, then flags the row deleted; False when another deletion flagged it since it was read
+    (two DELETEs at once: the later one is the 404 a client gets after a delete)."""
     Path(row.path).unlink(missing_ok=True)
     with write_after_read(session):
-        row.deleted = True
+        flagged = session.execute(update(File).where(File.id == row.id, File.deleted.is_(False))
+                                  .values(deleted=True)).rowcount == 1
         session.commit()
+    return flagged
 
 
 def delete_expired_files(session: Session, limit: int = 500) -> int:
@@ -104,11 +108,10 @@ def delete_expired_files(session: Session, limit: int = 500) -> int:
     validating = exists().where(Batch.input_file_id == File.id, Batch.status == "validating")
     rows = list(session.scalars(select(File).where(File.deleted.is_(False), File.expires_at.is_not(None),
                                                   File.expires_at <= utcnow(), ~validating).limit(limit)))
-    for row in rows:
-        delete_file(session, row)
-    if rows:
-        log.info("deleted %d expired files", len(rows))
-    return len(rows)
+    deleted = sum(delete_file(session, row) for row in rows)  # not one a DELETE took meanwhile
+    if deleted:
+        log.info("deleted %d expired files", deleted)
+    return deleted
 
 
 def file_object(row: File) -> dict[str, Any]:

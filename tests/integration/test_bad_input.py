@@ -243,6 +243,30 @@ def test_downloads_name_the_file_in_rfc_5987(client, keys, settings, name):
     assert unquote(exact) == stored == name and ";" not in exact and " " not in exact
 
 
+def test_two_deletes_of_one_file_at_once_answer_200_then_404(client, keys, settings, monkeypatch):
+    """Both DELETEs read the file before either wrote (each in its own session): the second answered 200 as well,
+    its UPDATE not guarded on the file being there still. It is now the 404 a client gets after a delete."""
+    from app.api import files
+    from app.db.models import File
+
+    f = upload(client, keys.paid, "in.jsonl")
+    url, read, answers = f"/v1/files/{f['id']}", files._own, []
+
+    def overtaken(session, principal, file_id):
+        row = read(session, principal, file_id)
+        if not answers:  # this DELETE has read the file: the other runs whole before it writes
+            answers.append(None)
+            answers.append(client.delete(url, headers=H(keys.paid)).status_code)
+        return row
+
+    monkeypatch.setattr(files, "_own", overtaken)
+    late = client.delete(url, headers=H(keys.paid))
+    assert answers[1] == 200 and late.status_code == 404, (answers, late.text)
+    assert late.json()["error"]["code"] == "file_not_found"
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(File, f["id"]).deleted
+
+
 def test_uploads_keep_the_base_name_only(client, keys):
     assert upload(client, keys.paid, "C:\\Users\\me\\in.jsonl")["filename"] == "in.jsonl"
     assert upload(client, keys.paid, "../../etc/passwd")["filename"] == "passwd"
