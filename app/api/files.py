@@ -7,6 +7,7 @@ import json
 import logging
 import re
 from datetime import timedelta
+from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import quote
 
@@ -152,6 +153,19 @@ def file_content(file_id: str, session: SessionDep, principal: CurrentPrincipal)
         raise _no_such_file(file_id) from None
     return Response(content, media_type="application/jsonl",
                     headers={"Content-Disposition": content_disposition(row.filename)})
+
+
+# HEAD is GET's answer without its body (RFC 9110), not an operation of its own: the document lists GET only
+@router.head("/{file_id}/content", response_class=Response, include_in_schema=False)
+def file_content_head(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> Response:
+    """What GET answers, its headers alone: the content's size is read from disk, not the content."""
+    row = _own(session, principal, file_id)
+    try:
+        size = Path(row.path).stat().st_size
+    except FileNotFoundError:  # as GET: deleted since it was read
+        raise _no_such_file(file_id) from None
+    return Response(media_type="application/jsonl", headers={
+        "Content-Disposition": content_disposition(row.filename), "Content-Length": str(size)})
 
 
 @router.delete("/{file_id}", responses=openai_responses(404))

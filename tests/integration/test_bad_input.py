@@ -243,6 +243,19 @@ def test_downloads_name_the_file_in_rfc_5987(client, keys, settings, name):
     assert unquote(exact) == stored == name and ";" not in exact and " " not in exact
 
 
+def test_head_of_a_files_content_answers_as_get_without_the_body(client, keys):
+    """``HEAD /v1/files/{id}/content`` (a download tool's look before it fetches) answered 405."""
+    f = upload(client, keys.paid, "in.jsonl", b'{"x": 1}\n{"x": 2}\n')
+    got = client.get(f"/v1/files/{f['id']}/content", headers=H(keys.paid))
+    head = client.head(f"/v1/files/{f['id']}/content", headers=H(keys.paid))
+    assert head.status_code == 200 and head.content == b"", head.headers
+    for name in ("content-length", "content-type", "content-disposition"):
+        assert head.headers[name] == got.headers[name], name
+    assert head.headers["content-length"] == str(f["bytes"])
+    assert client.head("/v1/files/file_nope/content", headers=H(keys.paid)).status_code == 404
+    assert client.head(f"/v1/files/{f['id']}/content", headers=H(keys.other)).status_code == 404
+
+
 def test_two_deletes_of_one_file_at_once_answer_200_then_404(client, keys, settings, monkeypatch):
     """Both DELETEs read the file before either wrote (each in its own session): the second answered 200 as well,
     its UPDATE not guarded on the file being there still. It is now the 404 a client gets after a delete."""
