@@ -5,10 +5,12 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import asynccontextmanager
+from tempfile import SpooledTemporaryFile
 
-from fastapi import FastAPI
+from fastapi import FastAPI, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
+from starlette.formparsers import MultiPartParser
 
 from app import structural_tag
 from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora,
@@ -100,10 +102,13 @@ async def lifespan(api: FastAPI):
         gc.unfreeze()  # what a stopped app (a test's, say) leaves in cycles can be collected again
 
 
+REPLAY_PIECE_BYTES = 64 * 1024  # a spooled body reaches the app in pieces of this size, as a server's reads do
+
+
 class BodyLimit:
     """Answers 413 for a body over the limit: by Content-Length up front; a body without one
-    (chunked) is read here, counting bytes, and handed on whole. File uploads have their own,
-    larger limit. The 413 is in the shape of the API whose prefix the path lies under, or Anthropic's for its SDK on
+    (chunked) is read here, counting bytes, spooled (to disk past a megabyte) and handed on in pieces. File uploads
+    have their own, larger limit. The 413 is in the shape of the API whose prefix the path lies under, or Anthropic's for its SDK on
     a path it calls (``errors.unrouted_error``: Anthropic's ``request_too_large``, OpenAI's ``error``, else
     ``{"detail"}``)."""
 
@@ -126,28 +131,40 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         if b"chunked" not in headers.get(b"transfer-encoding", b""):
             return await self.app(scope, receive, send)
-        chunks, seen = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                return await self._reject(scope, receive, send, limit, hint)
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        sent = False
+        # spooled to disk past a megabyte, as Starlette spools an upload's file: a 200 MiB upload is not held in
+        # memory (its pieces, then joined, were two copies of it before the route read it)
+        body = UploadFile(SpooledTemporaryFile(max_size=MultiPartParser.spool_max_size))
+        try:
+            seen = 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    return await self._reject(scope, receive, send, limit, hint)
+                await body.write(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+            await body.seek(0)
+            return await self.app(scope, self._replay(body, receive), send)
+        finally:
+            await body.close()
+
+    @staticmethod
+    def _replay(body: UploadFile, receive):
+        """The spooled body as the app's ``receive``, a piece at a time; then the client's own messages."""
+        done = False
 
         async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            nonlocal done
+            if done:
+                return await receive()
+            piece = await body.read(REPLAY_PIECE_BYTES)
+            done = len(piece) < REPLAY_PIECE_BYTES
+            return {"type": "http.request", "body": piece, "more_body": not done}
 
-        return await self.app(scope, replay, send)
+        return replay
 
     async def _reject(self, scope, receive, send, limit: int, hint: str):
         message = f"request body over {limit} bytes; {hint}"

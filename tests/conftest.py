@@ -46,6 +46,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def served_by_uvicorn(app, name: str = "uvicorn") -> Iterator[str]:
+    """The app behind uvicorn on a free loopback port, in a thread of this process (its lifespan run): its base
+    URL. A real server, as a client's bytes reach it: a chunked body arrives in pieces, not whole."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), 60, "uvicorn to start", interval=0.05)
+        assert thread.is_alive(), "uvicorn did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
 # ---------------------------------------------------------------- redis
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory) -> Iterator[str]:

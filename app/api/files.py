@@ -107,14 +107,15 @@ async def upload_file(session: SessionDep, principal: CurrentPrincipal, settings
     if expires_after is not None:
         expires_anchor, expires_seconds = _one_field(expires_after, expires_anchor, expires_seconds)
     lives = lifetime(expires_anchor, expires_seconds, purpose, settings.batch_file_expiry_days)
-    content = await file.read()
-    if not content:
+    if not file.size:
         raise OpenAIError(400, "the file is empty", param="file")
-    if len(content) > settings.max_file_bytes:
-        raise OpenAIError(413, f"the file is {len(content)} bytes, over the largest upload of "
+    if file.size > settings.max_file_bytes:
+        raise OpenAIError(413, f"the file is {file.size} bytes, over the largest upload of "
                                f"{settings.max_file_bytes} bytes; upload a smaller file or split it", param="file")
+    # copied from Starlette's spool in pieces: an upload is never held whole in memory
+    await file.seek(0)
     row = await run_in_threadpool(storage.save_file, session, settings.data_dir, principal.tenant_id,
-                                  clean_filename(file.filename), purpose, content, lives)
+                                  clean_filename(file.filename), purpose, file.file, lives)
     return storage.file_object(row)
 
 

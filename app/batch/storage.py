@@ -7,9 +7,10 @@ A file may expire (``expires_after``; uploads for batches by default, as OpenAI'
 from __future__ import annotations
 
 import logging
+import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import exists, select, update
@@ -47,20 +48,25 @@ def files_dir(data_dir: Path) -> Path:
     return path
 
 
-def new_file(data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes,
+def new_file(data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes | BinaryIO,
              lifetime: timedelta | None = None) -> File:
-    """Writes the content; its row is the caller's to add (the file exists once that commits)."""
+    """Writes the content (bytes, or a file read from where it stands, copied in pieces: an upload is never held
+    whole in memory); its row is the caller's to add (the file exists once that commits)."""
     file_id = new_id("file")
     path = files_dir(data_dir) / file_id
-    path.write_bytes(content)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        with path.open("wb") as out:
+            shutil.copyfileobj(content, out)
     now = utcnow()
-    return File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=len(content),
+    return File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=path.stat().st_size,
                 path=str(path), created_at=now, deleted=False,
                 expires_at=now + lifetime if lifetime is not None else None)
 
 
-def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes,
-              lifetime: timedelta | None = None) -> File:
+def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, purpose: str,
+              content: bytes | BinaryIO, lifetime: timedelta | None = None) -> File:
     """Writes the content, then the row (commits)."""
     row = new_file(data_dir, tenant_id, filename, purpose, content, lifetime)
     with write_after_read(session):

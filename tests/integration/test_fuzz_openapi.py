@@ -40,7 +40,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
                                                 response_schema_conformance, status_code_conformance)
 from sqlalchemy import select
 
-from tests.conftest import free_port, make_keys, make_settings
+from tests.conftest import make_keys, make_settings, served_by_uvicorn
 
 pytestmark = pytest.mark.integration
 
@@ -138,7 +138,6 @@ def served(tmp_path_factory, redis_server, tiny_model_dir) -> Iterator[tuple[str
     key (it reaches every operation; auth has its own tests, and a random key would stop every
     case at the 401) and the ids of existing resources."""
     import redis
-    import uvicorn
 
     from app.auth import clear_cache
     from app.db.migrate import upgrade
@@ -152,21 +151,10 @@ def served(tmp_path_factory, redis_server, tiny_model_dir) -> Iterator[tuple[str
     settings.runtime_lora = True  # the adapter routes check what they are given instead of refusing it all
     keys = make_keys(db_url)
     clear_cache()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                                          lifespan="on"))
-    thread = threading.Thread(target=server.run, name="uvicorn-fuzz", daemon=True)
-    with StandInWorker(settings), requests.Session() as session:
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
-        base = f"http://127.0.0.1:{port}"
+    with (StandInWorker(settings), requests.Session() as session,
+          served_by_uvicorn(create_app(settings), "uvicorn-fuzz") as base):
         session.headers["Authorization"] = f"Bearer {keys.admin}"
         yield base, session, _resources(base, session, settings.model_name)
-        server.should_exit = True
-        thread.join(15)
 
 
 def _document() -> dict:

@@ -445,6 +445,46 @@ def test_chunked_body_over_the_limit_is_413_and_uploads_have_their_own_limit(set
         assert r.status_code == 413 and "smaller file" in r.json()["error"]["message"]  # OpenAI's files API
 
 
+def test_a_chunked_upload_is_never_held_whole_in_memory(settings, keys):
+    """A body without a Content-Length was held whole by the body limit (its pieces, then joined) and the route read
+    the file whole again: about twice the file's size in memory (400 MiB at the 200 MiB default). The limit now
+    spools the body to disk as it counts it, and the route copies the upload to storage in pieces: the server's
+    allocations stay far under one copy of the file. Real uvicorn, fed in pieces as a client streams it."""
+    import tracemalloc
+
+    import requests
+
+    from app.main import create_app
+    from tests.conftest import served_by_uvicorn
+
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    piece = line * (64 * 1024 // len(line))
+    pieces = 512  # about 32 MiB
+    boundary = "coserve-upload"
+
+    def multipart(count: int):  # made as it is sent: the client holds one piece at a time
+        yield (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
+               'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+               'Content-Type: application/jsonl\r\n\r\n').encode()
+        for _ in range(count):
+            yield piece
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    headers = {**H(keys.paid), "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    with served_by_uvicorn(create_app(settings), "uvicorn-upload") as base:
+        first = requests.post(f"{base}/v1/files", data=multipart(1), headers=headers, timeout=60)  # imports done
+        assert first.status_code == 200 and first.json()["bytes"] == len(piece), first.text
+        tracemalloc.start()
+        try:
+            r = requests.post(f"{base}/v1/files", data=multipart(pieces), headers=headers, timeout=300)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    size = pieces * len(piece)
+    assert r.status_code == 200 and r.json()["bytes"] == size, r.text
+    assert peak < size // 4, f"{peak} bytes allocated at the peak of a {size}-byte upload"
+
+
 def test_deadline_beyond_the_longest_window_is_422(client, keys):
     far = (datetime.now(UTC) + timedelta(days=400)).isoformat()
     r = submit(client, keys.paid, kind="batch", deadline_at=far)
