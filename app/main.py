@@ -108,9 +108,9 @@ REPLAY_PIECE_BYTES = 64 * 1024  # a spooled body reaches the app in pieces of th
 class BodyLimit:
     """Answers 413 for a body over the limit: by Content-Length up front; a body without one
     (chunked) is read here, counting bytes, spooled (to disk past a megabyte) and handed on in pieces. File uploads
-    have their own, larger limit. The 413 is in the shape of the API whose prefix the path lies under, or Anthropic's for its SDK on
-    a path it calls (``errors.unrouted_error``: Anthropic's ``request_too_large``, OpenAI's ``error``, else
-    ``{"detail"}``)."""
+    have their own, larger limit. The 413 is in the shape of the API whose prefix the path lies under, or
+    Anthropic's for its SDK on a path it calls (``errors.unrouted_error``: Anthropic's ``request_too_large``,
+    OpenAI's ``error``, else ``{"detail"}``)."""
 
     def __init__(self, app, limit: int, upload_limit: int, upload_prefix: str = "/v1/files") -> None:
         self.app, self.limit, self.upload_limit, self.upload_prefix = app, limit, upload_limit, upload_prefix
