@@ -28,7 +28,8 @@ from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_bo
                                    submit_openai_job)
 from app.db.models import Job
 from app.openai_schemas import FINAL, OpenAIError, OpenAIRoute, openai_parsed
-from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
+from app.services.answer_events import (HELD, Failed, Finished, Held, Interrupted, Piece, abandoned_on_hangup,
+                                        answer_events, kept_alive)
 from app.services.rate_limits import RateLimited, anthropic_rate_headers
 from app.settings import Settings
 
@@ -156,6 +157,8 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
                     case Piece():
                         for out in pieces(item):
                             yield out
+                    case Held():  # a ping (Anthropic's SDKs skip them) that says so: no silent stall
+                        yield _sse("ping", {"status": item.status, "detail": HELD[item.status]})
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _sse_error(OpenAIError(503, item.message))
                     case Failed():
@@ -197,7 +200,7 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
     job = submitted.job
     headers = {"x-coserve-job-id": job.id, **anthropic_rate_headers(submitted.rate)}
     if chat.stream:
-        events = abandoned_on_hangup(settings, [job], _events(settings, job))
+        events = abandoned_on_hangup(settings, [job], kept_alive(_events(settings, job), _sse("ping", {})))
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     answered = await answer_of(request, settings, job)

@@ -20,6 +20,7 @@ from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
 from app.schemas import JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
+from app.services.answer_events import KEEPALIVE_COMMENT, kept_alive
 from app.services.cancel import cancel
 from app.services.rate_limits import RateLimited, rate_headers
 
@@ -160,7 +161,8 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
             resume = StreamPosition.parse(last_event_id)
         except ValueError as exc:
             raise unprocessable(str(exc), "header", "last-event-id") from None
-    return StreamingResponse(sse_events(settings, job.id, resume), media_type="text/event-stream",
+    return StreamingResponse(kept_alive(sse_events(settings, job.id, resume), KEEPALIVE_COMMENT),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

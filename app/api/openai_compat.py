@@ -32,8 +32,9 @@ from app.openai_schemas import (BatchChatCompletionRequest, ChatCompletionReques
                                 openai_param, openai_parsed, service_tier, text_completion, usage, with_token_ids)
 from app.services import jobs as job_service
 from app.services import stored_completions
-from app.services.answer_events import (ANOTHER_FAILED, HELD, Begun, Failed, Finished, Held, Interrupted, Piece,
-                                        abandon, abandoned_on_hangup, answer_events)
+from app.services.answer_events import (ANOTHER_FAILED, KEEPALIVE_COMMENT, Begun, Failed, Finished, Held,
+                                        Interrupted, Piece, abandon, abandoned_on_hangup, answer_events,
+                                        held_comment, kept_alive)
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
 from app.services.model_info import ChatTemplateError
@@ -281,8 +282,8 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         yield _sse(chunk(i, item.content, None, item.generated, logprobs=item.logprobs,
                                          tool_calls=item.calls, offset=item.offset, reasoning=item.reasoning,
                                          token_ids=item.token_ids))
-                    case Held(choice=i):  # said in a comment (OpenAI's clients skip them): no silent stall
-                        yield f": choice {i} {item.status}: {HELD[item.status]}\n\n".encode()
+                    case Held():  # said in a comment (OpenAI's clients skip them): no silent stall
+                        yield held_comment(item)
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _sse_error(OpenAIError(503, item.message, type="server_error", code="stream_interrupted"))
                         return  # no [DONE]: the answer is incomplete
@@ -339,6 +340,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)
+        chunks = kept_alive(chunks, KEEPALIVE_COMMENT)  # the job may wait (queued, relegated) with nothing to send
         return StreamingResponse(abandoned_on_hangup(settings, jobs, chunks), media_type="text/event-stream",
                                  headers=headers)
     return await _answer(request, settings, jobs, chat, bool(specs[0].echo), n, headers)

@@ -33,7 +33,8 @@ from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_it
                                    reasoning_item, response_body, stored_answer, token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
-from app.services.answer_events import Failed, Finished, Interrupted, Piece, abandoned_on_hangup, answer_events
+from app.services.answer_events import (KEEPALIVE_COMMENT, Failed, Finished, Held, Interrupted, Piece,
+                                        abandoned_on_hangup, answer_events, held_comment, kept_alive)
 from app.services.job_follow import stream_expired
 from app.services.truncation import fit_context, fit_response
 from app.services.cancel import cancel
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 
 ENDPOINT = "/v1/responses"
-Event = tuple[str, str]  # a stream event's type, and its other fields as JSON (``_event``)
+Event = tuple[str, str] | bytes  # a stream event's type, and its other fields as JSON (``_event``); or a comment
 
 
 def _stored(session, principal: Principal, resp_id: str, param: str | None = None) -> Job:
@@ -233,6 +234,8 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIt
                             pending += len(item.logprobs)
                         for out in pieces(item.reasoning, item.content, item.calls):
                             yield out
+                    case Held():  # an SSE comment, unnumbered (OpenAI's clients skip them): no silent stall
+                        yield held_comment(item)
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _event("error", code="stream_interrupted", param=None, message=item.message)
                     case Failed(status=JobStatus.CANCELLED):  # the output so far stays, as GET shows it
@@ -280,7 +283,11 @@ async def _numbered(events: AsyncIterator[Event], starting_after: int | None = N
     ``error`` event says so, instead of an empty answer a client takes for the rest of the response."""
     number = -1
     async with aclosing(events) as typed:
-        async for kind, fields in typed:
+        async for event in typed:
+            if isinstance(event, bytes):  # a comment: no event of the response's, so no number
+                yield event
+                continue
+            kind, fields = event
             number += 1
             if starting_after is None or number > starting_after:
                 rest = "}" if fields == "{}" else "," + fields[1:]
@@ -315,7 +322,7 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     job = submitted.job
     headers = {"x-coserve-job-id": job.id, **submitted.rate_headers()}
     if chat.stream:
-        events = _numbered(_events(settings, job, kept))
+        events = kept_alive(_numbered(_events(settings, job, kept)), KEEPALIVE_COMMENT)
         if not body.background:  # a background response runs on when its client hangs up (GET resumes it)
             events = abandoned_on_hangup(settings, [job], events)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers | _STREAM_HEADERS)
@@ -399,7 +406,8 @@ async def get_response(response_id: str, session: SessionDep, principal: Current
         raise OpenAIError(400, f"the events of response {response_id!r} have expired (they are kept for an hour "
                                "after it ends): read it without stream, or stream it again from the start",
                           param="starting_after")
-    return StreamingResponse(_numbered(_events(settings, job, job.response or {}), starting_after),
+    return StreamingResponse(kept_alive(_numbered(_events(settings, job, job.response or {}), starting_after),
+                                        KEEPALIVE_COMMENT),
                              media_type="text/event-stream", headers={"x-coserve-job-id": job.id} | _STREAM_HEADERS)
 
 

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 ABANDONED = "client disconnected before the answer was complete"
 ANOTHER_FAILED = "another choice of the request failed"
 BUFFERED_EVENTS = 64  # a request's events read from its choices' streams ahead of its client
+# a stream that has sent nothing for this long sends its keepalive: a proxy's idle timeout (nginx's
+# proxy_read_timeout, an AWS ALB's: 60 s) would otherwise cut it while its job waits or is relegated
+KEEPALIVE_S = 15.0
+KEEPALIVE_COMMENT = b": keepalive\n\n"  # an SSE comment: every SSE client skips it
 
 
 @dataclass
@@ -90,6 +94,11 @@ class Held:
 
 # what a client is told of a held job's status
 HELD = {"relegated": "set aside under overload, waiting for spare capacity", "resumed": "running again"}
+
+
+def held_comment(item: Held) -> bytes:
+    """``item`` said in an SSE comment (which every SSE client skips): no silent stall."""
+    return f": choice {item.choice} {item.status}: {HELD[item.status]}\n\n".encode()
 
 
 @dataclass
@@ -223,6 +232,41 @@ async def abandoned_on_hangup(settings: Settings, jobs: list[Job],
         if not ended:  # shielded: this runs while the disconnected response's task is being cancelled
             with anyio.CancelScope(shield=True):
                 await abandon(settings, jobs)
+
+
+async def kept_alive(stream: AsyncIterator[bytes], keepalive: bytes) -> AsyncIterator[bytes]:
+    """``stream`` as it is, with ``keepalive`` (a comment, a ping) sent each time it sends nothing for
+    ``KEEPALIVE_S``. ``stream`` runs in a task of its own (it is read ahead by one chunk at most), cancelled if
+    this one is closed or cancelled first (the client left)."""
+    chunks: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(1)
+
+    async def pump() -> None:
+        try:
+            async with aclosing(stream) as source:
+                async for chunk in source:
+                    await chunks.put(chunk)
+        except Exception as exc:  # noqa: BLE001 - raised to the reader, as the stream itself would have
+            await chunks.put(exc)
+            return
+        await chunks.put(None)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.get(), KEEPALIVE_S)
+            except TimeoutError:
+                yield keepalive
+                continue
+            if chunk is None:
+                return
+            if isinstance(chunk, BaseException):
+                raise chunk
+            yield chunk
+    finally:  # shielded: this runs while a disconnected response's task is being cancelled
+        with anyio.CancelScope(shield=True):
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def ends(settings: Settings, jobs: list[Job]) -> list[StreamEvent]:

@@ -10,7 +10,7 @@ import pytest
 
 from app.services import answer_events as module
 from app.services.answer_events import (Begun, Failed, Finished, Interrupted, Piece, abandoned_on_hangup,
-                                        answer_events)
+                                        answer_events, kept_alive)
 from app.services.streaming import StreamEvent
 
 CALL_JOB = SimpleNamespace(id="job_c", sampling={"tool_choice": {"type": "function", "function": {"name": "f"}}})
@@ -105,3 +105,38 @@ def test_generated_ids_go_with_the_piece_that_shows_their_text_or_with_the_end(m
     items = items_of(monkeypatch, [CALL_JOB], events)
     ids = [i.token_ids for i in items if isinstance(i, (Piece, Finished))]
     assert sum(ids, []) == [0, 1, 0, 0] and all(isinstance(i, list) for i in ids)
+
+
+def test_a_kept_alive_stream_closed_while_it_waits_stops_its_source(monkeypatch):
+    """``kept_alive`` reads its stream in a task of its own: a client that hangs up while the stream waits (sending
+    keepalives) closes that task's stream too, rather than leaving it reading a job's events for nobody."""
+    monkeypatch.setattr(module, "KEEPALIVE_S", 0.01)
+    closed = []
+
+    async def waiting():
+        try:
+            yield b"a"
+            await asyncio.Event().wait()  # a job that says nothing more
+            yield b"never"
+        finally:
+            closed.append(True)
+
+    async def run():
+        stream = kept_alive(waiting(), b": keepalive\n\n")
+        got = [await anext(stream), await anext(stream), await anext(stream)]
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(run()) == [b"a", b": keepalive\n\n", b": keepalive\n\n"] and closed == [True]
+
+
+def test_a_kept_alive_stream_raises_what_its_source_raised():
+    async def failing():
+        yield b"a"
+        raise RuntimeError("a bug")
+
+    async def run():
+        return [chunk async for chunk in kept_alive(failing(), b": keepalive\n\n")]
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        asyncio.run(run())
