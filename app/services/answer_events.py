@@ -253,11 +253,15 @@ async def kept_alive(stream: AsyncIterator[bytes], keepalive: bytes) -> AsyncIte
     task = asyncio.create_task(pump())
     try:
         while True:
-            try:
-                chunk = await asyncio.wait_for(chunks.get(), KEEPALIVE_S)
-            except TimeoutError:
-                yield keepalive
-                continue
+            try:  # a chunk waiting is taken as it is: the timer only where the stream has nothing yet
+                chunk = chunks.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(KEEPALIVE_S):  # no task a chunk, as wait_for makes
+                        chunk = await chunks.get()
+                except TimeoutError:
+                    yield keepalive
+                    continue
             if chunk is None:
                 return
             if isinstance(chunk, BaseException):
