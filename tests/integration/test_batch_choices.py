@@ -62,13 +62,9 @@ def test_a_line_of_several_choices_answers_whole_or_fails_whole(client, keys, se
     assert error["custom_id"] == "many" and error["error"]["message"] == "generation failed: engine error"
 
 
-def test_a_lines_request_and_prompt_count_in_usage_where_only_a_later_choice_ran(client, keys, settings):
-    """A line of n=2 whose first choice expired before it ran and whose second ran: the Usage API counts the line's
-    request and its prompt once (the fan-out links a line's jobs to its first), not 0 requests and 0 input tokens
-    beside the second choice's output."""
-    from datetime import UTC, datetime
-
-    auth = Keys.header(keys.paid)
+def _first_choice_expired(client, auth, settings) -> tuple[str, int, str]:
+    """A batch of one n=2 line whose first choice expired before it ran: its id, the line's prompt tokens and the
+    second choice's job (left for the test to end)."""
     line = {"custom_id": "whole", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": "s", "n": 2, "max_tokens": 2}}
     f = client.post("/v1/files", headers=auth, data={"purpose": "batch"},
@@ -81,6 +77,17 @@ def test_a_lines_request_and_prompt_count_in_usage_where_only_a_later_choice_ran
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
         s.execute(update(Job).where(Job.id == first).values(status="expired", slo_met=False))
         s.commit()
+    return batch_id, prompt_tokens, second
+
+
+def test_a_lines_request_and_prompt_count_in_usage_where_only_a_later_choice_ran(client, keys, settings):
+    """A line of n=2 whose first choice expired before it ran and whose second ran: the Usage API counts the line's
+    request and its prompt once (the fan-out links a line's jobs to its first), not 0 requests and 0 input tokens
+    beside the second choice's output."""
+    from datetime import UTC, datetime
+
+    auth = Keys.header(keys.paid)
+    batch_id, prompt_tokens, second = _first_choice_expired(client, auth, settings)
     _end(settings, [second], "succeeded")
     now = int(datetime.now(UTC).timestamp())
     r = client.get("/v1/organization/usage/completions", headers=auth,
@@ -94,18 +101,7 @@ def test_a_lines_prompt_counts_in_the_batch_usage_where_only_a_later_choice_ran(
     expired before it ran and whose second ran counts the prompt's input tokens once, and the cached tokens of the
     choice that ran, not 0 input tokens beside the second choice's output."""
     auth = Keys.header(keys.paid)
-    line = {"custom_id": "whole", "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": "s", "n": 2, "max_tokens": 2}}
-    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"},
-                    files={"file": ("in.jsonl", json.dumps(line))}).json()
-    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
-                                                              "completion_window": "1h"}).json()["id"]
-    with session_scope(settings.sqlalchemy_url) as s:
-        (first, prompt_tokens), (second, _) = s.execute(select(Job.id, Job.prompt_tokens)
-                                                        .where(Job.batch_id == batch_id).order_by(Job.choice_index))
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-        s.execute(update(Job).where(Job.id == first).values(status="expired", slo_met=False))
-        s.commit()
+    batch_id, prompt_tokens, second = _first_choice_expired(client, auth, settings)
     _end(settings, [second], "succeeded", cached_tokens=2)
     usage = client.get(f"/v1/batches/{batch_id}", headers=auth).json()["usage"]
     assert (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"], usage["output_tokens"],

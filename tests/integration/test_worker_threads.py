@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
@@ -613,6 +614,20 @@ def _last_deltas_held(worker, engine_thread, job_id: str):
     return reachable, worker.active.get(job_id)
 
 
+@contextmanager
+def _threads_running(worker, engine_thread):
+    """The worker's outbox (I/O) thread and its engine thread running for the block, stopped after it."""
+    worker.outbox.start()
+    loop = threading.Thread(target=engine_thread.run, name="coserve-engine", daemon=True)
+    loop.start()
+    try:
+        yield
+    finally:
+        worker.stopping.set()
+        loop.join(5)
+        worker.outbox.close()
+
+
 def _counting_streamed(r, send, streamed: list[int]):
     """``send`` (a message's send to its queue) that first notes how many of attempt 1's tokens the job's stream in
     Redis holds as the message goes."""
@@ -638,17 +653,10 @@ def test_a_superseded_attempts_last_deltas_are_in_redis_before_the_reruns_messag
     _lapse_and_requeue(settings, job_id)
     waiting = r.llen("coserve.tiny")
     worker.accept(job_id)  # the resend comes back here: given over to the engine thread
-    worker.outbox.start()
-    loop = threading.Thread(target=engine_thread.run, name="coserve-engine", daemon=True)
-    loop.start()
-    try:  # the I/O thread took attempt 1's last step (its deltas wait) and the set-aside after it
+    with _threads_running(worker, engine_thread):  # the I/O thread takes attempt 1's last step, then the set-aside
         wait_for(lambda: worker.active.get(job_id) is None and worker.outbox._steps.empty(), 10, "the set-aside")
         worker.outbox.redis = reachable  # Redis is back
         wait_for(lambda: r.llen("coserve.tiny") == waiting + 1, 10, "the rerun's message back on its queue")
-    finally:
-        worker.stopping.set()
-        loop.join(5)
-        worker.outbox.close()
     assert streamed_at_send == [first.tokens]
 
 
@@ -673,10 +681,7 @@ def test_a_job_an_engine_error_gave_back_is_sent_again_once_its_last_deltas_are_
 
     engine.step = fails_once
     waiting = r.llen("coserve.tiny")
-    worker.outbox.start()
-    loop = threading.Thread(target=engine_thread.run, name="coserve-engine", daemon=True)
-    loop.start()
-    try:  # the I/O thread took attempt 1's last step (its deltas wait), the give-back and the resend after it
+    with _threads_running(worker, engine_thread):  # attempt 1's last step (its deltas wait), give-back, resend
         wait_for(lambda: _status(settings.sqlalchemy_url, job_id) == "dispatched" and worker.outbox._steps.empty(),
                  10, "the job given back and marked dispatched")
         with session_scope(settings.sqlalchemy_url, immediate=True) as s:  # a sweeper meanwhile leaves it be
@@ -684,10 +689,6 @@ def test_a_job_an_engine_error_gave_back_is_sent_again_once_its_last_deltas_are_
         assert r.llen("coserve.tiny") == waiting and streamed_at_send == []
         worker.outbox.redis = reachable  # Redis is back
         wait_for(lambda: r.llen("coserve.tiny") == waiting + 1, 10, "the job's message back on its queue")
-    finally:
-        worker.stopping.set()
-        loop.join(5)
-        worker.outbox.close()
     assert streamed_at_send == [first.tokens] and job_id.encode() in r.lindex("coserve.tiny", -1)
     assert _status(settings.sqlalchemy_url, job_id) == "dispatched"
 

@@ -51,6 +51,14 @@ def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return parse_chat_messages(messages, text_only, "string")[0]
 
 
+def vllm_rendered(tok: Any, conversation: list[dict[str, Any]], tools: list[dict] | None, template: str) -> list[int]:
+    """vLLM's HfRenderer: ``conversation`` and ``tools`` rendered through ``template`` to text, then tokenized without
+    special tokens added."""
+    text = tok.apply_chat_template(conversation, tools=tools, chat_template=template, add_generation_prompt=True,
+                                   tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:
     """The token ids vLLM's /v1/messages renders ``raw`` to with ``template``."""
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
@@ -59,12 +67,8 @@ def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:
     merge = AnthropicServingMessages._detect_merge_inline_system(template)
     chat = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(raw),
                                                                merge_inline_system=merge)
-    conversation = vllm_conversation(chat.messages)
     tools = None if chat.tools is None else [tool.model_dump() for tool in chat.tools]  # as its chat serving
-    # vLLM's HfRenderer: the template rendered to text, which is tokenized without special tokens added
-    text = tok.apply_chat_template(conversation, tools=tools, chat_template=template, add_generation_prompt=True,
-                                   tokenize=False)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return vllm_rendered(tok, vllm_conversation(chat.messages), tools, template)
 
 
 def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:

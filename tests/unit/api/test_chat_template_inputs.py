@@ -12,6 +12,7 @@ import pytest
 from app.openai_schemas import ChatCompletionRequest
 from app.services.jobs import encode_spec
 from app.services.model_info import get_tokenizer, use_chat_template
+from tests.unit.api.test_anthropic_conversation import vllm_rendered
 
 MODEL = "smollm2-135m"
 # writes the tools as JSON, as many models' templates do (Qwen's, Llama 3.1's): every key the dump holds counts
@@ -39,9 +40,7 @@ def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:
     text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False)
     content_format = _detect_content_format(template, default="string")
     conversation = parse_chat_messages(request.messages, text_only, content_format)[0]
-    text = tok.apply_chat_template(conversation, tools=tools, chat_template=template, add_generation_prompt=True,
-                                   tokenize=False)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return vllm_rendered(tok, conversation, tools, template)
 
 
 def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:

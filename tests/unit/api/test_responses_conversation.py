@@ -12,7 +12,8 @@ from app.openai_schemas import OpenAIError, openai_parsed
 from app.responses_schemas import ResponsesRequest, input_items
 from app.services.jobs import encode_spec
 from app.services.model_info import use_chat_template
-from tests.unit.api.test_anthropic_conversation import BUNDLED, MODEL, tok, vllm_conversation  # noqa: F401
+from tests.unit.api.test_anthropic_conversation import (  # noqa: F401
+    BUNDLED, MODEL, tok, vllm_conversation, vllm_rendered)
 
 # as Qwen3's: an assistant turn's reasoning_content as <think>, its tool calls after its content, tool results
 QWEN_TOOLS = "qwen-tools"
@@ -70,9 +71,7 @@ def vllm_prompt(tok: Any, raw: dict[str, Any], template: str) -> list[int]:  # n
     request = VllmResponsesRequest.model_validate(raw)
     messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
     tools = construct_tool_dicts(request.tools, request.tool_choice)
-    text = tok.apply_chat_template(vllm_conversation(messages), tools=tools, chat_template=template,
-                                   add_generation_prompt=True, tokenize=False)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return vllm_rendered(tok, vllm_conversation(messages), tools, template)
 
 
 def coserve_request(raw: dict[str, Any]) -> Any:
