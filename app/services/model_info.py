@@ -130,28 +130,28 @@ def token_id_bounds(model: str) -> tuple[int, int]:
     tokenizer, as Qwen's, takes ids the tokenizer lacks), and the model's vocab_size, which bounds the ids of
     stop_token_ids, allowed_token_ids and logit_bias (they index its logits); no vocab_size in its config: the
     tokenizer's size."""
-    from transformers import AutoConfig
-
     tok = get_tokenizer(model)
-    source = resolve_model(model)
-    cfg = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
-    vocab = getattr(cfg.get_text_config(), "vocab_size", None) or len(tok)
+    vocab = getattr(_model_config(model).get_text_config(), "vocab_size", None) or len(tok)
     max_token_id = max(max(tok.get_vocab().values()), getattr(tok, "vocab_size", 0) - 1)  # vLLM's max_token_id
     return max(max_token_id, vocab - 1) + 1, vocab
 
 
-def _max_model_len(model: str) -> int:
+@lru_cache(maxsize=8)
+def _model_config(model: str):
+    """The model's transformers config (read once a process: from a GGUF, it parses the file's metadata)."""
     from transformers import AutoConfig
 
     source = resolve_model(model)
-    if source.gguf_file is None:
-        cfg = AutoConfig.from_pretrained(source.directory)
-    else:
+    return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+
+
+def _max_model_len(model: str) -> int:
+    source = resolve_model(model)
+    if source.gguf_file is not None:
         cache = _cache_dir(source).with_name(_cache_dir(source).name + ".ctx")
         if cache.exists():
             return int(cache.read_text())
-        cfg = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
-    n = int(getattr(cfg, "max_position_embeddings", 2048))
+    n = int(getattr(_model_config(model), "max_position_embeddings", 2048))
     if source.gguf_file is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(str(n))
