@@ -604,7 +604,7 @@ class ChatCompletionRequest(_Base):
             role = m.get("role")
             if role == "developer":
                 role = "system"
-            content = m.get("content")
+            content, texts = m.get("content"), None
             if isinstance(content, list):  # content parts: only text is supported
                 texts = []
                 for j, part in enumerate(content):
@@ -621,9 +621,9 @@ class ChatCompletionRequest(_Base):
                     texts.append(text)
                 content = "\n".join(texts)  # as vLLM joins a string-format template's text parts
             if content is None:
-                content = ""
+                content, texts = "", []  # no parts, for a template that loops over them (vLLM's)
             try:
-                out.append(ChatMessage(role=role, content=content, tool_calls=m.get("tool_calls"),
+                out.append(ChatMessage(role=role, content=content, parts=texts, tool_calls=m.get("tool_calls"),
                                        tool_call_id=m.get("tool_call_id"), name=m.get("name"),
                                        # as vLLM's chat parser: an assistant's alone, others' dropped
                                        reasoning=m.get("reasoning") if role == "assistant" else None))

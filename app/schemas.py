@@ -48,6 +48,9 @@ class ChatMessage(BaseModel):
     reasoning: Text | None = Field(None, description=(
         "an assistant message's thinking, given back (vLLM's interleaved thinking): its chat template reads it as "
         "reasoning and reasoning_content; a template that does not render it leaves it out"))
+    parts: list[Text] | None = Field(None, description=(
+        "the text parts the content came as (content: them joined with newlines; [] for no content): a chat "
+        "template that loops over a message's content parts (vLLM's 'openai' content format) is given each"))
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:

@@ -349,12 +349,15 @@ class AnswerStream:
         return (answer.content or "")[self.shown:], rest or None, answer
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
     """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
     them with ``tojson``), and an assistant's thinking as ``reasoning_content`` too, as vLLM's chat parser gives it
-    (the older name, which Qwen3's template reads)."""
+    (the older name, which Qwen3's template reads); the content as one text, or (``content_format`` "openai", a
+    template that loops over it) as its text parts, a tool's result a text all the same (``content_parts``)."""
     out = []
     for m in messages:
+        m = content_parts(m) if content_format == "openai" else m
+        m = {k: v for k, v in m.items() if k != "parts"}
         if m.get("tool_calls"):
             m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _object(
                 c["function"]["arguments"])}} for c in m["tool_calls"]]}
@@ -362,6 +365,17 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {**m, "reasoning_content": m["reasoning"]}
         out.append(m)
     return out
+
+
+def content_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with its content as vLLM's "openai" content format gives it: each text part as
+    ``{"type": "text", "text": ...}`` (a text content one part, no content none), a tool message's joined text
+    alone kept a text (vLLM's chat parser joins those back, for templates that read a tool's result as one)."""
+    if message["role"] == "tool":
+        return message
+    texts = message.get("parts")
+    texts = [message["content"]] if texts is None else texts
+    return {**message, "content": [{"type": "text", "text": text} for text in texts]}
 
 
 def _object(arguments: str) -> Any:

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from app.content_format import ContentFormat, content_format
 from app.tool_calls import template_messages
 
 log = logging.getLogger(__name__)
@@ -238,6 +239,15 @@ def _template_errors() -> tuple[type[BaseException], ...]:
     return (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError, ValueError)
 
 
+def template_content_format(tok: Any, tools: list[dict[str, Any]] | None) -> ContentFormat:
+    """The content format of the template ``apply_chat_template`` renders with (of a tokenizer's named ones,
+    "tool_use" where tools are offered and it has one, else "default"), as vLLM detects it."""
+    template = tok.chat_template
+    if isinstance(template, dict):
+        template = template.get("tool_use") if tools is not None and "tool_use" in template else template.get("default")
+    return content_format(template)
+
+
 def _plain_chat(messages: list[dict[str, Any]]) -> str:
     """Chat messages as one prompt, for a tokenizer with no chat template."""
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
@@ -262,7 +272,8 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
         return []
     if getattr(tok, "chat_template", None):
         try:
-            rendered = tok.apply_chat_template([template_messages(m) for m in conversations], tokenize=False,
+            form = template_content_format(tok, None)
+            rendered = tok.apply_chat_template([template_messages(m, form) for m in conversations], tokenize=False,
                                                add_generation_prompt=True)
         except _template_errors() as exc:
             raise ChatTemplateError(f"the model's chat template cannot render these messages: "
@@ -284,7 +295,7 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
         if getattr(tok, "chat_template", None):
             try:  # special tokens asked for: vLLM renders the template to text and tokenizes that with them
                 ids = tok.apply_chat_template(
-                    template_messages(messages), tools=tools, tokenize=not special,
+                    template_messages(messages, template_content_format(tok, tools)), tools=tools, tokenize=not special,
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs") or {})

@@ -63,3 +63,74 @@ def test_the_tools_reach_the_template_as_vllm_dumps_them(tok, function, tool):
     raw = {"model": "tiny", "messages": [ASK], "tools": [{"type": "function", "function": function, **tool}],
            "tool_choice": "none"}
     assert coserve_prompt(raw, TOOLS_AS_JSON) == vllm_prompt(tok, raw, TOOLS_AS_JSON)
+
+
+# loops over each message's content parts, as multimodal models' templates do (Gemma 3's, Llama 4's): vLLM's
+# "openai" content format, each part a {"type": "text", "text": ...}; writes the part count, as such templates' checks
+PARTS_LOOP = ("{%- for message in messages %}<{{ message.role }}:{{ message.content | length }}>"
+              "{%- if message.content is string %}{{ message.content }}"
+              "{%- else %}{%- for part in message['content'] %}[{{ part.text }}]{%- endfor %}{%- endif %}"
+              "{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
+PARTS_MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "input_text", "text": "in Oslo?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Sunny"},
+                                                            {"type": "text", "text": "12C"}]},
+    {"role": "user", "content": [{"type": "text", "text": "Tomorrow?"}]}]
+
+
+def test_a_template_that_loops_over_content_parts_gets_them_as_vllm_gives_them(tok):
+    # vLLM detects the loop over message['content'] and gives every message's content as its text parts (a string
+    # one part, none for no content, a tool's result joined back into a text); coserve joined them, so the template
+    # looped over the text's characters
+    raw = {"model": "tiny", "messages": PARTS_MESSAGES}
+    ids = coserve_prompt(raw, PARTS_LOOP)
+    assert ids == vllm_prompt(tok, raw, PARTS_LOOP)
+    assert "<user:2>[Weather][in Oslo?]" in tok.decode(ids)
+
+
+def test_a_template_that_reads_content_as_a_string_gets_the_parts_joined(tok):
+    raw = {"model": "tiny", "messages": PARTS_MESSAGES}
+    assert coserve_prompt(raw, TOOLS_AS_JSON) == vllm_prompt(tok, raw, TOOLS_AS_JSON)
+
+
+@pytest.mark.parametrize("template", [
+    TOOLS_AS_JSON, PARTS_LOOP,
+    # a macro given the content, looping over its parameter (Llama 4's render_content)
+    "{%- macro render(c) %}{%- for p in c %}{{ p.text }}{%- endfor %}{%- endmacro %}"
+    "{%- for m in messages %}{{ render(m.content) }}{%- endfor %}",
+    "{%- macro render(c) %}{%- for p in c %}{{ p.text }}{%- endfor %}{%- endmacro %}"
+    "{%- for m in messages %}{{ render(c=m['content'] | list) }}{%- endfor %}",
+    # a macro looping over a parameter no call gives the content
+    "{%- macro render(c) %}{%- for p in c %}{{ p }}{%- endfor %}{%- endmacro %}"
+    "{%- for m in messages %}{{ render(m.role) }}{{ m.content }}{%- endfor %}",
+    # the messages under another name, sliced; the content set to a variable named content
+    "{%- set rest = messages[1:] %}{%- for m in rest %}{%- for p in m.content %}{{ p.text }}{%- endfor %}"
+    "{%- endfor %}",
+    "{%- for m in messages %}{%- set content = m.content %}{%- for p in content %}{{ p.text }}{%- endfor %}"
+    "{%- endfor %}",
+    # a loop over a message's other field; a tuple loop (vLLM: not read, "string"); a template that fails to parse
+    "{%- for m in messages %}{%- for c in m.tool_calls %}{{ c.id }}{%- endfor %}{{ m.content }}{%- endfor %}",
+    "{%- for i, m in messages | enumerate %}{%- for p in m.content %}{{ p }}{%- endfor %}{%- endfor %}",
+    "{%- for m in messages %}{{ m.content }",
+    # a {% generation %} block, as transformers' templates for assistant masks write them
+    "{%- for m in messages %}{% generation %}{%- for p in m.content %}{{ p.text }}{%- endfor %}"
+    "{% endgeneration %}{%- endfor %}",
+], ids=["string", "parts-loop", "macro-positional", "macro-keyword", "macro-other", "alias-slice", "content-name",
+        "other-field", "tuple-loop", "unparsable", "generation-block"])
+def test_the_content_format_is_detected_as_vllm_detects_it(tok, template):
+    from vllm.renderers.hf import _detect_content_format
+
+    from app.content_format import content_format
+
+    assert content_format(template) == _detect_content_format(template, default="string")
+
+
+def test_the_bundled_templates_content_format_is_vllms(tok):
+    from vllm.renderers.hf import _detect_content_format
+
+    from app.content_format import content_format
+
+    assert content_format(tok.chat_template) == _detect_content_format(tok.chat_template, default="string")
