@@ -196,7 +196,7 @@ class MessagesRequest(BaseModel):
             body["max_tokens"] = self.max_tokens
         if self.stop_sequences:
             body["stop"] = self.stop_sequences
-        if self.tools:
+        if self.tools is not None:  # [] too, which vLLM's _convert_tools gives the template as []
             body["tools"] = [t.chat_tool() for t in self.tools]
         if (choice := self.tool_choice) is not None:
             body["tool_choice"] = TOOL_CHOICES.get(choice.type) or {"type": "function",

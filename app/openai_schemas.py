@@ -567,7 +567,8 @@ class ChatCompletionRequest(_Base):
         choice = self.tool_choice
         if choice is None and self.tools:
             choice = "auto"  # OpenAI's default where tools are given
-        return {"tools": self.tools or None, "tool_choice": choice,
+        # an empty list is kept: a template reads [] apart from none (vLLM's Messages API gives it [])
+        return {"tools": self.tools, "tool_choice": choice,
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls}
 
     def reasoning_fields(self) -> dict[str, Any]:

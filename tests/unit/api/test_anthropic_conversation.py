@@ -124,6 +124,20 @@ def test_the_tools_reach_the_template_as_vllm_converts_them(tok, tool):
     assert coserve_prompt(raw, TOOLS_AS_JSON) == vllm_prompt(tok, raw, TOOLS_AS_JSON)
 
 
+# writes whether tools were given at all, as templates that test ``tools is not none`` (Mistral's, Hermes')
+TOOLS_GIVEN = ("{%- if tools is not none %}<tools:{{ tools | length }}>{%- endif %}"
+               "{%- for message in messages %}<{{ message.role }}>{{ message.content }}{%- endfor %}"
+               "{%- if add_generation_prompt %}<assistant>{%- endif %}")
+
+
+def test_an_empty_tools_list_reaches_the_template_as_vllm_gives_it(tok):
+    # vLLM's _convert_tools keeps tools: [] (only an absent list is none); coserve dropped it to none
+    raw = {"model": "tiny", "max_tokens": 64, "messages": [ASK], "tools": []}
+    ids = coserve_prompt(raw, TOOLS_GIVEN)
+    assert ids == vllm_prompt(tok, raw, TOOLS_GIVEN)
+    assert tok.decode(ids).startswith("<tools:0>")
+
+
 BILLING = "x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli; cch=0f3e2;"
 
 
