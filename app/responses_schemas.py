@@ -277,7 +277,16 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     content and tool calls; a call's output as a tool message."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    return _turns(_item_messages(items), _join_turn)
+    return _turns([_first_part_read(m) for m in _item_messages(items)], _join_turn)
+
+
+def _first_part_read(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message item of several text parts as vLLM's ``construct_chat_messages_with_tool_call`` reads
+    it: its first part's text alone (the others' the model does not read); any other message as it is."""
+    content = m.get("content")
+    if m["role"] != "assistant" or not isinstance(content, list) or not content:
+        return m
+    return {**m, "content": content[0]["text"]}
 
 
 def listed_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -136,3 +136,13 @@ def test_a_reasoning_item_with_encrypted_content_is_a_400_as_vllm_refuses_it():
     with pytest.raises(OpenAIError) as exc:
         coserve_request(raw).chat_request(raw, [])
     assert exc.value.status_code == 400 and exc.value.param == "input.1.encrypted_content"
+
+
+@pytest.mark.parametrize("template", [BUNDLED, QWEN_TOOLS])
+def test_an_assistant_message_of_several_parts_becomes_the_message_vllm_makes_of_it(tok, templates, template):  # noqa: F811
+    # vLLM's construct_chat_messages_with_tool_call reads an assistant message item's first output_text part alone;
+    # coserve joined every part with a newline
+    said = {**SAID, "content": [{"type": "output_text", "text": "Checking.", "annotations": []},
+                                {"type": "output_text", "text": "Both cities.", "annotations": []}]}
+    raw = {"model": "tiny", "input": [ASK, said, {"role": "user", "content": "Go on."}], "tools": TOOLS}
+    assert coserve_prompt(raw, templates[template]) == vllm_prompt(tok, raw, templates[template])
