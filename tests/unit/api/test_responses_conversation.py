@@ -139,7 +139,7 @@ def test_a_reasoning_item_with_encrypted_content_is_a_400_as_vllm_refuses_it():
 
 
 @pytest.mark.parametrize("template", [BUNDLED, QWEN_TOOLS])
-def test_an_assistant_message_of_several_parts_becomes_the_message_vllm_makes_of_it(tok, templates, template):  # noqa: F811
+def test_an_assistant_message_of_several_parts_is_read_as_vllm_reads_it(tok, templates, template):  # noqa: F811
     # vLLM's construct_chat_messages_with_tool_call reads an assistant message item's first output_text part alone;
     # coserve joined every part with a newline
     said = {**SAID, "content": [{"type": "output_text", "text": "Checking.", "annotations": []},
