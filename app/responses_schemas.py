@@ -401,6 +401,11 @@ def stored_answer(job: Any) -> Answer:
     return read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
 
 
+def answer_status(answer: Answer) -> str:
+    """A finished response's status and its output items': ``incomplete`` where ``max_output_tokens`` cut it."""
+    return "incomplete" if answer.finish_reason == "length" else "completed"
+
+
 def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None, missing: str) -> dict[str, Any]:
     """A page of ``items`` (oldest first) as OpenAI lists them: newest first unless ``order`` is asc, past the item
     ``after`` (a 400 saying ``missing`` where there is none)."""
@@ -471,7 +476,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
     job's answer is what it produced before the cancel), with its token ``logprobs`` where they were asked for."""
     state = STATUSES.get(status or job.status, "in_progress")
     incomplete = None
-    if state == "completed" and answer is not None and answer.finish_reason == "length":
+    if state == "completed" and answer is not None and answer_status(answer) == "incomplete":
         state, incomplete = "incomplete", {"reason": "max_output_tokens"}
     sampling = job.sampling or {}
     fmt = (kept.get("text") or {}).get("format") or {"type": "text"}

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Conversation, ConversationEntry, Job, JobStatus, utcnow
 from app.openai_schemas import OpenAIError
-from app.responses_schemas import (input_items, input_messages, listed_messages, output_items, own_input_items,
-                                   stored_answer, text_part)
+from app.responses_schemas import (answer_status, input_items, input_messages, listed_messages, output_items,
+                                   own_input_items, stored_answer, text_part)
 from app.wire import as_utc
 
 MAX_ITEMS = 20  # items one request may add (OpenAI's limit)
@@ -100,10 +100,12 @@ def turn_jobs(session: Session, listed: list[ConversationEntry]) -> dict[str, Jo
 
 
 def turn_items(job: Job | None) -> list[dict[str, Any]]:
-    """A response's input and output items, once it has completed."""
+    """A response's input and output items, once it has completed (its output ``incomplete`` where
+    ``max_output_tokens`` cut it, as the response's own)."""
     if job is None or job.status != JobStatus.SUCCEEDED:
         return []
-    return own_input_items(job) + output_items(job.id, stored_answer(job))
+    answer = stored_answer(job)
+    return own_input_items(job) + output_items(job.id, answer, status=answer_status(answer))
 
 
 def items_of(session: Session, conv: Conversation) -> list[tuple[ConversationEntry, dict[str, Any]]]:

@@ -229,3 +229,14 @@ def test_assistant_items_are_output_messages_as_the_sdk_types_them(oai, stack):
         parts = [p for i in page["data"] if i["role"] == "assistant" for p in i["content"]]
         assert [p.get("annotations") for p in parts] == [[], []]
         assert model.model_validate(page, strict=True).data[1].content[0].text == "Hello"
+
+
+def test_a_turn_cut_by_max_output_tokens_is_incomplete_in_the_conversation(oai):
+    conv = oai.conversations.create()
+    cut = oai.responses.create(model="tiny", conversation=conv.id, input="Talk", max_output_tokens=2,
+                               extra_body={"ignore_eos": True})
+    assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
+    # the conversation's item of that output is the response's (it said completed)
+    listed = oai.conversations.items.list(conv.id, order="asc").data[-1]
+    assert (listed.id, listed.status) == (cut.output[0].id, "incomplete")
+    assert oai.conversations.items.retrieve(cut.output[0].id, conversation_id=conv.id).status == "incomplete"
