@@ -177,16 +177,16 @@ def _sse_error(err: OpenAIError) -> bytes:
 
 def _submit_choices(session, principal: Principal, settings: Settings, specs: list, endpoint: str,
                     writer=None, limiter: RateLimiter | None = None, n: int = 1,
-                    metadata: dict[str, str] | None = None, store: bool = False,
+                    metadata: dict[str, str] | None = None, store: bool = False, sent: list | None = None,
                     blame: Callable[[OpenAIError, int], OpenAIError] | None = None, via: str | None = None
                     ) -> tuple[list[Job], dict[str, str]]:
     """The jobs of a request's choices (``n`` per prompt), and the rate-limit headers of the answer; if one cannot
     be submitted, those already are stop. Every job is built (validated) before any is written, and the rate limits
     take the whole request at once before then (``charge_request``): the request once, each prompt's tokens once, as
     OpenAI's do, and every choice's ``max_tokens``. ``store``: the answer is kept as a stored chat completion, with
-    ``metadata``; ``blame``: job i's refusal in the request's terms (batched chat names its conversation); ``via``:
-    the route the request came in by, where not ``endpoint`` (batched chat's)."""
-    ids, kept = stored_completions.kept_fields(metadata, len(specs)) if store else ([None] * len(specs), None)
+    ``metadata`` and the ``sent`` messages; ``blame``: job i's refusal in the request's terms (batched chat names
+    its conversation); ``via``: the route the request came in by, where not ``endpoint`` (batched chat's)."""
+    ids, kept = stored_completions.kept_fields(metadata, len(specs), sent) if store else ([None] * len(specs), None)
     built = []
     for i, spec in enumerate(specs):
         try:
@@ -335,7 +335,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
     jobs, limit_headers = await run_in_threadpool(
         _submit_choices, session, principal, settings, [choice for spec in specs for choice in choice_specs(spec, n)],
-        endpoint, writer, rate_limiter(request), n, *((body.metadata, True) if chat and body.store else ()))
+        endpoint, writer, rate_limiter(request), n,
+        *((body.metadata, True, body.messages) if chat and body.store else ()))
     headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **limit_headers}
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

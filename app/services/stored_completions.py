@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from app.db import pagination
 from app.db.models import Job, JobStatus, new_id
-from app.openai_schemas import OpenAIError, merge_choices, service_tier, stored_chat_answer
+from app.openai_schemas import TEXT_PARTS, OpenAIError, merge_choices, service_tier, stored_chat_answer
 from app.responses_schemas import item_page
 from app.services.jobs import get_job
 from app.wire import as_utc
@@ -26,10 +26,25 @@ PREFIX = "chatcmpl-"
 SCAN_ROWS = 64  # stored completions read a query while a page is filled
 
 
-def kept_fields(metadata: dict[str, str] | None, choices: int) -> tuple[list[str], dict[str, Any]]:
-    """The job ids of a stored request's ``choices`` and what its first job keeps (the others keep nothing)."""
+def kept_fields(metadata: dict[str, str] | None, choices: int,
+                messages: list[Any] | None = None) -> tuple[list[str], dict[str, Any]]:
+    """The job ids of a stored request's ``choices`` and what its first job keeps (the others keep nothing): with
+    the metadata, each of the request's ``messages`` as sent (``sent_message``)."""
     ids = [new_id("job") for _ in range(choices)]
-    return ids, {"store": True, "metadata": metadata or {}, "choices": ids}
+    return ids, {"store": True, "metadata": metadata or {}, "choices": ids,
+                 "sent": [sent_message(m) for m in messages or ()]}
+
+
+def sent_message(message: Any) -> dict[str, Any]:
+    """What a job's chat messages lose of a message as sent: its role (a developer's reads system) and its content
+    parts (read joined), as OpenAI's ``content_parts`` (null where the content was a string)."""
+    message = message if isinstance(message, dict) else {}
+    content = message.get("content")
+    parts = None
+    if isinstance(content, list):
+        parts = [{"type": "text", "text": part[key]} for part in content if isinstance(part, dict)
+                 and (key := TEXT_PARTS.get(part.get("type"))) and isinstance(part.get(key), str)]
+    return {"role": message.get("role"), "content_parts": parts}
 
 
 def completion_id(job: Job) -> str:
@@ -137,7 +152,9 @@ def page(session: Session, tenant_id: str, tiers: tuple[str, ...], *, limit: int
 def message_page(job: Job, limit: int, order: str, after: str | None) -> dict[str, Any]:
     """The stored completion's request messages as OpenAI lists them (ids ``<completion id>-<index>``)."""
     cid = completion_id(job)
+    sent = (job.response or {}).get("sent") or []  # none kept before: as the job read them
     items = [{"id": f"{cid}-{i}", "role": m.get("role"), "content": m.get("content"), "name": m.get("name"),
-              "content_parts": None, **{k: m[k] for k in ("tool_calls", "tool_call_id") if k in m}}
+              "content_parts": None, **{k: m[k] for k in ("tool_calls", "tool_call_id") if k in m},
+              **(sent[i] if i < len(sent) else {})}
              for i, m in enumerate(job.messages or [])]
     return item_page(items, limit, order, after, f"no message {after!r} in chat completion {cid!r}")

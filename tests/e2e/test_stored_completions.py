@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionContentPartText
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -97,3 +98,15 @@ def test_stored_chat_completions_are_listed_retrieved_updated_and_deleted(oai, l
     wide = httpx.get(f"{live_server}/v1/chat/completions", headers=auth,
                      params={f"metadata[k{i}]": "v" for i in range(17)})
     assert wide.status_code == 400 and wide.json()["error"]["param"] == "metadata"
+
+
+def test_a_stored_completions_messages_are_listed_as_they_were_sent(oai):
+    parts = [{"type": "text", "text": "Weather"}, {"type": "text", "text": "today?"}]
+    sent = oai.chat.completions.create(messages=[{"role": "developer", "content": "Be brief"},
+                                                 {"role": "user", "content": parts}], max_tokens=1, store=True,
+                                       **GREEDY)
+    listed = oai.chat.completions.messages.list(sent.id).data
+    # the developer's role stays (it read system) and the parts are content_parts (they read null)
+    assert [m.role for m in listed] == ["developer", "user"]
+    assert [m.content_parts for m in listed] == [None, [ChatCompletionContentPartText(**p) for p in parts]]
+    assert listed[1].content == "Weather\ntoday?"  # the text the model read
