@@ -21,6 +21,7 @@ from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
 from gpu_runtime.speculation.selection import SelectionInput, select_trees
+from gpu_runtime.vllm.lora import NO_LORA
 
 if TYPE_CHECKING:
     from gpu_runtime.detokenizer import Detokenizer
@@ -79,6 +80,7 @@ class Engine:
         self.last_stats = StepStats()
         self.num_recomputes = 0  # requests whose KV was released under memory pressure (recompute preemption)
         self.idle = False  # the last step scheduled nothing (work admitted, none schedulable): the caller may wait
+        self.lora_limits = dict(NO_LORA)  # it serves no LoRA adapters (vLLM's backend does), as its heartbeat says
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._resumes: deque[str] = deque()

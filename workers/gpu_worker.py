@@ -640,6 +640,8 @@ class GpuWorker:
                 state["routed_waiting"] = sum(self.redis.llen(key) for key in queue_lists(worker_queue(self.worker_id)))
             except redis.RedisError:
                 pass
+        if isinstance(limits := getattr(self.engine, "lora_limits", None), dict):  # the API holds loads to them
+            state["lora"] = limits
         if self.engine_thread is not None:
             state.update(self.engine_thread.state)  # the engine thread's snapshot: no engine reads from here
         return state

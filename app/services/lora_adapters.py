@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Select, and_, delete, exists, select
 from sqlalchemy.exc import IntegrityError
@@ -237,6 +239,44 @@ def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]
     return str(directory.resolve()), rank
 
 
+def worker_limits(settings: Settings) -> dict[str, dict[str, Any]]:
+    """What each live worker of the model serves of runtime adapters, as its heartbeat publishes it (``lora``:
+    ``gpu_runtime.vllm.lora.lora_limits``), by worker id: its own engine arguments may set it apart from what this
+    API's settings say (a split deployment). An older worker publishes none: left out, nothing known holds a load."""
+    from app.services.workers import live_workers  # it imports routing, which imports this module
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        return {w.id: limits for w in live_workers(s, settings)
+                if settings.model_name in w.served and isinstance(limits := (w.state or {}).get("lora"), dict)}
+
+
+def lora_off_refusal(limits: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """Why no runtime adapter may be loaded where a worker of the model loads none (``worker_limits``): every job of
+    the adapter that reaches it would fail there. None where each that says loads them."""
+    off = {worker: "its engine serves no LoRA (vLLM's enable_lora off, or the own engine)"
+           if not isinstance(said.get("max_lora_rank"), int) else "COSERVE_RUNTIME_LORA is off there"
+           for worker, said in sorted(limits.items()) if not said.get("runtime")}
+    if not off:
+        return None
+    workers = "; ".join(f"worker {w!r} of the model loads none ({why})" for w, why in off.items())
+    return (f"LoRA adapters cannot be loaded at runtime: {workers}, so their jobs would fail there; start the "
+            "model's workers on the vLLM backend with LoRA on and COSERVE_RUNTIME_LORA=1")
+
+
+def worker_rank_refusal(limits: Mapping[str, Mapping[str, Any]], name: str, rank: int) -> str | None:
+    """Why runtime adapter ``name`` of ``rank`` may not be loaded where a worker of the model serves a smaller rank
+    (``worker_limits``: its engine's max_lora_rank, which vLLM holds each adapter it loads to). None where each that
+    says serves it."""
+    low = {worker: said["max_lora_rank"] for worker, said in sorted(limits.items())
+           if isinstance(said.get("max_lora_rank"), int) and said["max_lora_rank"] < rank}
+    if not low:
+        return None
+    workers = ", ".join(f"worker {w!r} of the model serves runtime adapters up to rank {r}" for w, r in low.items())
+    return (f"LoRA adapter {name!r} has rank {rank}; {workers} (max_lora_rank of its vLLM engine): load an adapter "
+            "of a smaller rank, or raise the workers' max_lora_rank (COSERVE_MAX_LORA_RANK, or their vLLM engine "
+            "arguments)")
+
+
 def runtime_rank(settings: Settings) -> tuple[int, str]:
     """The largest rank of a runtime adapter the workers' vLLM engines serve (``runtime_rank_limit``: their
     max_lora_rank, as the engine arguments are built), and the setting that makes it so."""
@@ -259,7 +299,12 @@ def load(settings: Settings, name: str, path: str, *, load_inplace: bool = False
     if name in settings.served_models or name in settings.model_aliases:
         what = "a name of the model" if name in settings.model_names else "an adapter of COSERVE_LORA_MODULES"
         raise AdapterError(f"lora_name {name!r} is {what}; choose another name")
+    workers = worker_limits(settings)  # their own engine arguments may hold less than this API's settings
+    if (refused := lora_off_refusal(workers)) is not None:
+        raise AdapterError(refused)
     directory, rank = check_directory(settings, name, path)
+    if (refused := worker_rank_refusal(workers, name, rank)) is not None:
+        raise AdapterError(refused)
     # the read of the name and its write: one writer on SQLite; on PostgreSQL a load of the same new name may
     # commit in between (no row to lock yet), and then this one is judged again with that row there
     try:

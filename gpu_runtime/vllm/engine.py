@@ -29,7 +29,7 @@ from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from gpu_runtime.scheduler.priority import vllm_priority
-from gpu_runtime.vllm.lora import LoraRegistry
+from gpu_runtime.vllm.lora import LoraRegistry, lora_limits
 from gpu_runtime.vllm.qos_args import to_extra_args
 from gpu_runtime.vllm.step_log import StepLog, StepRecord
 
@@ -157,6 +157,8 @@ class VLLMEngine:
                  lora_modules: dict[str, str] | None = None, runtime_lora: bool = False) -> None:
         self.llm = llm
         self.loras = LoraRegistry(lora_modules or {}, runtime_lora)  # those it started with, those loaded since
+        # what it serves of runtime adapters, for the heartbeat (a constant: read off the engine's thread)
+        self.lora_limits = lora_limits(llm.vllm_config.lora_config, runtime_lora)
         self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
         self.scheduler = _SchedulerView(self.core_scheduler)
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)

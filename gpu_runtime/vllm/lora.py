@@ -71,6 +71,19 @@ def lora_engine_args(modules: dict[str, str], runtime_slots: int = 0, runtime_ra
             "max_loras": slots, "max_cpu_loras": slots}
 
 
+NO_LORA: dict[str, Any] = {"runtime": False, "max_lora_rank": None, "max_loras": None}  # an engine without LoRA
+
+
+def lora_limits(lora_config: Any, runtime: bool) -> dict[str, Any]:
+    """What an engine serves of the adapters loaded at runtime, as its worker's heartbeat publishes it (``lora``) for
+    the API to hold loads to: whether it loads them (``runtime``: COSERVE_RUNTIME_LORA, and LoRA on in its engine),
+    the largest rank and the adapters in one batch of its ``lora_config`` (vLLM's ``LoRAConfig``; None: LoRA off,
+    vLLM's ``enable_lora``), which the worker's own engine arguments may set apart from the API's."""
+    if lora_config is None:
+        return dict(NO_LORA)
+    return {"runtime": runtime, "max_lora_rank": lora_config.max_lora_rank, "max_loras": lora_config.max_loras}
+
+
 def lora_requests(modules: dict[str, str]) -> dict[str, Any]:
     """Adapter name -> vLLM's ``LoRARequest`` (ids 1..n, stable for the engine's life)."""
     if not modules:

@@ -126,3 +126,65 @@ def test_a_name_another_models_adapter_holds_is_refused_saying_so(tmp_path, db_u
     with pytest.raises(lora_adapters.AdapterError, match="'shared-name' is not loaded"):
         lora_adapters.unload(settings, "shared-name")
     assert lora_adapters.loaded(other, fresh=True)["shared-name"].model == "other"
+
+
+def _rank_dir(path, rank: int) -> str:
+    directory = _adapter_dir(path)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
+    return directory
+
+
+def test_a_load_is_held_to_the_lora_limits_the_models_live_workers_publish(tmp_path, db_url):
+    """A split deployment: the workers' own engine arguments set max_lora_rank, max_loras or enable_lora apart from
+    the API's settings (rank 16 here). Each worker's heartbeat says what its engine serves (``lora``); a load is
+    refused, naming the worker and its limit, where a live worker of the model could not serve the adapter, and at
+    once (before its directory is read) where one loads no adapters at runtime. A heartbeat without the field (an
+    older worker), another model's worker and a lost one hold nothing."""
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.db.session import session_scope
+    from app.services.transitions import utcnow
+    from gpu_runtime.vllm.lora import NO_LORA
+
+    settings = Settings(data_dir=tmp_path, database_url=db_url, model_name="tiny", runtime_lora=True)
+    small = {"runtime": True, "max_lora_rank": 8, "max_loras": 2}
+
+    def beat(worker: str, lora: dict | None, model: str = "tiny", ago_s: float = 0.0) -> None:
+        state = {"served": [model], "runtime_lora": True, **({"lora": lora} if lora is not None else {})}
+        with session_scope(db_url) as s:
+            s.merge(WorkerState(id=worker, model=model, queue=f"coserve.{model}", device="cpu", state=state,
+                                heartbeat_at=utcnow() - timedelta(seconds=ago_s)))
+
+    beat("w-old", None)  # an older worker: says nothing of LoRA
+    beat("w-other", {**small, "max_lora_rank": 1}, model="other")
+    beat("w-lost", {**small, "max_lora_rank": 1}, ago_s=3600)
+    lora_adapters.load(settings, "r16-a", _rank_dir(tmp_path / "r16-a", 16))  # nothing live of the model says less
+    beat("w-8", small)
+    with pytest.raises(lora_adapters.AdapterError, match="rank 16; worker 'w-8' of the model serves runtime adapters "
+                                                         r"up to rank 8 \(max_lora_rank of its vLLM engine\)"):
+        lora_adapters.load(settings, "r16-b", _rank_dir(tmp_path / "r16-b", 16))
+    lora_adapters.load(settings, "r8", _rank_dir(tmp_path / "r8", 8))
+    for lora, why in ((NO_LORA, "its engine serves no LoRA"), ({**small, "runtime": False}, "COSERVE_RUNTIME_LORA")):
+        beat("w-8", lora)
+        with pytest.raises(lora_adapters.AdapterError, match=f"worker 'w-8' of the model loads none \\({why}"):
+            lora_adapters.load(settings, "r1", str(tmp_path / "not-read"))  # refused before the directory is read
+    assert set(lora_adapters.loaded(settings, fresh=True)) == {"r16-a", "r8"}
+
+
+def test_the_lora_limits_check_on_hand_built_heartbeats():
+    """The checks on what workers published (worker id -> ``lora``): every worker below the rank or loading none
+    is named; none refuses where each serves the adapter."""
+    limits = {"w2": {"runtime": True, "max_lora_rank": 8, "max_loras": 1},
+              "w1": {"runtime": True, "max_lora_rank": 16, "max_loras": 4},
+              "w3": {"runtime": True, "max_lora_rank": 32, "max_loras": 4}}
+    assert lora_adapters.lora_off_refusal(limits) is None and lora_adapters.lora_off_refusal({}) is None
+    assert lora_adapters.worker_rank_refusal(limits, "a", 8) is None
+    refused = lora_adapters.worker_rank_refusal(limits, "a", 32)
+    assert refused is not None and refused.startswith(
+        "LoRA adapter 'a' has rank 32; worker 'w1' of the model serves runtime adapters up to rank 16, worker 'w2' of "
+        "the model serves runtime adapters up to rank 8"), refused
+    off = {**limits, "w4": {"runtime": False, "max_lora_rank": None, "max_loras": None}}
+    refused = lora_adapters.lora_off_refusal(off)
+    assert refused is not None and "worker 'w4' of the model loads none" in refused and "'w1'" not in refused
+    assert lora_adapters.worker_rank_refusal(off, "a", 512) is not None  # a rank limit nowhere said is no limit

@@ -653,3 +653,33 @@ def test_free_job_relegated_under_load_then_finishes(vllm_stack):
     assert free["metrics"]["relegation_count"] >= 1 and free["completion_tokens"] > 0, free
     assert 0 < free["metrics"]["queue_s"] <= free["metrics"]["ttft_s"], free  # relegated before its prompt ran
     assert all(finished(base, keys.paid, j)["status"] == "succeeded" for j in paid)
+
+
+def test_a_load_is_held_to_the_lora_rank_a_workers_own_engine_arguments_set(settings, live_server, keys,
+                                                                              start_worker):
+    """A split deployment: the worker's own engine arguments set max_lora_rank 8, the API's settings do not (its
+    COSERVE_MAX_LORA_RANK: 16). The worker's heartbeat publishes its engine's LoRA limits; the API refuses an
+    adapter of rank 16 with a 400 naming that worker and its rank, instead of accepting it and failing each of its
+    jobs in the engine, and serves one of rank 8."""
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+    from tests.vllm.conftest import write_lora_adapter
+
+    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
+    settings.backend, settings.runtime_lora = "vllm", True
+    start_worker("w-rank8", **{**MODEL, "COSERVE_VLLM_ENGINE_ARGS": '{"max_lora_rank": 8}'}, COSERVE_RUNTIME_LORA="1",
+                 COSERVE_MAX_LORAS="1")
+    checkpoint = vllm_checkpoint("smollm2-135m")
+
+    def load(name: str, rank: int) -> httpx.Response:
+        path = write_lora_adapter(checkpoint, settings.data_dir / name, 0.0, rank=rank)
+        return httpx.post(f"{live_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                          headers=Keys.header(keys.admin))
+
+    r = load("rank16-lora", 16)
+    assert r.status_code == 400, r.text
+    assert ("rank 16; worker 'w-rank8' of the model serves runtime adapters up to rank 8"
+            in r.json()["error"]["message"]), r.text
+    assert load("rank8-lora", 8).status_code == 200
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
+    answer = oai.completions.create(model="rank8-lora", prompt="The capital of France is", max_tokens=2)
+    assert answer.model == "rank8-lora" and answer.choices[0].text, answer
