@@ -288,14 +288,16 @@ class UnsupportedFields(BaseModel):
     refused_by: ClassVar[str] = "this server"  # who does not support them, as the 400 says
     hints: ClassVar[dict[str, str]] = {}  # the endpoint's own hints, before the shared ones (UNSUPPORTED_HINTS)
 
-    def check_unsupported(self) -> None:
+    def check_unsupported(self, hints: dict[str, str] | None = None) -> None:
+        """A 400 naming the first unsupported field the request sets; ``hints``: the caller's own, before the
+        endpoint's and the shared ones (a batch's line is told what a batch's request takes)."""
         given = self.model_fields_set  # a field the request left out holds its default, None: never refused
         for name, defaults in self.unsupported.items():
             if name not in given:
                 continue
             value = getattr(self, name)
             if not _is_default(value, defaults):
-                hint = self.hints.get(name) or UNSUPPORTED_HINTS.get(name, "")
+                hint = (hints or {}).get(name) or self.hints.get(name) or UNSUPPORTED_HINTS.get(name, "")
                 raise OpenAIError(400, f"{name}={value!r} is not supported by {self.refused_by}; leave {name} unset"
                                        f"{hint}", param=name, code="unsupported_value")
 

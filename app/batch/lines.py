@@ -104,6 +104,8 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: t
         if endpoint == MESSAGES:
             return ValidLine(line_no, cid, message_specs(body, window_s, tiers, model))
         req = ENDPOINTS[endpoint].model_validate(body)
+        if hasattr(req, "check_unsupported"):  # a Responses line has no vLLM fields to refuse
+            req.check_unsupported(BATCH_LINE_HINTS)
         req.check()
         refuse_qos(body, "a batch's requests", "the batch's completion_window ends")  # before its job is built
         if endpoint == "/v1/responses":
@@ -132,6 +134,11 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: t
 # POST /v1/jobs takes them; a request would ignore them): a batch's requests take none, their jobs are batch jobs due
 # when the batch's window ends (an OpenAI batch's completion_window, a message batch's 24 hours)
 BATCH_QOS = ("ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "deadline_at", "deadline_window_s", "kind")
+# a batch line's hints for vLLM's ordering fields: online, the 400 points to the QoS fields above, which a batch's
+# line refuses (refuse_qos); what orders a batch's requests is their tier and the batch's completion_window
+_BATCH_ORDER = (" (a batch's requests run as batch jobs, ordered by their tier and due when the batch's "
+                "completion_window ends)")
+BATCH_LINE_HINTS = {"vllm_xargs": _BATCH_ORDER, "priority": _BATCH_ORDER}
 
 
 def refuse_qos(body: dict[str, Any], requests: str, due: str) -> None:

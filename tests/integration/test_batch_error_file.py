@@ -69,13 +69,15 @@ LINES = [
     _line("good-3", {**GOOD, "prompt": ["one", "two"]}),
     _line("anchor", {**GOOD, "tbt_anchor": "first-token"}),
     _line("job-window", {**GOOD, "deadline_window_s": 60}),
+    _line("priority", {**GOOD, "priority": 5}),
 ]
 
 # what the validation writes for LINES, pinned before it was made cheaper: a change here is a refusal's message
 # changed on purpose (logprobs' range message since vLLM's prompt_logprobs joined it; response_format's types since
 # vLLM's structural_tag joined them; every line's custom_id a string and its error code and message alone, as
 # OpenAI's and vLLM's error lines are, since the line number moved to the id and message only; a QoS field's
-# refusal names it, since each line kind's does alike), never by a speed-up
+# refusal names it, since each line kind's does alike; vllm_xargs' and priority's say what a batch's request takes, since
+# they pointed to the QoS fields a line refuses), never by a speed-up
 EXPECTED = Path(__file__).with_name("batch_error_file.expected.jsonl")
 
 
@@ -92,3 +94,14 @@ def test_the_error_file_is_the_same_byte_for_byte(client, keys, settings):
     with session_scope(settings.sqlalchemy_url) as s:  # good-1, good-2's two choices, good-3's two prompts
         assert s.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch["id"])) == 5
     assert got["request_counts"]["total"] == len([t for t in LINES if t.strip()])
+
+
+def test_a_lines_vllm_ordering_fields_are_not_pointed_to_the_qos_fields_a_line_refuses():
+    """``vllm_xargs`` and ``priority`` on a batch's line were refused with the online hint, to give ttft_ms, tbt_ms
+    and deadline in the body: fields a batch's line refuses too (``refuse_qos``)."""
+    from app.batch.lines import BATCH_QOS, parse_line
+
+    for field, value in (("vllm_xargs", {"a": 1}), ("priority", 5)):
+        refused = parse_line(1, _line(field, {**GOOD, field: value}), URL, 3600.0)
+        assert refused.code == "invalid_body" and f"leave {field} unset" in refused.message, refused
+        assert not [name for name in BATCH_QOS if name in refused.message], refused.message
