@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -13,7 +14,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy import or_, select
 
@@ -143,17 +144,23 @@ def get_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> 
     return storage.file_object(_own(session, principal, file_id))
 
 
+def _download_headers(row: FileRow, size: int) -> dict[str, str]:
+    """GET's and HEAD's headers of a file's content of ``size`` bytes."""
+    return {"Content-Disposition": content_disposition(row.filename), "Content-Length": str(size)}
+
+
 @router.get("/{file_id}/content", response_class=Response,
             responses={200: {"content": {"application/jsonl": {}}, "description": "the file's bytes"},
                        **openai_responses(404)})
 def file_content(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> Response:
+    """The file's bytes, streamed from storage a piece at a time (a batch's output file may be hundreds of MiB)."""
     row = _own(session, principal, file_id)
     try:
-        content = storage.read_content(row)
+        handle = storage.open_content(row)
     except FileNotFoundError:  # deleted since it was read (it expired, or a DELETE raced this request)
         raise _no_such_file(file_id) from None
-    return Response(content, media_type="application/jsonl",
-                    headers={"Content-Disposition": content_disposition(row.filename)})
+    return StreamingResponse(storage.content_pieces(handle), media_type="application/jsonl",
+                             headers=_download_headers(row, os.fstat(handle.fileno()).st_size))
 
 
 # HEAD is GET's answer without its body (RFC 9110), not an operation of its own: the document lists GET only
@@ -165,8 +172,7 @@ def file_content_head(file_id: str, session: SessionDep, principal: CurrentPrinc
         size = Path(row.path).stat().st_size
     except FileNotFoundError:  # as GET: deleted since it was read
         raise _no_such_file(file_id) from None
-    return Response(media_type="application/jsonl", headers={
-        "Content-Disposition": content_disposition(row.filename), "Content-Length": str(size)})
+    return Response(media_type="application/jsonl", headers=_download_headers(row, size))
 
 
 @router.delete("/{file_id}", responses=openai_responses(404))

@@ -10,6 +10,7 @@ import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,8 +76,24 @@ def save_file(session: Session, data_dir: Path, tenant_id: str, filename: str, p
     return row
 
 
+CONTENT_PIECE_BYTES = 256 * 1024  # what a download holds of the file at a time
+
+
 def read_content(row: File) -> bytes:
     return Path(row.path).read_bytes()
+
+
+def open_content(row: File) -> BinaryIO:
+    """The content, open to be read in pieces; raises FileNotFoundError where it was deleted. Once open it stays
+    readable to the end, whatever deletes the file meanwhile (its bytes go with the last handle)."""
+    return Path(row.path).open("rb")
+
+
+def content_pieces(handle: BinaryIO) -> Iterator[bytes]:
+    """``handle``'s bytes, ``CONTENT_PIECE_BYTES`` at a time, closing it once read (or once the reader stops)."""
+    with handle:
+        while piece := handle.read(CONTENT_PIECE_BYTES):
+            yield piece
 
 
 def expired(row: File) -> bool:

@@ -485,6 +485,49 @@ def test_a_chunked_upload_is_never_held_whole_in_memory(settings, keys):
     assert peak < size // 4, f"{peak} bytes allocated at the peak of a {size}-byte upload"
 
 
+def test_a_download_is_never_held_whole_in_memory(settings, keys, tmp_path):
+    """GET /v1/files/{id}/content read the whole file into memory and answered it in one piece (a batch's output
+    file may be hundreds of MiB): it is streamed from storage a piece at a time now, with the headers it had. Real
+    uvicorn; the client reads it in pieces too, so the process's peak is the server's own."""
+    import hashlib
+    import tracemalloc
+
+    import requests
+
+    from app.batch import storage
+    from app.main import create_app
+    from tests.conftest import served_by_uvicorn
+
+    line = b'{"id": "batch_req_1", "custom_id": "a", "response": null, "error": null}\n'
+    piece = line * (64 * 1024 // len(line))
+    source, whole = tmp_path / "out.jsonl", hashlib.sha256()
+    with source.open("wb") as out:
+        for _ in range(512):  # about 32 MiB, written a piece at a time
+            out.write(piece)
+            whole.update(piece)
+    with session_scope(settings.sqlalchemy_url) as s, source.open("rb") as content:
+        row = storage.save_file(s, settings.data_dir, keys.tenant_id, "out.jsonl", "batch", content)
+        file_id, size = row.id, row.bytes
+    url = f"/v1/files/{file_id}/content"
+    with served_by_uvicorn(create_app(settings), "uvicorn-download") as base:
+        assert requests.head(f"{base}{url}", headers=H(keys.paid), timeout=60).status_code == 200  # imports done
+        tracemalloc.start()
+        try:
+            got, read = hashlib.sha256(), 0
+            with requests.get(f"{base}{url}", headers=H(keys.paid), stream=True, timeout=300) as r:
+                for chunk in r.iter_content(64 * 1024):
+                    got.update(chunk)
+                    read += len(chunk)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        gone = requests.get(f"{base}/v1/files/file_nope/content", headers=H(keys.paid), timeout=60)
+    assert r.status_code == 200 and r.headers["content-length"] == str(size) == str(read)
+    assert r.headers["content-disposition"] == "attachment; filename=\"out.jsonl\"; filename*=UTF-8''out.jsonl"
+    assert got.digest() == whole.digest() and gone.status_code == 404
+    assert peak < size // 4, f"{peak} bytes allocated at the peak of a {size}-byte download"
+
+
 def test_deadline_beyond_the_longest_window_is_422(client, keys):
     far = (datetime.now(UTC) + timedelta(days=400)).isoformat()
     r = submit(client, keys.paid, kind="batch", deadline_at=far)
