@@ -21,7 +21,7 @@ from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
 from app.batch.finalize import line_numbers_path, maybe_finalize, result_file
-from app.batch.objects import invalid_line
+from app.batch.objects import REFUSED_LINE, invalid_line, unrun_line
 from app.batch.storage import read_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
@@ -106,9 +106,11 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     jobs = []
     # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)
     context = held_context_length(settings)
+    requested = []  # the valid lines that became jobs: a cancel before they start stops them unrun
     for v in parsed.valid:
         try:
             jobs += _line_jobs(settings, principal, v, batch_id, endpoint, expires_at, context)
+            requested.append(v)
         except JobValidationError as exc:  # an over-long message batch request in Anthropic's words, as its create
             why = exc.overflow.anthropic_message() if exc.overflow and endpoint == MESSAGES else str(exc)
             invalid_lines.append(batch_lines.InvalidLine(v.line_no, v.custom_id, f"line {v.line_no}: {why}",
@@ -133,7 +135,9 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     if ok is None:
         return
     if not ok:
-        _end_cancelled(settings, batch_id, parsed.total, [json.dumps(r) for r in invalid])
+        unrun = [] if endpoint == MESSAGES else [unrun_line(v.line_no, v.custom_id) for v in requested]
+        lines = sorted(invalid + unrun, key=lambda r: r["id"].removeprefix(REFUSED_LINE).zfill(12))
+        _end_cancelled(settings, batch_id, parsed.total, [json.dumps(r) for r in lines])
         return
     log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
     send_dispatched(settings, [Sendable.of(job) for job in jobs])
@@ -142,24 +146,38 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
             maybe_finalize(s, batch_id, settings.data_dir)
 
 
-def _end_cancelled(settings: Settings, batch_id: str, total: int, refused: list[str]) -> None:
+def _end_cancelled(settings: Settings, batch_id: str, total: int, failed: list[str]) -> None:
     """A batch cancelled while validating ran no request: this ends it cancelled, with its event, unless the cancel's
-    fan-in did (maybe before its lines were read: it then knew none of them), and either way it counts its lines
-    (``total``, its ``refused`` ones failed) and gives those in its error file, where that fan-in wrote none."""
+    fan-in did (maybe before its lines were read: it then knew none of them) or is finalizing it now, and either way
+    it counts its lines (``total``, each one failed: refused, or an OpenAI batch's stopped unrun) and gives ``failed``
+    (their error lines) as its error file in place of any that fan-in wrote. A message batch's unrun requests are in
+    neither: its counts and results type them ``canceled``."""
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
         batch = s.get(Batch, batch_id)
-        stopped = (Batch.id == batch_id, Batch.status.in_(("cancelling", "cancelled")))  # not started meanwhile
-        s.execute(update(Batch).where(*stopped).values(total=total, failed=len(refused)))
-        if refused and batch.error_file_id is None:
-            error_file = result_file(settings.data_dir, batch, "error", refused)
-            if s.execute(update(Batch).where(*stopped, Batch.error_file_id.is_(None)).values(
-                    error_file_id=error_file.id)).rowcount:
-                s.add(error_file)
-            else:  # a fan-in that read them gave them meanwhile
-                Path(error_file.path).unlink(missing_ok=True)
+        # not started meanwhile; a finalizing cancel's fan-in writes no counts after it took the batch
+        stopped = (Batch.id == batch_id, Batch.status.in_(("cancelling", "cancelled", "finalizing")),
+                   Batch.cancelling_at.is_not(None))
+        s.execute(update(Batch).where(*stopped).values(total=total, failed=len(failed)))
+        if failed:
+            _replace_error_file(s, settings, batch, stopped, failed)
         if s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
                 status="cancelled", cancelled_at=utcnow())).rowcount:
             batch_ended(s, batch.tenant_id, batch.endpoint, "cancelled", batch_id)
+
+
+def _replace_error_file(session, settings: Settings, batch: Batch, stopped: tuple, lines: list[str]) -> None:
+    """``lines`` as the stopped batch's error file, the one a cancel's fan-in gave (its refused lines alone, or
+    fewer) deleted; a finalizing fan-in keeps it (``maybe_finalize`` sets no error file over one set meanwhile)."""
+    before = batch.error_file_id
+    error_file = result_file(settings.data_dir, batch, "error", lines)
+    if not session.execute(update(Batch).where(*stopped, Batch.error_file_id.is_not_distinct_from(before)).values(
+            error_file_id=error_file.id)).rowcount:  # not stopped, or another writer's meanwhile
+        Path(error_file.path).unlink(missing_ok=True)
+        return
+    session.add(error_file)
+    if before is not None and (old := session.get(File, before)) is not None:
+        Path(old.path).unlink(missing_ok=True)
+        old.deleted = True
 
 
 def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, jobs: list[dict], dispatched_at,

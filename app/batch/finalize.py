@@ -207,7 +207,10 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     files = {key: result_file(data_dir, batch, name, lines)
              for key, name, lines in (("output_file_id", "output", out_lines), ("error_file_id", "error", err_lines))
              if lines}
-    values: dict = {key: row.id for key, row in files.items()}
+    # an error file the validation gave a batch cancelled while validating, while this finalized it, is kept: it knows
+    # the lines this one may have read before they were written (fanout._end_cancelled)
+    values: dict = {key: func.coalesce(getattr(Batch, key), row.id) if key == "error_file_id" else row.id
+                    for key, row in files.items()}
     now = utcnow()
     # finalizing was this caller's lock on the files; a batch that ends cancelled or expired never went through
     # OpenAI's finalizing (in_progress -> finalizing -> completed), whose finalizing_at it then leaves null
@@ -220,10 +223,17 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     # the files and the final status in one transaction: a finalize that dies before it leaves the batch
     # finalizing, for a later caller to take over once stalled; one taken over meanwhile writes nothing
     with write_after_read(session):
-        still_mine = session.execute(update(Batch).where(
-            Batch.id == batch_id, Batch.status == "finalizing", Batch.finalizing_at == mine).values(**values)).rowcount
+        given = session.execute(update(Batch).where(
+            Batch.id == batch_id, Batch.status == "finalizing", Batch.finalizing_at == mine).values(**values)
+            .returning(Batch.output_file_id, Batch.error_file_id)).first()
+        still_mine = given is not None
         if still_mine:
-            session.add_all(files.values())
+            kept = {row.id for row in files.values() if row.id in given}
+            for row in files.values():
+                if row.id in kept:
+                    session.add(row)
+                else:
+                    Path(row.path).unlink(missing_ok=True)
             # with the status, or not at all
             batch_ended(session, batch.tenant_id, batch.endpoint, values["status"], batch_id)
         session.commit()

@@ -169,3 +169,9 @@ def invalid_line(line_no: int, custom_id: str | None, code: str, message: str) -
     in its ``id`` and message: ``line`` belongs to the batch's own ``errors.data[]`` (OpenAI's ``BatchError``)."""
     return {"id": f"{REFUSED_LINE}{line_no}", "custom_id": custom_id or "", "response": None,
             "error": {"code": code, "message": message}}
+
+
+def unrun_line(line_no: int, custom_id: str) -> dict[str, Any]:
+    """The error-file line of a valid input line whose request a cancel stopped before its job started (a batch
+    cancelled while validating): ``batch_cancelled``, as a cancelled job's line, named by its line as a refused one."""
+    return invalid_line(line_no, custom_id, "batch_cancelled", "the request was cancelled with its batch before it ran")

@@ -165,25 +165,64 @@ def test_a_batch_cancelled_while_validating_ends_with_its_event_when_validation_
         assert [d.type for d in s.scalars(select(WebhookDelivery))] == ["batch.cancelled"]  # once
 
 
+def _good_and_refused_lines(client, keys) -> str:
+    """An input file of a good line and a refused one: its id."""
+    good = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    text = "\n".join([json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": good}),
+                      "{not json"]) + "\n"
+    return client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                       files={"file": ("in.jsonl", text.encode())}).json()["id"]
+
+
+def _cancelled_unrun(client, keys, batch_id: str) -> None:
+    """The batch ended cancelled with both lines failed (total = completed + failed): the good one stopped unrun
+    (``batch_cancelled``, as a cancelled job's line), the refused one as refused, one error file of both."""
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": 2, "completed": 0, "failed": 2})
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    lines = [json.loads(t) for t in errors.splitlines()]
+    assert [(t["id"], t["error"]["code"]) for t in lines] == [
+        ("batch_req_line_1", "batch_cancelled"), ("batch_req_line_2", "invalid_json")], errors
+    assert batch["output_file_id"] is None
+    listed = client.get("/v1/files", headers=Keys.header(keys.paid)).json()["data"]
+    assert [f["id"] for f in listed if f["filename"].startswith(batch_id)] == [batch["error_file_id"]]
+
+
 @pytest.mark.parametrize("ended_by", ["validation", "the_cancel"])
 def test_a_batch_cancelled_while_validating_counts_its_lines_and_keeps_its_refused_ones(client, keys, settings,
                                                                                         ended_by):
     """Cancelled before its fan-out started its jobs (the validation ends it, or the cancel's fan-in did first, before
-    its lines were read): no request ran, and the batch says how many lines its file had (``total``, not 0) and
-    gives the refused one in its error file, counted failed (as many as the error file's lines)."""
-    good = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
-    text = "\n".join([json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": good}),
-                      "{not json"]) + "\n"
-    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
-                    files={"file": ("in.jsonl", text.encode())}).json()
-    batch_id, now = new_id("batch"), utcnow()
+    its lines were read): no request ran, and the batch says how many lines its file had (``total``, not 0), each
+    failed: its valid line was counted in total but neither completed nor failed (the counts did not add up), and
+    the error file now gives it as cancelled unrun beside the refused one."""
+    file_id, batch_id, now = _good_and_refused_lines(client, keys), new_id("batch"), utcnow()
     ended = {"status": "cancelled", "cancelled_at": now} if ended_by == "the_cancel" else {"status": "cancelling"}
     with session_scope(settings.sqlalchemy_url) as s:  # the cancel committed (and, the_cancel: its fan-in ended it)
-        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=f["id"],
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=file_id,
                     completion_window="1h", tier="paid", cancelling_at=now, **ended))
     start_batch(settings, batch_id)
-    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
-    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": 2, "completed": 0, "failed": 1})
-    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
-    assert [json.loads(t)["id"] for t in errors.splitlines()] == ["batch_req_line_2"], errors
-    assert batch["output_file_id"] is None
+    _cancelled_unrun(client, keys, batch_id)
+
+
+def test_a_batch_whose_validation_ends_while_the_cancels_fan_in_finalizes_it_keeps_its_counts(client, keys, settings,
+                                                                                               monkeypatch):
+    """The race: the cancel's fan-in had taken the batch (finalizing) when its validation found it cancelled, whose
+    counts and error file, written only to a batch cancelling or cancelled, were lost: it ended with total 0. Run
+    in that order here: the validation runs inside the fan-in, between its taking the batch and its end."""
+    file_id, batch_id, now = _good_and_refused_lines(client, keys), new_id("batch"), utcnow()
+    with session_scope(settings.sqlalchemy_url) as s:  # the cancel committed; the validation has not read the file
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=file_id,
+                    completion_window="1h", tier="paid", status="cancelling", cancelling_at=now))
+    lines_of, seen = finalize.requests, []
+
+    def validation_meanwhile(jobs):
+        with session_scope(settings.sqlalchemy_url) as s:
+            seen.append(s.get(Batch, batch_id).status)
+        start_batch(settings, batch_id)
+        return lines_of(jobs)
+
+    monkeypatch.setattr(finalize, "requests", validation_meanwhile)
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert finalize.maybe_finalize(s, batch_id, settings.data_dir, None)  # the cancel's fan-in
+    assert seen == ["finalizing"]
+    _cancelled_unrun(client, keys, batch_id)
