@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
@@ -488,12 +488,15 @@ class EngineThread:
         their give-backs are written (the sweeper sends only queued jobs, so none sends them meanwhile), and their
         messages sent once the stream events queued before are published (``Record.after_events``): a take, here or
         on another worker of the model, goes on from every token their attempts streamed (``GpuWorker._resumed``).
-        A send the broker refuses is retried as a failed write is; one given up on (or held at stop while Redis is
-        away) is the sweeper's to send again (a dispatched job whose message is lost)."""
+        A send the broker refuses is retried as a failed write is (dispatched meanwhile: no sweep sends them before
+        those events are out); the jobs of one given up on go back to queued, where the next sweep sends them (left
+        dispatched, they waited for the sweeper's rule for a lost message, ``max(30, 5 x lease)`` s). One held at
+        stop while Redis is away is the sweeper's to send again as lost."""
         if not job_ids:
             return []
         url = self.settings.redis_url
         unsent: list[tuple[str, str, int]] = []  # marked dispatched, message not sent yet; first admitted first
+        marked_by: list[datetime] = []  # when the mark committed: a later dispatched_at is a sweeper's resend (sent)
 
         def mark(s: Session) -> None:  # each commits: a retry after a partial mark finds those marked moved on
             # each on the queue dispatch sends its model to: a configured adapter's own, which a worker of the
@@ -502,6 +505,7 @@ class EngineThread:
             for job_id, queue, priority in back_to_queues(s, [rows[job_id] for job_id in job_ids if job_id in rows]):
                 if mark_dispatched(s, job_id, detail="requeued after an engine error"):
                     unsent.append((job_id, queue, priority))
+            marked_by[:] = [utcnow()]
 
         def send(_s: Session) -> None:
             # they ran, so they came before every message waiting: to the head, the first admitted taken first
@@ -509,8 +513,16 @@ class EngineThread:
             unsent[:] = [job for job in unsent if job[0] not in sent]  # older ones, to the head before these later
             if unsent:
                 raise RuntimeError(f"the broker did not take the messages of {len(unsent)} jobs")
+
+        def unmark(s: Session) -> None:  # where no other worker took or resent them meanwhile
+            for job_id, _queue, _priority in unsent:
+                transition(s, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
+                           where=[Job.worker_id.is_(None), Job.dispatched_at <= marked_by[0]],
+                           detail="broker unavailable; the sweeper will send it")
+        given_up = Record(f"the return to queued of {len(job_ids)} jobs whose messages the broker refused", unmark)
         return [Record(f"the resend of {len(job_ids)} jobs", mark,
-                       then=Record(f"the messages of {len(job_ids)} jobs", send, after_events=True))]
+                       then=Record(f"the messages of {len(job_ids)} jobs", send, after_events=True,
+                                   if_given_up=given_up))]
 
     def _reconcile_if_due(self) -> list[Record]:
         now = time.monotonic()

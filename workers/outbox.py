@@ -15,7 +15,9 @@ writes the engine's results:
 * holds a record made to follow the stream (``Record.after_events``: a rerun's message handed
   back, a job's message sent again after an engine error) until the events queued before it are
   published: whoever takes the message reads them. A SQL write that must not wait goes first, the
-  held send as its ``Record.then``.
+  held send as its ``Record.then``; what undoes that write where the send is given up, as its
+  ``Record.if_given_up`` (a job marked dispatched whose message never went goes back to queued, where
+  the next sweep sends it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class Record:
     # tried once this one is written (not where it is given up or its lease is not ours): what must wait for the
     # stream (``after_events``: a message sent) after a write that must not (the job marked dispatched in SQL)
     then: Record | None = None
+    # tried once where this one is given up (``MAX_TRIES``): a job marked dispatched for a send the broker never
+    # took goes back to queued, where the next sweep sends it (left dispatched, it waited for the sweeper's rule
+    # for a lost message, minutes)
+    if_given_up: Record | None = None
     tries: int = 0
     not_before: float = 0.0
     events_before: int | None = None  # held: the outbox's count of events sent once those queued before it are
@@ -185,6 +191,8 @@ class Outbox:
                     log.error("gave up writing %s after %d tries: %s%s", record.what, record.tries, exc,
                               "; the job leaves this worker and its lease will lapse" if record.leaving else "")
                     self._leave(record)
+                    if record.if_given_up is not None:
+                        self._try(record.if_given_up)
                     return
                 record.not_before = time.monotonic() + min(8.0, 0.5 * 2 ** (record.tries - 1))
                 log.warning("could not write %s (try %d, will retry): %s", record.what, record.tries, exc)

@@ -16,6 +16,8 @@ from app.db.session import session_scope
 from app.schemas import JobCreate
 from app.services.jobs import submit_job
 from app.services.streaming import StreamEvent, stream_key
+from tests.conftest import wait_for
+from tests.redis_process import own_redis  # noqa: F401 - fixture
 from workers import lease as leases
 from workers.active_job import ActiveJob
 from workers.gpu_worker import GpuWorker
@@ -224,3 +226,39 @@ def test_a_job_an_engine_error_gave_back_is_rerun_here_beside_the_abort_the_engi
 def _job_status(url: str, job_id: str) -> str:
     with session_scope(url) as s:
         return s.get(Job, job_id).status
+
+
+def test_a_job_whose_resend_the_broker_never_took_is_sent_by_the_next_sweep(settings, keys, own_redis, monkeypatch):
+    """An engine error gives a job back while Redis is away for longer than the outbox retries its message's send.
+    While the send is retried the job stays dispatched (no sweep sends it ahead of its attempt's last deltas); once
+    the send is given up it is back to queued, and the next sweep after Redis returns sends it to the head of its
+    queue. (It was left dispatched with no message: only the sweeper's rule for a lost message sent it,
+    ``max(30, 5 x lease)`` s after the mark.)"""
+    from workers import outbox as outbox_module
+    from workers.sweeper import sweep
+
+    url = settings.sqlalchemy_url
+    settings.redis_url = own_redis.url
+    monkeypatch.setattr(outbox_module, "MAX_TRIES", 2)  # the ~40 s of retries of a send, in two tries
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Engine(lambda: 0))
+    with session_scope(url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", max_tokens=4), settings,
+                            dispatch=False).job.id
+    with session_scope(url) as s:
+        worker.active.add(ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30), None, None, in_engine=True))
+    own_redis.stop()
+
+    worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
+    assert _job_status(url, job_id) == "dispatched" and worker.outbox._retry  # its send is retried
+    wait_for(lambda: worker.outbox.retry_due() or not worker.outbox._retry, 10, "the send given up")
+
+    assert _job_status(url, job_id) == "queued"
+    own_redis.start()
+    with session_scope(url, immediate=True) as s:
+        assert sweep(s, own_redis.url, queued_grace_s=0).dispatched == 1
+    assert job_id.encode() in redis.Redis.from_url(own_redis.url).lindex("coserve.tiny", -1)  # the next taken
+    with session_scope(url) as s:
+        details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+    assert details[-3:] == ["requeued after an engine error", "broker unavailable; the sweeper will send it",
+                            "sent by the sweeper"]
