@@ -588,6 +588,14 @@ class ChatCompletionRequest(_Base):
         last = self.messages[-1] if self.messages else {}
         return {"echo": True} if self.echo and isinstance(last, dict) and last.get("role") == "assistant" else {}
 
+    def echo_prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs vLLM's ``echo`` asks for where ``prompt_logprobs`` does not: ``top_logprobs``
+        alternatives (0 unset), answered at the top level; None without echo, and for a stream, whose chunks carry
+        none (computing them would only keep the prompt from the prefix cache)."""
+        if not self.echo or self.prompt_logprobs is not None or self.stream:
+            return None
+        return self.top_logprobs or 0
+
     def logprob_count(self) -> int | None:
         """Alternatives per token to report (``top_logprobs``) where ``logprobs`` is true, else None."""
         if self.logprobs is not None and not isinstance(self.logprobs, bool):

@@ -310,11 +310,15 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                                      type="server_error", code="stream_interrupted"))
 
 
-def _job_specs(body: ChatCompletionRequest | CompletionRequest, chat: bool, tiers: tuple[str, ...]) -> list:
-    """The request's job, or a completion's job per prompt."""
-    if chat:
-        return [body.job_spec(messages=body.chat_messages(), tiers=tiers)]
-    return [body.job_spec(**prompt, tiers=tiers) for prompt in body.prompt_inputs()]
+def _job_specs(body: ChatCompletionRequest | CompletionRequest, chat: bool, settings: Settings) -> list:
+    """The request's job, or a completion's job per prompt. A chat's echo asks for the prompt's logprobs as vLLM's
+    does (``echo_prompt_logprobs``), where the server runs vLLM: the own engine reports none."""
+    if not chat:
+        return [body.job_spec(**prompt, tiers=settings.tiers) for prompt in body.prompt_inputs()]
+    spec = body.job_spec(messages=body.chat_messages(), tiers=settings.tiers)
+    if (asked := body.echo_prompt_logprobs()) is not None and settings.engine_backend == "vllm":
+        spec = spec.model_copy(update={"prompt_logprobs": asked})
+    return [spec]
 
 
 def _with_qos_defaults(settings: Settings, endpoint: str, specs: list) -> list:
@@ -330,7 +334,7 @@ async def _complete(request: Request, session, principal: Principal, settings: S
     raw = await json_object(request)
     body = checked_body(ChatCompletionRequest if chat else CompletionRequest, raw)
     endpoint = CHAT if chat else "/v1/completions"
-    specs = _with_qos_defaults(settings, endpoint, _job_specs(body, chat, settings.tiers))
+    specs = _with_qos_defaults(settings, endpoint, _job_specs(body, chat, settings))
     writer = getattr(request.app.state, "job_writer", None)  # the API's group-commit writer
     n = body.n or 1  # choices per prompt; a prompt's choices are consecutive (OpenAI's index: prompt x n + choice)
     jobs, limit_headers = await run_in_threadpool(

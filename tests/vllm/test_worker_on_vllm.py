@@ -683,3 +683,24 @@ def test_a_load_is_held_to_the_lora_rank_a_workers_own_engine_arguments_set(sett
     oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
     answer = oai.completions.create(model="rank8-lora", prompt="The capital of France is", max_tokens=2)
     assert answer.model == "rank8-lora" and answer.choices[0].text, answer
+
+
+def test_chat_echo_answers_the_prompts_logprobs_as_vllm(vllm_stack):
+    """vLLM's chat ``echo`` asks for the prompt's logprobs where ``prompt_logprobs`` does not (``top_logprobs``
+    alternatives, 0 by default): its answer carries them at the top level, as an asked-for ``prompt_logprobs`` does;
+    a stream carries none, and an answer without echo none either."""
+    base, keys = vllm_stack
+    oai = openai.OpenAI(base_url=base + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"}]
+    kw = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 2, "temperature": 0}
+    echoed = oai.chat.completions.create(**kw, extra_body={"echo": True})
+    steps = echoed.model_extra["prompt_logprobs"]
+    assert steps is not None, echoed.model_extra  # vLLM: echo makes prompt_logprobs top_logprobs (0)
+    assert len(steps) == echoed.usage.prompt_tokens and steps[0] is None, steps
+    assert all(len(s) == 1 and next(iter(s.values()))["logprob"] <= 0 for s in steps[1:]), steps  # the token alone
+    with_top = oai.chat.completions.create(**kw, logprobs=True, top_logprobs=2, extra_body={"echo": True})
+    top_steps = with_top.model_extra["prompt_logprobs"][1:]
+    assert all(1 <= len(s) <= 3 for s in top_steps) and any(len(s) > 1 for s in top_steps)  # 2 alternatives
+    assert oai.chat.completions.create(**kw).model_extra["prompt_logprobs"] is None  # no echo: none asked
+    for chunk in oai.chat.completions.create(**kw, stream=True, extra_body={"echo": True}):
+        assert "prompt_logprobs" not in (chunk.model_extra or {})
