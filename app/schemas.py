@@ -304,7 +304,7 @@ class JobCreate(BaseModel):
             raise ValueError("deadline_at needs a timezone (e.g. '2030-01-01T12:00:00Z')")
         self._check_tools()
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens})")
+            raise FieldProblem("min_tokens", f"{self.min_tokens} is more than max_tokens ({self.max_tokens})")
         if self.deadline_at is not None and self.deadline_at.utcoffset():
             # SQLite keeps a datetime's wall time and drops its offset: store UTC
             try:

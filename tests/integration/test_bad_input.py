@@ -75,6 +75,10 @@ CHAT = '"messages": [{"role": "user", "content": "hi"}]'
     ("/v1/batches", '{"input_file_id": "file-x\\u0000", "endpoint": "/v1/completions"}', 400, "input_file_id", NUL),
     # sampling fields that cannot hold together
     ("/v1/completions", '{"prompt": "hi", "min_tokens": 100000}', 400, "min_tokens", "more than max_tokens"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 3, "min_tokens": 5}', 400, "min_tokens",
+     "more than max_tokens"),
+    ("/v1/chat/completions", '{%s, "max_tokens": 3, "min_tokens": 5}' % CHAT, 400, "min_tokens",
+     "more than max_tokens"),
     ("/v1/jobs", '{"prompt": "hi", "max_tokens": 4, "min_tokens": 5}', 422, None, "more than max_tokens"),
     ("/v1/chat/completions", '{%s, "tier": "paid", "service_tier": "flex"}' % CHAT, 400, "service_tier", "disagree"),
     # out of range
