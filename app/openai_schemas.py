@@ -565,6 +565,16 @@ class ChatCompletionRequest(_Base):
         "web_search_options": (None,), "documents": (None, []), "return_prompt_text": (None, False),
         "verbosity": (None, "medium")}
 
+    def check(self) -> None:
+        super().check()
+        self.check_tools()
+
+    def check_tools(self) -> None:
+        """An empty tools list refused, as vLLM's chat request (``check_tool_usage``) and OpenAI refuse it."""
+        if self.tools == []:
+            raise OpenAIError(400, "tools is an empty list: give at least one tool, or leave it out (as vLLM's and "
+                                   "OpenAI's chat completions, which refuse tools: [])", param="tools")
+
     def tool_fields(self) -> dict[str, Any]:
         choice = self.tool_choice
         if choice is None and self.tools:
@@ -668,10 +678,14 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
              "with n)",
         "store": " (a stored completion is one conversation's; send each to /v1/chat/completions)"}
 
+    def check_tools(self) -> None:
+        """tools: none or [] (``check_unsupported``), as vLLM's batched chat takes them: it reads no tools."""
+
     def conversation_specs(self, tiers: tuple[str, ...]) -> list[JobCreate]:
         """Each conversation's job, as chat makes it; a refusal names its conversation (``messages.<i>``): within
-        its messages where raised, of them all by ``in_conversation``."""
-        fields = dict(self)  # validated: each conversation's request is these with its own messages
+        its messages where raised, of them all by ``in_conversation``. No tools reach the template (vLLM's batched
+        chat gives it none, tools: [] too)."""
+        fields = {**dict(self), "tools": None}  # validated: each conversation's request is these with its messages
         specs = []
         for i, messages in enumerate(self.messages):
             chat = ChatCompletionRequest.model_construct(self.model_fields_set, **{**fields, "messages": messages})
@@ -696,10 +710,16 @@ def in_conversation(exc: OpenAIError, i: int) -> OpenAIError:
 def chat_job(body: dict[str, Any], tiers: tuple[str, ...], in_terms: Callable[[OpenAIError], OpenAIError],
              batch_window_s: float | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
     """``body`` (another API's request written as chat: Responses, Messages) as a chat request and its job, with
-    chat's checks; ``in_terms`` writes an error in the other API's field names."""
+    chat's checks; ``in_terms`` writes an error in the other API's field names. An empty ``tools`` is set after
+    them, which refuse it on chat's own route: vLLM's Messages route sets its tools, [] too, on the chat request it
+    built (``_convert_tools``), and the template is given []."""
     try:
-        chat = ChatCompletionRequest.model_validate(body)
+        no_tools = body.get("tools") == []
+        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if k != "tools"} if no_tools
+                                                    else body)
         chat.check()
+        if no_tools:
+            chat.tools = []
         return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers, batch_window_s=batch_window_s)
     except ValidationError as exc:
         message, param = validation_message(list(exc.errors()))

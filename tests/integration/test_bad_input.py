@@ -81,6 +81,8 @@ CHAT = '"messages": [{"role": "user", "content": "hi"}]'
      "more than max_tokens"),
     ("/v1/jobs", '{"prompt": "hi", "max_tokens": 4, "min_tokens": 5}', 422, None, "more than max_tokens"),
     ("/v1/chat/completions", '{%s, "tier": "paid", "service_tier": "flex"}' % CHAT, 400, "service_tier", "disagree"),
+    # vLLM's chat (and OpenAI) refuse an empty tools list
+    ("/v1/chat/completions", '{%s, "tools": []}' % CHAT, 400, "tools", "leave it out"),
     # out of range
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "deadline": 1e12}', 422, "deadline", "30 days"),
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "model": "gpt-9"}', 422, "model", "unknown model"),

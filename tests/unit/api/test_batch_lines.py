@@ -111,7 +111,7 @@ def test_openai_request_mapping():
 @pytest.mark.parametrize("field,value,ok", [
     ("logprobs", True, True), ("logprobs", False, True), ("logprobs", 3, False), ("top_logprobs", 2, False),
     ("top_logprobs", 0, True), ("top_logprobs", 21, False),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], True), ("tools", [], True),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], True), ("tools", [], False),
     ("tool_choice", "maybe", False),
     ("tool_choice", "auto", False), ("tool_choice", "none", True),
     ("response_format", {"type": "xml"}, False), ("response_format", {"type": "text"}, True),
@@ -249,3 +249,11 @@ def test_an_unsupported_field_left_out_holds_a_value_it_accepts(model):
     """check_unsupported looks only at the fields a request set: one left out must be at a default it accepts."""
     for name, defaults in model.unsupported.items():
         assert model.model_fields[name].default in defaults, name
+
+
+def test_an_empty_tools_list_is_refused_on_chat_as_vllm_refuses_it():
+    # vLLM's chat request (check_tool_usage) and OpenAI refuse tools: []; coserve took it and gave the template []
+    with pytest.raises(OpenAIError) as refused:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": []}).check()
+    assert refused.value.param == "tools" and "leave it out" in refused.value.message, vars(refused.value)
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": None}).check()

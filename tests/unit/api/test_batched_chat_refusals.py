@@ -27,3 +27,11 @@ def test_a_refusal_of_a_conversations_messages_as_a_whole_names_the_conversation
     assert (whole.param, whole.message, whole.code) == ("messages.3", "messages.3: the prompt is too long", "too_long")
     other = OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     assert in_conversation(other, 3) is other  # the request's own field
+
+
+def test_an_empty_tools_list_offers_the_template_no_tools_as_vllms_batched_chat():
+    # vLLM's batched chat reads no tools (it has no such field): tools: [] is taken and the template given none;
+    # coserve gave it [] (a template testing 'tools is not none' rendered otherwise)
+    request = BatchChatCompletionRequest.model_validate({"model": "m", "messages": [FINE, FINE], "tools": []})
+    request.check()
+    assert [spec.tools for spec in request.conversation_specs(("free", "paid"))] == [None, None]
