@@ -52,6 +52,15 @@ class ChatMessage(BaseModel):
         "the text parts the content came as (content: them joined with newlines; [] for no content): a chat "
         "template that loops over a message's content parts (vLLM's 'openai' content format) is given each"))
 
+    @field_validator("parts")
+    @classmethod
+    def _parts_of_content(cls, parts: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        # a template reads the content or the parts (its content format): they must say the same
+        if parts is not None and "content" in info.data and "\n".join(parts) != info.data["content"]:
+            raise ValueError("parts must be the content's text parts (content: them joined with newlines); leave "
+                             "parts out to give the content as one part")
+        return parts
+
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":

@@ -83,6 +83,9 @@ CHAT = '"messages": [{"role": "user", "content": "hi"}]'
     ("/v1/chat/completions", '{%s, "tier": "paid", "service_tier": "flex"}' % CHAT, 400, "service_tier", "disagree"),
     # vLLM's chat (and OpenAI) refuse an empty tools list
     ("/v1/chat/completions", '{%s, "tools": []}' % CHAT, 400, "tools", "leave it out"),
+    # a job's message parts are its content's: a template reads one or the other (its content format)
+    ("/v1/jobs", '{"messages": [{"role": "user", "content": "a", "parts": ["b"]}]}', 422, "messages.0.parts",
+     "the content's text parts"),
     # out of range
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "deadline": 1e12}', 422, "deadline", "30 days"),
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "model": "gpt-9"}', 422, "model", "unknown model"),

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from app.openai_schemas import ChatCompletionRequest
+from app.schemas import ChatMessage
 from app.services.jobs import encode_spec
 from app.services.model_info import get_tokenizer, use_chat_template
 from tests.unit.api.test_anthropic_conversation import vllm_rendered
@@ -134,3 +136,14 @@ def test_the_bundled_templates_content_format_is_vllms(tok):
     from app.content_format import content_format
 
     assert content_format(tok.chat_template) == _detect_content_format(tok.chat_template, default="string")
+
+
+def test_a_messages_parts_are_its_content_as_coserve_joins_them():
+    # a native job's message could give content and parts that disagree: a string-format template read one, a
+    # parts-format template the other
+    with pytest.raises(ValidationError) as refused:
+        ChatMessage(role="user", content="a", parts=["b"])
+    assert [e["loc"] for e in refused.value.errors()] == [("parts",)], refused.value.errors()
+    assert ChatMessage(role="user", content="a\nb", parts=["a", "b"]).parts == ["a", "b"]
+    assert ChatMessage(role="user", content="", parts=[]).parts == []
+    assert ChatMessage(role="user", content="a").parts is None  # as a job stored before parts keeps it
