@@ -740,7 +740,8 @@ class GpuWorker:
                 with session_scope(self.url, immediate=True) as s:
                     sweep(s, self.settings.redis_url, queued_grace_s=max(2.0, self.settings.sweep_seconds),
                           resend_after_s=max(30.0, 5 * self.settings.lease_seconds),
-                          holder_stale_s=self.settings.lease_seconds, max_attempts=self.settings.max_attempts,
+                          holder_stale_s=self.settings.lease_seconds, silent_s=routing.live_seconds(self.settings),
+                          max_attempts=self.settings.max_attempts,
                           served=self.settings.served_models)
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
                 with session_scope(self.url) as s:

@@ -43,11 +43,13 @@ class SweepResult:
 
 
 def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, resend_after_s: float = 300.0,
-          holder_stale_s: float = 30.0, max_attempts: int = 5, limit: int = 500,
+          holder_stale_s: float = 30.0, silent_s: float = 30.0, max_attempts: int = 5, limit: int = 500,
           served: tuple[str, ...] = ()) -> SweepResult:
-    """``served``: the models (a model and its LoRA adapters) whose queues the sweeping worker consumes; a job
-    given back to any of them counts as queued (a worker of an older coserve gave an adapter's job back to its
-    model's queue)."""
+    """``holder_stale_s``: how long after its heartbeat a worker that marked a dispatched job held loses it (a lease);
+    ``silent_s``: how long after it a worker is lost to routing, its own queue given to its model's
+    (``routing.live_seconds``). ``served``: the models (a model and its LoRA adapters) whose queues the sweeping
+    worker consumes; a job given back to any of them counts as queued (a worker of an older coserve gave an adapter's
+    job back to its model's queue)."""
     result = SweepResult()
     now = utcnow()
     expired = session.execute(select(Job.id, Job.status, Job.attempt, Job.worker_id).where(
@@ -90,7 +92,7 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
                         priority=message_priority(job.kind), send=send):
             break  # the broker is down: try again next sweep
         result.dispatched += 1
-    result.rerouted = _reroute_orphaned(session, redis_url, now - timedelta(seconds=holder_stale_s))
+    result.rerouted = _reroute_orphaned(session, redis_url, now - timedelta(seconds=silent_s))
     result.resent = _resend_lost(session, redis_url, now, resend_after_s, holder_stale_s, limit, served)
     session.commit()
     return result

@@ -12,8 +12,10 @@ as every job did before.
 
 A process reads the live workers that take jobs (heartbeat, jobs held; neither draining nor stopping, and reading
 their own queue) from SQL at most once per ``REFRESH_S`` and adds the jobs it sent each worker since that worker's
-heartbeat; a send to a worker's queue checks that worker against a view that fresh (``at_send``). The sweeper gives a
-queue whose worker died back to the model's queue (``workers.sweeper``); a send to a worker's queue names it to the
+heartbeat; a send to a worker's queue checks that worker against a view that fresh (``at_send``). A worker silent for
+``live_seconds`` (three heartbeats and a second, not a lease: a job routed to a dead worker waits that long) is lost:
+no job is routed to it, and the sweeper gives its queue back to the model's queue (``workers.sweeper``), which a
+worker that was only slow reads too. A send to a worker's queue names it to the
 sweepers again (``app.services.dispatch``), so a job routed by a view older than the sweeper's is not left on a
 queue no one looks after.
 """
@@ -46,6 +48,13 @@ PROMPT_CHARS = 1024  # a raw prompt's key: its opening (about 256 tokens)
 PROMPT_IDS = 256  # the same for a prompt given as token ids
 WORKER_QUEUE_PREFIX = "coserve.worker."
 WORKER_QUEUES = "coserve:worker-queues"  # a Redis set: every worker's own queue, for the sweeper to look after
+LIVE_HEARTBEATS = 3  # heartbeat periods (and a second) after which a silent worker is lost
+
+
+def live_seconds(settings: Settings) -> float:
+    """How long after its last heartbeat a worker is live: routed to, its own queue its own (three heartbeat periods
+    and a second; its leases last longer, ``lease_seconds``, and lapse by their own rules)."""
+    return LIVE_HEARTBEATS * settings.heartbeat_seconds + 1
 
 
 def worker_queue(worker_id: str) -> str:
@@ -214,6 +223,12 @@ def router(url: str, live_s: float, slack: int) -> Router:
         return _routers.setdefault((url, live_s, slack), Router(url, live_s, slack))
 
 
+def settings_router(settings: Settings) -> Router:
+    """The process's router for ``settings``: live as the sweepers judge (``live_seconds``: older, a worker's own queue
+    goes to its model's)."""
+    return router(settings.sqlalchemy_url, live_seconds(settings), settings.routing_slack)
+
+
 def at_send(settings: Settings, model: str, queue: str) -> str:
     """The queue a job of ``model`` that ``job_queue`` sent to ``queue`` goes on at its send. A stopping worker passes
     on what its own queue got until the views read before it stopped are stale (``REFRESH_S``); a send later than that
@@ -224,7 +239,7 @@ def at_send(settings: Settings, model: str, queue: str) -> str:
         return queue
     try:
         base = lora_adapters.queue_model(settings, model)
-        return router(settings.sqlalchemy_url, settings.lease_seconds, settings.routing_slack).confirmed(base, queue)
+        return settings_router(settings).confirmed(base, queue)
     except Exception:  # SQL unreadable: the pick stands (the send names the queue to the sweepers)
         log.warning("could not re-read the workers before a send to %s; sending it there", queue, exc_info=True)
         return queue
@@ -236,6 +251,4 @@ def job_queue(settings: Settings, model: str, key: str | None, kind: str = "inte
     base = lora_adapters.queue_model(settings, model)  # a runtime adapter's jobs: any worker of its model
     if settings.routing != "prefix" or key is None:
         return queue_name(base)
-    # live: beat within a lease, as the sweeper judges (older, its leases lapse and its own queue is rerouted)
-    return router(settings.sqlalchemy_url, settings.lease_seconds, settings.routing_slack).queue(
-        base, key, batch=kind == "batch")
+    return settings_router(settings).queue(base, key, batch=kind == "batch")

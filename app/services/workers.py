@@ -24,13 +24,12 @@ from workers.control import control_channel
 
 log = logging.getLogger(__name__)
 
-LIVE_HEARTBEATS = 3  # heartbeat periods (and a second) after which a silent worker is lost
 RESET_TIMEOUT_S = 30.0  # how long a prefix-cache reset waits for every worker's answer
 
 
 def heartbeat_cutoff(settings: Settings, now: datetime | None = None) -> datetime:
     """The oldest heartbeat of a worker still live (three periods and a second ago); older: lost."""
-    return (now or utcnow()) - timedelta(seconds=LIVE_HEARTBEATS * settings.heartbeat_seconds + 1)
+    return (now or utcnow()) - timedelta(seconds=routing.live_seconds(settings))
 
 
 def live_workers(session: Session, settings: Settings, *, leaving: bool = False) -> list[WorkerState]:
@@ -55,8 +54,7 @@ def held_context_length(settings: Settings) -> int:
     worker of the model serves less (its engine set shorter than this API knows), so a job it accepts is one every
     worker can run. The workers as the process's router last read them (at most once per ``routing.REFRESH_S``)."""
     try:
-        served = routing.router(settings.sqlalchemy_url, settings.lease_seconds,
-                                settings.routing_slack).served_context(settings.model_name)
+        served = routing.settings_router(settings).served_context(settings.model_name)
     except SQLAlchemyError as exc:
         # nothing known of the workers: the settings' context (writing the job reports the database)
         log.warning("could not read the workers' context (%s); holding jobs to the settings'", exc)

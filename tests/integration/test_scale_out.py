@@ -64,6 +64,7 @@ def _ran_on(settings, ids: list[str]) -> list[str]:
 def test_prefix_routing_keeps_a_conversation_on_its_worker_and_survives_a_dead_one(client, keys, settings,
                                                                                    start_worker, monkeypatch):
     # the worker whose prefix cache holds the conversation gets its next turn; conversations spread
+    settings.lease_seconds = 300.0  # the API's and the workers': a dead worker is lost long before its leases lapse
     start_worker("wa")
     start_worker("wb")
     conversations = _opening(keys.tenant_id, "wa", ["wb"], 2) + _opening(keys.tenant_id, "wb", ["wa"], 2)
@@ -96,15 +97,22 @@ def test_prefix_routing_keeps_a_conversation_on_its_worker_and_survives_a_dead_o
     # queue for a dead worker's and dropped it, and the job routed there waited 30 s to be sent again as lost)
     r.sadd(WORKER_QUEUES, worker_queue("wz"))
     monkeypatch.setattr(routing, "REFRESH_S", 0.0)  # the API reads the workers afresh, wz among them
-    [messages] = _opening(keys.tenant_id, "wz", ["wa", "wb"], 1)
+    routed, later = _opening(keys.tenant_id, "wz", ["wa", "wb"], 2)
     job_id = client.post("/v1/jobs", headers=Keys.header(keys.paid),
-                         json={"messages": messages, "max_tokens": 4}).json()["id"]
+                         json={"messages": routed, "max_tokens": 4}).json()["id"]
     wait_for(lambda: r.llen(worker_queue("wz")) == 1, 10,
              "the job on wz's own queue")  # routed to it (the API's writer sends it after its commit)
+    # silent for more than three heartbeats (0.5 s), well within a lease: lost (its leases' rules are their own)
     with session_scope(settings.sqlalchemy_url) as s:
         s.execute(update(WorkerState).where(WorkerState.id == "wz")
-                  .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
-    assert _ran_on(settings, [job_id])[0] in ("wa", "wb")  # a sweeper gave it back to the model's queue
+                  .values(heartbeat_at=utcnow() - timedelta(seconds=10)))
+    # no job is routed to it any more, and a sweeper gave what waited for it to the model's queue (both waited for
+    # the lease, 30 s by default, and missed their TTFT)
+    assert routing.job_queue(settings, "tiny", routing.route_key(keys.tenant_id, "tiny", messages=later)) != \
+        worker_queue("wz")
+    later_id = client.post("/v1/jobs", headers=Keys.header(keys.paid),
+                           json={"messages": later, "max_tokens": 4}).json()["id"]
+    assert set(_ran_on(settings, [job_id, later_id])) <= {"wa", "wb"}
     assert not r.exists(worker_queue("wz"))
 
 
