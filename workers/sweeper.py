@@ -7,6 +7,7 @@ guarded updates, so several workers sweeping at once is safe.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -109,13 +110,41 @@ def _reroute_orphaned(session: Session, redis_url: str, stale_before) -> int:
     if not queues:
         return 0
     live = set(session.scalars(select(WorkerState.id).where(WorkerState.heartbeat_at >= stale_before)))
-    return reroute(session, redis_url, [q for q in queues if q.removeprefix(WORKER_QUEUE_PREFIX) not in live])
+    lost = [q for q in queues if q.removeprefix(WORKER_QUEUE_PREFIX) not in live]
+    return reroute(session, redis_url, lost, taken=_taken_off(redis_url, set(lost)))
 
 
-def reroute(session: Session, redis_url: str, queues: list[str]) -> int:
-    """Sends the jobs waiting on workers' own ``queues`` to their model's queue and removes those queues (a worker
-    that stopped, died or drains); returns how many were sent."""
+def _taken_off(redis_url: str, queues: set[str]) -> set[str]:
+    """The jobs whose messages the consumers of lost workers took off their own ``queues`` and never acked (killed
+    before the job was leased): kombu's Redis transport keeps such a message in its unacked hash, which only its
+    visibility timeout (an hour) restores, and the job, dispatched with no worker, waited for the lost-message rule.
+    Each entry is removed by the one sweeper whose HDEL takes it, which returns its job (sent again, where still
+    dispatched unleased, by ``reroute``). A message taken off the model's queue names no worker: left to that rule."""
+    from kombu.transport.redis import Channel
+
     ids: set[str] = set()
+    if not queues:
+        return ids
+    try:
+        client = redis_client(redis_url)
+        for tag, raw in client.hscan_iter(Channel.unacked_key):
+            try:
+                _message, _exchange, routing_key = json.loads(raw)  # Celery sends to a queue by its name as key
+            except ValueError:
+                continue
+            if routing_key in queues and client.hdel(Channel.unacked_key, tag):
+                client.zrem(Channel.unacked_index_key, tag)
+                ids.update(m.decode() for m in _JOB_ID.findall(raw))
+    except redis.RedisError as exc:  # the ones left: sent again later as lost (_resend_lost)
+        log.warning("could not read the messages lost workers took (%s)", exc)
+    return ids
+
+
+def reroute(session: Session, redis_url: str, queues: list[str], taken: set[str] | None = None) -> int:
+    """Sends the jobs waiting on workers' own ``queues`` to their model's queue and removes those queues (a worker
+    that stopped, died or drains), and ``taken`` (jobs whose messages a lost worker took and never leased) with them;
+    returns how many were sent."""
+    ids: set[str] = set(taken or ())
     try:
         client = redis_client(redis_url)
         for queue in queues:

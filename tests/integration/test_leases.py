@@ -509,3 +509,49 @@ def test_batch_jobs_rerouted_from_a_dead_workers_queue_go_in_their_turn_by_age(s
     with session_scope(url) as s:
         assert reroute(s, settings.redis_url, [worker_queue("w9")]) == 1
     assert _next_taken(r, batch_list) == [older, *rerouted, newer, last]
+
+
+_TAKE_AND_DIE = """
+import os, signal, sys
+from workers.celery_app import get_celery
+conn = get_celery(sys.argv[1]).connection_for_read()
+message = conn.default_channel.basic_get(sys.argv[2], no_ack=False)  # taken, unacked: kombu's unacked hash holds it
+assert message is not None
+os.kill(os.getpid(), signal.SIGKILL)  # before its job is leased, as a worker killed in accept
+"""
+
+
+def test_a_message_a_killed_worker_took_off_its_own_queue_is_sent_again_once_it_is_lost(settings, keys):
+    """A worker's consumer took a job's message off its own queue (prefix routing's) and was SIGKILLed before it
+    leased the job: the message is in kombu's unacked hash, where only its visibility timeout (an hour) restores it,
+    and the job is dispatched with no worker. The sweep that finds the worker lost sends the job to the head of its
+    model's queue and drops the unacked copy (it waited for the lost-message rule, ``max(30, 5 x lease)`` s)."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.db.models import WorkerState
+    from app.services.routing import WORKER_QUEUES, worker_queue
+    from app.services.transitions import utcnow
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    r.sadd(WORKER_QUEUES, worker_queue("w9"))
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w9", model="tiny", queue="coserve.tiny", device="cpu", heartbeat_at=_beat_ahead(),
+                          state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
+    job_id = _job(settings, keys, dispatch=True)
+    assert r.llen(worker_queue("w9")) == 1
+    subprocess.run([sys.executable, "-c", _TAKE_AND_DIE, settings.redis_url, worker_queue("w9")], check=False)
+    assert (r.llen(worker_queue("w9")), r.hlen("unacked")) == (0, 1)
+    with session_scope(url) as s:
+        s.execute(update(WorkerState).where(WorkerState.id == "w9")
+                  .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30)
+    assert (result.rerouted, r.hlen("unacked"), r.zcard("unacked_index")) == (1, 0, 0)
+    assert job_id.encode() in r.lindex("coserve.tiny", -1)  # the next taken
+    with session_scope(url) as s:
+        assert s.get(Job, job_id).status == "dispatched"
+        assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30).rerouted == 0
