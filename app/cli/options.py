@@ -20,9 +20,12 @@ Tier = Annotated[str | None, typer.Option("--tier", help="tier to run as, e.g. f
 def in_path(value: str | None) -> str | None:
     """An id argument's callback: the id as one URL path segment, so "../batches" or "x?limit=1" is asked for as
     the id it is (a 404 names it: ``error_line``) and does not reach another route whose answer the command misreads.
-    "." and ".." too: httpx drops such a segment from the URL ("." asked for the job list), not its escaped form."""
+    "." and ".." too: httpx drops such a segment from the URL ("." asked for the job list), not its escaped form.
+    An empty id is a usage error naming the argument: it asked for the list ("/v1/jobs/"), or was taken as not given."""
     if value is None:
         return None
+    if not value:
+        raise typer.BadParameter("the id is empty; give one")
     return quote(value, safe="") if value.strip(".") else value.replace(".", "%2E")
 
 
