@@ -26,6 +26,7 @@ from sqlalchemy.orm import load_only
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep
 from app.api.errors import CheckedRoute, responses, unprocessable
+from app.api.jobs import acting_on_the_job
 from app.api.summarize import RUN_ID
 from app.batch.queue_limit import queued_by_tenant
 from app.db import pagination
@@ -340,7 +341,8 @@ def resume(job_id: str, session: SessionDep, settings: SettingsDep, _admin: Admi
         if written is not None:
             return {"id": job_id, "action": "resume",
                     **_tell_holder(settings, written, {"action": "resume", "job_id": job_id})}
-        session.refresh(job)
+        with acting_on_the_job():
+            job_service.reread(session, job)
     raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}, not relegated")
 
 
@@ -381,7 +383,8 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
         moved = _move_tier(session, job_id, was, body.tier)
         session.commit()
     if moved is None:
-        session.refresh(job)
+        with acting_on_the_job():
+            job_service.reread(session, job)
         if job.status in OPEN:
             raise HTTPException(status.HTTP_409_CONFLICT,
                                 f"job {job_id} is at tier {job.tier} now, not {was}: another operator moved it "
@@ -395,7 +398,8 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
 @router.post("/admin/api/jobs/{job_id}/cancel", responses={**ADMIN, **responses(404, 409)})
 def cancel(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
     job = _not_staged(_job(session, job_id))
-    ok = cancel_job(session, settings, job, "cancelled by an admin")
+    with acting_on_the_job():
+        ok = cancel_job(session, settings, job, "cancelled by an admin")
     return {"id": job_id, "action": "cancel", "cancelled": ok}
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
@@ -121,6 +123,16 @@ def _own_job(session, principal, job_id: str):
     return job
 
 
+@contextmanager
+def acting_on_the_job() -> Iterator[None]:
+    """An action on a job read before (a cancel, an admin's resume or promote): where the job's row was deleted
+    since, a 404 naming the job, as for a job there is no such one (its re-read raised: a 500)."""
+    try:
+        yield
+    except job_service.JobGone as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
+
+
 @router.get("/{job_id}", response_model=JobPublic, responses=responses(404))
 def get_job(job_id: str, session: SessionDep, principal: CurrentPrincipal) -> JobPublic:
     return JobPublic.of(_own_job(session, principal, job_id))
@@ -169,5 +181,6 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404))
 def cancel_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> JobPublic:
     job = _own_job(session, principal, job_id)
-    cancel(session, settings, job, "cancelled by the user")
+    with acting_on_the_job():
+        cancel(session, settings, job, "cancelled by the user")
     return JobPublic.of(job)

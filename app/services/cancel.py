@@ -28,7 +28,7 @@ def cancel(session: Session, settings: Settings, job: Job, detail: str) -> bool:
     if held and end_id is not None and settings.cancel_wait_s > 0:
         if await_kept(settings.redis_url, job, end_id, settings.cancel_wait_s):
             session.commit()  # a fresh read sees the worker's write
-            session.refresh(job)
+            job_service.reread(session, job)
     return True
 
 

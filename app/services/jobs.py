@@ -16,7 +16,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -66,6 +66,24 @@ class JobValidationError(ValueError):
 
 class IdempotencyConflict(ValueError):
     """The Idempotency-Key was already used for a different request (HTTP 409)."""
+
+
+class JobGone(LookupError):
+    """The job's row was deleted after the request read it (a batch's fan-out drops the jobs of a batch that never
+    starts): what acts on the job answers as for a job there is no such one (HTTP 404)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r} (it was deleted meanwhile)")
+        self.job_id = job_id
+
+
+def reread(session: Session, job: Job) -> None:
+    """``job`` as SQL holds it now (after a write that may have found nothing); ``JobGone`` where its row is gone."""
+    job_id = job.id  # read before: a refresh that failed leaves nothing to read
+    try:
+        session.refresh(job)
+    except InvalidRequestError:  # "Could not refresh instance": what refresh raises for a persistent job's row gone
+        raise JobGone(job_id) from None
 
 
 # the routes whose answers carry a reasoning model's thinking apart from the content (as vLLM's do)
@@ -535,5 +553,5 @@ def cancel_job(session: Session, job: Job, *, detail: str = "cancelled by the us
                 cancelled_from = status
                 break
         session.commit()
-    session.refresh(job)
+    reread(session, job)
     return cancelled_from

@@ -5,10 +5,11 @@ and a cancel judges the job's state by its own write."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import delete, update
 
 from app.api import admin
-from app.db.models import Job
+from app.api import jobs as jobs_api
+from app.db.models import Job, JobEvent
 from app.db.session import session_scope
 from tests.conftest import Keys
 from tests.sql_statements import statements
@@ -500,3 +501,38 @@ def test_a_promote_to_the_tier_the_job_has_changes_nothing_and_says_so(client, k
     ended = _job(client, keys, settings, status="succeeded")
     r = client.post(f"/admin/api/jobs/{ended}/promote", json={"tier": "paid"}, headers=H(keys.admin))
     assert r.status_code == 409 and "already ended (succeeded)" in r.json()["detail"], r.text
+
+
+def _deleted_after_the_read(monkeypatch, settings, module, read_name: str) -> None:
+    """``module.read_name`` (the route's read of the job) reads the job, then the job's rows are deleted (as a batch's
+    fan-out drops the jobs of a batch that never starts) before the route writes."""
+    read = getattr(module, read_name)
+
+    def then_it_is_deleted(session, *args):
+        job = read(session, *args)
+        with session_scope(settings.sqlalchemy_url) as s:
+            s.execute(delete(JobEvent).where(JobEvent.job_id == job.id))
+            s.execute(delete(Job).where(Job.id == job.id))
+        return job
+
+    monkeypatch.setattr(module, read_name, then_it_is_deleted)
+
+
+@pytest.mark.parametrize(("action", "body", "status"), [("resume", None, "relegated"),
+                                                        ("promote", {"tier": "free"}, "running"),
+                                                        ("cancel", None, "running")],
+                         ids=["resume", "promote", "cancel"])
+def test_an_action_on_a_job_deleted_after_it_was_read_is_a_404_naming_it(client, keys, settings, monkeypatch,
+                                                                         action, body, status):
+    """The action's write found no row and its re-read of the job (session.refresh) raised: a 500."""
+    job_id = _job(client, keys, settings, status=status, worker_id="w1")
+    _deleted_after_the_read(monkeypatch, settings, admin, "_job")
+    r = client.post(f"/admin/api/jobs/{job_id}/{action}", json=body, headers=H(keys.admin))
+    assert r.status_code == 404 and r.json()["detail"] == f"no job {job_id!r} (it was deleted meanwhile)", r.text
+
+
+def test_a_cancel_of_a_job_deleted_after_it_was_read_is_a_404_naming_it(client, keys, settings, monkeypatch):
+    job_id = _job(client, keys, settings, status="running", worker_id="w1")
+    _deleted_after_the_read(monkeypatch, settings, jobs_api, "_own_job")
+    r = client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
+    assert r.status_code == 404 and r.json()["detail"] == f"no job {job_id!r} (it was deleted meanwhile)", r.text
