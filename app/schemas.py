@@ -472,6 +472,15 @@ class JobPublic(BaseModel):
         return out
 
 
+class JobCancelled(JobPublic):
+    """The answer of ``POST /v1/jobs/{id}/cancel``: the job as the cancel left it, and whether this cancel stopped
+    it (the job alone reads "cancelled" as well where another request had cancelled it before)."""
+
+    cancelled: bool = Field(description=(
+        "true where this request cancelled the job; false where it had ended before (cancelled by another request, "
+        "succeeded, failed or expired): nothing was changed"))
+
+
 class JobList(BaseModel):
     object: Literal["list"] = "list"
     data: list[JobPublic]

@@ -20,7 +20,7 @@ from app.api.job_stream import END_ID, StreamPosition, sse_events
 from app.bounds import JOBS_PAGE_MAX
 from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
-from app.schemas import JobCreate, JobList, JobPublic
+from app.schemas import JobCancelled, JobCreate, JobList, JobPublic
 from app.services import jobs as job_service
 from app.services.answer_events import KEEPALIVE_COMMENT, kept_alive
 from app.services.cancel import cancel
@@ -178,9 +178,9 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404))
-def cancel_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> JobPublic:
+@router.post("/{job_id}/cancel", response_model=JobCancelled, responses=responses(404))
+def cancel_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> JobCancelled:
     job = _own_job(session, principal, job_id)
     with acting_on_the_job():
-        cancel(session, settings, job, "cancelled by the user")
-    return JobPublic.of(job)
+        cancelled = cancel(session, settings, job, "cancelled by the user")
+    return JobCancelled(**dict(JobPublic.of(job)), cancelled=cancelled)

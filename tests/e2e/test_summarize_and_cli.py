@@ -83,6 +83,29 @@ def test_cancel_cli_stops_a_job_and_says_when_one_had_ended(live_server, keys):
     assert r.exit_code != 0 and "404" in r.output
 
 
+def test_cancel_cli_reports_the_cancels_own_answer_when_another_client_cancelled_first(live_server, keys,
+                                                                                        monkeypatch):
+    """`coserve cancel` read the job first and took the cancel's answer (the job, cancelled) as its own: a job
+    another client cancelled between that read and this cancel was reported as cancelled by this command."""
+    from app.cli import service_cmds
+
+    auth = ["--url", live_server, "--key", keys.paid]
+    h = Keys.header(keys.paid)
+    job_id = httpx.post(f"{live_server}/v1/jobs", headers=h, json={"prompt": "Hello", "max_tokens": 4}).json()["id"]
+    request = service_cmds._request
+
+    def another_client_cancels_first(method: str, url: str, key: str, path: str, *args, **kw):
+        if method == "POST" and path.endswith("/cancel"):
+            assert httpx.post(url + path, headers=h).status_code == 200
+        return request(method, url, key, path, *args, **kw)
+
+    monkeypatch.setattr(service_cmds, "_request", another_client_cancels_first)
+    r = CliRunner().invoke(cli, ["cancel", job_id, *auth])
+    assert r.exit_code == 0 and f"{job_id} had already ended (cancelled): nothing to cancel" in r.stdout, r.output
+    r = CliRunner().invoke(cli, ["cancel", job_id, "--json", *auth])
+    assert r.exit_code == 0 and json.loads(r.stdout)["cancelled"] is False, r.output
+
+
 def test_waiting_commands_exit_1_when_the_job_or_batch_did_not_succeed(live_server, keys, tmp_path):
     """A script's `coserve submit --wait && next` stops at a job that ended otherwise (no worker here: the job waits
     until another client cancels it); `batch create --wait` likewise at a batch that failed, or that completed with
