@@ -6,7 +6,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from app.cli import batch_cmds, runtime_cmds, service_cmds, usage_cmds
+from app.cli import batch_cmds, files_cmds, runtime_cmds, service_cmds, usage_cmds
 from app.cli.output import stdout_closed
 
 HELP = """coserve: co-serve interactive LLM requests (TTFT/TBT targets) and deadline batch jobs on the same GPUs.
@@ -32,6 +32,7 @@ cli = typer.Typer(cls=CommandLine, help=HELP, epilog="Run `coserve COMMAND --hel
                   no_args_is_help=True, add_completion=False, rich_markup_mode="markdown")
 service_cmds.register(cli)  # up, worker, submit, status, jobs
 batch_cmds.register(cli)  # batch, summarize
+files_cmds.register(cli)  # files
 runtime_cmds.register(cli)  # simulate, profile
 usage_cmds.register(cli)  # usage
 

@@ -218,7 +218,9 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         raise typer.BadParameter(str(exc), param_hint="--window") from None
     _looks_like_jsonl(path)
     api = Api(url, key)
-    with asking("the server may make the batch", "`coserve batch list` shows your batches, newest first"):
+    with asking("the server may make the batch", "`coserve batch list` shows your batches, newest first, and "
+                "`coserve files list --purpose batch` the file uploaded for it (`coserve files delete ID` deletes "
+                "one no batch was made from)"):
         f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())},
                      data={"purpose": "batch"}).json()
         b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,

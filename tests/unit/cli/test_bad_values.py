@@ -189,9 +189,11 @@ def test_batch_create_skips_the_blank_lines_the_api_skips_and_numbers_lines_as_i
 @pytest.mark.parametrize(("args", "named"), [(["status", ""], "'job_id'"), (["cancel", ""], "'job_id'"),
                                              (["batch", "status", ""], "'batch_id'"),
                                              (["batch", "cancel", ""], "'batch_id'"),
+                                             (["files", "delete", ""], "'file_id'"),
                                              (["summarize", "--run", ""], "'--run'"),
                                              (["summarize", "--cancel", ""], "'--cancel'")],
-                         ids=["status", "cancel", "batch-status", "batch-cancel", "summarize-run", "summarize-cancel"])
+                         ids=["status", "cancel", "batch-status", "batch-cancel", "files-delete", "summarize-run",
+                              "summarize-cancel"])
 def test_an_empty_id_is_a_usage_error_naming_its_argument(args, named):
     """`coserve status ""` asked for /v1/jobs/ (the job list, or a redirect to it) and misread the answer; an empty
     --run or --cancel was taken as not given."""
