@@ -349,14 +349,25 @@ def chat_response_format(fmt: Any) -> dict[str, Any]:
 
 def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Answer) -> list[dict[str, Any]]:
     """A finished response's conversation, for one that continues it: its messages without its instructions
-    (OpenAI does not carry them over), then its answer as the assistant's turn."""
+    (OpenAI does not carry them over), each with its text parts (``_as_sent``), then its answer as the assistant's
+    turn."""
     if kept.get("instructions") is not None:  # the message just before the input (``input_from``)
         at = kept["input_from"] - 1
         messages = messages[:at] + messages[at + 1:]
+    messages = [_as_sent(m) for m in messages]
     turn: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
     if answer.tool_calls:
         turn["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in answer.tool_calls]
     return [*messages, turn]
+
+
+def _as_sent(message: dict[str, Any]) -> dict[str, Any]:
+    """A job's stored chat message as chat takes it again: its content as the text parts it came as, where it
+    kept them (``parts``). vLLM keeps a stored response's input messages as built (a message's parts apart), and a
+    template that loops over a message's parts ("openai" content format) reads them so in a later turn too."""
+    parts = message.get("parts")
+    rest = {k: v for k, v in message.items() if k != "parts"}
+    return rest if parts is None else {**rest, "content": [{"type": "text", "text": text} for text in parts]}
 
 
 def text_part(role: str, text: str) -> dict[str, Any]:

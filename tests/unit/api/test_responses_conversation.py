@@ -146,3 +146,62 @@ def test_an_assistant_message_of_several_parts_is_read_as_vllm_reads_it(tok, tem
                                 {"type": "output_text", "text": "Both cities.", "annotations": []}]}
     raw = {"model": "tiny", "input": [ASK, said, {"role": "user", "content": "Go on."}], "tools": TOOLS}
     assert coserve_prompt(raw, templates[template]) == vllm_prompt(tok, raw, templates[template])
+
+
+def vllm_continued_prompt(tok: Any, first: dict[str, Any], answer: str, then: dict[str, Any],
+                          template: str) -> list[int]:
+    """The token ids vLLM's /v1/responses renders ``then`` to with ``template``, ``then`` continuing the stored
+    response to ``first`` (``previous_response_id``) whose answer was ``answer``: its msg_store keeps ``first``'s
+    input messages as it built them, and ``construct_input_messages`` puts them (less system ones) and the previous
+    output's text before the new input; its chat parser reads them in the template's content format."""
+    from types import SimpleNamespace
+
+    from openai.types.responses import ResponseOutputMessage, ResponseOutputText
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VllmResponsesRequest
+    from vllm.entrypoints.openai.responses.utils import construct_input_messages
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import _detect_content_format
+
+    earlier = VllmResponsesRequest.model_validate(first)
+    stored = construct_input_messages(request_instructions=earlier.instructions, request_input=earlier.input)
+    said = ResponseOutputMessage(id="msg_1", type="message", role="assistant", status="completed",
+                                 content=[ResponseOutputText(type="output_text", text=answer, annotations=[])])
+    request = VllmResponsesRequest.model_validate(then)
+    messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input,
+                                        prev_msg=stored, prev_response_output=[said])
+    text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False)
+    conversation = parse_chat_messages(messages, text_only, _detect_content_format(template, default="string"))[0]
+    return vllm_rendered(tok, conversation, None, template)
+
+
+def coserve_continued_prompt(first: dict[str, Any], answer: str, then: dict[str, Any], template: str) -> list[int]:
+    """The token ids coserve's job of ``then`` renders to, ``then`` continuing the stored response to ``first`` whose
+    answer was ``answer``: the first job's messages as it keeps them, read back as the route reads them
+    (``history_of``)."""
+    from app.responses_schemas import history_of
+    from app.tool_calls import Answer
+
+    use_chat_template(MODEL, template)
+    body = coserve_request(first)
+    _, spec = body.chat_request(first, [])
+    history = history_of([m.stored() for m in spec.messages], body.kept([]),
+                         Answer(content=answer, tool_calls=None, finish_reason="stop"))
+    _, spec = coserve_request(then).chat_request(then, history)
+    return encode_spec(MODEL, spec)
+
+
+PARTED_ASK = {"role": "user", "content": [{"type": "input_text", "text": "Weather"},
+                                          {"type": "input_text", "text": "in Oslo?"}]}
+
+
+@pytest.mark.parametrize("template", [BUNDLED, "parts-loop"])
+def test_a_continued_responses_history_keeps_its_parts_as_vllm_keeps_them(tok, templates, template):  # noqa: F811
+    # vLLM keeps a stored response's input messages as they came (a message's text parts apart) and a later response
+    # (previous_response_id) gives them to the template as such; coserve's history read each one as one part
+    from tests.unit.api.test_chat_template_inputs import PARTS_LOOP
+
+    template = PARTS_LOOP if template == "parts-loop" else templates[template]
+    first = {"model": "tiny", "input": [PARTED_ASK], "instructions": "Be brief."}
+    then = {"model": "tiny", "input": "And tomorrow?", "previous_response_id": "resp_1"}
+    ids = coserve_continued_prompt(first, "Sunny.", then, template)
+    assert ids == vllm_continued_prompt(tok, first, "Sunny.", then, template)
