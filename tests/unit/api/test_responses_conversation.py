@@ -154,13 +154,9 @@ def vllm_continued_prompt(tok: Any, first: dict[str, Any], answer: str, then: di
     response to ``first`` (``previous_response_id``) whose answer was ``answer``: its msg_store keeps ``first``'s
     input messages as it built them, and ``construct_input_messages`` puts them (less system ones) and the previous
     output's text before the new input; its chat parser reads them in the template's content format."""
-    from types import SimpleNamespace
-
     from openai.types.responses import ResponseOutputMessage, ResponseOutputText
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VllmResponsesRequest
     from vllm.entrypoints.openai.responses.utils import construct_input_messages
-    from vllm.renderers.chat_utils import parse_chat_messages
-    from vllm.renderers.hf import _detect_content_format
 
     earlier = VllmResponsesRequest.model_validate(first)
     stored = construct_input_messages(request_instructions=earlier.instructions, request_input=earlier.input)
@@ -169,6 +165,17 @@ def vllm_continued_prompt(tok: Any, first: dict[str, Any], answer: str, then: di
     request = VllmResponsesRequest.model_validate(then)
     messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input,
                                         prev_msg=stored, prev_response_output=[said])
+    return vllm_read(tok, messages, template)
+
+
+def vllm_read(tok: Any, messages: list[dict[str, Any]], template: str) -> list[int]:
+    """The token ids vLLM renders chat ``messages`` to with ``template``, its chat parser reading them in the
+    template's content format (its detection: a template that loops over a message's parts gets them)."""
+    from types import SimpleNamespace
+
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import _detect_content_format
+
     text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False)
     conversation = parse_chat_messages(messages, text_only, _detect_content_format(template, default="string"))[0]
     return vllm_rendered(tok, conversation, None, template)
