@@ -105,6 +105,7 @@ class _Progress:
     logprobs_delivered: int = 0  # token logprobs yielded (deltas carry them by index in their attempt)
     tokens_delivered: int = 0  # token ids yielded, over all attempts
     gap: bool = False  # the current attempt's stream lost text: no more deltas; SQL has it at the end
+    relegated: bool = False  # the last status yielded was ``relegated``
 
     def _sent_text(self) -> str:
         if len(self.sent) > 1:
@@ -153,6 +154,20 @@ class _Progress:
         self.delivered = end
         self.sent.append(ev.text)
         return self._new_logprobs(ev)
+
+    def in_status_order(self, ev: StreamEvent) -> list[StreamEvent]:
+        """``ev`` as the client should get it among the job's status changes: the worker publishes a resumed job's
+        tokens at once but its ``resumed`` only once SQL has the job running again (later still where that write is
+        retried), so a delta after ``relegated`` comes after a ``resumed`` made here; a status that changes nothing
+        (that late ``resumed``, a publish repeated) is dropped."""
+        if ev.type == "status":
+            if (ev.status == "relegated") == self.relegated:
+                return []
+            self.relegated = ev.status == "relegated"
+        elif ev.type == "delta" and self.relegated:
+            self.relegated = False
+            return [StreamEvent("status", ev.attempt, status="resumed"), ev]
+        return [ev]
 
     def _new_tokens(self, ev: StreamEvent) -> StreamEvent:
         """``ev`` with only the token ids not yet yielded: a rerun (a job handed back, or its lease lapsed) generates
@@ -319,6 +334,7 @@ async def follow_job(redis: Any, job_id: str, *, block_ms: int = 1000, sql_end: 
                 if ev.terminal and progress.gap:
                     yield progress.settle(await _end_from_sql(sql_end, progress))
                     return
-                yield ev
+                for shown in progress.in_status_order(ev):
+                    yield shown
                 if ev.terminal or ev.type == "error":
                     return

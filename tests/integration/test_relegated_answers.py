@@ -182,3 +182,28 @@ def test_a_responses_or_messages_stream_says_while_its_job_is_relegated(client, 
     else:
         assert all(json.loads(line[6:])["type"] == "ping" for line in said), said
     assert lines.index(said[1]) < next(i for i, line in enumerate(lines) if first_token in line), lines
+
+
+def _native_events(client, key: str) -> list[tuple[str, str]]:
+    """The native stream of the (one) job a new submission makes: each event's name and data, in order."""
+    job = client.post("/v1/jobs", json={"messages": CHAT["messages"], "max_tokens": 4}, headers=Keys.header(key))
+    assert job.status_code in (200, 201, 202), job.text
+    lines = _streamed(client, f"/v1/jobs/{job.json()['id']}/stream", None, Keys.header(key))
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    return list(zip(names, [line[6:] for line in lines if line.startswith("data: ")], strict=True))
+
+
+def test_the_native_stream_says_resumed_before_the_resumed_jobs_tokens(client, keys, settings):
+    """The worker publishes a resumed job's tokens at once and its ``resumed`` only once SQL has the job running
+    again (later still where that write is retried): a client read tokens while the last status it had said
+    ``relegated``. The stream now says ``resumed`` before them, once (the worker's late one, or one published
+    twice, changes nothing)."""
+    first, second = (StreamEvent("delta", attempt=1, text=t, token_ids=[k], offset=k, data={"token_offset": k})
+                     for k, t in enumerate(["a", "b"]))
+    end = StreamEvent("end", attempt=1, status="succeeded", finish_reason="length",
+                      data={"prompt_tokens": 3, "completion_tokens": 2})
+    worker = _as_the_worker(settings, [first, RELEGATED, RELEGATED, second, RESUMED, RESUMED, end])
+    events = _native_events(client, keys.free)
+    worker.join(30)
+    assert [(name, json.loads(data).get("status") or json.loads(data).get("text")) for name, data in events] == [
+        ("delta", "a"), ("status", "relegated"), ("status", "resumed"), ("delta", "b"), ("end", "succeeded")], events
