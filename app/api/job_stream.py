@@ -1,9 +1,11 @@
 """A job's native stream (``GET /v1/jobs/{id}/stream``) as server-sent events, resumable with ``Last-Event-ID``.
 
-Every ``delta`` carries an SSE ``id``: how far the stream has gone (characters, token ids and token logprobs sent).
-A client that reconnects with that id as ``Last-Event-ID`` (a browser's ``EventSource`` does so by itself) gets the
-rest from there, nothing twice; the ``end`` event's id is ``end``, and a reconnect after it is answered 204, which
-tells an ``EventSource`` to stop reconnecting."""
+Every ``delta`` carries an SSE ``id``: its job and how far the stream has gone (characters, token ids and token
+logprobs sent), ``<job id>:12.3.0``. A client that reconnects with that id as ``Last-Event-ID`` (a browser's
+``EventSource`` does so by itself) gets the rest from there, nothing twice; the ``end`` event's id is
+``<job id>:end``, and a reconnect after it is answered 204, which tells an ``EventSource`` to stop reconnecting. An
+id of another job's stream is refused (it would skip this one's events); one without a job (``12.3.0``, ``end``:
+what the stream sent before ids named their job) is taken as it is."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-END_ID = "end"  # the end event's id: a reconnect after it has nothing left to read
+END = "end"  # the end event's position: a reconnect after it has nothing left to read
 
 
 @dataclass
@@ -41,11 +43,28 @@ class StreamPosition:
         parts = last_event_id.split(".")
         if len(parts) != 3 or not all(p.isascii() and p.isdigit() and len(p) <= 12 for p in parts):
             raise ValueError(f"Last-Event-ID {last_event_id[:40]!r} is not the id of an event of this stream "
-                             "(three numbers, e.g. '12.3.0'); leave it out to read from the start")
+                             "(the job's id and three numbers, e.g. 'job_1:12.3.0'); leave it out to read from the "
+                             "start")
         return cls(*map(int, parts))
 
     def passed(self, other: StreamPosition) -> bool:
         return self.chars >= other.chars and self.tokens >= other.tokens and self.logprobs >= other.logprobs
+
+
+def event_id(job_id: str, position: str) -> str:
+    """The SSE id of the event of ``job_id``'s stream at ``position`` (a ``StreamPosition``'s, or ``END``)."""
+    return f"{job_id}:{position}"
+
+
+def resume_point(job_id: str, last_event_id: str) -> StreamPosition | None:
+    """Where a ``Last-Event-ID`` resumes ``job_id``'s stream (None: after its end); ValueError for an id of another
+    job's stream, or no id of a stream at all."""
+    named, _, position = last_event_id.rpartition(":")
+    if named and named != job_id:
+        raise ValueError(f"Last-Event-ID {last_event_id[:60]!r} is an event of job {named[:40]!r}'s stream, not of "
+                         f"{job_id!r}'s: reconnect to that job's stream, or leave it out to read this one from the "
+                         "start")
+    return None if position == END else StreamPosition.parse(position)
 
 
 def sse(event: str, data: dict[str, Any], event_id: str | None = None) -> bytes:
@@ -76,7 +95,7 @@ async def sse_events(settings: Settings, job_id: str, resume: StreamPosition | N
             body["logprobs"] = logprobs[cut.logprobs:]
         if not (body["text"] or body["token_ids"] or body.get("logprobs")):
             return None
-        return sse("delta", body, sent.event_id)
+        return sse("delta", body, event_id(job_id, sent.event_id))
 
     try:
         async with aclosing(job_events(settings, job_id)) as events:
@@ -96,7 +115,7 @@ async def sse_events(settings: Settings, job_id: str, resume: StreamPosition | N
                         rest_ids = rest_ids_from_sql(ev, sent.tokens)
                         if (rest or rest_ids or rest_logprobs) and (out := delta(rest, rest_ids, rest_logprobs)):
                             yield out
-                    yield sse("end", _end_data(job_id, ev), END_ID)
+                    yield sse("end", _end_data(job_id, ev), event_id(job_id, END))
                     return
     except Exception:  # a bug or a database error: an error event rather than a body cut short
         log.exception("the stream of job %s failed", job_id)

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import CheckedRoute, responses, unprocessable
-from app.api.job_stream import END_ID, StreamPosition, sse_events
+from app.api.job_stream import resume_point, sse_events
 from app.bounds import JOBS_PAGE_MAX
 from app.db.models import JobStatus
 from app.db.session import get_sessionmaker
@@ -161,18 +161,18 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
     is ``error`` ``{"id", "error", "code"}`` instead; the job goes on. Disconnecting does not
     cancel the job (``POST /v1/jobs/{id}/cancel`` does).
 
-    Each ``delta`` has an SSE ``id``; reconnecting with it as ``Last-Event-ID`` resumes after that delta
-    (``status`` events at that point come again). The ``end`` has the id ``end``: a reconnect after it is a 204,
-    which stops an ``EventSource``."""
+    Each ``delta`` has an SSE ``id`` (``<job id>:<position>``); reconnecting with it as ``Last-Event-ID`` resumes
+    after that delta (``status`` events at that point come again); another job's id is a 422. The ``end`` has the
+    id ``<job id>:end``: a reconnect after it is a 204, which stops an ``EventSource``."""
     job = _own_job(session, principal, job_id)
     resume = None
     if last_event_id is not None:
-        if last_event_id == END_ID:
-            return Response(status_code=status.HTTP_204_NO_CONTENT)
         try:
-            resume = StreamPosition.parse(last_event_id)
+            resume = resume_point(job.id, last_event_id)
         except ValueError as exc:
             raise unprocessable(str(exc), "header", "last-event-id") from None
+        if resume is None:
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
     return StreamingResponse(kept_alive(sse_events(settings, job.id, resume), KEEPALIVE_COMMENT),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

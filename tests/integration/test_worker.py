@@ -264,7 +264,7 @@ def test_native_stream_resumes_after_the_last_event_id(service):
     job_id = submit(client, keys.paid, max_tokens=12, stream=True)
     ids: list = []
     events = _sse(client, keys.paid, job_id, ids=ids)
-    assert ids[-1] == "end" and all(i is not None for i in ids[:-1])  # every delta names its position
+    assert ids[-1] == f"{job_id}:end" and all(i is not None for i in ids[:-1])  # every delta names its position
     for k in range(len(events) - 1):  # a reconnect after each delta gets exactly the rest
         rest_ids: list = []
         assert _sse(client, keys.paid, job_id, last_event_id=ids[k], ids=rest_ids) == events[k + 1:]
@@ -276,6 +276,24 @@ def test_native_stream_resumes_after_the_last_event_id(service):
     assert bad.status_code == 422 and "Last-Event-ID" in bad.text
     other = client.get(f"/v1/jobs/{job_id}/stream", headers=H(keys.other) | {"Last-Event-ID": "end"})
     assert other.status_code == 404
+
+
+def test_a_last_event_id_of_another_job_is_refused(service):
+    """An event id was a bare position (``12.3.0``): a reconnect to the wrong job with another job's id read it as a
+    position in this one and silently skipped its events. An id now names its job, and another job's is a 422 that
+    says whose it is; an id of the old shape (already given to clients) still resumes where it says."""
+    client, keys = service.client, service.keys
+    first, second = (submit(client, keys.paid, max_tokens=6, stream=True) for _ in range(2))
+    ids: list = []
+    events = _sse(client, keys.paid, first, ids=ids)
+    assert ids[0].startswith(f"{first}:") and ids[-1] == f"{first}:end", ids
+    _sse(client, keys.paid, second)  # ended: a wrong id would resume it (or end it) silently
+    for wrong in (ids[0], ids[-1]):
+        r = client.get(f"/v1/jobs/{second}/stream", headers=H(keys.paid) | {"Last-Event-ID": wrong})
+        assert r.status_code == 422 and first in r.text and second in r.text, r.text
+    assert _sse(client, keys.paid, first, last_event_id=ids[0].split(":")[1]) == events[1:]  # an old id
+    after_end = client.get(f"/v1/jobs/{first}/stream", headers=H(keys.paid) | {"Last-Event-ID": "end"})
+    assert after_end.status_code == 204
 
 
 def test_native_stream_read_after_its_redis_stream_expired_still_has_the_token_ids(service):

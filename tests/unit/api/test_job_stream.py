@@ -8,7 +8,7 @@ import json
 import pytest
 
 from app.api import job_stream
-from app.api.job_stream import StreamPosition, sse_events
+from app.api.job_stream import StreamPosition, resume_point, sse_events
 from app.services.streaming import StreamEvent
 
 EVENTS = [
@@ -38,10 +38,11 @@ def _read(monkeypatch, resume: StreamPosition | None) -> list[tuple[str | None, 
     return out
 
 
-def test_each_delta_names_the_position_after_it_and_the_end_is_named_end(monkeypatch):
+def test_each_delta_names_its_job_and_the_position_after_it_and_the_end_is_named_end(monkeypatch):
     events = _read(monkeypatch, None)
-    assert [(i, name) for i, name, _ in events] == [("5.2.2", "delta"), (None, "status"), ("11.3.3", "delta"),
-                                                    ("12.3.4", "delta"), ("end", "end")]
+    assert [(i, name) for i, name, _ in events] == [("job-1:5.2.2", "delta"), (None, "status"),
+                                                    ("job-1:11.3.3", "delta"), ("job-1:12.3.4", "delta"),
+                                                    ("job-1:end", "end")]
     assert events[3][2] == {"text": "!", "token_ids": [], "logprobs": [{"t": 4}]}  # the rest from SQL
 
 
@@ -65,3 +66,17 @@ def test_a_resume_sends_what_follows_its_position(monkeypatch, resume, first):
 def test_an_id_this_stream_never_sent_is_refused_with_what_to_do(bad):
     with pytest.raises(ValueError, match="leave it out"):
         StreamPosition.parse(bad)
+
+
+@pytest.mark.parametrize("last_event_id, resume", [
+    ("job-1:5.2.2", StreamPosition(5, 2, 2)), ("job-1:end", None),
+    ("5.2.2", StreamPosition(5, 2, 2)), ("end", None),  # ids sent before they named their job
+])
+def test_a_resume_point_is_an_id_of_this_jobs_stream(last_event_id, resume):
+    assert resume_point("job-1", last_event_id) == resume
+
+
+@pytest.mark.parametrize("last_event_id", ["job-2:5.2.2", "job-2:end"])
+def test_an_id_of_another_jobs_stream_is_refused_naming_both_jobs(last_event_id):
+    with pytest.raises(ValueError, match="of job 'job-2'.s stream, not of 'job-1'"):
+        resume_point("job-1", last_event_id)
