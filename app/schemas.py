@@ -467,6 +467,8 @@ class JobPublic(BaseModel):
                                  tbt_p99_s=job.tbt_p99_s, ttlt_s=job.ttlt_s, slo_met=job.slo_met,
                                  relegation_count=job.relegation_count,
                                  slo_miss=job.slo_miss if job.slo_met is False else None)
+        if not (job.sampling or {}).get("return_token_ids"):  # kept for the stream's replay, not asked for
+            out.output_token_ids = None
         if job.output_text is not None:
             out.tool_calls = read_answer(job.id, job.sampling, job.output_text, job.finish_reason).tool_calls
         return out

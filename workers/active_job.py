@@ -40,7 +40,6 @@ class ActiveJob:
     finished: bool = False  # engine thread: its last record is in the outbox
     relegated: bool = False  # engine thread (``ActiveJobs.set_relegated``): shed under overload, not resumed yet
     reasoning: ReasoningTokens | None = None  # engine thread: counts its thinking tokens (a reasoning parser's job)
-    return_token_ids: bool = False  # its end carries the ids it generated (its request keeps them)
     resumed: Resumed | None = None  # a rerun that goes on from an earlier attempt's tokens (``workers.resume``)
 
     def __post_init__(self) -> None:

@@ -419,7 +419,9 @@ class EngineThread:
                "prompt_tokens": job.request.prompt_len, "cached_tokens": m.num_cached_tokens,
                "cache_write_tokens": m.num_cache_write_tokens,
                "reasoning_tokens": job.reasoning.count if job.reasoning is not None else None,
-               "output_token_ids": job.output_token_ids if job.return_token_ids else None,
+               # every job's, as its stream sent them: a replay from SQL sends them again (the job resource and the
+               # answers show them where the job asked: return_token_ids)
+               "output_token_ids": job.output_token_ids,
                "output_logprobs": job.logprobs if job.request.sampling.logprobs is not None else None,
                "prompt_logprobs": job.prompt_logprobs}
         if job.resumed is not None:

@@ -393,7 +393,6 @@ class GpuWorker:
             created = as_utc(job.created_at)
             first_out = as_utc(job.first_token_at) if job.first_token_at is not None else None
             parser = (job.sampling or {}).get("reasoning_parser")
-            return_ids = bool((job.sampling or {}).get("return_token_ids"))
         resumed = self._resumed(lease, request) if lease.attempt > 1 else None
         if resumed is not None:  # the policy judges it on the pace of what is left, not on its settled TTFT
             request.qos = replace(request.qos, delivered=len(resumed.token_ids),
@@ -401,7 +400,7 @@ class GpuWorker:
             shift = self.engine.executor.now() - time.time()  # the stream's times on the engine clock (metrics)
             request.delivered_times = [t + shift for t in resumed.token_times]
         active = ActiveJob(lease, request, created, reasoning=ReasoningTokens(parser) if parser else None,
-                           return_token_ids=return_ids, resumed=resumed)
+                           resumed=resumed)
         if resumed is not None:
             # the attempt's stream begins with the tokens it goes on from (a follower cuts what its client has)
             data = {"token_offset": 0} | ({"logprobs": list(resumed.logprobs), "logprobs_offset": 0}

@@ -154,8 +154,8 @@ def stream_job(job_id: str, session: SessionDep, principal: CurrentPrincipal, se
     ``status`` ``{"status"}`` (relegated/resumed),
     ``end`` ``{"status", "finish_reason", "error", "error_code", "prompt_tokens", "completion_tokens",
     "cached_tokens", "reasoning_tokens"}``. A job
-    that already finished replays its stream, or once that is gone (an hour after the end) its whole text as one delta
-    (with its token ids where it kept them: ``return_token_ids``) and the end. Each character comes
+    that already finished replays its stream, or once that is gone (an hour after the end) its whole text and token
+    ids as one delta, whose id is the live stream's last, and the end. Each character comes
     once, in order: across a Redis outage the stream resumes where it was, and text the stream
     lost comes with the end. If the stream stays unreadable (``stream_outage_s``) the last event
     is ``error`` ``{"id", "error", "code"}`` instead; the job goes on. Disconnecting does not

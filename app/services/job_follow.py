@@ -53,8 +53,8 @@ def rest_from_sql(end: StreamEvent, delivered: int, logprobs_sent: int) -> tuple
 
 
 def rest_ids_from_sql(end: StreamEvent, ids_sent: int) -> list[int]:
-    """The generated token ids after the first ``ids_sent`` of a job SQL reports ended, where it kept them (the job
-    asked for ``return_token_ids``); [] where it did not."""
+    """The generated token ids after the first ``ids_sent`` of a job SQL reports ended ([] for a job that ended
+    before its worker kept every job's ids, where it did not ask ``return_token_ids``)."""
     return (end.data.get("output_token_ids") or [])[ids_sent:]
 
 

@@ -314,6 +314,26 @@ def test_native_stream_read_after_its_redis_stream_expired_still_has_the_token_i
     assert [t for d in rest for t in d["token_ids"]] == job["output_token_ids"][len(live[0]["token_ids"]):]
 
 
+def test_native_stream_read_after_its_redis_stream_expired_sends_the_ids_the_live_one_sent(service):
+    """The live stream sends every delta's token ids; once the Redis stream was gone its replay from SQL had them only
+    for a job that asked return_token_ids, so the replay of any other job had none, its ids named other positions
+    than the live ones (no token counted) and a reconnect with a live id got the rest of the text without its ids.
+    The job resource still shows the ids only where the job asked for them."""
+    client, keys = service.client, service.keys
+    job_id = submit(client, keys.paid, max_tokens=8, stream=True)
+    ids: list = []
+    live = [d for name, d in _sse(client, keys.paid, job_id, ids=ids) if name == "delta"]
+    redis.Redis.from_url(service.settings.redis_url).delete(stream_key(job_id))  # as its TTL deletes it
+    replay_ids: list = []
+    replay = [d for name, d in _sse(client, keys.paid, job_id, ids=replay_ids) if name == "delta"]
+    assert [t for d in replay for t in d["token_ids"]] == [t for d in live for t in d["token_ids"]]
+    assert replay_ids[-2:] == ids[-2:]  # the last delta's id and the end's, as the live stream named them
+    rest = [d for name, d in _sse(client, keys.paid, job_id, last_event_id=ids[2]) if name == "delta"]
+    assert len(live) > 3 and "".join(d["text"] for d in rest) == "".join(d["text"] for d in live[3:])
+    assert [t for d in rest for t in d["token_ids"]] == [t for d in live[3:] for t in d["token_ids"]]
+    assert status_of(client, keys.paid, job_id)["output_token_ids"] is None
+
+
 def test_native_stream_of_a_cancelled_job_ends(service):
     client, keys = service.client, service.keys
     job_id = submit(client, keys.paid, max_tokens=LONG, prompt="a")
