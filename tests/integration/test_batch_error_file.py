@@ -76,8 +76,8 @@ LINES = [
 # changed on purpose (logprobs' range message since vLLM's prompt_logprobs joined it; response_format's types since
 # vLLM's structural_tag joined them; every line's custom_id a string and its error code and message alone, as
 # OpenAI's and vLLM's error lines are, since the line number moved to the id and message only; a QoS field's
-# refusal names it, since each line kind's does alike; vllm_xargs' and priority's say what a batch's request takes, since
-# they pointed to the QoS fields a line refuses), never by a speed-up
+# refusal names it, since each line kind's does alike; vllm_xargs' and priority's say what a batch's request takes,
+# since they pointed to the QoS fields a line refuses), never by a speed-up
 EXPECTED = Path(__file__).with_name("batch_error_file.expected.jsonl")
 
 
