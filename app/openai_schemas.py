@@ -80,7 +80,8 @@ def error_response(status_code: int, message: str, *, type: str | None = None, p
                    code: str | None = None) -> JSONResponse:
     if type is None:
         type = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                429: "rate_limit_error"}.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+                429: "rate_limit_error"}.get(status_code,
+                                             "invalid_request_error" if status_code < 500 else "server_error")
     # json_safe: a message may quote what the client sent (a lone surrogate cannot be encoded)
     return JSONResponse(json_safe({"error": {"message": message, "type": type, "param": param, "code": code}}),
                         status_code=status_code, headers=FINAL if status_code == 409 else None)
@@ -446,9 +447,9 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                       **self.reasoning_fields(),
                       **self.tool_fields(), **self.template_fields(),
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                        "min_tokens", "stop_token_ids", "include_stop_str_in_output", "return_token_ids",
-                                        "truncate_prompt_tokens", "cache_salt", "add_special_tokens",
-                                        "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None},
+                                        "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                                        "return_token_ids", "truncate_prompt_tokens", "cache_salt",
+                                        "add_special_tokens", "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None},
                       **({} if self.thinking_token_budget in (None, -1)
                          else {"thinking_token_budget": self.thinking_token_budget}))
         common |= self.echo_fields()  # completions' echo may set max_tokens (the prompt alone: one token, as vLLM)

@@ -67,7 +67,8 @@ def test_a_batch_left_finalizing_by_a_dead_writer_is_finalized_by_the_sweeper(cl
     monkeypatch.setattr(finalize, "new_file", dies_once)
     batch_id = _bad_lines_batch(client, keys)
     batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
-    assert batch["status"] == "finalizing" and batch["error_file_id"] is None and _output_files(settings, batch_id) == []
+    assert batch["status"] == "finalizing" and batch["error_file_id"] is None
+    assert _output_files(settings, batch_id) == []
     assert finalize_open_batches(settings.sqlalchemy_url, settings.data_dir, None) == []  # not stalled yet
     monkeypatch.setattr(finalize, "STALLED_AFTER", timedelta(0))
     assert finalize_open_batches(settings.sqlalchemy_url, settings.data_dir, None) == [batch_id]

@@ -42,7 +42,8 @@ def test_submit_get_and_dispatch(client, keys, settings):
     assert len(queued) == 1 and job["id"].encode() in queued[0] and b"Say hello" not in queued[0]
     def events():
         with session_scope(settings.sqlalchemy_url) as s:
-            return [(e.from_status, e.to_status) for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job["id"]))]
+            rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job["id"]))
+            return [(e.from_status, e.to_status) for e in rows]
     wait_for(lambda: len(events()) == 2, 10, "the dispatched transition")
     assert events() == [(None, "queued"), ("queued", "dispatched")]
     assert client.get(f"/v1/jobs/{job['id']}", headers=H(keys.paid)).json()["status"] == "dispatched"
