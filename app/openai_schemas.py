@@ -449,7 +449,8 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                       **{k: v for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                         "min_tokens", "stop_token_ids", "include_stop_str_in_output",
                                         "return_token_ids", "truncate_prompt_tokens", "cache_salt",
-                                        "add_special_tokens", "allowed_token_ids", "bad_words") if (v := getattr(self, k)) is not None},
+                                        "add_special_tokens", "allowed_token_ids", "bad_words")
+                         if (v := getattr(self, k)) is not None},
                       **({} if self.thinking_token_budget in (None, -1)
                          else {"thinking_token_budget": self.thinking_token_budget}))
         common |= self.echo_fields()  # completions' echo may set max_tokens (the prompt alone: one token, as vLLM)
