@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, BackgroundTasks, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT, in_messages_terms
 from app.api.anthropic_messages import AnthropicRoute
@@ -219,15 +222,39 @@ def message_batch_results(message_batch_id: str, session: SessionDep, principal:
         raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; its results come once its "
                                "processing_status is 'ended'", param="message_batch_id")
 
-    def content(file_id: str | None) -> bytes | None:
-        if file_id is None:
-            return None
-        row = storage.get_file(session, principal.tenant_id, file_id)
-        if row is None:
-            raise OpenAIError(404, f"the message batch's file {file_id} was deleted; its results are gone",
-                              param="message_batch_id")
-        return storage.read_content(row)
+    with ExitStack() as opened:  # each file open before the answer starts: a deleted one is still a 404
+        files = [opened.enter_context(handle) if (handle := _results_file(session, principal, file_id)) else None
+                 for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id)]
+        lines = mb.results(*files, batch.errors, cancelled=batch.status == "cancelled")
+        return StreamingResponse(_jsonl_pieces(lines, opened.pop_all()), media_type="application/x-jsonl")
 
-    lines = mb.results(content(batch.input_file_id) or b"", content(batch.output_file_id),
-                       content(batch.error_file_id), batch.errors, cancelled=batch.status == "cancelled")
-    return Response("".join(json.dumps(r) + "\n" for r in lines), media_type="application/x-jsonl")
+
+def _results_file(session: Session, principal: Principal, file_id: str | None) -> BinaryIO | None:
+    """A message batch's file, open to be read a line at a time (None: the batch has none); a 404 where it was
+    deleted."""
+    if file_id is None:
+        return None
+    row = storage.get_file(session, principal.tenant_id, file_id)
+    try:
+        if row is not None:
+            return storage.open_content(row)
+    except FileNotFoundError:  # its row not flagged yet: a DELETE under way
+        pass
+    raise OpenAIError(404, f"the message batch's file {file_id} was deleted; its results are gone",
+                      param="message_batch_id")
+
+
+def _jsonl_pieces(lines: Iterator[dict[str, Any]], files: ExitStack) -> Iterator[bytes]:
+    """``lines`` as JSONL, about ``storage.CONTENT_PIECE_BYTES`` a piece, closing ``files`` once read (or once the
+    client stops reading)."""
+    with files:
+        piece: list[bytes] = []
+        held = 0
+        for line in lines:
+            piece.append(json.dumps(line).encode() + b"\n")
+            held += len(piece[-1])
+            if held >= storage.CONTENT_PIECE_BYTES:
+                yield b"".join(piece)
+                piece, held = [], 0
+        if piece:
+            yield b"".join(piece)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -124,22 +124,38 @@ def result_of_error(line: dict[str, Any]) -> dict[str, Any]:
     return {"custom_id": line["custom_id"], "result": {"type": "errored", "error": failed}}
 
 
-def results(inputs: bytes, outputs: bytes | None, errors: bytes | None,
+def results(inputs: BinaryIO | None, outputs: BinaryIO | None, errors: BinaryIO | None,
             batch_errors: list[dict[str, Any]] | None, cancelled: bool = False) -> Iterator[dict[str, Any]]:
     """Each request's result, in the order of the requests: from the output and error files, or, for a request the
     batch ended without (no line in them), canceled where a cancel ended it before its fan-out ran, else errored
-    with the batch's errors (it failed before any request ran)."""
-    by_id: dict[str, dict[str, Any]] = {}
-    for content, convert in ((outputs, result_of_output), (errors, result_of_error)):
-        for text in (content or b"").decode().splitlines():
-            if text.strip():
-                result = convert(json.loads(text))
-                by_id[result["custom_id"]] = result
+    with the batch's errors (it failed before any request ran). The files (open, seekable) are read a line at a
+    time: only where each output and error line starts is held, by its custom_id (an error line's over an output
+    line's), and a request's line is read again when its turn comes."""
+    found: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], BinaryIO, int]] = {}
+    for handle, convert in ((outputs, result_of_output), (errors, result_of_error)):
+        for at, text in _lines(handle):
+            found[json.loads(text)["custom_id"]] = (convert, handle, at)
     why = "; ".join(e.get("message", "") for e in batch_errors or ()) or "the batch failed before this request ran"
     # refused (the queue limit) is the client's to change; the server's own failure is 500's type
     status = 500 if any(e.get("code") == "internal_error" for e in batch_errors or ()) else 400
-    for text in inputs.decode().splitlines():
-        if text.strip():
-            cid = json.loads(text)["custom_id"]
-            yield by_id.get(cid) or {"custom_id": cid, "result": {"type": "canceled"} if cancelled else {
+    for _, text in _lines(inputs):
+        cid = json.loads(text)["custom_id"]
+        if (where := found.get(cid)) is not None:
+            convert, handle, at = where
+            handle.seek(at)
+            yield convert(json.loads(handle.readline()))
+        else:
+            yield {"custom_id": cid, "result": {"type": "canceled"} if cancelled else {
                 "type": "errored", "error": error_body(status, why)}}
+
+
+def _lines(handle: BinaryIO | None) -> Iterator[tuple[int, bytes]]:
+    """``handle``'s lines that are not blank, from its start, each with the offset it starts at."""
+    if handle is None:
+        return
+    handle.seek(0)
+    at = 0
+    for text in iter(handle.readline, b""):
+        if text.strip():
+            yield at, text
+        at += len(text)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
-from app.db.models import Batch, WebhookDelivery, WebhookEndpoint
-from app.db.session import session_scope
+from app.batch import message_batches as mb
+from app.db.models import Batch, File, WebhookDelivery, WebhookEndpoint
+from app.db.session import session_scope, write_guard
 from app.services.webhooks import EVENT_TYPES, new_secret
 from tests.conftest import Keys
 from tests.sql_statements import statements
@@ -225,11 +227,8 @@ def test_a_message_batchs_counts_are_the_tally_of_its_results(client, keys, sett
     counted as its result says."""
     from datetime import timedelta
 
-    from sqlalchemy import update
-
     from app.batch.finalize import maybe_finalize
     from app.db.models import Job
-    from app.db.session import write_guard
     from app.services.transitions import utcnow
 
     headers = {"x-api-key": keys.paid}
@@ -261,3 +260,56 @@ def test_a_message_batchs_counts_are_the_tally_of_its_results(client, keys, sett
     assert batch["request_counts"] == {"processing": 0, **tally}, (batch["request_counts"], kinds)
     listed = client.get("/v1/messages/batches", headers=headers).json()["data"]
     assert [b["request_counts"] for b in listed] == [batch["request_counts"]]
+
+
+def test_a_message_batchs_results_are_never_held_whole_in_memory(settings, keys):
+    """GET /v1/messages/batches/{id}/results read its input, output and error files whole and built the reply in
+    memory (each a copy of files that may be hundreds of MiB): it is streamed now, a request's result at a time, in
+    the order of its requests (its output file's own order differs), as its lines were. Real uvicorn; the client
+    reads the reply in pieces too, so the process's peak is the server's own."""
+    import tracemalloc
+
+    import requests
+
+    from app.batch import storage
+    from app.main import create_app
+    from tests.conftest import served_by_uvicorn
+
+    headers, count, text = {"x-api-key": keys.paid}, 1000, "word " * 3000  # about 15 MiB of Messages
+    with served_by_uvicorn(create_app(settings), "uvicorn-message-results") as base:
+        made = requests.post(f"{base}/v1/messages/batches", headers=headers, timeout=60, json={"requests": [
+            {"custom_id": f"r{i}", "params": {"model": "tiny", "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "Hi"}]}} for i in range(2)]})
+        batch_id = made.json()["id"]
+        done = requests.post(f"{base}/v1/messages/batches/{batch_id}/cancel", headers=headers, timeout=60).json()
+        assert done["processing_status"] == "ended", done  # its results: now its output file's
+        ids = [f"r{i}" for i in range(count)]
+        with session_scope(settings.sqlalchemy_url) as s:
+            batch = s.get(Batch, batch_id)
+            Path(s.get(File, batch.input_file_id).path).write_bytes(mb.input_lines(
+                (cid, {"model": "tiny", "max_tokens": 2, "messages": []}) for cid in ids))
+            output = "".join(json.dumps({"custom_id": cid, "response": {"body": {"content": [
+                {"type": "text", "text": text}]}}}) + "\n" for cid in reversed(ids)).encode()
+            row = storage.save_file(s, settings.data_dir, keys.tenant_id, "out.jsonl", storage.MESSAGE_BATCH_RESULTS,
+                                    output)
+            with write_guard(s):
+                s.execute(update(Batch).where(Batch.id == batch_id).values(output_file_id=row.id))
+                s.commit()
+        size = len(output)
+        del output
+        url = f"{base}/v1/messages/batches/{batch_id}/results"
+        tracemalloc.start()
+        try:
+            got = []
+            with requests.get(url, headers=headers, stream=True, timeout=300) as r:
+                for line in r.iter_lines(64 * 1024):
+                    result = json.loads(line)
+                    message = result["result"].get("message")
+                    got.append((result["custom_id"], result["result"]["type"],
+                                message["content"][0]["text"] == text if message else None))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-jsonl", r.text
+    assert got == [(cid, "succeeded", True) for cid in ids]
+    assert peak < size // 4, f"{peak} bytes allocated at the peak of results from a {size}-byte output file"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from io import BytesIO
 
 from app.anthropic_schemas import message_of, stop_of
 from app.batch import message_batches as mb
@@ -90,7 +91,7 @@ def test_error_lines_are_canceled_expired_or_errored_results_in_request_order():
         job_error_line(job(custom_id="broke", status="failed", error="engine died")),
         invalid_line(5, "bad", "invalid_body", "line 5: prompt too long"),
     )).encode()
-    results = list(mb.results(inputs, outputs, errors, None))
+    results = list(mb.results(BytesIO(inputs), BytesIO(outputs), BytesIO(errors), None))
     assert [r["custom_id"] for r in results] == ["ok", "gone", "late", "broke", "bad", "lost"]
     assert [r["result"]["type"] for r in results] == ["succeeded", "canceled", "expired", "errored", "errored",
                                                       "errored"]
@@ -103,11 +104,11 @@ def test_error_lines_are_canceled_expired_or_errored_results_in_request_order():
 def test_a_batch_that_failed_before_running_errs_every_request_with_why():
     inputs = mb.input_lines([("a", params()), ("b", params())])
     refused = [{"code": "token_limit_exceeded", "message": "over the queue limit"}]
-    results = list(mb.results(inputs, None, None, refused))
+    results = list(mb.results(BytesIO(inputs), None, None, refused))
     assert [(r["custom_id"], r["result"]["type"]) for r in results] == [("a", "errored"), ("b", "errored")]
     assert results[0]["result"]["error"]["error"] == {"type": "invalid_request_error",
                                                       "message": "over the queue limit"}
-    crashed = list(mb.results(inputs, None, None, [{"code": "internal_error", "message": "see the log"}]))
+    crashed = list(mb.results(BytesIO(inputs), None, None, [{"code": "internal_error", "message": "see the log"}]))
     assert crashed[0]["result"]["error"]["error"]["type"] == "api_error"
 
 
