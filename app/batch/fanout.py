@@ -7,8 +7,11 @@ Invalid lines are kept in ``data_dir/batches/<id>/invalid.jsonl`` for the error 
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from app.batch import queue_limit
 from app.batch.events import batch_ended
 from app.batch.finalize import line_numbers_path, maybe_finalize, result_file
 from app.batch.objects import REFUSED_LINE, invalid_line, unrun_line
-from app.batch.storage import read_content
+from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
 from app.openai_schemas import parse_window
@@ -83,8 +86,8 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
         batch = s.get(Batch, batch_id)
-        try:
-            content = read_content(s.get(File, batch.input_file_id)) if parsed is None else None
+        try:  # read a line at a time: never held whole (200 MB, OpenAI's limit)
+            handle = open_content(s.get(File, batch.input_file_id)) if parsed is None else None
         except FileNotFoundError:  # deleted before it was read
             with write_after_read(s):
                 _fail(s, batch_id, errors=[{"code": "invalid_file", "line": None, "param": "input_file_id",
@@ -92,58 +95,111 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
                                                        "its lines were read"}])
             return
         endpoint, tier, tenant_id, key_id = batch.endpoint, batch.tier, batch.tenant_id, batch.api_key_id
-        expires_at = as_utc(batch.expires_at)
-    if parsed is None:
-        parsed = batch_lines.parse_file(content, endpoint, parse_window(batch.completion_window), settings.tiers,
-                                        settings.model)
-    if parsed.file_errors:
-        with session_scope(url) as s, write_guard(s):
-            _fail(s, batch_id, errors=parsed.file_errors, total=parsed.total)
-        log.info("batch %s failed validation: %s", batch_id, parsed.file_errors)
+        expires_at, window_s = as_utc(batch.expires_at), parse_window(batch.completion_window)
+    with handle if handle is not None else nullcontext():
+        if refused := (batch_lines.file_refusal(handle) if handle is not None else None):
+            _fail_validation(url, batch_id, [refused], 0)
+            return
+        lines = (batch_lines.parse_lines(handle, endpoint, window_s, settings.tiers, settings.model)
+                 if handle is not None else heapq.merge(parsed.valid, parsed.invalid, key=lambda line: line.line_no))
+        principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
+        # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)
+        fan = FanOut(settings, principal, batch_id, endpoint, expires_at, held_context_length(settings))
+        dispatched_at = utcnow() if settings.redis_url else None
+        mine = stage_mark()
+        chunks = fan.job_rows(lines, dispatched_at)
+        staged = write_staged(url, chunks, mine, lambda s: s.scalar(
+            select(Batch.status).where(Batch.id == batch_id)) == "validating")
+        for _ in chunks:  # cancelled while staging: the rest is not written, but each line is still counted
+            pass
+    file_errors = (parsed.file_errors if parsed is not None else []) + fan.duplicate_errors()
+    if file_errors:
+        _fail_validation(url, batch_id, file_errors, fan.total)
         return
-    principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
-    invalid_lines = list(parsed.invalid)
-    jobs = []
-    # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)
-    context = held_context_length(settings)
-    requested = []  # the valid lines that became jobs: a cancel before they start stops them unrun
-    for v in parsed.valid:
-        try:
-            jobs += _line_jobs(settings, principal, v, batch_id, endpoint, expires_at, context)
-            requested.append(v)
-        except JobValidationError as exc:  # an over-long message batch request in Anthropic's words, as its create
-            why = exc.overflow.anthropic_message() if exc.overflow and endpoint == MESSAGES else str(exc)
-            invalid_lines.append(batch_lines.InvalidLine(v.line_no, v.custom_id, f"line {v.line_no}: {why}",
-                                                         "invalid_body"))
     invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message)
-               for i in sorted(invalid_lines, key=lambda i: i.line_no)]
+               for i in sorted(fan.invalid, key=lambda i: i.line_no)]
     path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)
     path.write_text("".join(json.dumps(r) + "\n" for r in invalid))
-    numbers = {v.custom_id: v.line_no for v in parsed.valid}  # the error file lists its lines in input order
+    numbers = {cid: line_no for line_no, cid in fan.requested}  # the error file lists its lines in input order
     line_numbers_path(settings.data_dir, batch_id).write_text(json.dumps(numbers))
-    dispatched_at = utcnow() if settings.redis_url else None
-    rows = JobRows.of([(job, f"batch {batch_id}") for job in jobs], dispatched_at)
-    with session_scope(url) as s:  # a read: a batch over its tenant's queue limit is refused before any row is written
-        refused = _over_queue_limit(s, tenant_id, jobs)
-    if refused:
-        with session_scope(url) as s, write_guard(s):
-            _fail(s, batch_id, errors=[refused], total=parsed.total)
-        log.info("batch %s refused: %s", batch_id, refused["message"])
-        return
-    ok = _stage_and_start(url, batch_id, tenant_id, rows, jobs, dispatched_at, parsed.total, len(invalid))
+    ok = staged and _start_staged(url, batch_id, tenant_id, mine, fan, dispatched_at, len(invalid))
     if ok is None:
         return
     if not ok:
-        unrun = [] if endpoint == MESSAGES else [unrun_line(v.line_no, v.custom_id) for v in requested]
-        lines = sorted(invalid + unrun, key=lambda r: r["id"].removeprefix(REFUSED_LINE).zfill(12))
-        _end_cancelled(settings, batch_id, parsed.total, [json.dumps(r) for r in lines])
+        unrun = [] if endpoint == MESSAGES else [unrun_line(line_no, cid) for line_no, cid in fan.requested]
+        failed = sorted(invalid + unrun, key=lambda r: r["id"].removeprefix(REFUSED_LINE).zfill(12))
+        _end_cancelled(settings, batch_id, fan.total, [json.dumps(r) for r in failed])
         return
-    log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(jobs), len(invalid))
-    send_dispatched(settings, [Sendable.of(job) for job in jobs])
-    if not jobs:
+    log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(fan.sendables), len(invalid))
+    for at in range(0, len(fan.sendables), STAGE_CHUNK):  # a send's messages are built whole: a chunk's at a time
+        send_dispatched(settings, fan.sendables[at:at + STAGE_CHUNK])
+    if not fan.sendables:
         with session_scope(url) as s:
             maybe_finalize(s, batch_id, settings.data_dir)
+
+
+def _fail_validation(url: str, batch_id: str, errors: list[dict], total: int) -> None:
+    with session_scope(url) as s, write_guard(s):
+        _fail(s, batch_id, errors=errors, total=total)
+    log.info("batch %s failed validation: %s", batch_id, errors)
+
+
+class FanOut:
+    """A batch's lines as they are read, in order: the valid ones' jobs built and handed on ``STAGE_CHUNK`` at a
+    time (none held after it is written), and what the batch's start needs of all of them kept: its invalid lines,
+    the valid ones' numbers, each model's prompt tokens (the queue limit), what is sent of each job."""
+
+    def __init__(self, settings: Settings, principal: Principal, batch_id: str, endpoint: str, expires_at,
+                 context: int) -> None:
+        self.settings, self.principal, self.batch_id, self.endpoint = settings, principal, batch_id, endpoint
+        self.expires_at, self.context = expires_at, context
+        self.invalid: list[batch_lines.InvalidLine] = []
+        self.requested: list[tuple[int, str]] = []  # the valid lines that became jobs: a cancel stops them unrun
+        self.custom_ids: list[tuple[str | None, int]] = []  # every line's, in order (duplicates fail the file)
+        self.tokens: dict[str, int] = {}  # each model's jobs' prompt tokens
+        self.sendables: list[Sendable] = []
+        self.total = 0
+
+    def job_rows(self, lines: Iterable[batch_lines.ValidLine | batch_lines.InvalidLine],
+                 dispatched_at) -> Iterator[JobRows]:
+        jobs: list[dict] = []
+        for line in lines:
+            self.total += 1
+            self.custom_ids.append((line.custom_id, line.line_no))
+            if isinstance(line, batch_lines.ValidLine):
+                jobs += self._jobs(line)
+            else:
+                self.invalid.append(line)
+            if len(jobs) >= STAGE_CHUNK:
+                yield JobRows.of([(job, f"batch {self.batch_id}") for job in jobs], dispatched_at)
+                jobs = []
+        if jobs:
+            yield JobRows.of([(job, f"batch {self.batch_id}") for job in jobs], dispatched_at)
+
+    def _jobs(self, line: batch_lines.ValidLine) -> list[dict]:
+        try:
+            jobs = _line_jobs(self.settings, self.principal, line, self.batch_id, self.endpoint, self.expires_at,
+                              self.context)
+        except JobValidationError as exc:  # an over-long message batch request in Anthropic's words, as its create
+            why = exc.overflow.anthropic_message() if exc.overflow and self.endpoint == MESSAGES else str(exc)
+            self.invalid.append(batch_lines.InvalidLine(line.line_no, line.custom_id, f"line {line.line_no}: {why}",
+                                                        "invalid_body"))
+            return []
+        self.requested.append((line.line_no, line.custom_id))
+        for job in jobs:
+            self.tokens[job["model"]] = self.tokens.get(job["model"], 0) + (job.get("prompt_tokens") or 0)
+            self.sendables.append(Sendable.of(job))
+        return jobs
+
+    def duplicate_errors(self) -> list[dict]:
+        return batch_lines.duplicate_errors(self.custom_ids)
+
+    def one_model(self) -> str | None:
+        """The model every one of the batch's jobs runs on (its Batch object's ``model``), as the fan-out resolved
+        each line's; None where they name several (no one model processes the batch: OpenAI's batches have one) or
+        there are none."""
+        return next(iter(self.tokens)) if len(self.tokens) == 1 else None
 
 
 def _end_cancelled(settings: Settings, batch_id: str, total: int, failed: list[str]) -> None:
@@ -180,31 +236,28 @@ def _replace_error_file(session, settings: Settings, batch: Batch, stopped: tupl
         old.deleted = True
 
 
-def _stage_and_start(url: str, batch_id: str, tenant_id: str, rows: JobRows, jobs: list[dict], dispatched_at,
-                     total: int, invalid: int) -> bool | None:
-    """Writes the batch's jobs staged (status ``STAGED``-<this run's mark>) in short transactions of
-    ``STAGE_CHUNK`` rows (SQLite's write lock is taken and let go between them, so interactive submissions and
-    workers' writes go on), then starts the batch and turns this run's rows queued/dispatched in one transaction:
-    all or none of them become runnable. True: started; False: the batch left ``validating`` meanwhile (cancelled,
-    or started by another run); None: refused (failed)."""
-    mine = stage_mark()
-    if not write_staged(url, rows.chunks(STAGE_CHUNK), mine,
-                        lambda s: s.scalar(select(Batch.status).where(Batch.id == batch_id)) == "validating"):
-        return False  # cancelled while staging: the rest is not written
+def _start_staged(url: str, batch_id: str, tenant_id: str, mine: str, fan: FanOut, dispatched_at,
+                  invalid: int) -> bool | None:
+    """Starts the batch whose jobs were written staged (status ``STAGED``-<this run's mark>, in short transactions
+    of ``STAGE_CHUNK`` rows: SQLite's write lock is taken and let go between them, so interactive submissions and
+    workers' writes go on) and turns this run's rows queued/dispatched in one transaction: all or none of them become
+    runnable. True: started; False: the batch left ``validating`` meanwhile (cancelled, or started by another run);
+    None: refused (failed: over its tenant's queue limit)."""
     status = JobStatus.DISPATCHED.value if dispatched_at is not None else JobStatus.QUEUED.value
     with read_then_write(url) as s:  # one short transaction: no row is written here, only statuses change
-        if refused := _over_queue_limit(s, tenant_id, jobs):  # again, in the transaction that starts the batch
-            _fail(s, batch_id, errors=[refused], total=total)
+        if refused := _over_queue_limit(s, tenant_id, fan.tokens):
+            _fail(s, batch_id, errors=[refused], total=fan.total)
             log.info("batch %s refused: %s", batch_id, refused["message"])
             return None
         ok = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
-            status="in_progress", in_progress_at=utcnow(), total=total, failed=invalid, completed=0,
-            model=one_model(jobs))).rowcount == 1
+            status="in_progress", in_progress_at=utcnow(), total=fan.total, failed=invalid, completed=0,
+            model=fan.one_model())).rowcount == 1
         if ok:  # one statement over the batch_id index (a statement per chunk of ids takes several times as long)
             moved = s.execute(update(Job).where(Job.batch_id == batch_id, Job.status == mine).values(
                 status=status)).rowcount
-            if moved != len(jobs):  # rolled back with the batch's start: start_batch fails the batch
-                raise RuntimeError(f"{len(jobs) - moved} of batch {batch_id}'s {len(jobs)} staged jobs went missing")
+            jobs = len(fan.sendables)
+            if moved != jobs:  # rolled back with the batch's start: start_batch fails the batch
+                raise RuntimeError(f"{jobs - moved} of batch {batch_id}'s {jobs} staged jobs went missing")
     return ok
 
 
@@ -240,19 +293,9 @@ def _line_jobs(settings: Settings, principal: Principal, line: batch_lines.Valid
     return jobs
 
 
-def one_model(jobs: list[dict]) -> str | None:
-    """The model every one of a batch's jobs runs on (its Batch object's ``model``), as the fan-out resolved each
-    line's; None where they name several (no one model processes the batch: OpenAI's batches have one) or there are
-    none."""
-    models = {job["model"] for job in jobs}
-    return models.pop() if len(models) == 1 else None
-
-
-def _over_queue_limit(session, tenant_id: str, jobs: list) -> dict | None:
-    """The queue limit's error for the first model whose jobs would not fit (app/batch/queue_limit.py)."""
-    tokens: dict[str, int] = {}
-    for job in jobs:
-        tokens[job["model"]] = tokens.get(job["model"], 0) + (job.get("prompt_tokens") or 0)
+def _over_queue_limit(session, tenant_id: str, tokens: dict[str, int]) -> dict | None:
+    """The queue limit's error for the first model whose jobs (``tokens``: their prompt tokens) would not fit
+    (app/batch/queue_limit.py)."""
     return next(filter(None, (queue_limit.refusal(session, tenant_id, m, n) for m, n in tokens.items())), None)
 
 

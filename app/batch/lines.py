@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from io import BytesIO
+from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
@@ -164,31 +166,60 @@ def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] 
 
 def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
                model: str | None = None) -> ParsedFile:
+    """Every line of ``content`` parsed, held together (the fan-out reads a file a line at a time: ``parse_lines``)."""
     out = ParsedFile()
-    try:
-        text = content.decode("utf-8-sig")  # a byte-order mark (Notepad's, PowerShell's) is not part of line 1
-    except UnicodeDecodeError:
-        out.file_errors.append({"code": "invalid_file", "message": "the file is not UTF-8 text", "line": None})
+    handle = BytesIO(content)
+    if (refused := file_refusal(handle)) is not None:
+        out.file_errors.append(refused)
         return out
-    seen: dict[str, list[int]] = defaultdict(list)
-    # JSONL lines end at "\n" only: str.splitlines() would also cut at U+2028, U+0085 and the like, which JSON
-    # strings may hold raw
-    lines = [(i + 1, t) for i, t in enumerate(text.split("\n")) if t.strip()]
-    if not lines:
-        out.file_errors.append({"code": "empty_file", "message": "the file has no requests", "line": None})
-        return out
-    if len(lines) > MAX_LINES:
-        out.file_errors.append({"code": "too_many_requests", "line": None,
-                                "message": f"{len(lines)} requests; a batch takes at most {MAX_LINES}"})
-        return out
-    for line_no, t in lines:
-        parsed = parse_line(line_no, t, endpoint, window_s, tiers, model)
+    for parsed in parse_lines(handle, endpoint, window_s, tiers, model):
         (out.valid if isinstance(parsed, ValidLine) else out.invalid).append(parsed)
-        if parsed.custom_id:
-            seen[parsed.custom_id].append(line_no)
-    for cid, at in seen.items():
-        if len(at) > 1:
-            out.file_errors.append({"code": "duplicate_custom_id", "line": at[1], "param": "custom_id",
-                                    "message": f"custom_id {cid!r} appears on lines {', '.join(map(str, at))}; "
-                                               "each request needs a unique custom_id"})
+    out.file_errors += duplicate_errors((line.custom_id, line.line_no)
+                                        for line in sorted(out.valid + out.invalid, key=lambda line: line.line_no))
     return out
+
+
+def file_refusal(handle: BinaryIO) -> dict[str, Any] | None:
+    """The error that fails the whole file before any line of it is parsed (not UTF-8, no requests, too many), read
+    a line at a time; None where its lines are to be parsed."""
+    try:
+        count = sum(1 for _ in numbered_lines(handle))
+    except UnicodeDecodeError:
+        return {"code": "invalid_file", "message": "the file is not UTF-8 text", "line": None}
+    if not count:
+        return {"code": "empty_file", "message": "the file has no requests", "line": None}
+    if count > MAX_LINES:
+        return {"code": "too_many_requests", "line": None,
+                "message": f"{count} requests; a batch takes at most {MAX_LINES}"}
+    return None
+
+
+def numbered_lines(handle: BinaryIO) -> Iterator[tuple[int, str]]:
+    """The file's lines that are not blank, each with its number (blank ones counted), read a line at a time from
+    its start. JSONL lines end at "\\n" only (str.splitlines() would also cut at U+2028, U+0085 and the like, which
+    JSON strings may hold raw); a byte-order mark (Notepad's, PowerShell's) is not part of line 1. Raises
+    UnicodeDecodeError at a line that is not UTF-8."""
+    handle.seek(0)
+    for i, raw in enumerate(iter(handle.readline, b"")):
+        text = raw.removesuffix(b"\n").decode("utf-8-sig" if i == 0 else "utf-8")
+        if text.strip():
+            yield i + 1, text
+
+
+def parse_lines(handle: BinaryIO, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
+                model: str | None = None) -> Iterator[ValidLine | InvalidLine]:
+    """Each line of a file ``file_refusal`` passed, parsed in turn (``parse_line``): none is held after it."""
+    for line_no, text in numbered_lines(handle):
+        yield parse_line(line_no, text, endpoint, window_s, tiers, model)
+
+
+def duplicate_errors(custom_ids: Iterable[tuple[str | None, int]]) -> list[dict[str, Any]]:
+    """The errors that fail a file whose lines (their custom_id and number, in order) repeat a custom_id: OpenAI's
+    batches need each unique."""
+    seen: dict[str, list[int]] = defaultdict(list)
+    for cid, line_no in custom_ids:
+        if cid:
+            seen[cid].append(line_no)
+    return [{"code": "duplicate_custom_id", "line": at[1], "param": "custom_id",
+             "message": f"custom_id {cid!r} appears on lines {', '.join(map(str, at))}; each request needs a "
+                        "unique custom_id"} for cid, at in seen.items() if len(at) > 1]

@@ -108,16 +108,16 @@ def test_create_answers_validating_before_the_input_file_is_validated(oai, monke
 
     from app.batch import lines as batch_lines
 
-    parse_file, may_end, ended = batch_lines.parse_file, threading.Event(), threading.Event()
+    file_refusal, may_end, ended = batch_lines.file_refusal, threading.Event(), threading.Event()
 
     def held_parse(*args, **kwargs):
         may_end.wait(30)  # released as soon as the create answered (a create that waited for it goes on at 30 s)
         try:
-            return parse_file(*args, **kwargs)
+            return file_refusal(*args, **kwargs)
         finally:
             ended.set()
 
-    monkeypatch.setattr(batch_lines, "parse_file", held_parse)
+    monkeypatch.setattr(batch_lines, "file_refusal", held_parse)
     f = upload(oai, [line("ok", max_tokens=1), "{oops"])
     try:
         b = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")

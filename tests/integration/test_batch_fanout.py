@@ -15,7 +15,6 @@ from sqlalchemy import func, select, text, update
 from app.batch import fanout
 from app.db.models import STAGED, Batch, Job, JobEvent
 from app.db.session import session_scope
-from app.services.job_writer import JobRows
 from tests.conftest import Keys
 from workers.celery_app import queue_lists, queue_name
 from workers.sweeper import _JOB_ID
@@ -79,17 +78,17 @@ def _between_chunks(monkeypatch, action) -> None:
     """Runs ``action()`` on another thread (as another request would) once the fan-out has written its first chunk
     of 2 jobs and before it writes the next, and waits for it."""
     monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
-    real_chunks = JobRows.chunks
+    real_rows = fanout.FanOut.job_rows
 
-    def chunks(self, size):
-        for i, chunk in enumerate(real_chunks(self, size)):
+    def job_rows(self, lines, dispatched_at):
+        for i, chunk in enumerate(real_rows(self, lines, dispatched_at)):
             if i == 1:
                 t = threading.Thread(target=action)
                 t.start()
                 t.join(60)
             yield chunk
 
-    monkeypatch.setattr(JobRows, "chunks", chunks)
+    monkeypatch.setattr(fanout.FanOut, "job_rows", job_rows)
 
 
 def _only_batch(settings) -> tuple[str, int]:
@@ -227,3 +226,43 @@ def test_a_line_whose_max_tokens_reaches_the_context_fails_at_validation_with_no
     refused = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["custom_id"] for r in refused] == ["whole"] and refused[0]["error"]["code"] == "invalid_body", refused
     assert "maximum context length is 512 tokens" in refused[0]["error"]["message"], refused
+
+
+def test_a_fan_out_never_holds_its_input_file_whole_in_memory(client, keys, settings, monkeypatch):
+    """The fan-out read the batch's input file whole (its bytes, their text and a list of its lines: about three
+    copies of a file that may be 200 MiB), then built every line's jobs before writing any. It reads the file a line
+    at a time now, builds, writes and sends the jobs ``STAGE_CHUNK`` at a time, and keeps only a few hundred bytes a
+    line (their numbers, custom_ids, what is sent of each job): its peak is under one copy of the file (it was about
+    nine). Every line still becomes its job, in order, started with the batch."""
+    import tracemalloc
+
+    from app.api import batches as api
+
+    held = []
+    monkeypatch.setattr(api, "start_batch", lambda *args: held.append(args))  # run below, measured
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 100)
+    count, prompt = 3000, "word " * 300  # about 4.5 MiB, each line's prompt within tiny's context
+
+    def create(lines: int) -> tuple[dict, int]:
+        content = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {
+            "model": "tiny", "prompt": prompt, "max_tokens": 2}}) + "\n" for i in range(lines)).encode()
+        f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                        files={"file": ("in.jsonl", content)}).json()
+        return client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+            "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json(), len(content)
+
+    create(2)
+    fanout.start_batch(*held.pop())  # its tokenizer loaded, its statements compiled
+    batch, size = create(count)
+    tracemalloc.start()
+    try:
+        fanout.start_batch(*held.pop())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    with session_scope(settings.sqlalchemy_url) as s:
+        started = s.get(Batch, batch["id"])
+        assert (started.status, started.total, started.failed) == ("in_progress", count, 0)
+        assert s.scalars(select(Job.custom_id).where(Job.batch_id == batch["id"]).order_by(Job.created_at)).all() \
+            == [f"c{i}" for i in range(count)]
+    assert peak < size, f"{peak} bytes allocated at the peak of a {size}-byte input file's fan-out"
