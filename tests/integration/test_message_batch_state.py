@@ -282,7 +282,7 @@ def test_a_message_batchs_results_are_never_held_whole_in_memory(settings, keys)
                                                "messages": [{"role": "user", "content": "Hi"}]}} for i in range(2)]})
         batch_id = made.json()["id"]
         done = requests.post(f"{base}/v1/messages/batches/{batch_id}/cancel", headers=headers, timeout=60).json()
-        assert done["processing_status"] == "ended", done  # its results: now its output file's
+        assert done["processing_status"] == "ended", done  # its results: the files written below
         ids = [f"r{i}" for i in range(count)]
         with session_scope(settings.sqlalchemy_url) as s:
             batch = s.get(Batch, batch_id)
@@ -290,10 +290,13 @@ def test_a_message_batchs_results_are_never_held_whole_in_memory(settings, keys)
                 (cid, {"model": "tiny", "max_tokens": 2, "messages": []}) for cid in ids))
             output = "".join(json.dumps({"custom_id": cid, "response": {"body": {"content": [
                 {"type": "text", "text": text}]}}}) + "\n" for cid in reversed(ids)).encode()
-            row = storage.save_file(s, settings.data_dir, keys.tenant_id, "out.jsonl", storage.MESSAGE_BATCH_RESULTS,
-                                    output)
-            with write_guard(s):
-                s.execute(update(Batch).where(Batch.id == batch_id).values(output_file_id=row.id))
+            errors = "".join(json.dumps({"id": f"batch_req_{cid}", "custom_id": cid, "response": None, "error": {
+                "code": "batch_cancelled", "message": "cancelled"}}) + "\n" for cid in ids[:10]).encode()
+            out, err = (storage.save_file(s, settings.data_dir, keys.tenant_id, name, storage.MESSAGE_BATCH_RESULTS,
+                                          content) for name, content in (("out.jsonl", output), ("err.jsonl", errors)))
+            with write_guard(s):  # its first 10 requests in both files: their error lines are their results
+                s.execute(update(Batch).where(Batch.id == batch_id).values(output_file_id=out.id,
+                                                                          error_file_id=err.id))
                 s.commit()
         size = len(output)
         del output
@@ -311,5 +314,5 @@ def test_a_message_batchs_results_are_never_held_whole_in_memory(settings, keys)
         finally:
             tracemalloc.stop()
     assert r.status_code == 200 and r.headers["content-type"] == "application/x-jsonl", r.text
-    assert got == [(cid, "succeeded", True) for cid in ids]
+    assert got == [(cid, "canceled", None) for cid in ids[:10]] + [(cid, "succeeded", True) for cid in ids[10:]]
     assert peak < size // 4, f"{peak} bytes allocated at the peak of results from a {size}-byte output file"
