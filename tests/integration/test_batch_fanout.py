@@ -135,7 +135,11 @@ def test_a_batch_cancelled_while_it_fans_out_ends_cancelled_without_jobs(client,
     batch = _create(client, keys, 5)
     assert seen["cancel"].json()["status"] == "cancelled"  # its staged jobs are not the batch's: nothing to wait for
     got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
-    assert got["status"] == "cancelled" and got["output_file_id"] is None and got["error_file_id"] is None
+    assert got["status"] == "cancelled" and got["output_file_id"] is None
+    # its unrun lines fail as cancelled (total = completed + failed, as a cancel of a running batch counts its jobs)
+    assert got["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    errors = client.get(f"/v1/files/{got['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    assert [json.loads(line)["error"]["code"] for line in errors.splitlines()] == ["batch_cancelled"] * 5
     assert _jobs(settings, batch["id"]) == [] and _messages(settings) == Counter()
 
 
