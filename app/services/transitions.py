@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import case, insert, type_coerce, update
 from sqlalchemy.orm import Session
 
+from app import wire
 from app.db.models import Job, JobEvent, JobStatus
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,9 @@ def cancel_stamps(now: datetime) -> dict[str, Any]:
 
 
 def as_utc(dt: datetime | None) -> datetime | None:
-    """SQLite hands datetimes back naive; they are stored in UTC."""
-    if dt is None:
-        return None
-    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+    """A stored time in UTC: SQLite hands datetimes back naive (stored in UTC), PostgreSQL in the session's TimeZone,
+    which need not be UTC."""
+    return None if dt is None else wire.as_utc(dt)
 
 
 def transition(

@@ -551,3 +551,34 @@ def test_batch_fan_out_in_chunks_on_postgres(pg_url, tmp_path, redis_url, tiny_m
         assert _jobs(settings, failed["id"]) == []
         with session_scope(pg_url) as s:
             assert s.scalar(select(func.count()).select_from(Job)) == 5
+
+
+def test_timestamps_of_a_server_in_another_time_zone_are_shown_in_utc_on_postgres(pg_url):
+    """PostgreSQL hands a timestamptz back in the server's (or the role's, the database's) TimeZone, which need not
+    be UTC; a message batch's RFC 3339 times and a summarization's deadline are shown in UTC all the same."""
+    from datetime import UTC, datetime
+
+    from app.auth import create_tenant
+    from app.batch.message_batches import message_batch
+    from app.db.migrate import upgrade
+    from app.db.models import Batch, File, SummarizationRun
+    from app.db.session import session_scope
+    from app.summarize.store import progress_of
+
+    upgrade(pg_url)
+    local = f"{pg_url}?options=-ctimezone%3DAsia/Kolkata"  # a server whose TimeZone is +05:30
+    created = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    with session_scope(local) as s:
+        tenant = create_tenant(s, "tz-pg")
+        s.add(File(id="file_tz", tenant_id=tenant.id, filename="f", purpose="batch", bytes=1, path="f"))
+        s.flush()
+        s.add(Batch(id="msgbatch_tz", tenant_id=tenant.id, endpoint="/v1/messages", input_file_id="file_tz",
+                    completion_window="24h", tier="paid", created_at=created, expires_at=created))
+        s.add(SummarizationRun(id="sum_tz", tenant_id=tenant.id, model="m", tier="paid", deadline_at=created,
+                               max_summary_tokens=8, chunk_tokens=64, overlap_tokens=0))
+        s.commit()
+    with session_scope(local) as s:
+        shown = message_batch(s.get(Batch, "msgbatch_tz"), {}, "")
+        deadline = progress_of(s.get(SummarizationRun, "sum_tz")).as_dict()["deadline_at"]
+    assert (shown["created_at"], shown["expires_at"]) == ("2026-01-02T03:04:05Z", "2026-01-02T03:04:05Z")
+    assert deadline == "2026-01-02T03:04:05+00:00"
