@@ -18,6 +18,8 @@ from sqlalchemy import create_engine, text
 
 # what the app/worker fixtures run on: "sqlite" (the default, what CI runs) or "postgres"
 TEST_DATABASE = os.environ.get("COSERVE_TEST_DATABASE", "sqlite")
+# the cluster's TimeZone: not UTC (as a server's may be), so a time read back with another offset is caught
+SERVER_TIME_ZONE = "Asia/Kolkata"
 
 
 def bin_dir() -> Path | None:
@@ -75,8 +77,8 @@ def cluster(port: int) -> Iterator[str]:
         subprocess.run(_as_owner([str(binaries / "initdb"), "-D", str(data), "-U", "coserve", "--auth=trust",
                                   "-E", "UTF8", "--no-sync"], user), **run)
         subprocess.run(_as_owner([str(binaries / "pg_ctl"), "-D", str(data), "-l", str(base / "server.log"), "-w",
-                                  "-t", "60", "-o", f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 "
-                                  "-c fsync=off -c max_connections=300", "start"], user), **run)
+                                  "-t", "60", "-o", f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off "
+                                  f"-c max_connections=300 -c timezone={SERVER_TIME_ZONE}", "start"], user), **run)
     except subprocess.CalledProcessError as exc:
         shutil.rmtree(base, ignore_errors=True)
         raise ClusterFailed(f"could not start PostgreSQL: {exc.stdout}{exc.stderr}") from exc
