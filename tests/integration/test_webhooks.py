@@ -504,7 +504,7 @@ def test_the_next_attempt_waits_as_long_as_a_retry_after_asks(keys, db_url, retr
         deliver_due(s, retry_s=1.0, max_attempts=5, timeout_s=5.0)
         row = s.scalars(select(WebhookDelivery)).one()
     assert row.last_status == 429
-    waited = (row.next_attempt_at.replace(tzinfo=None) - before.replace(tzinfo=None)).total_seconds()
+    waited = (as_utc(row.next_attempt_at) - before).total_seconds()
     assert wait_s - 60 < waited <= wait_s + 60, waited
 
 
