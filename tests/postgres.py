@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from itertools import count
 from pathlib import Path
 
@@ -103,25 +103,23 @@ def new_database(server: str) -> str:
     return f"{server}/{name}"
 
 
-_session: dict[str, object] = {}
+_session = ExitStack()  # the session's cluster, once started
+_session_url: list[str] = []
 
 
 def session_server() -> str:
     """The session's cluster (started on first use, on a free port): its server URL. ``stop_session_server`` (the
     conftest's ``pytest_sessionfinish``) stops it."""
-    if "url" not in _session:
+    if not _session_url:
         from tests.conftest import free_port
 
-        running = cluster(free_port())
-        _session["url"], _session["running"] = running.__enter__(), running
-    return str(_session["url"])
+        _session_url.append(_session.enter_context(cluster(free_port())))
+    return _session_url[0]
 
 
 def stop_session_server() -> None:
-    running = _session.pop("running", None)
-    _session.pop("url", None)
-    if running is not None:
-        running.__exit__(None, None, None)
+    _session_url.clear()
+    _session.close()
 
 
 def fresh_database_url(tmp: Path) -> str:
