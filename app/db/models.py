@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import (JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
-                        false, text, true)
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
+                        UniqueConstraint, false, text, true)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -231,7 +231,7 @@ class File(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     filename: Mapped[str] = mapped_column(String(500))
     purpose: Mapped[str] = mapped_column(String(32))
-    bytes: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)  # a batch output file may pass 2 GiB (INTEGER: 2**31 - 1)
     path: Mapped[str] = mapped_column(String(1000))  # where the content lives under data_dir
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)

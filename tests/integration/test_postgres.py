@@ -582,3 +582,22 @@ def test_timestamps_of_a_server_in_another_time_zone_are_shown_in_utc_on_postgre
         deadline = progress_of(s.get(SummarizationRun, "sum_tz")).as_dict()["deadline_at"]
     assert (shown["created_at"], shown["expires_at"]) == ("2026-01-02T03:04:05Z", "2026-01-02T03:04:05Z")
     assert deadline == "2026-01-02T03:04:05+00:00"
+
+
+def test_a_file_of_more_than_2_gib_is_recorded_on_postgres(pg_url):
+    """A batch's output file may pass 2 GiB (50,000 long answers with their logprobs): its row's ``bytes`` does not
+    fit PostgreSQL's INTEGER, and writing it failed the batch's fan-in (SQLite's integers are 64-bit)."""
+    from app.auth import create_tenant
+    from app.db.migrate import upgrade
+    from app.db.models import File
+    from app.db.session import session_scope
+
+    upgrade(pg_url)
+    size = 3 * 2**30
+    with session_scope(pg_url) as s:
+        tenant = create_tenant(s, "big-file-pg")
+        s.add(File(id="file_big", tenant_id=tenant.id, filename="out.jsonl", purpose="batch_output", bytes=size,
+                   path="out.jsonl"))
+        s.commit()
+    with session_scope(pg_url) as s:
+        assert s.get(File, "file_big").bytes == size
