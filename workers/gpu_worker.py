@@ -60,7 +60,7 @@ from gpu_runtime.request import Request
 from gpu_runtime.sampling import SamplingParams
 from workers import decode_history
 from workers import lease as leases
-from workers import resume
+from workers import resume, taken
 from workers.active_job import ActiveJob, ActiveJobs
 from workers.celery_app import (BATCH_PRIORITY, INTERACTIVE_PRIORITY, cold_shutdown, consumer, get_celery,
                                 queue_lists, queue_name)
@@ -71,7 +71,8 @@ from workers.outbox import Outbox, StepRecords
 from workers.resume import Resumed
 from workers.room import batch_room, has_room
 from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
-from workers.sweeper import back_to_queues, reroute, sweep
+from workers.sweeper import back_to_queues, held_jobs, reroute, sweep
+from workers.taken import take_back
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class GpuWorker:
             with session_scope(self.url) as s:
                 decode_history.seed(history, decode_history.finished_lengths(s, served))
         self._register()
+        self._take_back_earlier()
         if self.settings.routing == "prefix":  # the sweepers look after this worker's own queue once it is gone
             self.redis.sadd(WORKER_QUEUES, worker_queue(self.worker_id))
         else:
@@ -140,6 +142,14 @@ class GpuWorker:
             t = threading.Thread(target=fn, name=f"coserve-{name}", daemon=True)
             t.start()
             self.threads.append(t)
+
+    def _take_back_earlier(self) -> None:
+        """The job whose message an earlier life under this id took and never acked (killed before it leased it, and
+        restarted before a sweep found it lost: this life's beat makes it live) goes to the head of its model's
+        queue (``workers.taken``)."""
+        if held := take_back(self.settings.redis_url, [self.worker_id]):
+            with session_scope(self.url, immediate=True) as s:
+                reroute(s, self.settings.redis_url, [], taken=held_jobs(held))
 
     def _pass_on_own_queue(self) -> None:
         """A worker that reads no own queue (``COSERVE_ROUTING=queue``) passes on to its model's queue what an earlier
@@ -426,6 +436,7 @@ class GpuWorker:
         interrupts it is finished by ``_give_back_interrupted`` with no second message."""
         self.handing_back = (job_id, uuid4().hex)
         send_back(self.settings.redis_url, job_id, back_to, priority, task_id=self.handing_back[1])
+        taken.forget(self.redis, self.worker_id)  # in its queue again: not the one to send again should this die
 
     def _send_back_once(self, job_id: str, back_to: str, priority: int) -> None:
         """The dispatched job's message back to the head of ``back_to``, once: where a hand-back of it was under way
@@ -808,6 +819,7 @@ def run_worker(settings: Settings) -> None:
     runtime.start()
     app = get_celery(settings.redis_url)
     app.coserve_worker = runtime  # the task reaches the runtime through its app
+    taken.record_deliveries(runtime.redis, runtime.worker_id)  # the message in hand, for the sweep that finds it lost
 
     @worker_shutting_down.connect(weak=False)
     def _on_shutdown(**_kw):

@@ -25,6 +25,7 @@ from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES
 from app.services.streaming import StreamEvent, publish
 from app.services.transitions import ACTIVE, as_utc, transition, utcnow
 from workers import lease as leases
+from workers.taken import take_back, takers
 from workers.celery_app import BATCH_PRIORITY, message_priority, queue_lists, queue_name
 
 log = logging.getLogger(__name__)
@@ -100,18 +101,27 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
 
 
 def _reroute_orphaned(session: Session, redis_url: str, stale_before) -> int:
-    """Sends the jobs waiting on the own queue of a worker that stopped beating (prefix routing's) to their model's
-    queue; returns how many were sent."""
+    """Sends the jobs a worker that stopped beating left to their model's queue: those waiting on its own queue
+    (prefix routing's), and the one whose message its consumer took, off any queue, and never acked
+    (``workers.taken``); returns how many were sent."""
     try:
         queues = [q.decode() for q in redis_client(redis_url).smembers(WORKER_QUEUES)]
+        holders = takers(redis_url)
     except redis.RedisError as exc:
         log.warning("could not read the workers' own queues (%s); rerouting nothing this sweep", exc)
         return 0
-    if not queues:
+    if not queues and not holders:
         return 0
     live = set(session.scalars(select(WorkerState.id).where(WorkerState.heartbeat_at >= stale_before)))
     lost = [q for q in queues if q.removeprefix(WORKER_QUEUE_PREFIX) not in live]
-    return reroute(session, redis_url, lost, taken=_taken_off(redis_url, set(lost)))
+    held = take_back(redis_url, [w for w in holders if w not in live])
+    ids = _taken_off(redis_url, set(lost)) | held_jobs(held)
+    return reroute(session, redis_url, lost, taken=ids) if lost or ids else 0
+
+
+def held_jobs(messages: list[bytes]) -> set[str]:
+    """The ids of the jobs of ``messages`` (kombu's raw messages: the id is in their headers)."""
+    return {m.decode() for raw in messages for m in _JOB_ID.findall(raw)}
 
 
 def _taken_off(redis_url: str, queues: set[str]) -> set[str]:
@@ -119,7 +129,9 @@ def _taken_off(redis_url: str, queues: set[str]) -> set[str]:
     before the job was leased): kombu's Redis transport keeps such a message in its unacked hash, which only its
     visibility timeout (an hour) restores, and the job, dispatched with no worker, waited for the lost-message rule.
     Each entry is removed by the one sweeper whose HDEL takes it, which returns its job (sent again, where still
-    dispatched unleased, by ``reroute``). A message taken off the model's queue names no worker: left to that rule."""
+    dispatched unleased, by ``reroute``). A message taken off the model's queue names no worker here: the worker's
+    record of the message in hand finds it (``workers.taken``); this finds one a worker took before it recorded it,
+    or one an older worker took."""
     from kombu.transport.redis import Channel
 
     ids: set[str] = set()

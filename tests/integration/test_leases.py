@@ -555,3 +555,58 @@ def test_a_message_a_killed_worker_took_off_its_own_queue_is_sent_again_once_it_
     with session_scope(url) as s:
         assert s.get(Job, job_id).status == "dispatched"
         assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30).rerouted == 0
+
+
+_CONSUME_AND_DIE = """
+import os, signal, sys
+import redis
+from workers.celery_app import consumer, get_celery
+from workers.taken import record_deliveries
+
+class Killed:  # a GPU worker SIGKILLed in accept, before it leased the job (the message taken, unacked)
+    def accept(self, job_id, priority, queue):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+app = get_celery(sys.argv[1])
+app.coserve_worker = Killed()
+record_deliveries(redis.Redis.from_url(sys.argv[1]), "w8")  # as run_worker connects it
+consumer(app, [sys.argv[2]], "w8@test").start()
+"""
+
+
+def test_a_message_a_killed_worker_took_off_its_models_queue_is_sent_again_once_it_is_lost(settings, keys):
+    """A worker's Celery consumer took a job's message off its model's shared queue (most jobs go there) and the
+    worker was SIGKILLed before it leased the job: the message sits in kombu's unacked hash under the queue's name,
+    naming no worker. The worker recorded the message in hand as Celery handed it over, so the sweep that finds the
+    worker lost takes it back and sends its job to the head of the model's queue, as for a message off its own queue
+    (it waited for the lost-message rule, ``max(30, 5 x lease)`` s)."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.services.transitions import utcnow
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    job_id = _job(settings, keys, dispatch=True)
+    assert r.llen("coserve.tiny") == 1  # the model's queue (no worker to route it to)
+    with session_scope(url) as s:
+        s.add(WorkerState(id="w8", model="tiny", queue="coserve.tiny", device="cpu", heartbeat_at=_beat_ahead(),
+                          state={"served": ["tiny"], "in_line": 0, "max_inflight": 8}))
+    died = subprocess.run([sys.executable, "-c", _CONSUME_AND_DIE, settings.redis_url, "coserve.tiny"],
+                          check=False, timeout=120)
+    assert died.returncode == -9  # killed in its task, the message in hand
+    assert (r.llen("coserve.tiny"), r.hlen("unacked")) == (0, 1)
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30)
+    assert result.rerouted == 0  # live: its message is its own
+    with session_scope(url) as s:
+        s.get(WorkerState, "w8").heartbeat_at = utcnow() - timedelta(seconds=60)
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30)
+    assert (result.rerouted, r.hlen("unacked"), r.zcard("unacked_index")) == (1, 0, 0)
+    assert job_id.encode() in r.lindex("coserve.tiny", -1)  # the next taken
+    with session_scope(url) as s:
+        assert s.get(Job, job_id).status == "dispatched"
+        assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30).rerouted == 0
+    assert r.llen("coserve.tiny") == 1
