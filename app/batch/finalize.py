@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import chain, groupby
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +125,55 @@ def fan_in_due(batch: Batch, counts: Counts) -> bool:
     return not counts.pending or window_over or batch.status == "cancelling"
 
 
-def requests(jobs: Iterable[Job]) -> list[list[Job]]:
-    """A batch's jobs as its requests: a line's jobs together, in the order of its first job, its choices in order."""
-    lines: dict[str | None, list[Job]] = {}
-    for job in jobs:
-        lines.setdefault(job.custom_id, []).append(job)
-    return [sorted(line, key=lambda j: j.choice_index or 0) for line in lines.values()]
+FAN_IN_CHUNK = 100  # jobs read from SQL at a time: their answers are what a fan-in holds of its output file
+
+
+def requests(session: Session, batch_id: str, *where: Any) -> Iterator[list[Job]]:
+    """The batch's requests, read ``FAN_IN_CHUNK`` jobs at a time: a line's jobs together, in the order of its first
+    job (by ``created_at``, then id), its choices in order; ``where``: only those of its jobs (the order is still all
+    of them's)."""
+    ranked = (select(Job.id, Job.custom_id, func.row_number().over(order_by=(Job.created_at, Job.id)).label("at"))
+              .where(*_of_batch(batch_id)).subquery())
+    lines = select(ranked.c.id, ranked.c.at,
+                   func.min(ranked.c.at).over(partition_by=ranked.c.custom_id).label("first")).subquery()
+    jobs = (select(Job).join(lines, lines.c.id == Job.id).where(*where)
+            .order_by(lines.c.first, func.coalesce(Job.choice_index, 0), lines.c.at))
+    with closing(session.scalars(jobs.execution_options(yield_per=FAN_IN_CHUNK))) as rows:
+        for _, line in groupby(rows, key=lambda job: job.custom_id):
+            yield list(line)
+
+
+def _output_lines(session: Session, batch_id: str) -> Iterator[str]:
+    """The output file's lines: the requests whose jobs all succeeded (a request of several choices answers whole)."""
+    for line in requests(session, batch_id):
+        if all(job.status == JobStatus.SUCCEEDED for job in line):
+            yield json.dumps(output_line(line))
+
+
+def _error_lines(session: Session, data_dir: Path, batch: Batch, invalid: list[str]) -> list[str]:
+    """The error file's lines in input order, as read beside it: the refused lines and the requests that failed,
+    each with its first failed choice (only failed jobs are read: no answer is)."""
+    line_number = _input_order(data_dir, batch.id)
+    failed = [(_refused_line_number(text), text) for text in invalid]
+    failed += [(line_number(line[0].custom_id), json.dumps(job_error_line(line[0], batch.expires_at)))
+               for line in requests(session, batch.id, Job.status != JobStatus.SUCCEEDED.value)]
+    return [text for _, text in sorted(failed, key=lambda pair: pair[0])]
+
+
+def _outran_window(session: Session, batch: Batch) -> bool:
+    """Whether one of the batch's jobs was stopped by its window (``objects.outran_window``)."""
+    expired = select(Job).where(*_of_batch(batch.id), Job.status == JobStatus.EXPIRED.value)
+    with closing(session.scalars(expired.execution_options(yield_per=FAN_IN_CHUNK))) as jobs:
+        return any(outran_window(job, batch.expires_at) for job in jobs)
+
+
+def result_files(session: Session, data_dir: Path, batch: Batch, invalid: list[str]) -> dict[str, File]:
+    """The batch's output and error files (their contents written a line at a time; their rows the caller's to add)
+    by the batch's column that names each, less one that would be empty."""
+    made = ((key, result_file(data_dir, batch, name, lines))
+            for key, name, lines in (("output_file_id", "output", _output_lines(session, batch.id)),
+                                     ("error_file_id", "error", _error_lines(session, data_dir, batch, invalid))))
+    return {key: row for key, row in made if row is not None}
 
 
 def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis_url: str | None) -> int:
@@ -138,12 +183,16 @@ def stop_jobs(session: Session, batch_id: str, to: JobStatus, detail: str, redis
     return stop_job_ids(session, ids, to, detail, redis_url)
 
 
-def result_file(data_dir: Path, batch: Batch, name: str, lines: list[str]) -> File:
-    """The batch's ``output`` or ``error`` file of ``lines`` (its content written; its row the caller's to add)."""
+def result_file(data_dir: Path, batch: Batch, name: str, lines: Iterable[str]) -> File | None:
+    """The batch's ``output`` or ``error`` file of ``lines``, written as they come (its row the caller's to add);
+    None, and no file, where there are none."""
+    lines = iter(lines)
+    if (first := next(lines, None)) is None:
+        return None
     lives = timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
     purpose = MESSAGE_BATCH_RESULTS if batch.endpoint == MESSAGES else "batch_output"
-    return new_file(data_dir, batch.tenant_id, f"{batch.id}_{name}.jsonl", purpose, ("\n".join(lines) + "\n").encode(),
-                    lives)
+    return new_file(data_dir, batch.tenant_id, f"{batch.id}_{name}.jsonl", purpose,
+                    ((line + "\n").encode() for line in chain([first], lines)), lives)
 
 
 def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None,
@@ -189,24 +238,11 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         session.commit()
     if not won:
         return False
-    jobs = list(session.scalars(select(Job).where(*_of_batch(batch_id)).order_by(Job.created_at, Job.id)))
     # expired where the window stopped a job, judged from the jobs, not from whether this call stopped them (a
     # concurrent caller, the worker's sweeper or another poll, may have expired them between our reads), and as
     # their error lines say: a job the scheduler gave up on inside the window is the server's failure, not the window's
-    expired = window_over and any(outran_window(job, batch.expires_at) for job in jobs)
-    line_number = _input_order(data_dir, batch_id)
-    out_lines, failed_lines = [], [(_refused_line_number(text), text) for text in invalid]
-    for line in requests(jobs):  # a request of several choices answers whole, or with its first failed choice
-        failed_job = next((j for j in line if j.status != JobStatus.SUCCEEDED), None)
-        if failed_job is None:
-            out_lines.append(json.dumps(output_line(line)))
-        else:
-            failed_lines.append((line_number(failed_job.custom_id),
-                                 json.dumps(job_error_line(failed_job, batch.expires_at))))
-    err_lines = [text for _, text in sorted(failed_lines, key=lambda pair: pair[0])]  # input order, as read beside it
-    files = {key: result_file(data_dir, batch, name, lines)
-             for key, name, lines in (("output_file_id", "output", out_lines), ("error_file_id", "error", err_lines))
-             if lines}
+    expired = window_over and _outran_window(session, batch)
+    files = result_files(session, data_dir, batch, invalid)
     # an error file the validation gave a batch cancelled while validating, while this finalized it, is kept: it knows
     # the lines this one may have read before they were written (fanout._end_cancelled)
     values: dict = {key: func.coalesce(getattr(Batch, key), row.id) if key == "error_file_id" else row.id

@@ -10,7 +10,7 @@ import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,17 +49,21 @@ def files_dir(data_dir: Path) -> Path:
     return path
 
 
-def new_file(data_dir: Path, tenant_id: str, filename: str, purpose: str, content: bytes | BinaryIO,
-             lifetime: timedelta | None = None) -> File:
-    """Writes the content (bytes, or a file read from where it stands, copied in pieces: an upload is never held
-    whole in memory); its row is the caller's to add (the file exists once that commits)."""
+def new_file(data_dir: Path, tenant_id: str, filename: str, purpose: str,
+             content: bytes | BinaryIO | Iterable[bytes], lifetime: timedelta | None = None) -> File:
+    """Writes the content (bytes, a file read from where it stands, or pieces written as they come: an upload or a
+    batch's result file is never held whole in memory); its row is the caller's to add (the file exists once that
+    commits)."""
     file_id = new_id("file")
     path = files_dir(data_dir) / file_id
     if isinstance(content, bytes):
         path.write_bytes(content)
     else:
         with path.open("wb") as out:
-            shutil.copyfileobj(content, out)
+            if hasattr(content, "read"):
+                shutil.copyfileobj(content, out)
+            else:
+                out.writelines(content)
     now = utcnow()
     return File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=path.stat().st_size,
                 path=str(path), created_at=now, deleted=False,

@@ -162,3 +162,33 @@ def test_the_error_file_lists_its_lines_in_input_order(client, keys):
                       json.dumps({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": good})])
     lines = _error_file_of_a_cancelled_batch(client, keys, text)
     assert [e["custom_id"] for e in lines] == ["a", "", "b", "c"], lines
+
+
+def test_a_fan_in_never_holds_its_output_file_whole_in_memory(client, keys, settings):
+    """The fan-in read every job of the batch (their answers), built every output line in a list and joined them into
+    one string, then its bytes: several copies of an output file that may be hundreds of MiB (32 MB for 5 MB). It
+    reads the jobs ``FAN_IN_CHUNK`` at a time and writes the file a line at a time now: its peak is a chunk's, well
+    under the file's size. Each line is still its request's answer, in input order."""
+    import tracemalloc
+
+    count, answer = 3000, "word " * 400  # about 7 MiB of output lines
+    batch_id = _batch(client, keys, ["tiny"] * count)
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.execute(update(Job).where(Job.batch_id == batch_id).values(
+            status="succeeded", output_text=answer, finish_reason="stop", prompt_tokens=1, completion_tokens=400,
+            finished_at=utcnow(), settled_at=utcnow()))
+        s.commit()
+    tracemalloc.start()
+    try:
+        with session_scope(settings.sqlalchemy_url) as s:
+            assert maybe_finalize(s, batch_id, settings.data_dir, None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    batch = _read(client, keys, batch_id)
+    assert (batch.status, batch.request_counts.completed, batch.error_file_id) == ("completed", count, None), batch
+    text = client.get(f"/v1/files/{batch.output_file_id}/content", headers=Keys.header(keys.paid)).text
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"c{i}" for i in range(count)]
+    assert {line["response"]["body"]["choices"][0]["text"] for line in lines} == {answer}
+    assert peak < len(text) / 3, f"{peak} bytes allocated at the peak of a {len(text)}-byte output file's fan-in"

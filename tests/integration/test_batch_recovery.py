@@ -214,15 +214,15 @@ def test_a_batch_whose_validation_ends_while_the_cancels_fan_in_finalizes_it_kee
     with session_scope(settings.sqlalchemy_url) as s:  # the cancel committed; the validation has not read the file
         s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=file_id,
                     completion_window="1h", tier="paid", status="cancelling", cancelling_at=now))
-    lines_of, seen = finalize.requests, []
+    files_of, seen = finalize.result_files, []
 
-    def validation_meanwhile(jobs):
+    def validation_meanwhile(*args):
         with session_scope(settings.sqlalchemy_url) as s:
             seen.append(s.get(Batch, batch_id).status)
         start_batch(settings, batch_id)
-        return lines_of(jobs)
+        return files_of(*args)
 
-    monkeypatch.setattr(finalize, "requests", validation_meanwhile)
+    monkeypatch.setattr(finalize, "result_files", validation_meanwhile)
     with session_scope(settings.sqlalchemy_url) as s:
         assert finalize.maybe_finalize(s, batch_id, settings.data_dir, None)  # the cancel's fan-in
     assert seen == ["finalizing"]
