@@ -218,6 +218,27 @@ def versions(session: Session, model: str) -> dict[str, tuple[str, float]]:
     return {row.name: (row.path, as_utc(row.loaded_at).timestamp()) for row in rows}
 
 
+def ranks(session: Session, model: str) -> dict[str, int]:
+    """Each runtime adapter of ``model`` loaded now: name -> its rank (what a worker's engine must serve of it)."""
+    return dict(session.execute(select(LoraAdapter.name, LoraAdapter.rank).where(LoraAdapter.model == model)).all())
+
+
+def unserved(said: Mapping[str, Any] | None, adapters: Mapping[str, int]) -> dict[str, str]:
+    """The runtime adapters (name -> rank, ``ranks``) that a worker whose engine serves ``said``
+    (``heartbeat_limits``) cannot serve, and why: loaded before it started (a load is held to the live workers
+    only), their jobs fail there. None of them where it says nothing."""
+    if said is None:
+        return {}
+    return {name: why for name, rank in sorted(adapters.items()) if (why := unserved_why(said, rank)) is not None}
+
+
+def serves(state: Mapping[str, Any], name: str, rank: int) -> bool:
+    """Whether a worker of the model, by its heartbeat's ``state``, serves the runtime adapter ``name`` of ``rank``:
+    it does not name it among those it cannot (``lora_unserved``), nor say limits that hold it out."""
+    said = heartbeat_limits(state)
+    return name not in (state.get("lora_unserved") or {}) and (said is None or unserved_why(said, rank) is None)
+
+
 def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]:
     """The adapter directory, absolute, and its rank; an AdapterError saying what to fix where it cannot serve."""
     try:
@@ -240,22 +261,48 @@ def check_directory(settings: Settings, name: str, path: str) -> tuple[str, int]
 
 
 def worker_limits(settings: Settings) -> dict[str, dict[str, Any]]:
-    """What each live worker of the model serves of runtime adapters, as its heartbeat publishes it (``lora``:
-    ``gpu_runtime.vllm.lora.lora_limits``), by worker id: its own engine arguments may set it apart from what this
-    API's settings say (a split deployment). An older worker publishes none: left out, nothing known holds a load."""
+    """What each live worker of the model serves of runtime adapters, as its heartbeat says (``heartbeat_limits``),
+    by worker id: its own engine arguments may set it apart from what this API's settings say (a split deployment).
+    A worker whose heartbeat says nothing of it is left out: nothing known holds a load."""
     from app.services.workers import live_workers  # it imports routing, which imports this module
 
     with session_scope(settings.sqlalchemy_url) as s:
         return {w.id: limits for w in live_workers(s, settings)
-                if settings.model_name in w.served and isinstance(limits := (w.state or {}).get("lora"), dict)}
+                if settings.model_name in w.served and (limits := heartbeat_limits(w.state or {})) is not None}
+
+
+def heartbeat_limits(state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a worker's heartbeat says its engine serves of runtime adapters: its ``lora``
+    (``gpu_runtime.vllm.lora.lora_limits``); an older worker's, which publishes none, from its ``runtime_lora`` (its
+    COSERVE_RUNTIME_LORA): off, its engine refuses every runtime adapter's job (``LoraRegistry.refusal``), on, no
+    limit is known. None where it says nothing of them."""
+    if isinstance(limits := state.get("lora"), dict):
+        return limits
+    return {"runtime": False} if state.get("runtime_lora") is False else None
+
+
+def _off_why(said: Mapping[str, Any]) -> str:
+    """Why a worker that says it loads no runtime adapters (``heartbeat_limits``) loads none."""
+    if "max_lora_rank" in said and not isinstance(said["max_lora_rank"], int):
+        return "its engine serves no LoRA (vLLM's enable_lora off, or the own engine)"
+    return "COSERVE_RUNTIME_LORA is off there"
+
+
+def unserved_why(said: Mapping[str, Any], rank: int) -> str | None:
+    """Why a worker whose engine serves ``said`` of runtime adapters (``heartbeat_limits``) cannot serve one of
+    ``rank``; None where it can (or nothing it says holds it)."""
+    if not said.get("runtime"):
+        return f"it loads no runtime adapters ({_off_why(said)})"
+    top = said.get("max_lora_rank")
+    if isinstance(top, int) and top < rank:
+        return f"its rank {rank} is above the max_lora_rank {top} of its vLLM engine"
+    return None
 
 
 def lora_off_refusal(limits: Mapping[str, Mapping[str, Any]]) -> str | None:
     """Why no runtime adapter may be loaded where a worker of the model loads none (``worker_limits``): every job of
     the adapter that reaches it would fail there. None where each that says loads them."""
-    off = {worker: "its engine serves no LoRA (vLLM's enable_lora off, or the own engine)"
-           if not isinstance(said.get("max_lora_rank"), int) else "COSERVE_RUNTIME_LORA is off there"
-           for worker, said in sorted(limits.items()) if not said.get("runtime")}
+    off = {worker: _off_why(said) for worker, said in sorted(limits.items()) if not said.get("runtime")}
     if not off:
         return None
     workers = "; ".join(f"worker {w!r} of the model loads none ({why})" for w, why in off.items())

@@ -188,3 +188,39 @@ def test_the_lora_limits_check_on_hand_built_heartbeats():
     refused = lora_adapters.lora_off_refusal(off)
     assert refused is not None and "worker 'w4' of the model loads none" in refused and "'w1'" not in refused
     assert lora_adapters.worker_rank_refusal(off, "a", 512) is not None  # a rank limit nowhere said is no limit
+
+
+def test_an_older_workers_heartbeat_that_says_runtime_lora_off_holds_loads(tmp_path, db_url):
+    """A worker of an older coserve publishes no ``lora``, only ``runtime_lora`` (its COSERVE_RUNTIME_LORA); off, its
+    engine refuses every runtime adapter's job (``LoraRegistry.refusal``), so a load is refused naming it, as for a
+    newer worker; on, nothing it says holds a load."""
+    from app.db.models import WorkerState
+    from app.db.session import session_scope
+    from app.services.transitions import utcnow
+
+    settings = Settings(data_dir=tmp_path, database_url=db_url, model_name="tiny", runtime_lora=True)
+    with session_scope(db_url) as s:
+        s.add(WorkerState(id="w-old", model="tiny", queue="coserve.tiny", device="cpu",
+                          state={"served": ["tiny"], "runtime_lora": False}, heartbeat_at=utcnow()))
+    r8 = _rank_dir(tmp_path / "r8", 8)
+    with pytest.raises(lora_adapters.AdapterError, match=r"worker 'w-old' of the model loads none \(COSERVE_RUNTIME_"
+                                                         r"LORA is off there\)"):
+        lora_adapters.load(settings, "r8", r8)
+    with session_scope(db_url) as s:
+        s.get(WorkerState, "w-old").state = {"served": ["tiny"], "runtime_lora": True}
+    lora_adapters.load(settings, "r8", r8)
+
+
+def test_what_a_worker_cannot_serve_of_the_runtime_adapters_loaded():
+    """A worker's engine limits against the runtime adapters loaded (name -> rank): those above its rank, or all
+    where it loads none, with why; none where it says nothing. ``serves`` reads another worker's heartbeat alike."""
+    small = {"runtime": True, "max_lora_rank": 8, "max_loras": 2}
+    loaded = {"r8": 8, "r16": 16}
+    assert lora_adapters.unserved(small, loaded) == {"r16": "its rank 16 is above the max_lora_rank 8 of its vLLM "
+                                                            "engine"}
+    assert set(lora_adapters.unserved({"runtime": False, "max_lora_rank": None}, loaded)) == {"r8", "r16"}
+    assert lora_adapters.unserved(None, loaded) == {}
+    assert lora_adapters.serves({"lora": small}, "r8", 8) and not lora_adapters.serves({"lora": small}, "r16", 16)
+    assert not lora_adapters.serves({"runtime_lora": False}, "r8", 8)  # an older worker with it off
+    assert not lora_adapters.serves({"lora_unserved": {"r8": "why"}}, "r8", 8)
+    assert lora_adapters.serves({"runtime_lora": True}, "r16", 16)  # an older worker: nothing known holds it
