@@ -50,6 +50,7 @@ from app.services.dispatch import dispatch, move, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
 from app.services.truncation import fed_prompt
+from app.services.workers import live_workers
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent, stream_key
 from app.services.transitions import ACTIVE, PENDING, as_utc, transition, utcnow
 from app.settings import Settings
@@ -111,6 +112,8 @@ class GpuWorker:
         self.handing_back: tuple[str, str] | None = None  # (job id, task id) of the message accept hands back now
         # when SQL first showed the APIs that this worker takes no jobs (its beat said stopping, or its row went)
         self.unroutable_at: float | None = None
+        # the runtime adapters of the model its engine cannot serve (loaded before it started), and why
+        self.lora_unserved: dict[str, str] = {}
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -327,6 +330,7 @@ class GpuWorker:
                 s.add(row)
             row.started_at = row.heartbeat_at = utcnow()
             row.draining = False
+            self._check_loras(s)
             row.state = self._state()
             if dropped := leases.drop_held_marks(s, self.worker_id):
                 log.info("%d jobs a worker %s that stopped waited with are to be sent again", dropped, self.worker_id)
@@ -362,13 +366,13 @@ class GpuWorker:
             raise
         if wait == "room":
             self._await_room(priority)
-        elif wait == "drain":
+        elif wait in ("drain", "elsewhere"):
             self._drain_pause()
 
     def _take(self, job_id: str, priority: int, queue: str | None) -> str | None:
         """``accept``'s intake: the job leased into the engine, or its message (it came on ``queue``) handed back.
         What to wait for then, with no message in hand: "room" (the engine was full), "drain" (this worker drains),
-        or None."""
+        "elsewhere" (a job of a runtime adapter its engine cannot serve, handed back for another worker), or None."""
         if (earlier := self._earlier_attempt(job_id)) is not None:  # set aside by the engine thread, which then hands
             # the message back (``Supersede``): not waited for here, the messages behind it taken meanwhile
             log.warning("job %s came back to this worker while its attempt %d still runs here; setting that one aside",
@@ -381,9 +385,13 @@ class GpuWorker:
             if self.stopping.is_set() or self.shutting_down:
                 return None
             return "drain" if self.draining else "room"
-        if queue == worker_queue(self.worker_id) and (shared := self._served_elsewhere(job_id)) is not None:
-            self._hand_back(job_id, shared, priority)  # for a worker that serves its model, not failed here
+        model, shared = self._job_route(job_id)
+        if shared not in self.queues:  # for a worker that serves its model, not failed here
+            self._hand_back(job_id, shared, priority)
             return None
+        if model in self.lora_unserved and self._served_by_another(model):
+            self._hand_back(job_id, shared, priority)  # for that one; failed here where none serves it
+            return "elsewhere"
         with session_scope(self.url, immediate=True) as s:
             lease = leases.acquire(s, job_id, self.worker_id, self.settings.lease_seconds)
             if lease is None:
@@ -517,25 +525,49 @@ class GpuWorker:
         return self._model_queue(job_id)
 
     def _model_queue(self, job_id: str) -> str:
-        """The shared queue dispatch sends the model of ``job_id`` to (``sweeper.back_to_queues``): a configured
-        adapter's own, which a worker without that adapter never reads; the model's where SQL cannot say."""
+        """The shared queue dispatch sends the model of ``job_id`` to (``_job_route``)."""
+        return self._job_route(job_id)[1]
+
+    def _job_route(self, job_id: str) -> tuple[str | None, str]:
+        """The model of ``job_id`` and the shared queue dispatch sends it to (``sweeper.back_to_queues``): a
+        configured adapter's own, which a worker without that adapter never reads; the model's where SQL cannot say
+        (model None). A job whose queue this worker does not read came here astray (routed to its own queue by a view
+        of a predecessor under its id that served the model, or given back to the model's queue by an older coserve):
+        it goes there, to workers that serve its model (each reads the queues of what it serves: it stays there)."""
         try:
             with session_scope(self.url) as s:
                 row = s.execute(select(Job.id, Job.model, Job.kind).where(Job.id == job_id)).first()
                 if row is not None:
-                    return back_to_queues(s, [row])[0][1]
+                    return row.model, back_to_queues(s, [row])[0][1]
         except Exception:  # SQL away: the model's queue, which this worker (serving the job's model) reads too
             if cold_shutdown():  # Celery cancelled this task: accept gives the job back
                 raise
             log.warning("could not read the model of job %s; its message goes back to %s", job_id, self.queue)
-        return self.queue
+        return None, self.queue
 
-    def _served_elsewhere(self, job_id: str) -> str | None:
-        """The shared queue of ``job_id``, which came on this worker's own queue, where this worker does not serve its
-        model (its predecessor under this id did: an API's view of the workers is up to ``routing.REFRESH_S`` old,
-        and a dead one's row looks live for a lease); None where it does (or the job is gone: ``_model_queue``)."""
-        shared = self._model_queue(job_id)
-        return None if shared in self.queues else shared
+    def _served_by_another(self, adapter: str) -> bool:
+        """Whether another live worker of the model serves the runtime adapter ``adapter``, which this one's engine
+        cannot (``lora_unserved``), by what its heartbeat says (``lora_adapters.serves``)."""
+        with session_scope(self.url) as s:
+            rank = lora_adapters.ranks(s, self.settings.model_name).get(adapter)
+            return rank is not None and any(
+                w.id != self.worker_id and self.settings.model_name in w.served
+                and lora_adapters.serves(w.state or {}, adapter, rank) for w in live_workers(s, self.settings))
+
+    def _check_loras(self, session: Session) -> None:
+        """Notes the runtime adapters of the model that this worker's engine cannot serve (``lora_unserved``; a load
+        is held to the workers live then, so one loaded before this worker started may be above its max_lora_rank,
+        or its engine may load none), saying so loudly for each new one: their jobs go to another worker of the
+        model (``_take``), and fail here where none serves them."""
+        said = getattr(self.engine, "lora_limits", None)
+        unserved = lora_adapters.unserved(said if isinstance(said, dict) else None,
+                                          lora_adapters.ranks(session, self.settings.model_name))
+        for name in sorted(unserved.keys() - self.lora_unserved.keys()):
+            log.error("worker %s cannot serve the runtime LoRA adapter %r: %s; its jobs go to the model's other "
+                      "workers, and fail here where none serves it (unload it, or start this worker with an engine "
+                      "that serves it: COSERVE_RUNTIME_LORA=1, COSERVE_MAX_LORA_RANK)", self.worker_id, name,
+                      unserved[name])
+        self.lora_unserved = unserved
 
     def _has_room(self, priority: int) -> bool:
         """Whether the engine takes a job of message ``priority`` now: a batch job leaves the interactive reserve
@@ -597,6 +629,11 @@ class GpuWorker:
         path, version = None, 0.0
         if adapter is not None and adapter not in self.settings.lora_modules:  # loaded at runtime: from SQL
             path, version = self._runtime_adapter_source(adapter, session)
+            if (why := self.lora_unserved.get(adapter)) is not None:  # and no other worker serves it (``_take``)
+                raise ValueError(f"LoRA adapter {adapter!r} cannot be served by worker {self.worker_id!r} ({why}), "
+                                 "and no other live worker of the model serves it; unload it, or start the model's "
+                                 "workers with an engine that serves it (COSERVE_RUNTIME_LORA=1, "
+                                 "COSERVE_MAX_LORA_RANK), and resubmit")
         return Request(leases.engine_request_id(job.id, job.attempt), ids, sampling, qos,
                        arrival_time=self.engine.executor.now() - max(0.0, waited),
                        app_id=decode_history.history_key(job.app_id, job.tenant_id, job.kind, adapter),
@@ -652,6 +689,8 @@ class GpuWorker:
                 pass
         if isinstance(limits := getattr(self.engine, "lora_limits", None), dict):  # the API holds loads to them
             state["lora"] = limits
+        if self.lora_unserved:  # the APIs' /readyz names them, and another worker takes their jobs
+            state["lora_unserved"] = dict(self.lora_unserved)
         if self.engine_thread is not None:
             state.update(self.engine_thread.state)  # the engine thread's snapshot: no engine reads from here
         return state
@@ -668,6 +707,7 @@ class GpuWorker:
                                   device=self.device)
                 s.add(row)
             row.heartbeat_at = utcnow()
+            self._check_loras(s)  # adapters loaded while it was not live (a load is held to the live workers)
             row.state = state = self._state()
             draining = bool(row.draining)
             retire = self.backend == "vllm" and self.settings.runtime_lora

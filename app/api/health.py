@@ -83,6 +83,12 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
                                          if settings.model_name in w.served):
         checks["runtime_lora"] = ("warning: no live worker of the model loads adapters at runtime; jobs of the "
                                   "adapters loaded so fail (set COSERVE_RUNTIME_LORA=1 on the workers too)")
+    if unserved := {(w.id, name): why for w in live if settings.model_name in w.served
+                    for name, why in ((w.state or {}).get("lora_unserved") or {}).items()}:
+        checks["lora_unserved"] = ("warning: " + "; ".join(f"worker {w!r} cannot serve the runtime adapter {name!r} "
+                                                           f"({why})" for (w, name), why in sorted(unserved.items()))
+                                   + "; their jobs go to the model's other workers, and fail where none serves them "
+                                   "(unload them, or start those workers with engines that serve them)")
     if warning := _context_warning(session, settings):
         checks["context_length"] = warning
     if set_aside := {w.id: n for w in live if (n := (w.state or {}).get("set_aside_jobs"))}:

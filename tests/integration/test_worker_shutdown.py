@@ -458,3 +458,72 @@ def test_a_stopping_worker_says_so_at_once_and_the_api_routes_to_it_no_more(sett
     worker.stop(grace_s=0)
     beats.join(10)
     assert not beats.is_alive()  # the stop woke it to end
+
+
+def test_a_configured_adapters_stray_message_on_the_models_queue_goes_to_the_adapters_queue(settings, keys):
+    """A configured adapter's job whose message came on the model's queue (given back there by an older coserve's
+    worker or sweeper) reaches a worker without the adapter: it goes on to the adapter's queue, for a worker that
+    serves it, instead of failing here while another worker serves it. Never leased here; and a worker that reads
+    the adapter's queue serves the adapter, so it does not come back."""
+    settings.lora_modules = {"sql-lora": "/adapters/sql"}
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="a", max_tokens=4, model="sql-lora"),
+                            settings, dispatch=False).job.id
+        assert dispatch.dispatch(s, settings.redis_url, job_id, "sql-lora", queue="coserve.tiny")
+    redis.Redis.from_url(settings.redis_url).delete("coserve.tiny")  # its message taken by the consumer
+    worker = GpuWorker(settings.model_copy(update={"lora_modules": {}}))  # a worker of the model without it
+    worker.accept(job_id, queue="coserve.tiny")
+    assert _next_taken(settings, "coserve.sql-lora", batch=False) == [job_id]
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert (s.get(Job, job_id).status, s.get(Job, job_id).attempt) == ("dispatched", 0)  # never leased here
+    assert _next_taken(settings, "coserve.tiny", batch=False) == []
+
+
+def test_a_worker_started_after_an_adapter_it_cannot_serve_was_loaded_leaves_its_jobs_to_one_that_does(
+        settings, keys, client, tmp_path, caplog):
+    """A rolling deploy: adapter rt16 (rank 16) was loaded while the model's live workers served rank 16; then w-small
+    started with max_lora_rank 8 in its engine (its heartbeat says so: ``lora``). It says loudly that it cannot serve
+    rt16 (its log, its heartbeat, the API's /readyz), and hands rt16's job back to the model's queue while w-big
+    (hand-built heartbeat) serves it, never leasing it; once none does, the job fails here saying why and what to do."""
+    from types import SimpleNamespace
+
+    from app.services import lora_adapters
+    from app.services.transitions import utcnow
+
+    settings.runtime_lora = True
+    lora = tmp_path / "rt16"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text('{"r": 16}')
+    (lora / "adapter_model.safetensors").write_bytes(b"")
+    lora_adapters.load(settings, "rt16", str(lora))
+    big = {"served": ["tiny"], "runtime_lora": True, "lora": {"runtime": True, "max_lora_rank": 16, "max_loras": 2}}
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(WorkerState(id="w-big", model="tiny", queue="coserve.tiny", device="cpu", state=big,
+                          heartbeat_at=utcnow()))
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="a", max_tokens=4, model="rt16"),
+                            settings, dispatch=False).job.id
+        assert dispatch.dispatch(s, settings.redis_url, job_id, "tiny", queue="coserve.tiny")
+    redis.Redis.from_url(settings.redis_url).delete("coserve.tiny")  # its message taken by the consumer
+    worker = GpuWorker(settings.model_copy(update={"worker_id": "w-small"}))
+    worker.engine = SimpleNamespace(lora_limits={"runtime": True, "max_lora_rank": 8, "max_loras": 2},
+                                    executor=SimpleNamespace(now=lambda: 100.0))
+    worker.heartbeat()  # as its registration at start does
+    assert "worker w-small cannot serve the runtime LoRA adapter 'rt16': its rank 16 is above the max_lora_rank 8" \
+        in caplog.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(WorkerState, "w-small").state["lora_unserved"] == {
+            "rt16": "its rank 16 is above the max_lora_rank 8 of its vLLM engine"}
+    ready = client.get("/readyz").json()["checks"]
+    assert ready["lora_unserved"].startswith("warning: worker 'w-small' cannot serve the runtime adapter 'rt16' "
+                                             "(its rank 16 is above the max_lora_rank 8"), ready
+    worker.accept(job_id, queue="coserve.tiny")
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # for w-big
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert (s.get(Job, job_id).status, s.get(Job, job_id).attempt) == ("dispatched", 0)  # never leased here
+        s.delete(s.get(WorkerState, "w-big"))  # gone: nobody else serves rt16
+    worker.accept(job_id, queue="coserve.tiny")
+    with session_scope(settings.sqlalchemy_url) as s:
+        job = s.get(Job, job_id)
+        assert job.status == "failed" and "cannot be served by worker 'w-small' (its rank 16 is above the " \
+            "max_lora_rank 8 of its vLLM engine), and no other live worker of the model serves it" in job.error, \
+            job.error
