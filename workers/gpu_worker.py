@@ -49,10 +49,10 @@ from app.services import lora_adapters, routing
 from app.services.dispatch import dispatch, move, send_back, send_back_all
 from app.services.model_info import context_length, get_tokenizer, use_chat_template
 from app.services.routing import WORKER_QUEUE_PREFIX, WORKER_QUEUES, worker_queue
-from app.services.truncation import fed_prompt
-from app.services.workers import live_workers
 from app.services.streaming import CANCEL_CHANNEL, StreamEvent, stream_key
 from app.services.transitions import ACTIVE, PENDING, as_utc, transition, utcnow
+from app.services.truncation import fed_prompt
+from app.services.workers import live_workers
 from app.settings import Settings
 from app.summarize.driver import advance_open_runs
 from gpu_runtime.factory import build_engine, resolve_device
