@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
-from app.auth import announce_revocation, create_key, create_tenant
+from app.auth import Principal, announce_revocation, create_key, create_tenant
 from app.batch.finalize import cancel_batch
 from app.db.session import write_after_read
 from app.db.models import ApiKey, Batch, Job, JobStatus, Tenant
@@ -143,16 +143,35 @@ def list_keys_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal)
     return [KeyPublic.model_validate(k) for k in rows]
 
 
-@router.post("/keys/{key_id}/revoke", response_model=KeyPublic, responses=responses(404))
+def refuse_admin_lockout(session: Session, key: ApiKey, caller: Principal) -> None:
+    """409 where revoking ``key`` would lock the operator out: it is the key the request came with, or the last
+    active admin key (``COSERVE_ADMIN_KEY`` is one of the stored admin keys too; an admin key of a disabled tenant
+    lets no one in)."""
+    if key.revoked or not key.is_admin:
+        return
+    if key.id == caller.key_id:
+        raise HTTPException(status.HTTP_409_CONFLICT, "an admin key cannot revoke itself: create another admin key "
+                            "first (POST /v1/admin/tenants/{tenant_id}/keys with admin: true) and revoke this one "
+                            "with it")
+    others = session.scalar(select(ApiKey.id).join(Tenant, Tenant.id == ApiKey.tenant_id).where(
+        ApiKey.id != key.id, ApiKey.is_admin.is_(True), ApiKey.revoked.is_(False), Tenant.disabled.is_(False)))
+    if others is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"{key.id} is the last active admin key: create another admin "
+                            "key first (POST /v1/admin/tenants/{tenant_id}/keys with admin: true)")
+
+
+@router.post("/keys/{key_id}/revoke", response_model=KeyPublic, responses=responses(404, 409))
 def revoke_key_route(key_id: str, request: Request, session: SessionDep, settings: SettingsDep,
-                     _admin: AdminPrincipal) -> KeyPublic:
+                     admin: AdminPrincipal) -> KeyPublic:
     """Revokes a key for good (idempotent). Every API process refuses it from its next request on
-    (the revocation token in Redis changes; see ``app.auth``)."""
+    (the revocation token in Redis changes; see ``app.auth``). The key the request came with, and the last
+    active admin key, are refused (409): the operator would be locked out."""
     key = session.get(ApiKey, key_id)
     if key is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no API key {key_id!r}")
     if not key.revoked:
         with write_after_read(session):
+            refuse_admin_lockout(session, key, admin)  # inside the write: two admins revoking each other
             key.revoked = True
             session.commit()
         log.info("revoked API key %s", key.id)

@@ -142,3 +142,34 @@ def test_a_disabled_tenant_is_refused_and_its_open_work_cancelled(client, keys, 
     client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"disabled": False}, headers=Keys.header(keys.admin))
     assert client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()["status"] in (
         "cancelling", "cancelled")
+
+
+def test_an_admin_key_cannot_revoke_itself_and_so_the_last_admin_key_stays(client, keys, db_url):
+    """An admin key revoked itself (200) and, the last admin key, locked the operator out until COSERVE_ADMIN_KEY was
+    reset; now that is a 409 naming the way out (another admin key first), and that other key may revoke it."""
+    own = _key_id(db_url, keys.admin)
+    r = client.post(f"/v1/admin/keys/{own}/revoke", headers=Keys.header(keys.admin))
+    assert r.status_code == 409 and "create another admin key" in r.json()["detail"], r.text
+    assert _ok(client, keys.admin) == 200
+    ops = next(t["id"] for t in client.get("/v1/admin/tenants", headers=Keys.header(keys.admin)).json()
+               if t["name"] == "ops")
+    second = client.post(f"/v1/admin/tenants/{ops}/keys", json={"admin": True}, headers=Keys.header(keys.admin))
+    r = client.post(f"/v1/admin/keys/{own}/revoke", headers=Keys.header(second.json()["api_key"]))
+    assert r.status_code == 200 and r.json()["revoked"] is True, r.text
+    assert _ok(client, keys.admin) == 401
+
+
+def test_the_last_active_admin_key_is_never_revoked(keys, db_url, settings):
+    """The rule holds in the revocation itself: with no other active admin key (of an enabled tenant) the
+    revocation is refused, whoever asks."""
+    from fastapi import HTTPException
+
+    from app.api.tenants import refuse_admin_lockout
+    from app.auth import Principal
+
+    own = _key_id(db_url, keys.admin)
+    caller = Principal(key_id="key_elsewhere", tenant_id="t", tier="paid", is_admin=True)
+    with session_scope(db_url) as s:
+        with pytest.raises(HTTPException) as refused:
+            refuse_admin_lockout(s, s.get(ApiKey, own), caller)
+    assert refused.value.status_code == 409 and "last active admin key" in refused.value.detail
