@@ -55,6 +55,14 @@ TIMEOUT_S = 60.0  # a request's answer
 LONG_TIMEOUT_S = 600.0
 
 
+class Refused(typer.Exit):
+    """The API answered an error (exit status 1, its line printed already); ``response`` is that answer."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(1)
+        self.response = response
+
+
 class Api:
     def __init__(self, url: str | None, key: str | None) -> None:
         from app.cli.service_cmds import _client_config
@@ -80,7 +88,7 @@ class Api:
                 pause = min(pause * 2, 15.0)
         if r.status_code >= 400:
             stderr.print(error_line(r, looked_up))
-            raise typer.Exit(1)
+            raise Refused(r)
         return r
 
     def _failure(self, method: str, path: str, exc: httpx.HTTPError, timeout_s: float) -> str:
@@ -223,8 +231,13 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
                 "one no batch was made from)"):
         f = api.call("POST", "/v1/files", files={"file": (path.name, path.read_bytes())},
                      data={"purpose": "batch"}).json()
-        b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
-                                                   "completion_window": window, "tier": tier}).json()
+        try:
+            b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
+                                                       "completion_window": window, "tier": tier}).json()
+        except Refused as exc:
+            if exc.response.is_client_error:  # no batch was made: the upload was this command's own
+                _drop_upload(api, f["id"])
+            raise
     if as_json and not wait:
         print_json(b)
         return
@@ -237,6 +250,16 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         else:
             _show_batch(b)  # as `batch status` shows it: its files, and why it failed on stderr
         _end(b)
+
+
+def _drop_upload(api: Api, file_id: str) -> None:
+    """Deletes the file a refused ``batch create`` uploaded; where that fails too, names it and how to delete it."""
+    try:
+        api.call("DELETE", f"/v1/files/{file_id}")
+    except typer.Exit:
+        stderr.print(f"the file {file_id} uploaded for the batch is left: `coserve files delete {file_id}` deletes it")
+        return
+    stderr.print(f"the file {file_id} uploaded for the batch is deleted")
 
 
 @batch_app.command("status", epilog="With --follow: " + EXIT_CODES_HELP)

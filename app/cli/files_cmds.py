@@ -1,7 +1,8 @@
 """CLI: ``coserve files list|delete``, the Files API's uploads (the JSONL files batches are made from).
 
 An upload outlives the batch it was made for, and one without a batch (`batch create` stopped between its upload and
-its start, or a start the API refused) is left until it expires: these list and delete them, as OpenAI's
+its start; a start the API refused deletes its upload, or names it where it cannot) is left until it expires: these
+list and delete them, as OpenAI's
 ``client.files.list()`` and ``client.files.delete(id)`` do.
 """
 

@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from app.cli import cli
@@ -49,3 +50,40 @@ def test_an_upload_left_without_a_batch_is_listed_and_deleted(live_server, keys)
     assert r.exit_code == 0 and json.loads(r.stdout) == {"id": first, "object": "file", "deleted": True}, r.output
     r = run.invoke(cli, ["files", "list", "--purpose", "batch", *auth])
     assert r.exit_code == 0 and r.stdout == "no batch files\n", r.output
+
+
+def _batch_files(live_server: str, key: str) -> list[str]:
+    r = httpx.get(f"{live_server}/v1/files", headers=Keys.header(key), params={"purpose": "batch"})
+    return [f["id"] for f in r.json()["data"]]
+
+
+def test_a_batch_create_the_api_refuses_deletes_the_file_it_uploaded(live_server, keys, tmp_path):
+    """`batch create` whose start the API refused (400: a tier above the key's) left its upload behind, unnamed;
+    it deletes it now (the upload was its own)."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(REQUEST)
+    r = CliRunner().invoke(cli, ["batch", "create", str(src), "--tier", "paid", "--url", live_server,
+                                 "--key", keys.free])
+    assert r.exit_code == 1 and "tier" in r.stderr, r.output
+    assert _batch_files(live_server, keys.free) == [], r.output
+    assert "deleted" in r.stderr and "file_" in r.stderr, r.output
+
+
+def test_a_refused_batch_creates_upload_it_could_not_delete_is_named(live_server, keys, tmp_path, monkeypatch):
+    """Where the delete fails too, the file's id and the command that deletes it are printed."""
+    from app.cli.batch_cmds import Api
+
+    call = Api.call
+
+    def delete_unreachable(self, method, path, *args, **kw):
+        if method == "DELETE":  # the API gone between the refused start and the delete
+            raise typer.Exit(2)
+        return call(self, method, path, *args, **kw)
+
+    monkeypatch.setattr(Api, "call", delete_unreachable)
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(REQUEST)
+    r = CliRunner().invoke(cli, ["batch", "create", str(src), "--tier", "paid", "--url", live_server,
+                                 "--key", keys.free])
+    (left,) = _batch_files(live_server, keys.free)
+    assert r.exit_code == 1 and f"`coserve files delete {left}`" in r.stderr, r.output
