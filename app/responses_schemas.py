@@ -89,9 +89,7 @@ class ResponsesRequest(BaseModel):
         if self.background and not self.store:
             raise OpenAIError(400, "a background response is polled, so it must be stored: leave store true",
                               param="store")
-        if unknown := [i for i in self.include or () if i != LOGPROBS_INCLUDE]:
-            raise OpenAIError(400, f"include {unknown[0]!r} is not supported by this server; it includes only "
-                                   f"{LOGPROBS_INCLUDE!r}", param="include", code="unsupported_value")
+        refuse_unsupported_include(self.include)
         if isinstance(self.conversation, dict) and not isinstance(self.conversation.get("id"), str):
             raise OpenAIError(400, "conversation must be a conversation id or an object with its id",
                               param="conversation")
@@ -410,6 +408,13 @@ def own_input_items(job: Any) -> list[dict[str, Any]]:
 def stored_answer(job: Any) -> Answer:
     """A finished response job's answer, read from its stored text."""
     return read_answer(job.id, job.sampling, job.output_text or "", job.finish_reason)
+
+
+def refuse_unsupported_include(include: list[str] | None) -> None:
+    """A 400 naming ``include`` for a value this server cannot give: it includes only token logprobs."""
+    if unknown := [i for i in include or () if i != LOGPROBS_INCLUDE]:
+        raise OpenAIError(400, f"include {unknown[0]!r} is not supported by this server; it includes only "
+                               f"{LOGPROBS_INCLUDE!r}", param="include", code="unsupported_value")
 
 
 def answer_status(answer: Answer) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
@@ -13,7 +13,7 @@ from app.api.errors import openai_responses
 from app.db.models import Conversation
 from app.db.session import read_then_write
 from app.openai_schemas import OpenAIRoute
-from app.responses_schemas import item_page
+from app.responses_schemas import LOGPROBS_INCLUDE, item_page, refuse_unsupported_include
 from app.services import conversations as service
 from app.wire import Metadata
 
@@ -37,6 +37,20 @@ class ItemsCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     items: list[dict[str, Any]] = Field(min_length=1, max_length=service.MAX_ITEMS)
+
+
+def _asks_logprobs(
+        include: Annotated[list[str] | None, Query(description=f"only {LOGPROBS_INCLUDE!r}: a response's output "
+                                                               "token logprobs, where it kept them")] = None,
+        listed: Annotated[list[str] | None, Query(alias="include[]", include_in_schema=False)] = None) -> bool:
+    """Whether ``include`` asks for token logprobs (the official client sends a list as ``include[]``); a value this
+    server cannot give is a 400 naming it, as the Responses API's ``include``."""
+    asked = [*(include or ()), *(listed or ())]
+    refuse_unsupported_include(asked)
+    return LOGPROBS_INCLUDE in asked
+
+
+WithLogprobs = Annotated[bool, Depends(_asks_logprobs)]
 
 
 def _find(session, principal, conversation_id: str, lock: bool = False) -> Conversation:
@@ -82,9 +96,11 @@ def delete_conversation(conversation_id: str, principal: CurrentPrincipal, setti
 
 
 @router.post("/conversations/{conversation_id}/items", responses=openai_responses(400, 401, 404))
-def create_items(conversation_id: str, body: ItemsCreate, principal: CurrentPrincipal, settings: SettingsDep):
+def create_items(conversation_id: str, body: ItemsCreate, principal: CurrentPrincipal, settings: SettingsDep,
+                 _logprobs: WithLogprobs):
     """Adds items at the end of the conversation; answers them as a list (reasoning items are not kept: a model's
-    earlier thinking is not given back to it, so a list of only those adds nothing)."""
+    earlier thinking is not given back to it, so a list of only those adds nothing; given items have no
+    logprobs to include)."""
     items = service.new_items(body.items)
     with read_then_write(settings.sqlalchemy_url) as s:
         service.add_items(s, _find(s, principal, conversation_id, lock=True), items)
@@ -93,18 +109,19 @@ def create_items(conversation_id: str, body: ItemsCreate, principal: CurrentPrin
 
 
 @router.get("/conversations/{conversation_id}/items", responses=openai_responses(400, 401, 404))
-def list_items(conversation_id: str, session: SessionDep, principal: CurrentPrincipal,
+def list_items(conversation_id: str, session: SessionDep, principal: CurrentPrincipal, logprobs: WithLogprobs,
                limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
                after: str | None = None):
     """The conversation's items, newest first unless ``order=asc``; ``after``: an item id, the page starts past it."""
     conv = _find(session, principal, conversation_id)
-    items = [item for _, item in service.items_of(session, conv)]
+    items = [item for _, item in service.items_of(session, conv, logprobs)]
     return item_page(items, limit, order, after, f"no item {after!r} in conversation {conversation_id!r}")
 
 
-@router.get("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(401, 404))
-def get_item(conversation_id: str, item_id: str, session: SessionDep, principal: CurrentPrincipal):
-    return service.find_item(session, _find(session, principal, conversation_id), item_id)[1]
+@router.get("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(400, 401, 404))
+def get_item(conversation_id: str, item_id: str, session: SessionDep, principal: CurrentPrincipal,
+             logprobs: WithLogprobs):
+    return service.find_item(session, _find(session, principal, conversation_id), item_id, logprobs)[1]
 
 
 @router.delete("/conversations/{conversation_id}/items/{item_id}", responses=openai_responses(401, 404))

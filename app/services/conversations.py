@@ -99,17 +99,20 @@ def turn_jobs(session: Session, listed: list[ConversationEntry]) -> dict[str, Jo
     return {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(ids)))} if ids else {}
 
 
-def turn_items(job: Job | None) -> list[dict[str, Any]]:
+def turn_items(job: Job | None, logprobs: bool = False) -> list[dict[str, Any]]:
     """A response's input and output items, once it has completed (its output ``incomplete`` where
-    ``max_output_tokens`` cut it, as the response's own)."""
+    ``max_output_tokens`` cut it, as the response's own); ``logprobs``: its message's token logprobs, where the
+    response kept them (``include`` ``message.output_text.logprobs``)."""
     if job is None or job.status != JobStatus.SUCCEEDED:
         return []
     answer = stored_answer(job)
-    return own_input_items(job) + output_items(job.id, answer, status=answer_status(answer))
+    return own_input_items(job) + output_items(job.id, answer, job.output_logprobs if logprobs else None,
+                                               status=answer_status(answer))
 
 
-def items_of(session: Session, conv: Conversation) -> list[tuple[ConversationEntry, dict[str, Any]]]:
-    """The conversation's items in order, each with the entry it comes from."""
+def items_of(session: Session, conv: Conversation,
+             logprobs: bool = False) -> list[tuple[ConversationEntry, dict[str, Any]]]:
+    """The conversation's items in order, each with the entry it comes from (``logprobs``: ``turn_items``')."""
     out = []
     listed = entries(session, conv)
     jobs = turn_jobs(session, listed)
@@ -117,7 +120,7 @@ def items_of(session: Session, conv: Conversation) -> list[tuple[ConversationEnt
         if entry.item is not None:
             out.append((entry, _as_listed(entry.item)))
         else:
-            out += [(entry, item) for item in turn_items(jobs.get(entry.job_id))
+            out += [(entry, item) for item in turn_items(jobs.get(entry.job_id), logprobs)
                     if item["id"] not in (entry.deleted or ())]
     return out
 
@@ -142,9 +145,12 @@ def delete_conversation(session: Session, conv: Conversation) -> None:
     session.delete(conv)
 
 
-def find_item(session: Session, conv: Conversation, item_id: str) -> tuple[ConversationEntry, dict[str, Any]]:
-    """The conversation's item ``item_id`` and the entry it comes from (404 where there is none)."""
-    found = next(((entry, item) for entry, item in items_of(session, conv) if item["id"] == item_id), None)
+def find_item(session: Session, conv: Conversation, item_id: str,
+              logprobs: bool = False) -> tuple[ConversationEntry, dict[str, Any]]:
+    """The conversation's item ``item_id`` and the entry it comes from (404 where there is none; ``logprobs``:
+    ``turn_items``')."""
+    found = next(((entry, item) for entry, item in items_of(session, conv, logprobs) if item["id"] == item_id),
+                 None)
     if found is None:
         raise OpenAIError(404, f"no item {item_id!r} in conversation {conv.id!r}", code="item_not_found")
     return found
