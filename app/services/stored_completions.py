@@ -36,15 +36,16 @@ def kept_fields(metadata: dict[str, str] | None, choices: int,
 
 
 def sent_message(message: Any) -> dict[str, Any]:
-    """What a job's chat messages lose of a message as sent: its role (a developer's reads system) and its content
-    parts (read joined), as OpenAI's ``content_parts`` (null where the content was a string)."""
+    """What a job's chat messages lose of a message as sent: its role (a developer's reads system), its content
+    parts (read joined), as OpenAI's ``content_parts`` (null where the content was a string), and a null content (an
+    assistant's with only tool calls, read "")."""
     message = message if isinstance(message, dict) else {}
     content = message.get("content")
     parts = None
     if isinstance(content, list):
         parts = [{"type": "text", "text": part[key]} for part in content if isinstance(part, dict)
                  and (key := TEXT_PARTS.get(part.get("type"))) and isinstance(part.get(key), str)]
-    return {"role": message.get("role"), "content_parts": parts}
+    return {"role": message.get("role"), "content_parts": parts, **({"content": None} if content is None else {})}
 
 
 def completion_id(job: Job) -> str:

@@ -110,3 +110,14 @@ def test_a_stored_completions_messages_are_listed_as_they_were_sent(oai):
     assert [m.role for m in listed] == ["developer", "user"]
     assert [m.content_parts for m in listed] == [None, [ChatCompletionContentPartText(**p) for p in parts]]
     assert listed[1].content == "Weather\ntoday?"  # the text the model read
+
+
+def test_an_assistant_message_sent_with_tool_calls_and_null_content_is_listed_with_null_content(oai):
+    """It was listed with content "" (the text the model read); OpenAI lists it as sent: null."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    sent = oai.chat.completions.create(messages=[
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}], max_tokens=1, store=True, **GREEDY)
+    user, assistant, tool = oai.chat.completions.messages.list(sent.id, order="asc").data
+    assert assistant.content is None and assistant.tool_calls[0].id == "call_1", assistant
+    assert (user.content, tool.content) == ("Weather in Paris?", "Sunny")
