@@ -115,13 +115,31 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "; ".join(parts), param
 
 
+# OpenAI's codes for a value past a limit, as its API answers them (17 metadata pairs: object_above_max_properties,
+# a 513-character metadata value: string_above_max_length); any other invalid value is invalid_value
+_LIMIT_CODES = {"string_too_long": "string_above_max_length", "too_long": "array_above_max_length"}
+
+
+def validation_code(errors: list[dict[str, Any]]) -> str:
+    """OpenAI's ``code`` for pydantic's ``errors`` (their first's): the same on every route, whichever parses."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "too_long" and (first.get("ctx") or {}).get("field_type") == "Dictionary":
+        return "object_above_max_properties"
+    return _LIMIT_CODES.get(first.get("type"), "invalid_value")
+
+
+def invalid_request(errors: list[dict[str, Any]]) -> OpenAIError:
+    """The 400 for pydantic's ``errors``: ``validation_message``'s message and field, ``validation_code``'s code."""
+    message, param = validation_message(errors)
+    return OpenAIError(400, message, param=param, code=validation_code(errors))
+
+
 def openai_parsed(model: type[BaseModel], body: Any) -> Any:
     """``body`` validated as ``model``; a 400 in OpenAI's shape that names the field where it is not."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        message, param = validation_message(list(exc.errors()))
-        raise OpenAIError(400, message, param=param) from exc
+        raise invalid_request(list(exc.errors())) from exc
 
 
 class OpenAIRoute(CheckedRoute):
@@ -144,8 +162,7 @@ class OpenAIRoute(CheckedRoute):
             except OpenAIError as exc:
                 return self.error_to(request, exc)
             except RequestValidationError as exc:
-                message, param = validation_message(validation_errors(exc))
-                return self.error_to(request, OpenAIError(400, message, param=param, code="invalid_value"))
+                return self.error_to(request, invalid_request(validation_errors(exc)))
             except HTTPException as exc:  # Starlette's: FastAPI raises it too (a body it cannot read)
                 return self.error_to(request, OpenAIError(exc.status_code, str(exc.detail), type=None,
                                                           headers=dict(exc.headers or {})))
@@ -465,8 +482,9 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
             return JobCreate(kind="interactive", ttft_ms=self.ttft_ms, tbt_ms=self.tbt_ms, tbt_anchor=self.tbt_anchor,
                              **common)
         except ValidationError as exc:
-            message, param = validation_message(list(exc.errors()))
-            raise OpenAIError(400, message, param=openai_param(param)) from exc
+            errors = list(exc.errors())
+            message, param = validation_message(errors)
+            raise OpenAIError(400, message, param=openai_param(param), code=validation_code(errors)) from exc
 
 
 def choice_specs(spec: JobCreate, n: int | None) -> list[JobCreate]:
@@ -652,9 +670,7 @@ class ChatCompletionRequest(_Base):
                                        reasoning=m.get("reasoning") if role == "assistant" else None))
             except ValidationError as exc:
                 # name the field that failed (the role, the content or both), not always the role
-                message, param = validation_message(
-                    [{**e, "loc": (at, i, *e["loc"])} for e in exc.errors()])
-                raise OpenAIError(400, message, param=param) from exc
+                raise invalid_request([{**e, "loc": (at, i, *e["loc"])} for e in exc.errors()]) from exc
         return out
 
 
@@ -724,8 +740,7 @@ def chat_job(body: dict[str, Any], tiers: tuple[str, ...], in_terms: Callable[[O
             chat.tools = []
         return chat, chat.job_spec(messages=chat.chat_messages(), tiers=tiers, batch_window_s=batch_window_s)
     except ValidationError as exc:
-        message, param = validation_message(list(exc.errors()))
-        raise in_terms(OpenAIError(400, message, param=param)) from exc
+        raise in_terms(invalid_request(list(exc.errors()))) from exc
     except OpenAIError as exc:
         raise in_terms(exc) from exc
 

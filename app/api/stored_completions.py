@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.api.errors import openai_responses
 from app.db.session import read_then_write
-from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.openai_schemas import OpenAIError, OpenAIRoute, validation_code
 from app.services import stored_completions as service
 from app.wire import Metadata
 
@@ -35,7 +35,8 @@ def _metadata_filter(request: Request) -> dict[str, str]:
     try:
         return _METADATA.validate_python(pairs)
     except ValidationError as exc:
-        raise OpenAIError(400, f"metadata filters: {exc.errors()[0]['msg']}", param="metadata") from exc
+        raise OpenAIError(400, f"metadata filters: {exc.errors()[0]['msg']}", param="metadata",
+                          code=validation_code(list(exc.errors()))) from exc
 
 
 @router.get("/chat/completions", responses=openai_responses(400, 401))

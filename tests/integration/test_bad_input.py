@@ -705,3 +705,30 @@ def test_a_file_sent_as_a_text_field_is_a_400_that_says_to_send_a_file_part(clie
     assert error["param"] == "file" and "UploadFile" not in error["message"], error
     assert "filename" in error["message"] and "-F file=@" in error["message"], error
     assert oai.files.list().data == []
+
+
+WIDE = {f"k{i}": "v" for i in range(17)}
+LONG = {"k": "v" * 513}
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "store": True}),
+    ("POST", "/v1/responses", {"model": "tiny", "input": "x"}),
+    ("POST", "/v1/conversations", {}),
+    ("POST", "/v1/conversations/conv_nope", {}),
+    ("POST", "/v1/chat/completions/chatcmpl-nope", {}),
+])
+def test_metadata_past_openais_limits_has_openais_code_on_every_route(client, keys, method, path, body):
+    """Metadata past its limits was code null on chat and Responses create and invalid_value on updates and
+    conversations; every route gives OpenAI's codes now (its API's answers to 17 pairs and to a 513-character
+    value)."""
+    for metadata, param, code in ((WIDE, "metadata", "object_above_max_properties"),
+                                  (LONG, "metadata.k", "string_above_max_length")):
+        r = client.request(method, path, headers=H(keys.paid), json={**body, "metadata": metadata})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text
+
+
+def test_a_metadata_filter_past_openais_limits_has_openais_code(client, keys):
+    r = client.get("/v1/chat/completions", headers=H(keys.paid), params={f"metadata[{k}]": v for k, v in WIDE.items()})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "object_above_max_properties", r.text
