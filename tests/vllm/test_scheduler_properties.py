@@ -147,18 +147,24 @@ def kv_pressure(draw) -> list:  # noqa: ANN001
     return evs
 
 
+def short_answers(prompts: list[int]) -> list:
+    """Events: one-token answers of LAX's app, one a step, then a step that brings the last one in where it is
+    still in flight (async scheduling): the app's history holds them all before what comes next."""
+    return [ev for prompt in prompts for ev in (("add", Job(prompt, 1, LAX, 0.0)), ("step", 0.0))] + [("step", 0.0)]
+
+
 @st.composite
 def mass_preemption(draw) -> list:  # noqa: ANN001
-    """As ``kv_pressure``, but 4-7 prompts of about one length come together and decode side by side, each block
-    filling in the same step: at a block's end each needs one more, and the blocks one preempted request frees do
-    not hold the rest, so the policy (or vLLM) preempts two or more in one pass; under async scheduling with their
-    outputs still in flight (``Mirror.recompute_late_outputs``, ``stale``)."""
-    evs = []
-    for prompt in draw(st.lists(st.integers(1, 16), min_size=3, max_size=3)):
-        evs += [("add", Job(prompt, 1, LAX, 0.0)), ("step", 0.0)]
+    """As ``kv_pressure``, but 4-7 prompts of one length (or about one) come together and decode side by side, each
+    block filling in the same step: at a block's end each needs one more, and the blocks one preempted request frees
+    do not hold the rest, so the policy (or vLLM) preempts two or more in one pass (three or more where 6-7 one-block
+    prompts fill an 8-block pool: each release gives one block); under async scheduling with their outputs still in
+    flight (``Mirror.recompute_late_outputs``, ``stale``). The short answers are all in before the prompts come (under
+    async scheduling too), so the policy admits the prompts side by side, not one at a time for want of history."""
+    evs = short_answers(draw(st.lists(st.integers(1, 16), min_size=3, max_size=3)))
     tiers = st.sampled_from([LAX, {**LAX, "tier": "paid"}, {**LAX, "ttft_ms": 500, "tbt_ms": 100}])
-    length = draw(st.integers(8, 40))
-    for job in draw(st.lists(st.builds(Job, st.integers(length, length + 2), st.integers(30, 40), tiers,
+    length, spread = draw(st.integers(8, 40)), draw(st.sampled_from([0, 2]))
+    for job in draw(st.lists(st.builds(Job, st.integers(length, length + spread), st.integers(30, 40), tiers,
                                        st.just(0.0)), min_size=4, max_size=7)):
         evs.append(("add", job))
     evs += [("step", 0.02)] * draw(st.integers(0, 3))
@@ -790,7 +796,8 @@ def test_under_kv_pressure_preempted_requests_resume_and_finish_whole(make_sched
 
 @pytest.mark.parametrize("policy", POLICIES)
 @PROPS
-@given(engine=st.builds(Engine, st.sampled_from([16, 24]), st.sampled_from([128, 512]), st.integers(7, 8),
+# an 8-block pool (7 and the null block) holds the longest job alone: 42 + 40 tokens, 6 blocks
+@given(engine=st.builds(Engine, st.sampled_from([8, 16, 24]), st.sampled_from([128, 512]), st.integers(7, 8),
                         async_scheduling=st.sampled_from([True, True, False])), evs=mass_preemption())
 def test_two_requests_preempted_in_one_pass_resume_and_finish_whole(make_scheduler, policy, engine, evs):
     # QoServe 3.4 / vLLM's recompute preemption, several at once: each preempted request (its output in flight or
@@ -799,6 +806,22 @@ def test_two_requests_preempted_in_one_pass_resume_and_finish_whole(make_schedul
     d = _drive(make_scheduler, policy, engine, evs)
     target(float(d.most_preempted), label="preempted in one step")  # the search heads for more at once
     assert d.preempted <= d.finished
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seven_one_block_prompts_filling_the_pool_preempt_three_or_more_in_one_pass(make_scheduler, policy,
+                                                                                    async_scheduling):
+    """The mass-preemption strategy's far end, pinned: seven 16-token prompts of an app that answers short, one
+    block each, fill the 7-block pool; their first decodes each need a second block and each release frees one, so
+    one pass preempts three or more (the search of the strategy before it reached two at most). Each resumes,
+    recomputes and streams its 40 tokens once, every step's invariants holding."""
+    evs = short_answers([4, 8, 12]) + [("add", Job(16, 40, LAX, 0.0))] * 7
+    d = _drive(make_scheduler, policy, Engine(blocks=8, max_batched=128, max_seqs=8,
+                                              async_scheduling=async_scheduling), evs)
+    assert d.most_preempted >= 3, (d.most_preempted, d.trace)
+    assert d.preempted <= d.finished == set(d.ids)
+    assert [d.streamed[rid] for rid in d.ids[3:]] == [40] * 7, d.streamed
 
 
 @pytest.mark.parametrize("policy", POLICIES)
