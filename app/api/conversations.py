@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, WithLogprobs
 from app.api.errors import openai_responses
 from app.db.models import Conversation
 from app.db.session import read_then_write
 from app.openai_schemas import OpenAIRoute
-from app.responses_schemas import LOGPROBS_INCLUDE, item_page, refuse_unsupported_include
+from app.responses_schemas import item_page
 from app.services import conversations as service
 from app.wire import Metadata
 
@@ -37,20 +37,6 @@ class ItemsCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     items: list[dict[str, Any]] = Field(min_length=1, max_length=service.MAX_ITEMS)
-
-
-def _asks_logprobs(
-        include: Annotated[list[str] | None, Query(description=f"only {LOGPROBS_INCLUDE!r}: a response's output "
-                                                               "token logprobs, where it kept them")] = None,
-        listed: Annotated[list[str] | None, Query(alias="include[]", include_in_schema=False)] = None) -> bool:
-    """Whether ``include`` asks for token logprobs (the official client sends a list as ``include[]``); a value this
-    server cannot give is a 400 naming it, as the Responses API's ``include``."""
-    asked = [*(include or ()), *(listed or ())]
-    refuse_unsupported_include(asked)
-    return LOGPROBS_INCLUDE in asked
-
-
-WithLogprobs = Annotated[bool, Depends(_asks_logprobs)]
 
 
 def _find(session, principal, conversation_id: str, lock: bool = False) -> Conversation:

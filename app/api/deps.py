@@ -8,13 +8,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Annotated, TypeVar
 
-from fastapi import Depends, Header, HTTPException, Request, status
+from fastapi import Depends, Header, HTTPException, Query, Request, status
 from sqlalchemy.orm import Session
 
 from fastapi.concurrency import run_in_threadpool
 
 from app.auth import _MISS, KeyCache, Principal, lookup
 from app.db.session import DATABASE_UNAVAILABLE, get_sessionmaker
+from app.responses_schemas import LOGPROBS_INCLUDE, refuse_unsupported_include
 from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
 
@@ -140,3 +141,18 @@ async def require_metrics_reader(request: Request, authorization: Annotated[str 
 
 
 MetricsReader = Depends(require_metrics_reader)
+
+
+def asks_logprobs(
+        include: Annotated[list[str] | None, Query(description=f"only {LOGPROBS_INCLUDE!r}: a response's output "
+                                                               "token logprobs, where it kept them")] = None,
+        listed: Annotated[list[str] | None, Query(alias="include[]", include_in_schema=False)] = None) -> bool:
+    """Whether a retrieval's ``include`` asks for a response's token logprobs (OpenAI's include adds what it names,
+    on each read; the official client sends a list as ``include[]``); a value this server cannot give is a 400
+    naming it, as at create."""
+    asked = [*(include or ()), *(listed or ())]
+    refuse_unsupported_include(asked)
+    return LOGPROBS_INCLUDE in asked
+
+
+WithLogprobs = Annotated[bool, Depends(asks_logprobs)]

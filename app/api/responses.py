@@ -20,7 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, WithLogprobs, rate_limiter
 from app.api.errors import openai_responses
 from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, read_body,
                                    submit_openai_job)
@@ -28,9 +28,9 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus, new_id
 from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (InputTokensRequest, ResponsesRequest, call_item, chat_call, history_of,
-                                   in_responses_terms, item_page, job_id_of, message_item, own_input_items,
-                                   reasoning_item, response_body, stored_answer, token_logprobs)
+from app.responses_schemas import (LOGPROBS_INCLUDE, InputTokensRequest, ResponsesRequest, call_item, chat_call,
+                                   history_of, in_responses_terms, item_page, job_id_of, message_item,
+                                   own_input_items, reasoning_item, response_body, stored_answer, token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
 from app.services.answer_events import (KEEPALIVE_COMMENT, Failed, Finished, Held, Interrupted, Piece,
@@ -110,7 +110,9 @@ def _error(status: str, error: str | None, code: str | None) -> dict[str, Any]:
     return {"code": err.code or err.type, "message": err.message}
 
 
-def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
+def _retrieved(job: Job, settings: Settings, logprobs: bool = False) -> dict[str, Any]:
+    """The stored response as retrieved; ``logprobs``: with the token logprobs it kept, where the retrieval's
+    ``include`` asks (OpenAI's include adds what it names on each read, not once for good at create)."""
     kept = job.response or {}
     # a cancelled response is no error (OpenAI's error is null there: its status says it was cancelled)
     ended = job.status in (JobStatus.FAILED, JobStatus.EXPIRED)
@@ -118,23 +120,26 @@ def _retrieved(job: Job, settings: Settings) -> dict[str, Any]:
     # succeeded, or cancelled while it ran: the output produced (so far), and its usage (billed, as OpenAI bills it)
     if job.status == JobStatus.SUCCEEDED or (job.status == JobStatus.CANCELLED and job.completion_tokens is not None):
         return response_body(job, kept, settings.tiers, answer=stored_answer(job), prompt_tokens=job.prompt_tokens,
-                             completion_tokens=job.completion_tokens, logprobs=job.output_logprobs,
+                             completion_tokens=job.completion_tokens,
+                             logprobs=job.output_logprobs if logprobs else None,
                              cached_tokens=job.cached_tokens, reasoning_tokens=job.reasoning_tokens, error=error,
                              cache_write_tokens=job.cache_write_tokens)
     return response_body(job, kept, settings.tiers, error=error)
 
 
-async def _events(settings: Settings, job: Job, kept: dict[str, Any]) -> AsyncIterator[Event]:
+async def _events(settings: Settings, job: Job, kept: dict[str, Any], asked_logprobs: bool) -> AsyncIterator[Event]:
     """The job as the Responses API's typed events, without their sequence numbers: created, the output items'
     text and call arguments as they come, then completed (or incomplete, failed; an ``error`` event where the
-    stream broke). The same job's events are the same events every time its stream is read."""
+    stream broke). The same job's events are the same events every time its stream is read (their token logprobs
+    where the reader's ``include`` asks, ``asked_logprobs``, and the job computed them)."""
     items: list[dict[str, Any]] = []  # the output items opened, in order (reasoning, a message, function calls)
     thought: dict[str, Any] | None = None  # the reasoning item while it is open
     thinking = ""  # its text so far
     message: dict[str, Any] | None = None  # the message item while it is open
     text = ""  # its text so far
     calls: dict[int, dict[str, Any]] = {}  # the call items by the call's index
-    logprobs: list[dict[str, Any]] | None = [] if (job.sampling or {}).get("logprobs") is not None else None
+    computed = (job.sampling or {}).get("logprobs") is not None
+    logprobs: list[dict[str, Any]] | None = [] if asked_logprobs and computed else None
     pending = 0  # of them, those not yet sent with a text delta
     generated = 0  # output tokens so far
 
@@ -322,7 +327,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
     job = submitted.job
     headers = {"x-coserve-job-id": job.id, **submitted.rate_headers()}
     if chat.stream:
-        events = kept_alive(_numbered(_events(settings, job, kept)), KEEPALIVE_COMMENT)
+        asked = LOGPROBS_INCLUDE in (body.include or ())
+        events = kept_alive(_numbered(_events(settings, job, kept, asked)), KEEPALIVE_COMMENT)
         if not body.background:  # a background response runs on when its client hangs up (GET resumes it)
             events = abandoned_on_hangup(settings, [job], events)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers | _STREAM_HEADERS)
@@ -395,28 +401,31 @@ def _input_tokens(settings: Settings, spec, input_from: int, truncation: str | N
 
 @router.get("/responses/{response_id}", responses=_ANSWERS_GET)
 async def get_response(response_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-                       stream: bool = False, starting_after: Annotated[int | None, Query(ge=0)] = None):
+                       logprobs: WithLogprobs, stream: bool = False,
+                       starting_after: Annotated[int | None, Query(ge=0)] = None):
     """A stored response: its output once the job is done, its status meanwhile; with ``stream``, its events
     from the start (those after the event numbered ``starting_after``), live while it runs. A response's
-    events can be read again until an hour after it ended (the job's stream expires then)."""
+    events can be read again until an hour after it ended (the job's stream expires then). Its token logprobs
+    (those it kept, asked for at create) only where ``include`` asks again."""
     job = await run_in_threadpool(_stored, session, principal, response_id)
     if not stream:
-        return _retrieved(job, settings)
+        return _retrieved(job, settings, logprobs)
     if starting_after is not None and JobStatus(job.status).terminal and await stream_expired(settings, job.id):
         raise OpenAIError(400, f"the events of response {response_id!r} have expired (they are kept for an hour "
                                "after it ends): read it without stream, or stream it again from the start",
                           param="starting_after")
-    return StreamingResponse(kept_alive(_numbered(_events(settings, job, job.response or {}), starting_after),
-                                        KEEPALIVE_COMMENT),
+    return StreamingResponse(kept_alive(_numbered(_events(settings, job, job.response or {}, logprobs),
+                                                  starting_after), KEEPALIVE_COMMENT),
                              media_type="text/event-stream", headers={"x-coserve-job-id": job.id} | _STREAM_HEADERS)
 
 
 @router.get("/responses/{response_id}/input_items", responses=openai_responses(400, 401, 404))
-def list_input_items(response_id: str, session: SessionDep, principal: CurrentPrincipal,
+def list_input_items(response_id: str, session: SessionDep, principal: CurrentPrincipal, _logprobs: WithLogprobs,
                      limit: Annotated[int, Query(ge=1, le=100)] = 20,
                      order: Literal["asc", "desc"] = "desc", after: str | None = None):
     """The response's input (not the conversation it continued, nor its instructions) as items, newest first
-    unless ``order=asc``; ``after``: an item id, the page starts past it."""
+    unless ``order=asc``; ``after``: an item id, the page starts past it (``include``: as GET's, checked; given
+    items have no logprobs to include)."""
     job = _stored(session, principal, response_id)
     return item_page(own_input_items(job), limit, order, after, f"no input item {after!r} in response {response_id!r}")
 

@@ -31,7 +31,8 @@ def events(monkeypatch, starting_after: int | None = None, items: list | None = 
 
     async def run():
         settings = SimpleNamespace(tiers=DEFAULT_TIERS)
-        return [chunk async for chunk in module._numbered(module._events(settings, JOB, {}), starting_after)]
+        typed = module._events(settings, JOB, {}, asked_logprobs=False)
+        return [chunk async for chunk in module._numbered(typed, starting_after)]
 
     monkeypatch.setattr(module, "answer_events", answer_events)
     out = []
