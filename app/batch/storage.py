@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
