@@ -183,7 +183,7 @@ class JobCreate(BaseModel):
     deadline_window_s: float | None = Field(None, gt=0, le=MAX_WINDOW_S, description="batch: seconds from now")
     # sampling
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    temperature: float = Field(0.0, ge=0, le=10)
+    temperature: float = Field(0.0, ge=0, le=2, description="0: greedy; at most 2 (OpenAI's and vLLM's range)")
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[Text] = Field(default_factory=list, max_length=16)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description=(
@@ -285,6 +285,13 @@ class JobCreate(BaseModel):
             if not _all_finite(item):
                 raise ValueError(f"[{key!r}] holds a number that is not finite")
         return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, stops: list[str]) -> list[str]:
+        if any(not s for s in stops):  # vLLM's SamplingParams refuses one (an empty string would end every text)
+            raise ValueError("stop sequences must not be empty")
+        return stops
 
     @field_validator("prompt", "messages")
     @classmethod

@@ -27,7 +27,7 @@ from app.db import pagination
 from app.db.models import STAGED, Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import write_after_read, write_guard
 from app.reasoning import CLOSE, OPEN
-from app.schemas import MAX_WINDOW_S, JobCreate
+from app.schemas import MAX_BAD_WORDS, MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
 from app.services.job_writer import JobWriter
@@ -222,6 +222,8 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
         check_token_ids(settings.model, spec.stop_token_ids, "stop_token_ids")
     if spec.allowed_token_ids:
         check_token_ids(settings.model, spec.allowed_token_ids, "allowed_token_ids")
+    if spec.bad_words:
+        bad_word_sequences(settings.model, spec.bad_words)
     prompt = (spec.prompt if spec.prompt_token_ids is None
               else storable(token_prompt_text(settings.model, spec.prompt_token_ids)))  # ids may decode to a NUL
     now = utcnow()
@@ -315,6 +317,28 @@ def check_token_ids(model: str, ids: list[int], param: str) -> None:
     if bad := [i for i in ids if not 0 <= i < bound][:3]:
         raise JobValidationError(f"{param} token ids must be in [0, {bound}) for this model; got {bad}",
                                  param=param)
+
+
+def bad_word_sequences(model: str, words: list[str]) -> list[list[int]]:
+    """The token sequences vLLM forbids for ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word (its
+    leading whitespace dropped) as written, and with a leading space where that is another token of the same length;
+    raises ``JobValidationError`` where a word tokenizes to nothing, or where there are more sequences than vLLM
+    takes (VLLM_MAX_NUM_BAD_WORDS, 128 by default), as vLLM's server refuses them before it takes the request."""
+    tokenizer, sequences = get_tokenizer(model), []
+    for word in dict.fromkeys(words):
+        ids = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not ids:
+            raise JobValidationError(f"bad_words entry {word!r} is empty or only whitespace: it tokenizes to no "
+                                     "token, so it forbids nothing; leave it out", param="bad_words")
+        sequences.append(ids)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORDS:
+        raise JobValidationError(f"bad_words make {len(sequences)} token sequences (each word as written, and after "
+                                 f"a space where that is another token), more than the {MAX_BAD_WORDS} vLLM takes; "
+                                 "give fewer words", param="bad_words")
+    return sequences
 
 
 def token_prompt_text(model: str, ids: list[int]) -> str:

@@ -107,6 +107,28 @@ def test_bad_input_is_a_4xx_naming_the_field_and_commits_nothing(client, keys, s
     assert client.get("/v1/jobs", headers=H(keys.paid)).status_code == 200  # and the list still renders
 
 
+# more words than vLLM's VLLM_MAX_NUM_BAD_WORDS (128) token sequences: each with and without a leading space
+MANY_BAD_WORDS = json.dumps([f"word{i}" for i in range(70)])
+
+
+@pytest.mark.parametrize("path, raw, status, field, fragment", [
+    ("/v1/completions", '{"prompt": "hi", "bad_words": [""]}', 400, "bad_words", "empty or only whitespace"),
+    ("/v1/chat/completions", '{%s, "bad_words": ["red", "  "]}' % CHAT, 400, "bad_words", "empty or only whitespace"),
+    ("/v1/completions", '{"prompt": "hi", "bad_words": %s}' % MANY_BAD_WORDS, 400, "bad_words", "more than the 128"),
+    ("/v1/jobs", '{"prompt": "hi", "bad_words": [" "]}', 422, "bad_words", "empty or only whitespace"),
+    ("/v1/jobs", '{"prompt": "hi", "bad_words": %s}' % MANY_BAD_WORDS, 422, "bad_words", "more than the 128"),
+    ("/v1/jobs", '{"prompt": "hi", "stop": ["end", ""]}', 422, "stop", "must not be empty"),
+    ("/v1/jobs", '{"prompt": "hi", "temperature": 3}', 422, "temperature", "less than or equal to 2"),
+])
+def test_what_vllms_sampling_params_refuse_is_refused_at_submit_naming_the_field(client, keys, settings, path, raw,
+                                                                                  status, field, fragment):
+    """vLLM's SamplingParams refuses these (its server a 400 naming the field, before it takes the request); coserve
+    took them and its worker failed the job: 'the engine refused the request: ...', param null."""
+    settings.backend = "vllm"  # whose engine applies bad_words
+    test_bad_input_is_a_4xx_naming_the_field_and_commits_nothing(client, keys, settings, path, raw, status, field,
+                                                                 fragment)
+
+
 def test_chat_content_of_the_wrong_type_blames_content_not_role(client, keys):
     r = post_raw(client, keys.paid, "/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}')
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
