@@ -626,6 +626,13 @@ class ChatCompletionRequest(_Base):
             return None
         return self.top_logprobs or 0
 
+    def with_echo_prompt_logprobs(self, spec: JobCreate, engine_backend: str | None) -> JobCreate:
+        """``spec`` asking for the prompt's logprobs ``echo`` asks for (``echo_prompt_logprobs``) where the engine is
+        vLLM's (``Settings.engine_backend``): the own engine reports none."""
+        if (asked := self.echo_prompt_logprobs()) is None or engine_backend != "vllm":
+            return spec
+        return spec.model_copy(update={"prompt_logprobs": asked})
+
     def logprob_count(self) -> int | None:
         """Alternatives per token to report (``top_logprobs``) where ``logprobs`` is true, else None."""
         if self.logprobs is not None and not isinstance(self.logprobs, bool):

@@ -315,10 +315,8 @@ def _job_specs(body: ChatCompletionRequest | CompletionRequest, chat: bool, sett
     does (``echo_prompt_logprobs``), where the server runs vLLM: the own engine reports none."""
     if not chat:
         return [body.job_spec(**prompt, tiers=settings.tiers) for prompt in body.prompt_inputs()]
-    spec = body.job_spec(messages=body.chat_messages(), tiers=settings.tiers)
-    if (asked := body.echo_prompt_logprobs()) is not None and settings.engine_backend == "vllm":
-        spec = spec.model_copy(update={"prompt_logprobs": asked})
-    return [spec]
+    return [body.with_echo_prompt_logprobs(body.job_spec(messages=body.chat_messages(), tiers=settings.tiers),
+                                           settings.engine_backend)]
 
 
 def _with_qos_defaults(settings: Settings, endpoint: str, specs: list) -> list:

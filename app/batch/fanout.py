@@ -100,7 +100,8 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
         if refused := (batch_lines.file_refusal(handle) if handle is not None else None):
             _fail_validation(url, batch_id, [refused], 0)
             return
-        lines = (batch_lines.parse_lines(handle, endpoint, window_s, settings.tiers, settings.model)
+        lines = (batch_lines.parse_lines(handle, endpoint, window_s, settings.tiers, settings.model,
+                                         settings.engine_backend)
                  if handle is not None else heapq.merge(parsed.valid, parsed.invalid, key=lambda line: line.line_no))
         principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
         # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)

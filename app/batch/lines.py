@@ -66,7 +66,9 @@ class ParsedFile:
 
 
 def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
-               model: str | None = None) -> ValidLine | InvalidLine:
+               model: str | None = None, engine_backend: str | None = None) -> ValidLine | InvalidLine:
+    """One line of a batch's file as its jobs, or why it is refused; ``engine_backend``: what the workers run
+    (``Settings.engine_backend``: a chat line's echo asks for the prompt's logprobs on vLLM's, as online)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -118,7 +120,8 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: t
             req, spec = req.chat_request(body, [], tiers, batch_window_s=window_s)
         n = getattr(req, "n", None) or 1  # a Responses line answers one output
         if endpoint == "/v1/chat/completions":
-            specs = choice_specs(req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers), n)
+            spec = req.job_spec(messages=req.chat_messages(), batch_window_s=window_s, tiers=tiers)
+            specs = choice_specs(req.with_echo_prompt_logprobs(spec, engine_backend), n)
         elif endpoint == "/v1/completions":
             specs = [choice for prompt in req.prompt_inputs()
                      for choice in choice_specs(req.job_spec(**prompt, batch_window_s=window_s, tiers=tiers), n)]
@@ -165,14 +168,14 @@ def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] 
 
 
 def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
-               model: str | None = None) -> ParsedFile:
+               model: str | None = None, engine_backend: str | None = None) -> ParsedFile:
     """Every line of ``content`` parsed, held together (the fan-out reads a file a line at a time: ``parse_lines``)."""
     out = ParsedFile()
     handle = BytesIO(content)
     if (refused := file_refusal(handle)) is not None:
         out.file_errors.append(refused)
         return out
-    for parsed in parse_lines(handle, endpoint, window_s, tiers, model):
+    for parsed in parse_lines(handle, endpoint, window_s, tiers, model, engine_backend):
         (out.valid if isinstance(parsed, ValidLine) else out.invalid).append(parsed)
     out.file_errors += duplicate_errors((line.custom_id, line.line_no)
                                         for line in sorted(out.valid + out.invalid, key=lambda line: line.line_no))
@@ -207,10 +210,10 @@ def numbered_lines(handle: BinaryIO) -> Iterator[tuple[int, str]]:
 
 
 def parse_lines(handle: BinaryIO, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
-                model: str | None = None) -> Iterator[ValidLine | InvalidLine]:
+                model: str | None = None, engine_backend: str | None = None) -> Iterator[ValidLine | InvalidLine]:
     """Each line of a file ``file_refusal`` passed, parsed in turn (``parse_line``): none is held after it."""
     for line_no, text in numbered_lines(handle):
-        yield parse_line(line_no, text, endpoint, window_s, tiers, model)
+        yield parse_line(line_no, text, endpoint, window_s, tiers, model, engine_backend)
 
 
 def duplicate_errors(custom_ids: Iterable[tuple[str | None, int]]) -> list[dict[str, Any]]:

@@ -106,3 +106,31 @@ def test_a_lines_prompt_counts_in_the_batch_usage_where_only_a_later_choice_ran(
     usage = client.get(f"/v1/batches/{batch_id}", headers=auth).json()["usage"]
     assert (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"], usage["output_tokens"],
             usage["total_tokens"]) == (prompt_tokens, 2, 1, prompt_tokens + 1)
+
+
+def test_a_chat_lines_echo_asks_for_the_prompts_logprobs_on_vllm_as_online(client, keys, settings):
+    """vLLM's run_batch answers a chat line's echo with the prompt's logprobs (top_logprobs alternatives, 0 unset), as
+    the online chat route does since 4463d7a; a line's job asked for none (prompt_logprobs: null in its answer)."""
+    settings.backend = "vllm"  # the own engine reports no prompt logprobs: online and in a batch, none asked there
+    auth = Keys.header(keys.paid)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"}]
+    bodies = {"echo": {"echo": True}, "top": {"echo": True, "logprobs": True, "top_logprobs": 2}, "plain": {}}
+    text = "\n".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"messages": messages, "max_tokens": 2, **extra}})
+                     for cid, extra in bodies.items())
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "completion_window": "1h",
+                                                              "endpoint": "/v1/chat/completions"}).json()["id"]
+    with session_scope(settings.sqlalchemy_url) as s:
+        jobs = {job.custom_id: (job.id, job.sampling["prompt_logprobs"])
+                for job in s.scalars(select(Job).where(Job.batch_id == batch_id))}
+    assert {cid: asked for cid, (_, asked) in jobs.items()} == {"echo": 0, "top": 2, "plain": None}
+    steps = [{"token": "Name", "logprob": None, "top": [], "id": 5, "rank": None, "top_ids": []},  # as a worker keeps
+             {"token": " a", "logprob": -1.5, "top": [[" a", -1.5]], "id": 42, "rank": 1, "top_ids": [42]}]
+    _end(settings, [jobs["echo"][0]], "succeeded", prompt_logprobs=steps)
+    _end(settings, [jobs["top"][0], jobs["plain"][0]], "succeeded")
+    batch = client.get(f"/v1/batches/{batch_id}", headers=auth).json()
+    out = {r["custom_id"]: r["response"]["body"] for r in map(
+        json.loads, client.get(f"/v1/files/{batch['output_file_id']}/content", headers=auth).text.splitlines())}
+    assert out["echo"]["prompt_logprobs"] == [None, {"42": {"logprob": -1.5, "rank": 1, "decoded_token": " a"}}], out
+    assert out["plain"]["prompt_logprobs"] is None, out
