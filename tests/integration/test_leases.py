@@ -528,13 +528,9 @@ def test_a_message_a_killed_worker_took_off_its_own_queue_is_sent_again_once_it_
     model's queue and drops the unacked copy (it waited for the lost-message rule, ``max(30, 5 x lease)`` s)."""
     import subprocess
     import sys
-    from datetime import timedelta
-
-    from sqlalchemy import update
 
     from app.db.models import WorkerState
     from app.services.routing import WORKER_QUEUES, worker_queue
-    from app.services.transitions import utcnow
 
     url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
     r.sadd(WORKER_QUEUES, worker_queue("w9"))
@@ -545,16 +541,7 @@ def test_a_message_a_killed_worker_took_off_its_own_queue_is_sent_again_once_it_
     assert r.llen(worker_queue("w9")) == 1
     subprocess.run([sys.executable, "-c", _TAKE_AND_DIE, settings.redis_url, worker_queue("w9")], check=False)
     assert (r.llen(worker_queue("w9")), r.hlen("unacked")) == (0, 1)
-    with session_scope(url) as s:
-        s.execute(update(WorkerState).where(WorkerState.id == "w9")
-                  .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
-    with session_scope(url) as s:
-        result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30)
-    assert (result.rerouted, r.hlen("unacked"), r.zcard("unacked_index")) == (1, 0, 0)
-    assert job_id.encode() in r.lindex("coserve.tiny", -1)  # the next taken
-    with session_scope(url) as s:
-        assert s.get(Job, job_id).status == "dispatched"
-        assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30).rerouted == 0
+    _sent_again_once_lost(settings, "w9", job_id)
 
 
 _CONSUME_AND_DIE = """
@@ -582,10 +569,8 @@ def test_a_message_a_killed_worker_took_off_its_models_queue_is_sent_again_once_
     (it waited for the lost-message rule, ``max(30, 5 x lease)`` s)."""
     import subprocess
     import sys
-    from datetime import timedelta
 
     from app.db.models import WorkerState
-    from app.services.transitions import utcnow
 
     url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
     job_id = _job(settings, keys, dispatch=True)
@@ -600,8 +585,24 @@ def test_a_message_a_killed_worker_took_off_its_models_queue_is_sent_again_once_
     with session_scope(url) as s:
         result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30)
     assert result.rerouted == 0  # live: its message is its own
+    _sent_again_once_lost(settings, "w8", job_id)
+    assert r.llen("coserve.tiny") == 1
+
+
+def _sent_again_once_lost(settings, worker_id: str, job_id: str) -> None:
+    """``worker_id``'s heartbeat a minute old: the sweep that finds it lost takes back the message it held (kombu's
+    unacked entry and its index gone) and sends its job, still dispatched, to the head of the model's queue, once."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from app.db.models import WorkerState
+    from app.services.transitions import utcnow
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
     with session_scope(url) as s:
-        s.get(WorkerState, "w8").heartbeat_at = utcnow() - timedelta(seconds=60)
+        s.execute(update(WorkerState).where(WorkerState.id == worker_id)
+                  .values(heartbeat_at=utcnow() - timedelta(seconds=60)))
     with session_scope(url) as s:
         result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30)
     assert (result.rerouted, r.hlen("unacked"), r.zcard("unacked_index")) == (1, 0, 0)
@@ -609,4 +610,3 @@ def test_a_message_a_killed_worker_took_off_its_models_queue_is_sent_again_once_
     with session_scope(url) as s:
         assert s.get(Job, job_id).status == "dispatched"
         assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30).rerouted == 0
-    assert r.llen("coserve.tiny") == 1

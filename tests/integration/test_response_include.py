@@ -12,17 +12,9 @@ from sqlalchemy import select, update
 
 from app.db.models import Job
 from app.db.session import session_scope
+from tests.integration.test_conversation_item_include import KEPT, LOGPROBS, oai  # noqa: F401 - oai: a fixture
 
 pytestmark = pytest.mark.integration
-
-LOGPROBS = "message.output_text.logprobs"
-KEPT = [{"token": "Hel", "logprob": -0.25, "bytes": [72, 101, 108], "top": [["Hel", -0.25], ["Hi", -1.5]]},
-        {"token": "lo", "logprob": -0.5, "bytes": [108, 111], "top": [["lo", -0.5], ["p", -2.0]]}]
-
-
-@pytest.fixture
-def oai(client, keys) -> openai.OpenAI:
-    return openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=keys.paid, http_client=client, max_retries=0)
 
 
 def answered_with_logprobs(oai: openai.OpenAI, db_url: str) -> str:
