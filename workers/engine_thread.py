@@ -491,9 +491,9 @@ class EngineThread:
         messages sent once the stream events queued before are published (``Record.after_events``): a take, here or
         on another worker of the model, goes on from every token their attempts streamed (``GpuWorker._resumed``).
         A send the broker refuses is retried as a failed write is (dispatched meanwhile: no sweep sends them before
-        those events are out); the jobs of one given up on go back to queued, where the next sweep sends them (left
-        dispatched, they waited for the sweeper's rule for a lost message, ``max(30, 5 x lease)`` s). One held at
-        stop while Redis is away is the sweeper's to send again as lost."""
+        those events are out); the jobs of one given up on, or still held or retried when the outbox closes at stop
+        while Redis is away, go back to queued, where the next sweep sends them (left dispatched, they waited for the
+        sweeper's rule for a lost message, ``max(30, 5 x lease)`` s)."""
         if not job_ids:
             return []
         url = self.settings.redis_url

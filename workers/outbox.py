@@ -17,7 +17,7 @@ writes the engine's results:
   published: whoever takes the message reads them. A SQL write that must not wait goes first, the
   held send as its ``Record.then``; what undoes that write where the send is given up, as its
   ``Record.if_given_up`` (a job marked dispatched whose message never went goes back to queued, where
-  the next sweep sends it).
+  the next sweep sends it), tried too for a record still unwritten when the outbox closes.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ class Record:
     # tried once this one is written (not where it is given up or its lease is not ours): what must wait for the
     # stream (``after_events``: a message sent) after a write that must not (the job marked dispatched in SQL)
     then: Record | None = None
-    # tried once where this one is given up (``MAX_TRIES``): a job marked dispatched for a send the broker never
-    # took goes back to queued, where the next sweep sends it (left dispatched, it waited for the sweeper's rule
-    # for a lost message, minutes)
+    # tried once where this one is given up (``MAX_TRIES``, or still retried or held when the outbox closes): a job
+    # marked dispatched for a send the broker never took goes back to queued, where the next sweep sends it (left
+    # dispatched, it waited for the sweeper's rule for a lost message, minutes)
     if_given_up: Record | None = None
     tries: int = 0
     not_before: float = 0.0
@@ -100,6 +100,7 @@ class Outbox:
         self._publish_after = 0.0
         self._publish_backoff = 0.0
         self._thread: threading.Thread | None = None
+        self._close_timeout = 15.0  # set by ``close``, before the I/O thread is told to stop
 
     # ---- the engine thread's side
     def put(self, step: StepRecords) -> None:
@@ -114,7 +115,9 @@ class Outbox:
         return self._thread
 
     def close(self, timeout: float = 15.0) -> None:
-        """Writes what is queued (retrying for at most ``timeout``), then stops the thread."""
+        """Writes what is queued (retrying for at most ``timeout``), then stops the thread. What is still unwritten
+        then is given up (``Record.if_given_up`` tried once)."""
+        self._close_timeout = timeout
         self._steps.put(None)
         if self._thread is not None:
             self._thread.join(timeout + 5)
@@ -131,7 +134,7 @@ class Outbox:
         return self._steps.qsize() + len(self._retry) + len(self._held) + len(self._events)
 
     # ---- the I/O thread
-    def run(self, close_timeout: float = 15.0) -> None:
+    def run(self) -> None:
         closing_at: float | None = None
         while True:
             wait = 0.5 if not (self._retry or self._events) else 0.05
@@ -148,11 +151,22 @@ class Outbox:
             self.flush_events()
             if closing_at is not None and self._steps.empty():
                 done = not (self._retry or self._held or self._events)
-                if done or time.monotonic() - closing_at > close_timeout:
+                if done or time.monotonic() - closing_at > self._close_timeout:
                     if not done:
-                        log.error("outbox closed with %d writes and %d stream events unwritten",
-                                  len(self._retry) + len(self._held), len(self._events))
+                        self._give_up_unwritten()
                     return
+
+    def _give_up_unwritten(self) -> None:
+        """The outbox closes with writes still retried or held (Redis or SQL away): each is given up, and what it
+        names for that (``Record.if_given_up``) tried once, as the thread stops next. That is a SQL write (a job
+        marked dispatched whose message never went back to queued), which may land while Redis is away; the stream
+        events waiting are lost with the process, so a rerun goes on from what readers saw."""
+        unwritten, self._retry, self._held = self._retry + self._held, [], []
+        for record in unwritten:
+            if record.if_given_up is not None:
+                self._try(record.if_given_up)
+        log.error("outbox closed with %d writes and %d stream events unwritten",
+                  len(unwritten) + len(self._retry) + len(self._held), len(self._events))
 
     def apply(self, step: StepRecords) -> None:
         """Writes a step not ``put`` (the I/O thread's work, done by its caller)."""

@@ -262,3 +262,39 @@ def test_a_job_whose_resend_the_broker_never_took_is_sent_by_the_next_sweep(sett
         details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
     assert details[-3:] == ["requeued after an engine error", "broker unavailable; the sweeper will send it",
                             "sent by the sweeper"]
+
+
+def test_a_job_whose_resend_is_held_when_the_worker_stops_is_sent_by_the_next_sweep(settings, keys, own_redis):
+    """An engine error gives a job back while Redis is away: its message's send is held behind its attempt's last
+    deltas when the worker stops and the outbox closes. The deltas are lost with the process (a rerun goes on from
+    what readers saw); the job is back to queued at close, where the next sweep after Redis returns sends it. (It was
+    left dispatched with no message: only the sweeper's rule for a lost message sent it, ``max(30, 5 x lease)`` s
+    after the mark.)"""
+    from workers.sweeper import sweep
+
+    url = settings.sqlalchemy_url
+    settings.redis_url = own_redis.url
+    worker = GpuWorker(settings)
+    engine_thread = worker.attach(_Engine(lambda: 0))
+    with session_scope(url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", max_tokens=4), settings,
+                            dispatch=False).job.id
+    with session_scope(url) as s:
+        worker.active.add(ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30), None, None, in_engine=True))
+    own_redis.stop()
+
+    worker.outbox.apply(StepRecords(deltas=[(job_id, StreamEvent("delta", attempt=1, text="a", token_ids=[1]))]))
+    worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
+    assert _job_status(url, job_id) == "dispatched" and worker.outbox._held  # its send waits for the delta
+    worker.outbox.start()
+    worker.outbox.close(timeout=0.5)
+
+    assert _job_status(url, job_id) == "queued"
+    own_redis.start()
+    with session_scope(url, immediate=True) as s:
+        assert sweep(s, own_redis.url, queued_grace_s=0).dispatched == 1
+    assert job_id.encode() in redis.Redis.from_url(own_redis.url).lindex("coserve.tiny", -1)  # the next taken
+    with session_scope(url) as s:
+        details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+    assert details[-3:] == ["requeued after an engine error", "broker unavailable; the sweeper will send it",
+                            "sent by the sweeper"]
