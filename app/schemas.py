@@ -8,7 +8,8 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from app import structural_tag
 from app.bounds import MAX_RATE
@@ -37,6 +38,16 @@ MAX_ALLOWED_TOKEN_IDS = 262_144  # a vocabulary's worth
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
 TokenId = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
+_TOKEN_ID = TypeAdapter(TokenId)
+
+
+def _is_token_id(value: Any) -> bool:
+    """Whether ``value`` reads as a ``TokenId`` (an integer, or its text, 0 or more)."""
+    try:
+        _TOKEN_ID.validate_python(value)
+    except ValidationError:
+        return False
+    return True
 
 
 class ChatMessage(BaseModel):
@@ -285,6 +296,15 @@ class JobCreate(BaseModel):
             if not _all_finite(item):
                 raise ValueError(f"[{key!r}] holds a number that is not finite")
         return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, biases: Any) -> Any:
+        # the field's error naming the key, as vLLM's server blames logit_bias: pydantic's own for a key, as
+        # "logit_bias.-1: Input should be greater than or equal to 0", read as if the bias were wrong
+        if isinstance(biases, dict) and (bad := [k for k in biases if not _is_token_id(k)]):
+            raise ValueError(f"key {bad[0]} is not a token id: keys are token ids, 0 or more")
+        return biases
 
     @field_validator("stop")
     @classmethod

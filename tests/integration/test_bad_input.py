@@ -86,6 +86,12 @@ CHAT = '"messages": [{"role": "user", "content": "hi"}]'
     # a job's message parts are its content's: a template reads one or the other (its content format)
     ("/v1/jobs", '{"messages": [{"role": "user", "content": "a", "parts": ["b"]}]}', 422, "messages.0.parts",
      "the content's text parts"),
+    # a logit_bias key that is no token id blames logit_bias, naming the key; a bias out of range names its token
+    # (past the vocabulary: the vLLM table below)
+    ("/v1/chat/completions", '{%s, "logit_bias": {"-1": 5}}' % CHAT, 400, "logit_bias", "key -1 is not a token id"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"x": 5}}', 400, "logit_bias", "key x is not a token id"),
+    ("/v1/jobs", '{"prompt": "hi", "logit_bias": {"1.5": 5}}', 422, "logit_bias", "key 1.5 is not a token id"),
+    ("/v1/chat/completions", '{%s, "logit_bias": {"3": 500}}' % CHAT, 400, "logit_bias.3", "less than or equal to 100"),
     # out of range
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "deadline": 1e12}', 422, "deadline", "30 days"),
     ("/v1/summarize", '{"documents": [{"id": "a", "text": "x"}], "model": "gpt-9"}', 422, "model", "unknown model"),
@@ -119,6 +125,8 @@ MANY_BAD_WORDS = json.dumps([f"word{i}" for i in range(70)])
     ("/v1/jobs", '{"prompt": "hi", "bad_words": %s}' % MANY_BAD_WORDS, 422, "bad_words", "more than the 128"),
     ("/v1/jobs", '{"prompt": "hi", "stop": ["end", ""]}', 422, "stop", "must not be empty"),
     ("/v1/jobs", '{"prompt": "hi", "temperature": 3}', 422, "temperature", "less than or equal to 2"),
+    # past the vocabulary: the id named, as the bound (the engine that applies logit_bias indexes its logits)
+    ("/v1/chat/completions", '{%s, "logit_bias": {"99999999": 5}}' % CHAT, 400, "logit_bias", "got [99999999]"),
 ])
 def test_what_vllms_sampling_params_refuse_is_refused_at_submit_naming_the_field(client, keys, settings, path, raw,
                                                                                   status, field, fragment):
