@@ -153,11 +153,18 @@ def refuse_admin_lockout(session: Session, key: ApiKey, caller: Principal) -> No
         raise HTTPException(status.HTTP_409_CONFLICT, "an admin key cannot revoke itself: create another admin key "
                             "first (POST /v1/admin/tenants/{tenant_id}/keys with admin: true) and revoke this one "
                             "with it")
-    others = session.scalar(select(ApiKey.id).join(Tenant, Tenant.id == ApiKey.tenant_id).where(
-        ApiKey.id != key.id, ApiKey.is_admin.is_(True), ApiKey.revoked.is_(False), Tenant.disabled.is_(False)))
-    if others is None:
+    if not any(key_id != key.id and not disabled for key_id, disabled in _locked_admin_keys(session)):
         raise HTTPException(status.HTTP_409_CONFLICT, f"{key.id} is the last active admin key: create another admin "
                             "key first (POST /v1/admin/tenants/{tenant_id}/keys with admin: true)")
+
+
+def _locked_admin_keys(session: Session) -> list[tuple[str, bool]]:
+    """Every active admin key (with whether its tenant is disabled), their rows locked until the transaction ends:
+    on PostgreSQL two admins revoking each other's keys at once both found the other's key active; now the second
+    waits, then reads the first's revocation (SQLite: the write lock serializes them; no FOR UPDATE there). All of
+    them, the revoked one among them, in one order: two revocations never each hold a row the other waits for."""
+    return list(session.execute(select(ApiKey.id, Tenant.disabled).join(Tenant, Tenant.id == ApiKey.tenant_id).where(
+        ApiKey.is_admin.is_(True), ApiKey.revoked.is_(False)).order_by(ApiKey.id).with_for_update(of=ApiKey)))
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyPublic, responses=responses(404, 409))

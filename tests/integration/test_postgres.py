@@ -601,3 +601,59 @@ def test_a_file_of_more_than_2_gib_is_recorded_on_postgres(pg_url):
         s.commit()
     with session_scope(pg_url) as s:
         assert s.get(File, "file_big").bytes == size
+
+
+def test_two_admins_revoking_each_others_key_at_once_leave_one_on_postgres(pg_url):
+    """Each of the last two admin keys revoking the other at once: on PostgreSQL the lockout check read the other
+    admin keys without a lock, so both revocations passed it and no admin key was left. The second revocation's check
+    now waits for the first's transaction and, once that commits, is refused (409): one admin key stays."""
+    import threading
+
+    from fastapi import HTTPException
+
+    from app.api.tenants import refuse_admin_lockout
+    from app.auth import Principal, create_key, create_tenant
+    from app.db.migrate import upgrade
+    from app.db.models import ApiKey
+    from app.db.session import get_sessionmaker, session_scope
+    from tests.conftest import wait_for
+
+    upgrade(pg_url)
+    with session_scope(pg_url) as s:
+        ops = create_tenant(s, "ops")
+        a, b = (create_key(s, ops, is_admin=True)[0].id for _ in range(2))
+    caller = {key: Principal(key_id=key, tenant_id="ops", tier="paid", is_admin=True) for key in (a, b)}
+
+    def revoke(session, key_id: str, by: str) -> None:  # the revocation route's write
+        key = session.get(ApiKey, key_id)
+        refuse_admin_lockout(session, key, caller[by])
+        key.revoked = True
+        session.flush()
+
+    first, second = get_sessionmaker(pg_url)(), get_sessionmaker(pg_url)()
+    refused: list[HTTPException] = []
+
+    def second_revokes() -> None:
+        try:
+            revoke(second, a, by=b)
+            second.commit()
+        except HTTPException as exc:
+            refused.append(exc)
+            second.rollback()
+
+    revoke(first, b, by=a)  # its transaction stays open
+    pid = second.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    racer = threading.Thread(target=second_revokes)
+    racer.start()
+    engine = create_engine(pg_url)
+    with engine.connect() as watch:
+        waiting = text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid")
+        wait_for(lambda: not racer.is_alive() or watch.execute(waiting, {"pid": pid}).scalar(), 30,
+                 "the second revocation to finish or wait for the first's lock")
+    first.commit()
+    racer.join(30)
+    first.close(), second.close()
+    engine.dispose()
+    assert [(e.status_code, "last active admin key" in e.detail) for e in refused] == [(409, True)], refused
+    with session_scope(pg_url) as s:
+        assert {k: s.get(ApiKey, k).revoked for k in (a, b)} == {a: False, b: True}
