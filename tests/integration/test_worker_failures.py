@@ -228,18 +228,11 @@ def _job_status(url: str, job_id: str) -> str:
         return s.get(Job, job_id).status
 
 
-def test_a_job_whose_resend_the_broker_never_took_is_sent_by_the_next_sweep(settings, keys, own_redis, monkeypatch):
-    """An engine error gives a job back while Redis is away for longer than the outbox retries its message's send.
-    While the send is retried the job stays dispatched (no sweep sends it ahead of its attempt's last deltas); once
-    the send is given up it is back to queued, and the next sweep after Redis returns sends it to the head of its
-    queue. (It was left dispatched with no message: only the sweeper's rule for a lost message sent it,
-    ``max(30, 5 x lease)`` s after the mark.)"""
-    from workers import outbox as outbox_module
-    from workers.sweeper import sweep
-
+def _leased_with_redis_away(settings, keys, own_redis) -> tuple:
+    """A worker (its engine a stand-in) holding a job's lease in its engine, and then Redis stopped: (the database's
+    url, the worker, its engine thread, the job's id)."""
     url = settings.sqlalchemy_url
     settings.redis_url = own_redis.url
-    monkeypatch.setattr(outbox_module, "MAX_TRIES", 2)  # the ~40 s of retries of a send, in two tries
     worker = GpuWorker(settings)
     engine_thread = worker.attach(_Engine(lambda: 0))
     with session_scope(url) as s:
@@ -248,10 +241,12 @@ def test_a_job_whose_resend_the_broker_never_took_is_sent_by_the_next_sweep(sett
     with session_scope(url) as s:
         worker.active.add(ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30), None, None, in_engine=True))
     own_redis.stop()
+    return url, worker, engine_thread, job_id
 
-    worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
-    assert _job_status(url, job_id) == "dispatched" and worker.outbox._retry  # its send is retried
-    wait_for(lambda: worker.outbox.retry_due() or not worker.outbox._retry, 10, "the send given up")
+
+def _sent_by_the_next_sweep(url: str, own_redis, job_id: str) -> None:
+    """The job given back is queued; once Redis is back the next sweep sends it to the head of its queue."""
+    from workers.sweeper import sweep
 
     assert _job_status(url, job_id) == "queued"
     own_redis.start()
@@ -262,6 +257,24 @@ def test_a_job_whose_resend_the_broker_never_took_is_sent_by_the_next_sweep(sett
         details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
     assert details[-3:] == ["requeued after an engine error", "broker unavailable; the sweeper will send it",
                             "sent by the sweeper"]
+
+
+def test_a_job_whose_resend_the_broker_never_took_is_sent_by_the_next_sweep(settings, keys, own_redis, monkeypatch):
+    """An engine error gives a job back while Redis is away for longer than the outbox retries its message's send.
+    While the send is retried the job stays dispatched (no sweep sends it ahead of its attempt's last deltas); once
+    the send is given up it is back to queued, and the next sweep after Redis returns sends it to the head of its
+    queue. (It was left dispatched with no message: only the sweeper's rule for a lost message sent it,
+    ``max(30, 5 x lease)`` s after the mark.)"""
+    from workers import outbox as outbox_module
+
+    monkeypatch.setattr(outbox_module, "MAX_TRIES", 2)  # the ~40 s of retries of a send, in two tries
+    url, worker, engine_thread, job_id = _leased_with_redis_away(settings, keys, own_redis)
+
+    worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
+    assert _job_status(url, job_id) == "dispatched" and worker.outbox._retry  # its send is retried
+    wait_for(lambda: worker.outbox.retry_due() or not worker.outbox._retry, 10, "the send given up")
+
+    _sent_by_the_next_sweep(url, own_redis, job_id)
 
 
 def test_a_job_whose_resend_is_held_when_the_worker_stops_is_sent_by_the_next_sweep(settings, keys, own_redis):
@@ -270,18 +283,7 @@ def test_a_job_whose_resend_is_held_when_the_worker_stops_is_sent_by_the_next_sw
     what readers saw); the job is back to queued at close, where the next sweep after Redis returns sends it. (It was
     left dispatched with no message: only the sweeper's rule for a lost message sent it, ``max(30, 5 x lease)`` s
     after the mark.)"""
-    from workers.sweeper import sweep
-
-    url = settings.sqlalchemy_url
-    settings.redis_url = own_redis.url
-    worker = GpuWorker(settings)
-    engine_thread = worker.attach(_Engine(lambda: 0))
-    with session_scope(url) as s:
-        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="hi", max_tokens=4), settings,
-                            dispatch=False).job.id
-    with session_scope(url) as s:
-        worker.active.add(ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30), None, None, in_engine=True))
-    own_redis.stop()
+    url, worker, engine_thread, job_id = _leased_with_redis_away(settings, keys, own_redis)
 
     worker.outbox.apply(StepRecords(deltas=[(job_id, StreamEvent("delta", attempt=1, text="a", token_ids=[1]))]))
     worker.outbox.apply(StepRecords(records=engine_thread.fail_all("engine error: boom")))
@@ -289,12 +291,4 @@ def test_a_job_whose_resend_is_held_when_the_worker_stops_is_sent_by_the_next_sw
     worker.outbox.start()
     worker.outbox.close(timeout=0.5)
 
-    assert _job_status(url, job_id) == "queued"
-    own_redis.start()
-    with session_scope(url, immediate=True) as s:
-        assert sweep(s, own_redis.url, queued_grace_s=0).dispatched == 1
-    assert job_id.encode() in redis.Redis.from_url(own_redis.url).lindex("coserve.tiny", -1)  # the next taken
-    with session_scope(url) as s:
-        details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
-    assert details[-3:] == ["requeued after an engine error", "broker unavailable; the sweeper will send it",
-                            "sent by the sweeper"]
+    _sent_by_the_next_sweep(url, own_redis, job_id)
