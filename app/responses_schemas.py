@@ -19,7 +19,7 @@ from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsuppor
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
-from app.tool_calls import Answer, FunctionSpec, read_answer
+from app.tool_calls import Answer, FunctionSpec, read_answer, text_parts
 from app.wire import Metadata, Text, as_utc
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
@@ -186,7 +186,7 @@ def _content_of(content: Any, where: str) -> str | list[dict[str, str]]:
             raise OpenAIError(400, f"{where}.content.{j}: only input_text and output_text parts with a text are "
                                    f"supported (not {kind!r})", param=f"{where}.content.{j}")
         texts.append(part["text"])
-    return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+    return texts[0] if len(texts) == 1 else text_parts(texts)
 
 
 def _reasoning_of(item: dict[str, Any], where: str) -> str:
@@ -365,7 +365,7 @@ def _as_sent(message: dict[str, Any]) -> dict[str, Any]:
     template that loops over a message's parts ("openai" content format) reads them so in a later turn too."""
     parts = message.get("parts")
     rest = {k: v for k, v in message.items() if k != "parts"}
-    return rest if parts is None else {**rest, "content": [{"type": "text", "text": text} for text in parts]}
+    return rest if parts is None else {**rest, "content": text_parts(parts)}
 
 
 def text_part(role: str, text: str) -> dict[str, Any]:

@@ -374,8 +374,12 @@ def content_parts(message: dict[str, Any]) -> dict[str, Any]:
     if message["role"] == "tool":
         return message
     texts = message.get("parts")
-    texts = [message["content"]] if texts is None else texts
-    return {**message, "content": [{"type": "text", "text": text} for text in texts]}
+    return {**message, "content": text_parts([message["content"]] if texts is None else texts)}
+
+
+def text_parts(texts: list[str]) -> list[dict[str, str]]:
+    """``texts`` as chat content parts (``{"type": "text", "text": ...}`` each), as vLLM's chat parser reads them."""
+    return [{"type": "text", "text": text} for text in texts]
 
 
 def _object(arguments: str) -> Any:

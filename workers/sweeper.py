@@ -146,7 +146,7 @@ def _taken_off(redis_url: str, queues: set[str]) -> set[str]:
                 continue
             if routing_key in queues and client.hdel(Channel.unacked_key, tag):
                 client.zrem(Channel.unacked_index_key, tag)
-                ids.update(m.decode() for m in _JOB_ID.findall(raw))
+                ids |= held_jobs([raw])
     except redis.RedisError as exc:  # the ones left: sent again later as lost (_resend_lost)
         log.warning("could not read the messages lost workers took (%s)", exc)
     return ids
