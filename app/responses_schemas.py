@@ -114,7 +114,7 @@ class ResponsesRequest(BaseModel):
         read = input_messages(self.input) if self.input is not None else []
         parted = {"own_input": own} if own != read or any(isinstance(m.get("content"), list) for m in own) else {}
         return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation, **parted,
-                "input_from": len(history) + (self.instructions is not None)}
+                **system_input(read), "input_from": len(history) + (self.instructions is not None)}
 
     def chat_request(self, raw: dict[str, Any], history: list[dict[str, Any]],
                      tiers: tuple[str, ...] = DEFAULT_TIERS,
@@ -345,18 +345,34 @@ def chat_response_format(fmt: Any) -> dict[str, Any]:
     return fmt
 
 
+def system_input(read: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a response keeps of its input's roles (``system_input``): the role each message a job reads as system
+    was sent with (system or developer), in order, where one was sent as system (a continuing response drops
+    those, ``history_of``); nothing else."""
+    roles = [m["role"] for m in read if m["role"] in ("system", "developer")]
+    return {"system_input": roles} if "system" in roles else {}
+
+
 def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Answer) -> list[dict[str, Any]]:
-    """A finished response's conversation, for one that continues it: its messages without its instructions
-    (OpenAI does not carry them over), each with its text parts (``_as_sent``), then its answer as the assistant's
-    turn."""
-    if kept.get("instructions") is not None:  # the message just before the input (``input_from``)
-        at = kept["input_from"] - 1
-        messages = messages[:at] + messages[at + 1:]
-    messages = [_as_sent(m) for m in messages]
+    """A finished response's conversation, for one that continues it, as vLLM's ``construct_input_messages`` reads
+    the messages it stored: without its instructions (OpenAI does not carry them over) nor its input's system
+    messages (vLLM drops every system message of the previous turn), its developer messages kept (read as system,
+    as chat reads them); each with its text parts (``_as_sent``), then its answer as the assistant's turn. The
+    turns it continued were read so already; a response stored without ``system_input`` keeps its system input."""
+    at = kept.get("input_from", 0)
+    carried = messages[:at - 1] if kept.get("instructions") is not None else messages[:at]  # (just before input)
+    messages = [_as_sent(m) for m in carried + _carried_input(messages[at:], kept.get("system_input") or [])]
     turn: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
     if answer.tool_calls:
         turn["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in answer.tool_calls]
     return [*messages, turn]
+
+
+def _carried_input(own: list[dict[str, Any]], sent_roles: list[str]) -> list[dict[str, Any]]:
+    """A response's own input messages less those sent as system (``sent_roles``: ``system_input``'s, one for each
+    system message in order; truncation never drops one, so they stay in step)."""
+    roles = iter(sent_roles)
+    return [m for m in own if m["role"] != "system" or next(roles, "developer") != "system"]
 
 
 def _as_sent(message: dict[str, Any]) -> dict[str, Any]:

@@ -178,6 +178,8 @@ def vllm_read(tok: Any, messages: list[dict[str, Any]], template: str) -> list[i
 
     text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False)
     conversation = parse_chat_messages(messages, text_only, _detect_content_format(template, default="string"))[0]
+    # coserve's chat reads a developer's message as system (test_openai_request_mapping): the one role it renames
+    conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
     return vllm_rendered(tok, conversation, None, template)
 
 
@@ -212,3 +214,41 @@ def test_a_continued_responses_history_keeps_its_parts_as_vllm_keeps_them(tok, t
     then = {"model": "tiny", "input": "And tomorrow?", "previous_response_id": "resp_1"}
     ids = coserve_continued_prompt(first, "Sunny.", then, template)
     assert ids == vllm_continued_prompt(tok, first, "Sunny.", then, template)
+
+
+@pytest.mark.parametrize("template", [BUNDLED, "parts-loop"])
+def test_a_continued_response_drops_the_system_messages_vllm_drops(tok, templates, template):  # noqa: F811
+    # vLLM's construct_input_messages drops every system message of the previous response (its instructions and its
+    # system input alike) and keeps a developer's; coserve dropped the instructions alone
+    from tests.unit.api.test_chat_template_inputs import PARTS_LOOP
+
+    template = PARTS_LOOP if template == "parts-loop" else templates[template]
+    first = {"model": "tiny", "instructions": "Be brief.", "input": [
+        {"role": "system", "content": "Answer in French."}, {"role": "developer", "content": "Terse."}, ASK]}
+    then = {"model": "tiny", "input": "And tomorrow?", "previous_response_id": "resp_1"}
+    ids = coserve_continued_prompt(first, "Sunny.", then, template)
+    assert ids == vllm_continued_prompt(tok, first, "Sunny.", then, template)
+    assert "Terse." in tok.decode(ids) and "French" not in tok.decode(ids)
+
+
+def test_a_continued_responses_developer_message_stays_in_every_later_turn():
+    # vLLM keeps a developer's message in the history it stores, so a third response still reads it; a response stored
+    # before its input's roles were kept reads back as it did (its system input stays)
+    from app.responses_schemas import history_of
+    from app.tool_calls import Answer
+
+    said = Answer(content="Sunny.", tool_calls=None, finish_reason="stop")
+    first = {"model": "tiny", "input": [{"role": "system", "content": "French."}, {"role": "developer",
+                                                                                 "content": "Terse."}, ASK]}
+    body = coserve_request(first)
+    _, spec = body.chat_request(first, [])
+    stored, kept = [m.stored() for m in spec.messages], body.kept([])
+    history = history_of(stored, kept, said)
+    assert [m["content"] for m in history] == ["Terse.", ASK["content"], "Sunny."]
+    then = {"model": "tiny", "input": "And tomorrow?", "previous_response_id": "resp_1"}
+    body = coserve_request(then)
+    _, spec = body.chat_request(then, history)
+    again = history_of([m.stored() for m in spec.messages], body.kept(history), said)
+    assert [m["content"] for m in again] == ["Terse.", ASK["content"], "Sunny.", "And tomorrow?", "Sunny."]
+    old_row = {k: v for k, v in kept.items() if k != "system_input"}
+    assert [m["content"] for m in history_of(stored, old_row, said)][:2] == ["French.", "Terse."]
