@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ContentFormat = Literal["string", "openai"]
+ContentFormatOption = Literal["auto", "string", "openai"]  # COSERVE_CHAT_TEMPLATE_CONTENT_FORMAT: auto detects it
 
 
 @lru_cache(maxsize=32)

@@ -179,7 +179,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Co-serving interactive LLM requests and deadline batch jobs.")
     api.state.settings = settings or get_settings()
     settings = api.state.settings
-    use_chat_template(settings.model, settings.chat_template)  # before any request renders chat messages
+    # before any request renders chat messages
+    use_chat_template(settings.model, settings.chat_template, settings.chat_template_content_format)
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis
     api.state.rate_limiter = RateLimiter(settings.redis_url)  # the tenants' rate limits (the writer's too)
     api.state.run_drivers = RunDrivers()  # the lifespan's replaces it; this one serves an app run without it

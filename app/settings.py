@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.content_format import ContentFormatOption
 from app.reasoning import ReasoningParser
 from gpu_runtime.devices import DEVICE_PATTERN
 from gpu_runtime.qos import Tier
@@ -66,6 +67,11 @@ class Settings(BaseSettings):
                                                         "messages are rendered with instead of the model's own (as "
                                                         "`vllm serve --chat-template`; set alike on the API and the "
                                                         "workers)")
+    chat_template_content_format: ContentFormatOption = Field(
+        "auto", description="how the chat template is given a message's content: 'auto' detects it as vLLM does "
+                            "(its parts where the template loops over them), 'string' one text, 'openai' its text "
+                            "parts (as `vllm serve --chat-template-content-format`, where detection picks wrong; set "
+                            "alike on the API and the workers)")
     admin_key: str | None = Field(None, description="admin API key; generated and printed by `coserve up` if unset")
     default_tier: str = Field("paid", description="the tier of a key or tenant that names none; one of tiers")
     tiers: tuple[str, ...] = Field(DEFAULT_TIERS, description="the service tiers, lowest first, a JSON list")

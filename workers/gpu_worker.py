@@ -119,7 +119,8 @@ class GpuWorker:
     def start(self) -> None:
         t0 = time.monotonic()
         self.tokenizer = get_tokenizer(self.settings.model)
-        use_chat_template(self.settings.model, self.settings.chat_template)  # the API's, as it counted prompts
+        use_chat_template(self.settings.model, self.settings.chat_template,
+                          self.settings.chat_template_content_format)  # the API's, as it counted prompts
         self.attach(self._build_engine())
         log.info("worker %s: %s engine ready on %s in %.1fs", self.worker_id, self.backend, self.device,
                  time.monotonic() - t0)

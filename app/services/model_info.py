@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from app.content_format import ContentFormat, content_format
+from app.content_format import ContentFormat, ContentFormatOption, content_format
 from app.tool_calls import template_messages
 
 log = logging.getLogger(__name__)
@@ -160,13 +160,20 @@ def _max_model_len(model: str) -> int:
 
 
 _own_templates: dict[str, str | None] = {}  # model -> the chat template its tokenizer came with
+_forced_formats: dict[str, ContentFormat] = {}  # model -> the content format its template is given, not detected
 
 
-def use_chat_template(model: str, template: str | None) -> None:
+def use_chat_template(model: str, template: str | None, content_format: ContentFormatOption = "auto") -> None:
     """Chat messages of ``model`` are rendered with ``template`` (Jinja text, or a file holding it) from now on in
-    this process; None: with the model's own. A template Jinja cannot parse is a ValueError that says where."""
+    this process; None: with the model's own. A template Jinja cannot parse is a ValueError that says where.
+    ``content_format`` (COSERVE_CHAT_TEMPLATE_CONTENT_FORMAT): how the template is given a message's content,
+    "auto" as detected (``template_content_format``)."""
     import jinja2
 
+    if content_format == "auto":
+        _forced_formats.pop(model, None)
+    else:
+        _forced_formats[model] = content_format
     if template is None and model not in _own_templates:
         return  # never replaced: nothing to load or restore
     tok = get_tokenizer(model)
@@ -239,9 +246,12 @@ def _template_errors() -> tuple[type[BaseException], ...]:
     return (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError, ValueError)
 
 
-def template_content_format(tok: Any, tools: list[dict[str, Any]] | None) -> ContentFormat:
-    """The content format of the template ``apply_chat_template`` renders with (of a tokenizer's named ones,
-    "tool_use" where tools are offered and it has one, else "default"), as vLLM detects it."""
+def template_content_format(model: str, tok: Any, tools: list[dict[str, Any]] | None) -> ContentFormat:
+    """The content format ``model``'s template is given: the one forced (``use_chat_template``), else that of the
+    template ``apply_chat_template`` renders with (of a tokenizer's named ones, "tool_use" where tools are offered
+    and it has one, else "default"), as vLLM detects it (its ``resolve_chat_template_content_format``)."""
+    if model in _forced_formats:
+        return _forced_formats[model]
     template = tok.chat_template
     if isinstance(template, dict):
         template = template.get("tool_use") if tools is not None and "tool_use" in template else template.get("default")
@@ -272,7 +282,7 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
         return []
     if getattr(tok, "chat_template", None):
         try:
-            form = template_content_format(tok, None)
+            form = template_content_format(model, tok, None)
             rendered = tok.apply_chat_template([template_messages(m, form) for m in conversations], tokenize=False,
                                                add_generation_prompt=True)
         except _template_errors() as exc:
@@ -294,8 +304,9 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
     if messages is not None:
         if getattr(tok, "chat_template", None):
             try:  # special tokens asked for: vLLM renders the template to text and tokenizes that with them
+                form = template_content_format(model, tok, tools)
                 ids = tok.apply_chat_template(
-                    template_messages(messages, template_content_format(tok, tools)), tools=tools, tokenize=not special,
+                    template_messages(messages, form), tools=tools, tokenize=not special,
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs") or {})

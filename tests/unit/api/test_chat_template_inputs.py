@@ -73,6 +73,9 @@ PARTS_LOOP = ("{%- for message in messages %}<{{ message.role }}:{{ message.cont
               "{%- if message.content is string %}{{ message.content }}"
               "{%- else %}{%- for part in message['content'] %}[{{ part.text }}]{%- endfor %}{%- endif %}"
               "{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
+# reads each message's content as one text (vLLM detects "string"): a list given it is written as Python's repr
+STRING_READ = ("{%- for message in messages %}<{{ message.role }}>{{ message.content }}{%- endfor %}"
+               "{%- if add_generation_prompt %}<assistant>{%- endif %}")
 PARTS_MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "input_text", "text": "in Oslo?"}]},
@@ -91,6 +94,27 @@ def test_a_template_that_loops_over_content_parts_gets_them_as_vllm_gives_them(t
     ids = coserve_prompt(raw, PARTS_LOOP)
     assert ids == vllm_prompt(tok, raw, PARTS_LOOP)
     assert "<user:2>[Weather][in Oslo?]" in tok.decode(ids)
+
+
+@pytest.mark.parametrize("forced, template", [("string", PARTS_LOOP), ("openai", STRING_READ)],
+                         ids=["string-on-a-parts-loop", "openai-on-a-string-read"])
+def test_a_forced_content_format_renders_as_vllms_option_forces_it(tok, forced, template):
+    # `vllm serve --chat-template-content-format string|openai` gives the template that format whatever its
+    # detection picks; coserve always detected it (COSERVE_CHAT_TEMPLATE_CONTENT_FORMAT: auto, the default)
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChatRequest
+    from vllm.renderers.chat_utils import parse_chat_messages
+
+    raw = {"model": "tiny", "messages": PARTS_MESSAGES}
+    detected = coserve_prompt(raw, template)
+    use_chat_template(MODEL, template, content_format=forced)
+    chat = ChatCompletionRequest.model_validate(raw)
+    ids = encode_spec(MODEL, chat.job_spec(messages=chat.chat_messages()))
+    text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False)
+    conversation = parse_chat_messages(VllmChatRequest.model_validate(raw).messages, text_only, forced)[0]
+    assert ids == vllm_rendered(tok, conversation, None, template)
+    assert ids != detected  # the format forced is not the one detected
+    use_chat_template(MODEL, template)  # auto again: detected
+    assert encode_spec(MODEL, chat.job_spec(messages=chat.chat_messages())) == detected
 
 
 def test_a_template_that_reads_content_as_a_string_gets_the_parts_joined(tok):
