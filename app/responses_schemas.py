@@ -106,7 +106,8 @@ class ResponsesRequest(BaseModel):
 
     def kept(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """What the job keeps of the request; ``input_from``: where its input starts among the job's messages
-        (after the continued conversation and the instructions)."""
+        (after the instructions and the continued conversation); ``instructions_at``: where its instructions are
+        (first; a response stored without it has them just before its input)."""
         conversation = {"conversation": {"id": self.conversation_id}} if self.conversation is not None else {}
         own = listed_messages(self.input) if self.input is not None else []
         # the job's messages are what the model reads (an item's text parts joined, an assistant's turn one
@@ -114,19 +115,21 @@ class ResponsesRequest(BaseModel):
         read = input_messages(self.input) if self.input is not None else []
         parted = {"own_input": own} if own != read or any(isinstance(m.get("content"), list) for m in own) else {}
         return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation, **parted,
-                **system_input(read), "input_from": len(history) + (self.instructions is not None)}
+                **system_input(read), **({"instructions_at": 0} if self.instructions is not None else {}),
+                "input_from": len(history) + (self.instructions is not None)}
 
     def chat_request(self, raw: dict[str, Any], history: list[dict[str, Any]],
                      tiers: tuple[str, ...] = DEFAULT_TIERS,
                      batch_window_s: float | None = None) -> tuple[ChatCompletionRequest, JobCreate]:
-        """The chat request this one is, and its job: ``history`` (the previous response's conversation) first,
-        then the instructions, then the input; ``tiers``: the configured ones (what ``service_tier`` names)."""
-        messages = list(history)
-        if self.instructions is not None:
-            messages.append({"role": "system", "content": self.instructions})
+        """The chat request this one is, and its job: the instructions first, then ``history`` (the previous
+        response's conversation), then the input, as vLLM's ``construct_input_messages`` orders them (a template
+        that takes a system message only first renders it); ``tiers``: the configured ones (what ``service_tier``
+        names)."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        messages += history
         messages += input_messages(self.input) if self.input is not None else []
         continued = "conversation" if self.conversation is not None else "previous_response_id"
-        _check_call_outputs(messages, len(history), continued)
+        _check_call_outputs(messages, len(history) + (self.instructions is not None), continued)
         if raw.get("return_token_ids"):
             raise OpenAIError(400, "return_token_ids is chat's and completions' (vLLM's): a Response carries no token "
                                    "ids; leave it unset", param="return_token_ids", code="unsupported_value")
@@ -355,12 +358,16 @@ def system_input(read: list[dict[str, Any]]) -> dict[str, Any]:
 
 def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Answer) -> list[dict[str, Any]]:
     """A finished response's conversation, for one that continues it, as vLLM's ``construct_input_messages`` reads
-    the messages it stored: without its instructions (OpenAI does not carry them over) nor its input's system
-    messages (vLLM drops every system message of the previous turn), its developer messages kept (read as system,
-    as chat reads them); each with its text parts (``_as_sent``), then its answer as the assistant's turn. The
-    turns it continued were read so already; a response stored without ``system_input`` keeps its system input."""
+    the messages it stored: without its instructions (OpenAI does not carry them over; at ``instructions_at``, or
+    just before its input in a response stored without it) nor its input's system messages (vLLM drops every
+    system message of the previous turn), its developer messages kept (read as system, as chat reads them); each
+    with its text parts (``_as_sent``), then its answer as the assistant's turn. The turns it continued were read
+    so already; a response stored without ``system_input`` keeps its system input."""
     at = kept.get("input_from", 0)
-    carried = messages[:at - 1] if kept.get("instructions") is not None else messages[:at]  # (just before input)
+    carried = messages[:at]
+    if kept.get("instructions") is not None:
+        where = kept.get("instructions_at", at - 1)
+        carried = carried[:where] + carried[where + 1:]
     messages = [_as_sent(m) for m in carried + _carried_input(messages[at:], kept.get("system_input") or [])]
     turn: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
     if answer.tool_calls:

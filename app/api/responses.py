@@ -5,7 +5,7 @@ A response is a chat job (``app.responses_schemas`` writes the request as chat a
 it runs, is followed, cancelled when its client hangs up and refused as chat completions are. Its id names
 its job (``resp_<hex>`` is ``job_<hex>``). ``previous_response_id`` continues a stored response's
 conversation: its messages (less its instructions and system input, as vLLM) and its answer come before the new
-input; ``conversation`` puts a conversation's items there, one response at a time
+input, after the new instructions; ``conversation`` puts a conversation's items there, one response at a time
 (``app.services.conversations.take_turn``).
 """
 

@@ -13,7 +13,7 @@ from app.responses_schemas import ResponsesRequest, input_items
 from app.services.jobs import encode_spec
 from app.services.model_info import use_chat_template
 from tests.unit.api.test_anthropic_conversation import (  # noqa: F401
-    BUNDLED, MODEL, tok, vllm_conversation, vllm_rendered)
+    BUNDLED, MODEL, QWEN_LIKE, tok, vllm_conversation, vllm_rendered)
 
 # as Qwen3's: an assistant turn's reasoning_content as <think>, its tool calls after its content, tool results
 QWEN_TOOLS = "qwen-tools"
@@ -252,3 +252,34 @@ def test_a_continued_responses_developer_message_stays_in_every_later_turn():
     assert [m["content"] for m in again] == ["Terse.", ASK["content"], "Sunny.", "And tomorrow?", "Sunny."]
     old_row = {k: v for k, v in kept.items() if k != "system_input"}
     assert [m["content"] for m in history_of(stored, old_row, said)][:2] == ["French.", "Terse."]
+
+
+@pytest.mark.parametrize("template", [BUNDLED, "qwen-like"])
+def test_a_continued_responses_instructions_come_first_as_vllm_puts_them(tok, templates, template):  # noqa: F811
+    # vLLM's construct_input_messages writes the request's instructions first, then the previous response's
+    # messages; coserve wrote them after, mid-conversation, where a template that takes a system message only first
+    # (Qwen's) refused the continued response
+    template = QWEN_LIKE if template == "qwen-like" else templates[template]
+    first = {"model": "tiny", "input": [ASK], "instructions": "Be brief."}
+    then = {"model": "tiny", "input": "And tomorrow?", "instructions": "Be terse.", "previous_response_id": "resp_1"}
+    ids = coserve_continued_prompt(first, "Sunny.", then, template)
+    assert ids == vllm_continued_prompt(tok, first, "Sunny.", then, template)
+
+
+def test_the_instructions_first_are_left_out_of_the_history_and_old_rows_read_as_before():
+    # the next response reads the history without the instructions, where they are now (first) and where a
+    # response stored before kept them (just before its input)
+    from app.responses_schemas import history_of
+    from app.tool_calls import Answer
+
+    said = Answer(content="Sunny.", tool_calls=None, finish_reason="stop")
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    then = {"model": "tiny", "input": "Weather?", "instructions": "Be brief.", "previous_response_id": "resp_1"}
+    body = coserve_request(then)
+    chat, _ = body.chat_request(then, earlier)
+    assert [m["content"] for m in chat.messages] == ["Be brief.", "Hi", "Hello", "Weather?"]
+    assert [m["content"] for m in history_of(chat.messages, body.kept(earlier), said)] == [
+        "Hi", "Hello", "Weather?", "Sunny."]
+    old_row = [*earlier, {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
+    kept = {"instructions": "Be brief.", "input_from": 3}
+    assert [m["content"] for m in history_of(old_row, kept, said)] == ["Hi", "Hello", "Weather?", "Sunny."]

@@ -64,7 +64,7 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
                 "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
                 "tool_choice": {"type": "function", "name": "f"}},
                history=[{"role": "user", "content": "Before"}])
-    assert [m.content for m in req.chat_messages()] == ["Before", "Be brief", "Hi"]
+    assert [m.content for m in req.chat_messages()] == ["Be brief", "Before", "Hi"]  # vLLM's order
     assert req.max_tokens == 5 and req.tier == "free" and req.ttft_ms == 900
     assert req.tools == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert req.tool_choice == {"type": "function", "function": {"name": "f"}}
