@@ -114,6 +114,7 @@ class GpuWorker:
         self.unroutable_at: float | None = None
         # the runtime adapters of the model its engine cannot serve (loaded before it started), and why
         self.lora_unserved: dict[str, str] = {}
+        self.lora_checked: set[str] = set()  # the runtime adapters of the model at its last check (``_check_loras``)
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -390,6 +391,9 @@ class GpuWorker:
         if shared not in self.queues:  # for a worker that serves its model, not failed here
             self._hand_back(job_id, shared, priority)
             return None
+        if self._unchecked_adapter(model):  # loaded since its last check: held to the workers live then, not this one
+            with session_scope(self.url) as s:
+                self._check_loras(s)
         if model in self.lora_unserved and self._served_by_another(model):
             self._hand_back(job_id, shared, priority)  # for that one; failed here where none serves it
             return "elsewhere"
@@ -555,14 +559,21 @@ class GpuWorker:
                 w.id != self.worker_id and self.settings.model_name in w.served
                 and lora_adapters.serves(w.state or {}, adapter, rank) for w in live_workers(s, self.settings))
 
+    def _unchecked_adapter(self, model: str | None) -> bool:
+        """Whether ``model`` (a job's) may be a runtime adapter loaded since this worker's last ``_check_loras``: one
+        that a load landing between its registration and its next beat held to the workers live before it."""
+        return (model is not None and model not in self.settings.served_models
+                and model not in self.settings.model_aliases and model not in self.lora_checked)
+
     def _check_loras(self, session: Session) -> None:
         """Notes the runtime adapters of the model that this worker's engine cannot serve (``lora_unserved``; a load
         is held to the workers live then, so one loaded before this worker started may be above its max_lora_rank,
         or its engine may load none), saying so loudly for each new one: their jobs go to another worker of the
         model (``_take``), and fail here where none serves them."""
         said = getattr(self.engine, "lora_limits", None)
-        unserved = lora_adapters.unserved(said if isinstance(said, dict) else None,
-                                          lora_adapters.ranks(session, self.settings.model_name))
+        adapters = lora_adapters.ranks(session, self.settings.model_name)
+        self.lora_checked = set(adapters)
+        unserved = lora_adapters.unserved(said if isinstance(said, dict) else None, adapters)
         for name in sorted(unserved.keys() - self.lora_unserved.keys()):
             log.error("worker %s cannot serve the runtime LoRA adapter %r: %s; its jobs go to the model's other "
                       "workers, and fail here where none serves it (unload it, or start this worker with an engine "

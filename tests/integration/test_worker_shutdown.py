@@ -527,3 +527,58 @@ def test_a_worker_started_after_an_adapter_it_cannot_serve_was_loaded_leaves_its
         assert job.status == "failed" and "cannot be served by worker 'w-small' (its rank 16 is above the " \
             "max_lora_rank 8 of its vLLM engine), and no other live worker of the model serves it" in job.error, \
             job.error
+
+
+def _rt16_with_two_workers(settings, keys, tmp_path, *, loaded_after_start: bool = False):
+    """Runtime adapter rt16 (rank 16), w-big (hand-built heartbeat) serving it, w-small (max_lora_rank 8 in its
+    engine) registered, and a job of rt16 whose message w-small's consumer took; returns (w-small, the job's id).
+    ``loaded_after_start``: rt16 loaded after w-small's registration, by a load that read the live workers before
+    it (held to w-big alone), so w-small's registration did not see it."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from app.services import lora_adapters
+    from app.services.transitions import utcnow
+
+    settings.runtime_lora = True
+    lora = tmp_path / "rt16"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text('{"r": 16}')
+    (lora / "adapter_model.safetensors").write_bytes(b"")
+    big = {"served": ["tiny"], "runtime_lora": True, "lora": {"runtime": True, "max_lora_rank": 16, "max_loras": 2}}
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(WorkerState(id="w-big", model="tiny", queue="coserve.tiny", device="cpu", state=big,
+                          heartbeat_at=utcnow() + timedelta(minutes=10)))  # live all through the test
+    worker = GpuWorker(settings.model_copy(update={"worker_id": "w-small"}))
+    worker.engine = SimpleNamespace(lora_limits={"runtime": True, "max_lora_rank": 8, "max_loras": 2},
+                                    executor=SimpleNamespace(now=lambda: 100.0))
+    if loaded_after_start:
+        worker._register()
+        limits = {"w-big": big["lora"]}  # the live workers as the load read them, before w-small registered
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(lora_adapters, "worker_limits", lambda _settings: limits)
+            lora_adapters.load(settings, "rt16", str(lora))
+    else:
+        lora_adapters.load(settings, "rt16", str(lora))
+        worker._register()
+    with session_scope(settings.sqlalchemy_url) as s:
+        job_id = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt="a", max_tokens=4, model="rt16"),
+                            settings, dispatch=False).job.id
+        assert dispatch.dispatch(s, settings.redis_url, job_id, "tiny", queue="coserve.tiny")
+    redis.Redis.from_url(settings.redis_url).delete("coserve.tiny")  # its message taken by the consumer
+    return worker, job_id
+
+
+def test_a_job_of_an_adapter_loaded_between_a_workers_registration_and_its_next_beat_goes_to_one_that_serves_it(
+        settings, keys, tmp_path):
+    """rt16 (rank 16) was loaded just after w-small (max_lora_rank 8) registered, by a load held to the workers live a
+    moment before (w-big). w-small's first job of rt16, before its next beat, is not leased into an engine that
+    cannot serve it (its job failed there): it goes back for w-big."""
+    worker, job_id = _rt16_with_two_workers(settings, keys, tmp_path, loaded_after_start=True)
+    worker.stopping.set()  # no pause after the hand-back: the test goes on at once
+    worker.accept(job_id, queue="coserve.tiny")
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert (s.get(Job, job_id).status, s.get(Job, job_id).attempt) == ("dispatched", 0)  # never leased here
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # for w-big
+    assert worker.lora_unserved == {"rt16": "its rank 16 is above the max_lora_rank 8 of its vLLM engine"}
+
