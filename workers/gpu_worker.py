@@ -34,6 +34,7 @@ import redis
 from celery.signals import worker_shutting_down
 from celery.utils.nodenames import host_format
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from app.batch.storage import delete_expired_files
@@ -80,6 +81,7 @@ log = logging.getLogger(__name__)
 WEBHOOK_POLL_S = 1.0  # how often a worker looks for webhook deliveries that are due
 DRAIN_PAUSE_S = 1.0  # how long a draining worker waits after handing a message back (``_drain_pause``)
 PUBLISH_WAIT_S = 1.0  # how long a rerun waits for its earlier attempt's stream events to go out of this worker
+PARKED_LOOK_S = 0.5  # how often a worker looks whether another took the job it handed back (``_await_taken_elsewhere``)
 LOOK_S = 0.25  # how often a worker waiting for batch room looks for an interactive job its reserve can take
 
 
@@ -368,8 +370,10 @@ class GpuWorker:
             raise
         if wait == "room":
             self._await_room(priority)
-        elif wait in ("drain", "elsewhere"):
+        elif wait == "drain":
             self._drain_pause()
+        elif wait == "elsewhere":
+            self._await_taken_elsewhere(job_id, priority)
 
     def _take(self, job_id: str, priority: int, queue: str | None) -> str | None:
         """``accept``'s intake: the job leased into the engine, or its message (it came on ``queue``) handed back.
@@ -614,13 +618,54 @@ class GpuWorker:
 
     def _interactive_waiting(self) -> bool:
         """Whether an interactive job's message waits on one of the queues this worker reads."""
+        return self._messages_waiting([queue_lists(queue)[0] for queue in self.queues])
+
+    def _messages_waiting(self, lists: list[str]) -> bool:
+        """Whether a message waits on one of the Redis ``lists`` (False where Redis does not answer)."""
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for queue in self.queues:
-                pipe.llen(queue_lists(queue)[0])
+            for name in lists:
+                pipe.llen(name)
             return any(pipe.execute())
         except redis.RedisError:
             return False
+
+    def _await_taken_elsewhere(self, job_id: str, priority: int) -> None:
+        """After the job of a runtime adapter this engine cannot serve went back for a worker that serves it
+        (``_take``): waits, with no message in hand, until its message is no longer the next of its list (that worker
+        took it), no other live worker serves the adapter (this one takes the job again, and fails it), or a message
+        waits that this worker's consumer would take first (``_taken_before``); looked at every ``PARKED_LOOK_S``. The
+        job waits for no one here: its message stays the next a free worker takes. Taking it again each second only
+        handed it back again (a Celery task, Redis writes and log lines a second while the others were busy)."""
+        handed = self.handing_back
+        if handed is None or handed[0] != job_id:
+            return
+        adapter, queue = self._job_route(job_id)
+        kind = 1 if priority == BATCH_PRIORITY else 0
+        head, before = queue_lists(queue)[kind], self._taken_before(queue, kind)
+        while not (self.stopping.wait(PARKED_LOOK_S) or self.shutting_down):
+            if not self._next_on(head, handed[1]) or self._messages_waiting(before):
+                return
+            try:  # unloaded since (its job fails here), or its last server gone
+                if adapter not in self.lora_unserved or not self._served_by_another(adapter):
+                    return
+            except SQLAlchemyError:  # the consumer takes it again: ``_take`` decides
+                return
+
+    def _taken_before(self, queue: str, kind: int) -> list[str]:
+        """This worker's lists whose messages its consumer may take before the next of ``queue``'s list ``kind`` (0:
+        interactive, 1: batch): the other queues' (kombu takes from them in turn), and its interactive one for a batch
+        job's (kombu hands those out first)."""
+        return [name for q in self.queues for i, name in enumerate(queue_lists(q)) if q != queue or i < kind]
+
+    def _next_on(self, name: str, task_id: str) -> bool:
+        """Whether the message of ``task_id`` is the next a consumer takes from Redis list ``name`` (True where Redis
+        does not answer: the wait goes on)."""
+        try:
+            head = self.redis.lindex(name, -1)
+        except redis.RedisError:
+            return True
+        return head is not None and task_id.encode() in head
 
     def _request(self, job: Job, session: Session) -> Request:
         """The engine request of the job's attempt that was just leased (``leases.acquire`` moved ``job.attempt`` on

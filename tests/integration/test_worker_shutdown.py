@@ -582,3 +582,37 @@ def test_a_job_of_an_adapter_loaded_between_a_workers_registration_and_its_next_
     assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # for w-big
     assert worker.lora_unserved == {"rt16": "its rank 16 is above the max_lora_rank 8 of its vLLM engine"}
 
+
+def test_a_worker_that_handed_a_job_back_for_a_busy_peer_waits_for_it_to_be_taken_not_taking_it_each_second(
+        settings, keys, tmp_path):
+    """w-small cannot serve rt16 and handed its job back for w-big, which is busy: its message waits at the head of
+    the model's queue, the next w-big takes. w-small takes no message meanwhile (taking it again each second only
+    handed it back again: a Celery task, Redis writes and log lines a second, for as long as w-big was busy), and
+    goes on once w-big took it; where no worker serves rt16 any more it goes on at once (it takes the job and fails
+    it, saying why)."""
+    worker, job_id = _rt16_with_two_workers(settings, keys, tmp_path)
+    r = redis.Redis.from_url(settings.redis_url)
+    returned: list[list[str]] = []
+
+    def accept() -> None:
+        worker.accept(job_id, queue="coserve.tiny")
+        returned.append(_next_taken(settings, "coserve.tiny", batch=False))  # what waits there as it goes on
+
+    intake = threading.Thread(target=accept, daemon=True)
+    intake.start()
+    wait_for(lambda: _next_taken(settings, "coserve.tiny", batch=False) == [job_id], 10, "the hand-back")
+    intake.join(3 * gpu_worker.DRAIN_PAUSE_S)
+    r.rpop("coserve.tiny")  # w-big took it
+    intake.join(10)
+    assert returned == [[]], returned  # it went on once w-big had taken the job, not while it waited for w-big
+    assert dispatch.send_back(settings.redis_url, job_id, "coserve.tiny")  # w-big handed it back: full meanwhile
+    r.delete("coserve.tiny")  # w-small took it again
+    intake = threading.Thread(target=accept, daemon=True)
+    intake.start()
+    wait_for(lambda: _next_taken(settings, "coserve.tiny", batch=False) == [job_id], 10, "the hand-back")
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.delete(s.get(WorkerState, "w-big"))  # gone: nobody else serves rt16
+    intake.join(10)
+    assert returned[1:] == [[job_id]], returned  # it goes on to take the job again, and fails it
+    assert not intake.is_alive()
+
