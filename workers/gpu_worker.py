@@ -578,12 +578,23 @@ class GpuWorker:
         adapters = lora_adapters.ranks(session, self.settings.model_name)
         self.lora_checked = set(adapters)
         unserved = lora_adapters.unserved(said if isinstance(said, dict) else None, adapters)
+        if unserved and not self._runtime_lora_anywhere(session):  # rows left from before: no job may name them
+            unserved = {}
         for name in sorted(unserved.keys() - self.lora_unserved.keys()):
             log.error("worker %s cannot serve the runtime LoRA adapter %r: %s; its jobs go to the model's other "
                       "workers, and fail here where none serves it (unload it, or start this worker with an engine "
                       "that serves it: COSERVE_RUNTIME_LORA=1, COSERVE_MAX_LORA_RANK)", self.worker_id, name,
                       unserved[name])
         self.lora_unserved = unserved
+
+    def _runtime_lora_anywhere(self, session: Session) -> bool:
+        """Whether this worker (its COSERVE_RUNTIME_LORA) or another live worker of the model loads runtime adapters
+        (``lora_adapters.heartbeat_limits``): where none does, the API (its setting alike) serves none of them, and
+        the rows of those loaded before are left unnamed."""
+        return self.settings.runtime_lora or any(
+            w.id != self.worker_id and self.settings.model_name in w.served
+            and (lora_adapters.heartbeat_limits(w.state or {}) or {"runtime": True}).get("runtime")
+            for w in live_workers(session, self.settings))
 
     def _has_room(self, priority: int) -> bool:
         """Whether the engine takes a job of message ``priority`` now: a batch job leaves the interactive reserve

@@ -616,3 +616,23 @@ def test_a_worker_that_handed_a_job_back_for_a_busy_peer_waits_for_it_to_be_take
     assert returned[1:] == [[job_id]], returned  # it goes on to take the job again, and fails it
     assert not intake.is_alive()
 
+
+def test_a_worker_with_runtime_lora_off_says_nothing_of_runtime_adapter_rows_left_from_before(settings, caplog):
+    """Runtime adapters were loaded once; now COSERVE_RUNTIME_LORA is off on the API and every worker, so no job may
+    name them (the API serves none). A worker starting says no error for each of their rows left in SQL, nor names
+    them in its heartbeat (the API's /readyz would warn of each)."""
+    from types import SimpleNamespace
+
+    from app.db.models import LoraAdapter
+    from app.services.transitions import utcnow
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        for name in ("old-a", "old-b"):
+            s.add(LoraAdapter(name=name, model="tiny", path=f"/gone/{name}", rank=8, loaded_at=utcnow()))
+    worker = GpuWorker(settings.model_copy(update={"runtime_lora": False, "worker_id": "w-off"}))
+    worker.engine = SimpleNamespace(lora_limits={"runtime": False, "max_lora_rank": None, "max_loras": None},
+                                    executor=SimpleNamespace(now=lambda: 100.0))
+    worker._register()
+    assert "cannot serve the runtime LoRA adapter" not in caplog.text
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert "lora_unserved" not in s.get(WorkerState, "w-off").state
