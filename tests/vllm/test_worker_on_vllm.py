@@ -685,6 +685,36 @@ def test_a_load_is_held_to_the_lora_rank_a_workers_own_engine_arguments_set(sett
     assert answer.model == "rank8-lora" and answer.choices[0].text, answer
 
 
+def test_jobs_of_more_runtime_adapters_than_the_engines_lora_slots_wait_for_a_slot_and_succeed(
+        settings, live_server, keys, start_worker):
+    """vLLM's max_loras is the adapters of one batch, not of the server: a worker with one LoRA slot (its heartbeat
+    says max_loras 1) and two runtime adapters loaded serves jobs of both sent at once, the second waiting for the
+    slot while the first runs, never failing nor hanging."""
+    from app.db.models import WorkerState
+    from app.db.session import session_scope
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+    from tests.vllm.conftest import write_lora_adapter
+
+    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
+    settings.backend, settings.runtime_lora = "vllm", True
+    start_worker("w-one-slot", **MODEL, COSERVE_RUNTIME_LORA="1", COSERVE_MAX_LORAS="1")
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(WorkerState, "w-one-slot").state["lora"] == {"runtime": True, "max_lora_rank": 16,
+                                                                  "max_loras": 1}
+    checkpoint = vllm_checkpoint("smollm2-135m")
+    for i, name in enumerate(("first-lora", "second-lora")):
+        path = write_lora_adapter(checkpoint, settings.data_dir / name, 0.5, seed=i)
+        r = httpx.post(f"{live_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                       headers=Keys.header(keys.admin))
+        assert r.status_code == 200, r.text
+    with httpx.Client(base_url=live_server, headers=Keys.header(keys.paid), timeout=30) as http:
+        ids = [http.post("/v1/jobs", json={"prompt": f"Count from 1 to 50, item {i}:", "max_tokens": 12,
+                                           "ignore_eos": True, "model": name}).json()["id"]
+               for i, name in enumerate(("first-lora", "second-lora", "first-lora", "second-lora"))]
+    done = [finished(live_server, keys.paid, j) for j in ids]
+    assert [(d["status"], d["completion_tokens"]) for d in done] == [("succeeded", 12)] * 4, done
+
+
 def test_chat_echo_answers_the_prompts_logprobs_as_vllm(vllm_stack):
     """vLLM's chat ``echo`` asks for the prompt's logprobs where ``prompt_logprobs`` does not (``top_logprobs``
     alternatives, 0 by default): its answer carries them at the top level, as an asked-for ``prompt_logprobs`` does;
