@@ -70,6 +70,15 @@ def refusal_code(exc: BaseException) -> str | None:
     return INVALID_REQUEST if isinstance(exc, ValueError | TypeError) else None
 
 
+def back_to_queued(session: Session, job_ids: list[str], dispatched_by: datetime) -> None:
+    """The dispatched jobs whose messages this worker sent (or handed back) and the broker never took, back to queued,
+    where the next sweep sends them: each where no worker took it and no sweeper resent it since ``dispatched_by``
+    (a resend marks ``dispatched_at`` anew)."""
+    for job_id in job_ids:
+        transition(session, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
+                   where=[Job.worker_id.is_(None), Job.dispatched_at <= dispatched_by],
+                   detail="broker unavailable; the sweeper will send it")
+
 
 def failed_attempt(lease: leases.Lease, error: str, code: str | None = None) -> tuple[dict[str, Any], StreamEvent]:
     """What a failed attempt writes on its job (``leases.finish``) and the event that ends its stream."""
@@ -270,15 +279,19 @@ class EngineThread:
         """The message of the rerun that superseded an attempt here, which the intake gave over (``Supersede``), back
         to the head of its queue once that attempt is set aside and its last stream events are published
         (``Record.after_events``): a take, here or on another worker, goes on from all of them
-        (``GpuWorker._resumed``). A send the broker refuses is retried as a failed write is; one given up on (or held
-        at stop while Redis is away) is the sweeper's to send again (a dispatched job whose message is lost)."""
-        url = self.settings.redis_url
+        (``GpuWorker._resumed``). A send the broker refuses is retried as a failed write is; where it is given up on,
+        or still held or retried when the outbox closes at stop while Redis is away, the job goes back to queued,
+        where the next sweep sends it (left dispatched, it waited for the sweeper's rule for a lost message,
+        ``max(30, 5 x lease)`` s)."""
+        url, given_over = self.settings.redis_url, utcnow()  # the rerun's message was sent before: taken here
 
         def write(_s: Session) -> None:
             if not send_back(url, cmd.job_id, cmd.queue, cmd.priority):
                 raise RuntimeError(f"the broker did not take the message of job {cmd.job_id} back")
+        given_up = Record(f"the return to queued of {cmd.job_id}, whose message the broker refused",
+                          lambda s: back_to_queued(s, [cmd.job_id], given_over))
         return Record(f"the message of {cmd.job_id} back to {cmd.queue}", write, for_job=cmd.job_id,
-                      after_events=True)
+                      after_events=True, if_given_up=given_up)
 
     # ---------------------------------------------------------------- outputs -> records
     def _records(self, outputs: list[Any]) -> StepRecords:
@@ -516,12 +529,8 @@ class EngineThread:
             if unsent:
                 raise RuntimeError(f"the broker did not take the messages of {len(unsent)} jobs")
 
-        def unmark(s: Session) -> None:  # where no other worker took or resent them meanwhile
-            for job_id, _queue, _priority in unsent:
-                transition(s, job_id, JobStatus.DISPATCHED, JobStatus.QUEUED,
-                           where=[Job.worker_id.is_(None), Job.dispatched_at <= marked_by[0]],
-                           detail="broker unavailable; the sweeper will send it")
-        given_up = Record(f"the return to queued of {len(job_ids)} jobs whose messages the broker refused", unmark)
+        given_up = Record(f"the return to queued of {len(job_ids)} jobs whose messages the broker refused",
+                          lambda s: back_to_queued(s, [job_id for job_id, _queue, _priority in unsent], marked_by[0]))
         return [Record(f"the resend of {len(job_ids)} jobs", mark,
                        then=Record(f"the messages of {len(job_ids)} jobs", send, after_events=True,
                                    if_given_up=given_up))]

@@ -244,8 +244,10 @@ def _leased_with_redis_away(settings, keys, own_redis) -> tuple:
     return url, worker, engine_thread, job_id
 
 
-def _sent_by_the_next_sweep(url: str, own_redis, job_id: str) -> None:
-    """The job given back is queued; once Redis is back the next sweep sends it to the head of its queue."""
+def _sent_by_the_next_sweep(url: str, own_redis, job_id: str,
+                            given_back: str = "requeued after an engine error") -> None:
+    """The job given back (its event's detail ``given_back``) is queued; once Redis is back the next sweep sends it to
+    the head of its queue."""
     from workers.sweeper import sweep
 
     assert _job_status(url, job_id) == "queued"
@@ -255,8 +257,7 @@ def _sent_by_the_next_sweep(url: str, own_redis, job_id: str) -> None:
     assert job_id.encode() in redis.Redis.from_url(own_redis.url).lindex("coserve.tiny", -1)  # the next taken
     with session_scope(url) as s:
         details = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
-    assert details[-3:] == ["requeued after an engine error", "broker unavailable; the sweeper will send it",
-                            "sent by the sweeper"]
+    assert details[-3:] == [given_back, "broker unavailable; the sweeper will send it", "sent by the sweeper"]
 
 
 def test_a_job_whose_resend_the_broker_never_took_is_sent_by_the_next_sweep(settings, keys, own_redis, monkeypatch):
@@ -292,3 +293,55 @@ def test_a_job_whose_resend_is_held_when_the_worker_stops_is_sent_by_the_next_sw
     worker.outbox.close(timeout=0.5)
 
     _sent_by_the_next_sweep(url, own_redis, job_id)
+
+
+def _rerun_given_over_with_redis_away(settings, keys, own_redis, last_deltas_waiting: bool) -> tuple:
+    """A worker (on the simulated engine) runs attempt 1 of a job whose lease lapsed, the sweeper resends the job, and
+    Redis stops (``last_deltas_waiting``: attempt 1's last step after that, its deltas waiting in the outbox). The
+    resend comes back here and the intake gives it over to the engine thread (``Supersede``), which sets attempt 1
+    aside and puts the rerun's hand-back in the outbox. (The database's url, the worker, the job's id.)"""
+    from tests.integration.test_worker_threads import _lapse_and_requeue, leased_on_sim_engine
+
+    settings.redis_url = own_redis.url
+    worker, _engine, engine_thread, job_id = leased_on_sim_engine(settings, keys)
+    for _ in range(5):  # attempt 1 runs: its prompt and a few tokens, published
+        worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    _lapse_and_requeue(settings, job_id)
+    own_redis.stop()
+    if last_deltas_waiting:
+        worker.outbox.apply(engine_thread.iterate())
+        assert worker.outbox._events
+    worker.accept(job_id)  # the resend comes back here while attempt 1 runs: given over to the engine thread
+    worker.outbox.apply(engine_thread.iterate())  # takes the Supersede: attempt 1 set aside, its message to go back
+    assert worker.active.get(job_id) is None and _job_status(settings.sqlalchemy_url, job_id) == "dispatched"
+    return settings.sqlalchemy_url, worker, job_id
+
+
+def test_a_rerun_whose_hand_back_the_broker_never_took_is_sent_by_the_next_sweep(settings, keys, own_redis,
+                                                                                 monkeypatch):
+    """The message of a rerun that came back to the worker still running its attempt goes back to its queue through
+    the outbox, while Redis is away for longer than the outbox retries the send: once the send is given up the job is
+    back to queued, and the next sweep after Redis returns sends it to the head of its queue. (It was left dispatched
+    with no message: only the sweeper's rule for a lost message sent it, ``max(30, 5 x lease)`` s later.)"""
+    from workers import outbox as outbox_module
+
+    monkeypatch.setattr(outbox_module, "MAX_TRIES", 2)  # the ~40 s of retries of a send, in two tries
+    url, worker, job_id = _rerun_given_over_with_redis_away(settings, keys, own_redis, last_deltas_waiting=False)
+    assert worker.outbox._retry  # its send is retried
+    wait_for(lambda: worker.outbox.retry_due() or not worker.outbox._retry, 10, "the send given up")
+
+    _sent_by_the_next_sweep(url, own_redis, job_id, given_back="sent by the sweeper")
+
+
+def test_a_rerun_whose_hand_back_is_held_when_the_worker_stops_is_sent_by_the_next_sweep(settings, keys, own_redis):
+    """The message of a rerun that came back to the worker still running its attempt waits in the outbox behind that
+    attempt's last deltas while Redis is away, when the worker stops and the outbox closes: the job is back to queued
+    at close, where the next sweep after Redis returns sends it. (It was left dispatched with no message: only the
+    sweeper's rule for a lost message sent it, ``max(30, 5 x lease)`` s later.)"""
+    url, worker, job_id = _rerun_given_over_with_redis_away(settings, keys, own_redis, last_deltas_waiting=True)
+    assert worker.outbox._held  # its send waits for the deltas
+    worker.outbox.start()
+    worker.outbox.close(timeout=0.5)
+
+    _sent_by_the_next_sweep(url, own_redis, job_id, given_back="sent by the sweeper")
