@@ -610,3 +610,85 @@ def _sent_again_once_lost(settings, worker_id: str, job_id: str) -> None:
     with session_scope(url) as s:
         assert s.get(Job, job_id).status == "dispatched"
         assert sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30).rerouted == 0
+
+
+def _taken_by_a_killed_consumer(settings, keys, script: str = _CONSUME_AND_DIE) -> str:
+    """A job dispatched to the model's queue, whose message the Celery consumer of worker ``w8`` (``script``, its
+    delivery recorded as ``run_worker`` records it) took and never acked: SIGKILLed in its task. The job's id."""
+    import subprocess
+    import sys
+
+    r = redis.Redis.from_url(settings.redis_url)
+    job_id = _job(settings, keys, dispatch=True)
+    died = subprocess.run([sys.executable, "-c", script, settings.redis_url, "coserve.tiny"], check=False,
+                          timeout=120)
+    assert died.returncode == -9  # killed in its task, the message in hand
+    assert r.hlen("unacked") == 1
+    return job_id
+
+
+def test_a_message_an_earlier_life_took_and_never_acked_is_sent_again_as_the_worker_starts(settings, keys):
+    """Worker ``w8`` was killed with a job's message in hand (taken off the model's queue, unacked) and restarted
+    under its id before a sweep found it lost (its new beat makes it live, so no sweep would): as it starts it takes
+    that message back and sends the job, still dispatched, to the head of the model's queue (``_take_back_earlier``;
+    else it waited for the lost-message rule, ``max(30, 5 x lease)`` s, or kombu's visibility timeout, an hour)."""
+    from workers.gpu_worker import GpuWorker
+    from workers.taken import TAKEN
+
+    r = redis.Redis.from_url(settings.redis_url)
+    job_id = _taken_by_a_killed_consumer(settings, keys)
+    assert (r.llen("coserve.tiny"), r.hexists(TAKEN, "w8")) == (0, True)
+    settings.worker_id = "w8"
+    GpuWorker(settings)._take_back_earlier()
+    assert (r.hlen("unacked"), r.zcard("unacked_index"), r.hexists(TAKEN, "w8")) == (0, 0, False)
+    assert r.llen("coserve.tiny") == 1 and job_id.encode() in r.lindex("coserve.tiny", -1)  # the next taken
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job_id).status == "dispatched"
+
+
+_HAND_BACK_AND_DIE = """
+import os, signal, sys
+from types import SimpleNamespace
+import redis
+from workers.celery_app import consumer, get_celery
+from workers.gpu_worker import GpuWorker
+from workers.taken import record_deliveries
+
+class HandsBackThenKilled:  # a full GPU worker hands the message back, and is SIGKILLed waiting for room
+    settings = SimpleNamespace(redis_url=sys.argv[1])
+    redis = redis.Redis.from_url(sys.argv[1])
+    worker_id = "w8"
+    handing_back = None
+
+    def accept(self, job_id, priority, queue):
+        GpuWorker._hand_back(self, job_id, queue, priority)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+app = get_celery(sys.argv[1])
+app.coserve_worker = HandsBackThenKilled()
+record_deliveries(HandsBackThenKilled.redis, "w8")  # as run_worker connects it
+consumer(app, [sys.argv[2]], "w8@test").start()
+"""
+
+
+def test_a_message_a_worker_handed_back_before_it_was_killed_is_not_sent_a_second_time(settings, keys):
+    """A full worker hands the message in hand back to the head of its queue and waits for room, the message taken
+    still unacked (late acks), when it is SIGKILLed: the job waits on its queue once. The hand-back forgot the
+    worker's message in hand (``taken.forget``), so the sweep that finds the worker lost does not send the job again
+    from that unacked copy (a second message: a take of the model's workers spent on nothing)."""
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.services.transitions import utcnow
+    from workers.taken import TAKEN
+
+    url, r = settings.sqlalchemy_url, redis.Redis.from_url(settings.redis_url)
+    with session_scope(url) as s:  # lost: its beat a minute old
+        s.add(WorkerState(id="w8", model="tiny", queue="coserve.tiny", device="cpu",
+                          heartbeat_at=utcnow() - timedelta(seconds=60), state={"served": ["tiny"]}))
+    job_id = _taken_by_a_killed_consumer(settings, keys, _HAND_BACK_AND_DIE)
+    assert r.llen("coserve.tiny") == 1 and job_id.encode() in r.lindex("coserve.tiny", -1)  # handed back
+    assert not r.hexists(TAKEN, "w8")
+    with session_scope(url) as s:
+        result = sweep(s, settings.redis_url, resend_after_s=3600, holder_stale_s=30, silent_s=30)
+    assert result.rerouted == 0 and r.llen("coserve.tiny") == 1  # the job waits on its queue once
