@@ -188,6 +188,7 @@ def test_the_heartbeats_abort_of_a_lost_attempt_leaves_the_rerun_leased_here_sin
     rerun = ActiveJob(leases.Lease(job.job_id, 2, worker.worker_id), _request(f"{job.job_id}:2"), job.created_at,
                       in_engine=True)
     worker.active.add(rerun)
+    worker.engine.requests[rerun.request_id] = rerun.request  # in the engine: a reconcile due meanwhile keeps it
     engine_thread.iterate()
     assert worker.engine.calls == [] and worker.active.get(job.job_id) is rerun and rerun.abort_sent_at is None
     worker.abort(job.job_id)  # the API's cancel: whichever attempt runs here
