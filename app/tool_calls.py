@@ -351,7 +351,7 @@ class AnswerStream:
 
 def template_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
     """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
-    them with ``tojson``), and an assistant's thinking as ``reasoning_content`` too, as vLLM's chat parser gives it
+    them with ``tojson``; ``arguments_object``), an empty list of calls as none, and an assistant's thinking as ``reasoning_content`` too, as vLLM's chat parser gives it
     (the older name, which Qwen3's template reads); the content as one text, or (``content_format`` "openai", a
     template that loops over it) as its text parts, a tool's result a text all the same (``content_parts``)."""
     out = []
@@ -359,8 +359,10 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
         m = content_parts(m) if content_format == "openai" else m
         m = {k: v for k, v in m.items() if k != "parts"}
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _object(
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": arguments_object(
                 c["function"]["arguments"])}} for c in m["tool_calls"]]}
+        elif "tool_calls" in m:  # [] or None: vLLM's chat parser drops the key, so the template takes its plain path
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
         if m.get("reasoning") is not None:
             m = {**m, "reasoning_content": m["reasoning"]}
         out.append(m)
@@ -382,8 +384,14 @@ def text_parts(texts: list[str]) -> list[dict[str, str]]:
     return [{"type": "text", "text": text} for text in texts]
 
 
-def _object(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except (ValueError, RecursionError):
+def arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments as a template gets them, as vLLM's chat parser gives them: the JSON object the text
+    holds, and {} for any other text (empty, not JSON, or JSON that is no object), which vLLM takes rather than fail
+    every later turn of the conversation that holds it."""
+    if isinstance(arguments, dict):
         return arguments
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}

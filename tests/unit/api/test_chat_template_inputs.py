@@ -171,3 +171,35 @@ def test_a_messages_parts_are_its_content_as_coserve_joins_them():
     assert ChatMessage(role="user", content="a\nb", parts=["a", "b"]).parts == ["a", "b"]
     assert ChatMessage(role="user", content="", parts=[]).parts == []
     assert ChatMessage(role="user", content="a").parts is None  # as a job stored before parts keeps it
+
+
+# writes each assistant's calls where the message has the key, as Llama 3.1's template does ('tool_calls' in
+# message), with their arguments as JSON (a string would be written quoted)
+CALLS_WRITTEN = ("{%- for message in messages %}<{{ message.role }}>{{ message.content }}"
+                 "{%- if 'tool_calls' in message %}[calls:{%- for c in message.tool_calls %}{{ c.function.name }}"
+                 "{{ c.function.arguments | tojson }}{%- endfor %}]{%- endif %}{%- endfor %}")
+
+
+def _history(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [ASK, {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c["id"], "content": "Sunny"} for c in calls)]
+
+
+@pytest.mark.parametrize("arguments", ["", "{not json", "[1, 2]", '"Oslo"', "42"],
+                         ids=["empty", "not-json", "array", "string", "number"])
+def test_a_history_calls_arguments_that_are_no_object_reach_the_template_as_vllm_gives_them(tok, arguments):
+    # vLLM's chat parser gives a template a mapping for every call's arguments: text that is no JSON object (an
+    # empty one, as clients send for a call without parameters, too) becomes {}; coserve gave the text itself
+    raw = {"model": "tiny", "messages": _history([
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": arguments}}])}
+    ids = coserve_prompt(raw, CALLS_WRITTEN)
+    assert ids == vllm_prompt(tok, raw, CALLS_WRITTEN)
+    assert "[calls:weather{}]" in tok.decode(ids)
+
+
+def test_an_empty_list_of_calls_is_no_calls_to_the_template_as_vllm_gives_it(tok):
+    # vLLM drops an assistant's empty tool_calls, so the template takes its plain path; coserve kept the key
+    raw = {"model": "tiny", "messages": _history([])}
+    ids = coserve_prompt(raw, CALLS_WRITTEN)
+    assert ids == vllm_prompt(tok, raw, CALLS_WRITTEN)
+    assert "[calls:" not in tok.decode(ids)
