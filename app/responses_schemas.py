@@ -175,19 +175,21 @@ def in_responses_terms(exc: OpenAIError) -> OpenAIError:
                        headers=exc.headers)
 
 
-def _content_of(content: Any, where: str) -> str | list[dict[str, str]]:
-    """A message item's content as chat's: a string, or its input_text/output_text parts as chat's text parts (each
-    kept apart, so that the item reads back as it was given; chat joins them for the model, as vLLM does)."""
+def _content_of(content: Any, where: str, field: str = "content") -> str | list[dict[str, str]]:
+    """A message item's content (a call output's ``output``: ``field``) as chat's: a string, or its
+    input_text/output_text parts as chat's text parts (each kept apart, so that the item reads back as it was given;
+    chat joins them for the model, as vLLM does)."""
     if isinstance(content, str):
         return content
+    at = f"{where}.{field}"
     if not isinstance(content, list):
-        raise OpenAIError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+        raise OpenAIError(400, f"{at} must be a string or a list of text parts", param=at)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-            raise OpenAIError(400, f"{where}.content.{j}: only input_text and output_text parts with a text are "
-                                   f"supported (not {kind!r})", param=f"{where}.content.{j}")
+            raise OpenAIError(400, f"{at}.{j}: only input_text and output_text parts with a text are "
+                                   f"supported (not {kind!r})", param=f"{at}.{j}")
         texts.append(part["text"])
     return texts[0] if len(texts) == 1 else text_parts(texts)
 
@@ -225,10 +227,11 @@ def _item_message(item: Any, where: str) -> dict[str, Any]:
         return {"role": "assistant", "content": None, "tool_calls": [chat_call(item)]}
     if kind == "reasoning":  # a reasoning model's earlier thinking, given back
         return {"role": "assistant", "content": None, "reasoning": _reasoning_of(item, where)}
-    if kind == "function_call_output":
-        if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
-            raise OpenAIError(400, f"{where}: a function_call_output has call_id and output (strings)", param=where)
-        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+    if kind == "function_call_output":  # its output a string or text parts, which vLLM's tool message joins
+        if not isinstance(item.get("call_id"), str):
+            raise OpenAIError(400, f"{where}: a function_call_output has a call_id (a string)", param=where)
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": _content_of(item.get("output"), where,
+                                                                                          "output")}
     raise OpenAIError(400, f"{where}.type {kind!r} is not supported; use message, function_call, "
                            "function_call_output or reasoning", param=f"{where}.type", code="unsupported_value")
 
@@ -403,9 +406,11 @@ def input_items(job_id: str, messages: list[dict[str, Any]]) -> list[dict[str, A
     """Chat messages as the Responses API's input items (``input_messages`` read back), each with an id."""
     hexid, out = job_id.removeprefix("job_"), []
     for i, m in enumerate(messages):
-        if m["role"] == "tool":
+        if m["role"] == "tool":  # its output as given: a string, or its text parts
+            output = ([text_part("user", p["text"]) for p in m["content"]] if isinstance(m["content"], list)
+                      else m["content"])
             out.append({"id": f"fco_{hexid}_{i}", "type": "function_call_output", "status": "completed",
-                        "call_id": m.get("tool_call_id"), "output": m["content"]})
+                        "call_id": m.get("tool_call_id"), "output": output})
             continue
         if m["content"] or not m.get("tool_calls"):
             texts = [p["text"] for p in m["content"]] if isinstance(m["content"], list) else [m["content"]]

@@ -283,3 +283,28 @@ def test_the_instructions_first_are_left_out_of_the_history_and_old_rows_read_as
     old_row = [*earlier, {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
     kept = {"instructions": "Be brief.", "input_from": 3}
     assert [m["content"] for m in history_of(old_row, kept, said)] == ["Hi", "Hello", "Weather?", "Sunny."]
+
+
+@pytest.mark.parametrize("template", [BUNDLED, QWEN_TOOLS])
+def test_a_call_output_of_text_parts_is_read_as_vllm_reads_it(tok, templates, template):  # noqa: F811
+    # OpenAI's function_call_output takes its output as a string or a list of parts (the openai SDK's
+    # ResponseFunctionCallOutputItemList); vLLM's tool message reads the text parts joined by a newline. coserve
+    # refused a list: "a function_call_output has call_id and output (strings)"
+    parts = [{"type": "input_text", "text": "sunny"}, {"type": "input_text", "text": "24 degrees"}]
+    raw = {"model": "tiny", "input": [ASK, ROME, {**ROME_OUT, "output": parts}], "tools": TOOLS}
+    body = coserve_request(raw)  # it lists back as it was sent
+    _, spec = body.chat_request(raw, [])
+    kept = body.kept([])
+    own = kept.get("own_input") or [m.stored() for m in spec.messages][kept["input_from"]:]
+    assert input_items("job_ab", own)[-1]["output"] == parts
+    ids = coserve_prompt(raw, templates[template])
+    assert ids == vllm_prompt(tok, raw, templates[template])
+    assert "sunny\n24 degrees" in tok.decode(ids)
+
+
+def test_a_call_output_part_that_is_no_text_is_a_400_naming_it():
+    image = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    raw = {"model": "tiny", "input": [ASK, ROME, {**ROME_OUT, "output": [image]}], "tools": TOOLS}
+    with pytest.raises(OpenAIError) as exc:
+        coserve_request(raw).chat_request(raw, [])
+    assert exc.value.status_code == 400 and exc.value.param == "input.2.output.0"
