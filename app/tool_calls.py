@@ -24,7 +24,6 @@ from app.tool_call_scan import CallScanner, raw_arguments
 from app.tool_syntax import SYNTAXES, RawCall, read_call
 from app.wire import Text
 
-NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 MAX_TOOLS = 128
 ALPHANUMERIC = string.ascii_letters + string.digits
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without parameters takes none
@@ -43,7 +42,9 @@ def forced_choice_unsupported(auto: bool) -> str:
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    name: str = Field(pattern=NAME_PATTERN, description="the function's name (letters, digits, _ and -; 1-64)")
+    # any name, as vLLM's FunctionDefinition takes it (an MCP server's tools are often named server.tool), not
+    # OpenAI's letters, digits, _ and - only
+    name: Text = Field(min_length=1, description="the function's name")
     description: Text | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
     # kept for the chat template, which vLLM gives them to where set
@@ -83,7 +84,7 @@ def template_tools(tools: list[ToolSpec] | None) -> list[dict[str, Any]] | None:
 
 
 class FunctionName(BaseModel):
-    name: str = Field(pattern=NAME_PATTERN)
+    name: Text = Field(min_length=1)  # vLLM refuses an empty name in a named tool_choice
 
 
 class NamedToolChoice(BaseModel):

@@ -58,7 +58,8 @@ def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:
     ({"name": "weather", "description": "Today's weather", "strict": True}, {}),
     ({"name": "weather", "defer_loading": False, "extra": 1}, {}),
     ({"name": "weather"}, {"defer_loading": True}),  # the tool's own, given to its function (as vLLM's validator)
-], ids=["no-description", "strict", "function-defer-loading", "tool-defer-loading"])
+    ({"name": "github.create_issue"}, {}),  # vLLM takes any name (an MCP server's tools are often named so)
+], ids=["no-description", "strict", "function-defer-loading", "tool-defer-loading", "dotted-name"])
 def test_the_tools_reach_the_template_as_vllm_dumps_them(tok, function, tool):
     # vLLM's FunctionDefinition keeps description and parameters where null, and strict and defer_loading where
     # given; a template that writes the tools as JSON counts every one of them

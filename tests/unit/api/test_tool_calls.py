@@ -212,13 +212,28 @@ def test_job_create_checks_the_tools_and_keeps_the_constraint():
         (dict(prompt="x", tools=[WEATHER]), "send messages"),
         (dict(messages=USER, tools=[WEATHER], tool_choice="required", structured_outputs={"choice": ["a"]}),
          "not both"),
-        (dict(messages=USER, tools=[{"type": "function", "function": {"name": "has space"}}]), "pattern"),
+        (dict(messages=USER, tools=[{"type": "function", "function": {"name": ""}}]), "at least 1 character"),
         (dict(messages=USER, tool_choice="auto"), "needs tools"),
         (dict(messages=USER, tools=[WEATHER], tool_choice="maybe"), "tool_choice must be"),
         (dict(messages=USER, tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "maximum": float("nan")}}}]), "not finite")]:
         with pytest.raises(ValidationError, match=words):
             JobCreate(**bad)
+
+
+@pytest.mark.parametrize("name", ["github.create_issue", "weather:today", "get weather", "f" * 80])
+def test_a_function_of_any_name_vllm_takes_is_offered_and_forced(name):
+    # vLLM's FunctionDefinition takes any name (MCP tools are often named server.tool); coserve held names to
+    # OpenAI's ^[A-Za-z0-9_-]{1,64}$ and answered a 400
+    tool = {"type": "function", "function": {"name": name, "parameters": WEATHER["function"]["parameters"]}}
+    named = {"type": "function", "function": {"name": name}}
+    spec = JobCreate(messages=USER, tools=[tool, CLOCK], tool_choice=named)
+    assert spec.sampling(16)["structured_outputs"] == {"json": WEATHER["function"]["parameters"]}
+    required = JobCreate(messages=USER, tools=[tool, CLOCK], tool_choice="required").sampling(16)
+    assert required["structured_outputs"]["json"]["items"]["anyOf"][0]["properties"]["name"] == {
+        "type": "string", "enum": [name]}
+    answer = read_answer("job_n", {"tool_choice": "required"}, json.dumps([{"name": name, "parameters": {}}]), "stop")
+    assert answer.tool_calls[0]["function"]["name"] == name
 
 
 def test_history_with_calls_reaches_the_template_with_arguments_as_objects():
