@@ -70,6 +70,22 @@ def create_key(session: Session, tenant: Tenant, *, tier: str | None = None, is_
     return row, plaintext
 
 
+def admin_key_left(session: Session, *, revoking: str | None = None, disabling: str | None = None) -> bool:
+    """Whether an active admin key of an enabled tenant is left once key ``revoking`` is revoked or tenant
+    ``disabling`` disabled: the rule that keeps the operator from locking themselves out (the admin API and
+    ``coserve keys revoke`` refuse a write that leaves none). Call it inside the write: it locks every active admin
+    key's row and its tenant's until the transaction ends, so on PostgreSQL a second such write (two admins revoking
+    each other's keys, disabling each other's tenants, or one of each) waits for the first's commit and then reads it
+    (SQLite: its write lock serializes them; no FOR UPDATE there). All of them in one order: two such writes never
+    each hold a row the other waits for. FOR NO KEY UPDATE: a key or job inserted for one of these tenants (its
+    foreign key's KEY SHARE) does not wait."""
+    rows = session.execute(select(ApiKey.id, ApiKey.tenant_id, Tenant.disabled).join(
+        Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.is_admin.is_(True), ApiKey.revoked.is_(False))
+        .order_by(ApiKey.id).with_for_update(key_share=True))
+    return any(key_id != revoking and tenant_id != disabling and not disabled
+               for key_id, tenant_id, disabled in rows)
+
+
 _MISS = object()
 _UNKNOWN = object()  # the revocation token could not be read: trust nothing cached
 

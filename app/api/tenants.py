@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
-from app.auth import Principal, announce_revocation, create_key, create_tenant
+from app.auth import Principal, admin_key_left, announce_revocation, create_key, create_tenant
 from app.batch.finalize import cancel_batch
 from app.db.session import write_after_read
 from app.db.models import ApiKey, Batch, Job, JobStatus, Tenant
@@ -75,11 +75,11 @@ def update_tenant_route(tenant_id: str, body: TenantUpdate, request: Request, se
     tenant = session.get(Tenant, tenant_id)
     if tenant is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
-    if body.disabled and tenant_id == admin.tenant_id:
-        raise HTTPException(status.HTTP_409_CONFLICT, "this admin key's own tenant cannot be disabled with it")
     changes = {field: getattr(body, field) for field in body.model_fields_set}
     if changes:
-        with write_after_read(session):  # an UPDATE by key: no read inside the write
+        with write_after_read(session):
+            if body.disabled:
+                refuse_tenant_lockout(session, tenant_id, admin)  # inside the write: two admins disabling each other
             session.execute(update(Tenant).where(Tenant.id == tenant_id).values(**changes))
             session.commit()
     key_cache(request).clear()
@@ -153,18 +153,21 @@ def refuse_admin_lockout(session: Session, key: ApiKey, caller: Principal) -> No
         raise HTTPException(status.HTTP_409_CONFLICT, "an admin key cannot revoke itself: create another admin key "
                             "first (POST /v1/admin/tenants/{tenant_id}/keys with admin: true) and revoke this one "
                             "with it")
-    if not any(key_id != key.id and not disabled for key_id, disabled in _locked_admin_keys(session)):
+    if not admin_key_left(session, revoking=key.id):
         raise HTTPException(status.HTTP_409_CONFLICT, f"{key.id} is the last active admin key: create another admin "
                             "key first (POST /v1/admin/tenants/{tenant_id}/keys with admin: true)")
 
 
-def _locked_admin_keys(session: Session) -> list[tuple[str, bool]]:
-    """Every active admin key (with whether its tenant is disabled), their rows locked until the transaction ends:
-    on PostgreSQL two admins revoking each other's keys at once both found the other's key active; now the second
-    waits, then reads the first's revocation (SQLite: the write lock serializes them; no FOR UPDATE there). All of
-    them, the revoked one among them, in one order: two revocations never each hold a row the other waits for."""
-    return list(session.execute(select(ApiKey.id, Tenant.disabled).join(Tenant, Tenant.id == ApiKey.tenant_id).where(
-        ApiKey.is_admin.is_(True), ApiKey.revoked.is_(False)).order_by(ApiKey.id).with_for_update(of=ApiKey)))
+def refuse_tenant_lockout(session: Session, tenant_id: str, caller: Principal) -> None:
+    """409 where disabling the tenant would lock the operator out: it holds the admin key the request came with, or
+    every other active admin key of an enabled tenant (``admin_key_left``: two admins disabling each other's tenants
+    at once)."""
+    if tenant_id == caller.tenant_id:
+        raise HTTPException(status.HTTP_409_CONFLICT, "this admin key's own tenant cannot be disabled with it")
+    if not admin_key_left(session, disabling=tenant_id):
+        raise HTTPException(status.HTTP_409_CONFLICT, f"tenant {tenant_id} holds the last active admin keys: create "
+                            "an admin key of another tenant first (POST /v1/admin/tenants/{tenant_id}/keys with "
+                            "admin: true)")
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyPublic, responses=responses(404, 409))
