@@ -799,8 +799,9 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
     @keys_app.command("revoke")
     def keys_revoke(key_id: Annotated[str, typer.Argument(help="the key's id (key_...), as `keys create` printed")]
                     ) -> None:
-        """Revoke an API key: every API process answers 401 to it from its next request on."""
-        from app.auth import CACHE_TTL_S, announce_revocation
+        """Revoke an API key: every API process answers 401 to it from its next request on. The last active admin
+        key is refused, as the admin API refuses it: create another admin key first."""
+        from app.auth import CACHE_TTL_S, admin_key_left, announce_revocation
         from app.db.models import ApiKey
         from app.db.session import session_scope
         from app.embedded import recorded_redis_url
@@ -809,6 +810,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             row = s.get(ApiKey, key_id)
             if row is None:
                 stderr.print(f"[red]no API key {escape(repr(key_id))}[/red]")
+                raise typer.Exit(1)
+            if row.is_admin and not row.revoked and not admin_key_left(s, revoking=row.id):
+                stderr.print(f"[red]{escape(key_id)} is the last active admin key: create another admin key first "
+                             "(`coserve keys create --tenant admin --admin`), then revoke this one[/red]")
                 raise typer.Exit(1)
             already, row.revoked = row.revoked, True
         # the API processes check Redis's revocation token on every request: change it (also for a key

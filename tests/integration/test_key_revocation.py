@@ -173,3 +173,21 @@ def test_the_last_active_admin_key_is_never_revoked(keys, db_url, settings):
         with pytest.raises(HTTPException) as refused:
             refuse_admin_lockout(s, s.get(ApiKey, own), caller)
     assert refused.value.status_code == 409 and "last active admin key" in refused.value.detail
+
+
+def test_coserve_keys_revoke_refuses_the_last_active_admin_key_as_the_api_does(keys, db_url, settings, monkeypatch):
+    """`coserve keys revoke` (straight to SQL) revoked the last admin key, which the admin API refuses (409): the
+    operator was locked out of every admin route. Now it refuses too, naming the way out (another admin key first),
+    and revokes the key once there is another."""
+    for name in ("REDIS_URL", "COSERVE_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"COSERVE_DATA_DIR": str(settings.data_dir), "COSERVE_DATABASE_URL": db_url}
+    own = _key_id(db_url, keys.admin)
+    res = CliRunner().invoke(cli, ["keys", "revoke", own], env=env)
+    assert res.exit_code == 1 and "last active admin key" in res.output, res.output
+    assert "coserve keys create" in res.output
+    with session_scope(db_url) as s:
+        assert s.get(ApiKey, own).revoked is False
+    assert CliRunner().invoke(cli, ["keys", "create", "--tenant", "ops", "--admin"], env=env).exit_code == 0
+    res = CliRunner().invoke(cli, ["keys", "revoke", own], env=env)
+    assert res.exit_code == 0 and "revoked" in res.output, res.output
