@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from app.bounds import BATCHES_PAGE_MAX, RUNS_PAGE_MAX
+from app.cli.interruptible import interruptible
 from app.cli.options import AsJson, Key, Tier, Url, given_beside, in_path
 from app.cli.output import (
     Console,
@@ -78,7 +79,7 @@ class Api:
         give_up, pause = time.monotonic() + (PATIENCE_S if patient else 0.0), 1.0
         while True:
             try:
-                r = self.http.request(method, path, **kw)
+                r = interruptible(lambda: self.http.request(method, path, **kw))
                 break
             except httpx.HTTPError as exc:
                 if time.monotonic() + pause > give_up:

@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.bounds import JOBS_PAGE_MAX, MAX_RATE
+from app.cli.interruptible import interruptible
 from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite, vllm_flags
 from app.cli.output import (
     Console,
@@ -140,7 +141,8 @@ def _where_up_saves_keys() -> str:
 def _answer(method: str, url: str, key: str, path: str, **kw: Any) -> httpx.Response:
     """The API's answer, whatever its status; an API that cannot be reached stops the command (exit 2)."""
     try:
-        return httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
+        return interruptible(lambda: httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"},
+                                                   timeout=30, **kw))
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         stderr.print(f"[red]cannot reach {escape(url)}: {escape(str(exc))}[/red] (is `coserve up` running?)")
         raise typer.Exit(2) from exc

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from sqlalchemy import update
@@ -17,6 +23,7 @@ from app.cli.service_cmds import http_url
 from app.credentials import ensure_credentials
 from app.db.models import ApiKey
 from app.db.session import session_scope
+from tests.conftest import ROOT, wait_for
 
 
 def test_up_refuses_a_port_another_server_holds_before_starting_anything(tmp_path):
@@ -213,8 +220,6 @@ def test_a_client_command_outside_the_servers_directory_says_where_it_looked_for
 def test_a_child_that_dies_at_start_up_leaves_its_last_words_for_coserve_up_to_show(tmp_path):
     """`coserve up --model /nowhere` said only "worker exited during start-up; see data/logs": the reason (the
     exception a real child process printed last) is what it shows now, from this run's part of the log alone."""
-    import sys
-
     from app.embedded import Supervisor
 
     log = tmp_path / "worker.log"
@@ -245,31 +250,38 @@ def test_a_followed_run_is_said_to_end_as_it_did():
     assert "cancelled" in run_ending({"status": "cancelling"}, -1.0)
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["summarize", "--cancel", "sum_x"], "the server may cancel run sum_x anyway: `coserve summarize --list` shows"),
-    (["batch", "create", "{tmp}/in.jsonl"], "the server may make the batch anyway: `coserve batch list` shows"),
-    (["batch", "cancel", "batch_x"], "may cancel batch batch_x anyway: `coserve batch status batch_x` shows"),
-    (["submit", "hi"], "the server may queue the job anyway: `coserve jobs` shows"),
-    (["cancel", "job_x"], "the server may cancel job job_x anyway: `coserve status job_x` shows")],
-    ids=["summarize-cancel", "batch-create", "batch-cancel", "submit", "cancel"])
-def test_ctrl_c_while_a_request_that_makes_or_stops_work_waits_says_it_may_be_done_anyway(tmp_path, args, says):
-    """Ctrl-C while the server had not answered a cancel (`summarize --cancel` waits minutes by design), an upload or
-    a start: the command exited 130 without a word, the operator left not knowing whether the run goes on being
-    cancelled or the batch or job was made. The server here has the request and does not answer yet."""
-    import signal
-    import subprocess
-    import sys
+CTRL_C_SAYS = {  # a command that makes or stops work, and what its Ctrl-C says the server may do anyway
+    "summarize-cancel": (["summarize", "--cancel", "sum_x"],
+                         "the server may cancel run sum_x anyway: `coserve summarize --list` shows"),
+    "batch-create": (["batch", "create", "{tmp}/in.jsonl"],
+                     "the server may make the batch anyway: `coserve batch list` shows"),
+    "batch-cancel": (["batch", "cancel", "batch_x"],
+                     "may cancel batch batch_x anyway: `coserve batch status batch_x` shows"),
+    "submit": (["submit", "hi"], "the server may queue the job anyway: `coserve jobs` shows"),
+    "cancel": (["cancel", "job_x"], "the server may cancel job job_x anyway: `coserve status job_x` shows")}
+# the CLI run with a thread that, given a line on stdin, trips SIGINT in itself: Python's handler then waits for the
+# main thread, as it does for a Ctrl-C that came just before the main thread went to sleep on the answer
+TRIPS_SIGINT = """import runpy, signal, sys, threading
+def trip():
+    sys.stdin.readline()
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+threading.Thread(target=trip, daemon=True).start()
+runpy.run_module("app.cli", run_name="__main__")
+"""
 
-    from tests.conftest import ROOT
 
+@contextmanager
+def _cli_waiting_on_a_silent_server(tmp_path, args: list[str], python: list[str]) -> Iterator[subprocess.Popen]:
+    """``coserve ARGS`` (run by ``python``, its argv before them) once the request reached a server that read it and
+    does not answer. Its SIGINT as a shell's Ctrl-C finds it, whatever the test process ignores."""
     (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
                                        '"body": {"messages": [{"role": "user", "content": "x"}]}}\n')
-    with socket.socket() as silent:  # accepts the connection and reads the request, never answers
+    with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *(a.format(tmp=tmp_path) for a in args),
-                                 "--url", url, "--key", "k"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([*python, *(a.format(tmp=tmp_path) for a in args), "--url", url, "--key", "k"],
+                                cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "300",
                                                              "COSERVE_DATA_DIR": str(tmp_path)},
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -279,10 +291,44 @@ def test_ctrl_c_while_a_request_that_makes_or_stops_work_waits_says_it_may_be_do
             conn.settimeout(60)
             with conn:
                 assert conn.recv(65536).startswith(b"POST "), "the command sent no request"
-                proc.send_signal(signal.SIGINT)
-                out, err = proc.communicate(timeout=60)
+                yield proc
         finally:
             proc.kill()
-    said = " ".join(err.split())
+            proc.communicate()
+
+
+def _said_may_be_done_anyway(proc: subprocess.Popen, says: str) -> None:
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and out == "" and "Traceback" not in err, (out, err)
-    assert says in said, err
+    assert says in " ".join(err.split()), err
+
+
+@pytest.mark.parametrize(("args", "says"), CTRL_C_SAYS.values(), ids=CTRL_C_SAYS.keys())
+def test_ctrl_c_while_a_request_that_makes_or_stops_work_waits_says_it_may_be_done_anyway(tmp_path, args, says):
+    """Ctrl-C while the server had not answered a cancel (`summarize --cancel` waits minutes by design), an upload or
+    a start: the command exited 130 without a word, the operator left not knowing whether the run goes on being
+    cancelled or the batch or job was made. The server here has the request and does not answer yet."""
+    with _cli_waiting_on_a_silent_server(tmp_path, args, [sys.executable, "-m", "app.cli"]) as proc:
+        proc.send_signal(signal.SIGINT)
+        _said_may_be_done_anyway(proc, says)
+
+
+# requests of batch_cmds' Api that wait a minute (`batch cancel`) or ten (`summarize --cancel`) for their answer, no
+# less than the wait below (`submit` and `cancel` give up after 30 s and then act on the Ctrl-C, only late)
+@pytest.mark.parametrize("command", ["batch-cancel", "summarize-cancel"])
+def test_a_ctrl_c_that_comes_as_the_command_goes_to_sleep_on_the_answer_is_acted_on(tmp_path, command):
+    """A SIGINT that came after Python's last look for one and before the main thread slept in the socket's poll()
+    (a loaded machine preempts a process just there) only marked the signal: the command slept on to the request's
+    timeout, a minute, before the Ctrl-C stopped it (CI: the Ctrl-C test above timed out). Here the main thread
+    sleeps on the answer when the SIGINT is marked, in another thread, which leaves that sleep as it was."""
+    args, says = CTRL_C_SAYS[command]
+    with _cli_waiting_on_a_silent_server(tmp_path, args, [sys.executable, "-c", TRIPS_SIGINT]) as proc:
+        wait_for(lambda: _asleep(proc.pid), 60, "the command to sleep on the answer", interval=0.01)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        _said_may_be_done_anyway(proc, says)
+
+
+def _asleep(pid: int) -> bool:
+    """The process's main thread sleeps in the kernel (its state in /proc, after the command's name)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
