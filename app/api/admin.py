@@ -429,7 +429,7 @@ def _tenant_names(session, tenant_ids: set[str]) -> dict[str, str]:
 
 def _run_row(run: SummarizationRun, progress: summarize_store.Progress, tenants: dict[str, str]) -> dict[str, Any]:
     """``progress``: the run's (``summarize_store.page_progress``: a live run's jobs_done as of now)."""
-    return {**progress.as_dict(), "deadline_at": utc_z(progress.deadline_at), "tenant_id": run.tenant_id,
+    return {**progress.as_dict(), "tenant_id": run.tenant_id,
             "tenant": tenants.get(run.tenant_id), "tier": run.tier, "created_at": utc_z(as_utc(run.created_at)),
             "finished_at": utc_z(as_utc(run.finished_at)) if run.finished_at else None}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from datetime import datetime, timedelta
+from datetime import timedelta
 from functools import partial
 from typing import Annotated, Any
 
@@ -26,7 +26,7 @@ from app.services.jobs import JobValidationError, resolve_model, resolve_tier
 from app.services.transitions import utcnow
 from app.summarize import driver, service, store
 from app.summarize.documents import Document
-from app.wire import SecondsOrWindow, Text, utc_z
+from app.wire import SecondsOrWindow, Text
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         request.app.state.run_drivers.drive(settings, progress.id)
     else:
         response.status_code = status.HTTP_200_OK
-    return _utc_z(progress.as_dict())
+    return progress.as_dict()
 
 
 def _digest(body: SummarizeCreate) -> str:
@@ -124,14 +124,7 @@ def list_runs(session: SessionDep, principal: CurrentPrincipal,
     except pagination.UnknownCursor as exc:
         raise unprocessable(exc.says("after", "summarization runs"), "query", "after") from None
     progress = store.page_progress(session, rows[:limit])
-    return list_page(rows, None, limit, lambda run: _utc_z(progress[run.id].as_dict()))
-
-
-def _utc_z(state: dict) -> dict:
-    # the run keeps its deadline as Python's isoformat ("+00:00"); every response writes UTC with a 'Z'
-    if isinstance(state.get("deadline_at"), str):
-        state["deadline_at"] = utc_z(datetime.fromisoformat(state["deadline_at"]))
-    return state
+    return list_page(rows, None, limit, lambda run: progress[run.id].as_dict())
 
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # new_id's shape; anything else (a NUL, a path) names no run
@@ -146,7 +139,7 @@ def _own(settings, principal, run_id: str, with_results: bool = False) -> store.
 
 @router.get("/{run_id}", responses=responses(404))
 def get_run(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) -> dict:
-    return _utc_z(_own(settings, principal, run_id).progress.as_dict())
+    return _own(settings, principal, run_id).progress.as_dict()
 
 
 @router.post("/{run_id}/cancel", responses=responses(404, 409))
@@ -161,7 +154,7 @@ def cancel_run(run_id: str, principal: CurrentPrincipal, settings: SettingsDep) 
     progress = _own(settings, principal, run_id).progress
     if not cancelled:
         raise HTTPException(status.HTTP_409_CONFLICT, f"the run already ended ({progress.status})")
-    return _utc_z(progress.as_dict())
+    return progress.as_dict()
 
 
 @router.get("/{run_id}/results", response_class=Response,

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple, Protocol
 
 from app.summarize.documents import Document
+from app.wire import utc_z
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +303,7 @@ class Progress:
 
     def as_dict(self) -> dict:
         return {"id": self.id, "object": "summarization", "model": self.model, "status": self.status,
-                "reason": self.reason, "deadline_at": self.deadline_at.isoformat(), "documents": self.documents,
+                "reason": self.reason, "deadline_at": utc_z(self.deadline_at), "documents": self.documents,
                 "documents_done": self.documents_done, "documents_failed": self.documents_failed,
                 "jobs_submitted": self.jobs_submitted, "jobs_done": self.jobs_done}
 

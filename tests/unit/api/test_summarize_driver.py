@@ -623,7 +623,8 @@ def test_runs_an_older_version_kept_in_files_are_still_read(settings):
     (folder / "sum_old.jsonl").write_text('{"id": "a", "summary": "S."}\n')
     view = service.view(settings, "sum_old", with_results=True)
     kept = {k: v for k, v in state.items() if k != "tenant_id"}
-    assert view.tenant_id == "ten_1" and view.progress.as_dict() == {**kept, "model": None, "reason": None}
+    assert view.tenant_id == "ten_1" and view.progress.as_dict() == {**kept, "model": None, "reason": None,
+                                                                     "deadline_at": "2030-01-01T00:00:00Z"}
     assert view.results == b'{"id": "a", "summary": "S."}\n'
     assert service.view(settings, "sum_nope") is None
 
