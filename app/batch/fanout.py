@@ -23,7 +23,7 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import line_numbers_path, maybe_finalize, result_file
+from app.batch.finalize import invalid_path, line_numbers_path, maybe_finalize, result_file
 from app.batch.objects import REFUSED_LINE, invalid_line, unrun_line
 from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
@@ -47,10 +47,6 @@ def batch_dir(data_dir: Path, batch_id: str) -> Path:
     path = Path(data_dir) / "batches" / batch_id
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def invalid_path(data_dir: Path, batch_id: str) -> Path:
-    return Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
 
 
 def start_batch(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None = None) -> None:

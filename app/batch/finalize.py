@@ -10,6 +10,7 @@ once ``STALLED_AFTER`` has passed.
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import math
@@ -52,9 +53,27 @@ def stalled_or_open():  # noqa: ANN201 - a SQL condition
                and_(Batch.status == "finalizing", Batch.finalizing_at <= utcnow() - STALLED_AFTER))
 
 
-def _invalid_lines(data_dir: Path, batch_id: str) -> list[str]:
-    path = Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
-    return path.read_text().splitlines() if path.exists() else []
+def invalid_path(data_dir: Path, batch_id: str) -> Path:
+    return Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
+
+
+def _refused_count(data_dir: Path, batch_id: str) -> int:
+    """How many lines the validation refused (its invalid.jsonl's lines, counted as read)."""
+    path = invalid_path(data_dir, batch_id)
+    if not path.exists():
+        return 0
+    with path.open("rb") as lines:
+        return sum(1 for _ in lines)
+
+
+def refused_lines(data_dir: Path, batch_id: str) -> Iterator[str]:
+    """The error lines of the lines the validation refused, in input order, read a line at a time."""
+    path = invalid_path(data_dir, batch_id)
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8", newline="\n") as lines:
+        for text in lines:
+            yield text.removesuffix("\n")
 
 
 def line_numbers_path(data_dir: Path, batch_id: str) -> Path:
@@ -150,14 +169,16 @@ def _output_lines(session: Session, batch_id: str) -> Iterator[str]:
             yield json.dumps(output_line(line))
 
 
-def _error_lines(session: Session, data_dir: Path, batch: Batch, invalid: list[str]) -> list[str]:
-    """The error file's lines in input order, as read beside it: the refused lines and the requests that failed,
-    each with its first failed choice (only failed jobs are read: no answer is)."""
+def _error_lines(session: Session, data_dir: Path, batch: Batch) -> Iterator[str]:
+    """The error file's lines in input order, as read beside it: the refused lines (by line number) and the requests
+    that failed (in their jobs' order, as the output file's), each with its first failed choice, merged as they are
+    read (only failed jobs are read: no answer is)."""
     line_number = _input_order(data_dir, batch.id)
-    failed = [(_refused_line_number(text), text) for text in invalid]
-    failed += [(line_number(line[0].custom_id), json.dumps(job_error_line(line[0], batch.expires_at)))
-               for line in requests(session, batch.id, Job.status != JobStatus.SUCCEEDED.value)]
-    return [text for _, text in sorted(failed, key=lambda pair: pair[0])]
+    refused = ((_refused_line_number(text), text) for text in refused_lines(data_dir, batch.id))
+    failed = ((line_number(line[0].custom_id), json.dumps(job_error_line(line[0], batch.expires_at)))
+              for line in requests(session, batch.id, Job.status != JobStatus.SUCCEEDED.value))
+    for _, text in heapq.merge(refused, failed, key=lambda pair: pair[0]):  # a tie: the refused line first
+        yield text
 
 
 def _outran_window(session: Session, batch: Batch) -> bool:
@@ -167,12 +188,12 @@ def _outran_window(session: Session, batch: Batch) -> bool:
         return any(outran_window(job, batch.expires_at) for job in jobs)
 
 
-def result_files(session: Session, data_dir: Path, batch: Batch, invalid: list[str]) -> dict[str, File]:
+def result_files(session: Session, data_dir: Path, batch: Batch) -> dict[str, File]:
     """The batch's output and error files (their contents written a line at a time; their rows the caller's to add)
     by the batch's column that names each, less one that would be empty."""
     made = ((key, result_file(data_dir, batch, name, lines))
             for key, name, lines in (("output_file_id", "output", _output_lines(session, batch.id)),
-                                     ("error_file_id", "error", _error_lines(session, data_dir, batch, invalid))))
+                                     ("error_file_id", "error", _error_lines(session, data_dir, batch))))
     return {key: row for key, row in made if row is not None}
 
 
@@ -217,8 +238,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
         # and the sweeper's call here stops them (a live cancel's remaining chunks find them ended: guarded updates)
         stop_jobs(session, batch_id, JobStatus.CANCELLED, "cancelled with its batch", redis_url)
         counts = _counts(session, batch_id)
-    invalid = _invalid_lines(data_dir, batch_id)
-    completed, failed = counts.completed, len(invalid) + counts.failed
+    completed, failed = counts.completed, _refused_count(data_dir, batch_id) + counts.failed
     session.commit()
     if counts.pending:
         if (completed, failed) != (batch.completed, batch.failed):
@@ -242,7 +262,7 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
     # concurrent caller, the worker's sweeper or another poll, may have expired them between our reads), and as
     # their error lines say: a job the scheduler gave up on inside the window is the server's failure, not the window's
     expired = window_over and _outran_window(session, batch)
-    files = result_files(session, data_dir, batch, invalid)
+    files = result_files(session, data_dir, batch)
     # an error file the validation gave a batch cancelled while validating, while this finalized it, is kept: it knows
     # the lines this one may have read before they were written (fanout._end_cancelled)
     values: dict = {key: func.coalesce(getattr(Batch, key), row.id) if key == "error_file_id" else row.id

@@ -192,3 +192,40 @@ def test_a_fan_in_never_holds_its_output_file_whole_in_memory(client, keys, sett
     assert [line["custom_id"] for line in lines] == [f"c{i}" for i in range(count)]
     assert {line["response"]["body"]["choices"][0]["text"] for line in lines} == {answer}
     assert peak < len(text) / 3, f"{peak} bytes allocated at the peak of a {len(text)}-byte output file's fan-in"
+
+
+def test_a_fan_in_never_holds_its_error_file_whole_in_memory(client, keys, settings):
+    """A batch whose lines mostly fail: the fan-in read its refused lines whole (the file's text and a list of its
+    lines), built every failed request's error line beside them, then a sorted copy of them all: several copies of
+    an error file that may be as large as an output file. It reads both a line at a time now, in input order (the
+    refused lines by number, the failed requests in their jobs' order): its peak is a chunk's, well under the file's
+    size. The lines interleave in input order as before, and count as before."""
+    import tracemalloc
+
+    count, reason = 3000, "word " * 100  # about 7 MiB of error lines: every even line refused, every odd one failed
+    good, refused_url = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}, "/v1/" + "x" * 4000
+    text = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "body": good,
+                                 "url": refused_url if i % 2 == 0 else "/v1/completions"}) for i in range(count))
+    auth = Keys.header(keys.paid)
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
+    batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                              "completion_window": "24h"}).json()["id"]
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.execute(update(Job).where(Job.batch_id == batch_id).values(
+            status="failed", error=reason, finished_at=utcnow(), settled_at=utcnow()))
+        s.commit()
+    tracemalloc.start()
+    try:
+        with session_scope(settings.sqlalchemy_url) as s:
+            assert maybe_finalize(s, batch_id, settings.data_dir, None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    batch = _read(client, keys, batch_id)
+    assert (batch.status, batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed,
+            batch.output_file_id) == ("completed", count, 0, count, None), batch
+    errors = client.get(f"/v1/files/{batch.error_file_id}/content", headers=auth).text
+    lines = [json.loads(line) for line in errors.splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"c{i}" for i in range(count)]
+    assert [line["error"]["code"] for line in lines[:2]] == ["invalid_url", "request_failed"], lines[:2]
+    assert peak < len(errors) / 3, f"{peak} bytes allocated at the peak of a {len(errors)}-byte error file's fan-in"
