@@ -24,7 +24,7 @@ from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
 from app.batch.finalize import invalid_path, line_numbers_path, maybe_finalize, result_file
-from app.batch.objects import REFUSED_LINE, invalid_line, unrun_line
+from app.batch.objects import invalid_line, unrun_line
 from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
@@ -107,28 +107,26 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
         chunks = fan.job_rows(lines, dispatched_at)
         staged = write_staged(url, chunks, mine, lambda s: s.scalar(
             select(Batch.status).where(Batch.id == batch_id)) == "validating")
-        for _ in chunks:  # cancelled while staging: the rest is not written, but each line is still counted
-            pass
+        fan.count(lines)  # cancelled while staging: the rest is not written, but each line is still counted
     file_errors = (parsed.file_errors if parsed is not None else []) + fan.duplicate_errors()
     if file_errors:
         _fail_validation(url, batch_id, file_errors, fan.total)
         return
-    invalid = [invalid_line(i.line_no, i.custom_id, i.code, i.message)
-               for i in sorted(fan.invalid, key=lambda i: i.line_no)]
-    path = invalid_path(settings.data_dir, batch_id)
     batch_dir(settings.data_dir, batch_id)
-    path.write_text("".join(json.dumps(r) + "\n" for r in invalid))
+    with invalid_path(settings.data_dir, batch_id).open("w") as out:  # written as made, in input order
+        out.writelines(text + "\n" for _, text in fan.refused_lines())
     numbers = {cid: line_no for line_no, cid in fan.requested}  # the error file lists its lines in input order
     line_numbers_path(settings.data_dir, batch_id).write_text(json.dumps(numbers))
-    ok = staged and _start_staged(url, batch_id, tenant_id, mine, fan, dispatched_at, len(invalid))
+    ok = staged and _start_staged(url, batch_id, tenant_id, mine, fan, dispatched_at, len(fan.invalid))
     if ok is None:
         return
     if not ok:
-        unrun = [] if endpoint == MESSAGES else [unrun_line(line_no, cid) for line_no, cid in fan.requested]
-        failed = sorted(invalid + unrun, key=lambda r: r["id"].removeprefix(REFUSED_LINE).zfill(12))
-        _end_cancelled(settings, batch_id, fan.total, [json.dumps(r) for r in failed])
+        unrun = [] if endpoint == MESSAGES else fan.requested  # a message batch's are in neither (_end_cancelled)
+        failed = heapq.merge(fan.refused_lines(), ((line_no, json.dumps(unrun_line(line_no, cid)))
+                                                   for line_no, cid in unrun), key=lambda pair: pair[0])
+        _end_cancelled(settings, batch_id, fan.total, len(fan.invalid) + len(unrun), (text for _, text in failed))
         return
-    log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(fan.sendables), len(invalid))
+    log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(fan.sendables), len(fan.invalid))
     for at in range(0, len(fan.sendables), STAGE_CHUNK):  # a send's messages are built whole: a chunk's at a time
         send_dispatched(settings, fan.sendables[at:at + STAGE_CHUNK])
     if not fan.sendables:
@@ -162,8 +160,7 @@ class FanOut:
                  dispatched_at) -> Iterator[JobRows]:
         jobs: list[dict] = []
         for line in lines:
-            self.total += 1
-            self.custom_ids.append((line.custom_id, line.line_no))
+            self._read(line)
             if isinstance(line, batch_lines.ValidLine):
                 jobs += self._jobs(line)
             else:
@@ -173,6 +170,25 @@ class FanOut:
                 jobs = []
         if jobs:
             yield JobRows.of([(job, f"batch {self.batch_id}") for job in jobs], dispatched_at)
+
+    def count(self, lines: Iterable[batch_lines.ValidLine | batch_lines.InvalidLine]) -> None:
+        """The rest of the lines of a batch cancelled while it fanned out, counted as read: each refused, or a valid
+        one stopped unrun (its jobs are not built: none is to be written)."""
+        for line in lines:
+            self._read(line)
+            if isinstance(line, batch_lines.ValidLine):
+                self.requested.append((line.line_no, line.custom_id))
+            else:
+                self.invalid.append(line)
+
+    def _read(self, line: batch_lines.ValidLine | batch_lines.InvalidLine) -> None:
+        self.total += 1
+        self.custom_ids.append((line.custom_id, line.line_no))
+
+    def refused_lines(self) -> Iterator[tuple[int, str]]:
+        """The refused lines' error lines (their numbers and text), in input order, made one at a time."""
+        for i in self.invalid:  # read in input order
+            yield i.line_no, json.dumps(invalid_line(i.line_no, i.custom_id, i.code, i.message))
 
     def _jobs(self, line: batch_lines.ValidLine) -> list[dict]:
         try:
@@ -199,26 +215,26 @@ class FanOut:
         return next(iter(self.tokens)) if len(self.tokens) == 1 else None
 
 
-def _end_cancelled(settings: Settings, batch_id: str, total: int, failed: list[str]) -> None:
+def _end_cancelled(settings: Settings, batch_id: str, total: int, failed: int, lines: Iterable[str]) -> None:
     """A batch cancelled while validating ran no request: this ends it cancelled, with its event, unless the cancel's
     fan-in did (maybe before its lines were read: it then knew none of them) or is finalizing it now, and either way
-    it counts its lines (``total``, each one failed: refused, or an OpenAI batch's stopped unrun) and gives ``failed``
-    (their error lines) as its error file in place of any that fan-in wrote. A message batch's unrun requests are in
-    neither: its counts and results type them ``canceled``."""
+    it counts its lines (``total``, ``failed`` of them: refused, or an OpenAI batch's stopped unrun) and gives
+    ``lines`` (their error lines, written as they come) as its error file in place of any that fan-in wrote. A
+    message batch's unrun requests are in neither: its counts and results type them ``canceled``."""
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
         batch = s.get(Batch, batch_id)
         # not started meanwhile; a finalizing cancel's fan-in writes no counts after it took the batch
         stopped = (Batch.id == batch_id, Batch.status.in_(("cancelling", "cancelled", "finalizing")),
                    Batch.cancelling_at.is_not(None))
-        s.execute(update(Batch).where(*stopped).values(total=total, failed=len(failed)))
+        s.execute(update(Batch).where(*stopped).values(total=total, failed=failed))
         if failed:
-            _replace_error_file(s, settings, batch, stopped, failed)
+            _replace_error_file(s, settings, batch, stopped, lines)
         if s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling").values(
                 status="cancelled", cancelled_at=utcnow())).rowcount:
             batch_ended(s, batch.tenant_id, batch.endpoint, "cancelled", batch_id)
 
 
-def _replace_error_file(session, settings: Settings, batch: Batch, stopped: tuple, lines: list[str]) -> None:
+def _replace_error_file(session, settings: Settings, batch: Batch, stopped: tuple, lines: Iterable[str]) -> None:
     """``lines`` as the stopped batch's error file, the one a cancel's fan-in gave (its refused lines alone, or
     fewer) deleted; a finalizing fan-in keeps it (``maybe_finalize`` sets no error file over one set meanwhile)."""
     before = batch.error_file_id

@@ -270,3 +270,33 @@ def test_a_fan_out_never_holds_its_input_file_whole_in_memory(client, keys, sett
         assert s.scalars(select(Job.custom_id).where(Job.batch_id == batch["id"]).order_by(Job.created_at)).all() \
             == [f"c{i}" for i in range(count)]
     assert peak < size, f"{peak} bytes allocated at the peak of a {size}-byte input file's fan-out"
+
+
+def test_a_batch_cancelled_while_it_fans_out_counts_its_remaining_lines_without_building_their_jobs(
+        client, keys, settings, monkeypatch):
+    """The fan-out built the jobs of every line left after a cancel (each tokenized, its row's values and what is
+    sent of it), only to count them. It counts them now as read, each a refused line or one stopped unrun, as
+    before: the batch's counts and error file say the same, in input order."""
+    built = []
+    real_line_jobs = fanout._line_jobs
+    monkeypatch.setattr(fanout, "_line_jobs", lambda *args: built.append(args[2].custom_id) or real_line_jobs(*args))
+
+    def cancel():
+        batch_id, _ = _only_batch(settings)
+        client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
+
+    _between_chunks(monkeypatch, cancel)  # chunks of 2 jobs: cancelled once the first is written
+    good = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": good})
+             for i in range(8)]
+    lines[5] = "{not json"
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", "\n".join(lines).encode())}).json()
+    batch = client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+    got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
+    assert (got["status"], got["request_counts"]) == ("cancelled", {"total": 8, "completed": 0, "failed": 8}), got
+    errors = client.get(f"/v1/files/{got['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    assert [(line["id"], line["error"]["code"]) for line in map(json.loads, errors.splitlines())] == [
+        (f"batch_req_line_{n}", "invalid_json" if n == 6 else "batch_cancelled") for n in range(1, 9)], errors
+    assert built == ["c0", "c1", "c2", "c3"], built  # the two chunks read before the cancel was seen
