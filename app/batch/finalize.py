@@ -216,6 +216,11 @@ def result_file(data_dir: Path, batch: Batch, name: str, lines: Iterable[str]) -
                     ((line + "\n").encode() for line in chain([first], lines)), lives)
 
 
+def _cancelled_unstarted(batch: Batch) -> bool:
+    """Whether ``batch`` is an OpenAI batch cancelled while validating (a message batch's total is its create's)."""
+    return batch.cancelling_at is not None and batch.in_progress_at is None and batch.endpoint != MESSAGES
+
+
 def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None,
                    redis_url: str | None = None) -> bool:
     """True if this call finalized the batch (wrote its files and set its final status)."""
@@ -251,10 +256,13 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
                 session.commit()
         return False
     mine = utcnow()  # this caller's finalizing, as the batch row holds it
+    # an OpenAI batch cancelled before it started counts what it ended: its total was its validation's to write
+    # (fanout._end_cancelled, later, writes its lines' over these), and one whose validation died wrote none
+    unstarted = {"total": completed + failed} if _cancelled_unstarted(batch) else {}
     with write_guard(session):  # one caller wins; a stalled finalizing is taken over by one caller too
         won = session.execute(update(Batch).where(
             Batch.id == batch_id, Batch.status == batch.status, Batch.finalizing_at == batch.finalizing_at).values(
-            status="finalizing", finalizing_at=mine, completed=completed, failed=failed)).rowcount == 1
+            status="finalizing", finalizing_at=mine, completed=completed, failed=failed, **unstarted)).rowcount == 1
         session.commit()
     if not won:
         return False

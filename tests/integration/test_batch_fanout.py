@@ -300,3 +300,29 @@ def test_a_batch_cancelled_while_it_fans_out_counts_its_remaining_lines_without_
     assert [(line["id"], line["error"]["code"]) for line in map(json.loads, errors.splitlines())] == [
         (f"batch_req_line_{n}", "invalid_json" if n == 6 else "batch_cancelled") for n in range(1, 9)], errors
     assert built == ["c0", "c1", "c2", "c3"], built  # the two chunks read before the cancel was seen
+
+
+def test_a_batch_whose_fan_out_died_before_it_started_is_cancelled_with_counts_that_add_up(client, keys, settings):
+    """A fan-out that died after it had written its jobs staged and its refused lines, before it started the batch
+    (which took its counts with it), then a cancel: the cancel's fan-in counted the refused line failed and left
+    ``total`` as the dead run left it (0): 1 failed of 0 requests. No validation reads the file of a batch cancelled
+    so, so it counts what it ended: total = completed + failed, as every ended batch's (OpenAI's client reads them)."""
+    from openai.types import Batch as OpenAIBatch
+
+    good = json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}})
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", f"{good}\n{{not json\n".encode())}).json()
+    batch = client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+    with session_scope(settings.sqlalchemy_url) as s:  # as its run left it, dead before _start_staged committed
+        s.execute(update(Job).where(Job.batch_id == batch["id"]).values(status=f"{STAGED}-deadbeef"))
+        s.execute(update(Batch).where(Batch.id == batch["id"]).values(
+            status="validating", in_progress_at=None, total=0, completed=0, failed=0, model=None))
+    got = OpenAIBatch.model_validate(client.post(f"/v1/batches/{batch['id']}/cancel",
+                                                 headers=Keys.header(keys.paid)).json())
+    counts = got.request_counts
+    assert got.status == "cancelled" and counts.failed == 1, got  # its refused line, in its error file
+    assert counts.total == counts.completed + counts.failed, counts
+    again = OpenAIBatch.model_validate(client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json())
+    assert again.request_counts == counts
