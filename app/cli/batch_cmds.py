@@ -235,9 +235,13 @@ def create(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
         try:
             b = api.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
                                                        "completion_window": window, "tier": tier}).json()
-        except Refused as exc:
-            if exc.response.is_client_error:  # no batch was made: the upload was this command's own
+        except typer.Exit as exc:  # refused (``Refused``), or no answer
+            if isinstance(exc, Refused) and exc.response.is_client_error:  # no batch: the upload was its own
                 _drop_upload(api, f["id"])
+            else:  # a 5xx or no answer: the batch may exist, made of the file, so the file stays
+                stderr.print(f"the batch may or may not have been made from the file {f['id']}: `coserve batch "
+                             f"list` shows your batches; if none was made from it, `coserve files delete {f['id']}` "
+                             "deletes the file")
             raise
     if as_json and not wait:
         print_json(b)

@@ -332,3 +332,53 @@ def test_a_ctrl_c_that_comes_as_the_command_goes_to_sleep_on_the_answer_is_acted
 def _asleep(pid: int) -> bool:
     """The process's main thread sleeps in the kernel (its state in /proc, after the command's name)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
+
+
+@pytest.mark.parametrize("start", ["500", "drop"])
+def test_a_batch_create_whose_start_got_a_5xx_or_no_answer_names_the_uploaded_file_and_how_to_check(tmp_path,
+                                                                                                      start):
+    """A 5xx or a dropped connection on the start (the batch may or may not exist): the command ended with the
+    error alone, the file it had uploaded unnamed; a refused (4xx) start deletes it, this one must not."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked: list[str] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            asked.append(f"POST {self.path}")
+            if self.path == "/v1/batches" and start == "drop":
+                self.close_connection = True  # no answer at all: the socket closes
+                return
+            body = (json.dumps({"id": "file-up1", "object": "file", "bytes": 99}).encode() if self.path == "/v1/files"
+                    else json.dumps({"error": {"message": "internal error", "type": "server_error"}}).encode())
+            self.send_response(200 if self.path == "/v1/files" else 500)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_DELETE(self):  # noqa: N802
+            asked.append(f"DELETE {self.path}")
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+                                       '"body": {"messages": [{"role": "user", "content": "x"}]}}\n')
+    try:
+        res = CliRunner().invoke(cli, ["batch", "create", str(tmp_path / "in.jsonl"), "--key", "k", "--url",
+                                       f"http://127.0.0.1:{server.server_address[1]}"], env={"COLUMNS": "300"})
+    finally:
+        server.shutdown()
+        server.server_close()
+    said = " ".join(res.output.split())
+    assert res.exit_code in (1, 2) and "Traceback" not in said, res.output
+    assert asked == ["POST /v1/files", "POST /v1/batches"], asked  # the file kept: a batch may have been made of it
+    assert "the batch may or may not have been made from the file file-up1" in said, res.output
+    assert "`coserve batch list`" in said and "`coserve files delete file-up1`" in said, res.output
