@@ -14,7 +14,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
 from app import structural_tag
 from app.bounds import MAX_RATE
 from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
-from app.wire import FieldProblem, Text, UtcDatetime
+from app.wire import FieldProblem, NumbersNotBooleans, Text, UtcDatetime
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
 
@@ -161,7 +161,7 @@ class StructuredOutputs(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class JobCreate(BaseModel):
+class JobCreate(NumbersNotBooleans):
     """One generation job: a prompt or chat messages, QoS targets and sampling params."""
 
     # allow_inf_nan: Python's JSON decoder turns NaN/Infinity into floats, which no target,

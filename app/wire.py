@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, Field, StringConstraints, ValidationInfo,
+                      field_validator)
 
 SURROGATE_HINT = ("which is not valid Unicode; send valid UTF-8 text (a JSON \\u escape of a surrogate "
                   "must be a high one followed by a low one, e.g. \\ud83d\\ude00)")
@@ -64,6 +66,38 @@ def finite_or_text(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("must be a finite number of seconds or a window like '2h'")
     return value
+
+
+NOT_A_BOOLEAN = "not true or false"
+
+
+def boolean_for_number(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` holds JSON's true or false where ``annotation`` wants a number: the value itself, an item
+    of a list of numbers or a value of a dict of them. Pydantic's lax mode reads true as 1 and false as 0 (a
+    bool is an int in Python), so ``"max_tokens": true`` was a one-token job; OpenAI refuses it."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return boolean_for_number(value, args[0])
+    if origin in (Union, UnionType):  # a window's ``float | str`` too; ``bool | int`` takes one
+        return bool not in args and any(boolean_for_number(value, a) for a in args if a is not type(None))
+    if origin is list and isinstance(value, list):
+        return any(boolean_for_number(item, args[0]) for item in value)
+    if origin is dict and isinstance(value, dict):
+        return any(boolean_for_number(item, args[1]) for item in value.values())
+    return isinstance(value, bool) and annotation in (int, float)
+
+
+class NumbersNotBooleans(BaseModel):
+    """A request body whose number fields refuse JSON's true/false (``boolean_for_number``), each error naming its
+    field, where pydantic's lax mode took them as 1 and 0 (OpenAI refuses them; the OpenAI routes take them as
+    vLLM's protocol does)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name and boolean_for_number(value, cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"must be a number, {NOT_A_BOOLEAN}")
+        return value
 
 
 # a str field that must be valid Unicode (it is tokenized, stored as UTF-8 and echoed)

@@ -26,7 +26,7 @@ from app.services.jobs import JobValidationError, resolve_model, resolve_tier
 from app.services.transitions import utcnow
 from app.summarize import driver, service, store
 from app.summarize.documents import Document
-from app.wire import SecondsOrWindow, Text
+from app.wire import NumbersNotBooleans, SecondsOrWindow, Text
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class DocumentIn(BaseModel):
         return text
 
 
-class SummarizeCreate(BaseModel):
+class SummarizeCreate(NumbersNotBooleans):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN deadline is no deadline
     documents: list[DocumentIn] = Field(min_length=1, max_length=10_000)
     deadline: SecondsOrWindow = Field("2h", description="window ('30m', '2h', '7d') or seconds from now")

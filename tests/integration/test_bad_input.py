@@ -113,6 +113,31 @@ def test_bad_input_is_a_4xx_naming_the_field_and_commits_nothing(client, keys, s
     assert client.get("/v1/jobs", headers=H(keys.paid)).status_code == 200  # and the list still renders
 
 
+DOC = '"documents": [{"id": "a", "text": "x"}]'
+
+
+@pytest.mark.parametrize("path, raw, field", [
+    ("/v1/summarize", '{%s, "deadline": true}' % DOC, "deadline"),
+    ("/v1/summarize", '{%s, "max_summary_tokens": true}' % DOC, "max_summary_tokens"),
+    ("/v1/summarize", '{%s, "chunk_tokens": true}' % DOC, "chunk_tokens"),
+    ("/v1/summarize", '{%s, "overlap_tokens": false}' % DOC, "overlap_tokens"),
+    ("/v1/jobs", '{"prompt": "hi", "max_tokens": true}', "max_tokens"),
+    ("/v1/jobs", '{"prompt": "hi", "temperature": true}', "temperature"),
+    ("/v1/jobs", '{"prompt": "hi", "ttft_ms": true}', "ttft_ms"),
+    ("/v1/jobs", '{"prompt": "hi", "kind": "batch", "deadline_window_s": true}', "deadline_window_s"),
+    ("/v1/jobs", '{"prompt": "hi", "seed": false}', "seed"),
+    ("/v1/jobs", '{"prompt": "hi", "stop_token_ids": [true]}', "stop_token_ids"),
+    ("/v1/jobs", '{"prompt_token_ids": [5, true]}', "prompt_token_ids"),
+    ("/v1/jobs", '{"prompt": "hi", "logit_bias": {"5": true}}', "logit_bias"),
+])
+def test_a_boolean_for_a_number_is_a_422_naming_the_field(client, keys, settings, path, raw, field):
+    """Pydantic's lax mode read JSON's true as 1 and false as 0: ``"deadline": true`` was a run due in a second,
+    ``"max_tokens": true`` a one-token job (OpenAI refuses a boolean there; vLLM's protocol, and so the OpenAI routes,
+    read it as 1)."""
+    test_bad_input_is_a_4xx_naming_the_field_and_commits_nothing(client, keys, settings, path, raw, 422, field,
+                                                                 "not true or false")
+
+
 # more words than vLLM's VLLM_MAX_NUM_BAD_WORDS (128) token sequences: each with and without a leading space
 MANY_BAD_WORDS = json.dumps([f"word{i}" for i in range(70)])
 
