@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
 from starlette.formparsers import MultiPartParser
 
-from app import structural_tag
+from app import output_constraints
 from app.api import (admin, anthropic_messages, batches, conversations, errors, files, health, jobs, lora,
                      message_batches, metrics, models, openai_compat, prefix_cache, responses, stored_completions,
                      summarize, tenants, tokenize, unserved, usage, webhooks)
@@ -73,8 +73,8 @@ async def lifespan(api: FastAPI):
     except Exception as exc:  # the API still serves reads; submissions will report the problem
         log.warning("could not load the tokenizer of %s at start-up: %s", model, exc)
     settings = api.state.settings
-    if settings.engine_backend == "vllm":  # structural tags are checked (xgrammar compiles them) only for vLLM
-        structural_tag.warm_up()
+    if settings.engine_backend == "vllm":  # constraints are checked (xgrammar compiles them) only for vLLM
+        output_constraints.warm_up()
     try:  # every request would fail on a schema behind this code; /readyz says so too
         if problem := await run_in_threadpool(schema_at_head, settings.sqlalchemy_url):
             log.error("%s", problem)

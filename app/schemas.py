@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from app import structural_tag
+from app import output_constraints
 from app.bounds import MAX_RATE
 from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
 from app.wire import FieldProblem, NumbersNotBooleans, Text, UtcDatetime
@@ -152,8 +152,13 @@ class StructuredOutputs(BaseModel):
             raise ValueError("json holds a number that is not finite (NaN or Infinity); JSON schemas cannot")
         if self.regex is not None and "\x00" in self.regex:
             raise ValueError("regex must not contain a NUL character")
-        if self.structural_tag is not None:
-            structural_tag.check(self.structural_tag)
+        for kind, text in (("regex", self.regex), ("grammar", self.grammar), ("structural_tag", self.structural_tag),
+                           ("json", output_constraints.schema_text(schema) if schema is not None else None)):
+            if text is not None:  # the one given: compiled as vLLM's server compiles it before its engine sees it
+                try:
+                    output_constraints.check(kind, text)
+                except ValueError as exc:
+                    raise FieldProblem(kind, str(exc)) from None
         return self
 
     def fields(self) -> dict[str, Any]:

@@ -2,23 +2,19 @@
 a regex, ...). Accepted as vLLM's OpenAI server takes them, as ``response_format: {"type": "structural_tag", ...}``
 (xgrammar's ``format`` form, or the legacy ``structures``/``triggers`` form) or as ``structured_outputs``'s
 ``structural_tag`` (the same JSON as text), and checked at the API the way vLLM checks them before its engine sees
-them (xgrammar compiles the tag), so that a bad one is the client's 400, not a failed job."""
+them (xgrammar compiles the tag: ``app.output_constraints`` checks it off the event loop), so that a bad one is the
+client's 400, not a failed job."""
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # vLLM's sampling_params: a JSON schema nests at most 64 levels, a structural tag 16 more for its wrappers
-MAX_TAG_NESTING = 64 + 16
-# the outcomes of tags a request checked beforehand (``outcomes``, off the event loop): tag -> check's message or None
-_known: ContextVar[dict[str, str | None] | None] = ContextVar("structural_tag_known", default=None)
+MAX_SCHEMA_NESTING = 64
+MAX_TAG_NESTING = MAX_SCHEMA_NESTING + 16
 
 
 class LegacyTag(BaseModel):
@@ -46,7 +42,7 @@ class TagFormat(BaseModel):
     format: Any
 
 
-def _nesting(value: Any) -> int:
+def nesting(value: Any) -> int:
     """How deep objects and arrays nest in a JSON value (iteratively: a hostile one may nest thousands deep)."""
     deepest, todo = 0, [(value, 1)]
     while todo:
@@ -60,12 +56,7 @@ def _nesting(value: Any) -> int:
 
 def check(text: str) -> None:
     """Raise ValueError saying what to fix where xgrammar cannot compile the structural tag ``text`` (vLLM's
-    validate_xgrammar_grammar: the legacy form where it has ``structures``, else xgrammar's own). A tag checked
-    beforehand in this context (``known``) answers as it did, without compiling again."""
-    if (known := _known.get()) is not None and text in known:
-        if (message := known[text]) is not None:
-            raise ValueError(message)
-        return
+    validate_xgrammar_grammar: the legacy form where it has ``structures``, else xgrammar's own)."""
     if not text:
         raise ValueError("structural_tag is empty; give the structural tag as JSON text")
     try:
@@ -74,7 +65,7 @@ def check(text: str) -> None:
         raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
     if not isinstance(tag, dict):
         raise ValueError("structural_tag must be a JSON object")
-    if _nesting(tag) > MAX_TAG_NESTING:
+    if nesting(tag) > MAX_TAG_NESTING:
         raise ValueError(f"structural_tag nests objects and arrays deeper than {MAX_TAG_NESTING} levels")
     try:
         _compile(tag, text)
@@ -97,21 +88,6 @@ def _compile(tag: dict[str, Any], text: str) -> None:
         xgr.Grammar.from_structural_tag(items, tag["triggers"])
     else:
         xgr.Grammar.from_structural_tag(text)
-
-
-def _import_xgrammar() -> None:
-    try:
-        import xgrammar  # noqa: F401 - imported for its cost only
-    except Exception:  # not installed, or broken: ``check`` says so to the request that needs it
-        pass
-
-
-def warm_up() -> threading.Thread:
-    """Imports xgrammar (about 3 s) in a thread of its own, so that the first request carrying a structural tag
-    does not pay for it (``check`` runs where pydantic validates a body, on the event loop for some routes)."""
-    thread = threading.Thread(target=_import_xgrammar, name="xgrammar-warm-up", daemon=True)
-    thread.start()
-    return thread
 
 
 def of_response_format(fmt: dict[str, Any]) -> str:
@@ -143,26 +119,3 @@ def carried(raw: Any) -> list[str]:
             except ValueError:
                 pass
     return tags
-
-
-def outcomes(tags: list[str]) -> dict[str, str | None]:
-    """``check``'s answer for each tag: its ValueError's message, or None where it compiles (seconds at xgrammar's
-    first import: called in a thread)."""
-    answers: dict[str, str | None] = {}
-    for tag in tags:
-        try:
-            check(tag)
-            answers[tag] = None
-        except ValueError as exc:
-            answers[tag] = str(exc)
-    return answers
-
-
-@contextmanager
-def known(answers: dict[str, str | None]) -> Iterator[None]:
-    """Within it, ``check`` answers these tags from ``answers`` (``outcomes``) instead of compiling them."""
-    token = _known.set(answers)
-    try:
-        yield
-    finally:
-        _known.reset(token)

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from app import request_id, structural_tag
+from app import output_constraints, request_id
 from app.wire import find_unstorable, json_safe, unstorable_message
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,8 @@ class CheckedRoute(APIRoute):
     """Refuses, with a 415, a body but a form's (an upload's) sent without a JSON Content-Type; with a 422 naming the
     field, a NUL character in the path or the query, and a JSON body holding a lone surrogate or a NUL anywhere (in
     a field no model checks too: metadata, tools, a dict key). The body is parsed once: Starlette caches it for the
-    route's own parsing. A structural tag in the body compiles off the event loop (``app.structural_tag.known``)."""
+    route's own parsing. A structured output's constraint in the body compiles off the event loop
+    (``app.output_constraints.known``)."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
@@ -297,10 +298,12 @@ class CheckedRoute(APIRoute):
                     where, char = found
                     raise RequestValidationError([{"type": "string_unicode", "loc": ("body", *where),
                                                    "msg": unstorable_message(char), "input": None}])
-                if tags := structural_tag.carried(body):
-                    # FastAPI validates the body on the event loop: its tags compile here in a thread (seconds at
-                    # xgrammar's first import) and validation reads their outcomes; a body with none hops nowhere
-                    with structural_tag.known(await run_in_threadpool(structural_tag.outcomes, tags)):
+                if constraints := output_constraints.carried(body):
+                    # FastAPI validates the body on the event loop: its constraints compile here in a thread
+                    # (seconds at xgrammar's first import) and validation reads their outcomes; a body with none
+                    # hops nowhere
+                    answers = await run_in_threadpool(output_constraints.outcomes, constraints)
+                    with output_constraints.known(answers):
                         return await handler(request)
             return await handler(request)
 

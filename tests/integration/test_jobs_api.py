@@ -589,6 +589,44 @@ def test_a_structural_tag_xgrammar_cannot_compile_is_a_4xx_saying_why(client, ke
     assert r.status_code == 400 and "vLLM backend" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("constraint, said", [
+    ({"regex": "(unclosed"}, "regex does not compile (Regex parsing error at position 10: The parenthesis is not "),
+    ({"grammar": "root ::= ("}, "grammar does not compile (EBNF parser error at line 1, column 11"),
+    ({"json": {"type": "object", "properties": {"home": {"$ref": "#/$defs/Home"}}}},
+     "json does not compile (Cannot find field $defs in #/$defs/Home)")], ids=["regex", "grammar", "json"])
+def test_a_constraint_vllm_cannot_compile_is_refused_as_it_is_submitted(client, keys, settings, constraint, said):
+    """vLLM's server compiles a regex, grammar or JSON schema before its engine sees the request (xgrammar, then
+    guidance): one neither reads is a 400 at once, a stream's too, not a job that fails on its worker."""
+    settings.backend = "vllm"
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": constraint}, headers=H(keys.paid))
+    assert r.status_code == 422 and said in r.text, r.text
+    (field, _), = constraint.items()
+    assert r.json()["detail"][0]["loc"] == ["body", "structured_outputs", field], r.text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    r = client.post("/v1/chat/completions", json={**chat, "structured_outputs": constraint}, headers=H(keys.paid))
+    assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == f"structured_outputs.{field}", r.text
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "x", "stream": True,
+                                           "structured_outputs": constraint}, headers=H(keys.paid))
+    assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
+    if field == "json":  # OpenAI's forms of a schema: chat's response_format, Responses' text.format
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": constraint["json"]}}
+        r = client.post("/v1/chat/completions", json={**chat, "response_format": fmt}, headers=H(keys.paid))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+        assert said in r.json()["error"]["message"], r.text
+        r = client.post("/v1/responses", json={"model": "tiny", "input": "x", "stream": True, "text": {"format": {
+            "type": "json_schema", "name": "n", "schema": constraint["json"]}}}, headers=H(keys.paid))
+        assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
+
+
+def test_a_constraint_only_guidance_reads_is_taken_as_vllms_auto_backend_takes_it(client, keys, settings):
+    """vLLM's auto backend falls back to guidance where xgrammar refuses a constraint: a regex of a Unicode class,
+    which guidance reads and xgrammar does not, passes to the worker."""
+    settings.backend = "vllm"
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"regex": r"\p{L}+"}}, headers=H(keys.paid))
+    assert r.status_code == 201, r.text
+
+
 _TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
     {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
 
@@ -657,11 +695,11 @@ def _answered_while_compiling(client, keys, settings, monkeypatch, path: str, se
 def test_an_api_on_vllm_imports_xgrammar_at_start_up_not_at_a_request(settings, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from app import structural_tag
+    from app import output_constraints
     from app.main import create_app
 
     warmed = []
-    monkeypatch.setattr(structural_tag, "warm_up", lambda: warmed.append(True))
+    monkeypatch.setattr(output_constraints, "warm_up", lambda: warmed.append(True))
     with TestClient(create_app(settings)):
         assert warmed == []  # the own torch engine constrains nothing: no structural tag is ever compiled
     settings.backend = "vllm"

@@ -1,0 +1,163 @@
+"""A structured output's constraint (a regex, a grammar, a JSON schema or a structural tag) checked at the API as
+vLLM's server checks it before its engine sees it (``SamplingParams._validate_structured_outputs`` under the
+workers' ``auto`` backend: xgrammar, then guidance where xgrammar refuses it), so that one neither can read is the
+client's 400 as it submits, not a job that fails on its worker (after a stream began, or a 201 was answered).
+
+Compiling takes seconds at xgrammar's first import: an API on the vLLM backend imports it as it starts
+(``warm_up``), and the routes compile a body's constraints off the event loop (``carried``, ``outcomes``,
+``known``); a check where neither library is installed passes (the worker's engine judges it then)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from app import structural_tag
+
+# a constraint as the checks key it: (its structured_outputs field, its text; a JSON schema as json.dumps writes it)
+Constraint = tuple[str, str]
+# the outcomes of constraints a request checked beforehand (``outcomes``, off the event loop): check's message or None
+_known: ContextVar[dict[Constraint, str | None] | None] = ContextVar("output_constraints_known", default=None)
+# xgrammar's messages start with where in its C++ they were raised: "[19:23:38] /project/cpp/x.cc:83: "
+_XGRAMMAR_PLACE = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def check(kind: str, text: str) -> None:
+    """Raise ValueError saying what to fix where the ``kind`` constraint (``regex``, ``grammar``, ``json`` or
+    ``structural_tag``) ``text`` compiles under neither of vLLM's backends. A constraint checked beforehand in this
+    context (``known``) answers as it did, without compiling again."""
+    if (known := _known.get()) is not None and (kind, text) in known:
+        if (message := known[(kind, text)]) is not None:
+            raise ValueError(message)
+        return
+    _CHECKS[kind](text)
+
+
+def _check_regex(regex: str) -> None:
+    _refuse_unless_compiled("regex", "a regular expression", lambda xgr: xgr.Grammar.from_regex(regex),
+                            lambda llg: llg.LLMatcher.validate_grammar(llg.grammar_from("regex", regex), None))
+
+
+def _check_grammar(grammar: str) -> None:
+    lark = _likely_lark(grammar)
+    _refuse_unless_compiled(
+        "grammar", "an EBNF grammar with a root rule, or a Lark grammar with a start rule",
+        lambda xgr: xgr.Grammar.from_lark(grammar) if lark else xgr.Grammar.from_ebnf(grammar),
+        lambda llg: llg.LLMatcher.validate_grammar(llg.grammar_from("grammar", grammar), None))
+
+
+def _check_schema(text: str) -> None:
+    if structural_tag.nesting(json.loads(text)) > structural_tag.MAX_SCHEMA_NESTING:  # vLLM's check_json_nesting
+        raise ValueError(f"json nests objects and arrays deeper than {structural_tag.MAX_SCHEMA_NESTING} levels")
+    if "patternProperties" in text:  # guidance cannot read it: vLLM falls back to outlines, which the worker judges
+        return
+    _refuse_unless_compiled(
+        "json", "a JSON schema", lambda xgr: xgr.Grammar.from_json_schema(text),
+        lambda llg: llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(text), None))
+
+
+def _likely_lark(grammar: str) -> bool:
+    """vLLM's ``grammar_is_likely_lark``: no line (comments aside) defines an EBNF rule (``::=``)."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
+
+
+def _refuse_unless_compiled(field: str, what: str, by_xgrammar: Callable[[Any], Any],
+                            by_guidance: Callable[[Any], str]) -> None:
+    """ValueError with xgrammar's reason where neither xgrammar nor guidance (``by_guidance``: its error, "" where
+    none) compiles the constraint, as vLLM's ``auto`` backend refuses it."""
+    try:
+        import llguidance
+        import xgrammar
+    except ImportError:  # an API without vLLM's grammar libraries: the vLLM worker judges it (a bad one is a 400)
+        return
+    try:
+        by_xgrammar(xgrammar)
+        return
+    except Exception as exc:  # xgrammar's parse and conversion errors
+        reason = (_XGRAMMAR_PLACE.sub("", str(exc)).strip().splitlines() or ["xgrammar cannot read it"])[0]
+    try:
+        if not by_guidance(llguidance):
+            return
+    except Exception:  # noqa: BLE001 - guidance cannot read it either (vLLM: "Invalid grammar specification")
+        pass
+    raise ValueError(f"{field} does not compile ({reason}); give {what}")
+
+
+_CHECKS: dict[str, Callable[[str], None]] = {"regex": _check_regex, "grammar": _check_grammar,
+                                             "json": _check_schema, "structural_tag": structural_tag.check}
+
+
+def schema_text(schema: dict[str, Any]) -> str:
+    """A JSON schema as the checks key it."""
+    return json.dumps(schema)
+
+
+def carried(raw: Any) -> list[Constraint]:
+    """The constraints ``check`` would compile for a request body ``raw``: vLLM's ``structured_outputs`` (a regex,
+    grammar, JSON schema or structural tag), OpenAI's json_schema ``response_format`` (chat, completions) or
+    ``text.format`` (Responses), and a structural tag in either (``structural_tag.carried``)."""
+    if not isinstance(raw, dict):
+        return []
+    found = [("structural_tag", tag) for tag in structural_tag.carried(raw)]
+    outputs, text = raw.get("structured_outputs"), raw.get("text")
+    if isinstance(outputs, dict):
+        found += [(kind, value) for kind in ("regex", "grammar") if isinstance(value := outputs.get(kind), str)]
+        schema = outputs.get("json")
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                schema = None
+        if isinstance(schema, dict):
+            found.append(("json", schema_text(schema)))
+    fmt = raw.get("response_format")
+    schemas = [(fmt.get("json_schema") or {}).get("schema") if isinstance(fmt, dict) and isinstance(
+        fmt.get("json_schema"), dict) else None]
+    if isinstance(text, dict) and isinstance(fmt := text.get("format"), dict):
+        schemas.append(fmt.get("schema"))  # Responses' json_schema format holds its schema at its top
+    return found + [("json", schema_text(s)) for s in schemas if isinstance(s, dict)]
+
+
+def outcomes(constraints: list[Constraint]) -> dict[Constraint, str | None]:
+    """``check``'s answer for each constraint: its ValueError's message, or None where it compiles (seconds at
+    xgrammar's first import: called in a thread)."""
+    answers: dict[Constraint, str | None] = {}
+    for kind, text in constraints:
+        try:
+            check(kind, text)
+            answers[(kind, text)] = None
+        except ValueError as exc:
+            answers[(kind, text)] = str(exc)
+    return answers
+
+
+@contextmanager
+def known(answers: dict[Constraint, str | None]) -> Iterator[None]:
+    """Within it, ``check`` answers these constraints from ``answers`` (``outcomes``) instead of compiling them."""
+    token = _known.set(answers)
+    try:
+        yield
+    finally:
+        _known.reset(token)
+
+
+def _import_grammar_libraries() -> None:
+    try:
+        import llguidance  # noqa: F401 - imported for their cost only
+        import xgrammar  # noqa: F401
+    except Exception:  # not installed, or broken: ``check`` passes then, and the worker judges the constraint
+        pass
+
+
+def warm_up() -> threading.Thread:
+    """Imports xgrammar and guidance (seconds) in a thread of its own, so that the first request carrying a
+    constraint does not pay for it (``check`` runs where pydantic validates a body, on the event loop for some
+    routes)."""
+    thread = threading.Thread(target=_import_grammar_libraries, name="xgrammar-warm-up", daemon=True)
+    thread.start()
+    return thread
