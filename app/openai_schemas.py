@@ -295,7 +295,13 @@ UNSUPPORTED_HINTS = {
                            "--trust-request-mm-kwargs)",
     "media_io_kwargs": " (this server takes text only, and vLLM refuses it unless started with "
                        "--trust-request-mm-kwargs)",
-    "verbosity": " (ask for the length you want in the messages, or cap it with max_completion_tokens)"}
+    "verbosity": " (ask for the length you want in the messages, or cap it with max_completion_tokens)",
+    **{f"guided_{kind}": f" (vLLM removed its guided-decoding fields and ignores them, leaving the text unconstrained: "
+                         f"give structured_outputs.{kind}{also} instead)"
+       for kind, also in (("json", ", or response_format json_schema"), ("regex", ""), ("choice", ""),
+                          ("grammar", ""))},
+    "guided_whitespace_pattern": " (vLLM removed its guided-decoding fields and ignores them; a JSON constraint here "
+                                 "takes vLLM's default whitespace)"}
 
 
 class UnsupportedFields(BaseModel):
@@ -349,6 +355,13 @@ class VllmUnsupported(BaseModel):
     # --trust-request-mm-kwargs; coserve takes text only
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
+    # vLLM's removed guided decoding: its server ignores them, so the text goes unconstrained where they asked for a
+    # constraint (its log alone says so); the client hears it here (guided_decoding_backend constrains nothing)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {
         "priority": (None, 0), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
@@ -357,7 +370,9 @@ class VllmUnsupported(BaseModel):
         "logits_processors": (None, []), "vllm_xargs": (None, {}),
         "truncation_side": (None, "left"), "logprob_token_ids": (None, []), "repetition_detection": (None,),
         "watermarking": (None, False), "request_id": (None,), "kv_transfer_params": (None, {}),
-        "ec_transfer_params": (None, {}), "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {})}
+        "ec_transfer_params": (None, {}), "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
+        **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern"),
+                        (None,))}
 
 
 class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):

@@ -257,3 +257,23 @@ def test_an_empty_tools_list_is_refused_on_chat_as_vllm_refuses_it():
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": []}).check()
     assert refused.value.param == "tools" and "leave it out" in refused.value.message, vars(refused.value)
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": None}).check()
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("guided_json", {"type": "object"}, "give structured_outputs.json, or response_format json_schema instead"),
+    ("guided_regex", "[0-9]+", "give structured_outputs.regex instead"),
+    ("guided_choice", ["a", "b"], "give structured_outputs.choice instead"),
+    ("guided_grammar", 'root ::= "a"', "give structured_outputs.grammar instead"),
+    ("guided_whitespace_pattern", " ?", "takes vLLM's default whitespace")])
+def test_vllms_removed_guided_decoding_fields_are_refused_not_left_unconstrained(field, value, said):
+    """vLLM 0.32 removed guided decoding: its server ignores the fields (its log alone says the text goes
+    unconstrained). Here the client hears it, naming what to give instead, a Batch API line too."""
+    for model, body in ((ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+                        (CompletionRequest, {"prompt": "x"})):
+        with pytest.raises(OpenAIError) as refused:
+            model.model_validate({**body, field: value}).check()
+        assert refused.value.param == field and refused.value.code == "unsupported_value", vars(refused.value)
+        assert said in refused.value.message, refused.value.message
+    parsed = parse_file(chat("a", **{field: value}).encode(), "/v1/chat/completions", 3600)
+    assert not parsed.valid and field in parsed.invalid[0].message
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], field: None}).check()
