@@ -16,7 +16,7 @@ from app.bounds import MAX_RATE
 from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
 from app.wire import FieldProblem, NumbersNotBooleans, Text, UtcDatetime
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
-from gpu_runtime.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
+from gpu_runtime.sampling import CONSTRAINT_OPTIONS, LOGIT_BIAS_LIMIT, PENALTY_LIMIT
 
 MAX_TARGET_MS = 3_600_000.0  # a TTFT/TBT target above an hour is a unit mistake
 MAX_WINDOW_S = 30 * 24 * 3600.0
@@ -133,10 +133,15 @@ class StructuredOutputs(BaseModel):
     json_object: Literal[True] | None = Field(None, description="any JSON object")
     structural_tag: Text | None = Field(None, description=(
         "vLLM's structural tag as JSON text: free text until a trigger, then tagged parts under their constraints"))
+    # vLLM's options of the constraint (StructuredOutputsParams' own): its backends read them with a JSON constraint
+    disable_any_whitespace: bool = Field(False, description="JSON without whitespace between its tokens")
+    disable_additional_properties: bool = Field(False, description=(
+        "a JSON schema's objects take no properties it does not name, where it leaves additionalProperties unset"))
+    whitespace_pattern: Text | None = Field(None, description="the regex JSON's whitespace matches")
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutputs:
-        given = list(self.fields())
+        given = [k for k in self.fields() if k not in CONSTRAINT_OPTIONS]
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar, json_object or structural_tag"
                              + (f" (got {', '.join(given)})" if given else ""))
@@ -162,8 +167,9 @@ class StructuredOutputs(BaseModel):
         return self
 
     def fields(self) -> dict[str, Any]:
-        """The one constraint in vLLM's field form, e.g. ``{"json": {...}}`` (what a job's sampling keeps)."""
-        return self.model_dump(by_alias=True, exclude_none=True)
+        """The one constraint in vLLM's field form, e.g. ``{"json": {...}}``, and the options set (what a job's
+        sampling keeps)."""
+        return self.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
 
 
 class JobCreate(NumbersNotBooleans):

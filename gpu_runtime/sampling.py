@@ -34,16 +34,19 @@ THINKING_BUDGET_UNSUPPORTED = ("a thinking budget needs the vLLM backend (COSERV
 STRUCTURED_UNSUPPORTED = ("structured outputs need the vLLM backend (COSERVE_BACKEND=vllm): the own torch engine does "
                           "not constrain its output; leave the output format unset")
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# vLLM's options of a constraint (StructuredOutputsParams' other fields), kept beside it where set
+CONSTRAINT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 @dataclass(frozen=True)
 class OutputConstraint:
     """Structured output: the text must match a JSON schema (``json``), any JSON object (``json_object``), a regular
     expression, one of a list of strings (``choice``), a grammar or a structural tag (vLLM's
-    ``StructuredOutputsParams``, one field)."""
+    ``StructuredOutputsParams``, one field, and its options)."""
 
     kind: str  # one of CONSTRAINT_KINDS
     spec: str  # the schema, choices or structural tag as JSON text, the regex or the grammar ("" for json_object)
+    options: tuple[tuple[str, Any], ...] = ()  # (name, value) of the CONSTRAINT_OPTIONS set, e.g. whitespace off
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:
@@ -52,16 +55,18 @@ class OutputConstraint:
     @classmethod
     def of(cls, fields: dict[str, Any]) -> OutputConstraint:
         """From vLLM's field form, e.g. ``{"json": {...schema...}}`` or ``{"choice": ["yes", "no"]}``."""
-        (kind, value), = fields.items()
+        options = tuple((k, v) for k, v in fields.items() if k in CONSTRAINT_OPTIONS)
+        (kind, value), = ((k, v) for k, v in fields.items() if k not in CONSTRAINT_OPTIONS)
         if kind in ("json", "choice"):
-            return cls(kind, value if isinstance(value, str) else json.dumps(value))
-        return cls(kind, "" if kind == "json_object" else value)
+            return cls(kind, value if isinstance(value, str) else json.dumps(value), options)
+        return cls(kind, "" if kind == "json_object" else value, options)
 
     def fields(self) -> dict[str, Any]:
-        """vLLM's field form (the inverse of ``of``)."""
+        """vLLM's field form (the inverse of ``of``), its options with it."""
         if self.kind == "json_object":
-            return {"json_object": True}
-        return {self.kind: json.loads(self.spec) if self.kind in ("json", "choice") else self.spec}
+            return {"json_object": True, **dict(self.options)}
+        return {self.kind: json.loads(self.spec) if self.kind in ("json", "choice") else self.spec,
+                **dict(self.options)}
 
 
 @dataclass(frozen=True)

@@ -241,3 +241,25 @@ def test_vllms_vocabulary_and_stop_string_options_round_trip():
     assert (old.include_stop_str_in_output, old.allowed_token_ids, old.bad_words) == (False, (), ())
     with pytest.raises(ValueError):
         JobCreate(prompt="x", allowed_token_ids=[])  # an empty vocabulary could generate nothing
+
+
+def test_vllms_options_of_a_constraint_reach_the_engine_beside_it():
+    """vLLM's StructuredOutputsParams takes disable_any_whitespace, disable_additional_properties and
+    whitespace_pattern beside its constraint: the job keeps them and the worker's engine gets them."""
+    from app.openai_schemas import ChatCompletionRequest
+    from gpu_runtime.sampling import SamplingParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    options = {"disable_any_whitespace": True, "disable_additional_properties": True, "whitespace_pattern": " ?"}
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                "structured_outputs": {"json": schema, **options}})
+    req.check()
+    kept = req.job_spec(messages=req.chat_messages()).sampling(8)["structured_outputs"]
+    assert kept == {"json": schema, **options}
+    assert SamplingParams.from_job({"structured_outputs": kept}, 8).structured.fields() == kept
+    unset = req.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                "structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": False}})
+    assert unset.job_spec(messages=unset.chat_messages()).sampling(8)["structured_outputs"] == {"regex": "[0-9]+"}
+    with pytest.raises(ValueError, match="give exactly one of json"):  # options alone constrain nothing (vLLM's too)
+        req.model_validate({"messages": [{"role": "user", "content": "x"}],
+                            "structured_outputs": {"disable_any_whitespace": True}})
