@@ -665,8 +665,6 @@ class ChatCompletionRequest(_Base):
         out = []
         for i, m in enumerate(self.messages):
             role = m.get("role")
-            if role == "developer":
-                role = "system"
             content, texts = m.get("content"), None
             if isinstance(content, list):  # content parts: only text is supported
                 texts = []

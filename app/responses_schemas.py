@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsupported, chat_job, chat_logprobs,
                                 service_tier, usage)
-from app.schemas import JobCreate
+from app.schemas import INSTRUCTION_ROLES, JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
 from app.tool_calls import Answer, FunctionSpec, read_answer, text_parts
@@ -352,10 +352,10 @@ def chat_response_format(fmt: Any) -> dict[str, Any]:
 
 
 def system_input(read: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a response keeps of its input's roles (``system_input``): the role each message a job reads as system
-    was sent with (system or developer), in order, where one was sent as system (a continuing response drops
+    """What a response keeps of its input's roles (``system_input``): the role each instruction message was sent
+    with (system or developer), in order, where one was sent as system (a continuing response drops
     those, ``history_of``); nothing else."""
-    roles = [m["role"] for m in read if m["role"] in ("system", "developer")]
+    roles = [m["role"] for m in read if m["role"] in INSTRUCTION_ROLES]
     return {"system_input": roles} if "system" in roles else {}
 
 
@@ -363,7 +363,7 @@ def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Ans
     """A finished response's conversation, for one that continues it, as vLLM's ``construct_input_messages`` reads
     the messages it stored: without its instructions (OpenAI does not carry them over; at ``instructions_at``, or
     just before its input in a response stored without it) nor its input's system messages (vLLM drops every
-    system message of the previous turn), its developer messages kept (read as system, as chat reads them); each
+    system message of the previous turn), its developer messages kept (as developer, as vLLM keeps them); each
     with its text parts (``_as_sent``), then its answer as the assistant's turn. The turns it continued were read
     so already; a response stored without ``system_input`` keeps its system input."""
     at = kept.get("input_from", 0)
@@ -380,9 +380,10 @@ def history_of(messages: list[dict[str, Any]], kept: dict[str, Any], answer: Ans
 
 def _carried_input(own: list[dict[str, Any]], sent_roles: list[str]) -> list[dict[str, Any]]:
     """A response's own input messages less those sent as system (``sent_roles``: ``system_input``'s, one for each
-    system message in order; truncation never drops one, so they stay in step)."""
+    system or developer message in order, a row stored before jobs kept the developer role having read each as
+    system; truncation never drops one, so they stay in step)."""
     roles = iter(sent_roles)
-    return [m for m in own if m["role"] != "system" or next(roles, "developer") != "system"]
+    return [m for m in own if m["role"] not in INSTRUCTION_ROLES or next(roles, "developer") != "system"]
 
 
 def _as_sent(message: dict[str, Any]) -> dict[str, Any]:

@@ -50,8 +50,12 @@ def _is_token_id(value: Any) -> bool:
     return True
 
 
+INSTRUCTION_ROLES = ("system", "developer")  # the messages that instruct the model (truncation keeps them)
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description=(
+        "developer: as OpenAI's, instructions that the chat template is given as such (vLLM's role as sent)"))
     content: Text
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls (its history)")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")

@@ -352,10 +352,11 @@ class AnswerStream:
 
 def template_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
     """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
-    them with ``tojson``; ``arguments_object``), an empty list of calls as none, and an assistant's thinking as
-    ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's template reads); the
-    content as one text, or (``content_format`` "openai", a template that loops over it) as its text parts, a tool's
-    result a text all the same (``content_parts``)."""
+    them with ``tojson``; ``arguments_object``), an empty list of calls as none, an assistant's thinking as
+    ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's template reads), and a
+    developer message with ``tools`` (None: vLLM's parser gives it the message's own, which coserve's messages have
+    none of); the content as one text, or (``content_format`` "openai", a template that loops over it) as its text
+    parts, a tool's result a text all the same (``content_parts``)."""
     out = []
     for m in messages:
         m = content_parts(m) if content_format == "openai" else m
@@ -367,6 +368,8 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
             m = {k: v for k, v in m.items() if k != "tool_calls"}
         if m.get("reasoning") is not None:
             m = {**m, "reasoning_content": m["reasoning"]}
+        if m["role"] == "developer":
+            m = {**m, "tools": None}
         out.append(m)
     return out
 

@@ -36,9 +36,9 @@ def kept_fields(metadata: dict[str, str] | None, choices: int,
 
 
 def sent_message(message: Any) -> dict[str, Any]:
-    """What a job's chat messages lose of a message as sent: its role (a developer's reads system), its content
-    parts (read joined), as OpenAI's ``content_parts`` (null where the content was a string), and a null content (an
-    assistant's with only tool calls, read "")."""
+    """What a job's chat messages lose of a message as sent: its role (a developer's read system in a job stored
+    before jobs kept it), its content parts (read joined), as OpenAI's ``content_parts`` (null where the content was
+    a string), and a null content (an assistant's with only tool calls, read "")."""
     message = message if isinstance(message, dict) else {}
     content = message.get("content")
     parts = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from app.schemas import JobCreate
+from app.schemas import INSTRUCTION_ROLES, JobCreate
 from app.services.model_info import ChatTemplateError, context_length, encode_input
 from app.services.workers import held_context_length
 from app.settings import Settings
@@ -62,7 +62,7 @@ def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[J
 
     kept = list(range(len(messages)))
     answered = messages[-1].tool_call_id if messages else None  # the call the newest message answers stays too
-    droppable = [i for i in kept[:-1] if messages[i].role != "system"
+    droppable = [i for i in kept[:-1] if messages[i].role not in INSTRUCTION_ROLES
                  and not any(c.id == answered for c in messages[i].tool_calls or ())]
     if fits(kept) or not droppable:
         return spec, input_from

@@ -92,7 +92,7 @@ def test_openai_request_mapping():
     spec = req.job_spec(messages=req.chat_messages())
     assert spec.kind == "interactive" and spec.max_tokens == 9 and spec.tbt_ms == 50
     assert spec.tbt_anchor == "first-token"
-    assert spec.messages[0].role == "system" and spec.messages[0].content == "be brief"
+    assert spec.messages[0].role == "developer" and spec.messages[0].content == "be brief"  # as vLLM passes it
     parts = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]}).chat_messages()
     assert parts[0].content == "Hello\nworld"  # vLLM's join of a string-format template's text parts

@@ -204,3 +204,20 @@ def test_an_empty_list_of_calls_is_no_calls_to_the_template_as_vllm_gives_it(tok
     ids = coserve_prompt(raw, CALLS_WRITTEN)
     assert ids == vllm_prompt(tok, raw, CALLS_WRITTEN)
     assert "[calls:" not in tok.decode(ids)
+
+
+# writes each message's role, and whether it has tools of its own (vLLM gives a developer message ``tools``)
+ROLE_AND_TOOLS = ("{%- for message in messages %}<{{ message.role }}:{{ message.tools is defined }}>"
+                  "{{ message.content }}{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
+DEVELOPER_MESSAGES = [{"role": "developer", "content": "Answer in French."}, ASK]
+
+
+@pytest.mark.parametrize("template", [ROLE_AND_TOOLS, None], ids=["role-and-tools", "model-template"])
+def test_a_developer_message_reaches_the_template_as_developer(tok, template):
+    # vLLM's chat parser passes the developer role as is (with its tools, None where it has none); coserve read it
+    # as system, so a template that tells them apart (gpt-oss', DeepSeek's) rendered another prompt
+    raw = {"model": "tiny", "messages": DEVELOPER_MESSAGES}
+    ids = coserve_prompt(raw, template)
+    assert ids == vllm_prompt(tok, raw, template or tok.chat_template)
+    if template is not None:
+        assert "<developer:True>Answer in French." in tok.decode(ids)

@@ -178,8 +178,6 @@ def vllm_read(tok: Any, messages: list[dict[str, Any]], template: str) -> list[i
 
     text_only = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False)
     conversation = parse_chat_messages(messages, text_only, _detect_content_format(template, default="string"))[0]
-    # coserve's chat reads a developer's message as system (test_openai_request_mapping): the one role it renames
-    conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
     return vllm_rendered(tok, conversation, None, template)
 
 

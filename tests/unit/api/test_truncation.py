@@ -40,9 +40,10 @@ def test_a_conversation_that_fits_is_left_as_it_is(settings):
     assert fit_context(settings, spec, 3) == (spec, 3)
 
 
-def test_the_fewest_oldest_turns_go_and_the_instructions_stay(settings):
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_the_fewest_oldest_turns_go_and_the_instructions_stay(settings, role):
     history = conversation(4)  # ~650 tokens with the input: over the context of 512 less 64 for the answer
-    messages = [*history, {"role": "system", "content": "Be brief"}, {"role": "user", "content": "And now?"}]
+    messages = [*history, {"role": role, "content": "Be brief"}, {"role": "user", "content": "And now?"}]
     fitted, input_from = fit_context(settings, spec_of(messages), len(history) + 1)
     kept = [m.stored() for m in fitted.messages]
     assert tokens(settings, fitted) + 64 <= 512
