@@ -188,7 +188,10 @@ class TorchExecutor(PagedKV):
         return int(eos[0] if isinstance(eos, list) else eos) if eos is not None else None
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt ids from chat messages with the model's own chat template."""
+        """Prompt ids from chat messages with the model's own chat template: the engine benchmarks' and engine
+        tests' helper (ops/, tests/engine/). A job's prompt never comes here: its worker renders it as the API counts
+        it (``fed_prompt``: ``encode_input`` with COSERVE_CHAT_TEMPLATE's template and content format), whatever the
+        engine."""
         if self.tokenizer is None:
             raise RuntimeError("no tokenizer attached")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
