@@ -686,6 +686,8 @@ class ChatCompletionRequest(_Base):
             try:
                 out.append(ChatMessage(role=role, content=content, parts=texts, tool_calls=m.get("tool_calls"),
                                        tool_call_id=m.get("tool_call_id"), name=m.get("name"),
+                                       tools=developer_tools(m.get("tools"), f"{at}.{i}.tools")
+                                       if role == "developer" else None,  # as vLLM's parser
                                        # as vLLM's chat parser: an assistant's alone, others' dropped
                                        reasoning=m.get("reasoning") if role == "assistant" else None))
             except ValidationError as exc:
@@ -732,6 +734,28 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
             except OpenAIError as exc:
                 raise in_conversation(exc, i) from exc
         return specs
+
+
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict")  # OpenAI's FunctionDefinition's, in its order
+
+
+def developer_tools(tools: Any, at: str) -> list[dict[str, Any]] | None:
+    """A developer message's own tools as vLLM's chat parser gives them to the template: each validated as OpenAI's
+    ``ChatCompletionFunctionToolParam`` (its keys in that type's order, others left out); ``at``: where they are.
+    Malformed ones are refused (vLLM hands them to the template as given, where a template reading them fails)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise OpenAIError(400, f"{at} must be a list of function tools", param=at)
+    out = []
+    for j, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if not named or tool.get("type") != "function":
+            raise OpenAIError(400, f'{at}.{j} must be {{"type": "function", "function": {{"name": ...}}}}',
+                              param=f"{at}.{j}")
+        out.append({"function": {k: function[k] for k in FUNCTION_FIELDS if k in function}, "type": "function"})
+    return out
 
 
 def in_conversation(exc: OpenAIError, i: int) -> OpenAIError:

@@ -63,6 +63,9 @@ class ChatMessage(BaseModel):
     reasoning: Text | None = Field(None, description=(
         "an assistant message's thinking, given back (vLLM's interleaved thinking): its chat template reads it as "
         "reasoning and reasoning_content; a template that does not render it leaves it out"))
+    tools: list[dict[str, Any]] | None = Field(None, description=(
+        "a developer message's own tools, given to its chat template as sent (vLLM's; DeepSeek's templates write "
+        "them)"))
     parts: list[Text] | None = Field(None, description=(
         "the text parts the content came as (content: them joined with newlines; [] for no content): a chat "
         "template that loops over a message's content parts (vLLM's 'openai' content format) is given each"))
@@ -84,6 +87,8 @@ class ChatMessage(BaseModel):
             raise ValueError("only a tool message has a tool_call_id")
         if self.reasoning is not None and self.role != "assistant":
             raise ValueError("only an assistant message has reasoning")
+        if self.tools is not None and self.role != "developer":
+            raise ValueError("only a developer message has tools of its own; give the request's in tools")
         return self
 
     def stored(self) -> dict[str, Any]:

@@ -354,9 +354,9 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
     """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
     them with ``tojson``; ``arguments_object``), an empty list of calls as none, an assistant's thinking as
     ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's template reads), and a
-    developer message with ``tools`` (None: vLLM's parser gives it the message's own, which coserve's messages have
-    none of); the content as one text, or (``content_format`` "openai", a template that loops over it) as its text
-    parts, a tool's result a text all the same (``content_parts``)."""
+    developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives them); the content as
+    one text, or (``content_format`` "openai", a template that loops over it) as its text parts, a tool's result a
+    text all the same (``content_parts``)."""
     out = []
     for m in messages:
         m = content_parts(m) if content_format == "openai" else m
@@ -369,7 +369,7 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
         if m.get("reasoning") is not None:
             m = {**m, "reasoning_content": m["reasoning"]}
         if m["role"] == "developer":
-            m = {**m, "tools": None}
+            m = {**m, "tools": m.get("tools")}
         out.append(m)
     return out
 

@@ -221,3 +221,27 @@ def test_a_developer_message_reaches_the_template_as_developer(tok, template):
     assert ids == vllm_prompt(tok, raw, template or tok.chat_template)
     if template is not None:
         assert "<developer:True>Answer in French." in tok.decode(ids)
+
+
+def test_a_developer_messages_own_tools_reach_the_template_as_vllm_gives_them(tok):
+    # vLLM's chat parser gives a developer message its own tools (DeepSeek's templates write them); coserve dropped them
+    template = ("{%- for message in messages %}<{{ message.role }}>{{ message.content }}"
+                "{%- if message.tools %}{{ message.tools | tojson }}{%- endif %}{%- endfor %}")
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    raw = {"model": "tiny", "messages": [{"role": "developer", "content": "Use tools.", "tools": tools}, ASK]}
+    ids = coserve_prompt(raw, template)
+    assert ids == vllm_prompt(tok, raw, template)
+    assert '"name": "weather"' in tok.decode(ids)
+
+
+@pytest.mark.parametrize("tools, param", [([{"type": "function"}], "messages.0.tools.0"),
+                                          ({"name": "weather"}, "messages.0.tools")], ids=["unnamed", "not-a-list"])
+def test_a_developer_messages_malformed_tools_are_a_400(tools, param):
+    # vLLM hands them to the template as given (its union of message types takes them); coserve says what to fix
+    from app.openai_schemas import OpenAIError
+
+    chat = ChatCompletionRequest.model_validate({"model": "tiny", "messages": [
+        {"role": "developer", "content": "Use tools.", "tools": tools}, ASK]})
+    with pytest.raises(OpenAIError) as refused:
+        chat.chat_messages()
+    assert refused.value.status_code == 400 and refused.value.param == param
