@@ -219,7 +219,8 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     arguments as generated (cut short by max_tokens too, as vLLM answers), the list of ``"required"`` (where
     max_tokens cut it: the calls it began, as they were streamed; a text that is no list is the content);
     ``"auto"`` reads the model's own syntax (the job's ``tool_parser``), with the content before the calls.
-    Calls end in ``tool_calls`` except a named one, which ends in ``stop``, as OpenAI answers them. A reasoning
+    Calls end in ``tool_calls`` except a named one, which ends in ``stop``, as OpenAI answers them, and calls that
+    max_tokens cut, which end in ``length`` (an answer cut short, its calls perhaps incomplete). A reasoning
     model's thinking comes first, out of the content (the job's ``reasoning_parser``); its calls are read from the
     rest."""
     sampling = sampling or {}
@@ -244,7 +245,9 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     calls = [{"id": call_id(job_id, i, sampling.get("tool_parser")), "type": "function",
               "function": {"name": name, "arguments": arguments}}
              for i, (name, arguments) in enumerate(raw)]
-    ends_in_calls = choice == "auto" or (choice == "required" and reason == "stop")
+    # a call cut by max_tokens ends in length, streamed or not, as OpenAI's truncated answers do: it tells the client
+    # that the answer was cut (vLLM answers tool_calls unstreamed, length streamed)
+    ends_in_calls = choice in ("auto", "required") and reason == "stop"
     return Answer(content, calls, "tool_calls" if ends_in_calls else reason)
 
 

@@ -79,6 +79,21 @@ def test_finish_reason_is_openais():
     assert read_answer("j", {"tool_choice": "auto", "tool_parser": "hermes"}, "Hi!", "stop").tool_calls is None
 
 
+def test_calls_cut_by_max_tokens_end_in_length_streamed_or_not():
+    # OpenAI's length says the answer was cut (more calls, a call's arguments, may be missing), which tool_calls
+    # would hide: here max_tokens cut the answer before its call's end tag, where the call is read all the same
+    auto = {"tool_choice": "auto", "tool_parser": "hermes"}
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    plain = read_answer("j", auto, cut, "length")
+    assert plain.tool_calls and plain.finish_reason == "length"
+    stream = AnswerStream("j", auto)
+    for piece in (cut[:20], cut[20:]):
+        stream.feed(piece)
+    assert stream.end("length")[3] == plain  # the stream's last chunk says what the plain answer says
+    whole = read_answer("j", {"tool_choice": "required"}, '[{"name": "get_time", "parameters": {}}]', "length")
+    assert whole.tool_calls and whole.finish_reason == "length"  # the list closed on the last token: cut all the same
+
+
 HERMES = SYNTAXES["hermes"]
 
 
