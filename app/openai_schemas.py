@@ -612,8 +612,10 @@ class ChatCompletionRequest(_Base):
 
     def tool_fields(self) -> dict[str, Any]:
         choice = self.tool_choice
-        if choice is None and self.tools:
-            choice = "auto"  # OpenAI's default where tools are given
+        if "tool_choice" not in self.model_fields_set and self.tools:
+            # OpenAI's default where tools are given; an explicit null (the openai SDK sends tool_choice=None as one)
+            # stays none, as vLLM's chat request keeps it: the tools reach the template and the answer is text
+            choice = "auto"
         # an empty list is kept: a template reads [] apart from none (vLLM's Messages API gives it [])
         return {"tools": self.tools, "tool_choice": choice,
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls}

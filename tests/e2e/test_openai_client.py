@@ -43,6 +43,12 @@ def test_chat_and_completions_non_streaming(oai, stack, monkeypatch):
                                             tools=[{"type": "function", "function": {"name": "get_weather"}}],
                                             extra_body={"ignore_eos": True})
     assert tool_chat.choices[0].message.content and tool_chat.choices[0].message.tool_calls is None
+    # tool_choice=None, which the openai SDK sends as null: vLLM keeps it and answers in text (no tool parser here,
+    # which "auto" would need)
+    null_choice = oai.chat.completions.create(model="tiny", messages=history, max_tokens=3, tool_choice=None,
+                                              tools=[{"type": "function", "function": {"name": "get_weather"}}],
+                                              extra_body={"ignore_eos": True})
+    assert null_choice.choices[0].message.content and null_choice.choices[0].message.tool_calls is None
 
     comp = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, seed=3,
                                   extra_body={"ignore_eos": True, "ttft_ms": 5000, "tier": "free"})

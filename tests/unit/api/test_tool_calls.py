@@ -274,10 +274,15 @@ def test_openai_request_maps_tools():
     spec = req.job_spec(messages=req.chat_messages())
     assert spec.tool_choice == "required" and spec.sampling(16)["structured_outputs"]["json"]["maxItems"] == 1
     assert spec.messages[1].tool_calls[0].id == "c" and spec.messages[2].tool_call_id == "c"
-    for choice in (None, "auto"):  # OpenAI's default where tools are given (the server's parser reads it)
-        req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], "tool_choice": choice})
+    for choice in ({}, {"tool_choice": "auto"}):  # OpenAI's default where tools are given (the server's parser)
+        req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], **choice})
         spec = req.job_spec(messages=req.chat_messages())
         assert spec.tool_choice == "auto" and spec.sampling(16)["structured_outputs"] is None
+    # an explicit null (the openai SDK sends tool_choice=None as one) is kept, as vLLM keeps it: the tools reach
+    # the template and the answer is text
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], "tool_choice": None})
+    spec = req.job_spec(messages=req.chat_messages())
+    assert spec.tool_choice is None and spec.sampling(16)["tool_choice"] is None and spec.tools
     req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER], "tool_choice": "maybe"})
     with pytest.raises(OpenAIError) as exc:
         req.job_spec(messages=req.chat_messages())
