@@ -165,14 +165,25 @@ class InputTokensRequest(ResponsesRequest):
 def in_responses_terms(exc: OpenAIError) -> OpenAIError:
     """The error with the chat field it names written as the Responses field."""
     param = exc.param or ""
-    head, _, rest = param.partition(".")
+    new = responses_param(param)
     message = exc.message.replace(CHAT_NAMED_CHOICE, NAMED_CHOICE)
-    if head not in RESPONSES_PARAM:
+    if new == param:
         return exc if message == exc.message else OpenAIError(exc.status_code, message, param=exc.param,
                                                                code=exc.code, type=exc.type, headers=exc.headers)
-    new = RESPONSES_PARAM[head] + ("." + rest if rest and head != "messages" else "")
     return OpenAIError(exc.status_code, message.replace(param, new), param=new, code=exc.code, type=exc.type,
                        headers=exc.headers)
+
+
+def responses_param(param: str) -> str:
+    """A chat field's path as the Responses request writes it: a field of its own (``RESPONSES_PARAM``), or a
+    function tool's field, which is the tool's own here (chat's ``tools.0.function.name`` is ``tools.0.name``)."""
+    head, _, rest = param.partition(".")
+    if head in RESPONSES_PARAM:
+        return RESPONSES_PARAM[head] + ("." + rest if rest and head != "messages" else "")
+    tool, _, field = rest.partition(".")
+    if head == "tools" and tool.isdigit() and field.partition(".")[0] == "function":
+        return ".".join(p for p in ("tools", tool, field.partition(".")[2]) if p)
+    return param
 
 
 def _content_of(content: Any, where: str, field: str = "content") -> str | list[dict[str, str]]:

@@ -252,6 +252,8 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
      "text.format", "structured outputs need the vLLM backend"),  # chat's structured_outputs, in its words
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice",
      '"required", {"type": "function", "name": ...} or "none"'),  # the named choice in this API's form
+    # a function tool is flat in this API: its field as the client wrote it (chat's tools.0.function.name)
+    ({"input": "x", "tools": [{"type": "function", "description": "no name"}]}, "tools.0.name", "tools.0.name:"),
     ({"input": "x", "background": True, "store": False}, "store", "must be stored"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),

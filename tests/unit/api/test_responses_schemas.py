@@ -89,11 +89,17 @@ def test_the_chat_request_carries_instructions_tools_format_and_qos():
     ({"input": "x", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a+"}},
      "structured_outputs"),
     ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),  # the answer's length: refused, as on chat
+    # a function tool is flat here: chat's tools.0.function.<field> is the Responses tools.0.<field>
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 5}]}, "tools.0.parameters"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "g",
+                                                                  "description": 5}]}, "tools.1.description"),
 ])
 def test_errors_name_the_field_the_client_wrote(body, param):
     with pytest.raises(OpenAIError) as exc:
         chat(body)
     assert exc.value.status_code == 400 and exc.value.param == param, exc.value.message
+    assert ".function." not in exc.value.message  # the message names the field as the client wrote it too
 
 
 def test_a_continued_conversation_drops_the_instructions_and_adds_the_answer():
