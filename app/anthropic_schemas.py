@@ -23,7 +23,7 @@ from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import Answer, read_answer
+from app.tool_calls import REQUIRED_CHOICE, Answer, read_answer
 from app.wire import Text
 
 ENDPOINT = "/v1/messages"
@@ -31,6 +31,11 @@ ENDPOINT = "/v1/messages"
 MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.format",
                   "reasoning_effort": "output_config.effort", "thinking_token_budget": "thinking.budget_tokens",
                   "user": "metadata.user_id"}
+# a chat tool's field named in an error -> the Messages tool's field (a Messages tool is flat: name, input_schema)
+MESSAGES_TOOL_FIELDS = {"name": "name", "description": "description", "parameters": "input_schema"}
+TOOL_FIELD = re.compile(r"tools\.(?P<index>\d+)\.function\.(?P<field>" + "|".join(MESSAGES_TOOL_FIELDS)
+                        + r")(?P<within>\..+)?")
+ANY_CHOICE = 'tool_choice {"type": "any"}'  # Anthropic's words for chat's REQUIRED_CHOICE
 # Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows). coserve's 503
 # (no worker for the model, the store or broker away) is Anthropic's overloaded_error in kind: come back shortly
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -232,12 +237,19 @@ def in_messages_terms(exc: OpenAIError) -> OpenAIError:
     if (overflow := getattr(exc.__cause__, "overflow", None)) is not None:
         return OpenAIError(exc.status_code, overflow.anthropic_message(), param=exc.param, code=exc.code,
                            type=exc.type, headers=exc.headers)
-    head = (exc.param or "").partition(".")[0]
-    if head not in MESSAGES_PARAM:
+    param = exc.param or ""
+    head = param.partition(".")[0]
+    message = exc.message.replace(REQUIRED_CHOICE, ANY_CHOICE)
+    if head in MESSAGES_PARAM:
+        # the field's name, not the word in the text ("stop: at most 4 stop sequences")
+        message = re.sub(rf"(?<![\w.]){re.escape(head)}(?![\w]| sequence)", MESSAGES_PARAM[head], message)
+        param = MESSAGES_PARAM[head]
+    elif (tool_field := TOOL_FIELD.fullmatch(param)) is not None:  # chat's tools.0.function.parameters
+        named = f"tools.{tool_field['index']}.{MESSAGES_TOOL_FIELDS[tool_field['field']]}{tool_field['within'] or ''}"
+        message, param = message.replace(param, named), named
+    if message == exc.message and param == (exc.param or ""):
         return exc
-    # the field's name, not the word in the text ("stop: at most 4 stop sequences")
-    message = re.sub(rf"(?<![\w.]){re.escape(head)}(?![\w]| sequence)", MESSAGES_PARAM[head], exc.message)
-    return OpenAIError(exc.status_code, message, param=MESSAGES_PARAM[head], code=exc.code, type=exc.type,
+    return OpenAIError(exc.status_code, message, param=param or None, code=exc.code, type=exc.type,
                        headers=exc.headers)
 
 

@@ -373,11 +373,13 @@ class JobCreate(NumbersNotBooleans):
         if self.tools is not None and self.messages is None:
             raise ValueError("tools are given to a chat template: send messages, not a prompt")
         names = [t.function.name for t in self.tools or ()]
-        if not all(_all_finite(t.function.parameters) for t in self.tools or ()):
-            raise ValueError("a tool's parameters hold a number that is not finite (NaN or Infinity); JSON "
-                             "schemas cannot")
-        if len(set(names)) != len(names):
-            raise ValueError("tools must have different names")
+        for i, tool in enumerate(self.tools or ()):
+            if not _all_finite(tool.function.parameters):
+                raise FieldProblem(f"tools.{i}.function.parameters", "they hold a number that is not finite (NaN or "
+                                                                     "Infinity); JSON schemas cannot")
+            if (first := names.index(tool.function.name)) < i:
+                raise FieldProblem(f"tools.{i}.function.name", f"{tool.function.name!r} is the name of tools.{first} "
+                                                               "too; tools must have different names")
         choice = kept_choice(self.tool_choice)
         if choice is None:
             return

@@ -22,13 +22,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from app.reasoning import ReasoningStream, split_reasoning
 from app.tool_call_scan import CallScanner, raw_arguments
 from app.tool_syntax import SYNTAXES, RawCall, read_call
-from app.wire import Text
+from app.wire import FieldProblem, Text
 
 MAX_TOOLS = 128
 ALPHANUMERIC = string.ascii_letters + string.digits
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without parameters takes none
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the definitions its $refs name (from its root)
 NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'  # chat's form of a named tool_choice
+REQUIRED_CHOICE = "tool_choice 'required'"  # chat's words for a choice of any tool (another API's words differ)
 
 
 def forced_choice_unsupported(auto: bool) -> str:
@@ -153,15 +154,17 @@ def forced_schema(tools: list[ToolSpec], choice: str | dict[str, Any], parallel:
         function = next(t.function for t in tools if t.function.name == name)
         return function.parameters or EMPTY_PARAMETERS
     schema: dict[str, Any] = {"type": "array", "minItems": 1}
-    calls = []
-    for tool in tools:
+    calls, defined_by = [], {}  # the tool whose definition each (key, name) at the root is
+    for i, tool in enumerate(tools):
         # a $ref resolves from the root: each tool's definitions move up there, where every tool's refs find them
         parameters = dict(tool.function.parameters or EMPTY_PARAMETERS)
         for key in DEFINITION_KEYS:
             for name, definition in (parameters.pop(key, None) or {}).items():
                 if schema.setdefault(key, {}).setdefault(name, definition) != definition:
-                    raise ValueError(f"tools define {key}/{name} differently; with tool_choice 'required' their "
-                                     "definitions share one schema: give them different names")
+                    raise FieldProblem(f"tools.{i}.function.parameters", (
+                        f"tools.{defined_by[key, name]} defines {key}/{name} differently; with {REQUIRED_CHOICE} "
+                        "the tools' definitions share one schema: give them different names"))
+                defined_by.setdefault((key, name), i)
         calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                                         "parameters": parameters},
                       "required": ["name", "parameters"], "additionalProperties": False})

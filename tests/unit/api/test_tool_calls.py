@@ -435,3 +435,56 @@ def test_any_chunking_of_the_calls_streams_deltas_that_add_up_to_the_answer(call
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer.tool_calls] == calls
     assert streamed_calls([d for _, ds in fed for d in ds or ()] + (more or [])) == answer.tool_calls
     assert "".join(t for t, _ in fed) + rest == (answer.content or "")
+
+
+PERSON = {"type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}},
+          "$defs": {"Person": {"type": "object", "properties": {"name": {"type": "string"}}}}}
+NUMBER_PERSON = {**PERSON, "$defs": {"Person": {"type": "object", "properties": {"name": {"type": "integer"}}}}}
+NOT_FINITE = {"type": "object", "maximum": float("nan")}
+EMPTY = {"type": "object", "properties": {}}
+
+
+def refusal(route: str, tools: list[tuple[str, dict]], choice: str | None = None) -> OpenAIError:
+    """The 400 of a request on ``route`` offering ``tools`` (name, parameters), forced where ``choice`` is
+    "required" (written as the route writes it)."""
+    from app.anthropic_schemas import MessagesRequest
+    from app.responses_schemas import ResponsesRequest
+
+    if route == "messages":
+        raw = {"model": "m", "max_tokens": 8, "messages": USER,
+               "tools": [{"name": n, "input_schema": p} for n, p in tools],
+               **({"tool_choice": {"type": "any"}} if choice else {})}
+        call = functools.partial(MessagesRequest.model_validate(raw).chat_request, raw)
+    elif route == "responses":
+        raw = {"model": "m", "input": "hi", "tools": [{"type": "function", "name": n, "parameters": p}
+                                                     for n, p in tools], **({"tool_choice": choice} if choice else {})}
+        call = functools.partial(ResponsesRequest.model_validate(raw).chat_request, raw, [])
+    else:
+        req = ChatCompletionRequest.model_validate({
+            "messages": USER, "tools": [{"type": "function", "function": {"name": n, "parameters": p}}
+                                        for n, p in tools], **({"tool_choice": choice} if choice else {})})
+        call = functools.partial(req.job_spec, messages=req.chat_messages())
+    with pytest.raises(OpenAIError) as exc:
+        call()
+    return exc.value
+
+
+# the field of a tool's parameters and of its name as each route's request writes them
+PARAMETERS = {"chat": "function.parameters", "responses": "parameters", "messages": "input_schema"}
+NAME = {"chat": "function.name", "responses": "name", "messages": "name"}
+
+
+@pytest.mark.parametrize("route", ["chat", "responses", "messages"])
+def test_a_tools_error_names_the_tool_and_its_field_as_the_route_writes_them(route):
+    # these named no field (param None, reported as "body"), and Messages' tool_choice any was called 'required'
+    clash = refusal(route, [("a", PERSON), ("b", NUMBER_PERSON)], "required")
+    assert clash.param == f"tools.1.{PARAMETERS[route]}", clash.message
+    assert clash.message.startswith(f"tools.1.{PARAMETERS[route]}: ") and "$defs/Person" in clash.message
+    assert ("'required'" in clash.message) == (route != "messages"), clash.message
+    assert (route != "messages") or "tool_choice {\"type\": \"any\"}" in clash.message
+    twice = refusal(route, [("a", EMPTY), ("b", EMPTY), ("a", EMPTY)])
+    assert twice.param == f"tools.2.{NAME[route]}" and "tools.0" in twice.message, twice.message
+    nan = refusal(route, [("a", EMPTY), ("b", NOT_FINITE)])
+    assert nan.param == f"tools.1.{PARAMETERS[route]}" and "not finite" in nan.message, nan.message
+    assert "function" not in nan.message.partition(":")[0] or route == "chat"
+
