@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from app.reasoning import ReasoningStream, split_reasoning
 from app.tool_call_scan import CallScanner, raw_arguments
-from app.tool_syntax import SYNTAXES, RawCall, read_call
+from app.tool_syntax import SYNTAXES, RawCall, Syntax, read_call
 from app.wire import FieldProblem, Text
 
 MAX_TOOLS = 128
@@ -197,13 +197,26 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | No
                       written[i] if i < len(written) else None) for i, c in enumerate(parsed)]
 
 
-def _begun_calls(text: str) -> list[RawCall]:
-    """The calls of a ``"required"`` list cut short: each one named whose arguments began, with the arguments
-    written so far, which are what ``AnswerStream`` streamed of them."""
-    scanner = CallScanner(2)
+def _begun_calls(text: str, call_depth: int = 2) -> list[RawCall]:
+    """The calls of a text cut short (a ``"required"`` list; ``call_depth`` as ``CallScanner``'s): each one named
+    whose arguments began, with the arguments written so far, which are what ``AnswerStream`` streamed of them."""
+    scanner = CallScanner(call_depth)
     scanner.feed(text)
     return [(call.name, arguments) for call in scanner.calls
             if call.name is not None and (arguments := call.arguments(scanner.text)) is not None]
+
+
+def _cut_calls(syntax: Syntax, text: str) -> tuple[str | None, list[RawCall] | None]:
+    """The content and the calls of an ``"auto"`` text that max_tokens cut inside a call, which the syntax's reader
+    of a whole text takes for no call (vLLM's too: it answers the text as content, though its stream sent the call):
+    as ``AnswerStream`` streamed them, the content before the calls and each call begun (``_begun_calls``); the text
+    as content where no call was named yet (nor streamed)."""
+    start = syntax.calls_start(text)
+    calls = _begun_calls(text[start:], syntax.call_depth) if start is not None else []
+    if not calls:
+        return text, None
+    content = text[:syntax.content_so_far(text)]
+    return (content if content.strip() else None), calls
 
 
 @dataclass(frozen=True)
@@ -221,7 +234,8 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     """The answer in a chat job's text. A forced choice's text is the calls (no content): a named function's
     arguments as generated (cut short by max_tokens too, as vLLM answers), the list of ``"required"`` (where
     max_tokens cut it: the calls it began, as they were streamed; a text that is no list is the content);
-    ``"auto"`` reads the model's own syntax (the job's ``tool_parser``), with the content before the calls.
+    ``"auto"`` reads the model's own syntax (the job's ``tool_parser``), with the content before the calls (where
+    max_tokens cut a call: the calls begun, as they were streamed).
     Calls end in ``tool_calls`` except a named one, which ends in ``stop``, as OpenAI answers them, and calls that
     max_tokens cut, which end in ``length`` (an answer cut short, its calls perhaps incomplete). A reasoning
     model's thinking comes first, out of the content (the job's ``reasoning_parser``); its calls are read from the
@@ -237,7 +251,10 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     if choice is None:
         return Answer(text, None, reason)
     if choice == "auto":
-        content, raw = SYNTAXES[sampling.get("tool_parser") or "hermes"].split(text)
+        syntax = SYNTAXES[sampling.get("tool_parser") or "hermes"]
+        content, raw = syntax.split(text)
+        if raw is None and reason == "length":  # perhaps cut inside a call, which the stream has sent as it came
+            content, raw = _cut_calls(syntax, text)
     else:
         raw = _forced_calls(choice, text)
         content = None if raw is not None else text

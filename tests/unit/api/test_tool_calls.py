@@ -488,3 +488,27 @@ def test_a_tools_error_names_the_tool_and_its_field_as_the_route_writes_them(rou
     assert nan.param == f"tools.1.{PARAMETERS[route]}" and "not finite" in nan.message, nan.message
     assert "function" not in nan.message.partition(":")[0] or route == "chat"
 
+
+
+@pytest.mark.parametrize("cut", [
+    'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Os',
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+    '<tool_call>{"name": "get_weather", "arguments": {"c'])
+def test_a_hermes_call_cut_by_max_tokens_answers_as_it_streamed(cut):
+    # the stream sent the cut call's name and arguments so far, then the whole text again as content (the plain
+    # answer read none: the last call does not parse): a client assembled another answer than the plain one
+    auto = {"tool_choice": "auto", "tool_parser": "hermes"}
+    stream = AnswerStream("job_h", auto)
+    fed = [stream.feed(cut[i:i + 7])[1:] for i in range(0, len(cut), 7)]
+    _, rest, more, answer = stream.end("length")
+    assert "".join(content for content, _ in fed) + rest == (answer.content or "")
+    assert streamed_calls([d for _, ds in fed for d in ds or ()] + (more or [])) == answer.tool_calls
+    assert answer == read_answer("job_h", auto, cut, "length") and answer.finish_reason == "length"
+    assert answer.content == ("Let me look. " if cut.startswith("Let") else None)
+    assert answer.tool_calls[-1]["function"] == {"name": "get_weather", "arguments": cut[cut.rindex('{"c'):]}
+    # a call whose name has not come is no call yet: the text is the content, streamed or not
+    named_not = '<tool_call>{"na'
+    stream = AnswerStream("job_h", auto)
+    fed = [stream.feed(named_not)[1:]]
+    _, rest, more, answer = stream.end("length")
+    assert fed[0][0] + rest == answer.content == named_not and more is None and answer.tool_calls is None
