@@ -52,6 +52,10 @@ sagemaker = APIRouter(tags=["openai"], route_class=OpenAIRoute)  # SageMaker's i
 T = TypeVar("T")
 CHAT = "/v1/chat/completions"  # the endpoint of chat's jobs, batched chat's too (its QoS defaults, its answer's shape)
 BATCHED_CHAT = CHAT + "/batch"  # the route batched chat's jobs come in by (their events name it)
+# each route's request fields that set what a request may cost besides its prompt (named where it is too large for
+# the tenant's tokens per minute): only its own (Messages and Responses have no n)
+COST_FIELDS = {CHAT: "max_completion_tokens (or max_tokens) or n", "/v1/completions": "max_tokens or n",
+               "/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens"}
 
 
 async def json_object(request: Request) -> dict[str, Any]:
@@ -81,20 +85,21 @@ def submit_openai_job(session, principal: Principal, settings: Settings, spec, e
                       charge: tuple[bool, bool] = (True, True), job_id: str | None = None) -> job_service.Submitted:
     """The request's job, its refusal in OpenAI's terms (``openai_refusals``); ``limiter``, ``charge`` and ``job_id``
     as ``submit_job``'s."""
-    with openai_refusals():
+    with openai_refusals(endpoint):
         return job_service.submit_job(session, principal, spec, settings, endpoint=endpoint, writer=writer,
                                       response=response, limiter=limiter, charge=charge, job_id=job_id)
 
 
 @contextmanager
-def openai_refusals() -> Iterator[None]:
-    """A submission's refusal in OpenAI's terms: 404 for an unknown model, 429 over the tenant's rate limits, else
-    400."""
+def openai_refusals(endpoint: str | None = None) -> Iterator[None]:
+    """A submission's refusal in OpenAI's terms: 404 for an unknown model, 429 over the tenant's rate limits (naming
+    the fields of ``endpoint``'s request that set its cost), else 400."""
     try:
         yield
     except RateLimited as exc:
         d = exc.decision
-        raise OpenAIError(429, str(exc), type=d.limit_hit, code="rate_limit_exceeded", headers=d.headers()) from exc
+        raise OpenAIError(429, d.message(COST_FIELDS.get(endpoint, "max_tokens")), type=d.limit_hit,
+                          code="rate_limit_exceeded", headers=d.headers()) from exc
     except job_service.JobValidationError as exc:
         # OpenAI's codes: 404 only for an unknown model; a request over the context is a 400
         # (context_length_exceeded), which the official client raises as BadRequestError
@@ -200,7 +205,7 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
     for job, links in zip(built, job_service.choice_links([job.id for job in built], n), strict=True):
         for column, value in links.items():  # usage counts a request and a prompt once, as the limits do
             setattr(job, column, value)
-    with openai_refusals():
+    with openai_refusals(endpoint):
         rate = job_service.charge_request(limiter, principal, built)
     jobs: list[Job] = []
     try:

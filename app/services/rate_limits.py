@@ -123,11 +123,13 @@ class Decision:
         tpm = self.limits.tokens_per_minute
         return tpm is not None and self.tokens_asked > tpm
 
-    def message(self) -> str:
+    def message(self, cost_fields: str = "max_tokens") -> str:
+        """Why it was refused; ``cost_fields``: the request's fields that set the tokens it may use, besides its
+        prompt, as its route writes them (a native job's ``max_tokens``; chat's ``n`` too)."""
         tpm, rpm = self.limits.tokens_per_minute, self.limits.requests_per_minute
         if self.too_large:
-            return (f"request too large: it may use {self.tokens_asked} tokens (its prompts, and max_tokens for each "
-                    f"choice), over this key's limit of {tpm} tokens per minute; lower max_tokens or n, or shorten "
+            return (f"request too large: it may use {self.tokens_asked} tokens (its prompts, and the most it may "
+                    f"generate), over this key's limit of {tpm} tokens per minute; lower {cost_fields}, or shorten "
                     "the prompt")
         if self.limit_hit == "tokens":
             return (f"rate limit reached for tokens per minute: limit {tpm}, {int(self.tokens_left or 0)} left, "
