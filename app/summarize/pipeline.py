@@ -31,6 +31,7 @@ REDUCE_PROMPT = ("These are summaries of consecutive parts of one document. Writ
                  "whole document.\n\n{text}")
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 INVALID_REQUEST = "invalid_request"  # a job's error_code where the engine refused the request itself (app.errors)
+EMPTY = "empty"  # how a step sees a job that succeeded with no text (EOS at once, or only whitespace): no summary
 RETRY_BACKOFF_CAP_S = 3600.0  # the longest wait before a retry, however many came before
 RETRY_ERRORS_KEPT = 10  # the reasons of a document's retried jobs its results line keeps (the first ones)
 
@@ -45,6 +46,14 @@ class JobResult(NamedTuple):
 
 
 PENDING = JobResult("queued")  # a job a poll did not answer for
+
+
+def as_outcome(result: JobResult) -> JobResult:
+    """``result``, where a job that succeeded with no text is an ``EMPTY`` one: a summary of nothing would end the
+    document with an empty summary, or leave its chunk out of the next level unsaid."""
+    if result.status == "succeeded" and not (result.text or "").strip():
+        return JobResult(EMPTY, None, "the model's answer had no text")
+    return result
 
 
 class JobBackend(Protocol):
@@ -109,11 +118,14 @@ class Advance:
 
 def retry_refusal(result: JobResult) -> str | None:
     """Why a failed job is not worth submitting again (None: it is). A job the engine refused for its own request
-    fails again the same way; a cancelled one was stopped on purpose (its run, its tenant, its owner). A job that
+    fails again the same way, and so does one that answered no text (``EMPTY``); a cancelled one was stopped on
+    purpose (its run, its tenant, its owner). A job that
     failed otherwise (an engine error, every worker it met died: the job layer retried those ``max_attempts``
     times already) or expired (its deadline passed under load: a retry gets a fresh one) may succeed later."""
     if result.status == "cancelled":
         return "it was cancelled"
+    if result.status == EMPTY:  # the jobs run at temperature 0 (``driver.JobCollector``)
+        return "its jobs are greedy, so a retry would answer the same"
     if result.status == "failed" and result.code == INVALID_REQUEST:
         return "the engine refused its request"
     return None
@@ -133,11 +145,12 @@ def advance_doc(doc: DocState, results: Mapping[str, JobResult], planner: Planne
         states = [results.get(j, PENDING) for j in doc.pending]
         if not all(r.status in TERMINAL for r in states):
             return Advance()
+        states = [as_outcome(r) for r in states]
         attempts = doc.attempts if len(doc.attempts) == len(doc.pending) else [0] * len(doc.pending)
         bad = [i for i, r in enumerate(states) if r.status != "succeeded"]
         if bad:
             return Advance(_retry_or_fail(doc, states, attempts, bad, planner))
-        outputs = [(r.text or "").strip() for r in states]
+        outputs = [(r.text or "").strip() for r in states]  # none empty (``as_outcome``)
         doc.pending, doc.attempts = [], []
         if doc.final:
             doc.summary = outputs[0]

@@ -147,6 +147,18 @@ def test_a_cancelled_job_or_one_the_engine_refused_is_not_retried():
     assert off["d"]["error"] == "1 job(s) failed; level 1 chunk 2: failed: boom (not retried: retries are off)"
 
 
+def test_an_empty_summary_fails_its_document_naming_the_chunk_and_is_not_retried():
+    # the model ended its answer at once (EOS first) or wrote only whitespace: no summary to give the user
+    docs = [Document("eos", "One. EOS two."), Document("blank", "BLANK one."), Document("ok", "Fine.")]
+    res = _run(FlakyBackend({"EOS": (9, JobResult("succeeded", "")), "BLANK": (9, JobResult("succeeded", " \n "))}),
+               docs, job_retries=2)
+    assert res["eos"]["summary"] is None and res["blank"]["summary"] is None and res["ok"]["summary"]
+    assert res["eos"]["error"] == ("1 job(s) empty; level 1 chunk 2: empty: the model's answer had no text (not "
+                                   "retried: its jobs are greedy, so a retry would answer the same)"), res["eos"]
+    assert res["blank"]["error"].startswith("1 job(s) empty; level 1 chunk 1: empty")
+    assert res["eos"]["retries"] == res["blank"]["retries"] == 0
+
+
 def test_a_retry_waits_out_a_backoff_that_doubles():
     backend = FlakyBackend({"FLAKY": (5, JobResult("failed", None, "boom"))})
     t0 = datetime(2030, 1, 1, tzinfo=UTC)
