@@ -149,7 +149,15 @@ def bos_tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def _tiny_llama(path: Path, context: int) -> Path:
+@pytest.fixture(scope="session")
+def writing_tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama (context 512) whose greedy answers are visible text, for tests that need a non-empty answer
+    (a summary): ``tiny_model_dir`` answers a summarization prompt with "\\n" at every step, which is no
+    summary. Its blank tokens (``blank_token_ids``) are never the greedy choice, so it never stops early either."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama-writing"), context=512, writes_text=True)
+
+
+def _tiny_llama(path: Path, context: int, writes_text: bool = False) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -160,9 +168,21 @@ def _tiny_llama(path: Path, context: int) -> Path:
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    model = LlamaForCausalLM(cfg)
+    if writes_text:
+        # the embeddings are tied: a zero row scores 0 for its token, below the best of ~49k random scores
+        with torch.no_grad():
+            model.get_input_embeddings().weight[blank_token_ids(tok)] = 0.0
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def blank_token_ids(tok) -> list[int]:  # noqa: ANN001 - a Hugging Face tokenizer
+    """The ids of ``tok``'s tokens that show nothing: its special tokens (EOS among them) and those that decode to
+    whitespace or nothing at all."""
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    return sorted(special | {i for i in range(len(tok)) if not tok.decode([i]).strip()})
 
 
 def make_settings(data_dir: Path, db_url: str, redis_url: str, model_dir: Path):
@@ -189,9 +209,17 @@ def load_runtime_adapter(settings, tmp_path: Path, name: str = "rt-lora") -> Pat
     return adapter
 
 
+def model_dir_for(request, default: Path) -> Path:  # noqa: ANN001 - pytest's request
+    """``default``, or ``writing_tiny_model_dir`` for a test marked ``writes_text`` (one whose workers must answer
+    with text: a summarization run, where an empty summary fails its document)."""
+    if request.node.get_closest_marker("writes_text"):
+        return request.getfixturevalue("writing_tiny_model_dir")
+    return default
+
+
 @pytest.fixture
-def settings(tmp_path, db_url, redis_url, tiny_model_dir):
-    return make_settings(tmp_path, db_url, redis_url, tiny_model_dir)
+def settings(request, tmp_path, db_url, redis_url, tiny_model_dir):
+    return make_settings(tmp_path, db_url, redis_url, model_dir_for(request, tiny_model_dir))
 
 
 @pytest.fixture

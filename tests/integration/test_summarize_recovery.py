@@ -68,6 +68,7 @@ def api(settings, tmp_path) -> Iterator[ApiProcess]:
     proc.stop()
 
 
+@pytest.mark.writes_text
 def test_api_killed_mid_run_the_run_still_completes(api, client, keys, settings, start_worker):
     url = settings.sqlalchemy_url
     # each engine step slowed down: the map level takes seconds, so the kill lands mid-run
@@ -129,7 +130,7 @@ def test_api_killed_mid_run_the_run_still_completes(api, client, keys, settings,
     assert [list(row) for row in rows] == [["id", "summary", "error", "chunks", "levels", "jobs", "retries",
                                             "retry_errors"]] * 2
     assert [row["id"] for row in rows] == ["long", "short"]
-    assert all(isinstance(row["summary"], str) and row["error"] is None for row in rows)
+    assert all(row["summary"].strip() and row["error"] is None for row in rows), rows
     assert rows[0]["levels"] >= 2 and rows[1] == {**rows[1], "chunks": 1, "levels": 1, "jobs": 1}
     assert client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.other)).status_code == 404
 
