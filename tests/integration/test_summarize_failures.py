@@ -257,6 +257,8 @@ def test_a_run_that_fails_as_a_whole_cancels_the_jobs_its_documents_waited_for(c
                    ["jobs_done"] == r["jobs_submitted"] and r, 30, "the run's jobs to end")
     assert (run["jobs_submitted"], run["jobs_done"]) == (2, 2), run
     assert run["reason"] == "pipeline error: the tokenizer files are gone", run
+    # the answer counts ended jobs live; the failing step writes the run's row after it
+    wait_for(lambda: _lease_free(settings, run_id), 30, "the failing step to write its end")
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.get(Job, open_job).status == "cancelled"
         detail = s.scalars(select(JobEvent.detail).where(JobEvent.job_id == open_job,
