@@ -169,22 +169,10 @@ def test_a_fan_in_never_holds_its_output_file_whole_in_memory(client, keys, sett
     one string, then its bytes: several copies of an output file that may be hundreds of MiB (32 MB for 5 MB). It
     reads the jobs ``FAN_IN_CHUNK`` at a time and writes the file a line at a time now: its peak is a chunk's, well
     under the file's size. Each line is still its request's answer, in input order."""
-    import tracemalloc
-
     count, answer = 3000, "word " * 400  # about 7 MiB of output lines
     batch_id = _batch(client, keys, ["tiny"] * count)
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-        s.execute(update(Job).where(Job.batch_id == batch_id).values(
-            status="succeeded", output_text=answer, finish_reason="stop", prompt_tokens=1, completion_tokens=400,
-            finished_at=utcnow(), settled_at=utcnow()))
-        s.commit()
-    tracemalloc.start()
-    try:
-        with session_scope(settings.sqlalchemy_url) as s:
-            assert maybe_finalize(s, batch_id, settings.data_dir, None)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = _fan_in_peak(settings, batch_id, status="succeeded", output_text=answer, finish_reason="stop",
+                        prompt_tokens=1, completion_tokens=400)
     batch = _read(client, keys, batch_id)
     assert (batch.status, batch.request_counts.completed, batch.error_file_id) == ("completed", count, None), batch
     text = client.get(f"/v1/files/{batch.output_file_id}/content", headers=Keys.header(keys.paid)).text
@@ -200,8 +188,6 @@ def test_a_fan_in_never_holds_its_error_file_whole_in_memory(client, keys, setti
     an error file that may be as large as an output file. It reads both a line at a time now, in input order (the
     refused lines by number, the failed requests in their jobs' order): its peak is a chunk's, well under the file's
     size. The lines interleave in input order as before, and count as before."""
-    import tracemalloc
-
     count, reason = 3000, "word " * 100  # about 7 MiB of error lines: every even line refused, every odd one failed
     good, refused_url = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}, "/v1/" + "x" * 4000
     text = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "body": good,
@@ -210,17 +196,7 @@ def test_a_fan_in_never_holds_its_error_file_whole_in_memory(client, keys, setti
     f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", text)}).json()
     batch_id = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
                                                               "completion_window": "24h"}).json()["id"]
-    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
-        s.execute(update(Job).where(Job.batch_id == batch_id).values(
-            status="failed", error=reason, finished_at=utcnow(), settled_at=utcnow()))
-        s.commit()
-    tracemalloc.start()
-    try:
-        with session_scope(settings.sqlalchemy_url) as s:
-            assert maybe_finalize(s, batch_id, settings.data_dir, None)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = _fan_in_peak(settings, batch_id, status="failed", error=reason)
     batch = _read(client, keys, batch_id)
     assert (batch.status, batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed,
             batch.output_file_id) == ("completed", count, 0, count, None), batch
@@ -229,3 +205,20 @@ def test_a_fan_in_never_holds_its_error_file_whole_in_memory(client, keys, setti
     assert [line["custom_id"] for line in lines] == [f"c{i}" for i in range(count)]
     assert [line["error"]["code"] for line in lines[:2]] == ["invalid_url", "request_failed"], lines[:2]
     assert peak < len(errors) / 3, f"{peak} bytes allocated at the peak of a {len(errors)}-byte error file's fan-in"
+
+
+def _fan_in_peak(settings, batch_id: str, **ended) -> int:
+    """The bytes allocated at the peak of the batch's fan-in, its jobs all ended first with the ``ended`` values."""
+    import tracemalloc
+
+    with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
+        s.execute(update(Job).where(Job.batch_id == batch_id).values(**ended, finished_at=utcnow(),
+                                                                     settled_at=utcnow()))
+        s.commit()
+    tracemalloc.start()
+    try:
+        with session_scope(settings.sqlalchemy_url) as s:
+            assert maybe_finalize(s, batch_id, settings.data_dir, None)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
