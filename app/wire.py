@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from functools import cache
 from datetime import UTC, datetime
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, Field, StringConstraints, ValidationInfo,
-                      field_validator)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StringConstraints, model_validator
 
 SURROGATE_HINT = ("which is not valid Unicode; send valid UTF-8 text (a JSON \\u escape of a surrogate "
                   "must be a high one followed by a low one, e.g. \\ud83d\\ude00)")
@@ -75,6 +75,8 @@ def boolean_for_number(value: Any, annotation: Any) -> bool:
     """Whether ``value`` holds JSON's true or false where ``annotation`` wants a number: the value itself, an item
     of a list of numbers or a value of a dict of them. Pydantic's lax mode reads true as 1 and false as 0 (a
     bool is an int in Python), so ``"max_tokens": true`` was a one-token job; OpenAI refuses it."""
+    if not _may_hold_a_boolean(value):  # most values: no walk of the annotation (a prompt's ids at C speed)
+        return False
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Annotated:
         return boolean_for_number(value, args[0])
@@ -87,17 +89,47 @@ def boolean_for_number(value: Any, annotation: Any) -> bool:
     return isinstance(value, bool) and annotation in (int, float)
 
 
+def _may_hold_a_boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    items = value if isinstance(value, list) else value.values() if isinstance(value, dict) else None
+    return items is not None and not {bool, list, dict}.isdisjoint(map(type, items))
+
+
+def wants_number(annotation: Any) -> bool:
+    """Whether a field of ``annotation`` may hold a number, alone, in a list or as a dict's values (and no bool)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return wants_number(args[0])
+    if origin in (Union, UnionType):
+        return bool not in args and any(wants_number(a) for a in args)
+    if origin is list:
+        return wants_number(args[0])
+    if origin is dict:
+        return wants_number(args[1])
+    return annotation in (int, float)
+
+
 class NumbersNotBooleans(BaseModel):
     """A request body whose number fields refuse JSON's true/false (``boolean_for_number``), each error naming its
     field, where pydantic's lax mode took them as 1 and 0 (OpenAI refuses them; the OpenAI routes take them as
-    vLLM's protocol does)."""
+    vLLM's protocol does). One check a body, of its number fields only (``number_fields``, found once a class)."""
 
-    @field_validator("*", mode="before")
     @classmethod
-    def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name and boolean_for_number(value, cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"must be a number, {NOT_A_BOOLEAN}")
-        return value
+    @cache
+    def number_fields(cls) -> tuple[tuple[str, Any], ...]:
+        """(the name a body gives it, its annotation) of each field that may hold a number."""
+        return tuple((f.alias or name, f.annotation) for name, f in cls.model_fields.items()
+                     if wants_number(f.annotation))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_boolean(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, annotation in cls.number_fields():
+                if name in data and boolean_for_number(data[name], annotation):
+                    raise FieldProblem(name, f"must be a number, {NOT_A_BOOLEAN}")
+        return data
 
 
 # a str field that must be valid Unicode (it is tokenized, stored as UTF-8 and echoed)
