@@ -10,6 +10,7 @@ set of checks runs), naming the Responses field in any error. ``response_body`` 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -155,17 +156,18 @@ class ResponsesRequest(BaseModel):
             body["reasoning_effort"] = effort  # checked as chat's (reasoning.effort in the error)
         if LOGPROBS_INCLUDE in (self.include or ()):
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
-        return chat_job(body, tiers, in_responses_terms, batch_window_s)
+        return chat_job(body, tiers, partial(in_responses_terms, raw=raw), batch_window_s)
 
 
 class InputTokensRequest(ResponsesRequest):
     """A Responses request to count the input tokens of (``POST /v1/responses/input_tokens``)."""
 
 
-def in_responses_terms(exc: OpenAIError) -> OpenAIError:
-    """The error with the chat field it names written as the Responses field."""
+def in_responses_terms(exc: OpenAIError, raw: Any = None) -> OpenAIError:
+    """The error with the chat field it names written as the Responses field; a field the request body ``raw``
+    wrote in chat's terms (vLLM's ``structured_outputs``, which Responses takes too) keeps its name."""
     param = exc.param or ""
-    new = responses_param(param)
+    new = responses_param(param, written_as_chat(raw))
     message = exc.message.replace(CHAT_NAMED_CHOICE, NAMED_CHOICE)
     if new == param:
         return exc if message == exc.message else OpenAIError(exc.status_code, message, param=exc.param,
@@ -174,11 +176,18 @@ def in_responses_terms(exc: OpenAIError) -> OpenAIError:
                        headers=exc.headers)
 
 
-def responses_param(param: str) -> str:
-    """A chat field's path as the Responses request writes it: a field of its own (``RESPONSES_PARAM``), or a
-    function tool's field, which is the tool's own here (chat's ``tools.0.function.name`` is ``tools.0.name``)."""
+def written_as_chat(raw: Any) -> frozenset[str]:
+    """The fields of ``RESPONSES_PARAM`` a Responses body ``raw`` wrote under their chat name (taken as chat's)."""
+    return frozenset(k for k in RESPONSES_PARAM if k in SHARED_FIELDS and k in raw) if isinstance(raw, dict) \
+        else frozenset()
+
+
+def responses_param(param: str, as_chat: frozenset[str] = frozenset()) -> str:
+    """A chat field's path as the Responses request writes it: a field of its own (``RESPONSES_PARAM``; not one
+    in ``as_chat``, written in chat's terms), or a function tool's field, which is the tool's own here (chat's
+    ``tools.0.function.name`` is ``tools.0.name``)."""
     head, _, rest = param.partition(".")
-    if head in RESPONSES_PARAM:
+    if head in RESPONSES_PARAM and head not in as_chat:
         return RESPONSES_PARAM[head] + ("." + rest if rest and head != "messages" else "")
     tool, _, field = rest.partition(".")
     if head == "tools" and tool.isdigit() and field.partition(".")[0] == "function":

@@ -351,7 +351,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
 async def _submit(request: Request, session, principal: Principal, settings: Settings, body: ResponsesRequest,
                   history: list[dict[str, Any]], job_id: str):
     """The response's chat request, what its job keeps of it, and the job submitted as ``job_id``."""
-    chat, spec = body.chat_request(await request.json(), history, settings.tiers)
+    raw = await request.json()
+    chat, spec = body.chat_request(raw, history, settings.tiers)
     if spec.kind == "interactive":
         ttft_ms, tbt_ms = settings.interactive_defaults(ENDPOINT)
         spec = spec.model_copy(update={"ttft_ms": spec.ttft_ms or ttft_ms, "tbt_ms": spec.tbt_ms or tbt_ms})
@@ -363,7 +364,7 @@ async def _submit(request: Request, session, principal: Principal, settings: Set
         submitted = await run_in_threadpool(submit_openai_job, session, principal, settings, spec, ENDPOINT, writer,
                                             kept, rate_limiter(request), job_id=job_id)
     except OpenAIError as exc:  # the job's checks name chat's fields
-        raise in_responses_terms(exc) from exc
+        raise in_responses_terms(exc, raw) from exc
     return chat, kept, submitted
 
 
@@ -376,12 +377,13 @@ async def count_input_tokens(request: Request, session: SessionDep, principal: C
     dropped the oldest turns, where asked)."""
     body = await read_body(request, InputTokensRequest)
     history = await run_in_threadpool(_prior_turns, session, principal, body)
-    _, spec = body.chat_request(await request.json(), history, settings.tiers)  # as _submit's
+    raw = await request.json()
+    _, spec = body.chat_request(raw, history, settings.tiers)  # as _submit's
     try:
         count = await run_in_threadpool(_input_tokens, settings, spec, body.kept(history)["input_from"],
                                         body.truncation)
     except OpenAIError as exc:  # the chat template's refusal names chat's messages
-        raise in_responses_terms(exc) from exc
+        raise in_responses_terms(exc, raw) from exc
     return {"object": "response.input_tokens", "input_tokens": count}
 
 

@@ -609,6 +609,7 @@ def test_a_constraint_vllm_cannot_compile_is_refused_as_it_is_submitted(client, 
     r = client.post("/v1/responses", json={"model": "tiny", "input": "x", "stream": True,
                                            "structured_outputs": constraint}, headers=H(keys.paid))
     assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == f"structured_outputs.{field}", r.text  # vLLM's field, as written
     if field == "json":  # OpenAI's forms of a schema: chat's response_format, Responses' text.format
         fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": constraint["json"]}}
         r = client.post("/v1/chat/completions", json={**chat, "response_format": fmt}, headers=H(keys.paid))
@@ -617,6 +618,7 @@ def test_a_constraint_vllm_cannot_compile_is_refused_as_it_is_submitted(client, 
         r = client.post("/v1/responses", json={"model": "tiny", "input": "x", "stream": True, "text": {"format": {
             "type": "json_schema", "name": "n", "schema": constraint["json"]}}}, headers=H(keys.paid))
         assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "text.format", r.text
 
 
 def test_a_constraint_only_guidance_reads_is_taken_as_vllms_auto_backend_takes_it(client, keys, settings):
