@@ -32,7 +32,7 @@ from app.schemas import (MAX_SEED, MAX_TARGET_MS, MAX_TOP_K, MAX_WINDOW_S, MIN_S
                          ChatMessage, JobCreate, StructuredOutputs, alternatives_range)
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import MAX_TOOLS, read_answer
-from app.wire import Metadata, Text, json_safe
+from app.wire import Metadata, Text, as_given, json_safe, shown
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import PENALTY_LIMIT
 
@@ -322,8 +322,8 @@ class UnsupportedFields(BaseModel):
             value = getattr(self, name)
             if not _is_default(value, defaults):
                 hint = (hints or {}).get(name) or self.hints.get(name) or UNSUPPORTED_HINTS.get(name, "")
-                raise OpenAIError(400, f"{name}={value!r} is not supported by {self.refused_by}; leave {name} unset"
-                                       f"{hint}", param=name, code="unsupported_value")
+                raise OpenAIError(400, f"{as_given(name, value)} is not supported by {self.refused_by}; leave "
+                                       f"{name} unset{hint}", param=name, code="unsupported_value")
 
 
 class VllmUnsupported(BaseModel):
@@ -458,7 +458,7 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                 raise OpenAIError(400, f"response_format {message}", param="response_format") from None
             except ValueError as exc:  # its shape is wrong
                 raise OpenAIError(400, f"response_format {exc}", param="response_format") from None
-        raise OpenAIError(400, f"response_format type {kind!r} is not supported; use 'text', 'json_object', "
+        raise OpenAIError(400, f"response_format type {shown(kind)} is not supported; use 'text', 'json_object', "
                                "'json_schema' or 'structural_tag'", param="response_format", code="unsupported_value")
 
     def job_spec(self, *, prompt: str | None = None, messages: list[ChatMessage] | None = None,

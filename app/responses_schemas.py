@@ -21,7 +21,7 @@ from app.schemas import INSTRUCTION_ROLES, JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
 from app.tool_calls import Answer, FunctionSpec, read_answer, text_parts
-from app.wire import Metadata, Text, as_utc
+from app.wire import Metadata, Text, as_given, as_utc, shown
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
 # what a Responses request takes as chat does (coserve's QoS, vLLM's sampling extensions, OpenAI's own)
@@ -98,7 +98,7 @@ class ResponsesRequest(BaseModel):
             raise OpenAIError(400, "give conversation or previous_response_id, not both", param="conversation")
         for name, ok in (("prompt", self.prompt is None), ("reasoning", not (self.reasoning or {}).get("summary"))):
             if not ok:
-                raise OpenAIError(400, f"{name}={getattr(self, name)!r} is not supported by this server; leave "
+                raise OpenAIError(400, f"{as_given(name, getattr(self, name))} is not supported by this server; leave "
                                        f"{name} unset", param=name, code="unsupported_value")
 
     @property
@@ -209,7 +209,7 @@ def _content_of(content: Any, where: str, field: str = "content") -> str | list[
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
             raise OpenAIError(400, f"{at}.{j}: only input_text and output_text parts with a text are "
-                                   f"supported (not {kind!r})", param=f"{at}.{j}")
+                                   f"supported (not {shown(kind)})", param=f"{at}.{j}")
         texts.append(part["text"])
     return texts[0] if len(texts) == 1 else text_parts(texts)
 
@@ -252,7 +252,7 @@ def _item_message(item: Any, where: str) -> dict[str, Any]:
             raise OpenAIError(400, f"{where}: a function_call_output has a call_id (a string)", param=where)
         return {"role": "tool", "tool_call_id": item["call_id"], "content": _content_of(item.get("output"), where,
                                                                                           "output")}
-    raise OpenAIError(400, f"{where}.type {kind!r} is not supported; use message, function_call, "
+    raise OpenAIError(400, f"{where}.type {shown(kind)} is not supported; use message, function_call, "
                            "function_call_output or reasoning", param=f"{where}.type", code="unsupported_value")
 
 
@@ -346,7 +346,7 @@ def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     dumps them for the template)."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
-        raise OpenAIError(400, f"tools.{i}: only function tools are supported (not {kind!r})", param=f"tools.{i}",
+        raise OpenAIError(400, f"tools.{i}: only function tools are supported (not {shown(kind)})", param=f"tools.{i}",
                           code="unsupported_value")
     function = {k: tool[k] for k in FunctionSpec.model_fields if tool.get(k) is not None}
     return {"type": "function", "function": function}
@@ -462,7 +462,7 @@ def stored_answer(job: Any) -> Answer:
 def refuse_unsupported_include(include: list[str] | None) -> None:
     """A 400 naming ``include`` for a value this server cannot give: it includes only token logprobs."""
     if unknown := [i for i in include or () if i != LOGPROBS_INCLUDE]:
-        raise OpenAIError(400, f"include {unknown[0]!r} is not supported by this server; it includes only "
+        raise OpenAIError(400, f"include {shown(unknown[0])} is not supported by this server; it includes only "
                                f"{LOGPROBS_INCLUDE!r}", param="include", code="unsupported_value")
 
 

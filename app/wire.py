@@ -52,6 +52,29 @@ def unstorable_message(char: str) -> str:
     return f"contains a lone surrogate {escape(char)}, {SURROGATE_HINT}"
 
 
+MAX_SHOWN = 80  # characters of a client's value an error message repeats back
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message repeats it: as written where short, else what it is (a 50 KB schema is
+    not sent back whole, nor written whole to the API's log)."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else _kind_of(value)
+
+
+def as_given(name: str, value: Any) -> str:
+    """The field ``name`` set to ``value`` as an error message names it: ``name=value``, or ``name (what the value
+    is)`` where the value is too long to repeat (``shown``)."""
+    text = repr(value)
+    return f"{name}={text}" if len(text) <= MAX_SHOWN else f"{name} ({_kind_of(value)})"
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, str):
+        return f"a {len(value)}-character string"
+    return {dict: "an object", list: "a list"}.get(type(value), f"a {type(value).__name__}")
+
+
 def check_text(value: str) -> str:
     """Pydantic validator: refuses a string holding a lone surrogate or NUL."""
     bad = _unstorable(value)

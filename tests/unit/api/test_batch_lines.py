@@ -277,3 +277,21 @@ def test_vllms_removed_guided_decoding_fields_are_refused_not_left_unconstrained
     parsed = parse_file(chat("a", **{field: value}).encode(), "/v1/chat/completions", 3600)
     assert not parsed.valid and field in parsed.invalid[0].message
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], field: None}).check()
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("guided_json", {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(2000)}},
+     "give structured_outputs.json, or response_format json_schema instead"),
+    ("chat_template", "{{ messages }}" * 5000, "COSERVE_CHAT_TEMPLATE"),
+    ("logits_processors", [f"pkg.module.Processor{i}" for i in range(2000)], "leave logits_processors unset")])
+def test_a_refused_field_says_what_to_give_without_repeating_a_large_value(field, value, said):
+    """A refusal names the field and what to give instead; it does not echo the client's value back whole (a 50 KB
+    schema made a 50 KB message, in the API's log too): a short value is still shown."""
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(OpenAIError) as refused:
+        ChatCompletionRequest.model_validate({**body, field: value}).check()
+    message = refused.value.message
+    assert said in message and field in message and len(message) < 600, message
+    with pytest.raises(OpenAIError) as refused:
+        ChatCompletionRequest.model_validate({**body, "guided_regex": "[0-9]+"}).check()
+    assert "guided_regex='[0-9]+'" in refused.value.message, refused.value.message
