@@ -52,8 +52,10 @@ def _check_grammar(grammar: str) -> None:
 
 
 def _check_schema(text: str) -> None:
-    if structural_tag.nesting(json.loads(text)) > structural_tag.MAX_SCHEMA_NESTING:  # vLLM's check_json_nesting
+    schema = json.loads(text)
+    if structural_tag.nesting(schema) > structural_tag.MAX_SCHEMA_NESTING:  # vLLM's check_json_nesting
         raise ValueError(f"json nests objects and arrays deeper than {structural_tag.MAX_SCHEMA_NESTING} levels")
+    structural_tag.check_patterns(schema, "json")  # before xgrammar, which one nesting deep crashes
     if "patternProperties" in text:  # guidance cannot read it: vLLM falls back to outlines, which the worker judges
         return
     _refuse_unless_compiled(

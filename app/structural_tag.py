@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 # vLLM's sampling_params: a JSON schema nests at most 64 levels, a structural tag 16 more for its wrappers
 MAX_SCHEMA_NESTING = 64
 MAX_TAG_NESTING = MAX_SCHEMA_NESTING + 16
+# a JSON schema's ``pattern`` nests groups at most this deep: xgrammar refuses a regex nesting deeper (its parser's
+# limit), and its schema converter overflows its stack on one nesting ~30000 deep (the process dies, vLLM's too)
+MAX_PATTERN_NESTING = 1000
 
 
 class LegacyTag(BaseModel):
@@ -54,6 +57,43 @@ def nesting(value: Any) -> int:
     return deepest
 
 
+def check_patterns(value: Any, field: str) -> None:
+    """Raise ValueError where a ``pattern`` in the JSON value (a schema, a structural tag) nests its groups deeper
+    than ``MAX_PATTERN_NESTING``: what xgrammar cannot be given (``field``: the constraint, as the message names
+    it)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            if isinstance(pattern := item.get("pattern"), str) and group_nesting(pattern) > MAX_PATTERN_NESTING:
+                raise ValueError(f"{field} holds a pattern nesting groups deeper than {MAX_PATTERN_NESTING} levels; "
+                                 "give a flatter regular expression")
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+
+
+def group_nesting(regex: str) -> int:
+    """How deep a regular expression's groups nest (an escaped or bracketed parenthesis opens none)."""
+    deepest = depth = 0
+    escaped = in_class = False
+    for char in regex:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
 def check(text: str) -> None:
     """Raise ValueError saying what to fix where xgrammar cannot compile the structural tag ``text`` (vLLM's
     validate_xgrammar_grammar: the legacy form where it has ``structures``, else xgrammar's own)."""
@@ -67,6 +107,7 @@ def check(text: str) -> None:
         raise ValueError("structural_tag must be a JSON object")
     if nesting(tag) > MAX_TAG_NESTING:
         raise ValueError(f"structural_tag nests objects and arrays deeper than {MAX_TAG_NESTING} levels")
+    check_patterns(tag, "structural_tag")
     try:
         _compile(tag, text)
     except (KeyError, TypeError) as exc:

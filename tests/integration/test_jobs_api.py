@@ -593,7 +593,10 @@ def test_a_structural_tag_xgrammar_cannot_compile_is_a_4xx_saying_why(client, ke
     ({"regex": "(unclosed"}, "regex does not compile (Regex parsing error at position 10: The parenthesis is not "),
     ({"grammar": "root ::= ("}, "grammar does not compile (EBNF parser error at line 1, column 11"),
     ({"json": {"type": "object", "properties": {"home": {"$ref": "#/$defs/Home"}}}},
-     "json does not compile (Cannot find field $defs in #/$defs/Home)")], ids=["regex", "grammar", "json"])
+     "json does not compile (Cannot find field $defs in #/$defs/Home)"),
+    # a pattern nesting 40000 groups (80 KB) crashed the API process: xgrammar's schema converter overflows its stack
+    ({"json": {"type": "string", "pattern": "(" * 40_000 + "a" + ")" * 40_000}},
+     "json holds a pattern nesting groups deeper than 1000 levels")], ids=["regex", "grammar", "json", "json-pattern"])
 def test_a_constraint_vllm_cannot_compile_is_refused_as_it_is_submitted(client, keys, settings, constraint, said):
     """vLLM's server compiles a regex, grammar or JSON schema before its engine sees the request (xgrammar, then
     guidance): one neither reads is a 400 at once, a stream's too, not a job that fails on its worker."""
@@ -619,6 +622,19 @@ def test_a_constraint_vllm_cannot_compile_is_refused_as_it_is_submitted(client, 
             "type": "json_schema", "name": "n", "schema": constraint["json"]}}}, headers=H(keys.paid))
         assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "text.format", r.text
+
+
+def test_a_structural_tag_whose_schema_pattern_nests_deep_is_refused_not_a_crash(client, keys, settings):
+    """xgrammar's schema converter overflows its stack on a pattern nesting tens of thousands of groups (the process
+    dies): a structural tag's schema is refused before xgrammar sees it, as a JSON schema is."""
+    settings.backend = "vllm"
+    deep = {"type": "string", "pattern": "(" * 40_000 + "a" + ")" * 40_000}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
+        {"begin": "<b>", "content": {"type": "json_schema", "json_schema": deep}, "end": "</b>"}]}}
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                  "response_format": tag}, headers=H(keys.paid))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "structural_tag holds a pattern nesting groups deeper than 1000 levels" in r.text, r.text
 
 
 def test_a_constraint_only_guidance_reads_is_taken_as_vllms_auto_backend_takes_it(client, keys, settings):
