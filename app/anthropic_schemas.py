@@ -24,7 +24,7 @@ from app.schemas import JobCreate
 from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import REQUIRED_CHOICE, Answer, read_answer
-from app.wire import Text
+from app.wire import Text, shown
 
 ENDPOINT = "/v1/messages"
 # a chat field named in an error -> the Messages field the client wrote
@@ -266,7 +266,7 @@ def _text(content: str | list[Block] | list[dict[str, Any]], where: str) -> str:
     for j, block in enumerate(content):
         kind, text = (block.get("type"), block.get("text")) if isinstance(block, dict) else (block.type, block.text)
         if kind != "text" or not isinstance(text, str):
-            raise OpenAIError(400, f"{where}.{j}: only text blocks are supported here (a {kind!r} block is not)",
+            raise OpenAIError(400, f"{where}.{j}: only text blocks are supported here (a {shown(kind)} block is not)",
                               param=f"{where}.{j}.type")
         texts.append(text)
     return "\n".join(texts)
@@ -296,8 +296,8 @@ def _user_turn(blocks: list[Block], i: int) -> list[dict[str, Any]]:
         elif block.type == "text" and block.text is not None:
             texts.append(block.text)
         else:
-            raise OpenAIError(400, f"{where}: a user turn holds text and tool_result blocks (a {block.type!r} block "
-                                   "is not supported)", param=f"{where}.type")
+            raise OpenAIError(400, f"{where}: a user turn holds text and tool_result blocks (a {shown(block.type)} "
+                                   "block is not supported)", param=f"{where}.type")
     return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
 
 
@@ -319,7 +319,7 @@ def _assistant_turn(blocks: list[Block], i: int) -> dict[str, Any]:
                           "function": {"name": block.name, "arguments": json.dumps(block.input or {})}})
         elif block.type not in ("thinking", "redacted_thinking"):
             raise OpenAIError(400, f"{where}: an assistant turn holds text, tool_use and thinking blocks (a "
-                                   f"{block.type!r} block is not supported)", param=f"{where}.type")
+                                   f"{shown(block.type)} block is not supported)", param=f"{where}.type")
     return {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {}),
             **({"reasoning": "".join(thoughts)} if thoughts else {})}
 

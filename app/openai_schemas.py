@@ -48,7 +48,8 @@ def parse_window(text: str) -> float:
     """'24h' / '30m' / '2h' / '7d' / '90s' -> seconds (raises ValueError)."""
     m = WINDOW_RE.match(text or "")
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"invalid window {text!r}; use a number and a unit s/m/h/d, e.g. '24h', '30m', '7d'")
+        raise ValueError(f"invalid window {shown(text)}; use a number and a unit s/m/h/d, e.g. '24h', '30m', "
+                         "'7d'")
     seconds = float(m.group(1)) * WINDOW_UNITS[m.group(2)]
     if seconds > MAX_WINDOW_S:
         raise ValueError(f"window {text!r} is longer than {MAX_WINDOW_S / 86400:.0f} days; give a shorter one")
@@ -862,14 +863,14 @@ def service_tier(tier: str, tiers: tuple[str, ...]) -> str:
     return "priority" if len(tiers) > 1 and tier == tiers[-1] else "default"
 
 
-def list_page(rows: list[Any], after: str | None, limit: int, shown: Callable[[Any], dict[str, Any]]) -> dict:
+def list_page(rows: list[Any], after: str | None, limit: int, written: Callable[[Any], dict[str, Any]]) -> dict:
     """OpenAI's ``list`` object: up to ``limit`` of ``rows`` (in order, each with an ``id``) after the one whose id
-    is ``after`` (none after an id it does not hold), each as ``shown`` writes it."""
+    is ``after`` (none after an id it does not hold), each as ``written`` writes it."""
     if after:
         ids = [r.id for r in rows]
         rows = rows[ids.index(after) + 1:] if after in ids else []
     page = rows[:limit]
-    return {"object": "list", "data": [shown(r) for r in page], "has_more": len(rows) > limit,
+    return {"object": "list", "data": [written(r) for r in page], "has_more": len(rows) > limit,
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 

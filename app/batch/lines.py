@@ -27,7 +27,7 @@ from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAI
 from app.responses_schemas import ResponsesRequest
 from app.schemas import JobCreate
 from app.settings import DEFAULT_TIERS
-from app.wire import find_unstorable, may_hold_unstorable, unstorable_message
+from app.wire import find_unstorable, may_hold_unstorable, shown, unstorable_message
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,10 @@ def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: t
         return InvalidLine(line_no, cid, f"line {line_no}: 'custom_id' has {len(cid)} characters; at most "
                            f"{CUSTOM_ID_CHARS}", "invalid_custom_id")
     if obj.get("method", "POST") != "POST":
-        return InvalidLine(line_no, cid, f"line {line_no}: method must be POST, not {obj.get('method')!r}",
+        return InvalidLine(line_no, cid, f"line {line_no}: method must be POST, not {shown(obj.get('method'))}",
                            "invalid_method")
     if obj.get("url") != endpoint:
-        return InvalidLine(line_no, cid, f"line {line_no}: url {obj.get('url')!r} does not match the batch "
+        return InvalidLine(line_no, cid, f"line {line_no}: url {shown(obj.get('url'))} does not match the batch "
                            f"endpoint {endpoint!r}", "invalid_url")
     body = obj.get("body")
     if not isinstance(body, dict):

@@ -295,3 +295,13 @@ def test_a_refused_field_says_what_to_give_without_repeating_a_large_value(field
     with pytest.raises(OpenAIError) as refused:
         ChatCompletionRequest.model_validate({**body, "guided_regex": "[0-9]+"}).check()
     assert "guided_regex='[0-9]+'" in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize("field, value", [("url", "/v1/" + "x" * 4000), ("method", "G" * 4000)])
+def test_a_lines_refused_url_or_method_is_named_not_repeated_whole(field, value):
+    # each such line's error (in the batch's error file) repeated the client's value: 4 KB a line for a long url
+    text = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"},
+                       field: value})
+    (bad,) = parse_file(text.encode(), "/v1/completions", 86400).invalid
+    assert f"{field} " in bad.message and f"a {len(value)}-character string" in bad.message, bad.message
+    assert len(bad.message) < 300, bad.message
