@@ -23,7 +23,7 @@ from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import REQUIRED_CHOICE, Answer, read_answer
+from app.tool_calls import NAMED_CHOICE, Answer, in_choice_terms, read_answer
 from app.wire import Text, shown
 
 ENDPOINT = "/v1/messages"
@@ -35,7 +35,9 @@ MESSAGES_PARAM = {"stop": "stop_sequences", "response_format": "output_config.fo
 MESSAGES_TOOL_FIELDS = {"name": "name", "description": "description", "parameters": "input_schema"}
 TOOL_FIELD = re.compile(r"tools\.(?P<index>\d+)\.function\.(?P<field>" + "|".join(MESSAGES_TOOL_FIELDS)
                         + r")(?P<within>\..+)?")
-ANY_CHOICE = 'tool_choice {"type": "any"}'  # Anthropic's words for chat's REQUIRED_CHOICE
+# Anthropic's words for the tool choices chat's words name (app.tool_calls.CHAT_CHOICE)
+CHOICE_FORMS = {"'required'": '{"type": "any"}', "'auto'": '{"type": "auto"}',
+                NAMED_CHOICE: '{"type": "tool", "name": ...}'}
 # Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows). coserve's 503
 # (no worker for the model, the store or broker away) is Anthropic's overloaded_error in kind: come back shortly
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -239,7 +241,7 @@ def in_messages_terms(exc: OpenAIError) -> OpenAIError:
                            type=exc.type, headers=exc.headers)
     param = exc.param or ""
     head = param.partition(".")[0]
-    message = exc.message.replace(REQUIRED_CHOICE, ANY_CHOICE)
+    message = in_choice_terms(exc.message, CHOICE_FORMS)
     if head in MESSAGES_PARAM:
         # the field's name, not the word in the text ("stop: at most 4 stop sequences")
         message = re.sub(rf"(?<![\w.]){re.escape(head)}(?![\w]| sequence)", MESSAGES_PARAM[head], message)

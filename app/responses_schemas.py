@@ -20,7 +20,7 @@ from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsuppor
 from app.schemas import INSTRUCTION_ROLES, JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
-from app.tool_calls import Answer, FunctionSpec, read_answer, text_parts
+from app.tool_calls import Answer, FunctionSpec, in_choice_terms, read_answer, text_parts
 from app.wire import Metadata, Text, as_given, as_utc, shown
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
@@ -168,7 +168,7 @@ def in_responses_terms(exc: OpenAIError, raw: Any = None) -> OpenAIError:
     wrote in chat's terms (vLLM's ``structured_outputs``, which Responses takes too) keeps its name."""
     param = exc.param or ""
     new = responses_param(param, written_as_chat(raw))
-    message = exc.message.replace(CHAT_NAMED_CHOICE, NAMED_CHOICE)
+    message = in_choice_terms(exc.message, {CHAT_NAMED_CHOICE: NAMED_CHOICE})
     if new == param:
         return exc if message == exc.message else OpenAIError(exc.status_code, message, param=exc.param,
                                                                code=exc.code, type=exc.type, headers=exc.headers)

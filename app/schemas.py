@@ -13,7 +13,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
 
 from app import output_constraints
 from app.bounds import MAX_RATE
-from app.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice, read_answer
+from app.tool_calls import (MAX_TOOLS, ToolCall, ToolChoice, ToolSpec, forced_schema, is_forced, kept_choice,
+                            needs_tools, read_answer)
 from app.wire import FieldProblem, NumbersNotBooleans, Text, UtcDatetime
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 from gpu_runtime.sampling import CONSTRAINT_OPTIONS, LOGIT_BIAS_LIMIT, PENALTY_LIMIT
@@ -384,7 +385,7 @@ class JobCreate(NumbersNotBooleans):
         if choice is None:
             return
         if not names:
-            raise FieldProblem("tool_choice", f"{choice!r} needs tools")
+            raise FieldProblem("tool_choice", needs_tools(choice))
         if isinstance(choice, dict) and choice["function"]["name"] not in names:
             raise FieldProblem("tool_choice", f"it names {choice['function']['name']!r}, which is not among the "
                                               f"tools ({', '.join(names)})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import string
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
@@ -22,7 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from app.reasoning import ReasoningStream, split_reasoning
 from app.tool_call_scan import CallScanner, raw_arguments
 from app.tool_syntax import SYNTAXES, RawCall, Syntax, read_call
-from app.wire import FieldProblem, Text
+from app.wire import FieldProblem, Text, shown
 
 MAX_TOOLS = 128
 ALPHANUMERIC = string.ascii_letters + string.digits
@@ -30,6 +31,8 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared w
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the definitions its $refs name (from its root)
 NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'  # chat's form of a named tool_choice
 REQUIRED_CHOICE = "tool_choice 'required'"  # chat's words for a choice of any tool (another API's words differ)
+# chat's name of a choice where an error names it: 'required' or 'auto' after tool_choice, or the named form
+CHAT_CHOICE = re.compile(r"(?<=tool_choice )'\w+'|(?<=tool_choice: )'\w+'|" + re.escape(NAMED_CHOICE))
 
 
 def forced_choice_unsupported(auto: bool) -> str:
@@ -38,6 +41,19 @@ def forced_choice_unsupported(auto: bool) -> str:
     return ("a forced tool_choice ('required' or a named function) is generated under vLLM's structured outputs: it "
             "needs the vLLM backend (COSERVE_BACKEND=vllm); send tool_choice " + ("'none' or 'auto'" if auto else
             "'none' (this server has no parser for the calls of 'auto' either: COSERVE_TOOL_CALL_PARSER)"))
+
+
+def in_choice_terms(message: str, forms: dict[str, str]) -> str:
+    """``message`` with the tool choices it names in chat's words (``CHAT_CHOICE``) written as another API writes
+    them (``forms``: chat's word -> that API's; one not in it is kept)."""
+    return CHAT_CHOICE.sub(lambda word: forms.get(word[0], word[0]), message)
+
+
+def needs_tools(choice: str | dict[str, Any]) -> str:
+    """Why ``choice`` (a kept choice) is refused where no tools are given, naming it in chat's words."""
+    named = isinstance(choice, dict)
+    return (f"{NAMED_CHOICE if named else repr(choice)} needs tools: give the tools to call, or leave tool_choice "
+            "out" + (f" (it names {shown(choice['function']['name'])})" if named else ""))
 
 
 class FunctionSpec(BaseModel):

@@ -512,3 +512,38 @@ def test_a_hermes_call_cut_by_max_tokens_answers_as_it_streamed(cut):
     fed = [stream.feed(named_not)[1:]]
     _, rest, more, answer = stream.end("length")
     assert fed[0][0] + rest == answer.content == named_not and more is None and answer.tool_calls is None
+
+
+def choice_refusal(route: str, choice: str | dict) -> OpenAIError:
+    """The 400 of a request on ``route`` that gives ``tool_choice`` (as the route writes it) and no tools."""
+    from app.anthropic_schemas import MessagesRequest
+    from app.responses_schemas import ResponsesRequest
+
+    if route == "messages":
+        raw = {"model": "m", "max_tokens": 8, "messages": USER, "tool_choice": choice}
+        call = functools.partial(MessagesRequest.model_validate(raw).chat_request, raw)
+    elif route == "responses":
+        raw = {"model": "m", "input": "hi", "tool_choice": choice}
+        call = functools.partial(ResponsesRequest.model_validate(raw).chat_request, raw, [])
+    else:
+        req = ChatCompletionRequest.model_validate({"messages": USER, "tool_choice": choice})
+        call = functools.partial(req.job_spec, messages=req.chat_messages())
+    with pytest.raises(OpenAIError) as exc:
+        call()
+    return exc.value
+
+
+@pytest.mark.parametrize(("route", "choice", "words"), [
+    ("chat", "required", "tool_choice: 'required' needs tools"),
+    ("chat", {"type": "function", "function": {"name": "f"}},
+     'tool_choice: {"type": "function", "function": {"name": ...}} needs tools'),
+    ("messages", {"type": "any"}, 'tool_choice: {"type": "any"} needs tools'),
+    ("messages", {"type": "tool", "name": "f"}, 'tool_choice: {"type": "tool", "name": ...} needs tools'),
+    ("responses", "required", "tool_choice: 'required' needs tools"),
+    ("responses", {"type": "function", "name": "f"}, 'tool_choice: {"type": "function", "name": ...} needs tools')])
+def test_a_choice_of_tools_with_none_given_is_refused_in_the_routes_words(route, choice, words):
+    # Messages' {"type": "any"} was called chat's 'required', and a named choice was shown as chat's Python dict
+    # ({'type': 'function', 'function': {'name': 'f'}}) on every route
+    refused = choice_refusal(route, choice)
+    assert refused.param == "tool_choice" and refused.message.startswith(words), refused.message
+    assert "{'" not in refused.message and ("'f'" in refused.message) == ("'name'" in str(choice)), refused.message
