@@ -96,6 +96,10 @@ class ResponsesRequest(BaseModel):
                               param="conversation")
         if self.conversation is not None and self.previous_response_id is not None:
             raise OpenAIError(400, "give conversation or previous_response_id, not both", param="conversation")
+        if self.tool_choice is None and "tool_choice" in self.model_fields_set:
+            # vLLM's ResponsesRequest takes no null (chat's keeps one: text, with the tools in the template)
+            raise OpenAIError(400, f'tool_choice is "none", "auto", "required" or {NAMED_CHOICE}, not null: leave it '
+                                   'out for "auto"', param="tool_choice")
         for name, ok in (("prompt", self.prompt is None), ("reasoning", not (self.reasoning or {}).get("summary"))):
             if not ok:
                 raise OpenAIError(400, f"{as_given(name, getattr(self, name))} is not supported by this server; leave "
@@ -146,7 +150,8 @@ class ResponsesRequest(BaseModel):
             body["max_tokens"] = self.max_output_tokens
         if self.tools:
             body["tools"] = [chat_tool(i, t) for i, t in enumerate(self.tools)]
-        if self.tool_choice is not None:
+        if self.tool_choice is not None and (self.tools or self.tool_choice not in ("auto", "none")):
+            # without tools, vLLM's ResponsesRequest makes "auto" (its default) "none": free text, not chat's 400
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if (fmt := (self.text or {}).get("format")) is not None:
             body["response_format"] = chat_response_format(fmt)

@@ -196,3 +196,19 @@ def test_the_reasoning_effort_and_thinking_budget_reach_the_job_as_on_chat():
 def test_the_default_verbosity_is_taken():
     req = chat({"input": "x", "text": {"verbosity": "medium"}})  # OpenAI's default: the answer as it comes
     assert req.verbosity == "medium" and req.messages == [{"role": "user", "content": "x"}]
+
+
+def test_tool_choice_is_read_as_vllms_responses_request_reads_it():
+    # vLLM's ResponsesRequest: tool_choice defaults to "auto", made "none" where no tools are given (an explicit
+    # "auto" too); an explicit null is no choice it takes (a 400). coserve read null as "auto", and refused "auto"
+    # without tools
+    tools = [{"type": "function", "name": "f"}]
+    for body in ({"input": "x", "tool_choice": None}, {"input": "x", "tools": tools, "tool_choice": None}):
+        with pytest.raises(OpenAIError) as exc:
+            chat(body)
+        assert exc.value.status_code == 400 and exc.value.param == "tool_choice", exc.value.message
+        assert "leave it out" in exc.value.message, exc.value.message
+    assert chat({"input": "x", "tools": tools}).tool_fields()["tool_choice"] == "auto"
+    for choice in ("auto", "none"):
+        body = {"input": "x", "tool_choice": choice}
+        assert ResponsesRequest.model_validate(body).chat_request(body, [])[1].sampling(8)["tool_choice"] is None
