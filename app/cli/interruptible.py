@@ -4,16 +4,18 @@ Python acts on a SIGINT only in the main thread, between bytecodes. One that arr
 for one and before it sleeps in the socket's poll() (a loaded machine preempts a process just there) only marks the
 signal: poll() sleeps on to the request's timeout (a minute; ten for ``summarize --cancel``) before the
 KeyboardInterrupt is raised, and the operator's Ctrl-C seems lost. Here the request runs in a thread of its own while
-the main thread waits for it in short slices, looking for a marked signal after each.
+the main thread waits for it in short slices, looking for a marked signal after each; a stream's each next chunk
+is such a request (``interruptible_items``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 Answer = TypeVar("Answer")
+Item = TypeVar("Item")
 
 CTRL_C_LOOK_S = 0.1  # how often the waiting main thread looks for a Ctrl-C that came just before it slept
 
@@ -38,3 +40,11 @@ def interruptible(request: Callable[[], Answer]) -> Answer:
     if failures:
         raise failures[0]
     return answers[0]
+
+
+def interruptible_items(items: Iterator[Item]) -> Iterator[Item]:
+    """``items`` (a stream's lines: each next one a blocking read, which a queued job's stream makes wait for minutes)
+    read each by ``interruptible``: a Ctrl-C while the next one is awaited raises KeyboardInterrupt here."""
+    ended = object()
+    while (item := interruptible(lambda: next(items, ended))) is not ended:
+        yield item  # type: ignore[misc]  # not ``ended``: an item

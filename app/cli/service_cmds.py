@@ -12,6 +12,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from app.bounds import JOBS_PAGE_MAX, MAX_RATE
-from app.cli.interruptible import interruptible
+from app.cli.interruptible import interruptible, interruptible_items
 from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite, vllm_flags
 from app.cli.output import (
     Console,
@@ -311,12 +312,14 @@ def _stream_text(url: str, key: str, job_id: str, timeout: float) -> bool:
     """Prints the job's tokens as they arrive (``GET /v1/jobs/{id}/stream``); False when the
     stream is unavailable (an older server, a proxy that buffers), so the caller polls instead."""
     try:
-        with httpx.stream("GET", f"{url}/v1/jobs/{job_id}/stream", headers={"Authorization": f"Bearer {key}"},
-                          timeout=httpx.Timeout(timeout, connect=10.0)) as r:
+        with ExitStack() as opened:  # its head too may wait long (a proxy that buffers)
+            r = interruptible(lambda: opened.enter_context(httpx.stream(
+                "GET", f"{url}/v1/jobs/{job_id}/stream", headers={"Authorization": f"Bearer {key}"},
+                timeout=httpx.Timeout(timeout, connect=10.0))))
             if r.status_code != 200:
                 return False
             event = None
-            for line in r.iter_lines():
+            for line in interruptible_items(r.iter_lines()):
                 if line.startswith("event: "):
                     event = line[7:]
                 elif line.startswith("data: ") and event == "delta":

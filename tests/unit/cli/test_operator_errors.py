@@ -271,9 +271,12 @@ runpy.run_module("app.cli", run_name="__main__")
 
 
 @contextmanager
-def _cli_waiting_on_a_silent_server(tmp_path, args: list[str], python: list[str]) -> Iterator[subprocess.Popen]:
+def _cli_waiting_on_a_silent_server(tmp_path, args: list[str], python: list[str], answers: tuple[bytes, ...] = (),
+                                    begun: bytes = b"", asked: bytes = b"POST ") -> Iterator[subprocess.Popen]:
     """``coserve ARGS`` (run by ``python``, its argv before them) once the request reached a server that read it and
-    does not answer. Its SIGINT as a shell's Ctrl-C finds it, whatever the test process ignores."""
+    does not answer (past ``begun``, the start of an answer); ``answers`` (whole HTTP answers, one a connection) go to
+    the requests before it, and the one waited on starts with ``asked``. Its SIGINT as a shell's Ctrl-C finds it,
+    whatever the test process ignores."""
     (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
                                        '"body": {"messages": [{"role": "user", "content": "x"}]}}\n')
     with socket.socket() as silent:
@@ -287,10 +290,18 @@ def _cli_waiting_on_a_silent_server(tmp_path, args: list[str], python: list[str]
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             silent.settimeout(60)
+            for answer in answers:
+                conn, _ = silent.accept()
+                with conn:
+                    conn.settimeout(60)
+                    conn.recv(65536)
+                    conn.sendall(answer)
             conn, _ = silent.accept()
             conn.settimeout(60)
             with conn:
-                assert conn.recv(65536).startswith(b"POST "), "the command sent no request"
+                request = conn.recv(65536)
+                assert request.startswith(asked), f"the command sent no {asked!r} request: {request!r}"
+                conn.sendall(begun)
                 yield proc
         finally:
             proc.kill()
@@ -327,6 +338,30 @@ def test_a_ctrl_c_that_comes_as_the_command_goes_to_sleep_on_the_answer_is_acted
         proc.stdin.write("\n")
         proc.stdin.flush()
         _said_may_be_done_anyway(proc, says)
+
+
+def _http_answer(head: str, body: bytes = b"") -> bytes:
+    return f"HTTP/1.1 {head}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
+
+
+SUBMITTED = _http_answer("201 Created", b'{"id": "job_x", "status": "queued"}')
+READY = _http_answer("200 OK", b'{"status": "ready", "checks": {"workers": "1 live"}}')
+# a queued job's stream: its head at once, then nothing until the job starts (a keep-alive comment each 15 s)
+STREAM_BEGUN = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def test_a_ctrl_c_that_comes_as_submit_wait_goes_to_sleep_on_a_queued_jobs_stream_is_acted_on(tmp_path):
+    """`coserve submit --wait` reads a queued job's stream, which sends nothing until a worker takes the job: a Ctrl-C
+    that came just as the command went to sleep on the stream's next chunk only marked the signal, and the command
+    slept on to the next keep-alive (15 s), or for an hour (the stream's read timeout) where nothing sends them."""
+    with _cli_waiting_on_a_silent_server(tmp_path, ["submit", "hi", "--wait"], [sys.executable, "-c", TRIPS_SIGINT],
+                                         (SUBMITTED, READY), STREAM_BEGUN, b"GET /v1/jobs/job_x/stream ") as proc:
+        wait_for(lambda: _asleep(proc.pid), 60, "the command to sleep on the stream", interval=0.01)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, (out, err)
+    assert "stopped waiting; job job_x goes on on the server" in " ".join(err.split()), err
 
 
 def _asleep(pid: int) -> bool:
