@@ -175,7 +175,8 @@ def warn_without_workers(url: str) -> None:
     """Says so where no live worker serves the API's model (its ``/readyz``): the jobs about to be sent would wait in
     the queue, and a wait for them would show nothing."""
     try:
-        workers = httpx.get(url + "/readyz", timeout=10).json().get("checks", {}).get("workers", "")
+        readyz = interruptible(lambda: httpx.get(url + "/readyz", timeout=10))
+        workers = readyz.json().get("checks", {}).get("workers", "")
     except (httpx.HTTPError, ValueError, AttributeError):
         return  # an older server, or one that cannot say: the request itself will tell
     if workers.startswith("error"):

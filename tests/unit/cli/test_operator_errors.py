@@ -364,6 +364,28 @@ def test_a_ctrl_c_that_comes_as_submit_wait_goes_to_sleep_on_a_queued_jobs_strea
     assert "stopped waiting; job job_x goes on on the server" in " ".join(err.split()), err
 
 
+# the CLI as TRIPS_SIGINT runs it, its /readyz read given ten minutes, not ten seconds: a /readyz that answers late
+# (a Redis that does not answer its ping) then keeps a command that slept on it asleep past the wait below
+SLOW_READYZ = """import httpx
+get = httpx.get
+httpx.get = lambda *args, **kw: get(*args, **{**kw, "timeout": 600.0})
+""" + TRIPS_SIGINT
+
+
+def test_a_ctrl_c_that_comes_as_submit_wait_goes_to_sleep_on_the_readyz_look_for_workers_is_acted_on(tmp_path):
+    """`coserve submit --wait` (and `batch create --wait`, `batch follow`) first asks /readyz whether a worker serves
+    the model: a Ctrl-C that came just as the command went to sleep on its answer only marked the signal, and the
+    command slept on until /readyz answered, up to its 10 s timeout (here made longer, so as to show it)."""
+    with _cli_waiting_on_a_silent_server(tmp_path, ["submit", "hi", "--wait"], [sys.executable, "-c", SLOW_READYZ],
+                                         (SUBMITTED,), asked=b"GET /readyz ") as proc:
+        wait_for(lambda: _asleep(proc.pid), 60, "the command to sleep on /readyz", interval=0.01)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, (out, err)
+    assert "stopped waiting; job job_x goes on on the server" in " ".join(err.split()), err
+
+
 def _asleep(pid: int) -> bool:
     """The process's main thread sleeps in the kernel (its state in /proc, after the command's name)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
