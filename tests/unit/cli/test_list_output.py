@@ -214,6 +214,8 @@ def test_keys_create_admin_keeps_its_label_and_keys_list_shows_it(db_env):
     assert key_id in res.output and "ops[team]" in res.output and "…" not in res.output
     assert plaintext not in res.output  # only ids and prefixes
 
+    res = run.invoke(cli, ["keys", "create", "--tenant", "admin", "--admin"], env=db_env)
+    assert res.exit_code == 0, res.output  # another admin key first: the last one is not revoked
     res = run.invoke(cli, ["keys", "revoke", key_id], env=db_env)
     assert res.exit_code == 0, res.output
     rows = json.loads(run.invoke(cli, ["keys", "list", "--json"], env=db_env).output)
