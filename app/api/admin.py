@@ -131,10 +131,9 @@ USAGE_COLUMNS = ("num_model_requests", "input_tokens", "output_tokens", "num_slo
 
 @router.get("/admin/api/tenants", responses=ADMIN)
 def tenants(session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
-    """Every tenant with its limits, whether it is disabled, the tokens its batches have queued, and its last day's
-    usage (the Usage
-    API's sums over the jobs submitted in the 24 hours before now). The dashboard reads it less often than the
-    overview: the day's sums read a day of jobs (by ``ix_jobs_created``)."""
+    """Every tenant with its limits, whether it is disabled, the tokens its batches and summarization runs have queued,
+    and its last day's usage (the Usage API's sums over the jobs submitted in the 24 hours before now). The dashboard
+    reads it less often than the overview: the day's sums read a day of jobs (by ``ix_jobs_created``)."""
     now = utcnow()
     end = int(now.timestamp()) + 1  # exclusive: the jobs of this very second count too
     day = completions_usage(session, UsageQuery(end - 86400, end, "1d", 1, group_by=("project_id",)), str)

@@ -44,8 +44,9 @@ from typing import Any
 from sqlalchemy import func, or_, select, update
 
 from app.auth import Principal
+from app.batch import queue_limit
 from app.db.models import Job, JobStatus, SummarizationDocument, SummarizationRun, Tenant
-from app.db.session import session_scope, write_guard
+from app.db.session import read_then_write, session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import lora_adapters
 from app.services.cancel import stop_job_ids
@@ -288,16 +289,24 @@ def _keep_stepping(settings: Settings, run: SummarizationRun, ready: list[int], 
     dispatched_at = utcnow() if settings.redis_url else None
     rows = JobRows.of([(job, f"summarization {run.id}") for job in backend.jobs], dispatched_at)
     staged = store.stage_jobs(url, run, owner, rows, keep)  # all but the last chunk, a chunk at a time
-    with session_scope(url) as s, write_guard(s):
-        if not _advance_version(s, run, owner, values):
+    with read_then_write(url) as s:  # reads the tenant's queue, then writes: no other start commits in between
+        refused = over_queue_limit(s, run, backend.jobs)
+        committed = refused is None and _advance_version(s, run, owner, values)
+        if committed:
+            store.start_staged(s, run.id, staged,
+                               JobStatus.DISPATCHED.value if dispatched_at else JobStatus.QUEUED.value)
+            for position, doc in docs.items():
+                s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
+                                                              SummarizationDocument.position == position)
+                          .values(**store.doc_values(doc)).execution_options(synchronize_session=False))
+        else:
             s.rollback()
-            log.info("summarization %s: lease lost mid-step; %d built jobs dropped", run.id, len(backend.jobs))
-            return Step(Outcome.LOST, "running")
-        store.start_staged(s, run.id, staged, JobStatus.DISPATCHED.value if dispatched_at else JobStatus.QUEUED.value)
-        for position, doc in docs.items():
-            s.execute(update(SummarizationDocument).where(SummarizationDocument.run_id == run.id,
-                                                          SummarizationDocument.position == position)
-                      .values(**store.doc_values(doc)).execution_options(synchronize_session=False))
+    if refused is not None:  # as a batch past the limit fails validation: no job of it runs
+        log.info("summarization %s refused at its first step: %s", run.id, refused)
+        return _commit_failure(settings, run, owner, refused)
+    if not committed:
+        log.info("summarization %s: lease lost mid-step; %d built jobs dropped", run.id, len(backend.jobs))
+        return Step(Outcome.LOST, "running")
     send_dispatched(settings, [Sendable.of(job) for job in backend.jobs])
     if status != "running":
         log.info("summarization %s %s: %d/%d documents, %d jobs", run.id, status, done - failed, run.documents,
@@ -309,6 +318,17 @@ def check_first_level(settings: Settings, run: SummarizationRun, docs: list[DocS
     """The checks a run's first level needs its documents split for (``limits``); JobValidationError says why."""
     check_jobs(jobs, settings.summarize_max_jobs, run.chunk_tokens)
     check_depth(docs, run.chunk_tokens, run.overlap_tokens, run.max_summary_tokens)
+
+
+def over_queue_limit(session, run: SummarizationRun, jobs: list[dict[str, Any]]) -> str | None:
+    """Why a run's first level (``jobs``, their prompt tokens) does not fit in its tenant's batch queue limit, else
+    None; a later level is never refused (``queue_limit``: a run let in runs to its end). Call it in the transaction
+    that makes the jobs runnable."""
+    if run.status != store.VALIDATING:
+        return None
+    tokens = sum(job.get("prompt_tokens") or 0 for job in jobs)
+    refused = queue_limit.refusal(session, run.tenant_id, run.model, tokens, queue_limit.SUMMARIZATION)
+    return f"{refused['code']}: {refused['message']}" if refused else None
 
 
 def _advance_or_fail(run_id: str, position: int, doc: DocState, results: dict, planner: Planner,
