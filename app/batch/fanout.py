@@ -2,7 +2,7 @@
 of several (``n``, or several prompts).
 
 Every job's TTLT deadline is the batch's ``expires_at`` (created_at + completion_window).
-Invalid lines are kept in ``data_dir/batches/<id>/invalid.jsonl`` for the error file.
+Invalid lines are kept in ``data_dir/batches/<id>/invalid.jsonl`` for the error file, written as they are read.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
+from typing import TextIO
 
 from sqlalchemy import delete, select, update
 
@@ -23,7 +24,7 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import invalid_path, line_numbers_path, maybe_finalize, result_file
+from app.batch.finalize import invalid_path, line_numbers_path, maybe_finalize, numbered_refused_lines, result_file
 from app.batch.objects import invalid_line, unrun_line
 from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
@@ -79,6 +80,18 @@ def _fail(session, batch_id: str, **values) -> None:
 
 
 def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None) -> None:
+    mine = stage_mark()
+    # this run's refused lines, written as read; invalid.jsonl once the batch is to start (another run of the batch,
+    # one that died or runs beside this one, writes its own: neither truncates the other's)
+    part = invalid_path(settings.data_dir, batch_id).with_name(f"invalid.{mine}.part")
+    try:
+        _fan_out(settings, batch_id, parsed, mine, part)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _fan_out(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None, mine: str,
+             part: Path) -> None:
     url = settings.sqlalchemy_url
     with session_scope(url) as s:
         batch = s.get(Batch, batch_id)
@@ -96,37 +109,38 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
         if refused := (batch_lines.file_refusal(handle) if handle is not None else None):
             _fail_validation(url, batch_id, [refused], 0)
             return
-        lines = (batch_lines.parse_lines(handle, endpoint, window_s, settings.tiers, settings.model,
-                                         settings.engine_backend)
-                 if handle is not None else heapq.merge(parsed.valid, parsed.invalid, key=lambda line: line.line_no))
-        principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
-        # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)
-        fan = FanOut(settings, principal, batch_id, endpoint, expires_at, held_context_length(settings))
-        dispatched_at = utcnow() if settings.redis_url else None
-        mine = stage_mark()
-        chunks = fan.job_rows(lines, dispatched_at)
-        staged = write_staged(url, chunks, mine, lambda s: s.scalar(
-            select(Batch.status).where(Batch.id == batch_id)) == "validating")
-        fan.count(lines)  # cancelled while staging: the rest is not written, but each line is still counted
+        batch_dir(settings.data_dir, batch_id)
+        with part.open("w", encoding="utf-8", newline="\n") as refused_to:  # this run's: see _start
+            lines = (batch_lines.parse_lines(handle, endpoint, window_s, settings.tiers, settings.model,
+                                             settings.engine_backend)
+                     if handle is not None
+                     else heapq.merge(parsed.valid, parsed.invalid, key=lambda line: line.line_no))
+            principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)
+            # the context the batch's jobs are held to, as the workers were read at its start (one read, not one a line)
+            fan = FanOut(settings, principal, batch_id, endpoint, expires_at, held_context_length(settings), refused_to)
+            dispatched_at = utcnow() if settings.redis_url else None
+            chunks = fan.job_rows(lines, dispatched_at)
+            staged = write_staged(url, chunks, mine, lambda s: s.scalar(
+                select(Batch.status).where(Batch.id == batch_id)) == "validating")
+            fan.count(lines)  # cancelled while staging: the rest is not written, but each line is still counted
     file_errors = (parsed.file_errors if parsed is not None else []) + fan.duplicate_errors()
     if file_errors:
         _fail_validation(url, batch_id, file_errors, fan.total)
         return
-    batch_dir(settings.data_dir, batch_id)
-    with invalid_path(settings.data_dir, batch_id).open("w") as out:  # written as made, in input order
-        out.writelines(text + "\n" for _, text in fan.refused_lines())
+    part.replace(invalid_path(settings.data_dir, batch_id))  # written as read, in input order
     numbers = {cid: line_no for line_no, cid in fan.requested}  # the error file lists its lines in input order
     line_numbers_path(settings.data_dir, batch_id).write_text(json.dumps(numbers))
-    ok = staged and _start_staged(url, batch_id, tenant_id, mine, fan, dispatched_at, len(fan.invalid))
+    ok = staged and _start_staged(url, batch_id, tenant_id, mine, fan, dispatched_at, fan.refused)
     if ok is None:
         return
     if not ok:
         unrun = [] if endpoint == MESSAGES else fan.requested  # a message batch's are in neither (_end_cancelled)
-        failed = heapq.merge(fan.refused_lines(), ((line_no, json.dumps(unrun_line(line_no, cid)))
-                                                   for line_no, cid in unrun), key=lambda pair: pair[0])
-        _end_cancelled(settings, batch_id, fan.total, len(fan.invalid) + len(unrun), (text for _, text in failed))
+        failed = heapq.merge(numbered_refused_lines(settings.data_dir, batch_id),
+                             ((line_no, json.dumps(unrun_line(line_no, cid))) for line_no, cid in unrun),
+                             key=lambda pair: pair[0])
+        _end_cancelled(settings, batch_id, fan.total, fan.refused + len(unrun), (text for _, text in failed))
         return
-    log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(fan.sendables), len(fan.invalid))
+    log.info("batch %s: %d jobs, %d invalid lines", batch_id, len(fan.sendables), fan.refused)
     for at in range(0, len(fan.sendables), STAGE_CHUNK):  # a send's messages are built whole: a chunk's at a time
         send_dispatched(settings, fan.sendables[at:at + STAGE_CHUNK])
     if not fan.sendables:
@@ -142,14 +156,15 @@ def _fail_validation(url: str, batch_id: str, errors: list[dict], total: int) ->
 
 class FanOut:
     """A batch's lines as they are read, in order: the valid ones' jobs built and handed on ``STAGE_CHUNK`` at a
-    time (none held after it is written), and what the batch's start needs of all of them kept: its invalid lines,
-    the valid ones' numbers, each model's prompt tokens (the queue limit), what is sent of each job."""
+    time (none held after it is written), its invalid lines' error lines written to ``refused_to`` (none held:
+    their messages may be long), and what the batch's start needs of all of them kept: how many were refused, the
+    valid ones' numbers, each model's prompt tokens (the queue limit), what is sent of each job."""
 
     def __init__(self, settings: Settings, principal: Principal, batch_id: str, endpoint: str, expires_at,
-                 context: int) -> None:
+                 context: int, refused_to: TextIO) -> None:
         self.settings, self.principal, self.batch_id, self.endpoint = settings, principal, batch_id, endpoint
-        self.expires_at, self.context = expires_at, context
-        self.invalid: list[batch_lines.InvalidLine] = []
+        self.expires_at, self.context, self.refused_to = expires_at, context, refused_to
+        self.refused = 0  # the invalid lines written to ``refused_to``
         self.requested: list[tuple[int, str]] = []  # the valid lines that became jobs: a cancel stops them unrun
         self.custom_ids: list[tuple[str | None, int]] = []  # every line's, in order (duplicates fail the file)
         self.tokens: dict[str, int] = {}  # each model's jobs' prompt tokens
@@ -164,7 +179,7 @@ class FanOut:
             if isinstance(line, batch_lines.ValidLine):
                 jobs += self._jobs(line)
             else:
-                self.invalid.append(line)
+                self._refuse(line)
             if len(jobs) >= STAGE_CHUNK:
                 yield JobRows.of([(job, f"batch {self.batch_id}") for job in jobs], dispatched_at)
                 jobs = []
@@ -179,16 +194,16 @@ class FanOut:
             if isinstance(line, batch_lines.ValidLine):
                 self.requested.append((line.line_no, line.custom_id))
             else:
-                self.invalid.append(line)
+                self._refuse(line)
 
     def _read(self, line: batch_lines.ValidLine | batch_lines.InvalidLine) -> None:
         self.total += 1
         self.custom_ids.append((line.custom_id, line.line_no))
 
-    def refused_lines(self) -> Iterator[tuple[int, str]]:
-        """The refused lines' error lines (their numbers and text), in input order, made one at a time."""
-        for i in self.invalid:  # read in input order
-            yield i.line_no, json.dumps(invalid_line(i.line_no, i.custom_id, i.code, i.message))
+    def _refuse(self, line: batch_lines.InvalidLine) -> None:
+        """``line``'s error line written as it is read (so in input order), and counted."""
+        self.refused_to.write(json.dumps(invalid_line(line.line_no, line.custom_id, line.code, line.message)) + "\n")
+        self.refused += 1
 
     def _jobs(self, line: batch_lines.ValidLine) -> list[dict]:
         try:
@@ -196,8 +211,8 @@ class FanOut:
                               self.context)
         except JobValidationError as exc:  # an over-long message batch request in Anthropic's words, as its create
             why = exc.overflow.anthropic_message() if exc.overflow and self.endpoint == MESSAGES else str(exc)
-            self.invalid.append(batch_lines.InvalidLine(line.line_no, line.custom_id, f"line {line.line_no}: {why}",
-                                                        "invalid_body"))
+            self._refuse(batch_lines.InvalidLine(line.line_no, line.custom_id, f"line {line.line_no}: {why}",
+                                                 "invalid_body"))
             return []
         self.requested.append((line.line_no, line.custom_id))
         for job in jobs:

@@ -76,6 +76,12 @@ def refused_lines(data_dir: Path, batch_id: str) -> Iterator[str]:
             yield text.removesuffix("\n")
 
 
+def numbered_refused_lines(data_dir: Path, batch_id: str) -> Iterator[tuple[int, str]]:
+    """``refused_lines``, each with its input line number."""
+    for text in refused_lines(data_dir, batch_id):
+        yield _refused_line_number(text), text
+
+
 def line_numbers_path(data_dir: Path, batch_id: str) -> Path:
     """Where the fan-out keeps its valid lines' numbers by custom_id (``{"a": 1, ...}``), for the files' order."""
     return Path(data_dir) / "batches" / batch_id / "lines.json"
@@ -174,7 +180,7 @@ def _error_lines(session: Session, data_dir: Path, batch: Batch) -> Iterator[str
     that failed (in their jobs' order, as the output file's), each with its first failed choice, merged as they are
     read (only failed jobs are read: no answer is)."""
     line_number = _input_order(data_dir, batch.id)
-    refused = ((_refused_line_number(text), text) for text in refused_lines(data_dir, batch.id))
+    refused = numbered_refused_lines(data_dir, batch.id)
     failed = ((line_number(line[0].custom_id), json.dumps(job_error_line(line[0], batch.expires_at)))
               for line in requests(session, batch.id, Job.status != JobStatus.SUCCEEDED.value))
     for _, text in heapq.merge(refused, failed, key=lambda pair: pair[0]):  # a tie: the refused line first

@@ -326,3 +326,48 @@ def test_a_batch_whose_fan_out_died_before_it_started_is_cancelled_with_counts_t
     assert counts.total == counts.completed + counts.failed, counts
     again = OpenAIBatch.model_validate(client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json())
     assert again.request_counts == counts
+
+
+def test_a_fan_out_never_holds_its_refused_lines_whole_in_memory(client, keys, settings, monkeypatch):
+    """The fan-out kept every refused line (its message with it) until the batch started, then wrote them to
+    invalid.jsonl: a file of refused lines whose messages are long (a ``stop`` of 150 numbers: each named, about
+    6 KB of message from a line of under 1 KB) was held whole, several times the input file. It writes each to
+    invalid.jsonl as it is read now, and keeps their count: its peak is under one copy of the input file. The counts
+    and the error lines, in input order, are as before."""
+    import tracemalloc
+
+    from app.api import batches as api
+
+    held = []
+    monkeypatch.setattr(api, "start_batch", lambda *args: held.append(args))  # run below, measured
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 100)
+    count = 1500
+
+    def create(refused: int) -> tuple[dict, int]:
+        good = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+        lines = [{"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": good}] + [
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": good | {"stop": [1] * 150}}
+            for i in range(refused)]
+        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                        files={"file": ("in.jsonl", content)}).json()
+        return client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+            "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json(), len(content)
+
+    create(2)
+    fanout.start_batch(*held.pop())  # its tokenizer loaded, its statements compiled
+    batch, size = create(count)
+    tracemalloc.start()
+    try:
+        fanout.start_batch(*held.pop())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    with session_scope(settings.sqlalchemy_url) as s:
+        started = s.get(Batch, batch["id"])
+        assert (started.status, started.total, started.failed) == ("in_progress", count + 1, count)
+    errors = [json.loads(line) for line in fanout.invalid_path(settings.data_dir, batch["id"]).read_text().splitlines()]
+    assert [(e["id"], e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (f"batch_req_line_{i + 2}", f"r{i}", "invalid_body") for i in range(count)], errors[:3]
+    assert all(len(e["error"]["message"]) > 5000 for e in errors), errors[0]
+    assert peak < size, f"{peak} bytes allocated at the peak of a {size}-byte input file's fan-out"
