@@ -188,7 +188,9 @@ def test_a_fan_in_never_holds_its_error_file_whole_in_memory(client, keys, setti
     an error file that may be as large as an output file. It reads both a line at a time now, in input order (the
     refused lines by number, the failed requests in their jobs' order): its peak is a chunk's, well under the file's
     size. The lines interleave in input order as before, and count as before."""
-    count, reason = 3000, "word " * 100  # about 7 MiB of error lines: every even line refused, every odd one failed
+    # about 16 MiB of error lines: every even line refused, every odd one failed (its error the long part: a refusal
+    # names a long url without repeating it)
+    count, reason = 6000, "word " * 1000
     good, refused_url = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}, "/v1/" + "x" * 4000
     text = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "body": good,
                                  "url": refused_url if i % 2 == 0 else "/v1/completions"}) for i in range(count))
