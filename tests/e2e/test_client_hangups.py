@@ -70,8 +70,10 @@ def test_a_client_that_hangs_up_mid_answer_stops_its_job_on_every_route(live_ser
             with posted(live_server, keys.paid, path, {**body, "stream": stream}):
                 (job_id, _, _), = wait_for(ours, 30, f"{name}'s job")
                 _first_token(live_server, keys.paid, job_id)  # read apart: the client itself may read nothing
-            (_, status, tokens), = wait_for(lambda: [job for job in ours() if job[1] != "running"], 15,
-                                                 f"{name}'s abandoned job to stop")
+            # stopped, and settled: the API's cancel ends the job at once, its worker writes the tokens it ran after
+            (_, status, tokens), = wait_for(lambda: [job for job in ours() if job[1] != "running"  # noqa: B023
+                                                     and _settled(settings, job[0])], 15,
+                                            f"{name}'s abandoned job to stop and settle")
             assert (status, tokens is not None and tokens < LONG) == ("cancelled", True), (name, stream, tokens)
             _next_job_runs(live_server, keys.paid)
 
@@ -91,3 +93,12 @@ def test_a_background_response_and_a_jobs_stream_run_on_when_their_reader_hangs_
     _first_token(live_server, keys.paid, job_id)  # it runs: the background response ended (one slot)
     assert _status(live_server, keys.paid, background) == "succeeded"
     wait_for(lambda: _status(live_server, keys.paid, job_id) == "succeeded", 60, "the read job to run to its end")
+
+
+def _settled(settings, job_id: str) -> bool:
+    """Whether the job's end is settled: what its worker ran is written (``Job.settled_at``)."""
+    from app.db.models import Job
+    from app.db.session import session_scope
+
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.get(Job, job_id).settled_at is not None

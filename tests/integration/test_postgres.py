@@ -581,7 +581,7 @@ def test_timestamps_of_a_server_in_another_time_zone_are_shown_in_utc_on_postgre
         shown = message_batch(s.get(Batch, "msgbatch_tz"), {}, "")
         deadline = progress_of(s.get(SummarizationRun, "sum_tz")).as_dict()["deadline_at"]
     assert (shown["created_at"], shown["expires_at"]) == ("2026-01-02T03:04:05Z", "2026-01-02T03:04:05Z")
-    assert deadline == "2026-01-02T03:04:05+00:00"
+    assert deadline == "2026-01-02T03:04:05Z"
 
 
 def test_a_file_of_more_than_2_gib_is_recorded_on_postgres(pg_url):
