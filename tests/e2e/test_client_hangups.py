@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 SLOW = {"COSERVE_ENGINE_FACTORY": "tests.e2e.slow_engine:build", "COSERVE_STEP_DELAY_S": "0.1",
         "COSERVE_MAX_INFLIGHT": "1"}  # one job at a time: the next runs only once the abandoned one let go its slot
 LONG = 300  # tokens: 30 s of slowed steps, far longer than any hang-up takes to be acted on
+SHORT = 40  # tokens: 4 s of slowed steps, still going when a reader leaves after the first
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 # route, body: each asks for LONG tokens in the route's terms
 ANSWERS = {
@@ -85,11 +86,11 @@ def test_a_background_response_and_a_jobs_stream_run_on_when_their_reader_hangs_
     start_worker("w1", **SLOW)
     path, body = ANSWERS["responses"]
     with httpx.stream("POST", live_server + path, headers=Keys.header(keys.paid), timeout=30,
-                      json={**body, "stream": True, "background": True}) as r:
+                      json={**body, "max_output_tokens": SHORT, "stream": True, "background": True}) as r:
         background = r.headers["x-coserve-job-id"]
         next(line for line in r.iter_lines() if "output_text.delta" in line)
     job_id = httpx.post(f"{live_server}/v1/jobs", headers=Keys.header(keys.paid),
-                        json={"prompt": "x", "max_tokens": LONG, "ignore_eos": True}).json()["id"]
+                        json={"prompt": "x", "max_tokens": SHORT, "ignore_eos": True}).json()["id"]
     _first_token(live_server, keys.paid, job_id)  # it runs: the background response ended (one slot)
     assert _status(live_server, keys.paid, background) == "succeeded"
     wait_for(lambda: _status(live_server, keys.paid, job_id) == "succeeded", 60, "the read job to run to its end")
