@@ -238,8 +238,6 @@ def test_a_fan_out_never_holds_its_input_file_whole_in_memory(client, keys, sett
     at a time now, builds, writes and sends the jobs ``STAGE_CHUNK`` at a time, and keeps only a few hundred bytes a
     line (their numbers, custom_ids, what is sent of each job): its peak is under one copy of the file (it was about
     nine). Every line still becomes its job, in order, started with the batch."""
-    import tracemalloc
-
     from app.api import batches as api
 
     held = []
@@ -248,22 +246,11 @@ def test_a_fan_out_never_holds_its_input_file_whole_in_memory(client, keys, sett
     count, prompt = 3000, "word " * 300  # about 4.5 MiB, each line's prompt within tiny's context
 
     def create(lines: int) -> tuple[dict, int]:
-        content = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {
-            "model": "tiny", "prompt": prompt, "max_tokens": 2}}) + "\n" for i in range(lines)).encode()
-        f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
-                        files={"file": ("in.jsonl", content)}).json()
-        return client.post("/v1/batches", headers=Keys.header(keys.paid), json={
-            "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json(), len(content)
+        return _completions_batch(client, keys, [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                                  "body": {"model": "tiny", "prompt": prompt, "max_tokens": 2}}
+                                                 for i in range(lines)])
 
-    create(2)
-    fanout.start_batch(*held.pop())  # its tokenizer loaded, its statements compiled
-    batch, size = create(count)
-    tracemalloc.start()
-    try:
-        fanout.start_batch(*held.pop())
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    batch, size, peak = _fan_out_peak(held, create, count)
     with session_scope(settings.sqlalchemy_url) as s:
         started = s.get(Batch, batch["id"])
         assert (started.status, started.total, started.failed) == ("in_progress", count, 0)
@@ -334,8 +321,6 @@ def test_a_fan_out_never_holds_its_refused_lines_whole_in_memory(client, keys, s
     6 KB of message from a line of under 1 KB) was held whole, several times the input file. It writes each to
     invalid.jsonl as it is read now, and keeps their count: its peak is under one copy of the input file. The counts
     and the error lines, in input order, are as before."""
-    import tracemalloc
-
     from app.api import batches as api
 
     held = []
@@ -348,21 +333,9 @@ def test_a_fan_out_never_holds_its_refused_lines_whole_in_memory(client, keys, s
         lines = [{"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": good}] + [
             {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": good | {"stop": [1] * 150}}
             for i in range(refused)]
-        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-        f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
-                        files={"file": ("in.jsonl", content)}).json()
-        return client.post("/v1/batches", headers=Keys.header(keys.paid), json={
-            "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json(), len(content)
+        return _completions_batch(client, keys, lines)
 
-    create(2)
-    fanout.start_batch(*held.pop())  # its tokenizer loaded, its statements compiled
-    batch, size = create(count)
-    tracemalloc.start()
-    try:
-        fanout.start_batch(*held.pop())
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    batch, size, peak = _fan_out_peak(held, create, count)
     with session_scope(settings.sqlalchemy_url) as s:
         started = s.get(Batch, batch["id"])
         assert (started.status, started.total, started.failed) == ("in_progress", count + 1, count)
@@ -371,3 +344,28 @@ def test_a_fan_out_never_holds_its_refused_lines_whole_in_memory(client, keys, s
         (f"batch_req_line_{i + 2}", f"r{i}", "invalid_body") for i in range(count)], errors[:3]
     assert all(len(e["error"]["message"]) > 5000 for e in errors), errors[0]
     assert peak < size, f"{peak} bytes allocated at the peak of a {size}-byte input file's fan-out"
+
+
+def _completions_batch(client, keys, lines: list[dict]) -> tuple[dict, int]:
+    """A /v1/completions batch of ``lines`` created (its start held by the test) and its input file's size."""
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", content)}).json()
+    return client.post("/v1/batches", headers=Keys.header(keys.paid), json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json(), len(content)
+
+
+def _fan_out_peak(held: list, create, count: int) -> tuple[dict, int, int]:
+    """A batch of ``count`` lines (``create``'s), its input's size and the bytes allocated at the peak of its fan-out,
+    after a two-line batch's (its tokenizer loaded, its statements compiled)."""
+    import tracemalloc
+
+    create(2)
+    fanout.start_batch(*held.pop())
+    batch, size = create(count)
+    tracemalloc.start()
+    try:
+        fanout.start_batch(*held.pop())
+        return batch, size, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

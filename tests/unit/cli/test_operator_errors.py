@@ -334,9 +334,7 @@ def test_a_ctrl_c_that_comes_as_the_command_goes_to_sleep_on_the_answer_is_acted
     sleeps on the answer when the SIGINT is marked, in another thread, which leaves that sleep as it was."""
     args, says = CTRL_C_SAYS[command]
     with _cli_waiting_on_a_silent_server(tmp_path, args, [sys.executable, "-c", TRIPS_SIGINT]) as proc:
-        wait_for(lambda: _asleep(proc.pid), 60, "the command to sleep on the answer", interval=0.01)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
+        _trip_sigint_once_asleep(proc, "the answer")
         _said_may_be_done_anyway(proc, says)
 
 
@@ -356,9 +354,7 @@ def test_a_ctrl_c_that_comes_as_submit_wait_goes_to_sleep_on_a_queued_jobs_strea
     slept on to the next keep-alive (15 s), or for an hour (the stream's read timeout) where nothing sends them."""
     with _cli_waiting_on_a_silent_server(tmp_path, ["submit", "hi", "--wait"], [sys.executable, "-c", TRIPS_SIGINT],
                                          (SUBMITTED, READY), STREAM_BEGUN, b"GET /v1/jobs/job_x/stream ") as proc:
-        wait_for(lambda: _asleep(proc.pid), 60, "the command to sleep on the stream", interval=0.01)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
+        _trip_sigint_once_asleep(proc, "the stream")
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, (out, err)
     assert "stopped waiting; job job_x goes on on the server" in " ".join(err.split()), err
@@ -378,12 +374,17 @@ def test_a_ctrl_c_that_comes_as_submit_wait_goes_to_sleep_on_the_readyz_look_for
     command slept on until /readyz answered, up to its 10 s timeout (here made longer, so as to show it)."""
     with _cli_waiting_on_a_silent_server(tmp_path, ["submit", "hi", "--wait"], [sys.executable, "-c", SLOW_READYZ],
                                          (SUBMITTED,), asked=b"GET /readyz ") as proc:
-        wait_for(lambda: _asleep(proc.pid), 60, "the command to sleep on /readyz", interval=0.01)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
+        _trip_sigint_once_asleep(proc, "/readyz")
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, (out, err)
     assert "stopped waiting; job job_x goes on on the server" in " ".join(err.split()), err
+
+
+def _trip_sigint_once_asleep(proc, on: str) -> None:
+    """Once the command (run by TRIPS_SIGINT) sleeps ``on`` something, its own thread marks a SIGINT in it."""
+    wait_for(lambda: _asleep(proc.pid), 60, f"the command to sleep on {on}", interval=0.01)
+    proc.stdin.write("\n")
+    proc.stdin.flush()
 
 
 def _asleep(pid: int) -> bool:
