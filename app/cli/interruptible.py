@@ -10,6 +10,7 @@ is such a request (``interruptible_items``).
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -17,6 +18,7 @@ from typing import TypeVar
 Answer = TypeVar("Answer")
 Item = TypeVar("Item")
 
+_ENDED = object()  # the end of a stream read by ``interruptible_items``
 CTRL_C_LOOK_S = 0.1  # how often the waiting main thread looks for a Ctrl-C that came just before it slept
 
 
@@ -44,7 +46,27 @@ def interruptible(request: Callable[[], Answer]) -> Answer:
 
 def interruptible_items(items: Iterator[Item]) -> Iterator[Item]:
     """``items`` (a stream's lines: each next one a blocking read, which a queued job's stream makes wait for minutes)
-    read each by ``interruptible``: a Ctrl-C while the next one is awaited raises KeyboardInterrupt here."""
-    ended = object()
-    while (item := interruptible(lambda: next(items, ended))) is not ended:
-        yield item  # type: ignore[misc]  # not ``ended``: an item
+    read in one thread of their own and handed over one at a time: a Ctrl-C while the next one is awaited raises
+    KeyboardInterrupt here within ``CTRL_C_LOOK_S`` (a thread a line, as ``interruptible`` would start, is not
+    needed)."""
+    handed: queue.Queue[tuple[object, BaseException | None]] = queue.Queue(maxsize=1)
+
+    def read() -> None:
+        try:
+            for item in items:
+                handed.put((item, None))
+            handed.put((_ENDED, None))
+        except BaseException as exc:  # raised again in the main thread, below
+            handed.put((_ENDED, exc))
+
+    threading.Thread(target=read, name="stream", daemon=True).start()
+    while True:
+        try:
+            item, failure = handed.get(timeout=CTRL_C_LOOK_S)
+        except queue.Empty:
+            continue
+        if failure is not None:
+            raise failure
+        if item is _ENDED:
+            return
+        yield item  # type: ignore[misc]  # not _ENDED: an item
