@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import postgres
-from tests.postgres import fresh_database_url
+from tests.postgres import migrated_database_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,11 +93,7 @@ def redis_url(redis_server) -> str:
 @pytest.fixture
 def db_url(tmp_path) -> str:
     """A migrated database: SQLite in ``tmp_path``, or PostgreSQL with ``COSERVE_TEST_DATABASE=postgres``."""
-    from app.db.migrate import upgrade
-
-    url = fresh_database_url(tmp_path)
-    upgrade(url)
-    return url
+    return migrated_database_url(tmp_path)
 
 
 @pytest.fixture(scope="session")
@@ -287,15 +283,12 @@ def worker_env(settings, worker_id: str, **extra: str) -> dict[str, str]:
 @contextmanager
 def worker_stack(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = "w1",
                  **worker_env: str) -> Iterator[tuple]:
-    """A migrated database (``fresh_database_url``: SQLite in ``tmp`` by default), the Redis at ``redis_url``
+    """A migrated database (``migrated_database_url``: SQLite in ``tmp`` by default), the Redis at ``redis_url``
     emptied, the API keys and one real worker
     ``worker_id`` (its extra environment: ``worker_env``); yields (settings, keys) and stops the worker after."""
     import redis
 
-    from app.db.migrate import upgrade
-
-    db_url = fresh_database_url(tmp)
-    upgrade(db_url)
+    db_url = migrated_database_url(tmp)
     redis.Redis.from_url(redis_url).flushall()
     settings = make_settings(tmp, db_url, redis_url, model_dir)
     keys = make_keys(db_url)

@@ -4,6 +4,7 @@ cluster a session instead of SQLite files. Needs Debian's postgresql binaries an
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import shutil
@@ -120,6 +121,30 @@ def session_server() -> str:
 def stop_session_server() -> None:
     _session_url.clear()
     _session.close()
+
+
+_migrated_sqlite: Path | None = None  # this test process's SQLite file migrated to head once, copied per stack
+
+
+def migrated_database_url(tmp: Path) -> str:
+    """A database at the migrations' head for one stack: a copy of one SQLite file this test process migrated once
+    (a migration run costs about 0.3 s, a copy a millisecond), or with ``COSERVE_TEST_DATABASE=postgres`` a new
+    database on the session's cluster, migrated."""
+    from app.db.migrate import upgrade
+
+    global _migrated_sqlite
+    url = fresh_database_url(tmp)
+    if TEST_DATABASE != "sqlite":
+        upgrade(url)
+        return url
+    if _migrated_sqlite is None:
+        template_dir = tempfile.mkdtemp(prefix="coserve-migrated-")
+        atexit.register(shutil.rmtree, template_dir, ignore_errors=True)
+        template = Path(template_dir) / "coserve.db"
+        upgrade(f"sqlite:///{template}")
+        _migrated_sqlite = template
+    shutil.copyfile(_migrated_sqlite, tmp / "coserve.db")
+    return url
 
 
 def fresh_database_url(tmp: Path) -> str:
