@@ -89,17 +89,30 @@ async def lifespan(api: FastAPI):
             log.warning("could not register COSERVE_ADMIN_KEY: %s", exc)
     api.state.job_writer = JobWriter(settings, api.state.rate_limiter)
     api.state.run_drivers = RunDrivers()  # a restarted app's new runs get drivers again
-    # what start-up made (modules, routes, schemas, the tokenizer: ~600k objects) is never garbage: left in the
-    # collector's oldest generation, each full collection walked it and stalled every request for ~0.4 s
-    # (ops/bench_submit.py's p99); frozen, a collection walks what requests make (vLLM's server does the same)
-    gc.collect()
-    gc.freeze()
+    _freeze_start_up_objects()
     try:
         yield
     finally:
         api.state.run_drivers.close()  # a step in progress ends first
         api.state.job_writer.close()
         gc.unfreeze()  # what a stopped app (a test's, say) leaves in cycles can be collected again
+
+
+_collected_at_start = False  # whether an app of this process has collected before freezing
+
+
+def _freeze_start_up_objects() -> None:
+    """What start-up made (modules, routes, schemas, the tokenizer: ~600k objects) is never garbage: left in the
+    collector's oldest generation, each full collection walked it and stalled every request for ~0.4 s
+    (ops/bench_submit.py's p99); frozen, a collection walks what requests make (vLLM's server does the same). The
+    collection that keeps start-up's garbage out of the freeze runs at the process's first start only: a later app in
+    the same process (a test's: 0.8-2 s each with torch loaded) freezes without it, and its stop's unfreeze hands
+    what it froze back to the collector."""
+    global _collected_at_start
+    if not _collected_at_start:
+        gc.collect()
+        _collected_at_start = True
+    gc.freeze()
 
 
 REPLAY_PIECE_BYTES = 64 * 1024  # a spooled body reaches the app in pieces of this size, as a server's reads do
