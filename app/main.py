@@ -185,6 +185,14 @@ class BodyLimit:
         return await answer(scope, receive, send)
 
 
+# the routers the app serves, after unserved's routes and in this order; none has a lifespan, dependency overrides or
+# prefix of its own to add at inclusion (a route an APIRouter builds already has its router's prefix, tags, class)
+ROUTERS = tuple(module.router for module in (
+    health, jobs, openai_compat, responses, anthropic_messages, message_batches, conversations, models, tokenize, lora,
+    files, batches, summarize, admin, tenants, usage, webhooks, metrics, stored_completions, prefix_cache)) + (
+    openai_compat.sagemaker, webhooks.event_types_router)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     # as the workers do: the API's own INFO lines are kept, at COSERVE_LOG_LEVEL, each naming its request
     configure_logging(API_LOG_FORMAT, LogRequestId())
@@ -203,12 +211,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.add_middleware(RequestId)  # outermost: a 413 carries its request id too
     api.state.http_metrics = instrument(api)  # outside the others: a 413 is counted too
     api.router.routes.extend(unserved.routes())  # first: /v1/chat/completions/render is no stored completion's id
-    for module in (health, jobs, openai_compat, responses, anthropic_messages, message_batches, conversations, models,
-                   tokenize, lora, files, batches, summarize, admin, tenants, usage, webhooks, metrics,
-                   stored_completions, prefix_cache):
-        api.include_router(module.router)
-    api.include_router(openai_compat.sagemaker)
-    api.include_router(webhooks.event_types_router)
+    for router in ROUTERS:  # built once at import and shared: include_router would build each route again for
+        api.router.routes.extend(router.routes)  # each app (~0.5 s; a test process makes hundreds of apps)
     errors.install(api, openai_prefixes=OPENAI_PREFIXES, anthropic_prefixes=ANTHROPIC_PREFIXES,
                    anthropic_sdk_prefixes=ANTHROPIC_SDK_PREFIXES)
     _document_errors(api)
