@@ -15,6 +15,8 @@ GROUPS = {"COSERVE_VLLM_"}
 INTERNAL = {"COSERVE_ENGINE_FACTORY"}
 # a variable read outside the settings object: os.environ / getenv in Python, ${NAME in a shell script
 ENV_READ = re.compile(r"""(?:environ(?:\.get)?[(\[]|getenv\()["'](COSERVE_[A-Z0-9_]+)|\$\{(COSERVE_[A-Z0-9_]+)""")
+# the test suite's own switches a user runs it with (README's set-up part names them)
+TEST_SWITCHES = (ROOT / "tests" / "postgres.py",)
 OPERATOR_DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.joinpath("ops/compose").glob("*.md")))
 
 
@@ -28,9 +30,10 @@ def _settings() -> set[str]:
 
 
 def _read_elsewhere() -> set[str]:
-    """The COSERVE_ variables the service, the workers, the runtime and the scripts read from the environment."""
+    """The COSERVE_ variables the service, the workers, the runtime, the scripts and the suite's switches read from
+    the environment."""
     files = [p for d in ("app", "workers", "gpu_runtime", "scripts") for p in ROOT.joinpath(d).rglob("*")
-             if p.suffix in (".py", ".sh")]
+             if p.suffix in (".py", ".sh")] + list(TEST_SWITCHES)
     return {a or b for p in files for a, b in ENV_READ.findall(p.read_text())} - _settings()
 
 
