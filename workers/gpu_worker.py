@@ -117,6 +117,11 @@ class GpuWorker:
         # the runtime adapters of the model its engine cannot serve (loaded before it started), and why
         self.lora_unserved: dict[str, str] = {}
         self.lora_checked: set[str] = set()  # the runtime adapters of the model at its last check (``_check_loras``)
+        # the heartbeat and the intake both check them: each read is numbered as it begins, and only a read newer
+        # than the one noted replaces it (the last write is not always the newest read)
+        self._lora_lock = threading.Lock()
+        self._lora_reads = 0  # reads begun
+        self._lora_noted = 0  # the number of the read that lora_unserved and lora_checked hold
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -395,10 +400,11 @@ class GpuWorker:
         if shared not in self.queues:  # for a worker that serves its model, not failed here
             self._hand_back(job_id, shared, priority)
             return None
+        unserved = self.lora_unserved
         if self._unchecked_adapter(model):  # loaded since its last check: held to the workers live then, not this one
             with session_scope(self.url) as s:
-                self._check_loras(s)
-        if model in self.lora_unserved and self._served_by_another(model):
+                unserved = self._check_loras(s)
+        if model in unserved and self._served_by_another(model):
             self._hand_back(job_id, shared, priority)  # for that one; failed here where none serves it
             return "elsewhere"
         with session_scope(self.url, immediate=True) as s:
@@ -569,23 +575,37 @@ class GpuWorker:
         return (model is not None and model not in self.settings.served_models
                 and model not in self.settings.model_aliases and model not in self.lora_checked)
 
-    def _check_loras(self, session: Session) -> None:
+    def _check_loras(self, session: Session) -> dict[str, str]:
         """Notes the runtime adapters of the model that this worker's engine cannot serve (``lora_unserved``; a load
         is held to the workers live then, so one loaded before this worker started may be above its max_lora_rank,
         or its engine may load none), saying so loudly for each new one: their jobs go to another worker of the
-        model (``_take``), and fail here where none serves them."""
+        model (``_take``), and fail here where none serves them. Returns what this read found: the heartbeat and
+        the intake both check, and a read older than the one noted meanwhile is not noted (``_note_loras``)."""
+        with self._lora_lock:
+            self._lora_reads += 1
+            read = self._lora_reads
         said = getattr(self.engine, "lora_limits", None)
         adapters = lora_adapters.ranks(session, self.settings.model_name)
-        self.lora_checked = set(adapters)
         unserved = lora_adapters.unserved(said if isinstance(said, dict) else None, adapters)
         if unserved and not self._runtime_lora_anywhere(session):  # rows left from before: no job may name them
             unserved = {}
-        for name in sorted(unserved.keys() - self.lora_unserved.keys()):
+        for name in self._note_loras(read, set(adapters), unserved):
             log.error("worker %s cannot serve the runtime LoRA adapter %r: %s; its jobs go to the model's other "
                       "workers, and fail here where none serves it (unload it, or start this worker with an engine "
                       "that serves it: COSERVE_RUNTIME_LORA=1, COSERVE_MAX_LORA_RANK)", self.worker_id, name,
                       unserved[name])
-        self.lora_unserved = unserved
+        return unserved
+
+    def _note_loras(self, read: int, checked: set[str], unserved: dict[str, str]) -> list[str]:
+        """Notes what ``_check_loras``'s read number ``read`` found, unless a newer read was noted already (a beat that
+        read before an adapter was loaded and wrote after the intake had read it then made the worker take its jobs);
+        returns the adapters it newly found unserved."""
+        with self._lora_lock:
+            if read < self._lora_noted:
+                return []
+            new = sorted(unserved.keys() - self.lora_unserved.keys())
+            self._lora_noted, self.lora_checked, self.lora_unserved = read, checked, unserved
+            return new
 
     def _runtime_lora_anywhere(self, session: Session) -> bool:
         """Whether this worker (its COSERVE_RUNTIME_LORA) or another live worker of the model loads runtime adapters

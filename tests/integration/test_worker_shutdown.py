@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -529,11 +530,13 @@ def test_a_worker_started_after_an_adapter_it_cannot_serve_was_loaded_leaves_its
             job.error
 
 
-def _rt16_with_two_workers(settings, keys, tmp_path, *, loaded_after_start: bool = False):
+def _rt16_with_two_workers(settings, keys, tmp_path, *, loaded_after_start: bool = False,
+                           before_load: Callable[[GpuWorker], None] | None = None):
     """Runtime adapter rt16 (rank 16), w-big (hand-built heartbeat) serving it, w-small (max_lora_rank 8 in its
     engine) registered, and a job of rt16 whose message w-small's consumer took; returns (w-small, the job's id).
     ``loaded_after_start``: rt16 loaded after w-small's registration, by a load that read the live workers before
-    it (held to w-big alone), so w-small's registration did not see it."""
+    it (held to w-big alone), so w-small's registration did not see it; ``before_load`` is called with w-small just
+    before that load."""
     from datetime import timedelta
     from types import SimpleNamespace
 
@@ -554,6 +557,8 @@ def _rt16_with_two_workers(settings, keys, tmp_path, *, loaded_after_start: bool
                                     executor=SimpleNamespace(now=lambda: 100.0))
     if loaded_after_start:
         worker._register()
+        if before_load is not None:
+            before_load(worker)
         limits = {"w-big": big["lora"]}  # the live workers as the load read them, before w-small registered
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(lora_adapters, "worker_limits", lambda _settings: limits)
@@ -581,6 +586,53 @@ def test_a_job_of_an_adapter_loaded_between_a_workers_registration_and_its_next_
         assert (s.get(Job, job_id).status, s.get(Job, job_id).attempt) == ("dispatched", 0)  # never leased here
     assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # for w-big
     assert worker.lora_unserved == {"rt16": "its rank 16 is above the max_lora_rank 8 of its vLLM engine"}
+
+
+def test_a_beats_older_read_of_the_adapters_never_replaces_the_intakes_newer_one(settings, keys, tmp_path,
+                                                                                  monkeypatch):
+    """The heartbeat and the intake both note the adapters w-small cannot serve (``_check_loras``). A beat read them
+    before rt16 (rank 16, above w-small's 8) was loaded, and wrote what it read only after the intake, taking a job
+    of rt16, had read and noted rt16 as unserved: that older read must not win. It did: w-small then leased the job
+    into an engine that cannot serve it (where it fails) while w-big serves rt16."""
+    from app.services import lora_adapters
+
+    beat_read, beat_may_write = threading.Event(), threading.Event()
+    unserved = lora_adapters.unserved
+
+    def beat_pauses_after_its_read(said, adapters):
+        if threading.current_thread().name == "beat":
+            beat_read.set()
+            assert beat_may_write.wait(10)
+        return unserved(said, adapters)
+
+    monkeypatch.setattr(lora_adapters, "unserved", beat_pauses_after_its_read)
+
+    def beat(worker: GpuWorker) -> None:  # the heartbeat's check, its read made before rt16 is loaded
+        def check() -> None:
+            with session_scope(settings.sqlalchemy_url) as s:
+                GpuWorker._check_loras(worker, s)
+        beat.thread = threading.Thread(target=check, name="beat", daemon=True)
+        beat.thread.start()
+        assert beat_read.wait(10)
+
+    worker, job_id = _rt16_with_two_workers(settings, keys, tmp_path, loaded_after_start=True, before_load=beat)
+    intake_check = worker._check_loras
+
+    def intake_then_beat_writes(session):  # the beat's older read lands just after the intake's newer one
+        result = intake_check(session)
+        beat_may_write.set()
+        beat.thread.join(10)
+        return result
+
+    monkeypatch.setattr(worker, "_check_loras", intake_then_beat_writes)
+    worker.stopping.set()  # no pause after the hand-back: the test goes on at once
+    worker.accept(job_id, queue="coserve.tiny")
+    assert not beat.thread.is_alive()
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert (s.get(Job, job_id).status, s.get(Job, job_id).attempt) == ("dispatched", 0)  # never leased here
+    assert _next_taken(settings, "coserve.tiny", batch=False) == [job_id]  # for w-big
+    assert worker.lora_unserved == {"rt16": "its rank 16 is above the max_lora_rank 8 of its vLLM engine"}
+    assert worker.lora_checked == {"rt16"}
 
 
 def test_a_worker_that_handed_a_job_back_for_a_busy_peer_waits_for_it_to_be_taken_not_taking_it_each_second(
