@@ -36,7 +36,7 @@ MESSAGES_TOOL_FIELDS = {"name": "name", "description": "description", "parameter
 TOOL_FIELD = re.compile(r"tools\.(?P<index>\d+)\.function\.(?P<field>" + "|".join(MESSAGES_TOOL_FIELDS)
                         + r")(?P<within>\..+)?")
 # Anthropic's words for the tool choices chat's words name (app.tool_calls.CHAT_CHOICE)
-CHOICE_FORMS = {"'required'": '{"type": "any"}', "'auto'": '{"type": "auto"}',
+CHOICE_FORMS = {"'required'": '{"type": "any"}', "'auto'": '{"type": "auto"}', "'none'": '{"type": "none"}',
                 NAMED_CHOICE: '{"type": "tool", "name": ...}'}
 # Anthropic's error type of an HTTP status (its SDKs raise by status; the type is what a log shows). coserve's 503
 # (no worker for the model, the store or broker away) is Anthropic's overloaded_error in kind: come back shortly

@@ -31,16 +31,24 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared w
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the definitions its $refs name (from its root)
 NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'  # chat's form of a named tool_choice
 REQUIRED_CHOICE = "tool_choice 'required'"  # chat's words for a choice of any tool (another API's words differ)
-# chat's name of a choice where an error names it: 'required' or 'auto' after tool_choice, or the named form
+# chat's name of a choice where an error names it: 'required', 'auto' or 'none' after tool_choice, or the named form
 CHAT_CHOICE = re.compile(r"(?<=tool_choice )'\w+'|(?<=tool_choice: )'\w+'|" + re.escape(NAMED_CHOICE))
 
 
 def forced_choice_unsupported(auto: bool) -> str:
     """Why a forced tool_choice is refused, and the choices left (``auto``: the server reads calls in the model's
-    own syntax, COSERVE_TOOL_CALL_PARSER)."""
-    return ("a forced tool_choice ('required' or a named function) is generated under vLLM's structured outputs: it "
-            "needs the vLLM backend (COSERVE_BACKEND=vllm); send tool_choice " + ("'none' or 'auto'" if auto else
-            "'none' (this server has no parser for the calls of 'auto' either: COSERVE_TOOL_CALL_PARSER)"))
+    own syntax, COSERVE_TOOL_CALL_PARSER). Each choice follows "tool_choice ", where ``in_choice_terms`` finds it."""
+    return (f"a forced tool choice (tool_choice 'required' or {NAMED_CHOICE}) is generated under vLLM's structured "
+            "outputs: it needs the vLLM backend (COSERVE_BACKEND=vllm); send tool_choice 'none'" + (
+                " or tool_choice 'auto'" if auto else " (this server has no parser for the calls of tool_choice "
+                "'auto' either: COSERVE_TOOL_CALL_PARSER)"))
+
+
+# why "auto" is refused where the server has no parser for the model's own calls, and the choices left (each after
+# "tool_choice ", where ``in_choice_terms`` finds it)
+AUTO_UNPARSED = ("tool_choice 'auto' (the default where tools are given) lets the model call tools in its own "
+                 "syntax, and this server has no parser for it (COSERVE_TOOL_CALL_PARSER); send tool_choice "
+                 f"'required', tool_choice {NAMED_CHOICE} or tool_choice 'none'")
 
 
 def in_choice_terms(message: str, forms: dict[str, str]) -> str:

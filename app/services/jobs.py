@@ -38,7 +38,7 @@ from app.services.transitions import NOT_TERMINAL, cancel_stamps, transition, ut
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
-from app.tool_calls import NAMED_CHOICE, forced_choice_unsupported, is_forced, template_tools
+from app.tool_calls import AUTO_UNPARSED, forced_choice_unsupported, is_forced, template_tools
 from app.wire import find_unstorable, storable
 from gpu_runtime.sampling import NEUTRAL_PENALTIES, SamplingParams
 from workers.celery_app import message_priority
@@ -205,13 +205,9 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
         # stream that resumes mid-way stays one generation (up to batch-dependent rounding); marked
         # drawn: vLLM-CPU applies a client's seed only (gpu_runtime.vllm.engine.seed_applies)
         sampling["seed"], sampling["seed_drawn"] = secrets.randbelow(2**62), True
-    if sampling["tool_choice"] == "auto":  # the model writes its calls in its own syntax: read with its parser
-        if settings.tool_call_parser is None:
-            raise JobValidationError(
-                'tool_choice "auto" (the default where tools are given) lets the model call tools in its own '
-                "syntax, and this server has no parser for it (COSERVE_TOOL_CALL_PARSER); send tool_choice "
-                f'"required", {NAMED_CHOICE} or "none"', param="tool_choice",
-                code="unsupported_value")
+    if sampling["tool_choice"] == "auto" and settings.tool_call_parser is None:
+        # the model writes its calls in its own syntax, read with its parser
+        raise JobValidationError(AUTO_UNPARSED, param="tool_choice", code="unsupported_value")
     if sampling["tool_choice"] is not None and settings.tool_call_parser is not None:
         sampling["tool_parser"] = settings.tool_call_parser  # its syntax, and its calls' id style (Mistral: 9 letters)
     if settings.reasoning_parser is not None and endpoint in REASONING_ENDPOINTS:

@@ -148,6 +148,14 @@ def test_tool_turns_and_token_counts(claude, stack):
     # a disaggregated prefill leg (vLLM's Messages request takes it): coserve has no KV connector
     ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {
         "do_remote_decode": True}}, 400, "invalid_request_error", "kv_transfer_params"),
+    # this stack runs the own engine and no tool-call parser: the choices it refuses and those left, in this API's
+    # forms (they were chat's 'required', 'none' and "auto")
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {
+        "type": "object"}}], "tool_choice": {"type": "any"}}, 400, "invalid_request_error",
+     'a forced tool choice (tool_choice {"type": "any"} or {"type": "tool", "name": ...}) is generated'),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {
+        "type": "object"}}]}, 400, "invalid_request_error",
+     'send tool_choice {"type": "any"}, tool_choice {"type": "tool", "name": ...} or tool_choice {"type": "none"}'),
 ])
 def test_bad_requests_are_answered_in_anthropic_shape(body, status, kind, says, stack):
     resp = httpx.post(f"{stack.url}/v1/messages", headers={"x-api-key": stack.keys.paid},

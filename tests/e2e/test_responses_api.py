@@ -251,7 +251,10 @@ def test_a_background_stream_runs_on_without_its_client_and_is_resumed(live_serv
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
      "text.format", "structured outputs need the vLLM backend"),  # chat's structured_outputs, in its words
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice",
-     '"required", {"type": "function", "name": ...} or "none"'),  # the named choice in this API's form
+     """'required', tool_choice {"type": "function", "name": ...} or tool_choice 'none'"""),  # this API's forms
+    # a forced choice needs vLLM's structured outputs (this stack runs the own engine): each choice in this API's form
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f"}},
+     "tool_choice", """tool_choice 'required' or {"type": "function", "name": ...}) is generated"""),
     # a function tool is flat in this API: its field as the client wrote it (chat's tools.0.function.name)
     ({"input": "x", "tools": [{"type": "function", "description": "no name"}]}, "tools.0.name", "tools.0.name:"),
     ({"input": "x", "background": True, "store": False}, "store", "must be stored"),

@@ -547,3 +547,72 @@ def test_a_choice_of_tools_with_none_given_is_refused_in_the_routes_words(route,
     refused = choice_refusal(route, choice)
     assert refused.param == "tool_choice" and refused.message.startswith(words), refused.message
     assert "{'" not in refused.message and ("'f'" in refused.message) == ("'name'" in str(choice)), refused.message
+
+
+def job_refusal(route: str, choice: str | dict | None, **settings: str) -> OpenAIError:
+    """The 400 a server of ``settings`` answers on ``route`` to a request offering a tool, with ``tool_choice``
+    as the route writes it (None: left out), as the route's answer words it: its job refused (a refusal of the
+    server's backend or tool-call parser), in the route's terms."""
+    from app.anthropic_schemas import MessagesRequest, in_messages_terms
+    from app.api.openai_compat import openai_refusals
+    from app.auth import Principal
+    from app.responses_schemas import ResponsesRequest, in_responses_terms
+    from app.services.jobs import job_values
+    from app.settings import Settings
+
+    server = Settings(model_name="m", **settings)
+    given = {} if choice is None else {"tool_choice": choice}
+    if route == "messages":
+        raw = {"model": "m", "max_tokens": 8, "messages": USER, **given,
+               "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]}
+        _, spec = MessagesRequest.model_validate(raw).chat_request(raw)
+        in_terms = in_messages_terms
+    else:
+        raw = {"model": "m", "input": "hi", **given,
+               "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]}
+        _, spec = ResponsesRequest.model_validate(raw).chat_request(raw, [])
+        in_terms = functools.partial(in_responses_terms, raw=raw)
+    with pytest.raises(OpenAIError) as exc, openai_refusals():
+        job_values(server, Principal("k", "t", "paid", False), spec, count_tokens=False)
+    return in_terms(exc.value)
+
+
+# each route's words for the choices ("required" is the Responses API's own, as chat's); the named one's
+MESSAGES_FORMS = {"auto": '{"type": "auto"}', "none": '{"type": "none"}', "required": '{"type": "any"}',
+                  "named": '{"type": "tool", "name": ...}'}
+RESPONSES_FORMS = {"auto": "'auto'", "none": "'none'", "required": "'required'",
+                   "named": '{"type": "function", "name": ...}'}
+CHAT_WORDS = ("'required'", "'auto'", "'none'", '"function": {"name"')  # chat's choices, as its errors write them
+
+
+@pytest.mark.parametrize(("route", "choice", "forms"), [
+    ("messages", {"type": "any"}, MESSAGES_FORMS),
+    ("messages", {"type": "tool", "name": "get_weather"}, MESSAGES_FORMS),
+    ("responses", "required", RESPONSES_FORMS),
+    ("responses", {"type": "function", "name": "get_weather"}, RESPONSES_FORMS)])
+@pytest.mark.parametrize("parser", [None, "hermes"])
+def test_a_forced_choice_the_own_engine_cannot_generate_is_refused_in_the_routes_words(route, choice, forms, parser):
+    # Messages' refusal named chat's 'required', 'none' and 'auto' (its choices are {"type": ...}), and on both routes
+    # the choice left to send was chat's form
+    refused = job_refusal(route, choice, backend="torch", **({"tool_call_parser": parser} if parser else {}))
+    assert refused.param == "tool_choice" and "COSERVE_BACKEND=vllm" in refused.message, refused.message
+    assert f"tool_choice {forms['required']} or {forms['named']}" in refused.message, refused.message
+    left = f"send tool_choice {forms['none']} or tool_choice {forms['auto']}" if parser else (
+        f"send tool_choice {forms['none']} (this server has no parser for the calls of tool_choice {forms['auto']}")
+    assert left in refused.message, refused.message
+    assert route == "responses" or not any(word in refused.message for word in CHAT_WORDS), refused.message
+
+
+@pytest.mark.parametrize(("route", "choice", "forms"), [
+    ("messages", {"type": "auto"}, MESSAGES_FORMS), ("messages", None, MESSAGES_FORMS),
+    ("responses", "auto", RESPONSES_FORMS), ("responses", None, RESPONSES_FORMS)])
+def test_auto_without_a_tool_call_parser_is_refused_in_the_routes_words(route, choice, forms):
+    # Messages' refusal named chat's "auto", "required" and "none" (its choices are {"type": ...}); Responses' its
+    # named choice only
+    refused = job_refusal(route, choice, backend="vllm")
+    assert refused.param == "tool_choice" and "COSERVE_TOOL_CALL_PARSER" in refused.message, refused.message
+    assert refused.message.startswith(f"tool_choice {forms['auto']} (the default where tools are given)"), (
+        refused.message)
+    assert (f"send tool_choice {forms['required']}, tool_choice {forms['named']} or tool_choice {forms['none']}"
+            in refused.message), refused.message
+    assert route == "responses" or not any(word in refused.message for word in CHAT_WORDS), refused.message
