@@ -563,6 +563,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         else None,
         "service_tier": service_tier(job.tier, tiers), "store": kept.get("store", True),
         "temperature": sampling.get("temperature"), "text": {"format": fmt},
+        # the choice as asked, else OpenAI's default "auto", tools or not (vLLM echoes "none" where none are given)
         "tool_choice": kept.get("tool_choice", "auto"),
         "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"),
         "truncation": kept.get("truncation") or "disabled",
