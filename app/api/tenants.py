@@ -75,11 +75,11 @@ def update_tenant_route(tenant_id: str, body: TenantUpdate, request: Request, se
     tenant = session.get(Tenant, tenant_id)
     if tenant is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tenant {tenant_id!r}")
-    if body.disabled and tenant_id == admin.tenant_id:
-        raise HTTPException(status.HTTP_409_CONFLICT, "this admin key's own tenant cannot be disabled with it")
     changes = {field: getattr(body, field) for field in body.model_fields_set}
     if changes:
-        with write_after_read(session):  # an UPDATE by key: no read inside the write
+        with write_after_read(session):
+            if body.disabled:
+                refuse_tenant_lockout(session, tenant_id, admin)  # inside the write: two admins disabling each other
             session.execute(update(Tenant).where(Tenant.id == tenant_id).values(**changes))
             session.commit()
     key_cache(request).clear()
@@ -156,6 +156,18 @@ def refuse_admin_lockout(session: Session, key: ApiKey, caller: Principal) -> No
     if not admin_key_left(session, revoking=key.id):
         raise HTTPException(status.HTTP_409_CONFLICT, f"{key.id} is the last active admin key: create another admin "
                             "key first (POST /v1/admin/tenants/{tenant_id}/keys with admin: true)")
+
+
+def refuse_tenant_lockout(session: Session, tenant_id: str, caller: Principal) -> None:
+    """409 where disabling the tenant would lock the operator out: it holds the admin key the request came with, or
+    every other active admin key of an enabled tenant (``admin_key_left``: two admins disabling each other's tenants
+    at once)."""
+    if tenant_id == caller.tenant_id:
+        raise HTTPException(status.HTTP_409_CONFLICT, "this admin key's own tenant cannot be disabled with it")
+    if not admin_key_left(session, disabling=tenant_id):
+        raise HTTPException(status.HTTP_409_CONFLICT, f"tenant {tenant_id} holds the last active admin keys: create "
+                            "an admin key of another tenant first (POST /v1/admin/tenants/{tenant_id}/keys with "
+                            "admin: true)")
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyPublic, responses=responses(404, 409))

@@ -603,6 +603,22 @@ def test_a_file_of_more_than_2_gib_is_recorded_on_postgres(pg_url):
         assert s.get(File, "file_big").bytes == size
 
 
+def _wait_until_one_waits_for_a_lock(pg_url: str, racer, what: str) -> None:
+    """Until ``racer`` (a thread) has ended or a session of the database waits for a lock. Each look is a
+    transaction of its own: PostgreSQL reads pg_stat_activity once a transaction, so a watch that looked in one
+    transaction saw the waiter never, timed out, and left the first write open (its waiter hung, the test too)."""
+    from tests.conftest import wait_for
+
+    engine = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    waiting = text("SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                   "AND datname = current_database()")
+    try:
+        with engine.connect() as watch:
+            wait_for(lambda: not racer.is_alive() or watch.execute(waiting).scalar(), 30, what)
+    finally:
+        engine.dispose()
+
+
 def test_two_admins_revoking_each_others_key_at_once_leave_one_on_postgres(pg_url):
     """Each of the last two admin keys revoking the other at once: on PostgreSQL the lockout check read the other
     admin keys without a lock, so both revocations passed it and no admin key was left. The second revocation's check
@@ -616,7 +632,6 @@ def test_two_admins_revoking_each_others_key_at_once_leave_one_on_postgres(pg_ur
     from app.db.migrate import upgrade
     from app.db.models import ApiKey
     from app.db.session import get_sessionmaker, session_scope
-    from tests.conftest import wait_for
 
     upgrade(pg_url)
     with session_scope(pg_url) as s:
@@ -642,18 +657,72 @@ def test_two_admins_revoking_each_others_key_at_once_leave_one_on_postgres(pg_ur
             second.rollback()
 
     revoke(first, b, by=a)  # its transaction stays open
-    pid = second.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar()
     racer = threading.Thread(target=second_revokes)
     racer.start()
-    engine = create_engine(pg_url)
-    with engine.connect() as watch:
-        waiting = text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid")
-        wait_for(lambda: not racer.is_alive() or watch.execute(waiting, {"pid": pid}).scalar(), 30,
-                 "the second revocation to finish or wait for the first's lock")
-    first.commit()
-    racer.join(30)
-    first.close(), second.close()
-    engine.dispose()
+    try:
+        _wait_until_one_waits_for_a_lock(pg_url, racer, "the second revocation to finish or wait for the first's lock")
+    finally:
+        first.commit()  # also after a failed wait: the second revocation never waits on this test's lock
+        racer.join(30)
+        first.close(), second.close()
     assert [(e.status_code, "last active admin key" in e.detail) for e in refused] == [(409, True)], refused
     with session_scope(pg_url) as s:
         assert {k: s.get(ApiKey, k).revoked for k in (a, b)} == {a: False, b: True}
+
+
+def test_admins_disabling_each_others_tenants_at_once_leave_one_admin_key_on_postgres(pg_url, tmp_path, redis_url):
+    """The last two admin keys, of two tenants: one admin revoking the other's key, or disabling the other's tenant,
+    while that other admin disables the first's tenant. On PostgreSQL the disable checked only the caller's own
+    tenant, so both writes went through and no admin key was usable (one revoked or disabled, the other disabled).
+    The disable now takes the revocation's lock on the active admin keys (and their tenants): it waits for the
+    first write's commit, then is refused (409) and the first admin's tenant stays enabled."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from app.api.tenants import refuse_admin_lockout
+    from app.auth import Principal, admin_key_left, clear_cache, create_key, create_tenant
+    from app.db.migrate import upgrade
+    from app.db.models import ApiKey, Tenant
+    from app.db.session import get_sessionmaker, session_scope
+    from app.main import create_app
+    from tests.conftest import make_settings
+
+    upgrade(pg_url)
+
+    def revoke_theirs(session, mine: Principal, theirs: tuple[str, str]) -> None:  # the revocation route's write
+        key = session.get(ApiKey, theirs[0])
+        refuse_admin_lockout(session, key, mine)
+        key.revoked = True
+        session.flush()
+
+    def disable_theirs(session, mine: Principal, theirs: tuple[str, str]) -> None:  # the disable route's write
+        assert admin_key_left(session, disabling=theirs[1])
+        session.get(Tenant, theirs[1]).disabled = True
+        session.flush()
+
+    clear_cache()
+    with TestClient(create_app(make_settings(tmp_path, pg_url, redis_url, tmp_path))) as client:
+        for n, first_write in enumerate((revoke_theirs, disable_theirs)):
+            with session_scope(pg_url) as s:
+                s.execute(update(ApiKey).values(revoked=True))  # the race before's keys: these two are the last
+                a_tenant, b_tenant = create_tenant(s, f"ops-a{n}"), create_tenant(s, f"ops-b{n}")
+                (a_key, _), (b_key, b_plain) = create_key(s, a_tenant, is_admin=True), create_key(s, b_tenant,
+                                                                                                     is_admin=True)
+                a, b = (a_key.id, a_tenant.id), (b_key.id, b_tenant.id)
+            first = get_sessionmaker(pg_url)()
+            first_write(first, Principal(key_id=a[0], tenant_id=a[1], tier="paid", is_admin=True), b)  # stays open
+            answers: list = []
+            racer = threading.Thread(target=lambda: answers.append(client.patch(
+                f"/v1/admin/tenants/{a[1]}", json={"disabled": True}, headers={"Authorization": f"Bearer {b_plain}"})))
+            racer.start()
+            try:
+                _wait_until_one_waits_for_a_lock(pg_url, racer, "the disable to finish or wait for the first's lock")
+            finally:
+                first.commit()  # also after a failed wait: the disable never waits on this test's lock
+                racer.join(30)
+                first.close()
+            assert [(r.status_code, "last active admin key" in r.text) for r in answers] == [(409, True)], (
+                first_write.__name__, [r.text for r in answers])
+            with session_scope(pg_url) as s:
+                assert s.get(Tenant, a[1]).disabled is False and s.get(ApiKey, a[0]).revoked is False
