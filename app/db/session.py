@@ -186,7 +186,10 @@ def read_then_write(url: str) -> Iterator[Session]:
 @contextmanager
 def write_after_read(session: Session) -> Iterator[None]:
     """Ends the session's read (SQLite refuses to turn a read into a write once another writer has
-    committed), then writes under ``write_guard``."""
+    committed), then writes under ``write_guard`` in a transaction that takes SQLite's write lock at its first
+    statement (BEGIN IMMEDIATE), so a check read inside the write (``admin_key_left``) meets no writer that does not
+    take the guard (a worker's, the CLI's) committing before the write: that failed it, 'database is locked'."""
     session.commit()
     with write_guard(session):
+        session.connection(execution_options={"sqlite_immediate": True})  # begins it; no-op beyond SQLite
         yield
