@@ -98,22 +98,31 @@ def _written(part: Any) -> bool:
     return not isinstance(part, str) or (part not in _MEMBER_TYPES and "[" not in part)
 
 
+LISTED_ERRORS = 5  # a message lists this many of its errors and counts the rest: one per item of a list is no bound
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One message for pydantic's errors, and the field to blame: the first one's, or where a union's member that
-    took the value further failed in it (``stop.0`` of a list ``stop`` holding a number, not ``stop``)."""
-    parts, param = [], None
+    took the value further failed in it (``stop.0`` of a list ``stop`` holding a number, not ``stop``). It lists the
+    first ``LISTED_ERRORS`` and how many more there are: a batch's 1,300-item ``stop`` of numbers made one 8 times
+    its line's size, whose error file could grow to many times its input's."""
+    parts, param, more = [], None, set()
     for e in map(blamed, errors):
         if e.get("type") == "json_invalid":  # FastAPI's loc is ("body", <character offset>): no field
-            parts.append(e["msg"] if e.get("loc") == ["body"] else
-                         f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}")
+            part = (e["msg"] if e.get("loc") == ["body"] else
+                    f"the body is not valid JSON: {(e.get('ctx') or {}).get('error')}")
+        else:
+            where = loc_param([p for p in e.get("loc", ()) if _written(p)])
+            if param is None or (where or "").startswith(param + "."):
+                param = where
+            part = f"{where or 'body'}: {str(e.get('msg')).removeprefix('Value error, ')}"
+        if part in parts:  # a union's members may each fail the same way
             continue
-        where = loc_param([p for p in e.get("loc", ()) if _written(p)])
-        if param is None or (where or "").startswith(param + "."):
-            param = where
-        part = f"{where or 'body'}: {str(e.get('msg')).removeprefix('Value error, ')}"
-        if part not in parts:  # a union's members may each fail the same way
+        if len(parts) < LISTED_ERRORS:
             parts.append(part)
-    return "; ".join(parts), param
+        else:
+            more.add(part)
+    return "; ".join(parts + ([f"and {len(more)} more"] if more else [])), param
 
 
 # OpenAI's codes for a value past a limit, as its API answers them (17 metadata pairs: object_above_max_properties,

@@ -105,3 +105,15 @@ def test_a_lines_vllm_ordering_fields_are_not_pointed_to_the_qos_fields_a_line_r
         refused = parse_line(1, _line(field, {**GOOD, field: value}), URL, 3600.0)
         assert refused.code == "invalid_body" and f"leave {field} unset" in refused.message, refused
         assert not [name for name in BATCH_QOS if name in refused.message], refused.message
+
+
+def test_a_lines_error_message_is_bounded_whatever_its_lists_length():
+    """A line whose ``stop`` list of 1,300 numbers fails every item was refused with a message listing each failure
+    (54 KB for a 7 KB line: a 200 MiB input file could make a multi-GB error file). It lists the first few and how
+    many more now: the same few, so the same size, however long the list; the first error as before."""
+    from app.batch.lines import parse_line
+
+    messages = [parse_line(1, _line("a", {**GOOD, "stop": list(range(items))}), URL, 3600.0).message
+                for items in (1300, 13000)]
+    assert all(m.startswith("line 1: invalid body: stop: Input should be a valid string; stop.0: ") for m in messages)
+    assert len(messages[0]) < 1000 and len(messages[1]) <= len(messages[0]) + 1, [len(m) for m in messages]
