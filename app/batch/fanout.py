@@ -24,7 +24,8 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import invalid_path, line_numbers_path, maybe_finalize, numbered_refused_lines, result_file
+from app.batch.finalize import (invalid_path, keep_line_numbers, maybe_finalize, numbered_refused_lines,
+                                result_file)
 from app.batch.objects import invalid_line, unrun_line
 from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
@@ -128,8 +129,7 @@ def _fan_out(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile |
         _fail_validation(url, batch_id, file_errors, fan.total)
         return
     part.replace(invalid_path(settings.data_dir, batch_id))  # written as read, in input order
-    numbers = {cid: line_no for line_no, cid in fan.requested}  # the error file lists its lines in input order
-    line_numbers_path(settings.data_dir, batch_id).write_text(json.dumps(numbers))
+    keep_line_numbers(settings.data_dir, batch_id, fan.requested, mine)  # the error file lists its lines in input order
     ok = staged and _start_staged(url, batch_id, tenant_id, mine, fan, dispatched_at, fan.refused)
     if ok is None:
         return

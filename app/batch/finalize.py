@@ -14,8 +14,9 @@ import heapq
 import json
 import logging
 import math
+import sqlite3
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from itertools import chain, groupby
@@ -83,16 +84,47 @@ def numbered_refused_lines(data_dir: Path, batch_id: str) -> Iterator[tuple[int,
 
 
 def line_numbers_path(data_dir: Path, batch_id: str) -> Path:
-    """Where the fan-out keeps its valid lines' numbers by custom_id (``{"a": 1, ...}``), for the files' order."""
+    """Where the fan-out keeps its valid lines' numbers by custom_id, for the files' order: an SQLite table the fan-in
+    looks a failed request's up in, one at a time (a 50,000-line batch's, loaded whole, held up to 28 MiB)."""
+    return Path(data_dir) / "batches" / batch_id / "lines.sqlite"
+
+
+def _whole_line_numbers_path(data_dir: Path, batch_id: str) -> Path:
+    """Where a batch fanned out before ``line_numbers_path`` kept them, as one JSON object (``{"a": 1, ...}``)."""
     return Path(data_dir) / "batches" / batch_id / "lines.json"
 
 
-def _input_order(data_dir: Path, batch_id: str) -> Callable[[str | None], float]:
-    """The input line number of a valid line's custom_id (after every line where unknown: a batch fanned out before
-    the numbers were kept)."""
+def keep_line_numbers(data_dir: Path, batch_id: str, numbered: Iterable[tuple[int, str]], mark: str) -> None:
+    """The valid lines' ``(number, custom_id)`` written to ``line_numbers_path`` as they come, none held; ``mark``:
+    the writing run's, whose part file no other run's write truncates (the last run's is kept)."""
     path = line_numbers_path(data_dir, batch_id)
-    numbers = json.loads(path.read_text()) if path.exists() else {}
-    return lambda custom_id: numbers.get(custom_id, math.inf)
+    part = path.with_name(f"lines.{mark}.part")
+    part.unlink(missing_ok=True)
+    try:
+        with closing(sqlite3.connect(part)) as table, table:
+            table.execute("CREATE TABLE line (custom_id TEXT PRIMARY KEY, line_no INTEGER NOT NULL) WITHOUT ROWID")
+            table.executemany("INSERT INTO line VALUES (?, ?)", ((cid, line_no) for line_no, cid in numbered))
+        part.replace(path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+@contextmanager
+def _input_order(data_dir: Path, batch_id: str) -> Iterator[Callable[[str | None], float]]:
+    """The input line number of a valid line's custom_id, looked up one at a time (after every line where unknown: a
+    batch fanned out before the numbers were kept)."""
+    path = line_numbers_path(data_dir, batch_id)
+    if not path.exists():
+        legacy = _whole_line_numbers_path(data_dir, batch_id)  # a batch fanned out before they were kept in a table
+        numbers = json.loads(legacy.read_text()) if legacy.exists() else {}
+        yield lambda custom_id: numbers.get(custom_id, math.inf)
+        return
+    with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as table:
+        def line_number(custom_id: str | None) -> float:
+            found = table.execute("SELECT line_no FROM line WHERE custom_id = ?", (custom_id,)).fetchone()
+            return math.inf if found is None else found[0]
+
+        yield line_number
 
 
 def _refused_line_number(text: str) -> int:
@@ -179,12 +211,12 @@ def _error_lines(session: Session, data_dir: Path, batch: Batch) -> Iterator[str
     """The error file's lines in input order, as read beside it: the refused lines (by line number) and the requests
     that failed (in their jobs' order, as the output file's), each with its first failed choice, merged as they are
     read (only failed jobs are read: no answer is)."""
-    line_number = _input_order(data_dir, batch.id)
-    refused = numbered_refused_lines(data_dir, batch.id)
-    failed = ((line_number(line[0].custom_id), json.dumps(job_error_line(line[0], batch.expires_at)))
-              for line in requests(session, batch.id, Job.status != JobStatus.SUCCEEDED.value))
-    for _, text in heapq.merge(refused, failed, key=lambda pair: pair[0]):  # a tie: the refused line first
-        yield text
+    with _input_order(data_dir, batch.id) as line_number:
+        refused = numbered_refused_lines(data_dir, batch.id)
+        failed = ((line_number(line[0].custom_id), json.dumps(job_error_line(line[0], batch.expires_at)))
+                  for line in requests(session, batch.id, Job.status != JobStatus.SUCCEEDED.value))
+        for _, text in heapq.merge(refused, failed, key=lambda pair: pair[0]):  # a tie: the refused line first
+            yield text
 
 
 def _outran_window(session: Session, batch: Batch) -> bool:
