@@ -78,8 +78,9 @@ def _object(request: Request, session, batch: Batch, counts: dict[str, int] | No
 
 def _checked(requests: list[BatchRequest], settings: Settings, principal: Principal) -> ParsedFile:
     """Every request as POST /v1/messages checks it (the fan-out's own checks: ``parse_line``, then ``job_values``
-    short of counting the prompt's tokens: an unknown model, a thinking budget the model cannot keep): a 400
-    naming the first bad one by index and custom_id; a custom_id used twice is a 400 too. Returns the input file's
+    short of counting the prompt's tokens: an unknown model, a thinking budget the model cannot keep): a bad one is
+    a refused line, an ``errored`` result once the batch ends, as Anthropic validates each request's params apart
+    from the batch (it refused the whole batch with a 400); a custom_id used twice is a 400. Returns the input file's
     lines as ``parse_file`` reads them (line i + 1 is request i), for the fan-out not to parse them again."""
     seen: dict[str, int] = {}
     out = ParsedFile()
@@ -93,14 +94,14 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
         line = mb.input_lines([(item.custom_id, item.params)]).decode()
         parsed = parse_line(i + 1, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers,  # its line in the file
                             settings.model)
-        if isinstance(parsed, InvalidLine):  # its message names the line: here the request does
+        if isinstance(parsed, InvalidLine):  # its message names the line and the body: a result names the request
             why = parsed.message.removeprefix(f"line {i + 1}: ").removeprefix("invalid body: ")
         else:
             why = _refusal(settings, principal, parsed, context)
-        if why is not None:
-            raise OpenAIError(400, f"requests.{i} (custom_id {item.custom_id!r}): params: {why}",
-                              param=f"requests.{i}.params")
-        out.valid.append(parsed)
+        if why is None:
+            out.valid.append(parsed)
+        else:  # the fan-out's refused line ("line N: " as its others': the result loses it)
+            out.invalid.append(InvalidLine(i + 1, item.custom_id, f"line {i + 1}: {why}", "invalid_body"))
     return out
 
 

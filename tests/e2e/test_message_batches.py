@@ -1,5 +1,5 @@
 """Anthropic's Message Batches API with the official ``anthropic`` client against the real app (HTTP), Redis, Celery
-worker and DB: create (a bad request refused whole), retrieve until ended, results, list, cancel, delete, and
+worker and DB: create (a bad request errored alone), retrieve until ended, results, list, cancel, delete, and
 another tenant's batch being none of a tenant's business."""
 
 from __future__ import annotations
@@ -39,18 +39,11 @@ def prompt(usage) -> int:
 
 
 def test_message_batch_round_trip(claude, stack):
-    with pytest.raises(anthropic.BadRequestError) as bad:  # one bad request refuses the batch, naming it
-        claude.messages.batches.create(requests=[
-            {"custom_id": "fine", "params": params("Hi")},
-            {"custom_id": "no-max", "params": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}}])
-    assert bad.value.status_code == 400 and bad.value.body["type"] == "error"
-    error = bad.value.body["error"]
-    assert error["type"] == "invalid_request_error"
-    assert "requests.1" in error["message"] and "no-max" in error["message"] and "max_tokens" in error["message"]
-    assert bad.value.response.headers["request-id"] == bad.value.body["request_id"]
-    with pytest.raises(anthropic.BadRequestError, match="unique custom_id"):
+    with pytest.raises(anthropic.BadRequestError, match="unique custom_id") as bad:  # a malformed body: a 400
         claude.messages.batches.create(requests=[{"custom_id": "x", "params": params("Hi")},
                                                  {"custom_id": "x", "params": params("Bye")}])
+    assert bad.value.status_code == 400 and bad.value.body["error"]["type"] == "invalid_request_error"
+    assert bad.value.response.headers["request-id"] == bad.value.body["request_id"]
 
     first = claude.messages.batches.create(requests=[{"custom_id": "only", "params": params("Hi", max_tokens=1)}])
     raw = claude.messages.batches.with_raw_response.create(requests=[
@@ -134,25 +127,26 @@ def test_cancel_a_message_batch(claude, stack):
     assert claude.messages.batches.delete(batch.id).type == "message_batch_deleted"
 
 
-def test_what_the_fan_out_would_refuse_is_refused_at_create(claude, stack, monkeypatch):
-    """An unknown model, a metadata.user_id that is no string, a thinking budget the server cannot keep: a 400 at
-    create naming the request (index and custom_id), as /v1/messages refuses them at once, not an errored result."""
-    before = [b.id for b in claude.messages.batches.list(limit=1000).data]
+def test_what_the_fan_out_would_refuse_is_errored_alone(claude, stack, monkeypatch):
+    """A request without max_tokens, an unknown model, a metadata.user_id that is no string, a thinking budget the
+    server cannot keep: each checked at create as /v1/messages checks it, and an ``errored`` result of its own, as
+    Anthropic validates each request's params (they refused the whole batch with a 400)."""
     thinks = {"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}}
 
-    def refused(bad: dict) -> str:
-        with pytest.raises(anthropic.BadRequestError) as exc:
-            claude.messages.batches.create(requests=[{"custom_id": "fine", "params": params("Hi")},
-                                                     {"custom_id": "bad-1", "params": bad}])
-        assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "invalid_request_error"
-        message = exc.value.body["error"]["message"]
-        assert message.startswith("requests.1 (custom_id 'bad-1'): params: "), message
-        return message
+    def errored(**bad: dict) -> dict[str, str]:
+        batch = claude.messages.batches.create(requests=[{"custom_id": cid, "params": p} for cid, p in bad.items()])
+        assert ended(claude, batch.id).request_counts.errored == len(bad)
+        results = list(claude.messages.batches.results(batch.id))
+        assert [r.custom_id for r in results] == list(bad) and {r.result.type for r in results} == {"errored"}
+        assert {r.result.error.error.type for r in results} == {"invalid_request_error"}
+        return {r.custom_id: r.result.error.error.message for r in results}
 
-    assert "unknown model 'nope'" in refused(params("Hi", model="nope"))
-    assert "metadata.user_id" in refused(params("Hi", metadata={"user_id": 7}))
-    assert "own torch engine" in refused(params("Hi", **thinks))  # this stack's workers run the own engine
+    no_max = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    found = errored(no_max=no_max, model=params("Hi", model="nope"), user=params("Hi", metadata={"user_id": 7}),
+                    thinks=params("Hi", **thinks))
+    assert "max_tokens" in found["no_max"] and "unknown model 'nope'" in found["model"], found
+    assert "metadata.user_id" in found["user"] and "own torch engine" in found["thinks"], found  # the own engine's
     monkeypatch.setattr(stack.settings, "backend", "vllm")
     monkeypatch.setattr(stack.settings, "reasoning_parser", "qwen3")
-    assert "thinking.budget_tokens needs a model whose tokenizer has <think>" in refused(params("Hi", **thinks))
-    assert [b.id for b in claude.messages.batches.list(limit=1000).data] == before  # none was created
+    assert "thinking.budget_tokens needs a model whose tokenizer has <think>" in errored(thinks=params(
+        "Hi", **thinks))["thinks"]

@@ -157,41 +157,53 @@ def test_a_page_of_ended_message_batches_counts_their_requests_in_one_query(clie
     assert one_count == four_counts == 1, (one_count, four_counts)
 
 
-def test_a_request_whose_prompt_cannot_fit_the_context_is_refused_at_create_naming_it(client, keys, settings):
+def _errored_beside_a_good_one(client, keys, bad_params: dict) -> dict:
+    """A message batch of a good request and a bad one (``bad_params``), cancelled once made: the bad one's result,
+    the good one's canceled."""
+    headers = {"x-api-key": keys.paid}
+    ok = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    made = client.post("/v1/messages/batches", headers=headers, json={"requests": [
+        {"custom_id": "fits", "params": ok}, {"custom_id": "bad", "params": {**ok, **bad_params}}]})
+    assert made.status_code == 200, made.text  # Anthropic validates each request's params apart, not the batch
+    assert made.json()["request_counts"]["processing"] == 2, made.json()
+    done = client.post(f"/v1/messages/batches/{made.json()['id']}/cancel", headers=headers).json()
+    assert done["request_counts"] | {"canceled": 0} == {
+        "processing": 0, "succeeded": 0, "errored": 1, "canceled": 0, "expired": 0}, done
+    results = [json.loads(line) for line in client.get(f"/v1/messages/batches/{made.json()['id']}/results",
+                                                       headers=headers).text.splitlines()]
+    assert [(r["custom_id"], r["result"]["type"]) for r in results] == [("fits", "canceled"), ("bad", "errored")]
+    error = results[1]["result"]["error"]
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+    return error["error"]
+
+
+def test_a_request_whose_prompt_cannot_fit_the_context_is_errored_alone(client, keys, settings):
     """The bound the API knows without tokenizing (more characters than the context's tokens can hold) is checked
-    when the batch is made, as POST /v1/messages checks it, not found only at the fan-out."""
+    when the batch is made, as POST /v1/messages checks it, and the request is errored, in Anthropic's words: one
+    bad request refused the whole batch with a 400, where Anthropic validates each request's params on its own and
+    reports an ``errored`` result (only a malformed body is a 400)."""
     from app.services.jobs import max_chars_per_token
     from app.services.workers import held_context_length
 
     too_long = "x" * (held_context_length(settings) * max_chars_per_token(settings.model) + 1)
-    ok = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-    r = client.post("/v1/messages/batches", headers={"x-api-key": keys.paid}, json={"requests": [
-        {"custom_id": "fits", "params": ok},
-        {"custom_id": "long", "params": {**ok, "messages": [{"role": "user", "content": too_long}]}}]})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and "requests.1 (custom_id 'long')" in error["message"], error
-    # in Anthropic's words, as its API refuses an over-long prompt
-    assert f"prompt is too long: at least {held_context_length(settings) + 1} tokens > " in error["message"], error
-    with session_scope(settings.sqlalchemy_url) as s:
-        assert s.scalars(select(Batch)).all() == []  # no batch was made
+    error = _errored_beside_a_good_one(client, keys, {"messages": [{"role": "user", "content": too_long}]})
+    assert error["message"].startswith(f"prompt is too long: at least {held_context_length(settings) + 1} tokens > "
+                                       ), error
 
 
 @pytest.mark.parametrize("max_tokens", [512, 600])  # the tiny model's context is 512 tokens
-def test_a_request_whose_max_tokens_leaves_its_prompt_no_room_is_refused_at_create(client, keys, settings,
-                                                                                   max_tokens):
+def test_a_request_whose_max_tokens_leaves_its_prompt_no_room_is_errored_alone(client, keys, max_tokens):
     """A prompt takes a token at least: a max_tokens of the whole context cannot fit beside it, which needs no
-    tokenizer to tell (it was found only at the fan-out, an errored result of a batch accepted)."""
-    ok = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-    r = client.post("/v1/messages/batches", headers={"x-api-key": keys.paid}, json={"requests": [
-        {"custom_id": "fits", "params": ok}, {"custom_id": "big", "params": {**ok, "max_tokens": max_tokens}}]})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and "requests.1 (custom_id 'big')" in error["message"], error
-    assert (f"input length and `max_tokens` exceed context limit: at least 1 + {max_tokens} > 512"
-            in error["message"]), error
-    with session_scope(settings.sqlalchemy_url) as s:
-        assert s.scalars(select(Batch)).all() == []
+    tokenizer to tell; the request is errored, the batch's other requests run."""
+    error = _errored_beside_a_good_one(client, keys, {"max_tokens": max_tokens})
+    assert error["message"].startswith(f"input length and `max_tokens` exceed context limit: at least 1 + {max_tokens} "
+                                       "> 512"), error
+
+
+def test_a_request_whose_fields_are_invalid_is_errored_alone_naming_the_field(client, keys):
+    """A request without max_tokens (a field /v1/messages needs): errored, its message naming the field."""
+    error = _errored_beside_a_good_one(client, keys, {"max_tokens": None})
+    assert "max_tokens" in error["message"] and not error["message"].startswith("line "), error
 
 
 def test_a_message_batch_cancelled_before_its_fan_out_ran_has_its_requests_canceled(client, keys, settings,
