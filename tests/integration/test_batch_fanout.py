@@ -321,11 +321,14 @@ def test_a_fan_out_never_holds_its_refused_lines_whole_in_memory(client, keys, s
     6 KB of message from a line of under 1 KB) was held whole, several times the input file. It writes each to
     invalid.jsonl as it is read now, and keeps their count: its peak is under one copy of the input file. The counts
     and the error lines, in input order, are as before."""
+    from app import openai_schemas
     from app.api import batches as api
 
     held = []
     monkeypatch.setattr(api, "start_batch", lambda *args: held.append(args))  # run below, measured
     monkeypatch.setattr(fanout, "STAGE_CHUNK", 100)
+    # every error named: long messages, as a refusal's may still be (a message lists LISTED_ERRORS of them now)
+    monkeypatch.setattr(openai_schemas, "LISTED_ERRORS", 1000)
     count = 1500
 
     def create(refused: int) -> tuple[dict, int]:
