@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, WithLogprobs, rate_limiter
 from app.api.errors import openai_responses
-from app.api.openai_compat import (answer_of, count_prompt_tokens, documented_body, job_error, read_body,
-                                   submit_openai_job)
+from app.api.openai_compat import (answer_of, charge_count, count_prompt_tokens, documented_body, job_error,
+                                   read_body, submit_openai_job)
 from app.auth import Principal
 from app.db.models import Job, JobStatus, new_id
 from app.db.session import read_then_write, write_after_read
@@ -37,6 +37,7 @@ from app.services import jobs as job_service
 from app.services.answer_events import (KEEPALIVE_COMMENT, Failed, Finished, Held, Interrupted, Piece,
                                         abandoned_on_hangup, answer_events, held_comment, kept_alive)
 from app.services.job_follow import stream_expired
+from app.services.rate_limits import rate_headers
 from app.services.truncation import fit_context, fit_response
 from app.services.cancel import cancel
 from app.settings import Settings
@@ -368,14 +369,15 @@ async def _submit(request: Request, session, principal: Principal, settings: Set
     return chat, kept, submitted
 
 
-@router.post("/responses/input_tokens", responses=openai_responses(400, 401, 404),
+@router.post("/responses/input_tokens", responses=openai_responses(400, 401, 404, 429),
              openapi_extra=documented_body(InputTokensRequest))
 async def count_input_tokens(request: Request, session: SessionDep, principal: CurrentPrincipal,
-                             settings: SettingsDep):
+                             settings: SettingsDep, response: Response):
     """The tokens a Responses request's input would take: its conversation or previous response, instructions,
     input and tools through the model's chat template, as its job would count them (after ``truncation: "auto"``
-    dropped the oldest turns, where asked)."""
+    dropped the oldest turns, where asked); a request of the tenant's token-counting requests per minute."""
     body = await read_body(request, InputTokensRequest)
+    response.headers.update(rate_headers(await charge_count(request, principal)))
     history = await run_in_threadpool(_prior_turns, session, principal, body)
     raw = await request.json()
     _, spec = body.chat_request(raw, history, settings.tiers)  # as _submit's

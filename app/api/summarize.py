@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.bounds import RUNS_PAGE_MAX
 from app.db import pagination
@@ -23,6 +23,7 @@ from app.db.models import SummarizationRun
 from app.openai_schemas import list_page, parse_window
 from app.schemas import MAX_WINDOW_S
 from app.services.jobs import JobValidationError, resolve_model, resolve_tier
+from app.services.rate_limits import Decision, RateLimited, rate_headers, take_request
 from app.services.transitions import utcnow
 from app.summarize import driver, service, store
 from app.summarize.documents import Document
@@ -58,12 +59,14 @@ class SummarizeCreate(NumbersNotBooleans):
 
 @router.post("", status_code=status.HTTP_201_CREATED,
              responses={200: {"description": "the run an earlier request with this Idempotency-Key started"},
-                        **responses(409, 413)})
+                        **responses(409, 413, 429)})
 async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: SettingsDep, request: Request,
                 response: Response, idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict:
     """Starts a run: answers at once with the run ``validating`` (its documents are split off the request, by its
     first step, which ends it ``failed`` naming why where the split shows it cannot run); a retry with the same
-    Idempotency-Key (and body) answers the run the first request started, one with a different body is a 409."""
+    Idempotency-Key (and body) answers the run the first request started, one with a different body is a 409. A start
+    is one request of the tenant's requests per minute (a 429 over it), as a batch's creation is; its jobs' tokens
+    count against the batch queue limit instead, at its first step."""
     ids = [d.id for d in body.documents]
     if len(set(ids)) != len(ids):
         raise unprocessable("document ids must be unique", "body", "documents")
@@ -86,21 +89,27 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
                             "body", "deadline")
     docs = [Document(d.id, d.text) for d in body.documents]
     idempotency = service.Idempotency(idempotency_key, _digest(body)) if idempotency_key else None
+    rate: list[Decision | None] = []  # what the limits said of the start (none: a retry answered, or no limits)
+    limiter = rate_limiter(request)
     start_run = partial(service.create_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
                         max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
-                        overlap_tokens=body.overlap_tokens, tier=tier, model=model, idempotency=idempotency)
+                        overlap_tokens=body.overlap_tokens, tier=tier, model=model, idempotency=idempotency,
+                        charge=lambda: rate.append(take_request(limiter, principal.tenant_id, principal.limits)))
     try:
         if idempotency is None:
             progress, created = await run_in_threadpool(start_run), True
         else:
             progress, created = await run_in_threadpool(service.start_idempotent_run, settings, principal,
                                                         idempotency, start_run)
+    except RateLimited as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers=exc.decision.headers()) from exc
     except service.IdempotencyConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     except JobValidationError as exc:
         raise unprocessable(str(exc), *(("body", exc.param) if exc.param else ("body",))) from exc
     except ValueError as exc:
         raise unprocessable(str(exc)) from exc
+    response.headers.update(rate_headers(rate[0] if rate else None))
     if created:
         request.app.state.run_drivers.drive(settings, progress.id)
     else:

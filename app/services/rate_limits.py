@@ -9,6 +9,12 @@ concurrent API processes never overdraw them. A refusal is a 429 that says which
 is left and when the bucket holds enough again (``retry-after``, which the official client waits
 for before its retry), with OpenAI's ``x-ratelimit-*`` headers.
 
+A tenant's requests per minute fill two buckets: its generation requests' (the chat, completions, Responses,
+Messages and ``/v1/jobs`` routes, and summarization starts, which cost a request and no tokens) and, apart, its
+token-counting requests' (``COUNTING``: Anthropic limits count_tokens apart from messages, so a client that counts
+before each message does not halve what it may send; the count routes tokenize on the API process's CPU, so they
+are not free either).
+
 Redis down: the request goes through (a limit is a guard against a noisy tenant, not a reason to
 stop serving); the API logs it once a minute at most.
 """
@@ -29,6 +35,8 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "coserve:ratelimit:"
 REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|requests|tokens" -> requests refused (GET /metrics)
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
+GENERATION = ""  # the buckets a charge takes from: the tenant's generation requests' (and their tokens)
+COUNTING = "counting:"  # its token-counting requests' (count_tokens, input_tokens, /tokenize), by the same RPM
 
 # Several requests' charges in one call, each judged after the ones before it. KEYS: per charge its request
 # bucket and its token bucket, then the refusal counts. ARGV: now ("": Redis's time), window, then per charge:
@@ -205,6 +213,7 @@ class Charge:
     limits: Limits
     requests: int  # 1, or 0 for a request's further jobs (its other choices and prompts)
     tokens: int
+    buckets: str = GENERATION  # or COUNTING
 
 
 class RateLimiter:
@@ -217,9 +226,9 @@ class RateLimiter:
         self._warned = 0.0
 
     def take(self, tenant_id: str, limits: Limits, tokens: int, requests: int = 1,
-             now: float | None = None) -> Decision:
-        """Takes ``requests`` and ``tokens`` from the tenant's buckets, or refuses and takes nothing."""
-        return self.take_many([Charge(tenant_id, limits, requests, tokens)], now)[0]
+             now: float | None = None, buckets: str = GENERATION) -> Decision:
+        """Takes ``requests`` and ``tokens`` from the tenant's ``buckets``, or refuses and takes nothing."""
+        return self.take_many([Charge(tenant_id, limits, requests, tokens, buckets)], now)[0]
 
     def take_many(self, charges: list[Charge], now: float | None = None) -> list[Decision]:
         """``take`` for each charge in turn, in one Redis call (the group-commit writer's batch)."""
@@ -229,7 +238,7 @@ class RateLimiter:
         keys, args = [], [now if now is not None else "", WINDOW_S]
         for c in limited:
             rpm, tpm = c.limits.requests_per_minute, c.limits.tokens_per_minute
-            keys += [f"{KEY_PREFIX}{c.tenant_id}:requests", f"{KEY_PREFIX}{c.tenant_id}:tokens"]
+            keys += [f"{KEY_PREFIX}{c.tenant_id}:{c.buckets}requests", f"{KEY_PREFIX}{c.tenant_id}:{c.buckets}tokens"]
             args += [-1 if rpm is None else rpm, c.requests, -1 if tpm is None else tpm, c.tokens, c.tenant_id]
         try:
             answer = self._script(keys=[*keys, REFUSALS], args=args)
@@ -250,6 +259,21 @@ class RateLimiter:
                                 tokens_left=None if tpm is None else float(t_left), requests_wait_s=float(r_wait),
                                 tokens_wait_s=float(t_wait), tokens_asked=c.tokens))
         return out
+
+
+def take_request(limiter: RateLimiter | None, tenant_id: str, limits: Limits,
+                 buckets: str = GENERATION) -> Decision | None:
+    """One request of no tokens from the tenant's ``buckets`` (a summarization start; a token count), raising
+    ``RateLimited`` over its requests per minute; None where that is no limit. A count's answer shows its own
+    bucket alone (its tokens are no one's)."""
+    if limiter is None or limits.requests_per_minute is None:
+        return None
+    if buckets == COUNTING:
+        limits = Limits(requests_per_minute=limits.requests_per_minute)
+    decision = limiter.take(tenant_id, limits, 0, buckets=buckets)
+    if not decision.allowed:
+        raise RateLimited(decision)
+    return decision
 
 
 def refusals(redis_url: str) -> dict[tuple[str, str], int]:

@@ -108,13 +108,16 @@ def check_context(context: int, chunk_tokens: int, overlap_tokens: int, max_summ
 
 def create_run(settings: Settings, principal: Principal, documents: list[Document], deadline_at: datetime, *,
                max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int, tier: str,
-               model: str | None = None, idempotency: Idempotency | None = None) -> Progress:
+               model: str | None = None, idempotency: Idempotency | None = None,
+               charge: Callable[[], object] | None = None) -> Progress:
     """Writes the run as ``validating`` with its documents, unsplit, after the checks that need no tokenizer (what
     the request answers); its first step (``driver``) splits them, checks the levels and the job count
     (``limits``) and writes the first level's jobs, or ends the run ``failed`` naming why. ``model``: the server's
     model (None) or one of its LoRA adapters, which every job of the run names; ``idempotency``: the run is kept
     under the request's Idempotency-Key (the insert fails where the tenant has a run under that key already:
-    ``start_idempotent_run`` answers that one)."""
+    ``start_idempotent_run`` answers that one); ``charge``: takes the request from its tenant's rate limits once the
+    run's row is in, in its transaction (raising ``RateLimited`` writes nothing), so neither a start the checks
+    refuse nor a concurrent retry under its Idempotency-Key, which finds the row there, is charged."""
     context = held_context_length(settings)
     check_context(context, chunk_tokens, overlap_tokens, max_summary_tokens)
     budget, overlap_tokens = run_chunks(context, chunk_tokens, overlap_tokens, max_summary_tokens)
@@ -131,6 +134,8 @@ def create_run(settings: Settings, principal: Principal, documents: list[Documen
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):
         s.add(run)
         s.flush()  # the run before the rows that name it
+        if charge is not None:
+            charge()
         s.add_all(store.new_document(run.id, i, DocState(d.id, text=d.text)) for i, d in enumerate(documents))
     return store.progress_of(run)
 

@@ -268,3 +268,53 @@ def test_the_group_commit_writer_refuses_what_the_limits_do_not_let_through(sett
     assert sorted(w.rate.requests_left for w in written) == pytest.approx([0, 1], abs=0.01)
     with session_scope(settings.sqlalchemy_url) as s:
         assert {j.id for j in s.query(Job).filter(Job.tenant_id == keys.tenant_id)} == {w.job.id for w in written}
+
+
+SUMMARIZE = {"documents": [{"id": "d0", "text": "The river runs to the sea. It is wide and slow."}], "deadline": "30m",
+             "max_summary_tokens": 12, "chunk_tokens": 160, "overlap_tokens": 16}
+
+
+def test_a_summarization_start_counts_against_the_tenants_requests_per_minute(client, keys):
+    """POST /v1/summarize was never limited: a tenant over its requests per minute started runs without bound (their
+    jobs count against the batch queue limit only at each run's first step). A start is one request, as a batch's
+    creation is; a retry under its Idempotency-Key answers the run without a charge."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 1}, headers=H(keys.admin))
+    key = {**H(keys.paid), "Idempotency-Key": "sum-1"}
+    first = client.post("/v1/summarize", json=SUMMARIZE, headers=key)
+    assert first.status_code == 201 and first.headers["x-ratelimit-remaining-requests"] == "0", first.text
+    again = client.post("/v1/summarize", json=SUMMARIZE, headers=key)
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"], again.text
+    refused = client.post("/v1/summarize", json=SUMMARIZE, headers=H(keys.free))  # the tenant's bucket, any key
+    assert refused.status_code == 429, refused.text
+    assert "requests per minute: limit 1; try again in" in refused.json()["detail"], refused.text
+    assert refused.headers["x-ratelimit-limit-requests"] == "1" and int(refused.headers["retry-after"]) >= 59
+    listed = client.get("/v1/summarize", headers=H(keys.paid)).json()["data"]
+    assert [r["id"] for r in listed] == [first.json()["id"]]  # the refused start wrote no run
+    assert client.post("/v1/summarize", json=SUMMARIZE, headers=H(keys.other)).status_code == 201
+
+
+def test_token_counting_routes_have_their_own_requests_per_minute(client, keys):
+    """Anthropic's count_tokens, OpenAI's input_tokens and vLLM's /tokenize and /detokenize were never limited: a
+    tenant made the API tokenize without bound. They share a bucket of the tenant's requests per minute apart from
+    its generation requests', as Anthropic limits count_tokens apart from messages: counting before each message
+    does not halve what a tenant may send."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 3}, headers=H(keys.admin))
+    messages = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    counted = client.post("/v1/messages/count_tokens", json=messages, headers=H(keys.paid))
+    assert counted.status_code == 200 and counted.headers["anthropic-ratelimit-requests-remaining"] == "2", counted.text
+    tokenized = client.post("/tokenize", json={"prompt": "Hello world"}, headers=H(keys.free))
+    assert tokenized.status_code == 200 and tokenized.headers["x-ratelimit-remaining-requests"] == "1"
+    detokenized = client.post("/detokenize", json={"tokens": tokenized.json()["tokens"]}, headers=H(keys.paid))
+    assert detokenized.status_code == 200, detokenized.text
+    refused = client.post("/v1/messages/count_tokens", json=messages, headers=H(keys.paid))
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error", refused.text
+    assert "requests per minute: limit 3" in refused.json()["error"]["message"], refused.text
+    assert refused.headers["anthropic-ratelimit-requests-limit"] == "3" and int(refused.headers["retry-after"]) >= 19
+    assert not any(h.startswith("x-ratelimit-") for h in refused.headers)
+    inputs = client.post("/v1/responses/input_tokens", json={"model": "tiny", "input": "hi"}, headers=H(keys.paid))
+    assert inputs.status_code == 429 and inputs.json()["error"]["code"] == "rate_limit_exceeded", inputs.text
+    again = client.post("/tokenize", json={"prompt": "Hello world"}, headers=H(keys.paid))
+    assert again.status_code == 429 and "retry-after" in again.headers
+    job = {"prompt": "hello", "max_tokens": 4}  # the generation requests' bucket is untouched
+    assert [client.post("/v1/jobs", json=job, headers=H(keys.paid)).status_code for _ in range(4)] == [201] * 3 + [429]
+    assert client.post("/tokenize", json={"prompt": "Hi"}, headers=H(keys.other)).status_code == 200
