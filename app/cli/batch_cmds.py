@@ -470,18 +470,25 @@ def summarize(ctx: typer.Context,
                    f"({deadline}): {run_ending(run, spare_s)}")
     elif not met and run["status"] == "completed":
         stderr.print(f"[red]the run ended after its deadline[/red] (by {-spare_s:.1f}s at the latest)")
-    # what went wrong goes to stderr, as every failure does (stdout says what was saved where)
-    if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
-        why = f" ({run['reason']})" if run.get("reason") else ""  # an older server names none
-        stderr.print(f"[yellow]the run was cancelled{escape(why)}; {run['documents_failed']} documents were not "
-                     "summarized[/yellow]")
-    elif run["documents_failed"]:
-        stderr.print(f"[yellow]{run['documents_failed']} documents failed; see 'error' in {escape(str(output))}"
-                     "[/yellow]")
+    if note := what_failed(run, output):  # to stderr, as every failure (stdout says what was saved where)
+        stderr.print(note)
     if as_json:  # once, as it ended (as `batch create --wait --json`); the exit status says how
         print_json(run)
     if run["documents_failed"] or not met:
         raise typer.Exit(1)
+
+
+def what_failed(run: dict[str, Any], output: Path) -> str | None:
+    """What a followed run's end says went wrong (None: nothing): a run cancelled or failed as a whole says why (its
+    ``reason``: its documents' errors in ``output`` only point to it), else where its failed documents' errors are."""
+    why = escape(f" ({run['reason']})") if run.get("reason") else ""  # an older server names none
+    if run["status"] in ("cancelled", "cancelling"):  # cancelling: its jobs are still being stopped
+        return f"[yellow]the run was cancelled{why}; {run['documents_failed']} documents were not summarized[/yellow]"
+    if run["status"] == "failed" and why:
+        return f"[red]the run failed{why}[/red]; {run['documents_failed']} documents were not summarized"
+    if run["documents_failed"]:
+        return f"[yellow]{run['documents_failed']} documents failed; see 'error' in {escape(str(output))}[/yellow]"
+    return None
 
 
 LIST_DEFAULT = 20  # GET /v1/summarize's default page

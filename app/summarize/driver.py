@@ -357,13 +357,18 @@ def _advance_version(s, run: SummarizationRun, owner: str, values: dict) -> bool
         .execution_options(synchronize_session=False)).rowcount == 1
 
 
+# the error of each document not done of a run that failed as a whole: why is said once, in the run's ``reason``
+# (a refusal's message is hundreds of characters; a run may have 10,000 documents), as a cancel's documents say
+RUN_FAILED = "failed with its summarization run (its reason says why)"
+
+
 def _commit_failure(settings: Settings, run: SummarizationRun, owner: str, error: str) -> Step:
-    """Fails the run and every document not done yet, and stops the jobs those waited for (as a cancel does: a failed
-    run's jobs would run to their end on the GPU for nobody), its lease held meanwhile. A process that dies before
-    they are all stopped leaves a failed run whose ``jobs_done`` is short of ``jobs_submitted``: a worker's sweeper
-    stops the rest (``finish_cancels``)."""
+    """Fails the run for ``error`` (its ``reason``) and every document not done yet (``RUN_FAILED``), and stops the
+    jobs those waited for (as a cancel does: a failed run's jobs would run to their end on the GPU for nobody), its
+    lease held meanwhile. A process that dies before they are all stopped leaves a failed run whose ``jobs_done`` is
+    short of ``jobs_submitted``: a worker's sweeper stops the rest (``finish_cancels``)."""
     url = settings.sqlalchemy_url
-    step = _end_run(url, run, owner, FAILED.during, error, error, keep_lease_s=settings.lease_seconds)
+    step = _end_run(url, run, owner, FAILED.during, RUN_FAILED, error, keep_lease_s=settings.lease_seconds)
     if step.outcome != Outcome.STEPPED:
         return step  # ``advance`` gives the lease back
     return _stop_or_release(settings, run.id, owner, FAILED)

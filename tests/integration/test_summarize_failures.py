@@ -187,7 +187,8 @@ def test_a_document_too_long_for_the_levels_fails_the_run_at_its_first_step_befo
     assert "document 'book' is" in run["reason"] and "more than 6 levels" in run["reason"], run
     assert "smaller max_summary_tokens" in run["reason"] and run["documents_failed"] == 2, run
     lines = client.get(f"/v1/summarize/{run_id}/results", headers=Keys.header(keys.paid)).text.splitlines()
-    assert [json.loads(line)["error"] for line in lines] == [run["reason"]] * 2
+    assert [json.loads(line)["error"] for line in lines] == ["failed with its summarization run (its reason says why)"
+                                                            ] * 2
     assert _jobs(settings) == []
     _started(client, keys.paid, body | {"max_summary_tokens": 8})
 

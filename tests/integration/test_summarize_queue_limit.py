@@ -57,6 +57,10 @@ def test_a_run_past_the_queue_limit_fails_naming_it_and_a_run_let_in_holds_its_r
     assert "token_limit_exceeded" in reason and f"{tokens} prompt tokens" in reason, reason
     assert f"limit of {tokens + tokens // 2}" in reason and "smaller runs" in reason, reason
     assert run_tokens(db_url, refused["id"]) == 0  # no job of it was written
+    # the limit's message once, in the run's reason: each document (4 here, 10,000 at most) points to it
+    lines = client.get(f"/v1/summarize/{refused['id']}/results", headers=Keys.header(keys.paid)).text.splitlines()
+    assert [json.loads(line)["error"] for line in lines] == ["failed with its summarization run (its reason says why)"
+                                                            ] * 4, lines
     assert run_to_first_step(client, keys.other)["status"] == "running"  # another tenant's queue is its own
 
     set_limit(client, keys, tokens + 1)  # the running run's jobs leave room for no batch

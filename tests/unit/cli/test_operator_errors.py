@@ -250,6 +250,21 @@ def test_a_followed_run_is_said_to_end_as_it_did():
     assert "cancelled" in run_ending({"status": "cancelling"}, -1.0)
 
 
+def test_a_followed_run_that_failed_as_a_whole_says_why_on_stderr():
+    """A run failed as a whole (a refusal at its first step) said "2 documents failed; see 'error' in out.jsonl" where
+    it was followed again (`--run ID`), and each document's error there only points to the run's reason."""
+    from pathlib import Path
+
+    from app.cli.batch_cmds import what_failed
+
+    reason = "token_limit_exceeded: this summarization run's first level's 900 prompt tokens ..."
+    failed = what_failed({"status": "failed", "reason": reason, "documents_failed": 2}, Path("out.jsonl"))
+    assert "the run failed" in failed and "token_limit_exceeded" in failed and "2 documents" in failed, failed
+    some = what_failed({"status": "completed", "reason": None, "documents_failed": 1}, Path("out.jsonl"))
+    assert "see 'error' in out.jsonl" in some
+    assert what_failed({"status": "completed", "reason": None, "documents_failed": 0}, Path("out.jsonl")) is None
+
+
 CTRL_C_SAYS = {  # a command that makes or stops work, and what its Ctrl-C says the server may do anyway
     "summarize-cancel": (["summarize", "--cancel", "sum_x"],
                          "the server may cancel run sum_x anyway: `coserve summarize --list` shows"),
