@@ -1,11 +1,12 @@
 """A structured output's constraint (a regex, a grammar, a JSON schema or a structural tag) checked at the API as
-vLLM's server checks it before its engine sees it (``SamplingParams._validate_structured_outputs`` under the
-workers' ``auto`` backend: xgrammar, then guidance where xgrammar refuses it), so that one neither can read is the
+the workers' vLLM engine compiles it: with xgrammar (``gpu_runtime.vllm.scheduler.pin_grammar_backend``: vLLM's
+engine has one backend, and under ``auto`` it is xgrammar from its start), so that one xgrammar cannot read is the
 client's 400 as it submits, not a job that fails on its worker (after a stream began, or a 201 was answered).
+vLLM's validation would send it to guidance, which the engine does not compile with.
 
 Compiling takes seconds at xgrammar's first import: an API on the vLLM backend imports it as it starts
 (``warm_up``), and the routes compile a body's constraints off the event loop (``carried``, ``outcomes``,
-``known``); a check where neither library is installed passes (the worker's engine judges it then)."""
+``known``); a check where xgrammar is not installed passes (the worker's engine judges it then)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,16 @@ Constraint = tuple[str, str]
 _known: ContextVar[dict[Constraint, str | None] | None] = ContextVar("output_constraints_known", default=None)
 # xgrammar's messages start with where in its C++ they were raised: "[19:23:38] /project/cpp/x.cc:83: "
 _XGRAMMAR_PLACE = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
+# what a regex may not hold under xgrammar (guidance reads some, but the workers' engine compiles with xgrammar)
+_REGEX_LIMITS = ("without Unicode property classes (\\p{..}, \\P{..}: spell the characters out as ranges, e.g. "
+                 "[A-Za-z\\u00c0-\\u024f] for letters), lookarounds, backreferences, possessive quantifiers (a++), "
+                 "inline flags ((?i): list both cases) or named groups ((?P<name>...): use (...))")
 
 
 def check(kind: str, text: str) -> None:
     """Raise ValueError saying what to fix where the ``kind`` constraint (``regex``, ``grammar``, ``json`` or
-    ``structural_tag``) ``text`` compiles under neither of vLLM's backends. A constraint checked beforehand in this
-    context (``known``) answers as it did, without compiling again."""
+    ``structural_tag``) ``text`` does not compile under xgrammar, the workers' engine's backend. A constraint checked
+    beforehand in this context (``known``) answers as it did, without compiling again."""
     if (known := _known.get()) is not None and (kind, text) in known:
         if (message := known[(kind, text)]) is not None:
             raise ValueError(message)
@@ -39,16 +44,15 @@ def check(kind: str, text: str) -> None:
 
 
 def _check_regex(regex: str) -> None:
-    _refuse_unless_compiled("regex", "a regular expression", lambda xgr: xgr.Grammar.from_regex(regex),
-                            lambda llg: llg.LLMatcher.validate_grammar(llg.grammar_from("regex", regex), None))
+    _refuse_unless_compiled("regex", f"a regular expression {_REGEX_LIMITS}",
+                            lambda xgr: xgr.Grammar.from_regex(regex))
 
 
 def _check_grammar(grammar: str) -> None:
     lark = _likely_lark(grammar)
     _refuse_unless_compiled(
         "grammar", "an EBNF grammar with a root rule, or a Lark grammar with a start rule",
-        lambda xgr: xgr.Grammar.from_lark(grammar) if lark else xgr.Grammar.from_ebnf(grammar),
-        lambda llg: llg.LLMatcher.validate_grammar(llg.grammar_from("grammar", grammar), None))
+        lambda xgr: xgr.Grammar.from_lark(grammar) if lark else xgr.Grammar.from_ebnf(grammar))
 
 
 def _check_schema(text: str) -> None:
@@ -56,11 +60,7 @@ def _check_schema(text: str) -> None:
     if structural_tag.nesting(schema) > structural_tag.MAX_SCHEMA_NESTING:  # vLLM's check_json_nesting
         raise ValueError(f"json nests objects and arrays deeper than {structural_tag.MAX_SCHEMA_NESTING} levels")
     structural_tag.check_patterns(schema, "json")  # before xgrammar, which one nesting deep crashes
-    if "patternProperties" in text:  # guidance cannot read it: vLLM falls back to outlines, which the worker judges
-        return
-    _refuse_unless_compiled(
-        "json", "a JSON schema", lambda xgr: xgr.Grammar.from_json_schema(text),
-        lambda llg: llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(text), None))
+    _refuse_unless_compiled("json", "a JSON schema", lambda xgr: xgr.Grammar.from_json_schema(text))
 
 
 def _likely_lark(grammar: str) -> bool:
@@ -68,26 +68,19 @@ def _likely_lark(grammar: str) -> bool:
     return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
 
 
-def _refuse_unless_compiled(field: str, what: str, by_xgrammar: Callable[[Any], Any],
-                            by_guidance: Callable[[Any], str]) -> None:
-    """ValueError with xgrammar's reason where neither xgrammar nor guidance (``by_guidance``: its error, "" where
-    none) compiles the constraint, as vLLM's ``auto`` backend refuses it."""
+def _refuse_unless_compiled(field: str, what: str, by_xgrammar: Callable[[Any], Any]) -> None:
+    """ValueError with xgrammar's reason where xgrammar does not compile the constraint (``by_xgrammar``), as the
+    workers' engine would not: a constraint only guidance reads is refused too (``pin_grammar_backend``)."""
     try:
-        import llguidance
         import xgrammar
-    except ImportError:  # an API without vLLM's grammar libraries: the vLLM worker judges it (a bad one is a 400)
+    except ImportError:  # an API without vLLM's grammar library: the vLLM worker judges it (a bad one is a 400)
         return
     try:
         by_xgrammar(xgrammar)
-        return
     except Exception as exc:  # xgrammar's parse and conversion errors
         reason = (_XGRAMMAR_PLACE.sub("", str(exc)).strip().splitlines() or ["xgrammar cannot read it"])[0]
-    try:
-        if not by_guidance(llguidance):
-            return
-    except Exception:  # noqa: BLE001 - guidance cannot read it either (vLLM: "Invalid grammar specification")
-        pass
-    raise ValueError(f"{field} does not compile ({reason}); give {what}")
+        raise ValueError(f"{field} does not compile ({reason}) under xgrammar, the backend of the workers' engine; "
+                         f"give {what}") from None
 
 
 _CHECKS: dict[str, Callable[[str], None]] = {"regex": _check_regex, "grammar": _check_grammar,
@@ -148,18 +141,17 @@ def known(answers: dict[Constraint, str | None]) -> Iterator[None]:
         _known.reset(token)
 
 
-def _import_grammar_libraries() -> None:
+def _import_grammar_library() -> None:
     try:
-        import llguidance  # noqa: F401 - imported for their cost only
-        import xgrammar  # noqa: F401
+        import xgrammar  # noqa: F401 - imported for its cost only
     except Exception:  # not installed, or broken: ``check`` passes then, and the worker judges the constraint
         pass
 
 
 def warm_up() -> threading.Thread:
-    """Imports xgrammar and guidance (seconds) in a thread of its own, so that the first request carrying a
+    """Imports xgrammar (seconds) in a thread of its own, so that the first request carrying a
     constraint does not pay for it (``check`` runs where pydantic validates a body, on the event loop for some
     routes)."""
-    thread = threading.Thread(target=_import_grammar_libraries, name="xgrammar-warm-up", daemon=True)
+    thread = threading.Thread(target=_import_grammar_library, name="xgrammar-warm-up", daemon=True)
     thread.start()
     return thread

@@ -46,9 +46,11 @@ from gpu_runtime.vllm.speculation import DraftLengths
 from gpu_runtime.vllm.step_log import IDLE_GAP_S, batch_features
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request as VLLMRequest
+    from vllm.v1.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,8 @@ class CoserveScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         from gpu_runtime.scheduler.registry import config_fields, create_scheduler
+
+        pin_grammar_backend(self.structured_output_manager, self.vllm_config)
 
         self.policy_name = policy_name()
         self.native = self.policy_name in VLLM_NATIVE
@@ -706,6 +710,24 @@ def _tell_finished(outputs: dict[int, Any], requests: list[VLLMRequest]) -> None
         outputs.setdefault(req.client_index, EngineCoreOutputs())
         outputs[req.client_index].outputs.append(EngineCoreOutput(
             request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))
+
+
+def pin_grammar_backend(manager: StructuredOutputManager | None, vllm_config: VllmConfig) -> None:
+    """Under vLLM's ``auto`` structured-output backend, the engine compiles every constraint with xgrammar from its
+    start, the backend the API checks constraints against (``app.output_constraints``). vLLM's engine has one
+    backend, made for the first constraint it meets: one xgrammar does not fully follow (a schema's multipleOf) made
+    it guidance for good, which cannot read a structural tag's ``format``; and an xgrammar one cannot compile a
+    regex only guidance reads (``\\p{L}``), though vLLM's validation sends it to guidance. Each failed in the engine,
+    after it was accepted. A backend the operator named stays (vLLM then validates each request under it), and so
+    does ``auto`` for a Mistral tokenizer (vLLM sends its Lark grammars to guidance on purpose)."""
+    from vllm.utils.mistral import is_mistral_tokenizer
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    if (manager is None or manager.backend is not None or vllm_config.structured_outputs_config.backend != "auto"
+            or vllm_config.model_config.skip_tokenizer_init or is_mistral_tokenizer(manager.tokenizer)):
+        return
+    manager.backend = XgrammarBackend(vllm_config, tokenizer=manager.tokenizer,
+                                      vocab_size=vllm_config.model_config.get_vocab_size())
 
 
 def _grammar_error(request: VLLMRequest | None) -> str:

@@ -637,12 +637,19 @@ def test_a_structural_tag_whose_schema_pattern_nests_deep_is_refused_not_a_crash
     assert "structural_tag holds a pattern nesting groups deeper than 1000 levels" in r.text, r.text
 
 
-def test_a_constraint_only_guidance_reads_is_taken_as_vllms_auto_backend_takes_it(client, keys, settings):
-    """vLLM's auto backend falls back to guidance where xgrammar refuses a constraint: a regex of a Unicode class,
-    which guidance reads and xgrammar does not, passes to the worker."""
+@pytest.mark.parametrize("regex, said", [
+    (r"\p{L}+", "Unicode character class"), ("a++", "Two consecutive repetition"),
+    ("(?i)paris", "Group modifier flag"), ("(?P<city>Paris)", "Group modifier flag")],
+    ids=["unicode-class", "possessive", "inline-flag", "named-group"])
+def test_a_regex_only_guidance_reads_is_refused_as_the_workers_xgrammar_engine_refuses_it(client, keys, settings,
+                                                                                          regex, said):
+    """vLLM's validation sends a regex xgrammar cannot read to guidance, but the workers' engine compiles with
+    xgrammar (``pin_grammar_backend``): it failed there after the API took it. It is a 400 as it is submitted,
+    naming the field, xgrammar's reason and what to write instead."""
     settings.backend = "vllm"
-    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"regex": r"\p{L}+"}}, headers=H(keys.paid))
-    assert r.status_code == 201, r.text
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"regex": regex}}, headers=H(keys.paid))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "structured_outputs", "regex"], r.text
+    assert said in r.text and "under xgrammar" in r.text and "spell the characters out" in r.text, r.text
 
 
 _TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
