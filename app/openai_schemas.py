@@ -34,7 +34,7 @@ from app.settings import DEFAULT_TIERS
 from app.tool_calls import MAX_TOOLS, read_answer
 from app.wire import Metadata, Text, as_given, json_safe, shown
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
-from gpu_runtime.sampling import PENALTY_LIMIT
+from gpu_runtime.sampling import CONSTRAINT_OPTIONS, PENALTY_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +314,25 @@ UNSUPPORTED_HINTS = {
                                  "takes vLLM's default whitespace)"}
 
 
+def merged_constraint(formatted: StructuredOutputs, given: StructuredOutputs | None) -> StructuredOutputs:
+    """vLLM's ``structured_outputs_from_response_format``: ``response_format``'s constraint (``formatted``) replaces
+    ``structured_outputs``' one (``given``) of the same kind, whose options (e.g. disable_any_whitespace) it keeps;
+    two constraints of different kinds are refused (vLLM's "only one kind of structured outputs constraint")."""
+    if given is None:
+        return formatted
+    wanted, held = constraint_kind(formatted), constraint_kind(given)
+    if held != wanted:
+        raise OpenAIError(400, f"response_format constrains the text to {wanted} and structured_outputs to {held}: "
+                               f"send one of them, or a structured_outputs.{wanted} (with its options) beside "
+                               f"response_format, which then replaces it", param="response_format")
+    return formatted.model_copy(update={k: v for k, v in given.fields().items() if k in CONSTRAINT_OPTIONS})
+
+
+def constraint_kind(constraint: StructuredOutputs) -> str:
+    """The field of vLLM's that holds the constraint (json, regex, choice, grammar, json_object, structural_tag)."""
+    return next(k for k in constraint.fields() if k not in CONSTRAINT_OPTIONS)
+
+
 class UnsupportedFields(BaseModel):
     """OpenAI fields an endpoint has that coserve does not implement (accepted only at their defaults)."""
 
@@ -440,13 +459,16 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
 
     def output_constraint(self) -> StructuredOutputs | None:
         """The constraint of ``response_format`` (text, json_object, json_schema or vLLM's structural_tag) or
-        ``structured_outputs``."""
+        ``structured_outputs``; both, as vLLM merges them (``merged_constraint``)."""
         fmt = self.response_format
         kind = (fmt or {}).get("type", "text")
         if kind == "text":
             return self.structured_outputs
-        if self.structured_outputs is not None:
-            raise OpenAIError(400, "give response_format or structured_outputs, not both", param="response_format")
+        return merged_constraint(self._format_constraint(fmt, kind), self.structured_outputs)
+
+    @staticmethod
+    def _format_constraint(fmt: dict[str, Any], kind: str) -> StructuredOutputs:
+        """The constraint of a ``response_format`` other than text."""
         if kind == "json_object":
             return StructuredOutputs(json_object=True)
         if kind == "json_schema":

@@ -140,6 +140,29 @@ def test_openai_response_format_becomes_the_jobs_constraint():
         assert exc.value.status_code == 400 and exc.value.param == "response_format"
 
 
+def test_response_format_and_structured_outputs_of_one_kind_merge_as_vllm_merges_them():
+    """vLLM's structured_outputs_from_response_format: response_format's constraint replaces structured_outputs'
+    one of the same kind and keeps its options (coserve refused the pair); two kinds are a 400 saying what to send."""
+    from app.openai_schemas import ChatCompletionRequest, OpenAIError
+
+    def constraint(**body):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+        req.check()
+        return req.job_spec(messages=req.chat_messages()).sampling(8)["structured_outputs"]
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    loose = {"json": {"type": "object"}, "disable_any_whitespace": True}
+    assert constraint(response_format=fmt, structured_outputs=loose) == {"json": schema, "disable_any_whitespace": True}
+    assert constraint(response_format={"type": "json_object"}, structured_outputs={
+        "json_object": True, "whitespace_pattern": " ?"}) == {"json_object": True, "whitespace_pattern": " ?"}
+    with pytest.raises(OpenAIError) as exc:
+        constraint(response_format={"type": "json_object"}, structured_outputs={"regex": "a"})
+    assert exc.value.status_code == 400 and exc.value.param == "response_format"
+    assert ("response_format constrains the text to json_object and structured_outputs to regex: send one of them, "
+            "or a structured_outputs.json_object (with its options) beside response_format") in exc.value.message
+
+
 WEATHER_TAG = {"type": "triggered_tags", "triggers": ["<function="], "tags": [
     {"begin": "<function=get_weather>", "end": "</function>",
      "content": {"type": "json_schema",
