@@ -52,12 +52,14 @@ Event = tuple[str, str] | bytes  # a stream event's type, and its other fields a
 
 
 def _stored(session, principal: Principal, resp_id: str, param: str | None = None) -> Job:
-    """The tenant's stored response ``resp_id`` (404, or 400 naming ``param`` where the body gave the id)."""
+    """The tenant's stored response ``resp_id`` (404; or, where the body gave the id as ``param``, its
+    ``previous_response_id``, a 400 naming it with OpenAI's code for a response not, or no longer, stored: clients
+    read it to send the whole conversation instead)."""
     job_id = job_id_of(resp_id)
     job = job_service.get_job(session, principal.tenant_id, job_id) if job_id else None
     if job is None or job.endpoint != ENDPOINT or not (job.response or {}).get("store", True):
         raise OpenAIError(400 if param else 404, f"no stored response {resp_id!r}", param=param,
-                          code="response_not_found")
+                          code="previous_response_not_found" if param else "response_not_found")
     return job
 
 

@@ -241,3 +241,23 @@ def test_a_turn_cut_by_max_output_tokens_is_incomplete_in_the_conversation(oai):
     listed = oai.conversations.items.list(conv.id, order="asc").data[-1]
     assert (listed.id, listed.status) == (cut.output[0].id, "incomplete")
     assert oai.conversations.items.retrieve(cut.output[0].id, conversation_id=conv.id).status == "incomplete"
+
+
+def test_a_deleted_turn_stays_in_its_conversation_and_cannot_be_continued_from(oai, stack):
+    # OpenAI keeps a conversation's items apart from its responses: deleting a response leaves its turn there, and
+    # continuing from the deleted response is refused as OpenAI refuses it (clients, Codex's among them, read the
+    # code previous_response_not_found to send the whole conversation instead; it was response_not_found)
+    conv = oai.conversations.create(items=[{"type": "message", "role": "user", "content": "start"}])
+    turn = oai.responses.create(model="tiny", conversation=conv.id, input="turn A", max_output_tokens=2)
+    assert oai.responses.delete(turn.id) is None
+    assert _texts(oai, conv.id) == [("user", "start"), ("user", "turn A"), ("assistant", turn.output_text)]
+    for continued in (lambda: oai.responses.create(model="tiny", input="x", previous_response_id=turn.id),
+                      lambda: oai.responses.input_tokens.count(model="tiny", input="x", previous_response_id=turn.id)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            continued()
+        error = exc.value.body
+        assert (error["code"], error["param"]) == ("previous_response_not_found", "previous_response_id"), error
+        assert turn.id in error["message"], error
+    later = oai.responses.create(model="tiny", conversation=conv.id, input="turn B", max_output_tokens=1)
+    assert [m["content"] for m in _messages(stack.settings, later.id)] == [
+        "start", "turn A", turn.output_text, "turn B"]
