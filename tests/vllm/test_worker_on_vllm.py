@@ -298,7 +298,28 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert streamed[0].choices[0].text == "The capital of France is" and tokens == lps.tokens
     assert by_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lps.token_logprobs[1:], abs=1e-3)
 
-    # structured outputs: OpenAI's response_format and vLLM's structured_outputs constrain the text
+    # structured outputs: OpenAI's response_format and vLLM's structured_outputs constrain the text. vLLM's engine
+    # compiles every constraint with one backend; under ``auto`` it was the one the first constraint chose, and a
+    # schema xgrammar does not fully follow (multipleOf) first made it guidance for good, which cannot read the
+    # structural tag's ``format`` below (its job failed in the engine after it was accepted). The worker's engine
+    # compiles with xgrammar from its start, and the API refuses at submit what xgrammar cannot compile.
+    even = {"type": "object", "properties": {"count": {"type": "integer", "multipleOf": 2, "minimum": 0,
+                                                       "maximum": 10}}, "required": ["count"],
+            "additionalProperties": False}
+    pick = [{"role": "user", "content": "Pick an even number."}]
+    out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=pick, max_tokens=16, temperature=0,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "even", "schema": even}})
+    assert 0 <= json.loads(out.choices[0].message.content)["count"] <= 10, out
+    with pytest.raises(openai.BadRequestError) as exc:  # a regex only guidance reads
+        oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8,
+                                    extra_body={"structured_outputs": {"regex": r"\p{L}+"}})
+    assert exc.value.body["param"] == "structured_outputs.regex", exc.value.body
+    assert "xgrammar" in exc.value.body["message"] and r"\p{" in exc.value.body["message"], exc.value.body
+    r = httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
+        "kind": "batch", "prompt": "Name a city:", "deadline_window_s": 600, "max_tokens": 8,
+        "structured_outputs": {"regex": r"(?i)paris|rome"}})
+    assert r.status_code == 422 and "Group modifier flag" in r.text, r.text  # the native API's validation error
     person = [{"role": "user", "content": "Invent a person. Reply in JSON with name and age."}]
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -735,40 +756,3 @@ def test_chat_echo_answers_the_prompts_logprobs_as_vllm(vllm_stack):
     assert oai.chat.completions.create(**kw).model_extra["prompt_logprobs"] is None  # no echo: none asked
     for chunk in oai.chat.completions.create(**kw, stream=True, extra_body={"echo": True}):
         assert "prompt_logprobs" not in (chunk.model_extra or {})
-
-
-def test_a_constraint_the_api_passes_is_one_the_workers_engine_compiles(settings, live_server, keys, start_worker):
-    """vLLM's engine compiles every structured output with one backend. Under ``auto`` it was the backend the
-    first constraint chose: a schema xgrammar does not fully follow (multipleOf) first made it guidance, which
-    cannot read a structural tag's ``format`` (its job failed in the engine after it was accepted); and once
-    xgrammar, a regex only guidance reads (``\\p{L}``) failed there the same way. The worker's engine compiles with
-    xgrammar from its start, and the API refuses at submit what xgrammar cannot compile, naming the field."""
-    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
-    settings.backend = "vllm"
-    start_worker("w-structured", **MODEL)
-    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
-    messages = [{"role": "user", "content": "Pick an even number."}]
-    even = {"type": "object", "properties": {"count": {"type": "integer", "multipleOf": 2, "minimum": 0,
-                                                       "maximum": 10}}, "required": ["count"],
-            "additionalProperties": False}
-    out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=16, temperature=0,
-                                      response_format={"type": "json_schema",
-                                                       "json_schema": {"name": "even", "schema": even}})
-    assert 0 <= json.loads(out.choices[0].message.content)["count"] <= 10, out
-    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-            "additionalProperties": False}
-    tag = {"type": "triggered_tags", "triggers": ["<function="], "at_least_one": True, "stop_after_first": True,
-           "tags": [{"begin": "<function=get_weather>", "content": {"type": "json_schema", "json_schema": city},
-                     "end": "</function>"}]}
-    out = oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=48, temperature=0,
-                                      response_format={"type": "structural_tag", "format": tag})
-    assert out.choices[0].message.content.startswith("<function=get_weather>"), out
-    with pytest.raises(openai.BadRequestError) as exc:
-        oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8,
-                                    extra_body={"structured_outputs": {"regex": r"\p{L}+"}})
-    assert exc.value.body["param"] == "structured_outputs.regex", exc.value.body
-    assert "xgrammar" in exc.value.body["message"] and r"\p{" in exc.value.body["message"], exc.value.body
-    r = httpx.post(f"{live_server}/v1/jobs", headers=Keys.header(keys.paid), json={
-        "kind": "batch", "prompt": "Name a city:", "deadline_window_s": 600, "max_tokens": 8,
-        "structured_outputs": {"regex": r"(?i)paris|rome"}})
-    assert r.status_code == 422 and "Group modifier flag" in r.text, r.text  # the native API's validation error
