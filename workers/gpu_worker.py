@@ -19,6 +19,7 @@ full, so an idle worker beside this one gets the next message.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -965,9 +966,21 @@ def run_worker(settings: Settings) -> None:
                          "given back to the queue")
 
 
+def exit_quickly() -> None:
+    """Freezes every object left as the worker's process ends: the interpreter's last full collection at exit walks
+    none of them (torch, the model, the tokenizer, SQLAlchemy: seconds of a shared CPU that `coserve up`'s restart and
+    Ctrl-C and each test's stop waited for); reference counts still free them, atexit handlers and logs run as
+    before. Only where the process ends next (``main``): `coserve worker` may run inside another program's process
+    (a test's CliRunner), whose objects must stay collectable."""
+    gc.freeze()
+
+
 def main() -> None:
     configure_logging()
-    run_worker(Settings())
+    try:
+        run_worker(Settings())
+    finally:
+        exit_quickly()
 
 
 if __name__ == "__main__":
