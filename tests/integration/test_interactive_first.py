@@ -22,8 +22,9 @@ BACKLOG = 10
 
 
 def test_an_interactive_job_is_taken_before_a_batch_backlog(tmp_path, redis_server, long_tiny_model_dir):
+    # no stop grace: the batch jobs still run when the test ends, and the grace would only wait them out
     with api_and_worker(tmp_path, redis_server, long_tiny_model_dir, COSERVE_MAX_INFLIGHT="3",
-                        COSERVE_INTERACTIVE_RESERVE="1") as service:
+                        COSERVE_INTERACTIVE_RESERVE="1", COSERVE_STOP_GRACE_SECONDS="0") as service:
         settings, keys, client = service
         db_url = settings.sqlalchemy_url
         batch = [client.post("/v1/jobs", headers=H(keys.paid), json={

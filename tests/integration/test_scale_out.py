@@ -120,7 +120,7 @@ def test_an_interactive_job_taken_by_a_full_worker_runs_on_a_worker_with_room(cl
     """wa's one slot runs a long job when it takes an interactive job's message: the message goes back to the model's
     queue instead of waiting in wa's hands for that slot, and wb, started afterwards with room, runs the job."""
     start_worker("wa", COSERVE_MAX_INFLIGHT="1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build",
-                 COSERVE_STEP_DELAY_S="0.5")
+                 COSERVE_STEP_DELAY_S="0.5", COSERVE_STOP_GRACE_SECONDS="0")  # the long job outlasts the test
     h = Keys.header(keys.paid)
     long_id = client.post("/v1/jobs", headers=h, json={"prompt": "Long", "max_tokens": 400, "ignore_eos": True}).json()
     long_id = long_id["id"]
