@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -970,9 +971,12 @@ def exit_quickly() -> None:
     """Freezes every object left as the worker's process ends: the interpreter's last full collection at exit walks
     none of them (torch, the model, the tokenizer, SQLAlchemy: seconds of a shared CPU that `coserve up`'s restart and
     Ctrl-C and each test's stop waited for); reference counts still free them, atexit handlers and logs run as
-    before. Only where the process ends next (``main``): `coserve worker` may run inside another program's process
-    (a test's CliRunner), whose objects must stay collectable."""
-    gc.freeze()
+    before. Not in a process that imported vLLM: triton's bindings (nanobind) report each object of theirs left
+    frozen as leaked, some twenty lines on stderr at every exit. Only where the process ends next (``main``):
+    `coserve worker` may run inside another program's process (a test's CliRunner), whose objects must stay
+    collectable."""
+    if "vllm" not in sys.modules:
+        gc.freeze()
 
 
 def main() -> None:
