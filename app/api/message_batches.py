@@ -91,7 +91,7 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
                                    f"{seen[item.custom_id]}'s; each request needs a unique custom_id",
                               param=f"requests.{i}.custom_id")
         seen[item.custom_id] = i
-        line = mb.input_lines([(item.custom_id, item.params)]).decode()
+        line = mb.input_line(item.custom_id, item.params).decode()
         parsed = parse_line(i + 1, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers,  # its line in the file
                             settings.model)
         if isinstance(parsed, InvalidLine):  # its message names the line and the body: a result names the request

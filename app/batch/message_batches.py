@@ -30,10 +30,15 @@ RESULT_OF_CODE = {"batch_cancelled": "canceled", "batch_expired": "expired"}
 LINE_PREFIX = re.compile(r"^line \d+: ")  # a refusal's message names its input line; a result names its custom_id
 
 
-def input_lines(requests: Iterable[tuple[str, dict[str, Any]]]) -> bytes:
-    """The batch's requests (custom_id, params) as the input file the fan-out reads."""
-    return "".join(json.dumps({"custom_id": cid, "method": "POST", "url": ENDPOINT, "body": params}) + "\n"
-                   for cid, params in requests).encode()
+def input_line(custom_id: str, params: dict[str, Any]) -> bytes:
+    """A request of the batch as its line of the input file the fan-out reads."""
+    return (json.dumps({"custom_id": custom_id, "method": "POST", "url": ENDPOINT, "body": params}) + "\n").encode()
+
+
+def input_lines(requests: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[bytes]:
+    """The batch's requests (custom_id, params) as the input file's lines, one at a time: ``storage.new_file``
+    writes each as it comes, so the file (MBs for a batch of many requests) is never held whole."""
+    return (input_line(cid, params) for cid, params in requests)
 
 
 def processing_status(b: Batch) -> str:

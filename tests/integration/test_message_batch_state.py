@@ -298,8 +298,8 @@ def test_a_message_batchs_results_are_never_held_whole_in_memory(settings, keys)
         ids = [f"r{i}" for i in range(count)]
         with session_scope(settings.sqlalchemy_url) as s:
             batch = s.get(Batch, batch_id)
-            Path(s.get(File, batch.input_file_id).path).write_bytes(mb.input_lines(
-                (cid, {"model": "tiny", "max_tokens": 2, "messages": []}) for cid in ids))
+            Path(s.get(File, batch.input_file_id).path).write_bytes(b"".join(mb.input_lines(
+                (cid, {"model": "tiny", "max_tokens": 2, "messages": []}) for cid in ids)))
             output = "".join(json.dumps({"custom_id": cid, "response": {"body": {"content": [
                 {"type": "text", "text": text}]}}}) + "\n" for cid in reversed(ids)).encode()
             errors = "".join(json.dumps({"id": f"batch_req_{cid}", "custom_id": cid, "response": None, "error": {

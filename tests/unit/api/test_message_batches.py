@@ -17,15 +17,20 @@ from app.tool_calls import read_answer
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
+def input_file(requests) -> bytes:
+    """The input file of ``requests`` (custom_id, params), whole, as the route writes it a line at a time."""
+    return b"".join(mb.input_lines(requests))
+
+
 def params(**extra) -> dict:
     return {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **extra}
 
 
 def test_requests_are_batch_lines_checked_as_post_v1_messages_checks_them():
-    content = mb.input_lines([("a", params(system="Be brief", stop_sequences=["END"])),
-                              ("b", params(max_tokens=0)),
-                              ("c", params(thinking={"type": "enabled", "budget_tokens": 10})),
-                              ("d", params(stream=True)), ("e", params(ttft_ms=50)), ("f", params(container="x"))])
+    content = input_file([("a", params(system="Be brief", stop_sequences=["END"])),
+                          ("b", params(max_tokens=0)),
+                          ("c", params(thinking={"type": "enabled", "budget_tokens": 10})),
+                          ("d", params(stream=True)), ("e", params(ttft_ms=50)), ("f", params(container="x"))])
     parsed = parse_file(content, "/v1/messages", 86400)
     (a,) = parsed.valid
     assert isinstance(a, ValidLine) and a.custom_id == "a"
@@ -36,7 +41,7 @@ def test_requests_are_batch_lines_checked_as_post_v1_messages_checks_them():
     assert all(isinstance(line, InvalidLine) for line in parsed.invalid) and sorted(why) == list("bcdef")
     assert "max_tokens" in why["b"] and "budget_tokens" in why["c"] and "stream" in why["d"]
     assert "ttft_ms" in why["e"] and "container" in why["f"]
-    renamed = parse_file(mb.input_lines([("g", params(stop_sequences=["1", "2", "3", "4", "5"]))]),
+    renamed = parse_file(input_file([("g", params(stop_sequences=["1", "2", "3", "4", "5"]))]),
                          "/v1/messages", 86400)
     assert "stop_sequences" in renamed.invalid[0].message  # named as the Messages field, as /v1/messages does
 
@@ -83,7 +88,7 @@ def test_a_succeeded_line_is_the_message_post_v1_messages_answers():
 
 
 def test_error_lines_are_canceled_expired_or_errored_results_in_request_order():
-    inputs = mb.input_lines([(c, params()) for c in ("ok", "gone", "late", "broke", "bad", "lost")])
+    inputs = input_file([(c, params()) for c in ("ok", "gone", "late", "broke", "bad", "lost")])
     outputs = (json.dumps(output_line([job(custom_id="ok")])) + "\n").encode()
     errors = "\n".join(json.dumps(line) for line in (
         job_error_line(job(custom_id="gone", status="cancelled")),
@@ -102,7 +107,7 @@ def test_error_lines_are_canceled_expired_or_errored_results_in_request_order():
 
 
 def test_a_batch_that_failed_before_running_errs_every_request_with_why():
-    inputs = mb.input_lines([("a", params()), ("b", params())])
+    inputs = input_file([("a", params()), ("b", params())])
     refused = [{"code": "token_limit_exceeded", "message": "over the queue limit"}]
     results = list(mb.results(BytesIO(inputs), None, None, refused))
     assert [(r["custom_id"], r["result"]["type"]) for r in results] == [("a", "errored"), ("b", "errored")]
@@ -119,7 +124,7 @@ def test_a_request_with_interactive_qos_fields_is_told_what_a_message_batch_requ
     lines = [(f, params(**{f: v})) for f, v in (("ttft_ms", 50), ("tbt_ms", 20), ("tbt_anchor", "arrival"),
                                                 ("deadline", 3600), ("deadline_at", "2030-01-01T00:00:00Z"),
                                                 ("deadline_window_s", 60), ("kind", "interactive"))]
-    why = {line.custom_id: line.message for line in parse_file(mb.input_lines(lines), "/v1/messages", 86400).invalid}
+    why = {line.custom_id: line.message for line in parse_file(input_file(lines), "/v1/messages", 86400).invalid}
     for field, _ in lines:
         assert why.get(field) == (f"line {[f for f, _ in lines].index(field) + 1}: invalid body: {field}: a message "
                                   "batch's requests run as batch jobs due when the batch's 24 hours end, and take no "
@@ -129,6 +134,6 @@ def test_a_request_with_interactive_qos_fields_is_told_what_a_message_batch_requ
 
 def test_a_request_without_a_model_is_refused_naming_it():
     # as POST /v1/messages (vLLM's AnthropicMessagesRequest: model is required), not run with the default model
-    (bad,) = parse_file(mb.input_lines([("a", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})]),
+    (bad,) = parse_file(input_file([("a", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})]),
                         "/v1/messages", 86400).invalid
     assert bad.message == "line 1: invalid body: model: Field required"
