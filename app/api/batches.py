@@ -10,14 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, BackgroundTasks, Query
+from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from app.anthropic_schemas import ENDPOINT as MESSAGES
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
+from app.api.openai_compat import charge_request
 from app.bounds import BATCHES_PAGE_MAX
 from app.batch import storage
 from app.batch.fanout import expires_at_for, start_batch
@@ -29,6 +30,7 @@ from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute, parse_window
 from app.services.jobs import JobValidationError, resolve_tier
+from app.services.rate_limits import rate_headers
 from app.services.transitions import utcnow
 from app.wire import Metadata
 
@@ -58,9 +60,12 @@ def _own(session, principal, batch_id: str) -> Batch:
     return row
 
 
-@router.post("", responses=openai_responses(400, 404, 413))
+@router.post("", responses=openai_responses(400, 404, 413, 429))
 def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-                 background: BackgroundTasks) -> dict[str, Any]:
+                 background: BackgroundTasks, request: Request, response: Response) -> dict[str, Any]:
+    """A batch of the input file's requests, run by their completion window. The create is one request of the
+    tenant's requests per minute and no tokens (as OpenAI's is; the batch queue limit counts its tokens at the
+    fan-out), taken once its checks let it through: a refused create is not charged."""
     assert body.endpoint in ENDPOINTS
     try:
         parse_window(body.completion_window)
@@ -75,6 +80,7 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
         raise OpenAIError(404, f"No such File object: {body.input_file_id}", param="input_file_id")
     if src.purpose != "batch":
         raise OpenAIError(400, "the input file's purpose must be 'batch'", param="input_file_id")
+    response.headers.update(rate_headers(charge_request(rate_limiter(request), principal)))
     now = utcnow()
     batch = Batch(id=new_id("batch"), tenant_id=principal.tenant_id, api_key_id=principal.key_id,
                   endpoint=body.endpoint, input_file_id=src.id, completion_window=body.completion_window,

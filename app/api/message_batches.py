@@ -23,9 +23,9 @@ from sqlalchemy.orm import Session
 
 from app.anthropic_schemas import ENDPOINT, in_messages_terms
 from app.api.anthropic_messages import AnthropicRoute
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import anthropic_responses
-from app.api.openai_compat import openai_refusals
+from app.api.openai_compat import charge_request, openai_refusals
 from app.auth import Principal
 from app.batch import message_batches as mb
 from app.batch import storage
@@ -37,6 +37,7 @@ from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, parse_window
 from app.services.jobs import job_values, resolve_tier
+from app.services.rate_limits import anthropic_rate_headers
 from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
@@ -118,12 +119,15 @@ def _refusal(settings: Settings, principal: Principal, line: ValidLine, context:
     return None
 
 
-@router.post("", responses=anthropic_responses(400, 413))
-def create_message_batch(body: MessageBatchCreate, request: Request, session: SessionDep,
+@router.post("", responses=anthropic_responses(400, 413, 429))
+def create_message_batch(body: MessageBatchCreate, request: Request, response: Response, session: SessionDep,
                          principal: CurrentPrincipal, settings: SettingsDep,
                          background: BackgroundTasks) -> dict[str, Any]:
-    """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours."""
+    """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours. The create
+    is one request of the tenant's requests per minute and no tokens, as ``POST /v1/batches``' is, taken once its
+    checks let it through and before its input file is written: a refused create is not charged and leaves no file."""
     parsed = _checked(body.requests, settings, principal)
+    response.headers.update(anthropic_rate_headers(charge_request(rate_limiter(request), principal)))
     batch_id, now = new_id(mb.ID_PREFIX), utcnow()
     src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl",
                            storage.MESSAGE_BATCH_INPUT,

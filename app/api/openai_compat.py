@@ -38,7 +38,8 @@ from app.services.answer_events import (ANOTHER_FAILED, KEEPALIVE_COMMENT, Begun
 from app.services.answer_events import ends as job_ends
 from app.services.job_follow import cancel_abandoned
 from app.services.model_info import ChatTemplateError
-from app.services.rate_limits import COUNTING, Decision, RateLimited, RateLimiter, rate_headers, take_request
+from app.services.rate_limits import (COUNTING, GENERATION, Decision, RateLimited, RateLimiter, rate_headers,
+                                     take_request)
 from app.services.truncation import fed_prompt
 from app.services.workers import held_context_length
 from app.settings import Settings
@@ -107,13 +108,18 @@ def openai_refusals(endpoint: str | None = None) -> Iterator[None]:
                           code=exc.code) from exc
 
 
+def charge_request(limiter: RateLimiter | None, principal: Principal, buckets: str = GENERATION) -> Decision | None:
+    """One request of no tokens taken from its tenant's ``buckets`` (a batch's create: its generation requests');
+    over the limit a 429 in OpenAI's terms, which Anthropic's routes answer in theirs. None where the tenant has no
+    requests per minute."""
+    with openai_refusals():
+        return take_request(limiter, principal.tenant_id, principal.limits, buckets)
+
+
 async def charge_count(request: Request, principal: Principal) -> Decision | None:
     """A token-counting request (count_tokens, input_tokens, /tokenize, /detokenize) taken from its tenant's
-    counting bucket (``rate_limits.COUNTING``), before it tokenizes; over the limit a 429 in OpenAI's terms, which
-    Anthropic's routes answer in theirs. None where the tenant has no requests per minute."""
-    with openai_refusals():
-        return await run_in_threadpool(take_request, rate_limiter(request), principal.tenant_id, principal.limits,
-                                       COUNTING)
+    counting bucket (``rate_limits.COUNTING``), before it tokenizes (``charge_request``)."""
+    return await run_in_threadpool(charge_request, rate_limiter(request), principal, COUNTING)
 
 
 def count_prompt_tokens(settings: Settings, spec) -> int:

@@ -6,8 +6,8 @@ tenant (``tenants.batch_queue_tokens``, null: none) and counts, for the model, t
 batch and summarization jobs that have not ended, plus the new work's own: a summarization run is deadline work
 as a batch is, and its first level is checked as a batch is at its start (``app/summarize/driver``; its later
 levels, built from its own summaries, count but are never refused: a run let in runs to its end). Rate limits
-(app/services/rate_limits.py) do not count their tokens (a summarization start is one request of them, and no
-tokens): this is their guard against one tenant filling the queue.
+(app/services/rate_limits.py) do not count their tokens (a batch's create and a summarization start are one
+request of them each, and no tokens): this is their guard against one tenant filling the queue.
 """
 from __future__ import annotations
 

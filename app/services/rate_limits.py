@@ -10,10 +10,10 @@ is left and when the bucket holds enough again (``retry-after``, which the offic
 for before its retry), with OpenAI's ``x-ratelimit-*`` headers.
 
 A tenant's requests per minute fill two buckets: its generation requests' (the chat, completions, Responses,
-Messages and ``/v1/jobs`` routes, and summarization starts, which cost a request and no tokens) and, apart, its
-token-counting requests' (``COUNTING``: Anthropic limits count_tokens apart from messages, so a client that counts
-before each message does not halve what it may send; the count routes tokenize on the API process's CPU, so they
-are not free either).
+Messages and ``/v1/jobs`` routes, and batch creates and summarization starts, which cost a request and no tokens)
+and, apart, its token-counting requests' (``COUNTING``: Anthropic limits count_tokens apart from messages, so a
+client that counts before each message does not halve what it may send; the count routes tokenize on the API
+process's CPU, so they are not free either).
 
 Redis down: the request goes through (a limit is a guard against a noisy tenant, not a reason to
 stop serving); the API logs it once a minute at most.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from app.services.rate_limits import Limits, RateLimiter
@@ -318,3 +320,42 @@ def test_token_counting_routes_have_their_own_requests_per_minute(client, keys):
     job = {"prompt": "hello", "max_tokens": 4}  # the generation requests' bucket is untouched
     assert [client.post("/v1/jobs", json=job, headers=H(keys.paid)).status_code for _ in range(4)] == [201] * 3 + [429]
     assert client.post("/tokenize", json={"prompt": "Hi"}, headers=H(keys.other)).status_code == 200
+
+
+def test_a_batch_create_counts_against_the_tenants_requests_per_minute(client, keys):
+    """POST /v1/batches and POST /v1/messages/batches were never limited: a tenant over its requests per minute
+    created batches without bound. A create is one request and no tokens now, as OpenAI counts a batch's creation
+    among its requests (its queue limit counts the tokens): not charged where its checks refuse it, a 429 in each
+    API's shape over the limit, no batch written."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 2}, headers=H(keys.admin))
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}}
+    upload = client.post("/v1/files", headers=H(keys.paid), data={"purpose": "batch"},
+                         files={"file": ("in.jsonl", f"{json.dumps(line)}\n".encode())}).json()
+    create = {"input_file_id": upload["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    missing = client.post("/v1/batches", json=create | {"input_file_id": "file-none"}, headers=H(keys.paid))
+    assert missing.status_code == 404, missing.text  # refused by its checks: not charged
+    made = client.post("/v1/batches", json=create, headers=H(keys.paid))
+    assert made.status_code == 200 and made.headers["x-ratelimit-remaining-requests"] == "1", made.text
+    anthropic = {"x-api-key": keys.free}  # the tenant's bucket, any key
+    request = {"custom_id": "r", "params": {"model": "tiny", "max_tokens": 2,
+                                            "messages": [{"role": "user", "content": "Hi"}]}}
+    twice = client.post("/v1/messages/batches", json={"requests": [request, request]}, headers=anthropic)
+    assert twice.status_code == 400, twice.text  # a custom_id used twice: refused by its checks, not charged
+    message_batch = client.post("/v1/messages/batches", json={"requests": [request]}, headers=anthropic)
+    assert message_batch.status_code == 200, message_batch.text
+    assert message_batch.headers["anthropic-ratelimit-requests-remaining"] == "0", message_batch.headers
+    refused = client.post("/v1/batches", json=create, headers=H(keys.paid))
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+    assert "requests per minute: limit 2; try again in" in refused.json()["error"]["message"], refused.text
+    assert refused.headers["x-ratelimit-limit-requests"] == "2" and int(refused.headers["retry-after"]) >= 29
+    refused = client.post("/v1/messages/batches", json={"requests": [request]}, headers=anthropic)
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error", refused.text
+    assert refused.headers["anthropic-ratelimit-requests-limit"] == "2" and "retry-after" in refused.headers
+    assert not any(h.startswith("x-ratelimit-") for h in refused.headers)
+    batches = client.get("/v1/batches", headers=H(keys.paid)).json()["data"]
+    message_batches = client.get("/v1/messages/batches", headers=anthropic).json()["data"]
+    assert [b["id"] for b in batches] == [made.json()["id"]]  # the refused creates wrote no batch
+    assert [b["id"] for b in message_batches] == [message_batch.json()["id"]]
+    other = client.post("/v1/messages/batches", json={"requests": [request]}, headers={"x-api-key": keys.other})
+    assert other.status_code == 200, other.text  # another tenant's buckets are its own
