@@ -128,8 +128,8 @@ def test_the_api_answers_429_over_a_tenants_limits(client, keys):
     client.event_hooks["request"].append(sent.append)
     try:
         with pytest.raises(openai.RateLimitError, match="request too large"):
-            openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=keys.paid, http_client=client).responses.create(
-                model="tiny", input="hi", max_output_tokens=100, background=True)
+            sdk = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=keys.paid, http_client=client)
+            sdk.responses.create(model="tiny", input="hi", max_output_tokens=100, background=True)
     finally:
         client.event_hooks["request"].remove(sent.append)
     assert len(sent) == 1 and big.headers["x-should-retry"] == "false"
