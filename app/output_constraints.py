@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from app import structural_tag
+from app import schema_features, structural_tag
 
 # a constraint as the checks key it: (its structured_outputs field, its text; a JSON schema as json.dumps writes it)
 Constraint = tuple[str, str]
@@ -60,6 +60,9 @@ def _check_schema(text: str) -> None:
     if structural_tag.nesting(schema) > structural_tag.MAX_SCHEMA_NESTING:  # vLLM's check_json_nesting
         raise ValueError(f"json nests objects and arrays deeper than {structural_tag.MAX_SCHEMA_NESTING} levels")
     structural_tag.check_patterns(schema, "json")  # before xgrammar, which one nesting deep crashes
+    if refused := schema_features.refusals(schema):  # xgrammar compiles them, vLLM's validation on the worker not
+        more = f"; and {len(refused) - 3} more such" if len(refused) > 3 else ""  # a short message for a long schema
+        raise ValueError(f"json is refused by the workers' engine: {'; '.join(refused[:3])}{more}")
     _refuse_unless_compiled("json", "a JSON schema", lambda xgr: xgr.Grammar.from_json_schema(text))
 
 

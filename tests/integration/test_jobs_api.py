@@ -596,7 +596,11 @@ def test_a_structural_tag_xgrammar_cannot_compile_is_a_4xx_saying_why(client, ke
      "json does not compile (Cannot find field $defs in #/$defs/Home)"),
     # a pattern nesting 40000 groups (80 KB) crashed the API process: xgrammar's schema converter overflows its stack
     ({"json": {"type": "string", "pattern": "(" * 40_000 + "a" + ")" * 40_000}},
-     "json holds a pattern nesting groups deeper than 1000 levels")], ids=["regex", "grammar", "json", "json-pattern"])
+     "json holds a pattern nesting groups deeper than 1000 levels"),
+    # xgrammar compiles it, but vLLM's validation sends the schema to guidance, which refused it on the worker
+    ({"json": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}},
+     "json is refused by the workers' engine: uniqueItems at #/properties/tags: xgrammar, the workers' engine's "
+     "backend, does not follow it")], ids=["regex", "grammar", "json", "json-pattern", "json-uniqueItems"])
 def test_a_constraint_vllm_cannot_compile_is_refused_as_it_is_submitted(client, keys, settings, constraint, said):
     """vLLM's server compiles a regex, grammar or JSON schema before its engine sees the request (xgrammar, then
     guidance): one neither reads is a 400 at once, a stream's too, not a job that fails on its worker."""

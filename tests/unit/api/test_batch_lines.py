@@ -305,3 +305,13 @@ def test_a_lines_refused_url_or_method_is_named_not_repeated_whole(field, value)
     (bad,) = parse_file(text.encode(), "/v1/completions", 86400).invalid
     assert f"{field} " in bad.message and f"a {len(value)}-character string" in bad.message, bad.message
     assert len(bad.message) < 300, bad.message
+
+
+def test_a_line_whose_schema_the_workers_engine_refuses_is_refused_with_its_line():
+    """A schema holding uniqueItems compiles under xgrammar, but vLLM's validation sends it to guidance, which
+    refuses it: the line's job failed on its worker; now the line is refused as the file is read."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    parsed = parse_file(chat("a", response_format=fmt).encode(), "/v1/chat/completions", 3600)
+    assert not parsed.valid and "uniqueItems at #/properties/tags" in parsed.invalid[0].message, parsed.invalid
