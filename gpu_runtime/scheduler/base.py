@@ -341,7 +341,7 @@ class BaseScheduler(Scheduler):
         if need <= kv.free:
             return
         paused = [r for rid in self.started if (r := self.waiting.get(rid) or self.relegated.get(rid)) is not None]
-        victims = sorted(paused, key=self._victim_key) + sorted(self.running.values(), key=self._victim_key)
+        victims = sorted(paused, key=self.victim_key) + sorted(self.running.values(), key=self.victim_key)
         for req in victims:
             if need <= kv.free or (req.request_id in self.running and len(self.running) == 1):
                 break
@@ -354,8 +354,9 @@ class BaseScheduler(Scheduler):
             log.info("KV exhausted: released the KV of %d requests (recomputed later)", len(out.recomputed))
 
     @staticmethod
-    def _victim_key(req: Request) -> tuple:
-        """Least urgent first: relegated, then free tier, then the latest deadline, then the newest."""
+    def victim_key(req: Request) -> tuple:
+        """Least urgent first: relegated, then free tier, then the latest deadline, then the newest (the engine's own
+        preemption, where it must preempt, follows it too: the vLLM adapter's ``_least_urgent_last``)."""
         return (req.relegation_count == 0, req.qos.tier is not Tier.FREE, -first_deadline(req), -req.arrival_time)
 
     def _release_kv(self, req: Request) -> None:

@@ -475,8 +475,8 @@ class CoserveScheduler(AsyncScheduler):
         if slots is not None:
             chunks = self._within_lora_slots(chunks, by_id, set(slots))
         chosen = {rid for rid, _ in chunks}
-        # one pass: decodes stay, and the requests vLLM skips for their step in flight (no token of the step), each
-        # in its place (vLLM preempts from the end of running); started prefills the policy did not choose step aside
+        # one pass: decodes stay, and the requests vLLM skips for their step in flight (no token of the step); started
+        # prefills the policy did not choose step aside
         decodes, staying, stashed = [], [], []
         for r in self.running:
             if r.request_id in decode_ids or r.request_id not in self.mirrors:
@@ -490,7 +490,7 @@ class CoserveScheduler(AsyncScheduler):
                             for r in decodes)
         if self.whole_prompts or self.whole_seeded:
             chunks = self._as_whole(chunks, by_id, self._max_tokens - decode_tokens - self.num_spec_tokens)
-        kept = staying + [by_id[rid] for rid, _ in chunks if rid in by_id]
+        kept = self._least_urgent_last(staying) + [by_id[rid] for rid, _ in chunks if rid in by_id]
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
         visible = create_request_queue(SchedulingPolicy.FCFS)
@@ -504,6 +504,18 @@ class CoserveScheduler(AsyncScheduler):
         pad = self.num_spec_tokens if self._pads_a_draft_step(chunks, by_id, bool(decodes)) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
+
+    def _least_urgent_last(self, requests: list[VLLMRequest]) -> list[VLLMRequest]:
+        """``requests`` (the step's decodes) in the policy's victim order from the end: its first victim last, where
+        vLLM preempts (``running[-1]``) when its allocator finds no room for a request the policy counted room for
+        (the counts part at prefix-cache hits, lookahead slots, block rounding, a KV connector). The policy frees KV
+        before vLLM runs out, so this is a fallback; vLLM schedules every one of them either way (the step's budget
+        is theirs and the chunks', which come after them). Those the policy does not know go first, in their order;
+        equals keep vLLM's order (the order they started)."""
+        known = [r for r in requests if r.request_id in self.mirrors]
+        unknown = [r for r in requests if r.request_id not in self.mirrors]
+        key = self.policy.victim_key  # type: ignore[union-attr]
+        return unknown + sorted(known, key=lambda r: key(self.mirrors[r.request_id]), reverse=True)
 
     def _idle_in_flight(self, request: VLLMRequest) -> bool:
         """Whether running ``request`` may run nothing in this step for a step in flight: under async scheduling,

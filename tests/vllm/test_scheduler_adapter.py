@@ -380,6 +380,31 @@ def test_a_decodes_drafts_count_in_its_kv_room_so_the_policy_chooses_whom_to_pre
     assert out.num_scheduled_tokens == {paid.request_id: 5} and paid in s.running
 
 
+def test_where_vllm_itself_must_preempt_it_takes_the_policys_first_victim(make_scheduler, monkeypatch):
+    """The policy frees KV before vLLM runs out, so vLLM's own recompute preemption (``running[-1]``) fires only
+    where the policy's block count differs from vLLM's allocator (prefix-cache hits, lookahead slots, a KV
+    connector). Here the KV view is made to count no block for a decode: the policy plans both decodes, and on the
+    step where each needs a new block and one is free, vLLM preempts. The free job started first (its deadline was
+    first), so it came first in vLLM's running order, and vLLM preempted the paid chat that started after it. Now
+    the decodes are shown to vLLM least urgent last (the policy's victim order), and vLLM takes the free job."""
+    s = make_scheduler("qoserve", max_batched=64, blocks=4)  # 3 blocks of 16 tokens
+    for _ in range(3):
+        s.policy.history.record("short", 1)  # footprints of 1 block: both prompts are admitted
+    free = vllm_request(15, {"ttft_ms": 2_000, "tbt_ms": 1000, "tier": "free", "app_id": "short"}, max_tokens=20)
+    paid = vllm_request(15, {"ttft_ms": 30_000, "tbt_ms": 1000, "app_id": "short"}, max_tokens=20)
+    s.add_request(free)
+    s.add_request(paid)
+    run_step(s)  # both prompts, a block each: the free job's, due first, runs first
+    assert set(s.running) == {free, paid} and s.running[0] is free
+    monkeypatch.setattr(s.kv, "blocks_needed", lambda request_id, n: 0)  # the policy's count off by design
+    out, _ = run_step(s)  # the 16th token of each fills its first block
+    assert not out.preempted_req_ids
+    out, _ = run_step(s)  # the 17th of each needs a second block: one is free
+    assert not s.kv.released  # the policy saw room for both: vLLM's own preemption decides
+    assert out.preempted_req_ids == {free.request_id}, out.preempted_req_ids
+    assert out.num_scheduled_tokens == {paid.request_id: 1} and s.running == [paid]
+
+
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
 def test_the_kv_view_counts_the_blocks_vllm_allocates_with_its_lookahead(make_scheduler, drafter):
     """What the policy is told a prompt's first chunk and a decode take is what vLLM's allocate_slots takes: with a

@@ -384,6 +384,8 @@ class Drive:
         if not s.scheduler_config.async_scheduling:
             self.propose_drafts()
         running = [r.request_id for r in s.running]
+        victim = {rid: s.policy.victim_key(m) for rid in running if (m := s.mirrors.get(rid)) is not None} \
+            if s.policy is not None else {}
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
         drafts = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
@@ -450,7 +452,7 @@ class Drive:
                 assert sched.get(rid, 0) <= max(q.num_tokens, whole) + drafts.get(rid, 0), (
                     rid, q.num_tokens, sched, drafts)
             self.check_order(plan, before, relegated, no_slot | waiting_for_grammar)
-            self.check_running_order(running, {r.request_id for r in plan.decodes} | ending)
+            self.check_running_order(running, {r.request_id for r in plan.decodes} | ending, victim)
             # vLLM restarts no request whose output is still in flight (async scheduling: the policy preempted it
             # with its step in flight, in this pass): coserve plans no chunk of it, which vLLM would skip (the
             # step's tokens lost, or given to a chunk planned after it)
@@ -646,14 +648,17 @@ class Drive:
                 assert not (first(a) < first(b) and sa[0] <= sb[0] and sa[1] <= sb[1]), (
                     a.request_id, first(a), sa, "waits while", b.request_id, first(b), sb)
 
-    def check_running_order(self, before: list, stay: set) -> None:
-        """vLLM's running order: a request that stays running keeps its place in ``running`` (``before``: the order
-        as the step began), and the prompts the step started come after it; vLLM preempts from the end of ``running``
-        (the request that started last), so a request moved behind others is preempted before them. Those that stay
-        are the policy's decodes and the requests vLLM skips for their step in flight (``stay``); a started prompt
-        the policy did not choose steps aside for the step (put back last)."""
+    def check_running_order(self, before: list, stay: set, victim: dict) -> None:
+        """vLLM's running order: vLLM preempts from the end of ``running`` where it finds no KV the policy counted
+        (their counts part), so the requests that stay running are in the policy's victim order from the end
+        (``victim``: each one's ``victim_key`` as the step began), its first victim last; those the policy does not
+        know first, and equals, in their order as the step began (``before``). The prompts the step started come after
+        them. Those that stay are the policy's decodes and the requests vLLM skips for their step in flight
+        (``stay``); a started prompt the policy did not choose steps aside for the step (put back last)."""
         after = [r.request_id for r in self.s.running]
         kept = [rid for rid in before if rid in stay and rid in after]
+        kept = [rid for rid in kept if rid not in victim] + sorted((rid for rid in kept if rid in victim),
+                                                                    key=victim.get, reverse=True)
         placed = [rid for rid in after if rid in kept]
         assert placed == kept, ("running order", before, after)
         started = [i for i, rid in enumerate(after) if rid not in before]
