@@ -83,7 +83,7 @@ class _SchedulerView:
 
     def __init__(self, scheduler: CoserveScheduler) -> None:
         self._scheduler = scheduler
-        policy = scheduler.policy
+        policy = scheduler.coserve_policy
         self.history: DecodeLengthHistory = policy.history if policy is not None else DecodeLengthHistory()
 
     def queue_depths(self) -> dict[str, int]:

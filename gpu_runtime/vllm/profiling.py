@@ -118,7 +118,7 @@ def profile_vllm(engine: Any, grid: ProfileGrid = VLLM_GRID, name: str = "vllm",
                  meta: dict | None = None, seed: int = 0,
                  progress: Callable[[int, int], None] | None = None) -> Profile:
     """Times ``engine`` (a ``VLLMEngine`` built with the ``vllm-fcfs`` policy) over ``grid``."""
-    if engine.core_scheduler.policy is not None:
+    if engine.core_scheduler.coserve_policy is not None:
         raise ValueError("profile a vLLM engine built with scheduler_policy='vllm-fcfs' (vLLM's own order)")
     drv = _Driver(engine, vocab, seed)
     samples: list[tuple[BatchFeatures, float]] = []

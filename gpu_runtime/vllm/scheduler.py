@@ -155,7 +155,9 @@ class CoserveScheduler(AsyncScheduler):
         # step, and every request in it)
         self.whole_prompts = not self.scheduler_config.enable_chunked_prefill
         self.whole_seeded = seeds_need_whole_prompts()
-        self.policy = None
+        # coserve's policy (None: vLLM's own scheduler); not ``policy``, which is vLLM's SchedulingPolicy: its
+        # schedule() reads it to pick whom to preempt (the lowest priority, or the end of running)
+        self.coserve_policy = None
         self.drafts: DraftLengths | None = None
         spec = os.environ.get("COSERVE_SPEC_POLICY", "none")
         # why the speculation policy asked for does not choose the draft lengths (vLLM's own run), else None
@@ -177,7 +179,7 @@ class CoserveScheduler(AsyncScheduler):
                       **policy_overrides()}
             if "chunk_size" in config_fields(self.policy_name):
                 config["chunk_size"] = self._sarathi_chunk(config.get("chunk_size"))
-            self.policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv, **config)
+            self.coserve_policy = create_scheduler(self.policy_name, cost_model=cost_model, executor=self.kv, **config)
             if self.num_spec_tokens > 0 and spec != "none":
                 if self.scheduler_config.async_scheduling:
                     # the draft tokens are placeholders when the step is scheduled (the worker fills them in):
@@ -240,7 +242,7 @@ class CoserveScheduler(AsyncScheduler):
         # a prompt vLLM's prefix cache partly holds is planned for, ordered and judged (relegation) by what is left
         mirror.num_computed_tokens = mirror.num_cached_tokens = self.kv.cached_prefix(request)
         self.mirrors[request.request_id] = mirror
-        self.policy.add_request(mirror)  # type: ignore[union-attr]
+        self.coserve_policy.add_request(mirror)  # type: ignore[union-attr]
 
     def _unseed_unless_whole(self, request: VLLMRequest) -> None:
         """Drops the seed of a request whose prompt cannot run whole (``whole_seeded``): under vLLM's own policies,
@@ -266,8 +268,8 @@ class CoserveScheduler(AsyncScheduler):
 
     def _forget(self, request_id: str) -> None:
         mirror = self.mirrors.pop(request_id, None)
-        if mirror is not None and self.policy is not None:
-            self.policy.abort_request(request_id)
+        if mirror is not None and self.coserve_policy is not None:
+            self.coserve_policy.abort_request(request_id)
 
     def resume(self, request_id: str) -> None:
         """Operator action: bring a relegated request back (applied at the next schedule())."""
@@ -275,13 +277,13 @@ class CoserveScheduler(AsyncScheduler):
 
     def promote(self, request_id: str, tier: Tier) -> None:
         """Operator action: the request's tier changes (called on the engine-core thread)."""
-        if self.policy is not None:
-            self.policy.change_tier(request_id, tier)
+        if self.coserve_policy is not None:
+            self.coserve_policy.change_tier(request_id, tier)
 
     def queue_depths(self) -> dict[str, int]:
-        if self.policy is None:
+        if self.coserve_policy is None:
             return {"prefill": len(self.waiting), "decode": len(self.running), "relegated": 0}
-        return self.policy.queue_depths()
+        return self.coserve_policy.queue_depths()
 
     # ------------------------------------------------------------ one step
     # vLLM picks AsyncScheduler or Scheduler by async_scheduling only where no scheduler_cls is given; this class runs
@@ -300,7 +302,7 @@ class CoserveScheduler(AsyncScheduler):
         return Scheduler._update_request_with_output(self, request, new_token_ids, is_stale)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        if self.policy is None:
+        if self.coserve_policy is None:
             out = super().schedule(throttle_prefills)
             self._note_step(out)
             return out
@@ -309,7 +311,7 @@ class CoserveScheduler(AsyncScheduler):
         now = self.clock()
         while self._resumes:
             rid = self._resumes.popleft()
-            if not self.policy.resume(rid):
+            if not self.coserve_policy.resume(rid):
                 log.info("resume %s: not relegated (any more)", rid)
         # requests vLLM preempted since the last step (reset_prefix_cache of the running ones) decode no more: the
         # policy requeues them before it plans, else it plans each as a decode and as a prompt to recompute
@@ -337,12 +339,12 @@ class CoserveScheduler(AsyncScheduler):
                      if r.lora_request and r.request_id not in released}
         unrunnable = [*self._compiling_grammar(), *(self._without_lora_slot(slots) if slots is not None else []),
                       *idle_ids]
-        aside = self.policy.set_aside(unrunnable, idle_ids) if unrunnable else []
-        self.policy.decode_drafts = self._decode_drafts()
+        aside = self.coserve_policy.set_aside(unrunnable, idle_ids) if unrunnable else []
+        self.coserve_policy.decode_drafts = self._decode_drafts()
         try:
-            plan = self.policy.schedule(now)
+            plan = self.coserve_policy.schedule(now)
         finally:
-            self.policy.put_back(aside)
+            self.coserve_policy.put_back(aside)
         self._report(plan)
         if plan.expired:
             self._expire(plan)
@@ -362,8 +364,8 @@ class CoserveScheduler(AsyncScheduler):
             if vreq is not None and not sync_progress(p.request, vreq):
                 # a new prompt vLLM did not start (the step's tokens, KV or a slot ran out before it): no KV held,
                 # so the policy must not keep its footprint and admission slot (it would wait behind them for ever)
-                self.policy.note_not_started(p.request)
-        self.policy.update_from_output(PolicyOutput(prefills=plan.prefills), now)
+                self.coserve_policy.note_not_started(p.request)
+        self.coserve_policy.update_from_output(PolicyOutput(prefills=plan.prefills), now)
         self._note_preempted(out.preempted_req_ids - between if out.preempted_req_ids else None)
         chunk_ids = {p.request.request_id for p in plan.prefills}
         prefill = sum(n for rid, n in out.num_scheduled_tokens.items() if rid in chunk_ids)
@@ -385,7 +387,7 @@ class CoserveScheduler(AsyncScheduler):
         for rid in [rid for rid in self.requests if rid in preempted]:
             mirror = self.mirrors.get(rid)
             if mirror is not None and rid not in self.kv.released:
-                self.policy.note_kv_released(mirror)  # type: ignore[union-attr]
+                self.coserve_policy.note_kv_released(mirror)  # type: ignore[union-attr]
                 self._event(rid, "recomputed")
 
     def _sync_mirrors(self) -> None:
@@ -402,7 +404,7 @@ class CoserveScheduler(AsyncScheduler):
                 hit = self.kv.cached_prefix(vreq)
             mirror.num_cached_tokens = hit
             if hit != mirror.num_computed_tokens:
-                self.policy.note_cached_prefix(mirror, hit)  # type: ignore[union-attr]
+                self.coserve_policy.note_cached_prefix(mirror, hit)  # type: ignore[union-attr]
 
     def _decode_drafts(self) -> dict[str, int]:
         """Draft tokens each of the policy's decodes verifies in the step: what vLLM's drafter proposed for it, cut
@@ -411,7 +413,7 @@ class CoserveScheduler(AsyncScheduler):
         slots."""
         if not self.num_spec_tokens:
             return {}
-        running = self.policy.running  # type: ignore[union-attr]
+        running = self.coserve_policy.running  # type: ignore[union-attr]
         # the plan's decodes are among the policy's running requests: at most that many
         most = self.drafts.policy.most_kept(len(running)) if self.drafts is not None else None
         return {r.request_id: n if most is None else min(n, most) for r in self.running
@@ -514,7 +516,7 @@ class CoserveScheduler(AsyncScheduler):
         equals keep vLLM's order (the order they started)."""
         known = [r for r in requests if r.request_id in self.mirrors]
         unknown = [r for r in requests if r.request_id not in self.mirrors]
-        key = self.policy.victim_key  # type: ignore[union-attr]
+        key = self.coserve_policy.victim_key  # type: ignore[union-attr]
         return unknown + sorted(known, key=lambda r: key(self.mirrors[r.request_id]), reverse=True)
 
     def _idle_in_flight(self, request: VLLMRequest) -> bool:
@@ -657,7 +659,7 @@ class CoserveScheduler(AsyncScheduler):
             self._finish_rejected(outputs)
         if self.expired:
             self._report_expired(outputs)
-        if self.policy is None:
+        if self.coserve_policy is None:
             return outputs
         t0 = time.perf_counter()
         self._step_ended = t0
@@ -675,12 +677,12 @@ class CoserveScheduler(AsyncScheduler):
             elif vreq.status == VStatus.PREEMPTED and mirror.recompute_late_outputs():
                 # its prefill grew by them: planned short, vLLM would run the chunk past the plan (into the
                 # tokens of the chunks after it); it takes its place in its queue by what is left
-                self.policy.note_cached_prefix(mirror, mirror.num_computed_tokens)
+                self.coserve_policy.note_cached_prefix(mirror, mirror.num_computed_tokens)
             if mirror.output_token_ids:
                 decodes.append(mirror)
         # Finished requests leave every queue (their lengths feed the decode-length history); the others
         # are re-estimated when they outlive their predicted length.
-        self.policy.update_from_output(PolicyOutput(decodes=decodes), now)
+        self.coserve_policy.update_from_output(PolicyOutput(decodes=decodes), now)
         if self.drafts is not None:
             self.drafts.observe(accepted, now)
         self.policy_s += time.perf_counter() - t0

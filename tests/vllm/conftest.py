@@ -39,6 +39,7 @@ def make_scheduler(tiny_model_dir, monkeypatch):
         cache.num_gpu_blocks = blocks
         from vllm.config import LoRAConfig, ParallelConfig
 
+        order = "priority" if policy == "vllm-priority" else "fcfs"  # vLLM's scheduling_policy, as engine_args sets it
         lora = LoRAConfig(max_loras=max_loras, max_lora_rank=8) if max_loras else None  # LoRA slots of a batch
         # vLLM's engine refuses a KV pool that cannot hold one request of max_model_len tokens (its null block aside)
         context = min(512, (blocks - 1) * 16)
@@ -49,7 +50,7 @@ def make_scheduler(tiny_model_dir, monkeypatch):
                             speculative_config=_drafts(model, drafter, spec_tokens) if spec_tokens else None,
                             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
                                                              max_model_len=context, is_encoder_decoder=False,
-                                                             enable_chunked_prefill=chunked_prefill))
+                                                             enable_chunked_prefill=chunked_prefill, policy=order))
         # as vLLM sets it for a GPU drafter (its config refuses it with the n-gram one, which stands in for it here)
         config.scheduler_config.async_scheduling = async_scheduling
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)

@@ -215,7 +215,7 @@ def test_a_relegated_job_past_its_expiry_ends_as_an_abort_with_an_expired_event(
     out, engine_out = run_step(s)
     assert (gone.request_id, "expired") in s.events
     assert gone.status == RequestStatus.FINISHED_ABORTED and gone.request_id not in s.requests
-    assert gone.request_id not in s.mirrors and s.policy.queue_depths()["relegated"] == 0
+    assert gone.request_id not in s.mirrors and s.coserve_policy.queue_depths()["relegated"] == 0
     assert gone.request_id not in out.num_scheduled_tokens
     ends = [o for eco in engine_out.values() for o in eco.outputs if o.request_id == gone.request_id]
     assert len(ends) == 1 and ends[0].finish_reason is not None
@@ -280,8 +280,8 @@ def test_finished_requests_leave_the_policy_and_teach_lengths(make_scheduler):
         s.add_request(r)
     for _ in range(5):
         run_step(s)
-    assert not s.mirrors and s.policy.num_unfinished == 0
-    assert s.policy.history.predict("a", 100) <= 5  # three jobs of 3 tokens: mean + 2 std
+    assert not s.mirrors and s.coserve_policy.num_unfinished == 0
+    assert s.coserve_policy.history.predict("a", 100) <= 5  # three jobs of 3 tokens: mean + 2 std
 
 
 def test_abort_removes_the_mirror(make_scheduler):
@@ -292,7 +292,7 @@ def test_abort_removes_the_mirror(make_scheduler):
     s.add_request(r)
     run_step(s)
     s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
-    assert r.request_id not in s.mirrors and s.policy.num_unfinished == 0
+    assert r.request_id not in s.mirrors and s.coserve_policy.num_unfinished == 0
 
 
 def test_sarathi_budget_is_a_token_budget(make_scheduler):
@@ -362,7 +362,7 @@ def test_a_decodes_drafts_count_in_its_kv_room_so_the_policy_chooses_whom_to_pre
     s = make_scheduler("qoserve", max_batched=64, blocks=6, spec_tokens=4, drafter=drafter)  # 5 blocks of 16 tokens
     assert s.num_lookahead_tokens == (4 if drafter == "draft_model" else 0)
     for _ in range(3):
-        s.policy.history.record("short", 1)
+        s.coserve_policy.history.record("short", 1)
     free = vllm_request(14, {"ttft_ms": 2_000, "tbt_ms": 1000, "tier": "free", "app_id": "short"}, max_tokens=40)
     paid = vllm_request(14, {"ttft_ms": 30_000, "tbt_ms": 1000, "app_id": "short"}, max_tokens=40)
     s.add_request(free)
@@ -389,7 +389,7 @@ def test_where_vllm_itself_must_preempt_it_takes_the_policys_first_victim(make_s
     the decodes are shown to vLLM least urgent last (the policy's victim order), and vLLM takes the free job."""
     s = make_scheduler("qoserve", max_batched=64, blocks=4)  # 3 blocks of 16 tokens
     for _ in range(3):
-        s.policy.history.record("short", 1)  # footprints of 1 block: both prompts are admitted
+        s.coserve_policy.history.record("short", 1)  # footprints of 1 block: both prompts are admitted
     free = vllm_request(15, {"ttft_ms": 2_000, "tbt_ms": 1000, "tier": "free", "app_id": "short"}, max_tokens=20)
     paid = vllm_request(15, {"ttft_ms": 30_000, "tbt_ms": 1000, "app_id": "short"}, max_tokens=20)
     s.add_request(free)
@@ -403,6 +403,28 @@ def test_where_vllm_itself_must_preempt_it_takes_the_policys_first_victim(make_s
     assert not s.kv.released  # the policy saw room for both: vLLM's own preemption decides
     assert out.preempted_req_ids == {free.request_id}, out.preempted_req_ids
     assert out.num_scheduled_tokens == {paid.request_id: 1} and s.running == [paid]
+
+
+def test_vllms_priority_baseline_preempts_its_lowest_priority_request(make_scheduler):
+    """``vllm-priority`` is vLLM's own scheduler, untouched: where KV runs out it preempts the running request of
+    the lowest priority (the largest ``priority``, then the latest arrival). vLLM reads its order from the
+    scheduler's ``policy`` attribute, which coserve's scheduler took for its own policy (None here): vLLM preempted
+    the end of its running list as FCFS does, the urgent request that started last."""
+    s = make_scheduler("vllm-priority", max_batched=64, blocks=4)  # 3 blocks of 16 tokens
+    low = vllm_request(15, max_tokens=20)
+    low.priority = 1
+    s.add_request(low)
+    run_step(s)  # its prompt
+    urgent = vllm_request(15, max_tokens=20)
+    urgent.priority = 0
+    s.add_request(urgent)
+    run_step(s)  # its prompt beside the other's decode: running in the order they started
+    assert s.running == [low, urgent]
+    out, _ = run_step(s)  # the first takes the last free block
+    assert not out.preempted_req_ids
+    out, _ = run_step(s)  # the urgent one needs a block: none is free
+    assert out.preempted_req_ids == {low.request_id}, out.preempted_req_ids
+    assert out.num_scheduled_tokens == {urgent.request_id: 1}
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
@@ -470,7 +492,7 @@ def test_a_jobs_footprint_is_every_block_vllm_gives_it_with_drafts_and_lookahead
     job = vllm_request(14, max_tokens=50)
     s.add_request(job)
     out = s.schedule()  # the prompt: admitted, its footprint reserved
-    reserved = s.policy._holders[job.request_id]
+    reserved = s.coserve_policy._holders[job.request_id]
     if not pipelined:
         answer_step(s, out)
     preempted, peak = _run_with_every_draft(s, out if pipelined else None)
@@ -605,8 +627,8 @@ def test_the_worker_reports_the_speculation_that_runs_and_its_drafter_alike(make
 def test_policy_config_overrides_come_from_coserve_scheduler_config(make_scheduler, monkeypatch):
     monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", '{"relegated_expiry": null, "chunk_floor": 32}')
     sched = make_scheduler()
-    assert sched.policy.config.relegated_expiry is None and sched.policy.config.chunk_floor == 32
-    assert sched.policy.config.max_num_seqs == 16  # vLLM's own limits still reach the policy
+    assert sched.coserve_policy.config.relegated_expiry is None and sched.coserve_policy.config.chunk_floor == 32
+    assert sched.coserve_policy.config.max_num_seqs == 16  # vLLM's own limits still reach the policy
     monkeypatch.setenv("COSERVE_SCHEDULER_CONFIG", '{"relegated_expiry_min": 600}')
     with pytest.raises(ValueError, match="relegated_expiry_min"):
         make_scheduler()
@@ -623,7 +645,7 @@ def test_the_cost_model_is_scaled_to_the_steps_as_they_ran(make_scheduler):
 
     s = make_scheduler("qoserve", calibrate=True)
     cal = s.calibration
-    assert cal is not None and s.policy.cost_model is cal.model and cal.model.scale == 1.0
+    assert cal is not None and s.coserve_policy.cost_model is cal.model and cal.model.scale == 1.0
     cal.min_steps = cal.every = 1
     s.add_request(vllm_request(16, max_tokens=64))
     run_step(s)  # the prompt
@@ -725,8 +747,8 @@ def test_a_prompts_cached_prefix_outlives_the_allocations_vllm_makes_before_it_i
         s.add_request(r)
     assert s.mirrors[again.request_id].num_computed_tokens == 32
     plans = []
-    plan_step = s.policy.schedule
-    s.policy.schedule = lambda now: plans.append(plan_step(now)) or plans[-1]
+    plan_step = s.coserve_policy.schedule
+    s.coserve_policy.schedule = lambda now: plans.append(plan_step(now)) or plans[-1]
     out, _ = run_step(s)
     planned = {p.request.request_id: p.num_tokens for p in plans[0].prefills}
     assert list(planned) == [first.request_id, again.request_id, after.request_id]
@@ -811,7 +833,7 @@ def test_a_preempted_request_is_planned_for_what_its_own_cached_blocks_leave(mak
     mirror = s.mirrors[victim.request_id]
     assert mirror.num_output_tokens == 4
     s.kv.release_kv(victim.request_id)  # what the policy's recompute preemption does (least urgent first)
-    s.policy.note_kv_released(mirror)
+    s.coserve_policy.note_kv_released(mirror)
     waiting = vllm_request(64, chat, max_tokens=2, first_token=5000, hashed=True)
     s.add_request(waiting)
     out, _ = run_step(s)
@@ -909,8 +931,8 @@ def test_requests_vllm_preempts_between_steps_are_recomputed_in_the_order_they_c
         s.add_request(r)
     for _ in range(3):  # both prompts, then two tokens each
         run_step(s)
-    schedule, plans = s.policy.schedule, []
-    s.policy.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
+    schedule, plans = s.coserve_policy.schedule, []
+    s.coserve_policy.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
     s.reset_prefix_cache(reset_running_requests=True)  # vLLM preempts every running request (recompute)
     out, _ = run_step(s)
     assert list(out.preempted_req_ids) == [second, first]  # the set's order
@@ -939,10 +961,10 @@ def test_a_recompute_is_planned_for_what_vllm_computes(make_scheduler):
     mirror = s.mirrors[victim.request_id]
     assert mirror.num_output_tokens == 3
     s.kv.release_kv(victim.request_id)  # what the policy's recompute preemption does
-    s.policy.note_kv_released(mirror)
+    s.coserve_policy.note_kv_released(mirror)
     s.add_request(vllm_request(64, {"ttft_ms": 30_000, "tbt_ms": 1000}, max_tokens=2))
-    schedule, plans = s.policy.schedule, []
-    s.policy.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
+    schedule, plans = s.coserve_policy.schedule, []
+    s.coserve_policy.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
     out, _ = run_step(s)
     planned = {p.request.request_id: p.num_tokens for p in plans[-1].prefills}
     assert planned[victim.request_id] == 19 and planned == out.num_scheduled_tokens, (planned, out.num_scheduled_tokens)
@@ -995,7 +1017,7 @@ def test_a_prompt_whose_grammar_is_compiling_leaves_the_step_to_the_prompts_that
         out, _ = run_step(s)
         assert dict(out.num_scheduled_tokens) == ({lax.request_id: 16} if step == 0 else {})
         assert structured.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-        assert structured not in s.running and structured.request_id not in s.policy.running
+        assert structured not in s.running and structured.request_id not in s.coserve_policy.running
         assert not any(s.kv_cache_manager.get_block_ids(structured.request_id))
     grammar.set_result(StubGrammar())
     out, outputs = run_step(s)

@@ -219,16 +219,16 @@ class Drive:
 
     def __post_init__(self) -> None:
         self.s.clock = lambda: self.clock[0]
-        if self.s.policy is not None:  # the plan the policy made for each step, to compare with what vLLM ran
-            schedule = self.s.policy.schedule
+        if self.s.coserve_policy is not None:  # the plan the policy made for each step, to compare with what vLLM ran
+            schedule = self.s.coserve_policy.schedule
 
             def recorded(now):  # noqa: ANN001, ANN202
-                self.prompt_left = {m.request_id: m.prefill_remaining for m in self.s.policy.waiting}
+                self.prompt_left = {m.request_id: m.prefill_remaining for m in self.s.coserve_policy.waiting}
                 plan = schedule(now)
                 self.plans.append(plan)
                 return plan
 
-            self.s.policy.schedule = recorded
+            self.s.coserve_policy.schedule = recorded
 
     def apply(self, event: tuple) -> None:
         kind, arg = event
@@ -267,7 +267,7 @@ class Drive:
                     self.finished.add(rid)
             elif kind == "resume":
                 self.s.resume(rid)
-            elif self.s.policy is not None:
+            elif self.s.coserve_policy is not None:
                 from gpu_runtime.qos import Tier
 
                 self.s.promote(rid, Tier.PAID)
@@ -368,13 +368,13 @@ class Drive:
         ending = {r.request_id for r in s.running if r.num_output_placeholders
                   and len(r.output_token_ids) + 1 >= r.max_tokens
                   or not s.scheduler_config.async_scheduling and r.num_computed_tokens >= r.num_tokens}
-        decoding = {rid for rid in (s.policy.running if s.policy is not None else ())} - ending
+        decoding = {rid for rid in (s.coserve_policy.running if s.coserve_policy is not None else ())} - ending
         free_before = pool.get_num_free_blocks()
         # a request's tokens count the placeholders of its step in flight (async scheduling)
         before = {rid: (r.num_computed_tokens, r.num_tokens + r.num_output_placeholders, r.num_prompt_tokens)
                   for rid, r in s.requests.items()}
         self.plans.clear()
-        relegated = {r.request_id for r in s.policy.relegated} if s.policy is not None else set()
+        relegated = {r.request_id for r in s.coserve_policy.relegated} if s.coserve_policy is not None else set()
         # vLLM starts no prompt whose adapter finds no LoRA slot: the running requests hold max_loras others
         slots = {r.lora_request.lora_int_id for r in s.running if r.lora_request} if s.lora_config else set()
         no_slot = {r.request_id for r in s.waiting if r.lora_request and r.lora_request.lora_int_id not in slots
@@ -384,8 +384,8 @@ class Drive:
         if not s.scheduler_config.async_scheduling:
             self.propose_drafts()
         running = [r.request_id for r in s.running]
-        victim = {rid: s.policy.victim_key(m) for rid in running if (m := s.mirrors.get(rid)) is not None} \
-            if s.policy is not None else {}
+        victim = {rid: s.coserve_policy.victim_key(m) for rid in running if (m := s.mirrors.get(rid)) is not None} \
+            if s.coserve_policy is not None else {}
         out = s.schedule()
         sched = dict(out.num_scheduled_tokens)
         drafts = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
@@ -394,7 +394,7 @@ class Drive:
         assert len(sched) <= s.max_num_running_reqs
         assert s.max_num_scheduled_tokens == s.step_cap  # the step's budget is restored after vLLM scheduled
         # the requests whose KV the policy released in this pass: one it restarts in the same step recomputes all
-        released = set(s.kv.released) if s.policy is not None else set()
+        released = set(s.kv.released) if s.coserve_policy is not None else set()
         for rid, n in sched.items():
             done, total, prompt = before[rid] if rid in before else (0, 0, 0)
             done = 0 if rid in released else done
@@ -423,7 +423,7 @@ class Drive:
             # adapter beside it
             held = {r.lora_request.lora_int_id for r in s.running if r.lora_request is not None
                     and not (r.request_id in ending and len(r.output_token_ids) + 1 >= r.max_tokens)}
-            assert len(held) <= s.lora_config.max_loras or s.policy is None, (held, sched)
+            assert len(held) <= s.lora_config.max_loras or s.coserve_policy is None, (held, sched)
             if len(held) == s.lora_config.max_loras and currently_in_test_context() and any(
                     r.lora_request is not None and r.lora_request.lora_int_id not in held for r in s.waiting):
                 event("a prompt waited for a LoRA slot")
@@ -465,7 +465,7 @@ class Drive:
             # more block for each of them
             if free_before >= len(decoding):
                 assert decoding <= {r.request_id for r in plan.decodes}, (decoding, plan.decodes)
-        policy_released = set(s.kv.released) if s.policy is not None else set()
+        policy_released = set(s.kv.released) if s.coserve_policy is not None else set()
         plan = self.plans[-1] if self.plans else None
         for what, happened in (("vLLM preempted", set(out.preempted_req_ids) - policy_released),
                                ("relegated", plan is not None and plan.relegated),
@@ -482,7 +482,7 @@ class Drive:
         else:
             self.check_bitmask(out)
             outputs = self.answer(out, drafts, samples)
-        preempted = set(out.preempted_req_ids) | set(s.kv.released if s.policy is not None else ())
+        preempted = set(out.preempted_req_ids) | set(s.kv.released if s.coserve_policy is not None else ())
         self.preempted |= preempted
         self.most_preempted = max(self.most_preempted, len(preempted))
         if len(preempted) > 1 and currently_in_test_context():
@@ -533,7 +533,7 @@ class Drive:
             if plan is not None:
                 # ... and coserve neither counts it a decode nor plans a chunk of it: vLLM would skip the chunk,
                 # and the step's tokens and KV admission it took would be lost to the prompts that can run
-                assert rid not in s.policy.running, rid
+                assert rid not in s.coserve_policy.running, rid
                 assert rid not in {p.request.request_id for p in plan.prefills}, (rid, plan.prefills)
             if currently_in_test_context():
                 event("a prompt waited for its grammar")
@@ -542,7 +542,8 @@ class Drive:
         if plan is not None and not sched and not any(step[0].num_scheduled_tokens for step in self.in_flight):
             # liveness: a step runs something while a prompt whose grammar compiled waits for it (not relegated),
             # unless a step is in flight (async scheduling: its requests may hold every seat until it is answered)
-            idle = [rid for rid in self.ready if rid not in self.began and s.policy.waiting.get(rid) is not None]
+            waiting = s.coserve_policy.waiting
+            idle = [rid for rid in self.ready if rid not in self.began and waiting.get(rid) is not None]
             assert not idle, (idle, plan)
 
     def pipeline(self, out, drafts: dict, samples: set) -> dict:  # noqa: ANN001 - vLLM's SchedulerOutput
@@ -623,7 +624,7 @@ class Drive:
         from gpu_runtime.scheduler.base import footprint_blocks
         from gpu_runtime.scheduler.priority import first_deadline
 
-        p = self.s.policy
+        p = self.s.coserve_policy
 
         def new(m) -> bool:  # noqa: ANN001
             return (before.get(m.request_id, (1,))[0] == 0 and not m.output_token_ids
@@ -693,8 +694,8 @@ class Drive:
             else:
                 assert rid in s.requests, rid
                 assert waiting.count(rid) + running.count(rid) == 1, (rid, waiting, running)
-                if s.policy is not None:
-                    p = s.policy
+                if s.coserve_policy is not None:
+                    p = s.coserve_policy
                     # QoServe 3.1: the policy holds each job in exactly one queue (prefill, decode, relegated)
                     where = [p.waiting.get(rid) is not None, rid in p.running, p.relegated.get(rid) is not None]
                     assert sum(where) == 1, (rid, where)
@@ -712,8 +713,8 @@ class Drive:
         stalled = 0
         while self.s.requests and stalled < STALL_STEPS:
             before = self.progress()
-            if self.s.policy is not None:
-                for r in list(self.s.policy.relegated):
+            if self.s.coserve_policy is not None:
+                for r in list(self.s.coserve_policy.relegated):
                     self.s.resume(r.request_id)
             self.clock[0] += 0.02
             self.step()
@@ -873,7 +874,7 @@ def test_vllm_fcfs_schedules_as_vllms_own_scheduler(make_scheduler, engine, evs)
     vllms_own = s.scheduler_config.get_scheduler_cls()
     plain = vllms_own(vllm_config=s.vllm_config, kv_cache_config=s.kv_cache_config,
                       structured_output_manager=StructuredOutputManager(s.vllm_config), block_size=16)
-    plain.policy, plain.mirrors, plain.step_cap = None, {}, s.step_cap
+    plain.coserve_policy, plain.mirrors, plain.step_cap = None, {}, s.step_cap
     plain.resume = plain.promote = lambda *a: None
     theirs = Drive(plain, "vllm")
     for ev in evs:
@@ -1004,7 +1005,7 @@ class TrimmedDrive(Drive):
             # the chunk rule sized the step with the drafts the policy may keep (``most_kept``): the proposal cut to
             # that bound, never fewer than it kept, and for a static shape (a chain's, the static tree's depth) none
             # it trims
-            counted, proposed = s.policy.decode_drafts.get(rid, 0), len(self.proposed.get(rid, []))
+            counted, proposed = s.coserve_policy.decode_drafts.get(rid, 0), len(self.proposed.get(rid, []))
             assert counted == (proposed if self.most is None else min(proposed, self.most)), (
                 rid, counted, proposed, self.most)
             assert counted >= len(self.arranged[rid]), (rid, s.drafts.name, counted, self.arranged[rid])
@@ -1144,7 +1145,7 @@ def test_sarathis_token_budget_is_at_most_vllms_step(make_scheduler, monkeypatch
     urgent = {"ttft_ms": 50, "tbt_ms": 20, "tier": "free", "tbt_anchor": "arrival"}
     d = _drive(make_scheduler, "sarathi-edf", Engine(blocks=16, max_batched=32, max_seqs=2),
                [("add", Job(33, 1, urgent, 0.0)), ("step", 0.0)])
-    assert d.s.policy.config.chunk_size == min(asked or 256, 32)
+    assert d.s.coserve_policy.config.chunk_size == min(asked or 256, 32)
     assert d.trace[0][1] == (("q0", min(asked or 256, 32)),)
 
 
