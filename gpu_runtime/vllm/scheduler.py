@@ -492,7 +492,11 @@ class CoserveScheduler(AsyncScheduler):
                             for r in decodes)
         if self.whole_prompts or self.whole_seeded:
             chunks = self._as_whole(chunks, by_id, self._max_tokens - decode_tokens - self.num_spec_tokens)
-        kept = self._least_urgent_last(staying) + [by_id[rid] for rid, _ in chunks if rid in by_id]
+        started = [by_id[rid] for rid, _ in chunks if rid in by_id]
+        step_tokens = decode_tokens + sum(n for rid, n in chunks if rid in by_id)
+        if self._may_run_out(len(staying) + len(started), step_tokens):
+            staying = self._least_urgent_last(staying)
+        kept = staying + started
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
         visible = create_request_queue(SchedulingPolicy.FCFS)
@@ -506,6 +510,15 @@ class CoserveScheduler(AsyncScheduler):
         pad = self.num_spec_tokens if self._pads_a_draft_step(chunks, by_id, bool(decodes)) else 0
         self.max_num_scheduled_tokens = min(self._max_tokens, decode_tokens + sum(n for _, n in chunks) + pad)
         return held, stashed
+
+    def _may_run_out(self, running: int, step_tokens: int) -> bool:
+        """Whether vLLM's allocator could find no room for this step's ``running`` requests and their
+        ``step_tokens``: each takes at most its tokens' and lookahead's blocks and one more at a block's edge, in
+        each KV cache group. Where as many blocks are free, vLLM cannot preempt and the decodes' order is moot (the
+        victim keys cost ~2 us a decode a step)."""
+        bs, groups = self.block_size, len(self.kv_cache_config.kv_cache_groups)
+        most = (-(-(step_tokens + running * self.num_lookahead_tokens) // bs) + running) * groups
+        return self.kv.capacity().free_blocks < most
 
     def _least_urgent_last(self, requests: list[VLLMRequest]) -> list[VLLMRequest]:
         """``requests`` (the step's decodes) in the policy's victim order from the end: its first victim last, where

@@ -405,6 +405,24 @@ def test_where_vllm_itself_must_preempt_it_takes_the_policys_first_victim(make_s
     assert out.num_scheduled_tokens == {paid.request_id: 1} and s.running == [paid]
 
 
+def test_with_room_for_the_steps_worst_case_the_decodes_keep_vllms_order_unkeyed(make_scheduler, monkeypatch):
+    """The victim order costs a key per decode per step; it matters only where vLLM's allocator could find no room.
+    With blocks free for every running request's tokens, lookahead and a block edge, the decodes keep the order
+    they started in and no victim key is computed."""
+    s = make_scheduler("qoserve", max_batched=64, blocks=64)
+    paid = vllm_request(15, {"ttft_ms": 30_000, "tbt_ms": 1000}, max_tokens=20)
+    free = vllm_request(15, {"ttft_ms": 2_000, "tbt_ms": 1000, "tier": "free"}, max_tokens=20)
+    s.add_request(paid)
+    run_step(s)
+    s.add_request(free)
+    run_step(s)
+    keyed = []
+    monkeypatch.setattr(s.coserve_policy, "victim_key", lambda req: keyed.append(req) or (0,))
+    out, _ = run_step(s)  # both decode
+    assert set(out.num_scheduled_tokens) == {paid.request_id, free.request_id}
+    assert keyed == [] and s.running == [paid, free]
+
+
 def test_vllms_priority_baseline_preempts_its_lowest_priority_request(make_scheduler):
     """``vllm-priority`` is vLLM's own scheduler, untouched: where KV runs out it preempts the running request of
     the lowest priority (the largest ``priority``, then the latest arrival). vLLM reads its order from the

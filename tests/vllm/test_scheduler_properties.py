@@ -386,7 +386,15 @@ class Drive:
         running = [r.request_id for r in s.running]
         victim = {rid: s.coserve_policy.victim_key(m) for rid in running if (m := s.mirrors.get(rid)) is not None} \
             if s.coserve_policy is not None else {}
-        out = s.schedule()
+        tight: list[bool] = []  # what coserve's _may_run_out said of the step (nothing: not asked, or vLLM's own)
+        may_run_out = getattr(s, "_may_run_out", None)
+        if may_run_out is not None:
+            s._may_run_out = lambda *a: tight.append(may_run_out(*a)) or tight[-1]
+        try:
+            out = s.schedule()
+        finally:
+            if may_run_out is not None:
+                del s._may_run_out
         sched = dict(out.num_scheduled_tokens)
         drafts = {rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
         # vLLM's promise: a step runs at most max_num_batched_tokens tokens of at most max_num_seqs requests
@@ -452,7 +460,12 @@ class Drive:
                 assert sched.get(rid, 0) <= max(q.num_tokens, whole) + drafts.get(rid, 0), (
                     rid, q.num_tokens, sched, drafts)
             self.check_order(plan, before, relegated, no_slot | waiting_for_grammar)
-            self.check_running_order(running, {r.request_id for r in plan.decodes} | ending, victim)
+            # where the scheduler saw room for the step's worst case, vLLM preempted none on its own (the order was
+            # left as it stood); else the decodes went in the victim order
+            assert any(tight) or not out.preempted_req_ids or out.preempted_req_ids <= released, (
+                out.preempted_req_ids, released)
+            self.check_running_order(running, {r.request_id for r in plan.decodes} | ending,
+                                     victim if any(tight) else {})
             # vLLM restarts no request whose output is still in flight (async scheduling: the policy preempted it
             # with its step in flight, in this pass): coserve plans no chunk of it, which vLLM would skip (the
             # step's tokens lost, or given to a chunk planned after it)
@@ -652,7 +665,8 @@ class Drive:
     def check_running_order(self, before: list, stay: set, victim: dict) -> None:
         """vLLM's running order: vLLM preempts from the end of ``running`` where it finds no KV the policy counted
         (their counts part), so the requests that stay running are in the policy's victim order from the end
-        (``victim``: each one's ``victim_key`` as the step began), its first victim last; those the policy does not
+        (``victim``: each one's ``victim_key`` as the step began; empty where no allocation could fail, and the order
+        stays), its first victim last; those the policy does not
         know first, and equals, in their order as the step began (``before``). The prompts the step started come after
         them. Those that stay are the policy's decodes and the requests vLLM skips for their step in flight
         (``stay``); a started prompt the policy did not choose steps aside for the step (put back last)."""
