@@ -50,19 +50,25 @@ class TaggedJsonSyntax:
     call_depth: int = 1  # a call's keys lie in a top-level object
 
     def split(self, text: str) -> tuple[str | None, list[RawCall] | None]:
-        """(content, calls); calls None where the text holds none, or one that does not parse (then the whole
-        text is the content, as vLLM answers it)."""
+        """(content, calls); calls None where the text holds none, or ends in one that does not parse (cut short:
+        then the whole text is the content, as vLLM answers it). A closed block that is no call stays content,
+        after the text before the first tag, and the calls around it are read (vLLM's reader drops them all,
+        though its stream sends those before it)."""
         at = text.find(self.start)
         if at < 0:
             return text, None
-        calls = []
+        calls, kept = [], []  # kept: the closed blocks that are no call
         pattern = re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|\Z)"
-        for block in re.findall(pattern, text[at:], flags=re.DOTALL):  # the last one may be cut short
+        for block in re.finditer(pattern, text[at:], flags=re.DOTALL):  # the last one may be cut short
             try:
-                calls.append(read_call(json.loads(block), next(iter(raw_arguments(block, 1)), None)))
+                calls.append(read_call(json.loads(block[1]), next(iter(raw_arguments(block[1], 1)), None)))
             except ValueError:
-                return text, None
-        content = text[:at]
+                if not block[0].endswith(self.end):
+                    return text, None
+                kept.append(block[0])
+        if not calls:
+            return text, None
+        content = text[:at] + "".join(kept)
         return (content if content.strip() else None), calls
 
     def calls_start(self, text: str) -> int | None:

@@ -616,3 +616,28 @@ def test_auto_without_a_tool_call_parser_is_refused_in_the_routes_words(route, c
     assert (f"send tool_choice {forms['required']}, tool_choice {forms['named']} or tool_choice {forms['none']}"
             in refused.message), refused.message
     assert route == "responses" or not any(word in refused.message for word in CHAT_WORDS), refused.message
+
+
+def streamed_answer(sampling: dict, text: str, reason: str, size: int = 5) -> tuple[str, list[dict], object]:
+    """The content and the calls a client puts together from a stream of ``text`` in pieces of ``size``, and the
+    answer its last chunk says."""
+    stream = AnswerStream("job_t", sampling)
+    fed = [stream.feed(text[i:i + size])[1:] for i in range(0, len(text), size)]
+    _, rest, more, answer = stream.end(reason)
+    deltas = [d for _, ds in fed for d in ds or ()] + (more or [])
+    return "".join(content for content, _ in fed) + rest, streamed_calls(deltas), answer
+
+
+def test_a_hermes_block_that_is_no_call_stays_content_beside_the_good_calls():
+    # one <tool_call> block that was no JSON lost the good calls around it (all the text came back as content, as
+    # vLLM's hermes parser answers unstreamed), though the stream had sent them: now the good calls are answered,
+    # the other block kept as content, streamed or not
+    sampling = {"tool_choice": "auto", "tool_parser": "hermes"}
+    text = ('Checking. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>not json</tool_call>'
+            '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    plain = read_answer("job_t", sampling, text, "stop")
+    assert [c["function"] for c in plain.tool_calls] == [
+        {"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert plain.content == "Checking. <tool_call>not json</tool_call>" and plain.finish_reason == "tool_calls"
+    content, calls, answer = streamed_answer(sampling, text, "stop")
+    assert answer == plain and calls == plain.tool_calls and content == plain.content
