@@ -212,8 +212,8 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | No
         return [(choice["function"]["name"], text)] if text.strip() else None
     try:
         parsed = json.loads(text)
-    except ValueError:  # cut by max_tokens: the calls begun, as far as they came (as a stream sent them)
-        return _begun_calls(text) or None
+    except ValueError:  # cut by max_tokens or a stop string: the calls begun, as far as they came (as streamed)
+        return _begun_calls(text)[0] or None
     if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed):
         return None
     written = raw_arguments(text, 2)  # the arguments as generated, as a stream sent them
@@ -221,23 +221,26 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | No
                       written[i] if i < len(written) else None) for i, c in enumerate(parsed)]
 
 
-def _begun_calls(text: str, call_depth: int = 2) -> list[RawCall]:
+def _begun_calls(text: str, call_depth: int = 2) -> tuple[list[RawCall], bool]:
     """The calls of a text cut short (a ``"required"`` list; ``call_depth`` as ``CallScanner``'s): each one named
-    whose arguments began, with the arguments written so far, which are what ``AnswerStream`` streamed of them."""
+    whose arguments began, with the arguments written so far, which are what ``AnswerStream`` streamed of them; and
+    whether the text ended inside the last one's arguments."""
     scanner = CallScanner(call_depth)
     scanner.feed(text)
-    return [(call.name, arguments) for call in scanner.calls
-            if call.name is not None and (arguments := call.arguments(scanner.text)) is not None]
+    calls = [(call.name, arguments) for call in scanner.calls
+             if call.name is not None and (arguments := call.arguments(scanner.text)) is not None]
+    last = scanner.calls[-1] if scanner.calls else None
+    return calls, last is not None and last.arguments_start is not None and last.arguments_end is None
 
 
-def _cut_calls(syntax: Syntax, text: str) -> tuple[str | None, list[RawCall] | None]:
-    """The content and the calls of an ``"auto"`` text that max_tokens cut inside a call, which the syntax's reader
-    of a whole text takes for no call (vLLM's too: it answers the text as content, though its stream sent the call):
-    as ``AnswerStream`` streamed them, the content before the calls and each call begun (``_begun_calls``); the text
-    as content where no call was named yet (nor streamed)."""
+def _cut_calls(syntax: Syntax, text: str, reason: str) -> tuple[str | None, list[RawCall] | None]:
+    """The content and the calls of an ``"auto"`` text that max_tokens cut, or a stop string cut inside a call's
+    arguments, which the syntax's reader of a whole text takes for no call (vLLM's too: it answers the text as
+    content, though its stream sent the call): as ``AnswerStream`` streamed them, the content before the calls and
+    each call begun (``_begun_calls``); the text as content where no call was named yet (nor streamed)."""
     start = syntax.calls_start(text)
-    calls = _begun_calls(text[start:], syntax.call_depth) if start is not None else []
-    if not calls:
+    calls, inside = _begun_calls(text[start:], syntax.call_depth) if start is not None else ([], False)
+    if not calls or not (reason == "length" or inside):
         return text, None
     content = text[:syntax.content_so_far(text)]
     return (content if content.strip() else None), calls
@@ -277,11 +280,13 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     if choice == "auto":
         syntax = SYNTAXES[sampling.get("tool_parser") or "hermes"]
         content, raw = syntax.split(text)
-        if raw is None and reason == "length":  # perhaps cut inside a call, which the stream has sent as it came
-            content, raw = _cut_calls(syntax, text)
+        cut = raw is None  # perhaps cut inside a call, which the stream has sent as it came
+        if cut:
+            content, raw = _cut_calls(syntax, text, reason)
     else:
         raw = _forced_calls(choice, text)
         content = None if raw is not None else text
+        cut = not _is_json(text)
     if raw is None:
         return Answer(text, None, reason)
     if sampling.get("parallel_tool_calls") is False:
@@ -290,9 +295,18 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
               "function": {"name": name, "arguments": arguments}}
              for i, (name, arguments) in enumerate(raw)]
     # a call cut by max_tokens ends in length, streamed or not, as OpenAI's truncated answers do: it tells the client
-    # that the answer was cut (vLLM answers tool_calls unstreamed, length streamed)
-    ends_in_calls = choice in ("auto", "required") and reason == "stop"
+    # that the answer was cut (vLLM answers tool_calls unstreamed, length streamed); one a stop string cut ends in
+    # stop, never in tool_calls, which tells a client to run calls whose arguments would not parse
+    ends_in_calls = choice in ("auto", "required") and reason == "stop" and not cut
     return Answer(content, calls, "tool_calls" if ends_in_calls else reason)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 class AnswerStream:

@@ -628,6 +628,23 @@ def streamed_answer(sampling: dict, text: str, reason: str, size: int = 5) -> tu
     return "".join(content for content, _ in fed) + rest, streamed_calls(deltas), answer
 
 
+@pytest.mark.parametrize(("choice", "cut"), [
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Pa'),
+    ("auto", 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Pa')])
+def test_a_call_a_stop_string_cut_never_ends_in_tool_calls_streamed_or_not(choice, cut):
+    # a stop string matched inside a call's JSON: "required" answered the half call with finish_reason tool_calls
+    # (a client runs it, and json.loads(arguments) fails); "auto" answered it as content though its stream had sent
+    # the call. As streamed, and ending in stop (the engine's reason, as vLLM's test of a whole call says)
+    sampling = {"tool_choice": choice, "tool_parser": "hermes"}
+    plain = read_answer("job_t", sampling, cut, "stop")
+    assert plain.finish_reason == "stop"
+    content, calls, answer = streamed_answer(sampling, cut, "stop")
+    assert answer == plain and calls == plain.tool_calls and content == (plain.content or "")
+    assert plain.tool_calls[-1]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    whole = read_answer("job_t", sampling, cut + '"}' + ("}]" if choice == "required" else "}</tool_call>"), "stop")
+    assert whole.finish_reason == "tool_calls" and json.loads(whole.tool_calls[-1]["function"]["arguments"])
+
+
 def test_a_hermes_block_that_is_no_call_stays_content_beside_the_good_calls():
     # one <tool_call> block that was no JSON lost the good calls around it (all the text came back as content, as
     # vLLM's hermes parser answers unstreamed), though the stream had sent them: now the good calls are answered,
