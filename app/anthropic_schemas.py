@@ -23,7 +23,7 @@ from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import NAMED_CHOICE, Answer, in_choice_terms, read_answer
+from app.tool_calls import NAMED_CHOICE, Answer, in_choice_terms, is_json, read_answer
 from app.wire import Text, shown
 
 ENDPOINT = "/v1/messages"
@@ -329,26 +329,16 @@ def _assistant_turn(blocks: list[Block], i: int) -> dict[str, Any]:
 def stop_of(finish_reason: str | None, stop_reason: str | int | None,
             calls: list[dict[str, Any]] | None) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` of a chat answer's end (vLLM's ``_to_anthropic_stop_reason``):
-    max_tokens wins, then whole tool calls, then the stop string that matched (one that cut a call short: that call
-    must not run), then a call, else the end of the turn."""
+    max_tokens wins, then whole tool calls, then the stop string that matched, else the end of the turn. A call cut
+    short (its arguments do not parse: vLLM's test of a call a stop string may have cut) must not run, whatever cut
+    it: a stop string, a stop token id (a number) or the end-of-sequence token, where vLLM's stream says tool_use."""
     if finish_reason == "length":
         return "max_tokens", None
-    if calls and _whole(calls[-1]):  # only the last call can be cut short
+    if calls and is_json(calls[-1]["function"].get("arguments") or ""):  # only the last call can be cut short
         return "tool_use", None
     if isinstance(stop_reason, str):
         return "stop_sequence", stop_reason
-    if calls or finish_reason == "tool_calls":
-        return "tool_use", None
-    return "end_turn", None
-
-
-def _whole(call: dict[str, Any]) -> bool:
-    """The call's arguments are whole: they parse as JSON (vLLM's test of a call a stop string may have cut)."""
-    try:
-        json.loads(call["function"].get("arguments") or "")
-    except json.JSONDecodeError:
-        return False
-    return True
+    return ("tool_use" if finish_reason == "tool_calls" and not calls else "end_turn"), None
 
 
 def usage_of(prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None,

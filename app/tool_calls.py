@@ -286,7 +286,7 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     else:
         raw = _forced_calls(choice, text)
         content = None if raw is not None else text
-        cut = not _is_json(text)
+        cut = not is_json(text)
     if raw is None:
         return Answer(text, None, reason)
     if sampling.get("parallel_tool_calls") is False:
@@ -301,7 +301,9 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     return Answer(content, calls, "tool_calls" if ends_in_calls else reason)
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
+    """Whether ``text`` parses as JSON: a call's arguments that do not were cut short (by max_tokens, a stop string,
+    a stop token id), and the call must not run."""
     try:
         json.loads(text)
     except (ValueError, RecursionError):

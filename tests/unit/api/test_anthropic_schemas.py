@@ -161,7 +161,8 @@ def test_a_tool_call_a_stop_sequence_cut_short_ends_in_the_stop_sequence_as_vllm
     assert stop_of("stop", "ris", [_call(arguments)]) == stop
     message = message_of("job_1", "tiny", Answer(None, [_call(arguments)], "stop"), "ris", 9, 5, None, None)
     assert (message["stop_reason"], message["stop_sequence"]) == stop
-    assert stop_of("stop", None, [_call(arguments)]) == ("tool_use", None)  # no stop string: the model's call
+    # no stop string: the model's call, where whole; one the end-of-sequence token cut short must not run either
+    assert stop_of("stop", None, [_call(arguments)]) == (stop[0].replace("stop_sequence", "end_turn"), None)
     assert stop_of("length", "ris", [_call(arguments)]) == ("max_tokens", None)  # max_tokens always wins
 
 

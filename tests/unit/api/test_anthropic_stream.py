@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from app.anthropic_schemas import message_of
 from app.api import anthropic_messages
 from app.db.models import Job
 from app.services.answer_events import Finished, Piece
-from app.tool_calls import Answer
+from app.tool_calls import Answer, read_answer
+from tests.unit.api.test_tool_calls import CUT_BY, CUT_CALLS, NAMED, answer_items
 
 ANSWER = Answer("Hi", None, "stop", reasoning="Hmm.")
 
@@ -56,3 +58,21 @@ def test_a_thinking_blocks_start_carries_no_signature_as_vllm_streams_it(monkeyp
     events = _events(monkeypatch, [Piece(0, "", "Hmm.", None, None, 0, 1), Finished(0, ANSWER, 9, 1)])
     starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
     assert starts == [{"type": "thinking", "thinking": ""}]
+
+
+@pytest.mark.parametrize("stop_reason", CUT_BY, ids=["stop_string", "stop_token_id"])
+@pytest.mark.parametrize(("choice", "text"), CUT_CALLS, ids=["required", "auto", "named"])
+def test_a_call_a_stop_cut_short_never_ends_in_tool_use_streamed_or_not(monkeypatch, choice, text, stop_reason):
+    # a stop token id (stop_token_ids) cut the call inside its JSON: its end was tool_use, so a Claude SDK client ran
+    # a call whose input did not parse (input {}). As a stop string's cut: the stop sequence, else the turn's end
+    sampling = {"tool_choice": choice, "tool_parser": "hermes"}
+    ended = ("stop_sequence", stop_reason) if isinstance(stop_reason, str) else ("end_turn", None)
+    answer = read_answer("job_t", sampling, text, "stop")
+    plain = message_of("job_t", "tiny", answer, stop_reason, 9, 5, None, None)
+    assert (plain["stop_reason"], plain["stop_sequence"]) == ended
+    delta = next(e for e in _events(monkeypatch, answer_items(sampling, text, "stop", stop_reason))
+                 if e["type"] == "message_delta")
+    assert (delta["delta"]["stop_reason"], delta["delta"]["stop_sequence"]) == ended
+    whole = text + ('"}' if choice == NAMED else '"}}]' if choice == "required" else '"}}</tool_call>')
+    plain = message_of("job_t", "tiny", read_answer("job_t", sampling, whole, "stop"), stop_reason, 9, 5, None, None)
+    assert plain["stop_reason"] == "tool_use"  # a whole call, the stop after it

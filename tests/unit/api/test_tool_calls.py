@@ -628,6 +628,28 @@ def streamed_answer(sampling: dict, text: str, reason: str, size: int = 5) -> tu
     return "".join(content for content, _ in fed) + rest, streamed_calls(deltas), answer
 
 
+def answer_items(sampling: dict, text: str, reason: str, stop_reason: str | int | None = None,
+                 size: int = 5) -> list:
+    """The answer events a job of ``text`` (in pieces of ``size``) gives its routes' streams: a ``Piece`` each,
+    then ``Finished`` with the engine's ``stop_reason``."""
+    from app.services.answer_events import Finished, Piece
+
+    stream = AnswerStream("job_t", sampling)
+    items = [Piece(0, content, reasoning, calls, None, i, i // size + 1)
+             for i in range(0, len(text), size) for reasoning, content, calls in [stream.feed(text[i:i + size])]]
+    reasoning, rest, more, answer = stream.end(reason)
+    if reasoning or rest or more:
+        items.append(Piece(0, rest, reasoning, more, None, len(text), len(items) + 1))
+    return items + [Finished(0, answer, 9, len(items), stop_reason=stop_reason)]
+
+
+# a call cut inside its arguments: by a stop string, or a stop token id (vLLM's stop_reason a number then)
+CUT_CALLS = [("required", '[{"name": "get_weather", "parameters": {"city": "Pa'),
+             ("auto", 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Pa'),
+             (NAMED, '{"city": "Pa')]
+CUT_BY = ["ris", 128009]
+
+
 @pytest.mark.parametrize(("choice", "cut"), [
     ("required", '[{"name": "get_weather", "parameters": {"city": "Pa'),
     ("auto", 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Pa')])
