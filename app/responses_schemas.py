@@ -20,7 +20,7 @@ from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsuppor
 from app.schemas import INSTRUCTION_ROLES, JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
-from app.tool_calls import Answer, FunctionSpec, in_choice_terms, read_answer, text_parts
+from app.tool_calls import Answer, FunctionSpec, in_choice_terms, is_json, read_answer, text_parts
 from app.wire import Metadata, Text, as_given, as_utc, shown
 from gpu_runtime.logprobs import MAX_TOP_LOGPROBS
 
@@ -514,8 +514,17 @@ def reasoning_item(job_id: str, text: str, status: str = "completed") -> dict[st
 
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     """A chat tool call as a Responses function_call item (its id is chat's call id, as is its call_id)."""
-    return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": status,
-            "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+    arguments = call["function"]["arguments"]
+    return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call",
+            "status": call_status(arguments, status), "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": arguments}
+
+
+def call_status(arguments: str, status: str) -> str:
+    """A function_call item's ``status``, but ``incomplete`` for a call ended whose arguments do not parse: a stop
+    string or stop token id cut it short (the response ended at a stop, completed), as OpenAI marks an item that
+    did not finish; not to run."""
+    return "incomplete" if status == "completed" and not is_json(arguments) else status
 
 
 def chat_call(item: dict[str, Any]) -> dict[str, Any]:

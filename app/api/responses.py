@@ -29,8 +29,8 @@ from app.auth import Principal
 from app.db.models import Job, JobStatus, new_id
 from app.db.session import read_then_write, write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute
-from app.responses_schemas import (LOGPROBS_INCLUDE, InputTokensRequest, ResponsesRequest, call_item, chat_call,
-                                   history_of, in_responses_terms, item_page, job_id_of, message_item,
+from app.responses_schemas import (LOGPROBS_INCLUDE, InputTokensRequest, ResponsesRequest, call_item, call_status,
+                                   chat_call, history_of, in_responses_terms, item_page, job_id_of, message_item,
                                    own_input_items, reasoning_item, response_body, stored_answer, token_logprobs)
 from app.services import conversations
 from app.services import jobs as job_service
@@ -222,7 +222,7 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any], asked_logp
         out = []
         for item in calls.values():
             at = items.index(item)
-            item["status"] = status
+            item["status"] = call_status(item["arguments"], status)
             out += [_event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                            arguments=item["arguments"]),
                     _event("response.output_item.done", output_index=at, item=item)]

@@ -9,10 +9,13 @@ import json
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
+import pytest
+
 from app.api import responses as module
 from app.services.answer_events import Finished, Piece
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import Answer
+from app.tool_calls import Answer, read_answer
+from tests.unit.api.test_tool_calls import CUT_BY, CUT_CALLS, NAMED, answer_items
 
 CALL = {"id": "call_x_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
 JOB = SimpleNamespace(id="job_x", status="running", created_at=datetime(2026, 1, 1, tzinfo=UTC), model="m",
@@ -88,3 +91,25 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item_before_its_message(monk
     sent = events(monkeypatch, items=cut_off)
     added = [e["item"]["type"] for e in sent if e["type"] == "response.output_item.added"]
     assert added == ["reasoning", "message"] and [i["type"] for i in sent[-1]["response"]["output"]] == added
+
+
+@pytest.mark.parametrize("stop_reason", CUT_BY, ids=["stop_string", "stop_token_id"])
+@pytest.mark.parametrize(("choice", "text"), CUT_CALLS, ids=["required", "auto", "named"])
+def test_a_call_a_stop_cut_short_is_an_incomplete_item_streamed_or_not(monkeypatch, choice, text, stop_reason):
+    # a stop string or stop token id cut the call inside its JSON: its item was "completed", as though it finished;
+    # OpenAI marks an item that did not finish incomplete. The response ended as asked (at a stop): completed
+    sampling = {"tool_choice": choice, "tool_parser": "hermes"}
+    answer = read_answer("job_x", sampling, text, "stop")
+    plain = module.response_body(JOB, {}, DEFAULT_TIERS, status="succeeded", answer=answer, prompt_tokens=9,
+                                 completion_tokens=5)
+    sent = events(monkeypatch, items=answer_items(sampling, text, "stop", stop_reason))
+    done = [e["item"] for e in sent if e["type"] == "response.output_item.done"]
+    for output in (plain["output"], sent[-1]["response"]["output"], done):
+        assert [(i["type"], i["status"]) for i in output] == [("message", "completed")] * (choice == "auto") + [
+            ("function_call", "incomplete")]
+        assert output[-1]["arguments"] == '{"city": "Pa'
+    assert plain["status"] == sent[-1]["response"]["status"] == "completed" and sent[-1]["type"] == "response.completed"
+    whole = text + ('"}' if choice == NAMED else '"}}]' if choice == "required" else '"}}</tool_call>')
+    plain = module.response_body(JOB, {}, DEFAULT_TIERS, status="succeeded",
+                                 answer=read_answer("job_x", sampling, whole, "stop"), prompt_tokens=9)
+    assert plain["output"][-1]["status"] == "completed"  # a whole call, the stop after it
