@@ -56,7 +56,8 @@ INSTRUCTION_ROLES = ("system", "developer")  # the messages that instruct the mo
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description=(
-        "developer: as OpenAI's, instructions that the chat template is given as such (vLLM's role as sent)"))
+        "developer: as OpenAI's, instructions that a chat template naming the role is given as such (vLLM's role "
+        "as sent), and one that does not as the system message"))
     content: Text
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls (its history)")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")

@@ -413,11 +413,13 @@ class AnswerStream:
         return (answer.content or "")[self.shown:], rest or None, answer
 
 
-def template_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], content_format: str = "string",
+                      developer_as: str = "developer") -> list[dict[str, Any]]:
     """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
     them with ``tojson``; ``arguments_object``), an empty list of calls as none, an assistant's thinking as
     ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's template reads), and a
-    developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives them); the content as
+    developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives them), its role
+    ``developer_as`` (system for a template that does not know the role: ``model_info.developer_role``); the content as
     one text, or (``content_format`` "openai", a template that loops over it) as its text parts, a tool's result a
     text all the same (``content_parts``)."""
     out = []
@@ -432,7 +434,7 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
         if m.get("reasoning") is not None:
             m = {**m, "reasoning_content": m["reasoning"]}
         if m["role"] == "developer":
-            m = {**m, "tools": m.get("tools")}
+            m = {**m, "role": developer_as, "tools": m.get("tools")}
         out.append(m)
     return out
 

@@ -252,10 +252,25 @@ def template_content_format(model: str, tok: Any, tools: list[dict[str, Any]] | 
     and it has one, else "default"), as vLLM detects it (its ``resolve_chat_template_content_format``)."""
     if model in _forced_formats:
         return _forced_formats[model]
+    return content_format(template_in_use(tok, tools))
+
+
+def template_in_use(tok: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """The chat template ``apply_chat_template`` renders with: the tokenizer's, or of its named ones "tool_use" where
+    tools are offered and it has one, else "default"."""
     template = tok.chat_template
     if isinstance(template, dict):
         template = template.get("tool_use") if tools is not None and "tool_use" in template else template.get("default")
-    return content_format(template)
+    return template
+
+
+def developer_role(template: str | None) -> str:
+    """The role a developer message reaches ``template`` as: developer where the template names that role (gpt-oss',
+    DeepSeek's: as vLLM passes it), else system. OpenAI's developer messages are the system instructions of its
+    newer models; a template that does not know the role would write it as an unknown turn (SmolLM2's, after its own
+    default system prompt, which then stands in for the developer's instructions), or refuse it (vLLM renders it as
+    sent)."""
+    return "developer" if template and "developer" in template else "system"
 
 
 def _plain_chat(messages: list[dict[str, Any]]) -> str:
@@ -282,9 +297,9 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
         return []
     if getattr(tok, "chat_template", None):
         try:
-            form = template_content_format(model, tok, None)
-            rendered = tok.apply_chat_template([template_messages(m, form) for m in conversations], tokenize=False,
-                                               add_generation_prompt=True)
+            form, role = template_content_format(model, tok, None), developer_role(template_in_use(tok, None))
+            rendered = tok.apply_chat_template([template_messages(m, form, role) for m in conversations],
+                                               tokenize=False, add_generation_prompt=True)
         except _template_errors() as exc:
             raise ChatTemplateError(f"the model's chat template cannot render these messages: "
                                     f"{type(exc).__name__}: {exc}") from exc
@@ -304,9 +319,9 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
     if messages is not None:
         if getattr(tok, "chat_template", None):
             try:  # special tokens asked for: vLLM renders the template to text and tokenizes that with them
-                form = template_content_format(model, tok, tools)
+                form, role = template_content_format(model, tok, tools), developer_role(template_in_use(tok, tools))
                 ids = tok.apply_chat_template(
-                    template_messages(messages, form), tools=tools, tokenize=not special,
+                    template_messages(messages, form, role), tools=tools, tokenize=not special,
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs") or {})

@@ -209,24 +209,31 @@ def test_an_empty_list_of_calls_is_no_calls_to_the_template_as_vllm_gives_it(tok
 # writes each message's role, and whether it has tools of its own (vLLM gives a developer message ``tools``)
 ROLE_AND_TOOLS = ("{%- for message in messages %}<{{ message.role }}:{{ message.tools is defined }}>"
                   "{{ message.content }}{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
+# the same, with a developer turn of its own (as gpt-oss' and DeepSeek's templates have)
+NAMES_DEVELOPER = ("{%- for message in messages %}"
+                   "<{{ 'dev' if message.role == 'developer' else message.role }}:{{ message.tools is defined }}>"
+                   "{{ message.content }}{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
 DEVELOPER_MESSAGES = [{"role": "developer", "content": "Answer in French."}, ASK]
 
 
-@pytest.mark.parametrize("template", [ROLE_AND_TOOLS, None], ids=["role-and-tools", "model-template"])
-def test_a_developer_message_reaches_the_template_as_developer(tok, template):
-    # vLLM's chat parser passes the developer role as is (with its tools, None where it has none); coserve read it
-    # as system, so a template that tells them apart (gpt-oss', DeepSeek's) rendered another prompt
+@pytest.mark.parametrize("template, shown", [(NAMES_DEVELOPER, "<dev:True>"), (ROLE_AND_TOOLS, "<system:True>"),
+                                             (None, "<|im_start|>system\n")],
+                         ids=["names-developer", "role-and-tools", "model-template"])
+def test_a_developer_message_reaches_the_template_as_developer_where_it_knows_the_role(tok, template, shown):
+    # vLLM's chat parser passes the developer role as is (with its tools, None where it has none): coserve too where
+    # the template names the role (gpt-oss', DeepSeek's tell them apart), and gives it as the system message to one
+    # that does not (SmolLM2's wrote it as an unknown turn after its own default system prompt)
     raw = {"model": "tiny", "messages": DEVELOPER_MESSAGES}
     ids = coserve_prompt(raw, template)
-    assert ids == vllm_prompt(tok, raw, template or tok.chat_template)
-    if template is not None:
-        assert "<developer:True>Answer in French." in tok.decode(ids)
+    assert ids == vllm_prompt(tok, raw, template or tok.chat_template)  # (vllm_rendered: developer_role)
+    assert tok.decode(ids).startswith(shown + "Answer in French.")
 
 
 def test_a_developer_messages_own_tools_reach_the_template_as_vllm_gives_them(tok):
     # vLLM's chat parser gives a developer message its own tools (DeepSeek's templates write them); coserve dropped them
     template = ("{%- for message in messages %}<{{ message.role }}>{{ message.content }}"
-                "{%- if message.tools %}{{ message.tools | tojson }}{%- endif %}{%- endfor %}")
+                "{%- if message.role == 'developer' and message.tools %}{{ message.tools | tojson }}{%- endif %}"
+                "{%- endfor %}")
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     raw = {"model": "tiny", "messages": [{"role": "developer", "content": "Use tools.", "tools": tools}, ASK]}
     ids = coserve_prompt(raw, template)

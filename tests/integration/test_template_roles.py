@@ -1,0 +1,68 @@
+"""What the chat template sees of OpenAI's ``developer`` role, on the real app with the bundled model's tokenizer:
+the system message where the template does not know the role (SmolLM2's knows system, user and assistant), the
+developer message as sent (vLLM's) where it does. The prompt is read back with ``/tokenize`` and ``/detokenize``,
+and counted with ``/v1/responses/input_tokens``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import Keys
+
+pytestmark = pytest.mark.integration
+
+H = Keys.header
+ASK = {"role": "user", "content": "Hi!"}
+# a template that has a developer turn of its own (as gpt-oss' and DeepSeek's)
+NAMES_DEVELOPER = ("{%- for message in messages %}"
+                   "{%- if message.role == 'developer' %}<dev>{%- else %}<{{ message.role }}>{%- endif %}"
+                   "{{ message.content }}{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
+
+
+def rendered(client: Any, key: str, messages: list[dict[str, Any]]) -> str:
+    """The text chat ``messages`` reach the model as (the job's prompt)."""
+    r = client.post("/tokenize", json={"messages": messages}, headers=H(key))
+    assert r.status_code == 200, r.text
+    return client.post("/detokenize", json={"tokens": r.json()["tokens"]}, headers=H(key)).json()["prompt"]
+
+
+def input_tokens(client: Any, key: str, body: dict[str, Any]) -> int:
+    r = client.post("/v1/responses/input_tokens", json={"model": "tiny", **body}, headers=H(key))
+    assert r.status_code == 200, r.text
+    return r.json()["input_tokens"]
+
+
+def test_a_developer_message_is_the_system_message_of_a_template_without_the_role(client, keys):
+    # vLLM passes the role as sent: SmolLM2's template wrote "<|im_start|>developer" after its own default system
+    # prompt ("You are a helpful AI assistant named SmolLM..."), which then stood in for the developer's instructions
+    developer = rendered(client, keys.paid, [{"role": "developer", "content": "Answer in French."}, ASK])
+    assert developer == rendered(client, keys.paid, [{"role": "system", "content": "Answer in French."}, ASK])
+    assert "SmolLM" not in developer and "developer" not in developer
+
+    as_system = input_tokens(client, keys.paid, {"input": [{"role": "system", "content": "Answer in French."}, ASK]})
+    assert input_tokens(client, keys.paid, {"input": [
+        {"role": "developer", "content": "Answer in French."}, ASK]}) == as_system
+    both = input_tokens(client, keys.paid, {"instructions": "Be brief.", "input": [
+        {"role": "system", "content": "Answer in French."}, ASK]})
+    assert input_tokens(client, keys.paid, {"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "Answer in French."}, ASK]}) == both > as_system
+
+
+@pytest.fixture
+def names_developer_client(settings):
+    from fastapi.testclient import TestClient
+
+    from app.auth import clear_cache
+    from app.main import create_app
+
+    clear_cache()
+    settings.chat_template = NAMES_DEVELOPER
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def test_a_template_that_knows_the_developer_role_is_given_it_as_sent(names_developer_client, keys):
+    prompt = rendered(names_developer_client, keys.paid, [{"role": "developer", "content": "Answer in French."}, ASK])
+    assert prompt == "<dev>Answer in French.<user>Hi!<assistant>"  # as vLLM gives it
