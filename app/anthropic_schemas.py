@@ -23,7 +23,7 @@ from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import NAMED_CHOICE, Answer, in_choice_terms, is_json, read_answer
+from app.tool_calls import BILLING_HEADER, NAMED_CHOICE, Answer, in_choice_terms, is_json, read_answer
 from app.wire import Text, shown
 
 ENDPOINT = "/v1/messages"
@@ -50,8 +50,6 @@ UNSERVED = ("mcp_servers", "container", "context_management")
 MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 # a tool_result with is_error: chat's tool message has no such field (vLLM drops it), so its text says it failed
 TOOL_ERROR_PREFIX = "Error: "
-# a system text block Claude Code sends, naming its version and a hash of the request; vLLM drops it
-BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def message_id(job_id: str) -> str:

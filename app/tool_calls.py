@@ -413,6 +413,10 @@ class AnswerStream:
         return (answer.content or "")[self.shown:], rest or None, answer
 
 
+# the first line of a system text Claude Code sends, naming its version and a hash of the request; vLLM drops it
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
 def template_messages(messages: list[dict[str, Any]], content_format: str = "string",
                       developer_as: str = "developer") -> list[dict[str, Any]]:
     """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
@@ -421,9 +425,11 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
     developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives them), its role
     ``developer_as`` (system for a template that does not know the role: ``model_info.developer_role``); the content as
     one text, or (``content_format`` "openai", a template that loops over it) as its text parts, a tool's result a
-    text all the same (``content_parts``)."""
+    text all the same (``content_parts``); a system message less Claude Code's billing header
+    (``without_billing_header``)."""
     out = []
     for m in messages:
+        m = without_billing_header(m) if m["role"] == "system" else m
         m = content_parts(m) if content_format == "openai" else m
         m = {k: v for k, v in m.items() if k != "parts"}
         if m.get("tool_calls"):
@@ -437,6 +443,16 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
             m = {**m, "role": developer_as, "tools": m.get("tools")}
         out.append(m)
     return out
+
+
+def without_billing_header(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` less Claude Code's billing header, as vLLM's chat parser takes a system message: a text part that
+    starts with it loses its first line, and is left out where that was all of it. The header's hash changes every
+    request: kept, the prompt would miss the prefix cache from there."""
+    texts = [message["content"]] if message.get("parts") is None else message["parts"]
+    kept = [text.partition("\n")[2] if text.startswith(BILLING_HEADER) else text for text in texts]
+    kept = [text for text, was in zip(kept, texts, strict=True) if text or not was.startswith(BILLING_HEADER)]
+    return message if kept == texts else {**message, "content": "\n".join(kept), "parts": kept}
 
 
 def content_parts(message: dict[str, Any]) -> dict[str, Any]:

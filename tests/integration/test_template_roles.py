@@ -1,7 +1,8 @@
-"""What the chat template sees of OpenAI's ``developer`` role, on the real app with the bundled model's tokenizer:
-the system message where the template does not know the role (SmolLM2's knows system, user and assistant), the
-developer message as sent (vLLM's) where it does. The prompt is read back with ``/tokenize`` and ``/detokenize``,
-and counted with ``/v1/responses/input_tokens``."""
+"""What the chat template sees of the instruction messages, on the real app with the bundled model's tokenizer:
+OpenAI's ``developer`` role as the system message where the template does not know the role (SmolLM2's knows
+system, user and assistant), as sent (vLLM's) where it does; a system message less Claude Code's billing header, as
+vLLM's chat parser takes it. The prompt is read back with ``/tokenize`` and ``/detokenize``, and counted with
+``/v1/responses/input_tokens``."""
 
 from __future__ import annotations
 
@@ -66,3 +67,20 @@ def names_developer_client(settings):
 def test_a_template_that_knows_the_developer_role_is_given_it_as_sent(names_developer_client, keys):
     prompt = rendered(names_developer_client, keys.paid, [{"role": "developer", "content": "Answer in French."}, ASK])
     assert prompt == "<dev>Answer in French.<user>Hi!<assistant>"  # as vLLM gives it
+
+
+BILLED = "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli; cch=7f3a1;"
+
+
+def test_a_system_messages_claude_code_billing_header_is_left_out_as_vllm_leaves_it_out(client, keys):
+    # vLLM's chat parser drops the header line from a system message's text parts (gateways that put Claude Code on
+    # chat completions keep it; its hash changes every request, so the prompt missed the prefix cache from there)
+    plain = rendered(client, keys.paid, [{"role": "system", "content": "You are Claude Code."}, ASK])
+    assert rendered(client, keys.paid, [{"role": "system", "content": BILLED + "\nYou are Claude Code."}, ASK]) == plain
+    parts = [{"type": "text", "text": BILLED}, {"type": "text", "text": "You are Claude Code."}]
+    assert rendered(client, keys.paid, [{"role": "system", "content": parts}, ASK]) == plain
+    assert BILLED in rendered(client, keys.paid, [{"role": "user", "content": BILLED}])  # a system message's alone
+
+    instructions = input_tokens(client, keys.paid, {"instructions": "You are Claude Code.", "input": "Hi!"})
+    assert input_tokens(client, keys.paid, {"instructions": BILLED + "\nYou are Claude Code.",
+                                            "input": "Hi!"}) == instructions

@@ -252,3 +252,17 @@ def test_a_developer_messages_malformed_tools_are_a_400(tools, param):
     with pytest.raises(OpenAIError) as refused:
         chat.chat_messages()
     assert refused.value.status_code == 400 and refused.value.param == param
+
+
+BILLED = "x-anthropic-billing-header: cc_version=2.1.3; cch=7f3a1;"
+
+
+@pytest.mark.parametrize("content", [BILLED, BILLED + "\nYou are Claude Code.", "Note: " + BILLED,
+                                     [{"type": "text", "text": BILLED}, {"type": "text", "text": "Be brief."}],
+                                     [{"type": "text", "text": BILLED + "\n"}, {"type": "text", "text": ""}]],
+                         ids=["header-alone", "header-line", "not-first", "header-part", "empty-parts"])
+@pytest.mark.parametrize("template", [None, PARTS_LOOP], ids=["model-template", "parts-loop"])
+def test_a_system_messages_billing_header_is_left_out_as_vllm_leaves_it_out(tok, content, template):
+    # vLLM's chat parser drops Claude Code's billing header line from a system message's text parts; coserve kept it
+    raw = {"model": "tiny", "messages": [{"role": "system", "content": content}, ASK]}
+    assert coserve_prompt(raw, template) == vllm_prompt(tok, raw, template or tok.chat_template)
