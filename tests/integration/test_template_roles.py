@@ -84,3 +84,27 @@ def test_a_system_messages_claude_code_billing_header_is_left_out_as_vllm_leaves
     instructions = input_tokens(client, keys.paid, {"instructions": "You are Claude Code.", "input": "Hi!"})
     assert input_tokens(client, keys.paid, {"instructions": BILLED + "\nYou are Claude Code.",
                                             "input": "Hi!"}) == instructions
+
+
+def test_anthropic_cache_control_on_the_system_blocks_and_content_blocks_is_read_as_plain_text(client, keys):
+    # what Claude's SDKs send for prompt caching: accepted, and no trace of it in the prompt (vLLM's prefix cache
+    # needs no marks)
+    def count(body: dict[str, Any]) -> int:
+        r = client.post("/v1/messages/count_tokens", json={"model": "tiny", **body}, headers={"x-api-key": keys.paid})
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    cached = {"type": "ephemeral", "ttl": "1h"}
+    plain = {"system": [{"type": "text", "text": "Be brief."}],
+             "tools": [{"name": "weather", "input_schema": {"type": "object"}}],
+             "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi!"}]},
+                          {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "weather",
+                                                             "input": {}}]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                        "content": [{"type": "text", "text": "Sunny."}]}]}]}
+    marked = {"system": [{**plain["system"][0], "cache_control": cached}],
+              "tools": [{**plain["tools"][0], "cache_control": cached}],
+              "messages": [{"role": m["role"], "content": [{**b, "cache_control": cached} for b in m["content"]]}
+                           for m in plain["messages"]]}
+    marked["messages"][2]["content"][0]["content"][0]["cache_control"] = cached
+    assert count(marked) == count(plain)
