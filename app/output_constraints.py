@@ -1,15 +1,19 @@
 """A structured output's constraint (a regex, a grammar, a JSON schema or a structural tag) checked at the API as
-the workers' vLLM engine compiles it: with xgrammar (``gpu_runtime.vllm.scheduler.pin_grammar_backend``: vLLM's
-engine has one backend, and under ``auto`` it is xgrammar from its start), so that one xgrammar cannot read is the
-client's 400 as it submits, not a job that fails on its worker (after a stream began, or a 201 was answered).
-vLLM's validation would send it to guidance, which the engine does not compile with.
+the workers' vLLM engine compiles it, so that one it cannot read is the client's 400 as it submits, not a job that
+fails on its worker (after a stream began, or a 201 was answered). vLLM's engine compiles with one backend, which
+each worker publishes in its heartbeat (``grammar_backend``: xgrammar under ``auto``, pinned by
+``gpu_runtime.vllm.scheduler.pin_grammar_backend``; guidance, outlines or lm-format-enforcer where the operator
+named it). A route checks a constraint with each backend its model's live workers compile with (``under``: a job
+may go to any of them), and with xgrammar where none has said (none up yet). The API checks xgrammar's and
+guidance's reading; outlines' and lm-format-enforcer's it leaves to the worker's vLLM validation.
 
-Compiling takes seconds at xgrammar's first import: an API on the vLLM backend imports it as it starts
-(``warm_up``), and the routes compile a body's constraints off the event loop (``carried``, ``outcomes``,
-``known``); a check where xgrammar is not installed passes (the worker's engine judges it then)."""
+Compiling takes seconds at xgrammar's first import: an API on the vLLM backend imports the grammar libraries as it
+starts (``warm_up``), and the routes compile a body's constraints off the event loop (``carried``, ``outcomes``,
+``known``); a check where a backend's library is not installed passes (the worker's engine judges it then)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import threading
@@ -18,12 +22,16 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from app import schema_features, structural_tag
+from app import guidance_check, schema_features, structural_tag
 
 # a constraint as the checks key it: (its structured_outputs field, its text; a JSON schema as json.dumps writes it)
 Constraint = tuple[str, str]
 # the outcomes of constraints a request checked beforehand (``outcomes``, off the event loop): check's message or None
 _known: ContextVar[dict[Constraint, str | None] | None] = ContextVar("output_constraints_known", default=None)
+XGRAMMAR, GUIDANCE = "xgrammar", "guidance"
+# the backends the workers' engines compile with where none has said (``under``): xgrammar, ``auto``'s pinned one
+DEFAULT_BACKENDS = (XGRAMMAR,)
+_backends: ContextVar[tuple[str, ...]] = ContextVar("output_constraints_backends", default=DEFAULT_BACKENDS)
 # xgrammar's messages start with where in its C++ they were raised: "[19:23:38] /project/cpp/x.cc:83: "
 _XGRAMMAR_PLACE = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
 # what a regex may not hold under xgrammar (guidance reads some, but the workers' engine compiles with xgrammar)
@@ -34,13 +42,16 @@ _REGEX_LIMITS = ("without Unicode property classes (\\p{..}, \\P{..}: spell the 
 
 def check(kind: str, text: str) -> None:
     """Raise ValueError saying what to fix where the ``kind`` constraint (``regex``, ``grammar``, ``json`` or
-    ``structural_tag``) ``text`` does not compile under xgrammar, the workers' engine's backend. A constraint checked
-    beforehand in this context (``known``) answers as it did, without compiling again."""
+    ``structural_tag``) ``text`` does not compile under a backend of the workers' engines (``under``; xgrammar where
+    none is known). A constraint checked beforehand in this context (``known``) answers as it did, without compiling
+    again."""
     if (known := _known.get()) is not None and (kind, text) in known:
         if (message := known[(kind, text)]) is not None:
             raise ValueError(message)
         return
-    _CHECKS[kind](text)
+    for backend in _backends.get():
+        if (checks := _CHECKS.get(backend)) is not None:  # outlines, lm-format-enforcer: the worker's vLLM judges
+            checks[kind](text)
 
 
 def _check_regex(regex: str) -> None:
@@ -86,8 +97,10 @@ def _refuse_unless_compiled(field: str, what: str, by_xgrammar: Callable[[Any], 
                          f"give {what}") from None
 
 
-_CHECKS: dict[str, Callable[[str], None]] = {"regex": _check_regex, "grammar": _check_grammar,
-                                             "json": _check_schema, "structural_tag": structural_tag.check}
+_XGRAMMAR_CHECKS: dict[str, Callable[[str], None]] = {"regex": _check_regex, "grammar": _check_grammar,
+                                                      "json": _check_schema, "structural_tag": structural_tag.check}
+# backend -> kind -> its check; a backend not here (outlines, lm-format-enforcer) is left to the worker's vLLM
+_CHECKS: dict[str, dict[str, Callable[[str], None]]] = {XGRAMMAR: _XGRAMMAR_CHECKS, GUIDANCE: guidance_check.CHECKS}
 
 
 def schema_text(schema: dict[str, Any]) -> str:
@@ -121,17 +134,36 @@ def carried(raw: Any) -> list[Constraint]:
     return found + [("json", schema_text(s)) for s in schemas if isinstance(s, dict)]
 
 
-def outcomes(constraints: list[Constraint]) -> dict[Constraint, str | None]:
-    """``check``'s answer for each constraint: its ValueError's message, or None where it compiles (seconds at
-    xgrammar's first import: called in a thread)."""
+def outcomes(constraints: list[Constraint], backends: tuple[str, ...] = DEFAULT_BACKENDS,
+             ) -> dict[Constraint, str | None]:
+    """``check``'s answer for each constraint under ``backends`` (``under``): its ValueError's message, or None where
+    it compiles (seconds at xgrammar's first import: called in a thread)."""
     answers: dict[Constraint, str | None] = {}
-    for kind, text in constraints:
-        try:
-            check(kind, text)
-            answers[(kind, text)] = None
-        except ValueError as exc:
-            answers[(kind, text)] = str(exc)
+    with under(backends):
+        for kind, text in constraints:
+            try:
+                check(kind, text)
+                answers[(kind, text)] = None
+            except ValueError as exc:
+                answers[(kind, text)] = str(exc)
     return answers
+
+
+def backends_of(published: list[str | None]) -> tuple[str, ...]:
+    """The backends to check a constraint with, from those the live workers published (a worker's
+    ``grammar_backend``; None: it said none, an older worker or the own engine, which serves no constraint): each one
+    published, sorted, else xgrammar (``DEFAULT_BACKENDS``), as none being up leaves it."""
+    return tuple(sorted({b for b in published if isinstance(b, str) and b})) or DEFAULT_BACKENDS
+
+
+@contextmanager
+def under(backends: tuple[str, ...]) -> Iterator[None]:
+    """Within it, ``check`` compiles a constraint with each of ``backends`` (``backends_of``)."""
+    token = _backends.set(backends or DEFAULT_BACKENDS)
+    try:
+        yield
+    finally:
+        _backends.reset(token)
 
 
 @contextmanager
@@ -144,17 +176,18 @@ def known(answers: dict[Constraint, str | None]) -> Iterator[None]:
         _known.reset(token)
 
 
-def _import_grammar_library() -> None:
-    try:
-        import xgrammar  # noqa: F401 - imported for its cost only
-    except Exception:  # not installed, or broken: ``check`` passes then, and the worker judges the constraint
-        pass
+def _import_grammar_libraries() -> None:
+    for library in ("xgrammar", "llguidance"):
+        try:
+            importlib.import_module(library)  # imported for its cost only
+        except Exception:  # not installed, or broken: ``check`` passes then, and the worker judges the constraint
+            pass
 
 
 def warm_up() -> threading.Thread:
-    """Imports xgrammar (seconds) in a thread of its own, so that the first request carrying a
+    """Imports xgrammar (seconds) and llguidance in a thread of their own, so that the first request carrying a
     constraint does not pay for it (``check`` runs where pydantic validates a body, on the event loop for some
     routes)."""
-    thread = threading.Thread(target=_import_grammar_library, name="xgrammar-warm-up", daemon=True)
+    thread = threading.Thread(target=_import_grammar_libraries, name="xgrammar-warm-up", daemon=True)
     thread.start()
     return thread

@@ -779,6 +779,8 @@ class GpuWorker:
                 pass
         if isinstance(limits := getattr(self.engine, "lora_limits", None), dict):  # the API holds loads to them
             state["lora"] = limits
+        # the API checks structured outputs with it (``app.output_constraints``); the own engine serves none
+        state["grammar_backend"] = getattr(self.engine, "grammar_backend", None)
         if self.lora_unserved:  # the APIs' /readyz names them, and another worker takes their jobs
             state["lora_unserved"] = dict(self.lora_unserved)
         if self.engine_thread is not None:

@@ -29,6 +29,8 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from app import output_constraints, request_id
+from app.services.workers import grammar_backends
+from app.settings import get_settings
 from app.wire import find_unstorable, json_safe, unstorable_message
 
 log = logging.getLogger(__name__)
@@ -300,14 +302,22 @@ class CheckedRoute(APIRoute):
                                                    "msg": unstorable_message(char), "input": None}])
                 if constraints := output_constraints.carried(body):
                     # FastAPI validates the body on the event loop: its constraints compile here in a thread
-                    # (seconds at xgrammar's first import) and validation reads their outcomes; a body with none
-                    # hops nowhere
-                    answers = await run_in_threadpool(output_constraints.outcomes, constraints)
-                    with output_constraints.known(answers):
+                    # (seconds at xgrammar's first import), with the backends of the workers' engines, and
+                    # validation reads their outcomes; a body with none hops nowhere
+                    backends, answers = await run_in_threadpool(_checked_constraints, request, constraints)
+                    with output_constraints.under(backends), output_constraints.known(answers):
                         return await handler(request)
             return await handler(request)
 
         return checked
+
+
+def _checked_constraints(request: Request, constraints: list[output_constraints.Constraint],
+                         ) -> tuple[tuple[str, ...], dict[output_constraints.Constraint, str | None]]:
+    """The backends the live workers' engines compile structured outputs with (``workers.grammar_backends``), and
+    each of ``constraints``' outcome under them (``output_constraints.outcomes``)."""
+    backends = grammar_backends(getattr(request.app.state, "settings", None) or get_settings())
+    return backends, output_constraints.outcomes(constraints, backends)
 
 
 def blamed(error: dict[str, Any]) -> dict[str, Any]:

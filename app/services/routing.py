@@ -126,6 +126,8 @@ class Router:
         self.url, self.live_s, self.slack = url, live_s, slack
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
+        # model -> the grammar_backend of each live worker of it that takes jobs (``grammar_backends_of``)
+        self._grammar_backends: dict[str, list[str | None]] = {}
         self._read_at = float("-inf")
         self._sent: dict[str, deque[datetime]] = defaultdict(deque)  # worker -> when this process sent it a job
 
@@ -159,6 +161,13 @@ class Router:
             return min((w.context for w in self._live() if model in w.served and w.context is not None),
                        default=None)
 
+    def grammar_backends(self, model: str) -> list[str | None]:
+        """The structured-output backend each live worker of ``model`` that takes jobs says its engine compiles with
+        (its heartbeat's ``grammar_backend``; None: it says none), whether it reads its own queue or its model's."""
+        with self._lock:
+            self._live()
+            return list(self._grammar_backends.get(model, []))
+
     def _since(self, worker: _Worker) -> int:
         """The jobs this process sent ``worker`` after its last heartbeat (which did not count them yet)."""
         sent = self._sent[worker.id]
@@ -174,6 +183,8 @@ class Router:
                 rows = s.execute(select(WorkerState).where(WorkerState.heartbeat_at >= since,
                                                            WorkerState.draining.is_(False))).scalars().all()
                 self._workers = routable(rows)
+                self._grammar_backends = {model: grammar_backends_of(rows, model)
+                                          for model in {m for r in rows for m in r.served}}
             for gone in set(self._sent) - {w.id for w in self._workers}:
                 del self._sent[gone]
         return self._workers
@@ -196,6 +207,14 @@ def routable(rows: list[WorkerState]) -> list[_Worker]:
     queue."""
     return [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at), advertised_context(r.state))
             for r in rows if not stopping(r.state) and reads_own_queue(r.state)]
+
+
+def grammar_backends_of(rows: list[WorkerState], model: str) -> list[str | None]:
+    """The structured-output backend each worker among ``rows`` (live, not draining) of ``model`` that takes jobs
+    (not stopping; its own queue read or not) says its engine compiles with (``grammar_backend``); None for one that
+    says none (an older worker, the own engine)."""
+    return [backend if isinstance(backend := (r.state or {}).get("grammar_backend"), str) else None
+            for r in rows if model in r.served and not stopping(r.state)]
 
 
 def _load(state: dict[str, Any]) -> tuple[int, int, int]:

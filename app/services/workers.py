@@ -14,6 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from app import output_constraints
 from app.db.models import WorkerState
 from app.services import routing
 from app.services.model_info import context_length
@@ -47,6 +48,18 @@ def served_context(session: Session, settings: Settings) -> int | None:
     none says."""
     return min((n for w in live_workers(session, settings) if settings.model_name in w.served
                 and (n := routing.advertised_context(w.state)) is not None), default=None)
+
+
+def grammar_backends(settings: Settings) -> tuple[str, ...]:
+    """The structured-output backends a constraint of a job of the model must compile with: each one its live
+    workers' engines compile with, as their heartbeats say (``output_constraints.backends_of``: xgrammar where none
+    says). The workers as the process's router last read them (at most once per ``routing.REFRESH_S``)."""
+    try:
+        published = routing.settings_router(settings).grammar_backends(settings.model_name)
+    except SQLAlchemyError as exc:  # nothing known of the workers: xgrammar, as none being up leaves it
+        log.warning("could not read the workers' structured-output backends (%s); checking with xgrammar", exc)
+        published = []
+    return output_constraints.backends_of(published)
 
 
 def held_context_length(settings: Settings) -> int:

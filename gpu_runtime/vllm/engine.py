@@ -160,6 +160,10 @@ class VLLMEngine:
         # what it serves of runtime adapters, for the heartbeat (a constant: read off the engine's thread)
         self.lora_limits = lora_limits(llm.vllm_config.lora_config, runtime_lora)
         self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
+        from gpu_runtime.vllm.scheduler import grammar_backend  # vLLM's scheduler: imported with the engine
+
+        # the backend its structured outputs compile with, for the heartbeat (the API checks constraints with it)
+        self.grammar_backend = grammar_backend(self.core_scheduler.structured_output_manager, llm.vllm_config)
         self.scheduler = _SchedulerView(self.core_scheduler)
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
         self.speculation = _SpeculationView(spec_policy, self.core_scheduler)

@@ -757,6 +757,24 @@ def pin_grammar_backend(manager: StructuredOutputManager | None, vllm_config: Vl
                                       vocab_size=vllm_config.model_config.get_vocab_size())
 
 
+# vLLM's structured-output backends by class (vllm/v1/structured_output/backend_*.py), as its config names them
+_BACKEND_NAMES = {"XgrammarBackend": "xgrammar", "GuidanceBackend": "guidance", "OutlinesBackend": "outlines",
+                  "LMFormatEnforcerBackend": "lm-format-enforcer"}
+
+
+def grammar_backend(manager: StructuredOutputManager | None, vllm_config: VllmConfig) -> str | None:
+    """The structured-output backend the engine compiles every constraint with, after ``pin_grammar_backend``: the
+    one it made, else the one the operator named (vLLM makes it at the first constraint); None where it is vLLM's
+    choice at the first constraint (``auto`` for a Mistral tokenizer) or the engine takes no constraint (no
+    tokenizer). The worker publishes it (``grammar_backend``) and the API checks constraints with it."""
+    if manager is None or vllm_config.model_config.skip_tokenizer_init:
+        return None
+    if manager.backend is not None:
+        return _BACKEND_NAMES.get(type(manager.backend).__name__)
+    named = vllm_config.structured_outputs_config.backend
+    return None if named == "auto" else named
+
+
 def _grammar_error(request: VLLMRequest | None) -> str:
     """Why a request's structured output cannot be followed: its grammar's compile error (vLLM keeps the exception
     where the grammar would be)."""

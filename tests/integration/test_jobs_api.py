@@ -656,6 +656,33 @@ def test_a_regex_only_guidance_reads_is_refused_as_the_workers_xgrammar_engine_r
     assert said in r.text and "under xgrammar" in r.text and "spell the characters out" in r.text, r.text
 
 
+def test_a_constraint_is_checked_with_the_backend_the_live_workers_publish(client, keys, settings, monkeypatch):
+    """A worker whose engine compiles with guidance (COSERVE_VLLM_ENGINE_ARGS naming it) says so in its heartbeat:
+    the API checks constraints with guidance then, accepting the ``\\p{L}`` regex guidance serves and refusing a
+    schema guidance does not implement (``not``) with a 400 naming the field; with no worker up, xgrammar again."""
+    from app.db.models import WorkerState
+    from app.services import routing
+
+    monkeypatch.setattr(routing, "REFRESH_S", 0.0)  # read the workers on every request here
+    settings.backend = "vllm"
+    with session_scope(settings.sqlalchemy_url) as s:  # its heartbeat's row (workers.gpu_worker's _state)
+        s.add(WorkerState(id="w-guidance", model=settings.model_name, queue="q", device="cpu",
+                          state={"served": [settings.model_name], "grammar_backend": "guidance"}))
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"regex": r"\p{L}+"}}, headers=H(keys.paid))
+    assert r.status_code == 201, r.text
+    schema = {"type": "object", "properties": {"name": {"type": "string", "not": {"const": "x"}}}}
+    r = client.post("/v1/chat/completions", json={
+        "model": settings.model_name, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+        headers=H(keys.paid))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "Unimplemented keys" in r.text and "under guidance" in r.text and "give a JSON schema without" in r.text
+    with session_scope(settings.sqlalchemy_url) as s:  # that worker stops beating: no longer live
+        s.get(WorkerState, "w-guidance").heartbeat_at = datetime.now(UTC) - timedelta(minutes=5)
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"regex": r"\p{L}+"}}, headers=H(keys.paid))
+    assert r.status_code == 422 and "under xgrammar" in r.text, r.text
+
+
 _TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
     {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
 

@@ -1123,3 +1123,28 @@ def test_a_request_vllm_ended_as_an_error_reaches_the_worker_with_the_schedulers
     out = engine._output(res, now=1.0)
     assert (out.event, out.error) == ("rejected", "the grammar did not compile: bad regex")
     assert not engine.core_scheduler.errors and not engine.requests
+
+
+@pytest.mark.parametrize(("flags", "published"), [
+    ("", "xgrammar"),  # auto: pinned to xgrammar from the engine's start
+    ("--structured-outputs-config '{\"backend\": \"guidance\"}'", "guidance"),
+    ("--structured-outputs-config '{\"backend\": \"outlines\"}'", "outlines"),
+    ("--structured-outputs-config '{\"backend\": \"lm-format-enforcer\"}'", "lm-format-enforcer")],
+    ids=["auto", "guidance", "outlines", "lm-format-enforcer"])
+def test_the_engine_names_the_backend_it_compiles_structured_outputs_with(tiny_model_dir, flags, published):
+    """What the worker publishes in its heartbeat (``grammar_backend``) for the API to check constraints with: the
+    backend the engine compiles every constraint with, after ``pin_grammar_backend``, as the operator's flags
+    (COSERVE_VLLM_ENGINE_ARGS) set it."""
+    from vllm.config import ModelConfig, StructuredOutputsConfig, VllmConfig
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from gpu_runtime.vllm.cli_args import engine_cli_args
+    from gpu_runtime.vllm.scheduler import grammar_backend, pin_grammar_backend
+
+    named = engine_cli_args(flags).get("structured_outputs_config", StructuredOutputsConfig())  # vLLM's parser's
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
+                        structured_outputs_config=named)
+    manager = StructuredOutputManager(config)
+    pin_grammar_backend(manager, config)
+    assert grammar_backend(manager, config) == published
+    assert grammar_backend(None, config) is None  # an engine without a structured-output manager takes none

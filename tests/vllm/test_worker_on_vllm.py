@@ -721,8 +721,9 @@ def test_jobs_of_more_runtime_adapters_than_the_engines_lora_slots_wait_for_a_sl
     settings.backend, settings.runtime_lora = "vllm", True
     start_worker("w-one-slot", **MODEL, COSERVE_RUNTIME_LORA="1", COSERVE_MAX_LORAS="1")
     with session_scope(settings.sqlalchemy_url) as s:
-        assert s.get(WorkerState, "w-one-slot").state["lora"] == {"runtime": True, "max_lora_rank": 16,
-                                                                  "max_loras": 1}
+        state = s.get(WorkerState, "w-one-slot").state
+    assert state["lora"] == {"runtime": True, "max_lora_rank": 16, "max_loras": 1}, state
+    assert state["grammar_backend"] == "xgrammar", state  # auto, pinned: the API checks constraints with it
     checkpoint = vllm_checkpoint("smollm2-135m")
     for i, name in enumerate(("first-lora", "second-lora")):
         path = write_lora_adapter(checkpoint, settings.data_dir / name, 0.5, seed=i)

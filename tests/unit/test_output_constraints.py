@@ -1,0 +1,80 @@
+"""Which backends the API checks a structured output's constraint with (``app.output_constraints``), from the
+backends the live workers publish in their heartbeats (``routing.grammar_backends_of``), and what each refuses."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from app import output_constraints
+from app.db.models import WorkerState
+from app.services.routing import grammar_backends_of
+
+
+def _rows(*states: dict) -> list[WorkerState]:
+    """Live workers of the model ``m``, their heartbeat states ``states`` (served ``m`` unless they say)."""
+    now = datetime.now(UTC)
+    return [WorkerState(id=f"w{i}", model="m", queue="q", device="cpu", draining=False, heartbeat_at=now,
+                        state={"served": ["m"], **state}) for i, state in enumerate(states)]
+
+
+def _backends(*states: dict, model: str = "m") -> tuple[str, ...]:
+    return output_constraints.backends_of(grammar_backends_of(_rows(*states), model))
+
+
+def test_no_worker_published_checks_with_xgrammar():
+    assert _backends() == ("xgrammar",)  # none up yet
+    assert _backends({}, {"grammar_backend": None}) == ("xgrammar",)  # an older worker, the own torch engine
+
+
+def test_the_published_backends_are_each_checked():
+    assert _backends({"grammar_backend": "guidance"}) == ("guidance",)
+    assert _backends({"grammar_backend": "guidance"}, {}) == ("guidance",)  # one that says none is not a backend
+    assert _backends({"grammar_backend": "guidance"}, {"grammar_backend": "xgrammar"},
+                     {"grammar_backend": "guidance"}) == ("guidance", "xgrammar")  # a job may go to either
+
+
+def test_workers_of_another_model_and_stopping_ones_do_not_count():
+    assert _backends({"grammar_backend": "guidance", "served": ["other"]}) == ("xgrammar",)
+    assert _backends({"grammar_backend": "guidance", "stopping": True}, {"grammar_backend": "xgrammar"}) \
+        == ("xgrammar",)
+    # a worker that reads only its model's queue (COSERVE_ROUTING=queue) takes its jobs too
+    assert _backends({"grammar_backend": "guidance", "own_queue": False}) == ("guidance",)
+
+
+def test_guidance_reads_a_unicode_property_class_and_refuses_what_it_does_not_implement():
+    schema = output_constraints.schema_text({"type": "object", "properties": {"x": {"not": {"type": "string"}}}})
+    answers = output_constraints.outcomes([("regex", r"\p{L}+"), ("regex", r"[\p{L}]+"), ("json", schema)],
+                                          ("guidance",))
+    assert answers[("regex", r"\p{L}+")] is None and answers[("regex", r"[\p{L}]+")] is None, answers
+    refused = answers[("json", schema)] or ""
+    assert refused.startswith("json does not compile (Unimplemented keys") and "under guidance" in refused, refused
+    assert "give a JSON schema without the keywords guidance does not implement" in refused, refused
+
+
+def test_a_constraint_must_compile_under_each_backend():
+    answers = output_constraints.outcomes([("regex", r"\p{L}+")], ("guidance", "xgrammar"))
+    assert "under xgrammar" in (answers[("regex", r"\p{L}+")] or ""), answers
+
+
+def test_an_unchecked_backend_leaves_the_constraint_to_the_workers_vllm():
+    """outlines and lm-format-enforcer have no check here: the worker's vLLM validation judges."""
+    assert output_constraints.outcomes([("regex", r"\p{L}+")], ("outlines",)) == {("regex", r"\p{L}+"): None}
+
+
+def test_guidance_reads_a_structural_tag_only_in_its_legacy_form():
+    legacy = json.dumps({"structures": [{"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}],
+                         "triggers": ["<a"]})
+    current = json.dumps({"type": "structural_tag", "format": {"type": "any_text"}})
+    answers = output_constraints.outcomes([("structural_tag", legacy), ("structural_tag", current)], ("guidance",))
+    assert answers[("structural_tag", legacy)] is None, answers
+    assert "reads only a structural tag in the legacy form" in (answers[("structural_tag", current)] or ""), answers
+
+
+def test_check_compiles_with_the_backends_it_is_under():
+    with output_constraints.under(("guidance",)):
+        output_constraints.check("regex", r"\p{L}+")
+    with pytest.raises(ValueError, match="under xgrammar"):
+        output_constraints.check("regex", r"\p{L}+")
