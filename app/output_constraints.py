@@ -55,8 +55,39 @@ def check(kind: str, text: str) -> None:
 
 
 def _check_regex(regex: str) -> None:
+    _refuse_property_in_class("regex", regex)
     _refuse_unless_compiled("regex", f"a regular expression {_REGEX_LIMITS}",
                             lambda xgr: xgr.Grammar.from_regex(regex))
+
+
+def _refuse_property_in_class(field: str, regex: str) -> None:
+    """ValueError where ``regex`` (``field``'s) holds a Unicode property class inside a character class: xgrammar
+    reads ``[\\p{L}]`` as the characters p, {, L and }, without an error, so the text would follow another regex."""
+    if _property_in_class(regex):
+        raise ValueError(f"{field} holds a Unicode property class (\\p{{..}} or \\P{{..}}) inside [...], which "
+                         "xgrammar, the backend of the workers' engine, reads as the characters p, {, the name and }; "
+                         "spell the characters out as ranges, e.g. [A-Za-z\\u00c0-\\u024f] for letters")
+
+
+def _property_in_class(regex: str) -> bool:
+    """Whether ``regex`` holds ``\\p{..}`` or ``\\P{..}`` inside a character class (``[...]``)."""
+    in_class, i = False, 0
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\":
+            if in_class and regex[i + 1:i + 3] in ("p{", "P{"):
+                return True
+            i += 2  # the escaped character is no class bracket
+            continue
+        if not in_class and char == "[":
+            in_class = True
+            i += 2 if regex[i + 1:i + 2] == "^" else 1
+            i += 1 if regex[i:i + 1] == "]" else 0  # a ] first in a class is one of its characters
+            continue
+        if in_class and char == "]":
+            in_class = False
+        i += 1
+    return False
 
 
 def _check_grammar(grammar: str) -> None:
@@ -71,6 +102,9 @@ def _check_schema(text: str) -> None:
     if structural_tag.nesting(schema) > structural_tag.MAX_SCHEMA_NESTING:  # vLLM's check_json_nesting
         raise ValueError(f"json nests objects and arrays deeper than {structural_tag.MAX_SCHEMA_NESTING} levels")
     structural_tag.check_patterns(schema, "json")  # before xgrammar, which one nesting deep crashes
+    for where, obj, is_schema in schema_features.objects(schema):  # xgrammar compiles a pattern as a regex
+        if is_schema and isinstance(pattern := obj.get("pattern"), str):
+            _refuse_property_in_class(f"json's pattern at {where}", pattern)
     if refused := schema_features.refusals(schema):  # xgrammar compiles them, vLLM's validation on the worker not
         more = f"; and {len(refused) - 3} more such" if len(refused) > 3 else ""  # a short message for a long schema
         raise ValueError(f"json is refused by the workers' engine: {'; '.join(refused[:3])}{more}")

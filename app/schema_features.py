@@ -81,7 +81,7 @@ def refusals(schema: dict[str, Any]) -> list[str]:
 def xgrammar_gaps(schema: dict[str, Any]) -> list[Feature]:
     """Every feature for which vLLM's ``has_xgrammar_unsupported_json_features`` is true (it stops at the first),
     visiting the nested objects as it does: all of them, a map of names to schemas and an enum's values too."""
-    return [gap for where, obj, _ in _objects(schema) for gap in _gaps_of(where, obj)]
+    return [gap for where, obj, _ in objects(schema) for gap in _gaps_of(where, obj)]
 
 
 def _gaps_of(where: str, obj: dict[str, Any]) -> Iterator[Feature]:
@@ -111,14 +111,14 @@ def _gaps_of(where: str, obj: dict[str, Any]) -> Iterator[Feature]:
 def _unknown_to_guidance(schema: dict[str, Any]) -> Iterator[Feature]:
     """The keywords of ``schema`` llguidance refuses (a ``format`` it does not know among them), where a schema
     stands (not a property's name, not an enum's value)."""
-    for where, obj, is_schema in _objects(schema):
+    for where, obj, is_schema in objects(schema):
         if is_schema:
             yield from (Feature(where, key) for key in obj if key in GUIDANCE_UNIMPLEMENTED)
             if isinstance(fmt := obj.get("format"), str) and fmt not in GUIDANCE_FORMATS:
                 yield Feature(where, "format")
 
 
-def _objects(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], bool]]:
+def objects(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], bool]]:
     """Each object nested in ``schema`` (itself included) with its JSON pointer, and whether a schema stands there
     (not a map of names to schemas, not data such as an enum's value)."""
     todo: list[tuple[str, Any, str]] = [("#", schema, "schema")]

@@ -683,6 +683,16 @@ def test_a_constraint_is_checked_with_the_backend_the_live_workers_publish(clien
     assert r.status_code == 422 and "under xgrammar" in r.text, r.text
 
 
+def test_a_property_class_inside_a_character_class_is_refused_as_xgrammar_misreads_it(client, keys, settings):
+    """xgrammar reads ``[\\p{L}]`` as the characters p, {, L and } without an error: the API passed a regex whose
+    meaning changed on the worker. It is a 400 naming the field and what to write instead."""
+    settings.backend = "vllm"
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"regex": r"[\p{L} ]+"}},
+                    headers=H(keys.paid))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "structured_outputs", "regex"], r.text
+    assert "inside [...]" in r.text and "spell the characters out as ranges" in r.text, r.text
+
+
 _TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
     {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
 

@@ -44,6 +44,27 @@ def test_workers_of_another_model_and_stopping_ones_do_not_count():
     assert _backends({"grammar_backend": "guidance", "own_queue": False}) == ("guidance",)
 
 
+@pytest.mark.parametrize("regex", [r"[\p{L}]+", r"[a\P{Lu}]", r"[^\p{N}_]", r"[]\p{L}]"],
+                         ids=["class", "negated-property", "negated-class", "bracket-first"])
+def test_a_property_class_inside_a_character_class_is_refused_under_xgrammar(regex):
+    """xgrammar reads ``[\\p{L}]`` as the characters p, {, L and } without an error: the regex's meaning changed."""
+    with pytest.raises(ValueError, match=r"inside \[\.\.\.\].*spell the characters out as ranges"):
+        output_constraints.check("regex", regex)
+
+
+def test_a_property_class_inside_a_character_class_of_a_schemas_pattern_is_refused_under_xgrammar():
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": r"^[\p{L} ]+$"}}}
+    with pytest.raises(ValueError, match=r"json's pattern at #/properties/name holds a Unicode property class"):
+        output_constraints.check("json", output_constraints.schema_text(schema))
+
+
+@pytest.mark.parametrize("regex", [r"[a-z]+\.p\{", r"\[\p", r"[p{L}]", r"[a\]]p{L}"],
+                         ids=["escaped-p-outside", "escaped-bracket", "no-backslash", "escaped-close"])
+def test_what_only_looks_like_a_property_class_in_a_class_is_not_refused_as_one(regex):
+    answers = output_constraints.outcomes([("regex", regex)])
+    assert "inside [...]" not in (answers[("regex", regex)] or ""), answers
+
+
 def test_guidance_reads_a_unicode_property_class_and_refuses_what_it_does_not_implement():
     schema = output_constraints.schema_text({"type": "object", "properties": {"x": {"not": {"type": "string"}}}})
     answers = output_constraints.outcomes([("regex", r"\p{L}+"), ("regex", r"[\p{L}]+"), ("json", schema)],
