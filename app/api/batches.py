@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
@@ -18,17 +18,18 @@ from sqlalchemy import select
 from app.anthropic_schemas import ENDPOINT as MESSAGES
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import openai_responses
-from app.api.openai_compat import charge_request
+from app.api.openai_compat import charge_request, idempotency_conflicts
 from app.bounds import BATCHES_PAGE_MAX
 from app.batch import storage
+from app.batch.creation import create_once, keyed_batch
 from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import Counts, cancel_batch, fan_in_page, maybe_finalize
 from app.batch.lines import ENDPOINTS
 from app.batch.objects import batch_object, batch_usage
 from app.db import pagination
 from app.db.models import Batch, new_id
-from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, OpenAIRoute, parse_window
+from app.services.idempotency import Idempotency
 from app.services.jobs import JobValidationError, resolve_tier
 from app.services.rate_limits import rate_headers
 from app.services.transitions import utcnow
@@ -60,13 +61,20 @@ def _own(session, principal, batch_id: str) -> Batch:
     return row
 
 
-@router.post("", responses=openai_responses(400, 404, 413, 429))
+@router.post("", responses=openai_responses(400, 404, 409, 413, 429))
 def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-                 background: BackgroundTasks, request: Request, response: Response) -> dict[str, Any]:
+                 background: BackgroundTasks, request: Request, response: Response,
+                 idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict[str, Any]:
     """A batch of the input file's requests, run by their completion window. The create is one request of the
     tenant's requests per minute and no tokens (as OpenAI's is; the batch queue limit counts its tokens at the
-    fan-out), taken once its checks let it through: a refused create is not charged."""
+    fan-out), taken once its checks let it through: a refused create is not charged. A create retried with the same
+    Idempotency-Key (and body) answers the batch the first one made, uncharged; one with a different body is a 409."""
     assert body.endpoint in ENDPOINTS
+    idempotency = Idempotency.of(idempotency_key, body)
+    with idempotency_conflicts():
+        earlier = keyed_batch(session, principal.tenant_id, idempotency)
+    if earlier is not None:
+        return batch_object(earlier, batch_usage(session, [earlier.id]).get(earlier.id))
     try:
         parse_window(body.completion_window)
     except ValueError as exc:
@@ -80,16 +88,17 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
         raise OpenAIError(404, f"No such File object: {body.input_file_id}", param="input_file_id")
     if src.purpose != "batch":
         raise OpenAIError(400, "the input file's purpose must be 'batch'", param="input_file_id")
-    response.headers.update(rate_headers(charge_request(rate_limiter(request), principal)))
     now = utcnow()
     batch = Batch(id=new_id("batch"), tenant_id=principal.tenant_id, api_key_id=principal.key_id,
                   endpoint=body.endpoint, input_file_id=src.id, completion_window=body.completion_window,
                   status="validating", tier=tier,
                   metadata_=body.metadata, created_at=now, expires_at=expires_at_for(now, body.completion_window),
                   output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None)
-    with write_after_read(session):
-        session.add(batch)
-        session.commit()
+    with idempotency_conflicts():
+        made, created = create_once(session, batch, idempotency, lambda: response.headers.update(
+            rate_headers(charge_request(rate_limiter(request), principal))))
+    if not created:  # a concurrent create under the key won
+        return batch_object(made, batch_usage(session, [made.id]).get(made.id))
     background.add_task(start_batch, settings, batch.id)
     return batch_object(batch)
 

@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO
 
-from fastapi import APIRouter, BackgroundTasks, Query, Request
+from fastapi import APIRouter, BackgroundTasks, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,10 +25,11 @@ from app.anthropic_schemas import ENDPOINT, in_messages_terms
 from app.api.anthropic_messages import AnthropicRoute
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
 from app.api.errors import anthropic_responses
-from app.api.openai_compat import charge_request, openai_refusals
+from app.api.openai_compat import charge_request, idempotency_conflicts, openai_refusals
 from app.auth import Principal
 from app.batch import message_batches as mb
 from app.batch import storage
+from app.batch.creation import create_once, keyed_batch
 from app.batch.fanout import expires_at_for, start_batch
 from app.batch.finalize import cancel_batch, fan_in_page, maybe_finalize
 from app.batch.lines import MAX_LINES, InvalidLine, ParsedFile, ValidLine, parse_line
@@ -36,6 +37,7 @@ from app.db import pagination
 from app.db.models import Batch, new_id
 from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, parse_window
+from app.services.idempotency import Idempotency
 from app.services.jobs import job_values, resolve_tier
 from app.services.rate_limits import anthropic_rate_headers
 from app.services.workers import held_context_length
@@ -119,15 +121,21 @@ def _refusal(settings: Settings, principal: Principal, line: ValidLine, context:
     return None
 
 
-@router.post("", responses=anthropic_responses(400, 413, 429))
+@router.post("", responses=anthropic_responses(400, 409, 413, 429))
 def create_message_batch(body: MessageBatchCreate, request: Request, response: Response, session: SessionDep,
-                         principal: CurrentPrincipal, settings: SettingsDep,
-                         background: BackgroundTasks) -> dict[str, Any]:
+                         principal: CurrentPrincipal, settings: SettingsDep, background: BackgroundTasks,
+                         idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict[str, Any]:
     """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours. The create
     is one request of the tenant's requests per minute and no tokens, as ``POST /v1/batches``' is, taken once its
-    checks let it through and before its input file is written: a refused create is not charged and leaves no file."""
+    checks let it through and its row is in: a refused create is not charged and leaves no file. A create retried
+    with the same Idempotency-Key (and body) answers the batch the first one made, uncharged, as ``POST
+    /v1/batches`` does; one with a different body is a 409."""
+    idempotency = Idempotency.of(idempotency_key, body)
+    with idempotency_conflicts():
+        earlier = keyed_batch(session, principal.tenant_id, idempotency)
+    if earlier is not None:
+        return _object(request, session, earlier)
     parsed = _checked(body.requests, settings, principal)
-    response.headers.update(anthropic_rate_headers(charge_request(rate_limiter(request), principal)))
     batch_id, now = new_id(mb.ID_PREFIX), utcnow()
     src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl",
                            storage.MESSAGE_BATCH_INPUT,
@@ -136,11 +144,16 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
                   input_file_id=src.id, completion_window=mb.WINDOW, status="validating",
                   tier=resolve_tier(settings, principal, None), total=len(body.requests), created_at=now,
                   expires_at=expires_at_for(now, mb.WINDOW))
-    with write_after_read(session):
-        session.add(src)
-        session.flush()  # the file's row before the batch's, which names it
-        session.add(batch)
-        session.commit()
+    try:
+        with idempotency_conflicts():
+            made, created = create_once(session, batch, idempotency, lambda: response.headers.update(
+                anthropic_rate_headers(charge_request(rate_limiter(request), principal))), files=[src])
+    except BaseException:  # refused (429): no row names the file
+        Path(src.path).unlink(missing_ok=True)
+        raise
+    if not created:  # a concurrent create under the key won: this one's file is no batch's
+        Path(src.path).unlink(missing_ok=True)
+        return _object(request, session, made)
     background.add_task(start_batch, settings, batch.id, parsed)  # its lines as checked: not parsed again
     return _object(request, session, batch)
 

@@ -36,6 +36,7 @@ from app.services.answer_events import (ANOTHER_FAILED, KEEPALIVE_COMMENT, Begun
                                         Interrupted, Piece, abandon, abandoned_on_hangup, answer_events,
                                         held_comment, kept_alive)
 from app.services.answer_events import ends as job_ends
+from app.services.idempotency import IdempotencyConflict
 from app.services.job_follow import cancel_abandoned
 from app.services.model_info import ChatTemplateError
 from app.services.rate_limits import (COUNTING, GENERATION, Decision, RateLimited, RateLimiter, rate_headers,
@@ -106,6 +107,16 @@ def openai_refusals(endpoint: str | None = None) -> Iterator[None]:
         # (context_length_exceeded), which the official client raises as BadRequestError
         raise OpenAIError(404 if exc.code == "model_not_found" else 400, str(exc), param=openai_param(exc.param),
                           code=exc.code) from exc
+
+
+@contextmanager
+def idempotency_conflicts() -> Iterator[None]:
+    """An Idempotency-Key used before for another request as a 409 in OpenAI's terms (Anthropic's routes answer it
+    in theirs)."""
+    try:
+        yield
+    except IdempotencyConflict as exc:
+        raise OpenAIError(409, str(exc), param="Idempotency-Key", code="idempotency_key_reused") from None
 
 
 def charge_request(limiter: RateLimiter | None, principal: Principal, buckets: str = GENERATION) -> Decision | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from datetime import timedelta
@@ -22,6 +21,7 @@ from app.db import pagination
 from app.db.models import SummarizationRun
 from app.openai_schemas import list_page, parse_window
 from app.schemas import MAX_WINDOW_S
+from app.services.idempotency import Idempotency, IdempotencyConflict
 from app.services.jobs import JobValidationError, resolve_model, resolve_tier
 from app.services.rate_limits import Decision, RateLimited, rate_headers, take_request
 from app.services.transitions import utcnow
@@ -88,7 +88,7 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         raise unprocessable(f"deadline {window:g}s is longer than {MAX_WINDOW_S / 86400:.0f} days; give a shorter one",
                             "body", "deadline")
     docs = [Document(d.id, d.text) for d in body.documents]
-    idempotency = service.Idempotency(idempotency_key, _digest(body)) if idempotency_key else None
+    idempotency = Idempotency.of(idempotency_key, body)  # two bodies of one window are the same, not its end
     rate: list[Decision | None] = []  # what the limits said of the start (none: a retry answered, or no limits)
     limiter = rate_limiter(request)
     start_run = partial(service.create_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
@@ -103,7 +103,7 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
                                                         idempotency, start_run)
     except RateLimited as exc:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers=exc.decision.headers()) from exc
-    except service.IdempotencyConflict as exc:
+    except IdempotencyConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     except JobValidationError as exc:
         raise unprocessable(str(exc), *(("body", exc.param) if exc.param else ("body",))) from exc
@@ -115,11 +115,6 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
     else:
         response.status_code = status.HTTP_200_OK
     return progress.as_dict()
-
-
-def _digest(body: SummarizeCreate) -> str:
-    """What makes two requests under one Idempotency-Key the same: their bodies (a window, not its end time)."""
-    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()
 
 
 @router.get("", responses=responses(422))

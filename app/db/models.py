@@ -243,6 +243,9 @@ class Batch(Base):
     """OpenAI Batch API object; its lines become jobs with ``batch_id`` set."""
 
     __tablename__ = "batches"
+    __table_args__ = (
+        Index("uq_batches_tenant_idempotency", "tenant_id", "idempotency_key", unique=True),
+    )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("batch"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     endpoint: Mapped[str] = mapped_column(String(64))
@@ -275,6 +278,8 @@ class Batch(Base):
     # the model its lines' jobs run on, as the fan-out resolved it (OpenAI's Batch.model); None where they name
     # several (no one model processes the batch) or none yet (validating, failed before its fan-out, no valid line)
     model: Mapped[str | None] = mapped_column(String(200), default=None)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)  # the create's Idempotency-Key
+    request_digest: Mapped[str | None] = mapped_column(String(64), default=None)  # its body's: a retry's must match
 
 
 class WebhookEndpoint(Base):

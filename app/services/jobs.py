@@ -30,6 +30,7 @@ from app.reasoning import CLOSE, OPEN
 from app.schemas import MAX_BAD_WORDS, MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
+from app.services.idempotency import IdempotencyConflict
 from app.services.job_writer import JobWriter
 from app.services.model_info import (ChatTemplateError, encode_input, get_tokenizer, has_think_tokens,
                                      token_id_bounds)
@@ -62,10 +63,6 @@ class JobValidationError(ValueError):
     def over_context(cls, overflow: ContextOverflow, param: str) -> JobValidationError:
         """OpenAI blames the input for an over-long request, whichever of it and max_tokens is cut."""
         return cls(overflow.openai_message(), param=param, code="context_length_exceeded", overflow=overflow)
-
-
-class IdempotencyConflict(ValueError):
-    """The Idempotency-Key was already used for a different request (HTTP 409)."""
 
 
 class JobGone(LookupError):

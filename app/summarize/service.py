@@ -19,18 +19,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 
 from app.auth import Principal
 from app.db.models import SummarizationRun, new_id
 from app.db.session import session_scope, write_guard
 from app.schemas import JobCreate
 from app.services import jobs as job_service
+from app.services.idempotency import Idempotency, created_once, keyed_row
 from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
@@ -149,44 +148,17 @@ def start_run(settings: Settings, principal: Principal, documents: list[Document
     return view(settings, progress.id).progress
 
 
-@dataclass(frozen=True)
-class Idempotency:
-    """A request's Idempotency-Key and its body's digest: a retry under the key answers the run it made."""
-
-    key: str
-    digest: str
-
-
-class IdempotencyConflict(ValueError):
-    """The Idempotency-Key was already used for a different request (HTTP 409)."""
-
-
 def start_idempotent_run(settings: Settings, principal: Principal, idempotency: Idempotency,
                          start: Callable[[], Progress]) -> tuple[Progress, bool]:
     """The tenant's run under ``idempotency.key`` (created: False), or the one ``start`` makes with it (True);
     ``IdempotencyConflict`` where the key named a different request."""
-    earlier = _run_by_key(settings, principal.tenant_id, idempotency)
-    if earlier is not None:
-        return earlier, False
-    try:
-        return start(), True
-    except IntegrityError:  # a concurrent request with the same key won the insert
-        earlier = _run_by_key(settings, principal.tenant_id, idempotency)
-        if earlier is None:
-            raise
-        return earlier, False
+    return created_once(lambda: _run_by_key(settings, principal.tenant_id, idempotency), start)
 
 
 def _run_by_key(settings: Settings, tenant_id: str, idempotency: Idempotency) -> Progress | None:
     with session_scope(settings.sqlalchemy_url) as s:
-        run = s.scalars(select(SummarizationRun).where(SummarizationRun.tenant_id == tenant_id,
-                                                       SummarizationRun.idempotency_key == idempotency.key)).first()
-        if run is None:
-            return None
-        if run.request_digest != idempotency.digest:
-            raise IdempotencyConflict(f"Idempotency-Key {idempotency.key!r} was already used for summarization "
-                                      f"{run.id} with a different request; use a new key")
-        return store.progress_of(run)
+        run = keyed_row(s, SummarizationRun, tenant_id, idempotency, "summarization")
+        return store.progress_of(run) if run is not None else None
 
 
 class RunDrivers:
