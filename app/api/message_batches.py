@@ -148,7 +148,7 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
         with idempotency_conflicts():
             made, created = create_once(session, batch, idempotency, lambda: response.headers.update(
                 anthropic_rate_headers(charge_request(rate_limiter(request), principal))), files=[src])
-    except BaseException:  # refused (429): no row names the file
+    except BaseException:  # refused (429), another body under the key (409): no row names the file
         Path(src.path).unlink(missing_ok=True)
         raise
     if not created:  # a concurrent create under the key won: this one's file is no batch's
