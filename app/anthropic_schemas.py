@@ -23,7 +23,8 @@ from app.responses_schemas import SHARED_FIELDS
 from app.schemas import JobCreate
 from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
-from app.tool_calls import BILLING_HEADER, NAMED_CHOICE, Answer, in_choice_terms, is_json, read_answer
+from app.tool_calls import (BILLING_HEADER, NAMED_CHOICE, Answer, in_choice_terms, into_system_prompt, is_json,
+                            read_answer)
 from app.wire import Text, shown
 
 ENDPOINT = "/v1/messages"
@@ -166,22 +167,20 @@ class MessagesRequest(BaseModel):
     def chat_messages(self, system_first: bool = False) -> list[dict[str, Any]]:
         """The conversation as chat messages, as vLLM's ``_convert_messages`` writes it: the system prompt first,
         each turn's blocks as chat writes them, a system message within the conversation where it is, or, with
-        ``system_first``, after the request's ``system`` in the system prompt (one with no text left out)."""
-        inline = {i: _system_text(m.content, f"messages.{i}.content") for i, m in enumerate(self.messages)
-                  if m.role == "system"}
-        out: list[dict[str, Any]] = []
-        if system := self.system_prompt() + ("".join(inline.values()) if system_first else ""):
-            out.append({"role": "system", "content": system})
+        ``system_first``, after the request's ``system`` in the system prompt (``into_system_prompt``; one with no
+        text left out)."""
+        out = [{"role": "system", "content": system}] if (system := self.system_prompt()) else []
         for i, message in enumerate(self.messages):
             if message.role == "system":
-                out += [{"role": "system", "content": inline[i]}] if inline[i] and not system_first else []
+                text = _system_text(message.content, f"messages.{i}.content")
+                out += [{"role": "system", "content": text}] if text else []
             elif isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
             elif message.role == "user":
                 out += _user_turn(message.content, i)
             else:
                 out.append(_assistant_turn(message.content, i))
-        return out
+        return into_system_prompt(out) if system_first else out
 
     def chat_request(self, raw: dict[str, Any], tiers: tuple[str, ...] = DEFAULT_TIERS, count_only: bool = False,
                      batch_window_s: float | None = None,

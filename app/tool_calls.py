@@ -445,6 +445,22 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
     return out
 
 
+def into_system_prompt(messages: list[dict[str, Any]], role: str = "system") -> list[dict[str, Any]]:
+    """``messages`` for a chat template that takes a system message only first: each ``role`` message after the first
+    message is left out, its text added to the leading system prompt's (the first message where it is a system or a
+    ``role`` message, else a new system message) in order, with nothing between them, as vLLM's Messages converter
+    merges a conversation's system messages for such a template (``_convert_messages``); a prompt with no text is
+    left out."""
+    lead = messages[:1] if messages and messages[0]["role"] in ("system", role) else []
+    rest = messages[len(lead):]
+    joined = [m for m in rest if m["role"] == role]
+    if not joined:
+        return messages
+    text = "".join(m["content"] for m in lead + joined)
+    head = {k: v for k, v in lead[0].items() if k != "parts"} if lead else {"role": "system"}
+    return ([{**head, "content": text}] if text else []) + [m for m in rest if m["role"] != role]
+
+
 def without_billing_header(message: dict[str, Any]) -> dict[str, Any]:
     """``message`` less Claude Code's billing header, as vLLM's chat parser takes a system message: a text part that
     starts with it loses its first line, and is left out where that was all of it. The header's hash changes every
