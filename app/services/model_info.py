@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.content_format import ContentFormat, ContentFormatOption, content_format
-from app.tool_calls import template_messages
+from app.tool_calls import into_system_prompt, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +273,19 @@ def developer_role(template: str | None) -> str:
     return "developer" if template and "developer" in template else "system"
 
 
+def template_conversation(messages: list[dict[str, Any]], content_format: str, template: str | None
+                          ) -> list[dict[str, Any]]:
+    """``messages`` as ``template`` reads them (``template_messages``), a developer message as the role
+    ``developer_role`` gives it; where that is system and the template takes a system message only first
+    (``system_first``: Qwen's), each developer message after the first message joins the leading system prompt
+    (``into_system_prompt``, as a Messages request's system messages do) rather than meet the template's "system
+    message must be first"."""
+    role = developer_role(template)
+    if role == "system" and system_first(template):
+        messages = into_system_prompt(messages, "developer")
+    return template_messages(messages, content_format, role)
+
+
 def _plain_chat(messages: list[dict[str, Any]]) -> str:
     """Chat messages as one prompt, for a tokenizer with no chat template."""
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
@@ -297,8 +310,8 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
         return []
     if getattr(tok, "chat_template", None):
         try:
-            form, role = template_content_format(model, tok, None), developer_role(template_in_use(tok, None))
-            rendered = tok.apply_chat_template([template_messages(m, form, role) for m in conversations],
+            form, template = template_content_format(model, tok, None), template_in_use(tok, None)
+            rendered = tok.apply_chat_template([template_conversation(m, form, template) for m in conversations],
                                                tokenize=False, add_generation_prompt=True)
         except _template_errors() as exc:
             raise ChatTemplateError(f"the model's chat template cannot render these messages: "
@@ -319,9 +332,9 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
     if messages is not None:
         if getattr(tok, "chat_template", None):
             try:  # special tokens asked for: vLLM renders the template to text and tokenizes that with them
-                form, role = template_content_format(model, tok, tools), developer_role(template_in_use(tok, tools))
+                form, template = template_content_format(model, tok, tools), template_in_use(tok, tools)
                 ids = tok.apply_chat_template(
-                    template_messages(messages, form, role), tools=tools, tokenize=not special,
+                    template_conversation(messages, form, template), tools=tools, tokenize=not special,
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs") or {})

@@ -266,3 +266,23 @@ def test_a_system_messages_billing_header_is_left_out_as_vllm_leaves_it_out(tok,
     # vLLM's chat parser drops Claude Code's billing header line from a system message's text parts; coserve kept it
     raw = {"model": "tiny", "messages": [{"role": "system", "content": content}, ASK]}
     assert coserve_prompt(raw, template) == vllm_prompt(tok, raw, template or tok.chat_template)
+
+
+@pytest.mark.parametrize("messages, system", [
+    ([{"role": "system", "content": "Be brief. "}, {"role": "developer", "content": "Answer in French."}, ASK],
+     "Be brief. Answer in French."),
+    ([{"role": "developer", "content": "Answer in French."}, ASK, {"role": "developer", "content": " Use metric."}],
+     "Answer in French. Use metric."),
+    ([ASK, {"role": "developer", "content": "Answer in French."}], "Answer in French."),
+    ([{"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind. "}]},
+      ASK, {"role": "developer", "content": "Answer in French."}], "Be brief.\nBe kind. Answer in French."),
+], ids=["system-then-developer", "developer-twice", "developer-after-user", "system-of-parts"])
+def test_a_developer_message_joins_the_system_prompt_of_a_template_that_takes_a_system_message_only_first(
+        tok, messages, system):
+    # given as a system message where it was not first, it met Qwen's "system message must be first" (a 400); it
+    # joins the leading system prompt now, with nothing between, as a Messages request's system messages do
+    from tests.unit.api.test_anthropic_conversation import QWEN_LIKE
+
+    ids = coserve_prompt({"model": "tiny", "messages": messages}, QWEN_LIKE)
+    assert tok.decode(ids) == (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
+                               "<|im_start|>assistant\n")
