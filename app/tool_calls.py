@@ -445,18 +445,19 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
     return out
 
 
-def into_system_prompt(messages: list[dict[str, Any]], role: str = "system") -> list[dict[str, Any]]:
+def into_system_prompt(messages: list[dict[str, Any]], role: str = "system", between: str = ""
+                       ) -> list[dict[str, Any]]:
     """``messages`` for a chat template that takes a system message only first: each ``role`` message after the first
     message is left out, its text added to the leading system prompt's (the first message where it is a system or a
-    ``role`` message, else a new system message) in order, with nothing between them, as vLLM's Messages converter
-    merges a conversation's system messages for such a template (``_convert_messages``); a prompt with no text is
+    ``role`` message, else a new system message) in order, ``between`` them (nothing, as vLLM's Messages converter
+    merges a conversation's system messages for such a template: ``_convert_messages``); a prompt with no text is
     left out."""
     lead = messages[:1] if messages and messages[0]["role"] in ("system", role) else []
     rest = messages[len(lead):]
     joined = [m for m in rest if m["role"] == role]
     if not joined:
         return messages
-    text = "".join(m["content"] for m in lead + joined)
+    text = between.join(m["content"] for m in lead + joined if m["content"])
     head = {k: v for k, v in lead[0].items() if k != "parts"} if lead else {"role": "system"}
     return ([{**head, "content": text}] if text else []) + [m for m in rest if m["role"] != role]
 

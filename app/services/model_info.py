@@ -278,11 +278,11 @@ def template_conversation(messages: list[dict[str, Any]], content_format: str, t
     """``messages`` as ``template`` reads them (``template_messages``), a developer message as the role
     ``developer_role`` gives it; where that is system and the template takes a system message only first
     (``system_first``: Qwen's), each developer message after the first message joins the leading system prompt
-    (``into_system_prompt``, as a Messages request's system messages do) rather than meet the template's "system
-    message must be first"."""
+    (``into_system_prompt``, as a Messages request's system messages do, a paragraph each: they were messages of their
+    own) rather than meet the template's "system message must be first"."""
     role = developer_role(template)
     if role == "system" and system_first(template):
-        messages = into_system_prompt(messages, "developer")
+        messages = into_system_prompt(messages, "developer", "\n\n")
     return template_messages(messages, content_format, role)
 
 

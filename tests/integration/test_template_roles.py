@@ -81,26 +81,25 @@ def test_a_template_that_knows_the_developer_role_is_given_it_as_sent(names_deve
     assert prompt == "<dev>Answer in French.<user>Hi!<assistant>"  # as vLLM gives it
 
 
-INSTRUCTED = [{"role": "system", "content": "Be brief. "}, {"role": "developer", "content": "Answer in French."},
+INSTRUCTED = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Answer in French."},
               ASK, {"role": "developer", "content": "Use metric."}]
 
 
 def test_a_developer_message_after_a_system_message_joins_the_system_prompt_of_a_system_first_template(
         system_first_client, keys):
     # a developer message given as a system message after another reached Qwen's "system message must be first"
-    # guard: a 400 with the template's error; it now joins the leading system prompt, in order, joined with nothing
-    # between them as the Messages route merges a conversation's system messages for such a template
+    # guard: a 400 with the template's error; it now joins the leading system prompt, in order, a paragraph each
     client = system_first_client
     prompt = rendered(client, keys.paid, INSTRUCTED)
-    assert prompt == ("<|im_start|>system\nBe brief. Answer in French.Use metric.<|im_end|>\n"
+    assert prompt == ("<|im_start|>system\nBe brief.\n\nAnswer in French.\n\nUse metric.<|im_end|>\n"
                       "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
     r = client.post("/v1/jobs", json={"messages": INSTRUCTED, "max_tokens": 4}, headers=H(keys.paid))
     assert r.status_code == 201, r.text  # the job's prompt is the same
     tokens = client.post("/tokenize", json={"messages": INSTRUCTED}, headers=H(keys.paid)).json()["count"]
     assert r.json()["prompt_tokens"] == tokens
 
-    merged = input_tokens(client, keys.paid, {"instructions": "Be brief. Answer in French.", "input": [ASK]})
-    assert input_tokens(client, keys.paid, {"instructions": "Be brief. ", "input": [
+    merged = input_tokens(client, keys.paid, {"instructions": "Be brief.\n\nAnswer in French.", "input": [ASK]})
+    assert input_tokens(client, keys.paid, {"instructions": "Be brief.", "input": [
         {"role": "developer", "content": "Answer in French."}, ASK]}) == merged
 
 

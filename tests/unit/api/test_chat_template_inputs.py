@@ -269,18 +269,18 @@ def test_a_system_messages_billing_header_is_left_out_as_vllm_leaves_it_out(tok,
 
 
 @pytest.mark.parametrize("messages, system", [
-    ([{"role": "system", "content": "Be brief. "}, {"role": "developer", "content": "Answer in French."}, ASK],
-     "Be brief. Answer in French."),
-    ([{"role": "developer", "content": "Answer in French."}, ASK, {"role": "developer", "content": " Use metric."}],
-     "Answer in French. Use metric."),
+    ([{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Answer in French."}, ASK],
+     "Be brief.\n\nAnswer in French."),
+    ([{"role": "developer", "content": "Answer in French."}, ASK, {"role": "developer", "content": "Use metric."}],
+     "Answer in French.\n\nUse metric."),
     ([ASK, {"role": "developer", "content": "Answer in French."}], "Answer in French."),
-    ([{"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind. "}]},
-      ASK, {"role": "developer", "content": "Answer in French."}], "Be brief.\nBe kind. Answer in French."),
+    ([{"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]},
+      ASK, {"role": "developer", "content": "Answer in French."}], "Be brief.\nBe kind.\n\nAnswer in French."),
 ], ids=["system-then-developer", "developer-twice", "developer-after-user", "system-of-parts"])
 def test_a_developer_message_joins_the_system_prompt_of_a_template_that_takes_a_system_message_only_first(
         tok, messages, system):
     # given as a system message where it was not first, it met Qwen's "system message must be first" (a 400); it
-    # joins the leading system prompt now, with nothing between, as a Messages request's system messages do
+    # joins the leading system prompt now, a paragraph each
     from tests.unit.api.test_anthropic_conversation import QWEN_LIKE
 
     ids = coserve_prompt({"model": "tiny", "messages": messages}, QWEN_LIKE)
