@@ -13,7 +13,7 @@ A tenant's requests per minute fill two buckets: its generation requests' (the c
 Messages and ``/v1/jobs`` routes, and batch creates and summarization starts, which cost a request and no tokens)
 and, apart, its token-counting requests' (``COUNTING``: Anthropic limits count_tokens apart from messages, so a
 client that counts before each message does not halve what it may send; the count routes tokenize on the API
-process's CPU, so they are not free either).
+process's CPU, so they are not free either). A refusal is counted under its buckets' name (``refusal_prefix``).
 
 Redis down: the request goes through (a limit is a guard against a noisy tenant, not a reason to
 stop serving); the API logs it once a minute at most.
@@ -33,17 +33,26 @@ import redis
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "coserve:ratelimit:"
-REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|requests|tokens" -> requests refused (GET /metrics)
+REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|<limit>" -> requests refused (GET /metrics, its label)
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
 GENERATION = ""  # the buckets a charge takes from: the tenant's generation requests' (and their tokens)
 COUNTING = "counting:"  # its token-counting requests' (count_tokens, input_tokens, /tokenize), by the same RPM
 
+
+def refusal_prefix(buckets: str) -> str:
+    """What comes before ``requests`` or ``tokens`` in the ``limit`` label a refusal from ``buckets`` counts under in
+    ``/metrics``: nothing for the generation requests', the buckets' name for the others' (``counting_requests``),
+    so an operator tells a tenant hammering /tokenize from one hammering chat."""
+    return buckets.replace(":", "_")
+
+
 # Several requests' charges in one call, each judged after the ones before it. KEYS: per charge its request
 # bucket and its token bucket, then the refusal counts. ARGV: now ("": Redis's time), window, then per charge:
-# request capacity (-1: no limit), requests, token capacity, tokens, the tenant id. Each bucket is a hash
-# {used, at}: what the tenant took, draining capacity / window per second; its level is capacity - used. Kept as
-# used, not as level, so a limit an operator changes mid-minute counts what the tenant took against the new one
-# (raised: the rest of it at once; lowered: at most a minute's wait). A charge takes both costs only when both fit.
+# request capacity (-1: no limit), requests, token capacity, tokens, and what its refusal counts under before the
+# limit's name ("<tenant id>|" and its buckets' ``refusal_prefix``). Each bucket is a hash {used, at}: what the
+# tenant took, draining capacity / window per second; its level is capacity - used. Kept as used, not as level, so
+# a limit an operator changes mid-minute counts what the tenant took against the new one (raised: the rest of it at
+# once; lowered: at most a minute's wait). A charge takes both costs only when both fit.
 # Answers per charge: 1/0, then per bucket the level after and the seconds until its cost would fit (0: it fits).
 _TAKE = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -81,7 +90,7 @@ for c = 0, (#KEYS - 1) / 2 - 1 do
   else
     local too_large = caps[2] >= 0 and costs[2] > caps[2]  -- as Decision.limit_hit names it
     local limit = (too_large or waits[2] > waits[1]) and 'tokens' or 'requests'
-    redis.call('HINCRBY', refusals, ARGV[base + 4] .. '|' .. limit, 1)
+    redis.call('HINCRBY', refusals, ARGV[base + 4] .. limit, 1)
   end
   table.insert(out, ok and 1 or 0)
   for i = 1, 2 do
@@ -239,7 +248,8 @@ class RateLimiter:
         for c in limited:
             rpm, tpm = c.limits.requests_per_minute, c.limits.tokens_per_minute
             keys += [f"{KEY_PREFIX}{c.tenant_id}:{c.buckets}requests", f"{KEY_PREFIX}{c.tenant_id}:{c.buckets}tokens"]
-            args += [-1 if rpm is None else rpm, c.requests, -1 if tpm is None else tpm, c.tokens, c.tenant_id]
+            args += [-1 if rpm is None else rpm, c.requests, -1 if tpm is None else tpm, c.tokens,
+                     f"{c.tenant_id}|{refusal_prefix(c.buckets)}"]
         try:
             answer = self._script(keys=[*keys, REFUSALS], args=args)
         except redis.RedisError as exc:
@@ -277,7 +287,8 @@ def take_request(limiter: RateLimiter | None, tenant_id: str, limits: Limits,
 
 
 def refusals(redis_url: str) -> dict[tuple[str, str], int]:
-    """Requests refused so far, per (tenant id, limit); empty where Redis cannot say."""
+    """Requests refused so far, per (tenant id, limit: ``refusal_prefix`` and the limit's name); empty where Redis
+    cannot say."""
     try:
         raw = redis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0).hgetall(REFUSALS)
     except redis.RedisError as exc:

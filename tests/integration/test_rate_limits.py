@@ -362,3 +362,18 @@ def test_a_batch_create_counts_against_the_tenants_requests_per_minute(client, k
     assert [b["id"] for b in message_batches] == [message_batch.json()["id"]]
     other = client.post("/v1/messages/batches", json={"requests": [request]}, headers={"x-api-key": keys.other})
     assert other.status_code == 200, other.text  # another tenant's buckets are its own
+
+
+def test_a_counting_routes_refusals_are_counted_apart_from_the_generation_routes(client, keys):
+    """The counting routes' refusals were counted in /metrics under limit="requests", with the chat and jobs routes':
+    an operator could not tell a tenant hammering /tokenize from one hammering chat. They count under their own
+    bucket's name."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 1}, headers=H(keys.admin))
+    assert client.post("/tokenize", json={"prompt": "Hi"}, headers=H(keys.paid)).status_code == 200
+    assert client.post("/tokenize", json={"prompt": "Hi"}, headers=H(keys.paid)).status_code == 429
+    assert client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 4}, headers=H(keys.paid)).status_code == 201
+    metrics = client.get("/metrics", headers=H(keys.admin)).text
+    assert f'coserve:rate_limited_requests_total{{limit="counting_requests",tenant_id="{keys.tenant_id}"}} 1.0' \
+        in metrics, metrics
+    assert f'limit="requests",tenant_id="{keys.tenant_id}"' not in metrics  # no generation request was refused
+
