@@ -39,7 +39,7 @@ from app.db.session import write_after_read
 from app.openai_schemas import OpenAIError, parse_window
 from app.services.idempotency import Idempotency
 from app.services.jobs import job_values, resolve_tier
-from app.services.rate_limits import anthropic_rate_headers
+from app.services.rate_limits import MESSAGE_BATCHES, anthropic_rate_headers
 from app.services.workers import held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
@@ -67,6 +67,13 @@ def _own(session, principal, batch_id: str) -> Batch:
     if row is None or row.tenant_id != principal.tenant_id or row.endpoint != ENDPOINT or row.deleted_at is not None:
         raise OpenAIError(404, f"No such message batch: {batch_id}", param="message_batch_id")
     return row
+
+
+def _charge_call(request: Request, principal: Principal) -> dict[str, str]:
+    """A call but the create (retrieve, list, results, cancel, delete) taken from its tenant's Message Batches bucket
+    (``rate_limits.MESSAGE_BATCHES``) before it reads or changes anything; over the limit a 429 in Anthropic's shape.
+    Returns its ``anthropic-ratelimit-*`` headers."""
+    return anthropic_rate_headers(charge_request(rate_limiter(request), principal, MESSAGE_BATCHES))
 
 
 def _results_url(request: Request, batch_id: str) -> str:
@@ -158,11 +165,12 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
     return _object(request, session, batch)
 
 
-@router.get("", responses=anthropic_responses(400))
-def list_message_batches(request: Request, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-                         limit: Annotated[int, Query(ge=1, le=1000)] = 20, before_id: str | None = None,
-                         after_id: str | None = None) -> dict[str, Any]:
+@router.get("", responses=anthropic_responses(400, 429))
+def list_message_batches(request: Request, response: Response, session: SessionDep, principal: CurrentPrincipal,
+                         settings: SettingsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+                         before_id: str | None = None, after_id: str | None = None) -> dict[str, Any]:
     """The tenant's message batches, newest first; ``after_id`` pages on to older ones, ``before_id`` back."""
+    response.headers.update(_charge_call(request, principal))
     if before_id and after_id:
         raise OpenAIError(400, "give before_id or after_id, not both", param="before_id")
     query = select(Batch).where(Batch.tenant_id == principal.tenant_id, Batch.endpoint == ENDPOINT,
@@ -184,10 +192,11 @@ def list_message_batches(request: Request, session: SessionDep, principal: Curre
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 
-@router.get("/{message_batch_id}", responses=anthropic_responses(404))
-async def get_message_batch(message_batch_id: str, request: Request, session: SessionDep,
+@router.get("/{message_batch_id}", responses=anthropic_responses(404, 429))
+async def get_message_batch(message_batch_id: str, request: Request, response: Response, session: SessionDep,
                             principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
+        response.headers.update(_charge_call(request, principal))
         batch = _own(session, principal, message_batch_id)
         if batch.status in ("in_progress", "cancelling"):
             maybe_finalize(session, batch.id, settings.data_dir, settings.redis_url)
@@ -197,10 +206,11 @@ async def get_message_batch(message_batch_id: str, request: Request, session: Se
     return await run_in_threadpool(read)
 
 
-@router.post("/{message_batch_id}/cancel", responses=anthropic_responses(404, 409))
-def cancel_message_batch(message_batch_id: str, request: Request, session: SessionDep, principal: CurrentPrincipal,
-                         settings: SettingsDep) -> dict[str, Any]:
+@router.post("/{message_batch_id}/cancel", responses=anthropic_responses(404, 409, 429))
+def cancel_message_batch(message_batch_id: str, request: Request, response: Response, session: SessionDep,
+                         principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     """Requests not yet done are canceled; the batch is ``canceling`` until its running ones stop, then ended."""
+    response.headers.update(_charge_call(request, principal))
     batch = _own(session, principal, message_batch_id)
     if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_batch(
             session, batch, settings.data_dir, settings.redis_url):
@@ -209,12 +219,13 @@ def cancel_message_batch(message_batch_id: str, request: Request, session: Sessi
     return _object(request, session, batch)
 
 
-@router.delete("/{message_batch_id}", responses=anthropic_responses(404, 409))
-def delete_message_batch(message_batch_id: str, session: SessionDep, principal: CurrentPrincipal,
-                         settings: SettingsDep) -> dict[str, Any]:
+@router.delete("/{message_batch_id}", responses=anthropic_responses(404, 409, 429))
+def delete_message_batch(message_batch_id: str, request: Request, response: Response, session: SessionDep,
+                         principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     """An ended batch, its results and its files. Its row stays, with ``deleted_at`` and the status it ended with,
     so its jobs stay its own: usage counts them as batch jobs (a row deleted would leave them no batch:
     ``jobs.batch_id`` is set null), and operators still see how it ended."""
+    response.headers.update(_charge_call(request, principal))
     batch = _own(session, principal, message_batch_id)
     if mb.processing_status(batch) != "ended":
         raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; cancel it and delete it once "
@@ -231,10 +242,13 @@ def delete_message_batch(message_batch_id: str, session: SessionDep, principal: 
 
 @router.get("/{message_batch_id}/results", name="message_batch_results", responses={
     200: {"content": {"application/x-jsonl": {}}, "description": "a result per request, one JSON object a line"},
-    **anthropic_responses(404, 409)})
-def message_batch_results(message_batch_id: str, session: SessionDep, principal: CurrentPrincipal) -> Response:
+    **anthropic_responses(404, 409, 429)})
+def message_batch_results(message_batch_id: str, request: Request, session: SessionDep,
+                          principal: CurrentPrincipal) -> Response:
     """Each request's result (``succeeded`` with its Message, ``errored``, ``canceled``, ``expired``) once the batch
-    has ended, in the order of its requests."""
+    has ended, in the order of its requests. The download is one request, charged before its first byte: a large
+    batch's results are never cut off by the limit midway."""
+    rate = _charge_call(request, principal)
     batch = _own(session, principal, message_batch_id)
     if mb.processing_status(batch) != "ended":
         raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; its results come once its "
@@ -244,7 +258,8 @@ def message_batch_results(message_batch_id: str, session: SessionDep, principal:
         files = [opened.enter_context(handle) if (handle := _results_file(session, principal, file_id)) else None
                  for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id)]
         lines = mb.results(*files, batch.errors, cancelled=batch.status == "cancelled")
-        return StreamingResponse(_jsonl_pieces(lines, opened.pop_all()), media_type="application/x-jsonl")
+        return StreamingResponse(_jsonl_pieces(lines, opened.pop_all()), media_type="application/x-jsonl",
+                                 headers=rate)
 
 
 def _results_file(session: Session, principal: Principal, file_id: str | None) -> BinaryIO | None:

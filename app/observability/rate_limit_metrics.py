@@ -17,8 +17,8 @@ class RateLimitCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily("coserve:rate_limited_requests",
                                      "Requests refused (429) by their tenant's rate limits, by the limit reached "
-                                     "(requests, tokens; counting_requests: the counting routes' "
-                                     "bucket).",
+                                     "(requests, tokens; counting_requests, message_batches_requests: their own "
+                                     "buckets').",
                                      labels=["tenant_id", "limit"])
         for (tenant, limit), n in sorted(refusals(self.redis_url).items()):
             family.add_metric([tenant, limit], n)

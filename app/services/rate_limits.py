@@ -9,11 +9,13 @@ concurrent API processes never overdraw them. A refusal is a 429 that says which
 is left and when the bucket holds enough again (``retry-after``, which the official client waits
 for before its retry), with OpenAI's ``x-ratelimit-*`` headers.
 
-A tenant's requests per minute fill two buckets: its generation requests' (the chat, completions, Responses,
+A tenant's requests per minute fill three buckets: its generation requests' (the chat, completions, Responses,
 Messages and ``/v1/jobs`` routes, and batch creates and summarization starts, which cost a request and no tokens)
 and, apart, its token-counting requests' (``COUNTING``: Anthropic limits count_tokens apart from messages, so a
 client that counts before each message does not halve what it may send; the count routes tokenize on the API
-process's CPU, so they are not free either). A refusal is counted under its buckets' name (``refusal_prefix``).
+process's CPU, so they are not free either), and its Message Batches calls but the create (``MESSAGE_BATCHES``:
+Anthropic limits every batch endpoint by requests per minute apart from messages, so a client polling its batch
+does not halve what it may send). A refusal is counted under its buckets' name (``refusal_prefix``).
 
 Redis down: the request goes through (a limit is a guard against a noisy tenant, not a reason to
 stop serving); the API logs it once a minute at most.
@@ -37,6 +39,8 @@ REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|<limit>" -> requests
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
 GENERATION = ""  # the buckets a charge takes from: the tenant's generation requests' (and their tokens)
 COUNTING = "counting:"  # its token-counting requests' (count_tokens, input_tokens, /tokenize), by the same RPM
+MESSAGE_BATCHES = "message_batches:"  # its Message Batches calls but the create (retrieve, list, results, cancel,
+# delete), by the same RPM: Anthropic limits every batch endpoint apart from Messages, so polling eats no sends
 
 
 def refusal_prefix(buckets: str) -> str:
@@ -222,7 +226,7 @@ class Charge:
     limits: Limits
     requests: int  # 1, or 0 for a request's further jobs (its other choices and prompts)
     tokens: int
-    buckets: str = GENERATION  # or COUNTING
+    buckets: str = GENERATION  # or COUNTING, MESSAGE_BATCHES
 
 
 class RateLimiter:
@@ -273,12 +277,12 @@ class RateLimiter:
 
 def take_request(limiter: RateLimiter | None, tenant_id: str, limits: Limits,
                  buckets: str = GENERATION) -> Decision | None:
-    """One request of no tokens from the tenant's ``buckets`` (a summarization start; a token count), raising
-    ``RateLimited`` over its requests per minute; None where that is no limit. A count's answer shows its own
-    bucket alone (its tokens are no one's)."""
+    """One request of no tokens from the tenant's ``buckets`` (a summarization start; a token count; a batch's
+    retrieve), raising ``RateLimited`` over its requests per minute; None where that is no limit. A count's or a
+    batch call's answer shows its own bucket alone (their buckets hold no tokens)."""
     if limiter is None or limits.requests_per_minute is None:
         return None
-    if buckets == COUNTING:
+    if buckets != GENERATION:
         limits = Limits(requests_per_minute=limits.requests_per_minute)
     decision = limiter.take(tenant_id, limits, 0, buckets=buckets)
     if not decision.allowed:

@@ -8,6 +8,7 @@ import pytest
 
 from app.services.rate_limits import Limits, RateLimiter
 from tests.conftest import Keys
+from tests.integration.test_message_batch_state import ended_message_batch
 from tests.postgres import TEST_DATABASE
 
 pytestmark = pytest.mark.integration
@@ -377,3 +378,29 @@ def test_a_counting_routes_refusals_are_counted_apart_from_the_generation_routes
         in metrics, metrics
     assert f'limit="requests",tenant_id="{keys.tenant_id}"' not in metrics  # no generation request was refused
 
+
+def test_a_message_batchs_reads_count_against_a_bucket_of_their_own(client, keys):
+    """Anthropic limits every Message Batches endpoint by requests per minute, apart from Messages; coserve limited
+    the create alone, so a tenant polled, listed and downloaded without bound. Retrieve, list, results, cancel and
+    delete take from a bucket of the tenant's requests per minute of their own (polling does not eat what it may
+    send), a results download charged once, before its first byte; over it a 429 in Anthropic's shape."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 3}, headers=H(keys.admin))
+    batch = ended_message_batch(client, keys)  # a create (generation requests) and a cancel (the batch reads)
+    anthropic = {"x-api-key": keys.free}  # the tenant's bucket, any key
+    polled = client.get(f"/v1/messages/batches/{batch['id']}", headers=anthropic)
+    assert polled.status_code == 200 and polled.headers["anthropic-ratelimit-requests-remaining"] == "1", polled.text
+    results = client.get(f"/v1/messages/batches/{batch['id']}/results", headers=anthropic)
+    assert results.status_code == 200 and results.headers["anthropic-ratelimit-requests-remaining"] == "0"
+    assert [json.loads(line)["result"]["type"] for line in results.text.splitlines()] == ["canceled", "canceled"]
+    listed = client.get("/v1/messages/batches", headers=anthropic)
+    assert listed.status_code == 429 and listed.json()["error"]["type"] == "rate_limit_error", listed.text
+    assert "requests per minute: limit 3" in listed.json()["error"]["message"], listed.text
+    assert listed.headers["anthropic-ratelimit-requests-limit"] == "3" and int(listed.headers["retry-after"]) >= 19
+    assert not any(h.startswith("x-ratelimit-") for h in listed.headers)
+    deleted = client.delete(f"/v1/messages/batches/{batch['id']}", headers=anthropic)
+    assert deleted.status_code == 429, deleted.text  # refused before it deleted anything
+    job = {"prompt": "hello", "max_tokens": 4}  # the generation requests' bucket: the create's one taken
+    assert [client.post("/v1/jobs", json=job, headers=H(keys.paid)).status_code for _ in range(3)] == [201, 201, 429]
+    assert client.get(f"/v1/messages/batches/{batch['id']}", headers={"x-api-key": keys.other}).status_code == 404
+    metrics = client.get("/metrics", headers=H(keys.admin)).text
+    assert f'limit="message_batches_requests",tenant_id="{keys.tenant_id}"}} 2.0' in metrics, metrics
