@@ -470,10 +470,8 @@ class CoserveScheduler(AsyncScheduler):
         # vLLM schedules running requests before waiting ones and gives each min(tokens left, budget left):
         # a partial chunk is always the policy's last, so it is exact unless a started prompt's partial
         # chunk would come before new prompts the policy put ahead of it. That chunk waits a step.
-        if chunks and chunks[-1][0] in by_id and any(rid not in by_id for rid, _ in chunks[:-1]):
-            vreq = by_id[chunks[-1][0]]
-            if chunks[-1][1] < vreq.num_tokens - vreq.num_computed_tokens:
-                chunks.pop()
+        if chunks and any(rid not in by_id for rid, _ in chunks[:-1]) and _cut_short(chunks[-1], by_id):
+            chunks.pop()
         if slots is not None:
             chunks = self._within_lora_slots(chunks, by_id, set(slots))
         chosen = {rid for rid, _ in chunks}
@@ -494,9 +492,11 @@ class CoserveScheduler(AsyncScheduler):
             chunks = self._as_whole(chunks, by_id, self._max_tokens - decode_tokens - self.num_spec_tokens)
         started = [by_id[rid] for rid, _ in chunks if rid in by_id]
         step_tokens = decode_tokens + sum(n for rid, n in chunks if rid in by_id)
-        if self._may_run_out(len(staying) + len(started), step_tokens):
-            staying = self._least_urgent_last(staying)
         kept = staying + started
+        if self._may_run_out(len(kept), step_tokens):
+            # a started prompt cut short stays last: vLLM gives each running request what is left of the budget
+            short = [r for chunk in chunks if (r := _cut_short(chunk, by_id)) is not None]
+            kept = self._least_urgent_last([r for r in kept if r not in short]) + short
         new = [self.requests[rid] for rid, _ in chunks if rid not in by_id and rid in self.requests]
         held = self.waiting
         visible = create_request_queue(SchedulingPolicy.FCFS)
@@ -521,12 +521,13 @@ class CoserveScheduler(AsyncScheduler):
         return self.kv.capacity().free_blocks < most
 
     def _least_urgent_last(self, requests: list[VLLMRequest]) -> list[VLLMRequest]:
-        """``requests`` (the step's decodes) in the policy's victim order from the end: its first victim last, where
-        vLLM preempts (``running[-1]``) when its allocator finds no room for a request the policy counted room for
-        (the counts part at prefix-cache hits, lookahead slots, block rounding, a KV connector). The policy frees KV
-        before vLLM runs out, so this is a fallback; vLLM schedules every one of them either way (the step's budget
-        is theirs and the chunks', which come after them). Those the policy does not know go first, in their order;
-        equals keep vLLM's order (the order they started)."""
+        """``requests`` (the step's decodes and started prompts) in the policy's victim order from the end: its
+        first victim last, where vLLM preempts (``running[-1]``) when its allocator finds no room for a request the
+        policy counted room for (the counts part at prefix-cache hits, lookahead slots, block rounding, a KV
+        connector). The policy frees KV before vLLM runs out, so this is a fallback; vLLM schedules every one of them
+        either way (the step's budget is all of theirs, and each takes its rest of tokens, which the budget holds).
+        Those the policy does not know go first, in their order; equals keep the order they came in (decodes in the
+        order they started, then the started prompts in the plan's)."""
         known = [r for r in requests if r.request_id in self.mirrors]
         unknown = [r for r in requests if r.request_id not in self.mirrors]
         key = self.coserve_policy.victim_key  # type: ignore[union-attr]
@@ -729,6 +730,13 @@ class CoserveScheduler(AsyncScheduler):
     def preempt_for_policy(self, request: VLLMRequest) -> None:
         """vLLM's recompute preemption of ``request`` (already out of ``running``), on the policy's choice."""
         self._preempt_request(request, time.monotonic())
+
+
+def _cut_short(chunk: tuple[str, int], running: dict[str, VLLMRequest]) -> VLLMRequest | None:
+    """The started prompt of ``chunk`` (request id, tokens) where the chunk is less than its rest: vLLM runs a running
+    request's rest as far as the step's budget goes, so it runs exactly the chunk only as the budget's last."""
+    vreq = running.get(chunk[0])
+    return vreq if vreq is not None and chunk[1] < vreq.num_tokens - vreq.num_computed_tokens else None
 
 
 def _tell_finished(outputs: dict[int, Any], requests: list[VLLMRequest]) -> None:

@@ -405,6 +405,30 @@ def test_where_vllm_itself_must_preempt_it_takes_the_policys_first_victim(make_s
     assert out.num_scheduled_tokens == {paid.request_id: 1} and s.running == [paid]
 
 
+def test_where_vllm_itself_must_preempt_it_takes_a_free_decode_before_a_paid_prompts_last_chunk(make_scheduler,
+                                                                                                 monkeypatch):
+    """A started prompt is a victim as a decode is: the paid chat's last chunk and the free job's decode need a block
+    each and one is free (the KV view counts none, the policy's count off by design). The started prompts stood after
+    the decodes in vLLM's running order, so vLLM preempted the paid chat's prompt (``running[-1]``) and decoded the
+    free job; now decodes and started prompts go least urgent last together, and vLLM takes the free job."""
+    s = make_scheduler("qoserve", max_batched=16, blocks=4)  # 3 blocks of 16 tokens, 16 tokens a step
+    for _ in range(3):
+        s.coserve_policy.history.record("short", 1)  # footprints of 1 and 2 blocks: both prompts are admitted
+    free = vllm_request(15, {"ttft_ms": 2_000, "tbt_ms": 1000, "tier": "free", "app_id": "short"}, max_tokens=20)
+    paid = vllm_request(24, {"ttft_ms": 30_000, "tbt_ms": 1000, "app_id": "short"}, max_tokens=20)
+    s.add_request(free)
+    s.add_request(paid)
+    out, _ = run_step(s)  # the free job's prompt, due first, and a token of the chat's: a block each
+    assert out.num_scheduled_tokens == {free.request_id: 15, paid.request_id: 1}
+    monkeypatch.setattr(s.kv, "blocks_needed", lambda request_id, n: 0)
+    out, _ = run_step(s)  # the free job's 16th token and the chat's next 15 fill their blocks
+    assert out.num_scheduled_tokens == {free.request_id: 1, paid.request_id: 15} and not out.preempted_req_ids
+    out, _ = run_step(s)  # the free job's 17th token and the chat's last 8 need a block each: one is free
+    assert not s.kv.released  # the policy saw room for both: vLLM's own preemption decides
+    assert out.preempted_req_ids == {free.request_id}, out.preempted_req_ids
+    assert out.num_scheduled_tokens == {paid.request_id: 8} and s.running == [paid]
+
+
 def test_with_room_for_the_steps_worst_case_the_decodes_keep_vllms_order_unkeyed(make_scheduler, monkeypatch):
     """The victim order costs a key per decode per step; it matters only where vLLM's allocator could find no room.
     With blocks free for every running request's tokens, lookahead and a block edge, the decodes keep the order

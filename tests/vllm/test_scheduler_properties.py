@@ -464,8 +464,16 @@ class Drive:
             # left as it stood); else the decodes went in the victim order
             assert any(tight) or not out.preempted_req_ids or out.preempted_req_ids <= released, (
                 out.preempted_req_ids, released)
+            # the started prompts the step runs, in the plan's order, and those whose chunk is less than their rest;
+            # one of these planned after a new prompt waits a step (vLLM runs the running requests first)
+            prompts = [q.request.request_id for q in plan.prefills if q.request.request_id in running]
+            short = {q.request.request_id for q in plan.prefills if q.request.request_id in running
+                     and q.num_tokens < before[q.request.request_id][1] - before[q.request.request_id][0]}
+            if prompts and prompts[-1] in short and plan.prefills[-1].request.request_id == prompts[-1] and any(
+                    q.request.request_id not in running for q in plan.prefills[:-1]):
+                prompts.pop()
             self.check_running_order(running, {r.request_id for r in plan.decodes} | ending,
-                                     victim if any(tight) else {})
+                                     victim if any(tight) else {}, prompts, short)
             # vLLM restarts no request whose output is still in flight (async scheduling: the policy preempted it
             # with its step in flight, in this pass): coserve plans no chunk of it, which vLLM would skip (the
             # step's tokens lost, or given to a chunk planned after it)
@@ -662,18 +670,26 @@ class Drive:
                 assert not (first(a) < first(b) and sa[0] <= sb[0] and sa[1] <= sb[1]), (
                     a.request_id, first(a), sa, "waits while", b.request_id, first(b), sb)
 
-    def check_running_order(self, before: list, stay: set, victim: dict) -> None:
+    def check_running_order(self, before: list, stay: set, victim: dict, prompts: list, short: set) -> None:
         """vLLM's running order: vLLM preempts from the end of ``running`` where it finds no KV the policy counted
-        (their counts part), so the requests that stay running are in the policy's victim order from the end
-        (``victim``: each one's ``victim_key`` as the step began; empty where no allocation could fail, and the order
-        stays), its first victim last; those the policy does not
-        know first, and equals, in their order as the step began (``before``). The prompts the step started come after
-        them. Those that stay are the policy's decodes and the requests vLLM skips for their step in flight
-        (``stay``); a started prompt the policy did not choose steps aside for the step (put back last)."""
+        (their counts part), so the requests that run on are in the policy's victim order from the end (``victim``:
+        each one's ``victim_key`` as the step began; empty where no allocation could fail, and the order stays), its
+        first victim last; those the policy does not know first, and equals, in their order as the step began
+        (``before``), then the started prompts in the plan's (``prompts``). A started prompt whose chunk is less than
+        its rest (``short``) comes after them all, where vLLM gives it exactly the budget's last tokens. The prompts the
+        step started come after them. Those that run on are the policy's decodes, the requests vLLM skips for their
+        step in flight (``stay``) and the started prompts the plan runs; a started prompt the policy did not choose
+        steps aside for the step (put back last)."""
         after = [r.request_id for r in self.s.running]
         kept = [rid for rid in before if rid in stay and rid in after]
-        kept = [rid for rid in kept if rid not in victim] + sorted((rid for rid in kept if rid in victim),
-                                                                    key=victim.get, reverse=True)
+        prompts = [rid for rid in prompts if rid in after]  # vLLM preempted none of them
+        if victim:
+            kept += [rid for rid in prompts if rid not in short]
+            kept = [rid for rid in kept if rid not in victim] + sorted((rid for rid in kept if rid in victim),
+                                                                        key=victim.get, reverse=True)
+            kept += [rid for rid in prompts if rid in short]
+        else:
+            kept += prompts
         placed = [rid for rid in after if rid in kept]
         assert placed == kept, ("running order", before, after)
         started = [i for i, rid in enumerate(after) if rid not in before]
