@@ -429,6 +429,29 @@ def test_where_vllm_itself_must_preempt_it_takes_a_free_decode_before_a_paid_pro
     assert out.num_scheduled_tokens == {paid.request_id: 8} and s.running == [paid]
 
 
+def test_a_started_prompt_cut_short_stays_last_where_vllm_may_run_out(make_scheduler, monkeypatch):
+    """vLLM gives a running request its rest as far as the step's budget goes: a started prompt whose chunk is less
+    than its rest gets exactly its chunk only as the budget's last. Where the step may run out of KV, the decodes
+    go in the victim order, and the paid chat's prompt, cut short, stays after the free job's decode though the free
+    job is the first victim: before it, it would take the decode's token (vLLM's first victim is then that prompt)."""
+    s = make_scheduler("qoserve", max_batched=16, blocks=5)  # 4 blocks of 16 tokens, 16 tokens a step
+    for _ in range(3):
+        s.coserve_policy.history.record("short", 1)  # footprints of 1 and 3 blocks: both prompts are admitted
+    free = vllm_request(15, {"ttft_ms": 2_000, "tbt_ms": 1000, "tier": "free", "app_id": "short"}, max_tokens=20)
+    paid = vllm_request(40, {"ttft_ms": 30_000, "tbt_ms": 1000, "app_id": "short"}, max_tokens=20)
+    s.add_request(free)
+    s.add_request(paid)
+    run_step(s)
+    run_step(s)  # the chat's prompt holds a block, 24 tokens left; the free job's decode fills its block
+    keyed = []
+    key = s.coserve_policy.victim_key
+    monkeypatch.setattr(s.coserve_policy, "victim_key", lambda req: keyed.append(req.request_id) or key(req))
+    out, _ = run_step(s)  # 2 blocks free: fewer than the step may take
+    assert out.num_scheduled_tokens == {free.request_id: 1, paid.request_id: 15}
+    assert s.running == [free, paid]
+    assert keyed == [free.request_id]  # the step was tight, the chat's prompt not keyed
+
+
 def test_with_room_for_the_steps_worst_case_the_decodes_keep_vllms_order_unkeyed(make_scheduler, monkeypatch):
     """The victim order costs a key per decode per step; it matters only where vLLM's allocator could find no room.
     With blocks free for every running request's tokens, lookahead and a block edge, the decodes keep the order
