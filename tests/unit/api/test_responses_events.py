@@ -23,8 +23,8 @@ JOB = SimpleNamespace(id="job_x", status="running", created_at=datetime(2026, 1,
 
 
 def events(monkeypatch, starting_after: int | None = None, items: list | None = None) -> list[dict]:
-    items = items or [Piece(0, "", "", [{"index": 0, **CALL, "function": {"name": "get_weather", "arguments": '{"city"'}}],
-                   None, 0, 3),
+    begun = {"index": 0, **CALL, "function": {"name": "get_weather", "arguments": '{"city"'}}
+    items = items or [Piece(0, "", "", [begun], None, 0, 3),
              Piece(0, "", "", [{"index": 0, "function": {"arguments": ': "Rome"}'}}], None, 7, 5),
              Finished(0, Answer(None, [CALL], "tool_calls"), 9, 5)]
 
