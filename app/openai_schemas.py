@@ -202,15 +202,15 @@ class QoSExtension(BaseModel):
         None, description="makes it a deadline (batch-class) job: seconds from now, a window like '2h', or an ISO time")
     tier: Text | None = None
     # OpenAI's own field for the same idea: "flex" is the lowest tier (free: relegated first under load),
-    # "priority" the highest (paid), "auto"/"default" the key's tier
-    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    # "priority" the highest (paid), "fast" OpenAI's other name for it, "auto"/"default" the key's tier
+    service_tier: Literal["auto", "default", "flex", "priority", "fast"] | None = None
     app_id: Text | None = Field(None, max_length=200)
     ignore_eos: bool = False
 
     def job_tier(self, tiers: tuple[str, ...] = DEFAULT_TIERS) -> str | None:
         """The tier asked for: ``tier``, or OpenAI's ``service_tier`` among ``tiers`` (the configured ones, lowest
-        first): ``flex`` the lowest, ``priority`` the highest."""
-        service = {"flex": tiers[0], "priority": tiers[-1]}.get(self.service_tier or "auto")
+        first): ``flex`` the lowest, ``priority`` (or ``fast``, as OpenAI takes it) the highest."""
+        service = {"flex": tiers[0], "priority": tiers[-1], "fast": tiers[-1]}.get(self.service_tier or "auto")
         if self.tier is not None and service is not None and self.tier != service:
             raise OpenAIError(400, f"tier {self.tier!r} and service_tier {self.service_tier!r} disagree; give one",
                               param="service_tier")
@@ -295,6 +295,8 @@ UNSUPPORTED_HINTS = {
     "modalities": " (this server answers in text only)",
     "audio": " (this server answers in text only)",
     "web_search_options": " (this server does not search the web)",
+    "moderation": " (this server runs no moderation model: nothing is screened or blocked; screen the input and the "
+                  "answer yourself, e.g. with a moderation endpoint)",
     "request_id": " (the answer's id is its job's here; send your id as the X-Request-Id header: the answer's "
                   "x-request-id echoes it, the jobs keep it, GET /v1/jobs?request_id= finds them and the API's log "
                   "lines name it)",
@@ -623,6 +625,8 @@ class ChatCompletionRequest(_Base):
     documents: Any = None
     return_prompt_text: Any = None
     verbosity: Any = None  # OpenAI's: how long the answer is (medium, the default, is taken)
+    # OpenAI's moderation of the input and the answer: answered without it, a blocked text would pass for screened
+    moderation: Any = None
     # OpenAI's predicted output, taken and not applied: a latency hint, the text is the model's all the same
     prediction: dict[str, Any] | None = None
 
@@ -630,7 +634,7 @@ class ChatCompletionRequest(_Base):
         **_Base.unsupported, "functions": (None, []), "function_call": (None, "none"),
         "modalities": (None, ["text"]), "audio": (None,),
         "web_search_options": (None,), "documents": (None, []), "return_prompt_text": (None, False),
-        "verbosity": (None, "medium")}
+        "verbosity": (None, "medium"), "moderation": (None,)}
 
     def check(self) -> None:
         super().check()

@@ -31,7 +31,7 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "presence_penalty", "f
                  "service_tier", "parallel_tool_calls", "ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "tier",
                  "app_id", "ignore_eos", "chat_template_kwargs", "structured_outputs", "include_reasoning",
                  "prompt_cache_key", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
-                 "truncate_prompt_tokens", "cache_salt", "thinking_token_budget",
+                 "truncate_prompt_tokens", "cache_salt", "thinking_token_budget", "moderation",
                  *VllmUnsupported.unsupported)  # vLLM's fields coserve refuses, refused here as on chat
 # a chat field named in an error -> the Responses field the client wrote
 RESPONSES_PARAM = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
