@@ -228,7 +228,7 @@ class JobCreate(NumbersNotBooleans):
         "COSERVE_PREFIX_CACHE_SCOPE=tenant)"))
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description=(
         "vLLM's: the prompt keeps only its last k tokens (left truncation; a special token the tokenizer adds to a "
-        "text, e.g. BOS, stays); -1: as many as fit beside max_tokens in the model's context"))
+        "text, e.g. BOS, stays); -1, as vLLM 0.32: the context less one token, the answer getting what is left"))
     include_stop_str_in_output: bool = Field(False, description=(
         "vLLM's: the stop string that ended the text stays at its end"))
     return_token_ids: bool = Field(False, description=(

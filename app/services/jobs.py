@@ -266,8 +266,11 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
                  else len(fed_prompt(settings, SimpleNamespace(**job), limit)))
         except ChatTemplateError as exc:
             raise JobValidationError(str(exc), param="messages") from exc
-        if spec.max_tokens is None and max(1, sampling["min_tokens"]) <= limit - n < sampling["max_tokens"]:
-            sampling["max_tokens"] = limit - n  # unset (vLLM, OpenAI): what the context leaves, up to the default
+        if (spec.max_tokens is None or truncate == -1) and max(1, sampling["min_tokens"]) <= limit - n < \
+                sampling["max_tokens"]:
+            # unset (vLLM, OpenAI), or a prompt cut to fill the context (vLLM's truncate_prompt_tokens -1, which
+            # keeps all but one token of it): what the context leaves, up to the asked or the default
+            sampling["max_tokens"] = limit - n
         if n + sampling["max_tokens"] > limit:
             raise JobValidationError.over_context(ContextOverflow(n, sampling["max_tokens"], limit), blame)
         job["prompt_tokens"] = n

@@ -20,12 +20,13 @@ from app.tool_calls import template_tools
 log = logging.getLogger(__name__)
 
 
-def kept_count(truncate: int | None, context: int, max_tokens: int) -> int | None:
-    """How many tokens a prompt keeps under ``truncate_prompt_tokens``: ``truncate`` (-1: as many as fit beside
-    ``max_tokens`` in a ``context``-token model; None: no cut), one at least."""
+def kept_count(truncate: int | None, context: int) -> int | None:
+    """How many tokens a prompt keeps under ``truncate_prompt_tokens``: ``truncate`` (None: no cut), or for -1 a
+    ``context``-token model's context less the one token vLLM 0.32 holds back for the answer
+    (``TokenizeParams.max_truncation_tokens``); the answer then gets what the context leaves (``job_values``)."""
     if truncate is None:
         return None
-    return max(1, context - max_tokens if truncate == -1 else truncate)
+    return max(1, context - 1 if truncate == -1 else truncate)
 
 
 def fed_prompt(settings: Settings, job: Any, context: int | None = None) -> list[int]:
@@ -37,9 +38,7 @@ def fed_prompt(settings: Settings, job: Any, context: int | None = None) -> list
     adds (a completion prompt's BOS) stay and the text gives up the room they take (``encode_input``)."""
     sampling = job.sampling or {}
     truncate = sampling.get("truncate_prompt_tokens")
-    keep = None if truncate is None else kept_count(
-        truncate, context_length(settings) if context is None else context,
-        int(sampling.get("max_tokens", settings.default_max_tokens)))
+    keep = kept_count(truncate, context_length(settings) if context is None else context)
     if job.prompt_token_ids:
         return list(job.prompt_token_ids)[-keep:] if keep else list(job.prompt_token_ids)
     return encode_input(settings.model, job.prompt, job.messages, job.tools, job.template_options, keep=keep)

@@ -127,7 +127,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(settings, keys):
         fed = {name: worker._request(s.get(Job, job.id), s).prompt_token_ids for name, job in jobs.items()}
     assert fed["last 7"] == full[-7:] and jobs["last 7"].prompt_tokens == 7
     chat = encode_spec(settings.model, specs["fits"])
-    assert fed["fits"] == chat[-(512 - 16):] and jobs["fits"].prompt_tokens == 512 - 16  # ends with its turn
+    # -1, as vLLM 0.32: all the context but one token (its TokenizeParams.max_truncation_tokens), and the answer
+    # what the context leaves (its get_max_tokens), not max_tokens' 16 (which used to cut the prompt to 496)
+    assert fed["fits"] == chat[-(512 - 1):] and jobs["fits"].prompt_tokens == 512 - 1  # ends with its turn
+    assert jobs["fits"].sampling["max_tokens"] == 1
     assert fed["short"] == encode_spec(settings.model, specs["short"]) == fed["short"][-100:]
     with pytest.raises(ValueError, match="0 would leave no prompt"):
         JobCreate(prompt="x", truncate_prompt_tokens=0)
