@@ -71,8 +71,8 @@ def _own(session, principal, batch_id: str) -> Batch:
 
 def _charge_call(request: Request, principal: Principal) -> dict[str, str]:
     """A call but the create (retrieve, list, results, cancel, delete) taken from its tenant's Message Batches bucket
-    (``rate_limits.MESSAGE_BATCHES``) before it reads or changes anything; over the limit a 429 in Anthropic's shape.
-    Returns its ``anthropic-ratelimit-*`` headers."""
+    (``rate_limits.MESSAGE_BATCHES``, the create's too) before it reads or changes anything; over the limit a 429 in
+    Anthropic's shape. Returns its ``anthropic-ratelimit-*`` headers."""
     return anthropic_rate_headers(charge_request(rate_limiter(request), principal, MESSAGE_BATCHES))
 
 
@@ -133,8 +133,8 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
                          principal: CurrentPrincipal, settings: SettingsDep, background: BackgroundTasks,
                          idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict[str, Any]:
     """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours. The create
-    is one request of the tenant's requests per minute and no tokens, as ``POST /v1/batches``' is, taken once its
-    checks let it through and its row is in: a refused create is not charged and leaves no file. A create retried
+    is one request of the tenant's Message Batches bucket and no tokens, as Anthropic counts every Message Batches
+    call apart from messages, taken once its checks let it through and its row is in: a refused create is not charged and leaves no file. A create retried
     with the same Idempotency-Key (and body) answers the batch the first one made, uncharged, as ``POST
     /v1/batches`` does; one with a different body is a 409."""
     idempotency = Idempotency.of(idempotency_key, body)
@@ -154,7 +154,7 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
     try:
         with idempotency_conflicts():
             made, created = create_once(session, batch, idempotency, lambda: response.headers.update(
-                anthropic_rate_headers(charge_request(rate_limiter(request), principal))), files=[src])
+                anthropic_rate_headers(charge_request(rate_limiter(request), principal, MESSAGE_BATCHES))), files=[src])
     except BaseException:  # refused (429), another body under the key (409): no row names the file
         Path(src.path).unlink(missing_ok=True)
         raise
