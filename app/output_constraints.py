@@ -145,7 +145,8 @@ def schema_text(schema: dict[str, Any]) -> str:
 def carried(raw: Any) -> list[Constraint]:
     """The constraints ``check`` would compile for a request body ``raw``: vLLM's ``structured_outputs`` (a regex,
     grammar, JSON schema or structural tag), OpenAI's json_schema ``response_format`` (chat, completions) or
-    ``text.format`` (Responses), and a structural tag in either (``structural_tag.carried``)."""
+    ``text.format`` (Responses), Anthropic's ``output_config.format`` (Messages), and a structural tag in either
+    (``structural_tag.carried``)."""
     if not isinstance(raw, dict):
         return []
     found = [("structural_tag", tag) for tag in structural_tag.carried(raw)]
@@ -163,8 +164,9 @@ def carried(raw: Any) -> list[Constraint]:
     fmt = raw.get("response_format")
     schemas = [(fmt.get("json_schema") or {}).get("schema") if isinstance(fmt, dict) and isinstance(
         fmt.get("json_schema"), dict) else None]
-    if isinstance(text, dict) and isinstance(fmt := text.get("format"), dict):
-        schemas.append(fmt.get("schema"))  # Responses' json_schema format holds its schema at its top
+    for holder in (text, raw.get("output_config")):  # Responses' and Messages' formats hold their schema at their top
+        if isinstance(holder, dict) and isinstance(fmt := holder.get("format"), dict):
+            schemas.append(fmt.get("schema"))
     return found + [("json", schema_text(s)) for s in schemas if isinstance(s, dict)]
 
 

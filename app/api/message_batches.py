@@ -40,7 +40,7 @@ from app.openai_schemas import OpenAIError, parse_window
 from app.services.idempotency import Idempotency
 from app.services.jobs import job_values, resolve_tier
 from app.services.rate_limits import MESSAGE_BATCHES, anthropic_rate_headers
-from app.services.workers import held_context_length
+from app.services.workers import grammar_backends, held_context_length
 from app.services.transitions import utcnow
 from app.settings import Settings
 
@@ -94,7 +94,7 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
     lines as ``parse_file`` reads them (line i + 1 is request i), for the fan-out not to parse them again."""
     seen: dict[str, int] = {}
     out = ParsedFile()
-    context = held_context_length(settings)  # read once for every request
+    context, backends = held_context_length(settings), grammar_backends(settings)  # read once for every request
     for i, item in enumerate(requests):
         if item.custom_id in seen:
             raise OpenAIError(400, f"requests.{i}: custom_id {item.custom_id!r} is also requests."
@@ -103,7 +103,7 @@ def _checked(requests: list[BatchRequest], settings: Settings, principal: Princi
         seen[item.custom_id] = i
         line = mb.input_line(item.custom_id, item.params).decode()
         parsed = parse_line(i + 1, line, ENDPOINT, parse_window(mb.WINDOW), settings.tiers,  # its line in the file
-                            settings.model)
+                            settings.model, grammar_backends=backends)
         if isinstance(parsed, InvalidLine):  # its message names the line and the body: a result names the request
             why = parsed.message.removeprefix(f"line {i + 1}: ").removeprefix("invalid body: ")
         else:

@@ -36,7 +36,7 @@ from app.services.job_writer import JobRows, stage_mark, write_staged
 from app.services.jobs import JobValidationError, choice_links, job_values
 from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
-from app.services.workers import held_context_length
+from app.services.workers import grammar_backends, held_context_length
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,9 @@ def _fan_out(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile |
             return
         batch_dir(settings.data_dir, batch_id)
         with part.open("w", encoding="utf-8", newline="\n") as refused_to:  # this run's: see _start
+            # the backends the workers compile structured outputs with, read once as the batch starts (as its context)
             lines = (batch_lines.parse_lines(handle, endpoint, window_s, settings.tiers, settings.model,
-                                             settings.engine_backend)
+                                             settings.engine_backend, grammar_backends(settings))
                      if handle is not None
                      else heapq.merge(parsed.valid, parsed.invalid, key=lambda line: line.line_no))
             principal = Principal(key_id=key_id or "", tenant_id=tenant_id, tier=tier, is_admin=False)

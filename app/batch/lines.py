@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
+from app import output_constraints
 from app.anthropic_schemas import ENDPOINT as MESSAGES, MessagesRequest
 from app.db.models import Job
 from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, choice_specs,
@@ -66,9 +67,18 @@ class ParsedFile:
 
 
 def parse_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
-               model: str | None = None, engine_backend: str | None = None) -> ValidLine | InvalidLine:
+               model: str | None = None, engine_backend: str | None = None,
+               grammar_backends: tuple[str, ...] = output_constraints.DEFAULT_BACKENDS) -> ValidLine | InvalidLine:
     """One line of a batch's file as its jobs, or why it is refused; ``engine_backend``: what the workers run
-    (``Settings.engine_backend``: a chat line's echo asks for the prompt's logprobs on vLLM's, as online)."""
+    (``Settings.engine_backend``: a chat line's echo asks for the prompt's logprobs on vLLM's, as online);
+    ``grammar_backends``: those the live workers' engines compile structured outputs with
+    (``workers.grammar_backends``), a line's constraint is checked with each, as a request's is online."""
+    with output_constraints.under(grammar_backends):
+        return _parsed_line(line_no, text, endpoint, window_s, tiers, model, engine_backend)
+
+
+def _parsed_line(line_no: int, text: str, endpoint: str, window_s: float, tiers: tuple[str, ...],
+                 model: str | None, engine_backend: str | None) -> ValidLine | InvalidLine:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -168,14 +178,15 @@ def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] 
 
 
 def parse_file(content: bytes, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
-               model: str | None = None, engine_backend: str | None = None) -> ParsedFile:
+               model: str | None = None, engine_backend: str | None = None,
+               grammar_backends: tuple[str, ...] = output_constraints.DEFAULT_BACKENDS) -> ParsedFile:
     """Every line of ``content`` parsed, held together (the fan-out reads a file a line at a time: ``parse_lines``)."""
     out = ParsedFile()
     handle = BytesIO(content)
     if (refused := file_refusal(handle)) is not None:
         out.file_errors.append(refused)
         return out
-    for parsed in parse_lines(handle, endpoint, window_s, tiers, model, engine_backend):
+    for parsed in parse_lines(handle, endpoint, window_s, tiers, model, engine_backend, grammar_backends):
         (out.valid if isinstance(parsed, ValidLine) else out.invalid).append(parsed)
     out.file_errors += duplicate_errors((line.custom_id, line.line_no)
                                         for line in sorted(out.valid + out.invalid, key=lambda line: line.line_no))
@@ -210,10 +221,12 @@ def numbered_lines(handle: BinaryIO) -> Iterator[tuple[int, str]]:
 
 
 def parse_lines(handle: BinaryIO, endpoint: str, window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,
-                model: str | None = None, engine_backend: str | None = None) -> Iterator[ValidLine | InvalidLine]:
+                model: str | None = None, engine_backend: str | None = None,
+                grammar_backends: tuple[str, ...] = output_constraints.DEFAULT_BACKENDS,
+                ) -> Iterator[ValidLine | InvalidLine]:
     """Each line of a file ``file_refusal`` passed, parsed in turn (``parse_line``): none is held after it."""
     for line_no, text in numbered_lines(handle):
-        yield parse_line(line_no, text, endpoint, window_s, tiers, model, engine_backend)
+        yield parse_line(line_no, text, endpoint, window_s, tiers, model, engine_backend, grammar_backends)
 
 
 def duplicate_errors(custom_ids: Iterable[tuple[str | None, int]]) -> list[dict[str, Any]]:

@@ -99,3 +99,12 @@ def test_check_compiles_with_the_backends_it_is_under():
         output_constraints.check("regex", r"\p{L}+")
     with pytest.raises(ValueError, match="under xgrammar"):
         output_constraints.check("regex", r"\p{L}+")
+
+
+def test_a_messages_output_format_schema_is_carried():
+    """POST /v1/messages' ``output_config.format`` is a JSON schema constraint: ``CheckedRoute`` checks it with the
+    workers' backends, as a response_format's."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    body = {"output_config": {"format": {"type": "json_schema", "schema": schema}}, "messages": []}
+    assert output_constraints.carried(body) == [("json", output_constraints.schema_text(schema))]
+
