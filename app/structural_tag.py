@@ -8,6 +8,7 @@ client's 400, not a failed job."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -129,6 +130,33 @@ def _compile(tag: dict[str, Any], text: str) -> None:
         xgr.Grammar.from_structural_tag(items, tag["triggers"])
     else:
         xgr.Grammar.from_structural_tag(text)
+
+
+def inner_constraints(tag: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
+    """The constraints a structural tag (``check``'s, read) holds, each as (its JSON pointer, ``json`` or ``regex``,
+    its schema or regex): the legacy form's structures' schemas, xgrammar's ``json_schema`` (and
+    ``qwen_xml_parameter``) formats' schemas and ``regex`` formats' patterns, wherever they nest."""
+    if isinstance(structures := tag.get("structures"), list):  # the legacy form: a schema per structure
+        yield from ((f"#/structures/{i}/schema", "json", item["schema"]) for i, item in enumerate(structures)
+                    if isinstance(item, dict) and isinstance(item.get("schema"), dict))
+        return
+    todo: list[tuple[str, Any]] = [("#", tag)]
+    while todo:
+        where, item = todo.pop()
+        if isinstance(item, list):
+            todo.extend((f"{where}/{i}", inner) for i, inner in enumerate(item))
+        elif isinstance(item, dict):
+            kind = item.get("type")
+            if kind in _SCHEMA_FORMATS and isinstance(schema := item.get("json_schema"), dict):
+                yield f"{where}/json_schema", "json", schema  # a schema's own keys are no formats: not walked
+            elif kind == "regex" and isinstance(pattern := item.get("pattern"), str):
+                yield f"{where}/pattern", "regex", pattern
+            else:
+                todo.extend((f"{where}/{key}", inner) for key, inner in item.items())
+
+
+# xgrammar's structural tag formats whose ``json_schema`` is a JSON schema
+_SCHEMA_FORMATS = ("json_schema", "qwen_xml_parameter")
 
 
 def of_response_format(fmt: dict[str, Any]) -> str:

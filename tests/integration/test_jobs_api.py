@@ -697,6 +697,20 @@ _TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers
     {"begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}]}}
 
 
+def test_a_structural_tags_schema_is_checked_as_a_json_schema_is_under_xgrammar(client, keys, settings):
+    """A tag's JSON schema compiles with xgrammar inside the tag: a pattern it misreads ([\p{L}]) or a feature it
+    does not follow (uniqueItems) is refused naming the tag's schema, as it is in a json_schema."""
+    settings.backend = "vllm"
+    for schema, said in (({"type": "string", "pattern": r"[\p{L} ]+"}, "inside [...]"),
+                         ({"type": "array", "uniqueItems": True}, "uniqueItems at #")):
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<b"], "tags": [
+            {"begin": "<b>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</b>"}]}}
+        r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"structural_tag": json.dumps(tag)}},
+                        headers=H(keys.paid))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "structural_tag", r.text
+        assert "structural_tag's" in r.text and "#/format/tags/0/content/json_schema" in r.text and said in r.text
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                               "response_format": _TAG}),

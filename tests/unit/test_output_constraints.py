@@ -108,3 +108,40 @@ def test_a_messages_output_format_schema_is_carried():
     body = {"output_config": {"format": {"type": "json_schema", "schema": schema}}, "messages": []}
     assert output_constraints.carried(body) == [("json", output_constraints.schema_text(schema))]
 
+
+def _tagged(schema: dict) -> dict[str, str]:
+    """A structural tag in its legacy form and in xgrammar's (a tag under triggered_tags) around ``schema``."""
+    legacy = {"structures": [{"begin": "<a>", "schema": schema, "end": "</a>"}], "triggers": ["<a"]}
+    current = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<a"], "tags": [
+        {"begin": "<a>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</a>"}]}}
+    return {"legacy": json.dumps(legacy), "current": json.dumps(current)}
+
+
+@pytest.mark.parametrize("form, at", [("legacy", "#/structures/0/schema"),
+                                      ("current", "#/format/tags/0/content/json_schema")])
+def test_a_property_class_in_a_structural_tags_schema_pattern_is_refused_under_xgrammar(form, at):
+    tag = _tagged({"type": "object", "properties": {"name": {"type": "string", "pattern": r"^[\p{L} ]+$"}}})[form]
+    with pytest.raises(ValueError) as refused:
+        output_constraints.check("structural_tag", tag)
+    assert str(refused.value).startswith(f"structural_tag's pattern at {at}/properties/name holds a Unicode "
+                                         "property class"), refused.value
+
+
+def test_a_property_class_in_a_structural_tags_regex_is_refused_under_xgrammar():
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "regex", "pattern": r"[\p{L}]+"}})
+    with pytest.raises(ValueError, match=r"structural_tag's regex at #/format/pattern holds a Unicode property"):
+        output_constraints.check("structural_tag", tag)
+
+
+@pytest.mark.parametrize("form", ["legacy", "current"])
+def test_a_structural_tags_schema_is_refused_for_what_xgrammar_does_not_follow(form):
+    tag = _tagged({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}})[form]
+    with pytest.raises(ValueError, match=r"structural_tag's schema at #/\S+ is refused by the workers' engine: "
+                                         r"uniqueItems at #/properties/tags"):
+        output_constraints.check("structural_tag", tag)
+
+
+def test_a_structural_tags_plain_schema_is_still_accepted_under_xgrammar():
+    tags = _tagged({"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}}})
+    answers = output_constraints.outcomes([("structural_tag", tag) for tag in tags.values()])
+    assert set(answers.values()) == {None}, answers
