@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import postgres
-from tests.postgres import migrated_database_url
+from tests.postgres import migrated_database
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,9 +91,11 @@ def redis_url(redis_server) -> str:
 
 # ---------------------------------------------------------------- database
 @pytest.fixture
-def db_url(tmp_path) -> str:
-    """A migrated database: SQLite in ``tmp_path``, or PostgreSQL with ``COSERVE_TEST_DATABASE=postgres``."""
-    return migrated_database_url(tmp_path)
+def db_url(tmp_path) -> Iterator[str]:
+    """A migrated database: SQLite in ``tmp_path``, or PostgreSQL with ``COSERVE_TEST_DATABASE=postgres`` (dropped
+    after the test)."""
+    with migrated_database(tmp_path) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +109,11 @@ def pg_server() -> str:
 
 
 @pytest.fixture
-def pg_url(pg_server) -> str:
-    """A new empty database on the session's cluster per test."""
-    return postgres.new_database(pg_server)
+def pg_url(pg_server) -> Iterator[str]:
+    """A new empty database on the session's cluster per test, dropped after it."""
+    url = postgres.new_database(pg_server)
+    yield url
+    postgres.drop_database(url)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001 - pytest's
@@ -283,21 +287,21 @@ def worker_env(settings, worker_id: str, **extra: str) -> dict[str, str]:
 @contextmanager
 def worker_stack(tmp: Path, redis_url: str, model_dir: Path, worker_id: str = "w1",
                  **worker_env: str) -> Iterator[tuple]:
-    """A migrated database (``migrated_database_url``: SQLite in ``tmp`` by default), the Redis at ``redis_url``
+    """A migrated database (``migrated_database``: SQLite in ``tmp`` by default), the Redis at ``redis_url``
     emptied, the API keys and one real worker
     ``worker_id`` (its extra environment: ``worker_env``); yields (settings, keys) and stops the worker after."""
     import redis
 
-    db_url = migrated_database_url(tmp)
-    redis.Redis.from_url(redis_url).flushall()
-    settings = make_settings(tmp, db_url, redis_url, model_dir)
-    keys = make_keys(db_url)
-    pool = WorkerPool(settings, tmp)
-    try:
-        pool.start(worker_id, **worker_env)
-        yield settings, keys
-    finally:
-        pool.stop()
+    with migrated_database(tmp) as db_url:
+        redis.Redis.from_url(redis_url).flushall()
+        settings = make_settings(tmp, db_url, redis_url, model_dir)
+        keys = make_keys(db_url)
+        pool = WorkerPool(settings, tmp)
+        try:
+            pool.start(worker_id, **worker_env)
+            yield settings, keys
+        finally:
+            pool.stop()
 
 
 @contextmanager

@@ -104,6 +104,17 @@ def new_database(server: str) -> str:
     return f"{server}/{name}"
 
 
+def drop_database(url: str) -> None:
+    """Drops a test's database (``new_database``'s) once the test is done, ending what is still connected to it: the
+    engines the test and its app made keep their idle connections open until they are garbage collected, and a
+    suite's worth of them adds up toward the cluster's ``max_connections``."""
+    server, name = url.rsplit("/", 1)
+    admin = create_engine(f"{server}/postgres", isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    admin.dispose()
+
+
 _session = ExitStack()  # the session's cluster, once started
 _session_url: list[str] = []
 
@@ -145,6 +156,17 @@ def migrated_database_url(tmp: Path) -> str:
         _migrated_sqlite = template
     shutil.copyfile(_migrated_sqlite, tmp / "coserve.db")
     return url
+
+
+@contextmanager
+def migrated_database(tmp: Path) -> Iterator[str]:
+    """``migrated_database_url``'s database for the block: a PostgreSQL one is dropped after it (``drop_database``)."""
+    url = migrated_database_url(tmp)
+    try:
+        yield url
+    finally:
+        if TEST_DATABASE == "postgres":
+            drop_database(url)
 
 
 def fresh_database_url(tmp: Path) -> str:
