@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
+from itertools import count
 
 import pytest
 from sqlalchemy import delete, func, select, update
@@ -20,6 +23,7 @@ from app.summarize import driver, lease, service, store
 from app.summarize.documents import Document
 from app.summarize.driver import Outcome
 from tests.conftest import load_runtime_adapter, make_settings
+from tests.sql_statements import query_plan
 
 LONG = " ".join(f"Fact number {i} is about the topic of the document." for i in range(60))
 
@@ -350,7 +354,7 @@ def test_a_later_level_past_the_runs_deadline_gets_a_fresh_window_not_an_expired
     with session_scope(url) as s:
         later = s.scalars(select(Job.deadline_at).where(Job.id.in_(step.submitted))).all()
     fresh = utcnow() + timedelta(seconds=settings.default_batch_window_s)
-    assert all(abs((d - fresh.replace(tzinfo=None)).total_seconds()) < 120 for d in later), (later, fresh)
+    assert all(abs((as_utc(d) - fresh).total_seconds()) < 120 for d in later), (later, fresh)
 
 
 def test_a_run_started_under_a_minute_from_its_deadline_gives_its_first_level_that_deadline(settings, principal):
@@ -575,8 +579,8 @@ def test_a_poll_counts_the_runs_open_jobs_in_one_statement_whatever_its_size(set
     selects = [(q, p) for q, p in zip(polled.sql, polled.params) if q != "BEGIN"]
     assert polled.job_ids == [] and len(selects) == 2  # the run, then one count of its jobs, on their index:
     with session_scope(url) as s:
-        plan = s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + selects[1][0], selects[1][1]).all()
-    assert "ix_jobs_summarization_run_status" in str(plan)
+        plan = query_plan(s.connection(), *selects[1])
+    assert "ix_jobs_summarization_run_status" in plan, plan
     with session_scope(url) as s, Statements() as listed:  # the runs listing: a count per run on the page
         run = s.get(SummarizationRun, run_id)
         assert store.progress_of(run, s).jobs_done == 6
@@ -649,6 +653,20 @@ def statuses(url: str) -> dict[str, int]:
         return dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
 
 
+def after_each_chunk(monkeypatch, hook: Callable[[], None]) -> None:
+    """``hook()`` after each chunk of staged jobs is committed (``job_writer.write_staged``), on SQLite before the
+    write lock is let go, on PostgreSQL (which lets none go) before the next chunk."""
+    real = job_writer.read_then_write
+
+    @contextmanager
+    def chunk_then_hook(url: str):
+        with real(url) as s:
+            yield s
+        hook()
+
+    monkeypatch.setattr(job_writer, "read_then_write", chunk_then_hook)
+
+
 def test_a_step_of_many_jobs_writes_them_in_chunks_others_writing_in_between_and_starts_them_at_once(
         settings, principal, monkeypatch):
     """The first step wrote all its jobs and their events in one transaction (2,400 jobs of an 8 MB run held
@@ -660,12 +678,12 @@ def test_a_step_of_many_jobs_writes_them_in_chunks_others_writing_in_between_and
                                 max_summary_tokens=12, chunk_tokens=120, overlap_tokens=8, tier="paid").id
     seen = []
 
-    def let_others_write(held_s):  # between two chunks another writer commits, and nothing staged is runnable yet
+    def others_write():  # between two chunks another writer commits, and nothing staged is runnable yet
         with session_scope(url, immediate=True) as s, write_guard(s):
             s.execute(update(SummarizationRun).where(SummarizationRun.id != run_id).values(reason="x"))
         seen.append(statuses(url))
 
-    monkeypatch.setattr(job_writer, "let_others_write", let_others_write)
+    after_each_chunk(monkeypatch, others_write)
     step = driver.advance(settings, run_id, "api")
     assert (step.outcome, step.status) == (Outcome.STEPPED, "running") and len(step.submitted) > 4
     assert len(seen) == (len(step.submitted) - 1) // 2  # every chunk but the last (written with the commit)
@@ -690,17 +708,14 @@ def test_a_first_step_that_dies_midway_through_its_chunks_is_redone_whole_by_the
 
     url = settings.sqlalchemy_url
     monkeypatch.setattr(store, "STAGE_CHUNK", 2)
-    real_pause = job_writer.let_others_write
+    real_chunk = job_writer.read_then_write
+    chunks = count(1)
 
-    calls = []
-
-    def die_after_two_chunks(held_s):  # each run's step dies after its second chunk
-        calls.append(held_s)
-        if len(calls) % 2 == 0:
+    def die_after_two_chunks():  # each run's step dies after its second chunk
+        if next(chunks) % 2 == 0:
             raise Killed
-        real_pause(held_s)
 
-    monkeypatch.setattr(job_writer, "let_others_write", die_after_two_chunks)
+    after_each_chunk(monkeypatch, die_after_two_chunks)
     docs = [Document("long", LONG), Document("other", LONG.replace("Fact", "Claim"))]
     options = {"max_summary_tokens": 12, "chunk_tokens": 120, "overlap_tokens": 8, "tier": "paid"}
     runs = [service.create_run(settings, principal, docs, utcnow() + timedelta(hours=1), **options).id
@@ -717,7 +732,7 @@ def test_a_first_step_that_dies_midway_through_its_chunks_is_redone_whole_by_the
     assert sum(left.values()) == 8 and all(s.startswith("staged-") for s in left), left  # two chunks each
     with session_scope(url) as s:
         assert sweep(s, redis_url, queued_grace_s=0).dispatched == 0  # nothing staged is sent to a worker
-    monkeypatch.setattr(job_writer, "let_others_write", real_pause)
+    monkeypatch.setattr(job_writer, "read_then_write", real_chunk)
 
     step = driver.advance(settings, runs[0], "worker")  # the sweeper's take-over
     assert (step.outcome, step.status) == (Outcome.STEPPED, "running")
