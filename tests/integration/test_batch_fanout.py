@@ -58,11 +58,22 @@ def test_every_job_is_dispatched_once_when_written_in_chunks(client, keys, setti
     assert Counter((f, t) for _, f, t in events) == {(None, "queued"): 5, ("queued", "dispatched"): 5}
 
 
+# a trigger that fails the insert of the job of custom_id c4, as a disk error would, in each database's dialect
+REFUSE_C4 = {
+    "sqlite": ["CREATE TRIGGER refuse_c4 BEFORE INSERT ON jobs WHEN NEW.custom_id = 'c4' "
+               "BEGIN SELECT RAISE(ABORT, 'disk I/O error'); END"],
+    "postgresql": ["CREATE FUNCTION refuse_c4() RETURNS trigger LANGUAGE plpgsql AS "
+                   "$$ BEGIN RAISE EXCEPTION 'disk I/O error'; END $$",
+                   "CREATE TRIGGER refuse_c4 BEFORE INSERT ON jobs FOR EACH ROW WHEN (NEW.custom_id = 'c4') "
+                   "EXECUTE FUNCTION refuse_c4()"],
+}
+
+
 def test_a_failure_midway_leaves_no_job_of_the_batch(client, keys, settings, monkeypatch):
     monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
     with session_scope(settings.sqlalchemy_url) as s:  # the database refuses the third chunk's first row
-        s.execute(text("CREATE TRIGGER refuse_c4 BEFORE INSERT ON jobs WHEN NEW.custom_id = 'c4' "
-                       "BEGIN SELECT RAISE(ABORT, 'disk I/O error'); END"))
+        for statement in REFUSE_C4[s.get_bind().dialect.name]:
+            s.execute(text(statement))
     batch = _create(client, keys, 6)
     got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
     assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "internal_error"
