@@ -10,10 +10,13 @@ from app.batch import finalize
 from app.services import cancel as cancelling
 from app.db.models import Batch, File, Job, JobStatus, Tenant
 from app.db.session import session_scope
+from tests.postgres import TEST_DATABASE
 
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.skipif(TEST_DATABASE != "sqlite", reason="SQLite's write lock let go between the chunks "
+                    "(PostgreSQL locks rows: stop_job_ids takes no pause there), driven through the SQLite file")
 def test_stopping_a_batchs_jobs_survives_a_worker_committing_between_them(db_url, monkeypatch):
     with session_scope(db_url) as s:
         t = Tenant(name="c")
