@@ -31,7 +31,6 @@ from gpu_runtime.scheduler.relegation import (
     WorkEstimate,
     expires_at,
     free_yields_until,
-    may_expire,
     predicted_finish,
     should_relegate,
 )
@@ -174,8 +173,12 @@ class QoServeScheduler(BaseScheduler):
         while self._expiry and self._expiry[0][0] <= now:
             _, rid = heapq.heappop(self._expiry)
             req = self.relegated.get(rid)
-            if req is None or not may_expire(req):
-                continue  # resumed, finished or streaming since: not shed work any more
+            if req is None:
+                continue  # resumed, or finished, since
+            later = self._expires_at(req)
+            if later > now:  # it streamed since it was relegated (ran with spare budget): mid-answer, a later end
+                heapq.heappush(self._expiry, (later, rid))
+                continue
             self.relegated.remove(rid)
             self.started.pop(rid, None)
             self._release(rid)
@@ -192,8 +195,12 @@ class QoServeScheduler(BaseScheduler):
         self.relegated.push(req)  # not re-checked in this iteration
         out.relegated.append(req)
         if self.config.relegated_expiry is not None:
-            t = expires_at(req, self.config.relegated_expiry, self.config.relegated_expiry_min_s)
-            heapq.heappush(self._expiry, (t, req.request_id))
+            heapq.heappush(self._expiry, (self._expires_at(req), req.request_id))
+
+    def _expires_at(self, req: Request) -> float:
+        factor = self.config.relegated_expiry
+        assert factor is not None  # (no expiry is ever scheduled without it)
+        return expires_at(req, factor, self.config.relegated_expiry_min_s)
 
     def _fill(self, out: SchedulerOutput, now: float, kv: KVBudget) -> None:
         self._expire(out, now)

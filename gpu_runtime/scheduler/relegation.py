@@ -14,8 +14,11 @@ read literally: a paid job only once its deadline passed and no free job waits.
 
 A relegated job runs with spare budget and resumes when load drops. Relegated paid jobs run before
 relegated free ones, and while one waits, free jobs yield to it (``free_yields_relegated_paid``).
-One that is still relegated (no token out) long after its deadline expires (``expires_at``): the
-engine finishes it with the status ``finished_expired`` instead of leaving it queued for ever.
+One that is still relegated long after its deadline expires (``expires_at``): the engine finishes it
+with the status ``finished_expired`` instead of leaving it queued for ever. Under overload that never
+ends spare budget never comes, so this is every relegated job's end: one that already streamed tokens
+too (its client's stream open meanwhile), later than shed work and with what it streamed (issue 18:
+every relegated job finished or expired with a clear status).
 """
 
 from __future__ import annotations
@@ -109,16 +112,17 @@ def target_s(req: Request) -> float:
 
 
 def expires_at(req: Request, factor: float, min_grace_s: float = 0.0) -> float:
-    """When a relegated job that has produced no token is given up on: its deadline (eq. 1 / eq. 3) plus
-    ``factor`` times its own target, and at least ``min_grace_s`` (a job with a millisecond target still
-    gets its chance once load drops). With factor 2 and a minute's grace: an interactive job with a 6 s
-    TTFT a minute after its deadline, a batch job with a 600 s TTLT after 30 minutes (QoServe saw relegated
-    jobs finish up to ~3900 s late)."""
+    """When a relegated job is given up on: its deadline (eq. 1 / eq. 3) plus a grace of ``factor`` times its own
+    target, at least ``min_grace_s`` (a job with a millisecond target still gets its chance once load drops). With
+    factor 2 and a minute's grace: an interactive job with a 6 s TTFT a minute after its deadline, a batch job with a
+    600 s TTLT after 30 minutes (QoServe saw relegated jobs finish up to ~3900 s late).
+
+    A job that already streamed tokens (relegated while recomputing its KV after a preemption, or a rerun going on
+    from an earlier attempt's) is mid-answer: its client holds part of the answer, which an expiry cuts short. It gets
+    twice the grace, after the later of that deadline and its next token's (eq. 2): later than shed work, but not
+    never, since under overload that never ends the spare budget it waits for never comes."""
     t = target_s(req)
-    return req.arrival_time + t + max(factor * t, min_grace_s)
-
-
-def may_expire(req: Request) -> bool:
-    """Only shed work expires: a relegated prompt with no output yet. A job that already streamed tokens
-    (relegated while recomputing its KV, or a rerun going on from an earlier attempt's) is mid-answer and finishes."""
-    return not req.first_token_out
+    deadline, grace = req.arrival_time + t, max(factor * t, min_grace_s)
+    if not req.first_token_out:
+        return deadline + grace
+    return max(deadline, first_deadline(req)) + 2 * grace

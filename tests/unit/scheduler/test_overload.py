@@ -14,8 +14,9 @@ from gpu_runtime.metrics import slo_met
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import RequestStatus
 from gpu_runtime.scheduler.chunking import ChunkBudget, build_search_space
+from gpu_runtime.scheduler.interface import SchedulerOutput
 from gpu_runtime.scheduler.registry import create_scheduler
-from gpu_runtime.scheduler.relegation import expires_at, may_expire
+from gpu_runtime.scheduler.relegation import expires_at
 
 from tests.unit.scheduler.helpers import COST, batch, decoding, interactive
 
@@ -94,12 +95,14 @@ def test_a_lost_batch_decode_does_not_pin_the_chunk_to_the_floor():
     assert choice.budget < space[-1] and math.isclose(choice.min_slack_s, 0.1)
 
 
-def test_expiry_time_and_who_may_expire():
+def test_expiry_time_of_shed_work_and_of_a_job_mid_answer():
     assert expires_at(interactive("i", arrival=10.0, ttft=6.0), 2.0) == 10.0 + 18.0
     assert expires_at(interactive("i", arrival=10.0, ttft=6.0), 2.0, min_grace_s=60.0) == 10.0 + 66.0
     assert expires_at(batch("b", arrival=0.0, ttlt=600.0), 2.0, min_grace_s=60.0) == 1800.0
-    assert may_expire(interactive("fresh"))
-    assert not may_expire(decoding(interactive("streaming"), outputs=3, times=[0.1, 0.2, 0.3]))
+    # mid-answer (tokens streamed): twice the grace, after the later of its TTFT and its next token's deadline
+    streaming = decoding(interactive("streaming", arrival=10.0, ttft=6.0, tbt=1.0), outputs=3, times=[11, 12, 13])
+    assert expires_at(streaming, 2.0, min_grace_s=60.0) == 10.0 + 6.0 + 3 * 1.0 + 2 * 60.0
+    assert expires_at(decoding(batch("b", ttlt=600.0), outputs=3, times=[1, 2, 3]), 2.0, 60.0) == 600.0 + 2400.0
 
 
 def test_a_relegated_job_expires_with_a_clear_status_and_frees_its_kv():
@@ -143,6 +146,37 @@ def test_jobs_an_operator_resumed_or_that_run_again_do_not_expire():
     s.add_request(interactive("busy", prompt=100, ttft=100.0))
     s.schedule(0.02)
     assert s.schedule(10.0).expired == []
+
+
+def test_a_relegated_job_that_streamed_expires_with_its_tokens_later_than_a_fresh_one():
+    # Overload that never ends: a paid prompt takes every pass's whole budget, so relegated work never runs. "mid"
+    # streamed 3 tokens before its KV was released (a preemption): recomputing, it is behind its next token's deadline
+    # (0.13 s) and is relegated beside "fresh", which has no token out. Expiry factor 2 (0.2 s of grace): fresh at
+    # 0.1 + 0.2 s, mid mid-answer at 0.13 + 2 x 0.2 s, with its 3 tokens. Before, mid waited for ever.
+    s = create_scheduler("qoserve", cost_model=COST, relegated_expiry=2.0, relegated_expiry_min_s=0.0, **SMALL)
+    mid = decoding(interactive("mid", prompt=100, ttft=0.1, tbt=0.01, tier=Tier.FREE, max_tokens=50), outputs=3,
+                   times=[0.05, 0.06, 0.07])
+    mid.release_kv()
+    mid.status = RequestStatus.WAITING
+    fresh = interactive("fresh", prompt=100, ttft=0.1, tier=Tier.FREE)
+    for r in (mid, fresh, interactive("busy", prompt=100_000, ttft=1000.0)):
+        s.add_request(r)
+
+    def step(now: float) -> SchedulerOutput:  # the engine computes the chunks planned
+        out = s.schedule(now)
+        assert [p.request.request_id for p in out.prefills] == ["busy"]
+        for p in out.prefills:
+            p.request.num_computed_tokens += p.num_tokens
+        s.update_from_output(out, now)
+        return out
+
+    assert sorted(r.request_id for r in step(0.2).relegated) == ["fresh", "mid"]
+    assert step(0.29).expired == []
+    assert step(0.31).expired == [fresh]
+    assert step(0.52).expired == []
+    assert step(0.54).expired == [mid]
+    assert mid.status is RequestStatus.FINISHED_EXPIRED and len(mid.output_token_ids) == 3
+    assert s.queue_depths()["relegated"] == 0
 
 
 @pytest.mark.parametrize("paid_lost", [True, False])

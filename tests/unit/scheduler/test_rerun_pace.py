@@ -9,7 +9,7 @@ from gpu_runtime.request import RequestStatus
 from gpu_runtime.scheduler.decode_length import DecodeLengthHistory
 from gpu_runtime.scheduler.priority import first_deadline
 from gpu_runtime.scheduler.registry import create_scheduler
-from gpu_runtime.scheduler.relegation import WorkEstimate, is_violated, may_expire, should_relegate
+from gpu_runtime.scheduler.relegation import WorkEstimate, expires_at, is_violated, should_relegate
 
 from tests.unit.scheduler.helpers import COST, batch, interactive
 
@@ -42,9 +42,10 @@ def test_rerun_on_pace_is_not_relegated_though_its_ttft_deadline_is_long_past():
     assert should_relegate(req, 10.5, EST, free_jobs_waiting=1)
 
 
-def test_relegated_rerun_never_expires_mid_answer():
-    assert not may_expire(rerun())
-    assert may_expire(interactive("fresh"))
+def test_a_relegated_rerun_expires_later_than_a_fresh_job():
+    # mid-answer: twice the grace (2 x max(2 x 2 s, 60 s)) after its next token's deadline (10 s, eq. 2)
+    assert expires_at(rerun(), 2.0, 60.0) == 10.0 + 120.0
+    assert expires_at(interactive("fresh", ttft=2.0), 2.0, 60.0) == 2.0 + 60.0
 
 
 def test_rerun_predicts_what_is_left_of_the_answer():
