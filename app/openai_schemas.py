@@ -591,6 +591,23 @@ def _deadline(value: float | str) -> tuple[float | None, datetime | None]:
     return None, at
 
 
+# an interactive job's targets, a deadline job's time, and the job's own deadline and kind (JobCreate's names, as
+# POST /v1/jobs takes them; a request would ignore them): a request whose window is its deadline takes none, its job
+# a batch job due when the window ends (a batch's requests: an OpenAI batch's completion_window, a message batch's 24
+# hours; a background response's background_options.completion_window)
+BATCH_QOS = ("ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "deadline_at", "deadline_window_s", "kind")
+
+
+def refuse_qos(body: dict[str, Any], requests: str, due: str) -> None:
+    """A 400 naming the first QoS field ``body`` (a batch's request, a windowed background response) gives, saying
+    what ``requests`` take: they run as batch jobs due when ``due``. Checked before a job is built: the window would
+    make it a deadline job, and a target beside that deadline would read 'give either deadline or ttft_ms/...', as
+    if a deadline were taken."""
+    if given := [name for name in BATCH_QOS if body.get(name) is not None]:
+        raise OpenAIError(400, f"{given[0]}: {requests} run as batch jobs due when {due}, and take no "
+                               f"{', '.join(BATCH_QOS[:-1])} or {BATCH_QOS[-1]}; leave it out", param=given[0])
+
+
 # the content parts read as text, as vLLM's chat reads them (the Responses API's names too): type -> its text's key
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
               "thinking": "thinking"}  # vLLM's own part (its text under "thinking"), read as text too

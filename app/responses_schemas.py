@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsupported, chat_job, chat_logprobs,
-                                service_tier, usage)
+                                parse_window, refuse_qos, service_tier, usage)
 from app.schemas import INSTRUCTION_ROLES, JobCreate
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import NAMED_CHOICE as CHAT_NAMED_CHOICE
@@ -45,6 +45,23 @@ KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output
         "safety_identifier")
 
 
+# OpenAI's background completion windows: "soonest" (the default) runs as the route's interactive requests do; the
+# others are its discounted background execution, here a batch job due that window after it arrives
+DISCOUNTED_WINDOWS = ("2h", "8h")
+STANDARD_SERVICE_TIERS = (None, "auto", "default")  # OpenAI's standard processing, which those windows require
+
+
+class BackgroundOptions(BaseModel):
+    """OpenAI's ``background_options``: kept as sent and echoed in the Response."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    completion_window: Literal["soonest", "2h", "8h"] | None = None  # (DISCOUNTED_WINDOWS and "soonest")
+    # OpenAI's id to prioritize related background requests: kept and echoed; it orders nothing here (its jobs are
+    # ordered by tier and deadline, and routed by prompt_cache_key or their opening messages)
+    continuation_id: Text | None = None
+
+
 def response_id(job_id: str) -> str:
     return "resp_" + job_id.removeprefix("job_")
 
@@ -71,6 +88,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: Text | None = None  # (chat reads it too: the job's end user)
     store: bool = True
     background: bool | None = None  # answered at once (queued); GET polls it, POST .../cancel stops it
+    background_options: BackgroundOptions | None = None  # a completion_window of 2h or 8h: a batch job due then
     stream: bool | None = None  # (chat reads it too)
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token, with the above
@@ -79,9 +97,10 @@ class ResponsesRequest(BaseModel):
     # OpenAI's Responses API: a cap on calls to built-in tools in one response. Only function tools run here, and
     # a response ends at its function calls (the client runs them), so there is nothing to cap: kept and echoed
     max_tool_calls: int | None = Field(None, ge=0)
-    # not implemented: accepted only where they ask for nothing
+    # not implemented: accepted only where they ask for nothing (server-side compaction: truncation is the choice)
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
 
     def check(self) -> None:
         """Refuses what this server does not implement (a 400 naming the field)."""
@@ -90,6 +109,7 @@ class ResponsesRequest(BaseModel):
         if self.background and not self.store:
             raise OpenAIError(400, "a background response is polled, so it must be stored: leave store true",
                               param="store")
+        self._check_completion_window()
         refuse_unsupported_include(self.include)
         if isinstance(self.conversation, dict) and not isinstance(self.conversation.get("id"), str):
             raise OpenAIError(400, "conversation must be a conversation id or an object with its id",
@@ -104,6 +124,43 @@ class ResponsesRequest(BaseModel):
             if not ok:
                 raise OpenAIError(400, f"{as_given(name, getattr(self, name))} is not supported by this server; leave "
                                        f"{name} unset", param=name, code="unsupported_value")
+        if self.context_management:  # a long conversation would go on uncompacted, unlike at OpenAI
+            raise OpenAIError(400, "context_management (server-side compaction) is not supported by this server: "
+                                   'leave it unset or [], and use truncation: "auto" to drop the oldest turns where '
+                                   "a conversation outgrows the context", param="context_management",
+                              code="unsupported_value")
+
+    @property
+    def completion_window(self) -> str | None:
+        """``background_options.completion_window`` where it asks for a discounted window, else None."""
+        window = (self.background_options or BackgroundOptions()).completion_window
+        return window if window in DISCOUNTED_WINDOWS else None
+
+    def _check_completion_window(self) -> None:
+        """A discounted window runs in the background and is polled, as OpenAI requires."""
+        if (window := self.completion_window) is None:
+            return
+        if not self.background:
+            raise OpenAIError(400, f"background_options.completion_window {window!r} is background execution: set "
+                                   "background: true, or leave completion_window unset or 'soonest'",
+                              param="background_options.completion_window")
+        if self.stream:
+            raise OpenAIError(400, f"background_options.completion_window {window!r} is not streamed: leave stream "
+                                   "unset and poll GET /v1/responses/{id}, or leave completion_window unset or "
+                                   "'soonest'", param="background_options.completion_window")
+
+    def window_s(self, raw: dict[str, Any]) -> float | None:
+        """The deadline window of a discounted background response (its job a batch job due that long after it
+        arrives), or None (the route's interactive QoS). The window is the job's deadline and standard processing:
+        the body's QoS fields and a service_tier of other processing are refused."""
+        if (window := self.completion_window) is None:
+            return None
+        if raw.get("service_tier") not in STANDARD_SERVICE_TIERS:
+            raise OpenAIError(400, f"background_options.completion_window {window!r} is standard processing: leave "
+                                   f"service_tier {shown(raw['service_tier'])} unset, 'auto' or 'default' (coserve's "
+                                   "tier orders batch jobs too)", param="background_options.completion_window")
+        refuse_qos(raw, f"responses with background_options.completion_window {window!r}", "that window ends")
+        return parse_window(window)
 
     @property
     def conversation_id(self) -> str | None:
@@ -119,7 +176,9 @@ class ResponsesRequest(BaseModel):
         # message): its input as given is kept beside where it reads back otherwise
         read = input_messages(self.input) if self.input is not None else []
         parted = {"own_input": own} if own != read or any(isinstance(m.get("content"), list) for m in own) else {}
-        return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation, **parted,
+        options = ({"background_options": self.background_options.model_dump(exclude_unset=True)}
+                   if self.background_options is not None else {})  # as sent, to echo
+        return {**{k: v for k in KEPT if (v := getattr(self, k)) is not None}, **conversation, **parted, **options,
                 **system_input(read), **({"instructions_at": 0} if self.instructions is not None else {}),
                 "input_from": len(history) + (self.instructions is not None)}
 
@@ -129,7 +188,8 @@ class ResponsesRequest(BaseModel):
         """The chat request this one is, and its job: the instructions first, then ``history`` (the previous
         response's conversation), then the input, as vLLM's ``construct_input_messages`` orders them (a template
         that takes a system message only first renders it); ``tiers``: the configured ones (what ``service_tier``
-        names)."""
+        names); ``batch_window_s``: a batch's window, the job's deadline (else the request's own discounted
+        ``background_options.completion_window``, ``window_s``)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         messages += history
         messages += input_messages(self.input) if self.input is not None else []
@@ -161,7 +221,8 @@ class ResponsesRequest(BaseModel):
             body["reasoning_effort"] = effort  # checked as chat's (reasoning.effort in the error)
         if LOGPROBS_INCLUDE in (self.include or ()):
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
-        return chat_job(body, tiers, partial(in_responses_terms, raw=raw), batch_window_s)
+        window_s = batch_window_s if batch_window_s is not None else self.window_s(raw)
+        return chat_job(body, tiers, partial(in_responses_terms, raw=raw), window_s)
 
 
 class InputTokensRequest(ResponsesRequest):
@@ -578,7 +639,8 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "truncation": kept.get("truncation") or "disabled",
         "usage": None, "metadata": kept.get("metadata") or {}, "user": kept.get("user"),
         "safety_identifier": kept.get("safety_identifier"),
-        "top_logprobs": kept.get("top_logprobs"), "max_tool_calls": kept.get("max_tool_calls"), "completed_at": None}
+        "top_logprobs": kept.get("top_logprobs"), "max_tool_calls": kept.get("max_tool_calls"), "completed_at": None,
+        **({"background_options": kept["background_options"]} if "background_options" in kept else {})}
     if state == "completed":  # (a stream's last event is written before the job's end is stored)
         body["completed_at"] = int(as_utc(job.finished_at).timestamp()) if job.finished_at else int(time.time())
     if answer is not None:

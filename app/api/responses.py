@@ -318,7 +318,8 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @router.post("/responses", responses=_ANSWERS, openapi_extra=documented_body(ResponsesRequest))
 async def create_response(request: Request, session: SessionDep, principal: CurrentPrincipal,
                           settings: SettingsDep):
-    """OpenAI's Responses API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat."""
+    """OpenAI's Responses API; coserve's QoS fields (ttft_ms, tbt_ms, deadline, tier) as on chat; a background
+    response's ``background_options.completion_window`` of 2h or 8h is a batch job due that window after it arrives."""
     body = await read_body(request, ResponsesRequest)
     job_id = new_id("job")
     history = await _turns_before(session, principal, settings, body, job_id)

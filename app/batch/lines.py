@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from app import output_constraints
 from app.anthropic_schemas import ENDPOINT as MESSAGES, MessagesRequest
 from app.db.models import Job
-from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, choice_specs,
+from app.openai_schemas import (ChatCompletionRequest, CompletionRequest, OpenAIError, choice_specs, refuse_qos,
                                  validation_message)
 from app.responses_schemas import ResponsesRequest
 from app.schemas import JobCreate
@@ -145,24 +145,11 @@ def _parsed_line(line_no: int, text: str, endpoint: str, window_s: float, tiers:
     return ValidLine(line_no, cid, specs, n, response)
 
 
-# an interactive job's targets, a deadline job's time, and the job's own deadline and kind (JobCreate's names, as
-# POST /v1/jobs takes them; a request would ignore them): a batch's requests take none, their jobs are batch jobs due
-# when the batch's window ends (an OpenAI batch's completion_window, a message batch's 24 hours)
-BATCH_QOS = ("ttft_ms", "tbt_ms", "tbt_anchor", "deadline", "deadline_at", "deadline_window_s", "kind")
 # a batch line's hints for vLLM's ordering fields: online, the 400 points to the QoS fields above, which a batch's
 # line refuses (refuse_qos); what orders a batch's requests is their tier and the batch's completion_window
 _BATCH_ORDER = (" (a batch's requests run as batch jobs, ordered by their tier and due when the batch's "
                 "completion_window ends)")
 BATCH_LINE_HINTS = {"vllm_xargs": _BATCH_ORDER, "priority": _BATCH_ORDER}
-
-
-def refuse_qos(body: dict[str, Any], requests: str, due: str) -> None:
-    """A 400 naming the first QoS field ``body`` (a batch's request) gives, saying what ``requests`` take: they run
-    as batch jobs due when ``due``. Checked before a job is built: the batch's window would make it a deadline job,
-    and a target beside that deadline would read 'give either deadline or ttft_ms/...', as if a deadline were taken."""
-    if given := [name for name in BATCH_QOS if body.get(name) is not None]:
-        raise OpenAIError(400, f"{given[0]}: {requests} run as batch jobs due when {due}, and take no "
-                               f"{', '.join(BATCH_QOS[:-1])} or {BATCH_QOS[-1]}; leave it out", param=given[0])
 
 
 def message_specs(body: dict[str, Any], window_s: float, tiers: tuple[str, ...] = DEFAULT_TIERS,

@@ -99,7 +99,8 @@ def test_the_error_file_is_the_same_byte_for_byte(client, keys, settings):
 def test_a_lines_vllm_ordering_fields_are_not_pointed_to_the_qos_fields_a_line_refuses():
     """``vllm_xargs`` and ``priority`` on a batch's line were refused with the online hint, to give ttft_ms, tbt_ms
     and deadline in the body: fields a batch's line refuses too (``refuse_qos``)."""
-    from app.batch.lines import BATCH_QOS, parse_line
+    from app.batch.lines import parse_line
+    from app.openai_schemas import BATCH_QOS
 
     for field, value in (("vllm_xargs", {"a": 1}), ("priority", 5)):
         refused = parse_line(1, _line(field, {**GOOD, field: value}), URL, 3600.0)
