@@ -149,6 +149,19 @@ def test_a_background_response_is_polled_and_can_be_cancelled(live_server, keys,
     assert "only a background response" in exc.value.body["message"]
 
 
+def test_a_discounted_background_response_runs_as_a_batch_job_due_when_its_window_ends(oai, stack):
+    """``background_options.completion_window`` "2h": a worker runs the response as the batch job it is."""
+    options = {"completion_window": "2h", "continuation_id": "chain-1"}
+    resp = oai.responses.create(model="tiny", input="Hi", max_output_tokens=4, background=True,
+                                background_options=options, extra_body={"ignore_eos": True})
+    done = wait_for(lambda: (r := oai.responses.retrieve(resp.id)).status not in ("queued", "in_progress") and r,
+                    60, "the background response to end", interval=0.2)
+    assert done.status == "incomplete" and done.output_text and done.background_options == options
+    job = _job(stack.url, stack.keys.paid, resp.id)
+    assert job["kind"] == "batch" and job["status"] == "succeeded" and job["ttft_ms"] is None, job
+    assert job["deadline_at"] and job["metrics"]["slo_met"] is True, job  # judged by its two hours: met
+
+
 def test_a_cancelled_stream_ends_with_the_output_so_far(live_server, keys, start_worker):
     start_worker("w1", COSERVE_ENGINE_FACTORY="tests.e2e.slow_engine:build", COSERVE_STEP_DELAY_S="0.05")
     oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=60)
