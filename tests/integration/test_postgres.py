@@ -726,3 +726,15 @@ def test_admins_disabling_each_others_tenants_at_once_leave_one_admin_key_on_pos
                 first_write.__name__, [r.text for r in answers])
             with session_scope(pg_url) as s:
                 assert s.get(Tenant, a[1]).disabled is False and s.get(ApiKey, a[0]).revoked is False
+
+
+def test_a_nul_the_model_generates_is_stored_on_postgres(pg_url, tmp_path, redis_url, tiny_model_dir):
+    """PostgreSQL's text refuses NUL: the engine thread's text holds U+FFFD in its place, the logprobs' JSON the
+    escaped NUL (``test_generated_nul`` runs a real worker on a model that writes NULs, on either database)."""
+    from app.db.migrate import upgrade
+    from tests.conftest import make_keys, make_settings
+    from tests.integration.test_worker_threads import assert_a_nul_and_its_logprobs_are_stored
+
+    upgrade(pg_url)
+    assert_a_nul_and_its_logprobs_are_stored(make_settings(tmp_path, pg_url, redis_url, tiny_model_dir),
+                                             make_keys(pg_url))

@@ -1099,3 +1099,36 @@ def test_a_worker_that_gives_up_on_an_engine_that_kept_a_request_lets_its_runnin
     monkeypatch.setattr("workers.gpu_worker.time.sleep", waiting_for_jobs)
     worker.stop(grace_s=60)  # returns once its jobs have left (a simulated engine's steps take no time)
     assert worker.broken is not None and _status(settings.sqlalchemy_url, job_id) == "succeeded"
+
+
+def test_a_nul_in_the_tokens_logprobs_is_stored_with_the_job(settings, keys):
+    assert_a_nul_and_its_logprobs_are_stored(settings, keys)
+
+
+def assert_a_nul_and_its_logprobs_are_stored(settings, keys) -> None:
+    """A NUL the engine generates (a byte token), in the text and in its logprobs, its alternatives' and the
+    prompt's: the job's result is written on every database (``test_postgres`` runs this on PostgreSQL, whose text
+    refuses NUL): the text with U+FFFD in its place (``storable``), the logprobs (JSON: ``\\u0000``) keep the
+    tokens as the engine named them."""
+    from gpu_runtime.logprobs import TokenLogprob
+
+    worker = GpuWorker(settings)
+    (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
+    job.request.sampling = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)  # as a vLLM worker asks
+    nul = TokenLogprob("\x00", -0.5, (("\x00", -0.5), ("b", -1.0)), 190, 1, (190, 65))
+    first = RequestOutput(job.request_id, [190], "\x00", RequestStatus.DECODING, new_logprobs=[nul],
+                          prompt_logprobs=[TokenLogprob("p", None), nul])
+    stand_in = _OneStep([first])
+    engine_thread = worker.attach(stand_in)
+    worker.outbox.apply(engine_thread.iterate())
+    last = _ended(job, RequestStatus.FINISHED_LENGTH, 2, "a")
+    last.new_logprobs = [TokenLogprob("a", -0.1)]
+    stand_in.outputs = [last]
+    worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+    with session_scope(settings.sqlalchemy_url) as s:
+        stored = s.get(Job, job.job_id)
+        assert (stored.status, stored.output_text) == ("succeeded", "\ufffda")
+        assert [t["token"] for t in stored.output_logprobs] == ["\x00", "a"]
+        assert stored.output_logprobs[0]["top"] == [["\x00", -0.5], ["b", -1.0]]
+        assert [t["token"] for t in stored.prompt_logprobs] == ["p", "\x00"]
