@@ -134,9 +134,9 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
                          idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict[str, Any]:
     """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours. The create
     is one request of the tenant's Message Batches bucket and no tokens, as Anthropic counts every Message Batches
-    call apart from messages, taken once its checks let it through and its row is in: a refused create is not charged and leaves no file. A create retried
-    with the same Idempotency-Key (and body) answers the batch the first one made, uncharged, as ``POST
-    /v1/batches`` does; one with a different body is a 409."""
+    call apart from messages, taken once its checks let it through and its row is in: a refused create is not
+    charged and leaves no file. A create retried with the same Idempotency-Key (and body) answers the batch the
+    first one made, uncharged, as ``POST /v1/batches`` does; one with a different body is a 409."""
     idempotency = Idempotency.of(idempotency_key, body)
     with idempotency_conflicts():
         earlier = keyed_batch(session, principal.tenant_id, idempotency)

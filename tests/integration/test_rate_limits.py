@@ -383,7 +383,8 @@ def test_a_message_batchs_reads_count_against_a_bucket_of_their_own(client, keys
     """Anthropic limits every Message Batches endpoint by requests per minute, apart from Messages; coserve limited
     the create alone, so a tenant polled, listed and downloaded without bound. Retrieve, list, results, cancel and
     delete take from a bucket of the tenant's requests per minute of their own, with the create (polling does not
-    eat what it may send), a results download charged once, before its first byte; over it a 429 in Anthropic's shape."""
+    eat what it may send), a results download charged once, before its first byte; over it a 429 in Anthropic's
+    shape."""
     client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 4}, headers=H(keys.admin))
     batch = ended_message_batch(client, keys)  # a create and a cancel: two of the Message Batches bucket's four
     anthropic = {"x-api-key": keys.free}  # the tenant's bucket, any key
