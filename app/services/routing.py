@@ -116,7 +116,6 @@ class _Worker:
     capacity: int
     batch_capacity: int  # the most in line at which it takes a batch job (its cap less its interactive reserve)
     heartbeat_at: datetime
-    context: int | None  # the context its engine serves, from its heartbeat (None: not said)
 
 
 class Router:
@@ -128,6 +127,7 @@ class Router:
         self._workers: list[_Worker] = []
         # model -> the grammar_backend of each live worker of it that takes jobs (``grammar_backends_of``)
         self._grammar_backends: dict[str, list[str | None]] = {}
+        self._contexts: dict[str, int | None] = {}  # model -> the least context its live workers serve
         self._read_at = float("-inf")
         self._sent: dict[str, deque[datetime]] = defaultdict(deque)  # worker -> when this process sent it a job
 
@@ -156,10 +156,11 @@ class Router:
         return queue_name(model)
 
     def served_context(self, model: str) -> int | None:
-        """The least context a live worker of ``model`` serves (None: none says)."""
+        """The least context a live worker of ``model`` that takes jobs serves, whether it reads its own queue or its
+        model's (``served_context_of``; None: none says)."""
         with self._lock:
-            return min((w.context for w in self._live() if model in w.served and w.context is not None),
-                       default=None)
+            self._live()
+            return self._contexts.get(model)
 
     def grammar_backends(self, model: str) -> list[str | None]:
         """The structured-output backend each live worker of ``model`` that takes jobs says its engine compiles with
@@ -183,8 +184,9 @@ class Router:
                 rows = s.execute(select(WorkerState).where(WorkerState.heartbeat_at >= since,
                                                            WorkerState.draining.is_(False))).scalars().all()
                 self._workers = routable(rows)
-                self._grammar_backends = {model: grammar_backends_of(rows, model)
-                                          for model in {m for r in rows for m in r.served}}
+                models = {m for r in rows for m in r.served}
+                self._grammar_backends = {model: grammar_backends_of(rows, model) for model in models}
+                self._contexts = {model: served_context_of(rows, model) for model in models}
             for gone in set(self._sent) - {w.id for w in self._workers}:
                 del self._sent[gone]
         return self._workers
@@ -205,16 +207,27 @@ def reads_own_queue(state: dict[str, Any] | None) -> bool:
 def routable(rows: list[WorkerState]) -> list[_Worker]:
     """The workers among ``rows`` (live, not draining) a job may be routed to: those not stopping that read their own
     queue."""
-    return [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at), advertised_context(r.state))
+    return [_Worker(r.id, r.served, *_load(r.state or {}), as_utc(r.heartbeat_at))
             for r in rows if not stopping(r.state) and reads_own_queue(r.state)]
 
 
+def taking_jobs(rows: list[WorkerState], model: str) -> list[WorkerState]:
+    """The workers among ``rows`` (live, not draining) of ``model`` that take jobs: not stopping, whether they read
+    their own queue or only their model's (``COSERVE_ROUTING=queue``): a job may go to any of them."""
+    return [r for r in rows if model in r.served and not stopping(r.state)]
+
+
 def grammar_backends_of(rows: list[WorkerState], model: str) -> list[str | None]:
-    """The structured-output backend each worker among ``rows`` (live, not draining) of ``model`` that takes jobs
-    (not stopping; its own queue read or not) says its engine compiles with (``grammar_backend``); None for one that
-    says none (an older worker, the own engine)."""
+    """The structured-output backend each worker of ``model`` that takes jobs (``taking_jobs``) says its engine
+    compiles with (``grammar_backend``); None for one that says none (an older worker, the own engine)."""
     return [backend if isinstance(backend := (r.state or {}).get("grammar_backend"), str) else None
-            for r in rows if model in r.served and not stopping(r.state)]
+            for r in taking_jobs(rows, model)]
+
+
+def served_context_of(rows: list[WorkerState], model: str) -> int | None:
+    """The least context a worker of ``model`` that takes jobs (``taking_jobs``) says its engine serves (None: none
+    says): a job longer than one of them can run must be refused, as any may take it."""
+    return min((n for r in taking_jobs(rows, model) if (n := advertised_context(r.state)) is not None), default=None)
 
 
 def _load(state: dict[str, Any]) -> tuple[int, int, int]:

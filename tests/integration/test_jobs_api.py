@@ -1107,10 +1107,13 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
             == [[s.model_name, "tilted", "rt"]]  # the dashboard's models of the worker
 
 
-def test_jobs_are_held_to_the_least_context_a_live_worker_serves(client, settings, keys, monkeypatch):
+@pytest.mark.parametrize("routing_state", [{}, {"own_queue": False}], ids=["own-queue", "model-queue"])
+def test_jobs_are_held_to_the_least_context_a_live_worker_serves(client, settings, keys, monkeypatch, routing_state):
     """A worker whose vLLM engine serves less context than the API's settings say (the tiny model's 512 tokens):
     the API refuses what that worker could not run, as vLLM would, instead of accepting a job that then fails
-    there; and it says so where clients read the context. Once no live worker serves less, the model's holds."""
+    there; and it says so where clients read the context. Once no live worker serves less, the model's holds. A
+    worker that reads only its model's queue (``COSERVE_ROUTING=queue``) takes jobs too: it was left out, as it is
+    of prefix routing, and the API took jobs it could not run."""
     from app.db.models import WorkerState
     from app.services import routing
 
@@ -1118,7 +1121,7 @@ def test_jobs_are_held_to_the_least_context_a_live_worker_serves(client, setting
     assert client.get(f"/v1/models/{settings.model_name}", headers=H(keys.paid)).json()["max_model_len"] == 512
     with session_scope(settings.sqlalchemy_url) as s:
         s.add(WorkerState(id="w-short", model=settings.model_name, queue="q", device="cpu",
-                          state={"served": [settings.model_name], "context_length": 256}))
+                          state={"served": [settings.model_name], "context_length": 256, **routing_state}))
     assert client.get(f"/v1/models/{settings.model_name}", headers=H(keys.paid)).json()["max_model_len"] == 256
     assert client.post("/tokenize", json={"prompt": "hi"}, headers=H(keys.paid)).json()["max_model_len"] == 256
     r = submit(client, keys.paid, max_tokens=300)
