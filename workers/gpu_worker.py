@@ -790,7 +790,8 @@ class GpuWorker:
     def heartbeat(self) -> None:
         jobs = self.active.snapshot()
         with session_scope(self.url, immediate=True) as s:
-            held = leases.renew(s, self.worker_id, [j.lease for j in jobs], self.settings.lease_seconds)
+            held = leases.renew(s, self.worker_id, [j.lease for j in jobs], self.settings.lease_seconds,
+                                ending=[j.job_id for j in jobs if j.finished])  # their last write on its way
             row = s.get(WorkerState, self.worker_id)
             if row is None and self.stopping.is_set():  # read here, in the beat's transaction: a stop that deleted
                 return  # the row since this beat began set it before, and a stopped worker's row stays deleted

@@ -64,18 +64,24 @@ def drop_held_marks(session: Session, worker_id: str) -> int:
                            .values(worker_id=None).execution_options(synchronize_session=False)).rowcount
 
 
-def renew(session: Session, worker_id: str, leases: Iterable[Lease], lease_s: float) -> set[str]:
-    """Extends the leases still held (commits); returns the ids of those held."""
+def renew(session: Session, worker_id: str, leases: Iterable[Lease], lease_s: float,
+          ending: Iterable[str] = ()) -> set[str]:
+    """Extends the leases still held (commits); returns the ids of those held. ``ending``: the ids of the jobs among
+    them whose engine ended their attempt, its last write on its way to SQL (the outbox's)."""
     leases = list(leases)
     if not leases:
         return set()
     ids = [lease.job_id for lease in leases]
     # a job the API stopped while this worker ran it stays leased until the worker writes what it produced
-    # (keep_cancelled), for one lease after the stop: its lease expires where the worker is gone, or where its engine
-    # never finishes the abort (it would stay unsettled as long as the worker beats), and the sweeper settles it
+    # (keep_cancelled), for one lease after the stop while its engine has not ended it: its lease expires where the
+    # worker is gone, or where its engine never finishes the abort (it would stay unsettled as long as the worker
+    # beats), and the sweeper settles it as it stands. One the engine ended stays leased until that write, however
+    # late it lands (a loaded database): settled before it, the job lost the tokens it ran. The outbox bounds it: a
+    # write given up on lets the job go (``MAX_TRIES``)
     now = utcnow()
+    ending = list(ending)
     unwritten = and_(Job.status.in_([s.value for s in STOPPED]), Job.settled_at.is_(None),
-                     Job.finished_at > now - timedelta(seconds=lease_s))
+                     or_(Job.finished_at > now - timedelta(seconds=lease_s), Job.id.in_(ending)))
     session.execute(update(Job).where(Job.id.in_(ids), Job.worker_id == worker_id,
                                       or_(Job.status.in_([s.value for s in ACTIVE]), unwritten))
                     .values(lease_expires_at=now + timedelta(seconds=lease_s))

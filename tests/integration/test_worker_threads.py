@@ -518,6 +518,43 @@ def test_a_job_cancelled_while_it_runs_keeps_what_its_engine_produced(settings, 
         assert [e.type for e in streams[job.job_id]] == ["delta"]
 
 
+def test_a_cancelled_jobs_tokens_are_kept_when_its_write_comes_a_lease_after_the_cancel(settings, keys):
+    """A loaded machine: the engine confirmed the abort of a job the API cancelled (a client hung up), and the write
+    of what it produced still waits in the outbox a lease after the cancel. The worker beats on: it keeps the job's
+    lease until that write, so the sweeper does not settle the end as it stands (no token count, a late write then
+    refused), and the job keeps its tokens (e2e test_client_hangups saw ``completion_tokens`` None under load)."""
+    from sqlalchemy import update
+
+    from app.services.jobs import cancel_job
+    from app.services.transitions import utcnow
+    from workers.sweeper import sweep
+
+    worker = GpuWorker(settings)
+    (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
+    stand_in = _OneStep([RequestOutput(job.request_id, [5, 5], "Hello", RequestStatus.DECODING)])
+    engine_thread = worker.attach(stand_in)
+    worker.outbox.apply(engine_thread.iterate())
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        cancel_job(s, s.get(Job, job.job_id))
+    stand_in.outputs = [_ended(job, RequestStatus.FINISHED_ABORTED, 2)]
+    unwritten = engine_thread.iterate()  # the abort's record, not yet taken by the outbox's I/O thread
+    assert job.finished and job.job_id in worker.active
+    with session_scope(url) as s:  # the cancel was a lease and more ago, and the lease its beats gave runs out now
+        now = utcnow()
+        s.execute(update(Job).where(Job.id == job.job_id).values(
+            finished_at=now - timedelta(seconds=settings.lease_seconds + 1), lease_expires_at=now))
+    worker.heartbeat()  # the one beat since (a loaded machine)
+    with session_scope(url) as s:
+        sweep(s, settings.redis_url, queued_grace_s=0)  # a dead worker's stopped jobs settle as they stand
+    worker.outbox.apply(unwritten)
+    with session_scope(url) as s:
+        row = s.get(Job, job.job_id)
+        assert (row.status, row.output_text, row.completion_tokens) == ("cancelled", "Hello", 2)
+        assert row.settled_at is not None and row.lease_expires_at is None
+    assert job.job_id not in worker.active
+
+
 def test_a_nul_the_model_generates_is_streamed_and_stored_as_the_replacement_character(settings, keys):
     """PostgreSQL's text holds no NUL, and a model may generate one (a byte token): the stream and SQL agree on
     U+FFFD, so the job's result is written on every database."""
