@@ -408,7 +408,7 @@ class EngineThread:
     @staticmethod
     def _kept(lease: Any, produced: dict[str, Any] | None) -> list[tuple[str, StreamEvent]]:
         """The event that says the worker wrote what a cancelled attempt keeps (its usage, if any)."""
-        usage = {k: produced[k] for k in USAGE} if produced else {}
+        usage = {k: produced.get(k) for k in USAGE} if produced else {}
         return [(lease.job_id, StreamEvent("kept", lease.attempt, status="cancelled", data=usage))]
 
     @classmethod
@@ -570,7 +570,8 @@ class EngineThread:
     def _abandon_unconfirmed_aborts(self) -> list[Record]:
         """Sets aside each job whose abort the engine has not confirmed (no finished output) for ``lease_seconds``,
         the bound the heartbeat renews a stopped job's lease for (``leases.renew``): its slot comes back, and where
-        the API cancelled it, it settles now with nothing more written (what the engine ran is not known)."""
+        the API cancelled it, it settles now with what its stream carried (``_streamed``: the engine's own counts are
+        not known)."""
         bound = time.monotonic() - self.settings.lease_seconds
         records = []
         for job in self.active.snapshot():
@@ -580,11 +581,21 @@ class EngineThread:
                         "the worker's room", self.worker_id, job.job_id, time.monotonic() - job.abort_sent_at)
             job.finished = True
             self.active.abandon(job)
-            lease = job.lease
+            lease, streamed = job.lease, self._streamed(job)
             records.append(Record(f"the abandoned abort of {lease.job_id}",
-                                  lambda s, lease=lease: leases.keep_cancelled(s, lease, None),
-                                  self._kept(lease, None), for_job=lease.job_id))
+                                  lambda s, lease=lease, streamed=streamed: leases.keep_cancelled(s, lease, streamed),
+                                  self._kept(lease, streamed), for_job=lease.job_id))
         return records
+
+    @staticmethod
+    def _streamed(job: ActiveJob) -> dict[str, Any] | None:
+        """What a cancelled job whose abort the engine never confirmed keeps: the text and tokens its stream carried,
+        billed as they went out (a rerun's, from the tokens it went on from); None where it streamed none. The
+        engine's cache counts are not known."""
+        if not job.tokens:
+            return None
+        prompt = job.resumed.prompt_len if job.resumed is not None else job.request.prompt_len
+        return {"output_text": "".join(job.text), "completion_tokens": job.tokens, "prompt_tokens": prompt}
 
     def _notice_kept_aborts(self) -> None:
         """Set-aside attempts no longer wait for the engine to let their requests go (a rerun goes beside them), so

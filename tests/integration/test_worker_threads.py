@@ -1018,6 +1018,42 @@ def test_an_abort_the_engine_never_confirms_gives_the_slot_back_after_a_lease(se
     assert events.count("kept") == 1 and "delta" not in events
 
 
+class _DeafToAborts(_OneStep):
+    """Returns the given outputs from its first step, then nothing: an abort is never confirmed."""
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+def test_a_cancelled_job_whose_abort_the_engine_never_confirms_keeps_the_tokens_it_streamed(settings, keys):
+    """The engine streamed tokens of a job the API then cancelled, and never confirms its abort: a lease later the
+    worker sets it aside and settles it with the text and tokens its stream carried (billed and reported as they went
+    out), where it wrote no token count before."""
+    from app.services.jobs import cancel_job
+
+    worker = GpuWorker(settings)
+    (job,) = _leased_jobs(settings, keys, worker, 1, in_engine=True)
+    engine_thread = worker.attach(_DeafToAborts([RequestOutput(job.request_id, [5, 5], "Hello",
+                                                               RequestStatus.DECODING)]))
+    worker.outbox.apply(engine_thread.iterate())
+    url = settings.sqlalchemy_url
+    with session_scope(url) as s:
+        cancel_job(s, s.get(Job, job.job_id))
+    worker.abort(job.job_id)
+    worker.outbox.apply(engine_thread.iterate())
+    job.abort_sent_at -= settings.lease_seconds  # a lease later (the clock moved on, not slept on)
+    worker.outbox.apply(StepRecords(records=engine_thread.reconcile()))
+    worker.outbox.flush_events()
+    assert worker.active.abandoned_ids() == [job.request_id]
+    with session_scope(url) as s:
+        row = s.get(Job, job.job_id)
+        assert (row.status, row.output_text, row.completion_tokens, row.prompt_tokens) == ("cancelled", "Hello", 2, 8)
+        assert row.settled_at is not None
+    events = [StreamEvent.parse(raw) for _id, raw in redis.Redis.from_url(settings.redis_url)
+              .xrange(stream_key(job.job_id))]
+    assert [(e.type, e.data.get("completion_tokens")) for e in events if e.type == "kept"] == [("kept", 2)]
+
+
 def _worker_row_state(settings, worker: GpuWorker) -> dict:
     from app.db.models import WorkerState
 
