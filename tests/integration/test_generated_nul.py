@@ -6,15 +6,14 @@ a stored chat completion, a stored Response and its conversation's items) holds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from app.db.models import Job
 from app.db.session import session_scope
 from tests.conftest import Keys, api_and_worker, wait_for
+from tests.integration.test_worker import Service
 
 pytestmark = pytest.mark.integration
 
@@ -50,13 +49,6 @@ def nul_writing_llama(path: Path) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-@dataclass
-class Service:
-    settings: Any
-    keys: Keys
-    client: Any
 
 
 @pytest.fixture(scope="module")
