@@ -30,7 +30,8 @@ from app.batch.objects import invalid_line, unrun_line
 from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
 from app.db.session import read_then_write, session_scope, write_after_read, write_guard
-from app.openai_schemas import parse_window
+from app.openai_schemas import OpenAIError, openai_param, parse_window
+from app.responses_schemas import in_responses_terms
 from app.services.dispatch import Sendable, send_dispatched
 from app.services.job_writer import JobRows, stage_mark, write_staged
 from app.services.jobs import JobValidationError, choice_links, job_values
@@ -212,6 +213,8 @@ class FanOut:
                               self.context)
         except JobValidationError as exc:  # an over-long message batch request in Anthropic's words, as its create
             why = exc.overflow.anthropic_message() if exc.overflow and self.endpoint == MESSAGES else str(exc)
+            if self.endpoint == "/v1/responses":  # in POST /v1/responses's terms, as its route refuses the job
+                why = in_responses_terms(OpenAIError(400, why, param=openai_param(exc.param))).message
             self._refuse(batch_lines.InvalidLine(line.line_no, line.custom_id, f"line {line.line_no}: {why}",
                                                  "invalid_body"))
             return []

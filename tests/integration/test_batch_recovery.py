@@ -227,3 +227,20 @@ def test_a_batch_whose_validation_ends_while_the_cancels_fan_in_finalizes_it_kee
         assert finalize.maybe_finalize(s, batch_id, settings.data_dir, None)  # the cancel's fan-in
     assert seen == ["finalizing"]
     _cancelled_unrun(client, keys, batch_id)
+
+
+def test_a_responses_lines_refused_job_names_the_responses_fields_as_the_route_does(client, keys, settings):
+    """A Responses line whose job is refused (tools with tool_choice left 'auto', no tool parser) is refused in
+    POST /v1/responses's words, not chat's (``tool_choice {"type": "function", "function": ...}``)."""
+    auth = Keys.header(keys.paid)
+    body = {"model": "tiny", "input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}
+    online = client.post("/v1/responses", headers=auth, json={**body, "background": True})
+    assert online.status_code == 400
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": body})
+    f = client.post("/v1/files", headers=auth, data={"purpose": "batch"}, files={"file": ("in.jsonl", line)}).json()
+    batch = client.post("/v1/batches", headers=auth, json={"input_file_id": f["id"], "endpoint": "/v1/responses",
+                                                           "completion_window": "1h"}).json()
+    got = client.get(f"/v1/batches/{batch['id']}", headers=auth).json()
+    (error,) = [json.loads(t) for t in client.get(f"/v1/files/{got['error_file_id']}/content", headers=auth)
+                .text.splitlines()]
+    assert error["error"]["message"] == f"line 1: {online.json()['error']['message']}"
