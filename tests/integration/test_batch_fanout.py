@@ -426,3 +426,59 @@ def _fan_out_peak(held: list, create, count: int) -> tuple[dict, int, int]:
         return batch, size, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+class Killed(BaseException):
+    """The API process killed: nothing of the fan-out's own clean-up runs (no ``except Exception`` catches it)."""
+
+
+def test_a_fan_out_killed_midway_is_finished_by_the_sweeper_with_each_line_run_once(client, keys, settings,
+                                                                                     monkeypatch):
+    from workers.batch_tasks import restart_stalled_validation
+
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    batch_id = _created_then_killed(client, keys, settings, monkeypatch)
+    _, staged = _only_batch(settings)
+    dead = {job_id for job_id, _ in _jobs(settings, batch_id)}
+    assert staged == 2 and len(dead) == 2  # the dead run's first chunk, left staged
+    assert restart_stalled_validation(settings, stale_after_s=0) == [batch_id]
+    jobs = _jobs(settings, batch_id)
+    assert len(jobs) == 5 and {status for _, status in jobs} == {"dispatched"} and not dead & {j for j, _ in jobs}
+    assert _messages(settings) == Counter({job_id: 1 for job_id, _ in jobs})
+    with session_scope(settings.sqlalchemy_url) as s:
+        batch = s.get(Batch, batch_id)
+        assert (batch.status, batch.total, batch.failed) == ("in_progress", 5, 0)
+        customs = s.scalars(select(Job.custom_id).where(Job.batch_id == batch_id)).all()
+    assert sorted(customs) == [f"c{i}" for i in range(5)]
+
+
+def _created_then_killed(client, keys, settings, monkeypatch) -> str:
+    """A batch of 5 lines whose fan-out was killed after its first chunk (its API process gone): its id."""
+    from datetime import timedelta
+
+    from app.batch.fanout import expires_at_for
+    from app.db.models import new_id
+    from app.services.transitions import utcnow
+
+    body = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}}) for i in range(5))
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", body.encode())}).json()
+    created, batch_id = utcnow() - timedelta(minutes=10), new_id("batch")
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=f["id"],
+                    completion_window="1h", status="validating", tier="paid", created_at=created,
+                    expires_at=expires_at_for(created, "1h")))
+    real_rows = fanout.FanOut.job_rows
+
+    def killed_after_first_chunk(self, lines, dispatched_at):
+        for i, chunk in enumerate(real_rows(self, lines, dispatched_at)):
+            if i == 1:
+                raise Killed
+            yield chunk
+
+    with monkeypatch.context() as patched:
+        patched.setattr(fanout.FanOut, "job_rows", killed_after_first_chunk)
+        with pytest.raises(Killed):
+            fanout.start_batch(settings, batch_id)
+    return batch_id
