@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+LOWER_MAX_TOKENS = "lower max_tokens"  # the fix OpenAI's words name: the chat field (Responses writes its own)
+
+
 @dataclass(frozen=True)
 class ContextOverflow:
     """``prompt_tokens``: the prompt's tokens, or, where ``counted`` is False (not tokenized), how many it takes at
@@ -31,7 +34,7 @@ class ContextOverflow:
         least = "" if self.counted else "at least "
         return head + (f"you requested {least}{self.prompt_tokens + self.max_tokens} tokens ({least}"
                        f"{self.prompt_tokens} in the prompt, {self.max_tokens} for the completion); shorten the "
-                       "prompt or lower max_tokens")
+                       f"prompt or {LOWER_MAX_TOKENS}")
 
     def anthropic_message(self) -> str:
         """Anthropic's words: the prompt alone over the context, else the prompt and ``max_tokens`` together."""

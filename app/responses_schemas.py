@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.context_overflow import LOWER_MAX_TOKENS
 from app.openai_schemas import (ChatCompletionRequest, OpenAIError, VllmUnsupported, chat_job, chat_logprobs,
                                 parse_window, refuse_qos, service_tier, usage)
 from app.schemas import INSTRUCTION_ROLES, JobCreate
@@ -234,7 +235,8 @@ def in_responses_terms(exc: OpenAIError, raw: Any = None) -> OpenAIError:
     wrote in chat's terms (vLLM's ``structured_outputs``, which Responses takes too) keeps its name."""
     param = exc.param or ""
     new = responses_param(param, written_as_chat(raw))
-    message = in_choice_terms(exc.message, {CHAT_NAMED_CHOICE: NAMED_CHOICE})
+    message = in_choice_terms(exc.message, {CHAT_NAMED_CHOICE: NAMED_CHOICE}).replace(
+        LOWER_MAX_TOKENS, "lower " + RESPONSES_PARAM["max_tokens"])  # a Responses body has no max_tokens of its own
     if new == param:
         return exc if message == exc.message else OpenAIError(exc.status_code, message, param=exc.param,
                                                                code=exc.code, type=exc.type, headers=exc.headers)

@@ -238,6 +238,19 @@ def test_without_max_tokens_a_prompt_that_fits_gets_what_the_context_leaves(clie
     assert jobs_in_sql(settings) == 3
 
 
+def test_a_responses_request_over_the_context_is_told_to_lower_max_output_tokens(client, keys, settings):
+    """OpenAI's over-the-context words name the field to lower: chat's max_tokens, which a Responses request does not
+    have (its own is max_output_tokens)."""
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 600},
+                    headers=H(keys.paid))
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "maximum context length is 512 tokens" in message, r.text
+    assert message.endswith("shorten the prompt or lower max_output_tokens"), message
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 600}, headers=H(keys.paid))
+    assert r.json()["error"]["message"].endswith("shorten the prompt or lower max_tokens"), r.text
+
+
 def test_a_shorter_engine_context_holds_jobs_to_it(client, keys, settings):
     """vLLM set to less context than the model's (COSERVE_VLLM_MAX_MODEL_LEN, or max_model_len among its engine
     arguments: `vllm serve --max-model-len`): the API refuses what the engine would refuse, and says what it serves."""
