@@ -207,18 +207,20 @@ def call_id(job_id: str, index: int, parser: str | None = None) -> str:
     return f"call_{job_id.removeprefix('job_')}_{index}"
 
 
-def _forced_calls(choice: str | dict[str, Any], text: str) -> list[RawCall] | None:
+def _forced_calls(choice: str | dict[str, Any], text: str) -> tuple[list[RawCall] | None, bool]:
+    """The calls of a forced choice's text, and whether a ``"required"`` list was cut short inside its JSON (it does
+    not parse); a named function's text is its arguments, as generated, not read here."""
     if isinstance(choice, dict):  # the text is the named function's arguments (as generated, even if cut short)
-        return [(choice["function"]["name"], text)] if text.strip() else None
+        return ([(choice["function"]["name"], text)] if text.strip() else None), False
     try:
         parsed = json.loads(text)
     except ValueError:  # cut by max_tokens or a stop string: the calls begun, as far as they came (as streamed)
-        return _begun_calls(text)[0] or None
+        return _begun_calls(text)[0] or None, True
     if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed):
-        return None
+        return None, False
     written = raw_arguments(text, 2)  # the arguments as generated, as a stream sent them
     return [read_call({"name": c["name"], "parameters": c.get("parameters", {})},
-                      written[i] if i < len(written) else None) for i, c in enumerate(parsed)]
+                      written[i] if i < len(written) else None) for i, c in enumerate(parsed)], False
 
 
 def _begun_calls(text: str, call_depth: int = 2) -> tuple[list[RawCall], bool]:
@@ -284,9 +286,8 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
         if cut:
             content, raw = _cut_calls(syntax, text, reason)
     else:
-        raw = _forced_calls(choice, text)
+        raw, cut = _forced_calls(choice, text)  # (a named call's cut does not matter: it never ends in tool_calls)
         content = None if raw is not None else text
-        cut = not is_json(text)
     if raw is None:
         return Answer(text, None, reason)
     if sampling.get("parallel_tool_calls") is False:
