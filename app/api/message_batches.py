@@ -70,9 +70,9 @@ def _own(session, principal, batch_id: str) -> Batch:
 
 
 def _charge_call(request: Request, principal: Principal) -> dict[str, str]:
-    """A call but the create (retrieve, list, results, cancel, delete) taken from its tenant's Message Batches bucket
-    (``rate_limits.MESSAGE_BATCHES``, the create's too) before it reads or changes anything; over the limit a 429 in
-    Anthropic's shape. Returns its ``anthropic-ratelimit-*`` headers."""
+    """A Message Batches call taken from its tenant's Message Batches bucket (``rate_limits.MESSAGE_BATCHES``):
+    retrieve, list, results, cancel and delete before they read or change anything, the create once its row is in;
+    over the limit a 429 in Anthropic's shape. Returns its ``anthropic-ratelimit-*`` headers."""
     return anthropic_rate_headers(charge_request(rate_limiter(request), principal, MESSAGE_BATCHES))
 
 
@@ -153,8 +153,8 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
                   expires_at=expires_at_for(now, mb.WINDOW))
     try:
         with idempotency_conflicts():
-            made, created = create_once(session, batch, idempotency, lambda: response.headers.update(
-                anthropic_rate_headers(charge_request(rate_limiter(request), principal, MESSAGE_BATCHES))), files=[src])
+            made, created = create_once(session, batch, idempotency,
+                                        lambda: response.headers.update(_charge_call(request, principal)), files=[src])
     except BaseException:  # refused (429), another body under the key (409): no row names the file
         Path(src.path).unlink(missing_ok=True)
         raise
