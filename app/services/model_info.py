@@ -246,13 +246,13 @@ def _template_errors() -> tuple[type[BaseException], ...]:
     return (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, RecursionError, ValueError)
 
 
-def template_content_format(model: str, tok: Any, tools: list[dict[str, Any]] | None) -> ContentFormat:
+def template_content_format(model: str, template: str | None) -> ContentFormat:
     """The content format ``model``'s template is given: the one forced (``use_chat_template``), else that of the
-    template ``apply_chat_template`` renders with (of a tokenizer's named ones, "tool_use" where tools are offered
-    and it has one, else "default"), as vLLM detects it (its ``resolve_chat_template_content_format``)."""
+    ``template`` ``apply_chat_template`` renders with (``template_in_use``), as vLLM detects it (its
+    ``resolve_chat_template_content_format``)."""
     if model in _forced_formats:
         return _forced_formats[model]
-    return content_format(template_in_use(tok, tools))
+    return content_format(template)
 
 
 def template_in_use(tok: Any, tools: list[dict[str, Any]] | None) -> str | None:
@@ -310,7 +310,8 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
         return []
     if getattr(tok, "chat_template", None):
         try:
-            form, template = template_content_format(model, tok, None), template_in_use(tok, None)
+            template = template_in_use(tok, None)
+            form = template_content_format(model, template)
             rendered = tok.apply_chat_template([template_conversation(m, form, template) for m in conversations],
                                                tokenize=False, add_generation_prompt=True)
         except _template_errors() as exc:
@@ -332,7 +333,8 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
     if messages is not None:
         if getattr(tok, "chat_template", None):
             try:  # special tokens asked for: vLLM renders the template to text and tokenizes that with them
-                form, template = template_content_format(model, tok, tools), template_in_use(tok, tools)
+                template = template_in_use(tok, tools)
+                form = template_content_format(model, template)
                 ids = tok.apply_chat_template(
                     template_conversation(messages, form, template), tools=tools, tokenize=not special,
                     add_generation_prompt=options.get("add_generation_prompt", True),
