@@ -13,7 +13,7 @@ A tenant's requests per minute fill three buckets: its generation requests' (the
 Messages and ``/v1/jobs`` routes, and batch creates and summarization starts, which cost a request and no tokens)
 and, apart, its token-counting requests' (``COUNTING``: Anthropic limits count_tokens apart from messages, so a
 client that counts before each message does not halve what it may send; the count routes tokenize on the API
-process's CPU, so they are not free either), and its Message Batches calls but the create (``MESSAGE_BATCHES``:
+process's CPU, so they are not free either), and its Message Batches calls, the create's too (``MESSAGE_BATCHES``:
 Anthropic limits every batch endpoint by requests per minute apart from messages, so a client polling its batch
 does not halve what it may send). A refusal is counted under its buckets' name (``refusal_prefix``).
 
@@ -39,7 +39,7 @@ REFUSALS = "coserve:ratelimit:refused"  # hash "<tenant id>|<limit>" -> requests
 WINDOW_S = 60.0  # a limit is per minute: a bucket refills its whole capacity in this time
 GENERATION = ""  # the buckets a charge takes from: the tenant's generation requests' (and their tokens)
 COUNTING = "counting:"  # its token-counting requests' (count_tokens, input_tokens, /tokenize), by the same RPM
-MESSAGE_BATCHES = "message_batches:"  # its Message Batches calls but the create (retrieve, list, results, cancel,
+MESSAGE_BATCHES = "message_batches:"  # its Message Batches calls (create, retrieve, list, results, cancel,
 # delete), by the same RPM: Anthropic limits every batch endpoint apart from Messages, so polling eats no sends
 
 
