@@ -406,3 +406,39 @@ def test_a_message_batchs_reads_count_against_a_bucket_of_their_own(client, keys
     assert client.get(f"/v1/messages/batches/{batch['id']}", headers={"x-api-key": keys.other}).status_code == 404
     metrics = client.get("/metrics", headers=H(keys.admin)).text
     assert f'limit="message_batches_requests",tenant_id="{keys.tenant_id}"}} 2.0' in metrics, metrics
+
+
+def test_a_message_batch_call_for_a_batch_it_does_not_find_is_charged(client, keys):
+    """A retrieve, cancel, delete or results download of a batch coserve does not find (a 404) takes a request from
+    the Message Batches bucket, as one that finds it does: Anthropic limits the HTTP requests to every Message
+    Batches endpoint, and OpenAI's limits count unsuccessful requests too (help.openai.com/en/articles/5955604:
+    resending a failing request does not get round them). The charge comes before the lookup, so a client polling a
+    deleted batch, or guessing ids, is held to its rate as one polling a live batch is; the generation requests'
+    bucket is untouched."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 3}, headers=H(keys.admin))
+    anthropic = {"x-api-key": keys.paid}
+    missing = [client.get("/v1/messages/batches/msgbatch_none", headers=anthropic),
+               client.post("/v1/messages/batches/msgbatch_none/cancel", headers=anthropic),
+               client.get("/v1/messages/batches/msgbatch_none/results", headers=anthropic)]
+    assert [(m.status_code, m.json()["error"]["type"]) for m in missing] == [(404, "not_found_error")] * 3, [
+        m.text for m in missing]
+    refused = client.delete("/v1/messages/batches/msgbatch_none", headers=anthropic)
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error", refused.text
+    assert "requests per minute: limit 3" in refused.json()["error"]["message"], refused.text
+    assert client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 4}, headers=H(keys.paid)).status_code == 201
+
+
+def test_the_tokenizers_configuration_and_the_model_list_are_not_limited(client, keys, settings):
+    """GET /tokenizer_info and GET /v1/models do the same small work whatever a client sends (the loaded tokenizer's
+    configuration, the served model's names), unlike /tokenize and /detokenize, whose work grows with the text: they
+    take from no bucket, as vLLM's answer them and as Anthropic and OpenAI list their limits for the routes that
+    generate, count tokens or batch. Reading them leaves a tenant's counting and generation buckets whole."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 1}, headers=H(keys.admin))
+    settings.enable_tokenizer_info_endpoint = True
+    reads = [client.get(path, headers=H(keys.paid)) for path in ("/tokenizer_info", "/v1/models", "/v1/models/tiny")
+             for _ in range(3)]
+    assert [r.status_code for r in reads] == [200] * 9, [r.text for r in reads]
+    assert not any(h.startswith("x-ratelimit-") for r in reads for h in r.headers)
+    tokenized = client.post("/tokenize", json={"prompt": "Hello world"}, headers=H(keys.paid))
+    assert tokenized.status_code == 200 and tokenized.headers["x-ratelimit-remaining-requests"] == "0", tokenized.text
+    assert client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 4}, headers=H(keys.paid)).status_code == 201
