@@ -23,7 +23,7 @@ from app.openai_schemas import list_page, parse_window
 from app.schemas import MAX_WINDOW_S
 from app.services.idempotency import Idempotency, IdempotencyConflict
 from app.services.jobs import JobValidationError, resolve_model, resolve_tier
-from app.services.rate_limits import Decision, RateLimited, rate_headers, take_request
+from app.services.rate_limits import RateLimited, rate_headers, take_request
 from app.services.transitions import utcnow
 from app.summarize import driver, service, store
 from app.summarize.documents import Document
@@ -89,12 +89,11 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
                             "body", "deadline")
     docs = [Document(d.id, d.text) for d in body.documents]
     idempotency = Idempotency.of(idempotency_key, body)  # two bodies of one window are the same, not its end
-    rate: list[Decision | None] = []  # what the limits said of the start (none: a retry answered, or no limits)
-    limiter = rate_limiter(request)
     start_run = partial(service.create_run, settings, principal, docs, utcnow() + timedelta(seconds=window),
                         max_summary_tokens=body.max_summary_tokens, chunk_tokens=body.chunk_tokens,
                         overlap_tokens=body.overlap_tokens, tier=tier, model=model, idempotency=idempotency,
-                        charge=lambda: rate.append(take_request(limiter, principal.tenant_id, principal.limits)))
+                        charge=lambda: response.headers.update(rate_headers(  # once its row is in (a retry: uncharged)
+                            take_request(rate_limiter(request), principal.tenant_id, principal.limits))))
     try:
         if idempotency is None:
             progress, created = await run_in_threadpool(start_run), True
@@ -109,7 +108,6 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
         raise unprocessable(str(exc), *(("body", exc.param) if exc.param else ("body",))) from exc
     except ValueError as exc:
         raise unprocessable(str(exc)) from exc
-    response.headers.update(rate_headers(rate[0] if rate else None))
     if created:
         request.app.state.run_drivers.drive(settings, progress.id)
     else:

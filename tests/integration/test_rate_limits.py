@@ -290,6 +290,7 @@ def test_a_summarization_start_counts_against_the_tenants_requests_per_minute(cl
     assert first.status_code == 201 and first.headers["x-ratelimit-remaining-requests"] == "0", first.text
     again = client.post("/v1/summarize", json=SUMMARIZE, headers=key)
     assert again.status_code == 200 and again.json()["id"] == first.json()["id"], again.text
+    assert not any(h.startswith("x-ratelimit-") for h in again.headers)  # not charged: no bucket to show
     refused = client.post("/v1/summarize", json=SUMMARIZE, headers=H(keys.free))  # the tenant's bucket, any key
     assert refused.status_code == 429, refused.text
     assert "requests per minute: limit 1; try again in" in refused.json()["detail"], refused.text
