@@ -396,10 +396,14 @@ def promote(job_id: str, body: Promote, session: SessionDep, settings: SettingsD
 
 @router.post("/admin/api/jobs/{job_id}/cancel", responses={**ADMIN, **responses(404, 409)})
 def cancel(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
+    """Cancels an open job; one that had ended (before the read, or between it and the cancel's write) is a 409
+    naming its end, as for a resume or promote of it (a tenant's cancel answers ``cancelled: false``)."""
     job = _not_staged(_job(session, job_id))
     with acting_on_the_job():
-        ok = cancel_job(session, settings, job, "cancelled by an admin")
-    return {"id": job_id, "action": "cancel", "cancelled": ok}
+        if not cancel_job(session, settings, job, "cancelled by an admin"):
+            raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job.status}): nothing to "
+                                                          "cancel")
+    return {"id": job_id, "action": "cancel", "cancelled": True}
 
 
 class Drain(BaseModel):

@@ -537,3 +537,28 @@ def test_a_cancel_of_a_job_deleted_after_it_was_read_is_a_404_naming_it(client, 
     _deleted_after_the_read(monkeypatch, settings, jobs_api, "_own_job")
     r = client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
     assert r.status_code == 404 and r.json()["detail"] == f"no job {job_id!r} (it was deleted meanwhile)", r.text
+
+
+@pytest.mark.parametrize("ended", ["succeeded", "failed", "expired", "cancelled"])
+def test_an_admin_cancel_of_a_job_that_ended_is_a_409_naming_its_state(client, keys, settings, ended):
+    """As a resume or promote of it is: an operator whose Cancel came after the job ended is told so (where a 200
+    said the action went through), and the job keeps its end."""
+    job_id = _job(client, keys, settings, status=ended)
+    r = client.post(f"/admin/api/jobs/{job_id}/cancel", headers=H(keys.admin))
+    assert r.status_code == 409 and r.json()["detail"] == f"job {job_id} already ended ({ended}): nothing to cancel", (
+        r.text)
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.get(Job, job_id).status == ended
+        assert not s.query(JobEvent).filter(JobEvent.job_id == job_id, JobEvent.to_status == "cancelled",
+                                            JobEvent.from_status == ended).count()
+
+
+def test_an_admin_cancel_ends_a_job_in_each_open_state(client, keys, settings):
+    for values in ({"status": "queued"}, {"status": "dispatched"}, {"status": "running", "worker_id": "w1"},
+                   {"status": "relegated", "worker_id": "w1"}):
+        job_id = _job(client, keys, settings, **values)
+        r = client.post(f"/admin/api/jobs/{job_id}/cancel", headers=H(keys.admin))
+        assert r.status_code == 200 and r.json()["cancelled"] is True, (values, r.text)
+        found = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()
+        assert found["job"]["status"] == "cancelled", values
+        assert found["events"][-1]["detail"] == "cancelled by an admin", values
