@@ -67,10 +67,19 @@ SHOWN_COLUMNS = (Job.id, Job.model, Job.tier, Job.kind, Job.status, Job.worker_i
                  Job.tenant_id, Job.created_at, Job.first_token_at, Job.deadline_at, Job.ttft_ms, Job.tbt_ms)
 
 
+# the page runs its own script and style only (what a tenant's text would inject, were it not escaped, does not run)
+# and no other site frames it (its buttons clicked through a page laid over it)
+DASHBOARD_POLICY = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+                                               "img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+                                               "form-action 'self'; frame-ancestors 'none'",
+                    "X-Frame-Options": "DENY"}
+
+
 @router.get("/admin", response_class=HTMLResponse, include_in_schema=False)
 def dashboard(request: Request, settings: SettingsDep) -> HTMLResponse:
     return templates.TemplateResponse(request, "admin.html", {"model": settings.model_name,
-                                                              "tiers": list(settings.tiers)})
+                                                              "tiers": list(settings.tiers)},
+                                      headers=DASHBOARD_POLICY)
 
 
 @router.get("/admin/static/{name}", include_in_schema=False)

@@ -5,6 +5,8 @@ const POLL_MS = 1000;
 const TENANTS_POLL_MS = 30000; // the tenants' day of usage is a heavier read than the overview
 const RUNS_POLL_MS = 5000;  // a run's progress reads its documents' jobs
 const $ = (sel) => document.querySelector(sel);
+// the configured tiers, lowest first (the page's data-tiers: its policy runs no inline script)
+const TIERS = JSON.parse(document.body.dataset.tiers || "[]");
 let timer = null;
 let tenantsTimer = null;
 let runsTimer = null;
@@ -95,7 +97,7 @@ function button(td, label, onClick, opts = {}) {
 function renderQueues(queues) {
   const tbody = $("#queues tbody");
   tbody.replaceChildren();
-  const tiers = [...new Set([...(window.COSERVE_TIERS || []), ...queues.map((q) => q.tier)])];
+  const tiers = [...new Set([...TIERS, ...queues.map((q) => q.tier)])];
   for (const tier of tiers) {
     const row = tbody.insertRow();
     row.dataset.tier = tier;
@@ -152,10 +154,9 @@ function renderJobs(jobs, total, next) {
       { title: `cancel ${j.id}`, id: j.id });
     // one button per other tier, labelled by its target; tiers are configured lowest first,
     // so a later tier is a promotion and an earlier one a demotion
-    const tiers = window.COSERVE_TIERS || [];
-    const here = tiers.indexOf(j.tier);
-    for (const t of tiers.filter((t) => t !== j.tier)) {
-      const up = here < 0 || tiers.indexOf(t) > here;
+    const here = TIERS.indexOf(j.tier);
+    for (const t of TIERS.filter((t) => t !== j.tier)) {
+      const up = here < 0 || TIERS.indexOf(t) > here;
       const verb = up ? "promote" : "demote";
       const b = button(td, (up ? "\u2191 " : "\u2193 ") + t, () => api(`/admin/api/jobs/${j.id}/promote`,
         { method: "POST", body: JSON.stringify({ tier: t }) }),

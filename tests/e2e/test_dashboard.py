@@ -241,3 +241,49 @@ def test_the_dashboard_tells_a_job_no_worker_holds_from_a_worker_that_did_not_he
         browser.close()
     for job_id in (waiting, held):
         assert httpx.get(f"{live_server}/v1/jobs/{job_id}", headers=Keys.header(keys.paid)).json()["tier"] == "free"
+
+
+MARKUP = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install -y chromium)")
+def test_the_dashboard_shows_markup_in_what_tenants_and_workers_write_as_text(live_server, keys, settings):
+    """Markup in a tenant's name, a job's error, a summarization run's model and reason, a worker's id, device and
+    speculation state reads as its text: nothing of it runs or loads, and the page's policy (only its own script)
+    refuses nothing the page needs (its tiers' buttons come from its data-tiers)."""
+    from playwright.sync_api import expect, sync_playwright
+    from sqlalchemy import update
+
+    from app.db.models import Job, SummarizationRun, WorkerState
+    from app.db.session import session_scope
+    from app.services.transitions import utcnow
+
+    assert httpx.post(f"{live_server}/v1/admin/tenants", json={"name": MARKUP},
+                      headers=Keys.header(keys.admin)).status_code == 201
+    relegated, failed = (submit(live_server, keys.paid, prompt=MARKUP, max_tokens=2) for _ in range(2))
+    with session_scope(settings.sqlalchemy_url) as s:  # no worker runs here: the states are set as workers set them
+        s.execute(update(Job).where(Job.id == relegated).values(status="relegated", worker_id=MARKUP))
+        s.execute(update(Job).where(Job.id == failed).values(status="failed", error=MARKUP))
+        s.add(WorkerState(id=MARKUP, model=MARKUP, queue="q", device=MARKUP, state={"speculation": {"policy": MARKUP}}))
+        s.add(SummarizationRun(tenant_id=keys.tenant_id, model=MARKUP, tier="paid", status="failed", reason=MARKUP,
+                               deadline_at=utcnow(), max_summary_tokens=64, chunk_tokens=256, overlap_tokens=0,
+                               documents=1))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page()
+        console, dialogs = [], []
+        page.on("console", lambda m: console.append(m.text))
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(f"{live_server}/admin")
+        page.fill("#admin-key", keys.admin)
+        page.click("#login-form button[type=submit]")
+        expect(page.locator(f"#job-{relegated} button[data-tier=free]")).to_have_count(1, timeout=10_000)
+        expect(page.locator("#queues tbody tr")).to_have_count(len(settings.tiers))
+        for table in ("#jobs", "#tenants", "#runs", "#workers"):
+            expect(page.locator(f"{table} tbody tr", has_text=MARKUP).first).to_be_visible(timeout=10_000)
+        page.fill("#job-id", failed)
+        page.click("#job-search button[type=submit]")
+        expect(page.locator("#job-detail")).to_contain_text("error: " + MARKUP)
+        assert page.locator("img").count() == 0 and not dialogs, dialogs
+        assert not [c for c in console if "Content Security Policy" in c], console
+        browser.close()

@@ -73,3 +73,15 @@ def test_every_status_the_dashboards_jobs_filter_offers_is_one_the_overview_take
     for status in offered:
         r = client.get("/admin/api/overview", params={"status": status} if status else {}, headers=H(keys.admin))
         assert r.status_code == 200, (status, r.text)
+
+
+def test_the_dashboards_page_runs_only_its_own_script_and_is_framed_by_no_site(client):
+    """The page's policy lets only its own files run (a tenant's text that slipped past the script's escaping would
+    not run: the page has no inline script to allow) and no other site frame it, where its buttons (a Cancel asks
+    nothing) could be clicked through a page laid over it."""
+    page = client.get("/admin")
+    policy = dict(d.strip().split(" ", 1) for d in page.headers["content-security-policy"].split(";") if d.strip())
+    assert (policy["script-src"], policy["frame-ancestors"], policy["object-src"]) == ("'self'", "'none'", "'none'")
+    assert "unsafe" not in page.headers["content-security-policy"]
+    assert page.headers["x-frame-options"] == "DENY"
+    assert not re.findall(r"<script(?![^>]*\bsrc=)[^>]*>", page.text)  # an inline one would not run under it
