@@ -1,0 +1,105 @@
+"""A batch's fan-out killed midway (SIGKILL: no clean-up runs) loses no line, runs none twice and leaves none of its
+part files behind; a cancel that comes between its chunks runs no line."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+
+from app.batch import fanout
+from app.db.models import Batch, Job, JobEvent, new_id
+from app.db.session import session_scope
+from app.services.transitions import utcnow
+from tests.conftest import ROOT, Keys, wait_for, worker_env
+
+pytestmark = pytest.mark.integration
+
+LINES = 5  # with one refused: four jobs, two chunks of the dying fan-out's two
+
+
+def _validating_batch(client, keys, settings) -> str:
+    """A batch of ``LINES`` lines (the last refused), committed validating as its create left it: its id."""
+    good = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "tiny", "prompt": f"Line {i}", "max_tokens": 2}}) for i in range(LINES - 1)]
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", "\n".join([*good, "{not json"]).encode())}).json()
+    batch_id = new_id("batch")
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=f["id"],
+                    completion_window="24h", status="validating", tier="paid"))
+    return batch_id
+
+
+def _fan_out_dying_at(settings, batch_id: str, point: str) -> None:
+    """The batch's fan-out in its own process, SIGKILLed at ``point`` (tests/integration/dying_fanout.py)."""
+    run = subprocess.run([sys.executable, "-m", "tests.integration.dying_fanout", batch_id, point], cwd=ROOT,
+                         env=worker_env(settings, "fanout"), capture_output=True, text=True, check=False)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+
+
+def _parts(settings, batch_id: str) -> list[str]:
+    return sorted(p.name for p in (Path(settings.data_dir) / "batches" / batch_id).glob("*.part*"))
+
+
+def test_a_fan_out_killed_before_sending_its_jobs_has_each_line_run_once_by_the_sweeper(client, keys, settings,
+                                                                                          start_worker):
+    """Killed after its jobs were committed dispatched, before their messages were sent: no message exists, and the
+    sweeper's lost-message rule (``_resend_lost``: dispatched, unheld, not on the queue) sends each once; the batch
+    completes with every line run once."""
+    batch_id = _validating_batch(client, keys, settings)
+    _fan_out_dying_at(settings, batch_id, "before_sending")
+    with session_scope(settings.sqlalchemy_url) as s:
+        jobs = s.scalars(select(Job.id).where(Job.batch_id == batch_id, Job.status == "dispatched")).all()
+        assert len(jobs) == LINES - 1 and s.get(Batch, batch_id).status == "in_progress"
+        # the resend age past (max(30, 5 x lease) s): the sweeper takes them as lost at once
+        s.execute(update(Job).where(Job.batch_id == batch_id).values(dispatched_at=utcnow() - timedelta(seconds=60)))
+    start_worker("w1")
+
+    def ended() -> dict | None:
+        batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+        return batch if batch["status"] not in ("in_progress", "finalizing") else None
+    batch = wait_for(ended, 120, "the batch to end")
+    assert (batch["status"], batch["request_counts"]) == ("completed", {"total": LINES, "completed": LINES - 1,
+                                                                        "failed": 1})
+    with session_scope(settings.sqlalchemy_url) as s:
+        runs = dict(s.execute(select(Job.id, Job.attempt).where(Job.batch_id == batch_id)).all())
+        leased = dict(s.execute(select(JobEvent.job_id, func.count()).where(
+            JobEvent.job_id.in_(jobs), JobEvent.detail == "leased").group_by(JobEvent.job_id)).all())
+    assert runs == {j: 1 for j in jobs}  # the same jobs, each on its first attempt
+    assert leased == {j: 1 for j in jobs}  # each run once
+    assert _parts(settings, batch_id) == []
+
+
+def test_a_batch_cancelled_between_its_fan_outs_chunks_ends_cancelled_having_run_no_line(client, keys, settings,
+                                                                                           monkeypatch):
+    """The cancel comes after the fan-out wrote its first chunk (staged: not runnable): the fan-out writes no more,
+    counts every line (the valid ones stopped unrun, the refused one refused) and ends the batch cancelled; no job is
+    left to run."""
+    batch_id = _validating_batch(client, keys, settings)
+    write_staged, cancelled = fanout.write_staged, []
+
+    def cancel_after_first(chunks):
+        for i, chunk in enumerate(chunks):
+            if i == 1:
+                r = client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
+                cancelled.append(r.status_code)
+            yield chunk
+
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    monkeypatch.setattr(fanout, "write_staged", lambda url, chunks, *rest: write_staged(
+        url, cancel_after_first(chunks), *rest))
+    fanout.start_batch(settings, batch_id)
+    assert cancelled == [200]
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": LINES, "completed": 0,
+                                                                        "failed": LINES})
+    with session_scope(settings.sqlalchemy_url) as s:
+        assert s.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch_id)) == 0
+    assert _parts(settings, batch_id) == []
