@@ -24,8 +24,8 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import (invalid_path, keep_line_numbers, maybe_finalize, numbered_refused_lines,
-                                result_file)
+from app.batch.finalize import (drop_run_parts, invalid_path, keep_line_numbers, maybe_finalize,
+                                numbered_refused_lines, result_file, run_part)
 from app.batch.objects import invalid_line, unrun_line
 from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
@@ -66,11 +66,12 @@ def start_batch(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFil
                                         "message": "the server failed to validate the input file (its log says "
                                                    "why); no request of this batch ran, so it can be sent again"}])
     # started, refused, cancelled or failed, the batch has left ``validating``: what is still staged is to be deleted
-    # (this run's rest, or what a run that died or lost the start to this one left)
+    # (this run's rest, or what a run that died or lost the start to this one left), and so are the runs' part files
     try:
         _drop_staged(settings.sqlalchemy_url, batch_id)
     except Exception:  # left staged, they stay invisible and never run
         log.exception("could not delete batch %s's staged jobs", batch_id)
+    drop_run_parts(settings.data_dir, batch_id)
 
 
 def _fail(session, batch_id: str, **values) -> None:
@@ -85,7 +86,7 @@ def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | N
     mine = stage_mark()
     # this run's refused lines, written as read; invalid.jsonl once the batch is to start (another run of the batch,
     # one that died or runs beside this one, writes its own: neither truncates the other's)
-    part = invalid_path(settings.data_dir, batch_id).with_name(f"invalid.{mine}.part")
+    part = run_part(invalid_path(settings.data_dir, batch_id), mine)
     try:
         _fan_out(settings, batch_id, parsed, mine, part)
     finally:
@@ -130,8 +131,12 @@ def _fan_out(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile |
     if file_errors:
         _fail_validation(url, batch_id, file_errors, fan.total)
         return
-    part.replace(invalid_path(settings.data_dir, batch_id))  # written as read, in input order
-    keep_line_numbers(settings.data_dir, batch_id, fan.requested, mine)  # the error file lists its lines in input order
+    try:
+        part.replace(invalid_path(settings.data_dir, batch_id))  # written as read, in input order
+        keep_line_numbers(settings.data_dir, batch_id, fan.requested, mine)  # the error file's lines in input order
+    except FileNotFoundError:  # another run ended the validation meanwhile and deleted every run's parts: it lost
+        log.info("batch %s: another run of its fan-out ended its validation first", batch_id)
+        return
     ok = staged and _start_staged(url, batch_id, tenant_id, mine, fan, dispatched_at, fan.refused)
     if ok is None:
         return

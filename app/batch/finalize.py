@@ -94,11 +94,25 @@ def _whole_line_numbers_path(data_dir: Path, batch_id: str) -> Path:
     return Path(data_dir) / "batches" / batch_id / "lines.json"
 
 
+def run_part(path: Path, mark: str) -> Path:
+    """The part file one fan-out run (``mark``: its ``stage_mark``) writes ``path`` in before it replaces it: no other
+    run's write truncates it."""
+    return path.with_name(f"{path.stem}.{mark}.part")
+
+
+def drop_run_parts(data_dir: Path, batch_id: str) -> None:
+    """Deletes every run's part files of the batch (``run_part``, and SQLite's journal beside one): those of runs
+    killed before their clean-up (SIGKILL), which no later run removed, and of a run that lost the start to another.
+    Call it once the batch has left ``validating``: no run's part is to become the batch's file then."""
+    for part in (Path(data_dir) / "batches" / batch_id).glob(f"*.{STAGED}-*.part*"):
+        part.unlink(missing_ok=True)
+
+
 def keep_line_numbers(data_dir: Path, batch_id: str, numbered: Iterable[tuple[int, str]], mark: str) -> None:
     """The valid lines' ``(number, custom_id)`` written to ``line_numbers_path`` as they come, none held; ``mark``:
     the writing run's, whose part file no other run's write truncates (the last run's is kept)."""
     path = line_numbers_path(data_dir, batch_id)
-    part = path.with_name(f"lines.{mark}.part")
+    part = run_part(path, mark)
     part.unlink(missing_ok=True)
     try:
         with closing(sqlite3.connect(part)) as table, table:

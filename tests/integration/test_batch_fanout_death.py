@@ -18,6 +18,7 @@ from app.db.models import Batch, Job, JobEvent, new_id
 from app.db.session import session_scope
 from app.services.transitions import utcnow
 from tests.conftest import ROOT, Keys, wait_for, worker_env
+from workers.batch_tasks import restart_stalled_validation
 
 pytestmark = pytest.mark.integration
 
@@ -77,6 +78,23 @@ def test_a_fan_out_killed_before_sending_its_jobs_has_each_line_run_once_by_the_
     assert _parts(settings, batch_id) == []
 
 
+def test_fan_outs_killed_midway_leave_no_part_files_once_a_restart_starts_the_batch(client, keys, settings):
+    """Each killed run left its own part file (the refused lines it had read; its line numbers' table half written),
+    which nothing removed: they piled up a run at a time. The run that starts the batch removes them, and the
+    batch's jobs are its own (the dead runs' staged ones deleted)."""
+    batch_id = _validating_batch(client, keys, settings)
+    _fan_out_dying_at(settings, batch_id, "between_chunks")
+    _fan_out_dying_at(settings, batch_id, "keeping_line_numbers")
+    assert len(_parts(settings, batch_id)) >= 2
+    assert restart_stalled_validation(settings, stale_after_s=0) == [batch_id]
+    assert _parts(settings, batch_id) == []
+    with session_scope(settings.sqlalchemy_url) as s:
+        batch = s.get(Batch, batch_id)
+        assert (batch.status, batch.total, batch.failed) == ("in_progress", LINES, 1)
+        statuses = s.scalars(select(Job.status).where(Job.batch_id == batch_id)).all()
+    assert sorted(statuses) == ["dispatched"] * (LINES - 1)
+
+
 def test_a_batch_cancelled_between_its_fan_outs_chunks_ends_cancelled_having_run_no_line(client, keys, settings,
                                                                                            monkeypatch):
     """The cancel comes after the fan-out wrote its first chunk (staged: not runnable): the fan-out writes no more,
@@ -102,4 +120,32 @@ def test_a_batch_cancelled_between_its_fan_outs_chunks_ends_cancelled_having_run
                                                                         "failed": LINES})
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch_id)) == 0
+    assert _parts(settings, batch_id) == []
+
+
+def test_a_fan_out_that_another_run_finished_meanwhile_stops_quietly(client, keys, settings, monkeypatch, caplog):
+    """Two runs of a batch's fan-out (the API's, slow, and the sweeper's restart): the one that ends the validation
+    deletes every run's part files, the other's among them. That one, finding its part gone, has lost the start: it
+    stops, where it logged the batch as failed during validation (a traceback, FileNotFoundError) though it ran."""
+    batch_id = _validating_batch(client, keys, settings)
+    write_staged, other = fanout.write_staged, []
+
+    def other_run_after_first(chunks):
+        for i, chunk in enumerate(chunks):
+            if i == 1 and not other:
+                other.append(batch_id)
+                fanout.start_batch(settings, batch_id)  # the other run, to its end
+            yield chunk
+
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    monkeypatch.setattr(fanout, "write_staged", lambda url, chunks, *rest: write_staged(
+        url, other_run_after_first(chunks), *rest))
+    fanout.start_batch(settings, batch_id)
+    assert other == [batch_id]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    with session_scope(settings.sqlalchemy_url) as s:
+        batch = s.get(Batch, batch_id)
+        assert (batch.status, batch.total, batch.failed) == ("in_progress", LINES, 1)
+        statuses = s.scalars(select(Job.status).where(Job.batch_id == batch_id)).all()
+    assert sorted(statuses) == ["dispatched"] * (LINES - 1)
     assert _parts(settings, batch_id) == []
