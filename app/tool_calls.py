@@ -420,8 +420,8 @@ BILLING_HEADER = "x-anthropic-billing-header"
 
 def template_messages(messages: list[dict[str, Any]], content_format: str = "string",
                       developer_as: str = "developer") -> list[dict[str, Any]]:
-    """Messages as chat templates read them: a call's arguments as an object, not JSON text (templates write
-    them with ``tojson``; ``arguments_object``), an empty list of calls as none, an assistant's thinking as
+    """Messages as chat templates read them: a call as vLLM's chat route gives it, its arguments an object, not
+    JSON text (templates write them with ``tojson``; ``history_call``), an empty list of calls as none, an assistant's thinking as
     ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's template reads), and a
     developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives them), its role
     ``developer_as`` (system for a template that does not know the role: ``model_info.developer_role``); the content as
@@ -434,8 +434,7 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
         m = content_parts(m) if content_format == "openai" else m
         m = {k: v for k, v in m.items() if k != "parts"}
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": arguments_object(
-                c["function"]["arguments"])}} for c in m["tool_calls"]]}
+            m = {**m, "tool_calls": [history_call(c) for c in m["tool_calls"]]}
         elif "tool_calls" in m:  # [] or None: vLLM's chat parser drops the key, so the template takes its plain path
             m = {k: v for k, v in m.items() if k != "tool_calls"}
         if m.get("reasoning") is not None:
@@ -444,6 +443,16 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
             m = {**m, "role": developer_as, "tools": m.get("tools")}
         out.append(m)
     return out
+
+
+def history_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A history call as vLLM's chat route gives it to the template: its request validates the call as OpenAI's
+    ``ChatCompletionMessageFunctionToolCallParam``, so its keys come in that type's order (id, function: arguments
+    then name, type) whatever order was sent; a template that dumps the calls (``tojson``) writes them so. The
+    arguments as an object (``arguments_object``)."""
+    function = call["function"]
+    return {"id": call["id"], "function": {"arguments": arguments_object(function["arguments"]),
+                                           "name": function["name"]}, "type": call.get("type", "function")}
 
 
 def into_system_prompt(messages: list[dict[str, Any]], role: str = "system", between: str = ""

@@ -128,6 +128,18 @@ def test_the_tools_reach_the_template_as_vllm_converts_them(tok, tool):
     assert coserve_prompt(raw, TOOLS_AS_JSON) == vllm_prompt(tok, raw, TOOLS_AS_JSON)
 
 
+def test_a_history_tool_use_dumped_as_json_reads_as_vllm_gives_it(tok):
+    # vLLM's _convert_tool_use_block writes the call as a chat request's, validated as OpenAI's call type (id,
+    # function: arguments then name, type); coserve gave its own key order to a template dumping the calls
+    from tests.unit.api.test_chat_template_inputs import CALLS_DUMPED
+
+    raw = {"model": "tiny", "max_tokens": 64, "messages": [
+        ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "weather",
+                                                 "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]}]}
+    assert coserve_prompt(raw, CALLS_DUMPED) == vllm_prompt(tok, raw, CALLS_DUMPED)
+
+
 # writes whether tools were given at all, as templates that test ``tools is not none`` (Mistral's, Hermes')
 TOOLS_GIVEN = ("{%- if tools is not none %}<tools:{{ tools | length }}>{%- endif %}"
                "{%- for message in messages %}<{{ message.role }}>{{ message.content }}{%- endfor %}"

@@ -206,6 +206,26 @@ def test_an_empty_list_of_calls_is_no_calls_to_the_template_as_vllm_gives_it(tok
     assert "[calls:" not in tok.decode(ids)
 
 
+# dumps each assistant's calls whole, as templates that write a history call as JSON do: the keys' order counts
+CALLS_DUMPED = ("{%- for message in messages %}<{{ message.role }}>{{ message.content }}"
+                "{%- if message.tool_calls %}{{ message.tool_calls | tojson }}{%- endif %}{%- endfor %}")
+
+
+@pytest.mark.parametrize("call", [
+    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+    {"function": {"arguments": '{"city": "Oslo"}', "name": "weather"}, "type": "function", "id": "call_1"},
+], ids=["openai-order", "reversed"])
+def test_a_history_call_dumped_as_json_reads_as_vllms_chat_route_gives_it(tok, call):
+    # vLLM's chat request validates a call as OpenAI's ChatCompletionMessageFunctionToolCallParam, whose keys come
+    # in its order (id, function: arguments then name, type) whatever order was sent; coserve gave its own (id,
+    # type, function: name then arguments), so a template dumping the calls wrote another prompt than vLLM's
+    raw = {"model": "tiny", "messages": _history([call])}
+    ids = coserve_prompt(raw, CALLS_DUMPED)
+    assert ids == vllm_prompt(tok, raw, CALLS_DUMPED)
+    assert '[{"id": "call_1", "function": {"arguments": {"city": "Oslo"}, "name": "weather"}, "type": "function"}]' \
+        in tok.decode(ids)
+
+
 # writes each message's role, and whether it has tools of its own (vLLM gives a developer message ``tools``)
 ROLE_AND_TOOLS = ("{%- for message in messages %}<{{ message.role }}:{{ message.tools is defined }}>"
                   "{{ message.content }}{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
