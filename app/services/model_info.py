@@ -264,13 +264,33 @@ def template_in_use(tok: Any, tools: list[dict[str, Any]] | None) -> str | None:
     return template
 
 
+@lru_cache(maxsize=8)
 def developer_role(template: str | None) -> str:
-    """The role a developer message reaches ``template`` as: developer where the template names that role (gpt-oss',
-    DeepSeek's: as vLLM passes it), else system. OpenAI's developer messages are the system instructions of its
-    newer models; a template that does not know the role would write it as an unknown turn (SmolLM2's, after its own
-    default system prompt, which then stands in for the developer's instructions), or refuse it (vLLM renders it as
-    sent)."""
-    return "developer" if template and "developer" in template else "system"
+    """The role a developer message reaches ``template`` as: developer where the template tells a role by that name
+    (``tells_developer_role``: gpt-oss', DeepSeek's; as vLLM passes it), else system. OpenAI's developer messages
+    are the system instructions of its newer models; a template that does not know the role would write it as an
+    unknown turn (SmolLM2's, after its own default system prompt, which then stands in for the developer's
+    instructions), or refuse it. Decided once a template (its parse is the cost)."""
+    return "developer" if template and tells_developer_role(template) else "system"
+
+
+def tells_developer_role(template: str) -> bool:
+    """Whether ``template`` compares something with the role name "developer" (``==``, ``in`` a list of names, a
+    test or a filter such as ``selectattr('role', 'equalto', ...)``) or keys a mapping by it. The word elsewhere (a
+    comment, a default system prompt's text, a string it writes out) is no role the template knows: vLLM's own
+    check, the quoted name anywhere in the text, counts a comment. A template that does not parse knows none."""
+    from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:  # parsed as transformers compiles it (its extensions: a {% generation %} block parses)
+        root = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # noqa: BLE001 - any template Jinja cannot read renders nothing either
+        return False
+    operands = [n for c in root.find_all(nodes.Compare) for n in (c.expr, *(op.expr for op in c.ops))]
+    operands += [a for call in root.find_all((nodes.Test, nodes.Filter)) for a in call.args]
+    operands += [pair.key for d in root.find_all(nodes.Dict) for pair in d.items]
+    names = [i for n in operands for i in (n.items if isinstance(n, (nodes.List, nodes.Tuple)) else (n,))]
+    return any(isinstance(n, nodes.Const) and n.value == "developer" for n in names)
 
 
 def template_conversation(messages: list[dict[str, Any]], content_format: str, template: str | None

@@ -76,6 +76,24 @@ def system_first_client(settings):
         yield c
 
 
+@pytest.fixture
+def mentions_developer_client(settings):
+    from tests.unit.api.test_chat_template_inputs import MENTIONS_DEVELOPER
+
+    with template_client(settings, MENTIONS_DEVELOPER["comment"]) as c:  # SmolLM2's, naming the role in a comment
+        yield c
+
+
+def test_a_template_that_names_the_developer_role_only_in_a_comment_is_given_the_system_message(
+        mentions_developer_client, keys):
+    # the word anywhere in the template counted as knowing the role: "<|im_start|>developer" after SmolLM2's default
+    # system prompt
+    client = mentions_developer_client
+    prompt = rendered(client, keys.paid, [{"role": "developer", "content": "Answer in French."}, ASK])
+    assert prompt == "<|im_start|>system\nAnswer in French.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n" \
+                     "<|im_start|>assistant\n"
+
+
 def test_a_template_that_knows_the_developer_role_is_given_it_as_sent(names_developer_client, keys):
     prompt = rendered(names_developer_client, keys.paid, [{"role": "developer", "content": "Answer in French."}, ASK])
     assert prompt == "<dev>Answer in French.<user>Hi!<assistant>"  # as vLLM gives it

@@ -249,6 +249,53 @@ def test_a_developer_message_reaches_the_template_as_developer_where_it_knows_th
     assert tok.decode(ids).startswith(shown + "Answer in French.")
 
 
+# SmolLM2's own template (the bundled model's: it writes any role as a turn of that name), mentioning the developer
+# role where it does not tell the role apart: in a comment, or in its default system prompt's text
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+           "{{ '<|im_start|>system\nDEFAULT_PROMPT<|im_end|>\n' }}{% endif %}"
+           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SMOLLM2_OWN = SMOLLM2.replace("DEFAULT_PROMPT", "You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+MENTIONS_DEVELOPER = {
+    "comment": "{#- a 'developer' message is written as a turn of its own role, as any #}" + SMOLLM2_OWN,
+    "default-prompt": SMOLLM2.replace("DEFAULT_PROMPT", "You are SmolLM, made by the developers at Hugging Face"),
+}
+
+
+def test_the_smollm2_template_here_is_the_bundled_models(tok):
+    assert SMOLLM2_OWN == tok.chat_template
+
+
+@pytest.mark.parametrize("template", list(MENTIONS_DEVELOPER.values()), ids=list(MENTIONS_DEVELOPER))
+def test_a_template_that_only_mentions_the_developer_role_is_given_it_as_the_system_message(tok, template):
+    # the word developer anywhere in the template's text counted as knowing the role: SmolLM2's template then wrote
+    # "<|im_start|>developer" after its own default system prompt, which stood in for the developer's instructions
+    developer = tok.decode(coserve_prompt({"model": "tiny", "messages": DEVELOPER_MESSAGES}, template))
+    assert developer == tok.decode(coserve_prompt({"model": "tiny", "messages": [
+        {"role": "system", "content": "Answer in French."}, ASK]}, template))
+    assert developer.startswith("<|im_start|>system\nAnswer in French.<|im_end|>")
+
+
+@pytest.mark.parametrize("template, role", [
+    (NAMES_DEVELOPER, "developer"),
+    ("{%- for m in messages %}{%- if m['role'] in ['system', \"developer\"] %}<sys>{%- endif %}{{ m.content }}"
+     "{%- endfor %}", "developer"),
+    ("{%- set tags = {'developer': '<dev>', 'user': '<u>'} %}{%- for m in messages %}{{ tags[m.role] }}{%- endfor %}",
+     "developer"),
+    ("{%- for m in messages | selectattr('role', 'equalto', 'developer') %}{{ m.content }}{%- endfor %}",
+     "developer"),
+    ("{%- if messages[0].role == 'developer' %}{{ messages[0].content }}{%- endif %}", "developer"),  # gpt-oss'
+    (MENTIONS_DEVELOPER["comment"], "system"), (MENTIONS_DEVELOPER["default-prompt"], "system"),
+    ("{%- for m in messages %}{{ 'developer' }}: {{ m.content }}{%- endfor %}", "system"),  # written, not compared
+    (ROLE_AND_TOOLS, "system"), ("{%- for m in messages %}{{ m.content }", "system"), (None, "system"),
+], ids=["compared", "in-a-list", "a-key", "selected", "first-compared", "comment", "default-prompt", "written",
+        "any-role", "unparsable", "none"])
+def test_a_template_knows_the_developer_role_where_it_tells_a_role_by_it(template, role):
+    from app.services.model_info import developer_role
+
+    assert developer_role(template) == role
+
+
 def test_a_developer_messages_own_tools_reach_the_template_as_vllm_gives_them(tok):
     # vLLM's chat parser gives a developer message its own tools (DeepSeek's templates write them); coserve dropped them
     template = ("{%- for message in messages %}<{{ message.role }}>{{ message.content }}"
