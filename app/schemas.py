@@ -66,8 +66,9 @@ class ChatMessage(BaseModel):
         "an assistant message's thinking, given back (vLLM's interleaved thinking): its chat template reads it as "
         "reasoning and reasoning_content; a template that does not render it leaves it out"))
     tools: list[dict[str, Any]] | None = Field(None, description=(
-        "a developer message's own tools, given to its chat template as sent (vLLM's; DeepSeek's templates write "
-        "them)"))
+        "a developer message's own tools, given to its chat template as sent where the template knows the role "
+        "(vLLM's; DeepSeek's templates write them); one that does not gets the system message, without them (as "
+        "vLLM's; OpenAI's developer message has none)"))
     parts: list[Text] | None = Field(None, description=(
         "the text parts the content came as (content: them joined with newlines; [] for no content): a chat "
         "template that loops over a message's content parts (vLLM's 'openai' content format) is given each"))

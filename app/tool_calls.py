@@ -421,10 +421,12 @@ BILLING_HEADER = "x-anthropic-billing-header"
 def template_messages(messages: list[dict[str, Any]], content_format: str = "string",
                       developer_as: str = "developer") -> list[dict[str, Any]]:
     """Messages as chat templates read them: a call as vLLM's chat route gives it, its arguments an object, not
-    JSON text (templates write them with ``tojson``; ``history_call``), an empty list of calls as none, an assistant's thinking as
-    ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's template reads), and a
-    developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives them), its role
-    ``developer_as`` (system for a template that does not know the role: ``model_info.developer_role``); the content as
+    JSON text (templates write them with ``tojson``; ``history_call``), an empty list of calls as none, an
+    assistant's thinking as ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's
+    template reads), and a developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives
+    them), its role ``developer_as``: system for a template that does not know the role
+    (``model_info.developer_role``), without tools, as vLLM converts it (OpenAI's developer message has none; a
+    system message has none to give a template); the content as
     one text, or (``content_format`` "openai", a template that loops over it) as its text parts, a tool's result a
     text all the same (``content_parts``); a system message less Claude Code's billing header
     (``without_billing_header``)."""
@@ -440,7 +442,8 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
         if m.get("reasoning") is not None:
             m = {**m, "reasoning_content": m["reasoning"]}
         if m["role"] == "developer":
-            m = {**m, "role": developer_as, "tools": m.get("tools")}
+            m = {**m, "role": developer_as, "tools": m.get("tools")} if developer_as == "developer" else {
+                **{k: v for k, v in m.items() if k != "tools"}, "role": developer_as}
         out.append(m)
     return out
 

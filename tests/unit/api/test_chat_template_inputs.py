@@ -236,7 +236,7 @@ NAMES_DEVELOPER = ("{%- for message in messages %}"
 DEVELOPER_MESSAGES = [{"role": "developer", "content": "Answer in French."}, ASK]
 
 
-@pytest.mark.parametrize("template, shown", [(NAMES_DEVELOPER, "<dev:True>"), (ROLE_AND_TOOLS, "<system:True>"),
+@pytest.mark.parametrize("template, shown", [(NAMES_DEVELOPER, "<dev:True>"), (ROLE_AND_TOOLS, "<system:False>"),
                                              (None, "<|im_start|>system\n")],
                          ids=["names-developer", "role-and-tools", "model-template"])
 def test_a_developer_message_reaches_the_template_as_developer_where_it_knows_the_role(tok, template, shown):
@@ -306,6 +306,31 @@ def test_a_developer_messages_own_tools_reach_the_template_as_vllm_gives_them(to
     ids = coserve_prompt(raw, template)
     assert ids == vllm_prompt(tok, raw, template)
     assert '"name": "weather"' in tok.decode(ids)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "developer", "content": "Use tools.", "tools": [{"type": "function", "function": {"name": "weather"}}]},
+     ASK],
+    [{"role": "system", "content": "Be brief."}, ASK,
+     {"role": "developer", "content": "Use tools.", "tools": [{"type": "function", "function": {"name": "weather"}}]}],
+], ids=["first", "joined"])
+@pytest.mark.parametrize("template", [ROLE_AND_TOOLS, "QWEN_LIKE"], ids=["any-role", "system-first"])
+def test_a_developer_message_given_as_system_has_no_tools_as_vllm_gives_it(tok, messages, template):
+    # OpenAI's developer message has no tools (ChatCompletionDeveloperMessageParam: content, role, name); vLLM's parser
+    # gives a developer message its own for a template that knows the role (DeepSeek's), and where it converts the
+    # message to a system one (_convert_developer_to_system) drops them: a system message has none. coserve kept
+    # them on the first developer message turned system, and dropped them from one joined to the system prompt
+    from vllm.renderers.hf import _convert_developer_to_system
+
+    from app.services.model_info import template_conversation
+    from tests.unit.api.test_anthropic_conversation import QWEN_LIKE, vllm_conversation
+
+    template = QWEN_LIKE if template == "QWEN_LIKE" else template
+    chat = ChatCompletionRequest.model_validate({"model": "tiny", "messages": messages})
+    given = template_conversation([m.stored() for m in chat.chat_messages()], "string", template)
+    assert "system" in [m["role"] for m in given] and "developer" not in [m["role"] for m in given]
+    assert [m for m in given if "tools" in m] == []
+    assert [m for m in _convert_developer_to_system(vllm_conversation(messages)) if "tools" in m] == []
 
 
 @pytest.mark.parametrize("tools, param", [([{"type": "function"}], "messages.0.tools.0"),
