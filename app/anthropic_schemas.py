@@ -331,7 +331,7 @@ def stop_of(finish_reason: str | None, stop_reason: str | int | None,
     it: a stop string, a stop token id (a number) or the end-of-sequence token, where vLLM's stream says tool_use."""
     if finish_reason == "length":
         return "max_tokens", None
-    if calls and is_json(calls[-1]["function"].get("arguments") or ""):  # only the last call can be cut short
+    if calls and all(is_json(c["function"].get("arguments") or "") for c in calls):  # none cut short, none broken
         return "tool_use", None
     if isinstance(stop_reason, str):
         return "stop_sequence", stop_reason

@@ -97,6 +97,18 @@ class CallScanner:
             self._expect = "comma"
 
 
+def begun_calls(text: str, call_depth: int) -> tuple[list[tuple[str, str]], bool]:
+    """The calls of a text that is no whole JSON (cut short, or broken): each one named whose arguments began as an
+    object, with their text as far as it goes, which is what a stream sent of them; and whether the text ended inside
+    the last one's arguments."""
+    scanner = CallScanner(call_depth)
+    scanner.feed(text)
+    calls = [(call.name, arguments) for call in scanner.calls
+             if call.name is not None and (arguments := call.arguments(scanner.text)) is not None]
+    last = scanner.calls[-1] if scanner.calls else None
+    return calls, last is not None and last.arguments_start is not None and last.arguments_end is None
+
+
 def raw_arguments(text: str, call_depth: int) -> list[str | None]:
     """Each call's arguments as written in a whole text (None where they are not an object, or not closed)."""
     scanner = CallScanner(call_depth)

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from app.reasoning import ReasoningStream, split_reasoning
-from app.tool_call_scan import CallScanner, raw_arguments
+from app.tool_call_scan import CallScanner, begun_calls, raw_arguments
 from app.tool_syntax import SYNTAXES, RawCall, Syntax, read_call
 from app.wire import FieldProblem, Text, shown
 
@@ -215,7 +215,7 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> tuple[list[RawCall
     try:
         parsed = json.loads(text)
     except ValueError:  # cut by max_tokens or a stop string: the calls begun, as far as they came (as streamed)
-        return _begun_calls(text)[0] or None, True
+        return begun_calls(text, 2)[0] or None, True
     if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed):
         return None, False
     written = raw_arguments(text, 2)  # the arguments as generated, as a stream sent them
@@ -223,29 +223,30 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> tuple[list[RawCall
                       written[i] if i < len(written) else None) for i, c in enumerate(parsed)], False
 
 
-def _begun_calls(text: str, call_depth: int = 2) -> tuple[list[RawCall], bool]:
-    """The calls of a text cut short (a ``"required"`` list; ``call_depth`` as ``CallScanner``'s): each one named
-    whose arguments began, with the arguments written so far, which are what ``AnswerStream`` streamed of them; and
-    whether the text ended inside the last one's arguments."""
-    scanner = CallScanner(call_depth)
-    scanner.feed(text)
-    calls = [(call.name, arguments) for call in scanner.calls
-             if call.name is not None and (arguments := call.arguments(scanner.text)) is not None]
-    last = scanner.calls[-1] if scanner.calls else None
-    return calls, last is not None and last.arguments_start is not None and last.arguments_end is None
-
-
-def _cut_calls(syntax: Syntax, text: str, reason: str) -> tuple[str | None, list[RawCall] | None]:
-    """The content and the calls of an ``"auto"`` text that max_tokens cut, or a stop string cut inside a call's
-    arguments, which the syntax's reader of a whole text takes for no call (vLLM's too: it answers the text as
-    content, though its stream sent the call): as ``AnswerStream`` streamed them, the content before the calls and
-    each call begun (``_begun_calls``); the text as content where no call was named yet (nor streamed)."""
-    start = syntax.calls_start(text)
-    calls, inside = _begun_calls(text[start:], syntax.call_depth) if start is not None else ([], False)
-    if not calls or not (reason == "length" or inside):
+def _cut_calls(syntax: Syntax, text: str) -> tuple[str | None, list[RawCall] | None]:
+    """The content and the calls of an ``"auto"`` text whose calls the syntax's reader of a whole text does not take
+    (cut short by max_tokens or a stop string, or a call's JSON broken: vLLM's reader answers such a text as content,
+    though its stream sent the calls): as ``AnswerStream`` streamed them, the content before the calls and each call
+    begun, block by block (``call_bodies``); the text as content where no call was named yet (nor streamed)."""
+    calls = [call for body, closed in call_bodies(syntax, text)
+             for call in (syntax.block_calls(body) if closed else begun_calls(body, syntax.call_depth)[0])]
+    if not calls:
         return text, None
     content = text[:syntax.content_so_far(text)]
     return (content if content.strip() else None), calls
+
+
+def call_bodies(syntax: Syntax, text: str) -> list[tuple[str, bool]]:
+    """The bodies the calls of a text lie in (each block of a tagged syntax; all after where the calls begin of
+    another), each with whether its end tag closed it (the body less a tail that may become that tag if not)."""
+    bodies, at = [], 0
+    while (body := syntax.call_body(text, at)) is not None:
+        end, after = syntax.body_end(text, body, body)
+        bodies.append((text[body:end], after is not None))
+        if after is None:
+            return bodies
+        at = after
+    return bodies
 
 
 @dataclass(frozen=True)
@@ -282,9 +283,10 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
     if choice == "auto":
         syntax = SYNTAXES[sampling.get("tool_parser") or "hermes"]
         content, raw = syntax.split(text)
-        cut = raw is None  # perhaps cut inside a call, which the stream has sent as it came
-        if cut:
-            content, raw = _cut_calls(syntax, text, reason)
+        # perhaps cut inside a call, or a call's JSON broken, which the stream has sent as it came
+        cut = raw is None or not all(is_json(arguments) for _, arguments in raw)
+        if raw is None:
+            content, raw = _cut_calls(syntax, text)
     else:
         raw, cut = _forced_calls(choice, text)  # (a named call's cut does not matter: it never ends in tool_calls)
         content = None if raw is not None else text
@@ -312,6 +314,17 @@ def is_json(text: str) -> bool:
     return True
 
 
+@dataclass
+class CallBody:
+    """A body of calls in a text being streamed (a block of a tagged syntax, or all the calls of another)."""
+
+    start: int  # where it begins in the text
+    first: int  # the answer's index of its first call
+    scanner: CallScanner  # its calls read so far
+    after: int | None = None  # past its end tag, once closed
+    answered: int = 0  # the calls the answer reads of it, once closed
+
+
 class AnswerStream:
     """What a chat job's stream may show while its text comes: all of a free text as content; of ``"auto"`` the
     content that surely comes before the model's first call; and each call as it comes, as vLLM streams them: a
@@ -329,7 +342,7 @@ class AnswerStream:
         self.most = 1 if self.sampling.get("parallel_tool_calls") is False else None  # calls sent at most
         self.text = ""  # the answer's text so far, where calls are read from it (free text: only in ``whole``)
         self.shown = 0  # characters of it sent as content (a named call: as its arguments)
-        self.scanner: CallScanner | None = None  # "required" and "auto": the calls read so far
+        self.bodies: list[CallBody] = []  # "required" and "auto": where the calls lie, and those read so far
         self.sent: dict[int, int] = {}  # characters of each call's arguments sent, by its index (opened calls)
 
     def feed(self, delta: str) -> tuple[str, str, list[dict[str, Any]] | None]:
@@ -354,32 +367,51 @@ class AnswerStream:
             safe = self.syntax.content_so_far(self.text, self.shown)
             content = self.text[self.shown:safe] if safe > self.shown else ""
             self.shown += len(content)
-        self._scan(delta)
+        self._scan()
         return content, self._call_deltas()
 
-    def _scan(self, delta: str) -> None:
-        if self.scanner is not None:
-            self.scanner.feed(delta)
-            return
-        start = 0 if self.syntax is None else self.syntax.calls_start(self.text)
-        if start is not None:  # "required" is a list of calls from the start; "auto"'s calls once they show
-            self.scanner = CallScanner(2 if self.syntax is None else self.syntax.call_depth)
-            self.scanner.feed(self.text[start:])
+    def _scan(self) -> None:
+        """Feeds the text's new characters to the scanner of the body they lie in, a new one for each block begun."""
+        while True:
+            body = self.bodies[-1] if self.bodies else None
+            if body is None or body.after is not None:
+                body = self._next_body(body)
+                if body is None:
+                    return
+            fed = body.start + len(body.scanner.text)
+            end, body.after = (len(self.text), None) if self.syntax is None else self.syntax.body_end(
+                self.text, body.start, fed)
+            body.scanner.feed(self.text[fed:end])
+            if body.after is None:
+                return
+            body.answered = len(self.syntax.block_calls(body.scanner.text))  # the calls the answer reads of it
+
+    def _next_body(self, last: CallBody | None) -> CallBody | None:
+        """The next body of calls, once the text shows it ("required": the whole text, a list of calls)."""
+        if self.syntax is None:
+            start = None if last else 0
+        else:
+            start = self.syntax.call_body(self.text, last.after if last and last.after is not None else 0)
+        if start is None:
+            return None
+        first = last.first + last.answered if last else 0
+        self.bodies.append(CallBody(start, first, CallScanner(2 if self.syntax is None else self.syntax.call_depth)))
+        return self.bodies[-1]
 
     def _call_deltas(self) -> list[dict[str, Any]] | None:
         out = []
-        calls = self.scanner.calls if self.scanner is not None else []
-        for k, call in enumerate(calls[:self.most]):
-            arguments = call.arguments(self.scanner.text)
-            if call.name is None or arguments is None:
-                continue  # not yet named, or arguments that are sent whole at the end
-            if k not in self.sent:
-                out.append({"index": k, "id": call_id(self.job_id, k, self.sampling.get("tool_parser")),
-                            "type": "function",
-                            "function": {"name": call.name, "arguments": arguments}})
-            elif len(arguments) > self.sent[k]:
-                out.append({"index": k, "function": {"arguments": arguments[self.sent[k]:]}})
-            self.sent[k] = len(arguments)
+        for body in self.bodies:
+            for j, call in enumerate(body.scanner.calls):
+                k = body.first + j  # its index in the answer: the calls of the blocks before it come first
+                arguments = call.arguments(body.scanner.text)
+                if call.name is None or arguments is None or (self.most is not None and k >= self.most):
+                    continue  # not yet named, arguments that are sent whole at the end, or a call past the most
+                if k not in self.sent:
+                    out.append({"index": k, "id": call_id(self.job_id, k, self.sampling.get("tool_parser")),
+                                "type": "function", "function": {"name": call.name, "arguments": arguments}})
+                elif len(arguments) > self.sent[k]:
+                    out.append({"index": k, "function": {"arguments": arguments[self.sent[k]:]}})
+                self.sent[k] = len(arguments)
         return out or None
 
     def _named_call_delta(self) -> list[dict[str, Any]] | None:

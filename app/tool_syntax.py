@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from app.tool_call_scan import raw_arguments
+from app.tool_call_scan import begun_calls, raw_arguments
 
 RawCall = tuple[str, str]  # (function name, arguments as JSON text)
 
@@ -53,28 +53,55 @@ class TaggedJsonSyntax:
         """(content, calls); calls None where the text holds none, or ends in one that does not parse (cut short:
         then the whole text is the content, as vLLM answers it). A closed block that is no call stays content,
         after the text before the first tag, and the calls around it are read (vLLM's reader drops them all,
-        though its stream sends those before it)."""
+        though its stream sends those before it); one that names a call but does not parse is a call
+        (``block_calls``)."""
         at = text.find(self.start)
         if at < 0:
             return text, None
         calls, kept = [], []  # kept: the closed blocks that are no call
         pattern = re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|\Z)"
         for block in re.finditer(pattern, text[at:], flags=re.DOTALL):  # the last one may be cut short
-            try:
-                calls.append(read_call(json.loads(block[1]), next(iter(raw_arguments(block[1], 1)), None)))
-            except ValueError:
-                if not block[0].endswith(self.end):
+            if not block[0].endswith(self.end):  # cut short: a call only where it parses
+                try:
+                    calls.append(read_call(json.loads(block[1]), next(iter(raw_arguments(block[1], 1)), None)))
+                except ValueError:
                     return text, None
+                continue
+            found = self.block_calls(block[1])
+            calls.extend(found)
+            if not found:
                 kept.append(block[0])
         if not calls:
             return text, None
         content = text[:at] + "".join(kept)
         return (content if content.strip() else None), calls
 
+    def block_calls(self, body: str) -> list[RawCall]:
+        """The calls of a closed block's ``body``: the call its JSON is, or where that does not parse (a brace lost,
+        a trailing comma), each call it names whose arguments begin, as written, as a stream sends them (vLLM's
+        hermes stream sends every block that names a function, its reader of a whole text none); none where it
+        names none (it is content)."""
+        try:
+            return [read_call(json.loads(body), next(iter(raw_arguments(body, self.call_depth)), None))]
+        except ValueError:
+            return begun_calls(body, self.call_depth)[0]
+
     def calls_start(self, text: str) -> int | None:
         """Where the calls begin in a text still being generated (None: none yet)."""
         at = text.find(self.start)
         return at if at >= 0 else None
+
+    def call_body(self, text: str, at: int = 0) -> int | None:
+        """Where the next block's body begins in a text still being generated, from ``at`` (None: none yet)."""
+        found = text.find(self.start, at)
+        return found + len(self.start) if found >= 0 else None
+
+    def body_end(self, text: str, body: int, known: int) -> tuple[int, int | None]:
+        """How far the block whose body begins at ``body`` surely reaches in a text still being generated: to its end
+        tag, or short of a tail that may become it (``known``: where it was found to reach before); and where the
+        text goes on past that end tag (None while there is none)."""
+        end = max(body, _held_tag_prefix(text, self.end, max(body, known)))
+        return end, (end + len(self.end) if text.startswith(self.end, end) else None)
 
     def content_so_far(self, text: str, known: int = 0) -> int:
         """How many leading characters of a text still being generated are content whatever comes next: up
@@ -83,8 +110,27 @@ class TaggedJsonSyntax:
         return _held_tag_prefix(text, self.start, known)
 
 
+class OneBody:
+    """A syntax whose calls are one body from where they begin to the text's end (no tag closes it)."""
+
+    def calls_start(self, text: str) -> int | None:
+        raise NotImplementedError
+
+    def call_body(self, text: str, at: int = 0) -> int | None:
+        """Where the calls begin (``at`` 0; there is no second body)."""
+        return self.calls_start(text) if at == 0 else None
+
+    def body_end(self, text: str, body: int, known: int) -> tuple[int, int | None]:
+        """The calls' body reaches the end of the text, never closed."""
+        return len(text), None
+
+    def block_calls(self, body: str) -> list[RawCall]:
+        """No body closes (``body_end``): never asked."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class LeadingJsonSyntax:
+class LeadingJsonSyntax(OneBody):
     """Calls as the whole answer: JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``, perhaps
     after a tag (Llama 3.1-3.3 write ``<|python_tag|>`` or nothing before them); an answer that does not start
     with one is content, all of it."""
@@ -123,7 +169,7 @@ class LeadingJsonSyntax:
 
 
 @dataclass(frozen=True)
-class MistralSyntax:
+class MistralSyntax(OneBody):
     """Mistral's calls after the ``[TOOL_CALLS]`` token: a JSON list of ``{"name": ..., "arguments": {...}}``
     objects (tokenizers before v11), or ``name[ARGS]{...}``, each call after its own ``[TOOL_CALLS]`` (v11 on);
     the text before the first tag is the content."""

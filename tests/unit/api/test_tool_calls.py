@@ -680,3 +680,40 @@ def test_a_hermes_block_that_is_no_call_stays_content_beside_the_good_calls():
     assert plain.content == "Checking. <tool_call>not json</tool_call>" and plain.finish_reason == "tool_calls"
     content, calls, answer = streamed_answer(sampling, text, "stop")
     assert answer == plain and calls == plain.tool_calls and content == plain.content
+
+
+# a <tool_call> block that names a function and begins its arguments, though its JSON does not parse: the stream
+# has sent it as a call by then (as vLLM's hermes stream does), so the plain answer takes it as one, its arguments as
+# written; an answer with a call whose arguments do not parse never ends in tool_calls (the call must not run)
+BROKEN_BLOCKS = [
+    ('{"name": "get_time", "arguments": {"tz": "UTC"}', '{"tz": "UTC"}', "tool_calls"),  # the outer brace lost
+    ('{"name": "get_time", "arguments": {"tz": "UTC",}}', '{"tz": "UTC",}', "stop"),  # a trailing comma
+    ('{"name": "get_time", "arguments": {"tz": UTC}}', '{"tz": UTC}', "stop"),  # a bare word
+    ('{"name": "get_time", "arguments": {"tz": "UTC"', '{"tz": "UTC"', "stop"),  # both braces lost
+]
+
+
+@pytest.mark.parametrize(("block", "arguments", "reason"), BROKEN_BLOCKS)
+@pytest.mark.parametrize("size", [1, 4, 9])
+def test_a_hermes_call_with_broken_json_keeps_the_indexes_streamed_or_not(block, arguments, reason, size):
+    # the stream sent the broken block's call at index 0 and the next call's arguments after it (the scanner never
+    # left the broken object), while the plain answer kept the block as content and the next call at index 0
+    sampling = {"tool_choice": "auto", "tool_parser": "hermes"}
+    text = (f'Checking. <tool_call>{block}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    plain = read_answer("job_t", sampling, text, "stop")
+    assert [c["function"] for c in plain.tool_calls] == [
+        {"name": "get_time", "arguments": arguments}, {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert plain.content == "Checking. " and plain.finish_reason == reason
+    content, calls, answer = streamed_answer(sampling, text, "stop", size)
+    assert answer == plain and calls == plain.tool_calls and content == plain.content
+
+
+def test_messages_stop_at_the_end_of_the_turn_where_any_call_is_broken():
+    # Messages read only the last call's arguments: a broken call before a good one answered tool_use (run them)
+    from app.anthropic_schemas import stop_of
+
+    text = ('<tool_call>{"name": "get_time", "arguments": {"tz": "UTC",}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    plain = read_answer("job_t", {"tool_choice": "auto", "tool_parser": "hermes"}, text, "stop")
+    assert stop_of(plain.finish_reason, None, plain.tool_calls) == ("end_turn", None)
