@@ -152,8 +152,21 @@ def openai_parsed(model: type[BaseModel], body: Any) -> Any:
         raise invalid_request(list(exc.errors())) from exc
 
 
+def charged(request: Request, headers: dict[str, str]) -> None:
+    """Marks ``request`` as charged to its tenant's rate limits: every answer ``OpenAIRoute`` gives it carries the
+    charge's rate-limit ``headers``, a refusal after the charge (a 404, a 409) too, as OpenAI's and Anthropic's
+    errors tell a client where its limit stands."""
+    request.state.charge_headers = headers
+
+
+def _charge_headers(request: Request) -> dict[str, str]:
+    """The rate-limit headers of ``request``'s charge (``charged``); none where it was not charged."""
+    return getattr(request.state, "charge_headers", {})
+
+
 class OpenAIRoute(CheckedRoute):
-    """A route whose errors (auth, validation, HTTPException) come out in OpenAI's shape (``error``'s)."""
+    """A route whose errors (auth, validation, HTTPException) come out in OpenAI's shape (``error``'s), and whose
+    answers, errors included, carry its charge's rate-limit headers where the call was charged (``charged``)."""
 
     def error(self, exc: OpenAIError) -> Response:
         """The answer to a refusal (a subclass writes it in another API's shape)."""
@@ -168,14 +181,17 @@ class OpenAIRoute(CheckedRoute):
 
         async def wrapped(request: Request) -> Response:
             try:
-                return await handler(request)
+                answer = await handler(request)
             except OpenAIError as exc:
-                return self.error_to(request, exc)
+                answer = self.error_to(request, exc)
             except RequestValidationError as exc:
-                return self.error_to(request, invalid_request(validation_errors(exc)))
+                answer = self.error_to(request, invalid_request(validation_errors(exc)))
             except HTTPException as exc:  # Starlette's: FastAPI raises it too (a body it cannot read)
-                return self.error_to(request, OpenAIError(exc.status_code, str(exc.detail), type=None,
-                                                          headers=dict(exc.headers or {})))
+                answer = self.error_to(request, OpenAIError(exc.status_code, str(exc.detail), type=None,
+                                                            headers=dict(exc.headers or {})))
+            for name, value in _charge_headers(request).items():  # the answer's own (a 429's) stand
+                answer.headers.setdefault(name, value)
+            return answer
 
         return wrapped
 

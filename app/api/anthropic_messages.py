@@ -27,7 +27,7 @@ from app.api.errors import anthropic_error, anthropic_responses, anthropic_sdk
 from app.api.openai_compat import (answer_of, charge_count, count_prompt_tokens, documented_body, job_error,
                                    json_object, submit_openai_job)
 from app.db.models import Job
-from app.openai_schemas import FINAL, OpenAIError, OpenAIRoute, openai_parsed
+from app.openai_schemas import FINAL, OpenAIError, OpenAIRoute, charged, openai_parsed
 from app.services.answer_events import (HELD, Failed, Finished, Held, Interrupted, Piece, abandoned_on_hangup,
                                         answer_events, kept_alive)
 from app.services.rate_limits import RateLimited, anthropic_rate_headers
@@ -215,11 +215,11 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
 
 @router.post("/messages/count_tokens", responses=anthropic_responses(400, 401, 404, 429),
              openapi_extra=documented_body(CountTokensRequest))
-async def count_tokens(request: Request, settings: SettingsDep, principal: CurrentPrincipal, response: Response):
+async def count_tokens(request: Request, settings: SettingsDep, principal: CurrentPrincipal):
     """The tokens a Messages request's system prompt, messages and tools take through the model's chat template,
     as its job would count them; a request of the tenant's requests per minute apart from its messages' (as
     Anthropic limits count_tokens apart from them)."""
     body, raw = await _read(request, CountTokensRequest)
     _, spec = body.chat_request(raw, settings.tiers, count_only=True, model=settings.model)
-    response.headers.update(anthropic_rate_headers(await charge_count(request, principal)))
+    charged(request, anthropic_rate_headers(await charge_count(request, principal)))
     return {"input_tokens": await run_in_threadpool(count_prompt_tokens, settings, spec)}

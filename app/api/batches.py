@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
@@ -28,7 +28,7 @@ from app.batch.lines import ENDPOINTS
 from app.batch.objects import batch_object, batch_usage
 from app.db import pagination
 from app.db.models import Batch, new_id
-from app.openai_schemas import OpenAIError, OpenAIRoute, parse_window
+from app.openai_schemas import OpenAIError, OpenAIRoute, charged, parse_window
 from app.services.idempotency import Idempotency
 from app.services.jobs import JobValidationError, resolve_tier
 from app.services.rate_limits import rate_headers
@@ -63,7 +63,7 @@ def _own(session, principal, batch_id: str) -> Batch:
 
 @router.post("", responses=openai_responses(400, 404, 409, 413, 429))
 def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
-                 background: BackgroundTasks, request: Request, response: Response,
+                 background: BackgroundTasks, request: Request,
                  idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict[str, Any]:
     """A batch of the input file's requests, run by their completion window. The create is one request of the
     tenant's requests per minute and no tokens (as OpenAI's is; the batch queue limit counts its tokens at the
@@ -95,8 +95,8 @@ def create_batch(body: BatchCreate, session: SessionDep, principal: CurrentPrinc
                   metadata_=body.metadata, created_at=now, expires_at=expires_at_for(now, body.completion_window),
                   output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None)
     with idempotency_conflicts():
-        made, created = create_once(session, batch, idempotency, lambda: response.headers.update(
-            rate_headers(charge_request(rate_limiter(request), principal))))
+        made, created = create_once(session, batch, idempotency, lambda: charged(
+            request, rate_headers(charge_request(rate_limiter(request), principal))))
     if not created:  # a concurrent create under the key won
         return batch_object(made, batch_usage(session, [made.id]).get(made.id))
     background.add_task(start_batch, settings, batch.id)

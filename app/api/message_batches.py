@@ -36,7 +36,7 @@ from app.batch.lines import MAX_LINES, InvalidLine, ParsedFile, ValidLine, parse
 from app.db import pagination
 from app.db.models import Batch, new_id
 from app.db.session import write_after_read
-from app.openai_schemas import OpenAIError, parse_window
+from app.openai_schemas import OpenAIError, charged, parse_window
 from app.services.idempotency import Idempotency
 from app.services.jobs import job_values, resolve_tier
 from app.services.rate_limits import MESSAGE_BATCHES, anthropic_rate_headers
@@ -69,11 +69,12 @@ def _own(session, principal, batch_id: str) -> Batch:
     return row
 
 
-def _charge_call(request: Request, principal: Principal) -> dict[str, str]:
+def _charge_call(request: Request, principal: Principal) -> None:
     """A Message Batches call taken from its tenant's Message Batches bucket (``rate_limits.MESSAGE_BATCHES``):
     retrieve, list, results, cancel and delete before they read or change anything, the create once its row is in;
-    over the limit a 429 in Anthropic's shape. Returns its ``anthropic-ratelimit-*`` headers."""
-    return anthropic_rate_headers(charge_request(rate_limiter(request), principal, MESSAGE_BATCHES))
+    over the limit a 429 in Anthropic's shape. Its every answer, a 404 or 409 after it too, carries its
+    ``anthropic-ratelimit-*`` headers (``charged``)."""
+    charged(request, anthropic_rate_headers(charge_request(rate_limiter(request), principal, MESSAGE_BATCHES)))
 
 
 def _results_url(request: Request, batch_id: str) -> str:
@@ -129,7 +130,7 @@ def _refusal(settings: Settings, principal: Principal, line: ValidLine, context:
 
 
 @router.post("", responses=anthropic_responses(400, 409, 413, 429))
-def create_message_batch(body: MessageBatchCreate, request: Request, response: Response, session: SessionDep,
+def create_message_batch(body: MessageBatchCreate, request: Request, session: SessionDep,
                          principal: CurrentPrincipal, settings: SettingsDep, background: BackgroundTasks,
                          idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> dict[str, Any]:
     """Anthropic's batch of Messages requests: each checked now, then run as batch jobs within 24 hours. The create
@@ -154,7 +155,7 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
     try:
         with idempotency_conflicts():
             made, created = create_once(session, batch, idempotency,
-                                        lambda: response.headers.update(_charge_call(request, principal)), files=[src])
+                                        lambda: _charge_call(request, principal), files=[src])
     except BaseException:  # refused (429), another body under the key (409): no row names the file
         Path(src.path).unlink(missing_ok=True)
         raise
@@ -166,11 +167,11 @@ def create_message_batch(body: MessageBatchCreate, request: Request, response: R
 
 
 @router.get("", responses=anthropic_responses(400, 429))
-def list_message_batches(request: Request, response: Response, session: SessionDep, principal: CurrentPrincipal,
+def list_message_batches(request: Request, session: SessionDep, principal: CurrentPrincipal,
                          settings: SettingsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20,
                          before_id: str | None = None, after_id: str | None = None) -> dict[str, Any]:
     """The tenant's message batches, newest first; ``after_id`` pages on to older ones, ``before_id`` back."""
-    response.headers.update(_charge_call(request, principal))
+    _charge_call(request, principal)
     if before_id and after_id:
         raise OpenAIError(400, "give before_id or after_id, not both", param="before_id")
     query = select(Batch).where(Batch.tenant_id == principal.tenant_id, Batch.endpoint == ENDPOINT,
@@ -193,10 +194,10 @@ def list_message_batches(request: Request, response: Response, session: SessionD
 
 
 @router.get("/{message_batch_id}", responses=anthropic_responses(404, 429))
-async def get_message_batch(message_batch_id: str, request: Request, response: Response, session: SessionDep,
+async def get_message_batch(message_batch_id: str, request: Request, session: SessionDep,
                             principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
-        response.headers.update(_charge_call(request, principal))
+        _charge_call(request, principal)
         batch = _own(session, principal, message_batch_id)
         if batch.status in ("in_progress", "cancelling"):
             maybe_finalize(session, batch.id, settings.data_dir, settings.redis_url)
@@ -207,10 +208,10 @@ async def get_message_batch(message_batch_id: str, request: Request, response: R
 
 
 @router.post("/{message_batch_id}/cancel", responses=anthropic_responses(404, 409, 429))
-def cancel_message_batch(message_batch_id: str, request: Request, response: Response, session: SessionDep,
+def cancel_message_batch(message_batch_id: str, request: Request, session: SessionDep,
                          principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     """Requests not yet done are canceled; the batch is ``canceling`` until its running ones stop, then ended."""
-    response.headers.update(_charge_call(request, principal))
+    _charge_call(request, principal)
     batch = _own(session, principal, message_batch_id)
     if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_batch(
             session, batch, settings.data_dir, settings.redis_url):
@@ -220,12 +221,12 @@ def cancel_message_batch(message_batch_id: str, request: Request, response: Resp
 
 
 @router.delete("/{message_batch_id}", responses=anthropic_responses(404, 409, 429))
-def delete_message_batch(message_batch_id: str, request: Request, response: Response, session: SessionDep,
+def delete_message_batch(message_batch_id: str, request: Request, session: SessionDep,
                          principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
     """An ended batch, its results and its files. Its row stays, with ``deleted_at`` and the status it ended with,
     so its jobs stay its own: usage counts them as batch jobs (a row deleted would leave them no batch:
     ``jobs.batch_id`` is set null), and operators still see how it ended."""
-    response.headers.update(_charge_call(request, principal))
+    _charge_call(request, principal)
     batch = _own(session, principal, message_batch_id)
     if mb.processing_status(batch) != "ended":
         raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; cancel it and delete it once "
@@ -248,7 +249,7 @@ def message_batch_results(message_batch_id: str, request: Request, session: Sess
     """Each request's result (``succeeded`` with its Message, ``errored``, ``canceled``, ``expired``) once the batch
     has ended, in the order of its requests. The download is one request, charged before its first byte: a large
     batch's results are never cut off by the limit midway."""
-    rate = _charge_call(request, principal)
+    _charge_call(request, principal)
     batch = _own(session, principal, message_batch_id)
     if mb.processing_status(batch) != "ended":
         raise OpenAIError(409, f"the message batch is {mb.processing_status(batch)}; its results come once its "
@@ -258,8 +259,7 @@ def message_batch_results(message_batch_id: str, request: Request, session: Sess
         files = [opened.enter_context(handle) if (handle := _results_file(session, principal, file_id)) else None
                  for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id)]
         lines = mb.results(*files, batch.errors, cancelled=batch.status == "cancelled")
-        return StreamingResponse(_jsonl_pieces(lines, opened.pop_all()), media_type="application/x-jsonl",
-                                 headers=rate)
+        return StreamingResponse(_jsonl_pieces(lines, opened.pop_all()), media_type="application/x-jsonl")
 
 
 def _results_file(session: Session, principal: Principal, file_id: str | None) -> BinaryIO | None:

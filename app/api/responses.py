@@ -28,7 +28,7 @@ from app.api.openai_compat import (answer_of, charge_count, count_prompt_tokens,
 from app.auth import Principal
 from app.db.models import Job, JobStatus, new_id
 from app.db.session import read_then_write, write_after_read
-from app.openai_schemas import OpenAIError, OpenAIRoute
+from app.openai_schemas import OpenAIError, OpenAIRoute, charged
 from app.responses_schemas import (LOGPROBS_INCLUDE, InputTokensRequest, ResponsesRequest, call_item, call_status,
                                    chat_call, history_of, in_responses_terms, item_page, job_id_of, message_item,
                                    own_input_items, reasoning_item, response_body, stored_answer, token_logprobs)
@@ -375,12 +375,12 @@ async def _submit(request: Request, session, principal: Principal, settings: Set
 @router.post("/responses/input_tokens", responses=openai_responses(400, 401, 404, 429),
              openapi_extra=documented_body(InputTokensRequest))
 async def count_input_tokens(request: Request, session: SessionDep, principal: CurrentPrincipal,
-                             settings: SettingsDep, response: Response):
+                             settings: SettingsDep):
     """The tokens a Responses request's input would take: its conversation or previous response, instructions,
     input and tools through the model's chat template, as its job would count them (after ``truncation: "auto"``
     dropped the oldest turns, where asked); a request of the tenant's token-counting requests per minute."""
     body = await read_body(request, InputTokensRequest)
-    response.headers.update(rate_headers(await charge_count(request, principal)))
+    charged(request, rate_headers(await charge_count(request, principal)))
     history = await run_in_threadpool(_prior_turns, session, principal, body)
     raw = await request.json()
     _, spec = body.chat_request(raw, history, settings.tiers)  # as _submit's

@@ -13,14 +13,13 @@ from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import CurrentPrincipal, SettingsDep
 from app.api.errors import openai_responses
 from app.api.openai_compat import charge_count
 from app.openai_schemas import (ChatCompletionRequest, OpenAIError, OpenAIRoute, UnsupportedFields, VllmUnsupported,
-                                openai_parsed)
+                                charged, openai_parsed)
 from app.schemas import TEMPLATE_DEFAULTS, TokenId
 from app.services import lora_adapters
 from app.services.jobs import JobValidationError, check_token_ids, encode_spec, resolve_model
@@ -100,12 +99,12 @@ def _tokenize(settings: Settings, req: TokenizeRequest) -> list[int]:
 
 
 @router.post("/tokenize", responses=openai_responses(429))
-async def tokenize(body: dict[str, Any], settings: SettingsDep, principal: CurrentPrincipal, request: Request,
-                   response: Response) -> dict[str, Any]:
+async def tokenize(body: dict[str, Any], settings: SettingsDep, principal: CurrentPrincipal, request: Request
+                   ) -> dict[str, Any]:
     """Token ids of a prompt or of chat messages, their count and the model's context length; a request of the
     tenant's token-counting requests per minute (``charge_count``)."""
     req = openai_parsed(TokenizeRequest, body)
-    response.headers.update(rate_headers(await charge_count(request, principal)))
+    charged(request, rate_headers(await charge_count(request, principal)))  # its 404 for a model says it too
     await run_in_threadpool(_check_model, settings, req.model)
     ids, context = await run_in_threadpool(lambda: (_tokenize(settings, req), held_context_length(settings)))
     strs = get_tokenizer(settings.model).convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -113,11 +112,11 @@ async def tokenize(body: dict[str, Any], settings: SettingsDep, principal: Curre
 
 
 @router.post("/detokenize", responses=openai_responses(429))
-async def detokenize(body: dict[str, Any], settings: SettingsDep, principal: CurrentPrincipal, request: Request,
-                     response: Response) -> dict[str, Any]:
+async def detokenize(body: dict[str, Any], settings: SettingsDep, principal: CurrentPrincipal, request: Request
+                     ) -> dict[str, Any]:
     """The text of token ids; a request of the tenant's token-counting requests per minute, as /tokenize."""
     req = openai_parsed(DetokenizeRequest, body)
-    response.headers.update(rate_headers(await charge_count(request, principal)))
+    charged(request, rate_headers(await charge_count(request, principal)))  # its 404 for a model says it too
     await run_in_threadpool(_check_model, settings, req.model)
     try:
         check_token_ids(settings.model, req.tokens, "tokens")

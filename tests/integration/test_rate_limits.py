@@ -443,3 +443,49 @@ def test_the_tokenizers_configuration_and_the_model_list_are_not_limited(client,
     tokenized = client.post("/tokenize", json={"prompt": "Hello world"}, headers=H(keys.paid))
     assert tokenized.status_code == 200 and tokenized.headers["x-ratelimit-remaining-requests"] == "0", tokenized.text
     assert client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 4}, headers=H(keys.paid)).status_code == 201
+
+
+def test_a_message_batch_calls_refusal_after_its_charge_says_where_the_limit_stands(client, keys):
+    """A Message Batches call is charged before it looks for the batch, but its 404 (a batch not found) and its 409
+    (a delete of a batch not ended) dropped the charge's ``anthropic-ratelimit-*`` headers: a client charged for
+    the call could not see its remaining budget on that answer, as Anthropic's and OpenAI's errors show it."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 5}, headers=H(keys.admin))
+    anthropic = {"x-api-key": keys.paid}
+    missing = [client.get("/v1/messages/batches/msgbatch_none", headers=anthropic),
+               client.post("/v1/messages/batches/msgbatch_none/cancel", headers=anthropic),
+               client.get("/v1/messages/batches/msgbatch_none/results", headers=anthropic)]
+    assert [(m.status_code, m.headers.get("anthropic-ratelimit-requests-remaining")) for m in missing] == [
+        (404, "4"), (404, "3"), (404, "2")], [m.text for m in missing]
+    assert all(m.headers["anthropic-ratelimit-requests-limit"] == "5" and "request-id" in m.headers
+               for m in missing)
+    request = {"custom_id": "r", "params": {"model": "tiny", "max_tokens": 2,
+                                            "messages": [{"role": "user", "content": "Hi"}]}}
+    made = client.post("/v1/messages/batches", json={"requests": [request]}, headers=anthropic)
+    assert made.status_code == 200 and made.headers["anthropic-ratelimit-requests-remaining"] == "1", made.text
+    open_batch = client.delete(f"/v1/messages/batches/{made.json()['id']}", headers=anthropic)
+    assert open_batch.status_code == 409, open_batch.text  # not ended: a cancel first
+    assert open_batch.headers.get("anthropic-ratelimit-requests-remaining") == "0", open_batch.headers
+    assert not any(h.startswith("x-ratelimit-") for r in (*missing, open_batch) for h in r.headers)
+
+
+def test_a_counting_calls_refusal_after_its_charge_says_where_the_limit_stands(client, keys):
+    """/tokenize and /detokenize are charged before they look up the model, but their 404 for a model not served
+    dropped the charge's ``x-ratelimit-*`` headers (the Responses and Anthropic counts' refusals after their charge
+    theirs): a client charged for the call could not see its remaining budget on that answer, as OpenAI's and
+    Anthropic's errors show it."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 4}, headers=H(keys.admin))
+    unknown = [client.post("/tokenize", json={"model": "no-such-model", "prompt": "Hi"}, headers=H(keys.paid)),
+               client.post("/detokenize", json={"model": "no-such-model", "tokens": [1]}, headers=H(keys.paid))]
+    assert [(r.status_code, r.json()["error"]["code"], r.headers.get("x-ratelimit-remaining-requests"))
+            for r in unknown] == [(404, "model_not_found", "3"), (404, "model_not_found", "2")], [
+        r.text for r in unknown]
+    assert all(r.headers["x-ratelimit-limit-requests"] == "4" for r in unknown)
+    # a Responses request's count whose previous response is not stored: a 400 after its charge
+    gone = client.post("/v1/responses/input_tokens", json={"model": "tiny", "input": "hi",
+                                                           "previous_response_id": "resp_none"}, headers=H(keys.paid))
+    assert gone.status_code == 400 and gone.headers.get("x-ratelimit-remaining-requests") == "1", gone.text
+    counted = client.post("/v1/messages/count_tokens", headers={"x-api-key": keys.paid}, json={
+        "model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}]})
+    assert counted.status_code == 404, counted.text  # Anthropic's count_tokens: its own headers, not OpenAI's
+    assert counted.headers.get("anthropic-ratelimit-requests-remaining") == "0", counted.headers
+    assert not any(h.startswith("x-ratelimit-") for h in counted.headers)
