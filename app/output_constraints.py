@@ -98,36 +98,53 @@ def _check_grammar(grammar: str) -> None:
 
 
 def _check_schema(text: str) -> None:
+    schema = _read_schema(text)
+    _refuse_misread_schema(schema)
+    _refuse_unless_compiled("json", "a JSON schema", lambda xgr: xgr.Grammar.from_json_schema(text))
+
+
+def _read_schema(text: str) -> dict[str, Any]:
+    """The JSON schema ``text`` read, refused (ValueError) where vLLM refuses it under every backend (its
+    ``check_json_nesting``) or where a pattern nests so deep that xgrammar would crash on it."""
     schema = json.loads(text)
     if structural_tag.nesting(schema) > structural_tag.MAX_SCHEMA_NESTING:  # vLLM's check_json_nesting
         raise ValueError(f"json nests objects and arrays deeper than {structural_tag.MAX_SCHEMA_NESTING} levels")
     structural_tag.check_patterns(schema, "json")  # before xgrammar, which one nesting deep crashes
-    _refuse_misread_schema("json", schema, "#")
-    _refuse_unless_compiled("json", "a JSON schema", lambda xgr: xgr.Grammar.from_json_schema(text))
+    return schema
 
 
-def _refuse_misread_schema(field: str, schema: dict[str, Any], at: str) -> None:
-    """ValueError where xgrammar would compile the JSON schema ``schema`` (``field``'s, at its JSON pointer ``at``:
-    ``#`` where it is the field) into a grammar that does not follow it: a pattern with a Unicode property class
-    inside [...], or a feature ``schema_features.refusals`` names."""
-    for where, obj, is_schema in schema_features.objects(schema):  # xgrammar compiles a pattern as a regex
-        if is_schema and isinstance(pattern := obj.get("pattern"), str):
-            _refuse_property_in_class(f"{field}'s pattern at {at}{where[1:]}", pattern)
+def _refuse_misread_schema(schema: dict[str, Any]) -> None:
+    """ValueError where xgrammar would compile the JSON schema ``schema`` (json's) into a grammar that does not
+    follow it: a pattern with a Unicode property class inside [...], or a feature ``schema_features.refusals``
+    names."""
+    _refuse_misread_patterns("json's pattern at #", schema)
     if refused := schema_features.refusals(schema):  # xgrammar compiles them, vLLM's validation on the worker not
         more = f"; and {len(refused) - 3} more such" if len(refused) > 3 else ""  # a short message for a long schema
-        whole = field if at == "#" else f"{field}'s schema at {at}"
-        raise ValueError(f"{whole} is refused by the workers' engine: {'; '.join(refused[:3])}{more}")
+        raise ValueError(f"json is refused by the workers' engine: {'; '.join(refused[:3])}{more}")
+
+
+def _refuse_misread_patterns(field: str, schema: dict[str, Any]) -> None:
+    """ValueError where a ``pattern`` in ``schema`` holds a Unicode property class inside [...] (xgrammar compiles a
+    pattern as a regex); ``field`` names where the schema is, each pattern's pointer in it follows."""
+    for where, obj, is_schema in schema_features.objects(schema):
+        if is_schema and isinstance(pattern := obj.get("pattern"), str):
+            _refuse_property_in_class(f"{field}{where[1:]}", pattern)
 
 
 def _check_structural_tag(text: str) -> None:
-    """xgrammar compiles the structural tag (``structural_tag.check``), and each schema and regex it holds is held
-    to what the json and regex checks refuse that xgrammar compiles all the same (it would not follow them)."""
+    """xgrammar compiles the structural tag (``structural_tag.check``), and each pattern and regex it holds is held
+    to xgrammar's reading (a Unicode property class inside [...], ``schema_features.misreadings``). vLLM validates
+    and compiles a tag with xgrammar alone (``validate_xgrammar_grammar`` does not look for the schema features it
+    sends a JSON schema to guidance for), so a tag's schemas are not held to what guidance refuses
+    (``schema_features.refusals``): xgrammar serves them, not enforcing the features it does not support."""
     structural_tag.check(text)
     for where, kind, inner in structural_tag.inner_constraints(json.loads(text)):
         if kind == "regex":
             _refuse_property_in_class(f"structural_tag's regex at {where}", inner)
         else:
-            _refuse_misread_schema("structural_tag", inner, where)
+            _refuse_misread_patterns(f"structural_tag's pattern at {where}", inner)
+            if misread := schema_features.misreadings(inner):
+                raise ValueError(f"structural_tag's schema at {where} is refused: {'; '.join(misread)}")
 
 
 def _likely_lark(grammar: str) -> bool:
@@ -152,6 +169,8 @@ def _refuse_unless_compiled(field: str, what: str, by_xgrammar: Callable[[Any], 
 
 _XGRAMMAR_CHECKS: dict[str, Callable[[str], None]] = {"regex": _check_regex, "grammar": _check_grammar,
                                                       "json": _check_schema, "structural_tag": _check_structural_tag}
+
+
 # backend -> kind -> its check; a backend not here (outlines, lm-format-enforcer) is left to the worker's vLLM
 _CHECKS: dict[str, dict[str, Callable[[str], None]]] = {XGRAMMAR: _XGRAMMAR_CHECKS, GUIDANCE: guidance_check.CHECKS}
 

@@ -34,6 +34,8 @@ GUIDANCE_UNIMPLEMENTED = frozenset({
     "$dynamicAnchor"})
 # gaps xgrammar compiles and ignores while guidance validates them: the schema is served, looser than asked
 LOOSE = frozenset({"multipleOf", "allOf", "minLength", "maxLength"})
+# gaps xgrammar compiles into a grammar that refuses the schema's own instances (not merely looser than asked)
+MISREAD = frozenset({"patternProperties"})
 # keywords whose value maps names to schemas, and those whose value is data, not a schema
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _DATA = frozenset({"enum", "const", "default", "examples"})
@@ -76,6 +78,13 @@ def refusals(schema: dict[str, Any]) -> list[str]:
         found += [f"{feature}: {sent}, which does not implement {feature.keyword}; drop one of the two"
                   for feature in _unknown_to_guidance(schema) if feature not in gaps]
     return found
+
+
+def misreadings(schema: dict[str, Any]) -> list[str]:
+    """The gaps of ``schema`` xgrammar compiles into a grammar that does not take the schema's own instances
+    (``MISREAD``), one line each: all a schema vLLM compiles with xgrammar alone (a structural tag's) is held to."""
+    return [f"{gap}: xgrammar's grammar of it refuses what the schema allows; {_WHAT_TO_DO[gap.keyword]}"
+            for gap in xgrammar_gaps(schema) if gap.keyword in MISREAD]
 
 
 def xgrammar_gaps(schema: dict[str, Any]) -> list[Feature]:

@@ -134,10 +134,21 @@ def test_a_property_class_in_a_structural_tags_regex_is_refused_under_xgrammar()
 
 
 @pytest.mark.parametrize("form", ["legacy", "current"])
-def test_a_structural_tags_schema_is_refused_for_what_xgrammar_does_not_follow(form):
-    tag = _tagged({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}})[form]
-    with pytest.raises(ValueError, match=r"structural_tag's schema at #/\S+ is refused by the workers' engine: "
-                                         r"uniqueItems at #/properties/tags"):
+def test_a_structural_tags_schema_is_not_held_to_what_guidance_refuses(form):
+    """vLLM validates and compiles a structural tag with xgrammar alone (``validate_xgrammar_grammar`` does not scan
+    its schemas for the features it sends a JSON schema to guidance for), which serves these, not enforcing them."""
+    tag = _tagged({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True},
+                                                    "s": {"type": "string", "not": {"const": "x"}},
+                                                    "n": {"type": "integer", "multipleOf": 2}}})[form]
+    assert output_constraints.outcomes([("structural_tag", tag)]) == {("structural_tag", tag): None}
+
+
+@pytest.mark.parametrize("form", ["legacy", "current"])
+def test_a_structural_tags_schema_xgrammar_misreads_is_refused(form):
+    tag = _tagged({"type": "object", "properties": {"a": {"type": "string"}},
+                   "patternProperties": {"^x": {"type": "integer"}}})[form]
+    with pytest.raises(ValueError, match=r"structural_tag's schema at #/\S+ is refused: patternProperties at #: "
+                                         r"xgrammar's grammar of it refuses what the schema allows"):
         output_constraints.check("structural_tag", tag)
 
 
@@ -145,3 +156,4 @@ def test_a_structural_tags_plain_schema_is_still_accepted_under_xgrammar():
     tags = _tagged({"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}}})
     answers = output_constraints.outcomes([("structural_tag", tag) for tag in tags.values()])
     assert set(answers.values()) == {None}, answers
+
