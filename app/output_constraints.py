@@ -3,9 +3,12 @@ the workers' vLLM engine compiles it, so that one it cannot read is the client's
 fails on its worker (after a stream began, or a 201 was answered). vLLM's engine compiles with one backend, which
 each worker publishes in its heartbeat (``grammar_backend``: xgrammar under ``auto``, pinned by
 ``gpu_runtime.vllm.scheduler.pin_grammar_backend``; guidance, outlines or lm-format-enforcer where the operator
-named it). A route checks a constraint with each backend its model's live workers compile with (``under``: a job
-may go to any of them), and with xgrammar where none has said (none up yet). The API checks xgrammar's and
-guidance's reading; outlines' and lm-format-enforcer's it leaves to the worker's vLLM validation.
+named it; ``auto`` or ``auto-outlines`` where vLLM still picks per request, for a Mistral tokenizer). A route checks
+a constraint with each backend its model's live workers compile with (``under``: a job may go to any of them), and
+with xgrammar where none has said (none up yet). The API checks xgrammar's, guidance's and ``auto``'s reading;
+under outlines and lm-format-enforcer, whose libraries it does not check with, it refuses what they never take (a
+grammar, a structural tag) and leaves a regex or a JSON schema to the worker's vLLM validation (a refused one fails
+its job there, with vLLM's reason).
 
 Compiling takes seconds at xgrammar's first import: an API on the vLLM backend imports the grammar libraries as it
 starts (``warm_up``), and the routes compile a body's constraints off the event loop (``carried``, ``outcomes``,
@@ -13,6 +16,7 @@ starts (``warm_up``), and the routes compile a body's constraints off the event 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -28,7 +32,12 @@ from app import guidance_check, schema_features, structural_tag
 Constraint = tuple[str, str]
 # the outcomes of constraints a request checked beforehand (``outcomes``, off the event loop): check's message or None
 _known: ContextVar[dict[Constraint, str | None] | None] = ContextVar("output_constraints_known", default=None)
-XGRAMMAR, GUIDANCE = "xgrammar", "guidance"
+XGRAMMAR, GUIDANCE, OUTLINES, LM_FORMAT_ENFORCER = "xgrammar", "guidance", "outlines", "lm-format-enforcer"
+# vLLM's ``auto`` before the engine made its backend (a Mistral tokenizer: ``pin_grammar_backend`` leaves it), as
+# ``gpu_runtime.vllm.scheduler.grammar_backend`` publishes it: vLLM picks per request, xgrammar where its validation
+# takes the constraint, else guidance (a Tekken tokenizer: AUTO, which sends a Lark grammar to guidance first) or
+# outlines (an older, SentencePiece one: AUTO_OUTLINES)
+AUTO, AUTO_OUTLINES = "auto", "auto-outlines"
 # the backends the workers' engines compile with where none has said (``under``): xgrammar, ``auto``'s pinned one
 DEFAULT_BACKENDS = (XGRAMMAR,)
 _backends: ContextVar[tuple[str, ...]] = ContextVar("output_constraints_backends", default=DEFAULT_BACKENDS)
@@ -50,7 +59,7 @@ def check(kind: str, text: str) -> None:
             raise ValueError(message)
         return
     for backend in _backends.get():
-        if (checks := _CHECKS.get(backend)) is not None:  # outlines, lm-format-enforcer: the worker's vLLM judges
+        if (checks := _CHECKS.get(backend)) is not None:  # one it does not know: the worker's vLLM judges
             checks[kind](text)
 
 
@@ -171,8 +180,72 @@ _XGRAMMAR_CHECKS: dict[str, Callable[[str], None]] = {"regex": _check_regex, "gr
                                                       "json": _check_schema, "structural_tag": _check_structural_tag}
 
 
-# backend -> kind -> its check; a backend not here (outlines, lm-format-enforcer) is left to the worker's vLLM
-_CHECKS: dict[str, dict[str, Callable[[str], None]]] = {XGRAMMAR: _XGRAMMAR_CHECKS, GUIDANCE: guidance_check.CHECKS}
+def _xgrammar_validates_schema(text: str) -> None:
+    """vLLM's ``validate_xgrammar_grammar`` of a JSON schema: refused where it holds a feature xgrammar does not
+    support (``has_xgrammar_unsupported_json_features``), else where xgrammar does not compile it."""
+    if gaps := schema_features.xgrammar_gaps(_read_schema(text)):
+        raise ValueError(f"json holds {gaps[0]}, which vLLM's xgrammar backend does not support")
+    _refuse_unless_compiled("json", "a JSON schema", lambda xgr: xgr.Grammar.from_json_schema(text))
+
+
+# kind -> vLLM's ``validate_xgrammar_grammar`` of it, which ``auto`` tries first: ValueError where it refuses
+_XGRAMMAR_VALIDATIONS: dict[str, Callable[[str], None]] = {
+    "regex": lambda regex: _refuse_unless_compiled("regex", "a regular expression",
+                                                   lambda xgr: xgr.Grammar.from_regex(regex)),
+    "grammar": _check_grammar, "json": _xgrammar_validates_schema, "structural_tag": structural_tag.check}
+
+
+def _check_auto(fallback: str, kind: str, text: str) -> None:
+    """The ``kind`` constraint ``text`` as vLLM's ``auto`` takes it (``SamplingParams._validate_structured_outputs``
+    for a Mistral tokenizer): a Lark grammar goes to guidance where ``fallback`` is guidance (a Tekken tokenizer);
+    else xgrammar takes what its validation takes (checked then as under xgrammar: what it would misread is
+    refused), and ``fallback`` the rest (guidance or outlines; outlines too for a schema with
+    ``patternProperties``, which guidance does not read)."""
+    if kind == "json":
+        _read_schema(text)  # refused under every backend
+    if fallback == GUIDANCE and kind == "grammar" and _likely_lark(text):
+        return guidance_check.CHECKS[kind](text)
+    try:
+        _XGRAMMAR_VALIDATIONS[kind](text)
+    except ValueError:
+        if kind == "json" and _holds_pattern_properties(json.loads(text)):
+            fallback = OUTLINES
+        try:
+            return _CHECKS[fallback][kind](text)
+        except ValueError as refused:
+            raise ValueError(f"{refused}; vLLM's auto backend tried xgrammar first, which does not take it either"
+                             ) from None
+    return _XGRAMMAR_CHECKS[kind](text)
+
+
+def _holds_pattern_properties(schema: dict[str, Any]) -> bool:
+    """vLLM's ``has_guidance_unsupported_json_features``: ``patternProperties`` in any object nested in ``schema``."""
+    return any("patternProperties" in obj for _, obj, _ in schema_features.objects(schema))
+
+
+def _refuse_kind(backend: str, kind: str, _: str) -> None:
+    """ValueError: vLLM's ``backend`` (outlines, lm-format-enforcer) never takes a ``kind`` constraint (a grammar:
+    its validation refuses it; a structural tag: its compile fails on the worker)."""
+    raise ValueError(f"{kind}: {backend}, the backend of the workers' engine, does not take a {_KIND_NAMES[kind]}; "
+                     "give a regex, a JSON schema or a choice instead")
+
+
+_KIND_NAMES = {"grammar": "grammar", "structural_tag": "structural tag"}
+
+
+def _unchecked(_: str) -> None:
+    """A regex or JSON schema under outlines or lm-format-enforcer, whose libraries the API does not check with:
+    the worker's vLLM validation judges it (a refused one fails its job with vLLM's reason)."""
+
+
+# backend -> kind -> its check; a backend not here is left to the worker's vLLM
+_CHECKS: dict[str, dict[str, Callable[[str], None]]] = {
+    XGRAMMAR: _XGRAMMAR_CHECKS, GUIDANCE: guidance_check.CHECKS,
+    **{auto: {kind: functools.partial(_check_auto, fallback, kind) for kind in _XGRAMMAR_CHECKS}
+       for auto, fallback in ((AUTO, GUIDANCE), (AUTO_OUTLINES, OUTLINES))},
+    **{backend: {"regex": _unchecked, "json": _unchecked,
+                 **{kind: functools.partial(_refuse_kind, backend, kind) for kind in _KIND_NAMES}}
+       for backend in (OUTLINES, LM_FORMAT_ENFORCER)}}
 
 
 def schema_text(schema: dict[str, Any]) -> str:

@@ -772,15 +772,26 @@ _BACKEND_NAMES = {"XgrammarBackend": "xgrammar", "GuidanceBackend": "guidance", 
 
 def grammar_backend(manager: StructuredOutputManager | None, vllm_config: VllmConfig) -> str | None:
     """The structured-output backend the engine compiles every constraint with, after ``pin_grammar_backend``: the
-    one it made, else the one the operator named (vLLM makes it at the first constraint); None where it is vLLM's
-    choice at the first constraint (``auto`` for a Mistral tokenizer) or the engine takes no constraint (no
-    tokenizer). The worker publishes it (``grammar_backend``) and the API checks constraints with it."""
+    one it made, else the one the operator named (vLLM makes it at the first constraint); where ``auto`` is left
+    to vLLM (a Mistral tokenizer), how it picks per request (``auto_choice``); None where the engine takes no
+    constraint (no tokenizer). The worker publishes it (``grammar_backend``) and the API checks constraints with it
+    (``app.output_constraints``)."""
     if manager is None or vllm_config.model_config.skip_tokenizer_init:
         return None
     if manager.backend is not None:
         return _BACKEND_NAMES.get(type(manager.backend).__name__)
     named = vllm_config.structured_outputs_config.backend
-    return None if named == "auto" else named
+    return auto_choice(manager.tokenizer) if named == "auto" else named
+
+
+def auto_choice(tokenizer: object) -> str:
+    """How vLLM's ``auto`` picks a request's backend for ``tokenizer`` (``SamplingParams``'
+    ``_validate_structured_outputs``): ``auto``, xgrammar where its validation takes the constraint, else guidance
+    (a Lark grammar: guidance), for a Tekken tokenizer; ``auto-outlines``, outlines instead of guidance, for an older
+    (SentencePiece) Mistral tokenizer, which guidance does not take."""
+    from vllm.utils.mistral import is_mistral_tokenizer
+
+    return "auto-outlines" if is_mistral_tokenizer(tokenizer) and not tokenizer.is_tekken else "auto"
 
 
 def _grammar_error(request: VLLMRequest | None) -> str:

@@ -1,0 +1,98 @@
+"""vLLM's ``auto`` structured-output backend, which a worker leaves to vLLM for a Mistral tokenizer: the worker
+publishes it (``grammar_backend``: ``auto`` for a Tekken tokenizer, ``auto-outlines`` for an older one), and the
+API's check under it (``app.output_constraints``) takes what vLLM's own validation under ``auto`` takes
+(``SamplingParams._validate_structured_outputs``), with the bundled tokenizers of mistral_common."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app import output_constraints
+
+_SCHEMA = output_constraints.schema_text
+# constraints whose fate under auto differs by who takes them: xgrammar, guidance, outlines or none
+CASES = {
+    "regex-xgrammar": ("regex", "[a-z]+"),
+    "regex-guidance-only": ("regex", r"\p{L}+"),
+    "regex-neither": ("regex", "(?=a)a"),
+    "lark-xgrammar-only": ("grammar", '?start: "a"'),
+    "lark-guidance-only": ("grammar", 'start: A\nA: /\\p{L}+/'),
+    "lark-both": ("grammar", 'start: "a" | "b"'),
+    "ebnf": ("grammar", 'root ::= "a" | "b"'),
+    "schema-xgrammar": ("json", _SCHEMA({"type": "object", "properties": {"a": {"type": "string"}}})),
+    "schema-multipleOf": ("json", _SCHEMA({"type": "integer", "multipleOf": 5})),
+    "schema-uniqueItems": ("json", _SCHEMA({"type": "array", "uniqueItems": True})),
+    "tag-uniqueItems": ("structural_tag", json.dumps({"structures": [{"begin": "<a>", "end": "</a>", "schema": {
+        "type": "array", "uniqueItems": True}}], "triggers": ["<a"]})),
+}
+
+
+@pytest.fixture(scope="module")
+def mistral_configs(tmp_path_factory, tiny_model_dir) -> dict[str, object]:
+    """vLLM configs of the tiny model under auto with mistral_common's bundled tokenizers: ``tekken`` and ``spm``
+    (SentencePiece)."""
+    import mistral_common
+    from vllm.config import ModelConfig, VllmConfig
+
+    data = Path(mistral_common.__file__).parent / "data"
+    configs = {}
+    for kind, source, name in (("tekken", "tekken_240911.json", "tekken.json"),
+                               ("spm", "mistral_instruct_tokenizer_240323.model.v3", "tokenizer.model.v3")):
+        folder = tmp_path_factory.mktemp(f"mistral-{kind}")
+        shutil.copy(data / source, folder / name)
+        configs[kind] = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), tokenizer=str(folder),
+                                                            tokenizer_mode="mistral", max_model_len=512))
+    return configs
+
+
+def _published(config) -> str | None:  # noqa: ANN001 - vLLM's VllmConfig
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from gpu_runtime.vllm.scheduler import grammar_backend, pin_grammar_backend
+
+    manager = StructuredOutputManager(config)
+    pin_grammar_backend(manager, config)  # leaves auto to vLLM for a Mistral tokenizer
+    assert manager.backend is None
+    return grammar_backend(manager, config)
+
+
+def _vllm_takes(config, kind: str, text: str) -> bool:  # noqa: ANN001 - vLLM's VllmConfig
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**{kind: text}))
+    try:
+        params._validate_structured_outputs(config.model_config, config.structured_outputs_config,
+                                            StructuredOutputManager(config).tokenizer)
+    except (VLLMValidationError, ValueError):
+        return False
+    return True
+
+
+def test_a_worker_publishes_auto_as_vllm_picks_for_its_mistral_tokenizer(mistral_configs):
+    assert _published(mistral_configs["tekken"]) == output_constraints.AUTO  # xgrammar, else guidance
+    assert _published(mistral_configs["spm"]) == output_constraints.AUTO_OUTLINES  # xgrammar, else outlines
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_api_takes_what_vllms_auto_takes_for_a_tekken_tokenizer(mistral_configs, case):
+    config = mistral_configs["tekken"]
+    kind, text = CASES[case]
+    backends = output_constraints.backends_of([_published(config)])  # as the API reads the workers' heartbeats
+    answer = output_constraints.outcomes([(kind, text)], backends)[(kind, text)]
+    assert (answer is None) == _vllm_takes(config, kind, text), answer
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_api_refuses_only_what_vllms_auto_refuses_for_an_older_mistral_tokenizer(mistral_configs, case):
+    """Outlines, auto's fallback there, is not checked at the API: it refuses nothing vLLM takes."""
+    config = mistral_configs["spm"]
+    kind, text = CASES[case]
+    backends = output_constraints.backends_of([_published(config)])  # as the API reads the workers' heartbeats
+    answer = output_constraints.outcomes([(kind, text)], backends)[(kind, text)]
+    assert answer is None or not _vllm_takes(config, kind, text), answer
