@@ -24,6 +24,9 @@ def _backends(*states: dict, model: str = "m") -> tuple[str, ...]:
     return output_constraints.backends_of(grammar_backends_of(_rows(*states), model))
 
 
+_LARK = 'start: "a" | "b"'  # a Lark grammar xgrammar and guidance read
+
+
 def test_no_worker_published_checks_with_xgrammar():
     assert _backends() == ("xgrammar",)  # none up yet
     assert _backends({}, {"grammar_backend": None}) == ("xgrammar",)  # an older worker, the own torch engine
@@ -80,9 +83,24 @@ def test_a_constraint_must_compile_under_each_backend():
     assert "under xgrammar" in (answers[("regex", r"\p{L}+")] or ""), answers
 
 
-def test_an_unchecked_backend_leaves_the_constraint_to_the_workers_vllm():
-    """outlines and lm-format-enforcer have no check here: the worker's vLLM validation judges."""
-    assert output_constraints.outcomes([("regex", r"\p{L}+")], ("outlines",)) == {("regex", r"\p{L}+"): None}
+@pytest.mark.parametrize("backend", ["outlines", "lm-format-enforcer"])
+def test_an_unchecked_backend_leaves_a_regex_or_schema_to_the_workers_vllm(backend):
+    """outlines' and lm-format-enforcer's libraries are not checked with here: the worker's vLLM validation judges a
+    regex or a JSON schema (one it refuses fails its job with vLLM's reason: tests/vllm/test_unchecked_backend.py)."""
+    schema = output_constraints.schema_text({"type": "array", "uniqueItems": True})
+    assert output_constraints.outcomes([("regex", r"\p{L}+"), ("json", schema)], (backend,)) == {
+        ("regex", r"\p{L}+"): None, ("json", schema): None}
+
+
+@pytest.mark.parametrize("backend", ["outlines", "lm-format-enforcer"])
+def test_an_unchecked_backend_refuses_the_kinds_it_never_takes(backend):
+    """vLLM's validation under these refuses every grammar, and their compile fails on every structural tag."""
+    tag = json.dumps({"structures": [{"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}],
+                      "triggers": ["<a"]})
+    answers = output_constraints.outcomes([("grammar", _LARK), ("structural_tag", tag)], (backend,))
+    assert answers[("grammar", _LARK)] == (f"grammar: {backend}, the backend of the workers' engine, does not take "
+                                           "a grammar; give a regex, a JSON schema or a choice instead"), answers
+    assert (answers[("structural_tag", tag)] or "").startswith(f"structural_tag: {backend}, the backend"), answers
 
 
 def test_guidance_reads_a_structural_tag_only_in_its_legacy_form():
@@ -157,3 +175,39 @@ def test_a_structural_tags_plain_schema_is_still_accepted_under_xgrammar():
     answers = output_constraints.outcomes([("structural_tag", tag) for tag in tags.values()])
     assert set(answers.values()) == {None}, answers
 
+
+
+def test_a_worker_on_vllms_auto_is_checked_as_auto_picks():
+    """A worker whose engine leaves ``auto`` to vLLM (a Mistral tokenizer) publishes it: what xgrammar refuses and
+    guidance, auto's fallback, reads is served (vLLM's ``_validate_structured_outputs``); what neither reads is
+    refused, naming both."""
+    backends = _backends({"grammar_backend": "auto"})
+    assert backends == ("auto",)
+    uniques = output_constraints.schema_text({"type": "array", "uniqueItems": True})  # xgrammar's gap, guidance's too
+    answers = output_constraints.outcomes([("regex", r"\p{L}+"), ("regex", r"[\p{L}]+"), ("regex", r"(?=a)a"),
+                                           ("json", uniques)], backends)
+    assert answers[("regex", r"\p{L}+")] is None, answers  # xgrammar refuses it, guidance serves it
+    assert "inside [...]" in (answers[("regex", r"[\p{L}]+")] or ""), answers  # xgrammar takes it: misread
+    refused = answers[("regex", r"(?=a)a")] or ""
+    assert "under guidance" in refused and "tried xgrammar first, which does not take it either" in refused, answers
+    assert "Unimplemented keys" in (answers[("json", uniques)] or ""), answers
+
+
+def test_auto_sends_a_lark_grammar_to_guidance_for_a_tekken_tokenizer_only():
+    grammar = '?start: "a"'  # xgrammar reads it; guidance does not (an inlined start rule)
+    assert output_constraints.outcomes([("grammar", grammar)]) == {("grammar", grammar): None}
+    answers = output_constraints.outcomes([("grammar", grammar), ("grammar", _LARK)], ("auto",))
+    refused = answers[("grammar", grammar)] or ""
+    assert "under guidance" in refused and "tried xgrammar" not in refused, answers  # guidance alone judged it
+    assert answers[("grammar", _LARK)] is None, answers
+    # an older Mistral tokenizer: xgrammar first, outlines (unchecked here) for the rest
+    assert output_constraints.outcomes([("grammar", grammar), ("regex", r"(?=a)a")], ("auto-outlines",)) == {
+        ("grammar", grammar): None, ("regex", r"(?=a)a"): None}
+
+
+def test_auto_leaves_a_schema_with_pattern_properties_to_outlines():
+    """vLLM's auto validates a schema xgrammar does not support with outlines where it holds patternProperties
+    (``has_guidance_unsupported_json_features``), which the API does not check."""
+    schema = output_constraints.schema_text({"type": "object", "patternProperties": {"^x": {"type": "integer"}},
+                                             "properties": {"a": {"type": "array", "uniqueItems": True}}})
+    assert output_constraints.outcomes([("json", schema)], ("auto",)) == {("json", schema): None}
