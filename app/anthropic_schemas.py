@@ -25,6 +25,7 @@ from app.services.model_info import merges_inline_system
 from app.settings import DEFAULT_TIERS
 from app.tool_calls import (BILLING_HEADER, NAMED_CHOICE, Answer, in_choice_terms, into_system_prompt, is_json,
                             read_answer)
+from app.tool_input import tool_input
 from app.wire import Text, shown
 
 ENDPOINT = "/v1/messages"
@@ -375,14 +376,9 @@ def content_blocks(job_id: str, answer: Answer) -> list[dict[str, Any]]:
 
 
 def tool_use_block(call: dict[str, Any], arguments: str | None) -> dict[str, Any]:
-    """A chat tool call as a ``tool_use`` block: its arguments parsed (``{}`` while they stream, or where they do
-    not parse: a call cut short by max_tokens)."""
-    try:
-        given = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        given = {}
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-            "input": given if isinstance(given, dict) else {}}
+    """A chat tool call as a ``tool_use`` block: its input as the ``anthropic`` SDK reads its stream (``{}`` as the
+    block opens; of a call cut short or broken, what came before: ``app.tool_input``)."""
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": tool_input(arguments)}
 
 
 def message_of(job_id: str, model: str, answer: Answer, stop_reason: str | int | None, prompt_tokens: int | None,

@@ -32,6 +32,7 @@ from app.services.answer_events import (HELD, Failed, Finished, Held, Interrupte
                                         answer_events, kept_alive)
 from app.services.rate_limits import RateLimited, anthropic_rate_headers
 from app.settings import Settings
+from app.tool_input import StreamedInput
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
     ``error`` event where the job failed or the stream broke."""
     blocks: list[str] = []  # the blocks opened, by index: "thinking", "text", or a tool call's id
     calls: dict[int, int] = {}  # a tool call's index in the answer -> its block's index
+    inputs: dict[int, StreamedInput] = {}  # a tool call's index in the answer -> its input as streamed so far
     open_block: int | None = None
 
     def start(kind: str, block: dict[str, Any]) -> list[bytes]:
@@ -138,12 +140,12 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
         if item.content:
             out += add("text", {"type": "text_delta", "text": item.content})
         for delta in item.calls or ():
-            if "id" in delta:  # a call opens: its block, its arguments as they come
+            if "id" in delta:  # a call opens: its block, its arguments as they come while the SDK reads them
                 out += start(delta["id"], tool_use_block(delta, None))
-                calls[delta["index"]] = open_block
-            if arguments := delta["function"].get("arguments"):
+                calls[delta["index"]], inputs[delta["index"]] = open_block, StreamedInput()
+            if partial := inputs[delta["index"]].more(delta["function"].get("arguments") or ""):
                 out.append(_sse("content_block_delta", {"index": calls[delta["index"]], "delta": {
-                    "type": "input_json_delta", "partial_json": arguments}}))
+                    "type": "input_json_delta", "partial_json": partial}}))
         return out
 
     try:
