@@ -22,8 +22,8 @@ from app.api.openai_compat import charge_request, idempotency_conflicts
 from app.bounds import BATCHES_PAGE_MAX
 from app.batch import storage
 from app.batch.creation import create_once, keyed_batch
-from app.batch.fanout import expires_at_for, start_batch
-from app.batch.finalize import Counts, cancel_batch, fan_in_page, maybe_finalize
+from app.batch.fanout import cancel_and_count, expires_at_for, start_batch
+from app.batch.finalize import Counts, fan_in_page, maybe_finalize
 from app.batch.lines import ENDPOINTS
 from app.batch.objects import batch_object, batch_usage
 from app.db import pagination
@@ -143,11 +143,12 @@ async def get_batch(batch_id: str, session: SessionDep, principal: CurrentPrinci
 
 
 @router.post("/{batch_id}/cancel", responses=openai_responses(404, 409))
-def cancel(batch_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
+def cancel(batch_id: str, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep,
+           background: BackgroundTasks) -> dict[str, Any]:
     batch = _own(session, principal, batch_id)
     # an ended batch, or one that ended on its own before the cancel's update (its window too): 409 (README)
-    if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_batch(
-            session, batch, settings.data_dir, settings.redis_url):
+    if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_and_count(
+            session, settings, batch, background.add_task):
         why = ": its completion window ended before the cancel" if batch.status == "expired" else ""
         raise OpenAIError(409, f"Cannot cancel a batch with status {batch.status!r}{why}", param="batch_id")
     return batch_object(batch, batch_usage(session, [batch_id]).get(batch_id))

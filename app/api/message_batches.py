@@ -30,8 +30,8 @@ from app.auth import Principal
 from app.batch import message_batches as mb
 from app.batch import storage
 from app.batch.creation import create_once, keyed_batch
-from app.batch.fanout import expires_at_for, start_batch
-from app.batch.finalize import cancel_batch, fan_in_page, maybe_finalize
+from app.batch.fanout import cancel_and_count, expires_at_for, start_batch
+from app.batch.finalize import fan_in_page, maybe_finalize
 from app.batch.lines import MAX_LINES, InvalidLine, ParsedFile, ValidLine, parse_line
 from app.db import pagination
 from app.db.models import Batch, new_id
@@ -209,12 +209,13 @@ async def get_message_batch(message_batch_id: str, request: Request, session: Se
 
 @router.post("/{message_batch_id}/cancel", responses=anthropic_responses(404, 409, 429))
 def cancel_message_batch(message_batch_id: str, request: Request, session: SessionDep,
-                         principal: CurrentPrincipal, settings: SettingsDep) -> dict[str, Any]:
+                         principal: CurrentPrincipal, settings: SettingsDep,
+                         background: BackgroundTasks) -> dict[str, Any]:
     """Requests not yet done are canceled; the batch is ``canceling`` until its running ones stop, then ended."""
     _charge_call(request, principal)
     batch = _own(session, principal, message_batch_id)
-    if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_batch(
-            session, batch, settings.data_dir, settings.redis_url):
+    if batch.status not in ("validating", "in_progress", "cancelling") or not cancel_and_count(
+            session, settings, batch, background.add_task):
         raise OpenAIError(409, f"the message batch has ended ({batch.status}); there is nothing to cancel",
                           param="message_batch_id")
     return _object(request, session, batch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi import APIRouter, BackgroundTasks, HTTPException, Query, Request, status
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import AdminPrincipal, SessionDep, SettingsDep, key_cache
 from app.api.errors import CheckedRoute, responses, unprocessable
 from app.auth import Principal, admin_key_left, announce_revocation, create_key, create_tenant
-from app.batch.finalize import cancel_batch
+from app.batch.fanout import cancel_and_count
 from app.db.session import write_after_read
 from app.db.models import ApiKey, Batch, Job, JobStatus, Tenant
 from app.schemas import KeyCreate, KeyCreated, KeyPublic, TenantCreate, TenantLimits, TenantPublic, TenantUpdate
@@ -67,7 +67,7 @@ def get_tenant_route(tenant_id: str, session: SessionDep, _admin: AdminPrincipal
 
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=responses(404, 409))
 def update_tenant_route(tenant_id: str, body: TenantUpdate, request: Request, session: SessionDep,
-                        settings: SettingsDep, admin: AdminPrincipal) -> TenantPublic:
+                        settings: SettingsDep, admin: AdminPrincipal, background: BackgroundTasks) -> TenantPublic:
     """Sets the tenant's rate limits and batch queue limit: the fields given (null: no limit), the others as they
     were. Every API process applies rate limits within its key cache's few seconds (this one at once); the queue
     limit applies to batches validated from then on. ``disabled: true`` refuses its keys on every API process
@@ -86,21 +86,22 @@ def update_tenant_route(tenant_id: str, body: TenantUpdate, request: Request, se
     if "disabled" in changes:
         announce_revocation(settings.redis_url)  # every process looks its keys up again
     if body.disabled:
-        _cancel_open_work(session, settings, tenant_id)
+        _cancel_open_work(session, settings, tenant_id, background)
     tenant = session.get(Tenant, tenant_id)
     log.info("tenant %s limits: %s requests, %s tokens per minute, %s batch queue tokens", tenant.id,
              tenant.requests_per_minute, tenant.tokens_per_minute, tenant.batch_queue_tokens)
     return TenantPublic.model_validate(tenant)
 
 
-def _cancel_open_work(session: Session, settings: Settings, tenant_id: str) -> None:
-    """Cancels a disabled tenant's open batches (with their jobs), its summarization runs (with theirs) and then its
-    other open jobs."""
+def _cancel_open_work(session: Session, settings: Settings, tenant_id: str, background: BackgroundTasks) -> None:
+    """Cancels a disabled tenant's open batches (with their jobs; a validating one's lines counted after the answer
+    where its fan-out died: ``fanout.count_if_abandoned``), its summarization runs (with theirs) and then its other
+    open jobs."""
     runs = summarize_service.cancel_tenant_runs(settings, tenant_id)
     batches = session.scalars(select(Batch).where(Batch.tenant_id == tenant_id, Batch.status.in_(
         ("validating", "in_progress", "cancelling")))).all()
     for batch in batches:
-        cancel_batch(session, batch, settings.data_dir, settings.redis_url)
+        cancel_and_count(session, settings, batch, background.add_task)
     open_jobs = session.scalars(select(Job.id).where(Job.tenant_id == tenant_id, Job.status.in_(NOT_TERMINAL)))
     stopped = stop_job_ids(session, list(open_jobs), JobStatus.CANCELLED, "cancelled: its tenant was disabled",
                            settings.redis_url)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import heapq
 import json
 import logging
-from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
@@ -24,7 +24,7 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import (drop_run_parts, invalid_path, keep_line_numbers, maybe_finalize,
+from app.batch.finalize import (cancel_batch, drop_run_parts, invalid_path, keep_line_numbers, maybe_finalize,
                                 numbered_refused_lines, result_file, run_part)
 from app.batch.objects import invalid_line, unrun_line
 from app.batch.storage import open_content
@@ -39,6 +39,11 @@ from app.services.transitions import as_utc, utcnow
 from app.services.truncation import fit_response
 from app.services.workers import grammar_backends, held_context_length
 from app.settings import Settings
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no liveness mark (fan_out_alive says alive, as a cancel assumed before)
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +60,13 @@ def batch_dir(data_dir: Path, batch_id: str) -> Path:
 def start_batch(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None = None) -> None:
     """Validates the batch's input file and creates + dispatches its jobs (a background task). ``parsed``: the
     file's lines as ``batch_lines.parse_file`` reads them, where the caller has them already (a message batch's
-    create checked each request so): the file is not read and parsed again."""
+    create checked each request so): the file is not read and parsed again. The run holds the batch's liveness mark
+    (``fan_out_alive``) to its end."""
+    with _alive(settings.data_dir, batch_id):
+        _run(settings, batch_id, parsed)
+
+
+def _run(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None) -> None:
     try:
         with full_collections_paused():  # its lines, specs and rows live until written (app/gc_pause.py)
             _start(settings, batch_id, parsed)
@@ -72,6 +83,63 @@ def start_batch(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFil
     except Exception:  # left staged, they stay invisible and never run
         log.exception("could not delete batch %s's staged jobs", batch_id)
     drop_run_parts(settings.data_dir, batch_id)
+
+
+def _liveness_path(data_dir: Path, batch_id: str) -> Path:
+    return batch_dir(data_dir, batch_id) / "fanout.lock"
+
+
+@contextmanager
+def _alive(data_dir: Path, batch_id: str) -> Iterator[None]:
+    """This run's liveness mark: a shared flock of the batch's ``fanout.lock``, held while the run lasts (runs beside
+    each other hold it together). The kernel lets it go however the process ends, SIGKILL too: a run that holds
+    none is dead."""
+    if fcntl is None:
+        yield
+        return
+    with _liveness_path(data_dir, batch_id).open("a") as mark:
+        fcntl.flock(mark, fcntl.LOCK_SH)
+        yield
+
+
+def fan_out_alive(data_dir: Path, batch_id: str) -> bool:
+    """Whether a run of the batch's fan-out is going (holds its liveness mark, ``_alive``); True where it cannot be
+    known (no flock)."""
+    if fcntl is None:
+        return True
+    with _liveness_path(data_dir, batch_id).open("a") as mark:
+        try:
+            fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False  # the file closed: the lock this check took is let go
+
+
+def cancel_and_count(session, settings: Settings, batch: Batch, later: Callable[..., None]) -> bool:
+    """``finalize.cancel_batch`` (its answer), and for a batch cancelled while validating ``count_if_abandoned``
+    handed to ``later`` (a route's ``BackgroundTasks.add_task``: it may read the whole input file)."""
+    if not cancel_batch(session, batch, settings.data_dir, settings.redis_url):
+        return False
+    if batch.in_progress_at is None:
+        later(count_if_abandoned, settings, batch.id)
+    return True
+
+
+def count_if_abandoned(settings: Settings, batch_id: str) -> None:
+    """After a cancel of a batch that was validating (a background task of the cancel). A fan-out that sees the
+    cancel counts the batch's lines, writes its error file and deletes what its runs staged (``_end_cancelled``,
+    ``start_batch``); one that died (killed) before it did, ``fan_out_alive`` false, leaves that to nobody (the
+    sweeper restarts only batches still validating): the batch would end with no line counted, the dead run's staged
+    jobs and part files kept for good. This runs the fan-out here: the batch cancelled, it stages nothing and counts
+    the lines. A batch that started before the cancel is not touched (its counts are its jobs')."""
+    with session_scope(settings.sqlalchemy_url) as s:
+        batch = s.get(Batch, batch_id)
+        unstarted = batch is not None and batch.cancelling_at is not None and batch.in_progress_at is None
+    if not unstarted or fan_out_alive(settings.data_dir, batch_id):
+        return
+    log.info("batch %s: cancelled while validating, and no fan-out is alive to count its lines; counting them here",
+             batch_id)
+    start_batch(settings, batch_id)
 
 
 def _fail(session, batch_id: str, **values) -> None:

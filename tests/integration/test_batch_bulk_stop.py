@@ -14,7 +14,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, event, func, select, update
 
-from app.api import batches as batches_api
+from app.batch import fanout
 from app.batch import finalize
 from app.db.models import Batch, Job, JobEvent
 from app.db.session import session_scope, write_guard
@@ -125,7 +125,7 @@ def test_a_cancel_that_loses_to_the_batchs_own_end_answers_409(client, keys, set
             s.commit()
         return real_cancel(session, batch, *args)
 
-    monkeypatch.setattr(batches_api, "cancel_batch", batch_ends_first)
+    monkeypatch.setattr(fanout, "cancel_batch", batch_ends_first)  # the cancel routes' (fanout.cancel_and_count)
     answer = client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
     assert answer.status_code == 409, answer.text
     assert answer.headers["x-should-retry"] == "false"

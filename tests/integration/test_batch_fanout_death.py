@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from app.batch import fanout
-from app.db.models import Batch, Job, JobEvent, new_id
+from app.db.models import STAGED, Batch, Job, JobEvent, new_id
 from app.db.session import session_scope
 from app.services.transitions import utcnow
 from tests.conftest import ROOT, Keys, wait_for, worker_env
@@ -148,4 +148,59 @@ def test_a_fan_out_that_another_run_finished_meanwhile_stops_quietly(client, key
         assert (batch.status, batch.total, batch.failed) == ("in_progress", LINES, 1)
         statuses = s.scalars(select(Job.status).where(Job.batch_id == batch_id)).all()
     assert sorted(statuses) == ["dispatched"] * (LINES - 1)
+    assert _parts(settings, batch_id) == []
+
+
+def _staged(settings, batch_id: str) -> int:
+    with session_scope(settings.sqlalchemy_url) as s:
+        return s.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch_id,
+                                                                     Job.status.startswith(STAGED)))
+
+
+def test_a_batch_cancelled_after_its_fan_out_died_ends_with_its_lines_counted_and_nothing_left(client, keys,
+                                                                                                settings):
+    """The fan-out killed between its chunks (its first staged, its part file written), then the user's cancel,
+    before the sweeper's restart: the batch ended cancelled with ``total`` 0, and the dead run's staged jobs and part
+    files stayed for good (the sweeper restarts only batches still validating). The cancel finds no fan-out alive
+    and counts the lines itself, as a live fan-out would: every line failed (the refused one refused, the others
+    stopped unrun), each in the error file; nothing staged or part left."""
+    batch_id = _validating_batch(client, keys, settings)
+    _fan_out_dying_at(settings, batch_id, "between_chunks")
+    assert _staged(settings, batch_id) == 2 and _parts(settings, batch_id)
+    cancelled = client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid))
+    assert cancelled.status_code == 200, cancelled.text
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": LINES, "completed": 0,
+                                                                        "failed": LINES})
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    codes = [json.loads(line)["error"]["code"] for line in errors.splitlines()]
+    assert codes == ["batch_cancelled"] * (LINES - 1) + ["invalid_json"], codes
+    assert _staged(settings, batch_id) == 0
+    assert _parts(settings, batch_id) == []
+
+
+def test_a_message_batch_cancelled_after_its_fan_out_died_leaves_nothing_staged(client, keys, settings,
+                                                                                 monkeypatch):
+    """Anthropic's cancel of a message batch whose fan-out died (the create's never ran, the one after it was killed
+    between its chunks): every request canceled, as its counts and results say, and the dead run's staged jobs and
+    part files deleted."""
+    from app.api import message_batches as api
+
+    monkeypatch.setattr(api, "start_batch", lambda *args: None)  # the create's API died before its fan-out
+    headers = {"x-api-key": keys.paid}
+    made = client.post("/v1/messages/batches", headers=headers, json={"requests": [
+        {"custom_id": f"r{i}", "params": {"model": "tiny", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": "Hi"}]}} for i in range(LINES)]})
+    assert made.status_code == 200, made.text
+    batch_id = made.json()["id"]
+    _fan_out_dying_at(settings, batch_id, "between_chunks")
+    assert _staged(settings, batch_id) == 2 and _parts(settings, batch_id)
+    done = client.post(f"/v1/messages/batches/{batch_id}/cancel", headers=headers)
+    assert done.status_code == 200, done.text
+    batch = client.get(f"/v1/messages/batches/{batch_id}", headers=headers).json()
+    assert (batch["processing_status"], batch["request_counts"]) == ("ended", {
+        "processing": 0, "succeeded": 0, "errored": 0, "canceled": LINES, "expired": 0})
+    results = client.get(f"/v1/messages/batches/{batch_id}/results", headers=headers).text
+    assert [json.loads(line)["result"]["type"] for line in results.splitlines()] == ["canceled"] * LINES
+    assert _staged(settings, batch_id) == 0
     assert _parts(settings, batch_id) == []
