@@ -58,23 +58,14 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
         Job.status.in_([s.value for s in ACTIVE]), Job.lease_expires_at < now).limit(limit)).all()
     ended: list[tuple[str, StreamEvent]] = []
     for job in expired:
-        if job.attempt >= max_attempts:
-            error = (f"gave up after {job.attempt} attempts: the lease of every worker that ran it expired "
-                     f"(last {job.worker_id})")
-            if transition(session, job.id, JobStatus(job.status), JobStatus.FAILED, attempt=job.attempt,
-                          where=[Job.lease_expires_at < now], detail=error,
-                          values={"worker_id": None, "lease_expires_at": None, "error": error,
-                                  "finished_at": now, "settled_at": now}):
-                result.failed += 1
-                ended.append((job.id, StreamEvent("end", job.attempt, status="failed", data={"error": error})))
-            continue
-        if transition(session, job.id, JobStatus(job.status), JobStatus.QUEUED, attempt=job.attempt,
-                      where=[Job.lease_expires_at < now], values={"worker_id": None, "lease_expires_at": None},
-                      detail=f"lease of {job.worker_id} expired"):
-            result.requeued += 1
+        to, end = give_back_lost(session, job, max_attempts, where=[Job.lease_expires_at < now],
+                                 detail=f"lease of {job.worker_id} expired")
+        result.requeued += to is JobStatus.QUEUED
+        result.failed += to is JobStatus.FAILED
+        ended += [(job.id, end)] if end else []
     result.settled = leases.settle_lapsed(session, now, limit)
     session.commit()
-    _end_streams(redis_url, ended)  # stream readers (SSE) of the jobs failed here stop waiting
+    end_streams(redis_url, ended)  # stream readers (SSE) of the jobs failed here stop waiting
     if result.settled:
         log.info("settled %d stopped jobs whose worker died before writing what it produced", result.settled)
     if result.requeued or result.failed:
@@ -98,6 +89,28 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
     result.resent = _resend_lost(session, redis_url, now, resend_after_s, holder_stale_s, limit, served)
     session.commit()
     return result
+
+
+def give_back_lost(session: Session, job, max_attempts: int, *, where: list, detail: str
+                   ) -> tuple[JobStatus | None, StreamEvent | None]:
+    """Gives back a job its worker lost (``job``: a row with id, status, attempt and worker_id; its lease expired, or
+    an operator resumed it once that worker stopped beating) where ``where`` still holds: queued for another worker
+    (the sweep sends it; a caller may send it at once), or failed where that was its last allowed attempt (a job that
+    kills workers), with the end its stream readers are sent (``end_streams``, after the commit). None where someone
+    moved it meanwhile. ``detail``: the requeue's event. The caller commits."""
+    now = utcnow()
+    if job.attempt >= max_attempts:
+        error = (f"gave up after {job.attempt} attempts: the lease of every worker that ran it expired "
+                 f"(last {job.worker_id})")
+        if transition(session, job.id, JobStatus(job.status), JobStatus.FAILED, attempt=job.attempt, where=where,
+                      detail=error, values={"worker_id": None, "lease_expires_at": None, "error": error,
+                                            "finished_at": now, "settled_at": now}):
+            return JobStatus.FAILED, StreamEvent("end", job.attempt, status="failed", data={"error": error})
+        return None, None
+    if transition(session, job.id, JobStatus(job.status), JobStatus.QUEUED, attempt=job.attempt, where=where,
+                  values={"worker_id": None, "lease_expires_at": None}, detail=detail):
+        return JobStatus.QUEUED, None
+    return None, None
 
 
 def _reroute_orphaned(session: Session, redis_url: str, stale_before) -> int:
@@ -289,7 +302,7 @@ def _queued_ids(redis_url: str, models: set[str]) -> set[str] | None:
         return None
 
 
-def _end_streams(redis_url: str, events: list[tuple[str, StreamEvent]]) -> None:
+def end_streams(redis_url: str, events: list[tuple[str, StreamEvent]]) -> None:
     if not events or not redis_url:
         return
     try:

@@ -37,14 +37,16 @@ from app.schemas import JobPublic
 from app.services import jobs as job_service
 from app.services import lora_adapters, routing
 from app.services.cancel import cancel as cancel_job
+from app.services.dispatch import dispatch, send_back
 from app.services.notify import redis_client
 from app.services.transitions import ACTIVE, as_utc, utcnow
 from app.services.usage import UsageQuery, completions_usage
-from app.services.workers import heartbeat_cutoff
+from app.services.workers import heartbeat_cutoff, live_workers
 from app.summarize import driver as summarize_driver
 from app.summarize import service as summarize_service
 from app.summarize import store as summarize_store
 from app.wire import Text, utc_z
+from workers.celery_app import message_priority
 
 log = logging.getLogger(__name__)
 
@@ -338,20 +340,73 @@ def _mark_by_admin(session, job_id: str, where: tuple[Any, ...], values: dict[st
 @router.post("/admin/api/jobs/{job_id}/resume", responses={**ADMIN, **responses(404, 409)})
 def resume(job_id: str, session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal) -> dict[str, Any]:
     """Asks the worker holding a relegated job to resume it; the job's events say the operator did (the job stays
-    relegated until its engine takes it back: "engine resumed it")."""
+    relegated until its engine takes it back: "engine resumed it"). A job whose worker is lost is given back for a
+    live worker to run (``_rerun_elsewhere``)."""
     job = _not_staged(_job(session, job_id))
     relegated = JobStatus.RELEGATED.value
     if job.status == relegated:
-        with write_after_read(session):  # only a job still relegated, even if its engine resumed it since the read
-            written = _mark_by_admin(session, job_id, (Job.status == relegated,), {"status": relegated},
-                                     "resumed by an admin")
-            session.commit()
-        if written is not None:
-            return {"id": job_id, "action": "resume",
-                    **_tell_holder(settings, written, {"action": "resume", "job_id": job_id})}
+        lost_since = _lost_since(session, settings, job.worker_id)
+        if lost_since is not None:
+            answer = _rerun_elsewhere(session, settings, job, lost_since)
+        else:
+            answer = _ask_holder_to_resume(session, settings, job_id)
+        if answer is not None:
+            return answer
         with acting_on_the_job():
             job_service.reread(session, job)
     raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}, not relegated")
+
+
+def _ask_holder_to_resume(session, settings, job_id: str) -> dict[str, Any] | None:
+    """Records the operator's resume and tells the job's worker; None where the job left relegated meanwhile."""
+    relegated = JobStatus.RELEGATED.value
+    with write_after_read(session):  # only a job still relegated, even if its engine resumed it since the read
+        written = _mark_by_admin(session, job_id, (Job.status == relegated,), {"status": relegated},
+                                 "resumed by an admin")
+        session.commit()
+    if written is None:
+        return None
+    return {"id": job_id, "action": "resume", **_tell_holder(settings, written, {"action": "resume", "job_id": job_id})}
+
+
+def _lost_since(session, settings, worker_id: str | None) -> datetime | None:
+    """The last heartbeat of ``worker_id`` where it is lost (stopped beating: killed, or its host gone), as the
+    dashboard's workers table reads it; None where it is live, or no heartbeat of it is known to judge it by."""
+    beat = session.scalar(select(WorkerState.heartbeat_at).where(WorkerState.id == worker_id)) if worker_id else None
+    return beat if beat is not None and as_utc(beat) < heartbeat_cutoff(settings) else None
+
+
+def _rerun_elsewhere(session, settings, job: Job, lost_since: datetime) -> dict[str, Any] | None:
+    """Resumes a relegated job whose worker is lost, which no message reaches: given back as the sweeper gives back a
+    job whose lease expired (``give_back_lost``: queued, or failed on its last allowed attempt), at once rather than
+    when that lease runs out, and sent to the head of its model's queue for a live worker to run it (a new attempt,
+    as after a lease that expired). None where it left relegated or its worker meanwhile (the caller rereads it)."""
+    from workers.sweeper import end_streams, give_back_lost
+
+    lost, attempt, model, kind = job.worker_id, job.attempt, job.model, job.kind  # as read: the write expires them
+    since = f"its last heartbeat {utc_z(as_utc(lost_since))}"
+    with write_after_read(session):  # only a job still relegated on the lost worker
+        to, end = give_back_lost(session, job, settings.max_attempts, where=[Job.worker_id == lost],
+                                 detail=f"resumed by an admin: its worker {lost} is lost ({since}); given back to run "
+                                        "on another")
+        session.commit()
+    if to is None:
+        return None
+    answer = {"id": job.id, "action": "resume", "delivered": False, "worker_id": lost, "worker_lost": True}
+    if to is JobStatus.FAILED:
+        end_streams(settings.redis_url, [(job.id, end)])
+        return {**answer, "status": to.value,
+                "detail": f"worker {lost} is lost and the job had run its last allowed attempt: {end.data['error']}"}
+    queue = lora_adapters.queue_models(session, {model})[model]
+    sent = bool(settings.redis_url) and dispatch(session, settings.redis_url, job.id, queue, send=send_back,
+                                                 detail="sent by an admin's resume", priority=message_priority(kind))
+    takers = [w.id for w in live_workers(session, settings) if model in w.served]
+    where = (f"a live worker of its model ({', '.join(takers)}) runs it next" if takers else
+             "no live worker of its model takes jobs now: the first that starts runs it")
+    return {**answer, "status": (JobStatus.DISPATCHED if sent else JobStatus.QUEUED).value,
+            "detail": f"worker {lost} is lost ({since}): the job was given back to its model's queue "
+                      f"{'at its head' if sent else '(the broker is away: the sweeper sends it)'}, and {where}, "
+                      f"as its attempt {attempt + 1}"}
 
 
 class Promote(BaseModel):
