@@ -140,22 +140,56 @@ USAGE_COLUMNS = ("num_model_requests", "input_tokens", "output_tokens", "num_slo
                  "num_relegated")
 
 
-@router.get("/admin/api/tenants", responses=ADMIN)
-def tenants(session: SessionDep, _admin: AdminPrincipal) -> dict[str, Any]:
-    """Every tenant with its limits, whether it is disabled, the tokens its batches and summarization runs have queued,
-    and its last day's usage (the Usage API's sums over the jobs submitted in the 24 hours before now). The dashboard
-    reads it less often than the overview: the day's sums read a day of jobs (by ``ix_jobs_created``)."""
+TENANTS_SHOWN = 100  # rows of the tenants table's page (the default and the most ``limit`` takes)
+
+
+def _tenant_cursor(name: str) -> str:
+    """An opaque ``after`` naming the tenant after which the next page starts (by its name: the table's order, and
+    unique), so the next page starts right even once tenants are added before it."""
+    return base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
+
+
+def _after_tenant(after: str) -> str:
+    try:
+        return base64.b64decode(after + "=" * (-len(after) % 4), altchars=b"-_", validate=True).decode()
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise unprocessable("after is not a cursor of this table: pass the tenants_next of the page before, or leave "
+                            "it out for the first page", "query", "after") from None
+
+
+@router.get("/admin/api/tenants", responses={**ADMIN, **responses(422)})
+def tenants(session: SessionDep, _admin: AdminPrincipal,
+            after: Annotated[str | None, Query(max_length=400, description=(
+                "the page after this cursor (the tenants_next of the page before)"))] = None,
+            limit: Annotated[int, Query(ge=1, le=TENANTS_SHOWN, description="the table's rows")] = TENANTS_SHOWN
+            ) -> dict[str, Any]:
+    """A page of the tenants by name (``limit``, after the cursor ``after``) with their limits, whether each is
+    disabled, the tokens its batches and summarization runs have queued, and its last day's usage (the Usage API's sums
+    over the jobs submitted in the 24 hours before now); ``tenants_total``: how many there are, ``tenants_before``: how
+    many come before the page now, ``tenants_next``: the next page's cursor (None on the last). The dashboard reads
+    it less often than the overview: the day's sums read a day of the page's jobs (by ``ix_jobs_created``)."""
     now = utcnow()
+    query = select(Tenant).order_by(Tenant.name).limit(limit + 1)
+    mark = _after_tenant(after) if after else None
+    if mark is not None:
+        query = query.where(Tenant.name > mark)
+    page = list(session.scalars(query))
+    more, page = len(page) > limit, page[:limit]
+    ids = tuple(t.id for t in page)
     end = int(now.timestamp()) + 1  # exclusive: the jobs of this very second count too
-    day = completions_usage(session, UsageQuery(end - 86400, end, "1d", 1, group_by=("project_id",)), str)
-    usage = {r["project_id"]: r for r in day["data"][0]["results"]}
-    queued = queued_by_tenant(session)
+    day = completions_usage(session, UsageQuery(end - 86400, end, "1d", 1, group_by=("project_id",),
+                                                tenant_ids=ids), str) if ids else None
+    usage = {r["project_id"]: r for r in day["data"][0]["results"]} if day else {}
+    queued = queued_by_tenant(session, ids)
     rows = [{"id": t.id, "name": t.name, "default_tier": t.default_tier, "disabled": t.disabled,
              "requests_per_minute": t.requests_per_minute, "tokens_per_minute": t.tokens_per_minute,
              "batch_queue_tokens": t.batch_queue_tokens, "batch_queued_tokens": queued.get(t.id, 0),
              "day": {k: usage.get(t.id, {}).get(k, 0) for k in USAGE_COLUMNS}}
-            for t in session.scalars(select(Tenant).order_by(Tenant.name))]
-    return {"now": utc_z(now), "tenants": rows}
+            for t in page]
+    total = len(rows) if not (after or more) else session.scalar(select(func.count()).select_from(Tenant))
+    before = session.scalar(select(func.count()).where(Tenant.name <= mark)) if after else 0
+    return {"now": utc_z(now), "tenants": rows, "tenants_total": total, "tenants_before": before,
+            "tenants_next": _tenant_cursor(page[-1].name) if more else None}
 
 
 def _cursor(rank: int, job: Job) -> str:
@@ -205,6 +239,17 @@ def jobs_page(session, shown: list[str], after: tuple[int, datetime, str] | None
     return active, total, _cursor(TABLE_STATUSES.index(active[-1].status), active[-1]) if more else None
 
 
+def rows_before(session, shown: list[str], after: tuple[int, datetime, str], open_counts: dict[str, int]) -> int:
+    """How many rows of the table come before the cursor ``after`` now (the page's first row number, less one): the
+    statuses listed before its status (from ``open_counts``), and its status's jobs up to its job (on
+    ``ix_jobs_status_created``). Counted as of now, not from the pages an operator turned, which drift as jobs move
+    on."""
+    rank, created_at, job_id = after
+    earlier = sum(open_counts.get(st, 0) for st in TABLE_STATUSES[:rank] if st in shown)
+    return earlier + session.scalar(select(func.count()).where(
+        Job.status == TABLE_STATUSES[rank], ~pagination.after(Job, created_at, job_id, newest_first=False)))
+
+
 @router.get("/admin/api/overview", responses={**ADMIN, **responses(422)})
 def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
              minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60,
@@ -222,7 +267,9 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
     by_status: dict[str, int] = {}
     for q in queues:
         by_status[q["status"]] = by_status.get(q["status"], 0) + q["count"]
-    active, total, jobs_next = jobs_page(session, shown, _after_cursor(after) if after else None, limit, by_status)
+    cursor = _after_cursor(after) if after else None
+    active, total, jobs_next = jobs_page(session, shown, cursor, limit, by_status)
+    before = rows_before(session, shown, cursor, by_status) if cursor else 0
     relegated_at = _relegated_at(session, [j.id for j in active if j.status == JobStatus.RELEGATED])
     jobs = []
     for j in active:
@@ -244,6 +291,7 @@ def overview(session: SessionDep, settings: SettingsDep, _admin: AdminPrincipal,
                 "alive": as_utc(w.heartbeat_at) >= alive_since}  # a worker that stopped without a word is "lost"
                for w in session.scalars(select(WorkerState).order_by(WorkerState.id))]
     return {"now": utc_z(now), "queues": queues, "jobs": jobs, "jobs_total": total, "jobs_next": jobs_next,
+            "jobs_before": before,
             "jobs_status": shown, "workers": workers, "slo": SLO_CHART.series(session, minutes),
             "slo_window_s": minutes * 60, "slo_bucket_s": SLO_BUCKET_S}
 

@@ -11,6 +11,7 @@ request of them each, and no tokens): this is their guard against one tenant fil
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import func, or_, select
@@ -43,11 +44,13 @@ def enqueued_tokens(session: Session, tenant_id: str, model: str) -> int:
         Job.tenant_id == tenant_id, Job.model == model, *QUEUED)))
 
 
-def queued_by_tenant(session: Session) -> dict[str, int]:
-    """Every tenant's prompt tokens queued in batches and summarization runs, all models together (the admin
-    dashboard's column)."""
-    return {tenant_id: int(n or 0) for tenant_id, n in session.execute(
-        select(Job.tenant_id, func.sum(Job.prompt_tokens)).where(*QUEUED).group_by(Job.tenant_id))}
+def queued_by_tenant(session: Session, tenant_ids: Iterable[str] | None = None) -> dict[str, int]:
+    """Every tenant's (of ``tenant_ids``: a page of the admin dashboard's table; None: all) prompt tokens queued in
+    batches and summarization runs, all models together (the admin dashboard's column)."""
+    query = select(Job.tenant_id, func.sum(Job.prompt_tokens)).where(*QUEUED)
+    if tenant_ids is not None:
+        query = query.where(Job.tenant_id.in_(list(tenant_ids)))
+    return {tenant_id: int(n or 0) for tenant_id, n in session.execute(query.group_by(Job.tenant_id))}
 
 
 def refusal(session: Session, tenant_id: str, model: str, tokens: int, work: Work = BATCH) -> dict | None:

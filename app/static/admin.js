@@ -10,10 +10,8 @@ const TIERS = JSON.parse(document.body.dataset.tiers || "[]");
 let timer = null;
 let tenantsTimer = null;
 let runsTimer = null;
-// the jobs table's filter and pages: the cursor each page starts after (null: the first) and its first row's number
+// the jobs table's filter; its pages and the tenants' (pager below)
 let jobsStatus = "";
-let jobsPages = [{ after: null, from: 0 }];
-let jobsNext = null;  // the jobs_next of the page shown
 let refreshing = false;  // one overview read at a time: a slow one is not overtaken by the next
 let pointerDown = false;  // a press on a button the next redraw would replace
 const pending = new Set();  // "action job-or-worker id" of the actions sent and not answered yet
@@ -109,25 +107,44 @@ function renderQueues(queues) {
   }
 }
 
+// a table paged by cursor (its First, Previous and Next page buttons: #<name>-first, -prev, -next): the cursors of
+// the pages turned to (null: the first page), the next page's, and what to draw on a turn
+function pager(name, turned) {
+  const p = { pages: [null], next: null };
+  p.after = () => p.pages[p.pages.length - 1];
+  p.path = (path, q = new URLSearchParams()) => {
+    if (p.after()) q.set("after", p.after());
+    return path + (q.size ? "?" + q : "");
+  };
+  p.reset = () => { p.pages = [null]; };
+  // the page shown: its buttons, and "(first–last of total)" where it is not the whole table, its row numbers as
+  // the API counts them now (not from the pages turned: the rows before move on meanwhile)
+  p.shown = (next, before, rows, total, order = "") => {
+    p.next = next;
+    $(`#${name}-next`).disabled = !next;
+    $(`#${name}-prev`).disabled = $(`#${name}-first`).disabled = p.pages.length < 2;
+    return total > rows ? `(${rows ? before + 1 : 0}–${before + rows} of ${total}${order})` : "";
+  };
+  $(`#${name}-next`).addEventListener("click", () => { if (p.next) { p.pages.push(p.next); turned(); } });
+  $(`#${name}-prev`).addEventListener("click", () => { if (p.pages.length > 1) { p.pages.pop(); turned(); } });
+  $(`#${name}-first`).addEventListener("click", () => { p.reset(); turned(); });
+  return p;
+}
+const jobsPager = pager("jobs", () => refresh());
+const tenantsPager = pager("tenants", () => refreshTenants());
+
 function jobsPath() {
   const q = new URLSearchParams();
   if (jobsStatus) q.set("status", jobsStatus);
-  const page = jobsPages[jobsPages.length - 1];
-  if (page.after) q.set("after", page.after);
-  return "/admin/api/overview" + (q.size ? "?" + q : "");
+  return jobsPager.path("/admin/api/overview", q);
 }
 
-function renderJobs(jobs, total, next) {
+function renderJobs(jobs, total, next, before) {
   const tbody = $("#jobs tbody");
   tbody.replaceChildren();
-  jobsNext = next;
-  $("#jobs-next").disabled = !next;
-  $("#jobs-first").disabled = jobsPages.length < 2;
   // the API sends the relegated jobs first, then running, dispatched and queued ones, each oldest first
-  const from = jobsPages[jobsPages.length - 1].from;
-  $("#jobs-shown").textContent = total > jobs.length
-    ? `(${jobs.length ? from + 1 : 0}–${from + jobs.length} of ${total}: the relegated first, then the oldest)`
-    : "";
+  $("#jobs-shown").textContent = jobsPager.shown(next, before, jobs.length, total,
+    ": the relegated first, then the oldest");
   for (const j of jobs) {
     const row = tbody.insertRow();
     row.id = "job-" + j.id;
@@ -219,9 +236,12 @@ function renderWorkers(workers) {
 }
 
 // one row per tenant: its last day's usage, SLO met as a share of the jobs judged, its limits
-function renderTenants(tenants) {
+function renderTenants(body) {
   const tbody = $("#tenants tbody");
   tbody.replaceChildren();
+  const tenants = body.tenants;
+  $("#tenants-shown").textContent = tenantsPager.shown(body.tenants_next, body.tenants_before, tenants.length,
+    body.tenants_total);
   const n = (v) => v.toLocaleString("en-US");
   for (const t of tenants) {
     const d = t.day;
@@ -262,7 +282,11 @@ async function setDisabled(t, disabled) {
 }
 
 async function refreshTenants() {
-  try { renderTenants((await api("/admin/api/tenants")).tenants); }
+  try {
+    const path = tenantsPager.path("/admin/api/tenants");
+    const body = await api(path);
+    if (path === tenantsPager.path("/admin/api/tenants")) renderTenants(body);  // else a turn since draws it
+  }
   catch (e) { if (e.message !== "auth") $("#status").textContent = "tenants update failed: " + e.message; }
 }
 
@@ -380,7 +404,7 @@ async function refresh() {
     const o = await api(path);
     if (holding() || path !== jobsPath()) return;  // the filter or page changed meanwhile: the next poll draws it
     renderQueues(o.queues);
-    renderJobs(o.jobs, o.jobs_total, o.jobs_next);
+    renderJobs(o.jobs, o.jobs_total, o.jobs_next, o.jobs_before);
     renderWorkers(o.workers);
     renderSlo(o.slo, o.now, o.slo_window_s, o.slo_bucket_s);
     $("#dash").dataset.updated = o.now;
@@ -484,15 +508,9 @@ $("#login-form").addEventListener("submit", (ev) => {
 $("#logout").addEventListener("click", () => logout());
 $("#jobs-status").addEventListener("change", () => {
   jobsStatus = $("#jobs-status").value;
-  jobsPages = [{ after: null, from: 0 }];
+  jobsPager.reset();
   refresh();
 });
-$("#jobs-next").addEventListener("click", () => {
-  if (!jobsNext) return;
-  jobsPages.push({ after: jobsNext, from: jobsPages[jobsPages.length - 1].from + $("#jobs tbody").rows.length });
-  refresh();
-});
-$("#jobs-first").addEventListener("click", () => { jobsPages = [{ after: null, from: 0 }]; refresh(); });
 $("#runs-status").addEventListener("change", refreshRuns);
 $("#job-search").addEventListener("submit", (ev) => {
   ev.preventDefault();

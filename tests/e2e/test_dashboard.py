@@ -163,7 +163,13 @@ def test_dashboard_shows_relegated_job_and_resumes_it(overloaded, keys, settings
         expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{late}")  # the relegated first
         page.click("#jobs-next")
         expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{hog}")
+        expect(page.locator("#jobs-shown")).to_contain_text("2\u20132 of 2")  # the API's count of the rows before
         expect(page.locator("#jobs-next")).to_be_disabled()
+        page.click("#jobs-prev")  # back a page, as the First page button goes back to the first
+        expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{late}")
+        expect(page.locator("#jobs-prev")).to_be_disabled()
+        page.click("#jobs-next")
+        expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{hog}")
         page.click("#jobs-first")
         expect(page.locator("#jobs tbody tr")).to_have_attribute("id", f"job-{late}")
         page.unroute("**/admin/api/overview*")

@@ -165,6 +165,40 @@ def test_the_dashboards_tenants_say_which_are_disabled_and_the_switch_needs_the_
     assert not any(t["disabled"] for t in rows)
 
 
+def test_the_tenants_table_pages_by_name_with_a_cursor(client, keys, settings):
+    """Thousands of tenants are not read on every poll: a page of them by name, its cursor the next's start."""
+    for name in ("beta", "delta"):
+        assert client.post("/v1/admin/tenants", json={"name": name}, headers=H(keys.admin)).status_code == 201
+
+    def pages(**params) -> list[list[str]]:
+        """Every page, following tenants_next; each says how many tenants all the pages hold."""
+        out, totals, after = [], set(), None
+        while True:
+            r = client.get("/admin/api/tenants", params={**params, **({"after": after} if after else {})},
+                           headers=H(keys.admin))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["tenants_before"] == sum(map(len, out)), body  # the page's first row number, less one
+            out.append([t["name"] for t in body["tenants"]])
+            totals.add(body["tenants_total"])
+            if not (after := body["tenants_next"]):
+                assert totals == {sum(map(len, out))}, totals
+                return out
+
+    assert pages(limit=2) == [["acme", "beta"], ["delta", "globex"], ["ops"]]
+    assert pages() == [["acme", "beta", "delta", "globex", "ops"]]
+    # a tenant added before the cursor meanwhile leaves the next page as it was
+    first = client.get("/admin/api/tenants", params={"limit": 2}, headers=H(keys.admin)).json()
+    assert client.post("/v1/admin/tenants", json={"name": "alpha"}, headers=H(keys.admin)).status_code == 201
+    nxt = client.get("/admin/api/tenants", params={"limit": 2, "after": first["tenants_next"]},
+                     headers=H(keys.admin)).json()
+    assert [t["name"] for t in nxt["tenants"]] == ["delta", "globex"] and nxt["tenants_total"] == 6
+    assert nxt["tenants_before"] == 3  # its rows are the 4th and 5th now
+    for bad in ({"after": "@@"}, {"after": "_w"}, {"limit": 101}, {"limit": 0}):
+        r = client.get("/admin/api/tenants", params=bad, headers=H(keys.admin))
+        assert r.status_code == 422, (bad, r.text)
+
+
 def test_an_operator_finds_any_tenants_jobs_by_the_request_id_a_client_reports(client, keys, settings):
     """Clients choose their X-Request-Id, so two tenants may send the same: the admin search lists both; a tenant's
     key cannot search."""
@@ -296,6 +330,7 @@ def test_the_jobs_table_filters_by_status_and_pages_by_cursor(client, keys, sett
                            headers=H(keys.admin))
             assert r.status_code == 200, r.text
             body = r.json()
+            assert body["jobs_before"] == sum(map(len, out)), body  # the page's first row number, less one
             out.append([j["id"] for j in body["jobs"]])
             totals.add(body["jobs_total"])
             if not (after := body["jobs_next"]):
@@ -312,6 +347,7 @@ def test_the_jobs_table_filters_by_status_and_pages_by_cursor(client, keys, sett
     nxt = client.get("/admin/api/overview", params={"limit": 3, "after": first["jobs_next"]},
                      headers=H(keys.admin)).json()
     assert [j["id"] for j in nxt["jobs"]] == running[1:] and nxt["jobs_total"] == 4
+    assert nxt["jobs_before"] == 2  # its rows are the 3rd and 4th now, not the 4th and 5th of when the page turned
     import base64
     import json
 
