@@ -497,6 +497,24 @@ def test_a_resume_of_a_job_that_left_relegated_meanwhile_is_a_409_and_records_no
     assert not [e for e in events if e["detail"] == "resumed by an admin"], events
 
 
+def test_a_resume_of_a_lost_workers_job_on_its_last_attempt_fails_it_as_the_sweeper_would(client, keys, settings):
+    """A job given back from a lost worker on its last allowed attempt (a job that kills workers) is not run again."""
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.services.transitions import utcnow
+
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w-gone", attempt=settings.max_attempts)
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(WorkerState(id="w-gone", model="m", queue="q", device="cpu", heartbeat_at=utcnow() - timedelta(hours=1)))
+    r = client.post(f"/admin/api/jobs/{job_id}/resume", headers=H(keys.admin))
+    assert r.status_code == 200, r.text
+    assert (r.json()["status"], r.json()["worker_lost"]) == ("failed", True), r.text
+    assert f"gave up after {settings.max_attempts} attempts" in r.json()["detail"]
+    found = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()
+    assert (found["job"]["status"], found["events"][-1]["from"]) == ("failed", "relegated")
+
+
 def test_of_two_operators_promoting_one_job_at_once_the_one_that_writes_second_gets_a_409(client, keys, settings,
                                                                                         monkeypatch):
     """Each promote writes only where the job is still at the tier it read (and its event says from which): the
