@@ -62,14 +62,15 @@ def get_tokenizer(model: str) -> Any:
         with _load_lock:
             tok = _tokenizers.get(model)
             if tok is None:
-                tok = _tokenizers[model] = _load_tokenizer(model)
+                tok = _tokenizers[model] = load_tokenizer(model)
     return tok
 
 
 _tokenizers: dict[str, Any] = {}
 
 
-def _load_tokenizer(model: str) -> Any:
+def load_tokenizer(model: str) -> Any:
+    """A new instance of the model's tokenizer (``get_tokenizer`` shares one); a GGUF's from its disk cache."""
     from transformers import AutoTokenizer
 
     source = resolve_model(model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +16,16 @@ pytestmark = pytest.mark.model
 def test_eos_is_the_chat_end_token(default_executor):
     tok = default_executor.tokenizer
     assert default_executor.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_the_engine_tokenizes_with_the_apis_converted_copy_of_the_gguf_tokenizer(default_executor):
+    """The engine's tokenizer is the GGUF's as the API converted it once and cached it on disk (``load_tokenizer``),
+    an instance of its own: converting the GGUF's again took 12-35 s of every engine start on the CPU."""
+    from app.services.model_info import get_tokenizer
+
+    tok, api = default_executor.tokenizer, get_tokenizer("smollm2-135m")
+    assert Path(tok.name_or_path) == Path(api.name_or_path), tok.name_or_path  # not the GGUF's directory
+    assert tok is not api and tok.get_vocab() == api.get_vocab() and tok.chat_template == api.chat_template
 
 
 def test_chat_prompt_and_batched_greedy_match_generate(default_executor):

@@ -52,7 +52,7 @@ class DraftModelRunner(Drafter):
                         **kwargs: Any) -> DraftModelRunner:
         from gpu_runtime.executor.torch.executor import load_hf
 
-        hf, _ = load_hf(spec, device, dtype)
+        hf, _ = load_hf(spec, device, dtype, tokenizer=False)  # it drafts on its target's token ids
         return cls(hf, **kwargs)
 
     def bind(self, executor: TorchExecutor) -> None:

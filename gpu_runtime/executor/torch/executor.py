@@ -60,9 +60,14 @@ def bundled_gguf() -> tuple[str, str]:
     return spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_hf(model: str, device: str, dtype: torch.dtype | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """transformers model + tokenizer for a bundled name, a checkpoint directory or a .gguf path."""
+def load_hf(model: str, device: str, dtype: torch.dtype | None,
+            tokenizer: bool = True) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """transformers model + tokenizer for a bundled name, a checkpoint directory or a .gguf path; ``tokenizer``
+    False: the model alone (a draft runs on its target's token ids). A GGUF's tokenizer is the one the API counts
+    with, converted once and read from its disk cache (``load_tokenizer``: ~1 s where converting takes 12-35 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.services.model_info import load_tokenizer
 
     gguf: str | None = None
     if model == DEFAULT_MODEL:
@@ -75,6 +80,10 @@ def load_hf(model: str, device: str, dtype: torch.dtype | None) -> tuple[PreTrai
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     kwargs[_dtype_kwarg()] = dtype
     hf = AutoModelForCausalLM.from_pretrained(directory, **kwargs).to(device).eval()
+    if not tokenizer:
+        return hf, None
+    if gguf:
+        return hf, load_tokenizer(model)
     try:
         tok = AutoTokenizer.from_pretrained(directory, **kwargs)
     except (OSError, ValueError) as exc:  # weights-only checkpoints (tests, drafts) run on token ids
