@@ -5,7 +5,6 @@ Llama checkpoint and real GPU-worker subprocesses."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -336,7 +335,6 @@ class WorkerPool:
     def __init__(self, settings, log_dir: Path) -> None:
         self.settings, self.log_dir = settings, log_dir
         self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []  # each process's log, as ``procs``
 
     def start(self, worker_id: str = "w1", wait: bool = True, **extra: str) -> subprocess.Popen:
         from sqlalchemy import select
@@ -349,7 +347,6 @@ class WorkerPool:
                                 env=worker_env(self.settings, worker_id, **extra), stdout=open(log_path, "ab"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
-        self.logs.append(log_path)
         if wait:
             def ready():
                 if proc.poll() is not None:
@@ -360,34 +357,15 @@ class WorkerPool:
         return proc
 
     def stop(self) -> None:
-        """SIGTERM (Celery's warm shutdown) to each worker; waits for each to exit, or to have said it stopped (its
-        jobs finished or given back, its row deleted) and then ``EXIT_AFTER_STOP_S`` more, else 15 s: what is left
-        of it is killed. A vLLM worker's interpreter spends 15-60 s in its last garbage collection after it stopped
-        (~840k objects of vLLM's; ``gpu_worker.exit_quickly`` freezes them only where vLLM is not imported)."""
-        sizes = [log.stat().st_size if log.exists() else 0 for log in self.logs]  # an earlier run's "stopped"
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
-        for p, log, size in zip(self.procs, self.logs, sizes):
-            deadline = time.monotonic() + 15
-            while p.poll() is None and time.monotonic() < deadline:
-                if _said_stopped(log, size):
-                    deadline = min(deadline, time.monotonic() + EXIT_AFTER_STOP_S)
-                time.sleep(0.1)
-            if p.poll() is None:
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-EXIT_AFTER_STOP_S = 2.0  # how long a worker that said it stopped is given to exit before it is killed
-
-
-def _said_stopped(log: Path, since: int) -> bool:
-    """Whether the worker's log says, after its first ``since`` bytes, that it stopped (``GpuWorker.stop``'s last
-    line)."""
-    with open(log, "rb") as f:
-        f.seek(since)  # what it wrote since its SIGTERM: a few lines
-        return re.search(rb" worker \S+ stopped \(\d+ jobs given back\)", f.read()) is not None
 
 
 @pytest.fixture
