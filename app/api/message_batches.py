@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,7 +30,7 @@ from app.batch import message_batches as mb
 from app.batch import storage
 from app.batch.creation import create_once, keyed_batch
 from app.batch.fanout import cancel_and_count, expires_at_for, start_batch
-from app.batch.finalize import fan_in_page, maybe_finalize
+from app.batch.finalize import drop_working_dir, fan_in_page, maybe_finalize
 from app.batch.lines import MAX_LINES, InvalidLine, ParsedFile, ValidLine, parse_line
 from app.db import pagination
 from app.db.models import Batch, new_id
@@ -238,7 +237,7 @@ def delete_message_batch(message_batch_id: str, request: Request, session: Sessi
     with write_after_read(session):
         batch.deleted_at = utcnow()
         session.commit()
-    shutil.rmtree(Path(settings.data_dir) / "batches" / message_batch_id, ignore_errors=True)
+    drop_working_dir(settings.data_dir, message_batch_id)
     return {"id": message_batch_id, "type": "message_batch_deleted"}
 
 

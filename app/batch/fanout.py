@@ -24,8 +24,9 @@ from app.gc_pause import full_collections_paused
 from app.batch import lines as batch_lines
 from app.batch import queue_limit
 from app.batch.events import batch_ended
-from app.batch.finalize import (cancel_batch, drop_run_parts, invalid_path, keep_line_numbers, maybe_finalize,
-                                numbered_refused_lines, result_file, run_part)
+from app.batch.finalize import (ENDED, cancel_batch, drop_run_parts, drop_working_dir, invalid_path,
+                                keep_line_numbers, maybe_finalize, numbered_refused_lines, result_file, run_part,
+                                working_dir)
 from app.batch.objects import invalid_line, unrun_line
 from app.batch.storage import open_content
 from app.db.models import STAGED, Batch, File, Job, JobEvent, JobStatus
@@ -52,7 +53,7 @@ STAGE_CHUNK = 1000
 
 
 def batch_dir(data_dir: Path, batch_id: str) -> Path:
-    path = Path(data_dir) / "batches" / batch_id
+    path = working_dir(data_dir, batch_id)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -83,6 +84,18 @@ def _run(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | Non
     except Exception:  # left staged, they stay invisible and never run
         log.exception("could not delete batch %s's staged jobs", batch_id)
     drop_run_parts(settings.data_dir, batch_id)
+    with session_scope(settings.sqlalchemy_url) as s:
+        batch = s.get(Batch, batch_id)
+        done = batch is None or _run_is_last_reader(batch)
+    if done:
+        drop_working_dir(settings.data_dir, batch_id)
+
+
+def _run_is_last_reader(batch: Batch) -> bool:
+    """Whether a fan-out run that has ended was the last to read the batch's working folder: the batch has ended, or
+    left validating without starting (refused, or cancelled: the run gave the error file its refused lines), so no
+    fan-in is to read it. A batch that started keeps it for its fan-in, which deletes it (``maybe_finalize``)."""
+    return batch.status in ENDED or (batch.status != "validating" and batch.in_progress_at is None)
 
 
 def _liveness_path(data_dir: Path, batch_id: str) -> Path:
@@ -135,7 +148,9 @@ def count_if_abandoned(settings: Settings, batch_id: str) -> None:
     with session_scope(settings.sqlalchemy_url) as s:
         batch = s.get(Batch, batch_id)
         unstarted = batch is not None and batch.cancelling_at is not None and batch.in_progress_at is None
-    if not unstarted or fan_out_alive(settings.data_dir, batch_id):
+    # its folder gone: the run that saw the cancel counted the lines and, the last to read them, deleted it
+    if not unstarted or not working_dir(settings.data_dir, batch_id).exists() or fan_out_alive(settings.data_dir,
+                                                                                                batch_id):
         return
     log.info("batch %s: cancelled while validating, and no fan-out is alive to count its lines; counting them here",
              batch_id)

@@ -14,6 +14,7 @@ import heapq
 import json
 import logging
 import math
+import shutil
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing, contextmanager
@@ -38,6 +39,7 @@ from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
 log = logging.getLogger(__name__)
 
 OPEN = ("in_progress", "cancelling")
+ENDED = ("completed", "failed", "expired", "cancelled")
 TERMINAL_JOB = [s.value for s in JobStatus if s.terminal]
 STALLED_AFTER = timedelta(minutes=5)  # a batch finalizing this long lost the process that wrote its files
 
@@ -54,8 +56,27 @@ def stalled_or_open():  # noqa: ANN201 - a SQL condition
                and_(Batch.status == "finalizing", Batch.finalizing_at <= utcnow() - STALLED_AFTER))
 
 
+def working_dirs(data_dir: Path) -> Path:
+    """Where every batch's working folder is (``working_dir``)."""
+    return Path(data_dir) / "batches"
+
+
+def working_dir(data_dir: Path, batch_id: str) -> Path:
+    """The batch's working files' folder: its refused lines, its valid lines' numbers, its fan-out runs' part files.
+    Only its fan-in reads them (its counts, its error file's lines): they go once the batch has ended
+    (``drop_working_dir``); its output and error files are Files API files, kept as their expiry says."""
+    return working_dirs(data_dir) / batch_id
+
+
+def drop_working_dir(data_dir: Path, batch_id: str) -> None:
+    """Deletes the batch's working folder. Call it once nothing is to read it: the batch has ended, and no fan-out run
+    of it is to give its refused lines to an error file (``fanout.start_batch``'s end, for a batch that never
+    started). A run still going meanwhile loses its part files, as it does to ``drop_run_parts``."""
+    shutil.rmtree(working_dir(data_dir, batch_id), ignore_errors=True)
+
+
 def invalid_path(data_dir: Path, batch_id: str) -> Path:
-    return Path(data_dir) / "batches" / batch_id / "invalid.jsonl"
+    return working_dir(data_dir, batch_id) / "invalid.jsonl"
 
 
 def _refused_count(data_dir: Path, batch_id: str) -> int:
@@ -86,12 +107,12 @@ def numbered_refused_lines(data_dir: Path, batch_id: str) -> Iterator[tuple[int,
 def line_numbers_path(data_dir: Path, batch_id: str) -> Path:
     """Where the fan-out keeps its valid lines' numbers by custom_id, for the files' order: an SQLite table the fan-in
     looks a failed request's up in, one at a time (a 50,000-line batch's, loaded whole, held up to 28 MiB)."""
-    return Path(data_dir) / "batches" / batch_id / "lines.sqlite"
+    return working_dir(data_dir, batch_id) / "lines.sqlite"
 
 
 def _whole_line_numbers_path(data_dir: Path, batch_id: str) -> Path:
     """Where a batch fanned out before ``line_numbers_path`` kept them, as one JSON object (``{"a": 1, ...}``)."""
-    return Path(data_dir) / "batches" / batch_id / "lines.json"
+    return working_dir(data_dir, batch_id) / "lines.json"
 
 
 def run_part(path: Path, mark: str) -> Path:
@@ -104,7 +125,7 @@ def drop_run_parts(data_dir: Path, batch_id: str) -> None:
     """Deletes every run's part files of the batch (``run_part``, and SQLite's journal beside one): those of runs
     killed before their clean-up (SIGKILL), which no later run removed, and of a run that lost the start to another.
     Call it once the batch has left ``validating``: no run's part is to become the batch's file then."""
-    for part in (Path(data_dir) / "batches" / batch_id).glob(f"*.{STAGED}-*.part*"):
+    for part in working_dir(data_dir, batch_id).glob(f"*.{STAGED}-*.part*"):
         part.unlink(missing_ok=True)
 
 
@@ -358,6 +379,11 @@ def maybe_finalize(session: Session, batch_id: str, data_dir: Path | None = None
             Path(row.path).unlink(missing_ok=True)
         log.warning("batch %s: another caller took its finalizing over", batch_id)
         return False
+    if batch.in_progress_at is not None:
+        # its files are written: nothing reads its working ones again. One cancelled before it started keeps them for
+        # its fan-out run, which may still be reading its lines to give their error lines (fanout._end_cancelled)
+        # and deletes them at its end
+        drop_working_dir(data_dir, batch_id)
     log.info("batch %s %s: %d completed, %d failed", batch_id, values["status"], completed, failed)
     return True
 

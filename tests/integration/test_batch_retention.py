@@ -1,0 +1,104 @@
+"""A batch's working folder (``data_dir/batches/<id>``: its refused lines, its valid lines' numbers, its fan-out
+runs' part files) is deleted once the batch has ended, its output and error files kept: a server's disk does not grow
+with every batch it has run."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from app.batch import fanout
+from tests.conftest import Keys, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _line(custom_id: str) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}})
+
+
+def _create(client, keys, lines: list[str]) -> dict:
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", "\n".join(lines).encode())}).json()
+    return client.post("/v1/batches", headers=Keys.header(keys.paid), json={  # fans out before it answers
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+
+
+def _working_files(settings, batch_id: str) -> list[str]:
+    """What the batch's working folder holds; [] where it is gone."""
+    folder = Path(settings.data_dir) / "batches" / batch_id
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def _error_codes(client, keys, batch: dict) -> list[tuple[str, str]]:
+    text = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    return [(line["id"], line["error"]["code"]) for line in map(json.loads, text.splitlines())]
+
+
+def test_a_completed_batchs_working_files_are_deleted_and_its_result_files_kept(client, keys, settings,
+                                                                              start_worker):
+    batch = _create(client, keys, [_line("a"), "{not json", _line("b")])
+    assert "invalid.jsonl" in _working_files(settings, batch["id"])  # the fan-in's, until the batch ends
+    start_worker("w1")
+
+    def ended() -> dict | None:
+        got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
+        return got if got["status"] not in ("in_progress", "finalizing") else None
+    batch = wait_for(ended, 120, "the batch to end")
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert _working_files(settings, batch["id"]) == []
+    assert not (Path(settings.data_dir) / "batches" / batch["id"]).exists()
+    output = client.get(f"/v1/files/{batch['output_file_id']}/content", headers=Keys.header(keys.paid)).text
+    assert [json.loads(line)["custom_id"] for line in output.splitlines()] == ["a", "b"]
+    assert _error_codes(client, keys, batch) == [("batch_req_line_2", "invalid_json")]
+
+
+def test_a_batch_cancelled_while_it_runs_has_its_working_files_deleted(client, keys, settings):
+    batch = _create(client, keys, [_line("a"), "{not json", _line("b")])  # no worker: its jobs wait dispatched
+    assert client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()["status"] == "in_progress"
+    assert "lines.sqlite" in _working_files(settings, batch["id"])
+    got = client.post(f"/v1/batches/{batch['id']}/cancel", headers=Keys.header(keys.paid)).json()
+    assert got["status"] == "cancelled"
+    assert _working_files(settings, batch["id"]) == []
+    # the error file, written from them before they went, has the refused line in its place
+    assert _error_codes(client, keys, got)[1] == ("batch_req_line_2", "invalid_json")
+
+
+def test_a_batch_cancelled_while_it_fans_out_has_its_working_files_deleted_once_the_fan_out_ends(
+        client, keys, settings, monkeypatch):
+    """The cancel's fan-in ends the batch while its fan-out still runs, which then gives the error file its refused
+    lines (read from the folder): the fan-out's end, not the fan-in's, deletes the folder."""
+    monkeypatch.setattr(fanout, "STAGE_CHUNK", 2)
+    real_rows = fanout.FanOut.job_rows
+    seen: dict = {}
+
+    def job_rows(self, lines, dispatched_at):
+        for i, chunk in enumerate(real_rows(self, lines, dispatched_at)):
+            if i == 1:  # another request's cancel, between the fan-out's chunks
+                t = threading.Thread(target=lambda: seen.setdefault("cancel", client.post(
+                    f"/v1/batches/{self.batch_id}/cancel", headers=Keys.header(keys.paid)).json()))
+                t.start()
+                t.join(60)
+            yield chunk
+
+    monkeypatch.setattr(fanout.FanOut, "job_rows", job_rows)
+    batch = _create(client, keys, [_line("a"), _line("b"), "{not json", _line("c"), _line("d")])
+    assert seen["cancel"]["status"] == "cancelled"
+    got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
+    assert got["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    assert _error_codes(client, keys, got) == [(f"batch_req_line_{n}", "invalid_json" if n == 3 else "batch_cancelled")
+                                               for n in range(1, 6)]
+    assert _working_files(settings, batch["id"]) == []
+    assert not (Path(settings.data_dir) / "batches" / batch["id"]).exists()
+
+
+def test_a_batch_that_fails_validation_leaves_no_working_folder(client, keys, settings):
+    batch = _create(client, keys, [_line("a"), "{not json", _line("a")])  # a custom_id twice fails the file
+    got = client.get(f"/v1/batches/{batch['id']}", headers=Keys.header(keys.paid)).json()
+    assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "duplicate_custom_id"
+    assert not (Path(settings.data_dir) / "batches" / batch["id"]).exists()
+
