@@ -5,6 +5,7 @@ ended) through ``app.batch.finalize.maybe_finalize``, which is idempotent.
 ``restart_stalled_validation`` re-runs the validation and fan-out of batches left in
 ``validating`` (the API process that ran it died): the fan-out's guarded
 ``validating -> in_progress`` update lets only one run create the jobs.
+``drop_left_working_dirs`` deletes the working folders that no fan-in or fan-out run deleted as the batch ended.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import logging
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from app.batch.fanout import start_batch
-from app.batch.finalize import maybe_finalize, stalled_or_open
+from app.batch.finalize import ENDED, drop_working_dir, maybe_finalize, stalled_or_open, working_dirs
 from app.db.models import Batch
 from app.db.session import session_scope
 from app.services.transitions import utcnow
 from app.settings import Settings
+from app.summarize.store import in_chunks
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +50,29 @@ def restart_stalled_validation(settings: Settings, stale_after_s: float = 300.0)
         log.warning("batch %s has been validating since before %s; validating it here", batch_id, cutoff)
         start_batch(settings, batch_id)
     return stalled
+
+
+# how long after its batch ended a working folder is left over: a fan-out run still reading a cancelled batch's lines
+# (it deletes the folder at its end) has long ended by then
+LEFT_OVER_AFTER = timedelta(hours=1)
+
+
+def drop_left_working_dirs(url: str, data_dir: Path, after: timedelta = LEFT_OVER_AFTER) -> list[str]:
+    """Deletes the working folders (``finalize.working_dir``) of batches that ended ``after`` ago or more, or whose
+    row is gone: a batch cancelled before it started whose fan-out run was killed (no run's end deleted it), one
+    that ended before its fan-in deleted them. Returns their batch ids."""
+    root = working_dirs(data_dir)
+    if not root.is_dir():
+        return []
+    ended_at = func.coalesce(Batch.completed_at, Batch.failed_at, Batch.expired_at, Batch.cancelled_at)
+    left = []
+    with session_scope(url) as s:
+        for ids in in_chunks(sorted(p.name for p in root.iterdir() if p.is_dir())):
+            kept = set(s.scalars(select(Batch.id).where(Batch.id.in_(ids), Batch.status.not_in(ENDED) | (
+                ended_at > utcnow() - after))))
+            left += [batch_id for batch_id in ids if batch_id not in kept]
+    for batch_id in left:
+        drop_working_dir(data_dir, batch_id)
+    if left:
+        log.info("deleted the working folders of %d ended batches", len(left))
+    return left

@@ -75,7 +75,7 @@ from workers.inbox import Abort, Add, Inbox, Learn, RetireLoras, Supersede
 from workers.outbox import Outbox, StepRecords
 from workers.resume import Resumed
 from workers.room import batch_room, has_room
-from workers.batch_tasks import finalize_open_batches, restart_stalled_validation
+from workers.batch_tasks import drop_left_working_dirs, finalize_open_batches, restart_stalled_validation
 from workers.sweeper import back_to_queues, held_jobs, reroute, sweep
 from workers.taken import take_back
 
@@ -888,6 +888,8 @@ class GpuWorker:
                           max_attempts=self.settings.max_attempts,
                           served=self.settings.served_models)
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
+                # working folders no batch's end deleted (its fan-out run was killed)
+                drop_left_working_dirs(self.url, self.settings.data_dir)
                 with session_scope(self.url) as s:
                     delete_expired_files(s)  # the Files API's expires_after
                     delete_settled(s, timedelta(days=self.settings.webhook_retention_days))  # webhook deliveries
