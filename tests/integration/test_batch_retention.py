@@ -127,3 +127,21 @@ def test_the_sweeper_deletes_the_working_folder_a_killed_fan_out_left_once_its_b
     assert drop_left_working_dirs(settings.sqlalchemy_url, settings.data_dir) == [batch["id"]]
     assert _working_files(settings, batch["id"]) == []
     assert "lines.sqlite" in _working_files(settings, running["id"])
+
+
+def test_a_message_batchs_working_files_are_deleted_once_it_ends_and_its_results_stay_whole(client, keys, settings):
+    """A message batch's results are read from its files, not its working folder: a request the fan-out refused (its
+    prompt over the context) is still errored in them after the folder went."""
+    headers = {"x-api-key": keys.paid}
+    made = client.post("/v1/messages/batches", headers=headers, json={"requests": [
+        {"custom_id": "short", "params": {"model": "tiny", "max_tokens": 2,
+                                          "messages": [{"role": "user", "content": "Hi"}]}},
+        {"custom_id": "long", "params": {"model": "tiny", "max_tokens": 2,
+                                         "messages": [{"role": "user", "content": "Hi " * 1_000}]}}]}).json()
+    assert "invalid.jsonl" in _working_files(settings, made["id"])
+    done = client.post(f"/v1/messages/batches/{made['id']}/cancel", headers=headers).json()
+    assert done["processing_status"] == "ended", done
+    assert _working_files(settings, made["id"]) == []
+    results = client.get(f"/v1/messages/batches/{made['id']}/results", headers=headers).text.splitlines()
+    assert [(r["custom_id"], r["result"]["type"]) for r in map(json.loads, results)] == [
+        ("short", "canceled"), ("long", "errored")]
