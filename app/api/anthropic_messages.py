@@ -200,7 +200,8 @@ async def create_message(request: Request, session: SessionDep, principal: Curre
             raise
         raise named from exc.__cause__
     job = submitted.job
-    headers = {"x-coserve-job-id": job.id, **anthropic_rate_headers(submitted.rate)}
+    charged(request, anthropic_rate_headers(submitted.rate))  # on every answer, a failed job's error too
+    headers = {"x-coserve-job-id": job.id}
     if chat.stream:
         events = abandoned_on_hangup(settings, [job], kept_alive(_events(settings, job), _sse("ping", {})))
         return StreamingResponse(events, media_type="text/event-stream",

@@ -27,9 +27,10 @@ from app.api.errors import openai_responses
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, OpenAIError,
-                                OpenAIRoute, StreamOptions, chat_answer, chat_echo, chat_logprobs, choice_specs,
-                                completion_logprobs, echoes_alone, in_conversation, merge_choices, known_sum, now_s,
-                                openai_param, openai_parsed, service_tier, text_completion, usage, with_token_ids)
+                                OpenAIRoute, StreamOptions, charged, chat_answer, chat_echo, chat_logprobs,
+                                choice_specs, completion_logprobs, echoes_alone, in_conversation, merge_choices,
+                                known_sum, now_s, openai_param, openai_parsed, service_tier, text_completion, usage,
+                                with_token_ids)
 from app.services import jobs as job_service
 from app.services import stored_completions
 from app.services.answer_events import (ANOTHER_FAILED, KEEPALIVE_COMMENT, Begun, Failed, Finished, Held,
@@ -370,7 +371,8 @@ async def _complete(request: Request, session, principal: Principal, settings: S
         _submit_choices, session, principal, settings, [choice for spec in specs for choice in choice_specs(spec, n)],
         endpoint, writer, rate_limiter(request), n,
         *((body.metadata, True, body.messages) if chat and body.store else ()))
-    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **limit_headers}
+    charged(request, limit_headers)  # on every answer, an error after the submit (a job that failed) too
+    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     if body.stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         chunks = _stream(settings, jobs, chat, body.stream_options or StreamOptions(), n)
@@ -479,7 +481,8 @@ async def chat_completions_batch(request: Request, session: SessionDep, principa
     jobs, limit_headers = await run_in_threadpool(
         _submit_choices, session, principal, settings, specs, CHAT, writer, rate_limiter(request),
         blame=in_conversation, via=BATCHED_CHAT)
-    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs), **limit_headers}
+    charged(request, limit_headers)  # on every answer, an error after the submit (a job that failed) too
+    headers = {"x-coserve-job-id": ",".join(job.id for job in jobs)}
     return await _answer(request, settings, jobs, True, False, 1, headers)
 
 

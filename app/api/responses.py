@@ -330,7 +330,8 @@ async def create_response(request: Request, session: SessionDep, principal: Curr
             await run_in_threadpool(_give_back_turn, settings, body.conversation_id, job_id)
         raise
     job = submitted.job
-    headers = {"x-coserve-job-id": job.id, **submitted.rate_headers()}
+    charged(request, submitted.rate_headers())  # on every answer, an error after the submit (a job that failed) too
+    headers = {"x-coserve-job-id": job.id}
     if chat.stream:
         asked = LOGPROBS_INCLUDE in (body.include or ())
         events = kept_alive(_numbered(_events(settings, job, kept, asked)), KEEPALIVE_COMMENT)

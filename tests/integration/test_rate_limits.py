@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
 
 import pytest
+import redis
+from sqlalchemy import select
 
+from app.db.models import Job, JobStatus
+from app.db.session import session_scope
 from app.services.rate_limits import Limits, RateLimiter
+from app.services.streaming import StreamEvent, publish
 from tests.conftest import Keys
 from tests.integration.test_message_batch_state import ended_message_batch
 from tests.postgres import TEST_DATABASE
@@ -489,3 +498,44 @@ def test_a_counting_calls_refusal_after_its_charge_says_where_the_limit_stands(c
     assert counted.status_code == 404, counted.text  # Anthropic's count_tokens: its own headers, not OpenAI's
     assert counted.headers.get("anthropic-ratelimit-requests-remaining") == "0", counted.headers
     assert not any(h.startswith("x-ratelimit-") for h in counted.headers)
+
+
+@contextmanager
+def failing_worker(settings) -> Iterator[None]:
+    """A worker whose every job fails: each job not yet taken is ended ``failed`` in SQL and on its stream."""
+    stop = threading.Event()
+    rds = redis.Redis.from_url(settings.redis_url)
+
+    def loop() -> None:
+        while not stop.wait(0.05):
+            with session_scope(settings.database_url) as s:
+                for job in s.scalars(select(Job).where(Job.status.in_((JobStatus.QUEUED, JobStatus.DISPATCHED)))):
+                    job.status, job.attempt, job.finished_at, job.error = (JobStatus.FAILED, 1, datetime.now(UTC),
+                                                                           "the engine broke")
+                    publish(rds, job.id, StreamEvent("end", attempt=1, status="failed",
+                                                     data={"error": "the engine broke"}))
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_a_generation_whose_job_failed_says_where_the_limit_stands(settings, client, keys):
+    """A generation route is charged as it submits its job; where the job then fails, its error answer dropped the
+    charge's headers (the success answer carried them): the client could not see its remaining budget there."""
+    client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 9}, headers=H(keys.admin))
+    hi = [{"role": "user", "content": "Hi"}]
+    with failing_worker(settings):
+        answers = [client.post("/v1/chat/completions", json={"model": "tiny", "messages": hi}, headers=H(keys.paid)),
+                   client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi"}, headers=H(keys.paid)),
+                   client.post("/v1/responses", json={"model": "tiny", "input": "Hi"}, headers=H(keys.paid))]
+        message = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": hi},
+                              headers={"x-api-key": keys.paid})
+    assert [(r.status_code, r.headers.get("x-ratelimit-remaining-requests")) for r in answers] == [
+        (500, "8"), (500, "7"), (500, "6")], [r.text for r in answers]
+    assert message.status_code == 500 and message.headers.get("anthropic-ratelimit-requests-remaining") == "5", (
+        message.text, message.headers)
