@@ -40,7 +40,10 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
         session.close()
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# closed once the route has answered, before a streamed body (a job's stream, a download) or a background task runs:
+# a session closed after them held its pooled connection as long as they ran, and a burst of streams past the pool's
+# size waited out its timeout (a 500)
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def _lookup(url: str, key: str) -> Principal | None:

@@ -4,20 +4,25 @@ ahead of a slow client, and what a stream takes from SQL where Redis no longer h
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from contextlib import aclosing
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import redis
+import requests
 
 from app.services import answer_events
 from app.services.answer_events import BUFFERED_EVENTS, merged_events
 from app.services.streaming import StreamEvent, publish
 from app.settings import Settings
+from tests.conftest import Keys, served_by_uvicorn
 
 pytestmark = pytest.mark.integration
 
 DELTAS = 400  # per job: far more than a reader may hold for its client
+FOLLOWERS = 50  # more streams at once than the API's pool holds connections on either database (30 and 48)
 
 
 def _published_job(rds: redis.Redis, job_id: str, deltas: int = DELTAS) -> None:
@@ -59,3 +64,30 @@ def test_a_stream_of_many_choices_reads_ahead_of_a_slow_client_no_more_than_its_
     read_while_waiting, handed_on = asyncio.run(a_slow_client())
     assert read_while_waiting <= BUFFERED_EVENTS + 2 * len(jobs), read_while_waiting
     assert handed_on == len(jobs) * (DELTAS + 1)  # and the client, reading on, gets every event
+
+
+def test_a_burst_of_followers_holds_no_database_connection_while_it_streams(settings, keys):
+    """GET /v1/jobs/{id}/stream read the job in its request's session, which stayed open, in its transaction, until
+    the stream ended: each follower held one of the API's pooled connections for as long as it streamed, and past
+    the pool's size (30 on a database server) a burst's other followers waited out the pool's timeout and got a 500.
+    The request's session closes once the route has answered now, before the stream's body. A real server; the job
+    waits queued (no worker), so every stream stays open."""
+    from app.main import create_app
+
+    with served_by_uvicorn(create_app(settings), "uvicorn-followers") as base:
+        job = requests.post(f"{base}/v1/jobs", json={"prompt": "hi", "max_tokens": 4}, headers=Keys.header(keys.paid),
+                            timeout=30).json()
+
+        async def burst() -> tuple[list[int], int]:
+            limits = httpx.Limits(max_connections=FOLLOWERS + 1)
+            async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+                follow = client.build_request("GET", f"/v1/jobs/{job['id']}/stream", headers=Keys.header(keys.paid))
+                streams = await asyncio.gather(*(client.send(follow, stream=True) for _ in range(FOLLOWERS)))
+                try:  # every stream still open: another request is answered too
+                    polled = await client.get(f"/v1/jobs/{job['id']}", headers=Keys.header(keys.paid))
+                finally:
+                    await asyncio.gather(*(stream.aclose() for stream in streams))
+            return [stream.status_code for stream in streams], polled.status_code
+
+        statuses, polled = asyncio.run(burst())
+    assert Counter(statuses) == {200: FOLLOWERS} and polled == 200, (Counter(statuses), polled)
