@@ -290,6 +290,10 @@ class VLLMEngine:
                 from vllm.exceptions import VLLMClientError
 
                 log.warning("request %s rejected at admission: %s", req.request_id, exc)
+                # vLLM's LLMEngine registers a request for its output before its engine core takes it: one the core
+                # failed to take (its structured-output backend could not be made) was held there for ever, work
+                # that kept this loop stepping an empty engine
+                self.llm.abort_request([req.request_id])
                 req.status = RequestStatus.FINISHED_ABORTED
                 # its words where vLLM judged the request (the client's to fix), not where vLLM itself failed
                 refused = isinstance(exc, VLLMClientError | ValueError | TypeError)

@@ -11,16 +11,33 @@ import json
 from tests.vllm.engine_process import run_module
 
 
-def test_a_constraint_outlines_refuses_fails_its_request_with_vllms_reason():
-    backend, grammar_refused = "outlines", "Outlines structured outputs backend does not support grammar specifications"
+def _run(backend: str) -> dict:
+    """What ``tests.vllm.unchecked_backend`` printed for ``backend``."""
     proc = run_module("tests.vllm.unchecked_backend", backend)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # vLLM logs to stdout too: the answer is its one JSON line
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"published"')))
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"published"')))
+
+
+def test_a_constraint_outlines_refuses_fails_its_request_with_vllms_reason():
+    backend, grammar_refused = "outlines", "Outlines structured outputs backend does not support grammar specifications"
+    result = _run(backend)
     assert result["published"] == backend, result  # the heartbeat's grammar_backend: the API knows it
     said = result["said"]
     assert said["grammar"] == {"event": "rejected", "status": "finished_aborted", "error": grammar_refused}, said
     assert said["tag"]["event"] == "rejected" and said["tag"]["error"].startswith(
         "the structured output's grammar (schema, regex, choice or grammar) did not compile: "), said
     assert said["served"]["event"] is None and said["served"]["status"] == "finished_stopped", said
-    assert result["held"] == [], result
+    assert result["held"] == [] and result["has_work"] is False, result
+
+
+def test_a_backend_vllm_cannot_make_fails_each_constrained_request_and_leaves_the_engine_idle():
+    """lm-format-enforcer's vLLM integration (0.11.3) imports ``vllm.transformers_utils.tokenizer``, gone from vLLM
+    0.32: vLLM cannot make the backend, at each constrained request. vLLM's LLMEngine had registered the request for
+    its output before its engine core failed to take it, so the engine had work for ever: the worker's loop stepped
+    an empty engine, its requests never finished."""
+    result = _run("lm-format-enforcer")
+    assert result["held"] == [] and result["has_work"] is False, result
+    said = result["said"]
+    for rid in ("tag", "served"):  # validation takes them; the backend fails
+        assert said[rid]["event"] == "rejected" and said[rid]["status"] == "finished_aborted", said

@@ -35,11 +35,12 @@ def main(backend: str) -> None:
         engine.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=4, structured=constraint), qos,
                                    arrival_time=engine.executor.now()))
     said: dict[str, dict] = {}
-    while engine.has_work or not said:
+    while len(said) < len(CONSTRAINTS):
         for out in engine.step():
             if out.finished or out.event == "rejected":
                 said[out.request_id] = {"event": out.event, "status": out.status.value, "error": out.error}
-    print(json.dumps({"published": engine.grammar_backend, "said": said, "held": sorted(engine.requests)}))
+    print(json.dumps({"published": engine.grammar_backend, "said": said, "held": sorted(engine.requests),
+                      "has_work": engine.has_work}))
 
 
 if __name__ == "__main__":
