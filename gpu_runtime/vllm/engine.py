@@ -276,6 +276,8 @@ class VLLMEngine:
             try:
                 if (refused := self.loras.unloaded_refusal(req.lora_name, req.lora_path, req.lora_version)):
                     raise ValueError(refused)  # vLLM's server: a 404 for an adapter unloaded; not loaded from disk
+                if req.sampling.structured is not None and (why := self.core_scheduler.grammar_unavailable):
+                    raise ValueError(why)  # vLLM would fail it in its engine core with its library's words
                 # its job read the adapter before a reload that replaced it: the version loaded now (its own may be
                 # out of vLLM already, from a directory since deleted), under that version's cache salt
                 req.lora_path, req.lora_version = self.loras.source(req.lora_name, req.lora_path, req.lora_version)

@@ -120,7 +120,9 @@ class CoserveScheduler(AsyncScheduler):
         super().__init__(*args, **kwargs)
         from gpu_runtime.scheduler.registry import config_fields, create_scheduler
 
-        pin_grammar_backend(self.structured_output_manager, self.vllm_config)
+        # why the structured-output backend the operator named cannot be made (None: it can): the worker's engine
+        # refuses a constrained request with it, instead of vLLM failing it in its engine core
+        self.grammar_unavailable = pin_grammar_backend(self.structured_output_manager, self.vllm_config)
 
         self.policy_name = policy_name()
         self.native = self.policy_name in VLLM_NATIVE
@@ -747,27 +749,64 @@ def _tell_finished(outputs: dict[int, Any], requests: list[VLLMRequest]) -> None
             request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason()))
 
 
-def pin_grammar_backend(manager: StructuredOutputManager | None, vllm_config: VllmConfig) -> None:
-    """Under vLLM's ``auto`` structured-output backend, the engine compiles every constraint with xgrammar from its
-    start, the backend the API checks constraints against (``app.output_constraints``). vLLM's engine has one
-    backend, made for the first constraint it meets: one xgrammar does not fully follow (a schema's multipleOf) made
-    it guidance for good, which cannot read a structural tag's ``format``; and an xgrammar one cannot compile a
-    regex only guidance reads (``\\p{L}``), though vLLM's validation sends it to guidance. Each failed in the engine,
-    after it was accepted. A backend the operator named stays (vLLM then validates each request under it), and so
-    does ``auto`` for a Mistral tokenizer (vLLM sends its Lark grammars to guidance on purpose)."""
+def pin_grammar_backend(manager: StructuredOutputManager | None, vllm_config: VllmConfig) -> str | None:
+    """Makes the engine's structured-output backend at its start; returns why the one the operator named cannot be
+    made (None: made, or left to vLLM).
+
+    Under vLLM's ``auto``, the engine compiles every constraint with xgrammar from its start, the backend the API
+    checks constraints against (``app.output_constraints``). vLLM's engine has one backend, made for the first
+    constraint it meets: one xgrammar does not fully follow (a schema's multipleOf) made it guidance for good, which
+    cannot read a structural tag's ``format``; and an xgrammar one cannot compile a regex only guidance reads
+    (``\\p{L}``), though vLLM's validation sends it to guidance. Each failed in the engine, after it was accepted.
+    ``auto`` for a Mistral tokenizer stays vLLM's (it sends its Lark grammars to guidance on purpose). A backend the
+    operator named is made now, as vLLM would at the first constraint (vLLM validates each request under it): one
+    vLLM cannot make (lm-format-enforcer 0.11's vLLM integration does not import under vLLM 0.32) failed each
+    constrained request in vLLM's engine core, with that library's words ("vllm is not installed")."""
     from vllm.utils.mistral import is_mistral_tokenizer
-    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
-    if (manager is None or manager.backend is not None or vllm_config.structured_outputs_config.backend != "auto"
-            or vllm_config.model_config.skip_tokenizer_init or is_mistral_tokenizer(manager.tokenizer)):
-        return
-    manager.backend = XgrammarBackend(vllm_config, tokenizer=manager.tokenizer,
-                                      vocab_size=vllm_config.model_config.get_vocab_size())
+    if manager is None or manager.backend is not None or vllm_config.model_config.skip_tokenizer_init:
+        return None
+    named = vllm_config.structured_outputs_config.backend
+    if named == "auto":
+        if not is_mistral_tokenizer(manager.tokenizer):
+            manager.backend = _make_backend("xgrammar", manager, vllm_config)
+        return None
+    if named not in _BACKENDS:
+        return None
+    try:
+        manager.backend = _make_backend(named, manager, vllm_config)
+    except Exception as exc:  # whatever the library raises: the engine serves all but constrained requests
+        why = (f"the worker's structured-output backend {named} cannot run on this engine: {_root_cause(exc)}; "
+               "send the request without a structured output, or have the operator name another backend "
+               "(--structured-outputs-config in COSERVE_VLLM_ENGINE_ARGS)")
+        log.error("%s", why)
+        return why
+    return None
 
 
-# vLLM's structured-output backends by class (vllm/v1/structured_output/backend_*.py), as its config names them
-_BACKEND_NAMES = {"XgrammarBackend": "xgrammar", "GuidanceBackend": "guidance", "OutlinesBackend": "outlines",
-                  "LMFormatEnforcerBackend": "lm-format-enforcer"}
+def _make_backend(name: str, manager: StructuredOutputManager, vllm_config: VllmConfig) -> Any:
+    """vLLM's structured-output backend ``name`` (a key of ``_BACKENDS``), as its manager makes it."""
+    import importlib
+
+    module, cls = _BACKENDS[name]
+    backend = getattr(importlib.import_module(f"vllm.v1.structured_output.{module}"), cls)
+    return backend(vllm_config, tokenizer=manager.tokenizer, vocab_size=vllm_config.model_config.get_vocab_size())
+
+
+def _root_cause(exc: BaseException) -> str:
+    """``exc``'s message, and the first error it was raised over where that differs (lm-format-enforcer's "vllm is
+    not installed" over vLLM's "No module named 'vllm.transformers_utils.tokenizer'")."""
+    root = exc
+    while (inner := root.__cause__ or root.__context__) is not None:
+        root = inner
+    return str(exc) if root is exc else f"{exc} ({type(root).__name__}: {root})"
+
+
+# vLLM's structured-output backends as its config names them: (module in vllm/v1/structured_output, class)
+_BACKENDS = {"xgrammar": ("backend_xgrammar", "XgrammarBackend"), "guidance": ("backend_guidance", "GuidanceBackend"),
+             "outlines": ("backend_outlines", "OutlinesBackend"),
+             "lm-format-enforcer": ("backend_lm_format_enforcer", "LMFormatEnforcerBackend")}
+_BACKEND_NAMES = {cls: name for name, (_, cls) in _BACKENDS.items()}  # by class
 
 
 def grammar_backend(manager: StructuredOutputManager | None, vllm_config: VllmConfig) -> str | None:

@@ -1192,6 +1192,15 @@ def test_the_engine_names_the_backend_it_compiles_structured_outputs_with(tiny_m
     config = VllmConfig(model_config=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
                         structured_outputs_config=named)
     manager = StructuredOutputManager(config)
-    pin_grammar_backend(manager, config)
+    why = pin_grammar_backend(manager, config)
     assert grammar_backend(manager, config) == published
     assert grammar_backend(None, config) is None  # an engine without a structured-output manager takes none
+    # made at the engine's start, as vLLM would at its first constraint; else why not, for each constrained request
+    # (lm-format-enforcer 0.11's vLLM integration does not import under vLLM 0.32)
+    if published == "lm-format-enforcer":
+        assert manager.backend is None and why.startswith(
+            "the worker's structured-output backend lm-format-enforcer cannot run on this engine: vllm is not "
+            "installed"), why
+        assert "No module named 'vllm.transformers_utils.tokenizer'" in why, why
+    else:
+        assert manager.backend is not None and why is None, why

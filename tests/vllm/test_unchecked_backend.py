@@ -35,9 +35,12 @@ def test_a_backend_vllm_cannot_make_fails_each_constrained_request_and_leaves_th
     """lm-format-enforcer's vLLM integration (0.11.3) imports ``vllm.transformers_utils.tokenizer``, gone from vLLM
     0.32: vLLM cannot make the backend, at each constrained request. vLLM's LLMEngine had registered the request for
     its output before its engine core failed to take it, so the engine had work for ever: the worker's loop stepped
-    an empty engine, its requests never finished."""
+    an empty engine, its requests never finished; and they failed as the worker's fault, with "vllm is not installed" in
+its log. Each now fails with why, a request's error (the operator names another backend, the user sends none)."""
     result = _run("lm-format-enforcer")
     assert result["held"] == [] and result["has_work"] is False, result
     said = result["said"]
-    for rid in ("tag", "served"):  # validation takes them; the backend fails
+    for rid in ("grammar", "tag", "served"):  # refused before vLLM: the worker found at its start why it cannot run
         assert said[rid]["event"] == "rejected" and said[rid]["status"] == "finished_aborted", said
+        assert said[rid]["error"].startswith(
+            "the worker's structured-output backend lm-format-enforcer cannot run on this engine: "), said
