@@ -23,7 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from app.reasoning import ReasoningStream, split_reasoning
 from app.tool_call_scan import CallScanner, begun_calls, raw_arguments
 from app.tool_syntax import SYNTAXES, RawCall, Syntax, read_call
-from app.wire import FieldProblem, Text, shown
+from app.wire import FieldProblem, Text, shown, strict_json
 
 MAX_TOOLS = 128
 ALPHANUMERIC = string.ascii_letters + string.digits
@@ -213,7 +213,7 @@ def _forced_calls(choice: str | dict[str, Any], text: str) -> tuple[list[RawCall
     if isinstance(choice, dict):  # the text is the named function's arguments (as generated, even if cut short)
         return ([(choice["function"]["name"], text)] if text.strip() else None), False
     try:
-        parsed = json.loads(text)
+        parsed = strict_json(text)
     except ValueError:  # cut by max_tokens or a stop string: the calls begun, as far as they came (as streamed)
         return begun_calls(text, 2)[0] or None, True
     if not isinstance(parsed, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed):
@@ -305,10 +305,10 @@ def read_answer(job_id: str, sampling: dict[str, Any] | None, text: str, engine_
 
 
 def is_json(text: str) -> bool:
-    """Whether ``text`` parses as JSON: a call's arguments that do not were cut short (by max_tokens, a stop string,
-    a stop token id), and the call must not run."""
+    """Whether ``text`` parses as JSON (strictly: ``strict_json``): a call's arguments that do not were cut short (by
+    max_tokens, a stop string, a stop token id) or broken, and the call must not run."""
     try:
-        json.loads(text)
+        strict_json(text)
     except (ValueError, RecursionError):
         return False
     return True

@@ -5,21 +5,21 @@ The SDK's stream adds each ``input_json_delta`` to the block's JSON so far and r
 partial parser (``anthropic/lib/streaming/_messages.py``, ``accumulate_event``): JSON cut anywhere reads (a call's
 input shows while it streams), JSON that no more text could complete (``{"a": 1,}``, a bare word) raises ``Unable
 to parse tool parameter JSON from model`` and ends the client's stream. So a call's arguments stream while they are
-the beginning of an object a JSON parser can still complete, and stop at the first character that cannot be: the
+the beginning of an object a JSON parser can still complete, and stop at the first character that cannot be (JSON
+has no NaN or Infinity, nor a number past a float's range, which the SDK reads but no answer can write back): the
 input is what the SDK reads of that beginning, streamed or not (a call a broken character or max_tokens cut keeps
 what came before; its answer never ends in ``tool_use``: ``anthropic_schemas.stop_of``).
 """
 
 from __future__ import annotations
 
-import json
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
 from jiter import from_json
 
-_DECODER = json.JSONDecoder()
+from app.wire import STRICT_JSON, holds_non_finite
 
 
 def _sdk_reads(text: str) -> bool:
@@ -31,17 +31,17 @@ def _sdk_reads(text: str) -> bool:
     if not head.startswith("{"):  # the SDK would read a list or a string: no input a tool takes
         return False
     try:
-        from_json(text.encode(), partial_mode=True)
+        read = from_json(text.encode(), partial_mode=True, allow_inf_nan=False)
     except ValueError:
         return False
-    return not _past_its_end(head)
+    return not holds_non_finite(read) and not _past_its_end(head)
 
 
 def _past_its_end(head: str) -> bool:
     """Whether text follows the whole object ``head`` begins with: the SDK's parser reads past it (and gives the
     object), where no JSON parser could go on."""
     try:
-        _, end = _DECODER.raw_decode(head)
+        _, end = STRICT_JSON.raw_decode(head)
     except (ValueError, RecursionError):  # the object is not whole yet
         return False
     return bool(head[end:].strip())
@@ -59,7 +59,7 @@ def readable_length(arguments: str, known: int = 0) -> int:
 def tool_input(arguments: str | None) -> dict[str, Any]:
     """A call's ``input``: what the SDK reads of the arguments' readable beginning (``{}`` of none)."""
     readable = (arguments or "")[:readable_length(arguments or "")]
-    return from_json(readable.encode(), partial_mode=True) if readable.strip() else {}
+    return from_json(readable.encode(), partial_mode=True, allow_inf_nan=False) if readable.strip() else {}
 
 
 @dataclass

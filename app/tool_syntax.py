@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.tool_call_scan import begun_calls, raw_arguments
+from app.wire import STRICT_JSON, strict_json
 
 RawCall = tuple[str, str]  # (function name, arguments as JSON text)
 
@@ -63,7 +64,7 @@ class TaggedJsonSyntax:
         for block in re.finditer(pattern, text[at:], flags=re.DOTALL):  # the last one may be cut short
             if not block[0].endswith(self.end):  # cut short: a call only where it parses
                 try:
-                    calls.append(read_call(json.loads(block[1]), next(iter(raw_arguments(block[1], 1)), None)))
+                    calls.append(read_call(strict_json(block[1]), next(iter(raw_arguments(block[1], 1)), None)))
                 except ValueError:
                     return text, None
                 continue
@@ -82,7 +83,7 @@ class TaggedJsonSyntax:
         hermes stream sends every block that names a function, its reader of a whole text none); none where it
         names none (it is content)."""
         try:
-            return [read_call(json.loads(body), next(iter(raw_arguments(body, self.call_depth)), None))]
+            return [read_call(strict_json(body), next(iter(raw_arguments(body, self.call_depth)), None))]
         except ValueError:
             return begun_calls(body, self.call_depth)[0]
 
@@ -142,7 +143,7 @@ class LeadingJsonSyntax(OneBody):
         body = text.lstrip().removeprefix(self.tag).lstrip()
         if not body.startswith("{"):
             return text, None
-        decoder, calls, at, written = json.JSONDecoder(), [], 0, raw_arguments(body, 1)
+        decoder, calls, at, written = STRICT_JSON, [], 0, raw_arguments(body, 1)
         while at < len(body):
             try:
                 parsed, at = decoder.raw_decode(body, at)
@@ -190,7 +191,7 @@ class MistralSyntax(OneBody):
         return (content if content.strip() else None), calls
 
     def _listed(self, body: str) -> list[RawCall]:
-        parsed, _ = json.JSONDecoder().raw_decode(body)
+        parsed, _ = STRICT_JSON.raw_decode(body)
         if not isinstance(parsed, list):
             raise ValueError("not a list of calls")
         written = raw_arguments(body, self.call_depth)
@@ -203,7 +204,7 @@ class MistralSyntax(OneBody):
             name, arguments = name.strip(), arguments.strip()
             if not sep or not name:
                 raise ValueError("not a call")
-            parsed, end = json.JSONDecoder().raw_decode(arguments)
+            parsed, end = STRICT_JSON.raw_decode(arguments)
             calls.append(read_call({"name": name, "arguments": parsed}, arguments[:end]))
         return calls
 

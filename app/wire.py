@@ -4,11 +4,13 @@ JSON lets a client send a lone UTF-16 surrogate (``"\\ud800"``) and Python's dec
 it send ``NaN``/``Infinity``; neither can be tokenized, stored in SQL as UTF-8 text or
 written back as strict JSON, so they are refused where a request comes in
 (``find_lone_surrogate``, ``Text``, ``allow_inf_nan=False`` on the models) and escaped in
-the error bodies that echo them (``json_safe``).
+the error bodies that echo them (``json_safe``). A model's JSON (a tool call's arguments) is read the same
+strict way (``strict_json``): where it holds them it is no JSON, as where it breaks.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from functools import cache
@@ -188,6 +190,36 @@ def find_unstorable(value: Any, path: tuple[str | int, ...] = ()) -> tuple[tuple
             if (found := find_unstorable(v, (*path, i))) is not None:
                 return found
     return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: JSON's, but no float holds it, and no strict JSON writes it back
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
+# Python's decoder reads NaN, Infinity and -Infinity (no JSON) and 1e999 as inf; this one refuses them
+STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+
+def strict_json(text: str) -> Any:
+    """The value of the JSON ``text`` (raises ValueError where it is none, or holds a number no float holds:
+    answered, it could not be written back as JSON)."""
+    return STRICT_JSON.decode(text)
+
+
+def holds_non_finite(value: Any) -> bool:
+    """Whether a parsed JSON ``value`` holds a NaN or infinity anywhere."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(holds_non_finite(v) for v in value.values())
+    return isinstance(value, list) and any(holds_non_finite(v) for v in value)
 
 
 def escape(text: str) -> str:

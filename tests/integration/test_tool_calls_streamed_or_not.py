@@ -165,6 +165,8 @@ ANSWERS = {"chat": (chat_answer, chat_streamed), "responses": (responses_answer,
 G = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
 W = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 GP, WP = G.replace("arguments", "parameters"), W.replace("arguments", "parameters")
+# numbers Python's JSON reads that no JSON answer can write: NaN, Infinity and -Infinity (not JSON), and 1e999 (inf)
+NOT_JSON = {"nan": "NaN", "inf": "Infinity", "neg_inf": "-Infinity", "overflow": "1e999"}
 # per syntax: (case, the model's text, its finish reason, vLLM's stop_reason, the reasoning parser)
 OUTPUTS = {
     "hermes": [
@@ -182,6 +184,8 @@ OUTPUTS = {
         ("no_call", "<tool_call>oops</tool_call> and text", "stop", None, None),
         ("thinking", f"<think>maybe <tool_call>{G}</tool_call></think>Fine. <tool_call>{W}</tool_call>", "stop",
          None, "qwen3"),
+        *((case, f'<tool_call>{{"name": "f", "arguments": {{"a": {v}}}}}</tool_call><tool_call>{W}</tool_call>',
+           "stop", None, None) for case, v in NOT_JSON.items()),
     ],
     "llama3_json": [
         ("good", GP, "stop", None, None),
@@ -191,6 +195,8 @@ OUTPUTS = {
         ("cut", f'{GP}; {{"name": "get_weather", "parameters": {{"ci', "length", None, None),
         ("broken", '{"name": "f", "parameters": {"a": 1,}}', "stop", None, None),
         ("thinking", f"<think>{GP}</think>{WP}", "stop", None, "qwen3"),
+        *((case, f'{{"name": "f", "parameters": {{"a": {v}}}}}; {WP}', "stop", None, None)
+          for case, v in NOT_JSON.items()),
     ],
     "mistral": [
         ("good", f"[TOOL_CALLS][{G}]", "stop", None, None),
@@ -201,6 +207,10 @@ OUTPUTS = {
         ("cut", f'[TOOL_CALLS][{G}, {{"name": "get_weather", "arguments": {{"ci', "length", None, None),
         ("broken", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1,}}]', "stop", None, None),
         ("thinking", f"<think>[TOOL_CALLS][{G}]</think>Fine.", "stop", None, "qwen3"),
+        *((case, f'[TOOL_CALLS][{{"name": "f", "arguments": {{"a": {v}}}}}, {W}]', "stop", None, None)
+          for case, v in NOT_JSON.items()),
+        *((f"named_{case}", f'[TOOL_CALLS]f[ARGS]{{"a": {v}}}[TOOL_CALLS]get_weather[ARGS]{{"city": "Oslo"}}', "stop",
+           None, None) for case, v in NOT_JSON.items()),
     ],
 }
 
@@ -222,3 +232,38 @@ def test_each_route_answers_a_models_calls_the_same_streamed_or_not(settings, cl
                 if (answer := read_plain(plain.json())) != (got := read_stream(sse_data(streamed))):
                     differ.append(f"{case} on {route}: plain {answer}, streamed {got}")
     assert not differ, "\n".join(differ)
+
+
+STORED = {  # each route's read of a stored answer, by the plain answer's id
+    "chat": lambda body: f"/v1/chat/completions/{body['id']}",
+    "responses": lambda body: f"/v1/responses/{body['id']}",
+}
+BROKEN_CALL = {  # how each route answers a call whose arguments are no JSON: its call not to run
+    "chat": lambda body: body["choices"][0]["finish_reason"] == "stop",
+    "responses": lambda body: [i["status"] for i in body["output"] if i["type"] == "function_call"][0] == "incomplete",
+    "messages": lambda body: body["stop_reason"] != "tool_use" and body["content"][0]["type"] == "tool_use",
+}
+
+
+@pytest.mark.parametrize("parser", sorted(OUTPUTS))
+def test_a_call_whose_arguments_hold_nan_or_infinity_is_a_broken_call_on_each_route(settings, client, keys, parser):
+    """Python's JSON reads NaN, Infinity and -Infinity (and 1e999 as inf), which no JSON answer can write: such
+    arguments are no JSON, answered (and stored, and read back) as a broken call's, never a 500."""
+    settings.tool_call_parser, settings.reasoning_parser = parser, None
+    texts = {"hermes": '<tool_call>{{"name": "f", "arguments": {{"a": {}}}}}</tool_call>',
+             "llama3_json": '{{"name": "f", "parameters": {{"a": {}}}}}',
+             "mistral": '[TOOL_CALLS][{{"name": "f", "arguments": {{"a": {}}}}}]'}
+    script = {f"{parser}:{case}": (texts[parser].format(v), "stop", None) for case, v in NOT_JSON.items()}
+    wrong = []
+    with scripted_worker(settings, script):
+        for case in NOT_JSON:
+            for route, request in REQUESTS.items():
+                path, body = request(f"{parser}:{case}")
+                plain = client.post(path, json={**body, "store": True}, headers=keys.header(keys.paid))
+                assert plain.status_code == 200, (case, route, plain.text)
+                if not BROKEN_CALL[route](answer := plain.json()):
+                    wrong.append(f"{case} on {route}: {answer}")
+                if route in STORED:
+                    stored = client.get(STORED[route](answer), headers=keys.header(keys.paid))
+                    assert stored.status_code == 200, (case, route, stored.text)
+    assert not wrong, "\n".join(wrong)

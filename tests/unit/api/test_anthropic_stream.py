@@ -130,7 +130,10 @@ def sdk_input(partials: list[str]) -> object:
     return sdk_message([start, block, *deltas]).content[0].input
 
 
-@given(arguments=st.dictionaries(st.text(max_size=5), ARGUMENT_VALUES | st.floats(allow_nan=False), max_size=4),
+# JSON's numbers: no NaN nor infinity, which json.dumps writes as NaN and Infinity (no JSON: a broken call's)
+@given(arguments=st.dictionaries(st.text(max_size=5), ARGUMENT_VALUES | st.floats(allow_nan=False,
+                                                                                   allow_infinity=False),
+                                 max_size=4),
        indent=st.sampled_from([None, 0, 2]), ascii=st.booleans(), lead=st.sampled_from(["", " ", "\n  "]),
        cuts=st.lists(st.integers(0, 200), max_size=20))
 @settings(max_examples=300, deadline=None)
@@ -142,6 +145,18 @@ def test_good_arguments_stream_every_piece_as_it_comes(arguments, indent, ascii,
         sent.append(streamed.more(piece))
         assert "".join(sent) == ("" if not streamed.arguments.strip() else streamed.arguments)
     assert sdk_input(sent) == tool_input(text) == arguments
+
+
+@pytest.mark.parametrize(("value", "before"), [("NaN", {}), ("Infinity", {}), ("-Infinity", {}),
+                                               ("1e999", {"a": 1e99})])  # the digit past a float's range breaks it
+def test_arguments_holding_nan_or_infinity_stream_as_broken_ones_up_to_it(value, before):
+    # the SDK's parser reads them (as floats no answer can write back as JSON): the stream stops before them, as at
+    # any broken character, and the plain answer's input is what came before
+    text = f'{{"b": 1, "a": {value}, "c": 2}}'
+    streamed = StreamedInput()
+    sent = [streamed.more(text[i:i + 3]) for i in range(0, len(text), 3)]
+    assert streamed.broken and '"c"' not in "".join(sent)
+    assert sdk_input(sent) == tool_input(text) == {"b": 1, **before}
 
 
 @given(text=st.text(alphabet='{}[]",:1.e-\\ antrueUl', max_size=40), cuts=st.lists(st.integers(0, 40), max_size=12))

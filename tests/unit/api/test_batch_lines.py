@@ -315,3 +315,20 @@ def test_a_line_whose_schema_the_workers_engine_refuses_is_refused_with_its_line
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
     parsed = parse_file(chat("a", response_format=fmt).encode(), "/v1/chat/completions", 3600)
     assert not parsed.valid and "uniqueItems at #/properties/tags" in parsed.invalid[0].message, parsed.invalid
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("endpoint", ["/v1/messages", "/v1/chat/completions"])
+def test_a_batch_line_of_a_call_whose_arguments_hold_nan_is_json_and_the_call_broken(endpoint, value):
+    """A call's arguments holding what no JSON writes (NaN, Infinity, 1e999 read as inf) are no JSON: the line (a
+    message batch's result, a /v1/batches output line) says the call is broken, and is strict JSON."""
+    from app.batch.objects import output_line
+    from app.db.models import Job
+
+    job = Job(id="job_n", endpoint=endpoint, model="m", custom_id="r1", finish_reason="stop", prompt_tokens=3,
+              completion_tokens=9, messages=[{"role": "user", "content": "hi"}],
+              output_text=f'<tool_call>{{"name": "f", "arguments": {{"a": {value}}}}}</tool_call>',
+              sampling={"tool_choice": "auto", "tool_parser": "hermes"})
+    body = json.loads(json.dumps(output_line([job]), allow_nan=False))["response"]["body"]
+    ended = body["stop_reason"] if endpoint == "/v1/messages" else body["choices"][0]["finish_reason"]
+    assert ended not in ("tool_use", "tool_calls")
