@@ -22,7 +22,8 @@ itself. It also keeps the worker honest:
   attempt is not added within a lease is dropped;
 * an idle engine (work admitted but nothing schedulable) is not spun: the thread sleeps on
   its inbox, backing off from 1 ms to 50 ms;
-* a step that raises gives every job back to the queue (the last allowed attempt fails) and
+* a step that raises gives every job back to the queue (the last allowed attempt fails, told the
+  error's kind but not its text, which may quote another tenant's request) and
   sends those jobs again at once (their messages once their stream events are published); each
   one the engine held is set aside (``abandon``): a rerun that comes back here is added beside
   its aborted request, under its own request id;
@@ -129,6 +130,12 @@ def engine_state(engine: Any) -> dict[str, Any]:
     return state
 
 
+def step_error(exc: Exception) -> str:
+    """What each job a step that raised fails is told: the error's kind, not its text. The step ran many tenants'
+    requests, and the text may quote one of them (its prompt, its schema, its id); the worker's log has it whole."""
+    return f"engine error: a step of the engine raised {type(exc).__name__} (the worker's log says why)"
+
+
 class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
                  worker_id: str, stopping: threading.Event, reconcile_s: float | None = None,
@@ -173,7 +180,7 @@ class EngineThread:
             outputs = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed; giving its jobs back to the queue")
-            step.records += self.fail_all(f"engine error: {exc}")
+            step.records += self.fail_all(step_error(exc))
             self.failed_steps += 1
             if self.failed_steps >= self.settings.engine_error_limit:
                 self.broken = f"{self.failed_steps} engine steps failed with no token made between them ({exc})"

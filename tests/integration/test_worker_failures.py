@@ -16,7 +16,7 @@ from app.db.session import session_scope
 from app.schemas import JobCreate
 from app.services.jobs import submit_job
 from app.services.streaming import StreamEvent, stream_key
-from tests.conftest import wait_for
+from tests.conftest import Keys, wait_for
 from tests.redis_process import own_redis  # noqa: F401 - fixture
 from workers import lease as leases
 from workers.active_job import ActiveJob
@@ -24,6 +24,8 @@ from workers.gpu_worker import GpuWorker
 from workers.outbox import StepRecords
 
 pytestmark = pytest.mark.integration
+
+H = Keys.header
 
 
 class _Engine:
@@ -124,6 +126,50 @@ def test_a_worker_on_the_own_engine_does_not_start_with_lora_adapters(settings):
     settings.lora_modules = {"sql-lora": "/adapters/sql"}
     with pytest.raises(SystemExit, match="LoRA adapters are served on the vLLM backend"):
         GpuWorker(settings)._build_engine()
+
+
+class _Raising:
+    """An engine whose step raises ``error`` (as one request's bad grammar or prompt can fail a whole step)."""
+
+    has_work = True
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def step(self) -> list:
+        raise self.error
+
+
+def test_a_failed_steps_error_tells_no_job_of_another_tenants_request(client, settings, keys):
+    """A step runs many tenants' requests: the error it raised may quote one of them (its prompt, its schema, its
+    id). Each job it fails is told the error's kind only, not its text: no tenant reads another's request in its
+    job's error (the worker's log keeps the whole error for the operator)."""
+    url, secret = settings.sqlalchemy_url, "acme's quarterly figures: 41.7M"
+    worker = GpuWorker(settings.model_copy(update={"max_attempts": 1}))  # a failed step fails its jobs at once
+    engine_thread = worker.attach(_Raising(ValueError(f"grammar failed to compile for {secret!r}")))
+    with session_scope(url) as s:
+        theirs = submit_job(s, authenticate(s, keys.paid), JobCreate(prompt=secret, max_tokens=4), settings,
+                            dispatch=False).job.id
+        mine = submit_job(s, authenticate(s, keys.other), JobCreate(prompt="hi", max_tokens=4), settings,
+                          dispatch=False).job.id
+    with session_scope(url) as s:
+        for job_id in (theirs, mine):
+            worker.active.add(ActiveJob(leases.acquire(s, job_id, worker.worker_id, 30), None, None,
+                                        in_engine=True))
+
+    worker.outbox.apply(engine_thread.iterate())
+    worker.outbox.flush_events()
+
+    for key, job_id in ((keys.other, mine), (keys.paid, theirs)):
+        r = client.get(f"/v1/jobs/{job_id}", headers=H(key))
+        assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+        assert secret not in r.text, f"a failed step's error shows a request's prompt: {r.json()['error']}"
+        assert "ValueError" in r.json()["error"], r.text  # what kind of error it was, still said
+    end = StreamEvent.parse(redis.Redis.from_url(settings.redis_url).xrange(stream_key(mine))[-1][1])
+    assert end.type == "end" and secret not in str(end), end
 
 
 def test_a_worker_whose_engine_keeps_failing_gives_its_jobs_back_and_exits(settings, keys, start_worker, tmp_path):
