@@ -1,5 +1,7 @@
 """Tenancy, route by route: every route of the app that takes an id (in its path or its query) is tried by another
-tenant with the ids of a tenant's resources, and every list by another tenant must hold none of them.
+tenant with the ids of a tenant's resources, and every list by another tenant must hold none of them. A route that
+names the caller's own resource and another id (a second path id, a cursor) is tried with the caller's own first and
+another tenant's second.
 
 The routes are enumerated from ``app.routes``: a route that takes an id and has no case here fails the test, so a
 new route cannot forget its tenant's check unnoticed. Another tenant's id must answer as an id that never existed
@@ -94,13 +96,12 @@ def never_existed(value: str) -> str:
     return re.sub(r"[0-9a-f]{24}", "0" * 24, value) if re.search(r"[0-9a-f]{24}", value) else value + "x"
 
 
-@pytest.fixture
-def tenant_a(client, keys, settings) -> dict[str, str]:
-    """A resource of every kind, made by tenant A (keys.paid); their ids by kind."""
-    a = H(keys.paid)
+def resources_of(client, key: str, settings) -> dict[str, str]:
+    """A resource of every kind, made by ``key``'s tenant; their ids by kind."""
+    made_with = H(key)
 
     def made(method: str, path: str, **kw) -> dict[str, Any]:
-        r = client.request(method, path, headers={**a, "X-Request-Id": "req-a"}, **kw)
+        r = client.request(method, path, headers={**made_with, "X-Request-Id": "req-a"}, **kw)
         assert r.status_code in (200, 201), (path, r.text)
         return r.json()
 
@@ -119,17 +120,23 @@ def tenant_a(client, keys, settings) -> dict[str, str]:
     webhook = made("POST", "/v1/webhook_endpoints", json={"url": "https://example.com/hook", "name": "a",
                                                           "event_types": ["batch.completed"]})
     stored = made("POST", "/v1/jobs", json={"prompt": "hi"})
-    with session_scope(settings.sqlalchemy_url) as s:  # a finished stored chat completion of A's
+    with session_scope(settings.sqlalchemy_url) as s:  # a finished stored chat completion of the tenant's
         row = s.get(Job, stored["id"])
         row.endpoint, row.status, row.output_text = "/v1/chat/completions", JobStatus.SUCCEEDED, "hello"
         row.response = {"store": True, "metadata": {}, "choices": [row.id]}
-        key_id = s.scalar(select(ApiKey.id).where(ApiKey.tenant_id == keys.tenant_id))
+        tenant_id, key_id = row.tenant_id, row.api_key_id
     cursor = made("GET", "/v1/jobs", params={"limit": 1})
     return {"job": job["id"], "request": "req-a", "file": file["id"], "batch": batch["id"],
             "message_batch": message_batch["id"], "conversation": conversation["id"], "item": item,
             "response": response["id"], "run": run["id"], "webhook": webhook["id"],
             "completion": "chatcmpl-" + stored["id"], "message": stored["id"] + "-0", "sequence": "0",
-            "job_cursor": cursor["next_cursor"], "tenant": keys.tenant_id, "key": key_id}
+            "job_cursor": cursor["next_cursor"], "tenant": tenant_id, "key": key_id}
+
+
+@pytest.fixture
+def tenant_a(client, keys, settings) -> dict[str, str]:
+    """A resource of every kind, made by tenant A (keys.paid); their ids by kind."""
+    return resources_of(client, keys.paid, settings)
 
 
 def _without_request_id(text: str) -> str:
@@ -181,6 +188,44 @@ def test_every_id_taking_route_answers_another_tenant_as_an_unknown_id(client, k
         r = client.get(fill(path, tenant_a), headers=H(keys.paid))
         assert r.status_code == 200, (path, r.text)
         assert r.json().get("status") not in ("cancelled", "canceling", "cancelling"), (path, r.text)
+
+
+def test_an_id_of_another_tenants_under_an_own_resource_answers_as_an_unknown_id(client, keys, settings, tenant_a):
+    """A route whose path names the caller's own resource and also takes another id (a second path id, a query's
+    cursor): each such id of another tenant's, the rest the caller's own, answers as an id that never existed does
+    (a route that checks its first id's tenant and looks the second up anyone's fails here)."""
+    b_owns = resources_of(client, keys.other, settings)
+    b = H(keys.other)
+    tried = []
+    for method, path, route in api_routes(client.app):
+        names = re.findall(r"{(\w+)", path)
+        if not names or (method, path) in NOT_TENANTS or not all(n in PATH_RESOURCE for n in names):
+            continue  # no tenant's id in its path, or one test_every_id_taking_route_... reports missing
+        params = dict(REQUIRED_QUERY.get(path, {}))
+        for name in names[1:] if len(names) > 1 else ():  # each later path id A's, those before it B's own
+            kind = PATH_RESOURCE[name]
+            pattern = path.replace("{" + name + "}", "<theirs>")
+            url, unknown_url = (fill(pattern, b_owns).replace("<theirs>", value)
+                                for value in (tenant_a[kind], never_existed(tenant_a[kind])))
+            r = client.request(method, url, headers=b, params=params, json=BODIES.get((method, path)))
+            unknown = client.request(method, unknown_url, headers=b, params=params, json=BODIES.get((method, path)))
+            assert r.status_code == unknown.status_code == 404, f"{method} {url}: {r.status_code} {r.text[:300]}"
+            assert said_of_unknown(r.text, tenant_a) == _without_request_id(unknown.text), f"{method} {url}"
+            tried.append(f"{method} {path}")
+        for name in id_queries(route):
+            kind = QUERY_RESOURCE.get((method, path, name))
+            if kind is None or kind == "sequence":  # none of a tenant's (a stream's event number)
+                continue
+            theirs, url = tenant_a[kind], fill(path, b_owns)
+            r = client.request(method, url, headers=b, params={**params, name: theirs})
+            unknown = client.request(method, url, headers=b, params={**params, name: never_existed(theirs)})
+            assert r.status_code == unknown.status_code, f"{method} {url}?{name}=<A's>: {r.status_code} {r.text}"
+            said = _without_request_id(r.text.replace(theirs, never_existed(theirs)))
+            assert said == _without_request_id(unknown.text), f"{method} {url}?{name}"
+            tried.append(f"{method} {path} ?{name}")
+    assert tried, "no route names an own resource and another id: this test checks nothing"
+    for path in ("/v1/conversations/{conversation_id}/items/{item_id}",):  # nothing B tried removed A's item
+        assert client.get(fill(path, tenant_a), headers=H(keys.paid)).status_code == 200
 
 
 def test_no_list_shows_another_tenants_items(client, keys, tenant_a):
