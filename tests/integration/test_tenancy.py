@@ -254,6 +254,9 @@ def test_a_revoked_or_unknown_key_answers_alike(client, keys, settings):
     ("/v1/batches", "input_file_id", "file", {"endpoint": "/v1/chat/completions", "completion_window": "24h"}),
     ("/v1/responses", "previous_response_id", "response", {"model": "tiny", "input": "hi", "background": True}),
     ("/v1/responses", "conversation", "conversation", {"model": "tiny", "input": "hi", "background": True}),
+    # a count of another tenant's conversation's tokens would tell its length
+    ("/v1/responses/input_tokens", "previous_response_id", "response", {"model": "tiny", "input": "hi"}),
+    ("/v1/responses/input_tokens", "conversation", "conversation", {"model": "tiny", "input": "hi"}),
 ])
 def test_an_id_of_another_tenants_in_a_body_answers_as_an_unknown_id(client, keys, tenant_a, path, field, kind,
                                                                        extra):
