@@ -33,6 +33,9 @@ NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'  # chat's form 
 REQUIRED_CHOICE = "tool_choice 'required'"  # chat's words for a choice of any tool (another API's words differ)
 # chat's name of a choice where an error names it: 'required', 'auto' or 'none' after tool_choice, or the named form
 CHAT_CHOICE = re.compile(r"(?<=tool_choice )'\w+'|(?<=tool_choice: )'\w+'|" + re.escape(NAMED_CHOICE))
+# the routes whose vLLM counterpart builds a history call itself (its Responses converter: id, function: name then
+# arguments, type), not validated as OpenAI's chat type as chat's and Messages' are
+BUILT_CALL_ENDPOINTS = ("/v1/responses",)
 
 
 def forced_choice_unsupported(auto: bool) -> str:
@@ -451,9 +454,10 @@ BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def template_messages(messages: list[dict[str, Any]], content_format: str = "string",
-                      developer_as: str = "developer") -> list[dict[str, Any]]:
-    """Messages as chat templates read them: a call as vLLM's chat route gives it, its arguments an object, not
-    JSON text (templates write them with ``tojson``; ``history_call``), an empty list of calls as none, an
+                      developer_as: str = "developer", endpoint: str | None = None) -> list[dict[str, Any]]:
+    """Messages as chat templates read them: a call as vLLM's route ``endpoint`` (the job's; None: chat) gives it,
+    its arguments an object, not JSON text (templates write them with ``tojson``; ``history_call``), an empty list of
+    calls as none, an
     assistant's thinking as ``reasoning_content`` too, as vLLM's chat parser gives it (the older name, which Qwen3's
     template reads), and a developer message with ``tools`` (its own, None where it has none, as vLLM's parser gives
     them), its role ``developer_as``: system for a template that does not know the role
@@ -468,7 +472,7 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
         m = content_parts(m) if content_format == "openai" else m
         m = {k: v for k, v in m.items() if k != "parts"}
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [history_call(c) for c in m["tool_calls"]]}
+            m = {**m, "tool_calls": [history_call(c, endpoint) for c in m["tool_calls"]]}
         elif "tool_calls" in m:  # [] or None: vLLM's chat parser drops the key, so the template takes its plain path
             m = {k: v for k, v in m.items() if k != "tool_calls"}
         if m.get("reasoning") is not None:
@@ -480,14 +484,18 @@ def template_messages(messages: list[dict[str, Any]], content_format: str = "str
     return out
 
 
-def history_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A history call as vLLM's chat route gives it to the template: its request validates the call as OpenAI's
-    ``ChatCompletionMessageFunctionToolCallParam``, so its keys come in that type's order (id, function: arguments
-    then name, type) whatever order was sent; a template that dumps the calls (``tojson``) writes them so. The
-    arguments as an object (``arguments_object``)."""
+def history_call(call: dict[str, Any], endpoint: str | None = None) -> dict[str, Any]:
+    """A history call as vLLM's route ``endpoint`` gives it to the template (None: chat's), the arguments as an
+    object (``arguments_object``); a template that dumps the calls (``tojson``) writes the keys in this order. Chat's
+    and Messages' requests validate the call as OpenAI's ``ChatCompletionMessageFunctionToolCallParam``: that type's
+    order (id, function: arguments then name, type) whatever order was sent; Responses' converter builds it: id,
+    function: name then arguments, type."""
     function = call["function"]
-    return {"id": call["id"], "function": {"arguments": arguments_object(function["arguments"]),
-                                           "name": function["name"]}, "type": call.get("type", "function")}
+    arguments = arguments_object(function["arguments"])
+    if endpoint in BUILT_CALL_ENDPOINTS:
+        return {"id": call["id"], "function": {"name": function["name"], "arguments": arguments}, "type": "function"}
+    return {"id": call["id"], "function": {"arguments": arguments, "name": function["name"]},
+            "type": call.get("type", "function")}
 
 
 def into_system_prompt(messages: list[dict[str, Any]], role: str = "system", between: str = ""

@@ -225,4 +225,4 @@ async def count_tokens(request: Request, settings: SettingsDep, principal: Curre
     body, raw = await _read(request, CountTokensRequest)
     _, spec = body.chat_request(raw, settings.tiers, count_only=True, model=settings.model)
     charged(request, anthropic_rate_headers(await charge_count(request, principal)))
-    return {"input_tokens": await run_in_threadpool(count_prompt_tokens, settings, spec)}
+    return {"input_tokens": await run_in_threadpool(count_prompt_tokens, settings, spec, ENDPOINT)}

@@ -134,16 +134,16 @@ async def charge_count(request: Request, principal: Principal) -> Decision | Non
     return await run_in_threadpool(charge_request, rate_limiter(request), principal, COUNTING)
 
 
-def count_prompt_tokens(settings: Settings, spec) -> int:
-    """The tokens ``spec``'s prompt takes, as its job would count them (a 404 for an unknown model, a 400 for an
-    adapter found but not servable or where the chat template refuses the messages)."""
+def count_prompt_tokens(settings: Settings, spec, endpoint: str) -> int:
+    """The tokens ``spec``'s prompt takes, as its job of ``endpoint`` would count them (a 404 for an unknown model, a
+    400 for an adapter found but not servable or where the chat template refuses the messages)."""
     try:
         job_service.resolve_model(settings, spec.model)
     except job_service.JobValidationError as exc:
         raise OpenAIError(404 if exc.code == "model_not_found" else 400, str(exc), param="model",
                           code=exc.code) from exc
     try:
-        return len(job_service.encode_spec(settings.model, spec))
+        return len(job_service.encode_spec(settings.model, spec, endpoint))
     except ChatTemplateError as exc:
         raise OpenAIError(400, str(exc), param="messages") from exc
 

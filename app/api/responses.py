@@ -405,7 +405,7 @@ async def compact_response(_principal: CurrentPrincipal) -> None:
 def _input_tokens(settings: Settings, spec, input_from: int, truncation: str | None) -> int:
     if truncation == "auto":
         spec, _ = fit_context(settings, spec, input_from)
-    return count_prompt_tokens(settings, spec)
+    return count_prompt_tokens(settings, spec, ENDPOINT)
 
 
 @router.get("/responses/{response_id}", responses=_ANSWERS_GET)

@@ -343,14 +343,14 @@ def token_prompt_text(model: str, ids: list[int]) -> str:
     return get_tokenizer(model).decode(ids)
 
 
-def encode_spec(model: str, spec: JobCreate) -> list[int]:
+def encode_spec(model: str, spec: JobCreate, endpoint: str | None = None) -> list[int]:
     """Token ids of a job's input as its worker will feed it: the prompt, or the messages and the tools offered
-    through the chat template with the job's template options (raises ``ChatTemplateError``)."""
+    through the chat template with the job's template options, as vLLM's route ``endpoint`` (None: chat) renders
+    them (raises ``ChatTemplateError``)."""
     if spec.prompt_token_ids is not None:
         return list(spec.prompt_token_ids)
     return encode_input(model, spec.prompt, [m.stored() for m in spec.messages] if spec.messages is not None else None,
-                        template_tools(spec.tools),
-                        spec.template_options())
+                        template_tools(spec.tools), spec.template_options(), endpoint=endpoint)
 
 
 def input_chars(spec: JobCreate) -> int:

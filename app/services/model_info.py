@@ -294,17 +294,17 @@ def tells_developer_role(template: str) -> bool:
     return any(isinstance(n, nodes.Const) and n.value == "developer" for n in names)
 
 
-def template_conversation(messages: list[dict[str, Any]], content_format: str, template: str | None
-                          ) -> list[dict[str, Any]]:
-    """``messages`` as ``template`` reads them (``template_messages``), a developer message as the role
-    ``developer_role`` gives it; where that is system and the template takes a system message only first
-    (``system_first``: Qwen's), each developer message after the first message joins the leading system prompt
-    (``into_system_prompt``, as a Messages request's system messages do, a paragraph each: they were messages of their
-    own) rather than meet the template's "system message must be first"."""
+def template_conversation(messages: list[dict[str, Any]], content_format: str, template: str | None,
+                          endpoint: str | None = None) -> list[dict[str, Any]]:
+    """``messages`` of a job that came in by ``endpoint`` as ``template`` reads them (``template_messages``), a
+    developer message as the role ``developer_role`` gives it; where that is system and the template takes a system
+    message only first (``system_first``: Qwen's), each developer message after the first message joins the leading
+    system prompt (``into_system_prompt``, as a Messages request's system messages do, a paragraph each: they were
+    messages of their own) rather than meet the template's "system message must be first"."""
     role = developer_role(template)
     if role == "system" and system_first(template):
         messages = into_system_prompt(messages, "developer", "\n\n")
-    return template_messages(messages, content_format, role)
+    return template_messages(messages, content_format, role, endpoint)
 
 
 def _plain_chat(messages: list[dict[str, Any]]) -> str:
@@ -344,10 +344,11 @@ def count_inputs(model: str, conversations: list[list[dict[str, Any]]]) -> list[
 
 def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] | None,
                  tools: list[dict[str, Any]] | None = None, options: dict[str, Any] | None = None,
-                 keep: int | None = None) -> list[int]:
+                 keep: int | None = None, endpoint: str | None = None) -> list[int]:
     """Token ids of a raw prompt, or of chat messages (and the tools offered) through the model's chat template,
-    with a job's ``template_options`` (raises ``ChatTemplateError`` where the template cannot render them); ``keep``:
-    at most that many, cut as vLLM's ``truncate_prompt_tokens`` cuts a text (``_encode``)."""
+    with a job's ``template_options`` (raises ``ChatTemplateError`` where the template cannot render them), as vLLM's
+    route ``endpoint`` (the job's; None: chat) gives them to it (``template_conversation``); ``keep``: at most that
+    many, cut as vLLM's ``truncate_prompt_tokens`` cuts a text (``_encode``)."""
     tok = get_tokenizer(model)
     options = options or {}
     special = options.get("add_special_tokens")  # vLLM's flag; None: the input's default
@@ -357,7 +358,7 @@ def encode_input(model: str, prompt: str | None, messages: list[dict[str, Any]] 
                 template = template_in_use(tok, tools)
                 form = template_content_format(model, template)
                 ids = tok.apply_chat_template(
-                    template_conversation(messages, form, template), tools=tools, tokenize=not special,
+                    template_conversation(messages, form, template, endpoint), tools=tools, tokenize=not special,
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs") or {})

@@ -41,7 +41,8 @@ def fed_prompt(settings: Settings, job: Any, context: int | None = None) -> list
     keep = kept_count(truncate, context_length(settings) if context is None else context)
     if job.prompt_token_ids:
         return list(job.prompt_token_ids)[-keep:] if keep else list(job.prompt_token_ids)
-    return encode_input(settings.model, job.prompt, job.messages, job.tools, job.template_options, keep=keep)
+    return encode_input(settings.model, job.prompt, job.messages, job.tools, job.template_options, keep=keep,
+                        endpoint=job.endpoint)
 
 
 def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[JobCreate, int]:
@@ -54,7 +55,7 @@ def fit_context(settings: Settings, spec: JobCreate, input_from: int) -> tuple[J
     def fits(kept: list[int]) -> bool:
         try:
             ids = encode_input(settings.model, None, [messages[i].stored() for i in kept], tools,
-                               spec.template_options())
+                               spec.template_options(), endpoint="/v1/responses")
         except ChatTemplateError:
             return True  # the submission names the template's error
         return len(ids) <= limit

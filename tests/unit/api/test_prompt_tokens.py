@@ -81,7 +81,7 @@ def test_truncate_prompt_tokens_feeds_what_vllm_feeds_with_a_tokenizer_that_adds
 
     def fed(k: int, special: bool | None, **job) -> list[int]:
         return fed_prompt(settings, SimpleNamespace(**{
-            "prompt": None, "messages": None, "tools": None, "prompt_token_ids": None, **job,
+            "prompt": None, "messages": None, "tools": None, "prompt_token_ids": None, "endpoint": "/v1/jobs", **job,
             "template_options": None if special is None else {"add_special_tokens": special},
             "sampling": {"truncate_prompt_tokens": k, "max_tokens": 8}}))
 

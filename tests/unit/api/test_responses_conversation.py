@@ -4,10 +4,12 @@ parser, rendered through the same chat template with the bundled model's tokeniz
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from app.api.responses import ENDPOINT
 from app.openai_schemas import OpenAIError, openai_parsed
 from app.responses_schemas import ResponsesRequest, input_items
 from app.services.jobs import encode_spec
@@ -84,7 +86,7 @@ def coserve_prompt(raw: dict[str, Any], template: str) -> list[int]:
     """The token ids coserve's job of ``raw`` renders to with ``template`` in use (COSERVE_CHAT_TEMPLATE)."""
     use_chat_template(MODEL, template)
     _, spec = coserve_request(raw).chat_request(raw, [])
-    return encode_spec(MODEL, spec)  # as its worker feeds it
+    return encode_spec(MODEL, spec, ENDPOINT)  # as its worker feeds it
 
 
 @pytest.mark.parametrize("template", [BUNDLED, QWEN_TOOLS])
@@ -306,3 +308,31 @@ def test_a_call_output_part_that_is_no_text_is_a_400_naming_it():
     with pytest.raises(OpenAIError) as exc:
         coserve_request(raw).chat_request(raw, [])
     assert exc.value.status_code == 400 and exc.value.param == "input.2.output.0"
+
+
+@pytest.mark.parametrize("turn", ["reasoning-call-output", "reasoning-message-calls-outputs"])
+def test_a_history_call_dumped_as_json_reads_as_vllms_responses_route_gives_it(tok, turn):  # noqa: F811
+    # vLLM's Responses converter builds each call itself (id, function: name then arguments, type), which its chat
+    # parser keeps; coserve gave every route the chat route's order (function: arguments then name), so a template
+    # dumping the calls wrote another prompt than vLLM's
+    from tests.unit.api.test_chat_template_inputs import CALLS_DUMPED
+
+    raw = {"model": "tiny", "input": TURNS[turn], "tools": TOOLS}
+    ids = coserve_prompt(raw, CALLS_DUMPED)
+    assert ids == vllm_prompt(tok, raw, CALLS_DUMPED)
+    assert '"function": {"name": "get_weather", "arguments": {"city": "Rome"}}' in tok.decode(ids)
+
+
+def test_a_responses_job_reaches_its_worker_with_the_calls_as_vllms_responses_route_gives_them(tok):  # noqa: F811
+    # the worker renders a job from its row (fed_prompt): the row's endpoint says whose order the calls come in
+    from app.services.truncation import fed_prompt
+    from app.tool_calls import template_tools
+    from tests.unit.api.test_chat_template_inputs import CALLS_DUMPED
+
+    raw = {"model": "tiny", "input": TURNS["reasoning-call-output"], "tools": TOOLS}
+    use_chat_template(MODEL, CALLS_DUMPED)
+    _, spec = coserve_request(raw).chat_request(raw, [])
+    row = SimpleNamespace(prompt_token_ids=None, prompt=None, messages=[m.stored() for m in spec.messages],
+                          tools=template_tools(spec.tools), template_options=spec.template_options(), sampling={},
+                          endpoint=ENDPOINT)
+    assert fed_prompt(SimpleNamespace(model=MODEL), row, 2048) == vllm_prompt(tok, raw, CALLS_DUMPED)
