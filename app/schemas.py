@@ -95,8 +95,12 @@ class ChatMessage(BaseModel):
         return self
 
     def stored(self) -> dict[str, Any]:
-        """The message as a job keeps it and a chat template reads it (fields it does not have left out)."""
-        return self.model_dump(exclude_none=True)
+        """The message as a job keeps it and a chat template reads it (fields it does not have left out; a call's own
+        keys kept whole, a null one too, as vLLM's chat route gives them)."""
+        out = self.model_dump(exclude_none=True)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return out
 
 
 def _is_default(option: str, value: Any) -> bool:

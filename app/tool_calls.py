@@ -23,7 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from app.reasoning import ReasoningStream, split_reasoning
 from app.tool_call_scan import CallScanner, begun_calls, raw_arguments
 from app.tool_syntax import SYNTAXES, RawCall, Syntax, read_call
-from app.wire import FieldProblem, Text, shown, strict_json
+from app.wire import FieldProblem, Text, holds_non_finite, shown, strict_json
 
 MAX_TOOLS = 128
 ALPHANUMERIC = string.ascii_letters + string.digits
@@ -34,8 +34,9 @@ REQUIRED_CHOICE = "tool_choice 'required'"  # chat's words for a choice of any t
 # chat's name of a choice where an error names it: 'required', 'auto' or 'none' after tool_choice, or the named form
 CHAT_CHOICE = re.compile(r"(?<=tool_choice )'\w+'|(?<=tool_choice: )'\w+'|" + re.escape(NAMED_CHOICE))
 # the routes whose vLLM counterpart builds a history call itself (its Responses converter: id, function: name then
-# arguments, type), not validated as OpenAI's chat type as chat's and Messages' are
+# arguments, type, and no key of the client's), not validated as OpenAI's chat type as chat's and Messages' are
 BUILT_CALL_ENDPOINTS = ("/v1/responses",)
+CALL_KEYS, FUNCTION_KEYS = ("id", "function", "type"), ("arguments", "name")  # OpenAI's chat type's, in its order
 
 
 def forced_choice_unsupported(auto: bool) -> str:
@@ -144,15 +145,27 @@ def _choice(value: Any) -> Any:
 ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_choice)]
 
 
-class FunctionCall(BaseModel):
+class OwnKeys(BaseModel):
+    """A history call's part that keeps the keys a client adds to it, as vLLM's chat route does (OpenAI's types are
+    TypedDicts, which pydantic validates keeping extra keys, and the openai SDK sends a message's dict as given): a
+    chat template that dumps the calls writes them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _json_values(self) -> OwnKeys:
+        if holds_non_finite(self.model_extra):  # Python's JSON reader takes them; no JSON column holds them
+            raise ValueError("a call's own keys hold JSON values: finite numbers only, no NaN or Infinity")
+        return self
+
+
+class FunctionCall(OwnKeys):
     name: Text
     arguments: Text = Field(description="the arguments object as JSON text")
 
 
-class ToolCall(BaseModel):
+class ToolCall(OwnKeys):
     """A call an assistant message made (sent back in a conversation's history)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     id: Text
     type: Literal["function"] = "function"
@@ -488,14 +501,15 @@ def history_call(call: dict[str, Any], endpoint: str | None = None) -> dict[str,
     """A history call as vLLM's route ``endpoint`` gives it to the template (None: chat's), the arguments as an
     object (``arguments_object``); a template that dumps the calls (``tojson``) writes the keys in this order. Chat's
     and Messages' requests validate the call as OpenAI's ``ChatCompletionMessageFunctionToolCallParam``: that type's
-    order (id, function: arguments then name, type) whatever order was sent; Responses' converter builds it: id,
-    function: name then arguments, type."""
+    order (id, function: arguments then name, type) whatever order was sent, the keys a client added after its own
+    (the function's after name); Responses' converter builds it: id, function: name then arguments, type."""
     function = call["function"]
     arguments = arguments_object(function["arguments"])
     if endpoint in BUILT_CALL_ENDPOINTS:
         return {"id": call["id"], "function": {"name": function["name"], "arguments": arguments}, "type": "function"}
-    return {"id": call["id"], "function": {"arguments": arguments, "name": function["name"]},
-            "type": call.get("type", "function")}
+    return {"id": call["id"], "function": {"arguments": arguments, "name": function["name"],
+                                           **{k: v for k, v in function.items() if k not in FUNCTION_KEYS}},
+            "type": call.get("type", "function"), **{k: v for k, v in call.items() if k not in CALL_KEYS}}
 
 
 def into_system_prompt(messages: list[dict[str, Any]], role: str = "system", between: str = ""

@@ -226,6 +226,34 @@ def test_a_history_call_dumped_as_json_reads_as_vllms_chat_route_gives_it(tok, c
         in tok.decode(ids)
 
 
+@pytest.mark.parametrize("call", [
+    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}, "extra": 5},
+    {"extra": {"trace": [1, None]}, "id": "call_1", "type": "function",
+     "function": {"strict": True, "name": "weather", "arguments": "{}"}},
+    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}, "extra": None},
+], ids=["on-the-call", "on-both", "null"])
+def test_a_history_calls_own_keys_reach_the_template_as_vllms_chat_route_gives_them(tok, call):
+    # vLLM's chat request keeps a call's keys OpenAI's type does not name (pydantic keeps a TypedDict's extra keys),
+    # after the type's own, and its function's after name; the openai SDK sends a message's dict as given. coserve's
+    # ToolCall dropped them, so a template dumping the calls wrote another prompt than vLLM's
+    raw = {"model": "tiny", "messages": _history([call])}
+    ids = coserve_prompt(raw, CALLS_DUMPED)
+    assert ids == vllm_prompt(tok, raw, CALLS_DUMPED)
+    assert '"type": "function", "extra": ' in tok.decode(ids)
+
+
+def test_a_history_calls_own_keys_that_are_no_json_number_are_a_400():
+    # Python's JSON reader takes NaN and Infinity, which no stored job (JSON) can hold
+    from app.openai_schemas import OpenAIError
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"},
+            "extra": float("nan")}
+    chat = ChatCompletionRequest.model_validate({"model": "tiny", "messages": _history([call])})
+    with pytest.raises(OpenAIError) as refused:
+        chat.chat_messages()
+    assert refused.value.status_code == 400 and "finite" in str(refused.value)
+
+
 # writes each message's role, and whether it has tools of its own (vLLM gives a developer message ``tools``)
 ROLE_AND_TOOLS = ("{%- for message in messages %}<{{ message.role }}:{{ message.tools is defined }}>"
                   "{{ message.content }}{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}")
