@@ -512,21 +512,38 @@ def history_call(call: dict[str, Any], endpoint: str | None = None) -> dict[str,
             "type": call.get("type", "function"), **{k: v for k, v in call.items() if k not in CALL_KEYS}}
 
 
-def into_system_prompt(messages: list[dict[str, Any]], role: str = "system", between: str = ""
-                       ) -> list[dict[str, Any]]:
-    """``messages`` for a chat template that takes a system message only first: each ``role`` message after the first
-    message is left out, its text added to the leading system prompt's (the first message where it is a system or a
-    ``role`` message, else a new system message) in order, ``between`` them (nothing, as vLLM's Messages converter
-    merges a conversation's system messages for such a template: ``_convert_messages``); a prompt with no text is
-    left out."""
-    lead = messages[:1] if messages and messages[0]["role"] in ("system", role) else []
+def into_system_prompt(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a chat template that takes a system message only first: each system message after the first
+    message is left out, its text added to the leading system prompt's (the first message where it is a system
+    message, else a new system message) in order, with nothing between them, as vLLM's Messages converter merges a
+    conversation's system messages for such a template (``_convert_messages``); a prompt with no text is left out."""
+    lead = messages[:1] if messages and messages[0]["role"] == "system" else []
     rest = messages[len(lead):]
-    joined = [m for m in rest if m["role"] == role]
+    joined = [m for m in rest if m["role"] == "system"]
     if not joined:
         return messages
-    text = between.join(m["content"] for m in lead + joined if m["content"])
+    text = "".join(m["content"] for m in lead + joined if m["content"])
     head = {k: v for k, v in lead[0].items() if k != "parts"} if lead else {"role": "system"}
-    return ([{**head, "content": text}] if text else []) + [m for m in rest if m["role"] != role]
+    return ([{**head, "content": text}] if text else []) + [m for m in rest if m["role"] != "system"]
+
+
+def one_system_message(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A template's ``conversation`` with every system message merged into one first, as vLLM merges them where it
+    gives a template that does not know the developer role a developer message as a system one
+    (``_consolidate_system_messages``, for any template): the texts in order, a paragraph each (a message of text
+    parts their texts a line each), an empty one left out; the merged message has only its role and that text. A
+    conversation whose only system message is first is left as it is."""
+    systems = [i for i, m in enumerate(conversation) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return conversation
+    texts = [_as_text(conversation[i]["content"]) for i in systems]
+    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)},
+            *(m for m in conversation if m["role"] != "system")]
+
+
+def _as_text(content: str | list[dict[str, str]]) -> str:
+    """A template message's content as one text: its text parts' a line each (``content_parts``' form)."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 def without_billing_header(message: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.content_format import ContentFormat, ContentFormatOption, content_format
-from app.tool_calls import into_system_prompt, template_messages
+from app.tool_calls import one_system_message, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -297,14 +297,15 @@ def tells_developer_role(template: str) -> bool:
 def template_conversation(messages: list[dict[str, Any]], content_format: str, template: str | None,
                           endpoint: str | None = None) -> list[dict[str, Any]]:
     """``messages`` of a job that came in by ``endpoint`` as ``template`` reads them (``template_messages``), a
-    developer message as the role ``developer_role`` gives it; where that is system and the template takes a system
-    message only first (``system_first``: Qwen's), each developer message after the first message joins the leading
-    system prompt (``into_system_prompt``, as a Messages request's system messages do, a paragraph each: they were
-    messages of their own) rather than meet the template's "system message must be first"."""
+    developer message as the role ``developer_role`` gives it; where that is system and the conversation holds one,
+    every system message merged into one first (``one_system_message``, a paragraph each), as vLLM does for any
+    template: so a template that takes a system message only first (Qwen's) renders them rather than raise "system
+    message must be first"."""
     role = developer_role(template)
-    if role == "system" and system_first(template):
-        messages = into_system_prompt(messages, "developer", "\n\n")
-    return template_messages(messages, content_format, role, endpoint)
+    conversation = template_messages(messages, content_format, role, endpoint)
+    if role == "system" and any(m["role"] == "developer" for m in messages):
+        return one_system_message(conversation)
+    return conversation
 
 
 def _plain_chat(messages: list[dict[str, Any]]) -> str:

@@ -46,10 +46,10 @@ def test_a_developer_message_is_the_system_message_of_a_template_without_the_rol
     as_system = input_tokens(client, keys.paid, {"input": [{"role": "system", "content": "Answer in French."}, ASK]})
     assert input_tokens(client, keys.paid, {"input": [
         {"role": "developer", "content": "Answer in French."}, ASK]}) == as_system
-    both = input_tokens(client, keys.paid, {"instructions": "Be brief.", "input": [
-        {"role": "system", "content": "Answer in French."}, ASK]})
+    # given as a system message, it joins the instructions' (vLLM's _consolidate_system_messages), a paragraph each
+    merged = input_tokens(client, keys.paid, {"instructions": "Be brief.\n\nAnswer in French.", "input": [ASK]})
     assert input_tokens(client, keys.paid, {"instructions": "Be brief.", "input": [
-        {"role": "developer", "content": "Answer in French."}, ASK]}) == both > as_system
+        {"role": "developer", "content": "Answer in French."}, ASK]}) == merged > as_system
 
 
 def template_client(settings, template: str) -> Any:
@@ -121,9 +121,11 @@ def test_a_developer_message_after_a_system_message_joins_the_system_prompt_of_a
         {"role": "developer", "content": "Answer in French."}, ASK]}) == merged
 
 
-def test_a_developer_message_after_a_system_message_stays_in_place_where_the_template_takes_system_anywhere(
+def test_a_developer_message_after_a_system_message_joins_the_system_prompt_where_the_template_takes_system_anywhere(
         client, keys):
-    prompt = rendered(client, keys.paid, INSTRUCTED)  # SmolLM2's template renders a system message anywhere
-    assert prompt.index("Be brief.") < prompt.index("Answer in French.") < prompt.index("Hi!") < prompt.index(
-        "Use metric.")
-    assert prompt.count("<|im_start|>system\n") == 3
+    # vLLM merges every system message into the first wherever it gives a developer message as a system one
+    # (_consolidate_system_messages), whatever the template: SmolLM2's, which renders a system message anywhere, got
+    # three system turns here, the last after the user's
+    prompt = rendered(client, keys.paid, INSTRUCTED)
+    assert prompt == ("<|im_start|>system\nBe brief.\n\nAnswer in French.\n\nUse metric.<|im_end|>\n"
+                      "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")

@@ -53,15 +53,16 @@ def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def vllm_rendered(tok: Any, conversation: list[dict[str, Any]], tools: list[dict] | None, template: str) -> list[int]:
     """vLLM's HfRenderer: ``conversation`` and ``tools`` rendered through ``template`` to text, then tokenized without
-    special tokens added; a developer message where coserve finds the template does not know the role
-    (``developer_role``; vLLM's own check counts the quoted name anywhere) converted to a system one as vLLM converts
-    it (``_convert_developer_to_system``: its tools dropped)."""
-    from vllm.renderers.hf import _convert_developer_to_system
+    special tokens added; where it holds a developer message and coserve finds the template does not know the role
+    (``developer_role``; vLLM's own check counts the quoted name anywhere), the developer messages converted to
+    system ones and every system message merged into the first, as vLLM's ``safe_apply_chat_template`` does
+    (``_convert_developer_to_system``: tools dropped; ``_consolidate_system_messages``)."""
+    from vllm.renderers.hf import _consolidate_system_messages, _convert_developer_to_system
 
     from app.services.model_info import developer_role
 
-    if developer_role(template) == "system":
-        conversation = _convert_developer_to_system(conversation)
+    if any(m["role"] == "developer" for m in conversation) and developer_role(template) == "system":
+        conversation = _consolidate_system_messages(_convert_developer_to_system(conversation))
     text = tok.apply_chat_template(conversation, tools=tools, chat_template=template, add_generation_prompt=True,
                                    tokenize=False)
     return tok(text, add_special_tokens=False)["input_ids"]

@@ -404,5 +404,38 @@ def test_a_developer_message_joins_the_system_prompt_of_a_template_that_takes_a_
     from tests.unit.api.test_anthropic_conversation import QWEN_LIKE
 
     ids = coserve_prompt({"model": "tiny", "messages": messages}, QWEN_LIKE)
+    assert ids == vllm_prompt(tok, {"model": "tiny", "messages": messages}, QWEN_LIKE)
     assert tok.decode(ids) == (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
                                "<|im_start|>assistant\n")
+
+
+# writes each message's role and content: takes a system message anywhere
+ANY_ROLE = STRING_READ
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Be brief."}, ASK, {"role": "developer", "content": "Answer in French."}],
+    [ASK, {"role": "developer", "content": "Answer in French."}],
+    [{"role": "developer", "content": "Answer in French."}, ASK, {"role": "system", "content": "Be brief."}],
+    [{"role": "system", "content": ""}, ASK, {"role": "developer", "content": "Answer in French."}],
+    [{"role": "developer", "content": "Answer in French.", "name": "lead"}, ASK],
+    [{"role": "system", "content": "Be brief."}, ASK, {"role": "system", "content": "Be kind."}],
+], ids=["system-user-developer", "developer-after-user", "developer-user-system", "empty-system", "developer-alone",
+        "no-developer"])
+@pytest.mark.parametrize("template", [None, ANY_ROLE], ids=["model-template", "any-role"])
+def test_a_developer_given_as_system_merges_every_system_message_first_as_vllm_does(tok, messages, template):
+    # where vLLM converts a developer message to a system one, it merges every system message into the first, a
+    # paragraph each (_consolidate_system_messages), for any template; coserve merged only for a template that takes
+    # a system message only first, and only the developer messages: SmolLM2's got a system turn after the user's
+    raw = {"model": "tiny", "messages": messages}
+    assert coserve_prompt(raw, template) == vllm_prompt(tok, raw, template or tok.chat_template)
+
+
+def test_merged_system_messages_reach_a_template_that_loops_over_parts_as_one_text_as_vllm_gives_them(tok):
+    # vLLM's merge joins each system message's text parts with newlines, and gives the merged message a text
+    raw = {"model": "tiny", "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]},
+        ASK, {"role": "developer", "content": [{"type": "text", "text": "Answer in French."}]}]}
+    ids = coserve_prompt(raw, PARTS_LOOP)
+    assert ids == vllm_prompt(tok, raw, PARTS_LOOP)
+    assert tok.decode(ids).startswith("<system:37>Be brief.\nBe kind.\n\nAnswer in French.<user:")

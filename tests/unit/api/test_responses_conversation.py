@@ -336,3 +336,14 @@ def test_a_responses_job_reaches_its_worker_with_the_calls_as_vllms_responses_ro
                           tools=template_tools(spec.tools), template_options=spec.template_options(), sampling={},
                           endpoint=ENDPOINT)
     assert fed_prompt(SimpleNamespace(model=MODEL), row, 2048) == vllm_prompt(tok, raw, CALLS_DUMPED)
+
+
+@pytest.mark.parametrize("template", [BUNDLED, QWEN_TOOLS])
+def test_a_developer_input_item_joins_the_instructions_as_vllm_merges_them(tok, templates, template):  # noqa: F811
+    # vLLM gives a template that does not know the developer role every system message merged into the first, the
+    # instructions' then the developer's (_consolidate_system_messages); SmolLM2's got a system turn after the user's
+    raw = {"model": "tiny", "instructions": "Be brief.",
+           "input": [ASK, {"role": "developer", "content": "Answer in French."}]}
+    ids = coserve_prompt(raw, templates[template])
+    assert ids == vllm_prompt(tok, raw, templates[template])
+    assert "Be brief.\n\nAnswer in French." in tok.decode(ids)
