@@ -303,6 +303,23 @@ def backends_of(published: list[str | None]) -> tuple[str, ...]:
     return tuple(sorted({b for b in published if isinstance(b, str) and b})) or DEFAULT_BACKENDS
 
 
+def unusable_refusal(unusable: dict[str, str], live: int) -> str | None:
+    """Why a structured output is refused at submit, from the live workers of the model that take jobs (``live`` of
+    them) and those among them whose backend cannot run (``unusable``: worker id -> why, as its heartbeat says);
+    None where none says so. Every such worker refuses a constrained request; and a job may go to any live worker
+    (the model's queue is shared, prefix routing picks by load), so one such worker among usable ones refuses it
+    too: nothing keeps the job off it."""
+    if not unusable:
+        return None
+    worker, why = min(unusable.items())
+    named = f"worker {worker!r}: {why}"
+    if len(unusable) >= live:
+        return f"no live worker of the model can run a structured output ({named})"
+    return (f"{len(unusable)} of the model's {live} live workers cannot run a structured output ({named}), and a job "
+            "may go to any of them, so it is refused; the operator may also stop those workers, or restart them with a "
+            "backend that runs")
+
+
 @contextmanager
 def under(backends: tuple[str, ...]) -> Iterator[None]:
     """Within it, ``check`` compiles a constraint with each of ``backends`` (``backends_of``)."""

@@ -782,6 +782,8 @@ class GpuWorker:
             state["lora"] = limits
         # the API checks structured outputs with it (``app.output_constraints``); the own engine serves none
         state["grammar_backend"] = getattr(self.engine, "grammar_backend", None)
+        # why that backend cannot run (the API refuses a structured output at submit then: ``routing``)
+        state["grammar_unavailable"] = getattr(self.engine, "grammar_unavailable", None)
         if self.lora_unserved:  # the APIs' /readyz names them, and another worker takes their jobs
             state["lora_unserved"] = dict(self.lora_unserved)
         if self.engine_thread is not None:

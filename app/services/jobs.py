@@ -37,7 +37,7 @@ from app.services.model_info import (ChatTemplateError, encode_input, get_tokeni
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter, rate_headers
 from app.services.transitions import NOT_TERMINAL, cancel_stamps, transition, utcnow
 from app.services.truncation import fed_prompt
-from app.services.workers import held_context_length
+from app.services.workers import grammar_refusal, held_context_length
 from app.settings import Settings
 from app.tool_calls import AUTO_UNPARSED, forced_choice_unsupported, is_forced, template_tools
 from app.wire import find_unstorable, storable
@@ -187,6 +187,9 @@ def job_values(settings: Settings, principal: Principal, spec: JobCreate, *, ide
         if refused[0] == "structured_outputs" and is_forced(sampling["tool_choice"]):
             refused = ("tool_choice", forced_choice_unsupported(settings.tool_call_parser is not None))
         raise JobValidationError(refused[1], param=refused[0], code="unsupported_value")
+    if sampling.get("structured_outputs") and settings.backend != "torch" and (why := grammar_refusal(settings)):
+        raise JobValidationError(why, param="tool_choice" if is_forced(sampling["tool_choice"]) else
+                                 "structured_outputs", code="unsupported_value")
     if sampling.get("thinking_token_budget") is not None and settings.reasoning_parser is None:
         # as vLLM refuses it without --reasoning-parser: nothing would tell where the thinking ends
         raise JobValidationError("thinking_token_budget needs a reasoning parser, which says where a model's thinking "

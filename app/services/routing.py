@@ -127,6 +127,8 @@ class Router:
         self._workers: list[_Worker] = []
         # model -> the grammar_backend of each live worker of it that takes jobs (``grammar_backends_of``)
         self._grammar_backends: dict[str, list[str | None]] = {}
+        # model -> worker id -> why its engine's backend cannot run (``grammar_unavailable_of``)
+        self._grammar_unavailable: dict[str, dict[str, str]] = {}
         self._contexts: dict[str, int | None] = {}  # model -> the least context its live workers serve
         self._read_at = float("-inf")
         self._sent: dict[str, deque[datetime]] = defaultdict(deque)  # worker -> when this process sent it a job
@@ -169,6 +171,13 @@ class Router:
             self._live()
             return list(self._grammar_backends.get(model, []))
 
+    def grammar_unavailable(self, model: str) -> dict[str, str]:
+        """Worker id -> why its engine cannot run a structured output, for each live worker of ``model`` that takes
+        jobs and says so (``grammar_unavailable_of``)."""
+        with self._lock:
+            self._live()
+            return dict(self._grammar_unavailable.get(model, {}))
+
     def _since(self, worker: _Worker) -> int:
         """The jobs this process sent ``worker`` after its last heartbeat (which did not count them yet)."""
         sent = self._sent[worker.id]
@@ -186,6 +195,7 @@ class Router:
                 self._workers = routable(rows)
                 models = {m for r in rows for m in r.served}
                 self._grammar_backends = {model: grammar_backends_of(rows, model) for model in models}
+                self._grammar_unavailable = {model: grammar_unavailable_of(rows, model) for model in models}
                 self._contexts = {model: served_context_of(rows, model) for model in models}
             for gone in set(self._sent) - {w.id for w in self._workers}:
                 del self._sent[gone]
@@ -219,9 +229,24 @@ def taking_jobs(rows: list[WorkerState], model: str) -> list[WorkerState]:
 
 def grammar_backends_of(rows: list[WorkerState], model: str) -> list[str | None]:
     """The structured-output backend each worker of ``model`` that takes jobs (``taking_jobs``) says its engine
-    compiles with (``grammar_backend``); None for one that says none (an older worker, the own engine)."""
-    return [backend if isinstance(backend := (r.state or {}).get("grammar_backend"), str) else None
-            for r in taking_jobs(rows, model)]
+    compiles with (``grammar_backend``); None for one that says none (an older worker, the own engine) or whose
+    backend cannot run (``grammar_unavailable``: it compiles nothing, and ``grammar_unavailable_of`` says why)."""
+    return [backend if isinstance(backend := (r.state or {}).get("grammar_backend"), str)
+            and not grammar_unavailable(r.state) else None for r in taking_jobs(rows, model)]
+
+
+def grammar_unavailable(state: dict[str, Any] | None) -> str | None:
+    """Why a worker's heartbeat state says its engine's structured-output backend cannot run (the one the operator
+    named, which vLLM cannot make: ``gpu_runtime.vllm.scheduler.pin_grammar_backend``); None: it runs, or an older
+    worker that does not say."""
+    why = (state or {}).get("grammar_unavailable")
+    return why if isinstance(why, str) and why else None
+
+
+def grammar_unavailable_of(rows: list[WorkerState], model: str) -> dict[str, str]:
+    """Worker id -> why its backend cannot run (``grammar_unavailable``), for each worker of ``model`` that takes
+    jobs (``taking_jobs``) and says so."""
+    return {r.id: why for r in taking_jobs(rows, model) if (why := grammar_unavailable(r.state)) is not None}
 
 
 def served_context_of(rows: list[WorkerState], model: str) -> int | None:

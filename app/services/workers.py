@@ -62,6 +62,20 @@ def grammar_backends(settings: Settings) -> tuple[str, ...]:
     return output_constraints.backends_of(published)
 
 
+def grammar_refusal(settings: Settings) -> str | None:
+    """Why a job of the model with a structured output is refused at submit: a live worker of it says its engine's
+    backend cannot run (``output_constraints.unusable_refusal``); None where none says so. The workers as the
+    process's router last read them (at most once per ``routing.REFRESH_S``)."""
+    router = routing.settings_router(settings)
+    try:
+        unusable = router.grammar_unavailable(settings.model_name)
+        live = len(router.grammar_backends(settings.model_name))
+    except SQLAlchemyError as exc:  # nothing known of the workers: the worker refuses one it cannot run
+        log.warning("could not read whether the workers can run structured outputs (%s)", exc)
+        return None
+    return output_constraints.unusable_refusal(unusable, live)
+
+
 def held_context_length(settings: Settings) -> int:
     """The context the API holds a job to: its own engine settings' (``context_length``), or less where a live
     worker of the model serves less (its engine set shorter than this API knows), so a job it accepts is one every

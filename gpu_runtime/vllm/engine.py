@@ -164,6 +164,9 @@ class VLLMEngine:
 
         # the backend its structured outputs compile with, for the heartbeat (the API checks constraints with it)
         self.grammar_backend = grammar_backend(self.core_scheduler.structured_output_manager, llm.vllm_config)
+        # why that backend cannot run (``pin_grammar_backend``; None: it runs), for the heartbeat: the API refuses a
+        # structured output at submit then, instead of a job this engine fails
+        self.grammar_unavailable: str | None = getattr(self.core_scheduler, "grammar_unavailable", None)
         self.scheduler = _SchedulerView(self.core_scheduler)
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
         self.speculation = _SpeculationView(spec_policy, self.core_scheduler)

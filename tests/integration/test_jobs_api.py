@@ -683,6 +683,33 @@ def test_a_constraint_is_checked_with_the_backend_the_live_workers_publish(clien
     assert r.status_code == 422 and "under xgrammar" in r.text, r.text
 
 
+def test_a_structured_output_is_refused_at_submit_where_no_live_worker_can_run_its_backend(client, keys, settings,
+                                                                                          monkeypatch):
+    """A worker whose named backend vLLM cannot make (lm-format-enforcer 0.11 under vLLM 0.32) says so in its
+    heartbeat (``grammar_unavailable``): a constrained request is a 400 at submit naming the field and what to do,
+    not a job that fails on the worker; one without a structured output is taken."""
+    from app.db.models import WorkerState
+    from app.services import routing
+
+    monkeypatch.setattr(routing, "REFRESH_S", 0.0)  # read the workers on every request here
+    settings.backend = "vllm"
+    why = ("the worker's structured-output backend lm-format-enforcer cannot run on this engine: vllm is not "
+           "installed; send the request without a structured output, or have the operator name another backend "
+           "(--structured-outputs-config in COSERVE_VLLM_ENGINE_ARGS)")
+    with session_scope(settings.sqlalchemy_url) as s:  # its heartbeat's row (workers.gpu_worker's _state)
+        s.add(WorkerState(id="w-lmfe", model=settings.model_name, queue="q", device="cpu", state={
+            "served": [settings.model_name], "grammar_backend": "lm-format-enforcer", "grammar_unavailable": why}))
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"choice": ["yes", "no"]}},
+                    headers=H(keys.paid))
+    assert r.status_code == 422 and "no live worker of the model can run a structured output" in r.text, r.text
+    assert why in r.text, r.text
+    r = client.post("/v1/chat/completions", json={  # a chat request waits on no job that cannot run
+        "model": settings.model_name, "messages": [{"role": "user", "content": "x"}],
+        "structured_outputs": {"regex": "[ab]+"}}, headers=H(keys.paid))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert client.post("/v1/jobs", json={"prompt": "x"}, headers=H(keys.paid)).status_code == 201
+
+
 def test_a_property_class_inside_a_character_class_is_refused_as_xgrammar_misreads_it(client, keys, settings):
     """xgrammar reads ``[\\p{L}]`` as the characters p, {, L and } without an error: the API passed a regex whose
     meaning changed on the worker. It is a 400 naming the field and what to write instead."""

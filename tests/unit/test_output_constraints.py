@@ -10,7 +10,7 @@ import pytest
 
 from app import output_constraints
 from app.db.models import WorkerState
-from app.services.routing import grammar_backends_of
+from app.services.routing import grammar_backends_of, grammar_unavailable_of
 
 
 def _rows(*states: dict) -> list[WorkerState]:
@@ -211,3 +211,40 @@ def test_auto_leaves_a_schema_with_pattern_properties_to_outlines():
     schema = output_constraints.schema_text({"type": "object", "patternProperties": {"^x": {"type": "integer"}},
                                              "properties": {"a": {"type": "array", "uniqueItems": True}}})
     assert output_constraints.outcomes([("json", schema)], ("auto",)) == {("json", schema): None}
+
+
+_LMFE_WHY = ("the worker's structured-output backend lm-format-enforcer cannot run on this engine: vllm is not "
+             "installed; send the request without a structured output, or have the operator name another backend "
+             "(--structured-outputs-config in COSERVE_VLLM_ENGINE_ARGS)")  # pin_grammar_backend's words
+_UNUSABLE = {"grammar_backend": "lm-format-enforcer", "grammar_unavailable": _LMFE_WHY}
+
+
+def _refusal(*states: dict, model: str = "m") -> str | None:
+    rows = _rows(*states)
+    return output_constraints.unusable_refusal(grammar_unavailable_of(rows, model),
+                                               len(grammar_backends_of(rows, model)))
+
+
+def test_a_worker_whose_backend_cannot_run_is_no_backend_to_check_with():
+    assert _backends(_UNUSABLE) == ("xgrammar",)  # nothing to check with: the refusal (``unusable_refusal``) says why
+    assert _backends(_UNUSABLE, {"grammar_backend": "guidance"}) == ("guidance",)
+
+
+def test_every_live_worker_without_a_usable_backend_refuses_a_structured_output():
+    refused = _refusal(_UNUSABLE, {**_UNUSABLE, "grammar_unavailable": "another reason"})
+    assert refused is not None and refused.startswith("no live worker of the model can run a structured output")
+    assert "worker 'w0': " + _LMFE_WHY in refused and "send the request without a structured output" in refused
+
+
+def test_some_live_workers_without_a_usable_backend_refuse_a_structured_output_as_any_may_take_it():
+    refused = _refusal({"grammar_backend": "xgrammar"}, _UNUSABLE)
+    assert refused is not None and refused.startswith("1 of the model's 2 live workers cannot run a structured output")
+    assert "worker 'w1'" in refused and "a job may go to any of them" in refused, refused
+
+
+def test_usable_backends_other_models_and_stopping_workers_refuse_nothing():
+    assert _refusal() is None  # none up yet
+    assert _refusal({"grammar_backend": "lm-format-enforcer"}, {"grammar_backend": "xgrammar"}, {}) is None
+    assert _refusal({**_UNUSABLE, "served": ["other"]}, {"grammar_backend": "xgrammar"}) is None
+    assert _refusal({**_UNUSABLE, "stopping": True}, {"grammar_backend": "xgrammar"}) is None
+    assert _refusal({**_UNUSABLE, "grammar_unavailable": None}) is None  # one that made its backend

@@ -23,6 +23,7 @@ def test_a_constraint_outlines_refuses_fails_its_request_with_vllms_reason():
     backend, grammar_refused = "outlines", "Outlines structured outputs backend does not support grammar specifications"
     result = _run(backend)
     assert result["published"] == backend, result  # the heartbeat's grammar_backend: the API knows it
+    assert result["unavailable"] is None, result  # made: the API takes its constraints
     said = result["said"]
     assert said["grammar"] == {"event": "rejected", "status": "finished_aborted", "error": grammar_refused}, said
     assert said["tag"]["event"] == "rejected" and said["tag"]["error"].startswith(
@@ -39,6 +40,9 @@ def test_a_backend_vllm_cannot_make_fails_each_constrained_request_and_leaves_th
 its log. Each now fails with why, a request's error (the operator names another backend, the user sends none)."""
     result = _run("lm-format-enforcer")
     assert result["held"] == [] and result["has_work"] is False, result
+    # the heartbeat's grammar_unavailable: the API refuses a structured output at submit (test_output_constraints.py)
+    assert result["unavailable"].startswith(
+        "the worker's structured-output backend lm-format-enforcer cannot run on this engine: "), result
     said = result["said"]
     for rid in ("grammar", "tag", "served"):  # refused before vLLM: the worker found at its start why it cannot run
         assert said[rid]["event"] == "rejected" and said[rid]["status"] == "finished_aborted", said

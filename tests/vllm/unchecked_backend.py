@@ -39,7 +39,8 @@ def main(backend: str) -> None:
         for out in engine.step():
             if out.finished or out.event == "rejected":
                 said[out.request_id] = {"event": out.event, "status": out.status.value, "error": out.error}
-    print(json.dumps({"published": engine.grammar_backend, "said": said, "held": sorted(engine.requests),
+    print(json.dumps({"published": engine.grammar_backend, "unavailable": engine.grammar_unavailable, "said": said,
+                      "held": sorted(engine.requests),
                       "has_work": engine.has_work}))
 
 
