@@ -725,7 +725,7 @@ _TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers
 
 
 def test_a_structural_tags_schema_is_held_to_what_xgrammar_misreads(client, keys, settings):
-    """A tag's JSON schema compiles with xgrammar inside the tag (vLLM 0.32 never sends a tag to guidance): a pattern
+    r"""A tag's JSON schema compiles with xgrammar inside the tag (vLLM 0.32 never sends a tag to guidance): a pattern
     xgrammar misreads ([\p{L}]) is refused naming the tag's schema, as it is in a json_schema; a feature xgrammar
     does not follow but compiles (uniqueItems), which a json_schema's check refuses as vLLM sends it to guidance, is
     taken in a tag, as vLLM takes it."""
