@@ -19,7 +19,7 @@ from app.api import (admin, anthropic_messages, batches, conversations, errors, 
 from app.auth import KeyCache, announce_revocation
 from app.credentials import ensure_admin_key
 from app.db.migrate import schema_problem, upgrade
-from app.db.session import get_engine
+from app.db.session import get_engine, size_pool
 from app.observability.http_metrics import instrument
 from app.observability.logs import API_LOG_FORMAT, configure_logging
 from app.openai_schemas import OpenAIRoute
@@ -200,6 +200,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Co-serving interactive LLM requests and deadline batch jobs.")
     api.state.settings = settings or get_settings()
     settings = api.state.settings
+    size_pool(settings.sqlalchemy_url, settings.database_pool)  # before any session of the app's
     # before any request renders chat messages
     use_chat_template(settings.model, settings.chat_template, settings.chat_template_content_format)
     api.state.key_cache = KeyCache(settings.redis_url)  # API keys' lookups, invalidated through Redis

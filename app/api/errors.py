@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -23,12 +25,15 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
 from app import output_constraints, request_id
+from app.db.session import database_unavailable
 from app.services.workers import grammar_backends
 from app.settings import get_settings
 from app.wire import find_unstorable, json_safe, unstorable_message
@@ -216,9 +221,57 @@ async def server_error_handler(request: Request, exc: Exception) -> Response:
     log.error("request %s (%s %s) failed", rid, request.method, request.url.path, exc_info=exc)
     message = f"The server had an error while processing your request (request id {rid}); report it with this id"
     route = request.scope.get("route")
-    answer = (route.error(OpenAIError(500, message, type="server_error")) if isinstance(route, OpenAIRoute)
+    answer = (route.error_to(request, OpenAIError(500, message, type="server_error")) if isinstance(route, OpenAIRoute)
               else JSONResponse({"detail": message}, status_code=500))
     answer.headers["x-request-id"] = rid
+    return answer
+
+
+# how long a client is asked to wait before it retries while the database is unavailable (OpenAI's and Anthropic's
+# SDKs wait what retry-after says, up to a minute); a pool's burst or a failover is over in seconds
+DATABASE_RETRY_AFTER_S = 5
+# while the database stays unavailable, one log line per this many seconds says so, with how many requests it refused
+OUTAGE_LOG_INTERVAL_S = 60.0
+
+
+class OutageLog:
+    """Logs the database's unavailability once, then once a minute with the count of the requests refused meanwhile
+    (a traceback per request filled the log during an outage, and said 'defect' where there was none)."""
+
+    def __init__(self, interval_s: float = OUTAGE_LOG_INTERVAL_S) -> None:
+        self.interval_s, self.refused, self.logged_at = interval_s, 0, None
+        self._lock = threading.Lock()
+
+    def note(self, exc: BaseException) -> None:
+        with self._lock:
+            self.refused += 1
+            now = time.monotonic()
+            if self.logged_at is not None and now - self.logged_at < self.interval_s:
+                return
+            refused, self.refused, self.logged_at = self.refused, 0, now
+        log.warning("the database is unavailable (%s: %s); %d request(s) answered 503 since the last report",
+                    type(exc).__name__, str(getattr(exc, "orig", None) or exc).partition("\n")[0], refused)
+
+
+async def database_unavailable_handler(request: Request, exc: Exception) -> Response:
+    """A 503 with ``retry-after`` where the database cannot serve now (``database_unavailable``: busy, locked, down,
+    its pool exhausted): the client's SDK retries it, and the outage is logged once (``OutageLog``), not as a defect.
+    Any other database error is one: it goes on to ``server_error_handler``'s 500."""
+    if not database_unavailable(exc):
+        raise exc
+    from app.openai_schemas import OpenAIError, OpenAIRoute  # it builds on this module
+
+    request.app.state.outage_log.note(exc)
+    rid = request_id.current() or "-"
+    message = (f"the database is unavailable (busy, locked or unreachable); "
+               f"retry in {DATABASE_RETRY_AFTER_S} seconds (request id {rid})")
+    headers = {"retry-after": str(DATABASE_RETRY_AFTER_S), "x-request-id": rid}
+    route = request.scope.get("route")
+    if isinstance(route, OpenAIRoute):
+        answer = route.error_to(request, OpenAIError(503, message, type="server_error", code="database_unavailable"))
+    else:
+        answer = unrouted_error(request.scope, 503, message)
+    answer.headers.update(headers)
     return answer
 
 
@@ -244,6 +297,9 @@ def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixe
     app.state.anthropic_sdk_prefixes = tuple(anthropic_sdk_prefixes)
     app.add_exception_handler(RequestValidationError, request_validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
+    app.state.outage_log = OutageLog()
+    for unavailable in (DBAPIError, PoolTimeout):  # which of them say the database is unavailable: the handler's call
+        app.add_exception_handler(unavailable, database_unavailable_handler)
     app.add_exception_handler(Exception, server_error_handler)
 
 

@@ -12,10 +12,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 try:
@@ -31,8 +32,43 @@ SQLITE_BUSY_TIMEOUT_MS = 15_000
 CONNECT_TIMEOUT_S = 5
 POOL_TIMEOUT_S = 10  # the longest a request waits for a pooled connection while all are in use
 SERVER_POOL = (10, 20)  # a database server's pool per process: kept connections, more while busy (SCALE-OUT.md)
+SQLITE_POOL = (16, 32)  # SQLite's: connections are cheap, and write_guard serializes the writers among them
 # what a database that cannot be reached raises: refused, timed out, or no pooled connection came free in time
 DATABASE_UNAVAILABLE = (OperationalError, PoolTimeout)
+# SQLite's (extended) result codes of a file another connection holds past the busy timeout: SQLITE_BUSY, SQLITE_LOCKED,
+# SQLITE_BUSY_RECOVERY (another connection recovers the WAL), SQLITE_BUSY_TIMEOUT. Not SQLITE_BUSY_SNAPSHOT (517): a
+# read turned write after another writer committed, which code that reads then writes avoids (``read_then_write``)
+SQLITE_BUSY_CODES = frozenset({5, 6, 261, 773})
+# PostgreSQL's SQLSTATEs of a server that cannot serve now: class 08 (connection exception), too many connections,
+# shutting down (admin, crash), starting up; not a statement's own errors (a syntax error, a constraint broken)
+SERVER_UNAVAILABLE_STATES = frozenset({"53300", "57P01", "57P02", "57P03"})
+# libpq's words where a connection could not be made or was lost (no SQLSTATE comes with them); not a refused login
+# (a wrong password, an unknown database: the deployment's own defect, which no retry mends)
+SERVER_UNREACHABLE_WORDS = ("Connection refused", "timeout expired", "could not connect to server",
+                            "server closed the connection unexpectedly", "No such file or directory",
+                            "the database system is starting up", "the database system is shutting down",
+                            "the database system is in recovery mode", "the database system is not yet accepting",
+                            "too many clients already", "remaining connection slots are reserved")
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot serve now, as a retry in seconds may find it can: no pooled connection
+    came free within the pool's timeout, a connection that was lost (SQLAlchemy's ``connection_invalidated``), SQLite's
+    file held by another connection past its busy timeout, a server that refused, timed out, is starting or stopping,
+    or has no connection slot left. A statement's own failure (a missing table, a broken constraint) is a defect: no."""
+    if isinstance(exc, PoolTimeout):
+        return True
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    driver_error = exc.orig
+    if (sqlite_code := getattr(driver_error, "sqlite_errorcode", None)) is not None:
+        return sqlite_code in SQLITE_BUSY_CODES
+    state = getattr(driver_error, "pgcode", None) or getattr(driver_error, "sqlstate", None)  # psycopg2's, psycopg's
+    if state:
+        return state.startswith("08") or state in SERVER_UNAVAILABLE_STATES
+    return isinstance(exc, OperationalError) and any(w in str(driver_error) for w in SERVER_UNREACHABLE_WORDS)
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -67,21 +103,46 @@ class HiddenRows(logging.Filter):
 logging.getLogger("sqlalchemy.engine.Engine").addFilter(HiddenRows())
 
 
+@dataclass(frozen=True)
+class PoolSize:
+    """A process's connection pool to one database (``Settings.database_pool``): an operator sizes it against the
+    server's ``max_connections`` and the processes sharing it (ops/compose/SCALE-OUT.md)."""
+
+    size: int | None = None  # connections kept open; None: the backend's (SERVER_POOL, SQLITE_POOL)
+    overflow: int | None = None  # opened beyond them while busy, closed once returned; None: the backend's
+    timeout_s: float = POOL_TIMEOUT_S  # how long a session waits for one while all are in use (then a 503)
+
+    def engine_args(self, url: str) -> dict[str, float]:
+        size, overflow = SQLITE_POOL if url.startswith("sqlite") else SERVER_POOL
+        return {"pool_size": size if self.size is None else self.size,
+                "max_overflow": overflow if self.overflow is None else self.overflow, "pool_timeout": self.timeout_s}
+
+
+_pool_sizes: dict[str, PoolSize] = {}  # a URL's pool where this process's settings size it (``size_pool``)
+
+
+def size_pool(url: str, pool: PoolSize) -> None:
+    """The pool the engine of ``url`` gets in this process (the API's and a worker's start, from their settings); an
+    engine made before with another size is let go, with every cached one (a process sizes its pool once, at start)."""
+    if _pool_sizes.get(url, PoolSize()) != pool:
+        get_sessionmaker.cache_clear()
+        get_engine.cache_clear()
+    _pool_sizes[url] = pool
+
+
 def make_engine(url: str, **kwargs) -> Engine:
     # a statement's values (webhook secrets, prompts) stay out of SQLAlchemy's log lines and error messages
     kwargs.setdefault("hide_parameters", True)
+    kwargs = _pool_sizes.get(url, PoolSize()).engine_args(url) | kwargs
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False,
-                                                  "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
-                               pool_size=16, max_overflow=32, **kwargs)
+                                                  "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         # pysqlite's own transaction handling is switched off so BEGIN IMMEDIATE is ours
         event.listen(engine, "connect", lambda c, _r: setattr(c, "isolation_level", None))
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=SERVER_POOL[0], max_overflow=SERVER_POOL[1],
-                         pool_timeout=POOL_TIMEOUT_S,
-                         connect_args=server_connect_args(url), **kwargs)
+    return create_engine(url, pool_pre_ping=True, connect_args=server_connect_args(url), **kwargs)
 
 
 def server_connect_args(url: str) -> dict[str, int]:

@@ -1,0 +1,129 @@
+"""What every API answers while its database cannot serve: a server refusing or hanging, a SQLite file locked past its
+busy timeout, the connection pool exhausted. Each is a 503 in the route's API's error shape with ``retry-after`` (the
+OpenAI and Anthropic SDKs retry it), logged once; before, each was a 500 calling itself a defect, with a traceback per
+request. A statement's own failure (a table missing) stays the 500 it is."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from app.api.errors import DATABASE_RETRY_AFTER_S
+from app.db import session as db_session
+from tests.conftest import free_port, make_keys
+
+pytestmark = pytest.mark.integration
+ANTHROPIC_SDK = {"anthropic-version": "2023-06-01"}
+# a route of each shape an error comes in: coserve's own, OpenAI's, Anthropic's, a path both SDKs call
+ROUTES = (("/v1/jobs", {}, "native"), ("/v1/batches", {}, "openai"),
+          ("/v1/messages/batches", ANTHROPIC_SDK, "anthropic"), ("/v1/files", ANTHROPIC_SDK, "anthropic"))
+
+
+def _client(settings) -> TestClient:
+    from app.auth import clear_cache
+    from app.main import create_app
+
+    clear_cache()  # each key is looked up in the database, not found in an earlier test's cache
+    return TestClient(create_app(settings), raise_server_exceptions=False)
+
+
+def _postgres_url(port: int) -> str:
+    return f"postgresql+psycopg2://coserve@127.0.0.1:{port}/coserve"
+
+
+def assert_retry_later(r, shape: str) -> None:
+    """A 503 the SDKs retry after ``retry-after``, saying the database is unavailable, in ``shape``'s error shape."""
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == str(DATABASE_RETRY_AFTER_S), r.headers
+    body = r.json()
+    if shape == "native":
+        message = body["detail"]
+    elif shape == "openai":
+        assert (body["error"]["type"], body["error"]["code"]) == ("server_error", "database_unavailable"), body
+        message = body["error"]["message"]
+    else:
+        assert body["type"] == "error" and body["error"]["type"] == "overloaded_error", body
+        assert r.headers["request-id"] == body["request_id"]
+        message = body["error"]["message"]
+    assert "the database is unavailable" in message and f"retry in {DATABASE_RETRY_AFTER_S} seconds" in message
+
+
+def test_every_api_answers_503_with_retry_after_while_the_database_refuses_and_logs_it_once(settings, keys, caplog):
+    settings.database_url = _postgres_url(free_port())  # nothing listens there: the key cannot even be looked up
+    with _client(settings) as client, caplog.at_level(logging.WARNING):
+        for path, headers, shape in ROUTES:
+            assert_retry_later(client.get(path, headers={"Authorization": f"Bearer {keys.paid}", **headers}), shape)
+    said = [r for r in caplog.records if "the database is unavailable" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and said[0].exc_info is None, caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_request_while_the_database_server_hangs_is_a_503_after_the_connect_timeout(settings, keys):
+    # the socket closes first (its waiting connections reset): a request still waiting on it ends, and the pool joins
+    with ThreadPoolExecutor(1) as pool, socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes the handshakes; nothing ever reads or answers
+        settings.database_url = _postgres_url(silent.getsockname()[1])
+
+        def request():
+            with _client(settings) as client:
+                return client.get("/v1/batches", headers={"Authorization": f"Bearer {keys.paid}"})
+
+        answer = pool.submit(request).result(timeout=120)
+    assert_retry_later(answer, "openai")
+
+
+def test_a_job_submitted_while_sqlite_is_locked_is_a_503_and_its_retry_is_written_once(settings, tmp_path,
+                                                                                        monkeypatch):
+    from app.db.migrate import upgrade
+
+    path = tmp_path / "locked.db"
+    url = f"sqlite:///{path}"
+    monkeypatch.setattr(db_session, "SQLITE_BUSY_TIMEOUT_MS", 300)  # each connection's busy timeout, set at connect
+    upgrade(url)
+    keys = make_keys(url)
+    settings.database_url = url
+    job = {"prompt": "hello", "max_tokens": 2}
+    with _client(settings) as client:
+        holder = sqlite3.connect(path, isolation_level=None)  # another process's writer holding the file
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            assert_retry_later(client.post("/v1/jobs", json=job, headers={"Authorization": f"Bearer {keys.paid}"}),
+                               "native")
+        finally:
+            holder.rollback()
+            holder.close()
+        retried = client.post("/v1/jobs", json=job, headers={"Authorization": f"Bearer {keys.paid}"})
+        assert retried.status_code == 201, retried.text
+        listed = client.get("/v1/jobs", headers={"Authorization": f"Bearer {keys.paid}"}).json()["data"]
+    assert [j["id"] for j in listed] == [retried.json()["id"]]  # the refused submission left no row behind
+
+
+def test_a_request_that_finds_the_pool_exhausted_is_a_503_and_the_next_one_is_served(settings, keys):
+    settings.database_pool_size, settings.database_max_overflow, settings.database_pool_timeout_s = 2, 0, 0.5
+    with _client(settings) as client:
+        engine = db_session.get_engine(settings.sqlalchemy_url)  # the pool the app's sessions take from
+        held = [engine.connect() for _ in range(2)]  # a burst of requests holding every connection
+        try:
+            assert_retry_later(client.get("/v1/batches", headers={"Authorization": f"Bearer {keys.paid}"}), "openai")
+        finally:
+            for connection in held:
+                connection.close()
+        served = client.get("/v1/batches", headers={"Authorization": f"Bearer {keys.paid}"})
+    assert served.status_code == 200, served.text
+
+
+def test_a_statements_own_failure_stays_a_500(settings, keys):
+    """A table missing (SQLite's OperationalError, as a locked file's is) is a defect no retry mends: not a 503."""
+    with db_session.get_engine(settings.sqlalchemy_url).begin() as conn:
+        conn.execute(text("ALTER TABLE webhook_endpoints RENAME TO webhook_endpoints_gone"))
+    with _client(settings) as client:
+        r = client.get("/v1/webhook_endpoints", headers={"Authorization": f"Bearer {keys.paid}"})
+    assert r.status_code == 500 and "retry-after" not in r.headers, r.text
+    assert "report it with this id" in r.json()["error"]["message"]
