@@ -25,15 +25,13 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
 from app import output_constraints, request_id
-from app.db.session import database_unavailable
+from app.db.session import DATABASE_ERRORS, database_unavailable
 from app.services.workers import grammar_backends
 from app.settings import get_settings
 from app.wire import find_unstorable, json_safe, unstorable_message
@@ -298,8 +296,8 @@ def install(app: FastAPI, openai_prefixes: Sequence[str] = (), anthropic_prefixe
     app.add_exception_handler(RequestValidationError, request_validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
     app.state.outage_log = OutageLog()
-    for unavailable in (DBAPIError, PoolTimeout):  # which of them say the database is unavailable: the handler's call
-        app.add_exception_handler(unavailable, database_unavailable_handler)
+    for database_error in DATABASE_ERRORS:  # which of them say the database is unavailable: the handler's call
+        app.add_exception_handler(database_error, database_unavailable_handler)
     app.add_exception_handler(Exception, server_error_handler)
 
 

@@ -25,7 +25,7 @@ from app.auth import Principal
 from app.context_overflow import ContextOverflow
 from app.db import pagination
 from app.db.models import STAGED, Job, JobEvent, JobKind, JobStatus, new_id
-from app.db.session import write_after_read, write_guard
+from app.db.session import DATABASE_ERRORS, database_unavailable, write_after_read, write_guard
 from app.reasoning import CLOSE, OPEN
 from app.schemas import MAX_BAD_WORDS, MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
@@ -488,15 +488,33 @@ def record_job(session: Session, settings: Settings, job: Job, *, via: str = "/v
             raise
         return _earlier(existing, job)  # a concurrent submission with the same key won the insert
     if dispatch:
-        redis_url = settings.redis_url
-        queue = routing.job_queue(settings, job.model, job.route_key, job.kind) if redis_url else None
-        if redis_url and dispatching.dispatch(session, redis_url, job.id, job.model, queue=queue,
-                                              priority=message_priority(job.kind),
-                                              send=dispatching.send_routed(settings, job.model)):
-            # dispatch() already wrote the row; reflect it in the answer without marking the object
-            # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
-            set_committed_value(job, "status", JobStatus.DISPATCHED.value)
+        _dispatch_written(session, settings, job)
     return Submitted(job, created=True, rate=rate)
+
+
+def _dispatch_written(session: Session, settings: Settings, job: Job) -> None:
+    """Sends a committed job to the workers. Where the database cannot mark it dispatched (``database_unavailable``),
+    the job is accepted all the same: it stays queued, which the sweeper sends; a 503 here made its client submit it
+    again, a second job."""
+    redis_url = settings.redis_url
+    if not redis_url:
+        return
+    queue = routing.job_queue(settings, job.model, job.route_key, job.kind)
+    try:
+        sent = dispatching.dispatch(session, redis_url, job.id, job.model, queue=queue,
+                                    priority=message_priority(job.kind),
+                                    send=dispatching.send_routed(settings, job.model))
+    except DATABASE_ERRORS as exc:
+        if not database_unavailable(exc):
+            raise
+        session.rollback()
+        log.warning("job %s is written but the database could not mark it dispatched (%s); the sweeper sends it",
+                    job.id, type(exc).__name__)
+        return
+    if sent:
+        # dispatch() already wrote the row; reflect it in the answer without marking the object
+        # dirty, so a later commit on this session cannot overwrite a worker's lease (running)
+        set_committed_value(job, "status", JobStatus.DISPATCHED.value)
 
 
 def get_job(session: Session, tenant_id: str | None, job_id: str, lock: bool = False) -> Job | None:

@@ -79,16 +79,20 @@ def test_a_request_while_the_database_server_hangs_is_a_503_after_the_connect_ti
     assert_retry_later(answer, "openai")
 
 
-def test_a_job_submitted_while_sqlite_is_locked_is_a_503_and_its_retry_is_written_once(settings, tmp_path,
-                                                                                        monkeypatch):
+def _locked_sqlite(tmp_path, monkeypatch):
+    """A migrated SQLite file whose connections wait 0.3 s for a lock (``SQLITE_BUSY_TIMEOUT_MS``), and its keys."""
     from app.db.migrate import upgrade
 
     path = tmp_path / "locked.db"
-    url = f"sqlite:///{path}"
     monkeypatch.setattr(db_session, "SQLITE_BUSY_TIMEOUT_MS", 300)  # each connection's busy timeout, set at connect
-    upgrade(url)
-    keys = make_keys(url)
-    settings.database_url = url
+    upgrade(f"sqlite:///{path}")
+    return path, make_keys(f"sqlite:///{path}")
+
+
+def test_a_job_submitted_while_sqlite_is_locked_is_a_503_and_its_retry_is_written_once(settings, tmp_path,
+                                                                                        monkeypatch):
+    path, keys = _locked_sqlite(tmp_path, monkeypatch)
+    settings.database_url = f"sqlite:///{path}"
     job = {"prompt": "hello", "max_tokens": 2}
     with _client(settings) as client:
         holder = sqlite3.connect(path, isolation_level=None)  # another process's writer holding the file
@@ -127,3 +131,34 @@ def test_a_statements_own_failure_stays_a_500(settings, keys):
         r = client.get("/v1/webhook_endpoints", headers={"Authorization": f"Bearer {keys.paid}"})
     assert r.status_code == 500 and "retry-after" not in r.headers, r.text
     assert "report it with this id" in r.json()["error"]["message"]
+
+
+def test_a_job_written_before_the_database_locks_is_accepted_once_and_left_for_the_sweeper(settings, tmp_path,
+                                                                                            monkeypatch):
+    """The job's row commits, then another writer takes the file before the job is marked dispatched: the job is
+    accepted (201, queued: the sweeper sends a queued job), not a 503 that made its client submit it again."""
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    from app.db.models import Job
+
+    path, keys = _locked_sqlite(tmp_path, monkeypatch)
+    settings.database_url = f"sqlite:///{path}"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    def lock_once_the_job_is_in(session, _flush_context) -> None:
+        if any(isinstance(o, Job) for o in session.new):
+            event.listen(session, "after_commit", lambda _s: holder.execute("BEGIN EXCLUSIVE"), once=True)
+
+    event.listen(Session, "after_flush", lock_once_the_job_is_in)
+    try:
+        with _client(settings) as client:
+            r = client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2},
+                            headers={"Authorization": f"Bearer {keys.paid}", "Idempotency-Key": "once"})
+            holder.rollback()
+            listed = client.get("/v1/jobs", headers={"Authorization": f"Bearer {keys.paid}"}).json()["data"]
+    finally:
+        event.remove(Session, "after_flush", lock_once_the_job_is_in)
+        holder.close()
+    assert r.status_code == 201, r.text
+    assert [(j["id"], j["status"]) for j in listed] == [(r.json()["id"], "queued")]
