@@ -34,7 +34,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import TableClause
 
 from app.db.models import STAGED, Job, JobEvent, JobStatus
-from app.db.session import get_engine, get_sessionmaker, let_others_write, read_then_write, write_guard
+from app.db.session import (database_unavailable, get_engine, get_sessionmaker, let_others_write, read_then_write,
+                            write_guard)
 from app.services.dispatch import send_dispatched
 from app.services.rate_limits import Charge, Decision, RateLimited, RateLimiter
 from app.services.transitions import utcnow
@@ -242,11 +243,14 @@ class JobWriter:
                 session.commit()
         except Exception as exc:
             session.rollback()
-            if len(batch) > 1:  # find the bad row: retry one by one
+            # find the bad row: retry one by one; where the database refused the batch (locked, down) there is none,
+            # and each try would wait out its busy or connect timeout again
+            if len(batch) > 1 and not database_unavailable(exc):
                 for p in batch:
                     self._insert(sessions, [p])
                 return
-            batch[0].done.set_exception(exc)
+            for p in batch:  # its one row's, or the batch's the database refused
+                p.done.set_exception(exc)
             return
         finally:
             session.close()

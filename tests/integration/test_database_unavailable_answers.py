@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from app.api.errors import DATABASE_RETRY_AFTER_S
 from app.db import session as db_session
-from tests.conftest import free_port, make_keys
+from tests.conftest import free_port, make_keys, wait_for
 
 pytestmark = pytest.mark.integration
 ANTHROPIC_SDK = {"anthropic-version": "2023-06-01"}
@@ -162,3 +162,36 @@ def test_a_job_written_before_the_database_locks_is_accepted_once_and_left_for_t
         holder.close()
     assert r.status_code == 201, r.text
     assert [(j["id"], j["status"]) for j in listed] == [(r.json()["id"], "queued")]
+
+
+def test_submissions_written_together_while_sqlite_is_locked_are_refused_together(settings, tmp_path, monkeypatch):
+    """The API's group-commit writer tried a failed batch again one job at a time, to find the bad row: while the
+    database is locked there is none, and each try waited out the busy timeout again (15 s each: a batch of 64 held
+    every later submission for 16 minutes). A batch the database refuses is refused in one try."""
+    from sqlalchemy import event
+
+    path, keys = _locked_sqlite(tmp_path, monkeypatch)
+    settings.database_url = url = f"sqlite:///{path}"
+    tries = []
+    event.listen(db_session.get_engine(url), "handle_error", lambda context: tries.append(context))
+    waiting = 4
+    with _client(settings) as client, ThreadPoolExecutor(1 + waiting) as pool:
+        writer = client.app.state.job_writer
+        submit = lambda: client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2},  # noqa: E731
+                                     headers={"Authorization": f"Bearer {keys.paid}"})
+        holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        guard_session = db_session.get_sessionmaker(url)()
+        with db_session.write_guard(guard_session):  # the writer's first batch waits here for the others to queue
+            put_before = writer._inbox.unfinished_tasks  # the submissions ever put in (the writer calls no task_done)
+            first = pool.submit(submit)
+            wait_for(lambda: writer._inbox.unfinished_tasks > put_before and writer._inbox.qsize() == 0, 30,
+                     "the writer to take the first submission")
+            others = [pool.submit(submit) for _ in range(waiting)]
+            wait_for(lambda: writer._inbox.qsize() == waiting, 30, "the other submissions to queue")
+            holder.execute("BEGIN EXCLUSIVE")
+        answers = [f.result(timeout=60) for f in (first, *others)]
+        holder.rollback()
+        holder.close()
+        guard_session.close()
+    assert [r.status_code for r in answers] == [503] * (1 + waiting), [r.text for r in answers]
+    assert len(tries) == 2  # the first batch's insert, then the other four's in one
