@@ -23,7 +23,7 @@ from app.anthropic_schemas import (ENDPOINT, CountTokensRequest, MessagesRequest
                                    usage_of)
 from app import request_id
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
-from app.api.errors import anthropic_error, anthropic_responses, anthropic_sdk
+from app.api.errors import anthropic_error, anthropic_responses, anthropic_sdk, stream_failure
 from app.api.openai_compat import (answer_of, charge_count, count_prompt_tokens, documented_body, job_error,
                                    json_object, submit_openai_job)
 from app.db.models import Job
@@ -174,9 +174,8 @@ async def _events(settings: Settings, job: Job) -> AsyncIterator[bytes]:
                             "usage": usage_of(item.prompt_tokens, item.completion_tokens, item.cached_tokens,
                                               item.cache_write_tokens)})
                         yield _sse("message_stop", {})
-    except Exception:  # a bug or a database error: say so; the job itself goes on
-        log.exception("the Messages stream of job %s failed", job.id)
-        yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{job.id})"))
+    except Exception as exc:  # a bug or a database error: say so; the job itself goes on
+        yield _sse_error(OpenAIError(*stream_failure(exc, job.id, f"GET /v1/jobs/{job.id}")))
 
 
 _ANSWERS = {200: {"content": {"text/event-stream": {}}, "description": "a Message, or its events with stream: true"},

@@ -273,6 +273,18 @@ async def database_unavailable_handler(request: Request, exc: Exception) -> Resp
     return answer
 
 
+def stream_failure(exc: Exception, job_id: str, read_at: str) -> tuple[int, str]:
+    """The status and message a job's stream that failed on the way ends with (the job goes on: ``read_at`` reads
+    it), and its one log line: where the database was unavailable (``database_unavailable``) a 503 saying so, without
+    a traceback; else a 500 and the traceback of the defect."""
+    if database_unavailable(exc):
+        log.warning("the stream of job %s stopped: the database is unavailable (%s)", job_id, type(exc).__name__)
+        return 503, (f"the database is unavailable (busy, locked or unreachable), so the stream stopped; the job goes "
+                     f"on: read it in {DATABASE_RETRY_AFTER_S} seconds ({read_at})")
+    log.error("the stream of job %s failed", job_id, exc_info=exc)
+    return 500, f"the stream failed; the job goes on ({read_at})"
+
+
 def _api_at(app: Any, path: str) -> Literal["anthropic", "openai"] | None:
     """The compatible API whose prefix ``path`` lies under (``install``'s arguments), or None on a native path."""
     for api in ("anthropic", "openai"):

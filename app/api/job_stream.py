@@ -16,6 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from app.api.errors import stream_failure
 from app.services.job_follow import job_events, rest_from_sql, rest_ids_from_sql
 from app.services.streaming import StreamEvent
 from app.settings import Settings
@@ -117,7 +118,6 @@ async def sse_events(settings: Settings, job_id: str, resume: StreamPosition | N
                             yield out
                     yield sse("end", _end_data(job_id, ev), event_id(job_id, END))
                     return
-    except Exception:  # a bug or a database error: an error event rather than a body cut short
-        log.exception("the stream of job %s failed", job_id)
-        yield sse("error", {"id": job_id, "error": f"the stream failed; the job goes on (GET /v1/jobs/{job_id})",
-                            "code": "stream_interrupted"})
+    except Exception as exc:  # a bug or a database error: an error event rather than a body cut short
+        _status, message = stream_failure(exc, job_id, f"GET /v1/jobs/{job_id}")
+        yield sse("error", {"id": job_id, "error": message, "code": "stream_interrupted"})

@@ -23,7 +23,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, rate_limiter
-from app.api.errors import openai_responses
+from app.api.errors import openai_responses, stream_failure
 from app.auth import Principal
 from app.db.models import INVALID_REQUEST, Job, JobStatus
 from app.openai_schemas import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, OpenAIError,
@@ -336,10 +336,9 @@ async def _stream(settings: Settings, jobs: list[Job], chat: bool, options: Stre
                         "usage": usage(sum(prompt_tokens[::n]), completion_tokens, known_sum(cached[::n]),
                                        known_sum(reasoning))})
         yield _sse("[DONE]")
-    except Exception:  # a bug or a database error: say so to the client; the jobs themselves go on
-        log.exception("the stream of job %s failed", jobs[0].id)
-        yield _sse_error(OpenAIError(500, f"the stream failed; the job goes on (GET /v1/jobs/{jobs[0].id})",
-                                     type="server_error", code="stream_interrupted"))
+    except Exception as exc:  # a bug or a database error: say so to the client; the jobs themselves go on
+        status, message = stream_failure(exc, jobs[0].id, f"GET /v1/jobs/{jobs[0].id}")
+        yield _sse_error(OpenAIError(status, message, type="server_error", code="stream_interrupted"))
 
 
 def _job_specs(body: ChatCompletionRequest | CompletionRequest, chat: bool, settings: Settings) -> list:

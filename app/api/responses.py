@@ -22,7 +22,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, WithLogprobs, rate_limiter
-from app.api.errors import openai_responses
+from app.api.errors import openai_responses, stream_failure
 from app.api.openai_compat import (answer_of, charge_count, count_prompt_tokens, documented_body, job_error,
                                    read_body, submit_openai_job)
 from app.auth import Principal
@@ -274,10 +274,9 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any], asked_logp
                                              reasoning_tokens=item.reasoning_tokens)
                         yield _event("response.completed" if body["status"] == "completed" else "response.incomplete",
                                      response=body)
-    except Exception:  # a bug or a database error: say so; the job itself goes on
-        log.exception("the Responses stream of job %s failed", job.id)
-        yield _event("error", code="stream_interrupted", param=None,
-                     message=f"the stream failed; the job goes on (GET /v1/responses/{job.id})")
+    except Exception as exc:  # a bug or a database error: say so; the job itself goes on
+        _status, message = stream_failure(exc, job.id, f"GET /v1/responses/{job.id}")
+        yield _event("error", code="stream_interrupted", param=None, message=message)
 
 
 def _event(kind: str, **fields: Any) -> Event:

@@ -5,6 +5,7 @@ request. A statement's own failure (a table missing) stays the 500 it is."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import sqlite3
@@ -195,3 +196,26 @@ def test_submissions_written_together_while_sqlite_is_locked_are_refused_togethe
         guard_session.close()
     assert [r.status_code for r in answers] == [503] * (1 + waiting), [r.text for r in answers]
     assert len(tries) == 2  # the first batch's insert, then the other four's in one
+
+
+def test_a_stream_whose_database_read_finds_the_pool_exhausted_says_so_and_the_job_goes_on(settings, keys, caplog):
+    """A job's stream asks SQL for the job's end while Redis is silent: where no pooled connection comes free, the
+    stream's error says the database is unavailable, logged in one line (a traceback and 'the stream failed' before);
+    the job stays."""
+    settings.database_pool_size, settings.database_max_overflow, settings.database_pool_timeout_s = 2, 0, 0.5
+    auth = {"Authorization": f"Bearer {keys.paid}"}
+    with _client(settings) as client, caplog.at_level(logging.WARNING):
+        job = client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2}, headers=auth).json()
+        engine = db_session.get_engine(settings.sqlalchemy_url)
+        with client.stream("GET", f"/v1/jobs/{job['id']}/stream", headers=auth) as stream:
+            held = [engine.connect() for _ in range(2)]  # the job's row is read; now a burst holds every connection
+            try:
+                body = "".join(stream.iter_text())
+            finally:
+                for connection in held:
+                    connection.close()
+        kept = client.get(f"/v1/jobs/{job['id']}", headers=auth)
+    error = json.loads(body.split("event: error\ndata: ", 1)[1].split("\n", 1)[0])
+    assert "the database is unavailable" in error["error"] and f"GET /v1/jobs/{job['id']}" in error["error"], error
+    assert kept.status_code == 200 and kept.json()["status"] in ("queued", "dispatched"), kept.text
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
