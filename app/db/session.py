@@ -35,11 +35,11 @@ SERVER_POOL = (10, 20)  # a database server's pool per process: kept connections
 SQLITE_POOL = (16, 32)  # SQLite's: connections are cheap, and write_guard serializes the writers among them
 # what a database that cannot be reached raises: refused, timed out, or no pooled connection came free in time
 DATABASE_UNAVAILABLE = (OperationalError, PoolTimeout)
+# the errors ``database_unavailable`` judges: a driver's (wrapped by SQLAlchemy) and the pool's
+DATABASE_ERRORS = (DBAPIError, PoolTimeout)
 # SQLite's (extended) result codes of a file another connection holds past the busy timeout: SQLITE_BUSY, SQLITE_LOCKED,
 # SQLITE_BUSY_RECOVERY (another connection recovers the WAL), SQLITE_BUSY_TIMEOUT. Not SQLITE_BUSY_SNAPSHOT (517): a
 # read turned write after another writer committed, which code that reads then writes avoids (``read_then_write``)
-# the errors ``database_unavailable`` judges: a driver's (wrapped by SQLAlchemy) and the pool's
-DATABASE_ERRORS = (DBAPIError, PoolTimeout)
 SQLITE_BUSY_CODES = frozenset({5, 6, 261, 773})
 # PostgreSQL's SQLSTATEs of a server that cannot serve now: class 08 (connection exception), too many connections,
 # shutting down (admin, crash), starting up; not a statement's own errors (a syntax error, a constraint broken)
