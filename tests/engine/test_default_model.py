@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.sampling import SamplingParams
 from tests.engine.conftest import hf_greedy, make_request, run_engine
 
 pytestmark = pytest.mark.model
