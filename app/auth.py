@@ -60,7 +60,8 @@ def create_tenant(session: Session, name: str, default_tier: str = "paid") -> Te
     return tenant
 
 
-def create_key(session: Session, tenant: Tenant, *, tier: str | None = None, is_admin: bool = False) -> tuple[ApiKey, str]:
+def create_key(session: Session, tenant: Tenant, *, tier: str | None = None,
+               is_admin: bool = False) -> tuple[ApiKey, str]:
     """Adds a key for ``tenant``; returns the row and the plaintext (shown once)."""
     plaintext = generate_key()
     row = ApiKey(tenant_id=tenant.id, key_hash=hash_key(plaintext), prefix=plaintext[:10],

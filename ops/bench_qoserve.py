@@ -349,8 +349,8 @@ def main() -> None:
         bt = Table(title=f"bursty {low:.2f} <-> {high:.2f} QPS every {args.bursty_period_min * scale:.0f} min "
                          f"(starting low), {args.bursty_free_share:.0%} free tier, SLOs as above, "
                          f"run length {args.bursty_minutes * scale:.0f} simulated min, {trace} - {name}")
-        for col in ("policy", "requests", "violations", "paid (jobs)", "free (jobs)", "relegated (paid)", "finished later",
-                    "in a trough", "after the arrivals", "KV recomputed", "goal"):
+        for col in ("policy", "requests", "violations", "paid (jobs)", "free (jobs)", "relegated (paid)",
+                    "finished later", "in a trough", "after the arrivals", "KV recomputed", "goal"):
             bt.add_column(col, justify="right")
         res = {pol: bj[pol].result() for pol in bursty_policies}
         for pol in bursty_policies:

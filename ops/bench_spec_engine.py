@@ -116,7 +116,8 @@ def main() -> None:
               f"{r['accepted'] / max(1, r['steps']):13.2f} {str(same):>11s}")
     if base:
         best = max((n for n in res if n != "none"), key=lambda n: res[n]["decode_tps"])
-        print(f"\nbest policy: {best}, decode speed-up over no speculation {res[best]['decode_tps'] / base['decode_tps']:.2f}x")
+        print(f"\nbest policy: {best}, decode speed-up over no speculation "
+              f"{res[best]['decode_tps'] / base['decode_tps']:.2f}x")
         for name in ("adaserve", "adaspec", "nightjar"):
             if name in res:
                 print(f"{name} state: {res[name]['state']}")

@@ -257,7 +257,8 @@ class RunMetrics:
     mean_tpot_s: float = 0.0
     by_category: dict[str, tuple[int, int]] = field(default_factory=dict)  # category -> (attained, total)
     tokens_by_phase: dict[int, int] = field(default_factory=dict)  # phase index -> output tokens (phase_s runs)
-    admitted_by_phase: dict[int, list[int]] = field(default_factory=dict)  # phase -> trace indices admitted (closed loop)
+    # phase -> trace indices admitted (closed loop)
+    admitted_by_phase: dict[int, list[int]] = field(default_factory=dict)
     processed_by_phase: dict[int, int] = field(default_factory=dict)  # phase -> prompt + output tokens computed
 
     @property

@@ -130,8 +130,8 @@ VLLM_SCHEDULER = ("sarathi-fcfs", {"chunk_size": 2048})
 def print_table(rows, names: list[str], prefix: str = "") -> None:
     print(f"{'RPS':>5s} {'reqs':>5s} " + " ".join(f"{n:>16s}" for n in names))
     for rps, n, res in rows:
-        print(f"{rps:5.1f} {n:5d} " + " ".join(f"{res[prefix + k].attainment * 100:6.1f}% {res[prefix + k].goodput:7.0f}t/s"
-                                             for k in names))
+        print(f"{rps:5.1f} {n:5d} " + " ".join(f"{res[prefix + k].attainment * 100:6.1f}% "
+                                             f"{res[prefix + k].goodput:7.0f}t/s" for k in names))
 
 
 def engine_setup():
@@ -151,7 +151,8 @@ def describe_drafter(drafter: DrafterSpec, draft_cost_ms: float | None) -> str:
         return (f"drafter: draft model, {cost}; acceptance ASSUMED "
                 f"(geometric, {drafter.assumed_alpha:g} per depth; not measured)")
     return (f"drafter: prompt lookup, measured acceptance (acceptance.json), host cost "
-            f"{drafter.cpu_s_per_request * 1e6:.1f} us/request + {drafter.cpu_s_per_context_token * 1e9:.0f} ns/context token")
+            f"{drafter.cpu_s_per_request * 1e6:.1f} us/request + "
+            f"{drafter.cpu_s_per_context_token * 1e9:.0f} ns/context token")
 
 
 def report(rows, names: list[str], stack: str, vllm_stack: bool) -> None:

@@ -80,7 +80,8 @@ def main() -> None:
 
 def speedup_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Table:
     """Per batch size and policy: median tok/s over the rounds, and the speed-up over none's run of each round."""
-    table = Table(title=f"vLLM speculation, SpecBench summarization, {args.drafter} drafts{' (raw text)' if args.raw else ''}, "
+    table = Table(title=f"vLLM speculation, SpecBench summarization, {args.drafter} drafts"
+                        f"{' (raw text)' if args.raw else ''}, "
                         f"{args.max_tokens} tokens each, dtype {args.dtype or 'bfloat16'}, {args.repeats} round(s)")
     for col in ("batch", "policy", "tok/s (median)", "x none (median)", "x none (range)", "same tokens as none",
                 "speculation state (last round)"):

@@ -203,9 +203,9 @@ def main() -> None:
                 "req/s per API core", "accepted jobs check"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["config"], r["endpoint"], r["load"], str(r["n"]), str(r["errors"]), f"{r['rps']:.0f}", f"{r['p50_ms']:.1f}",
-                  f"{r['p99_ms']:.1f}", f"{r['cpu_ms']:.2f}", f"{1e3 / r['cpu_ms']:.0f}" if r["cpu_ms"] else "-",
-                  r["verified"])
+        t.add_row(r["config"], r["endpoint"], r["load"], str(r["n"]), str(r["errors"]), f"{r['rps']:.0f}",
+                  f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['cpu_ms']:.2f}",
+                  f"{1e3 / r['cpu_ms']:.0f}" if r["cpu_ms"] else "-", r["verified"])
     console.print(t)
     load = os.getloadavg()
     console.print(f"load average during the run: {load[0]:.1f} (on {os.cpu_count()} CPUs); the client shares the "

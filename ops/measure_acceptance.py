@@ -255,7 +255,8 @@ def main() -> None:
         log.info("%s done", cat)
 
     cats = {}
-    print(f"{'category':16s} {'prompts':>7s} {'steps':>6s} {'hit rate':>8s} {'tokens/step':>11s}  cond. acceptance by depth")
+    print(f"{'category':16s} {'prompts':>7s} {'steps':>6s} {'hit rate':>8s} {'tokens/step':>11s}  "
+          "cond. acceptance by depth")
     for cat, rows in sorted(results.items()):
         steps = sum(r["steps"] for r in rows)
         tokens = sum(r["tokens"] for r in rows)

@@ -3,7 +3,8 @@
 Searches c1, c2, D_max, W_max, the knee tolerance, n_max (the per-request cap of the
 SLO-customized phase) and whether the budget is shared with the pass's prefill chunk, on
 the AdaServe SLO mix through the same stack and drafter as ops/bench_spec_sim.py
-(Engine + QoServe + SimExecutor; ``--drafter`` as there) at a few arrival rates, scores each setting by mean goodput (tokens/s of SLO-attaining requests) and
+(Engine + QoServe + SimExecutor; ``--drafter`` as there) at a few arrival rates, scores
+each setting by mean goodput (tokens/s of SLO-attaining requests) and
 writes the ranking to gpu_runtime/speculation/data/adaserve_grid.json (``--out``). Run it
 for both drafters (prompt lookup at 6/8 RPS; the draft model at 10/14 RPS, written to
 adaserve_grid_draft_model.json): AdaServeConfig's defaults are the setting whose worse
@@ -77,7 +78,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rps": args.rps, "duration_s": args.duration, "seed": args.seed,
                                     "stack": "engine+qoserve+sim (synthetic A100 8B)",
-                                    "draft_cost_ms": args.draft_cost_ms, "drafter": args.drafter, "rows": rows}, indent=1) + "\n")
+                                    "draft_cost_ms": args.draft_cost_ms, "drafter": args.drafter, "rows": rows},
+                                   indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

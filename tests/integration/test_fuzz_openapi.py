@@ -206,8 +206,8 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "sys
                     min_size=1, max_size=3)
 ODD_MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "developer", "robot", "\ud800"])},
-    optional={"content": st.one_of(ODD_VALUE, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]),
-                                                                              "text": ODD_VALUE}), max_size=2))})
+    optional={"content": st.one_of(ODD_VALUE, st.lists(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]), "text": ODD_VALUE}), max_size=2))})
 ODD_SAMPLING = {"max_tokens": ODD_NUMBER, "temperature": ODD_NUMBER, "top_p": ODD_NUMBER, "seed": ODD_NUMBER,
                 "stop": st.one_of(ODD_TEXT, st.lists(ODD_TEXT, max_size=5)), "app_id": ODD_TEXT, "tier": ODD_TEXT,
                 "ttft_ms": ODD_NUMBER, "tbt_ms": ODD_NUMBER, "tbt_anchor": ODD_TEXT, "model": ODD_TEXT,

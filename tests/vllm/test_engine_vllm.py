@@ -82,7 +82,8 @@ def test_speculation_policies_are_lossless(plain_vllm, tmp_path):
 def test_suffix_decoding_drafts_are_lossless(plain_vllm, tmp_path):
     """vLLM's suffix-decoding drafter (arctic-inference) under an adaptive policy gives plain decoding's tokens,
     and the policy saw its drafts (it learns acceptance from the chains it verified)."""
-    pytest.importorskip("arctic_inference", reason="suffix decoding needs arctic-inference (scripts/setup.sh builds it)")
+    pytest.importorskip("arctic_inference",
+                        reason="suffix decoding needs arctic-inference (scripts/setup.sh builds it)")
     run = offline(tmp_path, "--policy", "qoserve", "--spec", "adaspec", "--drafter", "suffix", "--spec-tokens", "12",
                   "--batch", "1", "3")
     assert run["1"]["tokens"] == plain_vllm["1"]["tokens"] and run["3"]["tokens"] == plain_vllm["3"]["tokens"]

@@ -13,7 +13,8 @@ def draft_checkpoint(spec: str) -> str | None:
 
 
 def create_drafter(spec: str, **kwargs: Any) -> Drafter:
-    """``"prompt-lookup"`` (optionally ``"prompt-lookup:<max_ngram>"``) or a draft checkpoint (dir / .gguf / bundled name)."""
+    """``"prompt-lookup"`` (optionally ``"prompt-lookup:<max_ngram>"``) or a draft checkpoint
+    (dir / .gguf / bundled name)."""
     if draft_checkpoint(spec) is None:
         from gpu_runtime.executor.drafters.prompt_lookup import PromptLookupDrafter
 

@@ -179,7 +179,8 @@ def test_a_lost_delta_of_logprobs_is_a_gap_the_end_fills_from_sql():
 def test_several_prompts_make_a_job_each_and_one_usage():
     req = CompletionRequest.model_validate({"prompt": [[1, 2], [3]]})
     assert req.prompt_inputs() == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
-    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_inputs() == [{"prompt": "a"}, {"prompt": "b"}]
+    assert (CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_inputs()
+            == [{"prompt": "a"}, {"prompt": "b"}])
     assert CompletionRequest.model_validate({"prompt": [7, 8]}).prompt_inputs() == [{"prompt_token_ids": [7, 8]}]
     # two prompts of 5 and 3 tokens, n = 2 each: a prompt's tokens count once
     bodies = [text_completion("c", "m", 0, t, "length", p, 2) for t, p in (("a", 5), ("b", 5), ("c", 3), ("d", 3))]

@@ -22,7 +22,8 @@ def _prompts() -> list[str]:
 def test_fast_prompt_ids_equal_the_transformers_call(tiny_model_dir):
     tok = get_tokenizer(str(tiny_model_dir))
     for prompt in _prompts():
-        assert encode_input(str(tiny_model_dir), prompt, None) == list(tok(prompt, add_special_tokens=True)["input_ids"])
+        assert (encode_input(str(tiny_model_dir), prompt, None)
+                == list(tok(prompt, add_special_tokens=True)["input_ids"]))
 
 
 def test_add_special_tokens_tokenizes_the_input_as_vllm_does(bos_tiny_model_dir):

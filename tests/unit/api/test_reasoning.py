@@ -80,7 +80,8 @@ def test_tool_calls_are_read_after_the_thinking():
            '"arguments": {"city": "Oslo"}}</tool_call>'
     answer = read_answer("job_c", sampling, text, "stop")
     assert answer.reasoning == "I need <tool_call> weather" and answer.content == "Let me check."
-    assert [c["function"]["name"] for c in answer.tool_calls] == ["get_weather"] and answer.finish_reason == "tool_calls"
+    assert [c["function"]["name"] for c in answer.tool_calls] == ["get_weather"]
+    assert answer.finish_reason == "tool_calls"
     stream = AnswerStream("job_c", sampling)
     fed = [stream.feed(text[i:i + 7]) for i in range(0, len(text), 7)]
     reasoning, content, calls, whole = stream.end("stop")

@@ -1,7 +1,7 @@
 import pytest
 
-from gpu_runtime.qos import (QoSClass, QoSSpec, TbtAnchor, Tier, completion_deadline, first_token_deadline, relegation_rank,
-                             resolve_tier, token_deadline)
+from gpu_runtime.qos import (QoSClass, QoSSpec, TbtAnchor, Tier, completion_deadline, first_token_deadline,
+                             relegation_rank, resolve_tier, token_deadline)
 
 
 def test_deadlines_eq_1_to_3():

@@ -19,8 +19,8 @@ def test_speed_ups_are_paired_by_round(monkeypatch):
 
     results = {"none": [{"8": _run(10.0, [1])}, {"8": _run(20.0, [1])}, {"8": _run(10.0, [1])}],
                "nightjar": [{"8": _run(10.5, [1])}, {"8": _run(19.0, [1])}, {"8": _run(10.1, [1])}]}
-    args = argparse.Namespace(batch=[8], policies=["none", "nightjar"], raw=False, max_tokens=96, dtype=None, drafter="ngram",
-                              repeats=3)
+    args = argparse.Namespace(batch=[8], policies=["none", "nightjar"], raw=False, max_tokens=96, dtype=None,
+                              drafter="ngram", repeats=3)
     table = bench_spec_vllm.speedup_table(results, args)
     rows = list(zip(*(c._cells for c in table.columns)))
     assert rows[1][:6] == ("8", "nightjar", "10.5", "1.010", "0.950-1.050", "True")  # 1.05, 0.95, 1.01 paired
