@@ -35,6 +35,7 @@ class ActiveJob:
     produced: int = 0  # engine thread: characters streamed so far, the next delta's offset
     tokens: int = 0  # engine thread: token ids streamed so far, the next delta's ``token_offset``
     first_token_recorded: bool = False
+    last_token_at: float | None = None  # engine thread: when a step last gave it tokens (``time.monotonic``)
     in_engine: bool = False  # engine thread: its add was applied
     abort_sent_at: float | None = None  # engine thread: when its abort went to the engine (``time.monotonic``)
     finished: bool = False  # engine thread: its last record is in the outbox

@@ -46,6 +46,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import INVALID_REQUEST, Job, JobStatus
+from app.observability.engine_metrics import OwnEngineSeries
 from app.services.dispatch import mark_dispatched, send_back, send_back_all
 from app.services.streaming import USAGE, StreamEvent
 from app.services.transitions import as_utc, transition, utcnow
@@ -140,8 +141,10 @@ class EngineThread:
     def __init__(self, engine: Any, active: ActiveJobs, inbox: Inbox, outbox: Outbox, settings: Settings,
                  worker_id: str, stopping: threading.Event, reconcile_s: float | None = None,
                  on_broken: Callable[[str], None] | None = None,
-                 on_kept_abort: Callable[[str], None] | None = None) -> None:
+                 on_kept_abort: Callable[[str], None] | None = None,
+                 series: OwnEngineSeries | None = None) -> None:
         self.engine = engine
+        self.series = series  # the vLLM series the own engine observes here (vLLM's observes its own: None)
         self.active = active
         self.inbox = inbox
         self.outbox = outbox
@@ -304,6 +307,7 @@ class EngineThread:
     def _records(self, outputs: list[Any]) -> StepRecords:
         step = StepRecords()
         first_tokens: list[ActiveJob] = []
+        now = time.monotonic()  # the step's end: its tokens' time
         for out in outputs:
             job = self.active.serving(out.request_id)  # the attempt it names, while it is served here
             if job is None and out.finished:  # a set-aside attempt's request ended at last
@@ -324,6 +328,7 @@ class EngineThread:
             if out.new_token_ids:  # their index in the attempt's ids: a follower cuts those a rerun repeats
                 data["token_offset"] = job.tokens
                 job.tokens += len(out.new_token_ids)
+                self._inter_token_latency(job, now)
             if out.new_text or out.new_token_ids:
                 text = storable(out.new_text)  # the stream says what SQL will hold
                 if job.reasoning is not None:
@@ -351,6 +356,13 @@ class EngineThread:
         if first_tokens:
             step.records.insert(0, self._first_tokens(first_tokens))
         return step
+
+    def _inter_token_latency(self, job: ActiveJob, now: float) -> None:
+        """Observes the time since the step that last gave ``job`` tokens, as vLLM's inter-token latency does (one
+        observation a step, however many tokens it gave)."""
+        if self.series is not None and job.last_token_at is not None:
+            self.series.inter_token_latency.observe(now - job.last_token_at)
+        job.last_token_at = now
 
     def _first_tokens(self, jobs: list[ActiveJob]) -> Record:
         """One write per step for the jobs whose first token came out in it (dashboard, job resource)."""

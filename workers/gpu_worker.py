@@ -36,6 +36,7 @@ from uuid import uuid4
 import redis
 from celery.signals import worker_shutting_down
 from celery.utils.nodenames import host_format
+from prometheus_client import REGISTRY
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -100,6 +101,9 @@ class GpuWorker:
             self.queues.append(worker_queue(self.worker_id))
         self.device = resolve_device(settings.device)
         self.backend = settings.engine_backend if not os.environ.get("COSERVE_ENGINE_FACTORY") else "custom"
+        # the vLLM series for the API's /metrics: vLLM's stat logger registers its own in the process's registry; the
+        # own engine's thread observes those the jobs' rows cannot give (``OwnEngineSeries``)
+        self.engine_series = None if self.backend == "vllm" else engine_metrics.OwnEngineSeries(settings.model_name)
         self.active = ActiveJobs()
         self.inbox = Inbox()
         self.stopping = threading.Event()
@@ -188,7 +192,7 @@ class GpuWorker:
         self.engine = engine
         self.engine_thread = EngineThread(engine, self.active, self.inbox, self.outbox, self.settings,
                                           self.worker_id, self.stopping, on_broken=self._engine_broken,
-                                          on_kept_abort=self.give_up_engine)
+                                          on_kept_abort=self.give_up_engine, series=self.engine_series)
         return self.engine_thread
 
     def _build_engine(self) -> Any:
@@ -812,12 +816,7 @@ class GpuWorker:
             self._said_unroutable()
         if loras is not None:  # the runtime adapters unloaded or replaced since leave vLLM once no job uses them
             self.inbox.put(RetireLoras(loras))  # the engine thread's to tell the engine (its only caller)
-        if self.backend == "vllm":  # vLLM's own metrics, for the API's /metrics
-            try:
-                engine_metrics.publish(self.redis, self.worker_id, 3 * self.settings.heartbeat_seconds + 5,
-                                       model_name=self.settings.model_name)
-            except redis.RedisError as exc:
-                log.debug("engine metrics not published: %s", exc)
+        self._publish_engine_series()
         for job in jobs:  # cancelled by the API, or our lease was lost: stop generating it
             if job.lease.job_id not in held and not job.finished:
                 log.info("job %s is no longer ours (cancelled or lease lost); aborting", job.lease.job_id)
@@ -835,6 +834,16 @@ class GpuWorker:
                 lengths = self.peers.read(s)
             if lengths:
                 self.inbox.put(Learn(tuple(lengths)))
+
+    def _publish_engine_series(self) -> None:
+        """The engine's ``vllm:`` series, for the API's /metrics: vLLM's stat logger's (the process's registry), or
+        those the own engine's thread observes."""
+        registry = REGISTRY if self.engine_series is None else self.engine_series.registry
+        try:
+            engine_metrics.publish(self.redis, self.worker_id, 3 * self.settings.heartbeat_seconds + 5, registry,
+                                   model_name=self.settings.model_name)
+        except redis.RedisError as exc:
+            log.debug("engine metrics not published: %s", exc)
 
     def _passes_routed_on(self) -> bool:
         """Whether the jobs prefix routing sent this worker alone go to its model's queue, for the others, at this

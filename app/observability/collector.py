@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from app.db.models import INVALID_REQUEST, Job, JobStatus, WorkerState
 from app.db.session import DATABASE_UNAVAILABLE, session_scope
 from app.observability import tally
+from app.observability.engine_metrics import INTER_TOKEN_LATENCY_BUCKETS
 from app.observability.tally import Groups, Summed
 from app.services import routing
 from app.services.transitions import NOT_TERMINAL, as_utc, utcnow
@@ -33,8 +34,7 @@ log = logging.getLogger(__name__)
 # bucket edges as vLLM uses for the same quantities
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
+TPOT_BUCKETS = INTER_TOKEN_LATENCY_BUCKETS
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0, 28800.0, 86400.0)
 # (name, help, bucket edges) of the histograms of finished jobs (their values: SqlCollector._summed)
@@ -69,7 +69,8 @@ FINISH_REASON = case((Job.status == _literal(JobStatus.SUCCEEDED.value), func.co
 # coserve's metrics that mean what vLLM's of the same name mean are also exported under vLLM's name, so a
 # dashboard built for vLLM reads them (coserve's carry extra tier/kind labels). Not aliased:
 # time_per_output_token (each job's median gap: not vLLM's request_time_per_output_token, each request's mean,
-# exported as request_time_per_output_token; nor its inter_token_latency, each gap, which the jobs' rows do not keep)
+# exported as request_time_per_output_token; nor its inter_token_latency, each gap, which the jobs' rows do not keep:
+# the own engine's workers observe it, engine_metrics.OwnEngineSeries)
 # and coserve's own relegation, SLO and heartbeat series, which vLLM has no name for.
 VLLM_ALIASES = {f"coserve:{n}": f"vllm:{n}" for n in (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",

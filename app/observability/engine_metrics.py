@@ -7,6 +7,8 @@ histograms, speculative decoding). Its heartbeat stores a snapshot of those seri
 merges its deployment's live workers' snapshots (where the database cannot say which are live, those of its model
 still in Redis) into one family per name, each sample labelled with its ``worker_id``. Where vLLM exports a name
 itself, coserve's SQL-derived alias of that name (``collector.VLLM_ALIASES``) is left out, so each name appears once.
+A worker on coserve's own engine publishes the same way the ``vllm:`` series its engine thread observes
+(``OwnEngineSeries``: those the jobs' rows cannot give, which no alias names).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -23,6 +25,25 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "coserve:engine-metrics:"
 ENGINE_PREFIX = "vllm:"
+# vLLM's bucket edges of inter_token_latency_seconds and request_time_per_output_token_seconds
+# (vllm/v1/metrics/buckets.py)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0, 20.0, 40.0, 80.0)
+
+
+class OwnEngineSeries:
+    """The ``vllm:`` series a worker on coserve's own engine observes as vLLM's stat logger would, where the jobs'
+    rows cannot give them (the API derives the rest from SQL: ``collector.VLLM_ALIASES``): vLLM's inter-token latency,
+    one observation per engine step that gave a request tokens after its first. In the worker's own registry, which
+    its heartbeat publishes as a vLLM worker's (``publish``)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        # vLLM's name, help, labels (one engine: "0") and buckets
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.",
+                                             labelnames=["model_name", "engine"], buckets=INTER_TOKEN_LATENCY_BUCKETS,
+                                             registry=self.registry).labels(model_name, "0")
 
 
 def engine_metrics_key(worker_id: str) -> str:

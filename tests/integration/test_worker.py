@@ -119,6 +119,32 @@ def test_jobs_run_stream_and_report_metrics(service):
     assert "kv_usage" in state and "queues" in state
 
 
+def test_the_own_engines_inter_token_latency_is_vllms_histogram_on_metrics(service):
+    """A dashboard built for vLLM reads ``vllm:inter_token_latency_seconds`` (one observation per engine step that
+    gave a request tokens after its first, vLLM's buckets, ``model_name``): the worker on the own engine observes it
+    and the API's /metrics carries it, labelled with the worker (it was missing: the jobs' rows keep no gaps)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.observability.engine_metrics import INTER_TOKEN_LATENCY_BUCKETS
+
+    client, keys = service.client, service.keys
+    job_id = submit(client, keys.paid, max_tokens=12)
+    assert wait_status(client, keys.paid, job_id, {"succeeded", "failed"})["status"] == "succeeded"
+
+    def itl() -> list:
+        text = client.get("/metrics", headers=H(keys.admin)).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        family = fams.get("vllm:inter_token_latency_seconds")
+        return [s for s in family.samples if s.labels.get("worker_id") == "w1"] if family else []
+    samples = wait_for(lambda: (got := itl()) and got[-1].value and got, 15, "the worker's ITL on /metrics")
+    count = next(s.value for s in samples if s.name.endswith("_count"))
+    buckets = [s for s in samples if s.name.endswith("_bucket")]
+    assert count >= 1 and next(s.value for s in samples if s.name.endswith("_sum")) > 0, samples
+    assert [float(s.labels["le"]) for s in buckets] == [*INTER_TOKEN_LATENCY_BUCKETS, float("inf")]
+    assert {s.labels["model_name"] for s in samples} == {service.settings.model_name}
+    assert client.get("/metrics", headers=H(keys.admin)).text.count("# TYPE vllm:inter_token_latency_seconds ") == 1
+
+
 def _followed(settings, job_id: str) -> list:
     """Every event of ``job_id``'s stream as a client following it from the start gets them, to its end."""
     from redis.asyncio import Redis
