@@ -77,11 +77,20 @@ VLLM_ALIASES = {f"coserve:{n}": f"vllm:{n}" for n in (
     "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
     "request_time_per_output_token_seconds", "request_success", "prompt_tokens", "prompt_tokens_cached",
     "generation_tokens")}
+# vLLM's prefix cache counters (its dashboards' hit rate is their ratio) count the prompt tokens of each request once
+# (not again after a preemption), looked up and found in the cache: the jobs' prompt and cached tokens, under
+# another name of coserve's
+VLLM_PREFIX_CACHE = {"coserve:prompt_tokens": "vllm:prefix_cache_queries",
+                     "coserve:prompt_tokens_cached": "vllm:prefix_cache_hits"}
 
 
-def vllm_alias(family: Metric) -> Metric:
-    """The same series under vLLM's name."""
-    name = VLLM_ALIASES[family.name]
+def vllm_names(name: str) -> list[str]:
+    """The vLLM names coserve's series ``name`` is exported under too (none: coserve's own)."""
+    return [n for n in (VLLM_ALIASES.get(name), VLLM_PREFIX_CACHE.get(name)) if n is not None]
+
+
+def vllm_alias(family: Metric, name: str) -> Metric:
+    """The same series under vLLM's ``name``."""
     alias = Metric(name, family.documentation + " (vLLM's name)", family.type)
     for smp in family.samples:
         alias.add_sample(name + smp.name[len(family.name):], smp.labels, smp.value, smp.timestamp, smp.exemplar)
@@ -172,8 +181,8 @@ class SqlCollector(Collector):
         for family in (*self._gauges(tables.by_state, tables.workers), *self._histograms(tables.totals),
                        *self._counters(tables.totals)):
             yield family
-            if self.vllm_aliases and family.name in VLLM_ALIASES:
-                yield vllm_alias(family)
+            if self.vllm_aliases:
+                yield from (vllm_alias(family, name) for name in vllm_names(family.name))
 
     def _gauges(self, by_state, workers) -> Iterator:
         labels = ["model_name", "tier"]

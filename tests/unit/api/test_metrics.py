@@ -272,6 +272,18 @@ def test_vllm_names_carry_the_same_series(client, db_url):
         assert mine and mine == alias, ours
 
 
+def test_the_prefix_cache_hit_rate_reads_from_vllms_names(client, db_url):
+    """vLLM's dashboards graph the prefix cache's hit rate as ``rate(vllm:prefix_cache_hits) /
+    rate(vllm:prefix_cache_queries)`` (prompt tokens looked up, and found, in the prefix cache): the own engine's
+    jobs' prompt and cached tokens are exported under those names too (they were missing: the panel was empty)."""
+    _seed(db_url)
+    scraped = _scrape(client)
+    model = (("model_name", "tiny"),)
+    assert scraped[("vllm:prefix_cache_queries_total", model)] == 10 + 5 + 4  # the jobs an engine ran
+    assert scraped[("vllm:prefix_cache_hits_total", model)] == 8
+    assert scraped[("vllm:prefix_cache_hits_total", model)] == scraped[("coserve:prompt_tokens_cached_total", model)]
+
+
 def _scrape(client) -> dict:
     return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
             for fam in text_string_to_metric_families(client.get("/metrics").text) for smp in fam.samples}
