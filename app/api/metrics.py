@@ -39,7 +39,7 @@ def metrics(request: Request, settings: SettingsDep) -> Response:
     registry.register(sql)
     if settings.redis_url:  # vLLM's own series from the live workers on the vLLM backend
         registry.register(EngineMetricsCollector(settings.redis_url, sql.live_workers(),
-                                                 model_name=settings.model_name))
+                                                 model_name=settings.model_name, left_out=sql.vllm_names))
         registry.register(RateLimitCollector(settings.redis_url))
     registry.register(request.app.state.http_metrics)  # the app's HTTP series (app.observability.http_metrics)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -139,6 +139,14 @@ class SqlCollector(Collector):
             log.warning("/metrics: the database cannot be reached: %s", exc)
             return None
 
+    @property
+    def vllm_names(self) -> frozenset[str]:
+        """The vLLM names this collector exports its series under (none where ``vllm_aliases`` is off, or where the
+        database could not be read: the series are missing then)."""
+        if not self.vllm_aliases or self.tables is None:
+            return frozenset()
+        return frozenset(VLLM_ALIASES.values()) | frozenset(VLLM_PREFIX_CACHE.values())
+
     def live_workers(self) -> list[str] | None:
         """The deployment's live workers' ids; None where the database could not be reached."""
         tables = self.tables

@@ -80,11 +80,18 @@ def read_snapshot(blob: bytes) -> tuple[str | None, list[dict]]:
     return data["model_name"], data["families"]
 
 
-def merge(snapshots: dict[str, list[dict]]) -> list[Metric]:
-    """One family per name over the workers' snapshots, each sample labelled with its worker."""
+def merge(snapshots: dict[str, list[dict]], left_out: frozenset[str] = frozenset()) -> list[Metric]:
+    """One family per name over the workers' snapshots, each sample labelled with its worker; none named in
+    ``left_out`` (the names the API exports itself: a name twice in a scrape is counted twice by a dashboard's sum)."""
     families: dict[str, Metric] = {}
+    clashes = sorted({fam["name"] for fams in snapshots.values() for fam in fams} & left_out)
+    if clashes:
+        log.warning("workers export %s, which this API derives itself (its backend: not vllm); theirs are left out: "
+                    "set COSERVE_BACKEND=vllm on the API where its workers run vLLM", ", ".join(clashes))
     for worker_id, fams in sorted(snapshots.items()):
         for fam in fams:
+            if fam["name"] in left_out:
+                continue
             family = families.get(fam["name"])
             if family is None:
                 family = families[fam["name"]] = Metric(fam["name"], fam["doc"], fam["type"])
@@ -100,16 +107,18 @@ def merge(snapshots: dict[str, list[dict]]) -> list[Metric]:
 class EngineMetricsCollector(Collector):
     """The live workers' engine series, read from Redis at scrape time."""
 
-    def __init__(self, redis_url: str, worker_ids: list[str] | None, *, model_name: str) -> None:
+    def __init__(self, redis_url: str, worker_ids: list[str] | None, *, model_name: str,
+                 left_out: frozenset[str] = frozenset()) -> None:
         """``worker_ids``: the deployment's live workers (None where the database cannot say: every snapshot of
         ``model_name``'s workers still in Redis, each expiring once its worker stops beating; another deployment's on
-        the same Redis are its own)."""
+        the same Redis are its own). ``left_out``: the names the API exports itself (``merge``)."""
         self.redis_url, self.worker_ids, self.model_name = redis_url, worker_ids, model_name
+        self.left_out = left_out
         self._families: list[Metric] | None = None
 
     def families(self) -> list[Metric]:
         if self._families is None:
-            self._families = merge(self._read())
+            self._families = merge(self._read(), self.left_out)
         return self._families
 
     def _read(self) -> dict[str, list[dict]]:

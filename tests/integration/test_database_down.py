@@ -48,7 +48,10 @@ def test_load_is_a_503_saying_the_database_cannot_be_reached(refused_db_client):
 
 def test_metrics_serve_the_redis_series_and_say_the_database_is_down(refused_db_client, settings):
     engine = [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
-               "samples": [["vllm:num_requests_running", {"model_name": "tiny"}, 2.0]]}]
+               "samples": [["vllm:num_requests_running", {"model_name": "tiny"}, 2.0]]},
+              # a name the API derives from SQL on its backend: not read now, so the engine's is no double
+              {"name": "vllm:kv_cache_usage_perc", "type": "gauge", "doc": "kv",
+               "samples": [["vllm:kv_cache_usage_perc", {"model_name": "tiny"}, 0.5]]}]
     client = redis.Redis.from_url(settings.redis_url)
     for worker_id, model in (("w1", settings.model_name), ("other-w", "other")):  # other: another deployment's
         client.set(engine_metrics_key(worker_id), json.dumps({"model_name": model, "families": engine}), ex=60)
@@ -60,6 +63,7 @@ def test_metrics_serve_the_redis_series_and_say_the_database_is_down(refused_db_
     assert families["coserve:database_up"].samples[0].value == 0
     running = families["vllm:num_requests_running"].samples
     assert [(s.labels, s.value) for s in running] == [({"model_name": "tiny", "worker_id": "w1"}, 2.0)]
+    assert [s.value for s in families["vllm:kv_cache_usage_perc"].samples] == [0.5]
     assert "coserve:rate_limited_requests" in families
     assert "coserve:num_requests_waiting" not in families  # nothing made up where SQL could not be read
 
