@@ -565,6 +565,8 @@ class EngineThread:
     def refresh_state(self) -> None:
         """A snapshot of the engine for the worker's row (KV, queues, speculation, last step)."""
         self.state = engine_state(self.engine)
+        if self.series is not None and isinstance(self.state.get("queues"), dict):
+            self.series.scheduler_state(self.state["queues"])
 
     def reconcile(self) -> list[Record]:
         """Jobs the worker holds that the engine no longer knows go back to the queue; those whose abort it has

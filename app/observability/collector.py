@@ -72,8 +72,11 @@ FINISH_REASON = case((Job.status == _literal(JobStatus.SUCCEEDED.value), func.co
 # exported as request_time_per_output_token; nor its inter_token_latency, each gap, which the jobs' rows do not keep:
 # the own engine's workers observe it, engine_metrics.OwnEngineSeries)
 # and coserve's own relegation, SLO and heartbeat series, which vLLM has no name for.
+# Nor the jobs' states (running: leased by a worker, up to COSERVE_MAX_INFLIGHT of them, most waiting in its engine):
+# vLLM's num_requests_running and num_requests_waiting are each engine's batch and queue, which the own engine's
+# workers export (engine_metrics.OwnEngineSeries) as vLLM's do.
 VLLM_ALIASES = {f"coserve:{n}": f"vllm:{n}" for n in (
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+    "kv_cache_usage_perc", "num_preemptions",
     "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
     "request_time_per_output_token_seconds", "request_success", "prompt_tokens", "prompt_tokens_cached",
     "generation_tokens")}

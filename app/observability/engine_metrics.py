@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -34,16 +34,29 @@ INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 class OwnEngineSeries:
     """The ``vllm:`` series a worker on coserve's own engine observes as vLLM's stat logger would, where the jobs'
     rows cannot give them (the API derives the rest from SQL: ``collector.VLLM_ALIASES``): vLLM's inter-token latency,
-    one observation per engine step that gave a request tokens after its first. In the worker's own registry, which
-    its heartbeat publishes as a vLLM worker's (``publish``)."""
+    one observation per engine step that gave a request tokens after its first, and its scheduler's state (the
+    requests in the engine's batch, and those it holds that wait: a job's SQL state cannot say, as a worker leases up
+    to COSERVE_MAX_INFLIGHT jobs). In the worker's own registry, which its heartbeat publishes as a vLLM worker's
+    (``publish``)."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        # vLLM's name, help, labels (one engine: "0") and buckets
+        # vLLM's names, help, labels (one engine: "0") and buckets
+        labels, engine = ["model_name", "engine"], (model_name, "0")
         self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.",
-                                             labelnames=["model_name", "engine"], buckets=INTER_TOKEN_LATENCY_BUCKETS,
-                                             registry=self.registry).labels(model_name, "0")
+                                             "Histogram of inter-token latency in seconds.", labelnames=labels,
+                                             buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=self.registry
+                                             ).labels(*engine)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                             labelnames=labels, registry=self.registry).labels(*engine)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                             labelnames=labels, registry=self.registry).labels(*engine)
+
+    def scheduler_state(self, queues: dict[str, int]) -> None:
+        """The engine's queues (``Scheduler.queue_depths``) as vLLM's gauges: its decoding batch runs; the requests
+        it holds for their prompt (not begun or part-way) and those it relegated wait."""
+        self.running.set(queues.get("decode", 0))
+        self.waiting.set(queues.get("prefill", 0) + queues.get("relegated", 0))
 
 
 def engine_metrics_key(worker_id: str) -> str:

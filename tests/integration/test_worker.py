@@ -145,6 +145,31 @@ def test_the_own_engines_inter_token_latency_is_vllms_histogram_on_metrics(servi
     assert client.get("/metrics", headers=H(keys.admin)).text.count("# TYPE vllm:inter_token_latency_seconds ") == 1
 
 
+def test_vllms_request_gauges_count_the_own_engines_batch_and_queue(service):
+    """``vllm:num_requests_running`` is vLLM's requests in the engine's batch, and ``vllm:num_requests_waiting`` those
+    the engine holds that wait; they were the jobs' SQL states by tier, where every job a worker leased (up to
+    COSERVE_MAX_INFLIGHT, 1024) is running, so a dashboard saw a worker's backlog as its batch. Now they are each
+    worker's engine's, as a vLLM worker's are (the jobs not yet in an engine: ``coserve:num_requests_waiting``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client, keys = service.client, service.keys
+
+    def gauges() -> dict:
+        text = client.get("/metrics", headers=H(keys.admin)).text
+        return {(f.name, s.labels.get("worker_id")): s for f in text_string_to_metric_families(text)
+                if f.name in ("vllm:num_requests_running", "vllm:num_requests_waiting") for s in f.samples}
+    job_id = submit(client, keys.paid, max_tokens=LONG)
+    wait_for(lambda: status_of(client, keys.paid, job_id)["first_token_at"], 60, "the long job's first token")
+    got = wait_for(lambda: (g := gauges()).get(("vllm:num_requests_running", "w1")) and g[
+        ("vllm:num_requests_running", "w1")].value and g, 15, "the engine's batch on /metrics")
+    running, waiting = got[("vllm:num_requests_running", "w1")], got[("vllm:num_requests_waiting", "w1")]
+    assert (running.value, waiting.value) == (1, 0), got
+    assert "tier" not in running.labels and running.labels["model_name"] == service.settings.model_name
+    assert {worker for _name, worker in got} == {"w1"}, got  # no SQL series under vLLM's name beside the engine's
+    client.post(f"/v1/jobs/{job_id}/cancel", headers=H(keys.paid))
+    wait_status(client, keys.paid, job_id, {"cancelled"})
+
+
 def _followed(settings, job_id: str) -> list:
     """Every event of ``job_id``'s stream as a client following it from the start gets them, to its end."""
     from redis.asyncio import Redis

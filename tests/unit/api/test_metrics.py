@@ -312,22 +312,22 @@ def test_vllm_names_come_from_the_engines_alone_on_the_vllm_backend(client, sett
     assert not [name for name, _labels in scraped if name.startswith("vllm:")]
     assert scraped[("coserve:num_requests_running", (("model_name", "tiny"), ("tier", "paid")))] == 2
     settings.backend = "torch"
-    assert ("vllm:num_requests_running", (("model_name", "tiny"), ("tier", "paid"))) in _scrape(client)
+    assert ("vllm:request_success_total", (("finished_reason", "stop"), ("model_name", "tiny"))) in _scrape(client)
 
 
 def test_a_vllm_workers_series_never_doubles_a_name_the_api_exports_itself(client, settings, db_url):
     """An API whose backend resolves to the own engine (``auto`` where vLLM is not installed, as in a slim API image)
     with workers that run vLLM: the scrape carried each of vLLM's names twice, the API's alias (by tier) and the
-    engine's (by worker), so a dashboard's sum counted every running request twice and a strict parser refused the
+    engine's (by worker), so a dashboard's sum counted every token twice and a strict parser refused the
     second TYPE line. Each name is exported once: the API's, as its configuration says."""
     import redis
-    from prometheus_client import CollectorRegistry, Gauge
+    from prometheus_client import CollectorRegistry, Counter, Gauge
 
     from app.observability.engine_metrics import publish
 
     _seed(db_url)
     engine = CollectorRegistry()
-    Gauge("vllm:num_requests_running", "running", ["model_name", "engine"], registry=engine).labels("tiny", "0").set(2)
+    Counter("vllm:generation_tokens", "tokens", ["model_name", "engine"], registry=engine).labels("tiny", "0").inc(50)
     Gauge("vllm:num_requests_waiting_by_reason", "waiting", ["model_name", "engine", "reason"],
           registry=engine).labels("tiny", "0", "capacity").set(1)
     with session_scope(db_url) as s:
@@ -335,10 +335,10 @@ def test_a_vllm_workers_series_never_doubles_a_name_the_api_exports_itself(clien
     publish(redis.Redis.from_url(settings.redis_url), "w-vllm", 60, engine, model_name="tiny")
     settings.backend = "torch"
     text = client.get("/metrics").text
-    assert text.count("# TYPE vllm:num_requests_running ") == 1
-    running = [smp for fam in text_string_to_metric_families(text) if fam.name == "vllm:num_requests_running"
-               for smp in fam.samples]
-    assert sum(smp.value for smp in running) == 2 and not [smp for smp in running if "worker_id" in smp.labels]
+    assert text.count("# TYPE vllm:generation_tokens_total ") == 1
+    generated = [smp for fam in text_string_to_metric_families(text) if fam.name == "vllm:generation_tokens"
+                 for smp in fam.samples if smp.name.endswith("_total")]
+    assert sum(smp.value for smp in generated) == 7 + 3 + 2  # the jobs' (the API's), not also the engine's 50
     assert "vllm:num_requests_waiting_by_reason{" in text  # a name the API does not export still comes through
 
 
