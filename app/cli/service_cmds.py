@@ -70,9 +70,7 @@ def _database(settings: Any, new_ok: bool = False) -> str:
     one that may start it (``new_ok``) says that it did."""
     from sqlalchemy.engine import make_url
 
-    from app.db.migrate import upgrade
-
-    url = make_url(settings.sqlalchemy_url)
+    url = make_url(_usable_database_url(settings.sqlalchemy_url))
     path = Path(url.database) if url.get_backend_name() == "sqlite" and url.database else None
     if path is not None and not path.exists():
         where = (f"no database at {path.resolve()}: run this where `coserve up` ran (its ./data), or set "
@@ -82,8 +80,59 @@ def _database(settings: Any, new_ok: bool = False) -> str:
             raise typer.Exit(1)
         # a note, on stderr: `keys create --json`'s stdout is the key alone
         stderr.print(escape(f"(a new database at {path.resolve()}; a server started elsewhere does not see it)"))
-    upgrade(settings.sqlalchemy_url)
+    _migrated(settings.sqlalchemy_url)
     return settings.sqlalchemy_url
+
+
+def _usable_database_url(url: str) -> str:
+    """``url`` where SQLAlchemy can parse it and its driver is installed; else a usage error naming what to fix
+    (it was a traceback from deep in SQLAlchemy). The URL is shown without its password."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # not echoed: it may hold a password
+        raise typer.BadParameter("COSERVE_DATABASE_URL is not a database URL (e.g. "
+                                 "postgresql+psycopg2://user:password@host/coserve)") from None
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        parsed.get_dialect().import_dbapi()
+    except NoSuchModuleError:
+        raise typer.BadParameter(f"{shown}: no SQLAlchemy dialect {parsed.drivername!r} (COSERVE_DATABASE_URL: "
+                                 "sqlite:///PATH or postgresql+psycopg2://...)") from None
+    except ImportError as exc:
+        raise typer.BadParameter(f"{shown}: its driver is not installed ({exc}); install it, or name an installed "
+                                 "one in COSERVE_DATABASE_URL (postgresql+psycopg2://...)") from None
+    return url
+
+
+def _migrated(url: str) -> None:
+    """Migrates the database at ``url``; one that does not answer (a server down, a file that cannot be opened)
+    stops the command with one line saying so (exit 1), as an unreachable API does, not a traceback."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    from app.db.migrate import upgrade
+
+    try:
+        upgrade(_usable_database_url(url))
+    except OperationalError as exc:
+        reason = " ".join(str(exc.orig or exc).split())  # the driver's words, on one line (psycopg2 writes two)
+        shown = make_url(url).render_as_string(hide_password=True)
+        stderr.print(f"[red]the database {escape(shown)} does not answer: {escape(reason)}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _servable_model(model: str) -> None:
+    """A usage error where ``model`` is neither a bundled name nor a checkpoint: the API and the worker both load
+    its tokenizer at start and die on it, which `coserve up` learnt only after starting all of them."""
+    from app.services.model_info import resolve_model
+
+    try:
+        resolve_model(model)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--model' / COSERVE_MODEL") from None
 
 
 def _split_env(env: dict[str, str], vllm_args: str, engine_flags: dict[str, Any]) -> tuple[dict[str, str], ...]:
@@ -454,7 +503,6 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         --worker-restarts; Redis or the API exiting stops everything. Options after these go to the worker's vLLM
         engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
         from app.credentials import CredentialsError, credentials_path, ensure_credentials
-        from app.db.migrate import upgrade
         from app.embedded import DataDirInUse, Supervisor, hold_data_dir, record_redis_url, start_redis
 
         t0 = time.monotonic()
@@ -470,8 +518,10 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         try:
             if refused := _unusable_port(settings.host, settings.port):
                 raise typer.BadParameter(refused, param_hint="--port")
+            _servable_model(settings.model)
             vllm_args, engine_flags = vllm_flags(ctx, settings)
-        except typer.BadParameter:
+            _migrated(settings.sqlalchemy_url)  # before Redis: a database that does not answer stops it all
+        except (typer.BadParameter, typer.Exit):
             held.close()
             raise
         sup = Supervisor()
@@ -489,7 +539,6 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 sup.adopt("redis", proc)
                 record_redis_url(data, redis_url)  # `keys revoke` announces revocations through it
                 console.print(f"[dim]redis-server (embedded) on {redis_url}[/dim]")
-            upgrade(settings.sqlalchemy_url)
             api_url = http_url(settings.host, settings.port)
             try:
                 creds, created = ensure_credentials(settings.sqlalchemy_url, data, default_tier=settings.default_tier,
@@ -583,6 +632,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         from workers.gpu_worker import run_worker
 
         settings = _settings(model=model, device=device, worker_id=worker_id)
+        _servable_model(settings.model)
         settings = settings.model_copy(update={"vllm_args": vllm_flags(ctx, settings)[0]})
         configure_logging()
         run_worker(settings)
