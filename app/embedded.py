@@ -284,10 +284,10 @@ class Supervisor:
             lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
         return lines[-1] if lines else None
 
-    def stop_one(self, name: str) -> None:
-        """Stops the child ``name`` and forgets it (the others go on)."""
+    def stop_one(self, name: str, grace_s: float = 15.0) -> None:
+        """Stops the child ``name`` (SIGTERM, SIGKILL after ``grace_s``) and forgets it (the others go on)."""
         gone = [p for n, p in self.procs if n == name]
-        terminate_group(gone)
+        terminate_group(gone, grace_s)
         self.procs = [(n, p) for n, p in self.procs if n != name]
         self.due.pop(name, None)
 

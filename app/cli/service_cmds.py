@@ -461,6 +461,19 @@ def _unusable_port(host: str, port: int) -> str | None:
     return None
 
 
+STARTING_STOP_S = 2.0  # how long a child of `coserve up` still starting is given to end on SIGTERM
+
+
+def stop_children(sup: Any, serving: bool) -> None:
+    """Stops what `coserve up` started, Redis last. Before the stack served, the API and the worker have no request
+    or job to finish: they get ``STARTING_STOP_S`` and not the full grace, which uvicorn's worker processes, loading
+    the app on through a SIGTERM, took whole (a Ctrl-C at start-up waited some 16 s on "stopping ...")."""
+    if not serving:
+        for name in ("api", "worker"):
+            sup.stop_one(name, STARTING_STOP_S)
+    sup.stop()
+
+
 def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the service commands
     keys_app = typer.Typer(help="Manage API keys (direct DB access).", no_args_is_help=True)
     cli.add_typer(keys_app, name="keys")
@@ -526,6 +539,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             raise
         sup = Supervisor()
         stop = {"now": False}
+        serving = False  # the API and the worker were ready once
 
         def on_signal(signum, _frame):
             stop["now"] = True
@@ -584,6 +598,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 except (httpx.HTTPError, ValueError):
                     pass
                 time.sleep(0.25)
+            serving = True
             ready_s = time.monotonic() - t0
             console.print(f"[green]ready in {ready_s:.1f}s[/green]: API {api_url} (docs {api_url}/docs, "
                           f"dashboard {api_url}/admin), keys in {credentials_path(data)}, logs {data / 'logs'}, "
@@ -614,7 +629,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 time.sleep(0.5)
         finally:
             console.print("stopping ...")
-            sup.stop()
+            stop_children(sup, serving)
             held.close()  # the data directory is free for the next `coserve up`
 
     @cli.command(context_settings=VLLM_OPTIONS)

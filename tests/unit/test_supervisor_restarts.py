@@ -198,3 +198,23 @@ def test_a_live_process_left_in_a_dead_workers_group_is_killed_before_the_restar
         with caplog.at_level(logging.WARNING, logger="app.embedded"):
             _kill_leftovers(group)
         assert _state(orphans[0]) == "Z" and [r.getMessage() for r in caplog.records] == []
+
+
+# ends 5 s after its SIGTERM, as uvicorn's worker processes go on loading the app through one, then exit 0
+SLOW_TO_END = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(5), sys.exit(0))); "
+               "print('started', flush=True); time.sleep(120)")
+
+
+def test_children_still_starting_are_not_given_the_grace_of_serving_ones(tmp_path: Path):
+    """A Ctrl-C while `coserve up` waited for its API stood some 16 s on "stopping ...": the API (uvicorn with
+    worker processes) ended only at the SIGKILL after the whole grace. Before the stack served, nothing is lost
+    by not waiting; once it served, the API and the worker get their grace to finish what they hold."""
+    from app.cli.service_cmds import stop_children
+
+    for serving, ended in ((False, -signal.SIGKILL), (True, 0)):
+        sup = Supervisor()
+        log = tmp_path / f"api-{serving}.log"
+        api = sup.spawn("api", [sys.executable, "-c", SLOW_TO_END], {"PYTHONUNBUFFERED": "1"}, log)
+        wait_for(lambda: "started" in log.read_text(), 60, "the child to start")  # its SIGTERM handler set
+        stop_children(sup, serving)
+        assert api.returncode == ended, (serving, api.returncode)
