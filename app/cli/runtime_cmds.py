@@ -11,7 +11,7 @@ import typer
 
 from app.cli.options import VLLM_OPTIONS, finite, vllm_flags
 from app.cli.output import Console, print_table
-from app.cli.service_cmds import _from_settings, _settings
+from app.cli.service_cmds import _from_settings, _servable_model, _settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -301,6 +301,7 @@ def profile(
     # the worker's model and device unless given: a profile of another model would mislead the worker's scheduler
     settings = _settings(model=model)  # the environment as it is now (not the API's cached settings)
     model = settings.model
+    _servable_model(model)  # before the engine's imports (seconds), and not as a hub download's traceback
     try:
         dev = resolve_device(device or settings.device)
     except ValueError as exc:

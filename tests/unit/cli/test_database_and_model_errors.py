@@ -53,11 +53,13 @@ def test_up_whose_database_does_not_answer_stops_before_starting_anything(tmp_pa
     hold_data_dir(tmp_path, "http://127.0.0.1:1").close()  # the data directory is free again
 
 
-@pytest.mark.parametrize("command", [["up", "--port", "0"], ["worker"]], ids=["up", "worker"])
+@pytest.mark.parametrize("command", [["up", "--port", "0"], ["worker"], ["profile", "--backend", "torch"]],
+                         ids=["up", "worker", "profile"])
 def test_a_model_coserve_cannot_find_is_refused_before_anything_starts(tmp_path, command):
     """`coserve up --model nope` started Redis, the API and a worker, whose death it explained with a line of
     triton's exit noise ("See https://nanobind.readthedocs.io/..."); `coserve worker --model nope` asked for
-    REDIS_URL first, then died in a traceback."""
+    REDIS_URL first, then died in a traceback; `coserve profile --model nope` ended in transformers' traceback
+    about reaching huggingface.co."""
     args = [*command, "--model", str(tmp_path / "nowhere")]
     if command[0] == "up":
         args[2] = str(free_port())
