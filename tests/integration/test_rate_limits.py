@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 
 import pytest
 import redis
-from sqlalchemy import select
 
 from app.db.models import Job, JobStatus
 from app.db.session import session_scope
@@ -18,6 +15,7 @@ from app.services.rate_limits import Limits, RateLimiter
 from app.services.streaming import StreamEvent, publish
 from tests.conftest import Keys
 from tests.integration.test_message_batch_state import ended_message_batch
+from tests.integration.test_tool_calls_streamed_or_not import taking_jobs
 from tests.postgres import TEST_DATABASE
 
 pytestmark = pytest.mark.integration
@@ -500,28 +498,17 @@ def test_a_counting_calls_refusal_after_its_charge_says_where_the_limit_stands(c
     assert not any(h.startswith("x-ratelimit-") for h in counted.headers)
 
 
-@contextmanager
-def failing_worker(settings) -> Iterator[None]:
+def failing_worker(settings) -> AbstractContextManager[None]:
     """A worker whose every job fails: each job not yet taken is ended ``failed`` in SQL and on its stream."""
-    stop = threading.Event()
-    rds = redis.Redis.from_url(settings.redis_url)
 
-    def loop() -> None:
-        while not stop.wait(0.05):
-            with session_scope(settings.database_url) as s:
-                for job in s.scalars(select(Job).where(Job.status.in_((JobStatus.QUEUED, JobStatus.DISPATCHED)))):
-                    job.status, job.attempt, job.finished_at, job.error = (JobStatus.FAILED, 1, datetime.now(UTC),
-                                                                           "the engine broke")
-                    publish(rds, job.id, StreamEvent("end", attempt=1, status="failed",
-                                                     data={"error": "the engine broke"}))
+    def fail(rds: redis.Redis, job: Job) -> None:
+        with session_scope(settings.database_url) as s:
+            row = s.get(Job, job.id)
+            row.status, row.attempt, row.finished_at, row.error = (JobStatus.FAILED, 1, datetime.now(UTC),
+                                                                   "the engine broke")
+        publish(rds, job.id, StreamEvent("end", attempt=1, status="failed", data={"error": "the engine broke"}))
 
-    worker = threading.Thread(target=loop, daemon=True)
-    worker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        worker.join()
+    return taking_jobs(settings, fail)
 
 
 def test_a_generation_whose_job_failed_says_where_the_limit_stands(settings, client, keys):

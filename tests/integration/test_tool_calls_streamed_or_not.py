@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
@@ -27,13 +27,35 @@ PIECE = 4  # characters a delta: a tag or a call's name split across deltas
 
 
 @contextmanager
-def scripted_worker(settings, text_of: dict[str, tuple[str, str, str | None]]) -> Iterator[None]:
-    """A worker that runs every job not yet taken by publishing ``text_of[its last user text]``: (the text, its finish
-    reason, its stop_reason), in deltas of ``PIECE`` characters, then its end."""
+def taking_jobs(settings, run: Callable[[redis.Redis, Job], None]) -> Iterator[None]:
+    """A worker thread that hands each job not yet taken to ``run`` (with a Redis client to publish its stream on)."""
     stop = threading.Event()
     rds = redis.Redis.from_url(settings.redis_url)
 
-    def run(job: Job, text: str, reason: str, stop_reason: str | None) -> None:
+    def loop() -> None:
+        while not stop.wait(0.05):
+            with session_scope(settings.database_url) as s:
+                queued = s.scalars(select(Job).where(Job.status.in_(WAITING))).all()
+                s.expunge_all()
+            for job in queued:
+                run(rds, job)
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+
+
+@contextmanager
+def scripted_worker(settings, text_of: dict[str, tuple[str, str, str | None]]) -> Iterator[None]:
+    """A worker that runs every job not yet taken by publishing ``text_of[its last user text]``: (the text, its finish
+    reason, its stop_reason), in deltas of ``PIECE`` characters, then its end."""
+
+    def run(rds: redis.Redis, job: Job) -> None:
+        text, reason, stop_reason = text_of[job.messages[-1]["content"]]
         for at in range(0, len(text), PIECE):
             publish(rds, job.id, StreamEvent("delta", attempt=1, text=text[at:at + PIECE], token_ids=[at],
                                              offset=at, data={"token_offset": at // PIECE}))
@@ -46,21 +68,8 @@ def scripted_worker(settings, text_of: dict[str, tuple[str, str, str | None]]) -
                                          data={"prompt_tokens": 9, "completion_tokens": -(-len(text) // PIECE),
                                                "stop_reason": stop_reason}))
 
-    def loop() -> None:
-        while not stop.wait(0.05):
-            with session_scope(settings.database_url) as s:
-                queued = s.scalars(select(Job).where(Job.status.in_(WAITING))).all()
-                s.expunge_all()
-            for job in queued:
-                run(job, *text_of[job.messages[-1]["content"]])
-
-    worker = threading.Thread(target=loop, daemon=True)
-    worker.start()
-    try:
+    with taking_jobs(settings, run):
         yield
-    finally:
-        stop.set()
-        worker.join()
 
 
 TOOLS = [("get_time", {"type": "object", "properties": {"tz": {"type": "string"}}}),
