@@ -46,7 +46,8 @@ def resolve_model(model: str) -> ModelSource:
     return ModelSource(path, None)
 
 
-def _cache_dir(source: ModelSource) -> Path:
+def tokenizer_cache_dir(source: ModelSource) -> Path:
+    """Where a GGUF model's tokenizer, converted once, is kept on disk (``load_tokenizer``)."""
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "coserve" / "tokenizers"
     key = hashlib.sha256(f"{source.directory}/{source.gguf_file}".encode()).hexdigest()[:16]
     return root / key
@@ -76,7 +77,7 @@ def load_tokenizer(model: str) -> Any:
     source = resolve_model(model)
     if source.gguf_file is None:
         return AutoTokenizer.from_pretrained(source.directory)
-    cache = _cache_dir(source)
+    cache = tokenizer_cache_dir(source)
     if (cache / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(cache)
@@ -150,7 +151,7 @@ def _model_config(model: str):
 def _max_model_len(model: str) -> int:
     source = resolve_model(model)
     if source.gguf_file is not None:
-        cache = _cache_dir(source).with_name(_cache_dir(source).name + ".ctx")
+        cache = tokenizer_cache_dir(source).with_name(tokenizer_cache_dir(source).name + ".ctx")
         if cache.exists():
             return int(cache.read_text())
     n = int(getattr(_model_config(model), "max_position_embeddings", 2048))

@@ -80,4 +80,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def default_executor():
+    from app.services.model_info import load_tokenizer
+
+    load_tokenizer("smollm2-135m")  # the API's converted copy on disk, as a worker finds it once the API has counted
     return TorchExecutor.from_pretrained("smollm2-135m", device="cpu", kv_blocks=256)

@@ -18,12 +18,14 @@ def test_eos_is_the_chat_end_token(default_executor):
 
 
 def test_the_engine_tokenizes_with_the_apis_converted_copy_of_the_gguf_tokenizer(default_executor):
-    """The engine's tokenizer is the GGUF's as the API converted it once and cached it on disk (``load_tokenizer``),
-    an instance of its own: converting the GGUF's again took 12-35 s of every engine start on the CPU."""
-    from app.services.model_info import get_tokenizer
+    """The engine's tokenizer is the GGUF's as the API converted it once and cached it on disk (``load_tokenizer``;
+    the fixture made sure the copy is there, as a worker finds it once the API has counted), an instance of its own:
+    converting the GGUF's again took 12-35 s of every engine start on the CPU."""
+    from app.services.model_info import get_tokenizer, resolve_model, tokenizer_cache_dir
 
     tok, api = default_executor.tokenizer, get_tokenizer("smollm2-135m")
-    assert Path(tok.name_or_path) == Path(api.name_or_path), tok.name_or_path  # not the GGUF's directory
+    cached = tokenizer_cache_dir(resolve_model("smollm2-135m"))
+    assert Path(tok.name_or_path) == cached, tok.name_or_path  # not the GGUF's directory
     assert tok is not api and tok.get_vocab() == api.get_vocab() and tok.chat_template == api.chat_template
 
 
