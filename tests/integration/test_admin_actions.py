@@ -165,25 +165,29 @@ def test_the_dashboards_tenants_say_which_are_disabled_and_the_switch_needs_the_
     assert not any(t["disabled"] for t in rows)
 
 
+def _pages(client, keys, path: str, table: str, key: str, **params) -> list[list[str]]:
+    """Every page of an admin table (``table``: its rows' field in the answer), following ``{table}_next``, each
+    row by its ``key``; each page says how many rows all the pages hold and its first row's number."""
+    out, totals, after = [], set(), None
+    while True:
+        r = client.get(path, params={**params, **({"after": after} if after else {})}, headers=H(keys.admin))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body[f"{table}_before"] == sum(map(len, out)), body  # the page's first row number, less one
+        out.append([row[key] for row in body[table]])
+        totals.add(body[f"{table}_total"])
+        if not (after := body[f"{table}_next"]):
+            assert totals == {sum(map(len, out))}, totals
+            return out
+
+
 def test_the_tenants_table_pages_by_name_with_a_cursor(client, keys, settings):
     """Thousands of tenants are not read on every poll: a page of them by name, its cursor the next's start."""
     for name in ("beta", "delta"):
         assert client.post("/v1/admin/tenants", json={"name": name}, headers=H(keys.admin)).status_code == 201
 
     def pages(**params) -> list[list[str]]:
-        """Every page, following tenants_next; each says how many tenants all the pages hold."""
-        out, totals, after = [], set(), None
-        while True:
-            r = client.get("/admin/api/tenants", params={**params, **({"after": after} if after else {})},
-                           headers=H(keys.admin))
-            assert r.status_code == 200, r.text
-            body = r.json()
-            assert body["tenants_before"] == sum(map(len, out)), body  # the page's first row number, less one
-            out.append([t["name"] for t in body["tenants"]])
-            totals.add(body["tenants_total"])
-            if not (after := body["tenants_next"]):
-                assert totals == {sum(map(len, out))}, totals
-                return out
+        return _pages(client, keys, "/admin/api/tenants", "tenants", "name", **params)
 
     assert pages(limit=2) == [["acme", "beta"], ["delta", "globex"], ["ops"]]
     assert pages() == [["acme", "beta", "delta", "globex", "ops"]]
@@ -323,19 +327,7 @@ def test_the_jobs_table_filters_by_status_and_pages_by_cursor(client, keys, sett
     queued = [_job(client, keys, settings, status="queued") for _ in range(2)]
 
     def pages(**params) -> list[list[str]]:
-        """Every page of the table, following jobs_next; each says how many rows all its pages hold."""
-        out, totals, after = [], set(), None
-        while True:
-            r = client.get("/admin/api/overview", params={**params, **({"after": after} if after else {})},
-                           headers=H(keys.admin))
-            assert r.status_code == 200, r.text
-            body = r.json()
-            assert body["jobs_before"] == sum(map(len, out)), body  # the page's first row number, less one
-            out.append([j["id"] for j in body["jobs"]])
-            totals.add(body["jobs_total"])
-            if not (after := body["jobs_next"]):
-                assert totals == {sum(map(len, out))}, totals
-                return out
+        return _pages(client, keys, "/admin/api/overview", "jobs", "id", **params)
 
     assert pages(limit=2) == [relegated, running[:2], running[2:]]  # the relegated first, each oldest first
     assert pages(status="queued") == [queued]
