@@ -79,12 +79,17 @@ def test_a_worker_publishes_auto_as_vllm_picks_for_its_mistral_tokenizer(mistral
     assert _published(mistral_configs["spm"]) == output_constraints.AUTO_OUTLINES  # xgrammar, else outlines
 
 
+def _api_answer(config, kind: str, text: str) -> str | None:
+    """The API's refusal of a constraint where the one live worker runs ``config`` (None: taken)."""
+    backends = output_constraints.backends_of([_published(config)])  # as the API reads the workers' heartbeats
+    return output_constraints.outcomes([(kind, text)], backends)[(kind, text)]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_api_takes_what_vllms_auto_takes_for_a_tekken_tokenizer(mistral_configs, case):
     config = mistral_configs["tekken"]
     kind, text = CASES[case]
-    backends = output_constraints.backends_of([_published(config)])  # as the API reads the workers' heartbeats
-    answer = output_constraints.outcomes([(kind, text)], backends)[(kind, text)]
+    answer = _api_answer(config, kind, text)
     assert (answer is None) == _vllm_takes(config, kind, text), answer
 
 
@@ -93,6 +98,5 @@ def test_the_api_refuses_only_what_vllms_auto_refuses_for_an_older_mistral_token
     """Outlines, auto's fallback there, is not checked at the API: it refuses nothing vLLM takes."""
     config = mistral_configs["spm"]
     kind, text = CASES[case]
-    backends = output_constraints.backends_of([_published(config)])  # as the API reads the workers' heartbeats
-    answer = output_constraints.outcomes([(kind, text)], backends)[(kind, text)]
+    answer = _api_answer(config, kind, text)
     assert answer is None or not _vllm_takes(config, kind, text), answer
