@@ -22,6 +22,7 @@ from rich.table import Table
 
 from app.bounds import BATCHES_PAGE_MAX, RUNS_PAGE_MAX
 from app.cli.interruptible import interruptible
+from app.cli.loopback import trust_env
 from app.cli.options import AsJson, Key, Tier, Url, given_beside, in_path
 from app.cli.output import (
     Console,
@@ -69,7 +70,8 @@ class Api:
         from app.cli.service_cmds import _client_config
 
         self.url, key = _client_config(url, key)
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S,
+                                 trust_env=trust_env(self.url))
 
     def call(self, method: str, path: str, patient: bool = False, looked_up: tuple[str, str] | None = None,
              **kw: Any) -> httpx.Response:

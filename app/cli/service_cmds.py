@@ -24,6 +24,7 @@ from rich.table import Table
 
 from app.bounds import JOBS_PAGE_MAX, MAX_RATE
 from app.cli.interruptible import interruptible, interruptible_items
+from app.cli.loopback import trust_env
 from app.cli.options import VLLM_OPTIONS, AsJson, JobId, Key, Tier, Url, finite, vllm_flags
 from app.cli.output import (
     Console,
@@ -192,7 +193,7 @@ def _answer(method: str, url: str, key: str, path: str, **kw: Any) -> httpx.Resp
     """The API's answer, whatever its status; an API that cannot be reached stops the command (exit 2)."""
     try:
         return interruptible(lambda: httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"},
-                                                   timeout=30, **kw))
+                                                   timeout=30, trust_env=trust_env(url), **kw))
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         stderr.print(f"[red]cannot reach {escape(url)}: {escape(str(exc))}[/red] (is `coserve up` running?)")
         raise typer.Exit(2) from exc
@@ -224,7 +225,7 @@ def warn_without_workers(url: str) -> None:
     """Says so where no live worker serves the API's model (its ``/readyz``): the jobs about to be sent would wait in
     the queue, and a wait for them would show nothing."""
     try:
-        readyz = interruptible(lambda: httpx.get(url + "/readyz", timeout=10))
+        readyz = interruptible(lambda: httpx.get(url + "/readyz", timeout=10, trust_env=trust_env(url)))
         workers = readyz.json().get("checks", {}).get("workers", "")
     except (httpx.HTTPError, ValueError, AttributeError):
         return  # an older server, or one that cannot say: the request itself will tell
@@ -365,7 +366,7 @@ def _stream_text(url: str, key: str, job_id: str, timeout: float) -> bool:
         with ExitStack() as opened:  # its head too may wait long (a proxy that buffers)
             r = interruptible(lambda: opened.enter_context(httpx.stream(
                 "GET", f"{url}/v1/jobs/{job_id}/stream", headers={"Authorization": f"Bearer {key}"},
-                timeout=httpx.Timeout(timeout, connect=10.0))))
+                timeout=httpx.Timeout(timeout, connect=10.0), trust_env=trust_env(url))))
             if r.status_code != 200:
                 return False
             event = None
@@ -591,7 +592,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                                   f"{escape(not_ready(api_url, checks))}; see {data / 'logs'}")
                     raise typer.Exit(1)
                 try:
-                    r = httpx.get(api_url + "/readyz", timeout=2)
+                    r = httpx.get(api_url + "/readyz", timeout=2, trust_env=trust_env(api_url))
                     if r.status_code == 200:
                         break
                     checks = r.json().get("checks", r.text)
