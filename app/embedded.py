@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -71,6 +72,31 @@ def recorded_redis_url(data_dir: Path) -> str | None:
     return path.read_text().strip() or None
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def dies_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a child that must not outlive this process: Linux sends the child SIGTERM (its orderly
+    stop: Redis saves, uvicorn and Celery shut down, taking their own children along) when the thread that started it
+    ends, however it ends (``PR_SET_PDEATHSIG``), so that a `coserve up` killed outright (SIGKILL, the OOM killer)
+    leaves no Redis, API or worker running on, orphaned, holding its port and data directory. None elsewhere.
+    Children are started from the main thread, which lives as long as the process."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+    parent = os.getpid()
+
+    def tether() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent ended between the fork and the prctl: nobody would signal
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return tether
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,7 +133,8 @@ def start_redis(directory: Path, port: int | None = None, *, persist: bool = Fal
     args += ["--appendonly", "yes"] if persist else ["--save", "", "--appendonly", "no"]
     # its own session: a terminal Ctrl-C (SIGINT to the foreground group) must not kill Redis before
     # the worker and API that need it for a clean shutdown; the supervisor stops it last
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=dies_with_this_process())
     url = f"redis://127.0.0.1:{port}/0"
     if redis_silent(url, timeout, poll_s=0.05, give_up=lambda: proc.poll() is not None) is not None:
         proc.kill()
@@ -229,7 +256,8 @@ class Supervisor:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:  # the child writes through its own copy of the descriptor
             self.logs[name] = (log_path, out.tell())
-            proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=dies_with_this_process())
         self.spawned[name] = _Spawned(args, env, log_path)
         self.started[name] = self.clock()
         if restart is not None:

@@ -1,5 +1,5 @@
-"""`coserve up` as a process supervisor, run for real: behind an HTTP proxy it still reaches its own API on
-loopback."""
+"""`coserve up` as a process supervisor, run for real: behind an HTTP proxy it still reaches its own API on loopback,
+and killed outright (SIGKILL, the OOM killer) it leaves none of its children behind."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 
+import psutil
 import pytest
 
 from tests.conftest import ROOT, free_port, wait_for
@@ -88,3 +89,44 @@ def test_up_behind_a_proxy_checks_its_api_directly(tmp_path, tiny_model_dir):
         proxy.shutdown()
     assert _Proxy.asked == []
     assert up.returncode == 0, "".join(lines) + up.stdout.read()
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Ended (a zombie too: it holds no port, memory nor device)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_up_killed_takes_its_children_along(tmp_path, tiny_model_dir):
+    """`coserve up` SIGKILLed (no chance to stop anything): Redis, the API and the worker, with their own children,
+    end too, and a new `coserve up` serves from the same data directory; they used to run on, orphaned, holding the
+    port and the data directory's Redis."""
+    data = tmp_path / "data"
+    env = _env(data, tiny_model_dir)
+    port = free_port()
+    up = _coserve(["up", "--port", str(port)], env)
+    lines: list[str] = []
+    children: list[psutil.Process] = []
+    try:
+        wait_for(_says(up, lines, "serving; Ctrl-C"), 180, "coserve up to serve", interval=0)
+        children = psutil.Process(up.pid).children(recursive=True)
+        commands = " ".join(" ".join(c.cmdline()) for c in children)
+        assert all(name in commands for name in ("redis-server", "uvicorn", "celeryd")), commands
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait(10)
+        wait_for(lambda: all(_gone(c) for c in children), 60, "the children of a killed `coserve up` to end")
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+        for child in children:  # what the old code left running
+            if not _gone(child):
+                child.kill()
+    again = _coserve(["up", "--port", str(port)], env)
+    lines = []
+    try:
+        wait_for(_says(again, lines, "serving; Ctrl-C"), 180, "a new coserve up to serve", interval=0)
+    finally:
+        _ctrl_c(again)
+    assert again.returncode == 0, "".join(lines) + again.stdout.read()
