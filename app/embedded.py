@@ -29,6 +29,23 @@ def redis_server_binary() -> str:
     return str(path)
 
 
+class RedisDidNotStart(RuntimeError):
+    """The embedded redis-server ended or did not answer at start-up; the message says what its log said last."""
+
+
+def _last_log_line(path: Path) -> str | None:
+    """The last line of redis-server's log, without its ``pid:role date`` prefix (its reason to stop, where it gave
+    one: "Bad file format reading the append only file ..."), or None where it wrote none."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return None
+    if not lines:
+        return None
+    prefix, level, said = lines[-1].partition(" # ")  # "123:M 01 Dec 2026 10:17:00.547 # Bad file format ..."
+    return said if level else prefix
+
+
 class DataDirInUse(RuntimeError):
     """Another ``coserve up`` serves from this data directory."""
 
@@ -138,7 +155,10 @@ def start_redis(directory: Path, port: int | None = None, *, persist: bool = Fal
     url = f"redis://127.0.0.1:{port}/0"
     if redis_silent(url, timeout, poll_s=0.05, give_up=lambda: proc.poll() is not None) is not None:
         proc.kill()
-        raise RuntimeError(f"redis-server did not start on port {port}; see {directory / 'redis.log'}")
+        proc.wait()
+        said = _last_log_line(directory / "redis.log")
+        raise RedisDidNotStart(f"redis-server did not start on port {port}" + (f": {said}" if said else "")
+                               + f"; see {directory / 'redis.log'}")
     log.info("redis-server pid %d on %s", proc.pid, url)
     return proc, url
 

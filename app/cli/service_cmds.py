@@ -517,7 +517,14 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         --worker-restarts; Redis or the API exiting stops everything. Options after these go to the worker's vLLM
         engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
         from app.credentials import CredentialsError, credentials_path, ensure_credentials
-        from app.embedded import DataDirInUse, Supervisor, hold_data_dir, record_redis_url, start_redis
+        from app.embedded import (
+            DataDirInUse,
+            RedisDidNotStart,
+            Supervisor,
+            hold_data_dir,
+            record_redis_url,
+            start_redis,
+        )
 
         t0 = time.monotonic()
         if api_workers is None:
@@ -550,7 +557,11 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         try:
             redis_url = settings.redis_url
             if not redis_url:
-                proc, redis_url = start_redis(data / "redis", persist=True)
+                try:
+                    proc, redis_url = start_redis(data / "redis", persist=True)
+                except RedisDidNotStart as exc:  # its reason on the screen, not a traceback
+                    console.print(f"[red]{escape(str(exc))}[/red]")
+                    raise typer.Exit(1) from None
                 sup.adopt("redis", proc)
                 record_redis_url(data, redis_url)  # `keys revoke` announces revocations through it
                 console.print(f"[dim]redis-server (embedded) on {redis_url}[/dim]")

@@ -130,3 +130,17 @@ def test_up_killed_takes_its_children_along(tmp_path, tiny_model_dir):
     finally:
         _ctrl_c(again)
     assert again.returncode == 0, "".join(lines) + again.stdout.read()
+
+
+def test_up_says_why_its_redis_did_not_start(tmp_path, tiny_model_dir):
+    """The embedded Redis refuses its data (an append-only file cut short mid-command): `up` exits 1 with what Redis
+    said, not a Python traceback ending in "see redis.log"."""
+    data = tmp_path / "data"
+    (data / "redis").mkdir(parents=True)
+    (data / "redis" / "appendonly.aof").write_bytes(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\ngarbage")
+    up = subprocess.run([os.path.join(os.path.dirname(sys.executable), "coserve"), "up", "--port", str(free_port())],
+                        env=_env(data, tiny_model_dir), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    said = " ".join((up.stdout + up.stderr).split())
+    assert "Bad file format reading the append only file" in said, said
+    assert up.returncode == 1 and "Traceback" not in said, said
+    assert not (data / "logs" / "worker.log").exists()  # nothing else was started
