@@ -288,7 +288,11 @@ class Supervisor:
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return proc
 
-    def adopt(self, name: str, proc: subprocess.Popen) -> None:
+    def adopt(self, name: str, proc: subprocess.Popen, log_path: Path | None = None) -> None:
+        """Supervises ``proc``, started elsewhere (the embedded Redis, by ``start_redis``); ``log_path``: the log it
+        writes itself, where ``last_words`` finds why it stopped (what it wrote there before now is not its to say)."""
+        if log_path is not None:
+            self.logs[name] = (log_path, log_path.stat().st_size if log_path.exists() else 0)
         self.procs.append((name, proc))
 
     def dead(self) -> list[str]:
@@ -327,9 +331,12 @@ class Supervisor:
         if name not in self.logs:
             return None
         path, start = self.logs[name]
-        with open(path, "rb") as f:
-            f.seek(max(start, path.stat().st_size - 64 * 1024))  # a traceback's end, not the whole log
-            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(start, path.stat().st_size - 64 * 1024))  # a traceback's end, not the whole log
+                lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+        except OSError:  # the log removed, or unreadable: the exit is reported without it
+            return None
         return lines[-1] if lines else None
 
     def stop_one(self, name: str, grace_s: float = 15.0) -> None:

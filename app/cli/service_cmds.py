@@ -562,7 +562,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
                 except RedisDidNotStart as exc:  # its reason on the screen, not a traceback
                     console.print(f"[red]{escape(str(exc))}[/red]")
                     raise typer.Exit(1) from None
-                sup.adopt("redis", proc)
+                sup.adopt("redis", proc, data / "redis" / "redis.log")  # why it stopped, where it says
                 record_redis_url(data, redis_url)  # `keys revoke` announces revocations through it
                 console.print(f"[dim]redis-server (embedded) on {redis_url}[/dim]")
             api_url = http_url(settings.host, settings.port)

@@ -218,3 +218,22 @@ def test_children_still_starting_are_not_given_the_grace_of_serving_ones(tmp_pat
         wait_for(lambda: "started" in log.read_text(), 60, "the child to start")  # its SIGTERM handler set
         stop_children(sup, serving)
         assert api.returncode == ended, (serving, api.returncode)
+
+
+def test_an_adopted_child_says_why_it_stopped_from_its_own_log(tmp_path: Path):
+    """`coserve up` said only "redis exited; stopping" where its embedded Redis stopped: it adopts Redis (started by
+    ``start_redis``, which writes its own log), and the exit now carries the last line Redis logged since; a line
+    from before it was adopted (its start-up) is not the reason."""
+    log = tmp_path / "redis.log"
+    log.write_text("1:M # Server initialized\n")
+    # a stand-in that logs, as redis-server does, once the supervisor holds it, and stops
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stdin.read(); open({str(log)!r}, 'a').write("
+                             "'1:M # Error writing to the AOF file: No space left on device\\n'); sys.exit(1)"],
+                            stdin=subprocess.PIPE)
+    sup = Supervisor()
+    sup.adopt("redis", proc, log)
+    sup.adopt("quiet", subprocess.Popen([sys.executable, "-c", "pass"]), tmp_path / "no.log")  # no log at all
+    proc.stdin.close()
+    assert _exited(sup, "redis") == [ChildExit("redis", 1, "1:M # Error writing to the AOF file: No space left on "
+                                                           "device", restart_in_s=None)]
+    assert _exited(sup, "quiet") == [ChildExit("quiet", 0, None, restart_in_s=None)]
