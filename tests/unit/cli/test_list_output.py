@@ -82,6 +82,7 @@ def api(monkeypatch) -> TestClient:
 
     def request(method: str, url: str, **kw: Any) -> httpx.Response:
         kw.pop("timeout", None)
+        kw.pop("trust_env", None)  # the CLI passes httpx's; a TestClient takes neither
         return client.request(method, url, **kw)
 
     def init(self: batch_cmds.Api, url: str | None, key: str | None) -> None:
