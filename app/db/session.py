@@ -33,6 +33,11 @@ CONNECT_TIMEOUT_S = 5
 POOL_TIMEOUT_S = 10  # the longest a request waits for a pooled connection while all are in use
 SERVER_POOL = (10, 20)  # a database server's pool per process: kept connections, more while busy (SCALE-OUT.md)
 SQLITE_POOL = (16, 32)  # SQLite's: connections are cheap, and write_guard serializes the writers among them
+# a database server's bounds on one statement's wait (PostgreSQL's lock_timeout, statement_timeout): a request that
+# meets a row another transaction holds (an admin's, a stuck worker's) gives its pooled connection back and is answered
+# 503, instead of holding it for as long as the lock is held while the pool drains
+LOCK_TIMEOUT_S = 10.0
+STATEMENT_TIMEOUT_S = 60.0
 # what a database that cannot be reached raises: refused, timed out, or no pooled connection came free in time
 DATABASE_UNAVAILABLE = (OperationalError, PoolTimeout)
 # the errors ``database_unavailable`` judges: a driver's (wrapped by SQLAlchemy) and the pool's
@@ -44,6 +49,10 @@ SQLITE_BUSY_CODES = frozenset({5, 6, 261, 773})
 # PostgreSQL's SQLSTATEs of a server that cannot serve now: class 08 (connection exception), too many connections,
 # shutting down (admin, crash), starting up; not a statement's own errors (a syntax error, a constraint broken)
 SERVER_UNAVAILABLE_STATES = frozenset({"53300", "57P01", "57P02", "57P03"})
+# PostgreSQL's SQLSTATEs of a statement that waited past its bound (``PoolSize.lock_timeout_s``, ``statement_timeout_s``):
+# lock_not_available, query_canceled. The database is busy, not broken: a retry may find the lock let go
+LOCK_TIMEOUT_STATE, STATEMENT_TIMEOUT_STATE = "55P03", "57014"
+SERVER_BUSY_STATES = frozenset({LOCK_TIMEOUT_STATE, STATEMENT_TIMEOUT_STATE})
 # libpq's words where a connection could not be made or was lost (no SQLSTATE comes with them); not a refused login
 # (a wrong password, an unknown database: the deployment's own defect, which no retry mends)
 SERVER_UNREACHABLE_WORDS = ("Connection refused", "timeout expired", "could not connect to server",
@@ -67,10 +76,26 @@ def database_unavailable(exc: BaseException) -> bool:
     driver_error = exc.orig
     if (sqlite_code := getattr(driver_error, "sqlite_errorcode", None)) is not None:
         return sqlite_code in SQLITE_BUSY_CODES
-    state = getattr(driver_error, "pgcode", None) or getattr(driver_error, "sqlstate", None)  # psycopg2's, psycopg's
+    state = server_state(exc)
     if state:
-        return state.startswith("08") or state in SERVER_UNAVAILABLE_STATES
+        return state.startswith("08") or state in SERVER_UNAVAILABLE_STATES or state in SERVER_BUSY_STATES
     return isinstance(exc, OperationalError) and any(w in str(driver_error) for w in SERVER_UNREACHABLE_WORDS)
+
+
+def server_state(exc: BaseException) -> str | None:
+    """The SQLSTATE a database server's driver gave with ``exc`` (psycopg2's ``pgcode``, psycopg's ``sqlstate``)."""
+    driver_error = getattr(exc, "orig", None)
+    return getattr(driver_error, "pgcode", None) or getattr(driver_error, "sqlstate", None)
+
+
+def unavailable_reason(exc: BaseException) -> str:
+    """What kept the database from serving (``exc`` one ``database_unavailable`` says yes to), in words for a client."""
+    state = server_state(exc)
+    if state == LOCK_TIMEOUT_STATE:
+        return "a row it needs was held by another transaction past the lock timeout"
+    if state == STATEMENT_TIMEOUT_STATE:
+        return "a statement ran past the statement timeout"
+    return "busy, locked or unreachable"
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -108,11 +133,14 @@ logging.getLogger("sqlalchemy.engine.Engine").addFilter(HiddenRows())
 @dataclass(frozen=True)
 class PoolSize:
     """A process's connection pool to one database (``Settings.database_pool``): an operator sizes it against the
-    server's ``max_connections`` and the processes sharing it (ops/compose/SCALE-OUT.md)."""
+    server's ``max_connections`` and the processes sharing it (ops/compose/SCALE-OUT.md); and on a database server the
+    bounds of its connections' waits, set on each as it connects (0: none)."""
 
     size: int | None = None  # connections kept open; None: the backend's (SERVER_POOL, SQLITE_POOL)
     overflow: int | None = None  # opened beyond them while busy, closed once returned; None: the backend's
     timeout_s: float = POOL_TIMEOUT_S  # how long a session waits for one while all are in use (then a 503)
+    lock_timeout_s: float = LOCK_TIMEOUT_S  # how long a statement waits for a lock another transaction holds
+    statement_timeout_s: float = STATEMENT_TIMEOUT_S  # how long one statement may run, its waits included
 
     def engine_args(self, url: str) -> dict[str, float]:
         size, overflow = SQLITE_POOL if url.startswith("sqlite") else SERVER_POOL
@@ -144,7 +172,25 @@ def make_engine(url: str, **kwargs) -> Engine:
         event.listen(engine, "connect", lambda c, _r: setattr(c, "isolation_level", None))
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, connect_args=server_connect_args(url), **kwargs)
+    engine = create_engine(url, pool_pre_ping=True, connect_args=server_connect_args(url), **kwargs)
+    if engine.dialect.name == "postgresql":
+        event.listen(engine, "connect", _server_waits(_pool_sizes.get(url, PoolSize())))
+    return engine
+
+
+def _server_waits(pool: PoolSize):  # noqa: ANN202 - SQLAlchemy's connect listener
+    """A connect listener that sets the session's ``lock_timeout`` and ``statement_timeout`` (milliseconds; 0: none)
+    on each new PostgreSQL connection, as ``PoolSize`` says."""
+    waits = {"lock_timeout": pool.lock_timeout_s, "statement_timeout": pool.statement_timeout_s}
+
+    def set_waits(dbapi_conn, _record) -> None:
+        cursor = dbapi_conn.cursor()
+        for name, seconds in waits.items():
+            cursor.execute(f"SET {name} = {round(seconds * 1000)}")
+        cursor.close()
+        dbapi_conn.commit()  # the driver's implicit transaction; SET's session value outlives it
+
+    return set_waits
 
 
 def server_connect_args(url: str) -> dict[str, int]:

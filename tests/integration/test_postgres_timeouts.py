@@ -1,0 +1,69 @@
+"""PostgreSQL's own bounds on a request's wait (``lock_timeout``, ``statement_timeout``): a request that meets a row
+another transaction holds (an admin's, a stuck worker's) is answered 503 with retry-after once the lock timeout runs
+out, and its pooled connection comes back; before, it waited for as long as the lock was held, and the pool drained.
+A real cluster (``tests/postgres.py``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.conftest import make_keys
+from tests.integration.test_database_unavailable_answers import _client, assert_retry_later
+from tests.postgres import bin_dir, no_server_user
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(bin_dir() is None, reason="PostgreSQL is not installed (no "
+                       "/usr/lib/postgresql/*/bin/initdb; apt-get install postgresql)"),
+    pytest.mark.skipif(no_server_user(), reason="running as root and there is no 'postgres' user to run the "
+                       "server as"),
+]
+HELD_FOR_S = 120  # the longest the test's holder keeps its lock: far past the request's lock timeout
+
+
+@pytest.fixture
+def pg_settings(settings, pg_url):
+    from app.db.migrate import upgrade
+
+    upgrade(pg_url)
+    settings.database_url = pg_url
+    return settings
+
+
+def test_a_request_that_meets_a_held_row_lock_is_a_503_after_the_lock_timeout(pg_settings):
+    pg_settings.database_lock_timeout_s = 0.5
+    keys = make_keys(pg_settings.sqlalchemy_url)
+    auth = {"Authorization": f"Bearer {keys.paid}"}
+    holder = create_engine(pg_settings.sqlalchemy_url).connect()  # an admin's long transaction
+    with _client(pg_settings) as client, ThreadPoolExecutor(1) as pool:
+        job = client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2}, headers=auth).json()
+        holder.execute(text("SELECT id FROM jobs WHERE id = :id FOR UPDATE"), {"id": job["id"]})
+        try:
+            cancel = pool.submit(client.post, f"/v1/jobs/{job['id']}/cancel", headers=auth)
+            answer = cancel.result(timeout=HELD_FOR_S)
+        finally:
+            holder.rollback()
+            holder.close()
+        served = client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth)
+    assert_retry_later(answer, "native")
+    assert "held by another transaction past the lock timeout" in answer.json()["detail"], answer.text
+    assert served.status_code == 200, served.text
+
+
+def test_a_statement_that_runs_past_the_statement_timeout_is_the_database_busy(pg_url):
+    from sqlalchemy.exc import OperationalError
+
+    from app.db.session import PoolSize, database_unavailable, get_engine, size_pool, unavailable_reason
+
+    size_pool(pg_url, PoolSize(statement_timeout_s=0.2))
+    with pytest.raises(OperationalError) as raised, get_engine(pg_url).connect() as conn:
+        conn.execute(text("SELECT pg_sleep(30)"))
+    assert database_unavailable(raised.value), raised.value
+    assert unavailable_reason(raised.value) == "a statement ran past the statement timeout"
+    size_pool(pg_url, PoolSize(statement_timeout_s=0))
+    with get_engine(pg_url).connect() as conn:
+        assert conn.execute(text("SHOW statement_timeout")).scalar() == "0"
+        assert conn.execute(text("SHOW lock_timeout")).scalar() == "10s"  # the default, LOCK_TIMEOUT_S
