@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from fastapi.concurrency import run_in_threadpool
 
 from app.auth import _MISS, KeyCache, Principal, lookup
-from app.db.session import DATABASE_UNAVAILABLE, get_sessionmaker
+from app.db.session import DATABASE_ERRORS, database_unavailable, get_sessionmaker
 from app.responses_schemas import LOGPROBS_INCLUDE, refuse_unsupported_include
 from app.services.rate_limits import RateLimiter
 from app.settings import Settings, get_settings
@@ -136,10 +136,12 @@ async def require_metrics_reader(request: Request, authorization: Annotated[str 
     scrape can report the database down."""
     try:
         await require_admin(await get_principal(request, authorization, x_api_key))
-    except DATABASE_UNAVAILABLE:
+    except DATABASE_ERRORS as exc:
+        if not database_unavailable(exc):
+            raise
         admin_key, key = (await settings_dep(request)).admin_key, presented_key(authorization, x_api_key)
         if not (admin_key and key and hmac.compare_digest(key.encode(), admin_key.encode())):
-            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the database cannot be reached to check this "
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the database is unavailable to check this "
                                 "key; only COSERVE_ADMIN_KEY reads /metrics until it is back") from None
 
 

@@ -279,7 +279,7 @@ def stream_failure(exc: Exception, job_id: str, read_at: str) -> tuple[int, str]
     a traceback; else a 500 and the traceback of the defect."""
     if database_unavailable(exc):
         log.warning("the stream of job %s stopped: the database is unavailable (%s)", job_id, type(exc).__name__)
-        return 503, (f"the database is unavailable (busy, locked or unreachable), so the stream stopped; the job goes "
+        return 503, (f"the database is unavailable ({unavailable_reason(exc)}), so the stream stopped; the job goes "
                      f"on: read it in {DATABASE_RETRY_AFTER_S} seconds ({read_at})")
     log.error("the stream of job %s failed", job_id, exc_info=exc)
     return 500, f"the stream failed; the job goes on ({read_at})"

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import SessionDep, SettingsDep
 from app.db.migrate import schema_problem
 from app.db.models import Job, JobStatus
-from app.db.session import DATABASE_UNAVAILABLE
+from app.db.session import DATABASE_ERRORS, database_unavailable, unavailable_reason
 from app.services.model_info import context_length
 from app.services.notify import redis_client
 from app.services.workers import live_workers, served_context
@@ -140,15 +140,18 @@ def ping(session: SessionDep, settings: SettingsDep) -> Response:
 UNFINISHED = tuple(s.value for s in JobStatus if not s.terminal)
 
 
-@router.get("/load", responses={503: {"description": "the database cannot be reached"}})
+@router.get("/load", responses={503: {"description": "the database cannot serve now (the detail says why)"}})
 def load(session: SessionDep) -> dict[str, int]:
     """vLLM's load figure for a router in front of several deployments: the jobs this deployment has accepted and
     not finished (queued, running or relegated, every model's and tenant's)."""
     try:
         unfinished = session.scalar(select(func.count()).select_from(Job).where(Job.status.in_(UNFINISHED)))
-    except DATABASE_UNAVAILABLE as exc:  # the router in front tries another deployment, as it would on a 503
-        log.warning("/load: the database cannot be reached: %s", exc)
-        raise HTTPException(503, "the database cannot be reached; /readyz says what else is down") from exc
+    except DATABASE_ERRORS as exc:  # the router in front tries another deployment, as it would on a 503
+        if not database_unavailable(exc):
+            raise  # a statement's own failure (a table missing): a defect, the 500 it is
+        reason = unavailable_reason(exc)
+        log.warning("/load: the database is unavailable (%s)", reason)
+        raise HTTPException(503, f"the database is unavailable ({reason}); /readyz says what else is down") from exc
     return {"server_load": unfinished or 0}
 
 

@@ -3,7 +3,7 @@ scrapes: app.observability.tally), with vLLM's own engine series
 from the workers that run it (see app.observability). A scrape needs the admin key (the rate limits' series name
 tenants): ``app.api.deps.require_metrics_reader``.
 
-Where the database cannot be reached the scrape still answers, with ``coserve:database_up`` 0 and the series kept in
+Where the database cannot serve (down, or busy past its bounds) the scrape still answers, with ``coserve:database_up`` 0 and the series kept in
 Redis (the engines', the rate limits'), as an exporter reports the system it watches being down."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from app.api.deps import MetricsReader, SettingsDep
-from app.db.session import DATABASE_UNAVAILABLE
+from app.db.session import DATABASE_ERRORS, database_unavailable
 from app.observability.collector import SqlCollector
 from app.observability.engine_metrics import EngineMetricsCollector
 from app.observability.rate_limit_metrics import RateLimitCollector
@@ -50,5 +50,7 @@ def _counted_models(settings: Settings) -> tuple[str, ...]:
     the database says which)."""
     try:
         return served_models(settings)
-    except DATABASE_UNAVAILABLE:  # the collector's own read fails alike, and says so
+    except DATABASE_ERRORS as exc:  # the collector's own read fails alike, and says so
+        if not database_unavailable(exc):
+            raise
         return settings.served_models

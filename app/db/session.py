@@ -38,8 +38,6 @@ SQLITE_POOL = (16, 32)  # SQLite's: connections are cheap, and write_guard seria
 # 503, instead of holding it for as long as the lock is held while the pool drains
 LOCK_TIMEOUT_S = 10.0
 STATEMENT_TIMEOUT_S = 60.0
-# what a database that cannot be reached raises: refused, timed out, or no pooled connection came free in time
-DATABASE_UNAVAILABLE = (OperationalError, PoolTimeout)
 # the errors ``database_unavailable`` judges: a driver's (wrapped by SQLAlchemy) and the pool's
 DATABASE_ERRORS = (DBAPIError, PoolTimeout)
 # SQLite's (extended) result codes of a file another connection holds past the busy timeout: SQLITE_BUSY, SQLITE_LOCKED,
@@ -89,13 +87,18 @@ def server_state(exc: BaseException) -> str | None:
 
 
 def unavailable_reason(exc: BaseException) -> str:
-    """What kept the database from serving (``exc`` one ``database_unavailable`` says yes to), in words for a client."""
+    """What kept the database from serving (``exc`` one ``database_unavailable`` says yes to), in words for a client
+    and an operator: a database that is busy is not one that is down."""
+    if isinstance(exc, PoolTimeout):
+        return "every pooled connection was in use past the pool timeout"
+    if getattr(getattr(exc, "orig", None), "sqlite_errorcode", None) is not None:
+        return "another connection held the SQLite file past the busy timeout"
     state = server_state(exc)
     if state == LOCK_TIMEOUT_STATE:
         return "a row it needs was held by another transaction past the lock timeout"
     if state == STATEMENT_TIMEOUT_STATE:
         return "a statement ran past the statement timeout"
-    return "busy, locked or unreachable"
+    return "unreachable or refusing connections"
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

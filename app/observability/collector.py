@@ -22,7 +22,7 @@ from sqlalchemy import case, func, literal_column, select
 from sqlalchemy.orm import Session
 
 from app.db.models import INVALID_REQUEST, Job, JobStatus, WorkerState
-from app.db.session import DATABASE_UNAVAILABLE, session_scope
+from app.db.session import DATABASE_ERRORS, database_unavailable, session_scope, unavailable_reason
 from app.observability import tally
 from app.observability.engine_metrics import INTER_TOKEN_LATENCY_BUCKETS
 from app.observability.tally import Groups, Summed
@@ -135,11 +135,13 @@ class SqlCollector(Collector):
 
     @cached_property
     def tables(self) -> Tables | None:
-        """The scrape's reads (made once); None where the database could not be reached."""
+        """The scrape's reads (made once); None where the database could not serve them (``database_unavailable``)."""
         try:
             return self._query()
-        except DATABASE_UNAVAILABLE as exc:
-            log.warning("/metrics: the database cannot be reached: %s", exc)
+        except DATABASE_ERRORS as exc:
+            if not database_unavailable(exc):
+                raise  # a statement's own failure: a defect
+            log.warning("/metrics: the database is unavailable (%s)", unavailable_reason(exc))
             return None
 
     @property

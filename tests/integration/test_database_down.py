@@ -41,9 +41,9 @@ def refused_db_client(settings) -> Iterator[TestClient]:
         yield c
 
 
-def test_load_is_a_503_saying_the_database_cannot_be_reached(refused_db_client):
+def test_load_is_a_503_saying_the_database_is_unreachable(refused_db_client):
     r = refused_db_client.get("/load")
-    assert r.status_code == 503 and "database cannot be reached" in r.json()["detail"], r.text
+    assert r.status_code == 503 and "database is unavailable (unreachable" in r.json()["detail"], r.text
 
 
 def test_metrics_serve_the_redis_series_and_say_the_database_is_down(refused_db_client, settings):
@@ -86,3 +86,17 @@ def test_readyz_answers_503_within_seconds_while_the_database_hangs(settings):
         status, body, took = pool.submit(probe).result(timeout=120)
     assert status == 503 and body["checks"]["database"].startswith("error"), body
     assert took < 30
+
+
+def test_load_on_a_broken_schema_is_a_500_not_the_database_down(settings):
+    """A table missing (SQLite's OperationalError, as a refused server's is) is a defect no retry mends: /load answered
+    it 503 'the database cannot be reached', and a router in front took the deployment for down."""
+    from sqlalchemy import text
+
+    from app.db.session import get_engine
+
+    with get_engine(settings.sqlalchemy_url).begin() as conn:
+        conn.execute(text("ALTER TABLE jobs RENAME TO jobs_gone"))
+    with TestClient(_app(settings), raise_server_exceptions=False) as client:
+        r = client.get("/load")
+    assert r.status_code == 500 and "retry-after" not in r.headers, r.text

@@ -67,3 +67,27 @@ def test_a_statement_that_runs_past_the_statement_timeout_is_the_database_busy(p
     with get_engine(pg_url).connect() as conn:
         assert conn.execute(text("SHOW statement_timeout")).scalar() == "0"
         assert conn.execute(text("SHOW lock_timeout")).scalar() == "10s"  # the default, LOCK_TIMEOUT_S
+
+
+def test_load_and_metrics_say_a_table_held_past_the_lock_timeout_is_no_database_down(pg_settings, caplog):
+    """A migration's ALTER TABLE holds the jobs table: /load's 503 and /metrics' log line say the database is busy
+    (the lock timeout ran out), not that it cannot be reached (they said so for any OperationalError)."""
+    import logging
+
+    pg_settings.database_lock_timeout_s = 0.5
+    pg_settings.admin_key = admin_key = "cs-test-admin-key-for-metrics"
+    holder = create_engine(pg_settings.sqlalchemy_url).connect()
+    with _client(pg_settings) as client, caplog.at_level(logging.WARNING):
+        holder.execute(text("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE"))
+        try:
+            load = client.get("/load")
+            scrape = client.get("/metrics", headers={"Authorization": f"Bearer {admin_key}"})
+        finally:
+            holder.rollback()
+            holder.close()
+    assert load.status_code == 503, load.text
+    assert "held by another transaction past the lock timeout" in load.json()["detail"], load.text
+    assert "coserve:database_up 0.0" in scrape.text, scrape.text
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("/load", "/metrics"))]
+    assert said and not [m for m in said if "cannot be reached" in m], said
+    assert all("lock timeout" in m for m in said), said
