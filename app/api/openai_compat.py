@@ -241,6 +241,8 @@ def _submit_choices(session, principal: Principal, settings: Settings, specs: li
     except Exception:
         for job in jobs:
             cancel_abandoned(settings, job.id, "another choice of the request could not be submitted")
+        if rate is not None:  # refused after its charge (the database unavailable: a 503): the retry pays once
+            job_service.give_back_request(limiter, principal, built)
         raise
     return jobs, rate_headers(rate)
 

@@ -11,7 +11,8 @@ sends those again (``workers/sweeper.py``), as it does for any lost message.
 
 Jobs submitted with a rate-limit charge are judged by their tenants' buckets before the insert,
 the whole batch in one Redis call (``RateLimiter.take_many``); a refused job is not written and
-its caller gets ``RateLimited``.
+its caller gets ``RateLimited``. A charged job the insert then fails (the database unavailable: its
+caller's 503) gets its charge given back, so the client's retry is not charged twice.
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ class JobWriter:
                     self._insert(sessions, batch)
             except Exception as exc:
                 log.exception("could not write %d submissions", len(batch))
+                self._give_back(batch)
                 for p in batch:
                     if not p.done.done():
                         p.done.set_exception(exc)
@@ -231,6 +233,12 @@ class JobWriter:
             if not decision.allowed:
                 p.done.set_exception(RateLimited(decision))
         return [p for p in batch if p.rate is None or p.rate.allowed]
+
+    def _give_back(self, unwritten: list[_Pending]) -> None:
+        """The charges of jobs that were charged and then not written returned to their tenants' buckets."""
+        if charges := [p.charge for p in unwritten
+                       if p.charge is not None and p.rate is not None and p.rate.allowed and not p.done.done()]:
+            self.limiter.give_back(charges)
 
     def _insert(self, sessions, batch: list[_Pending]) -> None:
         dispatch = bool(self.settings.redis_url)
@@ -249,6 +257,7 @@ class JobWriter:
                 for p in batch:
                     self._insert(sessions, [p])
                 return
+            self._give_back(batch)
             for p in batch:  # its one row's, or the batch's the database refused
                 p.done.set_exception(exc)
             return

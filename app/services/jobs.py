@@ -442,15 +442,29 @@ def charge_request(limiter: RateLimiter | None, principal: Principal, jobs: list
     request, each prompt's tokens once and every choice's ``max_tokens`` (``counts_request``/``counts_prompt`` say
     which job counts which). Raises ``RateLimited``, taking nothing, where the total does not fit (too large where
     it never can); None where no limit applies."""
-    costs = [rate_charge(principal, job, request=bool(job.counts_request), prompt=bool(job.counts_prompt))
-             for job in jobs] if limiter is not None else []
-    if not costs or costs[0] is None:
+    cost = request_charge(principal, jobs) if limiter is not None else None
+    if cost is None:
         return None
-    decision = limiter.take(principal.tenant_id, principal.limits, sum(c.tokens for c in costs),
-                            requests=sum(c.requests for c in costs))
+    decision = limiter.take_many([cost])[0]
     if not decision.allowed:
         raise RateLimited(decision)
     return decision
+
+
+def give_back_request(limiter: RateLimiter | None, principal: Principal, jobs: list[Job]) -> None:
+    """Gives ``charge_request``'s charge of ``jobs`` back: the request was refused after it (its jobs not written,
+    or those written cancelled), so its client's retry is charged once."""
+    if limiter is not None and (cost := request_charge(principal, jobs)) is not None:
+        limiter.give_back([cost])
+
+
+def request_charge(principal: Principal, jobs: list[Job]) -> Charge | None:
+    """A whole request's cost (``charge_request``): None where no limit applies."""
+    costs = [rate_charge(principal, job, request=bool(job.counts_request), prompt=bool(job.counts_prompt))
+             for job in jobs]
+    if not costs or costs[0] is None:
+        return None
+    return Charge(principal.tenant_id, principal.limits, sum(c.requests for c in costs), sum(c.tokens for c in costs))
 
 
 def record_job(session: Session, settings: Settings, job: Job, *, via: str = "/v1/jobs", dispatch: bool = True,

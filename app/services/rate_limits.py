@@ -105,6 +105,32 @@ end
 return out
 """
 
+# Charges given back (``RateLimiter.give_back``): KEYS, per charge its request bucket and its token bucket; ARGV: now
+# ("": Redis's time), window, then per charge: request capacity (-1: no limit), requests, token capacity, tokens.
+# Each bucket drains to now as ``_TAKE`` reads it, then what the charge took leaves it (never below empty).
+_GIVE_BACK = """
+local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+for c = 0, #KEYS / 2 - 1 do
+  local base = 3 + 4 * c
+  local caps = {tonumber(ARGV[base]), tonumber(ARGV[base + 2])}
+  local costs = {tonumber(ARGV[base + 1]), tonumber(ARGV[base + 3])}
+  for i = 1, 2 do
+    local state = redis.call('HMGET', KEYS[2 * c + i], 'used', 'at')
+    local used, at = tonumber(state[1]), tonumber(state[2])
+    if caps[i] >= 0 and costs[i] > 0 and used ~= nil then
+      used = math.max(0, math.min(caps[i], used) - math.max(0, now - at) * caps[i] / window)
+      redis.call('HSET', KEYS[2 * c + i], 'used', tostring(math.max(0, used - costs[i])), 'at', tostring(now))
+    end
+  end
+end
+return #KEYS / 2
+"""
+
+
 @dataclass(frozen=True)
 class Limits:
     """A tenant's limits (None: no limit)."""
@@ -236,6 +262,7 @@ class RateLimiter:
         self._redis = (redis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
                        if redis_url else None)
         self._script = self._redis.register_script(_TAKE) if self._redis is not None else None
+        self._give_back = self._redis.register_script(_GIVE_BACK) if self._redis is not None else None
         self._warned = 0.0
 
     def take(self, tenant_id: str, limits: Limits, tokens: int, requests: int = 1,
@@ -273,6 +300,24 @@ class RateLimiter:
                                 tokens_left=None if tpm is None else float(t_left), requests_wait_s=float(r_wait),
                                 tokens_wait_s=float(t_wait), tokens_asked=c.tokens))
         return out
+
+
+    def give_back(self, charges: list[Charge], now: float | None = None) -> None:
+        """Returns what ``charges`` took (each one ``take_many`` allowed) to their tenants' buckets: their requests
+        were refused after the charge (the database could not write them: a 503), and a client that retries them
+        is not charged twice. Redis down: nothing is given back (nothing is charged while it is down either)."""
+        limited = [c for c in charges if c.limits.any]
+        if not limited or self._give_back is None:
+            return
+        keys, args = [], [now if now is not None else "", WINDOW_S]
+        for c in limited:
+            rpm, tpm = c.limits.requests_per_minute, c.limits.tokens_per_minute
+            keys += [f"{KEY_PREFIX}{c.tenant_id}:{c.buckets}requests", f"{KEY_PREFIX}{c.tenant_id}:{c.buckets}tokens"]
+            args += [-1 if rpm is None else rpm, c.requests, -1 if tpm is None else tpm, c.tokens]
+        try:
+            self._give_back(keys=keys, args=args)
+        except redis.RedisError as exc:
+            log.warning("a refused request's rate-limit charge not given back (Redis unavailable: %s)", exc)
 
 
 def take_request(limiter: RateLimiter | None, tenant_id: str, limits: Limits,

@@ -219,3 +219,30 @@ def test_a_stream_whose_database_read_finds_the_pool_exhausted_says_so_and_the_j
     assert "the database is unavailable" in error["error"] and f"GET /v1/jobs/{job['id']}" in error["error"], error
     assert kept.status_code == 200 and kept.json()["status"] in ("queued", "dispatched"), kept.text
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("path, body", [("/v1/jobs", {"prompt": "hello", "max_tokens": 2}),
+                                        ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                                                  "messages": [{"role": "user", "content": "hi"}]})])
+def test_a_submission_the_locked_database_refuses_gives_its_rate_limit_charge_back(settings, tmp_path, monkeypatch,
+                                                                                   path, body):
+    """A tenant allowed one request a minute submits while SQLite is locked: the 503 took the minute's request, so
+    the SDK's retry after ``retry-after`` was refused 429 for the rest of the minute. The charge is given back."""
+    from app.services.rate_limits import Limits, RateLimiter
+
+    path_db, keys = _locked_sqlite(tmp_path, monkeypatch)
+    settings.database_url = f"sqlite:///{path_db}"
+    with _client(settings) as client:
+        limited = client.patch(f"/v1/admin/tenants/{keys.tenant_id}", json={"requests_per_minute": 1},
+                               headers={"Authorization": f"Bearer {keys.admin}"})
+        assert limited.status_code == 200, limited.text
+        holder = sqlite3.connect(path_db, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            refused = client.post(path, json=body, headers={"Authorization": f"Bearer {keys.paid}"})
+        finally:
+            holder.rollback()
+            holder.close()
+    assert refused.status_code == 503, refused.text
+    bucket = RateLimiter(settings.redis_url).take(keys.tenant_id, Limits(requests_per_minute=1), 0, requests=0)
+    assert bucket.requests_left > 0.5, bucket  # the minute's one request is there for the retry

@@ -49,6 +49,21 @@ def test_buckets_take_both_costs_or_neither_and_refill_over_the_minute(redis_url
     assert limiter.take("ten_c", Limits(), 10**9, now=t).allowed  # no limits: nothing asked of Redis
 
 
+def test_a_charge_given_back_returns_to_the_bucket_and_never_past_full(redis_url):
+    from app.services.rate_limits import Charge
+
+    limiter = RateLimiter(redis_url)
+    limits = Limits(requests_per_minute=2, tokens_per_minute=100)
+    t = 1000.0
+    assert limiter.take("ten_g", limits, 60, now=t).allowed
+    limiter.give_back([Charge("ten_g", limits, 1, 60)], now=t + 6)  # 10 tokens refilled meanwhile
+    back = limiter.take("ten_g", limits, 0, requests=0, now=t + 6)
+    assert back.requests_left == pytest.approx(2) and back.tokens_left == pytest.approx(100)  # full, not over
+    assert limiter.take("ten_g", limits, 100, now=t + 6).allowed
+    limiter.give_back([Charge("ten_g", limits, 0, 30)], now=t + 6)
+    assert limiter.take("ten_g", limits, 0, requests=0, now=t + 6).tokens_left == pytest.approx(30)
+
+
 def test_buckets_refill_by_redis_clock_not_the_api_hosts(redis_url, monkeypatch):
     """Every API host's charges are measured on Redis's clock: a host whose clock runs an hour ahead found a
     bucket another host had just drained full again."""
