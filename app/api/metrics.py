@@ -3,8 +3,9 @@ scrapes: app.observability.tally), with vLLM's own engine series
 from the workers that run it (see app.observability). A scrape needs the admin key (the rate limits' series name
 tenants): ``app.api.deps.require_metrics_reader``.
 
-Where the database cannot serve (down, or busy past its bounds) the scrape still answers, with ``coserve:database_up`` 0 and the series kept in
-Redis (the engines', the rate limits'), as an exporter reports the system it watches being down."""
+Where the database cannot serve (down, or busy past its bounds) the scrape still answers, with
+``coserve:database_up`` 0 and the series kept in Redis (the engines', the rate limits'), as an exporter reports the
+system it watches being down."""
 
 from __future__ import annotations
 

@@ -68,8 +68,11 @@ def _settings(**overrides: Any):
 def _database(settings: Any, new_ok: bool = False) -> str:
     """The settings' database, migrated. Where it is an SQLite file that does not exist yet (a command run outside
     the directory where `coserve up` ran), a command that reads it stops saying so instead of making an empty one;
-    one that may start it (``new_ok``) says that it did."""
+    one that may start it (``new_ok``) says that it did. Its connections are the settings' (``database_pool``: the
+    pool, PostgreSQL's lock and statement timeouts), as the API's and the workers' are."""
     from sqlalchemy.engine import make_url
+
+    from app.db.session import size_pool
 
     url = make_url(_usable_database_url(settings.sqlalchemy_url))
     path = Path(url.database) if url.get_backend_name() == "sqlite" and url.database else None
@@ -82,6 +85,7 @@ def _database(settings: Any, new_ok: bool = False) -> str:
         # a note, on stderr: `keys create --json`'s stdout is the key alone
         stderr.print(escape(f"(a new database at {path.resolve()}; a server started elsewhere does not see it)"))
     _migrated(settings.sqlalchemy_url)
+    size_pool(settings.sqlalchemy_url, settings.database_pool)
     return settings.sqlalchemy_url
 
 
@@ -517,6 +521,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
         --worker-restarts; Redis or the API exiting stops everything. Options after these go to the worker's vLLM
         engine, as `vllm serve` takes them (e.g. --max-num-seqs 64)."""
         from app.credentials import CredentialsError, credentials_path, ensure_credentials
+        from app.db.session import size_pool
         from app.embedded import (
             DataDirInUse,
             RedisDidNotStart,
@@ -542,6 +547,7 @@ def register(cli: typer.Typer) -> None:  # noqa: C901 - one place that lists the
             _servable_model(settings.model)
             vllm_args, engine_flags = vllm_flags(ctx, settings)
             _migrated(settings.sqlalchemy_url)  # before Redis: a database that does not answer stops it all
+            size_pool(settings.sqlalchemy_url, settings.database_pool)  # this process's writes (the credentials)
         except (typer.BadParameter, typer.Exit):
             held.close()
             raise

@@ -47,7 +47,7 @@ SQLITE_BUSY_CODES = frozenset({5, 6, 261, 773})
 # PostgreSQL's SQLSTATEs of a server that cannot serve now: class 08 (connection exception), too many connections,
 # shutting down (admin, crash), starting up; not a statement's own errors (a syntax error, a constraint broken)
 SERVER_UNAVAILABLE_STATES = frozenset({"53300", "57P01", "57P02", "57P03"})
-# PostgreSQL's SQLSTATEs of a statement that waited past its bound (``PoolSize.lock_timeout_s``, ``statement_timeout_s``):
+# PostgreSQL's SQLSTATEs of a statement that waited past its bound (``PoolSize``'s lock and statement timeouts):
 # lock_not_available, query_canceled. The database is busy, not broken: a retry may find the lock let go
 LOCK_TIMEOUT_STATE, STATEMENT_TIMEOUT_STATE = "55P03", "57014"
 SERVER_BUSY_STATES = frozenset({LOCK_TIMEOUT_STATE, STATEMENT_TIMEOUT_STATE})

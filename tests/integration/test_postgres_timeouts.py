@@ -91,3 +91,20 @@ def test_load_and_metrics_say_a_table_held_past_the_lock_timeout_is_no_database_
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("/load", "/metrics"))]
     assert said and not [m for m in said if "cannot be reached" in m], said
     assert all("lock timeout" in m for m in said), said
+
+
+def test_the_keys_commands_connections_carry_the_operators_lock_timeout(pg_url, tmp_path):
+    """`coserve keys ...` opened the database with the defaults, whatever COSERVE_DATABASE_LOCK_TIMEOUT_S (and the
+    pool's settings) said: only `coserve serve`/`up` and the workers sized their pool from the settings."""
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+    from app.db.session import get_engine
+
+    env = {"COSERVE_DATABASE_URL": pg_url, "COSERVE_DATA_DIR": str(tmp_path), "COSERVE_DATABASE_LOCK_TIMEOUT_S": "0.3",
+           "COSERVE_DATABASE_STATEMENT_TIMEOUT_S": "0", "COLUMNS": "300"}
+    res = CliRunner().invoke(cli, ["keys", "create", "--tenant", "acme"], env=env)
+    assert res.exit_code == 0, res.output
+    with get_engine(pg_url).connect() as conn:  # the engine the command's sessions came from (one per URL)
+        timeouts = conn.execute(text("SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"))
+        assert tuple(timeouts.one()) == ("300ms", "0"), "the command's connections ignored the settings"
