@@ -9,6 +9,7 @@ from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -27,7 +28,7 @@ from app.services.rate_limits import RateLimited, rate_headers, take_request
 from app.services.transitions import utcnow
 from app.summarize import driver, service, store
 from app.summarize.documents import Document
-from app.wire import NumbersNotBooleans, SecondsOrWindow, Text
+from app.wire import NumbersNotBooleans, SecondsOrWindow, Text, shown
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,22 @@ class SummarizeCreate(NumbersNotBooleans):
     model: Text | None = Field(None, description="the server's model (default) or one of its LoRA adapters")
 
 
+REPEATS_SHOWN = 20  # repeated ids a 422 names one by one (10,000 documents may repeat thousands)
+
+
+def repeated_ids(ids: list[str]) -> list[dict[str, Any]]:
+    """A 422's errors for the ids given more than once: one at each repeat, naming the document it repeats (the
+    first ``REPEATS_SHOWN``, the last of them counting the rest); none where all are unique."""
+    first: dict[str, int] = {}
+    repeats = [(i, first[doc_id]) for i, doc_id in enumerate(ids) if first.setdefault(doc_id, i) != i]
+    errors = [{"type": "value_error", "loc": ("body", "documents", i, "id"),
+               "msg": f"document id {shown(ids[i])} is also documents[{j}]'s: document ids must be unique"}
+              for i, j in repeats[:REPEATS_SHOWN]]
+    if len(repeats) > REPEATS_SHOWN:
+        errors[-1]["msg"] += f" ({len(repeats) - REPEATS_SHOWN} more repeats not listed)"
+    return errors
+
+
 @router.post("", status_code=status.HTTP_201_CREATED,
              responses={200: {"description": "the run an earlier request with this Idempotency-Key started"},
                         **responses(409, 413, 429)})
@@ -67,9 +84,8 @@ async def start(body: SummarizeCreate, principal: CurrentPrincipal, settings: Se
     Idempotency-Key (and body) answers the run the first request started, one with a different body is a 409. A start
     is one request of the tenant's requests per minute (a 429 over it), as a batch's creation is; its jobs' tokens
     count against the batch queue limit instead, at its first step."""
-    ids = [d.id for d in body.documents]
-    if len(set(ids)) != len(ids):
-        raise unprocessable("document ids must be unique", "body", "documents")
+    if repeats := repeated_ids([d.id for d in body.documents]):
+        raise RequestValidationError(repeats)
     try:
         window = float(body.deadline) if isinstance(body.deadline, float | int) else parse_window(body.deadline)
     except ValueError as exc:
