@@ -9,11 +9,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.wire import find_unstorable, unstorable_message
 from gpu_runtime.data import specbench_path
 
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
+MAX_ID_CHARS = 200  # as the API takes a document's id
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,24 @@ def _text_file(path: Path, doc_id: str) -> Document:
     text = _read(path)
     if not text.strip():
         raise ValueError(f"{path}: no text to summarize; leave it out")
+    if (at := text.find("\x00")) >= 0:  # valid UTF-8, but no text file holds one: the API refuses it
+        raise ValueError(f"{path}: holds NUL bytes (the first at character {at}): a binary file, or UTF-16 text; "
+                         "convert it to UTF-8 or leave it out")
     return Document(doc_id, text)
+
+
+def _line_id(path: Path, number: int, obj: dict) -> str:
+    """A JSONL line's ``id`` (a string, or a number as its digits; the file's stem and the line's number without
+    one); ValueError naming the line where the API would refuse it."""
+    doc_id = obj.get("id", f"{path.stem}-{number}")
+    if isinstance(doc_id, int | float) and not isinstance(doc_id, bool):
+        doc_id = str(doc_id)
+    if not isinstance(doc_id, str) or not doc_id:
+        raise ValueError(f"{path}:{number}: 'id' must be a non-empty string (or leave it out: the line is then "
+                         f"{path.stem}-{number}); it is {json.dumps(doc_id)}")
+    if len(doc_id) > MAX_ID_CHARS:
+        raise ValueError(f"{path}:{number}: 'id' is {len(doc_id)} characters; give one of at most {MAX_ID_CHARS}")
+    return doc_id
 
 
 def load_jsonl(path: Path) -> list[Document]:
@@ -49,7 +68,10 @@ def load_jsonl(path: Path) -> list[Document]:
             raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from exc
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str) or not obj["text"].strip():
             raise ValueError(f"{path}:{i}: each line needs a non-empty 'text' (and an 'id')")
-        docs.append(Document(str(obj.get("id", f"{path.stem}-{i}")), obj["text"]))
+        if found := find_unstorable({k: obj.get(k) for k in ("id", "text")}):  # what the API would refuse
+            where, char = found
+            raise ValueError(f"{path}:{i}: its {where[0]!r} {unstorable_message(char)}")
+        docs.append(Document(_line_id(path, i, obj), obj["text"]))
     return docs
 
 

@@ -253,3 +253,25 @@ def test_the_token_splitter_measures_sentences_in_batches_and_a_long_text_once(t
     assert chunks == one_by_one and len(chunks) > 100
     short = "The cat sat on the mat. It was warm."
     assert splitter(short) == [short]
+
+
+def test_a_file_or_line_the_api_would_refuse_is_named_before_anything_is_sent(tmp_path):
+    """A file of UTF-16 text (no BOM) or a binary one reads as UTF-8 holding NUL bytes, and a JSONL line may escape
+    one; a line's id may be null (sent as "None"), empty or too long. The API refused them as documents.<n>, leaving
+    the user to count which file or line that was: the loader names it, and what to do."""
+    (tmp_path / "notes.txt").write_bytes("Meeting notes. We agreed.".encode("utf-16-le"))
+    with pytest.raises(ValueError, match=r"notes\.txt: holds NUL bytes .*UTF-16"):
+        load_paths([tmp_path])
+    lines = {"nul.jsonl": {"id": "n", "text": "a\u0000b"}, "null.jsonl": {"id": None, "text": "Text."},
+             "empty.jsonl": {"id": "", "text": "Text."}, "long.jsonl": {"id": "x" * 201, "text": "Text."},
+             "object.jsonl": {"id": {"a": 1}, "text": "Text."}}
+    for name, line in lines.items():
+        (tmp_path / name).write_text('{"id": "ok", "text": "Fine."}\n' + json.dumps(line) + "\n")
+    (tmp_path / "surrogate.jsonl").write_text('{"id": "s", "text": "a\\ud800b"}\n')
+    for name, says in (("nul", "'text' contains a NUL"), ("surrogate", "'text' contains a lone surrogate"),
+                       ("null", "'id' must be"), ("empty", "'id' must be"), ("long", "at most 200"),
+                       ("object", "'id'")):
+        with pytest.raises(ValueError, match=rf"{name}\.jsonl:\d: .*{says}"):
+            load_paths([tmp_path / f"{name}.jsonl"])
+    (tmp_path / "numbered.jsonl").write_text('{"id": 7, "text": "Seven."}\n{"text": "No id."}\n')
+    assert [d.id for d in load_paths([tmp_path / "numbered.jsonl"])] == ["7", "numbered-2"]
