@@ -13,17 +13,21 @@ from app.summarize.pipeline import MAX_LEVELS, DocState, levels_needed
 log = logging.getLogger(__name__)
 
 
-def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int) -> None:
+def check_shrinks(max_summary_tokens: int, chunk_tokens: int, overlap_tokens: int,
+                  asked_overlap: int | None = None) -> None:
     """Refuses summaries that may be longer than half a chunk's new text (``chunk_tokens`` less the overlap): then a
     level's joined summaries need at least twice fewer chunks than its text, so a document's levels end within
     ``pipeline.MAX_LEVELS`` where it is not too long for them (``check_depth``; longer summaries may not shrink,
-    and the document fails after many jobs)."""
+    and the document fails after many jobs). ``asked_overlap``: the request's, where the run cut it (to a quarter of
+    the chunk: ``service.run_chunks``), which the refusal names so."""
     most = (chunk_tokens - overlap_tokens) // 2
     if max_summary_tokens > most:
+        cut = (f"; overlap_tokens={asked_overlap} is cut to {overlap_tokens}, a quarter of the chunk"
+               if asked_overlap is not None and asked_overlap != overlap_tokens else "")
         raise job_service.JobValidationError(
             f"max_summary_tokens={max_summary_tokens} is more than half of the {chunk_tokens - overlap_tokens} new "
-            f"tokens a chunk holds ({chunk_tokens} chunk tokens less {overlap_tokens} overlap): the summaries might "
-            f"not shrink from level to level; give max_summary_tokens <= {most} or a larger chunk_tokens",
+            f"tokens a chunk holds ({chunk_tokens} chunk tokens less {overlap_tokens} overlap{cut}): the summaries "
+            f"might not shrink from level to level; give max_summary_tokens <= {most} or a larger chunk_tokens",
             param="max_summary_tokens")
 
 

@@ -119,15 +119,15 @@ def create_run(settings: Settings, principal: Principal, documents: list[Documen
     refuse nor a concurrent retry under its Idempotency-Key, which finds the row there, is charged."""
     context = held_context_length(settings)
     check_context(context, chunk_tokens, overlap_tokens, max_summary_tokens)
-    budget, overlap_tokens = run_chunks(context, chunk_tokens, overlap_tokens, max_summary_tokens)
-    check_shrinks(max_summary_tokens, budget, overlap_tokens)
+    budget, overlap = run_chunks(context, chunk_tokens, overlap_tokens, max_summary_tokens)
+    check_shrinks(max_summary_tokens, budget, overlap, asked_overlap=overlap_tokens)
     check_least_jobs([d.text for d in documents], settings.summarize_max_jobs, budget)
     run = SummarizationRun(
         idempotency_key=idempotency.key if idempotency else None,
         request_digest=idempotency.digest if idempotency else None,
         id=new_id("sum"), tenant_id=principal.tenant_id, api_key_id=principal.key_id or None,
         model=model or settings.model_name, tier=tier, status=VALIDATING, deadline_at=deadline_at,
-        max_summary_tokens=max_summary_tokens, chunk_tokens=budget, overlap_tokens=overlap_tokens,
+        max_summary_tokens=max_summary_tokens, chunk_tokens=budget, overlap_tokens=overlap,
         documents=len(documents), documents_done=0, documents_failed=0, jobs_submitted=0, jobs_done=0, version=0,
         created_at=utcnow())
     with session_scope(settings.sqlalchemy_url) as s, write_guard(s):

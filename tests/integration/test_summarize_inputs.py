@@ -28,3 +28,17 @@ def test_repeated_document_ids_are_refused_naming_each_id_and_where_it_repeats(c
     assert "'b'" in errors[1]["msg"] and "documents[1]" in errors[1]["msg"], errors
     with session_scope(settings.sqlalchemy_url) as s:
         assert s.scalars(select(SummarizationRun)).all() == []
+
+
+def test_an_overlap_over_a_quarter_of_the_chunk_is_named_as_cut_where_summaries_are_refused(client, keys):
+    """The server cuts overlap_tokens to a quarter of chunk_tokens; a refusal of too long summaries then named a
+    "64 overlap" the request never gave (it gave 200), and the README said the overlap given is what counts."""
+    body = {"documents": [{"id": "a", "text": "The cat sat. It was warm."}], "deadline": "30m",
+            "chunk_tokens": 256, "overlap_tokens": 200}  # cut to 64: 192 new tokens a chunk, summaries of 96 at most
+    r = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 97})
+    assert r.status_code == 422, r.text
+    error = r.json()["detail"][0]
+    assert error["loc"] == ["body", "max_summary_tokens"] and "max_summary_tokens <= 96" in error["msg"], error
+    assert "overlap_tokens=200 is cut to 64" in error["msg"], error
+    ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 96})
+    assert ok.status_code == 201, ok.text
