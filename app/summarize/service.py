@@ -158,7 +158,7 @@ def start_idempotent_run(settings: Settings, principal: Principal, idempotency: 
 def _run_by_key(settings: Settings, tenant_id: str, idempotency: Idempotency) -> Progress | None:
     with session_scope(settings.sqlalchemy_url) as s:
         run = keyed_row(s, SummarizationRun, tenant_id, idempotency, "summarization")
-        return store.progress_of(run) if run is not None else None
+        return store.progress_of(run, s) if run is not None else None  # its jobs ended up to now, as a poll
 
 
 class RunDrivers:

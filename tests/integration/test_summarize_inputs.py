@@ -4,11 +4,12 @@ app, migrated SQLite)."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
-from app.db.models import SummarizationRun
+from app.db.models import Job, SummarizationDocument, SummarizationRun
 from app.db.session import session_scope
-from tests.conftest import Keys
+from app.summarize.documents import specbench_summarization
+from tests.conftest import Keys, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,3 +43,22 @@ def test_an_overlap_over_a_quarter_of_the_chunk_is_named_as_cut_where_summaries_
     assert "overlap_tokens=200 is cut to 64" in error["msg"], error
     ok = client.post("/v1/summarize", headers=Keys.header(keys.paid), json=body | {"max_summary_tokens": 96})
     assert ok.status_code == 201, ok.text
+
+
+def test_a_retry_under_the_idempotency_key_counts_the_jobs_ended_as_a_poll_does(client, keys, settings):
+    """A retry under the key answered the run's row as its last step wrote it: with a map job ended that no step had
+    collected yet (its document waits for the others), the poll said jobs_done 1 and the retry 0."""
+    body = {"documents": [{"id": "long", "text": specbench_summarization(limit=1)[0].text}], "deadline": "30m",
+            "max_summary_tokens": 12, "chunk_tokens": 160, "overlap_tokens": 16}
+    headers = Keys.header(keys.paid) | {"Idempotency-Key": "k-jobs"}
+    run_id = client.post("/v1/summarize", headers=headers, json=body).json()["id"]
+    poll = lambda: client.get(f"/v1/summarize/{run_id}", headers=Keys.header(keys.paid)).json()  # noqa: E731
+    wait_for(lambda: poll()["status"] == "running", 30, "the run's first step")
+    with session_scope(settings.sqlalchemy_url) as s:
+        pending = s.scalars(select(SummarizationDocument.pending).where(SummarizationDocument.run_id == run_id)).one()
+        assert len(pending) > 1
+        s.execute(update(Job).where(Job.id == pending[0]).values(status="succeeded", output_text="A part."))
+    assert wait_for(lambda: poll()["jobs_done"] == 1 and poll(), 30, "the poll to count the ended job")
+    again = client.post("/v1/summarize", headers=headers, json=body)
+    assert again.status_code == 200 and again.json()["id"] == run_id, again.text
+    assert again.json()["jobs_done"] == 1, again.json()
