@@ -134,7 +134,8 @@ class OneBody:
 class LeadingJsonSyntax(OneBody):
     """Calls as the whole answer: JSON objects ``{"name": ..., "parameters": {...}}`` separated by ``;``, perhaps
     after a tag (Llama 3.1-3.3 write ``<|python_tag|>`` or nothing before them); an answer that does not start
-    with one is content, all of it."""
+    with one is content, all of it. Words between or after the calls are dropped (no ``{`` in them), as vLLM's
+    ``llama3_json`` reader and stream drop them."""
 
     tag: str
     call_depth: int = 1
@@ -150,8 +151,10 @@ class LeadingJsonSyntax(OneBody):
                 calls.append(read_call(parsed, written[len(calls)] if len(calls) < len(written) else None))
             except ValueError:  # cut short, or not a call after all: the text is the content
                 return text, None
-            rest = body[at:].lstrip()
-            at = len(body) - len(rest.removeprefix(";").lstrip())
+            # the next call begins at the next "{": what lies between (a "; ", words) is dropped, and so are words
+            # after the last call, as vLLM's reader (each object from a "{" on) and its stream drop them
+            found = body.find("{", at)
+            at = found if found >= 0 else len(body)
         return None, calls
 
     def calls_start(self, text: str) -> int | None:

@@ -717,3 +717,23 @@ def test_messages_stop_at_the_end_of_the_turn_where_any_call_is_broken():
             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
     plain = read_answer("job_t", {"tool_choice": "auto", "tool_parser": "hermes"}, text, "stop")
     assert stop_of(plain.finish_reason, None, plain.tool_calls) == ("end_turn", None)
+
+
+@pytest.mark.parametrize("text,raw", [
+    ('{"name": "get_time", "parameters": {}} I asked for the time.', [("get_time", "{}")]),
+    ('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+     '\nThat is all.', [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]),
+    ('{"name": "get_time", "parameters": {}} and then {"name": "get_weather", "parameters": {"city": "Oslo"}}.',
+     [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]),
+])
+def test_llama3_json_text_after_the_calls_is_dropped_and_the_calls_stand_streamed_or_not(text, raw):
+    # a Llama answer with words after its whole calls ended in stop, not tool_calls (a client that runs calls on
+    # tool_calls ran none), its calls read only as cut ones. vLLM's llama3_json reader takes each object from a
+    # "{" on, the text around them dropped, and answers tool_calls; its stream drops that text too
+    sampling = {"tool_choice": "auto", "tool_parser": "llama3_json"}
+    assert LLAMA3.split(text) == (None, raw)
+    plain = read_answer("job_t", sampling, text, "stop")
+    assert plain.finish_reason == "tool_calls" and plain.content is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in plain.tool_calls] == raw
+    content, calls, answer = streamed_answer(sampling, text, "stop")
+    assert answer == plain and calls == plain.tool_calls and content == ""
