@@ -39,6 +39,7 @@ from gpu_runtime.sampling import CONSTRAINT_OPTIONS, PENALTY_LIMIT
 log = logging.getLogger(__name__)
 
 MAX_CHOICES = 16  # n: choices per request, each generated as a job of its own
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it samples greedily
 MAX_PROMPTS = MAX_CHOICES * 4  # jobs of one request with several prompts (completions' prompts x n, batched chat's)
 WINDOW_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 WINDOW_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -453,6 +454,10 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
                               code="unsupported_value")
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise OpenAIError(400, f"n must be between 1 and {MAX_CHOICES}", param="n")
+        if (self.n or 1) > 1 and self.temperature is not None and self.temperature < GREEDY_BELOW:
+            raise OpenAIError(400, f"n must be 1 when using greedy sampling (temperature 0), got {self.n}: its "
+                                   "choices would all be the same text (as vLLM's, refused); send n 1, or a "
+                                   "temperature above 0 for choices that differ", param="n")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if self.prompt_logprobs and self.stream:  # vLLM's protocol takes 0 with stream (a chunk carries none)

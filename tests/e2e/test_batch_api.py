@@ -45,7 +45,7 @@ def test_batch_round_trip_with_bad_lines(oai, stack):
     lines = [line("a", "Hello"), "{not json", line("b", "Tell me a joke", max_tokens=6),
              line("c", url="/v1/embeddings"), json.dumps({"method": "POST", "url": "/v1/chat/completions",
                                                           "body": {"messages": []}}),
-             line("d", max_tokens=-3), line("e", "Bye", n=3), line("f", "Last one")]
+             line("d", max_tokens=-3), line("e", "Bye", n=3, temperature=1.0, seed=3), line("f", "Last one")]
     src = upload(oai, lines)
     assert src.purpose == "batch" and src.bytes > 0
     assert src.id in [f.id for f in oai.files.list().data]

@@ -135,20 +135,19 @@ def test_n_choices_each_a_job(oai):
     assert text == {0: three.choices[0].message.content, 1: three.choices[1].message.content}
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
     assert chunks[-1].usage.completion_tokens == 12
-    comp = oai.completions.create(model="tiny", prompt="Once", max_tokens=3, temperature=0, n=2,
-                                  extra_body={"ignore_eos": True})
-    assert comp.choices[0].text == comp.choices[1].text  # greedy: every choice alike
+    with pytest.raises(openai.BadRequestError) as exc:  # greedy: every choice alike, which vLLM refuses
+        oai.completions.create(model="tiny", prompt="Once", max_tokens=3, temperature=0, n=2)
+    assert exc.value.body["param"] == "n" and "greedy" in exc.value.body["message"]
     # several prompts in one request (token ids too), n each: choice index = prompt x n + choice, usage per prompt once
-    both = oai.completions.create(model="tiny", prompt=["Once", "Hello there"], max_tokens=3, temperature=0, n=2,
-                                  extra_body={"ignore_eos": True})
-    hello = oai.completions.create(model="tiny", prompt="Hello there", max_tokens=3, temperature=0,
-                                   extra_body={"ignore_eos": True})
-    assert [c.text for c in both.choices] == [comp.choices[0].text] * 2 + [hello.choices[0].text] * 2
+    sampled = dict(model="tiny", max_tokens=3, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    comp = oai.completions.create(prompt="Once", n=2, **sampled)
+    both = oai.completions.create(prompt=["Once", "Hello there"], n=2, **sampled)
+    hello = oai.completions.create(prompt="Hello there", n=2, **sampled)
+    assert [c.text for c in both.choices] == [c.text for c in comp.choices + hello.choices]
     assert both.usage.prompt_tokens == comp.usage.prompt_tokens + hello.usage.prompt_tokens
     assert both.usage.completion_tokens == 12
-    chunks = list(oai.completions.create(model="tiny", prompt=["Once", "Hello there"], max_tokens=3, temperature=0,
-                                         stream=True, stream_options={"include_usage": True},
-                                         extra_body={"ignore_eos": True}))
+    chunks = list(oai.completions.create(prompt=["Once", "Hello there"], stream=True,
+                                         stream_options={"include_usage": True}, **sampled))
     assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == 1) == hello.choices[0].text
     assert chunks[-1].usage.prompt_tokens == both.usage.prompt_tokens
 

@@ -23,7 +23,8 @@ def test_stored_chat_completions_are_listed_retrieved_updated_and_deleted(oai, l
     messages = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say hi"}]
     a = oai.chat.completions.create(messages=messages, max_tokens=4, store=True, metadata={"run": "a"}, **GREEDY)
     b = oai.chat.completions.create(messages=[{"role": "user", "content": "Two"}], max_tokens=3, n=2, seed=1,
-                                    store=True, metadata={"run": "b", "kind": "pair"}, **GREEDY)
+                                    store=True, metadata={"run": "b", "kind": "pair"},
+                                    **{**GREEDY, "temperature": 1.0})  # n 2: sampled (greedy takes n 1)
     plain = oai.chat.completions.create(messages=[{"role": "user", "content": "Not kept"}], max_tokens=2, **GREEDY)
     streamed = oai.chat.completions.create(messages=[{"role": "user", "content": "Stream"}], max_tokens=3, store=True,
                                            stream=True, **GREEDY)

@@ -332,3 +332,17 @@ def test_a_batch_line_of_a_call_whose_arguments_hold_nan_is_json_and_the_call_br
     body = json.loads(json.dumps(output_line([job]), allow_nan=False))["response"]["body"]
     ended = body["stop_reason"] if endpoint == "/v1/messages" else body["choices"][0]["finish_reason"]
     assert ended not in ("tool_use", "tool_calls")
+
+
+@pytest.mark.parametrize("request_type,body", [
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}), (CompletionRequest, {"prompt": "p"})])
+def test_several_choices_of_a_greedy_request_are_refused_as_vllm_refuses_them(request_type, body):
+    # n=3 with temperature 0 made three jobs that answer the same text (three times the tokens, for one answer);
+    # vLLM's SamplingParams refuses it ("n must be 1 when using greedy sampling")
+    with pytest.raises(OpenAIError) as exc:
+        request_type.model_validate({**body, "n": 3, "temperature": 0}).check()
+    assert exc.value.param == "n" and "n must be 1 when using greedy sampling (temperature 0)" in str(exc.value)
+    request_type.model_validate({**body, "n": 3, "temperature": 0.5}).check()  # sampled: choices that differ
+    request_type.model_validate({**body, "n": 1, "temperature": 0}).check()
+    (bad,) = parse_file(chat("g", n=2, temperature=0).encode(), "/v1/chat/completions", 3600).invalid
+    assert "n must be 1 when using greedy sampling" in bad.message
