@@ -37,6 +37,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
 MAX_STOP_TOKEN_IDS = 256
 MAX_ALLOWED_TOKEN_IDS = 262_144  # a vocabulary's worth
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
+MAX_BAD_WORDS_TOKENS = 1024  # vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS default: their token sequences' tokens
 TokenId = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 _TOKEN_ID = TypeAdapter(TokenId)

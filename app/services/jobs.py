@@ -27,7 +27,7 @@ from app.db import pagination
 from app.db.models import STAGED, Job, JobEvent, JobKind, JobStatus, new_id
 from app.db.session import DATABASE_ERRORS, database_unavailable, write_after_read, write_guard
 from app.reasoning import CLOSE, OPEN
-from app.schemas import MAX_BAD_WORDS, MAX_WINDOW_S, JobCreate
+from app.schemas import MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS, MAX_WINDOW_S, JobCreate
 from app.services import dispatch as dispatching
 from app.services import lora_adapters, routing
 from app.services.idempotency import IdempotencyConflict
@@ -322,17 +322,24 @@ def bad_word_sequences(model: str, words: list[str]) -> list[list[int]]:
     """The token sequences vLLM forbids for ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word (its
     leading whitespace dropped) as written, and with a leading space where that is another token of the same length;
     raises ``JobValidationError`` where a word tokenizes to nothing, or where there are more sequences than vLLM
-    takes (VLLM_MAX_NUM_BAD_WORDS, 128 by default), as vLLM's server refuses them before it takes the request."""
-    tokenizer, sequences = get_tokenizer(model), []
+    takes (VLLM_MAX_NUM_BAD_WORDS, 128 by default), as vLLM's server refuses them before it takes the request, or
+    more tokens in all (VLLM_MAX_BAD_WORDS_TOTAL_TOKENS, 1024), which vLLM's GPU worker refuses only as it adds the
+    request (the words past that bound are not tokenized)."""
+    tokenizer, sequences, tokens = get_tokenizer(model), [], 0
     for word in dict.fromkeys(words):
         ids = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         if not ids:
             raise JobValidationError(f"bad_words entry {word!r} is empty or only whitespace: it tokenizes to no "
                                      "token, so it forbids nothing; leave it out", param="bad_words")
-        sequences.append(ids)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
-            sequences.append(spaced)
+        added = [ids, spaced] if spaced and spaced[0] != ids[0] and len(spaced) == len(ids) else [ids]
+        sequences.extend(added)
+        tokens += sum(map(len, added))
+        if tokens > MAX_BAD_WORDS_TOKENS:
+            raise JobValidationError(f"bad_words make {tokens} tokens or more (each word as written, and after a "
+                                     "space where that is another token), more than the "
+                                     f"{MAX_BAD_WORDS_TOKENS} vLLM takes in all; give fewer or shorter words",
+                                     param="bad_words")
     if len(sequences) > MAX_BAD_WORDS:
         raise JobValidationError(f"bad_words make {len(sequences)} token sequences (each word as written, and after "
                                  f"a space where that is another token), more than the {MAX_BAD_WORDS} vLLM takes; "

@@ -140,6 +140,8 @@ def test_a_boolean_for_a_number_is_a_422_naming_the_field(client, keys, settings
 
 # more words than vLLM's VLLM_MAX_NUM_BAD_WORDS (128) token sequences: each with and without a leading space
 MANY_BAD_WORDS = json.dumps([f"word{i}" for i in range(70)])
+# fewer sequences, but more tokens in all than vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS (1024)
+LONG_BAD_WORDS = json.dumps([" ".join(f"w{i}x{j}" for j in range(200)) for i in range(3)])
 
 
 @pytest.mark.parametrize("path, raw, status, field, fragment", [
@@ -148,6 +150,10 @@ MANY_BAD_WORDS = json.dumps([f"word{i}" for i in range(70)])
     ("/v1/completions", '{"prompt": "hi", "bad_words": %s}' % MANY_BAD_WORDS, 400, "bad_words", "more than the 128"),
     ("/v1/jobs", '{"prompt": "hi", "bad_words": [" "]}', 422, "bad_words", "empty or only whitespace"),
     ("/v1/jobs", '{"prompt": "hi", "bad_words": %s}' % MANY_BAD_WORDS, 422, "bad_words", "more than the 128"),
+    # the engine's worker refuses them when it adds the request (vLLM's GPU model runner: 'Too many total bad word
+    # tokens'), past the API's checks: the job failed, or the engine went down with it
+    ("/v1/completions", '{"prompt": "hi", "bad_words": %s}' % LONG_BAD_WORDS, 400, "bad_words", "more than the 1024"),
+    ("/v1/jobs", '{"prompt": "hi", "bad_words": %s}' % LONG_BAD_WORDS, 422, "bad_words", "more than the 1024"),
     ("/v1/jobs", '{"prompt": "hi", "stop": ["end", ""]}', 422, "stop", "must not be empty"),
     ("/v1/jobs", '{"prompt": "hi", "temperature": 3}', 422, "temperature", "less than or equal to 2"),
     # past the vocabulary: the id named, as the bound (the engine that applies logit_bias indexes its logits)
