@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import Metric
+from prometheus_client.metrics_core import METRIC_TYPES
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "coserve:engine-metrics:"
 ENGINE_PREFIX = "vllm:"
+# the names the Prometheus text format can carry
+SERIES_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # vLLM's bucket edges of inter_token_latency_seconds and request_time_per_output_token_seconds
 # (vllm/v1/metrics/buckets.py)
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -86,11 +91,44 @@ def publish(client, worker_id: str, ttl_s: float, registry: CollectorRegistry = 
 
 
 def read_snapshot(blob: bytes) -> tuple[str | None, list[dict]]:
-    """A stored snapshot's model and families (model None: one a worker stored before snapshots named it)."""
+    """A stored snapshot's model and families (model None: one a worker stored before snapshots named it), those
+    that can be exported alone: one a worker of another version (or a bug) stored with a missing or odd field failed
+    every worker's scrape, the API's own series with them. Raises ValueError where the blob is no snapshot."""
     data = json.loads(blob)
-    if isinstance(data, list):
-        return None, data
-    return data["model_name"], data["families"]
+    if not isinstance(data, (list, dict)):
+        raise ValueError("not a snapshot of engine metrics")
+    model, families = (None, data) if isinstance(data, list) else (data.get("model_name"), data.get("families"))
+    if not isinstance(families, list) or not (model is None or isinstance(model, str)):
+        raise ValueError("not a snapshot of engine metrics")
+    readable = [fam for fam in families if exportable(fam)]
+    if len(readable) < len(families):
+        log.warning("%d of the %d engine metric families in a snapshot cannot be read; left out",
+                    len(families) - len(readable), len(families))
+    return model, readable
+
+
+def exportable(family) -> bool:
+    """Whether a family from a snapshot has every field ``snapshot`` writes, each of a type and a name the text
+    format carries (its samples' names: the family's, with a suffix)."""
+    if not isinstance(family, dict) or family.get("type") not in METRIC_TYPES:
+        return False
+    name, doc, samples = family.get("name"), family.get("doc"), family.get("samples")
+    if not (isinstance(name, str) and SERIES_NAME.fullmatch(name) and isinstance(doc, str)
+            and isinstance(samples, list)):
+        return False
+    return all(_exportable_sample(smp, name) for smp in samples)
+
+
+def _exportable_sample(sample, family_name: str) -> bool:
+    if not (isinstance(sample, list) and len(sample) == 3):
+        return False
+    name, labels, value = sample
+    if not (isinstance(name, str) and name.startswith(family_name) and SERIES_NAME.fullmatch(name)):
+        return False
+    if not (isinstance(labels, dict) and all(isinstance(k, str) and LABEL_NAME.fullmatch(k) and isinstance(v, str)
+                                             for k, v in labels.items())):
+        return False
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # NaN and infinities: the format's too
 
 
 def merge(snapshots: dict[str, list[dict]], left_out: frozenset[str] = frozenset()) -> list[Metric]:
@@ -154,7 +192,7 @@ class EngineMetricsCollector(Collector):
                 continue
             try:
                 model, families = read_snapshot(blob)
-            except (ValueError, KeyError, TypeError):
+            except ValueError:  # no JSON, or not a snapshot
                 log.warning("unreadable engine metrics from %s", worker_id)
                 continue
             # a snapshot that names no model is kept where the database named its worker the deployment's

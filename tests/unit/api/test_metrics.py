@@ -501,3 +501,54 @@ def test_the_per_job_mean_time_per_output_token_is_vllms_request_time_per_output
         assert samples[(name + "_bucket", (("kind", "interactive"), ("le", "0.5"), ("model_name", "tiny"),
                                             ("tier", "paid")))] == 2, name
     assert samples[("coserve:time_per_output_token_seconds_sum", labels)] == 0.1  # the median, as before
+
+
+MALFORMED_SNAPSHOTS = {  # what a worker of another version, or a bug in one, could store as its snapshot
+    "a family without samples": [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running"}],
+    "an unknown type": [{"name": "vllm:x", "type": "weird", "doc": "x", "samples": [["vllm:x", {}, 1.0]]}],
+    "a value not a number": [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
+                              "samples": [["vllm:num_requests_running", {"model_name": "tiny"}, "many"]]}],
+    "a null value": [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
+                      "samples": [["vllm:num_requests_running", {"model_name": "tiny"}, None]]}],
+    "labels not a mapping": [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
+                              "samples": [["vllm:num_requests_running", ["tiny"], 1.0]]}],
+    "a label value not text": [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
+                                "samples": [["vllm:num_requests_running", {"engine": 0}, 1.0]]}],
+    "a sample of two fields": [{"name": "vllm:num_requests_running", "type": "gauge", "doc": "running",
+                                "samples": [["vllm:num_requests_running", {}]]}],
+    "families not a list": {"vllm:num_requests_running": 1},
+    "a family not an object": ["vllm:num_requests_running"],
+    "a name Prometheus cannot parse": [{"name": "vllm:bad name", "type": "gauge", "doc": "x",
+                                        "samples": [["vllm:bad name", {}, 1.0]]}],
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_SNAPSHOTS))
+def test_one_workers_malformed_snapshot_leaves_the_others_series(client, settings, db_url, case):
+    """A worker that stored a snapshot with a missing or odd field in Redis failed the whole scrape (500): no
+    series of any worker, nor the API's own, while it kept beating. Its families that cannot be read are left out;
+    every other worker's series, and the API's, still answer."""
+    import json
+
+    import redis
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from app.observability.engine_metrics import engine_metrics_key, publish
+
+    _seed(db_url)
+    with session_scope(db_url) as s:
+        s.add_all([WorkerState(id=w, model="tiny", queue="q", device="cpu", state={}) for w in ("w-good", "w-bad")])
+    engine = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "running", ["model_name", "engine"], registry=engine).labels("tiny", "0").set(3)
+    client_redis = redis.Redis.from_url(settings.redis_url)
+    publish(client_redis, "w-good", 60, engine, model_name="tiny")
+    bad = {"model_name": "tiny", "families": MALFORMED_SNAPSHOTS[case]}
+    client_redis.set(engine_metrics_key("w-bad"), json.dumps(bad), ex=60)
+    response = client.get("/metrics")
+    assert response.status_code == 200, case
+    scraped = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+               for fam in text_string_to_metric_families(response.text) for smp in fam.samples}
+    good = (("engine", "0"), ("model_name", "tiny"), ("worker_id", "w-good"))
+    assert scraped[("vllm:num_requests_running", good)] == 3
+    assert scraped[("coserve:num_requests_running", (("model_name", "tiny"), ("tier", "paid")))] == 2
+    assert not [labels for _name, labels in scraped if ("worker_id", "w-bad") in labels]
