@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = INTER_TOKEN_LATENCY_BUCKETS
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0, 28800.0, 86400.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+# coserve's own names add edges for the batch jobs, whose window is up to a day; under vLLM's names the series has
+# vLLM's edges alone (VLLM_BUCKETS), as a dashboard built for vLLM reads them
+E2E_BUCKETS = (*REQUEST_LATENCY_BUCKETS, 28800.0, 86400.0)
 # (name, help, bucket edges) of the histograms of finished jobs (their values: SqlCollector._summed)
 HISTOGRAMS = (
     ("coserve:time_to_first_token_seconds", "Time to first token, per finished job (one cancelled after its first "
@@ -92,10 +95,21 @@ def vllm_names(name: str) -> list[str]:
     return [n for n in (VLLM_ALIASES.get(name), VLLM_PREFIX_CACHE.get(name)) if n is not None]
 
 
+# the bucket edges of vLLM's histograms coserve's are aliased to (vllm/v1/metrics/buckets.py)
+VLLM_BUCKETS = {"vllm:time_to_first_token_seconds": TTFT_BUCKETS,
+                "vllm:request_time_per_output_token_seconds": TPOT_BUCKETS,
+                "vllm:e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
+                "vllm:request_queue_time_seconds": REQUEST_LATENCY_BUCKETS}
+
+
 def vllm_alias(family: Metric, name: str) -> Metric:
-    """The same series under vLLM's ``name``."""
+    """The same series under vLLM's ``name``; a histogram's at vLLM's edges alone (the counts are cumulative, so
+    leaving an edge out leaves the others' counts as they are)."""
     alias = Metric(name, family.documentation + " (vLLM's name)", family.type)
+    edges = {repr(float(e)) for e in VLLM_BUCKETS.get(name, ())} | {"+Inf"}
     for smp in family.samples:
+        if name in VLLM_BUCKETS and smp.name.endswith("_bucket") and smp.labels.get("le") not in edges:
+            continue
         alias.add_sample(name + smp.name[len(family.name):], smp.labels, smp.value, smp.timestamp, smp.exemplar)
     return alias
 

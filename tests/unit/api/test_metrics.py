@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from datetime import timedelta
 
@@ -259,7 +260,8 @@ def test_statements_compile_for_postgresql():
 
 
 def test_vllm_names_carry_the_same_series(client, db_url):
-    """Series that mean what vLLM's mean are exported under vLLM's names too, with equal values."""
+    """Series that mean what vLLM's mean are exported under vLLM's names too, with equal values (a histogram at vLLM's
+    bucket edges alone: test_vllms_names_carry_vllms_bucket_edges)."""
     from app.observability.collector import VLLM_ALIASES
 
     _seed(db_url)
@@ -269,7 +271,8 @@ def test_vllm_names_carry_the_same_series(client, db_url):
     for ours, theirs in VLLM_ALIASES.items():
         mine = {(n[len(ours):], lab): v for (n, lab), v in samples.items() if n.startswith(ours)}
         alias = {(n[len(theirs):], lab): v for (n, lab), v in samples.items() if n.startswith(theirs)}
-        assert mine and mine == alias, ours
+        assert alias and {key: mine[key] for key in alias} == alias, ours
+        assert all(suffix == "_bucket" for suffix, _labels in set(mine) - set(alias)), ours
 
 
 def test_the_prefix_cache_hit_rate_reads_from_vllms_names(client, db_url):
@@ -552,3 +555,27 @@ def test_one_workers_malformed_snapshot_leaves_the_others_series(client, setting
     assert scraped[("vllm:num_requests_running", good)] == 3
     assert scraped[("coserve:num_requests_running", (("model_name", "tiny"), ("tier", "paid")))] == 2
     assert not [labels for _name, labels in scraped if ("worker_id", "w-bad") in labels]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="compares with vLLM's own bucket edges")
+def test_vllms_names_carry_vllms_bucket_edges(client, db_url):
+    """A dashboard built for vLLM reads the vllm: histograms by their ``le`` edges (a heatmap's rows, a quantile's
+    interpolation): vllm:e2e_request_latency_seconds and vllm:request_queue_time_seconds carried edges of 28800 s and
+    86400 s vLLM's have not. Each vllm: histogram has vLLM's edges, and the counts at those edges coserve's."""
+    from vllm.v1.metrics import buckets
+
+    _seed(db_url)
+    scraped = _scrape(client)
+    theirs = {"vllm:time_to_first_token_seconds": buckets.TIME_TO_FIRST_TOKEN_BUCKETS,
+              "vllm:request_time_per_output_token_seconds": buckets.INTER_TOKEN_LATENCY_BUCKETS,
+              "vllm:e2e_request_latency_seconds": buckets.REQUEST_LATENCY_BUCKETS,
+              "vllm:request_queue_time_seconds": buckets.REQUEST_LATENCY_BUCKETS}
+    for name, edges in theirs.items():
+        ours = name.replace("vllm:", "coserve:")
+        series = {labels: (dict(labels)["le"], value) for (n, labels), value in scraped.items()
+                  if n == name + "_bucket" and ("tier", "paid") in labels}
+        assert series, name
+        les = sorted({le for le, _value in series.values()}, key=float)
+        assert les == [*(repr(float(e)) for e in edges), "+Inf"], name
+        for labels, (_le, value) in series.items():
+            assert scraped[(ours + "_bucket", labels)] == value, (name, labels)
