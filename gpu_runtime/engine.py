@@ -20,6 +20,7 @@ from gpu_runtime.metrics import RequestMetrics, request_metrics
 from gpu_runtime.qos import Tier
 from gpu_runtime.request import Request, RequestStatus
 from gpu_runtime.speculation.base import NoSpeculation, SpeculationPolicy
+from gpu_runtime.speculation.counts import SpecDecodeCounts
 from gpu_runtime.speculation.selection import SelectionInput, select_trees
 from gpu_runtime.vllm.lora import NO_LORA
 
@@ -78,6 +79,7 @@ class Engine:
         self.detokenizer = detokenizer
         self.requests: dict[str, Request] = {}
         self.last_stats = StepStats()
+        self.spec_decode = SpecDecodeCounts()  # since it started: vLLM's spec_decode_* counters
         self.num_recomputes = 0  # requests whose KV was released under memory pressure (recompute preemption)
         self.idle = False  # the last step scheduled nothing (work admitted, none schedulable): the caller may wait
         self.lora_limits = dict(NO_LORA)  # it serves no LoRA adapters (vLLM's backend does), as its heartbeat says
@@ -167,6 +169,7 @@ class Engine:
         result = self.executor.step(plan)
         now = self.executor.now()
         outputs += self._commit(sched, result, now)
+        self.spec_decode.observe(self._verified, result.accepted_nodes)
         decodes = sched.decodes
         self.speculation.observe(decodes, selected, result, draft_latency, now)
         self.scheduler.update_from_output(sched, now)

@@ -567,6 +567,9 @@ class EngineThread:
         self.state = engine_state(self.engine)
         if self.series is not None and isinstance(self.state.get("queues"), dict):
             self.series.scheduler_state(self.state["queues"])
+        spec_decode = getattr(self.engine, "spec_decode", None)  # the own engine's totals
+        if self.series is not None and spec_decode is not None and getattr(self.engine.executor, "has_draft", False):
+            self.series.spec_decode(spec_decode)
 
     def reconcile(self) -> list[Record]:
         """Jobs the worker holds that the engine no longer knows go back to the queue; those whose abort it has

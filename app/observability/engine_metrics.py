@@ -17,11 +17,15 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.metrics_core import METRIC_TYPES
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gpu_runtime.speculation.counts import SpecDecodeCounts
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,8 @@ INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 class OwnEngineSeries:
     """The ``vllm:`` series a worker on coserve's own engine observes as vLLM's stat logger would, where the jobs'
     rows cannot give them (the API derives the rest from SQL: ``collector.VLLM_ALIASES``): vLLM's inter-token latency,
-    one observation per engine step that gave a request tokens after its first, and its scheduler's state (the
+    one observation per engine step that gave a request tokens after its first, its speculative decoding counters
+    (``spec_decode``, where the engine speculates), and its scheduler's state (the
     requests in the engine's batch, and those it holds that wait: a job's SQL state cannot say, as a worker leases up
     to COSERVE_MAX_INFLIGHT jobs). In the worker's own registry, which its heartbeat publishes as a vLLM worker's
     (``publish``)."""
@@ -56,12 +61,44 @@ class OwnEngineSeries:
                              labelnames=labels, registry=self.registry).labels(*engine)
         self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                              labelnames=labels, registry=self.registry).labels(*engine)
+        self._engine_labels = engine
+        self._spec_counters: dict[str, Counter] = {}  # vLLM's spec_decode_* (an engine that speculates)
+        self._spec_seen: dict[tuple[str, int | None], int] = {}  # each counter's total already counted
 
     def scheduler_state(self, queues: dict[str, int]) -> None:
         """The engine's queues (``Scheduler.queue_depths``) as vLLM's gauges: its decoding batch runs; the requests
         it holds for their prompt (not begun or part-way) and those it relegated wait."""
         self.running.set(queues.get("decode", 0))
         self.waiting.set(queues.get("prefill", 0) + queues.get("relegated", 0))
+
+
+    def spec_decode(self, counts: SpecDecodeCounts) -> None:
+        """The engine's speculative decoding totals as vLLM's counters (names, help, labels: its SpecDecodingProm),
+        registered at the first call: an engine that speculates exports them, zero before its first draft, as
+        vLLM's does where speculation is configured."""
+        if not self._spec_counters:
+            labels = ["model_name", "engine"]
+            for name, doc in (("num_drafts", "Number of spec decoding drafts."),
+                              ("num_draft_tokens", "Number of draft tokens."),
+                              ("num_accepted_tokens", "Number of accepted tokens.")):
+                self._spec_counters[name] = Counter(f"vllm:spec_decode_{name}", doc, labelnames=labels,
+                                                    registry=self.registry)
+                self._spec_counters[name].labels(*self._engine_labels)
+            self._spec_counters["per_pos"] = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                                     "Accepted tokens per draft position.",
+                                                     labelnames=[*labels, "position"], registry=self.registry)
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            self._count(self._spec_counters[name].labels(*self._engine_labels), (name, None), getattr(counts, name))
+        for pos, total in enumerate(counts.num_accepted_tokens_per_pos):
+            self._count(self._spec_counters["per_pos"].labels(*self._engine_labels, str(pos)), ("per_pos", pos),
+                        total)
+
+    def _count(self, counter, key: tuple[str, int | None], total: int) -> None:
+        """Adds what ``total`` grew by since the last call (a counter only goes up)."""
+        grown = total - self._spec_seen.get(key, 0)
+        if grown > 0:
+            counter.inc(grown)
+            self._spec_seen[key] = total
 
 
 def engine_metrics_key(worker_id: str) -> str:
