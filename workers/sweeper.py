@@ -91,17 +91,18 @@ def sweep(session: Session, redis_url: str, *, queued_grace_s: float = 2.0, rese
     return result
 
 
-def give_back_lost(session: Session, job, max_attempts: int, *, where: list, detail: str
+def give_back_lost(session: Session, job, max_attempts: int, *, where: list, detail: str, cause: str | None = None
                    ) -> tuple[JobStatus | None, StreamEvent | None]:
     """Gives back a job its worker lost (``job``: a row with id, status, attempt and worker_id; its lease expired, or
     an operator resumed it once that worker stopped beating) where ``where`` still holds: queued for another worker
     (the sweep sends it; a caller may send it at once), or failed where that was its last allowed attempt (a job that
     kills workers), with the end its stream readers are sent (``end_streams``, after the commit). None where someone
-    moved it meanwhile. ``detail``: the requeue's event. The caller commits."""
+    moved it meanwhile. ``detail``: the requeue's event. ``cause``: why its last attempt ended, which a failure's
+    error tells its tenant (default: its lease expired, as the sweeper finds it). The caller commits."""
     now = utcnow()
     if job.attempt >= max_attempts:
-        error = (f"gave up after {job.attempt} attempts: the lease of every worker that ran it expired "
-                 f"(last {job.worker_id})")
+        cause = cause or f"the lease of every worker that ran it expired (last {job.worker_id})"
+        error = f"gave up after {job.attempt} attempts: {cause}"
         if transition(session, job.id, JobStatus(job.status), JobStatus.FAILED, attempt=job.attempt, where=where,
                       detail=error, values={"worker_id": None, "lease_expires_at": None, "error": error,
                                             "finished_at": now, "settled_at": now}):

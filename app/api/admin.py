@@ -436,7 +436,9 @@ def _rerun_elsewhere(session, settings, job: Job, lost_since: datetime) -> dict[
     with write_after_read(session):  # only a job still relegated on the lost worker
         to, end = give_back_lost(session, job, settings.max_attempts, where=[Job.worker_id == lost],
                                  detail=f"resumed by an admin: its worker {lost} is lost ({since}); given back to run "
-                                        "on another")
+                                        "on another",
+                                 cause=f"its worker {lost} stopped beating ({since}) and an admin's resume gave it "
+                                       "back on its last allowed attempt")
         session.commit()
     if to is None:
         return None

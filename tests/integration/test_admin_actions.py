@@ -608,3 +608,28 @@ def test_an_admin_cancel_ends_a_job_in_each_open_state(client, keys, settings):
         found = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()
         assert found["job"]["status"] == "cancelled", values
         assert found["events"][-1]["detail"] == "cancelled by an admin", values
+
+
+def test_a_job_failed_by_a_resume_of_its_lost_worker_tells_its_tenant_why(client, keys, settings):
+    """An operator resumed a relegated job whose worker had stopped beating, on its last allowed attempt: it failed,
+    and its tenant (GET /v1/jobs/{id}) and the dashboard read the sweeper's reason, "the lease of every worker that
+    ran it expired", while its lease had not expired: it ended because its worker was lost and an admin gave it
+    back. The error now says so, as the job's failed event does."""
+    from datetime import timedelta
+
+    from app.db.models import WorkerState
+    from app.services.transitions import utcnow
+
+    job_id = _job(client, keys, settings, status="relegated", worker_id="w-gone", attempt=settings.max_attempts,
+                  lease_expires_at=utcnow() + timedelta(minutes=10))
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(WorkerState(id="w-gone", model="m", queue="q", device="cpu", heartbeat_at=utcnow() - timedelta(hours=1)))
+    r = client.post(f"/admin/api/jobs/{job_id}/resume", headers=H(keys.admin))
+    assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+    error = client.get(f"/v1/jobs/{job_id}", headers=H(keys.paid)).json()["error"]
+    assert "lease" not in error, error
+    assert error.startswith(f"gave up after {settings.max_attempts} attempts") and "w-gone" in error, error
+    assert "stopped beating" in error and "an admin" in error, error
+    history = client.get(f"/admin/api/jobs/{job_id}", headers=H(keys.admin)).json()
+    assert history["job"]["error"] == error and history["events"][-1]["detail"] == error
+    assert error in r.json()["detail"]
