@@ -1,4 +1,9 @@
-"""Requests the tenants' rate limits refused, for ``GET /metrics`` (counted in Redis by every API process)."""
+"""Requests the tenants' rate limits refused, for ``GET /metrics`` (counted in Redis by every API process).
+
+Labelled ``tenant_id`` on purpose: which tenant is throttled is what an operator asks of it. Its cardinality is
+bounded: one series per tenant ever refused and limit (at most six: requests and tokens of three buckets), and
+tenants are disabled, never deleted, so the set grows with the tenants alone; an aggregate sums
+``without (tenant_id)`` (README.md's ``/metrics``)."""
 
 from __future__ import annotations
 
