@@ -493,7 +493,11 @@ class _Base(QoSExtension, SamplingFields, VllmUnsupported, UnsupportedFields):
     def _format_constraint(fmt: dict[str, Any], kind: str) -> StructuredOutputs:
         """The constraint of a ``response_format`` other than text."""
         if kind == "json_object":
-            return StructuredOutputs(json_object=True)
+            try:
+                return StructuredOutputs(json_object=True)
+            except ValidationError as exc:  # the workers' backend does not take it (outlines)
+                message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise OpenAIError(400, f"response_format {message}", param="response_format") from None
         if kind == "json_schema":
             schema = (fmt.get("json_schema") or {}).get("schema")
             if not isinstance(schema, dict):

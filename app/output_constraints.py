@@ -30,6 +30,8 @@ from app import guidance_check, schema_features, structural_tag
 
 # a constraint as the checks key it: (its structured_outputs field, its text; a JSON schema as json.dumps writes it)
 Constraint = tuple[str, str]
+# a json_object constraint as the checks key it: it has no text
+JSON_OBJECT: Constraint = ("json_object", "")
 # the outcomes of constraints a request checked beforehand (``outcomes``, off the event loop): check's message or None
 _known: ContextVar[dict[Constraint, str | None] | None] = ContextVar("output_constraints_known", default=None)
 XGRAMMAR, GUIDANCE, OUTLINES, LM_FORMAT_ENFORCER = "xgrammar", "guidance", "outlines", "lm-format-enforcer"
@@ -50,17 +52,18 @@ _REGEX_LIMITS = ("without Unicode property classes (\\p{..}, \\P{..}: spell the 
 
 
 def check(kind: str, text: str) -> None:
-    """Raise ValueError saying what to fix where the ``kind`` constraint (``regex``, ``grammar``, ``json`` or
-    ``structural_tag``) ``text`` does not compile under a backend of the workers' engines (``under``; xgrammar where
-    none is known). A constraint checked beforehand in this context (``known``) answers as it did, without compiling
-    again."""
+    """Raise ValueError saying what to fix where the ``kind`` constraint (``regex``, ``grammar``, ``json``,
+    ``structural_tag`` or ``json_object``, whose text is empty) ``text`` does not compile under a backend of the
+    workers' engines (``under``; xgrammar where none is known). A constraint checked beforehand in this context
+    (``known``) answers as it did, without compiling again."""
     if (known := _known.get()) is not None and (kind, text) in known:
         if (message := known[(kind, text)]) is not None:
             raise ValueError(message)
         return
     for backend in _backends.get():
-        if (checks := _CHECKS.get(backend)) is not None:  # one it does not know: the worker's vLLM judges
-            checks[kind](text)
+        # a backend it does not know, or a kind the backend takes as it is (json_object): the worker's vLLM judges
+        if (one := _CHECKS.get(backend, {}).get(kind)) is not None:
+            one(text)
 
 
 def _check_regex(regex: str) -> None:
@@ -233,6 +236,15 @@ def _refuse_kind(backend: str, kind: str, _: str) -> None:
 _KIND_NAMES = {"grammar": "grammar", "structural_tag": "structural tag"}
 
 
+def _refuse_json_object(_: str) -> None:
+    """ValueError: vLLM's outlines validation refuses a json_object constraint (any JSON object), which
+    ``response_format`` json_object and Responses' ``text.format`` json_object are too; a JSON schema of an object
+    says the same and outlines takes it."""
+    raise ValueError("json_object: outlines, the backend of the workers' engine, does not take a json_object "
+                     "constraint (response_format json_object); give the JSON schema {\"type\": \"object\"} instead "
+                     "(response_format json_schema, or structured_outputs' json)")
+
+
 def _unchecked(_: str) -> None:
     """A regex or JSON schema under outlines or lm-format-enforcer, whose libraries the API does not check with:
     the worker's vLLM validation judges it (a refused one fails its job with vLLM's reason)."""
@@ -246,6 +258,7 @@ _CHECKS: dict[str, dict[str, Callable[[str], None]]] = {
     **{backend: {"regex": _unchecked, "json": _unchecked,
                  **{kind: functools.partial(_refuse_kind, backend, kind) for kind in _KIND_NAMES}}
        for backend in (OUTLINES, LM_FORMAT_ENFORCER)}}
+_CHECKS[OUTLINES]["json_object"] = _refuse_json_object
 
 
 def schema_text(schema: dict[str, Any]) -> str:
@@ -257,11 +270,15 @@ def carried(raw: Any) -> list[Constraint]:
     """The constraints ``check`` would compile for a request body ``raw``: vLLM's ``structured_outputs`` (a regex,
     grammar, JSON schema or structural tag), OpenAI's json_schema ``response_format`` (chat, completions) or
     ``text.format`` (Responses), Anthropic's ``output_config.format`` (Messages), and a structural tag in either
-    (``structural_tag.carried``)."""
+    (``structural_tag.carried``), and a json_object constraint in either (``JSON_OBJECT``)."""
     if not isinstance(raw, dict):
         return []
     found = [("structural_tag", tag) for tag in structural_tag.carried(raw)]
     outputs, text = raw.get("structured_outputs"), raw.get("text")
+    formats = [raw.get("response_format"), *(h.get("format") for h in (text,) if isinstance(h, dict))]
+    if (isinstance(outputs, dict) and outputs.get("json_object") is True) or any(
+            isinstance(f, dict) and f.get("type") == "json_object" for f in formats):
+        found.append(JSON_OBJECT)
     if isinstance(outputs, dict):
         found += [(kind, value) for kind in ("regex", "grammar") if isinstance(value := outputs.get(kind), str)]
         schema = outputs.get("json")

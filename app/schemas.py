@@ -175,7 +175,8 @@ class StructuredOutputs(BaseModel):
         if self.regex is not None and "\x00" in self.regex:
             raise ValueError("regex must not contain a NUL character")
         for kind, text in (("regex", self.regex), ("grammar", self.grammar), ("structural_tag", self.structural_tag),
-                           ("json", output_constraints.schema_text(schema) if schema is not None else None)):
+                           ("json", output_constraints.schema_text(schema) if schema is not None else None),
+                           output_constraints.JSON_OBJECT if self.json_object else ("json_object", None)):
             if text is not None:  # the one given: compiled as vLLM's server compiles it before its engine sees it
                 try:
                     output_constraints.check(kind, text)

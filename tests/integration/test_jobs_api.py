@@ -710,6 +710,36 @@ def test_a_structured_output_is_refused_at_submit_where_no_live_worker_can_run_i
     assert client.post("/v1/jobs", json={"prompt": "x"}, headers=H(keys.paid)).status_code == 201
 
 
+@pytest.mark.parametrize("path, body, status, field", [
+    ("/v1/jobs", {"prompt": "x", "structured_outputs": {"json_object": True}}, 422, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_object"}}}, 400, "text.format")],
+    ids=["jobs", "chat", "responses"])
+def test_a_json_object_constraint_is_refused_where_the_workers_compile_with_outlines(client, keys, settings,
+                                                                                     monkeypatch, path, body,
+                                                                                     status, field):
+    """vLLM's outlines backend refuses a json_object constraint (``validate_structured_output_request_outlines``:
+    "does not support json_object specifications"): the API took one, and its job failed on a worker whose engine
+    compiles with outlines. It is a 400 as it is submitted, saying what to give instead; a JSON schema of an object
+    is taken."""
+    from app.db.models import WorkerState
+    from app.services import routing
+
+    monkeypatch.setattr(routing, "REFRESH_S", 0.0)  # read the workers on every request here
+    settings.backend = "vllm"
+    with session_scope(settings.sqlalchemy_url) as s:  # its heartbeat's row (workers.gpu_worker's _state)
+        s.add(WorkerState(id="w-outlines", model=settings.model_name, queue="q", device="cpu",
+                          state={"served": [settings.model_name], "grammar_backend": "outlines"}))
+    r = client.post(path, json={"model": settings.model_name, **body}, headers=H(keys.paid))
+    assert r.status_code == status and field in r.text and "outlines" in r.text, r.text
+    said = r.json()["detail"][0]["msg"] if status == 422 else r.json()["error"]["message"]
+    assert 'give the JSON schema {"type": "object"} instead' in said, said
+    r = client.post("/v1/jobs", json={"prompt": "x", "structured_outputs": {"json": {"type": "object"}}},
+                    headers=H(keys.paid))
+    assert r.status_code == 201, r.text
+
+
 def test_a_property_class_inside_a_character_class_is_refused_as_xgrammar_misreads_it(client, keys, settings):
     """xgrammar reads ``[\\p{L}]`` as the characters p, {, L and } without an error: the API passed a regex whose
     meaning changed on the worker. It is a 400 naming the field and what to write instead."""
