@@ -1,6 +1,6 @@
-"""Liveness (``/healthz``), readiness (``/readyz``: DB, Redis, a live worker serving the model), and vLLM's
-server's probes under its names (``/health``: ready or not, as the status code says; ``/version``), for load
-balancers set up for it."""
+"""Liveness (``/healthz``), readiness (``/readyz``: DB, Redis, a live worker serving the model; warnings, e.g. a
+worker that cannot run structured outputs), and vLLM's server's probes under its names (``/health``: ready or not,
+as the status code says; ``/version``), for load balancers set up for it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from sqlalchemy.orm import Session
 
 from app.api.deps import SessionDep, SettingsDep
 from app.db.migrate import schema_problem
-from app.db.models import Job, JobStatus
+from app.db.models import Job, JobStatus, WorkerState
 from app.db.session import DATABASE_ERRORS, database_unavailable, unavailable_reason
 from app.services.model_info import context_length
 from app.services.notify import redis_client
+from app.services.routing import grammar_unavailable_of
 from app.services.workers import live_workers, served_context
 from app.settings import Settings
 from workers.engine_thread import KEPT_ABORT_LEASES
@@ -97,10 +98,23 @@ def _worker_checks(session: Session, settings: Settings) -> dict[str, str]:
                                "beside them; a worker stops, for a fresh engine, once its engine still holds one "
                                f"{KEPT_ABORT_LEASES} leases ({KEPT_ABORT_LEASES * settings.lease_seconds:g} s) after "
                                "its abort; the worker's log names them)")
+    if warning := _grammar_warning(live, settings.model_name):
+        checks["structured_outputs"] = warning
     if settings.lora_resolver_dir is not None and not settings.lora_resolver_dir.expanduser().is_dir():
         checks["lora_resolver_dir"] = (f"warning: COSERVE_LORA_RESOLVER_DIR {str(settings.lora_resolver_dir)!r} is "
                                        "not a directory this API can read; requests that name its adapters fail")
     return checks
+
+
+def _grammar_warning(live: list[WorkerState], model: str) -> str | None:
+    """A warning naming each live worker of ``model`` whose engine cannot run a structured output, and why, as its
+    heartbeat says (``routing.grammar_unavailable_of``): while one is live, the API refuses every structured output
+    of the model (``output_constraints.unusable_refusal``); None where none says so."""
+    if not (unusable := grammar_unavailable_of(live, model)):
+        return None
+    named = "; ".join(f"worker {w!r} cannot run a structured output ({why})" for w, why in sorted(unusable.items()))
+    return (f"warning: {named}; while it is live, every request of the model with a structured output is refused "
+            "(stop it, or restart it with a backend that runs)")
 
 
 def _context_warning(session: Session, settings: Settings) -> str | None:

@@ -1169,6 +1169,35 @@ def test_readiness_needs_a_live_worker_of_the_model_and_warns_of_an_unserved_ada
             == [[s.model_name, "tilted", "rt"]]  # the dashboard's models of the worker
 
 
+def test_readiness_names_a_worker_whose_engine_cannot_run_structured_outputs(settings):
+    """A worker whose named structured-output backend vLLM cannot make says so in its heartbeat
+    (``grammar_unavailable``), and the API refuses every structured output while it is live; /readyz said nothing
+    of it, so an operator could not see which worker to restart. It warns, naming the worker and why (the model
+    still serves requests without one: ready), and stops warning once the worker's engine can run one."""
+    from fastapi.testclient import TestClient
+
+    from app.db.models import WorkerState
+    from app.main import create_app
+
+    why = ("the worker's structured-output backend lm-format-enforcer cannot run on this engine: vllm is not "
+           "installed; send the request without a structured output, or have the operator name another backend "
+           "(--structured-outputs-config in COSERVE_VLLM_ENGINE_ARGS)")
+    with TestClient(create_app(settings)) as c:
+        with session_scope(settings.sqlalchemy_url) as s:  # its heartbeat's row (workers.gpu_worker's _state)
+            s.add(WorkerState(id="w-lmfe", model=settings.model_name, queue="q", device="cpu", state={
+                "served": [settings.model_name], "grammar_backend": "lm-format-enforcer", "grammar_unavailable": why}))
+            s.add(WorkerState(id="w-ok", model=settings.model_name, queue="q", device="cpu", state={
+                "served": [settings.model_name], "grammar_backend": "xgrammar"}))
+        r = c.get("/readyz")
+        assert r.status_code == 200 and r.json()["checks"]["workers"] == "2 live", r.text
+        warned = r.json()["checks"].get("structured_outputs", "")
+        assert warned.startswith("warning: worker 'w-lmfe' cannot run a structured output (") and why in warned, r.text
+        assert "'w-ok'" not in warned and "refused" in warned, warned
+        with session_scope(settings.sqlalchemy_url) as s:  # restarted with a backend that runs
+            s.get(WorkerState, "w-lmfe").state = {"served": [settings.model_name], "grammar_backend": "xgrammar"}
+        assert "structured_outputs" not in c.get("/readyz").json()["checks"]
+
+
 @pytest.mark.parametrize("routing_state", [{}, {"own_queue": False}], ids=["own-queue", "model-queue"])
 def test_jobs_are_held_to_the_least_context_a_live_worker_serves(client, settings, keys, monkeypatch, routing_state):
     """A worker whose vLLM engine serves less context than the API's settings say (the tiny model's 512 tokens):
