@@ -3,7 +3,8 @@ the workers' vLLM engine compiles it, so that one it cannot read is the client's
 fails on its worker (after a stream began, or a 201 was answered). vLLM's engine compiles with one backend, which
 each worker publishes in its heartbeat (``grammar_backend``: xgrammar under ``auto``, pinned by
 ``gpu_runtime.vllm.scheduler.pin_grammar_backend``; guidance, outlines or lm-format-enforcer where the operator
-named it; ``auto`` or ``auto-outlines`` where vLLM still picks per request, for a Mistral tokenizer). A route checks
+named it; ``auto`` or ``auto-outlines`` where vLLM still picks per request, for a Mistral tokenizer, until the
+engine made its one backend at the first constraint it met: that one from then on). A route checks
 a constraint with each backend its model's live workers compile with (``under``: a job may go to any of them), and
 with xgrammar where none has said (none up yet). The API checks xgrammar's, guidance's and ``auto``'s reading;
 under outlines and lm-format-enforcer, whose libraries it does not check with, it refuses what they never take (a

@@ -160,13 +160,6 @@ class VLLMEngine:
         # what it serves of runtime adapters, for the heartbeat (a constant: read off the engine's thread)
         self.lora_limits = lora_limits(llm.vllm_config.lora_config, runtime_lora)
         self.core_scheduler: CoserveScheduler = llm.engine_core.engine_core.scheduler
-        from gpu_runtime.vllm.scheduler import grammar_backend  # vLLM's scheduler: imported with the engine
-
-        # the backend its structured outputs compile with, for the heartbeat (the API checks constraints with it)
-        self.grammar_backend = grammar_backend(self.core_scheduler.structured_output_manager, llm.vllm_config)
-        # why that backend cannot run (``pin_grammar_backend``; None: it runs), for the heartbeat: the API refuses a
-        # structured output at submit then, instead of a job this engine fails
-        self.grammar_unavailable: str | None = getattr(self.core_scheduler, "grammar_unavailable", None)
         self.scheduler = _SchedulerView(self.core_scheduler)
         self.executor = _Executor(self.core_scheduler, llm.vllm_config.model_config.max_model_len)
         self.speculation = _SpeculationView(spec_policy, self.core_scheduler)
@@ -193,6 +186,23 @@ class VLLMEngine:
                      self.core_scheduler.step_cap)
 
     # ---- thread-safe entry points ----
+
+    @property
+    def grammar_backend(self) -> str | None:
+        """The backend its structured outputs compile with, for the heartbeat (the API checks constraints with it):
+        read anew each beat, as under vLLM's ``auto`` for a Mistral tokenizer the engine makes its one backend at
+        the first constraint it meets and compiles every later one with it, whichever vLLM's validation picks for
+        that one (``StructuredOutputManager.grammar_init``); ``auto`` until then. One attribute of vLLM's manager
+        read: safe off the engine's thread."""
+        from gpu_runtime.vllm.scheduler import grammar_backend  # vLLM's scheduler: imported with the engine
+
+        return grammar_backend(self.core_scheduler.structured_output_manager, self.llm.vllm_config)
+
+    @property
+    def grammar_unavailable(self) -> str | None:
+        """Why that backend cannot run (``pin_grammar_backend``; None: it runs), for the heartbeat: the API refuses
+        a structured output at submit then, instead of a job this engine fails."""
+        return getattr(self.core_scheduler, "grammar_unavailable", None)
     def add_request(self, request: Request) -> None:
         if (refused := self.loras.refusal(request.lora_name, request.lora_path)) is not None:
             raise ValueError(refused)

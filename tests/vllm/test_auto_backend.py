@@ -100,3 +100,43 @@ def test_the_api_refuses_only_what_vllms_auto_refuses_for_an_older_mistral_token
     kind, text = CASES[case]
     answer = _api_answer(config, kind, text)
     assert answer is None or not _vllm_takes(config, kind, text), answer
+
+
+def test_a_worker_publishes_the_backend_vllms_auto_made_at_its_first_constraint(mistral_configs):
+    """vLLM's engine has one structured-output backend, made for the first constrained request it meets
+    (``StructuredOutputManager.grammar_init``) and kept: under ``auto`` for a Mistral tokenizer, a later constraint
+    vLLM's validation sends to guidance is compiled with the xgrammar made for a schema before it, and fails there.
+    The worker published ``auto`` for good (read once at its engine's start), so the API kept taking a Lark grammar
+    only guidance compiles. It publishes the backend once the engine made it, and the API refuses that grammar then,
+    naming xgrammar."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+
+    from gpu_runtime.vllm.engine import VLLMEngine
+    from gpu_runtime.vllm.scheduler import pin_grammar_backend
+    from tests.vllm.conftest import vllm_request
+
+    config = mistral_configs["tekken"]
+    manager = StructuredOutputManager(config)
+    pin_grammar_backend(manager, config)  # leaves auto to vLLM
+    engine = VLLMEngine.__new__(VLLMEngine)  # its heartbeat's fields, over the engine core's scheduler
+    engine.llm, engine.core_scheduler = SimpleNamespace(vllm_config=config), SimpleNamespace(
+        structured_output_manager=manager, grammar_unavailable=None)
+    assert engine.grammar_backend == output_constraints.AUTO
+    kind, lark = CASES["lark-guidance-only"]
+    assert _vllm_takes(config, kind, lark)  # vLLM's auto validation sends it to guidance
+    assert output_constraints.outcomes([(kind, lark)], (engine.grammar_backend,))[(kind, lark)] is None
+    first = vllm_request(4, structured=StructuredOutputsParams(json={"type": "object"}))
+    first.sampling_params._validate_structured_outputs(config.model_config, config.structured_outputs_config,
+                                                       manager.tokenizer)
+    manager.grammar_init(first)  # as vLLM's engine core does at the first constrained request
+    compiled = first.structured_output_request._grammar  # its compile in vLLM's thread pool
+    assert not isinstance(compiled.result() if hasattr(compiled, "result") else compiled, Exception)
+    with pytest.raises(Exception):  # noqa: B017 - whatever xgrammar raises: the engine fails the job with it
+        manager.backend.compile_grammar(StructuredOutputOptions.GRAMMAR, lark)
+    assert engine.grammar_backend == output_constraints.XGRAMMAR
+    answer = output_constraints.outcomes([(kind, lark)], (engine.grammar_backend,))[(kind, lark)]
+    assert answer is not None and "under xgrammar" in answer, answer
