@@ -247,6 +247,10 @@ async def _events(settings: Settings, job: Job, kept: dict[str, Any], asked_logp
                         yield held_comment(item)
                     case Interrupted():  # the stream could not be read on; the job goes on
                         yield _event("error", code="stream_interrupted", param=None, message=item.message)
+                    case Failed(status=JobStatus.CANCELLED) if not items:  # cancelled before any output: none,
+                        # and no usage, as GET shows it (no empty message the stream never announced)
+                        yield _event("response.failed", response=response_body(
+                            job, kept, settings.tiers, status=JobStatus.CANCELLED))
                     case Failed(status=JobStatus.CANCELLED):  # the output so far stays, as GET shows it
                         for out in close_thought("incomplete") + close_message("incomplete") + close_calls(
                                 "incomplete"):
