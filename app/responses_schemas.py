@@ -43,7 +43,7 @@ NAMED_CHOICE = '{"type": "function", "name": ...}'  # the Responses API's form o
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KEPT = ("instructions", "previous_response_id", "metadata", "store", "max_output_tokens", "tools", "tool_choice",
         "text", "background", "truncation", "reasoning", "user", "top_logprobs", "max_tool_calls",
-        "safety_identifier")
+        "safety_identifier", "prompt_cache_key")
 
 
 # OpenAI's background completion windows: "soonest" (the default) runs as the route's interactive requests do; the
@@ -87,6 +87,7 @@ class ResponsesRequest(BaseModel):
     metadata: Metadata | None = None
     user: Text | None = None  # (chat reads it too)
     safety_identifier: Text | None = None  # (chat reads it too: the job's end user)
+    prompt_cache_key: Text | None = None  # (chat reads and checks it too: it routes the job), echoed as OpenAI does
     store: bool = True
     background: bool | None = None  # answered at once (queued); GET polls it, POST .../cancel stops it
     background_options: BackgroundOptions | None = None  # a completion_window of 2h or 8h: a batch job due then
@@ -640,7 +641,7 @@ def response_body(job: Any, kept: dict[str, Any], tiers: tuple[str, ...], *, sta
         "tools": kept.get("tools") or [], "top_p": sampling.get("top_p"),
         "truncation": kept.get("truncation") or "disabled",
         "usage": None, "metadata": kept.get("metadata") or {}, "user": kept.get("user"),
-        "safety_identifier": kept.get("safety_identifier"),
+        "safety_identifier": kept.get("safety_identifier"), "prompt_cache_key": kept.get("prompt_cache_key"),
         "top_logprobs": kept.get("top_logprobs"), "max_tool_calls": kept.get("max_tool_calls"), "completed_at": None,
         **({"background_options": kept["background_options"]} if "background_options" in kept else {})}
     if state == "completed":  # (a stream's last event is written before the job's end is stored)
