@@ -236,8 +236,10 @@ def in_responses_terms(exc: OpenAIError, raw: Any = None) -> OpenAIError:
     wrote in chat's terms (vLLM's ``structured_outputs``, which Responses takes too) keeps its name."""
     param = exc.param or ""
     new = responses_param(param, written_as_chat(raw))
+    # a Responses body has no max_tokens nor max_completion_tokens of its own: a hint naming them names its field
     message = in_choice_terms(exc.message, {CHAT_NAMED_CHOICE: NAMED_CHOICE}).replace(
-        LOWER_MAX_TOKENS, "lower " + RESPONSES_PARAM["max_tokens"])  # a Responses body has no max_tokens of its own
+        LOWER_MAX_TOKENS, "lower " + RESPONSES_PARAM["max_tokens"]).replace(
+        "max_completion_tokens", RESPONSES_PARAM["max_tokens"])
     if new == param:
         return exc if message == exc.message else OpenAIError(exc.status_code, message, param=exc.param,
                                                                code=exc.code, type=exc.type, headers=exc.headers)
