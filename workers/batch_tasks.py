@@ -5,6 +5,8 @@ ended) through ``app.batch.finalize.maybe_finalize``, which is idempotent.
 ``restart_stalled_validation`` re-runs the validation and fan-out of batches left in
 ``validating`` (the API process that ran it died): the fan-out's guarded
 ``validating -> in_progress`` update lets only one run create the jobs.
+``count_abandoned_cancels`` counts the lines of batches cancelled while validating whose fan-out died and whose
+cancel's count never ran (its API died first).
 ``drop_left_working_dirs`` deletes the working folders that no fan-in or fan-out run deleted as the batch ended.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from app.batch.fanout import start_batch
+from app.batch.fanout import count_if_abandoned, start_batch
 from app.batch.finalize import ENDED, drop_working_dir, maybe_finalize, stalled_or_open, working_dirs
 from app.db.models import Batch
 from app.db.session import session_scope
@@ -55,6 +57,21 @@ def restart_stalled_validation(settings: Settings, stale_after_s: float = 300.0)
 # how long after its batch ended a working folder is left over: a fan-out run still reading a cancelled batch's lines
 # (it deletes the folder at its end) has long ended by then
 LEFT_OVER_AFTER = timedelta(hours=1)
+
+
+def count_abandoned_cancels(settings: Settings, within: timedelta = LEFT_OVER_AFTER) -> list[str]:
+    """Counts the lines of the batches cancelled while validating ``within`` ago (``LEFT_OVER_AFTER``: later their
+    working folders go) whose working folder is left with no fan-out run holding its lock
+    (``fanout.count_if_abandoned``): a fan-out killed before it counted them, then a cancel whose API died before
+    its background count ran. Such a batch showed ``total`` 0 for good, its dead run's staged jobs and part files
+    kept. Returns their ids. Call it before ``drop_left_working_dirs``."""
+    since = utcnow() - within
+    with session_scope(settings.sqlalchemy_url) as s:
+        cancelled = list(s.scalars(select(Batch.id).where(
+            Batch.status == "cancelled", Batch.cancelling_at.is_not(None), Batch.in_progress_at.is_(None),
+            Batch.deleted_at.is_(None), Batch.cancelled_at > since)))
+    root = working_dirs(settings.data_dir)
+    return [batch_id for batch_id in cancelled if (root / batch_id).is_dir() and count_if_abandoned(settings, batch_id)]
 
 
 def drop_left_working_dirs(url: str, data_dir: Path, after: timedelta = LEFT_OVER_AFTER) -> list[str]:

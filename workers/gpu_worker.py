@@ -76,7 +76,8 @@ from workers.inbox import Abort, Add, Inbox, Learn, RetireLoras, Supersede
 from workers.outbox import Outbox, StepRecords
 from workers.resume import Resumed
 from workers.room import batch_room, has_room
-from workers.batch_tasks import drop_left_working_dirs, finalize_open_batches, restart_stalled_validation
+from workers.batch_tasks import (count_abandoned_cancels, drop_left_working_dirs, finalize_open_batches,
+                                restart_stalled_validation)
 from workers.sweeper import back_to_queues, held_jobs, reroute, sweep
 from workers.taken import take_back
 
@@ -899,7 +900,9 @@ class GpuWorker:
                           max_attempts=self.settings.max_attempts,
                           served=self.settings.served_models)
                 finalize_open_batches(self.url, self.settings.data_dir, self.settings.redis_url)  # batch fan-in
+                # cancelled batches whose fan-out died uncounted, their cancel's count lost with its API; then the
                 # working folders no batch's end deleted (its fan-out run was killed)
+                count_abandoned_cancels(self.settings)
                 drop_left_working_dirs(self.url, self.settings.data_dir)
                 with session_scope(self.url) as s:
                     delete_expired_files(s)  # the Files API's expires_after

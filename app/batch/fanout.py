@@ -138,23 +138,25 @@ def cancel_and_count(session, settings: Settings, batch: Batch, later: Callable[
     return True
 
 
-def count_if_abandoned(settings: Settings, batch_id: str) -> None:
-    """After a cancel of a batch that was validating (a background task of the cancel). A fan-out that sees the
-    cancel counts the batch's lines, writes its error file and deletes what its runs staged (``_end_cancelled``,
-    ``start_batch``); one that died (killed) before it did, ``fan_out_alive`` false, leaves that to nobody (the
-    sweeper restarts only batches still validating): the batch would end with no line counted, the dead run's staged
-    jobs and part files kept for good. This runs the fan-out here: the batch cancelled, it stages nothing and counts
-    the lines. A batch that started before the cancel is not touched (its counts are its jobs')."""
+def count_if_abandoned(settings: Settings, batch_id: str) -> bool:
+    """After a cancel of a batch that was validating (a background task of the cancel, and the workers' sweeper's
+    ``count_abandoned_cancels`` where the API died before that task ran). A fan-out that sees the cancel counts the
+    batch's lines, writes its error file and deletes what its runs staged (``_end_cancelled``, ``start_batch``); one
+    that died (killed) before it did, ``fan_out_alive`` false, leaves that to nobody (the sweeper restarts only
+    batches still validating): the batch would end with no line counted, the dead run's staged jobs and part files
+    kept for good. This runs the fan-out here: the batch cancelled, it stages nothing and counts the lines. A batch
+    that started before the cancel is not touched (its counts are its jobs'). Returns whether it ran the fan-out."""
     with session_scope(settings.sqlalchemy_url) as s:
         batch = s.get(Batch, batch_id)
         unstarted = batch is not None and batch.cancelling_at is not None and batch.in_progress_at is None
     # its folder gone: the run that saw the cancel counted the lines and, the last to read them, deleted it
     if not unstarted or not working_dir(settings.data_dir, batch_id).exists() or fan_out_alive(settings.data_dir,
                                                                                                 batch_id):
-        return
+        return False
     log.info("batch %s: cancelled while validating, and no fan-out is alive to count its lines; counting them here",
              batch_id)
     start_batch(settings, batch_id)
+    return True
 
 
 def _fail(session, batch_id: str, **values) -> None:

@@ -204,3 +204,36 @@ def test_a_message_batch_cancelled_after_its_fan_out_died_leaves_nothing_staged(
     assert [json.loads(line)["result"]["type"] for line in results.splitlines()] == ["canceled"] * LINES
     assert _staged(settings, batch_id) == 0
     assert _parts(settings, batch_id) == []
+
+
+def test_the_sweeper_counts_a_cancelled_batch_whose_fan_out_died_and_whose_api_died_before_counting(
+        client, keys, settings, monkeypatch):
+    """The fan-out killed between its chunks, then the user's cancel, whose API died before its background count
+    (``count_if_abandoned``) ran: the batch stayed cancelled with ``total`` 0, the dead run's staged jobs and part
+    files kept, for good (the sweeper restarted only batches still validating). The workers' sweeper finds the
+    cancelled batch's working folder whose lock no run holds and counts its lines, as the cancel would have."""
+    from workers.batch_tasks import count_abandoned_cancels
+
+    batch_id = _validating_batch(client, keys, settings)
+    _fan_out_dying_at(settings, batch_id, "between_chunks")
+    monkeypatch.setattr(fanout, "count_if_abandoned", lambda *args: None)  # the API died before it ran
+    assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
+    monkeypatch.undo()
+    assert count_abandoned_cancels(settings) == [batch_id]
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": LINES, "completed": 0,
+                                                                        "failed": LINES})
+    assert _staged(settings, batch_id) == 0
+    assert not (Path(settings.data_dir) / "batches" / batch_id).exists()
+    assert count_abandoned_cancels(settings) == []  # counted: not again
+
+
+def test_the_sweeper_leaves_a_cancelled_batch_whose_fan_out_is_still_running(client, keys, settings, monkeypatch):
+    """A cancelled batch whose fan-out run still holds its lock is that run's to count: the sweeper starts none."""
+    from workers.batch_tasks import count_abandoned_cancels
+
+    batch_id = _validating_batch(client, keys, settings)
+    monkeypatch.setattr(fanout, "count_if_abandoned", lambda *args: None)
+    with fanout._alive(settings.data_dir, batch_id):
+        assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
+        assert count_abandoned_cancels(settings) == []
