@@ -61,17 +61,17 @@ LEFT_OVER_AFTER = timedelta(hours=1)
 
 def count_abandoned_cancels(settings: Settings, within: timedelta = LEFT_OVER_AFTER) -> list[str]:
     """Counts the lines of the batches cancelled while validating ``within`` ago (``LEFT_OVER_AFTER``: later their
-    working folders go) whose working folder is left with no fan-out run holding its lock
-    (``fanout.count_if_abandoned``): a fan-out killed before it counted them, then a cancel whose API died before
-    its background count ran. Such a batch showed ``total`` 0 for good, its dead run's staged jobs and part files
-    kept. Returns their ids. Call it before ``drop_left_working_dirs``."""
+    working folders go) whose working folder is left with no fan-out run holding its lock, or whose lines no run read
+    (``fanout.count_if_abandoned``): a fan-out killed before it counted them (or a create whose API died before its
+    fan-out ran), then a cancel whose API died before its background count ran. Such a batch showed ``total`` 0 for
+    good, its dead run's staged jobs and part files kept. Returns their ids. Call it before
+    ``drop_left_working_dirs``."""
     since = utcnow() - within
     with session_scope(settings.sqlalchemy_url) as s:
         cancelled = list(s.scalars(select(Batch.id).where(
             Batch.status == "cancelled", Batch.cancelling_at.is_not(None), Batch.in_progress_at.is_(None),
             Batch.deleted_at.is_(None), Batch.cancelled_at > since)))
-    root = working_dirs(settings.data_dir)
-    return [batch_id for batch_id in cancelled if (root / batch_id).is_dir() and count_if_abandoned(settings, batch_id)]
+    return [batch_id for batch_id in cancelled if count_if_abandoned(settings, batch_id)]
 
 
 def drop_left_working_dirs(url: str, data_dir: Path, after: timedelta = LEFT_OVER_AFTER) -> list[str]:

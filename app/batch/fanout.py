@@ -149,14 +149,23 @@ def count_if_abandoned(settings: Settings, batch_id: str) -> bool:
     with session_scope(settings.sqlalchemy_url) as s:
         batch = s.get(Batch, batch_id)
         unstarted = batch is not None and batch.cancelling_at is not None and batch.in_progress_at is None
-    # its folder gone: the run that saw the cancel counted the lines and, the last to read them, deleted it
-    if not unstarted or not working_dir(settings.data_dir, batch_id).exists() or fan_out_alive(settings.data_dir,
-                                                                                                batch_id):
+        never_read = unstarted and _never_read(batch)
+    # its folder gone: the run that saw the cancel counted the lines and, the last to read them, deleted it; or no
+    # run ever made it (the create's API died before its fan-out): nothing counted them
+    folder = working_dir(settings.data_dir, batch_id).exists()
+    if not unstarted or not (folder or never_read) or fan_out_alive(settings.data_dir, batch_id):
         return False
     log.info("batch %s: cancelled while validating, and no fan-out is alive to count its lines; counting them here",
              batch_id)
     start_batch(settings, batch_id)
     return True
+
+
+def _never_read(batch: Batch) -> bool:
+    """Whether no fan-out run has read the lines of an OpenAI batch cancelled while validating: none counted them
+    (``total`` 0) nor refused its file (``errors``). A message batch's total is its create's: its lines are
+    counted."""
+    return batch.endpoint != MESSAGES and not batch.total and not batch.errors
 
 
 def _fail(session, batch_id: str, **values) -> None:
@@ -165,6 +174,10 @@ def _fail(session, batch_id: str, **values) -> None:
         status="failed", failed_at=utcnow(), **values).returning(Batch.tenant_id, Batch.endpoint)).first()
     if row is not None:
         batch_ended(session, row.tenant_id, row.endpoint, "failed", batch_id)
+    else:  # an OpenAI batch cancelled while validating stays cancelled, its errors saying why its file was refused
+        session.execute(update(Batch).where(Batch.id == batch_id, Batch.cancelling_at.is_not(None),
+                                            Batch.in_progress_at.is_(None), Batch.endpoint != MESSAGES).values(
+            errors=values["errors"]))
 
 
 def _start(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None) -> None:
@@ -368,6 +381,8 @@ def _start_staged(url: str, batch_id: str, tenant_id: str, mine: str, fan: FanOu
     status = JobStatus.DISPATCHED.value if dispatched_at is not None else JobStatus.QUEUED.value
     with read_then_write(url) as s:  # one short transaction: no row is written here, only statuses change
         if refused := _over_queue_limit(s, tenant_id, fan.tokens):
+            if s.scalar(select(Batch.status).where(Batch.id == batch_id)) != "validating":
+                return False  # cancelled meanwhile: its lines are counted as a cancelled batch's, not refused
             _fail(s, batch_id, errors=[refused], total=fan.total)
             log.info("batch %s refused: %s", batch_id, refused["message"])
             return None

@@ -237,3 +237,38 @@ def test_the_sweeper_leaves_a_cancelled_batch_whose_fan_out_is_still_running(cli
     with fanout._alive(settings.data_dir, batch_id):
         assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
         assert count_abandoned_cancels(settings) == []
+
+
+def test_a_batch_cancelled_before_any_fan_out_ran_ends_with_its_lines_counted(client, keys, settings):
+    """The create's API died before its fan-out ran (no working folder), then the user's cancel: its count took the
+    missing folder for a run that had counted the lines and deleted it, so the batch ended cancelled with ``total``
+    0 and no error file, its lines never counted. Nothing counted them: the cancel's count does, as for a fan-out
+    that died (every line failed, the valid ones stopped unrun)."""
+    batch_id = _validating_batch(client, keys, settings)
+    assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": LINES, "completed": 0,
+                                                                        "failed": LINES})
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    assert [json.loads(line)["error"]["code"] for line in errors.splitlines()] == [
+        "batch_cancelled"] * (LINES - 1) + ["invalid_json"]
+    assert not (Path(settings.data_dir) / "batches" / batch_id).exists()
+
+
+@pytest.mark.parametrize(("content", "code"), [(b"\n \n", "empty_file"), (b"\xff\xfe{}\n", "invalid_file")])
+def test_a_batch_cancelled_while_its_file_was_refused_whole_says_why(client, keys, settings, content, code):
+    """A file refused as a whole (no requests, not UTF-8) of a batch cancelled while it was read: the refusal was
+    dropped (written only to a batch still validating), so the batch ended cancelled with nothing saying its file
+    was bad (``errors`` null), and a count after it read the file again for nothing. It keeps the refusal in
+    ``errors`` as a failed validation does, its counts 0 as that one's (no line was taken as a request)."""
+    f = client.post("/v1/files", headers=Keys.header(keys.paid), data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", content)}).json()
+    batch_id = new_id("batch")
+    with session_scope(settings.sqlalchemy_url) as s:
+        s.add(Batch(id=batch_id, tenant_id=keys.tenant_id, endpoint="/v1/completions", input_file_id=f["id"],
+                    completion_window="24h", status="validating", tier="paid"))
+    assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert [e["code"] for e in (batch["errors"] or {}).get("data", [])] == [code], batch
+    assert not (Path(settings.data_dir) / "batches" / batch_id).exists()
