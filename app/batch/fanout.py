@@ -63,11 +63,12 @@ def start_batch(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFil
     file's lines as ``batch_lines.parse_file`` reads them, where the caller has them already (a message batch's
     create checked each request so): the file is not read and parsed again. The run holds the batch's liveness mark
     (``fan_out_alive``) to its end."""
-    with _alive(settings.data_dir, batch_id):
-        _run(settings, batch_id, parsed)
+    with _alive(settings.data_dir, batch_id) as last_alive:
+        _run(settings, batch_id, parsed, last_alive)
 
 
-def _run(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None) -> None:
+def _run(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | None,
+         last_alive: Callable[[], bool]) -> None:
     try:
         with full_collections_paused():  # its lines, specs and rows live until written (app/gc_pause.py)
             _start(settings, batch_id, parsed)
@@ -87,7 +88,9 @@ def _run(settings: Settings, batch_id: str, parsed: batch_lines.ParsedFile | Non
     with session_scope(settings.sqlalchemy_url) as s:
         batch = s.get(Batch, batch_id)
         done = batch is None or _run_is_last_reader(batch)
-    if done:
+    # another run still going reads the folder yet (a cancelled batch's refused lines, for its error file): the last
+    # run to end deletes it
+    if done and last_alive():
         drop_working_dir(settings.data_dir, batch_id)
 
 
@@ -103,16 +106,26 @@ def _liveness_path(data_dir: Path, batch_id: str) -> Path:
 
 
 @contextmanager
-def _alive(data_dir: Path, batch_id: str) -> Iterator[None]:
+def _alive(data_dir: Path, batch_id: str) -> Iterator[Callable[[], bool]]:
     """This run's liveness mark: a shared flock of the batch's ``fanout.lock``, held while the run lasts (runs beside
     each other hold it together). The kernel lets it go however the process ends, SIGKILL too: a run that holds
-    none is dead."""
+    none is dead. Yields ``last_alive``, for the run's end: whether no other run holds the mark (this one then holds
+    it alone, exclusively, to its end; otherwise it holds none: its work is done)."""
     if fcntl is None:
-        yield
+        yield lambda: True
         return
     with _liveness_path(data_dir, batch_id).open("a") as mark:
         fcntl.flock(mark, fcntl.LOCK_SH)
-        yield
+
+        def last_alive() -> bool:
+            fcntl.flock(mark, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+        yield last_alive
 
 
 def fan_out_alive(data_dir: Path, batch_id: str) -> bool:

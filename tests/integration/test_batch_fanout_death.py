@@ -272,3 +272,32 @@ def test_a_batch_cancelled_while_its_file_was_refused_whole_says_why(client, key
     assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
     assert [e["code"] for e in (batch["errors"] or {}).get("data", [])] == [code], batch
     assert not (Path(settings.data_dir) / "batches" / batch_id).exists()
+
+
+def test_of_two_fan_outs_of_a_cancelled_batch_the_last_to_end_keeps_the_refused_lines_in_its_error_file(
+        client, keys, settings, monkeypatch):
+    """Two live runs of a cancelled batch's fan-out (the API's, and a restart's beside it): the first to end deleted
+    the batch's working folder though the other was still going, which then wrote the batch's error file with no
+    refused line (their invalid.jsonl gone) over the first's: the refused line was counted failed yet missing from
+    the error file. The folder is deleted by the last run to end; every line is in the error file."""
+    batch_id = _validating_batch(client, keys, settings)
+    monkeypatch.setattr(fanout, "count_if_abandoned", lambda *args: None)  # the runs below count it
+    assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
+    end_cancelled, other = fanout._end_cancelled, []
+
+    def other_run_first(*args):
+        if not other:
+            other.append(batch_id)
+            fanout.start_batch(settings, batch_id)  # the other run, to its end
+        end_cancelled(*args)
+
+    monkeypatch.setattr(fanout, "_end_cancelled", other_run_first)
+    fanout.start_batch(settings, batch_id)
+    assert other == [batch_id]
+    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
+    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": LINES, "completed": 0,
+                                                                        "failed": LINES})
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
+    assert [json.loads(line)["error"]["code"] for line in errors.splitlines()] == [
+        "batch_cancelled"] * (LINES - 1) + ["invalid_json"]
+    assert not (Path(settings.data_dir) / "batches" / batch_id).exists()

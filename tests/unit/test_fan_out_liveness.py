@@ -33,3 +33,15 @@ def test_a_run_killed_in_another_process_holds_its_mark_no_more(tmp_path):
         run.wait()
         run.stdout.close()
     assert not fanout.fan_out_alive(tmp_path, "batch_a")
+
+
+def test_a_run_is_the_last_alive_only_once_no_other_run_holds_the_mark(tmp_path):
+    """Of two runs beside each other, the first to end is not the last alive (the other still reads the batch's
+    folder); the other, ending after it, is, and holds the mark (alive) to its end."""
+    with fanout._alive(tmp_path, "batch_a") as second_last:
+        with fanout._alive(tmp_path, "batch_a") as first_last:
+            assert not first_last()
+            assert fanout.fan_out_alive(tmp_path, "batch_a")  # the second run's mark
+        assert second_last()
+        assert fanout.fan_out_alive(tmp_path, "batch_a")
+    assert not fanout.fan_out_alive(tmp_path, "batch_a")
