@@ -136,12 +136,13 @@ def create_message_batch(body: MessageBatchCreate, request: Request, session: Se
     is one request of the tenant's Message Batches bucket and no tokens, as Anthropic counts every Message Batches
     call apart from messages, taken once its checks let it through and its row is in: a refused create is not
     charged and leaves no file. A create retried with the same Idempotency-Key (and body) answers the batch the
-    first one made, uncharged, as ``POST /v1/batches`` does; one with a different body is a 409."""
+    first one made, uncharged, as ``POST /v1/batches`` does; one with a different body is a 409, and so is one whose
+    batch was deleted since."""
     idempotency = Idempotency.of(idempotency_key, body)
     with idempotency_conflicts():
         earlier = keyed_batch(session, principal.tenant_id, idempotency)
     if earlier is not None:
-        return _object(request, session, earlier)
+        return _object(request, session, _kept(earlier, idempotency))
     parsed = _checked(body.requests, settings, principal)
     batch_id, now = new_id(mb.ID_PREFIX), utcnow()
     src = storage.new_file(settings.data_dir, principal.tenant_id, f"{batch_id}_input.jsonl",
@@ -160,9 +161,18 @@ def create_message_batch(body: MessageBatchCreate, request: Request, session: Se
         raise
     if not created:  # a concurrent create under the key won: this one's file is no batch's
         Path(src.path).unlink(missing_ok=True)
-        return _object(request, session, made)
+        return _object(request, session, _kept(made, idempotency))
     background.add_task(start_batch, settings, batch.id, parsed)  # its lines as checked: not parsed again
     return _object(request, session, batch)
+
+
+def _kept(earlier: Batch, idempotency: Idempotency) -> Batch:
+    """The batch a create retried under its key answers; a 409 where it was deleted since: the retry neither runs
+    the requests again (a second batch) nor answers a batch that every other route says does not exist."""
+    if earlier.deleted_at is not None:
+        raise OpenAIError(409, f"Idempotency-Key {idempotency.key!r} made message batch {earlier.id}, which was "
+                               "deleted since; use a new key for a new batch", param="Idempotency-Key")
+    return earlier
 
 
 @router.get("", responses=anthropic_responses(400, 429))

@@ -131,3 +131,32 @@ def test_batches_made_in_one_instant_page_once_each_in_id_order(client, keys, se
             break
         after = page["last_id"]
     assert seen == sorted(made, reverse=True)
+
+
+def test_a_retried_create_of_a_deleted_message_batch_is_a_409_saying_it_was_deleted(client, keys):
+    """The batch made under the key was deleted since: the retry answered it with 200, a batch that every other route
+    (retrieve, list, results) says does not exist. The retry cannot run the requests again (a second batch) nor
+    answer a gone one: a 409 saying the batch was deleted and to use a new key for a new batch."""
+    headers = {"x-api-key": keys.paid}
+    first = _message_batch(client, keys.paid, "mb-del").json()
+    assert client.post(f"/v1/messages/batches/{first['id']}/cancel", headers=headers).status_code == 200
+    assert client.delete(f"/v1/messages/batches/{first['id']}", headers=headers).status_code == 200
+    again = _message_batch(client, keys.paid, "mb-del")
+    assert again.status_code == 409, again.text
+    error = again.json()
+    assert error["type"] == "error", error  # Anthropic's shape
+    assert "deleted" in error["error"]["message"] and "use a new key" in error["error"]["message"], error
+    assert _message_batches(client, keys.paid) == []
+
+
+def test_a_key_used_by_one_batch_api_is_a_409_in_the_others_terms(client, keys):
+    """One key per tenant across ``POST /v1/batches`` and ``POST /v1/messages/batches``: another API's create under
+    it is another request, a 409 in the shape of the API asked (OpenAI's ``error.code``, Anthropic's ``type``)."""
+    made = _message_batch(client, keys.paid, "shared")
+    assert made.status_code == 200, made.text
+    openai = _create(client, keys.paid, _input_file(client, keys.paid), "shared")
+    assert openai.status_code == 409 and openai.json()["error"]["code"] == "idempotency_key_reused", openai.text
+    batch = _create(client, keys.paid, _input_file(client, keys.paid), "shared-2")
+    assert batch.status_code == 200, batch.text
+    anthropic = _message_batch(client, keys.paid, "shared-2")
+    assert anthropic.status_code == 409 and anthropic.json()["type"] == "error", anthropic.text
