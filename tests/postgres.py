@@ -176,3 +176,15 @@ def fresh_database_url(tmp: Path) -> str:
         return new_database(session_server())
     assert TEST_DATABASE == "sqlite", f"COSERVE_TEST_DATABASE is 'sqlite' or 'postgres', not {TEST_DATABASE!r}"
     return f"sqlite:///{tmp / 'coserve.db'}"
+
+
+def needs_a_server() -> list:
+    """The marks of a test that starts its own PostgreSQL cluster: skipped where none can be started here."""
+    import pytest
+
+    return [
+        pytest.mark.skipif(bin_dir() is None, reason="PostgreSQL is not installed (no "
+                           "/usr/lib/postgresql/*/bin/initdb; apt-get install postgresql)"),
+        pytest.mark.skipif(no_server_user(), reason="running as root and there is no 'postgres' user to run the "
+                           "server as"),
+    ]

@@ -13,15 +13,9 @@ import pytest
 from sqlalchemy import create_engine, func, inspect, select, text, update
 
 from tests.conftest import ROOT
-from tests.postgres import bin_dir, no_server_user
+from tests.postgres import needs_a_server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(bin_dir() is None, reason="PostgreSQL is not installed (no "
-                       "/usr/lib/postgresql/*/bin/initdb; apt-get install postgresql)"),
-    pytest.mark.skipif(no_server_user(), reason="running as root and there is no 'postgres' user to run the "
-                       "server as"),
-]
+pytestmark = [pytest.mark.integration, *needs_a_server()]
 
 
 def test_migrations_upgrade_without_drift_and_downgrade(pg_url):

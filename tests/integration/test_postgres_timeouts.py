@@ -12,15 +12,9 @@ from sqlalchemy import create_engine, text
 
 from tests.conftest import make_keys
 from tests.integration.test_database_unavailable_answers import _client, assert_retry_later
-from tests.postgres import bin_dir, no_server_user
+from tests.postgres import needs_a_server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(bin_dir() is None, reason="PostgreSQL is not installed (no "
-                       "/usr/lib/postgresql/*/bin/initdb; apt-get install postgresql)"),
-    pytest.mark.skipif(no_server_user(), reason="running as root and there is no 'postgres' user to run the "
-                       "server as"),
-]
+pytestmark = [pytest.mark.integration, *needs_a_server()]
 HELD_FOR_S = 120  # the longest the test's holder keeps its lock: far past the request's lock timeout
 
 
