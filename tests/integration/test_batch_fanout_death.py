@@ -239,13 +239,8 @@ def test_the_sweeper_leaves_a_cancelled_batch_whose_fan_out_is_still_running(cli
         assert count_abandoned_cancels(settings) == []
 
 
-def test_a_batch_cancelled_before_any_fan_out_ran_ends_with_its_lines_counted(client, keys, settings):
-    """The create's API died before its fan-out ran (no working folder), then the user's cancel: its count took the
-    missing folder for a run that had counted the lines and deleted it, so the batch ended cancelled with ``total``
-    0 and no error file, its lines never counted. Nothing counted them: the cancel's count does, as for a fan-out
-    that died (every line failed, the valid ones stopped unrun)."""
-    batch_id = _validating_batch(client, keys, settings)
-    assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
+def _ended_cancelled_with_every_line_failed(client, keys, settings, batch_id: str) -> None:
+    """Every line counted failed (the valid ones stopped unrun, the last refused) and the working folder gone."""
     batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
     assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": LINES, "completed": 0,
                                                                         "failed": LINES})
@@ -253,6 +248,16 @@ def test_a_batch_cancelled_before_any_fan_out_ran_ends_with_its_lines_counted(cl
     assert [json.loads(line)["error"]["code"] for line in errors.splitlines()] == [
         "batch_cancelled"] * (LINES - 1) + ["invalid_json"]
     assert not (Path(settings.data_dir) / "batches" / batch_id).exists()
+
+
+def test_a_batch_cancelled_before_any_fan_out_ran_ends_with_its_lines_counted(client, keys, settings):
+    """The create's API died before its fan-out ran (no working folder), then the user's cancel: its count took the
+    missing folder for a run that had counted the lines and deleted it, so the batch ended cancelled with ``total``
+    0 and no error file, its lines never counted. Nothing counted them: the cancel's count does, as for a fan-out
+    that died (every line failed, the valid ones stopped unrun)."""
+    batch_id = _validating_batch(client, keys, settings)
+    assert client.post(f"/v1/batches/{batch_id}/cancel", headers=Keys.header(keys.paid)).status_code == 200
+    _ended_cancelled_with_every_line_failed(client, keys, settings, batch_id)
 
 
 @pytest.mark.parametrize(("content", "code"), [(b"\n \n", "empty_file"), (b"\xff\xfe{}\n", "invalid_file")])
@@ -294,10 +299,4 @@ def test_of_two_fan_outs_of_a_cancelled_batch_the_last_to_end_keeps_the_refused_
     monkeypatch.setattr(fanout, "_end_cancelled", other_run_first)
     fanout.start_batch(settings, batch_id)
     assert other == [batch_id]
-    batch = client.get(f"/v1/batches/{batch_id}", headers=Keys.header(keys.paid)).json()
-    assert (batch["status"], batch["request_counts"]) == ("cancelled", {"total": LINES, "completed": 0,
-                                                                        "failed": LINES})
-    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=Keys.header(keys.paid)).text
-    assert [json.loads(line)["error"]["code"] for line in errors.splitlines()] == [
-        "batch_cancelled"] * (LINES - 1) + ["invalid_json"]
-    assert not (Path(settings.data_dir) / "batches" / batch_id).exists()
+    _ended_cancelled_with_every_line_failed(client, keys, settings, batch_id)
