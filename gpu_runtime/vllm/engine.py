@@ -203,6 +203,7 @@ class VLLMEngine:
         """Why that backend cannot run (``pin_grammar_backend``; None: it runs), for the heartbeat: the API refuses
         a structured output at submit then, instead of a job this engine fails."""
         return getattr(self.core_scheduler, "grammar_unavailable", None)
+
     def add_request(self, request: Request) -> None:
         if (refused := self.loras.refusal(request.lora_name, request.lora_path)) is not None:
             raise ValueError(refused)
